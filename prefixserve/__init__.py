@@ -1,0 +1,35 @@
+"""prefixserve: an LLM inference engine for workloads whose requests share context."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from prefixserve.config import EngineConfig
+    from prefixserve.entrypoints.llm import LLM
+    from prefixserve.outputs import RequestOutput
+    from prefixserve.sampling.params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import prefixserve` stays cheap (the CLI's --help, the server's workers).
+    if name == "LLM":
+        from prefixserve.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from prefixserve.sampling.params import SamplingParams
+
+        return SamplingParams
+    if name == "EngineConfig":
+        from prefixserve.config import EngineConfig
+
+        return EngineConfig
+    if name == "RequestOutput":
+        from prefixserve.outputs import RequestOutput
+
+        return RequestOutput
+    raise AttributeError(f"module 'prefixserve' has no attribute {name!r}")

@@ -1,0 +1,70 @@
+"""The interface every attention backend implements, and the registry that picks one by name."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from prefixserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Attention over the paged KV cache for one step's flat batch of query tokens.
+
+    ``prepare`` runs once per step (before the first layer) and may plan work; ``forward`` runs
+    once per layer. The new tokens' K/V are already in the cache when ``forward`` is called.
+    """
+
+    name: ClassVar[str]
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Plan the step; the default plans nothing and reads every sequence's whole KV."""
+        meta.stats["kv_tokens_read"] = float(meta.logical_kv_tokens())
+        meta.stats["kv_tokens_logical"] = float(meta.logical_kv_tokens())
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, q_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, q_heads, head_dim], q's dtype
+        ...
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Class decorator: make a backend selectable by its ``name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_backends() -> list[str]:
+    _load_builtin_backends()
+    return sorted(_REGISTRY)
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """Instantiate the backend called ``name``; raises ValueError listing the known names."""
+    _load_builtin_backends()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()
+
+
+def _load_builtin_backends() -> None:
+    # Importing a backend module registers it; optional ones may be missing (e.g. no Triton).
+    import importlib
+
+    for module in ("reference", "cascade", "auto", "kernels.triton_backend"):
+        try:
+            importlib.import_module(f"prefixserve.attention.{module}")
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("prefixserve.attention"):
+                raise

@@ -1,0 +1,76 @@
+"""Reference attention: plain PyTorch, one sequence at a time, fp32 math. The oracle.
+
+Every faster backend is tested against ``ReferenceBackend``; ``attention_with_lse`` is also the
+building block of the cascade backend (shared segments and own parts each return an LSE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.attention.backend import AttentionBackend, register_backend
+from prefixserve.attention.metadata import AttentionMetadata
+
+
+def attention_with_lse(
+    q: torch.Tensor,  # [M, q_heads, D]
+    k: torch.Tensor,  # [N, kv_heads, D]
+    v: torch.Tensor,  # [N, kv_heads, D]
+    scale: float,
+    kv_limit: torch.Tensor | None = None,  # [M] int: row m sees keys 0 .. kv_limit[m]-1
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning (o [M, q_heads, D] in compute_dtype, lse [M, q_heads]).
+
+    A row that sees no key returns o = 0 and lse = -inf, so an LSE merge ignores it.
+    """
+    m_rows, q_heads, dim = q.shape
+    n_keys, kv_heads, _ = k.shape
+    group = q_heads // kv_heads
+    qf = q.to(compute_dtype).reshape(m_rows, kv_heads, group, dim)
+    kf = k.to(compute_dtype)
+    vf = v.to(compute_dtype)
+    # scores: [kv_heads, group, M, N]
+    scores = torch.einsum("mhgd,nhd->hgmn", qf, kf) * scale
+    if kv_limit is not None:
+        visible = torch.arange(n_keys, device=q.device)[None, :] < kv_limit.to(q.device)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [kv_heads, group, M]
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 on masked keys
+    out = torch.einsum("hgmn,nhd->mhgd", probs, vf).reshape(m_rows, q_heads, dim)
+    return out, lse.permute(2, 0, 1).reshape(m_rows, q_heads)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: list[int], num_tokens: int
+) -> torch.Tensor:  # [num_tokens, kv_heads, D]
+    """Copy a sequence's first ``num_tokens`` KV rows out of the paged cache."""
+    blocks = torch.tensor(block_table, dtype=torch.long, device=cache.device)
+    return cache.index_select(0, blocks).flatten(0, 1)[:num_tokens]
+
+
+def causal_limits(seq_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+    """Keys visible to each of a sequence's new queries: the j-th sees seq_len - query_len + j + 1."""
+    return torch.arange(seq_len - query_len + 1, seq_len + 1, device=device)
+
+
+@register_backend
+class ReferenceBackend(AttentionBackend):
+    """Per-sequence attention over each sequence's whole KV (what a non-sharing engine does)."""
+
+    name = "reference"
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for q_len, s_len, table in zip(
+            meta.query_lens_host, meta.seq_lens_host, meta.block_tables_host, strict=True
+        ):
+            k = gather_kv(k_cache, table, s_len)
+            v = gather_kv(v_cache, table, s_len)
+            limits = causal_limits(s_len, q_len, q.device)
+            o, _ = attention_with_lse(q[start : start + q_len], k, v, scale, limits)
+            out[start : start + q_len] = o.to(q.dtype)
+            start += q_len
+        return out

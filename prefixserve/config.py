@@ -1,0 +1,72 @@
+"""Engine settings, validated once at construction (a bad value names itself in the error)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    attention: str = "auto"  # reference | cascade | auto | triton (GPU)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_memory_fraction
+    kv_memory_fraction: float | None = None  # None: 0.85 of free GPU memory, 0.1 of RAM on a CPU
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's context length (capped by the pool)
+    enable_prefix_caching: bool = True
+    seed: int = 0  # dummy weights and unseeded sampling
+    system_prompts: dict[str, str] = field(default_factory=dict)  # application -> pinned prompt
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device {self.device!r} must be auto, cpu or cuda[:N]")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but no CUDA GPU is available")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_memory_fraction is not None and not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def memory_fraction(self) -> float:
+        if self.kv_memory_fraction is not None:
+            return self.kv_memory_fraction
+        return 0.85 if self.torch_device.type == "cuda" else 0.1

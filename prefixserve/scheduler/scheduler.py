@@ -1,0 +1,144 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running sequences first (decode tokens and unfinished prefill chunks, oldest first), then
+waiting sequences admitted while the token budget, the sequence cap and the block pool allow. When a
+running sequence cannot get a block, the most recently admitted running sequence is preempted by
+recompute: its blocks go back to the pool and it waits again at the front of the queue (its prompt's
+full blocks usually come back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed for this sequence in this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    preempted: list[Sequence] = field(default_factory=list)
+    cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache by this step's admissions
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        # digest of a prompt block -> the running sequence that will compute it
+        self._in_flight: dict[bytes, Sequence] = {}
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Is the first block this sequence would compute already being computed by another one?
+
+        Requests that share a prompt and arrive together then compute it once: the first computes,
+        the rest wait a step and find it in the prefix cache (and hold the very same blocks).
+        """
+        index = seq.num_computed_tokens // self.blocks.block_size
+        if index >= self.blocks.cacheable_blocks(seq):
+            return False
+        digest = self.blocks.digests(seq, index + 1)[index]
+        holder = self._in_flight.get(digest)
+        if holder is None or holder is seq or holder.status is not SeqStatus.RUNNING:
+            return False
+        return not self.blocks.is_cached(digest)
+
+    def _mark_in_flight(self, seq: Sequence) -> None:
+        if len(self._in_flight) > 65536:  # drop entries of sequences that are done with their prompt
+            self._in_flight = {d: s for d, s in self._in_flight.items() if s.status is SeqStatus.RUNNING}
+        full = self.blocks.cacheable_blocks(seq)
+        start = seq.num_computed_tokens // self.blocks.block_size
+        for digest in self.blocks.digests(seq, full)[start:]:
+            holder = self._in_flight.get(digest)
+            if holder is None or holder.status is not SeqStatus.RUNNING:
+                self._in_flight[digest] = seq
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (it already holds blocks)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and return its blocks to the pool."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.reserve(seq, seq.num_computed_tokens + n, out.copies):
+                victim = self.running[-1]
+                if victim.seq_id in scheduled:  # never undo work already planned for this step
+                    victim = seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
+                i += 1
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            hit = self.blocks.match_prefix(seq)
+            if self._prefix_in_flight(seq):
+                self.blocks.free(seq)  # its next blocks are being computed: take them from the cache soon
+                deferred.append(seq)
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.reserve(seq, seq.num_computed_tokens + n, out.copies):
+                self.blocks.free(seq)  # give the cache hits back; try again next step
+                self.waiting.appendleft(seq)
+                break
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._mark_in_flight(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
+            if seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
+                seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+        return out

@@ -1,0 +1,84 @@
+"""Requests and their sequences: the state the scheduler and engine move along. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixserve.sampling.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of a request: its tokens, their positions, and the KV blocks that hold them."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    positions: list[int]
+    block_table: list[int] = field(default_factory=list)
+    block_digests: list[bytes] = field(default_factory=list)  # of the leading full blocks (computed or not)
+    num_indexed_blocks: int = 0  # leading blocks already in the prefix index (or taken from it)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    generator: torch.Generator | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.positions.append(self.positions[-1] + 1)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """What a user asked for; owns 1..n sequences (the n samples share the prompt's KV blocks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_positions: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    forked: bool = False  # the n > 1 samples have been split off sequence 0
+    stream: bool = False  # report every step's progress, not only the final output
+
+    @property
+    def is_finished(self) -> bool:
+        return bool(self.sequences) and all(s.is_finished for s in self.sequences) and (
+            self.forked or self.params.n == 1
+        )

@@ -1,0 +1,55 @@
+"""Shared fixtures: the default model loaded once per session, tiny dummy models, leak checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixserve import LLM
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_llm() -> LLM:
+    """The default model in fp32 with the reference attention (the oracle path), shared by tests."""
+    return LLM(dtype="float32", device="cpu", attention="reference", num_kv_blocks=1024, progress=False)
+
+
+def assert_pool_empty(llm: LLM) -> None:
+    """Every block is back in the pool and the pool's books balance."""
+    engine = llm.engine
+    engine.pool.check_integrity()
+    assert not engine.requests, f"requests still registered: {list(engine.requests)}"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pool.num_used == 0, f"{engine.pool.num_used} blocks still held"

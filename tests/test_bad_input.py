@@ -1,0 +1,66 @@
+"""Bad input gets a clear error naming the problem, and the engine keeps working afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.model.gguf_reader import GGUFError
+from tests.conftest import assert_pool_empty
+
+
+def test_bad_requests_are_refused_and_engine_keeps_serving(default_llm: LLM) -> None:
+    llm = default_llm
+    too_long = {"prompt_token_ids": [42] * (llm.engine.max_model_len + 5)}
+    with pytest.raises(ValueError, match="over the context length"):
+        llm.generate(["fine", too_long], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("hello", SamplingParams(max_tokens=llm.engine.max_model_len))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        llm.generate("hello", SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        llm.generate("hello", SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="no prompts given"):
+        llm.generate([])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate({"prompt_token_ids": [10**9]})
+    assert_pool_empty(llm)
+    out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert_pool_empty(llm)
+
+
+def test_unknown_model_path_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        LLM(model=str(missing), progress=False)
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(model=str(empty_dir), progress=False)
+    with pytest.raises(FileNotFoundError, match="shipped configs"):
+        LLM(model="dummy:no-such-config", progress=False)
+
+
+def test_corrupt_gguf_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00garbage" * 100)
+    with pytest.raises(GGUFError, match="cannot read GGUF"):
+        LLM(model=str(bad), progress=False)
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(GGUFError):
+        LLM(model=str(not_gguf), progress=False)
+
+
+def test_bad_engine_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="float8", progress=False)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(block_size=12, progress=False)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        LLM(attention="magic", num_kv_blocks=16, progress=False)

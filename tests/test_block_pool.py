@@ -1,0 +1,65 @@
+"""The block pool on its own: ref counts, prefix index, LRU eviction, integrity."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve.kv.block_pool import BlockPool, NoFreeBlocksError, block_digest
+
+
+def test_allocate_release_round_trip() -> None:
+    pool = BlockPool(8, 4)
+    blocks = pool.allocate(5)
+    assert len(set(blocks)) == 5 and pool.num_free == 3
+    pool.acquire(blocks[:2])
+    pool.release(blocks)
+    assert pool.num_free == 6
+    pool.release(blocks[:2])
+    assert pool.num_free == 8
+    pool.check_integrity()
+
+
+def test_over_allocation_and_double_release_are_refused() -> None:
+    pool = BlockPool(2, 4)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(3)
+    (b,) = pool.allocate(1)
+    pool.release([b])
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([b])
+
+
+def test_digest_depends_on_tokens_positions_salt_and_parent() -> None:
+    base = block_digest(None, [1, 2], [0, 1], None)
+    assert base == block_digest(None, [1, 2], [0, 1], None)
+    assert base != block_digest(None, [1, 3], [0, 1], None)
+    assert base != block_digest(None, [1, 2], [5, 6], None)
+    assert base != block_digest(None, [1, 2], [0, 1], "tenant-a")
+    assert base != block_digest(b"x" * 16, [1, 2], [0, 1], None)
+
+
+def test_cached_free_blocks_are_found_until_evicted_lru() -> None:
+    pool = BlockPool(4, 2)
+    a, b = pool.allocate(2)
+    da, db = b"a" * 16, b"b" * 16
+    pool.register(a, da)
+    pool.register(b, db)
+    pool.release([a, b])
+    assert pool.lookup([da, db]) == [a, b]
+    assert pool.num_free == 4 and pool.num_cached == 2
+    # Uncached free blocks are handed out first; then the least recently used cached one.
+    pool.allocate(2)
+    assert pool.lookup([da, db]) == [a, b]
+    pool.touch([a])  # a was just looked up: b is now the oldest
+    (got,) = pool.allocate(1)
+    assert got == b and pool.lookup([da]) == [a] and pool.lookup([db]) == []
+    assert pool.evictions == 1
+    pool.check_integrity()
+
+
+def test_lookup_stops_at_first_miss() -> None:
+    pool = BlockPool(4, 2)
+    a, b = pool.allocate(2)
+    pool.register(a, b"1" * 16)
+    pool.register(b, b"3" * 16)
+    assert pool.lookup([b"1" * 16, b"2" * 16, b"3" * 16]) == [a]

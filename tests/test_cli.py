@@ -1,0 +1,59 @@
+"""The command line: help texts, a real generate on the default model, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from prefixserve.entrypoints.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefixserve.entrypoints.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert "--model" in capsys.readouterr().out
+
+
+def test_generate_on_the_default_model_shows_prefix_reuse() -> None:
+    result = _run("generate", "--max-tokens", "6", "--num-kv-blocks", "256")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(">>> ") == 3
+    assert "from prefix cache" in result.stdout
+
+
+def test_bench_prints_a_table(tiny_config_path) -> None:
+    result = _run(
+        "bench", "--num-requests", "4", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "4",
+        "--num-kv-blocks", "128", "--model", f"dummy:{tiny_config_path}", "--json", str(tiny_config_path.parent / "b.json"),
+    )
+    assert result.returncode == 0, result.stderr
+    for key in ("output_tokens_per_s", "prefix_cache_hit_rate", "kv_read_saving_x"):
+        assert key in result.stdout
+    import json
+
+    report = json.loads((tiny_config_path.parent / "b.json").read_text())
+    assert report["prefix_cache_hit_rate"] > 0.5  # 3 of 4 requests find the 64-token prefix cached
+
+
+def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--max-tokens", "0"]) == 2
+    assert "--max-tokens must be >= 1" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", "/no/such/model.gguf"]) == 2
+    assert "never downloads" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--temperature", "warm"])
+    assert exc.value.code == 2
+    assert main(["generate", "--file", "/no/such/file.txt"]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["generate", "x", "--system-prompt", "nofile"]) == 2
+    assert "NAME=FILE" in capsys.readouterr().err

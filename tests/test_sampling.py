@@ -1,0 +1,88 @@
+"""Sampling filters, seeds, stop conditions and logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.sampling.sampler import _filtered_probs, sample
+
+
+def test_filters_keep_only_allowed_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    top_k = _filtered_probs(logits, [SamplingParams(top_k=2)])
+    assert (top_k[0, 2:] == 0).all() and torch.allclose(top_k.sum(), torch.tensor(1.0))
+    top_p = _filtered_probs(logits, [SamplingParams(top_p=0.7)])  # 0.5 + 0.3 crosses 0.7
+    assert (top_p[0, :2] > 0).all() and (top_p[0, 2:] == 0).all()
+    min_p = _filtered_probs(logits, [SamplingParams(min_p=0.5)])  # keep p >= 0.25
+    assert (min_p[0, :2] > 0).all() and (min_p[0, 2:] == 0).all()
+
+
+def test_greedy_rows_and_seeded_rows_in_one_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    gens = [None, torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
+    out = sample(logits, params, gens, torch.Generator().manual_seed(0))
+    assert out.tokens[0] == int(logits[0].argmax())
+    again = sample(logits, params, [None, torch.Generator().manual_seed(3), None], torch.Generator().manual_seed(0))
+    assert again.tokens[1] == out.tokens[1]
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(4000, 3).clone()
+    out = sample(logits, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000, torch.Generator().manual_seed(1))
+    freq = torch.bincount(torch.tensor(out.tokens), minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n must"),
+        ({"top_k": -5}, "top_k"),
+        ({"stop": ["x"] * 17}, "stop strings"),
+        ({"logprobs": 99}, "logprobs"),
+    ],
+)
+def test_bad_sampling_params_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_seeded_generation_is_reproducible(tiny_config_path: Path) -> None:
+    llm = LLM(model=f"dummy:{tiny_config_path}", dtype="float32", num_kv_blocks=64, progress=False)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(10, 40))}
+    a = llm.generate([prompt, prompt], params)
+    b = llm.generate(prompt, params)
+    assert a[0].outputs[0].token_ids == a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
+    other = llm.generate(prompt, SamplingParams(temperature=0.9, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != a[0].outputs[0].token_ids
+
+
+def test_stop_strings_token_ids_and_logprobs(default_llm: LLM) -> None:
+    conv = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    free = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+    assert "5" in free.text
+    cut = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=40, stop=["5"]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "5"
+    assert cut.text == free.text[: free.text.index("5")]
+    stop_id = free.token_ids[3]
+    by_id = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]))[0]
+    assert by_id.outputs[0].token_ids == free.token_ids[:4] and by_id.outputs[0].stop_reason == stop_id
+    lp = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
+    assert lp.logprobs is not None and len(lp.logprobs) == 5 and len(lp.top_logprobs[0]) == 3
+    # Greedy: the chosen token is the top-1 token, and its logprob is the top-1 logprob.
+    for tok, chosen, top in zip(lp.token_ids, lp.logprobs, lp.top_logprobs, strict=True):
+        assert top[0][0] == tok and abs(top[0][1] - chosen) < 1e-5 and chosen <= 0.0
+    length = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
+    assert length.finish_reason == "length" and len(length.token_ids) == 3

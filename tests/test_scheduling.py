@@ -1,0 +1,85 @@
+"""Scheduler behaviour end to end: preemption, abort, n > 1 block sharing, no leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixserve import LLM, SamplingParams
+from tests.conftest import assert_pool_empty
+
+
+def _tiny(config: Path, **kwargs) -> LLM:
+    return LLM(model=f"dummy:{config}", dtype="float32", attention="reference", progress=False, **kwargs)
+
+
+def _prompts(n: int) -> list[dict]:
+    return [{"prompt_token_ids": [100 + (i * 7 + j * 3) % 500 for j in range(20 + 9 * i)]} for i in range(n)]
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(tiny_config_path: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    big = _tiny(tiny_config_path, num_kv_blocks=512)
+    expected = [o.outputs[0].token_ids for o in big.generate(_prompts(8), params)]
+    small = _tiny(tiny_config_path, num_kv_blocks=14, block_size=16, max_num_batched_tokens=64)
+    got = [o.outputs[0].token_ids for o in small.generate(_prompts(8), params)]
+    assert small.metrics()["preemptions_total"] > 0
+    assert got == expected
+    assert_pool_empty(big)
+    assert_pool_empty(small)
+
+
+def test_abort_mid_generation_frees_blocks(tiny_config_path: Path) -> None:
+    llm = _tiny(tiny_config_path, num_kv_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", prompt_token_ids=list(range(100, 140)), params=params)
+    engine.add_request("b", prompt_token_ids=list(range(200, 230)), params=params)
+    for _ in range(5):
+        engine.step()
+    assert engine.pool.num_used > 0
+    assert engine.abort("a")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert_pool_empty(llm)
+    assert not engine.abort("missing")
+
+
+def test_n_samples_share_the_prompt_blocks(tiny_config_path: Path) -> None:
+    llm = _tiny(tiny_config_path, num_kv_blocks=128)
+    engine = llm.engine
+    prompt = list(range(300, 300 + 64))  # exactly 4 full blocks
+    engine.add_request("r", prompt_token_ids=prompt, params=SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6))
+    engine.step()  # prefill + fork
+    # 4 prompt blocks held once (ref count 4) + one fresh block per sample for its first token.
+    shared = [b for b in range(engine.pool.num_blocks) if engine.pool.ref_counts[b] == 4]
+    assert len(shared) == 4
+    engine.step()
+    assert engine.pool.num_used == 4 + 4
+    while engine.has_unfinished():
+        engine.step()
+    assert_pool_empty(llm)
+
+
+def test_n_samples_differ_and_are_reproducible(tiny_config_path: Path) -> None:
+    llm = _tiny(tiny_config_path, num_kv_blocks=128)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(50, 90))}
+    first = [c.token_ids for c in llm.generate(prompt, params)[0].outputs]
+    again = [c.token_ids for c in llm.generate(prompt, params)[0].outputs]
+    assert first == again
+    assert len({tuple(t) for t in first}) > 1
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("max_batched", [7, 2048])
+def test_chunked_prefill_matches_whole_prefill(tiny_config_path: Path, max_batched: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ref = _tiny(tiny_config_path, num_kv_blocks=128)
+    expected = [o.outputs[0].token_ids for o in ref.generate(_prompts(3), params)]
+    llm = _tiny(tiny_config_path, num_kv_blocks=128, max_num_batched_tokens=max_batched)
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params)] == expected
