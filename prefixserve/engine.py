@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +29,15 @@ from prefixserve.scheduler.scheduler import Scheduler
 from prefixserve.sequence import Request, Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PinnedPrompt:
+    """An application's system prompt whose KV is computed once and never evicted."""
+
+    name: str
+    token_ids: list[int]
+    blocks: list[int]  # the full blocks, held by the pin
 
 
 class Engine:
@@ -63,6 +73,56 @@ class Engine:
         self._next_seq_id = 0
         self._finished_outputs: list[RequestOutput] = []
         self._default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.pinned: dict[str, PinnedPrompt] = {}
+        for name, text in config.system_prompts.items():
+            self.pin_system_prompt(name, text)
+
+    # ---- pinned system prompts (RelayAttention) ------------------------------------------------
+    def render_system_prompt(self, text: str) -> list[int]:
+        """Token ids of a system prompt as the chat template renders it at the start of a chat."""
+        if getattr(self.tokenizer, "chat_template", None):
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": text}], tokenize=False
+            )
+        else:
+            rendered = text
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def pin_system_prompt(self, name: str, text: str) -> PinnedPrompt:
+        """Compute an application's system prompt KV once and hold its full blocks for good.
+
+        Pinned blocks carry a reference of their own, so they are never evicted; any request whose
+        prompt starts with these tokens (named by ``application=`` or not) finds them in the prefix index.
+        """
+        if not self.config.enable_prefix_caching:
+            raise ValueError("pinned system prompts need the prefix cache (enable_prefix_caching=True)")
+        if not name or name in self.pinned:
+            raise ValueError(f"application name {name!r} is empty or already pinned")
+        tokens = self.render_system_prompt(text)
+        if not tokens or len(tokens) >= self.max_model_len:
+            raise ValueError(f"system prompt of application {name!r} is empty or longer than the context")
+        request_id = f"__pin__{name}"
+        req = self.add_request(request_id, params=SamplingParams(max_tokens=1), prompt_token_ids=tokens)
+        while request_id in self.requests:
+            self.step()
+        # The finished prompt's full blocks are now free but indexed: take them out of reach of eviction.
+        digests = self.blocks.digests(req.sequences[0], len(tokens) // self.config.block_size)
+        blocks = self.pool.lookup(digests)
+        if len(blocks) != len(digests):
+            raise RuntimeError(f"pinning {name!r}: {len(digests) - len(blocks)} blocks were evicted at once")
+        self.pool.acquire(blocks)
+        self._finished_outputs = [o for o in self._finished_outputs if o.request_id != request_id]
+        self.counters["requests_total"] -= 1
+        self.counters["requests_finished_total"] -= 1
+        self.counters["prompt_tokens_total"] -= len(tokens)
+        self.counters["generation_tokens_total"] -= 1
+        pinned = PinnedPrompt(name, tokens, blocks)
+        self.pinned[name] = pinned
+        return pinned
+
+    def unpin_system_prompt(self, name: str) -> None:
+        pinned = self.pinned.pop(name)
+        self.pool.release(pinned.blocks)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -74,8 +134,13 @@ class Engine:
         prompt_positions: list[int] | None = None,
         cache_salt: str | None = None,
         stream: bool = False,
+        application: str | None = None,
     ) -> Request:
-        """Validate and queue a request; raises ValueError naming the problem (nothing is queued then)."""
+        """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
+
+        ``application`` names a pinned system prompt: the prompt is put after it unless it already
+        starts with it (a chat rendered with that system message).
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -84,6 +149,14 @@ class Engine:
                 raise ValueError("give a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         tokens = list(prompt_token_ids)
+        if application is not None:
+            pinned = self.pinned.get(application)
+            if pinned is None:
+                raise ValueError(f"unknown application {application!r}; pinned: {sorted(self.pinned)}")
+            if tokens[: len(pinned.token_ids)] != pinned.token_ids:
+                if prompt_positions is not None:
+                    raise ValueError("prompt_positions cannot be combined with an application prefix")
+                tokens = pinned.token_ids + tokens
         if not tokens:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -336,6 +409,7 @@ class Engine:
                 "shared_segments_total",
                 "steps_total",
                 "preemptions_total",
+                "batched_tokens_total",
             )
         }
         out.update(self.counters)
@@ -346,6 +420,7 @@ class Engine:
             kv_blocks_used=self.pool.num_used,
             kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached,
+            kv_blocks_pinned=sum(len(p.blocks) for p in self.pinned.values()),
             shared_segments_per_step=getattr(self, "_last_step_segments", 0),
         )
         return out

@@ -79,6 +79,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return bool(self.sequences) and all(s.is_finished for s in self.sequences) and (
-            self.forked or self.params.n == 1
+        return (
+            bool(self.sequences)
+            and all(s.is_finished for s in self.sequences)
+            and (self.forked or self.params.n == 1)
         )

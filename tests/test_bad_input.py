@@ -40,7 +40,7 @@ def test_unknown_model_path_is_named(tmp_path: Path) -> None:
         LLM(model=str(missing), progress=False)
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         LLM(model=str(empty_dir), progress=False)
     with pytest.raises(FileNotFoundError, match="shipped configs"):
         LLM(model="dummy:no-such-config", progress=False)

@@ -12,7 +12,10 @@ from prefixserve.entrypoints.cli import main
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "prefixserve.entrypoints.cli", *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "prefixserve.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -33,8 +36,21 @@ def test_generate_on_the_default_model_shows_prefix_reuse() -> None:
 
 def test_bench_prints_a_table(tiny_config_path) -> None:
     result = _run(
-        "bench", "--num-requests", "4", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "4",
-        "--num-kv-blocks", "128", "--model", f"dummy:{tiny_config_path}", "--json", str(tiny_config_path.parent / "b.json"),
+        "bench",
+        "--num-requests",
+        "4",
+        "--prefix-len",
+        "64",
+        "--suffix-len",
+        "8",
+        "--output-len",
+        "4",
+        "--num-kv-blocks",
+        "128",
+        "--model",
+        f"dummy:{tiny_config_path}",
+        "--json",
+        str(tiny_config_path.parent / "b.json"),
     )
     assert result.returncode == 0, result.stderr
     for key in ("output_tokens_per_s", "prefix_cache_hit_rate", "kv_read_saving_x"):

@@ -14,7 +14,8 @@ PROMPTS = [
     "Explain in one sentence what a hash table is.",
     "List three prime numbers greater than 50.",
     "Translate 'good morning' into Spanish and German.",
-    "Give me a short tip for learning to play the guitar, with some detail about how to practise chords every day.",
+    "Give me a short tip for learning to play the guitar, with some detail about how to practise chords "
+    "every day.",
     "Why is the sky blue?",
     "Summarise the plot of Romeo and Juliet in two sentences.",
 ]
@@ -37,7 +38,11 @@ def hf_greedy(default_llm: LLM) -> list[list[int]]:
         ids = tok.encode(default_llm.render_chat([{"role": "user", "content": p}]), add_special_tokens=False)
         with torch.no_grad():
             gen = model.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=2
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=2,
             )
         outs.append(gen[0, len(ids) :].tolist())
     return outs

@@ -56,7 +56,10 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(default_llm: LL
     convs = [_conv(f"Question number {i}: what is rule {i} about?") for i in range(4)]
     salt = "together"  # a fresh namespace: nothing of this prompt is cached yet
     tok = llm.get_tokenizer()
-    prompts = [{"prompt_token_ids": tok.encode(llm.render_chat(c), add_special_tokens=False), "cache_salt": salt} for c in convs]
+    prompts = [
+        {"prompt_token_ids": tok.encode(llm.render_chat(c), add_special_tokens=False), "cache_salt": salt}
+        for c in convs
+    ]
     before = llm.metrics()
     outs = llm.generate(prompts, params)
     after = llm.metrics()

@@ -24,18 +24,26 @@ def test_filters_keep_only_allowed_tokens() -> None:
 def test_greedy_rows_and_seeded_rows_in_one_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0),
+    ]
     gens = [None, torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
     out = sample(logits, params, gens, torch.Generator().manual_seed(0))
     assert out.tokens[0] == int(logits[0].argmax())
-    again = sample(logits, params, [None, torch.Generator().manual_seed(3), None], torch.Generator().manual_seed(0))
+    again = sample(
+        logits, params, [None, torch.Generator().manual_seed(3), None], torch.Generator().manual_seed(0)
+    )
     assert again.tokens[1] == out.tokens[1]
 
 
 def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().expand(4000, 3).clone()
-    out = sample(logits, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000, torch.Generator().manual_seed(1))
+    out = sample(
+        logits, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000, torch.Generator().manual_seed(1)
+    )
     freq = torch.bincount(torch.tensor(out.tokens), minlength=3).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
 
@@ -65,7 +73,9 @@ def test_seeded_generation_is_reproducible(tiny_config_path: Path) -> None:
     a = llm.generate([prompt, prompt], params)
     b = llm.generate(prompt, params)
     assert a[0].outputs[0].token_ids == a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
-    other = llm.generate(prompt, SamplingParams(temperature=0.9, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True))
+    other = llm.generate(
+        prompt, SamplingParams(temperature=0.9, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    )
     assert other[0].outputs[0].token_ids != a[0].outputs[0].token_ids
 
 
@@ -77,7 +87,9 @@ def test_stop_strings_token_ids_and_logprobs(default_llm: LLM) -> None:
     assert cut.finish_reason == "stop" and cut.stop_reason == "5"
     assert cut.text == free.text[: free.text.index("5")]
     stop_id = free.token_ids[3]
-    by_id = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]))[0]
+    by_id = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]))[
+        0
+    ]
     assert by_id.outputs[0].token_ids == free.token_ids[:4] and by_id.outputs[0].stop_reason == stop_id
     lp = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
     assert lp.logprobs is not None and len(lp.logprobs) == 5 and len(lp.top_logprobs[0]) == 3

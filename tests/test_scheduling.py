@@ -53,7 +53,9 @@ def test_n_samples_share_the_prompt_blocks(tiny_config_path: Path) -> None:
     llm = _tiny(tiny_config_path, num_kv_blocks=128)
     engine = llm.engine
     prompt = list(range(300, 300 + 64))  # exactly 4 full blocks
-    engine.add_request("r", prompt_token_ids=prompt, params=SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6))
+    engine.add_request(
+        "r", prompt_token_ids=prompt, params=SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6)
+    )
     engine.step()  # prefill + fork
     # 4 prompt blocks held once (ref count 4) + one fresh block per sample for its first token.
     shared = [b for b in range(engine.pool.num_blocks) if engine.pool.ref_counts[b] == 4]

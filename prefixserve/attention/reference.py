@@ -7,6 +7,7 @@ building block of the cascade backend (shared segments and own parts each return
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
 from prefixserve.attention.metadata import AttentionMetadata
@@ -57,20 +58,29 @@ def causal_limits(seq_len: int, query_len: int, device: torch.device) -> torch.T
 
 @register_backend
 class ReferenceBackend(AttentionBackend):
-    """Per-sequence attention over each sequence's whole KV (what a non-sharing engine does)."""
+    """Per-sequence attention over each sequence's whole KV (what a non-sharing engine does).
+
+    Math in fp32 through torch's scaled_dot_product_attention with an explicit causal mask; the
+    einsum oracle ``attention_with_lse`` checks it in tests.
+    """
 
     name = "reference"
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
+        math_dtype = torch.promote_types(q.dtype, torch.float32)
         start = 0
         for q_len, s_len, table in zip(
             meta.query_lens_host, meta.seq_lens_host, meta.block_tables_host, strict=True
         ):
-            k = gather_kv(k_cache, table, s_len)
-            v = gather_kv(v_cache, table, s_len)
-            limits = causal_limits(s_len, q_len, q.device)
-            o, _ = attention_with_lse(q[start : start + q_len], k, v, scale, limits)
-            out[start : start + q_len] = o.to(q.dtype)
+            k = gather_kv(k_cache, table, s_len).transpose(0, 1).to(math_dtype)  # [Hkv, N, D]
+            v = gather_kv(v_cache, table, s_len).transpose(0, 1).to(math_dtype)
+            qs = q[start : start + q_len].transpose(0, 1).to(math_dtype)  # [Hq, M, D]
+            mask = None
+            if q_len > 1:
+                limits = causal_limits(s_len, q_len, q.device)
+                mask = torch.arange(s_len, device=q.device)[None, :] < limits[:, None]  # [M, N]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
             start += q_len
         return out

@@ -51,7 +51,8 @@ def run_shared_prefix_bench(
         "total_tokens_per_s": (gen + sum(len(p) for p in prompts)) / elapsed,
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p50_s": statistics.median(ttft),
-        "prefix_cache_hit_rate": delta("prefix_cache_hit_tokens_total") / max(1.0, delta("prompt_tokens_total")),
+        "prefix_cache_hit_rate": delta("prefix_cache_hit_tokens_total")
+        / max(1.0, delta("prompt_tokens_total")),
         "kv_read_saving_x": delta("attention_kv_tokens_logical_total") / max(1.0, read),
         "cascade_steps": delta("cascade_steps_total"),
         "steps": delta("steps_total"),

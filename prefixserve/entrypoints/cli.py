@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,11 @@ DEMO_QUESTIONS = [
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file, HF model directory, or dummy:CONFIG (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, HF model directory, or dummy:CONFIG (default: SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton")
@@ -129,7 +132,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.raw:
         outs = llm.generate([(system or "") + p for p in prompts], params)
     else:
-        convs = [([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}] for p in prompts]
+        convs = [
+            ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
+            for p in prompts
+        ]
         outs = llm.chat(convs, params)
     for prompt, out in zip(prompts, outs, strict=True):
         print(f"\n>>> {prompt}")
@@ -138,7 +144,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"{tag}{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})")
     m = llm.metrics()
     print(
-        f"\nprompt tokens {m['prompt_tokens_total']}, from prefix cache {m['prefix_cache_hit_tokens_total']}; "
+        f"\nprompt tokens {m['prompt_tokens_total']}, "
+        f"from prefix cache {m['prefix_cache_hit_tokens_total']}; "
         f"KV rows read by attention {m['attention_kv_tokens_read_total']} of "
         f"{m['attention_kv_tokens_logical_total']} a per-sequence path reads"
     )
@@ -208,7 +215,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from prefixserve.entrypoints.server import serve
     except ImportError as exc:
-        raise SystemExit(f"error: the server needs extra packages ({exc}); pip install 'prefixserve[server]'") from exc
+        raise SystemExit(
+            f"error: the server needs extra packages ({exc}); pip install 'prefixserve[server]'"
+        ) from exc
     return serve(args)
 
 

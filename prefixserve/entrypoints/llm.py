@@ -42,8 +42,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        application: str | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion (continuously batched); outputs come back in prompt order."""
+        """Run every prompt to completion (continuously batched); outputs come back in prompt order.
+
+        ``application`` names a pinned system prompt (``LLM(system_prompts={name: text})``) that
+        every prompt is put after.
+        """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -53,7 +58,7 @@ class LLM:
         order: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                order.append(self._add(prompt, p))
+                order.append(self._add(prompt, p, application=application))
         except Exception:
             for request_id in order:  # nothing half-queued stays behind
                 self.engine.abort(request_id, report=False)
@@ -67,13 +72,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
+        application: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        With ``application``, conversations without a system message get that application's pinned
+        system prompt, so they reuse its precomputed KV.
+        """
         if not messages:
             raise ValueError("no messages given")
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        if application is not None:
+            if application not in self.engine.config.system_prompts:
+                raise ValueError(f"unknown application {application!r}; pinned: {sorted(self.engine.pinned)}")
+            system = {"role": "system", "content": self.engine.config.system_prompts[application]}
+            conversations = [c if c and c[0].get("role") == "system" else [system, *c] for c in conversations]  # type: ignore[union-attr,list-item]
         prompts: list[Prompt] = [self.render_chat(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, application=application)
 
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> str:
         for m in conversation:
@@ -83,7 +98,9 @@ class LLM:
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that moved it (for interactive use)."""
         request_id = self._add(prompt, sampling_params or SamplingParams(), stream=True)
         try:
@@ -110,10 +127,12 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
         return params
 
-    def _add(self, prompt: Prompt, params: SamplingParams, stream: bool = False) -> str:
+    def _add(
+        self, prompt: Prompt, params: SamplingParams, stream: bool = False, application: str | None = None
+    ) -> str:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
-            self.engine.add_request(request_id, prompt, params, stream=stream)
+            self.engine.add_request(request_id, prompt, params, stream=stream, application=application)
         elif isinstance(prompt, dict):
             self.engine.add_request(
                 request_id,
@@ -123,6 +142,7 @@ class LLM:
                 prompt_positions=prompt.get("positions"),
                 cache_salt=prompt.get("cache_salt"),
                 stream=stream,
+                application=prompt.get("application", application),
             )
         else:
             raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")

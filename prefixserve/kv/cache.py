@@ -10,7 +10,10 @@ from prefixserve.model.config import ModelConfig
 
 
 class KVCache:
-    """All layers' paged K/V in one allocation: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+    """All layers' paged K/V in one allocation.
+
+    Shape ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; ``layers[i]`` is (K, V) of layer i.
+    """
 
     def __init__(
         self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from prefixserve.scheduler.blocks import BlockManager
-from prefixserve.sequence import Sequence, SeqStatus
+from prefixserve.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

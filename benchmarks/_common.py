@@ -1,0 +1,55 @@
+"""Shared by benchmark scripts: run metadata and result writing (JSON + Markdown, plots optional)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+
+
+def run_info() -> dict[str, Any]:
+    """Where and when a result was measured: device, versions, commit."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu: {platform.processor() or platform.machine()}"
+    )
+    return {
+        "device": device,
+        "cpu_count": __import__("os").cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown)
+    print(markdown)

@@ -1,0 +1,187 @@
+"""LSE merge: combine partial attention outputs of one query row into the exact full attention.
+
+Attention over a partition of the KV is exact once the parts are merged with their log-sum-exps
+(DESIGN.md, "The one idea"): with ``m = max_i lse_i``,
+``o = sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m)`` and ``lse = m + log(sum_i exp(lse_i - m))``.
+A part that saw no key has ``lse = -inf`` and adds nothing; a row whose parts are all empty outputs
+zeros with ``lse = -inf`` (the max is guarded, so ``-inf - -inf`` never turns into NaN).
+
+Two ways to name a row's parts:
+  * regular: row ``t`` has ``num_parts`` parts at slots ``t + k * part_stride`` (split-KV of one kernel);
+  * CSR: row ``t`` has parts ``part_idx[row_ptr[t]:row_ptr[t+1]]`` (own splits + any number of segments).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prefixserve.attention.kernels import require_triton
+
+triton, tl = require_triton()
+
+
+@triton.jit
+def _merge_kernel(
+    o_part_ptr,  # [P, H, D] fp32
+    lse_part_ptr,  # [P, H] fp32
+    row_ptr_ptr,  # [T+1] int32 (CSR mode)
+    part_idx_ptr,  # [nnz] int32 (CSR mode)
+    out_ptr,  # [T, H, D] any float dtype
+    out_lse_ptr,  # [T, H] fp32
+    num_parts,  # regular mode: parts per row
+    part_stride,  # regular mode: slot distance between a row's parts
+    stride_pp,
+    stride_ph,
+    stride_lp,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    REGULAR: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    h_mask = offs_h < NUM_HEADS
+    if REGULAR:
+        first = 0
+        count = num_parts
+    else:
+        first = tl.load(row_ptr_ptr + row)
+        count = tl.load(row_ptr_ptr + row + 1) - first
+
+    # pass 1: the max LSE per head (only [H] floats per part are read)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for i in range(0, count):
+        slot = row + i * part_stride if REGULAR else tl.load(part_idx_ptr + first + i)
+        lse = tl.load(lse_part_ptr + slot.to(tl.int64) * stride_lp + offs_h, mask=h_mask, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+
+    # pass 2: weighted sum; exp2(-inf) = 0 drops empty parts exactly
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    for i in range(0, count):
+        slot = row + i * part_stride if REGULAR else tl.load(part_idx_ptr + first + i)
+        slot = slot.to(tl.int64)
+        lse = tl.load(lse_part_ptr + slot * stride_lp + offs_h, mask=h_mask, other=float("-inf"))
+        w = tl.exp2((lse - m_safe) * 1.4426950408889634)
+        o = tl.load(
+            o_part_ptr + slot * stride_pp + offs_h[:, None] * stride_ph + offs_d[None, :],
+            mask=h_mask[:, None],
+            other=0.0,
+        )
+        acc += o * w[:, None]
+        denom += w
+    empty = denom == 0.0
+    out = acc / tl.where(empty, 1.0, denom)[:, None]
+    row64 = row.to(tl.int64)
+    tl.store(
+        out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_mask[:, None],
+    )
+    if WRITE_LSE:
+        lse_out = tl.where(
+            empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, denom)) * 0.6931471805599453
+        )
+        tl.store(out_lse_ptr + row64 * stride_lt + offs_h, lse_out, mask=h_mask)
+
+
+def _check_parts(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[int, int, int]:
+    if o_part.dtype != torch.float32 or lse_part.dtype != torch.float32:
+        raise TypeError("partials must be fp32 (o and lse)")
+    if o_part.dim() != 3 or lse_part.shape != o_part.shape[:2]:
+        raise ValueError(f"o_part {tuple(o_part.shape)} must be [P, H, D] and lse_part [P, H]")
+    _, heads, dim = o_part.shape
+    if o_part.stride(2) != 1 or lse_part.stride(1) != 1:
+        raise ValueError("partials need a contiguous last dimension (o: D, lse: H)")
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"head_dim {dim} must be a power of two >= 16")
+    return o_part.shape[0], heads, dim
+
+
+def merge_partials(
+    o_part: torch.Tensor,  # [P, H, D] fp32
+    lse_part: torch.Tensor,  # [P, H] fp32
+    num_rows: int,
+    *,
+    row_ptr: torch.Tensor | None = None,  # [T+1] int32 (CSR)
+    part_idx: torch.Tensor | None = None,  # [nnz] int32 (CSR)
+    num_parts: int | None = None,  # regular: parts per row
+    part_stride: int | None = None,  # regular: default num_rows
+    out: torch.Tensor | None = None,  # [T, H, D]; written in place when given
+    out_dtype: torch.dtype = torch.float32,
+    out_lse: torch.Tensor | None = None,  # [T, H] fp32
+    want_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Merge each row's partials; returns (o [T, H, D], lse [T, H] fp32 natural log, or None)."""
+    _, heads, dim = _check_parts(o_part, lse_part)
+    regular = row_ptr is None
+    if regular:
+        if num_parts is None:
+            raise ValueError("give either row_ptr + part_idx (CSR) or num_parts (regular)")
+        part_stride = num_rows if part_stride is None else part_stride
+    else:
+        if part_idx is None or row_ptr.dtype != torch.int32 or part_idx.dtype != torch.int32:
+            raise TypeError("CSR merge needs int32 row_ptr and part_idx")
+        if row_ptr.numel() != num_rows + 1:
+            raise ValueError(f"row_ptr has {row_ptr.numel()} entries, expected {num_rows + 1}")
+    if out is None:
+        out = torch.empty(num_rows, heads, dim, dtype=out_dtype, device=o_part.device)
+    if out.shape != (num_rows, heads, dim) or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be [{num_rows}, {heads}, {dim}], last dim contiguous")
+    if want_lse and out_lse is None:
+        out_lse = torch.empty(num_rows, heads, dtype=torch.float32, device=o_part.device)
+    if out_lse is not None and (out_lse.shape != (num_rows, heads) or out_lse.stride(1) != 1):
+        raise ValueError("out_lse must be [T, H] fp32 with a contiguous last dim")
+    if num_rows == 0:
+        return out, out_lse
+    dummy = torch.zeros(1, dtype=torch.int32, device=o_part.device)
+    _merge_kernel[(num_rows,)](
+        o_part,
+        lse_part,
+        dummy if regular else row_ptr,
+        dummy if regular else part_idx,
+        out,
+        out_lse if out_lse is not None else lse_part,
+        num_parts or 0,
+        part_stride or 0,
+        o_part.stride(0),
+        o_part.stride(1),
+        lse_part.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out_lse.stride(0) if out_lse is not None else 0,
+        NUM_HEADS=heads,
+        BLOCK_H=triton.next_power_of_2(heads),
+        HEAD_DIM=dim,
+        REGULAR=regular,
+        WRITE_LSE=out_lse is not None,
+        num_warps=4,
+    )
+    return out, out_lse
+
+
+def merge_partials_ref(
+    o_parts: list[torch.Tensor],  # each [M, H, D]
+    lse_parts: list[torch.Tensor],  # each [M, H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: merge aligned partials elementwise (fp64 math), exact with -inf parts."""
+    lse = torch.stack([x.double() for x in lse_parts])  # [K, M, H]
+    o = torch.stack([x.double() for x in o_parts])  # [K, M, H, D]
+    m = lse.max(dim=0).values
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)  # exp(-inf) = 0
+    denom = w.sum(0)
+    out = (w[..., None] * o).sum(0) / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None]
+    lse_out = torch.where(denom == 0, torch.full_like(m, -math.inf), m_safe + torch.log(denom))
+    return out, lse_out
+
+
+__all__ = ["merge_partials", "merge_partials_ref"]

@@ -1,0 +1,355 @@
+"""Shared-segment attention: every holder's query rows stacked against a segment's KV, read once per M-tile.
+
+A segment (a run of whole KV blocks held by several sequences) is attended by its holders' query rows,
+non-causally (it lies wholly before each holder's first new token). For one KV head the rows of a tile
+are ``holder rows x G`` query heads, so a tile is a dense ``[BLOCK_M, D] x [D, BLOCK_N]`` product on the
+tensor cores and the segment's KV is read once per M-tile instead of once per holder.
+
+The launch walks a flat work list (one item = segment, row range, KV token range, first output slot)
+with the M-tile index varying fastest, so tiles that read the same KV chunk run together and L2 absorbs
+the re-reads. Long segments with few rows are split along KV so every SM has work; each item writes an
+fp32 partial (o, lse) per row into a slot, and ``merge.py`` combines a row's slots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from prefixserve.attention.kernels import require_triton
+from prefixserve.attention.kernels.merge import merge_partials
+from prefixserve.attention.kernels.paged_attention import (
+    LOG2E,
+    attend_range,
+    check_cache,
+    dot_precision,
+    finish_rows,
+    interpreter_upcast,
+    num_sms,
+)
+
+triton, tl = require_triton()
+
+ITEM_FIELDS = 6  # segment, first row, end row, first KV token, end KV token, first output slot
+
+
+@triton.jit
+def _shared_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,
+    seg_blocks_ptr,  # [total_segment_blocks] int32
+    seg_block_start_ptr,  # [G+1] int32
+    seg_rows_ptr,  # [R] int32: flat query row of each segment row
+    items_ptr,  # [I, ITEM_FIELDS] int32
+    o_ptr,  # [slots, Hq, D] fp32
+    lse_ptr,  # [slots, Hq] fp32
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_op,
+    stride_oh,
+    stride_lp,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kvh = tl.program_id(1)
+    base = items_ptr + item * 6
+    seg = tl.load(base)
+    row_lo = tl.load(base + 1)
+    row_hi = tl.load(base + 2)
+    kv_lo = tl.load(base + 3)
+    kv_hi = tl.load(base + 4)
+    slot0 = tl.load(base + 5)
+    if row_lo >= row_hi:  # padding item (fixed-capacity work lists)
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = row_lo + offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
+    tok = tl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    limit = tl.zeros([BLOCK_M], tl.int32) + kv_hi  # non-causal: every row sees the whole range
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = attend_range(
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_ptr + kvh * stride_kh,
+        v_ptr + kvh * stride_vh,
+        seg_blocks_ptr + tl.load(seg_block_start_ptr + seg),
+        kv_lo,
+        kv_hi,
+        limit,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        BLOCK_N,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        DOT_PREC,
+        UPCAST,
+    )
+    o, lse = finish_rows(m_i, l_i, acc)
+    slot = (slot0 + r - row_lo).to(tl.int64)
+    tl.store(
+        o_ptr + slot[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :],
+        o,
+        mask=row_ok[:, None],
+    )
+    tl.store(lse_ptr + slot * stride_lp + head, lse, mask=row_ok)
+
+
+@dataclass(slots=True)
+class SharedWork:
+    """Work list of one step's shared segments and where each (row, KV split) partial lands.
+
+    Slots are laid out segment-major, then split, then row: segment g's split k of its i-th row is
+    slot ``slot_base[g] + k * rows[g] + i``. ``slot_row_index[s]`` is the segment row (index into
+    seg_rows) that slot s belongs to.
+    """
+
+    items: torch.Tensor  # [I, ITEM_FIELDS] int32 on the device
+    num_slots: int
+    block_m: int
+    block_n: int
+    splits: list[int]  # per segment
+    slot_base: list[int]  # per segment
+    slot_row_index: torch.Tensor  # [num_slots] int64 on the host
+
+    @property
+    def unsplit(self) -> bool:
+        """True when slot s is segment row s (no merge of KV splits needed)."""
+        return all(k == 1 for k in self.splits)
+
+
+def pick_shared_tiles(max_rows: int, group: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): tall M tiles when many rows are stacked (fewer re-reads of the segment)."""
+    m = max_rows * group
+    block_m = 128 if m > 64 else (64 if m > 16 else 16)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return block_m, 128 if block_m >= 128 else 64  # measured on H200: NOTES.md
+
+
+def plan_shared_work(
+    seg_row_start: list[int],  # [G+1]
+    seg_num_tokens: list[int],  # [G]
+    kv_heads: int,
+    group: int,
+    device: torch.device,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    min_chunk: int = 256,
+    target_programs: int | None = None,
+) -> SharedWork:
+    """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs."""
+    rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
+    auto_m, auto_n = pick_shared_tiles(max(rows, default=1), group)
+    block_m = block_m or auto_m
+    block_n = block_n or auto_n
+    rows_per_tile = block_m // group
+    m_tiles = [math.ceil(r / rows_per_tile) for r in rows]
+    base_programs = sum(m_tiles) * kv_heads
+    target = target_programs or 2 * num_sms(device)
+    want = max(1, math.ceil(target / max(1, base_programs)))
+    items: list[tuple[int, int, int, int, int, int]] = []
+    splits: list[int] = []
+    slot_base: list[int] = []
+    slot_rows: list[torch.Tensor] = []
+    slot = 0
+    for g, (r0, n_rows, n_tok) in enumerate(zip(seg_row_start, rows, seg_num_tokens, strict=False)):
+        k = max(1, min(want, math.ceil(n_tok / min_chunk)))
+        size = math.ceil(math.ceil(max(n_tok, 1) / k) / block_n) * block_n
+        k = max(1, math.ceil(n_tok / size))
+        splits.append(k)
+        slot_base.append(slot)
+        for split in range(k):
+            lo, hi = split * size, min(n_tok, (split + 1) * size)
+            for t in range(m_tiles[g]):  # M-tile fastest: tiles of one KV chunk run together
+                a = r0 + t * rows_per_tile
+                b = min(r0 + n_rows, a + rows_per_tile)
+                items.append((g, a, b, lo, hi, slot + split * n_rows + (a - r0)))
+        slot_rows.append(torch.arange(r0, r0 + n_rows).repeat(k))
+        slot += k * n_rows
+    items_t = torch.tensor(items or [(0, 0, 0, 0, 0, 0)], dtype=torch.int32).reshape(-1, ITEM_FIELDS)
+    return SharedWork(
+        items=items_t.to(device),
+        num_slots=slot,
+        block_m=block_m,
+        block_n=block_n,
+        splits=splits,
+        slot_base=slot_base,
+        slot_row_index=torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.long),
+    )
+
+
+def launch_shared(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg_blocks: torch.Tensor,
+    seg_block_start: torch.Tensor,
+    seg_rows: torch.Tensor,
+    work: SharedWork,
+    scale: float,
+    o_part: torch.Tensor,  # [>= work.num_slots, Hq, D] fp32
+    lse_part: torch.Tensor,  # [>= work.num_slots, Hq] fp32
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> None:
+    """Run the shared-segment kernel over ``work``; writes partial slots of o_part / lse_part."""
+    q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
+    for name, t in (("seg_blocks", seg_blocks), ("seg_block_start", seg_block_start), ("seg_rows", seg_rows)):
+        if t.dtype != torch.int32 or t.dim() != 1 or (t.numel() and t.stride(0) != 1):
+            raise TypeError(f"{name} must be a contiguous 1-d int32 tensor")
+    if o_part.dtype != torch.float32 or lse_part.dtype != torch.float32:
+        raise TypeError("shared partials are fp32")
+    if o_part.shape[0] < work.num_slots or o_part.shape[1:] != (q_heads, dim) or o_part.stride(2) != 1:
+        raise ValueError(f"o_part {tuple(o_part.shape)} too small or wrong shape for {work.num_slots} slots")
+    if lse_part.shape[0] < work.num_slots or lse_part.stride(1) != 1:
+        raise ValueError("lse_part too small or not contiguous per head")
+    if work.num_slots == 0:
+        return
+    group = q_heads // kv_heads
+    _shared_kernel[(work.items.shape[0], kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        seg_blocks,
+        seg_block_start,
+        seg_rows,
+        work.items,
+        o_part,
+        lse_part,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        o_part.stride(0),
+        o_part.stride(1),
+        lse_part.stride(0),
+        GROUP=group,
+        BLOCK_M=work.block_m,
+        BLOCK_N=work.block_n,
+        HEAD_DIM=dim,
+        BLOCK_SIZE=block_size,
+        DOT_PREC=dot_precision(q.dtype),
+        UPCAST=interpreter_upcast(q.dtype),
+        num_warps=num_warps or (8 if work.block_m >= 128 else 4),
+        num_stages=num_stages,
+    )
+
+
+def segment_row_csr(work: SharedWork, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR (row_ptr [R+1], part_idx) listing each segment row's split slots; host int32 tensors."""
+    order = torch.argsort(work.slot_row_index, stable=True)
+    counts = torch.bincount(work.slot_row_index, minlength=num_rows)
+    row_ptr = torch.zeros(num_rows + 1, dtype=torch.int32)
+    row_ptr[1:] = torch.cumsum(counts, 0)
+    return row_ptr, order.to(torch.int32)
+
+
+def shared_segment_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    seg_blocks: torch.Tensor,  # [total_segment_blocks] int32
+    seg_block_start: torch.Tensor,  # [G+1] int32
+    seg_num_tokens: torch.Tensor,  # [G] int32
+    seg_rows: torch.Tensor,  # [R] int32
+    seg_row_start: torch.Tensor,  # [G+1] int32
+    scale: float,
+    *,
+    target_programs: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    min_chunk: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row r of the result is query row seg_rows[r] attending all of its segment: (o [R,Hq,D] fp32, lse)."""
+    q_heads, kv_heads, dim, _ = check_cache(q, k_cache, v_cache)
+    num_rows = seg_rows.shape[0]
+    work = plan_shared_work(
+        seg_row_start.tolist(),
+        seg_num_tokens.tolist(),
+        kv_heads,
+        q_heads // kv_heads,
+        q.device,
+        block_m=block_m,
+        block_n=block_n,
+        min_chunk=min_chunk,
+        target_programs=target_programs,
+    )
+    o_part = torch.empty(work.num_slots, q_heads, dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(work.num_slots, q_heads, dtype=torch.float32, device=q.device)
+    launch_shared(q, k_cache, v_cache, seg_blocks, seg_block_start, seg_rows, work, scale, o_part, lse_part)
+    if work.unsplit:
+        return o_part, lse_part
+    row_ptr, part_idx = segment_row_csr(work, num_rows)
+    return merge_partials(
+        o_part, lse_part, num_rows, row_ptr=row_ptr.to(q.device), part_idx=part_idx.to(q.device)
+    )
+
+
+def shared_segment_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg_blocks: torch.Tensor,
+    seg_block_start: torch.Tensor,
+    seg_num_tokens: torch.Tensor,
+    seg_rows: torch.Tensor,
+    seg_row_start: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``shared_segment_attention`` (one ``attention_with_lse`` per segment)."""
+    from prefixserve.attention.reference import attention_with_lse
+
+    num_rows = seg_rows.shape[0]
+    q_heads, dim = q.shape[1:]
+    out = torch.zeros(num_rows, q_heads, dim, dtype=compute_dtype, device=q.device)
+    lse = torch.full((num_rows, q_heads), -math.inf, dtype=compute_dtype, device=q.device)
+    bstart, rstart = seg_block_start.tolist(), seg_row_start.tolist()
+    for g, n_tok in enumerate(seg_num_tokens.tolist()):
+        blocks = seg_blocks[bstart[g] : bstart[g + 1]].long()
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:n_tok]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:n_tok]
+        rows = seg_rows[rstart[g] : rstart[g + 1]].long()
+        o, l_ = attention_with_lse(q[rows], k, v, scale, None, compute_dtype)
+        out[rstart[g] : rstart[g + 1]] = o
+        lse[rstart[g] : rstart[g + 1]] = l_
+    return out, lse
+
+
+__all__ = ["SharedWork", "plan_shared_work", "shared_segment_attention", "shared_segment_attention_ref"]

@@ -1,0 +1,96 @@
+"""Paged kernel vs the oracle: decode, prefill chunks, mixed; GQA 1/4/8; d 64/128; blocks 16/32; splits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE, paged_cache, rel_err
+
+from prefixserve.attention.kernels.paged_attention import paged_attention, paged_attention_ref
+
+KV_HEADS = 2
+
+
+def _run(
+    query_lens: list[int],
+    seq_lens: list[int],
+    group: int,
+    dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    num_splits: int | None = None,
+    seed: int = 0,
+) -> tuple[float, float]:
+    gen = torch.Generator().manual_seed(seed)
+    k, v, tables = paged_cache(seq_lens, block_size, KV_HEADS, dim, dtype, gen)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(query_lens), KV_HEADS * group, dim, generator=gen).to(DEVICE, dtype)
+    scale = 1 / math.sqrt(dim)
+    out = torch.full_like(q, math.nan)  # poison: an unwritten row fails
+    o, lse = paged_attention(q, k, v, bt, sl, qsl, scale, max(query_lens), num_splits=num_splits, out=out)
+    assert o.data_ptr() == out.data_ptr() and o.dtype == dtype and lse.dtype == torch.float32
+    ref_o, ref_lse = paged_attention_ref(q, k, v, bt, sl, qsl, scale, torch.float64)
+    return rel_err(o, ref_o), float((lse.double() - ref_lse).abs().max())
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_ragged(group: int, dim: int, block_size: int) -> None:
+    err, lse_err = _run([1, 1, 1], [1, 37, 70], group, dim, block_size)
+    assert err < 1e-5 and lse_err < 1e-4
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_chunks_causal(group: int) -> None:
+    # chunk after a cached context, a whole prompt, and a chunk longer than one query tile
+    err, lse_err = _run([5, 9, 20], [21, 9, 52], group, 64, 16)
+    assert err < 1e-5 and lse_err < 1e-4
+
+
+def test_mixed_decode_and_prefill_with_splits() -> None:
+    err, lse_err = _run([1, 6, 1, 3], [40, 6, 90, 33], 4, 64, 16, num_splits=3)
+    assert err < 1e-5 and lse_err < 1e-4
+
+
+def test_split_kv_decode_gqa8_d128() -> None:
+    err, lse_err = _run([1, 1], [100, 17], 8, 128, 32, num_splits=4)
+    assert err < 1e-5 and lse_err < 1e-4
+
+
+def test_bf16_error_is_bf16_rounding() -> None:
+    err, _ = _run([1, 4, 1], [50, 30, 9], 4, 64, 16, dtype=torch.bfloat16, num_splits=2)
+    assert err < 1.5e-2
+
+
+def test_empty_sequence_gives_zero_and_minus_inf() -> None:
+    """A part with no KV (an empty own part) must come back as o = 0, lse = -inf, never NaN."""
+    gen = torch.Generator().manual_seed(3)
+    k, v, _ = paged_cache([16], 16, KV_HEADS, 64, torch.float32, gen)
+    q = torch.randn(2, KV_HEADS * 4, 64, generator=gen).to(DEVICE)
+    bt = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    o, lse = paged_attention(q, k, v, bt, sl, qsl, 0.1, 1, out=torch.full_like(q, math.nan))
+    assert (o[0] == 0).all() and (lse[0] == -math.inf).all()
+    assert torch.isfinite(o[1]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_launcher_rejects_bad_inputs() -> None:
+    gen = torch.Generator().manual_seed(4)
+    k, v, _ = paged_cache([16], 16, KV_HEADS, 64, torch.float32, gen)
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor([16], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError):
+        paged_attention(q.half(), k, v, bt, sl, qsl, 0.1, 1)
+    with pytest.raises(TypeError):
+        paged_attention(q, k, v, bt.long(), sl, qsl, 0.1, 1)
+    with pytest.raises(ValueError):
+        paged_attention(q[..., :48], k[..., :48], v[..., :48], bt, sl, qsl, 0.1, 1)

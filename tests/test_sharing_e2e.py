@@ -1,0 +1,122 @@
+"""Shared-segment attention end to end on the default model: same greedy outputs, fewer KV reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve import LLM, SamplingParams
+from tests.conftest import assert_pool_empty
+
+SYSTEM = " ".join(
+    f"Policy {i}: keep answers short, cite the rule number, and stay kind to user {i}." for i in range(75)
+)
+FEW_SHOT = " ".join(f"Example {i}: {i} plus {i} is {2 * i}." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, LLM]:
+    return {
+        name: LLM(dtype="float32", device="cpu", attention=name, num_kv_blocks=1024, progress=False)
+        for name in ("reference", "cascade")
+    }
+
+
+def _run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list[list[list[int]]], dict[str, float]]:
+    before = llm.metrics()
+    outs = llm.generate(prompts, params)
+    after = llm.metrics()
+    delta = {k: after[k] - before.get(k, 0) for k in after if k.endswith("_total")}
+    assert_pool_empty(llm)
+    return [[c.token_ids for c in o.outputs] for o in outs], delta
+
+
+def test_sixteen_requests_sharing_a_long_system_prompt(engines: dict[str, LLM]) -> None:
+    tok = engines["reference"].get_tokenizer()
+    render = engines["reference"].render_chat
+    prompts = [
+        {
+            "prompt_token_ids": tok.encode(
+                render(
+                    [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": f"What does policy {i} say?"},
+                    ]
+                ),
+                add_special_tokens=False,
+            )
+        }
+        for i in range(16)
+    ]
+    assert len(prompts[0]["prompt_token_ids"]) > 1500
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref, _ = _run(engines["reference"], prompts, params)
+    got, m = _run(engines["cascade"], prompts, params)
+    assert got == ref
+    assert m["cascade_steps_total"] > 0
+    # Decode steps read the shared system prompt once per layer instead of 16 times.
+    assert m["attention_kv_tokens_logical_total"] / m["attention_kv_tokens_read_total"] > 4
+
+
+def test_n_samples_decode_over_one_shared_prompt(engines: dict[str, LLM]) -> None:
+    prompt = "Write a one-line slogan for a bakery. " + FEW_SHOT
+    params = SamplingParams(n=8, temperature=0.8, seed=11, max_tokens=8, ignore_eos=True)
+    ref, _ = _run(engines["reference"], [prompt], params)
+    got, m = _run(engines["cascade"], [prompt], params)
+    assert got == ref and len(got[0]) == 8
+    assert m["shared_segments_total"] > 0
+    assert m["attention_kv_tokens_logical_total"] > 3 * m["attention_kv_tokens_read_total"]
+
+
+def test_two_level_tree_few_shot_then_problems_then_samples(engines: dict[str, LLM]) -> None:
+    problems = [
+        f" Problem {p}: what is {p + 3} plus {p + 4}? Think step by step about problem {p} carefully." * 3
+        for p in range(4)
+    ]
+    prompts = [FEW_SHOT + problem for problem in problems]
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=5, ignore_eos=True)
+    ref, _ = _run(engines["reference"], prompts, params)
+    got, m = _run(engines["cascade"], prompts, params)
+    assert got == ref
+    plan_llm = engines["cascade"]
+    assert plan_llm.metrics()["shared_segments_total"] > 0
+    assert m["attention_kv_tokens_logical_total"] > 3 * m["attention_kv_tokens_read_total"]
+
+
+def test_pinned_system_prompts_survive_memory_pressure(tiny_config_path) -> None:
+    apps = {
+        "travel": "You plan trips and answer briefly. " * 12,
+        "chef": "You cook Italian food and explain recipes. " * 10,
+    }
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}",
+        dtype="float32",
+        num_kv_blocks=40,
+        max_num_batched_tokens=64,
+        progress=False,
+        system_prompts=apps,
+    )
+    engine = llm.engine
+    pinned = {name: list(p.blocks) for name, p in engine.pinned.items()}
+    assert all(len(b) >= 4 for b in pinned.values())
+    assert llm.metrics()["kv_blocks_pinned"] == sum(len(b) for b in pinned.values())
+    # Flood the tiny pool: evictions and preemptions happen, the pinned blocks stay indexed and held.
+    flood = [{"prompt_token_ids": [500 + i * 13 + j for j in range(60)]} for i in range(8)]
+    llm.generate(flood, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert engine.pool.evictions > 0
+    for blocks in pinned.values():
+        assert [engine.pool.ref_counts[b] for b in blocks] == [1] * len(blocks)
+        assert engine.pool.lookup([engine.pool.digest_of(b) for b in blocks]) == blocks
+    # Each application gets its own prompt, served from its pinned blocks.
+    for name in apps:
+        out = llm.chat(
+            [{"role": "user", "content": "Hello?"}], SamplingParams(max_tokens=2), application=name
+        )[0]
+        expected = engine.pinned[name].token_ids
+        assert out.prompt_token_ids[: len(expected)] == expected
+        assert out.num_cached_tokens == len(pinned[name]) * engine.config.block_size
+    raw = llm.generate("Plain question", SamplingParams(max_tokens=2), application="chef")[0]
+    assert raw.prompt_token_ids[: len(engine.pinned["chef"].token_ids)] == engine.pinned["chef"].token_ids
+    with pytest.raises(ValueError, match="unknown application 'nope'"):
+        llm.generate("x", application="nope")
+    assert engine.pool.num_used == sum(len(b) for b in pinned.values())
+    engine.pool.check_integrity()
