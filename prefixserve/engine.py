@@ -80,6 +80,8 @@ class Engine:
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:
         """Token ids of a system prompt as the chat template renders it at the start of a chat."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot pin a system prompt given as text")
         if getattr(self.tokenizer, "chat_template", None):
             rendered = self.tokenizer.apply_chat_template(
                 [{"role": "system", "content": text}], tokenize=False
@@ -147,6 +149,8 @@ class Engine:
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         tokens = list(prompt_token_ids)
         if application is not None:
@@ -343,6 +347,8 @@ class Engine:
         return True
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _finish_request(self, req: Request, reason: str, report: bool = True) -> None:

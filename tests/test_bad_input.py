@@ -64,3 +64,11 @@ def test_bad_engine_settings_are_named() -> None:
         LLM(block_size=12, progress=False)
     with pytest.raises(ValueError, match="unknown attention backend"):
         LLM(attention="magic", num_kv_blocks=16, progress=False)
+
+
+def test_shipped_dummy_configs_resolve() -> None:
+    from prefixserve.model.loader import resolve_model
+
+    for name in ("llama-3.1-8b", "qwen2.5-7b", "codellama-13b"):
+        source = resolve_model(f"dummy:{name}")
+        assert source.kind == "dummy" and source.path.name == f"{name}.json"

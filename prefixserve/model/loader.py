@@ -55,9 +55,9 @@ def resolve_model(model: str | None) -> ModelSource:
     assert model is not None
     if model.startswith("dummy"):
         spec = model.partition(":")[2] or "llama-3.1-8b"
-        cfg = Path(spec)
-        if not cfg.suffix:
-            cfg = CONFIG_DIR / f"{spec}.json"
+        cfg = CONFIG_DIR / f"{spec}.json"
+        if not cfg.is_file():
+            cfg = Path(spec).expanduser()
         if cfg.is_dir():
             cfg = cfg / "config.json"
         if not cfg.is_file():
@@ -196,9 +196,15 @@ def load_model(
 
 
 def load_tokenizer(directory: Path | None) -> Any:
-    """The model's own tokenizer (transformers), or the default model's for dummy weights."""
+    """The model's own tokenizer (transformers); for dummy weights the default model's, if installed.
+
+    Returns None when a dummy model has no tokenizer at hand: the engine then takes token ids only.
+    """
     from transformers import AutoTokenizer
 
     if directory is None:
-        directory = convert_gguf(default_gguf_path())
+        try:
+            directory = convert_gguf(default_gguf_path())
+        except FileNotFoundError:
+            return None
     return AutoTokenizer.from_pretrained(str(directory))
