@@ -73,3 +73,26 @@ def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert "not found" in capsys.readouterr().err
     assert main(["generate", "x", "--system-prompt", "nofile"]) == 2
     assert "NAME=FILE" in capsys.readouterr().err
+
+
+def test_chat_streams_a_reply_and_exits_on_eof() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixserve.entrypoints.cli",
+            "chat",
+            "--max-tokens",
+            "6",
+            "--num-kv-blocks",
+            "128",
+        ],
+        input="Say hello.\n/reset\nAnd again?\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("bot> ") == 2
+    replies = [line.split("bot> ", 1)[1] for line in result.stdout.splitlines() if "bot> " in line]
+    assert all(r.strip() for r in replies)

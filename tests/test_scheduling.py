@@ -85,3 +85,26 @@ def test_chunked_prefill_matches_whole_prefill(tiny_config_path: Path, max_batch
     expected = [o.outputs[0].token_ids for o in ref.generate(_prompts(3), params)]
     llm = _tiny(tiny_config_path, num_kv_blocks=128, max_num_batched_tokens=max_batched)
     assert [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params)] == expected
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_config_path: Path) -> None:
+    llm = _tiny(tiny_config_path, num_kv_blocks=64)
+    engine = llm.engine
+    real_forward = engine.backend.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected kernel failure")
+        return real_forward(*args, **kwargs)
+
+    engine.backend.forward = flaky  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("doomed", prompt_token_ids=list(range(100, 130)), params=params)
+    outs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == "doomed"] == ["error"]
+    assert engine.pool.num_used == 0
+    out = llm.generate({"prompt_token_ids": list(range(100, 130))}, params)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert_pool_empty(llm)
