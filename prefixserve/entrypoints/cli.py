@@ -69,21 +69,29 @@ def _read_system_prompts(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _make_llm(args: argparse.Namespace) -> Any:
-    from prefixserve.entrypoints.llm import LLM
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    """The EngineConfig the engine options on the command line describe (validated by EngineConfig)."""
+    from prefixserve.config import EngineConfig
 
-    kwargs: dict[str, Any] = dict(
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention=args.attention,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        system_prompts=_read_system_prompts(args.system_prompt),
     )
-    system_prompts = _read_system_prompts(args.system_prompt)
-    if system_prompts:
-        kwargs["system_prompts"] = system_prompts
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, attention=args.attention, **kwargs)
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from prefixserve.entrypoints.llm import LLM
+
+    return LLM.from_config(engine_config_from_args(args))
 
 
 def _params(args: argparse.Namespace) -> Any:

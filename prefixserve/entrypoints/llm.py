@@ -31,6 +31,13 @@ class LLM:
         self.engine = Engine(config, progress=progress)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = Engine(config, progress=progress)
+        llm._ids = itertools.count()
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -1,0 +1,123 @@
+"""OpenAI-compatible HTTP server: ``prefixserve serve`` and an in-process runner for tests and benchmarks.
+
+The pieces: ``server_protocol`` (request models, errors), ``server_engine`` (the engine thread),
+``server_format`` (responses and stream chunks), ``server_metrics`` (Prometheus), ``server_app``
+(routes). FastAPI and uvicorn are imported here, never by the engine core.
+
+Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections; in-flight requests get
+``grace_s`` seconds to finish, then whatever still runs is aborted (streams end with finish_reason
+"abort" and ``[DONE]``), the engine thread stops, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import threading
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from prefixserve.entrypoints.server_app import MAX_BODY_BYTES, build_app
+from prefixserve.entrypoints.server_engine import EngineLoop
+
+__all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 10.0  # seconds in-flight requests get to finish on shutdown before they are aborted
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that aborts engine requests at the end of the grace period and exits cleanly."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float = GRACE_S) -> None:
+        config.timeout_graceful_shutdown = grace_s + 5.0  # aborted streams need a moment to end
+        super().__init__(config)
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop: EngineLoop | None = getattr(getattr(self.config.app, "state", None), "engine_loop", None)
+        if loop is not None:
+            asyncio.get_running_loop().call_later(self.grace_s, loop.abort_all)
+        await super().shutdown(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal once it is done (exit status -15); a clean shutdown exits 0.
+        self._captured_signals.clear()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """A live server in this process (tests, benchmarks): ``with ServerThread(app) as srv: srv.url``."""
+
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int | None = None, grace_s: float = 2.0
+    ) -> None:
+        self.app = app
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        self.server = GracefulServer(config, grace_s)
+        self._thread = threading.Thread(target=self.server.run, name="prefixserve-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        return self.app.state.engine_loop  # type: ignore[no-any-return]
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self._thread.start()
+        waited = 0.0
+        while not self.server.started:
+            if not self._thread.is_alive() or waited > timeout:
+                raise RuntimeError(f"the server did not start on {self.url}")
+            threading.Event().wait(0.02)
+            waited += 0.02
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``prefixserve serve``: load the model, bind (127.0.0.1 by default), serve until SIGTERM/Ctrl-C."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prefixserve.entrypoints.cli import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    log.info("loading %s", config.model or "the default model")
+    app = build_app(config, api_key=args.api_key)
+    state = app.state.server
+    log.info(
+        "serving %s (context %d) on http://%s:%d%s",
+        state.model,
+        state.max_model_len,
+        args.host,
+        args.port,
+        " (API key required)" if args.api_key else "",
+    )
+    server = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
+    )
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,382 @@
+"""The FastAPI app: OpenAI routes over an EngineLoop, OpenAI-shaped errors, auth, metrics.
+
+Bodies are read and parsed by hand (size limit before parsing, strict UTF-8, then JSON, then the
+model) so that every refusal is a 4xx naming the problem, never a 422 or a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from prefixserve.config import EngineConfig
+from prefixserve.engine import Engine
+from prefixserve.entrypoints import server_format as fmt
+from prefixserve.entrypoints.server_engine import EngineLoop, EngineStopped
+from prefixserve.entrypoints.server_metrics import ServerMetrics
+from prefixserve.entrypoints.server_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    normalize_prompts,
+    param_of,
+    parse_request,
+)
+from prefixserve.entrypoints.server_requests import (
+    MAX_BODY_BYTES,
+    ServerState,
+    application_prompt,
+    authorize,
+    check_model,
+    check_unsupported,
+    read_json,
+    sampling,
+    with_application,
+)
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def build_app(
+    config: EngineConfig | None = None,
+    *,
+    engine: Engine | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """Load the engine now (errors surface before binding); its thread starts with the app's lifespan."""
+    engine = engine or Engine(config or EngineConfig(), progress=False)
+    loop = EngineLoop(engine)
+    metrics = ServerMetrics(lambda: loop.snapshot)
+    loop.observer = metrics
+    state = ServerState(
+        loop=loop,
+        model=engine.model_name,
+        max_model_len=engine.max_model_len,
+        tokenizer=engine.tokenizer,
+        api_key=api_key,
+        system_prompts=dict(engine.config.system_prompts),
+        max_body_bytes=max_body_bytes,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+
+    app = FastAPI(title="prefixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.state.engine_loop = loop
+    app.state.metrics = metrics
+    app.add_middleware(_CountRequests, metrics=metrics)
+    _add_error_handlers(app)
+    _add_routes(app, state, metrics)
+    return app
+
+
+class _CountRequests:
+    """Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects alone)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            route = path if path in ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
+            self.metrics.http_requests.labels(route, str(status)).inc()
+
+
+def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return _error(exc, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return _error(
+            APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in err["loc"] if p != "body")
+        return _error(APIError(400, f"invalid value for '{where}': {err['msg']}", param=where or None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+# ---- submitting and collecting -----------------------------------------------------------------
+
+
+async def _submit(
+    state: ServerState,
+    rid: str,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    req: CompletionRequest | ChatCompletionRequest,
+    sink: asyncio.Queue[RequestOutput],
+    prompt_field: str,
+) -> list[str]:
+    """Queue one engine request per prompt; on a refusal, abort the ones already queued."""
+    ids: list[str] = []
+    application = req.application if state.loop.accepts_application else None
+    try:
+        for i, prompt in enumerate(prompts):
+            sub_id = f"{rid}-{i}"
+            text, tokens = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            await state.loop.add(
+                sub_id,
+                text,
+                params,
+                sink,
+                prompt_token_ids=tokens,
+                cache_salt=req.cache_salt,
+                application=application,
+                stream=req.stream,
+            )
+            ids.append(sub_id)
+    except ValueError as exc:
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        param, code = param_of(str(exc), prompt_field)
+        raise APIError(400, str(exc), param=param, code=code) from None
+    except EngineStopped as exc:
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        raise APIError(503, str(exc)) from None
+    return ids
+
+
+async def _collect(
+    state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
+) -> list[RequestOutput] | None:
+    """Wait for every final output; None if the client left (its requests are aborted)."""
+    finals: dict[str, RequestOutput] = {}
+    try:
+        while len(finals) < len(ids):
+            try:
+                out = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if out.finished:
+                finals[out.request_id] = out
+    finally:
+        for sub_id in ids:
+            if sub_id not in finals:
+                state.loop.abort(sub_id)
+    ordered = [finals[i] for i in ids]
+    if any(c.finish_reason == "error" for f in ordered for c in f.outputs):
+        raise APIError(500, "the engine failed while running this request", code="engine_error")
+    return ordered
+
+
+async def _stream(
+    state: ServerState, ids: list[str], sink: asyncio.Queue[RequestOutput], s: fmt.StreamState
+) -> AsyncIterator[str]:
+    """SSE body; leaving early (client gone, cancelled) aborts what is still running."""
+    index = {sub_id: i for i, sub_id in enumerate(ids)}
+    finals: dict[str, RequestOutput] = {}
+    try:
+        if s.chat:
+            for chunk in s.role_chunks():
+                yield chunk
+        while len(finals) < len(ids):
+            latest = {}
+            out = await sink.get()
+            while True:  # coalesce: outputs are cumulative, only the newest per request matters
+                latest[out.request_id] = out
+                try:
+                    out = sink.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+            for sub_id, out in latest.items():
+                if any(c.finish_reason == "error" for c in out.outputs):
+                    error = APIError(500, "the engine failed while running this request", code="engine_error")
+                    yield fmt.sse(error.body())
+                    finals[sub_id] = out
+                    return
+                for chunk in s.update(index[sub_id], out):
+                    yield chunk
+                if out.finished:
+                    finals[sub_id] = out
+        if s.include_usage:
+            yield s.usage_chunk([finals[i] for i in ids])
+        yield "data: [DONE]\n\n"
+    finally:
+        for sub_id in ids:
+            if sub_id not in finals:
+                state.loop.abort(sub_id)
+
+
+def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+
+# ---- routes ------------------------------------------------------------------------------------
+def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.loop.alive:
+            return _error(APIError(503, "the engine is not running"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": state.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "prefixserve",
+            "max_model_len": state.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authorize(state, request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        authorize(state, request)
+        check_model(state, model_id)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(state, request)
+        req: CompletionRequest = parse_request(CompletionRequest, await read_json(state, request), "prompt")
+        check_model(state, req.model)
+        check_unsupported(req)
+        prompts = normalize_prompts(req.prompt)
+        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        if len(prompts) * params.n > MAX_N:
+            raise APIError(400, f"n x prompts must be at most {MAX_N}, got {len(prompts) * params.n}", "n")
+        prompts = await with_application(state, req.application, prompts)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        ids = await _submit(state, rid, prompts, params, req, sink, "prompt")
+        want_lp = req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            s = fmt.StreamState(
+                rid,
+                state.model,
+                False,
+                params.n,
+                state.token_text,
+                list(params.stop or []),
+                want_lp,
+                include_usage,
+            )
+            return _sse_response(_stream(state, ids, sink, s))
+        finals = await _collect(state, request, ids, sink)
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(
+            fmt.completion_body(rid, state.model, finals, params.n, state.token_text, want_lp)
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(state, request)
+        data = await read_json(state, request)
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, data, "messages")
+        check_model(state, req.model)
+        check_unsupported(req)
+        if not req.messages:
+            raise APIError(400, "'messages' must not be empty", param="messages")
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        conversation = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+        ]
+        if req.application is not None:
+            system = application_prompt(state, req.application)
+            if conversation[0]["role"] != "system":  # the pinned prompt is the chat's system message
+                conversation.insert(0, {"role": "system", "content": system})
+        try:
+            prompt = state.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+        except Exception as exc:
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        ids = await _submit(state, rid, [prompt], params, req, sink, "messages")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            s = fmt.StreamState(
+                rid,
+                state.model,
+                True,
+                params.n,
+                state.token_text,
+                list(params.stop or []),
+                req.logprobs,
+                include_usage,
+            )
+            return _sse_response(_stream(state, ids, sink, s))
+        finals = await _collect(state, request, ids, sink)
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(fmt.chat_body(rid, state.model, finals[0], state.token_text, req.logprobs))

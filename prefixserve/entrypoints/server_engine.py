@@ -1,0 +1,254 @@
+"""The engine thread: the one place the server touches the Engine.
+
+HTTP handlers run on an asyncio loop; a forward pass blocks for milliseconds to seconds. So the Engine
+lives on its own thread, stepping while there is work and sleeping on its command queue when there is
+none. Handlers send commands (add, abort, call) through a thread-safe queue; the thread hands outputs
+back to each request's asyncio queue with ``loop.call_soon_threadsafe`` (one call per loop per step).
+Commands are applied in order, so an abort sent after an add always finds its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prefixserve.engine import Engine
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on its queue before re-checking for stop
+
+
+class LatencyObserver(Protocol):
+    """Receives per-request latencies (seconds) from the engine thread (e.g. Prometheus histograms)."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float, count: int) -> None: ...
+    def request_done(self, seconds: float) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    sink: asyncio.Queue[RequestOutput]
+    stream: bool
+    tokens: int = 0  # tokens of sample 0 seen so far (for inter-token latency)
+    last_time: float = 0.0
+
+
+_Item = tuple["asyncio.Queue[RequestOutput]", RequestOutput]
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is shutting down and takes no new requests."""
+
+
+class EngineLoop:
+    """Runs an Engine on a dedicated thread; all methods except the thread's own are thread-safe."""
+
+    def __init__(self, engine: Engine, observer: LatencyObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.snapshot: dict[str, float] = engine.metrics()  # replaced (not mutated) by the engine thread
+        self.accepts_application = "application" in inspect.signature(engine.add_request).parameters
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
+        self._stopping = False
+
+    # ---- the asyncio side ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still running (its streams get a final 'abort' output), then end the thread."""
+        self._stopping = True
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        sink: asyncio.Queue[RequestOutput],
+        *,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+        application: str | None = None,
+        stream: bool = False,
+    ) -> None:
+        """Queue a request; returns once the engine accepted it, raises ValueError if it refused it."""
+        if not self.alive:
+            raise EngineStopped("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[None] = loop.create_future()
+        kwargs: dict[str, Any] = dict(prompt_token_ids=prompt_token_ids, cache_salt=cache_salt, stream=stream)
+        if application is not None:
+            kwargs["application"] = application
+        self._commands.put(("add", request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the client left before the engine saw the request
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; nothing more is delivered for it."""
+        self._commands.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Stop every request, each stream getting a final output with finish_reason 'abort'."""
+        self._commands.put(("abort_all",))
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn(engine)`` on the engine thread (test hooks, introspection)."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(("call", fn, done))
+        return done
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            if engine.has_unfinished():
+                command = self._next_nowait()
+            else:
+                try:
+                    command = self._commands.get(timeout=IDLE_WAIT_S)
+                except queue.Empty:
+                    command = None
+            stop = False
+            while command is not None:
+                stop = self._apply(command) or stop
+                command = self._next_nowait()
+            if stop:
+                self._shutdown()
+                return
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception:  # the engine guards its steps; this is a last resort
+                    log.exception("engine step raised; aborting every request")
+                    self._abort_everything()
+                    outputs = engine.step()
+                self._deliver(outputs)
+            self.snapshot = engine.metrics()
+
+    def _next_nowait(self) -> tuple[Any, ...] | None:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _apply(self, command: tuple[Any, ...]) -> bool:
+        kind = command[0]
+        if kind == "add":
+            self._add(*command[1:])
+        elif kind == "abort":
+            self._streams.pop(command[1], None)
+            self.engine.abort(command[1], report=False)
+        elif kind == "abort_all":
+            self._abort_everything()
+        elif kind == "call":
+            fn, done = command[1], command[2]
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as exc:
+                done.set_exception(exc)
+        elif kind == "stop":
+            return True
+        return False
+
+    def _add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        kwargs: dict[str, Any],
+        stream: _Stream,
+        accepted: asyncio.Future[None],
+    ) -> None:
+        error: BaseException | None = None
+        if accepted.cancelled():
+            return
+        try:
+            self.engine.add_request(request_id, prompt, params, **kwargs)
+            stream.last_time = time.monotonic()
+            self._streams[request_id] = stream
+        except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
+            error = ValueError(str(exc))
+        except Exception as exc:
+            log.exception("add_request failed")
+            error = RuntimeError(f"the engine could not take the request: {exc}")
+        stream.loop.call_soon_threadsafe(_resolve, accepted, error)
+
+    def _abort_everything(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id, report=True)
+
+    def _shutdown(self) -> None:
+        self._abort_everything()
+        self._deliver(self.engine.step())
+        self.snapshot = self.engine.metrics()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Item]] = {}
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            self._observe(stream, out, now)
+            by_loop.setdefault(stream.loop, []).append((stream.sink, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: its clients are gone
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        obs = self.observer
+        if obs is None or not out.outputs:
+            return
+        tokens = len(out.outputs[0].token_ids)
+        if tokens > stream.tokens:
+            if stream.tokens == 0:
+                first = out.metrics.get("first_token_time", now)
+                obs.first_token(first - out.metrics.get("arrival_time", first))
+                if not stream.stream and tokens > 1:  # only the final output came: spread the rest evenly
+                    obs.inter_token((now - first) / (tokens - 1), tokens - 1)
+            else:
+                obs.inter_token((now - stream.last_time) / (tokens - stream.tokens), tokens - stream.tokens)
+            stream.tokens, stream.last_time = tokens, now
+        if out.finished:
+            obs.request_done(out.metrics.get("finish_time", now) - out.metrics.get("arrival_time", now))
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(items: list[_Item]) -> None:
+    for sink, out in items:
+        sink.put_nowait(out)

@@ -1,0 +1,222 @@
+"""Engine outputs -> OpenAI JSON: full responses, stream chunks, logprobs and usage.
+
+Streaming sends text deltas, holding back two kinds of tail until they settle, so that the chunks
+always concatenate to the final (non-streamed) text: an incomplete UTF-8 character (decoded as
+U+FFFD) and a suffix that might be the start of a stop string (the stop string is cut later).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixserve.outputs import CompletionOutput, RequestOutput
+
+TokenText = Callable[[int], str]
+
+
+def _lp(x: float) -> float:
+    """JSON has no -inf: a token of probability 0 gets OpenAI's floor of -9999."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)},
+    }
+
+
+def completion_logprobs(
+    c: CompletionOutput, start: int, end: int, token_text: TokenText, offset: int = 0
+) -> dict[str, Any]:
+    """Legacy completions shape: parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens = [token_text(t) for t in c.token_ids[start:end]]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    tops = (c.top_logprobs or [])[start:end]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_lp(x) for x in (c.logprobs or [])[start:end]],
+        "top_logprobs": [{token_text(t): _lp(lp) for t, lp in top} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(c: CompletionOutput, start: int, end: int, token_text: TokenText) -> dict[str, Any]:
+    """Chat shape: one entry per token with its bytes and its top alternatives."""
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        text = token_text(tid)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "replace"))}
+
+    content = []
+    lps = c.logprobs or []
+    tops = c.top_logprobs or []
+    for i in range(start, min(end, len(lps))):
+        item = entry(c.token_ids[i], lps[i])
+        item["top_logprobs"] = [entry(t, lp) for t, lp in (tops[i] if i < len(tops) else [])]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_body(
+    rid: str, model: str, finals: list[RequestOutput], n: int, token_text: TokenText, want_logprobs: bool
+) -> dict[str, Any]:
+    choices = []
+    for p, f in enumerate(finals):
+        for c in f.outputs:
+            lp = completion_logprobs(c, 0, len(c.token_ids), token_text) if want_logprobs else None
+            choices.append(
+                {"index": p * n + c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(finals),
+    }
+
+
+def chat_body(
+    rid: str, model: str, final: RequestOutput, token_text: TokenText, want_logprobs: bool
+) -> dict[str, Any]:
+    choices = []
+    for c in final.outputs:
+        lp = chat_logprobs(c, 0, len(c.token_ids), token_text) if want_logprobs else None
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage([final]),
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass(slots=True)
+class _Choice:
+    chars: int = 0  # text characters sent
+    tokens: int = 0  # tokens whose logprobs were sent
+    offset: int = 0  # text_offset for completions logprobs
+    done: bool = False
+
+
+@dataclass
+class StreamState:
+    """Turns successive cumulative outputs into deltas, per choice; one per streamed HTTP request."""
+
+    rid: str
+    model: str
+    chat: bool
+    n: int
+    token_text: TokenText
+    stop: list[str]
+    want_logprobs: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def chunk(self, choices: list[dict[str, Any]]) -> str:
+        payload: dict[str, Any] = {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    def role_chunks(self) -> list[str]:
+        """Chat streams open each choice with the assistant role."""
+        return [
+            self.chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for i in range(self.n)
+        ]
+
+    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
+        chunks = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            state = self.choices.setdefault(index, _Choice())
+            if state.done:
+                continue
+            upto = len(c.text) if c.finished else self._settled(c.text)
+            upto = max(upto, state.chars)
+            delta = c.text[state.chars : upto]
+            end = len(c.logprobs or []) if self.want_logprobs else state.tokens
+            if not delta and end == state.tokens and not c.finished:
+                continue
+            lp = None
+            if self.want_logprobs:
+                if self.chat:
+                    lp = chat_logprobs(c, state.tokens, end, self.token_text)
+                else:
+                    lp = completion_logprobs(c, state.tokens, end, self.token_text, state.offset)
+                    state.offset += sum(len(t) for t in lp["tokens"])
+            finish = c.finish_reason if c.finished else None
+            if self.chat:
+                choice = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp}
+            else:
+                choice = {"index": index, "text": delta, "logprobs": lp}
+            choice["finish_reason"] = finish
+            chunks.append(self.chunk([choice]))
+            state.chars, state.tokens, state.done = upto, end, c.finished
+        return chunks
+
+    def _settled(self, text: str) -> int:
+        """Length of the prefix of ``text`` that can no longer change."""
+        upto = len(text.rstrip("\ufffd"))
+        head, hold = text[:upto], 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, upto), hold, -1):
+                if head.endswith(stop[:k]):
+                    hold = k
+                    break
+        return upto - hold
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> str:
+        payload = {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(finals),
+        }
+        return sse(payload)

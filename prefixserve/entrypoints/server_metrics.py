@@ -1,0 +1,98 @@
+"""Prometheus metrics for one server app (its own CollectorRegistry, so several apps can coexist).
+
+Engine counters and gauges are read from the engine thread's latest snapshot at scrape time (the HTTP
+thread never touches the Engine); latency histograms are fed by the engine thread as requests move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "prefixserve"
+
+_COUNTERS = {
+    "requests_total": "requests accepted by the engine",
+    "requests_finished_total": "requests finished (any reason)",
+    "requests_aborted_total": "requests aborted (client gone, shutdown)",
+    "prompt_tokens_total": "prompt tokens of accepted requests",
+    "prompt_tokens_computed_total": "prompt tokens actually run through the model (not from cache)",
+    "generation_tokens_total": "tokens generated",
+    "prefix_cache_hit_tokens_total": "prompt tokens served from the prefix cache",
+    "attention_kv_tokens_read_total": "KV rows read by attention (shared segments read once)",
+    "attention_kv_tokens_logical_total": "KV rows a per-sequence attention would read",
+    "preemptions_total": "sequences preempted for lack of KV blocks",
+    "steps_total": "engine steps",
+}
+_GAUGES = {
+    "num_running": ("num_requests_running", "sequences running"),
+    "num_waiting": ("num_requests_waiting", "sequences waiting"),
+    "kv_blocks_total": ("kv_blocks_total", "KV pool size in blocks"),
+    "kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
+    "kv_blocks_cached": ("kv_blocks_cached", "KV blocks in the prefix index"),
+}
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        for key, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"{PREFIX}_{key.removesuffix('_total')}", doc, value=snap.get(key, 0))
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=snap.get(key, 0))
+        total = snap.get("kv_blocks_total", 0) or 1
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_usage_ratio",
+            "fraction of KV blocks held",
+            value=snap.get("kv_blocks_used", 0) / total,
+        )
+
+
+class ServerMetrics:
+    """The app's registry plus the engine thread's latency observer."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(snapshot))
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "arrival to first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "time between consecutive generated tokens of a request",
+            buckets=(0.001, 0.0025, *_LATENCY_BUCKETS),
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "arrival to finish",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    # LatencyObserver (called on the engine thread; prometheus-client is thread-safe)
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(max(0.0, seconds))
+
+    def inter_token(self, seconds: float, count: int) -> None:
+        for _ in range(min(count, 4096)):
+            self.itl.observe(max(0.0, seconds))
+
+    def request_done(self, seconds: float) -> None:
+        self.e2e.observe(max(0.0, seconds))

@@ -1,0 +1,239 @@
+"""OpenAI request models and the error shape the server answers with.
+
+Requests are validated in strict mode so that a wrong type (``"temperature": "hot"``, ``"n": "3"``) is a
+400 naming the field, as OpenAI does, instead of being coerced. Unknown fields are ignored (clients send
+``user``, ``metadata`` and friends).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` JSON with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share (OpenAI names, plus vLLM-style extensions)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Any = None  # str | list[str]: checked by hand for a clearer message
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    cache_salt: str | None = None
+    application: str | None = None
+    ignore_eos: bool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Common):
+    prompt: Any = Field(default=None)  # str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(default=None)  # type: ignore[assignment]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    """``('messages', 0, 'content', 'list[TextPart]', 0, 'text')`` -> ``messages[0].content[0].text``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.lower() in _TYPE_TAGS or "[" in part or part[:1].isupper():
+            continue  # a union member's tag, not a field
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def parse_request(cls: type[_Common], data: Any, required: str) -> Any:
+    """Validate a decoded JSON body; raises APIError(400) naming the first bad field."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if data.get(required) is None:
+        raise APIError(
+            400, f"'{required}' is a required field", param=required, code="missing_required_field"
+        )
+    try:
+        return cls.model_validate(data, strict=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = _loc(tuple(err["loc"])) or None
+        if err["type"] == "missing":
+            message = f"'{field}' is a required field"
+            raise APIError(400, message, param=field, code="missing_required_field") from None
+        got = err.get("input")
+        shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
+        message = f"invalid value for '{field}': {err['msg']} (got {shown[:100]})"
+        raise APIError(400, message, param=field, code="invalid_type") from None
+
+
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """The ``prompt`` field as a list of prompts, each a string or a list of token ids."""
+    message = "'prompt' must be a string, a list of strings, a list of token ids, or a list of such lists"
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+        for p in prompts:
+            if not (isinstance(p, str) or (isinstance(p, list) and all(_is_token(t) for t in p))):
+                raise APIError(400, message, param="prompt", code="invalid_type")
+    else:
+        raise APIError(400, message if prompt != [] else "'prompt' is empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    for p in prompts:
+        if not p:
+            raise APIError(400, "the prompt is empty", param="prompt")
+    return prompts
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def normalize_stop(stop: Any) -> list[str] | None:
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+
+
+def find_lone_surrogate(value: Any) -> bool:
+    """JSON may escape lone UTF-16 surrogates (``"\\ud800"``); they are not text a tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(find_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(find_lone_surrogate(v) for v in value.values())
+    return False
+
+
+def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
+    """Which request field a ValueError from SamplingParams or Engine.add_request is about."""
+    fields = (
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_tokens",
+        "min_tokens",
+        "logprobs",
+        "seed",
+        "application",
+        "cache_salt",
+    )
+    head = message.split(" ", 1)[0].split("=", 1)[0]
+    if head in fields:
+        return head, "invalid_value"
+    if "stop" in message:
+        return "stop", "invalid_value"
+    if "context length" in message and "max_tokens" not in message:
+        return prompt_field, "context_length_exceeded"
+    if "max_tokens" in message:
+        return "max_tokens", "invalid_value"
+    if "prompt" in message:
+        return prompt_field, "invalid_value"
+    if "application" in message:
+        return "application", "invalid_value"
+    return None, "invalid_value"

@@ -1,0 +1,55 @@
+"""Pinned system prompts over HTTP: the ``application`` field on both endpoints."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from prefixserve.config import EngineConfig
+from prefixserve.entrypoints.server import ServerThread, build_app
+
+SYSTEM = "You are a terse assistant for a bicycle shop. " * 12  # ~120 tokens: several KV blocks
+
+
+@pytest.fixture(scope="module")
+def http(tiny_config_path: Path) -> Iterator[httpx.Client]:
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, system_prompts={"shop": SYSTEM}
+    )
+    built: list[Any] = []
+    loader = threading.Thread(target=lambda: built.append(build_app(config)), daemon=True)
+    loader.start()
+    loader.join(30)  # pinning runs the system prompt through the engine at start-up: bound it
+    if not built:
+        pytest.fail("the engine did not finish pinning the system prompt within 30 s")
+    with ServerThread(built[0]) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
+
+
+def test_application_prompt_is_used_and_cached(http: httpx.Client) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "application": "shop"}
+    for _ in range(2):
+        out = http.post("/v1/chat/completions", json=chat)
+        assert out.status_code == 200, out.text
+        usage = out.json()["usage"]
+        assert usage["prompt_tokens"] > 100  # the pinned system prompt is part of the prompt
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 96
+    done = http.post("/v1/completions", json={"prompt": "Q: gears?", "max_tokens": 2, "application": "shop"})
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+
+
+def test_unknown_application_is_refused(http: httpx.Client) -> None:
+    for route, body in (
+        ("/v1/completions", {"prompt": "x", "application": "nope"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "application": "nope"}),
+    ):
+        out = http.post(route, json=body)
+        assert out.status_code == 400
+        error = out.json()["error"]
+        assert "unknown application 'nope'" in error["message"] and error["param"] == "application"

@@ -1,0 +1,81 @@
+"""``prefixserve serve`` as a real process: it serves, and SIGTERM shuts it down cleanly (exit 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixserve.entrypoints.server import free_port
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+def test_sigterm_finishes_in_flight_request_and_exits_zero(tiny_config_path: Path) -> None:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefixserve.entrypoints.cli",
+        "serve",
+        "--model",
+        f"dummy:{tiny_config_path}",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        "256",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+
+        quick = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert quick.status_code == 200, quick.text
+
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "ride", "max_tokens": 300, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        events.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        reader.join(10)
+        assert events[-1] == "data: [DONE]"  # the in-flight stream ended cleanly (finished or aborted)
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] in ("length", "abort")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
