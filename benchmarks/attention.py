@@ -11,7 +11,7 @@ a shared prefix of P tokens and an own suffix of S tokens. Grid B x P x S. Colum
 Plan building (host: make_plan + work list) is timed apart (plan_ms).
 
 Usage:
-  python benchmarks/attention.py run [--out DIR] [--quick] [--tune]   # on a GPU
+  PYTHONPATH=. python benchmarks/attention.py run [--out DIR] [--quick] [--tune]   # on a GPU
   python benchmarks/attention.py report --json FILE [--out DIR]      # md + png from a JSON
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import math
 import subprocess
@@ -125,8 +126,10 @@ class Case:
             t0 = time.perf_counter()
             be.prepare(meta)
             if name == "triton" and meta.plan.shared is not None:
-                key = (HQ, HKV, D, str(self.q.device))
-                meta.plan.layouts[key] = build_layout(meta, meta.plan, HQ, HKV, D, self.q.device)
+                key = (HQ, HKV, D, str(self.q.device), str(self.q.dtype))
+                meta.plan.layouts[key] = build_layout(
+                    meta, meta.plan, HQ, HKV, D, self.q.device, self.q.dtype
+                )
             _sync(self.q.device)
             times.append((time.perf_counter() - t0) * 1e3)
         plan_ms = sorted(times)[len(times) // 2]
@@ -230,13 +233,24 @@ def check(device: torch.device) -> list[dict[str, Any]]:
 def tune(device: torch.device) -> list[dict[str, Any]]:
     """Time kernel variants (tiles, warps, stages) of the shared and own kernels at telling points."""
     out: list[dict[str, Any]] = []
-    for b, p, s in ((16, 16384, 128), (1024, 4096, 128), (1024, 16384, 512)):
+    for b, p, s in ((16, 16384, 128), (64, 4096, 512), (1024, 16384, 512)):
         out += tune_point(Case(b, p, s, device))
         torch.cuda.empty_cache()
     return out
 
 
-SHARED_VARIANTS = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3))
+SHARED_VARIANTS = (  # (BLOCK_M, BLOCK_N, warps, stages)
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+)
+SPLIT_TARGETS = (2, 4)  # programs per SM the shared work list aims at
 OWN_VARIANTS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 3), (64, 2, 3))
 
 
@@ -250,8 +264,21 @@ def tune_point(case: Case) -> list[dict[str, Any]]:
     plan = case.meta.plan.shared
     where = {"B": case.B, "P": case.P, "S": case.S}
     out = []
-    for bm, bn, nw, ns in SHARED_VARIANTS:
-        work = sa.plan_shared_work(plan.seg_row_start_host, [case.P], HKV, HQ // HKV, device, bm, bn)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for (bm, bn, nw, ns), per_sm in itertools.product(SHARED_VARIANTS, SPLIT_TARGETS):
+        if per_sm != 2 and case.B > 64:
+            continue  # large B has enough M-tiles: the split target does not change its work list
+        work = sa.plan_shared_work(
+            plan.seg_row_start_host,
+            [case.P],
+            HKV,
+            HQ // HKV,
+            device,
+            bm,
+            bn,
+            target_programs=per_sm * sms,
+            num_stages=ns,
+        )
         o = torch.empty(work.num_slots, HQ, D, device=device)
         lse = torch.empty(work.num_slots, HQ, device=device)
         args = (case.q, case.k_cache, case.v_cache, plan.seg_blocks, plan.seg_block_start, plan.seg_rows)
@@ -260,7 +287,8 @@ def tune_point(case: Case) -> list[dict[str, Any]]:
                 *a, w, case.scale, o, ls, num_warps=nw, num_stages=ns))  # fmt: skip
         except Exception as exc:
             ms = repr(exc)[:100]
-        out.append({"kernel": "shared", **where, "cfg": [bm, bn, nw, ns], "ms": ms})
+        cfg = [work.block_m, work.block_n, nw, work.num_stages, per_sm]
+        out.append({"kernel": "shared", **where, "cfg": cfg, "ms": ms})
         print(out[-1], flush=True)
     for bn, nw, ns in OWN_VARIANTS:
         splits, size = pa.choose_split(case.S, b * HKV, device, bn)

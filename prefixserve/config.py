@@ -22,7 +22,7 @@ class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
-    attention: str = "auto"  # reference | cascade | auto | triton (GPU)
+    attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_memory_fraction
     kv_memory_fraction: float | None = None  # None: 0.85 of free GPU memory, 0.1 of RAM on a CPU

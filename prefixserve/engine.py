@@ -70,6 +70,10 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
+        # Wall time of steps, and the part spent outside the forward pass + sampling (scheduling,
+        # planning, metadata, bookkeeping): the host overhead a GPU would wait on.
+        self.timers: Counter[str] = Counter()
+        self._device_seconds = 0.0
         self._next_seq_id = 0
         self._finished_outputs: list[RequestOutput] = []
         self._default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -212,6 +216,7 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns outputs of finished requests (and of streaming ones that moved)."""
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.counters["preemptions_total"] += len(sched.preempted)
         self.counters["prefix_cache_hit_tokens_total"] += sched.cache_hit_tokens
@@ -234,6 +239,9 @@ class Engine:
                 outputs.append(self._output(req))
             elif req.stream:
                 outputs.append(self._output(req))
+        total = time.perf_counter() - started
+        self.timers["step_seconds_total"] += total
+        self.timers["step_host_seconds_total"] += total - self._device_seconds
         return outputs
 
     def _run_batch(self, sched: Any) -> set[Request]:
@@ -253,6 +261,8 @@ class Engine:
         self.backend.prepare(meta)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
+        device_start = time.perf_counter()
+        self._device_seconds = 0.0
         hidden = self.model(ids_t, pos_t, self.kv.layers, meta, self.backend)
         self._count_step(meta.stats, len(ids))
 
@@ -271,6 +281,9 @@ class Engine:
                 samplers.append(target)
         touched = {s.seq.request for s in sched.scheduled}
         if not samplers:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._device_seconds = time.perf_counter() - device_start
             return touched
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         result = sample(
@@ -278,7 +291,8 @@ class Engine:
             [q.request.params for q in samplers],
             [q.generator for q in samplers],
             self._default_generator,
-        )
+        )  # returns host lists: the device work of this step is done here
+        self._device_seconds = time.perf_counter() - device_start
         now = time.monotonic()
         for i, seq in enumerate(samplers):
             seq.append_token(result.tokens[i])
@@ -419,6 +433,8 @@ class Engine:
             )
         }
         out.update(self.counters)
+        out.update(step_seconds_total=self.timers["step_seconds_total"])
+        out.update(step_host_seconds_total=self.timers["step_host_seconds_total"])
         out.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

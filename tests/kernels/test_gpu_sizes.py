@@ -46,3 +46,38 @@ def test_shared_bf16_error_no_worse_than_paged(batch: int, prefix: int, query_le
         errs[cls.name] = rel_err(be.forward(q, k, v, meta, dim**-0.5), ref)
     assert errs["triton"] < 1e-2
     assert errs["triton"] <= 1.25 * errs["triton_paged"] + 1e-4, errs
+
+
+def test_fp32_d128_shared_segment_fits_and_matches_reference() -> None:
+    """fp32 at Llama-3-8B head shapes with tall shared tiles: once OutOfResources in the shared kernel.
+
+    32 holders x 4 heads = 128 stacked rows pick the tall tile, whose bf16 shape (128 x 128, 2 stages)
+    needs 256 KiB of shared memory in fp32; the tiles must be fitted and the result stay exact.
+    """
+    from prefixserve.attention.reference import ReferenceBackend
+
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, dim, bs, batch, prefix = 32, 8, 128, 16, 32, 1024
+    query_lens = [1] * (batch // 2) + [5] * (batch // 2)  # decode rows and prefill-chunk rows
+    own = torch.randint(1, 100, (batch,), generator=gen).tolist()
+    n_prefix = prefix // bs
+    num_blocks = n_prefix + sum(-(-(o + 5) // bs) for o in own) + 1
+    k = torch.randn(num_blocks, bs, hkv, dim, generator=gen).cuda()
+    v = torch.randn(num_blocks, bs, hkv, dim, generator=gen).cuda()
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shared, at, tables, seq_lens = perm[:n_prefix], n_prefix, [], []
+    for o, ql in zip(own, query_lens, strict=True):
+        n = -(-(o + ql) // bs)
+        tables.append(shared + perm[at : at + n])
+        at += n
+        seq_lens.append(prefix + o + ql)
+    meta = build_metadata(bs, query_lens, seq_lens, tables, "cuda")
+    q = torch.randn(sum(query_lens), hq, dim, generator=gen).cuda()
+    ref = ReferenceBackend().forward(q, k, v, meta, dim**-0.5)
+    for cls in (TritonBackend, TritonPagedBackend):
+        be = cls()
+        be.prepare(meta)
+        out = be.forward(q, k, v, meta, dim**-0.5)
+        assert out.dtype == torch.float32 and rel_err(out, ref) < 1e-5, cls.name
+    TritonBackend().prepare(meta)
+    assert meta.stats["shared_segments"] >= 1

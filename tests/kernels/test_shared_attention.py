@@ -72,3 +72,29 @@ def test_bf16_close_to_fp64() -> None:
     o, _ = shared_segment_attention(q, k, v, *seg, 0.1, block_n=16, min_chunk=16, target_programs=10_000)
     ref_o, _ = shared_segment_attention_ref(q, k, v, *seg, 0.1, torch.float64)
     assert rel_err(o, ref_o) < 1.5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("rows", [4, 16, 1024])
+def test_tiles_fit_shared_memory(dtype: torch.dtype, dim: int, rows: int) -> None:
+    """Every supported dtype / head_dim gets shared and paged tiles that fit the Hopper limit."""
+    from prefixserve.attention.kernels.paged_attention import (
+        SMEM_LIMIT_HOPPER,
+        fit_tiles,
+        pick_block_m,
+        tile_smem_bytes,
+    )
+
+    elt = torch.empty(0, dtype=dtype).element_size()
+    work = plan_shared_work([0, rows], [4096], 8, 4, torch.device("cpu"), head_dim=dim, dtype=dtype)
+    need = tile_smem_bytes(work.block_m, work.block_n, dim, elt, work.num_stages)
+    assert need <= SMEM_LIMIT_HOPPER and work.num_stages >= 1
+    if rows * 4 > 64:
+        assert work.block_m >= 64  # tall tiles are given up last
+    for query_len in (1, 64):
+        bm = pick_block_m(query_len * 4, 4)
+        bm, bn, stages = fit_tiles(bm, 64, 3, dim, elt, SMEM_LIMIT_HOPPER)
+        assert tile_smem_bytes(bm, bn, dim, elt, stages) <= SMEM_LIMIT_HOPPER
+    # the case that overflowed on the H200: fp32, 128 x 128, 2 stages, d=128 (256 KiB)
+    assert tile_smem_bytes(128, 128, 128, 4, 2) > SMEM_LIMIT_HOPPER

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -49,36 +50,45 @@ def attend_range(
     HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
-    """Online softmax of a query tile over KV tokens [kv_lo, kv_hi) of a paged run (shared by kernels)."""
+    """Online softmax of a query tile over KV tokens [kv_lo, kv_hi) of a paged run (shared by kernels).
+
+    ``MASKED=False`` is for callers that guarantee whole tiles every row may see (the shared kernel's
+    non-causal body): no per-element masks or selects, which cost ALU time on the compute-bound path.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + offs_n
-        n_ok = n < kv_hi
-        blk = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        if MASKED:
+            n_ok = n < kv_hi
+            blk = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(table_ptr + n // BLOCK_SIZE).to(tl.int64)
         within = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
+        k_ptrs = k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :]
+        if MASKED:  # noqa: SIM108 (a constexpr branch: no masks compiled in)
+            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
         if UPCAST:  # the CPU interpreter's dot mishandles bf16: same values, fp32 product
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows: exp2(-inf - 0) = 0
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
+        v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:  # noqa: SIM108
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
         if UPCAST:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -212,6 +222,90 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+SMEM_LIMIT_HOPPER = 232_448  # opt-in shared memory per block on the H100 / H200 (bytes)
+
+
+def smem_limit(device: torch.device) -> int:
+    """Shared memory one program may use: read off the GPU, the Hopper value elsewhere (interpreter)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_HOPPER))
+    return SMEM_LIMIT_HOPPER
+
+
+def tile_smem_bytes(block_m: int, block_n: int, dim: int, elt: int, stages: int) -> int:
+    """Shared memory of ``attend_range``'s pipelined loop: ``stages`` copies of the K and V tiles, plus q.
+
+    The K/V term is what Triton 3.6 reported on the H200 (fp32, 128 x 128 tiles, d=128, 2 stages:
+    2 x 2 x 128 x 128 x 4 = 262,144 B); the q tile is added because wgmma may read it from shared
+    memory. Scores and probabilities stay in registers.
+    """
+    return stages * 2 * block_n * dim * elt + block_m * dim * elt
+
+
+def fit_tiles(
+    block_m: int, block_n: int, stages: int, dim: int, elt: int, limit: int = SMEM_LIMIT_HOPPER
+) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages) shrunk until ``tile_smem_bytes`` fits ``limit``.
+
+    Why this order: pipelining depth beyond 2 is a tuning gain, BLOCK_N only sets how many keys one
+    iteration covers, while BLOCK_M sets how often the KV is re-read, so it is given up last. fp32
+    (4-byte elements, the exactness path) is where the bf16-tuned 128 x 128 tiles overflow.
+    """
+    while tile_smem_bytes(block_m, block_n, dim, elt, stages) > limit:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 64:
+            block_n //= 2
+        elif block_m > 64:
+            block_m //= 2
+        elif block_n > 16:
+            block_n //= 2
+        elif stages > 1:
+            stages -= 1
+        elif block_m > 16:
+            block_m //= 2
+        else:
+            break
+    return block_m, block_n, stages
+
+
+def _out_of_resources() -> type[Exception]:
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover - older Triton
+        return RuntimeError
+    return OutOfResources
+
+
+_FALLBACK: dict[tuple[Any, ...], tuple[int, int]] = {}  # (kernel, constexprs) -> (BLOCK_N, stages) that fit
+
+
+def launch_fitting(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], **kw: Any) -> None:
+    """Launch ``kernel``; if Triton still runs out of shared memory, retry with fewer stages, then a
+    narrower BLOCK_N (both keep the result: KV ranges are walked in any tile width).
+
+    ``fit_tiles`` is a model of Triton's allocator, and this is the safety net for where the model is
+    off; the config that fitted is remembered, so the retry costs one failed compile per shape.
+    """
+    fixed = sorted((k, v) for k, v in kw.items() if k not in ("num_stages", "BLOCK_N"))
+    key = (id(kernel), str(args[0].dtype), *fixed)  # args[0] is q: its dtype sets the tile bytes
+    if key in _FALLBACK:
+        kw["BLOCK_N"], kw["num_stages"] = _FALLBACK[key]
+    while True:
+        try:
+            kernel[grid](*args, **kw)
+            return
+        except _out_of_resources():
+            if kw["num_stages"] > 1:
+                kw["num_stages"] -= 1
+            elif kw["BLOCK_N"] > 16:
+                kw["BLOCK_N"] //= 2
+            else:
+                raise
+            _FALLBACK[key] = (kw["BLOCK_N"], kw["num_stages"])
+
+
 def choose_split(
     max_kv: int, base_programs: int, device: torch.device, block_n: int, min_chunk: int = 256
 ) -> tuple[int, int]:
@@ -285,34 +379,41 @@ def launch_paged(
         return
     group = q_heads // kv_heads
     block_m = pick_block_m(max_query_len * group, group)
+    stages = num_stages or 2  # measured on H200 (bf16): NOTES.md
+    elt, limit = q.element_size(), smem_limit(q.device)
+    block_m, block_n, stages = fit_tiles(block_m, block_n, stages, dim, elt, limit)
     q_tiles = math.ceil(max_query_len / (block_m // group))
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
-    _paged_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        o_dst,
-        lse_dst,
-        scale * LOG2E,
-        q_tiles,
-        split_size,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        split_stride_o,
-        o_dst.stride(0),
-        o_dst.stride(1),
-        split_stride_lse,
-        lse_dst.stride(0),
+    launch_fitting(
+        _paged_kernel,
+        grid,
+        (
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            o_dst,
+            lse_dst,
+            scale * LOG2E,
+            q_tiles,
+            split_size,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            split_stride_o,
+            o_dst.stride(0),
+            o_dst.stride(1),
+            split_stride_lse,
+            lse_dst.stride(0),
+        ),
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -320,8 +421,8 @@ def launch_paged(
         BLOCK_SIZE=block_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype),
-        num_warps=num_warps or (2 if block_m == 16 else 4),  # measured on H200: NOTES.md
-        num_stages=num_stages or (3 if block_m == 16 else 2),
+        num_warps=num_warps or 4,  # measured on H200: NOTES.md
+        num_stages=stages,
     )
 
 

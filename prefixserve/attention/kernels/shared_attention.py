@@ -23,12 +23,16 @@ from prefixserve.attention.kernels import require_triton
 from prefixserve.attention.kernels.merge import merge_partials
 from prefixserve.attention.kernels.paged_attention import (
     LOG2E,
+    SMEM_LIMIT_HOPPER,
     attend_range,
     check_cache,
     dot_precision,
     finish_rows,
+    fit_tiles,
     interpreter_upcast,
+    launch_fitting,
     num_sms,
+    smem_limit,
 )
 
 triton, tl = require_triton()
@@ -94,6 +98,9 @@ def _shared_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # whole BLOCK_N tiles without masks (every row sees every key of a segment), then the ragged tail
+    kv_full = kv_lo + ((kv_hi - kv_lo) // BLOCK_N) * BLOCK_N
+    table = seg_blocks_ptr + tl.load(seg_block_start_ptr + seg)
     m_i, l_i, acc = attend_range(
         q,
         m_i,
@@ -101,8 +108,31 @@ def _shared_kernel(
         acc,
         k_ptr + kvh * stride_kh,
         v_ptr + kvh * stride_vh,
-        seg_blocks_ptr + tl.load(seg_block_start_ptr + seg),
+        table,
         kv_lo,
+        kv_full,
+        limit,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        BLOCK_N,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        DOT_PREC,
+        UPCAST,
+        False,
+    )
+    m_i, l_i, acc = attend_range(
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_ptr + kvh * stride_kh,
+        v_ptr + kvh * stride_vh,
+        table,
+        kv_full,
         kv_hi,
         limit,
         qk_scale,
@@ -139,6 +169,7 @@ class SharedWork:
     num_slots: int
     block_m: int
     block_n: int
+    num_stages: int
     splits: list[int]  # per segment
     slot_base: list[int]  # per segment
     slot_row_index: torch.Tensor  # [num_slots] int64 on the host
@@ -149,12 +180,32 @@ class SharedWork:
         return all(k == 1 for k in self.splits)
 
 
-def pick_shared_tiles(max_rows: int, group: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): tall M tiles when many rows are stacked (fewer re-reads of the segment)."""
+def pick_shared_tiles(
+    max_rows: int,
+    group: int,
+    head_dim: int = 128,
+    elt: int = 2,
+    smem: int | None = None,
+    max_tokens: int = 0,
+) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages) for the shared kernel, fitted to shared memory.
+
+    Tall M tiles when many rows are stacked (fewer re-reads of the segment); the bf16 choice was
+    measured on the H200 (NOTES.md), and ``fit_tiles`` shrinks it for 4-byte elements or wider heads
+    so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed 256 KiB > 227 KiB).
+    """
     m = max_rows * group
-    block_m = 128 if m > 64 else (64 if m > 16 else 16)
+    # 128-row tiles (two wgmma warpgroups) once the segment's work is large: at 256 rows they were
+    # 15-27% slower than 64-row tiles for a 4K segment but 18% faster for a 16K one (NOTES.md, v3)
+    tall = m > 256 or m * max_tokens >= 256 * 8192
+    block_m = 128 if tall else (64 if m > 16 else 16)
     block_m = max(block_m, triton.next_power_of_2(group))
-    return block_m, 128 if block_m >= 128 else 64  # measured on H200: NOTES.md
+    block_n, stages = SHARED_TALL if block_m >= 128 else SHARED_SHORT
+    return fit_tiles(block_m, block_n, stages, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
+
+
+SHARED_TALL = (128, 3)  # (BLOCK_N, num_stages) for 128-row tiles (compute-bound at large B)
+SHARED_SHORT = (64, 2)  # for 16 / 64-row tiles (bandwidth-bound, split along KV)
 
 
 def plan_shared_work(
@@ -167,12 +218,24 @@ def plan_shared_work(
     block_n: int | None = None,
     min_chunk: int = 256,
     target_programs: int | None = None,
+    *,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    num_stages: int | None = None,
 ) -> SharedWork:
-    """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs."""
+    """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
+
+    Tiles depend on dtype and head_dim (shared memory), so pass the ones the kernel will run with.
+    """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
-    auto_m, auto_n = pick_shared_tiles(max(rows, default=1), group)
-    block_m = block_m or auto_m
-    block_n = block_n or auto_n
+    limit = smem_limit(device)
+    elt = torch.empty(0, dtype=dtype).element_size()
+    auto_m, auto_n, auto_stages = pick_shared_tiles(
+        max(rows, default=1), group, head_dim, elt, limit, max(seg_num_tokens, default=0)
+    )
+    block_m, block_n, num_stages = fit_tiles(
+        block_m or auto_m, block_n or auto_n, num_stages or auto_stages, head_dim, elt, limit
+    )
     rows_per_tile = block_m // group
     m_tiles = [math.ceil(r / rows_per_tile) for r in rows]
     base_programs = sum(m_tiles) * kv_heads
@@ -203,6 +266,7 @@ def plan_shared_work(
         num_slots=slot,
         block_m=block_m,
         block_n=block_n,
+        num_stages=num_stages,
         splits=splits,
         slot_base=slot_base,
         slot_row_index=torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.long),
@@ -221,7 +285,7 @@ def launch_shared(
     o_part: torch.Tensor,  # [>= work.num_slots, Hq, D] fp32
     lse_part: torch.Tensor,  # [>= work.num_slots, Hq] fp32
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> None:
     """Run the shared-segment kernel over ``work``; writes partial slots of o_part / lse_part."""
     q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
@@ -237,28 +301,32 @@ def launch_shared(
     if work.num_slots == 0:
         return
     group = q_heads // kv_heads
-    _shared_kernel[(work.items.shape[0], kv_heads)](
-        q,
-        k_cache,
-        v_cache,
-        seg_blocks,
-        seg_block_start,
-        seg_rows,
-        work.items,
-        o_part,
-        lse_part,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        o_part.stride(0),
-        o_part.stride(1),
-        lse_part.stride(0),
+    launch_fitting(
+        _shared_kernel,
+        (work.items.shape[0], kv_heads),
+        (
+            q,
+            k_cache,
+            v_cache,
+            seg_blocks,
+            seg_block_start,
+            seg_rows,
+            work.items,
+            o_part,
+            lse_part,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            o_part.stride(0),
+            o_part.stride(1),
+            lse_part.stride(0),
+        ),
         GROUP=group,
         BLOCK_M=work.block_m,
         BLOCK_N=work.block_n,
@@ -267,7 +335,7 @@ def launch_shared(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype),
         num_warps=num_warps or (8 if work.block_m >= 128 else 4),
-        num_stages=num_stages,
+        num_stages=num_stages or work.num_stages,
     )
 
 
@@ -309,6 +377,8 @@ def shared_segment_attention(
         block_n=block_n,
         min_chunk=min_chunk,
         target_programs=target_programs,
+        head_dim=dim,
+        dtype=q.dtype,
     )
     o_part = torch.empty(work.num_slots, q_heads, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(work.num_slots, q_heads, dtype=torch.float32, device=q.device)

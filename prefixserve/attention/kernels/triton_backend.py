@@ -45,7 +45,7 @@ class TritonStep:
 
     shared: Any  # SharedPlan | None
     max_query_len: int
-    layouts: dict[tuple[int, int, int, str], _Layout] = field(default_factory=dict)
+    layouts: dict[tuple[int, int, int, str, str], _Layout] = field(default_factory=dict)
 
 
 def _kernels() -> tuple[Any, Any, Any]:
@@ -122,10 +122,10 @@ class TritonBackend(TritonPagedBackend):
         plan = step.shared
         tokens, q_heads, dim = q.shape
         kv_heads = k_cache.shape[2]
-        key = (q_heads, kv_heads, dim, str(q.device))
+        key = (q_heads, kv_heads, dim, str(q.device), str(q.dtype))
         lay = step.layouts.get(key)
         if lay is None:
-            lay = step.layouts[key] = build_layout(meta, step, q_heads, kv_heads, dim, q.device)
+            lay = step.layouts[key] = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype)
         ns = lay.work.num_slots
         shared_args = (q, k_cache, v_cache, plan.seg_blocks, plan.seg_block_start, plan.seg_rows, lay.work)
         # the shared kernel (dense, tensor-core bound at large B) and the own kernel (bandwidth bound)
@@ -170,9 +170,19 @@ class TritonBackend(TritonPagedBackend):
 
 
 def build_layout(
-    meta: AttentionMetadata, step: TritonStep, q_heads: int, kv_heads: int, dim: int, device: torch.device
+    meta: AttentionMetadata,
+    step: TritonStep,
+    q_heads: int,
+    kv_heads: int,
+    dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> _Layout:
-    """Host work, once per step and head shape: shared work list, own splits, merge CSR, buffers."""
+    """Host work, once per step, head shape and dtype: shared work list, own splits, merge CSR, buffers.
+
+    The dtype is part of the layout because the shared tiles are fitted to shared memory by element
+    size (fp32 needs narrower tiles than bf16).
+    """
     paged, shared_mod, _ = _kernels()
     plan = step.shared
     group = q_heads // kv_heads
@@ -186,7 +196,9 @@ def build_layout(
     bs = meta.block_size
     bstart = plan.seg_block_start_host
     seg_tokens = [(b - a) * bs for a, b in itertools.pairwise(bstart)]
-    work = shared_mod.plan_shared_work(plan.seg_row_start_host, seg_tokens, kv_heads, group, device)
+    work = shared_mod.plan_shared_work(
+        plan.seg_row_start_host, seg_tokens, kv_heads, group, device, head_dim=dim, dtype=dtype
+    )
     ns = work.num_slots
     # merge CSR over the step's T rows: each row's own splits, then its slots in every segment
     seg_rows = plan.seg_rows.cpu().numpy().astype(np.int64)  # [R]
