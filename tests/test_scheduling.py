@@ -108,3 +108,24 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_con
     out = llm.generate({"prompt_token_ids": list(range(100, 130))}, params)[0]
     assert len(out.outputs[0].token_ids) == 4
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_sharing_keeps_greedy_outputs(tiny_config_path: Path, dtype: str) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    shared = list(range(400, 464))
+    prompts = [{"prompt_token_ids": shared + [900 + i, 901 + i]} for i in range(4)]
+    outs = {}
+    for attention in ("reference", "cascade"):
+        llm = LLM(
+            model=f"dummy:{tiny_config_path}",
+            dtype=dtype,
+            attention=attention,
+            num_kv_blocks=64,
+            progress=False,
+        )
+        assert llm.engine.kv.tensor.dtype == getattr(__import__("torch"), dtype)
+        outs[attention] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert_pool_empty(llm)
+    assert outs["cascade"] == outs["reference"]
+    assert all(len(t) == 8 for t in outs["reference"])

@@ -59,9 +59,10 @@ def sample(
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[idx], [params[i] for i in random_rows])
-        race = torch.empty_like(probs)
+        race = torch.empty_like(probs).exponential_(generator=default_generator)  # one draw for all rows
         for j, i in enumerate(random_rows):
-            race[j].exponential_(generator=generators[i] or default_generator)
+            if generators[i] is not None:  # seeded rows redraw from their own stream
+                race[j].exponential_(generator=generators[i])
         tokens[idx] = (probs / race).argmax(-1)
     want = [p.logprobs for p in params if p.logprobs is not None]
     chosen_lp = top_lp = None
