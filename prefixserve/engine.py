@@ -80,6 +80,11 @@ class Engine:
         self.pinned: dict[str, PinnedPrompt] = {}
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)
+        # A sequence must always fit in the blocks nobody pins, or it could preempt itself forever.
+        unpinned = self.pool.num_blocks - sum(len(p.blocks) for p in self.pinned.values())
+        self.max_model_len = min(self.max_model_len, unpinned * bs)
+        if self.max_model_len < 2:
+            raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
 
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:

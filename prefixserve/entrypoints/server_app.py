@@ -42,7 +42,6 @@ from prefixserve.entrypoints.server_requests import (
     check_unsupported,
     read_json,
     sampling,
-    with_application,
 )
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -168,7 +167,7 @@ async def _submit(
 ) -> list[str]:
     """Queue one engine request per prompt; on a refusal, abort the ones already queued."""
     ids: list[str] = []
-    application = req.application if state.loop.accepts_application else None
+    application = req.application
     try:
         for i, prompt in enumerate(prompts):
             sub_id = f"{rid}-{i}"
@@ -306,7 +305,8 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         if len(prompts) * params.n > MAX_N:
             raise APIError(400, f"n x prompts must be at most {MAX_N}, got {len(prompts) * params.n}", "n")
-        prompts = await with_application(state, req.application, prompts)
+        if req.application is not None:
+            application_prompt(state, req.application)  # a 400 naming an unknown application
         rid = f"cmpl-{uuid.uuid4().hex}"
         sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = await _submit(state, rid, prompts, params, req, sink, "prompt")

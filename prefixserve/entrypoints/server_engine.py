@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import inspect
 import logging
 import queue
 import threading
@@ -61,7 +60,6 @@ class EngineLoop:
         self.engine = engine
         self.observer = observer
         self.snapshot: dict[str, float] = engine.metrics()  # replaced (not mutated) by the engine thread
-        self.accepts_application = "application" in inspect.signature(engine.add_request).parameters
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
@@ -98,9 +96,9 @@ class EngineLoop:
             raise EngineStopped("the server is shutting down")
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
-        kwargs: dict[str, Any] = dict(prompt_token_ids=prompt_token_ids, cache_salt=cache_salt, stream=stream)
-        if application is not None:
-            kwargs["application"] = application
+        kwargs: dict[str, Any] = dict(
+            prompt_token_ids=prompt_token_ids, cache_salt=cache_salt, stream=stream, application=application
+        )
         self._commands.put(("add", request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted))
         try:
             await accepted

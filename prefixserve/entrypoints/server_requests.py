@@ -1,12 +1,11 @@
 """Reading and checking one OpenAI request: auth, body limits, JSON, model, sampling parameters.
 
 Each check raises APIError with the status and a message that names the problem; nothing here
-touches the engine (the application's token ids come from the engine thread through ``loop.call``).
+touches the engine (the engine itself puts an application's pinned prompt first).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -135,23 +134,6 @@ def sampling(
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")
         raise APIError(400, str(exc), param=param, code=code) from None
-
-
-async def with_application(
-    state: ServerState, application: str | None, prompts: list[str | list[int]]
-) -> list[str | list[int]]:
-    """Check the application's name; without engine support for pinned prompts, prepend its text here."""
-    if application is None:
-        return prompts
-    system = application_prompt(state, application)
-    if state.loop.accepts_application:
-        return prompts  # the engine puts the pinned prompt's tokens first
-    if all(isinstance(p, str) for p in prompts):
-        return [system + p for p in prompts]  # type: ignore[operator]
-    tokens = await asyncio.wrap_future(
-        state.loop.call(lambda e: e.tokenizer.encode(system, add_special_tokens=False))
-    )
-    return [system + p if isinstance(p, str) else tokens + p for p in prompts]
 
 
 def application_prompt(state: ServerState, application: str) -> str:
