@@ -114,7 +114,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_con
 def test_half_precision_runs_and_sharing_keeps_greedy_outputs(tiny_config_path: Path, dtype: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     shared = list(range(400, 464))
-    prompts = [{"prompt_token_ids": shared + [900 + i, 901 + i]} for i in range(4)]
+    prompts = [{"prompt_token_ids": [*shared, 900 + i, 901 + i]} for i in range(4)]
     outs = {}
     for attention in ("reference", "cascade"):
         llm = LLM(

@@ -10,6 +10,7 @@ constants are meant to be calibrated from ``benchmarks/attention_cpu.py`` (and i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,20 +51,57 @@ def cascade_pays_off(
     return saved >= cost.segment_overhead_rows * plan.num_segments
 
 
+@dataclass(frozen=True, slots=True)
+class GpuCascadeCost:
+    """Constants of the GPU rule: KV bytes not re-read, in time, against the shared path's extra cost.
+
+    ``bandwidth`` is the rate at which the plain paged kernel reads KV that the shared path would not:
+    on the H200 it read 1.07 GB (B=64, 4,096-token shared prefix) in 0.177 ms, about 6 TB/s, above HBM
+    because the re-read prefix partly hits L2 (docs/benchmarks/attention.md). ``overhead_s`` is the
+    shared path's extra cost per layer over the plain paged one in the eager engine, measured on the
+    H200 (NOTES.md, "Engine eager overhead"): at B=64, P=4K its step took 7-9 ms more over 32 layers
+    (two more launches, the per-step plan, layout and first-layer binding), about 250 us per layer,
+    although its attention kernels alone are faster. The eager step is host-bound, so GPU time saved
+    below that does not show. With it, the shared path is taken at B=256, P=4K (saves ~0.7 ms of
+    reads per layer) and not at B=64, P=4K (~0.18 ms). Lower it once decode runs under CUDA graphs.
+    ``kv_bytes_per_token`` (K and V of one token in one layer) is learned
+    from the first forward; the default is Llama-3-8B in bf16 (2 x 8 heads x 128 x 2 bytes).
+    """
+
+    bandwidth: float = 6.0e12
+    overhead_s: float = 250e-6
+    kv_bytes_per_token: int = 4096
+
+
+def gpu_cascade_pays_off(
+    plan: SharedPlan, logical_kv_tokens: int, kv_bytes_per_token: int, cost: GpuCascadeCost | None = None
+) -> bool:
+    """True when the time of the KV reads the shared path saves (per layer) exceeds its extra cost."""
+    cost = cost or GpuCascadeCost()
+    if plan.num_segments == 0:
+        return False
+    saved_bytes = (logical_kv_tokens - plan.kv_tokens_read) * kv_bytes_per_token
+    return saved_bytes / cost.bandwidth >= cost.overhead_s
+
+
 @register_backend
 class AutoBackend(AttentionBackend):
     """Per step: cascade when ``cascade_pays_off``, else the same code with no segments (per sequence).
 
-    On CUDA with Triton installed, steps go to the Triton backend (shared-segment + paged kernels),
-    which measured never slower than the plain paged kernel (docs/benchmarks/attention.md).
+    On CUDA with Triton installed, each step goes either to the Triton shared-segment path or to the
+    plain paged kernel (the same backend with no segments), by ``gpu_cascade_pays_off``: the shared
+    path costs two launches more per layer, which an eager step pays on the host, so it is taken only
+    when the KV reads it saves are worth more than that (docs/benchmarks/gpu_engine_smoke.md).
     """
 
     name = "auto"
     group_hint: int = 4
     cost: CascadeCost = CascadeCost()
+    gpu_cost: GpuCascadeCost = GpuCascadeCost()
 
     def __init__(self) -> None:
         self._gpu: AttentionBackend | None = None
+        self._kv_bytes_per_token: int | None = None  # learned from the first forward's cache
 
     def _gpu_backend(self, meta: AttentionMetadata) -> AttentionBackend | None:
         if meta.seq_lens.device.type != "cuda":
@@ -80,7 +118,7 @@ class AutoBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         gpu = self._gpu_backend(meta)
         if gpu is not None:
-            gpu.prepare(meta)
+            self._prepare_gpu(gpu, meta)
             return
         plan = make_plan(meta)
         logical = meta.logical_kv_tokens()
@@ -91,7 +129,25 @@ class AutoBackend(AttentionBackend):
         meta.stats["kv_tokens_logical"] = float(logical)
         meta.stats["shared_segments"] = float(plan.num_segments if use else 0)
 
+    def _prepare_gpu(self, gpu: Any, meta: AttentionMetadata) -> None:
+        """Plan on the host, then install the shared plan or the plain paged step by the GPU cost rule."""
+        from prefixserve.attention.kernels.triton_backend import host_plan
+
+        plan = host_plan(meta)
+        logical = meta.logical_kv_tokens()
+        kv_bytes = self._kv_bytes_per_token or self.gpu_cost.kv_bytes_per_token
+        if gpu_cascade_pays_off(plan, logical, kv_bytes, self.gpu_cost):
+            gpu.install(meta, plan)
+            return
+        meta.plan = gpu._paged_step(meta)
+        meta.stats["cascade"] = 0.0
+        meta.stats["kv_tokens_read"] = float(logical)
+        meta.stats["kv_tokens_logical"] = float(logical)
+        meta.stats["shared_segments"] = 0.0
+
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._gpu is not None and q.device.type == "cuda":
+            if self._kv_bytes_per_token is None:
+                self._kv_bytes_per_token = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
             return self._gpu.forward(q, k_cache, v_cache, meta, scale)
         return cascade_attention(q, k_cache, v_cache, meta, meta.plan, scale)

@@ -18,6 +18,7 @@ import math
 import torch
 
 from prefixserve.attention.kernels import require_triton
+from prefixserve.attention.kernels.launch import Launch, record
 
 triton, tl = require_triton()
 
@@ -119,8 +120,13 @@ def merge_partials(
     out_dtype: torch.dtype = torch.float32,
     out_lse: torch.Tensor | None = None,  # [T, H] fp32
     want_lse: bool = True,
+    launches: list[Launch] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge each row's partials; returns (o [T, H, D], lse [T, H] fp32 natural log, or None)."""
+    """Merge each row's partials; returns (o [T, H, D], lse [T, H] fp32 natural log, or None).
+
+    ``launches``, when given, receives the recorded launch (arg 4 is ``out``) so that later layers of
+    a step can ``relaunch`` it without Triton's per-call binding cost.
+    """
     _, heads, dim = _check_parts(o_part, lse_part)
     regular = row_ptr is None
     if regular:
@@ -142,8 +148,8 @@ def merge_partials(
         raise ValueError("out_lse must be [T, H] fp32 with a contiguous last dim")
     if num_rows == 0:
         return out, out_lse
-    dummy = torch.zeros(1, dtype=torch.int32, device=o_part.device)
-    _merge_kernel[(num_rows,)](
+    dummy = row_ptr if row_ptr is not None else torch.zeros(1, dtype=torch.int32, device=o_part.device)
+    args = (
         o_part,
         lse_part,
         dummy if regular else row_ptr,
@@ -158,13 +164,18 @@ def merge_partials(
         out.stride(0),
         out.stride(1),
         out_lse.stride(0) if out_lse is not None else 0,
-        NUM_HEADS=heads,
-        BLOCK_H=triton.next_power_of_2(heads),
-        HEAD_DIM=dim,
-        REGULAR=regular,
-        WRITE_LSE=out_lse is not None,
-        num_warps=4,
     )
+    kw = {
+        "NUM_HEADS": heads,
+        "BLOCK_H": triton.next_power_of_2(heads),
+        "HEAD_DIM": dim,
+        "REGULAR": regular,
+        "WRITE_LSE": out_lse is not None,
+        "num_warps": 4,
+    }
+    compiled = _merge_kernel[(num_rows,)](*args, **kw)
+    if launches is not None:
+        launches.append(record(_merge_kernel, (num_rows,), args, kw, compiled))
     return out, out_lse
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from prefixserve.attention.kernels import require_triton
+from prefixserve.attention.kernels.launch import Launch, record
 from prefixserve.attention.kernels.merge import merge_partials
 
 triton, tl = require_triton()
@@ -281,9 +282,11 @@ def _out_of_resources() -> type[Exception]:
 _FALLBACK: dict[tuple[Any, ...], tuple[int, int]] = {}  # (kernel, constexprs) -> (BLOCK_N, stages) that fit
 
 
-def launch_fitting(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], **kw: Any) -> None:
+def launch_fitting(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], **kw: Any) -> Launch:
     """Launch ``kernel``; if Triton still runs out of shared memory, retry with fewer stages, then a
     narrower BLOCK_N (both keep the result: KV ranges are walked in any tile width).
+
+    Returns the launch that ran, recorded so that later layers can ``relaunch`` it cheaply.
 
     ``fit_tiles`` is a model of Triton's allocator, and this is the safety net for where the model is
     off; the config that fitted is remembered, so the retry costs one failed compile per shape.
@@ -294,8 +297,8 @@ def launch_fitting(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], **
         kw["BLOCK_N"], kw["num_stages"] = _FALLBACK[key]
     while True:
         try:
-            kernel[grid](*args, **kw)
-            return
+            compiled = kernel[grid](*args, **kw)
+            return record(kernel, grid, args, kw, compiled)
         except _out_of_resources():
             if kw["num_stages"] > 1:
                 kw["num_stages"] -= 1
@@ -366,8 +369,12 @@ def launch_paged(
     block_n: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> None:
-    """Launch the kernel; split k of row t goes to o_dst + k * split_stride_o (element strides)."""
+) -> Launch | None:
+    """Launch the kernel; split k of row t goes to o_dst + k * split_stride_o (element strides).
+
+    Returns the recorded launch (None when there was nothing to do): args 0-2 are q, k_cache,
+    v_cache and 6-7 o_dst, lse_dst, for ``relaunch``.
+    """
     q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
     _check_int32("block_tables", block_tables, 2)
     _check_int32("seq_lens", seq_lens, 1)
@@ -376,7 +383,7 @@ def launch_paged(
         raise ValueError("outputs need a contiguous head_dim (o) and head (lse) dimension")
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
-        return
+        return None
     group = q_heads // kv_heads
     block_m = pick_block_m(max_query_len * group, group)
     stages = num_stages or 2  # measured on H200 (bf16): NOTES.md
@@ -384,7 +391,7 @@ def launch_paged(
     block_m, block_n, stages = fit_tiles(block_m, block_n, stages, dim, elt, limit)
     q_tiles = math.ceil(max_query_len / (block_m // group))
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
-    launch_fitting(
+    return launch_fitting(
         _paged_kernel,
         grid,
         (

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.attention.kernels import require_triton
+from prefixserve.attention.kernels.launch import Launch
 from prefixserve.attention.kernels.merge import merge_partials
 from prefixserve.attention.kernels.paged_attention import (
     LOG2E,
@@ -222,10 +223,13 @@ def plan_shared_work(
     head_dim: int = 128,
     dtype: torch.dtype = torch.bfloat16,
     num_stages: int | None = None,
+    items_on_host: bool = False,
 ) -> SharedWork:
     """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
 
     Tiles depend on dtype and head_dim (shared memory), so pass the ones the kernel will run with.
+    ``items_on_host=True`` leaves the work list on the host, for callers that pack it with other
+    per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
     limit = smem_limit(device)
@@ -262,7 +266,7 @@ def plan_shared_work(
         slot += k * n_rows
     items_t = torch.tensor(items or [(0, 0, 0, 0, 0, 0)], dtype=torch.int32).reshape(-1, ITEM_FIELDS)
     return SharedWork(
-        items=items_t.to(device),
+        items=items_t if items_on_host else items_t.to(device),
         num_slots=slot,
         block_m=block_m,
         block_n=block_n,
@@ -286,8 +290,11 @@ def launch_shared(
     lse_part: torch.Tensor,  # [>= work.num_slots, Hq] fp32
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> None:
-    """Run the shared-segment kernel over ``work``; writes partial slots of o_part / lse_part."""
+) -> Launch | None:
+    """Run the shared-segment kernel over ``work``; writes partial slots of o_part / lse_part.
+
+    Returns the recorded launch (None when there was no slot): args 0-2 are q, k_cache, v_cache.
+    """
     q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
     for name, t in (("seg_blocks", seg_blocks), ("seg_block_start", seg_block_start), ("seg_rows", seg_rows)):
         if t.dtype != torch.int32 or t.dim() != 1 or (t.numel() and t.stride(0) != 1):
@@ -299,9 +306,9 @@ def launch_shared(
     if lse_part.shape[0] < work.num_slots or lse_part.stride(1) != 1:
         raise ValueError("lse_part too small or not contiguous per head")
     if work.num_slots == 0:
-        return
+        return None
     group = q_heads // kv_heads
-    launch_fitting(
+    return launch_fitting(
         _shared_kernel,
         (work.items.shape[0], kv_heads),
         (

@@ -8,12 +8,25 @@ segment in the batch it runs the plain paged kernel alone (one launch, plus a sp
 
 "triton_paged" is the same paged kernel over whole block tables, no sharing: the baseline to beat.
 
+Host cost matters as much as kernel time in an eager decode step (32 layers, each a few launches;
+docs/benchmarks/NOTES.md "Engine eager overhead"), so the per-step work is done once and the per-layer
+work is kept to launches:
+  * ``prepare`` plans on the host and moves every plan tensor to the device in one asynchronous copy
+    from pinned memory (``make_plan`` alone would do seven blocking copies);
+  * the first layer of a step builds the layout (work list, merge CSR, partial buffers: again one
+    asynchronous copy, no device read) and launches through Triton's normal path, recording each
+    launch; every later layer ``relaunch``es the recorded launches with its own q / K / V / output,
+    which skips Triton's per-call argument binding (kernels/launch.py);
+  * the shared and own kernels run on one stream unless the shared work is large enough for a
+    second stream's fork/join (two event waits per layer) to pay (``overlap_min_rows``).
+
 This module imports without Triton so that the backends register; the kernels load on first use and
 raise ImportError with the fix when Triton is missing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +36,12 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
 from prefixserve.attention.metadata import AttentionMetadata
+
+# argument positions that change from layer to layer: (q, k_cache, v_cache, output), -1 = none
+_PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
+_PAGED_PART = (0, 1, 2, -1)  # paged kernel writing fp32 partials (step buffers)
+_SHARED = (0, 1, 2, -1)
+_MERGE = (-1, -1, -1, 4)
 
 
 @dataclass(slots=True)
@@ -37,6 +56,9 @@ class _Layout:
     part_idx: torch.Tensor | None = None  # [nnz] int32
     o_part: torch.Tensor | None = None  # [num_slots, Hq, D] fp32, reused by every layer
     lse_part: torch.Tensor | None = None  # [num_slots, Hq] fp32
+    # recorded on the step's first layer: (launch, its per-layer argument positions, on side stream)
+    launches: list[tuple[Any, tuple[int, int, int, int], bool]] = field(default_factory=list)
+    signature: tuple[Any, ...] = ()  # shapes / strides the recorded launches were specialised on
 
 
 @dataclass(slots=True)
@@ -46,12 +68,80 @@ class TritonStep:
     shared: Any  # SharedPlan | None
     max_query_len: int
     layouts: dict[tuple[int, int, int, str, str], _Layout] = field(default_factory=dict)
+    max_seq_len: int = 0
+    seg_rows_host: np.ndarray | None = None  # [R] query row of each segment row (no device read)
 
 
 def _kernels() -> tuple[Any, Any, Any]:
     from prefixserve.attention.kernels import merge, paged_attention, shared_attention
 
     return paged_attention, shared_attention, merge
+
+
+def _relaunch(launch: Any, pos: tuple[int, int, int, int], tensors: tuple[torch.Tensor, ...]) -> None:
+    from prefixserve.attention.kernels.launch import relaunch
+
+    relaunch(launch, [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0])
+
+
+def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Copy int32 host arrays to ``device`` in one asynchronous copy; returns 1-d views, in order.
+
+    On CUDA the staging tensor is pinned (torch's caching host allocator, which keeps it alive until
+    the copy is done), so the host does not wait; elsewhere it is a plain copy.
+    """
+    sizes = [int(a.size) for a in arrays]
+    flat = np.concatenate([np.ascontiguousarray(a, dtype=np.int32).ravel() for a in arrays] or [np.zeros(0)])
+    host = torch.from_numpy(flat.astype(np.int32, copy=False))
+    dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    offsets = np.r_[0, np.cumsum(sizes)].tolist()
+    return [dev[a:b] for a, b in itertools.pairwise(offsets)]
+
+
+def host_plan(meta: AttentionMetadata) -> Any:
+    """``make_plan`` on the host: every tensor of the returned SharedPlan is a CPU tensor.
+
+    The one device read is of the block tables, which the eager engine has just written while its
+    stream is idle (the previous step ended in sampling's sync), so it waits on no kernel.
+    """
+    from prefixserve.attention.plan import make_plan
+
+    tables = meta.block_tables
+    if tables.device.type != "cpu":
+        meta = dataclasses.replace(meta, block_tables=tables.cpu(), plan=None, stats={})
+    return make_plan(meta)
+
+
+_PLAN_TENSORS = (
+    "seg_blocks",
+    "seg_block_start",
+    "seg_num_tokens",
+    "seg_rows",
+    "seg_row_start",
+    "own_block_tables",
+    "own_seq_lens",
+)
+
+
+def plan_to_device(plan: Any, device: torch.device) -> Any:
+    """Move a host SharedPlan's tensors to ``device`` with one asynchronous copy (shapes kept)."""
+    if device.type == "cpu":
+        return plan
+    host = [getattr(plan, name) for name in _PLAN_TENSORS]
+    flat = to_device_packed([t.numpy() for t in host], device)
+    for name, h, d in zip(_PLAN_TENSORS, host, flat, strict=True):
+        setattr(plan, name, d.view(h.shape))
+    return plan
+
+
+def _seg_rows_host(plan: Any, meta: AttentionMetadata) -> np.ndarray:
+    """Query rows of every segment's holders, holder-major (what plan.seg_rows holds on the device)."""
+    holders = np.fromiter(itertools.chain.from_iterable(plan.seg_holders_host), dtype=np.int64)
+    qlens = np.asarray(meta.query_lens_host, dtype=np.int64)
+    qsl = np.r_[0, np.cumsum(qlens)]
+    counts = qlens[holders]
+    offsets = np.r_[0, np.cumsum(counts)[:-1]]
+    return np.repeat(qsl[holders] - offsets, counts) + np.arange(int(counts.sum()))
 
 
 @register_backend
@@ -62,7 +152,15 @@ class TritonPagedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
-        meta.plan = TritonStep(shared=None, max_query_len=max(meta.query_lens_host, default=1))
+        meta.plan = self._paged_step(meta)
+
+    @staticmethod
+    def _paged_step(meta: AttentionMetadata) -> TritonStep:
+        return TritonStep(
+            shared=None,
+            max_query_len=max(meta.query_lens_host, default=1),
+            max_seq_len=max(meta.seq_lens_host, default=0),
+        )
 
     def _step(self, meta: AttentionMetadata) -> TritonStep:
         if not isinstance(meta.plan, TritonStep):
@@ -70,20 +168,47 @@ class TritonPagedBackend(AttentionBackend):
         return meta.plan
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        paged, _, _ = _kernels()
         step = self._step(meta)
-        out, _ = paged.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            scale,
-            step.max_query_len,
-            max_seq_len=max(meta.seq_lens_host, default=0),
-        )
+        out = torch.empty_like(q)
+        key = (q.shape[1], k_cache.shape[2], q.shape[2], "paged", str(q.dtype))
+        lay = step.layouts.get(key)
+        sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
+        if lay is not None and lay.signature == sig:
+            for launch, pos, _ in lay.launches:
+                _relaunch(launch, pos, (q, k_cache, v_cache, out))
+            return out
+        step.layouts[key] = self._paged_first(q, k_cache, v_cache, meta, step, scale, out, sig)
         return out
+
+    def _paged_first(self, q, k_cache, v_cache, meta, step: TritonStep, scale: float, out, sig) -> _Layout:
+        """Launch the plain paged path through Triton's normal path and record it for later layers."""
+        paged, _, merge = _kernels()
+        tokens, q_heads, dim = q.shape
+        kv_heads = k_cache.shape[2]
+        group = q_heads // kv_heads
+        block_n = 64
+        block_m = paged.pick_block_m(step.max_query_len * group, group)
+        base = meta.num_seqs * -(-step.max_query_len // (block_m // group)) * kv_heads
+        splits, size = paged.choose_split(step.max_seq_len, base, q.device, block_n)
+        args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        lay = _Layout(own_splits=splits, own_split_size=size, signature=sig)
+        lse = torch.empty(splits * tokens, q_heads, dtype=torch.float32, device=q.device)
+        if splits == 1:
+            launch = paged.launch_paged(*args, step.max_query_len, 1, size, out, lse, 0, 0, block_n)
+            lay.launches = [(launch, _PAGED_OUT, False)] if launch is not None else []
+            return lay
+        o_part = torch.empty(splits * tokens, q_heads, dim, dtype=torch.float32, device=q.device)
+        launch = paged.launch_paged(
+            *args, step.max_query_len, splits, size, o_part, lse, o_part.stride(0) * tokens, q_heads * tokens
+        )
+        rec: list[Any] = []
+        merge.merge_partials(
+            o_part, lse, tokens, num_parts=splits, part_stride=tokens, out=out, want_lse=False, launches=rec
+        )
+        lay.o_part, lay.lse_part = o_part, lse  # held: the recorded launches point at them
+        if launch is not None:
+            lay.launches = [(launch, _PAGED_PART, False)] + [(m, _MERGE, False) for m in rec]
+        return lay
 
 
 @register_backend
@@ -91,54 +216,84 @@ class TritonBackend(TritonPagedBackend):
     """Shared-segment attention: segments once with stacked holders, own parts paged, LSE merge."""
 
     name = "triton"
-    overlap_streams: bool = True  # run shared and own kernels concurrently on CUDA
+    # Run the shared kernel on a side stream (concurrent with the own kernel) only when the stacked
+    # rows are this many or more: below, the shared kernel is a few microseconds and the fork/join
+    # (two stream waits per layer) costs more host time than the overlap saves.
+    overlap_min_rows: int = 512
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        if device.type != "cuda" or not self.overlap_streams:
+    def _side_stream(self, device: torch.device, rows: int) -> torch.cuda.Stream | None:
+        if device.type != "cuda" or rows < self.overlap_min_rows:
             return None
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        from prefixserve.attention.plan import make_plan
+        self.install(meta, host_plan(meta))
 
-        plan = make_plan(meta)
+    def install(self, meta: AttentionMetadata, plan: Any) -> None:
+        """Make ``plan`` (a host SharedPlan from ``host_plan``) this step's plan, and report its stats."""
         meta.stats["kv_tokens_read"] = float(plan.kv_tokens_read)
         meta.stats["kv_tokens_logical"] = float(meta.logical_kv_tokens())
         meta.stats["shared_segments"] = float(plan.num_segments)
         meta.stats["cascade"] = 1.0 if plan.num_segments else 0.0
-        shared = plan if plan.num_segments > 0 else None
-        meta.plan = TritonStep(shared=shared, max_query_len=max(meta.query_lens_host, default=1))
+        step = self._paged_step(meta)
+        if plan.num_segments > 0:
+            step.seg_rows_host = _seg_rows_host(plan, meta)
+            step.shared = plan_to_device(plan, meta.block_tables.device)
+        meta.plan = step
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         step = self._step(meta)
         if step.shared is None:
             return super().forward(q, k_cache, v_cache, meta, scale)
-        paged, shared_mod, merge = _kernels()
-        plan = step.shared
-        tokens, q_heads, dim = q.shape
+        _tokens, q_heads, dim = q.shape
         kv_heads = k_cache.shape[2]
         key = (q_heads, kv_heads, dim, str(q.device), str(q.dtype))
         lay = step.layouts.get(key)
         if lay is None:
             lay = step.layouts[key] = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype)
+        out = torch.empty_like(q)
+        sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
+        side = self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
+        if lay.signature == sig and lay.launches:
+            main = None
+            for launch, pos, on_side in lay.launches:
+                if on_side and side is not None:
+                    main = torch.cuda.current_stream(q.device)
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        _relaunch(launch, pos, (q, k_cache, v_cache, out))
+                    continue
+                if main is not None and pos is _MERGE:
+                    main.wait_stream(side)
+                _relaunch(launch, pos, (q, k_cache, v_cache, out))
+            return out
+        lay.launches = self._shared_first(q, k_cache, v_cache, meta, step, lay, scale, out, side)
+        lay.signature = sig
+        return out
+
+    def _shared_first(self, q, k_cache, v_cache, meta, step: TritonStep, lay: _Layout, scale, out, side):
+        """Launch shared + own + merge through Triton's normal path; return the recorded launches."""
+        paged, shared_mod, merge = _kernels()
+        plan = step.shared
+        tokens, q_heads, dim = q.shape
         ns = lay.work.num_slots
+        launches: list[tuple[Any, tuple[int, int, int, int], bool]] = []
         shared_args = (q, k_cache, v_cache, plan.seg_blocks, plan.seg_block_start, plan.seg_rows, lay.work)
-        # the shared kernel (dense, tensor-core bound at large B) and the own kernel (bandwidth bound)
-        # run on two streams so they overlap; under CUDA graphs this becomes two parallel branches
-        side = self._side_stream(q.device)
         if side is not None:
             main = torch.cuda.current_stream(q.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part)
+                sl = shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part)
         else:
-            shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part)
-        paged.launch_paged(
+            sl = shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part)
+        if sl is not None:
+            launches.append((sl, _SHARED, side is not None))
+        ol = paged.launch_paged(
             q,
             k_cache,
             v_cache,
@@ -154,9 +309,11 @@ class TritonBackend(TritonPagedBackend):
             tokens * q_heads * dim,
             tokens * q_heads,
         )
+        if ol is not None:
+            launches.append((ol, _PAGED_PART, False))
         if side is not None:
             main.wait_stream(side)
-        out = torch.empty_like(q)
+        rec: list[Any] = []
         merge.merge_partials(
             lay.o_part,
             lay.lse_part,
@@ -165,8 +322,10 @@ class TritonBackend(TritonPagedBackend):
             part_idx=lay.part_idx,
             out=out,
             want_lse=False,
+            launches=rec,
         )
-        return out
+        launches += [(m, _MERGE, False) for m in rec]
+        return launches
 
 
 def build_layout(
@@ -180,8 +339,9 @@ def build_layout(
 ) -> _Layout:
     """Host work, once per step, head shape and dtype: shared work list, own splits, merge CSR, buffers.
 
-    The dtype is part of the layout because the shared tiles are fitted to shared memory by element
-    size (fp32 needs narrower tiles than bf16).
+    Everything is computed from host lists (no device read), and the work list and merge CSR reach
+    the device in one asynchronous copy. The dtype is part of the layout because the shared tiles are
+    fitted to shared memory by element size (fp32 needs narrower tiles than bf16).
     """
     paged, shared_mod, _ = _kernels()
     plan = step.shared
@@ -197,11 +357,20 @@ def build_layout(
     bstart = plan.seg_block_start_host
     seg_tokens = [(b - a) * bs for a, b in itertools.pairwise(bstart)]
     work = shared_mod.plan_shared_work(
-        plan.seg_row_start_host, seg_tokens, kv_heads, group, device, head_dim=dim, dtype=dtype
+        plan.seg_row_start_host,
+        seg_tokens,
+        kv_heads,
+        group,
+        device,
+        head_dim=dim,
+        dtype=dtype,
+        items_on_host=True,
     )
     ns = work.num_slots
     # merge CSR over the step's T rows: each row's own splits, then its slots in every segment
-    seg_rows = plan.seg_rows.cpu().numpy().astype(np.int64)  # [R]
+    seg_rows = step.seg_rows_host
+    if seg_rows is None:  # a step planned elsewhere (e.g. benchmarks): read the rows back once
+        seg_rows = plan.seg_rows.cpu().numpy().astype(np.int64)
     slot_rows = seg_rows[work.slot_row_index.numpy()]  # [ns] query row of each shared slot
     own_rows = np.tile(np.arange(tokens, dtype=np.int64), own_splits)  # [own_splits * T]
     rows = np.concatenate([slot_rows, own_rows])
@@ -209,16 +378,18 @@ def build_layout(
     row_ptr = np.zeros(tokens + 1, dtype=np.int64)
     row_ptr[1:] = np.cumsum(np.bincount(rows, minlength=tokens))
     num_slots = ns + own_splits * tokens
+    items, row_ptr_d, part_idx_d = to_device_packed([work.items.numpy(), row_ptr, order], device)
+    work.items = items.view(work.items.shape)
     return _Layout(
         own_splits=own_splits,
         own_split_size=own_split_size,
         work=work,
         num_slots=num_slots,
-        row_ptr=torch.from_numpy(row_ptr.astype(np.int32)).to(device),
-        part_idx=torch.from_numpy(order.astype(np.int32)).to(device),
+        row_ptr=row_ptr_d,
+        part_idx=part_idx_d,
         o_part=torch.empty(num_slots, q_heads, dim, dtype=torch.float32, device=device),
         lse_part=torch.empty(num_slots, q_heads, dtype=torch.float32, device=device),
     )
 
 
-__all__ = ["TritonBackend", "TritonPagedBackend", "TritonStep"]
+__all__ = ["TritonBackend", "TritonPagedBackend", "TritonStep", "host_plan", "plan_to_device"]

@@ -1,0 +1,94 @@
+"""Bound kernel launches: pay Triton's Python launch cost once per step, not once per layer.
+
+``kernel[grid](*args)`` binds and specialises every argument, hashes a cache key and looks the compiled
+kernel up on each call: tens of microseconds, which an eager 32-layer decode step pays per launch and
+per layer (docs/benchmarks/NOTES.md, "Engine eager overhead"). Every layer of a step launches the same
+kernels with the same grid, integers and strides; only the tensors of the layer (q, the layer's K/V
+cache, the output) change. So the first launch of a step goes through Triton's normal path and is
+recorded as a ``Launch``; later layers call ``relaunch``, which swaps those tensors into the recorded
+argument list and calls the compiled kernel's launcher directly (a few microseconds).
+
+Safety: a swapped tensor must keep what the compiled kernel was specialised on. Pointers are
+specialised on 16-byte alignment only, so ``relaunch`` checks that (and dtype/strides are the caller's
+promise: the same model layer shape). Whenever the fast path is not available (the CPU interpreter, a
+Triton without ``CompiledKernel.run``, a launch hook installed by a profiler) it falls back to the
+normal launch, which is always correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class Launch:
+    """One recorded launch: the kernel, its grid, and every parameter in signature order."""
+
+    kernel: Any  # triton JITFunction (or the interpreter's wrapper)
+    grid: tuple[int, int, int]
+    args: list[Any]  # every kernel parameter, constexprs included, in signature order
+    num_positional: int  # the first ones are passed positionally on the slow path
+    keywords: list[str]  # names of the rest (the constexprs), in the order they sit in ``args``
+    options: dict[str, Any]  # num_warps, num_stages
+    compiled: Any  # triton CompiledKernel, or None when the fast path is not available
+
+
+def record(
+    kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kw: dict[str, Any], compiled: Any
+) -> Launch:
+    """Make a ``Launch`` from a call ``kernel[grid](*args, **kw)`` that returned ``compiled``."""
+    names = list(getattr(kernel, "arg_names", []))
+    constexprs = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")}
+    full = list(args)
+    fast = (
+        compiled is not None
+        and hasattr(compiled, "run")
+        and hasattr(compiled, "packed_metadata")
+        and len(names) == len(args) + len(constexprs)
+        and all(n in constexprs for n in names[len(args) :])
+    )
+    order = names[len(args) :] if fast else list(constexprs)
+    full += [constexprs[n] for n in order]
+    g = (*grid, 1, 1)[:3]
+    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    grid3 = (int(g[0]), int(g[1]), int(g[2]))
+    return Launch(kernel, grid3, full, len(args), order, options, compiled if fast else None)
+
+
+def _hooked() -> bool:
+    """True when a launch hook (a profiler's) is installed: then take Triton's path, which calls it.
+
+    Triton 3.6 keeps the hooks as ``HookChain`` objects that are never None; an empty chain is no hook.
+    """
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - older Triton: always take the normal path
+        return True
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def relaunch(launch: Launch, swaps: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Launch again with ``args[i] = tensor`` for each swap; fast when the recorded kernel allows it."""
+    args = launch.args
+    ck = launch.compiled
+    fast = ck is not None
+    for i, t in swaps:
+        args[i] = t
+        if t.data_ptr() % 16:
+            fast = False
+    if fast and not _hooked():
+        g = launch.grid
+        stream = torch.cuda.current_stream(args[0].device).cuda_stream
+        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args)
+        return
+    n = launch.num_positional
+    kw = dict(zip(launch.keywords, args[n:], strict=True))
+    launch.kernel[launch.grid](*args[:n], **kw, **launch.options)
+
+
+__all__ = ["Launch", "record", "relaunch"]
