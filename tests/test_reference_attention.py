@@ -38,3 +38,17 @@ def test_reference_backend_matches_oracle(group: int) -> None:
         assert torch.isfinite(lse).all()
         torch.testing.assert_close(out[start : start + q_len], o, rtol=1e-10, atol=1e-10)
         start += q_len
+
+
+def test_build_metadata_slots_and_padding() -> None:
+    from prefixserve.attention.metadata import build_metadata
+
+    meta = build_metadata(4, [1, 3], [6, 3], [[7, 2], [5]], "cpu")
+    assert meta.query_start_loc.tolist() == [0, 1, 4]
+    assert meta.block_tables.tolist() == [[7, 2], [5, 0]]
+    # seq 0 writes index 5 (block 2, offset 1); seq 1 writes indices 0..2 of block 5
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 20, 21, 22]
+    with pytest.raises(ValueError, match="query length"):
+        build_metadata(4, [0], [3], [[1]], "cpu")
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_metadata(4, [1], [9], [[1, 2]], "cpu")

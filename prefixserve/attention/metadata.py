@@ -13,9 +13,11 @@ KV cache layout of one layer: ``k_cache, v_cache: [num_blocks, block_size, kv_he
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -31,6 +33,7 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     block_tables_host: list[list[int]]  # each list covers exactly ceil(seq_len / block_size) blocks
+    block_tables_np: np.ndarray | None = None  # host copy of block_tables (planning reads it, no device sync)
     plan: Any = None  # backend-specific per-step plan (e.g. shared segments), made in ``prepare``
     stats: dict[str, float] = field(default_factory=dict)  # per-step counters a backend reports
 
@@ -58,29 +61,44 @@ def build_metadata(
     block_tables: list[list[int]],
     device: torch.device | str,
 ) -> AttentionMetadata:
-    """Make device tensors (and the write slots of the new tokens) from host lists."""
+    """Make device tensors (and the write slots of the new tokens) from host lists.
+
+    Vectorised with numpy: at B=256 with 4K-token sequences a Python loop here cost 7-31 ms a step.
+    """
     num_seqs = len(seq_lens)
     if not (len(query_lens) == len(block_tables) == num_seqs):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-    starts = [0]
-    slots: list[int] = []
-    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        if q_len < 1 or q_len > s_len:
-            raise ValueError(f"query length {q_len} must be in [1, seq_len={s_len}]")
-        if len(table) * block_size < s_len:
-            raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
-        starts.append(starts[-1] + q_len)
-        for idx in range(s_len - q_len, s_len):
-            slots.append(table[idx // block_size] * block_size + idx % block_size)
-    width = max((len(t) for t in block_tables), default=1) or 1
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    n_blocks = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=num_seqs)
+    bad = np.flatnonzero((q < 1) | (q > s))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"query length {query_lens[i]} must be in [1, seq_len={seq_lens[i]}]")
+    short = np.flatnonzero(n_blocks * block_size < s)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"block table of {n_blocks[i]} blocks cannot hold {seq_lens[i]} tokens")
+    # Padded block tables: scatter the concatenated tables into [S, width].
+    width = max(int(n_blocks.max(initial=0)), 1)
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(n_blocks.sum()))
+    rows = np.repeat(np.arange(num_seqs), n_blocks)
+    cols = np.arange(flat.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+    tables = np.zeros((num_seqs, width), dtype=np.int32)
+    tables[rows, cols] = flat
+    # Write slots of the new tokens: token j of sequence i sits at cache index seq_len - q_len + j.
+    starts = np.concatenate(([0], np.cumsum(q)))
+    owner = np.repeat(np.arange(num_seqs), q)
+    index = (s - q)[owner] + np.arange(int(starts[-1])) - starts[owner]
+    slots = tables[owner, index // block_size].astype(np.int64) * block_size + index % block_size
     return AttentionMetadata(
         block_size=block_size,
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(num_seqs, width),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(tables).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         query_lens_host=list(query_lens),
         seq_lens_host=list(seq_lens),
-        block_tables_host=[list(t) for t in block_tables],
+        block_tables_host=block_tables,
+        block_tables_np=tables,
     )

@@ -56,6 +56,13 @@ class SharedPlan:
         return self.seg_row_start_host[g + 1] - self.seg_row_start_host[g]
 
 
+def _host_tables(meta: AttentionMetadata) -> np.ndarray:
+    """The padded block tables on the host (the metadata's own copy: no device read)."""
+    if meta.block_tables_np is not None:
+        return meta.block_tables_np
+    return meta.block_tables.detach().cpu().numpy()
+
+
 def make_plan(meta: AttentionMetadata) -> SharedPlan:
     """Find the shared segments of a step's block tables and compact each sequence's own part.
 
@@ -78,7 +85,7 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     query_lens = np.asarray(meta.query_lens_host, dtype=np.int64)  # [S]
     n_blocks = -(-seq_lens // bs)  # [S] table length
     n_cand = (seq_lens - query_lens) // bs  # [S] full blocks wholly before the first query token
-    tables = meta.block_tables.detach().cpu().numpy()  # [S, W] int32, zero-padded
+    tables = _host_tables(meta)  # [S, W] int32, zero-padded
     width = tables.shape[1]
     if num_seqs < 2 or int(n_cand.max(initial=0)) == 0:
         return _no_sharing(meta, seq_lens, n_blocks, tables)
@@ -220,4 +227,4 @@ def unshared_plan(meta: AttentionMetadata) -> SharedPlan:
     """A plan with zero segments (each own part is the whole table): the per-sequence path's work."""
     seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)
     n_blocks = -(-seq_lens // meta.block_size)
-    return _no_sharing(meta, seq_lens, n_blocks, meta.block_tables.detach().cpu().numpy())
+    return _no_sharing(meta, seq_lens, n_blocks, _host_tables(meta))
