@@ -132,6 +132,7 @@ def main() -> None:
                     row["kv_read_saving_x"] = r["kv_read_saving_x"]
             print(row, flush=True)
             rows.append(row)
+            report(args, rows, None)
     n8 = None
     if not args.no_n8:
         prompts = _prompts(32, 4096 if args.device == "cuda" else args.prefixes[0], args.own)
@@ -139,12 +140,17 @@ def main() -> None:
             mode: measure(args.model, args.device, attention, prompts, args.gen, n=8)
             for mode, attention in modes.items()
         }
-    payload = {**run_info(), "model": args.model, "rows": rows, "n8": n8}
+    report(args, rows, n8)
+
+
+def report(args: argparse.Namespace, rows: list[dict], n8: dict | None) -> None:
+    """Write JSON + Markdown (+ plot); called after every row, so a cut-short run keeps what it measured."""
+    payload = {**run_info(), "model": args.model, "gen": args.gen, "own": args.own, "rows": rows, "n8": n8}
     md = [
         "# Decode throughput with a shared prefix",
         "",
         f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
-        f"model {args.model}; own {args.own} tokens, {args.gen} generated. "
+        f"model {args.model}; own {args.own} tokens, {args.gen} generated; eager (no CUDA graphs yet). "
         "Written by `benchmarks/throughput.py`.",
         "",
         "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling "
