@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -32,7 +33,8 @@ def run_info() -> dict[str, Any]:
         ).stdout.strip()
         commit += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        # The device machine gets a copy of the tree without .git: pass PREFIXSERVE_COMMIT there.
+        commit = os.environ.get("PREFIXSERVE_COMMIT", "unknown")
     device = (
         torch.cuda.get_device_name()
         if torch.cuda.is_available()
@@ -40,7 +42,7 @@ def run_info() -> dict[str, Any]:
     )
     return {
         "device": device,
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "commit": commit,

@@ -219,3 +219,22 @@ def test_matches_slow_planner(batch) -> None:
         expect = [r for s in hs for r in range(starts[s], starts[s + 1])]
         assert rows[row_start[g] : row_start[g + 1]] == expect
         assert plan.segment_rows_host(g) == len(expect)
+
+
+def test_gpu_rule_wants_tall_segments_and_enough_saved_reads() -> None:
+    from prefixserve.attention.auto import gpu_cascade_pays_off
+    from prefixserve.attention.metadata import build_metadata
+    from prefixserve.attention.plan import make_plan
+
+    def plan_for(holders: int, prefix_blocks: int, bs: int = 16):
+        tables = [list(range(prefix_blocks)) + [10_000 + i] for i in range(holders)]
+        seq_lens = [prefix_blocks * bs + 5] * holders
+        meta = build_metadata(bs, [1] * holders, seq_lens, tables, "cpu")
+        return make_plan(meta), meta.logical_kv_tokens()
+
+    wide, logical = plan_for(256, 256)  # 256 holders x 4 heads = 1,024 stacked rows, 4K shared tokens
+    assert gpu_cascade_pays_off(wide, logical, kv_bytes_per_token=4096)
+    narrow, logical = plan_for(64, 1024)  # only 256 stacked rows: host-bound launches lose there
+    assert not gpu_cascade_pays_off(narrow, logical, kv_bytes_per_token=4096)
+    short, logical = plan_for(256, 2)  # too little KV saved to pay for the extra launches
+    assert not gpu_cascade_pays_off(short, logical, kv_bytes_per_token=4096)

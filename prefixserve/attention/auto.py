@@ -71,14 +71,29 @@ class GpuCascadeCost:
     bandwidth: float = 6.0e12
     overhead_s: float = 250e-6
     kv_bytes_per_token: int = 4096
+    # Every segment must stack at least this many query rows (holders x group). Measured in the eager
+    # engine on the H200 (docs/benchmarks/throughput.md, 8B shapes): with 64 holders (256 rows) the
+    # shared path lost at P=1K and 16K (0.84x, 0.71x) and tied at 4K; with n=8 samples per prompt the
+    # per-prompt segments (8 holders, 32 rows) made it lose 0.62x; from 256 holders (1,024 rows) up it
+    # won up to 2.83x. Small segments cost a launch's worth of work each and save little.
+    min_segment_rows: int = 512
 
 
 def gpu_cascade_pays_off(
-    plan: SharedPlan, logical_kv_tokens: int, kv_bytes_per_token: int, cost: GpuCascadeCost | None = None
+    plan: SharedPlan,
+    logical_kv_tokens: int,
+    kv_bytes_per_token: int,
+    cost: GpuCascadeCost | None = None,
+    group: int = 4,
 ) -> bool:
-    """True when the time of the KV reads the shared path saves (per layer) exceeds its extra cost."""
+    """True when every segment stacks enough rows and the KV-read time saved exceeds the extra cost.
+
+    ``group`` is q heads per KV head (a hint at prepare time; Llama-3-8B has 4).
+    """
     cost = cost or GpuCascadeCost()
     if plan.num_segments == 0:
+        return False
+    if min(plan.segment_rows_host(g) for g in range(plan.num_segments)) * group < cost.min_segment_rows:
         return False
     saved_bytes = (logical_kv_tokens - plan.kv_tokens_read) * kv_bytes_per_token
     return saved_bytes / cost.bandwidth >= cost.overhead_s
@@ -136,7 +151,7 @@ class AutoBackend(AttentionBackend):
         plan = host_plan(meta)
         logical = meta.logical_kv_tokens()
         kv_bytes = self._kv_bytes_per_token or self.gpu_cost.kv_bytes_per_token
-        if gpu_cascade_pays_off(plan, logical, kv_bytes, self.gpu_cost):
+        if gpu_cascade_pays_off(plan, logical, kv_bytes, self.gpu_cost, self.group_hint):
             gpu.install(meta, plan)
             return
         meta.plan = gpu._paged_step(meta)
