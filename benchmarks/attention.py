@@ -23,6 +23,7 @@ import datetime as dt
 import itertools
 import json
 import math
+import os
 import subprocess
 import time
 import traceback
@@ -376,11 +377,12 @@ def _finish(
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("PREFIXSERVE_COMMIT", "")  # the device copy has no .git
     result = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": commit if len(commit) == 40 else "uncommitted",
+        "commit": commit or "uncommitted",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "copy_bandwidth_TBps": copy_tbps,
         "gemm_TFLOPs": gemm_tflops,
