@@ -374,7 +374,8 @@ def _finish(
 
     device = torch.device("cuda")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = git.stdout.strip() if git.returncode == 0 else ""
     except OSError:
         commit = ""
     commit = commit or os.environ.get("PREFIXSERVE_COMMIT", "")  # the device copy has no .git
