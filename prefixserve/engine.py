@@ -109,9 +109,13 @@ class Engine:
             raise ValueError("pinned system prompts need the prefix cache (enable_prefix_caching=True)")
         if not name or name in self.pinned:
             raise ValueError(f"application name {name!r} is empty or already pinned")
+        if self.requests:
+            raise RuntimeError("pin system prompts at start-up, before any request is queued")
         tokens = self.render_system_prompt(text)
         if not tokens or len(tokens) >= self.max_model_len:
             raise ValueError(f"system prompt of application {name!r} is empty or longer than the context")
+        # Start-up work, not traffic: the metrics are put back as they were afterwards.
+        counters, timers = Counter(self.counters), Counter(self.timers)
         request_id = f"__pin__{name}"
         req = self.add_request(request_id, params=SamplingParams(max_tokens=1), prompt_token_ids=tokens)
         while request_id in self.requests:
@@ -122,18 +126,11 @@ class Engine:
         if len(blocks) != len(digests):
             raise RuntimeError(f"pinning {name!r}: {len(digests) - len(blocks)} blocks were evicted at once")
         self.pool.acquire(blocks)
-        self._finished_outputs = [o for o in self._finished_outputs if o.request_id != request_id]
-        self.counters["requests_total"] -= 1
-        self.counters["requests_finished_total"] -= 1
-        self.counters["prompt_tokens_total"] -= len(tokens)
-        self.counters["generation_tokens_total"] -= 1
+        self._finished_outputs = []
+        self.counters, self.timers = counters, timers
         pinned = PinnedPrompt(name, tokens, blocks)
         self.pinned[name] = pinned
         return pinned
-
-    def unpin_system_prompt(self, name: str) -> None:
-        pinned = self.pinned.pop(name)
-        self.pool.release(pinned.blocks)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

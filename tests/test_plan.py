@@ -227,7 +227,7 @@ def test_gpu_rule_wants_tall_segments_and_enough_saved_reads() -> None:
     from prefixserve.attention.plan import make_plan
 
     def plan_for(holders: int, prefix_blocks: int, bs: int = 16):
-        tables = [list(range(prefix_blocks)) + [10_000 + i] for i in range(holders)]
+        tables = [[*range(prefix_blocks), 10_000 + i] for i in range(holders)]
         seq_lens = [prefix_blocks * bs + 5] * holders
         meta = build_metadata(bs, [1] * holders, seq_lens, tables, "cpu")
         return make_plan(meta), meta.logical_kv_tokens()

@@ -120,3 +120,20 @@ def test_pinned_system_prompts_survive_memory_pressure(tiny_config_path) -> None
         llm.generate("x", application="nope")
     assert engine.pool.num_used == sum(len(b) for b in pinned.values())
     engine.pool.check_integrity()
+
+
+def test_pinning_leaves_the_traffic_metrics_at_zero(tiny_config_path) -> None:
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}",
+        dtype="float32",
+        num_kv_blocks=40,
+        progress=False,
+        system_prompts={"a": "Answer briefly. " * 10},
+    )
+    m = llm.metrics()
+    assert m["requests_total"] == m["prompt_tokens_total"] == m["steps_total"] == 0
+    assert m["kv_blocks_pinned"] > 0
+    llm.generate("hi", SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="start-up"):
+        llm.engine.add_request("busy", prompt_token_ids=[5, 6, 7])
+        llm.engine.pin_system_prompt("b", "Other prompt.")
