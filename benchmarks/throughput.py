@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import time
 
@@ -33,7 +34,16 @@ def _prompts(batch: int, prefix: int, own: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def measure(model: str, device: str, attention: str, prompts: list[dict], gen: int, n: int = 1) -> dict:
+def measure(
+    model: str,
+    device: str,
+    attention: str,
+    prompts: tuple[list[dict], list[dict]],  # (measured, warm-up): same lengths, other tokens
+    gen: int,
+    n: int = 1,
+    eager: bool = False,
+) -> dict:
+    prompts, warm = prompts
     llm = LLM(
         model=model,
         dtype="bfloat16" if device == "cuda" else "float32",
@@ -41,9 +51,12 @@ def measure(model: str, device: str, attention: str, prompts: list[dict], gen: i
         attention=attention,
         max_num_seqs=len(prompts) * n,
         max_num_batched_tokens=16384,
+        enforce_eager=eager,
         progress=False,
     )
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up: kernels compile
+    # Warm-up: the same batch shape with other tokens, so kernels compile and the decode graph of this
+    # batch is captured before the clock starts (a capture with its compiles takes ~1 s, once per shape)
+    llm.generate(warm, SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, max_tokens=3, ignore_eos=True))
     before = llm.metrics()
     params = SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, seed=0, max_tokens=gen, ignore_eos=True)
     t0 = time.perf_counter()
@@ -55,21 +68,38 @@ def measure(model: str, device: str, attention: str, prompts: list[dict], gen: i
     decode_tokens = sum(len(c.token_ids) - 1 for o in outs for c in o.outputs)
     steps = after["step_seconds_total"] - before["step_seconds_total"]
     host = after["step_host_seconds_total"] - before["step_host_seconds_total"]
+    engine = llm.engine
+    kv_block_bytes = engine.kv.tensor[:, :, 0].numel() * engine.kv.tensor.element_size()
     result = {
         "tok_s": decode_tokens / max(last - first, 1e-9),
+        "graphs_captured": engine.graphs.captures if engine.graphs is not None else 0,
+        "kv_blocks_used_peak": after["kv_blocks_used_peak"],
         "prefill_s": first - t0,
         "elapsed_s": elapsed,
-        "host_overhead_frac": host / max(steps, 1e-9),
+        # the share of the GPU's time spent waiting for the host between steps (CUDA events; on a
+        # CPU, the share of step time outside forward + sampling)
+        "host_overhead_frac": _idle_frac(before, after) if device == "cuda" else host / max(steps, 1e-9),
+        "host_ms_per_step": 1e3 * host / max(1, after["steps_total"] - before["steps_total"]),
         "kv_read_saving_x": (
             after["attention_kv_tokens_logical_total"] - before["attention_kv_tokens_logical_total"]
         )
         / max(1, after["attention_kv_tokens_read_total"] - before["attention_kv_tokens_read_total"]),
     }
-    del llm, outs
+    if device == "cuda":  # what the run needs: all it allocated, with the KV pool counted as used, not sized
+        kv_pool = engine.kv.tensor.numel() * engine.kv.tensor.element_size()
+        peak = torch.cuda.max_memory_allocated() - kv_pool + after["kv_blocks_used_peak"] * kv_block_bytes
+        result["memory_needed_gb"] = peak / 1e9
+    del llm, outs, engine
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _idle_frac(before: dict, after: dict) -> float:
+    idle = after["gpu_idle_seconds_total"] - before["gpu_idle_seconds_total"]
+    busy = after["gpu_busy_seconds_total"] - before["gpu_busy_seconds_total"]
+    return idle / max(idle + busy, 1e-9)
 
 
 def plot(payload: dict) -> None:
@@ -114,30 +144,53 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--no-n8", action="store_true")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep rows (and n8) of the existing throughput.json for other (B, P)",
+    )
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (the engine's default uses them)"
+    )
     args = ap.parse_args()
     modes = {k: MODES[k] for k in args.modes}
     if args.device != "cuda":
         modes = {k: ("reference" if v == "triton_paged" else v) for k, v in modes.items()}
-    rows = []
+    rows, kept_n8 = [], None
+    if args.merge and (RESULTS / "throughput.json").exists():  # a grid too long for one run, in parts
+        old = json.loads((RESULTS / "throughput.json").read_text())
+        todo = {(b, p) for b in args.batches for p in args.prefixes}
+        rows = [r for r in old["rows"] if (r["B"], r["P"]) not in todo]
+        kept_n8 = old.get("n8")
     for b in args.batches:
         for p in args.prefixes:
-            prompts = _prompts(b, p, args.own)
+            prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
             row: dict = {"B": b, "P": p}
             for mode, attention in modes.items():
-                r = measure(args.model, args.device, attention, prompts, args.gen)
+                if args.device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                r = measure(args.model, args.device, attention, prompts, args.gen, eager=args.enforce_eager)
                 row[f"{mode}_tok_s"] = r["tok_s"]
                 row[f"{mode}_prefill_s"] = r["prefill_s"]
+                row[f"{mode}_host_overhead_frac"] = r["host_overhead_frac"]
                 if mode == "auto":
                     row["host_overhead_frac"] = r["host_overhead_frac"]
+                    row["host_ms_per_step"] = r["host_ms_per_step"]
                     row["kv_read_saving_x"] = r["kv_read_saving_x"]
+                    row["memory_needed_gb"] = r.get("memory_needed_gb")
+                    row["graphs_captured"] = r["graphs_captured"]
             print(row, flush=True)
             rows.append(row)
-            report(args, rows, None)
-    n8 = None
+            rows.sort(key=lambda r: (r["B"], r["P"]))
+            report(args, rows, kept_n8)
+    n8 = kept_n8
     if not args.no_n8:
-        prompts = _prompts(32, 4096 if args.device == "cuda" else args.prefixes[0], args.own)
+        p = 4096 if args.device == "cuda" else args.prefixes[0]
+        prompts = (_prompts(32, p, args.own), _prompts(32, p, args.own, seed=1))
         n8 = {
-            mode: measure(args.model, args.device, attention, prompts, args.gen, n=8)
+            mode: measure(
+                args.model, args.device, attention, prompts, args.gen, n=8, eager=args.enforce_eager
+            )
             for mode, attention in modes.items()
         }
     report(args, rows, n8)
@@ -145,23 +198,36 @@ def main() -> None:
 
 def report(args: argparse.Namespace, rows: list[dict], n8: dict | None) -> None:
     """Write JSON + Markdown (+ plot); called after every row, so a cut-short run keeps what it measured."""
-    payload = {**run_info(), "model": args.model, "gen": args.gen, "own": args.own, "rows": rows, "n8": n8}
+    graphs = "eager (--enforce-eager)" if args.enforce_eager else "decode under CUDA graphs"
+    payload = {
+        **run_info(),
+        "model": args.model,
+        "gen": args.gen,
+        "own": args.own,
+        "cuda_graphs": not args.enforce_eager,
+        "rows": rows,
+        "n8": n8,
+    }
     md = [
         "# Decode throughput with a shared prefix",
         "",
         f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
-        f"model {args.model}; own {args.own} tokens, {args.gen} generated; eager (no CUDA graphs yet). "
+        f"model {args.model}; own {args.own} tokens, {args.gen} generated; {graphs}. "
+        "Decode-only tokens/s (first token to last finish). Host overhead: the share of the GPU's time "
+        "spent idle between steps, waiting for the host (CUDA events). Memory needed: all the run "
+        "allocated, with the KV pool counted at its peak use, not its size. "
         "Written by `benchmarks/throughput.py`.",
         "",
         "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling "
-        "| host overhead |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| host overhead | memory needed |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         on, off, ceil = r.get("auto_tok_s", 0), r.get("sharing_off_tok_s", 0), r.get("ceiling_tok_s", 0)
         md.append(
             f"| {r['B']} | {r['P']} | {on:.0f} | {off:.0f} | {ceil:.0f} | {on / max(off, 1e-9):.2f}x | "
-            f"{on / max(ceil, 1e-9):.0%} | {r.get('host_overhead_frac', 0):.0%} |"
+            f"{on / max(ceil, 1e-9):.0%} | {r.get('host_overhead_frac', 0):.0%} | "
+            f"{r.get('memory_needed_gb') or 0:.1f} GB |"
         )
     if n8:
         md += [

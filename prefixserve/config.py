@@ -30,6 +30,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's context length (capped by the pool)
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs (decode steps are captured and replayed on CUDA)
+    # plan step N+1 on the host while the GPU runs step N (outputs come one step() later); None: on
+    # exactly when CUDA graphs are
+    async_scheduling: bool | None = None
     seed: int = 0  # dummy weights and unseeded sampling
     system_prompts: dict[str, str] = field(default_factory=dict)  # application -> pinned prompt
 

@@ -16,19 +16,49 @@ from typing import Any
 import torch
 
 from prefixserve.attention.backend import make_backend
-from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache, blocks_for_budget
+from prefixserve.model.cuda_graph import DecodeGraphs, GraphCaptureError
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sampling.sampler import sample
+from prefixserve.sampling.sampler import SampleFuture, sample_async
 from prefixserve.scheduler.blocks import BlockManager
 from prefixserve.scheduler.scheduler import Scheduler
 from prefixserve.sequence import Request, Sequence
 
 log = logging.getLogger(__name__)
+
+
+PLACEHOLDER_TOKEN = -1  # a sequence's in-flight token until the device returns it (never a real id)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A scheduled step planned on the host: all but the input token ids (known only at launch)."""
+
+    positions: list[int]
+    meta: AttentionMetadata
+    graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step: its sampled tokens are on their way from the device."""
+
+    samplers: list[Sequence]  # sequences that sample a token (each holds a placeholder)
+    future: SampleFuture | None
+    touched: set[Request]
+    start: torch.cuda.Event | None  # timing events around the step's device work (CUDA)
+    done: torch.cuda.Event | None
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 @dataclass(slots=True)
@@ -65,6 +95,12 @@ class Engine:
         self.blocks = BlockManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
         self.backend = make_backend(config.attention)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.graphs is not None
+        )
         self.eos_ids = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -73,7 +109,11 @@ class Engine:
         # Wall time of steps, and the part spent outside the forward pass + sampling (scheduling,
         # planning, metadata, bookkeeping): the host overhead a GPU would wait on.
         self.timers: Counter[str] = Counter()
-        self._device_seconds = 0.0
+        self._kv_peak = 0  # most blocks held at once (a gauge: what a workload needed of the pool)
+        self._in_flight: _InFlight | None = None
+        self._placeholders: set[Sequence] = set()
+        self._last_done: torch.cuda.Event | None = None
+        self._waited = 0.0
         self._next_seq_id = 0
         self._finished_outputs: list[RequestOutput] = []
         self._default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -213,60 +253,112 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._finished_outputs)
+        return bool(self.requests) or bool(self._finished_outputs) or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns outputs of finished requests (and of streaming ones that moved)."""
+        """Run one batch; returns outputs of finished requests (and of streaming ones that moved).
+
+        With ``async_scheduling`` (on under CUDA graphs) a step launches its batch and returns while
+        the device works; the next call schedules and plans the following batch on the host *before*
+        it waits for those tokens, so planning overlaps the GPU. Sequences carry a placeholder for
+        their in-flight token meanwhile (``_in_flight``); it is replaced before any text, stop check
+        or input id reads it. Outputs of a step come back from the next call.
+        """
         started = time.perf_counter()
+        self._waited = 0.0
         sched = self.scheduler.schedule()
+        self._kv_peak = max(self._kv_peak, self.pool.num_used)
         self.counters["preemptions_total"] += len(sched.preempted)
         self.counters["prefix_cache_hit_tokens_total"] += sched.cache_hit_tokens
         outputs, self._finished_outputs = self._finished_outputs, []
-        if not sched.scheduled:
-            return outputs
-        try:
-            touched = self._run_batch(sched)
-        except Exception:  # a failure fails this batch's requests, not the engine
-            log.exception("engine step failed; failing the requests in this batch")
-            touched = set()
-            for s in sched.scheduled:
-                if s.seq.request.request_id in self.requests:
-                    self._finish_request(s.seq.request, "error")
-            outputs, self._finished_outputs = outputs + self._finished_outputs, []
-            return outputs
-        for req in touched:
-            if req.is_finished:
-                self._retire(req)
-                outputs.append(self._output(req))
-            elif req.stream:
-                outputs.append(self._output(req))
+        batch, failed = self._plan_or_fail(sched)
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+            self._in_flight = None
+            if batch is not None and any(s.seq.is_finished for s in sched.scheduled):
+                # sequences that stopped on the in-flight token drop out; plan the rest again
+                sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
+                batch, failed = self._plan_or_fail(sched) if sched.scheduled else (None, False)
+        if failed:
+            self._fail(sched)
+        elif batch is not None:
+            try:
+                flight = self._launch(sched, batch)
+            except Exception:  # a failure fails this batch's requests, not the engine
+                log.exception("engine step failed; failing the requests in this batch")
+                self._fail(sched)
+            else:
+                if self.async_scheduling:
+                    self._in_flight = flight
+                else:
+                    outputs += self._complete(flight)
+        if batch is None:
+            self._last_done = None  # an idle engine is not a GPU waiting on the host
+        outputs += self._finished_outputs
+        self._finished_outputs = []
         total = time.perf_counter() - started
         self.timers["step_seconds_total"] += total
-        self.timers["step_host_seconds_total"] += total - self._device_seconds
+        self.timers["step_host_seconds_total"] += total - self._waited
         return outputs
 
-    def _run_batch(self, sched: Any) -> set[Request]:
-        self.kv.copy_blocks(sched.copies)
-        ids: list[int] = []
+    def _plan_or_fail(self, sched: Any) -> tuple[_Batch | None, bool]:
+        if not sched.scheduled:
+            return None, False
+        try:
+            return self._plan(sched), False
+        except Exception:
+            log.exception("planning the step failed; failing the requests in this batch")
+            return None, True
+
+    def _fail(self, sched: Any) -> None:
+        for s in sched.scheduled:
+            if s.seq.request.request_id in self.requests:
+                self._finish_request(s.seq.request, "error")
+
+    def _plan(self, sched: Any) -> _Batch:
+        """Host work of a step that needs no token values: metadata and the attention plan.
+
+        A decode batch that fits a CUDA graph is planned for it (host arrays only); anything else
+        gets device metadata and the backend's eager ``prepare``.
+        """
         pos: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         for s in sched.scheduled:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
-            ids += seq.token_ids[c : c + n]
             pos += seq.positions[c : c + n]
             query_lens.append(n)
             seq_lens.append(c + n)
             tables.append(seq.block_table[: self.blocks.blocks_needed(c + n)])
-            self.counters["prompt_tokens_computed_total"] += max(0, min(c + n, seq.num_prompt_tokens) - c)
-        meta = build_metadata(self.config.block_size, query_lens, seq_lens, tables, self.device)
+        bs = self.config.block_size
+        if self.graphs is not None and len(pos) == len(query_lens):  # decode only: one token each
+            bucket = self.graphs.bucket_for(len(pos))
+            if bucket is not None:
+                meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu")  # host-only: the graph copies
+                step = self.backend.graph_step(meta, self.graphs.shape, bucket)
+                if step is not None:
+                    return _Batch(pos, meta, step)
+                log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
+                self.graphs = None
+        meta = build_metadata(bs, query_lens, seq_lens, tables, self.device)
         self.backend.prepare(meta)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
-        device_start = time.perf_counter()
-        self._device_seconds = 0.0
-        hidden = self.model(ids_t, pos_t, self.kv.layers, meta, self.backend)
-        self._count_step(meta.stats, len(ids))
+        return _Batch(pos, meta, None)
+
+    def _launch(self, sched: Any, batch: _Batch) -> _InFlight:
+        """Forward and sampling of a planned batch, issued without waiting for the device."""
+        self.kv.copy_blocks(sched.copies)
+        ids: list[int] = []
+        for s in sched.scheduled:
+            seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
+            ids += seq.token_ids[c : c + n]
+            self.counters["prompt_tokens_computed_total"] += max(0, min(c + n, seq.num_prompt_tokens) - c)
+        timing = self.device.type == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if timing else None
+        if start is not None:
+            start.record()
+        issued = time.perf_counter()
+        hidden = self._forward(ids, batch)
+        self._count_step(batch.meta.stats, len(ids))
 
         rows: list[int] = []
         samplers: list[Sequence] = []
@@ -281,31 +373,86 @@ class Engine:
             for target in self._fork_if_needed(seq):
                 rows.append(end - 1)
                 samplers.append(target)
-        touched = {s.seq.request for s in sched.scheduled}
-        if not samplers:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self._device_seconds = time.perf_counter() - device_start
-            return touched
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        result = sample(
-            logits,
-            [q.request.params for q in samplers],
-            [q.generator for q in samplers],
-            self._default_generator,
-        )  # returns host lists: the device work of this step is done here
-        self._device_seconds = time.perf_counter() - device_start
-        now = time.monotonic()
-        for i, seq in enumerate(samplers):
-            seq.append_token(result.tokens[i])
-            if result.logprobs is not None and seq.request.params.logprobs is not None:
-                seq.output_logprobs.append(result.logprobs[i])
-                seq.output_top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
-            self.counters["generation_tokens_total"] += 1
-            self._check_stop(seq)
-        return touched
+        flight = _InFlight(samplers, None, {s.seq.request for s in sched.scheduled}, start, None)
+        if samplers:
+            contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
+            picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
+            flight.future = sample_async(
+                self.model.compute_logits(picked),
+                [q.request.params for q in samplers],
+                [q.generator for q in samplers],
+                self._default_generator,
+            )
+            for seq in samplers:  # until the token arrives (``_complete``)
+                seq.append_token(PLACEHOLDER_TOKEN)
+                self._placeholders.add(seq)
+        if timing:
+            flight.done = torch.cuda.Event(enable_timing=True)
+            flight.done.record()
+        else:  # on a CPU the device work ran right here: count it as device time, not host time
+            self._waited += time.perf_counter() - issued
+        return flight
+
+    def _forward(self, ids: list[int], batch: _Batch) -> torch.Tensor:
+        """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden]."""
+        if batch.graph_step is not None:
+            try:
+                return self.graphs.run(
+                    ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step
+                )
+            except GraphCaptureError:  # this step reruns eagerly (its KV writes are idempotent)
+                log.exception("CUDA graphs are off from now on")
+                self.graphs = None
+                meta = batch.meta
+                batch.meta = build_metadata(
+                    meta.block_size,
+                    meta.query_lens_host,
+                    meta.seq_lens_host,
+                    meta.block_tables_host,
+                    self.device,
+                )
+                self.backend.prepare(batch.meta)
+        ids_t = _index(ids, self.device)
+        pos_t = _index(batch.positions, self.device)
+        return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)
+
+    def _complete(self, flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; put them in place of the placeholders, check stops, report."""
+        outputs: list[RequestOutput] = []
+        if flight.future is not None:
+            waited = time.perf_counter()
+            result = flight.future.result()
+            self._waited += time.perf_counter() - waited
+            now = time.monotonic()
+            for i, seq in enumerate(flight.samplers):
+                if seq not in self._placeholders:
+                    continue  # aborted or failed while in flight
+                self._placeholders.discard(seq)
+                seq.token_ids[-1] = result.tokens[i]
+                if result.logprobs is not None and seq.request.params.logprobs is not None:
+                    seq.output_logprobs.append(result.logprobs[i])
+                    seq.output_top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
+                if seq.request.first_token_time is None:
+                    seq.request.first_token_time = now
+                self.counters["generation_tokens_total"] += 1
+                self._check_stop(seq)
+        elif flight.done is not None:
+            waited = time.perf_counter()
+            flight.done.synchronize()
+            self._waited += time.perf_counter() - waited
+        if flight.start is not None:
+            # the GPU's own clock: the gap between the previous step's last kernel and this step's first
+            if self._last_done is not None:
+                self.timers["gpu_idle_seconds_total"] += self._last_done.elapsed_time(flight.start) / 1e3
+            self.timers["gpu_busy_seconds_total"] += flight.start.elapsed_time(flight.done) / 1e3
+            self._last_done = flight.done
+        for req in flight.touched:
+            if req.is_finished:
+                if self._retire(req):
+                    outputs.append(self._output(req))
+            elif req.stream:
+                outputs.append(self._output(req))
+        return outputs
 
     def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
         """When sequence 0 of an n > 1 request finishes its prompt, split off the other samples."""
@@ -351,24 +498,35 @@ class Engine:
             self.scheduler.finish(seq)
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self._decode(seq.output_token_ids)
-        stops = seq.request.params.stop or []
-        hits = [(text.find(s), s) for s in stops if s in text]
-        if not hits:
+        if self.tokenizer is None:  # no tokenizer: the text stays "", which holds no (non-empty) stop
             return False
-        at, stop = min(hits)
+        # Called after every appended token until a stop string shows up, so only the new text and the
+        # longest stop's length - 1 characters before it are searched: O(new tokens) per step.
+        detok = seq.detokenize(self.tokenizer)
+        hit = detok.find_first(seq.request.params.stop or [])  # the earliest, as in the full text
+        if hit is None:
+            return False
+        at, stop = hit
         keep = at + len(stop) if seq.request.params.include_stop_str_in_output else at
-        seq.output_text = text[:keep]
+        seq.output_text = detok.full_text[:keep]
         seq.stop_reason = stop
         return True
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def _decode(self, seq: Sequence) -> str:
+        """The output's text, as ``decode(output ids, skip_special_tokens=True)`` gives it.
+
+        Incremental: the sequence's detokenizer decodes only what was appended since the last call.
+        """
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return seq.detokenize(self.tokenizer).full_text
 
     def _finish_request(self, req: Request, reason: str, report: bool = True) -> None:
         for seq in req.sequences:
+            if seq in self._placeholders:  # its in-flight token will never be read: drop the placeholder
+                self._placeholders.discard(seq)
+                seq.token_ids.pop()
+                seq.positions.pop()
             if not seq.is_finished:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
@@ -377,15 +535,18 @@ class Engine:
         if report:
             self._finished_outputs.append(self._output(req))
 
-    def _retire(self, req: Request) -> None:
-        if self.requests.pop(req.request_id, None) is not None:
-            req.finish_time = time.monotonic()
-            self.counters["requests_finished_total"] += 1
+    def _retire(self, req: Request) -> bool:
+        """Take a finished request out of the engine; False if it was already out (reported)."""
+        if self.requests.pop(req.request_id, None) is None:
+            return False
+        req.finish_time = time.monotonic()
+        self.counters["requests_finished_total"] += 1
+        return True
 
     def _output(self, req: Request) -> RequestOutput:
         completions = []
         for seq in req.sequences:
-            text = seq.output_text if isinstance(seq.stop_reason, str) else self._decode(seq.output_token_ids)
+            text = seq.output_text if isinstance(seq.stop_reason, str) else self._decode(seq)
             want_lp = req.params.logprobs is not None
             completions.append(
                 CompletionOutput(
@@ -437,6 +598,9 @@ class Engine:
         out.update(self.counters)
         out.update(step_seconds_total=self.timers["step_seconds_total"])
         out.update(step_host_seconds_total=self.timers["step_host_seconds_total"])
+        # CUDA: device time of steps, and the gaps between consecutive steps (the GPU waiting on the host)
+        out.update(gpu_busy_seconds_total=self.timers["gpu_busy_seconds_total"])
+        out.update(gpu_idle_seconds_total=self.timers["gpu_idle_seconds_total"])
         out.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -444,6 +608,7 @@ class Engine:
             kv_blocks_used=self.pool.num_used,
             kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached,
+            kv_blocks_used_peak=self._kv_peak,
             kv_blocks_pinned=sum(len(p.blocks) for p in self.pinned.values()),
             shared_segments_per_step=getattr(self, "_last_step_segments", 0),
         )

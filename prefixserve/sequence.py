@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from prefixserve.detokenizer import IncrementalDetokenizer
 from prefixserve.sampling.params import SamplingParams
 
 
@@ -34,7 +36,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    output_text: str = ""
+    output_text: str = ""  # the text cut at the stop string that ended the sequence
+    detokenizer: IncrementalDetokenizer | None = None  # the output's text, grown as tokens arrive
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
@@ -57,6 +60,16 @@ class Sequence:
     def append_token(self, token: int) -> None:
         self.token_ids.append(token)
         self.positions.append(self.positions[-1] + 1)
+
+    def detokenize(self, tokenizer: Any) -> IncrementalDetokenizer:
+        """The output's incremental detokenizer, first fed the tokens appended since the last call."""
+        detok = self.detokenizer
+        if detok is None:
+            detok = self.detokenizer = IncrementalDetokenizer(tokenizer)
+        start = self.num_prompt_tokens + detok.num_ids
+        if start < len(self.token_ids):
+            detok.add(self.token_ids[start:])
+        return detok
 
 
 @dataclass(slots=True, eq=False)

@@ -113,13 +113,17 @@ class AutoBackend(AttentionBackend):
     group_hint: int = 4
     cost: CascadeCost = CascadeCost()
     gpu_cost: GpuCascadeCost = GpuCascadeCost()
+    # Under a CUDA graph the shared path's extra launches cost no host time; what is left is the
+    # merge kernel and the dependent-launch latency, about 10 us per layer (NOTES.md). Recalibrated
+    # from docs/benchmarks/throughput.md (graphed engine).
+    graph_cost: GpuCascadeCost = GpuCascadeCost(overhead_s=10e-6, min_segment_rows=0)
 
     def __init__(self) -> None:
         self._gpu: AttentionBackend | None = None
         self._kv_bytes_per_token: int | None = None  # learned from the first forward's cache
 
-    def _gpu_backend(self, meta: AttentionMetadata) -> AttentionBackend | None:
-        if meta.seq_lens.device.type != "cuda":
+    def _gpu_backend(self, device: torch.device) -> AttentionBackend | None:
+        if device.type != "cuda":
             return None
         if self._gpu is None:
             try:
@@ -131,7 +135,7 @@ class AutoBackend(AttentionBackend):
         return self._gpu
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        gpu = self._gpu_backend(meta)
+        gpu = self._gpu_backend(meta.seq_lens.device)
         if gpu is not None:
             self._prepare_gpu(gpu, meta)
             return
@@ -159,6 +163,23 @@ class AutoBackend(AttentionBackend):
         meta.stats["kv_tokens_read"] = float(logical)
         meta.stats["kv_tokens_logical"] = float(logical)
         meta.stats["shared_segments"] = 0.0
+
+    def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
+        """A decode step for a captured graph: shared segments or plain paged, by ``graph_cost``."""
+        if self._gpu_backend(shape.device) is None:
+            return None
+        from prefixserve.attention.kernels.graph_attention import paged_graph_step, shared_graph_step
+        from prefixserve.attention.kernels.triton_backend import host_plan
+
+        plan = host_plan(meta)
+        kv_bytes = 2 * shape.kv_heads * shape.head_dim * torch.empty(0, dtype=shape.dtype).element_size()
+        logical = meta.logical_kv_tokens()
+        if gpu_cascade_pays_off(plan, logical, kv_bytes, self.graph_cost, shape.group):
+            step = shared_graph_step(meta, plan, shape, bucket)
+        else:
+            step = paged_graph_step(meta, shape, bucket)
+        meta.stats.update(step.stats)
+        return step
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._gpu is not None and q.device.type == "cuda":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -23,6 +23,14 @@ class AttentionBackend(ABC):
         """Plan the step; the default plans nothing and reads every sequence's whole KV."""
         meta.stats["kv_tokens_read"] = float(meta.logical_kv_tokens())
         meta.stats["kv_tokens_logical"] = float(meta.logical_kv_tokens())
+
+    def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
+        """Plan a decode step for a captured CUDA graph of ``bucket`` rows (``attention/graph.py``).
+
+        Returns a ``GraphStep`` (host-only work), or None when this backend cannot run under a graph;
+        ``meta`` then holds host tensors only. The default: no graph support.
+        """
+        return None
 
     @abstractmethod
     def forward(

@@ -7,6 +7,8 @@ real generations: it exists to measure how close the real backends come to that 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
@@ -20,6 +22,12 @@ class NoAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.stats["kv_tokens_read"] = 0.0
         meta.stats["kv_tokens_logical"] = float(meta.logical_kv_tokens())
+
+    def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
+        from prefixserve.attention.graph import GraphStep, NoAttentionGraph
+
+        self.prepare(meta)
+        return GraphStep(("none", bucket), {}, lambda: NoAttentionGraph(shape.device))
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return q

@@ -28,13 +28,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton")
+    g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton | triton_paged")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument(
         "--system-prompt",
         action="append",
@@ -84,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
         system_prompts=_read_system_prompts(args.system_prompt),
     )
 

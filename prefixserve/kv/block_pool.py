@@ -68,6 +68,10 @@ class BlockPool:
     def digest_of(self, block: int) -> bytes | None:
         return self._digest_of.get(block)
 
+    def cached_block(self, digest: bytes) -> int | None:
+        """The block registered under ``digest`` (not yet held), or None."""
+        return self._block_of.get(digest)
+
     def lookup(self, digests: Sequence[bytes]) -> list[int]:
         """Longest run of leading digests that are cached; returns their blocks (not yet held)."""
         found = []

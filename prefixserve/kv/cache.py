@@ -12,7 +12,9 @@ from prefixserve.model.config import ModelConfig
 class KVCache:
     """All layers' paged K/V in one allocation.
 
-    Shape ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; ``layers[i]`` is (K, V) of layer i.
+    Shape ``[layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]``; ``layers[i]`` is (K, V) of
+    layer i. The last block is scratch, outside the pool: a captured decode graph runs a fixed number
+    of rows, and the padding rows write their K/V to ``scratch_slot`` so no pool block is touched.
     """
 
     def __init__(
@@ -21,7 +23,7 @@ class KVCache:
         shape = (
             config.num_hidden_layers,
             2,
-            num_blocks,
+            num_blocks + 1,
             block_size,
             config.num_key_value_heads,
             config.head_dim,
@@ -29,14 +31,17 @@ class KVCache:
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(config.num_hidden_layers)]
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # blocks the pool hands out (the scratch block is not one)
+        self.scratch_slot = num_blocks * block_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate each ``src`` block's K/V into ``dst`` in every layer."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.tensor.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.tensor.device)
+        src, dst = torch.tensor(pairs, dtype=torch.long).T.contiguous()
+        if self.tensor.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
+            src = src.pin_memory().to(self.tensor.device, non_blocking=True)
+            dst = dst.pin_memory().to(self.tensor.device, non_blocking=True)
         self.tensor[:, :, dst] = self.tensor[:, :, src]
 
 

@@ -84,10 +84,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence wherever it is and return its blocks to the pool."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        try:
+            self.running.remove(seq)  # one scan of the list, not two
+        except ValueError:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
 
@@ -102,21 +103,33 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
+        # Running sequences, in order: running[:i] are scheduled. This loop runs once per sequence per
+        # step (B times at batch B), so it reads attributes directly and keeps to one call each.
+        running, scheduled, copies = self.running, out.scheduled, out.copies
+        reserve = self.blocks.reserve
+        bs, ref_counts = self.blocks.block_size, self.blocks.pool.ref_counts
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.reserve(seq, seq.num_computed_tokens + n, out.copies):
-                victim = self.running[-1]
-                if victim.seq_id in scheduled:  # never undo work already planned for this step
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - computed, budget)
+            table = seq.block_table
+            if computed < computed + n <= len(table) * bs and ref_counts[table[computed // bs]] < 2:
+                # ``reserve``'s first case, inlined (most decode steps): the new tokens fit the blocks
+                # held and the block written is not shared, so there is nothing to reserve or copy
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            while not reserve(seq, computed + n, copies):
+                victim = running[-1]
+                if len(running) - 1 < i:  # never undo work already planned for this step
                     victim = seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
-                scheduled.add(seq.seq_id)
+                scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
         deferred: list[Sequence] = []

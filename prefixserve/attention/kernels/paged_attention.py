@@ -121,7 +121,7 @@ def _paged_kernel(
     lse_ptr,  # split 0 of [splits, T, Hq]
     qk_scale,
     q_tiles,
-    split_size,
+    split_size,  # KV tokens per split; 0: each sequence's KV cut evenly into the grid's splits
     stride_qt,
     stride_qh,
     stride_kb,
@@ -168,6 +168,10 @@ def _paged_kernel(
         other=0.0,
     )
     limit = ctx + qi + 1
+    # split_size == 0 sizes the splits per sequence from its own length (no host scalar): what a
+    # captured CUDA graph needs, since the graph keeps its launch arguments while lengths grow
+    even = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    split_size = tl.where(split_size > 0, split_size, even)
     kv_lo = split * split_size
     kv_hi = tl.minimum(kv_lo + split_size, ctx + tl.minimum(q0 + BLOCK_M // GROUP, q_len))
 

@@ -162,6 +162,14 @@ class TritonPagedBackend(AttentionBackend):
             max_seq_len=max(meta.seq_lens_host, default=0),
         )
 
+    def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
+        """A decode step for a captured graph: the plain paged kernel (``graph_attention.py``)."""
+        from prefixserve.attention.kernels.graph_attention import paged_graph_step
+
+        step = paged_graph_step(meta, shape, bucket)
+        meta.stats.update(step.stats)
+        return step
+
     def _step(self, meta: AttentionMetadata) -> TritonStep:
         if not isinstance(meta.plan, TritonStep):
             self.prepare(meta)
@@ -245,6 +253,17 @@ class TritonBackend(TritonPagedBackend):
             step.seg_rows_host = _seg_rows_host(plan, meta)
             step.shared = plan_to_device(plan, meta.block_tables.device)
         meta.plan = step
+
+    def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
+        """A decode step for a captured graph: shared segments when the batch has any, else paged."""
+        from prefixserve.attention.kernels.graph_attention import shared_graph_step
+
+        plan = host_plan(meta)
+        if plan.num_segments == 0:
+            return super().graph_step(meta, shape, bucket)
+        step = shared_graph_step(meta, plan, shape, bucket)
+        meta.stats.update(step.stats)
+        return step
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         step = self._step(meta)

@@ -1,0 +1,503 @@
+"""Host work of one decode step, per component, measured on the CPU (no model forward).
+
+Question (issue: host overhead < 10% of the decode step at B=256 on an 8B-shaped model): how many
+microseconds of Python / numpy work does the engine spend per decode step outside the GPU's work, and
+where? With CUDA graphs an 8B decode step on an H200 is ~5-8 ms at B=256, so the host must stay well
+under ~0.5 ms there and grow gently with B.
+
+The real ``Engine.step`` runs: scheduler, block manager, block pool, ``build_metadata``, the triton
+backend's per-step planning (``make_plan`` and the host part of its graph step or eager layout: shared
+work list, merge CSR), sampling's host part and the bookkeeping. The model is a stub that returns at
+once, the vocabulary is tiny, and the KV cache is a stub; everything timed is host work. Components
+are timed with ``perf_counter`` by thin wrappers around the engine's phases and collaborators (nothing
+in the engine is changed); the engine's own loops are what is left of a phase once they are taken out.
+
+Modes: ``graph`` (the decode path under CUDA graphs: ``backend.graph_step`` and the graph's host-side
+``load`` of the step's arrays, done here on CPU buffers; the replay itself is not host work) and
+``eager`` (``backend.prepare`` and the first layer's ``build_layout``).
+
+State: B sequences sharing a P-token prompt prefix (computed once, then served from the prefix cache),
+each with 64 tokens of its own prompt, admitted over 64 warm-up steps so that their generated lengths
+are staggered (about B/16 sequences cross a block boundary every step, as in a real batch), block size
+16. Then ``--steps`` decode-only steps are measured; each advances every sequence by one token.
+
+``--variants proposed`` runs ``ProposedEngine`` below: ``Engine`` with the gather loop of ``_plan``
+changed as recommended for engine.py (block tables from the block manager's numpy mirror, no per-step
+list slicing); see the notes in docs/benchmarks/host_overhead.md.
+
+The engine's phases are timed where it has them (``_plan``, ``_launch``, ``_complete``; ``_run_batch``
+in older versions), so the script keeps working while engine.py changes; a phase it lacks reads 0
+and its time shows up in "rest of step".
+
+    python -m benchmarks.host_overhead                        # all B x P, both variants, writes docs
+    python -m benchmarks.host_overhead --batches 256 --prefixes 4096 --no-write
+    python -m benchmarks.host_overhead --batches 256 --prefixes 4096 --profile   # cProfile the steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import platform
+import pstats
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+import prefixserve.attention.plan as plan_mod
+import prefixserve.engine as engine_mod
+from benchmarks._common import run_info, write_results
+from prefixserve.attention.graph import HeadShape
+from prefixserve.attention.kernels.triton_backend import TritonStep, build_layout
+from prefixserve.config import EngineConfig
+from prefixserve.engine import Engine
+from prefixserve.sampling.params import SamplingParams
+
+BLOCK = 16
+OWN = 64  # own prompt tokens per sequence
+WARM = 64  # admission waves (staggers the generated lengths)
+VOCAB = 32  # the stub model's vocabulary: sampling costs its host part, not a 128K-wide softmax
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B attention shapes
+
+# (key, label) in table order; "total" is the whole Engine.step wall time. "engine: ..." rows are the
+# engine's own code around its collaborators (what is left of a phase once they are taken out).
+COMPONENTS = [
+    ("schedule", "Scheduler.schedule"),
+    ("gather", "engine: gather positions/lens/tables"),
+    ("build_metadata", "build_metadata"),
+    ("make_plan", "make_plan"),
+    ("plan_rest", "backend: graph step / install (work list, CSR)"),
+    ("forward_host", "forward host part (graph load / eager layout)"),
+    ("launch_rest", "engine: ids, computed + register_computed loop"),
+    ("sample", "sample (host part, tiny vocab, CPU)"),
+    ("complete", "engine: tokens in place + _check_stop + outputs"),
+    ("step_rest", "engine: rest of step"),
+    ("total", "total host per step"),
+]
+
+
+class _ModelConfig:
+    num_hidden_layers = 32
+    num_attention_heads = Q_HEADS
+    num_key_value_heads = KV_HEADS
+    head_dim = HEAD_DIM
+    vocab_size = VOCAB
+    max_position_embeddings = 1 << 20
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class _Recorder:
+    """Time spent in the wrapped callables during one step (nested ones are subtracted out later)."""
+
+    def __init__(self) -> None:
+        self.acc: Counter[str] = Counter()
+
+    def timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.acc[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    def components(self, total: float) -> dict[str, float]:
+        a = self.acc
+        return {
+            "schedule": a["schedule"],
+            "gather": a["plan"] - a["build_metadata"] - a["attn_plan"],
+            "build_metadata": a["build_metadata"],
+            "make_plan": a["make_plan"],
+            "plan_rest": a["attn_plan"] - a["make_plan"],
+            "forward_host": a["forward"],
+            "launch_rest": a["launch"] - a["forward"] - a["sample"],
+            "sample": a["sample"],
+            "complete": a["complete"],
+            "step_rest": total - a["schedule"] - a["plan"] - a["launch"] - a["complete"],
+            "total": total,
+        }
+
+
+class _StubModel:
+    """Returns at once; in eager mode it does the first layer's host work (``build_layout``)."""
+
+    config = _ModelConfig
+
+    def __init__(self, rec: _Recorder, max_rows: int) -> None:
+        self.rec = rec
+        gen = torch.Generator().manual_seed(0)
+        self._logits = torch.randn(max_rows, VOCAB, generator=gen)
+        self._calls = 0
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, layers: Any, meta: Any, backend: Any) -> Any:
+        step = meta.plan
+        if isinstance(step, TritonStep) and step.shared is not None:
+            build_layout(meta, step, Q_HEADS, KV_HEADS, HEAD_DIM, torch.device("cpu"), torch.bfloat16)
+        return torch.zeros(ids.shape[0], 1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._calls += 1  # a different (deterministic) draw each step
+        return self._logits[: hidden.shape[0]].roll(self._calls, dims=1)
+
+
+class _StubKV:
+    layers: list[Any] = []  # noqa: RUF012
+    scratch_slot = 0
+
+    def __init__(self, rec: _Recorder) -> None:
+        self.rec = rec
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass
+
+
+class _StubGraphs:
+    """``DecodeGraphs`` minus CUDA: buckets, the inputs' host mirror, and each key's attention ``load``.
+
+    The attention objects are the real ones (``step.build()``), on CPU buffers; their host-to-device
+    copy is skipped (on a GPU it is one asynchronous copy).
+    """
+
+    def __init__(self, rec: _Recorder, max_batch: int) -> None:
+        from prefixserve.model.cuda_graph import batch_buckets
+
+        self.rec = rec
+        self.shape = HeadShape(Q_HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"))
+        self.buckets = batch_buckets(max_batch)
+        self._host_np = np.zeros((3, self.buckets[-1]), dtype=np.int64)
+        self.attention: dict[tuple[Any, ...], Any] = {}
+
+    def bucket_for(self, batch: int) -> int | None:
+        fits = [b for b in self.buckets if b >= batch]
+        return fits[0] if fits else None
+
+    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, step: Any) -> torch.Tensor:
+        rows, bucket = len(ids), step.key[1]
+        host = self._host_np
+        host[0, :rows], host[1, :rows], host[2, :rows] = ids, positions, slots
+        host[0, rows:bucket] = host[1, rows:bucket] = 0
+        att = self.attention.get(step.key)
+        if att is None:
+            att = self.attention[step.key] = step.build()
+            att.ints = att.host  # the copy to the device becomes a no-op (a GPU issues it async)
+        att.load(step.arrays)
+        return torch.zeros(rows, 1)
+
+
+class ProposedEngine(Engine):
+    """``Engine`` with the gather loop of ``_plan`` as recommended for engine.py (a copy otherwise).
+
+    The block tables come from ``BlockManager.block_tables_np`` (a numpy mirror the block manager keeps
+    up to date; the batch's rows in one numpy index) and reach ``build_metadata`` as an array: no
+    per-sequence list slice, and no list-to-array conversion of the whole batch's tables (~20 ns per
+    table entry). A decode row's position is read with one index instead of a slice. Same metadata,
+    plans and outputs.
+    """
+
+    def _plan(self, sched: Any) -> Any:
+        pos: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        seqs = []
+        for s in sched.scheduled:
+            seq, n = s.seq, s.num_tokens
+            c = seq.num_computed_tokens
+            if n == 1:
+                pos.append(seq.positions[c])
+            else:
+                pos += seq.positions[c : c + n]
+            query_lens.append(n)
+            seq_lens.append(c + n)
+            seqs.append(seq)
+        tables = self.blocks.block_tables_np(seqs, seq_lens)  # was: a list slice per sequence
+        bs = self.config.block_size
+        if self.graphs is not None and len(pos) == len(query_lens):
+            bucket = self.graphs.bucket_for(len(pos))
+            if bucket is not None:
+                meta = engine_mod.build_metadata(bs, query_lens, seq_lens, tables, "cpu")
+                step = self.backend.graph_step(meta, self.graphs.shape, bucket)
+                if step is not None:
+                    return engine_mod._Batch(pos, meta, step)
+                self.graphs = None
+        meta = engine_mod.build_metadata(bs, query_lens, seq_lens, tables, self.device)
+        self.backend.prepare(meta)
+        return engine_mod._Batch(pos, meta, None)
+
+
+def make_engine(batch: int, prefix: int, steps: int, variant: str, mode: str) -> tuple[Engine, _Recorder]:
+    """A real Engine on the CPU with a stub model, KV cache and (graph mode) graph runner."""
+    rec = _Recorder()
+    gen_max = WARM + steps + 32
+    num_blocks = prefix // BLOCK + batch * (-(-(OWN + gen_max) // BLOCK) + 1) + 64
+    config = EngineConfig(
+        model="stub",
+        device="cpu",
+        attention="triton",
+        block_size=BLOCK,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=prefix + OWN * batch + batch,
+        max_num_seqs=batch,
+    )
+    saved = (engine_mod.resolve_model, engine_mod.load_model, engine_mod.load_tokenizer, engine_mod.KVCache)
+    engine_mod.resolve_model = lambda model: SimpleNamespace(name="stub")
+    engine_mod.load_model = lambda *args, **kwargs: (_StubModel(rec, batch), None)
+    engine_mod.load_tokenizer = lambda directory: None
+    engine_mod.KVCache = lambda *args, **kwargs: _StubKV(rec)
+    try:
+        if variant == "proposed" and not hasattr(Engine, "_plan"):
+            raise RuntimeError("ProposedEngine copies Engine._plan, which this engine.py does not have")
+        cls = ProposedEngine if variant == "proposed" else Engine
+        eng = cls(config, progress=False)
+    finally:
+        engine_mod.resolve_model, engine_mod.load_model, engine_mod.load_tokenizer, engine_mod.KVCache = saved
+    if mode == "graph":
+        eng.graphs = _StubGraphs(rec, batch)
+    return eng, rec
+
+
+def _instrument(eng: Engine, rec: _Recorder) -> Callable[[], None]:
+    """Wrap the timed parts (those the engine has); returns a function that undoes the module patches."""
+    sample_name = "sample_async" if hasattr(engine_mod, "sample_async") else "sample"
+    saved = (engine_mod.build_metadata, getattr(engine_mod, sample_name), plan_mod.make_plan)
+    engine_mod.build_metadata = rec.timed(saved[0], "build_metadata")
+    setattr(engine_mod, sample_name, rec.timed(saved[1], "sample"))
+    plan_mod.make_plan = rec.timed(saved[2], "make_plan")
+    backend = eng.backend
+    backend.prepare = rec.timed(backend.prepare, "attn_plan")  # type: ignore[method-assign]
+    backend.graph_step = rec.timed(backend.graph_step, "attn_plan")  # type: ignore[method-assign]
+    eng.scheduler.schedule = rec.timed(eng.scheduler.schedule, "schedule")  # type: ignore[method-assign]
+    # the engine's phases: planning (host metadata + attention plan), launch (forward + sampling
+    # issued, bookkeeping), completion (tokens back: stops, outputs); older engines: _run_batch
+    for method, name in (("_plan", "plan"), ("_launch", "launch"), ("_complete", "complete")):
+        if hasattr(eng, method):
+            setattr(eng, method, rec.timed(getattr(eng, method), name))
+    if not hasattr(eng, "_launch") and hasattr(eng, "_run_batch"):
+        eng._run_batch = rec.timed(eng._run_batch, "launch")  # type: ignore[method-assign]
+    forward = eng.graphs if eng.graphs is not None else eng.model
+    if eng.graphs is not None:
+        eng.graphs.run = rec.timed(eng.graphs.run, "forward")  # type: ignore[method-assign]
+    else:
+        eng.model = _Timed(forward, rec)  # type: ignore[assignment]
+
+    def undo() -> None:
+        engine_mod.build_metadata, _, plan_mod.make_plan = saved
+        setattr(engine_mod, sample_name, saved[1])
+
+    return undo
+
+
+class _Timed:
+    """The stub model with its call (the eager first layer's host work) timed as "forward"."""
+
+    def __init__(self, model: _StubModel, rec: _Recorder) -> None:
+        self.model, self.config = model, model.config
+        self.__call__ = rec.timed(model.__call__, "forward")
+
+    def __call__(self, *args: Any) -> Any:
+        return self.__dict__["__call__"](*args)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def measure(
+    batch: int,
+    prefix: int,
+    steps: int,
+    variant: str = "engine",
+    mode: str = "graph",
+    seed: int = 0,
+    profiler: cProfile.Profile | None = None,
+) -> dict[str, Any]:
+    """Per-step host microseconds of each component (mean and median over ``steps`` decode steps)."""
+    eng, rec = make_engine(batch, prefix, steps, variant, mode)
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, VOCAB, prefix).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=WARM + steps + 32, ignore_eos=True)
+    undo = _instrument(eng, rec)
+    try:
+        added = 0
+        for w in range(WARM + 16):  # staggered admissions, then a few decode-only steps
+            upto = min(batch, (w + 1) * batch // WARM)
+            for i in range(added, upto):
+                own = rng.integers(0, VOCAB, OWN).tolist()
+                eng.add_request(f"r{i}", params=params, prompt_token_ids=shared + own)
+            added = upto
+            eng.step()
+        assert len(eng.scheduler.running) == batch and not eng.scheduler.waiting
+        per_step: dict[str, list[float]] = {k: [] for k, _ in COMPONENTS}
+        gc.collect()
+        for _ in range(steps):
+            rec.acc.clear()
+            if profiler is not None:
+                profiler.enable()
+            t0 = time.perf_counter()
+            eng.step()
+            total = time.perf_counter() - t0
+            if profiler is not None:
+                profiler.disable()
+            for k, v in rec.components(total).items():
+                per_step[k].append(v * 1e6)
+        segments = eng.counters["shared_segments_total"]
+        eng.pool.check_integrity()
+    finally:
+        undo()
+    return {
+        "batch": batch,
+        "prefix": prefix,
+        "variant": variant,
+        "mode": mode,
+        "steps": steps,
+        "shared_segments_per_step": segments / (WARM + 16 + steps),
+        "mean_us": {k: round(statistics.fmean(v), 1) for k, v in per_step.items()},
+        "median_us": {k: round(statistics.median(v), 1) for k, v in per_step.items()},
+        "max_total_us": round(max(per_step["total"]), 1),
+    }
+
+
+def _table(rows: list[dict[str, Any]], title: str) -> list[str]:
+    heads = [f"B={r['batch']} P={r['prefix'] // 1024}K" for r in rows]
+    md = [f"### {title}", "", "| component (mean us/step) | " + " | ".join(heads) + " |"]
+    md.append("| --- |" + " ---: |" * len(rows))
+    for key, label in COMPONENTS:
+        cells = [f"{r['mean_us'][key]:,.0f}" for r in rows]
+        if key == "total":
+            label, cells = f"**{label}**", [f"**{c}**" for c in cells]
+        md.append(f"| {label} | " + " | ".join(cells) + " |")
+    md.append("| median total | " + " | ".join(f"{r['median_us']['total']:,.0f}" for r in rows) + " |")
+    md.append("| max total | " + " | ".join(f"{r['max_total_us']:,.0f}" for r in rows) + " |")
+    return [*md, ""]
+
+
+def _compare(before: list[dict[str, Any]], rows: list[dict[str, Any]], mode: str, prefix: int) -> list[str]:
+    """Per component: before (engine variant of the earlier run), after (engine), after (proposed)."""
+
+    def pick(src: list[dict[str, Any]], variant: str, batch: int) -> dict[str, Any] | None:
+        for r in src:
+            if (r["mode"], r["variant"], r["batch"], r["prefix"]) == (mode, variant, batch, prefix):
+                return r
+        return None
+
+    batches = sorted({r["batch"] for r in rows if r["prefix"] == prefix and r["mode"] == mode})
+    sources = ((before, "engine"), (rows, "engine"), (rows, "proposed"))
+    cols = [(b, pick(src, v, b)) for b in batches for src, v in sources]
+    names = ["before", "after", "+engine.py"]
+    heads = [f"B={b} {names[i % 3]}" for i, (b, _) in enumerate(cols)]
+    md = [f"### {mode}, P={prefix}: before / after / after + recommended engine.py changes", ""]
+    md += ["| component (mean us/step) | " + " | ".join(heads) + " |", "| --- |" + " ---: |" * len(cols)]
+    for key, label in COMPONENTS:
+        cells = [f"{r['mean_us'][key]:,.0f}" if r else "-" for _, r in cols]
+        if key == "total":
+            label, cells = f"**{label}**", [f"**{c}**" for c in cells]
+        md.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*md, ""]
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (what this benchmark measures), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", default=["graph"], choices=["graph", "eager"])
+    ap.add_argument("--variants", nargs="+", default=["engine", "proposed"], choices=["engine", "proposed"])
+    ap.add_argument("--before", type=Path, help="a JSON written earlier: adds before/after tables")
+    ap.add_argument("--from-json", type=Path, help="measure nothing: rewrite the docs from this JSON")
+    ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/benchmarks")
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile the measured steps; print, write nothing"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.from_json is not None:
+        payload = json.loads(args.from_json.read_text())
+    else:
+        configs = [
+            (mode, variant, prefix, batch)
+            for mode in args.modes
+            for variant in args.variants
+            for prefix in args.prefixes
+            for batch in args.batches
+        ]
+        if args.profile:
+            for mode, variant, prefix, batch in configs:
+                prof = cProfile.Profile()
+                measure(batch, prefix, args.steps, variant, mode, profiler=prof)
+                print(f"== {mode} {variant} B={batch} P={prefix}: {args.steps} steps")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            return
+        rows = []
+        for mode, variant, prefix, batch in configs:
+            r = measure(batch, prefix, args.steps, variant, mode)
+            rows.append(r)
+            print(
+                f"{mode:5s} {variant:9s} B={batch:5d} P={prefix:6d}: "
+                f"total {r['mean_us']['total']:9.1f} us/step (median {r['median_us']['total']:.1f})",
+                flush=True,
+            )
+        before = json.loads(args.before.read_text())["rows"] if args.before is not None else None
+        payload = {**run_info(), "cpu": cpu_model(), "steps": args.steps, "rows": rows, "before_rows": before}
+    md = render(payload)
+    if args.no_write:
+        print(md)
+    else:
+        write_results("host_overhead", payload, md)
+
+
+def render(payload: dict[str, Any]) -> str:
+    """The Markdown page of a run (its JSON payload)."""
+    rows, before, steps = payload["rows"], payload.get("before_rows"), payload.get("steps", 64)
+    md = [
+        "# Host overhead of a decode step (CPU)",
+        "",
+        "Question: how much host work (scheduling, gathering the batch, metadata, planning, the triton",
+        "backend's per-step host work, sampling's host part, bookkeeping) does one decode step cost, and",
+        "where? Target (issue): < 10% of an 8B decode step at B=256, i.e. well under ~0.5 ms with CUDA",
+        "graphs.",
+        "",
+        f"Measured on the CPU `{payload['cpu']}` ({payload['cpu_count']} cores, torch threads 1), commit",
+        f"`{payload['commit']}`, {payload['date']}: the real `Engine.step` with a stub model (returns at",
+        f"once), a {VOCAB}-token vocabulary and a stub KV cache. B sequences share a P-token prefix, each",
+        f"has {OWN} own prompt tokens and 0-{WARM + 16 + steps} generated tokens (staggered), block size",
+        f"{BLOCK}; mean over {steps} decode-only steps. `graph` = the CUDA-graph decode path",
+        "(`graph_step` + the graph's host-side `load`); `eager` = `prepare` + the first layer's",
+        "`build_layout`. `engine` is engine.py as it is; `proposed` is `ProposedEngine` in the script:",
+        "engine.py with the change recommended below (R1). Produced by `python -m benchmarks.host_overhead",
+        "--before OLD.json` (OLD.json: the same script run on the tree before this change).",
+        "",
+    ]
+    keys = list(dict.fromkeys((r["mode"], r["variant"], r["prefix"]) for r in rows))
+    if before:
+        for mode, prefix in dict.fromkeys((m, p) for m, _, p in keys):
+            md += _compare(before, rows, mode, prefix)
+    for mode, variant, prefix in keys:
+        sel = [r for r in rows if (r["mode"], r["variant"], r["prefix"]) == (mode, variant, prefix)]
+        md += _table(sel, f"{mode}, {variant}, P={prefix}")
+    return "\n".join(md + NOTES) + "\n"
+
+
+NOTES: list[str] = []
+
+
+if __name__ == "__main__":
+    main()

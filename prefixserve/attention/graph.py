@@ -1,0 +1,129 @@
+"""Attention inside a captured CUDA graph: fixed-capacity device buffers that each step refills.
+
+A CUDA graph replays the kernels it captured with the same grids and the same pointers. Decode steps
+change every time (sequences grow, join, leave; the sharing structure moves), so a graph-safe attention
+keeps every per-step value in device buffers of fixed capacity and sizes its grids by that capacity:
+padding rows and work items do nothing. A step is then: plan on the host, write the plan into a pinned
+mirror, one asynchronous copy to the device buffers, replay.
+
+The pieces:
+  * ``HeadShape``: what a plan needs of the model (heads, head dim, dtype, device);
+  * ``GraphStep``: a host-planned decode step: which graph serves it (``key``), the int32 arrays its
+    buffers take this step, and how to build that graph's attention the first time the key is seen;
+  * ``GraphAttention``: a backend bound to one key's buffers; the model calls its ``forward`` while the
+    graph is captured, and ``load`` refills the buffers before each replay.
+``NoAttentionGraph`` (the benchmark-only ceiling) lives here; the Triton ones live in
+``kernels/graph_attention.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixserve.attention.backend import AttentionBackend
+from prefixserve.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShape:
+    """The attention shape of a model, which graph plans depend on (tiles, work list, buffers)."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+@dataclass(slots=True)
+class GraphStep:
+    """One decode step planned for a graph: ``key`` names the graph, ``arrays`` fill its buffers."""
+
+    key: tuple[Any, ...]
+    arrays: dict[str, np.ndarray]
+    build: Callable[[], GraphAttention]  # makes the key's attention (buffers sized by the key)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def capacity(n: int, minimum: int = 1) -> int:
+    """Power-of-two capacity for ``n`` items: growth re-captures a graph O(log n) times, not per step."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+class GraphAttention(AttentionBackend):
+    """Attention bound to one captured graph's buffers: ``load`` a step, then the model runs/replays.
+
+    ``fields`` lists the int32 buffers: name -> (shape, clear), where ``clear`` says the part past this
+    step's data must be zeroed (work lists, whose zero items are no-ops); other buffers keep stale
+    entries that no kernel reads (lengths bound every read). All fields live in one device tensor and
+    one pinned host mirror, so loading a step is one copy.
+    """
+
+    name = "graph"
+
+    def __init__(self, fields: dict[str, tuple[tuple[int, ...], bool]], device: torch.device) -> None:
+        self.fields = fields
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, (shape, _clear) in fields.items():
+            self.offsets[name] = total
+            total += int(np.prod(shape, dtype=np.int64))
+            total += -total % 4  # 16-byte aligned starts (Triton specialises pointers on alignment)
+        self.device = device
+        self.ints = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
+        host = torch.zeros(max(total, 1), dtype=torch.int32)
+        self.host = host.pin_memory() if device.type == "cuda" else host
+        self.host_np = self.host.numpy()
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The device view of field ``name`` (what the captured kernels read)."""
+        shape, _ = self.fields[name]
+        start = self.offsets[name]
+        return self.ints[start : start + int(np.prod(shape, dtype=np.int64))].view(shape)
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write a step's arrays into the mirror (2-d ones into the top-left corner) and copy it over.
+
+        The copy is asynchronous; the mirror is rewritten only after the previous step's sampling
+        synchronised the device, so the copy that read it is done by then.
+        """
+        for name, arr in arrays.items():
+            shape, clear = self.fields[name]
+            start = self.offsets[name]
+            size = int(np.prod(shape, dtype=np.int64))
+            view = self.host_np[start : start + size].reshape(shape)
+            if arr.ndim == 2:
+                view[: arr.shape[0], : arr.shape[1]] = arr
+                if clear:
+                    view[arr.shape[0] :] = 0
+            else:
+                flat = view.reshape(-1)
+                flat[: arr.size] = arr.ravel()
+                if clear:
+                    flat[arr.size :] = 0
+        self.ints.copy_(self.host, non_blocking=True)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NoAttentionGraph(GraphAttention):
+    """The benchmark-only ceiling (attention skipped) under a graph: nothing to load."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__({}, device)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return q
+
+
+__all__ = ["GraphAttention", "GraphStep", "HeadShape", "NoAttentionGraph", "capacity"]

@@ -1,0 +1,305 @@
+"""Triton attention for captured decode graphs: the plain paged path and the shared-segment path.
+
+Same kernels as the eager backends (``triton_backend.py``), launched so that a graph can replay them
+on any later step (``attention/graph.py`` explains the scheme):
+  * grids are sized by capacity: the batch bucket (padding rows have length 0 and write a zero row),
+    the work-list capacity (zero items return at once), and a fixed number of KV splits;
+  * the paged kernel runs with ``split_size=0``, so each sequence's KV is cut into the grid's splits by
+    its own length, read on the device: no length is baked into the graph;
+  * shared partials go to slots ``[0, slots_cap)`` and own partials after them at a fixed offset, so
+    the merge CSR (refilled each step) can name any slot.
+The key of a step (``GraphStep.key``) holds every value a graph bakes in: bucket, capacities, tiles
+and split counts. Capacities are powers of two, so a growing batch re-captures rarely.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity
+from prefixserve.attention.kernels import merge, paged_attention, shared_attention
+from prefixserve.attention.kernels.triton_backend import (
+    _MERGE,
+    _PAGED_OUT,
+    _PAGED_PART,
+    _SHARED,
+    _relaunch,
+    _seg_rows_host,
+)
+from prefixserve.attention.metadata import AttentionMetadata
+
+PAGED_BLOCK_N = 64
+MAX_SPLITS = 64
+# Block-table columns a graph holds at least (1,024 tokens at block size 16): a decode grows its own
+# part by one token a step, and a wider table from the start saves re-captures on the way.
+MIN_TABLE_WIDTH = 64
+
+
+def _splits(max_kv: int, programs: int, device: torch.device) -> int:
+    """KV splits for ``programs`` (sequence, KV head) programs: a power of two, so keys stay few."""
+    splits, _ = paged_attention.choose_split(max_kv, programs, device, PAGED_BLOCK_N)
+    return min(MAX_SPLITS, capacity(splits))
+
+
+def paged_graph_step(meta: AttentionMetadata, shape: HeadShape, bucket: int) -> GraphStep:
+    """Every sequence's whole KV through the paged kernel (no sharing)."""
+    tables = meta.block_tables_np
+    if tables is None:
+        tables = meta.block_tables.cpu().numpy()
+    width = capacity(tables.shape[1], MIN_TABLE_WIDTH)
+    splits = _splits(max(meta.seq_lens_host, default=0), bucket * shape.kv_heads, shape.device)
+    key = ("paged", bucket, width, splits)
+    arrays = {
+        "tables": tables,
+        "seq_lens": np.asarray(meta.seq_lens_host, dtype=np.int32),
+        "qsl": np.arange(bucket + 1, dtype=np.int32),
+    }
+    logical = float(meta.logical_kv_tokens())
+    stats = {"kv_tokens_read": logical, "kv_tokens_logical": logical, "shared_segments": 0.0, "cascade": 0.0}
+    return GraphStep(key, arrays, lambda: PagedGraph(key, shape), stats)
+
+
+def shared_graph_step(meta: AttentionMetadata, plan: Any, shape: HeadShape, bucket: int) -> GraphStep:
+    """Shared segments once (holders' rows stacked), own parts paged, one CSR merge; ``plan`` on the host."""
+    kv_heads, group = shape.kv_heads, shape.group
+    bs = meta.block_size
+    seg_tokens = [(b - a) * bs for a, b in itertools.pairwise(plan.seg_block_start_host)]
+    work = shared_attention.plan_shared_work(
+        plan.seg_row_start_host,
+        seg_tokens,
+        kv_heads,
+        group,
+        shape.device,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+        items_on_host=True,
+    )
+    seg_rows = _seg_rows_host(plan, meta)
+    own_tables = plan.own_block_tables.numpy()
+    own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
+    own_splits = _splits(int(own_lens.max(initial=0)), bucket * kv_heads, shape.device)
+    slots_cap = capacity(work.num_slots, 16)
+    # merge CSR over the bucket's rows: each row's shared slots, then its own splits (fixed offset)
+    batch = meta.num_seqs
+    shared_rows = seg_rows[work.slot_row_index.numpy()]
+    own_rows = np.tile(np.arange(batch, dtype=np.int64), own_splits)
+    own_ids = slots_cap + np.repeat(np.arange(own_splits, dtype=np.int64) * bucket, batch) + own_rows
+    rows = np.concatenate([shared_rows, own_rows])
+    ids = np.concatenate([np.arange(work.num_slots, dtype=np.int64), own_ids])
+    order = np.argsort(rows, kind="stable")
+    row_ptr = np.zeros(bucket + 1, dtype=np.int64)
+    row_ptr[1:] = np.cumsum(np.bincount(rows, minlength=bucket))
+    seg_blocks = plan.seg_blocks.numpy()
+    key = (
+        "shared",
+        bucket,
+        capacity(own_tables.shape[1], MIN_TABLE_WIDTH),
+        own_splits,
+        (work.block_m, work.block_n, work.num_stages),
+        capacity(work.items.shape[0], 16),
+        capacity(plan.num_segments, 4),
+        capacity(seg_blocks.size, 16),
+        capacity(seg_rows.size, 16),
+        slots_cap,
+        capacity(ids.size, 16),
+    )
+    arrays = {
+        "seg_blocks": seg_blocks,
+        "seg_block_start": np.asarray(plan.seg_block_start_host, dtype=np.int32),
+        "seg_rows": seg_rows.astype(np.int32),
+        "items": work.items.numpy(),
+        "own_tables": own_tables,
+        "own_seq_lens": own_lens,
+        "qsl": np.arange(bucket + 1, dtype=np.int32),
+        "row_ptr": row_ptr.astype(np.int32),
+        "part_idx": ids[order].astype(np.int32),
+    }
+    stats = {
+        "kv_tokens_read": float(plan.kv_tokens_read),
+        "kv_tokens_logical": float(meta.logical_kv_tokens()),
+        "shared_segments": float(plan.num_segments),
+        "cascade": 1.0,
+    }
+    return GraphStep(key, arrays, lambda: SharedGraph(key, shape), stats)
+
+
+class _Recorded(GraphAttention):
+    """Launches recorded on the first layer and relaunched with each later layer's q / K / V / out."""
+
+    def __init__(self, fields: dict[str, tuple[tuple[int, ...], bool]], shape: HeadShape) -> None:
+        super().__init__(fields, shape.device)
+        self.shape = shape
+        self.launches: list[tuple[Any, tuple[int, int, int, int], bool]] = []
+        self.signature: tuple[Any, ...] = ()
+        self._side: torch.cuda.Stream | None = None
+
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """A second stream for the shared kernel: inside a graph, a parallel branch that costs nothing."""
+        if self.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, q.dtype, scale)
+        if sig != self.signature or not self.launches:
+            self.launches = self.first_launch(q, k_cache, v_cache, scale, out)
+            self.signature = sig
+            return out
+        side = self.side_stream()
+        main = torch.cuda.current_stream(q.device) if side is not None else None
+        forked = False  # join the side stream only if this call forked it (a capture needs both ends)
+        for launch, pos, on_side in self.launches:
+            if on_side and side is not None:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    _relaunch(launch, pos, (q, k_cache, v_cache, out))
+                forked = True
+                continue
+            if pos is _MERGE and forked:
+                main.wait_stream(side)
+                forked = False
+            _relaunch(launch, pos, (q, k_cache, v_cache, out))
+        return out
+
+    def first_launch(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> list:
+        raise NotImplementedError
+
+
+class PagedGraph(_Recorded):
+    """The plain paged kernel over a bucket of rows, with a fixed split count (and a merge if > 1)."""
+
+    def __init__(self, key: tuple[Any, ...], shape: HeadShape) -> None:
+        _, bucket, width, splits = key
+        fields = {
+            "tables": ((bucket, width), False),
+            "seq_lens": ((bucket,), True),  # padding rows: length 0, nothing read
+            "qsl": ((bucket + 1,), False),
+        }
+        super().__init__(fields, shape)
+        self.bucket, self.splits = bucket, splits
+        f32 = {"dtype": torch.float32, "device": shape.device}
+        self.lse = torch.empty(splits * bucket, shape.q_heads, **f32)
+        self.o_part = (
+            torch.empty(splits * bucket, shape.q_heads, shape.head_dim, **f32) if splits > 1 else None
+        )
+
+    def first_launch(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> list:
+        args = (
+            q,
+            k_cache,
+            v_cache,
+            self.buffer("tables"),
+            self.buffer("seq_lens"),
+            self.buffer("qsl"),
+            scale,
+            1,
+        )
+        if self.o_part is None:
+            launch = paged_attention.launch_paged(*args, 1, 0, out, self.lse, 0, 0, PAGED_BLOCK_N)
+            return [(launch, _PAGED_OUT, False)]
+        heads, dim = self.shape.q_heads, self.shape.head_dim
+        b = self.bucket
+        launch = paged_attention.launch_paged(
+            *args, self.splits, 0, self.o_part, self.lse, b * heads * dim, b * heads, PAGED_BLOCK_N
+        )
+        rec: list[Any] = []
+        merge.merge_partials(
+            self.o_part,
+            self.lse,
+            b,
+            num_parts=self.splits,
+            part_stride=b,
+            out=out,
+            want_lse=False,
+            launches=rec,
+        )
+        return [(launch, _PAGED_PART, False)] + [(m, _MERGE, False) for m in rec]
+
+
+class SharedGraph(_Recorded):
+    """Shared-segment kernel (side stream) + own paged kernel + CSR merge, all over fixed capacities."""
+
+    def __init__(self, key: tuple[Any, ...], shape: HeadShape) -> None:
+        _, bucket, own_width, own_splits, tiles, items, segs, blocks, rows, slots, nnz = key
+        fields = {
+            "seg_blocks": ((blocks,), False),
+            "seg_block_start": ((segs + 1,), False),
+            "seg_rows": ((rows,), False),
+            "items": ((items, shared_attention.ITEM_FIELDS), True),  # zero items are no-ops
+            "own_tables": ((bucket, own_width), False),
+            "own_seq_lens": ((bucket,), True),
+            "qsl": ((bucket + 1,), False),
+            "row_ptr": ((bucket + 1,), False),  # every entry written each step
+            "part_idx": ((nnz,), False),
+        }
+        super().__init__(fields, shape)
+        self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
+        self.block_m, self.block_n, self.stages = tiles
+        parts = slots + own_splits * bucket
+        f32 = {"dtype": torch.float32, "device": shape.device}
+        self.o_part = torch.empty(parts, shape.q_heads, shape.head_dim, **f32)
+        self.lse_part = torch.empty(parts, shape.q_heads, **f32)
+
+    def first_launch(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> list:
+        work = shared_attention.SharedWork(
+            items=self.buffer("items"),
+            num_slots=self.slots,
+            block_m=self.block_m,
+            block_n=self.block_n,
+            num_stages=self.stages,
+            splits=[],
+            slot_base=[],
+            slot_row_index=torch.zeros(0, dtype=torch.long),
+        )
+        side = self.side_stream()
+        main = torch.cuda.current_stream(q.device) if side is not None else None
+        shared_args = (q, k_cache, v_cache, self.buffer("seg_blocks"), self.buffer("seg_block_start"))
+        shared_args += (self.buffer("seg_rows"), work, scale, self.o_part, self.lse_part)
+        if side is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                sl = shared_attention.launch_shared(*shared_args)
+        else:
+            sl = shared_attention.launch_shared(*shared_args)
+        b, heads, dim, s = self.bucket, self.shape.q_heads, self.shape.head_dim, self.slots
+        ol = paged_attention.launch_paged(
+            q,
+            k_cache,
+            v_cache,
+            self.buffer("own_tables"),
+            self.buffer("own_seq_lens"),
+            self.buffer("qsl"),
+            scale,
+            1,
+            self.own_splits,
+            0,
+            self.o_part[s:],
+            self.lse_part[s:],
+            b * heads * dim,
+            b * heads,
+            PAGED_BLOCK_N,
+        )
+        if side is not None:
+            main.wait_stream(side)
+        rec: list[Any] = []
+        merge.merge_partials(
+            self.o_part,
+            self.lse_part,
+            b,
+            row_ptr=self.buffer("row_ptr"),
+            part_idx=self.buffer("part_idx"),
+            out=out,
+            want_lse=False,
+            launches=rec,
+        )
+        return [(sl, _SHARED, True), (ol, _PAGED_PART, False)] + [(m, _MERGE, False) for m in rec]
+
+
+__all__ = ["PagedGraph", "SharedGraph", "paged_graph_step", "shared_graph_step"]

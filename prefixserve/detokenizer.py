@@ -1,0 +1,182 @@
+"""Incremental detokenization: a sequence's output text grown by O(new tokens) work per step.
+
+Re-decoding the whole output every step costs O(n) per step, O(n^2) over a generation. Instead each
+sequence keeps a short window of trailing token ids and decodes only that window when tokens arrive;
+the text the new tokens add is what the window's text gained past the characters already emitted.
+
+Exactness: after every ``add``, ``text + pending`` equals ``tokenizer.decode(all_ids,
+skip_special_tokens=True)``. Two things make a window's text differ from the text those ids contribute
+to the full decode, and both are handled:
+
+* A multi-byte UTF-8 character split over several byte-level tokens decodes as U+FFFD until its last
+  byte arrives. A trailing run of U+FFFD is therefore held back in ``pending`` (not yet in ``text``); it
+  is emitted once a later character settles it (then it is either the real character, or a U+FFFD that
+  stays because the bytes were invalid). The window is only ever cut at a point where its text did not
+  end in U+FFFD, where byte-level decoding is in a clean state.
+* Decoders that treat the first token specially (SentencePiece drops the leading space of the text)
+  are handled as vLLM does: the window keeps the tokens since the previous settled point in front of
+  the new ones as context (never a context that decodes to nothing), and only the characters past the
+  context's own text are new.
+
+It assumes what holds for byte-level BPE (the default model's tokenizer) and SentencePiece without
+byte fallback: decoding more ids only appends to the text, apart from the U+FFFD tail. Decoders that
+rewrite earlier text (``clean_up_tokenization_spaces`` on WordPiece, byte-fallback groups turning
+invalid) can make the streamed text differ from a full decode.
+
+Special tokens are skipped exactly as ``decode(..., skip_special_tokens=True)`` skips them, because
+the window is decoded with that very call (``convert_ids_to_tokens`` would skip a different set: only
+``all_special_ids``, not every added token marked special).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"  # what an incomplete or invalid UTF-8 byte sequence decodes to
+
+# transformers classes whose ``decode(ids, skip_special_tokens=s)`` is the Rust tokenizer's
+# ``decode(ids, skip_special_tokens=s)`` plus an optional clean-up (fast tokenizers, v4 and v5).
+_PLAIN_DECODE = {"transformers.tokenization_utils_base"}
+_PLAIN_INNER_DECODE = {"transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast"}
+
+# The window is cut back to its last settled point once it holds more ids than this: each step decodes
+# at most about this many ids, and a cut (one extra small decode) happens about once per WINDOW tokens.
+WINDOW = 8
+
+
+def make_decode(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=...)``, as cheaply as it can be had exactly.
+
+    For a transformers fast tokenizer that does no clean-up, that is the Rust tokenizer's own decode:
+    calling it directly skips the wrapper's per-id conversion, most of the cost of decoding a few ids.
+    Anything else (other classes, overridden decoding, clean-up on) goes through ``tokenizer.decode``.
+    """
+    cls, backend = type(tokenizer), getattr(tokenizer, "_tokenizer", None)
+    plain = (
+        type(backend).__module__.startswith("tokenizers")
+        and hasattr(backend, "decode")
+        and getattr(cls.decode, "__module__", None) in _PLAIN_DECODE
+        and getattr(getattr(cls, "_decode", None), "__module__", None) in _PLAIN_INNER_DECODE
+        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    )
+    decode = backend.decode if plain else tokenizer.decode
+    return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """One sequence's output text, fed token ids as they are generated.
+
+    ``add(ids)`` returns the text the ids settled (a delta; deltas concatenate to ``text``). ``text`` is
+    the settled text, which never ends in an incomplete character; ``pending`` is the unsettled tail
+    (U+FFFD characters); ``full_text`` (= ``text + pending``) is what ``tokenizer.decode`` of all ids
+    gives, including a final incomplete character when generation ends on one.
+    """
+
+    __slots__ = (
+        "_decode",
+        "_emitted",
+        "_len",
+        "_mark",
+        "_pieces",
+        "_searched",
+        "_window",
+        "num_ids",
+        "pending",
+    )
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self._decode = make_decode(tokenizer, skip_special_tokens)
+        self._window: list[int] = []  # the trailing ids being decoded (context + unsettled + new)
+        self._emitted = 0  # characters of the window's text already in ``text``
+        self._mark = 0  # window index of the last settled point: where the window can be cut
+        self._pieces: list[str] = []  # ``text``, in pieces joined on demand
+        self._len = 0  # len(text)
+        self._searched = 0  # len(text) at the previous ``find_first``
+        self.num_ids = 0  # token ids fed so far
+        self.pending = ""  # the unsettled tail: decoded, but it may still change
+
+    # ---- feeding -------------------------------------------------------------------------------
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Feed newly generated token id(s); returns the text they settled (may be "")."""
+        window = self._window
+        before = len(window)
+        if isinstance(token_ids, int):
+            window.append(token_ids)
+        else:
+            window.extend(token_ids)
+        if len(window) == before:
+            return ""
+        self.num_ids += len(window) - before
+        text = self._decode(window)
+        end = len(text)
+        while end > self._emitted and text[end - 1] == REPLACEMENT:
+            end -= 1  # hold back what may be an incomplete character
+        delta = text[self._emitted : end]
+        if delta:
+            self._pieces.append(delta)
+            self._len += len(delta)
+            self._emitted = end
+        self.pending = text[self._emitted :]
+        if not self.pending:  # a settled point: the text ends in a whole character, decoding is clean
+            if len(window) > WINDOW and self._mark > 0:
+                # Keep the ids since the previous settled point as context for what comes next, if they
+                # make text: context that decodes to "" (special tokens, a lone SentencePiece space the
+                # decoder strips) would leave the next token first in its window, as it is not.
+                context = self._decode(window[self._mark :])
+                if context:
+                    del window[: self._mark]
+                    self._emitted = len(context)
+            self._mark = len(window)
+        return delta
+
+    # ---- reading -------------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """The settled text (never ends in an incomplete character)."""
+        pieces = self._pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
+
+    @property
+    def full_text(self) -> str:
+        """The text of all ids fed so far, exactly as ``tokenizer.decode`` gives it."""
+        return self.text + self.pending if self.pending else self.text
+
+    @property
+    def num_chars(self) -> int:
+        """len(text), without joining it."""
+        return self._len
+
+    def text_from(self, start: int) -> str:
+        """``full_text[start:]``, copying only the characters from ``start`` on."""
+        need = self._len - start
+        if need <= 0:
+            return self.pending[-need:]
+        pieces = self._pieces
+        got, i = 0, len(pieces)
+        while got < need:
+            i -= 1
+            got += len(pieces[i])
+        return "".join((pieces[i][got - need :], *pieces[i + 1 :], self.pending))
+
+    def find_first(self, stops: Sequence[str]) -> tuple[int, str] | None:
+        """The earliest stop string in ``full_text``: (where it starts, which one), or None.
+
+        Meant to be called after each ``add`` while no stop string has been found yet: it looks only at
+        the text that could hold an occurrence the previous call did not see (text settled since then,
+        the ``max(len(stop)) - 1`` characters before it, and ``pending``), and gives the same answer
+        as searching all of ``full_text``. Ties at one position go to the smaller string, as ``min``
+        over ``(position, stop)`` pairs would.
+        """
+        if not stops:
+            return None
+        start = max(0, self._searched - max(map(len, stops)) + 1)
+        self._searched = self._len  # an occurrence ending in text settled by now is seen now or never
+        tail = self.text_from(start)
+        hits = [(at, s) for s in stops if (at := tail.find(s)) >= 0]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        return start + at, stop

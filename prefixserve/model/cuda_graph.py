@@ -1,0 +1,126 @@
+"""Decode steps replayed from CUDA graphs: one graph per (batch bucket, attention key).
+
+An eager decode step of a 32-layer model is hundreds of kernel launches, and at small and middle batch
+sizes the host cannot issue them as fast as the GPU runs them. A captured graph issues the whole
+forward pass in one call. What changes from step to step enters through fixed device buffers:
+  * token ids, positions and KV write slots of the bucket's rows (``inputs``); padding rows write their
+    K/V to the cache's scratch slot and their outputs are ignored;
+  * the attention's per-step plan (``GraphAttention.load``: block tables, segment work list, merge CSR).
+Graphs are captured lazily the first time a key is met (a warm-up forward, the capture, a replay),
+into one shared memory pool. Prefill and mixed steps, and batches above the largest bucket, run
+eagerly. ``EngineConfig.enforce_eager`` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape
+from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.kv.cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes: powers of two and 1.5x powers of two (at most a third of a bucket is padding)."""
+    sizes = {1, 2, 3}
+    p = 4
+    while p < max_batch:
+        sizes |= {p, p * 3 // 2}
+        p *= 2
+    sizes.add(max_batch)
+    return sorted(s for s in sizes if s <= max_batch)
+
+
+class GraphCaptureError(RuntimeError):
+    """A capture failed; the engine then runs every step eagerly (``enforce_eager`` in effect)."""
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    attention: GraphAttention
+    hidden: torch.Tensor  # [bucket, hidden] output of the replays
+
+
+class DecodeGraphs:
+    """Captures and replays decode forwards; the engine calls ``bucket_for`` then ``run``."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int) -> None:
+        cfg = model.config
+        param = next(model.parameters())
+        self.model, self.kv = model, kv
+        self.device = param.device
+        self.shape = HeadShape(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, param.dtype, self.device
+        )
+        self.buckets = batch_buckets(max_batch)
+        cap = self.buckets[-1]
+        # rows: token ids, positions, KV write slots (int64: what embedding and index_copy_ take)
+        self.inputs = torch.zeros(3, cap, dtype=torch.long, device=self.device)
+        self._host = torch.zeros(3, cap, dtype=torch.long).pin_memory()
+        self._host_np = self._host.numpy()
+        self.graphs: dict[tuple[Any, ...], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest bucket holding ``batch`` rows, or None when the batch is too large for graphs."""
+        i = bisect.bisect_left(self.buckets, batch)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, step: GraphStep) -> torch.Tensor:
+        """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: [rows, hidden]."""
+        rows, bucket = len(ids), step.key[1]
+        host = self._host_np
+        host[0, :rows], host[1, :rows], host[2, :rows] = ids, positions, slots
+        host[0, rows:bucket] = host[1, rows:bucket] = 0
+        host[2, rows:bucket] = self.kv.scratch_slot
+        self.inputs.copy_(self._host, non_blocking=True)
+        entry = self.graphs.get(step.key)
+        if entry is None:
+            entry = self._capture(step, bucket)
+        else:
+            entry.attention.load(step.arrays)
+        entry.graph.replay()
+        return entry.hidden[:rows]
+
+    def _forward(self, bucket: int, attention: GraphAttention) -> torch.Tensor:
+        meta = AttentionMetadata(
+            block_size=self.kv.block_size,
+            query_start_loc=self.inputs[0, :0].int(),
+            seq_lens=self.inputs[0, :0].int(),
+            block_tables=self.inputs[0, :0].int().view(0, 0),
+            slot_mapping=self.inputs[2, :bucket],
+            query_lens_host=[1] * bucket,
+            seq_lens_host=[],
+            block_tables_host=[],
+        )
+        return self.model(self.inputs[0, :bucket], self.inputs[1, :bucket], self.kv.layers, meta, attention)
+
+    def _capture(self, step: GraphStep, bucket: int) -> _Captured:
+        """Warm up (compiles kernels; computes this step), capture, and replay once more when asked."""
+        attention = step.build()
+        attention.load(step.arrays)
+        self._forward(bucket, attention)  # eager warm-up: Triton compiles outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self._forward(bucket, attention)
+        except Exception as exc:
+            raise GraphCaptureError(f"capturing the decode graph {step.key[:2]} failed: {exc}") from exc
+        self.captures += 1
+        log.info("captured decode graph %s (%d so far)", step.key[:2], self.captures)
+        entry = self.graphs[step.key] = _Captured(graph, attention, hidden)
+        return entry
+
+
+__all__ = ["DecodeGraphs", "GraphCaptureError", "batch_buckets"]

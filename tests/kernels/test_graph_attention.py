@@ -1,0 +1,161 @@
+"""Graph-safe attention (fixed-capacity buffers, fixed grids) vs the reference, over changing steps.
+
+A captured graph replays the same launches on later steps with new buffer contents, so these tests
+build one graph attention per key and reuse it across steps whose structure changes (sequences grow
+past block boundaries, lengths are ragged, padding rows fill the bucket), poisoning the partial
+buffers in between: every value a step reads must come from that step's ``load``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from _kernel_helpers import DEVICE, rel_err
+
+from prefixserve.attention.auto import AutoBackend
+from prefixserve.attention.graph import GraphAttention, HeadShape, capacity
+from prefixserve.attention.kernels import paged_attention
+from prefixserve.attention.kernels.triton_backend import TritonBackend, TritonPagedBackend
+from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.reference import ReferenceBackend
+from prefixserve.model.cuda_graph import batch_buckets
+
+
+class _Steps:
+    """Decode steps of B sequences: ``shared`` of them hold a common prefix, then own blocks."""
+
+    def __init__(
+        self, seed: int, bs: int, batch: int, shared: int, prefix_blocks: int, kv_heads: int, dim: int
+    ):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.bs = bs
+        num_blocks = prefix_blocks + batch * 6 + 4
+        self.k = torch.randn(num_blocks, bs, kv_heads, dim, generator=self.gen).to(DEVICE)
+        self.v = torch.randn(num_blocks, bs, kv_heads, dim, generator=self.gen).to(DEVICE)
+        perm = torch.randperm(num_blocks, generator=self.gen).tolist()
+        prefix, rest = perm[:prefix_blocks], perm[prefix_blocks:]
+        self.tables = []
+        self.lens = []
+        for i in range(batch):
+            own = rest[i * 6 : (i + 1) * 6]
+            head = prefix if i < shared else []
+            self.tables.append(head + own)
+            self.lens.append(len(head) * bs + 1 + int(torch.randint(0, 2 * bs, (1,), generator=self.gen)))
+
+    def meta(self):
+        tables = [t[: math.ceil(n / self.bs)] for t, n in zip(self.tables, self.lens, strict=True)]
+        return build_metadata(self.bs, [1] * len(self.lens), self.lens, tables, "cpu")
+
+    def advance(self) -> None:
+        self.lens = [n + 1 + i % 3 for i, n in enumerate(self.lens)]  # ragged growth across blocks
+
+
+def _run(attn: GraphAttention, q: torch.Tensor, bucket: int, steps: _Steps, scale: float) -> torch.Tensor:
+    pad = torch.randn(bucket - q.shape[0], *q.shape[1:], generator=steps.gen).to(DEVICE)
+    return attn.forward(torch.cat([q, pad]), steps.k, steps.v, None, scale)[: q.shape[0]]
+
+
+@pytest.mark.parametrize(
+    ("backend", "group", "dim", "batch", "bucket", "shared"),
+    [
+        (TritonBackend, 4, 64, 5, 6, 4),  # a prefix held by 4 of 5, a loner, one padding row
+        (TritonBackend, 8, 128, 3, 4, 3),  # every row shares; GQA 8, d=128
+        (TritonBackend, 1, 64, 4, 4, 2),  # MHA, no padding
+        (TritonPagedBackend, 4, 64, 5, 8, 4),  # no sharing path; three padding rows
+    ],
+)
+def test_graph_steps_match_reference_across_changing_steps(
+    backend, group, dim, batch, bucket, shared
+) -> None:
+    kv_heads, bs, scale = 2, 16, 0.1
+    steps = _Steps(0, bs, batch, shared, 3, kv_heads, dim)
+    shape = HeadShape(kv_heads * group, kv_heads, dim, torch.float32, DEVICE)
+    be = backend()
+    graphs: dict[tuple, GraphAttention] = {}
+    reused = 0
+    for _ in range(4):
+        meta = steps.meta()
+        step = be.graph_step(meta, shape, bucket)
+        assert step.key[1] == bucket
+        if backend is TritonBackend:
+            assert step.key[0] == "shared" and meta.stats["kv_tokens_read"] < meta.stats["kv_tokens_logical"]
+        if step.key in graphs:
+            reused += 1
+        attn = graphs.setdefault(step.key, step.build())
+        for buf in ("o_part", "lse_part", "lse"):  # stale partials must never be read
+            if getattr(attn, buf, None) is not None:
+                getattr(attn, buf).fill_(math.nan)
+        attn.load(step.arrays)
+        q = torch.randn(batch, kv_heads * group, dim, generator=steps.gen).to(DEVICE)
+        out = _run(attn, q, bucket, steps, scale)
+        ref = ReferenceBackend().forward(q, steps.k, steps.v, meta, scale)
+        assert rel_err(out, ref) < 1e-5
+        steps.advance()
+    assert reused >= 2  # the same graph served later steps with new contents
+
+
+def test_paged_kernel_splits_each_sequence_by_its_own_length() -> None:
+    """``split_size=0``: the grid's splits cut each sequence's KV evenly; ragged lengths, one empty row."""
+    gen = torch.Generator().manual_seed(3)
+    bs, kv_heads, group, dim, splits = 16, 2, 4, 64, 3
+    lens = [300, 17, 0, 129]
+    blocks = sum(math.ceil(n / bs) for n in lens) + 2
+    k = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(DEVICE)
+    v = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(DEVICE)
+    perm = torch.randperm(blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at : at + max(1, math.ceil(n / bs))])
+        at += max(1, math.ceil(n / bs))
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), kv_heads * group, dim, generator=gen).to(DEVICE)
+    t, h = q.shape[:2]
+    o_part = torch.full((splits * t, h, dim), math.nan, device=DEVICE)
+    lse_part = torch.full((splits * t, h), math.nan, device=DEVICE)
+    paged_attention.launch_paged(
+        q, k, v, bt, seq_lens, qsl, 0.1, 1, splits, 0, o_part, lse_part, t * h * dim, t * h
+    )
+    from prefixserve.attention.kernels.merge import merge_partials
+
+    out, lse = merge_partials(o_part, lse_part, t, num_parts=splits, part_stride=t)
+    live = [0, 1, 3]  # row 2 has no KV: zeros and lse = -inf
+    ref_meta = build_metadata(bs, [1] * 3, [lens[i] for i in live], [tables[i] for i in live], DEVICE)
+    ref = ReferenceBackend().forward(q[live], k, v, ref_meta, 0.1)
+    assert rel_err(out[live], ref) < 1e-5
+    assert torch.all(out[2] == 0) and torch.all(torch.isneginf(lse[2]))
+
+
+def test_capacities_and_buckets() -> None:
+    assert [capacity(n, 4) for n in (0, 1, 4, 5, 17)] == [4, 4, 4, 8, 32]
+    buckets = batch_buckets(256)
+    assert buckets[:6] == [1, 2, 3, 4, 6, 8] and buckets[-1] == 256
+    assert all(b / a <= 1.5 for a, b in itertools.pairwise(buckets[2:]))
+    assert batch_buckets(100)[-1] == 100
+
+
+def test_graph_buffers_clear_work_list_tails() -> None:
+    """A smaller step after a larger one must not leave old work items behind (they would run)."""
+
+    class Probe(GraphAttention):
+        def forward(self, *args):  # pragma: no cover - never called
+            raise AssertionError
+
+    probe = Probe({"items": ((4, 2), True), "rows": ((3,), False)}, torch.device("cpu"))
+    probe.load({"items": np.ones((3, 2), np.int32), "rows": np.array([7, 8, 9], np.int32)})
+    probe.load({"items": np.full((1, 2), 5, np.int32), "rows": np.array([1], np.int32)})
+    assert probe.buffer("items").tolist() == [[5, 5], [0, 0], [0, 0], [0, 0]]
+    assert probe.buffer("rows").tolist() == [1, 8, 9]  # stale, but bounded by lengths in the kernels
+    assert probe.offsets["rows"] % 4 == 0
+
+
+def test_auto_has_no_graph_path_on_cpu() -> None:
+    steps = _Steps(1, 16, 2, 2, 2, 2, 64)
+    shape = HeadShape(8, 2, 64, torch.float32, torch.device("cpu"))
+    assert AutoBackend().graph_step(steps.meta(), shape, 2) is None

@@ -1,0 +1,367 @@
+"""Incremental detokenization: exactly ``tokenizer.decode(ids, skip_special_tokens=True)``, grown per token.
+
+Unit tests feed random ids (any vocab id, single-byte tokens that build or break multi-byte UTF-8
+characters, CJK / emoji / accented pieces, special tokens) one at a time and in chunks. Engine tests
+check that stop strings cut exactly where the old whole-output re-decode every step cut.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.detokenizer import WINDOW, IncrementalDetokenizer, make_decode
+from prefixserve.model.loader import convert_gguf, default_gguf_path, load_tokenizer
+
+VOCAB = 49152
+SAMPLES = [
+    "中文",
+    "日本語のテキスト",
+    "🎉",
+    "👨‍👩‍👧",
+    "Ünïcödé",
+    "naïve café",
+    "✓ ok",
+    "한국어",
+    "𝔘𝔫𝔦",
+    " ¿Qué?",
+]
+HYPO = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2 byte-level BPE: the character each byte is spelled with."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The default model's tokenizer (byte-level BPE), loaded once for the module."""
+    return load_tokenizer(convert_gguf(default_gguf_path(), progress=False))
+
+
+@pytest.fixture(scope="module")
+def pools(tok: Any) -> dict[str, list[int]]:
+    byte_id = _byte_ids(tok)
+    byte_ids = [byte_id[b] for b in sorted(byte_id)]
+    special = sorted(i for i, t in tok.added_tokens_decoder.items() if t.special)
+    assert special and 0 in special
+    pieces = sorted({i for s in SAMPLES for i in tok.encode(s, add_special_tokens=False)})
+    high = [byte_id[b] for b in sorted(byte_id) if b >= 0x80]
+    return {"bytes": byte_ids, "high": high, "special": special, "pieces": pieces}
+
+
+def _ids(draw: Any, pools: dict[str, list[int]], max_size: int = 80) -> list[int]:
+    one = st.one_of(
+        st.integers(0, VOCAB - 1),
+        st.sampled_from(pools["bytes"]),
+        st.sampled_from(pools["high"]),  # non-ASCII bytes: UTF-8 lead and continuation bytes
+        st.sampled_from(pools["special"]),
+        st.sampled_from(pools["pieces"]),
+    )
+    return draw(st.lists(one, max_size=max_size))
+
+
+def _check_feed(tok: Any, ids: list[int], chunks: list[int]) -> IncrementalDetokenizer:
+    """Feed ``ids`` in chunks of the given sizes (cycled); check every invariant after every chunk."""
+    d = IncrementalDetokenizer(tok)
+    deltas, i, k = [], 0, 0
+    while i < len(ids):
+        n = chunks[k % len(chunks)] if chunks else 1
+        new = ids[i : i + n]
+        deltas.append(d.add(new[0] if len(new) == 1 and k % 2 else new))
+        i, k = i + len(new), k + 1
+        want = tok.decode(ids[:i], skip_special_tokens=True)
+        assert d.full_text == want
+        assert d.text == want.rstrip("\ufffd") and d.pending == want[len(d.text) :]
+        assert d.num_ids == i and d.num_chars == len(d.text)
+        assert "".join(deltas) == d.text
+    assert d.full_text == tok.decode(ids, skip_special_tokens=True)
+    return d
+
+
+@HYPO
+@given(data=st.data())
+def test_one_token_at_a_time_matches_decode(tok: Any, pools: dict[str, list[int]], data: Any) -> None:
+    _check_feed(tok, _ids(data.draw, pools), [1])
+
+
+@HYPO
+@given(data=st.data(), chunks=st.lists(st.integers(1, 2 * WINDOW + 3), min_size=1, max_size=6))
+def test_chunks_match_decode(tok: Any, pools: dict[str, list[int]], data: Any, chunks: list[int]) -> None:
+    _check_feed(tok, _ids(data.draw, pools), chunks)
+
+
+@HYPO
+@given(text=st.text(max_size=60), cut=st.integers(0, 5))
+def test_encoded_unicode_text_round_trips(tok: Any, text: str, cut: int) -> None:
+    """Any unicode text's own tokens (split multi-byte characters included), minus a few at the end."""
+    ids = tok.encode(text, add_special_tokens=False)
+    d = _check_feed(tok, ids, [1])
+    if text == tok.decode(ids):
+        assert d.full_text == text
+    _check_feed(tok, ids[: max(0, len(ids) - cut)], [3, 1])
+
+
+@pytest.fixture(scope="module")
+def sp_tok() -> Any:
+    """A SentencePiece-style tokenizer (Llama 2's decoders, no byte fallback): the text's first space is
+    stripped, so a window's first token decodes differently from the same token inside the text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁", "▁▁", "▁hello", "▁world", "hi", ",", "▁中", "文", "!", "▁🎉"]
+    t = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    t.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@HYPO
+@given(
+    ids=st.lists(st.integers(0, 12), max_size=60), chunks=st.lists(st.integers(1, 5), min_size=1, max_size=4)
+)
+def test_leading_space_decoders_match_decode(sp_tok: Any, ids: list[int], chunks: list[int]) -> None:
+    assert sp_tok.decode([5, 6]) == "hello world" and sp_tok.decode([6]) == "world"
+    _check_feed(sp_tok, ids, [1])
+    _check_feed(sp_tok, ids, chunks)
+
+
+def test_split_characters_are_held_back_then_emitted_whole(tok: Any, pools: dict[str, list[int]]) -> None:
+    byte_id = _byte_ids(tok)
+    d = IncrementalDetokenizer(tok)
+    assert d.add(tok.encode("Hi", add_special_tokens=False)) == "Hi"
+    for b in "🎉".encode()[:-1]:
+        assert d.add(byte_id[b]) == ""  # an incomplete character: nothing settled yet
+        assert d.text == "Hi" and d.pending == "\ufffd" * len(d.pending) != ""
+    assert d.add(byte_id["🎉".encode()[-1]]) == "🎉" and d.pending == ""
+    assert d.add(pools["special"]) == ""  # special tokens are skipped
+    assert d.add(byte_id[0x80]) == ""  # a stray continuation byte: U+FFFD, held until text follows
+    assert d.full_text == "Hi🎉\ufffd"
+    assert d.add(tok.encode(" end", add_special_tokens=False)) == "\ufffd end"
+    assert d.text == d.full_text == "Hi🎉\ufffd end"
+
+
+def test_decode_bypasses_the_wrapper_only_where_that_is_exact(tok: Any, monkeypatch: Any) -> None:
+    ids = [*tok.encode("héllo 🎉", add_special_tokens=False), 0, 5]
+    want = tok.decode(ids, skip_special_tokens=True)
+    calls = []
+    original = tok.decode
+
+    def counting(*args: Any, **kwargs: Any) -> str:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", counting, raising=False)
+    assert make_decode(tok)(ids) == want and not calls  # the Rust tokenizer's decode, called directly
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    assert make_decode(tok)(ids) == want and calls  # clean-up on: through tokenizer.decode
+    assert make_decode(SimpleNamespace(decode=lambda ids, skip_special_tokens: "x"))([1]) == "x"
+
+
+def test_window_stays_small(tok: Any) -> None:
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. 日本語 " * 40, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    for t in ids:
+        d.add(t)
+        assert len(d._window) <= 2 * WINDOW
+    assert d.full_text == tok.decode(ids)
+
+
+def test_text_from(tok: Any) -> None:
+    d = IncrementalDetokenizer(tok)
+    for piece in ["ab", "cd", "ef", "gh"]:
+        d.add(tok.encode(piece, add_special_tokens=False))
+    d.add(_byte_ids(tok)[0xE4])
+    full = d.full_text
+    assert full == "abcdefgh\ufffd"
+    for start in range(len(full) + 2):
+        assert d.text_from(start) == full[start:]
+
+
+def _byte_ids(tok: Any) -> dict[int, int]:
+    """Byte -> the id of its single-byte token (the vocab lacks a few never-seen bytes, e.g. 0xC0)."""
+    vocab = tok.get_vocab()
+    out = {b: vocab[c] for b, c in _byte_alphabet().items() if c in vocab}
+    assert len(out) > 230 and all(b in out for b in (0x80, 0xBF, 0xC3, 0xE4, 0xF0))
+    return out
+
+
+def _old_stop(text_of: Any, n: int, stops: list[str], min_tokens: int, include: bool) -> Any:
+    """The engine's old rule: after token k (past min_tokens) re-decode everything and search it all."""
+    for k in range(1, n + 1):
+        if k <= min_tokens:
+            continue
+        text = text_of(k)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            at, stop = min(hits)
+            return k, text[: at + len(stop) if include else at], stop
+    return None
+
+
+@HYPO
+@given(data=st.data())
+def test_find_first_matches_full_search(tok: Any, pools: dict[str, list[int]], data: Any) -> None:
+    ids = _ids(data.draw, pools, max_size=60)
+    full = tok.decode(ids, skip_special_tokens=True)
+    spans = st.tuples(st.integers(0, max(0, len(full) - 1)), st.integers(1, 6))
+    picked = [full[a : a + n] for a, n in data.draw(st.lists(spans, max_size=4))]
+    extra = data.draw(
+        st.lists(st.sampled_from(["\ufffd", "e", "🎉", "中", "zz", ". ", "\ufffd\ufffd"]), max_size=3)
+    )
+    stops = [s for s in picked + extra if s][:16]
+    min_tokens = data.draw(st.integers(0, 10))
+    include = data.draw(st.booleans())
+    want = _old_stop(
+        lambda k: tok.decode(ids[:k], skip_special_tokens=True), len(ids), stops, min_tokens, include
+    )
+    d = IncrementalDetokenizer(tok)
+    got = None
+    for k, t in enumerate(ids, 1):
+        d.add(t)
+        if k > min_tokens and (hit := d.find_first(stops)) is not None:
+            at, stop = hit
+            got = k, d.full_text[: at + len(stop) if include else at], stop
+            break
+    assert got == want
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_config_path: Path) -> LLM:
+    """A tiny random model whose logits favour byte tokens, special tokens and CJK / emoji pieces."""
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}",
+        dtype="float32",
+        device="cpu",
+        attention="reference",
+        num_kv_blocks=512,
+        progress=False,
+    )
+    tok = llm.engine.tokenizer
+    assert tok is not None
+    favoured = {i for b, i in _byte_ids(tok).items() if b >= 0x80} | set(range(17))
+    favoured |= {i for s in SAMPLES for i in tok.encode(s, add_special_tokens=False)}
+    bias = torch.zeros(VOCAB)
+    bias[sorted(favoured)] = 5.0
+    model = llm.engine.model
+    logits = model.compute_logits
+    model.compute_logits = lambda hidden: logits(hidden) + bias.to(hidden.device)
+    return llm
+
+
+def _assert_old_semantics(tok: Any, out: Any, params: SamplingParams) -> bool:
+    """One completion ends where (and as) the old re-decode-everything rule would have ended it."""
+    ids = out.token_ids
+    want = _old_stop(
+        lambda k: tok.decode(ids[:k], skip_special_tokens=True),
+        len(ids),
+        params.stop,
+        params.min_tokens,
+        params.include_stop_str_in_output,
+    )
+    if want is None:
+        assert out.finish_reason == "length" and len(ids) == params.max_tokens
+        assert out.text == tok.decode(ids, skip_special_tokens=True) and out.stop_reason is None
+        return False
+    k, text, stop = want
+    assert (len(ids), out.text, out.stop_reason, out.finish_reason) == (k, text, stop, "stop")
+    return True
+
+
+def test_engine_stop_strings_cut_as_before(tiny_llm: LLM) -> None:
+    tok = tiny_llm.engine.tokenizer
+    rng = random.Random(7)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(17, VOCAB) for _ in range(rng.randrange(1, 9))]}
+        for _ in range(12)
+    ]
+    free_params = [SamplingParams(seed=i, max_tokens=40, ignore_eos=True) for i in range(len(prompts))]
+    free = tiny_llm.generate(prompts, free_params)
+    texts = [f.outputs[0].text for f in free]
+    assert any("\ufffd" in t for t in texts)  # the bias makes split / invalid characters
+    assert any(ord(c) > 0x2E80 for t in texts for c in t)  # and CJK / emoji
+    for f in free:
+        c = f.outputs[0]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True) and c.finish_reason == "length"
+    params = []
+    for i, text in enumerate(texts):
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(text)) if text else 0
+            stops.append(text[at : at + rng.randrange(1, 5)] or "zz")
+        if i % 3 == 0:
+            stops.append("never in this text \x00")
+        params.append(
+            SamplingParams(
+                seed=i,
+                max_tokens=40,
+                ignore_eos=True,
+                stop=stops,
+                min_tokens=rng.choice([0, 0, 3, 10]),
+                include_stop_str_in_output=bool(i % 2),
+                n=2 if i % 4 == 1 else 1,
+            )
+        )
+    outs = tiny_llm.generate(prompts, params)
+    stopped = 0
+    for out, p in zip(outs, params, strict=True):
+        for c in out.outputs:
+            stopped += _assert_old_semantics(tok, c, p)
+    assert stopped >= len(prompts) // 2
+    assert not tiny_llm.engine.requests and tiny_llm.engine.pool.num_used == 0
+
+
+def test_engine_streaming_text_is_the_cumulative_decode(tiny_llm: LLM) -> None:
+    tok = tiny_llm.engine.tokenizer
+    free = tiny_llm.generate(
+        {"prompt_token_ids": [500, 600]}, SamplingParams(seed=3, max_tokens=30, ignore_eos=True)
+    )
+    text = free[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2] or "zz"
+    for params in (
+        SamplingParams(seed=3, max_tokens=30, ignore_eos=True),
+        SamplingParams(seed=3, max_tokens=30, ignore_eos=True, stop=[stop]),
+    ):
+        last = None
+        for last in tiny_llm.stream({"prompt_token_ids": [500, 600]}, params):
+            c = last.outputs[0]
+            if not c.finished:  # unchanged: the cumulative text, as decode gives it (U+FFFD tail and all)
+                assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+        assert last is not None and last.finished
+        _assert_old_semantics(tok, last.outputs[0], params)
+
+
+def test_engine_without_tokenizer_pays_nothing(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    tok, engine.tokenizer = engine.tokenizer, None
+    try:
+        params = SamplingParams(seed=1, max_tokens=8, ignore_eos=True, stop=["a", "e", " "])
+        req = engine.add_request("no-tok", params=params, prompt_token_ids=[100, 200], stream=True)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert outs and all(o.outputs[0].text == "" for o in outs)
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 8
+        assert req.sequences[0].detokenizer is None
+    finally:
+        engine.tokenizer = tok
