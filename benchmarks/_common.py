@@ -16,8 +16,13 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
 def run_info() -> dict[str, Any]:
-    """Where and when a result was measured: device, versions, commit."""
+    """Where and when a result was measured: device, versions, commit.
+
+    ``PREFIXSERVE_COMMIT`` wins when set: the device machine's copy of the tree may carry a stale .git.
+    """
     try:
+        if os.environ.get("PREFIXSERVE_COMMIT"):
+            raise OSError("commit given by the environment")
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,

@@ -323,13 +323,14 @@ class Engine:
         gets device metadata and the backend's eager ``prepare``.
         """
         pos: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens = [], []
         for s in sched.scheduled:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             pos += seq.positions[c : c + n]
             query_lens.append(n)
             seq_lens.append(c + n)
-            tables.append(seq.block_table[: self.blocks.blocks_needed(c + n)])
+        # one numpy gather from the block manager's mirror (lists would cost ~20 ns a block entry)
+        tables = self.blocks.block_tables_np([s.seq for s in sched.scheduled], seq_lens)
         bs = self.config.block_size
         if self.graphs is not None and len(pos) == len(query_lens):  # decode only: one token each
             bucket = self.graphs.bucket_for(len(pos))

@@ -28,7 +28,6 @@ from prefixserve.attention.kernels.triton_backend import (
     _PAGED_PART,
     _SHARED,
     _relaunch,
-    _seg_rows_host,
 )
 from prefixserve.attention.metadata import AttentionMetadata
 
@@ -78,7 +77,7 @@ def shared_graph_step(meta: AttentionMetadata, plan: Any, shape: HeadShape, buck
         dtype=shape.dtype,
         items_on_host=True,
     )
-    seg_rows = _seg_rows_host(plan, meta)
+    seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_tables = plan.own_block_tables.numpy()
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
     own_splits = _splits(int(own_lens.max(initial=0)), bucket * kv_heads, shape.device)
