@@ -7,6 +7,7 @@ requests beyond the Sequence objects handed to it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import Counter
@@ -70,6 +71,22 @@ class PinnedPrompt:
     blocks: list[int]  # the full blocks, held by the pin
 
 
+GC_THRESHOLD0 = 50_000  # allocations between young-generation collections (CPython's default: 700)
+
+
+def _tune_gc() -> None:
+    """Make Python's cyclic GC rare enough that its full passes do not stall decode steps.
+
+    A full pass visits every element of every list alive: at B=256 with 16K-token prompts that is
+    ~8M token ids and positions, ~15 ms, and with CPython's default thresholds one ran every few
+    steps (measured on the H200 host: 0.55 s of 1.45 s of host time over 38 decode steps). Raising
+    the young-generation threshold makes every generation's passes ~70x rarer; cycles (a request and
+    its sequences) are still collected. Nothing is frozen: a frozen object in a cycle would leak.
+    """
+    threshold0, threshold1, threshold2 = gc.get_threshold()
+    gc.set_threshold(max(threshold0, GC_THRESHOLD0), threshold1, threshold2)
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, progress: bool = True) -> None:
         self.config = config = config or EngineConfig()
@@ -125,6 +142,7 @@ class Engine:
         self.max_model_len = min(self.max_model_len, unpinned * bs)
         if self.max_model_len < 2:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
+        _tune_gc()
 
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:
