@@ -97,8 +97,8 @@ def measure(
 
 
 def _idle_frac(before: dict, after: dict) -> float:
-    idle = after["gpu_idle_seconds_total"] - before["gpu_idle_seconds_total"]
-    busy = after["gpu_busy_seconds_total"] - before["gpu_busy_seconds_total"]
+    idle = after["decode_gpu_idle_seconds_total"] - before["decode_gpu_idle_seconds_total"]
+    busy = after["decode_gpu_busy_seconds_total"] - before["decode_gpu_busy_seconds_total"]
     return idle / max(idle + busy, 1e-9)
 
 
@@ -214,8 +214,8 @@ def report(args: argparse.Namespace, rows: list[dict], n8: dict | None) -> None:
         f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
         f"model {args.model}; own {args.own} tokens, {args.gen} generated; {graphs}. "
         "Decode-only tokens/s (first token to last finish). Host overhead: the share of the GPU's time "
-        "spent idle between steps, waiting for the host (CUDA events). Memory needed: all the run "
-        "allocated, with the KV pool counted at its peak use, not its size. "
+        "spent idle between consecutive decode steps, waiting for the host (CUDA events). "
+        "Memory needed: all the run allocated, with the KV pool counted at its peak use, not its size. "
         "Written by `benchmarks/throughput.py`.",
         "",
         "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling "

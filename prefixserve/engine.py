@@ -54,6 +54,7 @@ class _InFlight:
     touched: set[Request]
     start: torch.cuda.Event | None  # timing events around the step's device work (CUDA)
     done: torch.cuda.Event | None
+    decode: bool = False  # every sequence computed one token
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -130,6 +131,7 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._placeholders: set[Sequence] = set()
         self._last_done: torch.cuda.Event | None = None
+        self._last_decode = False
         self._waited = 0.0
         self._next_seq_id = 0
         self._finished_outputs: list[RequestOutput] = []
@@ -392,7 +394,8 @@ class Engine:
             for target in self._fork_if_needed(seq):
                 rows.append(end - 1)
                 samplers.append(target)
-        flight = _InFlight(samplers, None, {s.seq.request for s in sched.scheduled}, start, None)
+        touched = {s.seq.request for s in sched.scheduled}
+        flight = _InFlight(samplers, None, touched, start, None, len(ids) == len(sched.scheduled))
         if samplers:
             contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
             picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
@@ -461,10 +464,14 @@ class Engine:
             self._waited += time.perf_counter() - waited
         if flight.start is not None:
             # the GPU's own clock: the gap between the previous step's last kernel and this step's first
-            if self._last_done is not None:
-                self.timers["gpu_idle_seconds_total"] += self._last_done.elapsed_time(flight.start) / 1e3
-            self.timers["gpu_busy_seconds_total"] += flight.start.elapsed_time(flight.done) / 1e3
-            self._last_done = flight.done
+            busy = flight.start.elapsed_time(flight.done) / 1e3
+            idle = self._last_done.elapsed_time(flight.start) / 1e3 if self._last_done is not None else 0.0
+            self.timers["gpu_idle_seconds_total"] += idle
+            self.timers["gpu_busy_seconds_total"] += busy
+            if flight.decode and self._last_decode:  # between two decode steps: the host overhead
+                self.timers["decode_gpu_idle_seconds_total"] += idle
+                self.timers["decode_gpu_busy_seconds_total"] += busy
+            self._last_done, self._last_decode = flight.done, flight.decode
         for req in flight.touched:
             if req.is_finished:
                 if self._retire(req):
@@ -620,6 +627,8 @@ class Engine:
         # CUDA: device time of steps, and the gaps between consecutive steps (the GPU waiting on the host)
         out.update(gpu_busy_seconds_total=self.timers["gpu_busy_seconds_total"])
         out.update(gpu_idle_seconds_total=self.timers["gpu_idle_seconds_total"])
+        out.update(decode_gpu_busy_seconds_total=self.timers["decode_gpu_busy_seconds_total"])
+        out.update(decode_gpu_idle_seconds_total=self.timers["decode_gpu_idle_seconds_total"])
         out.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

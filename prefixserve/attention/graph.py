@@ -52,6 +52,9 @@ class GraphStep:
     arrays: dict[str, np.ndarray]
     build: Callable[[], GraphAttention]  # makes the key's attention (buffers sized by the key)
     stats: dict[str, float] = field(default_factory=dict)
+    # the same step planned into the capacities of an already captured key, when they can hold it
+    # (the returned step's key then equals that key): saves a capture when a batch shrinks a little
+    refit: Callable[[tuple[Any, ...]], GraphStep] | None = None
 
 
 def capacity(n: int, minimum: int = 1) -> int:

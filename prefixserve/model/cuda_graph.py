@@ -39,6 +39,9 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_batch)
 
 
+HOLD_STEPS = 32  # steps a shrunken batch keeps its larger bucket before its own graph is captured
+
+
 class GraphCaptureError(RuntimeError):
     """A capture failed; the engine then runs every step eagerly (``enforce_eager`` in effect)."""
 
@@ -70,11 +73,33 @@ class DecodeGraphs:
         self.graphs: dict[tuple[Any, ...], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
+        self._current: int | None = None  # the bucket of the last decode step
+        self._held = 0  # consecutive steps run in a bucket above the batch's own
 
     def bucket_for(self, batch: int) -> int | None:
-        """The smallest bucket holding ``batch`` rows, or None when the batch is too large for graphs."""
+        """The bucket to run ``batch`` rows in, or None when the batch is too large for graphs.
+
+        Normally the smallest bucket that holds the batch. When a batch shrinks (requests finish),
+        the bucket in use is kept while it is at most 4x the batch, for up to ``HOLD_STEPS`` steps:
+        a capture costs about a second (kernel compiles, a warm-up forward), far more than a few
+        padded steps, and a batch that ends soon never pays it. A batch that stays small gets its
+        own graph after that.
+        """
         i = bisect.bisect_left(self.buckets, batch)
-        return self.buckets[i] if i < len(self.buckets) else None
+        if i == len(self.buckets):
+            return None
+        exact, current = self.buckets[i], self._current
+        if (
+            current is not None
+            and batch <= current < 4 * batch
+            and exact < current
+            and self._held < HOLD_STEPS
+        ):
+            self._held += 1
+            return current
+        self._held = 0
+        self._current = exact
+        return exact
 
     def run(self, ids: list[int], positions: list[int], slots: np.ndarray, step: GraphStep) -> torch.Tensor:
         """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: [rows, hidden]."""
@@ -86,11 +111,24 @@ class DecodeGraphs:
         self.inputs.copy_(self._host, non_blocking=True)
         entry = self.graphs.get(step.key)
         if entry is None:
+            step, entry = self._refit(step)
+        if entry is None:
             entry = self._capture(step, bucket)
         else:
             entry.attention.load(step.arrays)
         entry.graph.replay()
         return entry.hidden[:rows]
+
+    def _refit(self, step: GraphStep) -> tuple[GraphStep, _Captured | None]:
+        """A captured graph of the same kind and bucket whose capacities hold this step, newest first."""
+        if step.refit is None:
+            return step, None
+        for key in reversed(list(self.graphs)):
+            if key[:2] == step.key[:2]:
+                fitted = step.refit(key)
+                if fitted.key == key:
+                    return fitted, self.graphs[key]
+        return step, None
 
     def _forward(self, bucket: int, attention: GraphAttention) -> torch.Tensor:
         meta = AttentionMetadata(

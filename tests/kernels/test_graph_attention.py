@@ -159,3 +159,38 @@ def test_auto_has_no_graph_path_on_cpu() -> None:
     steps = _Steps(1, 16, 2, 2, 2, 2, 64)
     shape = HeadShape(8, 2, 64, torch.float32, torch.device("cpu"))
     assert AutoBackend().graph_step(steps.meta(), shape, 2) is None
+
+
+def test_a_smaller_step_refits_into_a_captured_keys_capacities() -> None:
+    """Fewer holders later (requests finished): the step can be planned into the bigger key."""
+    kv_heads, dim = 2, 64
+    shape = HeadShape(8, kv_heads, dim, torch.float32, DEVICE)
+    big = _Steps(4, 16, 20, 20, 3, kv_heads, dim)
+    key = TritonBackend().graph_step(big.meta(), shape, 32).key
+    small = _Steps(5, 16, 5, 5, 2, kv_heads, dim)  # 5 rows: the same 64-row tiles, less of everything
+    step = TritonBackend().graph_step(small.meta(), shape, 32)
+    assert step.key != key and step.key[:5] == key[:5]
+    fitted = step.refit(key)
+    assert fitted.key == key
+    attn = fitted.build()
+    attn.load(fitted.arrays)
+    q = torch.randn(5, 8, dim, generator=small.gen).to(DEVICE)
+    ref = ReferenceBackend().forward(q, small.k, small.v, small.meta(), 0.1)
+    assert rel_err(_run(attn, q, 32, small, 0.1), ref) < 1e-5
+    paged = TritonPagedBackend().graph_step(small.meta(), shape, 32)
+    wide = ("paged", 32, paged.key[2] * 2, paged.key[3])
+    assert paged.refit(wide).key == wide
+
+
+def test_shrinking_batches_keep_their_bucket_for_a_while() -> None:
+    from prefixserve.model.cuda_graph import HOLD_STEPS, DecodeGraphs
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.buckets, graphs._current, graphs._held = batch_buckets(1024), None, 0
+    assert graphs.bucket_for(1024) == 1024
+    assert graphs.bucket_for(700) == 1024 and graphs.bucket_for(300) == 1024  # within 4x: held
+    assert graphs.bucket_for(200) == 256  # over 4x: its own bucket
+    for _ in range(HOLD_STEPS):
+        assert graphs.bucket_for(100) == 256
+    assert graphs.bucket_for(100) == 128  # a batch that stays small gets its own graph
+    assert graphs.bucket_for(2000) is None

@@ -44,14 +44,23 @@ def _splits(max_kv: int, programs: int, device: torch.device) -> int:
     return min(MAX_SPLITS, capacity(splits))
 
 
-def paged_graph_step(meta: AttentionMetadata, shape: HeadShape, bucket: int) -> GraphStep:
+def _floor(key: tuple[Any, ...], floor: tuple[Any, ...] | None, fixed: tuple[int, ...]) -> tuple[Any, ...]:
+    """``key`` with each capacity raised to ``floor``'s, if the two agree on the ``fixed`` fields."""
+    if floor is None or len(floor) != len(key) or any(key[i] != floor[i] for i in fixed):
+        return key
+    return tuple(k if i in fixed else max(k, f) for i, (k, f) in enumerate(zip(key, floor, strict=True)))
+
+
+def paged_graph_step(
+    meta: AttentionMetadata, shape: HeadShape, bucket: int, floor: tuple[Any, ...] | None = None
+) -> GraphStep:
     """Every sequence's whole KV through the paged kernel (no sharing)."""
     tables = meta.block_tables_np
     if tables is None:
         tables = meta.block_tables.cpu().numpy()
     width = capacity(tables.shape[1], MIN_TABLE_WIDTH)
     splits = _splits(max(meta.seq_lens_host, default=0), bucket * shape.kv_heads, shape.device)
-    key = ("paged", bucket, width, splits)
+    key = _floor(("paged", bucket, width, splits), floor, (0, 1, 3))
     arrays = {
         "tables": tables,
         "seq_lens": np.asarray(meta.seq_lens_host, dtype=np.int32),
@@ -59,10 +68,14 @@ def paged_graph_step(meta: AttentionMetadata, shape: HeadShape, bucket: int) -> 
     }
     logical = float(meta.logical_kv_tokens())
     stats = {"kv_tokens_read": logical, "kv_tokens_logical": logical, "shared_segments": 0.0, "cascade": 0.0}
-    return GraphStep(key, arrays, lambda: PagedGraph(key, shape), stats)
+    return GraphStep(
+        key, arrays, lambda: PagedGraph(key, shape), stats, lambda f: paged_graph_step(meta, shape, bucket, f)
+    )
 
 
-def shared_graph_step(meta: AttentionMetadata, plan: Any, shape: HeadShape, bucket: int) -> GraphStep:
+def shared_graph_step(
+    meta: AttentionMetadata, plan: Any, shape: HeadShape, bucket: int, floor: tuple[Any, ...] | None = None
+) -> GraphStep:
     """Shared segments once (holders' rows stacked), own parts paged, one CSR merge; ``plan`` on the host."""
     kv_heads, group = shape.kv_heads, shape.group
     bs = meta.block_size
@@ -81,7 +94,21 @@ def shared_graph_step(meta: AttentionMetadata, plan: Any, shape: HeadShape, buck
     own_tables = plan.own_block_tables.numpy()
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
     own_splits = _splits(int(own_lens.max(initial=0)), bucket * kv_heads, shape.device)
-    slots_cap = capacity(work.num_slots, 16)
+    needed = (
+        "shared",
+        bucket,
+        capacity(own_tables.shape[1], MIN_TABLE_WIDTH),
+        own_splits,
+        (work.block_m, work.block_n, work.num_stages),
+        capacity(work.items.shape[0], 16),
+        capacity(plan.num_segments, 4),
+        capacity(plan.seg_blocks.numel(), 16),
+        capacity(seg_rows.size, 16),
+        capacity(work.num_slots, 16),
+        0,  # merge entries: known below, once the slot offset is
+    )
+    key = _floor(needed, floor, (0, 1, 3, 4))
+    slots_cap = key[9]
     # merge CSR over the bucket's rows: each row's shared slots, then its own splits (fixed offset)
     batch = meta.num_seqs
     shared_rows = seg_rows[work.slot_row_index.numpy()]
@@ -93,19 +120,10 @@ def shared_graph_step(meta: AttentionMetadata, plan: Any, shape: HeadShape, buck
     row_ptr = np.zeros(bucket + 1, dtype=np.int64)
     row_ptr[1:] = np.cumsum(np.bincount(rows, minlength=bucket))
     seg_blocks = plan.seg_blocks.numpy()
-    key = (
-        "shared",
-        bucket,
-        capacity(own_tables.shape[1], MIN_TABLE_WIDTH),
-        own_splits,
-        (work.block_m, work.block_n, work.num_stages),
-        capacity(work.items.shape[0], 16),
-        capacity(plan.num_segments, 4),
-        capacity(seg_blocks.size, 16),
-        capacity(seg_rows.size, 16),
-        slots_cap,
-        capacity(ids.size, 16),
-    )
+    nnz = capacity(ids.size, 16)
+    if floor is not None and key[:10] == floor[:10]:
+        nnz = max(nnz, floor[10])
+    key = (*key[:10], nnz)
     arrays = {
         "seg_blocks": seg_blocks,
         "seg_block_start": np.asarray(plan.seg_block_start_host, dtype=np.int32),
@@ -123,7 +141,13 @@ def shared_graph_step(meta: AttentionMetadata, plan: Any, shape: HeadShape, buck
         "shared_segments": float(plan.num_segments),
         "cascade": 1.0,
     }
-    return GraphStep(key, arrays, lambda: SharedGraph(key, shape), stats)
+    return GraphStep(
+        key,
+        arrays,
+        lambda: SharedGraph(key, shape),
+        stats,
+        lambda f: shared_graph_step(meta, plan, shape, bucket, f),
+    )
 
 
 class _Recorded(GraphAttention):
