@@ -25,13 +25,15 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SYSTEM = "You are a terse assistant for a bicycle shop. " * 12  # ~120 tokens: several KV blocks
 
 
-@pytest.fixture(scope="module")
-def server(tiny_config_path: Path) -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def server(tiny_config_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
+    # async scheduling (on by default under CUDA graphs) delays each step's outputs by one step()
     config = EngineConfig(
         model=f"dummy:{tiny_config_path}",
         device="cpu",
         num_kv_blocks=512,
         max_num_seqs=64,
+        async_scheduling=request.param,
     )
     with ServerThread(build_app(config, api_key=API_KEY)) as srv:
         yield srv
