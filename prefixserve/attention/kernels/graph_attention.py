@@ -26,8 +26,8 @@ from prefixserve.attention.kernels.triton_backend import (
     _MERGE,
     _PAGED_OUT,
     _PAGED_PART,
-    _SHARED,
-    _relaunch,
+    launch_split_path,
+    replay_launches,
 )
 from prefixserve.attention.metadata import AttentionMetadata
 
@@ -175,20 +175,7 @@ class _Recorded(GraphAttention):
             self.launches = self.first_launch(q, k_cache, v_cache, scale, out)
             self.signature = sig
             return out
-        side = self.side_stream()
-        main = torch.cuda.current_stream(q.device) if side is not None else None
-        forked = False  # join the side stream only if this call forked it (a capture needs both ends)
-        for launch, pos, on_side in self.launches:
-            if on_side and side is not None:
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    _relaunch(launch, pos, (q, k_cache, v_cache, out))
-                forked = True
-                continue
-            if pos is _MERGE and forked:
-                main.wait_stream(side)
-                forked = False
-            _relaunch(launch, pos, (q, k_cache, v_cache, out))
+        replay_launches(self.launches, (q, k_cache, v_cache, out), self.side_stream())
         return out
 
     def first_launch(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> list:
@@ -281,24 +268,18 @@ class SharedGraph(_Recorded):
             slot_base=[],
             slot_row_index=torch.zeros(0, dtype=torch.long),
         )
-        side = self.side_stream()
-        main = torch.cuda.current_stream(q.device) if side is not None else None
         shared_args = (q, k_cache, v_cache, self.buffer("seg_blocks"), self.buffer("seg_block_start"))
         shared_args += (self.buffer("seg_rows"), work, scale, self.o_part, self.lse_part)
-        if side is not None:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                sl = shared_attention.launch_shared(*shared_args)
-        else:
-            sl = shared_attention.launch_shared(*shared_args)
         b, heads, dim, s = self.bucket, self.shape.q_heads, self.shape.head_dim, self.slots
-        ol = paged_attention.launch_paged(
+        own_args = (
             q,
             k_cache,
             v_cache,
             self.buffer("own_tables"),
             self.buffer("own_seq_lens"),
             self.buffer("qsl"),
+        )
+        own_args += (
             scale,
             1,
             self.own_splits,
@@ -307,22 +288,22 @@ class SharedGraph(_Recorded):
             self.lse_part[s:],
             b * heads * dim,
             b * heads,
-            PAGED_BLOCK_N,
         )
-        if side is not None:
-            main.wait_stream(side)
-        rec: list[Any] = []
-        merge.merge_partials(
-            self.o_part,
-            self.lse_part,
-            b,
-            row_ptr=self.buffer("row_ptr"),
-            part_idx=self.buffer("part_idx"),
-            out=out,
-            want_lse=False,
-            launches=rec,
+        return launch_split_path(
+            lambda: shared_attention.launch_shared(*shared_args),
+            lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N),
+            lambda rec: merge.merge_partials(
+                self.o_part,
+                self.lse_part,
+                b,
+                row_ptr=self.buffer("row_ptr"),
+                part_idx=self.buffer("part_idx"),
+                out=out,
+                want_lse=False,
+                launches=rec,
+            ),
+            self.side_stream(),
         )
-        return [(sl, _SHARED, True), (ol, _PAGED_PART, False)] + [(m, _MERGE, False) for m in rec]
 
 
 __all__ = ["PagedGraph", "SharedGraph", "paged_graph_step", "shared_graph_step"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,17 +280,7 @@ class TritonBackend(TritonPagedBackend):
         sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
         side = self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
         if lay.signature == sig and lay.launches:
-            main = None
-            for launch, pos, on_side in lay.launches:
-                if on_side and side is not None:
-                    main = torch.cuda.current_stream(q.device)
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        _relaunch(launch, pos, (q, k_cache, v_cache, out))
-                    continue
-                if main is not None and pos is _MERGE:
-                    main.wait_stream(side)
-                _relaunch(launch, pos, (q, k_cache, v_cache, out))
+            replay_launches(lay.launches, (q, k_cache, v_cache, out), side)
             return out
         lay.launches = self._shared_first(q, k_cache, v_cache, meta, step, lay, scale, out, side)
         lay.signature = sig
@@ -301,18 +292,8 @@ class TritonBackend(TritonPagedBackend):
         plan = step.shared
         tokens, q_heads, dim = q.shape
         ns = lay.work.num_slots
-        launches: list[tuple[Any, tuple[int, int, int, int], bool]] = []
         shared_args = (q, k_cache, v_cache, plan.seg_blocks, plan.seg_block_start, plan.seg_rows, lay.work)
-        if side is not None:
-            main = torch.cuda.current_stream(q.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                sl = shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part)
-        else:
-            sl = shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part)
-        if sl is not None:
-            launches.append((sl, _SHARED, side is not None))
-        ol = paged.launch_paged(
+        own_args = (
             q,
             k_cache,
             v_cache,
@@ -320,31 +301,81 @@ class TritonBackend(TritonPagedBackend):
             plan.own_seq_lens,
             meta.query_start_loc,
             scale,
+        )
+        own_args += (
             step.max_query_len,
             lay.own_splits,
             lay.own_split_size,
             lay.o_part[ns:],
             lay.lse_part[ns:],
-            tokens * q_heads * dim,
-            tokens * q_heads,
         )
-        if ol is not None:
-            launches.append((ol, _PAGED_PART, False))
-        if side is not None:
+        return launch_split_path(
+            lambda: shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part),
+            lambda: paged.launch_paged(*own_args, tokens * q_heads * dim, tokens * q_heads),
+            lambda rec: merge.merge_partials(
+                lay.o_part,
+                lay.lse_part,
+                tokens,
+                row_ptr=lay.row_ptr,
+                part_idx=lay.part_idx,
+                out=out,
+                want_lse=False,
+                launches=rec,
+            ),
+            side,
+        )
+
+
+Recorded = tuple[Any, tuple[int, int, int, int], bool]  # (launch, per-layer argument positions, on side)
+
+
+def launch_split_path(
+    shared: Callable[[], Any], own: Callable[[], Any], merge: Callable[[list], Any], side: Any
+) -> list[Recorded]:
+    """Shared kernel (on ``side`` when given, concurrent with the own kernel), own kernel, join, merge.
+
+    Launches through Triton's normal path and returns the records that ``replay_launches`` repeats
+    for the step's later layers (eager) or that a graph capture replays (``graph_attention.py``).
+    """
+    launches: list[Recorded] = []
+    main = torch.cuda.current_stream() if side is not None else None
+    if side is not None:
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            sl = shared()
+    else:
+        sl = shared()
+    if sl is not None:
+        launches.append((sl, _SHARED, side is not None))
+    ol = own()
+    if ol is not None:
+        launches.append((ol, _PAGED_PART, False))
+    if side is not None:
+        main.wait_stream(side)
+    rec: list[Any] = []
+    merge(rec)
+    return launches + [(m, _MERGE, False) for m in rec]
+
+
+def replay_launches(launches: list[Recorded], tensors: tuple[torch.Tensor, ...], side: Any) -> None:
+    """Relaunch recorded launches with this layer's (q, k_cache, v_cache, out), side stream included.
+
+    The main stream joins the side stream before the merge only if this call forked it: a graph
+    capture must see both ends of every fork (a paged-only path never forks).
+    """
+    main, forked = None, False
+    for launch, pos, on_side in launches:
+        if on_side and side is not None:
+            main = torch.cuda.current_stream(tensors[0].device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                _relaunch(launch, pos, tensors)
+            forked = True
+            continue
+        if forked and pos is _MERGE:
             main.wait_stream(side)
-        rec: list[Any] = []
-        merge.merge_partials(
-            lay.o_part,
-            lay.lse_part,
-            tokens,
-            row_ptr=lay.row_ptr,
-            part_idx=lay.part_idx,
-            out=out,
-            want_lse=False,
-            launches=rec,
-        )
-        launches += [(m, _MERGE, False) for m in rec]
-        return launches
+            forked = False
+        _relaunch(launch, pos, tensors)
 
 
 def build_layout(
