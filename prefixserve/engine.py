@@ -294,8 +294,8 @@ class Engine:
         outputs, self._finished_outputs = self._finished_outputs, []
         batch, failed = self._plan_or_fail(sched)
         if self._in_flight is not None:
-            outputs += self._complete(self._in_flight)
-            self._in_flight = None
+            flight, self._in_flight = self._in_flight, None  # taken first: a failure must not repeat
+            outputs += self._complete_or_fail(flight)
             if batch is not None and any(s.seq.is_finished for s in sched.scheduled):
                 # sequences that stopped on the in-flight token drop out; plan the rest again
                 sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
@@ -312,7 +312,7 @@ class Engine:
                 if self.async_scheduling:
                     self._in_flight = flight
                 else:
-                    outputs += self._complete(flight)
+                    outputs += self._complete_or_fail(flight)
         if batch is None:
             self._last_done = None  # an idle engine is not a GPU waiting on the host
         outputs += self._finished_outputs
@@ -438,6 +438,16 @@ class Engine:
         pos_t = _index(batch.positions, self.device)
         return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)
 
+    def _complete_or_fail(self, flight: _InFlight) -> list[RequestOutput]:
+        try:
+            return self._complete(flight)
+        except Exception:  # e.g. a device error surfacing at the sync: fail that step's requests
+            log.exception("engine step failed; failing the requests in this batch")
+            for req in flight.touched:
+                if self.requests.get(req.request_id) is req:
+                    self._finish_request(req, "error")
+            return []
+
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens; put them in place of the placeholders, check stops, report."""
         outputs: list[RequestOutput] = []
@@ -463,6 +473,7 @@ class Engine:
             flight.done.synchronize()
             self._waited += time.perf_counter() - waited
         if flight.start is not None:
+            flight.done.synchronize()  # recorded just after the sampler's event: ready (or nearly)
             # the GPU's own clock: the gap between the previous step's last kernel and this step's first
             busy = flight.start.elapsed_time(flight.done) / 1e3
             idle = self._last_done.elapsed_time(flight.start) / 1e3 if self._last_done is not None else 0.0
@@ -562,9 +573,14 @@ class Engine:
             self._finished_outputs.append(self._output(req))
 
     def _retire(self, req: Request) -> bool:
-        """Take a finished request out of the engine; False if it was already out (reported)."""
-        if self.requests.pop(req.request_id, None) is None:
+        """Take a finished request out of the engine; False if it was already out (reported).
+
+        The identity check matters with async scheduling: an aborted request's id may be reused by
+        a new request before the old one's in-flight step completes.
+        """
+        if self.requests.get(req.request_id) is not req:
             return False
+        del self.requests[req.request_id]
         req.finish_time = time.monotonic()
         self.counters["requests_finished_total"] += 1
         return True

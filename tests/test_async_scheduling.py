@@ -95,3 +95,45 @@ def test_stream_reports_each_token_once(tiny_config_path) -> None:
     assert pieces[-1].finished and len(pieces[-1].outputs[0].token_ids) == 8
     lengths = [len(p.outputs[0].token_ids) for p in pieces]
     assert lengths == sorted(lengths) and PLACEHOLDER_TOKEN not in pieces[-1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reused_id_after_an_in_flight_abort_is_a_new_request(
+    tiny_config_path, async_scheduling: bool
+) -> None:
+    llm = _llm(tiny_config_path, async_scheduling)
+    engine = llm.engine
+    engine.add_request("a", prompt_token_ids=[5] * 10, params=SamplingParams(max_tokens=20))
+    outs = engine.step() + engine.step()
+    engine.abort("a")
+    engine.add_request("a", prompt_token_ids=[6] * 10, params=SamplingParams(max_tokens=10))
+    while engine.has_unfinished():
+        outs += engine.step()
+    finals = [(o.outputs[0].finish_reason, o.prompt_token_ids[0]) for o in outs if o.finished]
+    assert finals == [("abort", 5), ("length", 6)]
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failing_device_sync_fails_its_requests_and_the_engine_goes_on(
+    tiny_config_path, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefixserve.sampling import sampler
+
+    llm = _llm(tiny_config_path, async_scheduling)
+    engine = llm.engine
+    engine.add_request("bad", prompt_token_ids=[5] * 10, params=SamplingParams(max_tokens=20))
+    original = sampler.SampleFuture.result
+
+    def broken(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(sampler.SampleFuture, "result", broken)
+    outs = []
+    for _ in range(2):
+        outs += engine.step()
+    monkeypatch.setattr(sampler.SampleFuture, "result", original)
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs if o.finished] == [("bad", "error")]
+    good = llm.generate([{"prompt_token_ids": [7] * 10}], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(good[0].outputs[0].token_ids) == 4
+    assert_pool_empty(llm)

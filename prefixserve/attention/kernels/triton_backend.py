@@ -102,14 +102,16 @@ def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[tor
 def host_plan(meta: AttentionMetadata) -> Any:
     """``make_plan`` on the host: every tensor of the returned SharedPlan is a CPU tensor.
 
-    The one device read is of the block tables, which the eager engine has just written while its
-    stream is idle (the previous step ended in sampling's sync), so it waits on no kernel.
+    The engine's metadata carries a host copy of the block tables (``block_tables_np``), so nothing
+    is read back from the device (which would wait for the step in flight); the device read below
+    only serves callers without one.
     """
     from prefixserve.attention.plan import make_plan
 
     tables = meta.block_tables
-    if tables.device.type != "cpu":
-        meta = dataclasses.replace(meta, block_tables=tables.cpu(), plan=None, stats={})
+    if tables.device.type != "cpu":  # plan into CPU tensors, from the host copy when there is one
+        host = tables.cpu() if meta.block_tables_np is None else torch.from_numpy(meta.block_tables_np)
+        meta = dataclasses.replace(meta, block_tables=host, plan=None, stats={})
     return make_plan(meta)
 
 
