@@ -85,25 +85,26 @@ class DecodeGraphs:
         padded steps, and a batch that ends soon never pays it. A batch that stays small gets its
         own graph after that.
         """
-        i = bisect.bisect_left(self.buckets, batch)
-        if i == len(self.buckets):
+        exact = self._exact(batch)
+        if exact is None:
             return None
-        exact, current = self.buckets[i], self._current
-        if (
-            current is not None
-            and batch <= current < 4 * batch
-            and exact < current
-            and self._held < HOLD_STEPS
-        ):
-            self._held += 1
-            return current
-        self._held = 0
-        self._current = exact
-        return exact
+        current = self._current
+        held = current is not None and batch <= current < 4 * batch and exact < current
+        return current if held and self._held < HOLD_STEPS else exact
+
+    def _exact(self, batch: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, batch)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def _ran(self, rows: int, bucket: int) -> None:
+        """Book a replay (planning may ask ``bucket_for`` more than once a step; this counts once)."""
+        self._held = self._held + 1 if bucket > (self._exact(rows) or bucket) else 0
+        self._current = bucket
 
     def run(self, ids: list[int], positions: list[int], slots: np.ndarray, step: GraphStep) -> torch.Tensor:
         """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: [rows, hidden]."""
         rows, bucket = len(ids), step.key[1]
+        self._ran(rows, bucket)
         host = self._host_np
         host[0, :rows], host[1, :rows], host[2, :rows] = ids, positions, slots
         host[0, rows:bucket] = host[1, rows:bucket] = 0

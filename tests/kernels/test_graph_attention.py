@@ -187,10 +187,18 @@ def test_shrinking_batches_keep_their_bucket_for_a_while() -> None:
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.buckets, graphs._current, graphs._held = batch_buckets(1024), None, 0
-    assert graphs.bucket_for(1024) == 1024
-    assert graphs.bucket_for(700) == 1024 and graphs.bucket_for(300) == 1024  # within 4x: held
-    assert graphs.bucket_for(200) == 256  # over 4x: its own bucket
+
+    def step(batch: int) -> int | None:  # what a decode step does: choose (maybe twice), then run
+        bucket = graphs.bucket_for(batch)
+        assert graphs.bucket_for(batch) == bucket  # asking again changes nothing
+        if bucket is not None:
+            graphs._ran(batch, bucket)
+        return bucket
+
+    assert step(1024) == 1024
+    assert step(700) == 1024 and step(300) == 1024  # within 4x: held
+    assert step(200) == 256  # over 4x: its own bucket
     for _ in range(HOLD_STEPS):
-        assert graphs.bucket_for(100) == 256
-    assert graphs.bucket_for(100) == 128  # a batch that stays small gets its own graph
-    assert graphs.bucket_for(2000) is None
+        assert step(100) == 256
+    assert step(100) == 128  # a batch that stays small gets its own graph
+    assert step(2000) is None
