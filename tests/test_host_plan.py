@@ -20,15 +20,7 @@ import prefixserve.attention.plan as plan_mod
 from prefixserve.attention.metadata import AttentionMetadata, TableRows, build_metadata
 from prefixserve.attention.plan import SharedPlan, make_plan, unshared_plan
 
-TENSORS = (
-    "seg_blocks",
-    "seg_block_start",
-    "seg_num_tokens",
-    "seg_rows",
-    "seg_row_start",
-    "own_block_tables",
-    "own_seq_lens",
-)
+TENSORS = SharedPlan.TENSOR_FIELDS
 
 
 def dense_make_plan(meta: AttentionMetadata) -> SharedPlan:

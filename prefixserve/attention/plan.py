@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -50,6 +51,17 @@ class SharedPlan:
     # host mirrors of the offsets, so per-segment loops never sync with the device
     seg_block_start_host: list[int] = field(default_factory=lambda: [0])
     seg_row_start_host: list[int] = field(default_factory=lambda: [0])
+
+    # the fields above that are tensors (what moves to the device, what equality of plans compares)
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "seg_blocks",
+        "seg_block_start",
+        "seg_num_tokens",
+        "seg_rows",
+        "seg_row_start",
+        "own_block_tables",
+        "own_seq_lens",
+    )
 
     @property
     def num_segments(self) -> int:

@@ -116,9 +116,7 @@ def shared_graph_step(
     own_ids = slots_cap + np.repeat(np.arange(own_splits, dtype=np.int64) * bucket, batch) + own_rows
     rows = np.concatenate([shared_rows, own_rows])
     ids = np.concatenate([np.arange(work.num_slots, dtype=np.int64), own_ids])
-    order = np.argsort(rows, kind="stable")
-    row_ptr = np.zeros(bucket + 1, dtype=np.int64)
-    row_ptr[1:] = np.cumsum(np.bincount(rows, minlength=bucket))
+    row_ptr, order = merge.csr_by_row(rows, bucket)
     seg_blocks = plan.seg_blocks.numpy()
     nnz = capacity(ids.size, 16)
     if floor is not None and key[:10] == floor[:10]:

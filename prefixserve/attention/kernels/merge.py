@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from prefixserve.attention.kernels import require_triton
@@ -92,6 +93,18 @@ def _merge_kernel(
             empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, denom)) * 0.6931471805599453
         )
         tl.store(out_lse_ptr + row64 * stride_lt + offs_h, lse_out, mask=h_mask)
+
+
+def csr_by_row(part_rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The merge CSR of partial slots: ``part_rows[i]`` is the output row of slot i.
+
+    Returns (row_ptr [num_rows + 1], order): row t's slots are ``order[row_ptr[t]:row_ptr[t+1]]``,
+    in slot order (int64, host; callers pack them for the device).
+    """
+    order = np.argsort(part_rows, kind="stable")
+    row_ptr = np.zeros(num_rows + 1, dtype=np.int64)
+    row_ptr[1:] = np.cumsum(np.bincount(part_rows, minlength=num_rows))
+    return row_ptr, order
 
 
 def _check_parts(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[int, int, int]:

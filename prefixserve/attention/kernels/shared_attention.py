@@ -17,11 +17,12 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from prefixserve.attention.kernels import require_triton
 from prefixserve.attention.kernels.launch import Launch
-from prefixserve.attention.kernels.merge import merge_partials
+from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
 from prefixserve.attention.kernels.paged_attention import (
     LOG2E,
     SMEM_LIMIT_HOPPER,
@@ -348,11 +349,8 @@ def launch_shared(
 
 def segment_row_csr(work: SharedWork, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """CSR (row_ptr [R+1], part_idx) listing each segment row's split slots; host int32 tensors."""
-    order = torch.argsort(work.slot_row_index, stable=True)
-    counts = torch.bincount(work.slot_row_index, minlength=num_rows)
-    row_ptr = torch.zeros(num_rows + 1, dtype=torch.int32)
-    row_ptr[1:] = torch.cumsum(counts, 0)
-    return row_ptr, order.to(torch.int32)
+    row_ptr, order = csr_by_row(work.slot_row_index.numpy(), num_rows)
+    return torch.from_numpy(row_ptr.astype(np.int32)), torch.from_numpy(order.astype(np.int32))
 
 
 def shared_segment_attention(

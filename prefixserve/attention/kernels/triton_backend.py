@@ -37,6 +37,7 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.plan import SharedPlan
 
 # argument positions that change from layer to layer: (q, k_cache, v_cache, output), -1 = none
 _PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
@@ -115,24 +116,13 @@ def host_plan(meta: AttentionMetadata) -> Any:
     return make_plan(meta)
 
 
-_PLAN_TENSORS = (
-    "seg_blocks",
-    "seg_block_start",
-    "seg_num_tokens",
-    "seg_rows",
-    "seg_row_start",
-    "own_block_tables",
-    "own_seq_lens",
-)
-
-
 def plan_to_device(plan: Any, device: torch.device) -> Any:
     """Move a host SharedPlan's tensors to ``device`` with one asynchronous copy (shapes kept)."""
     if device.type == "cpu":
         return plan
-    host = [getattr(plan, name) for name in _PLAN_TENSORS]
+    host = [getattr(plan, name) for name in SharedPlan.TENSOR_FIELDS]
     flat = to_device_packed([t.numpy() for t in host], device)
-    for name, h, d in zip(_PLAN_TENSORS, host, flat, strict=True):
+    for name, h, d in zip(SharedPlan.TENSOR_FIELDS, host, flat, strict=True):
         setattr(plan, name, d.view(h.shape))
     return plan
 
@@ -395,7 +385,7 @@ def build_layout(
     the device in one asynchronous copy. The dtype is part of the layout because the shared tiles are
     fitted to shared memory by element size (fp32 needs narrower tiles than bf16).
     """
-    paged, shared_mod, _ = _kernels()
+    paged, shared_mod, merge_mod = _kernels()
     plan = step.shared
     group = q_heads // kv_heads
     tokens = sum(meta.query_lens_host)
@@ -425,10 +415,7 @@ def build_layout(
         seg_rows = plan.seg_rows.cpu().numpy().astype(np.int64)
     slot_rows = seg_rows[work.slot_row_index.numpy()]  # [ns] query row of each shared slot
     own_rows = np.tile(np.arange(tokens, dtype=np.int64), own_splits)  # [own_splits * T]
-    rows = np.concatenate([slot_rows, own_rows])
-    order = np.argsort(rows, kind="stable")
-    row_ptr = np.zeros(tokens + 1, dtype=np.int64)
-    row_ptr[1:] = np.cumsum(np.bincount(rows, minlength=tokens))
+    row_ptr, order = merge_mod.csr_by_row(np.concatenate([slot_rows, own_rows]), tokens)
     num_slots = ns + own_splits * tokens
     items, row_ptr_d, part_idx_d = to_device_packed([work.items.numpy(), row_ptr, order], device)
     work.items = items.view(work.items.shape)
