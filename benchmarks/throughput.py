@@ -25,6 +25,10 @@ from prefixserve import LLM, SamplingParams
 MODES = {"auto": "auto", "sharing_off": "triton_paged", "ceiling": "none"}
 
 
+def _shared_keys(engine) -> list[tuple]:
+    return [k for k in (engine.graphs.graphs if engine.graphs is not None else ()) if k[0] == "shared"]
+
+
 def _prompts(batch: int, prefix: int, own: int, seed: int = 0) -> list[dict]:
     """``batch`` prompts: one shared ``prefix``-token run, then ``own`` tokens unique to each."""
     rng = random.Random(seed)
@@ -73,6 +77,9 @@ def measure(
     result = {
         "tok_s": decode_tokens / max(last - first, 1e-9),
         "graphs_captured": engine.graphs.captures if engine.graphs is not None else 0,
+        # captured shared-path graphs whose segments were contiguous (TMA loads) / all shared ones
+        "graphs_tma": sum(bool(k[4][3]) for k in _shared_keys(engine)),
+        "graphs_shared": len(_shared_keys(engine)),
         "kv_blocks_used_peak": after["kv_blocks_used_peak"],
         "prefill_s": first - t0,
         "elapsed_s": elapsed,
@@ -179,6 +186,7 @@ def main() -> None:
                     row["kv_read_saving_x"] = r["kv_read_saving_x"]
                     row["memory_needed_gb"] = r.get("memory_needed_gb")
                     row["graphs_captured"] = r["graphs_captured"]
+                    row["graphs_tma"] = f"{r['graphs_tma']}/{r['graphs_shared']}"
             print(row, flush=True)
             rows.append(row)
             rows.sort(key=lambda r: (r["B"], r["P"]))

@@ -89,6 +89,9 @@ def shared_graph_step(
         head_dim=shape.head_dim,
         dtype=shape.dtype,
         items_on_host=True,
+        seg_blocks=plan.seg_blocks.numpy(),
+        seg_block_start=plan.seg_block_start_host,
+        block_size=bs,
     )
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_tables = plan.own_block_tables.numpy()
@@ -99,7 +102,7 @@ def shared_graph_step(
         bucket,
         capacity(own_tables.shape[1], MIN_TABLE_WIDTH),
         own_splits,
-        (work.block_m, work.block_n, work.num_stages),
+        (work.block_m, work.block_n, work.num_stages, work.tma),
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
         capacity(plan.seg_blocks.numel(), 16),
@@ -249,7 +252,7 @@ class SharedGraph(_Recorded):
         }
         super().__init__(fields, shape)
         self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
-        self.block_m, self.block_n, self.stages = tiles
+        self.block_m, self.block_n, self.stages, self.tma = tiles
         parts = slots + own_splits * bucket
         f32 = {"dtype": torch.float32, "device": shape.device}
         self.o_part = torch.empty(parts, shape.q_heads, shape.head_dim, **f32)
@@ -265,6 +268,7 @@ class SharedGraph(_Recorded):
             splits=[],
             slot_base=[],
             slot_row_index=torch.zeros(0, dtype=torch.long),
+            tma=self.tma,
         )
         shared_args = (q, k_cache, v_cache, self.buffer("seg_blocks"), self.buffer("seg_block_start"))
         shared_args += (self.buffer("seg_rows"), work, scale, self.o_part, self.lse_part)

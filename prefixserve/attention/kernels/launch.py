@@ -17,8 +17,8 @@ normal launch, which is always correct.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,9 @@ class Launch:
     keywords: list[str]  # names of the rest (the constexprs), in the order they sit in ``args``
     options: dict[str, Any]  # num_warps, num_stages
     compiled: Any  # triton CompiledKernel, or None when the fast path is not available
+    # (dst, src, make): args[dst] is made from args[src] (a TMA descriptor of a layer's KV cache), so
+    # a swap of args[src] remakes it
+    derived: list[tuple[int, int, Callable[[Any], Any]]] = field(default_factory=list)
 
 
 def record(
@@ -77,10 +80,15 @@ def relaunch(launch: Launch, swaps: Sequence[tuple[int, torch.Tensor]]) -> None:
     args = launch.args
     ck = launch.compiled
     fast = ck is not None
+    swapped = set()
     for i, t in swaps:
         args[i] = t
+        swapped.add(i)
         if t.data_ptr() % 16:
             fast = False
+    for dst, src, make in launch.derived:
+        if src in swapped:
+            args[dst] = make(args[src])
     if fast and not _hooked():
         g = launch.grid
         stream = torch.cuda.current_stream(args[0].device).cuda_stream

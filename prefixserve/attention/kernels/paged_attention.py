@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,37 @@ triton, tl = require_triton()
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, qk_scale):
+    """One online-softmax update from unscaled fp32 scores s: (p, alpha, new max, new sum).
+
+    The scale is applied inside the exponent (one FMA per score, not a multiply and a subtract);
+    rows with no visible key so far keep max -inf and get p = 0, never NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def qk_scores(q, k, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Unscaled fp32 scores q @ k^T ([BLOCK_M, BLOCK_N])."""
+    if UPCAST:  # the CPU interpreter's dot mishandles bf16: same values, fp32 product
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+
+
+@triton.jit
+def accumulate_pv(acc, alpha, p, v, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc * alpha + p @ v, with the product accumulated in place (no second accumulator tile)."""
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        return tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -73,29 +105,17 @@ def attend_range(
             k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        if UPCAST:  # the CPU interpreter's dot mishandles bf16: same values, fp32 product
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        s = qk_scores(q, k, DOT_PREC, UPCAST)
         if MASKED:
             visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows: exp2(-inf - 0) = 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
         v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]
         if MASKED:  # noqa: SIM108
             v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        if UPCAST:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
 
 
@@ -286,11 +306,19 @@ def _out_of_resources() -> type[Exception]:
 _FALLBACK: dict[tuple[Any, ...], tuple[int, int]] = {}  # (kernel, constexprs) -> (BLOCK_N, stages) that fit
 
 
-def launch_fitting(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], **kw: Any) -> Launch:
+def launch_fitting(
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: tuple[Any, ...],
+    args_for: Callable[[dict[str, Any]], tuple[Any, ...]] | None = None,
+    **kw: Any,
+) -> Launch:
     """Launch ``kernel``; if Triton still runs out of shared memory, retry with fewer stages, then a
     narrower BLOCK_N (both keep the result: KV ranges are walked in any tile width).
 
-    Returns the launch that ran, recorded so that later layers can ``relaunch`` it cheaply.
+    ``args_for(kw)``, when given, remakes the arguments for the tiles being tried (TMA descriptors
+    carry BLOCK_N in their block shape). Returns the launch that ran, recorded so that later layers
+    can ``relaunch`` it cheaply.
 
     ``fit_tiles`` is a model of Triton's allocator, and this is the safety net for where the model is
     off; the config that fitted is remembered, so the retry costs one failed compile per shape.
@@ -301,6 +329,8 @@ def launch_fitting(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], **
         kw["BLOCK_N"], kw["num_stages"] = _FALLBACK[key]
     while True:
         try:
+            if args_for is not None:
+                args = args_for(kw)
             compiled = kernel[grid](*args, **kw)
             return record(kernel, grid, args, kw, compiled)
         except _out_of_resources():

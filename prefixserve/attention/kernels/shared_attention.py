@@ -9,13 +9,20 @@ The launch walks a flat work list (one item = segment, row range, KV token range
 with the M-tile index varying fastest, so tiles that read the same KV chunk run together and L2 absorbs
 the re-reads. Long segments with few rows are split along KV so every SM has work; each item writes an
 fp32 partial (o, lse) per row into a slot, and ``merge.py`` combines a row's slots.
+
+When every segment of the step lies in consecutive cache blocks (how a prompt's blocks come out of a
+fresh pool) and the GPU has a tensor-memory accelerator (Hopper), whole KV tiles are read with TMA
+descriptor loads instead of per-token pointer gathers: fewer address registers and instructions in
+the compute-bound loop (measured 7% faster at B=1024, P=16K; docs/benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +33,7 @@ from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
 from prefixserve.attention.kernels.paged_attention import (
     LOG2E,
     SMEM_LIMIT_HOPPER,
+    accumulate_pv,
     attend_range,
     check_cache,
     dot_precision,
@@ -34,12 +42,43 @@ from prefixserve.attention.kernels.paged_attention import (
     interpreter_upcast,
     launch_fitting,
     num_sms,
+    qk_scores,
     smem_limit,
+    softmax_step,
 )
 
 triton, tl = require_triton()
 
-ITEM_FIELDS = 6  # segment, first row, end row, first KV token, end KV token, first output slot
+# segment, first row, end row, first KV token, end KV token, first output slot, and the cache row
+# (in the [blocks x block_size] row view) of the first KV token when the segment is contiguous, else -1
+ITEM_FIELDS = 7
+
+
+@triton.jit
+def attend_rows_tma(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_desc,  # TMA descriptor over the K cache as rows [num_blocks * block_size, kv_heads * HEAD_DIM]
+    v_desc,
+    row0,  # cache row of token kv_lo (the run is contiguous)
+    kv_lo,
+    kv_hi,  # whole BLOCK_N tiles only: no masks
+    col,  # first column of this KV head
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``attend_range(MASKED=False)`` over a contiguous run, each K / V tile one TMA load."""
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        row = row0 + (start - kv_lo)
+        k = k_desc.load([row, col])
+        p, alpha, m_i, l_i = softmax_step(qk_scores(q, k, DOT_PREC, UPCAST), m_i, l_i, qk_scale)
+        v = v_desc.load([row, col])
+        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -47,6 +86,8 @@ def _shared_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
     v_ptr,
+    k_desc,  # TMA descriptors of k_ptr / v_ptr as rows (None unless USE_TMA)
+    v_desc,
     seg_blocks_ptr,  # [total_segment_blocks] int32
     seg_block_start_ptr,  # [G+1] int32
     seg_rows_ptr,  # [R] int32: flat query row of each segment row
@@ -72,10 +113,11 @@ def _shared_kernel(
     BLOCK_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
-    base = items_ptr + item * 6
+    base = items_ptr + item * 7  # ITEM_FIELDS
     seg = tl.load(base)
     row_lo = tl.load(base + 1)
     row_hi = tl.load(base + 2)
@@ -103,29 +145,47 @@ def _shared_kernel(
     # whole BLOCK_N tiles without masks (every row sees every key of a segment), then the ragged tail
     kv_full = kv_lo + ((kv_hi - kv_lo) // BLOCK_N) * BLOCK_N
     table = seg_blocks_ptr + tl.load(seg_block_start_ptr + seg)
-    m_i, l_i, acc = attend_range(
-        q,
-        m_i,
-        l_i,
-        acc,
-        k_ptr + kvh * stride_kh,
-        v_ptr + kvh * stride_vh,
-        table,
-        kv_lo,
-        kv_full,
-        limit,
-        qk_scale,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        BLOCK_N,
-        BLOCK_SIZE,
-        HEAD_DIM,
-        DOT_PREC,
-        UPCAST,
-        False,
-    )
+    if USE_TMA:
+        m_i, l_i, acc = attend_rows_tma(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_desc,
+            v_desc,
+            tl.load(base + 6),
+            kv_lo,
+            kv_full,
+            kvh * HEAD_DIM,
+            qk_scale,
+            BLOCK_N,
+            DOT_PREC,
+            UPCAST,
+        )
+    else:
+        m_i, l_i, acc = attend_range(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_ptr + kvh * stride_kh,
+            v_ptr + kvh * stride_vh,
+            table,
+            kv_lo,
+            kv_full,
+            limit,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            BLOCK_N,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            DOT_PREC,
+            UPCAST,
+            False,
+        )
     m_i, l_i, acc = attend_range(
         q,
         m_i,
@@ -175,6 +235,7 @@ class SharedWork:
     splits: list[int]  # per segment
     slot_base: list[int]  # per segment
     slot_row_index: torch.Tensor  # [num_slots] int64 on the host
+    tma: bool = False  # every segment is contiguous: whole tiles are TMA loads (item field 6)
 
     @property
     def unsplit(self) -> bool:
@@ -189,6 +250,7 @@ def pick_shared_tiles(
     elt: int = 2,
     smem: int | None = None,
     max_tokens: int = 0,
+    tma: bool = False,
 ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_stages) for the shared kernel, fitted to shared memory.
 
@@ -202,12 +264,56 @@ def pick_shared_tiles(
     tall = m > 256 or m * max_tokens >= 256 * 8192
     block_m = 128 if tall else (64 if m > 16 else 16)
     block_m = max(block_m, triton.next_power_of_2(group))
-    block_n, stages = SHARED_TALL if block_m >= 128 else SHARED_SHORT
+    table = (SHARED_TALL_TMA, SHARED_SHORT_TMA) if tma else (SHARED_TALL, SHARED_SHORT)
+    block_n, stages = table[0] if block_m >= 128 else table[1]
     return fit_tiles(block_m, block_n, stages, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
 
 
-SHARED_TALL = (128, 3)  # (BLOCK_N, num_stages) for 128-row tiles (compute-bound at large B)
-SHARED_SHORT = (64, 2)  # for 16 / 64-row tiles (bandwidth-bound, split along KV)
+# (BLOCK_N, num_stages), measured on the H200 (NOTES.md, "TMA loads"): 128-row tiles are compute-bound
+# at large B; 16 / 64-row tiles are bandwidth-bound and split along KV
+SHARED_TALL = (128, 3)
+SHARED_SHORT = (64, 2)
+SHARED_TALL_TMA = (128, 2)
+SHARED_SHORT_TMA = (64, 3)
+
+
+def tma_capable(device: torch.device, dtype: torch.dtype) -> bool:
+    """TMA descriptor loads: 16-bit KV on a Hopper-or-newer GPU, or the CPU interpreter (tests)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:  # pragma: no cover - older Triton
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kv_descriptor(cache: torch.Tensor, block_n: int) -> Any:
+    """TMA descriptor of a [num_blocks, block_size, Hkv, D] cache as rows of Hkv x D; tiles [block_n, D]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, block_size, kv_heads, dim = cache.shape
+    return TensorDescriptor.from_tensor(cache.view(num_blocks * block_size, kv_heads * dim), [block_n, dim])
+
+
+def contiguous_first_rows(seg_blocks: np.ndarray, seg_block_start: list[int], block_size: int) -> np.ndarray:
+    """Per segment, the cache row of its first token when its blocks are consecutive ids, else -1."""
+    blocks = np.asarray(seg_blocks, dtype=np.int64)
+    starts = np.asarray(seg_block_start, dtype=np.int64)
+    first = np.full(len(starts) - 1, -1, dtype=np.int64)
+    if blocks.size == 0:
+        return first
+    breaks = np.ones(blocks.size, dtype=np.int64)  # 1 where a block does not follow its predecessor
+    breaks[1:] = blocks[1:] != blocks[:-1] + 1
+    run = np.cumsum(breaks)
+    lo, hi = starts[:-1], starts[1:]
+    nonempty = hi > lo
+    ok = np.zeros_like(nonempty)
+    ok[nonempty] = run[hi[nonempty] - 1] == run[lo[nonempty]]
+    first[ok] = blocks[lo[ok]] * block_size
+    return first
 
 
 def plan_shared_work(
@@ -225,18 +331,27 @@ def plan_shared_work(
     dtype: torch.dtype = torch.bfloat16,
     num_stages: int | None = None,
     items_on_host: bool = False,
+    seg_blocks: np.ndarray | None = None,
+    seg_block_start: list[int] | None = None,
+    block_size: int = 0,
 ) -> SharedWork:
     """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
 
     Tiles depend on dtype and head_dim (shared memory), so pass the ones the kernel will run with.
     ``items_on_host=True`` leaves the work list on the host, for callers that pack it with other
     per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
+    With the segments' blocks (``seg_blocks``, ``seg_block_start``, ``block_size``; host values) the
+    work list notes contiguous segments, and the TMA path is taken when all of them are.
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
+    first_rows = np.full(len(rows), -1, dtype=np.int64)
+    if seg_blocks is not None and seg_block_start is not None and tma_capable(device, dtype):
+        first_rows = contiguous_first_rows(seg_blocks, seg_block_start, block_size)
+    tma = bool(len(rows)) and bool((first_rows >= 0).all())
     limit = smem_limit(device)
     elt = torch.empty(0, dtype=dtype).element_size()
     auto_m, auto_n, auto_stages = pick_shared_tiles(
-        max(rows, default=1), group, head_dim, elt, limit, max(seg_num_tokens, default=0)
+        max(rows, default=1), group, head_dim, elt, limit, max(seg_num_tokens, default=0), tma
     )
     block_m, block_n, num_stages = fit_tiles(
         block_m or auto_m, block_n or auto_n, num_stages or auto_stages, head_dim, elt, limit
@@ -246,7 +361,7 @@ def plan_shared_work(
     base_programs = sum(m_tiles) * kv_heads
     target = target_programs or 2 * num_sms(device)
     want = max(1, math.ceil(target / max(1, base_programs)))
-    items: list[tuple[int, int, int, int, int, int]] = []
+    items: list[tuple[int, ...]] = []
     splits: list[int] = []
     slot_base: list[int] = []
     slot_rows: list[torch.Tensor] = []
@@ -257,15 +372,17 @@ def plan_shared_work(
         k = max(1, math.ceil(n_tok / size))
         splits.append(k)
         slot_base.append(slot)
+        first = int(first_rows[g])
         for split in range(k):
             lo, hi = split * size, min(n_tok, (split + 1) * size)
+            row0 = first + lo if first >= 0 else -1
             for t in range(m_tiles[g]):  # M-tile fastest: tiles of one KV chunk run together
                 a = r0 + t * rows_per_tile
                 b = min(r0 + n_rows, a + rows_per_tile)
-                items.append((g, a, b, lo, hi, slot + split * n_rows + (a - r0)))
+                items.append((g, a, b, lo, hi, slot + split * n_rows + (a - r0), row0))
         slot_rows.append(torch.arange(r0, r0 + n_rows).repeat(k))
         slot += k * n_rows
-    items_t = torch.tensor(items or [(0, 0, 0, 0, 0, 0)], dtype=torch.int32).reshape(-1, ITEM_FIELDS)
+    items_t = torch.tensor(items or [(0, 0, 0, 0, 0, 0, -1)], dtype=torch.int32).reshape(-1, ITEM_FIELDS)
     return SharedWork(
         items=items_t if items_on_host else items_t.to(device),
         num_slots=slot,
@@ -275,6 +392,7 @@ def plan_shared_work(
         splits=splits,
         slot_base=slot_base,
         slot_row_index=torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.long),
+        tma=tma,
     )
 
 
@@ -294,7 +412,8 @@ def launch_shared(
 ) -> Launch | None:
     """Run the shared-segment kernel over ``work``; writes partial slots of o_part / lse_part.
 
-    Returns the recorded launch (None when there was no slot): args 0-2 are q, k_cache, v_cache.
+    Returns the recorded launch (None when there was no slot): args 0-2 are q, k_cache, v_cache
+    (3-4 their TMA descriptors, remade from them on relaunch).
     """
     q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
     for name, t in (("seg_blocks", seg_blocks), ("seg_block_start", seg_block_start), ("seg_rows", seg_rows)):
@@ -309,32 +428,37 @@ def launch_shared(
     if work.num_slots == 0:
         return None
     group = q_heads // kv_heads
-    return launch_fitting(
+    use_tma = work.tma and k_cache.is_contiguous() and v_cache.is_contiguous()
+
+    def args_for(kw: dict[str, Any]) -> tuple[Any, ...]:
+        descs = (kv_descriptor(k_cache, kw["BLOCK_N"]), kv_descriptor(v_cache, kw["BLOCK_N"]))
+        return (q, k_cache, v_cache, *(descs if use_tma else (None, None)), *rest)
+
+    rest = (
+        seg_blocks,
+        seg_block_start,
+        seg_rows,
+        work.items,
+        o_part,
+        lse_part,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        o_part.stride(0),
+        o_part.stride(1),
+        lse_part.stride(0),
+    )
+    launch = launch_fitting(
         _shared_kernel,
         (work.items.shape[0], kv_heads),
-        (
-            q,
-            k_cache,
-            v_cache,
-            seg_blocks,
-            seg_block_start,
-            seg_rows,
-            work.items,
-            o_part,
-            lse_part,
-            scale * LOG2E,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
-            o_part.stride(0),
-            o_part.stride(1),
-            lse_part.stride(0),
-        ),
+        args_for({"BLOCK_N": work.block_n}),
+        args_for if use_tma else None,
         GROUP=group,
         BLOCK_M=work.block_m,
         BLOCK_N=work.block_n,
@@ -342,9 +466,15 @@ def launch_shared(
         BLOCK_SIZE=block_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype),
+        USE_TMA=use_tma,
         num_warps=num_warps or (8 if work.block_m >= 128 else 4),
         num_stages=num_stages or work.num_stages,
     )
+    if use_tma:  # a later layer's caches need their own descriptors (relaunch swaps args 1 and 2)
+        block_n = launch.args[launch.num_positional + launch.keywords.index("BLOCK_N")]
+        remake = lambda c: kv_descriptor(c, block_n)  # noqa: E731
+        launch.derived = [(3, 1, remake), (4, 2, remake)]
+    return launch
 
 
 def segment_row_csr(work: SharedWork, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,9 +498,13 @@ def shared_segment_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     min_chunk: int = 256,
+    use_tma: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row r of the result is query row seg_rows[r] attending all of its segment: (o [R,Hq,D] fp32, lse)."""
-    q_heads, kv_heads, dim, _ = check_cache(q, k_cache, v_cache)
+    """Row r of the result is query row seg_rows[r] attending all of its segment: (o [R,Hq,D] fp32, lse).
+
+    ``use_tma=False`` forces the pointer-gather path even for contiguous segments (tests, benchmarks).
+    """
+    q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
     num_rows = seg_rows.shape[0]
     work = plan_shared_work(
         seg_row_start.tolist(),
@@ -384,6 +518,9 @@ def shared_segment_attention(
         target_programs=target_programs,
         head_dim=dim,
         dtype=q.dtype,
+        seg_blocks=seg_blocks.cpu().numpy() if use_tma else None,
+        seg_block_start=seg_block_start.tolist(),
+        block_size=block_size,
     )
     o_part = torch.empty(work.num_slots, q_heads, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(work.num_slots, q_heads, dtype=torch.float32, device=q.device)

@@ -72,6 +72,7 @@ class TritonStep:
     layouts: dict[tuple[int, int, int, str, str], _Layout] = field(default_factory=dict)
     max_seq_len: int = 0
     seg_rows_host: np.ndarray | None = None  # [R] query row of each segment row (no device read)
+    seg_blocks_host: np.ndarray | None = None  # the segments' block ids (contiguity: the TMA path)
 
 
 def _kernels() -> tuple[Any, Any, Any]:
@@ -244,6 +245,7 @@ class TritonBackend(TritonPagedBackend):
         step = self._paged_step(meta)
         if plan.num_segments > 0:
             step.seg_rows_host = _seg_rows_host(plan, meta)
+            step.seg_blocks_host = plan.seg_blocks.numpy()
             step.shared = plan_to_device(plan, meta.block_tables.device)
         meta.plan = step
 
@@ -398,6 +400,9 @@ def build_layout(
     bs = meta.block_size
     bstart = plan.seg_block_start_host
     seg_tokens = [(b - a) * bs for a, b in itertools.pairwise(bstart)]
+    seg_blocks = step.seg_blocks_host
+    if seg_blocks is None:  # a step planned elsewhere (e.g. benchmarks): read the blocks back once
+        seg_blocks = plan.seg_blocks.cpu().numpy()
     work = shared_mod.plan_shared_work(
         plan.seg_row_start_host,
         seg_tokens,
@@ -407,6 +412,9 @@ def build_layout(
         head_dim=dim,
         dtype=dtype,
         items_on_host=True,
+        seg_blocks=seg_blocks,
+        seg_block_start=bstart,
+        block_size=bs,
     )
     ns = work.num_slots
     # merge CSR over the step's T rows: each row's own splits, then its slots in every segment
