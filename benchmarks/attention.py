@@ -25,8 +25,6 @@ import datetime as dt
 import itertools
 import json
 import math
-import os
-import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -400,13 +398,10 @@ def _finish(
 ) -> None:
     import triton
 
+    from benchmarks._common import run_info
+
     device = torch.device("cuda")
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        commit = git.stdout.strip() if git.returncode == 0 else ""
-    except OSError:
-        commit = ""
-    commit = commit or os.environ.get("PREFIXSERVE_COMMIT", "")  # the device copy has no .git
+    commit = run_info()["commit"]  # PREFIXSERVE_COMMIT wins: the device copy's .git may be stale
     result = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
