@@ -422,6 +422,38 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, tallied from this run's rows (Markdown lines)."""
+    rows = [r for r in rows if "error" not in r]
+    if not rows:
+        return []
+
+    def ratio(key: str, bar: float) -> str:
+        xs = [r[key] / r["shared_ms"] for r in rows if r.get(key) is not None]
+        met = sum(x >= bar for x in xs)
+        return f"{met} of {len(xs)} points (range {min(xs):.2f}x-{max(xs):.2f}x)"
+
+    def pct(memory: bool) -> str:
+        sel = [r for r in rows if r["roofline_ms"] >= 0.05 and (r["bytes_ms"] >= r["flops_ms"]) == memory]
+        xs = [100 * r["roofline_ms"] / r["shared_ms"] for r in sel]
+        bar = 80 if memory else 60
+        if not xs:
+            return "no such point"
+        return f"{sum(x >= bar for x in xs)} of {len(xs)} at >= {bar}% (range {min(xs):.0f}-{max(xs):.0f}%)"
+
+    return [
+        "Targets, tallied from this run:",
+        "",
+        f"- shared >= 1.0x plain paged: {ratio('paged_ms', 1.0)}",
+        f"- shared >= 1.0x torch flash baseline: {ratio('baseline_ms', 1.0)}",
+        f"- shared >= 1.5x the paper's method in torch: {ratio('torch_paper_ms', 1.5)}",
+        f"- %T* where T* >= 50 us, memory-bound: {pct(True)}; compute-bound: {pct(False)}",
+        "",
+        "Where the remaining gap to T* goes (kernel alone, overlap, L2), with measurements: "
+        "`NOTES.md`, section v4.",
+    ]
+
+
 def report(result: dict[str, Any], out_dir: Path) -> None:
     """Write attention.md (table) and attention.png (time vs roofline) next to the JSON; print the table."""
     lines = [
@@ -470,6 +502,7 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
                 f"{c['triton_paged']:.2e} | "
                 f"{c['paper']:.2e} | {base} | {c['ok']} |"
             )
+    lines += ["", *summary(result["rows"])]
     text = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "attention.md").write_text(text)

@@ -63,3 +63,36 @@ def test_lookup_stops_at_first_miss() -> None:
     pool.register(a, b"1" * 16)
     pool.register(b, b"3" * 16)
     assert pool.lookup([b"1" * 16, b"2" * 16, b"3" * 16]) == [a]
+
+
+def test_long_allocations_get_consecutive_blocks_when_a_run_is_free() -> None:
+    """A prompt's blocks in one run of ids: the GPU's shared kernel reads such a segment by TMA tiles."""
+    from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS
+
+    n = CONTIGUOUS_MIN_BLOCKS
+    pool = BlockPool(4 * n + 8, 16)
+    short = [pool.allocate(1)[0] for _ in range(6)]  # blocks 0..5
+    pool.release([short[1], short[3], short[5]])  # holes at 1, 3, 5 go to the front of the free list
+    assert pool.allocate(3) == [1, 3, 5]  # short allocations take the front, as before
+    pool.release([1, 3, 5])
+    run = pool.allocate(n)
+    assert run == list(range(5, 5 + n))  # the first whole run (hole 5 joins 6..), not holes 1 and 3
+    pool.check_integrity()
+    # cached free blocks are not part of a run: they are evicted only when nothing else is free
+    pool.register(run[0], b"d" * 16)
+    pool.release(run)
+    again = pool.allocate(n)
+    assert again == list(range(6, 6 + n)) and pool.num_cached == 1
+    pool.check_integrity()
+
+
+def test_without_a_free_run_long_allocations_fall_back_to_the_free_list() -> None:
+    from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS
+
+    n = CONTIGUOUS_MIN_BLOCKS
+    pool = BlockPool(2 * n, 16)
+    held = pool.allocate(2 * n)
+    pool.release(held[::2])  # every other block free: no run of n
+    got = pool.allocate(n)
+    assert sorted(got) == held[::2]
+    pool.check_integrity()

@@ -6,6 +6,10 @@ prompt, a pinned system prompt). A *full* block may be registered in the prefix 
 of (previous block's digest, its token ids, its position ids, cache salt); a later request finds its
 prompt's cached blocks by recomputing the same digests. Blocks nobody holds stay in the index until
 their slot is needed: eviction is LRU over free blocks.
+
+A long allocation (a prompt) gets consecutive block ids when the pool has such a run of uncached free
+blocks: a segment in consecutive blocks is one row range of the cache, which the GPU's shared-segment
+kernel reads with whole-tile TMA copies (``attention/kernels/shared_attention.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+import numpy as np
+
+CONTIGUOUS_MIN_BLOCKS = 16  # allocations this long look for a run of consecutive free blocks
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -44,6 +52,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         # Free blocks in eviction order (first = evicted first). Uncached blocks go to the front.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._plain = np.ones(num_blocks, dtype=bool)  # free and uncached: what a run may take
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.evictions = 0
@@ -84,9 +93,20 @@ class BlockPool:
 
     # ---- holding and releasing -----------------------------------------------------------------
     def allocate(self, count: int) -> list[int]:
-        """Hand out ``count`` blocks, evicting the least recently used cached ones if needed."""
+        """Hand out ``count`` blocks, evicting the least recently used cached ones if needed.
+
+        Uncached free blocks go first (consecutive ids when ``count`` is long and a run exists).
+        """
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        if count >= CONTIGUOUS_MIN_BLOCKS:
+            run = self._plain_run(count)
+            if run is not None:
+                for b in run:
+                    del self._free[b]
+                    self.ref_counts[b] = 1
+                self._plain[run[0] : run[-1] + 1] = False
+                return run
         out = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
@@ -95,8 +115,23 @@ class BlockPool:
                 del self._block_of[digest]
                 self.evictions += 1
             self.ref_counts[block] = 1
+            self._plain[block] = False
             out.append(block)
         return out
+
+    def _plain_run(self, count: int) -> list[int] | None:
+        """The lowest run of ``count`` consecutive free, uncached blocks, or None."""
+        idx = np.flatnonzero(self._plain)
+        if idx.size < count:
+            return None
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1  # where a new run starts
+        starts = np.r_[0, breaks]
+        lengths = np.r_[breaks, idx.size] - starts
+        fits = np.flatnonzero(lengths >= count)
+        if fits.size == 0:
+            return None
+        first = int(idx[starts[fits[0]]])
+        return list(range(first, first + count))
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Take one more reference on each block (a cache hit, a fork, a pin)."""
@@ -105,6 +140,7 @@ class BlockPool:
                 if b not in self._free:
                     raise RuntimeError(f"block {b} has no holder but is not free")
                 del self._free[b]
+                self._plain[b] = False
             self.ref_counts[b] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -117,6 +153,7 @@ class BlockPool:
                 self._free[b] = None
                 if b not in self._digest_of:
                     self._free.move_to_end(b, last=False)  # nothing cached: reuse it first
+                    self._plain[b] = True
 
     def register(self, block: int, digest: bytes) -> None:
         """Put a full, held block in the prefix index (first writer of a digest wins)."""
@@ -136,6 +173,8 @@ class BlockPool:
         for b in range(self.num_blocks):
             if (self.ref_counts[b] == 0) != (b in self._free):
                 raise AssertionError(f"block {b}: ref {self.ref_counts[b]}, free={b in self._free}")
+            if self._plain[b] != (b in self._free and b not in self._digest_of):
+                raise AssertionError(f"block {b}: free-and-uncached mark is stale")
         for d, b in self._block_of.items():
             if self._digest_of.get(b) != d:
                 raise AssertionError(f"index entry for block {b} is inconsistent")

@@ -75,7 +75,7 @@ def test_tma_path_matches_pointer_path_and_reference(dtype, group, dim, block_si
     )
     assert work.tma
     o_tma, lse_tma = shared_segment_attention(q, k, v, *seg, 0.1, **kw)
-    o_ptr, lse_ptr = shared_segment_attention(q, k, v, *seg, 0.1, use_tma=False, **kw)
+    o_ptr, _ = shared_segment_attention(q, k, v, *seg, 0.1, use_tma=False, **kw)
     ref_o, ref_lse = shared_segment_attention_ref(q, k, v, *seg, 0.1, torch.float64)
     assert rel_err(o_tma, o_ptr) < 1e-5  # same tiles, same order: only the loads differ
     assert rel_err(o_tma, ref_o) < 1.5e-2
@@ -95,7 +95,14 @@ def test_one_scattered_segment_takes_the_pointer_path() -> None:
     )
     assert not work.tma
     fp32 = plan_shared_work(
-        [0, 2], [32], KV_HEADS, 4, DEVICE, dtype=torch.float32, seg_blocks=np.array([3, 4]), seg_block_start=[0, 2]
+        [0, 2],
+        [32],
+        KV_HEADS,
+        4,
+        DEVICE,
+        dtype=torch.float32,
+        seg_blocks=np.array([3, 4]),
+        seg_block_start=[0, 2],
     )
     assert not fp32.tma  # the exactness path stays on pointer loads
 
