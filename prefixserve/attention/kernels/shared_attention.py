@@ -345,7 +345,13 @@ def plan_shared_work(
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
     first_rows = np.full(len(rows), -1, dtype=np.int64)
-    if seg_blocks is not None and seg_block_start is not None and tma_capable(device, dtype):
+    # a TMA box spans at most 256 elements per dimension: wider heads stay on pointer loads
+    if (
+        seg_blocks is not None
+        and seg_block_start is not None
+        and head_dim <= 256
+        and tma_capable(device, dtype)
+    ):
         first_rows = contiguous_first_rows(seg_blocks, seg_block_start, block_size)
     tma = bool(len(rows)) and bool((first_rows >= 0).all())
     limit = smem_limit(device)
