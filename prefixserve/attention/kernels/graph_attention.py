@@ -14,7 +14,6 @@ and split counts. Capacities are powers of two, so a growing batch re-captures r
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -78,20 +77,9 @@ def shared_graph_step(
 ) -> GraphStep:
     """Shared segments once (holders' rows stacked), own parts paged, one CSR merge; ``plan`` on the host."""
     kv_heads, group = shape.kv_heads, shape.group
-    bs = meta.block_size
-    seg_tokens = [(b - a) * bs for a, b in itertools.pairwise(plan.seg_block_start_host)]
-    work = shared_attention.plan_shared_work(
-        plan.seg_row_start_host,
-        seg_tokens,
-        kv_heads,
-        group,
-        shape.device,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-        items_on_host=True,
-        seg_blocks=plan.seg_blocks.numpy(),
-        seg_block_start=plan.seg_block_start_host,
-        block_size=bs,
+    blocks, bs = plan.seg_blocks.numpy(), meta.block_size
+    work = shared_attention.plan_work_for(
+        plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype
     )
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_tables = plan.own_block_tables.numpy()

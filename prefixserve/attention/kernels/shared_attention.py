@@ -402,6 +402,36 @@ def plan_shared_work(
     )
 
 
+def plan_work_for(
+    plan: Any,
+    seg_blocks: np.ndarray,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    device: torch.device,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> SharedWork:
+    """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
+
+    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path).
+    """
+    bstart = plan.seg_block_start_host
+    return plan_shared_work(
+        plan.seg_row_start_host,
+        [(b - a) * block_size for a, b in itertools.pairwise(bstart)],
+        kv_heads,
+        group,
+        device,
+        head_dim=head_dim,
+        dtype=dtype,
+        items_on_host=True,
+        seg_blocks=seg_blocks,
+        seg_block_start=bstart,
+        block_size=block_size,
+    )
+
+
 def launch_shared(
     q: torch.Tensor,
     k_cache: torch.Tensor,

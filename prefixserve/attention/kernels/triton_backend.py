@@ -397,25 +397,10 @@ def build_layout(
     own_splits, own_split_size = paged.choose_split(
         max(plan.own_seq_lens_host, default=0), meta.num_seqs * q_tiles * kv_heads, device, block_n
     )
-    bs = meta.block_size
-    bstart = plan.seg_block_start_host
-    seg_tokens = [(b - a) * bs for a, b in itertools.pairwise(bstart)]
     seg_blocks = step.seg_blocks_host
     if seg_blocks is None:  # a step planned elsewhere (e.g. benchmarks): read the blocks back once
         seg_blocks = plan.seg_blocks.cpu().numpy()
-    work = shared_mod.plan_shared_work(
-        plan.seg_row_start_host,
-        seg_tokens,
-        kv_heads,
-        group,
-        device,
-        head_dim=dim,
-        dtype=dtype,
-        items_on_host=True,
-        seg_blocks=seg_blocks,
-        seg_block_start=bstart,
-        block_size=bs,
-    )
+    work = shared_mod.plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype)
     ns = work.num_slots
     # merge CSR over the step's T rows: each row's own splits, then its slots in every segment
     seg_rows = step.seg_rows_host
