@@ -84,15 +84,18 @@ def attend_range(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     MASKED: tl.constexpr = True,
+    STAGES: tl.constexpr = None,
 ):
     """Online softmax of a query tile over KV tokens [kv_lo, kv_hi) of a paged run (shared by kernels).
 
     ``MASKED=False`` is for callers that guarantee whole tiles every row may see (the shared kernel's
     non-causal body): no per-element masks or selects, which cost ALU time on the compute-bound path.
+    ``STAGES`` overrides the kernel's pipelining depth for this loop (None: the kernel's): a loop of at
+    most one tile gains nothing from it, and its buffers would take shared memory from the main loop.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
+    for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=STAGES):
         n = start + offs_n
         if MASKED:
             n_ok = n < kv_hi

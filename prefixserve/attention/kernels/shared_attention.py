@@ -114,6 +114,7 @@ def _shared_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TAIL_STAGES: tl.constexpr = 1,  # the ragged tail is under one tile: no pipeline buffers
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -207,6 +208,8 @@ def _shared_kernel(
         HEAD_DIM,
         DOT_PREC,
         UPCAST,
+        True,
+        TAIL_STAGES,
     )
     o, lse = finish_rows(m_i, l_i, acc)
     slot = (slot0 + r - row_lo).to(tl.int64)
@@ -273,7 +276,7 @@ def pick_shared_tiles(
 # at large B; 16 / 64-row tiles are bandwidth-bound and split along KV
 SHARED_TALL = (128, 3)
 SHARED_SHORT = (64, 2)
-SHARED_TALL_TMA = (128, 2)
+SHARED_TALL_TMA = (128, 3)
 SHARED_SHORT_TMA = (64, 3)
 
 

@@ -1,0 +1,304 @@
+"""Probe: how fast can the shared prefix's inner loop run? (kernel variants, one segment, TMA tiles).
+
+Not the engine's kernel: a stripped copy of its contiguous-prefix loop (rows of stacked queries against
+one segment's KV, one KV head per program column) with switches, to measure where the time goes before
+changing ``shared_attention.py``. Variants (``MODE``):
+  0 as shipped: QK, softmax, PV in order
+  1 no exponential (wrong values): the MUFU share of the loop
+  2 QK of the next tile issued before the softmax of this one (FA3's intra-warpgroup overlap)
+  3 half of each tile's exponentials as a degree-3 polynomial on the FMA pipe (FA4's trick)
+  4 = 2 and 3
+
+Usage (GPU): PYTHONPATH=. python benchmarks/prefix_probe.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from prefixserve.attention.kernels.paged_attention import finish_rows
+
+
+@triton.jit
+def exp2_poly(x):
+    """2^x for x <= 0 on the FMA pipe: 2^floor(x) by exponent bits times a cubic for 2^frac."""
+    x = tl.maximum(x, -127.0)
+    xi = tl.floor(x)
+    f = x - xi
+    # minimax cubic for 2^f on [0, 1): max relative error about 1e-4 (P is rounded to bf16 anyway)
+    p = 0.0779120556 * f + 0.2259564611
+    p = p * f + 0.6960230104
+    p = p * f + 0.9998915627
+    bits = p.to(tl.int32, bitcast=True) + (xi.to(tl.int32) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_mixed(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """2^x with half the columns on MUFU and half on the FMA polynomial."""
+    a, b = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 2, 2]))
+    return tl.reshape(tl.join(tl.exp2(a), exp2_poly(b)), [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def soft(s, m_i, l_i, qk_scale, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    x = s * qk_scale - m_new[:, None]
+    if MODE == 1:
+        p = x
+    elif MODE == 3 or MODE == 4:
+        p = exp2_mixed(x, BLOCK_M, BLOCK_N)
+    else:
+        p = tl.exp2(x)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _probe_kernel(
+    q_ptr,  # [H, M, D]
+    k_desc,  # [N, Hkv * D] rows
+    v_desc,
+    o_ptr,  # [H, M, D] fp32
+    lse_ptr,  # [H, M]
+    M,
+    N,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (h * M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :])
+    col = h * HEAD_DIM
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if MODE == 2 or MODE == 4:
+        s = tl.dot(q, tl.trans(k_desc.load([0, col])))
+        for start in range(BLOCK_N, N, BLOCK_N):
+            s_next = tl.dot(q, tl.trans(k_desc.load([start, col])))
+            p, alpha, m_i, l_i = soft(s, m_i, l_i, qk_scale, MODE, BLOCK_M, BLOCK_N)
+            v = v_desc.load([start - BLOCK_N, col])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            s = s_next
+        p, alpha, m_i, l_i = soft(s, m_i, l_i, qk_scale, MODE, BLOCK_M, BLOCK_N)
+        v = v_desc.load([N - BLOCK_N, col])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    else:
+        for start in range(0, N, BLOCK_N):
+            s = tl.dot(q, tl.trans(k_desc.load([start, col])))
+            p, alpha, m_i, l_i = soft(s, m_i, l_i, qk_scale, MODE, BLOCK_M, BLOCK_N)
+            v = v_desc.load([start, col])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    o, lse = finish_rows(m_i, l_i, acc)
+    tl.store(o_ptr + (h * M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], o)
+    tl.store(lse_ptr + h * M + offs_m, lse)
+
+
+def run_variant(q, k, v, mode: int, block_m: int, block_n: int, stages: int, warps: int):
+    """(o, lse, launch fn) of one compiled variant."""
+    heads, rows, dim = q.shape
+    n = k.shape[0]
+    kd = TensorDescriptor.from_tensor(k.view(n, -1), [block_n, dim])
+    vd = TensorDescriptor.from_tensor(v.view(n, -1), [block_n, dim])
+    o = torch.empty(heads, rows, dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(heads, rows, device=q.device, dtype=torch.float32)
+    scale = dim**-0.5 * 1.4426950408889634
+
+    def launch():
+        _probe_kernel[(rows // block_m, heads)](
+            q, kd, vd, o, lse, rows, n, scale, block_m, block_n, dim, mode, num_warps=warps, num_stages=stages
+        )
+
+    launch()
+    return o, lse, launch
+
+
+def reference(q, k, v):
+    """fp32 attention of every row over the whole segment: (o, lse)."""
+    heads, _, dim = q.shape
+    kk = k.float().view(-1, heads, dim).transpose(0, 1)
+    vv = v.float().view(-1, heads, dim).transpose(0, 1)
+    s = q.float() @ kk.transpose(1, 2) * dim**-0.5
+    return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+
+
+def engine_probe(batch: int = 1024, prefix: int = 16384) -> list[dict]:
+    """The engine's shared kernel (``launch_shared``) at num_stages 2 / 3, tail pipelined or not."""
+    import numpy as np
+
+    from prefixserve.attention.kernels import paged_attention as pa
+    from prefixserve.attention.kernels import shared_attention as sa
+    from prefixserve.attention.kernels.launch import relaunch
+
+    dev = torch.device("cuda")
+    nb = prefix // 16
+    k_cache = torch.randn(nb, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
+    seg_blocks = torch.arange(nb, dtype=torch.int32, device=dev)
+    bstart = torch.tensor([0, nb], dtype=torch.int32, device=dev)
+    rows = torch.arange(batch, dtype=torch.int32, device=dev)
+    out, ref = [], None
+    flops = 4 * 32 * 128 * batch * prefix
+    orig = sa.launch_fitting
+    for stages, tail in ((2, None), (2, 1), (3, None), (3, 1)):
+        pa._FALLBACK.clear()
+        work = sa.plan_shared_work(
+            [0, batch],
+            [prefix],
+            8,
+            4,
+            dev,
+            num_stages=stages,
+            seg_blocks=np.arange(nb),
+            seg_block_start=[0, nb],
+            block_size=16,
+        )
+        o = torch.zeros(work.num_slots, 32, 128, device=dev)
+        lse = torch.zeros(work.num_slots, 32, device=dev)
+        sa.launch_fitting = lambda *a, _t=tail, **kw: orig(*a, TAIL_STAGES=_t, **kw)
+        try:
+            launch = sa.launch_shared(q, k_cache, v_cache, seg_blocks, bstart, rows, work, 0.088, o, lse)
+        finally:
+            sa.launch_fitting = orig
+        ck = launch.compiled
+        again = lambda lc=launch: relaunch(lc, [])  # noqa: E731
+        ms = triton.testing.do_bench(again, warmup=10, rep=100, return_mode="median")
+        ref = o.clone() if ref is None else ref
+        out.append(
+            {
+                "stages_asked": stages,
+                "tail_stages": tail,
+                "stages_ran": launch.options.get("num_stages"),
+                "block_n": launch.args[launch.num_positional + launch.keywords.index("BLOCK_N")],
+                "tma": work.tma,
+                "items": int(work.items.shape[0]),
+                "smem": getattr(ck, "metadata", None) and ck.metadata.shared,
+                "regs": getattr(ck, "n_regs", None),
+                "spills": getattr(ck, "n_spills", None),
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "max_diff_vs_first": (o - ref).abs().max().item(),
+            }
+        )
+    return out
+
+
+def tile_grid(points, variants) -> list[dict]:
+    """The whole decode attention call (graphed, shared kernel on the side stream) per TMA tile table.
+
+    More stages speed the compute-bound prefix but take the shared memory that lets the own kernel
+    run beside it, so the choice is timed on the whole call, not the prefix kernel alone.
+    """
+    from benchmarks.attention import Case, _bench, graphed
+    from prefixserve.attention.kernels import paged_attention as pa
+    from prefixserve.attention.kernels import shared_attention as sa
+
+    dev = torch.device("cuda")
+    keep = (sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA)
+    out = []
+    for b, p, s in points:
+        case = Case(b, p, s, dev)
+        row = {"B": b, "P": p, "S": s}
+        for name, (tall, short) in variants.items():
+            sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA = tall, short
+            pa._FALLBACK.clear()
+            try:
+                row[name] = _bench(graphed(case.backend("triton", overlap=True)[0]))
+            finally:
+                sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA = keep
+        out.append(row)
+        print("  " + json.dumps(row), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--grid", action="store_true", help="time TMA tile tables on the whole call")
+    args = parser.parse_args()
+    if args.grid:
+        points = [(b, p, s) for b in (16, 64, 256, 1024) for p in (4096, 16384) for s in (128, 512)]
+        variants = {
+            "tall2_short3": ((128, 2), (64, 3)),
+            "tall3_short3": ((128, 3), (64, 3)),
+            "tall3_short4": ((128, 3), (64, 4)),
+        }
+        grid = tile_grid(points, variants)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "tile_grid.json").write_text(json.dumps(grid, indent=1))
+        return
+    torch.manual_seed(0)
+    dev = "cuda"
+    heads, dim = 8, 128  # one query head per program row here: rows = B x G stacked
+    configs = [(128, 128, 2, 8), (128, 64, 3, 8), (128, 128, 3, 8), (128, 64, 4, 8), (64, 128, 3, 4)]
+    # correctness at a small size
+    q = torch.randn(heads, 512, dim, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(2048, heads, dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(2048, heads, dim, device=dev, dtype=torch.bfloat16)
+    ro, rl = reference(q, k, v)
+    errors = {}
+    for mode in (0, 2):
+        for bm, bn, st, w in configs:
+            try:
+                o, lse, _ = run_variant(q, k, v, mode, bm, bn, st, w)
+                err = ((o - ro).norm() / ro.norm()).item()
+                errors[f"{mode}/{bm}x{bn}x{st}"] = (err, (lse - rl).abs().max().item())
+            except Exception as exc:
+                errors[f"{mode}/{bm}x{bn}x{st}"] = repr(exc)[:200]
+    # timing at B=1024 rows x G=4, P=16K
+    rows, n = 4096, 16384
+    q = torch.randn(heads, rows, dim, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(n, heads, dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(n, heads, dim, device=dev, dtype=torch.bfloat16)
+    flops = 4 * heads * rows * n * dim
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    gemm_ms = triton.testing.do_bench(lambda: a @ a, warmup=10, rep=100, return_mode="median")
+    gemm = 2 * 8192**3 / gemm_ms / 1e9
+    results = []
+    for mode in (0, 1, 2):
+        for bm, bn, st, w in configs:
+            key = f"{mode}/{bm}x{bn}x{st}"
+            try:
+                _, _, launch = run_variant(q, k, v, mode, bm, bn, st, w)
+                ms = triton.testing.do_bench(launch, warmup=10, rep=100, return_mode="median")
+                tf = flops / ms / 1e9
+                results.append({"variant": key, "ms": ms, "tflops": tf, "of_gemm": tf / gemm})
+            except Exception as exc:
+                results.append({"variant": key, "error": repr(exc)[:300]})
+    engine = engine_probe()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    out = {"gemm_tflops": gemm, "errors": errors, "results": results, "engine": engine}
+    (Path(args.out) / "prefix_probe.json").write_text(json.dumps(out, indent=1))
+    print("errors (rel L2 of o, max |dlse|):")
+    for key, val in errors.items():
+        print(f"  {key}: {val}")
+    print(f"GEMM {gemm:.0f} TFLOP/s; B=1024 x G=4 rows, P=16K, 8 heads, d=128 ({flops / 1e9:.0f} GFLOP)")
+    for r in results:
+        if "error" in r:
+            print(f"  {r['variant']:>16}  ERROR {r['error']}")
+        else:
+            print(f"  {r['variant']:>16}  {r['ms']:.3f} ms  {r['tflops']:.0f} TFLOP/s  {r['of_gemm']:.0%}")
+    print("engine shared kernel, B=1024, P=16K (with its KV splits):")
+    for r in engine:
+        print("  " + json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
