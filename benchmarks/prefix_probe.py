@@ -209,18 +209,55 @@ def tile_grid(points, variants) -> list[dict]:
     from prefixserve.attention.kernels import shared_attention as sa
 
     dev = torch.device("cuda")
-    keep = (sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA)
+    keep = (sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA, sa.num_sms)
     out = []
     for b, p, s in points:
         case = Case(b, p, s, dev)
         row = {"B": b, "P": p, "S": s}
-        for name, (tall, short) in variants.items():
+        for name, (tall, short, *per_sm) in variants.items():
             sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA = tall, short
+            if per_sm:  # programs per SM the split aims at (plan_shared_work targets 2 x num_sms)
+                sa.num_sms = lambda d, _f=per_sm[0]: int(keep[2](d) * _f / 2)
             pa._FALLBACK.clear()
             try:
                 row[name] = _bench(graphed(case.backend("triton", overlap=True)[0]))
             finally:
-                sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA = keep
+                sa.SHARED_TALL_TMA, sa.SHARED_SHORT_TMA, sa.num_sms = keep
+        out.append(row)
+        print("  " + json.dumps(row), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return out
+
+
+def fused_grid(points, shares) -> list[dict]:
+    """The whole decode attention call (graphed): two kernels on two streams vs the fused launch."""
+    from benchmarks.attention import Case, _bench, graphed
+    from prefixserve.attention.kernels import fused_attention as fa
+    from prefixserve.attention.kernels.triton_backend import TritonBackend
+
+    dev = torch.device("cuda")
+    rule = fa.own_share
+    out = []
+    for b, p, s in points:
+        case = Case(b, p, s, dev)
+        row: dict = {"B": b, "P": p, "S": s}
+        outs = {}
+        for name, share in [("split", None), ("fused_rule", None)] + [(f"fused_{k}", k) for k in shares]:
+            TritonBackend.fused = name != "split"
+            if share is not None:
+                fa.own_share = lambda *a, _k=share: _k
+            try:
+                fn = case.backend("triton", overlap=True)[0]
+                outs[name] = fn().float()
+                row[name] = _bench(graphed(fn))
+            except Exception as exc:
+                row[name] = repr(exc)[:200]
+            finally:
+                fa.own_share = rule
+                TritonBackend.fused = True
+        if "split" in outs:
+            row["max_diff"] = max((o - outs["split"]).abs().max().item() for o in outs.values())
         out.append(row)
         print("  " + json.dumps(row), flush=True)
         del case
@@ -231,14 +268,26 @@ def tile_grid(points, variants) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--fused", action="store_true", help="two kernels vs the fused launch")
     parser.add_argument("--grid", action="store_true", help="time TMA tile tables on the whole call")
     args = parser.parse_args()
+    if args.fused:
+        points = [(1024, 16384, 128), (1024, 16384, 512), (256, 16384, 512), (1024, 4096, 128)]
+        points += [(1024, 4096, 512), (256, 4096, 512), (64, 16384, 512), (16, 16384, 512), (1024, 1024, 512)]
+        grid = fused_grid(points, (8, 24, 48))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fused_grid.json").write_text(json.dumps(grid, indent=1))
+        return
     if args.grid:
-        points = [(b, p, s) for b in (16, 64, 256, 1024) for p in (4096, 16384) for s in (128, 512)]
+        points = [(b, p, s) for b in (16, 64) for p in (4096, 16384) for s in (128, 512)]
         variants = {
-            "tall2_short3": ((128, 2), (64, 3)),
-            "tall3_short3": ((128, 3), (64, 3)),
-            "tall3_short4": ((128, 3), (64, 4)),
+            "short64x3": ((128, 3), (64, 3)),
+            "short128x2": ((128, 3), (128, 2)),
+            "short128x3": ((128, 3), (128, 3)),
+            "short32x4": ((128, 3), (32, 4)),
+            "short64x3_1sm": ((128, 3), (64, 3), 1),
+            "short64x3_3sm": ((128, 3), (64, 3), 3),
+            "short128x2_1sm": ((128, 3), (128, 2), 1),
         }
         grid = tile_grid(points, variants)
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -133,7 +133,11 @@ def finish_rows(m_i, l_i, acc):
 
 
 @triton.jit
-def _paged_kernel(
+def paged_program(
+    pid,  # sequence x query tile
+    kvh,
+    split,
+    num_splits,
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
     v_ptr,
@@ -144,7 +148,7 @@ def _paged_kernel(
     lse_ptr,  # split 0 of [splits, T, Hq]
     qk_scale,
     q_tiles,
-    split_size,  # KV tokens per split; 0: each sequence's KV cut evenly into the grid's splits
+    split_size,  # KV tokens per split; 0: each sequence's KV cut evenly into num_splits
     stride_qt,
     stride_qh,
     stride_kb,
@@ -167,70 +171,148 @@ def _paged_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    """One program of the paged kernel: (sequence query tile, KV head, KV split) -> o, lse rows.
+
+    A function, not only a kernel body, so that the fused launch (``fused_attention.py``) runs the
+    same code for its own-KV items.
+    """
     seq = pid // q_tiles
     q0 = (pid % q_tiles) * (BLOCK_M // GROUP)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if q0 >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx = seq_len - q_len  # KV tokens before this step's first query
+    if q0 < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len  # KV tokens before this step's first query
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    qi = q0 + offs_m // GROUP  # query index within the sequence
-    head = kvh * GROUP + offs_m % GROUP
-    row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (qi < q_len)
-    tok = (q_start + qi).to(tl.int64)
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    limit = ctx + qi + 1
-    # split_size == 0 sizes the splits per sequence from its own length (no host scalar): what a
-    # captured CUDA graph needs, since the graph keeps its launch arguments while lengths grow
-    even = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    split_size = tl.where(split_size > 0, split_size, even)
-    kv_lo = split * split_size
-    kv_hi = tl.minimum(kv_lo + split_size, ctx + tl.minimum(q0 + BLOCK_M // GROUP, q_len))
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        qi = q0 + offs_m // GROUP  # query index within the sequence
+        head = kvh * GROUP + offs_m % GROUP
+        row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (qi < q_len)
+        tok = (q_start + qi).to(tl.int64)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        limit = ctx + qi + 1
+        # split_size == 0 sizes the splits per sequence from its own length (no host scalar): what a
+        # captured CUDA graph needs, since the graph keeps its launch arguments while lengths grow
+        even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        split_size = tl.where(split_size > 0, split_size, even)
+        kv_lo = split * split_size
+        kv_hi = tl.minimum(kv_lo + split_size, ctx + tl.minimum(q0 + BLOCK_M // GROUP, q_len))
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = attend_range(
-        q,
-        m_i,
-        l_i,
-        acc,
-        k_ptr + kvh * stride_kh,
-        v_ptr + kvh * stride_vh,
-        bt_ptr + seq.to(tl.int64) * stride_bt,
-        kv_lo,
-        kv_hi,
-        limit,
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        m_i, l_i, acc = attend_range(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_ptr + kvh * stride_kh,
+            v_ptr + kvh * stride_vh,
+            bt_ptr + seq.to(tl.int64) * stride_bt,
+            kv_lo,
+            kv_hi,
+            limit,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            BLOCK_N,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            DOT_PREC,
+            UPCAST,
+        )
+        o, lse = finish_rows(m_i, l_i, acc)
+        split64 = split.to(tl.int64)
+        o_rows = o_ptr + split64 * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(
+            o_rows + offs_d[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+        tl.store(lse_ptr + split64 * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    o_ptr,
+    lse_ptr,
+    qk_scale,
+    q_tiles,
+    split_size,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s."""
+    paged_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+        tl.num_programs(2),
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        seq_lens_ptr,
+        qsl_ptr,
+        o_ptr,
+        lse_ptr,
         qk_scale,
+        q_tiles,
+        split_size,
+        stride_qt,
+        stride_qh,
         stride_kb,
         stride_kt,
+        stride_kh,
         stride_vb,
         stride_vt,
+        stride_vh,
+        stride_bt,
+        stride_os,
+        stride_ot,
+        stride_oh,
+        stride_ls,
+        stride_lt,
+        GROUP,
+        BLOCK_M,
         BLOCK_N,
-        BLOCK_SIZE,
         HEAD_DIM,
+        BLOCK_SIZE,
         DOT_PREC,
         UPCAST,
     )
-    o, lse = finish_rows(m_i, l_i, acc)
-    split64 = split.to(tl.int64)
-    tl.store(
-        o_ptr + split64 * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        o.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    tl.store(lse_ptr + split64 * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

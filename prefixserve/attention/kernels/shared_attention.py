@@ -82,6 +82,149 @@ def attend_rows_tma(
 
 
 @triton.jit
+def shared_program(
+    item,
+    kvh,
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,
+    k_desc,  # TMA descriptors of k_ptr / v_ptr as rows (None unless USE_TMA)
+    v_desc,
+    seg_blocks_ptr,  # [total_segment_blocks] int32
+    seg_block_start_ptr,  # [G+1] int32
+    seg_rows_ptr,  # [R] int32: flat query row of each segment row
+    items_ptr,  # [I, ITEM_FIELDS] int32
+    o_ptr,  # [slots, Hq, D] fp32
+    lse_ptr,  # [slots, Hq] fp32
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_op,
+    stride_oh,
+    stride_lp,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    TAIL_STAGES: tl.constexpr,  # the ragged tail is under one tile: 1 = no pipeline buffers
+):
+    """One program of the shared kernel: work item ``item`` for KV head ``kvh`` -> partial slots.
+
+    A function, not only a kernel body, so that the fused launch (``fused_attention.py``) runs the
+    same code for its shared items.
+    """
+    base = items_ptr + item * 7  # ITEM_FIELDS
+    seg = tl.load(base)
+    row_lo = tl.load(base + 1)
+    row_hi = tl.load(base + 2)
+    kv_lo = tl.load(base + 3)
+    kv_hi = tl.load(base + 4)
+    slot0 = tl.load(base + 5)
+    if row_lo < row_hi:  # else a padding item (fixed-capacity work lists)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        r = row_lo + offs_m // GROUP
+        head = kvh * GROUP + offs_m % GROUP
+        row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
+        tok = tl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(tl.int64)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        limit = tl.zeros([BLOCK_M], tl.int32) + kv_hi  # non-causal: every row sees the whole range
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # whole BLOCK_N tiles without masks (every row sees every key of a segment), then the ragged tail
+        kv_full = kv_lo + ((kv_hi - kv_lo) // BLOCK_N) * BLOCK_N
+        table = seg_blocks_ptr + tl.load(seg_block_start_ptr + seg)
+        if USE_TMA:
+            m_i, l_i, acc = attend_rows_tma(
+                q,
+                m_i,
+                l_i,
+                acc,
+                k_desc,
+                v_desc,
+                tl.load(base + 6),
+                kv_lo,
+                kv_full,
+                kvh * HEAD_DIM,
+                qk_scale,
+                BLOCK_N,
+                DOT_PREC,
+                UPCAST,
+            )
+        else:
+            m_i, l_i, acc = attend_range(
+                q,
+                m_i,
+                l_i,
+                acc,
+                k_ptr + kvh * stride_kh,
+                v_ptr + kvh * stride_vh,
+                table,
+                kv_lo,
+                kv_full,
+                limit,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_vb,
+                stride_vt,
+                BLOCK_N,
+                BLOCK_SIZE,
+                HEAD_DIM,
+                DOT_PREC,
+                UPCAST,
+                False,
+            )
+        m_i, l_i, acc = attend_range(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_ptr + kvh * stride_kh,
+            v_ptr + kvh * stride_vh,
+            table,
+            kv_full,
+            kv_hi,
+            limit,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            BLOCK_N,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            DOT_PREC,
+            UPCAST,
+            True,
+            TAIL_STAGES,
+        )
+        o, lse = finish_rows(m_i, l_i, acc)
+        slot = (slot0 + r - row_lo).to(tl.int64)
+        tl.store(
+            o_ptr + slot[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :],
+            o,
+            mask=row_ok[:, None],
+        )
+        tl.store(lse_ptr + slot * stride_lp + head, lse, mask=row_ok)
+
+
+@triton.jit
 def _shared_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -116,109 +259,43 @@ def _shared_kernel(
     USE_TMA: tl.constexpr,
     TAIL_STAGES: tl.constexpr = 1,  # the ragged tail is under one tile: no pipeline buffers
 ):
-    item = tl.program_id(0)
-    kvh = tl.program_id(1)
-    base = items_ptr + item * 7  # ITEM_FIELDS
-    seg = tl.load(base)
-    row_lo = tl.load(base + 1)
-    row_hi = tl.load(base + 2)
-    kv_lo = tl.load(base + 3)
-    kv_hi = tl.load(base + 4)
-    slot0 = tl.load(base + 5)
-    if row_lo >= row_hi:  # padding item (fixed-capacity work lists)
-        return
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    r = row_lo + offs_m // GROUP
-    head = kvh * GROUP + offs_m % GROUP
-    row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
-    tok = tl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(tl.int64)
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    limit = tl.zeros([BLOCK_M], tl.int32) + kv_hi  # non-causal: every row sees the whole range
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # whole BLOCK_N tiles without masks (every row sees every key of a segment), then the ragged tail
-    kv_full = kv_lo + ((kv_hi - kv_lo) // BLOCK_N) * BLOCK_N
-    table = seg_blocks_ptr + tl.load(seg_block_start_ptr + seg)
-    if USE_TMA:
-        m_i, l_i, acc = attend_rows_tma(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_desc,
-            v_desc,
-            tl.load(base + 6),
-            kv_lo,
-            kv_full,
-            kvh * HEAD_DIM,
-            qk_scale,
-            BLOCK_N,
-            DOT_PREC,
-            UPCAST,
-        )
-    else:
-        m_i, l_i, acc = attend_range(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_ptr + kvh * stride_kh,
-            v_ptr + kvh * stride_vh,
-            table,
-            kv_lo,
-            kv_full,
-            limit,
-            qk_scale,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            BLOCK_N,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            DOT_PREC,
-            UPCAST,
-            False,
-        )
-    m_i, l_i, acc = attend_range(
-        q,
-        m_i,
-        l_i,
-        acc,
-        k_ptr + kvh * stride_kh,
-        v_ptr + kvh * stride_vh,
-        table,
-        kv_full,
-        kv_hi,
-        limit,
+    """Grid (work items, KV heads); arguments as ``shared_program``'s."""
+    shared_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        k_desc,
+        v_desc,
+        seg_blocks_ptr,
+        seg_block_start_ptr,
+        seg_rows_ptr,
+        items_ptr,
+        o_ptr,
+        lse_ptr,
         qk_scale,
+        stride_qt,
+        stride_qh,
         stride_kb,
         stride_kt,
+        stride_kh,
         stride_vb,
         stride_vt,
+        stride_vh,
+        stride_op,
+        stride_oh,
+        stride_lp,
+        GROUP,
+        BLOCK_M,
         BLOCK_N,
-        BLOCK_SIZE,
         HEAD_DIM,
+        BLOCK_SIZE,
         DOT_PREC,
         UPCAST,
-        True,
+        USE_TMA,
         TAIL_STAGES,
     )
-    o, lse = finish_rows(m_i, l_i, acc)
-    slot = (slot0 + r - row_lo).to(tl.int64)
-    tl.store(
-        o_ptr + slot[:, None] * stride_op + head[:, None] * stride_oh + offs_d[None, :],
-        o,
-        mask=row_ok[:, None],
-    )
-    tl.store(lse_ptr + slot * stride_lp + head, lse, mask=row_ok)
 
 
 @dataclass(slots=True)
@@ -368,7 +445,9 @@ def plan_shared_work(
     rows_per_tile = block_m // group
     m_tiles = [math.ceil(r / rows_per_tile) for r in rows]
     base_programs = sum(m_tiles) * kv_heads
-    target = target_programs or 2 * num_sms(device)
+    # programs the KV splits aim at: two per SM for tall (compute-bound) tiles; one per SM for short
+    # ones, where fewer, longer splits stream better (B=16, P=16K: 58 -> 46 us; NOTES.md v5)
+    target = target_programs or (2 if block_m >= 128 else 1) * num_sms(device)
     want = max(1, math.ceil(target / max(1, base_programs)))
     items: list[tuple[int, ...]] = []
     splits: list[int] = []

@@ -58,6 +58,9 @@ class _Layout:
     part_idx: torch.Tensor | None = None  # [nnz] int32
     o_part: torch.Tensor | None = None  # [num_slots, Hq, D] fp32, reused by every layer
     lse_part: torch.Tensor | None = None  # [num_slots, Hq] fp32
+    counters: torch.Tensor | None = None  # the fused launch's ticket counters (zero between launches)
+    shared_row_tokens: int = 0  # sum over segments of holder rows x KV tokens (shared FLOPs)
+    own_tokens: int = 0  # KV tokens of all own parts (own bytes)
     # recorded on the step's first layer: (launch, its per-layer argument positions, on side stream)
     launches: list[tuple[Any, tuple[int, int, int, int], bool]] = field(default_factory=list)
     signature: tuple[Any, ...] = ()  # shapes / strides the recorded launches were specialised on
@@ -222,9 +225,15 @@ class TritonBackend(TritonPagedBackend):
     # rows are this many or more: below, the shared kernel is a few microseconds and the fork/join
     # (two stream waits per layer) costs more host time than the overlap saves.
     overlap_min_rows: int = 512
+    # Shared and own items in one persistent launch (fused_attention.py) instead of two kernels. Off:
+    # measured 1.3-2.0x slower on the H200 (NOTES.md "v5"), since one resident program per SM streams
+    # own KV at half the bandwidth that four small own programs reach.
+    fused: bool = False
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool | None = None) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        if fused is not None:
+            self.fused = fused
 
     def _side_stream(self, device: torch.device, rows: int) -> torch.cuda.Stream | None:
         if device.type != "cuda" or rows < self.overlap_min_rows:
@@ -272,7 +281,11 @@ class TritonBackend(TritonPagedBackend):
             lay = step.layouts[key] = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype)
         out = torch.empty_like(q)
         sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
-        side = self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
+        side = (
+            None
+            if self.fused
+            else self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
+        )
         if lay.signature == sig and lay.launches:
             replay_launches(lay.launches, (q, k_cache, v_cache, out), side)
             return out
@@ -296,6 +309,34 @@ class TritonBackend(TritonPagedBackend):
             meta.query_start_loc,
             scale,
         )
+        if self.fused:
+            from prefixserve.attention.kernels.fused_attention import launch_fused
+
+            fused = launch_fused(
+                *shared_args,
+                *own_args[3:],
+                step.max_query_len,
+                lay.own_splits,
+                lay.own_split_size,
+                lay.o_part,
+                lay.lse_part,
+                lay.counters,
+                shared_row_tokens=lay.shared_row_tokens,
+                own_tokens=lay.own_tokens,
+            )
+            return launch_fused_path(
+                fused,
+                lambda rec: merge.merge_partials(
+                    lay.o_part,
+                    lay.lse_part,
+                    tokens,
+                    row_ptr=lay.row_ptr,
+                    part_idx=lay.part_idx,
+                    out=out,
+                    want_lse=False,
+                    launches=rec,
+                ),
+            )
         own_args += (
             step.max_query_len,
             lay.own_splits,
@@ -349,6 +390,13 @@ def launch_split_path(
     rec: list[Any] = []
     merge(rec)
     return launches + [(m, _MERGE, False) for m in rec]
+
+
+def launch_fused_path(fused: Any, merge: Callable[[list], Any]) -> list[Recorded]:
+    """The fused launch (shared + own items, one kernel) then the merge; records for ``replay_launches``."""
+    rec: list[Any] = []
+    merge(rec)
+    return ([(fused, _SHARED, False)] if fused is not None else []) + [(m, _MERGE, False) for m in rec]
 
 
 def replay_launches(launches: list[Recorded], tensors: tuple[torch.Tensor, ...], side: Any) -> None:
@@ -412,6 +460,8 @@ def build_layout(
     num_slots = ns + own_splits * tokens
     items, row_ptr_d, part_idx_d = to_device_packed([work.items.numpy(), row_ptr, order], device)
     work.items = items.view(work.items.shape)
+    rows = np.diff(plan.seg_row_start_host)
+    seg_tokens = np.diff(plan.seg_block_start_host) * meta.block_size
     return _Layout(
         own_splits=own_splits,
         own_split_size=own_split_size,
@@ -421,6 +471,9 @@ def build_layout(
         part_idx=part_idx_d,
         o_part=torch.empty(num_slots, q_heads, dim, dtype=torch.float32, device=device),
         lse_part=torch.empty(num_slots, q_heads, dtype=torch.float32, device=device),
+        counters=torch.zeros(4, dtype=torch.int32, device=device),
+        shared_row_tokens=int((rows * seg_tokens).sum()),
+        own_tokens=int(sum(plan.own_seq_lens_host)),
     )
 
 
