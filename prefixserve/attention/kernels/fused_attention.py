@@ -20,7 +20,6 @@ The last program to finish resets it, so a launch needs no memset and replays in
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -32,14 +31,13 @@ from prefixserve.attention.kernels.paged_attention import (
     dot_precision,
     fit_tiles,
     interpreter_upcast,
-    launch_fitting,
     num_sms,
     paged_program,
     pick_block_m,
     smem_limit,
     tile_smem_bytes,
 )
-from prefixserve.attention.kernels.shared_attention import SharedWork, kv_descriptor, shared_program
+from prefixserve.attention.kernels.shared_attention import SharedWork, launch_with_descriptors, shared_program
 
 triton, tl = require_triton()
 
@@ -273,12 +271,6 @@ def launch_fused(
         own_programs = own_share(flops, 2.0 * own_tokens * kv_heads * dim * elt, programs)
     ns = work.num_slots
     o_own, lse_own = o_part[ns:], lse_part[ns:]
-    use_tma = work.tma and k_cache.is_contiguous() and v_cache.is_contiguous()
-
-    def args_for(kw: dict[str, Any]) -> tuple[Any, ...]:
-        descs = (kv_descriptor(k_cache, kw["BLOCK_N"]), kv_descriptor(v_cache, kw["BLOCK_N"]))
-        return (q, k_cache, v_cache, *(descs if use_tma else (None, None)), *rest)
-
     rest = (
         seg_blocks,
         seg_block_start,
@@ -318,11 +310,12 @@ def launch_fused(
         tokens * lse_own.stride(0),
         lse_own.stride(0),
     )
-    launch = launch_fitting(
+    return launch_with_descriptors(
         _fused_kernel,
         (programs,),
-        args_for({"BLOCK_N": work.block_n}),
-        args_for if use_tma else None,
+        (q, k_cache, v_cache),
+        rest,
+        work.tma,
         GROUP=group,
         SH_BLOCK_M=work.block_m,
         BLOCK_N=work.block_n,
@@ -332,16 +325,10 @@ def launch_fused(
         BLOCK_SIZE=block_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype),
-        USE_TMA=use_tma,
         CHUNK=OWN_CHUNK,
         num_warps=8 if work.block_m >= 128 else 4,
         num_stages=work.num_stages,
     )
-    if use_tma:
-        block_n = launch.args[launch.num_positional + launch.keywords.index("BLOCK_N")]
-        remake = lambda c: kv_descriptor(c, block_n)  # noqa: E731
-        launch.derived = [(3, 1, remake), (4, 2, remake)]
-    return launch
 
 
 __all__ = ["COUNTERS", "launch_fused"]

@@ -546,12 +546,6 @@ def launch_shared(
     if work.num_slots == 0:
         return None
     group = q_heads // kv_heads
-    use_tma = work.tma and k_cache.is_contiguous() and v_cache.is_contiguous()
-
-    def args_for(kw: dict[str, Any]) -> tuple[Any, ...]:
-        descs = (kv_descriptor(k_cache, kw["BLOCK_N"]), kv_descriptor(v_cache, kw["BLOCK_N"]))
-        return (q, k_cache, v_cache, *(descs if use_tma else (None, None)), *rest)
-
     rest = (
         seg_blocks,
         seg_block_start,
@@ -572,11 +566,12 @@ def launch_shared(
         o_part.stride(1),
         lse_part.stride(0),
     )
-    launch = launch_fitting(
+    return launch_with_descriptors(
         _shared_kernel,
         (work.items.shape[0], kv_heads),
-        args_for({"BLOCK_N": work.block_n}),
-        args_for if use_tma else None,
+        (q, k_cache, v_cache),
+        rest,
+        work.tma,
         GROUP=group,
         BLOCK_M=work.block_m,
         BLOCK_N=work.block_n,
@@ -584,11 +579,33 @@ def launch_shared(
         BLOCK_SIZE=block_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype),
-        USE_TMA=use_tma,
         num_warps=num_warps or (8 if work.block_m >= 128 else 4),
         num_stages=num_stages or work.num_stages,
     )
-    if use_tma:  # a later layer's caches need their own descriptors (relaunch swaps args 1 and 2)
+
+
+def launch_with_descriptors(
+    kernel: Any,
+    grid: tuple[int, ...],
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rest: tuple[Any, ...],
+    tma: bool,
+    **kw: Any,
+) -> Launch:
+    """Launch a kernel whose arguments are (q, k_cache, v_cache, k_desc, v_desc, *rest).
+
+    The descriptors (None off the TMA path) are made for the BLOCK_N being tried, and remade from a
+    later layer's caches on relaunch (which swaps args 1 and 2).
+    """
+    _, k_cache, v_cache = qkv
+    use_tma = tma and k_cache.is_contiguous() and v_cache.is_contiguous()
+
+    def args_for(tiles: dict[str, Any]) -> tuple[Any, ...]:
+        descs = (kv_descriptor(k_cache, tiles["BLOCK_N"]), kv_descriptor(v_cache, tiles["BLOCK_N"]))
+        return (*qkv, *(descs if use_tma else (None, None)), *rest)
+
+    launch = launch_fitting(kernel, grid, args_for(kw), args_for if use_tma else None, USE_TMA=use_tma, **kw)
+    if use_tma:
         block_n = launch.args[launch.num_positional + launch.keywords.index("BLOCK_N")]
         remake = lambda c: kv_descriptor(c, block_n)  # noqa: E731
         launch.derived = [(3, 1, remake), (4, 2, remake)]

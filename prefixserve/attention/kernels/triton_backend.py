@@ -309,6 +309,19 @@ class TritonBackend(TritonPagedBackend):
             meta.query_start_loc,
             scale,
         )
+
+        def merge_into(rec: list) -> Any:
+            return merge.merge_partials(
+                lay.o_part,
+                lay.lse_part,
+                tokens,
+                row_ptr=lay.row_ptr,
+                part_idx=lay.part_idx,
+                out=out,
+                want_lse=False,
+                launches=rec,
+            )
+
         if self.fused:
             from prefixserve.attention.kernels.fused_attention import launch_fused
 
@@ -324,19 +337,7 @@ class TritonBackend(TritonPagedBackend):
                 shared_row_tokens=lay.shared_row_tokens,
                 own_tokens=lay.own_tokens,
             )
-            return launch_fused_path(
-                fused,
-                lambda rec: merge.merge_partials(
-                    lay.o_part,
-                    lay.lse_part,
-                    tokens,
-                    row_ptr=lay.row_ptr,
-                    part_idx=lay.part_idx,
-                    out=out,
-                    want_lse=False,
-                    launches=rec,
-                ),
-            )
+            return launch_fused_path(fused, merge_into)
         own_args += (
             step.max_query_len,
             lay.own_splits,
@@ -347,16 +348,7 @@ class TritonBackend(TritonPagedBackend):
         return launch_split_path(
             lambda: shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part),
             lambda: paged.launch_paged(*own_args, tokens * q_heads * dim, tokens * q_heads),
-            lambda rec: merge.merge_partials(
-                lay.o_part,
-                lay.lse_part,
-                tokens,
-                row_ptr=lay.row_ptr,
-                part_idx=lay.part_idx,
-                out=out,
-                want_lse=False,
-                launches=rec,
-            ),
+            merge_into,
             side,
         )
 
