@@ -28,6 +28,7 @@ def _step(q, k, v, meta):
     TritonBackend(fused=True).prepare(meta)
     step = meta.plan
     lay = build_layout(meta, step, q.shape[1], k.shape[2], q.shape[2], q.device, q.dtype)
+    lay.counters = torch.zeros(fused_attention.COUNTERS, dtype=torch.int32, device=q.device)
     return step, lay
 
 
@@ -42,7 +43,7 @@ def _fused_parts(q, k, v, meta, step, lay, own_programs=None):
         own_programs=own_programs, shared_row_tokens=lay.shared_row_tokens, own_tokens=lay.own_tokens,
     )  # fmt: skip
     assert launch is not None
-    assert lay.counters.tolist()[:3] == [0, 0, 0], "the last program resets the ticket counters"
+    assert lay.counters.tolist() == [0, 0, 0], "the last program resets the ticket counters"
     return lay.o_part.clone(), lay.lse_part.clone()
 
 

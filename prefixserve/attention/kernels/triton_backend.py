@@ -323,7 +323,10 @@ class TritonBackend(TritonPagedBackend):
             )
 
         if self.fused:
-            from prefixserve.attention.kernels.fused_attention import launch_fused
+            from prefixserve.attention.kernels.fused_attention import COUNTERS, launch_fused
+
+            if lay.counters is None:
+                lay.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=q.device)
 
             fused = launch_fused(
                 *shared_args,
@@ -463,7 +466,6 @@ def build_layout(
         part_idx=part_idx_d,
         o_part=torch.empty(num_slots, q_heads, dim, dtype=torch.float32, device=device),
         lse_part=torch.empty(num_slots, q_heads, dtype=torch.float32, device=device),
-        counters=torch.zeros(4, dtype=torch.int32, device=device),
         shared_row_tokens=int((rows * seg_tokens).sum()),
         own_tokens=int(sum(plan.own_seq_lens_host)),
     )
