@@ -15,6 +15,7 @@ Usage (GPU): PYTHONPATH=. python benchmarks/prefix_probe.py [--out DIR]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -265,12 +266,125 @@ def fused_grid(points, shares) -> list[dict]:
     return out
 
 
+def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
+    """One variant of ``overlap_grid`` at one point: its graphed call time, output, and parts' times.
+
+    ``variant`` keys (absent = the engine's rule): ``splits="old"`` (tall tiles split for two programs
+    per SM, before ``wave_splits``), ``persist`` (0 = full grid, n < 0 = SMs + n persistent programs),
+    ``pack`` (own-kernel sequences per program), ``merge`` (merge elements per program).
+    """
+    from benchmarks.attention import _bench, graphed
+    from prefixserve.attention.kernels import merge as mg
+    from prefixserve.attention.kernels import paged_attention as pa
+    from prefixserve.attention.kernels import shared_attention as sa
+    from prefixserve.attention.kernels import triton_backend as tb
+
+    keep = (sa.wave_splits, sa.persistent_programs, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS)
+    if variant.get("splits") == "old":
+        sa.wave_splits = lambda base, slots, kmax, *a: max(1, min(kmax, -(-2 * sms // max(1, base))))
+    if "persist" in variant:
+        n = variant["persist"]
+        sa.persistent_programs = lambda *a, _n=n: 0 if _n == 0 else sms + _n
+    tb.TritonBackend.own_pack = variant.get("pack")
+    mg.MERGE_ELEMENTS = variant.get("merge", keep[3])
+    pa._FALLBACK.clear()
+    try:
+        be = tb.TritonBackend()
+        be.overlap_min_rows = 0
+        meta = dataclasses.replace(case.meta, plan=None, stats={})
+        be.prepare(meta)
+
+        def call():
+            return be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
+
+        res = {"o": call().float(), "ms": round(_bench(graphed(call)), 4)}
+        lay = next(iter(meta.plan.layouts.values()))
+        res["plan"] = {
+            "programs": lay.work.programs,
+            "items": int(lay.work.items.shape[0]),
+            "pack": lay.own_pack,
+        }
+        if parts:
+            tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
+            res["parts"] = {}
+            for i, (launch, pos, _) in enumerate(lay.launches):
+                name = f"{i}:{getattr(launch.kernel, '__name__', '?')}"
+                res["parts"][name] = round(
+                    _bench(graphed(lambda la=launch, po=pos: tb._relaunch(la, po, tensors))), 4
+                )
+        return res
+    finally:
+        sa.wave_splits, sa.persistent_programs, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS = keep
+
+
+OVERLAP_VARIANTS = {
+    "before": ({"splits": "old", "persist": 0, "pack": 1}, True),
+    "wave": ({"persist": 0, "pack": 1}, True),
+    "wave_pack": ({"persist": 0}, False),
+    "rules": ({}, True),
+    "rules_p-32": ({"persist": -32}, False),
+    "rules_p-48": ({"persist": -48}, False),
+    "rules_p-16": ({"persist": -16}, False),
+}
+
+
+def overlap_grid(points) -> list[dict]:
+    """The whole decode call (graphed) per ``OVERLAP_VARIANTS``: the shared kernel on a persistent
+    grid (the SMs it leaves free run the own kernel beside it), the own kernel packing sequences,
+    the merge's program size.
+
+    Also times each recorded launch alone (shared, own, merge), so the overlap can be read off:
+    the call vs the sum and the max of its parts.
+    """
+    from benchmarks.attention import Case
+    from prefixserve.attention.kernels import shared_attention as sa
+
+    dev = torch.device("cuda")
+    sms = sa.num_sms(dev)
+    out = []
+    for b, p, s in points:
+        case = Case(b, p, s, dev)
+        row: dict = {"B": b, "P": p, "S": s, "sms": sms}
+        ref = None
+        for name, (variant, parts) in OVERLAP_VARIANTS.items():
+            try:
+                res = _overlap_variant(case, sms, variant, parts)
+            except Exception as exc:
+                row[name] = repr(exc)[:200]
+                continue
+            ref = res["o"] if ref is None else ref
+            row[name] = res["ms"]
+            row[name + "_diff"] = float((res["o"] - ref).abs().max())
+            row[name + "_plan"] = res["plan"]
+            if "parts" in res:
+                row[name + "_parts"] = res["parts"]
+        out.append(row)
+        print("  " + json.dumps(row), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--fused", action="store_true", help="two kernels vs the fused launch")
     parser.add_argument("--grid", action="store_true", help="time TMA tile tables on the whole call")
+    parser.add_argument("--overlap", action="store_true", help="persistent shared grid x packed own kernel")
     args = parser.parse_args()
+    if args.overlap:
+        points = [(1024, 16384, 512), (1024, 16384, 128), (1024, 4096, 128), (1024, 4096, 512)]
+        points += [
+            (1024, 1024, 128),
+            (256, 4096, 512),
+            (256, 1024, 512),
+            (256, 16384, 512),
+            (256, 16384, 128),
+        ]
+        grid = overlap_grid(points)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "overlap_grid.json").write_text(json.dumps(grid, indent=1))
+        return
     if args.fused:
         points = [(1024, 16384, 128), (1024, 16384, 512), (256, 16384, 512), (1024, 4096, 128)]
         points += [(1024, 4096, 512), (256, 4096, 512), (64, 16384, 512), (16, 16384, 512), (1024, 1024, 512)]

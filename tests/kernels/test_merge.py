@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+import triton
 from _kernel_helpers import DEVICE
 
-from prefixserve.attention.kernels.merge import merge_partials, merge_partials_ref
+from prefixserve.attention.kernels.merge import MERGE_ELEMENTS, merge_partials, merge_partials_ref
 
 
 def _parts(num_parts: int, rows: int, heads: int, dim: int, gen: torch.Generator):
@@ -76,3 +78,20 @@ def test_merge_of_split_attention_is_exact() -> None:
     got, got_lse = merge_partials(o, lse, 4, num_parts=2)
     torch.testing.assert_close(got.cpu(), full, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_lse.cpu(), full_lse, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(20, 64), (32, 128), (5, 256)])
+def test_head_blocks_cover_every_head(heads: int, dim: int) -> None:
+    """Programs take a block of heads each (several per row, the last one partly masked)."""
+    gen = torch.Generator().manual_seed(heads)
+    o, lse = _parts(2, 4, heads, dim, gen)
+    out = torch.full((4, heads, dim), math.nan, device=DEVICE)
+    rec: list = []
+    got, got_lse = merge_partials(
+        o.flatten(0, 1).to(DEVICE), lse.flatten(0, 1).to(DEVICE), 4, num_parts=2, out=out, launches=rec
+    )
+    ref, ref_lse = merge_partials_ref(list(o), list(lse))
+    torch.testing.assert_close(got.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-6)
+    block_h = min(triton.next_power_of_2(heads), max(1, MERGE_ELEMENTS // dim))
+    assert rec[0].grid[:2] == (4, -(-heads // block_h))

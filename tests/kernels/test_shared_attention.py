@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,9 +11,11 @@ from _kernel_helpers import DEVICE, rel_err
 
 from prefixserve.attention.kernels.shared_attention import (
     launch_shared,
+    own_heavy,
     plan_shared_work,
     shared_segment_attention,
     shared_segment_attention_ref,
+    wave_splits,
 )
 
 KV_HEADS = 2
@@ -65,6 +68,28 @@ def test_every_slot_is_written() -> None:
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_persistent_grid_writes_what_the_full_grid_writes(programs: int) -> None:
+    """A persistent grid (fewer programs than items x heads, each walking the list) gives the same
+    partials, bit for bit, as one program per item and head, and leaves no slot unwritten."""
+    gen = torch.Generator().manual_seed(8)
+    k, v, (sb, sbs, snt, sr, srs) = _segments(16, 64, torch.float32, gen)
+    q = torch.randn(7, KV_HEADS * 4, 64, generator=gen).to(DEVICE)
+    work = plan_shared_work(
+        srs.tolist(), snt.tolist(), KV_HEADS, 4, q.device, block_n=16, min_chunk=16, target_programs=99
+    )
+    outs = []
+    for p in (0, programs):
+        work.programs = p
+        o = torch.full((work.num_slots, KV_HEADS * 4, 64), math.nan, device=DEVICE)
+        lse = torch.full((work.num_slots, KV_HEADS * 4), math.nan, device=DEVICE)
+        launch = launch_shared(q, k, v, sb, sbs, sr, work, 0.1, o, lse)
+        assert launch.grid[0] == (p or work.items.shape[0])
+        outs.append((o, lse))
+    assert torch.isfinite(outs[1][0]).all() and torch.isfinite(outs[1][1]).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_bf16_close_to_fp64() -> None:
     gen = torch.Generator().manual_seed(6)
     k, v, seg = _segments(16, 64, torch.bfloat16, gen)
@@ -98,3 +123,28 @@ def test_tiles_fit_shared_memory(dtype: torch.dtype, dim: int, rows: int) -> Non
         assert tile_smem_bytes(bm, bn, dim, elt, stages) <= SMEM_LIMIT_HOPPER
     # the case that overflowed on the H200: fp32, 128 x 128, 2 stages, d=128 (256 KiB)
     assert tile_smem_bytes(128, 128, 128, 4, 2) > SMEM_LIMIT_HOPPER
+
+
+def test_wave_splits_fill_the_last_wave() -> None:
+    """Tall tiles run one per SM: 64 tiles on 132 SMs split in 2 (one full wave), not 5 (three waves,
+    the last 42% full); 16 tiles split in 8; 256 tiles already make two nearly full waves."""
+    assert wave_splits(64, 132, 64) == 2
+    assert wave_splits(16, 132, 64) == 8
+    assert wave_splits(256, 132, 64) == 1
+    assert wave_splits(64, 132, 1) == 1  # a segment too short to split
+
+
+def test_own_heavy_compares_own_reads_with_shared_flops() -> None:
+    """B=1024 decode rows over a 16K prefix: S=128 own tokens are shared-heavy, a 1K prefix is own-heavy."""
+
+    def plan(prefix: int, suffix: int, batch: int = 1024) -> SimpleNamespace:
+        return SimpleNamespace(
+            seg_row_start_host=[0, batch],
+            seg_block_start_host=[0, prefix // 16],
+            own_seq_lens_host=[suffix] * batch,
+        )
+
+    assert not own_heavy(plan(16384, 128), 16, 8, 4, 128, 2)
+    assert not own_heavy(plan(16384, 512), 16, 8, 4, 128, 2)  # about even: the shared kernel's tail wins
+    assert own_heavy(plan(1024, 512), 16, 8, 4, 128, 2)
+    assert own_heavy(plan(4096, 512, 256), 16, 8, 4, 128, 2)

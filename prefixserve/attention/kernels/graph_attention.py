@@ -81,16 +81,19 @@ def shared_graph_step(
     work = shared_attention.plan_work_for(
         plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype
     )
+    elt = torch.empty(0, dtype=shape.dtype).element_size()
+    heavy = shared_attention.own_heavy(plan, bs, kv_heads, group, shape.head_dim, elt)
+    pack = paged_attention.decode_pack(group, 1) if heavy else 1
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_tables = plan.own_block_tables.numpy()
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
-    own_splits = _splits(int(own_lens.max(initial=0)), bucket * kv_heads, shape.device)
+    own_splits = _splits(int(own_lens.max(initial=0)), -(-bucket // pack) * kv_heads, shape.device)
     needed = (
         "shared",
         bucket,
         capacity(own_tables.shape[1], MIN_TABLE_WIDTH),
         own_splits,
-        (work.block_m, work.block_n, work.num_stages, work.tma),
+        (work.block_m, work.block_n, work.num_stages, work.tma, work.programs, pack),
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
         capacity(plan.seg_blocks.numel(), 16),
@@ -240,7 +243,7 @@ class SharedGraph(_Recorded):
         }
         super().__init__(fields, shape)
         self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
-        self.block_m, self.block_n, self.stages, self.tma = tiles
+        self.block_m, self.block_n, self.stages, self.tma, self.programs, self.pack = tiles
         parts = slots + own_splits * bucket
         f32 = {"dtype": torch.float32, "device": shape.device}
         self.o_part = torch.empty(parts, shape.q_heads, shape.head_dim, **f32)
@@ -257,6 +260,7 @@ class SharedGraph(_Recorded):
             slot_base=[],
             slot_row_index=torch.zeros(0, dtype=torch.long),
             tma=self.tma,
+            programs=self.programs,
         )
         shared_args = (q, k_cache, v_cache, self.buffer("seg_blocks"), self.buffer("seg_block_start"))
         shared_args += (self.buffer("seg_rows"), work, scale, self.o_part, self.lse_part)
@@ -281,7 +285,7 @@ class SharedGraph(_Recorded):
         )
         return launch_split_path(
             lambda: shared_attention.launch_shared(*shared_args),
-            lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N),
+            lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),
             lambda rec: merge.merge_partials(
                 self.o_part,
                 self.lse_part,

@@ -238,6 +238,8 @@ def _shared_kernel(
     o_ptr,  # [slots, Hq, D] fp32
     lse_ptr,  # [slots, Hq] fp32
     qk_scale,
+    num_items,  # rows of items_ptr (the persistent walk's bound)
+    kv_heads,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -258,44 +260,54 @@ def _shared_kernel(
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
     TAIL_STAGES: tl.constexpr = 1,  # the ragged tail is under one tile: no pipeline buffers
+    PERSISTENT: tl.constexpr = False,
 ):
-    """Grid (work items, KV heads); arguments as ``shared_program``'s."""
-    shared_program(
-        tl.program_id(0),
-        tl.program_id(1),
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        k_desc,
-        v_desc,
-        seg_blocks_ptr,
-        seg_block_start_ptr,
-        seg_rows_ptr,
-        items_ptr,
-        o_ptr,
-        lse_ptr,
-        qk_scale,
-        stride_qt,
-        stride_qh,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_vb,
-        stride_vt,
-        stride_vh,
-        stride_op,
-        stride_oh,
-        stride_lp,
-        GROUP,
-        BLOCK_M,
-        BLOCK_N,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        DOT_PREC,
-        UPCAST,
-        USE_TMA,
-        TAIL_STAGES,
-    )
+    """Grid (work items, KV heads), or with ``PERSISTENT`` a 1-d grid of programs that each walk
+    items x heads with the grid's stride (item fastest, as in the 2-d grid); arguments as
+    ``shared_program``'s, plus the two counts the persistent walk needs.
+    """
+    if PERSISTENT:  # programs walk items x heads with the grid's stride
+        first, end, step = tl.program_id(0), num_items * kv_heads, tl.num_programs(0)
+    else:  # one (item, head) per program: a loop of one
+        first = tl.program_id(0) + tl.program_id(1) * num_items
+        end, step = first + 1, 1
+    for t in range(first, end, step):
+        shared_program(
+            t % num_items,
+            t // num_items,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            k_desc,
+            v_desc,
+            seg_blocks_ptr,
+            seg_block_start_ptr,
+            seg_rows_ptr,
+            items_ptr,
+            o_ptr,
+            lse_ptr,
+            qk_scale,
+            stride_qt,
+            stride_qh,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            stride_op,
+            stride_oh,
+            stride_lp,
+            GROUP,
+            BLOCK_M,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            DOT_PREC,
+            UPCAST,
+            USE_TMA,
+            TAIL_STAGES,
+        )
 
 
 @dataclass(slots=True)
@@ -316,6 +328,9 @@ class SharedWork:
     slot_base: list[int]  # per segment
     slot_row_index: torch.Tensor  # [num_slots] int64 on the host
     tma: bool = False  # every segment is contiguous: whole tiles are TMA loads (item field 6)
+    # > 0: a persistent grid of this many programs walks the items (the SMs it leaves free run the
+    # own kernel beside it); 0: one program per item and KV head
+    programs: int = 0
 
     @property
     def unsplit(self) -> bool:
@@ -396,6 +411,22 @@ def contiguous_first_rows(seg_blocks: np.ndarray, seg_block_start: list[int], bl
     return first
 
 
+# A program's fixed cost (q load, pipeline fill, partial store), as a fraction of one whole pass over
+# its segment: what one more KV split adds. Only ranks split counts against each other.
+SPLIT_COST = 0.02
+
+
+def wave_splits(base_programs: int, slots: int, kmax: int, cost: float = SPLIT_COST) -> int:
+    """KV splits per M-tile that make ``base_programs x k`` programs fill waves of ``slots`` best.
+
+    Tall tiles fill an SM each, so a grid runs in ``ceil(programs / slots)`` waves, each as long as
+    one program (1/k of a segment pass, plus ``cost``). B=256, P=16K (64 tiles, 132 SMs) used k=5:
+    320 programs in three waves, the last 42% full; k=2 runs in one wave of 128.
+    """
+    base, slots = max(1, base_programs), max(1, slots)
+    return min(range(1, max(1, kmax) + 1), key=lambda k: math.ceil(base * k / slots) * (1 / k + cost))
+
+
 def plan_shared_work(
     seg_row_start: list[int],  # [G+1]
     seg_num_tokens: list[int],  # [G]
@@ -414,6 +445,7 @@ def plan_shared_work(
     seg_blocks: np.ndarray | None = None,
     seg_block_start: list[int] | None = None,
     block_size: int = 0,
+    programs: int = 0,
 ) -> SharedWork:
     """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
 
@@ -422,6 +454,8 @@ def plan_shared_work(
     per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
     With the segments' blocks (``seg_blocks``, ``seg_block_start``, ``block_size``; host values) the
     work list notes contiguous segments, and the TMA path is taken when all of them are.
+    ``programs > 0`` plans for a persistent grid of that many programs (``SharedWork.programs``), for
+    tall tiles only.
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
     first_rows = np.full(len(rows), -1, dtype=np.int64)
@@ -445,10 +479,17 @@ def plan_shared_work(
     rows_per_tile = block_m // group
     m_tiles = [math.ceil(r / rows_per_tile) for r in rows]
     base_programs = sum(m_tiles) * kv_heads
-    # programs the KV splits aim at: two per SM for tall (compute-bound) tiles; one per SM for short
-    # ones, where fewer, longer splits stream better (B=16, P=16K: 58 -> 46 us; NOTES.md v5)
-    target = target_programs or (2 if block_m >= 128 else 1) * num_sms(device)
-    want = max(1, math.ceil(target / max(1, base_programs)))
+    programs = programs if block_m >= 128 else 0  # short tiles share SMs: measured without it
+    if target_programs is None and block_m >= 128:
+        # tall tiles fill an SM each (3-stage TMA: 229 KB of shared memory), so they run in waves of
+        # one program per SM (or per persistent program): split so the last wave is full
+        kmax = max((math.ceil(t / min_chunk) for t in seg_num_tokens), default=1)
+        want = wave_splits(base_programs, programs or num_sms(device), min(kmax, 64))
+    else:
+        # short tiles aim at one program per SM: fewer, longer splits stream better (B=16, P=16K:
+        # 58 -> 46 us; NOTES.md v5)
+        target = target_programs or num_sms(device)
+        want = max(1, math.ceil(target / max(1, base_programs)))
     items: list[tuple[int, ...]] = []
     splits: list[int] = []
     slot_base: list[int] = []
@@ -481,6 +522,7 @@ def plan_shared_work(
         slot_base=slot_base,
         slot_row_index=torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.long),
         tma=tma,
+        programs=programs,
     )
 
 
@@ -512,6 +554,26 @@ def plan_work_for(
         seg_block_start=bstart,
         block_size=block_size,
     )
+
+
+# The shared kernel's bf16 rate and the own kernel's read bandwidth, measured on the H200 (NOTES.md
+# v6): only their ratio is used, to tell a step whose own KV reads outlast its shared FLOPs.
+SHARED_TFLOPS, OWN_TBPS = 490.0, 4.0
+OWN_HEAVY = 1.5  # own time / shared time from which a step counts as own-heavy
+
+
+def own_heavy(plan: Any, block_size: int, kv_heads: int, group: int, head_dim: int, elt: int) -> bool:
+    """True when reading the step's own KV takes ``OWN_HEAVY`` x the shared kernel's tensor time.
+
+    Packed own programs (``packed_decode_program``) stream better alone but fill the shared
+    kernel's tail worse: measured 5-6% faster at B=256, S=512, P <= 4K and 1-4% slower where the
+    shared part dominates (NOTES.md v6), so they are used only on own-heavy steps.
+    """
+    rows = np.diff(np.asarray(plan.seg_row_start_host, dtype=np.int64))
+    tokens = np.diff(np.asarray(plan.seg_block_start_host, dtype=np.int64)) * block_size
+    flops = 4 * group * kv_heads * head_dim * float((rows * tokens).sum())
+    own_bytes = 2 * elt * kv_heads * head_dim * float(sum(plan.own_seq_lens_host))
+    return own_bytes / (OWN_TBPS * 1e12) >= OWN_HEAVY * flops / (SHARED_TFLOPS * 1e12)
 
 
 def launch_shared(
@@ -554,6 +616,8 @@ def launch_shared(
         o_part,
         lse_part,
         scale * LOG2E,
+        work.items.shape[0],
+        kv_heads,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -566,12 +630,15 @@ def launch_shared(
         o_part.stride(1),
         lse_part.stride(0),
     )
+    num_items = work.items.shape[0]
+    persistent = 0 < work.programs < num_items * kv_heads
     return launch_with_descriptors(
         _shared_kernel,
-        (work.items.shape[0], kv_heads),
+        (work.programs, 1) if persistent else (num_items, kv_heads),
         (q, k_cache, v_cache),
         rest,
         work.tma,
+        PERSISTENT=persistent,
         GROUP=group,
         BLOCK_M=work.block_m,
         BLOCK_N=work.block_n,

@@ -52,6 +52,7 @@ class _Layout:
 
     own_splits: int
     own_split_size: int
+    own_pack: int = 1  # decode sequences per own-kernel program
     work: Any = None  # SharedWork, when the step has segments
     num_slots: int = 0  # shared slots + own slots
     row_ptr: torch.Tensor | None = None  # [T+1] int32: CSR over the merged partials
@@ -229,6 +230,8 @@ class TritonBackend(TritonPagedBackend):
     # measured 1.3-2.0x slower on the H200 (NOTES.md "v5"), since one resident program per SM streams
     # own KV at half the bandwidth that four small own programs reach.
     fused: bool = False
+    # decode sequences per own-kernel program (``packed_decode_program``); None = ``decode_pack``'s rule
+    own_pack: int | None = None
 
     def __init__(self, fused: bool | None = None) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -276,22 +279,37 @@ class TritonBackend(TritonPagedBackend):
         _tokens, q_heads, dim = q.shape
         kv_heads = k_cache.shape[2]
         key = (q_heads, kv_heads, dim, str(q.device), str(q.dtype))
-        lay = step.layouts.get(key)
-        if lay is None:
-            lay = step.layouts[key] = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype)
-        out = torch.empty_like(q)
-        sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
         side = (
             None
             if self.fused
             else self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
         )
+        lay = step.layouts.get(key)
+        if lay is None:
+            pack = self._pack(q_heads, kv_heads, step, meta.block_size, dim, q.element_size())
+            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack)
+            step.layouts[key] = lay
+        out = torch.empty_like(q)
+        sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
         if lay.signature == sig and lay.launches:
             replay_launches(lay.launches, (q, k_cache, v_cache, out), side)
             return out
         lay.launches = self._shared_first(q, k_cache, v_cache, meta, step, lay, scale, out, side)
         lay.signature = sig
         return out
+
+    def _pack(
+        self, q_heads: int, kv_heads: int, step: TritonStep, block_size: int, dim: int, elt: int
+    ) -> int:
+        """Decode sequences per own program: ``own_pack`` if set, else packed on own-heavy steps."""
+        paged, shared_mod, _ = _kernels()
+        group = q_heads // kv_heads
+        pack = paged.decode_pack(group, step.max_query_len)
+        if self.fused or pack == 1:  # the fused launch runs the one-sequence program
+            return 1
+        if self.own_pack is not None:
+            return self.own_pack
+        return pack if shared_mod.own_heavy(step.shared, block_size, kv_heads, group, dim, elt) else 1
 
     def _shared_first(self, q, k_cache, v_cache, meta, step: TritonStep, lay: _Layout, scale, out, side):
         """Launch shared + own + merge through Triton's normal path; return the recorded launches."""
@@ -350,7 +368,9 @@ class TritonBackend(TritonPagedBackend):
         )
         return launch_split_path(
             lambda: shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part),
-            lambda: paged.launch_paged(*own_args, tokens * q_heads * dim, tokens * q_heads),
+            lambda: paged.launch_paged(
+                *own_args, tokens * q_heads * dim, tokens * q_heads, pack=lay.own_pack
+            ),
             merge_into,
             side,
         )
@@ -423,12 +443,14 @@ def build_layout(
     dim: int,
     device: torch.device,
     dtype: torch.dtype,
+    pack: int = 1,
 ) -> _Layout:
     """Host work, once per step, head shape and dtype: shared work list, own splits, merge CSR, buffers.
 
     Everything is computed from host lists (no device read), and the work list and merge CSR reach
     the device in one asynchronous copy. The dtype is part of the layout because the shared tiles are
-    fitted to shared memory by element size (fp32 needs narrower tiles than bf16).
+    fitted to shared memory by element size (fp32 needs narrower tiles than bf16). ``pack``: decode
+    sequences per own-kernel program.
     """
     paged, shared_mod, merge_mod = _kernels()
     plan = step.shared
@@ -437,8 +459,9 @@ def build_layout(
     block_n = 64
     block_m = paged.pick_block_m(step.max_query_len * group, group)
     q_tiles = -(-step.max_query_len // (block_m // group))
+    own_programs = -(-meta.num_seqs // pack) * kv_heads if pack > 1 else meta.num_seqs * q_tiles * kv_heads
     own_splits, own_split_size = paged.choose_split(
-        max(plan.own_seq_lens_host, default=0), meta.num_seqs * q_tiles * kv_heads, device, block_n
+        max(plan.own_seq_lens_host, default=0), own_programs, device, block_n
     )
     seg_blocks = step.seg_blocks_host
     if seg_blocks is None:  # a step planned elsewhere (e.g. benchmarks): read the blocks back once
@@ -460,6 +483,7 @@ def build_layout(
     return _Layout(
         own_splits=own_splits,
         own_split_size=own_split_size,
+        own_pack=pack,
         work=work,
         num_slots=num_slots,
         row_ptr=row_ptr_d,
