@@ -121,3 +121,22 @@ def test_segment_plus_empty_own_part_merges_to_segment_only() -> None:
     vv = v[torch.tensor(blocks)].flatten(0, 1).cpu()
     ref, _ = attention_with_lse(q.cpu(), kk, vv, 0.1)
     assert rel_err(out.cpu(), ref) < 1e-5
+
+
+def test_own_pack_rule_needs_an_own_heavy_step_and_enough_programs() -> None:
+    """Own programs pack 4 decode sequences (G=4) only when the own KV outweighs the shared FLOPs and
+    the packed grid still gives every SM two programs (the CPU interpreter counts 4 SMs)."""
+    from types import SimpleNamespace
+
+    from prefixserve.attention.kernels.triton_backend import own_pack_rule
+
+    def plan(batch: int, prefix: int, suffix: int) -> SimpleNamespace:
+        starts = {"seg_row_start_host": [0, batch], "seg_block_start_host": [0, prefix // 16]}
+        return SimpleNamespace(**starts, own_seq_lens_host=[suffix] * batch)
+
+    cpu = torch.device("cpu")
+    shape = (32, 8, 128, 2)
+    assert own_pack_rule(plan(256, 1024, 512), 256, shape, 16, cpu) == 4
+    assert own_pack_rule(plan(256, 16384, 128), 256, shape, 16, cpu) == 1  # shared-heavy
+    assert own_pack_rule(plan(8, 1024, 512), 8, (4, 1, 128, 2), 16, cpu) == 1  # 2 programs for 4 SMs
+    assert own_pack_rule(plan(256, 1024, 512), 256, (32, 2, 128, 2), 16, cpu) == 1  # G=16: no packing

@@ -26,6 +26,7 @@ from prefixserve.attention.kernels.triton_backend import (
     _PAGED_OUT,
     _PAGED_PART,
     launch_split_path,
+    own_pack_rule,
     replay_launches,
 )
 from prefixserve.attention.metadata import AttentionMetadata
@@ -82,8 +83,7 @@ def shared_graph_step(
         plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype
     )
     elt = torch.empty(0, dtype=shape.dtype).element_size()
-    heavy = shared_attention.own_heavy(plan, bs, kv_heads, group, shape.head_dim, elt)
-    pack = paged_attention.decode_pack(group, 1) if heavy else 1
+    pack = own_pack_rule(plan, bucket, (shape.q_heads, kv_heads, shape.head_dim, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_tables = plan.own_block_tables.numpy()
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)

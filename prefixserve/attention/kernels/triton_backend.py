@@ -286,7 +286,7 @@ class TritonBackend(TritonPagedBackend):
         )
         lay = step.layouts.get(key)
         if lay is None:
-            pack = self._pack(q_heads, kv_heads, step, meta.block_size, dim, q.element_size())
+            pack = self._pack(q_heads, kv_heads, meta, step, q)
             lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack)
             step.layouts[key] = lay
         out = torch.empty_like(q)
@@ -298,18 +298,14 @@ class TritonBackend(TritonPagedBackend):
         lay.signature = sig
         return out
 
-    def _pack(
-        self, q_heads: int, kv_heads: int, step: TritonStep, block_size: int, dim: int, elt: int
-    ) -> int:
-        """Decode sequences per own program: ``own_pack`` if set, else packed on own-heavy steps."""
-        paged, shared_mod, _ = _kernels()
-        group = q_heads // kv_heads
-        pack = paged.decode_pack(group, step.max_query_len)
-        if self.fused or pack == 1:  # the fused launch runs the one-sequence program
+    def _pack(self, q_heads: int, kv_heads: int, meta: AttentionMetadata, step: TritonStep, q) -> int:
+        """Decode sequences per own program: ``own_pack`` if set, else ``own_pack_rule``'s."""
+        if self.fused or step.max_query_len != 1:  # the fused launch runs the one-sequence program
             return 1
         if self.own_pack is not None:
             return self.own_pack
-        return pack if shared_mod.own_heavy(step.shared, block_size, kv_heads, group, dim, elt) else 1
+        shape = (q_heads, kv_heads, q.shape[2], q.element_size())
+        return own_pack_rule(step.shared, meta.num_seqs, shape, meta.block_size, q.device)
 
     def _shared_first(self, q, k_cache, v_cache, meta, step: TritonStep, lay: _Layout, scale, out, side):
         """Launch shared + own + merge through Triton's normal path; return the recorded launches."""
@@ -374,6 +370,21 @@ class TritonBackend(TritonPagedBackend):
             merge_into,
             side,
         )
+
+
+def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], block_size: int, device) -> int:
+    """Decode sequences per own-kernel program for a shared step; ``shape`` = (Hq, Hkv, D, element size).
+
+    Packed (``decode_pack``) only on own-heavy steps (``own_heavy``) that still give every SM two
+    programs: at B=16-64 packing left SMs idle (B=16, P=1K, S=512: 0.033 -> 0.055 ms; NOTES.md v6).
+    """
+    paged, shared_mod, _ = _kernels()
+    q_heads, kv_heads, dim, elt = shape
+    group = q_heads // kv_heads
+    pack = paged.decode_pack(group, 1)
+    if pack == 1 or -(-num_seqs // pack) * kv_heads < 2 * paged.num_sms(device):
+        return 1
+    return pack if shared_mod.own_heavy(plan, block_size, kv_heads, group, dim, elt) else 1
 
 
 Recorded = tuple[Any, tuple[int, int, int, int], bool]  # (launch, per-layer argument positions, on side)
