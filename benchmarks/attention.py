@@ -452,7 +452,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         f"- %T* where T* >= 50 us, memory-bound: {pct(True)}; compute-bound: {pct(False)}",
         "",
         "Where the remaining gap to T* goes (kernel alone, overlap, L2), with measurements: "
-        "`NOTES.md`, sections v4 and v5.",
+        "`NOTES.md`, sections v4 to v6.",
     ]
 
 
