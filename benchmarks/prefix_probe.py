@@ -365,13 +365,115 @@ def overlap_grid(points) -> list[dict]:
     return out
 
 
+def _segment_case(batch: int, prefix: int, segments: int = 1, tail: int = 0):
+    """Stacked rows of ``segments`` contiguous prefixes of ``prefix + tail`` tokens, B rows each."""
+    import numpy as np
+
+    dev = torch.device("cuda")
+    tokens = prefix + tail
+    nb_seg = -(-tokens // 16)
+    nb = nb_seg * segments + 8  # a few blocks past the last segment: the ragged tail reads them
+    k_cache = torch.randn(nb, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch * segments, 32, 128, device=dev, dtype=torch.bfloat16)
+    seg_blocks = np.arange(nb_seg * segments)
+    bstart = [g * nb_seg for g in range(segments + 1)]
+    row_start = [g * batch for g in range(segments + 1)]
+    return {
+        "q": q,
+        "k": k_cache,
+        "v": v_cache,
+        "seg_blocks": torch.tensor(seg_blocks, dtype=torch.int32, device=dev),
+        "seg_blocks_host": seg_blocks,
+        "bstart": torch.tensor(bstart, dtype=torch.int32, device=dev),
+        "bstart_host": bstart,
+        "rows": torch.randperm(batch * segments, device=dev).to(torch.int32),
+        "row_start": row_start,
+        "tokens": [tokens] * segments,
+    }
+
+
+def gluon_grid(points, variants) -> list[dict]:
+    """Shared kernel alone: the engine's Triton kernel vs the warp-specialised Gluon kernel, same work.
+
+    Each point checks the Gluon partials against the Triton kernel's (max abs diff of o and lse, and
+    of the merged rows against an fp32 reference when the case is small).
+    """
+    from prefixserve.attention.kernels import shared_attention as sa
+    from prefixserve.attention.kernels import shared_gluon as sg
+    from prefixserve.attention.kernels.launch import relaunch
+
+    dev = torch.device("cuda")
+    out = []
+    for batch, prefix, segments, tail in points:
+        c = _segment_case(batch, prefix, segments, tail)
+        work = sa.plan_shared_work(
+            c["row_start"],
+            c["tokens"],
+            8,
+            4,
+            dev,
+            seg_blocks=c["seg_blocks_host"],
+            seg_block_start=c["bstart_host"],
+            block_size=16,
+        )
+        flops = 4 * 32 * 128 * batch * segments * (prefix + tail)
+        o_t = torch.zeros(work.num_slots, 32, 128, device=dev)
+        l_t = torch.zeros(work.num_slots, 32, device=dev)
+        launch = sa.launch_shared(
+            c["q"], c["k"], c["v"], c["seg_blocks"], c["bstart"], c["rows"], work, 0.088, o_t, l_t
+        )
+        ms = triton.testing.do_bench(
+            lambda lc=launch: relaunch(lc, []), warmup=10, rep=100, return_mode="median"
+        )
+        row = {"B": batch, "P": prefix, "segments": segments, "tail": tail, "items": int(work.items.shape[0])}
+        row["triton_ms"] = ms
+        row["triton_tflops"] = flops / ms / 1e9
+        for name, (stages, overlap, split) in variants.items():
+            o_g = torch.full_like(o_t, float("nan"))
+            l_g = torch.full_like(l_t, float("nan"))
+            try:
+                glaunch = sg.launch_shared_gluon(
+                    c["q"], c["k"], c["v"], c["rows"], work.items, o_g, l_g, 0.088, stages, overlap, split
+                )
+                torch.cuda.synchronize()
+                gms = triton.testing.do_bench(
+                    lambda lc=glaunch: relaunch(lc, []), warmup=10, rep=100, return_mode="median"
+                )
+                row[f"{name}_ms"] = gms
+                row[f"{name}_tflops"] = flops / gms / 1e9
+                row[f"{name}_vs_triton"] = ms / gms
+                row[f"{name}_o_diff"] = (o_g - o_t).abs().max().item()
+                row[f"{name}_lse_diff"] = (l_g - l_t).abs().max().item()
+            except Exception as exc:
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--fused", action="store_true", help="two kernels vs the fused launch")
     parser.add_argument("--grid", action="store_true", help="time TMA tile tables on the whole call")
     parser.add_argument("--overlap", action="store_true", help="persistent shared grid x packed own kernel")
+    parser.add_argument("--gluon", action="store_true", help="Triton vs warp-specialised Gluon shared kernel")
     args = parser.parse_args()
+    if args.gluon:
+        points = [(1024, 16384, 1, 0), (256, 16384, 1, 0), (1024, 4096, 1, 0), (256, 4096, 1, 0)]
+        points += [(64, 16384, 1, 0), (1024, 1024, 1, 0), (96, 1000, 3, 48), (130, 300, 2, 16)]
+        variants = {
+            "g3": (3, False, False),
+            "g3o": (3, True, False),
+            "s3": (3, False, True),
+            "s3o": (3, True, True),
+            "s2o": (2, True, True),
+        }
+        grid = gluon_grid(points, variants)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gluon_grid.json").write_text(json.dumps(grid, indent=1))
+        return
     if args.overlap:
         points = [(1024, 16384, 512), (1024, 16384, 128), (1024, 4096, 128), (1024, 4096, 512)]
         points += [

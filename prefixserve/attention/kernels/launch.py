@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+# keywords of ``kernel[grid](...)`` that are compile options, not kernel parameters
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
 
 @dataclass(slots=True)
 class Launch:
@@ -33,7 +36,7 @@ class Launch:
     args: list[Any]  # every kernel parameter, constexprs included, in signature order
     num_positional: int  # the first ones are passed positionally on the slow path
     keywords: list[str]  # names of the rest (the constexprs), in the order they sit in ``args``
-    options: dict[str, Any]  # num_warps, num_stages
+    options: dict[str, Any]  # num_warps, num_stages, maxnreg
     compiled: Any  # triton CompiledKernel, or None when the fast path is not available
     # (dst, src, make): args[dst] is made from args[src] (a TMA descriptor of a layer's KV cache), so
     # a swap of args[src] remakes it
@@ -45,7 +48,7 @@ def record(
 ) -> Launch:
     """Make a ``Launch`` from a call ``kernel[grid](*args, **kw)`` that returned ``compiled``."""
     names = list(getattr(kernel, "arg_names", []))
-    constexprs = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")}
+    constexprs = {k: v for k, v in kw.items() if k not in LAUNCH_OPTIONS}
     full = list(args)
     fast = (
         compiled is not None
@@ -57,7 +60,7 @@ def record(
     order = names[len(args) :] if fast else list(constexprs)
     full += [constexprs[n] for n in order]
     g = (*grid, 1, 1)[:3]
-    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    options = {k: kw[k] for k in LAUNCH_OPTIONS if k in kw}
     grid3 = (int(g[0]), int(g[1]), int(g[2]))
     return Launch(kernel, grid3, full, len(args), order, options, compiled if fast else None)
 

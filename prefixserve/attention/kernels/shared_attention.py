@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.kernels import require_triton
+from prefixserve.attention.kernels import require_triton, shared_gluon
 from prefixserve.attention.kernels.launch import Launch
 from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
 from prefixserve.attention.kernels.paged_attention import (
@@ -632,6 +632,11 @@ def launch_shared(
     )
     num_items = work.items.shape[0]
     persistent = 0 < work.programs < num_items * kv_heads
+    if work.tma and not persistent and shared_gluon.eligible(q, k_cache, v_cache, work.block_m, work.block_n):
+        # Hopper, tall tiles: the warp-specialised Gluon kernel (1.2-1.4x this one alone; NOTES.md v7)
+        return shared_gluon.launch_shared_gluon(
+            q, k_cache, v_cache, seg_rows, work.items, o_part, lse_part, scale, work.num_stages
+        )
     return launch_with_descriptors(
         _shared_kernel,
         (work.programs, 1) if persistent else (num_items, kv_heads),

@@ -1,0 +1,575 @@
+"""Warp-specialised shared-segment kernel for Hopper, written in Gluon (Triton's explicit-layout dialect).
+
+Same work items and partial slots as ``shared_attention._shared_kernel`` on its TMA path (tall
+128-row tiles over contiguous segments), but the roles inside a program are split the way FA3 splits
+them: one loader warp walks the segment issuing TMA loads of K and V tiles into a ring of shared
+memory buffers, and the 8 compute warps (two warpgroups of 64 rows) only wait on mbarriers, run the
+wgmma products and the online softmax. The loader costs 24 registers, so the compute warps get 240
+and the loads never sit in their instruction stream. ``OVERLAP`` issues the next tile's Q @ K^T
+before this tile's softmax (FA3's intra-warpgroup overlap): the tensor cores work while the
+exponentials run.
+
+Rows past a segment's end in its last tile are read (a TMA box is whole) and masked out of the
+softmax; their V rows meet a zero probability, so the cache must hold finite values there: the
+engine's cache is zero-initialised and only ever holds K/V projections.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from prefixserve.attention.kernels.launch import Launch, record
+
+try:  # Gluon ships with Triton >= 3.5; the engine runs without it (pointer / tl kernels)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON = True
+except ImportError:  # pragma: no cover - older Triton
+    GLUON = False
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+if GLUON:
+
+    @gluon.jit
+    def _load_partition(
+        k_desc,
+        v_desc,
+        k_bufs,
+        v_bufs,
+        k_ready,
+        v_ready,
+        kv_empty,
+        row0,
+        col,
+        n_tiles,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """The loader warp: K and V tile i into ring slot i % STAGES once the compute warps freed it."""
+        for i in range(n_tiles):
+            s = i % STAGES
+            phase = (i // STAGES) & 1
+            mbarrier.wait(kv_empty.index(s), phase ^ 1)  # a fresh barrier passes phase 1 at once
+            row = row0 + i * BLOCK_N
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_bufs.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _softmax_update(s, m_i, l_i, tile, kv_len, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Online softmax of raw scores ``s`` of KV tile ``tile``: (p, alpha, new max, new sum)."""
+        if (tile + 1) * BLOCK_N > kv_len:  # the ragged last tile: columns past the segment drop out
+            cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(cols < kv_len, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _attend_tiles(
+        q_smem,
+        k_bufs,
+        v_bufs,
+        k_ready,
+        v_ready,
+        kv_empty,
+        n_tiles,
+        kv_len,
+        qk_scale,
+        PART_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr,
+    ):
+        """S = Q K^T, online softmax, O += P V over the ring's tiles for this partition's rows: (m, l, O)."""
+        num_warps: gl.constexpr = gl.num_warps()
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+        m_i = gl.full([PART_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([PART_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
+        if OVERLAP:
+            # P_{i-1} @ V_{i-1} runs on the tensor cores while the softmax of tile i runs (FA3's
+            # intra-warpgroup overlap); the rescale of O waits for that product
+            p16 = gl.zeros([PART_M, BLOCK_N], dtype, layout=p_layout)
+            if n_tiles > 0:
+                mbarrier.wait(k_ready.index(0), 0)
+                s = warpgroup_mma(
+                    q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                )
+                s = warpgroup_mma_wait(0, deps=(s,))
+                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, 0, kv_len, qk_scale, BLOCK_N, s_layout)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+            for i in range(1, n_tiles):
+                prev = (i - 1) % STAGES
+                slot = i % STAGES
+                mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+                s_tok = warpgroup_mma(
+                    q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                )
+                mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+                acc_tok = warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok,))
+                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk_scale, BLOCK_N, s_layout)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            if n_tiles > 0:
+                last = (n_tiles - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_bufs.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(last), count=1)
+        else:
+            for i in range(n_tiles):
+                slot = i % STAGES
+                phase = (i // STAGES) & 1
+                mbarrier.wait(k_ready.index(slot), phase)
+                s = warpgroup_mma(
+                    q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                )
+                s = warpgroup_mma_wait(0, deps=(s,))
+                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk_scale, BLOCK_N, s_layout)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                mbarrier.wait(v_ready.index(slot), phase)
+                acc = warpgroup_mma(p16, v_bufs.index(slot), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(slot), count=1)
+        return m_i, l_i, acc
+
+    @gluon.jit
+    def _store_rows(
+        m_i,
+        l_i,
+        acc,
+        o_ptr,
+        lse_ptr,
+        row_lo,
+        row_hi,
+        slot0,
+        kvh,
+        m_off,
+        stride_op,
+        stride_oh,
+        stride_lp,
+        GROUP: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        PART_M: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
+        """o = O / l and the natural-log lse of tile rows m_off.. into the item's partial slots."""
+        o_layout: gl.constexpr = acc.type.layout
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        o = acc / gl.expand_dims(l_safe, 1)
+        t = m_off + gl.arange(0, PART_M, layout=gl.SliceLayout(1, o_layout))
+        od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        r = row_lo + t // GROUP
+        ok = (t < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
+        slot = (slot0 + r - row_lo).to(gl.int64)
+        head = kvh * GROUP + t % GROUP
+        gl.store(
+            o_ptr + gl.expand_dims(slot * stride_op + head * stride_oh, 1) + gl.expand_dims(od, 0),
+            o,
+            mask=gl.expand_dims(ok, 1),
+        )
+        m_o = gl.convert_layout(m_i, l_o.type.layout)
+        lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * 0.6931471805599453)
+        gl.store(lse_ptr + slot * stride_lp + head, lse, mask=ok)
+
+    @gluon.jit
+    def _consumer_partition(
+        q_smem,
+        k_bufs,
+        v_bufs,
+        k_ready,
+        v_ready,
+        kv_empty,
+        n_tiles,
+        kv_len,
+        qk_scale,
+        o_ptr,
+        lse_ptr,
+        row_lo,
+        row_hi,
+        slot0,
+        kvh,
+        m_off,
+        stride_op,
+        stride_oh,
+        stride_lp,
+        GROUP: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        PART_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr,
+    ):
+        """One warpgroup's rows m_off .. m_off + PART_M of the tile, attended and stored."""
+        m_i, l_i, acc = _attend_tiles(
+            q_smem.slice(m_off, PART_M),
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            kv_empty,
+            n_tiles,
+            kv_len,
+            qk_scale,
+            PART_M,
+            BLOCK_N,
+            HEAD_DIM,
+            STAGES,
+            OVERLAP,
+        )
+        _store_rows(
+            m_i,
+            l_i,
+            acc,
+            o_ptr,
+            lse_ptr,
+            row_lo,
+            row_hi,
+            slot0,
+            kvh,
+            m_off,
+            stride_op,
+            stride_oh,
+            stride_lp,
+            GROUP,
+            BLOCK_M,
+            PART_M,
+            HEAD_DIM,
+        )
+
+    @gluon.jit
+    def shared_gluon_kernel(
+        q_ptr,  # [T, Hq, D]
+        k_ptr,  # the K / V caches themselves: unused here, they sit where the Triton kernel has them
+        v_ptr,  # so that a recorded launch swaps a layer's caches (args 1-2) the same way
+        k_desc,  # TMA descriptors over the K / V caches as rows [num_blocks * block_size, Hkv * D]
+        v_desc,
+        seg_rows_ptr,  # [R] int32: flat query row of each segment row
+        items_ptr,  # [I, 7] int32 (shared_attention.ITEM_FIELDS; field 6 = cache row of kv_lo)
+        o_ptr,  # [slots, Hq, D] fp32
+        lse_ptr,  # [slots, Hq] fp32
+        qk_scale,  # softmax scale x log2(e)
+        stride_qt,
+        stride_qh,
+        stride_op,
+        stride_oh,
+        stride_lp,
+        GROUP: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr,
+        SPLIT: gl.constexpr,  # two 4-warp consumer partitions of BLOCK_M / 2 rows, else one of all warps
+    ):
+        """Grid (work items, KV heads): item's rows x GROUP heads against its KV range -> partial slots."""
+        num_warps: gl.constexpr = gl.num_warps()
+        item = gl.program_id(0)
+        kvh = gl.program_id(1)
+        base = items_ptr + item * 7
+        row_lo = gl.load(base + 1)
+        row_hi = gl.load(base + 2)
+        kv_lo = gl.load(base + 3)
+        kv_hi = gl.load(base + 4)
+        slot0 = gl.load(base + 5)
+        row0 = gl.load(base + 6)
+        kv_len = kv_hi - kv_lo
+        n_tiles = gl.where(row_lo < row_hi, gl.cdiv(kv_len, BLOCK_N), 0)  # padding items: no tiles
+
+        # gather the stacked query rows (holder rows x GROUP heads) into shared memory for wgmma
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+        r = row_lo + offs_m // GROUP
+        row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
+        tok = gl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(gl.int64)
+        head = kvh * GROUP + offs_m % GROUP
+        q_offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(offs_d, 0)
+        q = gl.load(q_ptr + q_offs, mask=gl.expand_dims(row_ok, 1), other=0.0)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty
+        )
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], q_layout, q)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        CONSUMERS: gl.constexpr = 2 if SPLIT else 1
+        PART_M: gl.constexpr = BLOCK_M // CONSUMERS
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer frees the slot
+        fence_async_shared()  # q_smem's generic stores and the barrier inits before async reads
+
+        if SPLIT:  # two warpgroups, each its own partition: one's softmax beside the other's products
+            gl.warp_specialize(
+                [
+                    (
+                        _consumer_partition,
+                        (
+                            q_smem,
+                            k_bufs,
+                            v_bufs,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            n_tiles,
+                            kv_len,
+                            qk_scale,
+                            o_ptr,
+                            lse_ptr,
+                            row_lo,
+                            row_hi,
+                            slot0,
+                            kvh,
+                            0,
+                            stride_op,
+                            stride_oh,
+                            stride_lp,
+                            GROUP,
+                            BLOCK_M,
+                            PART_M,
+                            BLOCK_N,
+                            HEAD_DIM,
+                            STAGES,
+                            OVERLAP,
+                        ),
+                    ),
+                    (
+                        _consumer_partition,
+                        (
+                            q_smem,
+                            k_bufs,
+                            v_bufs,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            n_tiles,
+                            kv_len,
+                            qk_scale,
+                            o_ptr,
+                            lse_ptr,
+                            row_lo,
+                            row_hi,
+                            slot0,
+                            kvh,
+                            PART_M,
+                            stride_op,
+                            stride_oh,
+                            stride_lp,
+                            GROUP,
+                            BLOCK_M,
+                            PART_M,
+                            BLOCK_N,
+                            HEAD_DIM,
+                            STAGES,
+                            OVERLAP,
+                        ),
+                    ),
+                    (
+                        _load_partition,
+                        (
+                            k_desc,
+                            v_desc,
+                            k_bufs,
+                            v_bufs,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            row0,
+                            kvh * HEAD_DIM,
+                            n_tiles,
+                            BLOCK_N,
+                            STAGES,
+                        ),
+                    ),
+                ],
+                [4, 1],
+                [240, 24],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (
+                        _consumer_partition,
+                        (
+                            q_smem,
+                            k_bufs,
+                            v_bufs,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            n_tiles,
+                            kv_len,
+                            qk_scale,
+                            o_ptr,
+                            lse_ptr,
+                            row_lo,
+                            row_hi,
+                            slot0,
+                            kvh,
+                            0,
+                            stride_op,
+                            stride_oh,
+                            stride_lp,
+                            GROUP,
+                            BLOCK_M,
+                            PART_M,
+                            BLOCK_N,
+                            HEAD_DIM,
+                            STAGES,
+                            OVERLAP,
+                        ),
+                    ),
+                    (
+                        _load_partition,
+                        (
+                            k_desc,
+                            v_desc,
+                            k_bufs,
+                            v_bufs,
+                            k_ready,
+                            v_ready,
+                            kv_empty,
+                            row0,
+                            kvh * HEAD_DIM,
+                            n_tiles,
+                            BLOCK_N,
+                            STAGES,
+                        ),
+                    ),
+                ],
+                [1],
+                [24],
+            )
+
+
+def gluon_descriptor(cache: torch.Tensor, block_n: int) -> Any:
+    """Gluon TMA descriptor of a [num_blocks, block_size, Hkv, D] cache as rows; tiles [block_n, D]."""
+    num_blocks, block_size, kv_heads, dim = cache.shape
+    rows = cache.view(num_blocks * block_size, kv_heads * dim)
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], _GL_DTYPES[cache.dtype])
+    return TensorDescriptor.from_tensor(rows, [block_n, dim], layout)
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if GLUON else {}
+
+# PREFIXSERVE_GLUON=0 keeps every shared launch on the Triton kernel (A/B runs, a Triton whose Gluon
+# misbehaves); tests flip ENABLED directly
+ENABLED = os.environ.get("PREFIXSERVE_GLUON", "1") != "0"
+
+# 24 registers for the loader warp (its warpgroup: 4 warps), the rest to the consumer warpgroups:
+# maxnreg x 12 warps x 32 threads <= 65,536 registers
+MAXNREG = 168
+
+
+def eligible(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
+) -> bool:
+    """True when the Gluon kernel runs this TMA work list: a Hopper GPU (wgmma), 16-bit q and KV,
+    d 64 or 128, 128-row tiles (two 64-row consumer warpgroups), contiguous caches for the descriptors."""
+    if not (ENABLED and GLUON and q.is_cuda):
+        return False
+    return (
+        torch.cuda.get_device_capability(q.device)[0] == 9
+        and q.dtype in _GL_DTYPES
+        and k_cache.dtype == q.dtype == v_cache.dtype
+        and q.shape[-1] in (64, 128)
+        and block_m == 128
+        and block_n in (64, 128)
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def launch_shared_gluon(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg_rows: torch.Tensor,
+    items: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    scale: float,
+    stages: int = 3,
+    overlap: bool = True,
+    split: bool = True,
+    block_m: int = 128,
+    block_n: int = 128,
+) -> Launch:
+    """Run ``shared_gluon_kernel`` over a TMA work list (every item's field 6 a cache row).
+
+    Returns the recorded launch: args 0-2 are q, k_cache, v_cache and 3-4 their descriptors, remade
+    from a later layer's caches on relaunch, as for the Triton kernel. The defaults are the shipped
+    configuration (NOTES.md v7); the others are for the probe.
+    """
+    q_heads, dim = q.shape[1:]
+    kv_heads = k_cache.shape[2]
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        gluon_descriptor(k_cache, block_n),
+        gluon_descriptor(v_cache, block_n),
+        seg_rows,
+        items,
+        o_part,
+        lse_part,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        o_part.stride(0),
+        o_part.stride(1),
+        lse_part.stride(0),
+    )
+    kw = dict(
+        GROUP=q_heads // kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=dim,
+        STAGES=stages,
+        OVERLAP=overlap,
+        SPLIT=split,
+        num_warps=4 if split else 8,
+        maxnreg=MAXNREG,
+    )
+    grid = (items.shape[0], kv_heads)
+    compiled = shared_gluon_kernel[grid](*args, **kw)
+    launch = record(shared_gluon_kernel, grid, args, kw, compiled)
+    remake = lambda c: gluon_descriptor(c, block_n)  # noqa: E731
+    launch.derived = [(3, 1, remake), (4, 2, remake)]
+    return launch

@@ -1,0 +1,70 @@
+"""Compile the Gluon shared kernel for sm_90 without a GPU; run as a script, prints one JSON per shape.
+
+A separate process: tests/kernels/conftest.py sets TRITON_INTERPRET=1 for the tl kernels before
+Triton is imported, and under it Triton's own library functions (``gl.max``...) are built for the
+interpreter, which the real compiler refuses.
+
+Usage: python _gluon_compile.py GROUP:DIM:DTYPE [...]   (DTYPE bf16 or fp16)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import torch
+
+SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"  # register counts the partitions ask for
+
+
+def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, stages: int = 3):
+    """triton.compile of the shipped configuration for sm_90: the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from prefixserve.attention.kernels import shared_gluon
+
+    kernel = shared_gluon.shared_gluon_kernel
+    cache = torch.zeros(8, 16, 2, dim, dtype=dtype)
+    desc = mangle_type(shared_gluon.gluon_descriptor(cache, 128))
+    elt = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    types = {"q_ptr": elt, "k_ptr": elt, "v_ptr": elt, "k_desc": desc, "v_desc": desc}
+    types |= {"seg_rows_ptr": "*i32", "items_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
+    types["qk_scale"] = "fp32"
+    consts = {"GROUP": group, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": stages}
+    consts |= {"OVERLAP": True, "SPLIT": True}
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    src = GluonASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()},
+    )
+    options = {"num_warps": 4, "maxnreg": shared_gluon.MAXNREG}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main(shapes: list[str]) -> None:
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for shape in shapes:
+        group, dim, dtype = shape.split(":")
+        compiled = compile_for_hopper(int(group), int(dim), dtypes[dtype])
+        ptx = compiled.asm["ptx"]
+        print(
+            json.dumps(
+                {
+                    "shape": shape,
+                    "shared": compiled.metadata.shared,
+                    "wgmma": "wgmma.mma_async" in ptx,
+                    "tma": "cp.async.bulk.tensor" in ptx,
+                    "setmaxnreg": sorted(set(re.findall(SETMAXNREG, ptx))),
+                    "cubin_bytes": len(compiled.asm["cubin"]),
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
