@@ -270,23 +270,22 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     """One variant of ``overlap_grid`` at one point: its graphed call time, output, and parts' times.
 
     ``variant`` keys (absent = the engine's rule): ``splits="old"`` (tall tiles split for two programs
-    per SM, before ``wave_splits``), ``persist`` (0 = full grid, n < 0 = SMs + n persistent programs),
-    ``pack`` (own-kernel sequences per program), ``merge`` (merge elements per program).
+    per SM, before ``wave_splits``), ``pack`` (own-kernel sequences per program), ``merge`` (merge
+    elements per program), ``gluon`` (False: the Triton shared kernel on Hopper too).
     """
     from benchmarks.attention import _bench, graphed
     from prefixserve.attention.kernels import merge as mg
     from prefixserve.attention.kernels import paged_attention as pa
     from prefixserve.attention.kernels import shared_attention as sa
+    from prefixserve.attention.kernels import shared_gluon as sg
     from prefixserve.attention.kernels import triton_backend as tb
 
-    keep = (sa.wave_splits, sa.persistent_programs, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS)
+    keep = (sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED)
+    sg.ENABLED = variant.get("gluon", keep[3])
     if variant.get("splits") == "old":
         sa.wave_splits = lambda base, slots, kmax, *a: max(1, min(kmax, -(-2 * sms // max(1, base))))
-    if "persist" in variant:
-        n = variant["persist"]
-        sa.persistent_programs = lambda *a, _n=n: 0 if _n == 0 else sms + _n
     tb.TritonBackend.own_pack = variant.get("pack")
-    mg.MERGE_ELEMENTS = variant.get("merge", keep[3])
+    mg.MERGE_ELEMENTS = variant.get("merge", keep[2])
     pa._FALLBACK.clear()
     try:
         be = tb.TritonBackend()
@@ -314,21 +313,20 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
                 )
         return res
     finally:
-        sa.wave_splits, sa.persistent_programs, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS = keep
+        sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED = keep
 
 
+# (variant, time the parts too). The persistent-grid variants of v6 (NOTES.md) were dropped with
+# the rule that picked a persistent grid; ``plan_shared_work(programs=)`` still makes one.
 OVERLAP_VARIANTS = {
-    "before": ({"splits": "old", "persist": 0, "pack": 1}, True),
-    "wave": ({"persist": 0, "pack": 1}, True),
-    "wave_pack": ({"persist": 0}, False),
+    "before": ({"splits": "old", "pack": 1}, True),
+    "wave": ({"pack": 1}, True),
     "rules": ({}, True),
-    "rules_p-32": ({"persist": -32}, False),
-    "rules_p-48": ({"persist": -48}, False),
-    "rules_p-16": ({"persist": -16}, False),
+    "rules_triton": ({"gluon": False}, True),
 }
 
 
-def overlap_grid(points) -> list[dict]:
+def overlap_grid(points, variants: list[str] | None = None) -> list[dict]:
     """The whole decode call (graphed) per ``OVERLAP_VARIANTS``: the shared kernel on a persistent
     grid (the SMs it leaves free run the own kernel beside it), the own kernel packing sequences,
     the merge's program size.
@@ -347,6 +345,8 @@ def overlap_grid(points) -> list[dict]:
         row: dict = {"B": b, "P": p, "S": s, "sms": sms}
         ref = None
         for name, (variant, parts) in OVERLAP_VARIANTS.items():
+            if variants and name not in variants:
+                continue
             try:
                 res = _overlap_variant(case, sms, variant, parts)
             except Exception as exc:
@@ -459,6 +459,7 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true", help="time TMA tile tables on the whole call")
     parser.add_argument("--overlap", action="store_true", help="persistent shared grid x packed own kernel")
     parser.add_argument("--gluon", action="store_true", help="Triton vs warp-specialised Gluon shared kernel")
+    parser.add_argument("--variants", default="", help="--overlap: comma-separated OVERLAP_VARIANTS names")
     args = parser.parse_args()
     if args.gluon:
         points = [(1024, 16384, 1, 0), (256, 16384, 1, 0), (1024, 4096, 1, 0), (256, 4096, 1, 0)]
@@ -483,7 +484,7 @@ def main() -> None:
             (256, 16384, 512),
             (256, 16384, 128),
         ]
-        grid = overlap_grid(points)
+        grid = overlap_grid(points, [v for v in args.variants.split(",") if v])
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "overlap_grid.json").write_text(json.dumps(grid, indent=1))
         return
