@@ -273,7 +273,7 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     per SM, before ``wave_splits``), ``pack`` (own-kernel sequences per program), ``merge`` (merge
     elements per program), ``gluon`` (False: the Triton shared kernel on Hopper too).
     """
-    from benchmarks.attention import _bench, graphed
+    from benchmarks.attention import _bench, graphed, time_launches
     from prefixserve.attention.kernels import merge as mg
     from prefixserve.attention.kernels import paged_attention as pa
     from prefixserve.attention.kernels import shared_attention as sa
@@ -305,12 +305,7 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
         }
         if parts:
             tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
-            res["parts"] = {}
-            for i, (launch, pos, _) in enumerate(lay.launches):
-                name = f"{i}:{getattr(launch.kernel, '__name__', '?')}"
-                res["parts"][name] = round(
-                    _bench(graphed(lambda la=launch, po=pos: tb._relaunch(la, po, tensors))), 4
-                )
+            res["parts"] = time_launches(lay.launches, tensors)
         return res
     finally:
         sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED = keep
