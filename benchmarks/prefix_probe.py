@@ -271,7 +271,8 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
 
     ``variant`` keys (absent = the engine's rule): ``splits="old"`` (tall tiles split for two programs
     per SM, before ``wave_splits``), ``pack`` (own-kernel sequences per program), ``merge`` (merge
-    elements per program), ``gluon`` (False: the Triton shared kernel on Hopper too).
+    elements per program), ``gluon`` (False: the Triton shared kernel on Hopper too), ``persist``
+    (a persistent shared grid of n programs, n < 0: SMs + n; the other SMs run the own kernel).
     """
     from benchmarks.attention import _bench, graphed, time_launches
     from prefixserve.attention.kernels import merge as mg
@@ -280,8 +281,11 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     from prefixserve.attention.kernels import shared_gluon as sg
     from prefixserve.attention.kernels import triton_backend as tb
 
-    keep = (sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED)
+    keep = (sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work)
     sg.ENABLED = variant.get("gluon", keep[3])
+    if "persist" in variant:  # a persistent shared grid of this many programs (< 0: SMs minus that)
+        n = variant["persist"] if variant["persist"] > 0 else sms + variant["persist"]
+        sa.plan_shared_work = lambda *a, _n=n, **kw: keep[4](*a, **kw, programs=_n)
     if variant.get("splits") == "old":
         sa.wave_splits = lambda base, slots, kmax, *a: max(1, min(kmax, -(-2 * sms // max(1, base))))
     tb.TritonBackend.own_pack = variant.get("pack")
@@ -308,16 +312,16 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
             res["parts"] = time_launches(lay.launches, tensors)
         return res
     finally:
-        sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED = keep
+        sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work = keep
 
 
-# (variant, time the parts too). The persistent-grid variants of v6 (NOTES.md) were dropped with
-# the rule that picked a persistent grid; ``plan_shared_work(programs=)`` still makes one.
+# (variant, time the parts too)
 OVERLAP_VARIANTS = {
     "before": ({"splits": "old", "pack": 1}, True),
     "wave": ({"pack": 1}, True),
     "rules": ({}, True),
     "rules_triton": ({"gluon": False}, True),
+    **{f"persist{n}": ({"persist": n}, False) for n in (16, 24, 32, 48, 64, 96)},
 }
 
 
@@ -474,6 +478,7 @@ def main() -> None:
         points = [(1024, 16384, 512), (1024, 16384, 128), (1024, 4096, 128), (1024, 4096, 512)]
         points += [
             (1024, 1024, 128),
+            (1024, 1024, 512),
             (256, 4096, 512),
             (256, 1024, 512),
             (256, 16384, 512),

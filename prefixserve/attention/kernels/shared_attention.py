@@ -632,10 +632,19 @@ def launch_shared(
     )
     num_items = work.items.shape[0]
     persistent = 0 < work.programs < num_items * kv_heads
-    if work.tma and not persistent and shared_gluon.eligible(q, k_cache, v_cache, work.block_m, work.block_n):
+    if work.tma and shared_gluon.eligible(q, k_cache, v_cache, work.block_m, work.block_n):
         # Hopper, tall tiles: the warp-specialised Gluon kernel (1.2-1.4x this one alone; NOTES.md v7)
         return shared_gluon.launch_shared_gluon(
-            q, k_cache, v_cache, seg_rows, work.items, o_part, lse_part, scale, work.num_stages
+            q,
+            k_cache,
+            v_cache,
+            seg_rows,
+            work.items,
+            o_part,
+            lse_part,
+            scale,
+            work.num_stages,
+            programs=work.programs if persistent else 0,
         )
     return launch_with_descriptors(
         _shared_kernel,

@@ -45,6 +45,16 @@ LN2 = 0.6931471805599453
 if GLUON:
 
     @gluon.jit
+    def _item_range(items_ptr, t, num_items, BLOCK_N: gl.constexpr):
+        """Ticket t = (item, KV head): the item's fields and its KV tile count (0 for a padding item)."""
+        base = items_ptr + (t % num_items) * 7
+        row_lo = gl.load(base + 1)
+        row_hi = gl.load(base + 2)
+        kv_len = gl.load(base + 4) - gl.load(base + 3)
+        n_tiles = gl.where(row_lo < row_hi, gl.cdiv(kv_len, BLOCK_N), 0)
+        return base, row_lo, row_hi, kv_len, n_tiles
+
+    @gluon.jit
     def _load_partition(
         k_desc,
         v_desc,
@@ -53,22 +63,31 @@ if GLUON:
         k_ready,
         v_ready,
         kv_empty,
-        row0,
-        col,
-        n_tiles,
+        items_ptr,
+        num_items,
+        first,
+        end,
+        step,
         BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        """The loader warp: K and V tile i into ring slot i % STAGES once the compute warps freed it."""
-        for i in range(n_tiles):
-            s = i % STAGES
-            phase = (i // STAGES) & 1
-            mbarrier.wait(kv_empty.index(s), phase ^ 1)  # a fresh barrier passes phase 1 at once
-            row = row0 + i * BLOCK_N
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_bufs.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_bufs.index(s))
+        """The loader warp: every ticket's K and V tiles into the ring, slot c % STAGES for the c-th
+        tile of this program, once the consumers freed it."""
+        c = 0
+        for t in range(first, end, step):
+            base, _lo, _hi, _len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
+            row0 = gl.load(base + 6)
+            col = (t // num_items) * HEAD_DIM
+            for i in range(n_tiles):
+                s = c % STAGES
+                mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+                row = row0 + i * BLOCK_N
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_bufs.index(s))
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_bufs.index(s))
+                c += 1
 
     @gluon.jit
     def _softmax_update(s, m_i, l_i, tile, kv_len, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
@@ -89,6 +108,7 @@ if GLUON:
         k_ready,
         v_ready,
         kv_empty,
+        c0,
         n_tiles,
         kv_len,
         qk_scale,
@@ -98,7 +118,8 @@ if GLUON:
         STAGES: gl.constexpr,
         OVERLAP: gl.constexpr,
     ):
-        """S = Q K^T, online softmax, O += P V over the ring's tiles for this partition's rows: (m, l, O)."""
+        """S = Q K^T, online softmax, O += P V over one ticket's tiles for this partition's rows, the
+        ticket's first tile being the program's c0-th through the ring: (m, l, O)."""
         num_warps: gl.constexpr = gl.num_warps()
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
@@ -117,21 +138,21 @@ if GLUON:
             # intra-warpgroup overlap); the rescale of O waits for that product
             p16 = gl.zeros([PART_M, BLOCK_N], dtype, layout=p_layout)
             if n_tiles > 0:
-                mbarrier.wait(k_ready.index(0), 0)
+                mbarrier.wait(k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
                 s = warpgroup_mma(
-                    q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                    q_smem, k_bufs.index(c0 % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
                 s = warpgroup_mma_wait(0, deps=(s,))
                 p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, 0, kv_len, qk_scale, BLOCK_N, s_layout)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
             for i in range(1, n_tiles):
-                prev = (i - 1) % STAGES
-                slot = i % STAGES
-                mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+                prev = (c0 + i - 1) % STAGES
+                slot = (c0 + i) % STAGES
+                mbarrier.wait(k_ready.index(slot), ((c0 + i) // STAGES) & 1)
                 s_tok = warpgroup_mma(
                     q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
-                mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((c0 + i - 1) // STAGES) & 1)
                 acc_tok = warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
                 p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk_scale, BLOCK_N, s_layout)
@@ -140,15 +161,15 @@ if GLUON:
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             if n_tiles > 0:
-                last = (n_tiles - 1) % STAGES
-                mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-                acc = warpgroup_mma(p16, v_bufs.index(last), acc, is_async=True)
+                last = c0 + n_tiles - 1
+                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_bufs.index(last % STAGES), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(kv_empty.index(last), count=1)
+                mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
         else:
             for i in range(n_tiles):
-                slot = i % STAGES
-                phase = (i // STAGES) & 1
+                slot = (c0 + i) % STAGES
+                phase = ((c0 + i) // STAGES) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
                 s = warpgroup_mma(
                     q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
@@ -211,16 +232,19 @@ if GLUON:
         k_ready,
         v_ready,
         kv_empty,
-        n_tiles,
-        kv_len,
-        qk_scale,
+        q_ptr,
+        seg_rows_ptr,
+        items_ptr,
         o_ptr,
         lse_ptr,
-        row_lo,
-        row_hi,
-        slot0,
-        kvh,
+        qk_scale,
+        num_items,
+        first,
+        end,
+        step,
         m_off,
+        stride_qt,
+        stride_qh,
         stride_op,
         stride_oh,
         stride_lp,
@@ -232,42 +256,61 @@ if GLUON:
         STAGES: gl.constexpr,
         OVERLAP: gl.constexpr,
     ):
-        """One warpgroup's rows m_off .. m_off + PART_M of the tile, attended and stored."""
-        m_i, l_i, acc = _attend_tiles(
-            q_smem.slice(m_off, PART_M),
-            k_bufs,
-            v_bufs,
-            k_ready,
-            v_ready,
-            kv_empty,
-            n_tiles,
-            kv_len,
-            qk_scale,
-            PART_M,
-            BLOCK_N,
-            HEAD_DIM,
-            STAGES,
-            OVERLAP,
-        )
-        _store_rows(
-            m_i,
-            l_i,
-            acc,
-            o_ptr,
-            lse_ptr,
-            row_lo,
-            row_hi,
-            slot0,
-            kvh,
-            m_off,
-            stride_op,
-            stride_oh,
-            stride_lp,
-            GROUP,
-            BLOCK_M,
-            PART_M,
-            HEAD_DIM,
-        )
+        """One warpgroup's rows m_off .. m_off + PART_M of every ticket's tile: gathered, attended, stored."""
+        num_warps: gl.constexpr = gl.num_warps()
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        q_part = q_smem.slice(m_off, PART_M)
+        c = 0
+        for t in range(first, end, step):
+            base, row_lo, row_hi, kv_len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
+            kvh = t // num_items
+            # the stacked query rows (holder rows x GROUP heads) of this partition, into shared memory
+            tm = m_off + gl.arange(0, PART_M, layout=gl.SliceLayout(1, ld))
+            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+            r = row_lo + tm // GROUP
+            row_ok = (tm < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
+            tok = gl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(gl.int64)
+            head = kvh * GROUP + tm % GROUP
+            q_offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(offs_d, 0)
+            q_part.store(gl.load(q_ptr + q_offs, mask=gl.expand_dims(row_ok, 1), other=0.0))
+            fence_async_shared()  # generic stores before the wgmma's async reads
+            m_i, l_i, acc = _attend_tiles(
+                q_part,
+                k_bufs,
+                v_bufs,
+                k_ready,
+                v_ready,
+                kv_empty,
+                c,
+                n_tiles,
+                kv_len,
+                qk_scale,
+                PART_M,
+                BLOCK_N,
+                HEAD_DIM,
+                STAGES,
+                OVERLAP,
+            )
+            c += n_tiles
+            _store_rows(
+                m_i,
+                l_i,
+                acc,
+                o_ptr,
+                lse_ptr,
+                row_lo,
+                row_hi,
+                gl.load(base + 5),
+                kvh,
+                m_off,
+                stride_op,
+                stride_oh,
+                stride_lp,
+                GROUP,
+                BLOCK_M,
+                PART_M,
+                HEAD_DIM,
+            )
 
     @gluon.jit
     def shared_gluon_kernel(
@@ -281,6 +324,8 @@ if GLUON:
         o_ptr,  # [slots, Hq, D] fp32
         lse_ptr,  # [slots, Hq] fp32
         qk_scale,  # softmax scale x log2(e)
+        num_items,
+        kv_heads,
         stride_qt,
         stride_qh,
         stride_op,
@@ -293,35 +338,20 @@ if GLUON:
         STAGES: gl.constexpr,
         OVERLAP: gl.constexpr,
         SPLIT: gl.constexpr,  # two 4-warp consumer partitions of BLOCK_M / 2 rows, else one of all warps
+        PERSISTENT: gl.constexpr = False,
     ):
-        """Grid (work items, KV heads): item's rows x GROUP heads against its KV range -> partial slots."""
-        num_warps: gl.constexpr = gl.num_warps()
-        item = gl.program_id(0)
-        kvh = gl.program_id(1)
-        base = items_ptr + item * 7
-        row_lo = gl.load(base + 1)
-        row_hi = gl.load(base + 2)
-        kv_lo = gl.load(base + 3)
-        kv_hi = gl.load(base + 4)
-        slot0 = gl.load(base + 5)
-        row0 = gl.load(base + 6)
-        kv_len = kv_hi - kv_lo
-        n_tiles = gl.where(row_lo < row_hi, gl.cdiv(kv_len, BLOCK_N), 0)  # padding items: no tiles
-
-        # gather the stacked query rows (holder rows x GROUP heads) into shared memory for wgmma
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-        r = row_lo + offs_m // GROUP
-        row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
-        tok = gl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(gl.int64)
-        head = kvh * GROUP + offs_m % GROUP
-        q_offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(offs_d, 0)
-        q = gl.load(q_ptr + q_offs, mask=gl.expand_dims(row_ok, 1), other=0.0)
+        """Grid (work items, KV heads): one ticket (item, head) per program; or with ``PERSISTENT`` a
+        1-d grid whose programs walk the tickets with the grid's stride (item fastest). A ticket's rows
+        x GROUP heads attend its KV range and land in its partial slots."""
+        if PERSISTENT:
+            first, end, step = gl.program_id(0), num_items * kv_heads, gl.num_programs(0)
+        else:
+            first = gl.program_id(0) + gl.program_id(1) * num_items
+            end, step = first + 1, 1
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty
         )
-        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], q_layout, q)
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], q_layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -333,8 +363,7 @@ if GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer frees the slot
-        fence_async_shared()  # q_smem's generic stores and the barrier inits before async reads
-
+        fence_async_shared()  # the barrier inits before any async use
         if SPLIT:  # two warpgroups, each its own partition: one's softmax beside the other's products
             gl.warp_specialize(
                 [
@@ -347,16 +376,19 @@ if GLUON:
                             k_ready,
                             v_ready,
                             kv_empty,
-                            n_tiles,
-                            kv_len,
-                            qk_scale,
+                            q_ptr,
+                            seg_rows_ptr,
+                            items_ptr,
                             o_ptr,
                             lse_ptr,
-                            row_lo,
-                            row_hi,
-                            slot0,
-                            kvh,
+                            qk_scale,
+                            num_items,
+                            first,
+                            end,
+                            step,
                             0,
+                            stride_qt,
+                            stride_qh,
                             stride_op,
                             stride_oh,
                             stride_lp,
@@ -378,16 +410,19 @@ if GLUON:
                             k_ready,
                             v_ready,
                             kv_empty,
-                            n_tiles,
-                            kv_len,
-                            qk_scale,
+                            q_ptr,
+                            seg_rows_ptr,
+                            items_ptr,
                             o_ptr,
                             lse_ptr,
-                            row_lo,
-                            row_hi,
-                            slot0,
-                            kvh,
+                            qk_scale,
+                            num_items,
+                            first,
+                            end,
+                            step,
                             PART_M,
+                            stride_qt,
+                            stride_qh,
                             stride_op,
                             stride_oh,
                             stride_lp,
@@ -410,10 +445,13 @@ if GLUON:
                             k_ready,
                             v_ready,
                             kv_empty,
-                            row0,
-                            kvh * HEAD_DIM,
-                            n_tiles,
+                            items_ptr,
+                            num_items,
+                            first,
+                            end,
+                            step,
                             BLOCK_N,
+                            HEAD_DIM,
                             STAGES,
                         ),
                     ),
@@ -433,16 +471,19 @@ if GLUON:
                             k_ready,
                             v_ready,
                             kv_empty,
-                            n_tiles,
-                            kv_len,
-                            qk_scale,
+                            q_ptr,
+                            seg_rows_ptr,
+                            items_ptr,
                             o_ptr,
                             lse_ptr,
-                            row_lo,
-                            row_hi,
-                            slot0,
-                            kvh,
+                            qk_scale,
+                            num_items,
+                            first,
+                            end,
+                            step,
                             0,
+                            stride_qt,
+                            stride_qh,
                             stride_op,
                             stride_oh,
                             stride_lp,
@@ -465,10 +506,13 @@ if GLUON:
                             k_ready,
                             v_ready,
                             kv_empty,
-                            row0,
-                            kvh * HEAD_DIM,
-                            n_tiles,
+                            items_ptr,
+                            num_items,
+                            first,
+                            end,
+                            step,
                             BLOCK_N,
+                            HEAD_DIM,
                             STAGES,
                         ),
                     ),
@@ -530,12 +574,14 @@ def launch_shared_gluon(
     split: bool = True,
     block_m: int = 128,
     block_n: int = 128,
+    programs: int = 0,
 ) -> Launch:
     """Run ``shared_gluon_kernel`` over a TMA work list (every item's field 6 a cache row).
 
     Returns the recorded launch: args 0-2 are q, k_cache, v_cache and 3-4 their descriptors, remade
     from a later layer's caches on relaunch, as for the Triton kernel. The defaults are the shipped
-    configuration (NOTES.md v7); the others are for the probe.
+    configuration (NOTES.md v7); the others are for the probe. ``programs > 0``: a persistent grid
+    of that many programs walks the (item, KV head) tickets, leaving the other SMs to the own kernel.
     """
     q_heads, dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
@@ -550,6 +596,8 @@ def launch_shared_gluon(
         o_part,
         lse_part,
         scale * LOG2E,
+        items.shape[0],
+        kv_heads,
         q.stride(0),
         q.stride(1),
         o_part.stride(0),
@@ -564,10 +612,11 @@ def launch_shared_gluon(
         STAGES=stages,
         OVERLAP=overlap,
         SPLIT=split,
+        PERSISTENT=programs > 0,
         num_warps=4 if split else 8,
         maxnreg=MAXNREG,
     )
-    grid = (items.shape[0], kv_heads)
+    grid = (programs,) if programs > 0 else (items.shape[0], kv_heads)
     compiled = shared_gluon_kernel[grid](*args, **kw)
     launch = record(shared_gluon_kernel, grid, args, kw, compiled)
     remake = lambda c: gluon_descriptor(c, block_n)  # noqa: E731
