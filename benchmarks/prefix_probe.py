@@ -272,7 +272,8 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     ``variant`` keys (absent = the engine's rule): ``splits="old"`` (tall tiles split for two programs
     per SM, before ``wave_splits``), ``pack`` (own-kernel sequences per program), ``merge`` (merge
     elements per program), ``gluon`` (False: the Triton shared kernel on Hopper too), ``persist``
-    (a persistent shared grid of n programs, n < 0: SMs + n; the other SMs run the own kernel).
+    (a persistent shared grid of n programs, n < 0: SMs + n, 0: the full grid; the other SMs run the
+    own kernel), ``priority`` (the side stream's priority).
     """
     from benchmarks.attention import _bench, graphed, time_launches
     from prefixserve.attention.kernels import merge as mg
@@ -282,10 +283,12 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     from prefixserve.attention.kernels import triton_backend as tb
 
     keep = (sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work)
+    keep_priority = tb.SIDE_PRIORITY
+    tb.SIDE_PRIORITY = variant.get("priority", keep_priority)
     sg.ENABLED = variant.get("gluon", keep[3])
-    if "persist" in variant:  # a persistent shared grid of this many programs (< 0: SMs minus that)
-        n = variant["persist"] if variant["persist"] > 0 else sms + variant["persist"]
-        sa.plan_shared_work = lambda *a, _n=n, **kw: keep[4](*a, **kw, programs=_n)
+    if "persist" in variant:  # n persistent shared programs (< 0: SMs minus that; 0: the full grid)
+        n = variant["persist"] if variant["persist"] >= 0 else sms + variant["persist"]
+        sa.plan_shared_work = lambda *a, _n=n, **kw: keep[4](*a, **{**kw, "programs": _n})
     if variant.get("splits") == "old":
         sa.wave_splits = lambda base, slots, kmax, *a: max(1, min(kmax, -(-2 * sms // max(1, base))))
     tb.TritonBackend.own_pack = variant.get("pack")
@@ -313,6 +316,7 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
         return res
     finally:
         sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work = keep
+        tb.SIDE_PRIORITY = keep_priority
 
 
 # (variant, time the parts too)
@@ -321,6 +325,8 @@ OVERLAP_VARIANTS = {
     "wave": ({"pack": 1}, True),
     "rules": ({}, True),
     "rules_triton": ({"gluon": False}, True),
+    "rules_full": ({"persist": 0}, False),
+    "rules_nopri": ({"priority": 0}, False),
     **{f"persist{n}": ({"persist": n}, False) for n in (16, 24, 32, 48, 64, 96)},
 }
 

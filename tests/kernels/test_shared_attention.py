@@ -12,9 +12,11 @@ from _kernel_helpers import DEVICE, rel_err
 from prefixserve.attention.kernels.shared_attention import (
     launch_shared,
     own_heavy,
+    persistent_programs,
     plan_shared_work,
     shared_segment_attention,
     shared_segment_attention_ref,
+    step_size,
     wave_splits,
 )
 
@@ -132,6 +134,27 @@ def test_wave_splits_fill_the_last_wave() -> None:
     assert wave_splits(16, 132, 64) == 8
     assert wave_splits(256, 132, 64) == 1
     assert wave_splits(64, 132, 1) == 1  # a segment too short to split
+
+
+def test_persistent_programs_only_where_the_own_kernel_can_stream_beside_the_shared_one() -> None:
+    """H200 shapes (132 SMs, 8 KV heads, G=4, d=128, bf16): a persistent shared grid where shared
+    FLOPs and own reads are both large; a full grid where either dominates."""
+
+    def size(batch: int, prefix: int, suffix: int) -> tuple[float, float]:
+        plan = SimpleNamespace(
+            seg_row_start_host=[0, batch],
+            seg_block_start_host=[0, prefix // 16],
+            own_seq_lens_host=[suffix] * batch,
+        )
+        return step_size(plan, 16, 8, 4, 128, 2)
+
+    n = persistent_programs(*size(1024, 4096, 512), 132)
+    assert 16 <= n <= 64  # measured best at 24-32 (0.650 -> 0.604 ms)
+    assert persistent_programs(*size(256, 16384, 512), 132) >= 48  # measured best at 64
+    assert persistent_programs(*size(1024, 16384, 128), 132) == 0  # FLOP-bound: the full grid
+    assert persistent_programs(*size(1024, 1024, 512), 132) == 0  # own-bound: shared is 5%
+    flops, own = size(1024, 4096, 512)
+    assert flops == 4 * 4 * 8 * 128 * 1024 * 4096 and own == 2 * 2 * 8 * 128 * 1024 * 512
 
 
 def test_own_heavy_compares_own_reads_with_shared_flops() -> None:

@@ -25,6 +25,7 @@ from prefixserve.attention.kernels.triton_backend import (
     _MERGE,
     _PAGED_OUT,
     _PAGED_PART,
+    SIDE_PRIORITY,
     launch_split_path,
     own_pack_rule,
     replay_launches,
@@ -157,7 +158,7 @@ class _Recorded(GraphAttention):
         if self.device.type != "cuda":
             return None
         if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
+            self._side = torch.cuda.Stream(self.device, priority=SIDE_PRIORITY)
         return self._side
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

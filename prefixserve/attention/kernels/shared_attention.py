@@ -479,7 +479,8 @@ def plan_shared_work(
     rows_per_tile = block_m // group
     m_tiles = [math.ceil(r / rows_per_tile) for r in rows]
     base_programs = sum(m_tiles) * kv_heads
-    programs = programs if block_m >= 128 else 0  # short tiles share SMs: measured without it
+    # short tiles share SMs: measured without it; pointer loads (Triton kernel): measured slower (v6)
+    programs = programs if block_m >= 128 and tma else 0
     if target_programs is None and block_m >= 128:
         # tall tiles fill an SM each (3-stage TMA: 229 KB of shared memory), so they run in waves of
         # one program per SM (or per persistent program): split so the last wave is full
@@ -538,9 +539,15 @@ def plan_work_for(
 ) -> SharedWork:
     """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
 
-    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path).
+    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path). Where
+    the Gluon kernel runs, own-heavy steps get a persistent shared grid (``persistent_programs``).
     """
     bstart = plan.seg_block_start_host
+    programs = 0
+    if shared_gluon.eligible_for(device, dtype, head_dim):  # the Gluon kernel's persistent grid
+        elt = torch.empty(0, dtype=dtype).element_size()
+        flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
+        programs = persistent_programs(flops, own_bytes, num_sms(device))
     return plan_shared_work(
         plan.seg_row_start_host,
         [(b - a) * block_size for a, b in itertools.pairwise(bstart)],
@@ -553,6 +560,7 @@ def plan_work_for(
         seg_blocks=seg_blocks,
         seg_block_start=bstart,
         block_size=block_size,
+        programs=programs,
     )
 
 
@@ -569,11 +577,52 @@ def own_heavy(plan: Any, block_size: int, kv_heads: int, group: int, head_dim: i
     kernel's tail worse: measured 5-6% faster at B=256, S=512, P <= 4K and 1-4% slower where the
     shared part dominates (NOTES.md v6), so they are used only on own-heavy steps.
     """
+    flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
+    return own_bytes / (OWN_TBPS * 1e12) >= OWN_HEAVY * flops / (SHARED_TFLOPS * 1e12)
+
+
+# The persistent shared grid on own-heavy steps (Gluon kernel, H200; NOTES.md v7): the shared kernel's
+# full-grid rate, the own KV a free SM reads beside it, and the predicted gain that justifies it.
+GLUON_TFLOPS = 600.0
+OWN_SM_TBPS = 0.040  # v6 measured 0.047 per free SM
+PERSIST_GAIN = 0.9
+PERSIST_MIN_MS = 0.05  # both parts at least this long: below, fixed costs outweigh the model
+
+
+def persistent_programs(shared_flops: float, own_bytes: float, sms: int) -> int:
+    """Programs of a persistent shared grid that let the own kernel stream beside it, or 0 (full grid).
+
+    A full grid takes every SM, so shared and own run one after the other: shared + own. With n
+    persistent programs the shared work takes ``sms / n`` times longer on n SMs while the other
+    SMs stream own KV (``OWN_SM_TBPS`` each); the rest of the own KV follows at full bandwidth. The
+    n with the least predicted time is used when it beats the full grid by ``PERSIST_GAIN`` and
+    both parts take ``PERSIST_MIN_MS`` or more.
+    Measured: B=1024, P=4K, S=512 0.650 -> 0.604 ms at n=24-32; B=256, P=16K, S=512 0.253 -> 0.221
+    at n=64; B=1024, P=1K, S=512 (the shared part 5%) slower at every n.
+    """
+    shared_ms = shared_flops / (GLUON_TFLOPS * 1e9)
+    full_bw = OWN_TBPS * 1e9  # bytes per ms
+    if min(shared_ms, own_bytes / full_bw) < PERSIST_MIN_MS:
+        return 0
+    best, best_ms = 0, PERSIST_GAIN * (shared_ms + own_bytes / full_bw)
+    for n in range(16, sms - 15, 8):
+        both_ms = shared_ms * sms / n
+        done = min(full_bw, (sms - n) * OWN_SM_TBPS * 1e9) * both_ms
+        total = both_ms + max(0.0, own_bytes - done) / full_bw
+        if total < best_ms:
+            best, best_ms = n, total
+    return best
+
+
+def step_size(
+    plan: Any, block_size: int, kv_heads: int, group: int, head_dim: int, elt: int
+) -> tuple[float, float]:
+    """(shared FLOPs, own KV bytes) of a step's plan: what the shared and own kernels must do."""
     rows = np.diff(np.asarray(plan.seg_row_start_host, dtype=np.int64))
     tokens = np.diff(np.asarray(plan.seg_block_start_host, dtype=np.int64)) * block_size
     flops = 4 * group * kv_heads * head_dim * float((rows * tokens).sum())
     own_bytes = 2 * elt * kv_heads * head_dim * float(sum(plan.own_seq_lens_host))
-    return own_bytes / (OWN_TBPS * 1e12) >= OWN_HEAVY * flops / (SHARED_TFLOPS * 1e12)
+    return flops, own_bytes
 
 
 def launch_shared(

@@ -541,18 +541,23 @@ ENABLED = os.environ.get("PREFIXSERVE_GLUON", "1") != "0"
 MAXNREG = 168
 
 
+def eligible_for(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+    """True when the Gluon kernel can run on ``device`` for this dtype and head size: a Hopper GPU
+    (wgmma), 16-bit q and KV, d 64 or 128."""
+    device = torch.device(device)
+    if not (ENABLED and GLUON and device.type == "cuda"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9 and dtype in _GL_DTYPES and head_dim in (64, 128)
+
+
 def eligible(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
 ) -> bool:
-    """True when the Gluon kernel runs this TMA work list: a Hopper GPU (wgmma), 16-bit q and KV,
-    d 64 or 128, 128-row tiles (two 64-row consumer warpgroups), contiguous caches for the descriptors."""
-    if not (ENABLED and GLUON and q.is_cuda):
-        return False
+    """True when the Gluon kernel runs this TMA work list: ``eligible_for`` q, the caches of q's
+    dtype and contiguous (descriptors), 128-row tiles (two 64-row consumer warpgroups)."""
     return (
-        torch.cuda.get_device_capability(q.device)[0] == 9
-        and q.dtype in _GL_DTYPES
+        eligible_for(q.device, q.dtype, q.shape[-1])
         and k_cache.dtype == q.dtype == v_cache.dtype
-        and q.shape[-1] in (64, 128)
         and block_m == 128
         and block_n in (64, 128)
         and k_cache.is_contiguous()

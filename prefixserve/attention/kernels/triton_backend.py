@@ -44,6 +44,10 @@ _PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
 _PAGED_PART = (0, 1, 2, -1)  # paged kernel writing fp32 partials (step buffers)
 _SHARED = (0, 1, 2, -1)
 _MERGE = (-1, -1, -1, 4)
+# The side stream (shared kernel) outranks the own kernel's stream, so that the block scheduler places
+# shared programs first when SMs free up: a persistent shared grid must get its SMs while the own
+# kernel streams beside it, not after it (measured at B=256, P=4K: 0.18 -> 0.23 ms without it; v7).
+SIDE_PRIORITY = -1
 
 
 @dataclass(slots=True)
@@ -242,7 +246,7 @@ class TritonBackend(TritonPagedBackend):
         if device.type != "cuda" or rows < self.overlap_min_rows:
             return None
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
+            self._streams[device] = torch.cuda.Stream(device, priority=SIDE_PRIORITY)
         return self._streams[device]
 
     def prepare(self, meta: AttentionMetadata) -> None:
