@@ -547,7 +547,9 @@ def plan_work_for(
     if shared_gluon.eligible_for(device, dtype, head_dim):  # the Gluon kernel's persistent grid
         elt = torch.empty(0, dtype=dtype).element_size()
         flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
-        programs = persistent_programs(flops, own_bytes, num_sms(device))
+        rows = np.diff(np.asarray(plan.seg_row_start_host, dtype=np.int64))
+        tickets = int(np.ceil(rows / max(1, 128 // group)).sum()) * kv_heads  # 128-row tiles x heads
+        programs = persistent_programs(flops, own_bytes, tickets, num_sms(device))
     return plan_shared_work(
         plan.seg_row_start_host,
         [(b - a) * block_size for a, b in itertools.pairwise(bstart)],
@@ -583,30 +585,31 @@ def own_heavy(plan: Any, block_size: int, kv_heads: int, group: int, head_dim: i
 
 # The persistent shared grid on own-heavy steps (Gluon kernel, H200; NOTES.md v7): the shared kernel's
 # full-grid rate, the own KV a free SM reads beside it, and the predicted gain that justifies it.
-GLUON_TFLOPS = 600.0
+GLUON_TFLOPS = 640.0
 OWN_SM_TBPS = 0.040  # v6 measured 0.047 per free SM
-PERSIST_GAIN = 0.9
+PERSIST_GAIN = 0.95  # the model is within about 5% of the measured calls
 PERSIST_MIN_MS = 0.05  # both parts at least this long: below, fixed costs outweigh the model
 
 
-def persistent_programs(shared_flops: float, own_bytes: float, sms: int) -> int:
+def persistent_programs(shared_flops: float, own_bytes: float, tickets: int, sms: int) -> int:
     """Programs of a persistent shared grid that let the own kernel stream beside it, or 0 (full grid).
 
     A full grid takes every SM, so shared and own run one after the other: shared + own. With n
-    persistent programs the shared work takes ``sms / n`` times longer on n SMs while the other
-    SMs stream own KV (``OWN_SM_TBPS`` each); the rest of the own KV follows at full bandwidth. The
-    n with the least predicted time is used when it beats the full grid by ``PERSIST_GAIN`` and
-    both parts take ``PERSIST_MIN_MS`` or more.
-    Measured: B=1024, P=4K, S=512 0.650 -> 0.604 ms at n=24-32; B=256, P=16K, S=512 0.253 -> 0.221
-    at n=64; B=1024, P=1K, S=512 (the shared part 5%) slower at every n.
+    persistent programs the ``tickets`` (128-row tiles x KV heads, one SM-pass each) take
+    ``ceil(tickets / n)`` rounds on n SMs while the other SMs stream own KV (``OWN_SM_TBPS`` each);
+    the rest of the own KV follows at full bandwidth. The n with the least predicted time is used
+    when it beats the full grid by ``PERSIST_GAIN`` and both parts take ``PERSIST_MIN_MS`` or more.
+    Measured (v7): B=1024, P=4K, S=512 0.650 -> 0.599 ms (n=32); B=256, P=16K, S=512 0.253 -> 0.221
+    (n=64); B=1024, P=4K, S=128 0.274 -> 0.257 (n=64); B=1024, P=1K, S=512 slower at every n.
     """
     shared_ms = shared_flops / (GLUON_TFLOPS * 1e9)
     full_bw = OWN_TBPS * 1e9  # bytes per ms
-    if min(shared_ms, own_bytes / full_bw) < PERSIST_MIN_MS:
+    if min(shared_ms, own_bytes / full_bw) < PERSIST_MIN_MS or tickets < 1:
         return 0
+    ticket_ms = shared_ms * sms / tickets
     best, best_ms = 0, PERSIST_GAIN * (shared_ms + own_bytes / full_bw)
     for n in range(16, sms - 15, 8):
-        both_ms = shared_ms * sms / n
+        both_ms = ticket_ms * math.ceil(tickets / n)
         done = min(full_bw, (sms - n) * OWN_SM_TBPS * 1e9) * both_ms
         total = both_ms + max(0.0, own_bytes - done) / full_bw
         if total < best_ms:
