@@ -183,7 +183,8 @@ class Case:
         return (lambda: be.forward(self.q, self.k_cache, self.v_cache, meta, self.scale)), plan_ms
 
     def parts(self) -> dict[str, float]:
-        """The shared path's launches (shared kernel, own kernel, merge) each timed alone."""
+        """The shared path's launches (shared kernel, own kernel, merge) each timed alone, and the
+        shared grid's persistent program count (0: one program per work item and KV head)."""
         from prefixserve.attention.kernels.triton_backend import TritonBackend
 
         be = TritonBackend()
@@ -192,7 +193,8 @@ class Case:
         be.prepare(meta)
         be.forward(self.q, self.k_cache, self.v_cache, meta, self.scale)
         lay = next(iter(meta.plan.layouts.values()))
-        return time_launches(lay.launches, (self.q, self.k_cache, self.v_cache, torch.empty_like(self.q)))
+        parts = time_launches(lay.launches, (self.q, self.k_cache, self.v_cache, torch.empty_like(self.q)))
+        return {**parts, "shared_programs": lay.work.programs}
 
     # --- torch baselines ---------------------------------------------------------------------------
     def materialised(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -502,44 +504,59 @@ def gap_table(result: dict[str, Any]) -> list[str]:
     lines = [
         "Where the time goes at the points the %T* targets count (each launch of the shared path timed "
         "alone, graphed; ms). `need` = the call time that meets the target (T* / 0.8 where bytes-bound, "
-        "T* / 0.6 where FLOP-bound); `overlap` = sum of the parts - call; the shared kernel's rate is "
-        "its prefix FLOPs against this run's GEMM, the own kernel's its KV bytes against this run's copy.",
+        "T* / 0.6 where FLOP-bound); `grid` = the shared kernel's grid: `full` (every SM) or n persistent "
+        "programs, which leave the other SMs to the own kernel; `overlap` = sum of the parts - call; the "
+        "shared kernel's rate is its prefix FLOPs against this run's GEMM (on its SMs), the own "
+        "kernel's its KV bytes against this run's copy.",
         "",
-        "| B | P | S | bound | T* | need | call | shared | own | merge | sum | overlap "
+        "| B | P | S | bound | T* | need | call | grid | shared | own | merge | sum | overlap "
         "| shared % GEMM | own % copy |",
-        "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "|" + " ---: |" * 3 + " --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 7,
     ]
-    overlaps, own_share = [], []
+    full, persistent, own_share = [], [], []
     for r in rows:
-        pt = r["parts_ms"]
+        pt = {k: v for k, v in r["parts_ms"].items() if k != "shared_programs"}
+        programs = r["parts_ms"].get("shared_programs", 0)
         memory = r["bytes_ms"] >= r["flops_ms"]
         need = r["roofline_ms"] / (0.8 if memory else 0.6)
         total = sum(pt.values())
         shared_flops_ms = r["flops_ms"] * r["P"] / (r["P"] + r["S"])
         own_bytes_ms = r["B"] * r["S"] * HKV * D * 2 * 2 / copy
         sh, own = pt.get("shared"), pt.get("own")
-        overlaps.append(total - r["shared_ms"])
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+        share = programs / sms if programs else 1.0  # the SMs the shared grid holds
+        (persistent if programs else full).append((r, total - r["shared_ms"]))
         if memory and own:
             own_share.append(own / need)
         lines.append(
             f"| {r['B']} | {r['P']} | {r['S']} | {'bytes' if memory else 'FLOPs'} | {r['roofline_ms']:.3f} "
-            f"| {need:.3f} | {r['shared_ms']:.3f} | {_fmt(sh)} | {_fmt(own)} | {_fmt(pt.get('merge'))} "
-            f"| {total:.3f} | {total - r['shared_ms']:.3f} "
-            f"| {'—' if not sh else f'{100 * shared_flops_ms / sh:.0f}%'} "
+            f"| {need:.3f} | {r['shared_ms']:.3f} | {programs or 'full'} | {_fmt(sh)} | {_fmt(own)} "
+            f"| {_fmt(pt.get('merge'))} | {total:.3f} | {total - r['shared_ms']:.3f} "
+            f"| {'—' if not sh else f'{100 * shared_flops_ms / sh / share:.0f}%'} "
             f"| {'—' if not own else f'{100 * own_bytes_ms / own:.0f}%'} |"
         )
-    lines += [
-        "",
-        f"- The call takes about the sum of its parts: they overlap by {min(overlaps):.3f}-"
-        f"{max(overlaps):.3f} ms. While the shared kernel runs it holds every SM (shared memory and "
-        "registers), so the own KV streams only before or after it, not beside it.",
-    ]
+    lines.append("")
+    if full:
+        ov = [o for _, o in full]
+        lines.append(
+            f"- Full grid: the call takes about the sum of its parts (they overlap by {min(ov):.3f}-"
+            f"{max(ov):.3f} ms). The shared kernel holds every SM while it runs (shared memory and "
+            "registers), so the own KV streams only before or after it."
+        )
+    if persistent:
+        gains = ", ".join(
+            f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f}, parts {o + r['shared_ms']:.3f}"
+            for r, o in persistent
+        )
+        lines.append(
+            "- Persistent grid (own-heavy steps, `persistent_programs`): the shared kernel runs longer on "
+            f"fewer SMs while the own kernel streams on the others: {gains}."
+        )
     if own_share:
         lines.append(
-            f"- At the bytes-bound points the own kernel alone already takes {100 * min(own_share):.0f}-"
-            f"{100 * max(own_share):.0f}% of the time that meets the target; what is left has to hide the "
-            "shared kernel and the merge under the own KV reads, on the same SMs at the same time "
-            "(NOTES.md v7)."
+            f"- At the bytes-bound points the own kernel alone takes {100 * min(own_share):.0f}-"
+            f"{100 * max(own_share):.0f}% of the time that meets the target; the rest must hide the shared "
+            "kernel and the merge under the own KV reads, on the same SMs at the same time (NOTES.md v7)."
         )
     return lines
 
