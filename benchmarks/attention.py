@@ -544,7 +544,7 @@ def gap_table(result: dict[str, Any]) -> list[str]:
             "registers), so the own KV streams only before or after it."
         )
     if persistent:
-        gains = ", ".join(
+        gains = "; ".join(
             f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f}, parts {o + r['shared_ms']:.3f}"
             for r, o in persistent
         )
