@@ -139,11 +139,10 @@ def test_gluon_matches_triton_kernel_and_fp64(monkeypatch, dtype, group, dim, le
     assert counter.calls == 1
     ref_o, ref_lse = shared_segment_attention_ref(q, k, v, *seg, 0.09, torch.float64)
     # the same products and softmax steps, scheduled differently: the row statistics agree exactly;
-    # o can differ where the two compilers round a P element to bf16 differently (an ulp, at GQA 1),
-    # far below either kernel's own bf16 error against fp64 (~2e-3)
+    # o can differ where the two compilers round a P element to 16 bits differently (its exponent
+    # computed with or without a fused multiply-add), so o is held to the Triton kernel's own error
     assert float((lse_g - lse_t).abs().max()) < 1e-5
-    assert rel_err(o_g, o_t) < 5e-4
-    assert rel_err(o_g, ref_o) < 1e-2
+    assert rel_err(o_g, ref_o) <= 1.1 * rel_err(o_t, ref_o) + 1e-4
     assert float((lse_g.double() - ref_lse).abs().max()) < 2e-2
 
 
@@ -177,3 +176,41 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch) -> None:
     assert counter.calls >= 1
     assert rel_err(out, ref) < 1e-2
     assert rel_err(again, out) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("programs", [1, 5, 16])
+def test_persistent_grid_writes_the_same_partials(monkeypatch, programs: int) -> None:
+    """A persistent grid of n programs walks the same (item, head) tickets, the ring's slots and
+    phases carried from one ticket to the next: every partial slot bit-identical to the full grid."""
+    import dataclasses
+
+    from prefixserve.attention.kernels.shared_attention import launch_shared, plan_shared_work
+
+    q, k, v, seg = _segments([1000, 48, 2100, 300], [40, 33, 70, 130], 4, 128, torch.bfloat16, seed=5)
+    seg_blocks, bstart, tokens, rows, row_start = seg
+    work = plan_shared_work(
+        row_start.tolist(),
+        tokens.tolist(),
+        k.shape[2],
+        4,
+        q.device,
+        block_m=128,
+        min_chunk=128,
+        target_programs=64,
+        seg_blocks=seg_blocks.cpu().numpy(),
+        seg_block_start=bstart.tolist(),
+        block_size=16,
+    )
+    assert work.tma and work.block_m == 128
+    counter = _Counter(monkeypatch)
+    outs = []
+    for w in (work, dataclasses.replace(work, programs=programs)):
+        o = torch.full((work.num_slots, q.shape[1], q.shape[2]), float("nan"), device=q.device)
+        lse = torch.full((work.num_slots, q.shape[1]), float("nan"), device=q.device)
+        launch_shared(q, k, v, seg_blocks, bstart, rows, w, 0.09, o, lse)
+        outs.append((o, lse))
+    assert counter.calls == 2
+    assert torch.isfinite(outs[0][0]).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
