@@ -80,19 +80,20 @@ def shared_graph_step(
     """Shared segments once (holders' rows stacked), own parts paged, one CSR merge; ``plan`` on the host."""
     kv_heads, group = shape.kv_heads, shape.group
     blocks, bs = plan.seg_blocks.numpy(), meta.block_size
+    own_tables = plan.own_block_tables.numpy()
+    width = capacity(own_tables.shape[1], MIN_TABLE_WIDTH)
     work = shared_attention.plan_work_for(
-        plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype
+        plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype, bucket * width * bs
     )
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     pack = own_pack_rule(plan, bucket, (shape.q_heads, kv_heads, shape.head_dim, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
-    own_tables = plan.own_block_tables.numpy()
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
     own_splits = _splits(int(own_lens.max(initial=0)), -(-bucket // pack) * kv_heads, shape.device)
     needed = (
         "shared",
         bucket,
-        capacity(own_tables.shape[1], MIN_TABLE_WIDTH),
+        width,
         own_splits,
         (work.block_m, work.block_n, work.num_stages, work.tma, work.programs, pack),
         capacity(work.items.shape[0], 16),

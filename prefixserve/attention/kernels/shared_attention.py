@@ -536,17 +536,22 @@ def plan_work_for(
     device: torch.device,
     head_dim: int,
     dtype: torch.dtype,
+    own_tokens: int | None = None,
 ) -> SharedWork:
     """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
 
     ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path). Where
-    the Gluon kernel runs, own-heavy steps get a persistent shared grid (``persistent_programs``).
+    the Gluon kernel runs, own-heavy steps get a persistent shared grid (``persistent_programs``),
+    sized from ``own_tokens`` when given (a graph step passes its key's capacity, so that the choice
+    changes only when the key does: no extra captures as sequences grow), else the plan's own lengths.
     """
     bstart = plan.seg_block_start_host
     programs = 0
     if shared_gluon.eligible_for(device, dtype, head_dim):  # the Gluon kernel's persistent grid
         elt = torch.empty(0, dtype=dtype).element_size()
         flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
+        if own_tokens is not None:
+            own_bytes = 2 * elt * kv_heads * head_dim * float(own_tokens)
         rows = np.diff(np.asarray(plan.seg_row_start_host, dtype=np.int64))
         tickets = int(np.ceil(rows / max(1, 128 // group)).sum()) * kv_heads  # 128-row tiles x heads
         programs = persistent_programs(flops, own_bytes, tickets, num_sms(device))
