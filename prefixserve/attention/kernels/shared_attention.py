@@ -547,7 +547,7 @@ def plan_work_for(
     """
     bstart = plan.seg_block_start_host
     programs = 0
-    if shared_gluon.eligible_for(device, dtype, head_dim):  # the Gluon kernel's persistent grid
+    if PERSISTENT_RULE and shared_gluon.eligible_for(device, dtype, head_dim):  # Gluon's persistent grid
         elt = torch.empty(0, dtype=dtype).element_size()
         flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
         if own_tokens is not None:
@@ -588,8 +588,12 @@ def own_heavy(plan: Any, block_size: int, kv_heads: int, group: int, head_dim: i
     return own_bytes / (OWN_TBPS * 1e12) >= OWN_HEAVY * flops / (SHARED_TFLOPS * 1e12)
 
 
-# The persistent shared grid on own-heavy steps (Gluon kernel, H200; NOTES.md v7): the shared kernel's
-# full-grid rate, the own KV a free SM reads beside it, and the predicted gain that justifies it.
+# The persistent shared grid on own-heavy steps (Gluon kernel, H200; NOTES.md v7). Off unless
+# PREFIXSERVE_PERSISTENT=1: it speeds one attention call 7-13% at B=256-1024 with long own parts, but
+# slowed the engine's decode (B=1024, P=16K: 17,640 -> 13,515 tok/s) where the own part ends early
+# and the shared kernel then runs alone on a fraction of the SMs. Then: the shared kernel's full-grid
+# rate, the own KV a free SM reads beside it, and the predicted gain that justifies it.
+PERSISTENT_RULE = os.environ.get("PREFIXSERVE_PERSISTENT", "0") == "1"
 GLUON_TFLOPS = 640.0
 OWN_SM_TBPS = 0.040  # v6 measured 0.047 per free SM
 PERSIST_GAIN = 0.95  # the model is within about 5% of the measured calls
