@@ -2,12 +2,15 @@
 
 Same work items and partial slots as ``shared_attention._shared_kernel`` on its TMA path (tall
 128-row tiles over contiguous segments), but the roles inside a program are split the way FA3 splits
-them: one loader warp walks the segment issuing TMA loads of K and V tiles into a ring of shared
-memory buffers, and the 8 compute warps (two warpgroups of 64 rows) only wait on mbarriers, run the
-wgmma products and the online softmax. The loader costs 24 registers, so the compute warps get 240
-and the loads never sit in their instruction stream. ``OVERLAP`` issues the next tile's Q @ K^T
-before this tile's softmax (FA3's intra-warpgroup overlap): the tensor cores work while the
-exponentials run.
+them: one loader warp walks the segment issuing TMA loads of K and V tiles into a 3-deep ring of
+shared-memory buffers, and two consumer warpgroups of 64 rows, each its own partition (``SPLIT``),
+gather their query rows, wait on mbarriers, run the wgmma products and the online softmax. Apart,
+the two warpgroups drift so that one's softmax runs beside the other's products; ``OVERLAP`` also
+issues tile j+1's Q @ K^T before tile j's softmax (FA3's intra-warpgroup overlap). The loader keeps
+24 registers, the consumers get 240. Measured 1.2-1.4x the Triton kernel alone (NOTES.md v7).
+
+A program takes one (work item, KV head) ticket, or with ``PERSISTENT`` walks tickets with the grid's
+stride, the ring's slots and phases carried from ticket to ticket (off in the engine; NOTES.md v7).
 
 Rows past a segment's end in its last tile are read (a TMA box is whole) and masked out of the
 softmax; their V rows meet a zero probability, so the cache must hold finite values there: the
@@ -40,7 +43,6 @@ except ImportError:  # pragma: no cover - older Triton
     GLUON = False
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 if GLUON:
 
