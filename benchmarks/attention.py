@@ -513,6 +513,8 @@ def gap_table(result: dict[str, Any]) -> list[str]:
         "| shared % GEMM | own % copy |",
         "|" + " ---: |" * 3 + " --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 7,
     ]
+    # the SMs a persistent grid's share is taken of (the report may be rewritten on a machine without one)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
     full, persistent, own_share = [], [], []
     for r in rows:
         pt = {k: v for k, v in r["parts_ms"].items() if k != "shared_programs"}
@@ -523,7 +525,6 @@ def gap_table(result: dict[str, Any]) -> list[str]:
         shared_flops_ms = r["flops_ms"] * r["P"] / (r["P"] + r["S"])
         own_bytes_ms = r["B"] * r["S"] * HKV * D * 2 * 2 / copy
         sh, own = pt.get("shared"), pt.get("own")
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
         share = programs / sms if programs else 1.0  # the SMs the shared grid holds
         (persistent if programs else full).append((r, total - r["shared_ms"]))
         if memory and own:
