@@ -273,7 +273,7 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     per SM, before ``wave_splits``), ``pack`` (own-kernel sequences per program), ``merge`` (merge
     elements per program), ``gluon`` (False: the Triton shared kernel on Hopper too), ``persist``
     (a persistent shared grid of n programs, n < 0: SMs + n, 0: the full grid; the other SMs run the
-    own kernel), ``priority`` (the side stream's priority).
+    own kernel), ``priority`` (the side stream's priority), ``mixed`` (True / False: the mixed launch or not).
     """
     from benchmarks.attention import _bench, graphed, time_launches
     from prefixserve.attention.kernels import merge as mg
@@ -283,6 +283,8 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     from prefixserve.attention.kernels import triton_backend as tb
 
     keep = (sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work)
+    keep_mixed = tb.TritonBackend.mixed
+    tb.TritonBackend.mixed = variant.get("mixed", keep_mixed)
     keep_priority = tb.SIDE_PRIORITY
     tb.SIDE_PRIORITY = variant.get("priority", keep_priority)
     sg.ENABLED = variant.get("gluon", keep[3])
@@ -309,6 +311,7 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
             "programs": lay.work.programs,
             "items": int(lay.work.items.shape[0]),
             "pack": lay.own_pack,
+            "mixed": lay.mixed,
         }
         if parts:
             tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
@@ -317,6 +320,7 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     finally:
         sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work = keep
         tb.SIDE_PRIORITY = keep_priority
+        tb.TritonBackend.mixed = keep_mixed
 
 
 # (variant, time the parts too)
@@ -327,6 +331,8 @@ OVERLAP_VARIANTS = {
     "rules_triton": ({"gluon": False}, True),
     "rules_full": ({"persist": 0}, False),
     "rules_nopri": ({"priority": 0}, False),
+    "split": ({"mixed": False}, True),  # shared kernel + own kernel + merge
+    "mixed": ({"mixed": True}, True),  # shared and own tiles in one launch (mixed_gluon.py) + merge
     **{f"persist{n}": ({"persist": n}, False) for n in (16, 24, 32, 48, 64, 96)},
 }
 

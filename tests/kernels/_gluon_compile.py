@@ -1,10 +1,10 @@
-"""Compile the Gluon shared kernel for sm_90 without a GPU; run as a script, prints one JSON per shape.
+"""Compile the Gluon shared and mixed kernels for sm_90 without a GPU; prints one JSON per shape.
 
 A separate process: tests/kernels/conftest.py sets TRITON_INTERPRET=1 for the tl kernels before
 Triton is imported, and under it Triton's own library functions (``gl.max``...) are built for the
 interpreter, which the real compiler refuses.
 
-Usage: python _gluon_compile.py GROUP:DIM:DTYPE [...]   (DTYPE bf16 or fp16)
+Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared or mixed, DTYPE bf16 or fp16)
 """
 
 from __future__ import annotations
@@ -18,24 +18,31 @@ import torch
 SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"  # register counts the partitions ask for
 
 
-def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, stages: int = 3):
-    """triton.compile of the shipped configuration for sm_90: the CompiledKernel."""
+def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: str = "shared"):
+    """triton.compile of the shipped configuration of the shared (or the mixed) kernel for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from prefixserve.attention.kernels import shared_gluon
+    from prefixserve.attention.kernels import mixed_gluon, shared_gluon
 
-    kernel = shared_gluon.shared_gluon_kernel
     cache = torch.zeros(8, 16, 2, dim, dtype=dtype)
     desc = mangle_type(shared_gluon.gluon_descriptor(cache, 128))
     elt = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     types = {"q_ptr": elt, "k_ptr": elt, "v_ptr": elt, "k_desc": desc, "v_desc": desc}
     types |= {"seg_rows_ptr": "*i32", "items_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
     types["qk_scale"] = "fp32"
-    consts = {"GROUP": group, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": stages}
-    consts["OVERLAP"] = True
+    consts = {"GROUP": group, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": 3}
+    if kernel_name == "mixed":
+        kernel = mixed_gluon.mixed_gluon_kernel
+        own = mangle_type(mixed_gluon.own_descriptor(cache, 128))
+        types |= {"ko_desc": own, "vo_desc": own, "own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
+        types["qsl_ptr"] = "*i32"
+        consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": mixed_gluon.OWN_N}
+    else:
+        kernel = shared_gluon.shared_gluon_kernel
+        consts["OVERLAP"] = True
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     src = GluonASTSource(
         fn=kernel,
@@ -49,8 +56,8 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, stages: int = 3
 def main(shapes: list[str]) -> None:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for shape in shapes:
-        group, dim, dtype = shape.split(":")
-        compiled = compile_for_hopper(int(group), int(dim), dtypes[dtype])
+        kernel, group, dim, dtype = shape.split(":")
+        compiled = compile_for_hopper(int(group), int(dim), dtypes[dtype], kernel)
         ptx = compiled.asm["ptx"]
         print(
             json.dumps(

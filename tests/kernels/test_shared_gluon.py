@@ -36,8 +36,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @needs_gluon
 def test_kernel_compiles_for_sm90() -> None:
-    """Three shapes (GQA 4 / 8 / 1, d 128 / 64, bf16 / fp16) through the whole sm_90 pipeline."""
-    shapes = ["4:128:bf16", "8:64:fp16", "1:128:fp16"]
+    """Three shapes (GQA 4 / 8 / 1, d 128 / 64, bf16 / fp16) of the shared kernel and two of the
+    mixed kernel (mixed_gluon.py) through the whole sm_90 pipeline."""
+    shapes = [
+        "shared:4:128:bf16",
+        "shared:8:64:fp16",
+        "shared:1:128:fp16",
+        "mixed:4:128:bf16",
+        "mixed:8:64:fp16",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run(

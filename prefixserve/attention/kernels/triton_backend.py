@@ -59,6 +59,7 @@ class _Layout:
     own_splits: int
     own_split_size: int
     own_pack: int = 1  # decode sequences per own-kernel program
+    mixed: bool = False  # shared and own tiles in one launch (mixed_gluon.py); own_splits = its 2 halves
     work: Any = None  # SharedWork, when the step has segments
     num_slots: int = 0  # shared slots + own slots
     row_ptr: torch.Tensor | None = None  # [T+1] int32: CSR over the merged partials
@@ -238,6 +239,8 @@ class TritonBackend(TritonPagedBackend):
     fused: bool = False
     # decode sequences per own-kernel program (``packed_decode_program``); None = ``decode_pack``'s rule
     own_pack: int | None = None
+    # a decode step's shared and own tiles in one Gluon launch (mixed_gluon.py); None = its rule
+    mixed: bool | None = None
 
     def __init__(self, fused: bool | None = None) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -293,7 +296,8 @@ class TritonBackend(TritonPagedBackend):
         lay = step.layouts.get(key)
         if lay is None:
             pack = self._pack(q_heads, kv_heads, meta, step, q)
-            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack)
+            mixed = False if self.fused else self.mixed
+            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack, mixed)
             step.layouts[key] = lay
         out = torch.empty_like(q)
         sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
@@ -342,6 +346,24 @@ class TritonBackend(TritonPagedBackend):
                 launches=rec,
             )
 
+        if lay.mixed and mixed_gluon().eligible(q, k_cache, v_cache, lay.work.block_m, lay.work.block_n):
+            mixed = mixed_gluon().launch_mixed(
+                q,
+                k_cache,
+                v_cache,
+                plan.seg_rows,
+                lay.work.items,
+                plan.own_block_tables,
+                plan.own_seq_lens,
+                meta.query_start_loc,
+                lay.o_part,
+                lay.lse_part,
+                scale,
+                own_slot0=ns,
+                own_stride=tokens,
+                programs=paged.num_sms(q.device),
+            )
+            return launch_fused_path(mixed, merge_into)
         if self.fused:
             from prefixserve.attention.kernels.fused_attention import COUNTERS, launch_fused
 
@@ -376,6 +398,13 @@ class TritonBackend(TritonPagedBackend):
             merge_into,
             side,
         )
+
+
+def mixed_gluon() -> Any:
+    """The mixed kernel's module (Gluon; imported on first use, like the other kernels)."""
+    from prefixserve.attention.kernels import mixed_gluon
+
+    return mixed_gluon
 
 
 def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], block_size: int, device) -> int:
@@ -461,13 +490,14 @@ def build_layout(
     device: torch.device,
     dtype: torch.dtype,
     pack: int = 1,
+    mixed: bool | None = None,
 ) -> _Layout:
     """Host work, once per step, head shape and dtype: shared work list, own splits, merge CSR, buffers.
 
     Everything is computed from host lists (no device read), and the work list and merge CSR reach
     the device in one asynchronous copy. The dtype is part of the layout because the shared tiles are
     fitted to shared memory by element size (fp32 needs narrower tiles than bf16). ``pack``: decode
-    sequences per own-kernel program.
+    sequences per own-kernel program; ``mixed``: one mixed launch (None: ``use_mixed``'s rule).
     """
     paged, shared_mod, merge_mod = _kernels()
     plan = step.shared
@@ -485,6 +515,20 @@ def build_layout(
         seg_blocks = plan.seg_blocks.cpu().numpy()
     work = shared_mod.plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype)
     ns = work.num_slots
+    rows = np.diff(plan.seg_row_start_host)
+    seg_tokens = np.diff(plan.seg_block_start_host) * meta.block_size
+    shared_row_tokens = int((rows * seg_tokens).sum())
+    own_tokens = int(sum(plan.own_seq_lens_host))
+    shape = (q_heads, kv_heads, dim)
+    mixed = (
+        mixed_gluon().use_mixed(device, dtype, shape, work, step.max_query_len, shared_row_tokens, own_tokens)
+        if mixed is None
+        else mixed
+    )
+    if mixed:  # the mixed kernel's two halves of each own tile land as two splits (the paged kernel's
+        # too, should a layer's caches not take the mixed kernel)
+        own_splits = 2
+        own_split_size = -(-max(plan.own_seq_lens_host, default=0) // (2 * block_n)) * block_n
     # merge CSR over the step's T rows: each row's own splits, then its slots in every segment
     seg_rows = step.seg_rows_host
     if seg_rows is None:  # a step planned elsewhere (e.g. benchmarks): read the rows back once
@@ -495,20 +539,19 @@ def build_layout(
     num_slots = ns + own_splits * tokens
     items, row_ptr_d, part_idx_d = to_device_packed([work.items.numpy(), row_ptr, order], device)
     work.items = items.view(work.items.shape)
-    rows = np.diff(plan.seg_row_start_host)
-    seg_tokens = np.diff(plan.seg_block_start_host) * meta.block_size
     return _Layout(
         own_splits=own_splits,
         own_split_size=own_split_size,
         own_pack=pack,
+        mixed=mixed,
         work=work,
         num_slots=num_slots,
         row_ptr=row_ptr_d,
         part_idx=part_idx_d,
         o_part=torch.empty(num_slots, q_heads, dim, dtype=torch.float32, device=device),
         lse_part=torch.empty(num_slots, q_heads, dtype=torch.float32, device=device),
-        shared_row_tokens=int((rows * seg_tokens).sum()),
-        own_tokens=int(sum(plan.own_seq_lens_host)),
+        shared_row_tokens=shared_row_tokens,
+        own_tokens=own_tokens,
     )
 
 

@@ -1,0 +1,110 @@
+"""The mixed Gluon kernel (a decode step's shared and own tiles in one launch; Hopper): its rule on
+any machine, and on an H100/H200 the engine's decode step through it against the two-kernel path
+and the reference, for GQA 1-8, d 64/128, bf16/fp16, ragged own lengths, several segments, grids
+with own-only programs and with more shared tickets than programs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_helpers import rel_err
+
+from prefixserve.attention.kernels import mixed_gluon, paged_attention, shared_gluon
+from prefixserve.attention.kernels.shared_attention import SharedWork
+from prefixserve.attention.kernels.triton_backend import TritonBackend
+from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.reference import ReferenceBackend
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _work(tma: bool = True, block_m: int = 128, block_n: int = 128) -> SharedWork:
+    return SharedWork(torch.zeros(1, 7), 0, block_m, block_n, 3, [], [], torch.zeros(0), tma=tma)
+
+
+def test_rule(monkeypatch) -> None:
+    """Own-heavy decode steps on the Gluon path take the mixed kernel; the rest do not."""
+    monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: True)
+    monkeypatch.setattr(mixed_gluon, "MODE", "auto")
+    dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
+    # B=1024 rows on a 4K prefix, 512 own tokens each: own bytes 2.1 GB vs 0.55 TFLOP
+    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512)
+    # the same rows on a 16K prefix with 128 own tokens: FLOP-bound, the two-kernel path
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128)
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512)  # prefill
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512)
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(block_n=64), 1, 1024 * 4096, 1024 * 512)
+    assert not mixed_gluon.use_mixed(dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512)  # G 16
+    monkeypatch.setattr(mixed_gluon, "MODE", "1")
+    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128)
+    monkeypatch.setattr(mixed_gluon, "MODE", "0")
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512)
+    monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: False)
+    monkeypatch.setattr(mixed_gluon, "MODE", "1")
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512)
+
+
+def _decode_batch(groups, bs, hq, hkv, dim, dtype, seed):
+    """Sequences on contiguous prefixes (``groups`` = [(prefix tokens, sequences, max own)]), own
+    blocks scattered over the pool; returns (q, k, v, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    owns = [torch.randint(1, m + 1, (n,), generator=gen).tolist() for _, n, m in groups]
+    prefix_blocks = [p // bs for p, _, _ in groups]
+    need = sum(prefix_blocks) + sum(-(-o // bs) for own in owns for o in own) + 2
+    k = torch.randn(need, bs, hkv, dim, generator=gen).cuda().to(dtype)
+    v = torch.randn(need, bs, hkv, dim, generator=gen).cuda().to(dtype)
+    first = sum(prefix_blocks)
+    perm = (first + torch.randperm(need - first, generator=gen)).tolist()
+    tables, seq_lens, at, base = [], [], 0, 0
+    for nb, own in zip(prefix_blocks, owns, strict=True):
+        for o in own:
+            n = -(-o // bs)
+            tables.append(list(range(base, base + nb)) + perm[at : at + n])
+            at += n
+            seq_lens.append(nb * bs + o)
+        base += nb
+    meta = build_metadata(bs, [1] * len(seq_lens), seq_lens, tables, "cuda")
+    q = torch.randn(len(seq_lens), hq, dim, generator=gen).cuda().to(dtype)
+    return q, k, v, meta
+
+
+def _run(q, k, v, meta, mixed: bool):
+    be = TritonBackend()
+    be.mixed = mixed
+    be.prepare(meta)
+    out = be.forward(q, k, v, meta, q.shape[-1] ** -0.5)
+    again = be.forward(q, k, v, meta, q.shape[-1] ** -0.5)  # a later layer: the recorded launch
+    lay = next(iter(meta.plan.layouts.values()))
+    return out, again, lay
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize(
+    ("groups", "hq", "hkv", "dim", "dtype", "sms"),
+    [
+        ([(2048, 96, 300)], 16, 4, 128, torch.bfloat16, None),  # own tickets of 1-3 tiles, ragged
+        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None),  # two segments
+        ([(1536, 64, 130)], 64, 8, 64, torch.float16, None),  # GQA 8, d 64
+        ([(512, 300, 64)], 8, 8, 128, torch.bfloat16, 1),  # GQA 1: every program holds a shared ticket
+        ([(2048, 33, 257)], 16, 8, 64, torch.bfloat16, 7),  # GQA 2
+        ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500),  # mostly own-only programs
+    ],
+)
+def test_engine_decode_step_through_the_mixed_kernel(monkeypatch, groups, hq, hkv, dim, dtype, sms) -> None:
+    """The mixed launch against the two-kernel path and the fp64-backed reference; a later layer's
+    replay (descriptors remade) matches the first launch."""
+    if sms is not None:  # the grid: max(programs, shared tickets)
+        monkeypatch.setattr(paged_attention, "num_sms", lambda device=None: sms)
+    q, k, v, meta = _decode_batch(groups, 16, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
+    calls = []
+    original = mixed_gluon.launch_mixed
+    monkeypatch.setattr(mixed_gluon, "launch_mixed", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    out, again, lay = _run(q, k, v, meta, mixed=True)
+    assert lay.mixed and calls == [1]
+    split, _, lay_split = _run(q, k, v, meta, mixed=False)
+    assert not lay_split.mixed
+    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), meta, dim**-0.5)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1.1 * rel_err(split, ref) + 1e-4
+    assert rel_err(again, out) < 1e-6
