@@ -60,19 +60,21 @@ if shared_gluon.GLUON:
         return base, row_lo, row_hi, kv_len, gl.where(t < num_items * kv_heads, n_tiles, 0)
 
     @gluon.jit
-    def _own_ticket(own_lens_ptr, u, u_hi, kv_heads, BLOCK_N: gl.constexpr):
-        """Own ticket u = (sequence, KV head): (sequence, head, KV length, tiles); none past u_hi."""
+    def _own_len(own_lens_ptr, u, u_hi, kv_heads):
+        """Own KV tokens of own ticket u = (sequence, KV head); 0 past u_hi."""
         ok = u < u_hi
-        seq = gl.where(ok, u // kv_heads, 0)
-        kv_len = gl.where(ok, gl.load(own_lens_ptr + seq), 0)
-        return seq, u % kv_heads, kv_len, gl.cdiv(kv_len, BLOCK_N)
+        return gl.where(ok, gl.load(own_lens_ptr + gl.where(ok, u // kv_heads, 0)), 0)
 
     @gluon.jit
     def _own_tile_total(own_lens_ptr, u_lo, u_hi, kv_heads, BLOCK_N: gl.constexpr):
-        """Own tiles of tickets u_lo .. u_hi."""
+        """Own tiles of tickets u_lo .. u_hi (a vector load per 32 x warps tickets: one memory trip)."""
+        chunk: gl.constexpr = 32 * gl.num_warps()
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         total = 0
-        for u in range(u_lo, u_hi):
-            total += gl.cdiv(gl.load(own_lens_ptr + u // kv_heads), BLOCK_N)
+        for u0 in range(u_lo, u_hi, chunk):
+            u = u0 + gl.arange(0, chunk, layout=layout)
+            lens = gl.load(own_lens_ptr + u // kv_heads, mask=u < u_hi, other=0)
+            total += gl.sum((lens + BLOCK_N - 1) // BLOCK_N, 0)
         return total
 
     @gluon.jit
@@ -97,39 +99,49 @@ if shared_gluon.GLUON:
         BLOCK_SIZE: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        """The loader warp: the program's shared and own tiles into the ring, in the consumers' order."""
+        """The loader warp: the program's shared and own tiles into the ring, in the consumers' order.
+
+        An own tile's block ids are read (one vector load) before the wait for its slot, and the
+        next ticket's length one ticket ahead, so memory latency does not stall the issue.
+        """
         items_ptr, num_items, kv_heads, t, tables_ptr, own_lens_ptr, table_stride, u_lo, u_hi, oob_row = walk
         base, _lo, _hi, _len, ns = _shared_ticket(items_ptr, t, num_items, kv_heads, BLOCK_N)
         row0 = gl.load(base + 6)
         col_s = (t // num_items) * HEAD_DIM
         total = ns + _own_tile_total(own_lens_ptr, u_lo, u_hi, kv_heads, BLOCK_N)
+        NB: gl.constexpr = BLOCK_N // BLOCK_SIZE
+        blk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        qi = gl.arange(0, NB, layout=blk_layout)
         u = u_lo
         j = 0
-        seq, kvh, kv_len, n_u = _own_ticket(own_lens_ptr, u, u_hi, kv_heads, BLOCK_N)
-        NB: gl.constexpr = BLOCK_N // BLOCK_SIZE
+        kv_len = _own_len(own_lens_ptr, u, u_hi, kv_heads)
+        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
         for k in range(total):
             s = k % STAGES
-            mbarrier.wait(kv_empty.index(s), ((k // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
             if _is_shared(k, ns, total):
+                mbarrier.wait(kv_empty.index(s), ((k // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
                 row = row0 + ((k * ns) // total) * BLOCK_N
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [row, col_s], k_ready.index(s), k_bufs.index(s))
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [row, col_s], v_ready.index(s), v_bufs.index(s))
             else:
-                while j == n_u:  # the next ticket with tiles (there is one: ``total`` counted it)
+                while j * BLOCK_N >= kv_len:  # the next ticket with tiles (``total`` counted one)
                     u += 1
                     j = 0
-                    seq, kvh, kv_len, n_u = _own_ticket(own_lens_ptr, u, u_hi, kv_heads, BLOCK_N)
+                    kv_len = nxt_len
+                    nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
                 n_blocks = gl.cdiv(kv_len, BLOCK_SIZE)
-                table = tables_ptr + seq.to(gl.int64) * table_stride
-                col = kvh * HEAD_DIM
+                b = j * NB + qi
+                table = tables_ptr + (u // kv_heads).to(gl.int64) * table_stride
+                blks = gl.load(table + b, mask=b < n_blocks, other=0)
+                rows = gl.where(b < n_blocks, blks * BLOCK_SIZE, oob_row)  # past the end: zero boxes
+                col = (u % kv_heads) * HEAD_DIM
+                mbarrier.wait(kv_empty.index(s), ((k // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(s), NB * ko_desc.block_type.nbytes)
                 mbarrier.expect(v_ready.index(s), NB * vo_desc.block_type.nbytes)
                 for q in gl.static_range(NB):
-                    b = j * NB + q
-                    blk = gl.load(table + gl.minimum(b, n_blocks - 1))
-                    row = gl.where(b < n_blocks, blk * BLOCK_SIZE, oob_row)  # past the end: zeros
+                    row = gl.sum(gl.where(qi == q, rows, 0), 0)
                     dst = k_bufs.index(s).slice(q * BLOCK_SIZE, BLOCK_SIZE)
                     tma.async_copy_global_to_shared(ko_desc, [row, col], k_ready.index(s), dst)
                     dst = v_bufs.index(s).slice(q * BLOCK_SIZE, BLOCK_SIZE)
@@ -137,17 +149,27 @@ if shared_gluon.GLUON:
                 j += 1
 
     @gluon.jit
-    def _own_query(qo_smem, q_ptr, qsl_ptr, seq, kvh, stride_qt, stride_qh, GROUP: gl.constexpr):
-        """The decode row's GROUP query heads of KV head kvh into qo_smem (rows past GROUP zero)."""
-        rows: gl.constexpr = qo_smem.shape[0]
-        dim: gl.constexpr = qo_smem.shape[1]
+    def _own_query(
+        q_ptr,
+        u,
+        u_hi,
+        kv_heads,
+        stride_qt,
+        stride_qh,
+        GROUP: gl.constexpr,
+        ROWS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
+        """Load (into registers) the GROUP query heads of own ticket u's decode row (row = sequence),
+        rows past GROUP zero; the consumers load a ticket ahead, so the latency is hidden."""
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-        h = gl.arange(0, rows, layout=gl.SliceLayout(1, ld))
-        d = gl.arange(0, dim, layout=gl.SliceLayout(0, ld))
-        tok = gl.load(qsl_ptr + seq).to(gl.int64)
-        offs = gl.expand_dims(tok * stride_qt + (kvh * GROUP + h) * stride_qh, 1) + gl.expand_dims(d, 0)
-        qo_smem.store(gl.load(q_ptr + offs, mask=gl.expand_dims(h < GROUP, 1), other=0.0))
-        fence_async_shared()  # generic stores before the wgmma's async reads
+        h = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+        ok = u < u_hi
+        seq = gl.where(ok, u // kv_heads, 0).to(gl.int64)
+        offs = gl.expand_dims(seq * stride_qt + ((u % kv_heads) * GROUP + h) * stride_qh, 1)
+        mask = gl.expand_dims((h < GROUP) & ok, 1)
+        return gl.load(q_ptr + offs + gl.expand_dims(d, 0), mask=mask, other=0.0)
 
     @gluon.jit
     def _own_tile(
@@ -199,16 +221,16 @@ if shared_gluon.GLUON:
         acc_o,
         o_ptr,
         lse_ptr,
-        qsl_ptr,
-        seq,
-        kvh,
+        u,
+        kv_heads,
         slot0,
         stride_op,
         stride_oh,
         stride_lp,
         GROUP: gl.constexpr,
     ):
-        """o = O / l and the natural-log lse of one own ticket's GROUP heads into slot slot0 + row."""
+        """o = O / l and the natural-log lse of own ticket u's GROUP heads into slot slot0 + its row
+        (a decode step: the row of sequence s is s)."""
         ot_layout: gl.constexpr = acc_o.type.layout
         dim: gl.constexpr = acc_o.shape[0]
         own_n: gl.constexpr = acc_o.shape[1]
@@ -217,8 +239,8 @@ if shared_gluon.GLUON:
         o = acc_o / gl.expand_dims(l_safe, 0)
         h = gl.arange(0, own_n, layout=gl.SliceLayout(0, ot_layout))
         d = gl.arange(0, dim, layout=gl.SliceLayout(1, ot_layout))
-        slot = (slot0 + gl.load(qsl_ptr + seq)).to(gl.int64)
-        head = kvh * GROUP + h
+        slot = (slot0 + u // kv_heads).to(gl.int64)
+        head = (u % kv_heads) * GROUP + h
         ptrs = o_ptr + slot * stride_op + gl.expand_dims(head * stride_oh, 0) + gl.expand_dims(d, 1)
         gl.store(ptrs, o, mask=gl.expand_dims(h < GROUP, 0))
         m_c = gl.convert_layout(m_o, l_c.type.layout)
@@ -230,7 +252,7 @@ if shared_gluon.GLUON:
         w: gl.constexpr,  # 0 or 1: this warpgroup's rows of a shared tile, its tokens of an own tile
         bufs,  # (qo_smem, pt_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         walk,  # as the loader's
-        ptrs,  # (q, seg_rows, o, lse, qsl, qk_scale, own_slot0, own_stride, strides...)
+        ptrs,  # (q, seg_rows, o, lse, qk_scale, own_slot0, own_stride, strides...)
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -245,7 +267,6 @@ if shared_gluon.GLUON:
             seg_rows_ptr,
             o_ptr,
             lse_ptr,
-            qsl_ptr,
             qk_scale,
             own_slot0,
             own_stride,
@@ -261,6 +282,7 @@ if shared_gluon.GLUON:
         pt_smem = pt_all.index(w)
         own_slot = own_slot0 + w * own_stride
         num_warps: gl.constexpr = gl.num_warps()
+        OWN_ROWS: gl.constexpr = qo_all.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -268,12 +290,10 @@ if shared_gluon.GLUON:
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         ot_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, qo_all.shape[1], 16]
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, OWN_ROWS, 16]
         )
-        st_layout: gl.constexpr = ot_layout
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        OWN_ROWS: gl.constexpr = qo_all.shape[1]
         dtype: gl.constexpr = k_bufs.dtype
 
         # the shared ticket's stacked query rows (holder rows x GROUP heads), kept in registers
@@ -292,18 +312,22 @@ if shared_gluon.GLUON:
         l_s = gl.zeros([PART_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc_s = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
+        # own ticket u's state; its successor's length and query rows are loaded a ticket ahead
         u = u_lo
         j = 0
-        seq, kvh, o_len, n_u = _own_ticket(own_lens_ptr, u, u_hi, kv_heads, BLOCK_N)
-        m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
-        l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, st_layout))
+        o_len = _own_len(own_lens_ptr, u, u_hi, kv_heads)
+        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
+        qo_smem.store(_own_query(q_ptr, u, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM))
+        fence_async_shared()  # generic stores before the wgmma's async reads
+        nxt_q = _own_query(q_ptr, u + 1, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM)
+        m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ot_layout))
+        l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, ot_layout))
         acc_o = gl.zeros([HEAD_DIM, OWN_ROWS], gl.float32, layout=ot_layout)
-        _own_query(qo_smem, q_ptr, qsl_ptr, seq, kvh, stride_qt, stride_qh, GROUP)
         for k in range(total):
             slot = k % STAGES
             phase = (k // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
             if _is_shared(k, ns, total):
+                mbarrier.wait(k_ready.index(slot), phase)
                 sc = warpgroup_mma(
                     q, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
@@ -317,16 +341,15 @@ if shared_gluon.GLUON:
                 acc_s = warpgroup_mma(p16, v_bufs.index(slot), acc_s, is_async=True)
                 acc_s = warpgroup_mma_wait(0, deps=(acc_s,))
             else:
-                while j == n_u:  # this ticket is done: its partial out, the next ticket with tiles in
+                while j * BLOCK_N >= o_len:  # ticket u is done: its partial out, the next one in
                     _store_own(
                         m_o,
                         l_o,
                         acc_o,
                         o_ptr,
                         lse_ptr,
-                        qsl_ptr,
-                        seq,
-                        kvh,
+                        u,
+                        kv_heads,
                         own_slot,
                         stride_op,
                         stride_oh,
@@ -335,11 +358,17 @@ if shared_gluon.GLUON:
                     )
                     u += 1
                     j = 0
-                    seq, kvh, o_len, n_u = _own_ticket(own_lens_ptr, u, u_hi, kv_heads, BLOCK_N)
-                    m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
-                    l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, st_layout))
+                    o_len = nxt_len
+                    nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
+                    qo_smem.store(nxt_q)
+                    fence_async_shared()
+                    nxt_q = _own_query(
+                        q_ptr, u + 1, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM
+                    )
+                    m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ot_layout))
+                    l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, ot_layout))
                     acc_o = gl.zeros([HEAD_DIM, OWN_ROWS], gl.float32, layout=ot_layout)
-                    _own_query(qo_smem, q_ptr, qsl_ptr, seq, kvh, stride_qt, stride_qh, GROUP)
+                mbarrier.wait(k_ready.index(slot), phase)
                 mbarrier.wait(v_ready.index(slot), phase)
                 m_o, l_o, acc_o = _own_tile(
                     qo_smem,
@@ -379,24 +408,11 @@ if shared_gluon.GLUON:
             )
         while u < u_hi:  # the last ticket with tiles, then any empty ones after it
             _store_own(
-                m_o,
-                l_o,
-                acc_o,
-                o_ptr,
-                lse_ptr,
-                qsl_ptr,
-                seq,
-                kvh,
-                own_slot,
-                stride_op,
-                stride_oh,
-                stride_lp,
-                GROUP,
+                m_o, l_o, acc_o, o_ptr, lse_ptr, u, kv_heads, own_slot, stride_op, stride_oh, stride_lp, GROUP
             )
             u += 1
-            seq, kvh, o_len, n_u = _own_ticket(own_lens_ptr, u, u_hi, kv_heads, BLOCK_N)
-            m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
-            l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, st_layout))
+            m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ot_layout))
+            l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, ot_layout))
             acc_o = gl.zeros([HEAD_DIM, OWN_ROWS], gl.float32, layout=ot_layout)
 
     @gluon.jit
@@ -414,13 +430,12 @@ if shared_gluon.GLUON:
         lse_ptr,  # [slots, Hq] fp32
         own_tables_ptr,  # [num_seqs, width] int32: each sequence's own blocks
         own_lens_ptr,  # [num_seqs] int32: own KV tokens
-        qsl_ptr,  # [num_seqs + 1] int32: a sequence's (decode) query row
         qk_scale,  # softmax scale x log2(e)
         num_items,
         kv_heads,
         num_seqs,
         table_stride,
-        own_slot0,  # own partial of sequence s, warpgroup w: slot own_slot0 + w * own_stride + row
+        own_slot0,  # own partial of sequence s (decode row s), warpgroup w: own_slot0 + w * own_stride + s
         own_stride,
         oob_row,  # a cache row past the end: TMA fills its box with zeros
         stride_qt,
@@ -476,7 +491,6 @@ if shared_gluon.GLUON:
             seg_rows_ptr,
             o_ptr,
             lse_ptr,
-            qsl_ptr,
             qk_scale,
             own_slot0,
             own_stride,
@@ -544,7 +558,6 @@ def launch_mixed(
     items: torch.Tensor,
     own_tables: torch.Tensor,
     own_lens: torch.Tensor,
-    qsl: torch.Tensor,
     o_part: torch.Tensor,
     lse_part: torch.Tensor,
     scale: float,
@@ -557,8 +570,8 @@ def launch_mixed(
 ) -> Launch:
     """Run ``mixed_gluon_kernel`` on ``programs`` programs (at least the shared tickets).
 
-    Shared partials go where the work list's items say; own partials of sequence s (decode row
-    ``qsl[s]``) to slots ``own_slot0 + w * own_stride + qsl[s]`` for w = 0, 1. Returns the recorded
+    Shared partials go where the work list's items say; own partials of sequence s (a decode step:
+    query row s) to slots ``own_slot0 + w * own_stride + s`` for w = 0, 1. Returns the recorded
     launch, whose descriptors (args 3-6) are remade from a later layer's caches.
     """
     q_heads, dim = q.shape[1:]
@@ -577,7 +590,6 @@ def launch_mixed(
         lse_part,
         own_tables,
         own_lens,
-        qsl,
         scale * shared_gluon.LOG2E,
         items.shape[0],
         kv_heads,
@@ -620,19 +632,22 @@ def use_mixed(
     max_query_len: int,
     shared_row_tokens: int,
     own_tokens: int,
+    mode: str | None = None,
 ) -> bool:
     """True when a step runs as one mixed launch: a decode step on the shared Gluon kernel's path
     (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV takes long enough,
-    next to the shared products, to be worth hiding under them (``MODE`` overrides the rule)."""
+    next to the shared products, to be worth hiding under them. ``mode`` (default ``MODE``): "0"
+    never, "1" whenever eligible, "auto" the rule."""
+    mode = MODE if mode is None else mode
     q_heads, kv_heads, dim = shape
     group = q_heads // kv_heads
-    if MODE == "0" or max_query_len != 1 or group > OWN_N or own_tokens == 0:
+    if mode == "0" or max_query_len != 1 or group > OWN_N or own_tokens == 0:
         return False
     if not (work.tma and work.block_m == 128 and work.block_n == 128 and not work.programs):
         return False
     if not shared_gluon.eligible_for(device, dtype, dim):
         return False
-    if MODE == "1":
+    if mode == "1":
         return True
     elt = torch.empty(0, dtype=dtype).element_size()
     own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)

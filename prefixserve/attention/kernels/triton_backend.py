@@ -355,7 +355,6 @@ class TritonBackend(TritonPagedBackend):
                 lay.work.items,
                 plan.own_block_tables,
                 plan.own_seq_lens,
-                meta.query_start_loc,
                 lay.o_part,
                 lay.lse_part,
                 scale,
@@ -497,7 +496,7 @@ def build_layout(
     Everything is computed from host lists (no device read), and the work list and merge CSR reach
     the device in one asynchronous copy. The dtype is part of the layout because the shared tiles are
     fitted to shared memory by element size (fp32 needs narrower tiles than bf16). ``pack``: decode
-    sequences per own-kernel program; ``mixed``: one mixed launch (None: ``use_mixed``'s rule).
+    sequences per own-kernel program; ``mixed``: one mixed launch where eligible (None: ``use_mixed``'s rule).
     """
     paged, shared_mod, merge_mod = _kernels()
     plan = step.shared
@@ -520,10 +519,9 @@ def build_layout(
     shared_row_tokens = int((rows * seg_tokens).sum())
     own_tokens = int(sum(plan.own_seq_lens_host))
     shape = (q_heads, kv_heads, dim)
-    mixed = (
-        mixed_gluon().use_mixed(device, dtype, shape, work, step.max_query_len, shared_row_tokens, own_tokens)
-        if mixed is None
-        else mixed
+    mode = None if mixed is None else ("1" if mixed else "0")
+    mixed = mixed_gluon().use_mixed(
+        device, dtype, shape, work, step.max_query_len, shared_row_tokens, own_tokens, mode
     )
     if mixed:  # the mixed kernel's two halves of each own tile land as two splits (the paged kernel's
         # too, should a layer's caches not take the mixed kernel)
