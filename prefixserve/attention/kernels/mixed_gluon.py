@@ -78,6 +78,16 @@ if shared_gluon.GLUON:
         return total
 
     @gluon.jit
+    def _tile_rows(walk_rows, u, j, kv_len, qi, BLOCK_SIZE: gl.constexpr):
+        """Cache rows of own tile j of ticket u, one per block (``qi`` = 0 .. blocks per tile); a row
+        past the cache's end for blocks past the sequence (TMA reads nothing and fills zeros)."""
+        tables_ptr, table_stride, kv_heads, oob_row = walk_rows
+        b = j * qi.shape[0] + qi
+        ok = b < gl.cdiv(kv_len, BLOCK_SIZE)
+        blks = gl.load(tables_ptr + (u // kv_heads).to(gl.int64) * table_stride + b, mask=ok, other=0)
+        return gl.where(ok, blks * BLOCK_SIZE, oob_row)
+
+    @gluon.jit
     def _is_shared(k, ns, total):
         """Step k of ``total`` is a shared tile: the ns shared steps spread evenly among the own ones."""
         return ((k + 1) * ns) // total > (k * ns) // total
@@ -116,6 +126,10 @@ if shared_gluon.GLUON:
         j = 0
         kv_len = _own_len(own_lens_ptr, u, u_hi, kv_heads)
         nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
+        walk_rows = (tables_ptr, table_stride, kv_heads, oob_row)
+        pf_rows = _tile_rows(walk_rows, u, 0, kv_len, qi, BLOCK_SIZE)  # the next own tile's, read ahead
+        pf_u = u
+        pf_j = 0
         for k in range(total):
             s = k % STAGES
             if _is_shared(k, ns, total):
@@ -131,11 +145,18 @@ if shared_gluon.GLUON:
                     j = 0
                     kv_len = nxt_len
                     nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
-                n_blocks = gl.cdiv(kv_len, BLOCK_SIZE)
-                b = j * NB + qi
-                table = tables_ptr + (u // kv_heads).to(gl.int64) * table_stride
-                blks = gl.load(table + b, mask=b < n_blocks, other=0)
-                rows = gl.where(b < n_blocks, blks * BLOCK_SIZE, oob_row)  # past the end: zero boxes
+                rows = pf_rows
+                if (pf_u != u) | (pf_j != j):  # an empty ticket in between: read this tile's now
+                    rows = _tile_rows(walk_rows, u, j, kv_len, qi, BLOCK_SIZE)
+                # read the rows of the tile after this one while this one's slot frees and loads
+                if (j + 1) * BLOCK_N < kv_len:
+                    pf_u = u
+                    pf_j = j + 1
+                    pf_rows = _tile_rows(walk_rows, u, j + 1, kv_len, qi, BLOCK_SIZE)
+                else:
+                    pf_u = u + 1
+                    pf_j = 0
+                    pf_rows = _tile_rows(walk_rows, u + 1, 0, nxt_len, qi, BLOCK_SIZE)
                 col = (u % kv_heads) * HEAD_DIM
                 mbarrier.wait(kv_empty.index(s), ((k // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(s), NB * ko_desc.block_type.nbytes)
@@ -231,12 +252,14 @@ if shared_gluon.GLUON:
     ):
         """o = O / l and the natural-log lse of own ticket u's GROUP heads into slot slot0 + its row
         (a decode step: the row of sequence s is s)."""
-        ot_layout: gl.constexpr = acc_o.type.layout
         dim: gl.constexpr = acc_o.shape[0]
         own_n: gl.constexpr = acc_o.shape[1]
+        # O^T leaves the accumulator layout (a thread's values scattered over heads and d) for one in
+        # which each thread holds 4 consecutive d of a head: whole 16-byte stores, coalesced per head
+        ot_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1])
         l_c = gl.convert_layout(l_o, gl.SliceLayout(0, ot_layout))
         l_safe = gl.where(l_c == 0.0, 1.0, l_c)
-        o = acc_o / gl.expand_dims(l_safe, 0)
+        o = gl.convert_layout(acc_o, ot_layout) / gl.expand_dims(l_safe, 0)
         h = gl.arange(0, own_n, layout=gl.SliceLayout(0, ot_layout))
         d = gl.arange(0, dim, layout=gl.SliceLayout(1, ot_layout))
         slot = (slot0 + u // kv_heads).to(gl.int64)
