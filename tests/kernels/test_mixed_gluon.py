@@ -87,7 +87,7 @@ def _run(q, k, v, meta, mixed: bool):
         ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None),  # two segments
         ([(1536, 64, 130)], 64, 8, 64, torch.float16, None),  # GQA 8, d 64
         ([(512, 300, 64)], 8, 8, 128, torch.bfloat16, 1),  # GQA 1: every program holds a shared ticket
-        ([(2048, 70, 257)], 16, 8, 64, torch.bfloat16, 7),  # GQA 2 (140 rows: tall tiles)
+        ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7),  # GQA 2
         ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500),  # mostly own-only programs
     ],
 )
