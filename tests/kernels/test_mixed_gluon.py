@@ -28,20 +28,25 @@ def test_rule(monkeypatch) -> None:
     monkeypatch.setattr(mixed_gluon, "MODE", "auto")
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
     # B=1024 rows on a 4K prefix, 512 own tokens each: own bytes 2.1 GB vs 0.55 TFLOP
-    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512)
+    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     # the same rows on a 16K prefix with 128 own tokens: FLOP-bound, the two-kernel path
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128)
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512)  # prefill
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512)
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(block_n=64), 1, 1024 * 4096, 1024 * 512)
-    assert not mixed_gluon.use_mixed(dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512)  # G 16
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
+    # own-heavy (a 1K prefix) but one own tile per sequence: ticket costs outweigh the overlap
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
+    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 512, 1024)
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512, 1024)  # prefill
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(block_n=64), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert not mixed_gluon.use_mixed(
+        dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024
+    )  # G 16
     monkeypatch.setattr(mixed_gluon, "MODE", "1")
-    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128)
+    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
     monkeypatch.setattr(mixed_gluon, "MODE", "0")
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512)
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: False)
     monkeypatch.setattr(mixed_gluon, "MODE", "1")
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512)
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
 
 
 def _decode_batch(groups, bs, hq, hkv, dim, dtype, seed):

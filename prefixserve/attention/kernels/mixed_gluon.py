@@ -50,6 +50,9 @@ MODE = os.environ.get("PREFIXSERVE_MIXED", "auto")
 GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (NOTES.md v7)
 COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
 MIN_OWN_SHARE = 0.5  # own time / shared time from which the mixed kernel pays
+# own tiles per sequence (mean) from which it pays: each own ticket costs its warpgroups about 1 us
+# beyond its tiles, so one-tile tickets (S=128) lost at every point measured (NOTES.md v8)
+MIN_OWN_TILES = 2
 
 if shared_gluon.GLUON:
 
@@ -655,11 +658,13 @@ def use_mixed(
     max_query_len: int,
     shared_row_tokens: int,
     own_tokens: int,
+    num_seqs: int,
     mode: str | None = None,
 ) -> bool:
     """True when a step runs as one mixed launch: a decode step on the shared Gluon kernel's path
-    (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV takes long enough,
-    next to the shared products, to be worth hiding under them. ``mode`` (default ``MODE``): "0"
+    (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV (``own_tokens`` over
+    ``num_seqs`` sequences) takes long enough next to the shared products, in tickets of at least
+    ``MIN_OWN_TILES`` tiles on average, to be worth hiding under them. ``mode`` (default ``MODE``): "0"
     never, "1" whenever eligible, "auto" the rule."""
     mode = MODE if mode is None else mode
     q_heads, kv_heads, dim = shape
@@ -672,6 +677,8 @@ def use_mixed(
         return False
     if mode == "1":
         return True
+    if own_tokens < MIN_OWN_TILES * work.block_n * num_seqs:
+        return False
     elt = torch.empty(0, dtype=dtype).element_size()
     own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)
     shared_ms = 4 * q_heads * dim * shared_row_tokens / (GLUON_TFLOPS * 1e9)

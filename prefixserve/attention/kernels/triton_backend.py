@@ -521,7 +521,7 @@ def build_layout(
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
     mixed = mixed_gluon().use_mixed(
-        device, dtype, shape, work, step.max_query_len, shared_row_tokens, own_tokens, mode
+        device, dtype, shape, work, step.max_query_len, shared_row_tokens, own_tokens, meta.num_seqs, mode
     )
     if mixed:  # the mixed kernel's two halves of each own tile land as two splits (the paged kernel's
         # too, should a layer's caches not take the mixed kernel)
