@@ -50,6 +50,7 @@ def _bench(fn, rep_ms: int = 60) -> float:
 # which part of the call a recorded launch is, by its kernel's name
 PART_OF = {
     "shared_gluon_kernel": "shared",
+    "mixed_gluon_kernel": "mixed",
     "_shared_kernel": "shared",
     "_paged_kernel": "own",
     "_packed_decode_kernel": "own",
@@ -505,19 +506,20 @@ def gap_table(result: dict[str, Any]) -> list[str]:
         "Where the time goes at the points the %T* targets count (each launch of the shared path timed "
         "alone, graphed; ms). `need` = the call time that meets the target (T* / 0.8 where bytes-bound, "
         "T* / 0.6 where FLOP-bound); `grid` = the shared kernel's grid: `full` (every SM) or n persistent "
-        "programs, which leave the other SMs to the own kernel; `overlap` = sum of the parts - call; the "
+        "programs, which leave the other SMs to the own kernel; `mixed` = the step's shared and own tiles in "
+        "one kernel (mixed_gluon.py, where `use_mixed` takes it); `overlap` = sum of the parts - call; the "
         "shared kernel's rate is its prefix FLOPs against this run's GEMM (on its SMs), the own "
         "kernel's its KV bytes against this run's copy.",
         "",
-        "| B | P | S | bound | T* | need | call | grid | shared | own | merge | sum | overlap "
+        "| B | P | S | bound | T* | need | call | grid | shared | own | mixed | merge | sum | overlap "
         "| shared % GEMM | own % copy |",
-        "|" + " ---: |" * 3 + " --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 7,
+        "|" + " ---: |" * 3 + " --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 8,
     ]
     # the SMs a persistent grid's share is taken of (the report may be rewritten on a machine without one)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-    full, persistent, own_share = [], [], []
+    full, persistent, own_share, mixed_rows = [], [], [], []
     for r in rows:
-        pt = {k: v for k, v in r["parts_ms"].items() if k != "shared_programs"}
+        pt = {PART_OF.get(k, k): v for k, v in r["parts_ms"].items() if k != "shared_programs"}
         programs = r["parts_ms"].get("shared_programs", 0)
         memory = r["bytes_ms"] >= r["flops_ms"]
         need = r["roofline_ms"] / (0.8 if memory else 0.6)
@@ -526,13 +528,18 @@ def gap_table(result: dict[str, Any]) -> list[str]:
         own_bytes_ms = r["B"] * r["S"] * HKV * D * 2 * 2 / copy
         sh, own = pt.get("shared"), pt.get("own")
         share = programs / sms if programs else 1.0  # the SMs the shared grid holds
-        (persistent if programs else full).append((r, total - r["shared_ms"]))
+        mixed = pt.get("mixed")
+        if mixed:
+            mixed_rows.append((r, need))
+        else:
+            (persistent if programs else full).append((r, total - r["shared_ms"]))
         if memory and own:
             own_share.append(own / need)
         lines.append(
             f"| {r['B']} | {r['P']} | {r['S']} | {'bytes' if memory else 'FLOPs'} | {r['roofline_ms']:.3f} "
-            f"| {need:.3f} | {r['shared_ms']:.3f} | {programs or 'full'} | {_fmt(sh)} | {_fmt(own)} "
-            f"| {_fmt(pt.get('merge'))} | {total:.3f} | {total - r['shared_ms']:.3f} "
+            f"| {need:.3f} | {r['shared_ms']:.3f} | {'mixed' if mixed else programs or 'full'} | {_fmt(sh)} "
+            f"| {_fmt(own)} | {_fmt(mixed)} | {_fmt(pt.get('merge'))} | {total:.3f} "
+            f"| {total - r['shared_ms']:.3f} "
             f"| {'—' if not sh else f'{100 * shared_flops_ms / sh / share:.0f}%'} "
             f"| {'—' if not own else f'{100 * own_bytes_ms / own:.0f}%'} |"
         )
@@ -552,6 +559,15 @@ def gap_table(result: dict[str, Any]) -> list[str]:
         lines.append(
             "- Persistent grid (own-heavy steps, `persistent_programs`): the shared kernel runs longer on "
             f"fewer SMs while the own kernel streams on the others: {gains}."
+        )
+    if mixed_rows:
+        lines.append(
+            "- Mixed launch (own tickets of two or more tiles, own-heavy): "
+            + "; ".join(
+                f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f} ms ({need:.3f} needed)"
+                for r, need in mixed_rows
+            )
+            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8."
         )
     if own_share:
         lines.append(
