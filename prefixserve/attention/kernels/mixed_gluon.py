@@ -239,6 +239,16 @@ if shared_gluon.GLUON:
         return m_new, l_o, acc_o
 
     @gluon.jit
+    def _own_fresh(ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+        """An own ticket's running state before its first tile: (max, sum, O^T)."""
+        m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, layout))
+        return (
+            m,
+            gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, layout)),
+            gl.zeros([HEAD_DIM, ROWS], gl.float32, layout=layout),
+        )
+
+    @gluon.jit
     def _store_own(
         m_o,
         l_o,
@@ -346,9 +356,7 @@ if shared_gluon.GLUON:
         qo_smem.store(_own_query(q_ptr, u, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM))
         fence_async_shared()  # generic stores before the wgmma's async reads
         nxt_q = _own_query(q_ptr, u + 1, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM)
-        m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ot_layout))
-        l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, ot_layout))
-        acc_o = gl.zeros([HEAD_DIM, OWN_ROWS], gl.float32, layout=ot_layout)
+        m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
         for k in range(total):
             slot = k % STAGES
             phase = (k // STAGES) & 1
@@ -391,9 +399,7 @@ if shared_gluon.GLUON:
                     nxt_q = _own_query(
                         q_ptr, u + 1, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM
                     )
-                    m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ot_layout))
-                    l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, ot_layout))
-                    acc_o = gl.zeros([HEAD_DIM, OWN_ROWS], gl.float32, layout=ot_layout)
+                    m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
                 mbarrier.wait(k_ready.index(slot), phase)
                 mbarrier.wait(v_ready.index(slot), phase)
                 m_o, l_o, acc_o = _own_tile(
@@ -437,9 +443,7 @@ if shared_gluon.GLUON:
                 m_o, l_o, acc_o, o_ptr, lse_ptr, u, kv_heads, own_slot, stride_op, stride_oh, stride_lp, GROUP
             )
             u += 1
-            m_o = gl.full([OWN_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ot_layout))
-            l_o = gl.zeros([OWN_ROWS], gl.float32, layout=gl.SliceLayout(0, ot_layout))
-            acc_o = gl.zeros([HEAD_DIM, OWN_ROWS], gl.float32, layout=ot_layout)
+            m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
 
     @gluon.jit
     def mixed_gluon_kernel(
