@@ -7,6 +7,7 @@ shared blocks are still stored once, as vLLM does) and ``ceiling`` (attention sk
 
     python -m benchmarks.throughput                   # the issue's grid, Llama-3.1-8B shapes, bf16, GPU
     python -m benchmarks.throughput --model dummy:PATH --batches 4 --prefixes 64 --device cpu  # smoke
+    python -m benchmarks.throughput --mixed           # long own parts: mixed kernel vs two kernels
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def measure(
         # captured shared-path graphs whose segments were contiguous (TMA loads) / all shared ones
         "graphs_tma": sum(bool(k[4][3]) for k in _shared_keys(engine)),
         "graphs_shared": len(_shared_keys(engine)),
+        "graphs_mixed": sum(bool(k[4][-1]) for k in _shared_keys(engine)),  # on the mixed kernel
         "kv_blocks_used_peak": after["kv_blocks_used_peak"],
         "prefill_s": first - t0,
         "elapsed_s": elapsed,
@@ -159,7 +161,16 @@ def main() -> None:
     ap.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (the engine's default uses them)"
     )
+    ap.add_argument(
+        "--mixed",
+        action="store_true",
+        help="decode with long own parts, the mixed kernel (mixed_gluon.py) vs the two kernels: "
+        "throughput_mixed.{json,md}",
+    )
     args = ap.parse_args()
+    if args.mixed:
+        mixed_grid(args)
+        return
     modes = {k: MODES[k] for k in args.modes}
     if args.device != "cuda":
         modes = {k: ("reference" if v == "triton_paged" else v) for k, v in modes.items()}
@@ -245,6 +256,55 @@ def report(args: argparse.Namespace, rows: list[dict], n8: dict | None) -> None:
         ]
     write_results("throughput", payload, "\n".join(md) + "\n")
     plot(payload)
+
+
+def mixed_grid(args: argparse.Namespace) -> None:
+    """Sharing on, with the mixed kernel where its rule takes a step vs never (two kernels per layer).
+
+    Own prompt parts of ``--own`` tokens (default here 512: two or more own tiles per sequence, where
+    the rule can take the mixed kernel), so the own KV outweighs the shared prefix's products.
+    """
+    from prefixserve.attention.kernels import mixed_gluon
+
+    own = args.own if args.own != 64 else 512
+    points = [(b, p) for b in args.batches for p in args.prefixes]
+    if points == [(b, p) for b in (64, 256, 1024) for p in (1024, 4096, 16384)]:  # the defaults
+        points = [(256, 1024), (256, 4096), (1024, 1024), (1024, 4096)]
+    rows = []
+    keep = mixed_gluon.MODE
+    for b, p in points:
+        prompts = (_prompts(b, p, own), _prompts(b, p, own, seed=1))
+        row: dict = {"B": b, "P": p}
+        for name, mode in (("mixed", "auto"), ("two_kernels", "0")):
+            mixed_gluon.MODE = mode
+            try:
+                r = measure(args.model, args.device, "auto", prompts, args.gen)
+            finally:
+                mixed_gluon.MODE = keep
+            row[f"{name}_tok_s"] = r["tok_s"]
+            row[f"{name}_graphs_mixed"] = r["graphs_mixed"]
+        print(row, flush=True)
+        rows.append(row)
+        payload = {**run_info(), "model": args.model, "gen": args.gen, "own": own, "rows": rows}
+        md = [
+            "# Decode throughput: the mixed kernel vs two kernels per layer",
+            "",
+            f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
+            f"model {args.model}; {own} own prompt tokens per sequence, {args.gen} generated; decode under "
+            "CUDA graphs; sharing on (`auto`). `mixed`: the engine's rule (`use_mixed`) picks the mixed "
+            "kernel where it pays; `two kernels`: PREFIXSERVE_MIXED=0. `graphs` = captured decode graphs "
+            "on the mixed kernel. Written by `benchmarks/throughput.py --mixed`.",
+            "",
+            "| B | P | mixed tok/s | two kernels tok/s | mixed / two | graphs |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for x in rows:
+            ratio = x["mixed_tok_s"] / max(x["two_kernels_tok_s"], 1e-9)
+            md.append(
+                f"| {x['B']} | {x['P']} | {x['mixed_tok_s']:.0f} | {x['two_kernels_tok_s']:.0f} | "
+                f"{ratio:.3f}x | {x['mixed_graphs_mixed']} |"
+            )
+        write_results("throughput_mixed", payload, "\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

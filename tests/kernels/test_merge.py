@@ -20,12 +20,13 @@ def _parts(num_parts: int, rows: int, heads: int, dim: int, gen: torch.Generator
     return o, lse
 
 
-def test_regular_merge_matches_reference() -> None:
-    gen = torch.Generator().manual_seed(0)
-    o, lse = _parts(3, 5, 4, 64, gen)
+@pytest.mark.parametrize("num_parts", [1, 3, 9])
+def test_regular_merge_matches_reference(num_parts: int) -> None:
+    gen = torch.Generator().manual_seed(num_parts)
+    o, lse = _parts(num_parts, 5, 4, 64, gen)
     out = torch.full((5, 4, 64), math.nan, device=DEVICE)
     got, got_lse = merge_partials(
-        o.flatten(0, 1).to(DEVICE), lse.flatten(0, 1).to(DEVICE), 5, num_parts=3, out=out
+        o.flatten(0, 1).to(DEVICE), lse.flatten(0, 1).to(DEVICE), 5, num_parts=num_parts, out=out
     )
     ref, ref_lse = merge_partials_ref(list(o), list(lse))
     torch.testing.assert_close(got.cpu().double(), ref, rtol=1e-5, atol=1e-6)
@@ -36,23 +37,23 @@ def test_regular_merge_matches_reference() -> None:
 def test_csr_merge_rows_with_varying_part_counts() -> None:
     gen = torch.Generator().manual_seed(1)
     heads, dim = 3, 32  # heads not a power of two: masked head lanes
-    counts = [0, 1, 4, 2, 3]  # row 0 has no part at all
+    counts = [0, 1, 4, 2, 3, 9]  # row 0 has no part at all
     total = sum(counts)
     o = torch.randn(total, heads, dim, generator=gen)
     lse = torch.randn(total, heads, generator=gen) * 3
     lse[2, 1] = -math.inf
     perm = torch.randperm(total, generator=gen)  # a row's parts lie anywhere in the buffer
     row_ptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    out = torch.full((5, heads, dim), math.nan, device=DEVICE)
+    out = torch.full((6, heads, dim), math.nan, device=DEVICE)
     got, got_lse = merge_partials(
         o.to(DEVICE),
         lse.to(DEVICE),
-        5,
+        6,
         row_ptr=row_ptr.to(DEVICE),
         part_idx=perm.to(torch.int32).to(DEVICE),
         out=out,
     )
-    for r in range(5):
+    for r in range(6):
         idx = perm[row_ptr[r] : row_ptr[r + 1]].long()
         if len(idx) == 0:
             assert (got[r] == 0).all() and (got_lse[r] == -math.inf).all()

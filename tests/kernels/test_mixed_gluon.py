@@ -113,3 +113,43 @@ def test_engine_decode_step_through_the_mixed_kernel(monkeypatch, groups, hq, hk
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1.1 * rel_err(split, ref) + 1e-4
     assert rel_err(again, out) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch) -> None:
+    """The graph path (the engine's decode graphs) takes the mixed kernel, and a captured graph
+    replays it on a later step with new lengths and padding rows, against the reference."""
+    from prefixserve.attention.graph import HeadShape
+
+    monkeypatch.setattr(mixed_gluon, "MODE", "1")
+    hq, hkv, dim, dtype, bucket = 32, 8, 128, torch.bfloat16, 256  # 96 padding rows
+    q, k, v, meta = _decode_batch([(1024, 100, 300), (2048, 60, 200)], 16, hq, hkv, dim, dtype, seed=5)
+    shape = HeadShape(hq, hkv, dim, dtype, q.device)
+    be = TritonBackend()
+    step = be.graph_step(meta, shape, bucket)
+    assert step.key[0] == "shared" and step.key[4][-1] and step.key[3] == 2  # mixed, two own halves
+    attn = step.build()
+    static_q = torch.zeros(bucket, hq, dim, dtype=dtype, device=q.device)
+    static_q[: q.shape[0]] = q
+    attn.o_part.fill_(float("nan"))  # stale partials must never be read
+    attn.load(step.arrays)
+    attn.forward(static_q, k, v, None, dim**-0.5)  # first launch: records (and warms up) the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attn.forward(static_q, k, v, None, dim**-0.5)
+    prefixes = [1024] * 100 + [2048] * 60
+    for trim in (0, 37):  # a later step: own parts shorter by up to ``trim`` tokens (one at least)
+        lens = [n - min(trim, n - p - 1) for n, p in zip(meta.seq_lens_host, prefixes, strict=True)]
+        tables = [row[: -(-n // 16)].tolist() for row, n in zip(meta.block_tables_np, lens, strict=True)]
+        later = build_metadata(16, [1] * len(lens), lens, tables, "cuda")
+        later_step = be.graph_step(later, shape, bucket)
+        if later_step.key != step.key:
+            later_step = later_step.refit(step.key)
+        assert later_step.key == step.key
+        attn.load(later_step.arrays)
+        graph.replay()
+        ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), later, dim**-0.5)
+        got = static_out[: q.shape[0]]
+        assert torch.isfinite(got).all()
+        assert rel_err(got, ref) < 1e-2

@@ -7,7 +7,9 @@ on any later step (``attention/graph.py`` explains the scheme):
   * the paged kernel runs with ``split_size=0``, so each sequence's KV is cut into the grid's splits by
     its own length, read on the device: no length is baked into the graph;
   * shared partials go to slots ``[0, slots_cap)`` and own partials after them at a fixed offset, so
-    the merge CSR (refilled each step) can name any slot.
+    the merge CSR (refilled each step) can name any slot;
+  * a step that ``use_mixed`` takes runs the shared and own tiles as one mixed launch
+    (``mixed_gluon.py``), whose two own halves are the step's two own splits, then the merge.
 The key of a step (``GraphStep.key``) holds every value a graph bakes in: bucket, capacities, tiles
 and split counts. Capacities are powers of two, so a growing batch re-captures rarely.
 """
@@ -26,9 +28,12 @@ from prefixserve.attention.kernels.triton_backend import (
     _PAGED_OUT,
     _PAGED_PART,
     SIDE_PRIORITY,
+    launch_fused_path,
     launch_split_path,
+    mixed_gluon,
     own_pack_rule,
     replay_launches,
+    step_sizes,
 )
 from prefixserve.attention.metadata import AttentionMetadata
 
@@ -86,16 +91,23 @@ def shared_graph_step(
         plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype, bucket * width * bs
     )
     elt = torch.empty(0, dtype=shape.dtype).element_size()
-    pack = own_pack_rule(plan, bucket, (shape.q_heads, kv_heads, shape.head_dim, elt), bs, shape.device)
+    shared_row_tokens, own_tokens = step_sizes(plan, bs)
+    heads = (shape.q_heads, kv_heads, shape.head_dim)
+    mixed = mixed_gluon().use_mixed(
+        shape.device, shape.dtype, heads, work, 1, shared_row_tokens, own_tokens, meta.num_seqs
+    )
+    pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
     own_splits = _splits(int(own_lens.max(initial=0)), -(-bucket // pack) * kv_heads, shape.device)
+    if mixed:  # the mixed kernel's two halves of every own tile: two own slots per row
+        own_splits = 2
     needed = (
         "shared",
         bucket,
         width,
         own_splits,
-        (work.block_m, work.block_n, work.num_stages, work.tma, work.programs, pack),
+        (work.block_m, work.block_n, work.num_stages, work.tma, work.programs, pack, mixed),
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
         capacity(plan.seg_blocks.numel(), 16),
@@ -228,7 +240,8 @@ class PagedGraph(_Recorded):
 
 
 class SharedGraph(_Recorded):
-    """Shared-segment kernel (side stream) + own paged kernel + CSR merge, all over fixed capacities."""
+    """Shared-segment kernel (side stream) + own paged kernel + CSR merge, all over fixed capacities;
+    or, when the key says mixed, the mixed kernel + CSR merge."""
 
     def __init__(self, key: tuple[Any, ...], shape: HeadShape) -> None:
         _, bucket, own_width, own_splits, tiles, items, segs, blocks, rows, slots, nnz = key
@@ -245,7 +258,7 @@ class SharedGraph(_Recorded):
         }
         super().__init__(fields, shape)
         self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
-        self.block_m, self.block_n, self.stages, self.tma, self.programs, self.pack = tiles
+        self.block_m, self.block_n, self.stages, self.tma, self.programs, self.pack, self.mixed = tiles
         parts = slots + own_splits * bucket
         f32 = {"dtype": torch.float32, "device": shape.device}
         self.o_part = torch.empty(parts, shape.q_heads, shape.head_dim, **f32)
@@ -285,10 +298,9 @@ class SharedGraph(_Recorded):
             b * heads * dim,
             b * heads,
         )
-        return launch_split_path(
-            lambda: shared_attention.launch_shared(*shared_args),
-            lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),
-            lambda rec: merge.merge_partials(
+
+        def merge_into(rec: list) -> Any:
+            return merge.merge_partials(
                 self.o_part,
                 self.lse_part,
                 b,
@@ -297,7 +309,29 @@ class SharedGraph(_Recorded):
                 out=out,
                 want_lse=False,
                 launches=rec,
-            ),
+            )
+
+        if self.mixed and mixed_gluon().eligible(q, k_cache, v_cache, self.block_m, self.block_n):
+            mixed = mixed_gluon().launch_mixed(
+                q,
+                k_cache,
+                v_cache,
+                self.buffer("seg_rows"),
+                self.buffer("items"),
+                self.buffer("own_tables"),
+                self.buffer("own_seq_lens"),  # padding rows: length 0, a zero partial each
+                self.o_part,
+                self.lse_part,
+                scale,
+                own_slot0=s,
+                own_stride=b,
+                programs=paged_attention.num_sms(q.device),
+            )
+            return launch_fused_path(mixed, merge_into)
+        return launch_split_path(
+            lambda: shared_attention.launch_shared(*shared_args),
+            lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),
+            merge_into,
             self.side_stream(),
         )
 

@@ -421,6 +421,14 @@ def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], bl
     return pack if shared_mod.own_heavy(plan, block_size, kv_heads, group, dim, elt) else 1
 
 
+def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
+    """(holder rows x KV tokens summed over segments, own KV tokens): a step's shared FLOPs and own
+    bytes, up to constant factors (``use_mixed`` and the fused launch weigh one against the other)."""
+    rows = np.diff(plan.seg_row_start_host)
+    seg_tokens = np.diff(plan.seg_block_start_host) * block_size
+    return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
+
+
 Recorded = tuple[Any, tuple[int, int, int, int], bool]  # (launch, per-layer argument positions, on side)
 
 
@@ -514,10 +522,7 @@ def build_layout(
         seg_blocks = plan.seg_blocks.cpu().numpy()
     work = shared_mod.plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype)
     ns = work.num_slots
-    rows = np.diff(plan.seg_row_start_host)
-    seg_tokens = np.diff(plan.seg_block_start_host) * meta.block_size
-    shared_row_tokens = int((rows * seg_tokens).sum())
-    own_tokens = int(sum(plan.own_seq_lens_host))
+    shared_row_tokens, own_tokens = step_sizes(plan, meta.block_size)
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
     mixed = mixed_gluon().use_mixed(
