@@ -259,7 +259,7 @@ def report(args: argparse.Namespace, rows: list[dict], n8: dict | None) -> None:
 
 
 def mixed_grid(args: argparse.Namespace) -> None:
-    """Sharing on, with the mixed kernel where its rule takes a step vs never (two kernels per layer).
+    """Sharing on, with the mixed kernel on every eligible decode step vs never (two kernels per layer).
 
     Own prompt parts of ``--own`` tokens (default here 512: two or more own tiles per sequence, where
     the rule can take the mixed kernel), so the own KV outweighs the shared prefix's products.
@@ -275,7 +275,7 @@ def mixed_grid(args: argparse.Namespace) -> None:
     for b, p in points:
         prompts = (_prompts(b, p, own), _prompts(b, p, own, seed=1))
         row: dict = {"B": b, "P": p}
-        for name, mode in (("mixed", "auto"), ("two_kernels", "0")):
+        for name, mode in (("mixed", "1"), ("two_kernels", "0")):
             mixed_gluon.MODE = mode
             try:
                 r = measure(args.model, args.device, "auto", prompts, args.gen)
@@ -291,9 +291,10 @@ def mixed_grid(args: argparse.Namespace) -> None:
             "",
             f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
             f"model {args.model}; {own} own prompt tokens per sequence, {args.gen} generated; decode under "
-            "CUDA graphs; sharing on (`auto`). `mixed`: the engine's rule (`use_mixed`) picks the mixed "
-            "kernel where it pays; `two kernels`: PREFIXSERVE_MIXED=0. `graphs` = captured decode graphs "
-            "on the mixed kernel. Written by `benchmarks/throughput.py --mixed`.",
+            "CUDA graphs; sharing on (`auto`). `mixed`: PREFIXSERVE_MIXED=1 (every eligible decode step "
+            "on the mixed kernel); `two kernels`: PREFIXSERVE_MIXED=0 (shared kernel + own kernel). "
+            "`graphs` = captured decode graphs on the mixed kernel. Written by "
+            "`benchmarks/throughput.py --mixed`.",
             "",
             "| B | P | mixed tok/s | two kernels tok/s | mixed / two | graphs |",
             "| ---: | ---: | ---: | ---: | ---: | ---: |",

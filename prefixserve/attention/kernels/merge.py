@@ -63,29 +63,29 @@ def _merge_kernel(
         first = tl.load(row_ptr_ptr + row)
         count = tl.load(row_ptr_ptr + row + 1) - first
 
-    # pass 1: the max LSE per head (only [H] floats per part are read)
+    # one pass with a running max (as flash attention does over keys): a part's lse and o are loaded
+    # together, so a row waits for memory count times, not 2 x count as with a max pass first
+    # (measured 5-8% faster over 64-1024 rows of 32 x 128; NOTES.md v9)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for i in range(0, count):
-        slot = row + i * part_stride if REGULAR else tl.load(part_idx_ptr + first + i)
-        lse = tl.load(lse_part_ptr + slot.to(tl.int64) * stride_lp + offs_h, mask=h_mask, other=float("-inf"))
-        m = tl.maximum(m, lse)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-
-    # pass 2: weighted sum; exp2(-inf) = 0 drops empty parts exactly
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     for i in range(0, count):
         slot = row + i * part_stride if REGULAR else tl.load(part_idx_ptr + first + i)
         slot = slot.to(tl.int64)
         lse = tl.load(lse_part_ptr + slot * stride_lp + offs_h, mask=h_mask, other=float("-inf"))
-        w = tl.exp2((lse - m_safe) * 1.4426950408889634)
         o = tl.load(
             o_part_ptr + slot * stride_pp + offs_h[:, None] * stride_ph + offs_d[None, :],
             mask=h_mask[:, None],
             other=0.0,
         )
-        acc += o * w[:, None]
-        denom += w
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part yet: alpha and w stay 0
+        alpha = tl.exp2((m - m_use) * 1.4426950408889634)
+        w = tl.exp2((lse - m_use) * 1.4426950408889634)  # exp2(-inf) = 0 drops empty parts exactly
+        acc = acc * alpha[:, None] + o * w[:, None]
+        denom = denom * alpha + w
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     empty = denom == 0.0
     out = acc / tl.where(empty, 1.0, denom)[:, None]
     row64 = row.to(tl.int64)
