@@ -9,7 +9,7 @@ on any later step (``attention/graph.py`` explains the scheme):
   * shared partials go to slots ``[0, slots_cap)`` and own partials after them at a fixed offset, so
     the merge CSR (refilled each step) can name any slot;
   * a step that ``use_mixed`` takes runs the shared and own tiles as one mixed launch
-    (``mixed_gluon.py``), whose two own halves are the step's two own splits, then the merge.
+    (``mixed_gluon.py``), which writes one own partial per row (the step's one own split), then the merge.
 The key of a step (``GraphStep.key``) holds every value a graph bakes in: bucket, capacities, tiles
 and split counts. Capacities are powers of two, so a growing batch re-captures rarely.
 """
@@ -100,8 +100,8 @@ def shared_graph_step(
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
     own_splits = _splits(int(own_lens.max(initial=0)), -(-bucket // pack) * kv_heads, shape.device)
-    if mixed:  # the mixed kernel's two halves of every own tile: two own slots per row
-        own_splits = 2
+    if mixed:  # the mixed kernel writes one own partial per row
+        own_splits = 1
     needed = (
         "shared",
         bucket,
@@ -324,7 +324,6 @@ class SharedGraph(_Recorded):
                 self.lse_part,
                 scale,
                 own_slot0=s,
-                own_stride=b,
                 programs=paged_attention.num_sms(q.device),
             )
             return launch_fused_path(mixed, merge_into)

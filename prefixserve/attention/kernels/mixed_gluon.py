@@ -12,8 +12,9 @@ box per block; blocks past the sequence are out-of-bounds boxes, which TMA fills
 reading memory). Each consumer warpgroup takes half of the tile's tokens and computes the transposed
 product ``S^T = K Q^T`` (tokens x padded heads: wgmma's N can be 8, its M cannot be under 64), the
 softmax along tokens, and ``O^T += V^T P^T``, so a decode row's few heads cost little tensor time.
-The two halves write two partial slots per row (``own_slot0 + w * own_stride + row``), which the
-step's merge combines with the shared slots, as it does for split KV.
+At a sequence's end the second warpgroup hands its half's state to the first through shared memory,
+which combines the two and writes one partial slot per row (``own_slot0 + row``): the step's merge
+then combines it with the shared slots, as it does for split KV.
 
 To make room for the own operands (Q^T and P^T tiles), the shared tiles' query rows stay in
 registers (wgmma's A from registers) instead of shared memory, and the consumers run tiles without
@@ -284,11 +285,52 @@ if shared_gluon.GLUON:
         gl.store(lse_ptr + slot * stride_lp + head, lse, mask=h < GROUP)
 
     @gluon.jit
+    def _finish_own(
+        w: gl.constexpr,
+        m_o,
+        l_o,
+        acc_o,
+        xch,  # (x_m, x_l, x_acc, x_full, x_free): the second warpgroup's half, handed to the first
+        n_done,  # own tickets this program finished before this one (the exchange's phase)
+        out,  # (o, lse, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp)
+        GROUP: gl.constexpr,
+    ):
+        """End of own ticket u: warpgroup 1 hands its (max, sum, O^T) to warpgroup 0, which combines
+        the two halves and writes the ticket's one partial (half the own partial bytes of two slots,
+        and one part fewer per row for the merge)."""
+        x_m, x_l, x_acc, x_full, x_free = xch
+        o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp = out
+        phase = n_done & 1
+        if w == 1:
+            mbarrier.wait(x_free, phase ^ 1)  # warpgroup 0 has read the last hand-over (a fresh one passes)
+            x_m.store(m_o)
+            x_l.store(l_o)
+            x_acc.store(acc_o)
+            gl.thread_barrier()  # every thread's stores before the one arrival
+            mbarrier.arrive(x_full, count=1)
+        else:
+            mbarrier.wait(x_full, phase)
+            m_1 = x_m.load(m_o.type.layout)
+            l_1 = x_l.load(l_o.type.layout)
+            acc_1 = x_acc.load(acc_o.type.layout)
+            gl.thread_barrier()  # every thread's loads before the buffer is handed back
+            mbarrier.arrive(x_free, count=1)
+            m = gl.maximum(m_o, m_1)
+            m_use = gl.where(m == float("-inf"), 0.0, m)  # both halves empty: weights stay 0
+            a_0 = gl.exp2(m_o - m_use)
+            a_1 = gl.exp2(m_1 - m_use)
+            acc = acc_o * gl.expand_dims(a_0, 0) + acc_1 * gl.expand_dims(a_1, 0)
+            l_c = l_o * a_0 + l_1 * a_1
+            _store_own(
+                m, l_c, acc, o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp, GROUP
+            )
+
+    @gluon.jit
     def _mixed_consumer(
         w: gl.constexpr,  # 0 or 1: this warpgroup's rows of a shared tile, its tokens of an own tile
-        bufs,  # (qo_smem, pt_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+        bufs,  # (qo_smem, pt_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, xch)
         walk,  # as the loader's
-        ptrs,  # (q, seg_rows, o, lse, qk_scale, own_slot0, own_stride, strides...)
+        ptrs,  # (q, seg_rows, o, lse, qk_scale, own_slot0, strides...)
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -296,7 +338,7 @@ if shared_gluon.GLUON:
         STAGES: gl.constexpr,
     ):
         """One warpgroup: its 64 rows of each shared tile and its half of each own tile, in ring order."""
-        qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty = bufs
+        qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty, xch = bufs
         items_ptr, num_items, kv_heads, t, _tables, own_lens_ptr, _ts, u_lo, u_hi, _oob = walk
         (
             q_ptr,
@@ -305,7 +347,6 @@ if shared_gluon.GLUON:
             lse_ptr,
             qk_scale,
             own_slot0,
-            own_stride,
             stride_qt,
             stride_qh,
             stride_op,
@@ -316,7 +357,6 @@ if shared_gluon.GLUON:
         m_off: gl.constexpr = w * PART_M
         qo_smem = qo_all.index(w)
         pt_smem = pt_all.index(w)
-        own_slot = own_slot0 + w * own_stride
         num_warps: gl.constexpr = gl.num_warps()
         OWN_ROWS: gl.constexpr = qo_all.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -357,6 +397,7 @@ if shared_gluon.GLUON:
         fence_async_shared()  # generic stores before the wgmma's async reads
         nxt_q = _own_query(q_ptr, u + 1, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM)
         m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
+        n_done = 0
         for k in range(total):
             slot = k % STAGES
             phase = (k // STAGES) & 1
@@ -376,20 +417,9 @@ if shared_gluon.GLUON:
                 acc_s = warpgroup_mma_wait(0, deps=(acc_s,))
             else:
                 while j * BLOCK_N >= o_len:  # ticket u is done: its partial out, the next one in
-                    _store_own(
-                        m_o,
-                        l_o,
-                        acc_o,
-                        o_ptr,
-                        lse_ptr,
-                        u,
-                        kv_heads,
-                        own_slot,
-                        stride_op,
-                        stride_oh,
-                        stride_lp,
-                        GROUP,
-                    )
+                    out = (o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp)
+                    _finish_own(w, m_o, l_o, acc_o, xch, n_done, out, GROUP)
+                    n_done += 1
                     u += 1
                     j = 0
                     o_len = nxt_len
@@ -439,9 +469,9 @@ if shared_gluon.GLUON:
                 HEAD_DIM,
             )
         while u < u_hi:  # the last ticket with tiles, then any empty ones after it
-            _store_own(
-                m_o, l_o, acc_o, o_ptr, lse_ptr, u, kv_heads, own_slot, stride_op, stride_oh, stride_lp, GROUP
-            )
+            out = (o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp)
+            _finish_own(w, m_o, l_o, acc_o, xch, n_done, out, GROUP)
+            n_done += 1
             u += 1
             m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
 
@@ -465,8 +495,7 @@ if shared_gluon.GLUON:
         kv_heads,
         num_seqs,
         table_stride,
-        own_slot0,  # own partial of sequence s (decode row s), warpgroup w: own_slot0 + w * own_stride + s
-        own_stride,
+        own_slot0,  # own partial of sequence s (decode row s): slot own_slot0 + s
         oob_row,  # a cache row past the end: TMA fills its box with zeros
         stride_qt,
         stride_qh,
@@ -498,6 +527,15 @@ if shared_gluon.GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # the hand-over of warpgroup 1's half of an own ticket (``_finish_own``)
+        x_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        x_m = gl.allocate_shared_memory(gl.float32, [OWN_ROWS], x_layout)
+        x_l = gl.allocate_shared_memory(gl.float32, [OWN_ROWS], x_layout)
+        xa_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        x_acc = gl.allocate_shared_memory(gl.float32, [HEAD_DIM, OWN_ROWS], xa_layout)
+        x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(x_bars.index(0), count=1)
+        mbarrier.init(x_bars.index(1), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -515,7 +553,8 @@ if shared_gluon.GLUON:
             u_hi,
             oob_row,
         )
-        bufs = (qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+        xch = (x_m, x_l, x_acc, x_bars.index(0), x_bars.index(1))
+        bufs = (qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty, xch)
         ptrs = (
             q_ptr,
             seg_rows_ptr,
@@ -523,7 +562,6 @@ if shared_gluon.GLUON:
             lse_ptr,
             qk_scale,
             own_slot0,
-            own_stride,
             stride_qt,
             stride_qh,
             stride_op,
@@ -592,7 +630,6 @@ def launch_mixed(
     lse_part: torch.Tensor,
     scale: float,
     own_slot0: int,
-    own_stride: int,
     programs: int,
     block_m: int = 128,
     block_n: int = 128,
@@ -601,7 +638,7 @@ def launch_mixed(
     """Run ``mixed_gluon_kernel`` on ``programs`` programs (at least the shared tickets).
 
     Shared partials go where the work list's items say; own partials of sequence s (a decode step:
-    query row s) to slots ``own_slot0 + w * own_stride + s`` for w = 0, 1. Returns the recorded
+    query row s) to slot ``own_slot0 + s``. Returns the recorded
     launch, whose descriptors (args 3-6) are remade from a later layer's caches.
     """
     q_heads, dim = q.shape[1:]
@@ -626,7 +663,6 @@ def launch_mixed(
         own_lens.shape[0],
         own_tables.stride(0),
         own_slot0,
-        own_stride,
         num_blocks * block_size,
         q.stride(0),
         q.stride(1),

@@ -59,7 +59,7 @@ class _Layout:
     own_splits: int
     own_split_size: int
     own_pack: int = 1  # decode sequences per own-kernel program
-    mixed: bool = False  # shared and own tiles in one launch (mixed_gluon.py); own_splits = its 2 halves
+    mixed: bool = False  # shared and own tiles in one launch (mixed_gluon.py); one own split
     work: Any = None  # SharedWork, when the step has segments
     num_slots: int = 0  # shared slots + own slots
     row_ptr: torch.Tensor | None = None  # [T+1] int32: CSR over the merged partials
@@ -359,7 +359,6 @@ class TritonBackend(TritonPagedBackend):
                 lay.lse_part,
                 scale,
                 own_slot0=ns,
-                own_stride=tokens,
                 programs=paged.num_sms(q.device),
             )
             return launch_fused_path(mixed, merge_into)
@@ -528,10 +527,10 @@ def build_layout(
     mixed = mixed_gluon().use_mixed(
         device, dtype, shape, work, step.max_query_len, shared_row_tokens, own_tokens, meta.num_seqs, mode
     )
-    if mixed:  # the mixed kernel's two halves of each own tile land as two splits (the paged kernel's
-        # too, should a layer's caches not take the mixed kernel)
-        own_splits = 2
-        own_split_size = -(-max(plan.own_seq_lens_host, default=0) // (2 * block_n)) * block_n
+    if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
+        # should a layer's caches not take the mixed kernel)
+        own_splits = 1
+        own_split_size = max(1, -(-max(plan.own_seq_lens_host, default=0) // block_n)) * block_n
     # merge CSR over the step's T rows: each row's own splits, then its slots in every segment
     seg_rows = step.seg_rows_host
     if seg_rows is None:  # a step planned elsewhere (e.g. benchmarks): read the rows back once
