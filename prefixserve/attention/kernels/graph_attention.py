@@ -28,6 +28,7 @@ from prefixserve.attention.kernels.triton_backend import (
     _PAGED_OUT,
     _PAGED_PART,
     SIDE_PRIORITY,
+    csr_merge,
     launch_fused_path,
     launch_split_path,
     mixed_gluon,
@@ -299,18 +300,8 @@ class SharedGraph(_Recorded):
             b * heads,
         )
 
-        def merge_into(rec: list) -> Any:
-            return merge.merge_partials(
-                self.o_part,
-                self.lse_part,
-                b,
-                row_ptr=self.buffer("row_ptr"),
-                part_idx=self.buffer("part_idx"),
-                out=out,
-                want_lse=False,
-                launches=rec,
-            )
-
+        row_ptr, part_idx = self.buffer("row_ptr"), self.buffer("part_idx")
+        merge_into = csr_merge(self.o_part, self.lse_part, b, row_ptr, part_idx, out)
         if self.mixed and mixed_gluon().eligible(q, k_cache, v_cache, self.block_m, self.block_n):
             mixed = mixed_gluon().launch_mixed(
                 q,

@@ -319,7 +319,7 @@ class TritonBackend(TritonPagedBackend):
 
     def _shared_first(self, q, k_cache, v_cache, meta, step: TritonStep, lay: _Layout, scale, out, side):
         """Launch shared + own + merge through Triton's normal path; return the recorded launches."""
-        paged, shared_mod, merge = _kernels()
+        paged, shared_mod, _ = _kernels()
         plan = step.shared
         tokens, q_heads, dim = q.shape
         ns = lay.work.num_slots
@@ -334,18 +334,7 @@ class TritonBackend(TritonPagedBackend):
             scale,
         )
 
-        def merge_into(rec: list) -> Any:
-            return merge.merge_partials(
-                lay.o_part,
-                lay.lse_part,
-                tokens,
-                row_ptr=lay.row_ptr,
-                part_idx=lay.part_idx,
-                out=out,
-                want_lse=False,
-                launches=rec,
-            )
-
+        merge_into = csr_merge(lay.o_part, lay.lse_part, tokens, lay.row_ptr, lay.part_idx, out)
         if lay.mixed and mixed_gluon().eligible(q, k_cache, v_cache, lay.work.block_m, lay.work.block_n):
             mixed = mixed_gluon().launch_mixed(
                 q,
@@ -426,6 +415,15 @@ def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
     rows = np.diff(plan.seg_row_start_host)
     seg_tokens = np.diff(plan.seg_block_start_host) * block_size
     return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
+
+
+def csr_merge(o_part, lse_part, rows: int, row_ptr, part_idx, out) -> Callable[[list], Any]:
+    """The step's CSR merge of its partials into ``out``, as the ``launch_*_path`` functions take it:
+    called with a list, it launches and records its launch there."""
+    _, _, merge = _kernels()
+    return lambda rec: merge.merge_partials(
+        o_part, lse_part, rows, row_ptr=row_ptr, part_idx=part_idx, out=out, want_lse=False, launches=rec
+    )
 
 
 Recorded = tuple[Any, tuple[int, int, int, int], bool]  # (launch, per-layer argument positions, on side)
