@@ -38,7 +38,8 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         kernel = mixed_gluon.mixed_gluon_kernel
         own = mangle_type(mixed_gluon.own_descriptor(cache, 128))
         types |= {"ko_desc": own, "vo_desc": own, "own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
-        consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": mixed_gluon.OWN_N}
+        ht, rows = mixed_gluon.own_tiling(group * 8, 8, 16)  # 8 KV heads, as the 8B models
+        consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
     else:
         kernel = shared_gluon.shared_gluon_kernel
         consts["OVERLAP"] = True

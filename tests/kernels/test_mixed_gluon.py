@@ -22,6 +22,17 @@ def _work(tma: bool = True, block_m: int = 128, block_n: int = 128) -> SharedWor
     return SharedWork(torch.zeros(1, 7), 0, block_m, block_n, 3, [], [], torch.zeros(0), tma=tma)
 
 
+def test_own_tiling() -> None:
+    """Own tickets of four KV heads where heads and cache blocks allow, else two; none for one head."""
+    assert mixed_gluon.own_tiling(32, 8, 16) == (4, 8)  # GQA 4: two heads x 4 query heads per warpgroup
+    assert mixed_gluon.own_tiling(64, 8, 16) == (4, 16)  # GQA 8
+    assert mixed_gluon.own_tiling(8, 8, 16) == (4, 8)  # GQA 1: 2 query heads, padded to wgmma's N = 8
+    assert mixed_gluon.own_tiling(32, 8, 64) == (2, 8)  # 32 tokens a head would split a 64-token block
+    assert mixed_gluon.own_tiling(32, 2, 16) == (2, 16)  # GQA 16
+    assert mixed_gluon.own_tiling(64, 2, 16) == (0, 0)  # GQA 32: N = 32 > OWN_MAX_N
+    assert mixed_gluon.own_tiling(32, 1, 16) == (0, 0)
+
+
 def test_rule(monkeypatch) -> None:
     """Own-heavy decode steps on the Gluon path take the mixed kernel; the rest do not."""
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: True)
@@ -31,15 +42,18 @@ def test_rule(monkeypatch) -> None:
     assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     # the same rows on a 16K prefix with 128 own tokens: FLOP-bound, the two-kernel path
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
-    # own-heavy (a 1K prefix) but one own tile per sequence: ticket costs outweigh the overlap
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
+    # own-heavy (a 1K prefix) with 128 own tokens a sequence: four tiles per four-head ticket
+    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
+    # own parts too short for ticket costs to pay off
+    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 64, 1024)
     assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 512, 1024)
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512, 1024)  # prefill
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512, 1024)
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(block_n=64), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert mixed_gluon.use_mixed(dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024)  # G 16
     assert not mixed_gluon.use_mixed(
-        dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024
-    )  # G 16
+        dev, bf16, (32, 1, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024
+    )  # one KV head: no pair of heads to split between the warpgroups
     monkeypatch.setattr(mixed_gluon, "MODE", "1")
     assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
     monkeypatch.setattr(mixed_gluon, "MODE", "0")
@@ -86,22 +100,28 @@ def _run(q, k, v, meta, mixed: bool):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize(
-    ("groups", "hq", "hkv", "dim", "dtype", "sms"),
+    ("groups", "hq", "hkv", "dim", "dtype", "sms", "bs", "ht"),
     [
-        ([(2048, 96, 300)], 16, 4, 128, torch.bfloat16, None),  # own tickets of 1-3 tiles, ragged
-        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None),  # two segments
-        ([(1536, 64, 130)], 64, 8, 64, torch.float16, None),  # GQA 8, d 64
-        ([(512, 300, 64)], 8, 8, 128, torch.bfloat16, 1),  # GQA 1: every program holds a shared ticket
-        ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7),  # GQA 2
-        ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500),  # mostly own-only programs
+        ([(2048, 96, 300)], 16, 4, 128, torch.bfloat16, None, 16, 0),  # own tickets of 1-10 tiles, ragged
+        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None, 16, 0),  # two segments
+        ([(1536, 64, 130)], 64, 8, 64, torch.float16, None, 16, 0),  # GQA 8, d 64: N = 16
+        ([(512, 300, 64)], 8, 8, 128, torch.bfloat16, 1, 16, 0),  # GQA 1: every program holds a shared ticket
+        ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7, 16, 0),  # GQA 2
+        ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500, 16, 0),  # mostly own-only programs
+        ([(1024, 90, 333)], 32, 8, 128, torch.bfloat16, None, 16, 2),  # tickets of two heads
+        ([(1024, 60, 200)], 32, 2, 128, torch.bfloat16, None, 16, 0),  # GQA 16: two heads, N = 16
+        ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32, 0),  # cache blocks of 32 tokens
     ],
 )
-def test_engine_decode_step_through_the_mixed_kernel(monkeypatch, groups, hq, hkv, dim, dtype, sms) -> None:
+def test_engine_decode_step_through_the_mixed_kernel(
+    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, ht
+) -> None:
     """The mixed launch against the two-kernel path and the fp64-backed reference; a later layer's
     replay (descriptors remade) matches the first launch."""
     if sms is not None:  # the grid: max(programs, shared tickets)
         monkeypatch.setattr(paged_attention, "num_sms", lambda device=None: sms)
-    q, k, v, meta = _decode_batch(groups, 16, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
+    monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
+    q, k, v, meta = _decode_batch(groups, bs, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
     calls = []
     original = mixed_gluon.launch_mixed
     monkeypatch.setattr(mixed_gluon, "launch_mixed", lambda *a, **kw: calls.append(1) or original(*a, **kw))

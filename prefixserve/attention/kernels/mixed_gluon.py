@@ -3,18 +3,21 @@
 Why: the shared kernel (``shared_gluon.py``) holds an SM's whole shared memory and register file
 while it runs, so the own kernel's KV streams only before or after it and a bytes-bound step costs
 about shared + own (NOTES.md v7). Here each program walks one shared ticket (item, KV head) and an
-even share of the own tickets (sequence, KV head), and its loader warp puts both kinds of tile
+even share of the own tickets (sequence, group of KV heads), and its loader warp puts both kinds of tile
 through one TMA ring, evenly interleaved: while the consumers run a shared tile's products, the ring
 already fetches the next own tile from HBM. Programs past the shared tickets stream own KV only.
 
-Own tiles are ``BLOCK_N`` tokens of one sequence and KV head, loaded one cache block at a time (a
-box per block; blocks past the sequence are out-of-bounds boxes, which TMA fills with zeros without
-reading memory). Each consumer warpgroup takes half of the tile's tokens and computes the transposed
-product ``S^T = K Q^T`` (tokens x padded heads: wgmma's N can be 8, its M cannot be under 64), the
-softmax along tokens, and ``O^T += V^T P^T``, so a decode row's few heads cost little tensor time.
-At a sequence's end the second warpgroup hands its half's state to the first through shared memory,
-which combines the two and writes one partial slot per row (``own_slot0 + row``): the step's merge
-then combines it with the shared slots, as it does for split KV.
+An own ticket is (sequence, group of ``HT`` KV heads); its tiles are ``BLOCK_N / HT`` tokens of each
+of the group's heads (``BLOCK_N`` rows), loaded one box per (cache block, head); blocks past the
+sequence are out-of-bounds boxes, which TMA fills with zeros without reading memory. Consumer
+warpgroup w takes the tile's rows of heads w HT/2 .. (w + 1) HT/2 - 1 and computes the transposed
+product ``S^T = K Q^T`` against those heads' query heads (rows x padded query heads: wgmma's N can
+be 8, its M cannot be under 64), masked block-diagonally (a row's key meets only its own head's
+queries), the softmax along rows, and ``O^T += V^T P^T``, so a decode row's few heads cost little
+tensor time. Each warpgroup owns whole heads, so at a ticket's end it writes their partials itself
+(slot ``own_slot0 + row``), and the step's merge combines them with the shared slots as it does for
+split KV. Tickets of several heads read a cache block's heads together and cost their per-ticket
+work (query rows, partial stores) once per group.
 
 To make room for the own operands (Q^T and P^T tiles), the shared tiles' query rows stay in
 registers (wgmma's A from registers) instead of shared memory, and the consumers run tiles without
@@ -45,15 +48,17 @@ if shared_gluon.GLUON:
 
     from prefixserve.attention.kernels.shared_gluon import _item_range, _softmax_update, _store_rows
 
-OWN_N = 8  # query heads per own tile, padded: wgmma's smallest N
+OWN_MAX_N = 16  # query heads per warpgroup's half of an own tile (padded to 8s: wgmma's N)
+FORCE_HT = int(os.environ.get("PREFIXSERVE_MIXED_HT", "0"))  # KV heads per own tile; 0: ``own_tiling``
 # "0": never; "1": every eligible decode step; "auto": ``use_mixed``'s rule (NOTES.md v8)
 MODE = os.environ.get("PREFIXSERVE_MIXED", "auto")
 GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (NOTES.md v7)
 COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
 MIN_OWN_SHARE = 0.5  # own time / shared time from which the mixed kernel pays
-# own tiles per sequence (mean) from which it pays: each own ticket costs its warpgroups about 1 us
-# beyond its tiles, so one-tile tickets (S=128) lost at every point measured (NOTES.md v8)
-MIN_OWN_TILES = 2
+# own tokens per sequence (mean) from which it pays: each own ticket costs its warpgroups about 1 us
+# beyond its tiles. One-tile tickets of one head (S=128, NOTES.md v8) lost at every point measured;
+# tickets of four heads won there (v10); shorter own parts are not measured
+MIN_OWN_TOKENS = 128
 
 if shared_gluon.GLUON:
 
@@ -64,31 +69,32 @@ if shared_gluon.GLUON:
         return base, row_lo, row_hi, kv_len, gl.where(t < num_items * kv_heads, n_tiles, 0)
 
     @gluon.jit
-    def _own_len(own_lens_ptr, u, u_hi, kv_heads):
-        """Own KV tokens of own ticket u = (sequence, KV head); 0 past u_hi."""
+    def _own_len(own_lens_ptr, u, u_hi, groups):
+        """Own KV tokens of own ticket u = (sequence, head group; ``groups`` per sequence); 0 past u_hi."""
         ok = u < u_hi
-        return gl.where(ok, gl.load(own_lens_ptr + gl.where(ok, u // kv_heads, 0)), 0)
+        return gl.where(ok, gl.load(own_lens_ptr + gl.where(ok, u // groups, 0)), 0)
 
     @gluon.jit
-    def _own_tile_total(own_lens_ptr, u_lo, u_hi, kv_heads, BLOCK_N: gl.constexpr):
-        """Own tiles of tickets u_lo .. u_hi (a vector load per 32 x warps tickets: one memory trip)."""
+    def _own_tile_total(own_lens_ptr, u_lo, u_hi, groups, TILE_T: gl.constexpr):
+        """Own tiles (``TILE_T`` tokens each) of tickets u_lo .. u_hi (a vector load per 32 x warps
+        tickets: one memory trip)."""
         chunk: gl.constexpr = 32 * gl.num_warps()
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         total = 0
         for u0 in range(u_lo, u_hi, chunk):
             u = u0 + gl.arange(0, chunk, layout=layout)
-            lens = gl.load(own_lens_ptr + u // kv_heads, mask=u < u_hi, other=0)
-            total += gl.sum((lens + BLOCK_N - 1) // BLOCK_N, 0)
+            lens = gl.load(own_lens_ptr + u // groups, mask=u < u_hi, other=0)
+            total += gl.sum((lens + TILE_T - 1) // TILE_T, 0)
         return total
 
     @gluon.jit
     def _tile_rows(walk_rows, u, j, kv_len, qi, BLOCK_SIZE: gl.constexpr):
         """Cache rows of own tile j of ticket u, one per block (``qi`` = 0 .. blocks per tile); a row
         past the cache's end for blocks past the sequence (TMA reads nothing and fills zeros)."""
-        tables_ptr, table_stride, kv_heads, oob_row = walk_rows
+        tables_ptr, table_stride, groups, oob_row = walk_rows
         b = j * qi.shape[0] + qi
         ok = b < gl.cdiv(kv_len, BLOCK_SIZE)
-        blks = gl.load(tables_ptr + (u // kv_heads).to(gl.int64) * table_stride + b, mask=ok, other=0)
+        blks = gl.load(tables_ptr + (u // groups).to(gl.int64) * table_stride + b, mask=ok, other=0)
         return gl.where(ok, blks * BLOCK_SIZE, oob_row)
 
     @gluon.jit
@@ -112,6 +118,7 @@ if shared_gluon.GLUON:
         HEAD_DIM: gl.constexpr,
         BLOCK_SIZE: gl.constexpr,
         STAGES: gl.constexpr,
+        HT: gl.constexpr,
     ):
         """The loader warp: the program's shared and own tiles into the ring, in the consumers' order.
 
@@ -122,15 +129,17 @@ if shared_gluon.GLUON:
         base, _lo, _hi, _len, ns = _shared_ticket(items_ptr, t, num_items, kv_heads, BLOCK_N)
         row0 = gl.load(base + 6)
         col_s = (t // num_items) * HEAD_DIM
-        total = ns + _own_tile_total(own_lens_ptr, u_lo, u_hi, kv_heads, BLOCK_N)
-        NB: gl.constexpr = BLOCK_N // BLOCK_SIZE
+        groups = kv_heads // HT
+        TILE_T: gl.constexpr = BLOCK_N // HT  # tokens of each head in an own tile
+        NB: gl.constexpr = TILE_T // BLOCK_SIZE
+        total = ns + _own_tile_total(own_lens_ptr, u_lo, u_hi, groups, TILE_T)
         blk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         qi = gl.arange(0, NB, layout=blk_layout)
         u = u_lo
         j = 0
-        kv_len = _own_len(own_lens_ptr, u, u_hi, kv_heads)
-        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
-        walk_rows = (tables_ptr, table_stride, kv_heads, oob_row)
+        kv_len = _own_len(own_lens_ptr, u, u_hi, groups)
+        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
+        walk_rows = (tables_ptr, table_stride, groups, oob_row)
         pf_rows = _tile_rows(walk_rows, u, 0, kv_len, qi, BLOCK_SIZE)  # the next own tile's, read ahead
         pf_u = u
         pf_j = 0
@@ -144,16 +153,16 @@ if shared_gluon.GLUON:
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [row, col_s], v_ready.index(s), v_bufs.index(s))
             else:
-                while j * BLOCK_N >= kv_len:  # the next ticket with tiles (``total`` counted one)
+                while j * TILE_T >= kv_len:  # the next ticket with tiles (``total`` counted one)
                     u += 1
                     j = 0
                     kv_len = nxt_len
-                    nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
+                    nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
                 rows = pf_rows
                 if (pf_u != u) | (pf_j != j):  # an empty ticket in between: read this tile's now
                     rows = _tile_rows(walk_rows, u, j, kv_len, qi, BLOCK_SIZE)
                 # read the rows of the tile after this one while this one's slot frees and loads
-                if (j + 1) * BLOCK_N < kv_len:
+                if (j + 1) * TILE_T < kv_len:
                     pf_u = u
                     pf_j = j + 1
                     pf_rows = _tile_rows(walk_rows, u, j + 1, kv_len, qi, BLOCK_SIZE)
@@ -161,16 +170,21 @@ if shared_gluon.GLUON:
                     pf_u = u + 1
                     pf_j = 0
                     pf_rows = _tile_rows(walk_rows, u + 1, 0, nxt_len, qi, BLOCK_SIZE)
-                col = (u % kv_heads) * HEAD_DIM
+                col = (u % groups) * HT * HEAD_DIM
                 mbarrier.wait(kv_empty.index(s), ((k // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(s), NB * ko_desc.block_type.nbytes)
-                mbarrier.expect(v_ready.index(s), NB * vo_desc.block_type.nbytes)
-                for q in gl.static_range(NB):
+                mbarrier.expect(k_ready.index(s), NB * HT * ko_desc.block_type.nbytes)
+                mbarrier.expect(v_ready.index(s), NB * HT * vo_desc.block_type.nbytes)
+                for q in gl.static_range(NB):  # a block's heads together: one stretch of the cache row
                     row = gl.sum(gl.where(qi == q, rows, 0), 0)
-                    dst = k_bufs.index(s).slice(q * BLOCK_SIZE, BLOCK_SIZE)
-                    tma.async_copy_global_to_shared(ko_desc, [row, col], k_ready.index(s), dst)
-                    dst = v_bufs.index(s).slice(q * BLOCK_SIZE, BLOCK_SIZE)
-                    tma.async_copy_global_to_shared(vo_desc, [row, col], v_ready.index(s), dst)
+                    for h in gl.static_range(HT):
+                        dst = k_bufs.index(s).slice(h * TILE_T + q * BLOCK_SIZE, BLOCK_SIZE)
+                        tma.async_copy_global_to_shared(
+                            ko_desc, [row, col + h * HEAD_DIM], k_ready.index(s), dst
+                        )
+                        dst = v_bufs.index(s).slice(h * TILE_T + q * BLOCK_SIZE, BLOCK_SIZE)
+                        tma.async_copy_global_to_shared(
+                            vo_desc, [row, col + h * HEAD_DIM], v_ready.index(s), dst
+                        )
                 j += 1
 
     @gluon.jit
@@ -178,23 +192,32 @@ if shared_gluon.GLUON:
         q_ptr,
         u,
         u_hi,
-        kv_heads,
+        groups,
+        w: gl.constexpr,
         stride_qt,
         stride_qh,
         GROUP: gl.constexpr,
+        HT: gl.constexpr,
         ROWS: gl.constexpr,
         HEAD_DIM: gl.constexpr,
     ):
-        """Load (into registers) the GROUP query heads of own ticket u's decode row (row = sequence),
-        rows past GROUP zero; the consumers load a ticket ahead, so the latency is hidden."""
+        """Load (into registers) warpgroup w's query heads of own ticket u's decode row (row =
+        sequence; ``_own_heads``), rows past them zero; the consumers load a ticket ahead, so the
+        latency is hidden."""
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
         h = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
         ok = u < u_hi
-        seq = gl.where(ok, u // kv_heads, 0).to(gl.int64)
-        offs = gl.expand_dims(seq * stride_qt + ((u % kv_heads) * GROUP + h) * stride_qh, 1)
-        mask = gl.expand_dims((h < GROUP) & ok, 1)
+        seq, head0 = _own_heads(gl.where(ok, u, 0), groups, w, GROUP, HT)
+        offs = gl.expand_dims(seq.to(gl.int64) * stride_qt + (head0 + h) * stride_qh, 1)
+        mask = gl.expand_dims((h < (HT // 2) * GROUP) & ok, 1)
         return gl.load(q_ptr + offs + gl.expand_dims(d, 0), mask=mask, other=0.0)
+
+    @gluon.jit
+    def _own_heads(u, groups, w: gl.constexpr, GROUP: gl.constexpr, HT: gl.constexpr):
+        """Own ticket u's sequence and warpgroup w's first query head: the warpgroup takes KV heads
+        w HT/2 .. of the ticket's group, so (HT / 2) x GROUP consecutive query heads."""
+        return u // groups, ((u % groups) * HT + w * (HT // 2)) * GROUP
 
     @gluon.jit
     def _own_tile(
@@ -204,14 +227,15 @@ if shared_gluon.GLUON:
         v_half,
         m_o,
         l_o,
-        acc_o,  # [D, OWN_N] fp32: O^T
+        acc_o,  # [D, N] fp32: O^T
         tile,
         kv_len,
-        m_off,
         qk_scale,
-        BLOCK_N: gl.constexpr,
+        TILE_T: gl.constexpr,
+        GROUP: gl.constexpr,
     ):
-        """S^T = K Q^T, the softmax along tokens, O^T += V^T P^T for one own tile's half."""
+        """S^T = K Q^T, the softmax along rows, O^T += V^T P^T for one own tile's half (its rows:
+        TILE_T tokens of each of the warpgroup's heads; a row's key meets its own head's queries only)."""
         part_m: gl.constexpr = pt_smem.shape[0]
         own_n: gl.constexpr = pt_smem.shape[1]
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -225,10 +249,14 @@ if shared_gluon.GLUON:
             is_async=True,
         )
         st = warpgroup_mma_wait(0, deps=(st,))
-        tok = tile * BLOCK_N + m_off + gl.arange(0, part_m, layout=gl.SliceLayout(1, st_layout))
-        st = gl.where(gl.expand_dims(tok < kv_len, 1), st, float("-inf"))
+        r = gl.arange(0, part_m, layout=gl.SliceLayout(1, st_layout))
+        c = gl.arange(0, own_n, layout=gl.SliceLayout(0, st_layout))
+        ok = gl.expand_dims(tile * TILE_T + r % TILE_T < kv_len, 1)
+        st = gl.where(
+            ok & (gl.expand_dims(r // TILE_T, 1) == gl.expand_dims(c // GROUP, 0)), st, float("-inf")
+        )
         m_new = gl.maximum(m_o, gl.max(st, 0) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep p and alpha at 0
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet (or a padding column): p = 0
         alpha = gl.exp2(m_o - m_use)
         p = gl.exp2(st * qk_scale - gl.expand_dims(m_use, 0))
         l_o = l_o * alpha + gl.sum(p, 0)
@@ -256,16 +284,14 @@ if shared_gluon.GLUON:
         acc_o,
         o_ptr,
         lse_ptr,
-        u,
-        kv_heads,
-        slot0,
+        slot,
+        head0,
         stride_op,
         stride_oh,
         stride_lp,
-        GROUP: gl.constexpr,
+        HEADS: gl.constexpr,
     ):
-        """o = O / l and the natural-log lse of own ticket u's GROUP heads into slot slot0 + its row
-        (a decode step: the row of sequence s is s)."""
+        """o = O / l and the natural-log lse of query heads head0 .. head0 + HEADS into ``slot``."""
         dim: gl.constexpr = acc_o.shape[0]
         own_n: gl.constexpr = acc_o.shape[1]
         # O^T leaves the accumulator layout (a thread's values scattered over heads and d) for one in
@@ -276,59 +302,37 @@ if shared_gluon.GLUON:
         o = gl.convert_layout(acc_o, ot_layout) / gl.expand_dims(l_safe, 0)
         h = gl.arange(0, own_n, layout=gl.SliceLayout(0, ot_layout))
         d = gl.arange(0, dim, layout=gl.SliceLayout(1, ot_layout))
-        slot = (slot0 + u // kv_heads).to(gl.int64)
-        head = (u % kv_heads) * GROUP + h
+        slot = slot.to(gl.int64)
+        head = head0 + h
         ptrs = o_ptr + slot * stride_op + gl.expand_dims(head * stride_oh, 0) + gl.expand_dims(d, 1)
-        gl.store(ptrs, o, mask=gl.expand_dims(h < GROUP, 0))
+        gl.store(ptrs, o, mask=gl.expand_dims(h < HEADS, 0))
         m_c = gl.convert_layout(m_o, l_c.type.layout)
         lse = gl.where(l_c == 0.0, float("-inf"), (m_c + gl.log2(l_safe)) * 0.6931471805599453)
-        gl.store(lse_ptr + slot * stride_lp + head, lse, mask=h < GROUP)
+        gl.store(lse_ptr + slot * stride_lp + head, lse, mask=h < HEADS)
 
     @gluon.jit
-    def _finish_own(
-        w: gl.constexpr,
-        m_o,
-        l_o,
-        acc_o,
-        xch,  # (x_m, x_l, x_acc, x_full, x_free): the second warpgroup's half, handed to the first
-        n_done,  # own tickets this program finished before this one (the exchange's phase)
-        out,  # (o, lse, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp)
-        GROUP: gl.constexpr,
-    ):
-        """End of own ticket u: warpgroup 1 hands its (max, sum, O^T) to warpgroup 0, which combines
-        the two halves and writes the ticket's one partial (half the own partial bytes of two slots,
-        and one part fewer per row for the merge)."""
-        x_m, x_l, x_acc, x_full, x_free = xch
-        o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp = out
-        phase = n_done & 1
-        if w == 1:
-            mbarrier.wait(x_free, phase ^ 1)  # warpgroup 0 has read the last hand-over (a fresh one passes)
-            x_m.store(m_o)
-            x_l.store(l_o)
-            x_acc.store(acc_o)
-            gl.thread_barrier()  # every thread's stores before the one arrival
-            mbarrier.arrive(x_full, count=1)
-        else:
-            mbarrier.wait(x_full, phase)
-            m_1 = x_m.load(m_o.type.layout)
-            l_1 = x_l.load(l_o.type.layout)
-            acc_1 = x_acc.load(acc_o.type.layout)
-            gl.thread_barrier()  # every thread's loads before the buffer is handed back
-            mbarrier.arrive(x_free, count=1)
-            m = gl.maximum(m_o, m_1)
-            m_use = gl.where(m == float("-inf"), 0.0, m)  # both halves empty: weights stay 0
-            a_0 = gl.exp2(m_o - m_use)
-            a_1 = gl.exp2(m_1 - m_use)
-            acc = acc_o * gl.expand_dims(a_0, 0) + acc_1 * gl.expand_dims(a_1, 0)
-            l_c = l_o * a_0 + l_1 * a_1
-            _store_own(
-                m, l_c, acc, o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp, GROUP
-            )
+    def _finish_own(w: gl.constexpr, m_o, l_o, acc_o, u, out, GROUP: gl.constexpr, HT: gl.constexpr):
+        """End of own ticket u: warpgroup w's heads' partial into the sequence's own slot."""
+        o_ptr, lse_ptr, groups, own_slot0, stride_op, stride_oh, stride_lp = out
+        seq, head0 = _own_heads(u, groups, w, GROUP, HT)
+        _store_own(
+            m_o,
+            l_o,
+            acc_o,
+            o_ptr,
+            lse_ptr,
+            own_slot0 + seq,
+            head0,
+            stride_op,
+            stride_oh,
+            stride_lp,
+            (HT // 2) * GROUP,
+        )
 
     @gluon.jit
     def _mixed_consumer(
-        w: gl.constexpr,  # 0 or 1: this warpgroup's rows of a shared tile, its tokens of an own tile
-        bufs,  # (qo_smem, pt_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, xch)
+        w: gl.constexpr,  # 0 or 1: this warpgroup's rows of a shared tile, its heads of an own tile
+        bufs,  # (qo_smem, pt_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         walk,  # as the loader's
         ptrs,  # (q, seg_rows, o, lse, qk_scale, own_slot0, strides...)
         GROUP: gl.constexpr,
@@ -336,9 +340,10 @@ if shared_gluon.GLUON:
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        HT: gl.constexpr,
     ):
-        """One warpgroup: its 64 rows of each shared tile and its half of each own tile, in ring order."""
-        qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty, xch = bufs
+        """One warpgroup: its 64 rows of each shared tile and its heads of each own tile, in ring order."""
+        qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty = bufs
         items_ptr, num_items, kv_heads, t, _tables, own_lens_ptr, _ts, u_lo, u_hi, _oob = walk
         (
             q_ptr,
@@ -383,7 +388,9 @@ if shared_gluon.GLUON:
         q_offs = gl.expand_dims(tok * stride_qt + (kvh_s * GROUP + tm % GROUP) * stride_qh, 1)
         q = gl.load(q_ptr + q_offs + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(row_ok, 1), other=0.0)
 
-        total = ns + _own_tile_total(own_lens_ptr, u_lo, u_hi, kv_heads, BLOCK_N)
+        groups = kv_heads // HT
+        TILE_T: gl.constexpr = BLOCK_N // HT
+        total = ns + _own_tile_total(own_lens_ptr, u_lo, u_hi, groups, TILE_T)
         m_s = gl.full([PART_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_s = gl.zeros([PART_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc_s = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -391,13 +398,15 @@ if shared_gluon.GLUON:
         # own ticket u's state; its successor's length and query rows are loaded a ticket ahead
         u = u_lo
         j = 0
-        o_len = _own_len(own_lens_ptr, u, u_hi, kv_heads)
-        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
-        qo_smem.store(_own_query(q_ptr, u, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM))
+        o_len = _own_len(own_lens_ptr, u, u_hi, groups)
+        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
+        qo_smem.store(
+            _own_query(q_ptr, u, u_hi, groups, w, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM)
+        )
         fence_async_shared()  # generic stores before the wgmma's async reads
-        nxt_q = _own_query(q_ptr, u + 1, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM)
+        nxt_q = _own_query(q_ptr, u + 1, u_hi, groups, w, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM)
         m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
-        n_done = 0
+        out = (o_ptr, lse_ptr, groups, own_slot0, stride_op, stride_oh, stride_lp)
         for k in range(total):
             slot = k % STAGES
             phase = (k // STAGES) & 1
@@ -416,18 +425,16 @@ if shared_gluon.GLUON:
                 acc_s = warpgroup_mma(p16, v_bufs.index(slot), acc_s, is_async=True)
                 acc_s = warpgroup_mma_wait(0, deps=(acc_s,))
             else:
-                while j * BLOCK_N >= o_len:  # ticket u is done: its partial out, the next one in
-                    out = (o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp)
-                    _finish_own(w, m_o, l_o, acc_o, xch, n_done, out, GROUP)
-                    n_done += 1
+                while j * TILE_T >= o_len:  # ticket u is done: its partial out, the next one in
+                    _finish_own(w, m_o, l_o, acc_o, u, out, GROUP, HT)
                     u += 1
                     j = 0
                     o_len = nxt_len
-                    nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, kv_heads)
+                    nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
                     qo_smem.store(nxt_q)
                     fence_async_shared()
                     nxt_q = _own_query(
-                        q_ptr, u + 1, u_hi, kv_heads, stride_qt, stride_qh, GROUP, OWN_ROWS, HEAD_DIM
+                        q_ptr, u + 1, u_hi, groups, w, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM
                     )
                     m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
                 mbarrier.wait(k_ready.index(slot), phase)
@@ -442,9 +449,9 @@ if shared_gluon.GLUON:
                     acc_o,
                     j,
                     o_len,
-                    m_off,
                     qk_scale,
-                    BLOCK_N,
+                    TILE_T,
+                    GROUP,
                 )
                 j += 1
             mbarrier.arrive(kv_empty.index(slot), count=1)
@@ -469,9 +476,7 @@ if shared_gluon.GLUON:
                 HEAD_DIM,
             )
         while u < u_hi:  # the last ticket with tiles, then any empty ones after it
-            out = (o_ptr, lse_ptr, u, kv_heads, own_slot0, stride_op, stride_oh, stride_lp)
-            _finish_own(w, m_o, l_o, acc_o, xch, n_done, out, GROUP)
-            n_done += 1
+            _finish_own(w, m_o, l_o, acc_o, u, out, GROUP, HT)
             u += 1
             m_o, l_o, acc_o = _own_fresh(OWN_ROWS, HEAD_DIM, ot_layout)
 
@@ -509,12 +514,13 @@ if shared_gluon.GLUON:
         BLOCK_SIZE: gl.constexpr,
         STAGES: gl.constexpr,
         OWN_ROWS: gl.constexpr,
+        HT: gl.constexpr,
     ):
         """1-d grid: program p takes shared ticket p (item fastest; none past the last) and own
-        tickets [p n / G, (p + 1) n / G) of the n = sequences x KV heads."""
+        tickets [p n / G, (p + 1) n / G) of the n = sequences x KV head groups of HT heads."""
         p = gl.program_id(0)
         n_programs = gl.num_programs(0)
-        n_own = num_seqs * kv_heads
+        n_own = num_seqs * (kv_heads // HT)
         u_lo = (p * n_own) // n_programs
         u_hi = ((p + 1) * n_own) // n_programs
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -527,15 +533,6 @@ if shared_gluon.GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # the hand-over of warpgroup 1's half of an own ticket (``_finish_own``)
-        x_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        x_m = gl.allocate_shared_memory(gl.float32, [OWN_ROWS], x_layout)
-        x_l = gl.allocate_shared_memory(gl.float32, [OWN_ROWS], x_layout)
-        xa_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        x_acc = gl.allocate_shared_memory(gl.float32, [HEAD_DIM, OWN_ROWS], xa_layout)
-        x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(x_bars.index(0), count=1)
-        mbarrier.init(x_bars.index(1), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -553,8 +550,7 @@ if shared_gluon.GLUON:
             u_hi,
             oob_row,
         )
-        xch = (x_m, x_l, x_acc, x_bars.index(0), x_bars.index(1))
-        bufs = (qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty, xch)
+        bufs = (qo_all, pt_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         ptrs = (
             q_ptr,
             seg_rows_ptr,
@@ -570,8 +566,8 @@ if shared_gluon.GLUON:
         )
         gl.warp_specialize(
             [
-                (_mixed_consumer, (0, bufs, walk, ptrs, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-                (_mixed_consumer, (1, bufs, walk, ptrs, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                (_mixed_consumer, (0, bufs, walk, ptrs, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HT)),
+                (_mixed_consumer, (1, bufs, walk, ptrs, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HT)),
                 (
                     _mixed_load,
                     (
@@ -589,6 +585,7 @@ if shared_gluon.GLUON:
                         HEAD_DIM,
                         BLOCK_SIZE,
                         STAGES,
+                        HT,
                     ),
                 ),
             ],
@@ -605,16 +602,28 @@ def own_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     return TensorDescriptor.from_tensor(rows, [block_size, dim], layout)
 
 
+def own_tiling(q_heads: int, kv_heads: int, block_size: int, block_n: int = 128) -> tuple[int, int]:
+    """(KV heads per own tile, padded query heads per warpgroup's half), or (0, 0) where the mixed
+    kernel cannot take the shape.
+
+    Four heads where they divide the KV heads and a head's ``block_n / 4`` tokens are whole cache
+    blocks (each warpgroup then owns two heads: 2 x GROUP query heads, which at GQA 4 fill wgmma's
+    N = 8 with no padding), else two. ``PREFIXSERVE_MIXED_HT`` forces one (A/B runs)."""
+    group = q_heads // kv_heads
+    for ht in (FORCE_HT,) if FORCE_HT else (4, 2):
+        rows = -(-(ht // 2) * group // 8) * 8
+        if kv_heads % ht == 0 and (block_n // ht) % block_size == 0 and rows <= OWN_MAX_N:
+            return ht, rows
+    return 0, 0
+
+
 def eligible(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
 ) -> bool:
-    """True when the mixed kernel can run a decode step: the shared Gluon kernel's conditions, a GQA
-    group of at most ``OWN_N`` heads, and whole cache blocks per own tile."""
-    group = q.shape[1] // k_cache.shape[2]
-    return (
-        shared_gluon.eligible(q, k_cache, v_cache, block_m, block_n)
-        and group <= OWN_N
-        and block_n % k_cache.shape[1] == 0
+    """True when the mixed kernel can run a decode step: the shared Gluon kernel's conditions and an
+    own tiling (``own_tiling``)."""
+    return shared_gluon.eligible(q, k_cache, v_cache, block_m, block_n) and bool(
+        own_tiling(q.shape[1], k_cache.shape[2], k_cache.shape[1], block_n)[0]
     )
 
 
@@ -643,6 +652,7 @@ def launch_mixed(
     """
     q_heads, dim = q.shape[1:]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
+    heads_per_tile, own_rows = own_tiling(q_heads, kv_heads, block_size, block_n)
     args = (
         q,
         k_cache,
@@ -677,7 +687,8 @@ def launch_mixed(
         HEAD_DIM=dim,
         BLOCK_SIZE=block_size,
         STAGES=stages,
-        OWN_ROWS=OWN_N,
+        OWN_ROWS=own_rows,
+        HT=heads_per_tile,
         num_warps=4,  # the default partition: one consumer warpgroup
         maxnreg=shared_gluon.MAXNREG,
     )
@@ -703,13 +714,12 @@ def use_mixed(
 ) -> bool:
     """True when a step runs as one mixed launch: a decode step on the shared Gluon kernel's path
     (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV (``own_tokens`` over
-    ``num_seqs`` sequences) takes long enough next to the shared products, in tickets of at least
-    ``MIN_OWN_TILES`` tiles on average, to be worth hiding under them. ``mode`` (default ``MODE``): "0"
+    ``num_seqs`` sequences, at least ``MIN_OWN_TOKENS`` each on average) takes long enough next to
+    the shared products to be worth hiding under them. ``mode`` (default ``MODE``): "0"
     never, "1" whenever eligible, "auto" the rule."""
     mode = MODE if mode is None else mode
     q_heads, kv_heads, dim = shape
-    group = q_heads // kv_heads
-    if mode == "0" or max_query_len != 1 or group > OWN_N or own_tokens == 0:
+    if mode == "0" or max_query_len != 1 or not own_tiling(q_heads, kv_heads, 16)[0] or own_tokens == 0:
         return False
     if not (work.tma and work.block_m == 128 and work.block_n == 128 and not work.programs):
         return False
@@ -717,7 +727,7 @@ def use_mixed(
         return False
     if mode == "1":
         return True
-    if own_tokens < MIN_OWN_TILES * work.block_n * num_seqs:
+    if own_tokens < MIN_OWN_TOKENS * num_seqs:
         return False
     elt = torch.empty(0, dtype=dtype).element_size()
     own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)
