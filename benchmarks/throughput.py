@@ -59,9 +59,13 @@ def measure(
         enforce_eager=eager,
         progress=False,
     )
-    # Warm-up: the same batch shape with other tokens, so kernels compile and the decode graph of this
-    # batch is captured before the clock starts (a capture with its compiles takes ~1 s, once per shape)
-    llm.generate(warm, SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, max_tokens=3, ignore_eos=True))
+    # Warm-up: the same batch shape and lengths with other tokens, so kernels compile and the decode
+    # graphs of this run are captured before the clock starts. As long as the timed run: its graph keys
+    # change as the own parts grow (capacities, the kernel choice), and a key first met in the timed
+    # window costs a capture plus any Triton compiles it needs (~0.5-3 s; NOTES.md v10)
+    llm.generate(
+        warm, SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, max_tokens=gen, ignore_eos=True)
+    )
     before = llm.metrics()
     params = SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, seed=0, max_tokens=gen, ignore_eos=True)
     t0 = time.perf_counter()
