@@ -492,7 +492,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         f"- %T* where T* >= 50 us, memory-bound: {pct(True)}; compute-bound: {pct(False)}",
         "",
         "Where the remaining gap to T* goes (kernel alone, overlap, L2), with measurements: "
-        "`NOTES.md`, sections v4 to v9.",
+        "`NOTES.md`, sections v4 to v10.",
     ]
 
 
@@ -562,12 +562,12 @@ def gap_table(result: dict[str, Any]) -> list[str]:
         )
     if mixed_rows:
         lines.append(
-            "- Mixed launch (own tickets of two or more tiles, own-heavy): "
+            "- Mixed launch (own-heavy decode steps, `use_mixed`): "
             + "; ".join(
                 f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f} ms ({need:.3f} needed)"
                 for r, need in mixed_rows
             )
-            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8 and v9."
+            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8 to v10."
         )
     if own_share:
         lines.append(

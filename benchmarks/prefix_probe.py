@@ -273,18 +273,21 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     per SM, before ``wave_splits``), ``pack`` (own-kernel sequences per program), ``merge`` (merge
     elements per program), ``gluon`` (False: the Triton shared kernel on Hopper too), ``persist``
     (a persistent shared grid of n programs, n < 0: SMs + n, 0: the full grid; the other SMs run the
-    own kernel), ``priority`` (the side stream's priority), ``mixed`` (True / False: the mixed launch or not).
+    own kernel), ``priority`` (the side stream's priority), ``mixed`` (True / False: the mixed launch or not),
+    ``ht`` (KV heads per own ticket of the mixed kernel; 0: ``own_tiling``'s).
     """
     from benchmarks.attention import _bench, graphed, time_launches
     from prefixserve.attention.kernels import merge as mg
+    from prefixserve.attention.kernels import mixed_gluon
     from prefixserve.attention.kernels import paged_attention as pa
     from prefixserve.attention.kernels import shared_attention as sa
     from prefixserve.attention.kernels import shared_gluon as sg
     from prefixserve.attention.kernels import triton_backend as tb
 
     keep = (sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work)
-    keep_mixed = tb.TritonBackend.mixed
+    keep_mixed, keep_ht = tb.TritonBackend.mixed, mixed_gluon.FORCE_HT
     tb.TritonBackend.mixed = variant.get("mixed", keep_mixed)
+    mixed_gluon.FORCE_HT = variant.get("ht", keep_ht)
     keep_priority = tb.SIDE_PRIORITY
     tb.SIDE_PRIORITY = variant.get("priority", keep_priority)
     sg.ENABLED = variant.get("gluon", keep[3])
@@ -320,7 +323,7 @@ def _overlap_variant(case, sms: int, variant: dict, parts: bool) -> dict:
     finally:
         sa.wave_splits, tb.TritonBackend.own_pack, mg.MERGE_ELEMENTS, sg.ENABLED, sa.plan_shared_work = keep
         tb.SIDE_PRIORITY = keep_priority
-        tb.TritonBackend.mixed = keep_mixed
+        tb.TritonBackend.mixed, mixed_gluon.FORCE_HT = keep_mixed, keep_ht
 
 
 # (variant, time the parts too)
@@ -333,6 +336,7 @@ OVERLAP_VARIANTS = {
     "rules_nopri": ({"priority": 0}, False),
     "split": ({"mixed": False}, True),  # shared kernel + own kernel + merge
     "mixed": ({"mixed": True}, True),  # shared and own tiles in one launch (mixed_gluon.py) + merge
+    "mixed_ht2": ({"mixed": True, "ht": 2}, True),  # own tickets of two KV heads, not four (NOTES.md v10)
     **{f"persist{n}": ({"persist": n}, False) for n in (16, 24, 32, 48, 64, 96)},
 }
 
