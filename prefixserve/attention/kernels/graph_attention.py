@@ -95,7 +95,7 @@ def shared_graph_step(
     shared_row_tokens, own_tokens = step_sizes(plan, bs)
     heads = (shape.q_heads, kv_heads, shape.head_dim)
     mixed = mixed_gluon().use_mixed(
-        shape.device, shape.dtype, heads, work, 1, shared_row_tokens, own_tokens, meta.num_seqs
+        shape.device, shape.dtype, heads, work, 1, shared_row_tokens, own_tokens, meta.num_seqs, block_size=bs
     )
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute

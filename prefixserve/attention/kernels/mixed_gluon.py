@@ -711,15 +711,21 @@ def use_mixed(
     own_tokens: int,
     num_seqs: int,
     mode: str | None = None,
+    block_size: int = 16,
 ) -> bool:
     """True when a step runs as one mixed launch: a decode step on the shared Gluon kernel's path
     (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV (``own_tokens`` over
     ``num_seqs`` sequences, at least ``MIN_OWN_TOKENS`` each on average) takes long enough next to
-    the shared products to be worth hiding under them. ``mode`` (default ``MODE``): "0"
-    never, "1" whenever eligible, "auto" the rule."""
+    the shared products to be worth hiding under them; ``block_size`` = the cache's (``own_tiling``).
+    ``mode`` (default ``MODE``): "0" never, "1" whenever eligible, "auto" the rule."""
     mode = MODE if mode is None else mode
     q_heads, kv_heads, dim = shape
-    if mode == "0" or max_query_len != 1 or not own_tiling(q_heads, kv_heads, 16)[0] or own_tokens == 0:
+    if (
+        mode == "0"
+        or max_query_len != 1
+        or not own_tiling(q_heads, kv_heads, block_size)[0]
+        or own_tokens == 0
+    ):
         return False
     if not (work.tma and work.block_m == 128 and work.block_n == 128 and not work.programs):
         return False

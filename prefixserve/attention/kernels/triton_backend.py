@@ -523,7 +523,16 @@ def build_layout(
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
     mixed = mixed_gluon().use_mixed(
-        device, dtype, shape, work, step.max_query_len, shared_row_tokens, own_tokens, meta.num_seqs, mode
+        device,
+        dtype,
+        shape,
+        work,
+        step.max_query_len,
+        shared_row_tokens,
+        own_tokens,
+        meta.num_seqs,
+        mode,
+        block_size=meta.block_size,
     )
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
         # should a layer's caches not take the mixed kernel)
