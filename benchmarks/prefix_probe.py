@@ -336,7 +336,7 @@ OVERLAP_VARIANTS = {
     "rules_nopri": ({"priority": 0}, False),
     "split": ({"mixed": False}, True),  # shared kernel + own kernel + merge
     "mixed": ({"mixed": True}, True),  # shared and own tiles in one launch (mixed_gluon.py) + merge
-    "mixed_ht2": ({"mixed": True, "ht": 2}, True),  # own tickets of two KV heads, not four (NOTES.md v10)
+    "mixed_ht1": ({"mixed": True, "ht": 1}, True),  # own tickets of one KV head, not two (NOTES.md v11)
     **{f"persist{n}": ({"persist": n}, False) for n in (16, 24, 32, 48, 64, 96)},
 }
 

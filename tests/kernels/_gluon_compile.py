@@ -36,20 +36,26 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     consts = {"GROUP": group, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": 3}
     if kernel_name == "mixed":
         kernel = mixed_gluon.mixed_gluon_kernel
-        own = mangle_type(mixed_gluon.own_descriptor(cache, 128))
-        types |= {"ko_desc": own, "vo_desc": own, "own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
+        desc = mangle_type(shared_gluon.gluon_descriptor(cache, mixed_gluon.SHARED_N))
+        own = mangle_type(mixed_gluon.own_descriptor(cache, mixed_gluon.OWN_M))
+        types |= {"k_desc": desc, "v_desc": desc, "ko_desc": own, "vo_desc": own}
+        types |= {"own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
         ht, rows = mixed_gluon.own_tiling(group * 8, 8, 16)  # 8 KV heads, as the 8B models
-        consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
+        consts |= {"BLOCK_N": mixed_gluon.SHARED_N, "STAGES": mixed_gluon.SHARED_STAGES}
+        consts |= {"OWN_STAGES": mixed_gluon.OWN_STAGES, "OWN_M": mixed_gluon.OWN_M}
+        consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht, "OVERLAP": mixed_gluon.OVERLAP}
+        maxnreg = mixed_gluon.MAXNREG
     else:
         kernel = shared_gluon.shared_gluon_kernel
         consts["OVERLAP"] = True
+        maxnreg = shared_gluon.MAXNREG
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     src = GluonASTSource(
         fn=kernel,
         signature=signature,
         constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()},
     )
-    options = {"num_warps": 4, "maxnreg": shared_gluon.MAXNREG}
+    options = {"num_warps": 4, "maxnreg": maxnreg}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -23,14 +23,16 @@ def _work(tma: bool = True, block_m: int = 128, block_n: int = 128) -> SharedWor
 
 
 def test_own_tiling() -> None:
-    """Own tickets of four KV heads where heads and cache blocks allow, else two; none for one head."""
-    assert mixed_gluon.own_tiling(32, 8, 16) == (4, 8)  # GQA 4: two heads x 4 query heads per warpgroup
-    assert mixed_gluon.own_tiling(64, 8, 16) == (4, 16)  # GQA 8
-    assert mixed_gluon.own_tiling(8, 8, 16) == (4, 8)  # GQA 1: 2 query heads, padded to wgmma's N = 8
-    assert mixed_gluon.own_tiling(32, 8, 64) == (2, 8)  # 32 tokens a head would split a 64-token block
-    assert mixed_gluon.own_tiling(32, 2, 16) == (2, 16)  # GQA 16
-    assert mixed_gluon.own_tiling(64, 2, 16) == (0, 0)  # GQA 32: N = 32 > OWN_MAX_N
-    assert mixed_gluon.own_tiling(32, 1, 16) == (0, 0)
+    """Own tiles of two KV heads where heads and cache blocks allow, else one."""
+    assert mixed_gluon.own_tiling(32, 8, 16) == (2, 8)  # GQA 4: two heads x 4 query heads
+    assert mixed_gluon.own_tiling(64, 8, 16) == (2, 16)  # GQA 8
+    assert mixed_gluon.own_tiling(8, 8, 16) == (2, 8)  # GQA 1: 2 query heads, padded to wgmma's N = 8
+    assert mixed_gluon.own_tiling(32, 8, 32) == (2, 8)  # 32 tokens a head: whole 32-token blocks
+    assert mixed_gluon.own_tiling(32, 8, 64) == (1, 8)  # 32 tokens a head would split a 64-token block
+    assert mixed_gluon.own_tiling(32, 2, 16) == (2, 32)  # GQA 16
+    assert mixed_gluon.own_tiling(64, 2, 16) == (1, 32)  # GQA 32: two heads would be N = 64
+    assert mixed_gluon.own_tiling(32, 1, 16) == (1, 32)  # one KV head
+    assert mixed_gluon.own_tiling(128, 2, 16) == (0, 0)  # GQA 64: N = 64 > OWN_MAX_N
 
 
 def test_rule(monkeypatch) -> None:
@@ -51,9 +53,10 @@ def test_rule(monkeypatch) -> None:
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512, 1024)
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(block_n=64), 1, 1024 * 4096, 1024 * 512, 1024)
     assert mixed_gluon.use_mixed(dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024)  # G 16
+    assert mixed_gluon.use_mixed(dev, bf16, (32, 1, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024)  # MQA
     assert not mixed_gluon.use_mixed(
-        dev, bf16, (32, 1, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024
-    )  # one KV head: no pair of heads to split between the warpgroups
+        dev, bf16, (128, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024
+    )  # GQA 64: no own tiling
     monkeypatch.setattr(mixed_gluon, "MODE", "1")
     assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
     monkeypatch.setattr(mixed_gluon, "MODE", "0")
@@ -108,8 +111,9 @@ def _run(q, k, v, meta, mixed: bool):
         ([(512, 300, 64)], 8, 8, 128, torch.bfloat16, 1, 16, 0),  # GQA 1: every program holds a shared ticket
         ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7, 16, 0),  # GQA 2
         ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500, 16, 0),  # mostly own-only programs
-        ([(1024, 90, 333)], 32, 8, 128, torch.bfloat16, None, 16, 2),  # tickets of two heads
-        ([(1024, 60, 200)], 32, 2, 128, torch.bfloat16, None, 16, 0),  # GQA 16: two heads, N = 16
+        ([(1024, 90, 333)], 32, 8, 128, torch.bfloat16, None, 16, 1),  # tickets of one head
+        ([(1024, 60, 200)], 32, 2, 128, torch.bfloat16, None, 16, 0),  # GQA 16: two heads, N = 32
+        ([(1024, 50, 150)], 16, 1, 128, torch.bfloat16, None, 16, 0),  # one KV head: N = 16
         ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32, 0),  # cache blocks of 32 tokens
     ],
 )
