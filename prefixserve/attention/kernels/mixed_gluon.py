@@ -53,6 +53,7 @@ if shared_gluon.GLUON:
         _item_range,
         _load_partition,
         _store_rows,
+        _ticket_query,
     )
 
 OWN_MAX_N = 32  # query heads of an own tile (padded to 8s: wgmma's N)
@@ -424,13 +425,8 @@ if shared_gluon.GLUON:
         base, row_lo, row_hi, kv_len, ns = _shared_ticket(items_ptr, t, num_items, kv_heads, BLOCK_N)
         if ns > 0:
             kvh = t // num_items
-            tm = m_off + gl.arange(0, PART_M, layout=gl.SliceLayout(1, q_layout))
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-            r = row_lo + tm // GROUP
-            row_ok = (tm < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
-            tok = gl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(gl.int64)
-            q_offs = gl.expand_dims(tok * stride_qt + (kvh * GROUP + tm % GROUP) * stride_qh, 1)
-            q = gl.load(q_ptr + q_offs + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(row_ok, 1), other=0.0)
+            q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
+            q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, q_layout)
             m_i, l_i, acc = _attend_tiles(
                 q,
                 k_bufs,

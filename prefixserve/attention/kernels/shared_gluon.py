@@ -227,6 +227,28 @@ if GLUON:
         gl.store(lse_ptr + slot * stride_lp + head, lse, mask=ok)
 
     @gluon.jit
+    def _ticket_query(
+        q_rows,  # (q, seg_rows, row_lo, row_hi, KV head, q strides): the ticket's rows
+        m_off,
+        GROUP: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        PART_M: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        layout: gl.constexpr,
+    ):
+        """A ticket's stacked query rows (holder rows x GROUP heads) m_off .. m_off + PART_M, in
+        ``layout`` (rows past the ticket: zeros)."""
+        q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh = q_rows
+        tm = m_off + gl.arange(0, PART_M, layout=gl.SliceLayout(1, layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        r = row_lo + tm // GROUP
+        row_ok = (tm < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
+        tok = gl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(gl.int64)
+        head = kvh * GROUP + tm % GROUP
+        q_offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(offs_d, 0)
+        return gl.load(q_ptr + q_offs, mask=gl.expand_dims(row_ok, 1), other=0.0)
+
+    @gluon.jit
     def _consumer_partition(
         m_off,
         shared,  # (q_smem, ring buffers and barriers, pointers, the ticket walk, strides): see the kernel
@@ -269,15 +291,8 @@ if GLUON:
         for t in range(first, end, step):
             base, row_lo, row_hi, kv_len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
             kvh = t // num_items
-            # the stacked query rows (holder rows x GROUP heads) of this partition, into shared memory
-            tm = m_off + gl.arange(0, PART_M, layout=gl.SliceLayout(1, ld))
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-            r = row_lo + tm // GROUP
-            row_ok = (tm < (BLOCK_M // GROUP) * GROUP) & (r < row_hi)
-            tok = gl.load(seg_rows_ptr + r, mask=row_ok, other=0).to(gl.int64)
-            head = kvh * GROUP + tm % GROUP
-            q_offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(offs_d, 0)
-            q_part.store(gl.load(q_ptr + q_offs, mask=gl.expand_dims(row_ok, 1), other=0.0))
+            q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
+            q_part.store(_ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld))
             fence_async_shared()  # generic stores before the wgmma's async reads
             m_i, l_i, acc = _attend_tiles(
                 q_part,
