@@ -49,10 +49,9 @@ if shared_gluon.GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from prefixserve.attention.kernels.shared_gluon import (
-        _attend_tiles,
         _item_range,
         _load_partition,
-        _store_rows,
+        _run_ticket,
         _ticket_query,
     )
 
@@ -400,8 +399,7 @@ if shared_gluon.GLUON:
         OVERLAP: gl.constexpr,
     ):
         """A shared warpgroup: its rows of the program's shared ticket, query rows kept in registers
-        (wgmma's A), attended over the ticket's tiles (``_attend_tiles``) and stored."""
-        k_bufs, v_bufs, k_ready, v_ready, empty = ring
+        (wgmma's A), attended over the ticket's tiles and stored (``_run_ticket``)."""
         items_ptr, num_items, kv_heads, t = walk
         (
             q_ptr,
@@ -415,8 +413,7 @@ if shared_gluon.GLUON:
             stride_oh,
             stride_lp,
         ) = ptrs
-        STAGES: gl.constexpr = k_bufs.shape[0]
-        BLOCK_N: gl.constexpr = k_bufs.shape[1]
+        BLOCK_N: gl.constexpr = ring[0].shape[1]
         PART_M: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
@@ -427,42 +424,9 @@ if shared_gluon.GLUON:
             kvh = t // num_items
             q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
             q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, q_layout)
-            m_i, l_i, acc = _attend_tiles(
-                q,
-                k_bufs,
-                v_bufs,
-                k_ready,
-                v_ready,
-                empty,
-                0,
-                ns,
-                kv_len,
-                qk_scale,
-                PART_M,
-                BLOCK_N,
-                HEAD_DIM,
-                STAGES,
-                OVERLAP,
-            )
-            _store_rows(
-                m_i,
-                l_i,
-                acc,
-                o_ptr,
-                lse_ptr,
-                row_lo,
-                row_hi,
-                gl.load(base + 5),
-                kvh,
-                m_off,
-                stride_op,
-                stride_oh,
-                stride_lp,
-                GROUP,
-                BLOCK_M,
-                PART_M,
-                HEAD_DIM,
-            )
+            ticket = (base, row_lo, row_hi, kv_len, ns, kvh)
+            out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
+            _run_ticket(q, ring, 0, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP)
 
     @gluon.jit
     def mixed_gluon_kernel(

@@ -227,6 +227,64 @@ if GLUON:
         gl.store(lse_ptr + slot * stride_lp + head, lse, mask=ok)
 
     @gluon.jit
+    def _run_ticket(
+        q,  # the warpgroup's query rows: shared memory or registers (wgmma's A)
+        ring,  # (K tiles, V tiles, k_ready, v_ready, kv_empty)
+        c0,  # the ticket's first tile is the program's c0-th through the ring
+        ticket,  # (item fields base, row_lo, row_hi, kv_len, tiles, KV head)
+        out,  # (o, lse, strides of o's slots and heads, lse's slots)
+        qk_scale,
+        m_off,
+        GROUP: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        OVERLAP: gl.constexpr,
+    ):
+        """One ticket for one warpgroup: its rows attend the ticket's tiles and land in its partial slots."""
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+        base, row_lo, row_hi, kv_len, n_tiles, kvh = ticket
+        o_ptr, lse_ptr, stride_op, stride_oh, stride_lp = out
+        PART_M: gl.constexpr = BLOCK_M // 2
+        STAGES: gl.constexpr = k_bufs.shape[0]
+        m_i, l_i, acc = _attend_tiles(
+            q,
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            kv_empty,
+            c0,
+            n_tiles,
+            kv_len,
+            qk_scale,
+            PART_M,
+            BLOCK_N,
+            HEAD_DIM,
+            STAGES,
+            OVERLAP,
+        )
+        _store_rows(
+            m_i,
+            l_i,
+            acc,
+            o_ptr,
+            lse_ptr,
+            row_lo,
+            row_hi,
+            gl.load(base + 5),
+            kvh,
+            m_off,
+            stride_op,
+            stride_oh,
+            stride_lp,
+            GROUP,
+            BLOCK_M,
+            PART_M,
+            HEAD_DIM,
+        )
+
+    @gluon.jit
     def _ticket_query(
         q_rows,  # (q, seg_rows, row_lo, row_hi, KV head, q strides): the ticket's rows
         m_off,
@@ -294,43 +352,13 @@ if GLUON:
             q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
             q_part.store(_ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld))
             fence_async_shared()  # generic stores before the wgmma's async reads
-            m_i, l_i, acc = _attend_tiles(
-                q_part,
-                k_bufs,
-                v_bufs,
-                k_ready,
-                v_ready,
-                kv_empty,
-                c,
-                n_tiles,
-                kv_len,
-                qk_scale,
-                PART_M,
-                BLOCK_N,
-                HEAD_DIM,
-                STAGES,
-                OVERLAP,
+            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+            ticket = (base, row_lo, row_hi, kv_len, n_tiles, kvh)
+            out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
+            _run_ticket(
+                q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
             )
             c += n_tiles
-            _store_rows(
-                m_i,
-                l_i,
-                acc,
-                o_ptr,
-                lse_ptr,
-                row_lo,
-                row_hi,
-                gl.load(base + 5),
-                kvh,
-                m_off,
-                stride_op,
-                stride_oh,
-                stride_lp,
-                GROUP,
-                BLOCK_M,
-                PART_M,
-                HEAD_DIM,
-            )
 
     @gluon.jit
     def shared_gluon_kernel(
