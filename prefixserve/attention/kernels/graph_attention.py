@@ -29,7 +29,7 @@ from prefixserve.attention.kernels.triton_backend import (
     _PAGED_PART,
     SIDE_PRIORITY,
     csr_merge,
-    launch_fused_path,
+    launch_mixed_path,
     launch_split_path,
     mixed_gluon,
     own_pack_rule,
@@ -303,21 +303,11 @@ class SharedGraph(_Recorded):
         row_ptr, part_idx = self.buffer("row_ptr"), self.buffer("part_idx")
         merge_into = csr_merge(self.o_part, self.lse_part, b, row_ptr, part_idx, out)
         if self.mixed and mixed_gluon().eligible(q, k_cache, v_cache, self.block_m, self.block_n):
-            mixed = mixed_gluon().launch_mixed(
-                q,
-                k_cache,
-                v_cache,
-                self.buffer("seg_rows"),
-                self.buffer("items"),
-                self.buffer("own_tables"),
-                self.buffer("own_seq_lens"),  # padding rows: length 0, a zero partial each
-                self.o_part,
-                self.lse_part,
-                scale,
-                own_slot0=s,
-                programs=paged_attention.num_sms(q.device),
+            # padding rows: own length 0, a zero partial each
+            step_lists = tuple(self.buffer(n) for n in ("seg_rows", "items", "own_tables", "own_seq_lens"))
+            return launch_mixed_path(
+                q, k_cache, v_cache, scale, step_lists, (self.o_part, self.lse_part, s), merge_into
             )
-            return launch_fused_path(mixed, merge_into)
         return launch_split_path(
             lambda: shared_attention.launch_shared(*shared_args),
             lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),

@@ -336,21 +336,10 @@ class TritonBackend(TritonPagedBackend):
 
         merge_into = csr_merge(lay.o_part, lay.lse_part, tokens, lay.row_ptr, lay.part_idx, out)
         if lay.mixed and mixed_gluon().eligible(q, k_cache, v_cache, lay.work.block_m, lay.work.block_n):
-            mixed = mixed_gluon().launch_mixed(
-                q,
-                k_cache,
-                v_cache,
-                plan.seg_rows,
-                lay.work.items,
-                plan.own_block_tables,
-                plan.own_seq_lens,
-                lay.o_part,
-                lay.lse_part,
-                scale,
-                own_slot0=ns,
-                programs=paged.num_sms(q.device),
+            step_lists = (plan.seg_rows, lay.work.items, plan.own_block_tables, plan.own_seq_lens)
+            return launch_mixed_path(
+                q, k_cache, v_cache, scale, step_lists, (lay.o_part, lay.lse_part, ns), merge_into
             )
-            return launch_fused_path(mixed, merge_into)
         if self.fused:
             from prefixserve.attention.kernels.fused_attention import COUNTERS, launch_fused
 
@@ -455,6 +444,33 @@ def launch_split_path(
     rec: list[Any] = []
     merge(rec)
     return launches + [(m, _MERGE, False) for m in rec]
+
+
+def launch_mixed_path(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    step_lists: tuple[torch.Tensor, ...],  # (segment rows, work items, own tables, own lengths)
+    parts: tuple[torch.Tensor, torch.Tensor, int],  # (o_part, lse_part, first own slot)
+    merge: Callable[[list], Any],
+) -> list[Recorded]:
+    """The mixed launch (a decode step's shared and own tiles, one own partial per row), then the
+    merge; the eager path and the decode graphs both launch it here."""
+    paged, _, _ = _kernels()
+    o_part, lse_part, own_slot0 = parts
+    launch = mixed_gluon().launch_mixed(
+        q,
+        k_cache,
+        v_cache,
+        *step_lists,
+        o_part,
+        lse_part,
+        scale,
+        own_slot0=own_slot0,
+        programs=paged.num_sms(q.device),
+    )
+    return launch_fused_path(launch, merge)
 
 
 def launch_fused_path(fused: Any, merge: Callable[[list], Any]) -> list[Recorded]:
