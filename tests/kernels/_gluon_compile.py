@@ -44,6 +44,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         consts |= {"BLOCK_N": mixed_gluon.SHARED_N, "STAGES": mixed_gluon.SHARED_STAGES}
         consts |= {"OWN_STAGES": mixed_gluon.OWN_STAGES, "OWN_M": mixed_gluon.OWN_M}
         consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht, "OVERLAP": mixed_gluon.OVERLAP}
+        consts["PERSISTENT"] = mixed_gluon.PERSISTENT
         maxnreg = mixed_gluon.MAXNREG
     else:
         kernel = shared_gluon.shared_gluon_kernel

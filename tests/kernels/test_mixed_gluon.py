@@ -103,28 +103,61 @@ def _run(q, k, v, meta, mixed: bool):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize(
-    ("groups", "hq", "hkv", "dim", "dtype", "sms", "bs", "ht"),
+    ("groups", "hq", "hkv", "dim", "dtype", "sms", "bs", "ht", "persistent"),
     [
-        ([(2048, 96, 300)], 16, 4, 128, torch.bfloat16, None, 16, 0),  # own tickets of 1-10 tiles, ragged
-        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None, 16, 0),  # two segments
-        ([(1536, 64, 130)], 64, 8, 64, torch.float16, None, 16, 0),  # GQA 8, d 64: N = 16
-        ([(512, 300, 64)], 8, 8, 128, torch.bfloat16, 1, 16, 0),  # GQA 1: every program holds a shared ticket
-        ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7, 16, 0),  # GQA 2
-        ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500, 16, 0),  # mostly own-only programs
-        ([(1024, 90, 333)], 32, 8, 128, torch.bfloat16, None, 16, 1),  # tickets of one head
-        ([(1024, 60, 200)], 32, 2, 128, torch.bfloat16, None, 16, 0),  # GQA 16: two heads, N = 32
-        ([(1024, 50, 150)], 16, 1, 128, torch.bfloat16, None, 16, 0),  # one KV head: N = 16
-        ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32, 0),  # cache blocks of 32 tokens
+        (
+            [(2048, 96, 300)],
+            16,
+            4,
+            128,
+            torch.bfloat16,
+            None,
+            16,
+            0,
+            True,
+        ),  # own tickets of 1-10 tiles, ragged
+        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None, 16, 0, True),  # two segments
+        ([(1536, 64, 130)], 64, 8, 64, torch.float16, None, 16, 0, True),  # GQA 8, d 64: N = 16
+        (
+            [(512, 300, 64)],
+            8,
+            8,
+            128,
+            torch.bfloat16,
+            1,
+            16,
+            0,
+            True,
+        ),  # GQA 1: one program walks every shared ticket
+        ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7, 16, 0, True),  # GQA 2
+        (
+            [(2048, 140, 257)],
+            16,
+            8,
+            64,
+            torch.bfloat16,
+            7,
+            16,
+            0,
+            False,
+        ),  # a program per shared ticket (2 waves)
+        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, 5, 16, 0, False),  # and two segments
+        ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500, 16, 0, True),  # mostly own-only programs
+        ([(1024, 90, 333)], 32, 8, 128, torch.bfloat16, None, 16, 1, True),  # tickets of one head
+        ([(1024, 60, 200)], 32, 2, 128, torch.bfloat16, None, 16, 0, True),  # GQA 16: two heads, N = 32
+        ([(1024, 50, 150)], 16, 1, 128, torch.bfloat16, None, 16, 0, True),  # one KV head: N = 16
+        ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32, 0, True),  # cache blocks of 32 tokens
     ],
 )
 def test_engine_decode_step_through_the_mixed_kernel(
-    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, ht
+    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, ht, persistent
 ) -> None:
     """The mixed launch against the two-kernel path and the fp64-backed reference; a later layer's
     replay (descriptors remade) matches the first launch."""
-    if sms is not None:  # the grid: max(programs, shared tickets)
+    if sms is not None:  # the grid: programs (persistent), else max(programs, shared tickets)
         monkeypatch.setattr(paged_attention, "num_sms", lambda device=None: sms)
     monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
+    monkeypatch.setattr(mixed_gluon, "PERSISTENT", persistent)
     q, k, v, meta = _decode_batch(groups, bs, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
     calls = []
     original = mixed_gluon.launch_mixed

@@ -2,8 +2,9 @@
 
 Why: the shared kernel (``shared_gluon.py``) holds an SM's whole shared memory and register file
 while it runs, so the own kernel's KV streams only before or after it and a bytes-bound step costs
-about shared + own (NOTES.md v7). Here each program walks one shared ticket (item, KV head) and an
-even share of the own tickets (sequence, group of KV heads) at the same time, with separate roles:
+about shared + own (NOTES.md v7). Here one program per SM walks every SM-th shared ticket (item,
+KV head) and an even share of the own tickets (sequence, group of KV heads) at the same time, with
+separate roles:
 
 - two shared warpgroups (64 query rows each) run the shared ticket's tiles (``_attend_tiles``, the
   shared kernel's loop), their query rows in registers, fed by a loader warp through a 3-deep ring
@@ -13,7 +14,7 @@ even share of the own tickets (sequence, group of KV heads) at the same time, wi
 Two rings, so that a shared tile held for its products never keeps the own tiles behind it out of
 flight, and a warpgroup of its own for the own math, so that it never waits behind a shared tile
 (NOTES.md v11; v8-v10 put both kinds of tile through one ring and the same two warpgroups).
-Programs past the shared tickets stream own KV only.
+Programs without a shared ticket stream own KV only.
 
 An own ticket is (sequence, group of ``HT`` KV heads); its tiles are ``OWN_M / HT`` tokens of each
 of the group's heads (``OWN_M`` = 64 rows: wgmma's M), loaded one box per (cache block, head);
@@ -64,6 +65,10 @@ SHARED_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_STAGES", "3"))
 OWN_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_OWN_STAGES", "3"))
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
 OVERLAP = os.environ.get("PREFIXSERVE_MIXED_OVERLAP", "0") == "1"
+# one program per SM walking every SM-th shared ticket (one wave, the default), or "0": a grid of at
+# least the shared tickets, one each (two waves where tickets outnumber SMs; 1.4-1.8% slower at the
+# B=1024, S=128 and B=256, P=16K points, NOTES.md v13)
+PERSISTENT = os.environ.get("PREFIXSERVE_MIXED_PERSISTENT", "1") == "1"
 # registers a thread: the shared warpgroups and the own one; the loader warps' warpgroup keeps 24 and
 # the default partition (a shared warpgroup) what is left: 2 x SHARED + OWN + 24 = 512
 MAXNREG = 128  # 16 warps x 32 threads x 128 = 65,536 at launch
@@ -391,16 +396,16 @@ if shared_gluon.GLUON:
     def _shared_consumer(
         m_off: gl.constexpr,  # this warpgroup's rows of the shared tiles: m_off .. m_off + BLOCK_M / 2
         ring,  # (K tiles, V tiles, k_ready, v_ready, empty): the shared ring
-        walk,  # (items, num_items, kv_heads, t)
+        walk,  # (items, num_items, kv_heads, first ticket, end, step)
         ptrs,  # (q, seg_rows, o, lse, qk_scale, strides...)
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         OVERLAP: gl.constexpr,
     ):
-        """A shared warpgroup: its rows of the program's shared ticket, query rows kept in registers
-        (wgmma's A), attended over the ticket's tiles and stored (``_run_ticket``)."""
-        items_ptr, num_items, kv_heads, t = walk
+        """A shared warpgroup: its rows of the program's shared tickets, query rows kept in registers
+        (wgmma's A), attended over each ticket's tiles and stored (``_run_ticket``)."""
+        items_ptr, num_items, kv_heads, first, end, step = walk
         (
             q_ptr,
             seg_rows_ptr,
@@ -419,14 +424,19 @@ if shared_gluon.GLUON:
             version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
         )
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        base, row_lo, row_hi, kv_len, ns = _shared_ticket(items_ptr, t, num_items, kv_heads, BLOCK_N)
-        if ns > 0:
-            kvh = t // num_items
-            q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
-            q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, q_layout)
-            ticket = (base, row_lo, row_hi, kv_len, ns, kvh)
-            out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
-            _run_ticket(q, ring, 0, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP)
+        c = 0  # the program's tiles through the ring so far
+        for t in range(first, end, step):
+            base, row_lo, row_hi, kv_len, ns = _shared_ticket(items_ptr, t, num_items, kv_heads, BLOCK_N)
+            if ns > 0:
+                kvh = t // num_items
+                q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
+                q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, q_layout)
+                ticket = (base, row_lo, row_hi, kv_len, ns, kvh)
+                out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
+                _run_ticket(
+                    q, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
+                )
+            c += ns
 
     @gluon.jit
     def mixed_gluon_kernel(
@@ -466,9 +476,11 @@ if shared_gluon.GLUON:
         OWN_ROWS: gl.constexpr,
         HT: gl.constexpr,
         OVERLAP: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
-        """1-d grid: program p takes shared ticket p (item fastest; none past the last) and own
-        tickets [p n / G, (p + 1) n / G) of the n = sequences x KV head groups of HT heads."""
+        """1-d grid of G programs: program p takes shared ticket p (item fastest; none past the last),
+        or with ``PERSISTENT`` tickets p, p + G, ..., and own tickets [p n / G, (p + 1) n / G) of the
+        n = sequences x KV head groups of HT heads."""
         p = gl.program_id(0)
         n_programs = gl.num_programs(0)
         groups = kv_heads // HT
@@ -503,7 +515,10 @@ if shared_gluon.GLUON:
         shared_ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         own_ring = (ko_bufs, vo_bufs, own_ready, own_empty)
         n_tickets = num_items * kv_heads
-        shared_walk = (items_ptr, num_items, kv_heads, p)
+        # shared tickets: p alone (a grid of at least the tickets), or every n_programs-th (PERSISTENT)
+        t_end = n_tickets if PERSISTENT else gl.minimum(p + 1, n_tickets)
+        t_step = n_programs if PERSISTENT else 1
+        shared_walk = (items_ptr, num_items, kv_heads, p, t_end, t_step)
         own_walk = (own_tables_ptr, own_lens_ptr, table_stride, groups, u_lo, u_hi, oob_row)
         strides = (stride_qt, stride_qh, stride_op, stride_oh, stride_lp)
         shared_ptrs = (q_ptr, seg_rows_ptr, o_ptr, lse_ptr, qk_scale) + strides  # noqa: RUF005
@@ -532,8 +547,8 @@ if shared_gluon.GLUON:
                         items_ptr,
                         num_items,
                         p,
-                        gl.minimum(p + 1, n_tickets),
-                        1,
+                        t_end,
+                        t_step,
                         BLOCK_N,
                         HEAD_DIM,
                         STAGES,
@@ -594,7 +609,7 @@ def launch_mixed(
     programs: int,
     block_m: int = 128,
 ) -> Launch:
-    """Run ``mixed_gluon_kernel`` on ``programs`` programs (at least the shared tickets).
+    """Run ``mixed_gluon_kernel`` on ``programs`` programs (``PERSISTENT``; else at least the shared tickets).
 
     Shared partials go where the work list's items say; own partials of sequence s (a decode step:
     query row s) to slot ``own_slot0 + s``. Returns the recorded
@@ -642,10 +657,11 @@ def launch_mixed(
         OWN_ROWS=own_rows,
         HT=heads_per_tile,
         OVERLAP=OVERLAP,
+        PERSISTENT=PERSISTENT,
         num_warps=4,  # the default partition: one shared warpgroup
         maxnreg=MAXNREG,
     )
-    grid = (max(programs, items.shape[0] * kv_heads),)
+    grid = (programs if PERSISTENT else max(programs, items.shape[0] * kv_heads),)
     compiled = mixed_gluon_kernel[grid](*args, **kw)
     launch = record(mixed_gluon_kernel, grid, args, kw, compiled)
     shared = lambda c: shared_gluon.gluon_descriptor(c, SHARED_N)  # noqa: E731
