@@ -492,7 +492,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         f"- %T* where T* >= 50 us, memory-bound: {pct(True)}; compute-bound: {pct(False)}",
         "",
         "Where the remaining gap to T* goes (kernel alone, overlap, L2), with measurements: "
-        "`NOTES.md`, sections v4 to v13.",
+        "`NOTES.md`, sections v4 to v14.",
     ]
 
 
@@ -567,7 +567,7 @@ def gap_table(result: dict[str, Any]) -> list[str]:
                 f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f} ms ({need:.3f} needed)"
                 for r, need in mixed_rows
             )
-            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8 to v13."
+            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8 to v14."
         )
     if own_share:
         lines.append(
