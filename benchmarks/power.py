@@ -1,0 +1,377 @@
+"""Power and clocks under the attention benchmark's heavy points: is the board's power cap the limit?
+
+``attention.py``'s roofline T* = max(bytes / copy rate, FLOPs / GEMM rate) takes each ceiling alone. A
+copy alone runs at full clock well under the cap; a GEMM alone runs at the cap with its clock pulled
+down. A call that needs both at once can draw more than the board may, so the cap sets a third bound.
+This script measures, in one run (GPU, prints a table, writes JSON + Markdown + plot):
+
+- sustained ceilings: back-to-back copies, GEMMs and a spin kernel (the clocked-up board doing almost
+  nothing), each looped for ``--window`` seconds with ``nvidia-smi`` sampled every 20 ms beside it
+  (median SM clock, power, throttle reasons);
+- a linear energy model from them: joules per byte moved (copy) and per FLOP (GEMM) above the spin
+  kernel's power, and for each point the power-bound time
+  T_P = (J/byte x bytes + J/FLOP x FLOPs) / (cap - spin power), with bytes and FLOPs as T* counts them;
+- at every grid point the %T* targets count (T* >= 50 us): the shared path's call as attention.py
+  times it (do_bench, L2 flushed: "burst") and back to back ("sustained"), each of its launches alone
+  back to back, and the clocks, power and throttle reasons of each.
+
+Reading only: the card's clocks and power limit are left as they are.
+
+Usage (GPU): PYTHONPATH=. python -m benchmarks.power run [--out DIR] [--window S]
+             python -m benchmarks.power report --json FILE [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.attention import DOCS, GRID_B, GRID_P, GRID_S, HKV, HQ, PART_OF, Case, D, _bench, graphed
+
+FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active,temperature.gpu"
+# nvidia-smi's clocks_event_reasons bits (nvmlClocksEventReasons)
+REASONS = {
+    0x1: "idle",
+    0x4: "power cap",
+    0x8: "HW slowdown",
+    0x20: "SW thermal",
+    0x40: "HW thermal",
+    0x80: "power brake",
+}
+
+
+class Sampler:
+    """nvidia-smi polled every 20 ms in a child process; rows kept with host timestamps."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, list[str]]] = []
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "20"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.rows.append((time.time(), [x.strip() for x in line.split(",")]))
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        """Median SM clock, power and temperature, the lowest clock, and every throttle reason seen."""
+        got = [r for t, r in self.rows if t0 <= t <= t1]
+
+        def col(i: int) -> list[float]:
+            out = []
+            for r in got:
+                with contextlib.suppress(ValueError, IndexError):
+                    out.append(float(r[i]))
+            return sorted(out)
+
+        def med(i: int) -> float | None:
+            v = col(i)
+            return v[len(v) // 2] if v else None
+
+        bits = 0
+        for r in got:
+            with contextlib.suppress(ValueError, IndexError):
+                bits |= int(r[3], 16)
+        return {
+            "samples": len(got),
+            "sm_mhz": med(0),
+            "sm_mhz_min": col(0)[0] if col(0) else None,
+            "power_w": med(1),
+            "limit_w": med(2),
+            "temp_c": med(4),
+            "reasons": [name for bit, name in REASONS.items() if bits & bit],
+        }
+
+    def close(self) -> None:
+        self.proc.terminate()
+
+
+def sustained(fn: Callable[[], Any], sampler: Sampler, window_s: float) -> dict[str, Any]:
+    """fn back to back for window_s seconds after 0.5 s of warm-up: ms per call and the board's state."""
+    end = time.time() + 0.5
+    while time.time() < end:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n, t0 = 0, time.time()
+    start.record()
+    while time.time() - t0 < window_s:
+        for _ in range(20):
+            fn()
+        n += 20
+        torch.cuda.synchronize()
+    stop.record()
+    torch.cuda.synchronize()
+    return {"ms": start.elapsed_time(stop) / n, **sampler.window(t0 + 0.1, time.time())}
+
+
+def _copy_rate(sampler: Sampler, window_s: float) -> dict[str, Any]:
+    """A 2 GiB device copy back to back: TB/s counting read + write, as attention.py measures it."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    res = sustained(lambda: dst.copy_(src), sampler, window_s)
+    res["TBps"] = 2 * src.numel() / res["ms"] / 1e9
+    res["burst_TBps"] = 2 * src.numel() / _bench(lambda: dst.copy_(src), 200) / 1e9
+    return res
+
+
+def _gemm_rate(sampler: Sampler, window_s: float, n: int = 8192) -> dict[str, Any]:
+    """An n^3 bf16 matrix product back to back on random data: TFLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    res = sustained(lambda: a @ b, sampler, window_s)
+    res["TFLOPs"] = 2 * n**3 / res["ms"] / 1e9
+    res["burst_TFLOPs"] = 2 * n**3 / _bench(lambda: a @ b, 300) / 1e9
+    return res
+
+
+def ceilings(sampler: Sampler, window_s: float) -> dict[str, Any]:
+    """Copy, GEMM and spin kernel back to back, and the energy model they give."""
+    out: dict[str, Any] = {}
+    time.sleep(0.5)
+    out["idle"] = sampler.window(time.time() - 0.4, time.time())
+    out["copy"] = _copy_rate(sampler, window_s)
+    out["gemm"] = _gemm_rate(sampler, window_s)
+    # one spinning thread: the clocks stay up, almost nothing switches (the board's floor at speed)
+    out["spin"] = sustained(lambda: torch.cuda._sleep(1_000_000), sampler, window_s)
+    torch.cuda.empty_cache()
+    floor, cap = out["spin"]["power_w"], out["gemm"]["limit_w"]
+    out["model"] = {
+        "floor_w": floor,
+        "cap_w": cap,
+        "j_per_byte": (out["copy"]["power_w"] - floor) / (out["copy"]["TBps"] * 1e12),
+        "j_per_flop": (out["gemm"]["power_w"] - floor) / (out["gemm"]["TFLOPs"] * 1e12),
+    }
+    return out
+
+
+def counted(b: int, p: int, s: int) -> tuple[int, int]:
+    """(bytes, FLOPs) as attention.py's T* counts them: prefix KV once, every suffix KV, q and o."""
+    return (p + b * s) * HKV * D * 2 * 2 + 2 * b * HQ * D * 2, 4 * HQ * D * b * (p + s)
+
+
+def launch_fns(case: Case) -> dict[str, Callable[[], Any]]:
+    """Each recorded launch of the shared path at this point, graphed alone (as ``time_launches``)."""
+    from prefixserve.attention.kernels import triton_backend as tb
+
+    be = tb.TritonBackend()
+    be.overlap_min_rows = 0
+    meta = dataclasses.replace(case.meta, plan=None, stats={})
+    be.prepare(meta)
+    be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    lay = next(iter(meta.plan.layouts.values()))
+    tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
+    fns = {}
+    for launch, pos, _ in lay.launches:
+        part = PART_OF.get(getattr(launch.kernel, "__name__", "?"), "other")
+        fns[part] = graphed(lambda la=launch, po=pos: tb._relaunch(la, po, tensors))
+    return fns
+
+
+def measure_point(b: int, p: int, s: int, sampler: Sampler, window_s: float) -> dict[str, Any]:
+    case = Case(b, p, s, torch.device("cuda"))
+    call = graphed(case.backend("triton", overlap=True)[0])
+    nbytes, flops = counted(b, p, s)
+    row: dict[str, Any] = {"B": b, "P": p, "S": s, "bytes": nbytes, "flops": flops}
+    time.sleep(0.3)
+    row["burst_ms"] = _bench(call)
+    row["call"] = sustained(call, sampler, window_s)
+    row["parts"] = {name: sustained(fn, sampler, window_s) for name, fn in launch_fns(case).items()}
+    return row
+
+
+def run(args: argparse.Namespace) -> None:
+    import triton
+
+    from benchmarks._common import run_info
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sampler = Sampler()
+    try:
+        ceil = ceilings(sampler, args.window)
+        print(json.dumps(ceil), flush=True)
+        copy_tbps, gemm_tflops = ceil["copy"]["burst_TBps"], ceil["gemm"]["burst_TFLOPs"]
+        rows = []
+        for b, p, s in [(b, p, s) for b in GRID_B for p in GRID_P for s in GRID_S]:
+            nbytes, flops = counted(b, p, s)
+            if max(nbytes / copy_tbps / 1e9, flops / gemm_tflops / 1e9) < 0.05:
+                continue  # not a point the %T* targets count
+            try:
+                rows.append(measure_point(b, p, s, sampler, args.window))
+            except Exception as exc:  # keep the rest; the row says what failed
+                rows.append({"B": b, "P": p, "S": s, "error": repr(exc)[:300]})
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        sampler.close()
+    info = run_info()
+    result = {
+        "device": info["device"],
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": info["commit"],
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "window_s": args.window,
+        "ceilings": ceil,
+        "rows": rows,
+    }
+    (out_dir / "power.json").write_text(json.dumps(result, indent=1))
+    report(result, out_dir)
+
+
+def bounds(row: dict[str, Any], ceil: dict[str, Any]) -> dict[str, float]:
+    """T* from the burst ceilings (as attention.py), the power-bound time, and what 80% of T* needs."""
+    m = ceil["model"]
+    bytes_ms = row["bytes"] / (ceil["copy"]["burst_TBps"] * 1e9)
+    flops_ms = row["flops"] / (ceil["gemm"]["burst_TFLOPs"] * 1e9)
+    t_star = max(bytes_ms, flops_ms)
+    joules = m["j_per_byte"] * row["bytes"] + m["j_per_flop"] * row["flops"]
+    power_ms = joules / (m["cap_w"] - m["floor_w"]) * 1e3
+    memory = bytes_ms >= flops_ms
+    return {
+        "t_star": t_star,
+        "power_ms": power_ms,
+        "need": t_star / (0.8 if memory else 0.6),
+        "memory": memory,
+    }
+
+
+def _f(x: float | None, fmt: str = ".0f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _why(state: dict[str, Any]) -> str:
+    """The throttle reasons seen in a window, or a dash."""
+    return ", ".join(state["reasons"]) or "—"
+
+
+def report(result: dict[str, Any], out_dir: Path) -> None:
+    """power.md (tables) and power.png (sustained SM clock and power per point) from the JSON."""
+    ceil = result["ceilings"]
+    m = ceil["model"]
+    lines = [
+        f"# Power and clocks at the attention benchmark's heavy points ({result['device']})",
+        "",
+        f"torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, {result['date']}. "
+        "Written by `benchmarks/power.py`. "
+        f"Sustained = graph replays back to back for {result['window_s']} s "
+        "after 0.5 s of warm-up, nvidia-smi sampled every 20 ms beside them (medians; `min` = lowest SM "
+        "clock seen); burst = do_bench median with L2 flushed between calls, as `attention.py` times.",
+        "",
+        "## Ceilings",
+        "",
+        "| workload | rate sustained | rate burst | SM MHz | min | W | limit | throttle |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, key, unit in (("copy 2 GiB", "TBps", "TB/s"), ("bf16 GEMM 8192^3", "TFLOPs", "TFLOP/s")):
+        c = ceil[name.split()[0].lower()]
+        lines.append(
+            f"| {name} | {c[key]:.2f} {unit} | {c['burst_' + key]:.2f} {unit} | {_f(c['sm_mhz'])} "
+            f"| {_f(c['sm_mhz_min'])} | {_f(c['power_w'])} | {_f(c['limit_w'])} | {_why(c)} |"
+        )
+    sp = ceil["spin"]
+    lines.append(
+        f"| spin kernel (1 thread) | — | — | {_f(sp['sm_mhz'])} | {_f(sp['sm_mhz_min'])} "
+        f"| {_f(sp['power_w'])} | {_f(sp['limit_w'])} | {_why(sp)} |"
+    )
+    lines += [
+        "",
+        f"Energy model (linear, above the spin kernel's {m['floor_w']:.0f} W): "
+        f"{m['j_per_byte'] * 1e12:.1f} pJ per byte copied (counting read + write, as T* does) and "
+        f"{m['j_per_flop'] * 1e12:.3f} pJ per bf16 FLOP at the GEMM's clock; the cap leaves "
+        f"{m['cap_w'] - m['floor_w']:.0f} W for both. T_P = (pJ/byte x bytes + pJ/FLOP x FLOPs) / that. "
+        "The model is rough (a read-only stream moves a byte for less than a copy; a FLOP at full clock "
+        "costs more than at the GEMM's throttled one), so T_P is a lead, not a wall.",
+        "",
+        "## The shared path at each point (T* >= 50 us)",
+        "",
+        "| B | P | S | bound | T* | T_P | need (80%/60% T*) | burst | sustained | SM MHz | min | W "
+        "| throttle | parts sustained: ms @ MHz, W |",
+        "|" + " ---: |" * 3 + " --- |" + " ---: |" * 8 + " --- | --- |",
+    ]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['B']} | {r['P']} | {r['S']} | error: {r['error'][:80]} |")
+            continue
+        bd = bounds(r, ceil)
+        c = r["call"]
+        parts = "; ".join(
+            f"{k} {v['ms']:.3f} @ {_f(v['sm_mhz'])}, {_f(v['power_w'])}" for k, v in r["parts"].items()
+        )
+        lines.append(
+            f"| {r['B']} | {r['P']} | {r['S']} | {'bytes' if bd['memory'] else 'FLOPs'} | {bd['t_star']:.3f} "
+            f"| {bd['power_ms']:.3f} | {bd['need']:.3f} | {r['burst_ms']:.3f} | {c['ms']:.3f} "
+            f"| {_f(c['sm_mhz'])} | {_f(c['sm_mhz_min'])} | {_f(c['power_w'])} | {_why(c)} "
+            f"| {parts} |"
+        )
+    text = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "power.md").write_text(text)
+    print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    rows = [r for r in result["rows"] if "error" not in r]
+    labels = ["copy", "GEMM"] + [f"{r['B']}/{r['P'] // 1024}K/{r['S']}" for r in rows]
+    mhz = [ceil["copy"]["sm_mhz"], ceil["gemm"]["sm_mhz"]] + [r["call"]["sm_mhz"] for r in rows]
+    watts = [ceil["copy"]["power_w"], ceil["gemm"]["power_w"]] + [r["call"]["power_w"] for r in rows]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], mhz, 0.4, label="SM clock, MHz (sustained median)")
+    ax2 = ax.twinx()
+    ax2.bar([i + 0.2 for i in x], watts, 0.4, color="tab:orange", label="board power, W")
+    ax2.axhline(m["cap_w"], color="tab:red", ls="--", lw=1, label="power limit")
+    ax.set_xticks(list(x), labels, rotation=45, fontsize=8)
+    ax.set_ylabel("MHz")
+    ax2.set_ylabel("W")
+    ax.set_title("Sustained clocks and power: ceilings and the shared path's call (B/P/S)")
+    fig.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "power.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", default=str(DOCS))
+    r.add_argument("--window", type=float, default=1.0)
+    p = sub.add_parser("report")
+    p.add_argument("--json", required=True)
+    p.add_argument("--out", default=str(DOCS))
+    args = ap.parse_args()
+    if args.mode == "run":
+        run(args)
+    else:
+        result = json.loads(Path(args.json).read_text())
+        out = Path(args.out)
+        if Path(args.json).resolve() != (out / "power.json").resolve():
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "power.json").write_text(json.dumps(result, indent=1))
+        report(result, out)
+
+
+if __name__ == "__main__":
+    main()
