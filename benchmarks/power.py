@@ -121,6 +121,35 @@ def sustained(fn: Callable[[], Any], sampler: Sampler, window_s: float) -> dict[
     return {"ms": start.elapsed_time(stop) / n, **sampler.window(t0 + 0.1, time.time())}
 
 
+def flushed(fn: Callable[[], Any], sampler: Sampler, window_s: float) -> dict[str, Any]:
+    """do_bench's pattern (256 MB L2 flush, then fn, each fn timed by its own events) looped for
+    window_s seconds: the median ms per call and the board's state while attention.py's timing runs."""
+    cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    times: list[float] = []
+    t0 = time.time()
+    while time.time() - t0 < window_s:
+        pairs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)
+        ]
+        for a, b in pairs:
+            cache.zero_()
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        times += [a.elapsed_time(b) for a, b in pairs]
+    times.sort()
+    return {"ms": times[len(times) // 2], **sampler.window(t0 + 0.1, time.time())}
+
+
+def _read_rate(sampler: Sampler, window_s: float) -> dict[str, Any]:
+    """A 2 GiB bf16 tensor summed back to back: TB/s read (how the kernels use HBM: reads)."""
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    res = sustained(lambda: x.sum(dtype=torch.float32), sampler, window_s)
+    res["TBps"] = 2 * x.numel() / res["ms"] / 1e9
+    return res
+
+
 def _copy_rate(sampler: Sampler, window_s: float) -> dict[str, Any]:
     """A 2 GiB device copy back to back: TB/s counting read + write, as attention.py measures it."""
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
@@ -147,6 +176,7 @@ def ceilings(sampler: Sampler, window_s: float) -> dict[str, Any]:
     time.sleep(0.5)
     out["idle"] = sampler.window(time.time() - 0.4, time.time())
     out["copy"] = _copy_rate(sampler, window_s)
+    out["read"] = _read_rate(sampler, window_s)
     out["gemm"] = _gemm_rate(sampler, window_s)
     # one spinning thread: the clocks stay up, almost nothing switches (the board's floor at speed)
     out["spin"] = sustained(lambda: torch.cuda._sleep(1_000_000), sampler, window_s)
@@ -156,6 +186,7 @@ def ceilings(sampler: Sampler, window_s: float) -> dict[str, Any]:
         "floor_w": floor,
         "cap_w": cap,
         "j_per_byte": (out["copy"]["power_w"] - floor) / (out["copy"]["TBps"] * 1e12),
+        "j_per_byte_read": (out["read"]["power_w"] - floor) / (out["read"]["TBps"] * 1e12),
         "j_per_flop": (out["gemm"]["power_w"] - floor) / (out["gemm"]["TFLOPs"] * 1e12),
     }
     return out
@@ -190,7 +221,7 @@ def measure_point(b: int, p: int, s: int, sampler: Sampler, window_s: float) -> 
     nbytes, flops = counted(b, p, s)
     row: dict[str, Any] = {"B": b, "P": p, "S": s, "bytes": nbytes, "flops": flops}
     time.sleep(0.3)
-    row["burst_ms"] = _bench(call)
+    row["burst"] = flushed(call, sampler, window_s)
     row["call"] = sustained(call, sampler, window_s)
     row["parts"] = {name: sustained(fn, sampler, window_s) for name, fn in launch_fns(case).items()}
     return row
@@ -236,20 +267,22 @@ def run(args: argparse.Namespace) -> None:
     report(result, out_dir)
 
 
-def bounds(row: dict[str, Any], ceil: dict[str, Any]) -> dict[str, float]:
-    """T* from the burst ceilings (as attention.py), the power-bound time, and what 80% of T* needs."""
+def bounds(row: dict[str, Any], ceil: dict[str, Any]) -> dict[str, Any]:
+    """T* from the burst ceilings (as attention.py), what 80% (60%) of it needs, the model's energy
+    per call and its power-bound time T_P, and the energy the sustained call measured."""
     m = ceil["model"]
     bytes_ms = row["bytes"] / (ceil["copy"]["burst_TBps"] * 1e9)
     flops_ms = row["flops"] / (ceil["gemm"]["burst_TFLOPs"] * 1e9)
     t_star = max(bytes_ms, flops_ms)
-    joules = m["j_per_byte"] * row["bytes"] + m["j_per_flop"] * row["flops"]
-    power_ms = joules / (m["cap_w"] - m["floor_w"]) * 1e3
     memory = bytes_ms >= flops_ms
+    model_mj = (m["j_per_byte_read"] * row["bytes"] + m["j_per_flop"] * row["flops"]) * 1e3
     return {
         "t_star": t_star,
-        "power_ms": power_ms,
         "need": t_star / (0.8 if memory else 0.6),
         "memory": memory,
+        "model_mj": model_mj,
+        "power_ms": model_mj / (m["cap_w"] - m["floor_w"]),
+        "measured_mj": (row["call"]["power_w"] - m["floor_w"]) * row["call"]["ms"],  # W x ms = mJ
     }
 
 
@@ -262,6 +295,11 @@ def _why(state: dict[str, Any]) -> str:
     return ", ".join(state["reasons"]) or "—"
 
 
+def _state(st: dict[str, Any]) -> str:
+    """'ms @ MHz (min), W, reasons' of one window."""
+    return f"{st['ms']:.3f} @ {_f(st['sm_mhz'])} ({_f(st['sm_mhz_min'])}), {_f(st['power_w'])} W, {_why(st)}"
+
+
 def report(result: dict[str, Any], out_dir: Path) -> None:
     """power.md (tables) and power.png (sustained SM clock and power per point) from the JSON."""
     ceil = result["ceilings"]
@@ -270,56 +308,66 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         f"# Power and clocks at the attention benchmark's heavy points ({result['device']})",
         "",
         f"torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, {result['date']}. "
-        "Written by `benchmarks/power.py`. "
-        f"Sustained = graph replays back to back for {result['window_s']} s "
-        "after 0.5 s of warm-up, nvidia-smi sampled every 20 ms beside them (medians; `min` = lowest SM "
-        "clock seen); burst = do_bench median with L2 flushed between calls, as `attention.py` times.",
+        "Written by `benchmarks/power.py`. Each window runs for "
+        f"{result['window_s']} s with nvidia-smi sampled every 20 ms beside it: medians of SM clock and "
+        "board power, `(min)` = the lowest SM clock seen, and every throttle reason seen. "
+        "`back to back` = graph replays with nothing between (after 0.5 s of warm-up); `as benchmarked` = "
+        "attention.py's pattern (256 MB L2 flush before each call, each call timed by its own events: "
+        "median ms).",
         "",
-        "## Ceilings",
+        "## Ceilings (back to back, random data)",
         "",
-        "| workload | rate sustained | rate burst | SM MHz | min | W | limit | throttle |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| workload | rate | rate, do_bench (attention.py's T*) | SM MHz (min) | W | limit | throttle |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for name, key, unit in (("copy 2 GiB", "TBps", "TB/s"), ("bf16 GEMM 8192^3", "TFLOPs", "TFLOP/s")):
-        c = ceil[name.split()[0].lower()]
+    for name, c, rate, burst in (
+        (
+            "copy 2 GiB",
+            ceil["copy"],
+            f"{ceil['copy']['TBps']:.2f} TB/s",
+            f"{ceil['copy']['burst_TBps']:.2f} TB/s",
+        ),
+        ("sum of 2 GiB bf16 (reads)", ceil["read"], f"{ceil['read']['TBps']:.2f} TB/s", "—"),
+        (
+            "bf16 GEMM 8192^3",
+            ceil["gemm"],
+            f"{ceil['gemm']['TFLOPs']:.0f} TFLOP/s",
+            f"{ceil['gemm']['burst_TFLOPs']:.0f} TFLOP/s",
+        ),
+        ("spin kernel (1 thread)", ceil["spin"], "—", "—"),
+    ):
         lines.append(
-            f"| {name} | {c[key]:.2f} {unit} | {c['burst_' + key]:.2f} {unit} | {_f(c['sm_mhz'])} "
-            f"| {_f(c['sm_mhz_min'])} | {_f(c['power_w'])} | {_f(c['limit_w'])} | {_why(c)} |"
+            f"| {name} | {rate} | {burst} | {_f(c['sm_mhz'])} ({_f(c['sm_mhz_min'])}) | {_f(c['power_w'])} "
+            f"| {_f(c['limit_w'])} | {_why(c)} |"
         )
-    sp = ceil["spin"]
-    lines.append(
-        f"| spin kernel (1 thread) | — | — | {_f(sp['sm_mhz'])} | {_f(sp['sm_mhz_min'])} "
-        f"| {_f(sp['power_w'])} | {_f(sp['limit_w'])} | {_why(sp)} |"
-    )
     lines += [
         "",
-        f"Energy model (linear, above the spin kernel's {m['floor_w']:.0f} W): "
-        f"{m['j_per_byte'] * 1e12:.1f} pJ per byte copied (counting read + write, as T* does) and "
-        f"{m['j_per_flop'] * 1e12:.3f} pJ per bf16 FLOP at the GEMM's clock; the cap leaves "
-        f"{m['cap_w'] - m['floor_w']:.0f} W for both. T_P = (pJ/byte x bytes + pJ/FLOP x FLOPs) / that. "
-        "The model is rough (a read-only stream moves a byte for less than a copy; a FLOP at full clock "
-        "costs more than at the GEMM's throttled one), so T_P is a lead, not a wall.",
+        f"Energy model (linear, above the spin kernel's {m['floor_w']:.0f} W, which keeps the clocks up "
+        f"with almost nothing switching): {m['j_per_byte_read'] * 1e12:.0f} pJ per byte read "
+        f"({m['j_per_byte'] * 1e12:.0f} per byte a copy counts, read + write) and "
+        f"{m['j_per_flop'] * 1e12:.2f} pJ per bf16 FLOP at the GEMM's clock. The cap leaves "
+        f"{m['cap_w'] - m['floor_w']:.0f} W for both, so a call of `bytes` and `FLOPs` (as T* counts them) "
+        "takes at least T_P = (pJ/byte read x bytes + pJ/FLOP x FLOPs) / that, back to back. `model mJ` is "
+        "that energy; `measured mJ` = (W - floor) x ms of the back-to-back call. The model is a lead, not "
+        "a wall (a FLOP at the GEMM's throttled clock costs less than at full clock; attention moves its "
+        "operands differently from a GEMM).",
         "",
         "## The shared path at each point (T* >= 50 us)",
         "",
-        "| B | P | S | bound | T* | T_P | need (80%/60% T*) | burst | sustained | SM MHz | min | W "
-        "| throttle | parts sustained: ms @ MHz, W |",
-        "|" + " ---: |" * 3 + " --- |" + " ---: |" * 8 + " --- | --- |",
+        "| B | P | S | bound | T* | need | T_P | as benchmarked: ms @ MHz (min), W | back to back "
+        "| model mJ | measured mJ | launches alone, back to back |",
+        "|" + " ---: |" * 3 + " --- |" + " ---: |" * 3 + " --- | --- |" + " ---: |" * 2 + " --- |",
     ]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['B']} | {r['P']} | {r['S']} | error: {r['error'][:80]} |")
             continue
         bd = bounds(r, ceil)
-        c = r["call"]
-        parts = "; ".join(
-            f"{k} {v['ms']:.3f} @ {_f(v['sm_mhz'])}, {_f(v['power_w'])}" for k, v in r["parts"].items()
-        )
+        parts = "; ".join(f"{k}: {_state(v)}" for k, v in r["parts"].items())
         lines.append(
             f"| {r['B']} | {r['P']} | {r['S']} | {'bytes' if bd['memory'] else 'FLOPs'} | {bd['t_star']:.3f} "
-            f"| {bd['power_ms']:.3f} | {bd['need']:.3f} | {r['burst_ms']:.3f} | {c['ms']:.3f} "
-            f"| {_f(c['sm_mhz'])} | {_f(c['sm_mhz_min'])} | {_f(c['power_w'])} | {_why(c)} "
-            f"| {parts} |"
+            f"| {bd['need']:.3f} | {bd['power_ms']:.3f} | {_state(r['burst'])} | {_state(r['call'])} "
+            f"| {bd['model_mj']:.0f} | {bd['measured_mj']:.0f} | {parts} |"
         )
     text = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -334,20 +382,24 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         print("matplotlib missing: no plot")
         return
     rows = [r for r in result["rows"] if "error" not in r]
-    labels = ["copy", "GEMM"] + [f"{r['B']}/{r['P'] // 1024}K/{r['S']}" for r in rows]
-    mhz = [ceil["copy"]["sm_mhz"], ceil["gemm"]["sm_mhz"]] + [r["call"]["sm_mhz"] for r in rows]
-    watts = [ceil["copy"]["power_w"], ceil["gemm"]["power_w"]] + [r["call"]["power_w"] for r in rows]
+    labels = ["copy", "reads", "GEMM"] + [f"{r['B']}/{r['P'] // 1024}K/{r['S']}" for r in rows]
+    ceils = [ceil["copy"], ceil["read"], ceil["gemm"]]
+    back = ceils + [r["call"] for r in rows]
+    bench = ceils + [r["burst"] for r in rows]
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], mhz, 0.4, label="SM clock, MHz (sustained median)")
+    x = list(range(len(labels)))
+    ax.bar([i - 0.2 for i in x], [st["sm_mhz"] for st in bench], 0.4, label="SM MHz, as benchmarked")
+    ax.bar([i + 0.2 for i in x], [st["sm_mhz"] for st in back], 0.4, label="SM MHz, back to back")
     ax2 = ax.twinx()
-    ax2.bar([i + 0.2 for i in x], watts, 0.4, color="tab:orange", label="board power, W")
+    ax2.plot(x, [st["power_w"] for st in back], "ko-", label="board W, back to back")
     ax2.axhline(m["cap_w"], color="tab:red", ls="--", lw=1, label="power limit")
-    ax.set_xticks(list(x), labels, rotation=45, fontsize=8)
-    ax.set_ylabel("MHz")
-    ax2.set_ylabel("W")
-    ax.set_title("Sustained clocks and power: ceilings and the shared path's call (B/P/S)")
-    fig.legend(loc="lower left", fontsize=8)
+    ax.set_xticks(x, labels, rotation=45, fontsize=8)
+    ax.set_ylabel("SM clock, MHz (median)")
+    ax2.set_ylabel("W (median)")
+    ax.set_title("Clocks and power: the ceilings, then the shared path's call at B/P/S")
+    ax.set_ylim(0, 2700)  # room for the legend above the bars
+    ax2.set_ylim(0, m["cap_w"] * 1.4)
+    fig.legend(loc="upper center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, 0.9))
     fig.tight_layout()
     fig.savefig(out_dir / "power.png", dpi=120)
 
