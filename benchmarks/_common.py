@@ -55,6 +55,28 @@ def run_info() -> dict[str, Any]:
     }
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is missing (no plot)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def write_text(out_dir: Path, name: str, lines: list[str]) -> str:
+    """Markdown lines into out_dir/name (the folder made if missing), printed too; returns the text."""
+    text = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / name).write_text(text)
+    print(text)
+    return text
+
+
 def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")

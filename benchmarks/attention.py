@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from benchmarks._common import pyplot, run_info, write_text
+
 HQ, HKV, D, BS = 32, 8, 128, 16
 GRID_B = (16, 64, 256, 1024)
 GRID_P = (1024, 4096, 16384)
@@ -440,8 +442,6 @@ def _finish(
 ) -> None:
     import triton
 
-    from benchmarks._common import run_info
-
     device = torch.device("cuda")
     commit = run_info()["commit"]  # PREFIXSERVE_COMMIT wins: the device copy's .git may be stale
     result = {
@@ -698,17 +698,9 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
     power = power_lines(result, out_dir)
     if power:
         lines += ["", *power]
-    text = "\n".join(lines) + "\n"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "attention.md").write_text(text)
-    print(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    write_text(out_dir, "attention.md", lines)
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in result["rows"] if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False)

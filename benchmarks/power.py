@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._common import pyplot, run_info, write_text
 from benchmarks.attention import DOCS, GRID_B, GRID_P, GRID_S, HKV, HQ, PART_OF, Case, D, _bench, graphed
 
 FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active,temperature.gpu"
@@ -230,8 +231,6 @@ def measure_point(b: int, p: int, s: int, sampler: Sampler, window_s: float) -> 
 def run(args: argparse.Namespace) -> None:
     import triton
 
-    from benchmarks._common import run_info
-
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     sampler = Sampler()
@@ -369,17 +368,9 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
             f"| {bd['need']:.3f} | {bd['power_ms']:.3f} | {_state(r['burst'])} | {_state(r['call'])} "
             f"| {bd['model_mj']:.0f} | {bd['measured_mj']:.0f} | {parts} |"
         )
-    text = "\n".join(lines) + "\n"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "power.md").write_text(text)
-    print(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    write_text(out_dir, "power.md", lines)
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in result["rows"] if "error" not in r]
     labels = ["copy", "reads", "GEMM"] + [f"{r['B']}/{r['P'] // 1024}K/{r['S']}" for r in rows]

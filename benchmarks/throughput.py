@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks._common import RESULTS, run_info, write_results
+from benchmarks._common import RESULTS, pyplot, run_info, write_results
 from prefixserve import LLM, SamplingParams
 
 MODES = {"auto": "auto", "sharing_off": "triton_paged", "ceiling": "none"}
@@ -116,12 +116,8 @@ def _idle_frac(before: dict, after: dict) -> float:
 
 
 def plot(payload: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for b in sorted({r["B"] for r in payload["rows"]}):
