@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,36 @@ def run_info() -> dict[str, Any]:
         "commit": commit,
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def run_or_report(
+    doc: str | None,
+    name: str,
+    default_out: Path,
+    add_run_args: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], None],
+    report: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """A GPU benchmark's command line: ``run [--out DIR] ...`` measures and writes NAME.json and its
+    report; ``report --json FILE [--out DIR]`` rewrites the report from a JSON (copied into DIR)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", default=str(default_out))
+    add_run_args(r)
+    p = sub.add_parser("report")
+    p.add_argument("--json", required=True)
+    p.add_argument("--out", default=str(default_out))
+    args = ap.parse_args()
+    if args.mode == "run":
+        run(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = json.loads(Path(args.json).read_text())
+    if Path(args.json).resolve() != (out / f"{name}.json").resolve():
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    report(result, out)
 
 
 def pyplot() -> Any:

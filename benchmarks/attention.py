@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import pyplot, run_info, write_text
+from benchmarks._common import pyplot, run_info, run_or_report, write_text
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 GRID_B = (16, 64, 256, 1024)
@@ -728,26 +728,12 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="mode", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", default=str(DOCS))
-    r.add_argument("--quick", action="store_true")
-    r.add_argument("--tune", action="store_true")
-    r.add_argument("--no-check", action="store_true")
-    p = sub.add_parser("report")
-    p.add_argument("--json", required=True)
-    p.add_argument("--out", default=str(DOCS))
-    args = ap.parse_args()
-    if args.mode == "run":
-        run(args)
-    else:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result = json.loads(Path(args.json).read_text())
-        if Path(args.json).resolve() != (out / "attention.json").resolve():
-            (out / "attention.json").write_text(json.dumps(result, indent=1))
-        report(result, out)
+    def add_run_args(r: argparse.ArgumentParser) -> None:
+        r.add_argument("--quick", action="store_true")
+        r.add_argument("--tune", action="store_true")
+        r.add_argument("--no-check", action="store_true")
+
+    run_or_report(__doc__, "attention", DOCS, add_run_args, run, report)
 
 
 if __name__ == "__main__":

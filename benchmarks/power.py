@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import pyplot, run_info, write_text
+from benchmarks._common import pyplot, run_info, run_or_report, write_text
 from benchmarks.attention import DOCS, GRID_B, GRID_P, GRID_S, HKV, HQ, PART_OF, Case, D, _bench, graphed
 
 FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active,temperature.gpu"
@@ -396,24 +396,10 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="mode", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", default=str(DOCS))
-    r.add_argument("--window", type=float, default=1.0)
-    p = sub.add_parser("report")
-    p.add_argument("--json", required=True)
-    p.add_argument("--out", default=str(DOCS))
-    args = ap.parse_args()
-    if args.mode == "run":
-        run(args)
-    else:
-        result = json.loads(Path(args.json).read_text())
-        out = Path(args.out)
-        if Path(args.json).resolve() != (out / "power.json").resolve():
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "power.json").write_text(json.dumps(result, indent=1))
-        report(result, out)
+    def add_run_args(r: argparse.ArgumentParser) -> None:
+        r.add_argument("--window", type=float, default=1.0)
+
+    run_or_report(__doc__, "power", DOCS, add_run_args, run, report)
 
 
 if __name__ == "__main__":
