@@ -5,6 +5,8 @@ with own-only programs and with more shared tickets than programs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _kernel_helpers import rel_err
@@ -170,6 +172,51 @@ def test_engine_decode_step_through_the_mixed_kernel(
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1.1 * rel_err(split, ref) + 1e-4
     assert rel_err(again, out) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize(
+    ("own", "shift", "ht"), [(128, 0, 0), (128, 16, 0), (96, 0, 0), (128, 0, 1), (200, 7, 0)]
+)
+def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht) -> None:
+    """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
+    score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
+    so o[d] = (head + 1) x (own tokens on d) / n, and lse = ln n. Every value is exact
+    in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (NOTES.md v16,
+    v17: a 128-row own tile fails here, losing d 32-63 and 96-127). Shared memory is filled with NaN
+    tiles first, and the partials are read after one launch, so stale reads show too."""
+    monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
+    bs, hq, hkv, dim, n_seqs, prefix = 16, 32, 8, 128, 128, 1024
+    nb, per = prefix // bs, -(-own // bs)
+    k = torch.zeros(nb + n_seqs * per + 2, bs, hkv, dim, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(k)
+    perm = (nb + torch.randperm(n_seqs * per, generator=torch.Generator().manual_seed(own))).tolist()
+    tables = [list(range(nb)) + perm[s * per : (s + 1) * per] for s in range(n_seqs)]
+    meta = build_metadata(bs, [1] * n_seqs, [prefix + own] * n_seqs, tables, "cuda")
+    heads = (torch.arange(hkv, device="cuda") + 1).to(v.dtype)
+    rows = torch.tensor([t[nb + i // bs] * bs + i % bs for t in tables for i in range(own)], device="cuda")
+    d_of = (torch.arange(own, device="cuda") + shift) % dim
+    one_hot = torch.zeros(own, hkv, dim, dtype=v.dtype, device="cuda")
+    one_hot[torch.arange(own, device="cuda"), :, d_of] = 1
+    v.view(-1, hkv, dim)[rows] = (one_hot * heads[None, :, None]).repeat(n_seqs, 1, 1)
+    q = torch.randn(n_seqs, hq, dim, generator=torch.Generator().manual_seed(1)).cuda().to(k.dtype)
+    be = TritonBackend()
+    be.mixed = True
+    be.prepare(meta)
+    nan = torch.full((4096, 4096), float("nan"), dtype=k.dtype, device="cuda")
+    (nan @ nan).sum().item()  # every SM's shared memory full of NaN tiles: stale reads show
+    be.forward(q, k, v, meta, dim**-0.5)  # one launch, read before any later one
+    lay = next(iter(meta.plan.layouts.values()))
+    assert lay.mixed
+    first = lay.work.num_slots  # own partial of sequence s: slot first + s
+    o, lse = lay.o_part[first : first + n_seqs], lay.lse_part[first : first + n_seqs]
+    expect = torch.bincount(d_of, minlength=dim).float().expand(hq, dim)  # tokens on each d
+    expect = expect * heads.float().repeat_interleave(hq // hkv)[:, None] / own
+    off = ~((o - expect).abs() < 1e-6)  # NaN counts as off
+    bad_d = off.any(0).any(0).nonzero().flatten().tolist()  # which accumulator rows
+    assert not bad_d, f"own partials off at d = {bad_d} ({int(o.isnan().sum())} NaN)"
+    assert (lse - math.log(own)).abs().max() < 1e-5
 
 
 @pytest.mark.gpu
