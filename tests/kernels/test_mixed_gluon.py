@@ -177,9 +177,10 @@ def test_engine_decode_step_through_the_mixed_kernel(
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize(
-    ("own", "shift", "ht"), [(128, 0, 0), (128, 16, 0), (96, 0, 0), (128, 0, 1), (200, 7, 0)]
+    ("own", "shift", "ht", "hq"),
+    [(128, 0, 0, 32), (128, 16, 0, 32), (96, 0, 0, 32), (128, 0, 1, 32), (200, 7, 0, 32), (160, 3, 0, 64)],
 )
-def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht) -> None:
+def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht, hq) -> None:
     """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
     score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
     so o[d] = (head + 1) x (own tokens on d) / n, and lse = ln n. Every value is exact
@@ -187,7 +188,7 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht) -> N
     v17: a 128-row own tile fails here, losing d 32-63 and 96-127). Shared memory is filled with NaN
     tiles first, and the partials are read after one launch, so stale reads show too."""
     monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
-    bs, hq, hkv, dim, n_seqs, prefix = 16, 32, 8, 128, 128, 1024
+    bs, hkv, dim, n_seqs, prefix = 16, 8, 128, 128, 1024
     nb, per = prefix // bs, -(-own // bs)
     k = torch.zeros(nb + n_seqs * per + 2, bs, hkv, dim, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros_like(k)
