@@ -74,10 +74,6 @@ def test_kernel_compiles_for_sm90() -> None:
         assert regs <= set(r["setmaxnreg"]), r
         assert r["cubin_bytes"] > 0
         assert not r["wgmma_serialized"], r  # ptxas keeps the async products async
-        # no local-memory spills in these shapes but GQA 16, d 128 (own tiles of N = 32 in 104
-        # registers); ptxas 12.8 once reloaded a spill slot of the mixed kernel before storing it
-        # (NOTES.md v17-v18)
-        assert r["spill_stores"] == 0 or r["shape"] == "mixed:16:128:bf16", r
 
 
 def test_eligibility_rule() -> None:

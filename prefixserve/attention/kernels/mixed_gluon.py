@@ -61,10 +61,9 @@ FORCE_HT = int(os.environ.get("PREFIXSERVE_MIXED_HT", "0"))  # KV heads per own 
 # The ring shapes (NOTES.md v11): the shared ring holds 64-token tiles, so that with the own ring
 # beside it (64-row tiles) both stay three deep in shared memory
 SHARED_N = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_N", "64"))
-OWN_M = int(os.environ.get("PREFIXSERVE_MIXED_OWN_M", "64"))  # rows of an own tile (wgmma's M: 64 a product)
-_STAGES = "3" if OWN_M == 64 else "2"
-SHARED_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_STAGES", _STAGES))
-OWN_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_OWN_STAGES", _STAGES))
+SHARED_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_STAGES", "3"))
+OWN_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_OWN_STAGES", "3"))
+OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
 OVERLAP = os.environ.get("PREFIXSERVE_MIXED_OVERLAP", "0") == "1"
 # one program per SM walking every SM-th shared ticket (one wave, the default), or "0": a grid of at
 # least the shared tickets, one each (two waves where tickets outnumber SMs; 1.4-1.8% slower at the
@@ -334,7 +333,7 @@ if shared_gluon.GLUON:
     ):
         """The own warpgroup: every own tile of the program's tickets, each ticket's partial at its end."""
         k_bufs, v_bufs, ready, empty = ring
-        qo_bufs, pt_bufs = own_smem
+        qo_smem, pt_smem = own_smem
         _tables, own_lens_ptr, _ts, groups, u_lo, u_hi, _oob = walk
         q_ptr, o_ptr, lse_ptr, qk_scale, own_slot0, stride_qt, stride_qh, stride_op, stride_oh, stride_lp = (
             ptrs
@@ -342,12 +341,7 @@ if shared_gluon.GLUON:
         STAGES: gl.constexpr = k_bufs.shape[0]
         OWN_M: gl.constexpr = k_bufs.shape[1]
         TILE_T: gl.constexpr = OWN_M // HT
-        OWN_ROWS: gl.constexpr = qo_bufs.shape[1]
-        # Q^T by ticket and P^T by tile alternate between two buffers (Q^T one where shared memory is
-        # short): a loop-variant address makes the products' descriptors be rebuilt each tile rather
-        # than hoisted out of the loop and held live, which spilled, and ptxas 12.8 reloaded one of
-        # those spill slots before its store (NOTES.md v17-v18)
-        QO_BUFS: gl.constexpr = qo_bufs.shape[0]
+        OWN_ROWS: gl.constexpr = qo_smem.shape[0]
         ot_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, OWN_ROWS, 16]
         )
@@ -357,8 +351,7 @@ if shared_gluon.GLUON:
         j = 0
         o_len = _own_len(own_lens_ptr, u, u_hi, groups)
         nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
-        q_first = _own_query(q_ptr, u, u_hi, groups, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM)
-        qo_bufs.index(0).store(q_first)
+        qo_smem.store(_own_query(q_ptr, u, u_hi, groups, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM))
         fence_async_shared()  # generic stores before the wgmma's async reads
         nxt_q = _own_query(q_ptr, u + 1, u_hi, groups, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM)
         m_o, l_o, acc_o = _own_fresh(OWN_M, OWN_ROWS, HEAD_DIM, ot_layout)
@@ -371,7 +364,7 @@ if shared_gluon.GLUON:
                 j = 0
                 o_len = nxt_len
                 nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
-                qo_bufs.index((u - u_lo) % QO_BUFS).store(nxt_q)
+                qo_smem.store(nxt_q)
                 fence_async_shared()
                 nxt_q = _own_query(
                     q_ptr, u + 1, u_hi, groups, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM
@@ -379,8 +372,8 @@ if shared_gluon.GLUON:
                 m_o, l_o, acc_o = _own_fresh(OWN_M, OWN_ROWS, HEAD_DIM, ot_layout)
             mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
             m_o, l_o, acc_o = _own_tile(
-                qo_bufs.index((u - u_lo) % QO_BUFS),
-                pt_bufs.index(k % 2),
+                qo_smem,
+                pt_smem,
                 k_bufs.index(slot),
                 v_bufs.index(slot),
                 m_o,
@@ -507,11 +500,10 @@ if shared_gluon.GLUON:
         vo_bufs = gl.allocate_shared_memory(dtype, [OWN_STAGES, OWN_M, HEAD_DIM], own_layout)
         own_ready = gl.allocate_shared_memory(gl.int64, [OWN_STAGES, 1], mbarrier.MBarrierLayout())
         own_empty = gl.allocate_shared_memory(gl.int64, [OWN_STAGES, 1], mbarrier.MBarrierLayout())
-        QO_BUFS: gl.constexpr = 2 if OWN_ROWS * HEAD_DIM <= 16 * 128 else 1  # 229.5 KB at 32 x 128
         qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([OWN_ROWS, HEAD_DIM], dtype)
-        qo_smem = gl.allocate_shared_memory(dtype, [QO_BUFS, OWN_ROWS, HEAD_DIM], qo_layout)
+        qo_smem = gl.allocate_shared_memory(dtype, [OWN_ROWS, HEAD_DIM], qo_layout)
         pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([OWN_M, OWN_ROWS], dtype)
-        pt_smem = gl.allocate_shared_memory(dtype, [2, OWN_M, OWN_ROWS], pt_layout)
+        pt_smem = gl.allocate_shared_memory(dtype, [OWN_M, OWN_ROWS], pt_layout)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
