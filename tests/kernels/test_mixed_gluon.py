@@ -184,8 +184,8 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht, hq) 
     """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
     score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
     so o[d] = (head + 1) x (own tokens on d) / n, and lse = ln n. Every value is exact
-    in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (NOTES.md v16,
-    v17: a 128-row own tile fails here, losing d 32-63 and 96-127). Shared memory is filled with NaN
+    in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (NOTES.md v16-
+    v18: a 128-row own tile fails here, losing d 32-63 and 96-127). Shared memory is filled with NaN
     tiles first, and the partials are read after one launch, so stale reads show too."""
     monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
     bs, hkv, dim, n_seqs, prefix = 16, 8, 128, 128, 1024
