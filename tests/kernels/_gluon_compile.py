@@ -4,7 +4,8 @@ A separate process: tests/kernels/conftest.py sets TRITON_INTERPRET=1 for the tl
 Triton is imported, and under it Triton's own library functions (``gl.max``...) are built for the
 interpreter, which the real compiler refuses.
 
-Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared or mixed, DTYPE bf16 or fp16)
+Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, mixed or mixed128: the mixed
+kernel with 128-row own tiles; DTYPE bf16 or fp16)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"  # register counts t
 
 def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: str = "shared"):
     """triton.compile of the shipped configuration of the shared (or the mixed) kernel for sm_90."""
+    own_m = 128 if kernel_name == "mixed128" else 64
+    kernel_name = "mixed" if kernel_name == "mixed128" else kernel_name
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -39,12 +42,13 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     if kernel_name == "mixed":
         kernel = mixed_gluon.mixed_gluon_kernel
         desc = mangle_type(shared_gluon.gluon_descriptor(cache, mixed_gluon.SHARED_N))
-        own = mangle_type(mixed_gluon.own_descriptor(cache, mixed_gluon.OWN_M))
+        own = mangle_type(mixed_gluon.own_descriptor(cache, own_m))
         types |= {"k_desc": desc, "v_desc": desc, "ko_desc": own, "vo_desc": own}
         types |= {"own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
-        ht, rows = mixed_gluon.own_tiling(group * 8, 8, 16)  # 8 KV heads, as the 8B models
-        consts |= {"BLOCK_N": mixed_gluon.SHARED_N, "STAGES": mixed_gluon.SHARED_STAGES}
-        consts |= {"OWN_STAGES": mixed_gluon.OWN_STAGES, "OWN_M": mixed_gluon.OWN_M}
+        ht, rows = mixed_gluon.own_tiling(group * 8, 8, 16, own_m)  # 8 KV heads, as the 8B models
+        shared_stages, own_stages = mixed_gluon.ring_stages(own_m)
+        consts |= {"BLOCK_N": mixed_gluon.SHARED_N, "STAGES": shared_stages}
+        consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
         consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht, "OVERLAP": mixed_gluon.OVERLAP}
         consts["PERSISTENT"] = mixed_gluon.PERSISTENT
         maxnreg = mixed_gluon.MAXNREG
@@ -62,25 +66,30 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def wgmma_serialized(ptx: str) -> bool:
+def wgmma_serialized(ptx: str, ptxas: str) -> bool:
     """True when ``ptxas`` (run on the PTX) serializes the wgmmas: it does so where it cannot keep an
     async product in flight, and the kernels' overlap depends on it (NOTES.md v18)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src:
         src.write(ptx)
         src.flush()
-        cmd = [get_ptxas(90).path, "-arch=sm_90a", "-v", src.name, "-o", "/dev/null"]
+        cmd = [ptxas, "-arch=sm_90a", "-v", src.name, "-o", "/dev/null"]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     return "wgmma.mma_async instructions are serialized" in log
 
 
 def main(shapes: list[str]) -> None:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from prefixserve.attention.kernels import _ptxas
+
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for shape in shapes:
         kernel, group, dim, dtype = shape.split(":")
+        built = len(_ptxas.BUILT)
         compiled = compile_for_hopper(int(group), int(dim), dtypes[dtype], kernel)
         ptx = compiled.asm["ptx"]
+        newer = len(_ptxas.BUILT) > built  # the cubin came from ptxas >= 12.9 (``_ptxas``)
+        ptxas = _ptxas.newer_ptxas()[0] if newer else get_ptxas(90).path
         print(
             json.dumps(
                 {
@@ -90,7 +99,8 @@ def main(shapes: list[str]) -> None:
                     "tma": "cp.async.bulk.tensor" in ptx,
                     "setmaxnreg": sorted(set(re.findall(SETMAXNREG, ptx))),
                     "cubin_bytes": len(compiled.asm["cubin"]),
-                    "wgmma_serialized": wgmma_serialized(ptx),
+                    "wgmma_serialized": wgmma_serialized(ptx, ptxas),
+                    "newer_ptxas": newer,
                 }
             )
         )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from _kernel_helpers import rel_err
 
-from prefixserve.attention.kernels import mixed_gluon, paged_attention, shared_gluon
+from prefixserve.attention.kernels import _ptxas, mixed_gluon, paged_attention, shared_gluon
 from prefixserve.attention.kernels.shared_attention import SharedWork
 from prefixserve.attention.kernels.triton_backend import TritonBackend
 from prefixserve.attention.metadata import build_metadata
@@ -66,6 +66,37 @@ def test_rule(monkeypatch) -> None:
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: False)
     monkeypatch.setattr(mixed_gluon, "MODE", "1")
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
+
+
+def test_own_rows_rule(monkeypatch) -> None:
+    """128-row own tiles where own parts are short (S=128 steps) and ptxas >= 12.9 builds the kernel;
+    64 rows otherwise; the mode forces either."""
+    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", "auto")
+    monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: ("ptxas", "12.9"))
+    assert mixed_gluon.own_rows_for(1024 * 128, 1024) == 128
+    assert mixed_gluon.own_rows_for(256 * 200, 256) == 128
+    assert mixed_gluon.own_rows_for(1024 * 512, 1024) == 64
+    assert mixed_gluon.own_rows_for(256 * 256, 256) == 64
+    monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
+    assert mixed_gluon.own_rows_for(1024 * 128, 1024) == 64
+    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", "128")
+    assert mixed_gluon.own_rows_for(1024 * 512, 1024) == 128
+    assert mixed_gluon.ring_stages(128) == (2, 2)
+    assert mixed_gluon.ring_stages(64) == (mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
+    assert mixed_gluon.own_tiling(32, 8, 16, 128) == (2, 8)  # 64 tokens of each of two heads
+
+
+@pytest.mark.skipif(not shared_gluon.GLUON, reason="this Triton has no Gluon")
+def test_128_row_own_tiles_refuse_the_bundled_ptxas(monkeypatch) -> None:
+    """Without ptxas >= 12.9, a 128-row launch is refused by name, not miscompiled (NOTES.md v19)."""
+    monkeypatch.setattr(mixed_gluon, "NEWER_PTXAS", False)
+    with pytest.raises(RuntimeError, match=r"ptxas >= 12\.9"):
+        mixed_gluon.launch_mixed(*([None] * 12), own_m=128)
+
+
+def _newer_ptxas_or_skip(own_m: str) -> None:
+    if own_m == "128" and _ptxas.newer_ptxas() is None:
+        pytest.skip("128-row own tiles need ptxas >= 12.9")
 
 
 def _decode_batch(groups, bs, hq, hkv, dim, dtype, seed):
@@ -151,11 +182,14 @@ def _run(q, k, v, meta, mixed: bool):
         ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32, 0, True),  # cache blocks of 32 tokens
     ],
 )
+@pytest.mark.parametrize("own_m", ["64", "128"])
 def test_engine_decode_step_through_the_mixed_kernel(
-    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, ht, persistent
+    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, ht, persistent, own_m
 ) -> None:
-    """The mixed launch against the two-kernel path and the fp64-backed reference; a later layer's
-    replay (descriptors remade) matches the first launch."""
+    """The mixed launch (own tiles of 64 and of 128 rows) against the two-kernel path and the
+    fp64-backed reference; a later layer's replay (descriptors remade) matches the first launch."""
+    _newer_ptxas_or_skip(own_m)
+    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", own_m)
     if sms is not None:  # the grid: programs (persistent), else max(programs, shared tickets)
         monkeypatch.setattr(paged_attention, "num_sms", lambda device=None: sms)
     monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
@@ -165,7 +199,7 @@ def test_engine_decode_step_through_the_mixed_kernel(
     original = mixed_gluon.launch_mixed
     monkeypatch.setattr(mixed_gluon, "launch_mixed", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     out, again, lay = _run(q, k, v, meta, mixed=True)
-    assert lay.mixed and calls == [1]
+    assert lay.mixed == int(own_m) and calls == [1]
     split, _, lay_split = _run(q, k, v, meta, mixed=False)
     assert not lay_split.mixed
     ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), meta, dim**-0.5)
@@ -180,13 +214,16 @@ def test_engine_decode_step_through_the_mixed_kernel(
     ("own", "shift", "ht", "hq"),
     [(128, 0, 0, 32), (128, 16, 0, 32), (96, 0, 0, 32), (128, 0, 1, 32), (200, 7, 0, 32), (160, 3, 0, 64)],
 )
-def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht, hq) -> None:
+@pytest.mark.parametrize("own_m", ["64", "128"])
+def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht, hq, own_m) -> None:
     """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
     score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
     so o[d] = (head + 1) x (own tokens on d) / n, and lse = ln n. Every value is exact
     in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (NOTES.md v16-
-    v18: a 128-row own tile fails here, losing d 32-63 and 96-127). Shared memory is filled with NaN
-    tiles first, and the partials are read after one launch, so stale reads show too."""
+    v19: the 128-row own tile built by ptxas 12.8 fails here, losing d 32-63 and 96-127). Shared memory
+    is filled with NaN tiles first, and the partials are read after one launch, so stale reads show too."""
+    _newer_ptxas_or_skip(own_m)
+    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", own_m)
     monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
     bs, hkv, dim, n_seqs, prefix = 16, 8, 128, 128, 1024
     nb, per = prefix // bs, -(-own // bs)
@@ -209,7 +246,7 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht, hq) 
     (nan @ nan).sum().item()  # every SM's shared memory full of NaN tiles: stale reads show
     be.forward(q, k, v, meta, dim**-0.5)  # one launch, read before any later one
     lay = next(iter(meta.plan.layouts.values()))
-    assert lay.mixed
+    assert lay.mixed == int(own_m)
     first = lay.work.num_slots  # own partial of sequence s: slot first + s
     o, lse = lay.o_part[first : first + n_seqs], lay.lse_part[first : first + n_seqs]
     expect = torch.bincount(d_of, minlength=dim).float().expand(hq, dim)  # tokens on each d

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE, rel_err
 
-from prefixserve.attention.kernels import mixed_gluon, shared_gluon
+from prefixserve.attention.kernels import _ptxas, mixed_gluon, shared_gluon
 from prefixserve.attention.kernels.shared_attention import (
     shared_segment_attention,
     shared_segment_attention_ref,
@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @needs_gluon
 def test_kernel_compiles_for_sm90() -> None:
-    """Three shapes (GQA 4 / 8 / 1, d 128 / 64, bf16 / fp16) of the shared kernel and three of the
-    mixed kernel (mixed_gluon.py; GQA 16: own tiles of N = 32) through the whole sm_90 pipeline."""
+    """Three shapes (GQA 4 / 8 / 1, d 128 / 64, bf16 / fp16) of the shared kernel and five of the
+    mixed kernel (mixed_gluon.py; GQA 16: own tiles of N = 32; 128-row own tiles) through the whole
+    sm_90 pipeline; the mixed kernel's cubin by ptxas >= 12.9 where Triton has one (``_ptxas``)."""
     shapes = [
         "shared:4:128:bf16",
         "shared:8:64:fp16",
@@ -45,9 +46,12 @@ def test_kernel_compiles_for_sm90() -> None:
         "mixed:4:128:bf16",
         "mixed:8:64:fp16",
         "mixed:16:128:bf16",
+        "mixed128:4:128:bf16",
+        "mixed128:8:64:fp16",
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["TRITON_ALWAYS_COMPILE"] = "1"  # through ptxas every time: which one builds each kernel shows
     run = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("_gluon_compile.py")), *shapes],
         env=env,
@@ -74,6 +78,7 @@ def test_kernel_compiles_for_sm90() -> None:
         assert regs <= set(r["setmaxnreg"]), r
         assert r["cubin_bytes"] > 0
         assert not r["wgmma_serialized"], r  # ptxas keeps the async products async
+        assert r["newer_ptxas"] == (kernel != "shared" and _ptxas.newer_ptxas() is not None), r
 
 
 def test_eligibility_rule() -> None:

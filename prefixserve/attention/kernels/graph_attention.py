@@ -97,6 +97,7 @@ def shared_graph_step(
     mixed = mixed_gluon().use_mixed(
         shape.device, shape.dtype, heads, work, 1, shared_row_tokens, own_tokens, meta.num_seqs, block_size=bs
     )
+    mixed = mixed_gluon().own_rows_for(own_tokens, meta.num_seqs) if mixed else 0  # own tile rows
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
@@ -305,9 +306,8 @@ class SharedGraph(_Recorded):
         if self.mixed and mixed_gluon().eligible(q, k_cache, v_cache, self.block_m, self.block_n):
             # padding rows: own length 0, a zero partial each
             step_lists = tuple(self.buffer(n) for n in ("seg_rows", "items", "own_tables", "own_seq_lens"))
-            return launch_mixed_path(
-                q, k_cache, v_cache, scale, step_lists, (self.o_part, self.lse_part, s), merge_into
-            )
+            parts = (self.o_part, self.lse_part, s)
+            return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, self.mixed)
         return launch_split_path(
             lambda: shared_attention.launch_shared(*shared_args),
             lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),

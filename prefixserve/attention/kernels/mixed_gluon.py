@@ -17,7 +17,8 @@ flight, and a warpgroup of its own for the own math, so that it never waits behi
 Programs without a shared ticket stream own KV only.
 
 An own ticket is (sequence, group of ``HT`` KV heads); its tiles are ``OWN_M / HT`` tokens of each
-of the group's heads (``OWN_M`` = 64 rows: wgmma's M), loaded one box per (cache block, head);
+of the group's heads (``OWN_M`` = 64 rows: wgmma's M; 128 where own parts are short, ``own_rows_for``),
+loaded one box per (cache block, head);
 blocks past the sequence are out-of-bounds boxes, which TMA fills with zeros without reading
 memory. The own warpgroup computes the transposed product ``S^T = K Q^T`` against the group's query
 heads (rows x padded query heads: wgmma's N can be 8, its M cannot be under 64), masked
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.attention.kernels import shared_gluon
+from prefixserve.attention.kernels import _ptxas, shared_gluon
 from prefixserve.attention.kernels.launch import Launch, record
 
 if shared_gluon.GLUON:
@@ -64,6 +65,14 @@ SHARED_N = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_N", "64"))
 SHARED_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_STAGES", "3"))
 OWN_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_OWN_STAGES", "3"))
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
+# Own tiles of 128 rows (two wgmma M blocks) where own parts are short: half the own warpgroup's
+# chains (products, row max, P^T store) per byte. Measured (NOTES.md v19): -5.6% at B=1024, P=1K,
+# S=128 and -2% at P=4K, S=128, +1-2% at S=512 (whose tickets are long) and +11% at B=256, P=16K,
+# S=512 (two shared slots); so below SHORT_OWN_TOKENS own tokens a sequence (mean), and only where
+# ptxas >= 12.9 builds the kernel (``_ptxas``). "64" or "128" forces one.
+SHORT_OWN_M = 128
+SHORT_OWN_TOKENS = 256
+OWN_M_MODE = os.environ.get("PREFIXSERVE_MIXED_OWN_M", "auto")
 OVERLAP = os.environ.get("PREFIXSERVE_MIXED_OVERLAP", "0") == "1"
 # one program per SM walking every SM-th shared ticket (one wave, the default), or "0": a grid of at
 # least the shared tickets, one each (two waves where tickets outnumber SMs; 1.4-1.8% slower at the
@@ -84,6 +93,9 @@ MIN_OWN_SHARE = 0.5  # own time / shared time from which the mixed kernel pays
 MIN_OWN_TOKENS = 128
 
 if shared_gluon.GLUON:
+    # the mixed kernel's cubin by ptxas >= 12.9 where Triton has one: 12.8 miscompiles 128-row own tiles
+    NEWER_PTXAS = _ptxas.build_with_newer("mixed_gluon_kernel")
+    PTXAS_BUILD = _ptxas.newer_ptxas()[1] if NEWER_PTXAS else "bundled"
     _SHARED_REGS = gl.constexpr(SHARED_REGS)
     _OWN_REGS = gl.constexpr(OWN_REGS)
 
@@ -477,6 +489,7 @@ if shared_gluon.GLUON:
         HT: gl.constexpr,
         OVERLAP: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        PTXAS: gl.constexpr,  # the ptxas that builds it (``_ptxas``): in the compile cache's key
     ):
         """1-d grid of G programs: program p takes shared ticket p (item fastest; none past the last),
         or with ``PERSISTENT`` tickets p, p + G, ..., and own tickets [p n / G, (p + 1) n / G) of the
@@ -569,7 +582,7 @@ def own_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     return TensorDescriptor.from_tensor(rows, [block_size, dim], layout)
 
 
-def own_tiling(q_heads: int, kv_heads: int, block_size: int) -> tuple[int, int]:
+def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M) -> tuple[int, int]:
     """(KV heads per own tile, padded query heads of an own tile: wgmma's N), or (0, 0) where the
     mixed kernel cannot take the shape.
 
@@ -579,9 +592,25 @@ def own_tiling(q_heads: int, kv_heads: int, block_size: int) -> tuple[int, int]:
     group = q_heads // kv_heads
     for ht in (FORCE_HT,) if FORCE_HT else (2, 1):
         rows = -(-ht * group // 8) * 8
-        if kv_heads % ht == 0 and (OWN_M // ht) % block_size == 0 and rows <= OWN_MAX_N:
+        if kv_heads % ht == 0 and (own_m // ht) % block_size == 0 and rows <= OWN_MAX_N:
             return ht, rows
     return 0, 0
+
+
+def own_rows_for(own_tokens: int, num_seqs: int) -> int:
+    """Rows of the own tiles of a mixed step with ``own_tokens`` own KV tokens over ``num_seqs``
+    sequences: ``SHORT_OWN_M`` where own parts are short (mean under ``SHORT_OWN_TOKENS``) and ptxas
+    >= 12.9 builds the kernel, else ``OWN_M``; ``OWN_M_MODE`` "64" or "128" forces one."""
+    if OWN_M_MODE != "auto":
+        return int(OWN_M_MODE)
+    short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1)
+    return SHORT_OWN_M if short and _ptxas.newer_ptxas() is not None else OWN_M
+
+
+def ring_stages(own_m: int) -> tuple[int, int]:
+    """(shared, own) ring slots: three of each with 64-row own tiles (32 KB + 32 KB a slot), two of
+    each with 128-row ones (32 KB + 64 KB), in the 227 KB of an SM's shared memory."""
+    return (SHARED_STAGES, OWN_STAGES) if own_m == OWN_M else (2, 2)
 
 
 def eligible(
@@ -608,24 +637,29 @@ def launch_mixed(
     own_slot0: int,
     programs: int,
     block_m: int = 128,
+    own_m: int = OWN_M,
 ) -> Launch:
-    """Run ``mixed_gluon_kernel`` on ``programs`` programs (``PERSISTENT``; else at least the shared tickets).
+    """Run ``mixed_gluon_kernel`` on ``programs`` programs (``PERSISTENT``; else at least the shared
+    tickets), with own tiles of ``own_m`` rows (``own_rows_for``).
 
     Shared partials go where the work list's items say; own partials of sequence s (a decode step:
     query row s) to slot ``own_slot0 + s``. Returns the recorded
     launch, whose descriptors (args 3-6) are remade from a later layer's caches.
     """
+    if own_m != OWN_M and not NEWER_PTXAS:
+        raise RuntimeError(f"{own_m}-row own tiles need ptxas >= 12.9 (12.8 miscompiles them; NOTES.md v19)")
     q_heads, dim = q.shape[1:]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    heads_per_tile, own_rows = own_tiling(q_heads, kv_heads, block_size)
+    heads_per_tile, own_rows = own_tiling(q_heads, kv_heads, block_size, own_m)
+    shared_stages, own_stages = ring_stages(own_m)
     args = (
         q,
         k_cache,
         v_cache,
         shared_gluon.gluon_descriptor(k_cache, SHARED_N),
         shared_gluon.gluon_descriptor(v_cache, SHARED_N),
-        own_descriptor(k_cache, OWN_M),
-        own_descriptor(v_cache, OWN_M),
+        own_descriptor(k_cache, own_m),
+        own_descriptor(v_cache, own_m),
         seg_rows,
         items,
         o_part,
@@ -651,13 +685,14 @@ def launch_mixed(
         BLOCK_N=SHARED_N,
         HEAD_DIM=dim,
         BLOCK_SIZE=block_size,
-        STAGES=SHARED_STAGES,
-        OWN_STAGES=OWN_STAGES,
-        OWN_M=OWN_M,
+        STAGES=shared_stages,
+        OWN_STAGES=own_stages,
+        OWN_M=own_m,
         OWN_ROWS=own_rows,
         HT=heads_per_tile,
         OVERLAP=OVERLAP,
         PERSISTENT=PERSISTENT,
+        PTXAS=PTXAS_BUILD,
         num_warps=4,  # the default partition: one shared warpgroup
         maxnreg=MAXNREG,
     )
@@ -665,7 +700,7 @@ def launch_mixed(
     compiled = mixed_gluon_kernel[grid](*args, **kw)
     launch = record(mixed_gluon_kernel, grid, args, kw, compiled)
     shared = lambda c: shared_gluon.gluon_descriptor(c, SHARED_N)  # noqa: E731
-    own = lambda c: own_descriptor(c, OWN_M)  # noqa: E731
+    own = lambda c: own_descriptor(c, own_m)  # noqa: E731
     launch.derived = [(3, 1, shared), (4, 2, shared), (5, 1, own), (6, 2, own)]
     return launch
 

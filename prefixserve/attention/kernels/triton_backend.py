@@ -59,7 +59,7 @@ class _Layout:
     own_splits: int
     own_split_size: int
     own_pack: int = 1  # decode sequences per own-kernel program
-    mixed: bool = False  # shared and own tiles in one launch (mixed_gluon.py); one own split
+    mixed: int = 0  # own tile rows of one launch of shared and own tiles (mixed_gluon.py), 0: none
     work: Any = None  # SharedWork, when the step has segments
     num_slots: int = 0  # shared slots + own slots
     row_ptr: torch.Tensor | None = None  # [T+1] int32: CSR over the merged partials
@@ -337,9 +337,8 @@ class TritonBackend(TritonPagedBackend):
         merge_into = csr_merge(lay.o_part, lay.lse_part, tokens, lay.row_ptr, lay.part_idx, out)
         if lay.mixed and mixed_gluon().eligible(q, k_cache, v_cache, lay.work.block_m, lay.work.block_n):
             step_lists = (plan.seg_rows, lay.work.items, plan.own_block_tables, plan.own_seq_lens)
-            return launch_mixed_path(
-                q, k_cache, v_cache, scale, step_lists, (lay.o_part, lay.lse_part, ns), merge_into
-            )
+            parts = (lay.o_part, lay.lse_part, ns)
+            return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, lay.mixed)
         if self.fused:
             from prefixserve.attention.kernels.fused_attention import COUNTERS, launch_fused
 
@@ -454,9 +453,10 @@ def launch_mixed_path(
     step_lists: tuple[torch.Tensor, ...],  # (segment rows, work items, own tables, own lengths)
     parts: tuple[torch.Tensor, torch.Tensor, int],  # (o_part, lse_part, first own slot)
     merge: Callable[[list], Any],
+    own_m: int,
 ) -> list[Recorded]:
-    """The mixed launch (a decode step's shared and own tiles, one own partial per row), then the
-    merge; the eager path and the decode graphs both launch it here."""
+    """The mixed launch (a decode step's shared and own tiles, one own partial per row; own tiles of
+    ``own_m`` rows), then the merge; the eager path and the decode graphs both launch it here."""
     paged, _, _ = _kernels()
     o_part, lse_part, own_slot0 = parts
     launch = mixed_gluon().launch_mixed(
@@ -469,6 +469,7 @@ def launch_mixed_path(
         scale,
         own_slot0=own_slot0,
         programs=paged.num_sms(q.device),
+        own_m=own_m,
     )
     return launch_fused_path(launch, merge)
 
@@ -550,6 +551,7 @@ def build_layout(
         mode,
         block_size=meta.block_size,
     )
+    mixed = mixed_gluon().own_rows_for(own_tokens, meta.num_seqs) if mixed else 0
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
         # should a layer's caches not take the mixed kernel)
         own_splits = 1
