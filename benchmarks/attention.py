@@ -492,7 +492,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         f"- %T* where T* >= 50 us, memory-bound: {pct(True)}; compute-bound: {pct(False)}",
         "",
         "Where the remaining gap to T* goes (kernel alone, overlap, L2), with measurements: "
-        "`NOTES.md`, sections v4 to v15; the board's power cap: `power.md` and the section below.",
+        "`NOTES.md`, sections v4 to v19; the board's power cap: `power.md` and the section below.",
     ]
 
 
@@ -556,7 +556,7 @@ def power_lines(result: dict[str, Any], out_dir: Path) -> list[str]:
     if under:
         lines.append(
             f"- {'; '.join(under)}: within the limit at full clock; the gap is the kernel's own "
-            "(NOTES.md v10-v15)."
+            "(NOTES.md v10-v19)."
         )
     return lines
 
@@ -632,7 +632,7 @@ def gap_table(result: dict[str, Any]) -> list[str]:
                 f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f} ms ({need:.3f} needed)"
                 for r, need in mixed_rows
             )
-            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8 to v15."
+            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8 to v19."
         )
     if own_share:
         lines.append(
