@@ -275,8 +275,8 @@ def mixed_grid(args: argparse.Namespace) -> None:
     rows = []
     keep = mixed_gluon.MODE, mixed_gluon.OWN_M_MODE
     # own parts short to the end of the run: the rule takes 128-row own tiles, timed against 64-row ones
-    short = own + args.gen < mixed_gluon.SHORT_OWN_TOKENS
-    short = short and mixed_gluon.own_rows_for(own, 1) != mixed_gluon.OWN_M
+    short = own + args.gen <= mixed_gluon.SHORT_OWN_TOKENS
+    short = short and mixed_gluon.own_rows_for(own, 1, 4) != mixed_gluon.OWN_M  # the 8B shapes: GQA 4
     variants = [("mixed", "1", "auto"), ("two_kernels", "0", "auto")]
     if short:
         variants.insert(1, ("mixed_64", "1", str(mixed_gluon.OWN_M)))

@@ -69,18 +69,20 @@ def test_rule(monkeypatch) -> None:
 
 
 def test_own_rows_rule(monkeypatch) -> None:
-    """128-row own tiles where own parts are short (S=128 steps) and ptxas >= 12.9 builds the kernel;
-    64 rows otherwise; the mode forces either."""
+    """128-row own tiles where they measured faster: GQA 4 with short own parts (S=128 steps), and
+    ptxas >= 12.9 to build the kernel; 64 rows otherwise; the mode forces either."""
     monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", "auto")
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: ("ptxas", "12.9"))
-    assert mixed_gluon.own_rows_for(1024 * 128, 1024) == 128
-    assert mixed_gluon.own_rows_for(256 * 200, 256) == 128
-    assert mixed_gluon.own_rows_for(1024 * 512, 1024) == 64
-    assert mixed_gluon.own_rows_for(256 * 256, 256) == 64
+    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 4) == 128
+    assert mixed_gluon.own_rows_for(256 * 150, 256, 4) == 128
+    assert mixed_gluon.own_rows_for(1024 * 192, 1024, 4) == 64  # measured level there
+    assert mixed_gluon.own_rows_for(1024 * 512, 1024, 4) == 64  # long tickets
+    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 8) == 64  # GQA 8 measured slower
+    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 3) == 64  # and GQA 3
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
-    assert mixed_gluon.own_rows_for(1024 * 128, 1024) == 64
+    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 4) == 64
     monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", "128")
-    assert mixed_gluon.own_rows_for(1024 * 512, 1024) == 128
+    assert mixed_gluon.own_rows_for(1024 * 512, 1024, 8) == 128
     assert mixed_gluon.ring_stages(128) == (2, 2)
     assert mixed_gluon.ring_stages(64) == (mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
     assert mixed_gluon.own_tiling(32, 8, 16, 128) == (2, 8)  # 64 tokens of each of two heads

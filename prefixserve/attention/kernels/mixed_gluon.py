@@ -66,12 +66,14 @@ SHARED_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_STAGES", "3"))
 OWN_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_OWN_STAGES", "3"))
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
 # Own tiles of 128 rows (two wgmma M blocks) where own parts are short: half the own warpgroup's
-# chains (products, row max, P^T store) per byte. Measured (NOTES.md v19): -5.6% at B=1024, P=1K,
-# S=128 and -2% at P=4K, S=128, +1-2% at S=512 (whose tickets are long) and +11% at B=256, P=16K,
-# S=512 (two shared slots); so below SHORT_OWN_TOKENS own tokens a sequence (mean), and only where
-# ptxas >= 12.9 builds the kernel (``_ptxas``). "64" or "128" forces one.
+# chains (products, row max, P^T store) per byte, for one shared ring slot less. Measured at B=1024
+# (NOTES.md v19): GQA 4 -4 to -5% at S=128 (d 128), -4 to -9% at S=128-192 (d 64), level at S=192
+# (d 128), +1-2% at S=512 (long tickets) and +11% at B=256, P=16K, S=512; GQA 3 and GQA 8 (d 128)
+# +2 to +6% at S=128-192. So at SHORT_OWN_GROUP only, below SHORT_OWN_TOKENS own tokens a sequence
+# (mean), and only where ptxas >= 12.9 builds the kernel (``_ptxas``). "64" or "128" forces one.
 SHORT_OWN_M = 128
-SHORT_OWN_TOKENS = 256
+SHORT_OWN_GROUP = 4
+SHORT_OWN_TOKENS = 192
 OWN_M_MODE = os.environ.get("PREFIXSERVE_MIXED_OWN_M", "auto")
 OVERLAP = os.environ.get("PREFIXSERVE_MIXED_OVERLAP", "0") == "1"
 # one program per SM walking every SM-th shared ticket (one wave, the default), or "0": a grid of at
@@ -597,13 +599,14 @@ def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M)
     return 0, 0
 
 
-def own_rows_for(own_tokens: int, num_seqs: int) -> int:
+def own_rows_for(own_tokens: int, num_seqs: int, group: int) -> int:
     """Rows of the own tiles of a mixed step with ``own_tokens`` own KV tokens over ``num_seqs``
-    sequences: ``SHORT_OWN_M`` where own parts are short (mean under ``SHORT_OWN_TOKENS``) and ptxas
-    >= 12.9 builds the kernel, else ``OWN_M``; ``OWN_M_MODE`` "64" or "128" forces one."""
+    sequences and ``group`` query heads a KV head: ``SHORT_OWN_M`` where own parts are short (mean
+    under ``SHORT_OWN_TOKENS``) at GQA ``SHORT_OWN_GROUP`` and ptxas >= 12.9 builds the kernel, else
+    ``OWN_M``; ``OWN_M_MODE`` "64" or "128" forces one."""
     if OWN_M_MODE != "auto":
         return int(OWN_M_MODE)
-    short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1)
+    short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1) and group == SHORT_OWN_GROUP
     return SHORT_OWN_M if short and _ptxas.newer_ptxas() is not None else OWN_M
 
 

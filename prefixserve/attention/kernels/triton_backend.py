@@ -551,7 +551,7 @@ def build_layout(
         mode,
         block_size=meta.block_size,
     )
-    mixed = mixed_gluon().own_rows_for(own_tokens, meta.num_seqs) if mixed else 0
+    mixed = mixed_gluon().own_rows_for(own_tokens, meta.num_seqs, group) if mixed else 0
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
         # should a layer's caches not take the mixed kernel)
         own_splits = 1
