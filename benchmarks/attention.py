@@ -464,7 +464,7 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
-def summary(rows: list[dict[str, Any]]) -> list[str]:
+def summary(rows: list[dict[str, Any]], copy_tbps: float) -> list[str]:
     """The issue's targets, tallied from this run's rows (Markdown lines)."""
     rows = [r for r in rows if "error" not in r]
     if not rows:
@@ -483,6 +483,15 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             return "no such point"
         return f"{sum(x >= bar for x in xs)} of {len(xs)} at >= {bar}% (range {min(xs):.0f}-{max(xs):.0f}%)"
 
+    def paged_bandwidth() -> str:
+        """The plain paged kernel against the copy rate for the bytes it reads: every sequence's
+        whole KV (prefix included, once per sequence), q and o."""
+        sel = [r for r in rows if r["B"] >= 64 and r["P"] >= 4096]
+        bf16 = 2
+        read = [r["B"] * ((r["P"] + r["S"]) * HKV * 2 + 2 * HQ) * D * bf16 for r in sel]  # K, V; q, o
+        xs = [100 * n / (copy_tbps * 1e9) / r["paged_ms"] for n, r in zip(read, sel, strict=True)]
+        return f"{sum(x >= 80 for x in xs)} of {len(xs)} at >= 80% (range {min(xs):.0f}-{max(xs):.0f}%)"
+
     return [
         "Targets, tallied from this run:",
         "",
@@ -490,6 +499,9 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         f"- shared >= 1.0x torch flash baseline: {ratio('baseline_ms', 1.0)}",
         f"- shared >= 1.5x the paper's method in torch: {ratio('torch_paper_ms', 1.5)}",
         f"- %T* where T* >= 50 us, memory-bound: {pct(True)}; compute-bound: {pct(False)}",
+        "- plain paged kernel against the copy rate for the bytes it reads (every sequence's whole KV), "
+        f"B >= 64, P >= 4096: {paged_bandwidth()}; over 100% where the prefix blocks every sequence "
+        "reads again hit in L2",
         "",
         "Where the remaining gap to T* goes (kernel alone, overlap, L2), with measurements: "
         "`NOTES.md`, sections v4 to v19; the board's power cap: `power.md` and the section below.",
@@ -691,7 +703,7 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
                 f"{c['triton_paged']:.2e} | "
                 f"{c['paper']:.2e} | {base} | {c['ok']} |"
             )
-    lines += ["", *summary(result["rows"])]
+    lines += ["", *summary(result["rows"], result["copy_bandwidth_TBps"])]
     gap = gap_table(result)
     if gap:
         lines += ["", *gap]
