@@ -94,10 +94,9 @@ def shared_graph_step(
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     shared_row_tokens, own_tokens = step_sizes(plan, bs)
     heads = (shape.q_heads, kv_heads, shape.head_dim)
-    mixed = mixed_gluon().use_mixed(
+    mixed = mixed_gluon().mixed_rows(  # own tile rows, 0: two kernels
         shape.device, shape.dtype, heads, work, 1, shared_row_tokens, own_tokens, meta.num_seqs, block_size=bs
     )
-    mixed = mixed_gluon().own_rows_for(own_tokens, meta.num_seqs, group) if mixed else 0  # own tile rows
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)

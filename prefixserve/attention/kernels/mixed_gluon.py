@@ -746,3 +746,23 @@ def use_mixed(
     own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)
     shared_ms = 4 * q_heads * dim * shared_row_tokens / (GLUON_TFLOPS * 1e9)
     return own_ms >= MIN_OWN_SHARE * shared_ms
+
+
+def mixed_rows(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    work: Any,
+    max_query_len: int,
+    shared_row_tokens: int,
+    own_tokens: int,
+    num_seqs: int,
+    mode: str | None = None,
+    block_size: int = 16,
+) -> int:
+    """Own tile rows of a step's mixed launch, or 0 where the step runs two kernels: ``use_mixed``
+    (same arguments) decides the launch, ``own_rows_for`` its tile height."""
+    step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode)
+    if not use_mixed(device, dtype, shape, work, *step, block_size=block_size):
+        return 0
+    return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1])

@@ -539,7 +539,7 @@ def build_layout(
     shared_row_tokens, own_tokens = step_sizes(plan, meta.block_size)
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
-    mixed = mixed_gluon().use_mixed(
+    mixed = mixed_gluon().mixed_rows(  # own tile rows, 0: two kernels
         device,
         dtype,
         shape,
@@ -551,7 +551,6 @@ def build_layout(
         mode,
         block_size=meta.block_size,
     )
-    mixed = mixed_gluon().own_rows_for(own_tokens, meta.num_seqs, group) if mixed else 0
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
         # should a layer's caches not take the mixed kernel)
         own_splits = 1
