@@ -5,6 +5,12 @@ waiting sequences admitted while the token budget, the sequence cap and the bloc
 running sequence cannot get a block, the most recently admitted running sequence is preempted by
 recompute: its blocks go back to the pool and it waits again at the front of the queue (its prompt's
 full blocks usually come back from the prefix cache).
+
+Offline batches add prefix-sharing groups (``add_group``; BatchLLM section 3.3): each step feeds
+decodes first, then distinct prompts (waiting members of started groups), then the next group's
+common prefix, and a group's prefix is computed (by its leader) before its other members start.
+With ``kv_admit_threshold`` set, admission also stops where the KV pool would pass that share of its
+blocks (memory-centric token batching), so decode-heavy steps take prefill chunks while memory allows.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.groups import GroupJob, GroupState
 from prefixserve.sequence import SeqStatus, Sequence
 
 
@@ -35,10 +42,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        kv_admit_threshold: float | None = None,
+    ) -> None:
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.kv_admit_threshold = kv_admit_threshold  # None: admit while blocks last
+        self.groups: deque[GroupJob] = deque()  # groups not started, in run order
+        self._prefix_groups: list[GroupJob] = []  # groups whose leader computes the prefix
+        self._group_of: dict[Sequence, GroupJob] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -79,8 +96,20 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
+    def add_group(self, job: GroupJob) -> None:
+        """Queue a prefix-sharing group; its members wait in it until the group starts."""
+        for seq in job.members:
+            seq.status = SeqStatus.WAITING
+            self._group_of[seq] = job
+        self.groups.append(job)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.groups or self._prefix_groups)
+
+    @property
+    def held_group_blocks(self) -> int:
+        """Blocks the running groups hold for their prefixes (not counting members' own holds)."""
+        return sum(len(job.held) for job in set(self._group_of.values()))
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence wherever it is and return its blocks to the pool."""
@@ -91,6 +120,9 @@ class Scheduler:
                 self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
+        job = self._group_of.pop(seq, None)
+        if job is not None:
+            job.member_finished(seq, self.blocks.pool)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -132,6 +164,15 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
+        self._advance_groups()
+        budget = self._admit(out, budget)
+        while self.groups and budget > 0 and self._room_for_more():
+            self._start_group(self.groups.popleft())
+            budget = self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in order while the token budget, the caps and the pool allow."""
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
@@ -141,7 +182,9 @@ class Scheduler:
                 deferred.append(seq)
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.reserve(seq, seq.num_computed_tokens + n, out.copies):
+            if not self._under_threshold(seq, n) or not self.blocks.reserve(
+                seq, seq.num_computed_tokens + n, out.copies
+            ):
                 self.blocks.free(seq)  # give the cache hits back; try again next step
                 self.waiting.appendleft(seq)
                 break
@@ -154,4 +197,48 @@ class Scheduler:
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        return out
+        return budget
+
+    # ---- offline groups (BatchLLM) ---------------------------------------------------------------
+    def _under_threshold(self, seq: Sequence, num_tokens: int) -> bool:
+        """Memory-centric admission: would this chunk keep the pool under ``kv_admit_threshold``?"""
+        if self.kv_admit_threshold is None or not self.running:
+            return True  # with nothing running, always make progress
+        pool = self.blocks.pool
+        new = self.blocks.blocks_needed(seq.num_computed_tokens + num_tokens) - len(seq.block_table)
+        return pool.num_used + max(0, new) <= self.kv_admit_threshold * pool.num_blocks
+
+    def _room_for_more(self) -> bool:
+        """May another group start? Not while admitted work waits or the pool is past its threshold."""
+        if self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        if not self.running:
+            return True  # idle: always make progress (held prefixes alone never block a start)
+        pool = self.blocks.pool
+        limit = 1.0 if self.kv_admit_threshold is None else self.kv_admit_threshold
+        return pool.num_used < limit * pool.num_blocks
+
+    def _start_group(self, job: GroupJob) -> None:
+        """Send the group's leader (or, with no prefix block to hold, every member) to waiting."""
+        admit = job.start(self.blocks.block_size)
+        if job.state is GroupState.PREFIX:
+            self._prefix_groups.append(job)
+        self.waiting.extend(admit)
+
+    def _advance_groups(self) -> None:
+        """Hold each group prefix that is now fully cached and release the group's other members.
+
+        A leader that ended (aborted, or evicted from the cache) before the prefix was held hands
+        the lead to the next member, so a group never waits on a sequence that will not come back."""
+        bs = self.blocks.block_size
+        for job in list(self._prefix_groups):
+            if job.state is not GroupState.PREFIX:  # every member ended before the prefix was held
+                self._prefix_groups.remove(job)
+                continue
+            assert job.leader is not None
+            released = job.try_hold(self.blocks.pool, self.blocks.digests(job.leader, job.prefix_len // bs))
+            if job.state is GroupState.READY:
+                self._prefix_groups.remove(job)
+                self.waiting.extend(released)
+            elif job.leader.status is SeqStatus.FINISHED and job.next_leader() is not None:
+                self.waiting.append(job.leader)
