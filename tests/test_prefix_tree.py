@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -148,3 +149,25 @@ def test_order_groups_by_eq3():
     # A long-decoding group moves ahead of a shorter prompt group.
     decode = [1000, 1000, 1, 1, 1]
     assert order_groups(groups, decode)[0].members == [0, 1]
+
+
+def test_plan_batch_groupings_salts_and_analysis():
+    from prefixserve.scheduler.offline import plan_batch
+
+    prompts = _batchllm_synthetic(3, groups=5, subs=2, per_sub=3)
+    first = plan_batch(prompts)
+    a = first.analysis
+    assert sorted(i for g in first.groups for i in g.members) == list(range(len(prompts)))
+    assert a.planned_saving == a.first_level_saving <= a.optimal_saving
+    assert a.kv_plan(16)["shared_groups"] == 5
+    tree = plan_batch(prompts, grouping="tree")
+    assert tree.analysis.planned_saving == a.optimal_saving
+    for g in tree.groups:  # members in tree order: sub-prefix siblings side by side
+        assert [prompts[i] for i in g.members] == sorted(prompts[i] for i in g.members)
+    # KV never crosses cache salts: the same prompts under two salts make twice the groups.
+    salted = plan_batch(prompts + prompts, salts=[None] * len(prompts) + ["t"] * len(prompts))
+    assert len(salted.groups) == 2 * len(first.groups)
+    for g in salted.groups:
+        assert len({i < len(prompts) for i in g.members}) == 1
+    with pytest.raises(ValueError, match="grouping"):
+        plan_batch(prompts, grouping="sorted")
