@@ -171,3 +171,18 @@ def test_plan_batch_groupings_salts_and_analysis():
         assert len({i < len(prompts) for i in g.members}) == 1
     with pytest.raises(ValueError, match="grouping"):
         plan_batch(prompts, grouping="sorted")
+
+
+def test_shard_groups_balances_tokens_and_keeps_groups_whole():
+    from prefixserve.scheduler.offline import plan_batch, shard_groups
+
+    prompts = _batchllm_synthetic(4, groups=9, subs=2, per_sub=2)
+    groups = plan_batch(prompts).groups
+    shards = shard_groups(groups, 2)
+    assert sorted(id(g) for s in shards for g in s) == sorted(id(g) for g in groups)
+    loads = [sum(g.prefill_tokens for g in s) for s in shards]
+    assert max(loads) - min(loads) <= max(g.prefill_tokens for g in groups)
+    for s in shards:  # run order kept inside each shard
+        assert [groups.index(g) for g in s] == sorted(groups.index(g) for g in s)
+    with pytest.raises(ValueError):
+        shard_groups(groups, 0)

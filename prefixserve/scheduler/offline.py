@@ -125,3 +125,18 @@ def plan_batch(
         prefix_lengths=[len(g.prefix) for g in groups],
     )
     return BatchPlan(groups, analysis)
+
+
+def shard_groups(groups: Sequence[PrefixGroup], num_shards: int) -> list[list[PrefixGroup]]:
+    """Split groups over replicas, balanced by prefill tokens; a group never spans two shards.
+
+    Largest group first onto the lightest shard (LPT); each shard keeps the groups' run order."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    load = [0] * num_shards
+    owner: dict[int, int] = {}
+    for k in sorted(range(len(groups)), key=lambda k: -groups[k].prefill_tokens):
+        shard = min(range(num_shards), key=load.__getitem__)
+        owner[k] = shard
+        load[shard] += groups[k].prefill_tokens
+    return [[g for k, g in enumerate(groups) if owner[k] == s] for s in range(num_shards)]
