@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixserve.entrypoints.args import add_engine_args, add_sampling_args, engine_config_from_args
+
 DEMO_SYSTEM = (
     "You are a concise assistant for a travel company. Answer in one or two sentences, "
     "mention one practical tip, and never invent prices."
@@ -17,77 +19,6 @@ DEMO_QUESTIONS = [
     "How do I get from the airport to the center of Lisbon?",
     "What should I pack for a week in Iceland in October?",
 ]
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file, HF model directory, or dummy:CONFIG (default: SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton | triton_paged")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument(
-        "--system-prompt",
-        action="append",
-        default=[],
-        metavar="NAME=FILE",
-        help="pin an application's system prompt (computed once at start-up, never evicted)",
-    )
-
-
-def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV)")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-
-
-def _read_system_prompts(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        name, sep, file = item.partition("=")
-        if not sep or not name or not file:
-            raise ValueError(f"--system-prompt wants NAME=FILE, got {item!r}")
-        path = Path(file)
-        if not path.is_file():
-            raise ValueError(f"system prompt file {file!r} not found")
-        out[name] = path.read_text()
-    return out
-
-
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    """The EngineConfig the engine options on the command line describe (validated by EngineConfig)."""
-    from prefixserve.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        attention=args.attention,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        system_prompts=_read_system_prompts(args.system_prompt),
-    )
 
 
 def _make_llm(args: argparse.Namespace) -> Any:
@@ -226,7 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from prefixserve.entrypoints.server import serve
     except ImportError as exc:
         raise SystemExit(
-            f"error: the server needs extra packages ({exc}); pip install 'prefixserve[server]'"
+            f"error: the server needs fastapi, uvicorn, pydantic and prometheus-client ({exc}); "
+            "reinstall prefixserve (pip install -e .) to get them"
         ) from exc
     return serve(args)
 
@@ -240,14 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--file", help="one prompt per line, or JSONL with a 'prompt' field")
     g.add_argument("--system", default=None, help="system prompt shared by every prompt")
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
-    _engine_args(g)
-    _sampling_args(g, max_tokens=64)
+    add_engine_args(g)
+    add_sampling_args(g, max_tokens=64)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat that streams tokens as they come")
     c.add_argument("--system", default=None, help="system prompt")
-    _engine_args(c)
-    _sampling_args(c, max_tokens=256)
+    add_engine_args(c)
+    add_sampling_args(c, max_tokens=256)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="offline throughput on a synthetic shared-prefix workload")
@@ -257,14 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     b.add_argument("--bench-seed", type=int, default=0)
     b.add_argument("--json", default=None, help="also write the report as JSON here")
-    _engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
-    _engine_args(s)
+    add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     return parser
 

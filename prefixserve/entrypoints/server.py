@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.server_app import MAX_BODY_BYTES, build_app
 from prefixserve.entrypoints.server_engine import EngineLoop
 
@@ -102,8 +103,6 @@ class ServerThread:
 def serve(args: argparse.Namespace) -> int:
     """``prefixserve serve``: load the model, bind (127.0.0.1 by default), serve until SIGTERM/Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from prefixserve.entrypoints.cli import engine_config_from_args
-
     config = engine_config_from_args(args)
     log.info("loading %s", config.model or "the default model")
     app = build_app(config, api_key=args.api_key)

@@ -1,0 +1,85 @@
+"""Command-line engine and sampling options, shared by ``cli`` and ``server`` (cli imports server, not back).
+
+``add_engine_args`` puts the engine options on an argparse parser; ``engine_config_from_args`` turns
+the parsed options into an ``EngineConfig``. Only the standard library is imported at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_engine_args", "add_sampling_args", "engine_config_from_args", "read_system_prompts"]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, HF model directory, or dummy:CONFIG (default: SmolLM2-135M-Instruct)",
+    )
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton | triton_paged")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument(
+        "--system-prompt",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="pin an application's system prompt (computed once at start-up, never evicted)",
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def read_system_prompts(items: list[str]) -> dict[str, str]:
+    """``--system-prompt NAME=FILE`` items as {name: file text}."""
+    out = {}
+    for item in items:
+        name, sep, file = item.partition("=")
+        if not sep or not name or not file:
+            raise ValueError(f"--system-prompt wants NAME=FILE, got {item!r}")
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(f"system prompt file {file!r} not found")
+        out[name] = path.read_text()
+    return out
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    """The EngineConfig the engine options on the command line describe (validated by EngineConfig)."""
+    from prefixserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention=args.attention,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        system_prompts=read_system_prompts(args.system_prompt),
+    )
