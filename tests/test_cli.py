@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +99,22 @@ def test_chat_streams_a_reply_and_exits_on_eof() -> None:
     assert result.stdout.count("bot> ") == 2
     replies = [line.split("bot> ", 1)[1] for line in result.stdout.splitlines() if "bot> " in line]
     assert all(r.strip() for r in replies)
+
+
+def test_python_dash_m_prefixserve_is_the_console_script() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixserve", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: prefixserve")
+    for command in ("generate", "chat", "bench", "serve"):
+        assert command in result.stdout
+
+    # and it calls the function the console script names in pyproject.toml
+    import prefixserve.__main__ as dunder_main
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    target = re.search(r'^prefixserve = "([\w.]+):(\w+)"$', pyproject, re.M)
+    assert target is not None
+    module, func = target.groups()
+    assert dunder_main.main is getattr(importlib.import_module(module), func)
