@@ -265,6 +265,15 @@ def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
 
 # ---- routes ------------------------------------------------------------------------------------
 def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
+    _add_status_routes(app, state, metrics)
+    _add_model_routes(app, state)
+    _add_completion_routes(app, state)
+    _add_chat_routes(app, state)
+
+
+def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
+    """/health and /metrics (no API key: load balancers and Prometheus scrape them)."""
+
     @app.get("/health")
     async def health() -> Response:
         if not state.loop.alive:
@@ -275,6 +284,8 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_model_routes(app: FastAPI, state: ServerState) -> None:
     def model_card() -> dict[str, Any]:
         return {
             "id": state.model,
@@ -295,6 +306,29 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         check_model(state, model_id)
         return JSONResponse(model_card())
 
+
+def _stream_state(
+    state: ServerState,
+    rid: str,
+    req: CompletionRequest | ChatCompletionRequest,
+    params: SamplingParams,
+    chat: bool,
+    want_logprobs: bool,
+) -> fmt.StreamState:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return fmt.StreamState(
+        rid,
+        state.model,
+        chat,
+        params.n,
+        state.token_text,
+        list(params.stop or []),
+        want_logprobs,
+        include_usage,
+    )
+
+
+def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(state, request)
@@ -312,17 +346,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         ids = await _submit(state, rid, prompts, params, req, sink, "prompt")
         want_lp = req.logprobs is not None
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = fmt.StreamState(
-                rid,
-                state.model,
-                False,
-                params.n,
-                state.token_text,
-                list(params.stop or []),
-                want_lp,
-                include_usage,
-            )
+            s = _stream_state(state, rid, req, params, False, want_lp)
             return _sse_response(_stream(state, ids, sink, s))
         finals = await _collect(state, request, ids, sink)
         if finals is None:
@@ -331,6 +355,27 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
             fmt.completion_body(rid, state.model, finals, params.n, state.token_text, want_lp)
         )
 
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+    """The request's messages (after the application's pinned system prompt) through the chat template."""
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+    ]
+    if req.application is not None:
+        system = application_prompt(state, req.application)
+        if conversation[0]["role"] != "system":  # the pinned prompt is the chat's system message
+            conversation.insert(0, {"role": "system", "content": system})
+    try:
+        return str(
+            state.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+        )
+    except Exception as exc:
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+
+
+def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(state, request)
@@ -347,34 +392,12 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-        ]
-        if req.application is not None:
-            system = application_prompt(state, req.application)
-            if conversation[0]["role"] != "system":  # the pinned prompt is the chat's system message
-                conversation.insert(0, {"role": "system", "content": system})
-        try:
-            prompt = state.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
-            )
-        except Exception as exc:
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        prompt = _chat_prompt(state, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = await _submit(state, rid, [prompt], params, req, sink, "messages")
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = fmt.StreamState(
-                rid,
-                state.model,
-                True,
-                params.n,
-                state.token_text,
-                list(params.stop or []),
-                req.logprobs,
-                include_usage,
-            )
+            s = _stream_state(state, rid, req, params, True, req.logprobs)
             return _sse_response(_stream(state, ids, sink, s))
         finals = await _collect(state, request, ids, sink)
         if finals is None:
