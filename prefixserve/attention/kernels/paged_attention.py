@@ -171,11 +171,7 @@ def paged_program(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One program of the paged kernel: (sequence query tile, KV head, KV split) -> o, lse rows.
-
-    A function, not only a kernel body, so that the fused launch (``fused_attention.py``) runs the
-    same code for its own-KV items.
-    """
+    """One program of the paged kernel: (sequence query tile, KV head, KV split) -> o, lse rows."""
     seq = pid // q_tiles
     q0 = (pid % q_tiles) * (BLOCK_M // GROUP)
     q_start = tl.load(qsl_ptr + seq)

@@ -118,11 +118,7 @@ def shared_program(
     USE_TMA: tl.constexpr,
     TAIL_STAGES: tl.constexpr,  # the ragged tail is under one tile: 1 = no pipeline buffers
 ):
-    """One program of the shared kernel: work item ``item`` for KV head ``kvh`` -> partial slots.
-
-    A function, not only a kernel body, so that the fused launch (``fused_attention.py``) runs the
-    same code for its shared items.
-    """
+    """One program of the shared kernel: work item ``item`` for KV head ``kvh`` -> partial slots."""
     base = items_ptr + item * 7  # ITEM_FIELDS
     seg = tl.load(base)
     row_lo = tl.load(base + 1)

@@ -66,9 +66,6 @@ class _Layout:
     part_idx: torch.Tensor | None = None  # [nnz] int32
     o_part: torch.Tensor | None = None  # [num_slots, Hq, D] fp32, reused by every layer
     lse_part: torch.Tensor | None = None  # [num_slots, Hq] fp32
-    counters: torch.Tensor | None = None  # the fused launch's ticket counters (zero between launches)
-    shared_row_tokens: int = 0  # sum over segments of holder rows x KV tokens (shared FLOPs)
-    own_tokens: int = 0  # KV tokens of all own parts (own bytes)
     # recorded on the step's first layer: (launch, its per-layer argument positions, on side stream)
     launches: list[tuple[Any, tuple[int, int, int, int], bool]] = field(default_factory=list)
     signature: tuple[Any, ...] = ()  # shapes / strides the recorded launches were specialised on
@@ -233,19 +230,13 @@ class TritonBackend(TritonPagedBackend):
     # rows are this many or more: below, the shared kernel is a few microseconds and the fork/join
     # (two stream waits per layer) costs more host time than the overlap saves.
     overlap_min_rows: int = 512
-    # Shared and own items in one persistent launch (fused_attention.py) instead of two kernels. Off:
-    # measured 1.3-2.0x slower on the H200 (NOTES.md "v5"), since one resident program per SM streams
-    # own KV at half the bandwidth that four small own programs reach.
-    fused: bool = False
     # decode sequences per own-kernel program (``packed_decode_program``); None = ``decode_pack``'s rule
     own_pack: int | None = None
     # a decode step's shared and own tiles in one Gluon launch (mixed_gluon.py); None = its rule
     mixed: bool | None = None
 
-    def __init__(self, fused: bool | None = None) -> None:
+    def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        if fused is not None:
-            self.fused = fused
 
     def _side_stream(self, device: torch.device, rows: int) -> torch.cuda.Stream | None:
         if device.type != "cuda" or rows < self.overlap_min_rows:
@@ -288,16 +279,11 @@ class TritonBackend(TritonPagedBackend):
         _tokens, q_heads, dim = q.shape
         kv_heads = k_cache.shape[2]
         key = (q_heads, kv_heads, dim, str(q.device), str(q.dtype))
-        side = (
-            None
-            if self.fused
-            else self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
-        )
+        side = self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
         lay = step.layouts.get(key)
         if lay is None:
             pack = self._pack(q_heads, kv_heads, meta, step, q)
-            mixed = False if self.fused else self.mixed
-            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack, mixed)
+            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack, self.mixed)
             step.layouts[key] = lay
         out = torch.empty_like(q)
         sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
@@ -310,7 +296,7 @@ class TritonBackend(TritonPagedBackend):
 
     def _pack(self, q_heads: int, kv_heads: int, meta: AttentionMetadata, step: TritonStep, q) -> int:
         """Decode sequences per own program: ``own_pack`` if set, else ``own_pack_rule``'s."""
-        if self.fused or step.max_query_len != 1:  # the fused launch runs the one-sequence program
+        if step.max_query_len != 1:
             return 1
         if self.own_pack is not None:
             return self.own_pack
@@ -339,25 +325,6 @@ class TritonBackend(TritonPagedBackend):
             step_lists = (plan.seg_rows, lay.work.items, plan.own_block_tables, plan.own_seq_lens)
             parts = (lay.o_part, lay.lse_part, ns)
             return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, lay.mixed)
-        if self.fused:
-            from prefixserve.attention.kernels.fused_attention import COUNTERS, launch_fused
-
-            if lay.counters is None:
-                lay.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=q.device)
-
-            fused = launch_fused(
-                *shared_args,
-                *own_args[3:],
-                step.max_query_len,
-                lay.own_splits,
-                lay.own_split_size,
-                lay.o_part,
-                lay.lse_part,
-                lay.counters,
-                shared_row_tokens=lay.shared_row_tokens,
-                own_tokens=lay.own_tokens,
-            )
-            return launch_fused_path(fused, merge_into)
         own_args += (
             step.max_query_len,
             lay.own_splits,
@@ -399,7 +366,7 @@ def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], bl
 
 def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
     """(holder rows x KV tokens summed over segments, own KV tokens): a step's shared FLOPs and own
-    bytes, up to constant factors (``use_mixed`` and the fused launch weigh one against the other)."""
+    bytes, up to constant factors (``use_mixed`` weighs one against the other)."""
     rows = np.diff(plan.seg_row_start_host)
     seg_tokens = np.diff(plan.seg_block_start_host) * block_size
     return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
@@ -471,14 +438,9 @@ def launch_mixed_path(
         programs=paged.num_sms(q.device),
         own_m=own_m,
     )
-    return launch_fused_path(launch, merge)
-
-
-def launch_fused_path(fused: Any, merge: Callable[[list], Any]) -> list[Recorded]:
-    """The fused launch (shared + own items, one kernel) then the merge; records for ``replay_launches``."""
     rec: list[Any] = []
     merge(rec)
-    return ([(fused, _SHARED, False)] if fused is not None else []) + [(m, _MERGE, False) for m in rec]
+    return [(launch, _SHARED, False)] + [(m, _MERGE, False) for m in rec]
 
 
 def replay_launches(launches: list[Recorded], tensors: tuple[torch.Tensor, ...], side: Any) -> None:
@@ -576,8 +538,6 @@ def build_layout(
         part_idx=part_idx_d,
         o_part=torch.empty(num_slots, q_heads, dim, dtype=torch.float32, device=device),
         lse_part=torch.empty(num_slots, q_heads, dtype=torch.float32, device=device),
-        shared_row_tokens=shared_row_tokens,
-        own_tokens=own_tokens,
     )
 
 
