@@ -186,8 +186,8 @@ class Case:
         return (lambda: be.forward(self.q, self.k_cache, self.v_cache, meta, self.scale)), plan_ms
 
     def parts(self) -> dict[str, float]:
-        """The shared path's launches (shared kernel, own kernel, merge) each timed alone, and the
-        shared grid's persistent program count (0: one program per work item and KV head)."""
+        """The shared path's launches (shared kernel, own kernel, merge; or mixed kernel, merge) each
+        timed alone."""
         from prefixserve.attention.kernels.triton_backend import TritonBackend
 
         be = TritonBackend()
@@ -197,7 +197,7 @@ class Case:
         be.forward(self.q, self.k_cache, self.v_cache, meta, self.scale)
         lay = next(iter(meta.plan.layouts.values()))
         parts = time_launches(lay.launches, (self.q, self.k_cache, self.v_cache, torch.empty_like(self.q)))
-        return {**parts, "shared_programs": lay.work.programs}
+        return parts
 
     # --- torch baselines ---------------------------------------------------------------------------
     def materialised(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -582,8 +582,8 @@ def gap_table(result: dict[str, Any]) -> list[str]:
     lines = [
         "Where the time goes at the points the %T* targets count (each launch of the shared path timed "
         "alone, graphed; ms). `need` = the call time that meets the target (T* / 0.8 where bytes-bound, "
-        "T* / 0.6 where FLOP-bound); `grid` = the shared kernel's grid: `full` (every SM) or n persistent "
-        "programs, which leave the other SMs to the own kernel; `mixed` = the step's shared and own tiles in "
+        "T* / 0.6 where FLOP-bound); `grid` = `full` (the shared kernel on every SM, then the own kernel) "
+        "or `mixed`; `mixed` = the step's shared and own tiles in "
         "one kernel (mixed_gluon.py, where `use_mixed` takes it); `overlap` = sum of the parts - call; the "
         "shared kernel's rate is its prefix FLOPs against this run's GEMM (on its SMs), the own "
         "kernel's its KV bytes against this run's copy.",
@@ -592,32 +592,29 @@ def gap_table(result: dict[str, Any]) -> list[str]:
         "| shared % GEMM | own % copy |",
         "|" + " ---: |" * 3 + " --- |" + " ---: |" * 3 + " --- |" + " ---: |" * 8,
     ]
-    # the SMs a persistent grid's share is taken of (the report may be rewritten on a machine without one)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-    full, persistent, own_share, mixed_rows = [], [], [], []
+    full, own_share, mixed_rows = [], [], []
     for r in rows:
+        # (results written before the persistent shared grid was removed also list "shared_programs")
         pt = {PART_OF.get(k, k): v for k, v in r["parts_ms"].items() if k != "shared_programs"}
-        programs = r["parts_ms"].get("shared_programs", 0)
         memory = r["bytes_ms"] >= r["flops_ms"]
         need = r["roofline_ms"] / (0.8 if memory else 0.6)
         total = sum(pt.values())
         shared_flops_ms = r["flops_ms"] * r["P"] / (r["P"] + r["S"])
         own_bytes_ms = r["B"] * r["S"] * HKV * D * 2 * 2 / copy
         sh, own = pt.get("shared"), pt.get("own")
-        share = programs / sms if programs else 1.0  # the SMs the shared grid holds
         mixed = pt.get("mixed")
         if mixed:
             mixed_rows.append((r, need))
         else:
-            (persistent if programs else full).append((r, total - r["shared_ms"]))
+            full.append((r, total - r["shared_ms"]))
         if memory and own:
             own_share.append(own / need)
         lines.append(
             f"| {r['B']} | {r['P']} | {r['S']} | {'bytes' if memory else 'FLOPs'} | {r['roofline_ms']:.3f} "
-            f"| {need:.3f} | {r['shared_ms']:.3f} | {'mixed' if mixed else programs or 'full'} | {_fmt(sh)} "
+            f"| {need:.3f} | {r['shared_ms']:.3f} | {'mixed' if mixed else 'full'} | {_fmt(sh)} "
             f"| {_fmt(own)} | {_fmt(mixed)} | {_fmt(pt.get('merge'))} | {total:.3f} "
             f"| {total - r['shared_ms']:.3f} "
-            f"| {'—' if not sh else f'{100 * shared_flops_ms / sh / share:.0f}%'} "
+            f"| {'—' if not sh else f'{100 * shared_flops_ms / sh:.0f}%'} "
             f"| {'—' if not own else f'{100 * own_bytes_ms / own:.0f}%'} |"
         )
     lines.append("")
@@ -627,15 +624,6 @@ def gap_table(result: dict[str, Any]) -> list[str]:
             f"- Full grid: the call takes about the sum of its parts (they overlap by {min(ov):.3f}-"
             f"{max(ov):.3f} ms). The shared kernel holds every SM while it runs (shared memory and "
             "registers), so the own KV streams only before or after it."
-        )
-    if persistent:
-        gains = "; ".join(
-            f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f}, parts {o + r['shared_ms']:.3f}"
-            for r, o in persistent
-        )
-        lines.append(
-            "- Persistent grid (own-heavy steps, `persistent_programs`): the shared kernel runs longer on "
-            f"fewer SMs while the own kernel streams on the others: {gains}."
         )
     if mixed_rows:
         lines.append(

@@ -12,7 +12,6 @@ from _kernel_helpers import DEVICE, rel_err
 from prefixserve.attention.kernels.shared_attention import (
     launch_shared,
     own_heavy,
-    persistent_programs,
     plan_shared_work,
     shared_segment_attention,
     shared_segment_attention_ref,
@@ -70,28 +69,6 @@ def test_every_slot_is_written() -> None:
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
 
 
-@pytest.mark.parametrize("programs", [1, 3, 7])
-def test_persistent_grid_writes_what_the_full_grid_writes(programs: int) -> None:
-    """A persistent grid (fewer programs than items x heads, each walking the list) gives the same
-    partials, bit for bit, as one program per item and head, and leaves no slot unwritten."""
-    gen = torch.Generator().manual_seed(8)
-    k, v, (sb, sbs, snt, sr, srs) = _segments(16, 64, torch.float32, gen)
-    q = torch.randn(7, KV_HEADS * 4, 64, generator=gen).to(DEVICE)
-    work = plan_shared_work(
-        srs.tolist(), snt.tolist(), KV_HEADS, 4, q.device, block_n=16, min_chunk=16, target_programs=99
-    )
-    outs = []
-    for p in (0, programs):
-        work.programs = p
-        o = torch.full((work.num_slots, KV_HEADS * 4, 64), math.nan, device=DEVICE)
-        lse = torch.full((work.num_slots, KV_HEADS * 4), math.nan, device=DEVICE)
-        launch = launch_shared(q, k, v, sb, sbs, sr, work, 0.1, o, lse)
-        assert launch.grid[0] == (p or work.items.shape[0])
-        outs.append((o, lse))
-    assert torch.isfinite(outs[1][0]).all() and torch.isfinite(outs[1][1]).all()
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
 def test_bf16_close_to_fp64() -> None:
     gen = torch.Generator().manual_seed(6)
     k, v, seg = _segments(16, 64, torch.bfloat16, gen)
@@ -136,31 +113,6 @@ def test_wave_splits_fill_the_last_wave() -> None:
     assert wave_splits(64, 132, 1) == 1  # a segment too short to split
 
 
-def test_persistent_programs_only_where_the_own_kernel_can_stream_beside_the_shared_one() -> None:
-    """H200 shapes (132 SMs, 8 KV heads, G=4, d=128, bf16): a persistent shared grid where shared
-    FLOPs and own reads are both large; a full grid where either dominates."""
-
-    def size(batch: int, prefix: int, suffix: int) -> tuple[float, float]:
-        plan = SimpleNamespace(
-            seg_row_start_host=[0, batch],
-            seg_block_start_host=[0, prefix // 16],
-            own_seq_lens_host=[suffix] * batch,
-        )
-        return step_size(plan, 16, 8, 4, 128, 2)
-
-    def programs(batch: int, prefix: int, suffix: int) -> int:
-        return persistent_programs(*size(batch, prefix, suffix), -(-batch // 32) * 8, 132)
-
-    assert programs(1024, 4096, 512) == 32  # measured 0.650 -> 0.599 ms
-    assert programs(256, 16384, 512) == 64  # measured 0.253 -> 0.221 ms
-    assert programs(1024, 4096, 128) == 64  # 256 tickets: 72 programs take as many rounds as 64
-    assert programs(1024, 16384, 128) == 0  # FLOP-bound: the full grid
-    assert programs(1024, 1024, 512) == 0  # own-bound: the shared part is 5%
-    assert programs(256, 4096, 512) == 0  # the shared part too short for the model
-    flops, own = size(1024, 4096, 512)
-    assert flops == 4 * 4 * 8 * 128 * 1024 * 4096 and own == 2 * 2 * 8 * 128 * 1024 * 512
-
-
 def test_own_heavy_compares_own_reads_with_shared_flops() -> None:
     """B=1024 decode rows over a 16K prefix: S=128 own tokens are shared-heavy, a 1K prefix is own-heavy."""
 
@@ -175,3 +127,5 @@ def test_own_heavy_compares_own_reads_with_shared_flops() -> None:
     assert not own_heavy(plan(16384, 512), 16, 8, 4, 128, 2)  # about even: the shared kernel's tail wins
     assert own_heavy(plan(1024, 512), 16, 8, 4, 128, 2)
     assert own_heavy(plan(4096, 512, 256), 16, 8, 4, 128, 2)
+    flops, own = step_size(plan(4096, 512), 16, 8, 4, 128, 2)
+    assert flops == 4 * 4 * 8 * 128 * 1024 * 4096 and own == 2 * 2 * 8 * 128 * 1024 * 512

@@ -27,7 +27,6 @@ from prefixserve.attention.kernels.triton_backend import (
     _MERGE,
     _PAGED_OUT,
     _PAGED_PART,
-    SIDE_PRIORITY,
     csr_merge,
     launch_mixed_path,
     launch_split_path,
@@ -89,7 +88,7 @@ def shared_graph_step(
     own_tables = plan.own_block_tables.numpy()
     width = capacity(own_tables.shape[1], MIN_TABLE_WIDTH)
     work = shared_attention.plan_work_for(
-        plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype, bucket * width * bs
+        plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype
     )
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     shared_row_tokens, own_tokens = step_sizes(plan, bs)
@@ -108,7 +107,7 @@ def shared_graph_step(
         bucket,
         width,
         own_splits,
-        (work.block_m, work.block_n, work.num_stages, work.tma, work.programs, pack, mixed),
+        (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed),
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
         capacity(plan.seg_blocks.numel(), 16),
@@ -172,7 +171,7 @@ class _Recorded(GraphAttention):
         if self.device.type != "cuda":
             return None
         if self._side is None:
-            self._side = torch.cuda.Stream(self.device, priority=SIDE_PRIORITY)
+            self._side = torch.cuda.Stream(self.device)
         return self._side
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -259,7 +258,7 @@ class SharedGraph(_Recorded):
         }
         super().__init__(fields, shape)
         self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
-        self.block_m, self.block_n, self.stages, self.tma, self.programs, self.pack, self.mixed = tiles
+        self.block_m, self.block_n, self.stages, self.tma, self.pack, self.mixed = tiles
         parts = slots + own_splits * bucket
         f32 = {"dtype": torch.float32, "device": shape.device}
         self.o_part = torch.empty(parts, shape.q_heads, shape.head_dim, **f32)
@@ -276,7 +275,6 @@ class SharedGraph(_Recorded):
             slot_base=[],
             slot_row_index=torch.zeros(0, dtype=torch.long),
             tma=self.tma,
-            programs=self.programs,
         )
         shared_args = (q, k_cache, v_cache, self.buffer("seg_blocks"), self.buffer("seg_block_start"))
         shared_args += (self.buffer("seg_rows"), work, scale, self.o_part, self.lse_part)

@@ -734,7 +734,7 @@ def use_mixed(
         or own_tokens == 0
     ):
         return False
-    if not (work.tma and work.block_m == 128 and work.block_n == 128 and not work.programs):
+    if not (work.tma and work.block_m == 128 and work.block_n == 128):
         return False
     if not shared_gluon.eligible_for(device, dtype, dim):
         return False

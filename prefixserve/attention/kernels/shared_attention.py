@@ -234,8 +234,6 @@ def _shared_kernel(
     o_ptr,  # [slots, Hq, D] fp32
     lse_ptr,  # [slots, Hq] fp32
     qk_scale,
-    num_items,  # rows of items_ptr (the persistent walk's bound)
-    kv_heads,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -256,54 +254,44 @@ def _shared_kernel(
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
     TAIL_STAGES: tl.constexpr = 1,  # the ragged tail is under one tile: no pipeline buffers
-    PERSISTENT: tl.constexpr = False,
 ):
-    """Grid (work items, KV heads), or with ``PERSISTENT`` a 1-d grid of programs that each walk
-    items x heads with the grid's stride (item fastest, as in the 2-d grid); arguments as
-    ``shared_program``'s, plus the two counts the persistent walk needs.
-    """
-    if PERSISTENT:  # programs walk items x heads with the grid's stride
-        first, end, step = tl.program_id(0), num_items * kv_heads, tl.num_programs(0)
-    else:  # one (item, head) per program: a loop of one
-        first = tl.program_id(0) + tl.program_id(1) * num_items
-        end, step = first + 1, 1
-    for t in range(first, end, step):
-        shared_program(
-            t % num_items,
-            t // num_items,
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            k_desc,
-            v_desc,
-            seg_blocks_ptr,
-            seg_block_start_ptr,
-            seg_rows_ptr,
-            items_ptr,
-            o_ptr,
-            lse_ptr,
-            qk_scale,
-            stride_qt,
-            stride_qh,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            stride_op,
-            stride_oh,
-            stride_lp,
-            GROUP,
-            BLOCK_M,
-            BLOCK_N,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            DOT_PREC,
-            UPCAST,
-            USE_TMA,
-            TAIL_STAGES,
-        )
+    """Grid (work items, KV heads); arguments as ``shared_program``'s."""
+    shared_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        k_desc,
+        v_desc,
+        seg_blocks_ptr,
+        seg_block_start_ptr,
+        seg_rows_ptr,
+        items_ptr,
+        o_ptr,
+        lse_ptr,
+        qk_scale,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_op,
+        stride_oh,
+        stride_lp,
+        GROUP,
+        BLOCK_M,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        DOT_PREC,
+        UPCAST,
+        USE_TMA,
+        TAIL_STAGES,
+    )
 
 
 @dataclass(slots=True)
@@ -324,9 +312,6 @@ class SharedWork:
     slot_base: list[int]  # per segment
     slot_row_index: torch.Tensor  # [num_slots] int64 on the host
     tma: bool = False  # every segment is contiguous: whole tiles are TMA loads (item field 6)
-    # > 0: a persistent grid of this many programs walks the items (the SMs it leaves free run the
-    # own kernel beside it); 0: one program per item and KV head
-    programs: int = 0
 
     @property
     def unsplit(self) -> bool:
@@ -441,7 +426,6 @@ def plan_shared_work(
     seg_blocks: np.ndarray | None = None,
     seg_block_start: list[int] | None = None,
     block_size: int = 0,
-    programs: int = 0,
 ) -> SharedWork:
     """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
 
@@ -450,8 +434,6 @@ def plan_shared_work(
     per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
     With the segments' blocks (``seg_blocks``, ``seg_block_start``, ``block_size``; host values) the
     work list notes contiguous segments, and the TMA path is taken when all of them are.
-    ``programs > 0`` plans for a persistent grid of that many programs (``SharedWork.programs``), for
-    tall tiles only.
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
     first_rows = np.full(len(rows), -1, dtype=np.int64)
@@ -475,13 +457,11 @@ def plan_shared_work(
     rows_per_tile = block_m // group
     m_tiles = [math.ceil(r / rows_per_tile) for r in rows]
     base_programs = sum(m_tiles) * kv_heads
-    # short tiles share SMs: measured without it; pointer loads (Triton kernel): measured slower (v6)
-    programs = programs if block_m >= 128 and tma else 0
     if target_programs is None and block_m >= 128:
         # tall tiles fill an SM each (3-stage TMA: 229 KB of shared memory), so they run in waves of
-        # one program per SM (or per persistent program): split so the last wave is full
+        # one program per SM: split so the last wave is full
         kmax = max((math.ceil(t / min_chunk) for t in seg_num_tokens), default=1)
-        want = wave_splits(base_programs, programs or num_sms(device), min(kmax, 64))
+        want = wave_splits(base_programs, num_sms(device), min(kmax, 64))
     else:
         # short tiles aim at one program per SM: fewer, longer splits stream better (B=16, P=16K:
         # 58 -> 46 us; NOTES.md v5)
@@ -519,7 +499,6 @@ def plan_shared_work(
         slot_base=slot_base,
         slot_row_index=torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.long),
         tma=tma,
-        programs=programs,
     )
 
 
@@ -532,25 +511,12 @@ def plan_work_for(
     device: torch.device,
     head_dim: int,
     dtype: torch.dtype,
-    own_tokens: int | None = None,
 ) -> SharedWork:
     """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
 
-    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path). Where
-    the Gluon kernel runs, own-heavy steps get a persistent shared grid (``persistent_programs``),
-    sized from ``own_tokens`` when given (a graph step passes its key's capacity, so that the choice
-    changes only when the key does: no extra captures as sequences grow), else the plan's own lengths.
+    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path).
     """
     bstart = plan.seg_block_start_host
-    programs = 0
-    if PERSISTENT_RULE and shared_gluon.eligible_for(device, dtype, head_dim):  # Gluon's persistent grid
-        elt = torch.empty(0, dtype=dtype).element_size()
-        flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
-        if own_tokens is not None:
-            own_bytes = 2 * elt * kv_heads * head_dim * float(own_tokens)
-        rows = np.diff(np.asarray(plan.seg_row_start_host, dtype=np.int64))
-        tickets = int(np.ceil(rows / max(1, 128 // group)).sum()) * kv_heads  # 128-row tiles x heads
-        programs = persistent_programs(flops, own_bytes, tickets, num_sms(device))
     return plan_shared_work(
         plan.seg_row_start_host,
         [(b - a) * block_size for a, b in itertools.pairwise(bstart)],
@@ -563,7 +529,6 @@ def plan_work_for(
         seg_blocks=seg_blocks,
         seg_block_start=bstart,
         block_size=block_size,
-        programs=programs,
     )
 
 
@@ -582,44 +547,6 @@ def own_heavy(plan: Any, block_size: int, kv_heads: int, group: int, head_dim: i
     """
     flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
     return own_bytes / (OWN_TBPS * 1e12) >= OWN_HEAVY * flops / (SHARED_TFLOPS * 1e12)
-
-
-# The persistent shared grid on own-heavy steps (Gluon kernel, H200; NOTES.md v7). Off unless
-# PREFIXSERVE_PERSISTENT=1: it speeds one attention call 7-13% at B=256-1024 with long own parts, but
-# slowed the engine's decode (B=1024, P=16K: 17,640 -> 13,515 tok/s) where the own part ends early
-# and the shared kernel then runs alone on a fraction of the SMs. Then: the shared kernel's full-grid
-# rate, the own KV a free SM reads beside it, and the predicted gain that justifies it.
-PERSISTENT_RULE = os.environ.get("PREFIXSERVE_PERSISTENT", "0") == "1"
-GLUON_TFLOPS = 640.0
-OWN_SM_TBPS = 0.040  # v6 measured 0.047 per free SM
-PERSIST_GAIN = 0.95  # the model is within about 5% of the measured calls
-PERSIST_MIN_MS = 0.05  # both parts at least this long: below, fixed costs outweigh the model
-
-
-def persistent_programs(shared_flops: float, own_bytes: float, tickets: int, sms: int) -> int:
-    """Programs of a persistent shared grid that let the own kernel stream beside it, or 0 (full grid).
-
-    A full grid takes every SM, so shared and own run one after the other: shared + own. With n
-    persistent programs the ``tickets`` (128-row tiles x KV heads, one SM-pass each) take
-    ``ceil(tickets / n)`` rounds on n SMs while the other SMs stream own KV (``OWN_SM_TBPS`` each);
-    the rest of the own KV follows at full bandwidth. The n with the least predicted time is used
-    when it beats the full grid by ``PERSIST_GAIN`` and both parts take ``PERSIST_MIN_MS`` or more.
-    Measured (v7): B=1024, P=4K, S=512 0.650 -> 0.599 ms (n=32); B=256, P=16K, S=512 0.253 -> 0.221
-    (n=64); B=1024, P=4K, S=128 0.274 -> 0.257 (n=64); B=1024, P=1K, S=512 slower at every n.
-    """
-    shared_ms = shared_flops / (GLUON_TFLOPS * 1e9)
-    full_bw = OWN_TBPS * 1e9  # bytes per ms
-    if min(shared_ms, own_bytes / full_bw) < PERSIST_MIN_MS or tickets < 1:
-        return 0
-    ticket_ms = shared_ms * sms / tickets
-    best, best_ms = 0, PERSIST_GAIN * (shared_ms + own_bytes / full_bw)
-    for n in range(16, sms - 15, 8):
-        both_ms = ticket_ms * math.ceil(tickets / n)
-        done = min(full_bw, (sms - n) * OWN_SM_TBPS * 1e9) * both_ms
-        total = both_ms + max(0.0, own_bytes - done) / full_bw
-        if total < best_ms:
-            best, best_ms = n, total
-    return best
 
 
 def step_size(
@@ -673,8 +600,6 @@ def launch_shared(
         o_part,
         lse_part,
         scale * LOG2E,
-        work.items.shape[0],
-        kv_heads,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -687,8 +612,6 @@ def launch_shared(
         o_part.stride(1),
         lse_part.stride(0),
     )
-    num_items = work.items.shape[0]
-    persistent = 0 < work.programs < num_items * kv_heads
     if work.tma and shared_gluon.eligible(q, k_cache, v_cache, work.block_m, work.block_n):
         # Hopper, tall tiles: the warp-specialised Gluon kernel (1.2-1.4x this one alone; NOTES.md v7)
         return shared_gluon.launch_shared_gluon(
@@ -701,15 +624,13 @@ def launch_shared(
             lse_part,
             scale,
             work.num_stages,
-            programs=work.programs if persistent else 0,
         )
     return launch_with_descriptors(
         _shared_kernel,
-        (work.programs, 1) if persistent else (num_items, kv_heads),
+        (work.items.shape[0], kv_heads),
         (q, k_cache, v_cache),
         rest,
         work.tma,
-        PERSISTENT=persistent,
         GROUP=group,
         BLOCK_M=work.block_m,
         BLOCK_N=work.block_n,

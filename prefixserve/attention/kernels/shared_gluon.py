@@ -9,8 +9,9 @@ the two warpgroups drift so that one's softmax runs beside the other's products;
 issues tile j+1's Q @ K^T before tile j's softmax (FA3's intra-warpgroup overlap). The loader keeps
 24 registers, the consumers get 240. Measured 1.2-1.4x the Triton kernel alone (NOTES.md v7).
 
-A program takes one (work item, KV head) ticket, or with ``PERSISTENT`` walks tickets with the grid's
-stride, the ring's slots and phases carried from ticket to ticket (off in the engine; NOTES.md v7).
+A program takes one (work item, KV head) ticket; the partitions walk tickets first .. end with a
+step (here one ticket), so that the mixed kernel (``mixed_gluon.py``), whose programs walk every
+SM-th ticket, runs the same loader and ticket code.
 
 Rows past a segment's end in its last tile are read (a TMA box is whole) and masked out of the
 softmax; their V rows meet a zero probability, so the cache must hold finite values there: the
@@ -385,16 +386,11 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
         OVERLAP: gl.constexpr,
-        PERSISTENT: gl.constexpr = False,
     ):
-        """Grid (work items, KV heads): one ticket (item, head) per program; or with ``PERSISTENT`` a
-        1-d grid whose programs walk the tickets with the grid's stride (item fastest). A ticket's rows
-        x GROUP heads attend its KV range and land in its partial slots."""
-        if PERSISTENT:
-            first, end, step = gl.program_id(0), num_items * kv_heads, gl.num_programs(0)
-        else:
-            first = gl.program_id(0) + gl.program_id(1) * num_items
-            end, step = first + 1, 1
+        """Grid (work items, KV heads): one ticket (item, head) per program. A ticket's rows x GROUP
+        heads attend its KV range and land in its partial slots."""
+        first = gl.program_id(0) + gl.program_id(1) * num_items
+        end, step = first + 1, 1
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty
         )
@@ -528,14 +524,12 @@ def launch_shared_gluon(
     overlap: bool = True,
     block_m: int = 128,
     block_n: int = 128,
-    programs: int = 0,
 ) -> Launch:
     """Run ``shared_gluon_kernel`` over a TMA work list (every item's field 6 a cache row).
 
     Returns the recorded launch: args 0-2 are q, k_cache, v_cache and 3-4 their descriptors, remade
     from a later layer's caches on relaunch, as for the Triton kernel. The defaults are the shipped
-    configuration (NOTES.md v7); the others are for the probe. ``programs > 0``: a persistent grid
-    of that many programs walks the (item, KV head) tickets, leaving the other SMs to the own kernel.
+    configuration (NOTES.md v7).
     """
     q_heads, dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
@@ -565,11 +559,10 @@ def launch_shared_gluon(
         HEAD_DIM=dim,
         STAGES=stages,
         OVERLAP=overlap,
-        PERSISTENT=programs > 0,
         num_warps=4,  # the default partition: one consumer warpgroup
         maxnreg=MAXNREG,
     )
-    grid = (programs,) if programs > 0 else (items.shape[0], kv_heads)
+    grid = (items.shape[0], kv_heads)
     compiled = shared_gluon_kernel[grid](*args, **kw)
     launch = record(shared_gluon_kernel, grid, args, kw, compiled)
     remake = lambda c: gluon_descriptor(c, block_n)  # noqa: E731

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,11 +44,6 @@ _PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
 _PAGED_PART = (0, 1, 2, -1)  # paged kernel writing fp32 partials (step buffers)
 _SHARED = (0, 1, 2, -1)
 _MERGE = (-1, -1, -1, 4)
-# With the persistent shared grid (PREFIXSERVE_PERSISTENT=1) the side stream (shared kernel) outranks
-# the own kernel's stream, so that the block scheduler places shared programs first when SMs free up:
-# the persistent grid must get its SMs while the own kernel streams beside it, not after it
-# (B=1024, P=4K, S=512: 0.599 ms with, 0.958 without; NOTES.md v7). Default priority otherwise.
-SIDE_PRIORITY = -1 if os.environ.get("PREFIXSERVE_PERSISTENT", "0") == "1" else 0
 
 
 @dataclass(slots=True)
@@ -242,7 +236,7 @@ class TritonBackend(TritonPagedBackend):
         if device.type != "cuda" or rows < self.overlap_min_rows:
             return None
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device, priority=SIDE_PRIORITY)
+            self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
     def prepare(self, meta: AttentionMetadata) -> None:
