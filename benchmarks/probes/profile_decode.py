@@ -1,6 +1,6 @@
 """cProfile of the engine's host side while it decodes a shared-prefix batch (where host time goes).
 
-PYTHONPATH=. python -m benchmarks.profile_decode --batch 256 --prefix 16384 --gen 32
+PYTHONPATH=. python -m benchmarks.probes.profile_decode --batch 256 --prefix 16384 --gen 32
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Times ``backend.forward`` back to back on one step's metadata (no events, no syncs inside the loop),
 next to a plain torch op for scale, then prints cProfile's top entries for the shared path.
 
-    PYTHONPATH=. python -m benchmarks.launch_overhead
+    PYTHONPATH=. python -m benchmarks.probes.launch_overhead
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For each attention mode, decode a batch that shares one prefix and time, per dec
 replay on the GPU (events around ``replay``), the host work before it (planning, buffer loads) and the
 rest of the step; then profile one replay with torch.profiler and list its costliest kernels.
 
-    PYTHONPATH=. python -m benchmarks.graph_step_probe --batch 64 --prefix 4096
+    PYTHONPATH=. python -m benchmarks.probes.graph_step_probe --batch 64 --prefix 4096
 """
 
 from __future__ import annotations
