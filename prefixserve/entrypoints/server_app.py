@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,28 +22,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.entrypoints import server_format as fmt
+from prefixserve.entrypoints.openai_prepare import (
+    Prepared,
+    check_model,
+    prepare_chat,
+    prepare_completion,
+    response_body,
+    stream_state,
+)
 from prefixserve.entrypoints.server_engine import EngineLoop, EngineStopped
 from prefixserve.entrypoints.server_metrics import ServerMetrics
-from prefixserve.entrypoints.server_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    normalize_prompts,
-    param_of,
-    parse_request,
-)
-from prefixserve.entrypoints.server_requests import (
-    MAX_BODY_BYTES,
-    ServerState,
-    application_prompt,
-    authorize,
-    check_model,
-    check_unsupported,
-    read_json,
-    sampling,
-)
+from prefixserve.entrypoints.server_protocol import APIError, param_of
+from prefixserve.entrypoints.server_requests import MAX_BODY_BYTES, ServerState, authorize, read_json
 from prefixserve.outputs import RequestOutput
-from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -156,21 +146,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 # ---- submitting and collecting -----------------------------------------------------------------
 
 
-async def _submit(
-    state: ServerState,
-    rid: str,
-    prompts: list[str | list[int]],
-    params: SamplingParams,
-    req: CompletionRequest | ChatCompletionRequest,
-    sink: asyncio.Queue[RequestOutput],
-    prompt_field: str,
-) -> list[str]:
+async def _submit(state: ServerState, prep: Prepared, sink: asyncio.Queue[RequestOutput]) -> list[str]:
     """Queue one engine request per prompt; on a refusal, abort the ones already queued."""
     ids: list[str] = []
+    req, params, prompt_field = prep.req, prep.params, prep.prompt_field
     application = req.application
     try:
-        for i, prompt in enumerate(prompts):
-            sub_id = f"{rid}-{i}"
+        for i, prompt in enumerate(prep.prompts):
+            sub_id = f"{prep.rid}-{i}"
             text, tokens = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
             await state.loop.add(
                 sub_id,
@@ -307,99 +290,27 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(model_card())
 
 
-def _stream_state(
-    state: ServerState,
-    rid: str,
-    req: CompletionRequest | ChatCompletionRequest,
-    params: SamplingParams,
-    chat: bool,
-    want_logprobs: bool,
-) -> fmt.StreamState:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return fmt.StreamState(
-        rid,
-        state.model,
-        chat,
-        params.n,
-        state.token_text,
-        list(params.stop or []),
-        want_logprobs,
-        include_usage,
-    )
+async def _answer(state: ServerState, request: Request, prep: Prepared) -> Response:
+    """Queue a checked request and answer it: an SSE stream, or one JSON body when all is done."""
+    sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    ids = await _submit(state, prep, sink)
+    if prep.req.stream:
+        return _sse_response(_stream(state, ids, sink, stream_state(state, prep)))
+    finals = await _collect(state, request, ids, sink)
+    if finals is None:
+        return Response(status_code=499)
+    return JSONResponse(response_body(state, prep, finals))
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(state, request)
-        req: CompletionRequest = parse_request(CompletionRequest, await read_json(state, request), "prompt")
-        check_model(state, req.model)
-        check_unsupported(req)
-        prompts = normalize_prompts(req.prompt)
-        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        if len(prompts) * params.n > MAX_N:
-            raise APIError(400, f"n x prompts must be at most {MAX_N}, got {len(prompts) * params.n}", "n")
-        if req.application is not None:
-            application_prompt(state, req.application)  # a 400 naming an unknown application
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        ids = await _submit(state, rid, prompts, params, req, sink, "prompt")
-        want_lp = req.logprobs is not None
-        if req.stream:
-            s = _stream_state(state, rid, req, params, False, want_lp)
-            return _sse_response(_stream(state, ids, sink, s))
-        finals = await _collect(state, request, ids, sink)
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(
-            fmt.completion_body(rid, state.model, finals, params.n, state.token_text, want_lp)
-        )
-
-
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
-    """The request's messages (after the application's pinned system prompt) through the chat template."""
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
-    if req.application is not None:
-        system = application_prompt(state, req.application)
-        if conversation[0]["role"] != "system":  # the pinned prompt is the chat's system message
-            conversation.insert(0, {"role": "system", "content": system})
-    try:
-        return str(
-            state.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
-            )
-        )
-    except Exception as exc:
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        return await _answer(state, request, prepare_completion(state, await read_json(state, request)))
 
 
 def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(state, request)
-        data = await read_json(state, request)
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, data, "messages")
-        check_model(state, req.model)
-        check_unsupported(req)
-        if not req.messages:
-            raise APIError(400, "'messages' must not be empty", param="messages")
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        prompt = _chat_prompt(state, req)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        ids = await _submit(state, rid, [prompt], params, req, sink, "messages")
-        if req.stream:
-            s = _stream_state(state, rid, req, params, True, req.logprobs)
-            return _sse_response(_stream(state, ids, sink, s))
-        finals = await _collect(state, request, ids, sink)
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(fmt.chat_body(rid, state.model, finals[0], state.token_text, req.logprobs))
+        return await _answer(state, request, prepare_chat(state, await read_json(state, request)))

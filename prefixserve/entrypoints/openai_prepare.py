@@ -1,0 +1,195 @@
+"""One OpenAI completion or chat body -> engine prompts and sampling parameters, and back to a body.
+
+The server's routes and the offline batch runner both go through here, so a batch row's response
+body is exactly what the server would answer for the same body. No web framework: each check raises
+``APIError`` with the status and a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixserve.entrypoints import server_format as fmt
+from prefixserve.entrypoints.server_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    normalize_prompts,
+    normalize_stop,
+    param_of,
+    parse_request,
+)
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
+
+
+@dataclass(kw_only=True)
+class OpenAIContext:
+    """What turning a body into engine work needs: the model's name, tokenizer and applications."""
+
+    model: str
+    tokenizer: Any
+    system_prompts: dict[str, str]
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A checked request: what to queue (one engine request per prompt) and how to answer."""
+
+    chat: bool
+    rid: str  # the response's id (cmpl-... / chatcmpl-...)
+    req: CompletionRequest | ChatCompletionRequest
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    want_logprobs: bool
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+
+def check_model(ctx: OpenAIContext, name: str | None) -> None:
+    if name is None or name in (ctx.model, "default"):
+        return
+    message = f"the model '{name}' does not exist; this server serves '{ctx.model}' (or use 'default')"
+    raise APIError(404, message, param="model", code="model_not_found")
+
+
+def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.presence_penalty not in (None, 0, 0.0):
+        raise APIError(400, "presence_penalty is not supported (only 0)", param="presence_penalty")
+    if req.frequency_penalty not in (None, 0, 0.0):
+        raise APIError(400, "frequency_penalty is not supported (only 0)", param="frequency_penalty")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of not in (None, req.n):
+            raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+    else:
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+
+
+def sampling(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=normalize_stop(req.stop),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        param, code = param_of(str(exc), "prompt")
+        raise APIError(400, str(exc), param=param, code=code) from None
+
+
+def application_prompt(ctx: OpenAIContext, application: str) -> str:
+    system = ctx.system_prompts.get(application)
+    if system is None:
+        known = ", ".join(sorted(ctx.system_prompts)) or "none are configured"
+        raise APIError(400, f"unknown application {application!r} (known: {known})", param="application")
+    return system
+
+
+def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
+    """Check a /v1/completions body; one engine prompt per prompt in it."""
+    req: CompletionRequest = parse_request(CompletionRequest, data, "prompt")
+    check_model(ctx, req.model)
+    check_unsupported(req)
+    prompts = normalize_prompts(req.prompt)
+    params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+    if len(prompts) * params.n > MAX_N:
+        raise APIError(400, f"n x prompts must be at most {MAX_N}, got {len(prompts) * params.n}", "n")
+    if req.application is not None:
+        application_prompt(ctx, req.application)  # a 400 naming an unknown application
+    return Prepared(False, f"cmpl-{uuid.uuid4().hex}", req, prompts, params, req.logprobs is not None)
+
+
+def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest) -> str:
+    """The request's messages (after the application's pinned system prompt) through the chat template."""
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+    ]
+    if req.application is not None:
+        system = application_prompt(ctx, req.application)
+        if conversation[0]["role"] != "system":  # the pinned prompt is the chat's system message
+            conversation.insert(0, {"role": "system", "content": system})
+    try:
+        return str(
+            ctx.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+        )
+    except Exception as exc:
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+
+
+def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
+    """Check a /v1/chat/completions body; its messages become one prompt through the chat template."""
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, data, "messages")
+    check_model(ctx, req.model)
+    check_unsupported(req)
+    if not req.messages:
+        raise APIError(400, "'messages' must not be empty", param="messages")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    prompt = chat_prompt(ctx, req)
+    return Prepared(True, f"chatcmpl-{uuid.uuid4().hex}", req, [prompt], params, bool(req.logprobs))
+
+
+def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:
+    """The body of a request to ``url`` (``/v1/completions`` or ``/v1/chat/completions``), checked."""
+    return prepare_chat(ctx, data) if url.endswith("/chat/completions") else prepare_completion(ctx, data)
+
+
+def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:
+    """The non-streamed answer, from every prompt's final output in order."""
+    if prep.chat:
+        return fmt.chat_body(prep.rid, ctx.model, finals[0], ctx.token_text, prep.want_logprobs)
+    return fmt.completion_body(prep.rid, ctx.model, finals, prep.params.n, ctx.token_text, prep.want_logprobs)
+
+
+def stream_state(ctx: OpenAIContext, prep: Prepared) -> fmt.StreamState:
+    req = prep.req
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return fmt.StreamState(
+        prep.rid,
+        ctx.model,
+        prep.chat,
+        prep.params.n,
+        ctx.token_text,
+        list(prep.params.stop or []),
+        prep.want_logprobs,
+        include_usage,
+    )
