@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import time
 
@@ -262,9 +263,8 @@ def mixed_grid(args: argparse.Namespace) -> None:
     """Sharing on, with the mixed kernel on every eligible decode step vs never (two kernels per layer).
 
     Own prompt parts of ``--own`` tokens (default here 512: two or more own tiles per sequence, where
-    the rule can take the mixed kernel), so the own KV outweighs the shared prefix's products. Where
-    the rule takes 128-row own tiles (short own parts, ``own_rows_for``), the mixed kernel with 64-row
-    tiles runs too.
+    the rule can take the mixed kernel), so the own KV outweighs the shared prefix's products. The
+    mixed kernel's own tile height is ``own_rows_for``'s (128 rows where own parts stay short).
     """
     from prefixserve.attention.kernels import mixed_gluon
 
@@ -273,22 +273,23 @@ def mixed_grid(args: argparse.Namespace) -> None:
     if points == [(b, p) for b in (64, 256, 1024) for p in (1024, 4096, 16384)]:  # the defaults
         points = [(256, 1024), (256, 4096), (1024, 1024), (1024, 4096)]
     rows = []
-    keep = mixed_gluon.MODE, mixed_gluon.OWN_M_MODE
-    # own parts short to the end of the run: the rule takes 128-row own tiles, timed against 64-row ones
+    # own parts short to the end of the run: the rule takes 128-row own tiles
     short = own + args.gen <= mixed_gluon.SHORT_OWN_TOKENS
     short = short and mixed_gluon.own_rows_for(own, 1, 4) != mixed_gluon.OWN_M  # the 8B shapes: GQA 4
-    variants = [("mixed", "1", "auto"), ("two_kernels", "0", "auto")]
-    if short:
-        variants.insert(1, ("mixed_64", "1", str(mixed_gluon.OWN_M)))
+    variants = [("mixed", "1"), ("two_kernels", "0")]
+    keep = os.environ.get("PREFIXSERVE_MIXED")
     for b, p in points:
         prompts = (_prompts(b, p, own), _prompts(b, p, own, seed=1))
         row: dict = {"B": b, "P": p}
-        for name, mode, own_m in variants:
-            mixed_gluon.MODE, mixed_gluon.OWN_M_MODE = mode, own_m
+        for name, mode in variants:
+            os.environ["PREFIXSERVE_MIXED"] = mode  # read by prefixserve.config.mixed_mode() per step
             try:
                 r = measure(args.model, args.device, "auto", prompts, args.gen)
             finally:
-                mixed_gluon.MODE, mixed_gluon.OWN_M_MODE = keep
+                if keep is None:
+                    os.environ.pop("PREFIXSERVE_MIXED", None)
+                else:
+                    os.environ["PREFIXSERVE_MIXED"] = keep
             row[f"{name}_tok_s"] = r["tok_s"]
             row[f"{name}_graphs_mixed"] = r["graphs_mixed"]
             row[f"{name}_captures"] = r["graphs_captured"]
@@ -307,25 +308,18 @@ def mixed_grid(args: argparse.Namespace) -> None:
             "`benchmarks/throughput.py --mixed`."
             + (
                 " Own parts stay short (mean under 256 tokens), so the mixed kernel runs 128-row own "
-                "tiles (`own_rows_for`); `mixed, 64 rows` forces 64-row ones (PREFIXSERVE_MIXED_OWN_M=64)."
+                "tiles (`own_rows_for`)."
                 if short
                 else ""
             ),
             "",
-            "| B | P | mixed tok/s | "
-            + ("mixed, 64 rows tok/s | 128 / 64 rows | " if short else "")
-            + "two kernels tok/s | mixed / two | graphs | captures |",
-            "| ---: | ---: | ---: | " + ("---: | ---: | " if short else "") + "---: | ---: | ---: | ---: |",
+            "| B | P | mixed tok/s | two kernels tok/s | mixed / two | graphs | captures |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for x in rows:
             ratio = x["mixed_tok_s"] / max(x["two_kernels_tok_s"], 1e-9)
-            rows64 = (
-                f"{x['mixed_64_tok_s']:.0f} | {x['mixed_tok_s'] / max(x['mixed_64_tok_s'], 1e-9):.3f}x | "
-                if short
-                else ""
-            )
             md.append(
-                f"| {x['B']} | {x['P']} | {x['mixed_tok_s']:.0f} | {rows64}{x['two_kernels_tok_s']:.0f} | "
+                f"| {x['B']} | {x['P']} | {x['mixed_tok_s']:.0f} | {x['two_kernels_tok_s']:.0f} | "
                 f"{ratio:.3f}x | {x['mixed_graphs_mixed']}/{x['mixed_captures']} | "
                 f"{x['two_kernels_captures']} |"
             )

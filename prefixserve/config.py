@@ -1,8 +1,15 @@
-"""Engine settings, validated once at construction (a bad value names itself in the error)."""
+"""Engine settings, validated once at construction (a bad value names itself in the error), and the
+environment switches: the only place where the package reads a ``PREFIXSERVE_*`` variable.
+
+The switches are read when called (not at import), so a test or a benchmark that sets the variable
+sees its effect on the next call; a bad value raises ValueError naming the variable.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -74,3 +81,42 @@ class EngineConfig:
         if self.kv_memory_fraction is not None:
             return self.kv_memory_fraction
         return 0.85 if self.torch_device.type == "cuda" else 0.1
+
+
+# --- environment switches ----------------------------------------------------------------------------
+# tests/test_env_switches.py fails if any other module of the package names a PREFIXSERVE_* variable
+
+
+def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def cache_dir() -> Path:
+    """``PREFIXSERVE_CACHE``: the directory for converted models (a GGUF dequantized once into an HF
+    directory). Any directory path; default ``~/.cache/prefixserve``."""
+    value = os.environ.get("PREFIXSERVE_CACHE")
+    if value is None:
+        return Path.home() / ".cache" / "prefixserve"
+    if not value.strip():
+        raise ValueError("PREFIXSERVE_CACHE is set but empty: give a directory, or unset it")
+    return Path(value)
+
+
+def gluon_enabled() -> bool:
+    """``PREFIXSERVE_GLUON``: "1" (default) lets shared-segment launches on a Hopper GPU take the
+    warp-specialised Gluon kernels (shared_gluon.py, and the mixed kernel built on them); "0" keeps
+    every shared launch on the Triton kernel (A/B runs, or a Triton whose Gluon misbehaves)."""
+    return _env_choice("PREFIXSERVE_GLUON", "1", ("0", "1")) == "1"
+
+
+def mixed_mode() -> str:
+    """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
+    (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every
+    eligible decode step; "0": never (shared kernel + own kernel). An explicit ``TritonBackend.mixed``
+    overrides it."""
+    return _env_choice("PREFIXSERVE_MIXED", "auto", ("auto", "0", "1"))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from prefixserve.config import cache_dir
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import LlamaForCausalLM, rope_inv_freq
 
@@ -80,7 +80,7 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PREFIXSERVE_CACHE", Path.home() / ".cache" / "prefixserve"))
+    return cache_dir()
 
 
 def _gguf_cache_dir(path: Path) -> Path:

@@ -49,8 +49,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         shared_stages, own_stages = mixed_gluon.ring_stages(own_m)
         consts |= {"BLOCK_N": mixed_gluon.SHARED_N, "STAGES": shared_stages}
         consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
-        consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht, "OVERLAP": mixed_gluon.OVERLAP}
-        consts["PERSISTENT"] = mixed_gluon.PERSISTENT
+        consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
         maxnreg = mixed_gluon.MAXNREG
     else:
         kernel = shared_gluon.shared_gluon_kernel

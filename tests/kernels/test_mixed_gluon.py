@@ -40,7 +40,7 @@ def test_own_tiling() -> None:
 def test_rule(monkeypatch) -> None:
     """Own-heavy decode steps on the Gluon path take the mixed kernel; the rest do not."""
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: True)
-    monkeypatch.setattr(mixed_gluon, "MODE", "auto")
+    monkeypatch.setenv("PREFIXSERVE_MIXED", "auto")
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
     # B=1024 rows on a 4K prefix, 512 own tokens each: own bytes 2.1 GB vs 0.55 TFLOP
     assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
@@ -59,19 +59,18 @@ def test_rule(monkeypatch) -> None:
     assert not mixed_gluon.use_mixed(
         dev, bf16, (128, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024
     )  # GQA 64: no own tiling
-    monkeypatch.setattr(mixed_gluon, "MODE", "1")
+    monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
     assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
-    monkeypatch.setattr(mixed_gluon, "MODE", "0")
+    monkeypatch.setenv("PREFIXSERVE_MIXED", "0")
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: False)
-    monkeypatch.setattr(mixed_gluon, "MODE", "1")
+    monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
     assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
 
 
 def test_own_rows_rule(monkeypatch) -> None:
     """128-row own tiles where they measured faster: GQA 4 with short own parts (S=128 steps), and
-    ptxas >= 12.9 to build the kernel; 64 rows otherwise; the mode forces either."""
-    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", "auto")
+    ptxas >= 12.9 to build the kernel; 64 rows otherwise."""
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: ("ptxas", "12.9"))
     assert mixed_gluon.own_rows_for(1024 * 128, 1024, 4) == 128
     assert mixed_gluon.own_rows_for(256 * 150, 256, 4) == 128
@@ -81,8 +80,6 @@ def test_own_rows_rule(monkeypatch) -> None:
     assert mixed_gluon.own_rows_for(1024 * 128, 1024, 3) == 64  # and GQA 3
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
     assert mixed_gluon.own_rows_for(1024 * 128, 1024, 4) == 64
-    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", "128")
-    assert mixed_gluon.own_rows_for(1024 * 512, 1024, 8) == 128
     assert mixed_gluon.ring_stages(128) == (2, 2)
     assert mixed_gluon.ring_stages(64) == (mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
     assert mixed_gluon.own_tiling(32, 8, 16, 128) == (2, 8)  # 64 tokens of each of two heads
@@ -125,6 +122,12 @@ def _decode_batch(groups, bs, hq, hkv, dim, dtype, seed):
     return q, k, v, meta
 
 
+def _force_own_rows(monkeypatch, own_m: str) -> None:
+    """Own tiles of ``own_m`` rows whatever ``own_rows_for`` would pick (both heights are tested)."""
+    _newer_ptxas_or_skip(own_m)
+    monkeypatch.setattr(mixed_gluon, "own_rows_for", lambda *args: int(own_m))
+
+
 def _run(q, k, v, meta, mixed: bool):
     be = TritonBackend()
     be.mixed = mixed
@@ -138,64 +141,30 @@ def _run(q, k, v, meta, mixed: bool):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize(
-    ("groups", "hq", "hkv", "dim", "dtype", "sms", "bs", "ht", "persistent"),
+    ("groups", "hq", "hkv", "dim", "dtype", "sms", "bs"),
     [
-        (
-            [(2048, 96, 300)],
-            16,
-            4,
-            128,
-            torch.bfloat16,
-            None,
-            16,
-            0,
-            True,
-        ),  # own tickets of 1-10 tiles, ragged
-        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None, 16, 0, True),  # two segments
-        ([(1536, 64, 130)], 64, 8, 64, torch.float16, None, 16, 0, True),  # GQA 8, d 64: N = 16
-        (
-            [(512, 300, 64)],
-            8,
-            8,
-            128,
-            torch.bfloat16,
-            1,
-            16,
-            0,
-            True,
-        ),  # GQA 1: one program walks every shared ticket
-        ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7, 16, 0, True),  # GQA 2
-        (
-            [(2048, 140, 257)],
-            16,
-            8,
-            64,
-            torch.bfloat16,
-            7,
-            16,
-            0,
-            False,
-        ),  # a program per shared ticket (2 waves)
-        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, 5, 16, 0, False),  # and two segments
-        ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500, 16, 0, True),  # mostly own-only programs
-        ([(1024, 90, 333)], 32, 8, 128, torch.bfloat16, None, 16, 1, True),  # tickets of one head
-        ([(1024, 60, 200)], 32, 2, 128, torch.bfloat16, None, 16, 0, True),  # GQA 16: two heads, N = 32
-        ([(1024, 50, 150)], 16, 1, 128, torch.bfloat16, None, 16, 0, True),  # one KV head: N = 16
-        ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32, 0, True),  # cache blocks of 32 tokens
+        ([(2048, 96, 300)], 16, 4, 128, torch.bfloat16, None, 16),  # own tickets of 1-10 tiles, ragged
+        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, None, 16),  # two segments
+        ([(1536, 64, 130)], 64, 8, 64, torch.float16, None, 16),  # GQA 8, d 64: N = 16
+        ([(512, 300, 64)], 8, 8, 128, torch.bfloat16, 1, 16),  # GQA 1: one program walks every shared ticket
+        ([(2048, 140, 257)], 16, 8, 64, torch.bfloat16, 7, 16),  # GQA 2: more shared tickets than programs
+        ([(1024, 40, 40), (4096, 70, 700)], 32, 8, 128, torch.bfloat16, 5, 16),  # and two segments
+        ([(1024, 128, 129)], 32, 8, 128, torch.bfloat16, 500, 16),  # mostly own-only programs
+        ([(1024, 90, 333)], 64, 2, 128, torch.bfloat16, None, 16),  # GQA 32: tickets of one head, N = 32
+        ([(1024, 60, 200)], 32, 2, 128, torch.bfloat16, None, 16),  # GQA 16: two heads, N = 32
+        ([(1024, 50, 150)], 16, 1, 128, torch.bfloat16, None, 16),  # one KV head: N = 16
+        ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32),  # cache blocks of 32 tokens
     ],
 )
 @pytest.mark.parametrize("own_m", ["64", "128"])
 def test_engine_decode_step_through_the_mixed_kernel(
-    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, ht, persistent, own_m
+    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, own_m
 ) -> None:
     """The mixed launch (own tiles of 64 and of 128 rows) against the two-kernel path and the
     fp64-backed reference; a later layer's replay (descriptors remade) matches the first launch."""
-    _newer_ptxas_or_skip(own_m)
-    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", own_m)
-    if sms is not None:  # the grid: programs (persistent), else max(programs, shared tickets)
+    _force_own_rows(monkeypatch, own_m)
+    if sms is not None:  # the grid: one program per SM
         monkeypatch.setattr(paged_attention, "num_sms", lambda device=None: sms)
-    monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
-    monkeypatch.setattr(mixed_gluon, "PERSISTENT", persistent)
     q, k, v, meta = _decode_batch(groups, bs, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
     calls = []
     original = mixed_gluon.launch_mixed
@@ -213,21 +182,20 @@ def test_engine_decode_step_through_the_mixed_kernel(
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize(
-    ("own", "shift", "ht", "hq"),
-    [(128, 0, 0, 32), (128, 16, 0, 32), (96, 0, 0, 32), (128, 0, 1, 32), (200, 7, 0, 32), (160, 3, 0, 64)],
+    ("own", "shift", "hkv", "hq"),
+    # (128, 0, 2, 64): GQA 32, tickets of one KV head
+    [(128, 0, 8, 32), (128, 16, 8, 32), (96, 0, 8, 32), (128, 0, 2, 64), (200, 7, 8, 32), (160, 3, 8, 64)],
 )
 @pytest.mark.parametrize("own_m", ["64", "128"])
-def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, ht, hq, own_m) -> None:
+def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq, own_m) -> None:
     """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
     score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
     so o[d] = (head + 1) x (own tokens on d) / n, and lse = ln n. Every value is exact
     in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (NOTES.md v16-
     v19: the 128-row own tile built by ptxas 12.8 fails here, losing d 32-63 and 96-127). Shared memory
     is filled with NaN tiles first, and the partials are read after one launch, so stale reads show too."""
-    _newer_ptxas_or_skip(own_m)
-    monkeypatch.setattr(mixed_gluon, "OWN_M_MODE", own_m)
-    monkeypatch.setattr(mixed_gluon, "FORCE_HT", ht)
-    bs, hkv, dim, n_seqs, prefix = 16, 8, 128, 128, 1024
+    _force_own_rows(monkeypatch, own_m)
+    bs, dim, n_seqs, prefix = 16, 128, 128, 1024
     nb, per = prefix // bs, -(-own // bs)
     k = torch.zeros(nb + n_seqs * per + 2, bs, hkv, dim, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros_like(k)
@@ -266,7 +234,7 @@ def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch) -> None:
     replays it on a later step with new lengths and padding rows, against the reference."""
     from prefixserve.attention.graph import HeadShape
 
-    monkeypatch.setattr(mixed_gluon, "MODE", "1")
+    monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
     hq, hkv, dim, dtype, bucket = 32, 8, 128, torch.bfloat16, 256  # 96 padding rows
     q, k, v, meta = _decode_batch([(1024, 100, 300), (2048, 60, 200)], 16, hq, hkv, dim, dtype, seed=5)
     shape = HeadShape(hq, hkv, dim, dtype, q.device)

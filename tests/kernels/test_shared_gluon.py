@@ -155,7 +155,7 @@ def test_gluon_matches_triton_kernel_and_fp64(monkeypatch, dtype, group, dim, le
     counter = _Counter(monkeypatch)
     o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, **kw)
     assert counter.calls == 1
-    monkeypatch.setattr(shared_gluon, "ENABLED", False)
+    monkeypatch.setenv("PREFIXSERVE_GLUON", "0")
     o_t, lse_t = shared_segment_attention(q, k, v, *seg, 0.09, **kw)
     assert counter.calls == 1
     ref_o, ref_lse = shared_segment_attention_ref(q, k, v, *seg, 0.09, torch.float64)

@@ -30,11 +30,11 @@ slots as it does for split KV.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from prefixserve import config
 from prefixserve.attention.kernels import _ptxas, shared_gluon
 from prefixserve.attention.kernels.launch import Launch, record
 
@@ -58,34 +58,26 @@ if shared_gluon.GLUON:
     )
 
 OWN_MAX_N = 32  # query heads of an own tile (padded to 8s: wgmma's N)
-FORCE_HT = int(os.environ.get("PREFIXSERVE_MIXED_HT", "0"))  # KV heads per own tile; 0: ``own_tiling``
 # The ring shapes (NOTES.md v11): the shared ring holds 64-token tiles, so that with the own ring
 # beside it (64-row tiles) both stay three deep in shared memory
-SHARED_N = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_N", "64"))
-SHARED_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_STAGES", "3"))
-OWN_STAGES = int(os.environ.get("PREFIXSERVE_MIXED_OWN_STAGES", "3"))
+SHARED_N = 64
+SHARED_STAGES = 3
+OWN_STAGES = 3
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
 # Own tiles of 128 rows (two wgmma M blocks) where own parts are short: half the own warpgroup's
 # chains (products, row max, P^T store) per byte, for one shared ring slot less. Measured at B=1024
 # (NOTES.md v19): GQA 4 -4 to -5% at S=128 (d 128), -4 to -9% at S=128-192 (d 64), level at S=192
 # (d 128), +1-2% at S=512 (long tickets) and +11% at B=256, P=16K, S=512; GQA 3 and GQA 8 (d 128)
 # +2 to +6% at S=128-192. So at SHORT_OWN_GROUP only, below SHORT_OWN_TOKENS own tokens a sequence
-# (mean), and only where ptxas >= 12.9 builds the kernel (``_ptxas``). "64" or "128" forces one.
+# (mean), and only where ptxas >= 12.9 builds the kernel (``_ptxas``).
 SHORT_OWN_M = 128
 SHORT_OWN_GROUP = 4
 SHORT_OWN_TOKENS = 192
-OWN_M_MODE = os.environ.get("PREFIXSERVE_MIXED_OWN_M", "auto")
-OVERLAP = os.environ.get("PREFIXSERVE_MIXED_OVERLAP", "0") == "1"
-# one program per SM walking every SM-th shared ticket (one wave, the default), or "0": a grid of at
-# least the shared tickets, one each (two waves where tickets outnumber SMs; 1.4-1.8% slower at the
-# B=1024, S=128 and B=256, P=16K points, NOTES.md v13)
-PERSISTENT = os.environ.get("PREFIXSERVE_MIXED_PERSISTENT", "1") == "1"
 # registers a thread: the shared warpgroups and the own one; the loader warps' warpgroup keeps 24 and
 # the default partition (a shared warpgroup) what is left: 2 x SHARED + OWN + 24 = 512
 MAXNREG = 128  # 16 warps x 32 threads x 128 = 65,536 at launch
-SHARED_REGS = int(os.environ.get("PREFIXSERVE_MIXED_SHARED_REGS", "192"))
+SHARED_REGS = 192
 OWN_REGS = 512 - 2 * SHARED_REGS - 24
-MODE = os.environ.get("PREFIXSERVE_MIXED", "auto")
 GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (NOTES.md v7)
 COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
 MIN_OWN_SHARE = 0.5  # own time / shared time from which the mixed kernel pays
@@ -415,10 +407,10 @@ if shared_gluon.GLUON:
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         HEAD_DIM: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         """A shared warpgroup: its rows of the program's shared tickets, query rows kept in registers
-        (wgmma's A), attended over each ticket's tiles and stored (``_run_ticket``)."""
+        (wgmma's A), attended over each ticket's tiles and stored (``_run_ticket``; without the
+        shared kernel's QK(j+1)-before-softmax(j) overlap: level to 1.6% slower here, docs/kernels.md)."""
         items_ptr, num_items, kv_heads, first, end, step = walk
         (
             q_ptr,
@@ -448,7 +440,7 @@ if shared_gluon.GLUON:
                 ticket = (base, row_lo, row_hi, kv_len, ns, kvh)
                 out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
                 _run_ticket(
-                    q, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
+                    q, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, False
                 )
             c += ns
 
@@ -489,13 +481,11 @@ if shared_gluon.GLUON:
         OWN_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
         HT: gl.constexpr,
-        OVERLAP: gl.constexpr,
-        PERSISTENT: gl.constexpr,
         PTXAS: gl.constexpr,  # the ptxas that builds it (``_ptxas``): in the compile cache's key
     ):
-        """1-d grid of G programs: program p takes shared ticket p (item fastest; none past the last),
-        or with ``PERSISTENT`` tickets p, p + G, ..., and own tickets [p n / G, (p + 1) n / G) of the
-        n = sequences x KV head groups of HT heads."""
+        """1-d grid of G programs (one per SM): program p takes shared tickets p, p + G, ... (item
+        fastest) and own tickets [p n / G, (p + 1) n / G) of the n = sequences x KV head groups of HT
+        heads."""
         p = gl.program_id(0)
         n_programs = gl.num_programs(0)
         groups = kv_heads // HT
@@ -529,10 +519,8 @@ if shared_gluon.GLUON:
         fence_async_shared()  # the barrier inits before any async use
         shared_ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         own_ring = (ko_bufs, vo_bufs, own_ready, own_empty)
-        n_tickets = num_items * kv_heads
-        # shared tickets: p alone (a grid of at least the tickets), or every n_programs-th (PERSISTENT)
-        t_end = n_tickets if PERSISTENT else gl.minimum(p + 1, n_tickets)
-        t_step = n_programs if PERSISTENT else 1
+        t_end = num_items * kv_heads
+        t_step = n_programs
         shared_walk = (items_ptr, num_items, kv_heads, p, t_end, t_step)
         own_walk = (own_tables_ptr, own_lens_ptr, table_stride, groups, u_lo, u_hi, oob_row)
         strides = (stride_qt, stride_qh, stride_op, stride_oh, stride_lp)
@@ -540,13 +528,10 @@ if shared_gluon.GLUON:
         own_ptrs = (q_ptr, o_ptr, lse_ptr, qk_scale, own_slot0) + strides  # noqa: RUF005
         gl.warp_specialize(
             [
+                (_shared_consumer, (0, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM)),
                 (
                     _shared_consumer,
-                    (0, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM, OVERLAP),
-                ),
-                (
-                    _shared_consumer,
-                    (BLOCK_M // 2, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM, OVERLAP),
+                    (BLOCK_M // 2, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM),
                 ),
                 (_own_consumer, (own_ring, (qo_smem, pt_smem), own_walk, own_ptrs, GROUP, HEAD_DIM, HT)),
                 (
@@ -590,9 +575,9 @@ def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M)
 
     Two heads where they divide the KV heads and a head's ``OWN_M / 2`` tokens are whole cache blocks
     (2 x GROUP query heads: at GQA 4 wgmma's N = 8 with no padding, and the per-ticket work of query
-    loads and partial stores shared by two heads), else one. ``PREFIXSERVE_MIXED_HT`` forces one."""
+    loads and partial stores shared by two heads), else one."""
     group = q_heads // kv_heads
-    for ht in (FORCE_HT,) if FORCE_HT else (2, 1):
+    for ht in (2, 1):
         rows = -(-ht * group // 8) * 8
         if kv_heads % ht == 0 and (own_m // ht) % block_size == 0 and rows <= OWN_MAX_N:
             return ht, rows
@@ -603,9 +588,7 @@ def own_rows_for(own_tokens: int, num_seqs: int, group: int) -> int:
     """Rows of the own tiles of a mixed step with ``own_tokens`` own KV tokens over ``num_seqs``
     sequences and ``group`` query heads a KV head: ``SHORT_OWN_M`` where own parts are short (mean
     under ``SHORT_OWN_TOKENS``) at GQA ``SHORT_OWN_GROUP`` and ptxas >= 12.9 builds the kernel, else
-    ``OWN_M``; ``OWN_M_MODE`` "64" or "128" forces one."""
-    if OWN_M_MODE != "auto":
-        return int(OWN_M_MODE)
+    ``OWN_M``."""
     short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1) and group == SHORT_OWN_GROUP
     return SHORT_OWN_M if short and _ptxas.newer_ptxas() is not None else OWN_M
 
@@ -642,8 +625,8 @@ def launch_mixed(
     block_m: int = 128,
     own_m: int = OWN_M,
 ) -> Launch:
-    """Run ``mixed_gluon_kernel`` on ``programs`` programs (``PERSISTENT``; else at least the shared
-    tickets), with own tiles of ``own_m`` rows (``own_rows_for``).
+    """Run ``mixed_gluon_kernel`` on ``programs`` programs (one per SM), with own tiles of ``own_m``
+    rows (``own_rows_for``).
 
     Shared partials go where the work list's items say; own partials of sequence s (a decode step:
     query row s) to slot ``own_slot0 + s``. Returns the recorded
@@ -693,13 +676,11 @@ def launch_mixed(
         OWN_M=own_m,
         OWN_ROWS=own_rows,
         HT=heads_per_tile,
-        OVERLAP=OVERLAP,
-        PERSISTENT=PERSISTENT,
         PTXAS=PTXAS_BUILD,
         num_warps=4,  # the default partition: one shared warpgroup
         maxnreg=MAXNREG,
     )
-    grid = (programs if PERSISTENT else max(programs, items.shape[0] * kv_heads),)
+    grid = (programs,)
     compiled = mixed_gluon_kernel[grid](*args, **kw)
     launch = record(mixed_gluon_kernel, grid, args, kw, compiled)
     shared = lambda c: shared_gluon.gluon_descriptor(c, SHARED_N)  # noqa: E731
@@ -724,8 +705,9 @@ def use_mixed(
     (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV (``own_tokens`` over
     ``num_seqs`` sequences, at least ``MIN_OWN_TOKENS`` each on average) takes long enough next to
     the shared products to be worth hiding under them; ``block_size`` = the cache's (``own_tiling``).
-    ``mode`` (default ``MODE``): "0" never, "1" whenever eligible, "auto" the rule."""
-    mode = MODE if mode is None else mode
+    ``mode`` (default ``config.mixed_mode()``, PREFIXSERVE_MIXED): "0" never, "1" whenever eligible,
+    "auto" the rule."""
+    mode = config.mixed_mode() if mode is None else mode
     q_heads, kv_heads, dim = shape
     if (
         mode == "0"

@@ -20,11 +20,11 @@ engine's cache is zero-initialised and only ever holds K/V projections.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from prefixserve import config
 from prefixserve.attention.kernels.launch import Launch, record
 
 try:  # Gluon ships with Triton >= 3.5; the engine runs without it (pointer / tl kernels)
@@ -478,10 +478,6 @@ def gluon_descriptor(cache: torch.Tensor, block_n: int) -> Any:
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if GLUON else {}
 
-# PREFIXSERVE_GLUON=0 keeps every shared launch on the Triton kernel (A/B runs, a Triton whose Gluon
-# misbehaves); tests flip ENABLED directly
-ENABLED = os.environ.get("PREFIXSERVE_GLUON", "1") != "0"
-
 # 24 registers for the loader warp (its warpgroup: 4 warps), the rest to the consumer warpgroups:
 # maxnreg x 12 warps x 32 threads <= 65,536 registers
 MAXNREG = 168
@@ -489,9 +485,9 @@ MAXNREG = 168
 
 def eligible_for(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
     """True when the Gluon kernel can run on ``device`` for this dtype and head size: a Hopper GPU
-    (wgmma), 16-bit q and KV, d 64 or 128."""
+    (wgmma), 16-bit q and KV, d 64 or 128, and PREFIXSERVE_GLUON not "0" (``config.gluon_enabled``)."""
     device = torch.device(device)
-    if not (ENABLED and GLUON and device.type == "cuda"):
+    if not (GLUON and device.type == "cuda" and config.gluon_enabled()):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9 and dtype in _GL_DTYPES and head_dim in (64, 128)
 
