@@ -53,7 +53,6 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         maxnreg = mixed_gluon.MAXNREG
     else:
         kernel = shared_gluon.shared_gluon_kernel
-        consts["OVERLAP"] = True
         maxnreg = shared_gluon.MAXNREG
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     src = GluonASTSource(

@@ -5,8 +5,9 @@ Same work items and partial slots as ``shared_attention._shared_kernel`` on its 
 them: one loader warp walks the segment issuing TMA loads of K and V tiles into a 3-deep ring of
 shared-memory buffers, and two consumer warpgroups of 64 rows, each its own partition,
 gather their query rows, wait on mbarriers, run the wgmma products and the online softmax. Apart,
-the two warpgroups drift so that one's softmax runs beside the other's products; ``OVERLAP`` also
-issues tile j+1's Q @ K^T before tile j's softmax (FA3's intra-warpgroup overlap). The loader keeps
+the two warpgroups drift so that one's softmax runs beside the other's products, and each issues
+tile j+1's Q @ K^T before tile j's softmax (FA3's intra-warpgroup overlap, ``_attend_tiles``'s
+``OVERLAP``; the mixed kernel runs the same loop without it). The loader keeps
 24 registers, the consumers get 240. Measured 1.2-1.4x the Triton kernel alone (NOTES.md v7).
 
 A program takes one (work item, KV head) ticket; the partitions walk tickets first .. end with a
@@ -317,9 +318,9 @@ if GLUON:
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
-        """One warpgroup's rows m_off .. m_off + PART_M of every ticket's tile: gathered, attended, stored."""
+        """One warpgroup's rows m_off .. m_off + PART_M of every ticket's tile: gathered, attended, stored
+        (with the in-warpgroup overlap: ``_attend_tiles``'s ``OVERLAP``)."""
         (
             q_smem,
             k_bufs,
@@ -357,7 +358,7 @@ if GLUON:
             ticket = (base, row_lo, row_hi, kv_len, n_tiles, kvh)
             out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
             _run_ticket(
-                q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
+                q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, True
             )
             c += n_tiles
 
@@ -385,7 +386,6 @@ if GLUON:
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         """Grid (work items, KV heads): one ticket (item, head) per program. A ticket's rows x GROUP
         heads attend its KV range and land in its partial slots."""
@@ -436,11 +436,11 @@ if GLUON:
             [
                 (
                     _consumer_partition,
-                    (0, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    (0, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES),
                 ),
                 (
                     _consumer_partition,
-                    (PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    (PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES),
                 ),
                 (
                     _load_partition,
@@ -517,7 +517,6 @@ def launch_shared_gluon(
     lse_part: torch.Tensor,
     scale: float,
     stages: int = 3,
-    overlap: bool = True,
     block_m: int = 128,
     block_n: int = 128,
 ) -> Launch:
@@ -554,7 +553,6 @@ def launch_shared_gluon(
         BLOCK_N=block_n,
         HEAD_DIM=dim,
         STAGES=stages,
-        OVERLAP=overlap,
         num_warps=4,  # the default partition: one consumer warpgroup
         maxnreg=MAXNREG,
     )

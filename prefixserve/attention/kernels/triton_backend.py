@@ -224,8 +224,6 @@ class TritonBackend(TritonPagedBackend):
     # rows are this many or more: below, the shared kernel is a few microseconds and the fork/join
     # (two stream waits per layer) costs more host time than the overlap saves.
     overlap_min_rows: int = 512
-    # decode sequences per own-kernel program (``packed_decode_program``); None = ``decode_pack``'s rule
-    own_pack: int | None = None
     # a decode step's shared and own tiles in one Gluon launch (mixed_gluon.py); None = its rule
     mixed: bool | None = None
 
@@ -289,11 +287,9 @@ class TritonBackend(TritonPagedBackend):
         return out
 
     def _pack(self, q_heads: int, kv_heads: int, meta: AttentionMetadata, step: TritonStep, q) -> int:
-        """Decode sequences per own program: ``own_pack`` if set, else ``own_pack_rule``'s."""
+        """Decode sequences per own program (``packed_decode_program``): ``own_pack_rule``'s."""
         if step.max_query_len != 1:
             return 1
-        if self.own_pack is not None:
-            return self.own_pack
         shape = (q_heads, kv_heads, q.shape[2], q.element_size())
         return own_pack_rule(step.shared, meta.num_seqs, shape, meta.block_size, q.device)
 
