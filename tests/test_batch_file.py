@@ -10,7 +10,7 @@ from prefixserve.entrypoints.batch_file import (
     BatchRow,
     ResultWriter,
     error_row,
-    finished_ids,
+    finished_keys,
     read_batch,
     result_row,
 )
@@ -56,12 +56,14 @@ def test_writer_appends_whole_lines_and_resume_cuts_a_torn_tail(tmp_path: Path) 
     with ResultWriter(out) as w:
         w.write(result_row("a", 200, {"ok": True}))
         w.write(result_row("b", 400, {"error": {"message": "bad"}}))
+        # An unreadable line is known by its line number, not by its (here duplicate) custom_id.
+        w.write(error_row(BadRow(7, "a", "duplicate_custom_id", "line 7: custom_id 'a' is a duplicate")))
     with open(out, "ab") as f:
         f.write(b'{"id": "batch_req_x", "custom_id": "c", "respo')  # a kill mid-line
-    assert finished_ids(out) == {"a", "b"}
+    assert finished_keys(out) == {"a", "b", "line:7"}
     assert out.read_bytes().endswith(b"\n")  # the torn tail is gone
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["custom_id"] for r in rows] == ["a", "b"]
+    assert [r["custom_id"] for r in rows] == ["a", "b", "a"]
     assert rows[1]["response"]["status_code"] == 400 and rows[0]["error"] is None
     assert rows[0]["id"].startswith("batch_req_") and rows[0]["response"]["request_id"].startswith("req_")
-    assert finished_ids(tmp_path / "missing.jsonl") == set()
+    assert finished_keys(tmp_path / "missing.jsonl") == set()

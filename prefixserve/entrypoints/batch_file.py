@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
+_LINE = re.compile(r"line (\d+): ")
 
 
 @dataclass(slots=True)
@@ -78,8 +80,11 @@ def read_batch(path: str | Path) -> list[BatchRow | BadRow]:
     return rows
 
 
-def finished_ids(path: str | Path) -> set[str]:
-    """custom_ids already answered in an output file; a torn last line is cut off first."""
+def finished_keys(path: str | Path) -> set[str]:
+    """Input rows already answered in an output file; a torn last line is cut off first.
+
+    A row that ran (or whose body was refused) is known by its custom_id; a line that could not be
+    read as a request by ``line:N`` (its custom_id may be missing or a duplicate's)."""
     p = Path(path)
     if not p.exists():
         return set()
@@ -91,7 +96,13 @@ def finished_ids(path: str | Path) -> set[str]:
             row = json.loads(raw)
         except json.JSONDecodeError:
             continue  # not ours to judge: kept, but answers nothing
-        if isinstance(row, dict) and isinstance(row.get("custom_id"), str):
+        if not isinstance(row, dict):
+            continue
+        error = row.get("error")
+        where = _LINE.match(str(error.get("message", ""))) if isinstance(error, dict) else None
+        if where is not None:
+            done.add(f"line:{where.group(1)}")
+        elif isinstance(row.get("custom_id"), str):
             done.add(row["custom_id"])
     if keep < len(data):
         with open(p, "r+b") as f:
