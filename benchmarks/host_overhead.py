@@ -54,7 +54,8 @@ import numpy as np
 import torch
 
 import prefixserve.attention.plan as plan_mod
-import prefixserve.engine as engine_mod
+import prefixserve.engine.llm_engine as engine_mod
+import prefixserve.engine.model_runner as runner_mod
 from benchmarks._common import run_info, write_results
 from prefixserve.attention.graph import HeadShape
 from prefixserve.attention.kernels.triton_backend import TritonStep, build_layout
@@ -169,7 +170,7 @@ class _StubGraphs:
     """
 
     def __init__(self, rec: _Recorder, max_batch: int) -> None:
-        from prefixserve.model.cuda_graph import batch_buckets
+        from prefixserve.engine.cuda_graph import batch_buckets
 
         self.rec = rec
         self.shape = HeadShape(Q_HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"))
@@ -220,18 +221,7 @@ class ProposedEngine(Engine):
             seq_lens.append(c + n)
             seqs.append(seq)
         tables = self.blocks.block_tables_np(seqs, seq_lens)  # was: a list slice per sequence
-        bs = self.config.block_size
-        if self.graphs is not None and len(pos) == len(query_lens):
-            bucket = self.graphs.bucket_for(len(pos))
-            if bucket is not None:
-                meta = engine_mod.build_metadata(bs, query_lens, seq_lens, tables, "cpu")
-                step = self.backend.graph_step(meta, self.graphs.shape, bucket)
-                if step is not None:
-                    return engine_mod._Batch(pos, meta, step)
-                self.graphs = None
-        meta = engine_mod.build_metadata(bs, query_lens, seq_lens, tables, self.device)
-        self.backend.prepare(meta)
-        return engine_mod._Batch(pos, meta, None)
+        return self.runner.plan(pos, query_lens, seq_lens, tables)
 
 
 def make_engine(batch: int, prefix: int, steps: int, variant: str, mode: str) -> tuple[Engine, _Recorder]:
@@ -248,29 +238,29 @@ def make_engine(batch: int, prefix: int, steps: int, variant: str, mode: str) ->
         max_num_batched_tokens=prefix + OWN * batch + batch,
         max_num_seqs=batch,
     )
-    saved = (engine_mod.resolve_model, engine_mod.load_model, engine_mod.load_tokenizer, engine_mod.KVCache)
+    saved = (engine_mod.resolve_model, engine_mod.load_model, engine_mod.load_tokenizer, runner_mod.KVCache)
     engine_mod.resolve_model = lambda model: SimpleNamespace(name="stub")
     engine_mod.load_model = lambda *args, **kwargs: (_StubModel(rec, batch), None)
     engine_mod.load_tokenizer = lambda directory: None
-    engine_mod.KVCache = lambda *args, **kwargs: _StubKV(rec)
+    runner_mod.KVCache = lambda *args, **kwargs: _StubKV(rec)
     try:
         if variant == "proposed" and not hasattr(Engine, "_plan"):
             raise RuntimeError("ProposedEngine copies Engine._plan, which this engine.py does not have")
         cls = ProposedEngine if variant == "proposed" else Engine
         eng = cls(config, progress=False)
     finally:
-        engine_mod.resolve_model, engine_mod.load_model, engine_mod.load_tokenizer, engine_mod.KVCache = saved
+        engine_mod.resolve_model, engine_mod.load_model, engine_mod.load_tokenizer, runner_mod.KVCache = saved
     if mode == "graph":
-        eng.graphs = _StubGraphs(rec, batch)
+        eng.runner.graphs = _StubGraphs(rec, batch)
     return eng, rec
 
 
 def _instrument(eng: Engine, rec: _Recorder) -> Callable[[], None]:
     """Wrap the timed parts (those the engine has); returns a function that undoes the module patches."""
-    sample_name = "sample_async" if hasattr(engine_mod, "sample_async") else "sample"
-    saved = (engine_mod.build_metadata, getattr(engine_mod, sample_name), plan_mod.make_plan)
-    engine_mod.build_metadata = rec.timed(saved[0], "build_metadata")
-    setattr(engine_mod, sample_name, rec.timed(saved[1], "sample"))
+    sample_name = "sample_async" if hasattr(runner_mod, "sample_async") else "sample"
+    saved = (runner_mod.build_metadata, getattr(runner_mod, sample_name), plan_mod.make_plan)
+    runner_mod.build_metadata = rec.timed(saved[0], "build_metadata")
+    setattr(runner_mod, sample_name, rec.timed(saved[1], "sample"))
     plan_mod.make_plan = rec.timed(saved[2], "make_plan")
     backend = eng.backend
     backend.prepare = rec.timed(backend.prepare, "attn_plan")  # type: ignore[method-assign]
@@ -287,11 +277,11 @@ def _instrument(eng: Engine, rec: _Recorder) -> Callable[[], None]:
     if eng.graphs is not None:
         eng.graphs.run = rec.timed(eng.graphs.run, "forward")  # type: ignore[method-assign]
     else:
-        eng.model = _Timed(forward, rec)  # type: ignore[assignment]
+        eng.runner.model = _Timed(forward, rec)  # type: ignore[assignment]
 
     def undo() -> None:
-        engine_mod.build_metadata, _, plan_mod.make_plan = saved
-        setattr(engine_mod, sample_name, saved[1])
+        runner_mod.build_metadata, _, plan_mod.make_plan = saved
+        setattr(runner_mod, sample_name, saved[1])
 
     return undo
 

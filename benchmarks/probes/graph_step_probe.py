@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.throughput import MODES, _prompts
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import cuda_graph
+from prefixserve.engine import cuda_graph
 
 
 def probe(mode: str, attention: str, prompts: list[dict], gen: int, top: int) -> dict[str, Any]:

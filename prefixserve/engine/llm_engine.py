@@ -1,8 +1,10 @@
-"""The engine: one ``step`` = schedule -> build batch -> forward -> sample -> update sequences.
+"""The engine loop: one ``step`` = schedule -> plan -> launch on the runner -> update sequences -> outputs.
 
 Everything above (the LLM API, the CLI, the server) drives an Engine through ``add_request``,
-``abort`` and ``step``; everything below (model, KV pool, scheduler, attention) knows nothing of
-requests beyond the Sequence objects handed to it.
+``abort`` and ``step``; everything below (model runner, KV pool, scheduler, attention) knows nothing
+of requests beyond the Sequence objects handed to it. The device side of a step (inputs, forward,
+CUDA graphs, sampling) is the ``ModelRunner``'s; this module owns the requests, their sequences and
+the order of a step, as nano-vllm's ``LLMEngine`` and vLLM v1's ``EngineCore`` do.
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ from typing import Any
 
 import torch
 
-from prefixserve.attention.backend import make_backend
-from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
+from prefixserve.engine.cuda_graph import DecodeGraphs
+from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch
+from prefixserve.engine.output_processor import request_output, stop_reason
+from prefixserve.engine.pinned import PinnedPrompt, render_system_prompt
 from prefixserve.kv.block_pool import BlockPool
-from prefixserve.kv.cache import KVCache, blocks_for_budget
-from prefixserve.model.cuda_graph import DecodeGraphs, GraphCaptureError
+from prefixserve.kv.cache import KVCache
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sampling.sampler import SampleFuture, sample_async
 from prefixserve.scheduler.blocks import BlockManager
-from prefixserve.scheduler.scheduler import Scheduler
+from prefixserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from prefixserve.sequence import Request, Sequence
 
 log = logging.getLogger(__name__)
@@ -37,39 +39,12 @@ PLACEHOLDER_TOKEN = -1  # a sequence's in-flight token until the device returns 
 
 
 @dataclass(slots=True)
-class _Batch:
-    """A scheduled step planned on the host: all but the input token ids (known only at launch)."""
-
-    positions: list[int]
-    meta: AttentionMetadata
-    graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
-
-
-@dataclass(slots=True)
 class _InFlight:
     """A launched step: its sampled tokens are on their way from the device."""
 
     samplers: list[Sequence]  # sequences that sample a token (each holds a placeholder)
-    future: SampleFuture | None
     touched: set[Request]
-    start: torch.cuda.Event | None  # timing events around the step's device work (CUDA)
-    done: torch.cuda.Event | None
-    decode: bool = False  # every sequence computed one token
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-@dataclass(slots=True)
-class PinnedPrompt:
-    """An application's system prompt whose KV is computed once and never evicted."""
-
-    name: str
-    token_ids: list[int]
-    blocks: list[int]  # the full blocks, held by the pin
+    launch: Launch
 
 
 GC_THRESHOLD0 = 50_000  # allocations between young-generation collections (CPython's default: 700)
@@ -89,33 +64,24 @@ def _tune_gc() -> None:
 
 
 class Engine:
+    """Requests in, RequestOutputs out, one batch per ``step``; the model runner does the device work."""
+
     def __init__(self, config: EngineConfig | None = None, progress: bool = True) -> None:
         self.config = config = config or EngineConfig()
         self.device, self.dtype = config.torch_device, config.torch_dtype
         source = resolve_model(config.model)
         self.model_name = source.name
-        self.model, tok_dir = load_model(source, self.dtype, self.device, config.seed, progress)
-        self.model_config = self.model.config
+        model, tok_dir = load_model(source, self.dtype, self.device, config.seed, progress)
+        self.model_config = model.config
         self.tokenizer = load_tokenizer(tok_dir)
         bs = config.block_size
         context = config.max_model_len or self.model_config.max_position_embeddings
-        num_blocks = config.num_kv_blocks or blocks_for_budget(
-            self.model_config,
-            bs,
-            self.dtype,
-            self.device,
-            config.memory_fraction,
-            max_blocks=-(-context // bs) * config.max_num_seqs,
-        )
+        self.runner = ModelRunner(model, config, context)  # sizes and allocates the KV cache
+        num_blocks = self.runner.num_blocks
         self.max_model_len = min(context, num_blocks * bs)
-        self.kv = KVCache(self.model_config, num_blocks, bs, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, bs)
         self.blocks = BlockManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
-        self.backend = make_backend(config.attention)
-        self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.graphs is not None
         )
@@ -128,14 +94,11 @@ class Engine:
         # planning, metadata, bookkeeping): the host overhead a GPU would wait on.
         self.timers: Counter[str] = Counter()
         self._kv_peak = 0  # most blocks held at once (a gauge: what a workload needed of the pool)
+        self._last_step_segments = 0
         self._in_flight: _InFlight | None = None
         self._placeholders: set[Sequence] = set()
-        self._last_done: torch.cuda.Event | None = None
-        self._last_decode = False
-        self._waited = 0.0
         self._next_seq_id = 0
         self._finished_outputs: list[RequestOutput] = []
-        self._default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.pinned: dict[str, PinnedPrompt] = {}
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)
@@ -146,18 +109,27 @@ class Engine:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
         _tune_gc()
 
+    # ---- the device side, as callers and tests inspect it --------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def kv(self) -> KVCache:
+        return self.runner.kv
+
+    @property
+    def backend(self) -> Any:
+        return self.runner.backend
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.runner.graphs
+
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:
         """Token ids of a system prompt as the chat template renders it at the start of a chat."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it cannot pin a system prompt given as text")
-        if getattr(self.tokenizer, "chat_template", None):
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": text}], tokenize=False
-            )
-        else:
-            rendered = text
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
+        return render_system_prompt(self.tokenizer, text)
 
     def pin_system_prompt(self, name: str, text: str) -> PinnedPrompt:
         """Compute an application's system prompt KV once and hold its full blocks for good.
@@ -175,7 +147,7 @@ class Engine:
         if not tokens or len(tokens) >= self.max_model_len:
             raise ValueError(f"system prompt of application {name!r} is empty or longer than the context")
         # Start-up work, not traffic: the metrics are put back as they were afterwards.
-        counters, timers = Counter(self.counters), Counter(self.timers)
+        saved = Counter(self.counters), Counter(self.timers), Counter(self.runner.timers)
         request_id = f"__pin__{name}"
         req = self.add_request(request_id, params=SamplingParams(max_tokens=1), prompt_token_ids=tokens)
         while request_id in self.requests:
@@ -187,7 +159,7 @@ class Engine:
             raise RuntimeError(f"pinning {name!r}: {len(digests) - len(blocks)} blocks were evicted at once")
         self.pool.acquire(blocks)
         self._finished_outputs = []
-        self.counters, self.timers = counters, timers
+        self.counters, self.timers, self.runner.timers = saved
         pinned = PinnedPrompt(name, tokens, blocks)
         self.pinned[name] = pinned
         return pinned
@@ -259,7 +231,7 @@ class Engine:
         self._next_seq_id += 1
         if req.params.seed is not None:
             seed = hash((req.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+            seq.generator = self.runner.make_generator(seed)
         req.sequences.append(seq)
         return seq
 
@@ -286,7 +258,7 @@ class Engine:
         or input id reads it. Outputs of a step come back from the next call.
         """
         started = time.perf_counter()
-        self._waited = 0.0
+        waited = self.runner.waited
         sched = self.scheduler.schedule()
         self._kv_peak = max(self._kv_peak, self.pool.num_used)
         self.counters["preemptions_total"] += len(sched.preempted)
@@ -314,15 +286,15 @@ class Engine:
                 else:
                     outputs += self._complete_or_fail(flight)
         if batch is None:
-            self._last_done = None  # an idle engine is not a GPU waiting on the host
+            self.runner.idle()  # an idle engine is not a GPU waiting on the host
         outputs += self._finished_outputs
         self._finished_outputs = []
         total = time.perf_counter() - started
         self.timers["step_seconds_total"] += total
-        self.timers["step_host_seconds_total"] += total - self._waited
+        self.timers["step_host_seconds_total"] += total - (self.runner.waited - waited)
         return outputs
 
-    def _plan_or_fail(self, sched: Any) -> tuple[_Batch | None, bool]:
+    def _plan_or_fail(self, sched: SchedulerOutput) -> tuple[StepBatch | None, bool]:
         if not sched.scheduled:
             return None, False
         try:
@@ -331,17 +303,13 @@ class Engine:
             log.exception("planning the step failed; failing the requests in this batch")
             return None, True
 
-    def _fail(self, sched: Any) -> None:
+    def _fail(self, sched: SchedulerOutput) -> None:
         for s in sched.scheduled:
             if s.seq.request.request_id in self.requests:
                 self._finish_request(s.seq.request, "error")
 
-    def _plan(self, sched: Any) -> _Batch:
-        """Host work of a step that needs no token values: metadata and the attention plan.
-
-        A decode batch that fits a CUDA graph is planned for it (host arrays only); anything else
-        gets device metadata and the backend's eager ``prepare``.
-        """
+    def _plan(self, sched: SchedulerOutput) -> StepBatch:
+        """Gather the step's positions, lengths and block tables; the runner plans the device side."""
         pos: list[int] = []
         query_lens, seq_lens = [], []
         for s in sched.scheduled:
@@ -351,34 +319,20 @@ class Engine:
             seq_lens.append(c + n)
         # one numpy gather from the block manager's mirror (lists would cost ~20 ns a block entry)
         tables = self.blocks.block_tables_np([s.seq for s in sched.scheduled], seq_lens)
-        bs = self.config.block_size
-        if self.graphs is not None and len(pos) == len(query_lens):  # decode only: one token each
-            bucket = self.graphs.bucket_for(len(pos))
-            if bucket is not None:
-                meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu")  # host-only: the graph copies
-                step = self.backend.graph_step(meta, self.graphs.shape, bucket)
-                if step is not None:
-                    return _Batch(pos, meta, step)
-                log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
-                self.graphs = None
-        meta = build_metadata(bs, query_lens, seq_lens, tables, self.device)
-        self.backend.prepare(meta)
-        return _Batch(pos, meta, None)
+        return self.runner.plan(pos, query_lens, seq_lens, tables)
 
-    def _launch(self, sched: Any, batch: _Batch) -> _InFlight:
-        """Forward and sampling of a planned batch, issued without waiting for the device."""
-        self.kv.copy_blocks(sched.copies)
+    def _launch(self, sched: SchedulerOutput, batch: StepBatch) -> _InFlight:
+        """Forward and sampling of a planned batch, issued without waiting for the device.
+
+        The forward is issued first, so the device works while the host advances the sequences
+        (computed tokens, prefix index, forks) and picks the rows to sample.
+        """
         ids: list[int] = []
         for s in sched.scheduled:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             ids += seq.token_ids[c : c + n]
             self.counters["prompt_tokens_computed_total"] += max(0, min(c + n, seq.num_prompt_tokens) - c)
-        timing = self.device.type == "cuda"
-        start = torch.cuda.Event(enable_timing=True) if timing else None
-        if start is not None:
-            start.record()
-        issued = time.perf_counter()
-        hidden = self._forward(ids, batch)
+        launch = self.runner.forward(ids, batch, sched.copies)
         self._count_step(batch.meta.stats, len(ids))
 
         rows: list[int] = []
@@ -395,48 +349,12 @@ class Engine:
                 rows.append(end - 1)
                 samplers.append(target)
         touched = {s.seq.request for s in sched.scheduled}
-        flight = _InFlight(samplers, None, touched, start, None, len(ids) == len(sched.scheduled))
-        if samplers:
-            contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
-            picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
-            flight.future = sample_async(
-                self.model.compute_logits(picked),
-                [q.request.params for q in samplers],
-                [q.generator for q in samplers],
-                self._default_generator,
-            )
-            for seq in samplers:  # until the token arrives (``_complete``)
-                seq.append_token(PLACEHOLDER_TOKEN)
-                self._placeholders.add(seq)
-        if timing:
-            flight.done = torch.cuda.Event(enable_timing=True)
-            flight.done.record()
-        else:  # on a CPU the device work ran right here: count it as device time, not host time
-            self._waited += time.perf_counter() - issued
-        return flight
-
-    def _forward(self, ids: list[int], batch: _Batch) -> torch.Tensor:
-        """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden]."""
-        if batch.graph_step is not None:
-            try:
-                return self.graphs.run(
-                    ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step
-                )
-            except GraphCaptureError:  # this step reruns eagerly (its KV writes are idempotent)
-                log.exception("CUDA graphs are off from now on")
-                self.graphs = None
-                meta = batch.meta
-                batch.meta = build_metadata(
-                    meta.block_size,
-                    meta.query_lens_host,
-                    meta.seq_lens_host,
-                    meta.block_tables_host,
-                    self.device,
-                )
-                self.backend.prepare(batch.meta)
-        ids_t = _index(ids, self.device)
-        pos_t = _index(batch.positions, self.device)
-        return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)
+        params = [q.request.params for q in samplers]
+        self.runner.sample(launch, rows, params, [q.generator for q in samplers])
+        for seq in samplers:  # until the token arrives (``_complete``)
+            seq.append_token(PLACEHOLDER_TOKEN)
+            self._placeholders.add(seq)
+        return _InFlight(samplers, touched, launch)
 
     def _complete_or_fail(self, flight: _InFlight) -> list[RequestOutput]:
         try:
@@ -451,10 +369,8 @@ class Engine:
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens; put them in place of the placeholders, check stops, report."""
         outputs: list[RequestOutput] = []
-        if flight.future is not None:
-            waited = time.perf_counter()
-            result = flight.future.result()
-            self._waited += time.perf_counter() - waited
+        result = self.runner.wait(flight.launch)
+        if result is not None:
             now = time.monotonic()
             for i, seq in enumerate(flight.samplers):
                 if seq not in self._placeholders:
@@ -468,21 +384,6 @@ class Engine:
                     seq.request.first_token_time = now
                 self.counters["generation_tokens_total"] += 1
                 self._check_stop(seq)
-        elif flight.done is not None:
-            waited = time.perf_counter()
-            flight.done.synchronize()
-            self._waited += time.perf_counter() - waited
-        if flight.start is not None:
-            flight.done.synchronize()  # recorded just after the sampler's event: ready (or nearly)
-            # the GPU's own clock: the gap between the previous step's last kernel and this step's first
-            busy = flight.start.elapsed_time(flight.done) / 1e3
-            idle = self._last_done.elapsed_time(flight.start) / 1e3 if self._last_done is not None else 0.0
-            self.timers["gpu_idle_seconds_total"] += idle
-            self.timers["gpu_busy_seconds_total"] += busy
-            if flight.decode and self._last_decode:  # between two decode steps: the issue's host overhead
-                self.timers["decode_gpu_idle_seconds_total"] += idle
-                self.timers["decode_gpu_busy_seconds_total"] += busy
-            self._last_done, self._last_decode = flight.done, flight.decode
         for req in flight.touched:
             if req.is_finished:
                 if self._retire(req):
@@ -516,47 +417,12 @@ class Engine:
         c["shared_segments_total"] += int(stats.get("shared_segments", 0))
         self._last_step_segments = int(stats.get("shared_segments", 0))
 
-    # ---- stopping and outputs ------------------------------------------------------------------
+    # ---- stopping, finishing and outputs -------------------------------------------------------
     def _check_stop(self, seq: Sequence) -> None:
-        p = seq.request.params
-        token = seq.token_ids[-1]
-        out_len = seq.num_tokens - seq.num_prompt_tokens
-        reason: str | None = None
-        if out_len > p.min_tokens and not p.ignore_eos and token in self.eos_ids:
-            reason, seq.stop_reason = "stop", None
-        elif out_len > p.min_tokens and token in p.stop_token_ids:
-            reason, seq.stop_reason = "stop", token
-        elif p.stop and out_len > p.min_tokens and self._hit_stop_string(seq):
-            reason = "stop"
-        elif (p.max_tokens is not None and out_len >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = stop_reason(seq, self.eos_ids, self.max_model_len, self.tokenizer)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        if self.tokenizer is None:  # no tokenizer: the text stays "", which holds no (non-empty) stop
-            return False
-        # Called after every appended token until a stop string shows up, so only the new text and the
-        # longest stop's length - 1 characters before it are searched: O(new tokens) per step.
-        detok = seq.detokenize(self.tokenizer)
-        hit = detok.find_first(seq.request.params.stop or [])  # the earliest, as in the full text
-        if hit is None:
-            return False
-        at, stop = hit
-        keep = at + len(stop) if seq.request.params.include_stop_str_in_output else at
-        seq.output_text = detok.full_text[:keep]
-        seq.stop_reason = stop
-        return True
-
-    def _decode(self, seq: Sequence) -> str:
-        """The output's text, as ``decode(output ids, skip_special_tokens=True)`` gives it.
-
-        Incremental: the sequence's detokenizer decodes only what was appended since the last call.
-        """
-        if self.tokenizer is None:
-            return ""
-        return seq.detokenize(self.tokenizer).full_text
 
     def _finish_request(self, req: Request, reason: str, report: bool = True) -> None:
         for seq in req.sequences:
@@ -586,35 +452,7 @@ class Engine:
         return True
 
     def _output(self, req: Request) -> RequestOutput:
-        completions = []
-        for seq in req.sequences:
-            text = seq.output_text if isinstance(seq.stop_reason, str) else self._decode(seq)
-            want_lp = req.params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=list(seq.output_logprobs) if want_lp else None,
-                    top_logprobs=list(seq.output_top_logprobs) if want_lp else None,
-                )
-            )
-        times = {"arrival_time": req.arrival_time}
-        if req.first_token_time is not None:
-            times["first_token_time"] = req.first_token_time
-        if req.finish_time is not None:
-            times["finish_time"] = req.finish_time
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
-            outputs=completions,
-            finished=req.request_id not in self.requests,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=times,
-        )
+        return request_output(req, self.tokenizer, finished=req.request_id not in self.requests)
 
     # ---- observability -------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -641,10 +479,11 @@ class Engine:
         out.update(step_seconds_total=self.timers["step_seconds_total"])
         out.update(step_host_seconds_total=self.timers["step_host_seconds_total"])
         # CUDA: device time of steps, and the gaps between consecutive steps (the GPU waiting on the host)
-        out.update(gpu_busy_seconds_total=self.timers["gpu_busy_seconds_total"])
-        out.update(gpu_idle_seconds_total=self.timers["gpu_idle_seconds_total"])
-        out.update(decode_gpu_busy_seconds_total=self.timers["decode_gpu_busy_seconds_total"])
-        out.update(decode_gpu_idle_seconds_total=self.timers["decode_gpu_idle_seconds_total"])
+        device = self.runner.timers
+        out.update(gpu_busy_seconds_total=device["gpu_busy_seconds_total"])
+        out.update(gpu_idle_seconds_total=device["gpu_idle_seconds_total"])
+        out.update(decode_gpu_busy_seconds_total=device["decode_gpu_busy_seconds_total"])
+        out.update(decode_gpu_idle_seconds_total=device["decode_gpu_idle_seconds_total"])
         out.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -654,6 +493,6 @@ class Engine:
             kv_blocks_cached=self.pool.num_cached,
             kv_blocks_used_peak=self._kv_peak,
             kv_blocks_pinned=sum(len(p.blocks) for p in self.pinned.values()),
-            shared_segments_per_step=getattr(self, "_last_step_segments", 0),
+            shared_segments_per_step=self._last_step_segments,
         )
         return out

@@ -54,7 +54,7 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """Captures and replays decode forwards; the engine calls ``bucket_for`` then ``run``."""
+    """Captures and replays decode forwards; the model runner calls ``bucket_for`` then ``run``."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int) -> None:
         cfg = model.config

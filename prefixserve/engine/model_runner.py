@@ -1,0 +1,215 @@
+"""The model runner: the device side of a step (KV cache, attention backend, CUDA graphs, forward, sampling).
+
+The engine loop hands it plain host data (positions, query and sequence lengths, block tables, token
+ids, the rows to sample and their parameters) and gets sampled token ids back; it knows nothing of
+requests, the scheduler or outputs. A step goes through it in four calls, so that the device starts
+on the forward before the host does the step's bookkeeping, and the host can plan step N+1 while the
+device still runs step N (async scheduling):
+
+  ``plan``    host metadata and the attention plan (for a CUDA graph when the batch fits one);
+  ``forward`` KV copies, then the forward pass, issued without waiting;
+  ``sample``  logits and sampling of the chosen rows, issued without waiting; closes the launch;
+  ``wait``    the sampled tokens, and the device's busy / idle time of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixserve.attention.backend import make_backend
+from prefixserve.attention.metadata import AttentionMetadata, build_metadata
+from prefixserve.config import EngineConfig
+from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
+from prefixserve.kv.cache import KVCache, blocks_for_budget
+from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.sampler import SampleFuture, SampleResult, sample_async
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A scheduled step planned on the host: all but the input token ids (known only at launch)."""
+
+    positions: list[int]
+    meta: AttentionMetadata
+    graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
+
+
+@dataclass(slots=True)
+class Launch:
+    """A step's device work, issued: its sampled tokens and its timing events are on their way."""
+
+    hidden: torch.Tensor | None  # [tokens, hidden] until ``sample`` has taken its rows
+    decode: bool  # every sequence computed one token
+    issued: float  # perf_counter when the forward was issued (CPU: the device work runs inline)
+    start: torch.cuda.Event | None = None  # timing events around the step's device work (CUDA)
+    done: torch.cuda.Event | None = None
+    future: SampleFuture | None = None
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the attention backend and the decode graphs."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, context: int) -> None:
+        """Size the KV pool (``config.num_kv_blocks`` or what memory allows), allocate it, set up graphs.
+
+        ``context`` is the longest sequence the engine will run; the pool needs no more blocks than
+        ``max_num_seqs`` such sequences hold.
+        """
+        self.model = model
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.block_size = bs = config.block_size
+        self.num_blocks = config.num_kv_blocks or blocks_for_budget(
+            model.config,
+            bs,
+            self.dtype,
+            self.device,
+            config.memory_fraction,
+            max_blocks=-(-context // bs) * config.max_num_seqs,
+        )
+        self.kv = KVCache(model.config, self.num_blocks, bs, self.dtype, self.device)
+        self.backend = make_backend(config.attention)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # The device's own clock (CUDA): busy time of steps and the gaps between them, where the GPU
+        # waited on the host; and the host's time spent waiting on the device (any device).
+        self.timers: Counter[str] = Counter()
+        self.waited = 0.0
+        self._last_done: torch.cuda.Event | None = None
+        self._last_decode = False
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A random stream on the device for one seeded sequence."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # ---- planning ------------------------------------------------------------------------------
+    def plan(
+        self, positions: list[int], query_lens: list[int], seq_lens: list[int], tables: np.ndarray
+    ) -> StepBatch:
+        """Host work of a step that needs no token values: metadata and the attention plan.
+
+        A decode batch that fits a CUDA graph is planned for it (host arrays only); anything else
+        gets device metadata and the backend's eager ``prepare``.
+        """
+        bs = self.block_size
+        if self.graphs is not None and len(positions) == len(query_lens):  # decode only: one token each
+            bucket = self.graphs.bucket_for(len(positions))
+            if bucket is not None:
+                meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu")  # host-only: the graph copies
+                step = self.backend.graph_step(meta, self.graphs.shape, bucket)
+                if step is not None:
+                    return StepBatch(positions, meta, step)
+                log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
+                self.graphs = None
+        meta = build_metadata(bs, query_lens, seq_lens, tables, self.device)
+        self.backend.prepare(meta)
+        return StepBatch(positions, meta, None)
+
+    # ---- launching -----------------------------------------------------------------------------
+    def forward(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
+        """Copy-on-write block copies, then the forward pass, issued without waiting for the device."""
+        self.kv.copy_blocks(copies)
+        timing = self.device.type == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if timing else None
+        if start is not None:
+            start.record()
+        issued = time.perf_counter()
+        hidden = self._forward(ids, batch)
+        return Launch(hidden, len(ids) == len(batch.meta.query_lens_host), issued, start)
+
+    def _forward(self, ids: list[int], batch: StepBatch) -> torch.Tensor:
+        """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden]."""
+        if batch.graph_step is not None:
+            try:
+                return self.graphs.run(
+                    ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step
+                )
+            except GraphCaptureError:  # this step reruns eagerly (its KV writes are idempotent)
+                log.exception("CUDA graphs are off from now on")
+                self.graphs = None
+                meta = batch.meta
+                batch.meta = build_metadata(
+                    meta.block_size,
+                    meta.query_lens_host,
+                    meta.seq_lens_host,
+                    meta.block_tables_host,
+                    self.device,
+                )
+                self.backend.prepare(batch.meta)
+        ids_t = _index(ids, self.device)
+        pos_t = _index(batch.positions, self.device)
+        return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)
+
+    def sample(
+        self,
+        launch: Launch,
+        rows: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> None:
+        """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
+
+        Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
+        counts the time since the forward was issued as time spent on the device, not on the host.
+        """
+        if rows:
+            hidden = launch.hidden
+            contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
+            picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
+            launch.future = sample_async(
+                self.model.compute_logits(picked), params, generators, self.default_generator
+            )
+        launch.hidden = None
+        if launch.start is not None:
+            launch.done = torch.cuda.Event(enable_timing=True)
+            launch.done.record()
+        else:
+            self.waited += time.perf_counter() - launch.issued
+
+    # ---- completing ----------------------------------------------------------------------------
+    def wait(self, launch: Launch) -> SampleResult | None:
+        """Wait for a launch's sampled tokens (None when it sampled none); book the device's time."""
+        result = None
+        if launch.future is not None:
+            waited = time.perf_counter()
+            result = launch.future.result()
+            self.waited += time.perf_counter() - waited
+        elif launch.done is not None:
+            waited = time.perf_counter()
+            launch.done.synchronize()
+            self.waited += time.perf_counter() - waited
+        if launch.start is not None:
+            launch.done.synchronize()  # recorded just after the sampler's event: ready (or nearly)
+            # the GPU's own clock: the gap between the previous step's last kernel and this step's first
+            busy = launch.start.elapsed_time(launch.done) / 1e3
+            idle = self._last_done.elapsed_time(launch.start) / 1e3 if self._last_done is not None else 0.0
+            self.timers["gpu_idle_seconds_total"] += idle
+            self.timers["gpu_busy_seconds_total"] += busy
+            if launch.decode and self._last_decode:  # between two decode steps: the issue's host overhead
+                self.timers["decode_gpu_idle_seconds_total"] += idle
+                self.timers["decode_gpu_busy_seconds_total"] += busy
+            self._last_done, self._last_decode = launch.done, launch.decode
+        return result
+
+    def idle(self) -> None:
+        """No step this time: the next step's gap is not the GPU waiting on the host."""
+        self._last_done = None
+
+
+__all__ = ["Launch", "ModelRunner", "StepBatch"]
