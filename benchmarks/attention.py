@@ -62,13 +62,13 @@ PART_OF = {
 
 def time_launches(launches: list, tensors: tuple[torch.Tensor, ...]) -> dict[str, float]:
     """Each recorded launch of a step (TritonBackend layout) replayed alone, graphed: ms per part."""
-    from prefixserve.attention.kernels import triton_backend as tb
+    from prefixserve.attention.kernels.step_launch import relaunch_layer
 
     parts: dict[str, float] = {}
     for launch, pos, _ in launches:
         name = getattr(launch.kernel, "__name__", "?")
         part = PART_OF.get(name, name)
-        ms = _bench(graphed(lambda la=launch, po=pos: tb._relaunch(la, po, tensors)))
+        ms = _bench(graphed(lambda la=launch, po=pos: relaunch_layer(la, po, tensors)))
         parts[part] = round(parts.get(part, 0.0) + ms, 4)
     return parts
 
@@ -323,6 +323,7 @@ OWN_VARIANTS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 3), (64, 2, 3))
 def tune_point(case: Case) -> list[dict[str, Any]]:
     from prefixserve.attention.kernels import paged_attention as pa
     from prefixserve.attention.kernels import shared_attention as sa
+    from prefixserve.attention.kernels.shared_plan import plan_shared_work
     from prefixserve.attention.kernels.triton_backend import TritonBackend
 
     device, b, tokens = case.q.device, case.B, case.B
@@ -334,7 +335,7 @@ def tune_point(case: Case) -> list[dict[str, Any]]:
     for (bm, bn, nw, ns), per_sm in itertools.product(SHARED_VARIANTS, SPLIT_TARGETS):
         if per_sm != 2 and case.B > 64:
             continue  # large B has enough M-tiles: the split target does not change its work list
-        work = sa.plan_shared_work(
+        work = plan_shared_work(
             plan.seg_row_start_host,
             [case.P],
             HKV,

@@ -201,6 +201,7 @@ def counted(b: int, p: int, s: int) -> tuple[int, int]:
 def launch_fns(case: Case) -> dict[str, Callable[[], Any]]:
     """Each recorded launch of the shared path at this point, graphed alone (as ``time_launches``)."""
     from prefixserve.attention.kernels import triton_backend as tb
+    from prefixserve.attention.kernels.step_launch import relaunch_layer
 
     be = tb.TritonBackend()
     be.overlap_min_rows = 0
@@ -212,7 +213,7 @@ def launch_fns(case: Case) -> dict[str, Callable[[], Any]]:
     fns = {}
     for launch, pos, _ in lay.launches:
         part = PART_OF.get(getattr(launch.kernel, "__name__", "?"), "other")
-        fns[part] = graphed(lambda la=launch, po=pos: tb._relaunch(la, po, tensors))
+        fns[part] = graphed(lambda la=launch, po=pos: relaunch_layer(la, po, tensors))
     return fns
 
 

@@ -266,7 +266,7 @@ def mixed_grid(args: argparse.Namespace) -> None:
     the rule can take the mixed kernel), so the own KV outweighs the shared prefix's products. The
     mixed kernel's own tile height is ``own_rows_for``'s (128 rows where own parts stay short).
     """
-    from prefixserve.attention.kernels import mixed_gluon
+    from prefixserve.attention.kernels import mixed_rule
 
     own = args.own if args.own != 64 else 512
     points = [(b, p) for b in args.batches for p in args.prefixes]
@@ -274,8 +274,8 @@ def mixed_grid(args: argparse.Namespace) -> None:
         points = [(256, 1024), (256, 4096), (1024, 1024), (1024, 4096)]
     rows = []
     # own parts short to the end of the run: the rule takes 128-row own tiles
-    short = own + args.gen <= mixed_gluon.SHORT_OWN_TOKENS
-    short = short and mixed_gluon.own_rows_for(own, 1, 4) != mixed_gluon.OWN_M  # the 8B shapes: GQA 4
+    short = own + args.gen <= mixed_rule.SHORT_OWN_TOKENS
+    short = short and mixed_rule.own_rows_for(own, 1, 4) != mixed_rule.OWN_M  # the 8B shapes: GQA 4
     variants = [("mixed", "1"), ("two_kernels", "0")]
     keep = os.environ.get("PREFIXSERVE_MIXED")
     for b, p in points:

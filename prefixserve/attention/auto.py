@@ -150,7 +150,7 @@ class AutoBackend(AttentionBackend):
 
     def _prepare_gpu(self, gpu: Any, meta: AttentionMetadata) -> None:
         """Plan on the host, then install the shared plan or the plain paged step by the GPU cost rule."""
-        from prefixserve.attention.kernels.triton_backend import host_plan
+        from prefixserve.attention.kernels.step_plan import host_plan
 
         plan = host_plan(meta)
         logical = meta.logical_kv_tokens()
@@ -169,7 +169,7 @@ class AutoBackend(AttentionBackend):
         if self._gpu_backend(shape.device) is None:
             return None
         from prefixserve.attention.kernels.graph_attention import paged_graph_step, shared_graph_step
-        from prefixserve.attention.kernels.triton_backend import host_plan
+        from prefixserve.attention.kernels.step_plan import host_plan
 
         plan = host_plan(meta)
         kv_bytes = 2 * shape.kv_heads * shape.head_dim * torch.empty(0, dtype=shape.dtype).element_size()

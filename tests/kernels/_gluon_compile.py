@@ -30,10 +30,10 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from prefixserve.attention.kernels import mixed_gluon, shared_gluon
+    from prefixserve.attention.kernels import gluon_attend, mixed_gluon, mixed_rule, shared_gluon
 
     cache = torch.zeros(8, 16, 2, dim, dtype=dtype)
-    desc = mangle_type(shared_gluon.gluon_descriptor(cache, 128))
+    desc = mangle_type(gluon_attend.gluon_descriptor(cache, 128))
     elt = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     types = {"q_ptr": elt, "k_ptr": elt, "v_ptr": elt, "k_desc": desc, "v_desc": desc}
     types |= {"seg_rows_ptr": "*i32", "items_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
@@ -41,11 +41,11 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     consts = {"GROUP": group, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": 3}
     if kernel_name == "mixed":
         kernel = mixed_gluon.mixed_gluon_kernel
-        desc = mangle_type(shared_gluon.gluon_descriptor(cache, mixed_gluon.SHARED_N))
+        desc = mangle_type(gluon_attend.gluon_descriptor(cache, mixed_gluon.SHARED_N))
         own = mangle_type(mixed_gluon.own_descriptor(cache, own_m))
         types |= {"k_desc": desc, "v_desc": desc, "ko_desc": own, "vo_desc": own}
         types |= {"own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
-        ht, rows = mixed_gluon.own_tiling(group * 8, 8, 16, own_m)  # 8 KV heads, as the 8B models
+        ht, rows = mixed_rule.own_tiling(group * 8, 8, 16, own_m)  # 8 KV heads, as the 8B models
         shared_stages, own_stages = mixed_gluon.ring_stages(own_m)
         consts |= {"BLOCK_N": mixed_gluon.SHARED_N, "STAGES": shared_stages}
         consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}

@@ -11,8 +11,8 @@ import pytest
 import torch
 from _kernel_helpers import rel_err
 
-from prefixserve.attention.kernels import _ptxas, mixed_gluon, paged_attention, shared_gluon
-from prefixserve.attention.kernels.shared_attention import SharedWork
+from prefixserve.attention.kernels import _ptxas, mixed_gluon, mixed_rule, shared_gluon, tiles
+from prefixserve.attention.kernels.shared_plan import SharedWork
 from prefixserve.attention.kernels.triton_backend import TritonBackend
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.reference import ReferenceBackend
@@ -26,15 +26,15 @@ def _work(tma: bool = True, block_m: int = 128, block_n: int = 128) -> SharedWor
 
 def test_own_tiling() -> None:
     """Own tiles of two KV heads where heads and cache blocks allow, else one."""
-    assert mixed_gluon.own_tiling(32, 8, 16) == (2, 8)  # GQA 4: two heads x 4 query heads
-    assert mixed_gluon.own_tiling(64, 8, 16) == (2, 16)  # GQA 8
-    assert mixed_gluon.own_tiling(8, 8, 16) == (2, 8)  # GQA 1: 2 query heads, padded to wgmma's N = 8
-    assert mixed_gluon.own_tiling(32, 8, 32) == (2, 8)  # 32 tokens a head: whole 32-token blocks
-    assert mixed_gluon.own_tiling(32, 8, 64) == (1, 8)  # 32 tokens a head would split a 64-token block
-    assert mixed_gluon.own_tiling(32, 2, 16) == (2, 32)  # GQA 16
-    assert mixed_gluon.own_tiling(64, 2, 16) == (1, 32)  # GQA 32: two heads would be N = 64
-    assert mixed_gluon.own_tiling(32, 1, 16) == (1, 32)  # one KV head
-    assert mixed_gluon.own_tiling(128, 2, 16) == (0, 0)  # GQA 64: N = 64 > OWN_MAX_N
+    assert mixed_rule.own_tiling(32, 8, 16) == (2, 8)  # GQA 4: two heads x 4 query heads
+    assert mixed_rule.own_tiling(64, 8, 16) == (2, 16)  # GQA 8
+    assert mixed_rule.own_tiling(8, 8, 16) == (2, 8)  # GQA 1: 2 query heads, padded to wgmma's N = 8
+    assert mixed_rule.own_tiling(32, 8, 32) == (2, 8)  # 32 tokens a head: whole 32-token blocks
+    assert mixed_rule.own_tiling(32, 8, 64) == (1, 8)  # 32 tokens a head would split a 64-token block
+    assert mixed_rule.own_tiling(32, 2, 16) == (2, 32)  # GQA 16
+    assert mixed_rule.own_tiling(64, 2, 16) == (1, 32)  # GQA 32: two heads would be N = 64
+    assert mixed_rule.own_tiling(32, 1, 16) == (1, 32)  # one KV head
+    assert mixed_rule.own_tiling(128, 2, 16) == (0, 0)  # GQA 64: N = 64 > OWN_MAX_N
 
 
 def test_rule(monkeypatch) -> None:
@@ -43,46 +43,46 @@ def test_rule(monkeypatch) -> None:
     monkeypatch.setenv("PREFIXSERVE_MIXED", "auto")
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
     # B=1024 rows on a 4K prefix, 512 own tokens each: own bytes 2.1 GB vs 0.55 TFLOP
-    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     # the same rows on a 16K prefix with 128 own tokens: FLOP-bound, the two-kernel path
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
     # own-heavy (a 1K prefix) with 128 own tokens a sequence: four tiles per four-head ticket
-    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
     # own parts too short for ticket costs to pay off
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 64, 1024)
-    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 512, 1024)
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512, 1024)  # prefill
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512, 1024)
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(block_n=64), 1, 1024 * 4096, 1024 * 512, 1024)
-    assert mixed_gluon.use_mixed(dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024)  # G 16
-    assert mixed_gluon.use_mixed(dev, bf16, (32, 1, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024)  # MQA
-    assert not mixed_gluon.use_mixed(
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 64, 1024)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 512, 1024)
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512, 1024)  # prefill
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(block_n=64), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert mixed_rule.use_mixed(dev, bf16, (32, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024)  # G 16
+    assert mixed_rule.use_mixed(dev, bf16, (32, 1, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024)  # MQA
+    assert not mixed_rule.use_mixed(
         dev, bf16, (128, 2, 128), _work(), 1, 1024 * 4096, 1024 * 512, 1024
     )  # GQA 64: no own tiling
     monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
-    assert mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "0")
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: False)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
-    assert not mixed_gluon.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
 
 
 def test_own_rows_rule(monkeypatch) -> None:
     """128-row own tiles where they measured faster: GQA 4 with short own parts (S=128 steps), and
     ptxas >= 12.9 to build the kernel; 64 rows otherwise."""
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: ("ptxas", "12.9"))
-    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 4) == 128
-    assert mixed_gluon.own_rows_for(256 * 150, 256, 4) == 128
-    assert mixed_gluon.own_rows_for(1024 * 192, 1024, 4) == 64  # measured level there
-    assert mixed_gluon.own_rows_for(1024 * 512, 1024, 4) == 64  # long tickets
-    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 8) == 64  # GQA 8 measured slower
-    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 3) == 64  # and GQA 3
+    assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 128
+    assert mixed_rule.own_rows_for(256 * 150, 256, 4) == 128
+    assert mixed_rule.own_rows_for(1024 * 192, 1024, 4) == 64  # measured level there
+    assert mixed_rule.own_rows_for(1024 * 512, 1024, 4) == 64  # long tickets
+    assert mixed_rule.own_rows_for(1024 * 128, 1024, 8) == 64  # GQA 8 measured slower
+    assert mixed_rule.own_rows_for(1024 * 128, 1024, 3) == 64  # and GQA 3
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
-    assert mixed_gluon.own_rows_for(1024 * 128, 1024, 4) == 64
+    assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 64
     assert mixed_gluon.ring_stages(128) == (2, 2)
     assert mixed_gluon.ring_stages(64) == (mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
-    assert mixed_gluon.own_tiling(32, 8, 16, 128) == (2, 8)  # 64 tokens of each of two heads
+    assert mixed_rule.own_tiling(32, 8, 16, 128) == (2, 8)  # 64 tokens of each of two heads
 
 
 @pytest.mark.skipif(not shared_gluon.GLUON, reason="this Triton has no Gluon")
@@ -125,7 +125,7 @@ def _decode_batch(groups, bs, hq, hkv, dim, dtype, seed):
 def _force_own_rows(monkeypatch, own_m: str) -> None:
     """Own tiles of ``own_m`` rows whatever ``own_rows_for`` would pick (both heights are tested)."""
     _newer_ptxas_or_skip(own_m)
-    monkeypatch.setattr(mixed_gluon, "own_rows_for", lambda *args: int(own_m))
+    monkeypatch.setattr(mixed_rule, "own_rows_for", lambda *args: int(own_m))
 
 
 def _run(q, k, v, meta, mixed: bool):
@@ -164,7 +164,7 @@ def test_engine_decode_step_through_the_mixed_kernel(
     fp64-backed reference; a later layer's replay (descriptors remade) matches the first launch."""
     _force_own_rows(monkeypatch, own_m)
     if sms is not None:  # the grid: one program per SM
-        monkeypatch.setattr(paged_attention, "num_sms", lambda device=None: sms)
+        monkeypatch.setattr(tiles, "num_sms", lambda device=None: sms)
     q, k, v, meta = _decode_batch(groups, bs, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
     calls = []
     original = mixed_gluon.launch_mixed

@@ -8,7 +8,8 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE, paged_cache, rel_err
 
-from prefixserve.attention.kernels.paged_attention import decode_pack, paged_attention, paged_attention_ref
+from prefixserve.attention.kernels.packed_decode import decode_pack
+from prefixserve.attention.kernels.paged_attention import paged_attention, paged_attention_ref
 
 KV_HEADS = 2
 

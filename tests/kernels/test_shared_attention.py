@@ -11,13 +11,10 @@ from _kernel_helpers import DEVICE, rel_err
 
 from prefixserve.attention.kernels.shared_attention import (
     launch_shared,
-    own_heavy,
-    plan_shared_work,
     shared_segment_attention,
     shared_segment_attention_ref,
-    step_size,
-    wave_splits,
 )
+from prefixserve.attention.kernels.shared_plan import own_heavy, plan_shared_work, step_size, wave_splits
 
 KV_HEADS = 2
 
@@ -83,12 +80,8 @@ def test_bf16_close_to_fp64() -> None:
 @pytest.mark.parametrize("rows", [4, 16, 1024])
 def test_tiles_fit_shared_memory(dtype: torch.dtype, dim: int, rows: int) -> None:
     """Every supported dtype / head_dim gets shared and paged tiles that fit the Hopper limit."""
-    from prefixserve.attention.kernels.paged_attention import (
-        SMEM_LIMIT_HOPPER,
-        fit_tiles,
-        pick_block_m,
-        tile_smem_bytes,
-    )
+    from prefixserve.attention.kernels.paged_attention import pick_block_m
+    from prefixserve.attention.kernels.tiles import SMEM_LIMIT_HOPPER, fit_tiles, tile_smem_bytes
 
     elt = torch.empty(0, dtype=dtype).element_size()
     work = plan_shared_work([0, rows], [4096], 8, 4, torch.device("cpu"), head_dim=dim, dtype=dtype)

@@ -14,11 +14,10 @@ from _kernel_helpers import DEVICE, rel_err
 
 from prefixserve.attention.graph import HeadShape
 from prefixserve.attention.kernels.shared_attention import (
-    contiguous_first_rows,
-    plan_shared_work,
     shared_segment_attention,
     shared_segment_attention_ref,
 )
+from prefixserve.attention.kernels.shared_plan import contiguous_first_rows, plan_shared_work
 from prefixserve.attention.kernels.triton_backend import TritonBackend
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.reference import ReferenceBackend

@@ -3,6 +3,25 @@
 Triton is optional: ``import prefixserve`` never needs it. The kernel modules import it through
 ``require_triton`` so that a missing install fails on first use with a message that says what to do.
 The public functions are loaded lazily from their modules (PEP 562) for the same reason.
+
+One kernel (with its launcher and its torch reference) per module, host planning apart from device
+code. Imports go one way, down this order (a module imports only modules before it; function-level
+imports included; tests/kernels/test_kernel_imports.py checks it):
+
+    launch < _ptxas < merge < tiles < attend < packed_decode < paged_attention < shared_plan
+    < gluon_attend < shared_gluon < shared_attention < mixed_rule < mixed_own < mixed_gluon
+    < step_plan < step_launch < graph_attention < triton_backend
+
+  * launch: recorded launches replayed per layer;  _ptxas: the ptxas that builds the mixed kernel;
+  * merge: the LSE merge kernel;  tiles: host checks, shared-memory tile fitting, fitted launches;
+  * attend: Triton device blocks (softmax step, products, paged KV walk);
+  * packed_decode, paged_attention: the paged kernels (several decode sequences a program; any step);
+  * shared_plan: the shared-segment work list (host);  shared_attention: the Triton shared kernel;
+  * gluon_attend: Gluon blocks of the Hopper ring pipeline;  shared_gluon: the Gluon shared kernel;
+  * mixed_rule: when a decode step takes the mixed kernel (host);  mixed_own: its own tiles;
+    mixed_gluon: the mixed kernel (shared and own tiles in one launch);
+  * step_plan, step_launch: a step's host plan and launch paths, shared by the eager backend and the
+    decode graphs;  graph_attention: the decode graphs' attention;  triton_backend: the backends.
 """
 
 from __future__ import annotations

@@ -22,19 +22,18 @@ import numpy as np
 import torch
 
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity
-from prefixserve.attention.kernels import merge, paged_attention, shared_attention
-from prefixserve.attention.kernels.triton_backend import (
-    _MERGE,
-    _PAGED_OUT,
-    _PAGED_PART,
+from prefixserve.attention.kernels import merge, mixed_rule, paged_attention, shared_attention
+from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, SharedWork, plan_work_for
+from prefixserve.attention.kernels.step_launch import (
+    MERGE,
+    PAGED_OUT,
+    PAGED_PART,
     csr_merge,
     launch_mixed_path,
     launch_split_path,
-    mixed_gluon,
-    own_pack_rule,
     replay_launches,
-    step_sizes,
 )
+from prefixserve.attention.kernels.step_plan import own_pack_rule, step_sizes
 from prefixserve.attention.metadata import AttentionMetadata
 
 PAGED_BLOCK_N = 64
@@ -87,13 +86,11 @@ def shared_graph_step(
     blocks, bs = plan.seg_blocks.numpy(), meta.block_size
     own_tables = plan.own_block_tables.numpy()
     width = capacity(own_tables.shape[1], MIN_TABLE_WIDTH)
-    work = shared_attention.plan_work_for(
-        plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype
-    )
+    work = plan_work_for(plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype)
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     shared_row_tokens, own_tokens = step_sizes(plan, bs)
     heads = (shape.q_heads, kv_heads, shape.head_dim)
-    mixed = mixed_gluon().mixed_rows(  # own tile rows, 0: two kernels
+    mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
         shape.device, shape.dtype, heads, work, 1, shared_row_tokens, own_tokens, meta.num_seqs, block_size=bs
     )
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
@@ -219,7 +216,7 @@ class PagedGraph(_Recorded):
         )
         if self.o_part is None:
             launch = paged_attention.launch_paged(*args, 1, 0, out, self.lse, 0, 0, PAGED_BLOCK_N)
-            return [(launch, _PAGED_OUT, False)]
+            return [(launch, PAGED_OUT, False)]
         heads, dim = self.shape.q_heads, self.shape.head_dim
         b = self.bucket
         launch = paged_attention.launch_paged(
@@ -236,7 +233,7 @@ class PagedGraph(_Recorded):
             want_lse=False,
             launches=rec,
         )
-        return [(launch, _PAGED_PART, False)] + [(m, _MERGE, False) for m in rec]
+        return [(launch, PAGED_PART, False)] + [(m, MERGE, False) for m in rec]
 
 
 class SharedGraph(_Recorded):
@@ -249,7 +246,7 @@ class SharedGraph(_Recorded):
             "seg_blocks": ((blocks,), False),
             "seg_block_start": ((segs + 1,), False),
             "seg_rows": ((rows,), False),
-            "items": ((items, shared_attention.ITEM_FIELDS), True),  # zero items are no-ops
+            "items": ((items, ITEM_FIELDS), True),  # zero items are no-ops
             "own_tables": ((bucket, own_width), False),
             "own_seq_lens": ((bucket,), True),
             "qsl": ((bucket + 1,), False),
@@ -265,7 +262,7 @@ class SharedGraph(_Recorded):
         self.lse_part = torch.empty(parts, shape.q_heads, **f32)
 
     def first_launch(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> list:
-        work = shared_attention.SharedWork(
+        work = SharedWork(
             items=self.buffer("items"),
             num_slots=self.slots,
             block_m=self.block_m,
@@ -300,7 +297,7 @@ class SharedGraph(_Recorded):
 
         row_ptr, part_idx = self.buffer("row_ptr"), self.buffer("part_idx")
         merge_into = csr_merge(self.o_part, self.lse_part, b, row_ptr, part_idx, out)
-        if self.mixed and mixed_gluon().eligible(q, k_cache, v_cache, self.block_m, self.block_n):
+        if self.mixed and mixed_rule.eligible(q, k_cache, v_cache, self.block_m, self.block_n):
             # padding rows: own length 0, a zero partial each
             step_lists = tuple(self.buffer(n) for n in ("seg_rows", "items", "own_tables", "own_seq_lens"))
             parts = (self.o_part, self.lse_part, s)

@@ -16,16 +16,8 @@ flight, and a warpgroup of its own for the own math, so that it never waits behi
 (NOTES.md v11; v8-v10 put both kinds of tile through one ring and the same two warpgroups).
 Programs without a shared ticket stream own KV only.
 
-An own ticket is (sequence, group of ``HT`` KV heads); its tiles are ``OWN_M / HT`` tokens of each
-of the group's heads (``OWN_M`` = 64 rows: wgmma's M; 128 where own parts are short, ``own_rows_for``),
-loaded one box per (cache block, head);
-blocks past the sequence are out-of-bounds boxes, which TMA fills with zeros without reading
-memory. The own warpgroup computes the transposed product ``S^T = K Q^T`` against the group's query
-heads (rows x padded query heads: wgmma's N can be 8, its M cannot be under 64), masked
-block-diagonally (a row's key meets only its own head's queries), the softmax along rows, and
-``O^T += V^T P^T``, so a decode row's few heads cost little tensor time. At a ticket's end it writes
-the group's partial (slot ``own_slot0 + row``), and the step's merge combines it with the shared
-slots as it does for split KV.
+The own tiles (tickets, loads, the transposed products) are ``mixed_own.py``'s; the rule that takes a
+step to this kernel is ``mixed_rule.py``'s.
 """
 
 from __future__ import annotations
@@ -34,59 +26,37 @@ from typing import Any
 
 import torch
 
-from prefixserve import config
-from prefixserve.attention.kernels import _ptxas, shared_gluon
+from prefixserve.attention.kernels import _ptxas
+from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
 from prefixserve.attention.kernels.launch import Launch, record
+from prefixserve.attention.kernels.mixed_rule import OWN_M, own_tiling
 
-if shared_gluon.GLUON:
+if GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from prefixserve.attention.kernels.shared_gluon import (
+    from prefixserve.attention.kernels.gluon_attend import (
         _item_range,
         _load_partition,
         _run_ticket,
         _ticket_query,
     )
+    from prefixserve.attention.kernels.mixed_own import _own_consumer, _own_load
 
-OWN_MAX_N = 32  # query heads of an own tile (padded to 8s: wgmma's N)
 # The ring shapes (NOTES.md v11): the shared ring holds 64-token tiles, so that with the own ring
 # beside it (64-row tiles) both stay three deep in shared memory
 SHARED_N = 64
 SHARED_STAGES = 3
 OWN_STAGES = 3
-OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
-# Own tiles of 128 rows (two wgmma M blocks) where own parts are short: half the own warpgroup's
-# chains (products, row max, P^T store) per byte, for one shared ring slot less. Measured at B=1024
-# (NOTES.md v19): GQA 4 -4 to -5% at S=128 (d 128), -4 to -9% at S=128-192 (d 64), level at S=192
-# (d 128), +1-2% at S=512 (long tickets) and +11% at B=256, P=16K, S=512; GQA 3 and GQA 8 (d 128)
-# +2 to +6% at S=128-192. So at SHORT_OWN_GROUP only, below SHORT_OWN_TOKENS own tokens a sequence
-# (mean), and only where ptxas >= 12.9 builds the kernel (``_ptxas``).
-SHORT_OWN_M = 128
-SHORT_OWN_GROUP = 4
-SHORT_OWN_TOKENS = 192
 # registers a thread: the shared warpgroups and the own one; the loader warps' warpgroup keeps 24 and
 # the default partition (a shared warpgroup) what is left: 2 x SHARED + OWN + 24 = 512
 MAXNREG = 128  # 16 warps x 32 threads x 128 = 65,536 at launch
 SHARED_REGS = 192
 OWN_REGS = 512 - 2 * SHARED_REGS - 24
-GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (NOTES.md v7)
-COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
-MIN_OWN_SHARE = 0.5  # own time / shared time from which the mixed kernel pays
-# own tokens per sequence (mean) from which it pays: each own ticket costs about 1 us beyond its
-# tiles. One-tile tickets of one head (S=128, NOTES.md v8) lost at every point measured; tickets of
-# several heads won there (v10, v11); shorter own parts are not measured
-MIN_OWN_TOKENS = 128
 
-if shared_gluon.GLUON:
+if GLUON:
     # the mixed kernel's cubin by ptxas >= 12.9 where Triton has one: 12.8 miscompiles 128-row own tiles
     NEWER_PTXAS = _ptxas.build_with_newer("mixed_gluon_kernel")
     PTXAS_BUILD = _ptxas.newer_ptxas()[1] if NEWER_PTXAS else "bundled"
@@ -98,305 +68,6 @@ if shared_gluon.GLUON:
         """The program's shared ticket: ``_item_range``, with no tiles past the last ticket."""
         base, row_lo, row_hi, kv_len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
         return base, row_lo, row_hi, kv_len, gl.where(t < num_items * kv_heads, n_tiles, 0)
-
-    @gluon.jit
-    def _own_len(own_lens_ptr, u, u_hi, groups):
-        """Own KV tokens of own ticket u = (sequence, head group; ``groups`` per sequence); 0 past u_hi."""
-        ok = u < u_hi
-        return gl.where(ok, gl.load(own_lens_ptr + gl.where(ok, u // groups, 0)), 0)
-
-    @gluon.jit
-    def _own_tile_total(own_lens_ptr, u_lo, u_hi, groups, TILE_T: gl.constexpr):
-        """Own tiles (``TILE_T`` tokens each) of tickets u_lo .. u_hi (a vector load per 32 x warps
-        tickets: one memory trip)."""
-        chunk: gl.constexpr = 32 * gl.num_warps()
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        total = 0
-        for u0 in range(u_lo, u_hi, chunk):
-            u = u0 + gl.arange(0, chunk, layout=layout)
-            lens = gl.load(own_lens_ptr + u // groups, mask=u < u_hi, other=0)
-            total += gl.sum((lens + TILE_T - 1) // TILE_T, 0)
-        return total
-
-    @gluon.jit
-    def _tile_rows(walk_rows, u, j, kv_len, qi, BLOCK_SIZE: gl.constexpr):
-        """Cache rows of own tile j of ticket u, one per block (``qi`` = 0 .. blocks per tile); a row
-        past the cache's end for blocks past the sequence (TMA reads nothing and fills zeros)."""
-        tables_ptr, table_stride, groups, oob_row = walk_rows
-        b = j * qi.shape[0] + qi
-        ok = b < gl.cdiv(kv_len, BLOCK_SIZE)
-        blks = gl.load(tables_ptr + (u // groups).to(gl.int64) * table_stride + b, mask=ok, other=0)
-        return gl.where(ok, blks * BLOCK_SIZE, oob_row)
-
-    @gluon.jit
-    def _own_load(
-        ko_desc,
-        vo_desc,
-        ring,  # (K tiles, V tiles, ready, empty): the own ring
-        walk,  # (own tables, own lengths, table stride, head groups, u_lo, u_hi, oob row)
-        HEAD_DIM: gl.constexpr,
-        BLOCK_SIZE: gl.constexpr,
-        HT: gl.constexpr,
-    ):
-        """The own loader warp: the program's own tiles into the own ring, ticket after ticket.
-
-        A tile's cache rows are read (one vector load) a tile ahead and a ticket's length a ticket
-        ahead, so memory latency does not stall the issue."""
-        k_bufs, v_bufs, ready, empty = ring
-        tables_ptr, own_lens_ptr, table_stride, groups, u_lo, u_hi, oob_row = walk
-        STAGES: gl.constexpr = k_bufs.shape[0]
-        TILE_T: gl.constexpr = k_bufs.shape[1] // HT  # tokens of each head in an own tile
-        NB: gl.constexpr = TILE_T // BLOCK_SIZE
-        total = _own_tile_total(own_lens_ptr, u_lo, u_hi, groups, TILE_T)
-        blk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        qi = gl.arange(0, NB, layout=blk_layout)
-        walk_rows = (tables_ptr, table_stride, groups, oob_row)
-        u = u_lo
-        j = 0
-        kv_len = _own_len(own_lens_ptr, u, u_hi, groups)
-        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
-        pf_rows = _tile_rows(walk_rows, u, 0, kv_len, qi, BLOCK_SIZE)  # the next tile's, read ahead
-        pf_u = u
-        pf_j = 0
-        nbytes: gl.constexpr = NB * HT * (ko_desc.block_type.nbytes + vo_desc.block_type.nbytes)
-        for k in range(total):
-            s = k % STAGES
-            while j * TILE_T >= kv_len:  # the next ticket with tiles (``total`` counted one)
-                u += 1
-                j = 0
-                kv_len = nxt_len
-                nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
-            rows = pf_rows
-            if (pf_u != u) | (pf_j != j):  # an empty ticket in between: read this tile's now
-                rows = _tile_rows(walk_rows, u, j, kv_len, qi, BLOCK_SIZE)
-            if (j + 1) * TILE_T < kv_len:
-                pf_u = u
-                pf_j = j + 1
-                pf_rows = _tile_rows(walk_rows, u, j + 1, kv_len, qi, BLOCK_SIZE)
-            else:
-                pf_u = u + 1
-                pf_j = 0
-                pf_rows = _tile_rows(walk_rows, u + 1, 0, nxt_len, qi, BLOCK_SIZE)
-            col = (u % groups) * HT * HEAD_DIM
-            mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-            mbarrier.expect(ready.index(s), nbytes)
-            for q in gl.static_range(NB):  # a block's heads together: one stretch of the cache row
-                row = gl.sum(gl.where(qi == q, rows, 0), 0)
-                for h in gl.static_range(HT):
-                    dst = k_bufs.index(s).slice(h * TILE_T + q * BLOCK_SIZE, BLOCK_SIZE)
-                    tma.async_copy_global_to_shared(ko_desc, [row, col + h * HEAD_DIM], ready.index(s), dst)
-                    dst = v_bufs.index(s).slice(h * TILE_T + q * BLOCK_SIZE, BLOCK_SIZE)
-                    tma.async_copy_global_to_shared(vo_desc, [row, col + h * HEAD_DIM], ready.index(s), dst)
-            j += 1
-
-    @gluon.jit
-    def _own_query(
-        q_ptr,
-        u,
-        u_hi,
-        groups,
-        stride_qt,
-        stride_qh,
-        GROUP: gl.constexpr,
-        HT: gl.constexpr,
-        ROWS: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-    ):
-        """Load (into registers) the HT x GROUP query heads of own ticket u's decode row (row =
-        sequence), rows past them zero; the own warpgroup loads a ticket ahead, so the latency is
-        hidden."""
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-        h = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-        ok = u < u_hi
-        uu = gl.where(ok, u, 0)
-        head0 = (uu % groups) * HT * GROUP
-        offs = gl.expand_dims((uu // groups).to(gl.int64) * stride_qt + (head0 + h) * stride_qh, 1)
-        mask = gl.expand_dims((h < HT * GROUP) & ok, 1)
-        return gl.load(q_ptr + offs + gl.expand_dims(d, 0), mask=mask, other=0.0)
-
-    @gluon.jit
-    def _own_tile(
-        qo_smem,
-        pt_smem,
-        k_tile,  # [OWN_M, D]: TILE_T tokens of each of the ticket's heads
-        v_tile,
-        m_o,
-        l_o,
-        acc_o,  # [D, N] fp32: O^T
-        tile,
-        kv_len,
-        qk_scale,
-        TILE_T: gl.constexpr,
-        GROUP: gl.constexpr,
-    ):
-        """S^T = K Q^T, the softmax along rows, O^T += V^T P^T for one own tile (its rows: TILE_T
-        tokens of each of the ticket's heads; a row's key meets its own head's queries only)."""
-        part_m: gl.constexpr = pt_smem.shape[0]
-        own_n: gl.constexpr = pt_smem.shape[1]
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, own_n, 16]
-        )
-        st = warpgroup_mma(
-            k_tile,
-            qo_smem.permute((1, 0)),
-            gl.zeros([part_m, own_n], gl.float32, layout=st_layout),
-            use_acc=False,
-            is_async=True,
-        )
-        st = warpgroup_mma_wait(0, deps=(st,))
-        r = gl.arange(0, part_m, layout=gl.SliceLayout(1, st_layout))
-        c = gl.arange(0, own_n, layout=gl.SliceLayout(0, st_layout))
-        ok = gl.expand_dims(tile * TILE_T + r % TILE_T < kv_len, 1)
-        st = gl.where(
-            ok & (gl.expand_dims(r // TILE_T, 1) == gl.expand_dims(c // GROUP, 0)), st, float("-inf")
-        )
-        m_new = gl.maximum(m_o, gl.max(st, 0) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet (or a padding column): p = 0
-        alpha = gl.exp2(m_o - m_use)
-        p = gl.exp2(st * qk_scale - gl.expand_dims(m_use, 0))
-        l_o = l_o * gl.expand_dims(alpha, 0) + p
-        pt_smem.store(p.to(pt_smem.dtype))
-        fence_async_shared()
-        acc_o = acc_o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, acc_o.type.layout)), 0)
-        acc_o = warpgroup_mma(v_tile.permute((1, 0)), pt_smem, acc_o, is_async=True)
-        acc_o = warpgroup_mma_wait(0, deps=(acc_o,))
-        return m_new, l_o, acc_o
-
-    @gluon.jit
-    def _own_fresh(OWN_M: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-        """An own ticket's running state before its first tile: (max, per-row sums, O^T). The sums
-        stay one per tile row until the ticket's end (``_store_own``): a tile costs one reduction
-        across the warpgroup's warps (the max), not two."""
-        m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, layout))
-        return (
-            m,
-            gl.zeros([OWN_M, ROWS], gl.float32, layout=layout),
-            gl.zeros([HEAD_DIM, ROWS], gl.float32, layout=layout),
-        )
-
-    @gluon.jit
-    def _store_own(
-        m_o,
-        l_o,
-        acc_o,
-        o_ptr,
-        lse_ptr,
-        slot,
-        head0,
-        stride_op,
-        stride_oh,
-        stride_lp,
-        HEADS: gl.constexpr,
-    ):
-        """o = O / l and the natural-log lse of query heads head0 .. head0 + HEADS into ``slot`` (``l_o``:
-        the sums of each tile row, added up here)."""
-        dim: gl.constexpr = acc_o.shape[0]
-        own_n: gl.constexpr = acc_o.shape[1]
-        # O^T leaves the accumulator layout (a thread's values scattered over heads and d) for one in
-        # which each thread holds 4 consecutive d of a head: whole 16-byte stores, coalesced per head
-        ot_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1])
-        l_c = gl.convert_layout(gl.sum(l_o, 0), gl.SliceLayout(0, ot_layout))
-        l_safe = gl.where(l_c == 0.0, 1.0, l_c)
-        o = gl.convert_layout(acc_o, ot_layout) / gl.expand_dims(l_safe, 0)
-        h = gl.arange(0, own_n, layout=gl.SliceLayout(0, ot_layout))
-        d = gl.arange(0, dim, layout=gl.SliceLayout(1, ot_layout))
-        slot = slot.to(gl.int64)
-        head = head0 + h
-        ptrs = o_ptr + slot * stride_op + gl.expand_dims(head * stride_oh, 0) + gl.expand_dims(d, 1)
-        gl.store(ptrs, o, mask=gl.expand_dims(h < HEADS, 0))
-        m_c = gl.convert_layout(m_o, l_c.type.layout)
-        lse = gl.where(l_c == 0.0, float("-inf"), (m_c + gl.log2(l_safe)) * 0.6931471805599453)
-        gl.store(lse_ptr + slot * stride_lp + head, lse, mask=h < HEADS)
-
-    @gluon.jit
-    def _finish_own(m_o, l_o, acc_o, u, out, GROUP: gl.constexpr, HT: gl.constexpr):
-        """End of own ticket u: its heads' partial into the sequence's own slot."""
-        o_ptr, lse_ptr, groups, own_slot0, stride_op, stride_oh, stride_lp = out
-        _store_own(
-            m_o,
-            l_o,
-            acc_o,
-            o_ptr,
-            lse_ptr,
-            own_slot0 + u // groups,
-            (u % groups) * HT * GROUP,
-            stride_op,
-            stride_oh,
-            stride_lp,
-            HT * GROUP,
-        )
-
-    @gluon.jit
-    def _own_consumer(
-        ring,  # (K tiles, V tiles, ready, empty): the own ring
-        own_smem,  # (Q^T rows, P^T) of the warpgroup's products
-        walk,  # as the own loader's
-        ptrs,  # (q, o, lse, qk_scale, own_slot0, strides...)
-        GROUP: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-        HT: gl.constexpr,
-    ):
-        """The own warpgroup: every own tile of the program's tickets, each ticket's partial at its end."""
-        k_bufs, v_bufs, ready, empty = ring
-        qo_smem, pt_smem = own_smem
-        _tables, own_lens_ptr, _ts, groups, u_lo, u_hi, _oob = walk
-        q_ptr, o_ptr, lse_ptr, qk_scale, own_slot0, stride_qt, stride_qh, stride_op, stride_oh, stride_lp = (
-            ptrs
-        )
-        STAGES: gl.constexpr = k_bufs.shape[0]
-        OWN_M: gl.constexpr = k_bufs.shape[1]
-        TILE_T: gl.constexpr = OWN_M // HT
-        OWN_ROWS: gl.constexpr = qo_smem.shape[0]
-        ot_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, OWN_ROWS, 16]
-        )
-        total = _own_tile_total(own_lens_ptr, u_lo, u_hi, groups, TILE_T)
-        # ticket u's state; its successor's length and query rows are loaded a ticket ahead
-        u = u_lo
-        j = 0
-        o_len = _own_len(own_lens_ptr, u, u_hi, groups)
-        nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
-        qo_smem.store(_own_query(q_ptr, u, u_hi, groups, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM))
-        fence_async_shared()  # generic stores before the wgmma's async reads
-        nxt_q = _own_query(q_ptr, u + 1, u_hi, groups, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM)
-        m_o, l_o, acc_o = _own_fresh(OWN_M, OWN_ROWS, HEAD_DIM, ot_layout)
-        out = (o_ptr, lse_ptr, groups, own_slot0, stride_op, stride_oh, stride_lp)
-        for k in range(total):
-            slot = k % STAGES
-            while j * TILE_T >= o_len:  # ticket u is done: its partial out, the next one in
-                _finish_own(m_o, l_o, acc_o, u, out, GROUP, HT)
-                u += 1
-                j = 0
-                o_len = nxt_len
-                nxt_len = _own_len(own_lens_ptr, u + 1, u_hi, groups)
-                qo_smem.store(nxt_q)
-                fence_async_shared()
-                nxt_q = _own_query(
-                    q_ptr, u + 1, u_hi, groups, stride_qt, stride_qh, GROUP, HT, OWN_ROWS, HEAD_DIM
-                )
-                m_o, l_o, acc_o = _own_fresh(OWN_M, OWN_ROWS, HEAD_DIM, ot_layout)
-            mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
-            m_o, l_o, acc_o = _own_tile(
-                qo_smem,
-                pt_smem,
-                k_bufs.index(slot),
-                v_bufs.index(slot),
-                m_o,
-                l_o,
-                acc_o,
-                j,
-                o_len,
-                qk_scale,
-                TILE_T,
-                GROUP,
-            )
-            mbarrier.arrive(empty.index(slot), count=1)
-            j += 1
-        while u < u_hi:  # the last ticket with tiles, then any empty ones after it
-            _finish_own(m_o, l_o, acc_o, u, out, GROUP, HT)
-            u += 1
-            m_o, l_o, acc_o = _own_fresh(OWN_M, OWN_ROWS, HEAD_DIM, ot_layout)
 
     @gluon.jit
     def _shared_consumer(
@@ -483,6 +154,7 @@ if shared_gluon.GLUON:
         HT: gl.constexpr,
         PTXAS: gl.constexpr,  # the ptxas that builds it (``_ptxas``): in the compile cache's key
     ):
+        # a Gluon kernel body: shared memory, barriers and the five partitions' wiring, kept in one piece
         """1-d grid of G programs (one per SM): program p takes shared tickets p, p + G, ... (item
         fastest) and own tickets [p n / G, (p + 1) n / G) of the n = sequences x KV head groups of HT
         heads."""
@@ -565,48 +237,14 @@ def own_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     """TMA descriptor over a cache's rows with one cache block per box, in the ring's smem layout."""
     num_blocks, block_size, kv_heads, dim = cache.shape
     rows = cache.view(num_blocks * block_size, kv_heads * dim)
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], shared_gluon._GL_DTYPES[cache.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], GL_DTYPES[cache.dtype])
     return TensorDescriptor.from_tensor(rows, [block_size, dim], layout)
-
-
-def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M) -> tuple[int, int]:
-    """(KV heads per own tile, padded query heads of an own tile: wgmma's N), or (0, 0) where the
-    mixed kernel cannot take the shape.
-
-    Two heads where they divide the KV heads and a head's ``OWN_M / 2`` tokens are whole cache blocks
-    (2 x GROUP query heads: at GQA 4 wgmma's N = 8 with no padding, and the per-ticket work of query
-    loads and partial stores shared by two heads), else one."""
-    group = q_heads // kv_heads
-    for ht in (2, 1):
-        rows = -(-ht * group // 8) * 8
-        if kv_heads % ht == 0 and (own_m // ht) % block_size == 0 and rows <= OWN_MAX_N:
-            return ht, rows
-    return 0, 0
-
-
-def own_rows_for(own_tokens: int, num_seqs: int, group: int) -> int:
-    """Rows of the own tiles of a mixed step with ``own_tokens`` own KV tokens over ``num_seqs``
-    sequences and ``group`` query heads a KV head: ``SHORT_OWN_M`` where own parts are short (mean
-    under ``SHORT_OWN_TOKENS``) at GQA ``SHORT_OWN_GROUP`` and ptxas >= 12.9 builds the kernel, else
-    ``OWN_M``."""
-    short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1) and group == SHORT_OWN_GROUP
-    return SHORT_OWN_M if short and _ptxas.newer_ptxas() is not None else OWN_M
 
 
 def ring_stages(own_m: int) -> tuple[int, int]:
     """(shared, own) ring slots: three of each with 64-row own tiles (32 KB + 32 KB a slot), two of
     each with 128-row ones (32 KB + 64 KB), in the 227 KB of an SM's shared memory."""
     return (SHARED_STAGES, OWN_STAGES) if own_m == OWN_M else (2, 2)
-
-
-def eligible(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
-) -> bool:
-    """True when the mixed kernel can run a decode step: the shared Gluon kernel's conditions and an
-    own tiling (``own_tiling``)."""
-    return shared_gluon.eligible(q, k_cache, v_cache, block_m, block_n) and bool(
-        own_tiling(q.shape[1], k_cache.shape[2], k_cache.shape[1])[0]
-    )
 
 
 def launch_mixed(
@@ -642,8 +280,8 @@ def launch_mixed(
         q,
         k_cache,
         v_cache,
-        shared_gluon.gluon_descriptor(k_cache, SHARED_N),
-        shared_gluon.gluon_descriptor(v_cache, SHARED_N),
+        gluon_descriptor(k_cache, SHARED_N),
+        gluon_descriptor(v_cache, SHARED_N),
         own_descriptor(k_cache, own_m),
         own_descriptor(v_cache, own_m),
         seg_rows,
@@ -652,7 +290,7 @@ def launch_mixed(
         lse_part,
         own_tables,
         own_lens,
-        scale * shared_gluon.LOG2E,
+        scale * LOG2E,
         items.shape[0],
         kv_heads,
         own_lens.shape[0],
@@ -683,68 +321,10 @@ def launch_mixed(
     grid = (programs,)
     compiled = mixed_gluon_kernel[grid](*args, **kw)
     launch = record(mixed_gluon_kernel, grid, args, kw, compiled)
-    shared = lambda c: shared_gluon.gluon_descriptor(c, SHARED_N)  # noqa: E731
+    shared = lambda c: gluon_descriptor(c, SHARED_N)  # noqa: E731
     own = lambda c: own_descriptor(c, own_m)  # noqa: E731
     launch.derived = [(3, 1, shared), (4, 2, shared), (5, 1, own), (6, 2, own)]
     return launch
 
 
-def use_mixed(
-    device: torch.device,
-    dtype: torch.dtype,
-    shape: tuple[int, int, int],
-    work: Any,
-    max_query_len: int,
-    shared_row_tokens: int,
-    own_tokens: int,
-    num_seqs: int,
-    mode: str | None = None,
-    block_size: int = 16,
-) -> bool:
-    """True when a step runs as one mixed launch: a decode step on the shared Gluon kernel's path
-    (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV (``own_tokens`` over
-    ``num_seqs`` sequences, at least ``MIN_OWN_TOKENS`` each on average) takes long enough next to
-    the shared products to be worth hiding under them; ``block_size`` = the cache's (``own_tiling``).
-    ``mode`` (default ``config.mixed_mode()``, PREFIXSERVE_MIXED): "0" never, "1" whenever eligible,
-    "auto" the rule."""
-    mode = config.mixed_mode() if mode is None else mode
-    q_heads, kv_heads, dim = shape
-    if (
-        mode == "0"
-        or max_query_len != 1
-        or not own_tiling(q_heads, kv_heads, block_size)[0]
-        or own_tokens == 0
-    ):
-        return False
-    if not (work.tma and work.block_m == 128 and work.block_n == 128):
-        return False
-    if not shared_gluon.eligible_for(device, dtype, dim):
-        return False
-    if mode == "1":
-        return True
-    if own_tokens < MIN_OWN_TOKENS * num_seqs:
-        return False
-    elt = torch.empty(0, dtype=dtype).element_size()
-    own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)
-    shared_ms = 4 * q_heads * dim * shared_row_tokens / (GLUON_TFLOPS * 1e9)
-    return own_ms >= MIN_OWN_SHARE * shared_ms
-
-
-def mixed_rows(
-    device: torch.device,
-    dtype: torch.dtype,
-    shape: tuple[int, int, int],
-    work: Any,
-    max_query_len: int,
-    shared_row_tokens: int,
-    own_tokens: int,
-    num_seqs: int,
-    mode: str | None = None,
-    block_size: int = 16,
-) -> int:
-    """Own tile rows of a step's mixed launch, or 0 where the step runs two kernels: ``use_mixed``
-    (same arguments) decides the launch, ``own_rows_for`` its tile height."""
-    step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode)
-    if not use_mixed(device, dtype, shape, work, *step, block_size=block_size):
-        return 0
-    return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1])
+__all__ = ["launch_mixed", "own_descriptor", "ring_stages"]

@@ -5,10 +5,11 @@ non-causally (it lies wholly before each holder's first new token). For one KV h
 are ``holder rows x G`` query heads, so a tile is a dense ``[BLOCK_M, D] x [D, BLOCK_N]`` product on the
 tensor cores and the segment's KV is read once per M-tile instead of once per holder.
 
-The launch walks a flat work list (one item = segment, row range, KV token range, first output slot)
-with the M-tile index varying fastest, so tiles that read the same KV chunk run together and L2 absorbs
-the re-reads. Long segments with few rows are split along KV so every SM has work; each item writes an
-fp32 partial (o, lse) per row into a slot, and ``merge.py`` combines a row's slots.
+The launch walks a flat work list (``shared_plan.py``: one item = segment, row range, KV token range,
+first output slot) with the M-tile index varying fastest, so tiles that read the same KV chunk run
+together and L2 absorbs the re-reads. Long segments with few rows are split along KV so every SM has
+work; each item writes an fp32 partial (o, lse) per row into a slot, and ``merge.py`` combines a row's
+slots. On a Hopper GPU, tall tiles over contiguous segments go to the Gluon kernel (``shared_gluon.py``).
 
 When every segment of the step lies in consecutive cache blocks (how a prompt's blocks come out of a
 fresh pool) and the GPU has a tensor-memory accelerator (Hopper), whole KV tiles are read with TMA
@@ -18,40 +19,32 @@ the compute-bound loop (measured 7% faster at B=1024, P=16K; docs/benchmarks/NOT
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from prefixserve.attention.kernels import require_triton, shared_gluon
-from prefixserve.attention.kernels.launch import Launch
-from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
-from prefixserve.attention.kernels.paged_attention import (
-    LOG2E,
-    SMEM_LIMIT_HOPPER,
+from prefixserve.attention.kernels.attend import (
     accumulate_pv,
     attend_range,
+    finish_rows,
+    qk_scores,
+    softmax_step,
+)
+from prefixserve.attention.kernels.launch import Launch
+from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
+from prefixserve.attention.kernels.shared_plan import SharedWork, plan_shared_work
+from prefixserve.attention.kernels.tiles import (
+    LOG2E,
     check_cache,
     dot_precision,
-    finish_rows,
-    fit_tiles,
     interpreter_upcast,
     launch_fitting,
-    num_sms,
-    qk_scores,
-    smem_limit,
-    softmax_step,
 )
 
 triton, tl = require_triton()
-
-# segment, first row, end row, first KV token, end KV token, first output slot, and the cache row
-# (in the [blocks x block_size] row view) of the first KV token when the segment is contiguous, else -1
-ITEM_FIELDS = 7
 
 
 @triton.jit
@@ -118,6 +111,7 @@ def shared_program(
     USE_TMA: tl.constexpr,
     TAIL_STAGES: tl.constexpr,  # the ragged tail is under one tile: 1 = no pipeline buffers
 ):
+    # a Triton kernel body: one work item's rows over its KV range, kept in one piece
     """One program of the shared kernel: work item ``item`` for KV head ``kvh`` -> partial slots."""
     base = items_ptr + item * 7  # ITEM_FIELDS
     seg = tl.load(base)
@@ -294,78 +288,6 @@ def _shared_kernel(
     )
 
 
-@dataclass(slots=True)
-class SharedWork:
-    """Work list of one step's shared segments and where each (row, KV split) partial lands.
-
-    Slots are laid out segment-major, then split, then row: segment g's split k of its i-th row is
-    slot ``slot_base[g] + k * rows[g] + i``. ``slot_row_index[s]`` is the segment row (index into
-    seg_rows) that slot s belongs to.
-    """
-
-    items: torch.Tensor  # [I, ITEM_FIELDS] int32 on the device
-    num_slots: int
-    block_m: int
-    block_n: int
-    num_stages: int
-    splits: list[int]  # per segment
-    slot_base: list[int]  # per segment
-    slot_row_index: torch.Tensor  # [num_slots] int64 on the host
-    tma: bool = False  # every segment is contiguous: whole tiles are TMA loads (item field 6)
-
-    @property
-    def unsplit(self) -> bool:
-        """True when slot s is segment row s (no merge of KV splits needed)."""
-        return all(k == 1 for k in self.splits)
-
-
-def pick_shared_tiles(
-    max_rows: int,
-    group: int,
-    head_dim: int = 128,
-    elt: int = 2,
-    smem: int | None = None,
-    max_tokens: int = 0,
-    tma: bool = False,
-) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_stages) for the shared kernel, fitted to shared memory.
-
-    Tall M tiles when many rows are stacked (fewer re-reads of the segment); the bf16 choice was
-    measured on the H200 (NOTES.md), and ``fit_tiles`` shrinks it for 4-byte elements or wider heads
-    so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed 256 KiB > 227 KiB).
-    """
-    m = max_rows * group
-    # 128-row tiles (two wgmma warpgroups) once the segment's work is large: at 256 rows they were
-    # 15-27% slower than 64-row tiles for a 4K segment but 18% faster for a 16K one (NOTES.md, v3)
-    tall = m > 256 or m * max_tokens >= 256 * 8192
-    block_m = 128 if tall else (64 if m > 16 else 16)
-    block_m = max(block_m, triton.next_power_of_2(group))
-    table = (SHARED_TALL_TMA, SHARED_SHORT_TMA) if tma else (SHARED_TALL, SHARED_SHORT)
-    block_n, stages = table[0] if block_m >= 128 else table[1]
-    return fit_tiles(block_m, block_n, stages, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
-
-
-# (BLOCK_N, num_stages), measured on the H200 (NOTES.md, "TMA loads"): 128-row tiles are compute-bound
-# at large B; 16 / 64-row tiles are bandwidth-bound and split along KV
-SHARED_TALL = (128, 3)
-SHARED_SHORT = (64, 2)
-SHARED_TALL_TMA = (128, 3)
-SHARED_SHORT_TMA = (64, 3)
-
-
-def tma_capable(device: torch.device, dtype: torch.dtype) -> bool:
-    """TMA descriptor loads: 16-bit KV on a Hopper-or-newer GPU, or the CPU interpreter (tests)."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:  # pragma: no cover - older Triton
-        return False
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def kv_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     """TMA descriptor of a [num_blocks, block_size, Hkv, D] cache as rows of Hkv x D; tiles [block_n, D]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -374,190 +296,24 @@ def kv_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     return TensorDescriptor.from_tensor(cache.view(num_blocks * block_size, kv_heads * dim), [block_n, dim])
 
 
-def contiguous_first_rows(seg_blocks: np.ndarray, seg_block_start: list[int], block_size: int) -> np.ndarray:
-    """Per segment, the cache row of its first token when its blocks are consecutive ids, else -1."""
-    blocks = np.asarray(seg_blocks, dtype=np.int64)
-    starts = np.asarray(seg_block_start, dtype=np.int64)
-    first = np.full(len(starts) - 1, -1, dtype=np.int64)
-    if blocks.size == 0:
-        return first
-    breaks = np.ones(blocks.size, dtype=np.int64)  # 1 where a block does not follow its predecessor
-    breaks[1:] = blocks[1:] != blocks[:-1] + 1
-    run = np.cumsum(breaks)
-    lo, hi = starts[:-1], starts[1:]
-    nonempty = hi > lo
-    ok = np.zeros_like(nonempty)
-    ok[nonempty] = run[hi[nonempty] - 1] == run[lo[nonempty]]
-    first[ok] = blocks[lo[ok]] * block_size
-    return first
-
-
-# A program's fixed cost (q load, pipeline fill, partial store), as a fraction of one whole pass over
-# its segment: what one more KV split adds. Only ranks split counts against each other.
-SPLIT_COST = 0.02
-
-
-def wave_splits(base_programs: int, slots: int, kmax: int, cost: float = SPLIT_COST) -> int:
-    """KV splits per M-tile that make ``base_programs x k`` programs fill waves of ``slots`` best.
-
-    Tall tiles fill an SM each, so a grid runs in ``ceil(programs / slots)`` waves, each as long as
-    one program (1/k of a segment pass, plus ``cost``). B=256, P=16K (64 tiles, 132 SMs) used k=5:
-    320 programs in three waves, the last 42% full; k=2 runs in one wave of 128.
-    """
-    base, slots = max(1, base_programs), max(1, slots)
-    return min(range(1, max(1, kmax) + 1), key=lambda k: math.ceil(base * k / slots) * (1 / k + cost))
-
-
-def plan_shared_work(
-    seg_row_start: list[int],  # [G+1]
-    seg_num_tokens: list[int],  # [G]
-    kv_heads: int,
-    group: int,
-    device: torch.device,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    min_chunk: int = 256,
-    target_programs: int | None = None,
-    *,
-    head_dim: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
-    num_stages: int | None = None,
-    items_on_host: bool = False,
-    seg_blocks: np.ndarray | None = None,
-    seg_block_start: list[int] | None = None,
-    block_size: int = 0,
-) -> SharedWork:
-    """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
-
-    Tiles depend on dtype and head_dim (shared memory), so pass the ones the kernel will run with.
-    ``items_on_host=True`` leaves the work list on the host, for callers that pack it with other
-    per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
-    With the segments' blocks (``seg_blocks``, ``seg_block_start``, ``block_size``; host values) the
-    work list notes contiguous segments, and the TMA path is taken when all of them are.
-    """
-    rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
-    first_rows = np.full(len(rows), -1, dtype=np.int64)
-    # a TMA box spans at most 256 elements per dimension: wider heads stay on pointer loads
-    if (
-        seg_blocks is not None
-        and seg_block_start is not None
-        and head_dim <= 256
-        and tma_capable(device, dtype)
-    ):
-        first_rows = contiguous_first_rows(seg_blocks, seg_block_start, block_size)
-    tma = bool(len(rows)) and bool((first_rows >= 0).all())
-    limit = smem_limit(device)
-    elt = torch.empty(0, dtype=dtype).element_size()
-    auto_m, auto_n, auto_stages = pick_shared_tiles(
-        max(rows, default=1), group, head_dim, elt, limit, max(seg_num_tokens, default=0), tma
-    )
-    block_m, block_n, num_stages = fit_tiles(
-        block_m or auto_m, block_n or auto_n, num_stages or auto_stages, head_dim, elt, limit
-    )
-    rows_per_tile = block_m // group
-    m_tiles = [math.ceil(r / rows_per_tile) for r in rows]
-    base_programs = sum(m_tiles) * kv_heads
-    if target_programs is None and block_m >= 128:
-        # tall tiles fill an SM each (3-stage TMA: 229 KB of shared memory), so they run in waves of
-        # one program per SM: split so the last wave is full
-        kmax = max((math.ceil(t / min_chunk) for t in seg_num_tokens), default=1)
-        want = wave_splits(base_programs, num_sms(device), min(kmax, 64))
-    else:
-        # short tiles aim at one program per SM: fewer, longer splits stream better (B=16, P=16K:
-        # 58 -> 46 us; NOTES.md v5)
-        target = target_programs or num_sms(device)
-        want = max(1, math.ceil(target / max(1, base_programs)))
-    items: list[tuple[int, ...]] = []
-    splits: list[int] = []
-    slot_base: list[int] = []
-    slot_rows: list[torch.Tensor] = []
-    slot = 0
-    for g, (r0, n_rows, n_tok) in enumerate(zip(seg_row_start, rows, seg_num_tokens, strict=False)):
-        k = max(1, min(want, math.ceil(n_tok / min_chunk)))
-        size = math.ceil(math.ceil(max(n_tok, 1) / k) / block_n) * block_n
-        k = max(1, math.ceil(n_tok / size))
-        splits.append(k)
-        slot_base.append(slot)
-        first = int(first_rows[g])
-        for split in range(k):
-            lo, hi = split * size, min(n_tok, (split + 1) * size)
-            row0 = first + lo if first >= 0 else -1
-            for t in range(m_tiles[g]):  # M-tile fastest: tiles of one KV chunk run together
-                a = r0 + t * rows_per_tile
-                b = min(r0 + n_rows, a + rows_per_tile)
-                items.append((g, a, b, lo, hi, slot + split * n_rows + (a - r0), row0))
-        slot_rows.append(torch.arange(r0, r0 + n_rows).repeat(k))
-        slot += k * n_rows
-    items_t = torch.tensor(items or [(0, 0, 0, 0, 0, 0, -1)], dtype=torch.int32).reshape(-1, ITEM_FIELDS)
-    return SharedWork(
-        items=items_t if items_on_host else items_t.to(device),
-        num_slots=slot,
-        block_m=block_m,
-        block_n=block_n,
-        num_stages=num_stages,
-        splits=splits,
-        slot_base=slot_base,
-        slot_row_index=torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.long),
-        tma=tma,
-    )
-
-
-def plan_work_for(
-    plan: Any,
-    seg_blocks: np.ndarray,
-    block_size: int,
-    kv_heads: int,
-    group: int,
-    device: torch.device,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> SharedWork:
-    """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
-
-    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path).
-    """
-    bstart = plan.seg_block_start_host
-    return plan_shared_work(
-        plan.seg_row_start_host,
-        [(b - a) * block_size for a, b in itertools.pairwise(bstart)],
-        kv_heads,
-        group,
-        device,
-        head_dim=head_dim,
-        dtype=dtype,
-        items_on_host=True,
-        seg_blocks=seg_blocks,
-        seg_block_start=bstart,
-        block_size=block_size,
-    )
-
-
-# The shared kernel's bf16 rate and the own kernel's read bandwidth, measured on the H200 (NOTES.md
-# v6): only their ratio is used, to tell a step whose own KV reads outlast its shared FLOPs.
-SHARED_TFLOPS, OWN_TBPS = 490.0, 4.0
-OWN_HEAVY = 1.5  # own time / shared time from which a step counts as own-heavy
-
-
-def own_heavy(plan: Any, block_size: int, kv_heads: int, group: int, head_dim: int, elt: int) -> bool:
-    """True when reading the step's own KV takes ``OWN_HEAVY`` x the shared kernel's tensor time.
-
-    Packed own programs (``packed_decode_program``) stream better alone but fill the shared
-    kernel's tail worse: measured 5-6% faster at B=256, S=512, P <= 4K and 1-4% slower where the
-    shared part dominates (NOTES.md v6), so they are used only on own-heavy steps.
-    """
-    flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
-    return own_bytes / (OWN_TBPS * 1e12) >= OWN_HEAVY * flops / (SHARED_TFLOPS * 1e12)
-
-
-def step_size(
-    plan: Any, block_size: int, kv_heads: int, group: int, head_dim: int, elt: int
-) -> tuple[float, float]:
-    """(shared FLOPs, own KV bytes) of a step's plan: what the shared and own kernels must do."""
-    rows = np.diff(np.asarray(plan.seg_row_start_host, dtype=np.int64))
-    tokens = np.diff(np.asarray(plan.seg_block_start_host, dtype=np.int64)) * block_size
-    flops = 4 * group * kv_heads * head_dim * float((rows * tokens).sum())
-    own_bytes = 2 * elt * kv_heads * head_dim * float(sum(plan.own_seq_lens_host))
-    return flops, own_bytes
+def _check_shared_args(
+    lists: tuple[torch.Tensor, ...],  # (seg_blocks, seg_block_start, seg_rows)
+    work: SharedWork,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    heads: tuple[int, int],  # (Hq, D)
+) -> None:
+    """``launch_shared``'s checks of the segment lists and the partial buffers."""
+    q_heads, dim = heads
+    for name, t in zip(("seg_blocks", "seg_block_start", "seg_rows"), lists, strict=True):
+        if t.dtype != torch.int32 or t.dim() != 1 or (t.numel() and t.stride(0) != 1):
+            raise TypeError(f"{name} must be a contiguous 1-d int32 tensor")
+    if o_part.dtype != torch.float32 or lse_part.dtype != torch.float32:
+        raise TypeError("shared partials are fp32")
+    if o_part.shape[0] < work.num_slots or o_part.shape[1:] != (q_heads, dim) or o_part.stride(2) != 1:
+        raise ValueError(f"o_part {tuple(o_part.shape)} too small or wrong shape for {work.num_slots} slots")
+    if lse_part.shape[0] < work.num_slots or lse_part.stride(1) != 1:
+        raise ValueError("lse_part too small or not contiguous per head")
 
 
 def launch_shared(
@@ -580,15 +336,7 @@ def launch_shared(
     (3-4 their TMA descriptors, remade from them on relaunch).
     """
     q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
-    for name, t in (("seg_blocks", seg_blocks), ("seg_block_start", seg_block_start), ("seg_rows", seg_rows)):
-        if t.dtype != torch.int32 or t.dim() != 1 or (t.numel() and t.stride(0) != 1):
-            raise TypeError(f"{name} must be a contiguous 1-d int32 tensor")
-    if o_part.dtype != torch.float32 or lse_part.dtype != torch.float32:
-        raise TypeError("shared partials are fp32")
-    if o_part.shape[0] < work.num_slots or o_part.shape[1:] != (q_heads, dim) or o_part.stride(2) != 1:
-        raise ValueError(f"o_part {tuple(o_part.shape)} too small or wrong shape for {work.num_slots} slots")
-    if lse_part.shape[0] < work.num_slots or lse_part.stride(1) != 1:
-        raise ValueError("lse_part too small or not contiguous per head")
+    _check_shared_args((seg_blocks, seg_block_start, seg_rows), work, o_part, lse_part, (q_heads, dim))
     if work.num_slots == 0:
         return None
     group = q_heads // kv_heads
@@ -758,4 +506,4 @@ def shared_segment_attention_ref(
     return out, lse
 
 
-__all__ = ["SharedWork", "plan_shared_work", "shared_segment_attention", "shared_segment_attention_ref"]
+__all__ = ["launch_shared", "shared_segment_attention", "shared_segment_attention_ref"]

@@ -20,15 +20,13 @@ work is kept to launches:
   * the shared and own kernels run on one stream unless the shared work is large enough for a
     second stream's fork/join (two event waits per layer) to pay (``overlap_min_rows``).
 
-This module imports without Triton so that the backends register; the kernels load on first use and
-raise ImportError with the fix when Triton is missing.
+The host planning shared with the decode graphs is ``step_plan.py``'s, the launch paths and their
+replay ``step_launch.py``'s. This module imports without Triton so that the backends register; the
+kernels load on first use and raise ImportError with the fix when Triton is missing.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,14 +34,25 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
+from prefixserve.attention.kernels.step_launch import (
+    MERGE,
+    PAGED_OUT,
+    PAGED_PART,
+    csr_merge,
+    launch_mixed_path,
+    launch_split_path,
+    relaunch_layer,
+    replay_launches,
+)
+from prefixserve.attention.kernels.step_plan import (
+    host_plan,
+    own_pack_rule,
+    plan_to_device,
+    seg_rows_host,
+    step_sizes,
+    to_device_packed,
+)
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.plan import SharedPlan
-
-# argument positions that change from layer to layer: (q, k_cache, v_cache, output), -1 = none
-_PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
-_PAGED_PART = (0, 1, 2, -1)  # paged kernel writing fp32 partials (step buffers)
-_SHARED = (0, 1, 2, -1)
-_MERGE = (-1, -1, -1, 4)
 
 
 @dataclass(slots=True)
@@ -78,66 +87,10 @@ class TritonStep:
 
 
 def _kernels() -> tuple[Any, Any, Any]:
-    from prefixserve.attention.kernels import merge, paged_attention, shared_attention
+    """The kernel modules (Triton: imported on first use), (paged, shared, mixed rule)."""
+    from prefixserve.attention.kernels import mixed_rule, paged_attention, shared_attention
 
-    return paged_attention, shared_attention, merge
-
-
-def _relaunch(launch: Any, pos: tuple[int, int, int, int], tensors: tuple[torch.Tensor, ...]) -> None:
-    from prefixserve.attention.kernels.launch import relaunch
-
-    relaunch(launch, [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0])
-
-
-def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Copy int32 host arrays to ``device`` in one asynchronous copy; returns 1-d views, in order.
-
-    On CUDA the staging tensor is pinned (torch's caching host allocator, which keeps it alive until
-    the copy is done), so the host does not wait; elsewhere it is a plain copy.
-    """
-    sizes = [int(a.size) for a in arrays]
-    flat = np.concatenate([np.ascontiguousarray(a, dtype=np.int32).ravel() for a in arrays] or [np.zeros(0)])
-    host = torch.from_numpy(flat.astype(np.int32, copy=False))
-    dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    offsets = np.r_[0, np.cumsum(sizes)].tolist()
-    return [dev[a:b] for a, b in itertools.pairwise(offsets)]
-
-
-def host_plan(meta: AttentionMetadata) -> Any:
-    """``make_plan`` on the host: every tensor of the returned SharedPlan is a CPU tensor.
-
-    The engine's metadata carries a host copy of the block tables (``block_tables_np``), so nothing
-    is read back from the device (which would wait for the step in flight); the device read below
-    only serves callers without one.
-    """
-    from prefixserve.attention.plan import make_plan
-
-    tables = meta.block_tables
-    if tables.device.type != "cpu":  # plan into CPU tensors, from the host copy when there is one
-        host = tables.cpu() if meta.block_tables_np is None else torch.from_numpy(meta.block_tables_np)
-        meta = dataclasses.replace(meta, block_tables=host, plan=None, stats={})
-    return make_plan(meta)
-
-
-def plan_to_device(plan: Any, device: torch.device) -> Any:
-    """Move a host SharedPlan's tensors to ``device`` with one asynchronous copy (shapes kept)."""
-    if device.type == "cpu":
-        return plan
-    host = [getattr(plan, name) for name in SharedPlan.TENSOR_FIELDS]
-    flat = to_device_packed([t.numpy() for t in host], device)
-    for name, h, d in zip(SharedPlan.TENSOR_FIELDS, host, flat, strict=True):
-        setattr(plan, name, d.view(h.shape))
-    return plan
-
-
-def _seg_rows_host(plan: Any, meta: AttentionMetadata) -> np.ndarray:
-    """Query rows of every segment's holders, holder-major (what plan.seg_rows holds on the device)."""
-    holders = np.fromiter(itertools.chain.from_iterable(plan.seg_holders_host), dtype=np.int64)
-    qlens = np.asarray(meta.query_lens_host, dtype=np.int64)
-    qsl = np.r_[0, np.cumsum(qlens)]
-    counts = qlens[holders]
-    offsets = np.r_[0, np.cumsum(counts)[:-1]]
-    return np.repeat(qsl[holders] - offsets, counts) + np.arange(int(counts.sum()))
+    return paged_attention, shared_attention, mixed_rule
 
 
 @register_backend
@@ -179,14 +132,16 @@ class TritonPagedBackend(AttentionBackend):
         sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
         if lay is not None and lay.signature == sig:
             for launch, pos, _ in lay.launches:
-                _relaunch(launch, pos, (q, k_cache, v_cache, out))
+                relaunch_layer(launch, pos, (q, k_cache, v_cache, out))
             return out
         step.layouts[key] = self._paged_first(q, k_cache, v_cache, meta, step, scale, out, sig)
         return out
 
     def _paged_first(self, q, k_cache, v_cache, meta, step: TritonStep, scale: float, out, sig) -> _Layout:
         """Launch the plain paged path through Triton's normal path and record it for later layers."""
-        paged, _, merge = _kernels()
+        from prefixserve.attention.kernels import merge
+
+        paged, _, _ = _kernels()
         tokens, q_heads, dim = q.shape
         kv_heads = k_cache.shape[2]
         group = q_heads // kv_heads
@@ -199,7 +154,7 @@ class TritonPagedBackend(AttentionBackend):
         lse = torch.empty(splits * tokens, q_heads, dtype=torch.float32, device=q.device)
         if splits == 1:
             launch = paged.launch_paged(*args, step.max_query_len, 1, size, out, lse, 0, 0, block_n)
-            lay.launches = [(launch, _PAGED_OUT, False)] if launch is not None else []
+            lay.launches = [(launch, PAGED_OUT, False)] if launch is not None else []
             return lay
         o_part = torch.empty(splits * tokens, q_heads, dim, dtype=torch.float32, device=q.device)
         launch = paged.launch_paged(
@@ -211,7 +166,7 @@ class TritonPagedBackend(AttentionBackend):
         )
         lay.o_part, lay.lse_part = o_part, lse  # held: the recorded launches point at them
         if launch is not None:
-            lay.launches = [(launch, _PAGED_PART, False)] + [(m, _MERGE, False) for m in rec]
+            lay.launches = [(launch, PAGED_PART, False)] + [(m, MERGE, False) for m in rec]
         return lay
 
 
@@ -248,7 +203,7 @@ class TritonBackend(TritonPagedBackend):
         meta.stats["cascade"] = 1.0 if plan.num_segments else 0.0
         step = self._paged_step(meta)
         if plan.num_segments > 0:
-            step.seg_rows_host = _seg_rows_host(plan, meta)
+            step.seg_rows_host = seg_rows_host(plan, meta)
             step.seg_blocks_host = plan.seg_blocks.numpy()
             step.shared = plan_to_device(plan, meta.block_tables.device)
         meta.plan = step
@@ -295,7 +250,7 @@ class TritonBackend(TritonPagedBackend):
 
     def _shared_first(self, q, k_cache, v_cache, meta, step: TritonStep, lay: _Layout, scale, out, side):
         """Launch shared + own + merge through Triton's normal path; return the recorded launches."""
-        paged, shared_mod, _ = _kernels()
+        paged, shared_mod, mixed_rule = _kernels()
         plan = step.shared
         tokens, q_heads, dim = q.shape
         ns = lay.work.num_slots
@@ -311,7 +266,7 @@ class TritonBackend(TritonPagedBackend):
         )
 
         merge_into = csr_merge(lay.o_part, lay.lse_part, tokens, lay.row_ptr, lay.part_idx, out)
-        if lay.mixed and mixed_gluon().eligible(q, k_cache, v_cache, lay.work.block_m, lay.work.block_n):
+        if lay.mixed and mixed_rule.eligible(q, k_cache, v_cache, lay.work.block_m, lay.work.block_n):
             step_lists = (plan.seg_rows, lay.work.items, plan.own_block_tables, plan.own_seq_lens)
             parts = (lay.o_part, lay.lse_part, ns)
             return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, lay.mixed)
@@ -332,128 +287,6 @@ class TritonBackend(TritonPagedBackend):
         )
 
 
-def mixed_gluon() -> Any:
-    """The mixed kernel's module (Gluon; imported on first use, like the other kernels)."""
-    from prefixserve.attention.kernels import mixed_gluon
-
-    return mixed_gluon
-
-
-def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], block_size: int, device) -> int:
-    """Decode sequences per own-kernel program for a shared step; ``shape`` = (Hq, Hkv, D, element size).
-
-    Packed (``decode_pack``) only on own-heavy steps (``own_heavy``) that still give every SM two
-    programs: at B=16-64 packing left SMs idle (B=16, P=1K, S=512: 0.033 -> 0.055 ms; NOTES.md v6).
-    """
-    paged, shared_mod, _ = _kernels()
-    q_heads, kv_heads, dim, elt = shape
-    group = q_heads // kv_heads
-    pack = paged.decode_pack(group, 1)
-    if pack == 1 or -(-num_seqs // pack) * kv_heads < 2 * paged.num_sms(device):
-        return 1
-    return pack if shared_mod.own_heavy(plan, block_size, kv_heads, group, dim, elt) else 1
-
-
-def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
-    """(holder rows x KV tokens summed over segments, own KV tokens): a step's shared FLOPs and own
-    bytes, up to constant factors (``use_mixed`` weighs one against the other)."""
-    rows = np.diff(plan.seg_row_start_host)
-    seg_tokens = np.diff(plan.seg_block_start_host) * block_size
-    return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
-
-
-def csr_merge(o_part, lse_part, rows: int, row_ptr, part_idx, out) -> Callable[[list], Any]:
-    """The step's CSR merge of its partials into ``out``, as the ``launch_*_path`` functions take it:
-    called with a list, it launches and records its launch there."""
-    _, _, merge = _kernels()
-    return lambda rec: merge.merge_partials(
-        o_part, lse_part, rows, row_ptr=row_ptr, part_idx=part_idx, out=out, want_lse=False, launches=rec
-    )
-
-
-Recorded = tuple[Any, tuple[int, int, int, int], bool]  # (launch, per-layer argument positions, on side)
-
-
-def launch_split_path(
-    shared: Callable[[], Any], own: Callable[[], Any], merge: Callable[[list], Any], side: Any
-) -> list[Recorded]:
-    """Shared kernel (on ``side`` when given, concurrent with the own kernel), own kernel, join, merge.
-
-    Launches through Triton's normal path and returns the records that ``replay_launches`` repeats
-    for the step's later layers (eager) or that a graph capture replays (``graph_attention.py``).
-    """
-    launches: list[Recorded] = []
-    main = torch.cuda.current_stream() if side is not None else None
-    if side is not None:
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            sl = shared()
-    else:
-        sl = shared()
-    if sl is not None:
-        launches.append((sl, _SHARED, side is not None))
-    ol = own()
-    if ol is not None:
-        launches.append((ol, _PAGED_PART, False))
-    if side is not None:
-        main.wait_stream(side)
-    rec: list[Any] = []
-    merge(rec)
-    return launches + [(m, _MERGE, False) for m in rec]
-
-
-def launch_mixed_path(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-    step_lists: tuple[torch.Tensor, ...],  # (segment rows, work items, own tables, own lengths)
-    parts: tuple[torch.Tensor, torch.Tensor, int],  # (o_part, lse_part, first own slot)
-    merge: Callable[[list], Any],
-    own_m: int,
-) -> list[Recorded]:
-    """The mixed launch (a decode step's shared and own tiles, one own partial per row; own tiles of
-    ``own_m`` rows), then the merge; the eager path and the decode graphs both launch it here."""
-    paged, _, _ = _kernels()
-    o_part, lse_part, own_slot0 = parts
-    launch = mixed_gluon().launch_mixed(
-        q,
-        k_cache,
-        v_cache,
-        *step_lists,
-        o_part,
-        lse_part,
-        scale,
-        own_slot0=own_slot0,
-        programs=paged.num_sms(q.device),
-        own_m=own_m,
-    )
-    rec: list[Any] = []
-    merge(rec)
-    return [(launch, _SHARED, False)] + [(m, _MERGE, False) for m in rec]
-
-
-def replay_launches(launches: list[Recorded], tensors: tuple[torch.Tensor, ...], side: Any) -> None:
-    """Relaunch recorded launches with this layer's (q, k_cache, v_cache, out), side stream included.
-
-    The main stream joins the side stream before the merge only if this call forked it: a graph
-    capture must see both ends of every fork (a paged-only path never forks).
-    """
-    main, forked = None, False
-    for launch, pos, on_side in launches:
-        if on_side and side is not None:
-            main = torch.cuda.current_stream(tensors[0].device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                _relaunch(launch, pos, tensors)
-            forked = True
-            continue
-        if forked and pos is _MERGE:
-            main.wait_stream(side)
-            forked = False
-        _relaunch(launch, pos, tensors)
-
-
 def build_layout(
     meta: AttentionMetadata,
     step: TritonStep,
@@ -472,7 +305,10 @@ def build_layout(
     fitted to shared memory by element size (fp32 needs narrower tiles than bf16). ``pack``: decode
     sequences per own-kernel program; ``mixed``: one mixed launch where eligible (None: ``use_mixed``'s rule).
     """
-    paged, shared_mod, merge_mod = _kernels()
+    from prefixserve.attention.kernels import merge as merge_mod
+    from prefixserve.attention.kernels.shared_plan import plan_work_for
+
+    paged, _, mixed_rule = _kernels()
     plan = step.shared
     group = q_heads // kv_heads
     tokens = sum(meta.query_lens_host)
@@ -486,12 +322,12 @@ def build_layout(
     seg_blocks = step.seg_blocks_host
     if seg_blocks is None:  # a step planned elsewhere (e.g. benchmarks): read the blocks back once
         seg_blocks = plan.seg_blocks.cpu().numpy()
-    work = shared_mod.plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype)
+    work = plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype)
     ns = work.num_slots
     shared_row_tokens, own_tokens = step_sizes(plan, meta.block_size)
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
-    mixed = mixed_gluon().mixed_rows(  # own tile rows, 0: two kernels
+    mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
         device,
         dtype,
         shape,

@@ -1,0 +1,116 @@
+"""Triton device building blocks of the attention kernels: one online-softmax step, the two products,
+a paged KV walk, and a tile's (o, lse).
+
+Scores are fp32, the softmax runs in base 2 with log2(e) folded into the scale, and the LSE comes out
+in natural log; a row that sees no key gets o = 0 and lse = -inf (true -inf, guarded so that it never
+produces NaN). The paged kernel (``paged_attention.py``), the packed decode kernel
+(``packed_decode.py``) and the shared-segment kernel (``shared_attention.py``) are built from these.
+"""
+
+from __future__ import annotations
+
+from prefixserve.attention.kernels import require_triton
+
+triton, tl = require_triton()
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, qk_scale):
+    """One online-softmax update from unscaled fp32 scores s: (p, alpha, new max, new sum).
+
+    The scale is applied inside the exponent (one FMA per score, not a multiply and a subtract);
+    rows with no visible key so far keep max -inf and get p = 0, never NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def qk_scores(q, k, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Unscaled fp32 scores q @ k^T ([BLOCK_M, BLOCK_N])."""
+    if UPCAST:  # the CPU interpreter's dot mishandles bf16: same values, fp32 product
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+
+
+@triton.jit
+def accumulate_pv(acc, alpha, p, v, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc * alpha + p @ v, with the product accumulated in place (no second accumulator tile)."""
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        return tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def attend_range(
+    q,  # [BLOCK_M, HEAD_DIM] input dtype
+    m_i,  # [BLOCK_M] fp32, running max (base-2 units)
+    l_i,  # [BLOCK_M] fp32, running sum
+    acc,  # [BLOCK_M, HEAD_DIM] fp32
+    k_base,  # k_cache pointer at this KV head
+    v_base,
+    table_ptr,  # block ids of this KV run: token n lives in block table_ptr[n // BLOCK_SIZE]
+    kv_lo,
+    kv_hi,  # tokens [kv_lo, kv_hi) of the run
+    limit,  # [BLOCK_M] int32: row m sees tokens n < limit[m]
+    qk_scale,  # softmax scale * log2(e)
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASKED: tl.constexpr = True,
+    STAGES: tl.constexpr = None,
+):
+    """Online softmax of a query tile over KV tokens [kv_lo, kv_hi) of a paged run (shared by kernels).
+
+    ``MASKED=False`` is for callers that guarantee whole tiles every row may see (the shared kernel's
+    non-causal body): no per-element masks or selects, which cost ALU time on the compute-bound path.
+    ``STAGES`` overrides the kernel's pipelining depth for this loop (None: the kernel's): a loop of at
+    most one tile gains nothing from it, and its buffers would take shared memory from the main loop.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=STAGES):
+        n = start + offs_n
+        if MASKED:
+            n_ok = n < kv_hi
+            blk = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(table_ptr + n // BLOCK_SIZE).to(tl.int64)
+        within = (n % BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :]
+        if MASKED:  # noqa: SIM108 (a constexpr branch: no masks compiled in)
+            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = qk_scores(q, k, DOT_PREC, UPCAST)
+        if MASKED:
+            visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+        v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:  # noqa: SIM108
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def finish_rows(m_i, l_i, acc):
+    """(o, natural-log lse) of a tile; rows that saw nothing give o = 0, lse = -inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return o, lse

@@ -1,0 +1,97 @@
+"""Host work of a step on the Triton path, shared by the eager backend (``triton_backend.py``) and the
+decode graphs (``graph_attention.py``): the shared plan made on the host and moved to the device in one
+asynchronous copy, and the per-step rules (own pack, shared / own sizes).
+
+Nothing here reads the device: the engine's metadata carries host copies of the block tables and
+lengths, and a blocking copy would wait for the step in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.plan import SharedPlan, make_plan
+
+
+def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Copy int32 host arrays to ``device`` in one asynchronous copy; returns 1-d views, in order.
+
+    On CUDA the staging tensor is pinned (torch's caching host allocator, which keeps it alive until
+    the copy is done), so the host does not wait; elsewhere it is a plain copy.
+    """
+    sizes = [int(a.size) for a in arrays]
+    flat = np.concatenate([np.ascontiguousarray(a, dtype=np.int32).ravel() for a in arrays] or [np.zeros(0)])
+    host = torch.from_numpy(flat.astype(np.int32, copy=False))
+    dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    offsets = np.r_[0, np.cumsum(sizes)].tolist()
+    return [dev[a:b] for a, b in itertools.pairwise(offsets)]
+
+
+def host_plan(meta: AttentionMetadata) -> Any:
+    """``make_plan`` on the host: every tensor of the returned SharedPlan is a CPU tensor.
+
+    The engine's metadata carries a host copy of the block tables (``block_tables_np``), so nothing
+    is read back from the device (which would wait for the step in flight); the device read below
+    only serves callers without one.
+    """
+    tables = meta.block_tables
+    if tables.device.type != "cpu":  # plan into CPU tensors, from the host copy when there is one
+        host = tables.cpu() if meta.block_tables_np is None else torch.from_numpy(meta.block_tables_np)
+        meta = dataclasses.replace(meta, block_tables=host, plan=None, stats={})
+    return make_plan(meta)
+
+
+def plan_to_device(plan: Any, device: torch.device) -> Any:
+    """Move a host SharedPlan's tensors to ``device`` with one asynchronous copy (shapes kept)."""
+    if device.type == "cpu":
+        return plan
+    host = [getattr(plan, name) for name in SharedPlan.TENSOR_FIELDS]
+    flat = to_device_packed([t.numpy() for t in host], device)
+    for name, h, d in zip(SharedPlan.TENSOR_FIELDS, host, flat, strict=True):
+        setattr(plan, name, d.view(h.shape))
+    return plan
+
+
+def seg_rows_host(plan: Any, meta: AttentionMetadata) -> np.ndarray:
+    """Query rows of every segment's holders, holder-major (what plan.seg_rows holds on the device)."""
+    holders = np.fromiter(itertools.chain.from_iterable(plan.seg_holders_host), dtype=np.int64)
+    qlens = np.asarray(meta.query_lens_host, dtype=np.int64)
+    qsl = np.r_[0, np.cumsum(qlens)]
+    counts = qlens[holders]
+    offsets = np.r_[0, np.cumsum(counts)[:-1]]
+    return np.repeat(qsl[holders] - offsets, counts) + np.arange(int(counts.sum()))
+
+
+def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], block_size: int, device) -> int:
+    """Decode sequences per own-kernel program for a shared step; ``shape`` = (Hq, Hkv, D, element size).
+
+    Packed (``decode_pack``) only on own-heavy steps (``own_heavy``) that still give every SM two
+    programs: at B=16-64 packing left SMs idle (B=16, P=1K, S=512: 0.033 -> 0.055 ms; NOTES.md v6).
+    """
+    from prefixserve.attention.kernels import tiles
+    from prefixserve.attention.kernels.packed_decode import decode_pack
+    from prefixserve.attention.kernels.shared_plan import own_heavy
+
+    q_heads, kv_heads, dim, elt = shape
+    group = q_heads // kv_heads
+    pack = decode_pack(group, 1)
+    if pack == 1 or -(-num_seqs // pack) * kv_heads < 2 * tiles.num_sms(device):
+        return 1
+    return pack if own_heavy(plan, block_size, kv_heads, group, dim, elt) else 1
+
+
+def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
+    """(holder rows x KV tokens summed over segments, own KV tokens): a step's shared FLOPs and own
+    bytes, up to constant factors (``use_mixed`` weighs one against the other)."""
+    rows = np.diff(plan.seg_row_start_host)
+    seg_tokens = np.diff(plan.seg_block_start_host) * block_size
+    return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
+
+
+__all__ = ["host_plan", "own_pack_rule", "plan_to_device", "seg_rows_host", "step_sizes", "to_device_packed"]
