@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -105,86 +105,19 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     n_blocks = -(-seq_lens // bs)  # [S] table length
     n_cand = (seq_lens - query_lens) // bs  # [S] full blocks wholly before the first query token
     tables = _host_tables(meta)  # [S, W] int32, zero-padded
-    width = tables.shape[1]
     if num_seqs < 2 or int(n_cand.max(initial=0)) == 0:
         return _no_sharing(meta, seq_lens, n_blocks, tables)
-
-    # heads: row 0, and every entry whose block or candidate status differs from the entry above.
-    # The last column is never a candidate (it holds a query token or padding), so every candidate
-    # has a successor entry.
-    novel = tables[1:] != tables[:-1]  # [S-1, W]
-    lo = np.minimum(n_cand[1:], n_cand[:-1])  # candidate status differs in columns [lo, hi) of row s
-    hi = np.maximum(n_cand[1:], n_cand[:-1])
-    if (hi > lo).any():
-        novel.ravel()[_ranges(np.arange(0, (num_seqs - 1) * width, width) + lo, hi - lo)] = True
-    heads = np.concatenate((np.arange(width), np.flatnonzero(novel) + width))  # [H] row-major
-    head_s = heads // width
-    head_i = heads - head_s * width
-    flat = tables.ravel()
-    head_blk = flat[heads].astype(np.intp)
-    nb = int(head_blk.max()) + 1  # the sentinel key "not a candidate" (every block value is in a head)
-    head_cand = n_cand[head_s]
-    is_cand = head_i < head_cand  # [H]
-    key = np.where(is_cand, head_blk, nb)  # [H]
-
-    # run length of each head: rows down to the next head of its column
-    by_col = np.argsort(head_i.astype(np.uint16) if width <= 65536 else head_i, kind="stable")
-    col_i = head_i[by_col]
-    col_s = head_s[by_col]
-    next_s = np.empty_like(col_s)
-    next_s[:-1] = col_s[1:]
-    next_s[np.flatnonzero(col_i[1:] != col_i[:-1])] = num_seqs  # a column's last head
-    next_s[-1] = num_seqs
-    run_len = np.empty_like(col_s)
-    run_len[by_col] = next_s - col_s  # [H]
-    holders = np.bincount(key, weights=run_len, minlength=nb + 1).astype(np.int64)  # candidate entries
-    holders[nb] = 0
+    heads = _head_entries(tables, n_cand)
+    # holders of each block: candidate entries, the run lengths below its heads summed
+    holders = np.bincount(heads.key, weights=heads.run_len, minlength=heads.nb + 1).astype(np.int64)
+    holders[heads.nb] = 0
     is_shared = holders >= 2  # [nb+1]
     if not is_shared.any():
         return _no_sharing(meta, seq_lens, n_blocks, tables)
-
-    # every distinct (candidate, successor) pair starts at a candidate head or just left of a head
-    cand_heads = heads[is_cand]
-    left = (head_i > 0) & (head_i <= head_cand)  # the entry left of this head is a candidate
-    cur = np.concatenate((head_blk[is_cand], flat[heads[left] - 1]))
-    after = np.where(head_i[is_cand] + 1 < head_cand[is_cand], flat[cand_heads + 1], nb)
-    succ = np.concatenate((after, key[left]))
-
-    # join[b]: b runs on into its successor (the same successor in every holder, as many holders)
-    sh = is_shared[cur]
-    rep_next = np.full(nb + 1, nb, dtype=np.intp)  # [nb+1]
-    rep_next[cur[sh]] = succ[sh]  # one holder's successor (any one will do)
-    join = is_shared & (rep_next != nb) & (holders[rep_next] == holders)
-    join[cur[sh & (rep_next[cur] != succ)]] = False
-    # a shared block starts a segment iff it has no predecessor or its predecessor does not run on
-    is_start = np.zeros(nb + 1, dtype=bool)
-    is_start[key[head_i == 0]] = True
-    is_start[succ[~join[cur]]] = True
-    is_start &= is_shared
-
-    # one start entry per (segment, holder): the runs below the heads that start a segment;
-    # a segment is named by its first block, its holders in batch order
-    starts = is_start[key]
-    start_run = run_len[starts]
-    start_s = _ranges(head_s[starts], start_run)
-    start_i = np.repeat(head_i[starts], start_run)
-    start_blk = np.repeat(key[starts], start_run)
-    order = np.lexsort((start_i, start_s, start_blk))
-    sorted_blk = start_blk[order]
-    new_seg = np.empty(len(order), dtype=bool)
-    new_seg[0] = True
-    np.not_equal(sorted_blk[1:], sorted_blk[:-1], out=new_seg[1:])
-    first = np.flatnonzero(new_seg)  # [G]
-    holder_seqs = start_s[order]  # [sum of holders]
-    if ((holder_seqs[1:] == holder_seqs[:-1]) & ~new_seg[1:]).any():
-        raise ValueError("a block appears twice in one sequence's block table")
-    holder_start = np.append(first, len(order))  # [G+1]
-    rep = order[first]  # a representative start entry per segment
-    seg_len = _segment_lengths(flat, width, start_s[rep], start_i[rep], n_cand, join, is_shared, rep_next)
-    seg_block_start = np.zeros(len(first) + 1, dtype=np.int64)  # [G+1]
-    np.cumsum(seg_len, out=seg_block_start[1:])
-    seg_blocks = tables[np.repeat(start_s[rep], seg_len), _ranges(start_i[rep], seg_len)]
-
+    join, rep_next, is_start = _segment_links(heads, tables.ravel(), is_shared, holders)
+    seg_blocks, seg_block_start, seg_len, holder_seqs, holder_start = _segments(
+        heads, tables, n_cand, (join, is_shared, rep_next, is_start)
+    )
     # query rows of each segment: every row of every holder, holder-major
     if len(query_lens) == int(query_lens.sum()):  # decode: one row per sequence, row = sequence
         seg_rows, seg_row_start = holder_seqs, holder_start
@@ -193,26 +126,9 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
         np.cumsum(query_lens, out=qsl[1:])
         row_counts = query_lens[holder_seqs]  # [sum of holders]
         seg_rows = _ranges(qsl[holder_seqs], row_counts)
-        seg_row_start = np.zeros(len(first) + 1, dtype=np.int64)  # [G+1]
-        np.cumsum(np.add.reduceat(row_counts, first), out=seg_row_start[1:])
-
-    # own parts: unshared candidates (each differs from the entry above, so it is a head; heads are
-    # in row-major order) followed by each table's non-candidate tail, order kept
-    lone = is_cand & ~is_shared[key]
-    lone_s = head_s[lone]
-    lone_n = np.bincount(lone_s, minlength=num_seqs)  # [S]
-    tail_n = n_blocks - n_cand  # [S] >= 1
-    own_n = lone_n + tail_n  # [S] own blocks
-    own_tables = np.zeros((num_seqs, int(own_n.max())), dtype=np.int32)
-    lone_first = np.cumsum(lone_n) - lone_n  # [S] index of each row's first lone head
-    own_tables[lone_s, np.arange(len(lone_s)) - lone_first[lone_s]] = head_blk[lone]
-    if len(tail_n) == int(tail_n.sum()):  # decode: each tail is the block holding the query token
-        every = np.arange(num_seqs)
-        own_tables[every, lone_n] = tables[every, n_cand]
-    else:
-        tail_s = np.repeat(np.arange(num_seqs), tail_n)
-        tail_j = _ranges(np.zeros(num_seqs, dtype=np.int64), tail_n)
-        own_tables[tail_s, lone_n[tail_s] + tail_j] = tables[tail_s, n_cand[tail_s] + tail_j]
+        seg_row_start = np.zeros(len(holder_start), dtype=np.int64)  # [G+1]
+        np.cumsum(np.add.reduceat(row_counts, holder_start[:-1]), out=seg_row_start[1:])
+    own_tables, own_n = _own_parts(heads, is_shared, tables, n_cand, n_blocks)
     own_seq_lens = seq_lens - (n_blocks - own_n) * bs  # [S]
 
     kv_read = int(seg_block_start[-1]) * bs + int(own_seq_lens.sum())
@@ -232,6 +148,142 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
         seg_block_start_host=seg_block_start.tolist(),
         seg_row_start_host=list(bounds) if seg_row_start is holder_start else seg_row_start.tolist(),
     )
+
+
+class _Heads(NamedTuple):
+    """The head entries of a step's [S, W] tables (row 0, and every entry whose block or candidate
+    status differs from the entry above it), row-major, and what each one says."""
+
+    flat: np.ndarray  # [H] index into the flattened table
+    s: np.ndarray  # [H] row (sequence)
+    i: np.ndarray  # [H] column (table entry)
+    blk: np.ndarray  # [H] block id
+    cand: np.ndarray  # [H] its row's candidate count
+    is_cand: np.ndarray  # [H] bool: the entry is a candidate
+    key: np.ndarray  # [H] block id, or nb for "not a candidate"
+    nb: int  # the sentinel key (1 + the largest block id)
+    run_len: np.ndarray  # [H] rows down to the next head of its column
+
+
+def _head_entries(tables: np.ndarray, n_cand: np.ndarray) -> _Heads:
+    """The heads of ``tables`` and the run of equal keys below each one.
+
+    The last column is never a candidate (it holds a query token or padding), so every candidate
+    has a successor entry.
+    """
+    num_seqs, width = len(n_cand), tables.shape[1]
+    novel = tables[1:] != tables[:-1]  # [S-1, W]
+    lo = np.minimum(n_cand[1:], n_cand[:-1])  # candidate status differs in columns [lo, hi) of row s
+    hi = np.maximum(n_cand[1:], n_cand[:-1])
+    if (hi > lo).any():
+        novel.ravel()[_ranges(np.arange(0, (num_seqs - 1) * width, width) + lo, hi - lo)] = True
+    heads = np.concatenate((np.arange(width), np.flatnonzero(novel) + width))  # [H] row-major
+    head_s = heads // width
+    head_i = heads - head_s * width
+    head_blk = tables.ravel()[heads].astype(np.intp)
+    nb = int(head_blk.max()) + 1  # the sentinel key "not a candidate" (every block value is in a head)
+    head_cand = n_cand[head_s]
+    is_cand = head_i < head_cand  # [H]
+    key = np.where(is_cand, head_blk, nb)  # [H]
+
+    # run length of each head: rows down to the next head of its column
+    by_col = np.argsort(head_i.astype(np.uint16) if width <= 65536 else head_i, kind="stable")
+    col_i = head_i[by_col]
+    col_s = head_s[by_col]
+    next_s = np.empty_like(col_s)
+    next_s[:-1] = col_s[1:]
+    next_s[np.flatnonzero(col_i[1:] != col_i[:-1])] = num_seqs  # a column's last head
+    next_s[-1] = num_seqs
+    run_len = np.empty_like(col_s)
+    run_len[by_col] = next_s - col_s  # [H]
+    return _Heads(heads, head_s, head_i, head_blk, head_cand, is_cand, key, nb, run_len)
+
+
+def _segment_links(
+    h: _Heads, flat: np.ndarray, is_shared: np.ndarray, holders: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(join, rep_next, is_start) over block ids: whether a block runs on into its successor (the same
+    successor in every holder, as many holders), one holder's successor, whether it starts a segment."""
+    nb = h.nb
+    # every distinct (candidate, successor) pair starts at a candidate head or just left of a head
+    cand_heads = h.flat[h.is_cand]
+    left = (h.i > 0) & (h.i <= h.cand)  # the entry left of this head is a candidate
+    cur = np.concatenate((h.blk[h.is_cand], flat[h.flat[left] - 1]))
+    after = np.where(h.i[h.is_cand] + 1 < h.cand[h.is_cand], flat[cand_heads + 1], nb)
+    succ = np.concatenate((after, h.key[left]))
+
+    # join[b]: b runs on into its successor (the same successor in every holder, as many holders)
+    sh = is_shared[cur]
+    rep_next = np.full(nb + 1, nb, dtype=np.intp)  # [nb+1]
+    rep_next[cur[sh]] = succ[sh]  # one holder's successor (any one will do)
+    join = is_shared & (rep_next != nb) & (holders[rep_next] == holders)
+    join[cur[sh & (rep_next[cur] != succ)]] = False
+    # a shared block starts a segment iff it has no predecessor or its predecessor does not run on
+    is_start = np.zeros(nb + 1, dtype=bool)
+    is_start[h.key[h.i == 0]] = True
+    is_start[succ[~join[cur]]] = True
+    is_start &= is_shared
+    return join, rep_next, is_start
+
+
+def _segments(
+    h: _Heads, tables: np.ndarray, n_cand: np.ndarray, links: tuple[np.ndarray, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(seg_blocks, seg_block_start [G+1], blocks per segment, holder rows, holder_start [G+1]).
+
+    One start entry per (segment, holder): the runs below the heads that start a segment; a segment is
+    named by its first block, its holders in batch order.
+    """
+    join, is_shared, rep_next, is_start = links
+    flat, width = tables.ravel(), tables.shape[1]
+    starts = is_start[h.key]
+    start_run = h.run_len[starts]
+    start_s = _ranges(h.s[starts], start_run)
+    start_i = np.repeat(h.i[starts], start_run)
+    start_blk = np.repeat(h.key[starts], start_run)
+    order = np.lexsort((start_i, start_s, start_blk))
+    sorted_blk = start_blk[order]
+    new_seg = np.empty(len(order), dtype=bool)
+    new_seg[0] = True
+    np.not_equal(sorted_blk[1:], sorted_blk[:-1], out=new_seg[1:])
+    first = np.flatnonzero(new_seg)  # [G]
+    holder_seqs = start_s[order]  # [sum of holders]
+    if ((holder_seqs[1:] == holder_seqs[:-1]) & ~new_seg[1:]).any():
+        raise ValueError("a block appears twice in one sequence's block table")
+    holder_start = np.append(first, len(order))  # [G+1]
+    rep = order[first]  # a representative start entry per segment
+    seg_len = _segment_lengths(flat, width, start_s[rep], start_i[rep], n_cand, join, is_shared, rep_next)
+    seg_block_start = np.zeros(len(first) + 1, dtype=np.int64)  # [G+1]
+    np.cumsum(seg_len, out=seg_block_start[1:])
+    seg_blocks = tables[np.repeat(start_s[rep], seg_len), _ranges(start_i[rep], seg_len)]
+    return seg_blocks, seg_block_start, seg_len, holder_seqs, holder_start
+
+
+def _own_parts(
+    h: _Heads, is_shared: np.ndarray, tables: np.ndarray, n_cand: np.ndarray, n_blocks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(own block tables [S, max own blocks], own blocks per sequence [S]).
+
+    Own parts are the unshared candidates (each differs from the entry above, so it is a head; heads
+    are in row-major order) followed by each table's non-candidate tail, order kept.
+    """
+    num_seqs = len(n_cand)
+    lone = h.is_cand & ~is_shared[h.key]
+    lone_s = h.s[lone]
+    lone_n = np.bincount(lone_s, minlength=num_seqs)  # [S]
+    tail_n = n_blocks - n_cand  # [S] >= 1
+    own_n = lone_n + tail_n  # [S] own blocks
+    own_tables = np.zeros((num_seqs, int(own_n.max())), dtype=np.int32)
+    lone_first = np.cumsum(lone_n) - lone_n  # [S] index of each row's first lone head
+    own_tables[lone_s, np.arange(len(lone_s)) - lone_first[lone_s]] = h.blk[lone]
+    if len(tail_n) == int(tail_n.sum()):  # decode: each tail is the block holding the query token
+        every = np.arange(num_seqs)
+        own_tables[every, lone_n] = tables[every, n_cand]
+    else:
+        tail_s = np.repeat(np.arange(num_seqs), tail_n)
+        tail_j = _ranges(np.zeros(num_seqs, dtype=np.int64), tail_n)
+        own_tables[tail_s, lone_n[tail_s] + tail_j] = tables[tail_s, n_cand[tail_s] + tail_j]
+    return own_tables, own_n
 
 
 SCAN_SLACK = 1024  # segment lengths by scanning rows while that costs at most 4 x shared blocks + this
