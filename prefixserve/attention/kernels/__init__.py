@@ -22,6 +22,10 @@ imports included; tests/kernels/test_kernel_imports.py checks it):
     mixed_gluon: the mixed kernel (shared and own tiles in one launch);
   * step_plan, step_launch: a step's host plan and launch paths, shared by the eager backend and the
     decode graphs;  graph_attention: the decode graphs' attention;  triton_backend: the backends.
+
+docs/kernels.md explains the kernels and every choice, with the variants that lost and the last
+commit that had each. "NOTES.md vN" in comments names an entry of the measurement diary
+docs/benchmarks/NOTES.md, which docs/kernels.md replaced (``git show 1132ca8:docs/benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
