@@ -35,6 +35,9 @@ class EngineConfig:
     kv_memory_fraction: float | None = None  # None: 0.85 of free GPU memory, 0.1 of RAM on a CPU
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 256
+    # offline batches (BatchLLM memory-centric batching): group members are admitted while the KV pool
+    # stays under this share of its blocks; online requests are admitted while blocks last
+    kv_admit_threshold: float = 0.9
     max_model_len: int | None = None  # None: the model's context length (capped by the pool)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps are captured and replayed on CUDA)
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.kv_admit_threshold <= 1.0:
+            raise ValueError(f"kv_admit_threshold must be in (0, 1], got {self.kv_admit_threshold}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

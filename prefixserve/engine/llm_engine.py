@@ -29,8 +29,9 @@ from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.scheduler import Scheduler, SchedulerOutput
-from prefixserve.sequence import Request, Sequence
+from prefixserve.sequence import Request, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ class Engine:
         self.max_model_len = min(context, num_blocks * bs)
         self.pool = BlockPool(num_blocks, bs)
         self.blocks = BlockManager(self.pool, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_batched_tokens, config.max_num_seqs, config.kv_admit_threshold
+        )
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.graphs is not None
         )
@@ -175,11 +178,13 @@ class Engine:
         cache_salt: str | None = None,
         stream: bool = False,
         application: str | None = None,
+        queue: bool = True,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
 
         ``application`` names a pinned system prompt: the prompt is put after it unless it already
-        starts with it (a chat rendered with that system message).
+        starts with it (a chat rendered with that system message). ``queue=False`` leaves the request
+        for ``add_group`` (offline batches), which queues it as a member of a prefix-sharing group.
         """
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -221,10 +226,19 @@ class Engine:
         req = Request(request_id, prompt, tokens, positions, params, cache_salt, stream=stream)
         self.requests[request_id] = req
         self._new_sequence(req, 0, list(tokens), list(positions))
-        self.scheduler.add(req.sequences[0])
+        if queue:
+            self.scheduler.add(req.sequences[0])
         self.counters["requests_total"] += 1
         self.counters["prompt_tokens_total"] += len(tokens)
         return req
+
+    def add_group(self, requests: list[Request], prefix_len: int) -> None:
+        """Queue requests added with ``queue=False`` as one prefix-sharing group (BatchLLM): the first
+        computes the shared ``prefix_len`` tokens, the group holds them until its last member ends."""
+        seqs = [r.sequences[0] for r in requests]
+        if any(s.status is not SeqStatus.WAITING or s.block_table for s in seqs):
+            raise ValueError("add_group takes requests added with queue=False and not yet queued")
+        self.scheduler.add_group(GroupJob(members=seqs, prefix_len=prefix_len))
 
     def _new_sequence(self, req: Request, index: int, tokens: list[int], positions: list[int]) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index, tokens, positions)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
+from prefixserve.engine.grouping import queue_groups
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
 
@@ -50,12 +52,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         application: str | None = None,
+        schedule: str = "online",
+        grouping: str = "first_level",
     ) -> list[RequestOutput]:
         """Run every prompt to completion (continuously batched); outputs come back in prompt order.
 
         ``application`` names a pinned system prompt (``LLM(system_prompts={name: text})``) that
-        every prompt is put after.
+        every prompt is put after. ``schedule="batch"`` plans the whole list first (BatchLLM): prompts
+        that share a prefix run as one group whose prefix is computed once and held until the group
+        ends, groups ordered by Eq. 3; ``grouping`` is ``first_level`` (Algorithm 1) or ``tree``.
         """
+        if schedule not in ("online", "batch"):
+            raise ValueError(f"schedule {schedule!r} is not one of online, batch")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -63,9 +71,12 @@ class LLM:
             raise ValueError("no prompts given: pass a prompt or a non-empty list of prompts")
         params = self._params_per_prompt(sampling_params, len(prompts))
         order: list[str] = []
+        queue = schedule == "online"
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                order.append(self._add(prompt, p, application=application))
+                order.append(self._add(prompt, p, application=application, queue=queue))
+            if not queue:
+                queue_groups(self.engine, [self.engine.requests[r] for r in order], grouping)
         except Exception:
             for request_id in order:  # nothing half-queued stays behind
                 self.engine.abort(request_id, report=False)
@@ -96,6 +107,15 @@ class LLM:
             conversations = [c if c and c[0].get("role") == "system" else [system, *c] for c in conversations]  # type: ignore[union-attr,list-item]
         prompts: list[Prompt] = [self.render_chat(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm, application=application)
+
+    def batch(
+        self, path_in: str | Path, path_out: str | Path, grouping: str = "first_level", progress: bool = True
+    ) -> dict[str, Any]:
+        """Answer an OpenAI Batch input file (JSONL) into ``path_out`` as the server would answer each
+        row, grouped by shared prefix; a second call with the same paths resumes where one stopped."""
+        from prefixserve.entrypoints.batch_runner import run_batch_file  # pydantic: the server's parsing
+
+        return run_batch_file(self.engine, path_in, path_out, grouping, progress)
 
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> str:
         for m in conversation:
@@ -135,11 +155,18 @@ class LLM:
         return params
 
     def _add(
-        self, prompt: Prompt, params: SamplingParams, stream: bool = False, application: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        stream: bool = False,
+        application: str | None = None,
+        queue: bool = True,
     ) -> str:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
-            self.engine.add_request(request_id, prompt, params, stream=stream, application=application)
+            self.engine.add_request(
+                request_id, prompt, params, stream=stream, application=application, queue=queue
+            )
         elif isinstance(prompt, dict):
             self.engine.add_request(
                 request_id,
@@ -150,6 +177,7 @@ class LLM:
                 cache_salt=prompt.get("cache_salt"),
                 stream=stream,
                 application=prompt.get("application", application),
+                queue=queue,
             )
         else:
             raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")

@@ -1,8 +1,8 @@
 """The offline plan of a batch (BatchLLM): prefix-sharing groups in run order, and what they save.
 
 ``plan_batch`` takes every request's prompt token ids before anything runs, builds the compact
-prefix tree per cache salt (KV never crosses salts), groups the requests and orders the groups by
-Eq. 3. Two groupings:
+prefix tree per cache salt (KV never crosses salts; any hashable key works), groups the requests
+and orders the groups by Eq. 3. Two groupings:
 
 - ``first_level`` (BatchLLM Algorithm 1): prefixes enlarged by forking, one level per group;
 - ``tree``: the tree's own first level as groups, with members in tree order so deeper shared parts
@@ -13,7 +13,7 @@ Pure Python; ``BatchAnalysis`` is what ``prefixserve batch --analyze`` prints.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from prefixserve.scheduler.prefix_tree import (
@@ -90,14 +90,14 @@ class BatchPlan:
 
 def plan_batch(
     prompts: Sequence[Sequence[int]],
-    salts: Sequence[str | None] | None = None,
+    salts: Sequence[Hashable] | None = None,
     decode_lengths: Sequence[int] | None = None,
     grouping: str = "first_level",
 ) -> BatchPlan:
     """Group and order a batch's requests before it runs (see the module docstring)."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping {grouping!r} is not one of {', '.join(GROUPINGS)}")
-    by_salt: dict[str | None, list[int]] = {}
+    by_salt: dict[Hashable, list[int]] = {}
     for i in range(len(prompts)):
         by_salt.setdefault(None if salts is None else salts[i], []).append(i)
     groups: list[PrefixGroup] = []

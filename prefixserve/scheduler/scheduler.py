@@ -201,8 +201,9 @@ class Scheduler:
 
     # ---- offline groups (BatchLLM) ---------------------------------------------------------------
     def _under_threshold(self, seq: Sequence, num_tokens: int) -> bool:
-        """Memory-centric admission: would this chunk keep the pool under ``kv_admit_threshold``?"""
-        if self.kv_admit_threshold is None or not self.running:
+        """Memory-centric admission of group members: would this chunk keep the pool under the
+        threshold? Online requests are admitted while blocks last, as before."""
+        if self.kv_admit_threshold is None or not self.running or seq not in self._group_of:
             return True  # with nothing running, always make progress
         pool = self.blocks.pool
         new = self.blocks.blocks_needed(seq.num_computed_tokens + num_tokens) - len(seq.block_table)

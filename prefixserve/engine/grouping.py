@@ -1,0 +1,36 @@
+"""Queue an offline batch's requests as prefix-sharing groups (BatchLLM), planned over all of them.
+
+The plan is made on the requests' final token ids (after an application's pinned prompt), so what
+the scheduler holds for a group is exactly what its members' prompts start with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prefixserve.scheduler.offline import BatchPlan, plan_batch
+from prefixserve.sequence import Request
+
+DEFAULT_DECODE = 16  # decode length assumed for ordering when a request sets no max_tokens
+
+
+def queue_groups(engine: Any, requests: Sequence[Request], grouping: str = "first_level") -> BatchPlan:
+    """Plan prefix-sharing groups over requests added with ``queue=False`` and queue them in order.
+
+    Requests with their own position ids only share with prompts at the very same positions: their
+    positions join the key that keeps cache salts apart."""
+    keys = [
+        (r.cache_salt, None if r.prompt_positions == list(range(len(r.prompt_token_ids)))
+         else tuple(r.prompt_positions))
+        for r in requests
+    ]
+    plan = plan_batch(
+        [r.prompt_token_ids for r in requests],
+        salts=keys,
+        decode_lengths=[r.params.max_tokens or DEFAULT_DECODE for r in requests],
+        grouping=grouping,
+    )
+    for group in plan.groups:
+        engine.add_group([requests[i] for i in group.members], len(group.prefix))
+    return plan

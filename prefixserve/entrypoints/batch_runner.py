@@ -1,0 +1,214 @@
+"""Offline batch jobs (BatchLLM): plan the whole input, run it group by group, answer as rows finish.
+
+``submit_grouped`` queues every request of a batch at once, unscheduled, plans prefix-sharing groups
+over their final token ids (``scheduler.offline``) and hands the groups to the scheduler in run
+order. ``run_rows`` does that for OpenAI Batch rows and yields each row's output line as soon as all
+of its engine requests are done; ``run_batch_file`` adds the file, resume and a progress bar.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefixserve.engine.grouping import queue_groups
+from prefixserve.entrypoints.batch_file import (
+    BadRow,
+    BatchRow,
+    ResultWriter,
+    error_row,
+    finished_keys,
+    read_batch,
+    result_row,
+)
+from prefixserve.entrypoints.openai_prepare import OpenAIContext, Prepared, prepare, response_body
+from prefixserve.entrypoints.server_protocol import APIError, param_of
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.params import SamplingParams
+from prefixserve.scheduler.offline import BatchPlan
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One engine request of a batch, before it is queued."""
+
+    request_id: str
+    prompt: str | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    application: str | None = None
+
+
+def submit_grouped(
+    engine: Any, specs: Sequence[RequestSpec], grouping: str = "first_level"
+) -> tuple[list[ValueError | None], BatchPlan]:
+    """Queue ``specs`` as prefix-sharing groups; per spec, the ValueError that refused it (or None)."""
+    errors: list[ValueError | None] = []
+    queued = []
+    for spec in specs:
+        try:
+            req = engine.add_request(
+                spec.request_id,
+                spec.prompt,
+                spec.params,
+                prompt_token_ids=spec.prompt_token_ids,
+                cache_salt=spec.cache_salt,
+                application=spec.application,
+                queue=False,
+            )
+        except ValueError as exc:
+            errors.append(exc)
+            continue
+        errors.append(None)
+        queued.append(req)
+    return errors, queue_groups(engine, queued, grouping)
+
+
+class BatchProgress:
+    """A progress bar: rows done, generated tokens/s, and the prompt-token saving so far (Eq. 1)."""
+
+    def __init__(self, total: int, enabled: bool, initial: int = 0) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="row", disable=not enabled, dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.generated = self.prompt_tokens = self.cached_tokens = 0
+
+    def request_done(self, out: RequestOutput) -> None:
+        self.generated += sum(len(c.token_ids) for c in out.outputs)
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.cached_tokens += out.num_cached_tokens
+
+    @property
+    def saving(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def rows_done(self, count: int = 1) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        tok_s = f"{self.generated / elapsed:.0f}"
+        self.bar.set_postfix(tok_s=tok_s, saving=f"{self.saving:.1%}", refresh=False)
+        self.bar.update(count)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass(slots=True)
+class _RowState:
+    row: BatchRow
+    prep: Prepared
+    ids: list[str]
+    finals: dict[str, RequestOutput] = field(default_factory=dict)
+
+
+def _prepare_rows(
+    ctx: OpenAIContext, rows: Sequence[BatchRow]
+) -> tuple[list[_RowState], list[dict[str, Any]]]:
+    """Check each row's body as the server would; bodies it would refuse become 4xx rows now."""
+    states, answered = [], []
+    for row in rows:
+        try:
+            if row.body.get("stream"):
+                raise APIError(400, "stream is not supported in a batch", param="stream")
+            prep = prepare(ctx, row.url, row.body)
+        except APIError as exc:
+            answered.append(result_row(row.custom_id, exc.status, exc.body()))
+            continue
+        ids = [f"batch-{row.line}-{i}" for i in range(len(prep.prompts))]
+        states.append(_RowState(row, prep, ids))
+    return states, answered
+
+
+def run_rows(
+    engine: Any,
+    rows: Sequence[BatchRow],
+    grouping: str = "first_level",
+    on_request: Callable[[RequestOutput], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Run OpenAI Batch rows on ``engine`` grouped by shared prefix; yield each output line when ready."""
+    ctx = OpenAIContext(model=engine.model_name, tokenizer=engine.tokenizer,
+                        system_prompts=dict(engine.config.system_prompts))
+    states, answered = _prepare_rows(ctx, rows)
+    yield from answered
+    specs = []
+    for st in states:
+        req = st.prep.req
+        for rid, prompt in zip(st.ids, st.prep.prompts, strict=True):
+            text, tokens = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            specs.append(RequestSpec(rid, text, st.prep.params, tokens, req.cache_salt, req.application))
+    errors, _ = submit_grouped(engine, specs, grouping)
+    refused = {spec.request_id: err for spec, err in zip(specs, errors, strict=True) if err is not None}
+    owner: dict[str, _RowState] = {}
+    for st in states:
+        failed = next((refused[i] for i in st.ids if i in refused), None)
+        if failed is None:
+            owner.update((i, st) for i in st.ids)
+            continue
+        for i in st.ids:  # the server refuses the whole request: so does the batch
+            if i not in refused:
+                engine.abort(i, report=False)
+        param, code = param_of(str(failed), st.prep.prompt_field)
+        yield result_row(st.row.custom_id, 400, APIError(400, str(failed), param=param, code=code).body())
+    while owner:
+        for out in engine.step():
+            st = owner.get(out.request_id)
+            if st is None or not out.finished:
+                continue
+            del owner[out.request_id]
+            if on_request is not None:
+                on_request(out)
+            st.finals[out.request_id] = out
+            if len(st.finals) == len(st.ids):
+                yield _answer(ctx, st)
+
+
+def _answer(ctx: OpenAIContext, st: _RowState) -> dict[str, Any]:
+    finals = [st.finals[i] for i in st.ids]
+    if any(c.finish_reason == "error" for f in finals for c in f.outputs):
+        error = APIError(500, "the engine failed while running this request", code="engine_error")
+        return result_row(st.row.custom_id, 500, error.body())
+    return result_row(st.row.custom_id, 200, response_body(ctx, st.prep, finals))
+
+
+def pending_rows(path_in: str | Path, path_out: str | Path) -> tuple[list[BatchRow | BadRow], int]:
+    """Input rows not yet answered in ``path_out`` (its torn tail cut off), and how many are."""
+    rows = read_batch(path_in)
+    done = finished_keys(path_out)
+    todo = [r for r in rows if _key(r) not in done]
+    return todo, len(rows) - len(todo)
+
+
+def _key(row: BatchRow | BadRow) -> str:
+    return f"line:{row.line}" if isinstance(row, BadRow) else row.custom_id
+
+
+def run_batch_file(
+    engine: Any,
+    path_in: str | Path,
+    path_out: str | Path,
+    grouping: str = "first_level",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Answer every row of an OpenAI Batch input file into ``path_out``; resumes where it stopped."""
+    todo, skipped = pending_rows(path_in, path_out)
+    bar = BatchProgress(len(todo) + skipped, progress, initial=skipped)
+    written = errors = 0
+    with ResultWriter(path_out) as writer:
+        for bad in (r for r in todo if isinstance(r, BadRow)):
+            writer.write(error_row(bad))
+            written += 1
+            errors += 1
+            bar.rows_done()
+        good = [r for r in todo if isinstance(r, BatchRow)]
+        for row in run_rows(engine, good, grouping, on_request=bar.request_done):
+            writer.write(row)
+            written += 1
+            errors += row["response"] is None or row["response"]["status_code"] != 200
+            bar.rows_done()
+    bar.close()
+    return {"rows_written": written, "rows_skipped": skipped, "error_rows": errors,
+            "prompt_saving": round(bar.saving, 4)}
