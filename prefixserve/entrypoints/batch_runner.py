@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixserve.engine.grouping import queue_groups
+from prefixserve.engine.grouping import DEFAULT_DECODE, queue_groups
 from prefixserve.entrypoints.batch_file import (
     BadRow,
     BatchRow,
@@ -28,7 +28,7 @@ from prefixserve.entrypoints.openai_prepare import OpenAIContext, Prepared, prep
 from prefixserve.entrypoints.server_protocol import APIError, param_of
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.scheduler.offline import BatchPlan
+from prefixserve.scheduler.offline import BatchPlan, plan_batch, shard_groups
 
 
 @dataclass(slots=True)
@@ -212,3 +212,70 @@ def run_batch_file(
     bar.close()
     return {"rows_written": written, "rows_skipped": skipped, "error_rows": errors,
             "prompt_saving": round(bar.saving, 4)}
+
+
+# ---- planning without the model: --analyze and sharding over replicas ------------------------------
+@dataclass(slots=True)
+class RowPlan:
+    """Rows checked and tokenized as the engine would see them, and the batch's group plan over them."""
+
+    states: list[_RowState]  # rows that will run, in input order
+    answered: list[dict[str, Any]]  # rows whose bodies the server would refuse (4xx lines)
+    plan: BatchPlan  # over every prompt of every running row
+    row_of_request: list[int]  # plan member index -> index into ``states``
+
+
+def plan_rows(
+    tokenizer: Any,
+    model_name: str,
+    system_prompts: dict[str, str],
+    rows: Sequence[BatchRow],
+    grouping: str = "first_level",
+) -> RowPlan:
+    """Check and tokenize every row (an application's pinned prompt put first, as the engine does)
+    and plan prefix-sharing groups over all their prompts, without loading the model."""
+    from prefixserve.engine.pinned import render_system_prompt
+
+    ctx = OpenAIContext(model=model_name, tokenizer=tokenizer, system_prompts=dict(system_prompts))
+    states, answered = _prepare_rows(ctx, rows)
+    pinned = {name: render_system_prompt(tokenizer, text) for name, text in system_prompts.items()}
+    prompts, salts, decode, row_of = [], [], [], []
+    for k, st in enumerate(states):
+        head = pinned.get(st.prep.req.application or "", [])
+        for p in st.prep.prompts:
+            ids = tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+            prompts.append(ids if ids[: len(head)] == head else head + ids)
+            salts.append(st.prep.req.cache_salt)
+            decode.append(st.prep.params.max_tokens or DEFAULT_DECODE)
+            row_of.append(k)
+    return RowPlan(states, answered, plan_batch(prompts, salts, decode, grouping), row_of)
+
+
+def analyze_batch_file(
+    tokenizer: Any, model_name: str, system_prompts: dict[str, str], path_in: str | Path,
+    grouping: str = "first_level", block_size: int = 16,
+) -> dict[str, Any]:
+    """What ``prefixserve batch --analyze`` prints: the token saving (Eq. 1) of the full prefix tree,
+    of the best one-level grouping and of the plan, the groups' sizes, and the KV the plan holds."""
+    rows = read_batch(path_in)
+    good = [r for r in rows if isinstance(r, BatchRow)]
+    planned = plan_rows(tokenizer, model_name, system_prompts, good, grouping)
+    report = planned.plan.analysis.to_dict(block_size)
+    report.update(grouping=grouping, rows=len(rows), unreadable_rows=len(rows) - len(good),
+                  refused_rows=len(planned.answered))
+    return report
+
+
+def shard_rows(planned: RowPlan, num_shards: int) -> list[list[BatchRow]]:
+    """Rows split over replicas by prefix-sharing group, balanced by prefill tokens; a group never
+    spans two replicas, and a row goes with the group of its first prompt."""
+    first_group: dict[int, int] = {}
+    for g, group in enumerate(planned.plan.groups):
+        for member in group.members:
+            first_group.setdefault(planned.row_of_request[member], g)
+    shards = shard_groups(planned.plan.groups, num_shards)
+    shard_of_group = {id(group): s for s, shard in enumerate(shards) for group in shard}
+    out: list[list[BatchRow]] = [[] for _ in range(num_shards)]
+    for k, st in enumerate(planned.states):
+        out[shard_of_group[id(planned.plan.groups[first_group[k]])]].append(st.row)
+    return out

@@ -1,4 +1,4 @@
-"""The ``prefixserve`` command: generate, chat, bench and serve, each on the default model by default."""
+"""The ``prefixserve`` command: generate, chat, bench, batch and serve, on the default model by default."""
 
 from __future__ import annotations
 
@@ -152,6 +152,53 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    """An OpenAI Batch file, grouped by shared prefix (BatchLLM); --analyze plans it without the model."""
+    if not Path(args.input).is_file():
+        raise ValueError(f"batch input {args.input!r} not found")
+    if args.analyze:
+        return _analyze(args)
+    if not args.output:
+        raise ValueError("give the output file: prefixserve batch INPUT.jsonl -o OUTPUT.jsonl")
+    if args.ray:
+        from prefixserve.distributed.ray_batch import run_batch_file_ray
+
+        config = engine_config_from_args(args)
+        summary = run_batch_file_ray(
+            config, args.input, args.output, args.replicas, args.grouping, not args.no_progress
+        )
+    else:
+        llm = _make_llm(args)
+        summary = llm.batch(args.input, args.output, args.grouping, progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from prefixserve.entrypoints.args import read_system_prompts
+    from prefixserve.entrypoints.batch_runner import analyze_batch_file
+    from prefixserve.model.loader import tokenizer_for
+
+    name, tokenizer = tokenizer_for(args.model)
+    if tokenizer is None:
+        raise ValueError(f"model {name!r} has no tokenizer to analyze a batch with")
+    systems = read_system_prompts(args.system_prompt)
+    report = analyze_batch_file(tokenizer, name, systems, args.input, args.grouping, args.block_size)
+    table = Table(title=f"batch plan: {args.input} ({args.grouping} grouping)")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for key, value in report.items():
+        shown = f"{value:.1%}" if key.endswith("saving") else value
+        table.add_row(key.replace("_", " "), str(shown))
+    Console().print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from prefixserve.entrypoints.server import serve
@@ -191,6 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="also write the report as JSON here")
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser(
+        "batch", help="run an OpenAI Batch file (JSONL), grouped by shared prefix; resumable"
+    )
+    t.add_argument("input", help="OpenAI Batch input: one request per line (custom_id, method, url, body)")
+    t.add_argument("-o", "--output", default=None, help="output JSONL (appended; a rerun resumes)")
+    t.add_argument("--analyze", action="store_true", help="print the plan and its token saving, run nothing")
+    t.add_argument("--json", default=None, help="with --analyze: also write the report as JSON here")
+    t.add_argument("--grouping", default="first_level", choices=["first_level", "tree"])
+    t.add_argument("--ray", action="store_true", help="spread the groups over Ray replicas")
+    t.add_argument("--replicas", type=int, default=None, help="with --ray: replicas (default: GPUs, or 2)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(t)
+    t.set_defaults(func=cmd_batch)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")

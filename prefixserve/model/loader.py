@@ -187,12 +187,28 @@ def load_model(
         config = ModelConfig.from_json(source.path)
         model = _materialize(config, dtype, device)
         _init_dummy(model, seed)
-        tok_dir = source.path.parent if (source.path.parent / "tokenizer_config.json").exists() else None
-        return model.eval(), tok_dir
+        return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
     model = _materialize(config, torch.float32, device)
     _load_hf_weights(model, directory)
     return model.to(dtype).eval(), directory
+
+
+def _dummy_tokenizer_dir(source: ModelSource) -> Path | None:
+    """A dummy config's own tokenizer files beside it, if any (else the default model's is used)."""
+    return source.path.parent if (source.path.parent / "tokenizer_config.json").exists() else None
+
+
+def tokenizer_for(model: str | None, progress: bool = True) -> tuple[str, Any]:
+    """The model's name and tokenizer without loading its weights (batch analysis, Ray drivers)."""
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        directory: Path | None = convert_gguf(source.path, progress=progress)
+    elif source.kind == "hf":
+        directory = source.path
+    else:
+        directory = _dummy_tokenizer_dir(source)
+    return source.name, load_tokenizer(directory)
 
 
 def load_tokenizer(directory: Path | None) -> Any:

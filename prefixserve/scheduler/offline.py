@@ -76,7 +76,7 @@ class BatchAnalysis:
             "optimal_saving": round(self.optimal_saving, 4),
             "first_level_optimum_saving": round(self.first_level_saving, 4),
             "planned_saving": round(self.planned_saving, 4),
-            "kv_plan": self.kv_plan(block_size),
+            **{f"kv_plan_{k}": v for k, v in self.kv_plan(block_size).items()},
         }
 
 

@@ -1,0 +1,96 @@
+"""``prefixserve batch``: --analyze without the model, and kill -9 at random points, then resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prefixserve.entrypoints.cli import main
+from tests.conftest import TINY_CONFIG
+
+
+def _write_input(path: Path, rows: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"]
+    lines = []
+    for g in range(rows // 4):
+        system = " ".join(rng.choice(words) for _ in range(50))
+        for m in range(4):
+            body = {"messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": f"item {m} of set {g}"}],
+                    "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            lines.append({"custom_id": f"g{g}-m{m}", "method": "POST", "url": "/v1/chat/completions",
+                          "body": body})
+    rng.shuffle(lines)
+    text = [json.dumps(x) for x in lines]
+    text.insert(len(text) // 2, '{"custom_id": "torn", "method": "PO')  # a bad line stays an error row
+    path.write_text("\n".join(text) + "\n")
+
+
+def _tiny(tmp_path: Path) -> str:
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY_CONFIG))
+    return f"dummy:{cfg}"
+
+
+def test_analyze_prints_the_plan_without_running(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "in.jsonl"
+    _write_input(src, 16)
+    report = tmp_path / "plan.json"
+    assert main(["batch", str(src), "--analyze", "--model", _tiny(tmp_path), "--json", str(report)]) == 0
+    shown = capsys.readouterr().out
+    assert "planned saving" in shown and "first level optimum saving" in shown
+    data = json.loads(report.read_text())
+    assert data["requests"] == 16 and data["groups"] == 4 and data["unreadable_rows"] == 1
+    assert 0.5 < data["planned_saving"] <= data["first_level_optimum_saving"] <= data["optimal_saving"]
+    assert main(["batch", str(tmp_path / "missing.jsonl"), "--analyze"]) == 2
+    assert main(["batch", str(src), "--model", _tiny(tmp_path)]) == 2  # no -o
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def _run(args: list[str], out: Path, kill_at_line: int | None = None) -> int | None:
+    """Run the command; with ``kill_at_line``, SIGKILL it once the output has that many lines."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefixserve", "batch", *args, "-o", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if kill_at_line is None:
+        return proc.wait(timeout=300)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and _lines(out) < kill_at_line and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    return None
+
+
+def test_kill_at_random_points_then_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    src, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    _write_input(src, 160)
+    args = [str(src), "--model", _tiny(tmp_path), "--no-progress", "--max-num-seqs", "8"]
+    assert _run(args, ref) == 0
+    rng = random.Random(1)
+    done = []
+    for _ in range(4):  # each run is killed a random number of rows past where the last one stopped
+        _run(args, out, kill_at_line=_lines(out) + rng.randint(1, 50))
+        done.append(_lines(out))
+        for line in out.read_text().splitlines()[:-1]:
+            json.loads(line)  # every line but a torn tail is whole
+    assert 0 < done[0] < done[-1] < 161  # the kills landed mid-run
+    assert _run(args, out) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    keys = [r["custom_id"] if r["error"] is None else r["error"]["message"].split(":")[0] for r in rows]
+    assert len(keys) == len(set(keys)) == 161  # every row exactly once, the bad line included
+    want = {r["custom_id"]: r for r in map(json.loads, ref.read_text().splitlines()) if r["error"] is None}
+    got = {r["custom_id"]: r for r in rows if r["error"] is None}
+    assert got.keys() == want.keys()
+    for cid, row in got.items():  # greedy: the same answers, however often the run was killed
+        assert row["response"]["body"]["choices"] == want[cid]["response"]["body"]["choices"]

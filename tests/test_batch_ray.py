@@ -1,0 +1,86 @@
+"""Offline batches on a local Ray cluster: 2 replicas of the default model on the CPU.
+
+The driver shards rows by prefix-sharing group; output lines must equal the single-process run's
+(greedy), and a rerun resumes. Ray Data's ``map_batches`` with the processor class too."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from prefixserve import LLM
+from prefixserve.config import EngineConfig
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield ray
+    ray.shutdown()
+
+
+def _input(path: Path) -> None:
+    rng = random.Random(0)
+    topics = ["the ocean", "volcanoes", "old maps"]
+    rows = []
+    for t, topic in enumerate(topics):
+        system = f"You are a patient teacher. Every answer is about {topic}, in plain words. " * 3
+        for q in range(3):
+            body = {"messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": f"Tell me fact number {q + 1}."}],
+                    "max_tokens": 6, "temperature": 0}
+            rows.append({"custom_id": f"t{t}q{q}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": body})
+    rng.shuffle(rows)
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {}})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _choices(path: Path) -> dict[str, list]:
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return {r["custom_id"]: (r["response"] or {}).get("body", {}).get("choices") for r in rows}
+
+
+def test_ray_replicas_match_one_process_and_resume(local_ray, default_llm: LLM, tmp_path: Path) -> None:
+    from prefixserve.distributed.ray_batch import run_batch_file_ray
+
+    src, one, many = tmp_path / "in.jsonl", tmp_path / "one.jsonl", tmp_path / "ray.jsonl"
+    _input(src)
+    default_llm.batch(src, one, progress=False)
+    config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=512)
+    summary = run_batch_file_ray(config, src, many, replicas=2, progress=False)
+    assert summary["replicas"] == 2 and summary["rows_written"] == 10 and summary["error_rows"] == 1
+    assert _choices(many) == _choices(one)
+    again = run_batch_file_ray(config, src, many, replicas=2, progress=False)
+    assert again["rows_written"] == 0 and again["rows_skipped"] == 10
+
+
+def test_ray_data_map_batches(local_ray) -> None:
+    from prefixserve.distributed.ray_batch import PrefixserveProcessor
+
+    head = "Answer with one word. The question is about colours: "
+    prompts = [head + q for q in ("sky?", "grass?", "snow?", "coal?")]
+    ds = ray.data.from_items([{"prompt": p} for p in prompts])
+    out = ds.map_batches(
+        PrefixserveProcessor,
+        fn_constructor_kwargs={"max_tokens": 4, "dtype": "float32", "device": "cpu", "num_kv_blocks": 256},
+        concurrency=2,
+        batch_size=2,
+    ).take_all()
+    assert sorted(r["prompt"] for r in out) == sorted(prompts)
+    direct = LLM(dtype="float32", device="cpu", num_kv_blocks=256, progress=False)
+    want = {p: o.outputs[0].text for p, o in zip(prompts, direct.generate(prompts, _greedy(4)), strict=True)}
+    assert {r["prompt"]: r["generated_text"] for r in out} == want
+
+
+def _greedy(n: int):
+    from prefixserve import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0)
