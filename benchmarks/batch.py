@@ -119,8 +119,13 @@ def run(args: argparse.Namespace) -> None:
                     row[f"{mode}_x"] = round(r["req_s"] / base["req_s"], 3)
                     same = sum(a == b for a, b in zip(r["tokens"], base["tokens"], strict=True))
                     row[f"{mode}_same_greedy"] = round(same / len(prompts), 4)
-            print({k: v for k, v in row.items()})
+            print({k: v for k, v in row.items()}, flush=True)
             rows.append(row)
+            _save(args, llm, rows)  # after every point: a run cut short keeps what it measured
+    report(*_save(args, llm, rows))
+
+
+def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], Path]:
     payload = {
         **run_info(), "model": args.model, "gen": args.gen, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": llm.engine.pool.num_blocks,
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
         kept = [r for r in json.loads(old.read_text())["rows"] if key(r) not in done]
         payload["rows"] = sorted(kept + rows, key=lambda r: (-r["prefix"], r["distinct"], r["degree"]))
     (out / f"{_name(payload)}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    report(payload, out)
+    return payload, out
 
 
 def _name(payload: dict[str, Any]) -> str:
