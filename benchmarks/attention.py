@@ -505,7 +505,7 @@ def summary(rows: list[dict[str, Any]], copy_tbps: float) -> list[str]:
         "reads again hit in L2",
         "",
         "Where the remaining gap to T* goes (kernel alone, overlap, L2), with measurements: "
-        "`NOTES.md`, sections v4 to v19; the board's power cap: `power.md` and the section below.",
+        "`docs/kernels.md` §2.4, §2.5 and §5; the board's power cap: `power.md` and the section below.",
     ]
 
 
@@ -569,7 +569,7 @@ def power_lines(result: dict[str, Any], out_dir: Path) -> list[str]:
     if under:
         lines.append(
             f"- {'; '.join(under)}: within the limit at full clock; the gap is the kernel's own "
-            "(NOTES.md v10-v19)."
+            "(docs/kernels.md §5)."
         )
     return lines
 
@@ -633,13 +633,15 @@ def gap_table(result: dict[str, Any]) -> list[str]:
                 f"B={r['B']}, P={r['P']}, S={r['S']}: call {r['shared_ms']:.3f} ms ({need:.3f} needed)"
                 for r, need in mixed_rows
             )
-            + ". The two-kernel parts at these points, and the mixed kernel's own costs: NOTES.md v8 to v19."
+            + ". The two-kernel parts at these points, and the mixed kernel's own costs: "
+            "docs/kernels.md §2.5."
         )
     if own_share:
         lines.append(
             f"- At the bytes-bound points the own kernel alone takes {100 * min(own_share):.0f}-"
             f"{100 * max(own_share):.0f}% of the time that meets the target; the rest must hide the shared "
-            "kernel and the merge under the own KV reads, on the same SMs at the same time (NOTES.md v7)."
+            "kernel and the merge under the own KV reads, on the same SMs at the same time "
+            "(docs/kernels.md §2.4)."
         )
     return lines
 

@@ -63,7 +63,7 @@ def measure(
     # Warm-up: the same batch shape and lengths with other tokens, so kernels compile and the decode
     # graphs of this run are captured before the clock starts. As long as the timed run: its graph keys
     # change as the own parts grow (capacities, the kernel choice), and a key first met in the timed
-    # window costs a capture plus any Triton compiles it needs (~0.5-3 s; NOTES.md v10)
+    # window costs a capture plus any Triton compiles it needs (~0.5-3 s; docs/kernels.md §6)
     llm.generate(
         warm, SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, max_tokens=gen, ignore_eos=True)
     )

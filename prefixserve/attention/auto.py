@@ -59,7 +59,7 @@ class GpuCascadeCost:
     on the H200 it read 1.07 GB (B=64, 4,096-token shared prefix) in 0.177 ms, about 6 TB/s, above HBM
     because the re-read prefix partly hits L2 (docs/benchmarks/attention.md). ``overhead_s`` is the
     shared path's extra cost per layer over the plain paged one in the eager engine, measured on the
-    H200 (NOTES.md, "Engine eager overhead"): at B=64, P=4K its step took 7-9 ms more over 32 layers
+    H200 (docs/kernels.md §2.7): at B=64, P=4K its step took 7-9 ms more over 32 layers
     (two more launches, the per-step plan, layout and first-layer binding), about 250 us per layer,
     although its attention kernels alone are faster. The eager step is host-bound, so GPU time saved
     below that does not show. With it, the shared path is taken at B=256, P=4K (saves ~0.7 ms of
@@ -114,8 +114,8 @@ class AutoBackend(AttentionBackend):
     cost: CascadeCost = CascadeCost()
     gpu_cost: GpuCascadeCost = GpuCascadeCost()
     # Under a CUDA graph the shared path's extra launches cost no host time; what is left is the
-    # merge kernel and the dependent-launch latency, about 10 us per layer (NOTES.md). Recalibrated
-    # from docs/benchmarks/throughput.md (graphed engine).
+    # merge kernel and the dependent-launch latency, about 10 us per layer (docs/kernels.md §2.7).
+    # Recalibrated from docs/benchmarks/throughput.md (graphed engine).
     graph_cost: GpuCascadeCost = GpuCascadeCost(overhead_s=10e-6, min_segment_rows=0)
 
     def __init__(self) -> None:

@@ -66,7 +66,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
 
 def wgmma_serialized(ptx: str, ptxas: str) -> bool:
     """True when ``ptxas`` (run on the PTX) serializes the wgmmas: it does so where it cannot keep an
-    async product in flight, and the kernels' overlap depends on it (NOTES.md v18)."""
+    async product in flight, and the kernels' overlap depends on it (docs/kernels.md §2.5)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src:
         src.write(ptx)
         src.flush()

@@ -87,7 +87,7 @@ def test_own_rows_rule(monkeypatch) -> None:
 
 @pytest.mark.skipif(not shared_gluon.GLUON, reason="this Triton has no Gluon")
 def test_128_row_own_tiles_refuse_the_bundled_ptxas(monkeypatch) -> None:
-    """Without ptxas >= 12.9, a 128-row launch is refused by name, not miscompiled (NOTES.md v19)."""
+    """Without ptxas >= 12.9, a 128-row launch is refused by name, not miscompiled (kernels.md §2.5)."""
     monkeypatch.setattr(mixed_gluon, "NEWER_PTXAS", False)
     with pytest.raises(RuntimeError, match=r"ptxas >= 12\.9"):
         mixed_gluon.launch_mixed(*([None] * 12), own_m=128)
@@ -191,8 +191,8 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq,
     """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
     score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
     so o[d] = (head + 1) x (own tokens on d) / n, and lse = ln n. Every value is exact
-    in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (NOTES.md v16-
-    v19: the 128-row own tile built by ptxas 12.8 fails here, losing d 32-63 and 96-127). Shared memory
+    in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (docs/kernels.md
+    §2.5: the 128-row own tile built by ptxas 12.8 fails here, losing d 32-63 and 96-127). Shared memory
     is filled with NaN tiles first, and the partials are read after one launch, so stale reads show too."""
     _force_own_rows(monkeypatch, own_m)
     bs, dim, n_seqs, prefix = 16, 128, 128, 1024

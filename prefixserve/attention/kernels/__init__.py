@@ -24,8 +24,7 @@ imports included; tests/kernels/test_kernel_imports.py checks it):
     decode graphs;  graph_attention: the decode graphs' attention;  triton_backend: the backends.
 
 docs/kernels.md explains the kernels and every choice, with the variants that lost and the last
-commit that had each. "NOTES.md vN" in comments names an entry of the measurement diary
-docs/benchmarks/NOTES.md, which docs/kernels.md replaced (``git show 1132ca8:docs/benchmarks/NOTES.md``).
+commit that had each; "docs/kernels.md §N" in comments names its section.
 """
 
 from __future__ import annotations

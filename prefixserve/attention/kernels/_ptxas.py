@@ -3,7 +3,7 @@
 Triton 3.6 bundles two: CUDA 12.8's ``ptxas`` (what it uses for sm_90) and CUDA 12.9's
 ``ptxas-blackwell``. 12.8 miscompiles the mixed kernel with 128-row own tiles: on a process's first
 launch the P V products leave out P^T k-steps 2, 3, 6 and 7, with every operand right in shared
-memory, and its SASS reloads two 64-bit spill slots on a path that never stored them (NOTES.md v19).
+memory, and its SASS reloads two 64-bit spill slots on a path that never stored them (docs/kernels.md §2.5).
 12.9 builds the same PTX right, with no such reload. So where a ptxas of at least 12.9 is at hand,
 a compile-stage hook builds the mixed kernel's cubin with it (that kernel only), and the 128-row own
 tile is used only then.

@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args)`` binds and specialises every argument, hashes a cache key and looks the compiled
 kernel up on each call: tens of microseconds, which an eager 32-layer decode step pays per launch and
-per layer (docs/benchmarks/NOTES.md, "Engine eager overhead"). Every layer of a step launches the same
+per layer (docs/kernels.md §2.7). Every layer of a step launches the same
 kernels with the same grid, integers and strides; only the tensors of the layer (q, the layer's K/V
 cache, the output) change. So the first launch of a step goes through Triton's normal path and is
 recorded as a ``Launch``; later layers call ``relaunch``, which swaps those tensors into the recorded

@@ -65,7 +65,7 @@ def _merge_kernel(
 
     # one pass with a running max (as flash attention does over keys): a part's lse and o are loaded
     # together, so a row waits for memory count times, not 2 x count as with a max pass first
-    # (measured 5-8% faster over 64-1024 rows of 32 x 128; NOTES.md v9)
+    # (measured 5-8% faster over 64-1024 rows of 32 x 128; docs/kernels.md §2.6)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)

@@ -2,9 +2,9 @@
 
 Why: the shared kernel (``shared_gluon.py``) holds an SM's whole shared memory and register file
 while it runs, so the own kernel's KV streams only before or after it and a bytes-bound step costs
-about shared + own (NOTES.md v7). Here one program per SM walks every SM-th shared ticket (item,
-KV head) and an even share of the own tickets (sequence, group of KV heads) at the same time, with
-separate roles:
+about shared + own (docs/kernels.md §2.4). Here one program per SM walks every SM-th shared ticket
+(item, KV head) and an even share of the own tickets (sequence, group of KV heads) at the same time,
+with separate roles:
 
 - two shared warpgroups (64 query rows each) run the shared ticket's tiles (``_attend_tiles``, the
   shared kernel's loop), their query rows in registers, fed by a loader warp through a 3-deep ring
@@ -13,7 +13,7 @@ separate roles:
 
 Two rings, so that a shared tile held for its products never keeps the own tiles behind it out of
 flight, and a warpgroup of its own for the own math, so that it never waits behind a shared tile
-(NOTES.md v11; v8-v10 put both kinds of tile through one ring and the same two warpgroups).
+(docs/kernels.md §2.5; one ring for both kinds of tile, on the same two warpgroups, lost: §4).
 Programs without a shared ticket stream own KV only.
 
 The own tiles (tickets, loads, the transposed products) are ``mixed_own.py``'s; the rule that takes a
@@ -45,8 +45,8 @@ if GLUON:
     )
     from prefixserve.attention.kernels.mixed_own import _own_consumer, _own_load
 
-# The ring shapes (NOTES.md v11): the shared ring holds 64-token tiles, so that with the own ring
-# beside it (64-row tiles) both stay three deep in shared memory
+# The ring shapes (docs/kernels.md §2.5; other shapes lost, §4): the shared ring holds 64-token tiles,
+# so that with the own ring beside it (64-row tiles) both stay three deep in shared memory
 SHARED_N = 64
 SHARED_STAGES = 3
 OWN_STAGES = 3
@@ -271,7 +271,9 @@ def launch_mixed(
     launch, whose descriptors (args 3-6) are remade from a later layer's caches.
     """
     if own_m != OWN_M and not NEWER_PTXAS:
-        raise RuntimeError(f"{own_m}-row own tiles need ptxas >= 12.9 (12.8 miscompiles them; NOTES.md v19)")
+        raise RuntimeError(
+            f"{own_m}-row own tiles need ptxas >= 12.9 (12.8 miscompiles them; docs/kernels.md §2.5)"
+        )
     q_heads, dim = q.shape[1:]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     heads_per_tile, own_rows = own_tiling(q_heads, kv_heads, block_size, own_m)

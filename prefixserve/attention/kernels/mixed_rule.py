@@ -20,19 +20,19 @@ OWN_MAX_N = 32  # query heads of an own tile (padded to 8s: wgmma's N)
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
 # Own tiles of 128 rows (two wgmma M blocks) where own parts are short: half the own warpgroup's
 # chains (products, row max, P^T store) per byte, for one shared ring slot less. Measured at B=1024
-# (NOTES.md v19): GQA 4 -4 to -5% at S=128 (d 128), -4 to -9% at S=128-192 (d 64), level at S=192
-# (d 128), +1-2% at S=512 (long tickets) and +11% at B=256, P=16K, S=512; GQA 3 and GQA 8 (d 128)
+# (docs/kernels.md §2.5): GQA 4 -4 to -5% at S=128 (d 128), -4 to -9% at S=128-192 (d 64), level at
+# S=192 (d 128), +1-2% at S=512 (long tickets) and +11% at B=256, P=16K, S=512; GQA 3 and GQA 8 (d 128)
 # +2 to +6% at S=128-192. So at SHORT_OWN_GROUP only, below SHORT_OWN_TOKENS own tokens a sequence
 # (mean), and only where ptxas >= 12.9 builds the kernel (``_ptxas``).
 SHORT_OWN_M = 128
 SHORT_OWN_GROUP = 4
 SHORT_OWN_TOKENS = 192
-GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (NOTES.md v7)
+GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (docs/kernels.md §2.3, §2.5)
 COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
 MIN_OWN_SHARE = 0.5  # own time / shared time from which the mixed kernel pays
 # own tokens per sequence (mean) from which it pays: each own ticket costs about 1 us beyond its
-# tiles. One-tile tickets of one head (S=128, NOTES.md v8) lost at every point measured; tickets of
-# several heads won there (v10, v11); shorter own parts are not measured
+# tiles. One-tile tickets of one head (S=128) lost at every point measured; tickets of several heads
+# won there (docs/kernels.md §2.5); shorter own parts are not measured
 MIN_OWN_TOKENS = 128
 
 

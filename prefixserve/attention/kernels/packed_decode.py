@@ -218,7 +218,7 @@ def decode_pack(group: int, max_query_len: int) -> int:
     """Sequences per program for a decode step: enough to fill 16 tensor-core rows with GQA groups.
 
     A power of two (tile widths are), 1 for prefill rows or groups of more than 8 heads. Measured at
-    G=4 (H200, NOTES.md v6): 4 per program is 7% faster at B=256, S=512 and even at B=1024.
+    G=4 (H200, docs/kernels.md §2.1): 4 per program is 7% faster at B=256, S=512 and even at B=1024.
     """
     if max_query_len != 1 or group > 8:
         return 1

@@ -296,7 +296,7 @@ def launch_paged(
     if num_seqs == 0 or q.shape[0] == 0:
         return None
     group = q_heads // kv_heads
-    stages = num_stages or 2  # measured on H200 (bf16): NOTES.md
+    stages = num_stages or 2  # measured on H200 (bf16): docs/kernels.md §2.1
     strides = _strides(q, k_cache, v_cache, block_tables, o_dst, lse_dst, split_stride_o, split_stride_lse)
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, o_dst, lse_dst, scale * LOG2E)
     if pack > 1 and max_query_len == 1:
@@ -323,7 +323,7 @@ def launch_paged(
         BLOCK_SIZE=block_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype),
-        num_warps=num_warps or 4,  # measured on H200: NOTES.md
+        num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
     )
 

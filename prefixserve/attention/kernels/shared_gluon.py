@@ -8,7 +8,7 @@ gather their query rows, wait on mbarriers, run the wgmma products and the onlin
 the two warpgroups drift so that one's softmax runs beside the other's products, and each issues
 tile j+1's Q @ K^T before tile j's softmax (FA3's intra-warpgroup overlap, ``_attend_tiles``'s
 ``OVERLAP``; the mixed kernel runs the same loop without it). The loader keeps
-24 registers, the consumers get 240. Measured 1.2-1.4x the Triton kernel alone (NOTES.md v7).
+24 registers, the consumers get 240. Measured 1.2-1.4x the Triton kernel alone (docs/kernels.md §2.3).
 
 A program takes one (work item, KV head) ticket; the partitions walk tickets first .. end with a
 step (here one ticket), so that the mixed kernel (``mixed_gluon.py``), whose programs walk every
@@ -246,7 +246,7 @@ def launch_shared_gluon(
 
     Returns the recorded launch: args 0-2 are q, k_cache, v_cache and 3-4 their descriptors, remade
     from a later layer's caches on relaunch, as for the Triton kernel. The defaults are the shipped
-    configuration (NOTES.md v7).
+    configuration (docs/kernels.md §2.3).
     """
     q_heads, dim = q.shape[1:]
     kv_heads = k_cache.shape[2]

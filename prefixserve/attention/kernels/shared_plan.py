@@ -71,12 +71,13 @@ def pick_shared_tiles(
     """(BLOCK_M, BLOCK_N, num_stages) for the shared kernel, fitted to shared memory.
 
     Tall M tiles when many rows are stacked (fewer re-reads of the segment); the bf16 choice was
-    measured on the H200 (NOTES.md), and ``fit_tiles`` shrinks it for 4-byte elements or wider heads
-    so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed 256 KiB > 227 KiB).
+    measured on the H200 (docs/kernels.md §2.2), and ``fit_tiles`` shrinks it for 4-byte elements or
+    wider heads so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed 256 KiB > 227 KiB).
     """
     m = max_rows * group
     # 128-row tiles (two wgmma warpgroups) once the segment's work is large: at 256 rows they were
-    # 15-27% slower than 64-row tiles for a 4K segment but 18% faster for a 16K one (NOTES.md, v3)
+    # 15-27% slower than 64-row tiles for a 4K segment but 18% faster for a 16K one
+    # (docs/kernels.md §2.2)
     tall = m > 256 or m * max_tokens >= 256 * 8192
     block_m = 128 if tall else (64 if m > 16 else 16)
     block_m = max(block_m, next_power_of_2(group))
@@ -85,7 +86,7 @@ def pick_shared_tiles(
     return fit_tiles(block_m, block_n, stages, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
 
 
-# (BLOCK_N, num_stages), measured on the H200 (NOTES.md, "TMA loads"): 128-row tiles are compute-bound
+# (BLOCK_N, num_stages), measured on the H200 (docs/kernels.md §2.2): 128-row tiles are compute-bound
 # at large B; 16 / 64-row tiles are bandwidth-bound and split along KV
 SHARED_TALL = (128, 3)
 SHARED_SHORT = (64, 2)
@@ -195,7 +196,7 @@ def plan_shared_work(
         want = wave_splits(base_programs, num_sms(device), min(kmax, 64))
     else:
         # short tiles aim at one program per SM: fewer, longer splits stream better (B=16, P=16K:
-        # 58 -> 46 us; NOTES.md v5)
+        # 58 -> 46 us; docs/kernels.md §2.2)
         target = target_programs or num_sms(device)
         want = max(1, math.ceil(target / max(1, base_programs)))
     tiles = (block_n, rows_per_tile)
@@ -280,13 +281,11 @@ def plan_work_for(
         seg_block_start=bstart,
         block_size=block_size,
     )
-# The shared kernel's bf16 rate and the own kernel's read bandwidth, measured on the H200 (NOTES.md
-# v6): only their ratio is used, to tell a step whose own KV reads outlast its shared FLOPs.
-SHARED_TFLOPS, OWN_TBPS = 490.0, 4.0
 
 
-# The shared kernel's bf16 rate and the own kernel's read bandwidth, measured on the H200 (NOTES.md
-# v6): only their ratio is used, to tell a step whose own KV reads outlast its shared FLOPs.
+# The shared kernel's bf16 rate and the own kernel's read bandwidth, measured on the H200
+# (docs/kernels.md §2.1, §2.2): only their ratio is used, to tell a step whose own KV reads outlast
+# its shared FLOPs.
 SHARED_TFLOPS, OWN_TBPS = 490.0, 4.0
 OWN_HEAVY = 1.5  # own time / shared time from which a step counts as own-heavy
 
@@ -296,7 +295,7 @@ def own_heavy(plan: Any, block_size: int, kv_heads: int, group: int, head_dim: i
 
     Packed own programs (``packed_decode_program``) stream better alone but fill the shared
     kernel's tail worse: measured 5-6% faster at B=256, S=512, P <= 4K and 1-4% slower where the
-    shared part dominates (NOTES.md v6), so they are used only on own-heavy steps.
+    shared part dominates (docs/kernels.md §2.1), so they are used only on own-heavy steps.
     """
     flops, own_bytes = step_size(plan, block_size, kv_heads, group, head_dim, elt)
     return own_bytes / (OWN_TBPS * 1e12) >= OWN_HEAVY * flops / (SHARED_TFLOPS * 1e12)

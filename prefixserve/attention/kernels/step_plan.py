@@ -72,7 +72,7 @@ def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], bl
     """Decode sequences per own-kernel program for a shared step; ``shape`` = (Hq, Hkv, D, element size).
 
     Packed (``decode_pack``) only on own-heavy steps (``own_heavy``) that still give every SM two
-    programs: at B=16-64 packing left SMs idle (B=16, P=1K, S=512: 0.033 -> 0.055 ms; NOTES.md v6).
+    programs: at B=16-64 packing left SMs idle (B=16, P=1K, S=512: 0.033 -> 0.055 ms; docs/kernels.md §2.1).
     """
     from prefixserve.attention.kernels import tiles
     from prefixserve.attention.kernels.packed_decode import decode_pack

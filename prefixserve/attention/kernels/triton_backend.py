@@ -9,7 +9,7 @@ segment in the batch it runs the plain paged kernel alone (one launch, plus a sp
 "triton_paged" is the same paged kernel over whole block tables, no sharing: the baseline to beat.
 
 Host cost matters as much as kernel time in an eager decode step (32 layers, each a few launches;
-docs/benchmarks/NOTES.md "Engine eager overhead"), so the per-step work is done once and the per-layer
+docs/kernels.md §2.7), so the per-step work is done once and the per-layer
 work is kept to launches:
   * ``prepare`` plans on the host and moves every plan tensor to the device in one asynchronous copy
     from pinned memory (``make_plan`` alone would do seven blocking copies);
