@@ -63,7 +63,15 @@ def measure(llm: LLM, prompts: list[list[int]], gen: int, mode: str) -> dict[str
     hits = after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"]
     logical = sum(map(len, prompts))
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    def delta(key: str) -> float:
+        return round(after.get(key, 0) - before.get(key, 0), 4)
+
     return {
+        "steps": delta("steps_total"),
+        "gpu_busy_s": delta("gpu_busy_seconds_total"),
+        "gpu_idle_s": delta("gpu_idle_seconds_total"),
+        "kv_read_tokens": delta("attention_kv_tokens_read_total"),
+        "shared_segments": delta("shared_segments_total"),
         "seconds": round(seconds, 3),
         "req_s": round(len(prompts) / seconds, 3),
         "tok_s": round((logical + generated) / seconds, 1),
@@ -113,7 +121,8 @@ def run(args: argparse.Namespace) -> None:
                 results[mode] = measure(llm, prompts, args.gen, mode)
             base = results["online"]
             for mode, r in results.items():
-                keys = ("seconds", "req_s", "tok_s", "saving", "preemptions")
+                keys = ("seconds", "req_s", "tok_s", "saving", "preemptions", "steps", "gpu_busy_s",
+                        "gpu_idle_s", "kv_read_tokens", "shared_segments")
                 row.update({f"{mode}_{key}": r[key] for key in keys})
                 if mode != "online":
                     row[f"{mode}_x"] = round(r["req_s"] / base["req_s"], 3)
