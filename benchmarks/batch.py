@@ -181,6 +181,22 @@ def report(payload: dict[str, Any], out: Path) -> None:
             f"| {r['online_saving']:.1%} | {r['batch_saving']:.1%} | {r['batch_tree_saving']:.1%} "
             f"| {r['first_level_optimum']:.1%} | {r['optimal']:.1%} |"
         )
+    if all("online_gpu_busy_s" in r for r in payload["rows"]):
+        lines += [
+            "",
+            "Where the time goes (per mode: steps, GPU busy seconds, KV rows read by attention, shared "
+            "segments attended):",
+            "",
+            "| P/D | degree | mode | steps | GPU busy s | GPU idle s | KV rows read | shared segments |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in payload["rows"]:
+            for m in MODES:
+                lines.append(
+                    f"| {r['prefix']}/{r['distinct']} | {r['degree']} | {m} | {r[m + '_steps']:.0f} "
+                    f"| {r[m + '_gpu_busy_s']:.2f} | {r[m + '_gpu_idle_s']:.2f} "
+                    f"| {r[m + '_kv_read_tokens'] / 1e6:.0f}M | {r[m + '_shared_segments']:.0f} |"
+                )
     ratios = [r["batch_x"] for r in payload["rows"]]
     high = [r["batch_x"] for r in payload["rows"] if r["degree"] >= 4]
     gaps = [r["first_level_optimum"] - r["batch_saving"] for r in payload["rows"]]
