@@ -116,11 +116,11 @@ def run(args: argparse.Namespace) -> None:
                 "optimal": round(plan.optimal_saving, 4),
             }
             results = {}
-            for mode in MODES:
+            for mode in args.order:
                 flush_prefix_cache(llm)  # no mode finds another's prefixes in the cache
                 results[mode] = measure(llm, prompts, args.gen, mode)
             base = results["online"]
-            for mode, r in results.items():
+            for mode, r in sorted(results.items(), key=lambda kv: list(MODES).index(kv[0])):
                 keys = ("seconds", "req_s", "tok_s", "saving", "preemptions", "steps", "gpu_busy_s",
                         "gpu_idle_s", "kv_read_tokens", "shared_segments")
                 row.update({f"{mode}_{key}": r[key] for key in keys})
@@ -138,7 +138,7 @@ def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tup
     payload = {
         **run_info(), "model": args.model, "gen": args.gen, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": llm.engine.pool.num_blocks,
-        "block_size": llm.engine.config.block_size, "rows": rows,
+        "block_size": llm.engine.config.block_size, "order": args.order, "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +247,8 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--settings", nargs="+", default=None, help="PREFIX/DISTINCT pairs (default: paper's)")
     ap.add_argument("--merge", action="store_true", help="keep the existing JSON's rows of other settings")
+    ap.add_argument("--order", nargs=3, default=list(MODES), choices=list(MODES),
+                    help="the order the modes run in at each point (to see run-order effects)")
 
 
 def main() -> None:
