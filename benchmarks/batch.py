@@ -115,6 +115,9 @@ def run(args: argparse.Namespace) -> None:
                 "first_level_optimum": round(plan.first_level_saving, 4),
                 "optimal": round(plan.optimal_saving, 4),
             }
+            if args.warm_each:  # the point's own shapes compiled and captured before anything is timed
+                flush_prefix_cache(llm)
+                measure(llm, prompts, args.gen, args.order[-1])
             results = {}
             for mode in args.order:
                 flush_prefix_cache(llm)  # no mode finds another's prefixes in the cache
@@ -138,7 +141,8 @@ def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tup
     payload = {
         **run_info(), "model": args.model, "gen": args.gen, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": llm.engine.pool.num_blocks,
-        "block_size": llm.engine.config.block_size, "order": args.order, "rows": rows,
+        "block_size": llm.engine.config.block_size, "order": args.order, "warm_each": args.warm_each,
+        "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +251,8 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--settings", nargs="+", default=None, help="PREFIX/DISTINCT pairs (default: paper's)")
     ap.add_argument("--merge", action="store_true", help="keep the existing JSON's rows of other settings")
+    ap.add_argument("--warm-each", action="store_true",
+                    help="run each point once untimed first (else the first mode timed pays its compiles)")
     ap.add_argument("--order", nargs=3, default=list(MODES), choices=list(MODES),
                     help="the order the modes run in at each point (to see run-order effects)")
 
