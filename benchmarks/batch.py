@@ -170,8 +170,11 @@ def report(payload: dict[str, Any], out: Path) -> None:
         f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
         f"model {payload['model']}; {payload['gen']} generated tokens (EOS ignored); max_num_seqs "
         f"{payload['max_num_seqs']}, {payload['max_num_batched_tokens']} tokens a step, "
-        f"{payload['num_kv_blocks']} KV blocks of {payload['block_size']}. Inputs shuffled. Written by "
-        "`benchmarks/batch.py`.",
+        f"{payload['num_kv_blocks']} KV blocks of {payload['block_size']}. Inputs shuffled. Modes run in the "
+        f"order {', '.join(payload.get('order', list(MODES)))} at each point; "
+        + ("each point run once untimed first. " if payload.get("warm_each") else
+           "no untimed run of each point first (the first mode timed pays its compiles and graph captures). ")
+        + "Written by `benchmarks/batch.py`.",
         "",
         "| P/D | degree | online req/s | batch req/s | batch_tree req/s | batch / online | tree / online "
         "| saving online | saving batch | saving tree | first-level optimum | full tree |",
