@@ -6,7 +6,8 @@ members are far apart, as in an unsorted offline job. Modes, one engine, same se
 ``online`` (continuous batching with the prefix cache: the vLLM-like mode), ``batch`` (first-level
 grouping, Algorithm 1: the default) and ``batch_tree`` (the tree's own first level, deeper sharing
 left to the prefix cache). Throughput = requests / wall time of ``generate``; token saving (Eq. 1) =
-prefix-cache hit tokens / prompt tokens, beside the plan's first-level optimum and the full tree's.
+1 - prompt tokens run through the model / prompt tokens (recomputation after preemption counts), beside
+the plan's first-level optimum and the full tree's.
 
     python -m benchmarks.batch run                         # H200: dummy Llama-3.1-8B, the paper's grid
     python -m benchmarks.batch run --device cpu --scale 0.1 --requests 64 --gen 10 --model default
@@ -60,7 +61,7 @@ def measure(llm: LLM, prompts: list[list[int]], gen: int, mode: str) -> dict[str
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     after = llm.metrics()
-    hits = after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"]
+    computed = after["prompt_tokens_computed_total"] - before["prompt_tokens_computed_total"]
     logical = sum(map(len, prompts))
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     def delta(key: str) -> float:
@@ -75,7 +76,7 @@ def measure(llm: LLM, prompts: list[list[int]], gen: int, mode: str) -> dict[str
         "seconds": round(seconds, 3),
         "req_s": round(len(prompts) / seconds, 3),
         "tok_s": round((logical + generated) / seconds, 1),
-        "saving": round(hits / logical, 4),
+        "saving": round(1 - computed / logical, 4),
         "preemptions": after.get("preemptions_total", 0) - before.get("preemptions_total", 0),
         "tokens": [o.outputs[0].token_ids for o in outs],
     }
