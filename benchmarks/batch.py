@@ -37,13 +37,26 @@ MODES = {
 }
 
 
-def dataset(seed: int, requests: int, degree: int, prefix: int, distinct: int) -> list[list[int]]:
-    """``requests`` prompts in groups of ``degree`` sharing a ``prefix``-token head; shuffled."""
+def dataset(
+    seed: int, requests: int, degree: int, prefix: int, distinct: int, instruction: int = 0, sub: int = 0
+) -> list[list[int]]:
+    """``requests`` prompts in groups of ``degree`` sharing a ``prefix``-token head; shuffled.
+
+    Multi-level data (BatchLLM's snippet task): an ``instruction`` every prompt starts with, and a
+    ``sub``-token sub-prefix shared by each 4 members of a group (the first ``sub`` distinct tokens)."""
     rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1000, 30000) for _ in range(n)]
+
+    common = tokens(instruction)
     prompts = []
     for _ in range(requests // degree):
-        head = [rng.randrange(1000, 30000) for _ in range(prefix)]
-        prompts += [head + [rng.randrange(1000, 30000) for _ in range(distinct)] for _ in range(degree)]
+        head = common + tokens(prefix)
+        for k in range(degree):
+            if k % 4 == 0:
+                shared_sub = tokens(min(sub, distinct))
+            prompts.append(head + shared_sub + tokens(distinct - len(shared_sub)))
     rng.shuffle(prompts)
     return prompts
 
@@ -109,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     for prefix, distinct in settings:
         for degree in args.degrees:
             seed += 1
-            prompts = dataset(seed, args.requests, degree, prefix, distinct)
+            prompts = dataset(seed, args.requests, degree, prefix, distinct, args.instruction, args.sub)
             plan = plan_batch(prompts).analysis
             row: dict[str, Any] = {
                 "prefix": prefix, "distinct": distinct, "degree": degree, "requests": len(prompts),
@@ -143,6 +156,7 @@ def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tup
         **run_info(), "model": args.model, "gen": args.gen, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": llm.engine.pool.num_blocks,
         "block_size": llm.engine.config.block_size, "order": args.order, "warm_each": args.warm_each,
+        "instruction": args.instruction, "sub": args.sub,
         "rows": rows,
     }
     out = Path(args.out)
@@ -171,7 +185,12 @@ def report(payload: dict[str, Any], out: Path) -> None:
         f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
         f"model {payload['model']}; {payload['gen']} generated tokens (EOS ignored); max_num_seqs "
         f"{payload['max_num_seqs']}, {payload['max_num_batched_tokens']} tokens a step, "
-        f"{payload['num_kv_blocks']} KV blocks of {payload['block_size']}. Inputs shuffled. Modes run in the "
+        f"{payload['num_kv_blocks']} KV blocks of {payload['block_size']}. "
+        + (f"Every prompt starts with a {payload['instruction']}-token instruction. "
+           if payload.get("instruction") else "")
+        + (f"Each 4 members of a group share a {payload['sub']}-token sub-prefix. "
+           if payload.get("sub") else "")
+        + "Inputs shuffled. Modes run in the "
         f"order {', '.join(payload.get('order', list(MODES)))} at each point; "
         + ("each point run once untimed first. " if payload.get("warm_each") else
            "no untimed run of each point first (the first mode timed pays its compiles and graph captures). ")
@@ -255,6 +274,8 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--settings", nargs="+", default=None, help="PREFIX/DISTINCT pairs (default: paper's)")
     ap.add_argument("--merge", action="store_true", help="keep the existing JSON's rows of other settings")
+    ap.add_argument("--instruction", type=int, default=0, help="tokens every prompt starts with")
+    ap.add_argument("--sub", type=int, default=0, help="sub-prefix tokens of each 4 group members")
     ap.add_argument("--warm-each", action="store_true",
                     help="run each point once untimed first (else the first mode timed pays its compiles)")
     ap.add_argument("--order", nargs=3, default=list(MODES), choices=list(MODES),
