@@ -196,3 +196,23 @@ def test_fuzz_parser_never_crashes(doc):
 def test_fuzz_any_text(doc):
     with contextlib.suppress(PMLError):
         parse_schema(doc)
+
+
+@pytest.mark.slow
+def test_role_tags_render_through_the_chat_template():
+    from prefixserve.model.loader import tokenizer_for
+    from prefixserve.promptcache.layout import chat_role_wrap
+
+    _, tokenizer = tokenizer_for(None, progress=False)
+    wrap = chat_role_wrap(tokenizer)
+    assert wrap("system") == ("<|im_start|>system\n", "<|im_end|>\n")
+    assert wrap("user") == ("<|im_start|>user\n", "<|im_end|>\n")  # no default system prompt added
+    assert wrap("assistant") == ("<|im_start|>assistant\n", "<|im_end|>\n")
+    schema = parse_schema('<schema name="s"><system>Be brief.</system><user>Hi</user></schema>')
+    text = []
+    lay = layout(schema, lambda t: (text.append(t), tokenizer.encode(t, add_special_tokens=False))[1], wrap)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], tokenize=False
+    )
+    assert "".join(text) == rendered
+    assert lay.length == sum(len(s.token_ids) for s in lay.segments)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixserve.promptcache.pml import Module, Node, Param, PMLError, Prompt, Role, Schema, Text, Union
 
@@ -100,3 +101,30 @@ def check_arguments(schema: Schema, prompt: Prompt, tokenize: Tokenize) -> dict[
 
 def _param_segments(schema: Schema) -> list[Segment]:
     return [s for s in layout(schema, lambda text: []).segments if s.param is not None]
+
+
+_SENTINEL = "\x00PML-CONTENT\x00"
+
+
+def chat_role_wrap(tokenizer: Any) -> RoleWrap:
+    """Role tags through the model's own chat template: the text it puts before and after one message.
+
+    A message is rendered after a fixed system message and the system message alone is cut off, so
+    a template that adds a default system prompt before a lone user turn adds nothing here."""
+    anchor = [{"role": "system", "content": "."}]
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False))
+
+    wraps: dict[str, tuple[str, str]] = {}
+    for role in ("system", "user", "assistant"):
+        if role == "system":
+            text = render([{"role": role, "content": _SENTINEL}])
+        else:
+            head, full = render(anchor), render([*anchor, {"role": role, "content": _SENTINEL}])
+            text = full[len(head):] if full.startswith(head) else full
+        before, sep, after = text.partition(_SENTINEL)
+        if not sep:
+            raise PMLError(f"the chat template does not render a {role} message's content")
+        wraps[role] = (before, after)
+    return lambda role: wraps[role]
