@@ -12,6 +12,8 @@ the plan's first-level optimum and the full tree's.
     python -m benchmarks.batch run                         # H200: dummy Llama-3.1-8B, the paper's grid
     python -m benchmarks.batch run --device cpu --scale 0.1 --requests 64 --gen 10 --model default
     python -m benchmarks.batch report --json docs/benchmarks/batch.json
+    python -m benchmarks.batch run --requests 800 --settings 2000/200 --degrees 4 8 16 --max-num-seqs 32 \
+        --num-kv-blocks 6000 --warm-each --order online batch --name batch_pressure   # a pool under pressure
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ MODES = {
     "batch": ("batch", "first_level"),
     "batch_tree": ("batch", "tree"),
 }
+SHORT = {"online": "online", "batch": "batch", "batch_tree": "tree"}  # report column names
 
 
 def dataset(
@@ -157,6 +160,7 @@ def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tup
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": llm.engine.pool.num_blocks,
         "block_size": llm.engine.config.block_size, "order": args.order, "warm_each": args.warm_each,
         "instruction": args.instruction, "sub": args.sub,
+        **({"name": args.name} if args.name else {}),
         "rows": rows,
     }
     out = Path(args.out)
@@ -174,11 +178,14 @@ def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tup
 
 
 def _name(payload: dict[str, Any]) -> str:
+    if payload.get("name"):
+        return str(payload["name"])
     return "batch_cpu" if str(payload["device"]).startswith("cpu") else "batch"
 
 
 def report(payload: dict[str, Any], out: Path) -> None:
     name = _name(payload)
+    modes = [m for m in MODES if all(f"{m}_req_s" in r for r in payload["rows"])]  # those run
     lines = [
         "# Offline batches: schedule=\"batch\" vs the online scheduler",
         "",
@@ -196,17 +203,18 @@ def report(payload: dict[str, Any], out: Path) -> None:
            "no untimed run of each point first (the first mode timed pays its compiles and graph captures). ")
         + "Written by `benchmarks/batch.py`.",
         "",
-        "| P/D | degree | online req/s | batch req/s | batch_tree req/s | batch / online | tree / online "
-        "| saving online | saving batch | saving tree | first-level optimum | full tree |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| P/D | degree | " + " | ".join(f"{m} req/s" for m in modes) + " | "
+        + " | ".join(f"{SHORT[m]} / online" for m in modes[1:]) + " | "
+        + " | ".join(f"saving {SHORT[m]}" for m in modes) + " | first-level optimum | full tree |",
+        "| --- | ---: | " + " | ".join(["---:"] * (3 * len(modes) + 1)) + " |",
     ]
     for r in payload["rows"]:
         lines.append(
-            f"| {r['prefix']}/{r['distinct']} | {r['degree']} | {r['online_req_s']:.2f} "
-            f"| {r['batch_req_s']:.2f} | {r['batch_tree_req_s']:.2f} "
-            f"| {r['batch_x']:.2f}x | {r['batch_tree_x']:.2f}x "
-            f"| {r['online_saving']:.1%} | {r['batch_saving']:.1%} | {r['batch_tree_saving']:.1%} "
-            f"| {r['first_level_optimum']:.1%} | {r['optimal']:.1%} |"
+            f"| {r['prefix']}/{r['distinct']} | {r['degree']} | "
+            + " | ".join(f"{r[m + '_req_s']:.2f}" for m in modes) + " | "
+            + " | ".join(f"{r[m + '_x']:.2f}x" for m in modes[1:]) + " | "
+            + " | ".join(f"{r[m + '_saving']:.1%}" for m in modes)
+            + f" | {r['first_level_optimum']:.1%} | {r['optimal']:.1%} |"
         )
     if all("online_gpu_busy_s" in r for r in payload["rows"]):
         lines += [
@@ -218,7 +226,7 @@ def report(payload: dict[str, Any], out: Path) -> None:
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in payload["rows"]:
-            for m in MODES:
+            for m in modes:
                 lines.append(
                     f"| {r['prefix']}/{r['distinct']} | {r['degree']} | {m} | {r[m + '_steps']:.0f} "
                     f"| {r[m + '_gpu_busy_s']:.2f} | {r[m + '_gpu_idle_s']:.2f} "
@@ -278,8 +286,11 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sub", type=int, default=0, help="sub-prefix tokens of each 4 group members")
     ap.add_argument("--warm-each", action="store_true",
                     help="run each point once untimed first (else the first mode timed pays its compiles)")
-    ap.add_argument("--order", nargs=3, default=list(MODES), choices=list(MODES),
-                    help="the order the modes run in at each point (to see run-order effects)")
+    ap.add_argument("--order", nargs="+", default=list(MODES), choices=list(MODES),
+                    help="the modes run at each point, in this order (to see run-order effects); "
+                    "online and batch at least")
+    ap.add_argument("--name", default=None,
+                    help="file name of the results, without suffix (default: batch, or batch_cpu on the CPU)")
 
 
 def main() -> None:
@@ -292,6 +303,8 @@ def main() -> None:
     p.add_argument("--json", required=True)
     args = ap.parse_args()
     if args.mode == "run":
+        if not {"online", "batch"} <= set(args.order) or len(set(args.order)) != len(args.order):
+            ap.error("--order: each mode once, online and batch among them")
         run(args)
     else:
         path = Path(args.json)

@@ -46,6 +46,13 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0  # dummy weights and unseeded sampling
     system_prompts: dict[str, str] = field(default_factory=dict)  # application -> pinned prompt
+    # Prompt Cache: PML schemas registered at start-up; encoded module KV may take this share of the
+    # KV pool, then moves to host memory (this many bytes), then off the end; with module_store,
+    # every encoded module is also kept on disk there (checksummed)
+    schemas: list[str] = field(default_factory=list)
+    module_gpu_fraction: float = 0.5
+    module_host_bytes: int = 4 << 30
+    module_store: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -66,6 +73,10 @@ class EngineConfig:
             raise ValueError(f"kv_admit_threshold must be in (0, 1], got {self.kv_admit_threshold}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if not 0.0 < self.module_gpu_fraction <= 1.0:
+            raise ValueError(f"module_gpu_fraction must be in (0, 1], got {self.module_gpu_fraction}")
+        if self.module_host_bytes < 0:
+            raise ValueError(f"module_host_bytes must be >= 0, got {self.module_host_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -89,6 +89,13 @@ class Request:
     finish_time: float | None = None
     forked: bool = False  # the n > 1 samples have been split off sequence 0
     stream: bool = False  # report every step's progress, not only the final output
+    # Prompt Cache: the leading blocks of every sample's table are reused module blocks (held by the
+    # request until it ends), with stand-in digests so own blocks chain from all the modules; the
+    # module blocks' empty rows are ``num_hole_tokens`` placeholder tokens of the prompt
+    module_blocks: list[int] = field(default_factory=list)
+    module_digests: list[bytes] = field(default_factory=list)
+    num_hole_tokens: int = 0
+    num_module_tokens: int = 0  # real prompt tokens reused from modules
 
     @property
     def is_finished(self) -> bool:

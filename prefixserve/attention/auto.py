@@ -141,7 +141,8 @@ class AutoBackend(AttentionBackend):
             return
         plan = make_plan(meta)
         logical = meta.logical_kv_tokens()
-        use = cascade_pays_off(plan, logical, self.group_hint, self.cost)
+        # a partly filled module block has holes that only the segment path skips: no choice then
+        use = plan.has_holes or cascade_pays_off(plan, logical, self.group_hint, self.cost)
         meta.plan = plan if use else unshared_plan(meta)
         meta.stats["cascade"] = 1.0 if use else 0.0
         meta.stats["kv_tokens_read"] = float(plan.kv_tokens_read if use else logical)
@@ -155,7 +156,7 @@ class AutoBackend(AttentionBackend):
         plan = host_plan(meta)
         logical = meta.logical_kv_tokens()
         kv_bytes = self._kv_bytes_per_token or self.gpu_cost.kv_bytes_per_token
-        if gpu_cascade_pays_off(plan, logical, kv_bytes, self.gpu_cost, self.group_hint):
+        if plan.has_holes or gpu_cascade_pays_off(plan, logical, kv_bytes, self.gpu_cost, self.group_hint):
             gpu.install(meta, plan)
             return
         meta.plan = gpu._paged_step(meta)
@@ -174,7 +175,7 @@ class AutoBackend(AttentionBackend):
         plan = host_plan(meta)
         kv_bytes = 2 * shape.kv_heads * shape.head_dim * torch.empty(0, dtype=shape.dtype).element_size()
         logical = meta.logical_kv_tokens()
-        if gpu_cascade_pays_off(plan, logical, kv_bytes, self.graph_cost, shape.group):
+        if plan.has_holes or gpu_cascade_pays_off(plan, logical, kv_bytes, self.graph_cost, shape.group):
             step = shared_graph_step(meta, plan, shape, bucket)
         else:
             step = paged_graph_step(meta, shape, bucket)

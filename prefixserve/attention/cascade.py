@@ -141,10 +141,14 @@ def segment_attention(
     v_cache: torch.Tensor,
     blocks: torch.Tensor,  # [nblk] long: the segment's blocks, in order
     scale: float,
+    num_tokens: int | None = None,  # KV rows, when the last block is a partly filled module block
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [M, q_heads, D] fp32, lse [M, q_heads]
     """One non-causal attention of all rows over a shared segment; its KV is read once."""
     qs = _stack_heads(q_rows, k_cache.shape[2])  # [kv_heads, M * group, D]
-    o, lse = attend_blocks(qs[None], k_cache, v_cache, blocks[None], scale)
+    keys = None
+    if num_tokens is not None and num_tokens < blocks.numel() * k_cache.shape[1]:
+        keys = torch.tensor([num_tokens], device=q_rows.device)
+    o, lse = attend_blocks(qs[None], k_cache, v_cache, blocks[None], scale, keys)
     return _unstack_heads(o[0], lse[0], q_rows.shape[0])
 
 
@@ -226,7 +230,8 @@ def cascade_attention(
     for g in range(plan.num_segments):
         blocks = plan.seg_blocks[blk_start[g] : blk_start[g + 1]].to(q.device).long()
         rows = plan.seg_rows[row_start[g] : row_start[g + 1]].to(q.device).long()
-        o, lse = segment_attention(q.index_select(0, rows), k_cache, v_cache, blocks, scale)
+        n_tok = plan.seg_num_tokens_host[g] if plan.seg_num_tokens_host else None
+        o, lse = segment_attention(q.index_select(0, rows), k_cache, v_cache, blocks, scale, n_tok)
         scatter_merge_(o_acc, lse_acc, rows, o, lse)
     return o_acc.to(q.dtype)
 

@@ -40,6 +40,10 @@ class AttentionMetadata:
     stats: dict[str, float] = field(default_factory=dict)  # per-step counters a backend reports
     seq_lens_np: np.ndarray | None = None  # [S] int64 host copy of seq_lens_host (planning reads it)
     query_lens_np: np.ndarray | None = None  # [S] int64 host copy of query_lens_host
+    # Prompt Cache modules: [num_blocks] rows each block holds if it is a module block, 0 if it is an
+    # ordinary one. A module's last block may be partly filled; its empty rows are holes in every table
+    # holding it, which only the shared-segment path skips (the plan makes module blocks segments).
+    module_rows: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -58,6 +62,25 @@ class AttentionMetadata:
     def logical_kv_tokens(self) -> int:
         """KV token-rows a per-sequence path reads per layer: every sequence reads its whole KV."""
         return sum(self.seq_lens_host)
+
+    def has_module_blocks(self) -> bool:
+        """Does any table of this step hold a Prompt Cache module block (and so maybe holes)?"""
+        if self.module_rows is None or self.block_tables_np is None:
+            return False
+        return bool(self.module_rows[self.block_tables_np].any())
+
+    def valid_kv(self, s: int) -> torch.Tensor | None:
+        """[seq_len] bool: which KV indices of sequence s hold a row (False: a module block's hole)."""
+        if self.module_rows is None:
+            return None
+        table = np.asarray(self.block_tables_host[s], dtype=np.int64)
+        rows = self.module_rows[table]
+        if not rows.any():
+            return None
+        bs = self.block_size
+        fill = np.where(rows > 0, rows, bs)  # [blocks]
+        valid = np.arange(bs)[None, :] < fill[:, None]  # [blocks, bs]
+        return torch.from_numpy(valid.reshape(-1)[: self.seq_lens_host[s]].copy())
 
 
 class TableRows(SequenceABC):
@@ -96,6 +119,7 @@ def build_metadata(
     seq_lens: list[int],
     block_tables: list[list[int]] | np.ndarray,
     device: torch.device | str,
+    module_rows: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """Make device tensors (and the write slots of the new tokens) from host lists.
 
@@ -144,6 +168,7 @@ def build_metadata(
         block_tables_np=tables,
         seq_lens_np=s,
         query_lens_np=q,
+        module_rows=module_rows,
     )
 
 

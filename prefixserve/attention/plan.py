@@ -31,8 +31,9 @@ from prefixserve.attention.metadata import AttentionMetadata
 class SharedPlan:
     """Work list for one step. Tensors live on the model's device; ``*_host`` mirrors are lists.
 
-    Segment g covers blocks ``seg_blocks[seg_block_start[g]:seg_block_start[g+1]]`` (``seg_num_tokens[g]``
-    KV rows, always whole blocks) and is attended by query rows
+    Segment g covers blocks ``seg_blocks[seg_block_start[g]:seg_block_start[g+1]]``
+    (``seg_num_tokens[g]`` KV rows: whole blocks, but for a Prompt Cache module's partly filled
+    last block) and is attended by query rows
     ``seg_rows[seg_row_start[g]:seg_row_start[g+1]]`` (indices into the step's flat query tensor).
     Sequence s's own part is ``own_block_tables[s, :ceil(own_seq_lens[s] / block_size)]`` holding
     ``own_seq_lens[s]`` tokens; its queries are causal within it exactly as in AttentionMetadata.
@@ -51,6 +52,9 @@ class SharedPlan:
     # host mirrors of the offsets, so per-segment loops never sync with the device
     seg_block_start_host: list[int] = field(default_factory=lambda: [0])
     seg_row_start_host: list[int] = field(default_factory=lambda: [0])
+    seg_num_tokens_host: list[int] = field(default_factory=list)  # [G] KV rows of each segment
+    # a segment ends in a partly filled Prompt Cache module block: only the segment path is exact
+    has_holes: bool = False
 
     # the fields above that are tensors (what moves to the device, what equality of plans compares)
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -105,19 +109,29 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     n_blocks = -(-seq_lens // bs)  # [S] table length
     n_cand = (seq_lens - query_lens) // bs  # [S] full blocks wholly before the first query token
     tables = _host_tables(meta)  # [S, W] int32, zero-padded
-    if num_seqs < 2 or int(n_cand.max(initial=0)) == 0:
+    modules = meta.has_module_blocks()
+    if (num_seqs < 2 and not modules) or int(n_cand.max(initial=0)) == 0:
         return _no_sharing(meta, seq_lens, n_blocks, tables)
     heads = _head_entries(tables, n_cand)
     # holders of each block: candidate entries, the run lengths below its heads summed
     holders = np.bincount(heads.key, weights=heads.run_len, minlength=heads.nb + 1).astype(np.int64)
     holders[heads.nb] = 0
     is_shared = holders >= 2  # [nb+1]
+    rows = np.zeros(heads.nb + 1, dtype=np.int64)  # [nb+1] a module block's rows, 0 otherwise
+    if modules:
+        rows[: heads.nb] = meta.module_rows[: heads.nb]
+        is_shared |= (rows > 0) & (holders >= 1)  # module blocks are segments even with one holder
     if not is_shared.any():
         return _no_sharing(meta, seq_lens, n_blocks, tables)
-    join, rep_next, is_start = _segment_links(heads, tables.ravel(), is_shared, holders)
+    partial = (rows > 0) & (rows < bs)  # a partly filled module block ends its segment
+    join, rep_next, is_start = _segment_links(heads, tables.ravel(), is_shared, holders, partial)
     seg_blocks, seg_block_start, seg_len, holder_seqs, holder_start = _segments(
         heads, tables, n_cand, (join, is_shared, rep_next, is_start)
     )
+    seg_tokens = seg_len * bs  # [G] rows, less the holes of a partly filled last block
+    if modules:
+        last = seg_blocks[seg_block_start[1:] - 1]
+        seg_tokens = seg_tokens - np.where(partial[last], bs - rows[last], 0)
     # query rows of each segment: every row of every holder, holder-major
     if len(query_lens) == int(query_lens.sum()):  # decode: one row per sequence, row = sequence
         seg_rows, seg_row_start = holder_seqs, holder_start
@@ -131,13 +145,13 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     own_tables, own_n = _own_parts(heads, is_shared, tables, n_cand, n_blocks)
     own_seq_lens = seq_lens - (n_blocks - own_n) * bs  # [S]
 
-    kv_read = int(seg_block_start[-1]) * bs + int(own_seq_lens.sum())
+    kv_read = int(seg_tokens.sum()) + int(own_seq_lens.sum())
     holder_list = holder_seqs.tolist()
     bounds = holder_start.tolist()
     return SharedPlan(
         seg_blocks=_to_i32(seg_blocks, device),
         seg_block_start=_to_i32(seg_block_start, device),
-        seg_num_tokens=_to_i32(seg_len * bs, device),
+        seg_num_tokens=_to_i32(seg_tokens, device),
         seg_rows=_to_i32(seg_rows, device),
         seg_row_start=_to_i32(seg_row_start, device),
         own_block_tables=_to_i32(own_tables, device),
@@ -147,6 +161,8 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
         kv_tokens_read=kv_read,
         seg_block_start_host=seg_block_start.tolist(),
         seg_row_start_host=list(bounds) if seg_row_start is holder_start else seg_row_start.tolist(),
+        seg_num_tokens_host=seg_tokens.tolist(),
+        has_holes=bool(modules and partial[seg_blocks].any()),
     )
 
 
@@ -200,10 +216,11 @@ def _head_entries(tables: np.ndarray, n_cand: np.ndarray) -> _Heads:
 
 
 def _segment_links(
-    h: _Heads, flat: np.ndarray, is_shared: np.ndarray, holders: np.ndarray
+    h: _Heads, flat: np.ndarray, is_shared: np.ndarray, holders: np.ndarray, ends: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(join, rep_next, is_start) over block ids: whether a block runs on into its successor (the same
-    successor in every holder, as many holders), one holder's successor, whether it starts a segment."""
+    successor in every holder, as many holders, and not a block that ``ends`` a segment: a partly
+    filled module block), one holder's successor, whether it starts a segment."""
     nb = h.nb
     # every distinct (candidate, successor) pair starts at a candidate head or just left of a head
     cand_heads = h.flat[h.is_cand]
@@ -216,7 +233,7 @@ def _segment_links(
     sh = is_shared[cur]
     rep_next = np.full(nb + 1, nb, dtype=np.intp)  # [nb+1]
     rep_next[cur[sh]] = succ[sh]  # one holder's successor (any one will do)
-    join = is_shared & (rep_next != nb) & (holders[rep_next] == holders)
+    join = is_shared & (rep_next != nb) & is_shared[rep_next] & (holders[rep_next] == holders) & ~ends
     join[cur[sh & (rep_next[cur] != succ)]] = False
     # a shared block starts a segment iff it has no predecessor or its predecessor does not run on
     is_start = np.zeros(nb + 1, dtype=bool)

@@ -70,8 +70,8 @@ class ReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         math_dtype = torch.promote_types(q.dtype, torch.float32)
         start = 0
-        for q_len, s_len, table in zip(
-            meta.query_lens_host, meta.seq_lens_host, meta.block_tables_host, strict=True
+        for s, (q_len, s_len, table) in enumerate(
+            zip(meta.query_lens_host, meta.seq_lens_host, meta.block_tables_host, strict=True)
         ):
             k = gather_kv(k_cache, table, s_len).transpose(0, 1).to(math_dtype)  # [Hkv, N, D]
             v = gather_kv(v_cache, table, s_len).transpose(0, 1).to(math_dtype)
@@ -80,6 +80,12 @@ class ReferenceBackend(AttentionBackend):
             if q_len > 1:
                 limits = causal_limits(s_len, q_len, q.device)
                 mask = torch.arange(s_len, device=q.device)[None, :] < limits[:, None]  # [M, N]
+            valid = meta.valid_kv(s)  # [N] False at the holes of partly filled module blocks
+            if valid is not None:  # attend only the rows that exist
+                valid = valid.to(q.device)
+                k, v = k[:, valid], v[:, valid]
+                if mask is not None:
+                    mask = mask[:, valid]
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
             start += q_len

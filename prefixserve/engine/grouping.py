@@ -19,7 +19,12 @@ def queue_groups(engine: Any, requests: Sequence[Request], grouping: str = "firs
     """Plan prefix-sharing groups over requests added with ``queue=False`` and queue them in order.
 
     Requests with their own position ids only share with prompts at the very same positions: their
-    positions join the key that keeps cache salts apart."""
+    positions join the key that keeps cache salts apart. Prompt Cache requests already hold their
+    modules' blocks (shared with every request using them), so each runs as a group of its own."""
+    for r in requests:
+        if r.module_blocks:
+            engine.add_group([r], 0)
+    requests = [r for r in requests if not r.module_blocks]
     keys = [
         (r.cache_salt, None if r.prompt_positions == list(range(len(r.prompt_token_ids)))
          else tuple(r.prompt_positions))

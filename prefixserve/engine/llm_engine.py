@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefixserve.config import EngineConfig
@@ -23,6 +24,7 @@ from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch
 from prefixserve.engine.output_processor import request_output, stop_reason
 from prefixserve.engine.pinned import PinnedPrompt, render_system_prompt
+from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
@@ -102,6 +104,19 @@ class Engine:
         self._placeholders: set[Sequence] = set()
         self._next_seq_id = 0
         self._finished_outputs: list[RequestOutput] = []
+        model_id = str(getattr(source, "path", None) or source.name)
+        if getattr(source, "kind", None) == "dummy":  # random weights: the seed is part of the KV
+            model_id = f"{source.name}|seed={config.seed}"
+        self.modules = PromptModules(
+            self.pool,
+            self.runner.kv,
+            self._encode_piece,
+            self.tokenizer,
+            model_id,
+            config.module_gpu_fraction,
+            config.module_host_bytes,
+            config.module_store,
+        )
         self.pinned: dict[str, PinnedPrompt] = {}
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)
@@ -110,6 +125,8 @@ class Engine:
         self.max_model_len = min(self.max_model_len, unpinned * bs)
         if self.max_model_len < 2:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
+        for text in config.schemas:
+            self.register_schema(text)
         _tune_gc()
 
     # ---- the device side, as callers and tests inspect it --------------------------------------
@@ -167,6 +184,43 @@ class Engine:
         self.pinned[name] = pinned
         return pinned
 
+    # ---- Prompt Cache schemas -------------------------------------------------------------------
+    def register_schema(
+        self, text: str, encode: bool = True, pin: bool = False, replace: bool = False
+    ) -> str:
+        """Register a PML schema; with ``encode`` its modules are encoded now (else at first use).
+
+        Returns the schema's name. ``pin`` keeps its modules on the GPU for good.
+        """
+        schema = self.modules.register(text, replace=replace)
+        if encode or pin:
+            try:
+                self.modules.encode_schema(schema.name, pin=pin)
+            except BaseException:
+                self.modules.unregister(schema.name)
+                raise
+        return schema.name
+
+    def unregister_schema(self, name: str) -> None:
+        self.modules.unregister(name)
+
+    def list_schemas(self) -> list[dict[str, Any]]:
+        return self.modules.list_schemas()
+
+    def _encode_piece(self, token_ids: list[int], positions: list[int], blocks: list[int]) -> None:
+        """Compute a module piece's KV alone (attending only within itself) into ``blocks``.
+
+        A forward of one sequence outside the scheduler, in chunks of the step budget; its outputs
+        are dropped. It is issued on the device's stream after any step in flight, whose blocks it
+        never touches (``blocks`` are freshly allocated).
+        """
+        table = np.asarray([blocks], dtype=np.int32)
+        chunk = self.config.max_num_batched_tokens
+        for start in range(0, len(token_ids), chunk):
+            end = min(len(token_ids), start + chunk)
+            batch = self.runner.plan(positions[start:end], [end - start], [end], table, eager=True)
+            self.runner.forward(token_ids[start:end], batch, [])
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,
@@ -189,6 +243,18 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None and prompt is not None and self.is_pml_prompt(prompt):
+            if application is not None or prompt_positions is not None:
+                raise ValueError("a PML prompt takes neither application nor prompt_positions")
+            mp = self.modules.prepare(prompt, cache_salt)  # module blocks held from here on
+            try:
+                req = self._add(request_id, prompt, params, mp.token_ids, mp.positions, cache_salt, stream,
+                                queue, mp)
+            except BaseException:
+                self.modules.release(mp.blocks)
+                raise
+            self.counters["module_tokens_reused_total"] += mp.module_tokens
+            return req
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
@@ -204,10 +270,37 @@ class Engine:
                 if prompt_positions is not None:
                     raise ValueError("prompt_positions cannot be combined with an application prefix")
                 tokens = pinned.token_ids + tokens
+        return self._add(
+            request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, queue, None
+        )
+
+    def is_pml_prompt(self, prompt: str) -> bool:
+        """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document (schemas registered)."""
+        return bool(self.modules.schemas) and prompt.lstrip().startswith("<prompt")
+
+    def _add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        tokens: list[int],
+        prompt_positions: list[int] | None,
+        cache_salt: str | None,
+        stream: bool,
+        queue: bool,
+        modules: ModulePrompt | None,
+    ) -> Request:
+        """Check a prompt's tokens against the model and the context, then make and queue the request."""
         if not tokens:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
+        holes = modules.holes if modules is not None else 0
+        if holes:  # a module block's empty rows hold placeholders that are never computed
+            tokens = list(tokens)
+            check = tokens[len(modules.blocks) * self.config.block_size :]
+        else:
+            check = tokens
+        if any(not 0 <= t < vocab for t in check):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(tokens) >= self.max_model_len:
             raise ValueError(
@@ -224,12 +317,16 @@ class Engine:
         if len(positions) != len(tokens):
             raise ValueError("prompt_positions must have one position per prompt token")
         req = Request(request_id, prompt, tokens, positions, params, cache_salt, stream=stream)
+        if modules is not None:
+            req.module_blocks, req.module_digests = modules.blocks, modules.digests
+            req.num_hole_tokens, req.num_module_tokens = modules.holes, modules.module_tokens
+            req.num_cached_tokens = modules.module_tokens
         self.requests[request_id] = req
         self._new_sequence(req, 0, list(tokens), list(positions))
         if queue:
             self.scheduler.add(req.sequences[0])
         self.counters["requests_total"] += 1
-        self.counters["prompt_tokens_total"] += len(tokens)
+        self.counters["prompt_tokens_total"] += len(tokens) - holes
         return req
 
     def add_group(self, requests: list[Request], prefix_len: int) -> None:
@@ -242,6 +339,7 @@ class Engine:
 
     def _new_sequence(self, req: Request, index: int, tokens: list[int], positions: list[int]) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index, tokens, positions)
+        seq.block_digests = list(req.module_digests)
         self._next_seq_id += 1
         if req.params.seed is not None:
             seed = hash((req.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
@@ -333,7 +431,8 @@ class Engine:
             seq_lens.append(c + n)
         # one numpy gather from the block manager's mirror (lists would cost ~20 ns a block entry)
         tables = self.blocks.block_tables_np([s.seq for s in sched.scheduled], seq_lens)
-        return self.runner.plan(pos, query_lens, seq_lens, tables)
+        rows = self.modules.module_rows if self.modules.active else None
+        return self.runner.plan(pos, query_lens, seq_lens, tables, rows)
 
     def _launch(self, sched: SchedulerOutput, batch: StepBatch) -> _InFlight:
         """Forward and sampling of a planned batch, issued without waiting for the device.
@@ -461,6 +560,9 @@ class Engine:
         if self.requests.get(req.request_id) is not req:
             return False
         del self.requests[req.request_id]
+        if req.module_blocks:  # the request's own hold on its module blocks
+            self.modules.release(req.module_blocks)
+            req.module_blocks = []
         req.finish_time = time.monotonic()
         self.counters["requests_finished_total"] += 1
         return True
@@ -489,7 +591,9 @@ class Engine:
                 "batched_tokens_total",
             )
         }
+        out["module_tokens_reused_total"] = 0
         out.update(self.counters)
+        out.update(self.modules.metrics())
         out.update(step_seconds_total=self.timers["step_seconds_total"])
         out.update(step_host_seconds_total=self.timers["step_host_seconds_total"])
         # CUDA: device time of steps, and the gaps between consecutive steps (the GPU waiting on the host)

@@ -100,24 +100,32 @@ class ModelRunner:
 
     # ---- planning ------------------------------------------------------------------------------
     def plan(
-        self, positions: list[int], query_lens: list[int], seq_lens: list[int], tables: np.ndarray
+        self,
+        positions: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        tables: np.ndarray,
+        module_rows: np.ndarray | None = None,
+        eager: bool = False,
     ) -> StepBatch:
         """Host work of a step that needs no token values: metadata and the attention plan.
 
-        A decode batch that fits a CUDA graph is planned for it (host arrays only); anything else
-        gets device metadata and the backend's eager ``prepare``.
+        A decode batch that fits a CUDA graph is planned for it (host arrays only) unless ``eager``;
+        anything else gets device metadata and the backend's eager ``prepare``. ``module_rows``
+        marks Prompt Cache module blocks (``AttentionMetadata.module_rows``).
         """
         bs = self.block_size
-        if self.graphs is not None and len(positions) == len(query_lens):  # decode only: one token each
+        decode = len(positions) == len(query_lens)  # one token each
+        if self.graphs is not None and decode and not eager:
             bucket = self.graphs.bucket_for(len(positions))
             if bucket is not None:
-                meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu")  # host-only: the graph copies
+                meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu", module_rows)  # host-only
                 step = self.backend.graph_step(meta, self.graphs.shape, bucket)
                 if step is not None:
                     return StepBatch(positions, meta, step)
                 log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
                 self.graphs = None
-        meta = build_metadata(bs, query_lens, seq_lens, tables, self.device)
+        meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
         self.backend.prepare(meta)
         return StepBatch(positions, meta, None)
 
@@ -150,6 +158,7 @@ class ModelRunner:
                     meta.seq_lens_host,
                     meta.block_tables_host,
                     self.device,
+                    meta.module_rows,
                 )
                 self.backend.prepare(batch.meta)
         ids_t = _index(ids, self.device)

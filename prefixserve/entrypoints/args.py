@@ -10,7 +10,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_engine_args", "add_sampling_args", "engine_config_from_args", "read_system_prompts"]
+__all__ = [
+    "add_engine_args",
+    "add_sampling_args",
+    "engine_config_from_args",
+    "parse_bytes",
+    "read_schemas",
+    "read_system_prompts",
+]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +43,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=FILE",
         help="pin an application's system prompt (computed once at start-up, never evicted)",
+    )
+    m = p.add_argument_group("prompt cache (PML schemas of reusable prompt modules)")
+    m.add_argument(
+        "--schema",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="register the PML <schema> in FILE at start-up, its modules encoded then (repeatable)",
+    )
+    m.add_argument(
+        "--module-store",
+        default=None,
+        metavar="DIR",
+        help="also keep every encoded module on disk here (checksummed; reused across restarts)",
+    )
+    m.add_argument(
+        "--module-gpu-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share of the KV pool encoded modules may hold before moving to host memory (default 0.5)",
+    )
+    m.add_argument(
+        "--module-host-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="host memory for modules moved off the GPU, e.g. 4G or 512M (default 4G)",
     )
 
 
@@ -65,10 +100,42 @@ def read_system_prompts(items: list[str]) -> dict[str, str]:
     return out
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``4294967296``, ``4G``, ``4GiB``, ``512M``, ``512MB`` (powers of 1024) -> bytes."""
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in _UNITS else (raw, "")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4G, 512M, 1048576)") from None
+    if not 0 <= value < 1 << 62:  # also NaN and inf
+        raise argparse.ArgumentTypeError(f"a size in bytes must be in [0, 2**62), got {text!r}")
+    return int(value)
+
+
+def read_schemas(files: list[str]) -> list[str]:
+    """``--schema FILE`` items as the files' PML texts (parsed when the engine registers them)."""
+    out = []
+    for file in files:
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(f"schema file {file!r} not found")
+        out.append(path.read_text(encoding="utf-8"))
+    return out
+
+
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     """The EngineConfig the engine options on the command line describe (validated by EngineConfig)."""
     from prefixserve.config import EngineConfig
 
+    modules: dict[str, Any] = {}  # left out when not given: EngineConfig's defaults hold
+    if args.module_gpu_fraction is not None:
+        modules["module_gpu_fraction"] = args.module_gpu_fraction
+    if args.module_host_bytes is not None:
+        modules["module_host_bytes"] = args.module_host_bytes
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -82,4 +149,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         system_prompts=read_system_prompts(args.system_prompt),
+        schemas=read_schemas(args.schema),
+        module_store=args.module_store,
+        **modules,
     )

@@ -1,4 +1,5 @@
-"""The ``prefixserve`` command: generate, chat, bench, batch and serve, on the default model by default."""
+"""The ``prefixserve`` command: generate, chat, bench, batch and serve, on the default model by default;
+``schema`` manages the Prompt Cache schemas of a running server."""
 
 from __future__ import annotations
 
@@ -70,23 +71,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"(no prompts given: running a demo of {len(prompts)} questions sharing one system prompt)")
     params = _params(args)
     llm = _make_llm(args)
+    # PML prompts (<prompt schema="...">, with --schema) go as they are: their schema has the roles
+    pml = [bool(args.schema) and p.lstrip().startswith("<prompt") for p in prompts]
     if args.raw:
-        outs = llm.generate([(system or "") + p for p in prompts], params)
+        texts = [p if is_pml else (system or "") + p for p, is_pml in zip(prompts, pml, strict=True)]
+        outs = llm.generate(texts, params)
     else:
         convs = [
             ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
-            for p in prompts
+            for p, is_pml in zip(prompts, pml, strict=True)
+            if not is_pml
         ]
-        outs = llm.chat(convs, params)
+        chats = iter(llm.chat(convs, params) if convs else [])
+        pml_prompts = [p for p, is_pml in zip(prompts, pml, strict=True) if is_pml]
+        raws = iter(llm.generate(pml_prompts, params) if pml_prompts else [])
+        outs = [next(raws) if is_pml else next(chats) for is_pml in pml]
     for prompt, out in zip(prompts, outs, strict=True):
         print(f"\n>>> {prompt}")
         for c in out.outputs:
             tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
             print(f"{tag}{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})")
     m = llm.metrics()
+    modules = f", from prompt modules {m['module_tokens_reused_total']}" if any(pml) else ""
     print(
         f"\nprompt tokens {m['prompt_tokens_total']}, "
-        f"from prefix cache {m['prefix_cache_hit_tokens_total']}; "
+        f"from prefix cache {m['prefix_cache_hit_tokens_total']}{modules}; "
         f"KV rows read by attention {m['attention_kv_tokens_read_total']} of "
         f"{m['attention_kv_tokens_logical_total']} a per-sequence path reads"
     )
@@ -210,6 +219,106 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+# ---- prefixserve schema: a running server's Prompt Cache schemas ---------------------------------
+class ServerError(Exception):
+    """The server refused (its error message), or could not be reached."""
+
+
+def _server_call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
+    """One JSON request to the server at ``--url`` (stdlib only: the CLI needs no HTTP client)."""
+    import urllib.error
+    import urllib.request
+
+    url = args.url.rstrip("/") + path
+    headers = {"Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode("utf-8")
+        headers["Content-Type"] = "application/json"
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            return json.loads(response.read().decode("utf-8"))
+    except urllib.error.HTTPError as exc:
+        raw = exc.read().decode("utf-8", "replace")
+        try:
+            message = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.strip() or exc.reason
+        raise ServerError(f"{method} {url}: HTTP {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ServerError(f"cannot reach the server at {args.url}: {reason}") from None
+
+
+def _schema_line(info: dict[str, Any]) -> str:
+    modules = info.get("modules", [])
+    return (
+        f"{info['name']}: {len(modules)} module{'s' if len(modules) != 1 else ''} "
+        f"({', '.join(modules) or 'none'}), {info.get('tokens', 0)} tokens in {info.get('pieces', 0)} "
+        f"pieces, {info.get('positions', 0)} positions"
+    )
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "add":
+            if args.file == "-":
+                text = sys.stdin.read()
+            else:
+                path = Path(args.file)
+                if not path.is_file():
+                    raise ValueError(f"schema file {args.file!r} not found")
+                text = path.read_text(encoding="utf-8")
+            body = {"schema": text, "replace": args.replace, "pin": args.pin, "encode": not args.no_encode}
+            info = _server_call(args, "POST", "/v1/schemas", body)
+            if args.json:
+                print(json.dumps(info, indent=2))
+            else:
+                print(f"registered {_schema_line(info)}{' (pinned)' if args.pin else ''}")
+        elif args.action == "list":
+            schemas = _server_call(args, "GET", "/v1/schemas")["data"]
+            if args.json:
+                print(json.dumps(schemas, indent=2))
+            elif not schemas:
+                print("no schemas registered")
+            else:
+                for info in schemas:
+                    print(_schema_line(info))
+        else:
+            from urllib.parse import quote
+
+            _server_call(args, "DELETE", f"/v1/schemas/{quote(args.name, safe='')}")
+            print(f"removed schema {args.name!r}")
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_schema_parser(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    common.add_argument("--api-key", default=None, help="the server's API key (--api-key of serve)")
+    common.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server")
+    common.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    p = sub.add_parser(
+        "schema", help="add, list or remove the Prompt Cache schemas (PML) of a running server"
+    )
+    actions = p.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", parents=[common], help="register the PML <schema> in FILE ('-': stdin)")
+    add.add_argument("file", metavar="FILE")
+    add.add_argument("--replace", action="store_true", help="replace a schema of the same name")
+    add.add_argument("--pin", action="store_true", help="keep its modules on the GPU for good")
+    add.add_argument("--no-encode", action="store_true", help="encode its modules at first use, not now")
+    actions.add_parser("list", parents=[common], help="the registered schemas")
+    rm = actions.add_parser("rm", parents=[common], help="remove a schema")
+    rm.add_argument("name", metavar="NAME")
+    p.set_defaults(func=cmd_schema)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -259,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    _add_schema_parser(sub)
     return parser
 
 

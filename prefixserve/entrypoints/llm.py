@@ -108,6 +108,20 @@ class LLM:
         prompts: list[Prompt] = [self.render_chat(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm, application=application)
 
+    # ---- Prompt Cache ------------------------------------------------------------------------
+    def register_schema(self, pml: str, encode: bool = True, pin: bool = False, replace: bool = False) -> str:
+        """Register a PML schema (Prompt Cache); returns its name. Its modules are encoded now
+        (``encode=False``: at first use) and reused by every ``<prompt schema="...">`` prompt given to
+        ``generate`` or ``stream``; ``pin`` keeps them in GPU memory for good."""
+        return self.engine.register_schema(pml, encode=encode, pin=pin, replace=replace)
+
+    def unregister_schema(self, name: str) -> None:
+        self.engine.unregister_schema(name)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The registered schemas: name, modules, positions spanned, pieces and their tokens."""
+        return self.engine.list_schemas()
+
     def batch(
         self, path_in: str | Path, path_out: str | Path, grouping: str = "first_level", progress: bool = True
     ) -> dict[str, Any]:

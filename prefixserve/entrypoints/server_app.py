@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes over an EngineLoop, OpenAI-shaped errors, auth, metrics.
+"""The FastAPI app: OpenAI routes over an EngineLoop, OpenAI-shaped errors, auth, metrics, and the
+Prompt Cache schema routes (``/v1/schemas``: register, list, remove; run on the engine thread).
 
 Bodies are read and parsed by hand (size limit before parsing, strict UTF-8, then JSON, then the
 model) so that every refusal is a 4xx naming the problem, never a 422 or a 500.
@@ -33,13 +34,20 @@ from prefixserve.entrypoints.openai_prepare import (
 from prefixserve.entrypoints.server_engine import EngineLoop, EngineStopped
 from prefixserve.entrypoints.server_metrics import ServerMetrics
 from prefixserve.entrypoints.server_protocol import APIError, param_of
-from prefixserve.entrypoints.server_requests import MAX_BODY_BYTES, ServerState, authorize, read_json
+from prefixserve.entrypoints.server_requests import (
+    MAX_BODY_BYTES,
+    ServerState,
+    authorize,
+    read_json,
+    read_schema_request,
+)
 from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.pml import PMLError, parse_schema
 
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/schemas", "/health", "/metrics")
 
 
 def build_app(
@@ -105,7 +113,10 @@ class _CountRequests:
             await self.app(scope, receive, send_status)
         finally:
             path = scope.get("path", "")
-            route = path if path in ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
+            route = path if path in ROUTES else "other"
+            for parent in ("/v1/models", "/v1/schemas"):
+                if path.startswith(parent + "/"):
+                    route = parent
             self.metrics.http_requests.labels(route, str(status)).inc()
 
 
@@ -166,6 +177,10 @@ async def _submit(state: ServerState, prep: Prepared, sink: asyncio.Queue[Reques
                 stream=req.stream,
             )
             ids.append(sub_id)
+    except PMLError as exc:  # a Prompt Cache prompt: unknown schema or module, bad argument, bad XML
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        raise APIError(400, str(exc), param=prompt_field, code="invalid_pml") from None
     except ValueError as exc:
         for sub_id in ids:
             state.loop.abort(sub_id)
@@ -252,6 +267,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     _add_model_routes(app, state)
     _add_completion_routes(app, state)
     _add_chat_routes(app, state)
+    _add_schema_routes(app, state)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
@@ -314,3 +330,76 @@ def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request) -> Response:
         authorize(state, request)
         return await _answer(state, request, prepare_chat(state, await read_json(state, request)))
+
+
+# ---- Prompt Cache schemas ----------------------------------------------------------------------
+def _schema_card(info: dict[str, Any]) -> dict[str, Any]:
+    return {"object": "schema", **info}
+
+
+def _find_schema(engine: Engine, name: str) -> dict[str, Any] | None:
+    return next((s for s in engine.list_schemas() if s["name"] == name), None)
+
+
+class _SchemaExists(Exception):
+    pass
+
+
+def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
+    """Register, list and remove PML schemas. The engine calls run on the engine thread between two
+    steps (registering encodes the modules now, unless ``encode`` is false)."""
+
+    async def on_engine(fn: Any) -> Any:
+        try:
+            return await state.loop.run(fn)
+        except EngineStopped as exc:
+            raise APIError(503, str(exc)) from None
+
+    @app.post("/v1/schemas")
+    async def add_schema(request: Request) -> Response:
+        authorize(state, request)
+        req = await read_schema_request(state, request)
+
+        def register(engine: Engine) -> tuple[dict[str, Any], bool]:
+            name = parse_schema(req.schema_).name  # a PMLError names line, column and problem
+            existed = _find_schema(engine, name) is not None
+            if existed and not req.replace:
+                raise _SchemaExists(name)
+            engine.register_schema(req.schema_, encode=req.encode, pin=req.pin, replace=req.replace)
+            info = _find_schema(engine, name)
+            assert info is not None
+            return info, existed
+
+        try:
+            info, replaced = await on_engine(register)
+        except _SchemaExists as exc:
+            message = f"schema {exc.args[0]!r} is already registered; send replace=true to replace it"
+            raise APIError(409, message, param="schema", code="schema_exists") from None
+        except PMLError as exc:
+            raise APIError(400, str(exc), param="schema", code="invalid_pml") from None
+        except ValueError as exc:  # no room in the KV pool for its modules, ...
+            raise APIError(400, str(exc), param="schema", code="invalid_value") from None
+        return JSONResponse(_schema_card(info), status_code=200 if replaced else 201)
+
+    @app.get("/v1/schemas")
+    async def list_schemas(request: Request) -> Response:
+        authorize(state, request)
+        schemas = await on_engine(lambda engine: engine.list_schemas())
+        return JSONResponse({"object": "list", "data": [_schema_card(s) for s in schemas]})
+
+    @app.get("/v1/schemas/{name}")
+    async def get_schema(name: str, request: Request) -> Response:
+        authorize(state, request)
+        info = await on_engine(lambda engine: _find_schema(engine, name))
+        if info is None:
+            raise APIError(404, f"no schema named {name!r}", param="name", code="schema_not_found")
+        return JSONResponse(_schema_card(info))
+
+    @app.delete("/v1/schemas/{name}")
+    async def delete_schema(name: str, request: Request) -> Response:
+        authorize(state, request)
+        try:
+            await on_engine(lambda engine: engine.unregister_schema(name))
+        except KeyError:
+            raise APIError(404, f"no schema named {name!r}", param="name", code="schema_not_found") from None
+        return JSONResponse({"object": "schema", "name": name, "deleted": True})

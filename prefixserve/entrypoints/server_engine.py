@@ -4,7 +4,9 @@ HTTP handlers run on an asyncio loop; a forward pass blocks for milliseconds to 
 lives on its own thread, stepping while there is work and sleeping on its command queue when there is
 none. Handlers send commands (add, abort, call) through a thread-safe queue; the thread hands outputs
 back to each request's asyncio queue with ``loop.call_soon_threadsafe`` (one call per loop per step).
-Commands are applied in order, so an abort sent after an add always finds its request.
+Commands are applied in order, so an abort sent after an add always finds its request. ``run`` awaits
+any callable on the engine thread between two steps (registering a Prompt Cache schema runs forwards,
+so it must happen there); commands still queued when the thread stops fail with EngineStopped.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from prefixserve.engine import Engine
 from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on its queue before re-checking for stop
 
@@ -64,6 +69,8 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
         self._stopping = False
+        self._closed = False  # the thread has drained its queue for the last time (under _lock)
+        self._lock = threading.Lock()
 
     # ---- the asyncio side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -72,7 +79,7 @@ class EngineLoop:
     def stop(self, timeout: float = 30.0) -> None:
         """Abort whatever is still running (its streams get a final 'abort' output), then end the thread."""
         self._stopping = True
-        self._commands.put(("stop",))
+        self._put(("stop",))
         self._thread.join(timeout)
 
     @property
@@ -99,7 +106,8 @@ class EngineLoop:
         kwargs: dict[str, Any] = dict(
             prompt_token_ids=prompt_token_ids, cache_salt=cache_salt, stream=stream, application=application
         )
-        self._commands.put(("add", request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted))
+        if not self._put(("add", request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
+            raise EngineStopped("the server is shutting down")
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine saw the request
@@ -108,17 +116,36 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; nothing more is delivered for it."""
-        self._commands.put(("abort", request_id))
+        self._put(("abort", request_id))
 
     def abort_all(self) -> None:
         """Stop every request, each stream getting a final output with finish_reason 'abort'."""
-        self._commands.put(("abort_all",))
+        self._put(("abort_all",))
 
-    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
-        """Run ``fn(engine)`` on the engine thread (test hooks, introspection)."""
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(("call", fn, done))
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps (test hooks, introspection, schemas).
+
+        The future fails with EngineStopped if the thread stops first; cancelled before it runs,
+        ``fn`` is skipped.
+        """
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self._put(("call", fn, done)):
+            done.set_exception(EngineStopped("the server is shutting down"))
         return done
+
+    async def run(self, fn: Callable[[Engine], T]) -> T:
+        """Await ``fn(engine)`` run on the engine thread; its exception is raised here."""
+        if not self.alive:
+            raise EngineStopped("the server is shutting down")
+        return await asyncio.wrap_future(self.call(fn))
+
+    def _put(self, command: tuple[Any, ...]) -> bool:
+        """Queue a command; False once the thread has stopped taking them."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._commands.put(command)
+            return True
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -165,6 +192,8 @@ class EngineLoop:
             self._abort_everything()
         elif kind == "call":
             fn, done = command[1], command[2]
+            if not done.set_running_or_notify_cancel():  # its caller left before it ran
+                return False
             try:
                 done.set_result(fn(self.engine))
             except Exception as exc:
@@ -189,6 +218,8 @@ class EngineLoop:
             self.engine.add_request(request_id, prompt, params, **kwargs)
             stream.last_time = time.monotonic()
             self._streams[request_id] = stream
+        except PMLError as exc:  # a Prompt Cache prompt naming an unknown schema or module, ...
+            error = PMLError(exc.problem, exc.line, exc.column)
         except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
             error = ValueError(str(exc))
         except Exception as exc:
@@ -204,6 +235,15 @@ class EngineLoop:
         self._abort_everything()
         self._deliver(self.engine.step())
         self.snapshot = self.engine.metrics()
+        with self._lock:  # nothing is queued from here on: fail what still is
+            self._closed = True
+        stopped = EngineStopped("the server is shutting down")
+        while (command := self._next_nowait()) is not None:
+            if command[0] == "call" and command[2].set_running_or_notify_cancel():
+                command[2].set_exception(stopped)
+            elif command[0] == "add":
+                with contextlib.suppress(RuntimeError):  # that loop is closed
+                    command[5].loop.call_soon_threadsafe(_resolve, command[6], stopped)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[_Item]] = {}

@@ -26,6 +26,13 @@ _COUNTERS = {
     "attention_kv_tokens_logical_total": "KV rows a per-sequence attention would read",
     "preemptions_total": "sequences preempted for lack of KV blocks",
     "steps_total": "engine steps",
+    # Prompt Cache: schemas' modules
+    "module_tokens_reused_total": "prompt tokens served from encoded prompt modules (Prompt Cache)",
+    "module_encodes_total": "prompt module pieces encoded (run through the model)",
+    "module_loads_host_total": "prompt module pieces brought back to the GPU from host memory",
+    "module_loads_disk_total": "prompt module pieces brought back to the GPU from the module store",
+    "module_evictions_gpu_total": "prompt module pieces moved off the GPU to make room",
+    "module_store_corrupt_total": "module store entries found corrupt or truncated (recomputed)",
 }
 _GAUGES = {
     "num_running": ("num_requests_running", "sequences running"),
@@ -33,6 +40,8 @@ _GAUGES = {
     "kv_blocks_total": ("kv_blocks_total", "KV pool size in blocks"),
     "kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
     "kv_blocks_cached": ("kv_blocks_cached", "KV blocks in the prefix index"),
+    "module_blocks_gpu": ("module_blocks_gpu", "KV blocks holding encoded prompt modules"),
+    "module_entries_host": ("module_entries_host", "prompt module pieces kept in host memory"),
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

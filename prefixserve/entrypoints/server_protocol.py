@@ -119,6 +119,16 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
 
 
+class SchemaRequest(BaseModel):
+    """``POST /v1/schemas``: a Prompt Cache schema (PML) to register."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    schema_: str = Field(alias="schema")  # ``schema`` would shadow BaseModel.schema
+    encode: bool = True  # encode its modules now (else at first use)
+    pin: bool = False  # keep its modules on the GPU for good
+    replace: bool = False  # replace a schema of the same name (else 409)
+
+
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
@@ -135,7 +145,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def parse_request(cls: type[_Common], data: Any, required: str) -> Any:
+def parse_request(cls: type[BaseModel], data: Any, required: str) -> Any:
     """Validate a decoded JSON body; raises APIError(400) naming the first bad field."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")

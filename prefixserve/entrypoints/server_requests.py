@@ -1,4 +1,4 @@
-"""Reading one OpenAI request off the wire: auth, body limits, strict UTF-8 JSON.
+"""Reading one OpenAI request off the wire: auth, body limits, strict UTF-8 JSON (or PML for schemas).
 
 Each check raises APIError with the status and a message that names the problem; the body's own
 checks (model, parameters, prompts) are ``openai_prepare``'s, shared with the batch runner.
@@ -15,7 +15,12 @@ from fastapi import Request
 
 from prefixserve.entrypoints.openai_prepare import OpenAIContext
 from prefixserve.entrypoints.server_engine import EngineLoop
-from prefixserve.entrypoints.server_protocol import APIError, find_lone_surrogate
+from prefixserve.entrypoints.server_protocol import (
+    APIError,
+    SchemaRequest,
+    find_lone_surrogate,
+    parse_request,
+)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -42,7 +47,8 @@ def authorize(state: ServerState, request: Request) -> None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
-async def read_json(state: ServerState, request: Request) -> Any:
+async def read_text(state: ServerState, request: Request) -> str:
+    """The body as text: refused over the size limit (before reading it all) or if not UTF-8."""
     limit = state.max_body_bytes
     too_big = APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length")
@@ -54,9 +60,12 @@ async def read_json(state: ServerState, request: Request) -> Any:
         if len(body) > limit:
             raise too_big
     try:
-        text = bytes(body).decode("utf-8")
+        return bytes(body).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise APIError(400, f"the request body is not valid UTF-8 (bad byte at offset {exc.start})") from None
+
+
+def parse_json(text: str) -> Any:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -65,3 +74,43 @@ async def read_json(state: ServerState, request: Request) -> Any:
     if find_lone_surrogate(data):
         raise APIError(400, "the request contains a lone UTF-16 surrogate escape, which is not valid text")
     return data
+
+
+async def read_json(state: ServerState, request: Request) -> Any:
+    return parse_json(await read_text(state, request))
+
+
+_RAW_PML_TYPES = ("application/xml", "text/xml", "text/plain")
+_FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+async def read_schema_request(state: ServerState, request: Request) -> SchemaRequest:
+    """A ``POST /v1/schemas`` body: JSON ``{"schema": PML, "encode", "pin", "replace"}``, or the PML
+    itself (content type application/xml, text/xml or text/plain; the flags then come from the
+    query string, ``?replace=true&pin=true``). A body of another or no content type is taken as PML
+    when it starts with ``<``, else as JSON (so ``curl --data-binary @schema.pml`` works)."""
+    text = await read_text(state, request)
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    raw = ctype in _RAW_PML_TYPES or (ctype != "application/json" and text.lstrip().startswith("<"))
+    if not raw:
+        data = parse_json(text)
+        if isinstance(data, dict) and data.get("schema") is not None and not isinstance(data["schema"], str):
+            raise APIError(
+                400,
+                "'schema' must be the PML text of a schema (a string)",
+                param="schema",
+                code="invalid_type",
+            )
+        return parse_request(SchemaRequest, data, "schema")  # type: ignore[no-any-return]
+    if not text.strip():
+        raise APIError(400, "the request body is empty: send the PML of a <schema>", param="schema")
+    flags: dict[str, bool] = {}
+    for key in ("encode", "pin", "replace"):
+        value = request.query_params.get(key)
+        if value is None:
+            continue
+        if value.lower() not in _FLAGS:
+            message = f"query parameter '{key}' must be true or false, got {value[:40]!r}"
+            raise APIError(400, message, param=key)
+        flags[key] = _FLAGS[value.lower()]
+    return SchemaRequest(schema=text, **flags)

@@ -48,19 +48,29 @@ class BlockManager:
         return (seq.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Take every cached full block of ``seq``'s leading tokens; returns the tokens found."""
+        """Take the request's module blocks, then every cached full block of the tokens after them;
+        returns the prompt tokens found (a module block's holes not counted)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
+        req = seq.request
+        modules = req.module_blocks
+        if modules:  # Prompt Cache: the module blocks lead the table, computed, never indexed
+            self.pool.acquire(modules)
+            seq.block_table = list(modules)
+            self._mirror(seq, 0, modules)
+            seq.num_indexed_blocks = len(modules)
+            seq.num_computed_tokens = len(modules) * self.block_size
         if not self.enable_prefix_caching:
-            return 0
+            return seq.num_computed_tokens - req.num_hole_tokens if modules else 0
         n = self.cacheable_blocks(seq)
-        hits = self.pool.lookup(self._digests(seq, n)[:n])
+        start = len(modules)
+        hits = self.pool.lookup(self._digests(seq, n)[start:n])
         self.pool.acquire(hits)
         self.pool.touch(hits)
-        seq.block_table = list(hits)
-        self._mirror(seq, 0, hits)
-        seq.num_indexed_blocks = len(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        return seq.num_computed_tokens
+        seq.block_table += hits
+        self._mirror(seq, start, hits)
+        seq.num_indexed_blocks = start + len(hits)
+        seq.num_computed_tokens = (start + len(hits)) * self.block_size
+        return seq.num_computed_tokens - (req.num_hole_tokens if modules else 0)
 
     def reserve(self, seq: Sequence, upto_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make room for KV up to ``upto_tokens``; copy-on-write the block being written if shared.

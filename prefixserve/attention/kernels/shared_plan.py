@@ -253,6 +253,13 @@ def _cut_segments(
     return items, splits, slot_base, slot_rows, slot
 
 
+def segment_tokens(plan: Any, block_size: int) -> list[int]:
+    """KV rows of each segment: whole blocks, less the holes of a partly filled module block."""
+    if getattr(plan, "seg_num_tokens_host", None):
+        return list(plan.seg_num_tokens_host)
+    return [(b - a) * block_size for a, b in itertools.pairwise(plan.seg_block_start_host)]
+
+
 def plan_work_for(
     plan: Any,
     seg_blocks: np.ndarray,
@@ -270,7 +277,7 @@ def plan_work_for(
     bstart = plan.seg_block_start_host
     return plan_shared_work(
         plan.seg_row_start_host,
-        [(b - a) * block_size for a, b in itertools.pairwise(bstart)],
+        segment_tokens(plan, block_size),
         kv_heads,
         group,
         device,
@@ -306,7 +313,7 @@ def step_size(
 ) -> tuple[float, float]:
     """(shared FLOPs, own KV bytes) of a step's plan: what the shared and own kernels must do."""
     rows = np.diff(np.asarray(plan.seg_row_start_host, dtype=np.int64))
-    tokens = np.diff(np.asarray(plan.seg_block_start_host, dtype=np.int64)) * block_size
+    tokens = np.asarray(segment_tokens(plan, block_size), dtype=np.int64)
     flops = 4 * group * kv_heads * head_dim * float((rows * tokens).sum())
     own_bytes = 2 * elt * kv_heads * head_dim * float(sum(plan.own_seq_lens_host))
     return flops, own_bytes

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefixserve.attention.kernels.shared_plan import segment_tokens
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.plan import SharedPlan, make_plan
 
@@ -90,7 +91,7 @@ def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
     """(holder rows x KV tokens summed over segments, own KV tokens): a step's shared FLOPs and own
     bytes, up to constant factors (``use_mixed`` weighs one against the other)."""
     rows = np.diff(plan.seg_row_start_host)
-    seg_tokens = np.diff(plan.seg_block_start_host) * block_size
+    seg_tokens = np.asarray(segment_tokens(plan, block_size), dtype=np.int64)
     return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
 
 

@@ -93,6 +93,15 @@ def _kernels() -> tuple[Any, Any, Any]:
     return paged_attention, shared_attention, mixed_rule
 
 
+def _refuse_modules(meta: AttentionMetadata, name: str) -> None:
+    """The plain paged kernel reads whole blocks: a module's partly filled block would be read whole."""
+    if meta.has_module_blocks():
+        raise ValueError(
+            f"attention={name!r} cannot read Prompt Cache module blocks (a module's partly filled last "
+            "block needs the shared-segment path); use attention='auto' or 'triton'"
+        )
+
+
 @register_backend
 class TritonPagedBackend(AttentionBackend):
     """The paged kernel over every sequence's whole KV (no sharing): GQA-packed, split-KV."""
@@ -101,6 +110,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
+        _refuse_modules(meta, self.name)
         meta.plan = self._paged_step(meta)
 
     @staticmethod
@@ -115,6 +125,7 @@ class TritonPagedBackend(AttentionBackend):
         """A decode step for a captured graph: the plain paged kernel (``graph_attention.py``)."""
         from prefixserve.attention.kernels.graph_attention import paged_graph_step
 
+        _refuse_modules(meta, self.name)
         step = paged_graph_step(meta, shape, bucket)
         meta.stats.update(step.stats)
         return step

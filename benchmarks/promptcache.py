@@ -1,0 +1,412 @@
+"""Prompt Cache: time to first token with reused modules, decode with shared modules, and the accuracy cost.
+
+Three questions, one run:
+
+* **TTFT vs prompt length.** A schema of ``--module-tokens``-token modules; each request imports a
+  random subset worth L tokens plus a 32-token question. Modes, one engine: ``full`` (the same
+  text as a plain prompt, a fresh cache salt each time: full prefill), ``prefix`` (the plain prompt
+  with its modules in shuffled order, after other requests filled the prefix cache: it misses past
+  the first module that differs), ``module_gpu`` (the PML prompt, modules in the GPU tier),
+  ``module_host`` (every module moved to host memory first: the request copies them back) and
+  ``module_disk`` (moved off the host too: read from the module store, checksum checked). TTFT =
+  wall time of a one-token ``generate``, median of ``--trials`` requests with fresh subsets.
+* **Decode with 64 concurrent requests** importing modules in different subsets and orders:
+  ``module`` (PML prompts: each module's blocks read once per step for all its holders) against
+  ``plain`` (the same tokens as plain prompts, prefix caching off: every request reads its own KV).
+  Decode tok/s = requests x (G - 1) / (time of G tokens - time of 1 token).
+* **Accuracy** (``--quality``; real weights only): top-1 agreement and mean KL(full || cached) of the
+  next-token distribution, and greedy exact match of ``--quality-tokens`` tokens, between
+  module-cached and full prefill, over schemas of facts where a prompt imports 2-4 modules.
+
+    python -m benchmarks.promptcache run --device cpu --model default --quality     # this CPU
+    python -m benchmarks.promptcache run                                           # H200, dummy 8B
+    python -m benchmarks.promptcache report --json docs/benchmarks/promptcache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._common import RESULTS, pyplot, run_info, run_or_report, write_text
+from prefixserve import LLM, SamplingParams
+
+WORDS = [
+    *[
+        "river",
+        "mountain",
+        "quiet",
+        "signal",
+        "harbor",
+        "copper",
+        "lantern",
+        "orchard",
+        "violet",
+        "engine",
+        "garden",
+        "silver",
+        "market",
+    ],
+    *[
+        "winter",
+        "planet",
+        "falcon",
+        "meadow",
+        "thunder",
+        "canyon",
+        "marble",
+        "candle",
+        "forest",
+        "island",
+        "shadow",
+        "bridge",
+    ],
+    *[
+        "desert",
+        "velvet",
+        "compass",
+        "ember",
+        "glacier",
+        "pepper",
+        "saddle",
+        "timber",
+        "walnut",
+        "zephyr",
+        "anchor",
+        "beacon",
+    ],
+]
+
+
+def words(rng: random.Random, tokenizer: Any, tokens: int) -> str:
+    """Text of about ``tokens`` tokens (random words: no accidental structure for the cache to find)."""
+    text = ""
+    while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
+        text += " " + " ".join(rng.choice(WORDS) for _ in range(max(1, tokens // 4)))
+    ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
+    return tokenizer.decode(ids).replace("<", " ").replace("&", " ")
+
+
+def bench_schema(tokenizer: Any, modules: int, module_tokens: int, seed: int) -> tuple[str, list[str]]:
+    rng = random.Random(seed)
+    texts = [words(rng, tokenizer, module_tokens) for _ in range(modules)]
+    body = "".join(f'<module name="m{i}">{t}</module>' for i, t in enumerate(texts))
+    return f'<schema name="bench">{body}</schema>', texts
+
+
+def prompts_for(rng: random.Random, texts: list[str], count: int, question: str) -> tuple[str, str, str]:
+    """(PML prompt, plain prompt in schema order, plain prompt in shuffled order) importing ``count``."""
+    picked = sorted(rng.sample(range(len(texts)), count))
+    pml = '<prompt schema="bench">' + "".join(f"<m{i}/>" for i in picked) + question + "</prompt>"
+    plain = "".join(texts[i] for i in picked) + question
+    shuffled = picked[:]
+    rng.shuffle(shuffled)
+    return pml, plain, "".join(texts[i] for i in shuffled) + question
+
+
+def ttft(llm: LLM, prompt: Any) -> float:
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - t0
+
+
+def move_modules(llm: LLM, tier: str) -> None:
+    """Every module out of the GPU tier (to host memory; for ``disk`` off the host too)."""
+    modules = llm.engine.modules
+    for entry in list(modules.entries.values()):
+        if entry.blocks is not None and modules._movable(entry):
+            modules._demote(entry)
+        if tier == "disk":
+            modules.host.pop(entry.key)
+
+
+def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
+    tok = llm.get_tokenizer()
+    most = max(args.lengths) // args.module_tokens
+    schema, texts = bench_schema(tok, 2 * most, args.module_tokens, args.seed)
+    llm.register_schema(schema)
+    rng = random.Random(args.seed + 1)
+    rows = []
+    for length in args.lengths:
+        count = length // args.module_tokens
+        times: dict[str, list[float]] = {
+            m: [] for m in ("full", "prefix", "module_gpu", "module_host", "module_disk")
+        }
+        for trial in range(args.trials + 1):  # the first round warms every path up, untimed
+            pml, plain, shuffled = prompts_for(rng, texts, count, question)
+            llm.generate(prompts_for(rng, texts, count, question)[2], SamplingParams(max_tokens=1))
+            got = {
+                "full": ttft(llm, {"prompt": plain, "cache_salt": f"fresh-{length}-{trial}"}),
+                "prefix": ttft(llm, shuffled),
+                "module_gpu": ttft(llm, pml),
+            }
+            move_modules(llm, "host")
+            got["module_host"] = ttft(llm, pml)
+            if llm.engine.modules.disk is not None:
+                move_modules(llm, "disk")
+                got["module_disk"] = ttft(llm, pml)
+            if trial:
+                for mode, t in got.items():
+                    times[mode].append(t)
+        row: dict[str, Any] = {"module_tokens": count * args.module_tokens}
+        row["prompt_tokens"] = len(tok.encode(plain, add_special_tokens=False))
+        for mode, ts in times.items():
+            if ts:
+                row[f"{mode}_s"] = statistics.median(ts)
+        rows.append(row)
+        print(json.dumps(row))
+    llm.unregister_schema("bench")
+    return rows
+
+
+def run_decode(args: argparse.Namespace, question: str) -> dict[str, Any]:
+    """Decode tok/s with ``--decode-requests`` concurrent requests sharing modules, module vs plain."""
+    out: dict[str, Any] = {"requests": args.decode_requests, "gen": args.decode_gen}
+    for mode in ("module", "plain"):
+        llm = make_llm(args, enable_prefix_caching=mode == "module")
+        tok = llm.get_tokenizer()
+        schema, texts = bench_schema(tok, args.decode_modules, args.module_tokens, args.seed + 7)
+        llm.register_schema(schema)
+        rng = random.Random(args.seed + 2)
+        batch = [prompts_for(rng, texts, args.decode_import, question) for _ in range(args.decode_requests)]
+        prompts = [b[0] for b in batch] if mode == "module" else [b[2] for b in batch]
+        timings = {}
+        for gen in (1, args.decode_gen, 1, args.decode_gen):  # the first pair warms up
+            params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            timings[gen] = time.perf_counter() - t0
+        rate = args.decode_requests * (args.decode_gen - 1) / max(1e-9, timings[args.decode_gen] - timings[1])
+        out[f"{mode}_decode_tok_s"] = rate
+        out[f"{mode}_segments_per_step"] = llm.metrics()["shared_segments_total"] / max(
+            1, llm.metrics()["steps_total"]
+        )
+        print(mode, json.dumps(out))
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out["module_over_plain"] = out["module_decode_tok_s"] / out["plain_decode_tok_s"]
+    return out
+
+
+FACTS = [
+    (
+        "The {a} house on {b} Street belongs to {c}, who works as a {d}.",
+        {
+            "a": ["red", "blue", "green", "white"],
+            "b": ["Oak", "Pine", "Elm", "Maple"],
+            "c": ["Anna", "Boris", "Clara", "David"],
+            "d": ["baker", "pilot", "doctor", "teacher"],
+        },
+    ),
+]
+QUALITY_SCHEMAS = 3
+QUALITY_MODULES = 5
+
+
+def quality_data(seed: int) -> list[tuple[str, list[str], list[str]]]:
+    """Schemas of short factual modules: (schema PML, module texts, questions)."""
+    rng = random.Random(seed)
+    out = []
+    template, slots = FACTS[0]
+    for s in range(QUALITY_SCHEMAS):
+        texts, questions = [], []
+        for _ in range(QUALITY_MODULES):
+            pick = {k: rng.choice(v) for k, v in slots.items()}
+            texts.append(" " + template.format(**pick))
+            questions.append(f" Question: who lives in the {pick['a']} house on {pick['b']} Street? Answer:")
+        body = "".join(f'<module name="f{i}">{t}</module>' for i, t in enumerate(texts))
+        out.append((f'<schema name="facts{s}">Notes about a town.{body}</schema>', texts, questions))
+    return out
+
+
+def run_quality(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    """Next-token agreement and KL between module-cached and full prefill, and greedy exact match."""
+    captured: list[torch.Tensor] = []
+    model = llm.engine.model
+    original = model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        captured.append(logits[-1].float().cpu())
+        return logits
+
+    model.compute_logits = capture
+    rng = random.Random(args.seed + 3)
+    agree, kls, exact, n = 0, [], 0, 0
+    greedy = SamplingParams(max_tokens=args.quality_tokens, temperature=0.0)
+    try:
+        for schema, texts, questions in quality_data(args.seed):
+            name = llm.register_schema(schema)
+            for _ in range(args.quality_prompts):
+                picked = sorted(rng.sample(range(len(texts)), rng.randint(2, 4)))
+                q = questions[rng.choice(picked)]
+                pml = f'<prompt schema="{name}">' + "".join(f"<f{i}/>" for i in picked) + q + "</prompt>"
+                full = "Notes about a town." + "".join(texts[i] for i in picked) + q
+                captured.clear()
+                cached_out = llm.generate(pml, greedy)[0].outputs[0].token_ids
+                cached = torch.log_softmax(captured[0], -1)
+                captured.clear()
+                full_req = {"prompt": full, "cache_salt": f"q{n}"}  # a fresh salt: full prefill
+                full_out = llm.generate(full_req, greedy)[0].outputs[0].token_ids
+                ref = torch.log_softmax(captured[0], -1)
+                agree += int(cached.argmax() == ref.argmax())
+                kls.append(float((ref.exp() * (ref - cached)).sum()))
+                exact += int(cached_out == full_out)
+                n += 1
+            llm.unregister_schema(name)
+    finally:
+        model.compute_logits = original
+    return {
+        "prompts": n,
+        "top1_agreement": agree / n,
+        "mean_kl": sum(kls) / n,
+        "greedy_exact_match": exact / n,
+        "greedy_tokens": args.quality_tokens,
+    }
+
+
+def make_llm(args: argparse.Namespace, **kw: Any) -> LLM:
+    extra: dict[str, Any] = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.num_kv_blocks:
+        extra["num_kv_blocks"] = args.num_kv_blocks
+    if args.device == "cuda":
+        extra["kv_memory_fraction"] = 0.6
+    extra.update(kw)
+    model = None if args.model == "default" else args.model
+    return LLM(model, device=args.device, progress=False, **extra)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    question = " " + " ".join(["Which", "word", "came", "first", "in", "the", "notes", "above?"] * 4)
+    result: dict[str, Any] = {"run": run_info(), "settings": vars(args) | {"out": None}}
+    with tempfile.TemporaryDirectory() as store:
+        llm = make_llm(args, module_store=store)
+        q_ids = llm.get_tokenizer().encode(question, add_special_tokens=False)
+        result["settings"]["question_tokens"] = len(q_ids)
+        result["ttft"] = run_ttft(llm, args, question)
+        if args.quality:
+            result["quality"] = run_quality(llm, args)
+        del llm
+    if args.decode_requests:
+        result["decode"] = run_decode(args, question)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    report(result, out, args.name)
+
+
+def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
+    name = name or result["settings"].get("name", "promptcache")
+    r, s = result["run"], result["settings"]
+    lines = [
+        "# Prompt Cache: reused modules against full prefill and prefix caching",
+        "",
+        f"{r['device']}; torch {r['torch']}; commit {r['commit']}; {r['date']}; model {s['model']}; "
+        f"modules of {s['module_tokens']} tokens, a {s['question_tokens']}-token question; median of "
+        f"{s['trials']} requests after one untimed round. Written by `benchmarks/promptcache.py`.",
+        "",
+        "| module tokens | full prefill s | prefix caching s | modules on GPU s | on host s | on disk s "
+        "| full / GPU | full / host | full / disk | prefix / GPU |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["ttft"]:
+        full, gpu = row["full_s"], row["module_gpu_s"]
+        host, disk = row.get("module_host_s"), row.get("module_disk_s")
+
+        def f(x: float | None) -> str:
+            return "-" if x is None else f"{x:.4f}"
+
+        def ratio(a: float, b: float | None) -> str:
+            return "-" if b is None else f"{a / b:.1f}x"
+
+        lines.append(
+            f"| {row['module_tokens']} | {f(full)} | {f(row['prefix_s'])} | {f(gpu)} | {f(host)} "
+            f"| {f(disk)} | {ratio(full, gpu)} | {ratio(full, host)} | {ratio(full, disk)} "
+            f"| {ratio(row['prefix_s'], gpu)} |"
+        )
+    if "decode" in result:
+        d = result["decode"]
+        lines += [
+            "",
+            f"Decode, {d['requests']} concurrent requests, each importing {s['decode_import']} of "
+            f"{s['decode_modules']} modules (different subsets and orders), {d['gen']} tokens each:",
+            "",
+            "| modules shared (PML) tok/s | plain prompts, no sharing tok/s | shared / plain "
+            "| segments a step |",
+            "| ---: | ---: | ---: | ---: |",
+            f"| {d['module_decode_tok_s']:.0f} | {d['plain_decode_tok_s']:.0f} "
+            f"| {d['module_over_plain']:.2f}x | {d['module_segments_per_step']:.1f} |",
+        ]
+    if "quality" in result:
+        qd = result["quality"]
+        lines += [
+            "",
+            f"Accuracy of independent module encoding (the approximation), {qd['prompts']} prompts importing "
+            "2-4 fact modules, against full prefill of the same text:",
+            "",
+            "| top-1 next-token agreement | mean KL(full, cached) nats | greedy exact match |",
+            "| ---: | ---: | ---: |",
+            f"| {qd['top1_agreement']:.1%} | {qd['mean_kl']:.4f} | {qd['greedy_exact_match']:.1%} "
+            f"({qd['greedy_tokens']} tokens) |",
+        ]
+    write_text(out, f"{name}.md", lines)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [row["module_tokens"] for row in result["ttft"]]
+    for mode, label in (
+        ("full", "full prefill"),
+        ("prefix", "prefix caching (shuffled)"),
+        ("module_gpu", "modules on GPU"),
+        ("module_host", "modules on host"),
+        ("module_disk", "modules on disk"),
+    ):
+        ys = [row.get(f"{mode}_s") for row in result["ttft"]]
+        if all(y is not None for y in ys):
+            ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xlabel("module tokens in the prompt")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"Prompt Cache TTFT ({r['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+
+
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b" if gpu else "default")
+    ap.add_argument("--device", default="cuda" if gpu else "cpu")
+    ap.add_argument("--name", default="promptcache" if gpu else "promptcache_cpu")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 5120, 8192])
+    ap.add_argument("--module-tokens", type=int, default=512)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--decode-requests", type=int, default=64)
+    ap.add_argument("--decode-modules", type=int, default=8)
+    ap.add_argument("--decode-import", type=int, default=6)
+    ap.add_argument("--decode-gen", type=int, default=65)
+    ap.add_argument("--quality", action="store_true")
+    ap.add_argument("--quality-prompts", type=int, default=10)
+    ap.add_argument("--quality-tokens", type=int, default=8)
+
+
+if __name__ == "__main__":
+    run_or_report(__doc__, "promptcache", RESULTS, add_run_args, run, report)

@@ -1,0 +1,317 @@
+"""Prompt Cache modules: schemas registered, pieces encoded once, kept in GPU / host / disk tiers.
+
+A piece (a module's own text, or a run of a schema's anonymous text; ``promptcache/assemble.py``) is
+encoded alone at its schema positions into blocks of the KV pool, and every request that uses it
+holds those very blocks at the head of its block table: nothing is copied, and the shared-segment
+attention reads a piece once per step for all its holders, wherever it sits in their prompts.
+
+Pieces start on a block boundary. A piece whose length is not a multiple of the block size leaves
+the rest of its last block empty, and those rows are *holes* in every table that holds the block:
+requests put ``HOLE_TOKEN`` placeholders there, and ``module_rows`` tells the attention plan how many
+rows each module block holds, so it attends module blocks as segments that end where the rows do
+(``attention/plan.py``). Padding in storage costs under one block per piece and keeps each piece's
+KV in one place, where filling each request's boundary blocks would copy a block per piece per
+request and realigning a piece at other offsets would store it up to block-size times.
+
+A piece's key is a digest of (model, dtype, cache salt, tokens, positions): equal keys mean equal KV,
+so two schemas that lay out the same text at the same positions share it, and tenants with
+different ``cache_salt`` never do. Tiers: the GPU tier holds blocks (at most ``gpu_fraction`` of the
+pool); the least recently used piece that no request holds moves to host memory (``kv/tiers.py``,
+an LRU under a byte budget), and from there off the end; with a module store directory every piece
+is also written to disk when encoded (checksummed; a corrupt entry is recomputed, never served).
+A piece found in a lower tier is copied back into fresh blocks instead of being recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixserve.kv.block_pool import BlockPool, block_digest
+from prefixserve.kv.cache import KVCache
+from prefixserve.kv.tiers import DiskTier, HostTier, gather_rows, scatter_rows
+from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
+from prefixserve.promptcache.layout import SchemaLayout, chat_role_wrap, layout
+from prefixserve.promptcache.pml import PMLError, Schema, parse_prompt, parse_schema
+
+log = logging.getLogger(__name__)
+
+HOLE_TOKEN = -2  # a request's token at a module block's empty row (never computed, never sampled)
+
+Encode = Callable[[list[int], list[int], list[int]], None]  # (token ids, positions, blocks): fill blocks
+
+
+@dataclass(slots=True)
+class ModuleEntry:
+    """One encoded piece and where its KV is now."""
+
+    key: str
+    token_ids: list[int]
+    positions: list[int]
+    names: set[tuple[str, str]] = field(default_factory=set)  # (schema, piece) naming it
+    blocks: list[int] | None = None  # GPU tier: blocks the store holds one reference on
+    pinned: bool = False  # never leaves the GPU tier
+
+    @property
+    def rows(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class ModulePrompt:
+    """A PML prompt made ready for a request: the module blocks it holds and its token layout."""
+
+    token_ids: list[int]  # module slots (HOLE_TOKEN at holes), then the own tokens
+    positions: list[int]
+    blocks: list[int]  # the leading module blocks, in table order (one reference held for the request)
+    digests: list[bytes]  # stand-in digests of those blocks, so own blocks chain from all the pieces
+    module_tokens: int  # real tokens reused from pieces
+    holes: int
+
+
+@dataclass(slots=True)
+class RegisteredSchema:
+    schema: Schema
+    layout: SchemaLayout
+    text: str
+    pieces: dict[str, Piece]
+
+
+class PromptModules:
+    """Schemas, encoded pieces and their tiers, for one engine."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        kv: KVCache,
+        encode: Encode,
+        tokenizer: Any,
+        model_id: str,
+        gpu_fraction: float = 0.5,
+        host_bytes: int = 4 << 30,
+        store_dir: str | Path | None = None,
+    ) -> None:
+        self.pool, self.kv, self.encode, self.tokenizer = pool, kv, encode, tokenizer
+        self.block_size = pool.block_size
+        self.model_id = model_id
+        self.gpu_blocks_limit = max(1, int(gpu_fraction * pool.num_blocks))
+        self.host = HostTier(host_bytes)
+        self.disk = DiskTier(store_dir) if store_dir is not None else None
+        self.schemas: dict[str, RegisteredSchema] = {}
+        self.entries: OrderedDict[str, ModuleEntry] = OrderedDict()  # GPU-tier LRU order: oldest first
+        self.module_rows = np.zeros(pool.num_blocks + 1, dtype=np.int32)  # [blocks] rows of module blocks
+        self.counters: dict[str, int] = {
+            "module_encodes_total": 0,
+            "module_loads_host_total": 0,
+            "module_loads_disk_total": 0,
+            "module_evictions_gpu_total": 0,
+        }
+
+    # ---- schemas --------------------------------------------------------------------------------
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def register(self, text: str, replace: bool = False) -> Schema:
+        """Parse and lay out a schema; its pieces are encoded on first use (``encode_schema`` now)."""
+        schema = parse_schema(text)
+        if schema.name in self.schemas and not replace:
+            raise PMLError(f"schema {schema.name!r} is already registered; remove it first")
+        wrap = chat_role_wrap(self.tokenizer) if getattr(self.tokenizer, "chat_template", None) else None
+        lay = layout(schema, self._tokenize, wrap)
+        if replace and schema.name in self.schemas:
+            self.unregister(schema.name)
+        self.schemas[schema.name] = RegisteredSchema(schema, lay, text, schema_pieces(lay))
+        return schema
+
+    def unregister(self, name: str) -> None:
+        """Forget a schema; its pieces leave the GPU tier once no request holds them."""
+        if self.schemas.pop(name, None) is None:
+            raise KeyError(f"unknown schema {name!r}")
+        for entry in list(self.entries.values()):
+            entry.names = {n for n in entry.names if n[0] != name}
+            if not entry.names:
+                entry.pinned = False
+                self._drop_gpu(entry)
+
+    def encode_schema(self, name: str, cache_salt: str | None = None, pin: bool = False) -> int:
+        """Encode every piece of a schema now (Prompt Cache encodes at registration); returns tokens."""
+        reg = self.schemas[name]
+        total = 0
+        for piece in reg.pieces.values():
+            entry = self._resident(reg, piece, cache_salt)
+            entry.pinned = entry.pinned or pin
+            total += entry.rows
+        return total
+
+    # ---- requests -------------------------------------------------------------------------------
+    def prepare(self, text: str, cache_salt: str | None) -> ModulePrompt:
+        """A PML prompt's module blocks (made resident, one reference taken) and token layout."""
+        prompt = parse_prompt(text, {n: r.schema for n, r in self.schemas.items()})
+        reg = self.schemas[prompt.schema]
+        assembled = assemble(reg.schema, reg.layout, prompt, self._tokenize)
+        return self._place(reg, assembled, cache_salt)
+
+    def _place(self, reg: RegisteredSchema, asm: AssembledPrompt, salt: str | None) -> ModulePrompt:
+        pieces, own_ids, own_pos = list(asm.pieces), list(asm.own_token_ids), list(asm.own_positions)
+        if not own_ids:  # the last token must be computed for its logits: run the last piece in context
+            if not pieces:
+                raise PMLError("the prompt is empty")
+            last = pieces.pop()
+            own_ids, own_pos = list(last.token_ids), list(last.positions)
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        blocks: list[int] = []
+        entries: list[ModuleEntry] = []
+        try:
+            for piece in pieces:  # each held as soon as it is resident, so the next cannot move it out
+                entry = self._resident(reg, piece, salt)
+                self.pool.acquire(entry.blocks)
+                entries.append(entry)
+        except BaseException:
+            for entry in entries:
+                self.release(entry.blocks)
+            raise
+        h = hashlib.blake2b(b"prompt-modules", digest_size=16)
+        digests: list[bytes] = []
+        holes = 0
+        for entry in entries:
+            assert entry.blocks is not None
+            pad = -entry.rows % bs
+            tokens += entry.token_ids + [HOLE_TOKEN] * pad
+            positions += entry.positions + [entry.positions[-1]] * pad
+            blocks += entry.blocks
+            holes += pad
+            h.update(entry.key.encode())
+            parent = h.digest()
+            for i in range(len(entry.blocks)):
+                parent = block_digest(parent, [i], [], salt)
+                digests.append(parent)
+            self.entries.move_to_end(entry.key)
+        return ModulePrompt(
+            tokens + own_ids, positions + own_pos, blocks, digests, sum(e.rows for e in entries), holes
+        )
+
+    # ---- tiers ----------------------------------------------------------------------------------
+    def key_of(self, piece: Piece, salt: str | None) -> str:
+        h = hashlib.blake2b(digest_size=20)
+        h.update(f"{self.model_id}|{self.kv.tensor.dtype}|{salt or ''}|".encode())
+        h.update(array("q", piece.token_ids).tobytes() + b"|" + array("q", piece.positions).tobytes())
+        return h.hexdigest()
+
+    def _resident(self, reg: RegisteredSchema, piece: Piece, salt: str | None) -> ModuleEntry:
+        """The piece's entry with its KV in GPU blocks: already there, copied up, or encoded."""
+        key = self.key_of(piece, salt)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = ModuleEntry(key, list(piece.token_ids), list(piece.positions))
+            self.entries[key] = entry
+        entry.names.add((reg.schema.name, piece.name))
+        if entry.blocks is not None:
+            return entry
+        blocks = self._allocate(-(-entry.rows // self.block_size), key)
+        try:
+            self._fill(entry, blocks)
+        except Exception:
+            self.pool.release(blocks)
+            raise
+        entry.blocks = blocks
+        self.module_rows[blocks] = self.block_size
+        self.module_rows[blocks[-1]] = entry.rows - (len(blocks) - 1) * self.block_size
+        return entry
+
+    def _fill(self, entry: ModuleEntry, blocks: list[int]) -> None:
+        """Put the piece's KV in ``blocks``: from host memory, from disk, or by encoding it."""
+        found = self.host.get(entry.key)
+        if found is not None:
+            scatter_rows(self.kv, blocks, found[0])
+            self.counters["module_loads_host_total"] += 1
+            return
+        if self.disk is not None:
+            found = self.disk.get(entry.key)
+            if found is not None and found[0].shape[2] == entry.rows:
+                scatter_rows(self.kv, blocks, found[0])
+                self.counters["module_loads_disk_total"] += 1
+                return
+        self.encode(entry.token_ids, entry.positions, blocks)
+        self.counters["module_encodes_total"] += 1
+        if self.disk is not None:
+            self.disk.put(entry.key, gather_rows(self.kv, blocks, entry.rows), {"rows": str(entry.rows)})
+
+    def _allocate(self, count: int, key: str) -> list[int]:
+        """Blocks for a piece, first moving least recently used pieces no request holds to the host."""
+        for entry in list(self.entries.values()):
+            if self.gpu_blocks + count <= self.gpu_blocks_limit and self.pool.num_free >= count:
+                break
+            if entry.key != key and self._movable(entry):
+                self._demote(entry)
+        if self.pool.num_free < count:
+            raise ValueError(
+                f"the KV pool has no room for a prompt module of {count} blocks ({self.pool.num_free} free); "
+                "add KV blocks or use fewer or shorter modules at once"
+            )
+        return self.pool.allocate(count)
+
+    @property
+    def gpu_blocks(self) -> int:
+        return sum(len(e.blocks) for e in self.entries.values() if e.blocks is not None)
+
+    def _movable(self, entry: ModuleEntry) -> bool:
+        """On the GPU, not pinned, and held by nobody but the store."""
+        blocks = entry.blocks
+        return blocks is not None and not entry.pinned and all(self.pool.ref_counts[b] == 1 for b in blocks)
+
+    def _demote(self, entry: ModuleEntry) -> None:
+        """Move a piece's KV from its blocks to host memory (and so give the blocks back)."""
+        assert entry.blocks is not None
+        packed = gather_rows(self.kv, entry.blocks, entry.rows)
+        self.host.put(entry.key, packed, {"rows": str(entry.rows)})
+        self.counters["module_evictions_gpu_total"] += 1
+        self._drop_gpu(entry)
+
+    def _drop_gpu(self, entry: ModuleEntry) -> None:
+        """Give the piece's blocks back (the rows stay marked while a request still holds them)."""
+        if entry.blocks is None:
+            return
+        blocks, entry.blocks = entry.blocks, None
+        self.pool.release(blocks)
+        self.clear_rows(blocks)
+
+    def clear_rows(self, blocks: list[int]) -> None:
+        """Unmark module blocks that nobody holds any more (they are plain free blocks again)."""
+        for b in blocks:
+            if self.pool.ref_counts[b] == 0:
+                self.module_rows[b] = 0
+
+    def release(self, blocks: list[int]) -> None:
+        """A request's reference on its module blocks, dropped when it ends."""
+        self.pool.release(blocks)
+        self.clear_rows(blocks)
+
+    @property
+    def active(self) -> bool:
+        """Does any block carry module rows (otherwise the attention plan need not look)?"""
+        return bool(self.entries) and bool(self.module_rows.any())
+
+    def list_schemas(self) -> list[dict[str, Any]]:
+        out = []
+        for name, reg in self.schemas.items():
+            tokens = sum(len(p.token_ids) for p in reg.pieces.values())
+            out.append({"name": name, "modules": sorted(reg.schema.modules), "positions": reg.layout.length,
+                        "pieces": len(reg.pieces), "tokens": tokens})
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.counters)
+        out["module_blocks_gpu"] = self.gpu_blocks
+        out["module_entries_host"] = len(self.host)
+        out["module_store_corrupt_total"] = self.disk.corrupt if self.disk is not None else 0
+        return out

@@ -1,0 +1,176 @@
+"""Prompt Cache end to end: schemas registered, modules encoded once, reused by PML prompts.
+
+The approximation (a module encoded alone) is measured in benchmarks/promptcache.py; here the
+exact parts are checked: a schema that is a pure prefix gives the plain prompt's greedy output,
+the shared-segment path equals the reference path with modules in any order and any batch, blocks
+never leak, bad input is refused, and the host and disk tiers give back the very same KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.promptcache.pml import PMLError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+SCHEMA = """<schema name="travel">You plan trips. Facts follow.
+<module name="tokyo">Tokyo is the capital of Japan; it is known for sushi, temples and trains.</module>
+<module name="paris">Paris is the capital of France; it is known for the Eiffel Tower and the Louvre.</module>
+<module name="rome">Rome is the capital of Italy; it is known for the Colosseum and pasta.</module>
+<union><module name="short">The trip is short.</module><module name="long">The trip is a long one
+that lasts weeks and covers many places.</module></union>
+<module name="plan">Plan a trip of <param name="days" len="4"/> days.</module>
+</schema>"""
+
+PROMPTS = [
+    '<prompt schema="travel"><tokyo/><paris/> Which city has sushi?</prompt>',
+    '<prompt schema="travel"><paris/><tokyo/><long/> Which city has the Louvre?</prompt>',
+    '<prompt schema="travel"><rome/><plan days="three"/><short/> Where do I start?</prompt>',
+    '<prompt schema="travel"><tokyo/><rome/> Compare them.</prompt>',
+]
+
+
+def tiny(tiny_config_path, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 256)
+    return LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cpu", progress=False, **kw)
+
+
+def assert_only_modules_held(llm: LLM) -> None:
+    engine = llm.engine
+    engine.pool.check_integrity()
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pool.num_used == engine.modules.gpu_blocks
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_pure_prefix_schema_equals_plain_prefix_caching(default_llm: LLM) -> None:
+    """One module at the start, then free text: nothing is approximated, so greedy output is the
+    plain prompt's (same tokens, same positions), on the default model."""
+    llm = LLM(dtype="float32", device="cpu", num_kv_blocks=512, progress=False)
+    doc = "The museum opens at nine and closes at five. Tickets cost twelve euros; children enter free."
+    llm.register_schema(f'<schema name="doc"><module name="m">{doc}</module></schema>')
+    question = " When does the museum close?"
+    tok = llm.get_tokenizer()
+    ids = tok.encode(doc, add_special_tokens=False) + tok.encode(question, add_special_tokens=False)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    cached = llm.generate(f'<prompt schema="doc"><m/>{question}</prompt>', params)[0]
+    plain = default_llm.generate({"prompt_token_ids": ids}, params)[0]
+    assert cached.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert cached.prompt_token_ids == ids  # the placeholders of the module's last block are not shown
+    assert cached.num_cached_tokens == len(tok.encode(doc, add_special_tokens=False))
+    assert_only_modules_held(llm)
+
+
+@pytest.mark.parametrize("attention", ["auto", "cascade"])
+def test_shared_path_equals_reference_in_any_order_and_batch(tiny_config_path, attention: str) -> None:
+    ref = tiny(tiny_config_path, attention="reference")
+    fast = tiny(tiny_config_path, attention=attention)
+    for llm in (ref, fast):
+        llm.register_schema(SCHEMA)
+    want = [token_ids(ref.generate(p, GREEDY))[0] for p in PROMPTS]  # one at a time, per sequence
+    assert token_ids(fast.generate(PROMPTS, GREEDY)) == want  # together: modules read once per step
+    assert fast.metrics()["shared_segments_total"] > 0
+    assert token_ids(fast.generate(PROMPTS[::-1], GREEDY)) == want[::-1]
+    assert_only_modules_held(fast)
+
+
+def test_modules_are_encoded_once_and_counted(tiny_config_path) -> None:
+    llm = tiny(tiny_config_path)
+    llm.register_schema(SCHEMA)
+    encoded = llm.metrics()["module_encodes_total"]
+    outs = llm.generate(PROMPTS * 2, GREEDY)
+    assert llm.metrics()["module_encodes_total"] == encoded  # nothing encoded again
+    assert all(o.num_cached_tokens > 0 for o in outs)
+    assert llm.metrics()["module_tokens_reused_total"] == sum(o.num_cached_tokens for o in outs)
+    assert token_ids(outs[:4]) == token_ids(outs[4:])
+    assert_only_modules_held(llm)
+    llm.unregister_schema("travel")
+    assert llm.engine.pool.num_used == 0
+
+
+def test_samples_preemption_and_batch_schedule(tiny_config_path) -> None:
+    """n > 1 forks, preemption under a small pool, and offline batches keep module prompts exact."""
+    want = None
+    for blocks, schedule in ((256, "online"), (40, "online"), (256, "batch")):
+        llm = tiny(tiny_config_path, num_kv_blocks=blocks, max_num_seqs=8)
+        llm.register_schema(SCHEMA)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=2)
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params, schedule=schedule)]
+        want = want or got
+        assert got == want, (blocks, schedule)
+        assert_only_modules_held(llm)
+
+
+def test_bad_prompts_are_refused_and_the_engine_goes_on(tiny_config_path) -> None:
+    llm = tiny(tiny_config_path)
+    llm.register_schema(SCHEMA)
+    bad = {
+        '<prompt schema="nope"><tokyo/> x</prompt>': "unknown schema",
+        '<prompt schema="travel"><berlin/> x</prompt>': "unknown module",
+        '<prompt schema="travel"><short/><long/> x</prompt>': "one union",
+        '<prompt schema="travel"><plan days="a very long argument indeed"/> x</prompt>': "over its parameter",
+        '<prompt schema="travel"><tokyo> x</prompt>': "PML",
+    }
+    for prompt, problem in bad.items():
+        with pytest.raises(PMLError, match=problem):
+            llm.generate(prompt, GREEDY)
+    with pytest.raises(PMLError, match="already registered"):
+        llm.register_schema(SCHEMA)
+    assert_only_modules_held(llm)
+    assert len(llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids) == 8
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_config_path) -> None:
+    llm = tiny(tiny_config_path)
+    llm.register_schema(SCHEMA)
+    before = llm.metrics()["module_encodes_total"]
+    a = llm.generate({"prompt": PROMPTS[0], "cache_salt": "a"}, GREEDY)[0]
+    held_a = llm.engine.modules.gpu_blocks
+    b = llm.generate({"prompt": PROMPTS[0], "cache_salt": "b"}, GREEDY)[0]
+    assert llm.metrics()["module_encodes_total"] > before  # each tenant's modules are its own
+    assert llm.engine.modules.gpu_blocks > held_a
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids  # same KV values, never the same blocks
+    assert_only_modules_held(llm)
+
+
+def test_host_tier_gives_back_the_same_kv(tiny_config_path) -> None:
+    """A GPU-tier budget too small for two schemas moves the older one's modules to host memory."""
+    llm = tiny(tiny_config_path, module_gpu_fraction=0.08)  # 20 of 256 blocks; a schema takes 15
+    llm.register_schema(SCHEMA)
+    want = token_ids(llm.generate(PROMPTS, GREEDY))
+    other = SCHEMA.replace('name="travel"', 'name="other"').replace("known for", "famous for")
+    llm.register_schema(other)
+    assert llm.metrics()["module_evictions_gpu_total"] > 0
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+    assert llm.metrics()["module_loads_host_total"] > 0
+    assert_only_modules_held(llm)
+
+
+def test_disk_store_survives_restart_and_corruption_is_recomputed(tiny_config_path, tmp_path) -> None:
+    store = tmp_path / "modules"
+    first = tiny(tiny_config_path, module_store=str(store))
+    first.register_schema(SCHEMA)
+    want = token_ids(first.generate(PROMPTS, GREEDY))
+    files = sorted(store.glob("*.safetensors"))
+    assert len(files) == first.metrics()["module_encodes_total"] > 0
+
+    second = tiny(tiny_config_path, module_store=str(store))  # a restart: modules come from disk
+    second.register_schema(SCHEMA)
+    assert second.metrics()["module_encodes_total"] == 0
+    assert second.metrics()["module_loads_disk_total"] == len(files)
+    assert token_ids(second.generate(PROMPTS, GREEDY)) == want
+
+    data = bytearray(files[0].read_bytes())  # flip bytes at the end (tensor data), truncate another
+    data[-3] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    files[1].write_bytes(files[1].read_bytes()[:100])
+    third = tiny(tiny_config_path, module_store=str(store))
+    third.register_schema(SCHEMA)
+    assert third.metrics()["module_store_corrupt_total"] == 2
+    assert third.metrics()["module_encodes_total"] == 2  # recomputed, never served
+    assert token_ids(third.generate(PROMPTS, GREEDY)) == want
