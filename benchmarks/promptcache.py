@@ -26,6 +26,7 @@ Three questions, one run:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -145,16 +146,18 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
         for trial in range(args.trials + 1):  # the first round warms every path up, untimed
             pml, plain, shuffled = prompts_for(rng, texts, count, question)
             llm.generate(prompts_for(rng, texts, count, question)[2], SamplingParams(max_tokens=1))
+            # make this subset's modules resident, with another question (no own-block cache hit)
+            llm.generate(pml.replace(question, " Warm" + question), SamplingParams(max_tokens=1))
             got = {
                 "full": ttft(llm, {"prompt": plain, "cache_salt": f"fresh-{length}-{trial}"}),
                 "prefix": ttft(llm, shuffled),
                 "module_gpu": ttft(llm, pml),
             }
             move_modules(llm, "host")
-            got["module_host"] = ttft(llm, pml)
+            got["module_host"] = ttft(llm, pml.replace(question, " Host" + question))
             if llm.engine.modules.disk is not None:
                 move_modules(llm, "disk")
-                got["module_disk"] = ttft(llm, pml)
+                got["module_disk"] = ttft(llm, pml.replace(question, " Disk" + question))
             if trial:
                 for mode, t in got.items():
                     times[mode].append(t)
@@ -193,6 +196,7 @@ def run_decode(args: argparse.Namespace, question: str) -> dict[str, Any]:
         )
         print(mode, json.dumps(out))
         del llm
+        gc.collect()  # the engine's cycles hold the KV cache until collected
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     out["module_over_plain"] = out["module_decode_tok_s"] / out["plain_decode_tok_s"]
@@ -300,6 +304,9 @@ def run(args: argparse.Namespace) -> None:
         if args.quality:
             result["quality"] = run_quality(llm, args)
         del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if args.decode_requests:
         result["decode"] = run_decode(args, question)
     out = Path(args.out)

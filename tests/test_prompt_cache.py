@@ -174,3 +174,17 @@ def test_disk_store_survives_restart_and_corruption_is_recomputed(tiny_config_pa
     assert third.metrics()["module_store_corrupt_total"] == 2
     assert third.metrics()["module_encodes_total"] == 2  # recomputed, never served
     assert token_ids(third.generate(PROMPTS, GREEDY)) == want
+
+
+@pytest.mark.gpu
+def test_gpu_triton_path_and_graphs_equal_reference(tiny_config_path) -> None:
+    """On CUDA (fp32): module prompts through the Triton kernels and the decode graphs give the
+    reference path's greedy tokens."""
+    outs = []
+    for attention in ("reference", "auto"):
+        llm = LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cuda", attention=attention,
+                  num_kv_blocks=256, progress=False, enforce_eager=attention == "reference")
+        llm.register_schema(SCHEMA)
+        outs.append(token_ids(llm.generate(PROMPTS * 3, GREEDY)))
+        assert_only_modules_held(llm)
+    assert outs[0] == outs[1]
