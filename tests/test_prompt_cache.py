@@ -184,6 +184,8 @@ def test_gpu_triton_path_and_graphs_equal_reference(tiny_config_path) -> None:
     for attention in ("reference", "auto"):
         llm = LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cuda", attention=attention,
                   num_kv_blocks=256, progress=False, enforce_eager=attention == "reference")
+        if llm.get_tokenizer() is None:
+            pytest.skip("the default model (its tokenizer) is not installed")
         llm.register_schema(SCHEMA)
         outs.append(token_ids(llm.generate(PROMPTS * 3, GREEDY)))
         assert_only_modules_held(llm)

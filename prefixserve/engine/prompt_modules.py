@@ -121,6 +121,8 @@ class PromptModules:
 
     def register(self, text: str, replace: bool = False) -> Schema:
         """Parse and lay out a schema; its pieces are encoded on first use (``encode_schema`` now)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot lay out PML schemas")
         schema = parse_schema(text)
         if schema.name in self.schemas and not replace:
             raise PMLError(f"schema {schema.name!r} is already registered; remove it first")
