@@ -53,6 +53,8 @@ class EngineConfig:
     module_gpu_fraction: float = 0.5
     module_host_bytes: int = 4 << 30
     module_store: str | None = None
+    # prefix-cache blocks evicted from the pool are copied to that host tier and come back on a hit
+    spill_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

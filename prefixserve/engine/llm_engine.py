@@ -27,6 +27,7 @@ from prefixserve.engine.pinned import PinnedPrompt, render_system_prompt
 from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
+from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
@@ -117,6 +118,10 @@ class Engine:
             config.module_host_bytes,
             config.module_store,
         )
+        self.spill: PrefixSpill | None = None
+        if config.spill_prefix_cache and config.enable_prefix_caching:
+            self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
+            self.blocks.restore = self.spill.restore
         self.pinned: dict[str, PinnedPrompt] = {}
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)
@@ -594,6 +599,8 @@ class Engine:
         out["module_tokens_reused_total"] = 0
         out.update(self.counters)
         out.update(self.modules.metrics())
+        out["prefix_cache_host_hit_tokens_total"] = self.blocks.restored_tokens
+        out["prefix_cache_spilled_blocks_total"] = self.spill.spilled_blocks if self.spill else 0
         out.update(step_seconds_total=self.timers["step_seconds_total"])
         out.update(step_host_seconds_total=self.timers["step_host_seconds_total"])
         # CUDA: device time of steps, and the gaps between consecutive steps (the GPU waiting on the host)

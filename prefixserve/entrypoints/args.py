@@ -72,6 +72,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="host memory for modules moved off the GPU, e.g. 4G or 512M (default 4G)",
     )
+    m.add_argument(
+        "--spill-prefix-cache",
+        action="store_true",
+        help="copy prefix-cache blocks evicted from the KV pool to that host memory; a later hit "
+        "copies them back instead of recomputing",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -151,5 +157,6 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         system_prompts=read_system_prompts(args.system_prompt),
         schemas=read_schemas(args.schema),
         module_store=args.module_store,
+        spill_prefix_cache=args.spill_prefix_cache,
         **modules,
     )

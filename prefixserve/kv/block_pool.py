@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -56,6 +56,9 @@ class BlockPool:
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.evictions = 0
+        # called with the (block, digest) pairs an allocation evicts, before anyone writes the blocks
+        # (the engine's host spill copies their KV out: kv/prefix_spill.py)
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -108,15 +111,19 @@ class BlockPool:
                 self._plain[run[0] : run[-1] + 1] = False
                 return run
         out = []
+        evicted: list[tuple[int, bytes]] = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
             digest = self._digest_of.pop(block, None)
             if digest is not None:
                 del self._block_of[digest]
                 self.evictions += 1
+                evicted.append((block, digest))
             self.ref_counts[block] = 1
             self._plain[block] = False
             out.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def _plain_run(self, count: int) -> list[int] | None:

@@ -8,6 +8,9 @@ entry every step (1-2 ms at B=256 with 4K-token sequences).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
 import numpy as np
 
 from prefixserve.kv.block_pool import BlockPool, block_digest
@@ -19,6 +22,9 @@ class BlockManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # the host tier of the prefix cache: digests -> fresh blocks holding their KV (held once), or None
+        self.restore: Callable[[Seq[bytes]], list[int]] | None = None
+        self.restored_tokens = 0
         # numpy mirror of the block tables: row ``_rows[seq]`` holds ``seq.block_table``, 0 after it
         self._rows: dict[Sequence, int] = {}
         self._free_rows: list[int] = list(range(15, -1, -1))  # popped lowest first
@@ -63,9 +69,14 @@ class BlockManager:
             return seq.num_computed_tokens - req.num_hole_tokens if modules else 0
         n = self.cacheable_blocks(seq)
         start = len(modules)
-        hits = self.pool.lookup(self._digests(seq, n)[start:n])
+        digests = self._digests(seq, n)
+        hits = self.pool.lookup(digests[start:n])
         self.pool.acquire(hits)
         self.pool.touch(hits)
+        if self.restore is not None and start + len(hits) < n:  # go on in host memory
+            more = self.restore(digests[start + len(hits) : n])
+            self.restored_tokens += len(more) * self.block_size
+            hits = hits + more
         seq.block_table += hits
         self._mirror(seq, start, hits)
         seq.num_indexed_blocks = start + len(hits)
