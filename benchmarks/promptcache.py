@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> None:
         llm = make_llm(args, module_store=store)
         q_ids = llm.get_tokenizer().encode(question, add_special_tokens=False)
         result["settings"]["question_tokens"] = len(q_ids)
-        result["ttft"] = run_ttft(llm, args, question)
+        result["ttft"] = run_ttft(llm, args, question) if args.lengths else []
         if args.quality:
             result["quality"] = run_quality(llm, args)
         del llm
@@ -353,10 +353,13 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
         f"modules of {s['module_tokens']} tokens, a {s['question_tokens']}-token question; median of "
         f"{s['trials']} requests after one untimed round. Written by `benchmarks/promptcache.py`.",
         "",
-        "| module tokens | full prefill s | prefix caching s | modules on GPU s | on host s | on disk s "
-        "| full / GPU | full / host | full / disk | prefix / GPU |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    if result["ttft"]:
+        lines += [
+            "| module tokens | full prefill s | prefix caching s | modules on GPU s | on host s | on disk s "
+            "| full / GPU | full / host | full / disk | prefix / GPU |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
     for row in result["ttft"]:
         full, gpu = row["full_s"], row["module_gpu_s"]
         host, disk = row.get("module_host_s"), row.get("module_disk_s")
@@ -412,7 +415,7 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
         ]
     write_text(out, f"{name}.md", lines)
     plt = pyplot()
-    if plt is None:
+    if plt is None or not result["ttft"]:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [row["module_tokens"] for row in result["ttft"]]
@@ -440,7 +443,8 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="dummy:llama-3.1-8b" if gpu else "default")
     ap.add_argument("--device", default="cuda" if gpu else "cpu")
     ap.add_argument("--name", default="promptcache" if gpu else "promptcache_cpu")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 5120, 8192])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 4096, 5120, 8192],
+                    help="module tokens a prompt imports (none: no TTFT run)")
     ap.add_argument("--module-tokens", type=int, default=512)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
