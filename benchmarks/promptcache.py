@@ -345,6 +345,9 @@ def run(args: argparse.Namespace) -> None:
             if not result.get(section) and earlier.get(section):
                 result[section] = earlier[section]
                 result.setdefault("merged_from", {})[section] = earlier["run"]["commit"]
+                if section == "ttft":  # the settings the TTFT rows were measured with
+                    for key in ("trials", "module_tokens", "lengths", "question_tokens"):
+                        result["settings"][key] = earlier["settings"][key]
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     report(result, out, args.name)
 
