@@ -121,16 +121,6 @@ def ttft(llm: LLM, prompt: Any) -> float:
     return time.perf_counter() - t0
 
 
-def move_modules(llm: LLM, tier: str) -> None:
-    """Every module out of the GPU tier (to host memory; for ``disk`` off the host too)."""
-    modules = llm.engine.modules
-    for entry in list(modules.entries.values()):
-        if entry.blocks is not None and modules._movable(entry):
-            modules._demote(entry)
-        if tier == "disk":
-            modules.host.pop(entry.key)
-
-
 def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
     tok = llm.get_tokenizer()
     most = max(args.lengths) // args.module_tokens
@@ -153,10 +143,10 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
                 "prefix": ttft(llm, shuffled),
                 "module_gpu": ttft(llm, pml),
             }
-            move_modules(llm, "host")
+            llm.engine.modules.move_out()
             got["module_host"] = ttft(llm, pml.replace(question, " Host" + question))
             if llm.engine.modules.disk is not None:
-                move_modules(llm, "disk")
+                llm.engine.modules.move_out(drop_host=True)
                 got["module_disk"] = ttft(llm, pml.replace(question, " Disk" + question))
             if trial:
                 for mode, t in got.items():

@@ -109,7 +109,7 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     n_blocks = -(-seq_lens // bs)  # [S] table length
     n_cand = (seq_lens - query_lens) // bs  # [S] full blocks wholly before the first query token
     tables = _host_tables(meta)  # [S, W] int32, zero-padded
-    modules = meta.has_module_blocks()
+    modules = meta.module_rows is not None  # module blocks may be in the batch (checked on heads below)
     if (num_seqs < 2 and not modules) or int(n_cand.max(initial=0)) == 0:
         return _no_sharing(meta, seq_lens, n_blocks, tables)
     heads = _head_entries(tables, n_cand)
@@ -118,8 +118,9 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     holders[heads.nb] = 0
     is_shared = holders >= 2  # [nb+1]
     rows = np.zeros(heads.nb + 1, dtype=np.int64)  # [nb+1] a module block's rows, 0 otherwise
-    if modules:
-        rows[: heads.nb] = meta.module_rows[: heads.nb]
+    if modules:  # every block of the batch is some head's block: look up those alone
+        rows[heads.blk] = meta.module_rows[heads.blk]
+        modules = bool(rows.any())
         is_shared |= (rows > 0) & (holders >= 1)  # module blocks are segments even with one holder
     if not is_shared.any():
         return _no_sharing(meta, seq_lens, n_blocks, tables)

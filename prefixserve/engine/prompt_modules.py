@@ -108,6 +108,8 @@ class PromptModules:
         self.schemas: dict[str, RegisteredSchema] = {}
         self.entries: OrderedDict[str, ModuleEntry] = OrderedDict()  # GPU-tier LRU order: oldest first
         self.module_rows = np.zeros(pool.num_blocks + 1, dtype=np.int32)  # [blocks] rows of module blocks
+        self.num_marked = 0  # blocks with module rows (``active`` reads this every step)
+        self.gpu_blocks = 0  # blocks the GPU tier holds
         self.counters: dict[str, int] = {
             "module_encodes_total": 0,
             "module_loads_host_total": 0,
@@ -226,6 +228,8 @@ class PromptModules:
             self.pool.release(blocks)
             raise
         entry.blocks = blocks
+        self.gpu_blocks += len(blocks)
+        self.num_marked += int(np.count_nonzero(self.module_rows[blocks] == 0))
         self.module_rows[blocks] = self.block_size
         self.module_rows[blocks[-1]] = entry.rows - (len(blocks) - 1) * self.block_size
         return entry
@@ -262,14 +266,19 @@ class PromptModules:
             )
         return self.pool.allocate(count)
 
-    @property
-    def gpu_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self.entries.values() if e.blocks is not None)
-
     def _movable(self, entry: ModuleEntry) -> bool:
         """On the GPU, not pinned, and held by nobody but the store."""
         blocks = entry.blocks
         return blocks is not None and not entry.pinned and all(self.pool.ref_counts[b] == 1 for b in blocks)
+
+    def move_out(self, drop_host: bool = False) -> None:
+        """Move every piece no request holds off the GPU (to host memory; ``drop_host``: out of it too,
+        leaving the disk tier). For benchmarks and operators that free the device."""
+        for entry in list(self.entries.values()):
+            if self._movable(entry):
+                self._demote(entry)
+            if drop_host:
+                self.host.pop(entry.key)
 
     def _demote(self, entry: ModuleEntry) -> None:
         """Move a piece's KV from its blocks to host memory (and so give the blocks back)."""
@@ -284,24 +293,22 @@ class PromptModules:
         if entry.blocks is None:
             return
         blocks, entry.blocks = entry.blocks, None
-        self.pool.release(blocks)
-        self.clear_rows(blocks)
-
-    def clear_rows(self, blocks: list[int]) -> None:
-        """Unmark module blocks that nobody holds any more (they are plain free blocks again)."""
-        for b in blocks:
-            if self.pool.ref_counts[b] == 0:
-                self.module_rows[b] = 0
+        self.gpu_blocks -= len(blocks)
+        self.release(blocks)
 
     def release(self, blocks: list[int]) -> None:
-        """A request's reference on its module blocks, dropped when it ends."""
+        """Drop one reference on module blocks (a request ending, or the GPU tier letting go); a block
+        nobody holds any more is unmarked: a plain free block again."""
         self.pool.release(blocks)
-        self.clear_rows(blocks)
+        for b in blocks:
+            if self.pool.ref_counts[b] == 0 and self.module_rows[b]:
+                self.module_rows[b] = 0
+                self.num_marked -= 1
 
     @property
     def active(self) -> bool:
         """Does any block carry module rows (otherwise the attention plan need not look)?"""
-        return bool(self.entries) and bool(self.module_rows.any())
+        return self.num_marked > 0
 
     def list_schemas(self) -> list[dict[str, Any]]:
         out = []
