@@ -53,6 +53,10 @@ class EngineConfig:
     module_gpu_fraction: float = 0.5
     module_host_bytes: int = 4 << 30
     module_store: str | None = None
+    # Prompt Cache accuracy recovery for PML requests that do not set their own (schemas may set
+    # one): "none", "link:K" (recompute each module's first K tokens in context) or "blend:R"
+    # (recompute a fraction R, chosen by KV deviation); checked by promptcache/recompute.py
+    module_recompute: str = "none"
     # prefix-cache blocks evicted from the pool are copied to that host tier and come back on a hit
     spill_prefix_cache: bool = False
 

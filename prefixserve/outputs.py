@@ -28,4 +28,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Prompt Cache accuracy recovery: module rows computed again in this request's context, and the
+    # module rows it reads from blocks every holder shares vs from its own private copies
+    num_recomputed_tokens: int = 0
+    module_rows_shared: int = 0
+    module_rows_private: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token and finish times

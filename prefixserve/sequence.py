@@ -96,6 +96,8 @@ class Request:
     module_digests: list[bytes] = field(default_factory=list)
     num_hole_tokens: int = 0
     num_module_tokens: int = 0  # real prompt tokens reused from modules
+    num_recomputed_tokens: int = 0  # module rows recomputed in this request's context (recovery)
+    num_private_module_rows: int = 0  # module rows in private copies of module blocks
 
     @property
     def is_finished(self) -> bool:

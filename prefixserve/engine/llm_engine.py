@@ -30,6 +30,7 @@ from prefixserve.kv.cache import KVCache
 from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.recompute import parse_recompute
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.blocks import BlockManager
 from prefixserve.scheduler.groups import GroupJob
@@ -117,6 +118,9 @@ class Engine:
             config.module_gpu_fraction,
             config.module_host_bytes,
             config.module_store,
+            self._recompute_rows,
+            self._module_deviation,
+            config.module_recompute,
         )
         self.spill: PrefixSpill | None = None
         if config.spill_prefix_cache and config.enable_prefix_caching:
@@ -191,13 +195,15 @@ class Engine:
 
     # ---- Prompt Cache schemas -------------------------------------------------------------------
     def register_schema(
-        self, text: str, encode: bool = True, pin: bool = False, replace: bool = False
+        self, text: str, encode: bool = True, pin: bool = False, replace: bool = False,
+        module_recompute: str | None = None,
     ) -> str:
         """Register a PML schema; with ``encode`` its modules are encoded now (else at first use).
 
-        Returns the schema's name. ``pin`` keeps its modules on the GPU for good.
+        Returns the schema's name. ``pin`` keeps its modules on the GPU for good; ``module_recompute``
+        is the schema's accuracy-recovery setting (``promptcache/recompute.py``).
         """
-        schema = self.modules.register(text, replace=replace)
+        schema = self.modules.register(text, replace=replace, recompute=module_recompute)
         if encode or pin:
             try:
                 self.modules.encode_schema(schema.name, pin=pin)
@@ -226,6 +232,69 @@ class Engine:
             batch = self.runner.plan(positions[start:end], [end - start], [end], table, eager=True)
             self.runner.forward(token_ids[start:end], batch, [])
 
+    def _row_batches(
+        self, blocks: list[int], runs: list[tuple[int, int]]
+    ) -> list[tuple[list[tuple[int, int]], np.ndarray]]:
+        """Runs of table rows packed, in order, into batches of at most the step budget (a longer run
+        is split), each with its block tables: run (a, b) is one sequence whose queries are rows
+        a..b-1 and whose context is every row before b, with ``blocks`` as its table."""
+        budget, bs = self.config.max_num_batched_tokens, self.config.block_size
+        parts = [(a + i, min(b, a + i + budget)) for a, b in runs for i in range(0, b - a, budget)]
+        batches: list[list[tuple[int, int]]] = [[]]
+        used = 0
+        for a, b in parts:
+            if batches[-1] and used + b - a > budget:
+                batches.append([])
+                used = 0
+            batches[-1].append((a, b))
+            used += b - a
+        out = []
+        for batch in batches:
+            if not batch:
+                continue
+            table = np.zeros((len(batch), max(-(-b // bs) for _, b in batch)), dtype=np.int32)  # [S, W]
+            for s, (_, b) in enumerate(batch):
+                table[s, : -(-b // bs)] = blocks[: -(-b // bs)]
+            out.append((batch, table))
+        return out
+
+    def _recompute_rows(
+        self, token_ids: list[int], positions: list[int], blocks: list[int], runs: list[tuple[int, int]]
+    ) -> None:
+        """Compute table rows ``runs`` of a module prompt in its context, into ``blocks`` (accuracy
+        recovery). Each run is one sequence of the forward: its queries are its rows, its context is
+        every row before them. All runs go in one forward (budget allowing): each layer writes every
+        new row's K/V before attending, so a run sees the rows recomputed before it at that layer,
+        exactly as one causal prefill would. Like ``_encode_piece``, issued after any step in flight,
+        whose blocks it never touches (``blocks`` rows written here are the request's private copies).
+        """
+        for batch, table in self._row_batches(blocks, runs):
+            ids = [t for a, b in batch for t in token_ids[a:b]]
+            pos = [p for a, b in batch for p in positions[a:b]]
+            q_lens, s_lens = [b - a for a, b in batch], [b for _, b in batch]
+            step = self.runner.plan(pos, q_lens, s_lens, table, self.modules.module_rows, eager=True)
+            self.runner.forward(ids, step, [])
+
+    def _module_deviation(
+        self, token_ids: list[int], positions: list[int], blocks: list[int], runs: list[tuple[int, int]]
+    ) -> list[np.ndarray]:
+        """Per row of each run: how far its cached layer-1 K/V is from the K/V it has in this context
+        (squared L2 over heads, K and V summed). Layer 0 runs over the cached rows as they are (they
+        equal the in-context ones there); nothing is written."""
+        per_row: list[np.ndarray] = []
+        for batch, table in self._row_batches(blocks, runs):
+            pos = [p for a, b in batch for p in positions[a:b]]
+            ids = [t for a, b in batch for t in token_ids[a:b]]
+            q_lens, s_lens = [b - a for a, b in batch], [b for _, b in batch]
+            step = self.runner.plan(pos, q_lens, s_lens, table, self.modules.module_rows, eager=True)
+            per_row.append(self.runner.kv_deviation(ids, step))
+        flat = np.concatenate(per_row) if per_row else np.zeros(0)
+        out, start = [], 0
+        for a, b in runs:
+            out.append(flat[start : start + b - a])
+            start += b - a
+        return out
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,
@@ -238,20 +307,24 @@ class Engine:
         stream: bool = False,
         application: str | None = None,
         queue: bool = True,
+        module_recompute: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
 
         ``application`` names a pinned system prompt: the prompt is put after it unless it already
         starts with it (a chat rendered with that system message). ``queue=False`` leaves the request
         for ``add_group`` (offline batches), which queues it as a member of a prefix-sharing group.
+        ``module_recompute`` ("none", "link:K", "blend:R") overrides a PML prompt's recovery setting.
         """
         params = params or SamplingParams()
+        if module_recompute is not None:
+            parse_recompute(module_recompute)  # a bad setting is refused whatever the prompt
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None and prompt is not None and self.is_pml_prompt(prompt):
             if application is not None or prompt_positions is not None:
                 raise ValueError("a PML prompt takes neither application nor prompt_positions")
-            mp = self.modules.prepare(prompt, cache_salt)  # module blocks held from here on
+            mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # module blocks held from here on
             try:
                 req = self._add(request_id, prompt, params, mp.token_ids, mp.positions, cache_salt, stream,
                                 queue, mp)
@@ -325,7 +398,9 @@ class Engine:
         if modules is not None:
             req.module_blocks, req.module_digests = modules.blocks, modules.digests
             req.num_hole_tokens, req.num_module_tokens = modules.holes, modules.module_tokens
-            req.num_cached_tokens = modules.module_tokens
+            req.num_recomputed_tokens = modules.recomputed_tokens
+            req.num_private_module_rows = modules.private_rows
+            req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
         self.requests[request_id] = req
         self._new_sequence(req, 0, list(tokens), list(positions))
         if queue:

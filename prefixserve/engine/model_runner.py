@@ -165,6 +165,20 @@ class ModelRunner:
         pos_t = _index(batch.positions, self.device)
         return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)
 
+    def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
+        """Per token of an eager batch whose layer-0 KV is already in the cache: squared L2 distance
+        (all heads, K plus V) between the layer-1 K/V in the cache and the K/V the token gets in
+        the batch's context (``LlamaForCausalLM.layer_kv``). Nothing is written; waits for the device."""
+        ids_t, pos_t = _index(ids, self.device), _index(batch.positions, self.device)
+        k, v = self.model.layer_kv(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)  # [T, Hkv, D]
+        k_cache, v_cache = self.kv.layers[min(1, len(self.kv.layers) - 1)]
+        slots = batch.meta.slot_mapping
+        cached_k = k_cache.view(-1, *k.shape[1:]).index_select(0, slots)
+        cached_v = v_cache.view(-1, *v.shape[1:]).index_select(0, slots)
+        dev_k = (k.float() - cached_k.float()).pow(2).sum((1, 2))  # [T]
+        dev_v = (v.float() - cached_v.float()).pow(2).sum((1, 2))
+        return (dev_k + dev_v).cpu().numpy()
+
     def sample(
         self,
         launch: Launch,

@@ -91,6 +91,9 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         outputs=completions,
         finished=finished,
         num_cached_tokens=req.num_cached_tokens,
+        num_recomputed_tokens=req.num_recomputed_tokens,
+        module_rows_shared=req.num_module_tokens - req.num_private_module_rows,
+        module_rows_private=req.num_private_module_rows,
         metrics=times,
     )
 

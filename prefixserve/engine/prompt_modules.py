@@ -20,6 +20,11 @@ pool); the least recently used piece that no request holds moves to host memory 
 an LRU under a byte budget), and from there off the end; with a module store directory every piece
 is also written to disk when encoded (checksummed; a corrupt entry is recomputed, never served).
 A piece found in a lower tier is copied back into fresh blocks instead of being recomputed.
+
+Accuracy recovery (``promptcache/recompute.py``): a request may recompute some rows of its pieces
+in its own context (``link:K``, ``blend:R``). Those rows go into private copies of just the blocks
+they fall in (copy-on-write at admission), computed by one forward over every run of rows at once;
+the module store's blocks are never written, and every block not copied stays shared.
 """
 
 from __future__ import annotations
@@ -41,12 +46,24 @@ from prefixserve.kv.tiers import DiskTier, HostTier, gather_rows, scatter_rows
 from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
 from prefixserve.promptcache.layout import SchemaLayout, chat_role_wrap, layout
 from prefixserve.promptcache.pml import PMLError, Schema, parse_prompt, parse_schema
+from prefixserve.promptcache.recompute import (
+    NONE,
+    Recompute,
+    blend_blocks,
+    block_runs,
+    link_runs,
+    parse_recompute,
+)
 
 log = logging.getLogger(__name__)
 
 HOLE_TOKEN = -2  # a request's token at a module block's empty row (never computed, never sampled)
 
 Encode = Callable[[list[int], list[int], list[int]], None]  # (token ids, positions, blocks): fill blocks
+# (token ids, positions, table blocks, runs of table rows): compute those rows in context into the table
+RecomputeRows = Callable[[list[int], list[int], list[int], list[tuple[int, int]]], None]
+# (token ids, positions, table blocks, runs of table rows): each row's layer-1 KV deviation, per run
+Deviation = Callable[[list[int], list[int], list[int], list[tuple[int, int]]], list[np.ndarray]]
 
 
 @dataclass(slots=True)
@@ -75,6 +92,15 @@ class ModulePrompt:
     digests: list[bytes]  # stand-in digests of those blocks, so own blocks chain from all the pieces
     module_tokens: int  # real tokens reused from pieces
     holes: int
+    recompute: Recompute = NONE
+    recomputed_tokens: int = 0  # module rows computed again in this request's context
+    private_rows: int = 0  # module rows in blocks this request holds alone (recomputed or copied along)
+    piece_rows: list[int] = field(default_factory=list)  # real rows of each piece, in table order
+
+    @property
+    def shared_rows(self) -> int:
+        """Module rows read from the blocks every request holding the piece shares."""
+        return self.module_tokens - self.private_rows
 
 
 @dataclass(slots=True)
@@ -83,6 +109,7 @@ class RegisteredSchema:
     layout: SchemaLayout
     text: str
     pieces: dict[str, Piece]
+    recompute: Recompute | None = None  # the schema's recovery setting (None: the engine's)
 
 
 class PromptModules:
@@ -98,8 +125,13 @@ class PromptModules:
         gpu_fraction: float = 0.5,
         host_bytes: int = 4 << 30,
         store_dir: str | Path | None = None,
+        recompute_rows: RecomputeRows | None = None,
+        deviation: Deviation | None = None,
+        default_recompute: Recompute | str | None = None,
     ) -> None:
         self.pool, self.kv, self.encode, self.tokenizer = pool, kv, encode, tokenizer
+        self.recompute_rows, self.deviation = recompute_rows, deviation
+        self.default_recompute = parse_recompute(default_recompute)
         self.block_size = pool.block_size
         self.model_id = model_id
         self.gpu_blocks_limit = max(1, int(gpu_fraction * pool.num_blocks))
@@ -115,14 +147,20 @@ class PromptModules:
             "module_loads_host_total": 0,
             "module_loads_disk_total": 0,
             "module_evictions_gpu_total": 0,
+            "module_recomputed_tokens_total": 0,
+            "module_rows_shared_total": 0,
+            "module_rows_private_total": 0,
         }
 
     # ---- schemas --------------------------------------------------------------------------------
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def register(self, text: str, replace: bool = False) -> Schema:
-        """Parse and lay out a schema; its pieces are encoded on first use (``encode_schema`` now)."""
+    def register(self, text: str, replace: bool = False, recompute: Recompute | str | None = None) -> Schema:
+        """Parse and lay out a schema; its pieces are encoded on first use (``encode_schema`` now).
+
+        ``recompute`` is the schema's accuracy-recovery setting (requests may override it)."""
+        setting = parse_recompute(recompute) if recompute is not None else None
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot lay out PML schemas")
         schema = parse_schema(text)
@@ -132,7 +170,7 @@ class PromptModules:
         lay = layout(schema, self._tokenize, wrap)
         if replace and schema.name in self.schemas:
             self.unregister(schema.name)
-        self.schemas[schema.name] = RegisteredSchema(schema, lay, text, schema_pieces(lay))
+        self.schemas[schema.name] = RegisteredSchema(schema, lay, text, schema_pieces(lay), setting)
         return schema
 
     def unregister(self, name: str) -> None:
@@ -156,14 +194,37 @@ class PromptModules:
         return total
 
     # ---- requests -------------------------------------------------------------------------------
-    def prepare(self, text: str, cache_salt: str | None) -> ModulePrompt:
-        """A PML prompt's module blocks (made resident, one reference taken) and token layout."""
+    def prepare(
+        self, text: str, cache_salt: str | None, recompute: Recompute | str | None = None
+    ) -> ModulePrompt:
+        """A PML prompt's module blocks (made resident, one reference taken) and token layout.
+
+        ``recompute`` (else the schema's setting, else the engine's) says which module rows are
+        computed again in this prompt's context, into private copies of their blocks."""
+        setting = parse_recompute(recompute) if recompute is not None else None
         prompt = parse_prompt(text, {n: r.schema for n, r in self.schemas.items()})
         reg = self.schemas[prompt.schema]
         assembled = assemble(reg.schema, reg.layout, prompt, self._tokenize)
-        return self._place(reg, assembled, cache_salt)
+        setting = setting or reg.recompute or self.default_recompute
+        mp = self._place(reg, assembled, cache_salt, setting)
+        self.counters["module_recomputed_tokens_total"] += mp.recomputed_tokens
+        self.counters["module_rows_shared_total"] += mp.shared_rows
+        self.counters["module_rows_private_total"] += mp.private_rows
+        return mp
 
-    def _place(self, reg: RegisteredSchema, asm: AssembledPrompt, salt: str | None) -> ModulePrompt:
+    def layout_of(self, text: str) -> tuple[list[int], list[int]]:
+        """The tokens and positions a PML prompt runs as, without holes and without reusing anything:
+        what full prefill of the very same prompt computes (the exact baseline of every approximation)."""
+        prompt = parse_prompt(text, {n: r.schema for n, r in self.schemas.items()})
+        reg = self.schemas[prompt.schema]
+        asm = assemble(reg.schema, reg.layout, prompt, self._tokenize)
+        ids = [t for p in asm.pieces for t in p.token_ids] + list(asm.own_token_ids)
+        pos = [q for p in asm.pieces for q in p.positions] + list(asm.own_positions)
+        return ids, pos
+
+    def _place(
+        self, reg: RegisteredSchema, asm: AssembledPrompt, salt: str | None, recompute: Recompute = NONE
+    ) -> ModulePrompt:
         pieces, own_ids, own_pos = list(asm.pieces), list(asm.own_token_ids), list(asm.own_positions)
         if not own_ids:  # the last token must be computed for its logits: run the last piece in context
             if not pieces:
@@ -185,9 +246,13 @@ class PromptModules:
                 self.release(entry.blocks)
             raise
         h = hashlib.blake2b(b"prompt-modules", digest_size=16)
+        if recompute.kind != "none":  # recomputed rows change the KV own blocks are computed over
+            h.update(recompute.spec.encode())
         digests: list[bytes] = []
         holes = 0
+        starts: list[int] = []  # each piece's first row in the table
         for entry in entries:
+            starts.append(len(tokens))
             assert entry.blocks is not None
             pad = -entry.rows % bs
             tokens += entry.token_ids + [HOLE_TOKEN] * pad
@@ -200,9 +265,61 @@ class PromptModules:
                 parent = block_digest(parent, [i], [], salt)
                 digests.append(parent)
             self.entries.move_to_end(entry.key)
-        return ModulePrompt(
-            tokens + own_ids, positions + own_pos, blocks, digests, sum(e.rows for e in entries), holes
+        module_tokens = sum(e.rows for e in entries)
+        mp = ModulePrompt(
+            tokens + own_ids, positions + own_pos, blocks, digests, module_tokens, holes, recompute,
+            piece_rows=[e.rows for e in entries],
         )
+        if recompute.kind != "none" and len(entries) > 1:
+            try:
+                self._recover(mp, mp.piece_rows, starts)
+            except BaseException:
+                self.release(mp.blocks)
+                raise
+        return mp
+
+    # ---- accuracy recovery ----------------------------------------------------------------------
+    def _recover(self, mp: ModulePrompt, rows: list[int], starts: list[int]) -> None:
+        """Recompute the rows ``mp.recompute`` picks in the prompt's context, into private copies of
+        their blocks (``mp.blocks`` changes to hold them; the shared blocks they replace are let go)."""
+        bs, setting = self.block_size, mp.recompute
+        if setting.kind == "link":
+            runs = [(starts[i] + a, starts[i] + b) for i, a, b in link_runs(rows, setting.tokens)]
+        else:
+            scores: list[list[float]] = [[] for _ in rows]
+            if setting.needs_deviation:
+                if self.deviation is None:
+                    raise ValueError("this engine cannot measure module KV deviation (blend)")
+                spans = [(starts[i], starts[i] + rows[i]) for i in range(1, len(rows))]
+                per_row = self.deviation(mp.token_ids, mp.positions, mp.blocks, spans)
+                for i, dev in enumerate(per_row, start=1):
+                    scores[i] = [float(dev[j : j + bs].mean()) for j in range(0, rows[i], bs)]
+            chosen = blend_blocks(rows, scores, setting.ratio, bs)
+            runs = []
+            for i, picked in enumerate(chosen):
+                for a, b in block_runs(picked):
+                    runs.append((starts[i] + a * bs, starts[i] + min(b * bs, rows[i])))
+        if not runs:
+            return
+        if self.recompute_rows is None:
+            raise ValueError("this engine cannot recompute module rows")
+        touched = sorted({r // bs for a, b in runs for r in range(a, b)})
+        if self.pool.num_free < len(touched):
+            raise ValueError(
+                f"the KV pool has no room for the {len(touched)} private blocks module_recompute="
+                f"{setting.spec!r} needs ({self.pool.num_free} free)"
+            )
+        fresh = self.pool.allocate(len(touched))
+        old = [mp.blocks[t] for t in touched]
+        self.kv.copy_blocks(list(zip(old, fresh, strict=True)))
+        for t, b, o in zip(touched, fresh, old, strict=True):
+            mp.blocks[t] = b
+            self.module_rows[b] = self.module_rows[o]
+            self.num_marked += 1
+        self.release(old)  # the request's reference moves to its copies; the store keeps its own
+        self.recompute_rows(mp.token_ids, mp.positions, mp.blocks, runs)
+        mp.recomputed_tokens = sum(b - a for a, b in runs)
+        mp.private_rows = sum(int(self.module_rows[b]) for b in fresh)
 
     # ---- tiers ----------------------------------------------------------------------------------
     def key_of(self, piece: Piece, salt: str | None) -> str:
@@ -314,8 +431,9 @@ class PromptModules:
         out = []
         for name, reg in self.schemas.items():
             tokens = sum(len(p.token_ids) for p in reg.pieces.values())
+            recompute = reg.recompute.spec if reg.recompute is not None else None
             out.append({"name": name, "modules": sorted(reg.schema.modules), "positions": reg.layout.length,
-                        "pieces": len(reg.pieces), "tokens": tokens})
+                        "pieces": len(reg.pieces), "tokens": tokens, "module_recompute": recompute})
         return out
 
     def metrics(self) -> dict[str, float]:

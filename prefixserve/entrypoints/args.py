@@ -73,6 +73,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="host memory for modules moved off the GPU, e.g. 4G or 512M (default 4G)",
     )
     m.add_argument(
+        "--module-recompute",
+        default=None,
+        metavar="MODE",
+        help="accuracy recovery for PML prompts that set none themselves: none (Prompt Cache as is), "
+        "link:K (recompute each module's first K tokens in context) or blend:R (recompute a fraction R "
+        "of each module, where its cached KV differs most) (default none)",
+    )
+    m.add_argument(
         "--spill-prefix-cache",
         action="store_true",
         help="copy prefix-cache blocks evicted from the KV pool to that host memory; a later hit "
@@ -142,6 +150,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         modules["module_gpu_fraction"] = args.module_gpu_fraction
     if args.module_host_bytes is not None:
         modules["module_host_bytes"] = args.module_host_bytes
+    if args.module_recompute is not None:
+        modules["module_recompute"] = args.module_recompute
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,

@@ -259,6 +259,7 @@ def _schema_line(info: dict[str, Any]) -> str:
         f"{info['name']}: {len(modules)} module{'s' if len(modules) != 1 else ''} "
         f"({', '.join(modules) or 'none'}), {info.get('tokens', 0)} tokens in {info.get('pieces', 0)} "
         f"pieces, {info.get('positions', 0)} positions"
+        + (f", recompute {info['module_recompute']}" if info.get("module_recompute") else "")
     )
 
 
@@ -273,6 +274,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
                     raise ValueError(f"schema file {args.file!r} not found")
                 text = path.read_text(encoding="utf-8")
             body = {"schema": text, "replace": args.replace, "pin": args.pin, "encode": not args.no_encode}
+            if args.module_recompute is not None:
+                body["module_recompute"] = args.module_recompute
             info = _server_call(args, "POST", "/v1/schemas", body)
             if args.json:
                 print(json.dumps(info, indent=2))
@@ -313,6 +316,8 @@ def _add_schema_parser(sub: Any) -> None:
     add.add_argument("--replace", action="store_true", help="replace a schema of the same name")
     add.add_argument("--pin", action="store_true", help="keep its modules on the GPU for good")
     add.add_argument("--no-encode", action="store_true", help="encode its modules at first use, not now")
+    add.add_argument("--module-recompute", default=None, metavar="MODE",
+                     help="the schema's accuracy recovery: none, link:K or blend:R (requests may override)")
     actions.add_parser("list", parents=[common], help="the registered schemas")
     rm = actions.add_parser("rm", parents=[common], help="remove a schema")
     rm.add_argument("name", metavar="NAME")

@@ -54,6 +54,7 @@ class LLM:
         application: str | None = None,
         schedule: str = "online",
         grouping: str = "first_level",
+        module_recompute: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (continuously batched); outputs come back in prompt order.
 
@@ -61,6 +62,9 @@ class LLM:
         every prompt is put after. ``schedule="batch"`` plans the whole list first (BatchLLM): prompts
         that share a prefix run as one group whose prefix is computed once and held until the group
         ends, groups ordered by Eq. 3; ``grouping`` is ``first_level`` (Algorithm 1) or ``tree``.
+        ``module_recompute`` ("none", "link:K", "blend:R") sets Prompt Cache accuracy recovery for the
+        PML prompts (a dict prompt's own ``"module_recompute"`` wins; unset: the schema's, else the
+        engine's).
         """
         if schedule not in ("online", "batch"):
             raise ValueError(f"schedule {schedule!r} is not one of online, batch")
@@ -74,7 +78,8 @@ class LLM:
         queue = schedule == "online"
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                order.append(self._add(prompt, p, application=application, queue=queue))
+                order.append(self._add(prompt, p, application=application, queue=queue,
+                                       module_recompute=module_recompute))
             if not queue:
                 queue_groups(self.engine, [self.engine.requests[r] for r in order], grouping)
         except Exception:
@@ -109,11 +114,17 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, application=application)
 
     # ---- Prompt Cache ------------------------------------------------------------------------
-    def register_schema(self, pml: str, encode: bool = True, pin: bool = False, replace: bool = False) -> str:
+    def register_schema(
+        self, pml: str, encode: bool = True, pin: bool = False, replace: bool = False,
+        module_recompute: str | None = None,
+    ) -> str:
         """Register a PML schema (Prompt Cache); returns its name. Its modules are encoded now
         (``encode=False``: at first use) and reused by every ``<prompt schema="...">`` prompt given to
-        ``generate`` or ``stream``; ``pin`` keeps them in GPU memory for good."""
-        return self.engine.register_schema(pml, encode=encode, pin=pin, replace=replace)
+        ``generate`` or ``stream``; ``pin`` keeps them in GPU memory for good. ``module_recompute``
+        is the schema's accuracy-recovery setting ("none", "link:K", "blend:R"; requests may override)."""
+        return self.engine.register_schema(
+            pml, encode=encode, pin=pin, replace=replace, module_recompute=module_recompute
+        )
 
     def unregister_schema(self, name: str) -> None:
         self.engine.unregister_schema(name)
@@ -175,11 +186,13 @@ class LLM:
         stream: bool = False,
         application: str | None = None,
         queue: bool = True,
+        module_recompute: str | None = None,
     ) -> str:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
             self.engine.add_request(
-                request_id, prompt, params, stream=stream, application=application, queue=queue
+                request_id, prompt, params, stream=stream, application=application, queue=queue,
+                module_recompute=module_recompute,
             )
         elif isinstance(prompt, dict):
             self.engine.add_request(
@@ -192,6 +205,7 @@ class LLM:
                 stream=stream,
                 application=prompt.get("application", application),
                 queue=queue,
+                module_recompute=prompt.get("module_recompute", module_recompute),
             )
         else:
             raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")

@@ -174,6 +174,7 @@ async def _submit(state: ServerState, prep: Prepared, sink: asyncio.Queue[Reques
                 prompt_token_ids=tokens,
                 cache_salt=req.cache_salt,
                 application=application,
+                module_recompute=req.module_recompute,
                 stream=req.stream,
             )
             ids.append(sub_id)
@@ -365,7 +366,8 @@ def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
             existed = _find_schema(engine, name) is not None
             if existed and not req.replace:
                 raise _SchemaExists(name)
-            engine.register_schema(req.schema_, encode=req.encode, pin=req.pin, replace=req.replace)
+            engine.register_schema(req.schema_, encode=req.encode, pin=req.pin, replace=req.replace,
+                                   module_recompute=req.module_recompute)
             info = _find_schema(engine, name)
             assert info is not None
             return info, existed
@@ -377,8 +379,9 @@ def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(409, message, param="schema", code="schema_exists") from None
         except PMLError as exc:
             raise APIError(400, str(exc), param="schema", code="invalid_pml") from None
-        except ValueError as exc:  # no room in the KV pool for its modules, ...
-            raise APIError(400, str(exc), param="schema", code="invalid_value") from None
+        except ValueError as exc:  # no room in the KV pool for its modules, a bad module_recompute
+            param = "module_recompute" if str(exc).startswith("module_recompute") else "schema"
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
         return JSONResponse(_schema_card(info), status_code=200 if replaced else 201)
 
     @app.get("/v1/schemas")

@@ -97,6 +97,7 @@ class EngineLoop:
         cache_salt: str | None = None,
         application: str | None = None,
         stream: bool = False,
+        module_recompute: str | None = None,
     ) -> None:
         """Queue a request; returns once the engine accepted it, raises ValueError if it refused it."""
         if not self.alive:
@@ -104,7 +105,8 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
         kwargs: dict[str, Any] = dict(
-            prompt_token_ids=prompt_token_ids, cache_salt=cache_salt, stream=stream, application=application
+            prompt_token_ids=prompt_token_ids, cache_salt=cache_salt, stream=stream, application=application,
+            module_recompute=module_recompute,
         )
         if not self._put(("add", request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
             raise EngineStopped("the server is shutting down")

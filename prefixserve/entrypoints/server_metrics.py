@@ -33,6 +33,9 @@ _COUNTERS = {
     "module_loads_disk_total": "prompt module pieces brought back to the GPU from the module store",
     "module_evictions_gpu_total": "prompt module pieces moved off the GPU to make room",
     "module_store_corrupt_total": "module store entries found corrupt or truncated (recomputed)",
+    "module_recomputed_tokens_total": "module rows recomputed in their request's context (accuracy recovery)",
+    "module_rows_shared_total": "module rows requests read from blocks shared with other requests",
+    "module_rows_private_total": "module rows requests read from their own copies (recovered blocks)",
 }
 _GAUGES = {
     "num_running": ("num_requests_running", "sequences running"),

@@ -73,6 +73,7 @@ class _Common(BaseModel):
     # extensions
     cache_salt: str | None = None
     application: str | None = None
+    module_recompute: str | None = None  # Prompt Cache recovery: "none", "link:K", "blend:R"
     ignore_eos: bool = False
     top_k: int | None = None
     min_p: float | None = None
@@ -127,6 +128,7 @@ class SchemaRequest(BaseModel):
     encode: bool = True  # encode its modules now (else at first use)
     pin: bool = False  # keep its modules on the GPU for good
     replace: bool = False  # replace a schema of the same name (else 409)
+    module_recompute: str | None = None  # the schema's accuracy recovery ("none", "link:K", "blend:R")
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
@@ -232,6 +234,7 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "seed",
         "application",
         "cache_salt",
+        "module_recompute",
     )
     head = message.split(" ", 1)[0].split("=", 1)[0]
     if head in fields:

@@ -85,10 +85,11 @@ _FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no"
 
 
 async def read_schema_request(state: ServerState, request: Request) -> SchemaRequest:
-    """A ``POST /v1/schemas`` body: JSON ``{"schema": PML, "encode", "pin", "replace"}``, or the PML
-    itself (content type application/xml, text/xml or text/plain; the flags then come from the
-    query string, ``?replace=true&pin=true``). A body of another or no content type is taken as PML
-    when it starts with ``<``, else as JSON (so ``curl --data-binary @schema.pml`` works)."""
+    """A ``POST /v1/schemas`` body: JSON ``{"schema": PML, "encode", "pin", "replace",
+    "module_recompute"}``, or the PML itself (content type application/xml, text/xml or text/plain;
+    the flags then come from the query string, ``?replace=true&pin=true&module_recompute=link:16``).
+    A body of another or no content type is taken as PML when it starts with ``<``, else as JSON
+    (so ``curl --data-binary @schema.pml`` works)."""
     text = await read_text(state, request)
     ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     raw = ctype in _RAW_PML_TYPES or (ctype != "application/json" and text.lstrip().startswith("<"))
@@ -113,4 +114,4 @@ async def read_schema_request(state: ServerState, request: Request) -> SchemaReq
             message = f"query parameter '{key}' must be true or false, got {value[:40]!r}"
             raise APIError(400, message, param=key)
         flags[key] = _FLAGS[value.lower()]
-    return SchemaRequest(schema=text, **flags)
+    return SchemaRequest(schema=text, module_recompute=request.query_params.get("module_recompute"), **flags)

@@ -90,6 +90,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of the tokens ``x`` [T, hidden], RoPE applied."""
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, k, positions)
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
@@ -98,16 +109,14 @@ class Attention(nn.Module):
         kv_layer: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        write_kv: bool = True,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
+        q, k, v = self.project(x, positions, rotary)
         k_cache, v_cache = kv_layer
-        # Write the new tokens' K/V into their slots; attention then reads everything from the cache.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if write_kv:  # the new tokens' K/V into their slots; attention then reads all from the cache
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -167,6 +176,36 @@ class LlamaForCausalLM(nn.Module):
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
+
+    @torch.inference_mode()
+    def layer_kv(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [T, Hkv, D]
+        """The K and V that layer 1 computes for tokens whose layer-0 KV is already in the cache, in
+        the context ``meta`` gives them; nothing is written.
+
+        Layer 0's KV depends on nothing but a token and its position, so a Prompt Cache module's
+        cached rows are exactly its in-context rows there, and layer 0 can attend over them as they
+        are. Layer 1's KV is the first that sees the context: how far the cached rows are from it
+        says which rows to recompute (CacheBlend's selection). A one-layer model returns layer 0's.
+        """
+        h = self.model.embed_tokens(input_ids)
+        first = self.model.layers[0]
+        if len(self.model.layers) == 1:
+            _, k, v = first.self_attn.project(first.input_layernorm(h), positions, self.rotary)
+            return k, v
+        a = first.self_attn(first.input_layernorm(h), positions, self.rotary, kv_cache[0], meta, backend,
+                            write_kv=False)
+        h = h + a
+        h = h + first.mlp(first.post_attention_layernorm(h))
+        second = self.model.layers[1]
+        _, k, v = second.self_attn.project(second.input_layernorm(h), positions, self.rotary)
+        return k, v
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] fp32

@@ -66,7 +66,7 @@ class BlockManager:
             seq.num_indexed_blocks = len(modules)
             seq.num_computed_tokens = len(modules) * self.block_size
         if not self.enable_prefix_caching:
-            return seq.num_computed_tokens - req.num_hole_tokens if modules else 0
+            return seq.num_computed_tokens - req.num_hole_tokens - req.num_recomputed_tokens if modules else 0
         n = self.cacheable_blocks(seq)
         start = len(modules)
         digests = self._digests(seq, n)
@@ -81,7 +81,7 @@ class BlockManager:
         self._mirror(seq, start, hits)
         seq.num_indexed_blocks = start + len(hits)
         seq.num_computed_tokens = (start + len(hits)) * self.block_size
-        return seq.num_computed_tokens - (req.num_hole_tokens if modules else 0)
+        return seq.num_computed_tokens - (req.num_hole_tokens + req.num_recomputed_tokens if modules else 0)
 
     def reserve(self, seq: Sequence, upto_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make room for KV up to ``upto_tokens``; copy-on-write the block being written if shared.

@@ -1,0 +1,237 @@
+"""Prompt Cache accuracy recovery: ``link:K`` and ``blend:R`` recompute module rows in context.
+
+What must hold exactly: recomputing every row (``link:K`` with K >= each module, ``blend:1.0``) is full
+prefill of the same tokens at the same positions; ``none`` is the Prompt Cache path; the recomputed
+rows live in the request's private block copies and never reach the blocks other requests read;
+blocks never leak, under samples and preemption too. How much of the gap a partial setting closes
+is measured in benchmarks/promptcache.py --recovery, not asserted here.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.config import EngineConfig
+from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.promptcache.recompute import (
+    Recompute,
+    blend_blocks,
+    block_runs,
+    link_runs,
+    parse_recompute,
+)
+from tests.test_prompt_cache import PROMPTS, SCHEMA, assert_only_modules_held, tiny
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+EVERYTHING = ("link:100000", "blend:1.0")
+
+
+def full_prefill(llm: LLM, pml: str, salt: str) -> object:
+    """The PML prompt's very tokens and positions as one plain prompt (a fresh salt: nothing reused)."""
+    ids, pos = llm.engine.modules.layout_of(pml)
+    return llm.generate({"prompt_token_ids": ids, "positions": pos, "cache_salt": salt}, PARAMS)[0]
+
+
+def gap(a, b) -> float:
+    """Largest difference between two outputs' chosen-token logprobs (same tokens asserted)."""
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    return max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True))
+
+
+# ---- the setting and the row choice (pure Python) ------------------------------------------------
+def test_parse_recompute_accepts_the_three_forms_and_names_bad_ones() -> None:
+    assert parse_recompute(None) == parse_recompute("none") == Recompute()
+    assert parse_recompute("link:16") == Recompute("link", tokens=16)
+    assert parse_recompute(" Blend:0.15 ").spec == "blend:0.15"
+    assert parse_recompute("blend:1").ratio == 1.0 and not parse_recompute("blend:1").needs_deviation
+    for bad, words in (("link:0", "link takes"), ("link:x", "link takes"), ("blend:0", "blend takes"),
+                       ("blend:1.5", "blend takes"), ("blend:nan", "blend takes"), ("relink", "not one of"),
+                       ("link", "not one of")):
+        with pytest.raises(ValueError, match=words) as err:
+            parse_recompute(bad)
+        assert str(err.value).startswith("module_recompute")
+
+
+def test_link_runs_skip_the_first_piece_and_stop_at_a_piece_end() -> None:
+    assert link_runs([40, 3, 20, 0], 4) == [(1, 0, 3), (2, 0, 4)]
+    assert link_runs([10], 4) == []
+
+
+def test_blend_blocks_pick_the_highest_scores_per_piece() -> None:
+    rows, bs = [32, 64, 20], 16
+    scores = [[9.0, 9.0], [0.1, 5.0, 0.2, 4.0], [1.0, 3.0]]
+    assert blend_blocks(rows, scores, 0.25, bs) == [[], [1], [1]]  # ceil(0.25 * 64 / 16) = 1 block
+    assert blend_blocks(rows, scores, 0.5, bs) == [[], [1, 3], [1]]
+    assert blend_blocks(rows, scores, 1.0, bs) == [[], [0, 1, 2, 3], [0, 1]]
+    assert blend_blocks(rows, [[], [], []], 0.3, bs) == [[], [0, 1], [0]]  # no scores: earliest blocks
+    assert block_runs([3, 0, 1, 5, 4]) == [(0, 2), (3, 6)]
+
+
+# ---- exactness ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["reference", "cascade", "auto"])
+def test_recomputing_every_row_equals_full_prefill(tiny_config_path, attention: str) -> None:
+    llm = tiny(tiny_config_path, attention=attention)
+    llm.register_schema(SCHEMA)
+    differs = 0.0
+    for i, pml in enumerate(PROMPTS):
+        none = llm.generate(pml, PARAMS)[0]  # first: its own blocks are cached under plain digests
+        full = full_prefill(llm, pml, f"full-{i}")
+        nl, fl = none.outputs[0].logprobs, full.outputs[0].logprobs
+        differs = max(differs, max(abs(a - b) for a, b in zip(nl, fl, strict=True)))
+        for mode in EVERYTHING:
+            out = llm.generate(pml, PARAMS, module_recompute=mode)[0]
+            assert gap(out, full) < 1e-5, (mode, pml)
+            assert out.num_recomputed_tokens > 0
+    assert differs > 1e-3  # Prompt Cache alone is an approximation: the check above is not vacuous
+    assert_only_modules_held(llm)
+
+
+def test_recomputing_every_row_equals_full_prefill_on_the_default_model(default_llm: LLM) -> None:
+    """Real weights (fp32, CPU): greedy output of full recovery is full prefill's."""
+    llm = LLM(dtype="float32", device="cpu", num_kv_blocks=512, progress=False)
+    schema = (
+        '<schema name="town">Notes about a town.'
+        '<module name="a"> Anna lives in the red house. The red house stands on Oak Street.</module>'
+        '<module name="b"> Boris lives in the blue house. The blue house stands on Pine Street.</module>'
+        '<module name="c"> Clara is a doctor. Boris is a pilot.</module></schema>'
+    )
+    llm.register_schema(schema)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    questions = (
+        '<prompt schema="town"><c/><b/><a/> Question: on which street does Anna live? Answer:</prompt>',
+        '<prompt schema="town"><b/><c/> Question: what is the job of Boris? Answer:</prompt>',
+    )
+    for pml in questions:
+        ids, pos = llm.engine.modules.layout_of(pml)
+        plain = {"prompt_token_ids": ids, "positions": pos}
+        want = default_llm.generate(plain, params)[0].outputs[0].token_ids
+        for mode in EVERYTHING:
+            assert llm.generate(pml, params, module_recompute=mode)[0].outputs[0].token_ids == want, mode
+
+
+def test_none_is_the_prompt_cache_path(tiny_config_path) -> None:
+    plain = tiny(tiny_config_path)
+    plain.register_schema(SCHEMA)
+    set_none = tiny(tiny_config_path, module_recompute="none")
+    set_none.register_schema(SCHEMA, module_recompute="none")
+    a = plain.generate(PROMPTS, PARAMS)
+    b = set_none.generate(PROMPTS, PARAMS, module_recompute="none")
+    for x, y in zip(a, b, strict=True):
+        assert gap(x, y) == 0.0
+        assert y.num_recomputed_tokens == 0 and y.module_rows_private == 0
+        assert y.module_rows_shared == y.num_cached_tokens > 0
+
+
+# ---- isolation and bookkeeping -----------------------------------------------------------------
+def module_kv(llm: LLM) -> dict[str, torch.Tensor]:
+    kv = llm.engine.runner.kv.tensor
+    return {e.key: kv[:, :, e.blocks].clone() for e in llm.engine.modules.entries.values() if e.blocks}
+
+
+def test_recomputed_rows_never_reach_the_shared_blocks(tiny_config_path) -> None:
+    llm = tiny(tiny_config_path, max_num_seqs=8)
+    llm.register_schema(SCHEMA)
+    before = llm.generate(PROMPTS, PARAMS)
+    stored = module_kv(llm)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, n=2)
+    for mode in ("link:4", "blend:0.5", "link:100000"):
+        llm.generate(PROMPTS, params, module_recompute=mode)  # together: copies and shared blocks mixed
+    after = module_kv(llm)
+    assert stored.keys() == after.keys()
+    for key, kv in stored.items():
+        assert torch.equal(kv, after[key]), key
+    again = llm.generate(PROMPTS, PARAMS)
+    for x, y in zip(before, again, strict=True):
+        assert gap(x, y) == 0.0
+    assert_only_modules_held(llm)
+
+
+def test_outputs_and_metrics_count_recomputed_and_private_rows(tiny_config_path) -> None:
+    llm = tiny(tiny_config_path)
+    llm.register_schema(SCHEMA)
+    pieces = []
+    for pml in PROMPTS:  # each prompt's pieces, nothing recomputed
+        mp = llm.engine.modules.prepare(pml, None)
+        llm.engine.modules.release(mp.blocks)
+        pieces.append((mp.piece_rows, mp.module_tokens))
+    start = llm.metrics()
+    k = 4
+    outs = llm.generate(PROMPTS, PARAMS, module_recompute=f"link:{k}")
+    for (rows, module_tokens), out in zip(pieces, outs, strict=True):
+        assert len(rows) > 1
+        assert out.num_recomputed_tokens == sum(min(k, r) for r in rows[1:])
+        assert out.module_rows_shared + out.module_rows_private == module_tokens
+        assert out.module_rows_private >= out.num_recomputed_tokens
+        assert out.num_cached_tokens == module_tokens - out.num_recomputed_tokens
+    m = llm.metrics()
+    for key, field in (("module_recomputed_tokens_total", "num_recomputed_tokens"),
+                       ("module_rows_private_total", "module_rows_private"),
+                       ("module_rows_shared_total", "module_rows_shared")):
+        assert m[key] - start[key] == sum(getattr(o, field) for o in outs), key
+    assert_only_modules_held(llm)
+
+
+def test_schema_setting_request_override_and_engine_default(tiny_config_path) -> None:
+    llm = tiny(tiny_config_path, module_recompute="link:2")
+    llm.register_schema(SCHEMA)
+    assert llm.generate(PROMPTS[0], PARAMS)[0].num_recomputed_tokens > 0  # the engine's default
+    llm.register_schema(SCHEMA, replace=True, module_recompute="none")
+    assert llm.schemas()[0]["module_recompute"] == "none"
+    assert llm.generate(PROMPTS[0], PARAMS)[0].num_recomputed_tokens == 0  # the schema's
+    out = llm.generate({"prompt": PROMPTS[0], "module_recompute": "blend:1.0"}, PARAMS)[0]  # the request's
+    assert out.num_recomputed_tokens == out.module_rows_private > 0
+    assert_only_modules_held(llm)
+
+
+def test_bad_settings_are_refused_and_the_engine_goes_on(tiny_config_path) -> None:
+    with pytest.raises(ValueError, match="module_recompute"):
+        tiny(tiny_config_path, module_recompute="sometimes")
+    llm = tiny(tiny_config_path)
+    llm.register_schema(SCHEMA)
+    with pytest.raises(ValueError, match="link takes"):
+        llm.generate(PROMPTS[0], PARAMS, module_recompute="link:-1")
+    with pytest.raises(ValueError, match="blend takes"):
+        llm.generate("plain text", PARAMS, module_recompute="blend:2")  # checked for any prompt
+    with pytest.raises(ValueError, match="not one of"):
+        llm.register_schema(SCHEMA.replace("travel", "t2"), module_recompute="all")
+    assert [s["name"] for s in llm.schemas()] == ["travel"]
+    assert_only_modules_held(llm)
+    assert len(llm.generate(PROMPTS[0], PARAMS, module_recompute="link:3")[0].outputs[0].token_ids) == 8
+
+
+def test_preemption_keeps_recovered_prompts_exact(tiny_config_path) -> None:
+    want = None
+    for blocks in (256, 48):
+        llm = tiny(tiny_config_path, num_kv_blocks=blocks, max_num_seqs=8)
+        llm.register_schema(SCHEMA)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, n=2)
+        outs = llm.generate(PROMPTS, params, module_recompute="link:5")
+        got = [[c.token_ids for c in o.outputs] for o in outs]
+        want = want or got
+        assert got == want, blocks
+        assert_only_modules_held(llm)
+    assert llm.metrics()["preemptions_total"] > 0
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------
+def test_http_takes_module_recompute_on_completions_and_schemas(tiny_config_path) -> None:
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", dtype="float32", device="cpu", num_kv_blocks=256)
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        r = http.post("/v1/schemas", json={"schema": SCHEMA, "module_recompute": "link:3"})
+        assert r.status_code == 201, r.text
+        assert r.json()["module_recompute"] == "link:3"
+        body = {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        assert http.post("/v1/completions", json=body | {"module_recompute": "blend:0.5"}).status_code == 200
+        bad = http.post("/v1/completions", json=body | {"module_recompute": "blend:7"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "module_recompute", bad.text
+        other = {"schema": SCHEMA.replace("travel", "t2"), "module_recompute": "x"}
+        bad = http.post("/v1/schemas", json=other)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "module_recompute", bad.text
+        metrics = http.get("/metrics").text
+        name = "prefixserve_module_recomputed_tokens_total "
+        recomputed = [ln for ln in metrics.splitlines() if ln.startswith(name)]
+        assert recomputed and float(recomputed[0].split()[1]) > 0
