@@ -21,6 +21,10 @@ Three questions, one run:
     python -m benchmarks.promptcache run --device cpu --model default --quality     # this CPU
     python -m benchmarks.promptcache run                                           # H200, dummy 8B
     python -m benchmarks.promptcache report --json docs/benchmarks/promptcache.json
+
+``--recovery`` runs only the accuracy-recovery sections (``benchmarks/recovery.py``: quality vs TTFT
+on the default model's real weights, TTFT at ~5K module tokens on any model) and keeps the other
+sections of the existing JSON.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ from typing import Any
 import torch
 
 from benchmarks._common import RESULTS, pyplot, run_info, run_or_report, write_text
+from benchmarks.recovery import (
+    add_recovery_args,
+    plot_recovery,
+    recovery_lines,
+    run_recovery_quality,
+    run_recovery_ttft,
+)
 from prefixserve import LLM, SamplingParams
 
 WORDS = [
@@ -311,27 +322,41 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     question = " " + " ".join(["Which", "word", "came", "first", "in", "the", "notes", "above?"] * 4)
     result: dict[str, Any] = {"run": run_info(), "settings": vars(args) | {"out": None}}
-    with tempfile.TemporaryDirectory() as store:
-        llm = make_llm(args, module_store=store)
+    if args.recovery:  # the recovery sections alone; the others come from the existing JSON
+        args.merge = True
+        result["ttft"] = []
+        llm = make_llm(args)
         q_ids = llm.get_tokenizer().encode(question, add_special_tokens=False)
         result["settings"]["question_tokens"] = len(q_ids)
-        result["ttft"] = run_ttft(llm, args, question) if args.lengths else []
-        if args.quality:
-            result["quality"] = run_quality(llm, args)
+        auto = args.recovery_quality == "auto" and args.model == "default"
+        quality = args.recovery_quality == "yes" or auto
+        if quality:
+            result["recovery_quality"] = run_recovery_quality(llm, args.seed)
+        if args.recovery_lengths:
+            result["recovery_ttft"] = run_recovery_ttft(llm, args, question)
         del llm
+    else:
+        with tempfile.TemporaryDirectory() as store:
+            llm = make_llm(args, module_store=store)
+            q_ids = llm.get_tokenizer().encode(question, add_special_tokens=False)
+            result["settings"]["question_tokens"] = len(q_ids)
+            result["ttft"] = run_ttft(llm, args, question) if args.lengths else []
+            if args.quality:
+                result["quality"] = run_quality(llm, args)
+            del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    if args.decode_requests:
+    if args.decode_requests and not args.recovery:
         result["decode"] = run_decode(args, question)
-    if args.spill_docs:
+    if args.spill_docs and not args.recovery:
         result["spill"] = run_spill(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     old = out / f"{args.name}.json"
     if args.merge and old.exists():  # keep the earlier run's sections this run did not measure
         earlier = json.loads(old.read_text())
-        for section in ("ttft", "quality", "decode", "spill"):
+        for section in ("ttft", "quality", "decode", "spill", "recovery_quality", "recovery_ttft"):
             if not result.get(section) and earlier.get(section):
                 result[section] = earlier[section]
                 result.setdefault("merged_from", {})[section] = earlier["run"]["commit"]
@@ -412,10 +437,12 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
             f"| evicted blocks spilled to host | {sp['spill_hit_rate']:.1%} | {sp['spill_host_hit_tokens']} "
             f"| {sp['spill_s']:.2f} |",
         ]
+    lines += recovery_lines(result)
     for section, commit in result.get("merged_from", {}).items():
         lines += ["", f"(The {section} section is from an earlier run, commit {commit}.)"]
     write_text(out, f"{name}.md", lines)
     plt = pyplot()
+    plot_recovery(result, out, name, plt)
     if plt is None or not result["ttft"]:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -462,6 +489,7 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--quality-prompts", type=int, default=10)
     ap.add_argument("--quality-tokens", type=int, default=8)
+    add_recovery_args(ap)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,8 @@ class Request:
     num_module_tokens: int = 0  # real prompt tokens reused from modules
     num_recomputed_tokens: int = 0  # module rows recomputed in this request's context (recovery)
     num_private_module_rows: int = 0  # module rows in private copies of module blocks
+    # module rows (table row runs) still to compute in context: in the first prefill step
+    recompute_runs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:

@@ -118,7 +118,6 @@ class Engine:
             config.module_gpu_fraction,
             config.module_host_bytes,
             config.module_store,
-            self._recompute_rows,
             self._module_deviation,
             config.module_recompute,
         )
@@ -258,23 +257,6 @@ class Engine:
             out.append((batch, table))
         return out
 
-    def _recompute_rows(
-        self, token_ids: list[int], positions: list[int], blocks: list[int], runs: list[tuple[int, int]]
-    ) -> None:
-        """Compute table rows ``runs`` of a module prompt in its context, into ``blocks`` (accuracy
-        recovery). Each run is one sequence of the forward: its queries are its rows, its context is
-        every row before them. All runs go in one forward (budget allowing): each layer writes every
-        new row's K/V before attending, so a run sees the rows recomputed before it at that layer,
-        exactly as one causal prefill would. Like ``_encode_piece``, issued after any step in flight,
-        whose blocks it never touches (``blocks`` rows written here are the request's private copies).
-        """
-        for batch, table in self._row_batches(blocks, runs):
-            ids = [t for a, b in batch for t in token_ids[a:b]]
-            pos = [p for a, b in batch for p in positions[a:b]]
-            q_lens, s_lens = [b - a for a, b in batch], [b for _, b in batch]
-            step = self.runner.plan(pos, q_lens, s_lens, table, self.modules.module_rows, eager=True)
-            self.runner.forward(ids, step, [])
-
     def _module_deviation(
         self, token_ids: list[int], positions: list[int], blocks: list[int], runs: list[tuple[int, int]]
     ) -> list[np.ndarray]:
@@ -400,6 +382,7 @@ class Engine:
             req.num_hole_tokens, req.num_module_tokens = modules.holes, modules.module_tokens
             req.num_recomputed_tokens = modules.recomputed_tokens
             req.num_private_module_rows = modules.private_rows
+            req.recompute_runs = modules.recompute_runs
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
         self.requests[request_id] = req
         self._new_sequence(req, 0, list(tokens), list(positions))
@@ -512,7 +495,31 @@ class Engine:
         # one numpy gather from the block manager's mirror (lists would cost ~20 ns a block entry)
         tables = self.blocks.block_tables_np([s.seq for s in sched.scheduled], seq_lens)
         rows = self.modules.module_rows if self.modules.active else None
-        return self.runner.plan(pos, query_lens, seq_lens, tables, rows)
+        runs = self._recompute_runs(sched)
+        if runs:  # module rows to recompute in context lead the batch, each run a sequence of its own
+            bs = self.config.block_size
+            width = max(tables.shape[1], *(-(-b // bs) for _, a, b in runs))
+            lead = np.zeros((len(runs), width), dtype=np.int32)  # [R, W]
+            for i, (seq, _, b) in enumerate(runs):
+                lead[i, : -(-b // bs)] = seq.block_table[: -(-b // bs)]
+            tables = np.concatenate((lead, np.pad(tables, ((0, 0), (0, width - tables.shape[1])))))
+            pos = [p for seq, a, b in runs for p in seq.positions[a:b]] + pos
+            query_lens = [b - a for _, a, b in runs] + query_lens
+            seq_lens = [b for _, _, b in runs] + seq_lens
+        return self.runner.plan(pos, query_lens, seq_lens, tables, rows, eager=bool(runs))
+
+    @staticmethod
+    def _recompute_runs(sched: SchedulerOutput) -> list[tuple[Sequence, int, int]]:
+        """Accuracy recovery rows still to compute, for requests in their first prefill step.
+
+        Each run (rows a..b-1 of the request's module blocks, private copies) goes in the same
+        forward as the request's own tokens, as a sequence of its own whose context is the table up
+        to its rows: each layer writes every new row's K/V before attending, so a run sees the runs
+        before it, and the own tokens see all of them, at that very layer, exactly as one causal
+        prefill would (recomputing every row is full prefill). One forward, not two: on a GPU an
+        extra eager forward costs as much host time as the whole module-cached first token.
+        """
+        return [(s.seq, a, b) for s in sched.scheduled for a, b in s.seq.request.recompute_runs]
 
     def _launch(self, sched: SchedulerOutput, batch: StepBatch) -> _InFlight:
         """Forward and sampling of a planned batch, issued without waiting for the device.
@@ -520,7 +527,11 @@ class Engine:
         The forward is issued first, so the device works while the host advances the sequences
         (computed tokens, prefix index, forks) and picks the rows to sample.
         """
-        ids: list[int] = []
+        runs = self._recompute_runs(sched)
+        ids: list[int] = [t for seq, a, b in runs for t in seq.token_ids[a:b]]
+        lead = len(ids)  # the recomputed module rows come first; nothing is sampled from them
+        for seq, _, _ in runs:
+            seq.request.recompute_runs = []
         for s in sched.scheduled:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             ids += seq.token_ids[c : c + n]
@@ -530,7 +541,7 @@ class Engine:
 
         rows: list[int] = []
         samplers: list[Sequence] = []
-        end = 0
+        end = lead
         for s in sched.scheduled:
             seq = s.seq
             end += s.num_tokens

@@ -23,8 +23,9 @@ A piece found in a lower tier is copied back into fresh blocks instead of being 
 
 Accuracy recovery (``promptcache/recompute.py``): a request may recompute some rows of its pieces
 in its own context (``link:K``, ``blend:R``). Those rows go into private copies of just the blocks
-they fall in (copy-on-write at admission), computed by one forward over every run of rows at once;
-the module store's blocks are never written, and every block not copied stays shared.
+they fall in (copied at admission) and are computed in the request's first prefill step
+(``ModulePrompt.recompute_runs``); the module store's blocks are never written, and every block not
+copied stays shared.
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ log = logging.getLogger(__name__)
 HOLE_TOKEN = -2  # a request's token at a module block's empty row (never computed, never sampled)
 
 Encode = Callable[[list[int], list[int], list[int]], None]  # (token ids, positions, blocks): fill blocks
-# (token ids, positions, table blocks, runs of table rows): compute those rows in context into the table
-RecomputeRows = Callable[[list[int], list[int], list[int], list[tuple[int, int]]], None]
 # (token ids, positions, table blocks, runs of table rows): each row's layer-1 KV deviation, per run
 Deviation = Callable[[list[int], list[int], list[int], list[tuple[int, int]]], list[np.ndarray]]
 
@@ -96,6 +95,8 @@ class ModulePrompt:
     recomputed_tokens: int = 0  # module rows computed again in this request's context
     private_rows: int = 0  # module rows in blocks this request holds alone (recomputed or copied along)
     piece_rows: list[int] = field(default_factory=list)  # real rows of each piece, in table order
+    # runs (first, end) of table rows to compute in this prompt's context before its own tokens
+    recompute_runs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def shared_rows(self) -> int:
@@ -125,12 +126,11 @@ class PromptModules:
         gpu_fraction: float = 0.5,
         host_bytes: int = 4 << 30,
         store_dir: str | Path | None = None,
-        recompute_rows: RecomputeRows | None = None,
         deviation: Deviation | None = None,
         default_recompute: Recompute | str | None = None,
     ) -> None:
         self.pool, self.kv, self.encode, self.tokenizer = pool, kv, encode, tokenizer
-        self.recompute_rows, self.deviation = recompute_rows, deviation
+        self.deviation = deviation
         self.default_recompute = parse_recompute(default_recompute)
         self.block_size = pool.block_size
         self.model_id = model_id
@@ -280,8 +280,9 @@ class PromptModules:
 
     # ---- accuracy recovery ----------------------------------------------------------------------
     def _recover(self, mp: ModulePrompt, rows: list[int], starts: list[int]) -> None:
-        """Recompute the rows ``mp.recompute`` picks in the prompt's context, into private copies of
-        their blocks (``mp.blocks`` changes to hold them; the shared blocks they replace are let go)."""
+        """Pick the rows ``mp.recompute`` recomputes and give their blocks private copies
+        (``mp.blocks`` changes to hold them; the shared blocks they replace are let go). The rows
+        are left in ``mp.recompute_runs`` for the request's first prefill step to compute."""
         bs, setting = self.block_size, mp.recompute
         if setting.kind == "link":
             runs = [(starts[i] + a, starts[i] + b) for i, a, b in link_runs(rows, setting.tokens)]
@@ -301,8 +302,6 @@ class PromptModules:
                     runs.append((starts[i] + a * bs, starts[i] + min(b * bs, rows[i])))
         if not runs:
             return
-        if self.recompute_rows is None:
-            raise ValueError("this engine cannot recompute module rows")
         touched = sorted({r // bs for a, b in runs for r in range(a, b)})
         if self.pool.num_free < len(touched):
             raise ValueError(
@@ -317,7 +316,7 @@ class PromptModules:
             self.module_rows[b] = self.module_rows[o]
             self.num_marked += 1
         self.release(old)  # the request's reference moves to its copies; the store keeps its own
-        self.recompute_rows(mp.token_ids, mp.positions, mp.blocks, runs)
+        mp.recompute_runs = runs
         mp.recomputed_tokens = sum(b - a for a, b in runs)
         mp.private_rows = sum(int(self.module_rows[b]) for b in fresh)
 

@@ -1,0 +1,238 @@
+"""Prompt Cache accuracy recovery (``module_recompute``): quality against full prefill, and its TTFT.
+
+Run through ``benchmarks/promptcache.py --recovery`` (its results land in promptcache*.json/.md):
+
+* **Quality** (real weights): ``benchmarks/data/recovery_towns.json``: towns described in four
+  documents; each question needs two of them (who lives in which house, and that house's street or
+  animal). Each town is laid out by two schemas with the documents in different orders, and each
+  prompt imports the two documents it needs plus a distractor. For every mode: exact-match accuracy
+  of the greedy answer, and top-1 agreement and mean KL(full || mode) of the next-token distribution
+  against **full prefill of the very same tokens at the same positions** (what recomputing every
+  row gives exactly), and the mean TTFT.
+* **TTFT at ~5K module tokens** (``--recovery-lengths``, any model): modules of random words, a
+  fresh subset per trial; every mode on the same prompt, its modules resident.
+
+Modes: ``full`` (full prefill), ``none`` (Prompt Cache alone), ``link:K``, ``blend:R``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixserve import LLM, SamplingParams
+
+DATA = Path(__file__).resolve().parent / "data" / "recovery_towns.json"
+MODES = ("none", "link:1", "link:4", "link:16", "link:32", "blend:0.15")
+
+
+def town_prompts(seed: int) -> list[tuple[str, list[str], str, str]]:
+    """(schema PML, ...) per schema, and for each prompt (schema name, PML prompt, gold answer)."""
+    data = json.loads(DATA.read_text())
+    rng = random.Random(seed)
+    schemas, prompts = [], []
+    for world in data["worlds"]:
+        docs = list(world["modules"])
+        orders = [docs[:]]
+        while len(orders) < 2:  # a second order where the residents document moves
+            order = docs[:]
+            rng.shuffle(order)
+            if order.index("residents") != orders[0].index("residents"):
+                orders.append(order)
+        for tag, order in zip("ab", orders, strict=True):
+            name = f"{world['name']}{tag}"
+            body = "".join(f'<module name="{m}">{world["modules"][m]}</module>' for m in order)
+            schemas.append(f'<schema name="{name}">{world["intro"]}{body}</schema>')
+            for q in world["questions"]:
+                others = [m for m in docs if m not in q["needs"]]
+                imports = [*q["needs"], rng.choice(others)]
+                rng.shuffle(imports)  # import order is free text order; positions come from the schema
+                body = "".join(f"<{m}/>" for m in imports) + q["ask"]
+                pml = f'<prompt schema="{name}">{body}</prompt>'
+                prompts.append((name, pml, q["answer"]))
+    return schemas, prompts
+
+
+def _answer_matches(text: str, gold: str) -> bool:
+    words = text.strip().split()
+    return bool(words) and words[0].strip(".,;:!?").lower() == gold.lower()
+
+
+def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3) -> dict[str, Any]:
+    """Accuracy, agreement and KL against full prefill, and TTFT, per mode (see the docstring)."""
+    captured: list[torch.Tensor] = []
+    model = llm.engine.model
+    original = model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        captured.append(logits[-1].float().cpu())
+        return logits
+
+    schemas, prompts = town_prompts(seed)
+    for schema in schemas:
+        llm.register_schema(schema)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    answer = SamplingParams(max_tokens=answer_tokens, temperature=0.0)
+    stats: dict[str, dict[str, Any]] = {m: {"kl": [], "agree": 0, "exact": 0, "ttft": [], "recomputed": [],
+                                             "private": [], "module_rows": []} for m in ("full", *MODES)}
+    model.compute_logits = capture
+    try:
+        for n, (_, pml, gold) in enumerate(prompts):
+            ids, pos = llm.engine.modules.layout_of(pml)
+            llm.generate(pml, one)  # the modules resident (and warm) before anything is timed
+            outs: dict[str, Any] = {}
+            logps: dict[str, torch.Tensor] = {}
+            for mode in ("full", *MODES):
+                salt = f"{mode}-{n}"  # a fresh salt: nothing of another mode's own blocks is reused
+                req: dict[str, Any] = (
+                    {"prompt_token_ids": ids, "positions": pos, "cache_salt": salt}
+                    if mode == "full" else {"prompt": pml, "module_recompute": mode, "cache_salt": salt}
+                )
+                captured.clear()
+                t0 = time.perf_counter()
+                first = llm.generate(req, one)[0]
+                stats[mode]["ttft"].append(time.perf_counter() - t0)
+                logps[mode] = torch.log_softmax(captured[0], -1)
+                outs[mode] = llm.generate(req, answer)[0]
+                stats[mode]["recomputed"].append(first.num_recomputed_tokens)
+                stats[mode]["private"].append(first.module_rows_private)
+                stats[mode]["module_rows"].append(first.module_rows_private + first.module_rows_shared)
+            ref = logps["full"]
+            if n % 8 == 0:
+                print(f"recovery quality: prompt {n + 1} of {len(prompts)}", flush=True)
+            for mode in ("full", *MODES):
+                s = stats[mode]
+                s["kl"].append(float((ref.exp() * (ref - logps[mode])).sum()))
+                s["agree"] += int(logps[mode].argmax() == ref.argmax())
+                s["exact"] += int(_answer_matches(outs[mode].outputs[0].text, gold))
+    finally:
+        model.compute_logits = original
+        for schema in schemas:
+            llm.unregister_schema(schema.split('"')[1])
+    count = len(prompts)
+    rows = []
+    for mode, s in stats.items():
+        rows.append({
+            "mode": mode,
+            "accuracy": s["exact"] / count,
+            "top1_agreement": s["agree"] / count,
+            "mean_kl": sum(s["kl"]) / count,
+            "ttft_s": statistics.mean(s["ttft"]),
+            "recomputed_tokens": statistics.mean(s["recomputed"]),
+            "private_fraction": sum(s["private"]) / max(1, sum(s["module_rows"])),
+        })
+    gap = next(r["mean_kl"] for r in rows if r["mode"] == "none")
+    for row in rows:
+        row["kl_gap_closed"] = 1.0 - row["mean_kl"] / gap if gap > 0 else None
+    return {"prompts": count, "answer_tokens": answer_tokens, "rows": rows}
+
+
+def run_recovery_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
+    """TTFT per mode at each of ``--recovery-lengths`` module tokens: median of ``--trials``."""
+    from benchmarks.promptcache import bench_schema, prompts_for, ttft
+
+    tok = llm.get_tokenizer()
+    most = max(args.recovery_lengths) // args.module_tokens
+    schema, texts = bench_schema(tok, 2 * most, args.module_tokens, args.seed + 11)
+    llm.register_schema(schema)
+    rng = random.Random(args.seed + 12)
+    rows = []
+    for length in args.recovery_lengths:
+        count = length // args.module_tokens
+        times: dict[str, list[float]] = {m: [] for m in ("full", *MODES)}
+        for trial in range(args.trials + 1):  # the first round warms every path up, untimed
+            pml = prompts_for(rng, texts, count, question)[0]
+            llm.generate(pml.replace(question, " Warm" + question), SamplingParams(max_tokens=1))
+            ids, pos = llm.engine.modules.layout_of(pml)
+            salt = f"{length}-{trial}"
+            got = {"full": ttft(llm, {"prompt_token_ids": ids, "positions": pos, "cache_salt": salt})}
+            for mode in MODES:
+                req = {"prompt": pml, "module_recompute": mode, "cache_salt": f"{mode}-{salt}"}
+                got[mode] = ttft(llm, req)
+            if trial:
+                for mode, t in got.items():
+                    times[mode].append(t)
+        row: dict[str, Any] = {"module_tokens": count * args.module_tokens}
+        for mode, ts in times.items():
+            row[f"{mode}_s"] = statistics.median(ts)
+        rows.append(row)
+        print(json.dumps(row))
+    llm.unregister_schema("bench")
+    return rows
+
+
+def add_recovery_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--recovery", action="store_true",
+                    help="accuracy recovery only: quality (real weights) and TTFT")
+    ap.add_argument("--recovery-lengths", type=int, nargs="*", default=[5120],
+                    help="module tokens for the recovery TTFT rows (none: no TTFT rows)")
+    ap.add_argument("--recovery-quality", choices=("auto", "yes", "no"), default="auto",
+                    help="the quality section (auto: with the default model's real weights only)")
+
+
+def recovery_lines(result: dict[str, Any]) -> list[str]:
+    """The report's recovery section: quality vs TTFT, and TTFT at ~5K module tokens."""
+    lines: list[str] = []
+    rq = result.get("recovery_quality")
+    if rq:
+        lines += [
+            "",
+            "## Accuracy recovery (`module_recompute`): quality against TTFT",
+            "",
+            f"{rq['prompts']} prompts from `benchmarks/data/recovery_towns.json` (each needs facts from two "
+            "modules, whose order differs across schemas, plus a distractor module). KL and agreement are "
+            "against full prefill of the very same tokens at the same positions; accuracy is the greedy "
+            "answer's first word against the data's answer; TTFT is the mean wall time of a one-token "
+            "request with its modules resident. `gap closed` = 1 - KL(mode) / KL(none).",
+            "",
+            "| mode | accuracy | top-1 agreement | mean KL nats | gap closed | TTFT s | rows recomputed "
+            "| module rows private |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for row in rq["rows"]:
+            closed = "-" if row["kl_gap_closed"] is None else f"{row['kl_gap_closed']:.1%}"
+            lines.append(
+                f"| {row['mode']} | {row['accuracy']:.1%} | {row['top1_agreement']:.1%} "
+                f"| {row['mean_kl']:.4f} | {closed} | {row['ttft_s']:.4f} | {row['recomputed_tokens']:.1f} "
+                f"| {row['private_fraction']:.1%} |"
+            )
+    rt = result.get("recovery_ttft")
+    if rt:
+        lines += [
+            "",
+            "TTFT with recovery, modules resident on the device, median of the trials "
+            "(full / mode in brackets):",
+            "",
+            "| module tokens | " + " | ".join(("full", *MODES)) + " |",
+            "| ---: |" + " ---: |" * (len(MODES) + 1),
+        ]
+        for row in rt:
+            full = row["full_s"]
+            cells = [f"{full:.4f}"] + [f"{row[f'{m}_s']:.4f} ({full / row[f'{m}_s']:.1f}x)" for m in MODES]
+            lines.append(f"| {row['module_tokens']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_recovery(result: dict[str, Any], out: Path, name: str, plt: Any) -> None:
+    """Quality (KL to full prefill) against TTFT, one point per mode."""
+    rq = result.get("recovery_quality")
+    if not rq or plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in rq["rows"]:
+        ax.scatter(row["ttft_s"] * 1e3, row["mean_kl"] + 1e-6, label=row["mode"])
+        ax.annotate(row["mode"], (row["ttft_s"] * 1e3, row["mean_kl"] + 1e-6), fontsize=8)
+    ax.set_xlabel("mean TTFT (ms)")
+    ax.set_ylabel("mean KL(full || mode), nats")
+    ax.set_yscale("log")
+    ax.set_title(f"Accuracy recovery: quality vs TTFT ({result['run']['device']})")
+    fig.tight_layout()
+    fig.savefig(out / f"{name}_recovery.png", dpi=120)
