@@ -30,7 +30,7 @@ import torch
 from prefixserve import LLM, SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "recovery_towns.json"
-MODES = ("none", "link:1", "link:4", "link:16", "link:32", "blend:0.15")
+MODES = ("none", "link:1", "link:4", "link:16", "link:32", "link:64", "blend:0.15", "blend:0.3", "blend:0.5")
 
 
 def town_prompts(seed: int) -> list[tuple[str, list[str], str, str]]:
