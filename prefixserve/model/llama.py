@@ -3,7 +3,9 @@
 The batch is one flat list of tokens from many sequences (prefill chunks and decode tokens mixed);
 every token brings its own position ID, and attention goes through an AttentionBackend that sees the
 paged cache and the step's AttentionMetadata, never a per-request contiguous KV tensor.
-Module names follow HF's so HF state dicts load as they are.
+Module names follow HF's, except that q/k/v and gate/up are one ``MergedLinear`` each (``qkv_proj``,
+``gate_up_proj``); the loaders fill their parts from HF's separate tensors. The elementwise work
+between the matmuls goes through ``prefixserve.model.fused`` (Triton kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -11,25 +13,33 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.model import fused
 from prefixserve.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """HF's RMSNorm; given the residual stream too, it adds the residual first (vLLM's convention).
+
+    ``norm(x)`` returns the normalised x; ``norm(x, residual)`` returns ``(norm(x + residual),
+    x + residual)``, one kernel on CUDA (``fused.add_rms_norm``) instead of an add and a norm.
+    """
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like HF, then cast back before the weight multiply.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None = None,  # [T, hidden]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = fused.add_rms_norm(x, self.weight, self.eps, residual)
+        return normed if residual is None else (normed, summed)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -54,6 +64,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, D] fp32 each (``RotaryEmbedding.cos_sin``)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE from an explicit position per token (positions are data: they need not be 0..n-1)."""
 
@@ -61,20 +74,38 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor) -> Rope:  # [T] -> cos, sin [T, D]
+        """The step's angles, computed once and shared by every layer."""
+        return fused.rope_cos_sin(positions, self.inv_freq)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T, 1, D]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions)
+        return fused.apply_rope(q, cos, sin), fused.apply_rope(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one matmul, their weights stacked by rows.
+
+    ``parts`` names the stacked projections as checkpoints name them (q_proj, k_proj, v_proj;
+    gate_proj, up_proj), in row order: the loaders fill each part's rows from its own tensor, so HF
+    state dicts load unchanged. One GEMM reads x once and runs at a larger N (the split q/k/v and
+    gate/up GEMMs ran split-K with their own reduce kernels at decode sizes on an H200).
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool) -> None:
+        super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
+        self.parts = parts
+
+    def part_rows(self) -> dict[str, slice]:
+        """Each part's rows of the stacked weight (and bias)."""
+        out, at = {}, 0
+        for name, rows in self.parts:
+            out[name] = slice(at, at + rows)
+            at += rows
+        return out
 
 
 class Attention(nn.Module):
@@ -85,21 +116,31 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
+        self.qkv_proj = MergedLinear(hidden, parts, bias=bias)
+        self.o_proj = nn.Linear(q_rows, hidden, bias=False)
+
+    def _qkv(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rotary: RotaryEmbedding,
+        rope: Rope | None,
+        cache: fused.KVWrite | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin = rope if rope is not None else rotary.cos_sin(positions)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        return fused.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache)
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, rope: Rope | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k and v [T, Hkv, D] of the tokens ``x`` [T, hidden], RoPE applied."""
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
-        return q, k, v
+        """q [T, Hq, D], k and v [T, Hkv, D] of the tokens ``x`` [T, hidden], RoPE applied.
+
+        ``rope``: the step's cos and sin when the caller has them (else computed from ``positions``).
+        """
+        return self._qkv(x, positions, rotary, rope, None)
 
     def forward(
         self,
@@ -110,13 +151,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         write_kv: bool = True,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.project(x, positions, rotary)
         k_cache, v_cache = kv_layer
-        if write_kv:  # the new tokens' K/V into their slots; attention then reads all from the cache
-            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        # With write_kv the new tokens' K/V go into their slots (in the RoPE kernel on CUDA);
+        # attention then reads everything from the cache.
+        cache = (k_cache, v_cache, meta.slot_mapping) if write_kv else None
+        q, _, _ = self._qkv(x, positions, rotary, rope, cache)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -124,12 +166,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size
+        parts = [("gate_proj", inter), ("up_proj", inter)]
+        self.gate_up_proj = MergedLinear(config.hidden_size, parts, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I] and [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -139,6 +182,26 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (the embeddings at layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before h is added; None at layer 0
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        rope: Rope,
+        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
+        """One layer with every residual add fused into the next norm: the stream is h + residual."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        a = self.self_attn(x, positions, rotary, kv_layer, meta, backend, rope=rope)
+        x, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(x), residual
 
 
 class LlamaBody(nn.Module):
@@ -171,11 +234,11 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
+        residual = None
         for layer, kv_layer in zip(self.model.layers, kv_cache, strict=True):
-            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv_layer, meta, backend)
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, self.rotary, rope, kv_layer, meta, backend)
+        return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()
     def layer_kv(

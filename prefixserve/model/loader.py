@@ -19,7 +19,7 @@ import torch
 
 from prefixserve.config import cache_dir
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import LlamaForCausalLM, rope_inv_freq
+from prefixserve.model.llama import LlamaForCausalLM, MergedLinear, rope_inv_freq
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,26 +136,58 @@ def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
+def _merged_parts(model: LlamaForCausalLM) -> dict[str, list[tuple[str, slice]]]:
+    """{stacked parameter: [(checkpoint name of a part, its rows)]} for every ``MergedLinear``.
+
+    ``model.layers.0.self_attn.qkv_proj.weight`` -> ``model.layers.0.self_attn.q_proj.weight`` for
+    rows 0:Hq*D, then k_proj's and v_proj's rows (biases alike); gate_up_proj -> gate_proj, up_proj.
+    """
+    out: dict[str, list[tuple[str, slice]]] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        prefix = module_name.rpartition(".")[0]
+        for pname, _ in module.named_parameters(recurse=False):
+            out[f"{module_name}.{pname}"] = [
+                (f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}", rows)
+                for part, rows in module.part_rows().items()
+            ]
+    return out
+
+
 def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
+    """Copy an HF safetensors state dict into the model; q/k/v and gate/up go into their stacked rows.
+
+    Checkpoints that already stack them (``qkv_proj``, ``gate_up_proj``) load as they are.
+    """
     from safetensors import safe_open
 
     params = dict(model.named_parameters(remove_duplicate=False))
+    merged = _merged_parts(model)
+    targets: dict[str, tuple[str, slice | None]] = {name: (name, None) for name in params}
+    for stacked, parts in merged.items():
+        targets.update({part: (stacked, rows) for part, rows in parts})
     seen: set[str] = set()
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name not in params:
+                if name not in targets:
                     if "rotary_emb" in name:
                         continue
                     raise ValueError(f"{file}: unexpected weight {name!r} for a Llama-family model")
-                target = params[name]
+                param, rows = targets[name]
+                target = params[param] if rows is None else params[param][rows]
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, want {target.shape}")
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
-    missing = set(params) - seen
+    missing = {
+        name
+        for name in params
+        if name not in seen and not (name in merged and all(part in seen for part, _ in merged[name]))
+    }
     if model.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
@@ -163,8 +195,13 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Seeded random weights: normal(0, 0.02) for matrices, ones for norms (same seed = same model)."""
+    """Seeded random weights: normal(0, 0.02) for matrices, ones for norms (same seed = same model).
+
+    A stacked weight draws its parts one after another in their order, so the weights are the
+    same as those of the unfused model (separate q/k/v, gate/up) from the same seed.
+    """
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    merged = _merged_parts(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
@@ -172,7 +209,8 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.normal_(0.0, 0.02, generator=gen)
+                for rows in [rows for _, rows in merged[name]] if name in merged else [slice(None)]:
+                    p[rows].normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(

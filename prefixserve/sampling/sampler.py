@@ -1,8 +1,10 @@
 """Choose next tokens for a batch of rows, each with its own SamplingParams and random stream.
 
-Filters (temperature, top-k, top-p, min-p) run batched over sorted logits; the draw is an
-exponential race (argmax p / E, E ~ Exp(1)), which lets seeded rows use their own generator
-without a per-row multinomial call.
+Off the critical path at a 128K vocabulary: an all-greedy batch is one argmax; when every sampled
+row has a top-k (the usual case), filters run over the top-k candidates from ``torch.topk``, not a
+sort of the vocabulary; a full sort is left for top-p without top-k; logprobs are computed only when
+asked. The draw is an exponential race (argmax p / E, E ~ Exp(1)), which lets seeded rows use their
+own generator without a per-row multinomial call.
 """
 
 from __future__ import annotations
@@ -27,26 +29,91 @@ def _to_device(values: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+# The most top-k candidates taken with ``torch.topk`` rather than a sort of the whole vocabulary:
+# topk's cost grows with k, and past a few thousand a sort is as fast.
+TOPK_CAP = 1024
+
+
+def _filter_sorted(
+    sorted_logits: torch.Tensor,  # [R, K] scaled logits, descending (K: all or the top of the vocab)
+    sorted_probs: torch.Tensor,  # [R, K] their probabilities under the whole vocabulary's softmax
+    params: list[SamplingParams],
+) -> torch.Tensor:
+    """Drop (to -inf) what top-k, top-p and min-p drop; the most likely token always survives."""
+    dev, width = sorted_logits.device, sorted_logits.shape[-1]
+    rank = torch.arange(width, device=dev)[None, :]
+    top_k = _to_device([p.top_k or width for p in params], dev)[:, None]
+    drop = rank >= top_k
+    top_p = _to_device([p.top_p for p in params], dev)[:, None]
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # keep the token that crosses top_p
+    min_p = _to_device([p.min_p for p in params], dev)[:, None]
+    drop |= sorted_probs < min_p * sorted_probs[:, :1]
+    drop[:, 0] = False
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    return logits / _to_device([p.temperature for p in params], logits.device)[:, None]
+
+
+def _top_candidates(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """When every row has a top-k (at most ``TOPK_CAP``): (probs [R, K], their token ids [R, K]) over
+    the K = max top-k best tokens, filtered; else None (the whole vocabulary is needed).
+
+    Only the top K are ranked (``torch.topk``, no sort of the vocabulary); the softmax normaliser of
+    top-p and min-p still sums the whole row, so they mean what they mean over the full vocabulary.
+    """
+    width = max((p.top_k for p in params), default=0)
+    if not params or any(p.top_k == 0 for p in params) or width > min(TOPK_CAP, logits.shape[-1]):
+        return None
+    scaled = _scaled(logits, params)
+    top, ids = scaled.topk(width, dim=-1)  # [R, K], descending
+    # the full softmax's values at the top K: exp(x - max) / sum(exp(row - max)), as softmax computes them
+    denom = (scaled - top[:, :1]).exp().sum(-1, keepdim=True)
+    kept = _filter_sorted(top, (top - top[:, :1]).exp() / denom, params)
+    return kept.softmax(-1), ids
+
+
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax after temperature, top-k, top-p and min-p; logits: [R, V] fp32."""
-    dev = logits.device
-    temp = _to_device([p.temperature for p in params], dev)[:, None]
-    scaled = logits / temp
-    if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+    """Softmax after temperature, top-k, top-p and min-p over the whole vocabulary; logits: [R, V] fp32.
+
+    A full sort only where top-p needs one; min-p alone compares each probability with the row's
+    largest, which needs no order.
+    """
+    scaled = _scaled(logits, params)
+    if any(p.top_k or p.top_p < 1.0 for p in params):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        rank = torch.arange(vocab, device=dev)[None, :]
-        top_k = _to_device([p.top_k or vocab for p in params], dev)[:, None]
-        drop = rank >= top_k
-        sorted_probs = sorted_logits.softmax(-1)
-        top_p = _to_device([p.top_p for p in params], dev)[:, None]
-        drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # keep the token that crosses top_p
-        min_p = _to_device([p.min_p for p in params], dev)[:, None]
-        drop |= sorted_probs < min_p * sorted_probs[:, :1]
-        drop[:, 0] = False  # the most likely token always survives
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+        kept = _filter_sorted(sorted_logits, sorted_logits.softmax(-1), params)
+        scaled = torch.empty_like(scaled).scatter_(-1, order, kept)
+    elif any(p.min_p > 0.0 for p in params):
+        probs = scaled.softmax(-1)
+        min_p = _to_device([p.min_p for p in params], logits.device)[:, None]
+        scaled = scaled.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return scaled.softmax(-1)
+
+
+def _draw(
+    logits: torch.Tensor,  # [R, V] fp32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:  # [R] int64
+    """The exponential race ``argmax p / E``, E ~ Exp(1) per token; seeded rows draw from their own stream.
+
+    E is drawn over the whole vocabulary in every case, so a seeded row's tokens do not depend on
+    which path (top-k candidates or the whole vocabulary) its batch took.
+    """
+    race = torch.empty_like(logits).exponential_(generator=default_generator)  # one draw for all rows
+    for j, gen in enumerate(generators):
+        if gen is not None:  # seeded rows redraw from their own stream
+            race[j].exponential_(generator=gen)
+    top = _top_candidates(logits, params)
+    if top is None:
+        return (_filtered_probs(logits, params) / race).argmax(-1)
+    probs, ids = top  # [R, K]
+    return ids.gather(1, (probs / race.gather(1, ids)).argmax(-1, keepdim=True))[:, 0]
 
 
 @dataclass(slots=True)
@@ -105,12 +172,8 @@ def sample_async(
             idx = _to_device(greedy, dev)
             tokens[idx] = logits[idx].argmax(-1)
         idx = _to_device(random_rows, dev)
-        probs = _filtered_probs(logits[idx], [params[i] for i in random_rows])
-        race = torch.empty_like(probs).exponential_(generator=default_generator)  # one draw for all rows
-        for j, i in enumerate(random_rows):
-            if generators[i] is not None:  # seeded rows redraw from their own stream
-                race[j].exponential_(generator=generators[i])
-        tokens[idx] = (probs / race).argmax(-1)
+        rows_params = [params[i] for i in random_rows]
+        tokens[idx] = _draw(logits[idx], rows_params, [generators[i] for i in random_rows], default_generator)
     want = [p.logprobs for p in params if p.logprobs is not None]
     chosen_lp = top_vals = top_ids = None
     counts = [p.logprobs or 0 for p in params]

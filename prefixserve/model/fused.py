@@ -1,0 +1,135 @@
+"""The dense path's elementwise work, each piece one call: Triton kernels on CUDA, torch elsewhere.
+
+The model calls these instead of chains of small torch ops (issue 28): on a GPU each piece is one
+kernel of ``prefixserve/model/kernels/`` (graph-safe: no host syncs, no value-dependent branches);
+on a CPU, or without Triton, it is the torch code below, whose arithmetic is exactly the unfused
+model's (the same ops in the same order, so fp32 outputs are bit-identical to it and to HF's).
+
+``triton_kernels(False)`` forces the torch path on CUDA too: tests and benchmarks compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+_ENABLED = True
+KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
+
+
+@functools.cache
+def _have_triton() -> bool:
+    from prefixserve.attention.kernels import triton_available
+
+    return triton_available()
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return _ENABLED and x.is_cuda and _have_triton()
+
+
+@contextmanager
+def triton_kernels(enabled: bool) -> Iterator[None]:
+    """Within the block, CUDA tensors take the Triton kernels (True) or the torch path (False)."""
+    global _ENABLED
+    before, _ENABLED = _ENABLED, enabled
+    try:
+        yield
+    finally:
+        _ENABLED = before
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``.
+
+    The add is done in the model dtype, the statistics in fp32 and the result cast back before the
+    weight multiply, as HF's RMSNorm after its residual add.
+    """
+    if _use_triton(x):
+        from prefixserve.model.kernels import rms_norm
+
+        if x.shape[-1] <= rms_norm.MAX_HIDDEN:  # a row must fit one program's registers
+            return rms_norm.add_rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,  # [T], [D/2] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [T, D] fp32
+    """cos and sin of every token's angles in HF's [T, D] layout (both halves equal).
+
+    Computed once per step for all layers (the unfused model did it in every layer), from the
+    positions themselves: positions are data, so no table bounds them.
+    """
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] (any strides) into a new contiguous tensor, without a cat.
+
+    ``x * cos`` first, then the halves' cross terms are subtracted and added in place: the same
+    products and sums as HF's ``x * cos + cat(-x2, x1) * sin``, so the result is bit-identical.
+    """
+    half = x.shape[-1] // 2
+    xf = x.float()
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+    out = xf * c  # [T, H, D] fp32, new
+    out[..., :half] -= xf[..., half:] * s[..., :half]
+    out[..., half:] += xf[..., :half] * s[..., half:]
+    return out.to(x.dtype)
+
+
+def rope_qkv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+    cos: torch.Tensor,  # [T, D] fp32
+    sin: torch.Tensor,  # [T, D] fp32
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cache: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused projection into q [T, Hq, D] and k [T, Hkv, D] (RoPE applied, contiguous) and
+    v [T, Hkv, D]; with ``cache``, also write k and v into their cache slots."""
+    if _use_triton(qkv):
+        from prefixserve.model.kernels.rope import rope_qkv as kernel
+
+        return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache)
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(tokens, num_heads, head_dim), cos, sin)
+    k = apply_rope(k.view(tokens, num_kv_heads, head_dim), cos, sin)
+    v = v.view(tokens, num_kv_heads, head_dim)
+    if cache is not None:
+        k_cache, v_cache, slots = cache
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    return q, k, v
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    """``silu(gate) * up`` of the fused gate-up projection's two halves."""
+    if _use_triton(x):
+        from prefixserve.model.kernels.silu_mul import silu_and_mul as kernel
+
+        return kernel(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+__all__ = ["add_rms_norm", "apply_rope", "rope_cos_sin", "rope_qkv", "silu_and_mul", "triton_kernels"]

@@ -1,0 +1,39 @@
+"""Triton kernels of the dense path: the elementwise work between a layer's matmuls (GPU; CPU under
+``TRITON_INTERPRET=1``).
+
+Each kernel does in one pass over memory what the torch path of ``prefixserve.model.fused`` does in
+several small ops: on an H200 those ops were about a third of a decode step's GPU time (issue 28).
+One kernel per module, with its launcher and its torch reference (the oracle of tests/kernels):
+
+  * rms_norm: RMSNorm, with the residual add before it fused in;
+  * rope: RoPE of q and k straight from the fused qkv projection, optionally writing k and v into
+    their KV-cache slots in the same pass;
+  * silu_mul: SiLU(gate) * up from the fused gate-up projection.
+
+The modules import nothing from each other. Triton is optional, as for the attention kernels: the
+modules load it through ``require_triton`` and are imported only when a CUDA tensor takes the fused
+path, so ``import prefixserve`` never needs it. docs/kernels.md ("Dense path") says how they work.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "add_rms_norm": "rms_norm",
+    "add_rms_norm_ref": "rms_norm",
+    "rope_qkv": "rope",
+    "rope_qkv_ref": "rope",
+    "silu_and_mul": "silu_mul",
+    "silu_and_mul_ref": "silu_mul",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

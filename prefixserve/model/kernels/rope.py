@@ -1,0 +1,210 @@
+"""RoPE of q and k straight from the fused qkv projection, and optionally the KV-cache write.
+
+The torch path splits the projection, and for q and for k casts to fp32, multiplies by cos, rotates
+the halves, multiplies by sin, adds and casts back; then two ``index_copy_`` write k and v into the
+cache. Here one program per token reads its row of the projection once, rotates every q and k head
+in fp32 registers, writes q and k (contiguous, as the attention kernels take them) and, when asked,
+writes the rotated k and the untouched v into the token's cache slot: one kernel instead of about a
+dozen.
+
+cos and sin come in as [T, D] fp32 (HF's layout, computed once per step from the positions by
+``RotaryEmbedding.cos_sin``, so positions stay data and any position works); the kernel reads their
+first halves. Inside a CUDA graph the slot of a padding row is the cache's scratch slot, as for
+``index_copy_``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.attention.kernels import require_triton
+
+triton, tl = require_triton()
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,  # the token's first head of this group in the qkv row
+    cos,  # [1, HALF_BLOCK] fp32
+    sin,
+    dst_ptr,  # the token's row of q or k
+    cache_ptr,  # the token's cache slot (used when WRITE)
+    stride_ch,  # cache head stride
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    WRITE: tl.constexpr,
+):
+    half: tl.constexpr = HEAD_DIM // 2
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (h < NUM_HEADS) & (d < half)
+    off = h * HEAD_DIM + d
+    x1 = tl.load(src_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + off + half, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    tl.store(dst_ptr + off, o1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + off + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
+    if WRITE:
+        c_off = h * stride_ch + d
+        tl.store(cache_ptr + c_off, o1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + c_off + half, o2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_qkv_kernel(
+    qkv_ptr,  # [T, (Hq + 2 Hkv) D]
+    cos_ptr,  # [T, D] fp32
+    sin_ptr,  # [T, D] fp32
+    q_ptr,  # [T, Hq, D] out
+    k_ptr,  # [T, Hkv, D] out
+    slot_ptr,  # [T] int64 (WRITE_KV)
+    k_cache_ptr,  # [slots, Hkv, D] (WRITE_KV)
+    v_cache_ptr,  # [slots, Hkv, D] (WRITE_KV)
+    stride_t,
+    stride_cos,
+    stride_sin,
+    stride_q,
+    stride_k,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF_BLOCK)
+    cos = tl.load(cos_ptr + t * stride_cos + d, mask=d < half, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + t * stride_sin + d, mask=d < half, other=0.0)[None, :]
+    row = qkv_ptr + t * stride_t
+    slot = 0
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+    _rotate_heads(row, cos, sin, q_ptr + t * stride_q, q_ptr, 0, NUM_Q, HEAD_DIM, BLOCK_Q, HALF_BLOCK, False)
+    _rotate_heads(
+        row + NUM_Q * HEAD_DIM,
+        cos,
+        sin,
+        k_ptr + t * stride_k,
+        k_cache_ptr + slot * stride_ks,
+        stride_kh,
+        NUM_KV,
+        HEAD_DIM,
+        BLOCK_KV,
+        HALF_BLOCK,
+        WRITE_KV,
+    )
+    if WRITE_KV:  # v goes to the cache as it is
+        h = tl.arange(0, BLOCK_KV)[:, None]
+        dd = tl.arange(0, 2 * HALF_BLOCK)[None, :]
+        mask = (h < NUM_KV) & (dd < HEAD_DIM)
+        v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + h * HEAD_DIM + dd, mask=mask, other=0.0)
+        dst = v_cache_ptr + slot * stride_vs + h * stride_vh + dd
+        tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_qkv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+    cos: torch.Tensor,  # [T, D] fp32
+    sin: torch.Tensor,  # [T, D] fp32
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k_cache, v_cache, slots
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] (new, contiguous, RoPE applied) and v [T, Hkv, D] (a view of qkv).
+
+    With ``cache`` = (k_cache, v_cache, slots), each [.., block_size, Hkv, D] cache gets the token's
+    rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them.
+    """
+    tokens = qkv.shape[0]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with contiguous rows")
+    if head_dim % 2 or cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin must be [T, {head_dim}] (even head_dim)")
+    if cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("cos/sin need contiguous rows")
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(tokens, num_kv_heads, head_dim)
+    if tokens == 0:
+        return q, k, v
+    if cache is not None:
+        k_cache, v_cache, slots = cache
+        kc = k_cache.view(-1, num_kv_heads, head_dim)
+        vc = v_cache.view(-1, num_kv_heads, head_dim)
+        if kc.stride(2) != 1 or vc.stride(2) != 1 or slots.shape != (tokens,):
+            raise ValueError("the KV caches need a contiguous head_dim and one slot per token")
+    else:
+        kc = vc = k
+        slots = q  # never read
+    _rope_qkv_kernel[(tokens,)](
+        qkv,
+        cos,
+        sin,
+        q,
+        k,
+        slots,
+        kc,
+        vc,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        q.stride(0),
+        k.stride(0),
+        kc.stride(0),
+        kc.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        NUM_Q=num_heads,
+        NUM_KV=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_Q=triton.next_power_of_2(num_heads),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
+        WRITE_KV=cache is not None,
+        num_warps=4,
+    )
+    return q, k, v
+
+
+def rope_qkv_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference: HF's rotate-half RoPE in fp32 (with its ``torch.cat``), then ``index_copy_``."""
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor, heads: int) -> torch.Tensor:
+        x = x.reshape(tokens, heads, head_dim)
+        half = head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x.float() * c + rotated.float() * s).to(x.dtype)
+
+    q, k = rotate(q, num_heads), rotate(k, num_kv_heads)
+    v = v.view(tokens, num_kv_heads, head_dim)
+    if cache is not None:
+        k_cache, v_cache, slots = cache
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    return q, k, v
+
+
+__all__ = ["rope_qkv", "rope_qkv_ref"]

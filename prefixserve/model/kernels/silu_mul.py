@@ -1,0 +1,59 @@
+"""SiLU-and-mul: ``silu(gate) * up`` from the fused gate-up projection, one read and one write.
+
+The torch path is a SiLU over the gate half and a multiply by the up half: two kernels, and the
+SiLU's output makes a round trip through memory. The rounding follows it: the SiLU is rounded to the
+model dtype before the multiply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prefixserve.attention.kernels import require_triton
+
+triton, tl = require_triton()
+
+BLOCK = 1024  # columns per program
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [T, 2 I]: gate | up
+    out_ptr,  # [T, I]
+    stride_x,
+    stride_o,
+    n_cols,  # I
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    """``silu(x[:, :I]) * x[:, I:]`` into a new contiguous tensor."""
+    tokens, width = x.shape
+    if width % 2 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, 2 I] with contiguous rows")
+    n = width // 2
+    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    _silu_and_mul_kernel[(tokens, triton.cdiv(n, BLOCK))](
+        x, out, x.stride(0), out.stride(0), n, BLOCK=BLOCK, num_warps=4
+    )
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Torch reference: what the unfused MLP computed from its two projections."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+__all__ = ["silu_and_mul", "silu_and_mul_ref"]

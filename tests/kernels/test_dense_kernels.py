@@ -1,0 +1,99 @@
+"""Dense-path kernels (RMSNorm + residual, RoPE + KV write, SiLU-and-mul) vs their torch references.
+
+Tiny sizes: on a CPU they run in the Triton interpreter; with a GPU the same tests run compiled, in
+fp32 and bf16. Odd sizes (hidden 48, 3 heads, head_dim 24) exercise the masked lanes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE
+
+from prefixserve.model.fused import rope_cos_sin
+from prefixserve.model.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+from prefixserve.model.kernels.rope import rope_qkv, rope_qkv_ref
+from prefixserve.model.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 48])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_reference(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, hidden, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(5, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    x_before = x.clone()
+    out, summed = add_rms_norm(x, w, 1e-5, res)
+    ref, ref_summed = add_rms_norm_ref(x, w, 1e-5, res)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)  # the add rounds as torch's does
+    assert torch.equal(x, x_before), "inputs are never written"
+
+
+def test_add_rms_norm_strided_rows_and_empty() -> None:
+    x = torch.randn(4, 96, device=DEVICE)[:, :64]  # rows 96 apart
+    w = torch.ones(64, device=DEVICE)
+    torch.testing.assert_close(add_rms_norm(x, w, 1e-6)[0], add_rms_norm_ref(x, w, 1e-6)[0])
+    out, summed = add_rms_norm(x[:0], w, 1e-6, x[:0])
+    assert out.shape == summed.shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 32), (3, 1, 24)])
+@pytest.mark.parametrize("write", [False, True])
+def test_rope_qkv_matches_reference(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, write: bool
+) -> None:
+    gen = torch.Generator().manual_seed(dim + write)
+    tokens = 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.tensor([0, 5, 1, 1000, 77, 31000], device=DEVICE)  # data, in any order
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    cos, sin = rope_cos_sin(positions, inv_freq.float().to(DEVICE))
+    slots = torch.tensor([9, 0, 4, 17, 3, 12], device=DEVICE)
+    caches = [torch.zeros(3, 6, kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(4)]
+    got_cache = (caches[0], caches[1], slots) if write else None
+    ref_cache = (caches[2], caches[3], slots) if write else None
+    q, k, v = rope_qkv(qkv, cos, sin, heads, kv_heads, dim, got_cache)
+    rq, rk, rv = rope_qkv_ref(qkv, cos, sin, heads, kv_heads, dim, ref_cache)
+    assert q.is_contiguous() and k.is_contiguous() and v.shape == rv.shape
+    torch.testing.assert_close(q, rq, **_tol(dtype))
+    torch.testing.assert_close(k, rk, **_tol(dtype))
+    assert torch.equal(v, rv)
+    if write:
+        torch.testing.assert_close(caches[0], caches[2], **_tol(dtype))
+        assert torch.equal(caches[1], caches[3])
+        untouched = torch.ones(18, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        assert (caches[0].view(18, -1)[untouched.to(DEVICE)] == 0).all()
+
+
+def test_torch_rope_without_cat_is_bit_identical_to_hf() -> None:
+    """The CPU path (``fused.apply_rope``) gives exactly HF's rotate-half results, from a strided view."""
+    from prefixserve.model.fused import rope_qkv as torch_rope_qkv
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 4, 2, 32
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = rope_cos_sin(torch.arange(7) * 13, 1.0 / (10000.0 ** (torch.arange(0, dim, 2) / dim)))
+    got = torch_rope_qkv(qkv, cos, sin, heads, kv_heads, dim)
+    ref = rope_qkv_ref(qkv, cos, sin, heads, kv_heads, dim)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1100])  # 1100: two programs per row, the second masked
+def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    x = (3 * torch.randn(5, 2 * inter, generator=gen)).to(DEVICE, dtype)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **_tol(dtype))
+    assert silu_and_mul(x[:0]).shape == (0, inter)
