@@ -235,3 +235,25 @@ def test_http_takes_module_recompute_on_completions_and_schemas(tiny_config_path
         name = "prefixserve_module_recomputed_tokens_total "
         recomputed = [ln for ln in metrics.splitlines() if ln.startswith(name)]
         assert recomputed and float(recomputed[0].split()[1]) > 0
+
+
+@pytest.mark.gpu
+def test_gpu_recovery_equals_full_prefill_through_the_triton_path(tiny_config_path) -> None:
+    """On CUDA (fp32, Triton kernels, decode graphs): full recovery gives full prefill's greedy tokens,
+    and partial recovery leaves the shared module blocks as they were."""
+    llm = LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cuda", num_kv_blocks=256, progress=False)
+    if llm.get_tokenizer() is None:
+        pytest.skip("the default model (its tokenizer) is not installed")
+    llm.register_schema(SCHEMA)
+    stored = module_kv(llm)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i, pml in enumerate(PROMPTS):
+        ids, pos = llm.engine.modules.layout_of(pml)
+        want = llm.generate({"prompt_token_ids": ids, "positions": pos, "cache_salt": f"g{i}"}, params)
+        for mode in EVERYTHING:
+            got = llm.generate(pml, params, module_recompute=mode)
+            assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, mode
+    llm.generate(PROMPTS * 4, params, module_recompute="blend:0.5")
+    for key, kv in module_kv(llm).items():
+        assert torch.equal(kv, stored[key]), key
+    assert_only_modules_held(llm)
