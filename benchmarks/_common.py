@@ -82,6 +82,7 @@ def run_or_report(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = json.loads(Path(args.json).read_text())
+    name = result.get("settings", {}).get("name") or name  # a run saved under its own --name
     if Path(args.json).resolve() != (out / f"{name}.json").resolve():
         (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     report(result, out)

@@ -307,7 +307,9 @@ def run_spill(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def make_llm(args: argparse.Namespace, **kw: Any) -> LLM:
+    # Prompt Cache as the paper has it unless a section asks otherwise (recovery sets it per request)
     extra: dict[str, Any] = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    extra["module_recompute"] = "none"
     if args.num_kv_blocks:
         extra["num_kv_blocks"] = args.num_kv_blocks
     if args.device == "cuda":

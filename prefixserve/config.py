@@ -55,8 +55,10 @@ class EngineConfig:
     module_store: str | None = None
     # Prompt Cache accuracy recovery for PML requests that do not set their own (schemas may set
     # one): "none", "link:K" (recompute each module's first K tokens in context) or "blend:R"
-    # (recompute a fraction R, chosen by KV deviation); checked by promptcache/recompute.py
-    module_recompute: str = "none"
+    # (recompute a fraction R, chosen by KV deviation); checked by promptcache/recompute.py.
+    # link:64 is the cheapest setting measured to close >= 90% of the KL gap to full prefill
+    # (docs/benchmarks/promptcache_cpu.md); "none" is Prompt Cache as the paper has it
+    module_recompute: str = "link:64"
     # prefix-cache blocks evicted from the pool are copied to that host tier and come back on a hit
     spill_prefix_cache: bool = False
 

@@ -76,7 +76,7 @@ def test_recomputing_every_row_equals_full_prefill(tiny_config_path, attention: 
     llm.register_schema(SCHEMA)
     differs = 0.0
     for i, pml in enumerate(PROMPTS):
-        none = llm.generate(pml, PARAMS)[0]  # first: its own blocks are cached under plain digests
+        none = llm.generate(pml, PARAMS, module_recompute="none")[0]  # first: own blocks cached
         full = full_prefill(llm, pml, f"full-{i}")
         nl, fl = none.outputs[0].logprobs, full.outputs[0].logprobs
         differs = max(differs, max(abs(a - b) for a, b in zip(nl, fl, strict=True)))
@@ -112,16 +112,23 @@ def test_recomputing_every_row_equals_full_prefill_on_the_default_model(default_
 
 
 def test_none_is_the_prompt_cache_path(tiny_config_path) -> None:
-    plain = tiny(tiny_config_path)
-    plain.register_schema(SCHEMA)
-    set_none = tiny(tiny_config_path, module_recompute="none")
-    set_none.register_schema(SCHEMA, module_recompute="none")
-    a = plain.generate(PROMPTS, PARAMS)
-    b = set_none.generate(PROMPTS, PARAMS, module_recompute="none")
-    for x, y in zip(a, b, strict=True):
-        assert gap(x, y) == 0.0
-        assert y.num_recomputed_tokens == 0 and y.module_rows_private == 0
-        assert y.module_rows_shared == y.num_cached_tokens > 0
+    """``none`` set on the engine, on the schema or on the request: the same outputs, nothing private."""
+    by_engine = tiny(tiny_config_path, module_recompute="none")
+    by_engine.register_schema(SCHEMA)
+    by_schema = tiny(tiny_config_path, module_recompute="link:64")  # the engine's setting is another
+    by_schema.register_schema(SCHEMA, module_recompute="none")
+    by_request = tiny(tiny_config_path, module_recompute="link:64")
+    by_request.register_schema(SCHEMA)
+    a = by_engine.generate(PROMPTS, PARAMS)
+    b = by_schema.generate(PROMPTS, PARAMS)
+    c = by_request.generate(PROMPTS, PARAMS, module_recompute="none")
+    for x, y, z in zip(a, b, c, strict=True):
+        assert gap(x, y) == gap(x, z) == 0.0
+        for out in (x, y, z):
+            assert out.num_recomputed_tokens == 0 and out.module_rows_private == 0
+            assert out.module_rows_shared == out.num_cached_tokens > 0
+    default = by_request.generate(PROMPTS[0], PARAMS)[0]
+    assert default.num_recomputed_tokens > 0  # the engine's setting recovers
 
 
 # ---- isolation and bookkeeping -----------------------------------------------------------------
@@ -133,7 +140,7 @@ def module_kv(llm: LLM) -> dict[str, torch.Tensor]:
 def test_recomputed_rows_never_reach_the_shared_blocks(tiny_config_path) -> None:
     llm = tiny(tiny_config_path, max_num_seqs=8)
     llm.register_schema(SCHEMA)
-    before = llm.generate(PROMPTS, PARAMS)
+    before = llm.generate(PROMPTS, PARAMS, module_recompute="none")
     stored = module_kv(llm)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, n=2)
     for mode in ("link:4", "blend:0.5", "link:100000"):
@@ -142,7 +149,7 @@ def test_recomputed_rows_never_reach_the_shared_blocks(tiny_config_path) -> None
     assert stored.keys() == after.keys()
     for key, kv in stored.items():
         assert torch.equal(kv, after[key]), key
-    again = llm.generate(PROMPTS, PARAMS)
+    again = llm.generate(PROMPTS, PARAMS, module_recompute="none")
     for x, y in zip(before, again, strict=True):
         assert gap(x, y) == 0.0
     assert_only_modules_held(llm)
@@ -153,7 +160,7 @@ def test_outputs_and_metrics_count_recomputed_and_private_rows(tiny_config_path)
     llm.register_schema(SCHEMA)
     pieces = []
     for pml in PROMPTS:  # each prompt's pieces, nothing recomputed
-        mp = llm.engine.modules.prepare(pml, None)
+        mp = llm.engine.modules.prepare(pml, None, "none")
         llm.engine.modules.release(mp.blocks)
         pieces.append((mp.piece_rows, mp.module_tokens))
     start = llm.metrics()
@@ -185,6 +192,14 @@ def test_schema_setting_request_override_and_engine_default(tiny_config_path) ->
     assert_only_modules_held(llm)
 
 
+def test_the_default_is_link_64(tiny_config_path) -> None:
+    llm = LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cpu", progress=False, num_kv_blocks=256)
+    llm.register_schema(SCHEMA)
+    assert llm.engine.config.module_recompute == "link:64"
+    assert llm.generate(PROMPTS[0], PARAMS)[0].num_recomputed_tokens > 0
+    assert_only_modules_held(llm)
+
+
 def test_bad_settings_are_refused_and_the_engine_goes_on(tiny_config_path) -> None:
     with pytest.raises(ValueError, match="module_recompute"):
         tiny(tiny_config_path, module_recompute="sometimes")
@@ -201,13 +216,30 @@ def test_bad_settings_are_refused_and_the_engine_goes_on(tiny_config_path) -> No
     assert len(llm.generate(PROMPTS[0], PARAMS, module_recompute="link:3")[0].outputs[0].token_ids) == 8
 
 
+def test_a_pool_short_of_blocks_runs_without_recovery_rather_than_refusing(tiny_config_path) -> None:
+    """Private copies are held for a request's life: with the pool near its reserve the request
+    runs as plain Prompt Cache (and says so), never refused, and equals the ``none`` path."""
+    llm = tiny(tiny_config_path, num_kv_blocks=40, kv_admit_threshold=0.6)  # keep 16 blocks free
+    llm.register_schema(SCHEMA)  # 15 module blocks: 25 free, so 9 for private copies
+    # PROMPTS[1] has 9 pieces (whitespace between modules is a piece): link:2 copies 8 blocks, all 10
+    want = llm.generate(PROMPTS[1], PARAMS, module_recompute="none")[0]
+    got = llm.generate(PROMPTS[1], PARAMS, module_recompute="link:100000")[0]
+    assert got.num_recomputed_tokens == 0 and got.module_rows_private == 0
+    assert gap(got, want) == 0.0
+    assert llm.metrics()["module_recompute_skipped_total"] == 1
+    assert llm.generate(PROMPTS[1], PARAMS, module_recompute="link:2")[0].num_recomputed_tokens > 0
+    assert_only_modules_held(llm)
+
+
 def test_preemption_keeps_recovered_prompts_exact(tiny_config_path) -> None:
     want = None
     for blocks in (256, 48):
-        llm = tiny(tiny_config_path, num_kv_blocks=blocks, max_num_seqs=8)
+        # no reserve: every request gets its private copies, so the two pools compute the same KV
+        llm = tiny(tiny_config_path, num_kv_blocks=blocks, max_num_seqs=8, kv_admit_threshold=1.0)
         llm.register_schema(SCHEMA)
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, n=2)
         outs = llm.generate(PROMPTS, params, module_recompute="link:5")
+        assert all(o.num_recomputed_tokens > 0 for o in outs)
         got = [[c.token_ids for c in o.outputs] for o in outs]
         want = want or got
         assert got == want, blocks

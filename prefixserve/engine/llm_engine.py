@@ -120,6 +120,7 @@ class Engine:
             config.module_store,
             self._module_deviation,
             config.module_recompute,
+            int((1.0 - config.kv_admit_threshold) * self.pool.num_blocks),
         )
         self.spill: PrefixSpill | None = None
         if config.spill_prefix_cache and config.enable_prefix_caching:
@@ -313,7 +314,7 @@ class Engine:
             except BaseException:
                 self.modules.release(mp.blocks)
                 raise
-            self.counters["module_tokens_reused_total"] += mp.module_tokens
+            self.counters["module_tokens_reused_total"] += mp.module_tokens - mp.recomputed_tokens
             return req
         if prompt_token_ids is None:
             if prompt is None:

@@ -128,10 +128,13 @@ class PromptModules:
         store_dir: str | Path | None = None,
         deviation: Deviation | None = None,
         default_recompute: Recompute | str | None = None,
+        recompute_reserve: int = 0,
     ) -> None:
         self.pool, self.kv, self.encode, self.tokenizer = pool, kv, encode, tokenizer
         self.deviation = deviation
         self.default_recompute = parse_recompute(default_recompute)
+        # free blocks a request's private copies must leave in the pool, or it runs without recovery
+        self.recompute_reserve = recompute_reserve
         self.block_size = pool.block_size
         self.model_id = model_id
         self.gpu_blocks_limit = max(1, int(gpu_fraction * pool.num_blocks))
@@ -150,6 +153,7 @@ class PromptModules:
             "module_recomputed_tokens_total": 0,
             "module_rows_shared_total": 0,
             "module_rows_private_total": 0,
+            "module_recompute_skipped_total": 0,
         }
 
     # ---- schemas --------------------------------------------------------------------------------
@@ -245,10 +249,6 @@ class PromptModules:
             for entry in entries:
                 self.release(entry.blocks)
             raise
-        h = hashlib.blake2b(b"prompt-modules", digest_size=16)
-        if recompute.kind != "none":  # recomputed rows change the KV own blocks are computed over
-            h.update(recompute.spec.encode())
-        digests: list[bytes] = []
         holes = 0
         starts: list[int] = []  # each piece's first row in the table
         for entry in entries:
@@ -259,15 +259,10 @@ class PromptModules:
             positions += entry.positions + [entry.positions[-1]] * pad
             blocks += entry.blocks
             holes += pad
-            h.update(entry.key.encode())
-            parent = h.digest()
-            for i in range(len(entry.blocks)):
-                parent = block_digest(parent, [i], [], salt)
-                digests.append(parent)
             self.entries.move_to_end(entry.key)
         module_tokens = sum(e.rows for e in entries)
         mp = ModulePrompt(
-            tokens + own_ids, positions + own_pos, blocks, digests, module_tokens, holes, recompute,
+            tokens + own_ids, positions + own_pos, blocks, [], module_tokens, holes, recompute,
             piece_rows=[e.rows for e in entries],
         )
         if recompute.kind != "none" and len(entries) > 1:
@@ -276,7 +271,28 @@ class PromptModules:
             except BaseException:
                 self.release(mp.blocks)
                 raise
+        if not mp.recompute_runs:
+            mp.recompute = NONE  # nothing recomputed: the plain Prompt Cache KV
+        mp.digests = self._stand_in_digests(entries, mp.recompute, salt)
         return mp
+
+    @staticmethod
+    def _stand_in_digests(entries: list[ModuleEntry], recompute: Recompute, salt: str | None) -> list[bytes]:
+        """Digests for a table's module blocks: chained over the pieces' keys (and the recovery
+        setting, whose recomputed rows change the KV the own blocks are computed over), so own
+        blocks are prefix-cached behind exactly this set of pieces."""
+        h = hashlib.blake2b(b"prompt-modules", digest_size=16)
+        if recompute.kind != "none":
+            h.update(recompute.spec.encode())
+        digests: list[bytes] = []
+        for entry in entries:
+            assert entry.blocks is not None
+            h.update(entry.key.encode())
+            parent = h.digest()
+            for i in range(len(entry.blocks)):
+                parent = block_digest(parent, [i], [], salt)
+                digests.append(parent)
+        return digests
 
     # ---- accuracy recovery ----------------------------------------------------------------------
     def _recover(self, mp: ModulePrompt, rows: list[int], starts: list[int]) -> None:
@@ -303,11 +319,13 @@ class PromptModules:
         if not runs:
             return
         touched = sorted({r // bs for a, b in runs for r in range(a, b)})
-        if self.pool.num_free < len(touched):
-            raise ValueError(
-                f"the KV pool has no room for the {len(touched)} private blocks module_recompute="
-                f"{setting.spec!r} needs ({self.pool.num_free} free)"
-            )
+        if self.pool.num_free - len(touched) < self.recompute_reserve:
+            # The copies are held from admission to the end of the request: under memory pressure
+            # they would starve running sequences, so the request runs as plain Prompt Cache (its
+            # output says so: num_recomputed_tokens 0) rather than wait or be refused.
+            self.counters["module_recompute_skipped_total"] += 1
+            log.info("module_recompute %s skipped: %d free blocks", setting.spec, self.pool.num_free)
+            return
         fresh = self.pool.allocate(len(touched))
         old = [mp.blocks[t] for t in touched]
         self.kv.copy_blocks(list(zip(old, fresh, strict=True)))

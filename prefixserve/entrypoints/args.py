@@ -78,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="MODE",
         help="accuracy recovery for PML prompts that set none themselves: none (Prompt Cache as is), "
         "link:K (recompute each module's first K tokens in context) or blend:R (recompute a fraction R "
-        "of each module, where its cached KV differs most) (default none)",
+        "of each module, where its cached KV differs most) (default link:64)",
     )
     m.add_argument(
         "--spill-prefix-cache",

@@ -36,6 +36,7 @@ _COUNTERS = {
     "module_recomputed_tokens_total": "module rows recomputed in their request's context (accuracy recovery)",
     "module_rows_shared_total": "module rows requests read from blocks shared with other requests",
     "module_rows_private_total": "module rows requests read from their own copies (recovered blocks)",
+    "module_recompute_skipped_total": "requests run without module recovery: the pool was short of blocks",
 }
 _GAUGES = {
     "num_running": ("num_requests_running", "sequences running"),
