@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from xml.etree.ElementTree import Element, TreeBuilder
 
-import defusedxml.ElementTree as safe_xml
-from defusedxml import DefusedXmlException
-
 MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
 MAX_ATTRIBUTE_CHARS = 64 * 1024
 MAX_DEPTH = 64
@@ -142,6 +139,10 @@ class _Located(TreeBuilder):
 def _parse_xml(text: str) -> Element:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_DOCUMENT_BYTES:
         raise PMLError(f"the document is over {MAX_DOCUMENT_BYTES} bytes")
+    # defusedxml is imported here, at the first PML document: the engine core imports without it
+    import defusedxml.ElementTree as safe_xml
+    from defusedxml import DefusedXmlException
+
     builder = _Located()
     parser = safe_xml.DefusedXMLParser(target=builder, forbid_dtd=True)
     builder.parser = parser.parser
