@@ -44,6 +44,7 @@ import torch
 from benchmarks._common import RESULTS, pyplot, run_info, run_or_report, write_text
 from benchmarks.recovery import (
     add_recovery_args,
+    last_logits,
     plot_recovery,
     recovery_lines,
     run_recovery_quality,
@@ -237,20 +238,10 @@ def quality_data(seed: int) -> list[tuple[str, list[str], list[str]]]:
 
 def run_quality(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     """Next-token agreement and KL between module-cached and full prefill, and greedy exact match."""
-    captured: list[torch.Tensor] = []
-    model = llm.engine.model
-    original = model.compute_logits
-
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
-        captured.append(logits[-1].float().cpu())
-        return logits
-
-    model.compute_logits = capture
     rng = random.Random(args.seed + 3)
     agree, kls, exact, n = 0, [], 0, 0
     greedy = SamplingParams(max_tokens=args.quality_tokens, temperature=0.0)
-    try:
+    with last_logits(llm) as captured:
         for schema, texts, questions in quality_data(args.seed):
             name = llm.register_schema(schema)
             for _ in range(args.quality_prompts):
@@ -270,8 +261,6 @@ def run_quality(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
                 exact += int(cached_out == full_out)
                 n += 1
             llm.unregister_schema(name)
-    finally:
-        model.compute_logits = original
     return {
         "prompts": n,
         "top1_agreement": agree / n,

@@ -18,10 +18,12 @@ Modes: ``full`` (full prefill), ``none`` (Prompt Cache alone), ``link:K``, ``ble
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +67,9 @@ def _answer_matches(text: str, gold: str) -> bool:
     return bool(words) and words[0].strip(".,;:!?").lower() == gold.lower()
 
 
-def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3) -> dict[str, Any]:
-    """Accuracy, agreement and KL against full prefill, and TTFT, per mode (see the docstring)."""
+@contextlib.contextmanager
+def last_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
+    """While open, every logits computation appends its last row (fp32, CPU) to the yielded list."""
     captured: list[torch.Tensor] = []
     model = llm.engine.model
     original = model.compute_logits
@@ -76,6 +79,15 @@ def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3) -> dict[st
         captured.append(logits[-1].float().cpu())
         return logits
 
+    model.compute_logits = capture
+    try:
+        yield captured
+    finally:
+        model.compute_logits = original
+
+
+def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3) -> dict[str, Any]:
+    """Accuracy, agreement and KL against full prefill, and TTFT, per mode (see the docstring)."""
     schemas, prompts = town_prompts(seed)
     for schema in schemas:
         llm.register_schema(schema)
@@ -83,42 +95,49 @@ def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3) -> dict[st
     answer = SamplingParams(max_tokens=answer_tokens, temperature=0.0)
     stats: dict[str, dict[str, Any]] = {m: {"kl": [], "agree": 0, "exact": 0, "ttft": [], "recomputed": [],
                                              "private": [], "module_rows": []} for m in ("full", *MODES)}
-    model.compute_logits = capture
     try:
-        for n, (_, pml, gold) in enumerate(prompts):
-            ids, pos = llm.engine.modules.layout_of(pml)
-            # the modules resident (and warm) before anything is timed; another question, so no mode
-            # finds this prompt's own blocks in the prefix cache
-            llm.generate(pml.replace("Question:", "Warm-up question:"), one)
-            outs: dict[str, Any] = {}
-            logps: dict[str, torch.Tensor] = {}
-            for mode in ("full", *MODES):
-                req: dict[str, Any] = (  # full: a fresh salt, nothing reused; each mode's own blocks
-                    # are keyed by its setting, so no mode reuses another's
-                    {"prompt_token_ids": ids, "positions": pos, "cache_salt": f"full-{n}"}
-                    if mode == "full" else {"prompt": pml, "module_recompute": mode}
-                )
-                captured.clear()
-                t0 = time.monotonic()
-                first = outs[mode] = llm.generate(req, answer)[0]
-                stats[mode]["ttft"].append(first.metrics["first_token_time"] - t0)  # admission included
-                logps[mode] = torch.log_softmax(captured[0], -1)
-                stats[mode]["recomputed"].append(first.num_recomputed_tokens)
-                stats[mode]["private"].append(first.module_rows_private)
-                stats[mode]["module_rows"].append(first.module_rows_private + first.module_rows_shared)
-            ref = logps["full"]
-            if n % 8 == 0:
-                print(f"recovery quality: prompt {n + 1} of {len(prompts)}", flush=True)
-            for mode in ("full", *MODES):
-                s = stats[mode]
-                s["kl"].append(float((ref.exp() * (ref - logps[mode])).sum()))
-                s["agree"] += int(logps[mode].argmax() == ref.argmax())
-                s["exact"] += int(_answer_matches(outs[mode].outputs[0].text, gold))
+        with last_logits(llm) as captured:
+            _score_prompts(llm, prompts, stats, captured, one, answer)
     finally:
-        model.compute_logits = original
         for schema in schemas:
             llm.unregister_schema(schema.split('"')[1])
-    count = len(prompts)
+    return _summary(stats, len(prompts), answer_tokens)
+
+
+def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: Any, answer: Any) -> None:
+    """Every prompt in every mode: its answer, first-token time and next-token distribution."""
+    for n, (_, pml, gold) in enumerate(prompts):
+        ids, pos = llm.engine.modules.layout_of(pml)
+        # the modules resident (and warm) before anything is timed; another question, so no mode
+        # finds this prompt's own blocks in the prefix cache
+        llm.generate(pml.replace("Question:", "Warm-up question:"), one)
+        outs: dict[str, Any] = {}
+        logps: dict[str, torch.Tensor] = {}
+        for mode in ("full", *MODES):
+            req: dict[str, Any] = (  # full: a fresh salt, nothing reused; each mode's own blocks
+                # are keyed by its setting, so no mode reuses another's
+                {"prompt_token_ids": ids, "positions": pos, "cache_salt": f"full-{n}"}
+                if mode == "full" else {"prompt": pml, "module_recompute": mode}
+            )
+            captured.clear()
+            t0 = time.monotonic()
+            first = outs[mode] = llm.generate(req, answer)[0]
+            stats[mode]["ttft"].append(first.metrics["first_token_time"] - t0)  # admission included
+            logps[mode] = torch.log_softmax(captured[0], -1)
+            stats[mode]["recomputed"].append(first.num_recomputed_tokens)
+            stats[mode]["private"].append(first.module_rows_private)
+            stats[mode]["module_rows"].append(first.module_rows_private + first.module_rows_shared)
+        ref = logps["full"]
+        if n % 8 == 0:
+            print(f"recovery quality: prompt {n + 1} of {len(prompts)}", flush=True)
+        for mode in ("full", *MODES):
+            s = stats[mode]
+            s["kl"].append(float((ref.exp() * (ref - logps[mode])).sum()))
+            s["agree"] += int(logps[mode].argmax() == ref.argmax())
+            s["exact"] += int(_answer_matches(outs[mode].outputs[0].text, gold))
+
+
+def _summary(stats: dict[str, dict[str, Any]], count: int, answer_tokens: int) -> dict[str, Any]:
     rows = []
     for mode, s in stats.items():
         rows.append({

@@ -97,3 +97,35 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int) -> None:
     x = (3 * torch.randn(5, 2 * inter, generator=gen)).to(DEVICE, dtype)
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **_tol(dtype))
     assert silu_and_mul(x[:0]).shape == (0, inter)
+
+
+def test_bound_kernel_signatures_and_no_held_tensors() -> None:
+    """A bound launch is keyed by all the compiled kernel was specialised on, and keeps no tensor."""
+    from prefixserve.attention.kernels.launch import Launch
+    from prefixserve.model.kernels.bound import BoundKernel, _signature
+
+    x = torch.zeros(8, 16)
+    base = _signature((4,), (x, 16, 1e-5), {"BLOCK": 16})
+    assert base == _signature((4,), (torch.ones(8, 16), 16, 1e-5), {"BLOCK": 16})  # other tensor, same
+    assert base != _signature((5,), (x, 16, 1e-5), {"BLOCK": 16})  # grid
+    assert base != _signature((4,), (x, 17, 1e-5), {"BLOCK": 16})  # an integer (Triton specialises it)
+    assert base != _signature((4,), (x.half(), 16, 1e-5), {"BLOCK": 16})  # dtype
+    assert base != _signature((4,), (x.view(-1)[1:], 16, 1e-5), {"BLOCK": 16})  # 16-byte alignment
+    assert base != _signature((4,), (x, 16, 1e-5), {"BLOCK": 32})  # a constexpr
+
+    calls = []
+
+    class Fake:  # a kernel whose launches can be repeated (a compiled kernel with a launcher)
+        arg_names = ("x", "n", "BLOCK")
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append((grid, args, kw))
+                return type("Compiled", (), {"run": None, "packed_metadata": None})()
+            return launch
+
+    bound = BoundKernel(Fake())
+    bound((4,), x, 16, BLOCK=16)
+    (launch,) = bound.launches.values()
+    assert isinstance(launch, Launch) and launch.args[0] is None  # the step's tensor is not kept
+    assert len(calls) == 1

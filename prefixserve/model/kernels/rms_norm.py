@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.kernels import require_triton
+from prefixserve.model.kernels.bound import BoundKernel
 
 triton, tl = require_triton()
 
@@ -50,6 +51,9 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_bound = BoundKernel(_add_rms_norm_kernel)  # launched by shape, so a step pays Triton's bind once
+
+
 def add_rms_norm(
     x: torch.Tensor,  # [T, N]
     weight: torch.Tensor,  # [N]
@@ -70,7 +74,8 @@ def add_rms_norm(
     if tokens == 0:
         return out, res_out
     block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(tokens,)](
+    _bound(
+        (tokens,),
         x,
         residual if residual is not None else x,
         weight,

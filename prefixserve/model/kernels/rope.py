@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.kernels import require_triton
+from prefixserve.model.kernels.bound import BoundKernel
 
 triton, tl = require_triton()
 
@@ -112,6 +113,9 @@ def _rope_qkv_kernel(
         tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+_bound = BoundKernel(_rope_qkv_kernel)  # launched by shape, so a step pays Triton's bind once
+
+
 def rope_qkv(
     qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
     cos: torch.Tensor,  # [T, D] fp32
@@ -148,7 +152,8 @@ def rope_qkv(
     else:
         kc = vc = k
         slots = q  # never read
-    _rope_qkv_kernel[(tokens,)](
+    _bound(
+        (tokens,),
         qkv,
         cos,
         sin,

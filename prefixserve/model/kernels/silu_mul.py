@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.attention.kernels import require_triton
+from prefixserve.model.kernels.bound import BoundKernel
 
 triton, tl = require_triton()
 
@@ -35,6 +36,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_bound = BoundKernel(_silu_and_mul_kernel)  # launched by shape, so a step pays Triton's bind once
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     """``silu(x[:, :I]) * x[:, I:]`` into a new contiguous tensor."""
     tokens, width = x.shape
@@ -44,7 +48,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    _silu_and_mul_kernel[(tokens, triton.cdiv(n, BLOCK))](
+    _bound(
+        (tokens, triton.cdiv(n, BLOCK)),
         x, out, x.stride(0), out.stride(0), n, BLOCK=BLOCK, num_warps=4
     )
     return out
