@@ -350,7 +350,8 @@ def run(args: argparse.Namespace) -> None:
         for section in ("ttft", "quality", "decode", "spill", "recovery_quality", "recovery_ttft"):
             if not result.get(section) and earlier.get(section):
                 result[section] = earlier[section]
-                result.setdefault("merged_from", {})[section] = earlier["run"]["commit"]
+                measured = earlier.get("merged_from", {}).get(section, earlier["run"]["commit"])
+                result.setdefault("merged_from", {})[section] = measured
                 if section == "ttft":  # the settings the TTFT rows were measured with
                     for key in ("trials", "module_tokens", "lengths", "question_tokens"):
                         result["settings"][key] = earlier["settings"][key]
