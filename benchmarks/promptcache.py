@@ -13,7 +13,8 @@ Three questions, one run:
 * **Decode with 64 concurrent requests** importing modules in different subsets and orders:
   ``module`` (PML prompts: each module's blocks read once per step for all its holders) against
   ``plain`` (the same tokens as plain prompts, prefix caching off: every request reads its own KV).
-  Decode tok/s = requests x (G - 1) / (time of G tokens - time of 1 token).
+  Decode tok/s = requests x (G - 1) / (last finish - the last request's first token): the decode
+  phase alone (a difference of two whole runs let the plain prompts' prefill noise swamp it).
 * **Accuracy** (``--quality``; real weights only): top-1 agreement and mean KL(full || cached) of the
   next-token distribution, and greedy exact match of ``--quality-tokens`` tokens, between
   module-cached and full prefill, over schemas of facts where a prompt imports 2-4 modules.
@@ -185,15 +186,15 @@ def run_decode(args: argparse.Namespace, question: str) -> dict[str, Any]:
         rng = random.Random(args.seed + 2)
         batch = [prompts_for(rng, texts, args.decode_import, question) for _ in range(args.decode_requests)]
         prompts = [b[0] for b in batch] if mode == "module" else [b[2] for b in batch]
-        timings = {}
-        # the first, untimed, warms up at full size through a few decode steps: Triton compiles and graph
-        # captures happen there, not inside the timed run (they made a cold machine read 0.55x)
-        for gen in (4, 1, args.decode_gen):
-            params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-            t0 = time.perf_counter()
-            llm.generate(prompts, params)
-            timings[gen] = time.perf_counter() - t0
-        rate = args.decode_requests * (args.decode_gen - 1) / max(1e-9, timings[args.decode_gen] - timings[1])
+        # the first run, untimed, decodes a few steps at full size (compiles, graph captures); then the
+        # decode phase of one run is timed from the last request's first token to the last finish, so
+        # the prefill (seconds for plain prompts, milliseconds with modules) is not in it at all
+        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=args.decode_gen, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params)  # as throughput.py: decode tokens / (first token to finish)
+        start = max(o.metrics["first_token_time"] for o in outs)
+        end = max(o.metrics["finish_time"] for o in outs)
+        rate = args.decode_requests * (args.decode_gen - 1) / max(1e-9, end - start)
         out[f"{mode}_decode_tok_s"] = rate
         out[f"{mode}_segments_per_step"] = llm.metrics()["shared_segments_total"] / max(
             1, llm.metrics()["steps_total"]
