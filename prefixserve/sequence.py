@@ -102,6 +102,11 @@ class Request:
     recompute_runs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
+    def pending_recompute_tokens(self) -> int:
+        """Module rows its first prefill step will recompute besides its own tokens (recovery)."""
+        return sum(b - a for a, b in self.recompute_runs)
+
+    @property
     def is_finished(self) -> bool:
         return (
             bool(self.sequences)

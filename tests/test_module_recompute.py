@@ -88,6 +88,21 @@ def test_recomputing_every_row_equals_full_prefill(tiny_config_path, attention: 
     assert_only_modules_held(llm)
 
 
+def test_recovery_rows_count_against_the_step_budget_and_stay_exact(tiny_config_path) -> None:
+    """A 32-token step budget: the recovered rows (more than a budget each) take a step of their own
+    beside one own token, requests queue behind them, and full recovery still equals full prefill."""
+    llm = tiny(tiny_config_path, max_num_batched_tokens=32)
+    llm.register_schema(SCHEMA)
+    want = [full_prefill(llm, pml, f"b{i}") for i, pml in enumerate(PROMPTS)]
+    steps = llm.metrics()["steps_total"]
+    got = llm.generate(PROMPTS, PARAMS, module_recompute="link:100000")
+    for out, full in zip(got, want, strict=True):
+        assert out.num_recomputed_tokens > 32
+        assert gap(out, full) < 1e-5
+    assert llm.metrics()["steps_total"] - steps >= len(PROMPTS) + PARAMS.max_tokens - 1
+    assert_only_modules_held(llm)
+
+
 def test_recomputing_every_row_equals_full_prefill_on_the_default_model(default_llm: LLM) -> None:
     """Real weights (fp32, CPU): greedy output of full recovery is full prefill's."""
     llm = LLM(dtype="float32", device="cpu", num_kv_blocks=512, progress=False)

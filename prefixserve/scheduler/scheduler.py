@@ -181,7 +181,14 @@ class Scheduler:
                 self.blocks.free(seq)  # its next blocks are being computed: take them from the cache soon
                 deferred.append(seq)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Prompt Cache recovery rows go in the first step beside the own tokens: they count
+            # against the budget, and wait for a step of their own when they do not fit beside others
+            extra = seq.request.pending_recompute_tokens
+            if extra and extra >= budget and budget < self.max_num_batched_tokens:
+                self.blocks.free(seq)
+                self.waiting.appendleft(seq)
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, max(1, budget - extra))
             if not self._under_threshold(seq, n) or not self.blocks.reserve(
                 seq, seq.num_computed_tokens + n, out.copies
             ):
@@ -195,7 +202,7 @@ class Scheduler:
             out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
             if seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
-            budget -= n
+            budget -= n + extra
         self.waiting.extendleft(reversed(deferred))
         return budget
 
