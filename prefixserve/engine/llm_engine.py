@@ -104,6 +104,8 @@ class Engine:
         self._last_step_segments = 0
         self._in_flight: _InFlight | None = None
         self._placeholders: set[Sequence] = set()
+        # requests whose recovery rows are still to compute: steps look at the batch only if any
+        self._to_recover: set[Request] = set()
         self._next_seq_id = 0
         self._finished_outputs: list[RequestOutput] = []
         model_id = str(getattr(source, "path", None) or source.name)
@@ -384,6 +386,8 @@ class Engine:
             req.num_recomputed_tokens = modules.recomputed_tokens
             req.num_private_module_rows = modules.private_rows
             req.recompute_runs = modules.recompute_runs
+            if req.recompute_runs:
+                self._to_recover.add(req)
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
         self.requests[request_id] = req
         self._new_sequence(req, 0, list(tokens), list(positions))
@@ -509,8 +513,7 @@ class Engine:
             seq_lens = [b for _, _, b in runs] + seq_lens
         return self.runner.plan(pos, query_lens, seq_lens, tables, rows, eager=bool(runs))
 
-    @staticmethod
-    def _recompute_runs(sched: SchedulerOutput) -> list[tuple[Sequence, int, int]]:
+    def _recompute_runs(self, sched: SchedulerOutput) -> list[tuple[Sequence, int, int]]:
         """Accuracy recovery rows still to compute, for requests in their first prefill step.
 
         Each run (rows a..b-1 of the request's module blocks, private copies) goes in the same
@@ -520,6 +523,8 @@ class Engine:
         prefill would (recomputing every row is full prefill). One forward, not two: on a GPU an
         extra eager forward costs as much host time as the whole module-cached first token.
         """
+        if not self._to_recover:  # nearly every step: no pass over the batch
+            return []
         return [(s.seq, a, b) for s in sched.scheduled for a, b in s.seq.request.recompute_runs]
 
     def _launch(self, sched: SchedulerOutput, batch: StepBatch) -> _InFlight:
@@ -533,6 +538,7 @@ class Engine:
         lead = len(ids)  # the recomputed module rows come first; nothing is sampled from them
         for seq, _, _ in runs:
             seq.request.recompute_runs = []
+            self._to_recover.discard(seq.request)
         for s in sched.scheduled:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
             ids += seq.token_ids[c : c + n]
@@ -652,6 +658,7 @@ class Engine:
         if self.requests.get(req.request_id) is not req:
             return False
         del self.requests[req.request_id]
+        self._to_recover.discard(req)
         if req.module_blocks:  # the request's own hold on its module blocks
             self.modules.release(req.module_blocks)
             req.module_blocks = []

@@ -206,9 +206,7 @@ class PromptModules:
         ``recompute`` (else the schema's setting, else the engine's) says which module rows are
         computed again in this prompt's context, into private copies of their blocks."""
         setting = parse_recompute(recompute) if recompute is not None else None
-        prompt = parse_prompt(text, {n: r.schema for n, r in self.schemas.items()})
-        reg = self.schemas[prompt.schema]
-        assembled = assemble(reg.schema, reg.layout, prompt, self._tokenize)
+        reg, assembled = self._assemble(text)
         setting = setting or reg.recompute or self.default_recompute
         mp = self._place(reg, assembled, cache_salt, setting)
         self.counters["module_recomputed_tokens_total"] += mp.recomputed_tokens
@@ -219,12 +217,16 @@ class PromptModules:
     def layout_of(self, text: str) -> tuple[list[int], list[int]]:
         """The tokens and positions a PML prompt runs as, without holes and without reusing anything:
         what full prefill of the very same prompt computes (the exact baseline of every approximation)."""
-        prompt = parse_prompt(text, {n: r.schema for n, r in self.schemas.items()})
-        reg = self.schemas[prompt.schema]
-        asm = assemble(reg.schema, reg.layout, prompt, self._tokenize)
+        asm = self._assemble(text)[1]
         ids = [t for p in asm.pieces for t in p.token_ids] + list(asm.own_token_ids)
         pos = [q for p in asm.pieces for q in p.positions] + list(asm.own_positions)
         return ids, pos
+
+    def _assemble(self, text: str) -> tuple[RegisteredSchema, AssembledPrompt]:
+        """A PML prompt parsed against the registered schemas and assembled into pieces."""
+        prompt = parse_prompt(text, {n: r.schema for n, r in self.schemas.items()})
+        reg = self.schemas[prompt.schema]
+        return reg, assemble(reg.schema, reg.layout, prompt, self._tokenize)
 
     def _place(
         self, reg: RegisteredSchema, asm: AssembledPrompt, salt: str | None, recompute: Recompute = NONE
