@@ -60,6 +60,7 @@ from benchmarks._common import run_info, write_results
 from prefixserve.attention.graph import HeadShape
 from prefixserve.attention.kernels.triton_backend import TritonStep, build_layout
 from prefixserve.config import EngineConfig
+from prefixserve.distributed.tensor_parallel import Shard
 from prefixserve.engine import Engine
 from prefixserve.sampling.params import SamplingParams
 
@@ -132,7 +133,8 @@ class _Recorder:
 class _StubModel:
     """Returns at once; in eager mode it does the first layer's host work (``build_layout``)."""
 
-    config = _ModelConfig
+    config = full_config = _ModelConfig
+    shard = Shard()  # the whole model, one process
 
     def __init__(self, rec: _Recorder, max_rows: int) -> None:
         self.rec = rec

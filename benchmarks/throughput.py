@@ -48,9 +48,11 @@ def measure(
     gen: int,
     n: int = 1,
     eager: bool = False,
+    tp: int = 1,
 ) -> dict:
     prompts, warm = prompts
     llm = LLM(
+        tensor_parallel_size=tp,
         model=model,
         dtype="bfloat16" if device == "cuda" else "float32",
         device=device,
@@ -103,6 +105,7 @@ def measure(
         kv_pool = engine.kv.tensor.numel() * engine.kv.tensor.element_size()
         peak = torch.cuda.max_memory_allocated() - kv_pool + after["kv_blocks_used_peak"] * kv_block_bytes
         result["memory_needed_gb"] = peak / 1e9
+    llm.shutdown()  # tensor parallelism: the workers and the process group go now, not at exit
     del llm, outs, engine
     gc.collect()
     if device == "cuda":
@@ -163,12 +166,25 @@ def main() -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs (the engine's default uses them)"
     )
     ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="> 1: the tensor-parallel runs of benchmarks/tensor_parallel.py (its own options follow)",
+    )
+    ap.add_argument(
         "--mixed",
         action="store_true",
         help="decode with long own parts, the mixed kernel (mixed_gluon.py) vs the two kernels: "
         "throughput_mixed.{json,md}",
     )
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if args.tensor_parallel_size > 1:
+        from benchmarks import tensor_parallel
+
+        tensor_parallel.main(["--tensor-parallel-size", str(args.tensor_parallel_size), *rest])
+        return
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.mixed:
         mixed_grid(args)
         return

@@ -61,6 +61,9 @@ class EngineConfig:
     module_recompute: str = "link:64"
     # prefix-cache blocks evicted from the pool are copied to that host tier and come back on a hit
     spill_prefix_cache: bool = False
+    # tensor parallelism: the model split over this many GPUs (gloo processes on a CPU), one worker
+    # process per rank beside this one (prefixserve/distributed/tp_runner.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -85,6 +88,15 @@ class EngineConfig:
             raise ValueError(f"module_gpu_fraction must be in (0, 1], got {self.module_gpu_fraction}")
         if self.module_host_bytes < 0:
             raise ValueError(f"module_host_bytes must be >= 0, got {self.module_host_bytes}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available()):
+            first = torch.device(self.device if self.device != "auto" else "cuda").index or 0
+            if first + self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} from cuda:{first} needs more GPUs "
+                    f"than the {torch.cuda.device_count()} visible"
+                )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.kv.cache import KVCache
-from prefixserve.kv.tiers import DiskTier, HostTier, gather_rows, packed_nbytes, scatter_rows
+from prefixserve.kv.tiers import DiskTier, HostTier, packed_nbytes
 from prefixserve.model.config import ModelConfig
 
 TINY = ModelConfig(
@@ -59,7 +59,7 @@ def random_packed(rows: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
 def test_gather_equals_plain_indexing(dtype: torch.dtype, blocks: list[int], rows: int) -> None:
     cache = random_cache(dtype)
     before = cache.tensor.clone()
-    packed = gather_rows(cache, blocks, rows)
+    packed = cache.gather_rows(blocks, rows)
     want = reference_gather(cache.tensor, blocks, rows)
     assert packed.shape == (TINY.num_hidden_layers, 2, rows, TINY.num_key_value_heads, TINY.head_dim)
     assert packed.dtype == dtype and packed.is_contiguous()
@@ -79,7 +79,7 @@ def test_scatter_writes_only_its_rows(dtype: torch.dtype) -> None:
     for i, b in enumerate(blocks):
         part = packed[:, :, i * BLOCK : (i + 1) * BLOCK]
         want[:, :, b, : part.shape[2]] = part
-    scatter_rows(cache, blocks, packed)
+    cache.scatter_rows(blocks, packed)
     assert torch.equal(cache.tensor, want)  # every other block, the tail of block 8 and scratch untouched
 
 
@@ -87,11 +87,11 @@ def test_scatter_writes_only_its_rows(dtype: torch.dtype) -> None:
 def test_round_trip_into_other_blocks(dtype: torch.dtype) -> None:
     cache = random_cache(dtype)
     src, dst, rows = [4, 0, 9], [1, 7, 3], 11
-    packed = gather_rows(cache, src, rows)
+    packed = cache.gather_rows(src, rows)
     other = random_cache(dtype, seed=5)
     before = other.tensor.clone()
-    scatter_rows(other, dst, packed)
-    assert torch.equal(gather_rows(other, dst, rows), reference_gather(cache.tensor, src, rows))
+    other.scatter_rows(dst, packed)
+    assert torch.equal(other.gather_rows(dst, rows), reference_gather(cache.tensor, src, rows))
     untouched = [b for b in range(NUM_BLOCKS + 1) if b not in dst]
     assert torch.equal(other.tensor[:, :, untouched], before[:, :, untouched])
     assert torch.equal(other.tensor[:, :, 3, rows - 2 * BLOCK :], before[:, :, 3, rows - 2 * BLOCK :])
@@ -101,13 +101,13 @@ def test_gather_scatter_refuse_bad_arguments() -> None:
     cache = random_cache(torch.float32)
     for blocks, rows in [([1, 2], 9), ([1, 2], 4), ([1, 1], 8), ([NUM_BLOCKS], 2), ([-1], 2), ([1], -1)]:
         with pytest.raises(ValueError):
-            gather_rows(cache, blocks, rows)
+            cache.gather_rows(blocks, rows)
     with pytest.raises(ValueError, match="dtype"):
-        scatter_rows(cache, [1], random_packed(3, torch.bfloat16))
+        cache.scatter_rows([1], random_packed(3, torch.bfloat16))
     with pytest.raises(ValueError, match="shape"):
-        scatter_rows(cache, [1], random_packed(3, torch.float32)[:, :, :, :1])
+        cache.scatter_rows([1], random_packed(3, torch.float32)[:, :, :, :1])
     with pytest.raises(ValueError, match="distinct"):
-        scatter_rows(cache, [2, 2], random_packed(6, torch.float32))
+        cache.scatter_rows([2, 2], random_packed(6, torch.float32))
 
 
 @pytest.mark.gpu
@@ -115,17 +115,17 @@ def test_gather_scatter_refuse_bad_arguments() -> None:
 def test_gather_scatter_on_cuda(dtype: torch.dtype) -> None:
     cache = random_cache(dtype, device="cuda")
     blocks, rows = [5, 1, 7], 10
-    packed = gather_rows(cache, blocks, rows)
+    packed = cache.gather_rows(blocks, rows)
     assert packed.device.type == "cpu" and packed.is_pinned()
     assert torch.equal(packed, reference_gather(cache.tensor, blocks, rows).cpu())
     before = cache.tensor.clone()
     fresh = random_packed(rows, dtype).pin_memory()
-    scatter_rows(cache, [2, 8, 0], fresh)  # no explicit sync: same-stream work below must see it
-    assert torch.equal(gather_rows(cache, [2, 8, 0], rows), fresh)
+    cache.scatter_rows([2, 8, 0], fresh)  # no explicit sync: same-stream work below must see it
+    assert torch.equal(cache.gather_rows([2, 8, 0], rows), fresh)
     untouched = [b for b in range(NUM_BLOCKS + 1) if b not in (2, 8, 0)]
     assert torch.equal(cache.tensor[:, :, untouched], before[:, :, untouched])
-    scatter_rows(cache, [3, 4, 6], random_packed(rows, dtype))  # pageable source works too
-    assert torch.equal(gather_rows(cache, [3, 4, 6], rows), random_packed(rows, dtype))
+    cache.scatter_rows([3, 4, 6], random_packed(rows, dtype))  # pageable source works too
+    assert torch.equal(cache.gather_rows([3, 4, 6], rows), random_packed(rows, dtype))
 
 
 # --- host tier --------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from prefixserve.config import EngineConfig
+from prefixserve.distributed.tensor_parallel import WorkerDiedError
 from prefixserve.engine.cuda_graph import DecodeGraphs
-from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch
+from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
 from prefixserve.engine.output_processor import request_output, stop_reason
 from prefixserve.engine.pinned import PinnedPrompt, render_system_prompt
 from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
@@ -76,12 +77,18 @@ class Engine:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         source = resolve_model(config.model)
         self.model_name = source.name
-        model, tok_dir = load_model(source, self.dtype, self.device, config.seed, progress)
-        self.model_config = model.config
+        if config.tensor_parallel_size > 1:  # this process is rank 0; workers hold the other shards
+            from prefixserve.distributed.tp_runner import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config, source, progress)
+            tok_dir = self.runner.tokenizer_dir
+        else:
+            model, tok_dir = load_model(source, self.dtype, self.device, config.seed, progress)
+            self.runner = ModelRunner(model, config, context_length(config, model))  # sizes the KV pool
+        self.model_config = self.runner.model.full_config
         self.tokenizer = load_tokenizer(tok_dir)
         bs = config.block_size
-        context = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(model, config, context)  # sizes and allocates the KV cache
+        context = context_length(config, self.runner.model)
         num_blocks = self.runner.num_blocks
         self.max_model_len = min(context, num_blocks * bs)
         self.pool = BlockPool(num_blocks, bs)
@@ -140,6 +147,10 @@ class Engine:
             self.register_schema(text)
         _tune_gc()
 
+    def shutdown(self) -> None:
+        """Release the device side: under tensor parallelism, stop the worker processes."""
+        self.runner.shutdown()
+
     # ---- the device side, as callers and tests inspect it --------------------------------------
     @property
     def model(self) -> torch.nn.Module:
@@ -197,7 +208,11 @@ class Engine:
 
     # ---- Prompt Cache schemas -------------------------------------------------------------------
     def register_schema(
-        self, text: str, encode: bool = True, pin: bool = False, replace: bool = False,
+        self,
+        text: str,
+        encode: bool = True,
+        pin: bool = False,
+        replace: bool = False,
         module_recompute: str | None = None,
     ) -> str:
         """Register a PML schema; with ``encode`` its modules are encoded now (else at first use).
@@ -311,8 +326,9 @@ class Engine:
                 raise ValueError("a PML prompt takes neither application nor prompt_positions")
             mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # module blocks held from here on
             try:
-                req = self._add(request_id, prompt, params, mp.token_ids, mp.positions, cache_salt, stream,
-                                queue, mp)
+                req = self._add(
+                    request_id, prompt, params, mp.token_ids, mp.positions, cache_salt, stream, queue, mp
+                )
             except BaseException:
                 self.modules.release(mp.blocks)
                 raise
@@ -424,6 +440,15 @@ class Engine:
         self.counters["requests_aborted_total"] += 1
         return True
 
+    def fail_all(self) -> list[RequestOutput]:
+        """Finish every request with an error now, without the device (after ``WorkerDiedError``:
+        no step can run); returns their final outputs."""
+        self._in_flight = None
+        for req in list(self.requests.values()):
+            self._finish_request(req, "error")
+        outputs, self._finished_outputs = self._finished_outputs, []
+        return outputs
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._finished_outputs) or self._in_flight is not None
 
@@ -457,6 +482,8 @@ class Engine:
         elif batch is not None:
             try:
                 flight = self._launch(sched, batch)
+            except WorkerDiedError:  # the engine itself is gone: no later step can run
+                raise
             except Exception:  # a failure fails this batch's requests, not the engine
                 log.exception("engine step failed; failing the requests in this batch")
                 self._fail(sched)
@@ -479,6 +506,8 @@ class Engine:
             return None, False
         try:
             return self._plan(sched), False
+        except WorkerDiedError:
+            raise
         except Exception:
             log.exception("planning the step failed; failing the requests in this batch")
             return None, True
@@ -570,6 +599,8 @@ class Engine:
     def _complete_or_fail(self, flight: _InFlight) -> list[RequestOutput]:
         try:
             return self._complete(flight)
+        except WorkerDiedError:
+            raise
         except Exception:  # e.g. a device error surfacing at the sync: fail that step's requests
             log.exception("engine step failed; failing the requests in this batch")
             for req in flight.touched:

@@ -41,6 +41,7 @@ class StepBatch:
     positions: list[int]
     meta: AttentionMetadata
     graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
+    args: tuple[Any, ...] = ()  # what ``plan`` was given: tensor-parallel workers plan from it too
 
 
 @dataclass(slots=True)
@@ -61,6 +62,11 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+def context_length(config: EngineConfig, model: torch.nn.Module) -> int:
+    """The longest sequence the engine runs (it sizes the KV pool); the same on every rank."""
+    return config.max_model_len or model.config.max_position_embeddings
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors, the attention backend and the decode graphs."""
 
@@ -71,17 +77,28 @@ class ModelRunner:
         ``max_num_seqs`` such sequences hold.
         """
         self.model = model
+        self.shard = model.shard  # this process's part of a tensor-parallel model (or all of it)
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = bs = config.block_size
-        self.num_blocks = config.num_kv_blocks or blocks_for_budget(
+        self.num_blocks = config.num_kv_blocks or self.shard.min_int(
+            blocks_for_budget(
+                model.config,
+                bs,
+                self.dtype,
+                self.device,
+                config.memory_fraction,
+                max_blocks=-(-context // bs) * config.max_num_seqs,
+            )
+        )
+        self.kv = KVCache(
             model.config,
+            self.num_blocks,
             bs,
             self.dtype,
             self.device,
-            config.memory_fraction,
-            max_blocks=-(-context // bs) * config.max_num_seqs,
+            self.shard,
+            model.full_config.num_key_value_heads,
         )
-        self.kv = KVCache(model.config, self.num_blocks, bs, self.dtype, self.device)
         self.backend = make_backend(config.attention)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -115,6 +132,7 @@ class ModelRunner:
         marks Prompt Cache module blocks (``AttentionMetadata.module_rows``).
         """
         bs = self.block_size
+        args = (positions, query_lens, seq_lens, tables, module_rows, eager)
         decode = len(positions) == len(query_lens)  # one token each
         if self.graphs is not None and decode and not eager:
             bucket = self.graphs.bucket_for(len(positions))
@@ -122,12 +140,12 @@ class ModelRunner:
                 meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu", module_rows)  # host-only
                 step = self.backend.graph_step(meta, self.graphs.shape, bucket)
                 if step is not None:
-                    return StepBatch(positions, meta, step)
+                    return StepBatch(positions, meta, step, args)
                 log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
                 self.graphs = None
         meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
         self.backend.prepare(meta)
-        return StepBatch(positions, meta, None)
+        return StepBatch(positions, meta, None, args)
 
     # ---- launching -----------------------------------------------------------------------------
     def forward(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
@@ -177,7 +195,7 @@ class ModelRunner:
         cached_v = v_cache.view(-1, *v.shape[1:]).index_select(0, slots)
         dev_k = (k.float() - cached_k.float()).pow(2).sum((1, 2))  # [T]
         dev_v = (v.float() - cached_v.float()).pow(2).sum((1, 2))
-        return (dev_k + dev_v).cpu().numpy()
+        return self.shard.all_reduce(dev_k + dev_v).cpu().numpy()  # every rank's heads
 
     def sample(
         self,
@@ -192,18 +210,24 @@ class ModelRunner:
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
         if rows:
-            hidden = launch.hidden
-            contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
-            picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
-            launch.future = sample_async(
-                self.model.compute_logits(picked), params, generators, self.default_generator
-            )
+            logits = self.logits(launch, rows)
+            launch.future = sample_async(logits, params, generators, self.default_generator)
         launch.hidden = None
         if launch.start is not None:
             launch.done = torch.cuda.Event(enable_timing=True)
             launch.done.record()
         else:
             self.waited += time.perf_counter() - launch.issued
+
+    def logits(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        """fp32 logits [len(rows), vocab] of the launch's hidden rows ``rows``."""
+        hidden = launch.hidden
+        contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
+        picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
+        return self.model.compute_logits(picked)
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (nothing on one device; workers under tensor parallelism)."""
 
     # ---- completing ----------------------------------------------------------------------------
     def wait(self, launch: Launch) -> SampleResult | None:
@@ -235,4 +259,4 @@ class ModelRunner:
         self._last_done = None
 
 
-__all__ = ["Launch", "ModelRunner", "StepBatch"]
+__all__ = ["Launch", "ModelRunner", "StepBatch", "context_length"]

@@ -43,7 +43,7 @@ import numpy as np
 
 from prefixserve.kv.block_pool import BlockPool, block_digest
 from prefixserve.kv.cache import KVCache
-from prefixserve.kv.tiers import DiskTier, HostTier, gather_rows, scatter_rows
+from prefixserve.kv.tiers import DiskTier, HostTier
 from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
 from prefixserve.promptcache.layout import SchemaLayout, chat_role_wrap, layout
 from prefixserve.promptcache.pml import PMLError, Schema, parse_prompt, parse_schema
@@ -264,7 +264,13 @@ class PromptModules:
             self.entries.move_to_end(entry.key)
         module_tokens = sum(e.rows for e in entries)
         mp = ModulePrompt(
-            tokens + own_ids, positions + own_pos, blocks, [], module_tokens, holes, recompute,
+            tokens + own_ids,
+            positions + own_pos,
+            blocks,
+            [],
+            module_tokens,
+            holes,
+            recompute,
             piece_rows=[e.rows for e in entries],
         )
         if recompute.kind != "none" and len(entries) > 1:
@@ -374,19 +380,19 @@ class PromptModules:
         """Put the piece's KV in ``blocks``: from host memory, from disk, or by encoding it."""
         found = self.host.get(entry.key)
         if found is not None:
-            scatter_rows(self.kv, blocks, found[0])
+            self.kv.scatter_rows(blocks, found[0])
             self.counters["module_loads_host_total"] += 1
             return
         if self.disk is not None:
             found = self.disk.get(entry.key)
             if found is not None and found[0].shape[2] == entry.rows:
-                scatter_rows(self.kv, blocks, found[0])
+                self.kv.scatter_rows(blocks, found[0])
                 self.counters["module_loads_disk_total"] += 1
                 return
         self.encode(entry.token_ids, entry.positions, blocks)
         self.counters["module_encodes_total"] += 1
         if self.disk is not None:
-            self.disk.put(entry.key, gather_rows(self.kv, blocks, entry.rows), {"rows": str(entry.rows)})
+            self.disk.put(entry.key, self.kv.gather_rows(blocks, entry.rows), {"rows": str(entry.rows)})
 
     def _allocate(self, count: int, key: str) -> list[int]:
         """Blocks for a piece, first moving least recently used pieces no request holds to the host."""
@@ -419,7 +425,7 @@ class PromptModules:
     def _demote(self, entry: ModuleEntry) -> None:
         """Move a piece's KV from its blocks to host memory (and so give the blocks back)."""
         assert entry.blocks is not None
-        packed = gather_rows(self.kv, entry.blocks, entry.rows)
+        packed = self.kv.gather_rows(entry.blocks, entry.rows)
         self.host.put(entry.key, packed, {"rows": str(entry.rows)})
         self.counters["module_evictions_gpu_total"] += 1
         self._drop_gpu(entry)
@@ -451,8 +457,16 @@ class PromptModules:
         for name, reg in self.schemas.items():
             tokens = sum(len(p.token_ids) for p in reg.pieces.values())
             recompute = reg.recompute.spec if reg.recompute is not None else None
-            out.append({"name": name, "modules": sorted(reg.schema.modules), "positions": reg.layout.length,
-                        "pieces": len(reg.pieces), "tokens": tokens, "module_recompute": recompute})
+            out.append(
+                {
+                    "name": name,
+                    "modules": sorted(reg.schema.modules),
+                    "positions": reg.layout.length,
+                    "pieces": len(reg.pieces),
+                    "tokens": tokens,
+                    "module_recompute": recompute,
+                }
+            )
         return out
 
     def metrics(self) -> dict[str, float]:

@@ -38,6 +38,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many GPUs (gloo processes on a CPU)",
+    )
+    g.add_argument(
         "--system-prompt",
         action="append",
         default=[],
@@ -168,5 +175,6 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         schemas=read_schemas(args.schema),
         module_store=args.module_store,
         spill_prefix_cache=args.spill_prefix_cache,
+        tensor_parallel_size=args.tensor_parallel_size,
         **modules,
     )

@@ -40,6 +40,16 @@ class LLM:
         llm._ids = itertools.count()
         return llm
 
+    def shutdown(self) -> None:
+        """Release the engine's device side (stops tensor-parallel workers; safe to call twice)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from prefixserve.distributed.tensor_parallel import WorkerDiedError
 from prefixserve.engine import Engine
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
@@ -170,6 +171,11 @@ class EngineLoop:
             if engine.has_unfinished():
                 try:
                     outputs = engine.step()
+                except WorkerDiedError:  # no step can run again: fail everything, take nothing more
+                    log.exception("the engine lost a tensor-parallel worker; the server stops serving")
+                    self._deliver(engine.fail_all())
+                    self._refuse_queued()
+                    return
                 except Exception:  # the engine guards its steps; this is a last resort
                     log.exception("engine step raised; aborting every request")
                     self._abort_everything()
@@ -237,6 +243,12 @@ class EngineLoop:
         self._abort_everything()
         self._deliver(self.engine.step())
         self.snapshot = self.engine.metrics()
+        self._refuse_queued()
+        self.engine.shutdown()  # tensor-parallel workers stop with the server
+
+    def _refuse_queued(self) -> None:
+        """Take no more commands, and fail those still queued."""
+        self._stopping = True
         with self._lock:  # nothing is queued from here on: fail what still is
             self._closed = True
         stopped = EngineStopped("the server is shutting down")

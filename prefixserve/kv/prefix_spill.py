@@ -17,7 +17,7 @@ import torch
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
-from prefixserve.kv.tiers import HostTier, gather_rows, scatter_rows
+from prefixserve.kv.tiers import HostTier
 
 
 def _key(digest: bytes) -> str:
@@ -37,7 +37,7 @@ class PrefixSpill:
         """Copy evicted blocks' KV to host memory (one gather for all of them)."""
         bs = self.kv.block_size
         blocks = [b for b, _ in evicted]
-        packed = gather_rows(self.kv, blocks, len(blocks) * bs)  # [L, 2, n * bs, H, D]
+        packed = self.kv.gather_rows(blocks, len(blocks) * bs)  # [L, 2, n * bs, H, D]
         for i, (_, digest) in enumerate(evicted):
             self.host.put(_key(digest), packed[:, :, i * bs : (i + 1) * bs].clone())
         self.spilled_blocks += len(evicted)
@@ -54,7 +54,7 @@ class PrefixSpill:
         if not found:
             return []
         blocks = self.pool.allocate(len(found))  # may evict (and spill) other blocks first
-        scatter_rows(self.kv, blocks, torch.cat([p for _, p in found], dim=2))
+        self.kv.scatter_rows(blocks, torch.cat([p for _, p in found], dim=2))
         for block, (digest, _) in zip(blocks, found, strict=True):
             self.pool.register(block, digest)
             self.host.pop(_key(digest))

@@ -5,13 +5,14 @@ in all layers, packed without padding, ``[layers, 2, rows, kv_heads, head_dim]``
 block layout, so an entry can come back into any free blocks of the pool, and a partly filled last
 block costs no bytes in host memory or on disk.
 
-- ``gather_rows`` / ``scatter_rows``: GPU (or CPU) cache blocks <-> packed host tensor.
+- ``KVCache.gather_rows`` / ``KVCache.scatter_rows`` (in ``kv/cache.py``) copy between cache blocks and
+  a packed host tensor.
 - ``HostTier``: LRU of packed entries in host memory (pinned when CUDA is available) under a byte budget;
   ``put`` returns what it evicts, so the caller can spill it to disk.
 - ``DiskTier``: one safetensors file per entry, written atomically and checksummed. A corrupt or truncated
   file is reported as a miss (and deleted) so the caller recomputes it; it is never served.
 
-Pure kv-layer code: torch, safetensors and the standard library, plus ``KVCache`` for its layout.
+Pure kv-layer code: torch, safetensors and the standard library.
 """
 
 from __future__ import annotations
@@ -29,100 +30,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from prefixserve.kv.cache import KVCache
+from prefixserve.kv.cache import PackedKV
 
 log = logging.getLogger(__name__)
 
-# [layers, 2, rows, kv_heads, head_dim]: the KV rows of one entry, packed (no padding)
-PackedKV = torch.Tensor
-
 Meta = dict[str, str]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# KVCache blocks <-> packed rows
-
-
-def _slots(cache: KVCache, blocks: list[int], rows: int) -> torch.Tensor:
-    """Slot ids (block * block_size + offset) of the first ``rows`` rows of ``blocks``, on the cache's device.
-
-    Checked on the host: on CUDA an out-of-range index is a device-side assert that kills the process.
-    """
-    bs = cache.block_size
-    if rows < 0:
-        raise ValueError(f"rows must be >= 0, got {rows}")
-    needed = -(-rows // bs)
-    if len(blocks) != needed:
-        raise ValueError(f"{rows} rows need {needed} blocks of {bs}, got {len(blocks)}")
-    if len(set(blocks)) != len(blocks):
-        raise ValueError(f"blocks are not distinct: {blocks}")
-    bad = [b for b in blocks if not 0 <= b < cache.num_blocks]
-    if bad:
-        raise ValueError(f"block ids {bad} outside the pool's 0..{cache.num_blocks - 1}")
-    base = torch.tensor(blocks, dtype=torch.long) * bs
-    slots = (base[:, None] + torch.arange(bs, dtype=torch.long)).reshape(-1)[:rows]
-    if cache.tensor.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
-        slots = slots.pin_memory().to(cache.tensor.device, non_blocking=True)
-    return slots
-
-
-def _flat_view(cache: KVCache) -> torch.Tensor:
-    """The cache as ``[layers, 2, all slots, kv_heads, head_dim]`` (a view: writes reach the cache)."""
-    layers, two, nb, bs, heads, dim = cache.tensor.shape
-    return cache.tensor.view(layers, two, nb * bs, heads, dim)
-
-
-def gather_rows(cache: KVCache, blocks: list[int], rows: int) -> PackedKV:
-    """Copy the first ``rows`` KV rows held in ``blocks`` (in order) of every layer to a new host tensor.
-
-    ``blocks`` are exactly the ``ceil(rows / block_size)`` blocks that hold the rows, in order; the last may
-    be partly filled (its rows past ``rows`` are not copied). Returns a contiguous CPU tensor
-    ``[layers, 2, rows, kv_heads, head_dim]`` of the cache's dtype.
-
-    On CUDA: one gather kernel on the current stream into a device temporary of exactly ``rows`` rows, then a
-    non_blocking D2H copy into pinned memory on the same stream, then ``current_stream().synchronize()``
-    before returning. So the result is complete when this returns (correctness first; no event to carry),
-    and it sees every write to those blocks that was enqueued on the current stream before the call. The
-    price is a host wait for the work already queued on that stream: call it where the host would wait
-    anyway (e.g. after a step's outputs are read), or from a side stream if that wait ever shows.
-    Measured on an H100 (512 MiB, 4096 bf16 rows of an 8B-shaped model): 11 ms (48 GB/s) once PyTorch's
-    caching host allocator holds a pinned block of that size; the first pinned allocation costs ~0.4 s.
-    """
-    slots = _slots(cache, blocks, rows)
-    packed = _flat_view(cache).index_select(2, slots)  # contiguous, exactly `rows` rows
-    if cache.tensor.device.type != "cuda":
-        return packed  # index_select made a new tensor: nothing shares the cache's memory
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
-    torch.cuda.current_stream(cache.tensor.device).synchronize()
-    return host
-
-
-def scatter_rows(cache: KVCache, blocks: list[int], packed: PackedKV) -> None:
-    """Write ``packed`` rows into ``blocks``, in order: the inverse of ``gather_rows``.
-
-    ``packed`` is ``[layers, 2, rows, kv_heads, head_dim]`` of the cache's dtype; ``blocks`` are
-    ``ceil(rows / block_size)`` distinct pool blocks. Only the ``rows`` slots are written: the rest of a
-    partly filled last block, and every other block, are untouched.
-
-    On CUDA: a non_blocking H2D copy on the current stream (truly asynchronous when ``packed`` is pinned, as
-    ``HostTier`` entries and ``gather_rows`` results are), then one scatter kernel on the same stream. It
-    returns without waiting: kernels enqueued later on the current stream see the data, and the host can
-    go on (the copy overlaps host work). Do not modify ``packed`` in place until that stream has passed the
-    copy (dropping the reference is fine: the caching host allocator keeps pinned memory until the copy is
-    done). Work on another stream must wait for the current stream first.
-    """
-    layers, two, _, _, heads, dim = cache.tensor.shape
-    shape = tuple(packed.shape)
-    if len(shape) != 5 or shape[:2] + shape[3:] != (layers, two, heads, dim):
-        raise ValueError(
-            f"packed shape {shape} does not fit the cache: want ({layers}, {two}, rows, {heads}, {dim})"
-        )
-    if packed.dtype != cache.tensor.dtype:
-        raise ValueError(f"packed dtype {packed.dtype} != cache dtype {cache.tensor.dtype}")
-    slots = _slots(cache, blocks, packed.shape[2])
-    src = packed.to(cache.tensor.device, non_blocking=True)
-    _flat_view(cache).index_copy_(2, slots, src)
 
 
 def packed_nbytes(packed: PackedKV) -> int:

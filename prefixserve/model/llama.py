@@ -6,6 +6,10 @@ paged cache and the step's AttentionMetadata, never a per-request contiguous KV 
 Module names follow HF's, except that q/k/v and gate/up are one ``MergedLinear`` each (``qkv_proj``,
 ``gate_up_proj``); the loaders fill their parts from HF's separate tensors. The elementwise work
 between the matmuls goes through ``prefixserve.model.fused`` (Triton kernels on CUDA).
+
+Under tensor parallelism (``Shard``) each process builds the same modules at its own sizes: its query
+and KV heads, its intermediate columns, its vocabulary rows; ``src`` spans say which rows or columns
+of the checkpoint's tensors each holds, and an all-reduce follows o_proj, down_proj and the embedding.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.distributed.tensor_parallel import Shard
 from prefixserve.model import fused
 from prefixserve.model.config import ModelConfig
 
@@ -95,31 +100,65 @@ class MergedLinear(nn.Linear):
     gate/up GEMMs ran split-K with their own reduce kernels at decode sizes on an H200).
     """
 
-    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool) -> None:
-        super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
+    def __init__(self, in_features: int, parts: list[tuple[str, tuple[int, int], int]], bias: bool) -> None:
+        """``parts``: (checkpoint name, this rank's [start, stop) rows of that tensor, its total rows)."""
+        super().__init__(in_features, sum(b - a for _, (a, b), _ in parts), bias=bias)
         self.parts = parts
 
     def part_rows(self) -> dict[str, slice]:
         """Each part's rows of the stacked weight (and bias)."""
         out, at = {}, 0
-        for name, rows in self.parts:
-            out[name] = slice(at, at + rows)
-            at += rows
+        for name, (a, b), _ in self.parts:
+            out[name] = slice(at, at + b - a)
+            at += b - a
         return out
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input columns ``src`` = [start, stop) of the checkpoint's ``total`` are
+    this rank's; the ranks' partial products are summed by the caller's all-reduce."""
+
+    def __init__(self, total_in: int, src: tuple[int, int], out_features: int) -> None:
+        super().__init__(src[1] - src[0], out_features, bias=False)
+        self.src, self.total_in = src, total_in
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows ``src`` = [start, stop) of the vocabulary; other ids look up zeros here and
+    their row on the rank that holds it (the all-reduce sums the ranks' lookups)."""
+
+    def __init__(self, vocab: int, hidden: int, shard: Shard) -> None:
+        self.src = shard.vocab_span(vocab)
+        super().__init__(self.src[1] - self.src[0], hidden)
+        self.vocab, self.shard = vocab, shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if not self.shard.parallel:
+            return super().forward(ids)
+        start, stop = self.src
+        mine = (ids >= start) & (ids < stop)
+        out = super().forward(torch.where(mine, ids - start, 0)) * mine[:, None].to(self.weight.dtype)
+        return self.shard.all_reduce(out)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.shard = shard
+        d = self.head_dim = config.head_dim
+        q0, q1 = shard.span(config.num_attention_heads)
+        k0, k1 = shard.kv_head_span(config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
         self.scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        parts = [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
+        q_total, kv_total = config.num_attention_heads * d, config.num_key_value_heads * d
+        parts = [
+            ("q_proj", (q0 * d, q1 * d), q_total),
+            ("k_proj", (k0 * d, k1 * d), kv_total),
+            ("v_proj", (k0 * d, k1 * d), kv_total),
+        ]
         self.qkv_proj = MergedLinear(hidden, parts, bias=bias)
-        self.o_proj = nn.Linear(q_rows, hidden, bias=False)
+        self.o_proj = RowParallelLinear(q_total, (q0 * d, q1 * d), hidden)
 
     def _qkv(
         self,
@@ -160,26 +199,29 @@ class Attention(nn.Module):
         cache = (k_cache, v_cache, meta.slot_mapping) if write_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.shard.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         inter = config.intermediate_size
-        parts = [("gate_proj", inter), ("up_proj", inter)]
+        cols = shard.span(inter)
+        parts = [("gate_proj", cols, inter), ("up_proj", cols, inter)]
         self.gate_up_proj = MergedLinear(config.hidden_size, parts, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(inter, cols, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I] and [T, I]
+        # via [T, 2I] and [T, I] (this rank's columns), then the ranks' partial sums added
+        return self.shard.all_reduce(self.down_proj(fused.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -205,22 +247,36 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """The whole model. ``forward`` returns final hidden states; ``compute_logits`` the fp32 logits."""
+class ParallelLMHead(nn.Linear):
+    """The output projection's vocabulary rows ``src`` (the embedding's, for tied weights)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden: int, vocab: int, shard: Shard) -> None:
+        self.src = shard.vocab_span(vocab)
+        super().__init__(hidden, self.src[1] - self.src[0], bias=False)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. ``forward`` returns final hidden states; ``compute_logits`` the fp32 logits.
+
+    ``config`` is what this process computes (``Shard.local_config``: its heads and columns; the
+    KV cache and the attention are sized from it); ``full_config`` the checkpoint's model.
+    """
+
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
-        self.config = config
-        self.model = LlamaBody(config)
+        self.shard = shard = shard or Shard()
+        self.full_config = config
+        self.config = shard.local_config(config)
+        self.model = LlamaBody(config, shard)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, shard)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -262,8 +318,9 @@ class LlamaForCausalLM(nn.Module):
         if len(self.model.layers) == 1:
             _, k, v = first.self_attn.project(first.input_layernorm(h), positions, self.rotary)
             return k, v
-        a = first.self_attn(first.input_layernorm(h), positions, self.rotary, kv_cache[0], meta, backend,
-                            write_kv=False)
+        a = first.self_attn(
+            first.input_layernorm(h), positions, self.rotary, kv_cache[0], meta, backend, write_kv=False
+        )
         h = h + a
         h = h + first.mlp(first.post_attention_layernorm(h))
         second = self.model.layers[1]
@@ -272,4 +329,5 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] fp32
-        return self.lm_head(hidden).float()
+        """Every rank scores its vocabulary rows; the ranks' scores are joined (every rank calls this)."""
+        return self.shard.gather_columns(self.lm_head(hidden).float(), self.config.vocab_size)

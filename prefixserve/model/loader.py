@@ -18,8 +18,16 @@ from typing import Any
 import torch
 
 from prefixserve.config import cache_dir
+from prefixserve.distributed.tensor_parallel import Shard
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import LlamaForCausalLM, MergedLinear, rope_inv_freq
+from prefixserve.model.llama import (
+    LlamaForCausalLM,
+    MergedLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    rope_inv_freq,
+)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,10 +133,12 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
     return out
 
 
-def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the module without spending time on default init; weights are filled in afterwards."""
+def _materialize(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard | None
+) -> LlamaForCausalLM:
+    """Build the module (this rank's part of it) without default init; weights are filled in afterwards."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, shard)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.inv_freq = rope_inv_freq(config).to(device)
     if config.tie_word_embeddings:  # to_empty makes fresh tensors: tie them again
@@ -136,37 +146,99 @@ def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def _merged_parts(model: LlamaForCausalLM) -> dict[str, list[tuple[str, slice]]]:
-    """{stacked parameter: [(checkpoint name of a part, its rows)]} for every ``MergedLinear``.
+@dataclass(slots=True)
+class Piece:
+    """Part of a model parameter filled from part of a checkpoint tensor.
 
-    ``model.layers.0.self_attn.qkv_proj.weight`` -> ``model.layers.0.self_attn.q_proj.weight`` for
-    rows 0:Hq*D, then k_proj's and v_proj's rows (biases alike); gate_up_proj -> gate_proj, up_proj.
+    ``rows`` of the parameter take the checkpoint tensor ``name``'s indices ``start:stop`` along
+    ``dim`` (``full``: that tensor's whole shape). Without tensor parallelism a piece is the whole
+    tensor, or one stacked part of q/k/v or gate/up; under it, the rank's heads, columns or
+    vocabulary rows. A span past the tensor's end (the last rank's vocabulary padding) is zeros.
     """
-    out: dict[str, list[tuple[str, slice]]] = {}
+
+    name: str
+    rows: slice
+    dim: int
+    start: int
+    stop: int
+    full: tuple[int, ...]
+
+
+def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
+    """{parameter: its pieces} for every parameter, in ``named_parameters`` order.
+
+    ``model.layers.0.self_attn.qkv_proj.weight`` <- ``...q_proj.weight`` (this rank's query heads'
+    rows), then k_proj's and v_proj's (biases alike); gate_up_proj <- gate_proj, up_proj; o_proj and
+    down_proj take their input columns; the embedding and lm_head their vocabulary rows.
+    """
+    cfg = model.full_config
+    out: dict[str, list[Piece]] = {}
     for module_name, module in model.named_modules():
-        if not isinstance(module, MergedLinear):
-            continue
         prefix = module_name.rpartition(".")[0]
-        for pname, _ in module.named_parameters(recurse=False):
-            out[f"{module_name}.{pname}"] = [
-                (f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}", rows)
-                for part, rows in module.part_rows().items()
-            ]
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            whole = tuple(param.shape)
+            if isinstance(module, MergedLinear):
+                out[name] = [
+                    Piece(
+                        f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}",
+                        rows,
+                        0,
+                        src[0],
+                        src[1],
+                        (total, *whole[1:]),
+                    )
+                    for (part, src, total), rows in zip(
+                        module.parts, module.part_rows().values(), strict=True
+                    )
+                ]
+            elif isinstance(module, RowParallelLinear):
+                a, b = module.src
+                out[name] = [Piece(name, slice(None), 1, a, b, (whole[0], module.total_in))]
+            elif isinstance(module, VocabParallelEmbedding | ParallelLMHead):
+                a, b = module.src
+                out[name] = [Piece(name, slice(None), 0, a, b, (cfg.vocab_size, cfg.hidden_size))]
+            else:
+                out[name] = [Piece(name, slice(None), 0, 0, whole[0] if whole else 0, whole)]
     return out
+
+
+def _read(piece: Piece, source: Any, target: torch.Tensor) -> None:
+    """Copy the piece's span of ``source`` (a tensor, or a safetensors slice read lazily) into
+    ``target`` (the parameter's rows); a span past the tensor's end leaves zeros."""
+    size = piece.full[piece.dim] if piece.full else 0
+    stop = min(piece.stop, size)
+    index = [slice(None)] * len(piece.full)
+    if piece.full:
+        index[piece.dim] = slice(piece.start, stop)
+    part = source[tuple(index)]
+    with torch.no_grad():
+        if stop == piece.stop:
+            target.copy_(part)
+        else:
+            target.zero_()
+            target.narrow(piece.dim, 0, stop - piece.start).copy_(part)
 
 
 def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
     """Copy an HF safetensors state dict into the model; q/k/v and gate/up go into their stacked rows.
 
-    Checkpoints that already stack them (``qkv_proj``, ``gate_up_proj``) load as they are.
+    Only this rank's slices are read (safetensors reads a slice without the rest of the tensor).
+    Checkpoints that already stack them (``qkv_proj``, ``gate_up_proj``) load as they are (one rank).
     """
     from safetensors import safe_open
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    merged = _merged_parts(model)
-    targets: dict[str, tuple[str, slice | None]] = {name: (name, None) for name in params}
-    for stacked, parts in merged.items():
-        targets.update({part: (stacked, rows) for part, rows in parts})
+    pieces = _pieces(model)
+    targets: dict[str, list[tuple[str, Piece]]] = {}
+    for param, plist in pieces.items():
+        for piece in plist:
+            targets.setdefault(piece.name, []).append((param, piece))
+    if not model.shard.parallel:  # already stacked tensors, as a whole
+        for param in pieces:
+            if len(pieces[param]) > 1:
+                whole = tuple(params[param].shape)
+                targets[param] = [(param, Piece(param, slice(None), 0, 0, whole[0], whole))]
     seen: set[str] = set()
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -175,18 +247,17 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                     if "rotary_emb" in name:
                         continue
                     raise ValueError(f"{file}: unexpected weight {name!r} for a Llama-family model")
-                param, rows = targets[name]
-                target = params[param] if rows is None else params[param][rows]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, want {target.shape}")
-                with torch.no_grad():
-                    target.copy_(tensor)
+                source = f.get_slice(name)
+                shape = tuple(source.get_shape())
+                for param, piece in targets[name]:
+                    if shape != piece.full:
+                        raise ValueError(f"{file}: {name} has shape {shape}, want {piece.full}")
+                    _read(piece, source, params[param][piece.rows])
                 seen.add(name)
     missing = {
         name
-        for name in params
-        if name not in seen and not (name in merged and all(part in seen for part, _ in merged[name]))
+        for name, plist in pieces.items()
+        if name not in seen and not all(piece.name in seen for piece in plist)
     }
     if model.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -197,39 +268,62 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Seeded random weights: normal(0, 0.02) for matrices, ones for norms (same seed = same model).
 
-    A stacked weight draws its parts one after another in their order, so the weights are the
-    same as those of the unfused model (separate q/k/v, gate/up) from the same seed.
+    Each checkpoint tensor is drawn whole, in order, and the rank keeps its slice: the weights are
+    the same as those of the unfused, unsplit model (separate q/k/v, gate/up) from the same seed.
     """
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    merged = _merged_parts(model)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, plist in _pieces(model).items():
+            p = params.get(name)
+            if p is None:  # a tied weight: drawn once, as the embedding
+                continue
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                for rows in [rows for _, rows in merged[name]] if name in merged else [slice(None)]:
-                    p[rows].normal_(0.0, 0.02, generator=gen)
+                for piece in plist:
+                    target = p[piece.rows]
+                    if piece.full == tuple(target.shape):
+                        target.normal_(0.0, 0.02, generator=gen)
+                    else:
+                        drawn = torch.empty(piece.full, dtype=p.dtype, device=device)
+                        _read(piece, drawn.normal_(0.0, 0.02, generator=gen), target)
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0, progress: bool = True
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    progress: bool = True,
+    shard: Shard | None = None,
 ) -> tuple[LlamaForCausalLM, Path | None]:
-    """Load weights; returns the model and the directory holding its tokenizer (None: no tokenizer)."""
+    """Load weights (``shard``: this rank's part only); returns the model and the directory holding
+    its tokenizer (None: no tokenizer)."""
     if source.kind == "gguf":
         directory = convert_gguf(source.path, progress=progress)
     elif source.kind == "hf":
         directory = source.path
     else:
         config = ModelConfig.from_json(source.path)
-        model = _materialize(config, dtype, device)
+        model = _materialize(config, dtype, device, shard)
         _init_dummy(model, seed)
         return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
-    model = _materialize(config, torch.float32, device)
+    model = _materialize(config, torch.float32, device, shard)
     _load_hf_weights(model, directory)
     return model.to(dtype).eval(), directory
+
+
+def model_config(source: ModelSource, progress: bool = True) -> ModelConfig:
+    """The checkpoint's model config without loading its weights (a GGUF is converted first)."""
+    if source.kind == "dummy":
+        return ModelConfig.from_json(source.path)
+    directory = convert_gguf(source.path, progress=progress) if source.kind == "gguf" else source.path
+    return ModelConfig.from_json(directory / "config.json")
 
 
 def _dummy_tokenizer_dir(source: ModelSource) -> Path | None:

@@ -1,0 +1,210 @@
+"""Tensor parallelism on several GPUs of one host: decode throughput with a shared prefix, per rank count.
+
+Three parts, each adding its rows to ``docs/benchmarks/tensor_parallel.{json,md}`` (a run too long for
+one call goes in parts):
+  grid      the 70B-shaped dummy model at TP=N: B x P, sharing on, off and the no-attention ceiling
+            (``benchmarks/throughput.py``'s measurement: decode tokens/s, first token to last finish);
+  compare   the 8B-shaped model at TP=1 and TP=N, the same workload (sharing on);
+  allreduce NCCL all-reduces of one decode step (two per layer, [B, hidden] bf16), captured in a CUDA
+            graph as the engine's are, timed bare; their share of the measured step (B / tok/s).
+
+    python -m benchmarks.throughput --tensor-parallel-size 2 --parts grid compare allreduce
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks._common import RESULTS, run_info, write_results
+from benchmarks.throughput import MODES, _prompts, measure
+
+NAME = "tensor_parallel"
+
+
+def _allreduce_worker(
+    rank: int, size: int, init: str, hidden: int, layers: int, batches: list[int], out
+) -> None:
+    """One rank: per B, a graph of ``2 * layers`` in-place all-reduces of [B, hidden] bf16, replayed."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init}", rank=rank, world_size=size, device_id=torch.device("cuda", rank)
+    )
+    result = {}
+    for b in batches:
+        x = torch.zeros(b, hidden, dtype=torch.bfloat16, device="cuda")  # zeros: sums stay finite
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(2 * layers):
+                dist.all_reduce(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 20
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        step_ms = start.elapsed_time(end) / reps
+        one_ms = step_ms / (2 * layers)
+        nbytes = b * hidden * 2
+        result[b] = {
+            "step_allreduce_ms": step_ms,
+            "one_allreduce_us": one_ms * 1e3,
+            "bus_GBps": 2 * (size - 1) / size * nbytes / (one_ms * 1e-3) / 1e9,
+        }
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def allreduce(size: int, hidden: int, layers: int, batches: list[int]) -> dict[int, dict]:
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = str(Path(tmp) / "init")
+        procs = [
+            ctx.Process(target=_allreduce_worker, args=(r, size, init, hidden, layers, batches, queue))
+            for r in range(size)
+        ]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=300)
+        for p in procs:
+            p.join(60)
+    return result
+
+
+def _config(model: str) -> dict:
+    from prefixserve.model.loader import resolve_model
+
+    return json.loads(resolve_model(model).path.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tensor-parallel-size", type=int, default=2)
+    ap.add_argument("--parts", nargs="+", default=["grid", "compare", "allreduce"])
+    ap.add_argument("--model", default="dummy:llama-3.1-70b", help="the grid's model")
+    ap.add_argument("--compare-model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--compare-prefix", type=int, default=1024)
+    ap.add_argument("--own", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    tp = args.tensor_parallel_size
+    path = RESULTS / f"{NAME}.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    payload = {**run_info(), "tensor_parallel_size": tp, "gpus": torch.cuda.device_count()}
+    payload.update({k: old.get(k, []) for k in ("grid", "compare")})
+    payload["allreduce"] = old.get("allreduce", {})
+    payload.update(model=args.model, compare_model=args.compare_model, own=args.own, gen=args.gen)
+    modes = {
+        k: (v if args.device == "cuda" else ("reference" if v == "triton_paged" else v))
+        for k, v in MODES.items()
+    }
+
+    def save() -> None:
+        write_results(NAME, payload, markdown(payload))
+
+    if "grid" in args.parts:
+        for b in args.batches:
+            for p in args.prefixes:
+                prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
+                row = {"B": b, "P": p, "tp": tp}
+                for mode, attention in modes.items():
+                    r = measure(args.model, args.device, attention, prompts, args.gen, tp=tp)
+                    row[f"{mode}_tok_s"], row[f"{mode}_prefill_s"] = r["tok_s"], r["prefill_s"]
+                    if mode == "auto":
+                        row["host_overhead_frac"] = r["host_overhead_frac"]
+                        row["graphs_captured"] = r["graphs_captured"]
+                print(row, flush=True)
+                payload["grid"] = [x for x in payload["grid"] if (x["B"], x["P"]) != (b, p)] + [row]
+                payload["grid"].sort(key=lambda x: (x["B"], x["P"]))
+                save()
+    if "compare" in args.parts:
+        p = args.compare_prefix
+        for b in args.batches:
+            prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
+            row = {"B": b, "P": p}
+            for size in (1, tp):
+                row[f"tp{size}_tok_s"] = measure(
+                    args.compare_model, args.device, "auto", prompts, args.gen, tp=size
+                )["tok_s"]
+            print(row, flush=True)
+            payload["compare"] = [x for x in payload["compare"] if x["B"] != b] + [row]
+            payload["compare"].sort(key=lambda x: x["B"])
+            save()
+    if "allreduce" in args.parts:
+        cfg = _config(args.model)
+        result = allreduce(tp, cfg["hidden_size"], cfg["num_hidden_layers"], args.batches)
+        payload["allreduce"] = {str(b): v for b, v in result.items()}
+        print(payload["allreduce"], flush=True)
+    save()
+
+
+def markdown(payload: dict) -> str:
+    tp = payload["tensor_parallel_size"]
+    md = [
+        "# Tensor parallelism",
+        "",
+        f"{payload['device']} x {payload['gpus']}; torch {payload['torch']}; commit {payload['commit']}; "
+        f"{payload['date']}. Decode-only tokens/s (first token to last finish), {payload['own']} own prompt "
+        f"tokens and {payload['gen']} generated per request, B requests sharing one P-token prefix; "
+        "NCCL, NVLink multicast off, decode steps under CUDA graphs (all-reduces captured). "
+        "Written by `benchmarks/tensor_parallel.py`.",
+        "",
+        f"## {payload['model']} at TP={tp}",
+        "",
+        "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling | step ms "
+        "| all-reduce ms / step | all-reduce share |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in payload["grid"]:
+        on, off, ceil = r.get("auto_tok_s", 0), r.get("sharing_off_tok_s", 0), r.get("ceiling_tok_s", 0)
+        step = r["B"] / max(on, 1e-9) * 1e3
+        ar = payload["allreduce"].get(str(r["B"]), {}).get("step_allreduce_ms")
+        share = f"{ar / step:.0%}" if ar else "-"
+        md.append(
+            f"| {r['B']} | {r['P']} | {on:.0f} | {off:.0f} | {ceil:.0f} | {on / max(off, 1e-9):.2f}x | "
+            f"{on / max(ceil, 1e-9):.0%} | {step:.1f} | {f'{ar:.2f}' if ar else '-'} | {share} |"
+        )
+    if payload["allreduce"]:
+        md += [
+            "",
+            "All-reduce: the step's 2 x layers in-place NCCL all-reduces of [B, hidden] bf16 in one CUDA "
+            "graph, timed bare (20 replays); share = that / the step (B / sharing-on tok/s). Per call: "
+            + ", ".join(
+                f"B={b}: {v['one_allreduce_us']:.1f} us ({v['bus_GBps']:.0f} GB/s bus)"
+                for b, v in payload["allreduce"].items()
+            ),
+        ]
+    if payload["compare"]:
+        md += [
+            "",
+            f"## {payload['compare_model']}: TP=1 vs TP={tp} (sharing on)",
+            "",
+            f"| B | P | TP=1 tok/s | TP={tp} tok/s | TP={tp} / TP=1 |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in payload["compare"]:
+            one, many = r.get("tp1_tok_s", 0), r.get(f"tp{tp}_tok_s", 0)
+            md.append(f"| {r['B']} | {r['P']} | {one:.0f} | {many:.0f} | {many / max(one, 1e-9):.2f}x |")
+    return "\n".join(md) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Tensor parallelism's processes: the engine's process is rank 0 and drives one worker process per
+other rank (one GPU each; gloo ranks on a CPU).
+
+Only rank 0 schedules, plans requests and samples. Each runner call that touches the device goes to
+the workers first, as one small pickled message over a local socket (the step's plan arguments,
+token ids and copy-on-write pairs; the rows to score; a KV-block copy), and every rank then runs the
+same call on its own shard: the collectives inside (all-reduces after o_proj, down_proj and the
+embedding; the logits' all-gather) meet because every rank makes the same calls in the same order.
+The workers are plain ``python -m prefixserve.distributed.tp_worker`` processes, so a user's script
+is not imported again in them (``multiprocessing``'s spawn would).
+
+A worker that dies fails the engine at once with ``WorkerDiedError``: a thread waits on every
+worker's exit and aborts the process group, so no rank stays blocked in a collective. Shutdown
+(``shutdown``, interpreter exit, or rank 0 dying, which closes the workers' sockets) stops them all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from prefixserve.config import EngineConfig
+from prefixserve.distributed.tensor_parallel import Shard, WorkerDiedError, check_divisible
+from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
+from prefixserve.kv.cache import KVCache, PackedKV
+from prefixserve.model.loader import ModelSource, load_model, model_config
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a large checkpoint's shard, per worker
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The engine settings as rank ``rank`` runs them: its own GPU (``cuda:<first + rank>``)."""
+    device = config.torch_device
+    if device.type != "cuda":
+        return config
+    return replace(config, device=f"cuda:{(device.index or 0) + rank}")
+
+
+def init_rank(config: EngineConfig, rank: int, size: int, init_file: str) -> Shard:
+    """Join the process group (NCCL on CUDA, gloo on a CPU) as ``rank``; the shard this rank holds."""
+    device = config.torch_device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (device notes)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=START_TIMEOUT_S),
+        **kwargs,
+    )
+    return Shard(rank, size, dist.group.WORLD)
+
+
+class _BroadcastKV:
+    """Rank 0's KV cache: every call that changes or reads blocks goes to the workers first."""
+
+    def __init__(self, kv: KVCache, runner: TensorParallelRunner) -> None:
+        self._kv, self._runner = kv, runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self._runner.call("kv", "copy_blocks", pairs)
+            self._kv.copy_blocks(pairs)
+
+    def gather_rows(self, blocks: list[int], rows: int) -> PackedKV:
+        self._runner.call("kv", "gather_rows", blocks, rows)
+        return self._runner.guard(self._kv.gather_rows, blocks, rows)
+
+    def scatter_rows(self, blocks: list[int], packed: PackedKV) -> None:
+        self._kv._slots(blocks, packed.shape[2])  # bad blocks fail here, before any worker is told
+        self._runner.call("kv", "scatter_rows", blocks, tuple(packed.shape), packed.dtype)
+        self._runner.guard(self._kv.scatter_rows, blocks, packed)
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's model runner: its own shard, plus the workers it sends each device call to."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, progress: bool = True) -> None:
+        size = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise RuntimeError(
+                "tensor_parallel_size > 1 starts its own torch.distributed process group, but this "
+                "process already has one; run the engine in a process without it"
+            )
+        # a GGUF is converted here, once, before the workers look for it; a model whose heads do
+        # not split over the ranks is refused before any process starts
+        check_divisible(model_config(source, progress), size)
+        self._closing = False
+        self._dead: WorkerDiedError | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="prefixserve-tp-")
+        init_file = str(Path(self._tmp.name) / "init")
+        authkey = secrets.token_bytes(16)
+        listener = Listener(str(Path(self._tmp.name) / "socket"), family="AF_UNIX", authkey=authkey)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.conns: list[Connection] = []
+        self._threads_before = torch.get_num_threads()
+        try:
+            for rank in range(1, size):
+                env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+                cmd = [sys.executable, "-m", "prefixserve.distributed.tp_worker", listener.address, str(rank)]
+                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE)
+                assert proc.stdin is not None
+                proc.stdin.write(authkey.hex().encode() + b"\n")  # the socket's key, never in argv
+                proc.stdin.close()
+                self.procs.append(proc)
+            for _ in range(1, size):
+                self.conns.append(self._accept(listener))
+            ranks = [conn.recv() for conn in self.conns]  # each says its rank first
+            self.conns = [c for _, c in sorted(zip(ranks, self.conns, strict=True), key=lambda rc: rc[0])]
+            for rank, conn in enumerate(self.conns, start=1):
+                conn.send((rank_config(config, rank), source, size, init_file))
+            self._watch()
+            self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+            atexit.register(self._finalizer)
+            if config.torch_device.type == "cpu":  # the ranks share the cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            shard = self.guard(init_rank, rank_config(config, 0), 0, size, init_file)
+            model, self.tokenizer_dir = load_model(
+                source, config.torch_dtype, rank_config(config, 0).torch_device, config.seed, progress, shard
+            )
+            self.guard(super().__init__, model, rank_config(config, 0), context_length(config, model))
+            for rank, conn in enumerate(self.conns, start=1):
+                self._expect(conn, rank, "ready")
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            listener.close()
+        self.kv = _BroadcastKV(self.kv, self)  # type: ignore[assignment]
+
+    def _accept(self, listener: Listener) -> Connection:
+        """The next worker's connection; fails if a worker exits before connecting."""
+        listener._listener._socket.settimeout(1.0)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                return listener.accept()
+            except TimeoutError:
+                for rank, proc in enumerate(self.procs, start=1):
+                    if proc.poll() is not None:
+                        raise WorkerDiedError(
+                            f"tensor-parallel worker {rank} exited with code {proc.returncode} at start-up"
+                        ) from None
+                if time.monotonic() > deadline:
+                    raise
+
+    def _expect(self, conn: Connection, rank: int, word: str) -> Any:
+        while not conn.poll(0.5):
+            self.check()
+        reply = conn.recv()
+        if reply[0] != word:
+            raise WorkerDiedError(f"tensor-parallel worker {rank} failed at start-up:\n{reply[1]}")
+        return reply[1:]
+
+    # ---- failure ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """A thread per worker waits on its exit; an exit not asked for marks the engine dead and
+        aborts the process group (a rank blocked in a collective is released with an error)."""
+
+        def wait(rank: int, proc: subprocess.Popen[bytes], conn: Connection) -> None:
+            code = proc.wait()
+            if self._closing:
+                return
+            detail = ""
+            try:
+                if conn.poll():
+                    detail = "\n" + str(conn.recv()[1])
+            except (EOFError, OSError):
+                pass
+            self._dead = WorkerDiedError(
+                f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {code}; "
+                f"the engine cannot go on without it{detail}"
+            )
+            log.error("%s", self._dead)
+            if dist.is_initialized():
+                try:
+                    dist.distributed_c10d._abort_process_group()
+                except Exception:  # gloo: a dead peer's closed sockets already fail the collectives
+                    log.debug("aborting the process group failed", exc_info=True)
+
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
+            watcher = threading.Thread(target=wait, args=(rank, proc, conn), daemon=True, name=f"tp-{rank}")
+            watcher.start()
+
+    def check(self) -> None:
+        """Raise ``WorkerDiedError`` if a worker has died."""
+        if self._dead is not None:
+            raise self._dead
+
+    def guard(self, fn: Any, *args: Any) -> Any:
+        """Run a call that meets the workers in collectives; a failure caused by a dead worker is
+        reported as that worker's death (the watcher may notice it a moment after the collective)."""
+        self.check()
+        try:
+            return fn(*args)
+        except Exception as exc:
+            deadline = time.monotonic() + 5.0
+            while self._dead is None and time.monotonic() < deadline and not self._closing:
+                if all(p.poll() is None for p in self.procs):
+                    break
+                time.sleep(0.05)
+            if self._dead is not None:
+                raise self._dead from exc
+            raise
+
+    def call(self, *message: Any) -> None:
+        """Send one message to every worker (they run it in order)."""
+        self.check()
+        try:
+            for conn in self.conns:
+                conn.send(message)
+        except OSError as exc:  # a closed socket: the watcher says which worker
+            self.guard(_reraise, exc)
+
+    # ---- the runner's device calls ----------------------------------------------------------------
+    def forward(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
+        self.call("forward", batch.args, ids, copies)
+        return self.guard(self._forward_local, ids, batch, copies)
+
+    def _forward_local(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
+        self._kv.copy_blocks(copies)
+        return ModelRunner.forward(self, ids, batch, [])
+
+    @property
+    def _kv(self) -> KVCache:
+        return self.kv._kv if isinstance(self.kv, _BroadcastKV) else self.kv
+
+    def logits(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        self.call("logits", rows)
+        return self.guard(super().logits, launch, rows)
+
+    def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
+        self.call("deviation", batch.args, ids)
+        return self.guard(super().kv_deviation, ids, batch)
+
+    def wait(self, launch: Launch) -> Any:
+        return self.guard(super().wait, launch)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closing:
+            return
+        self._closing = True
+        _stop_workers(self.procs, self.conns)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                log.debug("destroying the process group failed", exc_info=True)
+        torch.set_num_threads(self._threads_before)
+        self._tmp.cleanup()
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
+
+
+def _stop_workers(procs: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+    """Ask every worker to stop, then end any that do not within a few seconds."""
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+            conn.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10.0
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+__all__ = ["TensorParallelRunner", "WorkerDiedError", "init_rank", "rank_config"]

@@ -1,0 +1,90 @@
+"""A tensor-parallel worker: one rank's shard, running each device call rank 0 sends it.
+
+Started by ``TensorParallelRunner`` as ``python -m prefixserve.distributed.tp_worker ADDRESS RANK``
+(the socket's key on its standard input). It loads its shard, sizes its KV cache with the
+other ranks, says "ready", then runs messages in order until told to stop or until rank 0's socket
+closes. Any error ends the process after sending its traceback: rank 0 reports it and fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prefixserve.config import EngineConfig
+from prefixserve.distributed.tp_runner import init_rank
+from prefixserve.engine.model_runner import Launch, ModelRunner, context_length
+from prefixserve.model.loader import ModelSource, load_model
+
+
+def serve(conn: Connection, rank: int) -> None:
+    """Load this rank's shard, then run rank 0's messages until "stop"."""
+    config, source, size, init_file = conn.recv()
+    config: EngineConfig
+    source: ModelSource
+    if config.torch_device.type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    shard = init_rank(config, rank, size, init_file)
+    model, _ = load_model(source, config.torch_dtype, config.torch_device, config.seed, False, shard)
+    runner = ModelRunner(model, config, context_length(config, model))
+    conn.send(("ready",))
+    launch: Launch | None = None
+    while True:
+        try:
+            op, *args = conn.recv()
+        except EOFError:  # rank 0 is gone
+            return
+        if op == "forward":
+            plan_args, ids, copies = args
+            launch = runner.forward(ids, runner.plan(*plan_args), copies)
+        elif op == "logits":
+            assert launch is not None, "logits before any forward"
+            runner.logits(launch, args[0])
+        elif op == "deviation":
+            plan_args, ids = args
+            runner.kv_deviation(ids, runner.plan(*plan_args))
+        elif op == "kv":
+            _kv_call(runner, args[0], args[1:])
+        elif op == "stop":
+            return
+        else:
+            raise ValueError(f"unknown message {op!r}")
+
+
+def _kv_call(runner: ModelRunner, name: str, args: tuple[Any, ...]) -> None:
+    """Rank 0's KV-block call, on this rank's heads (rows to scatter arrive by broadcast)."""
+    if name == "scatter_rows":
+        blocks, shape, dtype = args
+        runner.kv.scatter_rows(blocks, torch.empty(shape, dtype=dtype, device=runner.device))
+    elif name in ("copy_blocks", "gather_rows"):
+        getattr(runner.kv, name)(*args)
+    else:
+        raise ValueError(f"unknown KV call {name!r}")
+
+
+def main() -> None:
+    address, rank = sys.argv[1], int(sys.argv[2])
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
+    conn.send(rank)
+    try:
+        serve(conn, rank)
+    except BaseException:
+        text = traceback.format_exc()
+        print(f"prefixserve tensor-parallel worker {rank} failed:\n{text}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            conn.send(("error", text))
+        os._exit(1)  # no clean-up: a collective may be stuck, and rank 0 fails the engine anyway
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

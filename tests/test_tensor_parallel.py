@@ -1,0 +1,214 @@
+"""Tensor parallelism on the CPU (gloo): one model over several processes gives what one process gives.
+
+The default model has 9 query heads and 3 KV heads: 3 ranks hold 3 and 1 each, with a third of the
+MLP columns and of the vocabulary. A tiny dummy model with 1 KV head over 2 ranks covers KV heads
+replicated across ranks. Greedy outputs must equal the single-process engine's, with sharing on
+and off; a killed worker must fail the engine at once with an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.config import EngineConfig
+from prefixserve.distributed.tensor_parallel import Shard, WorkerDiedError, check_divisible
+from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.loader import load_model, resolve_model
+from tests.conftest import TINY_CONFIG, assert_pool_empty
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+SHARED = "You are a careful assistant for a bicycle shop. Answer briefly and politely. " * 6
+PROMPTS = [SHARED + q for q in ("How do I fix a flat tyre?", "What is a derailleur?", "Which saddle?")]
+PROMPTS += ["The capital of France is", "1, 2, 3, 4,"]
+SCHEMA = """<schema name="shop">
+  <module name="policy">Returns are accepted within thirty days. Repairs take two days.</module>
+  <module name="hours">The shop opens at nine and closes at six, every day but Sunday.</module>
+</schema>"""
+PML = '<prompt schema="shop"><policy/><hours/> When can I collect a repair left on Saturday?</prompt>'
+
+
+def token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with 2 query heads and 1 KV head, and a vocabulary 2 ranks do not split evenly."""
+    cfg = dict(TINY_CONFIG, num_attention_heads=2, num_key_value_heads=1, vocab_size=1001, hidden_size=32)
+    path = tmp_path_factory.mktemp("one_kv") / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_shard_spans_and_refusals() -> None:
+    assert [Shard(r, 3).span(9) for r in range(3)] == [(0, 3), (3, 6), (6, 9)]
+    assert [Shard(r, 4).kv_head_span(2) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [Shard(r, 2).vocab_span(1001) for r in range(2)] == [(0, 501), (501, 1002)]
+    cfg = ModelConfig.from_hf_dict(TINY_CONFIG)  # 4 heads, 2 KV heads, 128 columns
+    local = Shard(1, 4).local_config(cfg)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (1, 1, 32)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide.*num_attention_heads=4"):
+        check_divisible(cfg, 3)
+
+
+def test_refused_before_any_worker_starts(tiny_config_path: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        LLM(model=f"dummy:{tiny_config_path}", device="cpu", tensor_parallel_size=3, progress=False)
+    assert time.monotonic() - started < 5
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("model", ["default", "one_kv_head"])
+def test_each_rank_loads_exactly_its_slices(model: str, request: pytest.FixtureRequest) -> None:
+    """Every rank's weights are the slices of the whole model's (GGUF-converted HF files, or dummy
+    weights drawn whole from the seed); concatenated back they are the whole model."""
+    spec = None if model == "default" else f"dummy:{request.getfixturevalue('one_kv_head')}"
+    size = 3 if model == "default" else 2
+    source = resolve_model(spec)
+    whole, _ = load_model(source, torch.float32, torch.device("cpu"), progress=False)
+    full = dict(whole.named_parameters())
+    ranks = [
+        dict(
+            load_model(source, torch.float32, torch.device("cpu"), progress=False, shard=Shard(r, size))[
+                0
+            ].named_parameters()
+        )
+        for r in range(size)
+    ]
+    cfg = whole.config
+    d, inter, vocab = cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    q_rows, kv_rows = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    for name, tensor in full.items():
+        parts = [r[name] for r in ranks]
+        if name.endswith("qkv_proj.weight"):
+            q = torch.cat([p[: q_rows // size] for p in parts])
+            assert torch.equal(q, tensor[:q_rows]), name
+            kv_local = parts[0].shape[0] - q_rows // size
+            for r, p in enumerate(parts):  # each rank's K and V heads: its own, or its replicated one
+                k0, k1 = Shard(r, size).kv_head_span(cfg.num_key_value_heads)
+                k = tensor[q_rows + k0 * d : q_rows + k1 * d]
+                v = tensor[q_rows + kv_rows + k0 * d : q_rows + kv_rows + k1 * d]
+                assert torch.equal(p[q_rows // size : q_rows // size + kv_local // 2], k), name
+                assert torch.equal(p[q_rows // size + kv_local // 2 :], v), name
+        elif name.endswith("gate_up_proj.weight"):
+            assert torch.equal(torch.cat([p[: inter // size] for p in parts]), tensor[:inter]), name
+            assert torch.equal(torch.cat([p[inter // size :] for p in parts]), tensor[inter:]), name
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, dim=1), tensor), name
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            joined = torch.cat(parts)
+            assert torch.equal(joined[:vocab], tensor), name
+            assert not joined[vocab:].any(), f"{name}: padded vocabulary rows must be zero"
+        else:
+            assert all(torch.equal(p, tensor) for p in parts), name
+
+
+def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
+    """Prefix-shared prompts twice (the second time from the prefix cache), then Prompt Cache modules
+    moved to host memory (gathered from every rank) and back (scattered): all as one process gives.
+    One engine per process: torch.distributed has one default group."""
+    single = LLM(dtype="float32", device="cpu", attention="reference", num_kv_blocks=512, progress=False)
+    single.engine.register_schema(SCHEMA)
+    expected = token_ids(default_llm, PROMPTS)
+    with LLM(dtype="float32", device="cpu", num_kv_blocks=512, tensor_parallel_size=3, progress=False) as tp:
+        assert token_ids(tp, PROMPTS) == expected
+        assert token_ids(tp, PROMPTS) == expected
+        assert tp.metrics()["prefix_cache_hit_tokens_total"] > 0
+        with pytest.raises(RuntimeError, match="already has one"):
+            LLM(dtype="float32", device="cpu", tensor_parallel_size=3, progress=False)
+        tp.engine.register_schema(SCHEMA)
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        for mode in ("none", "link:8"):
+            prompt = [{"prompt": PML, "module_recompute": mode}]
+            want = single.generate(prompt, params)[0].outputs[0].token_ids
+            assert tp.generate(prompt, params)[0].outputs[0].token_ids == want, mode
+            tp.engine.modules.move_out()  # every module to host memory, from 3 ranks
+            assert tp.generate(prompt, params)[0].outputs[0].token_ids == want, mode
+        assert tp.metrics()["module_loads_host_total"] >= 2
+        tp.engine.modules.move_out()  # the store's own blocks: then none is held
+        assert_pool_empty(tp)
+
+
+def test_greedy_equals_one_process_with_sharing_off(default_llm: LLM) -> None:
+    expected = token_ids(default_llm, PROMPTS)
+    with LLM(
+        dtype="float32",
+        device="cpu",
+        attention="reference",
+        enable_prefix_caching=False,
+        num_kv_blocks=512,
+        tensor_parallel_size=3,
+        progress=False,
+    ) as off:
+        assert token_ids(off, PROMPTS) == expected
+
+
+def test_replicated_kv_head_and_block_copies(one_kv_head: Path) -> None:
+    """1 KV head over 2 ranks (each holds it), n=3 samples sharing blocks (copy-on-write), and the
+    gathered rows equal one process's."""
+    ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10]]
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7)
+    kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
+    single = LLM(**kwargs)
+    with LLM(tensor_parallel_size=2, **kwargs) as tp:
+        for params in (GREEDY, seeded):
+            want = [[list(c.token_ids) for c in o.outputs] for o in single.generate(prompts, params)]
+            got = [[list(c.token_ids) for c in o.outputs] for o in tp.generate(prompts, params)]
+            assert got == want
+        blocks = tp.engine.pool.allocate(2), single.engine.pool.allocate(2)
+        packed = single.engine.kv.gather_rows(blocks[1], 20)
+        tp.engine.kv.scatter_rows(blocks[0], packed)
+        assert torch.equal(tp.engine.kv.gather_rows(blocks[0], 20), packed)
+        assert packed.shape[3] == 1  # every head of the model (here one)
+
+
+def test_killed_worker_fails_the_engine_fast(tiny_config_path: Path) -> None:
+    cfg = dict(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, progress=False)
+    llm = LLM(tensor_parallel_size=2, **cfg)
+    try:
+        assert len(token_ids(llm, ["hello there"]) if llm.get_tokenizer() else [[1]]) == 1
+        worker = llm.engine.runner.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid \d+\) died with exit code -9"):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)
+        assert time.monotonic() - started < 15
+    finally:
+        llm.shutdown()
+    assert all(p.poll() is not None for p in llm.engine.runner.procs)
+
+
+def test_server_on_top_and_a_dead_worker(tiny_config_path: Path) -> None:
+    """The HTTP server runs unchanged over 2 ranks; when a worker dies, requests fail and /health says
+    503 instead of the server hanging."""
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, tensor_parallel_size=2
+    )
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        body = {"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 5, "temperature": 0}
+        first = http.post("/v1/completions", json=body)
+        assert first.status_code == 200, first.text
+        assert http.get("/health").status_code == 200
+        assert "prefixserve_generation_tokens_total" in http.get("/metrics").text
+        procs = srv.engine_loop.engine.runner.procs
+        os.kill(procs[0].pid, signal.SIGKILL)
+        failed = http.post("/v1/completions", json=body)
+        assert failed.status_code >= 500
+        deadline = time.monotonic() + 15
+        while http.get("/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http.get("/health").status_code == 503
+    assert all(p.poll() is not None for p in procs)
