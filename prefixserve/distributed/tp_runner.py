@@ -17,6 +17,7 @@ worker's exit and aborts the process group, so no rank stays blocked in a collec
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -52,7 +53,8 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     device = config.torch_device
     if device.type != "cuda":
         return config
-    return replace(config, device=f"cuda:{(device.index or 0) + rank}")
+    # each rank's own config names one device: the rank count was checked against the GPUs already
+    return replace(config, device=f"cuda:{(device.index or 0) + rank}", tensor_parallel_size=1)
 
 
 def init_rank(config: EngineConfig, rank: int, size: int, init_file: str) -> Shard:
@@ -131,6 +133,7 @@ class TensorParallelRunner(ModelRunner):
                 self.procs.append(proc)
             for _ in range(1, size):
                 self.conns.append(self._accept(listener))
+            listener.close()
             ranks = [conn.recv() for conn in self.conns]  # each says its rank first
             self.conns = [c for _, c in sorted(zip(ranks, self.conns, strict=True), key=lambda rc: rc[0])]
             for rank, conn in enumerate(self.conns, start=1):
@@ -148,10 +151,10 @@ class TensorParallelRunner(ModelRunner):
             for rank, conn in enumerate(self.conns, start=1):
                 self._expect(conn, rank, "ready")
         except BaseException:
+            with contextlib.suppress(OSError):
+                listener.close()
             self.shutdown()
             raise
-        finally:
-            listener.close()
         self.kv = _BroadcastKV(self.kv, self)  # type: ignore[assignment]
 
     def _accept(self, listener: Listener) -> Connection:
@@ -267,14 +270,27 @@ class TensorParallelRunner(ModelRunner):
         if self._closing:
             return
         self._closing = True
+        for conn in self.conns:  # every rank leaves the group at once: none waits for another
+            with contextlib.suppress(OSError):
+                conn.send(("stop",))
+        leave_group()
         _stop_workers(self.procs, self.conns)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                log.debug("destroying the process group failed", exc_info=True)
         torch.set_num_threads(self._threads_before)
         self._tmp.cleanup()
+
+
+def leave_group() -> None:
+    """Leave the process group without waiting for the other ranks. NCCL's destroy waits for every
+    rank (and hangs once one has gone, or while it is still finishing); an abort does not."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:
+        log.debug("leaving the process group failed", exc_info=True)
 
 
 def _reraise(exc: BaseException) -> None:
@@ -298,4 +314,4 @@ def _stop_workers(procs: list[subprocess.Popen[bytes]], conns: list[Connection])
             proc.wait()
 
 
-__all__ = ["TensorParallelRunner", "WorkerDiedError", "init_rank", "rank_config"]
+__all__ = ["TensorParallelRunner", "WorkerDiedError", "init_rank", "leave_group", "rank_config"]

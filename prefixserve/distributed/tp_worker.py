@@ -16,17 +16,19 @@ from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.tp_runner import init_rank
+from prefixserve.distributed.tp_runner import init_rank, leave_group
 from prefixserve.engine.model_runner import Launch, ModelRunner, context_length
 from prefixserve.model.loader import ModelSource, load_model
 
 
 def serve(conn: Connection, rank: int) -> None:
     """Load this rank's shard, then run rank 0's messages until "stop"."""
-    config, source, size, init_file = conn.recv()
+    first = conn.recv()
+    if first == ("stop",):  # rank 0 failed before the start-up message
+        return
+    config, source, size, init_file = first
     config: EngineConfig
     source: ModelSource
     if config.torch_device.type == "cpu":  # the ranks share the cores
@@ -82,8 +84,7 @@ def main() -> None:
         with contextlib.suppress(OSError):
             conn.send(("error", text))
         os._exit(1)  # no clean-up: a collective may be stuck, and rank 0 fails the engine anyway
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":
