@@ -120,6 +120,25 @@ def main(argv: list[str] | None = None) -> None:
     def save() -> None:
         write_results(NAME, payload, markdown(payload))
 
+    if "allreduce" in args.parts:
+        cfg = _config(args.model)
+        result = allreduce(tp, cfg["hidden_size"], cfg["num_hidden_layers"], args.batches)
+        payload["allreduce"] = {str(b): v for b, v in result.items()}
+        print(payload["allreduce"], flush=True)
+        save()
+    if "compare" in args.parts:
+        p = args.compare_prefix
+        for b in args.batches:
+            prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
+            row = {"B": b, "P": p}
+            for size in (1, tp):
+                row[f"tp{size}_tok_s"] = measure(
+                    args.compare_model, args.device, "auto", prompts, args.gen, tp=size
+                )["tok_s"]
+            print(row, flush=True)
+            payload["compare"] = [x for x in payload["compare"] if x["B"] != b] + [row]
+            payload["compare"].sort(key=lambda x: x["B"])
+            save()
     if "grid" in args.parts:
         for b in args.batches:
             for p in args.prefixes:
@@ -135,24 +154,6 @@ def main(argv: list[str] | None = None) -> None:
                 payload["grid"] = [x for x in payload["grid"] if (x["B"], x["P"]) != (b, p)] + [row]
                 payload["grid"].sort(key=lambda x: (x["B"], x["P"]))
                 save()
-    if "compare" in args.parts:
-        p = args.compare_prefix
-        for b in args.batches:
-            prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
-            row = {"B": b, "P": p}
-            for size in (1, tp):
-                row[f"tp{size}_tok_s"] = measure(
-                    args.compare_model, args.device, "auto", prompts, args.gen, tp=size
-                )["tok_s"]
-            print(row, flush=True)
-            payload["compare"] = [x for x in payload["compare"] if x["B"] != b] + [row]
-            payload["compare"].sort(key=lambda x: x["B"])
-            save()
-    if "allreduce" in args.parts:
-        cfg = _config(args.model)
-        result = allreduce(tp, cfg["hidden_size"], cfg["num_hidden_layers"], args.batches)
-        payload["allreduce"] = {str(b): v for b, v in result.items()}
-        print(payload["allreduce"], flush=True)
     save()
 
 

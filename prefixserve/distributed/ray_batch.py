@@ -24,9 +24,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise ImportError(
-            "prefixserve batch --ray needs Ray: pip install 'prefixserve[ray]'"
-        ) from exc
+        raise ImportError("prefixserve batch --ray needs Ray: pip install 'prefixserve[ray]'") from exc
     return ray
 
 
@@ -126,8 +124,9 @@ class PrefixserveProcessor:
     ``ds.map_batches(PrefixserveProcessor, fn_constructor_kwargs={"model": None, "max_tokens": 64},
     concurrency=2, batch_size=256)`` adds ``generated_text`` (and ``num_cached_tokens``) columns."""
 
-    def __init__(self, model: str | None = None, max_tokens: int = 64, temperature: float = 0.0,
-                 **engine_kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, max_tokens: int = 64, temperature: float = 0.0, **engine_kwargs: Any
+    ) -> None:
         from prefixserve.entrypoints.llm import LLM
         from prefixserve.sampling.params import SamplingParams
 

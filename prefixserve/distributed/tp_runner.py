@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -270,27 +271,39 @@ class TensorParallelRunner(ModelRunner):
         if self._closing:
             return
         self._closing = True
-        for conn in self.conns:  # every rank leaves the group at once: none waits for another
+        for conn in self.conns:  # workers exit without a collective: none waits for another
             with contextlib.suppress(OSError):
                 conn.send(("stop",))
+        # NCCL keeps a communicator that captured graphs use until they are gone: drop them first
+        self.graphs = None
+        gc.collect()
         leave_group()
         _stop_workers(self.procs, self.conns)
         torch.set_num_threads(self._threads_before)
         self._tmp.cleanup()
 
 
-def leave_group() -> None:
-    """Leave the process group without waiting for the other ranks. NCCL's destroy waits for every
-    rank (and hangs once one has gone, or while it is still finishing); an abort does not."""
+def leave_group(timeout_s: float = 15.0) -> None:
+    """Leave the process group without waiting for the other ranks (NCCL: an abort, not a destroy,
+    which waits for every rank). Bounded: should it still block, the process goes on without it
+    (the group's resources stay until exit) rather than hang its caller."""
     if not dist.is_initialized():
         return
-    try:
-        if dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
-    except Exception:
-        log.debug("leaving the process group failed", exc_info=True)
+
+    def leave() -> None:
+        try:
+            if dist.get_backend() == "nccl":
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception:
+            log.debug("leaving the process group failed", exc_info=True)
+
+    thread = threading.Thread(target=leave, daemon=True, name="tp-leave")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("leaving the tensor-parallel process group took over %.0f s; going on without", timeout_s)
 
 
 def _reraise(exc: BaseException) -> None:

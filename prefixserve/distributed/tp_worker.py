@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.tp_runner import init_rank, leave_group
+from prefixserve.distributed.tp_runner import init_rank
 from prefixserve.engine.model_runner import Launch, ModelRunner, context_length
 from prefixserve.model.loader import ModelSource, load_model
 
@@ -84,7 +84,8 @@ def main() -> None:
         with contextlib.suppress(OSError):
             conn.send(("error", text))
         os._exit(1)  # no clean-up: a collective may be stuck, and rank 0 fails the engine anyway
-    leave_group()
+    sys.stdout.flush()
+    os._exit(0)  # no collective on the way out: rank 0 leaves the group on its own
 
 
 if __name__ == "__main__":
