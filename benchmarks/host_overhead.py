@@ -60,8 +60,8 @@ from benchmarks._common import run_info, write_results
 from prefixserve.attention.graph import HeadShape
 from prefixserve.attention.kernels.triton_backend import TritonStep, build_layout
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.tensor_parallel import Shard
 from prefixserve.engine import Engine
+from prefixserve.model.parallel import Shard
 from prefixserve.sampling.params import SamplingParams
 
 BLOCK = 16

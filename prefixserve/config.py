@@ -62,7 +62,7 @@ class EngineConfig:
     # prefix-cache blocks evicted from the pool are copied to that host tier and come back on a hit
     spill_prefix_cache: bool = False
     # tensor parallelism: the model split over this many GPUs (gloo processes on a CPU), one worker
-    # process per rank beside this one (prefixserve/distributed/tp_runner.py)
+    # process per rank beside this one (prefixserve/engine/tp_runner.py)
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

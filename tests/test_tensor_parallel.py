@@ -20,10 +20,10 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.tensor_parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.entrypoints.server import ServerThread, build_app
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.loader import load_model, resolve_model
+from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from tests.conftest import TINY_CONFIG, assert_pool_empty
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)

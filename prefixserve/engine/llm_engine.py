@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.tensor_parallel import WorkerDiedError
 from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
 from prefixserve.engine.output_processor import request_output, stop_reason
@@ -30,6 +29,7 @@ from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
+from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.recompute import parse_recompute
 from prefixserve.sampling.params import SamplingParams
@@ -78,7 +78,7 @@ class Engine:
         source = resolve_model(config.model)
         self.model_name = source.name
         if config.tensor_parallel_size > 1:  # this process is rank 0; workers hold the other shards
-            from prefixserve.distributed.tp_runner import TensorParallelRunner
+            from prefixserve.engine.tp_runner import TensorParallelRunner
 
             self.runner = TensorParallelRunner(config, source, progress)
             tok_dir = self.runner.tokenizer_dir

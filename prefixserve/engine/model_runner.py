@@ -41,7 +41,7 @@ class StepBatch:
     positions: list[int]
     meta: AttentionMetadata
     graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
-    args: tuple[Any, ...] = ()  # what ``plan`` was given: tensor-parallel workers plan from it too
+    plan_id: int = 0  # tensor parallelism: which of the workers' plans this is (``TensorParallelRunner``)
 
 
 @dataclass(slots=True)
@@ -132,7 +132,6 @@ class ModelRunner:
         marks Prompt Cache module blocks (``AttentionMetadata.module_rows``).
         """
         bs = self.block_size
-        args = (positions, query_lens, seq_lens, tables, module_rows, eager)
         decode = len(positions) == len(query_lens)  # one token each
         if self.graphs is not None and decode and not eager:
             bucket = self.graphs.bucket_for(len(positions))
@@ -140,12 +139,12 @@ class ModelRunner:
                 meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu", module_rows)  # host-only
                 step = self.backend.graph_step(meta, self.graphs.shape, bucket)
                 if step is not None:
-                    return StepBatch(positions, meta, step, args)
+                    return StepBatch(positions, meta, step)
                 log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
                 self.graphs = None
         meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
         self.backend.prepare(meta)
-        return StepBatch(positions, meta, None, args)
+        return StepBatch(positions, meta, None)
 
     # ---- launching -----------------------------------------------------------------------------
     def forward(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from prefixserve.distributed.tensor_parallel import WorkerDiedError
 from prefixserve.engine import Engine
+from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import SamplingParams

@@ -8,8 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from prefixserve.distributed.tensor_parallel import Shard
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.parallel import Shard
 
 # [layers, 2, rows, kv_heads, head_dim]: the KV rows of one entry, packed (no padding)
 PackedKV = torch.Tensor

@@ -21,9 +21,9 @@ from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.distributed.tensor_parallel import Shard
 from prefixserve.model import fused
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.parallel import Shard
 
 
 class RMSNorm(nn.Module):

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from prefixserve.config import cache_dir
-from prefixserve.distributed.tensor_parallel import Shard
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import (
     LlamaForCausalLM,
@@ -28,6 +27,7 @@ from prefixserve.model.llama import (
     VocabParallelEmbedding,
     rope_inv_freq,
 )
+from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: one rank's shard, running each device call rank 0 sends it.
 
-Started by ``TensorParallelRunner`` as ``python -m prefixserve.distributed.tp_worker ADDRESS RANK``
+Started by ``TensorParallelRunner`` as ``python -m prefixserve.engine.tp_worker ADDRESS RANK``
 (the socket's key on its standard input). It loads its shard, sizes its KV cache with the
 other ranks, says "ready", then runs messages in order until told to stop or until rank 0's socket
 closes. Any error ends the process after sending its traceback: rank 0 reports it and fails.
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.tp_runner import init_rank
-from prefixserve.engine.model_runner import Launch, ModelRunner, context_length
+from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
+from prefixserve.engine.tp_runner import init_rank
 from prefixserve.model.loader import ModelSource, load_model
 
 
@@ -38,26 +38,43 @@ def serve(conn: Connection, rank: int) -> None:
     runner = ModelRunner(model, config, context_length(config, model))
     conn.send(("ready",))
     launch: Launch | None = None
+    plans: dict[int, StepBatch | Exception] = {}  # by rank 0's plan id, until a call uses one
     while True:
         try:
             op, *args = conn.recv()
         except EOFError:  # rank 0 is gone
             return
-        if op == "forward":
-            plan_args, ids, copies = args
-            launch = runner.forward(ids, runner.plan(*plan_args), copies)
+        if op == "plan":  # a plan that fails here failed on rank 0 too: only its use would be fatal
+            plan_id, plan_args, plan_kwargs = args
+            try:
+                plans[plan_id] = runner.plan(*plan_args, **plan_kwargs)
+            except Exception as exc:
+                plans[plan_id] = exc
+        elif op == "forward":
+            plan_id, ids, copies = args
+            launch = runner.forward(ids, _planned(plans, plan_id), copies)
         elif op == "logits":
             assert launch is not None, "logits before any forward"
             runner.logits(launch, args[0])
         elif op == "deviation":
-            plan_args, ids = args
-            runner.kv_deviation(ids, runner.plan(*plan_args))
+            plan_id, ids = args
+            runner.kv_deviation(ids, _planned(plans, plan_id))
         elif op == "kv":
             _kv_call(runner, args[0], args[1:])
         elif op == "stop":
             return
         else:
             raise ValueError(f"unknown message {op!r}")
+
+
+def _planned(plans: dict[int, StepBatch | Exception], plan_id: int) -> StepBatch:
+    """The plan rank 0 launches, taken out with every older one (rank 0 replans a step at times)."""
+    for old in [k for k in plans if k < plan_id]:
+        del plans[old]
+    batch = plans.pop(plan_id)
+    if isinstance(batch, Exception):
+        raise batch
+    return batch
 
 
 def _kv_call(runner: ModelRunner, name: str, args: tuple[Any, ...]) -> None:

@@ -6,7 +6,7 @@ the workers first, as one small pickled message over a local socket (the step's 
 token ids and copy-on-write pairs; the rows to score; a KV-block copy), and every rank then runs the
 same call on its own shard: the collectives inside (all-reduces after o_proj, down_proj and the
 embedding; the logits' all-gather) meet because every rank makes the same calls in the same order.
-The workers are plain ``python -m prefixserve.distributed.tp_worker`` processes, so a user's script
+The workers are plain ``python -m prefixserve.engine.tp_worker`` processes, so a user's script
 is not imported again in them (``multiprocessing``'s spawn would).
 
 A worker that dies fails the engine at once with ``WorkerDiedError``: a thread waits on every
@@ -39,14 +39,15 @@ import torch
 import torch.distributed as dist
 
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.tensor_parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
 from prefixserve.kv.cache import KVCache, PackedKV
 from prefixserve.model.loader import ModelSource, load_model, model_config
+from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a large checkpoint's shard, per worker
+DEATH_NOTICE_S = 3.0  # after a failed collective, how long to wait to learn whether a worker died
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -115,7 +116,9 @@ class TensorParallelRunner(ModelRunner):
         # not split over the ranks is refused before any process starts
         check_divisible(model_config(source, progress), size)
         self._closing = False
+        self._plan_id = 0
         self._dead: WorkerDiedError | None = None
+        self._died = threading.Event()
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixserve-tp-")
         init_file = str(Path(self._tmp.name) / "init")
         authkey = secrets.token_bytes(16)
@@ -126,7 +129,7 @@ class TensorParallelRunner(ModelRunner):
         try:
             for rank in range(1, size):
                 env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-                cmd = [sys.executable, "-m", "prefixserve.distributed.tp_worker", listener.address, str(rank)]
+                cmd = [sys.executable, "-m", "prefixserve.engine.tp_worker", listener.address, str(rank)]
                 proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE)
                 assert proc.stdin is not None
                 proc.stdin.write(authkey.hex().encode() + b"\n")  # the socket's key, never in argv
@@ -201,6 +204,7 @@ class TensorParallelRunner(ModelRunner):
                 f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {code}; "
                 f"the engine cannot go on without it{detail}"
             )
+            self._died.set()
             log.error("%s", self._dead)
             if dist.is_initialized():
                 try:
@@ -224,11 +228,10 @@ class TensorParallelRunner(ModelRunner):
         try:
             return fn(*args)
         except Exception as exc:
-            deadline = time.monotonic() + 5.0
-            while self._dead is None and time.monotonic() < deadline and not self._closing:
-                if all(p.poll() is None for p in self.procs):
-                    break
-                time.sleep(0.05)
+            # a failed collective nearly always means a rank has gone: give its watcher a moment
+            # (polling the process here would race the watcher's own wait for it)
+            if not self._closing:
+                self._died.wait(DEATH_NOTICE_S)
             if self._dead is not None:
                 raise self._dead from exc
             raise
@@ -243,8 +246,18 @@ class TensorParallelRunner(ModelRunner):
             self.guard(_reraise, exc)
 
     # ---- the runner's device calls ----------------------------------------------------------------
+    def plan(self, *args: Any, **kwargs: Any) -> StepBatch:
+        """The workers get the plan's arguments first and plan while this rank does: by the time the
+        forward reaches them their plan is ready, and their launch is not late to the first
+        all-reduce by a plan's host time."""
+        self._plan_id += 1
+        self.call("plan", self._plan_id, args, kwargs)
+        batch = super().plan(*args, **kwargs)
+        batch.plan_id = self._plan_id
+        return batch
+
     def forward(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
-        self.call("forward", batch.args, ids, copies)
+        self.call("forward", batch.plan_id, ids, copies)
         return self.guard(self._forward_local, ids, batch, copies)
 
     def _forward_local(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
@@ -260,7 +273,7 @@ class TensorParallelRunner(ModelRunner):
         return self.guard(super().logits, launch, rows)
 
     def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
-        self.call("deviation", batch.args, ids)
+        self.call("deviation", batch.plan_id, ids)
         return self.guard(super().kv_deviation, ids, batch)
 
     def wait(self, launch: Launch) -> Any:
