@@ -212,3 +212,14 @@ def test_server_on_top_and_a_dead_worker(tiny_config_path: Path) -> None:
             time.sleep(0.1)
         assert http.get("/health").status_code == 503
     assert all(p.poll() is not None for p in procs)
+
+
+def test_a_failed_start_leaves_no_worker_or_group(tiny_config_path: Path) -> None:
+    import torch.distributed as dist
+
+    cfg = dict(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, progress=False)
+    with pytest.raises(ValueError, match="malformed XML"):
+        LLM(tensor_parallel_size=2, schemas=["<schema name='broken'><module"], **cfg)
+    assert not dist.is_initialized()
+    with LLM(tensor_parallel_size=2, **cfg) as llm:  # a later engine starts as if nothing happened
+        assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)[0].outputs[0].token_ids

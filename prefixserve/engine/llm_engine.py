@@ -85,6 +85,14 @@ class Engine:
         else:
             model, tok_dir = load_model(source, self.dtype, self.device, config.seed, progress)
             self.runner = ModelRunner(model, config, context_length(config, model))  # sizes the KV pool
+        try:
+            self._set_up(config, source, tok_dir)
+        except BaseException:  # tensor parallelism: no worker outlives a failed start
+            self.runner.shutdown()
+            raise
+
+    def _set_up(self, config: EngineConfig, source: Any, tok_dir: Any) -> None:
+        """Everything past the model runner: pool, scheduler, Prompt Cache, pinned prompts, schemas."""
         self.model_config = self.runner.model.full_config
         self.tokenizer = load_tokenizer(tok_dir)
         bs = config.block_size

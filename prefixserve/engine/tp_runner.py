@@ -16,7 +16,6 @@ worker's exit and aborts the process group, so no rank stays blocked in a collec
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import logging
@@ -125,6 +124,8 @@ class TensorParallelRunner(ModelRunner):
         listener = Listener(str(Path(self._tmp.name) / "socket"), family="AF_UNIX", authkey=authkey)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
+        # runs once: at shutdown, when the runner is collected, or when the interpreter exits
+        self._release = weakref.finalize(self, _release, self.procs, self.conns)
         self._threads_before = torch.get_num_threads()
         try:
             for rank in range(1, size):
@@ -143,8 +144,6 @@ class TensorParallelRunner(ModelRunner):
             for rank, conn in enumerate(self.conns, start=1):
                 conn.send((rank_config(config, rank), source, size, init_file))
             self._watch()
-            self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
-            atexit.register(self._finalizer)
             if config.torch_device.type == "cpu":  # the ranks share the cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
             shard = self.guard(init_rank, rank_config(config, 0), 0, size, init_file)
@@ -284,14 +283,10 @@ class TensorParallelRunner(ModelRunner):
         if self._closing:
             return
         self._closing = True
-        for conn in self.conns:  # workers exit without a collective: none waits for another
-            with contextlib.suppress(OSError):
-                conn.send(("stop",))
         # NCCL keeps a communicator that captured graphs use until they are gone: drop them first
         self.graphs = None
         gc.collect()
-        leave_group()
-        _stop_workers(self.procs, self.conns)
+        self._release()
         torch.set_num_threads(self._threads_before)
         self._tmp.cleanup()
 
@@ -323,14 +318,14 @@ def _reraise(exc: BaseException) -> None:
     raise exc
 
 
-def _stop_workers(procs: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
-    """Ask every worker to stop, then end any that do not within a few seconds."""
+def _release(procs: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+    """Tell every worker to stop (they exit without a collective), leave the process group at once,
+    then end any worker still running after a few seconds."""
     for conn in conns:
-        try:
+        with contextlib.suppress(OSError):
             conn.send(("stop",))
             conn.close()
-        except OSError:
-            pass
+    leave_group()
     deadline = time.monotonic() + 10.0
     for proc in procs:
         try:
