@@ -132,9 +132,10 @@ def main(argv: list[str] | None = None) -> None:
             prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
             row = {"B": b, "P": p}
             for size in (1, tp):
-                row[f"tp{size}_tok_s"] = measure(
-                    args.compare_model, args.device, "auto", prompts, args.gen, tp=size
-                )["tok_s"]
+                r = measure(args.compare_model, args.device, "auto", prompts, args.gen, tp=size)
+                row[f"tp{size}_tok_s"] = r["tok_s"]
+                # rank 0's GPU idle between decode steps: a host-bound step shows here
+                row[f"tp{size}_host_overhead_frac"] = r["host_overhead_frac"]
             print(row, flush=True)
             payload["compare"] = [x for x in payload["compare"] if x["B"] != b] + [row]
             payload["compare"].sort(key=lambda x: x["B"])
@@ -198,12 +199,16 @@ def markdown(payload: dict) -> str:
             "",
             f"## {payload['compare_model']}: TP=1 vs TP={tp} (sharing on)",
             "",
-            f"| B | P | TP=1 tok/s | TP={tp} tok/s | TP={tp} / TP=1 |",
-            "| ---: | ---: | ---: | ---: | ---: |",
+            f"| B | P | TP=1 tok/s | TP={tp} tok/s | TP={tp} / TP=1 | GPU idle between steps |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in payload["compare"]:
             one, many = r.get("tp1_tok_s", 0), r.get(f"tp{tp}_tok_s", 0)
-            md.append(f"| {r['B']} | {r['P']} | {one:.0f} | {many:.0f} | {many / max(one, 1e-9):.2f}x |")
+            idle = [r.get(f"tp{n}_host_overhead_frac") for n in (1, tp)]
+            idle_s = " / ".join(f"{x:.0%}" for x in idle) if None not in idle else "-"
+            md.append(
+                f"| {r['B']} | {r['P']} | {one:.0f} | {many:.0f} | {many / max(one, 1e-9):.2f}x | {idle_s} |"
+            )
     return "\n".join(md) + "\n"
 
 

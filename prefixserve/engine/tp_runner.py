@@ -16,6 +16,7 @@ worker's exit and aborts the process group, so no rank stays blocked in a collec
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -27,7 +28,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
@@ -77,6 +78,39 @@ def init_rank(config: EngineConfig, rank: int, size: int, init_file: str) -> Sha
     return Shard(rank, size, dist.group.WORLD)
 
 
+@dataclass(slots=True)
+class _Health:
+    """What the watcher threads and the runner share: a worker's death, and whether exits are asked for."""
+
+    dead: WorkerDiedError | None = None
+    died: threading.Event = field(default_factory=threading.Event)
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+
+def _watch_worker(health: _Health, rank: int, proc: subprocess.Popen[bytes], conn: Connection) -> None:
+    """Wait for one worker's exit; one not asked for marks the engine dead and aborts the group."""
+    code = proc.wait()
+    if health.stopping.is_set():
+        return
+    detail = ""
+    try:
+        if conn.poll():
+            detail = "\n" + str(conn.recv()[1])
+    except (EOFError, OSError):
+        pass
+    health.dead = WorkerDiedError(
+        f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {code}; "
+        f"the engine cannot go on without it{detail}"
+    )
+    health.died.set()
+    log.error("%s", health.dead)
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # gloo: a dead peer's closed sockets already fail the collectives
+            log.debug("aborting the process group failed", exc_info=True)
+
+
 class _BroadcastKV:
     """Rank 0's KV cache: every call that changes or reads blocks goes to the workers first."""
 
@@ -114,10 +148,8 @@ class TensorParallelRunner(ModelRunner):
         # a GGUF is converted here, once, before the workers look for it; a model whose heads do
         # not split over the ranks is refused before any process starts
         check_divisible(model_config(source, progress), size)
-        self._closing = False
         self._plan_id = 0
-        self._dead: WorkerDiedError | None = None
-        self._died = threading.Event()
+        self.health = _Health()
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixserve-tp-")
         init_file = str(Path(self._tmp.name) / "init")
         authkey = secrets.token_bytes(16)
@@ -125,11 +157,12 @@ class TensorParallelRunner(ModelRunner):
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
         # runs once: at shutdown, when the runner is collected, or when the interpreter exits
-        self._release = weakref.finalize(self, _release, self.procs, self.conns)
+        self._release = weakref.finalize(self, _release, self.procs, self.conns, self.health)
+        atexit.register(self.health.stopping.set)  # runs first at exit: workers ending then are expected
         self._threads_before = torch.get_num_threads()
         try:
             for rank in range(1, size):
-                env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+                env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=_import_path())
                 cmd = [sys.executable, "-m", "prefixserve.engine.tp_worker", listener.address, str(rank)]
                 proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE)
                 assert proc.stdin is not None
@@ -187,38 +220,16 @@ class TensorParallelRunner(ModelRunner):
     # ---- failure ---------------------------------------------------------------------------------
     def _watch(self) -> None:
         """A thread per worker waits on its exit; an exit not asked for marks the engine dead and
-        aborts the process group (a rank blocked in a collective is released with an error)."""
-
-        def wait(rank: int, proc: subprocess.Popen[bytes], conn: Connection) -> None:
-            code = proc.wait()
-            if self._closing:
-                return
-            detail = ""
-            try:
-                if conn.poll():
-                    detail = "\n" + str(conn.recv()[1])
-            except (EOFError, OSError):
-                pass
-            self._dead = WorkerDiedError(
-                f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {code}; "
-                f"the engine cannot go on without it{detail}"
-            )
-            self._died.set()
-            log.error("%s", self._dead)
-            if dist.is_initialized():
-                try:
-                    dist.distributed_c10d._abort_process_group()
-                except Exception:  # gloo: a dead peer's closed sockets already fail the collectives
-                    log.debug("aborting the process group failed", exc_info=True)
-
+        aborts the process group (a rank blocked in a collective is released with an error). The
+        threads hold the shared ``_Health``, not the runner, so the runner can still be collected."""
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
-            watcher = threading.Thread(target=wait, args=(rank, proc, conn), daemon=True, name=f"tp-{rank}")
-            watcher.start()
+            args = (self.health, rank, proc, conn)
+            threading.Thread(target=_watch_worker, args=args, daemon=True, name=f"tp-{rank}").start()
 
     def check(self) -> None:
         """Raise ``WorkerDiedError`` if a worker has died."""
-        if self._dead is not None:
-            raise self._dead
+        if self.health.dead is not None:
+            raise self.health.dead
 
     def guard(self, fn: Any, *args: Any) -> Any:
         """Run a call that meets the workers in collectives; a failure caused by a dead worker is
@@ -229,10 +240,10 @@ class TensorParallelRunner(ModelRunner):
         except Exception as exc:
             # a failed collective nearly always means a rank has gone: give its watcher a moment
             # (polling the process here would race the watcher's own wait for it)
-            if not self._closing:
-                self._died.wait(DEATH_NOTICE_S)
-            if self._dead is not None:
-                raise self._dead from exc
+            if not self.health.stopping.is_set():
+                self.health.died.wait(DEATH_NOTICE_S)
+            if self.health.dead is not None:
+                raise self.health.dead from exc
             raise
 
     def call(self, *message: Any) -> None:
@@ -280,15 +291,22 @@ class TensorParallelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
-        if self._closing:
+        if self.health.stopping.is_set():
             return
-        self._closing = True
         # NCCL keeps a communicator that captured graphs use until they are gone: drop them first
         self.graphs = None
         gc.collect()
         self._release()
         torch.set_num_threads(self._threads_before)
         self._tmp.cleanup()
+
+
+def _import_path() -> str:
+    """PYTHONPATH for a worker: this process's prefixserve first, so both import the same code."""
+    import prefixserve
+
+    here = str(Path(prefixserve.__file__).resolve().parent.parent)
+    return os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def leave_group(timeout_s: float = 15.0) -> None:
@@ -318,9 +336,10 @@ def _reraise(exc: BaseException) -> None:
     raise exc
 
 
-def _release(procs: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+def _release(procs: list[subprocess.Popen[bytes]], conns: list[Connection], health: _Health) -> None:
     """Tell every worker to stop (they exit without a collective), leave the process group at once,
     then end any worker still running after a few seconds."""
+    health.stopping.set()
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.send(("stop",))
