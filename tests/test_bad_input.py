@@ -28,6 +28,8 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(default_llm: LLM) -> 
         llm.generate("")
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate({"prompt_token_ids": [10**9]})
+    with pytest.raises(ValueError, match="as integers"):  # not a TypeError from deep inside
+        llm.generate({"prompt_token_ids": [1, "2", 3.5]})
     assert_pool_empty(llm)
     out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert len(out.outputs[0].token_ids) == 3

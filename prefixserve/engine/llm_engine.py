@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -387,8 +388,8 @@ class Engine:
             check = tokens[len(modules.blocks) * self.config.block_size :]
         else:
             check = tokens
-        if any(not 0 <= t < vocab for t in check):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not (type(t) is int or isinstance(t, numbers.Integral)) or not 0 <= t < vocab for t in check):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), as integers")
         if len(tokens) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(tokens)} tokens, over the context length of {self.max_model_len} "
