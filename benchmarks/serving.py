@@ -10,6 +10,11 @@ Questions:
 The default model on this machine's CPU, synthetic chat-like lengths, seeded. Writes
 docs/benchmarks/serving.json, serving.md and serving.png. Run: ``python benchmarks/serving.py``
 (``--quick`` for a smoke run).
+
+``--device cuda`` runs the GPU benchmark instead (``benchmarks/serving_gpu.py``: the ``prefixserve serve``
+CLI in a subprocess, the official ``openai`` client with streaming, RelayAttention's rate sweep with 2K
+and 8K pinned system prompts, Hydragen's shared document and n=64 samples, offline vs server), which
+writes serving_gpu.{json,md,png}; ``--smoke`` runs that path on the CPU with a tiny model.
 """
 
 from __future__ import annotations
@@ -373,7 +378,28 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def main() -> None:
+    # --device cuda (or --smoke, or --part): the GPU benchmark through the real server (serving_gpu.py)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    first.add_argument("--smoke", action="store_true")
+    first.add_argument("--part", default=None)
+    known, _ = first.parse_known_args()
+    if known.device == "cuda" or known.smoke or known.part:
+        import sys
+
+        sys.path.insert(0, str(ROOT))
+        from benchmarks import serving_gpu
+
+        serving_gpu.main(sys.argv[1:])
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: the GPU benchmark through `prefixserve serve` (benchmarks/serving_gpu.py; "
+        "its options: --device cuda --help)",
+    )
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
     p.add_argument("--requests", type=int, default=10, help="requests per rate")
     p.add_argument("--system-tokens", type=int, default=600)

@@ -28,7 +28,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 @dataclass(kw_only=True)
 class ServerState(OpenAIContext):
     """What the routes need, fixed at start-up. The tokenizer is only read here (chat templates,
-    one-token decodes for logprobs); encoding happens on the engine thread."""
+    one-token decodes for logprobs, text prompts encoded in worker threads before they are queued,
+    so that the engine thread never stops stepping to tokenize)."""
 
     loop: EngineLoop
     max_model_len: int
