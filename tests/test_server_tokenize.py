@@ -59,21 +59,23 @@ def test_running_stream_keeps_flowing_while_a_long_prompt_is_tokenized(server: S
     }
 
     def stream_a() -> None:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                last = None
-                for line in r.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                    if len(gaps) == 20:
-                        started.set()
-                    if len(gaps) >= 20 and done.is_set():
-                        return  # hang up: the server aborts A
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            last = None
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                if len(gaps) == 20:
+                    started.set()
+                if len(gaps) >= 20 and done.is_set():
+                    return  # hang up: the server aborts A
 
     done = threading.Event()
     a = threading.Thread(target=stream_a)
