@@ -27,6 +27,7 @@ from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
 from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
+from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, sample_async
@@ -101,8 +102,10 @@ class ModelRunner:
         )
         self.backend = make_backend(config.attention)
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None  # eager steps' dense work (prefills, mixed steps)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
+            self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # The device's own clock (CUDA): busy time of steps and the gaps between them, where the GPU
         # waited on the host; and the host's time spent waiting on the device (any device).
@@ -178,6 +181,8 @@ class ModelRunner:
                     meta.module_rows,
                 )
                 self.backend.prepare(batch.meta)
+        if self.pieces is not None and self.pieces.fits(len(ids)):
+            return self.pieces.run(ids, batch.positions, batch.meta, self.backend)
         ids_t = _index(ids, self.device)
         pos_t = _index(batch.positions, self.device)
         return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)

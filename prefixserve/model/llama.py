@@ -192,14 +192,23 @@ class Attention(nn.Module):
         write_kv: bool = True,
         rope: Rope | None = None,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
         k_cache, v_cache = kv_layer
         # With write_kv the new tokens' K/V go into their slots (in the RoPE kernel on CUDA);
         # attention then reads everything from the cache.
         cache = (k_cache, v_cache, meta.slot_mapping) if write_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
-        out = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return self.shard.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
+        return self.output(backend.forward(q, k_cache, v_cache, meta, self.scale))
+
+    def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
+        """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention."""
+        q, _, _ = fused.rope_qkv(
+            self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads, self.head_dim, cache
+        )
+        return q
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:  # attention output [T, Hq, D] -> [T, hidden]
+        """o_proj of the attention output, the ranks' partial products summed."""
+        return self.shard.all_reduce(self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -229,20 +238,29 @@ class DecoderLayer(nn.Module):
         self,
         h: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (the embeddings at layer 0)
         residual: torch.Tensor | None,  # [T, hidden]: the residual stream before h is added; None at layer 0
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
         rope: Rope,
         kv_layer: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
         """One layer with every residual add fused into the next norm: the stream is h + residual."""
+        q, residual = self.before_attention(h, residual, rope, (*kv_layer, meta.slot_mapping))
+        out = backend.forward(q, *kv_layer, meta, self.self_attn.scale)
+        return self.after_attention(out, residual)
+
+    def before_attention(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, cache: fused.KVWrite
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, residual stream): the input norm, then q/k/v with RoPE, K/V written to ``cache``."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
-        a = self.self_attn(x, positions, rotary, kv_layer, meta, backend, rope=rope)
-        x, residual = self.post_attention_layernorm(a, residual)
+        return self.self_attn.query(x, rope, cache), residual
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP."""
+        x, residual = self.post_attention_layernorm(self.self_attn.output(out), residual)
         return self.mlp(x), residual
 
 
@@ -293,7 +311,31 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.cos_sin(positions)
         residual = None
         for layer, kv_layer in zip(self.model.layers, kv_cache, strict=True):
-            h, residual = layer(h, residual, positions, self.rotary, rope, kv_layer, meta, backend)
+            h, residual = layer(h, residual, rope, kv_layer, meta, backend)
+        return self.model.norm(h, residual)[0]
+
+    # ---- the forward in pieces between attentions (``engine/piecewise_graph.py`` replays them) ----
+    # forward == first_piece, then for each layer l: attention, then piece(l + 1) (last_piece after
+    # the last layer); the same ops in the same order.
+    def first_piece(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: fused.KVWrite
+    ) -> tuple[torch.Tensor, torch.Tensor, Rope]:
+        """(layer 0's q, the residual stream, the step's RoPE angles) from the token ids."""
+        h = self.model.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
+        q, residual = self.model.layers[0].before_attention(h, None, rope, cache)
+        return q, residual, rope
+
+    def middle_piece(
+        self, layer: int, out: torch.Tensor, residual: torch.Tensor, rope: Rope, cache: fused.KVWrite
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer - 1``'s attention output ``out`` -> (layer ``layer``'s q, the residual stream)."""
+        h, residual = self.model.layers[layer - 1].after_attention(out, residual)
+        return self.model.layers[layer].before_attention(h, residual, rope, cache)
+
+    def last_piece(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's attention output -> final hidden states [T, hidden]."""
+        h, residual = self.model.layers[-1].after_attention(out, residual)
         return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()
