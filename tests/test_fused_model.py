@@ -284,15 +284,15 @@ def test_triton_dense_path_replays_in_a_cuda_graph(tmp_path: Path) -> None:
         h = embed(ids)
         rope = model.rotary.cos_sin(positions)
         layer = model.model.layers[0]
-        eager = layer(h, None, positions, model.rotary, rope, cache.layers[0], meta, _NoAttention())
+        eager = layer(h, None, rope, cache.layers[0], meta, _NoAttention())
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            layer(h, None, positions, model.rotary, rope, cache.layers[0], meta, _NoAttention())  # warm-up
+            layer(h, None, rope, cache.layers[0], meta, _NoAttention())  # warm-up
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
-            out = layer(h, None, positions, model.rotary, rope, cache.layers[0], meta, _NoAttention())
+            out = layer(h, None, rope, cache.layers[0], meta, _NoAttention())
         graph.replay()
         torch.cuda.synchronize()
     for a, b in zip(out, eager, strict=True):

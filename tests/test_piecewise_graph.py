@@ -16,8 +16,9 @@ from tests.conftest import TINY_CONFIG, assert_pool_empty
 
 
 def test_token_buckets() -> None:
-    assert token_buckets(1024) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert token_buckets(1024) == [16, 24, 32, 48, 64, 96, 128, 192, *range(256, 1025, 64)]
     assert token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert token_buckets(300) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 300]
     assert token_buckets(16) == [16]
 
 

@@ -33,14 +33,20 @@ log = logging.getLogger(__name__)
 
 MAX_TOKENS = 1024  # above this the GPU time of a step dwarfs its launches
 MIN_BUCKET = 16
+FINE_FROM, FINE_STEP = 256, 64  # buckets every 64 tokens from 256 on
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Padded token counts: 16, 24, 32, 48, 64, ... (powers of two and 1.5x them), up to ``max_tokens``."""
+    """Padded token counts: 16, 24, 32, 48, ... 256 (powers of two and 1.5x them), then every 64.
+
+    Small steps are memory-bound (padding rows are nearly free); from a few hundred tokens the GEMMs
+    are compute-bound and a padded row costs as much as a real one, so the steps get finer.
+    """
     sizes, p = set(), MIN_BUCKET
-    while p < max_tokens:
+    while p < min(max_tokens, FINE_FROM):
         sizes |= {p, p * 3 // 2}
         p *= 2
+    sizes |= set(range(FINE_FROM, max_tokens, FINE_STEP))
     sizes.add(max_tokens)
     return sorted(s for s in sizes if s <= max_tokens)
 

@@ -216,13 +216,30 @@ def _paged_kernel(
     )
 
 
+BALANCE_CHUNK = 1024  # a prefill step of few programs: no KV split longer than this (0: off)
+
+
 def choose_split(
-    max_kv: int, base_programs: int, device: torch.device, block_n: int, min_chunk: int = 256
+    max_kv: int,
+    base_programs: int,
+    device: torch.device,
+    block_n: int,
+    min_chunk: int = 256,
+    prefill: bool = False,
 ) -> tuple[int, int]:
-    """(num_splits, split_size): enough KV splits that ~2 waves of programs cover the SMs."""
+    """(num_splits, split_size): enough KV splits that ~2 waves of programs cover the SMs.
+
+    ``prefill``: the step's sequences have many query rows, so a program's time is its KV length, and
+    with few programs (a Prompt Cache first token recomputing the heads of ten modules: 320) the
+    longest sequence's programs run alone at the end; cutting every sequence's KV into chunks of at
+    most ``BALANCE_CHUNK`` keeps the programs even.
+    """
     if max_kv <= 0:
         return 1, block_n
-    want = max(1, math.ceil(2 * num_sms(device) / max(1, base_programs)))
+    sms = num_sms(device)
+    want = max(1, math.ceil(2 * sms / max(1, base_programs)))
+    if prefill and BALANCE_CHUNK and base_programs <= 4 * sms:
+        want = max(want, math.ceil(max_kv / BALANCE_CHUNK))
     splits = max(1, min(want, math.ceil(max_kv / min_chunk), 64))
     split_size = math.ceil(math.ceil(max_kv / splits) / block_n) * block_n
     return math.ceil(max_kv / split_size), split_size
@@ -358,7 +375,7 @@ def paged_attention(
     if pack > 1 and max_query_len == 1:
         base = math.ceil(seq_lens.shape[0] / pack) * kv_heads
     if num_splits is None:
-        num_splits, split_size = choose_split(max_seq_len, base, q.device, block_n)
+        num_splits, split_size = choose_split(max_seq_len, base, q.device, block_n, prefill=max_query_len > 1)
     else:
         split_size = math.ceil(math.ceil(max(max_seq_len, 1) / num_splits) / block_n) * block_n
         num_splits = max(1, math.ceil(max_seq_len / split_size))

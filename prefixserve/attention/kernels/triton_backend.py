@@ -159,7 +159,9 @@ class TritonPagedBackend(AttentionBackend):
         block_n = 64
         block_m = paged.pick_block_m(step.max_query_len * group, group)
         base = meta.num_seqs * -(-step.max_query_len // (block_m // group)) * kv_heads
-        splits, size = paged.choose_split(step.max_seq_len, base, q.device, block_n)
+        splits, size = paged.choose_split(
+            step.max_seq_len, base, q.device, block_n, prefill=step.max_query_len > 1
+        )
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
         lay = _Layout(own_splits=splits, own_split_size=size, signature=sig)
         lse = torch.empty(splits * tokens, q_heads, dtype=torch.float32, device=q.device)
