@@ -63,6 +63,25 @@ def test_pieces_equal_the_plain_forward_on_cpu(tmp_path) -> None:
     assert_pool_empty(piecewise)
 
 
+def test_capture_graphs_runs_every_bucket_and_gives_back_its_blocks(tmp_path) -> None:
+    """The start-up pass (``Engine.capture_graphs``) steps once per bucket over borrowed blocks."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    prompts, params = _workload(2)
+    want = _tokens(_llm(str(path), max_num_batched_tokens=64), prompts, params)
+    llm = _llm(str(path), max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    runner.pieces = PiecewiseGraphs(runner.model, runner.kv, 64, capture=False)
+    seen = []
+    run = runner.pieces.run
+    runner.pieces.run = lambda ids, *a: seen.append(len(ids)) or run(ids, *a)
+    free = llm.engine.pool.num_free
+    assert llm.engine.capture_graphs() == 0  # nothing to capture on a CPU; every bucket stepped
+    assert seen == token_buckets(64) and llm.engine.pool.num_free == free
+    assert _tokens(llm, prompts, params) == want
+    assert_pool_empty(llm)
+
+
 def test_piece_hidden_states_match_forward_exactly(tmp_path) -> None:
     """One prefill step, the hidden states of both paths compared bit for bit (fp32, CPU)."""
     path = tmp_path / "config.json"

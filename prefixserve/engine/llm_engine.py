@@ -177,6 +177,32 @@ class Engine:
     def graphs(self) -> DecodeGraphs | None:
         return self.runner.graphs
 
+    def capture_graphs(self) -> int:
+        """Capture the dense pieces of every eager-step size now; returns how many were captured.
+
+        A server calls this at start-up: captured lazily, each new size of prefill or mixed step
+        (and a server meets many) stalls every running stream for a warm-up forward and L + 1
+        captures. Each size runs one synthetic prefill over blocks taken from the pool and given back.
+        """
+        pieces = self.runner.pieces
+        if pieces is None:
+            return 0
+        before, bs = pieces.captures, self.runner.block_size
+        for tokens in pieces.buckets:
+            if tokens > self.pool.num_free * bs:
+                break
+            blocks = self.pool.allocate(-(-tokens // bs))
+            try:
+                table = np.array([blocks], np.int32)
+                batch = self.runner.plan(list(range(tokens)), [tokens], [tokens], table)
+                launch = self.runner.forward([0] * tokens, batch, [])
+                self.runner.sample(launch, [], [], [])
+                self.runner.wait(launch)
+            finally:
+                self.pool.release(blocks)
+        self.runner.idle()
+        return pieces.captures - before
+
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:
         """Token ids of a system prompt as the chat template renders it at the start of a chat."""
@@ -743,6 +769,9 @@ class Engine:
         out.update(gpu_idle_seconds_total=device["gpu_idle_seconds_total"])
         out.update(decode_gpu_busy_seconds_total=device["decode_gpu_busy_seconds_total"])
         out.update(decode_gpu_idle_seconds_total=device["decode_gpu_idle_seconds_total"])
+        graphs, pieces = self.runner.graphs, self.runner.pieces
+        captures = (graphs.captures if graphs else 0) + (pieces.captures if pieces else 0)
+        out["cuda_graph_captures_total"] = captures
         out.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -59,6 +60,9 @@ def build_app(
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan."""
     engine = engine or Engine(config or EngineConfig(), progress=False)
+    started = time.perf_counter()
+    if captured := engine.capture_graphs():  # now, not as stalls of the first requests of each size
+        log.info("captured dense pieces of %d step sizes in %.1f s", captured, time.perf_counter() - started)
     loop = EngineLoop(engine)
     metrics = ServerMetrics(lambda: loop.snapshot)
     loop.observer = metrics
@@ -386,8 +390,13 @@ def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
             existed = _find_schema(engine, name) is not None
             if existed and not req.replace:
                 raise _SchemaExists(name)
-            engine.register_schema(req.schema_, encode=req.encode, pin=req.pin, replace=req.replace,
-                                   module_recompute=req.module_recompute)
+            engine.register_schema(
+                req.schema_,
+                encode=req.encode,
+                pin=req.pin,
+                replace=req.replace,
+                module_recompute=req.module_recompute,
+            )
             info = _find_schema(engine, name)
             assert info is not None
             return info, existed

@@ -26,6 +26,11 @@ _COUNTERS = {
     "attention_kv_tokens_logical_total": "KV rows a per-sequence attention would read",
     "preemptions_total": "sequences preempted for lack of KV blocks",
     "steps_total": "engine steps",
+    "step_seconds_total": "wall time of engine steps",
+    "step_host_seconds_total": "time of engine steps not spent waiting on the device",
+    "gpu_busy_seconds_total": "device time of steps (CUDA), first kernel to last",
+    "gpu_idle_seconds_total": "device time between consecutive steps (CUDA): the GPU waiting on the host",
+    "cuda_graph_captures_total": "CUDA graphs captured (decode batches, dense pieces of eager steps)",
     # Prompt Cache: schemas' modules
     "module_tokens_reused_total": "prompt tokens served from encoded prompt modules (Prompt Cache)",
     "module_encodes_total": "prompt module pieces encoded (run through the model)",
