@@ -498,6 +498,11 @@ def summarize(results: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
             prev = t
     span = max(r["end"] for r in ok) - min(r["due"] for r in ok)
     tokens = sum(r["tokens"] for r in ok)
+    # the queue building up: TTFT of the last quarter of arrivals against the first quarter's (a finite
+    # window hides an overload from the mean latency, not from this)
+    by_due = [f for _, f in sorted(zip([r["due"] for r in ok], first, strict=True))]
+    quarter = max(1, len(by_due) // 4)
+    backlog = mean(by_due[-quarter:]) - mean(by_due[:quarter])
     lag = [r["sent"] - r["due"] for r in results if r.get("sent") is not None and r.get("due") is not None]
     counted = sum(r.get("counted", 0) for r in ok)
     out.update(
@@ -511,6 +516,7 @@ def summarize(results: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
         e2e_p99_s=pct(e2e, 0.99),
         ttft_mean_s=mean(first),
         ttft_p99_s=pct(first, 0.99),
+        backlog_growth_s=backlog,
         itl_mean_s=mean(gaps),
         itl_p99_s=pct(gaps, 0.99),
         itl_max_s=max_gap,
@@ -526,20 +532,29 @@ def summarize(results: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
     return out
 
 
-def sustainable(points: list[dict[str, Any]], slo: float) -> dict[str, Any]:
-    """The highest rate whose mean normalised latency stays <= slo: measured, and interpolated linearly
-    between the last point under the SLO and the first over it (points in rate order)."""
+def over(point: dict[str, Any], slo: float, backlog_s: float) -> bool:
+    """The server did not keep up at this point: timed out, mean normalised latency over the SLO, or a
+    queue that grew by more than ``backlog_s`` of TTFT across the window."""
+    return bool(
+        point.get("timed_out")
+        or not point.get("norm_latency_mean", float("inf")) <= slo
+        or not point.get("backlog_growth_s", float("inf")) <= backlog_s
+    )
+
+
+def sustainable(points: list[dict[str, Any]], slo: float, backlog_s: float = float("inf")) -> dict[str, Any]:
+    """The highest rate the server keeps up with (``over``): measured, and interpolated linearly between
+    the last point kept up with and the first not (on the normalised latency when that crossed the SLO,
+    else the measured rate). Points in rate order."""
     pts = sorted(points, key=lambda p: p["rate_req_s"])
     last_ok = None
     first_bad = None
     for p in pts:
-        value = p.get("norm_latency_mean", float("inf"))
-        bad = p.get("timed_out") or not value <= slo
-        if bad:
+        if over(p, slo, backlog_s):
             first_bad = p
             break
         last_ok = p
-    out: dict[str, Any] = {"slo_s_per_token": slo}
+    out: dict[str, Any] = {"slo_s_per_token": slo, "backlog_growth_limit_s": backlog_s}
     if last_ok is None:
         out.update(measured=None, interpolated=None, bound="below the lowest rate measured")
         out["lowest_rate"] = pts[0]["rate_req_s"] if pts else None
@@ -550,7 +565,7 @@ def sustainable(points: list[dict[str, Any]], slo: float) -> dict[str, Any]:
         return out
     r0, n0 = last_ok["rate_req_s"], last_ok["norm_latency_mean"]
     r1, n1 = first_bad["rate_req_s"], first_bad.get("norm_latency_mean", float("inf"))
-    if not math.isfinite(n1) or n1 <= n0:
+    if not math.isfinite(n1) or n1 <= n0 or n1 <= slo:
         out["interpolated"] = r0
     else:
         out["interpolated"] = r0 + (slo - n0) * (r1 - r0) / (n1 - n0)
@@ -747,13 +762,15 @@ def rate_part(
                     print(point_line(row), flush=True)
                     if args.rates:
                         continue
-                    crossed = row["timed_out"] or not row.get("norm_latency_mean", math.inf) <= args.slo
+                    crossed = over(row, args.slo, args.backlog)
                     if crossed and len(points) == 1 and not downward:
                         downward = True  # the first rate is already over the SLO: walk down
                         order = [r for r in reversed(ladder) if r < rate]
                     elif (crossed and not downward) or (downward and not crossed):
                         break
-                section["sustainable"].setdefault(spec.name, {})[str(size)] = sustainable(points, args.slo)
+                section["sustainable"].setdefault(spec.name, {})[str(size)] = sustainable(
+                    points, args.slo, args.backlog
+                )
         finally:
             server.stop()
             section["servers"][spec.name] = server.info
@@ -1003,6 +1020,14 @@ def find_issues(result: dict[str, Any]) -> list[str]:
 
 
 # ---- report -------------------------------------------------------------------------------------
+def idle_share(server: dict[str, Any]) -> str:
+    """The GPU's idle share of the point's steps (waiting on the host), from the server's counters."""
+    busy, idle = server.get("gpu_busy_s"), server.get("gpu_idle_s")
+    if not busy and not idle:
+        return "-"
+    return f"{idle / (busy + idle):.0%}"
+
+
 def fmt(x: Any, spec: str = ".3f") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
@@ -1073,8 +1098,10 @@ def rate_markdown(rate: dict[str, Any], s: dict[str, Any]) -> list[str]:
         f"{s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (uniform, `ignore_eos`, greedy); streamed "
         f"chat completions. Each rate runs about {s['window']:g} s of Poisson arrivals ({s['min_requests']}-"
         f"{s['max_requests']} requests), the same requests and arrival times for every configuration; rates "
-        "double from a quarter of a warm-up burst's request rate until the mean normalised latency passes "
-        f"{s['slo']} s/token.",
+        "climb (x1.5, x1.33) from half a warm-up burst's request rate until the server stops keeping up: "
+        f"the mean normalised latency passes {s['slo']} s/token, or the queue grows (the last quarter's "
+        f"mean TTFT exceeds the first quarter's by more than {s.get('backlog', float('inf')):g} s; a "
+        "finite window hides an overload from the mean latency, not from this).",
         "",
         "Sharing on: `--attention auto`, prefix cache on, both system prompts pinned (`--system-prompt`). "
         "Sharing off: `--attention triton_paged` (the plain paged kernel), `--no-prefix-caching`: each "
@@ -1095,15 +1122,15 @@ def rate_markdown(rate: dict[str, Any], s: dict[str, Any]) -> list[str]:
         + "; TPOT = (end-to-end - TTFT) / (tokens - 1).",
         "",
         "| system prompt | sharing | rate (req/s) | requests | served (req/s) | tok/s | norm. latency mean "
-        "| p99 (s/tok) | TTFT mean | p99 (s) | ITL mean | p99 (ms) | TPOT mean (ms) | cached prompt "
-        "| KV read saving | errors |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| p99 (s/tok) | TTFT mean | p99 (s) | queue growth (s) | ITL mean | p99 (ms) | TPOT mean (ms) "
+        "| cached prompt | KV read saving | GPU idle | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in sorted(rate["points"], key=lambda p: (p["system_tokens"], p["config"], p["rate_req_s"])):
         if not p.get("ok"):
             lines.append(
                 f"| {p['system_tokens']} | {p['config']} | {p['rate_req_s']:g} | {p['requests']} | "
-                f"- | - | - | - | - | - | - | - | - | - | - | {p.get('errors')} |"
+                f"- | - | - | - | - | - | - | - | - | - | - | - | - | {p.get('errors')} |"
             )
             continue
         lines.append(
@@ -1112,15 +1139,16 @@ def rate_markdown(rate: dict[str, Any], s: dict[str, Any]) -> list[str]:
             f"| {p['throughput_req_s']:.2f} | {p['throughput_tok_s']:.0f} "
             f"| {fmt(p['norm_latency_mean'], '.4f')} "
             f"| {fmt(p['norm_latency_p99'], '.4f')} | {fmt(p['ttft_mean_s'])} | {fmt(p['ttft_p99_s'])} "
+            f"| {fmt(p.get('backlog_growth_s'), '.2f')} "
             f"| {fmt(1e3 * p['itl_mean_s'], '.1f')} | {fmt(1e3 * p['itl_p99_s'], '.1f')} "
             f"| {fmt(1e3 * p['tpot_mean_s'], '.1f')} | {p['cached_prompt_fraction']:.0%} "
-            f"| {p['server']['kv_read_saving_x']:.1f}x | {p['errors']} |"
+            f"| {p['server']['kv_read_saving_x']:.1f}x | {idle_share(p['server'])} | {p['errors']} |"
         )
     lines += [
         "",
-        f"Highest request rate whose mean normalised latency stays <= {s['slo']} s/token (interpolated "
-        "linearly between the last rate under it and the first over it; 'measured' is the last rate under "
-        "it):",
+        f"Highest request rate the server keeps up with (mean normalised latency <= {s['slo']} s/token and "
+        "no queue growth; interpolated on the latency between the last rate kept up with and the first not "
+        "when the latency crossed; 'measured' is the last rate kept up with):",
         "",
     ]
     configs = list(rate["sustainable"])
@@ -1359,13 +1387,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="rate-part servers, in run order (off first: its sweep is short and bounded)",
     )
     p.add_argument("--rates", type=float, nargs="*", default=None, help="fixed rates (default: doubling)")
-    p.add_argument("--rate-ladder", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
+    p.add_argument(
+        "--rate-ladder",
+        type=float,
+        nargs="+",
+        default=[0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
+    )
     p.add_argument("--rate-max", type=float, default=64.0)
     p.add_argument("--window", type=float, default=6.0, help="seconds of arrivals per rate")
     p.add_argument("--min-requests", type=int, default=10)
     p.add_argument("--max-requests", type=int, default=320)
     p.add_argument("--warm-requests", type=int, default=32)
     p.add_argument("--slo", type=float, default=0.1, help="normalised latency bound (s/token)")
+    p.add_argument(
+        "--backlog",
+        type=float,
+        default=2.0,
+        help="a rate is not kept up with if the last quarter's mean TTFT exceeds the first's by this (s)",
+    )
     p.add_argument(
         "--no-logprobs",
         dest="logprobs",

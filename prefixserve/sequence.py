@@ -100,6 +100,17 @@ class Request:
     num_private_module_rows: int = 0  # module rows in private copies of module blocks
     # module rows (table row runs) still to compute in context: in the first prefill step
     recompute_runs: list[tuple[int, int]] = field(default_factory=list)
+    _reported_prompt: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def reported_prompt_token_ids(self) -> list[int]:
+        """The prompt's ids as outputs report them (Prompt Cache holes dropped), built once: a streamed
+        request reports them every step, and copying an 8K-token prompt for each of 256 streams took
+        more of a step's host time than anything else."""
+        if self._reported_prompt is None:
+            ids = self.prompt_token_ids
+            self._reported_prompt = [t for t in ids if t >= 0] if self.num_hole_tokens else list(ids)
+        return self._reported_prompt
 
     @property
     def pending_recompute_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.sequence import Sequence
 from tests.conftest import assert_pool_empty
 
 SYSTEM = " ".join(
@@ -137,3 +138,32 @@ def test_pinning_leaves_the_traffic_metrics_at_zero(tiny_config_path) -> None:
     with pytest.raises(RuntimeError, match="start-up"):
         llm.engine.add_request("busy", prompt_token_ids=[5, 6, 7])
         llm.engine.pin_system_prompt("b", "Other prompt.")
+
+
+def test_application_requests_reuse_the_pinned_digests(tiny_config_path) -> None:
+    """A request after a pinned prompt starts with the pin's digests instead of hashing them again;
+    they are the digests its tokens hash to (so prefix-cache hits are unchanged)."""
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}",
+        dtype="float32",
+        num_kv_blocks=80,
+        progress=False,
+        system_prompts={"a": "Answer briefly. " * 10},
+    )
+    engine = llm.engine
+    pinned = engine.pinned["a"]
+    req = engine.add_request(
+        "r", params=SamplingParams(max_tokens=1), prompt_token_ids=[5, 6, 7], application="a"
+    )
+    seq = req.sequences[0]
+    assert seq.block_digests == pinned.digests and seq.block_digests is not pinned.digests
+    fresh = Sequence(99, req, 0, list(seq.token_ids), list(seq.positions))
+    assert engine.blocks.digests(fresh, len(pinned.digests)) == pinned.digests
+    out = engine.step()
+    while engine.has_unfinished():
+        out += engine.step()
+    assert out[-1].num_cached_tokens == len(pinned.blocks) * engine.config.block_size
+    salted = engine.add_request(
+        "s", params=SamplingParams(max_tokens=1), prompt_token_ids=[5], application="a", cache_salt="x"
+    )
+    assert salted.sequences[0].block_digests == []  # a salted request hashes its own

@@ -237,7 +237,7 @@ class Engine:
         self.pool.acquire(blocks)
         self._finished_outputs = []
         self.counters, self.timers, self.runner.timers = saved
-        pinned = PinnedPrompt(name, tokens, blocks)
+        pinned = PinnedPrompt(name, tokens, blocks, list(digests))
         self.pinned[name] = pinned
         return pinned
 
@@ -376,6 +376,7 @@ class Engine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         tokens = list(prompt_token_ids)
+        pinned = None
         if application is not None:
             pinned = self.pinned.get(application)
             if pinned is None:
@@ -384,9 +385,11 @@ class Engine:
                 if prompt_positions is not None:
                     raise ValueError("prompt_positions cannot be combined with an application prefix")
                 tokens = pinned.token_ids + tokens
-        return self._add(
-            request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, queue, None
-        )
+        req = self._add(request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, queue, None)
+        if pinned is not None and prompt_positions is None and cache_salt is None:
+            # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
+            req.sequences[0].block_digests = list(pinned.digests)
+        return req
 
     def is_pml_prompt(self, prompt: str) -> bool:
         """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document (schemas registered)."""

@@ -85,9 +85,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
-        prompt_token_ids=[t for t in req.prompt_token_ids if t >= 0] if req.num_hole_tokens else list(
-            req.prompt_token_ids
-        ),
+        prompt_token_ids=req.reported_prompt_token_ids,  # one list per request, shared by its outputs
         outputs=completions,
         finished=finished,
         num_cached_tokens=req.num_cached_tokens,

@@ -17,6 +17,7 @@ class PinnedPrompt:
     name: str
     token_ids: list[int]
     blocks: list[int]  # the full blocks, held by the pin
+    digests: list[bytes]  # their prefix-cache digests (a request that starts with the prompt reuses them)
 
 
 def render_system_prompt(tokenizer: Any, text: str) -> list[int]:
