@@ -184,7 +184,9 @@ class _StubGraphs:
         fits = [b for b in self.buckets if b >= batch]
         return fits[0] if fits else None
 
-    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, step: Any) -> torch.Tensor:
+    def run(
+        self, ids: list[int], positions: list[int], slots: np.ndarray, step: Any, feed: Any = None
+    ) -> torch.Tensor:
         rows, bucket = len(ids), step.key[1]
         host = self._host_np
         host[0, :rows], host[1, :rows], host[2, :rows] = ids, positions, slots
@@ -192,7 +194,6 @@ class _StubGraphs:
         att = self.attention.get(step.key)
         if att is None:
             att = self.attention[step.key] = step.build()
-            att.ints = att.host  # the copy to the device becomes a no-op (a GPU issues it async)
         att.load(step.arrays)
         return torch.zeros(rows, 1)
 

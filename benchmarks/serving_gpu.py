@@ -981,7 +981,7 @@ def hydragen_line(s: dict[str, Any]) -> str:
 # ---- issues the load exposed -------------------------------------------------------------------
 def find_issues(result: dict[str, Any]) -> list[str]:
     issues = []
-    logprobs = (result.get("settings") or {}).get("logprobs", True)
+    logprobs = (result.get("settings") or {}).get("logprobs", False)
     for section in ("rate", "hydragen"):
         sec = result.get(section) or {}
         for name, info in (sec.get("servers") or {}).items():
@@ -1406,10 +1406,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="a rate is not kept up with if the last quarter's mean TTFT exceeds the first's by this (s)",
     )
     p.add_argument(
-        "--no-logprobs",
-        dest="logprobs",
-        action="store_false",
-        help="count one token per streamed chunk (default: from each chunk's logprobs)",
+        "--logprobs",
+        action="store_true",
+        help="count each chunk's tokens from its logprobs (default: one per chunk with text, as vLLM's "
+        "benchmark does; logprobs cost the server a log-softmax and their formatting)",
     )
     p.add_argument("--clients", type=int, default=4, help="load generator processes")
     p.add_argument(

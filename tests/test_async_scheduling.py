@@ -50,22 +50,29 @@ def _workload() -> tuple[list[dict], list[SamplingParams]]:
 
 
 def _summary(outs) -> list:
-    return [
-        [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs
-    ]
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+
+def _logprobs(outs) -> list[float]:
+    return [x for o in outs for c in o.outputs for x in c.logprobs or []]
 
 
 @pytest.mark.parametrize("blocks", [512, 12])  # 12 blocks: sequences are preempted and recomputed
 def test_async_outputs_equal_sync(tiny_config_path, blocks: int) -> None:
     prompts, params = _workload()
-    results = []
+    results, logprobs = [], []
     for mode in (False, True):
         llm = _llm(tiny_config_path, mode, blocks)
-        assert llm.engine.async_scheduling is mode
-        results.append(_summary(llm.generate(prompts, params)))
+        assert llm.engine.async_scheduling is mode and llm.engine.launch_ahead is mode
+        outs = llm.generate(prompts, params)
+        results.append(_summary(outs))
+        logprobs.append(_logprobs(outs))
         assert_pool_empty(llm)
-        assert not llm.engine._placeholders and llm.engine._in_flight is None
+        assert not llm.engine._pending and llm.engine._in_flight is None
     assert results[0] == results[1]
+    # launch-ahead batches rows differently (a finished sequence's last row, preemptions), and fp32
+    # sums depend on the batch a row is in: logprobs agree to rounding
+    assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-5) and logprobs[0]
 
 
 def test_abort_while_in_flight_drops_the_placeholder(tiny_config_path) -> None:
@@ -75,7 +82,7 @@ def test_abort_while_in_flight_drops_the_placeholder(tiny_config_path) -> None:
         engine.add_request(f"r{i}", prompt_token_ids=[5 + i] * 20, params=SamplingParams(max_tokens=30))
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None and engine._placeholders  # a step is in flight now
+    assert engine._in_flight is not None and engine._pending  # a step is in flight now
     engine.abort("r1")
     outs = []
     while engine.has_unfinished():
@@ -137,3 +144,66 @@ def test_a_failing_device_sync_fails_its_requests_and_the_engine_goes_on(
     good = llm.generate([{"prompt_token_ids": [7] * 10}], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(good[0].outputs[0].token_ids) == 4
     assert_pool_empty(llm)
+
+
+def test_launch_ahead_issues_a_step_before_waiting_for_the_one_ahead(tiny_config_path) -> None:
+    """The point of launch-ahead: step N+1's forward is issued before step N's tokens are waited for."""
+    llm = _llm(tiny_config_path, True)
+    runner, events = llm.engine.runner, []
+    forward, wait = runner.forward, runner.wait
+
+    def logged_forward(ids, batch, copies, feed=None):
+        launch = forward(ids, batch, copies, feed)
+        events.append(("forward", id(launch), feed is not None))
+        return launch
+
+    def logged_wait(launch):
+        events.append(("wait", id(launch), False))
+        return wait(launch)
+
+    runner.forward, runner.wait = logged_forward, logged_wait
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    kinds = [(k, fed) for k, _, fed in events]
+    # prefill, then every decode step goes out (fed its ids on the device) before the previous wait
+    assert kinds[:3] == [("forward", False), ("forward", True), ("wait", False)]
+    launched = [i for k, i, _ in events if k == "forward"]
+    waited = [i for k, i, _ in events if k == "wait"]
+    assert waited == launched  # every launch waited for once, in order
+    # the last token is known to be the last by length: no step is launched after it
+    assert len(launched) == 6
+
+
+def test_feed_writes_device_tokens_in_order_and_permuted() -> None:
+    import torch
+
+    from prefixserve.engine.model_runner import Feed
+
+    tokens = torch.tensor([40, 41, 42])
+    ids = torch.tensor([-1, -1, -1, 9])
+    Feed([0, 1, 2], [0, 1, 2], tokens).apply(ids)
+    assert ids.tolist() == [40, 41, 42, 9]
+    ids = torch.tensor([7, -1, 8, -1])
+    Feed([1, 3], [2, 0], tokens).apply(ids)
+    assert ids.tolist() == [7, 42, 8, 40]
+
+
+def test_launch_ahead_indexes_generated_blocks_by_their_real_tokens(tiny_config_path) -> None:
+    """Blocks filled by generated tokens enter the prefix cache only once their tokens are known:
+    a follow-up prompt made of the first request's prompt and output hits them, and the outputs
+    equal the synchronous engine's."""
+    results = []
+    for mode in (False, True):
+        llm = _llm(tiny_config_path, mode)
+        first = [{"prompt_token_ids": list(range(3, 23))}]
+        params = SamplingParams(max_tokens=45, ignore_eos=True)
+        out = llm.generate(first, params)[0].outputs[0].token_ids
+        follow = [{"prompt_token_ids": list(range(3, 23)) + out + [5]}]
+        hit = llm.engine.metrics()["prefix_cache_hit_tokens_total"]
+        again = llm.generate(follow, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        hit = llm.engine.metrics()["prefix_cache_hit_tokens_total"] - hit
+        assert hit >= 48  # the prompt's and the generated tokens' full blocks
+        assert again.num_cached_tokens == hit
+        results.append((out, again.outputs[0].token_ids))
+        assert_pool_empty(llm)
+    assert results[0] == results[1]

@@ -50,3 +50,44 @@ def test_graph_decode_matches_eager_reference(tmp_path) -> None:
         if attention == "triton":
             assert llm.metrics()["cascade_steps_total"] > 0
         assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("blocks", [4096, 40])  # 40 blocks: preemptions while steps are in flight
+def test_launch_ahead_equals_synchronous_steps(tmp_path, blocks: int) -> None:
+    """Steps launched before the host has the tokens of the step ahead (read on the device) give the
+    outputs of the one-step-at-a-time engine: greedy and seeded samples, stops, n=2, preemption."""
+    cfg = dict(TINY_CONFIG, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 200) for _ in range(100)]
+    prompts = [
+        {"prompt_token_ids": shared + [rng.randrange(3, 200) for _ in range(3 + i)]} for i in range(16)
+    ]
+    params = [
+        SamplingParams(
+            n=1 + (i % 5 == 0),
+            temperature=0.0 if i % 2 else 0.9,
+            seed=i,
+            max_tokens=10 + 2 * i,
+            stop_token_ids=[rng.randrange(3, 200) for _ in range(8)] if i % 3 == 0 else [],
+            logprobs=1 if i == 4 else None,
+        )
+        for i in range(16)
+    ]
+    results = []
+    for mode in (False, True):
+        llm = LLM(
+            model=f"dummy:{path}",
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=blocks,
+            async_scheduling=mode,
+            progress=False,
+        )
+        assert llm.engine.launch_ahead is mode
+        outs = llm.generate(prompts, params)
+        results.append([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs])
+        assert llm.engine.graphs is not None and llm.engine.graphs.captures >= 1
+        assert_pool_empty(llm)
+    assert results[0] == results[1]

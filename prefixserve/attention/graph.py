@@ -62,6 +62,29 @@ def capacity(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+class HostStaging:
+    """Host buffers that asynchronous host-to-device copies read, used in turn.
+
+    A step's inputs are written into one while the copy of the step before may still be pending
+    (the engine launches a step before it waits for the one ahead of it); by the time a buffer comes
+    round again, the engine has waited for the step that read it. Pinned on CUDA.
+    """
+
+    DEPTH = 2  # steps in flight at once (the launch-ahead engine's bound)
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
+        pin = device is None or device.type == "cuda"
+        self.buffers = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(self.DEPTH)]
+        self._turn = 0
+
+    def next(self) -> torch.Tensor:
+        """The buffer to fill for this step."""
+        self._turn = (self._turn + 1) % self.DEPTH
+        return self.buffers[self._turn]
+
+
 class GraphAttention(AttentionBackend):
     """Attention bound to one captured graph's buffers: ``load`` a step, then the model runs/replays.
 
@@ -83,9 +106,7 @@ class GraphAttention(AttentionBackend):
             total += -total % 4  # 16-byte aligned starts (Triton specialises pointers on alignment)
         self.device = device
         self.ints = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
-        host = torch.zeros(max(total, 1), dtype=torch.int32)
-        self.host = host.pin_memory() if device.type == "cuda" else host
-        self.host_np = self.host.numpy()
+        self.staging = HostStaging((max(total, 1),), torch.int32, device)
 
     def buffer(self, name: str) -> torch.Tensor:
         """The device view of field ``name`` (what the captured kernels read)."""
@@ -94,16 +115,19 @@ class GraphAttention(AttentionBackend):
         return self.ints[start : start + int(np.prod(shape, dtype=np.int64))].view(shape)
 
     def load(self, arrays: dict[str, np.ndarray]) -> None:
-        """Write a step's arrays into the mirror (2-d ones into the top-left corner) and copy it over.
+        """Write a step's arrays into a host mirror (2-d ones into the top-left corner) and copy it over.
 
-        The copy is asynchronous; the mirror is rewritten only after the previous step's sampling
-        synchronised the device, so the copy that read it is done by then.
+        The copy is asynchronous; mirrors are used in turn (``HostStaging``), each rewritten only
+        after the engine waited for the step whose copy read it. A mirror holds the arrays of the
+        step that last used it: every field is rewritten, since that step may have had another plan.
         """
+        host = self.staging.next()
+        host_np = host.numpy()
         for name, arr in arrays.items():
             shape, clear = self.fields[name]
             start = self.offsets[name]
             size = int(np.prod(shape, dtype=np.int64))
-            view = self.host_np[start : start + size].reshape(shape)
+            view = host_np[start : start + size].reshape(shape)
             if arr.ndim == 2:
                 view[: arr.shape[0], : arr.shape[1]] = arr
                 if clear:
@@ -113,7 +137,7 @@ class GraphAttention(AttentionBackend):
                 flat[: arr.size] = arr.ravel()
                 if clear:
                     flat[arr.size :] = 0
-        self.ints.copy_(self.host, non_blocking=True)
+        self.ints.copy_(host, non_blocking=True)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         raise NotImplementedError

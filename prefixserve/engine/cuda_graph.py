@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape
+from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
 
@@ -68,8 +68,7 @@ class DecodeGraphs:
         cap = self.buckets[-1]
         # rows: token ids, positions, KV write slots (int64: what embedding and index_copy_ take)
         self.inputs = torch.zeros(3, cap, dtype=torch.long, device=self.device)
-        self._host = torch.zeros(3, cap, dtype=torch.long).pin_memory()
-        self._host_np = self._host.numpy()
+        self._staging = HostStaging((3, cap), torch.long)
         self.graphs: dict[tuple[Any, ...], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
@@ -101,15 +100,22 @@ class DecodeGraphs:
         self._held = self._held + 1 if bucket > (self._exact(rows) or bucket) else 0
         self._current = bucket
 
-    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, step: GraphStep) -> torch.Tensor:
-        """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: [rows, hidden]."""
+    def run(
+        self, ids: list[int], positions: list[int], slots: np.ndarray, step: GraphStep, feed: Any = None
+    ) -> torch.Tensor:
+        """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: [rows, hidden].
+
+        ``feed`` (a ``model_runner.Feed``) overwrites rows of ids with tokens still on the device."""
         rows, bucket = len(ids), step.key[1]
         self._ran(rows, bucket)
-        host = self._host_np
+        pinned = self._staging.next()
+        host = pinned.numpy()
         host[0, :rows], host[1, :rows], host[2, :rows] = ids, positions, slots
         host[0, rows:bucket] = host[1, rows:bucket] = 0
         host[2, rows:bucket] = self.kv.scratch_slot
-        self.inputs.copy_(self._host, non_blocking=True)
+        self.inputs.copy_(pinned, non_blocking=True)
+        if feed is not None:
+            feed.apply(self.inputs[0])
         entry = self.graphs.get(step.key)
         if entry is None:
             step, entry = self._refit(step)

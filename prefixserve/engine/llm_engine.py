@@ -22,7 +22,7 @@ import torch
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.cuda_graph import DecodeGraphs
-from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
+from prefixserve.engine.model_runner import Feed, Launch, ModelRunner, StepBatch, context_length
 from prefixserve.engine.output_processor import request_output, stop_reason
 from prefixserve.engine.pinned import PinnedPrompt, render_system_prompt
 from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
@@ -50,8 +50,13 @@ class _InFlight:
     """A launched step: its sampled tokens are on their way from the device."""
 
     samplers: list[Sequence]  # sequences that sample a token (each holds a placeholder)
+    indices: list[int]  # where each sampler's placeholder sits in its token ids
     touched: set[Request]
     launch: Launch
+
+
+# A placeholder still waiting for its token: (its index in the token ids, the launch sampling it, the row)
+_Pending = tuple[int, Launch, int]
 
 
 GC_THRESHOLD0 = 50_000  # allocations between young-generation collections (CPython's default: 700)
@@ -108,6 +113,9 @@ class Engine:
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.graphs is not None
         )
+        # launch-ahead: a step goes to the device before the host has the tokens of the step ahead
+        # of it (they are read on the device), so the GPU never waits on that step's bookkeeping
+        self.launch_ahead = self.async_scheduling and self.runner.feeds_tokens
         self.eos_ids = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -119,7 +127,7 @@ class Engine:
         self._kv_peak = 0  # most blocks held at once (a gauge: what a workload needed of the pool)
         self._last_step_segments = 0
         self._in_flight: _InFlight | None = None
-        self._placeholders: set[Sequence] = set()
+        self._pending: dict[Sequence, list[_Pending]] = {}  # sequences with tokens still on the device
         # requests whose recovery rows are still to compute: steps look at the batch only if any
         self._to_recover: set[Request] = set()
         self._next_seq_id = 0
@@ -495,10 +503,12 @@ class Engine:
         """Run one batch; returns outputs of finished requests (and of streaming ones that moved).
 
         With ``async_scheduling`` (on under CUDA graphs) a step launches its batch and returns while
-        the device works; the next call schedules and plans the following batch on the host *before*
-        it waits for those tokens, so planning overlaps the GPU. Sequences carry a placeholder for
-        their in-flight token meanwhile (``_in_flight``); it is replaced before any text, stop check
-        or input id reads it. Outputs of a step come back from the next call.
+        the device works; outputs of a step come back from the next call. Sequences carry a
+        placeholder for each in-flight token (``_pending``); it is replaced before any text, stop
+        check, prefix-cache digest or output reads it. With ``launch_ahead`` the next call even
+        launches its batch *before* it waits for those tokens: rows that compute them read them on
+        the device (``Feed``), and the host checks them while the device already runs the next step.
+        A sequence that stops on such a token has computed one row for nothing, which is dropped.
         """
         started = time.perf_counter()
         waited = self.runner.waited
@@ -507,10 +517,14 @@ class Engine:
         self.counters["preemptions_total"] += len(sched.preempted)
         self.counters["prefix_cache_hit_tokens_total"] += sched.cache_hit_tokens
         outputs, self._finished_outputs = self._finished_outputs, []
+        prev, self._in_flight = self._in_flight, None  # taken first: a failure must not repeat
+        if prev is not None and self.launch_ahead:
+            self._drop_surely_finished(sched)
         batch, failed = self._plan_or_fail(sched)
-        if self._in_flight is not None:
-            flight, self._in_flight = self._in_flight, None  # taken first: a failure must not repeat
-            outputs += self._complete_or_fail(flight)
+        ahead = prev is not None and self.launch_ahead and batch is not None
+        if prev is not None and not ahead:
+            outputs += self._complete_or_fail(prev)
+            prev = None
             if batch is not None and any(s.seq.is_finished for s in sched.scheduled):
                 # sequences that stopped on the in-flight token drop out; plan the rest again
                 sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
@@ -519,7 +533,7 @@ class Engine:
             self._fail(sched)
         elif batch is not None:
             try:
-                flight = self._launch(sched, batch)
+                flight = self._launch(sched, batch, prev)
             except WorkerDiedError:  # the engine itself is gone: no later step can run
                 raise
             except Exception:  # a failure fails this batch's requests, not the engine
@@ -530,6 +544,8 @@ class Engine:
                     self._in_flight = flight
                 else:
                     outputs += self._complete_or_fail(flight)
+        if prev is not None:  # launched ahead of it (or failed to): now wait for its tokens
+            outputs += self._complete_or_fail(prev, later=self._in_flight)
         if batch is None:
             self.runner.idle()  # an idle engine is not a GPU waiting on the host
         outputs += self._finished_outputs
@@ -538,6 +554,22 @@ class Engine:
         self.timers["step_seconds_total"] += total
         self.timers["step_host_seconds_total"] += total - (self.runner.waited - waited)
         return outputs
+
+    def _drop_surely_finished(self, sched: SchedulerOutput) -> None:
+        """Launch-ahead: leave out sequences whose in-flight token is their last by length (max_tokens
+        or the context); their row would be computed for nothing."""
+        pending, limit = self._pending, self.max_model_len
+        keep = []
+        for s in sched.scheduled:
+            seq = s.seq
+            if seq in pending:
+                cap = seq.request.params.max_tokens
+                out_len = seq.num_tokens - seq.num_prompt_tokens  # the in-flight token counted
+                if seq.num_tokens >= limit or (cap is not None and out_len >= cap):
+                    continue
+            keep.append(s)
+        if len(keep) < len(sched.scheduled):
+            sched.scheduled = keep
 
     def _plan_or_fail(self, sched: SchedulerOutput) -> tuple[StepBatch | None, bool]:
         if not sched.scheduled:
@@ -594,11 +626,15 @@ class Engine:
             return []
         return [(s.seq, a, b) for s in sched.scheduled for a, b in s.seq.request.recompute_runs]
 
-    def _launch(self, sched: SchedulerOutput, batch: StepBatch) -> _InFlight:
+    def _launch(
+        self, sched: SchedulerOutput, batch: StepBatch, ahead_of: _InFlight | None = None
+    ) -> _InFlight:
         """Forward and sampling of a planned batch, issued without waiting for the device.
 
         The forward is issued first, so the device works while the host advances the sequences
-        (computed tokens, prefix index, forks) and picks the rows to sample.
+        (computed tokens, prefix index, forks) and picks the rows to sample. ``ahead_of``: the
+        launched step whose tokens are not on the host yet; rows that compute them read them on
+        the device.
         """
         runs = self._recompute_runs(sched)
         ids: list[int] = [t for seq, a, b in runs for t in seq.token_ids[a:b]]
@@ -606,11 +642,22 @@ class Engine:
         for seq, _, _ in runs:
             seq.request.recompute_runs = []
             self._to_recover.discard(seq.request)
+        pending = self._pending
+        dst: list[int] = []
+        src: list[int] = []
         for s in sched.scheduled:
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
+            if seq in pending:  # tokens of this step still on the device (or a bug: never fed a placeholder)
+                for idx, launch, row in pending[seq]:
+                    if c <= idx < c + n:
+                        if ahead_of is None or launch is not ahead_of.launch:
+                            raise RuntimeError(f"sequence {seq.seq_id} would compute a token not yet sampled")
+                        dst.append(len(ids) + idx - c)
+                        src.append(row)
             ids += seq.token_ids[c : c + n]
             self.counters["prompt_tokens_computed_total"] += max(0, min(c + n, seq.num_prompt_tokens) - c)
-        launch = self.runner.forward(ids, batch, sched.copies)
+        feed = Feed(dst, src, ahead_of.launch.tokens) if dst else None
+        launch = self.runner.forward(ids, batch, sched.copies, feed)
         self._count_step(batch.meta.stats, len(ids))
 
         rows: list[int] = []
@@ -620,7 +667,8 @@ class Engine:
             seq = s.seq
             end += s.num_tokens
             seq.num_computed_tokens += s.num_tokens
-            self.blocks.register_computed(seq)
+            held = pending.get(seq)
+            self.blocks.register_computed(seq, seq.num_tokens - len(held) if held else None)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
             for target in self._fork_if_needed(seq):
@@ -629,14 +677,16 @@ class Engine:
         touched = {s.seq.request for s in sched.scheduled}
         params = [q.request.params for q in samplers]
         self.runner.sample(launch, rows, params, [q.generator for q in samplers])
-        for seq in samplers:  # until the token arrives (``_complete``)
+        indices = []
+        for row, seq in enumerate(samplers):  # until the token arrives (``_complete``)
             seq.append_token(PLACEHOLDER_TOKEN)
-            self._placeholders.add(seq)
-        return _InFlight(samplers, touched, launch)
+            indices.append(len(seq.token_ids) - 1)
+            pending.setdefault(seq, []).append((indices[-1], launch, row))
+        return _InFlight(samplers, indices, touched, launch)
 
-    def _complete_or_fail(self, flight: _InFlight) -> list[RequestOutput]:
+    def _complete_or_fail(self, flight: _InFlight, later: _InFlight | None = None) -> list[RequestOutput]:
         try:
-            return self._complete(flight)
+            return self._complete(flight, later)
         except WorkerDiedError:
             raise
         except Exception:  # e.g. a device error surfacing at the sync: fail that step's requests
@@ -646,23 +696,43 @@ class Engine:
                     self._finish_request(req, "error")
             return []
 
-    def _complete(self, flight: _InFlight) -> list[RequestOutput]:
-        """Wait for a launched step's tokens; put them in place of the placeholders, check stops, report."""
+    def _complete(self, flight: _InFlight, later: _InFlight | None = None) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; put them in place of the placeholders, check stops, report.
+
+        ``later``: the step launched after this one (launch-ahead). Its placeholders are hidden
+        while this step's tokens are checked and reported, so texts, stop checks and outputs see
+        the sequences as they are after this step.
+        """
+        hidden = self._hide(later)
+        try:
+            return self._fill(flight)
+        finally:
+            self._unhide(hidden)
+
+    def _fill(self, flight: _InFlight) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         result = self.runner.wait(flight.launch)
         if result is not None:
             now = time.monotonic()
+            pending = self._pending
             for i, seq in enumerate(flight.samplers):
-                if seq not in self._placeholders:
-                    continue  # aborted or failed while in flight
-                self._placeholders.discard(seq)
-                seq.token_ids[-1] = result.tokens[i]
+                held = pending.get(seq)
+                idx = flight.indices[i]
+                if not held or held[0][0] != idx or seq.is_finished:
+                    continue  # aborted, failed or stopped while in flight (its placeholders are gone)
+                if len(held) == 1:
+                    del pending[seq]
+                else:
+                    held.pop(0)
+                seq.token_ids[idx] = result.tokens[i]
                 if result.logprobs is not None and seq.request.params.logprobs is not None:
                     seq.output_logprobs.append(result.logprobs[i])
                     seq.output_top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
                 if seq.request.first_token_time is None:
                     seq.request.first_token_time = now
                 self.counters["generation_tokens_total"] += 1
+                if self.launch_ahead:  # the block this token fills was computed at the next launch
+                    self.blocks.register_computed(seq, idx + 1)
                 self._check_stop(seq)
         for req in flight.touched:
             if req.is_finished:
@@ -671,6 +741,32 @@ class Engine:
             elif req.stream:
                 outputs.append(self._output(req))
         return outputs
+
+    def _hide(self, later: _InFlight | None) -> list[tuple[Sequence, int, int]]:
+        """Take the later step's placeholders off the ends of its sequences for now."""
+        if later is None:
+            return []
+        hidden = []
+        pending = self._pending
+        for seq in later.samplers:
+            held = pending.get(seq)
+            if held and held[-1][1] is later.launch and len(seq.token_ids) == held[-1][0] + 1:
+                hidden.append((seq, seq.token_ids.pop(), seq.positions.pop()))
+        return hidden
+
+    def _unhide(self, hidden: list[tuple[Sequence, int, int]]) -> None:
+        """Put hidden placeholders back; a sequence that stopped meanwhile drops its later token."""
+        pending = self._pending
+        for seq, token, position in hidden:
+            if not seq.is_finished:
+                seq.token_ids.append(token)
+                seq.positions.append(position)
+                continue
+            held = pending.get(seq)
+            if held:
+                held.pop()
+                if not held:
+                    del pending[seq]
 
     def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
         """When sequence 0 of an n > 1 request finishes its prompt, split off the other samples."""
@@ -706,10 +802,10 @@ class Engine:
 
     def _finish_request(self, req: Request, reason: str, report: bool = True) -> None:
         for seq in req.sequences:
-            if seq in self._placeholders:  # its in-flight token will never be read: drop the placeholder
-                self._placeholders.discard(seq)
-                seq.token_ids.pop()
-                seq.positions.pop()
+            held = self._pending.pop(seq, None)
+            if held:  # its in-flight tokens will never be read: drop the placeholders
+                del seq.token_ids[-len(held) :]
+                del seq.positions[-len(held) :]
             if not seq.is_finished:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)

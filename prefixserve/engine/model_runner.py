@@ -10,6 +10,10 @@ device still runs step N (async scheduling):
   ``forward`` KV copies, then the forward pass, issued without waiting;
   ``sample``  logits and sampling of the chosen rows, issued without waiting; closes the launch;
   ``wait``    the sampled tokens, and the device's busy / idle time of the step.
+
+A step may even be launched before the host has the tokens of the step before it (the engine's
+launch-ahead): the rows that need those tokens name them in a ``Feed`` and read them on the device,
+so the GPU runs step N+1 right behind step N while the host checks N's tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +50,25 @@ class StepBatch:
 
 
 @dataclass(slots=True)
+class Feed:
+    """Input ids that are still on the device: row ``dst[i]`` of a step takes the token an earlier
+    launch sampled in its row ``src[i]`` (``tokens``). ``dst`` is increasing."""
+
+    dst: list[int]
+    src: list[int]
+    tokens: torch.Tensor  # [R] int64 on the device: the earlier launch's sampled tokens
+
+    def apply(self, ids: torch.Tensor) -> None:
+        """Write the fed rows into the device ids ``ids`` (stream-ordered behind the sampling)."""
+        k = len(self.dst)
+        if self.dst[-1] == k - 1 and self.src == list(range(k)):  # a decode batch in the same order
+            ids[:k].copy_(self.tokens[:k])
+            return
+        idx = _index(self.dst + self.src, ids.device).view(2, k)
+        ids.index_copy_(0, idx[0], self.tokens.index_select(0, idx[1]))
+
+
+@dataclass(slots=True)
 class Launch:
     """A step's device work, issued: its sampled tokens and its timing events are on their way."""
 
@@ -55,6 +78,11 @@ class Launch:
     start: torch.cuda.Event | None = None  # timing events around the step's device work (CUDA)
     done: torch.cuda.Event | None = None
     future: SampleFuture | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The sampled tokens on the device (what a later launch's ``Feed`` reads), or None."""
+        return self.future.device_tokens if self.future is not None else None
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -114,6 +142,10 @@ class ModelRunner:
         self._last_done: torch.cuda.Event | None = None
         self._last_decode = False
 
+    # A launch may read an earlier launch's tokens on the device (``Feed``); the tensor-parallel
+    # runner sends ids to its workers as host data, so it cannot.
+    feeds_tokens = True
+
     def make_generator(self, seed: int) -> torch.Generator:
         """A random stream on the device for one seeded sequence."""
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -150,23 +182,28 @@ class ModelRunner:
         return StepBatch(positions, meta, None)
 
     # ---- launching -----------------------------------------------------------------------------
-    def forward(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
-        """Copy-on-write block copies, then the forward pass, issued without waiting for the device."""
+    def forward(
+        self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]], feed: Feed | None = None
+    ) -> Launch:
+        """Copy-on-write block copies, then the forward pass, issued without waiting for the device.
+
+        ``feed`` names the rows whose ids are tokens an earlier launch sampled (their ``ids`` entries
+        are placeholders)."""
         self.kv.copy_blocks(copies)
         timing = self.device.type == "cuda"
         start = torch.cuda.Event(enable_timing=True) if timing else None
         if start is not None:
             start.record()
         issued = time.perf_counter()
-        hidden = self._forward(ids, batch)
+        hidden = self._forward(ids, batch, feed)
         return Launch(hidden, len(ids) == len(batch.meta.query_lens_host), issued, start)
 
-    def _forward(self, ids: list[int], batch: StepBatch) -> torch.Tensor:
+    def _forward(self, ids: list[int], batch: StepBatch, feed: Feed | None = None) -> torch.Tensor:
         """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden]."""
         if batch.graph_step is not None:
             try:
                 return self.graphs.run(
-                    ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step
+                    ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step, feed
                 )
             except GraphCaptureError:  # this step reruns eagerly (its KV writes are idempotent)
                 log.exception("CUDA graphs are off from now on")
@@ -182,8 +219,10 @@ class ModelRunner:
                 )
                 self.backend.prepare(batch.meta)
         if self.pieces is not None and self.pieces.fits(len(ids)):
-            return self.pieces.run(ids, batch.positions, batch.meta, self.backend)
+            return self.pieces.run(ids, batch.positions, batch.meta, self.backend, feed)
         ids_t = _index(ids, self.device)
+        if feed is not None:
+            feed.apply(ids_t)
         pos_t = _index(batch.positions, self.device)
         return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)
 
@@ -263,4 +302,4 @@ class ModelRunner:
         self._last_done = None
 
 
-__all__ = ["Launch", "ModelRunner", "StepBatch", "context_length"]
+__all__ = ["Feed", "Launch", "ModelRunner", "StepBatch", "context_length"]

@@ -22,10 +22,12 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from prefixserve.attention.backend import AttentionBackend
+from prefixserve.attention.graph import HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
 
@@ -77,10 +79,7 @@ class PiecewiseGraphs:
         self.buckets = token_buckets(max(MIN_BUCKET, min(max_tokens, MAX_TOKENS)))
         cap = self.buckets[-1]
         self.inputs = torch.zeros(3, cap, dtype=torch.long, device=self.device)  # ids, positions, slots
-        self._host = torch.zeros(3, cap, dtype=torch.long)
-        if self.device.type == "cuda":
-            self._host = self._host.pin_memory()
-        self._host_np = self._host.numpy()
+        self._staging = HostStaging((3, cap), torch.long, self.device)
         self.entries: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
@@ -95,15 +94,21 @@ class PiecewiseGraphs:
         positions: list[int],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        feed: Any = None,
     ) -> torch.Tensor:
-        """The step's final hidden states [tokens, hidden]; ``backend.prepare(meta)`` has run."""
+        """The step's final hidden states [tokens, hidden]; ``backend.prepare(meta)`` has run.
+
+        ``feed`` (a ``model_runner.Feed``) overwrites rows of ids with tokens still on the device."""
         tokens = len(ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, tokens)]
-        host = self._host_np
+        pinned = self._staging.next()
+        host = pinned.numpy()
         host[0, :tokens], host[1, :tokens] = ids, positions
         host[:2, tokens:bucket] = 0
         host[2, tokens:bucket] = self.kv.scratch_slot
-        self.inputs[:, :bucket].copy_(self._host[:, :bucket], non_blocking=True)
+        self.inputs[:, :bucket].copy_(pinned[:, :bucket], non_blocking=True)
+        if feed is not None:
+            feed.apply(self.inputs[0])
         self.inputs[2, :tokens].copy_(meta.slot_mapping)  # already on the device (no wait for it)
         entry = self.entries.get(bucket)
         if entry is None or not entry.graphs:

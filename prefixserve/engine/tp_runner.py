@@ -266,7 +266,13 @@ class TensorParallelRunner(ModelRunner):
         batch.plan_id = self._plan_id
         return batch
 
-    def forward(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
+    feeds_tokens = False  # the workers get ids as host data: every launch waits for the tokens it reads
+
+    def forward(
+        self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]], feed: Any = None
+    ) -> Launch:
+        if feed is not None:
+            raise ValueError("tensor-parallel steps take their ids from the host (feeds_tokens is False)")
         self.call("forward", batch.plan_id, ids, copies)
         return self.guard(self._forward_local, ids, batch, copies)
 

@@ -130,6 +130,7 @@ class SampleFuture:
     top_ids: torch.Tensor | None  # [R, k] int64, host
     top_counts: list[int]  # top logprobs wanted per row
     event: torch.cuda.Event | None
+    device_tokens: torch.Tensor | None = None  # [R] int64 where they were sampled (a later step reads them)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -182,13 +183,14 @@ def sample_async(
         chosen_lp = logp.gather(1, tokens[:, None])[:, 0]
         if max(want) > 0:
             top_vals, top_ids = logp.topk(max(want), dim=-1)
+    on_device = tokens
     results = [tokens, chosen_lp, top_vals, top_ids]
     event = None
     if dev.type == "cuda":  # into pinned host memory behind the kernels, then one event to wait on
         results = [None if t is None else _pinned_copy(t) for t in results]
         event = torch.cuda.Event()
         event.record()
-    return SampleFuture(*results, counts, event)
+    return SampleFuture(*results, counts, event, on_device)
 
 
 def sample(

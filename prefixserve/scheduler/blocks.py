@@ -110,16 +110,19 @@ class BlockManager:
             self._mirror(seq, start, table[start:])
         return True
 
-    def register_computed(self, seq: Sequence) -> None:
+    def register_computed(self, seq: Sequence, settled: int | None = None) -> None:
         """Index every block that is now full of computed KV (prompt and generated tokens alike).
 
+        ``settled``: how many leading tokens are known on the host (the rest are placeholders for
+        tokens still on the device); a block is indexed once its tokens are computed and known.
         If another sequence already registered the same digest (requests with a common prompt
         computed it side by side), switch to that block and free ours: the two hold the same KV,
         and holding one block is what lets attention read it once for both.
         """
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        computed = seq.num_computed_tokens if settled is None else min(seq.num_computed_tokens, settled)
+        full = computed // self.block_size
         start = seq.num_indexed_blocks
         if full <= start:
             return  # no block filled up since the last call (most decode steps)
