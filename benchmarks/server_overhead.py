@@ -43,12 +43,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS, run_info, write_results
-from benchmarks.serving_gpu import TINY, Clients, free_port, http_get, text_of_tokens
+from benchmarks.serving_gpu import TINY, Clients, free_port, http_get
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "server_overhead"
 ENGINE_THREAD = "ps-engine"  # server_engine.OS_THREAD_NAME
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# The tokenizer's first ids only: the lm_head and the argmax over a 49152-token vocabulary cost more than
+# the rest of a tiny model's step on the CPU (the GPU's forward is asynchronous, the CPU's is not), so
+# prompts use words whose ids lie below this (the chat template's own ids do) and so do the samples.
+VOCAB = 10240
 
 
 # ---- CPU time per thread from /proc -------------------------------------------------------------
@@ -78,22 +82,49 @@ def process_cpu(pid: int) -> float:
 
 
 # ---- the workload ---------------------------------------------------------------------------------
-def make_requests(tok: Any, args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
+def low_id_words(tok: Any, vocab: int) -> list[str]:
+    """Words that the tokenizer encodes (after a space) as one id below ``vocab``."""
+    words = []
+    for i in range(vocab):
+        piece = tok.decode([i])
+        word = piece[1:]
+        one_id = piece.startswith(" ") and word.isalpha() and len(word) > 2
+        if one_id and tok.encode(piece, add_special_tokens=False) == [i]:
+            words.append(word)
+    return words
+
+
+def make_requests(tok: Any, words: list[str], args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     """``--requests`` chats after one shared system prompt, all due at once (a burst)."""
     rng = random.Random(seed)
-    system = "You are the assistant of a cycling shop. " + text_of_tokens(tok, rng, args.system_tokens)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    system = f"{seed}: {text(args.system_tokens)}"  # a word first would lose its space: other ids
     reqs = []
     for i in range(args.requests):
-        user = f"Question {seed}-{i}: " + text_of_tokens(tok, rng, args.user_tokens)
         body = {
             "model": "default",
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"{seed} {i}: {text(args.user_tokens)}"},
+            ],
             "max_tokens": rng.randint(*args.output_tokens),
             "temperature": 0.0,
             "extra_body": {"ignore_eos": True},
         }
         reqs.append({"i": i, "offset": 0.0, "kind": "chat", "stream": True, "logprobs": False, "body": body})
     return reqs
+
+
+def check_ids(tok: Any, reqs: list[dict[str, Any]], vocab: int) -> None:
+    """Every rendered prompt's ids fit the small vocabulary (else the embedding lookup fails)."""
+    for r in reqs:
+        ids = tok.apply_chat_template(r["body"]["messages"], tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if max(ids) >= vocab:
+            raise SystemExit(f"a prompt holds token id {max(ids)} >= the vocabulary of {vocab}")
 
 
 # ---- the server ----------------------------------------------------------------------------------
@@ -261,7 +292,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"~{s['system_tokens']} tokens, user turn ~{s['user_tokens']}, "
         f"{s['output_tokens'][0]}-{s['output_tokens'][1]} output tokens, "
         f"greedy, ignore_eos) from {s['clients']} `openai` client processes on the same host; dummy model "
-        "(2 layers, hidden 64) on `--device cpu`, torch on one thread. Median of "
+        f"(2 layers, hidden 64, vocabulary {VOCAB}: prompts of words with low ids) on `--device cpu`, torch "
+        "on one thread. Median of "
         f"{s['bursts']} bursts after a warm-up burst. CPU is ms per 1,000 streamed tokens (utime + stime "
         "over the burst): main = asyncio/uvicorn thread, engine = `ps-engine` thread, other = the "
         "server's other threads, clients = the load generator processes.",
@@ -326,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="server_overhead_"))
     cfg = workdir / "config.json"
-    cfg.write_text(json.dumps(TINY))
+    cfg.write_text(json.dumps({**TINY, "vocab_size": VOCAB}))
     model = f"dummy:{cfg}"
 
     from prefixserve.model.loader import tokenizer_for
@@ -334,7 +366,10 @@ def main(argv: list[str] | None = None) -> None:
     _, tok = tokenizer_for(model, progress=False)
     if tok is None:
         raise SystemExit("no tokenizer for the dummy model: the benchmark needs the default model's")
-    bursts = [make_requests(tok, args, seed) for seed in range(args.bursts + 1)]
+    words = low_id_words(tok, VOCAB)
+    bursts = [make_requests(tok, words, args, seed) for seed in range(args.bursts + 1)]
+    for reqs in bursts:
+        check_ids(tok, reqs, VOCAB)
     info = run_info()
     result = load_previous(args.fresh or args.no_write)
     settings = {
