@@ -70,7 +70,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
             CompletionOutput(
                 index=seq.index,
                 text=text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,  # a fresh slice: no second copy
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 logprobs=list(seq.output_logprobs) if want_lp else None,

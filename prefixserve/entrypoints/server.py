@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import socket
 import threading
@@ -30,6 +31,18 @@ __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "fre
 log = logging.getLogger(__name__)
 
 GRACE_S = 10.0  # seconds in-flight requests get to finish on shutdown before they are aborted
+
+
+def http_options() -> dict[str, str]:
+    """uvicorn's HTTP parser and event loop: httptools and uvloop where importable, else h11 and asyncio.
+
+    Every streamed token is one body write, and h11 (pure Python) costs several times httptools (C) per
+    write on the asyncio thread, which shares the GIL with the engine thread; uvloop's loop is cheaper
+    per callback. Both are optional (no wheels on Windows; some images lack httptools).
+    """
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return {"http": http, "loop": loop}
 
 
 class GracefulServer(uvicorn.Server):
@@ -67,7 +80,9 @@ class ServerThread:
         self.app = app
         self.host = host
         self.port = port or free_port(host)
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            app, host=self.host, port=self.port, log_level="warning", lifespan="on", **http_options()
+        )
         self.server = GracefulServer(config, grace_s)
         self._thread = threading.Thread(target=self.server.run, name="prefixserve-http", daemon=True)
 
@@ -107,16 +122,19 @@ def serve(args: argparse.Namespace) -> int:
     log.info("loading %s", config.model or "the default model")
     app = build_app(config, api_key=args.api_key)
     state = app.state.server
+    options = http_options()
     log.info(
-        "serving %s (context %d) on http://%s:%d%s",
+        "serving %s (context %d) on http://%s:%d%s (http %s, loop %s)",
         state.model,
         state.max_model_len,
         args.host,
         args.port,
         " (API key required)" if args.api_key else "",
+        options["http"],
+        options["loop"],
     )
     server = GracefulServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on", **options)
     )
     server.run()
     return 0 if server.started else 1

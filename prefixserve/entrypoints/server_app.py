@@ -243,38 +243,48 @@ async def _collect(
     return ordered
 
 
+async def _latest(sink: asyncio.Queue[RequestOutput]) -> dict[str, RequestOutput]:
+    """Wait for outputs, then take all that are queued: outputs are cumulative, the newest per request
+    is all that matters (a stream that fell behind catches up in one write)."""
+    out = await sink.get()
+    latest = {out.request_id: out}
+    while not sink.empty():
+        out = sink.get_nowait()
+        latest[out.request_id] = out
+    return latest
+
+
 async def _stream(
     state: ServerState, ids: list[str], sink: asyncio.Queue[RequestOutput], s: fmt.StreamState
 ) -> AsyncIterator[str]:
-    """SSE body; leaving early (client gone, cancelled) aborts what is still running."""
+    """SSE body; leaving early (client gone, cancelled) aborts what is still running.
+
+    The events of one wake-up (several choices or prompts; the last delta, usage and ``[DONE]``) go
+    out as one body write: each write costs a trip through the ASGI middleware and the HTTP protocol.
+    """
     index = {sub_id: i for i, sub_id in enumerate(ids)}
     finals: dict[str, RequestOutput] = {}
     try:
         if s.chat:
-            for chunk in s.role_chunks():
-                yield chunk
+            yield "".join(s.role_chunks())
         while len(finals) < len(ids):
-            latest = {}
-            out = await sink.get()
-            while True:  # coalesce: outputs are cumulative, only the newest per request matters
-                latest[out.request_id] = out
-                try:
-                    out = sink.get_nowait()
-                except asyncio.QueueEmpty:
-                    break
-            for sub_id, out in latest.items():
+            parts: list[str] = []
+            for sub_id, out in (await _latest(sink)).items():
                 if any(c.finish_reason == "error" for c in out.outputs):
                     error = APIError(500, "the engine failed while running this request", code="engine_error")
-                    yield fmt.sse(error.body())
+                    parts.append(fmt.sse(error.body()))
                     finals[sub_id] = out
+                    yield "".join(parts)
                     return
-                for chunk in s.update(index[sub_id], out):
-                    yield chunk
+                parts += s.update(index[sub_id], out)
                 if out.finished:
                     finals[sub_id] = out
-        if s.include_usage:
-            yield s.usage_chunk([finals[i] for i in ids])
-        yield "data: [DONE]\n\n"
+            if len(finals) == len(ids):
+                if s.include_usage:
+                    parts.append(s.usage_chunk([finals[i] for i in ids]))
+                parts.append("data: [DONE]\n\n")
+            if parts:
+                yield "".join(parts)
     finally:
         for sub_id in ids:
             if sub_id not in finals:

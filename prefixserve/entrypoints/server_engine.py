@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on its queue before re-checking for stop
+OS_THREAD_NAME = "ps-engine"  # what top -H, py-spy and /proc/PID/task/TID/comm show for the engine thread
 
 
 class LatencyObserver(Protocol):
@@ -106,7 +109,10 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
         kwargs: dict[str, Any] = dict(
-            prompt_token_ids=prompt_token_ids, cache_salt=cache_salt, stream=stream, application=application,
+            prompt_token_ids=prompt_token_ids,
+            cache_salt=cache_salt,
+            stream=stream,
+            application=application,
             module_recompute=module_recompute,
         )
         if not self._put(("add", request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
@@ -152,6 +158,7 @@ class EngineLoop:
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread(OS_THREAD_NAME)
         engine = self.engine
         while True:
             if engine.has_unfinished():
@@ -290,6 +297,15 @@ class EngineLoop:
             stream.tokens, stream.last_time = tokens, now
         if out.finished:
             obs.request_done(out.metrics.get("finish_time", now) - out.metrics.get("arrival_time", now))
+
+
+def name_os_thread(name: str) -> None:
+    """Name the calling thread for the OS (Linux, 15 bytes at most), so that per-thread CPU time can be
+    told apart from outside the process; Python before 3.14 names none. Elsewhere it does nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # a str as a JSON string (non-ASCII kept), in C
 from typing import Any
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
@@ -115,7 +116,7 @@ def chat_body(
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 @dataclass(slots=True)
@@ -128,7 +129,12 @@ class _Choice:
 
 @dataclass
 class StreamState:
-    """Turns successive cumulative outputs into deltas, per choice; one per streamed HTTP request."""
+    """Turns successive cumulative outputs into deltas, per choice; one per streamed HTTP request.
+
+    A stream sends one chunk per token per choice, so a chunk's JSON is built from two strings made
+    once per stream (``id``, ``object``, ``created``, ``model`` before the choices; ``usage`` after)
+    around its one choice; a plain choice (no logprobs) is written without building a dict.
+    """
 
     rid: str
     model: str
@@ -140,18 +146,31 @@ class StreamState:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
+    _head: str = field(init=False, repr=False)
+    _tail: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        self._head = (
+            f'data: {{"id":{encode_basestring(self.rid)},"object":"{obj}","created":{self.created},'
+            f'"model":{encode_basestring(self.model)},"choices":['
+        )
+        self._tail = ("]," + '"usage":null}\n\n') if self.include_usage else "]}\n\n"
 
     def chunk(self, choices: list[dict[str, Any]]) -> str:
-        payload: dict[str, Any] = {
-            "id": self.rid,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            payload["usage"] = None
-        return sse(payload)
+        body = ",".join(json.dumps(c, ensure_ascii=False, separators=(",", ":")) for c in choices)
+        return self._head + body + self._tail
+
+    def _plain_chunk(self, index: int, delta: str, finish: str | None) -> str:
+        """One choice without logprobs, as ``chunk`` writes it, without a dict or the JSON encoder."""
+        reason = "null" if finish is None else encode_basestring(finish)
+        if self.chat:
+            content = f'{{"content":{encode_basestring(delta)}}}' if delta else "{}"
+            choice = f'{{"index":{index},"delta":{content},"logprobs":null,"finish_reason":{reason}}}'
+        else:
+            text = encode_basestring(delta)
+            choice = f'{{"index":{index},"text":{text},"logprobs":null,"finish_reason":{reason}}}'
+        return self._head + choice + self._tail
 
     def role_chunks(self) -> list[str]:
         """Chat streams open each choice with the assistant role."""
@@ -182,22 +201,27 @@ class StreamState:
             end = len(c.logprobs or []) if self.want_logprobs else state.tokens
             if not delta and end == state.tokens and not c.finished:
                 continue
-            lp = None
-            if self.want_logprobs:
-                if self.chat:
-                    lp = chat_logprobs(c, state.tokens, end, self.token_text)
-                else:
-                    lp = completion_logprobs(c, state.tokens, end, self.token_text, state.offset)
-                    state.offset += sum(len(t) for t in lp["tokens"])
             finish = c.finish_reason if c.finished else None
-            if self.chat:
-                choice = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp}
+            if self.want_logprobs:
+                chunks.append(self._logprobs_chunk(index, c, state, delta, end, finish))
             else:
-                choice = {"index": index, "text": delta, "logprobs": lp}
-            choice["finish_reason"] = finish
-            chunks.append(self.chunk([choice]))
+                chunks.append(self._plain_chunk(index, delta, finish))
             state.chars, state.tokens, state.done = upto, end, c.finished
         return chunks
+
+    def _logprobs_chunk(
+        self, index: int, c: CompletionOutput, state: _Choice, delta: str, end: int, finish: str | None
+    ) -> str:
+        """A choice with the logprobs of its tokens from ``state.tokens`` to ``end``."""
+        if self.chat:
+            lp = chat_logprobs(c, state.tokens, end, self.token_text)
+            choice = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp}
+        else:
+            lp = completion_logprobs(c, state.tokens, end, self.token_text, state.offset)
+            state.offset += sum(len(t) for t in lp["tokens"])
+            choice = {"index": index, "text": delta, "logprobs": lp}
+        choice["finish_reason"] = finish
+        return self.chunk([choice])
 
     def _settled(self, text: str) -> int:
         """Length of the prefix of ``text`` that can no longer change."""
