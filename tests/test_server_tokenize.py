@@ -99,3 +99,30 @@ def test_running_stream_keeps_flowing_while_a_long_prompt_is_tokenized(server: S
     while server.engine_loop.call(lambda e: e.pool.num_used).result(10) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.engine_loop.call(lambda e: e.pool.num_used).result(10) == 0
+
+
+def test_offline_generate_tokenizes_text_prompts_in_one_batch(default_llm, monkeypatch) -> None:
+    """``LLM.generate`` encodes its text prompts with one batch call (all cores with a fast tokenizer),
+    not one ``encode`` each; the outputs and the reported prompts are those of per-prompt encoding."""
+    from prefixserve import SamplingParams
+
+    texts = ["The capital of France is", "Once upon a time", "2 + 2 ="]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    tok = default_llm.engine.tokenizer
+    expected = [
+        default_llm.generate({"prompt_token_ids": tok.encode(t, add_special_tokens=False)}, params)[0]
+        for t in texts
+    ]
+    calls = []
+    encode = type(tok).encode
+
+    def counted(self, *args, **kwargs):
+        calls.append(args)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "encode", counted)
+    outs = default_llm.generate(texts, params)
+    assert not calls  # no per-prompt encode: the batch call did it
+    assert [o.prompt for o in outs] == texts
+    assert [o.prompt_token_ids for o in outs] == [e.prompt_token_ids for e in expected]
+    assert [o.outputs[0].token_ids for o in outs] == [e.outputs[0].token_ids for e in expected]

@@ -286,9 +286,13 @@ class ModelRunner:
             self.waited += time.perf_counter() - waited
         if launch.start is not None:
             launch.done.synchronize()  # recorded just after the sampler's event: ready (or nearly)
-            # the GPU's own clock: the gap between the previous step's last kernel and this step's first
+            # the GPU's own clock: the gap between the previous step's last kernel and this step's first.
+            # A step launched ahead records its start while the previous one still runs (a negative
+            # gap): it is busy from the previous step's end, and the GPU did not idle.
             busy = launch.start.elapsed_time(launch.done) / 1e3
             idle = self._last_done.elapsed_time(launch.start) / 1e3 if self._last_done is not None else 0.0
+            if idle < 0:
+                busy, idle = max(0.0, busy + idle), 0.0
             self.timers["gpu_idle_seconds_total"] += idle
             self.timers["gpu_busy_seconds_total"] += busy
             if launch.decode and self._last_decode:  # between two decode steps: the host overhead
