@@ -1500,7 +1500,10 @@ def main(argv: list[str]) -> None:
         if not merged:
             raise SystemExit("--part report needs --merge JSON...")
         result = {**merged, "run": merged["run"], "settings": merged["settings"]}
-        result.pop("merged_from", None)
+        own = f"{result['run']['commit']}, {result['run']['date']}"
+        sources = {k: v for k, v in (result.pop("merged_from", None) or {}).items() if v != own}
+        if sources:  # sections measured by other runs than the one the header names
+            result["merged_from"] = sources
         result["issues"] = find_issues(result)
         write_report(result, out)
         return
