@@ -140,3 +140,43 @@ def test_multi_event_writes_parse_with_openai_default(tiny_config_path: Path) ->
     with ServerThread(build_app(config)) as srv:
         texts, expected, usage = _stream_n(srv.url)
     assert texts == expected and usage == 18
+
+
+def test_a_stream_whose_reader_is_behind_gets_one_output_in_flight(tiny_config_path) -> None:
+    """Backpressure (``StreamSink``): while a streamed request's reader has not taken its last output,
+    the engine builds no more for it; once the reader resumes, the next output carries every token
+    since, and the stream ends with the same tokens as an unstreamed request."""
+    import asyncio
+    import time
+
+    from prefixserve import LLM, SamplingParams
+    from prefixserve.entrypoints.server_engine import EngineLoop, StreamSink
+
+    llm = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, progress=False)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params)[0].outputs[0].token_ids
+    loop_thread = EngineLoop(llm.engine)
+    loop_thread.start()
+
+    async def run() -> tuple[list, list[int]]:
+        sink = StreamSink()
+        await loop_thread.add("s", None, params, sink, prompt_token_ids=[5, 6, 7, 8], stream=True)
+        deadline = time.monotonic() + 30
+        while sink.qsize() == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the engine runs on; the reader does not read
+        held = [sink.get_nowait() for _ in range(sink.qsize())]
+        last = held[-1]
+        while not last.finished:
+            sink.resume()
+            last = await asyncio.wait_for(sink.get(), 30)
+        return held, last.outputs[0].token_ids
+
+    try:
+        held, tokens = asyncio.run(run())
+    finally:
+        loop_thread.stop()
+    # one output in flight while the reader was away (plus the final one, if it ended meanwhile)
+    assert not held[0].finished and len(held[0].outputs[0].token_ids) < 24
+    assert len(held) == 1 or (len(held) == 2 and held[1].finished)
+    assert tokens == expected

@@ -32,7 +32,7 @@ from prefixserve.entrypoints.openai_prepare import (
     response_body,
     stream_state,
 )
-from prefixserve.entrypoints.server_engine import EngineLoop, EngineStopped
+from prefixserve.entrypoints.server_engine import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.server_metrics import ServerMetrics
 from prefixserve.entrypoints.server_protocol import APIError, param_of
 from prefixserve.entrypoints.server_requests import (
@@ -268,6 +268,8 @@ async def _stream(
         if s.chat:
             yield "".join(s.role_chunks())
         while len(finals) < len(ids):
+            if isinstance(sink, StreamSink):
+                sink.resume()  # what was taken is written: ready for the next outputs
             parts: list[str] = []
             for sub_id, out in (await _latest(sink)).items():
                 if any(c.finish_reason == "error" for c in out.outputs):
@@ -343,7 +345,7 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _answer(state: ServerState, request: Request, prep: Prepared) -> Response:
     """Queue a checked request and answer it: an SSE stream, or one JSON body when all is done."""
-    sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
     ids = await _submit(state, prep, sink)
     if prep.req.stream:
         return _sse_response(_stream(state, ids, sink, stream_state(state, prep)))

@@ -12,6 +12,7 @@ so it must happen there); commands still queued when the thread stops fail with 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -46,6 +47,28 @@ class LatencyObserver(Protocol):
     def request_done(self, seconds: float) -> None: ...
 
 
+class StreamSink(asyncio.Queue):
+    """A streamed request's queue of outputs, with backpressure: at most one output in flight.
+
+    Outputs are cumulative, so a stream whose reader has not taken the last one need not get the
+    next: after delivering one, the engine thread stops building outputs for the request
+    (``Request.stream = False``) and parks it in ``paused``; the reader, once it has written what it
+    took, ``resume``s it, and the next step's output carries every token since. A reader that keeps
+    up sees every step; a busy server builds, queues and formats fewer outputs (under load the
+    reader and the engine thread share one GIL). Final outputs always come.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused: collections.deque[Any] = collections.deque()  # thread-safe append / popleft
+
+    def resume(self) -> None:
+        """The reader is ready for more: the paused requests get outputs again from the next step."""
+        paused = self.paused
+        while paused:
+            paused.popleft().stream = True
+
+
 @dataclass(slots=True, eq=False)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -53,6 +76,7 @@ class _Stream:
     stream: bool
     tokens: int = 0  # tokens of sample 0 seen so far (for inter-token latency)
     last_time: float = 0.0
+    request: Any = None  # the engine's Request (engine thread): paused while its reader is behind
 
 
 _Item = tuple["asyncio.Queue[RequestOutput]", RequestOutput]
@@ -230,7 +254,7 @@ class EngineLoop:
         if accepted.cancelled():
             return
         try:
-            self.engine.add_request(request_id, prompt, params, **kwargs)
+            stream.request = self.engine.add_request(request_id, prompt, params, **kwargs)
             stream.last_time = time.monotonic()
             self._streams[request_id] = stream
         except PMLError as exc:  # a Prompt Cache prompt naming an unknown schema or module, ...
@@ -275,6 +299,9 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+            elif stream.stream and isinstance(stream.sink, StreamSink) and stream.request is not None:
+                stream.request.stream = False  # no more outputs until the reader took this one
+                stream.sink.paused.append(stream.request)
             self._observe(stream, out, now)
             by_loop.setdefault(stream.loop, []).append((stream.sink, out))
         for loop, items in by_loop.items():
