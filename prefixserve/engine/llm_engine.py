@@ -23,7 +23,7 @@ import torch
 from prefixserve.config import EngineConfig
 from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.model_runner import Feed, Launch, ModelRunner, StepBatch, context_length
-from prefixserve.engine.output_processor import request_output, stop_reason
+from prefixserve.engine.output_processor import ends_by_length, request_output, stop_reason
 from prefixserve.engine.pinned import PinnedPrompt, render_system_prompt
 from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
 from prefixserve.kv.block_pool import BlockPool
@@ -559,15 +559,7 @@ class Engine:
         """Launch-ahead: leave out sequences whose in-flight token is their last by length (max_tokens
         or the context); their row would be computed for nothing."""
         pending, limit = self._pending, self.max_model_len
-        keep = []
-        for s in sched.scheduled:
-            seq = s.seq
-            if seq in pending:
-                cap = seq.request.params.max_tokens
-                out_len = seq.num_tokens - seq.num_prompt_tokens  # the in-flight token counted
-                if seq.num_tokens >= limit or (cap is not None and out_len >= cap):
-                    continue
-            keep.append(s)
+        keep = [s for s in sched.scheduled if s.seq not in pending or not ends_by_length(s.seq, limit)]
         if len(keep) < len(sched.scheduled):
             sched.scheduled = keep
 

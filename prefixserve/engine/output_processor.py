@@ -29,9 +29,16 @@ def stop_reason(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer:
         reason, seq.stop_reason = "stop", token
     elif p.stop and out_len > p.min_tokens and _hit_stop_string(seq, tokenizer):
         reason = "stop"
-    elif (p.max_tokens is not None and out_len >= p.max_tokens) or seq.num_tokens >= max_model_len:
+    elif ends_by_length(seq, max_model_len):
         reason = "length"
     return reason
+
+
+def ends_by_length(seq: Sequence, max_model_len: int) -> bool:
+    """The sequence's last token (known or still in flight) is its last: max_tokens or the context."""
+    cap = seq.request.params.max_tokens
+    out_len = seq.num_tokens - seq.num_prompt_tokens
+    return seq.num_tokens >= max_model_len or (cap is not None and out_len >= cap)
 
 
 def _hit_stop_string(seq: Sequence, tokenizer: Any) -> bool:
@@ -96,4 +103,4 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
     )
 
 
-__all__ = ["output_text", "request_output", "stop_reason"]
+__all__ = ["ends_by_length", "output_text", "request_output", "stop_reason"]
