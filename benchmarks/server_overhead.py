@@ -33,9 +33,7 @@ import json
 import os
 import random
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS, run_info, write_results
-from benchmarks.serving_gpu import TINY, Clients, free_port, http_get
+from benchmarks.serving_gpu import TINY, Clients, ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "server_overhead"
@@ -128,50 +126,22 @@ def check_ids(tok: Any, reqs: list[dict[str, Any]], vocab: int) -> None:
 
 
 # ---- the server ----------------------------------------------------------------------------------
-class Server:
-    """``python -m prefixserve serve`` with the tiny model in a subprocess, its output in a log file."""
+class Server(ServerProcess):
+    """The tiny model's server on the CPU (torch on one thread)."""
 
     def __init__(self, args: argparse.Namespace, model: str, extra: list[str], workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"server_{self.port}.log"
-        cmd = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        port = free_port()
+        cmd = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--model", model, "--device", "cpu", "--max-num-seqs", str(args.max_num_seqs)]
-        cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
-        self.cmd = cmd + extra
-        self.proc: subprocess.Popen[bytes] | None = None
+        cmd += ["--num-kv-blocks", str(args.num_kv_blocks), *extra]
+        super().__init__(cmd, workdir / f"server_{port}.log", "overhead", {"OMP_NUM_THREADS": "1"})
 
     def start(self, timeout: float = 120.0) -> Server:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if http_get(self.url + "/health", timeout=2.0)[0] == 200:
-                    return self
-            except OSError:
-                pass
-            if time.monotonic() - t0 > timeout:
-                self.stop()
-                raise RuntimeError(f"the server is not up after {timeout:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.25)
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        self.launch(timeout)
+        return self
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.terminate()
 
 
 def server_burst(server: Server, clients: Clients, reqs: list[dict[str, Any]]) -> dict[str, Any]:

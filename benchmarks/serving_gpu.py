@@ -294,15 +294,59 @@ class ServerSpec:
     max_num_seqs: int = 256
 
 
-class Server:
-    """``python -m prefixserve serve ...`` in a subprocess, its output in a log file."""
+class ServerProcess:
+    """``python -m prefixserve serve ...`` in a subprocess, its output in a log file: started and
+    waited on until /health answers, stopped by SIGTERM (killed if it ignores it)."""
+
+    def __init__(self, cmd: list[str], log_path: Path, name: str, env: dict[str, str] | None = None) -> None:
+        self.cmd, self.log_path, self.name, self.env = cmd, log_path, name, env or {}
+        self.url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def launch(self, timeout: float) -> float:
+        """Start the server; returns the seconds it took to answer /health."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                if http_get(self.url + "/health", timeout=2.0)[0] == 200:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                self.terminate()
+                raise RuntimeError(f"server {self.name} not up after {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 60.0) -> int | str | None:
+        """SIGTERM, then wait; returns the exit code (None if it was not running)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            return f"killed after {timeout:.0f} s (SIGTERM ignored)"
+
+
+class Server(ServerProcess):
+    """A configuration's server (``ServerSpec``), with what it was and how it ran (``info``)."""
 
     def __init__(self, args: argparse.Namespace, spec: ServerSpec, workdir: Path) -> None:
         self.spec = spec
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"server_{spec.name}_{self.port}.log"
-        cmd = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        port = free_port()
+        cmd = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--model", args.model, "--device", args.device, "--attention", spec.attention]
         cmd += ["--max-num-seqs", str(spec.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks)]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -313,8 +357,7 @@ class Server:
             path.write_text(text)
             cmd += ["--system-prompt", f"{app}={path}"]
         cmd += args.server_arg
-        self.cmd = cmd
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(cmd, workdir / f"server_{spec.name}_{port}.log", spec.name)
         self.info: dict[str, Any] = {
             "name": spec.name,
             "attention": spec.attention,
@@ -327,26 +370,7 @@ class Server:
         }
 
     def start(self, timeout: float) -> Server:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
-        t0 = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server {self.spec.name} exited {self.proc.returncode}:\n{self.log_tail()}"
-                )
-            with contextlib.suppress(OSError):
-                if http_get(self.url + "/health", timeout=2.0)[0] == 200:
-                    break
-            if time.monotonic() - t0 > timeout:
-                self.stop()
-                raise RuntimeError(
-                    f"server {self.spec.name} not up after {timeout:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
-        self.info["start_s"] = time.monotonic() - t0
+        self.info["start_s"] = self.launch(timeout)
         _, models = http_get(self.url + "/v1/models")
         card = json.loads(models)["data"][0]
         self.info["model"], self.info["max_model_len"] = card["id"], card.get("max_model_len")
@@ -358,12 +382,6 @@ class Server:
             flush=True,
         )
         return self
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
     def problems(self) -> list[str]:
         """Lines of the server log that say something went wrong (tracebacks, errors, 5xx)."""
@@ -385,13 +403,7 @@ class Server:
             self.info["idle_metrics"] = {
                 k: v for k, v in scrape(self.url).items() if k.startswith("kv_blocks")
             }
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.info["exit_code"] = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.info["exit_code"] = f"killed after {timeout:.0f} s (SIGTERM ignored)"
-            self.proc.wait(10)
+        self.info["exit_code"] = self.terminate(timeout)
         self.info["stop_s"] = time.monotonic() - t0
         self.info["log_problems"] = self.problems()
 
