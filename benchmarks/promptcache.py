@@ -175,38 +175,58 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
     return rows
 
 
-def run_decode(args: argparse.Namespace, question: str) -> dict[str, Any]:
-    """Decode tok/s with ``--decode-requests`` concurrent requests sharing modules, module vs plain."""
-    out: dict[str, Any] = {"requests": args.decode_requests, "gen": args.decode_gen}
-    for mode in ("module", "plain"):
-        llm = make_llm(args, enable_prefix_caching=mode == "module")
-        tok = llm.get_tokenizer()
-        schema, texts = bench_schema(tok, args.decode_modules, args.module_tokens, args.seed + 7)
-        llm.register_schema(schema)
-        rng = random.Random(args.seed + 2)
-        batch = [prompts_for(rng, texts, args.decode_import, question) for _ in range(args.decode_requests)]
-        prompts = [b[0] for b in batch] if mode == "module" else [b[2] for b in batch]
-        # the first run, untimed, is the timed one's twin: every graph the decode needs (a new key each
-        # time an own part grows a block) is captured and every kernel compiled there, as in
-        # throughput.py; the decode phase of the second is timed from the last request's first token to
-        # the last finish, so the prefill (seconds for plain prompts) is not in it at all
-        params = SamplingParams(max_tokens=args.decode_gen, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts, params)
-        outs = llm.generate(prompts, params)  # as throughput.py: decode tokens / (first token to finish)
-        start = max(o.metrics["first_token_time"] for o in outs)
-        end = max(o.metrics["finish_time"] for o in outs)
-        rate = args.decode_requests * (args.decode_gen - 1) / max(1e-9, end - start)
-        out[f"{mode}_decode_tok_s"] = rate
-        out[f"{mode}_segments_per_step"] = llm.metrics()["shared_segments_total"] / max(
-            1, llm.metrics()["steps_total"]
-        )
-        print(mode, json.dumps(out))
-        del llm
-        gc.collect()  # the engine's cycles hold the KV cache until collected
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    out["module_over_plain"] = out["module_decode_tok_s"] / out["plain_decode_tok_s"]
-    return out
+def decode_modes(recoveries: list[str]) -> dict[str, tuple[bool, bool, str, str]]:
+    """mode: (PML prompts, prefix caching, attention backend, module recovery). ``module`` is the paper's
+    Prompt Cache (no recovery); ``module_<spec>`` the same prompts with that recovery (link:64 is the
+    engine's default: each module's first 64 rows recomputed per request, private blocks)."""
+    recoveries = ["none", *(r for r in recoveries if r != "none")]
+    modes = {("module" if r == "none" else f"module_{r}"): (True, True, "auto", r) for r in recoveries}
+    return modes | {"plain": (False, False, "auto", "none"), "ceiling": (False, False, "none", "none")}
+
+
+def run_decode(args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
+    """Decode tok/s with ``--decode-requests`` concurrent requests sharing modules, at each
+    ``--decode-points`` (imported/schema modules): module-shared vs plain vs the no-attention ceiling."""
+    points = []
+    for point in args.decode_points:
+        imported, modules = (int(x) for x in point.split("/"))
+        out: dict[str, Any] = {
+            "requests": args.decode_requests, "gen": args.decode_gen, "imported": imported, "modules": modules
+        }
+        for mode, (pml, caching, attention, recovery) in decode_modes(args.decode_recovery).items():
+            kw = {"enable_prefix_caching": caching, "attention": attention, "module_recompute": recovery}
+            llm = make_llm(args, **kw)
+            tok = llm.get_tokenizer()
+            schema, texts = bench_schema(tok, modules, args.module_tokens, args.seed + 7)
+            llm.register_schema(schema)
+            rng = random.Random(args.seed + 2)
+            batch = [prompts_for(rng, texts, imported, question) for _ in range(args.decode_requests)]
+            prompts = [b[0] for b in batch] if pml else [b[2] for b in batch]
+            out["prompt_tokens"] = len(tok.encode(batch[0][2], add_special_tokens=False))
+            # the first run, untimed, is the timed one's twin: every graph the decode needs (a new key
+            # each time an own part grows a block) is captured and every kernel compiled there, as in
+            # throughput.py; the decode phase of the second is timed from the last request's first token
+            # to the last finish, so the prefill (seconds for plain prompts) is not in it at all
+            params = SamplingParams(max_tokens=args.decode_gen, temperature=0.0, ignore_eos=True)
+            llm.generate(prompts, params)
+            steps0, segs0 = llm.metrics()["steps_total"], llm.metrics()["shared_segments_total"]
+            outs = llm.generate(prompts, params)  # as throughput.py: decode tokens / (first token to finish)
+            start = max(o.metrics["first_token_time"] for o in outs)
+            end = max(o.metrics["finish_time"] for o in outs)
+            tokens = args.decode_requests * (args.decode_gen - 1)
+            out[f"{mode}_decode_tok_s"] = tokens / max(1e-9, end - start)
+            metrics = llm.metrics()
+            segments = metrics["shared_segments_total"] - segs0
+            out[f"{mode}_segments_per_step"] = segments / max(1, metrics["steps_total"] - steps0)
+            print(mode, json.dumps(out))
+            del llm
+            gc.collect()  # the engine's cycles hold the KV cache until collected
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        out["module_over_plain"] = out["module_decode_tok_s"] / out["plain_decode_tok_s"]
+        out["ceiling_over_plain"] = out["ceiling_decode_tok_s"] / out["plain_decode_tok_s"]
+        points.append(out)
+    return points
 
 
 FACTS = [
@@ -395,19 +415,8 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
             f"| {f(disk)} | {ratio(full, gpu)} | {ratio(full, host)} | {ratio(full, disk)} "
             f"| {ratio(row['prefix_s'], gpu)} |"
         )
-    if "decode" in result:
-        d = result["decode"]
-        lines += [
-            "",
-            f"Decode, {d['requests']} concurrent requests, each importing {s['decode_import']} of "
-            f"{s['decode_modules']} modules (different subsets and orders), {d['gen']} tokens each:",
-            "",
-            "| modules shared (PML) tok/s | plain prompts, no sharing tok/s | shared / plain "
-            "| segments a step |",
-            "| ---: | ---: | ---: | ---: |",
-            f"| {d['module_decode_tok_s']:.0f} | {d['plain_decode_tok_s']:.0f} "
-            f"| {d['module_over_plain']:.2f}x | {d['module_segments_per_step']:.1f} |",
-        ]
+    if result.get("decode"):
+        lines += decode_lines(result)
     if "quality" in result:
         qd = result["quality"]
         lines += [
@@ -462,6 +471,40 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
     fig.savefig(out / f"{name}.png", dpi=120)
 
 
+def decode_lines(result: dict[str, Any]) -> list[str]:
+    """The decode table: one row per point; an older JSON's single point (a dict) reads as one row."""
+    s, points = result["settings"], result["decode"]
+    if isinstance(points, dict):
+        points = [points | {"imported": s["decode_import"], "modules": s["decode_modules"]}]
+    d = points[0]
+    lines = [
+        "",
+        f"Decode, {d['requests']} concurrent requests, each importing a different subset of the schema's "
+        f"modules in its own order, {d['gen']} tokens each. Ceiling: the plain prompts with attention "
+        "switched off (the dense part of the step alone), the most any attention can give:",
+        "",
+        "| modules imported / in the schema | prompt tokens | modules shared (PML) tok/s "
+        "| plain prompts, no sharing tok/s | ceiling tok/s | shared / plain | ceiling / plain "
+        "| shared / ceiling | segments a step | with link:64 recovery (the default) tok/s | its / plain |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for d in points:
+        shared, plain = d["module_decode_tok_s"], d["plain_decode_tok_s"]
+        ceiling = d.get("ceiling_decode_tok_s")
+        vs_ceiling = ("-", "-", "-") if ceiling is None else (
+            f"{ceiling:.0f}", f"{ceiling / plain:.2f}x", f"{shared / ceiling:.0%}"
+        )
+        lines.append(
+            f"| {d['imported']} / {d['modules']} | {d.get('prompt_tokens', '-')} "
+            f"| {shared:.0f} | {plain:.0f} "
+            f"| {vs_ceiling[0]} | {shared / plain:.2f}x | {vs_ceiling[1]} | {vs_ceiling[2]} "
+            f"| {d['module_segments_per_step']:.1f} "
+        )
+        link = d.get("module_link:64_decode_tok_s")
+        lines[-1] += "| - | - |" if link is None else f"| {link:.0f} | {link / plain:.2f}x |"
+    return lines
+
+
 def add_run_args(ap: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     ap.add_argument("--model", default="dummy:llama-3.1-8b" if gpu else "default")
@@ -476,9 +519,11 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--decode-requests", type=int, default=64)
-    ap.add_argument("--decode-modules", type=int, default=8)
-    ap.add_argument("--decode-import", type=int, default=6)
+    ap.add_argument("--decode-points", nargs="*", default=["6/8", "10/12"],
+                    help="decode runs IMPORTED/MODULES: a request imports IMPORTED of the schema's MODULES")
     ap.add_argument("--decode-gen", type=int, default=65)
+    ap.add_argument("--decode-recovery", nargs="*", default=["link:64"],
+                    help="recoveries the decode also runs PML prompts with, besides none (the paper's)")
     ap.add_argument("--spill-docs", type=int, default=0, help="documents for the prefix spill run (0: none)")
     ap.add_argument("--spill-doc-tokens", type=int, default=512)
     ap.add_argument("--merge", action="store_true", help="keep sections of the existing JSON not re-run")

@@ -7,6 +7,7 @@ oracle that attends only the rows that exist.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -108,7 +109,7 @@ def test_backends_skip_holes(batch, group, seed) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(module_batches())
-def test_plan_makes_every_module_block_a_segment(batch) -> None:
+def test_plan_keeps_partial_module_blocks_in_segments(batch) -> None:
     bs, tables, seq_lens, query_lens, module_rows = batch
     meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu", module_rows)
     plan = make_plan(meta)
@@ -121,10 +122,17 @@ def test_plan_makes_every_module_block_a_segment(batch) -> None:
         want = sum(int(module_rows[b]) or bs for b in blocks)
         assert plan.seg_num_tokens_host[g] == want == int(plan.seg_num_tokens[g])
     module_blocks = {b for t in tables for b in t if module_rows[b]}
-    assert module_blocks <= set(seg_blocks)  # never in an own part
+    partial = {b for b in module_blocks if module_rows[b] < bs}
+    assert partial <= set(seg_blocks)  # holes: never in an own part
     own = plan.own_block_tables.tolist()
+    owned: set[int] = set()
     for s, n in enumerate(plan.own_seq_lens_host):
-        assert not module_blocks & set(own[s][: -(-n // bs)])
+        owned |= set(own[s][: -(-n // bs)])
+    assert not partial & owned
+    # a whole module block is own KV only where one sequence of the batch holds it
+    holders = collections.Counter(b for t in tables for b in set(t))
+    assert all(holders[b] == 1 for b in module_blocks & owned)
+    assert module_blocks <= set(seg_blocks) | owned
     assert plan.has_holes == any(0 < module_rows[b] < bs for b in module_blocks)
 
 

@@ -121,10 +121,14 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     if modules:  # every block of the batch is some head's block: look up those alone
         rows[heads.blk] = meta.module_rows[heads.blk]
         modules = bool(rows.any())
-        is_shared |= (rows > 0) & (holders >= 1)  # module blocks are segments even with one holder
+    partial = (rows > 0) & (rows < bs)  # a partly filled module block ends its segment
+    # a partly filled module block is a segment even with one holder: only the segment path skips its
+    # holes; a whole module block with one holder (a recovered private copy, a module one request
+    # imports) is own KV like any other, one more block of that sequence's own part, not a segment of
+    # its own (link:64 made five 64-token one-holder segments per request: most of the shared kernel)
+    is_shared |= partial & (holders >= 1)
     if not is_shared.any():
         return _no_sharing(meta, seq_lens, n_blocks, tables)
-    partial = (rows > 0) & (rows < bs)  # a partly filled module block ends its segment
     join, rep_next, is_start = _segment_links(heads, tables.ravel(), is_shared, holders, partial)
     seg_blocks, seg_block_start, seg_len, holder_seqs, holder_start = _segments(
         heads, tables, n_cand, (join, is_shared, rep_next, is_start)
