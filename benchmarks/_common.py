@@ -115,3 +115,10 @@ def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown)
     print(markdown)
+
+
+def gpu_idle_frac(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """The GPU's idle share between decode steps (waiting for the host), from two ``llm.metrics()``."""
+    idle = after["decode_gpu_idle_seconds_total"] - before["decode_gpu_idle_seconds_total"]
+    busy = after["decode_gpu_busy_seconds_total"] - before["decode_gpu_busy_seconds_total"]
+    return idle / max(idle + busy, 1e-9)

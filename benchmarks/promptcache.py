@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS, pyplot, run_info, run_or_report, write_text
+from benchmarks._common import RESULTS, gpu_idle_frac, pyplot, run_info, run_or_report, write_text
 from benchmarks.recovery import (
     add_recovery_args,
     last_logits,
@@ -209,15 +209,17 @@ def run_decode(args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
             # to the last finish, so the prefill (seconds for plain prompts) is not in it at all
             params = SamplingParams(max_tokens=args.decode_gen, temperature=0.0, ignore_eos=True)
             llm.generate(prompts, params)
-            steps0, segs0 = llm.metrics()["steps_total"], llm.metrics()["shared_segments_total"]
+            before = llm.metrics()
             outs = llm.generate(prompts, params)  # as throughput.py: decode tokens / (first token to finish)
             start = max(o.metrics["first_token_time"] for o in outs)
             end = max(o.metrics["finish_time"] for o in outs)
             tokens = args.decode_requests * (args.decode_gen - 1)
             out[f"{mode}_decode_tok_s"] = tokens / max(1e-9, end - start)
-            metrics = llm.metrics()
-            segments = metrics["shared_segments_total"] - segs0
-            out[f"{mode}_segments_per_step"] = segments / max(1, metrics["steps_total"] - steps0)
+            after = llm.metrics()
+            segments = after["shared_segments_total"] - before["shared_segments_total"]
+            out[f"{mode}_segments_per_step"] = segments / max(1, after["steps_total"] - before["steps_total"])
+            if "decode_gpu_idle_seconds_total" in after:  # the GPU's idle share between decode steps
+                out[f"{mode}_host_overhead"] = gpu_idle_frac(before, after)
             print(mode, json.dumps(out))
             del llm
             gc.collect()  # the engine's cycles hold the KV cache until collected
@@ -485,8 +487,9 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
         "",
         "| modules imported / in the schema | prompt tokens | modules shared (PML) tok/s "
         "| plain prompts, no sharing tok/s | ceiling tok/s | shared / plain | ceiling / plain "
-        "| shared / ceiling | segments a step | with link:64 recovery (the default) tok/s | its / plain |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| shared / ceiling | segments a step | host overhead (shared) "
+        "| with link:64 recovery (the default) tok/s | its / plain |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for d in points:
         shared, plain = d["module_decode_tok_s"], d["plain_decode_tok_s"]
@@ -500,6 +503,8 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
             f"| {vs_ceiling[0]} | {shared / plain:.2f}x | {vs_ceiling[1]} | {vs_ceiling[2]} "
             f"| {d['module_segments_per_step']:.1f} "
         )
+        host = d.get("module_host_overhead")
+        lines[-1] += "| - " if host is None else f"| {host:.0%} "
         link = d.get("module_link:64_decode_tok_s")
         lines[-1] += "| - | - |" if link is None else f"| {link:.0f} | {link / plain:.2f}x |"
     return lines

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks._common import RESULTS, pyplot, run_info, write_results
+from benchmarks._common import RESULTS, gpu_idle_frac, pyplot, run_info, write_results
 from prefixserve import LLM, SamplingParams
 
 MODES = {"auto": "auto", "sharing_off": "triton_paged", "ceiling": "none"}
@@ -94,7 +94,7 @@ def measure(
         "elapsed_s": elapsed,
         # the share of the GPU's time spent waiting for the host between steps (CUDA events; on a
         # CPU, the share of step time outside forward + sampling)
-        "host_overhead_frac": _idle_frac(before, after) if device == "cuda" else host / max(steps, 1e-9),
+        "host_overhead_frac": gpu_idle_frac(before, after) if device == "cuda" else host / max(steps, 1e-9),
         "host_ms_per_step": 1e3 * host / max(1, after["steps_total"] - before["steps_total"]),
         "kv_read_saving_x": (
             after["attention_kv_tokens_logical_total"] - before["attention_kv_tokens_logical_total"]
@@ -111,12 +111,6 @@ def measure(
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
-
-
-def _idle_frac(before: dict, after: dict) -> float:
-    idle = after["decode_gpu_idle_seconds_total"] - before["decode_gpu_idle_seconds_total"]
-    busy = after["decode_gpu_busy_seconds_total"] - before["decode_gpu_busy_seconds_total"]
-    return idle / max(idle + busy, 1e-9)
 
 
 def plot(payload: dict) -> None:

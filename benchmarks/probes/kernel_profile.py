@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import random
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks._common import gpu_idle_frac
 from benchmarks.promptcache import bench_schema, prompts_for
 from benchmarks.throughput import _prompts
 from prefixserve import LLM, SamplingParams
@@ -63,6 +67,23 @@ def requests(llm: LLM, args: argparse.Namespace) -> list:
     return [prompts_for(rng, texts, args.imported, question)[0] for _ in range(args.batch)]
 
 
+TMA_STEPS = collections.Counter()  # work lists planned: TMA (every segment contiguous) or pointer loads
+
+
+def count_tma() -> None:
+    """Wrap the graph path's work planner to count steps whose segments all allow TMA tiles."""
+    from prefixserve.attention.kernels import graph_attention
+
+    plan = graph_attention.plan_work_for
+
+    def counted(*a, **kw):
+        work = plan(*a, **kw)
+        TMA_STEPS["tma" if work.tma else "pointer"] += 1
+        return work
+
+    graph_attention.plan_work_for = counted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", choices=("prefix", "module"), default="module")
@@ -73,26 +94,44 @@ def main() -> None:
     ap.add_argument("--imported", type=int, default=6)
     ap.add_argument("--modules", type=int, default=8)
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--recovery", default="link:64", help="module_recompute for the module workload")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="write the per-kernel table here")
+    ap.add_argument("--host", action="store_true", help="cProfile the host over the steps instead")
     args = ap.parse_args()
     model = None if args.model == "default" else args.model
     extra = {"kv_memory_fraction": 0.6} if torch.cuda.is_available() else {}
-    llm = LLM(model, attention=args.attention, max_num_seqs=max(args.batch, 8),
-              max_num_batched_tokens=16384, progress=False, **extra)
+    llm = LLM(model, attention=args.attention, module_recompute=args.recovery,
+              max_num_seqs=max(args.batch, 8), max_num_batched_tokens=16384, progress=False, **extra)
+    count_tma()
     prompts = requests(llm, args)
-    warm = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
+    warm = SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True)
     llm.generate(prompts, warm)  # graphs captured, kernels compiled
     engine = llm.engine
     for i, p in enumerate(prompts):
         kw = {"prompt_token_ids": p["prompt_token_ids"]} if isinstance(p, dict) else {"prompt": p}
-        engine.add_request(f"p{i}", params=SamplingParams(max_tokens=args.steps + 8, ignore_eos=True), **kw)
+        engine.add_request(f"p{i}", params=SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True), **kw)
     target = engine.counters["generation_tokens_total"] + 2 * args.batch
     while engine.counters["generation_tokens_total"] < target:  # prefill and two decode steps
         engine.step()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if args.host:  # where the host's time goes while it keeps the GPU fed
+        before, t0 = engine.metrics(), time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / args.steps * 1000
+        idle = gpu_idle_frac(before, engine.metrics()) if "decode_gpu_idle_seconds_total" in before else None
+        print(f"unprofiled: {wall:.3f} ms a step (wall); GPU idle between steps: {idle}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            engine.step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
+        return
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
@@ -111,7 +150,7 @@ def main() -> None:
     for name, (us, _) in per_kernel.items():
         groups[group_of(name)] += us
     print(f"workload {args.workload} batch {args.batch} steps {args.steps}")
-    print(f"GPU time per step: {total / args.steps / 1000:.3f} ms")
+    print(f"GPU time per step: {total / args.steps / 1000:.3f} ms; shared work lists {dict(TMA_STEPS)}")
     print("| group | ms a step | share |")
     for g, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"| {g} | {us / args.steps / 1000:.3f} | {us / total:.1%} |")
