@@ -111,7 +111,7 @@ def main() -> None:
     engine = llm.engine
     for i, p in enumerate(prompts):
         kw = {"prompt_token_ids": p["prompt_token_ids"]} if isinstance(p, dict) else {"prompt": p}
-        engine.add_request(f"p{i}", params=SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True), **kw)
+        engine.add_request(f"p{i}", params=warm, **kw)
     target = engine.counters["generation_tokens_total"] + 2 * args.batch
     while engine.counters["generation_tokens_total"] < target:  # prefill and two decode steps
         engine.step()
