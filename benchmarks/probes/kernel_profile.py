@@ -119,9 +119,13 @@ def main() -> None:
         torch.cuda.synchronize()
     if args.host:  # where the host's time goes while it keeps the GPU fed
         before, t0 = engine.metrics(), time.perf_counter()
+        walls = []
         for _ in range(args.steps):
             engine.step()
+            walls.append(time.perf_counter())
         wall = (time.perf_counter() - t0) / args.steps * 1000
+        gaps = [round((b - a) * 1000, 2) for a, b in zip([t0, *walls], walls, strict=False)]
+        print("step walls ms:", gaps)
         idle = gpu_idle_frac(before, engine.metrics()) if "decode_gpu_idle_seconds_total" in before else None
         print(f"unprofiled: {wall:.3f} ms a step (wall); GPU idle between steps: {idle}")
         prof = cProfile.Profile()
