@@ -10,11 +10,15 @@ Three questions, one run:
   ``module_host`` (every module moved to host memory first: the request copies them back) and
   ``module_disk`` (moved off the host too: read from the module store, checksum checked). TTFT =
   wall time of a one-token ``generate``, median of ``--trials`` requests with fresh subsets.
-* **Decode with 64 concurrent requests** importing modules in different subsets and orders:
-  ``module`` (PML prompts: each module's blocks read once per step for all its holders) against
-  ``plain`` (the same tokens as plain prompts, prefix caching off: every request reads its own KV).
+* **Decode with 64 concurrent requests** importing modules in different subsets and orders, at each
+  ``--decode-points`` IMPORTED/MODULES (3K, 5K and 7K module tokens a request by default):
+  ``module`` (PML prompts: each module's blocks read once per step for all its holders; also with
+  each ``--decode-recovery`` setting, link:64 being the engine's default) against ``plain`` (the same
+  tokens as plain prompts, prefix caching off: every request reads its own KV) and ``ceiling`` (the
+  plain prompts with attention off: the dense part of the step, what no attention can beat).
   Decode tok/s = requests x (G - 1) / (last finish - the last request's first token): the decode
-  phase alone (a difference of two whole runs let the plain prompts' prefill noise swamp it).
+  phase alone (a difference of two whole runs let the plain prompts' prefill noise swamp it), the
+  median of ``--decode-trials`` runs after an untimed one.
 * **Accuracy** (``--quality``; real weights only): top-1 agreement and mean KL(full || cached) of the
   next-token distribution, and greedy exact match of ``--quality-tokens`` tokens, between
   module-cached and full prefill, over schemas of facts where a prompt imports 2-4 modules.
@@ -210,14 +214,18 @@ def run_decode(args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
             params = SamplingParams(max_tokens=args.decode_gen, temperature=0.0, ignore_eos=True)
             llm.generate(prompts, params)
             before = llm.metrics()
-            outs = llm.generate(prompts, params)  # as throughput.py: decode tokens / (first token to finish)
-            start = max(o.metrics["first_token_time"] for o in outs)
-            end = max(o.metrics["finish_time"] for o in outs)
-            tokens = args.decode_requests * (args.decode_gen - 1)
-            out[f"{mode}_decode_tok_s"] = tokens / max(1e-9, end - start)
+            rates = []  # a decode phase is under half a second: the median of a few runs
+            for _ in range(args.decode_trials):
+                outs = llm.generate(prompts, params)  # decode tokens / (first token to finish)
+                start = max(o.metrics["first_token_time"] for o in outs)
+                end = max(o.metrics["finish_time"] for o in outs)
+                rates.append(args.decode_requests * (args.decode_gen - 1) / max(1e-9, end - start))
+            out[f"{mode}_decode_tok_s"] = statistics.median(rates)
+            out[f"{mode}_decode_tok_s_trials"] = rates
             after = llm.metrics()
             segments = after["shared_segments_total"] - before["shared_segments_total"]
             out[f"{mode}_segments_per_step"] = segments / max(1, after["steps_total"] - before["steps_total"])
+            out[f"{mode}_preemptions"] = after["preemptions_total"] - before["preemptions_total"]
             if "decode_gpu_idle_seconds_total" in after:  # the GPU's idle share between decode steps
                 out[f"{mode}_host_overhead"] = gpu_idle_frac(before, after)
             print(mode, json.dumps(out))
@@ -524,9 +532,10 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--decode-requests", type=int, default=64)
-    ap.add_argument("--decode-points", nargs="*", default=["6/8", "10/12"],
+    ap.add_argument("--decode-points", nargs="*", default=["6/8", "10/12", "14/16"],
                     help="decode runs IMPORTED/MODULES: a request imports IMPORTED of the schema's MODULES")
     ap.add_argument("--decode-gen", type=int, default=65)
+    ap.add_argument("--decode-trials", type=int, default=3, help="timed decode runs a mode (median)")
     ap.add_argument("--decode-recovery", nargs="*", default=["link:64"],
                     help="recoveries the decode also runs PML prompts with, besides none (the paper's)")
     ap.add_argument("--spill-docs", type=int, default=0, help="documents for the prefix spill run (0: none)")
