@@ -8,10 +8,14 @@ by their log-sum-exps. The same code serves decode, prefill chunks and mixed bat
 
 On CPU the kernel is torch's fused flash-attention op, which returns the LSE; elsewhere (or when the
 op is missing) it is matmul + logsumexp in fp32, split over the KV so the score matrix stays small.
+CPU shortcuts, each exact: a segment in consecutive blocks is attended in place in the cache (no
+gathered copy per layer), a segment that every query row holds is merged without gathering and
+scattering rows, and a prefill chunk's own part uses the op's causal rule instead of a mask tensor.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
@@ -91,6 +95,31 @@ def _unstack_heads(o: torch.Tensor, lse: torch.Tensor, m: int) -> tuple[torch.Te
     return o, lse
 
 
+def _block_run(tables: torch.Tensor) -> int | None:
+    """The first block when ``tables`` [1, nblk] (on the CPU) names consecutive blocks, else None.
+
+    Long prompts get consecutive block ids (``BlockPool.allocate``), so a shared prefix is usually one
+    row range of the cache, which attention can read in place instead of gathering a copy every layer.
+    """
+    if tables.shape[0] != 1 or tables.device.type != "cpu":
+        return None
+    ids = tables[0].numpy()
+    first = int(ids[0])
+    if int(ids[-1]) - first != len(ids) - 1 or (len(ids) > 2 and not bool((np.diff(ids) == 1).all())):
+        return None
+    return first
+
+
+def _all_rows_in_order(rows: torch.Tensor, total: int) -> bool:
+    """Are a segment's query rows (distinct, in [0, total)) every row of the step, in order (on the CPU)?
+
+    Then its merge is a plain aligned merge, without gathering and scattering the accumulators' rows.
+    """
+    if rows.numel() != total or rows.device.type != "cpu":
+        return False
+    return total < 2 or bool((np.diff(rows.numpy()) > 0).all())
+
+
 def attend_blocks(
     q: torch.Tensor,  # [B, kv_heads, M, D] (query heads of a KV head stacked into M)
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D]
@@ -107,6 +136,11 @@ def attend_blocks(
     """
     nrows, nblk = tables.shape
     _, bs, kv_heads, d = k_cache.shape
+    first = _block_run(tables) if num_keys is None else None
+    if first is not None:  # one row over consecutive blocks: the cache rows themselves, no copy
+        k = k_cache[first : first + nblk].view(1, nblk * bs, kv_heads, d)
+        v = v_cache[first : first + nblk].view(1, nblk * bs, kv_heads, d)
+        return attend(q, k.transpose(1, 2), v.transpose(1, 2), scale, visible)
     row_bytes = nrows * bs * kv_heads * d * k_cache.element_size()
     piece = max(1, _GATHER_BYTES // max(1, row_bytes))  # blocks per piece
     o_acc = lse_acc = None
@@ -196,6 +230,11 @@ def own_attention(
             continue
         own_len = plan.own_seq_lens_host[s]
         nblk = -(-own_len // bs)
+        if _causal_fits(q, own_len, k_cache):
+            rows = slice(starts[s], starts[s] + q_len)
+            table = own_tables[s, :nblk]
+            o_out[rows], lse_out[rows] = _own_causal(q[rows], k_cache, v_cache, table, own_len, scale)
+            continue
         # row (j, g) sees own keys 0 .. own_len - q_len + j (the same causal rule, shorter KV)
         limits = torch.arange(own_len - q_len + 1, own_len + 1, device=q.device).repeat_interleave(group)
         visible = torch.arange(nblk * bs, device=q.device)[None, :] < limits[:, None]  # [q_len * g, N]
@@ -213,6 +252,52 @@ def own_attention(
         o_out[starts[s] : starts[s] + q_len] = o
         lse_out[starts[s] : starts[s] + q_len] = lse
     return o_out, lse_out
+
+
+_CAUSAL_BYTES = 64 << 20  # the causal own path's K and V, expanded to every query head, at most this
+
+
+def _causal_fits(q: torch.Tensor, own_len: int, k_cache: torch.Tensor) -> bool:
+    """Can a prefill chunk's own part take ``_own_causal`` (CPU flash op, bounded expanded K/V)?"""
+    expanded = own_len * q.shape[1] * q.shape[2] * max(4, k_cache.element_size())
+    return _CPU_FLASH is not None and q.device.type == "cpu" and expanded <= _CAUSAL_BYTES
+
+
+def _own_causal(
+    q: torch.Tensor,  # [q_len, q_heads, D]: a prefill chunk's rows, the last q_len of its own part
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D]
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # [nblk] long: the sequence's own blocks
+    own_len: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [q_len, q_heads, D] fp32, lse [q_len, q_heads]
+    """A prefill chunk over its own part without a mask tensor: its own keys before the chunk, which
+    every row sees, then the chunk's own keys under the flash op's causal rule; merged by LSE.
+
+    With stacked heads the causal rule needs an explicit [rows * group, N] mask, which at a
+    1.5K-token prompt cost more to build and apply than the attention (and the op cannot skip the
+    masked half); here K and V are expanded to the query heads instead (at most ``_CAUSAL_BYTES``).
+    Only the own part's valid rows are read, so the slots past its end are never touched.
+    """
+    q_len, q_heads, _ = q.shape
+    kv_heads = k_cache.shape[2]
+    first = _block_run(table[None])
+    if first is not None:
+        k = k_cache[first : first + table.numel()].flatten(0, 1)[:own_len]
+        v = v_cache[first : first + table.numel()].flatten(0, 1)[:own_len]
+    else:
+        k = k_cache.index_select(0, table).flatten(0, 1)[:own_len]  # [own_len, kv_heads, D]
+        v = v_cache.index_select(0, table).flatten(0, 1)[:own_len]
+    group = q_heads // kv_heads
+    qh = q.transpose(0, 1)[None].float()  # [1, q_heads, q_len, D]
+    kh = k.transpose(0, 1)[None].float().repeat_interleave(group, dim=1)  # [1, q_heads, own_len, D]
+    vh = v.transpose(0, 1)[None].float().repeat_interleave(group, dim=1)
+    ctx = own_len - q_len
+    o, lse = _CPU_FLASH(qh, kh[:, :, ctx:], vh[:, :, ctx:], is_causal=True, scale=scale)
+    if ctx > 0:
+        o_ctx, lse_ctx = _CPU_FLASH(qh, kh[:, :, :ctx], vh[:, :, :ctx], scale=scale)
+        o, lse = merge_attention_states(o_ctx, lse_ctx, o, lse)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def cascade_attention(
@@ -235,6 +320,7 @@ def cascade_attention(
     row_start = plan.seg_row_start_host
     bs = k_cache.shape[1]
     alike: dict[int, list[int]] = {}  # segment length in blocks -> segments (whole blocks only)
+    t = q.shape[0]
     for g in range(plan.num_segments):
         nblk = blk_start[g + 1] - blk_start[g]
         n_tok = plan.seg_num_tokens_host[g] if plan.seg_num_tokens_host else None
@@ -247,7 +333,10 @@ def cascade_attention(
         scatter_merge_(o_acc, lse_acc, rows, o, lse)
     for segs in alike.values():
         for rows, o, lse in _segments_attention(q, k_cache, v_cache, plan, segs, scale):
-            scatter_merge_(o_acc, lse_acc, rows, o, lse)
+            if _all_rows_in_order(rows, t):  # a prefix every sequence holds: an aligned merge
+                o_acc, lse_acc = merge_attention_states(o_acc, lse_acc, o, lse)
+            else:
+                scatter_merge_(o_acc, lse_acc, rows, o, lse)
     return o_acc.to(q.dtype)
 
 

@@ -349,6 +349,78 @@ def _segment_lengths(
     return run[local[flat[rep_s * width + rep_i]]] + 1
 
 
+def fold_segments(plan: SharedPlan, fold: np.ndarray, block_size: int) -> SharedPlan:
+    """The plan with the segments marked in ``fold`` [G] bool moved into their holders' own parts.
+
+    A segment that saves little (few holders, few blocks) costs more as its own attention call and
+    LSE merge than its holders spend re-reading it (CPU cascade). Folded blocks go first in each
+    holder's own table: they lie before the holder's first query token, so the causal rule over the
+    own part (row j sees own keys up to ``own_len - q_len + j``) still holds, and attention over a
+    set of keys does not depend on their order. Only segments of whole blocks may be folded (a partly
+    filled module block has holes that only the segment path skips).
+    """
+    fold = np.asarray(fold, dtype=bool)
+    if not fold.any():
+        return plan
+    device = plan.own_block_tables.device
+    blk_start = np.asarray(plan.seg_block_start_host, dtype=np.int64)  # [G+1]
+    row_start = np.asarray(plan.seg_row_start_host, dtype=np.int64)  # [G+1]
+    nblk = np.diff(blk_start)  # [G]
+    n_tok = np.asarray(plan.seg_num_tokens_host, dtype=np.int64)
+    if (n_tok[fold] != nblk[fold] * block_size).any():
+        raise ValueError("only segments of whole blocks can be folded into own parts")
+    seg_blocks = plan.seg_blocks.cpu().numpy().astype(np.int64)
+    seg_rows = plan.seg_rows.cpu().numpy().astype(np.int64)
+    own = plan.own_block_tables.cpu().numpy()
+    own_len = np.asarray(plan.own_seq_lens_host, dtype=np.int64)  # [S]
+    own_n = -(-own_len // block_size)  # [S]
+    num_seqs = len(own_len)
+
+    # (segment, holder) pairs of the folded segments, grouped by holder
+    folded = np.flatnonzero(fold)
+    counts = np.array([len(plan.seg_holders_host[g]) for g in folded], dtype=np.int64)
+    pair_seg = np.repeat(folded, counts)
+    pair_seq = np.array([s for g in folded for s in plan.seg_holders_host[g]], dtype=np.int64)
+    order = np.argsort(pair_seq, kind="stable")
+    pair_seg, pair_seq = pair_seg[order], pair_seq[order]
+    cnt = nblk[pair_seg]  # blocks each pair adds
+    extra = np.bincount(pair_seq, weights=cnt, minlength=num_seqs).astype(np.int64)  # [S]
+    before = np.cumsum(cnt) - cnt  # blocks of earlier pairs (all holders)
+    first_pair = np.searchsorted(pair_seq, pair_seq, side="left")
+    offset = before - before[first_pair]  # where each pair's blocks start in its holder's row
+    new_n = own_n + extra
+    tables = np.zeros((num_seqs, int(new_n.max())), dtype=np.int64)
+    tables[np.repeat(pair_seq, cnt), _ranges(offset, cnt)] = seg_blocks[_ranges(blk_start[pair_seg], cnt)]
+    own_s = np.repeat(np.arange(num_seqs), own_n)
+    own_j = _ranges(np.zeros(num_seqs, dtype=np.int64), own_n)
+    tables[own_s, extra[own_s] + own_j] = own[own_s, own_j]
+    new_len = own_len + extra * block_size
+
+    keep = np.flatnonzero(~fold)
+    k_nblk, k_rows = nblk[keep], np.diff(row_start)[keep]
+    k_blk_start = np.zeros(len(keep) + 1, dtype=np.int64)
+    np.cumsum(k_nblk, out=k_blk_start[1:])
+    k_row_start = np.zeros(len(keep) + 1, dtype=np.int64)
+    np.cumsum(k_rows, out=k_row_start[1:])
+    k_tok = n_tok[keep]
+    return SharedPlan(
+        seg_blocks=_to_i32(seg_blocks[_ranges(blk_start[keep], k_nblk)], device),
+        seg_block_start=_to_i32(k_blk_start, device),
+        seg_num_tokens=_to_i32(k_tok, device),
+        seg_rows=_to_i32(seg_rows[_ranges(row_start[keep], k_rows)], device),
+        seg_row_start=_to_i32(k_row_start, device),
+        own_block_tables=_to_i32(tables, device),
+        own_seq_lens=_to_i32(new_len, device),
+        seg_holders_host=[plan.seg_holders_host[g] for g in keep],
+        own_seq_lens_host=new_len.tolist(),
+        kv_tokens_read=int(k_tok.sum()) + int(new_len.sum()),
+        seg_block_start_host=k_blk_start.tolist(),
+        seg_row_start_host=k_row_start.tolist(),
+        seg_num_tokens_host=k_tok.tolist(),
+        has_holes=plan.has_holes,
+    )
+
+
 def _ranges(begin: np.ndarray, count: np.ndarray) -> np.ndarray:
     """Concatenate ``arange(begin[i], begin[i] + count[i])`` for all i without a Python loop."""
     ends = np.cumsum(count)

@@ -30,9 +30,11 @@ import torch
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
+from prefixserve.engine import cpu_malloc
 from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
 from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
+from prefixserve.model import cpu_linear
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, sample_async
 
@@ -108,6 +110,9 @@ class ModelRunner:
         self.model = model
         self.shard = model.shard  # this process's part of a tensor-parallel model (or all of it)
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        if self.device.type == "cpu":  # before sizing the pool: the packed copies take memory too
+            cpu_linear.pack_linear_weights(model)
+            cpu_malloc.keep_freed_memory()
         self.block_size = bs = config.block_size
         self.num_blocks = config.num_kv_blocks or self.shard.min_int(
             blocks_for_budget(

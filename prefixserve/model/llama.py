@@ -21,7 +21,7 @@ from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.model import fused
+from prefixserve.model import cpu_linear, fused
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.parallel import Shard
 
@@ -91,7 +91,14 @@ class RotaryEmbedding(nn.Module):
         return fused.apply_rope(q, cos, sin), fused.apply_rope(k, cos, sin)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` that takes oneDNN with a packed weight on the CPU when it has one (``cpu_linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(self, x)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input as one matmul, their weights stacked by rows.
 
     ``parts`` names the stacked projections as checkpoints name them (q_proj, k_proj, v_proj;
@@ -114,7 +121,7 @@ class MergedLinear(nn.Linear):
         return out
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer whose input columns ``src`` = [start, stop) of the checkpoint's ``total`` are
     this rank's; the ranks' partial products are summed by the caller's all-reduce."""
 
@@ -272,7 +279,7 @@ class LlamaBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """The output projection's vocabulary rows ``src`` (the embedding's, for tied weights)."""
 
     def __init__(self, hidden: int, vocab: int, shard: Shard) -> None:
