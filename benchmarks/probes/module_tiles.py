@@ -11,6 +11,8 @@ PYTHONPATH=. python -m benchmarks.probes.module_tiles
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from prefixserve.attention.kernels.shared_attention import launch_shared, shared_segment_attention
@@ -59,11 +61,11 @@ def build(shape: list[tuple[int, int, int]], batch: int = 64, contiguous: bool =
     return args, max(kv_bytes / 4.27e12, flops / 680e12) * 1e6
 
 
-def launcher(args: tuple, block_m: int, tma: bool):
+def launcher(args: tuple, block_m: int, tma: bool, **tiles: int):
     """The shared kernel's launch over a work list planned once (no host planning in the timing)."""
     q, k, v, blocks, bstart, tokens, rows, rstart, scale = args
     work = plan_shared_work(
-        rstart.tolist(), tokens.tolist(), KV_HEADS, GROUP, q.device, block_m=block_m, head_dim=DIM,
+        rstart.tolist(), tokens.tolist(), KV_HEADS, GROUP, q.device, block_m=block_m, head_dim=DIM, **tiles,
         dtype=q.dtype, seg_blocks=blocks.cpu().numpy() if tma else None, seg_block_start=bstart.tolist(),
         block_size=BS,
     )
@@ -106,5 +108,22 @@ def main() -> None:
         print(f"| {name} | {t_star:.1f} | " + " | ".join(cells) + f" | {err:.2e} |")
 
 
+def sweep() -> None:
+    """64-row TMA tiles: KV tile width, stages and programs per SM on the module shapes."""
+    print("| shape | BLOCK_N | stages | target programs | us |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name in ("6/8 modules, none", "10/12 modules, none"):
+        args, _ = build(SHAPES[name])
+        for block_n, stages, target in itertools.product((32, 64, 128), (2, 3, 4), (None, 264, 528)):
+            try:
+                tiles = {"block_n": block_n, "num_stages": stages, "target_programs": target}
+                us = time_us(launcher(args, 64, True, **tiles))
+            except Exception as e:  # a tile that does not fit: say so and go on
+                print(f"| {name} | {block_n} | {stages} | {target} | {type(e).__name__} |")
+                continue
+            print(f"| {name} | {block_n} | {stages} | {target} | {us:.1f} |")
+
+
 if __name__ == "__main__":
     main()
+    sweep()
