@@ -1,0 +1,91 @@
+"""Where the server's threads spend a streamed chat burst (py-spy over the `on` server of serving_gpu).
+
+Starts the `on` server of ``benchmarks/serving_gpu.py`` (8B dummy model, prefix cache, auto attention),
+sends one untimed burst of ``--burst`` streamed chats after an 8K-token system prompt, then samples the
+server with ``py-spy record --threads --format raw`` while a second burst runs, and prints per thread
+the functions with the most samples (self and inclusive). Needs py-spy on PATH and ptrace rights.
+
+PYTHONPATH=. python -m benchmarks.probes.server_profile --burst 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import serving_gpu as sg
+from prefixserve.model.loader import tokenizer_for
+
+
+def top_frames(raw: Path, top: int) -> None:
+    """Print per thread the most-sampled leaf frames and the most-sampled frames anywhere on a stack."""
+    leaf: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    incl: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    total: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        thread, calls = frames[0], frames[1:]
+        n = int(count)
+        total[thread] += n
+        if calls:
+            leaf[thread][calls[-1]] += n
+        for f in set(calls):
+            incl[thread][f] += n
+    for thread, n in total.most_common():
+        print(f"\n== {thread}: {n} samples")
+        print("-- self:")
+        for f, c in leaf[thread].most_common(top):
+            print(f"{c / n:6.1%}  {f[:150]}")
+        print("-- inclusive:")
+        for f, c in incl[thread].most_common(top):
+            print(f"{c / n:6.1%}  {f[:150]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sg.add_args(ap)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    workdir = Path(tempfile.mkdtemp(prefix="server_profile_"))
+    _, tok = tokenizer_for(args.model, progress=False)
+    system = sg.system_prompt(tok, max(args.system_tokens), seed=max(args.system_tokens))
+    bursts = [
+        sg.chat_requests(tok, system, args.burst, seed, args, None, logprobs=False, tag="b")
+        for seed in (7000, 7001)
+    ]
+    spec = sg.ServerSpec("on", "auto", True, {}, args.hydragen_max_num_seqs)
+    clients = sg.Clients(args.clients)
+    server = sg.Server(args, spec, workdir)
+    try:
+        server.start(args.server_timeout)
+        sg.server_burst(clients, server, bursts[0], args)
+        raw = workdir / "profile.txt"
+        assert server.proc is not None
+        spy = subprocess.Popen(
+            [pyspy, "record", "--pid", str(server.proc.pid), "--duration", str(int(args.seconds)),
+             "--threads", "--format", "raw", "--output", str(raw), "--nonblocking", "--rate", "200"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        stats = sg.server_burst(clients, server, bursts[1], args)
+        _, err = spy.communicate(timeout=args.seconds + 60)
+        print(f"burst: {stats.get('tok_s', 0):.0f} tok/s; server: {stats.get('server')}")
+        if not raw.exists():
+            print(f"py-spy wrote nothing: {err[-2000:]}")
+            return
+        top_frames(raw, args.top)
+    finally:
+        server.stop()
+        clients.close()
+
+
+if __name__ == "__main__":
+    main()
