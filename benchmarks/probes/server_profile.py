@@ -1,9 +1,11 @@
 """Where the server's threads spend a streamed chat burst (py-spy over the `on` server of serving_gpu).
 
 Starts the `on` server of ``benchmarks/serving_gpu.py`` (8B dummy model, prefix cache, auto attention),
-sends one untimed burst of ``--burst`` streamed chats after an 8K-token system prompt, then samples the
-server with ``py-spy record --threads --format raw`` while a second burst runs, and prints per thread
-the functions with the most samples (self and inclusive). Needs py-spy on PATH and ptrace rights.
+sends one untimed burst of ``--burst`` streamed chats after an 8K-token system prompt and one timed
+(a fresh server), then with ``--after-hydragen`` the document and samples bursts that serving_gpu's
+`on` server runs before its chat bursts, then samples the server with ``py-spy record --threads
+--format raw`` while a last chat burst runs, and prints per thread the functions with the most samples
+(self and inclusive). Needs py-spy on PATH and ptrace rights.
 
 PYTHONPATH=. python -m benchmarks.probes.server_profile --burst 256
 """
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--after-hydragen", action="store_true", help="run the document and samples bursts first")
     args = ap.parse_args()
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     workdir = Path(tempfile.mkdtemp(prefix="server_profile_"))
@@ -60,7 +63,7 @@ def main() -> None:
     system = sg.system_prompt(tok, max(args.system_tokens), seed=max(args.system_tokens))
     bursts = [
         sg.chat_requests(tok, system, args.burst, seed, args, None, logprobs=False, tag="b")
-        for seed in (7000, 7001)
+        for seed in (7000, 7001, 7002)
     ]
     spec = sg.ServerSpec("on", "auto", True, {}, args.hydragen_max_num_seqs)
     clients = sg.Clients(args.clients)
@@ -68,6 +71,17 @@ def main() -> None:
     try:
         server.start(args.server_timeout)
         sg.server_burst(clients, server, bursts[0], args)
+        fresh = sg.server_burst(clients, server, bursts[1], args)
+        print(f"fresh server, chat burst: {fresh.get('tok_s', 0):.0f} tok/s; server: {fresh.get('server')}")
+        if args.after_hydragen:
+            for name, reqs in (
+                ("document", sg.doc_requests(tok, args, 9000)),
+                ("document", sg.doc_requests(tok, args, 8001)),
+                ("samples", sg.sample_requests(tok, args, 9100)),
+                ("samples", sg.sample_requests(tok, args, 9200)),
+            ):
+                run = sg.server_burst(clients, server, reqs, args)
+                print(f"{name} burst: {run.get('tok_s', 0):.0f} tok/s", flush=True)
         raw = workdir / "profile.txt"
         assert server.proc is not None
         spy = subprocess.Popen(
@@ -75,7 +89,7 @@ def main() -> None:
              "--threads", "--format", "raw", "--output", str(raw), "--nonblocking", "--rate", "200"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
-        stats = sg.server_burst(clients, server, bursts[1], args)
+        stats = sg.server_burst(clients, server, bursts[2], args)
         _, err = spy.communicate(timeout=args.seconds + 60)
         print(f"burst: {stats.get('tok_s', 0):.0f} tok/s; server: {stats.get('server')}")
         if not raw.exists():
