@@ -74,3 +74,25 @@ def test_shipped_dummy_configs_resolve() -> None:
     for name in ("llama-3.1-8b", "qwen2.5-7b", "codellama-13b"):
         source = resolve_model(f"dummy:{name}")
         assert source.kind == "dummy" and source.path.name == f"{name}.json"
+
+
+def test_token_id_check_fast_path_agrees_with_the_exact_one() -> None:
+    """Plain int lists take a C-speed check; anything else the per-token one: same verdicts."""
+    import numpy as np
+
+    from prefixserve.engine.llm_engine import _valid_token_ids
+
+    vocab = 10
+    cases = [  # a list: (True, 2) == (1.0, 2) as dict keys
+        ((0, 9), True),
+        ((0, 10), False),
+        ((-1, 3), False),
+        ((1.0, 2), False),
+        ((True, 2), True),  # bool is an Integral, as before
+        ((np.int64(3), 4), True),
+        ((np.int64(10),), False),
+        ((1, "a"), False),
+        ((2**70,), False),
+    ]
+    for ids, valid in cases:
+        assert _valid_token_ids(list(ids), vocab) is valid, ids

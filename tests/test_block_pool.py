@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import hashlib
+from array import array
 
-from prefixserve.kv.block_pool import BlockPool, NoFreeBlocksError, block_digest
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixserve.kv.block_pool import BlockPool, NoFreeBlocksError, block_digest, chain_digests
 
 
 def test_allocate_release_round_trip() -> None:
@@ -36,6 +41,30 @@ def test_digest_depends_on_tokens_positions_salt_and_parent() -> None:
     assert base != block_digest(None, [1, 2], [5, 6], None)
     assert base != block_digest(None, [1, 2], [0, 1], "tenant-a")
     assert base != block_digest(b"x" * 16, [1, 2], [0, 1], None)
+
+
+def test_digest_bytes_are_stable() -> None:
+    """Digests name KV on disk and in host memory across restarts: their bytes must not drift."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (b"root", array("q", [7, 8]).tobytes(), b"|", array("q", [3, 4]).tobytes(), b"|salt"):
+        h.update(part)
+    assert block_digest(None, [7, 8], [3, 4], "salt") == h.digest()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 3, 16]),
+    tokens=st.lists(st.integers(0, 2**40), max_size=70),
+    parent=st.sampled_from([None, b"p" * 16]),
+    salt=st.sampled_from([None, "", "tenant-\u00e9"]),
+)
+def test_chain_digests_match_block_by_block(block_size: int, tokens: list[int], parent, salt) -> None:
+    positions = [3 * i + 1 for i in range(len(tokens))]
+    expected, link = [], parent
+    for lo in range(0, len(tokens) - block_size + 1, block_size):
+        link = block_digest(link, tokens[lo : lo + block_size], positions[lo : lo + block_size], salt)
+        expected.append(link)
+    assert chain_digests(parent, tokens, positions, salt, block_size) == expected
 
 
 def test_cached_free_blocks_are_found_until_evicted_lru() -> None:

@@ -55,6 +55,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--spy-modes",
+        nargs="+",
+        default=["active"],
+        choices=["active", "idle", "gil"],
+        help="one profiled chat burst each: running threads only (py-spy's default), idle threads too "
+        "(where the engine thread waits), or only the thread holding the GIL",
+    )
     ap.add_argument("--after-hydragen", action="store_true", help="run the document and samples bursts first")
     args = ap.parse_args()
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -63,7 +71,7 @@ def main() -> None:
     system = sg.system_prompt(tok, max(args.system_tokens), seed=max(args.system_tokens))
     bursts = [
         sg.chat_requests(tok, system, args.burst, seed, args, None, logprobs=False, tag="b")
-        for seed in (7000, 7001, 7002)
+        for seed in range(7000, 7002 + len(args.spy_modes))
     ]
     spec = sg.ServerSpec("on", "auto", True, {}, args.hydragen_max_num_seqs)
     clients = sg.Clients(args.clients)
@@ -82,20 +90,21 @@ def main() -> None:
             ):
                 run = sg.server_burst(clients, server, reqs, args)
                 print(f"{name} burst: {run.get('tok_s', 0):.0f} tok/s", flush=True)
-        raw = workdir / "profile.txt"
-        assert server.proc is not None
-        spy = subprocess.Popen(
-            [pyspy, "record", "--pid", str(server.proc.pid), "--duration", str(int(args.seconds)),
-             "--threads", "--format", "raw", "--output", str(raw), "--nonblocking", "--rate", "200"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        stats = sg.server_burst(clients, server, bursts[2], args)
-        _, err = spy.communicate(timeout=args.seconds + 60)
-        print(f"burst: {stats.get('tok_s', 0):.0f} tok/s; server: {stats.get('server')}")
-        if not raw.exists():
-            print(f"py-spy wrote nothing: {err[-2000:]}")
-            return
-        top_frames(raw, args.top)
+        for i, mode in enumerate(args.spy_modes):
+            raw = workdir / f"profile_{mode}.txt"
+            assert server.proc is not None
+            cmd = [pyspy, "record", "--pid", str(server.proc.pid), "--duration", str(int(args.seconds))]
+            cmd += ["--threads", "--format", "raw", "--output", str(raw), "--nonblocking", "--rate", "200"]
+            cmd += {"active": [], "idle": ["--idle"], "gil": ["--gil"]}[mode]
+            spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stats = sg.server_burst(clients, server, bursts[2 + i], args)
+            _, err = spy.communicate(timeout=args.seconds + 60)
+            tok_s = stats.get("tok_s", 0)
+            print(f"\n##### py-spy {mode}: burst {tok_s:.0f} tok/s; server: {stats.get('server')}")
+            if not raw.exists():
+                print(f"py-spy wrote nothing: {err[-2000:]}")
+                continue
+            top_frames(raw, args.top)
     finally:
         server.stop()
         clients.close()

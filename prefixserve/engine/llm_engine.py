@@ -75,6 +75,16 @@ def _tune_gc() -> None:
     gc.set_threshold(max(threshold0, GC_THRESHOLD0), threshold1, threshold2)
 
 
+
+def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
+    """All ids integers in [0, vocab). Plain ints are checked at C speed (type set, min, max): a
+    per-token generator cost about a millisecond per 8K-token prompt on the server's engine thread."""
+    if not tokens:
+        return True
+    if set(map(type, tokens)) == {int}:
+        return min(tokens) >= 0 and max(tokens) < vocab
+    return all((type(t) is int or isinstance(t, numbers.Integral)) and 0 <= t < vocab for t in tokens)
+
 class Engine:
     """Requests in, RequestOutputs out, one batch per ``step``; the model runner does the device work."""
 
@@ -425,7 +435,7 @@ class Engine:
             check = tokens[len(modules.blocks) * self.config.block_size :]
         else:
             check = tokens
-        if any(not (type(t) is int or isinstance(t, numbers.Integral)) or not 0 <= t < vocab for t in check):
+        if not _valid_token_ids(check, vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), as integers")
         if len(tokens) >= self.max_model_len:
             raise ValueError(

@@ -32,13 +32,34 @@ def block_digest(
     parent: bytes | None, token_ids: Sequence[int], positions: Sequence[int], salt: str | None
 ) -> bytes:
     """Identity of a full block's KV: same digest means bit-identical KV (same model and dtype)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(array("q", token_ids).tobytes())
-    h.update(b"|")
-    h.update(array("q", positions).tobytes())
-    h.update(b"|" + (salt or "").encode())
-    return h.digest()
+    ids, places = array("q", token_ids).tobytes(), array("q", positions).tobytes()
+    tail = b"|" + (salt or "").encode()
+    return hashlib.blake2b(b"".join((parent or b"root", ids, b"|", places, tail)), digest_size=16).digest()
+
+
+def chain_digests(
+    parent: bytes | None,
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    salt: str | None,
+    block_size: int,
+) -> list[bytes]:
+    """``block_digest`` of each full ``block_size`` slice of the tokens, each chained to the one before.
+
+    One pass turns all the ids into bytes: hashing a long prompt block by block spent most of its
+    time building two small arrays per block (a quarter of a server's engine thread in an 8K-token
+    system prompt burst)."""
+    ids, places = array("q", token_ids).tobytes(), array("q", positions).tobytes()
+    tail = b"|" + (salt or "").encode()
+    width = 8 * block_size  # bytes of one block's ids (int64)
+    blake2b = hashlib.blake2b
+    out: list[bytes] = []
+    link = parent or b"root"
+    for lo in range(0, len(ids) - width + 1, width):
+        hi = lo + width
+        link = blake2b(b"".join((link, ids[lo:hi], b"|", places[lo:hi], tail)), digest_size=16).digest()
+        out.append(link)
+    return out
 
 
 class BlockPool:

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from prefixserve.kv.block_pool import BlockPool, block_digest
+from prefixserve.kv.block_pool import BlockPool, chain_digests
 from prefixserve.sequence import Sequence
 
 
@@ -41,12 +41,12 @@ class BlockManager:
     def _digests(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """The sequence's own digest list, extended to at least ``num_full_blocks`` (not a copy)."""
         digests = seq.block_digests
-        if len(digests) < num_full_blocks:
-            bs, salt = self.block_size, seq.request.cache_salt
-            for i in range(len(digests), num_full_blocks):
-                parent = digests[i - 1] if i else None
-                lo, hi = i * bs, (i + 1) * bs
-                digests.append(block_digest(parent, seq.token_ids[lo:hi], seq.positions[lo:hi], salt))
+        done = len(digests)
+        if done < num_full_blocks:
+            lo, hi = done * self.block_size, num_full_blocks * self.block_size
+            parent = digests[-1] if digests else None
+            ids, places = seq.token_ids[lo:hi], seq.positions[lo:hi]
+            digests += chain_digests(parent, ids, places, seq.request.cache_salt, self.block_size)
         return digests
 
     def cacheable_blocks(self, seq: Sequence) -> int:
