@@ -245,6 +245,7 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
         "gpu_busy_seconds_total",
         "gpu_idle_seconds_total",
         "cuda_graph_captures_total",
+        "cuda_graph_capture_seconds_total",
         "http_5xx",
         "http_4xx",
         "time_to_first_token_seconds_sum",
@@ -266,6 +267,7 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
         "gpu_busy_s": d["gpu_busy_seconds_total"],
         "gpu_idle_s": d["gpu_idle_seconds_total"],
         "graph_captures": d["cuda_graph_captures_total"],
+        "graph_capture_s": d["cuda_graph_capture_seconds_total"],
         "http_5xx": d["http_5xx"],
         "http_4xx": d["http_4xx"],
         "kv_read_saving_x": d["attention_kv_tokens_logical_total"]

@@ -105,6 +105,10 @@ def main() -> None:
                 print(f"py-spy wrote nothing: {err[-2000:]}")
                 continue
             top_frames(raw, args.top)
+        print("\n##### graph captures in the server log (start-up ones included):")
+        for line in server.log_path.read_text(errors="replace").splitlines():
+            if "captured" in line:
+                print(line[-160:])
     finally:
         server.stop()
         clients.close()

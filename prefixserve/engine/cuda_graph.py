@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[Any, ...], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
+        self.capture_s = 0.0  # host seconds spent capturing: every running stream stalls meanwhile
         self._current: int | None = None  # the bucket of the last decode step
         self._held = 0  # consecutive steps run in a bucket above the batch's own
 
@@ -152,6 +154,7 @@ class DecodeGraphs:
 
     def _capture(self, step: GraphStep, bucket: int) -> _Captured:
         """Warm up (compiles kernels; computes this step), capture, and replay once more when asked."""
+        started = time.perf_counter()
         attention = step.build()
         attention.load(step.arrays)
         self._forward(bucket, attention)  # eager warm-up: Triton compiles outside the capture
@@ -163,7 +166,9 @@ class DecodeGraphs:
         except Exception as exc:
             raise GraphCaptureError(f"capturing the decode graph {step.key[:2]} failed: {exc}") from exc
         self.captures += 1
-        log.info("captured decode graph %s (%d so far)", step.key[:2], self.captures)
+        took = time.perf_counter() - started
+        self.capture_s += took
+        log.info("captured decode graph %s in %.0f ms (%d so far)", step.key, took * 1e3, self.captures)
         entry = self.graphs[step.key] = _Captured(graph, attention, hidden)
         return entry
 

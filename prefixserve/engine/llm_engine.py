@@ -873,6 +873,9 @@ class Engine:
         graphs, pieces = self.runner.graphs, self.runner.pieces
         captures = (graphs.captures if graphs else 0) + (pieces.captures if pieces else 0)
         out["cuda_graph_captures_total"] = captures
+        out["cuda_graph_capture_seconds_total"] = (graphs.capture_s if graphs else 0.0) + (
+            pieces.capture_s if pieces else 0.0
+        )
         out.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,7 @@ class PiecewiseGraphs:
         self.entries: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
+        self.capture_s = 0.0
 
     def fits(self, tokens: int) -> bool:
         return 0 < tokens <= self.buckets[-1]
@@ -180,6 +182,7 @@ class PiecewiseGraphs:
 
     def _capture(self, entry: _Bucket, bucket: int) -> None:
         """Capture the L + 1 pieces into one memory pool (replayed in the order captured)."""
+        started = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graphs, rope = [], None
         try:
@@ -194,7 +197,10 @@ class PiecewiseGraphs:
             return
         entry.graphs, entry.rope = graphs, rope  # the angles stay alive with the graphs that read them
         self.captures += 1
-        log.info("captured the dense pieces for %d tokens (%d buckets so far)", bucket, self.captures)
+        took = time.perf_counter() - started
+        self.capture_s += took
+        ms = took * 1e3
+        log.info("captured the dense pieces for %d tokens in %.0f ms (%d so far)", bucket, ms, self.captures)
 
 
 __all__ = ["MAX_TOKENS", "PiecewiseGraphs", "token_buckets"]

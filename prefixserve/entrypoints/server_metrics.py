@@ -31,6 +31,7 @@ _COUNTERS = {
     "gpu_busy_seconds_total": "device time of steps (CUDA), first kernel to last",
     "gpu_idle_seconds_total": "device time between consecutive steps (CUDA): the GPU waiting on the host",
     "cuda_graph_captures_total": "CUDA graphs captured (decode batches, dense pieces of eager steps)",
+    "cuda_graph_capture_seconds_total": "host time spent capturing CUDA graphs (the running streams wait)",
     # Prompt Cache: schemas' modules
     "module_tokens_reused_total": "prompt tokens served from encoded prompt modules (Prompt Cache)",
     "module_encodes_total": "prompt module pieces encoded (run through the model)",
