@@ -1,0 +1,95 @@
+"""What the server's chat burst loses to the offline API, and to which part of the server.
+
+The same 256-chat bursts (8K-token system prompt, serving_gpu's chat shape) through: the offline
+``LLM.chat``; the `on` server streamed and not streamed (no per-token SSE chunks on the HTTP loop);
+and, with ``--switch-interval``, a second server whose Python switch interval is set that low (how
+long a thread that wants the GIL waits before the holder is asked to drop it). Prints tok/s per burst
+and the server's GPU busy / idle seconds.
+
+PYTHONPATH=. python -m benchmarks.probes.server_compare --repeats 3 --switch-interval 0.0005
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from benchmarks import serving_gpu as sg
+from prefixserve.model.loader import tokenizer_for
+
+
+def server_bursts(args, spec, workdir, clients, warm, bursts, env=None) -> dict[str, list[float]]:
+    """Streamed and unstreamed timed bursts on one fresh server, alternating; returns tok/s lists."""
+    server = sg.Server(args, spec, workdir)
+    server.env = env or {}
+    out: dict[str, list[float]] = {"streamed": [], "not streamed": []}
+    try:
+        server.start(args.server_timeout)
+        sg.server_burst(clients, server, warm, args)
+        for streamed, unstreamed in bursts:
+            for name, reqs in (("streamed", streamed), ("not streamed", unstreamed)):
+                stats = sg.server_burst(clients, server, reqs, args)
+                s = stats.get("server", {})
+                print(
+                    f"  {name:13s} {stats.get('tok_s', 0):7.0f} tok/s  busy {s.get('gpu_busy_s', 0):.2f} s"
+                    f"  idle {s.get('gpu_idle_s', 0):.2f} s  captures {s.get('graph_captures', 0):.0f}",
+                    flush=True,
+                )
+                out[name].append(stats.get("tok_s", 0.0))
+    finally:
+        server.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sg.add_args(ap)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--switch-interval", type=float, default=0.0, help="seconds; 0: no such server")
+    args = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="server_compare_"))
+    _, tok = tokenizer_for(args.model, progress=False)
+    system = sg.system_prompt(tok, max(args.system_tokens), seed=max(args.system_tokens))
+
+    def chats(seed: int, stream: bool = True) -> list:
+        return sg.chat_requests(
+            tok, system, args.burst, seed, args, None, logprobs=False, stream=stream, tag="b"
+        )
+
+    warm = chats(7000)
+    seeds = [7001 + r for r in range(args.repeats)]
+    pairs = [(chats(s), chats(s, stream=False)) for s in seeds]
+    results: dict[str, list[float]] = {}
+    offline = sg.offline_runs(args, {"chat": [warm, *(p[0] for p in pairs)]})
+    results["offline"] = offline["runs"]["chat"]
+    print(f"offline: {results['offline']}", flush=True)
+    spec = sg.ServerSpec("on", "auto", True, {}, args.hydragen_max_num_seqs)
+    clients = sg.Clients(args.clients)
+    try:
+        print("server, default switch interval:")
+        for name, runs in server_bursts(args, spec, workdir, clients, warm, pairs).items():
+            results[f"server {name}"] = runs
+        if args.switch_interval > 0:
+            site = workdir / "site"
+            site.mkdir()
+            code = f"import sys\nsys.setswitchinterval({args.switch_interval})\n"
+            (site / "sitecustomize.py").write_text(code)
+            path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+            print(f"server, switch interval {args.switch_interval * 1e3:g} ms:")
+            runs = server_bursts(args, spec, workdir, clients, warm, pairs, {"PYTHONPATH": path})
+            for name, values in runs.items():
+                results[f"server {name}, switch {args.switch_interval * 1e3:g} ms"] = values
+    finally:
+        clients.close()
+    best = max(results["offline"])
+    print("\n| run | tok/s | mean | best / offline best |\n|---|---|---:|---:|")
+    for name, values in results.items():
+        runs = ", ".join(f"{v:.0f}" for v in values)
+        print(f"| {name} | {runs} | {statistics.mean(values):.0f} | {max(values) / best:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
