@@ -45,6 +45,9 @@ class EngineConfig:
     # exactly when CUDA graphs are
     async_scheduling: bool | None = None
     seed: int = 0  # dummy weights and unseeded sampling
+    # a streamed request reports progress every this many generated tokens (per sample; the final
+    # output always comes): fewer, larger chunks for a server whose HTTP loop cannot keep up
+    stream_interval: int = 1
     system_prompts: dict[str, str] = field(default_factory=dict)  # application -> pinned prompt
     # Prompt Cache: PML schemas registered at start-up; encoded module KV may take this share of the
     # KV pool, then moves to host memory (this many bytes), then off the end; with module_store,
@@ -84,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"kv_admit_threshold must be in (0, 1], got {self.kv_admit_threshold}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not 0.0 < self.module_gpu_fraction <= 1.0:
             raise ValueError(f"module_gpu_fraction must be in (0, 1], got {self.module_gpu_fraction}")
         if self.module_host_bytes < 0:

@@ -89,6 +89,8 @@ class Request:
     finish_time: float | None = None
     forked: bool = False  # the n > 1 samples have been split off sequence 0
     stream: bool = False  # report every step's progress, not only the final output
+    unreported: int = 0  # tokens generated since the last streamed output (EngineConfig.stream_interval)
+    streamed: bool = False  # a progress output has gone out (the first one goes at once)
     # Prompt Cache: the leading blocks of every sample's table are reused module blocks (held by the
     # request until it ends), with stand-in digests so own blocks chain from all the modules; the
     # module blocks' empty rows are ``num_hole_tokens`` placeholder tokens of the prompt

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,3 +181,32 @@ def test_a_stream_whose_reader_is_behind_gets_one_output_in_flight(tiny_config_p
     assert not held[0].finished and len(held[0].outputs[0].token_ids) < 24
     assert len(held) == 1 or (len(held) == 2 and held[1].finished)
     assert tokens == expected
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_interval_spaces_progress_outputs(tiny_config_path, n: int) -> None:
+    """``stream_interval=K``: the first token goes out at once, then an output every K tokens per
+    sample, and the final one; the tokens are those of an unstreamed request."""
+    from prefixserve import LLM, SamplingParams
+
+    params = SamplingParams(n=n, max_tokens=11, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    plain = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, progress=False)
+    expected = [c.token_ids for c in plain.generate(prompt, params)[0].outputs]
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, progress=False, stream_interval=4
+    )
+    engine = llm.engine
+    engine.add_request("s", None, params, prompt_token_ids=[5, 6, 7, 8], stream=True)
+    seen = []
+    while engine.has_unfinished():
+        seen += [(len(o.outputs[0].token_ids), o.finished) for o in engine.step()]
+    last = seen[-1]
+    assert last == (11, True)
+    progress = [t for t, done in seen if not done]
+    assert progress[0] == 1 and all(b - a >= 4 for a, b in itertools.pairwise(progress))
+    assert len(progress) >= 2  # it does stream
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
+    out = llm.generate(prompt, params)[0]
+    assert [c.token_ids for c in out.outputs] == expected

@@ -34,6 +34,10 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(tiny_config_path: Pat
         str(port),
         "--num-kv-blocks",
         "256",
+        "--stream-interval",
+        "2",
+        "--switch-interval-ms",
+        "1",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -79,3 +83,10 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(tiny_config_path: Pat
             proc.wait(10)
         if proc.stdout:
             proc.stdout.close()
+
+
+def test_serve_refuses_a_switch_interval_of_zero(capsys) -> None:
+    from prefixserve.entrypoints import cli
+
+    assert cli.main(["serve", "--switch-interval-ms", "0"]) == 2
+    assert "--switch-interval-ms must be > 0" in capsys.readouterr().err

@@ -1,18 +1,18 @@
 """What the server's chat burst loses to the offline API, and to which part of the server.
 
 The same 256-chat bursts (8K-token system prompt, serving_gpu's chat shape) through: the offline
-``LLM.chat``; the `on` server streamed and not streamed (no per-token SSE chunks on the HTTP loop);
-and, with ``--switch-interval``, a second server whose Python switch interval is set that low (how
-long a thread that wants the GIL waits before the holder is asked to drop it). Prints tok/s per burst
-and the server's GPU busy / idle seconds.
+``LLM.chat``, then one `on` server per ``--servers`` entry, each taking the bursts streamed and not
+streamed (no per-token SSE chunks on the HTTP loop): ``default``, ``switch=MS`` (``serve
+--switch-interval-ms``: how long a thread that wants the GIL waits before the holder is asked to drop
+it) or ``stream=K`` (``--stream-interval K``). Prints tok/s per burst and the server's GPU busy / idle
+seconds.
 
-PYTHONPATH=. python -m benchmarks.probes.server_compare --repeats 3 --switch-interval 0.0005
+PYTHONPATH=. python -m benchmarks.probes.server_compare --repeats 3 --servers switch=5 default stream=4
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -21,10 +21,11 @@ from benchmarks import serving_gpu as sg
 from prefixserve.model.loader import tokenizer_for
 
 
-def server_bursts(args, spec, workdir, clients, warm, bursts, env=None) -> dict[str, list[float]]:
+def server_bursts(args, spec, workdir, clients, warm, bursts, extra: list[str]) -> dict[str, list[float]]:
     """Streamed and unstreamed timed bursts on one fresh server, alternating; returns tok/s lists."""
-    server = sg.Server(args, spec, workdir)
-    server.env = env or {}
+    server = sg.Server(
+        argparse.Namespace(**{**vars(args), "server_arg": args.server_arg + extra}), spec, workdir
+    )
     out: dict[str, list[float]] = {"streamed": [], "not streamed": []}
     try:
         server.start(args.server_timeout)
@@ -48,7 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     sg.add_args(ap)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--switch-interval", type=float, default=0.0, help="seconds; 0: no such server")
+    ap.add_argument(
+        "--servers", nargs="+", default=["switch=5", "default"], help="default, switch=MS, stream=K"
+    )
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="server_compare_"))
     _, tok = tokenizer_for(args.model, progress=False)
@@ -69,19 +72,16 @@ def main() -> None:
     spec = sg.ServerSpec("on", "auto", True, {}, args.hydragen_max_num_seqs)
     clients = sg.Clients(args.clients)
     try:
-        print("server, default switch interval:")
-        for name, runs in server_bursts(args, spec, workdir, clients, warm, pairs).items():
-            results[f"server {name}"] = runs
-        if args.switch_interval > 0:
-            site = workdir / "site"
-            site.mkdir()
-            code = f"import sys\nsys.setswitchinterval({args.switch_interval})\n"
-            (site / "sitecustomize.py").write_text(code)
-            path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-            print(f"server, switch interval {args.switch_interval * 1e3:g} ms:")
-            runs = server_bursts(args, spec, workdir, clients, warm, pairs, {"PYTHONPATH": path})
-            for name, values in runs.items():
-                results[f"server {name}, switch {args.switch_interval * 1e3:g} ms"] = values
+        for config in args.servers:
+            kind, _, value = config.partition("=")
+            extra = {
+                "default": [],
+                "switch": ["--switch-interval-ms", value],
+                "stream": ["--stream-interval", value],
+            }
+            print(f"server {config}:", flush=True)
+            for name, runs in server_bursts(args, spec, workdir, clients, warm, pairs, extra[kind]).items():
+                results[f"server {config}, {name}"] = runs
     finally:
         clients.close()
     best = max(results["offline"])

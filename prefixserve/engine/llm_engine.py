@@ -730,8 +730,10 @@ class Engine:
                 if result.logprobs is not None and seq.request.params.logprobs is not None:
                     seq.output_logprobs.append(result.logprobs[i])
                     seq.output_top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
-                if seq.request.first_token_time is None:
-                    seq.request.first_token_time = now
+                req = seq.request
+                req.unreported += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
                 self.counters["generation_tokens_total"] += 1
                 if self.launch_ahead:  # the block this token fills was computed at the next launch
                     self.blocks.register_computed(seq, idx + 1)
@@ -740,7 +742,10 @@ class Engine:
             if req.is_finished:
                 if self._retire(req):
                     outputs.append(self._output(req))
-            elif req.stream:
+            elif req.stream and (
+                not req.streamed or req.unreported >= self.config.stream_interval * len(req.sequences)
+            ):
+                req.streamed, req.unreported = True, 0
                 outputs.append(self._output(req))
         return outputs
 

@@ -38,6 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="streamed requests get an output every N generated tokens (the last always)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -171,6 +177,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        stream_interval=args.stream_interval,
         system_prompts=read_system_prompts(args.system_prompt),
         schemas=read_schemas(args.schema),
         module_store=args.module_store,

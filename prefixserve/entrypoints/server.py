@@ -16,6 +16,7 @@ import asyncio
 import importlib.util
 import logging
 import socket
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -118,6 +119,9 @@ class ServerThread:
 def serve(args: argparse.Namespace) -> int:
     """``prefixserve serve``: load the model, bind (127.0.0.1 by default), serve until SIGTERM/Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.switch_interval_ms <= 0:
+        raise ValueError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}")
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     config = engine_config_from_args(args)
     log.info("loading %s", config.model or "the default model")
     app = build_app(config, api_key=args.api_key)
