@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import engine_checks
 import httpx
 import openai
 import pytest
@@ -25,17 +26,23 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SYSTEM = "You are a terse assistant for a bicycle shop. " * 12  # ~120 tokens: several KV blocks
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+@pytest.fixture(
+    scope="module",
+    params=[(False, False), (True, False), (True, True)],
+    ids=["sync", "async-scheduling", "engine-process"],
+)
 def server(tiny_config_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
-    # async scheduling (on by default under CUDA graphs) delays each step's outputs by one step()
+    # async scheduling (on by default under CUDA graphs) delays each step's outputs by one step();
+    # engine-process runs the engine in a child process (serve's default on a GPU)
+    async_scheduling, own_process = request.param
     config = EngineConfig(
         model=f"dummy:{tiny_config_path}",
         device="cpu",
         num_kv_blocks=512,
         max_num_seqs=64,
-        async_scheduling=request.param,
+        async_scheduling=async_scheduling,
     )
-    with ServerThread(build_app(config, api_key=API_KEY)) as srv:
+    with ServerThread(build_app(config, api_key=API_KEY, engine_process=own_process)) as srv:
         yield srv
 
 
@@ -51,7 +58,7 @@ def http(server: ServerThread) -> Iterator[httpx.Client]:
 
 
 def blocks_used(server: ServerThread) -> int:
-    return int(server.engine_loop.call(lambda e: e.pool.num_used).result(10))
+    return int(server.engine_loop.call(engine_checks.blocks_in_use).result(10))
 
 
 def wait_pool_empty(server: ServerThread, timeout: float = 15.0) -> None:
@@ -59,7 +66,7 @@ def wait_pool_empty(server: ServerThread, timeout: float = 15.0) -> None:
     while blocks_used(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert blocks_used(server) == 0
-    assert server.engine_loop.call(lambda e: (e.pool.check_integrity(), len(e.requests))[1]).result(10) == 0
+    assert server.engine_loop.call(engine_checks.live_requests_after_integrity_check).result(10) == 0
 
 
 def metric(http: httpx.Client, name: str) -> float:

@@ -4,10 +4,10 @@ The same 256-chat bursts (8K-token system prompt, serving_gpu's chat shape) thro
 ``LLM.chat``, then one `on` server per ``--servers`` entry, each taking the bursts streamed and not
 streamed (no per-token SSE chunks on the HTTP loop): ``default``, ``switch=MS`` (``serve
 --switch-interval-ms``: how long a thread that wants the GIL waits before the holder is asked to drop
-it) or ``stream=K`` (``--stream-interval K``). Prints tok/s per burst and the server's GPU busy / idle
-seconds.
+it), ``stream=K`` (``--stream-interval K``) or ``process=on|off`` (``--engine-process``). Prints
+tok/s per burst and the server's GPU busy / idle seconds.
 
-PYTHONPATH=. python -m benchmarks.probes.server_compare --repeats 3 --servers switch=5 default stream=4
+PYTHONPATH=. python -m benchmarks.probes.server_compare --repeats 3 --servers process=off default
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ def main() -> None:
     sg.add_args(ap)
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
-        "--servers", nargs="+", default=["switch=5", "default"], help="default, switch=MS, stream=K"
+        "--servers",
+        nargs="+",
+        default=["process=off", "default"],
+        help="default, switch=MS, stream=K, process=on|off",
     )
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="server_compare_"))
@@ -78,6 +81,7 @@ def main() -> None:
                 "default": [],
                 "switch": ["--switch-interval-ms", value],
                 "stream": ["--stream-interval", value],
+                "process": ["--engine-process", value],
             }
             print(f"server {config}:", flush=True)
             for name, runs in server_bursts(args, spec, workdir, clients, warm, pairs, extra[kind]).items():

@@ -378,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Python's thread switch interval in the server: how long the engine thread can wait for "
         "the GIL while the HTTP loop holds it (Python's default is 5)",
     )
+    s.add_argument(
+        "--engine-process",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the engine in its own process, apart from the HTTP loop's GIL (auto: on a GPU)",
+    )
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

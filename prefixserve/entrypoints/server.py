@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.server_app import MAX_BODY_BYTES, build_app
 from prefixserve.entrypoints.server_engine import EngineLoop
@@ -116,6 +117,18 @@ class ServerThread:
         self.stop()
 
 
+def wants_engine_process(choice: str, config: EngineConfig) -> bool:
+    """``--engine-process``: auto is on when the engine will run on a GPU (where the host is what the
+    HTTP loop slows down); a CPU engine needs the cores more than a GIL of its own."""
+    if choice != "auto":
+        return choice == "on"
+    if config.device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return config.device.startswith("cuda")
+
+
 def serve(args: argparse.Namespace) -> int:
     """``prefixserve serve``: load the model, bind (127.0.0.1 by default), serve until SIGTERM/Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,7 +137,8 @@ def serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     config = engine_config_from_args(args)
     log.info("loading %s", config.model or "the default model")
-    app = build_app(config, api_key=args.api_key)
+    own_process = wants_engine_process(args.engine_process, config)
+    app = build_app(config, api_key=args.api_key, engine_process=own_process)
     state = app.state.server
     options = http_options()
     log.info(

@@ -8,7 +8,9 @@ model) so that every refusal is a 4xx naming the problem, never a 422 or a 500.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -57,22 +59,42 @@ def build_app(
     engine: Engine | None = None,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    engine_process: bool = False,
 ) -> FastAPI:
-    """Load the engine now (errors surface before binding); its thread starts with the app's lifespan."""
-    engine = engine or Engine(config or EngineConfig(), progress=False)
-    started = time.perf_counter()
-    if captured := engine.capture_graphs():  # now, not as stalls of the first requests of each size
-        log.info("captured dense pieces of %d step sizes in %.1f s", captured, time.perf_counter() - started)
-    loop = EngineLoop(engine)
+    """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
+
+    ``engine_process``: the engine runs in a child process (``engine_process.py``), not on a thread
+    of this one; the app then holds only the tokenizer."""
+    loop: EngineLoop
+    if engine_process:
+        if engine is not None:
+            raise ValueError("engine_process takes a config, not an engine")
+        from prefixserve.entrypoints.engine_process import EngineProcess
+        from prefixserve.model.loader import tokenizer_for
+
+        config = config or EngineConfig()
+        loop = EngineProcess(config)
+        info = loop.info
+        model, max_model_len, system_prompts = info["model"], info["max_model_len"], info["system_prompts"]
+        tokenizer = tokenizer_for(config.model, progress=False)[1]
+    else:
+        engine = engine or Engine(config or EngineConfig(), progress=False)
+        started = time.perf_counter()
+        if captured := engine.capture_graphs():  # now, not as stalls of the first requests of each size
+            took = time.perf_counter() - started
+            log.info("captured dense pieces of %d step sizes in %.1f s", captured, took)
+        loop = EngineLoop(engine)
+        model, max_model_len, tokenizer = engine.model_name, engine.max_model_len, engine.tokenizer
+        system_prompts = dict(engine.config.system_prompts)
     metrics = ServerMetrics(lambda: loop.snapshot)
     loop.observer = metrics
     state = ServerState(
         loop=loop,
-        model=engine.model_name,
-        max_model_len=engine.max_model_len,
-        tokenizer=engine.tokenizer,
+        model=model,
+        max_model_len=max_model_len,
+        tokenizer=tokenizer,
         api_key=api_key,
-        system_prompts=dict(engine.config.system_prompts),
+        system_prompts=system_prompts,
         max_body_bytes=max_body_bytes,
     )
 
@@ -382,6 +404,19 @@ class _SchemaExists(Exception):
     pass
 
 
+def _register_schema(engine: Engine, pml: str, replace: bool, **options: Any) -> tuple[dict[str, Any], bool]:
+    """Register a schema where the engine is (a module-level function: it pickles for the engine
+    process); returns its card and whether it replaced one."""
+    name = parse_schema(pml).name  # a PMLError names line, column and problem
+    existed = _find_schema(engine, name) is not None
+    if existed and not replace:
+        raise _SchemaExists(name)
+    engine.register_schema(pml, replace=replace, **options)
+    info = _find_schema(engine, name)
+    assert info is not None
+    return info, existed
+
+
 def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
     """Register, list and remove PML schemas. The engine calls run on the engine thread between two
     steps (registering encodes the modules now, unless ``encode`` is false)."""
@@ -396,24 +431,15 @@ def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
     async def add_schema(request: Request) -> Response:
         authorize(state, request)
         req = await read_schema_request(state, request)
-
-        def register(engine: Engine) -> tuple[dict[str, Any], bool]:
-            name = parse_schema(req.schema_).name  # a PMLError names line, column and problem
-            existed = _find_schema(engine, name) is not None
-            if existed and not req.replace:
-                raise _SchemaExists(name)
-            engine.register_schema(
-                req.schema_,
+        try:
+            register = functools.partial(
+                _register_schema,
+                pml=req.schema_,
+                replace=req.replace,
                 encode=req.encode,
                 pin=req.pin,
-                replace=req.replace,
                 module_recompute=req.module_recompute,
             )
-            info = _find_schema(engine, name)
-            assert info is not None
-            return info, existed
-
-        try:
             info, replaced = await on_engine(register)
         except _SchemaExists as exc:
             message = f"schema {exc.args[0]!r} is already registered; send replace=true to replace it"
@@ -428,13 +454,13 @@ def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/schemas")
     async def list_schemas(request: Request) -> Response:
         authorize(state, request)
-        schemas = await on_engine(lambda engine: engine.list_schemas())
+        schemas = await on_engine(operator.methodcaller("list_schemas"))
         return JSONResponse({"object": "list", "data": [_schema_card(s) for s in schemas]})
 
     @app.get("/v1/schemas/{name}")
     async def get_schema(name: str, request: Request) -> Response:
         authorize(state, request)
-        info = await on_engine(lambda engine: _find_schema(engine, name))
+        info = await on_engine(functools.partial(_find_schema, name=name))
         if info is None:
             raise APIError(404, f"no schema named {name!r}", param="name", code="schema_not_found")
         return JSONResponse(_schema_card(info))
@@ -443,7 +469,7 @@ def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
     async def delete_schema(name: str, request: Request) -> Response:
         authorize(state, request)
         try:
-            await on_engine(lambda engine: engine.unregister_schema(name))
+            await on_engine(operator.methodcaller("unregister_schema", name))
         except KeyError:
             raise APIError(404, f"no schema named {name!r}", param="name", code="schema_not_found") from None
         return JSONResponse({"object": "schema", "name": name, "deleted": True})

@@ -298,7 +298,7 @@ class EngineLoop:
             if stream is None:
                 continue
             if out.finished:
-                del self._streams[out.request_id]
+                self._streams.pop(out.request_id, None)  # (an abort may have taken it meanwhile)
             elif stream.stream and isinstance(stream.sink, StreamSink) and stream.request is not None:
                 stream.request.stream = False  # no more outputs until the reader took this one
                 stream.sink.paused.append(stream.request)

@@ -34,6 +34,9 @@ class PMLError(ValueError):
         super().__init__(f"PML {where}{problem}")
         self.line, self.column, self.problem = line, column, problem
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole: the engine process sends it to the server
+        return (PMLError, (self.problem, self.line, self.column))
+
 
 # ---- the document model ----------------------------------------------------------------------
 @dataclass(slots=True)

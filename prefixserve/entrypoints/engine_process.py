@@ -1,0 +1,512 @@
+"""The engine in its own process, so the HTTP loop and the engine stop sharing one GIL.
+
+In one process the engine thread gives the GIL up at every torch call and waits to win it back from
+the asyncio loop that formats and writes the streams: with 256 streamed chats after an 8K-token
+system prompt on an H200 the server reached 81-87% of the offline API's tokens/s, unstreamed 98-113%
+(``benchmarks/probes/server_compare.py``). vLLM and SGLang run their engine cores apart for the same
+reason. ``EngineProcess`` has ``EngineLoop``'s interface (the routes cannot tell them apart):
+
+* the child (``_serve_engine``) owns the Engine and runs the same loop as the engine thread, reading
+  commands from a pipe between steps and writing each step's outputs back;
+* outputs cross as deltas (``OutputEncoder`` / ``OutputDecoder``): outputs are cumulative, and sending
+  whole ones would copy every token again each step; the prompt's ids cross once;
+* a reader thread in the server process decodes them and delivers them as the engine thread did
+  (per-request queues, backpressure, latency metrics); ``run`` takes picklable callables only.
+
+If the child dies, its requests end with finish_reason "error", /health answers 503 and nothing more
+is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from prefixserve.config import EngineConfig
+from prefixserve.entrypoints.server_engine import (
+    IDLE_WAIT_S,
+    EngineLoop,
+    EngineStopped,
+    LatencyObserver,
+    StreamSink,
+    _resolve,
+    _Stream,
+    name_os_thread,
+)
+from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+READY_TIMEOUT_S = 1800.0  # loading a large model and capturing its graphs
+SNAPSHOT_EVERY_S = 0.1  # how often a busy child sends its metrics
+
+
+# ---- outputs as deltas --------------------------------------------------------------------------
+def _tail(sent: int, items: list[Any] | None) -> tuple[int, list[Any] | None]:
+    """(how many of the ``sent`` items to keep, the items after them): lists here only grow."""
+    if items is None:
+        return 0, None
+    if len(items) < sent:
+        return 0, list(items)
+    return sent, items[sent:]
+
+
+class OutputEncoder:
+    """The child's side: what each request's caller has already been sent, and the deltas."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict[int, list[Any]]] = {}  # rid -> index -> [text, tokens, lps, tops]
+
+    def encode(self, out: RequestOutput) -> tuple[Any, ...]:
+        first = out.request_id not in self._sent
+        per = self._sent.setdefault(out.request_id, {})
+        choices = []
+        for c in out.outputs:
+            text, ntok, nlp, ntop = per.get(c.index) or ("", 0, 0, 0)
+            keep = len(text) if c.text.startswith(text) else 0
+            tok = _tail(ntok, c.token_ids)
+            lp, top = _tail(nlp, c.logprobs), _tail(ntop, c.top_logprobs)
+            choices.append((c.index, keep, c.text[keep:], tok, c.finish_reason, c.stop_reason, lp, top))
+            per[c.index] = [c.text, len(c.token_ids), len(c.logprobs or ()), len(c.top_logprobs or ())]
+        if out.finished:
+            del self._sent[out.request_id]
+        head = (out.prompt, out.prompt_token_ids) if first else None
+        counts = (
+            out.num_cached_tokens,
+            out.num_recomputed_tokens,
+            out.module_rows_shared,
+            out.module_rows_private,
+        )
+        return out.request_id, out.finished, head, choices, counts, out.metrics
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+class OutputDecoder:
+    """The server's side: cumulative outputs rebuilt from the deltas (lists shared between a request's
+    successive outputs: read them, do not modify them)."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, tuple[Any, list[int], dict[int, list[Any]]]] = {}
+
+    def decode(self, wire: tuple[Any, ...]) -> RequestOutput | None:
+        """The output, or None for a request forgotten meanwhile (aborted here while it was sent)."""
+        rid, finished, head, choices, counts, metrics = wire
+        if head is not None:
+            self._state[rid] = (head[0], head[1], {})
+        state = self._state.get(rid)
+        if state is None:
+            return None
+        prompt, prompt_ids, per = state
+        outputs = []
+        for index, keep, text_add, tok, finish, stop, lp, top in choices:
+            acc = per.setdefault(index, ["", [], None, None])
+            acc[0] = acc[0][:keep] + text_add
+            for slot, (kept, add) in ((1, tok), (2, lp), (3, top)):
+                if add is None:
+                    continue
+                if acc[slot] is None or kept < len(acc[slot]):
+                    acc[slot] = (acc[slot] or [])[:kept]
+                acc[slot].extend(add)
+            outputs.append(CompletionOutput(index, acc[0], acc[1], finish, stop, acc[2], acc[3]))
+        if finished:
+            self._state.pop(rid, None)
+        cached, recomputed, shared, private = counts
+        return RequestOutput(
+            rid, prompt, prompt_ids, outputs, finished, cached, recomputed, shared, private, metrics
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+# ---- the child process ----------------------------------------------------------------------------
+def _serve_engine(config: EngineConfig, conn: Any) -> None:
+    """The child's main: load the engine, say so, then step and answer commands until told to stop."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    name_os_thread("ps-engine-proc")
+    try:
+        from prefixserve.engine import Engine
+
+        engine = Engine(config, progress=False)
+        started = time.perf_counter()
+        if captured := engine.capture_graphs():
+            log.info(
+                "captured dense pieces of %d step sizes in %.1f s", captured, time.perf_counter() - started
+            )
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(
+        (
+            "ready",
+            {
+                "model": engine.model_name,
+                "max_model_len": engine.max_model_len,
+                "system_prompts": dict(engine.config.system_prompts),
+                "snapshot": engine.metrics(),
+            },
+        )
+    )
+    _EngineChild(engine, conn).run()
+
+
+class _EngineChild:
+    """The engine thread's loop with a pipe for its command queue and its deliveries."""
+
+    def __init__(self, engine: Any, conn: Any) -> None:
+        self.engine, self.conn = engine, conn
+        self.encoder = OutputEncoder()
+        self.paced: dict[str, Any] = {}  # streamed requests with a reader that paces them -> Request
+        self.last_snapshot = 0.0
+
+    def run(self) -> None:
+        from prefixserve.model.parallel import WorkerDiedError
+
+        engine, conn = self.engine, self.conn
+        try:
+            while True:
+                if conn.poll(0 if engine.has_unfinished() else IDLE_WAIT_S):
+                    while True:
+                        if self._apply(conn.recv()):
+                            self._shutdown()
+                            return
+                        if not conn.poll(0):
+                            break
+                if engine.has_unfinished():
+                    try:
+                        outputs = engine.step()
+                    except WorkerDiedError:
+                        log.exception("the engine lost a tensor-parallel worker; the server stops serving")
+                        self._send_outputs(engine.fail_all())
+                        return
+                    except Exception:  # the engine guards its steps; this is a last resort
+                        log.exception("engine step raised; aborting every request")
+                        self._abort_everything()
+                        outputs = engine.step()
+                    self._send_outputs(outputs)
+                    self._snapshot(force=not engine.has_unfinished())  # the last step's counters, at once
+        except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
+            log.info("the server closed the pipe; the engine stops")
+            engine.shutdown()
+
+    def _apply(self, command: tuple[Any, ...]) -> bool:
+        kind = command[0]
+        if kind == "add":
+            self._add(*command[1:])
+        elif kind == "abort":
+            self.paced.pop(command[1], None)
+            self.encoder.forget(command[1])
+            self.engine.abort(command[1], report=False)
+        elif kind == "resume":
+            for rid in command[1]:
+                req = self.paced.get(rid)
+                if req is not None:
+                    req.stream = True
+        elif kind == "abort_all":
+            self._abort_everything()
+        elif kind == "call":
+            _, call_id, fn = command
+            try:
+                result: tuple[Any, ...] = ("result", call_id, True, fn(self.engine))
+            except Exception as exc:
+                result = ("result", call_id, False, _portable(exc))
+            try:
+                self.conn.send(result)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                self.conn.send(("result", call_id, False, RuntimeError(f"unpicklable result: {exc}")))
+        elif kind == "stop":
+            return True
+        return False
+
+    def _add(
+        self, rid: str, prompt: Any, params: SamplingParams, kwargs: dict[str, Any], paced: bool
+    ) -> None:
+        from prefixserve.promptcache.pml import PMLError
+
+        error: BaseException | None = None
+        try:
+            req = self.engine.add_request(rid, prompt, params, **kwargs)
+            if paced:
+                self.paced[rid] = req
+        except PMLError as exc:
+            error = exc
+        except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
+            error = ValueError(str(exc))
+        except Exception as exc:
+            log.exception("add_request failed")
+            error = RuntimeError(f"the engine could not take the request: {exc}")
+        self.conn.send(("accepted", rid, None if error is None else _portable(error)))
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        wires = []
+        for out in outputs:
+            req = self.paced.get(out.request_id)
+            if out.finished:
+                self.paced.pop(out.request_id, None)
+            elif req is not None:
+                req.stream = False  # no more outputs until the server's reader took this one
+            wires.append(self.encoder.encode(out))
+        if wires:
+            self.conn.send(("out", wires))
+
+    def _snapshot(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_snapshot >= SNAPSHOT_EVERY_S:
+            self.conn.send(("snap", self.engine.metrics()))
+            self.last_snapshot = now
+
+    def _abort_everything(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id, report=True)
+
+    def _shutdown(self) -> None:
+        self._abort_everything()
+        self._send_outputs(self.engine.step())
+        self._snapshot(force=True)
+        self.engine.shutdown()
+        self.conn.send(("stopped",))
+
+
+# ---- the server's side ----------------------------------------------------------------------------
+class _RemoteRequest:
+    """What ``StreamSink`` resumes: setting ``stream`` asks the child to send this request's outputs again."""
+
+    __slots__ = ("owner", "request_id")
+
+    def __init__(self, owner: EngineProcess, request_id: str) -> None:
+        self.owner, self.request_id = owner, request_id
+
+    @property
+    def stream(self) -> bool:
+        return True
+
+    @stream.setter
+    def stream(self, value: bool) -> None:
+        if value:
+            self.owner._resume(self.request_id)
+
+
+class EngineProcess(EngineLoop):
+    """``EngineLoop``'s interface over an engine in a child process (spawned: CUDA starts there only)."""
+
+    def __init__(self, config: EngineConfig, observer: LatencyObserver | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve_engine, args=(config, child), name="prefixserve-engine")
+        self._process.start()
+        child.close()
+        if not self._conn.poll(READY_TIMEOUT_S):
+            self._process.kill()
+            raise RuntimeError("the engine process did not start")
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise RuntimeError(
+                f"the engine process exited ({self._process.exitcode}) while loading"
+            ) from None
+        if kind != "ready":
+            self._process.join(30)
+            raise RuntimeError(f"the engine could not start: {info}")
+        self.info: dict[str, Any] = info
+        self.engine = None  # type: ignore[assignment]
+        self.observer = observer
+        self.snapshot = info["snapshot"]
+        self._streams: dict[str, _Stream] = {}  # the reader thread's
+        self._adds: dict[str, tuple[_Stream, asyncio.Future[None]]] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._decoder = OutputDecoder()
+        self._resumes: list[str] = []
+        self._resume_loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._read, name="prefixserve-engine-reader", daemon=True)
+        self._stopping = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ---- the asyncio side ----------------------------------------------------------------------
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop in %.0f s; killing it", timeout)
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._process.is_alive() and not self._stopping
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        sink: asyncio.Queue[RequestOutput],
+        *,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+        application: str | None = None,
+        stream: bool = False,
+        module_recompute: str | None = None,
+    ) -> None:
+        if not self.alive:
+            raise EngineStopped(
+                "the server is shutting down"
+                if self._stopping and self._process.is_alive()
+                else "the engine process is not running"
+            )
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[None] = loop.create_future()
+        kwargs: dict[str, Any] = dict(
+            prompt_token_ids=prompt_token_ids,
+            cache_salt=cache_salt,
+            stream=stream,
+            application=application,
+            module_recompute=module_recompute,
+        )
+        paced = stream and isinstance(sink, StreamSink)
+        self._adds[request_id] = (_Stream(loop, sink, stream), accepted)
+        if not self._put(("add", request_id, prompt, params, kwargs, paced)):
+            self._adds.pop(request_id, None)
+            raise EngineStopped("the server is shutting down")
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._decoder.forget(request_id)
+        self._put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        self._put(("abort_all",))
+
+    def call(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` in the engine process between steps; ``fn`` and its result are pickled
+        (a module-level function, ``functools.partial`` of one, ``operator.methodcaller``)."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = done
+        try:
+            sent = self._put(("call", call_id, fn))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            self._calls.pop(call_id, None)
+            done.set_exception(TypeError(f"the engine process cannot run {fn!r}: {exc}"))
+            return done
+        if not sent:
+            self._calls.pop(call_id, None)
+            done.set_exception(EngineStopped("the server is shutting down"))
+        return done
+
+    def _put(self, command: tuple[Any, ...]) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            try:
+                self._conn.send(command)
+            except OSError:  # the child is gone
+                return False
+            return True
+
+    def _resume(self, request_id: str) -> None:
+        """Queue a resume; one message per loop turn carries all of them."""
+        self._resumes.append(request_id)
+        if len(self._resumes) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_resumes)
+
+    def _flush_resumes(self) -> None:
+        ids, self._resumes = self._resumes, []
+        if ids:
+            self._put(("resume", ids))
+
+    # ---- the reader thread (EngineLoop.start starts it) ------------------------------------------
+    def _read(self) -> None:
+        name_os_thread("ps-engine-read")
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "out":
+                    decode = self._decoder.decode
+                    self._deliver([o for o in map(decode, message[1]) if o is not None])
+                elif kind == "snap":
+                    self.snapshot = message[1]
+                elif kind == "accepted":
+                    self._accepted(message[1], message[2])
+                elif kind == "result":
+                    done = self._calls.pop(message[1], None)
+                    if done is not None and done.set_running_or_notify_cancel():
+                        if message[2]:
+                            done.set_result(message[3])
+                        else:
+                            done.set_exception(message[3])
+                elif kind == "stopped":
+                    break
+        except (EOFError, OSError):
+            if not self._stopping:
+                log.error(
+                    "the engine process died (exit code %s); failing its requests", self._process.exitcode
+                )
+        finally:
+            self._fail_everything()
+
+    def _accepted(self, request_id: str, error: BaseException | None) -> None:
+        stream, future = self._adds.pop(request_id, (None, None))
+        if stream is None or future is None:
+            return
+        if error is None:
+            stream.request = _RemoteRequest(self, request_id)
+            stream.last_time = time.monotonic()
+            self._streams[request_id] = stream
+        stream.loop.call_soon_threadsafe(_resolve, future, error)
+
+    def _fail_everything(self) -> None:
+        """The child is gone: end every stream with an error, fail what waits on it, take nothing more."""
+        self._stopping = True
+        with self._lock:
+            self._closed = True
+        stopped = EngineStopped("the engine process stopped")
+        for stream, future in list(self._adds.values()):
+            stream.loop.call_soon_threadsafe(_resolve, future, stopped)
+        self._adds.clear()
+        for done in list(self._calls.values()):
+            if done.set_running_or_notify_cancel():
+                done.set_exception(stopped)
+        self._calls.clear()
+        failed = [
+            RequestOutput(rid, None, [], [CompletionOutput(0, "", [], "error")], True)
+            for rid in list(self._streams)
+        ]
+        self._deliver(failed)
+
+
+__all__ = ["EngineProcess", "OutputDecoder", "OutputEncoder"]

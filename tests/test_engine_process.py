@@ -1,0 +1,115 @@
+"""The engine in its own process (``engine_process.py``): outputs cross as deltas and come back whole,
+and a child that dies fails its requests, turns /health to 503 and refuses new ones. (The whole
+server suite also runs against it: the ``engine-process`` variant of test_server.py.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixserve.config import EngineConfig
+from prefixserve.entrypoints.engine_process import OutputDecoder, OutputEncoder
+from prefixserve.entrypoints.server import ServerThread, build_app, wants_engine_process
+from prefixserve.outputs import CompletionOutput, RequestOutput
+
+_step = st.tuples(
+    st.text(max_size=3),  # text appended
+    st.booleans(),  # the text is cut back instead (a stop string found late)
+    st.lists(st.integers(0, 99), max_size=3),  # tokens appended
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(st.lists(_step, min_size=2, max_size=2), min_size=1, max_size=8),
+    logprobs=st.booleans(),
+)
+def test_deltas_rebuild_every_cumulative_output(steps, logprobs: bool) -> None:
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    texts, tokens = ["", ""], [[], []]
+    prompt_ids = [7, 8, 9]
+    for n, step in enumerate(steps):
+        finished = n == len(steps) - 1
+        outs = []
+        for i, (add, cut, ids) in enumerate(step):
+            texts[i] = texts[i][: len(texts[i]) // 2] if cut else texts[i] + add
+            tokens[i] = tokens[i] + ids
+            lps = [-float(t) for t in tokens[i]] if logprobs else None
+            tops = [[(t, -1.0)] for t in tokens[i]] if logprobs else None
+            reason = "length" if finished else None
+            outs.append(CompletionOutput(i, texts[i], list(tokens[i]), reason, None, lps, tops))
+        sent = RequestOutput("r", "p", prompt_ids, outs, finished, 3, 0, 0, 0, {"arrival_time": 1.0})
+        got = decoder.decode(pickle_round_trip(encoder.encode(sent)))
+        assert got == sent
+    assert not encoder._sent and not decoder._state  # a finished request is forgotten on both sides
+
+
+def pickle_round_trip(wire):
+    import pickle
+
+    return pickle.loads(pickle.dumps(wire))
+
+
+def test_an_aborted_request_in_flight_is_dropped_not_an_error() -> None:
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    first = RequestOutput("r", None, [1], [CompletionOutput(0, "a", [5])], False)
+    decoder.decode(encoder.encode(first))
+    decoder.forget("r")  # the server aborted it while the next output was on its way
+    later = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [5, 6])], False)
+    assert decoder.decode(encoder.encode(later)) is None
+
+
+def test_auto_runs_the_engine_apart_only_on_a_gpu() -> None:
+    from types import SimpleNamespace as Config  # EngineConfig refuses cuda on a machine without one
+
+    assert wants_engine_process("auto", Config(device="cpu")) is False
+    assert wants_engine_process("auto", Config(device="cuda:1")) is True
+    assert wants_engine_process("on", Config(device="cpu")) is True
+    assert wants_engine_process("off", Config(device="cuda")) is False
+
+
+def test_a_dead_engine_process_fails_its_requests_and_the_health_check(tiny_config_path: Path) -> None:
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256)
+    with ServerThread(build_app(config, engine_process=True)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        ended: list[object] = []
+
+        def long_stream() -> None:
+            try:
+                stream = client.completions.create(
+                    model="default",
+                    prompt=[1, 2, 3],
+                    max_tokens=2000,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                ended.append([c.choices[0].finish_reason for c in stream if c.choices][-1])
+            except Exception as exc:  # the stream may also break off
+                ended.append(exc)
+
+        reader = threading.Thread(target=long_stream)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while srv.engine_loop.snapshot.get("generation_tokens_total", 0) < 5:
+            assert time.monotonic() < deadline and not ended, ended
+            time.sleep(0.05)
+        srv.engine_loop._process.kill()
+        reader.join(60)
+        assert not reader.is_alive()
+        assert ended and isinstance(ended[0], openai.APIError), ended  # the stream's error event
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{srv.url}/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{srv.url}/health").status_code == 503
+        try:
+            client.completions.create(model="default", prompt=[1, 2], max_tokens=2)
+            raise AssertionError("a dead engine took a request")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and "engine process is not running" in str(exc)
