@@ -19,7 +19,10 @@ from prefixserve.entrypoints.server import free_port
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 
-def test_sigterm_finishes_in_flight_request_and_exits_zero(tiny_config_path: Path) -> None:
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_sigterm_finishes_in_flight_request_and_exits_zero(
+    tiny_config_path: Path, engine_process: str
+) -> None:
     port = free_port()
     cmd = [
         sys.executable,
@@ -38,6 +41,8 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(tiny_config_path: Pat
         "2",
         "--switch-interval-ms",
         "1",
+        "--engine-process",
+        engine_process,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -25,6 +25,7 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -146,6 +147,7 @@ def _serve_engine(config: EngineConfig, conn: Any) -> None:
     """The child's main: load the engine, say so, then step and answer commands until told to stop."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     name_os_thread("ps-engine-proc")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     try:
         from prefixserve.engine import Engine
 
