@@ -40,6 +40,9 @@ from prefixserve.entrypoints.server_engine import (
     StreamSink,
     _resolve,
     _Stream,
+    abort_everything,
+    add_or_refuse,
+    guarded_step,
     name_os_thread,
 )
 from prefixserve.outputs import CompletionOutput, RequestOutput
@@ -184,8 +187,6 @@ class _EngineChild:
         self.last_snapshot = 0.0
 
     def run(self) -> None:
-        from prefixserve.model.parallel import WorkerDiedError
-
         engine, conn = self.engine, self.conn
         try:
             while True:
@@ -197,17 +198,10 @@ class _EngineChild:
                         if not conn.poll(0):
                             break
                 if engine.has_unfinished():
-                    try:
-                        outputs = engine.step()
-                    except WorkerDiedError:
-                        log.exception("the engine lost a tensor-parallel worker; the server stops serving")
-                        self._send_outputs(engine.fail_all())
-                        return
-                    except Exception:  # the engine guards its steps; this is a last resort
-                        log.exception("engine step raised; aborting every request")
-                        self._abort_everything()
-                        outputs = engine.step()
+                    outputs, dead = guarded_step(engine)
                     self._send_outputs(outputs)
+                    if dead:
+                        return
                     self._snapshot(force=not engine.has_unfinished())  # the last step's counters, at once
         except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
             log.info("the server closed the pipe; the engine stops")
@@ -227,7 +221,7 @@ class _EngineChild:
                 if req is not None:
                     req.stream = True
         elif kind == "abort_all":
-            self._abort_everything()
+            abort_everything(self.engine)
         elif kind == "call":
             _, call_id, fn = command
             try:
@@ -245,20 +239,9 @@ class _EngineChild:
     def _add(
         self, rid: str, prompt: Any, params: SamplingParams, kwargs: dict[str, Any], paced: bool
     ) -> None:
-        from prefixserve.promptcache.pml import PMLError
-
-        error: BaseException | None = None
-        try:
-            req = self.engine.add_request(rid, prompt, params, **kwargs)
-            if paced:
-                self.paced[rid] = req
-        except PMLError as exc:
-            error = exc
-        except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
-            error = ValueError(str(exc))
-        except Exception as exc:
-            log.exception("add_request failed")
-            error = RuntimeError(f"the engine could not take the request: {exc}")
+        req, error = add_or_refuse(self.engine, rid, prompt, params, kwargs)
+        if error is None and paced:
+            self.paced[rid] = req
         self.conn.send(("accepted", rid, None if error is None else _portable(error)))
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -279,12 +262,8 @@ class _EngineChild:
             self.conn.send(("snap", self.engine.metrics()))
             self.last_snapshot = now
 
-    def _abort_everything(self) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id, report=True)
-
     def _shutdown(self) -> None:
-        self._abort_everything()
+        abort_everything(self.engine)
         self._send_outputs(self.engine.step())
         self._snapshot(force=True)
         self.engine.shutdown()
@@ -365,44 +344,26 @@ class EngineProcess(EngineLoop):
     def alive(self) -> bool:
         return self._thread.is_alive() and self._process.is_alive() and not self._stopping
 
-    async def add(
+    def _refusal(self) -> str:
+        return (
+            "the server is shutting down" if self._process.is_alive() else "the engine process is not running"
+        )
+
+    def _queue_add(
         self,
         request_id: str,
         prompt: str | None,
         params: SamplingParams,
-        sink: asyncio.Queue[RequestOutput],
-        *,
-        prompt_token_ids: list[int] | None = None,
-        cache_salt: str | None = None,
-        application: str | None = None,
-        stream: bool = False,
-        module_recompute: str | None = None,
-    ) -> None:
-        if not self.alive:
-            raise EngineStopped(
-                "the server is shutting down"
-                if self._stopping and self._process.is_alive()
-                else "the engine process is not running"
-            )
-        loop = asyncio.get_running_loop()
-        accepted: asyncio.Future[None] = loop.create_future()
-        kwargs: dict[str, Any] = dict(
-            prompt_token_ids=prompt_token_ids,
-            cache_salt=cache_salt,
-            stream=stream,
-            application=application,
-            module_recompute=module_recompute,
-        )
-        paced = stream and isinstance(sink, StreamSink)
-        self._adds[request_id] = (_Stream(loop, sink, stream), accepted)
-        if not self._put(("add", request_id, prompt, params, kwargs, paced)):
-            self._adds.pop(request_id, None)
-            raise EngineStopped("the server is shutting down")
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
+        kwargs: dict[str, Any],
+        stream: _Stream,
+        accepted: asyncio.Future[None],
+    ) -> bool:
+        paced = stream.stream and isinstance(stream.sink, StreamSink)  # StreamSink: its reader paces it
+        self._adds[request_id] = (stream, accepted)
+        if self._put(("add", request_id, prompt, params, kwargs, paced)):
+            return True
+        self._adds.pop(request_id, None)
+        return False
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -129,7 +129,7 @@ class EngineLoop:
     ) -> None:
         """Queue a request; returns once the engine accepted it, raises ValueError if it refused it."""
         if not self.alive:
-            raise EngineStopped("the server is shutting down")
+            raise EngineStopped(self._refusal())
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
         kwargs: dict[str, Any] = dict(
@@ -139,13 +139,28 @@ class EngineLoop:
             application=application,
             module_recompute=module_recompute,
         )
-        if not self._put(("add", request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
+        if not self._queue_add(request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted):
             raise EngineStopped("the server is shutting down")
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine saw the request
             self.abort(request_id)
             raise
+
+    def _refusal(self) -> str:
+        """Why a request is refused while the loop is not alive."""
+        return "the server is shutting down"
+
+    def _queue_add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        kwargs: dict[str, Any],
+        stream: _Stream,
+        accepted: asyncio.Future[None],
+    ) -> bool:
+        return self._put(("add", request_id, prompt, params, kwargs, stream, accepted))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; nothing more is delivered for it."""
@@ -200,18 +215,11 @@ class EngineLoop:
                 self._shutdown()
                 return
             if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except WorkerDiedError:  # no step can run again: fail everything, take nothing more
-                    log.exception("the engine lost a tensor-parallel worker; the server stops serving")
-                    self._deliver(engine.fail_all())
+                outputs, dead = guarded_step(engine)
+                self._deliver(outputs)
+                if dead:  # no step can run again: take nothing more
                     self._refuse_queued()
                     return
-                except Exception:  # the engine guards its steps; this is a last resort
-                    log.exception("engine step raised; aborting every request")
-                    self._abort_everything()
-                    outputs = engine.step()
-                self._deliver(outputs)
             self.snapshot = engine.metrics()
 
     def _next_nowait(self) -> tuple[Any, ...] | None:
@@ -250,25 +258,16 @@ class EngineLoop:
         stream: _Stream,
         accepted: asyncio.Future[None],
     ) -> None:
-        error: BaseException | None = None
         if accepted.cancelled():
             return
-        try:
-            stream.request = self.engine.add_request(request_id, prompt, params, **kwargs)
+        stream.request, error = add_or_refuse(self.engine, request_id, prompt, params, kwargs)
+        if error is None:
             stream.last_time = time.monotonic()
             self._streams[request_id] = stream
-        except PMLError as exc:  # a Prompt Cache prompt naming an unknown schema or module, ...
-            error = PMLError(exc.problem, exc.line, exc.column)
-        except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
-            error = ValueError(str(exc))
-        except Exception as exc:
-            log.exception("add_request failed")
-            error = RuntimeError(f"the engine could not take the request: {exc}")
         stream.loop.call_soon_threadsafe(_resolve, accepted, error)
 
     def _abort_everything(self) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id, report=True)
+        abort_everything(self.engine)
 
     def _shutdown(self) -> None:
         self._abort_everything()
@@ -324,6 +323,41 @@ class EngineLoop:
             stream.tokens, stream.last_time = tokens, now
         if out.finished:
             obs.request_done(out.metrics.get("finish_time", now) - out.metrics.get("arrival_time", now))
+
+
+def add_or_refuse(
+    engine: Engine, request_id: str, prompt: str | None, params: SamplingParams, kwargs: dict[str, Any]
+) -> tuple[Any, BaseException | None]:
+    """``engine.add_request``: (the Request, None), or (None, the error to hand the caller): a bad
+    request is a ValueError (a PMLError names line and column), anything else a RuntimeError."""
+    try:
+        return engine.add_request(request_id, prompt, params, **kwargs), None
+    except PMLError as exc:  # a Prompt Cache prompt naming an unknown schema or module, ...
+        return None, PMLError(exc.problem, exc.line, exc.column)
+    except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
+        return None, ValueError(str(exc))
+    except Exception as exc:
+        log.exception("add_request failed")
+        return None, RuntimeError(f"the engine could not take the request: {exc}")
+
+
+def guarded_step(engine: Engine) -> tuple[list[RequestOutput], bool]:
+    """One engine step: (its outputs, False), or, once a tensor-parallel worker died and no step
+    can run again, (every request's failed final output, True)."""
+    try:
+        return engine.step(), False
+    except WorkerDiedError:
+        log.exception("the engine lost a tensor-parallel worker; the server stops serving")
+        return engine.fail_all(), True
+    except Exception:  # the engine guards its steps; this is a last resort
+        log.exception("engine step raised; aborting every request")
+        abort_everything(engine)
+        return engine.step(), False
+
+
+def abort_everything(engine: Engine) -> None:
+    for request_id in list(engine.requests):
+        engine.abort(request_id, report=True)
 
 
 def name_os_thread(name: str) -> None:
