@@ -195,14 +195,17 @@ class _EngineChild:
                         if self._apply(conn.recv()):
                             self._shutdown()
                             return
+                        if not engine.has_unfinished():  # an abort or a call changed the counters:
+                            self._snapshot(force=True)  # they reach the server before its next answer
                         if not conn.poll(0):
                             break
                 if engine.has_unfinished():
                     outputs, dead = guarded_step(engine)
-                    self._send_outputs(outputs)
+                    # the counters ride with the outputs when they are due, and always with the
+                    # last outputs of a burst: the server counts them before it answers
+                    self._send_outputs(outputs, self._due_snapshot(force=not engine.has_unfinished()))
                     if dead:
                         return
-                    self._snapshot(force=not engine.has_unfinished())  # the last step's counters, at once
         except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
             log.info("the server closed the pipe; the engine stops")
             engine.shutdown()
@@ -244,7 +247,7 @@ class _EngineChild:
             self.paced[rid] = req
         self.conn.send(("accepted", rid, None if error is None else _portable(error)))
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _send_outputs(self, outputs: list[RequestOutput], snapshot: dict[str, float] | None = None) -> None:
         wires = []
         for out in outputs:
             req = self.paced.get(out.request_id)
@@ -253,19 +256,24 @@ class _EngineChild:
             elif req is not None:
                 req.stream = False  # no more outputs until the server's reader took this one
             wires.append(self.encoder.encode(out))
-        if wires:
-            self.conn.send(("out", wires))
+        if wires or snapshot is not None:
+            self.conn.send(("out", wires, snapshot))
+
+    def _due_snapshot(self, force: bool = False) -> dict[str, float] | None:
+        """The engine's counters, when ``force``d or SNAPSHOT_EVERY_S after the last ones sent."""
+        now = time.monotonic()
+        if not force and now - self.last_snapshot < SNAPSHOT_EVERY_S:
+            return None
+        self.last_snapshot = now
+        return self.engine.metrics()
 
     def _snapshot(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self.last_snapshot >= SNAPSHOT_EVERY_S:
-            self.conn.send(("snap", self.engine.metrics()))
-            self.last_snapshot = now
+        if (snapshot := self._due_snapshot(force)) is not None:
+            self.conn.send(("snap", snapshot))
 
     def _shutdown(self) -> None:
         abort_everything(self.engine)
-        self._send_outputs(self.engine.step())
-        self._snapshot(force=True)
+        self._send_outputs(self.engine.step(), self._due_snapshot(force=True))
         self.engine.shutdown()
         self.conn.send(("stopped",))
 
@@ -419,6 +427,8 @@ class EngineProcess(EngineLoop):
                 message = self._conn.recv()
                 kind = message[0]
                 if kind == "out":
+                    if message[2] is not None:  # counters first: they cover these outputs
+                        self.snapshot = message[2]
                     decode = self._decoder.decode
                     self._deliver([o for o in map(decode, message[1]) if o is not None])
                 elif kind == "snap":
