@@ -122,6 +122,8 @@ def test_without_a_free_run_long_allocations_fall_back_to_the_free_list() -> Non
     pool = BlockPool(2 * n, 16)
     held = pool.allocate(2 * n)
     pool.release(held[::2])  # every other block free: no run of n
+    assert pool.scattered_allocations == 0
     got = pool.allocate(n)
     assert sorted(got) == held[::2]
+    assert pool.scattered_allocations == 1  # counted (kv_scattered_allocations_total)
     pool.check_integrity()

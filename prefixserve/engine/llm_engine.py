@@ -888,6 +888,8 @@ class Engine:
             kv_blocks_used=self.pool.num_used,
             kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached,
+            prefix_cache_evicted_blocks_total=self.pool.evictions,
+            kv_scattered_allocations_total=self.pool.scattered_allocations,
             kv_blocks_used_peak=self._kv_peak,
             kv_blocks_pinned=sum(len(p.blocks) for p in self.pinned.values()),
             shared_segments_per_step=self._last_step_segments,

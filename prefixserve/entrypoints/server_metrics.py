@@ -32,6 +32,8 @@ _COUNTERS = {
     "gpu_idle_seconds_total": "device time between consecutive steps (CUDA): the GPU waiting on the host",
     "cuda_graph_captures_total": "CUDA graphs captured (decode batches, dense pieces of eager steps)",
     "cuda_graph_capture_seconds_total": "host time spent capturing CUDA graphs (the running streams wait)",
+    "prefix_cache_evicted_blocks_total": "cached KV blocks evicted to make room (least recently used first)",
+    "kv_scattered_allocations_total": "allocations of 16+ blocks given scattered ids (no free run)",
     # Prompt Cache: schemas' modules
     "module_tokens_reused_total": "prompt tokens served from encoded prompt modules (Prompt Cache)",
     "module_encodes_total": "prompt module pieces encoded (run through the model)",

@@ -77,6 +77,9 @@ class BlockPool:
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.evictions = 0
+        # long allocations that found no run of consecutive uncached free blocks (scattered ids: the
+        # shared kernel then reads such a segment block by block instead of in whole TMA tiles)
+        self.scattered_allocations = 0
         # called with the (block, digest) pairs an allocation evicts, before anyone writes the blocks
         # (the engine's host spill copies their KV out: kv/prefix_spill.py)
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
@@ -131,6 +134,7 @@ class BlockPool:
                     self.ref_counts[b] = 1
                 self._plain[run[0] : run[-1] + 1] = False
                 return run
+            self.scattered_allocations += 1
         out = []
         evicted: list[tuple[int, bytes]] = []
         for _ in range(count):
