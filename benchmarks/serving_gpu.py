@@ -1069,7 +1069,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"`--max-num-batched-tokens {s['max_num_batched_tokens']} --num-kv-blocks {s['num_kv_blocks']}` "
         "(blocks of 16 tokens); the load comes over loopback HTTP from "
         f"{s['clients']} processes running the official `openai` client (`AsyncOpenAI`, no retries), each "
-        "point's arrival times dealt between them.",
+        "point's arrival times dealt between them. On a GPU `serve` runs the engine in a child process "
+        "of its own (`--engine-process auto`) since commit 2cc0217; sections measured at earlier commits "
+        "ran it on a thread of the server's process.",
         "",
     ]
     if result.get("merged_from"):
@@ -1489,6 +1491,9 @@ def load_merged(files: list[str]) -> dict[str, Any]:
         merged.setdefault("settings", old.get("settings"))
         merged.setdefault("run", old.get("run"))
         merged.setdefault("model_name", old.get("model_name"))
+        for key in ("benchmark", "wall_s"):  # the run's own, for a report rewritten from it
+            if key in old:
+                merged.setdefault(key, old[key])
     return merged
 
 

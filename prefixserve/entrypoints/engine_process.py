@@ -374,6 +374,7 @@ class EngineProcess(EngineLoop):
         return False
 
     def abort(self, request_id: str) -> None:
+        self._adds.pop(request_id, None)  # an add cancelled before its answer: never registered
         self._streams.pop(request_id, None)
         self._decoder.forget(request_id)
         self._put(("abort", request_id))
