@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import engine_checks
 import httpx
 import openai
 from hypothesis import given, settings
@@ -113,3 +114,33 @@ def test_a_dead_engine_process_fails_its_requests_and_the_health_check(tiny_conf
             raise AssertionError("a dead engine took a request")
         except openai.APIStatusError as exc:
             assert exc.status_code == 503 and "engine process is not running" in str(exc)
+
+
+def test_counters_before_a_call_answer_cover_what_came_before(tiny_config_path: Path) -> None:
+    """An abort, then a call: the call's answer comes after counters that include the abort (with
+    async scheduling the aborted request's launch is still in flight, so the engine is not idle)."""
+    import asyncio
+
+    from prefixserve.entrypoints.engine_process import EngineProcess
+    from prefixserve.entrypoints.server_engine import StreamSink
+    from prefixserve.sampling.params import SamplingParams
+
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, async_scheduling=True
+    )
+    loop = EngineProcess(config)
+    loop.start()
+
+    async def run() -> None:
+        sink = StreamSink()
+        params = SamplingParams(max_tokens=1500, ignore_eos=True)
+        await loop.add("a", None, params, sink, prompt_token_ids=[1, 2, 3], stream=True)
+        await asyncio.wait_for(sink.get(), 30)  # it runs
+        loop.abort("a")
+        await loop.run(engine_checks.blocks_in_use)
+        assert loop.snapshot["requests_aborted_total"] == 1
+
+    try:
+        asyncio.run(run())
+    finally:
+        loop.stop()

@@ -195,8 +195,8 @@ class _EngineChild:
                         if self._apply(conn.recv()):
                             self._shutdown()
                             return
-                        if not engine.has_unfinished():  # an abort or a call changed the counters:
-                            self._snapshot(force=True)  # they reach the server before its next answer
+                        if not engine.has_unfinished():  # an abort changed the counters: send them
+                            self._snapshot(force=True)
                         if not conn.poll(0):
                             break
                 if engine.has_unfinished():
@@ -231,6 +231,7 @@ class _EngineChild:
                 result: tuple[Any, ...] = ("result", call_id, True, fn(self.engine))
             except Exception as exc:
                 result = ("result", call_id, False, _portable(exc))
+            self._snapshot(force=True)  # a caller that looks at /metrics next sees what came before
             try:
                 self.conn.send(result)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
