@@ -75,7 +75,6 @@ def _tune_gc() -> None:
     gc.set_threshold(max(threshold0, GC_THRESHOLD0), threshold1, threshold2)
 
 
-
 def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
     """All ids integers in [0, vocab). Plain ints are checked at C speed (type set, min, max): a
     per-token generator cost about a millisecond per 8K-token prompt on the server's engine thread."""
@@ -84,6 +83,7 @@ def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
     if set(map(type, tokens)) == {int}:
         return min(tokens) >= 0 and max(tokens) < vocab
     return all((type(t) is int or isinstance(t, numbers.Integral)) and 0 <= t < vocab for t in tokens)
+
 
 class Engine:
     """Requests in, RequestOutputs out, one batch per ``step``; the model runner does the device work."""

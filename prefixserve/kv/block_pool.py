@@ -33,8 +33,16 @@ def block_digest(
 ) -> bytes:
     """Identity of a full block's KV: same digest means bit-identical KV (same model and dtype)."""
     ids, places = array("q", token_ids).tobytes(), array("q", positions).tobytes()
-    tail = b"|" + (salt or "").encode()
-    return hashlib.blake2b(b"".join((parent or b"root", ids, b"|", places, tail)), digest_size=16).digest()
+    return _link(parent or b"root", ids, places, _tail(salt))
+
+
+def _tail(salt: str | None) -> bytes:
+    return b"|" + (salt or "").encode()
+
+
+def _link(parent: bytes, ids: bytes, places: bytes, tail: bytes) -> bytes:
+    """One digest over the parent's and a block's bytes (token ids and positions as int64)."""
+    return hashlib.blake2b(b"".join((parent, ids, b"|", places, tail)), digest_size=16).digest()
 
 
 def chain_digests(
@@ -50,14 +58,13 @@ def chain_digests(
     time building two small arrays per block (a quarter of a server's engine thread in an 8K-token
     system prompt burst)."""
     ids, places = array("q", token_ids).tobytes(), array("q", positions).tobytes()
-    tail = b"|" + (salt or "").encode()
+    tail, link = _tail(salt), parent or b"root"
     width = 8 * block_size  # bytes of one block's ids (int64)
-    blake2b = hashlib.blake2b
     out: list[bytes] = []
-    link = parent or b"root"
+    blake2b, join = hashlib.blake2b, b"".join  # _link inlined: this loop runs for every prompt block
     for lo in range(0, len(ids) - width + 1, width):
         hi = lo + width
-        link = blake2b(b"".join((link, ids[lo:hi], b"|", places[lo:hi], tail)), digest_size=16).digest()
+        link = blake2b(join((link, ids[lo:hi], b"|", places[lo:hi], tail)), digest_size=16).digest()
         out.append(link)
     return out
 
