@@ -26,7 +26,6 @@ import logging
 import multiprocessing
 import pickle
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -195,10 +194,10 @@ class _EngineChild:
                         if self._apply(conn.recv()):
                             self._shutdown()
                             return
-                        if not engine.has_unfinished():  # an abort changed the counters: send them
-                            self._snapshot(force=True)
                         if not conn.poll(0):
                             break
+                    if not engine.has_unfinished():  # an abort changed the counters: send them
+                        self._send_outputs([], self._due_snapshot(force=True))
                 if engine.has_unfinished():
                     outputs, dead = guarded_step(engine)
                     # the counters ride with the outputs when they are due, and always with the
@@ -231,7 +230,8 @@ class _EngineChild:
                 result: tuple[Any, ...] = ("result", call_id, True, fn(self.engine))
             except Exception as exc:
                 result = ("result", call_id, False, _portable(exc))
-            self._snapshot(force=True)  # a caller that looks at /metrics next sees what came before
+            # a caller that looks at /metrics next sees what came before
+            self._send_outputs([], self._due_snapshot(force=True))
             try:
                 self.conn.send(result)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -267,10 +267,6 @@ class _EngineChild:
             return None
         self.last_snapshot = now
         return self.engine.metrics()
-
-    def _snapshot(self, force: bool = False) -> None:
-        if (snapshot := self._due_snapshot(force)) is not None:
-            self.conn.send(("snap", snapshot))
 
     def _shutdown(self) -> None:
         abort_everything(self.engine)
@@ -322,19 +318,12 @@ class EngineProcess(EngineLoop):
             raise RuntimeError(f"the engine could not start: {info}")
         self.info: dict[str, Any] = info
         self.engine = None  # type: ignore[assignment]
-        self.observer = observer
-        self.snapshot = info["snapshot"]
-        self._streams: dict[str, _Stream] = {}  # the reader thread's
+        self._init_delivery(observer, info["snapshot"], self._read, "prefixserve-engine-reader")
         self._adds: dict[str, tuple[_Stream, asyncio.Future[None]]] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._decoder = OutputDecoder()
         self._resumes: list[str] = []
-        self._resume_loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._read, name="prefixserve-engine-reader", daemon=True)
-        self._stopping = False
-        self._closed = False
-        self._lock = threading.Lock()
 
     # ---- the asyncio side ----------------------------------------------------------------------
     def stop(self, timeout: float = 30.0) -> None:
@@ -358,15 +347,8 @@ class EngineProcess(EngineLoop):
             "the server is shutting down" if self._process.is_alive() else "the engine process is not running"
         )
 
-    def _queue_add(
-        self,
-        request_id: str,
-        prompt: str | None,
-        params: SamplingParams,
-        kwargs: dict[str, Any],
-        stream: _Stream,
-        accepted: asyncio.Future[None],
-    ) -> bool:
+    def _queue_add(self, add: tuple[Any, ...]) -> bool:
+        request_id, prompt, params, kwargs, stream, accepted = add
         paced = stream.stream and isinstance(stream.sink, StreamSink)  # StreamSink: its reader paces it
         self._adds[request_id] = (stream, accepted)
         if self._put(("add", request_id, prompt, params, kwargs, paced)):
@@ -433,8 +415,6 @@ class EngineProcess(EngineLoop):
                         self.snapshot = message[2]
                     decode = self._decoder.decode
                     self._deliver([o for o in map(decode, message[1]) if o is not None])
-                elif kind == "snap":
-                    self.snapshot = message[1]
                 elif kind == "accepted":
                     self._accepted(message[1], message[2])
                 elif kind == "result":

@@ -91,11 +91,21 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, observer: LatencyObserver | None = None) -> None:
         self.engine = engine
-        self.observer = observer
-        self.snapshot: dict[str, float] = engine.metrics()  # replaced (not mutated) by the engine thread
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
+        self._init_delivery(observer, engine.metrics(), self._run, "prefixserve-engine")
+
+    def _init_delivery(
+        self,
+        observer: LatencyObserver | None,
+        snapshot: dict[str, float],
+        target: Callable[[], None],
+        name: str,
+    ) -> None:
+        """What delivering outputs and taking commands needs, with the thread that runs ``target``."""
+        self.observer = observer
+        self.snapshot: dict[str, float] = snapshot  # replaced (not mutated) by the delivering thread
+        self._streams: dict[str, _Stream] = {}  # the delivering thread's
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._stopping = False
         self._closed = False  # the thread has drained its queue for the last time (under _lock)
         self._lock = threading.Lock()
@@ -139,7 +149,7 @@ class EngineLoop:
             application=application,
             module_recompute=module_recompute,
         )
-        if not self._queue_add(request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted):
+        if not self._queue_add((request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
             raise EngineStopped("the server is shutting down")
         try:
             await accepted
@@ -151,16 +161,9 @@ class EngineLoop:
         """Why a request is refused while the loop is not alive."""
         return "the server is shutting down"
 
-    def _queue_add(
-        self,
-        request_id: str,
-        prompt: str | None,
-        params: SamplingParams,
-        kwargs: dict[str, Any],
-        stream: _Stream,
-        accepted: asyncio.Future[None],
-    ) -> bool:
-        return self._put(("add", request_id, prompt, params, kwargs, stream, accepted))
+    def _queue_add(self, add: tuple[Any, ...]) -> bool:
+        """Send ``(request_id, prompt, params, kwargs, stream, accepted)`` to the engine (``_add``)."""
+        return self._put(("add", *add))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; nothing more is delivered for it."""
