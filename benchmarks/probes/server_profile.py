@@ -95,6 +95,7 @@ def main() -> None:
             assert server.proc is not None
             cmd = [pyspy, "record", "--pid", str(server.proc.pid), "--duration", str(int(args.seconds))]
             cmd += ["--threads", "--format", "raw", "--output", str(raw), "--nonblocking", "--rate", "200"]
+            cmd += ["--subprocesses"]  # the engine's own process too (serve's default on a GPU)
             cmd += {"active": [], "idle": ["--idle"], "gil": ["--gil"]}[mode]
             spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             stats = sg.server_burst(clients, server, bursts[2 + i], args)
