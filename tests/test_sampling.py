@@ -98,3 +98,22 @@ def test_stop_strings_token_ids_and_logprobs(default_llm: LLM) -> None:
         assert top[0][0] == tok and abs(top[0][1] - chosen) < 1e-5 and chosen <= 0.0
     length = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
     assert length.finish_reason == "length" and len(length.token_ids) == 3
+
+
+def test_greedy_argmax_over_model_dtype_logits_picks_the_fp32_winner() -> None:
+    """All-greedy rows without logprobs skip the fp32 copy of the logits (``argmax_only``): the
+    bf16 -> fp32 cast is exact, so the argmax, ties included (first index), is the same."""
+    from prefixserve.sampling.sampler import argmax_only
+
+    greedy = SamplingParams(temperature=0.0)
+    assert argmax_only([greedy, greedy])
+    assert not argmax_only([greedy, SamplingParams(temperature=0.0, logprobs=0)])
+    assert not argmax_only([greedy, SamplingParams(temperature=0.7)])
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 4099, generator=g) * 4).to(torch.bfloat16)  # bf16 rounding makes ties
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # an exact tie: the first index wins
+    params = [greedy] * logits.shape[0]
+    low = sample(logits, params, [None] * len(params)).tokens
+    full = sample(logits.float(), params, [None] * len(params)).tokens
+    assert low == full
+    assert low[3] == 7

@@ -36,7 +36,7 @@ from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sampling.sampler import SampleFuture, SampleResult, sample_async
+from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class ModelRunner:
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
         if rows:
-            logits = self.logits(launch, rows)
+            logits = self.logits(launch, rows, fp32=not argmax_only(params))
             launch.future = sample_async(logits, params, generators, self.default_generator)
         launch.hidden = None
         if launch.start is not None:
@@ -267,12 +267,13 @@ class ModelRunner:
         else:
             self.waited += time.perf_counter() - launch.issued
 
-    def logits(self, launch: Launch, rows: list[int]) -> torch.Tensor:
-        """fp32 logits [len(rows), vocab] of the launch's hidden rows ``rows``."""
+    def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
+        """Logits [len(rows), vocab] of the launch's hidden rows ``rows``: fp32, or with ``fp32=False``
+        the model's dtype (``compute_logits``)."""
         hidden = launch.hidden
         contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
         picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
-        return self.model.compute_logits(picked)
+        return self.model.compute_logits(picked, fp32)
 
     def shutdown(self) -> None:
         """Release what outlives the object (nothing on one device; workers under tensor parallelism)."""

@@ -284,9 +284,9 @@ class TensorParallelRunner(ModelRunner):
     def _kv(self) -> KVCache:
         return self.kv._kv if isinstance(self.kv, _BroadcastKV) else self.kv
 
-    def logits(self, launch: Launch, rows: list[int]) -> torch.Tensor:
-        self.call("logits", rows)
-        return self.guard(super().logits, launch, rows)
+    def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
+        self.call("logits", rows, fp32)
+        return self.guard(super().logits, launch, rows, fp32)
 
     def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
         self.call("deviation", batch.plan_id, ids)

@@ -55,7 +55,7 @@ def serve(conn: Connection, rank: int) -> None:
             launch = runner.forward(ids, _planned(plans, plan_id), copies)
         elif op == "logits":
             assert launch is not None, "logits before any forward"
-            runner.logits(launch, args[0])
+            runner.logits(launch, *args)
         elif op == "deviation":
             plan_id, ids = args
             runner.kv_deviation(ids, _planned(plans, plan_id))

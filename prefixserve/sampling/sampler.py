@@ -149,13 +149,18 @@ class SampleFuture:
         return SampleResult(self.tokens.tolist(), chosen, top)
 
 
+def argmax_only(params: list[SamplingParams]) -> bool:
+    """True when every row is greedy and none asks for logprobs: the logits need no fp32 copy."""
+    return all(p.greedy and p.logprobs is None for p in params)
+
+
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
 
 
 def sample_async(
-    logits: torch.Tensor,  # [R, V] fp32
+    logits: torch.Tensor,  # [R, V] fp32 (the model's dtype where ``argmax_only``)
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None = None,

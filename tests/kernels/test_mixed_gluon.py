@@ -38,18 +38,19 @@ def test_own_tiling() -> None:
 
 
 def test_rule(monkeypatch) -> None:
-    """Own-heavy decode steps on the Gluon path take the mixed kernel; the rest do not."""
+    """Decode steps on the Gluon path with own parts of >= MIN_OWN_TOKENS take the mixed kernel."""
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: True)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "auto")
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
     # B=1024 rows on a 4K prefix, 512 own tokens each: own bytes 2.1 GB vs 0.55 TFLOP
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
-    # the same rows on a 16K prefix with 128 own tokens: FLOP-bound, the two-kernel path
-    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
+    # the same rows on a 16K prefix with 128 own tokens: FLOP-bound, and still mixed (measured +1.0%)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 64 * 16384, 64 * 100, 64)
     # own-heavy (a 1K prefix) with 128 own tokens a sequence: four tiles per four-head ticket
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
-    # own parts too short for ticket costs to pay off
-    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 64, 1024)
+    # own parts shorter than any decode run measured
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 63, 1024)
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 512, 1024)
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512, 1024)  # prefill
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512, 1024)
@@ -61,6 +62,8 @@ def test_rule(monkeypatch) -> None:
     )  # GQA 64: no own tiling
     monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
+    assert mixed_rule.may_mix(dev, bf16, shape, 1, 1024 * 16, 1024)  # forced: any own part
+    assert not mixed_rule.may_mix(dev, bf16, shape, 1, 0, 1024)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "0")
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: False)
@@ -78,6 +81,9 @@ def test_own_rows_rule(monkeypatch) -> None:
     assert mixed_rule.own_rows_for(1024 * 512, 1024, 4) == 64  # long tickets
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 8) == 64  # GQA 8 measured slower
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 3) == 64  # and GQA 3
+    # shared-heavy steps keep three shared ring slots: 64-row own tiles on a 16K prefix, 128 on 4K
+    assert mixed_rule.own_rows_for(64 * 128, 64, 4, 64 * 16384) == 64
+    assert mixed_rule.own_rows_for(1024 * 128, 1024, 4, 1024 * 4096) == 128
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 64
     assert mixed_gluon.ring_stages(128) == (2, 2)
@@ -265,3 +271,14 @@ def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch) -> None:
         got = static_out[: q.shape[0]]
         assert torch.isfinite(got).all()
         assert rel_err(got, ref) < 1e-2
+
+
+def test_mixable_decode_steps_prefer_tall_shared_tiles() -> None:
+    """At 256 stacked rows over a 4K prefix the shared kernel alone is faster on 64-row tiles, but a
+    step that can run as one mixed launch takes 128-row ones (the mixed kernel needs them)."""
+    from prefixserve.attention.kernels.shared_plan import pick_shared_tiles
+
+    assert pick_shared_tiles(64, 4, max_tokens=4096, tma=True)[0] == 64
+    assert pick_shared_tiles(64, 4, max_tokens=4096, tma=True, mixable=True)[0] == 128
+    assert pick_shared_tiles(64, 4, max_tokens=2048, tma=True, mixable=True)[0] == 64  # below half
+    assert pick_shared_tiles(64, 4, max_tokens=8192, tma=True)[0] == 128  # tall anyway

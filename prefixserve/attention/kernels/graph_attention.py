@@ -86,10 +86,12 @@ def shared_graph_step(
     blocks, bs = plan.seg_blocks.numpy(), meta.block_size
     own_tables = plan.own_block_tables.numpy()
     width = capacity(own_tables.shape[1], MIN_TABLE_WIDTH)
-    work = plan_work_for(plan, blocks, bs, kv_heads, group, shape.device, shape.head_dim, shape.dtype)
-    elt = torch.empty(0, dtype=shape.dtype).element_size()
     shared_row_tokens, own_tokens = step_sizes(plan, bs)
     heads = (shape.q_heads, kv_heads, shape.head_dim)
+    dev, dim, dtype = shape.device, shape.head_dim, shape.dtype
+    mixable = mixed_rule.may_mix(dev, dtype, heads, 1, own_tokens, meta.num_seqs, block_size=bs)
+    work = plan_work_for(plan, blocks, bs, kv_heads, group, dev, dim, dtype, mixable)
+    elt = torch.empty(0, dtype=shape.dtype).element_size()
     mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
         shape.device, shape.dtype, heads, work, 1, shared_row_tokens, own_tokens, meta.num_seqs, block_size=bs
     )

@@ -27,13 +27,19 @@ OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
 SHORT_OWN_M = 128
 SHORT_OWN_GROUP = 4
 SHORT_OWN_TOKENS = 192
-GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (docs/kernels.md §2.3, §2.5)
-COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
-MIN_OWN_SHARE = 0.5  # own time / shared time from which the mixed kernel pays
-# own tokens per sequence (mean) from which it pays: each own ticket costs about 1 us beyond its
-# tiles. One-tile tickets of one head (S=128) lost at every point measured; tickets of several heads
-# won there (docs/kernels.md §2.5); shorter own parts are not measured
-MIN_OWN_TOKENS = 128
+# ...but not where the shared products are this many times the own tokens (holder rows x segment
+# tokens vs own tokens): 128-row own tiles leave the shared ring two slots instead of three, and whole
+# decode runs (H200, own 65-192 tokens) took 64-row tiles 0.6-1.2% faster at B=64 and 256 on a 16K
+# prefix (ratio 128), level at B=256 on 4K (ratio 32); the kernel alone at B=1024 favoured 128 rows
+# at ratios 8 and 32 (-5.6%, -2%)
+SHARED_HEAVY = 64
+# Own tokens per sequence (mean) from which the mixed launch is taken. Whole decode runs (64 own
+# prompt tokens + 128 generated, H200) were 1.01-1.05x faster on it than on two kernels at every
+# eligible point measured, shared-heavy ones included (B=64 and 256, P=16K: +1.9%, +0.9%; B=1024,
+# P=16K: +1.0%), where an earlier rule (own bytes' time >= half the shared products' time) kept
+# two kernels: the own kernel's time at short own parts is mostly latency (about 12 us, whatever B),
+# which no bytes-based estimate sees. Shorter own parts are not measured (docs/kernels.md §2.5).
+MIN_OWN_TOKENS = 64
 
 
 def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M) -> tuple[int, int]:
@@ -51,13 +57,15 @@ def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M)
     return 0, 0
 
 
-def own_rows_for(own_tokens: int, num_seqs: int, group: int) -> int:
+def own_rows_for(own_tokens: int, num_seqs: int, group: int, shared_row_tokens: int = 0) -> int:
     """Rows of the own tiles of a mixed step with ``own_tokens`` own KV tokens over ``num_seqs``
-    sequences and ``group`` query heads a KV head: ``SHORT_OWN_M`` where own parts are short (mean
-    under ``SHORT_OWN_TOKENS``) at GQA ``SHORT_OWN_GROUP`` and ptxas >= 12.9 builds the kernel, else
-    ``OWN_M``."""
+    sequences, ``group`` query heads a KV head and ``shared_row_tokens`` (holder rows x segment tokens,
+    summed): ``SHORT_OWN_M`` where own parts are short (mean under ``SHORT_OWN_TOKENS``) at GQA
+    ``SHORT_OWN_GROUP``, the shared part is not ``SHARED_HEAVY`` times the own one, and ptxas >= 12.9
+    builds the kernel; else ``OWN_M``."""
     short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1) and group == SHORT_OWN_GROUP
-    return SHORT_OWN_M if short and _ptxas.newer_ptxas() is not None else OWN_M
+    light = shared_row_tokens < SHARED_HEAVY * own_tokens
+    return SHORT_OWN_M if short and light and _ptxas.newer_ptxas() is not None else OWN_M
 
 
 def eligible(
@@ -68,6 +76,35 @@ def eligible(
     return shared_gluon.eligible(q, k_cache, v_cache, block_m, block_n) and bool(
         own_tiling(q.shape[1], k_cache.shape[2], k_cache.shape[1])[0]
     )
+
+
+def may_mix(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    max_query_len: int,
+    own_tokens: int,
+    num_seqs: int,
+    mode: str | None = None,
+    block_size: int = 16,
+) -> bool:
+    """True when a step would run as one mixed launch if its shared work list takes 128 x 128 TMA
+    tiles: a decode step (``shape`` = (Hq, Hkv, D)) on a GPU the shared Gluon kernel runs on, whose
+    own parts (``own_tokens`` over ``num_seqs`` sequences) hold at least ``MIN_OWN_TOKENS`` each on
+    average; ``block_size`` = the cache's (``own_tiling``). The shared planner asks first, to prefer
+    tall tiles for such a step (``shared_plan.pick_shared_tiles``). ``mode`` (default
+    ``config.mixed_mode()``, PREFIXSERVE_MIXED): "0" never, "1" whenever eligible, "auto" the rule."""
+    mode = config.mixed_mode() if mode is None else mode
+    q_heads, kv_heads, dim = shape
+    if (
+        mode == "0"
+        or max_query_len != 1
+        or not own_tiling(q_heads, kv_heads, block_size)[0]
+        or own_tokens == 0
+        or not shared_gluon.eligible_for(device, dtype, dim)
+    ):
+        return False
+    return mode == "1" or own_tokens >= MIN_OWN_TOKENS * num_seqs
 
 
 def use_mixed(
@@ -82,33 +119,11 @@ def use_mixed(
     mode: str | None = None,
     block_size: int = 16,
 ) -> bool:
-    """True when a step runs as one mixed launch: a decode step on the shared Gluon kernel's path
-    (TMA work list of 128 x 128 tiles; ``shape`` = (Hq, Hkv, D)) whose own KV (``own_tokens`` over
-    ``num_seqs`` sequences, at least ``MIN_OWN_TOKENS`` each on average) takes long enough next to
-    the shared products to be worth hiding under them; ``block_size`` = the cache's (``own_tiling``).
-    ``mode`` (default ``config.mixed_mode()``, PREFIXSERVE_MIXED): "0" never, "1" whenever eligible,
-    "auto" the rule."""
-    mode = config.mixed_mode() if mode is None else mode
-    q_heads, kv_heads, dim = shape
-    if (
-        mode == "0"
-        or max_query_len != 1
-        or not own_tiling(q_heads, kv_heads, block_size)[0]
-        or own_tokens == 0
-    ):
-        return False
+    """True when a step runs as one mixed launch: ``may_mix`` (same arguments) and a shared work list
+    of 128 x 128 TMA tiles. ``shared_row_tokens`` (the shared products' size) does not decide."""
     if not (work.tma and work.block_m == 128 and work.block_n == 128):
         return False
-    if not shared_gluon.eligible_for(device, dtype, dim):
-        return False
-    if mode == "1":
-        return True
-    if own_tokens < MIN_OWN_TOKENS * num_seqs:
-        return False
-    elt = torch.empty(0, dtype=dtype).element_size()
-    own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)
-    shared_ms = 4 * q_heads * dim * shared_row_tokens / (GLUON_TFLOPS * 1e9)
-    return own_ms >= MIN_OWN_SHARE * shared_ms
+    return may_mix(device, dtype, shape, max_query_len, own_tokens, num_seqs, mode, block_size)
 
 
 def mixed_rows(
@@ -128,7 +143,7 @@ def mixed_rows(
     step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode)
     if not use_mixed(device, dtype, shape, work, *step, block_size=block_size):
         return 0
-    return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1])
+    return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1], shared_row_tokens)
 
 
-__all__ = ["eligible", "mixed_rows", "own_rows_for", "own_tiling", "use_mixed"]
+__all__ = ["eligible", "may_mix", "mixed_rows", "own_rows_for", "own_tiling", "use_mixed"]

@@ -67,24 +67,31 @@ def pick_shared_tiles(
     smem: int | None = None,
     max_tokens: int = 0,
     tma: bool = False,
+    mixable: bool = False,
 ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_stages) for the shared kernel, fitted to shared memory.
 
-    Tall M tiles when many rows are stacked (fewer re-reads of the segment); the bf16 choice was
-    measured on the H200 (docs/kernels.md §2.2), and ``fit_tiles`` shrinks it for 4-byte elements or
-    wider heads so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed 256 KiB > 227 KiB).
+    Tall M tiles when many rows are stacked (fewer re-reads of the segment), from half the work when
+    tall tiles would let the step run as one mixed launch (``mixable``: ``mixed_rule.may_mix``); the
+    bf16 choice was measured on the H200 (docs/kernels.md §2.2), and ``fit_tiles`` shrinks it for
+    4-byte elements or wider heads so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed
+    256 KiB > 227 KiB).
     """
     m = max_rows * group
-    # 128-row tiles (two wgmma warpgroups) once the segment's work is large: at 256 rows they were
-    # 15-27% slower than 64-row tiles for a 4K segment but 18% faster for a 16K one
-    # (docs/kernels.md §2.2)
-    tall = m > 256 or m * max_tokens >= 256 * 8192
+    # 128-row tiles (two wgmma warpgroups) once the segment's work is large: at 256 rows the shared
+    # kernel alone was 15-27% slower on them than on 64-row tiles for a 4K segment but 18% faster for
+    # a 16K one (docs/kernels.md §2.2); a decode step that can then mix its own part in ran 3.7% faster
+    # on them at 256 rows over 4K (B=64: 5.695 vs 5.915 ms a step, H200)
+    work = TALL_WORK // 2 if mixable else TALL_WORK
+    tall = m > 256 or m * max_tokens >= work
     block_m = 128 if tall else (64 if m > 16 else 16)
     block_m = max(block_m, next_power_of_2(group))
     table = (SHARED_TALL_TMA, SHARED_SHORT_TMA) if tma else (SHARED_TALL, SHARED_SHORT)
     block_n, stages = table[0] if block_m >= 128 else table[1]
     return fit_tiles(block_m, block_n, stages, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
 
+
+TALL_WORK = 256 * 8192  # stacked rows x segment tokens from which tiles are 128 rows tall
 
 # (BLOCK_N, num_stages), measured on the H200 (docs/kernels.md §2.2): 128-row tiles are compute-bound
 # at large B; 16 / 64-row tiles are bandwidth-bound and split along KV
@@ -159,6 +166,7 @@ def plan_shared_work(
     seg_blocks: np.ndarray | None = None,
     seg_block_start: list[int] | None = None,
     block_size: int = 0,
+    mixable: bool = False,
 ) -> SharedWork:
     """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
 
@@ -166,7 +174,8 @@ def plan_shared_work(
     ``items_on_host=True`` leaves the work list on the host, for callers that pack it with other
     per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
     With the segments' blocks (``seg_blocks``, ``seg_block_start``, ``block_size``; host values) the
-    work list notes contiguous segments, and the TMA path is taken when all of them are.
+    work list notes contiguous segments, and the TMA path is taken when all of them are. ``mixable``:
+    the step may run as one mixed launch on tall tiles (``pick_shared_tiles``).
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
     first_rows = np.full(len(rows), -1, dtype=np.int64)
@@ -182,7 +191,14 @@ def plan_shared_work(
     limit = smem_limit(device)
     elt = torch.empty(0, dtype=dtype).element_size()
     auto_m, auto_n, auto_stages = pick_shared_tiles(
-        max(rows, default=1), group, head_dim, elt, limit, max(seg_num_tokens, default=0), tma
+        max(rows, default=1),
+        group,
+        head_dim,
+        elt,
+        limit,
+        max(seg_num_tokens, default=0),
+        tma,
+        tma and mixable,
     )
     block_m, block_n, num_stages = fit_tiles(
         block_m or auto_m, block_n or auto_n, num_stages or auto_stages, head_dim, elt, limit
@@ -269,10 +285,12 @@ def plan_work_for(
     device: torch.device,
     head_dim: int,
     dtype: torch.dtype,
+    mixable: bool = False,
 ) -> SharedWork:
     """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
 
-    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path).
+    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path);
+    ``mixable``: ``mixed_rule.may_mix`` for the step.
     """
     bstart = plan.seg_block_start_host
     return plan_shared_work(
@@ -287,6 +305,7 @@ def plan_work_for(
         seg_blocks=seg_blocks,
         seg_block_start=bstart,
         block_size=block_size,
+        mixable=mixable,
     )
 
 

@@ -335,11 +335,13 @@ def build_layout(
     seg_blocks = step.seg_blocks_host
     if seg_blocks is None:  # a step planned elsewhere (e.g. benchmarks): read the blocks back once
         seg_blocks = plan.seg_blocks.cpu().numpy()
-    work = plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype)
-    ns = work.num_slots
     shared_row_tokens, own_tokens = step_sizes(plan, meta.block_size)
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
+    sizes = (step.max_query_len, own_tokens, meta.num_seqs, mode)
+    mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, block_size=meta.block_size)
+    work = plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype, mixable)
+    ns = work.num_slots
     mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
         device,
         dtype,

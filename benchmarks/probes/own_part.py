@@ -1,0 +1,169 @@
+"""How fast the own part of a shared-prefix decode step runs, per launch shape, against its bytes.
+
+The own part: each sequence's own KV (``--own`` tokens on average, lengths drawn from [own/2,
+3 own/2], scattered blocks as a decode allocates them) attended by the paged kernel into fp32
+partials, one launch (graphed, L2 flushed). Variants: KV splits, BLOCK_N, stages, warps, sequences
+per program. Also the CSR merge of a step's partials per row. Prints tables; ``--json`` keeps them.
+
+PYTHONPATH=. python -m benchmarks.probes.own_part --batches 64 256 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+
+from benchmarks.attention import _bench, graphed, measure_ceilings
+from prefixserve.attention.kernels import merge, paged_attention
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def own_case(batch: int, own: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(own // 2, own + own // 2 + 1, (batch,), generator=g)
+    width = -(-int(lens.max()) // BS)
+    blocks = batch * width + 16
+    perm = torch.randperm(blocks, generator=g)[: batch * width].view(batch, width).to(torch.int32)
+    dev = "cuda"
+    return {
+        "q": torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16),
+        "k": torch.randn(blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16),
+        "v": torch.randn(blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16),
+        "tables": perm.to(dev),
+        "lens": lens.to(torch.int32).to(dev),
+        "qsl": torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        "bytes": int(lens.sum()) * HKV * D * 2 * 2,
+        "max": int(lens.max()),
+    }
+
+
+def time_own(c: dict, splits: int, block_n: int, stages: int, warps: int, pack: int) -> float:
+    b = c["q"].shape[0]
+    split_size = math.ceil(math.ceil(c["max"] / splits) / block_n) * block_n
+    splits = math.ceil(c["max"] / split_size)
+    o = torch.empty(splits * b, HQ, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(splits * b, HQ, dtype=torch.float32, device="cuda")
+
+    def run() -> None:
+        paged_attention.launch_paged(
+            c["q"],
+            c["k"],
+            c["v"],
+            c["tables"],
+            c["lens"],
+            c["qsl"],
+            0.088,
+            1,
+            splits,
+            split_size,
+            o,
+            lse,
+            b * HQ * D,
+            b * HQ,
+            block_n,
+            num_warps=warps,
+            num_stages=stages,
+            pack=pack,
+        )
+
+    run()
+    return _bench(graphed(run))
+
+
+def time_merge(rows: int, parts: int) -> float:
+    o = torch.randn(rows * parts, HQ, D, device="cuda")
+    lse = torch.randn(rows * parts, HQ, device="cuda")
+    out = torch.empty(rows, HQ, D, device="cuda", dtype=torch.bfloat16)
+    row_ptr = torch.arange(0, rows * parts + 1, parts, dtype=torch.int32, device="cuda")
+    idx = (
+        torch.arange(rows * parts, dtype=torch.int32, device="cuda")
+        .view(parts, rows)
+        .t()
+        .contiguous()
+        .view(-1)
+    )
+
+    def run() -> None:
+        merge.merge_partials(o, lse, rows, row_ptr=row_ptr, part_idx=idx, out=out, want_lse=False)
+
+    run()
+    return _bench(graphed(run))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--own", type=int, default=128)
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--pack", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--merge-parts", type=int, nargs="+", default=[2, 3, 5, 9, 12])
+    ap.add_argument("--skip-own", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    copy_tbps, _ = measure_ceilings(torch.device("cuda"))
+    print(f"copy {copy_tbps:.2f} TB/s")
+    out = {"copy_tbps": copy_tbps, "own": [], "merge": []}
+    for b in args.batches:
+        c = own_case(b, args.own)
+        bound = c["bytes"] / (copy_tbps * 1e12) * 1e3
+        rows = []
+        for s, n, st, w, p in (
+            ()
+            if args.skip_own
+            else itertools.product(args.splits, args.block_n, args.stages, args.warps, args.pack)
+        ):
+            try:
+                ms = time_own(c, s, n, st, w, p)
+            except Exception as e:  # a shape the kernel cannot take
+                print(f"B={b} splits={s} n={n} stages={st} warps={w} pack={p}: {type(e).__name__}")
+                continue
+            rows.append(
+                {
+                    "B": b,
+                    "splits": s,
+                    "block_n": n,
+                    "stages": st,
+                    "warps": w,
+                    "pack": p,
+                    "ms": ms,
+                    "bound_ms": bound,
+                }
+            )
+        rows.sort(key=lambda r: r["ms"])
+        default = next(
+            (
+                r
+                for r in rows
+                if (r["splits"], r["block_n"], r["stages"], r["warps"], r["pack"]) == (1, 64, 2, 4, 1)
+            ),
+            None,
+        )
+        print(
+            f"B={b}, own {c['bytes'] / 1e6:.1f} MB, bound {bound * 1e3:.1f} us; "
+            f"default {default and round(default['ms'] * 1e3, 1)} us; best 8:"
+        )
+        for r in rows[:8]:
+            print(
+                f"  splits {r['splits']} n {r['block_n']} stages {r['stages']} warps {r['warps']} "
+                f"pack {r['pack']}: {r['ms'] * 1e3:.1f} us ({bound / r['ms']:.0%} of copy)"
+            )
+        out["own"] += rows
+        for parts in args.merge_parts:
+            ms = time_merge(b, parts)
+            out["merge"].append({"B": b, "parts": parts, "ms": ms})
+            print(f"  merge {b} rows x {parts} parts: {ms * 1e3:.1f} us")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
