@@ -51,6 +51,12 @@ def test_rule(monkeypatch) -> None:
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
     # own parts shorter than any decode run measured
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 63, 1024)
+    # several segments (n=8 samples of 32 prompts): own parts of 128 whose bytes' time is at least
+    # half the shared products' time
+    many = {"segments": 33}
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 256 * 4096, 256 * 100, 256, **many)
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024, **many)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024, **many)
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 512, 1024)
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 2, 1024 * 4096, 1024 * 512, 1024)  # prefill
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(tma=False), 1, 1024 * 4096, 1024 * 512, 1024)
@@ -62,8 +68,8 @@ def test_rule(monkeypatch) -> None:
     )  # GQA 64: no own tiling
     monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
-    assert mixed_rule.may_mix(dev, bf16, shape, 1, 1024 * 16, 1024)  # forced: any own part
-    assert not mixed_rule.may_mix(dev, bf16, shape, 1, 0, 1024)
+    assert mixed_rule.may_mix(dev, bf16, shape, 1, 1024 * 4096, 1024 * 16, 1024)  # forced: any own part
+    assert not mixed_rule.may_mix(dev, bf16, shape, 1, 1024 * 4096, 0, 1024)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "0")
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 512, 1024)
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: False)

@@ -33,13 +33,19 @@ SHORT_OWN_TOKENS = 192
 # prefix (ratio 128), level at B=256 on 4K (ratio 32); the kernel alone at B=1024 favoured 128 rows
 # at ratios 8 and 32 (-5.6%, -2%)
 SHARED_HEAVY = 64
-# Own tokens per sequence (mean) from which the mixed launch is taken. Whole decode runs (64 own
-# prompt tokens + 128 generated, H200) were 1.01-1.05x faster on it than on two kernels at every
-# eligible point measured, shared-heavy ones included (B=64 and 256, P=16K: +1.9%, +0.9%; B=1024,
-# P=16K: +1.0%), where an earlier rule (own bytes' time >= half the shared products' time) kept
-# two kernels: the own kernel's time at short own parts is mostly latency (about 12 us, whatever B),
-# which no bytes-based estimate sees. Shorter own parts are not measured (docs/kernels.md §2.5).
-MIN_OWN_TOKENS = 64
+# When a step takes the mixed launch (docs/kernels.md §2.5). One shared segment: from
+# ONE_SEGMENT_OWN_TOKENS own tokens a sequence (mean). Whole decode runs (64 own prompt tokens + 128
+# generated, H200) were 1.01-1.05x faster on it than on two kernels at every such point measured,
+# shared-heavy ones included (B=64 and 256, P=16K: +1.9%, +0.9%; B=1024, P=16K: +1.0%): the own
+# kernel's time at short own parts is mostly latency (about 12 us whatever B), which a bytes-based
+# estimate does not see. Several segments (n=8 samples of 32 prompts: a 4K prefix and 32 small
+# segments) ran 7.6% slower on it with 64-128 own tokens, so there the launch keeps its first rule:
+# own parts of MIN_OWN_TOKENS, own bytes' time >= MIN_OWN_SHARE x the shared products' time.
+ONE_SEGMENT_OWN_TOKENS = 64
+MIN_OWN_TOKENS = 128  # each own ticket costs about 1 us beyond its tiles
+MIN_OWN_SHARE = 0.5
+GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (docs/kernels.md §2.3, §2.5)
+COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
 
 
 def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M) -> tuple[int, int]:
@@ -83,17 +89,20 @@ def may_mix(
     dtype: torch.dtype,
     shape: tuple[int, int, int],
     max_query_len: int,
+    shared_row_tokens: int,
     own_tokens: int,
     num_seqs: int,
+    segments: int = 1,
     mode: str | None = None,
     block_size: int = 16,
 ) -> bool:
     """True when a step would run as one mixed launch if its shared work list takes 128 x 128 TMA
-    tiles: a decode step (``shape`` = (Hq, Hkv, D)) on a GPU the shared Gluon kernel runs on, whose
-    own parts (``own_tokens`` over ``num_seqs`` sequences) hold at least ``MIN_OWN_TOKENS`` each on
-    average; ``block_size`` = the cache's (``own_tiling``). The shared planner asks first, to prefer
-    tall tiles for such a step (``shared_plan.pick_shared_tiles``). ``mode`` (default
-    ``config.mixed_mode()``, PREFIXSERVE_MIXED): "0" never, "1" whenever eligible, "auto" the rule."""
+    tiles: a decode step (``shape`` = (Hq, Hkv, D)) on a GPU the shared Gluon kernel runs on whose own
+    parts (``own_tokens`` over ``num_seqs`` sequences) pass the rule above for its number of shared
+    ``segments`` (``shared_row_tokens``: holder rows x segment tokens, summed); ``block_size`` = the
+    cache's (``own_tiling``). The shared planner asks first, to prefer tall tiles for such a step
+    (``shared_plan.pick_shared_tiles``). ``mode`` (default ``config.mixed_mode()``, PREFIXSERVE_MIXED):
+    "0" never, "1" whenever eligible, "auto" the rule."""
     mode = config.mixed_mode() if mode is None else mode
     q_heads, kv_heads, dim = shape
     if (
@@ -104,7 +113,16 @@ def may_mix(
         or not shared_gluon.eligible_for(device, dtype, dim)
     ):
         return False
-    return mode == "1" or own_tokens >= MIN_OWN_TOKENS * num_seqs
+    if mode == "1":
+        return True
+    if segments == 1:
+        return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs
+    if own_tokens < MIN_OWN_TOKENS * num_seqs:
+        return False
+    elt = torch.empty(0, dtype=dtype).element_size()
+    own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)
+    shared_ms = 4 * q_heads * dim * shared_row_tokens / (GLUON_TFLOPS * 1e9)
+    return own_ms >= MIN_OWN_SHARE * shared_ms
 
 
 def use_mixed(
@@ -118,12 +136,14 @@ def use_mixed(
     num_seqs: int,
     mode: str | None = None,
     block_size: int = 16,
+    segments: int = 1,
 ) -> bool:
     """True when a step runs as one mixed launch: ``may_mix`` (same arguments) and a shared work list
-    of 128 x 128 TMA tiles. ``shared_row_tokens`` (the shared products' size) does not decide."""
+    of 128 x 128 TMA tiles."""
     if not (work.tma and work.block_m == 128 and work.block_n == 128):
         return False
-    return may_mix(device, dtype, shape, max_query_len, own_tokens, num_seqs, mode, block_size)
+    step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, segments, mode, block_size)
+    return may_mix(device, dtype, shape, *step)
 
 
 def mixed_rows(
@@ -137,11 +157,12 @@ def mixed_rows(
     num_seqs: int,
     mode: str | None = None,
     block_size: int = 16,
+    segments: int = 1,
 ) -> int:
     """Own tile rows of a step's mixed launch, or 0 where the step runs two kernels: ``use_mixed``
     (same arguments) decides the launch, ``own_rows_for`` its tile height."""
     step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode)
-    if not use_mixed(device, dtype, shape, work, *step, block_size=block_size):
+    if not use_mixed(device, dtype, shape, work, *step, block_size=block_size, segments=segments):
         return 0
     return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1], shared_row_tokens)
 

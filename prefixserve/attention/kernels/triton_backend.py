@@ -338,7 +338,8 @@ def build_layout(
     shared_row_tokens, own_tokens = step_sizes(plan, meta.block_size)
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
-    sizes = (step.max_query_len, own_tokens, meta.num_seqs, mode)
+    segments = len(plan.seg_row_start_host) - 1
+    sizes = (step.max_query_len, shared_row_tokens, own_tokens, meta.num_seqs, segments, mode)
     mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, block_size=meta.block_size)
     work = plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype, mixable)
     ns = work.num_slots
@@ -353,6 +354,7 @@ def build_layout(
         meta.num_seqs,
         mode,
         block_size=meta.block_size,
+        segments=segments,
     )
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
         # should a layer's caches not take the mixed kernel)
