@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="write the per-kernel table here")
     ap.add_argument("--host", action="store_true", help="cProfile the host over the steps instead")
+    ap.add_argument("--callees", nargs="*", default=[], help="with --host: what these functions call")
     args = ap.parse_args()
     model = None if args.model == "default" else args.model
     extra = {"kv_memory_fraction": 0.6} if torch.cuda.is_available() else {}
@@ -135,6 +136,8 @@ def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
+        for name in args.callees:
+            pstats.Stats(prof).print_callees(name)
         return
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
