@@ -90,12 +90,12 @@ def shared_graph_step(
     heads = (shape.q_heads, kv_heads, shape.head_dim)
     dev, dim, dtype = shape.device, shape.head_dim, shape.dtype
     segments = len(plan.seg_row_start_host) - 1
-    sizes = (shared_row_tokens, own_tokens, meta.num_seqs, segments)
-    mixable = mixed_rule.may_mix(dev, dtype, heads, 1, *sizes, block_size=bs)
+    sizes = (shared_row_tokens, own_tokens, meta.num_seqs)
+    mixable = mixed_rule.may_mix(dev, dtype, heads, 1, *sizes, block_size=bs, segments=segments)
     work = plan_work_for(plan, blocks, bs, kv_heads, group, dev, dim, dtype, mixable)
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
-        dev, dtype, heads, work, 1, *sizes[:3], block_size=bs, segments=segments
+        dev, dtype, heads, work, 1, *sizes, block_size=bs, segments=segments
     )
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute

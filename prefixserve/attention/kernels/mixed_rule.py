@@ -92,9 +92,9 @@ def may_mix(
     shared_row_tokens: int,
     own_tokens: int,
     num_seqs: int,
-    segments: int = 1,
     mode: str | None = None,
     block_size: int = 16,
+    segments: int = 1,
 ) -> bool:
     """True when a step would run as one mixed launch if its shared work list takes 128 x 128 TMA
     tiles: a decode step (``shape`` = (Hq, Hkv, D)) on a GPU the shared Gluon kernel runs on whose own
@@ -142,7 +142,7 @@ def use_mixed(
     of 128 x 128 TMA tiles."""
     if not (work.tma and work.block_m == 128 and work.block_n == 128):
         return False
-    step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, segments, mode, block_size)
+    step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode, block_size, segments)
     return may_mix(device, dtype, shape, *step)
 
 

@@ -339,8 +339,8 @@ def build_layout(
     shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
     segments = len(plan.seg_row_start_host) - 1
-    sizes = (step.max_query_len, shared_row_tokens, own_tokens, meta.num_seqs, segments, mode)
-    mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, block_size=meta.block_size)
+    sizes = (step.max_query_len, shared_row_tokens, own_tokens, meta.num_seqs, mode)
+    mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, block_size=meta.block_size, segments=segments)
     work = plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype, mixable)
     ns = work.num_slots
     mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
