@@ -148,7 +148,7 @@ class _StubModel:
             build_layout(meta, step, Q_HEADS, KV_HEADS, HEAD_DIM, torch.device("cpu"), torch.bfloat16)
         return torch.zeros(ids.shape[0], 1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         self._calls += 1  # a different (deterministic) draw each step
         return self._logits[: hidden.shape[0]].roll(self._calls, dims=1)
 
@@ -299,8 +299,8 @@ class _Timed:
     def __call__(self, *args: Any) -> Any:
         return self.__dict__["__call__"](*args)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        return self.model.compute_logits(hidden, fp32)
 
 
 def measure(

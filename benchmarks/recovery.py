@@ -74,8 +74,8 @@ def last_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
     model = llm.engine.model
     original = model.compute_logits
 
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
+    def capture(hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        logits = original(hidden, fp32)
         captured.append(logits[-1].float().cpu())
         return logits
 

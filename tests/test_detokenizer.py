@@ -265,7 +265,7 @@ def tiny_llm(tiny_config_path: Path) -> LLM:
     bias[sorted(favoured)] = 5.0
     model = llm.engine.model
     logits = model.compute_logits
-    model.compute_logits = lambda hidden: logits(hidden) + bias.to(hidden.device)
+    model.compute_logits = lambda hidden, fp32=True: logits(hidden, fp32) + bias.to(hidden.device)
     return llm
 
 
