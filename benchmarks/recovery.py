@@ -75,7 +75,7 @@ def last_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
     original = model.compute_logits
 
     def capture(hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        logits = original(hidden, fp32)
+        logits = original(hidden)  # fp32 always: the KL is taken over these, an argmax takes either
         captured.append(logits[-1].float().cpu())
         return logits
 

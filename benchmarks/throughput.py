@@ -313,7 +313,8 @@ def mixed_grid(args: argparse.Namespace) -> None:
 
     Own prompt parts of ``--own`` tokens (default here 512: two or more own tiles per sequence, where
     the rule can take the mixed kernel), so the own KV outweighs the shared prefix's products. The
-    mixed kernel's own tile height is ``own_rows_for``'s (128 rows where own parts stay short).
+    mixed kernel's own tile height is ``own_rows_for``'s (128 rows where own parts stay short and the
+    prefix is under 64 times them).
     """
     from prefixserve.attention.kernels import mixed_rule
 
@@ -324,7 +325,8 @@ def mixed_grid(args: argparse.Namespace) -> None:
     rows = []
     # own parts short to the end of the run: the rule takes 128-row own tiles
     short = own + args.gen <= mixed_rule.SHORT_OWN_TOKENS
-    short = short and mixed_rule.own_rows_for(own, 1, 4) != mixed_rule.OWN_M  # the 8B shapes: GQA 4
+    # the 8B shapes (GQA 4); per sequence, a shared part of P tokens against ``own``
+    short = short and all(mixed_rule.own_rows_for(own, 1, 4, p) != mixed_rule.OWN_M for _, p in points)
     variants = [("mixed", "1"), ("two_kernels", "0")]
     keep = os.environ.get("PREFIXSERVE_MIXED")
     for b, p in points:

@@ -117,3 +117,33 @@ def test_greedy_argmax_over_model_dtype_logits_picks_the_fp32_winner() -> None:
     full = sample(logits.float(), params, [None] * len(params)).tokens
     assert low == full
     assert low[3] == 7
+
+
+def test_only_argmax_steps_skip_the_fp32_logits(tiny_config_path: Path) -> None:
+    """The engine asks the model for model-dtype logits exactly when a step's rows are all greedy
+    without logprobs; bf16 weights make the difference visible in the logits' dtype."""
+    llm = LLM(model=f"dummy:{tiny_config_path}", dtype="bfloat16", num_kv_blocks=64, progress=False)
+    model = llm.engine.model
+    original, seen = model.compute_logits, []
+
+    def recording(hidden, fp32=True):
+        logits = original(hidden, fp32)
+        seen.append((fp32, logits.dtype))
+        return logits
+
+    model.compute_logits = recording
+    prompt = {"prompt_token_ids": list(range(10, 40))}
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert seen and all(s == (False, torch.bfloat16) for s in seen)
+    seen.clear()
+    llm.generate(prompt, SamplingParams(temperature=0.0, logprobs=2, max_tokens=3, ignore_eos=True))
+    assert seen and all(s == (True, torch.float32) for s in seen)
+    seen.clear()
+    llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True),
+        ],
+    )
+    assert seen and all(s == (True, torch.float32) for s in seen)

@@ -288,7 +288,8 @@ class ParallelLMHead(Linear):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. ``forward`` returns final hidden states; ``compute_logits`` the fp32 logits.
+    """The whole model. ``forward`` returns final hidden states; ``compute_logits`` the logits (fp32
+    unless an argmax alone asks for the model's dtype).
 
     ``config`` is what this process computes (``Shard.local_config``: its heads and columns; the
     KV cache and the attention are sized from it); ``full_config`` the checkpoint's model.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from _kernel_helpers import rel_err
@@ -38,7 +39,9 @@ def test_own_tiling() -> None:
 
 
 def test_rule(monkeypatch) -> None:
-    """Decode steps on the Gluon path with own parts of >= MIN_OWN_TOKENS take the mixed kernel."""
+    """Decode steps on the Gluon path take the mixed kernel: one shared segment from
+    ONE_SEGMENT_OWN_TOKENS own tokens a sequence, several by the first rule (MIN_OWN_TOKENS and the
+    own-bytes / shared-FLOPs ratio)."""
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: True)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "auto")
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
@@ -49,11 +52,12 @@ def test_rule(monkeypatch) -> None:
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 64 * 16384, 64 * 100, 64)
     # own-heavy (a 1K prefix) with 128 own tokens a sequence: four tiles per four-head ticket
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024)
-    # own parts shorter than any decode run measured
+    # own parts shorter than any decode run measured; exactly 64 a sequence mixes
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 63, 1024)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 64, 1024)
     # several segments (n=8 samples of 32 prompts): own parts of 128 whose bytes' time is at least
     # half the shared products' time
-    many = {"segments": 33}
+    many = {"segments": 2}
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 256 * 4096, 256 * 100, 256, **many)
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024, **many)
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 128, 1024, **many)
@@ -78,8 +82,9 @@ def test_rule(monkeypatch) -> None:
 
 
 def test_own_rows_rule(monkeypatch) -> None:
-    """128-row own tiles where they measured faster: GQA 4 with short own parts (S=128 steps), and
-    ptxas >= 12.9 to build the kernel; 64 rows otherwise."""
+    """128-row own tiles where they measured faster: GQA 4 with short own parts (S=128 steps) and a
+    shared part under SHARED_HEAVY times the own one, and ptxas >= 12.9 to build the kernel; 64 rows
+    otherwise."""
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: ("ptxas", "12.9"))
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 128
     assert mixed_rule.own_rows_for(256 * 150, 256, 4) == 128
@@ -90,6 +95,9 @@ def test_own_rows_rule(monkeypatch) -> None:
     # shared-heavy steps keep three shared ring slots: 64-row own tiles on a 16K prefix, 128 on 4K
     assert mixed_rule.own_rows_for(64 * 128, 64, 4, 64 * 16384) == 64
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4, 1024 * 4096) == 128
+    heavy = mixed_rule.SHARED_HEAVY * 64 * 128
+    assert mixed_rule.own_rows_for(64 * 128, 64, 4, heavy - 1) == 128  # the boundary
+    assert mixed_rule.own_rows_for(64 * 128, 64, 4, heavy) == 64
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 64
     assert mixed_gluon.ring_stages(128) == (2, 2)
@@ -288,3 +296,18 @@ def test_mixable_decode_steps_prefer_tall_shared_tiles() -> None:
     assert pick_shared_tiles(64, 4, max_tokens=4096, tma=True, mixable=True)[0] == 128
     assert pick_shared_tiles(64, 4, max_tokens=2048, tma=True, mixable=True)[0] == 64  # below half
     assert pick_shared_tiles(64, 4, max_tokens=8192, tma=True)[0] == 128  # tall anyway
+
+
+def test_the_planner_passes_mixable_to_the_tiles(monkeypatch) -> None:
+    """``plan_shared_work(mixable=True)`` plans 128-row tiles at 256 stacked rows over a 4K segment
+    when its blocks allow TMA tiles (the mixed kernel's condition); pointer loads keep 64 rows."""
+    from prefixserve.attention.kernels import shared_plan
+
+    monkeypatch.setattr(shared_plan, "tma_capable", lambda *a: True)
+    blocks = np.arange(4096 // 16, dtype=np.int32)  # one segment in consecutive blocks
+    kw = {"seg_blocks": blocks, "seg_block_start": [0, len(blocks)], "block_size": 16}
+    args = ([0, 64], [4096], 8, 4, torch.device("cpu"))
+    assert shared_plan.plan_shared_work(*args, **kw).block_m == 64
+    assert shared_plan.plan_shared_work(*args, **kw, mixable=True).block_m == 128
+    monkeypatch.setattr(shared_plan, "tma_capable", lambda *a: False)
+    assert shared_plan.plan_shared_work(*args, **kw, mixable=True).block_m == 64

@@ -1,10 +1,12 @@
 """When a decode step runs as one mixed launch (``mixed_gluon.py``), and with which own tiles: host rules.
 
-``use_mixed`` takes a decode step on the shared Gluon kernel's path whose own KV reads take long
-enough next to the shared products to be hidden under them; ``own_tiling`` picks the KV heads per own
-ticket and the padded query heads of an own tile; ``own_rows_for`` the own tile height;
-``mixed_rows`` is the one call the backend and the graph planner make. PREFIXSERVE_MIXED
-(``config.mixed_mode``) turns the launch off, on wherever eligible, or leaves it to the rule.
+``may_mix`` says whether a decode step could take it (the shared planner asks first, to prefer tall
+tiles for such a step): with one shared segment, own parts of 64+ tokens; with several, own KV
+reads long enough next to the shared products to be hidden under them. ``use_mixed`` adds the work
+list's condition (128 x 128 TMA tiles); ``own_tiling`` picks the KV heads per own ticket and the
+padded query heads of an own tile; ``own_rows_for`` the own tile height; ``mixed_rows`` is what the
+backend and the graph planner call after planning. PREFIXSERVE_MIXED (``config.mixed_mode``) turns
+the launch off, on wherever eligible, or leaves it to the rules.
 """
 
 from __future__ import annotations

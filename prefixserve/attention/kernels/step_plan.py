@@ -89,7 +89,8 @@ def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], bl
 
 def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
     """(holder rows x KV tokens summed over segments, own KV tokens): a step's shared FLOPs and own
-    bytes, up to constant factors (``use_mixed`` weighs one against the other)."""
+    bytes, up to constant factors (``mixed_rule`` weighs one against the other for steps of several
+    segments, and picks own tile heights by their ratio)."""
     rows = np.diff(plan.seg_row_start_host)
     seg_tokens = np.asarray(segment_tokens(plan, block_size), dtype=np.int64)
     return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
