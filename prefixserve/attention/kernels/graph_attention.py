@@ -23,7 +23,7 @@ import torch
 
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity
 from prefixserve.attention.kernels import merge, mixed_rule, paged_attention, shared_attention
-from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, SharedWork, plan_work_for
+from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, SharedWork
 from prefixserve.attention.kernels.step_launch import (
     MERGE,
     PAGED_OUT,
@@ -33,7 +33,7 @@ from prefixserve.attention.kernels.step_launch import (
     launch_split_path,
     replay_launches,
 )
-from prefixserve.attention.kernels.step_plan import own_pack_rule, step_sizes
+from prefixserve.attention.kernels.step_plan import own_pack_rule, plan_step_work
 from prefixserve.attention.metadata import AttentionMetadata
 
 PAGED_BLOCK_N = 64
@@ -82,21 +82,14 @@ def shared_graph_step(
     meta: AttentionMetadata, plan: Any, shape: HeadShape, bucket: int, floor: tuple[Any, ...] | None = None
 ) -> GraphStep:
     """Shared segments once (holders' rows stacked), own parts paged, one CSR merge; ``plan`` on the host."""
-    kv_heads, group = shape.kv_heads, shape.group
+    kv_heads = shape.kv_heads
     blocks, bs = plan.seg_blocks.numpy(), meta.block_size
     own_tables = plan.own_block_tables.numpy()
     width = capacity(own_tables.shape[1], MIN_TABLE_WIDTH)
-    shared_row_tokens, own_tokens = step_sizes(plan, bs)
     heads = (shape.q_heads, kv_heads, shape.head_dim)
-    dev, dim, dtype = shape.device, shape.head_dim, shape.dtype
-    segments = len(plan.seg_row_start_host) - 1
-    sizes = (shared_row_tokens, own_tokens, meta.num_seqs)
-    mixable = mixed_rule.may_mix(dev, dtype, heads, 1, *sizes, block_size=bs, segments=segments)
-    work = plan_work_for(plan, blocks, bs, kv_heads, group, dev, dim, dtype, mixable)
+    # mixed: own tile rows of the mixed launch, 0: two kernels
+    work, mixed = plan_step_work(plan, blocks, bs, heads, shape.device, shape.dtype, 1, meta.num_seqs)
     elt = torch.empty(0, dtype=shape.dtype).element_size()
-    mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
-        dev, dtype, heads, work, 1, *sizes, block_size=bs, segments=segments
-    )
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)

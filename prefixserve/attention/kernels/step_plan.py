@@ -96,4 +96,39 @@ def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
     return int((rows * seg_tokens).sum()), int(sum(plan.own_seq_lens_host))
 
 
-__all__ = ["host_plan", "own_pack_rule", "plan_to_device", "seg_rows_host", "step_sizes", "to_device_packed"]
+def plan_step_work(
+    plan: Any,
+    seg_blocks: np.ndarray,
+    block_size: int,
+    shape: tuple[int, int, int],  # (Hq, Hkv, D)
+    device: torch.device,
+    dtype: torch.dtype,
+    max_query_len: int,
+    num_seqs: int,
+    mode: str | None = None,  # PREFIXSERVE_MIXED's values; None: the switch
+) -> tuple[Any, int]:
+    """A shared step's work list and its mixed launch's own tile rows (0: two kernels), as the eager
+    backend and the decode graphs both plan them: the mixed rule is asked before the work list (a step
+    that may mix prefers tall tiles) and after it (the tiles it got)."""
+    from prefixserve.attention.kernels import mixed_rule
+    from prefixserve.attention.kernels.shared_plan import plan_work_for
+
+    q_heads, kv_heads, dim = shape
+    shared_row_tokens, own_tokens = step_sizes(plan, block_size)
+    sizes = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode)
+    rule = {"block_size": block_size, "segments": plan.num_segments}
+    mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, **rule)
+    group = q_heads // kv_heads
+    work = plan_work_for(plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable)
+    return work, mixed_rule.mixed_rows(device, dtype, shape, work, *sizes, **rule)
+
+
+__all__ = [
+    "host_plan",
+    "own_pack_rule",
+    "plan_step_work",
+    "plan_to_device",
+    "seg_rows_host",
+    "step_sizes",
+    "to_device_packed",
+]

@@ -47,9 +47,9 @@ from prefixserve.attention.kernels.step_launch import (
 from prefixserve.attention.kernels.step_plan import (
     host_plan,
     own_pack_rule,
+    plan_step_work,
     plan_to_device,
     seg_rows_host,
-    step_sizes,
     to_device_packed,
 )
 from prefixserve.attention.metadata import AttentionMetadata
@@ -319,9 +319,8 @@ def build_layout(
     sequences per own-kernel program; ``mixed``: one mixed launch where eligible (None: ``use_mixed``'s rule).
     """
     from prefixserve.attention.kernels import merge as merge_mod
-    from prefixserve.attention.kernels.shared_plan import plan_work_for
 
-    paged, _, mixed_rule = _kernels()
+    paged = _kernels()[0]
     plan = step.shared
     group = q_heads // kv_heads
     tokens = sum(meta.query_lens_host)
@@ -335,27 +334,11 @@ def build_layout(
     seg_blocks = step.seg_blocks_host
     if seg_blocks is None:  # a step planned elsewhere (e.g. benchmarks): read the blocks back once
         seg_blocks = plan.seg_blocks.cpu().numpy()
-    shared_row_tokens, own_tokens = step_sizes(plan, meta.block_size)
-    shape = (q_heads, kv_heads, dim)
     mode = None if mixed is None else ("1" if mixed else "0")
-    segments = len(plan.seg_row_start_host) - 1
-    sizes = (step.max_query_len, shared_row_tokens, own_tokens, meta.num_seqs, mode)
-    mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, block_size=meta.block_size, segments=segments)
-    work = plan_work_for(plan, seg_blocks, meta.block_size, kv_heads, group, device, dim, dtype, mixable)
+    shape, step_rows = (q_heads, kv_heads, dim), (step.max_query_len, meta.num_seqs, mode)
+    # mixed: own tile rows of the mixed launch, 0: two kernels
+    work, mixed = plan_step_work(plan, seg_blocks, meta.block_size, shape, device, dtype, *step_rows)
     ns = work.num_slots
-    mixed = mixed_rule.mixed_rows(  # own tile rows, 0: two kernels
-        device,
-        dtype,
-        shape,
-        work,
-        step.max_query_len,
-        shared_row_tokens,
-        own_tokens,
-        meta.num_seqs,
-        mode,
-        block_size=meta.block_size,
-        segments=segments,
-    )
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
         # should a layer's caches not take the mixed kernel)
         own_splits = 1
