@@ -57,6 +57,19 @@ def group_of(name: str) -> str:
     return "other"
 
 
+def busy_and_idle(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time some kernel ran, time none did) between the first kernel's start and the last one's end."""
+    busy = idle = 0.0
+    end = None
+    for a, b in sorted(spans):
+        if end is not None and a > end:
+            idle += a - end
+        if end is None or b > end:
+            busy += b - max(a, end) if end is not None else b - a
+            end = b
+    return busy, idle
+
+
 def requests(llm: LLM, args: argparse.Namespace) -> list:
     if args.workload == "prefix":
         return _prompts(args.batch, args.prefix, args.own)
@@ -72,16 +85,16 @@ TMA_STEPS = collections.Counter()  # work lists planned: TMA (every segment cont
 
 def count_tma() -> None:
     """Wrap the graph path's work planner to count steps whose segments all allow TMA tiles."""
-    from prefixserve.attention.kernels import graph_attention
+    from prefixserve.attention.kernels import shared_plan
 
-    plan = graph_attention.plan_work_for
+    plan = shared_plan.plan_work_for
 
     def counted(*a, **kw):
         work = plan(*a, **kw)
         TMA_STEPS["tma" if work.tma else "pointer"] += 1
         return work
 
-    graph_attention.plan_work_for = counted
+    shared_plan.plan_work_for = counted  # step_plan imports it at each call
 
 
 def main() -> None:
@@ -96,6 +109,7 @@ def main() -> None:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--recovery", default="link:64", help="module_recompute for the module workload")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as throughput.py")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="write the per-kernel table here")
     ap.add_argument("--host", action="store_true", help="cProfile the host over the steps instead")
@@ -107,7 +121,7 @@ def main() -> None:
               max_num_seqs=max(args.batch, 8), max_num_batched_tokens=16384, progress=False, **extra)
     count_tma()
     prompts = requests(llm, args)
-    warm = SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True)
+    warm = SamplingParams(temperature=args.temperature, max_tokens=2 * args.steps + 8, ignore_eos=True)
     llm.generate(prompts, warm)  # graphs captured, kernels compiled
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -148,16 +162,21 @@ def main() -> None:
     while engine.has_unfinished():
         engine.step()
     per_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    spans = []  # (start, end) us of every GPU activity
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             per_kernel[ev.name][0] += ev.device_time_total
             per_kernel[ev.name][1] += 1
+            spans.append((ev.time_range.start, ev.time_range.end))
     total = max(1e-9, sum(v[0] for v in per_kernel.values()))  # 0 on a CPU dry run
     groups: dict[str, float] = collections.defaultdict(float)
     for name, (us, _) in per_kernel.items():
         groups[group_of(name)] += us
     print(f"workload {args.workload} batch {args.batch} steps {args.steps}")
     print(f"GPU time per step: {total / args.steps / 1000:.3f} ms; shared work lists {dict(TMA_STEPS)}")
+    busy, idle = busy_and_idle(spans)
+    print(f"GPU timeline per step: busy {busy / args.steps / 1000:.3f} ms, idle between kernels "
+          f"{idle / args.steps / 1000:.3f} ms (first kernel to last)")
     print("| group | ms a step | share |")
     for g, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"| {g} | {us / args.steps / 1000:.3f} | {us / total:.1%} |")

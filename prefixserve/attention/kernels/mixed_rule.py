@@ -35,6 +35,10 @@ SHORT_OWN_TOKENS = 192
 # prefix (ratio 128), level at B=256 on 4K (ratio 32); the kernel alone at B=1024 favoured 128 rows
 # at ratios 8 and 32 (-5.6%, -2%)
 SHARED_HEAVY = 64
+# ``own_rows_for``'s answer for a shared-heavy step: the phased kernel (``phased_gluon.py``), whose
+# programs run their shared tiles on the shared kernel's loop and then their own tiles of OWN_M rows,
+# in one launch (the sign: own tiles after the shared ones, not beside them)
+PHASED = -OWN_M
 # When a step takes the mixed launch (docs/kernels.md §2.5). One shared segment: from
 # ONE_SEGMENT_OWN_TOKENS own tokens a sequence (mean). Whole decode runs (64 own prompt tokens + 128
 # generated, H200) were 1.01-1.05x faster on it than on two kernels at every such point measured,
@@ -68,12 +72,13 @@ def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M)
 def own_rows_for(own_tokens: int, num_seqs: int, group: int, shared_row_tokens: int = 0) -> int:
     """Rows of the own tiles of a mixed step with ``own_tokens`` own KV tokens over ``num_seqs``
     sequences, ``group`` query heads a KV head and ``shared_row_tokens`` (holder rows x segment tokens,
-    summed): ``SHORT_OWN_M`` where own parts are short (mean under ``SHORT_OWN_TOKENS``) at GQA
-    ``SHORT_OWN_GROUP``, the shared part is not ``SHARED_HEAVY`` times the own one, and ptxas >= 12.9
-    builds the kernel; else ``OWN_M``."""
+    summed): ``PHASED`` (the phased kernel) where the shared part is ``SHARED_HEAVY`` times the own
+    one; ``SHORT_OWN_M`` where own parts are short (mean under ``SHORT_OWN_TOKENS``) at GQA
+    ``SHORT_OWN_GROUP`` and ptxas >= 12.9 builds the kernel; else ``OWN_M``."""
+    if shared_row_tokens >= SHARED_HEAVY * own_tokens:
+        return PHASED
     short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1) and group == SHORT_OWN_GROUP
-    light = shared_row_tokens < SHARED_HEAVY * own_tokens
-    return SHORT_OWN_M if short and light and _ptxas.newer_ptxas() is not None else OWN_M
+    return SHORT_OWN_M if short and _ptxas.newer_ptxas() is not None else OWN_M
 
 
 def eligible(
@@ -169,4 +174,4 @@ def mixed_rows(
     return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1], shared_row_tokens)
 
 
-__all__ = ["eligible", "may_mix", "mixed_rows", "own_rows_for", "own_tiling", "use_mixed"]
+__all__ = ["PHASED", "eligible", "may_mix", "mixed_rows", "own_rows_for", "own_tiling", "use_mixed"]

@@ -1,0 +1,92 @@
+"""One decode attention call of a shared-heavy step under each launch, and the parts of the two-kernel call.
+
+Modes: two kernels (shared Gluon kernel on a side stream beside the own kernel, then the merge), the
+mixed kernel with 64-row own tiles, and the phased kernel (``phased_gluon.py``) with 0, 25 or 50% of
+its programs running their own tickets first. Each call is timed as a CUDA graph replay
+(``benchmarks.attention._bench``: median, L2 flushed); the two-kernel call's launches are also timed
+alone (shared kernel, own kernel, merge). T* as in attention.py, from ceilings measured in the run.
+
+PYTHONPATH=. python -m benchmarks.probes.phased_parts --points 64x16384x128 256x16384x128
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from benchmarks.attention import Case, _bench, graphed, measure_ceilings, time_launches
+from prefixserve.attention.kernels import mixed_rule, phased_gluon
+from prefixserve.attention.kernels.triton_backend import TritonBackend
+
+OWN_ROWS_FOR = mixed_rule.own_rows_for
+MODES = {  # (mixed launch, own rows forced, share of programs running own tickets first)
+    "two_kernels": (False, None, None),
+    "mixed64": (True, 64, None),
+    "phased0": (True, mixed_rule.PHASED, 0.0),
+    "phased25": (True, mixed_rule.PHASED, 0.25),
+    "phased50": (True, mixed_rule.PHASED, 0.5),
+}
+
+
+def call(case: Case, mode: str):
+    """The whole attention call of ``case`` under ``mode``, graphed; and its layout."""
+    mixed, own_m, share = MODES[mode]
+    mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
+    if share is not None:
+        phased_gluon.OWN_FIRST_SHARE = share
+    be = TritonBackend()
+    be.mixed = mixed
+    be.overlap_min_rows = 0  # the shared kernel on a side stream, as in the decode graphs
+    meta = dataclasses.replace(case.meta, plan=None, stats={})
+    be.prepare(meta)
+    out = be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    lay = next(iter(meta.plan.layouts.values()))
+    fn = graphed(lambda: be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale))
+    return fn, lay, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", nargs="+", default=["64x16384x128", "256x16384x128", "1024x16384x128"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    copy_tbps, gemm_tflops = measure_ceilings(dev)
+    print(f"copy {copy_tbps:.2f} TB/s, GEMM {gemm_tflops:.0f} TFLOP/s")
+    rows = []
+    for point in args.points:
+        b, p, s = (int(x) for x in point.split("x"))
+        case = Case(b, p, s, dev)
+        bytes_ms, flops_ms = case.roofline(copy_tbps, gemm_tflops)
+        row = {"B": b, "P": p, "S": s, "t_star_us": 1e3 * max(bytes_ms, flops_ms), "own_bytes_us": 0.0}
+        ref = None
+        for mode in args.modes:
+            fn, lay, out = call(case, mode)
+            if ref is None:
+                ref = out.float()
+            err = float((out.float() - ref).abs().max() / ref.abs().max())
+            row[mode] = 1e3 * _bench(fn)
+            row[f"{mode}_err"] = err
+            if mode == "two_kernels":
+                tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
+                row |= {f"part_{k}": 1e3 * v for k, v in time_launches(lay.launches, tensors).items()}
+        row["own_bytes_us"] = 1e6 * b * s * 8 * 128 * 2 * 2 / (copy_tbps * 1e12)
+        rows.append(row)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    print("| B | P | S | T* us | " + " | ".join(args.modes) + " | shared alone | own alone | merge |")
+    for r in rows:
+        cells = [f"{r[m]:.1f}" for m in args.modes]
+        parts = [f"{r.get(k, float('nan')):.1f}" for k in ("part_shared", "part_own", "part_merge")]
+        head = f"| {r['B']} | {r['P']} | {r['S']} | {r['t_star_us']:.1f} | "
+        print(head + " | ".join(cells + parts) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
