@@ -110,10 +110,10 @@ def write_text(out_dir: Path, name: str, lines: list[str]) -> str:
     return text
 
 
-def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown)
+def write_results(name: str, payload: dict[str, Any], markdown: str, out: Path = RESULTS) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
     print(markdown)
 
 

@@ -6,8 +6,10 @@ In one run, for the model (default dummy Llama-3.1-8B shapes, bf16):
   engine_ms       the engine's decode step with attention="none", B sequences of --prompt-len tokens
                   decoding --gen tokens together: wall time per step (what tokens/s a user sees),
                   and engine_gpu_ms: the GPU's busy time per decode step (the engine's CUDA events)
+  engine_cublas_* the same engine with every linear layer on cuBLAS (``fused.skinny_matmuls(False)``), at
+                  the batches the skinny kernel takes (B <= 64), unless --no-cublas-path
   engine_torch_*  the same engine with the dense-path Triton kernels off (``fused.triton_kernels(False)``:
-                  stacked weights, elementwise work in torch), unless --no-torch-path
+                  stacked weights, elementwise work in torch, cuBLAS), unless --no-torch-path
   prefill         one prefill step of --prefill-tokens tokens (one sequence): the bare matmuls at that
                   many rows (lm_head on the one sampled row) vs the engine's step (GPU busy time)
   rooflines       memory: the step's weight bytes / a 2 GiB device-to-device copy's rate (read + write);
@@ -19,6 +21,7 @@ the prefill step's dense part >= 70% of the GEMM rate.
 
 Usage (GPU, about two minutes on an H200):
   PYTHONPATH=. python -m benchmarks.dense run [--out DIR] [--model dummy:llama-3.1-8b] [--no-torch-path]
+      [--no-cublas-path]
   python -m benchmarks.dense report --json FILE [--out DIR]     # dense.md again from a JSON
 """
 
@@ -198,6 +201,18 @@ def run(args: argparse.Namespace) -> None:
     print(prefill, flush=True)
     del model, llm
     _collect()
+    if not args.no_cublas_path:  # a fresh engine whose graphs take cuBLAS for every linear layer
+        from prefixserve.model.kernels.skinny_matmul import MAX_ROWS
+
+        with fused.skinny_matmuls(False):
+            llm = _engine(args)
+            for row in rows:
+                if row["B"] <= MAX_ROWS:
+                    eng = engine_decode(llm, row["B"], args.prompt_len, args.gen)
+                    row["engine_cublas_ms"], row["engine_cublas_gpu_ms"] = eng["ms"], eng["gpu_ms"]
+                    print(row, flush=True)
+            del llm
+            _collect()
     if not args.no_torch_path:  # a fresh engine: its graphs are captured with the torch path
         with fused.triton_kernels(False):
             llm = _engine(args)
@@ -240,6 +255,7 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
     """dense.md: the table, the rooflines and the issue's targets, from the JSON."""
     mem = result["memory_roofline_ms"]
     torch_cols = any("engine_torch_ms" in r for r in result["rows"])
+    cublas_cols = any("engine_cublas_ms" in r for r in result["rows"])
     lines = [
         f"# The dense path vs the bare matmuls ({result['device']})",
         "",
@@ -251,12 +267,14 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "down per layer, lm_head), one CUDA graph, median replay. `engine`: the engine's decode step "
         f'with attention="none" ({result["prompt_len"]} prompt tokens, {result["gen"]} generated, decode '
         "under CUDA graphs): wall time per step; `GPU`: the GPU's busy time per step. `torch path`: the "
-        "same engine with the dense-path Triton kernels off. Written by `benchmarks/dense.py`.",
+        "same engine with the dense-path Triton kernels off. `cuBLAS only`: the engine with every linear "
+        "layer on cuBLAS (the skinny kernel off). Written by `benchmarks/dense.py`.",
         "",
         "| B | bare ms | engine ms | engine GPU ms | engine / bare | roofline ms | bare at roofline "
         "| engine at roofline | engine tok/s |"
+        + (" cuBLAS only ms | cuBLAS only / engine |" if cublas_cols else "")
         + (" torch path ms | torch path / bare |" if torch_cols else ""),
-        "| ---: " * (9 + 2 * torch_cols) + "|",
+        "| ---: " * (9 + 2 * torch_cols + 2 * cublas_cols) + "|",
     ]
     for r in result["rows"]:
         cells = [
@@ -270,6 +288,11 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
             _x(r["roofline_ms"], r["engine_ms"]),
             f"{1e3 * r['B'] / r['engine_ms']:.0f}",
         ]
+        if cublas_cols:
+            cells += [
+                "—" if "engine_cublas_ms" not in r else f"{r['engine_cublas_ms']:.2f}",
+                _x(r.get("engine_cublas_ms"), r["engine_ms"]),
+            ]
         if torch_cols:
             cells += [
                 f"{r.get('engine_torch_ms', float('nan')):.2f}",
@@ -323,6 +346,9 @@ def main() -> None:
         r.add_argument("--gen", type=int, default=64)
         r.add_argument("--prefill-tokens", type=int, default=8192)
         r.add_argument("--no-torch-path", action="store_true", help="skip the engine with the kernels off")
+        r.add_argument(
+            "--no-cublas-path", action="store_true", help="skip the engine without the skinny kernel"
+        )
 
     run_or_report(__doc__, "dense", DOCS, add_run_args, run, report)
 

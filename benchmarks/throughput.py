@@ -18,6 +18,7 @@ import json
 import os
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -113,7 +114,7 @@ def measure(
     return result
 
 
-def plot(payload: dict) -> None:
+def plot(payload: dict, out: Path = RESULTS) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -138,7 +139,7 @@ def plot(payload: dict) -> None:
     ax.set_title(f"{payload['model']} on {payload['device']} (dashed: no-attention ceiling)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "throughput.png", dpi=120)
+    fig.savefig(out / "throughput.png", dpi=120)
 
 
 def main() -> None:
@@ -151,6 +152,12 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--no-n8", action="store_true")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="where throughput.{json,md,png} go, and the dense.json the attainable step is read from",
+    )
     ap.add_argument(
         "--merge",
         action="store_true",
@@ -186,8 +193,8 @@ def main() -> None:
     if args.device != "cuda":
         modes = {k: ("reference" if v == "triton_paged" else v) for k, v in modes.items()}
     rows, kept_n8 = [], None
-    if args.merge and (RESULTS / "throughput.json").exists():  # a grid too long for one run, in parts
-        old = json.loads((RESULTS / "throughput.json").read_text())
+    if args.merge and (args.out / "throughput.json").exists():  # a grid too long for one run, in parts
+        old = json.loads((args.out / "throughput.json").read_text())
         todo = {(b, p) for b in args.batches for p in args.prefixes}
         rows = [r for r in old["rows"] if (r["B"], r["P"]) not in todo]
         kept_n8 = old.get("n8")
@@ -275,7 +282,7 @@ def report(args: argparse.Namespace, rows: list[dict], n8: dict | None) -> None:
         "| fraction of the attainable step | host overhead | memory needed |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    dense_path = RESULTS / "dense.json"
+    dense_path = args.out / "dense.json"
     dense = json.loads(dense_path.read_text()) if dense_path.exists() else {}
     if dense and dense.get("device") != payload["device"]:
         dense = {}  # the attainable step is only meaningful on the GPU kind it was measured on
@@ -304,8 +311,8 @@ def report(args: argparse.Namespace, rows: list[dict], n8: dict | None) -> None:
             "n=8 samples x 32 prompts (two-level sharing): "
             + ", ".join(f"{m} {r['tok_s']:.0f} tok/s" for m, r in n8.items()),
         ]
-    write_results("throughput", payload, "\n".join(md) + "\n")
-    plot(payload)
+    write_results("throughput", payload, "\n".join(md) + "\n", args.out)
+    plot(payload, args.out)
 
 
 def mixed_grid(args: argparse.Namespace) -> None:

@@ -1,13 +1,13 @@
 """Decode tokens/s of one shared-prefix batch under each way of launching its attention.
 
 Modes: the rules (``auto``), the mixed kernel forced on or off (PREFIXSERVE_MIXED, read per call by
-``prefixserve/config.py``), the mixed kernel with its own tiles forced to 64 or 128 rows, and the
-phased kernel forced, with a share of its programs running their own tickets first
-(``mixed_rule.own_rows_for`` and ``phased_gluon.OWN_FIRST_SHARE`` replaced in this process). Every
-measurement builds a fresh engine (``benchmarks.throughput.measure``: a warm-up run of the same shape,
-then the timed run), so each mode captures its own graphs. Prints a table; ``--json`` keeps it.
+``prefixserve/config.py``), the mixed kernel with its own tiles forced to 64 or 128 rows
+(``mixed_rule.own_rows_for`` replaced in this process), and the rules with every linear layer on
+cuBLAS (``cublas_dense``: ``fused.skinny_matmuls(False)``). Every measurement builds a fresh engine
+(``benchmarks.throughput.measure``: a warm-up run of the same shape, then the timed run), so each mode
+captures its own graphs. Prints a table; ``--json`` keeps it.
 
-PYTHONPATH=. python -m benchmarks.probes.step_modes --points 64x16384 256x16384 --modes phased mixed64
+PYTHONPATH=. python -m benchmarks.probes.step_modes --points 64x16384 256x16384 --modes auto two_kernels
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import os
 import time
 
 from benchmarks.throughput import _prompts, measure
-from prefixserve.attention.kernels import mixed_rule, phased_gluon
+from prefixserve.attention.kernels import mixed_rule
+from prefixserve.model import fused
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
-OWN_FIRST_SHARE = phased_gluon.OWN_FIRST_SHARE
 
 MODES = {  # environment switches (prefixserve/config.py) and in-process overrides
     "auto": {},
@@ -29,9 +29,7 @@ MODES = {  # environment switches (prefixserve/config.py) and in-process overrid
     "two_kernels": {"PREFIXSERVE_MIXED": "0"},
     "mixed64": {"PREFIXSERVE_MIXED": "1", "own_m": 64},
     "mixed128": {"PREFIXSERVE_MIXED": "1", "own_m": 128},
-    "phased": {"PREFIXSERVE_MIXED": "1", "own_m": mixed_rule.PHASED},
-    "phased_shared_first": {"PREFIXSERVE_MIXED": "1", "own_m": mixed_rule.PHASED, "own_first": 0.0},
-    "phased_own_first25": {"PREFIXSERVE_MIXED": "1", "own_m": mixed_rule.PHASED, "own_first": 0.25},
+    "cublas_dense": {"skinny": False},  # the rules, every linear layer on cuBLAS
 }
 
 
@@ -42,7 +40,6 @@ def set_mode(mode: str) -> None:
     os.environ.update({k: v for k, v in MODES[mode].items() if k.startswith("PREFIXSERVE_")})
     own_m = MODES[mode].get("own_m")
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
-    phased_gluon.OWN_FIRST_SHARE = MODES[mode].get("own_first", OWN_FIRST_SHARE)
 
 
 def main() -> None:
@@ -61,7 +58,8 @@ def main() -> None:
         for mode in args.modes:
             set_mode(mode)
             t0 = time.perf_counter()
-            r = measure(args.model, "cuda", "auto", prompts, args.gen)
+            with fused.skinny_matmuls(MODES[mode].get("skinny", True)):
+                r = measure(args.model, "cuda", "auto", prompts, args.gen)
             row = {
                 "B": b,
                 "P": p,

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 _ENABLED = True
+_SKINNY = True
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
 
@@ -41,6 +42,31 @@ def triton_kernels(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _ENABLED = before
+
+
+@contextmanager
+def skinny_matmuls(enabled: bool) -> Iterator[None]:
+    """Within the block, a decode step's linear layers take the skinny kernel where its rule says
+    (True) or cuBLAS always (False): A/B runs of that kernel alone."""
+    global _SKINNY
+    before, _SKINNY = _SKINNY, enabled
+    try:
+        yield
+    finally:
+        _SKINNY = before
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on CUDA, a decode step's few rows through the skinny kernel wherever its sweep
+    read the weight faster than cuBLAS (``kernels/skinny_matmul.py``)."""
+    if _SKINNY and _use_triton(x):
+        from prefixserve.model.kernels import skinny_matmul
+
+        if skinny_matmul.supported(x, weight):
+            config = skinny_matmul.skinny_config(x.shape[0], weight.shape[0])
+            if config is not None:
+                return skinny_matmul.skinny_linear(x, weight, bias, config)
+    return F.linear(x, weight, bias)
 
 
 def add_rms_norm(

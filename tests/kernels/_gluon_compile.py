@@ -4,8 +4,8 @@ A separate process: tests/kernels/conftest.py sets TRITON_INTERPRET=1 for the tl
 Triton is imported, and under it Triton's own library functions (``gl.max``...) are built for the
 interpreter, which the real compiler refuses.
 
-Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, mixed, mixed128: the mixed
-kernel with 128-row own tiles, or phased; DTYPE bf16 or fp16)
+Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, mixed or mixed128: the mixed
+kernel with 128-row own tiles; DTYPE bf16 or fp16)
 """
 
 from __future__ import annotations
@@ -30,13 +30,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from prefixserve.attention.kernels import (
-        gluon_attend,
-        mixed_gluon,
-        mixed_rule,
-        phased_gluon,
-        shared_gluon,
-    )
+    from prefixserve.attention.kernels import gluon_attend, mixed_gluon, mixed_rule, shared_gluon
 
     cache = torch.zeros(8, 16, 2, dim, dtype=dtype)
     desc = mangle_type(gluon_attend.gluon_descriptor(cache, 128))
@@ -57,14 +51,6 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
         consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
         maxnreg = mixed_gluon.MAXNREG
-    elif kernel_name == "phased":
-        kernel = phased_gluon.phased_gluon_kernel
-        own = mangle_type(mixed_gluon.own_descriptor(cache, 64))
-        types |= {"ko_desc": own, "vo_desc": own, "own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
-        ht, rows = mixed_rule.own_tiling(group * 8, 8, 16, 64)
-        consts |= {"BLOCK_N": phased_gluon.SHARED_N, "STAGES": phased_gluon.SHARED_STAGES}
-        consts |= {"BLOCK_SIZE": 16, "OWN_M": 64, "OWN_ROWS": rows, "HT": ht}
-        maxnreg = phased_gluon.MAXNREG
     else:
         kernel = shared_gluon.shared_gluon_kernel
         maxnreg = shared_gluon.MAXNREG

@@ -122,6 +122,7 @@ def test_bound_kernel_signatures_and_no_held_tensors() -> None:
             def launch(*args, **kw):
                 calls.append((grid, args, kw))
                 return type("Compiled", (), {"run": None, "packed_metadata": None})()
+
             return launch
 
     bound = BoundKernel(Fake())
@@ -129,3 +130,64 @@ def test_bound_kernel_signatures_and_no_held_tensors() -> None:
     (launch,) = bound.launches.values()
     assert isinstance(launch, Launch) and launch.args[0] is None  # the step's tensor is not kept
     assert len(calls) == 1
+
+
+SKINNY_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])  # the
+# interpreter's bf16 dot is wrong (fp16 takes the same kernel path)
+
+
+@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
+@pytest.mark.parametrize(
+    "m, n, k, config",
+    [
+        (1, 40, 256, None),
+        (5, 72, 128, (32, 3)),
+        (16, 64, 384, (64, 6)),
+        (17, 100, 256, (128, 4)),
+        (64, 33, 128, None),
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_reference(dtype, m, n, k, config, with_bias) -> None:
+    """The skinny kernel against F.linear in fp32: masked rows (m not a tile height) and columns (n not
+    a multiple of BLOCK_N), every tile shape, with and without a bias (Qwen2's qkv)."""
+    from prefixserve.model.kernels.skinny_matmul import skinny_linear
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype) if with_bias else None
+    out = skinny_linear(x, w, bias, config)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert out.shape == (m, n) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_skinny_linear_refuses_what_it_does_not_take() -> None:
+    """Too many rows, fp32, K off the tile, mismatched dtypes: a ValueError naming the shapes; the
+    rule sends those products (and the fused qkv over 16 rows) to cuBLAS."""
+    from prefixserve.model.kernels import skinny_matmul
+
+    w = torch.zeros(64, 256, dtype=torch.float16, device=DEVICE)
+    for x in (
+        torch.zeros(65, 256, dtype=torch.float16, device=DEVICE),
+        torch.zeros(4, 256, dtype=torch.float32, device=DEVICE),
+        torch.zeros(4, 200, dtype=torch.float16, device=DEVICE),
+        torch.zeros(4, 256, dtype=torch.bfloat16, device=DEVICE),
+    ):
+        assert not skinny_matmul.supported(x, w)
+        with pytest.raises(ValueError, match="skinny_linear takes"):
+            skinny_matmul.skinny_linear(x, w)
+    assert skinny_matmul.skinny_config(64, 6144) is None  # the fused qkv at 64 rows: cuBLAS
+    assert skinny_matmul.skinny_config(16, 6144) == (32, 6)
+    assert skinny_matmul.skinny_config(64, 4096) == (32, 6)
+    assert skinny_matmul.skinny_config(64, 28672) == (128, 4)
+    assert skinny_matmul.skinny_config(1, 128256) == (64, 6)
+
+
+def test_fused_linear_is_torch_off_cuda() -> None:
+    """``fused.linear`` is F.linear on the CPU, bit for bit (the CPU engine's path is unchanged)."""
+    from prefixserve.model import fused
+
+    x, w, b = torch.randn(3, 256), torch.randn(40, 256), torch.randn(40)
+    assert torch.equal(fused.linear(x, w, b), torch.nn.functional.linear(x, w, b))

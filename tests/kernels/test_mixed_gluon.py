@@ -12,7 +12,7 @@ import pytest
 import torch
 from _kernel_helpers import rel_err
 
-from prefixserve.attention.kernels import _ptxas, mixed_gluon, mixed_rule, phased_gluon, shared_gluon, tiles
+from prefixserve.attention.kernels import _ptxas, mixed_gluon, mixed_rule, shared_gluon, tiles
 from prefixserve.attention.kernels.shared_plan import SharedWork
 from prefixserve.attention.kernels.triton_backend import TritonBackend
 from prefixserve.attention.metadata import build_metadata
@@ -40,8 +40,8 @@ def test_own_tiling() -> None:
 
 def test_rule(monkeypatch) -> None:
     """Decode steps on the Gluon path take the mixed kernel: one shared segment from
-    ONE_SEGMENT_OWN_TOKENS own tokens a sequence, several by the first rule (MIN_OWN_TOKENS and the
-    own-bytes / shared-FLOPs ratio)."""
+    ONE_SEGMENT_OWN_TOKENS own tokens a sequence, up to a segment LONG_SHARED times the own parts;
+    several by the first rule (MIN_OWN_TOKENS and the own-bytes / shared-FLOPs ratio)."""
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: True)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "auto")
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
@@ -55,6 +55,12 @@ def test_rule(monkeypatch) -> None:
     # own parts shorter than any decode run measured; exactly 64 a sequence mixes
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 63, 1024)
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 1024 * 1024, 1024 * 64, 1024)
+    # a 64K document with 128 own tokens a sequence (ratio 512): two kernels; 32K (256): mixed
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 64 * 65536, 64 * 128, 64)
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 64 * 32768, 64 * 128, 64)
+    long = mixed_rule.LONG_SHARED * 64 * 100
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, long - 1, 64 * 100, 64)  # the boundary
+    assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, long, 64 * 100, 64)
     # several segments (n=8 samples of 32 prompts): own parts of 128 whose bytes' time is at least
     # half the shared products' time
     many = {"segments": 2}
@@ -92,13 +98,12 @@ def test_own_rows_rule(monkeypatch) -> None:
     assert mixed_rule.own_rows_for(1024 * 512, 1024, 4) == 64  # long tickets
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 8) == 64  # GQA 8 measured slower
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 3) == 64  # and GQA 3
-    # shared-heavy steps take the phased kernel: on a 16K prefix, not on 4K
-    assert mixed_rule.own_rows_for(64 * 128, 64, 4, 64 * 16384) == mixed_rule.PHASED
-    assert mixed_rule.own_rows_for(1024 * 512, 1024, 8, 1024 * 65536) == mixed_rule.PHASED
+    # shared-heavy steps keep three shared ring slots: 64-row own tiles on a 16K prefix, 128 on 4K
+    assert mixed_rule.own_rows_for(64 * 128, 64, 4, 64 * 16384) == 64
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4, 1024 * 4096) == 128
     heavy = mixed_rule.SHARED_HEAVY * 64 * 128
     assert mixed_rule.own_rows_for(64 * 128, 64, 4, heavy - 1) == 128  # the boundary
-    assert mixed_rule.own_rows_for(64 * 128, 64, 4, heavy) == mixed_rule.PHASED
+    assert mixed_rule.own_rows_for(64 * 128, 64, 4, heavy) == 64
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 64
     assert mixed_gluon.ring_stages(128) == (2, 2)
@@ -143,15 +148,10 @@ def _decode_batch(groups, bs, hq, hkv, dim, dtype, seed):
     return q, k, v, meta
 
 
-def _own_rows(own_m: str) -> int:
-    return mixed_rule.PHASED if own_m == "phased" else int(own_m)
-
-
 def _force_own_rows(monkeypatch, own_m: str) -> None:
-    """Own tiles of ``own_m`` rows, or the phased kernel, whatever ``own_rows_for`` would pick (both
-    heights and the phased kernel are tested)."""
+    """Own tiles of ``own_m`` rows whatever ``own_rows_for`` would pick (both heights are tested)."""
     _newer_ptxas_or_skip(own_m)
-    monkeypatch.setattr(mixed_rule, "own_rows_for", lambda *args: _own_rows(own_m))
+    monkeypatch.setattr(mixed_rule, "own_rows_for", lambda *args: int(own_m))
 
 
 def _run(q, k, v, meta, mixed: bool):
@@ -182,23 +182,21 @@ def _run(q, k, v, meta, mixed: bool):
         ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32),  # cache blocks of 32 tokens
     ],
 )
-@pytest.mark.parametrize("own_m", ["64", "128", "phased"])
+@pytest.mark.parametrize("own_m", ["64", "128"])
 def test_engine_decode_step_through_the_mixed_kernel(
     monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, own_m
 ) -> None:
-    """The mixed launch (own tiles of 64 and of 128 rows beside the shared ones; the phased kernel's
-    after them) against the two-kernel path and the fp64-backed reference; a later layer's replay
-    (descriptors remade) matches the first launch."""
+    """The mixed launch (own tiles of 64 and of 128 rows) against the two-kernel path and the
+    fp64-backed reference; a later layer's replay (descriptors remade) matches the first launch."""
     _force_own_rows(monkeypatch, own_m)
     if sms is not None:  # the grid: one program per SM
         monkeypatch.setattr(tiles, "num_sms", lambda device=None: sms)
     q, k, v, meta = _decode_batch(groups, bs, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
     calls = []
-    module, name = (phased_gluon, "launch_phased") if own_m == "phased" else (mixed_gluon, "launch_mixed")
-    original = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = mixed_gluon.launch_mixed
+    monkeypatch.setattr(mixed_gluon, "launch_mixed", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     out, again, lay = _run(q, k, v, meta, mixed=True)
-    assert lay.mixed == _own_rows(own_m) and calls == [1]
+    assert lay.mixed == int(own_m) and calls == [1]
     split, _, lay_split = _run(q, k, v, meta, mixed=False)
     assert not lay_split.mixed
     ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), meta, dim**-0.5)
@@ -214,7 +212,7 @@ def test_engine_decode_step_through_the_mixed_kernel(
     # (128, 0, 2, 64): GQA 32, tickets of one KV head
     [(128, 0, 8, 32), (128, 16, 8, 32), (96, 0, 8, 32), (128, 0, 2, 64), (200, 7, 8, 32), (160, 3, 8, 64)],
 )
-@pytest.mark.parametrize("own_m", ["64", "128", "phased"])
+@pytest.mark.parametrize("own_m", ["64", "128"])
 def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq, own_m) -> None:
     """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
     score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
@@ -244,7 +242,7 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq,
     (nan @ nan).sum().item()  # every SM's shared memory full of NaN tiles: stale reads show
     be.forward(q, k, v, meta, dim**-0.5)  # one launch, read before any later one
     lay = next(iter(meta.plan.layouts.values()))
-    assert lay.mixed == _own_rows(own_m)
+    assert lay.mixed == int(own_m)
     first = lay.work.num_slots  # own partial of sequence s: slot first + s
     o, lse = lay.o_part[first : first + n_seqs], lay.lse_part[first : first + n_seqs]
     expect = torch.bincount(d_of, minlength=dim).float().expand(hq, dim)  # tokens on each d

@@ -69,8 +69,6 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         BLOCK_SIZE: gl.constexpr,
         HT: gl.constexpr,
-        RING_SLOT0: gl.constexpr = 0,  # the ring: slots RING_SLOT0 .. + RING_SLOTS of the buffers
-        RING_SLOTS: gl.constexpr = 0,  # 0: all of them
     ):
         """The own loader warp: the program's own tiles into the own ring, ticket after ticket.
 
@@ -78,7 +76,7 @@ if GLUON:
         ahead, so memory latency does not stall the issue."""
         k_bufs, v_bufs, ready, empty = ring
         tables_ptr, own_lens_ptr, table_stride, groups, u_lo, u_hi, oob_row = walk
-        STAGES: gl.constexpr = RING_SLOTS if RING_SLOTS > 0 else k_bufs.shape[0]
+        STAGES: gl.constexpr = k_bufs.shape[0]
         TILE_T: gl.constexpr = k_bufs.shape[1] // HT  # tokens of each head in an own tile
         NB: gl.constexpr = TILE_T // BLOCK_SIZE
         total = _own_tile_total(own_lens_ptr, u_lo, u_hi, groups, TILE_T)
@@ -94,7 +92,7 @@ if GLUON:
         pf_j = 0
         nbytes: gl.constexpr = NB * HT * (ko_desc.block_type.nbytes + vo_desc.block_type.nbytes)
         for k in range(total):
-            s = RING_SLOT0 + k % STAGES
+            s = k % STAGES
             while j * TILE_T >= kv_len:  # the next ticket with tiles (``total`` counted one)
                 u += 1
                 j = 0
@@ -222,29 +220,19 @@ if GLUON:
         stride_oh,
         stride_lp,
         HEADS: gl.constexpr,
-        IN_PLACE: gl.constexpr = False,
     ):
         """o = O / l and the natural-log lse of query heads head0 .. head0 + HEADS into ``slot`` (``l_o``:
-        the sums of each tile row, added up here). ``IN_PLACE`` stores from the accumulator's layout,
-        with no layout conversion (whose shared-memory scratch the phased kernel has no room for):
-        a warp's store still covers whole 32-byte sectors (8 consecutive d of 4 heads)."""
+        the sums of each tile row, added up here)."""
         dim: gl.constexpr = acc_o.shape[0]
         own_n: gl.constexpr = acc_o.shape[1]
-        if IN_PLACE:
-            o_layout: gl.constexpr = acc_o.type.layout
-            l_c = gl.sum(l_o, 0)
-            l_safe = gl.where(l_c == 0.0, 1.0, l_c)
-            o = acc_o / gl.expand_dims(l_safe, 0)
-        else:
-            # O^T leaves the accumulator layout (a thread's values scattered over heads and d) for one
-            # in which each thread holds 4 consecutive d of a head: whole 16-byte stores, coalesced per
-            # head
-            o_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1])
-            l_c = gl.convert_layout(gl.sum(l_o, 0), gl.SliceLayout(0, o_layout))
-            l_safe = gl.where(l_c == 0.0, 1.0, l_c)
-            o = gl.convert_layout(acc_o, o_layout) / gl.expand_dims(l_safe, 0)
-        h = gl.arange(0, own_n, layout=gl.SliceLayout(0, o_layout))
-        d = gl.arange(0, dim, layout=gl.SliceLayout(1, o_layout))
+        # O^T leaves the accumulator layout (a thread's values scattered over heads and d) for one in
+        # which each thread holds 4 consecutive d of a head: whole 16-byte stores, coalesced per head
+        ot_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1])
+        l_c = gl.convert_layout(gl.sum(l_o, 0), gl.SliceLayout(0, ot_layout))
+        l_safe = gl.where(l_c == 0.0, 1.0, l_c)
+        o = gl.convert_layout(acc_o, ot_layout) / gl.expand_dims(l_safe, 0)
+        h = gl.arange(0, own_n, layout=gl.SliceLayout(0, ot_layout))
+        d = gl.arange(0, dim, layout=gl.SliceLayout(1, ot_layout))
         slot = slot.to(gl.int64)
         head = head0 + h
         ptrs = o_ptr + slot * stride_op + gl.expand_dims(head * stride_oh, 0) + gl.expand_dims(d, 1)
@@ -254,7 +242,7 @@ if GLUON:
         gl.store(lse_ptr + slot * stride_lp + head, lse, mask=h < HEADS)
 
     @gluon.jit
-    def _finish_own(m_o, l_o, acc_o, u, out, GROUP: gl.constexpr, HT: gl.constexpr, IN_PLACE: gl.constexpr):
+    def _finish_own(m_o, l_o, acc_o, u, out, GROUP: gl.constexpr, HT: gl.constexpr):
         """End of own ticket u: its heads' partial into the sequence's own slot."""
         o_ptr, lse_ptr, groups, own_slot0, stride_op, stride_oh, stride_lp = out
         _store_own(
@@ -269,7 +257,6 @@ if GLUON:
             stride_oh,
             stride_lp,
             HT * GROUP,
-            IN_PLACE,
         )
 
     @gluon.jit
@@ -281,9 +268,6 @@ if GLUON:
         GROUP: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         HT: gl.constexpr,
-        IN_PLACE: gl.constexpr = False,  # ``_store_own``'s
-        RING_SLOT0: gl.constexpr = 0,  # as ``_own_load``'s
-        RING_SLOTS: gl.constexpr = 0,
     ):
         """The own warpgroup: every own tile of the program's tickets, each ticket's partial at its end."""
         k_bufs, v_bufs, ready, empty = ring
@@ -292,7 +276,7 @@ if GLUON:
         q_ptr, o_ptr, lse_ptr, qk_scale, own_slot0, stride_qt, stride_qh, stride_op, stride_oh, stride_lp = (
             ptrs
         )
-        STAGES: gl.constexpr = RING_SLOTS if RING_SLOTS > 0 else k_bufs.shape[0]
+        STAGES: gl.constexpr = k_bufs.shape[0]
         OWN_M: gl.constexpr = k_bufs.shape[1]
         TILE_T: gl.constexpr = OWN_M // HT
         OWN_ROWS: gl.constexpr = qo_smem.shape[0]
@@ -311,9 +295,9 @@ if GLUON:
         m_o, l_o, acc_o = _own_fresh(OWN_M, OWN_ROWS, HEAD_DIM, ot_layout)
         out = (o_ptr, lse_ptr, groups, own_slot0, stride_op, stride_oh, stride_lp)
         for k in range(total):
-            slot = RING_SLOT0 + k % STAGES
+            slot = k % STAGES
             while j * TILE_T >= o_len:  # ticket u is done: its partial out, the next one in
-                _finish_own(m_o, l_o, acc_o, u, out, GROUP, HT, IN_PLACE)
+                _finish_own(m_o, l_o, acc_o, u, out, GROUP, HT)
                 u += 1
                 j = 0
                 o_len = nxt_len
@@ -342,6 +326,6 @@ if GLUON:
             mbarrier.arrive(empty.index(slot), count=1)
             j += 1
         while u < u_hi:  # the last ticket with tiles, then any empty ones after it
-            _finish_own(m_o, l_o, acc_o, u, out, GROUP, HT, IN_PLACE)
+            _finish_own(m_o, l_o, acc_o, u, out, GROUP, HT)
             u += 1
             m_o, l_o, acc_o = _own_fresh(OWN_M, OWN_ROWS, HEAD_DIM, ot_layout)

@@ -35,10 +35,6 @@ SHORT_OWN_TOKENS = 192
 # prefix (ratio 128), level at B=256 on 4K (ratio 32); the kernel alone at B=1024 favoured 128 rows
 # at ratios 8 and 32 (-5.6%, -2%)
 SHARED_HEAVY = 64
-# ``own_rows_for``'s answer for a shared-heavy step: the phased kernel (``phased_gluon.py``), whose
-# programs run their shared tiles on the shared kernel's loop and then their own tiles of OWN_M rows,
-# in one launch (the sign: own tiles after the shared ones, not beside them)
-PHASED = -OWN_M
 # When a step takes the mixed launch (docs/kernels.md §2.5). One shared segment: from
 # ONE_SEGMENT_OWN_TOKENS own tokens a sequence (mean). Whole decode runs (64 own prompt tokens + 128
 # generated, H200) were 1.01-1.05x faster on it than on two kernels at every such point measured,
@@ -48,6 +44,15 @@ PHASED = -OWN_M
 # segments) ran 7.6% slower on it with 64-128 own tokens, so there the launch keeps its first rule:
 # own parts of MIN_OWN_TOKENS, own bytes' time >= MIN_OWN_SHARE x the shared products' time.
 ONE_SEGMENT_OWN_TOKENS = 64
+# ...up to a segment this many times the own parts (holder rows x segment tokens vs own tokens): past
+# it the two kernels are faster again. H100, whole decode runs (64 own prompt tokens + 128 generated):
+# B=64, P=64K 5,711 vs 5,537 tok/s (+3.1%), B=256, P=64K 9,689 vs 8,949 (+8.3%), B=64, P=32K level
+# (6,926 vs 6,941); calls (``benchmarks/probes/launch_modes.py``, us): ratio 512 two kernels 84.7 vs
+# 87.2 (64 x 32K, S=64), 142.6 vs 158.5 (64 x 64K, S=128), 442 vs 522 (256 x 64K, S=64: 1024), 937 vs
+# 1,008 (1024 x 32K, S=64); ratio 256 the mixed kernel 56.4 vs 60.7 (64 x 16K, S=64), 282.6 vs 296.3
+# (256 x 32K, S=128), and at 128 (16K, S=128) 63.4 / 161.4 / 561.7 vs 69.6 / 169.2 / 596.5 at B = 64
+# / 256 / 1024 (docs/kernels.md §2.5)
+LONG_SHARED = 512
 MIN_OWN_TOKENS = 128  # each own ticket costs about 1 us beyond its tiles
 MIN_OWN_SHARE = 0.5
 GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (docs/kernels.md §2.3, §2.5)
@@ -72,13 +77,12 @@ def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M)
 def own_rows_for(own_tokens: int, num_seqs: int, group: int, shared_row_tokens: int = 0) -> int:
     """Rows of the own tiles of a mixed step with ``own_tokens`` own KV tokens over ``num_seqs``
     sequences, ``group`` query heads a KV head and ``shared_row_tokens`` (holder rows x segment tokens,
-    summed): ``PHASED`` (the phased kernel) where the shared part is ``SHARED_HEAVY`` times the own
-    one; ``SHORT_OWN_M`` where own parts are short (mean under ``SHORT_OWN_TOKENS``) at GQA
-    ``SHORT_OWN_GROUP`` and ptxas >= 12.9 builds the kernel; else ``OWN_M``."""
-    if shared_row_tokens >= SHARED_HEAVY * own_tokens:
-        return PHASED
+    summed): ``SHORT_OWN_M`` where own parts are short (mean under ``SHORT_OWN_TOKENS``) at GQA
+    ``SHORT_OWN_GROUP``, the shared part is not ``SHARED_HEAVY`` times the own one, and ptxas >= 12.9
+    builds the kernel; else ``OWN_M``."""
     short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1) and group == SHORT_OWN_GROUP
-    return SHORT_OWN_M if short and _ptxas.newer_ptxas() is not None else OWN_M
+    light = shared_row_tokens < SHARED_HEAVY * own_tokens
+    return SHORT_OWN_M if short and light and _ptxas.newer_ptxas() is not None else OWN_M
 
 
 def eligible(
@@ -123,7 +127,8 @@ def may_mix(
     if mode == "1":
         return True
     if segments == 1:
-        return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs
+        long_segment = shared_row_tokens >= LONG_SHARED * own_tokens
+        return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs and not long_segment
     if own_tokens < MIN_OWN_TOKENS * num_seqs:
         return False
     elt = torch.empty(0, dtype=dtype).element_size()
@@ -174,4 +179,4 @@ def mixed_rows(
     return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1], shared_row_tokens)
 
 
-__all__ = ["PHASED", "eligible", "may_mix", "mixed_rows", "own_rows_for", "own_tiling", "use_mixed"]
+__all__ = ["eligible", "may_mix", "mixed_rows", "own_rows_for", "own_tiling", "use_mixed"]

@@ -80,21 +80,22 @@ def launch_mixed_path(
     own_m: int,
 ) -> list[Recorded]:
     """The mixed launch (a decode step's shared and own tiles, one own partial per row; own tiles of
-    ``own_m`` rows beside the shared ones, or ``mixed_rule.PHASED``: the phased kernel, own tiles
-    after them), then the merge; the eager path and the decode graphs both launch it here."""
-    from prefixserve.attention.kernels import mixed_gluon, mixed_rule, phased_gluon, tiles
+    ``own_m`` rows), then the merge; the eager path and the decode graphs both launch it here."""
+    from prefixserve.attention.kernels import mixed_gluon, tiles
 
     o_part, lse_part, own_slot0 = parts
-    lists = (*step_lists, o_part, lse_part, scale)
-    programs = tiles.num_sms(q.device)
-    if own_m == mixed_rule.PHASED:
-        launch = phased_gluon.launch_phased(
-            q, k_cache, v_cache, *lists, own_slot0=own_slot0, programs=programs
-        )
-    else:
-        launch = mixed_gluon.launch_mixed(
-            q, k_cache, v_cache, *lists, own_slot0=own_slot0, programs=programs, own_m=own_m
-        )
+    launch = mixed_gluon.launch_mixed(
+        q,
+        k_cache,
+        v_cache,
+        *step_lists,
+        o_part,
+        lse_part,
+        scale,
+        own_slot0=own_slot0,
+        programs=tiles.num_sms(q.device),
+        own_m=own_m,
+    )
     rec: list[Any] = []
     merge(rec)
     return [(launch, SHARED, False)] + [(m, MERGE, False) for m in rec]

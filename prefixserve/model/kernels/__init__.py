@@ -8,7 +8,9 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
   * rms_norm: RMSNorm, with the residual add before it fused in;
   * rope: RoPE of q and k straight from the fused qkv projection, optionally writing k and v into
     their KV-cache slots in the same pass;
-  * silu_mul: SiLU(gate) * up from the fused gate-up projection.
+  * silu_mul: SiLU(gate) * up from the fused gate-up projection;
+  * skinny_matmul: a linear layer over a decode step's few rows, its weight streamed near the copy
+    rate (cuBLAS is used wherever it measured faster).
 
 The modules import nothing from each other. Triton is optional, as for the attention kernels: the
 modules load it through ``require_triton`` and are imported only when a CUDA tensor takes the fused
@@ -27,6 +29,7 @@ _EXPORTS = {
     "rope_qkv_ref": "rope",
     "silu_and_mul": "silu_mul",
     "silu_and_mul_ref": "silu_mul",
+    "skinny_linear": "skinny_matmul",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,12 +1,14 @@
-"""One decode attention call of a shared-heavy step under each launch, and the parts of the two-kernel call.
+"""One decode attention call of a one-segment step under each launch, and the parts of the two-kernel call.
 
-Modes: two kernels (shared Gluon kernel on a side stream beside the own kernel, then the merge), the
-mixed kernel with 64-row own tiles, and the phased kernel (``phased_gluon.py``) with 0, 25 or 50% of
-its programs running their own tickets first. Each call is timed as a CUDA graph replay
+Modes: two kernels (shared Gluon kernel on a side stream beside the own kernel, then the merge) and
+the mixed kernel with 64- or 128-row own tiles. Each call is timed as a CUDA graph replay
 (``benchmarks.attention._bench``: median, L2 flushed); the two-kernel call's launches are also timed
 alone (shared kernel, own kernel, merge). T* as in attention.py, from ceilings measured in the run.
+Points are BxPxS (sequences, shared prefix tokens, own tokens each). The phased kernel this probe
+was first written for (shared tickets, then own ones, in one launch) is in git history at a891d3d
+(docs/kernels.md §4).
 
-PYTHONPATH=. python -m benchmarks.probes.phased_parts --points 64x16384x128 256x16384x128
+PYTHONPATH=. python -m benchmarks.probes.launch_modes --points 64x16384x128 64x65536x128
 """
 
 from __future__ import annotations
@@ -18,25 +20,21 @@ import json
 import torch
 
 from benchmarks.attention import Case, _bench, graphed, measure_ceilings, time_launches
-from prefixserve.attention.kernels import mixed_rule, phased_gluon
+from prefixserve.attention.kernels import mixed_rule
 from prefixserve.attention.kernels.triton_backend import TritonBackend
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
-MODES = {  # (mixed launch, own rows forced, share of programs running own tickets first)
-    "two_kernels": (False, None, None),
-    "mixed64": (True, 64, None),
-    "phased0": (True, mixed_rule.PHASED, 0.0),
-    "phased25": (True, mixed_rule.PHASED, 0.25),
-    "phased50": (True, mixed_rule.PHASED, 0.5),
+MODES = {  # (mixed launch, own rows forced)
+    "two_kernels": (False, None),
+    "mixed64": (True, 64),
+    "mixed128": (True, 128),
 }
 
 
 def call(case: Case, mode: str):
     """The whole attention call of ``case`` under ``mode``, graphed; and its layout."""
-    mixed, own_m, share = MODES[mode]
+    mixed, own_m = MODES[mode]
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
-    if share is not None:
-        phased_gluon.OWN_FIRST_SHARE = share
     be = TritonBackend()
     be.mixed = mixed
     be.overlap_min_rows = 0  # the shared kernel on a side stream, as in the decode graphs
@@ -51,7 +49,7 @@ def call(case: Case, mode: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", nargs="+", default=["64x16384x128", "256x16384x128", "1024x16384x128"])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=["two_kernels", "mixed64"], choices=list(MODES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")

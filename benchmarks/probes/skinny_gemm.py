@@ -1,0 +1,123 @@
+"""Does ``skinny_matmul.skinny_linear`` read a decode step's weights faster than cuBLAS, and with which tiles?
+
+For Llama-3.1-8B's linear layers (fused qkv, o, fused gate-up, down, lm_head) at 1, 16 and 64 rows:
+cuBLAS (``F.linear``) and the skinny kernel over a grid of tiles (BLOCK_N, BLOCK_K, SPLIT, STAGES),
+each timed as a CUDA graph over enough copies of the weight that none stays in L2 (every layer of a
+step reads its own weights). Prints the best tiles per shape against cuBLAS and ``skinny_config``'s
+pick (None: cuBLAS), and the copy rate measured in the same run; ``--json`` keeps every timing. The
+first sweep (2026-11-25, H100) also tried BLOCK_K 256 and split K (2-8 slices, summed by a second
+kernel): never better by more than 1%.
+
+PYTHONPATH=. python -m benchmarks.probes.skinny_gemm --rows 1 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.attention import measure_ceilings
+from prefixserve.model.kernels import skinny_matmul
+
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+
+
+def graph_ms(fn, copies: int, reps: int = 10) -> float:
+    """ms per call of ``fn(i)`` for i over the weight copies, replayed from one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * copies))
+    return sorted(times)[len(times) // 2]
+
+
+def configs(n: int, k: int):
+    """(BLOCK_N, STAGES) pairs that fit shared memory at 64 rows."""
+    for bn, stages in itertools.product((32, 64, 128), (3, 4, 6, 8)):
+        if (bn + 64) * skinny_matmul.BLOCK_K * 2 * stages <= 200 * 1024:
+            yield bn, stages
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    copy_tbps, _ = measure_ceilings(dev)
+    print(f"copy {copy_tbps:.2f} TB/s")
+    rows = []
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        floor_ms = n * k * 2 / (copy_tbps * 1e9)
+        for m in args.rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = F.linear(x.float(), ws[0].float())
+            cublas = graph_ms(lambda i, x=x, ws=ws: F.linear(x, ws[i]), copies)
+            best = None
+            for cfg in configs(n, k):
+                out = skinny_matmul.skinny_linear(x, ws[0], config=cfg)
+                err = float((out.float() - ref).abs().max() / ref.abs().max())
+                if err > 1e-2:
+                    print(f"  {name} m={m} {cfg}: error {err:.2e}")
+                    continue
+                ms = graph_ms(
+                    lambda i, c=cfg, x=x, ws=ws: skinny_matmul.skinny_linear(x, ws[i], config=c), copies
+                )
+                rows.append({"shape": name, "m": m, "config": list(cfg), "ms": ms, "cublas_ms": cublas})
+                if best is None or ms < best[1]:
+                    best = (cfg, ms)
+            default = skinny_matmul.skinny_config(m, n)
+            d_ms = next(
+                (
+                    r["ms"]
+                    for r in rows
+                    if r["shape"] == name and r["m"] == m and tuple(r["config"]) == default
+                ),
+                None,
+            )
+            print(
+                f"| {name} | {m} | cuBLAS {cublas * 1e3:.1f} us ({floor_ms / cublas:.0%}) | best {best[0]} "
+                f"{best[1] * 1e3:.1f} us ({floor_ms / best[1]:.0%}) | default {default} "
+                f"{'-' if d_ms is None else f'{d_ms * 1e3:.1f} us'} |",
+                flush=True,
+            )
+        ws.clear()
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_tbps": copy_tbps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

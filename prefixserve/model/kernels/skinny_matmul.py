@@ -1,0 +1,122 @@
+"""``x @ W^T`` for a few rows of x (a decode step's tokens): the weight streamed once, near the copy rate.
+
+At 1-64 rows a linear layer is a weight read: its FLOPs are a few percent of what the tensor cores
+could do while the weight arrives. cuBLAS's kernels for these shapes read Llama-3.1-8B's o and qkv
+projections at 66-79% of the copy rate on an H100 (docs/kernels.md §7). Here each program takes
+``BLOCK_N`` output columns over the whole of K, streams its weight tile through a software pipeline
+(``STAGES`` loads in flight) and multiplies it by the rows of x (small, from L2) on the tensor cores,
+fp32 accumulation. Splitting K over programs (with a second kernel to sum the parts) measured no
+faster at any shape, so there is none. ``skinny_config`` picks the tiles, from a sweep on the H100.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from prefixserve.attention.kernels import require_triton
+from prefixserve.model.kernels.bound import BoundKernel
+
+triton, tl = require_triton()
+
+MAX_ROWS = 64  # rows of x this kernel takes; more rows make a matmul compute-bound (cuBLAS)
+BLOCK_K = 128  # K must be a multiple (every projection of the supported models is)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    out_ptr,  # [M, N]
+    bias_ptr,  # [N], or x_ptr when there is none
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+_skinny = BoundKernel(_skinny_kernel)
+
+
+def skinny_config(m: int, n: int) -> tuple[int, int] | None:
+    """(BLOCK_N, STAGES) for an [m, K] x [K, n] product, or None where cuBLAS was faster: the H100
+    sweep at Llama-3.1-8B's shapes (``benchmarks/probes/skinny_gemm.py``, docs/kernels.md §7). 32
+    columns a program and six loads in flight; 64 (m <= 16) or 128 columns for the wide gate-up and
+    lm_head. Over 16 rows, a mid-width N (the fused qkv: 192 programs of 32 columns, one a program's
+    SM at that height) ran 4% slower than cuBLAS."""
+    if n >= 16384:
+        return (64, 6) if m <= 16 else (128, 4)
+    if m <= 16 or n <= 4096:
+        return 32, 6
+    return None
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_linear`` takes this product: 1 to MAX_ROWS rows of 16-bit x of the weight's
+    dtype, both with contiguous rows, K a multiple of BLOCK_K, on CUDA (or the CPU interpreter)."""
+    return (
+        (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % BLOCK_K == 0
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``supported`` inputs, into a new [M, N] tensor; ``config``:
+    (BLOCK_N, STAGES), by default ``skinny_config``'s."""
+    if not supported(x, weight):
+        raise ValueError(
+            f"skinny_linear takes 1-{MAX_ROWS} 16-bit rows with K % {BLOCK_K} == 0 and the weight's "
+            f"dtype: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, stages = config or skinny_config(m, n)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _skinny(
+        (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=stages,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["MAX_ROWS", "skinny_config", "skinny_linear", "supported"]
