@@ -14,6 +14,8 @@ layer's weight is the very tensor it was packed from, unmodified; anything else 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,20 @@ _DTYPES = (torch.float32, torch.bfloat16)
 def available() -> bool:
     """Does this torch have oneDNN's linear ops (an x86 CPU build with mkldnn)?"""
     return _LINEAR is not None and _REORDER is not None and torch.backends.mkldnn.is_available()
+
+
+@functools.cache
+def can_pack(dtype: torch.dtype) -> bool:
+    """Does oneDNN pack weights of ``dtype`` on this CPU? bf16 needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT: on an AVX2-only CPU the reorder raises, and those layers keep ``F.linear``."""
+    if not available() or dtype not in _DTYPES:
+        return False
+    try:
+        with torch.no_grad():
+            _REORDER(torch.zeros(8, 8, dtype=dtype), PACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedWeight:
@@ -74,7 +90,7 @@ def pack_linear_weights(model: nn.Module, enabled: bool = True) -> int:
             continue
         module.__dict__.pop("_packed_weight", None)
         w = module.weight
-        if enabled and available() and w.device.type == "cpu" and w.dtype in _DTYPES and w.dim() == 2:
+        if enabled and w.device.type == "cpu" and w.dim() == 2 and can_pack(w.dtype):
             module.__dict__["_packed_weight"] = PackedWeight(w)
             count += 1
     return count
