@@ -156,7 +156,8 @@ def main() -> None:
         "--out",
         type=Path,
         default=RESULTS,
-        help="where throughput.{json,md,png} go, and the dense.json the attainable step is read from",
+        help="where the grid's throughput.{json,md,png} go, and the dense.json the attainable step is "
+        "read from (--mixed and --tensor-parallel-size write to docs/benchmarks)",
     )
     ap.add_argument(
         "--merge",

@@ -157,6 +157,7 @@ class _Lin(nn.Linear):
 def test_packed_linear_matches_f_linear(dtype, bias) -> None:
     torch.manual_seed(0)
     layer = _Lin(96, 200, bias=bias).to(dtype).requires_grad_(False)
+    assert cpu_linear.can_pack(torch.float32)  # fp32 packs wherever oneDNN's linear ops exist
     if not cpu_linear.can_pack(dtype):  # bf16 on a CPU without AVX-512: not packed, F.linear
         assert cpu_linear.pack_linear_weights(layer) == 0
         assert "_packed_weight" not in layer.__dict__

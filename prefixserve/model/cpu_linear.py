@@ -80,8 +80,9 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linear_weights(model: nn.Module, enabled: bool = True) -> int:
-    """Give every CPU fp32/bf16 ``nn.Linear`` of ``model`` a packed weight (``enabled=False``: drop
-    them); returns how many layers have one. Layers only use it through ``linear``."""
+    """Give every CPU ``nn.Linear`` of ``model`` whose dtype oneDNN packs here (``can_pack``: fp32, and
+    bf16 on AVX-512 CPUs) a packed weight (``enabled=False``: drop them); returns how many layers have
+    one. Layers only use it through ``linear``."""
     if not isinstance(model, nn.Module):  # a stand-in model (host-overhead benchmarks) has no layers
         return 0
     count = 0

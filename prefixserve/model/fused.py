@@ -1,4 +1,4 @@
-"""The dense path's elementwise work, each piece one call: Triton kernels on CUDA, torch elsewhere.
+"""The dense path's work between attentions, each piece one call: Triton kernels on CUDA, torch elsewhere.
 
 The model calls these instead of chains of small torch ops (issue 28): on a GPU each piece is one
 kernel of ``prefixserve/model/kernels/`` (graph-safe: no host syncs, no value-dependent branches);
@@ -6,6 +6,8 @@ on a CPU, or without Triton, it is the torch code below, whose arithmetic is exa
 model's (the same ops in the same order, so fp32 outputs are bit-identical to it and to HF's).
 
 ``triton_kernels(False)`` forces the torch path on CUDA too: tests and benchmarks compare the two.
+``linear`` is the one matmul here: a decode step's few rows through the skinny kernel where it beat
+cuBLAS (Hopper), ``F.linear`` everywhere else.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _SKINNY and _use_triton(x):
         from prefixserve.model.kernels import skinny_matmul
 
-        if skinny_matmul.supported(x, weight):
+        if skinny_matmul.supported(x, weight, bias):
             config = skinny_matmul.skinny_config(x.shape[0], weight.shape[0])
             if config is not None:
                 return skinny_matmul.skinny_linear(x, weight, bias, config)

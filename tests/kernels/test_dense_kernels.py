@@ -163,12 +163,39 @@ def test_skinny_linear_matches_reference(dtype, m, n, k, config, with_bias) -> N
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
+def test_skinny_linear_strided_rows() -> None:
+    """x and the weight with rows further apart than K (views of wider tensors) and x of one row
+    repeated (row stride 0): the kernel follows the row strides."""
+    from prefixserve.model.kernels.skinny_matmul import skinny_linear
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 384, generator=gen).to(DEVICE, torch.float16)[:, :256]
+    w = (torch.randn(50, 320, generator=gen) / 16).to(DEVICE, torch.float16)[:, :256]
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(skinny_linear(x, w).float(), ref, rtol=1e-2, atol=1e-2)
+    one = x[:1].expand(4, 256)  # stride 0 between rows
+    ref1 = torch.nn.functional.linear(one.float(), w.float())
+    torch.testing.assert_close(skinny_linear(one, w).float(), ref1, rtol=1e-2, atol=1e-2)
+
+
 def test_skinny_linear_refuses_what_it_does_not_take() -> None:
-    """Too many rows, fp32, K off the tile, mismatched dtypes: a ValueError naming the shapes; the
-    rule sends those products (and the fused qkv over 16 rows) to cuBLAS."""
+    """Too many rows, fp32, K off the tile, mismatched dtypes, a strided or mis-sized bias: a
+    ValueError naming the shapes; the rule sends those products (and the fused qkv over 16 rows) to
+    cuBLAS, and ``fused.linear`` gives F.linear's answer for them."""
+    from prefixserve.model import fused
     from prefixserve.model.kernels import skinny_matmul
 
     w = torch.zeros(64, 256, dtype=torch.float16, device=DEVICE)
+    x = torch.ones(4, 256, dtype=torch.float16, device=DEVICE)
+    for bias in (
+        torch.ones(128, dtype=torch.float16, device=DEVICE)[::2],
+        torch.ones(63, dtype=torch.float16, device=DEVICE),
+    ):
+        assert not skinny_matmul.supported(x, w, bias)
+        with pytest.raises(ValueError, match="skinny_linear takes"):
+            skinny_matmul.skinny_linear(x, w, bias)
+    strided = torch.arange(128, dtype=torch.float16, device=DEVICE)[::2]
+    torch.testing.assert_close(fused.linear(x, w, strided), torch.nn.functional.linear(x, w, strided))
     for x in (
         torch.zeros(65, 256, dtype=torch.float16, device=DEVICE),
         torch.zeros(4, 256, dtype=torch.float32, device=DEVICE),
@@ -183,6 +210,11 @@ def test_skinny_linear_refuses_what_it_does_not_take() -> None:
     assert skinny_matmul.skinny_config(64, 4096) == (32, 6)
     assert skinny_matmul.skinny_config(64, 28672) == (128, 4)
     assert skinny_matmul.skinny_config(1, 128256) == (64, 6)
+    # with no tiles of its own where the rule says cuBLAS, the kernel still computes (32, 6)
+    x64 = torch.randn(64, 256, dtype=torch.float16, device=DEVICE)
+    w64 = torch.randn(6144, 256, dtype=torch.float16, device=DEVICE) / 16
+    ref = torch.nn.functional.linear(x64.float(), w64.float())
+    torch.testing.assert_close(skinny_matmul.skinny_linear(x64, w64).float(), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_fused_linear_is_torch_off_cuda() -> None:

@@ -1,7 +1,8 @@
 """When a decode step runs as one mixed launch (``mixed_gluon.py``), and with which own tiles: host rules.
 
 ``may_mix`` says whether a decode step could take it (the shared planner asks first, to prefer tall
-tiles for such a step): with one shared segment, own parts of 64+ tokens; with several, own KV
+tiles for such a step): with one shared segment, own parts of 64+ tokens and a segment under 512
+times the own parts (``LONG_SHARED``); with several, own KV
 reads long enough next to the shared products to be hidden under them. ``use_mixed`` adds the work
 list's condition (128 x 128 TMA tiles); ``own_tiling`` picks the KV heads per own ticket and the
 padded query heads of an own tile; ``own_rows_for`` the own tile height; ``mixed_rows`` is what the

@@ -6,11 +6,14 @@ projections at 66-79% of the copy rate on an H100 (docs/kernels.md §7). Here ea
 ``BLOCK_N`` output columns over the whole of K, streams its weight tile through a software pipeline
 (``STAGES`` loads in flight) and multiplies it by the rows of x (small, from L2) on the tensor cores,
 fp32 accumulation. Splitting K over programs (with a second kernel to sum the parts) measured no
-faster at any shape, so there is none. ``skinny_config`` picks the tiles, from a sweep on the H100.
+faster at any shape, so there is none. ``skinny_config`` picks the tiles, from a sweep on the H100;
+other GPUs keep cuBLAS (the tiles are Hopper's: 128 x 128-column tiles four deep need more shared
+memory than an sm_86 / sm_89 SM has, and nothing was measured there).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -76,11 +79,24 @@ def skinny_config(m: int, n: int) -> tuple[int, int] | None:
     return None
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _device_ok(x: torch.Tensor) -> bool:
+    """A Hopper GPU (where the tiles were measured), or the CPU interpreter (tests)."""
+    if x.is_cuda:
+        return _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``skinny_linear`` takes this product: 1 to MAX_ROWS rows of 16-bit x of the weight's
-    dtype, both with contiguous rows, K a multiple of BLOCK_K, on CUDA (or the CPU interpreter)."""
+    dtype, both with contiguous rows, K a multiple of BLOCK_K, a contiguous bias of N if any, on a
+    Hopper GPU (or the CPU interpreter)."""
     return (
-        (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        _device_ok(x)
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -89,6 +105,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.stride(1) == 1
         and x.shape[1] == weight.shape[1]
         and x.shape[1] % BLOCK_K == 0
+        and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.shape[0] == weight.shape[0]))
     )
 
 
@@ -99,15 +116,17 @@ def skinny_linear(
     config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``supported`` inputs, into a new [M, N] tensor; ``config``:
-    (BLOCK_N, STAGES), by default ``skinny_config``'s."""
-    if not supported(x, weight):
+    (BLOCK_N, STAGES), by default ``skinny_config``'s (32 columns, six stages where it names none:
+    cuBLAS is the faster choice there, ``fused.linear`` takes it)."""
+    if not supported(x, weight, bias):
         raise ValueError(
-            f"skinny_linear takes 1-{MAX_ROWS} 16-bit rows with K % {BLOCK_K} == 0 and the weight's "
-            f"dtype: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+            f"skinny_linear takes 1-{MAX_ROWS} 16-bit rows with K % {BLOCK_K} == 0, the weight's dtype "
+            f"and a contiguous bias of N, on a Hopper GPU: x {tuple(x.shape)} {x.dtype}, weight "
+            f"{tuple(weight.shape)} {weight.dtype}"
         )
     m, k = x.shape
     n = weight.shape[0]
-    block_n, stages = config or skinny_config(m, n)
+    block_n, stages = config or skinny_config(m, n) or (32, 6)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny(
