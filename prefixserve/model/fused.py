@@ -12,6 +12,7 @@ cuBLAS (Hopper), ``F.linear`` everywhere else.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,8 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-_ENABLED = True
-_SKINNY = True
+_SWITCHES = {"triton": True, "skinny": True}  # the A/B switches below, read on every call
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
 
@@ -32,42 +32,38 @@ def _have_triton() -> bool:
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return _ENABLED and x.is_cuda and _have_triton()
+    return _SWITCHES["triton"] and x.is_cuda and _have_triton()
 
 
 @contextmanager
-def triton_kernels(enabled: bool) -> Iterator[None]:
-    """Within the block, CUDA tensors take the Triton kernels (True) or the torch path (False)."""
-    global _ENABLED
-    before, _ENABLED = _ENABLED, enabled
+def _switched(name: str, enabled: bool) -> Iterator[None]:
+    before, _SWITCHES[name] = _SWITCHES[name], enabled
     try:
         yield
     finally:
-        _ENABLED = before
+        _SWITCHES[name] = before
 
 
-@contextmanager
-def skinny_matmuls(enabled: bool) -> Iterator[None]:
+def triton_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Within the block, CUDA tensors take the Triton kernels (True) or the torch path (False)."""
+    return _switched("triton", enabled)
+
+
+def skinny_matmuls(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, a decode step's linear layers take the skinny kernel where its rule says
     (True) or cuBLAS always (False): A/B runs of that kernel alone."""
-    global _SKINNY
-    before, _SKINNY = _SKINNY, enabled
-    try:
-        yield
-    finally:
-        _SKINNY = before
+    return _switched("skinny", enabled)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; on CUDA, a decode step's few rows through the skinny kernel wherever its sweep
     read the weight faster than cuBLAS (``kernels/skinny_matmul.py``)."""
-    if _SKINNY and _use_triton(x):
+    if _SWITCHES["skinny"] and _use_triton(x):
         from prefixserve.model.kernels import skinny_matmul
 
-        if skinny_matmul.supported(x, weight, bias):
-            config = skinny_matmul.skinny_config(x.shape[0], weight.shape[0])
-            if config is not None:
-                return skinny_matmul.skinny_linear(x, weight, bias, config)
+        out = skinny_matmul.linear_if_faster(x, weight, bias)
+        if out is not None:
+            return out
     return F.linear(x, weight, bias)
 
 

@@ -2,12 +2,12 @@
 
 ``may_mix`` says whether a decode step could take it (the shared planner asks first, to prefer tall
 tiles for such a step): with one shared segment, own parts of 64+ tokens and a segment under 512
-times the own parts (``LONG_SHARED``); with several, own KV
-reads long enough next to the shared products to be hidden under them. ``use_mixed`` adds the work
-list's condition (128 x 128 TMA tiles); ``own_tiling`` picks the KV heads per own ticket and the
-padded query heads of an own tile; ``own_rows_for`` the own tile height; ``mixed_rows`` is what the
-backend and the graph planner call after planning. PREFIXSERVE_MIXED (``config.mixed_mode``) turns
-the launch off, on wherever eligible, or leaves it to the rules.
+times the own parts (``LONG_SHARED``); with several, own KV reads long enough next to the shared
+products to be hidden under them. ``use_mixed`` adds the work list's condition (128 x 128 TMA
+tiles); ``own_tiling`` picks the KV heads per own ticket and the padded query heads of an own tile;
+``own_rows_for`` the own tile height; ``mixed_rows`` is what the backend and the graph planner call
+after planning. PREFIXSERVE_MIXED (``config.mixed_mode``) turns the launch off, on wherever
+eligible, or leaves it to the rules.
 """
 
 from __future__ import annotations

@@ -48,10 +48,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    _bound(
-        (tokens, triton.cdiv(n, BLOCK)),
-        x, out, x.stride(0), out.stride(0), n, BLOCK=BLOCK, num_warps=4
-    )
+    _bound((tokens, triton.cdiv(n, BLOCK)), x, out, x.stride(0), out.stride(0), n, BLOCK=BLOCK, num_warps=4)
     return out
 
 

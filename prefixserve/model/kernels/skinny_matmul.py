@@ -96,9 +96,9 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     dtype, both with contiguous rows, K a multiple of BLOCK_K, a contiguous bias of N if any, on a
     Hopper GPU (or the CPU interpreter)."""
     return (
-        _device_ok(x)
-        and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS  # first: a prefill's many rows leave here
+        and _device_ok(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1
@@ -124,9 +124,24 @@ def skinny_linear(
             f"and a contiguous bias of N, on a Hopper GPU: x {tuple(x.shape)} {x.dtype}, weight "
             f"{tuple(weight.shape)} {weight.dtype}"
         )
+    return _launch(x, weight, bias, config or skinny_config(x.shape[0], weight.shape[0]) or (32, 6))
+
+
+def linear_if_faster(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` through the kernel where it takes the product and its rule names
+    tiles (``supported``, ``skinny_config``); None where cuBLAS should do it (``fused.linear``)."""
+    if not supported(x, weight, bias):
+        return None
+    config = skinny_config(x.shape[0], weight.shape[0])
+    return None if config is None else _launch(x, weight, bias, config)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple[int, int]):
     m, k = x.shape
     n = weight.shape[0]
-    block_n, stages = config or skinny_config(m, n) or (32, 6)
+    block_n, stages = config
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny(
@@ -138,4 +153,4 @@ def skinny_linear(
     return out
 
 
-__all__ = ["MAX_ROWS", "skinny_config", "skinny_linear", "supported"]
+__all__ = ["MAX_ROWS", "linear_if_faster", "skinny_config", "skinny_linear", "supported"]
