@@ -6,8 +6,9 @@ In one run, for the model (default dummy Llama-3.1-8B shapes, bf16):
   engine_ms       the engine's decode step with attention="none", B sequences of --prompt-len tokens
                   decoding --gen tokens together: wall time per step (what tokens/s a user sees),
                   and engine_gpu_ms: the GPU's busy time per decode step (the engine's CUDA events)
-  engine_cublas_* the same engine with every linear layer on cuBLAS (``fused.skinny_matmuls(False)``), at
-                  the batches the skinny kernel takes (B <= 64), unless --no-cublas-path
+  engine_cublas_* the same engine with every matmul on cuBLAS and SiLU-and-mul a kernel of its own
+                  (``fused.skinny_matmuls(False)``, ``fused.gate_up_kernels(False)``), unless
+                  --no-cublas-path
   engine_torch_*  the same engine with the dense-path Triton kernels off (``fused.triton_kernels(False)``:
                   stacked weights, elementwise work in torch, cuBLAS), unless --no-torch-path
   prefill         one prefill step of --prefill-tokens tokens (one sequence): the bare matmuls at that
@@ -201,16 +202,13 @@ def run(args: argparse.Namespace) -> None:
     print(prefill, flush=True)
     del model, llm
     _collect()
-    if not args.no_cublas_path:  # a fresh engine whose graphs take cuBLAS for every linear layer
-        from prefixserve.model.kernels.skinny_matmul import MAX_ROWS
-
-        with fused.skinny_matmuls(False):
+    if not args.no_cublas_path:  # a fresh engine whose graphs take cuBLAS for every matmul
+        with fused.skinny_matmuls(False), fused.gate_up_kernels(False):
             llm = _engine(args)
             for row in rows:
-                if row["B"] <= MAX_ROWS:
-                    eng = engine_decode(llm, row["B"], args.prompt_len, args.gen)
-                    row["engine_cublas_ms"], row["engine_cublas_gpu_ms"] = eng["ms"], eng["gpu_ms"]
-                    print(row, flush=True)
+                eng = engine_decode(llm, row["B"], args.prompt_len, args.gen)
+                row["engine_cublas_ms"], row["engine_cublas_gpu_ms"] = eng["ms"], eng["gpu_ms"]
+                print(row, flush=True)
             del llm
             _collect()
     if not args.no_torch_path:  # a fresh engine: its graphs are captured with the torch path
@@ -267,8 +265,9 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "down per layer, lm_head), one CUDA graph, median replay. `engine`: the engine's decode step "
         f'with attention="none" ({result["prompt_len"]} prompt tokens, {result["gen"]} generated, decode '
         "under CUDA graphs): wall time per step; `GPU`: the GPU's busy time per step. `torch path`: the "
-        "same engine with the dense-path Triton kernels off. `cuBLAS only`: the engine with every linear "
-        "layer on cuBLAS (the skinny kernel off). Written by `benchmarks/dense.py`.",
+        "same engine with the dense-path Triton kernels off. `cuBLAS only`: the engine with every matmul "
+        "on cuBLAS and SiLU-and-mul a kernel of its own (the skinny and gate-up kernels off). Written by "
+        "`benchmarks/dense.py`.",
         "",
         "| B | bare ms | engine ms | engine GPU ms | engine / bare | roofline ms | bare at roofline "
         "| engine at roofline | engine tok/s |"
@@ -347,7 +346,7 @@ def main() -> None:
         r.add_argument("--prefill-tokens", type=int, default=8192)
         r.add_argument("--no-torch-path", action="store_true", help="skip the engine with the kernels off")
         r.add_argument(
-            "--no-cublas-path", action="store_true", help="skip the engine without the skinny kernel"
+            "--no-cublas-path", action="store_true", help="no engine without the skinny and gate-up kernels"
         )
 
     run_or_report(__doc__, "dense", DOCS, add_run_args, run, report)

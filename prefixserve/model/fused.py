@@ -6,8 +6,9 @@ on a CPU, or without Triton, it is the torch code below, whose arithmetic is exa
 model's (the same ops in the same order, so fp32 outputs are bit-identical to it and to HF's).
 
 ``triton_kernels(False)`` forces the torch path on CUDA too: tests and benchmarks compare the two.
-``linear`` is the one matmul here: a decode step's few rows through the skinny kernel where it beat
-cuBLAS (Hopper), ``F.linear`` everywhere else.
+``linear`` is a matmul: a decode step's few rows through the skinny kernel where it beat cuBLAS
+(Hopper), ``F.linear`` everywhere else; ``linear_silu_and_mul`` is the MLP's gate-up matmul with its
+activation, one kernel on Hopper where that beat the pair.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-_SWITCHES = {"triton": True, "skinny": True}  # the A/B switches below, read on every call
+_SWITCHES = {"triton": True, "skinny": True, "gate_up": True}  # the A/B switches below, read on every call
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
 
@@ -53,6 +54,12 @@ def skinny_matmuls(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, a decode step's linear layers take the skinny kernel where its rule says
     (True) or cuBLAS always (False): A/B runs of that kernel alone."""
     return _switched("skinny", enabled)
+
+
+def gate_up_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Within the block, the MLP's gate-up projection and SiLU-and-mul run as one kernel where its
+    rule says (True) or as the matmul then the SiLU-and-mul kernel (False): A/B runs."""
+    return _switched("gate_up", enabled)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,4 +163,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     return F.silu(gate) * up
 
 
-__all__ = ["add_rms_norm", "apply_rope", "rope_cos_sin", "rope_qkv", "silu_and_mul", "triton_kernels"]
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, I]
+    """``silu_and_mul(linear(x, weight))`` of the fused gate-up weight [2 I, K]; on a Hopper GPU one
+    kernel with the activation in its epilogue where its sweep beat the pair (``kernels/gate_up.py``):
+    the [T, 2 I] product is never written."""
+    if _SWITCHES["gate_up"] and _use_triton(x):
+        from prefixserve.model.kernels import gate_up
+
+        out = gate_up.gate_up_silu(x, weight)
+        if out is not None:
+            return out
+    return silu_and_mul(linear(x, weight))
+
+
+__all__ = [
+    "add_rms_norm",
+    "apply_rope",
+    "gate_up_kernels",
+    "linear",
+    "linear_silu_and_mul",
+    "rope_cos_sin",
+    "rope_qkv",
+    "silu_and_mul",
+    "skinny_matmuls",
+    "triton_kernels",
+]

@@ -232,8 +232,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cols, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        # via [T, 2I] and [T, I] (this rank's columns), then the ranks' partial sums added
-        return self.shard.all_reduce(self.down_proj(fused.silu_and_mul(self.gate_up_proj(x))))
+        # [T, I] (this rank's columns: on a GPU without the [T, 2I] product), then the ranks' sums added
+        if x.is_cuda:
+            act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight)
+        else:
+            act = fused.silu_and_mul(self.gate_up_proj(x))
+        return self.shard.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):

@@ -223,3 +223,71 @@ def test_fused_linear_is_torch_off_cuda() -> None:
 
     x, w, b = torch.randn(3, 256), torch.randn(40, 256), torch.randn(40)
     assert torch.equal(fused.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def _gate_up_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The unfused pair in fp32: the gate-up product rounded to x's dtype, then SiLU-and-mul."""
+    return silu_and_mul_ref(torch.nn.functional.linear(x.float(), w.float()).to(x.dtype).float())
+
+
+@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
+@pytest.mark.parametrize(
+    "m, inter, k, kind, config",
+    [
+        (1, 40, 256, "skinny", None),
+        (17, 72, 128, "skinny", (64, 4)),
+        (64, 33, 256, "skinny", (32, 3)),
+        (70, 48, 128, "tma", (64, 32, 64, 2, 4)),
+        (70, 48, 128, "pointer", (64, 32, 64, 2, 4)),
+        (130, 80, 256, "tma", (128, 64, 64, 3, 4)),
+    ],
+)
+def test_gate_up_kernels_match_reference(dtype, m, inter, k, kind, config) -> None:
+    """The gate-up product with SiLU-and-mul in the epilogue against the unfused pair in fp32: the
+    skinny kernel's gated form and the tiled kernel (TMA and pointer loads), masked rows and columns
+    (m and I not multiples of the tiles)."""
+    from prefixserve.model.kernels import gate_up, skinny_matmul
+
+    gen = torch.Generator().manual_seed(m * inter + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(2 * inter, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    if kind == "skinny":
+        out = skinny_matmul.skinny_gated(x, w, config)
+    else:
+        out = gate_up.gate_up_tiled(x, w, config, use_tma=kind == "tma")
+    assert out.shape == (m, inter) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), _gate_up_ref(x, w), rtol=1e-2, atol=1e-2)
+
+
+def test_gate_up_rule_and_refusals() -> None:
+    """What the fused kernels do not take (fp32, K off the tile, an odd weight, a strided x) goes to
+    the unfused pair, and ``fused.linear_silu_and_mul`` gives its answer; the rule's rows."""
+    from prefixserve.model import fused
+    from prefixserve.model.kernels import gate_up, skinny_matmul
+
+    w = torch.randn(64, 256, dtype=torch.float16, device=DEVICE) / 16
+    for x, weight in (
+        (torch.randn(4, 256, dtype=torch.float32, device=DEVICE), w.float()),
+        (torch.randn(4, 200, dtype=torch.float16, device=DEVICE), w[:, :200].contiguous()),
+        (torch.randn(4, 384, dtype=torch.float16, device=DEVICE)[:, :256], w),
+    ):
+        assert not gate_up.supported(x, weight)
+        assert gate_up.gate_up_silu(x, weight) is None
+        ref = silu_and_mul_ref(torch.nn.functional.linear(x, weight))
+        torch.testing.assert_close(fused.linear_silu_and_mul(x, weight), ref, rtol=1e-2, atol=1e-2)
+    assert not gate_up.supported(torch.randn(4, 256, dtype=torch.float16, device=DEVICE), w[:63])
+    with pytest.raises(ValueError, match="skinny_gated takes"):
+        skinny_matmul.skinny_gated(torch.zeros(65, 256, dtype=torch.float16, device=DEVICE), w)
+    assert skinny_matmul.gated_config(1, 14336) == (32, 6)
+    assert skinny_matmul.gated_config(64, 14336) == (64, 4)
+    assert gate_up.tiled_config(512) is None  # cuBLAS and the SiLU kernel were faster there
+    assert gate_up.tiled_config(320) is None and gate_up.tiled_config(1024) is None
+    assert gate_up.tiled_config(256) == (128, 128, 64, 4, 8)
+
+
+def test_linear_silu_and_mul_is_torch_off_cuda() -> None:
+    """On the CPU ``fused.linear_silu_and_mul`` is the unfused pair, bit for bit."""
+    from prefixserve.model import fused
+
+    x, w = torch.randn(3, 256), torch.randn(80, 256)
+    assert torch.equal(fused.linear_silu_and_mul(x, w), silu_and_mul_ref(torch.nn.functional.linear(x, w)))

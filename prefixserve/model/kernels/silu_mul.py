@@ -19,6 +19,17 @@ BLOCK = 1024  # columns per program
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` of fp32 values, rounded as the unfused model rounds: both inputs to the
+    model dtype (the projection's output), the SiLU to it before the multiply. Returns fp32 holding
+    a ``dtype`` value. Shared by this kernel and the matmul epilogues that fuse it."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return act * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2 I]: gate | up
     out_ptr,  # [T, I]
@@ -32,8 +43,8 @@ def _silu_and_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up, dtype).to(dtype), mask=mask)
 
 
 _bound = BoundKernel(_silu_and_mul_kernel)  # launched by shape, so a step pays Triton's bind once
@@ -58,4 +69,4 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+__all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_mul"]

@@ -20,6 +20,7 @@ import torch
 
 from prefixserve.attention.kernels import require_triton
 from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.model.kernels.silu_mul import silu_mul
 
 triton, tl = require_triton()
 
@@ -40,6 +41,7 @@ def _skinny_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # out = silu(x W[:N]^T) * (x W[N:2N]^T): the fused gate-up, its activation applied
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -52,15 +54,24 @@ def _skinny_kernel(
     n_ok = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = w_rows + N * stride_wn  # GATED: the up half's rows, N below the gate's
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
+        if GATED:
+            w_up = tl.load(up_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        acc = silu_mul(acc, acc_up, dtype)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
 _skinny = BoundKernel(_skinny_kernel)
@@ -79,15 +90,26 @@ def skinny_config(m: int, n: int) -> tuple[int, int] | None:
     return None
 
 
+def gated_config(m: int, n: int) -> tuple[int, int] | None:
+    """(BLOCK_N, STAGES) of the gated form (``n`` output columns, 2n weight rows), or None where
+    cuBLAS and the SiLU-and-mul kernel were faster."""
+    return (32, 6) if m <= 16 else (64, 4)
+
+
 @functools.cache
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+def hopper(device: torch.device) -> bool:
+    """Whether a CUDA device is a Hopper GPU (sm_90), where the dense kernels' tiles were measured."""
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _device_ok(x: torch.Tensor) -> bool:
     """A Hopper GPU (where the tiles were measured), or the CPU interpreter (tests)."""
     if x.is_cuda:
-        return _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        return hopper(x.device)
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -138,19 +160,58 @@ def linear_if_faster(
     return None if config is None else _launch(x, weight, bias, config)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple[int, int]):
+def skinny_gated(
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """``silu(x W[:n]^T) * (x W[n:]^T)`` of the fused gate-up weight [2n, K], into a new [M, n] tensor
+    (``supported`` inputs, no bias); ``config`` by default ``gated_config``'s."""
+    if not supported(x, weight) or weight.shape[0] % 2:
+        raise ValueError(
+            f"skinny_gated takes 1-{MAX_ROWS} 16-bit rows with K % {BLOCK_K} == 0 and a [2n, K] weight "
+            f"of their dtype, on a Hopper GPU: x {tuple(x.shape)} {x.dtype}, weight "
+            f"{tuple(weight.shape)} {weight.dtype}"
+        )
+    n = weight.shape[0] // 2
+    return _launch(x, weight, None, config or gated_config(x.shape[0], n) or (32, 6), gated=True)
+
+
+def gated_if_faster(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``skinny_gated`` where it takes the product and its rule names tiles; else None."""
+    if not supported(x, weight) or weight.shape[0] % 2:
+        return None
+    config = gated_config(x.shape[0], weight.shape[0] // 2)
+    return None if config is None else _launch(x, weight, None, config, gated=True)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: tuple[int, int],
+    gated: bool = False,
+) -> torch.Tensor:
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n, stages = config
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny(
         (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, STAGES=stages,
-        num_warps=4,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        STAGES=stages, num_warps=4,
     )  # fmt: skip
     return out
 
 
-__all__ = ["MAX_ROWS", "linear_if_faster", "skinny_config", "skinny_linear", "supported"]
+__all__ = [
+    "MAX_ROWS",
+    "gated_config",
+    "gated_if_faster",
+    "hopper",
+    "linear_if_faster",
+    "skinny_config",
+    "skinny_gated",
+    "skinny_linear",
+    "supported",
+]

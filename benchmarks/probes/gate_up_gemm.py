@@ -1,0 +1,175 @@
+"""Is the gate-up projection with SiLU-and-mul in its epilogue faster than cuBLAS plus the SiLU kernel?
+
+Llama-3.1-8B's fused gate-up ([28672, 4096]) at 1 to 8,192 rows: the unfused pair (``F.linear``,
+then ``silu_mul.silu_and_mul``; at 64 rows or fewer also the skinny kernel's linear, as the engine
+runs it) against the fused kernels over a grid of tiles: the skinny kernel's gated form (rows <= 64)
+and ``gate_up.gate_up_tiled`` (TMA or pointer loads). Each is timed as a CUDA graph over enough
+weight copies that none stays in L2. Prints per row count the unfused time, the best fused tiles
+and the rules' picks; ``--json`` keeps every timing.
+
+PYTHONPATH=. python -m benchmarks.probes.gate_up_gemm --rows 1 16 64 128 256 512 1024 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.attention import measure_ceilings
+from benchmarks.probes.skinny_gemm import graph_ms
+from prefixserve.model import fused
+from prefixserve.model.kernels import gate_up, skinny_matmul
+from prefixserve.model.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+
+INTER, HIDDEN = 14336, 4096
+
+
+def skinny_configs():
+    """(BLOCK_N, STAGES) of the gated skinny kernel (two weight tiles a stage) that fit shared memory."""
+    for bn, stages in itertools.product((16, 32, 64), (3, 4, 6, 8)):
+        if (2 * bn + 64) * skinny_matmul.BLOCK_K * 2 * stages <= 200 * 1024:
+            yield bn, stages
+
+
+def tiled_configs(m: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps) that fit shared memory (and do not waste rows)."""
+    for bm, bn, bk, stages in itertools.product((64, 128), (64, 128), (64, 128), (3, 4, 5)):
+        if bm > max(64, m) or (bm + 2 * bn) * bk * 2 * stages > 220 * 1024:
+            continue
+        for warps in (4, 8) if bm == 128 else (4,):
+            yield bm, bn, bk, stages, warps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 128, 256, 512, 1024, 8192])
+    ap.add_argument("--no-pointer", action="store_true", help="TMA loads only in the tiled kernel")
+    ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--engine-ab", type=int, default=0, help="no sweep: N rounds of engine steps, kernel on/off"
+    )
+    ap.add_argument("--ab", type=int, default=0, help="no sweep: N alternations of the pair and the rule")
+    args = ap.parse_args()
+    if args.engine_ab:
+        return engine_ab(args.rows, args.engine_ab)
+    if args.ab:
+        return ab(args.rows, args.ab)
+    dev = torch.device("cuda")
+    copy_tbps, gemm_tflops = measure_ceilings(dev)
+    print(f"copy {copy_tbps:.2f} TB/s, GEMM {gemm_tflops:.0f} TFLOP/s", flush=True)
+    n, k = 2 * INTER, HIDDEN
+    copies = max(2, -(-(256 << 20) // (n * k * 2)))
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 32 for _ in range(copies)]
+    rows, table = [], []
+    loads = (True,) if args.no_pointer else (True, False)
+    for m in args.rows:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ref = silu_and_mul_ref(F.linear(x.float(), ws[0].float()))
+        scale = float(ref.abs().max())
+        floor_ms = max(n * k * 2 / (copy_tbps * 1e9), 2 * m * n * k / (gemm_tflops * 1e9))
+        cublas = graph_ms(lambda i, x=x: silu_and_mul(F.linear(x, ws[i])), copies)
+        engine_unfused = graph_ms(lambda i, x=x: silu_and_mul(fused.linear(x, ws[i])), copies)
+        best = None
+        cands = (
+            [("skinny", c, True) for c in skinny_configs()]
+            if m <= skinny_matmul.MAX_ROWS
+            else [("tiled", c, t) for c in tiled_configs(m) for t in loads]
+        )
+        for kind, cfg, tma in cands:
+
+            def run(i, x=x, cfg=cfg, kind=kind, tma=tma):
+                if kind == "skinny":
+                    return skinny_matmul.skinny_gated(x, ws[i], config=cfg)
+                return gate_up.gate_up_tiled(x, ws[i], cfg, use_tma=tma)
+
+            try:
+                out = run(0)
+                torch.cuda.synchronize()
+            except Exception as exc:  # a tile that does not compile or launch
+                print(f"  m={m} {kind} {cfg} tma={tma}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            err = float((out.float() - ref).abs().max()) / scale
+            if err > 2e-2:
+                print(f"  m={m} {kind} {cfg} tma={tma}: error {err:.2e}")
+                continue
+            ms = graph_ms(run, copies)
+            rows.append({"m": m, "kind": kind, "config": list(cfg), "tma": tma, "ms": ms})
+            if best is None or ms < best[0]:
+                best = (ms, kind, cfg, tma)
+        pick = gate_up.gate_up_silu(x, ws[0]) is not None
+        rule_ms = graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies)
+        line = {
+            "m": m,
+            "cublas_pair_ms": cublas,
+            "engine_unfused_ms": engine_unfused,
+            "rule_ms": rule_ms,
+            "rule_fused": pick,
+            "best": None if best is None else dict(zip(("ms", "kind", "config", "tma"), best, strict=True)),
+            "floor_ms": floor_ms,
+        }
+        table.append(line)
+        b = "-" if best is None else f"{best[0] * 1e3:.1f} us {best[1]} {best[2]} tma={best[3]}"
+        print(
+            f"| {m} | cuBLAS+silu {cublas * 1e3:.1f} us | engine unfused {engine_unfused * 1e3:.1f} us | "
+            f"best fused {b} | rule {rule_ms * 1e3:.1f} us ({'fused' if pick else 'unfused'}) | "
+            f"floor {floor_ms * 1e3:.1f} us |",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            ceilings = {"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops}
+            json.dump({**ceilings, "table": table, "rows": rows}, f, indent=1)
+
+
+def ab(row_counts: list[int], rounds: int) -> None:
+    """The unfused pair (cuBLAS, the SiLU kernel) and ``fused.linear_silu_and_mul``'s rule, timed in
+    turn ``rounds`` times per row count (a sweep's last timings run on a hotter GPU than its first)."""
+    dev = torch.device("cuda")
+    n, k = 2 * INTER, HIDDEN
+    copies = max(2, -(-(256 << 20) // (n * k * 2)))
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 32 for _ in range(copies)]
+    for m in row_counts:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        pair, rule = [], []
+        for _ in range(rounds):
+            with fused.gate_up_kernels(False):
+                pair.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies))
+            rule.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies))
+        p, r = sorted(pair)[rounds // 2], sorted(rule)[rounds // 2]
+        tiles = (
+            gate_up.tiled_config(m) if m > skinny_matmul.MAX_ROWS else skinny_matmul.gated_config(m, INTER)
+        )
+        print(
+            f"| {m} | pair {p * 1e3:.1f} us | rule {r * 1e3:.1f} us {tiles} | pair / rule {p / r:.3f} |",
+            flush=True,
+        )
+
+
+def engine_ab(batches: list[int], rounds: int) -> None:
+    """Decode steps of the engine (attention="none", as ``benchmarks/dense.py``) with the gate-up kernel
+    on and off, a fresh engine each time (graphs capture the switch's choice), in turn ``rounds`` times."""
+    from benchmarks.dense import _collect, _engine, engine_decode
+
+    args = argparse.Namespace(model="dummy:llama-3.1-8b", dtype="bfloat16", batches=batches, prefill_tokens=0)
+    args.prompt_len, args.gen = 64, 64
+    times: dict[tuple[int, bool], list[float]] = {(b, on): [] for b in batches for on in (True, False)}
+    for _ in range(rounds):
+        for on in (True, False):
+            with fused.gate_up_kernels(on):
+                llm = _engine(args)
+                for b in batches:
+                    times[b, on].append(engine_decode(llm, b, args.prompt_len, args.gen)["ms"])
+                del llm
+                _collect()
+    for b in batches:
+        on, off = (sorted(times[b, x]) for x in (True, False))
+        ratio = off[rounds // 2] / on[rounds // 2]
+        print(f"| B={b} | kernel on {on} ms | off {off} ms | off / on (medians) {ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The MLP's first half in one kernel: ``silu(x W_gate^T) * (x W_up^T)`` from the fused gate-up weight.
+
+Unfused, the gate-up GEMM writes a [T, 2I] tensor and SiLU-and-mul reads it back to write [T, I]:
+at 1-256 rows of Llama-3.1-8B that is a kernel a layer and 2-5% of the projection's time
+(docs/kernels.md §7). Here each program computes matching [BLOCK_M, BLOCK_N] tiles of the gate and
+the up products (two accumulators over the same x tiles; the weight stays [gate; up] as loaded) and
+applies the activation in the epilogue, so only [T, I] is written. The activation rounds exactly as
+the unfused path does (``silu_mul``): the two products to the model dtype, the SiLU to it.
+
+Rows up to ``skinny_matmul.MAX_ROWS`` take the skinny kernel's gated form (a weight read); up to 256
+rows the tiled kernel below (TMA loads, a software pipeline of ``STAGES`` k-steps, tiles grouped
+along M so a band of weight columns is read from L2 by the programs of nearby rows). ``gate_up_silu``
+returns None where its rule says the unfused pair (cuBLAS, then the SiLU-and-mul kernel) is as fast:
+more rows, where the product is compute-bound and the saved bytes hide under the FLOPs anyway.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from prefixserve.attention.kernels import require_triton
+from prefixserve.model.kernels import skinny_matmul
+from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.model.kernels.silu_mul import silu_mul
+
+triton, tl = require_triton()
+
+TileConfig = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_src,  # x [M, K]: a TMA descriptor (tiles [BLOCK_M, BLOCK_K]) or a pointer
+    w_src,  # the weight [2 I, K]: a TMA descriptor (tiles [BLOCK_N, BLOCK_K]) or a pointer
+    out_ptr,  # [M, N]
+    M,
+    N,  # I: columns of the output, rows of each half of the weight
+    K,
+    stride_om,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n  # GROUP_M bands of rows walk the columns together (L2 reuse)
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        if USE_TMA:
+            x = x_src.load([m0, k0])
+            gate = w_src.load([n0, k0])  # rows past N (a last partial tile) are masked at the store
+            up = w_src.load([N + n0, k0])
+        else:
+            x = tl.load(x_src + offs_m[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=m_ok[:, None])
+            w_rows = w_src + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :]
+            gate = tl.load(w_rows, mask=n_ok[:, None])
+            up = tl.load(w_rows + N * K, mask=n_ok[:, None])
+        acc_gate = tl.dot(x, gate.T, acc_gate)
+        acc_up = tl.dot(x, up.T, acc_up)
+    dtype = out_ptr.dtype.element_ty
+    out = silu_mul(acc_gate, acc_up, dtype).to(dtype)
+    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+_tiled = BoundKernel(_gate_up_kernel)
+
+GROUP_M = 8
+
+
+def tiled_config(m: int) -> TileConfig | None:
+    """Tiles for ``m`` rows over 64, or None where cuBLAS plus the SiLU-and-mul kernel was as fast
+    (``benchmarks/probes/gate_up_gemm.py`` on an H100, Llama-3.1-8B's gate-up; docs/kernels.md §7).
+    Up to 256 rows the product is a weight read and the fused kernel saves the [T, 2I] round trip
+    (5% a call). From 320 rows it was level or slower in alternating runs: at 320 the tiles fill 2.5
+    waves of 132 SMs, and from 768 the product is compute-bound, where cuBLAS's GEMM runs about 7%
+    faster than this kernel's and whole decode steps measured level (B=1024: 0.994x)."""
+    if m <= 128:
+        return 128, 64, 64, 5, 4
+    if m <= 192:
+        return 64, 128, 64, 5, 4
+    if m <= 256:
+        return 128, 128, 64, 4, 8
+    return None
+
+
+def _device_ok(x: torch.Tensor) -> bool:
+    """A Hopper GPU (TMA; where the tiles were measured), or the CPU interpreter (tests)."""
+    if x.is_cuda:
+        return skinny_matmul.hopper(x.device)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused kernels take ``x`` [M, K] through ``weight`` [2 I, K]: 16-bit, one dtype,
+    contiguous (TMA needs 16-byte aligned rows), K a multiple of 128, on Hopper or the interpreter."""
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and x.shape[0] > 0
+        and _device_ok(x)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.data_ptr() % 16 == 0  # TMA's base alignment
+        and weight.data_ptr() % 16 == 0
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % skinny_matmul.BLOCK_K == 0
+        and weight.shape[0] % 2 == 0
+    )
+
+
+def gate_up_tiled(
+    x: torch.Tensor, weight: torch.Tensor, config: TileConfig, use_tma: bool = True
+) -> torch.Tensor:
+    """``silu(x W[:I]^T) * (x W[I:]^T)`` through the tiled kernel, into a new [M, I] tensor."""
+    m, k = x.shape
+    inter = weight.shape[0] // 2
+    block_m, block_n, block_k, stages, warps = config
+    out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(inter, block_n),)
+    meta = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=GROUP_M, num_warps=warps
+    )
+    if use_tma:  # descriptors are new objects each call: Triton's own launch (decode steps replay graphs)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+        _gate_up_kernel[grid](x_desc, w_desc, out, m, inter, k, out.stride(0), USE_TMA=True, **meta)
+    else:
+        _tiled(grid, x, weight, out, m, inter, k, out.stride(0), USE_TMA=False, **meta)
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``silu_and_mul(F.linear(x, weight))`` in one kernel where a rule names one; None where the
+    unfused pair should run (``fused.linear_silu_and_mul``)."""
+    if not supported(x, weight):
+        return None
+    m = x.shape[0]
+    if m <= skinny_matmul.MAX_ROWS:
+        return skinny_matmul.gated_if_faster(x, weight)
+    config = tiled_config(m)
+    return None if config is None else gate_up_tiled(x, weight, config)
+
+
+__all__ = ["gate_up_silu", "gate_up_tiled", "supported", "tiled_config"]
