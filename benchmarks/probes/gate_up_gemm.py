@@ -3,7 +3,8 @@
 Llama-3.1-8B's fused gate-up ([28672, 4096]) at 1 to 8,192 rows: the unfused pair (``F.linear``,
 then ``silu_mul.silu_and_mul``; at 64 rows or fewer also the skinny kernel's linear, as the engine
 runs it) against the fused kernels over a grid of tiles: the skinny kernel's gated form (rows <= 64)
-and ``gate_up.gate_up_tiled`` (TMA or pointer loads). Each is timed as a CUDA graph over enough
+and ``gate_up.gate_up_tiled`` (the first sweep also had a pointer-load form: 2-15% slower than
+TMA at every size, removed). Each is timed as a CUDA graph over enough
 weight copies that none stays in L2. Prints per row count the unfused time, the best fused tiles
 and the rules' picks; ``--json`` keeps every timing.
 
@@ -47,7 +48,6 @@ def tiled_configs(m: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 128, 256, 512, 1024, 8192])
-    ap.add_argument("--no-pointer", action="store_true", help="TMA loads only in the tiled kernel")
     ap.add_argument("--json", default=None)
     ap.add_argument(
         "--engine-ab", type=int, default=0, help="no sweep: N rounds of engine steps, kernel on/off"
@@ -65,7 +65,6 @@ def main() -> None:
     copies = max(2, -(-(256 << 20) // (n * k * 2)))
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 32 for _ in range(copies)]
     rows, table = [], []
-    loads = (True,) if args.no_pointer else (True, False)
     for m in args.rows:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ref = silu_and_mul_ref(F.linear(x.float(), ws[0].float()))
@@ -75,31 +74,31 @@ def main() -> None:
         engine_unfused = graph_ms(lambda i, x=x: silu_and_mul(fused.linear(x, ws[i])), copies)
         best = None
         cands = (
-            [("skinny", c, True) for c in skinny_configs()]
+            [("skinny", c) for c in skinny_configs()]
             if m <= skinny_matmul.MAX_ROWS
-            else [("tiled", c, t) for c in tiled_configs(m) for t in loads]
+            else [("tiled", c) for c in tiled_configs(m)]
         )
-        for kind, cfg, tma in cands:
+        for kind, cfg in cands:
 
-            def run(i, x=x, cfg=cfg, kind=kind, tma=tma):
+            def run(i, x=x, cfg=cfg, kind=kind):
                 if kind == "skinny":
                     return skinny_matmul.skinny_gated(x, ws[i], config=cfg)
-                return gate_up.gate_up_tiled(x, ws[i], cfg, use_tma=tma)
+                return gate_up.gate_up_tiled(x, ws[i], cfg)
 
             try:
                 out = run(0)
                 torch.cuda.synchronize()
             except Exception as exc:  # a tile that does not compile or launch
-                print(f"  m={m} {kind} {cfg} tma={tma}: {type(exc).__name__}: {str(exc)[:120]}")
+                print(f"  m={m} {kind} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             err = float((out.float() - ref).abs().max()) / scale
             if err > 2e-2:
-                print(f"  m={m} {kind} {cfg} tma={tma}: error {err:.2e}")
+                print(f"  m={m} {kind} {cfg}: error {err:.2e}")
                 continue
             ms = graph_ms(run, copies)
-            rows.append({"m": m, "kind": kind, "config": list(cfg), "tma": tma, "ms": ms})
+            rows.append({"m": m, "kind": kind, "config": list(cfg), "ms": ms})
             if best is None or ms < best[0]:
-                best = (ms, kind, cfg, tma)
+                best = (ms, kind, cfg)
         pick = gate_up.gate_up_silu(x, ws[0]) is not None
         rule_ms = graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies)
         line = {
@@ -108,11 +107,11 @@ def main() -> None:
             "engine_unfused_ms": engine_unfused,
             "rule_ms": rule_ms,
             "rule_fused": pick,
-            "best": None if best is None else dict(zip(("ms", "kind", "config", "tma"), best, strict=True)),
+            "best": None if best is None else dict(zip(("ms", "kind", "config"), best, strict=True)),
             "floor_ms": floor_ms,
         }
         table.append(line)
-        b = "-" if best is None else f"{best[0] * 1e3:.1f} us {best[1]} {best[2]} tma={best[3]}"
+        b = "-" if best is None else f"{best[0] * 1e3:.1f} us {best[1]} {best[2]}"
         print(
             f"| {m} | cuBLAS+silu {cublas * 1e3:.1f} us | engine unfused {engine_unfused * 1e3:.1f} us | "
             f"best fused {b} | rule {rule_ms * 1e3:.1f} us ({'fused' if pick else 'unfused'}) | "

@@ -22,7 +22,6 @@ import torch
 
 from prefixserve.attention.kernels import require_triton
 from prefixserve.model.kernels import skinny_matmul
-from prefixserve.model.kernels.bound import BoundKernel
 from prefixserve.model.kernels.silu_mul import silu_mul
 
 triton, tl = require_triton()
@@ -32,14 +31,13 @@ TileConfig = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, STAGES
 
 @triton.jit
 def _gate_up_kernel(
-    x_src,  # x [M, K]: a TMA descriptor (tiles [BLOCK_M, BLOCK_K]) or a pointer
-    w_src,  # the weight [2 I, K]: a TMA descriptor (tiles [BLOCK_N, BLOCK_K]) or a pointer
+    x_desc,  # TMA descriptor of x [M, K], tiles [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of the weight [2 N, K], tiles [BLOCK_N, BLOCK_K]
     out_ptr,  # [M, N]
     M,
     N,  # I: columns of the output, rows of each half of the weight
     K,
     stride_om,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -56,32 +54,21 @@ def _gate_up_kernel(
     pid_n = (pid % per_group) // rows_in_group
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        if USE_TMA:
-            x = x_src.load([m0, k0])
-            gate = w_src.load([n0, k0])  # rows past N (a last partial tile) are masked at the store
-            up = w_src.load([N + n0, k0])
-        else:
-            x = tl.load(x_src + offs_m[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=m_ok[:, None])
-            w_rows = w_src + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :]
-            gate = tl.load(w_rows, mask=n_ok[:, None])
-            up = tl.load(w_rows + N * K, mask=n_ok[:, None])
+        x = x_desc.load([m0, k0])  # rows past M read as zeros
+        gate = w_desc.load([n0, k0])  # rows past N (a last partial tile) are masked at the store
+        up = w_desc.load([N + n0, k0])
         acc_gate = tl.dot(x, gate.T, acc_gate)
         acc_up = tl.dot(x, up.T, acc_up)
     dtype = out_ptr.dtype.element_ty
     out = silu_mul(acc_gate, acc_up, dtype).to(dtype)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
-
-_tiled = BoundKernel(_gate_up_kernel)
 
 GROUP_M = 8
 
@@ -129,26 +116,24 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def gate_up_tiled(
-    x: torch.Tensor, weight: torch.Tensor, config: TileConfig, use_tma: bool = True
-) -> torch.Tensor:
-    """``silu(x W[:I]^T) * (x W[I:]^T)`` through the tiled kernel, into a new [M, I] tensor."""
+def gate_up_tiled(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.Tensor:
+    """``silu(x W[:I]^T) * (x W[I:]^T)`` through the tiled kernel, into a new [M, I] tensor.
+
+    Launched through Triton's own path (the descriptors are new objects each call): tens of host
+    microseconds in an eager step, nothing in the decode graphs that replay it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     m, k = x.shape
     inter = weight.shape[0] // 2
     block_m, block_n, block_k, stages, warps = config
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
     grid = (triton.cdiv(m, block_m) * triton.cdiv(inter, block_n),)
-    meta = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=GROUP_M, num_warps=warps
-    )
-    if use_tma:  # descriptors are new objects each call: Triton's own launch (decode steps replay graphs)
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
-        w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-        _gate_up_kernel[grid](x_desc, w_desc, out, m, inter, k, out.stride(0), USE_TMA=True, **meta)
-    else:
-        _tiled(grid, x, weight, out, m, inter, k, out.stride(0), USE_TMA=False, **meta)
+    _gate_up_kernel[grid](
+        x_desc, w_desc, out, m, inter, k, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=GROUP_M, num_warps=warps,
+    )  # fmt: skip
     return out
 
 
