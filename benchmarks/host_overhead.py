@@ -265,6 +265,10 @@ def _instrument(eng: Engine, rec: _Recorder) -> Callable[[], None]:
     runner_mod.build_metadata = rec.timed(saved[0], "build_metadata")
     setattr(runner_mod, sample_name, rec.timed(saved[1], "sample"))
     plan_mod.make_plan = rec.timed(saved[2], "make_plan")
+    # the triton backend plans through step_plan.host_plan, which holds make_plan by its own name
+    step_plan_mod = _step_plan_module()
+    if step_plan_mod is not None:
+        step_plan_mod.make_plan = plan_mod.make_plan
     backend = eng.backend
     backend.prepare = rec.timed(backend.prepare, "attn_plan")  # type: ignore[method-assign]
     backend.graph_step = rec.timed(backend.graph_step, "attn_plan")  # type: ignore[method-assign]
@@ -285,8 +289,19 @@ def _instrument(eng: Engine, rec: _Recorder) -> Callable[[], None]:
     def undo() -> None:
         runner_mod.build_metadata, _, plan_mod.make_plan = saved
         setattr(runner_mod, sample_name, saved[1])
+        if step_plan_mod is not None:
+            step_plan_mod.make_plan = saved[2]
 
     return undo
+
+
+def _step_plan_module() -> Any:
+    """``attention/kernels/step_plan.py`` where it exists and calls ``make_plan`` (older trees: None)."""
+    try:
+        import prefixserve.attention.kernels.step_plan as step_plan_mod
+    except ImportError:
+        return None
+    return step_plan_mod if hasattr(step_plan_mod, "make_plan") else None
 
 
 class _Timed:
@@ -543,27 +558,30 @@ NOTES: list[str] = [
     "  inlines `reserve`'s nothing-to-do case; a set of scheduled ids that could never match is gone;",
     "  `finish` scans `running` once. `BlockPool.cached_block(digest)` for single lookups.",
     "",
-    "### Recommended changes in engine.py and the kernels (not made here)",
+    "### Recommended changes in engine.py and the kernels (R2-R4 now made)",
     "",
     "* R1, engine.py `_plan`: `tables = self.blocks.block_tables_np(seqs, seq_lens)` instead of",
-    "  `seq.block_table[: blocks_needed(c + n)]` per sequence, and pass the array to `build_metadata`",
-    "  (`ProposedEngine._plan` in this script is exactly that). Measured above: B=256, P=4K 3.7 -> 2.4 ms;",
-    "  P=16K 8.3 -> 2.6 ms; B=1024, P=4K 14.5 -> 7.1 ms; fewer lists also mean less garbage collection",
-    "  ('rest of step'). `_forward`'s capture-failure fallback rebuilds metadata from",
-    "  `meta.block_tables_host`, which works with `TableRows` (or pass `meta.block_tables_np`).",
-    "* R2, engine.py `_launch` (0.5 ms at B=256, ~2 us per sequence): add the prompt-token counter once",
-    "  per step, not per sequence (a `Counter` read and write each); `len(seq.token_ids)` for the",
-    "  `num_tokens` / `num_prompt_tokens` properties; `ids.append(seq.token_ids[c])` for decode rows;",
-    "  call `_fork_if_needed` only when `req.params.n > 1 and not req.forked`; `_placeholders.update`.",
-    "  On the earlier synchronous engine the same changes cut that loop by ~20%.",
-    "* R3, engine.py `_complete` (0.25 ms at B=256): call `_check_stop` only when a stop can hold (eos or",
-    "  stop ids or stop strings past `min_tokens`, `max_tokens`, the context length: its own conditions,",
-    "  loosened, so exact); bump the generated-tokens counter once; ask `req.is_finished` (a generator",
-    "  over the request's sequences) only of requests one of whose sequences finished this step. On the",
-    "  earlier synchronous engine: token loop -45%, 'rest of step' -80% at B=256.",
-    "* R4, kernels: `triton_backend._seg_rows_host` recomputes `plan.seg_rows`, already a host tensor",
-    "  when `host_plan` planned (`plan.seg_rows.numpy()`: -25 us); `plan_shared_work` builds its work",
-    "  list in a Python loop with a `torch.arange().repeat` per segment (~35 us of the graph step).",
+    "  `seq.block_table[: blocks_needed(c + n)]` per sequence (made earlier). The gather loop now also",
+    "  reads a decode row's position with one index instead of a slice.",
+    "* R2, done: `Engine._launch` is `_gather_ids` (a decode row's id by one index, the prompt-token",
+    "  counter bumped once a step) and `_advance`, one pass after the forward is issued: computed",
+    "  tokens, `register_computed` only when a block filled up (its own early return, checked inline),",
+    "  `_fork_if_needed` only for an unforked n > 1 request, the placeholders (before the sampling is",
+    "  issued: it reads no token ids; a failure drops them with the other pending tokens), and the",
+    "  rows, parameters, generators and touched requests, with no further pass over the batch.",
+    "* R3, done: `Engine._place_tokens` calls `_check_stop` only where `stop_reason` could return a",
+    "  reason or search stop strings (`_stop_possible`: its length conditions, then past `min_tokens`",
+    "  EOS, stop ids or any stop string), bumps the generated-tokens counter once, reads attributes",
+    "  directly; `_fill` asks `req.is_finished` only of requests whose last sample is finished.",
+    "  tests/test_host_fast_paths.py checks the skip against an engine that checks every token",
+    "  (random stop ids, stop strings, EOS, min_tokens, max_tokens, n > 1, streams; synchronous and",
+    "  launch-ahead): same outputs, same counters.",
+    "* R4, done: `TritonBackend.install` takes a host plan's `seg_rows` as they are;",
+    "  `plan_shared_work`'s work list is built with numpy per segment (`_cut_segments`; at B=1024,",
+    "  P=16K ~2,000 items were Python tuples and a `torch.tensor` of them). Checked against the",
+    "  previous loop in tests/test_host_fast_paths.py. `make_plan` (attention/plan.py) is now timed in",
+    "  the graph mode too (it is called through `step_plan.host_plan`; it read 0 before and its time",
+    "  was in 'backend: graph step').",
     "",
     "### What is left, and what the 0.5 ms target would take",
     "",

@@ -34,9 +34,10 @@ from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.recompute import parse_recompute
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.sampler import SampleResult
 from prefixserve.scheduler.blocks import BlockManager
 from prefixserve.scheduler.groups import GroupJob
-from prefixserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from prefixserve.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,27 @@ def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
     if set(map(type, tokens)) == {int}:
         return min(tokens) >= 0 and max(tokens) < vocab
     return all((type(t) is int or isinstance(t, numbers.Integral)) and 0 <= t < vocab for t in tokens)
+
+
+def _stop_by_token_possible(p: SamplingParams, token: int, eos_ids: set[int]) -> bool:
+    """Could ``stop_reason`` stop on ``token`` by EOS, a stop id or a stop string (past min_tokens)?
+
+    Its three token branches, with the stop-string search replaced by "there are stop strings";
+    False means they all fail and that ``stop_reason`` touches nothing (no detokenizer update).
+    """
+    return (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids or bool(p.stop)
+
+
+def _stop_possible(seq: Sequence, eos_ids: set[int], max_model_len: int) -> bool:
+    """False only when ``stop_reason(seq, ...)`` surely returns None without side effects, so the
+    engine may skip it (``Engine._place_tokens`` inlines this): ``ends_by_length``, then the token
+    branches past ``min_tokens``."""
+    p = seq.request.params
+    num_tokens = len(seq.token_ids)
+    out_len = num_tokens - len(seq.request.prompt_token_ids)
+    if num_tokens >= max_model_len or (p.max_tokens is not None and out_len >= p.max_tokens):
+        return True
+    return out_len > p.min_tokens and _stop_by_token_possible(p, seq.token_ids[-1], eos_ids)
 
 
 class Engine:
@@ -592,14 +614,21 @@ class Engine:
     def _plan(self, sched: SchedulerOutput) -> StepBatch:
         """Gather the step's positions, lengths and block tables; the runner plans the device side."""
         pos: list[int] = []
-        query_lens, seq_lens = [], []
-        for s in sched.scheduled:
-            seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
-            pos += seq.positions[c : c + n]
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        seqs: list[Sequence] = []
+        for s in sched.scheduled:  # once per sequence per step: a decode row's position is one index
+            seq, n = s.seq, s.num_tokens
+            c = seq.num_computed_tokens
+            if n == 1:
+                pos.append(seq.positions[c])
+            else:
+                pos += seq.positions[c : c + n]
             query_lens.append(n)
             seq_lens.append(c + n)
+            seqs.append(seq)
         # one numpy gather from the block manager's mirror (lists would cost ~20 ns a block entry)
-        tables = self.blocks.block_tables_np([s.seq for s in sched.scheduled], seq_lens)
+        tables = self.blocks.block_tables_np(seqs, seq_lens)
         rows = self.modules.module_rows if self.modules.active else None
         runs = self._recompute_runs(sched)
         if runs:  # module rows to recompute in context lead the batch, each run a sequence of its own
@@ -644,47 +673,103 @@ class Engine:
         for seq, _, _ in runs:
             seq.request.recompute_runs = []
             self._to_recover.discard(seq.request)
-        pending = self._pending
-        dst: list[int] = []
-        src: list[int] = []
-        for s in sched.scheduled:
-            seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
-            if seq in pending:  # tokens of this step still on the device (or a bug: never fed a placeholder)
-                for idx, launch, row in pending[seq]:
-                    if c <= idx < c + n:
-                        if ahead_of is None or launch is not ahead_of.launch:
-                            raise RuntimeError(f"sequence {seq.seq_id} would compute a token not yet sampled")
-                        dst.append(len(ids) + idx - c)
-                        src.append(row)
-            ids += seq.token_ids[c : c + n]
-            self.counters["prompt_tokens_computed_total"] += max(0, min(c + n, seq.num_prompt_tokens) - c)
+        scheduled = sched.scheduled
+        dst, src = self._gather_ids(scheduled, ids, ahead_of)
         feed = Feed(dst, src, ahead_of.launch.tokens) if dst else None
         launch = self.runner.forward(ids, batch, sched.copies, feed)
         self._count_step(batch.meta.stats, len(ids))
 
+        flight, rows, params, generators = self._advance(scheduled, lead, launch)
+        self.runner.sample(launch, rows, params, generators)
+        return flight
+
+    def _gather_ids(
+        self, scheduled: list[ScheduledSeq], ids: list[int], ahead_of: _InFlight | None
+    ) -> tuple[list[int], list[int]]:
+        """Append the step's token ids to ``ids``; returns the rows fed on the device (dst, src).
+
+        Once per sequence per step: a decode row's id is read with one index, not a slice, and the
+        prompt-token counter is bumped once for the batch (a ``Counter`` update per sequence cost more
+        than the rest of the loop body).
+        """
+        pending = self._pending
+        dst: list[int] = []
+        src: list[int] = []
+        prompt_computed = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_tokens
+            c = seq.num_computed_tokens
+            if pending and seq in pending:  # tokens of this step still on the device (or a bug)
+                for idx, launch, row in pending[seq]:
+                    if c <= idx < c + n:
+                        if ahead_of is None or launch is not ahead_of.launch:
+                            self.counters["prompt_tokens_computed_total"] += prompt_computed
+                            raise RuntimeError(f"sequence {seq.seq_id} would compute a token not yet sampled")
+                        dst.append(len(ids) + idx - c)
+                        src.append(row)
+            if n == 1:
+                ids.append(seq.token_ids[c])
+            else:
+                ids += seq.token_ids[c : c + n]
+            num_prompt = len(seq.request.prompt_token_ids)
+            if c < num_prompt:
+                prompt_computed += min(c + n, num_prompt) - c
+        self.counters["prompt_tokens_computed_total"] += prompt_computed
+        return dst, src
+
+    def _advance(
+        self, scheduled: list[ScheduledSeq], lead: int, launch: Launch
+    ) -> tuple[_InFlight, list[int], list[SamplingParams], list[torch.Generator | None]]:
+        """Mark the step's tokens computed, index filled blocks, split off n > 1 samples, and give
+        each sampling sequence a placeholder for its token until it arrives (``_complete``).
+
+        Returns the launched step and what its sampling takes: the hidden rows, their parameters and
+        generators. One pass over the batch (the host's cost per sequence is mostly reaching each
+        sequence's objects): placeholders go in before the sampling is issued, which reads no token
+        ids; should that fail, ``_fail`` drops them with the sequences' other pending tokens.
+        """
+        pending = self._pending
+        register_computed, bs = self.blocks.register_computed, self.blocks.block_size
+        flight = _InFlight([], [], set(), launch)
+        samplers, indices, touched = flight.samplers, flight.indices, flight.touched
         rows: list[int] = []
-        samplers: list[Sequence] = []
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
         end = lead
-        for s in sched.scheduled:
-            seq = s.seq
-            end += s.num_tokens
-            seq.num_computed_tokens += s.num_tokens
-            held = pending.get(seq)
-            self.blocks.register_computed(seq, seq.num_tokens - len(held) if held else None)
-            if seq.num_computed_tokens < seq.num_tokens:
+        for s in scheduled:
+            seq, n = s.seq, s.num_tokens
+            req = seq.request
+            touched.add(req)
+            end += n
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            # register_computed indexes nothing unless a block filled up since its last call (it
+            # never indexes past the computed tokens): most decode steps skip the call
+            if computed // bs > seq.num_indexed_blocks:
+                held = pending.get(seq)
+                register_computed(seq, len(seq.token_ids) - len(held) if held else None)
+            if computed < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
-            for target in self._fork_if_needed(seq):
+            p = req.params
+            if p.n == 1 or req.forked:
+                targets: tuple[Sequence, ...] | list[Sequence] = (seq,)
+            else:
+                targets = self._fork_if_needed(seq)  # copies seq's tokens before its placeholder
+            for target in targets:
+                token_ids, positions = target.token_ids, target.positions
+                entry = (len(token_ids), launch, len(samplers))
+                token_ids.append(PLACEHOLDER_TOKEN)  # target.append_token, inlined
+                positions.append(positions[-1] + 1)
+                held = pending.get(target)
+                if held is None:
+                    pending[target] = [entry]
+                else:
+                    held.append(entry)
                 rows.append(end - 1)
                 samplers.append(target)
-        touched = {s.seq.request for s in sched.scheduled}
-        params = [q.request.params for q in samplers]
-        self.runner.sample(launch, rows, params, [q.generator for q in samplers])
-        indices = []
-        for row, seq in enumerate(samplers):  # until the token arrives (``_complete``)
-            seq.append_token(PLACEHOLDER_TOKEN)
-            indices.append(len(seq.token_ids) - 1)
-            pending.setdefault(seq, []).append((indices[-1], launch, row))
-        return _InFlight(samplers, indices, touched, launch)
+                indices.append(entry[0])
+                params.append(p)
+                generators.append(target.generator)
+        return flight, rows, params, generators
 
     def _complete_or_fail(self, flight: _InFlight, later: _InFlight | None = None) -> list[RequestOutput]:
         try:
@@ -712,42 +797,72 @@ class Engine:
             self._unhide(hidden)
 
     def _fill(self, flight: _InFlight) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
         result = self.runner.wait(flight.launch)
         if result is not None:
-            now = time.monotonic()
-            pending = self._pending
+            self._place_tokens(flight, result)
+        outputs: list[RequestOutput] = []
+        interval = self.config.stream_interval
+        for req in flight.touched:
+            # ``req.is_finished`` runs a generator over the request's samples: asked only when its
+            # last sample is finished, which it requires (a request always has a sample)
+            seqs = req.sequences
+            if seqs[-1].status is SeqStatus.FINISHED and req.is_finished:
+                if self._retire(req):
+                    outputs.append(self._output(req))
+            elif req.stream and (not req.streamed or req.unreported >= interval * len(seqs)):
+                req.streamed, req.unreported = True, 0
+                outputs.append(self._output(req))
+        return outputs
+
+    def _place_tokens(self, flight: _InFlight, result: SampleResult) -> None:
+        """Put each sampled token in place of its placeholder and check whether the sequence stops.
+
+        Once per sequence per step, so the loop reads attributes directly, bumps the generated-tokens
+        counter once, and calls ``_check_stop`` only where ``stop_reason`` could return a reason (or
+        search stop strings): its own conditions without the token and text lookups that decide
+        most of them (``_stop_possible``), so the result is the same as calling it every time.
+        """
+        now = time.monotonic()
+        pending, tokens_out = self._pending, result.tokens
+        want_logprobs = result.logprobs is not None
+        launch_ahead, eos_ids, max_len = self.launch_ahead, self.eos_ids, self.max_model_len
+        generated = 0
+        try:
             for i, seq in enumerate(flight.samplers):
                 held = pending.get(seq)
                 idx = flight.indices[i]
-                if not held or held[0][0] != idx or seq.is_finished:
+                if not held or held[0][0] != idx or seq.status is SeqStatus.FINISHED:
                     continue  # aborted, failed or stopped while in flight (its placeholders are gone)
                 if len(held) == 1:
                     del pending[seq]
                 else:
                     held.pop(0)
-                seq.token_ids[idx] = result.tokens[i]
-                if result.logprobs is not None and seq.request.params.logprobs is not None:
+                token_ids = seq.token_ids
+                token_ids[idx] = tokens_out[i]
+                req = seq.request
+                p = req.params
+                if want_logprobs and p.logprobs is not None:
                     seq.output_logprobs.append(result.logprobs[i])
                     seq.output_top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
-                req = seq.request
                 req.unreported += 1
                 if req.first_token_time is None:
                     req.first_token_time = now
-                self.counters["generation_tokens_total"] += 1
-                if self.launch_ahead:  # the block this token fills was computed at the next launch
+                generated += 1
+                if launch_ahead:  # the block this token fills was computed at the next launch
                     self.blocks.register_computed(seq, idx + 1)
-                self._check_stop(seq)
-        for req in flight.touched:
-            if req.is_finished:
-                if self._retire(req):
-                    outputs.append(self._output(req))
-            elif req.stream and (
-                not req.streamed or req.unreported >= self.config.stream_interval * len(req.sequences)
-            ):
-                req.streamed, req.unreported = True, 0
-                outputs.append(self._output(req))
-        return outputs
+                # _stop_possible, inlined: the same conditions on the same last token and lengths
+                num_tokens = len(token_ids)
+                out_len = num_tokens - len(req.prompt_token_ids)
+                cap = p.max_tokens
+                if (
+                    num_tokens >= max_len
+                    or (cap is not None and out_len >= cap)
+                    or (out_len > p.min_tokens and _stop_by_token_possible(p, token_ids[-1], eos_ids))
+                ):
+                    self._check_stop(seq)
+        finally:
+            if generated:
+                self.counters["generation_tokens_total"] += generated
 
     def _hide(self, later: _InFlight | None) -> list[tuple[Sequence, int, int]]:
         """Take the later step's placeholders off the ends of its sequences for now."""

@@ -86,6 +86,14 @@ class TritonStep:
     seg_blocks_host: np.ndarray | None = None  # the segments' block ids (contiguity: the TMA path)
 
 
+def _seg_rows_on_host(plan: Any, meta: AttentionMetadata) -> np.ndarray:
+    """The query row of each segment row, int64: a host plan's ``seg_rows`` as they are (no rebuild
+    from the holder lists), else recomputed without reading the device."""
+    if plan.seg_rows.device.type == "cpu":
+        return plan.seg_rows.numpy().astype(np.int64)
+    return seg_rows_host(plan, meta)
+
+
 def _kernels() -> tuple[Any, Any, Any]:
     """The kernel modules (Triton: imported on first use), (paged, shared, mixed rule)."""
     from prefixserve.attention.kernels import mixed_rule, paged_attention, shared_attention
@@ -216,7 +224,7 @@ class TritonBackend(TritonPagedBackend):
         meta.stats["cascade"] = 1.0 if plan.num_segments else 0.0
         step = self._paged_step(meta)
         if plan.num_segments > 0:
-            step.seg_rows_host = seg_rows_host(plan, meta)
+            step.seg_rows_host = _seg_rows_on_host(plan, meta)
             step.seg_blocks_host = plan.seg_blocks.numpy()
             step.shared = plan_to_device(plan, meta.block_tables.device)
         meta.plan = step
