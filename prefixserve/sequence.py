@@ -108,10 +108,12 @@ class Request:
     def reported_prompt_token_ids(self) -> list[int]:
         """The prompt's ids as outputs report them (Prompt Cache holes dropped), built once: a streamed
         request reports them every step, and copying an 8K-token prompt for each of 256 streams took
-        more of a step's host time than anything else."""
+        more of a step's host time than anything else. Without holes it is the prompt's own list (the
+        engine never changes it): copying a 16K-token prompt for each of 1,024 requests finishing in
+        one step cost 0.39 s of host time on a 2-core CPU."""
         if self._reported_prompt is None:
             ids = self.prompt_token_ids
-            self._reported_prompt = [t for t in ids if t >= 0] if self.num_hole_tokens else list(ids)
+            self._reported_prompt = [t for t in ids if t >= 0] if self.num_hole_tokens else ids
         return self._reported_prompt
 
     @property
