@@ -273,3 +273,25 @@ def test_host_plan_seg_rows_equal_the_rebuilt_rows(seed: int) -> None:
     want = seg_rows_host(plan, meta)
     got = plan.seg_rows.numpy().astype(np.int64)
     assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_output_prompt_list_is_not_read_by_the_engine(tiny_config_path) -> None:
+    """Outputs hand callers the request's own prompt list (no copy per request): a caller that
+    changes it does not change what the engine generates (lengths come from ``num_prompt_tokens``)."""
+    for mutate in (False, True):
+        llm = _llm(tiny_config_path, async_scheduling=True, always_check=False)
+        engine = llm.engine
+        engine.add_request("r", prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(max_tokens=4), stream=True)
+        outs = []
+        while engine.has_unfinished():
+            got = engine.step()
+            if mutate and got and not outs:
+                got[0].prompt_token_ids.extend([1, 2, 3])
+            outs += got
+        final = outs[-1].outputs[0]
+        if mutate:
+            assert final.token_ids == reference and outs[-1].prompt_token_ids[4:] == [1, 2, 3]
+        else:
+            reference = final.token_ids
+            assert len(reference) == 4
+        assert_pool_empty(llm)

@@ -101,7 +101,7 @@ def _stop_possible(seq: Sequence, eos_ids: set[int], max_model_len: int) -> bool
     branches past ``min_tokens``."""
     p = seq.request.params
     num_tokens = len(seq.token_ids)
-    out_len = num_tokens - len(seq.request.prompt_token_ids)
+    out_len = num_tokens - seq.request.num_prompt_tokens
     if num_tokens >= max_model_len or (p.max_tokens is not None and out_len >= p.max_tokens):
         return True
     return out_len > p.min_tokens and _stop_by_token_possible(p, seq.token_ids[-1], eos_ids)
@@ -711,7 +711,7 @@ class Engine:
                 ids.append(seq.token_ids[c])
             else:
                 ids += seq.token_ids[c : c + n]
-            num_prompt = len(seq.request.prompt_token_ids)
+            num_prompt = seq.request.num_prompt_tokens
             if c < num_prompt:
                 prompt_computed += min(c + n, num_prompt) - c
         self.counters["prompt_tokens_computed_total"] += prompt_computed
@@ -852,7 +852,7 @@ class Engine:
                     self.blocks.register_computed(seq, idx + 1)
                 # _stop_possible, inlined: the same conditions on the same last token and lengths
                 num_tokens = len(token_ids)
-                out_len = num_tokens - len(req.prompt_token_ids)
+                out_len = num_tokens - req.num_prompt_tokens
                 cap = p.max_tokens
                 if (
                     num_tokens >= max_len

@@ -186,7 +186,7 @@ class BlockPool:
         """Drop one reference on each block; a block nobody holds becomes free (kept in the index)."""
         # One pass of plain list work, then the free-list updates for the blocks that lost their last
         # holder: a sequence under a 16K-token shared prefix releases ~1,000 blocks that others still
-        # hold, and 1,024 such sequences finishing in one step spent 0.56 s here (2-core CPU).
+        # hold, and 1,024 such sequences finishing in one step spent half that step's host time here.
         counts = self.ref_counts
         emptied = []
         try:

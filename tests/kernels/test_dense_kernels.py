@@ -278,6 +278,9 @@ def test_gate_up_rule_and_refusals() -> None:
     with pytest.raises(ValueError, match="skinny_gated takes"):
         skinny_matmul.skinny_gated(torch.zeros(65, 256, dtype=torch.float16, device=DEVICE), w)
     assert skinny_matmul.gated_config(1, 14336) == (32, 6)
+    assert skinny_matmul.gated_config(16, 4096) is None  # narrower than the sweep's: the pair
+    x4k = torch.randn(16, 256, dtype=torch.float16, device=DEVICE)
+    assert gate_up.gate_up_silu(x4k, torch.randn(8192, 256, dtype=torch.float16, device=DEVICE)) is None
     assert skinny_matmul.gated_config(64, 14336) == (64, 4)
     assert gate_up.tiled_config(512) is None  # cuBLAS and the SiLU kernel were faster there
     assert gate_up.tiled_config(320) is None and gate_up.tiled_config(1024) is None
@@ -290,3 +293,34 @@ def test_linear_silu_and_mul_is_torch_off_cuda() -> None:
 
     x, w = torch.randn(3, 256), torch.randn(80, 256)
     assert torch.equal(fused.linear_silu_and_mul(x, w), silu_and_mul_ref(torch.nn.functional.linear(x, w)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 192, 256])
+def test_gate_up_rule_tiles_compile_and_replay_in_a_graph(m: int) -> None:
+    """The tiles the rules pick (a weight of 8,192 output columns, bf16) compile, match the unfused
+    pair, and replay from a CUDA graph (the descriptors are built at capture) with new inputs."""
+    from prefixserve.model import fused
+    from prefixserve.model.kernels import gate_up
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused kernels run on Hopper")
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(2 * 8192, 256, generator=gen) / 16).to("cuda", torch.bfloat16)
+    assert gate_up.gate_up_silu(x, w) is not None  # the rule takes these rows
+    torch.testing.assert_close(
+        fused.linear_silu_and_mul(x, w).float(), _gate_up_ref(x, w), rtol=2e-2, atol=2e-2
+    )
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused.linear_silu_and_mul(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused.linear_silu_and_mul(x, w)
+    x.copy_(torch.randn(m, 256, generator=gen).to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), _gate_up_ref(x, w), rtol=2e-2, atol=2e-2)

@@ -16,7 +16,7 @@ more rows, where the product is compute-bound and the saved bytes hide under the
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
@@ -89,11 +89,14 @@ def tiled_config(m: int) -> TileConfig | None:
     return None
 
 
-def _device_ok(x: torch.Tensor) -> bool:
-    """A Hopper GPU (TMA; where the tiles were measured), or the CPU interpreter (tests)."""
-    if x.is_cuda:
-        return skinny_matmul.hopper(x.device)
-    return os.environ.get("TRITON_INTERPRET") == "1"
+@functools.cache
+def _have_descriptors() -> bool:
+    """Host-side TMA descriptors (Triton 3.4 and later)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:  # pragma: no cover - older Triton
+        return False
+    return True
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -103,7 +106,8 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.dim() == 2
         and weight.dim() == 2
         and x.shape[0] > 0
-        and _device_ok(x)
+        and skinny_matmul.device_ok(x)
+        and _have_descriptors()
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.is_contiguous()
@@ -139,14 +143,18 @@ def gate_up_tiled(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``silu_and_mul(F.linear(x, weight))`` in one kernel where a rule names one; None where the
-    unfused pair should run (``fused.linear_silu_and_mul``)."""
+    unfused pair should run (``fused.linear_silu_and_mul``): unsupported inputs, rows the rules
+    leave to cuBLAS, or fewer than ``skinny_matmul.MIN_GATED_COLUMNS`` output columns."""
     if not supported(x, weight):
         return None
-    m = x.shape[0]
+    m, inter = x.shape[0], weight.shape[0] // 2
     if m <= skinny_matmul.MAX_ROWS:
-        return skinny_matmul.gated_if_faster(x, weight)
-    config = tiled_config(m)
-    return None if config is None else gate_up_tiled(x, weight, config)
+        config = skinny_matmul.gated_config(m, inter)
+        return None if config is None else skinny_matmul.gated(x, weight, config)
+    if inter < skinny_matmul.MIN_GATED_COLUMNS:
+        return None
+    tiles = tiled_config(m)
+    return None if tiles is None else gate_up_tiled(x, weight, tiles)
 
 
 __all__ = ["gate_up_silu", "gate_up_tiled", "supported", "tiled_config"]

@@ -90,9 +90,16 @@ def skinny_config(m: int, n: int) -> tuple[int, int] | None:
     return None
 
 
+MIN_GATED_COLUMNS = 8192  # the gated form's rules were measured at 14,336 columns (Llama-3.1-8B)
+
+
 def gated_config(m: int, n: int) -> tuple[int, int] | None:
     """(BLOCK_N, STAGES) of the gated form (``n`` output columns, 2n weight rows), or None where
-    cuBLAS and the SiLU-and-mul kernel were faster."""
+    cuBLAS and the SiLU-and-mul kernel should run: narrower than ``MIN_GATED_COLUMNS`` (a
+    tensor-parallel shard of the gate-up, a small model), where too few programs would fill the SMs
+    and nothing was measured."""
+    if n < MIN_GATED_COLUMNS:
+        return None
     return (32, 6) if m <= 16 else (64, 4)
 
 
@@ -106,7 +113,7 @@ def hopper(device: torch.device) -> bool:
     return _hopper(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _device_ok(x: torch.Tensor) -> bool:
+def device_ok(x: torch.Tensor) -> bool:
     """A Hopper GPU (where the tiles were measured), or the CPU interpreter (tests)."""
     if x.is_cuda:
         return hopper(x.device)
@@ -120,7 +127,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return (
         x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS  # first: a prefill's many rows leave here
-        and _device_ok(x)
+        and device_ok(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1
@@ -175,12 +182,9 @@ def skinny_gated(
     return _launch(x, weight, None, config or gated_config(x.shape[0], n) or (32, 6), gated=True)
 
 
-def gated_if_faster(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``skinny_gated`` where it takes the product and its rule names tiles; else None."""
-    if not supported(x, weight) or weight.shape[0] % 2:
-        return None
-    config = gated_config(x.shape[0], weight.shape[0] // 2)
-    return None if config is None else _launch(x, weight, None, config, gated=True)
+def gated(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int]) -> torch.Tensor:
+    """The gated form's launch for inputs the caller has checked (``gate_up.supported``)."""
+    return _launch(x, weight, None, config, gated=True)
 
 
 def _launch(
@@ -206,8 +210,10 @@ def _launch(
 
 __all__ = [
     "MAX_ROWS",
+    "MIN_GATED_COLUMNS",
+    "device_ok",
+    "gated",
     "gated_config",
-    "gated_if_faster",
     "hopper",
     "linear_if_faster",
     "skinny_config",
