@@ -34,6 +34,26 @@ def test_over_allocation_and_double_release_are_refused() -> None:
         pool.release([b])
 
 
+def test_release_order_and_a_failed_release() -> None:
+    """Tail blocks go back first; uncached blocks are reused before cached ones; a release that
+    meets an over-released block raises after freeing the blocks released before it, and the
+    pool's books still balance."""
+    pool = BlockPool(6, 4)
+    a, b, c, d = pool.allocate(4)
+    pool.register(b, b"digest-b")  # b is cached: it stays in the index, reused last
+    pool.acquire([c])  # c has a second holder: not freed by one release
+    pool.release([a, b, c, d])
+    assert pool.ref_counts[c] == 1 and not pool.is_free(c)
+    assert list(pool._free)[:2] == [a, d]  # uncached: to the front, in release order (d, then a)
+    assert list(pool._free)[-1] == b  # cached: reused last
+    pool.check_integrity()
+    (e,) = pool.allocate(1)
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([a, e])  # e (released first, from the tail) is freed; a was already free
+    assert pool.is_free(e) and pool.ref_counts[e] == 0
+    pool.check_integrity()
+
+
 def test_digest_depends_on_tokens_positions_salt_and_parent() -> None:
     base = block_digest(None, [1, 2], [0, 1], None)
     assert base == block_digest(None, [1, 2], [0, 1], None)
