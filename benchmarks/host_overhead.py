@@ -21,9 +21,9 @@ each with 64 tokens of its own prompt, admitted over 64 warm-up steps so that th
 are staggered (about B/16 sequences cross a block boundary every step, as in a real batch), block size
 16. Then ``--steps`` decode-only steps are measured; each advances every sequence by one token.
 
-``--variants proposed`` runs ``ProposedEngine`` below: ``Engine`` with the gather loop of ``_plan``
-changed as recommended for engine.py (block tables from the block manager's numpy mirror, no per-step
-list slicing); see the notes in docs/benchmarks/host_overhead.md.
+``--variants proposed`` runs ``ProposedEngine`` below: the first recommendation (R1: block tables from
+the block manager's numpy mirror, no per-step list slicing), which engine.py has since taken, so it is
+``Engine`` now; see the notes in docs/benchmarks/host_overhead.md.
 
 The engine's phases are timed where it has them (``_plan``, ``_launch``, ``_complete``; ``_run_batch``
 in older versions), so the script keeps working while engine.py changes; a phase it lacks reads 0
@@ -199,32 +199,10 @@ class _StubGraphs:
 
 
 class ProposedEngine(Engine):
-    """``Engine`` with the gather loop of ``_plan`` as recommended for engine.py (a copy otherwise).
-
-    The block tables come from ``BlockManager.block_tables_np`` (a numpy mirror the block manager keeps
-    up to date; the batch's rows in one numpy index) and reach ``build_metadata`` as an array: no
-    per-sequence list slice, and no list-to-array conversion of the whole batch's tables (~20 ns per
-    table entry). A decode row's position is read with one index instead of a slice. Same metadata,
-    plans and outputs.
-    """
-
-    def _plan(self, sched: Any) -> Any:
-        pos: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        seqs = []
-        for s in sched.scheduled:
-            seq, n = s.seq, s.num_tokens
-            c = seq.num_computed_tokens
-            if n == 1:
-                pos.append(seq.positions[c])
-            else:
-                pos += seq.positions[c : c + n]
-            query_lens.append(n)
-            seq_lens.append(c + n)
-            seqs.append(seq)
-        tables = self.blocks.block_tables_np(seqs, seq_lens)  # was: a list slice per sequence
-        return self.runner.plan(pos, query_lens, seq_lens, tables)
+    """The engine with the change this page recommended first (R1: block tables gathered from the
+    block manager's numpy mirror and handed to ``build_metadata`` as an array, a decode row's
+    position read with one index). engine.py has since taken it, so this is ``Engine`` itself; the
+    variant stays so the published before/after tables keep their column."""
 
 
 def make_engine(batch: int, prefix: int, steps: int, variant: str, mode: str) -> tuple[Engine, _Recorder]:
@@ -599,9 +577,10 @@ NOTES: list[str] = [
     "  issued: it reads no token ids; a failure drops them with the other pending tokens), and the",
     "  rows, parameters, generators and touched requests, with no further pass over the batch.",
     "* R3, done: `Engine._place_tokens` calls `_check_stop` only where `stop_reason` could return a",
-    "  reason or search stop strings (`_stop_possible`: its length conditions, then past `min_tokens`",
-    "  EOS, stop ids or any stop string), bumps the generated-tokens counter once, reads attributes",
-    "  directly; `_fill` asks `req.is_finished` only of requests whose last sample is finished.",
+    "  reason or search stop strings (`output_processor.stop_possible`: its length conditions, then",
+    "  past `min_tokens` EOS, stop ids or any stop string), bumps the generated-tokens counter once,",
+    "  reads attributes directly; `_fill` asks `req.is_finished` only of requests whose last sample",
+    "  is finished.",
     "  tests/test_host_fast_paths.py checks the skip against an engine that checks every token",
     "  (random stop ids, stop strings, EOS, min_tokens, max_tokens, n > 1, streams; synchronous and",
     "  launch-ahead): same outputs, same counters.",

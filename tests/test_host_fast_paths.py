@@ -1,10 +1,10 @@
 """The engine's and the planner's per-step host fast paths are exact (docs/benchmarks/host_overhead.md).
 
 * ``Engine._place_tokens`` calls ``_check_stop`` only where ``stop_reason`` could stop the sequence
-  (``_stop_possible``): random workloads (stop ids, stop strings, EOS, min_tokens, max_tokens, n > 1,
+  (``stop_possible``): random workloads (stop ids, stop strings, EOS, min_tokens, max_tokens, n > 1,
   seeded sampling, logprobs, streaming), synchronous and launch-ahead, give the same outputs and the
   same counters as an engine that checks every token (``AlwaysCheckEngine``, the previous loop).
-* ``_stop_possible`` False means ``stop_reason`` returns None and touches nothing.
+* ``stop_possible`` False means ``stop_reason`` returns None and touches nothing.
 * ``plan_shared_work`` builds its work list with numpy: equal to the previous per-item Python loop.
 * The triton backend's ``install`` takes a host plan's ``seg_rows`` as they are: equal to the rows
   rebuilt from the holder lists.
@@ -25,8 +25,8 @@ from prefixserve.attention.kernels import shared_plan
 from prefixserve.attention.kernels.step_plan import seg_rows_host
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.plan import make_plan
-from prefixserve.engine.llm_engine import Engine, _stop_possible
-from prefixserve.engine.output_processor import stop_reason
+from prefixserve.engine.llm_engine import Engine
+from prefixserve.engine.output_processor import stop_possible, stop_reason
 from prefixserve.sequence import Request, SeqStatus, Sequence
 from tests.conftest import assert_pool_empty
 
@@ -186,7 +186,7 @@ def test_stop_possible_false_means_no_stop_and_no_side_effect(tokenizer) -> None
         req = Request("r", None, prompt, list(range(len(prompt))), p)
         tokens = prompt + out
         seq = Sequence(0, req, 0, tokens, list(range(len(tokens))))
-        if _stop_possible(seq, eos, max_len):
+        if stop_possible(seq, eos, max_len):
             continue
         skipped += 1
         assert stop_reason(seq, eos, max_len, tok) is None
@@ -278,10 +278,13 @@ def test_host_plan_seg_rows_equal_the_rebuilt_rows(seed: int) -> None:
 def test_output_prompt_list_is_not_read_by_the_engine(tiny_config_path) -> None:
     """Outputs hand callers the request's own prompt list (no copy per request): a caller that
     changes it does not change what the engine generates (lengths come from ``num_prompt_tokens``)."""
+    reference: list[int] = []
     for mutate in (False, True):
         llm = _llm(tiny_config_path, async_scheduling=True, always_check=False)
         engine = llm.engine
-        engine.add_request("r", prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(max_tokens=4), stream=True)
+        engine.add_request(
+            "r", prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(max_tokens=4), stream=True
+        )
         outs = []
         while engine.has_unfinished():
             got = engine.step()

@@ -23,7 +23,7 @@ import torch
 from prefixserve.config import EngineConfig
 from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.model_runner import Feed, Launch, ModelRunner, StepBatch, context_length
-from prefixserve.engine.output_processor import ends_by_length, request_output, stop_reason
+from prefixserve.engine.output_processor import ends_by_length, request_output, stop_possible, stop_reason
 from prefixserve.engine.pinned import PinnedPrompt, render_system_prompt
 from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
 from prefixserve.kv.block_pool import BlockPool
@@ -84,27 +84,6 @@ def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
     if set(map(type, tokens)) == {int}:
         return min(tokens) >= 0 and max(tokens) < vocab
     return all((type(t) is int or isinstance(t, numbers.Integral)) and 0 <= t < vocab for t in tokens)
-
-
-def _stop_by_token_possible(p: SamplingParams, token: int, eos_ids: set[int]) -> bool:
-    """Could ``stop_reason`` stop on ``token`` by EOS, a stop id or a stop string (past min_tokens)?
-
-    Its three token branches, with the stop-string search replaced by "there are stop strings";
-    False means they all fail and that ``stop_reason`` touches nothing (no detokenizer update).
-    """
-    return (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids or bool(p.stop)
-
-
-def _stop_possible(seq: Sequence, eos_ids: set[int], max_model_len: int) -> bool:
-    """False only when ``stop_reason(seq, ...)`` surely returns None without side effects, so the
-    engine may skip it (``Engine._place_tokens`` inlines this): ``ends_by_length``, then the token
-    branches past ``min_tokens``."""
-    p = seq.request.params
-    num_tokens = len(seq.token_ids)
-    out_len = num_tokens - seq.request.num_prompt_tokens
-    if num_tokens >= max_model_len or (p.max_tokens is not None and out_len >= p.max_tokens):
-        return True
-    return out_len > p.min_tokens and _stop_by_token_possible(p, seq.token_ids[-1], eos_ids)
 
 
 class Engine:
@@ -820,7 +799,7 @@ class Engine:
         Once per sequence per step, so the loop reads attributes directly, bumps the generated-tokens
         counter once, and calls ``_check_stop`` only where ``stop_reason`` could return a reason (or
         search stop strings): its own conditions without the token and text lookups that decide
-        most of them (``_stop_possible``), so the result is the same as calling it every time.
+        most of them (``output_processor.stop_possible``), so the result is the same as calling it every time.
         """
         now = time.monotonic()
         pending, tokens_out = self._pending, result.tokens
@@ -850,15 +829,7 @@ class Engine:
                 generated += 1
                 if launch_ahead:  # the block this token fills was computed at the next launch
                     self.blocks.register_computed(seq, idx + 1)
-                # _stop_possible, inlined: the same conditions on the same last token and lengths
-                num_tokens = len(token_ids)
-                out_len = num_tokens - req.num_prompt_tokens
-                cap = p.max_tokens
-                if (
-                    num_tokens >= max_len
-                    or (cap is not None and out_len >= cap)
-                    or (out_len > p.min_tokens and _stop_by_token_possible(p, token_ids[-1], eos_ids))
-                ):
+                if stop_possible(seq, eos_ids, max_len):
                     self._check_stop(seq)
         finally:
             if generated:

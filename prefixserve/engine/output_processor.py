@@ -34,6 +34,19 @@ def stop_reason(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer:
     return reason
 
 
+def stop_possible(seq: Sequence, eos_ids: set[int], max_model_len: int) -> bool:
+    """False only where ``stop_reason`` surely returns None and touches nothing, so a caller may skip
+    it: its branches in the same order, with the stop-string search replaced by "there are stop
+    strings" (the search is its only side effect: the detokenizer's update)."""
+    if ends_by_length(seq, max_model_len):
+        return True
+    p = seq.request.params
+    if seq.num_tokens - seq.num_prompt_tokens <= p.min_tokens:
+        return False
+    token = seq.token_ids[-1]
+    return (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids or bool(p.stop)
+
+
 def ends_by_length(seq: Sequence, max_model_len: int) -> bool:
     """The sequence's last token (known or still in flight) is its last: max_tokens or the context."""
     cap = seq.request.params.max_tokens
@@ -103,4 +116,4 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
     )
 
 
-__all__ = ["ends_by_length", "output_text", "request_output", "stop_reason"]
+__all__ = ["ends_by_length", "output_text", "request_output", "stop_possible", "stop_reason"]
