@@ -10,11 +10,14 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
     their KV-cache slots in the same pass;
   * silu_mul: SiLU(gate) * up from the fused gate-up projection;
   * skinny_matmul: a linear layer over a decode step's few rows, its weight streamed near the copy
-    rate (cuBLAS is used wherever it measured faster).
+    rate (cuBLAS is used wherever it measured faster); its gated form is the next one's small case;
+  * gate_up: the gate-up projection with SiLU-and-mul in its epilogue ([T, 2I] never written).
 
-The modules import nothing from each other. Triton is optional, as for the attention kernels: the
-modules load it through ``require_triton`` and are imported only when a CUDA tensor takes the fused
-path, so ``import prefixserve`` never needs it. docs/kernels.md ("Dense path") says how they work.
+The activation is one jit function (``silu_mul.silu_mul``) that the elementwise kernel and both
+matmul epilogues call; gate_up also takes the skinny kernel; the other modules stand alone.
+Triton is optional, as for the attention kernels: the modules load it through ``require_triton`` and
+are imported only when a CUDA tensor takes the fused path, so ``import prefixserve`` never needs it.
+docs/kernels.md ("Dense path") says how they work.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ _EXPORTS = {
     "silu_and_mul": "silu_mul",
     "silu_and_mul_ref": "silu_mul",
     "skinny_linear": "skinny_matmul",
+    "gate_up_silu": "gate_up",
 }
 
 __all__ = sorted(_EXPORTS)
