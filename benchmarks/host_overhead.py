@@ -351,9 +351,10 @@ def measure(
     }
 
 
-def finish_step_ms(batch: int, prefix: int, gen: int = 12) -> float:
+def finish_step_ms(batch: int, prefix: int, gen: int = 12) -> tuple[float, float]:
     """Host ms of the step in which ``batch`` requests sharing a ``prefix``-token prompt, admitted
-    together, all finish (blocks released, outputs built): the stub engine run to completion."""
+    together, all finish (blocks released, outputs built): the stub engine run to completion. Also
+    the ms of one full GC pass (``gc.collect()``) halfway through decode, with every request live."""
     eng, _ = make_engine(batch, prefix, gen, "engine", "graph")
     rng = np.random.default_rng(0)
     shared = rng.integers(0, VOCAB, prefix).tolist()
@@ -361,14 +362,20 @@ def finish_step_ms(batch: int, prefix: int, gen: int = 12) -> float:
     for i in range(batch):
         own = rng.integers(0, VOCAB, OWN).tolist()
         eng.add_request(f"r{i}", params=params, prompt_token_ids=shared + own)
-    last = 0.0
+    last = gc_ms = 0.0
+    steps = 0
     while eng.has_unfinished():
         t0 = time.perf_counter()
         outs = eng.step()
         if len(outs) == batch or (outs and not eng.has_unfinished()):
             last = (time.perf_counter() - t0) * 1e3
+        steps += 1
+        if steps == gen // 2:
+            t0 = time.perf_counter()
+            gc.collect()
+            gc_ms = (time.perf_counter() - t0) * 1e3
     eng.pool.check_integrity()
-    return last
+    return last, gc_ms
 
 
 def _table(rows: list[dict[str, Any]], title: str) -> list[str]:
@@ -436,15 +443,20 @@ def main() -> None:
         "--profile", action="store_true", help="cProfile the measured steps; print, write nothing"
     )
     ap.add_argument(
-        "--finish", action="store_true", help="the step in which the whole batch finishes; print only"
+        "--finish",
+        action="store_true",
+        help="the step in which the whole batch finishes, and a full GC pass mid-decode; print only",
     )
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.finish:
         for prefix in args.prefixes:
             for batch in args.batches:
-                ms = finish_step_ms(batch, prefix)
-                print(f"B={batch:5d} P={prefix:6d}: the step in which every request finishes {ms:8.1f} ms")
+                ms, gc_ms = finish_step_ms(batch, prefix)
+                print(
+                    f"B={batch:5d} P={prefix:6d}: the step in which every request finishes {ms:8.1f} ms;"
+                    f" a full GC pass mid-decode {gc_ms:8.1f} ms"
+                )
         return
     if args.from_json is not None:
         payloads = [json.loads(p.read_text()) for p in args.from_json]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -20,11 +22,18 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False, eq=False)
 class RequestOutput:
+    """A request's state as the caller sees it.
+
+    ``prompt_token_ids`` is a list made on first read from the engine's compact array (shared by a
+    request's outputs): most callers never read it, and 1,024 finished 16K-token prompts held as lists
+    would cost ~0.2 s to build and keep the GC walking 16M elements for as long as they are held.
+    """
+
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]  # one list shared by all of a request's outputs: read, do not modify
+    _prompt_ids: Sequence[int] = field(repr=False)  # list, or the engine's array until first read
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -34,3 +43,64 @@ class RequestOutput:
     module_rows_shared: int = 0
     module_rows_private: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token and finish times
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int],
+        outputs: list[CompletionOutput],
+        finished: bool,
+        num_cached_tokens: int = 0,
+        num_recomputed_tokens: int = 0,
+        module_rows_shared: int = 0,
+        module_rows_private: int = 0,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        self.request_id, self.prompt, self._prompt_ids = request_id, prompt, prompt_token_ids
+        self.outputs, self.finished = outputs, finished
+        self.num_cached_tokens, self.num_recomputed_tokens = num_cached_tokens, num_recomputed_tokens
+        self.module_rows_shared, self.module_rows_private = module_rows_shared, module_rows_private
+        self.metrics = {} if metrics is None else metrics
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's ids (this output's own list: changing it changes nothing else)."""
+        ids = self._prompt_ids
+        if type(ids) is not list:
+            ids = self._prompt_ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return ids
+
+    @property
+    def stored_prompt_token_ids(self) -> Sequence[int]:
+        """The prompt's ids as held (the engine's array until ``prompt_token_ids`` is read): for
+        passing them on, e.g. pickled to another process, without making a list."""
+        return self._prompt_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """len(prompt_token_ids), without making the list."""
+        return len(self._prompt_ids)
+
+    def _args(self) -> tuple[Any, ...]:
+        return (
+            self.request_id,
+            self.prompt,
+            self._prompt_ids,
+            self.outputs,
+            self.finished,
+            self.num_cached_tokens,
+            self.num_recomputed_tokens,
+            self.module_rows_shared,
+            self.module_rows_private,
+            self.metrics,
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled as constructor arguments (an array stays compact)
+        return RequestOutput, self._args()
+
+    def __eq__(self, other: object) -> bool:  # the prompt's ids compared as values, list or array
+        if not isinstance(other, RequestOutput):
+            return NotImplemented
+        mine, theirs = self._args(), other._args()
+        return mine[:2] + mine[3:] == theirs[:2] + theirs[3:] and list(mine[2]) == list(theirs[2])

@@ -1,9 +1,17 @@
-"""Requests and their sequences: the state the scheduler and engine move along. Pure Python."""
+"""Requests and their sequences: the state the scheduler and engine move along. Pure Python.
+
+Token ids and positions live in ``array("q")`` (``TokenArray``), not lists. Python's cyclic GC visits
+every element of every live list on a full pass, and at 1,024 sequences of 16K tokens that was ~67M
+elements and a 1.8 s pause in the middle of decode (measured on an H100 host); an array holds no
+object references, so the GC never looks inside it. It also takes 8 bytes a token instead of ~36.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +19,13 @@ import torch
 
 from prefixserve.detokenizer import IncrementalDetokenizer
 from prefixserve.sampling.params import SamplingParams
+
+TokenArray = array  # array("q"): token ids or positions; the GC visits the array, never its elements
+
+
+def token_array(values: Iterable[int] = ()) -> TokenArray:
+    """int64 ids or positions as a ``TokenArray`` (a copy; raises TypeError for non-integers)."""
+    return array("q", values)
 
 
 class SeqStatus(enum.Enum):
@@ -26,8 +41,8 @@ class Sequence:
     seq_id: int
     request: Request
     index: int  # which of the request's n samples
-    token_ids: list[int]
-    positions: list[int]
+    token_ids: TokenArray  # prompt, then output (placeholders while sampled tokens are in flight)
+    positions: TokenArray
     block_table: list[int] = field(default_factory=list)
     block_digests: list[bytes] = field(default_factory=list)  # of the leading full blocks (computed or not)
     num_indexed_blocks: int = 0  # leading blocks already in the prefix index (or taken from it)
@@ -51,7 +66,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens :].tolist()
 
     @property
     def is_finished(self) -> bool:
@@ -78,11 +93,11 @@ class Request:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_positions: list[int]
+    prompt_token_ids: TokenArray
+    prompt_positions: TokenArray
     params: SamplingParams
-    # len(prompt_token_ids), fixed at creation: outputs hand the prompt's list itself to callers, so
-    # nothing the engine decides may read that list after admission
+    # len(prompt_token_ids), fixed at creation: outputs hand the prompt's array itself to callers, so
+    # nothing the engine decides may read that array after admission
     num_prompt_tokens: int = field(init=False)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -105,22 +120,22 @@ class Request:
     num_private_module_rows: int = 0  # module rows in private copies of module blocks
     # module rows (table row runs) still to compute in context: in the first prefill step
     recompute_runs: list[tuple[int, int]] = field(default_factory=list)
-    _reported_prompt: list[int] | None = field(default=None, repr=False)
+    _reported_prompt: TokenArray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
-    def reported_prompt_token_ids(self) -> list[int]:
+    def reported_prompt_token_ids(self) -> TokenArray:
         """The prompt's ids as outputs report them (Prompt Cache holes dropped), built once: a streamed
         request reports them every step, and copying an 8K-token prompt for each of 256 streams took
-        more of a step's host time than anything else. Without holes it is the prompt's own list (the
+        more of a step's host time than anything else. Without holes it is the prompt's own array (the
         engine never changes it, and reads only ``num_prompt_tokens`` once the request is admitted):
         copying a 16K-token prompt for each of 1,024 requests finishing in one step was a third of that
-        step's host time on a 2-core CPU."""
+        step's host time on a 2-core CPU. ``RequestOutput`` turns it into a list only when read."""
         if self._reported_prompt is None:
             ids = self.prompt_token_ids
-            self._reported_prompt = [t for t in ids if t >= 0] if self.num_hole_tokens else ids
+            self._reported_prompt = token_array(t for t in ids if t >= 0) if self.num_hole_tokens else ids
         return self._reported_prompt
 
     @property

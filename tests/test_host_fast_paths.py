@@ -276,8 +276,9 @@ def test_host_plan_seg_rows_equal_the_rebuilt_rows(seed: int) -> None:
 
 
 def test_output_prompt_list_is_not_read_by_the_engine(tiny_config_path) -> None:
-    """Outputs hand callers the request's own prompt list (no copy per request): a caller that
-    changes it does not change what the engine generates (lengths come from ``num_prompt_tokens``)."""
+    """Outputs hold the request's own prompt array (no copy per request) and make a list when read:
+    a caller that changes that list changes neither what the engine generates (lengths come from
+    ``num_prompt_tokens``) nor the request's later outputs."""
     reference: list[int] = []
     for mutate in (False, True):
         llm = _llm(tiny_config_path, async_scheduling=True, always_check=False)
@@ -293,7 +294,8 @@ def test_output_prompt_list_is_not_read_by_the_engine(tiny_config_path) -> None:
             outs += got
         final = outs[-1].outputs[0]
         if mutate:
-            assert final.token_ids == reference and outs[-1].prompt_token_ids[4:] == [1, 2, 3]
+            assert final.token_ids == reference and outs[-1].prompt_token_ids == [5, 6, 7, 8]
+            assert outs[0].prompt_token_ids == [5, 6, 7, 8, 1, 2, 3]
         else:
             reference = final.token_ids
             assert len(reference) == 4

@@ -9,10 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from prefixserve.scheduler.offline import BatchPlan, plan_batch
-from prefixserve.sequence import Request
+from prefixserve.sequence import Request, TokenArray
 
 DEFAULT_DECODE = 16  # decode length assumed for ordering when a request sets no max_tokens
+
+
+def _counts_up(positions: TokenArray) -> bool:
+    """Positions 0, 1, 2, ... (the prompt's own), checked without a Python loop."""
+    n = len(positions)
+    return n == 0 or bool((np.frombuffer(positions, dtype=np.int64) == np.arange(n)).all())
 
 
 def queue_groups(engine: Any, requests: Sequence[Request], grouping: str = "first_level") -> BatchPlan:
@@ -26,8 +34,7 @@ def queue_groups(engine: Any, requests: Sequence[Request], grouping: str = "firs
             engine.add_group([r], 0)
     requests = [r for r in requests if not r.module_blocks]
     keys = [
-        (r.cache_salt, None if r.prompt_positions == list(range(len(r.prompt_token_ids)))
-         else tuple(r.prompt_positions))
+        (r.cache_salt, None if _counts_up(r.prompt_positions) else r.prompt_positions.tobytes())
         for r in requests
     ]
     plan = plan_batch(

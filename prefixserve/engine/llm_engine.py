@@ -14,6 +14,7 @@ import logging
 import numbers
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from prefixserve.sampling.sampler import SampleResult
 from prefixserve.scheduler.blocks import BlockManager
 from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from prefixserve.sequence import Request, SeqStatus, Sequence
+from prefixserve.sequence import Request, SeqStatus, Sequence, TokenArray, token_array
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,15 @@ GC_THRESHOLD0 = 50_000  # allocations between young-generation collections (CPyt
 
 
 def _tune_gc() -> None:
-    """Make Python's cyclic GC rare enough that its full passes do not stall decode steps.
+    """Make Python's cyclic GC rare enough that its passes do not stall decode steps.
 
-    A full pass visits every element of every list alive: at B=256 with 16K-token prompts that is
-    ~8M token ids and positions, ~15 ms, and with CPython's default thresholds one ran every few
-    steps (measured on the H200 host: 0.55 s of 1.45 s of host time over 38 decode steps). Raising
-    the young-generation threshold makes every generation's passes ~70x rarer; cycles (a request and
-    its sequences) are still collected. Nothing is frozen: a frozen object in a cycle would leak.
+    A pass visits every element of every list alive. The engine keeps token ids and positions in
+    arrays (``sequence.TokenArray``), which a pass does not look inside, so a full pass is short; but
+    a caller's lists (prompts held as lists, outputs' lists) are still walked: with CPython's default
+    thresholds a pass ran every few decode steps (measured on the H200 host when the engine still
+    used lists: 0.55 s of 1.45 s of host time over 38 steps). Raising the young-generation threshold
+    makes every generation's passes ~70x rarer; cycles (a request and its sequences) are still
+    collected. Nothing is frozen: a frozen object in a cycle would leak.
     """
     threshold0, threshold1, threshold2 = gc.get_threshold()
     gc.set_threshold(max(threshold0, GC_THRESHOLD0), threshold1, threshold2)
@@ -355,8 +358,8 @@ class Engine:
         request_id: str,
         prompt: str | None = None,
         params: SamplingParams | None = None,
-        prompt_token_ids: list[int] | None = None,
-        prompt_positions: list[int] | None = None,
+        prompt_token_ids: Iterable[int] | None = None,
+        prompt_positions: Iterable[int] | None = None,
         cache_salt: str | None = None,
         stream: bool = False,
         application: str | None = None,
@@ -394,7 +397,8 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        tokens = list(prompt_token_ids)
+        # arrays, numpy arrays and tensors give plain ints at C speed (the id check is fast for those)
+        tokens = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
         pinned = None
         if application is not None:
             pinned = self.pinned.get(application)
@@ -449,10 +453,14 @@ class Engine:
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {len(tokens)} tokens and the "
                 f"context length is {self.max_model_len}, so at most {room} tokens can be generated"
             )
-        positions = list(prompt_positions) if prompt_positions is not None else list(range(len(tokens)))
+        try:
+            positions = token_array(range(len(tokens)) if prompt_positions is None else prompt_positions)
+        except (TypeError, OverflowError):
+            raise ValueError("prompt_positions must be integers") from None
         if len(positions) != len(tokens):
             raise ValueError("prompt_positions must have one position per prompt token")
-        req = Request(request_id, prompt, tokens, positions, params, cache_salt, stream=stream)
+        ids = token_array(tokens)
+        req = Request(request_id, prompt, ids, positions, params, cache_salt, stream=stream)
         if modules is not None:
             req.module_blocks, req.module_digests = modules.blocks, modules.digests
             req.num_hole_tokens, req.num_module_tokens = modules.holes, modules.module_tokens
@@ -463,7 +471,7 @@ class Engine:
                 self._to_recover.add(req)
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
         self.requests[request_id] = req
-        self._new_sequence(req, 0, list(tokens), list(positions))
+        self._new_sequence(req, 0, token_array(ids), token_array(positions))
         if queue:
             self.scheduler.add(req.sequences[0])
         self.counters["requests_total"] += 1
@@ -478,7 +486,7 @@ class Engine:
             raise ValueError("add_group takes requests added with queue=False and not yet queued")
         self.scheduler.add_group(GroupJob(members=seqs, prefix_len=prefix_len))
 
-    def _new_sequence(self, req: Request, index: int, tokens: list[int], positions: list[int]) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, tokens: TokenArray, positions: TokenArray) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index, tokens, positions)
         seq.block_digests = list(req.module_digests)
         self._next_seq_id += 1
@@ -869,7 +877,7 @@ class Engine:
         req.forked = True
         out = [seq]
         for index in range(1, req.params.n):
-            child = self._new_sequence(req, index, list(seq.token_ids), list(seq.positions))
+            child = self._new_sequence(req, index, token_array(seq.token_ids), token_array(seq.positions))
             self.blocks.fork(seq, child)
             self.scheduler.add_running(child)
             out.append(child)

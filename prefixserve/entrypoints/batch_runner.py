@@ -80,7 +80,7 @@ class BatchProgress:
 
     def request_done(self, out: RequestOutput) -> None:
         self.generated += sum(len(c.token_ids) for c in out.outputs)
-        self.prompt_tokens += len(out.prompt_token_ids)
+        self.prompt_tokens += out.num_prompt_tokens
         self.cached_tokens += out.num_cached_tokens
 
     @property

@@ -5,17 +5,19 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from array import array
 from typing import Any
 
 
 def shared_prefix_prompts(
     vocab_size: int, special_ids: set[int], num_requests: int, prefix_len: int, suffix_len: int, seed: int
-) -> list[list[int]]:
-    """Random token prompts: a common prefix, then ``suffix_len`` tokens unique to each request."""
+) -> list[array]:
+    """Random token prompts: a common prefix, then ``suffix_len`` tokens unique to each request
+    (int64 arrays: a big batch of long prompts as lists would slow every full GC pass of the run)."""
     rng = random.Random(seed)
     pool = [t for t in range(min(vocab_size, 32000)) if t not in special_ids]
-    prefix = rng.choices(pool, k=prefix_len)
-    return [prefix + rng.choices(pool, k=suffix_len) for _ in range(num_requests)]
+    prefix = array("q", rng.choices(pool, k=prefix_len))
+    return [prefix + array("q", rng.choices(pool, k=suffix_len)) for _ in range(num_requests)]
 
 
 def run_shared_prefix_bench(

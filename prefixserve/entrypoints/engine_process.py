@@ -84,7 +84,7 @@ class OutputEncoder:
             per[c.index] = [c.text, len(c.token_ids), len(c.logprobs or ()), len(c.top_logprobs or ())]
         if out.finished:
             del self._sent[out.request_id]
-        head = (out.prompt, out.prompt_token_ids) if first else None
+        head = (out.prompt, out.stored_prompt_token_ids) if first else None
         counts = (
             out.num_cached_tokens,
             out.num_recomputed_tokens,

@@ -26,7 +26,7 @@ def _lp(x: float) -> float:
 
 
 def usage(finals: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    prompt = sum(f.num_prompt_tokens for f in finals)
     completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
     return {
         "prompt_tokens": prompt,
