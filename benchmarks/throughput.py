@@ -46,6 +46,21 @@ def _prompts(batch: int, prefix: int, own: int, seed: int = 0) -> list[dict]:
     ]
 
 
+class _GCPauses:
+    """A ``gc.callbacks`` entry summing the time of the timed run's collections (a full pass over
+    lists of token ids once took 1.8 s at 1024 x 16K, in the middle of decode)."""
+
+    def __init__(self) -> None:
+        self.total, self.full, self._start = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+
+
 def measure(
     model: str,
     device: str,
@@ -77,8 +92,13 @@ def measure(
     )
     before = llm.metrics()
     params = SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, seed=0, max_tokens=gen, ignore_eos=True)
+    pauses = _GCPauses()
+    gc.callbacks.append(pauses)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        gc.callbacks.remove(pauses)
     elapsed = time.perf_counter() - t0
     after = llm.metrics()
     first = max(o.metrics["first_token_time"] for o in outs)
@@ -98,6 +118,8 @@ def measure(
         "kv_blocks_used_peak": after["kv_blocks_used_peak"],
         "prefill_s": first - t0,
         "elapsed_s": elapsed,
+        "gc_pause_s": pauses.total,  # Python's cyclic GC, all generations, in the timed run
+        "gc_full_passes": pauses.full,
         # the share of the GPU's time spent waiting for the host between steps (CUDA events; on a
         # CPU, the share of step time outside forward + sampling)
         "host_overhead_frac": gpu_idle_frac(before, after) if device == "cuda" else host / max(steps, 1e-9),
@@ -215,6 +237,7 @@ def main() -> None:
                 row[f"{mode}_tok_s"] = r["tok_s"]
                 row[f"{mode}_prefill_s"] = r["prefill_s"]
                 row[f"{mode}_host_overhead_frac"] = r["host_overhead_frac"]
+                row[f"{mode}_gc_pause_s"] = r["gc_pause_s"]
                 if mode == "auto":
                     row["host_overhead_frac"] = r["host_overhead_frac"]
                     row["host_ms_per_step"] = r["host_ms_per_step"]
