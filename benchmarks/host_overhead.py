@@ -464,7 +464,7 @@ def main() -> None:
         befores = [p["before_rows"] for p in payloads if p.get("before_rows")]
         befores += [json.loads(p.read_text())["rows"] for p in args.before or []]
         payload["before_rows"] = best_of(befores) if befores else None
-        payload["runs"] = len(payloads)
+        payload["runs"] = sum(p.get("runs", 1) for p in payloads)  # a regenerated file keeps its count
     else:
         configs = [
             (mode, variant, prefix, batch)
@@ -624,6 +624,16 @@ NOTES: list[str] = [
     "prompt's own id list when it has no holes (the engine reads only `Request.num_prompt_tokens`",
     "after admission): 101 ms for that step (`--finish --batches 1024 --prefixes 16384`: the stub",
     "engine run to completion).",
+    "",
+    "### Full GC passes (f8f1022)",
+    "",
+    "`--finish` also times one `gc.collect()` halfway through that run's decode, every request live.",
+    "With token ids and positions in lists a full pass visited each of them: 347 ms on the dev CPU at",
+    "B=1024, P=16K (1.8 s on the H100 host with the benchmark's own prompt lists, enough to idle the",
+    'GPU 16% of a run). They are `array("q")`s now, which a pass visits as one object: 101 ms, 75 ms',
+    "of it the imported modules' objects (a pass with no engine). The steady step above did not move",
+    "(B=256, P=16K: 2.02 -> 1.95 ms median; B=1024: 7.03 -> 7.12), nor the finishing step (64 ms on",
+    "that CPU before and after).",
 ]
 
 
