@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--own", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     args = ap.parse_args(argv)
     tp = args.tensor_parallel_size
-    path = RESULTS / f"{NAME}.json"
+    path = args.out / f"{NAME}.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     payload = {**run_info(), "tensor_parallel_size": tp, "gpus": torch.cuda.device_count()}
     payload.update({k: old.get(k, []) for k in ("grid", "compare")})
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def save() -> None:
-        write_results(NAME, payload, markdown(payload))
+        write_results(NAME, payload, markdown(payload), args.out)
 
     if "allreduce" in args.parts:
         cfg = _config(args.model)

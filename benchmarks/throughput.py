@@ -183,8 +183,8 @@ def main() -> None:
         "--out",
         type=Path,
         default=RESULTS,
-        help="where the grid's throughput.{json,md,png} go, and the dense.json the attainable step is "
-        "read from (--mixed and --tensor-parallel-size write to docs/benchmarks)",
+        help="where the results go (the grid's throughput.{json,md,png}, --mixed's throughput_mixed*, "
+        "--tensor-parallel-size's tensor_parallel.*), and the dense.json the attainable step is read from",
     )
     ap.add_argument(
         "--merge",
@@ -210,7 +210,9 @@ def main() -> None:
     if args.tensor_parallel_size > 1:
         from benchmarks import tensor_parallel
 
-        tensor_parallel.main(["--tensor-parallel-size", str(args.tensor_parallel_size), *rest])
+        tensor_parallel.main(
+            ["--tensor-parallel-size", str(args.tensor_parallel_size), "--out", str(args.out), *rest]
+        )
         return
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -410,7 +412,8 @@ def mixed_grid(args: argparse.Namespace) -> None:
                 f"{ratio:.3f}x | {x['mixed_graphs_mixed']}/{x['mixed_captures']} | "
                 f"{x['two_kernels_captures']} |"
             )
-        write_results(f"throughput_mixed{'_own' + str(own) if short else ''}", payload, "\n".join(md) + "\n")
+        name = f"throughput_mixed{'_own' + str(own) if short else ''}"
+        write_results(name, payload, "\n".join(md) + "\n", args.out)
 
 
 if __name__ == "__main__":
