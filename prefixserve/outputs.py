@@ -22,13 +22,15 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True, init=False, eq=False)
+@dataclass(slots=True, init=False, eq=False, repr=False)
 class RequestOutput:
     """A request's state as the caller sees it.
 
-    ``prompt_token_ids`` is a list made on first read from the engine's compact array (shared by a
-    request's outputs): most callers never read it, and 1,024 finished 16K-token prompts held as lists
-    would cost ~0.2 s to build and keep the GC walking 16M elements for as long as they are held.
+    ``prompt_token_ids`` is a list made on first read from the engine's compact array (one array
+    shared by a request's outputs; each output makes its own list): most callers never read it, and
+    1,024 finished 16K-token prompts held as lists would cost ~0.2 s to build and keep the GC walking
+    16M elements for as long as they are held. The dataclass field behind it is ``_prompt_ids``
+    (``dataclasses.asdict`` shows that name, holding the array); read the property instead.
     """
 
     request_id: str
@@ -65,11 +67,16 @@ class RequestOutput:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        """The prompt's ids (this output's own list: changing it changes nothing else)."""
+        """The prompt's ids as a list (made from the engine's array, so changing it changes nothing in
+        the engine or in the request's other outputs; one given as a list is returned as it is)."""
         ids = self._prompt_ids
         if type(ids) is not list:
-            ids = self._prompt_ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            ids = self._prompt_ids = _as_list(ids)
         return ids
+
+    @prompt_token_ids.setter
+    def prompt_token_ids(self, ids: Sequence[int]) -> None:
+        self._prompt_ids = ids
 
     @property
     def stored_prompt_token_ids(self) -> Sequence[int]:
@@ -99,8 +106,20 @@ class RequestOutput:
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as constructor arguments (an array stays compact)
         return RequestOutput, self._args()
 
+    def __repr__(self) -> str:  # the ids shown as a list, none kept
+        args = self._args()
+        shown = (*args[:2], _as_list(args[2]), *args[3:])
+        return f"RequestOutput({', '.join(f'{k}={v!r}' for k, v in zip(_INIT_NAMES, shown, strict=True))})"
+
     def __eq__(self, other: object) -> bool:  # the prompt's ids compared as values, list or array
         if not isinstance(other, RequestOutput):
             return NotImplemented
         mine, theirs = self._args(), other._args()
-        return mine[:2] + mine[3:] == theirs[:2] + theirs[3:] and list(mine[2]) == list(theirs[2])
+        return mine[:2] + mine[3:] == theirs[:2] + theirs[3:] and _as_list(mine[2]) == _as_list(theirs[2])
+
+
+def _as_list(ids: Sequence[int]) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+_INIT_NAMES = tuple(RequestOutput.__init__.__code__.co_varnames[1:11])  # the constructor's argument names

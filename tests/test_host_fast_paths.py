@@ -279,8 +279,9 @@ def test_host_plan_seg_rows_equal_the_rebuilt_rows(seed: int) -> None:
 
 def test_output_prompt_list_is_not_read_by_the_engine(tiny_config_path) -> None:
     """Outputs hold the request's own prompt array (no copy per request) and make a list when read:
-    a caller that changes that list changes neither what the engine generates (lengths come from
-    ``num_prompt_tokens``) nor the request's later outputs."""
+    a caller that changes that list changes nothing else, and one that changes the array itself
+    (``stored_prompt_token_ids``: read, do not modify) changes only what later outputs report, not
+    what the engine generates (lengths come from ``num_prompt_tokens``)."""
     reference: list[int] = []
     for mutate in (False, True):
         llm = _llm(tiny_config_path, async_scheduling=True, always_check=False)
@@ -292,12 +293,13 @@ def test_output_prompt_list_is_not_read_by_the_engine(tiny_config_path) -> None:
         while engine.has_unfinished():
             got = engine.step()
             if mutate and got and not outs:
-                got[0].prompt_token_ids.extend([1, 2, 3])
+                got[0].stored_prompt_token_ids.extend([4, 4])  # the engine's own array
+                got[0].prompt_token_ids.extend([1, 2, 3])  # the output's list, made from it
             outs += got
         final = outs[-1].outputs[0]
         if mutate:
-            assert final.token_ids == reference and outs[-1].prompt_token_ids == [5, 6, 7, 8]
-            assert outs[0].prompt_token_ids == [5, 6, 7, 8, 1, 2, 3]
+            assert final.token_ids == reference and outs[-1].prompt_token_ids == [5, 6, 7, 8, 4, 4]
+            assert outs[0].prompt_token_ids == [5, 6, 7, 8, 4, 4, 1, 2, 3]
         else:
             reference = final.token_ids
             assert len(reference) == 4

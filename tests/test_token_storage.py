@@ -12,7 +12,9 @@ import gc
 import pickle
 from array import array
 
+import numpy as np
 import pytest
+import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.outputs import CompletionOutput, RequestOutput
@@ -86,12 +88,20 @@ def test_output_prompt_ids_are_made_on_read_and_pickle_compact() -> None:
 
 @pytest.mark.parametrize(
     "positions, message",
-    [([0, 1, 2.5], "prompt_positions must be integers"), ([0, 1], "one position per prompt token")],
+    [
+        ([0, 1, 2.5], "prompt_positions must be integers"),
+        ([0, 1], "one position per prompt token"),
+        (b"\x00" * 24, "prompt_positions must be a sequence of integers, not bytes"),
+        (3, "prompt_positions must be a sequence of integers, not int"),
+        ([0, 1, 2**63], "prompt_positions must be integers"),
+    ],
 )
 def test_bad_positions_are_refused_and_the_engine_serves_on(llm: LLM, positions, message) -> None:
     engine = llm.engine
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", prompt_token_ids=[5, 6, 7], prompt_positions=positions)
+    numpy_positions = {"prompt_token_ids": [5, 6, 7], "positions": np.arange(3)}
+    assert llm.generate(numpy_positions, SamplingParams(temperature=0, max_tokens=3))[0].finished
     good = llm.generate(
         {"prompt_token_ids": [5, 6, 7], "positions": [0, 1, 2]}, SamplingParams(temperature=0, max_tokens=3)
     )
@@ -100,10 +110,49 @@ def test_bad_positions_are_refused_and_the_engine_serves_on(llm: LLM, positions,
     assert_pool_empty(llm)
 
 
+def test_prompt_ids_as_text_are_refused(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt_token_ids must be a sequence of integers, not str"):
+        llm.engine.add_request("bad", prompt_token_ids="123")
+    assert_pool_empty(llm)
+
+
+def test_output_repr_and_assignment_show_lists() -> None:
+    out = RequestOutput("r", None, array("q", [4, 2]), [], False)
+    assert "prompt_token_ids=[4, 2]" in repr(out) and type(out._prompt_ids) is array  # repr keeps none
+    out.prompt_token_ids = [1]
+    assert out.prompt_token_ids == [1] and out.num_prompt_tokens == 1
+
+
+def test_engine_process_wire_carries_the_array(llm: LLM) -> None:
+    """The server's engine process sends the prompt's array once (pickled compact); the server side's
+    outputs share it and each makes its list when read."""
+    from prefixserve.entrypoints.engine_process import OutputDecoder, OutputEncoder
+
+    engine = llm.engine
+    engine.add_request(
+        "s", prompt_token_ids=[9, 8, 7], params=SamplingParams(temperature=0, max_tokens=3), stream=True
+    )
+    encoder, decoder, got = OutputEncoder(), OutputDecoder(), []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert type(out.stored_prompt_token_ids) is array
+            got.append(decoder.decode(pickle.loads(pickle.dumps(encoder.encode(out)))))
+    assert len(got) >= 2 and all(type(o.stored_prompt_token_ids) is array for o in got)
+    assert got[0].stored_prompt_token_ids is got[-1].stored_prompt_token_ids
+    assert got[-1].prompt_token_ids == [9, 8, 7] and len(got[-1].outputs[0].token_ids) == 3
+    assert_pool_empty(llm)
+
+
 def test_prompts_given_as_arrays_or_tuples_run_like_lists(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=4)
     want = llm.generate({"prompt_token_ids": [11, 12, 13, 14]}, params)[0].outputs[0].token_ids
-    for given in (array("q", [11, 12, 13, 14]), array("i", [11, 12, 13, 14]), (11, 12, 13, 14)):
+    for given in (
+        array("q", [11, 12, 13, 14]),
+        array("i", [11, 12, 13, 14]),
+        (11, 12, 13, 14),
+        np.array([11, 12, 13, 14], dtype=np.int32),
+        torch.tensor([11, 12, 13, 14]),
+    ):
         out = llm.generate({"prompt_token_ids": given}, params)[0]
         assert out.outputs[0].token_ids == want and out.prompt_token_ids == [11, 12, 13, 14]
     assert_pool_empty(llm)

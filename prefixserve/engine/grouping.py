@@ -17,10 +17,10 @@ from prefixserve.sequence import Request, TokenArray
 DEFAULT_DECODE = 16  # decode length assumed for ordering when a request sets no max_tokens
 
 
-def _counts_up(positions: TokenArray) -> bool:
-    """Positions 0, 1, 2, ... (the prompt's own), checked without a Python loop."""
-    n = len(positions)
-    return n == 0 or bool((np.frombuffer(positions, dtype=np.int64) == np.arange(n)).all())
+def _position_key(positions: TokenArray) -> bytes | None:
+    """None for positions 0, 1, 2, ... (the prompt's own), else their bytes; no Python loop."""
+    pos = np.asarray(positions, dtype=np.int64)
+    return None if np.array_equal(pos, np.arange(len(pos))) else pos.tobytes()
 
 
 def queue_groups(engine: Any, requests: Sequence[Request], grouping: str = "first_level") -> BatchPlan:
@@ -33,10 +33,7 @@ def queue_groups(engine: Any, requests: Sequence[Request], grouping: str = "firs
         if r.module_blocks:
             engine.add_group([r], 0)
     requests = [r for r in requests if not r.module_blocks]
-    keys = [
-        (r.cache_salt, None if _counts_up(r.prompt_positions) else r.prompt_positions.tobytes())
-        for r in requests
-    ]
+    keys = [(r.cache_salt, _position_key(r.prompt_positions)) for r in requests]
     plan = plan_batch(
         [r.prompt_token_ids for r in requests],
         salts=keys,

@@ -79,6 +79,14 @@ def _tune_gc() -> None:
     gc.set_threshold(max(threshold0, GC_THRESHOLD0), threshold1, threshold2)
 
 
+def _int_list(values: Any, name: str) -> list[Any]:
+    """A caller's ids or positions as a list: arrays, numpy arrays and tensors through ``tolist`` (plain
+    ints at C speed, which the checks after it take fast); text, bytes and scalars refused by name."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of integers, not {type(values).__name__}")
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
 def _valid_token_ids(tokens: list[int], vocab: int) -> bool:
     """All ids integers in [0, vocab). Plain ints are checked at C speed (type set, min, max): a
     per-token generator cost about a millisecond per 8K-token prompt on the server's engine thread."""
@@ -397,8 +405,7 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        # arrays, numpy arrays and tensors give plain ints at C speed (the id check is fast for those)
-        tokens = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
+        tokens = _int_list(prompt_token_ids, "prompt_token_ids")
         pinned = None
         if application is not None:
             pinned = self.pinned.get(application)
@@ -453,10 +460,15 @@ class Engine:
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {len(tokens)} tokens and the "
                 f"context length is {self.max_model_len}, so at most {room} tokens can be generated"
             )
+        given = (
+            range(len(tokens))
+            if prompt_positions is None
+            else _int_list(prompt_positions, "prompt_positions")
+        )
         try:
-            positions = token_array(range(len(tokens)) if prompt_positions is None else prompt_positions)
+            positions = token_array(given)
         except (TypeError, OverflowError):
-            raise ValueError("prompt_positions must be integers") from None
+            raise ValueError("prompt_positions must be integers (int64)") from None
         if len(positions) != len(tokens):
             raise ValueError("prompt_positions must have one position per prompt token")
         ids = token_array(tokens)
