@@ -282,9 +282,9 @@ def test_gate_up_rule_and_refusals() -> None:
     x4k = torch.randn(16, 256, dtype=torch.float16, device=DEVICE)
     assert gate_up.gate_up_silu(x4k, torch.randn(8192, 256, dtype=torch.float16, device=DEVICE)) is None
     assert skinny_matmul.gated_config(64, 14336) == (64, 4)
-    assert gate_up.tiled_config(512) is None  # cuBLAS and the SiLU kernel were faster there
-    assert gate_up.tiled_config(320) is None and gate_up.tiled_config(1024) is None
-    assert gate_up.tiled_config(256) == (128, 128, 64, 4, 8)
+    assert gate_up.tiled_config(128) == (128, 64, 64, 5, 4)
+    for m in (129, 160, 192, 256, 320, 512, 1024):  # cuBLAS and the SiLU kernel were as fast or faster
+        assert gate_up.tiled_config(m) is None
 
 
 def test_linear_silu_and_mul_is_torch_off_cuda() -> None:
@@ -296,7 +296,7 @@ def test_linear_silu_and_mul_is_torch_off_cuda() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 65, 192, 256])
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 128])
 def test_gate_up_rule_tiles_compile_and_replay_in_a_graph(m: int) -> None:
     """The tiles the rules pick (a weight of 8,192 output columns, bf16) compile, match the unfused
     pair, and replay from a CUDA graph (the descriptors are built at capture) with new inputs."""

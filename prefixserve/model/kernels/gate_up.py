@@ -1,17 +1,18 @@
 """The MLP's first half in one kernel: ``silu(x W_gate^T) * (x W_up^T)`` from the fused gate-up weight.
 
 Unfused, the gate-up GEMM writes a [T, 2I] tensor and SiLU-and-mul reads it back to write [T, I]:
-at 1-256 rows of Llama-3.1-8B that is a kernel a layer and 2-5% of the projection's time
+at 1-128 rows of Llama-3.1-8B that is a kernel a layer and 2-5% of the projection's time
 (docs/kernels.md §7). Here each program computes matching [BLOCK_M, BLOCK_N] tiles of the gate and
 the up products (two accumulators over the same x tiles; the weight stays [gate; up] as loaded) and
 applies the activation in the epilogue, so only [T, I] is written. The activation rounds exactly as
 the unfused path does (``silu_mul``): the two products to the model dtype, the SiLU to it.
 
-Rows up to ``skinny_matmul.MAX_ROWS`` take the skinny kernel's gated form (a weight read); up to 256
+Rows up to ``skinny_matmul.MAX_ROWS`` take the skinny kernel's gated form (a weight read); up to 128
 rows the tiled kernel below (TMA loads, a software pipeline of ``STAGES`` k-steps, tiles grouped
 along M so a band of weight columns is read from L2 by the programs of nearby rows). ``gate_up_silu``
 returns None where its rule says the unfused pair (cuBLAS, then the SiLU-and-mul kernel) is as fast:
-more rows, where the product is compute-bound and the saved bytes hide under the FLOPs anyway.
+more rows, where cuBLAS's tiles fit the row count better and, further on, the product is
+compute-bound and the saved bytes hide under the FLOPs anyway.
 """
 
 from __future__ import annotations
@@ -74,19 +75,14 @@ GROUP_M = 8
 
 
 def tiled_config(m: int) -> TileConfig | None:
-    """Tiles for ``m`` rows over 64, or None where cuBLAS plus the SiLU-and-mul kernel was as fast
-    (``benchmarks/probes/gate_up_gemm.py`` on an H100, Llama-3.1-8B's gate-up; docs/kernels.md §7).
-    Up to 256 rows the product is a weight read and the fused kernel saves the [T, 2I] round trip
-    (5% a call). From 320 rows it was level or slower in alternating runs: at 320 the tiles fill 2.5
-    waves of 132 SMs, and from 768 the product is compute-bound, where cuBLAS's GEMM runs about 7%
-    faster than this kernel's and whole decode steps measured level (B=1024: 0.994x)."""
-    if m <= 128:
-        return 128, 64, 64, 5, 4
-    if m <= 192:
-        return 64, 128, 64, 5, 4
-    if m <= 256:
-        return 128, 128, 64, 4, 8
-    return None
+    """Tiles for ``m`` rows over 64, or None where cuBLAS plus the SiLU-and-mul kernel was as fast or
+    faster (``benchmarks/probes/gate_up_gemm.py --ab``, alternating calls, Llama-3.1-8B's gate-up;
+    docs/kernels.md §7). Up to 128 rows the product is a weight read and the fused kernel saves the
+    [T, 2I] round trip: 5% a call on an H100 and an H200. From 129 rows the tiles quantize badly
+    against cuBLAS's: 27% slower at 160 rows on an H200 (10% on an H100), 5-9% slower at 192-224 on
+    an H200; at 256 rows 2-5% faster a call but level in whole H200 decode steps (0.993x), and from
+    768 rows cuBLAS's compute-bound GEMM is about 7% faster than this kernel's."""
+    return (128, 64, 64, 5, 4) if m <= 128 else None
 
 
 @functools.cache
