@@ -28,6 +28,18 @@ def token_array(values: Iterable[int] = ()) -> TokenArray:
     return array("q", values)
 
 
+_counting = array("q")  # 0, 1, 2, ...: grown on demand, sliced by ``counting_positions``
+
+
+def counting_positions(n: int) -> TokenArray:
+    """Positions 0..n-1 as a new ``TokenArray``: a slice (a copy) of one growing array, since
+    building them from ``range`` took ~0.6 ms per 16K tokens on the dev CPU, ~200x the slice."""
+    global _counting
+    if len(_counting) < n:
+        _counting = array("q", range(max(n, 2 * len(_counting))))
+    return _counting[:n]
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -156,3 +156,14 @@ def test_prompts_given_as_arrays_or_tuples_run_like_lists(llm: LLM) -> None:
         out = llm.generate({"prompt_token_ids": given}, params)[0]
         assert out.outputs[0].token_ids == want and out.prompt_token_ids == [11, 12, 13, 14]
     assert_pool_empty(llm)
+
+
+def test_counting_positions_are_fresh_copies_of_0_to_n() -> None:
+    from prefixserve.sequence import counting_positions
+
+    for n in (0, 1, 5, 3000, 7, 10_000):  # grows past its length, then serves shorter ones
+        got = counting_positions(n)
+        assert type(got) is array and got.typecode == "q" and got.tolist() == list(range(n))
+    mine = counting_positions(4)
+    mine.append(99)  # a request's own array: changing it changes no other request's
+    assert counting_positions(5).tolist() == [0, 1, 2, 3, 4]

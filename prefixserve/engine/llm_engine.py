@@ -39,7 +39,7 @@ from prefixserve.sampling.sampler import SampleResult
 from prefixserve.scheduler.blocks import BlockManager
 from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from prefixserve.sequence import Request, SeqStatus, Sequence, TokenArray, token_array
+from prefixserve.sequence import Request, SeqStatus, Sequence, TokenArray, counting_positions, token_array
 
 log = logging.getLogger(__name__)
 
@@ -460,15 +460,13 @@ class Engine:
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {len(tokens)} tokens and the "
                 f"context length is {self.max_model_len}, so at most {room} tokens can be generated"
             )
-        given = (
-            range(len(tokens))
-            if prompt_positions is None
-            else _int_list(prompt_positions, "prompt_positions")
-        )
-        try:
-            positions = token_array(given)
-        except (TypeError, OverflowError):
-            raise ValueError("prompt_positions must be integers (int64)") from None
+        if prompt_positions is None:
+            positions = counting_positions(len(tokens))
+        else:
+            try:
+                positions = token_array(_int_list(prompt_positions, "prompt_positions"))
+            except (TypeError, OverflowError):
+                raise ValueError("prompt_positions must be integers (int64)") from None
         if len(positions) != len(tokens):
             raise ValueError("prompt_positions must have one position per prompt token")
         ids = token_array(tokens)
