@@ -139,9 +139,8 @@ def ab(row_counts: list[int], rounds: int) -> None:
                 pair.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies))
             rule.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies))
         p, r = sorted(pair)[rounds // 2], sorted(rule)[rounds // 2]
-        tiles = (
-            gate_up.tiled_config(m) if m > skinny_matmul.MAX_ROWS else skinny_matmul.gated_config(m, INTER)
-        )
+        rule_of = gate_up.tiled_config if m > skinny_matmul.MAX_ROWS else skinny_matmul.gated_config
+        tiles = rule_of(m, INTER)
         print(
             f"| {m} | pair {p * 1e3:.1f} us | rule {r * 1e3:.1f} us {tiles} | pair / rule {p / r:.3f} |",
             flush=True,

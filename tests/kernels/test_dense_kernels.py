@@ -282,9 +282,10 @@ def test_gate_up_rule_and_refusals() -> None:
     x4k = torch.randn(16, 256, dtype=torch.float16, device=DEVICE)
     assert gate_up.gate_up_silu(x4k, torch.randn(8192, 256, dtype=torch.float16, device=DEVICE)) is None
     assert skinny_matmul.gated_config(64, 14336) == (64, 4)
-    assert gate_up.tiled_config(128) == (128, 64, 64, 5, 4)
+    assert gate_up.tiled_config(128, 14336) == (128, 64, 64, 5, 4)
+    assert gate_up.tiled_config(128, 4096) is None  # narrower than the sweep's: the pair
     for m in (129, 160, 192, 256, 320, 512, 1024):  # cuBLAS and the SiLU kernel were as fast or faster
-        assert gate_up.tiled_config(m) is None
+        assert gate_up.tiled_config(m, 14336) is None
 
 
 def test_linear_silu_and_mul_is_torch_off_cuda() -> None:

@@ -74,14 +74,18 @@ def _gate_up_kernel(
 GROUP_M = 8
 
 
-def tiled_config(m: int) -> TileConfig | None:
-    """Tiles for ``m`` rows over 64, or None where cuBLAS plus the SiLU-and-mul kernel was as fast or
+def tiled_config(m: int, n: int) -> TileConfig | None:
+    """Tiles for ``m`` rows over 64 and ``n`` output columns, or None where cuBLAS plus the SiLU-and-mul
+    kernel should run: narrower than ``skinny_matmul.MIN_GATED_COLUMNS`` (unmeasured, as for the
+    gated form), or where it was as fast or
     faster (``benchmarks/probes/gate_up_gemm.py --ab``, alternating calls, Llama-3.1-8B's gate-up;
     docs/kernels.md §7). Up to 128 rows the product is a weight read and the fused kernel saves the
     [T, 2I] round trip: 5% a call on an H100 and an H200. From 129 rows the tiles quantize badly
     against cuBLAS's: 27% slower at 160 rows on an H200 (10% on an H100), 5-9% slower at 192-224 on
     an H200; at 256 rows 2-5% faster a call but level in whole H200 decode steps (0.993x), and from
     768 rows cuBLAS's compute-bound GEMM is about 7% faster than this kernel's."""
+    if n < skinny_matmul.MIN_GATED_COLUMNS:
+        return None
     return (128, 64, 64, 5, 4) if m <= 128 else None
 
 
@@ -145,11 +149,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     m, inter = x.shape[0], weight.shape[0] // 2
     if m <= skinny_matmul.MAX_ROWS:
-        config = skinny_matmul.gated_config(m, inter)
+        config = skinny_matmul.gated_config(m, inter)  # None below MIN_GATED_COLUMNS
         return None if config is None else skinny_matmul.gated(x, weight, config)
-    if inter < skinny_matmul.MIN_GATED_COLUMNS:
-        return None
-    tiles = tiled_config(m)
+    tiles = tiled_config(m, inter)
     return None if tiles is None else gate_up_tiled(x, weight, tiles)
 
 
