@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,4 +123,4 @@ def _as_list(ids: Sequence[int]) -> list[int]:
     return ids.tolist() if hasattr(ids, "tolist") else list(ids)
 
 
-_INIT_NAMES = tuple(RequestOutput.__init__.__code__.co_varnames[1:11])  # the constructor's argument names
+_INIT_NAMES = tuple(inspect.signature(RequestOutput.__init__).parameters)[1:]  # the constructor's arguments
