@@ -46,6 +46,21 @@ def default_llm() -> LLM:
     return LLM(dtype="float32", device="cpu", attention="reference", num_kv_blocks=1024, progress=False)
 
 
+def tiny_cascade_llm(tiny_config_path: Path, async_scheduling: bool, blocks: int = 512) -> LLM:
+    """The tiny dummy model on the CPU with the cascade backend and small prefill chunks (96 tokens),
+    so a few short prompts exercise chunking, sharing and, with ``async_scheduling``, steps launched
+    ahead."""
+    return LLM(
+        model=f"dummy:{tiny_config_path}",
+        device="cpu",
+        attention="cascade",
+        num_kv_blocks=blocks,
+        max_num_batched_tokens=96,
+        async_scheduling=async_scheduling,
+        progress=False,
+    )
+
+
 def assert_pool_empty(llm: LLM) -> None:
     """Every block is back in the pool and the pool's books balance."""
     engine = llm.engine

@@ -13,19 +13,11 @@ import pytest
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine import PLACEHOLDER_TOKEN
-from tests.conftest import assert_pool_empty
+from tests.conftest import assert_pool_empty, tiny_cascade_llm
 
 
 def _llm(tiny_config_path, async_scheduling: bool, blocks: int = 512) -> LLM:
-    return LLM(
-        model=f"dummy:{tiny_config_path}",
-        device="cpu",
-        attention="cascade",
-        num_kv_blocks=blocks,
-        max_num_batched_tokens=96,
-        async_scheduling=async_scheduling,
-        progress=False,
-    )
+    return tiny_cascade_llm(tiny_config_path, async_scheduling, blocks)
 
 
 def _workload() -> tuple[list[dict], list[SamplingParams]]:

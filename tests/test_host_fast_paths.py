@@ -28,7 +28,7 @@ from prefixserve.attention.plan import make_plan
 from prefixserve.engine.llm_engine import Engine
 from prefixserve.engine.output_processor import stop_possible, stop_reason
 from prefixserve.sequence import Request, SeqStatus, Sequence
-from tests.conftest import assert_pool_empty
+from tests.conftest import assert_pool_empty, tiny_cascade_llm
 
 
 class AlwaysCheckEngine(Engine):
@@ -66,15 +66,7 @@ def _llm(tiny_config_path, async_scheduling: bool, always_check: bool, blocks: i
     saved = llm_mod.Engine
     llm_mod.Engine = AlwaysCheckEngine if always_check else Engine  # what LLM builds
     try:
-        llm = LLM(
-            model=f"dummy:{tiny_config_path}",
-            device="cpu",
-            attention="cascade",
-            num_kv_blocks=blocks,
-            max_num_batched_tokens=96,
-            async_scheduling=async_scheduling,
-            progress=False,
-        )
+        llm = tiny_cascade_llm(tiny_config_path, async_scheduling, blocks)
     finally:
         llm_mod.Engine = saved
     assert isinstance(llm.engine, AlwaysCheckEngine) == always_check
