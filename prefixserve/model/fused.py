@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-_SWITCHES = {"triton": True, "skinny": True, "tiled": True, "gate_up": True}  # the A/B switches below
+_SWITCHES = {"triton": True, "skinny": True, "gate_up": True}  # the A/B switches below, read on every call
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
 
@@ -56,12 +56,6 @@ def skinny_matmuls(enabled: bool) -> contextlib.AbstractContextManager[None]:
     return _switched("skinny", enabled)
 
 
-def tiled_matmuls(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, linear layers of a few hundred to a thousand rows take the tiled kernel where
-    its rule says (True) or cuBLAS always (False): A/B runs of that kernel alone."""
-    return _switched("tiled", enabled)
-
-
 def gate_up_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, the MLP's gate-up projection and SiLU-and-mul run as one kernel where its
     rule says (True) or as the matmul then the SiLU-and-mul kernel (False): A/B runs."""
@@ -70,21 +64,13 @@ def gate_up_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; on CUDA, a decode step's few rows through the skinny kernel wherever its sweep
-    read the weight faster than cuBLAS (``kernels/skinny_matmul.py``), and the products whose
-    cuBLAS tiles fill the SMs badly through the tiled kernel (``kernels/tiled_matmul.py``)."""
-    if _use_triton(x):
-        if _SWITCHES["skinny"]:
-            from prefixserve.model.kernels import skinny_matmul
+    read the weight faster than cuBLAS (``kernels/skinny_matmul.py``)."""
+    if _SWITCHES["skinny"] and _use_triton(x):
+        from prefixserve.model.kernels import skinny_matmul
 
-            out = skinny_matmul.linear_if_faster(x, weight, bias)
-            if out is not None:
-                return out
-        if _SWITCHES["tiled"]:
-            from prefixserve.model.kernels import tiled_matmul
-
-            out = tiled_matmul.linear_if_faster(x, weight, bias)
-            if out is not None:
-                return out
+        out = skinny_matmul.linear_if_faster(x, weight, bias)
+        if out is not None:
+            return out
     return F.linear(x, weight, bias)
 
 
@@ -200,6 +186,5 @@ __all__ = [
     "rope_qkv",
     "silu_and_mul",
     "skinny_matmuls",
-    "tiled_matmuls",
     "triton_kernels",
 ]
