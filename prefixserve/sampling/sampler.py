@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixserve.sampling.argmax import argmax_rows
 from prefixserve.sampling.params import SamplingParams
 
 
@@ -171,12 +172,12 @@ def sample_async(
     greedy = [i for i, p in enumerate(params) if p.greedy]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(greedy) == rows:  # the common all-greedy batch: no index tensors
-        tokens = logits.argmax(-1)
+        tokens = argmax_rows(logits)
     else:
         tokens = torch.empty(rows, dtype=torch.long, device=dev)
         if greedy:
             idx = _to_device(greedy, dev)
-            tokens[idx] = logits[idx].argmax(-1)
+            tokens[idx] = argmax_rows(logits[idx])
         idx = _to_device(random_rows, dev)
         rows_params = [params[i] for i in random_rows]
         tokens[idx] = _draw(logits[idx], rows_params, [generators[i] for i in random_rows], default_generator)
