@@ -2,8 +2,10 @@
 
 Modes: the rules (``auto``), the mixed kernel forced on or off (PREFIXSERVE_MIXED, read per call by
 ``prefixserve/config.py``), the mixed kernel with its own tiles forced to 64 or 128 rows
-(``mixed_rule.own_rows_for`` replaced in this process), and the rules with every linear layer on
-cuBLAS (``cublas_dense``: ``fused.skinny_matmuls(False)``). Every measurement builds a fresh engine
+(``mixed_rule.own_rows_for`` replaced in this process), the rules with every linear layer on
+cuBLAS (``cublas_dense``: ``fused.skinny_matmuls(False)``), and the rules with the mixed kernel's
+rings as 2 slots of 128-token shared tiles and 2 own slots (``mixed_n128``: ``mixed_gluon``'s ring
+constants replaced in this process). Every measurement builds a fresh engine
 (``benchmarks.throughput.measure``: a warm-up run of the same shape, then the timed run), so each mode
 captures its own graphs. Prints a table; ``--json`` keeps it.
 
@@ -18,7 +20,7 @@ import os
 import time
 
 from benchmarks.throughput import _prompts, measure
-from prefixserve.attention.kernels import mixed_rule
+from prefixserve.attention.kernels import mixed_gluon, mixed_rule
 from prefixserve.model import fused
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
@@ -30,7 +32,10 @@ MODES = {  # environment switches (prefixserve/config.py) and in-process overrid
     "mixed64": {"PREFIXSERVE_MIXED": "1", "own_m": 64},
     "mixed128": {"PREFIXSERVE_MIXED": "1", "own_m": 128},
     "cublas_dense": {"skinny": False},  # the rules, every linear layer on cuBLAS
+    # the rules, the mixed kernel's shared ring as 2 slots of 128-token tiles (own ring: 2 slots)
+    "mixed_n128": {"ring": (128, 2, 2)},
 }
+RING = (mixed_gluon.SHARED_N, mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
 
 
 def set_mode(mode: str) -> None:
@@ -40,6 +45,8 @@ def set_mode(mode: str) -> None:
     os.environ.update({k: v for k, v in MODES[mode].items() if k.startswith("PREFIXSERVE_")})
     own_m = MODES[mode].get("own_m")
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
+    ring = MODES[mode].get("ring", RING)
+    mixed_gluon.SHARED_N, mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES = ring
 
 
 def main() -> None:
