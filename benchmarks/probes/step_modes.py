@@ -4,8 +4,8 @@ Modes: the rules (``auto``), the mixed kernel forced on or off (PREFIXSERVE_MIXE
 ``prefixserve/config.py``), the mixed kernel with its own tiles forced to 64 or 128 rows
 (``mixed_rule.own_rows_for`` replaced in this process), the rules with every linear layer on
 cuBLAS (``cublas_dense``: ``fused.skinny_matmuls(False)``), and the rules with the mixed kernel's
-rings as 2 slots of 128-token shared tiles and 2 own slots (``mixed_n128``: ``mixed_gluon``'s ring
-constants replaced in this process). Every measurement builds a fresh engine
+shared tiles forced to 64 or 128 tokens (``shared64``, ``shared128``: ``mixed_rule.shared_tokens_for``
+replaced in this process). Every measurement builds a fresh engine
 (``benchmarks.throughput.measure``: a warm-up run of the same shape, then the timed run), so each mode
 captures its own graphs. Prints a table; ``--json`` keeps it.
 
@@ -20,7 +20,7 @@ import os
 import time
 
 from benchmarks.throughput import _prompts, measure
-from prefixserve.attention.kernels import mixed_gluon, mixed_rule
+from prefixserve.attention.kernels import mixed_rule
 from prefixserve.model import fused
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
@@ -32,10 +32,11 @@ MODES = {  # environment switches (prefixserve/config.py) and in-process overrid
     "mixed64": {"PREFIXSERVE_MIXED": "1", "own_m": 64},
     "mixed128": {"PREFIXSERVE_MIXED": "1", "own_m": 128},
     "cublas_dense": {"skinny": False},  # the rules, every linear layer on cuBLAS
-    # the rules, the mixed kernel's shared ring as 2 slots of 128-token tiles (own ring: 2 slots)
-    "mixed_n128": {"ring": (128, 2, 2)},
+    # the rules, the mixed kernel's shared tiles forced to 64 or 128 tokens (128 needs 64-row own tiles)
+    "shared64": {"shared_n": 64},
+    "shared128": {"shared_n": 128},
 }
-RING = (mixed_gluon.SHARED_N, mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
+SHARED_TOKENS_FOR = mixed_rule.shared_tokens_for
 
 
 def set_mode(mode: str) -> None:
@@ -45,8 +46,8 @@ def set_mode(mode: str) -> None:
     os.environ.update({k: v for k, v in MODES[mode].items() if k.startswith("PREFIXSERVE_")})
     own_m = MODES[mode].get("own_m")
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
-    ring = MODES[mode].get("ring", RING)
-    mixed_gluon.SHARED_N, mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES = ring
+    shared_n = MODES[mode].get("shared_n")
+    mixed_rule.shared_tokens_for = (lambda *a: shared_n) if shared_n else SHARED_TOKENS_FOR
 
 
 def main() -> None:

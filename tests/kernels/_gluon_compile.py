@@ -4,8 +4,8 @@ A separate process: tests/kernels/conftest.py sets TRITON_INTERPRET=1 for the tl
 Triton is imported, and under it Triton's own library functions (``gl.max``...) are built for the
 interpreter, which the real compiler refuses.
 
-Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, mixed or mixed128: the mixed
-kernel with 128-row own tiles; DTYPE bf16 or fp16)
+Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, mixed, mixed128: the mixed
+kernel with 128-row own tiles, or mixedheavy: with 128-token shared tiles; DTYPE bf16 or fp16)
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"  # register counts t
 def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: str = "shared"):
     """triton.compile of the shipped configuration of the shared (or the mixed) kernel for sm_90."""
     own_m = 128 if kernel_name == "mixed128" else 64
-    kernel_name = "mixed" if kernel_name == "mixed128" else kernel_name
+    shared_n = 128 if kernel_name == "mixedheavy" else 64
+    kernel_name = "mixed" if kernel_name.startswith("mixed") else kernel_name
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -41,13 +42,13 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     consts = {"GROUP": group, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": 3}
     if kernel_name == "mixed":
         kernel = mixed_gluon.mixed_gluon_kernel
-        desc = mangle_type(gluon_attend.gluon_descriptor(cache, mixed_gluon.SHARED_N))
+        desc = mangle_type(gluon_attend.gluon_descriptor(cache, shared_n))
         own = mangle_type(mixed_gluon.own_descriptor(cache, own_m))
         types |= {"k_desc": desc, "v_desc": desc, "ko_desc": own, "vo_desc": own}
         types |= {"own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
         ht, rows = mixed_rule.own_tiling(group * 8, 8, 16, own_m)  # 8 KV heads, as the 8B models
-        shared_stages, own_stages = mixed_gluon.ring_stages(own_m)
-        consts |= {"BLOCK_N": mixed_gluon.SHARED_N, "STAGES": shared_stages}
+        shared_stages, own_stages = mixed_gluon.ring_stages(own_m, shared_n)
+        consts |= {"BLOCK_N": shared_n, "STAGES": shared_stages}
         consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
         consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
         maxnreg = mixed_gluon.MAXNREG

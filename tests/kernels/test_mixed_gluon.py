@@ -108,7 +108,29 @@ def test_own_rows_rule(monkeypatch) -> None:
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 64
     assert mixed_gluon.ring_stages(128) == (2, 2)
     assert mixed_gluon.ring_stages(64) == (mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
+    assert mixed_gluon.ring_stages(64, 128) == (2, 2)  # 128-token shared tiles: 64 KB a slot
+    with pytest.raises(ValueError, match="do not fit"):
+        mixed_gluon.ring_stages(128, 128)
     assert mixed_rule.own_tiling(32, 8, 16, 128) == (2, 8)  # 64 tokens of each of two heads
+
+
+def test_shared_tokens_rule(monkeypatch) -> None:
+    """128-token shared tiles in shared-heavy steps with 64-row own tiles (measured faster in whole
+    decode steps on a 16K prefix), 64 elsewhere; ``mixed_rows`` returns both as ``MixedTiles``."""
+    heavy = mixed_rule.SHARED_HEAVY * 256 * 128
+    assert mixed_rule.shared_tokens_for(64, 256 * 128, 256 * 16384) == 128  # 256 x 16K
+    assert mixed_rule.shared_tokens_for(64, 256 * 128, heavy) == 128  # the boundary
+    assert mixed_rule.shared_tokens_for(64, 256 * 128, heavy - 1) == 64
+    assert mixed_rule.shared_tokens_for(128, 256 * 128, 2 * heavy) == 64  # 128-row own tiles: no room
+    monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: ("ptxas", "12.9"))
+    monkeypatch.setattr(mixed_rule, "use_mixed", lambda *a, **kw: True)
+    dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
+    tiles_16k = mixed_rule.mixed_rows(dev, bf16, shape, _work(), 1, 1024 * 16384, 1024 * 128, 1024)
+    assert tiles_16k == mixed_rule.MixedTiles(64, 128) and tiles_16k.shared_n == 128
+    tiles_4k = mixed_rule.mixed_rows(dev, bf16, shape, _work(), 1, 1024 * 4096, 1024 * 128, 1024)
+    assert tiles_4k == (128, 64)  # short own parts on a 4K prefix: 128-row own tiles
+    monkeypatch.setattr(mixed_rule, "use_mixed", lambda *a, **kw: False)
+    assert mixed_rule.mixed_rows(dev, bf16, shape, _work(), 1, 1, 1, 1) is None
 
 
 @pytest.mark.skipif(not shared_gluon.GLUON, reason="this Triton has no Gluon")
@@ -148,10 +170,16 @@ def _decode_batch(groups, bs, hq, hkv, dim, dtype, seed):
     return q, k, v, meta
 
 
-def _force_own_rows(monkeypatch, own_m: str) -> None:
-    """Own tiles of ``own_m`` rows whatever ``own_rows_for`` would pick (both heights are tested)."""
+def _force_own_rows(monkeypatch, own_m: str, shared_n: int = mixed_rule.SHARED_N) -> None:
+    """Own tiles of ``own_m`` rows and shared tiles of ``shared_n`` tokens whatever the rules would
+    pick (every shape the rules can give is tested)."""
     _newer_ptxas_or_skip(own_m)
     monkeypatch.setattr(mixed_rule, "own_rows_for", lambda *args: int(own_m))
+    monkeypatch.setattr(mixed_rule, "shared_tokens_for", lambda *args: shared_n)
+
+
+# (own tile rows, shared tile tokens): every pair the rules give
+MIXED_TILES = [("64", 64), ("64", 128), ("128", 64)]
 
 
 def _run(q, k, v, meta, mixed: bool):
@@ -182,13 +210,14 @@ def _run(q, k, v, meta, mixed: bool):
         ([(2048, 100, 300)], 32, 8, 128, torch.bfloat16, None, 32),  # cache blocks of 32 tokens
     ],
 )
-@pytest.mark.parametrize("own_m", ["64", "128"])
+@pytest.mark.parametrize(("own_m", "shared_n"), MIXED_TILES)
 def test_engine_decode_step_through_the_mixed_kernel(
-    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, own_m
+    monkeypatch, groups, hq, hkv, dim, dtype, sms, bs, own_m, shared_n
 ) -> None:
-    """The mixed launch (own tiles of 64 and of 128 rows) against the two-kernel path and the
-    fp64-backed reference; a later layer's replay (descriptors remade) matches the first launch."""
-    _force_own_rows(monkeypatch, own_m)
+    """The mixed launch (own tiles of 64 and of 128 rows, shared tiles of 64 and of 128 tokens)
+    against the two-kernel path and the fp64-backed reference; a later layer's replay (descriptors
+    remade) matches the first launch."""
+    _force_own_rows(monkeypatch, own_m, shared_n)
     if sms is not None:  # the grid: one program per SM
         monkeypatch.setattr(tiles, "num_sms", lambda device=None: sms)
     q, k, v, meta = _decode_batch(groups, bs, hq, hkv, dim, dtype, seed=hq + dim + len(groups))
@@ -196,7 +225,7 @@ def test_engine_decode_step_through_the_mixed_kernel(
     original = mixed_gluon.launch_mixed
     monkeypatch.setattr(mixed_gluon, "launch_mixed", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     out, again, lay = _run(q, k, v, meta, mixed=True)
-    assert lay.mixed == int(own_m) and calls == [1]
+    assert lay.mixed == (int(own_m), shared_n) and calls == [1]
     split, _, lay_split = _run(q, k, v, meta, mixed=False)
     assert not lay_split.mixed
     ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), meta, dim**-0.5)
@@ -212,15 +241,15 @@ def test_engine_decode_step_through_the_mixed_kernel(
     # (128, 0, 2, 64): GQA 32, tickets of one KV head
     [(128, 0, 8, 32), (128, 16, 8, 32), (96, 0, 8, 32), (128, 0, 2, 64), (200, 7, 8, 32), (160, 3, 8, 64)],
 )
-@pytest.mark.parametrize("own_m", ["64", "128"])
-def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq, own_m) -> None:
+@pytest.mark.parametrize(("own_m", "shared_n"), MIXED_TILES)
+def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq, own_m, shared_n) -> None:
     """Own partials, read before the merge, are exact where exact arithmetic allows: K = 0 (every
     score 0, so p = 1 on each own token) and V of own token i = (KV head + 1) x onehot((i + shift) % d),
     so o[d] = (head + 1) x (own tokens on d) / n, and lse = ln n. Every value is exact
     in bf16 and fp32, so any lost, stale or misplaced tile row or accumulator row shows (docs/kernels.md
     §2.5: the 128-row own tile built by ptxas 12.8 fails here, losing d 32-63 and 96-127). Shared memory
     is filled with NaN tiles first, and the partials are read after one launch, so stale reads show too."""
-    _force_own_rows(monkeypatch, own_m)
+    _force_own_rows(monkeypatch, own_m, shared_n)
     bs, dim, n_seqs, prefix = 16, 128, 128, 1024
     nb, per = prefix // bs, -(-own // bs)
     k = torch.zeros(nb + n_seqs * per + 2, bs, hkv, dim, dtype=torch.bfloat16, device="cuda")
@@ -242,7 +271,7 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq,
     (nan @ nan).sum().item()  # every SM's shared memory full of NaN tiles: stale reads show
     be.forward(q, k, v, meta, dim**-0.5)  # one launch, read before any later one
     lay = next(iter(meta.plan.layouts.values()))
-    assert lay.mixed == int(own_m)
+    assert lay.mixed == (int(own_m), shared_n)
     first = lay.work.num_slots  # own partial of sequence s: slot first + s
     o, lse = lay.o_part[first : first + n_seqs], lay.lse_part[first : first + n_seqs]
     expect = torch.bincount(d_of, minlength=dim).float().expand(hq, dim)  # tokens on each d

@@ -48,6 +48,8 @@ def test_kernel_compiles_for_sm90() -> None:
         "mixed:16:128:bf16",
         "mixed128:4:128:bf16",
         "mixed128:8:64:fp16",
+        "mixedheavy:4:128:bf16",
+        "mixedheavy:8:64:fp16",
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

@@ -87,7 +87,7 @@ def shared_graph_step(
     own_tables = plan.own_block_tables.numpy()
     width = capacity(own_tables.shape[1], MIN_TABLE_WIDTH)
     heads = (shape.q_heads, kv_heads, shape.head_dim)
-    # mixed: own tile rows of the mixed launch, 0: two kernels
+    # mixed: the mixed launch's tiles (mixed_rule.MixedTiles), None: two kernels
     work, mixed = plan_step_work(plan, blocks, bs, heads, shape.device, shape.dtype, 1, meta.num_seqs)
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)

@@ -29,7 +29,7 @@ import torch
 from prefixserve.attention.kernels import _ptxas
 from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
 from prefixserve.attention.kernels.launch import Launch, record
-from prefixserve.attention.kernels.mixed_rule import OWN_M, own_tiling
+from prefixserve.attention.kernels.mixed_rule import HEAVY_SHARED_N, OWN_M, SHARED_N, own_tiling
 
 if GLUON:
     from triton.experimental import gluon
@@ -45,9 +45,9 @@ if GLUON:
     )
     from prefixserve.attention.kernels.mixed_own import _own_consumer, _own_load
 
-# The ring shapes (docs/kernels.md §2.5; other shapes lost, §4): the shared ring holds 64-token tiles,
-# so that with the own ring beside it (64-row tiles) both stay three deep in shared memory
-SHARED_N = 64
+# The ring shapes (docs/kernels.md §2.5; other shapes lost, §4): the shared ring holds SHARED_N = 64-token
+# tiles, so that with the own ring beside it (64-row tiles) both stay three deep in shared memory; in
+# shared-heavy steps 128-token ones, two slots of each ring (``mixed_rule.shared_tokens_for``)
 SHARED_STAGES = 3
 OWN_STAGES = 3
 # registers a thread: the shared warpgroups and the own one; the loader warps' warpgroup keeps 24 and
@@ -241,10 +241,13 @@ def own_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     return TensorDescriptor.from_tensor(rows, [block_size, dim], layout)
 
 
-def ring_stages(own_m: int) -> tuple[int, int]:
-    """(shared, own) ring slots: three of each with 64-row own tiles (32 KB + 32 KB a slot), two of
-    each with 128-row ones (32 KB + 64 KB), in the 227 KB of an SM's shared memory."""
-    return (SHARED_STAGES, OWN_STAGES) if own_m == OWN_M else (2, 2)
+def ring_stages(own_m: int, shared_n: int = SHARED_N) -> tuple[int, int]:
+    """(shared, own) ring slots: three of each with 64-row own tiles and 64-token shared tiles (32 KB +
+    32 KB a slot), two of each with 128-row own tiles (32 KB + 64 KB) or 128-token shared tiles (64 KB
+    + 32 KB), in the 227 KB of an SM's shared memory."""
+    if own_m != OWN_M and shared_n != SHARED_N:
+        raise ValueError(f"{own_m}-row own tiles and {shared_n}-token shared tiles do not fit shared memory")
+    return (SHARED_STAGES, OWN_STAGES) if (own_m, shared_n) == (OWN_M, SHARED_N) else (2, 2)
 
 
 def launch_mixed(
@@ -262,9 +265,10 @@ def launch_mixed(
     programs: int,
     block_m: int = 128,
     own_m: int = OWN_M,
+    shared_n: int = SHARED_N,
 ) -> Launch:
     """Run ``mixed_gluon_kernel`` on ``programs`` programs (one per SM), with own tiles of ``own_m``
-    rows (``own_rows_for``).
+    rows (``own_rows_for``) and shared tiles of ``shared_n`` tokens (``shared_tokens_for``).
 
     Shared partials go where the work list's items say; own partials of sequence s (a decode step:
     query row s) to slot ``own_slot0 + s``. Returns the recorded
@@ -277,13 +281,15 @@ def launch_mixed(
     q_heads, dim = q.shape[1:]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     heads_per_tile, own_rows = own_tiling(q_heads, kv_heads, block_size, own_m)
-    shared_stages, own_stages = ring_stages(own_m)
+    if shared_n not in (SHARED_N, HEAVY_SHARED_N):
+        raise ValueError(f"shared tiles of {shared_n} tokens: {SHARED_N} or {HEAVY_SHARED_N}")
+    shared_stages, own_stages = ring_stages(own_m, shared_n)
     args = (
         q,
         k_cache,
         v_cache,
-        gluon_descriptor(k_cache, SHARED_N),
-        gluon_descriptor(v_cache, SHARED_N),
+        gluon_descriptor(k_cache, shared_n),
+        gluon_descriptor(v_cache, shared_n),
         own_descriptor(k_cache, own_m),
         own_descriptor(v_cache, own_m),
         seg_rows,
@@ -308,7 +314,7 @@ def launch_mixed(
     kw = dict(
         GROUP=q_heads // kv_heads,
         BLOCK_M=block_m,
-        BLOCK_N=SHARED_N,
+        BLOCK_N=shared_n,
         HEAD_DIM=dim,
         BLOCK_SIZE=block_size,
         STAGES=shared_stages,
@@ -323,7 +329,7 @@ def launch_mixed(
     grid = (programs,)
     compiled = mixed_gluon_kernel[grid](*args, **kw)
     launch = record(mixed_gluon_kernel, grid, args, kw, compiled)
-    shared = lambda c: gluon_descriptor(c, SHARED_N)  # noqa: E731
+    shared = lambda c: gluon_descriptor(c, shared_n)  # noqa: E731
     own = lambda c: own_descriptor(c, own_m)  # noqa: E731
     launch.derived = [(3, 1, shared), (4, 2, shared), (5, 1, own), (6, 2, own)]
     return launch

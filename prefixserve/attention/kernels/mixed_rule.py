@@ -5,14 +5,15 @@ tiles for such a step): with one shared segment, own parts of 64+ tokens and a s
 times the own parts (``LONG_SHARED``); with several, own KV reads long enough next to the shared
 products to be hidden under them. ``use_mixed`` adds the work list's condition (128 x 128 TMA
 tiles); ``own_tiling`` picks the KV heads per own ticket and the padded query heads of an own tile;
-``own_rows_for`` the own tile height; ``mixed_rows`` is what the backend and the graph planner call
-after planning. PREFIXSERVE_MIXED (``config.mixed_mode``) turns the launch off, on wherever
+``own_rows_for`` the own tile height and ``shared_tokens_for`` the shared tiles' tokens; ``mixed_rows``
+(a ``MixedTiles``, or None for two kernels) is what the backend and the graph planner call after
+planning. PREFIXSERVE_MIXED (``config.mixed_mode``) turns the launch off, on wherever
 eligible, or leaves it to the rules.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +37,14 @@ SHORT_OWN_TOKENS = 192
 # prefix (ratio 128), level at B=256 on 4K (ratio 32); the kernel alone at B=1024 favoured 128 rows
 # at ratios 8 and 32 (-5.6%, -2%)
 SHARED_HEAVY = 64
+# Shared tiles: 64 tokens, so that both rings stay three slots deep beside 64-row own tiles (calls
+# timed 128-token tiles in 2 + 2 slots 2-4% slower, docs/kernels.md §4), except in SHARED_HEAVY steps
+# with 64-row own tiles: there whole decode steps at the board's power cap ran 2.2-2.4% faster at
+# B=256 and 3.9-4.0% faster at B=1024 on a 16K prefix with 128-token tiles in 2 + 2 slots (H200,
+# ``step_modes.py``, two runs of 64-token tiles around one of 128; docs/kernels.md §2.5): half the
+# rescales of O and the ring's waits a key
+SHARED_N = 64
+HEAVY_SHARED_N = 128
 # When a step takes the mixed launch (docs/kernels.md §2.5). One shared segment: from
 # ONE_SEGMENT_OWN_TOKENS own tokens a sequence (mean). Whole decode runs (64 own prompt tokens + 128
 # generated, H200) were 1.01-1.05x faster on it than on two kernels at every such point measured,
@@ -84,6 +93,22 @@ def own_rows_for(own_tokens: int, num_seqs: int, group: int, shared_row_tokens: 
     short = own_tokens < SHORT_OWN_TOKENS * max(num_seqs, 1) and group == SHORT_OWN_GROUP
     light = shared_row_tokens < SHARED_HEAVY * own_tokens
     return SHORT_OWN_M if short and light and _ptxas.newer_ptxas() is not None else OWN_M
+
+
+def shared_tokens_for(own_m: int, own_tokens: int, shared_row_tokens: int) -> int:
+    """Tokens of the shared tiles of a mixed step with own tiles of ``own_m`` rows: ``HEAVY_SHARED_N``
+    where the shared part is ``SHARED_HEAVY`` times the ``own_tokens`` or more (``shared_row_tokens``:
+    holder rows x segment tokens) and own tiles are ``OWN_M`` rows (two 64 KB shared slots and two own
+    ones fit; beside 128-row own tiles they would not), else ``SHARED_N``."""
+    heavy = shared_row_tokens >= SHARED_HEAVY * own_tokens
+    return HEAVY_SHARED_N if heavy and own_m == OWN_M else SHARED_N
+
+
+class MixedTiles(NamedTuple):
+    """A mixed launch's tiles: own tile rows, shared tile tokens (rings: ``mixed_gluon.ring_stages``)."""
+
+    own_m: int
+    shared_n: int
 
 
 def eligible(
@@ -171,13 +196,24 @@ def mixed_rows(
     mode: str | None = None,
     block_size: int = 16,
     segments: int = 1,
-) -> int:
-    """Own tile rows of a step's mixed launch, or 0 where the step runs two kernels: ``use_mixed``
-    (same arguments) decides the launch, ``own_rows_for`` its tile height."""
+) -> MixedTiles | None:
+    """A step's mixed launch tiles, or None where the step runs two kernels: ``use_mixed`` (same
+    arguments) decides the launch, ``own_rows_for`` its own tile rows, ``shared_tokens_for`` its
+    shared tile tokens."""
     step = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode)
     if not use_mixed(device, dtype, shape, work, *step, block_size=block_size, segments=segments):
-        return 0
-    return own_rows_for(own_tokens, num_seqs, shape[0] // shape[1], shared_row_tokens)
+        return None
+    own_m = own_rows_for(own_tokens, num_seqs, shape[0] // shape[1], shared_row_tokens)
+    return MixedTiles(own_m, shared_tokens_for(own_m, own_tokens, shared_row_tokens))
 
 
-__all__ = ["eligible", "may_mix", "mixed_rows", "own_rows_for", "own_tiling", "use_mixed"]
+__all__ = [
+    "MixedTiles",
+    "eligible",
+    "may_mix",
+    "mixed_rows",
+    "own_rows_for",
+    "own_tiling",
+    "shared_tokens_for",
+    "use_mixed",
+]

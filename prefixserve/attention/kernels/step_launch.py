@@ -77,10 +77,11 @@ def launch_mixed_path(
     step_lists: tuple[torch.Tensor, ...],  # (segment rows, work items, own tables, own lengths)
     parts: tuple[torch.Tensor, torch.Tensor, int],  # (o_part, lse_part, first own slot)
     merge: Callable[[list], Any],
-    own_m: int,
+    mixed: Any,  # mixed_rule.MixedTiles
 ) -> list[Recorded]:
     """The mixed launch (a decode step's shared and own tiles, one own partial per row; own tiles of
-    ``own_m`` rows), then the merge; the eager path and the decode graphs both launch it here."""
+    ``mixed.own_m`` rows, shared tiles of ``mixed.shared_n`` tokens), then the merge; the eager path
+    and the decode graphs both launch it here."""
     from prefixserve.attention.kernels import mixed_gluon, tiles
 
     o_part, lse_part, own_slot0 = parts
@@ -94,7 +95,8 @@ def launch_mixed_path(
         scale,
         own_slot0=own_slot0,
         programs=tiles.num_sms(q.device),
-        own_m=own_m,
+        own_m=mixed.own_m,
+        shared_n=mixed.shared_n,
     )
     rec: list[Any] = []
     merge(rec)

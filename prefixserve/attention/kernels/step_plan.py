@@ -106,10 +106,10 @@ def plan_step_work(
     max_query_len: int,
     num_seqs: int,
     mode: str | None = None,  # PREFIXSERVE_MIXED's values; None: the switch
-) -> tuple[Any, int]:
-    """A shared step's work list and its mixed launch's own tile rows (0: two kernels), as the eager
-    backend and the decode graphs both plan them: the mixed rule is asked before the work list (a step
-    that may mix prefers tall tiles) and after it (the tiles it got)."""
+) -> tuple[Any, Any]:
+    """A shared step's work list and its mixed launch's tiles (``mixed_rule.MixedTiles``; None: two
+    kernels), as the eager backend and the decode graphs both plan them: the mixed rule is asked
+    before the work list (a step that may mix prefers tall tiles) and after it (the tiles it got)."""
     from prefixserve.attention.kernels import mixed_rule
     from prefixserve.attention.kernels.shared_plan import plan_work_for
 

@@ -62,7 +62,7 @@ class _Layout:
     own_splits: int
     own_split_size: int
     own_pack: int = 1  # decode sequences per own-kernel program
-    mixed: int = 0  # own tile rows of one launch of shared and own tiles (mixed_gluon.py), 0: none
+    mixed: Any = None  # mixed_rule.MixedTiles of one launch of shared and own tiles (mixed_gluon.py), or None
     work: Any = None  # SharedWork, when the step has segments
     num_slots: int = 0  # shared slots + own slots
     row_ptr: torch.Tensor | None = None  # [T+1] int32: CSR over the merged partials
@@ -344,7 +344,7 @@ def build_layout(
         seg_blocks = plan.seg_blocks.cpu().numpy()
     mode = None if mixed is None else ("1" if mixed else "0")
     shape, step_rows = (q_heads, kv_heads, dim), (step.max_query_len, meta.num_seqs, mode)
-    # mixed: own tile rows of the mixed launch, 0: two kernels
+    # mixed: the mixed launch's tiles (mixed_rule.MixedTiles), None: two kernels
     work, mixed = plan_step_work(plan, seg_blocks, meta.block_size, shape, device, dtype, *step_rows)
     ns = work.num_slots
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
