@@ -2,12 +2,13 @@
 
 Modes: the rules (``auto``), the mixed kernel forced on or off (PREFIXSERVE_MIXED, read per call by
 ``prefixserve/config.py``), the mixed kernel with its own tiles forced to 64 or 128 rows
-(``mixed_rule.own_rows_for`` replaced in this process), the rules with every linear layer on
-cuBLAS (``cublas_dense``: ``fused.skinny_matmuls(False)``), and the rules with the mixed kernel's
-shared tiles forced to 64 or 128 tokens (``shared64``, ``shared128``: ``mixed_rule.shared_tokens_for``
-replaced in this process). Every measurement builds a fresh engine
-(``benchmarks.throughput.measure``: a warm-up run of the same shape, then the timed run), so each mode
-captures its own graphs. Prints a table; ``--json`` keeps it.
+(``mixed_rule.own_rows_for`` replaced in this process; the shared tiles still follow
+``shared_tokens_for``, so since 5f46836 ``mixed64`` takes 128-token ones in shared-heavy steps),
+the rules with every linear layer on cuBLAS (``cublas_dense``: ``fused.skinny_matmuls(False)``),
+and the rules with the mixed kernel's shared tiles forced to 64 or 128 tokens (``shared64``,
+``shared128``: ``mixed_rule.shared_tokens_for`` replaced in this process). Every measurement builds
+a fresh engine (``benchmarks.throughput.measure``: a warm-up run of the same shape, then the timed
+run), so each mode captures its own graphs. Prints a table; ``--json`` keeps it.
 
 PYTHONPATH=. python -m benchmarks.probes.step_modes --points 64x16384 256x16384 --modes auto two_kernels
 """
@@ -32,7 +33,7 @@ MODES = {  # environment switches (prefixserve/config.py) and in-process overrid
     "mixed64": {"PREFIXSERVE_MIXED": "1", "own_m": 64},
     "mixed128": {"PREFIXSERVE_MIXED": "1", "own_m": 128},
     "cublas_dense": {"skinny": False},  # the rules, every linear layer on cuBLAS
-    # the rules, the mixed kernel's shared tiles forced to 64 or 128 tokens (128 needs 64-row own tiles)
+    # the rules, the mixed kernel's shared tiles forced to 64 or 128 tokens (128: beside 64-row own tiles)
     "shared64": {"shared_n": 64},
     "shared128": {"shared_n": 128},
 }
@@ -47,7 +48,9 @@ def set_mode(mode: str) -> None:
     own_m = MODES[mode].get("own_m")
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
     shared_n = MODES[mode].get("shared_n")
-    mixed_rule.shared_tokens_for = (lambda *a: shared_n) if shared_n else SHARED_TOKENS_FOR
+    # 128-token shared tiles only beside 64-row own tiles (``ring_stages``: no room beside 128-row ones)
+    forced = lambda own_m, *a: shared_n if own_m == mixed_rule.OWN_M else mixed_rule.SHARED_N  # noqa: E731
+    mixed_rule.shared_tokens_for = forced if shared_n else SHARED_TOKENS_FOR
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ from prefixserve.attention.kernels.launch import Launch, record, relaunch
 BLOCK = 1024  # logits a program loads at once
 WARPS = 4
 PROGRAMS_PER_SM = 16
-MAX_RECORDED = 256  # recorded launch pairs kept (one per logits shape)
+MAX_RECORDED = 256  # recorded launch pairs kept (one per logits shape and stream)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NO_INDEX = 2**31 - 1  # "none here" for a chunk's first NaN; vocabularies stay far below it
 
 
@@ -94,11 +95,18 @@ def splits_for(rows: int, vocab: int, programs: int, block: int = BLOCK) -> int:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
-    """``logits.argmax(-1)``; on CUDA (with Triton) through ``kernel_argmax``, else torch."""
+    """``logits.argmax(-1)``; through ``kernel_argmax`` for 16- and 32-bit float logits on the current
+    CUDA device (with Triton), else torch (fp64 would lose exactness in the kernels' fp32)."""
     from prefixserve.attention.kernels import triton_available
 
-    if logits.is_cuda and logits.dim() == 2 and triton_available():
-        return kernel_argmax(logits, _programs_wanted(logits.device.index or 0))
+    if (
+        logits.is_cuda
+        and logits.dim() == 2
+        and logits.dtype in KERNEL_DTYPES
+        and triton_available()
+        and logits.device.index == torch.cuda.current_device()  # where the launches go
+    ):
+        return kernel_argmax(logits, _programs_wanted(logits.device.index))
     return logits.argmax(-1)
 
 
@@ -108,9 +116,11 @@ def kernel_argmax(
     """``logits.argmax(-1)`` by the two kernels, each row cut so that about ``programs`` run, each
     loading ``block`` logits at a time (on CUDA, or on the CPU under the Triton interpreter).
 
-    On CUDA the first call of a shape records both launches (``attention/kernels/launch.py``); later
-    calls relaunch them with the new logits and output, a few host microseconds instead of Triton's
-    tens (this runs eagerly once a step, beside the decode graphs)."""
+    On CUDA the first call of a shape on a stream records both launches (``attention/kernels/launch.py``)
+    with their chunk buffers; later calls relaunch them with the new logits and output (this runs
+    eagerly once a step, beside the decode graphs), in that stream's order, so the buffers are free
+    again by then. The records drop the logits and the output after each launch, so they keep no
+    step's tensors alive."""
     rows, vocab = logits.shape
     if rows == 0 or vocab == 0 or vocab >= NO_INDEX:
         return logits.argmax(-1)
@@ -118,11 +128,13 @@ def kernel_argmax(
         logits = logits.contiguous()
     dev = logits.device
     out = torch.empty(rows, dtype=torch.int64, device=dev)
-    key = (rows, vocab, logits.stride(0), logits.dtype, dev, programs, block, warps)
+    stream = torch.cuda.current_stream(dev).cuda_stream if logits.is_cuda else 0
+    key = (rows, vocab, logits.stride(0), logits.dtype, dev, stream, programs, block, warps)
     recorded = _RECORDED.get(key)
     if recorded is not None:
         relaunch(recorded[0], [(0, logits)])
         relaunch(recorded[1], [(3, out)])
+        _forget(recorded)
         return out
     triton, chunk_argmax, pick_rows = _kernels()
     splits = splits_for(rows, vocab, programs, block)
@@ -137,14 +149,21 @@ def kernel_argmax(
     second_kw = {"SPLITS": triton.next_power_of_2(splits), "NONE": NO_INDEX, "num_warps": 1}
     first_ck = chunk_argmax[(rows, splits)](*first, **first_kw)
     second_ck = pick_rows[(rows,)](*second, **second_kw)
-    if logits.is_cuda:
-        if len(_RECORDED) >= MAX_RECORDED:  # batch sizes come and go; keep the table small
-            _RECORDED.clear()
-        _RECORDED[key] = (
-            record(chunk_argmax, (rows, splits), first, first_kw, first_ck),
-            record(pick_rows, (rows,), second, second_kw, second_ck),
-        )
+    if len(_RECORDED) >= MAX_RECORDED:  # batch sizes come and go; keep the table small
+        _RECORDED.clear()
+    recorded = (
+        record(chunk_argmax, (rows, splits), first, first_kw, first_ck),
+        record(pick_rows, (rows,), second, second_kw, second_ck),
+    )
+    _forget(recorded)
+    _RECORDED[key] = recorded  # under the interpreter too: its relaunches take Triton's own path
     return out
+
+
+def _forget(recorded: tuple[Launch, Launch]) -> None:
+    """Drop a call's logits and output from its records (the next call swaps its own in)."""
+    recorded[0].args[0] = None
+    recorded[1].args[3] = None
 
 
 __all__ = ["argmax_rows", "kernel_argmax", "splits_for"]
