@@ -284,18 +284,22 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
-def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch) -> None:
+@pytest.mark.parametrize("shared_n", [None, 128])  # the rules' tiles; 128-token shared tiles forced
+def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch, shared_n) -> None:
     """The graph path (the engine's decode graphs) takes the mixed kernel, and a captured graph
     replays it on a later step with new lengths and padding rows, against the reference."""
     from prefixserve.attention.graph import HeadShape
 
     monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
+    if shared_n:
+        _force_own_rows(monkeypatch, "64", shared_n)
     hq, hkv, dim, dtype, bucket = 32, 8, 128, torch.bfloat16, 256  # 96 padding rows
     q, k, v, meta = _decode_batch([(1024, 100, 300), (2048, 60, 200)], 16, hq, hkv, dim, dtype, seed=5)
     shape = HeadShape(hq, hkv, dim, dtype, q.device)
     be = TritonBackend()
     step = be.graph_step(meta, shape, bucket)
     assert step.key[0] == "shared" and step.key[4][-1] and step.key[3] == 1  # mixed: one own partial
+    assert shared_n is None or step.key[4][-1] == (64, shared_n)
     attn = step.build()
     static_q = torch.zeros(bucket, hq, dim, dtype=dtype, device=q.device)
     static_q[: q.shape[0]] = q
