@@ -245,6 +245,8 @@ def ring_stages(own_m: int, shared_n: int = SHARED_N) -> tuple[int, int]:
     """(shared, own) ring slots: three of each with 64-row own tiles and 64-token shared tiles (32 KB +
     32 KB a slot), two of each with 128-row own tiles (32 KB + 64 KB) or 128-token shared tiles (64 KB
     + 32 KB), in the 227 KB of an SM's shared memory."""
+    if shared_n not in (SHARED_N, HEAVY_SHARED_N):
+        raise ValueError(f"shared tiles of {shared_n} tokens: {SHARED_N} or {HEAVY_SHARED_N}")
     if own_m != OWN_M and shared_n != SHARED_N:
         raise ValueError(f"{own_m}-row own tiles and {shared_n}-token shared tiles do not fit shared memory")
     return (SHARED_STAGES, OWN_STAGES) if (own_m, shared_n) == (OWN_M, SHARED_N) else (2, 2)
@@ -281,9 +283,7 @@ def launch_mixed(
     q_heads, dim = q.shape[1:]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     heads_per_tile, own_rows = own_tiling(q_heads, kv_heads, block_size, own_m)
-    if shared_n not in (SHARED_N, HEAVY_SHARED_N):
-        raise ValueError(f"shared tiles of {shared_n} tokens: {SHARED_N} or {HEAVY_SHARED_N}")
-    shared_stages, own_stages = ring_stages(own_m, shared_n)
+    shared_stages, own_stages = ring_stages(own_m, shared_n)  # refuses shapes that do not fit
     args = (
         q,
         k_cache,
