@@ -6,8 +6,7 @@ Modes: the rules (``auto``), the mixed kernel forced on or off (PREFIXSERVE_MIXE
 ``shared_tokens_for``, so since 5f46836 ``mixed64`` takes 128-token ones in shared-heavy steps),
 the rules with every linear layer on cuBLAS (``cublas_dense``: ``fused.skinny_matmuls(False)``),
 and the rules with the mixed kernel's shared tiles forced to 64 or 128 tokens (``shared64``,
-``shared128``: ``mixed_rule.shared_tokens_for`` replaced in this process), the latter with a given
-ring (``ring222``, ``ring321``: ``mixed_gluon.HEAVY_RING`` replaced). Every measurement builds
+``shared128``: ``mixed_rule.shared_tokens_for`` replaced in this process). Every measurement builds
 a fresh engine (``benchmarks.throughput.measure``: a warm-up run of the same shape, then the timed
 run), so each mode captures its own graphs. Prints a table; ``--json`` keeps it.
 
@@ -22,7 +21,7 @@ import os
 import time
 
 from benchmarks.throughput import _prompts, measure
-from prefixserve.attention.kernels import mixed_gluon, mixed_rule
+from prefixserve.attention.kernels import mixed_rule
 from prefixserve.model import fused
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
@@ -37,12 +36,8 @@ MODES = {  # environment switches (prefixserve/config.py) and in-process overrid
     # the rules, the mixed kernel's shared tiles forced to 64 or 128 tokens (128: beside 64-row own tiles)
     "shared64": {"shared_n": 64},
     "shared128": {"shared_n": 128},
-    # 128-token shared tiles with the ring (K, V, own slots; QK(j+1) before softmax(j)) forced
-    "ring222": {"shared_n": 128, "ring": (2, 2, 2, False)},
-    "ring321": {"shared_n": 128, "ring": (3, 2, 1, False)},
 }
 SHARED_TOKENS_FOR = mixed_rule.shared_tokens_for
-HEAVY_RING = mixed_gluon.HEAVY_RING
 
 
 def set_mode(mode: str) -> None:
@@ -56,8 +51,6 @@ def set_mode(mode: str) -> None:
     # 128-token shared tiles only beside 64-row own tiles (``ring_stages``: no room beside 128-row ones)
     forced = lambda own_m, *a: shared_n if own_m == mixed_rule.OWN_M else mixed_rule.SHARED_N  # noqa: E731
     mixed_rule.shared_tokens_for = forced if shared_n else SHARED_TOKENS_FOR
-    ring = MODES[mode].get("ring")
-    mixed_gluon.HEAVY_RING = mixed_gluon.Ring(*ring) if ring else HEAVY_RING
 
 
 def main() -> None:

@@ -47,10 +47,9 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         types |= {"k_desc": desc, "v_desc": desc, "ko_desc": own, "vo_desc": own}
         types |= {"own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
         ht, rows = mixed_rule.own_tiling(group * 8, 8, 16, own_m)  # 8 KV heads, as the 8B models
-        ring = mixed_gluon.ring_stages(own_m, shared_n)
-        consts = {k: v for k, v in consts.items() if k != "STAGES"} | {"BLOCK_N": shared_n}
-        consts |= {"K_STAGES": ring.k, "V_STAGES": ring.v, "OWN_STAGES": ring.own, "OVERLAP": ring.overlap}
-        consts |= {"OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
+        shared_stages, own_stages = mixed_gluon.ring_stages(own_m, shared_n)
+        consts |= {"BLOCK_N": shared_n, "STAGES": shared_stages}
+        consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
         consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
         maxnreg = mixed_gluon.MAXNREG
     else:

@@ -106,9 +106,9 @@ def test_own_rows_rule(monkeypatch) -> None:
     assert mixed_rule.own_rows_for(64 * 128, 64, 4, heavy) == 64
     monkeypatch.setattr(_ptxas, "newer_ptxas", lambda: None)  # Triton's ptxas 12.8 only
     assert mixed_rule.own_rows_for(1024 * 128, 1024, 4) == 64
-    assert mixed_gluon.ring_stages(128) == (2, 2, 2, False)
-    assert mixed_gluon.ring_stages(64) == (3, 3, 3, False)
-    assert mixed_gluon.ring_stages(64, 128) == mixed_gluon.HEAVY_RING  # 128-token shared tiles: 32 KB a K tile
+    assert mixed_gluon.ring_stages(128) == (2, 2)
+    assert mixed_gluon.ring_stages(64) == (mixed_gluon.SHARED_STAGES, mixed_gluon.OWN_STAGES)
+    assert mixed_gluon.ring_stages(64, 128) == (2, 2)  # 128-token shared tiles: 64 KB a slot
     with pytest.raises(ValueError, match="do not fit"):
         mixed_gluon.ring_stages(128, 128)
     assert mixed_rule.own_tiling(32, 8, 16, 128) == (2, 8)  # 64 tokens of each of two heads

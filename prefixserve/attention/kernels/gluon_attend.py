@@ -66,8 +66,7 @@ if GLUON:
         v_bufs,
         k_ready,
         v_ready,
-        k_empty,
-        v_empty,
+        kv_empty,
         items_ptr,
         num_items,
         first,
@@ -75,27 +74,23 @@ if GLUON:
         step,
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
     ):
-        """The loader warp: every ticket's K and V tiles into their rings, slot c % stages for the c-th
-        tile of this program, each once the consumers freed it. K and V slots are freed apart (K after
-        Q K^T, V after P V), so the next K tiles load while a V tile is still in use."""
-        K_STAGES: gl.constexpr = k_bufs.shape[0]
-        V_STAGES: gl.constexpr = v_bufs.shape[0]
+        """The loader warp: every ticket's K and V tiles into the ring, slot c % STAGES for the c-th
+        tile of this program, once the consumers freed it."""
         c = 0
         for t in range(first, end, step):
             base, _lo, _hi, _len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
             row0 = gl.load(base + 6)
             col = (t // num_items) * HEAD_DIM
             for i in range(n_tiles):
+                s = c % STAGES
+                mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
                 row = row0 + i * BLOCK_N
-                ks = c % K_STAGES
-                mbarrier.wait(k_empty.index(ks), ((c // K_STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-                mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(ks), k_bufs.index(ks))
-                vs = c % V_STAGES
-                mbarrier.wait(v_empty.index(vs), ((c // V_STAGES) & 1) ^ 1)
-                mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(vs), v_bufs.index(vs))
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_bufs.index(s))
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_bufs.index(s))
                 c += 1
 
     @gluon.jit
@@ -116,8 +111,7 @@ if GLUON:
         v_bufs,
         k_ready,
         v_ready,
-        k_empty,
-        v_empty,
+        kv_empty,
         c0,
         n_tiles,
         kv_len,
@@ -125,15 +119,13 @@ if GLUON:
         PART_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
         OVERLAP: gl.constexpr,
     ):
         # a Gluon kernel body: one ticket's tile loop (wgmma, softmax, ring barriers), kept in one piece
         """S = Q K^T, online softmax, O += P V over one ticket's tiles for this partition's rows, the
-        ticket's first tile being the program's c0-th through the rings: (m, l, O). A K slot is freed
-        once its Q K^T is done, a V slot once its P V is."""
+        ticket's first tile being the program's c0-th through the ring: (m, l, O)."""
         num_warps: gl.constexpr = gl.num_warps()
-        KS: gl.constexpr = k_bufs.shape[0]
-        VS: gl.constexpr = v_bufs.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -151,53 +143,50 @@ if GLUON:
             # intra-warpgroup overlap); the rescale of O waits for that product
             p16 = gl.zeros([PART_M, BLOCK_N], dtype, layout=p_layout)
             if n_tiles > 0:
-                mbarrier.wait(k_ready.index(c0 % KS), (c0 // KS) & 1)
+                mbarrier.wait(k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
                 s = warpgroup_mma(
-                    q_smem, k_bufs.index(c0 % KS).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                    q_smem, k_bufs.index(c0 % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
                 s = warpgroup_mma_wait(0, deps=(s,))
-                mbarrier.arrive(k_empty.index(c0 % KS), count=1)
                 p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, 0, kv_len, qk_scale, BLOCK_N, s_layout)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
             for i in range(1, n_tiles):
-                ks = (c0 + i) % KS
-                prev = (c0 + i - 1) % VS
-                mbarrier.wait(k_ready.index(ks), ((c0 + i) // KS) & 1)
+                prev = (c0 + i - 1) % STAGES
+                slot = (c0 + i) % STAGES
+                mbarrier.wait(k_ready.index(slot), ((c0 + i) // STAGES) & 1)
                 s_tok = warpgroup_mma(
-                    q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                    q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
-                mbarrier.wait(v_ready.index(prev), ((c0 + i - 1) // VS) & 1)
+                mbarrier.wait(v_ready.index(prev), ((c0 + i - 1) // STAGES) & 1)
                 acc_tok = warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))
-                mbarrier.arrive(k_empty.index(ks), count=1)
                 p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk_scale, BLOCK_N, s_layout)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                mbarrier.arrive(v_empty.index(prev), count=1)
+                mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             if n_tiles > 0:
                 last = c0 + n_tiles - 1
-                mbarrier.wait(v_ready.index(last % VS), (last // VS) & 1)
-                acc = warpgroup_mma(p16, v_bufs.index(last % VS), acc, is_async=True)
+                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_bufs.index(last % STAGES), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(last % VS), count=1)
+                mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
         else:
             for i in range(n_tiles):
-                ks = (c0 + i) % KS
-                vs = (c0 + i) % VS
-                mbarrier.wait(k_ready.index(ks), ((c0 + i) // KS) & 1)
+                slot = (c0 + i) % STAGES
+                phase = ((c0 + i) // STAGES) & 1
+                mbarrier.wait(k_ready.index(slot), phase)
                 s = warpgroup_mma(
-                    q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                    q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
                 s = warpgroup_mma_wait(0, deps=(s,))
-                mbarrier.arrive(k_empty.index(ks), count=1)
                 p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk_scale, BLOCK_N, s_layout)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.wait(v_ready.index(vs), ((c0 + i) // VS) & 1)
-                acc = warpgroup_mma(p16, v_bufs.index(vs), acc, is_async=True)
+                mbarrier.wait(v_ready.index(slot), phase)
+                acc = warpgroup_mma(p16, v_bufs.index(slot), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(vs), count=1)
+                mbarrier.arrive(kv_empty.index(slot), count=1)
         return m_i, l_i, acc
 
     @gluon.jit
@@ -243,7 +232,7 @@ if GLUON:
     @gluon.jit
     def _run_ticket(
         q,  # the warpgroup's query rows: shared memory or registers (wgmma's A)
-        ring,  # (K tiles, V tiles, k_ready, v_ready, k_empty, v_empty)
+        ring,  # (K tiles, V tiles, k_ready, v_ready, kv_empty)
         c0,  # the ticket's first tile is the program's c0-th through the ring
         ticket,  # (item fields base, row_lo, row_hi, kv_len, tiles, KV head)
         out,  # (o, lse, strides of o's slots and heads, lse's slots)
@@ -256,18 +245,18 @@ if GLUON:
         OVERLAP: gl.constexpr,
     ):
         """One ticket for one warpgroup: its rows attend the ticket's tiles and land in its partial slots."""
-        k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
         base, row_lo, row_hi, kv_len, n_tiles, kvh = ticket
         o_ptr, lse_ptr, stride_op, stride_oh, stride_lp = out
         PART_M: gl.constexpr = BLOCK_M // 2
+        STAGES: gl.constexpr = k_bufs.shape[0]
         m_i, l_i, acc = _attend_tiles(
             q,
             k_bufs,
             v_bufs,
             k_ready,
             v_ready,
-            k_empty,
-            v_empty,
+            kv_empty,
             c0,
             n_tiles,
             kv_len,
@@ -275,6 +264,7 @@ if GLUON:
             PART_M,
             BLOCK_N,
             HEAD_DIM,
+            STAGES,
             OVERLAP,
         )
         _store_rows(

@@ -22,7 +22,7 @@ step to this kernel is ``mixed_rule.py``'s.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -78,11 +78,10 @@ if GLUON:
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         HEAD_DIM: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
         """A shared warpgroup: its rows of the program's shared tickets, query rows kept in registers
-        (wgmma's A), attended over each ticket's tiles and stored (``_run_ticket``; with the shared
-        kernel's QK(j+1)-before-softmax(j) overlap where ``OVERLAP``, docs/kernels.md §2.5)."""
+        (wgmma's A), attended over each ticket's tiles and stored (``_run_ticket``; without the
+        shared kernel's QK(j+1)-before-softmax(j) overlap: level to 1.6% slower here, docs/kernels.md)."""
         items_ptr, num_items, kv_heads, first, end, step = walk
         (
             q_ptr,
@@ -112,7 +111,7 @@ if GLUON:
                 ticket = (base, row_lo, row_hi, kv_len, ns, kvh)
                 out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
                 _run_ticket(
-                    q, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
+                    q, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, False
                 )
             c += ns
 
@@ -148,10 +147,8 @@ if GLUON:
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         BLOCK_SIZE: gl.constexpr,
-        K_STAGES: gl.constexpr,
-        V_STAGES: gl.constexpr,
+        STAGES: gl.constexpr,
         OWN_STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr,
         OWN_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
         HT: gl.constexpr,
@@ -169,12 +166,11 @@ if GLUON:
         u_hi = ((p + 1) * n_own) // n_programs
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         # the shared ring: [BLOCK_N, D] tiles of the shared ticket's segment
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
-        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # the own ring: [OWN_M, D] tiles, TILE_T tokens of each of a ticket's HT heads
         own_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([OWN_M, HEAD_DIM], dtype)
         ko_bufs = gl.allocate_shared_memory(dtype, [OWN_STAGES, OWN_M, HEAD_DIM], own_layout)
@@ -185,17 +181,15 @@ if GLUON:
         qo_smem = gl.allocate_shared_memory(dtype, [OWN_ROWS, HEAD_DIM], qo_layout)
         pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([OWN_M, OWN_ROWS], dtype)
         pt_smem = gl.allocate_shared_memory(dtype, [OWN_M, OWN_ROWS], pt_layout)
-        for i in gl.static_range(K_STAGES):
+        for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both shared warpgroups free the slot
-        for i in gl.static_range(V_STAGES):
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(kv_empty.index(i), count=2)  # both shared warpgroups free the slot
         for i in gl.static_range(OWN_STAGES):
             mbarrier.init(own_ready.index(i), count=1)
             mbarrier.init(own_empty.index(i), count=1)
         fence_async_shared()  # the barrier inits before any async use
-        shared_ring = (k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
+        shared_ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         own_ring = (ko_bufs, vo_bufs, own_ready, own_empty)
         t_end = num_items * kv_heads
         t_step = n_programs
@@ -206,13 +200,10 @@ if GLUON:
         own_ptrs = (q_ptr, o_ptr, lse_ptr, qk_scale, own_slot0) + strides  # noqa: RUF005
         gl.warp_specialize(
             [
+                (_shared_consumer, (0, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM)),
                 (
                     _shared_consumer,
-                    (0, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM, OVERLAP),
-                ),
-                (
-                    _shared_consumer,
-                    (BLOCK_M // 2, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM, OVERLAP),
+                    (BLOCK_M // 2, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM),
                 ),
                 (_own_consumer, (own_ring, (qo_smem, pt_smem), own_walk, own_ptrs, GROUP, HEAD_DIM, HT)),
                 (
@@ -224,8 +215,7 @@ if GLUON:
                         v_bufs,
                         k_ready,
                         v_ready,
-                        k_empty,
-                        v_empty,
+                        kv_empty,
                         items_ptr,
                         num_items,
                         p,
@@ -233,6 +223,7 @@ if GLUON:
                         t_step,
                         BLOCK_N,
                         HEAD_DIM,
+                        STAGES,
                     ),
                 ),
                 (_own_load, (ko_desc, vo_desc, own_ring, own_walk, HEAD_DIM, BLOCK_SIZE, HT)),
@@ -250,33 +241,15 @@ def own_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     return TensorDescriptor.from_tensor(rows, [block_size, dim], layout)
 
 
-class Ring(NamedTuple):
-    """A mixed launch's ring slots (shared K tiles, shared V tiles, own tiles) and whether the shared
-    warpgroups issue tile j+1's Q K^T before tile j's softmax (``_attend_tiles``'s ``OVERLAP``)."""
-
-    k: int
-    v: int
-    own: int
-    overlap: bool
-
-
-# where the 128-token shared tiles' ring is chosen: (K, V, own, overlap); step_modes.py sets it to compare
-HEAVY_RING = Ring(2, 2, 2, False)
-
-
-def ring_stages(own_m: int, shared_n: int = SHARED_N) -> Ring:
-    """The ring of a launch, in the 227 KB of an SM's shared memory: three slots of each with 64-row own
-    tiles and 64-token shared tiles (32 KB + 32 KB a slot), two of each with 128-row own tiles (32 KB +
-    64 KB); with 128-token shared tiles (64 KB a K + V slot) ``HEAVY_RING``."""
+def ring_stages(own_m: int, shared_n: int = SHARED_N) -> tuple[int, int]:
+    """(shared, own) ring slots: three of each with 64-row own tiles and 64-token shared tiles (32 KB +
+    32 KB a slot), two of each with 128-row own tiles (32 KB + 64 KB) or 128-token shared tiles (64 KB
+    + 32 KB), in the 227 KB of an SM's shared memory."""
     if shared_n not in (SHARED_N, HEAVY_SHARED_N):
         raise ValueError(f"shared tiles of {shared_n} tokens: {SHARED_N} or {HEAVY_SHARED_N}")
     if own_m != OWN_M and shared_n != SHARED_N:
         raise ValueError(f"{own_m}-row own tiles and {shared_n}-token shared tiles do not fit shared memory")
-    if shared_n == HEAVY_SHARED_N:
-        return HEAVY_RING
-    if own_m == OWN_M:
-        return Ring(SHARED_STAGES, SHARED_STAGES, OWN_STAGES, False)
-    return Ring(2, 2, 2, False)
+    return (SHARED_STAGES, OWN_STAGES) if (own_m, shared_n) == (OWN_M, SHARED_N) else (2, 2)
 
 
 def launch_mixed(
@@ -310,7 +283,7 @@ def launch_mixed(
     q_heads, dim = q.shape[1:]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     heads_per_tile, own_rows = own_tiling(q_heads, kv_heads, block_size, own_m)
-    ring = ring_stages(own_m, shared_n)  # refuses shapes that do not fit
+    shared_stages, own_stages = ring_stages(own_m, shared_n)  # refuses shapes that do not fit
     args = (
         q,
         k_cache,
@@ -344,10 +317,8 @@ def launch_mixed(
         BLOCK_N=shared_n,
         HEAD_DIM=dim,
         BLOCK_SIZE=block_size,
-        K_STAGES=ring.k,
-        V_STAGES=ring.v,
-        OWN_STAGES=ring.own,
-        OVERLAP=ring.overlap,
+        STAGES=shared_stages,
+        OWN_STAGES=own_stages,
         OWN_M=own_m,
         OWN_ROWS=own_rows,
         HT=heads_per_tile,
@@ -364,4 +335,4 @@ def launch_mixed(
     return launch
 
 
-__all__ = ["Ring", "launch_mixed", "own_descriptor", "ring_stages"]
+__all__ = ["launch_mixed", "own_descriptor", "ring_stages"]

@@ -58,8 +58,7 @@ if GLUON:
             v_bufs,
             k_ready,
             v_ready,
-            k_empty,
-            v_empty,
+            kv_empty,
             q_ptr,
             seg_rows_ptr,
             items_ptr,
@@ -86,7 +85,7 @@ if GLUON:
             q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
             q_part.store(_ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld))
             fence_async_shared()  # generic stores before the wgmma's async reads
-            ring = (k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
+            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
             ticket = (base, row_lo, row_hi, kv_len, n_tiles, kvh)
             out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
             _run_ticket(
@@ -132,14 +131,12 @@ if GLUON:
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         PART_M: gl.constexpr = BLOCK_M // 2  # rows of each consumer warpgroup
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers free the slot
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers free the slot
         fence_async_shared()  # the barrier inits before any async use
         # two consumer warpgroups, each its own partition (one's softmax beside the other's products),
         # and the loader warp
@@ -150,8 +147,7 @@ if GLUON:
             v_bufs,
             k_ready,
             v_ready,
-            k_empty,
-            v_empty,
+            kv_empty,
             q_ptr,
             seg_rows_ptr,
             items_ptr,
@@ -187,8 +183,7 @@ if GLUON:
                         v_bufs,
                         k_ready,
                         v_ready,
-                        k_empty,
-                        v_empty,
+                        kv_empty,
                         items_ptr,
                         num_items,
                         first,
@@ -196,6 +191,7 @@ if GLUON:
                         step,
                         BLOCK_N,
                         HEAD_DIM,
+                        STAGES,
                     ),
                 ),
             ],
