@@ -21,7 +21,7 @@ import os
 import time
 
 from benchmarks.throughput import _prompts, measure
-from prefixserve.attention.kernels import mixed_gluon, mixed_rule
+from prefixserve.attention.kernels import mixed_rule
 from prefixserve.model import fused
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
@@ -36,11 +36,8 @@ MODES = {  # environment switches (prefixserve/config.py) and in-process overrid
     # the rules, the mixed kernel's shared tiles forced to 64 or 128 tokens (128: beside 64-row own tiles)
     "shared64": {"shared_n": 64},
     "shared128": {"shared_n": 128},
-    # 128-token shared tiles, query rows in shared memory and the in-warpgroup overlap (HEAVY_OVERLAP)
-    "overlap128": {"shared_n": 128, "overlap": True},
 }
 SHARED_TOKENS_FOR = mixed_rule.shared_tokens_for
-HEAVY_OVERLAP = mixed_gluon.HEAVY_OVERLAP
 
 
 def set_mode(mode: str) -> None:
@@ -54,7 +51,6 @@ def set_mode(mode: str) -> None:
     # 128-token shared tiles only beside 64-row own tiles (``ring_stages``: no room beside 128-row ones)
     forced = lambda own_m, *a: shared_n if own_m == mixed_rule.OWN_M else mixed_rule.SHARED_N  # noqa: E731
     mixed_rule.shared_tokens_for = forced if shared_n else SHARED_TOKENS_FOR
-    mixed_gluon.HEAVY_OVERLAP = MODES[mode].get("overlap", HEAVY_OVERLAP)
 
 
 def main() -> None:

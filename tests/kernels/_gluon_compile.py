@@ -50,7 +50,6 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         shared_stages, own_stages = mixed_gluon.ring_stages(own_m, shared_n)
         consts |= {"BLOCK_N": shared_n, "STAGES": shared_stages}
         consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
-        consts["OVERLAP"] = mixed_gluon.overlaps(shared_n)
         consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
         maxnreg = mixed_gluon.MAXNREG
     else:

@@ -73,18 +73,15 @@ if GLUON:
     def _shared_consumer(
         m_off: gl.constexpr,  # this warpgroup's rows of the shared tiles: m_off .. m_off + BLOCK_M / 2
         ring,  # (K tiles, V tiles, k_ready, v_ready, empty): the shared ring
-        q_smem,  # [BLOCK_M, D] query rows in shared memory where ``OVERLAP`` (else unused)
         walk,  # (items, num_items, kv_heads, first ticket, end, step)
         ptrs,  # (q, seg_rows, o, lse, qk_scale, strides...)
         GROUP: gl.constexpr,
         BLOCK_M: gl.constexpr,
         HEAD_DIM: gl.constexpr,
-        OVERLAP: gl.constexpr,
     ):
-        """A shared warpgroup: its rows of the program's shared tickets, attended over each ticket's
-        tiles and stored (``_run_ticket``). Query rows kept in registers (wgmma's A), or with
-        ``OVERLAP`` in shared memory, which frees the registers for the shared kernel's
-        QK(j+1)-before-softmax(j) overlap (docs/kernels.md §2.5)."""
+        """A shared warpgroup: its rows of the program's shared tickets, query rows kept in registers
+        (wgmma's A), attended over each ticket's tiles and stored (``_run_ticket``; without the
+        shared kernel's QK(j+1)-before-softmax(j) overlap: level to 1.6% slower here, docs/kernels.md)."""
         items_ptr, num_items, kv_heads, first, end, step = walk
         (
             q_ptr,
@@ -104,27 +101,18 @@ if GLUON:
             version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
         )
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         c = 0  # the program's tiles through the ring so far
         for t in range(first, end, step):
             base, row_lo, row_hi, kv_len, ns = _shared_ticket(items_ptr, t, num_items, kv_heads, BLOCK_N)
             if ns > 0:
                 kvh = t // num_items
                 q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
+                q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, q_layout)
                 ticket = (base, row_lo, row_hi, kv_len, ns, kvh)
                 out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
-                if OVERLAP:
-                    q_part = q_smem.slice(m_off, PART_M)
-                    q_part.store(_ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld))
-                    fence_async_shared()  # generic stores before the wgmma's async reads
-                    _run_ticket(
-                        q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, True
-                    )
-                else:
-                    q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, q_layout)
-                    _run_ticket(
-                        q, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, False
-                    )
+                _run_ticket(
+                    q, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, False
+                )
             c += ns
 
     @gluon.jit
@@ -161,7 +149,6 @@ if GLUON:
         BLOCK_SIZE: gl.constexpr,
         STAGES: gl.constexpr,
         OWN_STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr,
         OWN_M: gl.constexpr,
         OWN_ROWS: gl.constexpr,
         HT: gl.constexpr,
@@ -194,11 +181,6 @@ if GLUON:
         qo_smem = gl.allocate_shared_memory(dtype, [OWN_ROWS, HEAD_DIM], qo_layout)
         pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([OWN_M, OWN_ROWS], dtype)
         pt_smem = gl.allocate_shared_memory(dtype, [OWN_M, OWN_ROWS], pt_layout)
-        # the shared query rows where they sit in shared memory (``OVERLAP``), else a stand-in
-        q_rows: gl.constexpr = BLOCK_M if OVERLAP else 16
-        q_cols: gl.constexpr = HEAD_DIM if OVERLAP else 16
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([q_rows, q_cols], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [q_rows, q_cols], q_layout)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -218,23 +200,10 @@ if GLUON:
         own_ptrs = (q_ptr, o_ptr, lse_ptr, qk_scale, own_slot0) + strides  # noqa: RUF005
         gl.warp_specialize(
             [
+                (_shared_consumer, (0, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM)),
                 (
                     _shared_consumer,
-                    (0, shared_ring, q_smem, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM, OVERLAP),
-                ),
-                (
-                    _shared_consumer,
-                    (
-                        BLOCK_M // 2,
-                        shared_ring,
-                        q_smem,
-                        shared_walk,
-                        shared_ptrs,
-                        GROUP,
-                        BLOCK_M,
-                        HEAD_DIM,
-                        OVERLAP,
-                    ),
+                    (BLOCK_M // 2, shared_ring, shared_walk, shared_ptrs, GROUP, BLOCK_M, HEAD_DIM),
                 ),
                 (_own_consumer, (own_ring, (qo_smem, pt_smem), own_walk, own_ptrs, GROUP, HEAD_DIM, HT)),
                 (
@@ -272,17 +241,6 @@ def own_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     return TensorDescriptor.from_tensor(rows, [block_size, dim], layout)
 
 
-# 128-token shared tiles with the query rows in shared memory and the in-warpgroup overlap (one own
-# ring slot left); step_modes.py sets it to compare
-HEAVY_OVERLAP = False
-
-
-def overlaps(shared_n: int) -> bool:
-    """Whether a launch with ``shared_n``-token shared tiles keeps its query rows in shared memory and
-    runs the in-warpgroup overlap."""
-    return shared_n == HEAVY_SHARED_N and HEAVY_OVERLAP
-
-
 def ring_stages(own_m: int, shared_n: int = SHARED_N) -> tuple[int, int]:
     """(shared, own) ring slots: three of each with 64-row own tiles and 64-token shared tiles (32 KB +
     32 KB a slot), two of each with 128-row own tiles (32 KB + 64 KB) or 128-token shared tiles (64 KB
@@ -291,8 +249,6 @@ def ring_stages(own_m: int, shared_n: int = SHARED_N) -> tuple[int, int]:
         raise ValueError(f"shared tiles of {shared_n} tokens: {SHARED_N} or {HEAVY_SHARED_N}")
     if own_m != OWN_M and shared_n != SHARED_N:
         raise ValueError(f"{own_m}-row own tiles and {shared_n}-token shared tiles do not fit shared memory")
-    if overlaps(shared_n):
-        return (2, 1)
     return (SHARED_STAGES, OWN_STAGES) if (own_m, shared_n) == (OWN_M, SHARED_N) else (2, 2)
 
 
@@ -363,7 +319,6 @@ def launch_mixed(
         BLOCK_SIZE=block_size,
         STAGES=shared_stages,
         OWN_STAGES=own_stages,
-        OVERLAP=overlaps(shared_n),
         OWN_M=own_m,
         OWN_ROWS=own_rows,
         HT=heads_per_tile,
