@@ -11,11 +11,14 @@ compiled kernel's launcher called directly, the layer's q / K / V / output swapp
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefixserve.attention.kernels.launch import relaunch
+
+if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
+    from prefixserve.attention.kernels.mixed_rule import MixedTiles
 
 # argument positions that change from layer to layer: (q, k_cache, v_cache, output), -1 = none
 PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
@@ -77,7 +80,7 @@ def launch_mixed_path(
     step_lists: tuple[torch.Tensor, ...],  # (segment rows, work items, own tables, own lengths)
     parts: tuple[torch.Tensor, torch.Tensor, int],  # (o_part, lse_part, first own slot)
     merge: Callable[[list], Any],
-    mixed: Any,  # mixed_rule.MixedTiles
+    mixed: MixedTiles,
 ) -> list[Recorded]:
     """The mixed launch (a decode step's shared and own tiles, one own partial per row; own tiles of
     ``mixed.own_m`` rows, shared tiles of ``mixed.shared_n`` tokens), then the merge; the eager path

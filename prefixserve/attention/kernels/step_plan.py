@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ import torch
 from prefixserve.attention.kernels.shared_plan import segment_tokens
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.plan import SharedPlan, make_plan
+
+if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
+    from prefixserve.attention.kernels.mixed_rule import MixedTiles
 
 
 def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -106,7 +109,7 @@ def plan_step_work(
     max_query_len: int,
     num_seqs: int,
     mode: str | None = None,  # PREFIXSERVE_MIXED's values; None: the switch
-) -> tuple[Any, Any]:
+) -> tuple[Any, MixedTiles | None]:
     """A shared step's work list and its mixed launch's tiles (``mixed_rule.MixedTiles``; None: two
     kernels), as the eager backend and the decode graphs both plan them: the mixed rule is asked
     before the work list (a step that may mix prefers tall tiles) and after it (the tiles it got)."""

@@ -28,7 +28,7 @@ kernels load on first use and raise ImportError with the fix when Triton is miss
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ from prefixserve.attention.kernels.step_plan import (
 )
 from prefixserve.attention.metadata import AttentionMetadata
 
+if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
+    from prefixserve.attention.kernels.mixed_rule import MixedTiles
+
 
 @dataclass(slots=True)
 class _Layout:
@@ -62,7 +65,7 @@ class _Layout:
     own_splits: int
     own_split_size: int
     own_pack: int = 1  # decode sequences per own-kernel program
-    mixed: Any = None  # mixed_rule.MixedTiles of one launch of shared and own tiles (mixed_gluon.py), or None
+    mixed: MixedTiles | None = None  # the tiles of one launch of shared and own tiles (mixed_gluon.py)
     work: Any = None  # SharedWork, when the step has segments
     num_slots: int = 0  # shared slots + own slots
     row_ptr: torch.Tensor | None = None  # [T+1] int32: CSR over the merged partials
