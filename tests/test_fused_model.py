@@ -271,6 +271,29 @@ def test_triton_dense_path_matches_unfused_on_gpu(bias: bool, tmp_path: Path) ->
 
 
 @pytest.mark.gpu
+def test_split_k_down_projection_matches_one_matmul_on_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the rule taking every down projection (the tiny model's K = 128, 2 slices), the model
+    hands the next norm fp32 partials; outputs match the one-matmul path and the unfused model."""
+    monkeypatch.setattr(fused, "SPLIT_K_MIN_K", 128)
+    monkeypatch.setattr(fused, "SPLIT_K_ROWS", [(1, 1 << 20, 2)])
+    model = _tiny(False, torch.bfloat16, "cuda", tmp_path)
+    act = torch.zeros(5, 128, device="cuda", dtype=torch.bfloat16)
+    assert fused.split_k_for(act, model.model.layers[0].mlp.down_proj.weight) == 2
+    assert model.model.layers[0].mlp(torch.randn(5, 64, device="cuda").bfloat16(), partials=True).dim() == 3
+    with fused.split_k_products(True):
+        split_outs = _run_both(model, "cuda")
+    with fused.split_k_products(False):
+        plain_outs = _run_both(model, "cuda")
+    for (got, ref), (plain, _) in zip(split_outs, plain_outs, strict=True):
+        for a in (got, plain):
+            err = (a.float() - ref.float()).norm() / ref.float().norm()
+            assert err < 2e-2, float(err)
+        assert ((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+
+
+@pytest.mark.gpu
 def test_triton_dense_path_replays_in_a_cuda_graph(tmp_path: Path) -> None:
     """A decode forward captured in a CUDA graph (as the engine's decode graphs do) replays exactly."""
     model = _tiny(True, torch.bfloat16, "cuda", tmp_path)

@@ -21,7 +21,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-_SWITCHES = {"triton": True, "skinny": True, "gate_up": True}  # the A/B switches below, read on every call
+# the A/B switches below, read on every call
+_SWITCHES = {"triton": True, "skinny": True, "gate_up": True, "split_k": True}
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
 
@@ -62,6 +63,53 @@ def gate_up_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
     return _switched("gate_up", enabled)
 
 
+def split_k_products(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Within the block, the projections before a norm may hand it split-K partials where the rule
+    says (True) or always run as one matmul (False): A/B runs."""
+    return _switched("split_k", enabled)
+
+
+# (first row, last row, K splits) of a projection whose output goes to the next norm (the down
+# projection, K >= SPLIT_K_MIN_K): a batched matmul over K slices writes fp32 partials and the norm
+# sums them, in place of cuBLAS's split-K GEMM and its reduce kernel (``benchmarks/probes/split_k.py``).
+SPLIT_K_ROWS: list[tuple[int, int, int]] = [(65, 320, 2)]
+SPLIT_K_MIN_K = 8192  # the o projection (K = hidden) timed level with cuBLAS at 128 and 256 rows
+
+
+def split_k_for(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """How many K slices ``linear_partials`` cuts this product into (0: one matmul). Hopper only,
+    where it was measured; 16-bit, contiguous rows, K slices of whole 64-column steps."""
+    if not (_SWITCHES["split_k"] and _use_triton(x) and x.dtype in (torch.float16, torch.bfloat16)):
+        return 0
+    from prefixserve.model.kernels import skinny_matmul
+
+    rows, k = x.shape
+    if k < SPLIT_K_MIN_K or x.stride(1) != 1 or not weight.is_contiguous() or weight.dtype != x.dtype:
+        return 0
+    for lo, hi, splits in SPLIT_K_ROWS:
+        if lo <= rows <= hi and k % (splits * 64) == 0:
+            return splits if skinny_matmul.hopper(x.device) else 0
+    return 0
+
+
+def split_k_matmul(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """fp32 partials [S, T, N] of ``x @ weight.T`` over S equal slices of K: one strided batched
+    cuBLAS matmul (the slices are views, nothing is copied). Their sum is the product."""
+    tokens, k = x.shape
+    part = k // splits
+    a = x.view(tokens, splits, part).transpose(0, 1)  # [S, T, K/S]
+    b = weight.view(weight.shape[0], splits, part).permute(1, 2, 0)  # [S, K/S, N]
+    return torch.bmm(a, b, out_dtype=torch.float32)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear(x, weight)`` [T, N], or where ``split_k_for`` says so its fp32 split-K partials
+    [S, T, N], which ``add_rms_norm`` takes as its x and sums (one kernel fewer than cuBLAS's own
+    split K, which reduces its partials in a kernel of its own)."""
+    splits = split_k_for(x, weight)
+    return split_k_matmul(x, weight, splits) if splits else linear(x, weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; on CUDA, a decode step's few rows through the skinny kernel wherever its sweep
     read the weight faster than cuBLAS (``kernels/skinny_matmul.py``)."""
@@ -75,7 +123,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def add_rms_norm(
-    x: torch.Tensor,  # [T, N]
+    x: torch.Tensor,  # [T, N], or [S, T, N] fp32 split-K partials (``linear_partials``)
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
@@ -83,13 +131,16 @@ def add_rms_norm(
     """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``.
 
     The add is done in the model dtype, the statistics in fp32 and the result cast back before the
-    weight multiply, as HF's RMSNorm after its residual add.
+    weight multiply, as HF's RMSNorm after its residual add. Partials are summed in fp32 and rounded
+    to the model dtype first, as a split-K matmul's own reduce does.
     """
     if _use_triton(x):
         from prefixserve.model.kernels import rms_norm
 
         if x.shape[-1] <= rms_norm.MAX_HIDDEN:  # a row must fit one program's registers
             return rms_norm.add_rms_norm(x, weight, eps, residual)
+    if x.dim() == 3:
+        x = x.sum(0).to(residual.dtype if residual is not None else weight.dtype)
     if residual is not None:
         x = x + residual
     xf = x.float()
@@ -181,10 +232,14 @@ __all__ = [
     "apply_rope",
     "gate_up_kernels",
     "linear",
+    "linear_partials",
     "linear_silu_and_mul",
     "rope_cos_sin",
     "rope_qkv",
     "silu_and_mul",
     "skinny_matmuls",
+    "split_k_for",
+    "split_k_matmul",
+    "split_k_products",
     "triton_kernels",
 ]

@@ -231,12 +231,16 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, parts, bias=False)
         self.down_proj = RowParallelLinear(inter, cols, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
+        """The MLP's output; with ``partials`` (for a norm next: ``fused.add_rms_norm`` takes them)
+        maybe the down projection's fp32 split-K partials [S, T, hidden] instead (one process only)."""
         # [T, I] (this rank's columns: on a GPU without the [T, 2I] product), then the ranks' sums added
         if x.is_cuda:
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight)
         else:
             act = fused.silu_and_mul(self.gate_up_proj(x))
+        if partials and not self.shard.parallel and act.is_cuda:
+            return fused.linear_partials(act, self.down_proj.weight)
         return self.shard.all_reduce(self.down_proj(act))
 
 
@@ -250,7 +254,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (the embeddings at layer 0)
+        h: torch.Tensor,  # [T, hidden] or [S, T, hidden] partials: the last MLP's output (layer 0: embedding)
         residual: torch.Tensor | None,  # [T, hidden]: the residual stream before h is added; None at layer 0
         rope: Rope,
         kv_layer: tuple[torch.Tensor, torch.Tensor],
@@ -275,7 +279,7 @@ class DecoderLayer(nn.Module):
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP."""
         x, residual = self.post_attention_layernorm(self.self_attn.output(out), residual)
-        return self.mlp(x), residual
+        return self.mlp(x, partials=True), residual  # the next norm sums split-K partials
 
 
 class LlamaBody(nn.Module):

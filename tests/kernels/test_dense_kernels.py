@@ -10,6 +10,7 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE
 
+from prefixserve.model import fused
 from prefixserve.model.fused import rope_cos_sin
 from prefixserve.model.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from prefixserve.model.kernels.rope import rope_qkv, rope_qkv_ref
@@ -44,6 +45,56 @@ def test_add_rms_norm_strided_rows_and_empty() -> None:
     torch.testing.assert_close(add_rms_norm(x, w, 1e-6)[0], add_rms_norm_ref(x, w, 1e-6)[0])
     out, summed = add_rms_norm(x[:0], w, 1e-6, x[:0])
     assert out.shape == summed.shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 7])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_sums_split_k_partials(dtype: torch.dtype, splits: int, with_residual: bool) -> None:
+    """fp32 partials [S, T, N] in: x is their sum rounded to the model dtype (as a split-K matmul's
+    reduce would give it), then the add and the norm as for a plain x."""
+    gen = torch.Generator().manual_seed(splits + 10 * with_residual)
+    parts = torch.randn(splits, 6, 48, generator=gen).to(DEVICE)
+    res = torch.randn(6, 48, generator=gen).to(DEVICE, dtype) if with_residual else None
+    w = (1 + 0.1 * torch.randn(48, generator=gen)).to(DEVICE, dtype)
+    out, summed = add_rms_norm(parts, w, 1e-5, res)
+    ref, ref_summed = add_rms_norm_ref(parts, w, 1e-5, res)
+    assert out.dtype == summed.dtype == dtype and summed.data_ptr() != parts.data_ptr()
+    # the sum of the partials may round differently in its last bit (order of the fp32 adds)
+    torch.testing.assert_close(summed, ref_summed, **_tol(dtype))
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    plain = add_rms_norm_ref(parts.sum(0).to(dtype), w, 1e-5, res)[0]
+    torch.testing.assert_close(out, plain, **_tol(dtype))
+    with pytest.raises(ValueError, match="fp32"):
+        add_rms_norm(parts.to(torch.float16), w, 1e-5, res)
+
+
+def test_fused_add_rms_norm_sums_partials_on_the_torch_path() -> None:
+    """The CPU (torch) path of ``fused.add_rms_norm`` takes the same partials as the kernel."""
+    gen = torch.Generator().manual_seed(3)
+    parts, res = torch.randn(3, 4, 32, generator=gen), torch.randn(4, 32, generator=gen)
+    w = torch.rand(32, generator=gen) + 0.5
+    with fused.triton_kernels(False):
+        out, summed = fused.add_rms_norm(parts.to(DEVICE), w.to(DEVICE), 1e-5, res.to(DEVICE))
+    ref, ref_summed = add_rms_norm_ref(parts.sum(0), w, 1e-5, res)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(summed.cpu(), ref_summed, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="torch.bmm with out_dtype is CUDA-only")
+@pytest.mark.parametrize("rows, k, n, splits", [(1, 256, 64, 2), (77, 512, 96, 4), (300, 1024, 128, 2)])
+def test_split_k_matmul_partials_sum_to_the_product(rows: int, k: int, n: int, splits: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
+    parts = fused.split_k_matmul(x, w, splits)
+    assert parts.shape == (splits, rows, n) and parts.dtype == torch.float32
+    exact = x.double() @ w.double().T
+    torch.testing.assert_close(parts.double().sum(0), exact, rtol=1e-4, atol=1e-3)
+    for s in range(splits):  # each partial is its own slice of K
+        cols = slice(s * k // splits, (s + 1) * k // splits)
+        part = x[:, cols].double() @ w[:, cols].double().T
+        torch.testing.assert_close(parts[s].double(), part, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,6 +6,10 @@ program holds a whole row in registers (hidden <= 16K), reads x and the residual
 two outputs once. The rounding follows the torch path (HF's RMSNorm): the sum is rounded to the model
 dtype before it is normalised and stored, the normalised row is rounded before the weight multiply,
 so the two paths differ only in the order of the sum of squares.
+
+x may also come as a matmul's fp32 split-K partials [S, T, N] (``linear_partials``): the kernel sums
+them and rounds to the model dtype, as cuBLAS's split-K reduce kernel would, so the matmul needs no
+reduce kernel of its own.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ MAX_HIDDEN = 16384  # one row per program, in registers
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr,  # [T, N]
+    x_ptr,  # [T, N], or [SPLITS, T, N] fp32 partials to sum first
     res_ptr,  # [T, N] (read when HAS_RESIDUAL)
     w_ptr,  # [N]
     out_ptr,  # [T, N]
     res_out_ptr,  # [T, N] (written when HAS_RESIDUAL)
+    stride_split,
     stride_x,
     stride_r,
     stride_o,
@@ -35,18 +40,28 @@ def _add_rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    SPLITS: tl.constexpr,  # 0: x is [T, N] in the model dtype; else the number of fp32 partials
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty  # the model dtype
+    if SPLITS == 0:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    else:  # the matmul's split-K reduce: fp32 sum, one rounding
+        acc = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
+        x = acc.to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the model dtype's add
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the model dtype's add
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    elif SPLITS != 0:
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)  # the summed x is the stream
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = (xf * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -55,22 +70,28 @@ _bound = BoundKernel(_add_rms_norm_kernel)  # launched by shape, so a step pays 
 
 
 def add_rms_norm(
-    x: torch.Tensor,  # [T, N]
+    x: torch.Tensor,  # [T, N], or [S, T, N] fp32 split-K partials
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; without a residual, ``(rms_norm(x) * weight, x)``.
 
-    Both outputs are new tensors (no input is written), so callers may hold on to their inputs.
+    Given partials, x is their fp32 sum rounded to the model dtype (the residual's, else the
+    weight's) and the stream output is always a new tensor. Both outputs are new tensors otherwise
+    too (no input is written), so callers may hold on to their inputs.
     """
-    tokens, n = x.shape
-    if n > MAX_HIDDEN or x.stride(1) != 1 or weight.stride(0) != 1:
+    splits = x.shape[0] if x.dim() == 3 else 0
+    tokens, n = x.shape[-2:]
+    if n > MAX_HIDDEN or x.stride(-1) != 1 or weight.stride(0) != 1:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN} with contiguous rows")
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_out = torch.empty_like(out) if residual is not None else x
+    if splits and x.dtype != torch.float32:
+        raise ValueError(f"split-K partials must be fp32, got {x.dtype}")
+    if residual is not None and (residual.shape != x.shape[-2:] or residual.stride(1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape[-2:])}")
+    dtype = residual.dtype if residual is not None else weight.dtype if splits else x.dtype
+    out = torch.empty((tokens, n), device=x.device, dtype=dtype)
+    res_out = torch.empty_like(out) if residual is not None or splits else x
     if tokens == 0:
         return out, res_out
     block = triton.next_power_of_2(n)
@@ -81,7 +102,8 @@ def add_rms_norm(
         weight,
         out,
         res_out,
-        x.stride(0),
+        x.stride(0) if splits else 0,
+        x.stride(-2),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         res_out.stride(0),
@@ -89,6 +111,7 @@ def add_rms_norm(
         eps,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        SPLITS=splits,
         num_warps=min(16, max(1, block // 512)),
     )
     return out, res_out
@@ -97,7 +120,10 @@ def add_rms_norm(
 def add_rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: HF's RMSNorm (fp32 statistics, cast back before the weight) after the add."""
+    """Torch reference: HF's RMSNorm (fp32 statistics, cast back before the weight) after the add;
+    split-K partials summed in fp32 and rounded to the model dtype first."""
+    if x.dim() == 3:
+        x = x.sum(0).to(residual.dtype if residual is not None else weight.dtype)
     if residual is not None:
         x = x + residual
     xf = x.float()
