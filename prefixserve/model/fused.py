@@ -84,12 +84,20 @@ def split_k_for(x: torch.Tensor, weight: torch.Tensor) -> int:
     from prefixserve.model.kernels import skinny_matmul
 
     rows, k = x.shape
-    if k < SPLIT_K_MIN_K or x.stride(1) != 1 or not weight.is_contiguous() or weight.dtype != x.dtype:
+    if k < SPLIT_K_MIN_K or not (x.is_contiguous() and weight.is_contiguous()) or weight.dtype != x.dtype:
+        return 0
+    if not _bmm_takes_out_dtype():
         return 0
     for lo, hi, splits in SPLIT_K_ROWS:
         if lo <= rows <= hi and k % (splits * 64) == 0:
             return splits if skinny_matmul.hopper(x.device) else 0
     return 0
+
+
+@functools.cache
+def _bmm_takes_out_dtype() -> bool:
+    """Whether this torch has ``torch.bmm(..., out_dtype=)`` (fp32 products of 16-bit inputs; 2.11 has it)."""
+    return "dtype" in torch.ops.aten.bmm.overloads()
 
 
 def split_k_matmul(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
