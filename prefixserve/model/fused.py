@@ -103,11 +103,17 @@ def _bmm_takes_out_dtype() -> bool:
 def split_k_matmul(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     """fp32 partials [S, T, N] of ``x @ weight.T`` over S equal slices of K: one strided batched
     cuBLAS matmul (the slices are views, nothing is copied). Their sum is the product."""
+    return torch.bmm(*split_k_operands(x, weight, splits), out_dtype=torch.float32)
+
+
+def split_k_operands(x: torch.Tensor, weight: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views a [S, T, K/S] of x [T, K] and b [S, K/S, N] of weight [N, K]: a[s] @ b[s] is the product
+    over K's s-th slice (strides cuBLAS's strided batched matmul takes as they are)."""
     tokens, k = x.shape
     part = k // splits
-    a = x.view(tokens, splits, part).transpose(0, 1)  # [S, T, K/S]
-    b = weight.view(weight.shape[0], splits, part).permute(1, 2, 0)  # [S, K/S, N]
-    return torch.bmm(a, b, out_dtype=torch.float32)
+    a = x.view(tokens, splits, part).transpose(0, 1)
+    b = weight.view(weight.shape[0], splits, part).permute(1, 2, 0)
+    return a, b
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -148,7 +154,9 @@ def add_rms_norm(
         if x.shape[-1] <= rms_norm.MAX_HIDDEN:  # a row must fit one program's registers
             return rms_norm.add_rms_norm(x, weight, eps, residual)
     if x.dim() == 3:
-        x = x.sum(0).to(residual.dtype if residual is not None else weight.dtype)
+        if residual is None or x.dtype != torch.float32:
+            raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
+        x = x.sum(0).to(residual.dtype)
     if residual is not None:
         x = x + residual
     xf = x.float()
@@ -248,6 +256,7 @@ __all__ = [
     "skinny_matmuls",
     "split_k_for",
     "split_k_matmul",
+    "split_k_operands",
     "split_k_products",
     "triton_kernels",
 ]

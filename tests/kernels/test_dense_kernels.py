@@ -47,38 +47,58 @@ def test_add_rms_norm_strided_rows_and_empty() -> None:
     assert out.shape == summed.shape == (0, 64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
 @pytest.mark.parametrize("splits", [1, 2, 7])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_sums_split_k_partials(dtype: torch.dtype, splits: int, with_residual: bool) -> None:
-    """fp32 partials [S, T, N] in: x is their sum rounded to the model dtype (as a split-K matmul's
-    reduce would give it), then the add and the norm as for a plain x."""
-    gen = torch.Generator().manual_seed(splits + 10 * with_residual)
+def test_add_rms_norm_sums_split_k_partials(dtype: torch.dtype, splits: int) -> None:
+    """fp32 partials [S, T, N] in: x is their sum rounded to the model dtype (the residual's, as a
+    split-K matmul's reduce kernel would round it), then the same add and norm as for that x."""
+    gen = torch.Generator().manual_seed(splits)
     parts = torch.randn(splits, 6, 48, generator=gen).to(DEVICE)
-    res = torch.randn(6, 48, generator=gen).to(DEVICE, dtype) if with_residual else None
+    res = torch.randn(6, 48, generator=gen).to(DEVICE, dtype)
     w = (1 + 0.1 * torch.randn(48, generator=gen)).to(DEVICE, dtype)
     out, summed = add_rms_norm(parts, w, 1e-5, res)
+    assert out.dtype == summed.dtype == dtype
+    # the kernel on the rounded sum as a plain x: the same outputs (the fp32 adds' order aside)
+    plain_out, plain_summed = add_rms_norm(parts.double().sum(0).to(dtype), w, 1e-5, res)
+    torch.testing.assert_close(summed, plain_summed, **_tol(dtype))
+    torch.testing.assert_close(out, plain_out, **_tol(dtype))
     ref, ref_summed = add_rms_norm_ref(parts, w, 1e-5, res)
-    assert out.dtype == summed.dtype == dtype and summed.data_ptr() != parts.data_ptr()
-    # the sum of the partials may round differently in its last bit (order of the fp32 adds)
     torch.testing.assert_close(summed, ref_summed, **_tol(dtype))
     torch.testing.assert_close(out, ref, **_tol(dtype))
-    plain = add_rms_norm_ref(parts.sum(0).to(dtype), w, 1e-5, res)[0]
-    torch.testing.assert_close(out, plain, **_tol(dtype))
-    with pytest.raises(ValueError, match="fp32"):
-        add_rms_norm(parts.to(torch.float16), w, 1e-5, res)
+    for bad in (parts.to(torch.float16), parts):  # 16-bit partials; partials without the residual
+        with pytest.raises(ValueError, match="fp32"):
+            add_rms_norm(bad, w, 1e-5, res if bad.dtype == torch.float16 else None)
 
 
 def test_fused_add_rms_norm_sums_partials_on_the_torch_path() -> None:
-    """The CPU (torch) path of ``fused.add_rms_norm`` takes the same partials as the kernel."""
+    """The torch path of ``fused.add_rms_norm`` takes the same partials: the fp32 sum rounded to the
+    residual's dtype (bf16 here) before the add."""
     gen = torch.Generator().manual_seed(3)
-    parts, res = torch.randn(3, 4, 32, generator=gen), torch.randn(4, 32, generator=gen)
-    w = torch.rand(32, generator=gen) + 0.5
+    parts = torch.randn(3, 4, 32, generator=gen)
+    res = torch.randn(4, 32, generator=gen).bfloat16()
+    w = (torch.rand(32, generator=gen) + 0.5).bfloat16()
     with fused.triton_kernels(False):
         out, summed = fused.add_rms_norm(parts.to(DEVICE), w.to(DEVICE), 1e-5, res.to(DEVICE))
-    ref, ref_summed = add_rms_norm_ref(parts.sum(0), w, 1e-5, res)
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(summed.cpu(), ref_summed, rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match="residual"):
+            fused.add_rms_norm(parts.to(DEVICE), w.to(DEVICE), 1e-5)
+    x = parts.sum(0).bfloat16()
+    assert torch.equal(summed.cpu(), x + res)
+    ref = add_rms_norm_ref(x, w, 1e-5, res)[0]
+    assert out.dtype == torch.bfloat16 and torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("rows, k, n, splits", [(1, 256, 64, 2), (5, 512, 96, 4), (3, 448, 8, 7)])
+def test_split_k_operands_are_the_slices_of_k(rows: int, k: int, n: int, splits: int) -> None:
+    """a[s] @ b[s] is the product over K's s-th slice, and the views copy nothing."""
+    x, w = torch.randn(rows, k, dtype=torch.float64), torch.randn(n, k, dtype=torch.float64)
+    a, b = fused.split_k_operands(x, w, splits)
+    assert a.shape == (splits, rows, k // splits) and b.shape == (splits, k // splits, n)
+    assert a.data_ptr() == x.data_ptr() and b.data_ptr() == w.data_ptr()
+    parts = torch.bmm(a, b)
+    for s in range(splits):
+        cols = slice(s * k // splits, (s + 1) * k // splits)
+        torch.testing.assert_close(parts[s], x[:, cols] @ w[:, cols].T)
+    torch.testing.assert_close(parts.sum(0), x @ w.T)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="torch.bmm with out_dtype is CUDA-only")
