@@ -27,15 +27,11 @@ from prefixserve.model.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 HIDDEN, INTER, EPS = 4096, 14336, 1e-5
 PROJECTIONS = {"down": (HIDDEN, INTER), "o": (HIDDEN, HIDDEN)}  # N, K
 SPLITS = (2, 3, 4, 7, 8)
-SPLITS_USED = list(SPLITS)  # --splits
 
 
-def pair_forms(k: int, splits: tuple[int, ...] = SPLITS):
+def pair_forms(k: int, splits: tuple[int, ...]) -> list[tuple[str, int]]:
     """(name, splits) of each form: 0 is F.linear then the norm."""
-    yield "linear", 0
-    for s in splits:
-        if k % (s * 64) == 0:
-            yield f"split{s}", s
+    return [("linear", 0)] + [(f"split{s}", s) for s in splits if k % (s * 64) == 0]
 
 
 def run_pair(x, w, nw, res, splits):
@@ -43,14 +39,17 @@ def run_pair(x, w, nw, res, splits):
     return add_rms_norm(y, nw, EPS, res)
 
 
-def sweep(names: list[str], rows: list[int], lt: bool) -> list[dict]:
+def sweep(names: list[str], rows: list[int], splits: tuple[int, ...], lt: bool) -> list[dict]:
     out = []
     for name in names:
-        out += sweep_projection(name, *PROJECTIONS[name], rows, lt)
+        out += sweep_projection(name, *PROJECTIONS[name], rows, splits, lt)
     return out
 
 
-def sweep_projection(name: str, n: int, k: int, rows: list[int], lt: bool) -> list[dict]:
+def sweep_projection(
+    name: str, n: int, k: int, rows: list[int], splits: tuple[int, ...], lt: bool
+) -> list[dict]:
+    forms = pair_forms(k, splits)
     dev = torch.device("cuda")
     copies = max(2, -(-(256 << 20) // (n * k * 2)))
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
@@ -66,7 +65,7 @@ def sweep_projection(name: str, n: int, k: int, rows: list[int], lt: bool) -> li
             return 1e3 * graph_ms(lambda i: run_pair(x, ws[i], nw, res, s), copies)
 
         row = {"proj": name, "rows": m}
-        for form, s in pair_forms(k, tuple(SPLITS_USED)):
+        for form, s in forms:
             got_sum = run_pair(x, ws[0], nw, res, s)[1]
             row[f"{form}_err"] = float((got_sum.double() - ref_sum).abs().max() / ref_sum.abs().max())
             row[form] = timed(s)
@@ -76,12 +75,12 @@ def sweep_projection(name: str, n: int, k: int, rows: list[int], lt: bool) -> li
                 row["linear_lt"] = timed(0)
             finally:
                 torch.backends.cuda.preferred_blas_library("default")
-        best = min((f for f, _ in pair_forms(k, tuple(SPLITS_USED)) if f != "linear"), key=lambda f: row[f])
+        best = min((f for f, _ in forms if f != "linear"), key=lambda f: row[f])
         row["best"] = best
         print(
             f"{name:>5} {m:5d} rows: linear {row['linear']:7.1f} us"
             + (f", lt {row['linear_lt']:7.1f}" if lt else "")
-            + "".join(f", {f} {row[f]:7.1f}" for f, _ in pair_forms(k, tuple(SPLITS_USED)) if f != "linear")
+            + "".join(f", {f} {row[f]:7.1f}" for f, _ in forms if f != "linear")
             + f"  (best {best}: {row['linear'] / row[best]:.3f}x; err {row[best + '_err']:.1e}"
             f" vs {row['linear_err']:.1e})",
             flush=True,
@@ -90,7 +89,7 @@ def sweep_projection(name: str, n: int, k: int, rows: list[int], lt: bool) -> li
     return out
 
 
-def profile(m: int) -> dict:
+def profile(m: int, splits: tuple[int, ...]) -> dict:
     """Kernel names and times of the down pair at ``m`` rows, linear vs the 4-way split."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -102,7 +101,7 @@ def profile(m: int) -> dict:
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     res = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
     found = {}
-    for form, s in pair_forms(k, tuple(SPLITS_USED)):
+    for form, s in pair_forms(k, splits):
         for _ in range(3):
             run_pair(x, w, nw, res, s)
         torch.cuda.synchronize()
@@ -149,11 +148,10 @@ def main() -> None:
     ap.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    SPLITS_USED[:] = args.splits
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.profile:
-        result["profile"] = profile(args.profile)
-    result["sweep"] = sweep(args.projections, args.rows, args.lt)
+        result["profile"] = profile(args.profile, tuple(args.splits))
+    result["sweep"] = sweep(args.projections, args.rows, tuple(args.splits), args.lt)
     if args.engine_ab:
         result["engine"] = engine_ab(args.points, args.engine_ab)
     if args.json:

@@ -46,13 +46,10 @@ def _add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty  # the model dtype
-    if SPLITS == 0:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    else:  # the matmul's split-K reduce: fp32 sum, one rounding
-        acc = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
-        x = acc.to(dtype)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):  # fp32 partials: the matmul's split-K reduce, one rounding
+        x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
+    x = x.to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the model dtype's add
