@@ -33,6 +33,7 @@ from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.promptcache.recompute import parse_recompute
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
@@ -422,8 +423,8 @@ class Engine:
         return req
 
     def is_pml_prompt(self, prompt: str) -> bool:
-        """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document (schemas registered)."""
-        return bool(self.modules.schemas) and prompt.lstrip().startswith("<prompt")
+        """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document."""
+        return is_pml_prompt(prompt)
 
     def _add(
         self,

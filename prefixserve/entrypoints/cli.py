@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.entrypoints.args import add_engine_args, add_sampling_args, engine_config_from_args
+from prefixserve.promptcache.pml import is_pml_prompt
 
 DEMO_SYSTEM = (
     "You are a concise assistant for a travel company. Answer in one or two sentences, "
@@ -72,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)
     llm = _make_llm(args)
     # PML prompts (<prompt schema="...">, with --schema) go as they are: their schema has the roles
-    pml = [bool(args.schema) and p.lstrip().startswith("<prompt") for p in prompts]
+    pml = [is_pml_prompt(p) for p in prompts]
     if args.raw:
         texts = [p if is_pml else (system or "") + p for p, is_pml in zip(prompts, pml, strict=True)]
         outs = llm.generate(texts, params)

@@ -45,7 +45,7 @@ from prefixserve.entrypoints.server_requests import (
     read_schema_request,
 )
 from prefixserve.outputs import RequestOutput
-from prefixserve.promptcache.pml import PMLError, parse_schema
+from prefixserve.promptcache.pml import PMLError, is_pml_prompt, parse_schema
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ async def _tokenize(state: ServerState, text: str) -> list[int] | None:
     engine: a possible Prompt Cache prompt (``<prompt ...>``, parsed there), no tokenizer, or an error
     (the engine then reports it as it would).
     """
-    if state.tokenizer is None or text.lstrip().startswith("<prompt"):
+    if state.tokenizer is None or is_pml_prompt(text):
         return None
     try:
         ids = await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=False)

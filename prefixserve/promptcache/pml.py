@@ -24,6 +24,13 @@ MAX_ATTRIBUTE_CHARS = 64 * 1024
 MAX_DEPTH = 64
 ROLES = ("system", "user", "assistant")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_PROMPT_START = re.compile(r"\s*<prompt[\s/>]")
+
+
+def is_pml_prompt(text: str) -> bool:
+    """Is ``text`` a ``<prompt ...>`` document? Such text always goes to Prompt Cache (an unknown
+    schema is refused by name), so a chat message or completion prompt is never half-read as XML."""
+    return _PROMPT_START.match(text) is not None
 
 
 class PMLError(ValueError):
