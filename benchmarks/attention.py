@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import pyplot, run_info, run_or_report, write_text
+from benchmarks.harness import pyplot, run_info, run_or_report, write_text
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 GRID_B = (16, 64, 256, 1024)

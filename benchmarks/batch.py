@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS, pyplot, run_info, write_text
+from benchmarks.harness import RESULTS, pyplot, run_info, write_text
 from prefixserve import LLM, SamplingParams
 from prefixserve.scheduler.offline import plan_batch
 

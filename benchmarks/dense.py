@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import run_info, run_or_report, write_text
+from benchmarks.harness import run_info, run_or_report, write_text
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 BATCHES = (1, 16, 64, 256, 1024)

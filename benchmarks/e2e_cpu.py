@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from benchmarks._common import run_info, write_results
+from benchmarks.harness import run_info, write_results
 from prefixserve import LLM, SamplingParams
 
 

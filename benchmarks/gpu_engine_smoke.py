@@ -11,37 +11,27 @@
 
 from __future__ import annotations
 
-import json
-import os
-import random
+import argparse
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks._common import run_info, write_results
+from benchmarks.decode_run import shared_prompts
+from benchmarks.harness import dummy_model, run_info, write_results
+from benchmarks.harness.models import shipped_config
 from prefixserve import LLM, SamplingParams
-from prefixserve.model.loader import CONFIG_DIR
-
-
-def _prompts(n: int, prefix: int, own: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(1000, 30000) for _ in range(prefix)]
-    return [{"prompt_token_ids": shared + [rng.randrange(1000, 30000) for _ in range(own)]} for _ in range(n)]
 
 
 def exactness() -> dict:
-    cfg = json.loads((CONFIG_DIR / "llama-3.1-8b.json").read_text())
-    cfg["num_hidden_layers"] = 4
-    path = os.path.join(tempfile.mkdtemp(), "config.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    prompts = _prompts(16, 1024, 24)
+    model = dummy_model({**shipped_config("llama-3.1-8b"), "num_hidden_layers": 4}, Path(tempfile.mkdtemp()))
+    prompts = shared_prompts(16, 1024, 24)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
     for attention in ("reference", "cascade", "triton", "auto"):
         llm = LLM(
-            model=f"dummy:{path}",
+            model=model,
             dtype="float32",
             device="cuda",
             attention=attention,
@@ -72,7 +62,7 @@ def decode_speed(attention: str, batch: int, prefix: int, gen: int) -> dict:
         max_num_batched_tokens=8192,
         progress=False,
     )
-    prompts = _prompts(batch, prefix, 64)
+    prompts = shared_prompts(batch, prefix, 64)
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))  # warm up: this batch's kernels
     torch.cuda.synchronize()
     before = llm.metrics()
@@ -127,4 +117,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     main()

@@ -56,7 +56,7 @@ import torch
 import prefixserve.attention.plan as plan_mod
 import prefixserve.engine.llm_engine as engine_mod
 import prefixserve.engine.model_runner as runner_mod
-from benchmarks._common import run_info, write_results
+from benchmarks.harness import run_info, write_results
 from prefixserve.attention.graph import HeadShape
 from prefixserve.attention.kernels.triton_backend import TritonStep, build_layout
 from prefixserve.config import EngineConfig

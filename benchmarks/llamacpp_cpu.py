@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks._common import run_info, write_results
+from benchmarks.harness import run_info, write_results
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.loader import default_gguf_path, tokenizer_for
 

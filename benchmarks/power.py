@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import pyplot, run_info, run_or_report, write_text
 from benchmarks.attention import DOCS, GRID_B, GRID_P, GRID_S, HKV, HQ, PART_OF, Case, D, _bench, graphed
+from benchmarks.harness import pyplot, run_info, run_or_report, write_text
 
 FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active,temperature.gpu"
 # nvidia-smi's clocks_event_reasons bits (nvmlClocksEventReasons)

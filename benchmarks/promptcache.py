@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS, gpu_idle_frac, pyplot, run_info, run_or_report, write_text
+from benchmarks.harness import RESULTS, gpu_idle_frac, pyplot, run_info, run_or_report, write_text
+from benchmarks.promptcache_workload import bench_schema, prompts_for, ttft, words
 from benchmarks.recovery import (
     add_recovery_args,
     last_logits,
@@ -56,86 +57,6 @@ from benchmarks.recovery import (
     run_recovery_ttft,
 )
 from prefixserve import LLM, SamplingParams
-
-WORDS = [
-    *[
-        "river",
-        "mountain",
-        "quiet",
-        "signal",
-        "harbor",
-        "copper",
-        "lantern",
-        "orchard",
-        "violet",
-        "engine",
-        "garden",
-        "silver",
-        "market",
-    ],
-    *[
-        "winter",
-        "planet",
-        "falcon",
-        "meadow",
-        "thunder",
-        "canyon",
-        "marble",
-        "candle",
-        "forest",
-        "island",
-        "shadow",
-        "bridge",
-    ],
-    *[
-        "desert",
-        "velvet",
-        "compass",
-        "ember",
-        "glacier",
-        "pepper",
-        "saddle",
-        "timber",
-        "walnut",
-        "zephyr",
-        "anchor",
-        "beacon",
-    ],
-]
-
-
-def words(rng: random.Random, tokenizer: Any, tokens: int) -> str:
-    """Text of about ``tokens`` tokens (random words: no accidental structure for the cache to find)."""
-    text = ""
-    while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
-        text += " " + " ".join(rng.choice(WORDS) for _ in range(max(1, tokens // 4)))
-    ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
-    return tokenizer.decode(ids).replace("<", " ").replace("&", " ")
-
-
-def bench_schema(tokenizer: Any, modules: int, module_tokens: int, seed: int) -> tuple[str, list[str]]:
-    rng = random.Random(seed)
-    texts = [words(rng, tokenizer, module_tokens) for _ in range(modules)]
-    body = "".join(f'<module name="m{i}">{t}</module>' for i, t in enumerate(texts))
-    return f'<schema name="bench">{body}</schema>', texts
-
-
-def prompts_for(rng: random.Random, texts: list[str], count: int, question: str) -> tuple[str, str, str]:
-    """(PML prompt, plain prompt in schema order, plain prompt in shuffled order) importing ``count``."""
-    picked = sorted(rng.sample(range(len(texts)), count))
-    pml = '<prompt schema="bench">' + "".join(f"<m{i}/>" for i in picked) + question + "</prompt>"
-    plain = "".join(texts[i] for i in picked) + question
-    shuffled = picked[:]
-    rng.shuffle(shuffled)
-    return pml, plain, "".join(texts[i] for i in shuffled) + question
-
-
-def ttft(llm: LLM, prompt: Any) -> float:
-    if llm.engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    return time.perf_counter() - t0
 
 
 def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.promptcache_workload import bench_schema, prompts_for, ttft
 from prefixserve import LLM, SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "recovery_towns.json"
@@ -93,8 +94,10 @@ def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3) -> dict[st
         llm.register_schema(schema)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     answer = SamplingParams(max_tokens=answer_tokens, temperature=0.0)
-    stats: dict[str, dict[str, Any]] = {m: {"kl": [], "agree": 0, "exact": 0, "ttft": [], "recomputed": [],
-                                             "private": [], "module_rows": []} for m in ("full", *MODES)}
+    stats: dict[str, dict[str, Any]] = {
+        m: {"kl": [], "agree": 0, "exact": 0, "ttft": [], "recomputed": [], "private": [], "module_rows": []}
+        for m in ("full", *MODES)
+    }
     try:
         with last_logits(llm) as captured:
             _score_prompts(llm, prompts, stats, captured, one, answer)
@@ -117,7 +120,8 @@ def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: An
             req: dict[str, Any] = (  # full: a fresh salt, nothing reused; each mode's own blocks
                 # are keyed by its setting, so no mode reuses another's
                 {"prompt_token_ids": ids, "positions": pos, "cache_salt": f"full-{n}"}
-                if mode == "full" else {"prompt": pml, "module_recompute": mode}
+                if mode == "full"
+                else {"prompt": pml, "module_recompute": mode}
             )
             captured.clear()
             t0 = time.monotonic()
@@ -140,15 +144,17 @@ def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: An
 def _summary(stats: dict[str, dict[str, Any]], count: int, answer_tokens: int) -> dict[str, Any]:
     rows = []
     for mode, s in stats.items():
-        rows.append({
-            "mode": mode,
-            "accuracy": s["exact"] / count,
-            "top1_agreement": s["agree"] / count,
-            "mean_kl": sum(s["kl"]) / count,
-            "ttft_s": statistics.mean(s["ttft"]),
-            "recomputed_tokens": statistics.mean(s["recomputed"]),
-            "private_fraction": sum(s["private"]) / max(1, sum(s["module_rows"])),
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "accuracy": s["exact"] / count,
+                "top1_agreement": s["agree"] / count,
+                "mean_kl": sum(s["kl"]) / count,
+                "ttft_s": statistics.mean(s["ttft"]),
+                "recomputed_tokens": statistics.mean(s["recomputed"]),
+                "private_fraction": sum(s["private"]) / max(1, sum(s["module_rows"])),
+            }
+        )
     gap = next(r["mean_kl"] for r in rows if r["mode"] == "none")
     for row in rows:
         row["kl_gap_closed"] = 1.0 - row["mean_kl"] / gap if gap > 0 else None
@@ -157,8 +163,6 @@ def _summary(stats: dict[str, dict[str, Any]], count: int, answer_tokens: int) -
 
 def run_recovery_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
     """TTFT per mode at each of ``--recovery-lengths`` module tokens: median of ``--trials``."""
-    from benchmarks.promptcache import bench_schema, prompts_for, ttft
-
     tok = llm.get_tokenizer()
     most = max(args.recovery_lengths) // args.module_tokens
     schema, texts = bench_schema(tok, 2 * most, args.module_tokens, args.seed + 11)
@@ -190,12 +194,22 @@ def run_recovery_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list
 
 
 def add_recovery_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--recovery", action="store_true",
-                    help="accuracy recovery only: quality (real weights) and TTFT")
-    ap.add_argument("--recovery-lengths", type=int, nargs="*", default=[5120],
-                    help="module tokens for the recovery TTFT rows (none: no TTFT rows)")
-    ap.add_argument("--recovery-quality", choices=("auto", "yes", "no"), default="auto",
-                    help="the quality section (auto: with the default model's real weights only)")
+    ap.add_argument(
+        "--recovery", action="store_true", help="accuracy recovery only: quality (real weights) and TTFT"
+    )
+    ap.add_argument(
+        "--recovery-lengths",
+        type=int,
+        nargs="*",
+        default=[5120],
+        help="module tokens for the recovery TTFT rows (none: no TTFT rows)",
+    )
+    ap.add_argument(
+        "--recovery-quality",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="the quality section (auto: with the default model's real weights only)",
+    )
 
 
 def recovery_lines(result: dict[str, Any]) -> list[str]:

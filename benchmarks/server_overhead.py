@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS, run_info, write_results
-from benchmarks.serving_gpu import TINY, Clients, ServerProcess, free_port
+from benchmarks.harness import RESULTS, TINY, run_info, write_results
+from benchmarks.harness.server import Clients, ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "server_overhead"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import RESULTS, run_info, write_results
-from benchmarks.throughput import MODES, _prompts, measure
+from benchmarks.decode_run import MODES, measure, shared_prompts
+from benchmarks.harness import RESULTS, run_info, write_results
 
 NAME = "tensor_parallel"
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if "compare" in args.parts:
         p = args.compare_prefix
         for b in args.batches:
-            prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
+            prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
             row = {"B": b, "P": p}
             for size in (1, tp):
                 r = measure(args.compare_model, args.device, "auto", prompts, args.gen, tp=size)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     if "grid" in args.parts:
         for b in args.batches:
             for p in args.prefixes:
-                prompts = (_prompts(b, p, args.own), _prompts(b, p, args.own, seed=1))
+                prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
                 row = {"B": b, "P": p, "tp": tp}
                 for mode, attention in modes.items():
                     r = measure(args.model, args.device, attention, prompts, args.gen, tp=tp)

@@ -17,22 +17,24 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks import serving_gpu as sg
+from benchmarks.harness.server import Clients
+from benchmarks.serving_gpu import cli, hydragen, workload
+from benchmarks.serving_gpu.server import Server, ServerSpec
 from prefixserve.model.loader import tokenizer_for
 
 
 def server_bursts(args, spec, workdir, clients, warm, bursts, extra: list[str]) -> dict[str, list[float]]:
     """Streamed and unstreamed timed bursts on one fresh server, alternating; returns tok/s lists."""
-    server = sg.Server(
+    server = Server(
         argparse.Namespace(**{**vars(args), "server_arg": args.server_arg + extra}), spec, workdir
     )
     out: dict[str, list[float]] = {"streamed": [], "not streamed": []}
     try:
         server.start(args.server_timeout)
-        sg.server_burst(clients, server, warm, args)
+        hydragen.server_burst(clients, server, warm, args)
         for streamed, unstreamed in bursts:
             for name, reqs in (("streamed", streamed), ("not streamed", unstreamed)):
-                stats = sg.server_burst(clients, server, reqs, args)
+                stats = hydragen.server_burst(clients, server, reqs, args)
                 s = stats.get("server", {})
                 print(
                     f"  {name:13s} {stats.get('tok_s', 0):7.0f} tok/s  busy {s.get('gpu_busy_s', 0):.2f} s"
@@ -47,7 +49,7 @@ def server_bursts(args, spec, workdir, clients, warm, bursts, extra: list[str]) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    sg.add_args(ap)
+    cli.add_args(ap)
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
         "--servers",
@@ -58,10 +60,10 @@ def main() -> None:
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="server_compare_"))
     _, tok = tokenizer_for(args.model, progress=False)
-    system = sg.system_prompt(tok, max(args.system_tokens), seed=max(args.system_tokens))
+    system = workload.system_prompt(tok, max(args.system_tokens), seed=max(args.system_tokens))
 
     def chats(seed: int, stream: bool = True) -> list:
-        return sg.chat_requests(
+        return workload.chat_requests(
             tok, system, args.burst, seed, args, None, logprobs=False, stream=stream, tag="b"
         )
 
@@ -69,11 +71,11 @@ def main() -> None:
     seeds = [7001 + r for r in range(args.repeats)]
     pairs = [(chats(s), chats(s, stream=False)) for s in seeds]
     results: dict[str, list[float]] = {}
-    offline = sg.offline_runs(args, {"chat": [warm, *(p[0] for p in pairs)]})
+    offline = hydragen.offline_runs(args, {"chat": [warm, *(p[0] for p in pairs)]})
     results["offline"] = offline["runs"]["chat"]
     print(f"offline: {results['offline']}", flush=True)
-    spec = sg.ServerSpec("on", "auto", True, {}, args.hydragen_max_num_seqs)
-    clients = sg.Clients(args.clients)
+    spec = ServerSpec("on", "auto", True, {}, args.hydragen_max_num_seqs)
+    clients = Clients(args.clients)
     try:
         for config in args.servers:
             kind, _, value = config.partition("=")

@@ -121,12 +121,12 @@ def profile(m: int, splits: tuple[int, ...]) -> dict:
 
 def engine_ab(points: list[str], rounds: int) -> list[dict]:
     """Whole decode runs (a fresh engine each), ``fused.SPLIT_K_ROWS``'s rule on and off in turn."""
-    from benchmarks.throughput import _prompts, measure
+    from benchmarks.decode_run import measure, shared_prompts
 
     out = []
     for point in points:
         b, p = (int(v) for v in point.split("x"))
-        prompts = (_prompts(b, p, 64, seed=0), _prompts(b, p, 64, seed=1))
+        prompts = (shared_prompts(b, p, 64, seed=0), shared_prompts(b, p, 64, seed=1))
         for r in range(rounds):
             for mode in ("rule", "off"):
                 with fused.split_k_products(mode == "rule"):

@@ -20,7 +20,7 @@ import json
 import os
 import time
 
-from benchmarks.throughput import _prompts, measure
+from benchmarks.decode_run import measure, shared_prompts
 from prefixserve.attention.kernels import mixed_rule
 from prefixserve.model import fused
 
@@ -65,7 +65,7 @@ def main() -> None:
     rows = []
     for point in args.points:
         b, p = (int(x) for x in point.split("x"))
-        prompts = (_prompts(b, p, args.own, seed=0), _prompts(b, p, args.own, seed=1))
+        prompts = (shared_prompts(b, p, args.own, seed=0), shared_prompts(b, p, args.own, seed=1))
         for mode in args.modes:
             set_mode(mode)
             t0 = time.perf_counter()

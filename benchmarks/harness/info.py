@@ -1,0 +1,69 @@
+"""Where and when a result was measured: device, versions, commit, date."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_commit() -> str:
+    """The tree's short commit, ``+dirty`` when tracked files differ from it.
+
+    ``PREFIXSERVE_COMMIT`` wins when set: the device machine's copy of the tree may carry a stale .git
+    (or none).
+    """
+    if os.environ.get("PREFIXSERVE_COMMIT"):
+        return os.environ["PREFIXSERVE_COMMIT"]
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=here
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=here
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def run_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Device, CPU count, Python and torch versions, commit and UTC date; plus each of ``packages``'
+    installed version (None where missing)."""
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu: {platform.processor() or platform.machine()}"
+    )
+    info: dict[str, Any] = {
+        "device": device,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    for pkg in packages:
+        try:
+            info[pkg] = version(pkg)
+        except PackageNotFoundError:
+            info[pkg] = None
+    return info
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what platform knows where that is missing."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,80 @@
+"""Result files: JSON + Markdown (+ a plot) under docs/benchmarks/, and the ``run`` / ``report``
+command line of GPU benchmarks (a report can be rewritten from a saved JSON without a GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "benchmarks"
+
+
+def run_or_report(
+    doc: str | None,
+    name: str,
+    default_out: Path,
+    add_run_args: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], None],
+    report: Callable[[dict[str, Any], Path], None],
+    argv: list[str] | None = None,
+) -> None:
+    """A GPU benchmark's command line: ``run [--out DIR] ...`` measures and writes NAME.json and its
+    report; ``report --json FILE [--out DIR]`` rewrites the report from a JSON (copied into DIR)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", default=str(default_out))
+    add_run_args(r)
+    p = sub.add_parser("report")
+    p.add_argument("--json", required=True)
+    p.add_argument("--out", default=str(default_out))
+    args = ap.parse_args(argv)
+    if args.mode == "run":
+        run(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = json.loads(Path(args.json).read_text())
+    name = result.get("settings", {}).get("name") or name  # a run saved under its own --name
+    if Path(args.json).resolve() != (out / f"{name}.json").resolve():
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    report(result, out)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is missing (no plot)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def write_text(out_dir: Path, name: str, lines: list[str]) -> str:
+    """Markdown lines into out_dir/name (the folder made if missing), printed too; returns the text."""
+    text = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / name).write_text(text)
+    print(text)
+    return text
+
+
+def write_json(path: Path, payload: dict[str, Any], indent: int = 2) -> None:
+    """One result as JSON (the folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=indent) + "\n")
+
+
+def write_results(name: str, payload: dict[str, Any], markdown: str, out: Path = RESULTS) -> None:
+    """NAME.json and NAME.md into ``out``; the Markdown printed too."""
+    write_json(out / f"{name}.json", payload)
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)

@@ -1,0 +1,158 @@
+"""``python -m prefixserve serve`` started as a subprocess the way a user starts it (and stopped), its
+/metrics scraped, and client processes (``benchmarks/serving_client.py``) that load it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.output import ROOT
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {name: value}; HTTP answers summed by status class (http_2xx, ...)."""
+    status, text = http_get(url + "/metrics")
+    out: dict[str, float] = {}
+    if status != 200:
+        return out
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key.startswith("prefixserve_http_requests_total{"):
+            m = re.search(r'status="(\d)\d\d"', key)
+            if m:
+                out[f"http_{m.group(1)}xx"] = out.get(f"http_{m.group(1)}xx", 0.0) + float(value)
+        elif "{" not in key:
+            out[key.removeprefix("prefixserve_")] = float(value)
+    return out
+
+
+class ServerProcess:
+    """``python -m prefixserve serve ...`` in a subprocess, its output in a log file: started and
+    waited on until /health answers, stopped by SIGTERM (killed if it ignores it)."""
+
+    def __init__(self, cmd: list[str], log_path: Path, name: str, env: dict[str, str] | None = None) -> None:
+        self.cmd, self.log_path, self.name, self.env = cmd, log_path, name, env or {}
+        self.url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def launch(self, timeout: float) -> float:
+        """Start the server; returns the seconds it took to answer /health."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                if http_get(self.url + "/health", timeout=2.0)[0] == 200:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                self.terminate()
+                raise RuntimeError(f"server {self.name} not up after {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 60.0) -> int | str | None:
+        """SIGTERM, then wait; returns the exit code (None if it was not running)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            return f"killed after {timeout:.0f} s (SIGTERM ignored)"
+
+
+# ---- the load generator processes --------------------------------------------------------------
+class Clients:
+    """A few ``python -m benchmarks.serving_client`` processes; a job's requests are dealt between them."""
+
+    def __init__(self, count: int) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.serving_client"],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(max(1, count))
+        ]
+
+    def run(
+        self, url: str, requests: list[dict[str, Any]], timeout: float, lead: float = 1.0
+    ) -> dict[str, Any]:
+        """Send every request at its offset from a common start (``lead`` seconds from now)."""
+        start_at = time.monotonic() + lead
+        share: list[list[dict[str, Any]]] = [[] for _ in self.procs]
+        for k, r in enumerate(sorted(requests, key=lambda r: r["offset"])):
+            share[k % len(self.procs)].append(r)
+        for proc, reqs in zip(self.procs, share, strict=True):
+            job = {"url": url + "/v1", "start_at": start_at, "deadline": start_at + timeout, "requests": reqs}
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.flush()
+        results: list[dict[str, Any]] = []
+        fatal = []
+        for proc in self.procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("a client process died")
+            answer = json.loads(line)
+            results += answer["results"]
+            if answer.get("fatal"):
+                fatal.append(answer["fatal"])
+        if fatal:
+            raise RuntimeError(f"client failed: {fatal}")
+        return {"results": sorted(results, key=lambda r: r["i"]), "start_at": start_at}
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
