@@ -42,17 +42,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import run_info, run_or_report, write_text
+from benchmarks.harness import RESULTS, run_info, run_or_report, write_text
+from benchmarks.harness.timing import bench_ms
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 BATCHES = (1, 16, 64, 256, 1024)
-
-
-def _bench(fn: Callable[[], Any], rep_ms: int = 200) -> float:
-    """Median ms of ``fn`` (triton's do_bench, as benchmarks/attention.py times)."""
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
 
 
 def _prompt(length: int, rng: random.Random) -> dict:
@@ -161,7 +154,7 @@ def _collect() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from benchmarks.attention import graphed, measure_ceilings
+    from benchmarks.harness.timing import graphed, measure_ceilings
     from prefixserve.model import fused
 
     if not torch.cuda.is_available():
@@ -179,9 +172,9 @@ def run(args: argparse.Namespace) -> None:
         # can land on a clock dip (on one H200, B=256 read 8.79 ms, above that machine's whole engine
         # step without attention), and the bare matmuls are the yardstick every fraction divides by
         bare_graph = graphed(bare_step(model, b, b))
-        bare_runs = [_bench(bare_graph)]
+        bare_runs = [bench_ms(bare_graph, 200, warmup=10)]
         eng = engine_decode(llm, b, args.prompt_len, args.gen)
-        bare_runs += [_bench(bare_graph), _bench(bare_graph)]
+        bare_runs += [bench_ms(bare_graph, 200, warmup=10), bench_ms(bare_graph, 200, warmup=10)]
         bare = min(bare_runs)
         del bare_graph
         gemm_ms = (b * (stats["flops_per_token"] + stats["flops_per_logit_row"])) / (gemm_tflops * 1e12) * 1e3
@@ -203,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
     prefill: dict[str, Any] = {
         "tokens": n,
         "flops": n * stats["flops_per_token"] + stats["flops_per_logit_row"],
-        "bare_ms": _bench(graphed(bare_step(model, n, 1))),
+        "bare_ms": bench_ms(graphed(bare_step(model, n, 1)), 200, warmup=10),
     }
     prefill["gemm_roofline_ms"] = prefill["flops"] / (gemm_tflops * 1e12) * 1e3
     eng = engine_prefill(llm, n)
@@ -361,7 +354,7 @@ def main() -> None:
             "--no-cublas-path", action="store_true", help="no engine without the skinny and gate-up kernels"
         )
 
-    run_or_report(__doc__, "dense", DOCS, add_run_args, run, report)
+    run_or_report(__doc__, "dense", RESULTS, add_run_args, run, report)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.attention import DOCS, GRID_B, GRID_P, GRID_S, HKV, HQ, PART_OF, Case, D, _bench, graphed
-from benchmarks.harness import pyplot, run_info, run_or_report, write_text
+from benchmarks.attention import Case
+from benchmarks.attention_grid import GRID_B, GRID_P, GRID_S, HKV, HQ, D
+from benchmarks.harness import RESULTS, pyplot, run_info, run_or_report, write_text
+from benchmarks.harness.timing import PART_OF, bench_ms, graphed
 
 FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active,temperature.gpu"
 # nvidia-smi's clocks_event_reasons bits (nvmlClocksEventReasons)
@@ -157,7 +159,7 @@ def _copy_rate(sampler: Sampler, window_s: float) -> dict[str, Any]:
     dst = torch.empty_like(src)
     res = sustained(lambda: dst.copy_(src), sampler, window_s)
     res["TBps"] = 2 * src.numel() / res["ms"] / 1e9
-    res["burst_TBps"] = 2 * src.numel() / _bench(lambda: dst.copy_(src), 200) / 1e9
+    res["burst_TBps"] = 2 * src.numel() / bench_ms(lambda: dst.copy_(src), 200) / 1e9
     return res
 
 
@@ -167,7 +169,7 @@ def _gemm_rate(sampler: Sampler, window_s: float, n: int = 8192) -> dict[str, An
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     res = sustained(lambda: a @ b, sampler, window_s)
     res["TFLOPs"] = 2 * n**3 / res["ms"] / 1e9
-    res["burst_TFLOPs"] = 2 * n**3 / _bench(lambda: a @ b, 300) / 1e9
+    res["burst_TFLOPs"] = 2 * n**3 / bench_ms(lambda: a @ b, 300) / 1e9
     return res
 
 
@@ -400,7 +402,7 @@ def main() -> None:
     def add_run_args(r: argparse.ArgumentParser) -> None:
         r.add_argument("--window", type=float, default=1.0)
 
-    run_or_report(__doc__, "power", DOCS, add_run_args, run, report)
+    run_or_report(__doc__, "power", RESULTS, add_run_args, run, report)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,10 @@ def _resolve(name: str, modules: set[str]) -> str | None:
 def import_graph(package_dirs: list[Path], root: Path = ROOT) -> dict[str, set[str]]:
     """{module: the modules (of any of ``package_dirs``) it imports anywhere in its file}."""
     files = {
-        _module_name(p, root): p for d in package_dirs for p in sorted(d.rglob("*.py")) if "__pycache__" not in p.parts
+        _module_name(p, root): p
+        for d in package_dirs
+        for p in sorted(d.rglob("*.py"))
+        if "__pycache__" not in p.parts
     }
     modules = set(files)
     graph: dict[str, set[str]] = {m: set() for m in modules}
@@ -107,7 +110,9 @@ def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle_in_the_repository() -> None:
     graph = import_graph([ROOT / p for p in PACKAGES])
-    assert any(m.startswith("benchmarks.") for m in graph) and any(m.startswith("prefixserve.") for m in graph)
+    assert any(m.startswith("benchmarks.") for m in graph) and any(
+        m.startswith("prefixserve.") for m in graph
+    )
     circles = find_circles(graph)
     assert circles == [], "import circles (move the shared code into a module both import): " + "; ".join(
         " <-> ".join(c) for c in circles

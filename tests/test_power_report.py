@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import attention, power
+from benchmarks import attention, attention_report, power
 
 
 def _state(ms: float, mhz: float, watts: float, capped: bool) -> dict:
@@ -126,10 +126,10 @@ def test_attention_report_names_points_over_the_power_limit(tmp_path: Path) -> N
                 "roofline_ms": max(bytes_ms, flops_ms),
             }
         )
-    lines = attention.power_lines({"rows": rows}, tmp_path)
+    lines = attention_report.power_lines({"rows": rows}, tmp_path)
     text = "\n".join(lines)
     # 540 W x 0.2 ms = 108 mJ in 0.179 ms needs about 750 W: over; 450 W x 0.185 ms in 0.164 ms: under
     over = next(x for x in lines if "more than the 700 W limit" in x)
     assert "B=256, P=16384, S=512" in over and "B=1024, P=1024, S=128" not in over.split(":")[0]
     assert "B=1024, P=1024, S=128: within the limit" in text
-    assert attention.power_lines({"rows": rows}, tmp_path / "missing") == []
+    assert attention_report.power_lines({"rows": rows}, tmp_path / "missing") == []

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 
-def bench_ms(fn: Callable[[], Any], rep_ms: int = 60) -> float:
+def bench_ms(fn: Callable[[], Any], rep_ms: int = 60, warmup: int = 15) -> float:
     """Median ms; triton's do_bench flushes L2 before every repeat."""
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=15, rep=rep_ms, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep_ms, return_mode="median"))
 
 
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.probes.skinny_gemm import graph_ms
+from benchmarks.harness.timing import graph_ms
 from prefixserve.sampling.argmax import argmax_rows, kernel_argmax
 
 VOCAB = 128_256

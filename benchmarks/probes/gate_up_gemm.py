@@ -20,8 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.attention import measure_ceilings
-from benchmarks.probes.skinny_gemm import graph_ms
+from benchmarks.harness.timing import graph_ms, measure_ceilings
 from prefixserve.model import fused
 from prefixserve.model.kernels import gate_up, skinny_matmul
 from prefixserve.model.kernels.silu_mul import silu_and_mul, silu_and_mul_ref

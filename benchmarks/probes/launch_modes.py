@@ -2,7 +2,7 @@
 
 Modes: two kernels (shared Gluon kernel on a side stream beside the own kernel, then the merge) and
 the mixed kernel with 64- or 128-row own tiles. Each call is timed as a CUDA graph replay
-(``benchmarks.attention._bench``: median, L2 flushed); the two-kernel call's launches are also timed
+(``benchmarks.harness.timing.bench_ms``: median, L2 flushed); the two-kernel call's launches are also timed
 alone (shared kernel, own kernel, merge). T* as in attention.py, from ceilings measured in the run.
 Points are BxPxS (sequences, shared prefix tokens, own tokens each). The phased kernel this probe
 was first written for (shared tickets, then own ones, in one launch) is in git history at a891d3d
@@ -19,7 +19,8 @@ import json
 
 import torch
 
-from benchmarks.attention import Case, _bench, graphed, measure_ceilings, time_launches
+from benchmarks.attention import Case
+from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings, time_launches
 from prefixserve.attention.kernels import mixed_rule
 from prefixserve.attention.kernels.triton_backend import TritonBackend
 
@@ -67,7 +68,7 @@ def main() -> None:
             if ref is None:
                 ref = out.float()
             err = float((out.float() - ref).abs().max() / ref.abs().max())
-            row[mode] = 1e3 * _bench(fn)
+            row[mode] = 1e3 * bench_ms(fn)
             row[f"{mode}_err"] = err
             if mode == "two_kernels":
                 tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from benchmarks.attention import _bench, graphed, measure_ceilings
+from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings
 from prefixserve.attention.kernels import merge, paged_attention
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -72,7 +72,7 @@ def time_own(c: dict, splits: int, block_n: int, stages: int, warps: int, pack: 
         )
 
     run()
-    return _bench(graphed(run))
+    return bench_ms(graphed(run))
 
 
 def time_merge(rows: int, parts: int) -> float:
@@ -92,7 +92,7 @@ def time_merge(rows: int, parts: int) -> float:
         merge.merge_partials(o, lse, rows, row_ptr=row_ptr, part_idx=idx, out=out, want_lse=False)
 
     run()
-    return _bench(graphed(run))
+    return bench_ms(graphed(run))
 
 
 def main() -> None:

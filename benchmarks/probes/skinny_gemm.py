@@ -20,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.attention import measure_ceilings
+from benchmarks.harness.timing import graph_ms, measure_ceilings
 from prefixserve.model.kernels import skinny_matmul
 
 SHAPES = {
@@ -30,32 +30,6 @@ SHAPES = {
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
-
-
-def graph_ms(fn, copies: int, reps: int = 10) -> float:
-    """ms per call of ``fn(i)`` for i over the weight copies, replayed from one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (reps * copies))
-    return sorted(times)[len(times) // 2]
 
 
 def configs():

@@ -20,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.probes.skinny_gemm import graph_ms
+from benchmarks.harness.timing import graph_ms
 from prefixserve.model import fused
 from prefixserve.model.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 
