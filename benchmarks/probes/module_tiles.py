@@ -11,6 +11,7 @@ PYTHONPATH=. python -m benchmarks.probes.module_tiles
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -34,9 +35,11 @@ def build(shape: list[tuple[int, int, int]], batch: int = 64, contiguous: bool =
     for count, tokens, holders in shape:
         for _ in range(count):
             n = -(-tokens // BS)
-            ids = list(range(next_block, next_block + n)) if contiguous else [
-                next_block + 2 * i for i in range(n)
-            ]
+            ids = (
+                list(range(next_block, next_block + n))
+                if contiguous
+                else [next_block + 2 * i for i in range(n)]
+            )
             next_block += 2 * n
             blocks.append(ids)
             seg_tokens.append(tokens)
@@ -50,10 +53,14 @@ def build(shape: list[tuple[int, int, int]], batch: int = 64, contiguous: bool =
     bstart = torch.tensor([0, *torch.tensor([len(b) for b in blocks]).cumsum(0).tolist()], **i32)
     rstart = torch.tensor([0, *torch.tensor([len(r) for r in seg_rows]).cumsum(0).tolist()], **i32)
     args = (
-        q, k, v,
-        torch.tensor([b for bl in blocks for b in bl], **i32), bstart,
+        q,
+        k,
+        v,
+        torch.tensor([b for bl in blocks for b in bl], **i32),
+        bstart,
         torch.tensor(seg_tokens, **i32),
-        torch.tensor([r for rs in seg_rows for r in rs], **i32), rstart,
+        torch.tensor([r for rs in seg_rows for r in rs], **i32),
+        rstart,
         DIM**-0.5,
     )
     flops = sum(4 * GROUP * KV_HEADS * DIM * t * len(r) for t, r in zip(seg_tokens, seg_rows, strict=True))
@@ -65,8 +72,17 @@ def launcher(args: tuple, block_m: int, tma: bool, **tiles: int):
     """The shared kernel's launch over a work list planned once (no host planning in the timing)."""
     q, k, v, blocks, bstart, tokens, rows, rstart, scale = args
     work = plan_shared_work(
-        rstart.tolist(), tokens.tolist(), KV_HEADS, GROUP, q.device, block_m=block_m, head_dim=DIM, **tiles,
-        dtype=q.dtype, seg_blocks=blocks.cpu().numpy() if tma else None, seg_block_start=bstart.tolist(),
+        rstart.tolist(),
+        tokens.tolist(),
+        KV_HEADS,
+        GROUP,
+        q.device,
+        block_m=block_m,
+        head_dim=DIM,
+        **tiles,
+        dtype=q.dtype,
+        seg_blocks=blocks.cpu().numpy() if tma else None,
+        seg_block_start=bstart.tolist(),
         block_size=BS,
     )
     o = torch.empty(work.num_slots, q.shape[1], DIM, dtype=torch.float32, device=q.device)
@@ -125,5 +141,7 @@ def sweep() -> None:
 
 
 if __name__ == "__main__":
+    raw = argparse.RawDescriptionHelpFormatter
+    argparse.ArgumentParser(description=__doc__, formatter_class=raw).parse_args()
     main()
     sweep()

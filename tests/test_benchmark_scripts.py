@@ -1,0 +1,115 @@
+"""Every benchmark script and probe imports and answers ``--help`` (no model, no GPU, no measuring).
+
+A script whose import or argument parsing broke would otherwise go unnoticed until the next GPU run.
+Scripts with ``run`` / ``report`` sub-commands answer ``--help`` at the top level too. All run in one
+subprocess, each as ``python -m benchmarks.NAME --help`` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# shared code, not scripts (recovery.py: the sections promptcache.py runs); imported on their own below
+LIBRARIES = {
+    "harness",
+    "recovery",
+    "decode_run",
+    "promptcache_workload",
+    "attention_grid",
+    "attention_report",
+    "host_overhead_report",
+}
+
+
+def _scripts() -> list[str]:
+    names = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = rel.parts
+        if path.name.startswith("_") or parts[1] in LIBRARIES:
+            continue
+        if parts[1] == "serving_gpu" and len(parts) > 2:
+            continue  # the package: run as benchmarks.serving_gpu
+        names.append(".".join(parts))
+    return sorted(set(names) | {"benchmarks.serving_gpu"})
+
+
+SCRIPTS = _scripts()
+
+
+def test_the_script_list_is_complete() -> None:
+    assert "benchmarks.throughput" in SCRIPTS and "benchmarks.probes.split_k" in SCRIPTS
+    assert "benchmarks.serving_client" in SCRIPTS
+
+
+# One interpreter runs every script's ``--help`` as ``python -m`` would (``runpy``, run as __main__):
+# torch is imported once, not once a script. Each script's outcome: "ok", or why not.
+RUNNER = """
+import contextlib, io, json, runpy, sys, traceback
+out = {}
+for name in sys.argv[1:]:
+    sys.argv = [name, "--help"]
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        out[name] = "no usage: --help did not exit"
+    except SystemExit as exc:
+        ok = exc.code in (0, None) and "usage:" in buf.getvalue()
+        out[name] = "ok" if ok else f"exit {exc.code}: {buf.getvalue()[-500:]}"
+    except BaseException:
+        out[name] = traceback.format_exc()[-2000:]
+print("RESULTS" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_results() -> dict[str, str]:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    scripts = [n for n in SCRIPTS if n != "benchmarks.serving_client"]
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, *scripts],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "RESULTS" in done.stdout, done.stderr[-2000:]
+    return dict(json.loads(done.stdout.rsplit("RESULTS", 1)[1]))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_help(name: str, help_results: dict[str, str]) -> None:
+    if name == "benchmarks.serving_client":  # a worker that reads jobs from stdin: no options; it imports
+        done = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return
+    assert help_results[name] == "ok"
+
+
+def test_every_library_module_imports() -> None:
+    """The shared modules import on their own (no script pulled in first)."""
+    mods = [f"benchmarks.{m}" for m in sorted(LIBRARIES)]
+    mods += [
+        f"benchmarks.harness.{p.stem}" for p in sorted((ROOT / "benchmarks" / "harness").glob("[!_]*.py"))
+    ]
+    mods += [
+        f"benchmarks.serving_gpu.{p.stem}"
+        for p in sorted((ROOT / "benchmarks" / "serving_gpu").glob("[!_]*.py"))
+    ]
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *mods], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
