@@ -60,7 +60,7 @@ def test_async_outputs_equal_sync(tiny_config_path, blocks: int) -> None:
         results.append(_summary(outs))
         logprobs.append(_logprobs(outs))
         assert_pool_empty(llm)
-        assert not llm.engine._pending and llm.engine._in_flight is None
+        assert not llm.engine.in_flight_tokens.pending and llm.engine._launched is None
     assert results[0] == results[1]
     # launch-ahead batches rows differently (a finished sequence's last row, preemptions), and fp32
     # sums depend on the batch a row is in: logprobs agree to rounding
@@ -74,7 +74,7 @@ def test_abort_while_in_flight_drops_the_placeholder(tiny_config_path) -> None:
         engine.add_request(f"r{i}", prompt_token_ids=[5 + i] * 20, params=SamplingParams(max_tokens=30))
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None and engine._pending  # a step is in flight now
+    assert engine._launched is not None and engine.in_flight_tokens.pending  # a step is in flight now
     engine.abort("r1")
     outs = []
     while engine.has_unfinished():

@@ -80,7 +80,7 @@ def test_token_id_check_fast_path_agrees_with_the_exact_one() -> None:
     """Plain int lists take a C-speed check; anything else the per-token one: same verdicts."""
     import numpy as np
 
-    from prefixserve.engine.llm_engine import _valid_token_ids
+    from prefixserve.engine.input_processor import valid_token_ids
 
     vocab = 10
     cases = [  # a list: (True, 2) == (1.0, 2) as dict keys
@@ -95,4 +95,4 @@ def test_token_id_check_fast_path_agrees_with_the_exact_one() -> None:
         ((2**70,), False),
     ]
     for ids, valid in cases:
-        assert _valid_token_ids(list(ids), vocab) is valid, ids
+        assert valid_token_ids(list(ids), vocab) is valid, ids

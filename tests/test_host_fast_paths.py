@@ -1,6 +1,6 @@
 """The engine's and the planner's per-step host fast paths are exact (docs/benchmarks/host_overhead.md).
 
-* ``Engine._place_tokens`` calls ``_check_stop`` only where ``stop_reason`` could stop the sequence
+* ``Scheduler.update_from_output`` calls ``check_stop`` only where ``stop_reason`` could stop the sequence
   (``stop_possible``): random workloads (stop ids, stop strings, EOS, min_tokens, max_tokens, n > 1,
   seeded sampling, logprobs, streaming), synchronous and launch-ahead, give the same outputs and the
   same counters as an engine that checks every token (``AlwaysCheckEngine``, the previous loop).
@@ -26,17 +26,17 @@ from prefixserve.attention.kernels.step_plan import seg_rows_host
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.plan import make_plan
 from prefixserve.engine.llm_engine import Engine
-from prefixserve.engine.output_processor import stop_possible, stop_reason
+from prefixserve.scheduler.stop import stop_possible, stop_reason
 from prefixserve.sequence import Request, SeqStatus, Sequence
 from tests.conftest import assert_pool_empty, tiny_cascade_llm
 
 
 class AlwaysCheckEngine(Engine):
-    """The token loop as it was: ``_check_stop`` after every token, counters bumped per token."""
+    """The token loop as it was: ``check_stop`` after every token, counters bumped per token."""
 
     def _place_tokens(self, flight, result) -> None:
         now = time.monotonic()
-        pending = self._pending
+        pending = self.in_flight_tokens.pending
         for i, seq in enumerate(flight.samplers):
             held = pending.get(seq)
             idx = flight.indices[i]
@@ -57,7 +57,7 @@ class AlwaysCheckEngine(Engine):
             self.counters["generation_tokens_total"] += 1
             if self.launch_ahead:
                 self.blocks.register_computed(seq, idx + 1)
-            self._check_stop(seq)
+            self.scheduler.check_stop(seq, self.eos_ids, self.max_model_len, self.tokenizer)
 
 
 def _llm(tiny_config_path, async_scheduling: bool, always_check: bool, blocks: int = 512) -> LLM:

@@ -1,10 +1,16 @@
 """The engine: the loop (``llm_engine``) apart from the model runner (``model_runner``).
 
-llm_engine        Engine: requests in, outputs out; schedule -> plan -> launch -> update -> outputs
+llm_engine        Engine: wiring, requests in, outputs out; schedule -> assemble -> launch -> update
+input_processor   request intake and validation: a caller's prompt to a checked Request
+step_inputs       a scheduled step's positions, lengths, block tables and token ids for the runner
+in_flight         launch-ahead bookkeeping: placeholders for sampled tokens still on the device
+stats             counters, step timers, gauges and metrics()
 model_runner      ModelRunner: KV cache, attention backend, CUDA graphs, forward, sampling on the device
 cuda_graph        decode steps captured and replayed as CUDA graphs (the runner's)
-output_processor  stop checks, stop strings, texts, RequestOutput
+output_processor  texts and RequestOutput (stop checks are the scheduler's: scheduler/stop.py)
 pinned            pinned system prompts (RelayAttention)
+module_callbacks  the Prompt Cache's device calls (encode a piece, measure deviation)
+gc_tuning         Python GC thresholds for an engine process
 """
 
 from prefixserve.engine.llm_engine import PLACEHOLDER_TOKEN, Engine

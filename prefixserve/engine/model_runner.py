@@ -22,7 +22,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
+
+if TYPE_CHECKING:
+    from prefixserve.kv.block_pool import BlockPool
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +313,29 @@ class ModelRunner:
     def idle(self) -> None:
         """No step this time: the next step's gap is not the GPU waiting on the host."""
         self._last_done = None
+
+    def capture_pieces(self, pool: BlockPool) -> int:
+        """Capture the dense pieces of every eager-step size now (``Engine.capture_graphs``); returns
+        how many were captured. Each size runs one synthetic prefill over blocks taken from ``pool``
+        and given back."""
+        pieces = self.pieces
+        if pieces is None:
+            return 0
+        before, bs = pieces.captures, self.block_size
+        for tokens in pieces.buckets:
+            if tokens > pool.num_free * bs:
+                break
+            blocks = pool.allocate(-(-tokens // bs))
+            try:
+                table = np.array([blocks], np.int32)
+                batch = self.plan(list(range(tokens)), [tokens], [tokens], table)
+                launch = self.forward([0] * tokens, batch, [])
+                self.sample(launch, [], [], [])
+                self.wait(launch)
+            finally:
+                pool.release(blocks)
+        self.idle()
+        return pieces.captures - before
 
 
 __all__ = ["Feed", "Launch", "ModelRunner", "StepBatch", "context_length"]

@@ -1,13 +1,18 @@
 """Pinned system prompts (RelayAttention): an application's system prompt, computed once, never evicted.
 
-``Engine.pin_system_prompt`` runs the prompt through the engine and holds its full blocks; this module
+``pin_system_prompt`` runs the prompt through the engine and holds its full blocks; this module also
 holds what a pin is and how a system prompt's text becomes tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from prefixserve.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefixserve.engine.llm_engine import Engine
 
 
 @dataclass(slots=True)
@@ -31,4 +36,37 @@ def render_system_prompt(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-__all__ = ["PinnedPrompt", "render_system_prompt"]
+def pin_system_prompt(engine: Engine, name: str, text: str) -> PinnedPrompt:
+    """Compute an application's system prompt KV once and hold its full blocks for good.
+
+    Pinned blocks carry a reference of their own, so they are never evicted; any request whose
+    prompt starts with these tokens (named by ``application=`` or not) finds them in the prefix index.
+    """
+    if not engine.config.enable_prefix_caching:
+        raise ValueError("pinned system prompts need the prefix cache (enable_prefix_caching=True)")
+    if not name or name in engine.pinned:
+        raise ValueError(f"application name {name!r} is empty or already pinned")
+    if engine.requests:
+        raise RuntimeError("pin system prompts at start-up, before any request is queued")
+    tokens = engine.render_system_prompt(text)
+    if not tokens or len(tokens) >= engine.max_model_len:
+        raise ValueError(f"system prompt of application {name!r} is empty or longer than the context")
+    # Start-up work, not traffic: the metrics are put back as they were afterwards.
+    saved = engine.stats.save(engine.runner)
+    request_id = f"__pin__{name}"
+    req = engine.add_request(request_id, params=SamplingParams(max_tokens=1), prompt_token_ids=tokens)
+    while request_id in engine.requests:
+        engine.step()
+    # The finished prompt's full blocks are now free but indexed: take them out of reach of eviction.
+    digests = engine.blocks.digests(req.sequences[0], len(tokens) // engine.config.block_size)
+    blocks = engine.pool.lookup(digests)
+    if len(blocks) != len(digests):
+        raise RuntimeError(f"pinning {name!r}: {len(digests) - len(blocks)} blocks were evicted at once")
+    engine.pool.acquire(blocks)
+    engine.stats.restore(saved, engine.runner)
+    pinned = PinnedPrompt(name, tokens, blocks, list(digests))
+    engine.pinned[name] = pinned
+    return pinned
+
+
+__all__ = ["PinnedPrompt", "pin_system_prompt", "render_system_prompt"]

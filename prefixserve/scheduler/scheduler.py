@@ -11,16 +11,26 @@ decodes first, then distinct prompts (waiting members of started groups), then t
 common prefix, and a group's prefix is computed (by its leader) before its other members start.
 With ``kv_admit_threshold`` set, admission also stops where the KV pool would pass that share of its
 blocks (memory-centric token batching), so decode-heavy steps take prefill chunks while memory allows.
+
+After a step, ``update_from_output`` puts the sampled tokens in place, checks stops (``stop.py``) and
+frees the sequences that stopped: the post-step state stays with the scheduler, as nano-vllm's
+``Scheduler.postprocess`` and vLLM v1's ``update_from_output`` keep it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.scheduler.blocks import BlockManager
 from prefixserve.scheduler.groups import GroupJob, GroupState
+from prefixserve.scheduler.stop import stop_possible, stop_reason
 from prefixserve.sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from prefixserve.sampling.sampler import SampleResult
 
 
 @dataclass(slots=True)
@@ -123,6 +133,70 @@ class Scheduler:
         job = self._group_of.pop(seq, None)
         if job is not None:
             job.member_finished(seq, self.blocks.pool)
+
+    def check_stop(self, seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer: Any) -> None:
+        """Finish ``seq`` if its last token stops it (EOS, stop id or string, length)."""
+        reason = stop_reason(seq, eos_ids, max_model_len, tokenizer)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.finish(seq)
+
+    def update_from_output(
+        self,
+        samplers: list[Sequence],
+        indices: list[int],
+        result: SampleResult,
+        pending: dict[Sequence, list[tuple[int, Any, int]]],
+        eos_ids: set[int],
+        max_model_len: int,
+        tokenizer: Any,
+        counters: Counter[str],
+        index_on_arrival: bool,
+    ) -> None:
+        """Put each sampled token in place of its placeholder and check whether the sequence stops.
+
+        ``samplers[i]`` sampled row i; its placeholder sits at ``indices[i]`` of its token ids, and
+        ``pending`` holds each sequence's placeholders still waiting, oldest first (the engine's
+        in-flight bookkeeping, ``engine/in_flight.py``). ``index_on_arrival`` (launch-ahead): the
+        block a token fills was computed at the next launch, so it is indexed now.
+
+        Once per sequence per step, so the loop reads attributes directly, bumps the generated-tokens
+        counter once, and calls ``check_stop`` only where ``stop_reason`` could return a reason (or
+        search stop strings): its own conditions without the token and text lookups that decide
+        most of them (``stop.stop_possible``), so the result is the same as calling it every time.
+        """
+        now = time.monotonic()
+        tokens_out = result.tokens
+        want_logprobs = result.logprobs is not None
+        generated = 0
+        try:
+            for i, seq in enumerate(samplers):
+                held = pending.get(seq)
+                idx = indices[i]
+                if not held or held[0][0] != idx or seq.status is SeqStatus.FINISHED:
+                    continue  # aborted, failed or stopped while in flight (its placeholders are gone)
+                if len(held) == 1:
+                    del pending[seq]
+                else:
+                    held.pop(0)
+                token_ids = seq.token_ids
+                token_ids[idx] = tokens_out[i]
+                req = seq.request
+                p = req.params
+                if want_logprobs and p.logprobs is not None:
+                    seq.output_logprobs.append(result.logprobs[i])
+                    seq.output_top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
+                req.unreported += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                generated += 1
+                if index_on_arrival:  # the block this token fills was computed at the next launch
+                    self.blocks.register_computed(seq, idx + 1)
+                if stop_possible(seq, eos_ids, max_model_len):
+                    self.check_stop(seq, eos_ids, max_model_len, tokenizer)
+        finally:
+            if generated:
+                counters["generation_tokens_total"] += generated
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

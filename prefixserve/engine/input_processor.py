@@ -1,0 +1,187 @@
+"""Request intake: a caller's prompt (text, ids, a PML document, an application's pinned prefix) to a
+checked ``Request`` with its first sequence, or a ValueError naming the problem.
+
+As vLLM v1's ``input_processor.py``: everything about a request is decided here, before the engine
+queues it, so a refused request leaves nothing behind (a PML prompt's module blocks are given back).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from prefixserve.engine.model_runner import ModelRunner
+from prefixserve.engine.pinned import PinnedPrompt
+from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
+from prefixserve.promptcache.pml import is_pml_prompt
+from prefixserve.promptcache.recompute import parse_recompute
+from prefixserve.sampling.params import SamplingParams
+from prefixserve.sequence import Request, Sequence, TokenArray, counting_positions, token_array
+
+
+def int_list(values: Any, name: str) -> list[Any]:
+    """A caller's ids or positions as a list: arrays, numpy arrays and tensors through ``tolist`` (plain
+    ints at C speed, which the checks after it take fast); text, bytes and scalars refused by name."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of integers, not {type(values).__name__}")
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def valid_token_ids(tokens: list[int], vocab: int) -> bool:
+    """All ids integers in [0, vocab). Plain ints are checked at C speed (type set, min, max): a
+    per-token generator cost about a millisecond per 8K-token prompt on the server's engine thread."""
+    if not tokens:
+        return True
+    if set(map(type, tokens)) == {int}:
+        return min(tokens) >= 0 and max(tokens) < vocab
+    return all((type(t) is int or isinstance(t, numbers.Integral)) and 0 <= t < vocab for t in tokens)
+
+
+class InputProcessor:
+    """Validates prompts against the model and the context and makes their requests and sequences.
+
+    The tokenizer and the context length are passed per call: callers may swap the engine's
+    tokenizer, and the context shrinks once system prompts are pinned.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        modules: PromptModules,
+        pinned: dict[str, PinnedPrompt],
+        requests: dict[str, Request],
+        vocab_size: int,
+        block_size: int,
+    ) -> None:
+        self.runner, self.modules, self.pinned, self.requests = runner, modules, pinned, requests
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self._next_seq_id = 0
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams | None,
+        prompt_token_ids: Iterable[int] | None,
+        prompt_positions: Iterable[int] | None,
+        cache_salt: str | None,
+        stream: bool,
+        application: str | None,
+        module_recompute: str | None,
+        tokenizer: Any,
+        max_model_len: int,
+    ) -> Request:
+        """The checked request, with its first sequence; see ``Engine.add_request`` for the arguments.
+
+        A PML prompt's module blocks are held from here on (by the request, until it ends)."""
+        params = params or SamplingParams()
+        if module_recompute is not None:
+            parse_recompute(module_recompute)  # a bad setting is refused whatever the prompt
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None and prompt is not None and is_pml_prompt(prompt):
+            if application is not None or prompt_positions is not None:
+                raise ValueError("a PML prompt takes neither application nor prompt_positions")
+            mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # module blocks held from here on
+            try:
+                tokens, positions = mp.token_ids, mp.positions
+                return self._request(
+                    request_id, prompt, params, tokens, positions, cache_salt, stream, mp, max_model_len
+                )
+            except BaseException:
+                self.modules.release(mp.blocks)
+                raise
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            if tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+            prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        tokens = int_list(prompt_token_ids, "prompt_token_ids")
+        pinned = None
+        if application is not None:
+            pinned = self.pinned.get(application)
+            if pinned is None:
+                raise ValueError(f"unknown application {application!r}; pinned: {sorted(self.pinned)}")
+            if tokens[: len(pinned.token_ids)] != pinned.token_ids:
+                if prompt_positions is not None:
+                    raise ValueError("prompt_positions cannot be combined with an application prefix")
+                tokens = pinned.token_ids + tokens
+        req = self._request(
+            request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, None, max_model_len
+        )
+        if pinned is not None and prompt_positions is None and cache_salt is None:
+            # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
+            req.sequences[0].block_digests = list(pinned.digests)
+        return req
+
+    def _request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        tokens: list[int],
+        prompt_positions: Iterable[int] | None,
+        cache_salt: str | None,
+        stream: bool,
+        modules: ModulePrompt | None,
+        max_model_len: int,
+    ) -> Request:
+        """Check a prompt's tokens against the model and the context, then make the request."""
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        vocab = self.vocab_size
+        holes = modules.holes if modules is not None else 0
+        if holes:  # a module block's empty rows hold placeholders that are never computed
+            tokens = list(tokens)
+            check = tokens[len(modules.blocks) * self.block_size :]
+        else:
+            check = tokens
+        if not valid_token_ids(check, vocab):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), as integers")
+        if len(tokens) >= max_model_len:
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens, over the context length of {max_model_len} "
+                "(leaving room for at least one generated token)"
+            )
+        room = max_model_len - len(tokens)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(tokens)} tokens and the "
+                f"context length is {max_model_len}, so at most {room} tokens can be generated"
+            )
+        if prompt_positions is None:
+            positions = counting_positions(len(tokens))
+        else:
+            try:
+                positions = token_array(int_list(prompt_positions, "prompt_positions"))
+            except (TypeError, OverflowError):
+                raise ValueError("prompt_positions must be integers (int64)") from None
+        if len(positions) != len(tokens):
+            raise ValueError("prompt_positions must have one position per prompt token")
+        ids = token_array(tokens)
+        req = Request(request_id, prompt, ids, positions, params, cache_salt, stream=stream)
+        if modules is not None:
+            req.module_blocks, req.module_digests = modules.blocks, modules.digests
+            req.num_hole_tokens, req.num_module_tokens = modules.holes, modules.module_tokens
+            req.num_recomputed_tokens = modules.recomputed_tokens
+            req.num_private_module_rows = modules.private_rows
+            req.recompute_runs = modules.recompute_runs
+            req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
+        self.new_sequence(req, 0, token_array(ids), token_array(positions))
+        return req
+
+    def new_sequence(self, req: Request, index: int, tokens: TokenArray, positions: TokenArray) -> Sequence:
+        """Sample ``index`` of ``req`` (the first at intake, the others when n > 1 samples fork)."""
+        seq = Sequence(self._next_seq_id, req, index, tokens, positions)
+        seq.block_digests = list(req.module_digests)
+        self._next_seq_id += 1
+        if req.params.seed is not None:
+            seed = hash((req.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+            seq.generator = self.runner.make_generator(seed)
+        req.sequences.append(seq)
+        return seq
+
+
+__all__ = ["InputProcessor", "int_list", "valid_token_ids"]
