@@ -11,7 +11,7 @@ The default model on this machine's CPU, synthetic chat-like lengths, seeded. Wr
 docs/benchmarks/serving.json, serving.md and serving.png. Run: ``python benchmarks/serving.py``
 (``--quick`` for a smoke run).
 
-``--device cuda`` runs the GPU benchmark instead (``benchmarks/serving_gpu.py``: the ``prefixserve serve``
+``--device cuda`` runs the GPU benchmark instead (``benchmarks/serving_gpu/``: the ``prefixserve serve``
 CLI in a subprocess, the official ``openai`` client with streaming, RelayAttention's rate sweep with 2K
 and 8K pinned system prompts, Hydragen's shared document and n=64 samples, offline vs server), which
 writes serving_gpu.{json,md,png}; ``--smoke`` runs that path on the CPU with a tiny model.
@@ -378,7 +378,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def main() -> None:
-    # --device cuda (or --smoke, or --part): the GPU benchmark through the real server (serving_gpu.py)
+    # --device cuda (or --smoke, or --part): the GPU benchmark through the real server (serving_gpu/)
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     first.add_argument("--smoke", action="store_true")
@@ -397,7 +397,7 @@ def main() -> None:
         "--device",
         default="cpu",
         choices=["cpu", "cuda"],
-        help="cuda: the GPU benchmark through `prefixserve serve` (benchmarks/serving_gpu.py; "
+        help="cuda: the GPU benchmark through `prefixserve serve` (benchmarks/serving_gpu/; "
         "its options: --device cuda --help)",
     )
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
