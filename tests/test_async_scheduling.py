@@ -169,14 +169,14 @@ def test_launch_ahead_issues_a_step_before_waiting_for_the_one_ahead(tiny_config
 def test_feed_writes_device_tokens_in_order_and_permuted() -> None:
     import torch
 
-    from prefixserve.engine.model_runner import Feed
+    from prefixserve.engine.model_runner import PrevTokenFeed
 
     tokens = torch.tensor([40, 41, 42])
     ids = torch.tensor([-1, -1, -1, 9])
-    Feed([0, 1, 2], [0, 1, 2], tokens).apply(ids)
+    PrevTokenFeed([0, 1, 2], [0, 1, 2], tokens).apply(ids)
     assert ids.tolist() == [40, 41, 42, 9]
     ids = torch.tensor([7, -1, 8, -1])
-    Feed([1, 3], [2, 0], tokens).apply(ids)
+    PrevTokenFeed([1, 3], [2, 0], tokens).apply(ids)
     assert ids.tolist() == [7, 42, 8, 40]
 
 

@@ -107,7 +107,8 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: [rows, hidden].
 
-        ``feed`` (a ``model_runner.Feed``) overwrites rows of ids with tokens still on the device."""
+        ``feed`` (a ``model_runner.PrevTokenFeed``) overwrites rows of ids with tokens still on the
+        device."""
         rows, bucket = len(ids), step.key[1]
         self._ran(rows, bucket)
         pinned = self._staging.next()

@@ -23,7 +23,7 @@ from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
-from prefixserve.engine.model_runner import Feed, ModelRunner, StepBatch, context_length
+from prefixserve.engine.model_runner import ModelRunner, PrevTokenFeed, StepBatch, context_length
 from prefixserve.engine.module_callbacks import prompt_modules
 from prefixserve.engine.output_processor import request_output
 from prefixserve.engine.pinned import PinnedPrompt, pin_system_prompt, render_system_prompt
@@ -306,9 +306,9 @@ class Engine:
 
     def _step_launch_ahead(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
         """Launch this step *before* waiting for the tokens of the step in flight: rows that compute
-        them read them on the device (``Feed``), and the host checks them while the device already
-        runs this step. A sequence that stops on such a token has computed one row for nothing,
-        which is dropped."""
+        them read them on the device (``PrevTokenFeed``), and the host checks them while the device
+        already runs this step. A sequence that stops on such a token has computed one row for
+        nothing, which is dropped."""
         prev, self._launched = self._launched, None  # taken first: a failure must not repeat
         if prev is not None:
             self.in_flight_tokens.drop_surely_finished(sched, self.max_model_len)
@@ -370,7 +370,7 @@ class Engine:
         num_recompute_rows = len(ids)  # the recomputed module rows come first; nothing is sampled from them
         scheduled, pending = sched.scheduled, self.in_flight_tokens.pending
         dst, src = gather_token_ids(scheduled, ids, ahead_of, pending, self.counters)
-        feed = Feed(dst, src, ahead_of.launch.tokens) if dst else None
+        feed = PrevTokenFeed(dst, src, ahead_of.launch.tokens) if dst else None
         launch = self.runner.forward(ids, batch, sched.copies, feed)
         self.stats.count_step(batch.meta.stats, len(ids), self.model_config.num_hidden_layers)
         launched, rows, params, generators = self.in_flight_tokens.mark_launched(

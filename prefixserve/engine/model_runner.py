@@ -12,8 +12,8 @@ device still runs step N (async scheduling):
   ``wait``    the sampled tokens, and the device's busy / idle time of the step.
 
 A step may even be launched before the host has the tokens of the step before it (the engine's
-launch-ahead): the rows that need those tokens name them in a ``Feed`` and read them on the device,
-so the GPU runs step N+1 right behind step N while the host checks N's tokens.
+launch-ahead): the rows that need those tokens name them in a ``PrevTokenFeed`` and read them on the
+device, so the GPU runs step N+1 right behind step N while the host checks N's tokens.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class StepBatch:
 
 
 @dataclass(slots=True)
-class Feed:
+class PrevTokenFeed:
     """Input ids that are still on the device: row ``dst[i]`` of a step takes the token an earlier
     launch sampled in its row ``src[i]`` (``tokens``). ``dst`` is increasing."""
 
@@ -86,7 +86,7 @@ class Launch:
 
     @property
     def tokens(self) -> torch.Tensor | None:
-        """The sampled tokens on the device (what a later launch's ``Feed`` reads), or None."""
+        """The sampled tokens on the device (what a later launch's ``PrevTokenFeed`` reads), or None."""
         return self.future.device_tokens if self.future is not None else None
 
 
@@ -150,7 +150,7 @@ class ModelRunner:
         self._last_done: torch.cuda.Event | None = None
         self._last_decode = False
 
-    # A launch may read an earlier launch's tokens on the device (``Feed``); the tensor-parallel
+    # A launch may read an earlier launch's tokens on the device (``PrevTokenFeed``); the tensor-parallel
     # runner sends ids to its workers as host data, so it cannot.
     feeds_tokens = True
 
@@ -191,7 +191,11 @@ class ModelRunner:
 
     # ---- launching -----------------------------------------------------------------------------
     def forward(
-        self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]], feed: Feed | None = None
+        self,
+        ids: list[int],
+        batch: StepBatch,
+        copies: list[tuple[int, int]],
+        feed: PrevTokenFeed | None = None,
     ) -> Launch:
         """Copy-on-write block copies, then the forward pass, issued without waiting for the device.
 
@@ -206,7 +210,7 @@ class ModelRunner:
         hidden = self._forward(ids, batch, feed)
         return Launch(hidden, len(ids) == len(batch.meta.query_lens_host), issued, start)
 
-    def _forward(self, ids: list[int], batch: StepBatch, feed: Feed | None = None) -> torch.Tensor:
+    def _forward(self, ids: list[int], batch: StepBatch, feed: PrevTokenFeed | None = None) -> torch.Tensor:
         """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden]."""
         if batch.graph_step is not None:
             try:
@@ -338,4 +342,4 @@ class ModelRunner:
         return pieces.captures - before
 
 
-__all__ = ["Feed", "Launch", "ModelRunner", "StepBatch", "context_length"]
+__all__ = ["Launch", "ModelRunner", "PrevTokenFeed", "StepBatch", "context_length"]

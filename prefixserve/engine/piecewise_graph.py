@@ -100,7 +100,8 @@ class PiecewiseGraphs:
     ) -> torch.Tensor:
         """The step's final hidden states [tokens, hidden]; ``backend.prepare(meta)`` has run.
 
-        ``feed`` (a ``model_runner.Feed``) overwrites rows of ids with tokens still on the device."""
+        ``feed`` (a ``model_runner.PrevTokenFeed``) overwrites rows of ids with tokens still on the
+        device."""
         tokens = len(ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, tokens)]
         pinned = self._staging.next()
