@@ -328,14 +328,16 @@ class Engine:
         if not sched.scheduled:
             return None, False
         try:
-            return self._assemble_batch(sched), False
+            return self._plan(sched), False
         except WorkerDiedError:
             raise
         except Exception:
             log.exception("assembling the step failed; failing the requests in this batch")
             return None, True
 
-    def _assemble_batch(self, sched: SchedulerOutput) -> StepBatch:
+    def _plan(self, sched: SchedulerOutput) -> StepBatch:
+        """The step's inputs assembled (``step_inputs``); the runner plans the device side. (Named
+        ``_plan`` for ``benchmarks/host_overhead.py``, which times the phase by this name.)"""
         rows = self.modules.module_rows if self.modules.active else None
         return assemble_batch(sched, self.blocks, self.runner, rows, self._to_recover)
 
