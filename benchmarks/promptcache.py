@@ -278,6 +278,7 @@ def run(args: argparse.Namespace) -> None:
         quality = args.recovery_quality == "yes" or auto
         if quality:
             result["recovery_quality"] = run_recovery_quality(llm, args.seed)
+            result["recovery_quality_chat"] = run_recovery_quality(llm, args.seed, chat=True)
         if args.recovery_lengths:
             result["recovery_ttft"] = run_recovery_ttft(llm, args, question)
         del llm
@@ -302,7 +303,9 @@ def run(args: argparse.Namespace) -> None:
     old = out / f"{args.name}.json"
     if args.merge and old.exists():  # keep the earlier run's sections this run did not measure
         earlier = json.loads(old.read_text())
-        for section in ("ttft", "quality", "decode", "spill", "recovery_quality", "recovery_ttft"):
+        sections = ("ttft", "quality", "decode", "spill", "recovery_quality", "recovery_quality_chat",
+                    "recovery_ttft")
+        for section in sections:
             if not result.get(section) and earlier.get(section):
                 result[section] = earlier[section]
                 measured = earlier.get("merged_from", {}).get(section, earlier["run"]["commit"])
