@@ -278,7 +278,13 @@ def run(args: argparse.Namespace) -> None:
         quality = args.recovery_quality == "yes" or auto
         if quality:
             result["recovery_quality"] = run_recovery_quality(llm, args.seed)
-            result["recovery_quality_chat"] = run_recovery_quality(llm, args.seed, chat=True)
+        if args.chat_quality is not None:
+            modes = tuple(args.chat_quality) or ("none", "link:16", "link:64", "blend:0.3")
+            shapes = {
+                shape: run_recovery_quality(llm, args.seed, chat=shape == "chat", modes=modes)
+                for shape in ("bare", "chat")
+            }
+            result["chat_quality"] = {**shapes, "commit": result["run"]["commit"]}
         if args.recovery_lengths:
             result["recovery_ttft"] = run_recovery_ttft(llm, args, question)
         del llm
@@ -303,8 +309,7 @@ def run(args: argparse.Namespace) -> None:
     old = out / f"{args.name}.json"
     if args.merge and old.exists():  # keep the earlier run's sections this run did not measure
         earlier = json.loads(old.read_text())
-        sections = ("ttft", "quality", "decode", "spill", "recovery_quality", "recovery_quality_chat",
-                    "recovery_ttft")
+        sections = ("ttft", "quality", "decode", "spill", "recovery_quality", "chat_quality", "recovery_ttft")
         for section in sections:
             if not result.get(section) and earlier.get(section):
                 result[section] = earlier[section]

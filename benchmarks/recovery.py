@@ -102,7 +102,9 @@ def last_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
         model.compute_logits = original
 
 
-def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3, chat: bool = False) -> dict[str, Any]:
+def run_recovery_quality(
+    llm: LLM, seed: int, answer_tokens: int = 3, chat: bool = False, modes: tuple[str, ...] = MODES
+) -> dict[str, Any]:
     """Accuracy, agreement and KL against full prefill, and TTFT, per mode (see the docstring)."""
     schemas, prompts = town_prompts(seed, chat)
     for schema in schemas:
@@ -112,18 +114,20 @@ def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3, chat: bool
     stats: dict[str, dict[str, Any]] = {
         m: {"kl": [], "agree": 0, "exact": 0, "same": 0, "ttft": [], "recomputed": [], "private": [],
             "module_rows": []}
-        for m in ("full", *MODES)
+        for m in ("full", *modes)
     }
     try:
         with last_logits(llm) as captured:
-            _score_prompts(llm, prompts, stats, captured, one, answer)
+            _score_prompts(llm, prompts, stats, captured, one, answer, modes)
     finally:
         for schema in schemas:
             llm.unregister_schema(schema.split('"')[1])
     return _summary(stats, len(prompts), answer_tokens, chat)
 
 
-def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: Any, answer: Any) -> None:
+def _score_prompts(
+    llm: LLM, prompts: list, stats: dict, captured: list, one: Any, answer: Any, modes: tuple[str, ...]
+) -> None:
     """Every prompt in every mode: its answer, first-token time and next-token distribution."""
     for n, (_, pml, gold) in enumerate(prompts):
         ids, pos = llm.engine.modules.layout_of(pml)
@@ -132,7 +136,7 @@ def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: An
         llm.generate(pml.replace("Question:", "Warm-up question:"), one)
         outs: dict[str, Any] = {}
         logps: dict[str, torch.Tensor] = {}
-        for mode in ("full", *MODES):
+        for mode in ("full", *modes):
             req: dict[str, Any] = (  # full: a fresh salt, nothing reused; each mode's own blocks
                 # are keyed by its setting, so no mode reuses another's
                 {"prompt_token_ids": ids, "positions": pos, "cache_salt": f"full-{n}"}
@@ -150,7 +154,7 @@ def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: An
         ref = logps["full"]
         if n % 8 == 0:
             print(f"recovery quality: prompt {n + 1} of {len(prompts)}", flush=True)
-        for mode in ("full", *MODES):
+        for mode in ("full", *modes):
             s = stats[mode]
             s["kl"].append(float((ref.exp() * (ref - logps[mode])).sum()))
             s["agree"] += int(logps[mode].argmax() == ref.argmax())
@@ -223,6 +227,14 @@ def add_recovery_args(ap: argparse.ArgumentParser) -> None:
         help="module tokens for the recovery TTFT rows (none: no TTFT rows)",
     )
     ap.add_argument(
+        "--chat-quality",
+        nargs="*",
+        default=None,
+        metavar="MODE",
+        help="the quality section in chat shape beside bare text, in one run, for these modes "
+        "(none given: none link:16 link:64 blend:0.3)",
+    )
+    ap.add_argument(
         "--recovery-quality",
         choices=("auto", "yes", "no"),
         default="auto",
@@ -256,7 +268,9 @@ def recovery_lines(result: dict[str, Any]) -> list[str]:
                 f"| {row['mean_kl']:.4f} | {closed} | {row['ttft_s']:.4f} | {row['recomputed_tokens']:.1f} "
                 f"| {row['private_fraction']:.1%} |"
             )
-    lines += _shape_lines(rq, result.get("recovery_quality_chat"))
+    cq = result.get("chat_quality")
+    if cq:
+        lines += _shape_lines(cq["bare"], cq["chat"])
     rt = result.get("recovery_ttft")
     if rt:
         lines += [
@@ -282,7 +296,8 @@ def _shape_lines(bare: dict[str, Any] | None, chat: dict[str, Any] | None) -> li
         "",
         "### Chat-shaped prompts beside bare text",
         "",
-        f"The same facts and questions, {chat['prompts']} prompts, measured in the same run. Chat: a system "
+        f"The same facts and questions, {chat['prompts']} prompts, both shapes measured in one run "
+        f"(commit {chat.get('commit', '?')}). Chat: a system "
         "turn, the documents in a user turn (the schema), the question as the prompt's user turn and the "
         "answer's first words as an unfinished assistant turn; bare: the text as above. Greedy match: "
         f"the {chat['answer_tokens']} greedy tokens equal full prefill's.",
