@@ -315,6 +315,10 @@ def run(args: argparse.Namespace) -> None:
                 result[section] = earlier[section]
                 measured = earlier.get("merged_from", {}).get(section, earlier["run"]["commit"])
                 result.setdefault("merged_from", {})[section] = measured
+                if section == "decode" and isinstance(result[section], dict):  # the older one-point form
+                    es = earlier["settings"]
+                    point = {"imported": es.get("decode_import"), "modules": es.get("decode_modules")}
+                    result[section] = [result[section] | point]
                 if section == "ttft":  # the settings the TTFT rows were measured with
                     for key in ("trials", "module_tokens", "lengths", "question_tokens"):
                         result["settings"][key] = earlier["settings"][key]
@@ -414,7 +418,7 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
     """The decode table: one row per point; an older JSON's single point (a dict) reads as one row."""
     s, points = result["settings"], result["decode"]
     if isinstance(points, dict):
-        points = [points | {"imported": s["decode_import"], "modules": s["decode_modules"]}]
+        points = [points | {"imported": s.get("decode_import", "?"), "modules": s.get("decode_modules", "?")}]
     d = points[0]
     lines = [
         "",

@@ -270,7 +270,7 @@ def recovery_lines(result: dict[str, Any]) -> list[str]:
             )
     cq = result.get("chat_quality")
     if cq:
-        lines += _shape_lines(cq["bare"], cq["chat"])
+        lines += _shape_lines(cq["bare"], cq["chat"], cq.get("commit", "?"))
     rt = result.get("recovery_ttft")
     if rt:
         lines += [
@@ -288,7 +288,7 @@ def recovery_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _shape_lines(bare: dict[str, Any] | None, chat: dict[str, Any] | None) -> list[str]:
+def _shape_lines(bare: dict[str, Any] | None, chat: dict[str, Any] | None, commit: str) -> list[str]:
     """Bare-text prompts beside chat-shaped ones (turns through the chat template), mode by mode."""
     if not bare or not chat:
         return []
@@ -297,7 +297,7 @@ def _shape_lines(bare: dict[str, Any] | None, chat: dict[str, Any] | None) -> li
         "### Chat-shaped prompts beside bare text",
         "",
         f"The same facts and questions, {chat['prompts']} prompts, both shapes measured in one run "
-        f"(commit {chat.get('commit', '?')}). Chat: a system "
+        f"(commit {commit}). Chat: a system "
         "turn, the documents in a user turn (the schema), the question as the prompt's user turn and the "
         "answer's first words as an unfinished assistant turn; bare: the text as above. Greedy match: "
         f"the {chat['answer_tokens']} greedy tokens equal full prefill's.",
