@@ -278,6 +278,13 @@ def run(args: argparse.Namespace) -> None:
         quality = args.recovery_quality == "yes" or auto
         if quality:
             result["recovery_quality"] = run_recovery_quality(llm, args.seed)
+        if args.chat_quality is not None:
+            modes = tuple(args.chat_quality) or ("none", "link:16", "link:64", "blend:0.3")
+            shapes = {
+                shape: run_recovery_quality(llm, args.seed, chat=shape == "chat", modes=modes)
+                for shape in ("bare", "chat")
+            }
+            result["chat_quality"] = {**shapes, "commit": result["run"]["commit"]}
         if args.recovery_lengths:
             result["recovery_ttft"] = run_recovery_ttft(llm, args, question)
         del llm
@@ -302,11 +309,16 @@ def run(args: argparse.Namespace) -> None:
     old = out / f"{args.name}.json"
     if args.merge and old.exists():  # keep the earlier run's sections this run did not measure
         earlier = json.loads(old.read_text())
-        for section in ("ttft", "quality", "decode", "spill", "recovery_quality", "recovery_ttft"):
+        sections = ("ttft", "quality", "decode", "spill", "recovery_quality", "chat_quality", "recovery_ttft")
+        for section in sections:
             if not result.get(section) and earlier.get(section):
                 result[section] = earlier[section]
                 measured = earlier.get("merged_from", {}).get(section, earlier["run"]["commit"])
                 result.setdefault("merged_from", {})[section] = measured
+                if section == "decode" and isinstance(result[section], dict):  # the older one-point form
+                    es = earlier["settings"]
+                    point = {"imported": es.get("decode_import"), "modules": es.get("decode_modules")}
+                    result[section] = [result[section] | point]
                 if section == "ttft":  # the settings the TTFT rows were measured with
                     for key in ("trials", "module_tokens", "lengths", "question_tokens"):
                         result["settings"][key] = earlier["settings"][key]
@@ -406,7 +418,7 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
     """The decode table: one row per point; an older JSON's single point (a dict) reads as one row."""
     s, points = result["settings"], result["decode"]
     if isinstance(points, dict):
-        points = [points | {"imported": s["decode_import"], "modules": s["decode_modules"]}]
+        points = [points | {"imported": s.get("decode_import", "?"), "modules": s.get("decode_modules", "?")}]
     d = points[0]
     lines = [
         "",

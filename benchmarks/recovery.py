@@ -33,11 +33,16 @@ from benchmarks.promptcache_workload import bench_schema, prompts_for, ttft
 from prefixserve import LLM, SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "recovery_towns.json"
+CHAT_SYSTEM = "Answer the question from the notes about the town."
 MODES = ("none", "link:1", "link:4", "link:16", "link:32", "link:64", "blend:0.15", "blend:0.3", "blend:0.5")
 
 
-def town_prompts(seed: int) -> list[tuple[str, list[str], str, str]]:
-    """(schema PML, ...) per schema, and for each prompt (schema name, PML prompt, gold answer)."""
+def town_prompts(seed: int, chat: bool = False) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """(schema PML, ...) per schema, and for each prompt (schema name, PML prompt, gold answer).
+
+    ``chat``: the same facts shaped for a chat model, as the paper's schemas are: a system turn, the
+    documents in a user turn, the question as a user turn and the answer's first words as an
+    unfinished assistant turn the model continues."""
     data = json.loads(DATA.read_text())
     rng = random.Random(seed)
     schemas, prompts = [], []
@@ -52,15 +57,25 @@ def town_prompts(seed: int) -> list[tuple[str, list[str], str, str]]:
         for tag, order in zip("ab", orders, strict=True):
             name = f"{world['name']}{tag}"
             body = "".join(f'<module name="{m}">{world["modules"][m]}</module>' for m in order)
-            schemas.append(f'<schema name="{name}">{world["intro"]}{body}</schema>')
+            if chat:
+                body = f"<system>{CHAT_SYSTEM}</system><user>{world['intro']}{body}</user>"
+            else:
+                body = world["intro"] + body
+            schemas.append(f'<schema name="{name}">{body}</schema>')
             for q in world["questions"]:
                 others = [m for m in docs if m not in q["needs"]]
                 imports = [*q["needs"], rng.choice(others)]
                 rng.shuffle(imports)  # import order is free text order; positions come from the schema
-                body = "".join(f"<{m}/>" for m in imports) + q["ask"]
+                body = "".join(f"<{m}/>" for m in imports) + (_chat_ask(q["ask"]) if chat else q["ask"])
                 pml = f'<prompt schema="{name}">{body}</prompt>'
                 prompts.append((name, pml, q["answer"]))
     return schemas, prompts
+
+
+def _chat_ask(ask: str) -> str:
+    """' Question: Q? Answer: A' -> the question as a user turn, A as the assistant's unfinished turn."""
+    question, _, answer = ask.partition("Answer:")
+    return f"<user>{question.replace('Question:', '').strip()}</user><assistant>{answer.strip()}</assistant>"
 
 
 def _answer_matches(text: str, gold: str) -> bool:
@@ -87,27 +102,32 @@ def last_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
         model.compute_logits = original
 
 
-def run_recovery_quality(llm: LLM, seed: int, answer_tokens: int = 3) -> dict[str, Any]:
+def run_recovery_quality(
+    llm: LLM, seed: int, answer_tokens: int = 3, chat: bool = False, modes: tuple[str, ...] = MODES
+) -> dict[str, Any]:
     """Accuracy, agreement and KL against full prefill, and TTFT, per mode (see the docstring)."""
-    schemas, prompts = town_prompts(seed)
+    schemas, prompts = town_prompts(seed, chat)
     for schema in schemas:
         llm.register_schema(schema)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     answer = SamplingParams(max_tokens=answer_tokens, temperature=0.0)
     stats: dict[str, dict[str, Any]] = {
-        m: {"kl": [], "agree": 0, "exact": 0, "ttft": [], "recomputed": [], "private": [], "module_rows": []}
-        for m in ("full", *MODES)
+        m: {"kl": [], "agree": 0, "exact": 0, "same": 0, "ttft": [], "recomputed": [], "private": [],
+            "module_rows": []}
+        for m in ("full", *modes)
     }
     try:
         with last_logits(llm) as captured:
-            _score_prompts(llm, prompts, stats, captured, one, answer)
+            _score_prompts(llm, prompts, stats, captured, one, answer, modes)
     finally:
         for schema in schemas:
             llm.unregister_schema(schema.split('"')[1])
-    return _summary(stats, len(prompts), answer_tokens)
+    return _summary(stats, len(prompts), answer_tokens, chat)
 
 
-def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: Any, answer: Any) -> None:
+def _score_prompts(
+    llm: LLM, prompts: list, stats: dict, captured: list, one: Any, answer: Any, modes: tuple[str, ...]
+) -> None:
     """Every prompt in every mode: its answer, first-token time and next-token distribution."""
     for n, (_, pml, gold) in enumerate(prompts):
         ids, pos = llm.engine.modules.layout_of(pml)
@@ -116,7 +136,7 @@ def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: An
         llm.generate(pml.replace("Question:", "Warm-up question:"), one)
         outs: dict[str, Any] = {}
         logps: dict[str, torch.Tensor] = {}
-        for mode in ("full", *MODES):
+        for mode in ("full", *modes):
             req: dict[str, Any] = (  # full: a fresh salt, nothing reused; each mode's own blocks
                 # are keyed by its setting, so no mode reuses another's
                 {"prompt_token_ids": ids, "positions": pos, "cache_salt": f"full-{n}"}
@@ -134,14 +154,15 @@ def _score_prompts(llm: LLM, prompts: list, stats: dict, captured: list, one: An
         ref = logps["full"]
         if n % 8 == 0:
             print(f"recovery quality: prompt {n + 1} of {len(prompts)}", flush=True)
-        for mode in ("full", *MODES):
+        for mode in ("full", *modes):
             s = stats[mode]
             s["kl"].append(float((ref.exp() * (ref - logps[mode])).sum()))
             s["agree"] += int(logps[mode].argmax() == ref.argmax())
             s["exact"] += int(_answer_matches(outs[mode].outputs[0].text, gold))
+            s["same"] += int(outs[mode].outputs[0].token_ids == outs["full"].outputs[0].token_ids)
 
 
-def _summary(stats: dict[str, dict[str, Any]], count: int, answer_tokens: int) -> dict[str, Any]:
+def _summary(stats: dict[str, dict[str, Any]], count: int, answer_tokens: int, chat: bool) -> dict[str, Any]:
     rows = []
     for mode, s in stats.items():
         rows.append(
@@ -149,6 +170,7 @@ def _summary(stats: dict[str, dict[str, Any]], count: int, answer_tokens: int) -
                 "mode": mode,
                 "accuracy": s["exact"] / count,
                 "top1_agreement": s["agree"] / count,
+                "greedy_match": s["same"] / count,
                 "mean_kl": sum(s["kl"]) / count,
                 "ttft_s": statistics.mean(s["ttft"]),
                 "recomputed_tokens": statistics.mean(s["recomputed"]),
@@ -158,7 +180,7 @@ def _summary(stats: dict[str, dict[str, Any]], count: int, answer_tokens: int) -
     gap = next(r["mean_kl"] for r in rows if r["mode"] == "none")
     for row in rows:
         row["kl_gap_closed"] = 1.0 - row["mean_kl"] / gap if gap > 0 else None
-    return {"prompts": count, "answer_tokens": answer_tokens, "rows": rows}
+    return {"prompts": count, "answer_tokens": answer_tokens, "chat": chat, "rows": rows}
 
 
 def run_recovery_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
@@ -205,6 +227,14 @@ def add_recovery_args(ap: argparse.ArgumentParser) -> None:
         help="module tokens for the recovery TTFT rows (none: no TTFT rows)",
     )
     ap.add_argument(
+        "--chat-quality",
+        nargs="*",
+        default=None,
+        metavar="MODE",
+        help="the quality section in chat shape beside bare text, in one run, for these modes "
+        "(none given: none link:16 link:64 blend:0.3)",
+    )
+    ap.add_argument(
         "--recovery-quality",
         choices=("auto", "yes", "no"),
         default="auto",
@@ -238,6 +268,9 @@ def recovery_lines(result: dict[str, Any]) -> list[str]:
                 f"| {row['mean_kl']:.4f} | {closed} | {row['ttft_s']:.4f} | {row['recomputed_tokens']:.1f} "
                 f"| {row['private_fraction']:.1%} |"
             )
+    cq = result.get("chat_quality")
+    if cq:
+        lines += _shape_lines(cq["bare"], cq["chat"], cq.get("commit", "?"))
     rt = result.get("recovery_ttft")
     if rt:
         lines += [
@@ -252,6 +285,38 @@ def recovery_lines(result: dict[str, Any]) -> list[str]:
             full = row["full_s"]
             cells = [f"{full:.4f}"] + [f"{row[f'{m}_s']:.4f} ({full / row[f'{m}_s']:.1f}x)" for m in MODES]
             lines.append(f"| {row['module_tokens']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _shape_lines(bare: dict[str, Any] | None, chat: dict[str, Any] | None, commit: str) -> list[str]:
+    """Bare-text prompts beside chat-shaped ones (turns through the chat template), mode by mode."""
+    if not bare or not chat:
+        return []
+    lines = [
+        "",
+        "### Chat-shaped prompts beside bare text",
+        "",
+        f"The same facts and questions, {chat['prompts']} prompts, both shapes measured in one run "
+        f"(commit {commit}). Chat: a system "
+        "turn, the documents in a user turn (the schema), the question as the prompt's user turn and the "
+        "answer's first words as an unfinished assistant turn; bare: the text as above. Greedy match: "
+        f"the {chat['answer_tokens']} greedy tokens equal full prefill's.",
+        "",
+        "| mode | bare accuracy | chat accuracy | bare top-1 | chat top-1 | bare KL | chat KL "
+        "| bare greedy match | chat greedy match |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    by_mode = {row["mode"]: row for row in bare["rows"]}
+    for c in chat["rows"]:
+        b = by_mode.get(c["mode"])
+        if b is None or "greedy_match" not in b:
+            continue
+        lines.append(
+            f"| {c['mode']} | {b['accuracy']:.1%} | {c['accuracy']:.1%} | {b['top1_agreement']:.1%} "
+            f"| {c['top1_agreement']:.1%} | {b['mean_kl']:.4f} | {c['mean_kl']:.4f} "
+            f"| {b['greedy_match']:.1%} "
+            f"| {c['greedy_match']:.1%} |"
+        )
     return lines
 
 

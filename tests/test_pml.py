@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixserve.promptcache.chat import ChatFrames
 from prefixserve.promptcache.layout import check_arguments, layout
 from prefixserve.promptcache.pml import (
     MAX_DEPTH,
@@ -38,6 +39,15 @@ TRAVEL = """<schema name="travel">
   </union>
   <user>Question follows.</user>
 </schema>"""
+
+
+ROLE_NAMES = ("system", "user", "assistant")
+TAG_FRAMES = ChatFrames(  # a stand-in template: <role>content</role>, "<open>" before the first message
+    before={r: f"<{r}>" for r in ROLE_NAMES},
+    after={r: f"</{r}>" for r in ROLE_NAMES},
+    first_before={r: f"<open><{r}>" for r in ROLE_NAMES},
+    generation="<assistant>",
+)
 
 
 def _chars(text: str) -> list[int]:
@@ -90,8 +100,8 @@ def test_layout_positions(travel):
         ("trip-plan", "duration", plan_start + len(_chars("Plan a trip of")), 4)
     ]
     # role tags render through the wrapper (the chat template's text around a message)
-    wrapped = layout(travel, _chars, wrap=lambda role: (f"<{role}>", f"</{role}>"))
-    assert wrapped.length == lay.length + len(_chars("<system></system>")) + len(_chars("<user></user>"))
+    wrapped = layout(travel, _chars, TAG_FRAMES)
+    assert wrapped.length == lay.length + len(_chars("<open><system></system><user></user>"))
 
 
 def test_prompt_imports_nesting_and_closure(travel):
@@ -196,23 +206,3 @@ def test_fuzz_parser_never_crashes(doc):
 def test_fuzz_any_text(doc):
     with contextlib.suppress(PMLError):
         parse_schema(doc)
-
-
-@pytest.mark.slow
-def test_role_tags_render_through_the_chat_template():
-    from prefixserve.model.loader import tokenizer_for
-    from prefixserve.promptcache.layout import chat_role_wrap
-
-    _, tokenizer = tokenizer_for(None, progress=False)
-    wrap = chat_role_wrap(tokenizer)
-    assert wrap("system") == ("<|im_start|>system\n", "<|im_end|>\n")
-    assert wrap("user") == ("<|im_start|>user\n", "<|im_end|>\n")  # no default system prompt added
-    assert wrap("assistant") == ("<|im_start|>assistant\n", "<|im_end|>\n")
-    schema = parse_schema('<schema name="s"><system>Be brief.</system><user>Hi</user></schema>')
-    text = []
-    lay = layout(schema, lambda t: (text.append(t), tokenizer.encode(t, add_special_tokens=False))[1], wrap)
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], tokenize=False
-    )
-    assert "".join(text) == rendered
-    assert lay.length == sum(len(s.token_ids) for s in lay.segments)

@@ -184,17 +184,71 @@ def test_pml_prompt_errors_are_400(http: httpx.Client, travel: str) -> None:
     assert complete(http, PROMPT).status_code == 200  # still serving
 
 
+# ---- chat-shaped schemas: role turns, PML in chat completions ------------------------------------
+def test_chat_shaped_pml_over_completions_and_chat_completions(
+    http: httpx.Client, server: ServerThread
+) -> None:
+    """The paper's use: a chat model answering a question over cached modules, through the official
+    client, streamed and not, n > 1, stop strings and logprobs; repeats report the modules as cached."""
+    import openai
+
+    from tests.test_pml_chat import TRAVEL, TRAVEL_PROMPT
+
+    if http.get("/v1/schemas/travel-chat").status_code == 404:
+        body = {"schema": TRAVEL.replace('name="travel"', 'name="travel-chat"')}
+        assert http.post("/v1/schemas", json=body).status_code == 201, http.get("/v1/schemas").text
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    prompt = TRAVEL_PROMPT.replace('schema="travel"', 'schema="travel-chat"')
+    done = client.completions.create(model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].text.strip(), done
+    messages = [{"role": "user", "content": prompt.replace("What should I eat?", "")},
+                {"role": "user", "content": "What should I eat?"}]
+    chat = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    assert chat.choices[0].message.content == done.choices[0].text  # one prompt, two request shapes
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    again = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
+                                           temperature=0)
+    cached = chat.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens >= cached > 0
+    stream = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    samples = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
+                                             temperature=1.0, n=3, seed=5, stop=["\n"])
+    assert len(samples.choices) == 3 and all("\n" not in c.message.content for c in samples.choices)
+
+
+def test_bad_role_nesting_is_400_naming_line_and_column(http: httpx.Client, travel: str) -> None:
+    r = complete(http, '<prompt schema="travel">\n<tokyo><user>Hi</user></tokyo></prompt>')
+    message = error_of(r, 400)
+    assert "<user> inside the import of <tokyo>" in message and "line 2, column 8" in message
+    body = {"model": "default", "max_tokens": 4, "messages": [
+        {"role": "user", "content": '<prompt schema="travel"><tokyo/><wizard>Hi</wizard></prompt>'}]}
+    r = http.post("/v1/chat/completions", json=body)
+    assert "unknown module <wizard>" in error_of(r, 400) and r.json()["error"]["param"] == "messages"
+    body["messages"].append(dict(body["messages"][0]))
+    assert "first message" in error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert complete(http, PROMPT).status_code == 200  # still serving
+
+
 # ---- removing ---------------------------------------------------------------------------------
 def test_delete_then_list_is_empty(http: httpx.Client, travel: str) -> None:
     r = http.delete("/v1/schemas/travel")
     assert r.status_code == 200, r.text
     assert r.json() == {"object": "schema", "name": "travel", "deleted": True}
+    http.delete("/v1/schemas/travel-chat")
     assert http.get("/v1/schemas").json()["data"] == []
     assert "travel" in error_of(http.delete("/v1/schemas/travel"), 404)
     assert error_of(http.get("/v1/schemas/travel"), 404)
     assert metric(http, "prefixserve_module_blocks_gpu") == 0
-    # with no schema registered, a <prompt ...> text is plain text again
-    assert complete(http, '<prompt schema="travel"><tokyo/></prompt>').status_code == 200
+    # a <prompt ...> document is never read as plain text: its schema is named as unknown
+    r = complete(http, '<prompt schema="travel"><tokyo/></prompt>')
+    assert "unknown schema 'travel' (known: none are registered)" in error_of(r, 400)
 
 
 # ---- the command line ---------------------------------------------------------------------------

@@ -45,7 +45,8 @@ from prefixserve.kv.block_pool import BlockPool, block_digest
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.tiers import DiskTier, HostTier
 from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
-from prefixserve.promptcache.layout import SchemaLayout, chat_role_wrap, layout
+from prefixserve.promptcache.chat import ChatFrames
+from prefixserve.promptcache.layout import SchemaLayout, layout
 from prefixserve.promptcache.pml import PMLError, Schema, parse_prompt, parse_schema
 from prefixserve.promptcache.recompute import (
     NONE,
@@ -141,6 +142,7 @@ class PromptModules:
         self.host = HostTier(host_bytes)
         self.disk = DiskTier(store_dir) if store_dir is not None else None
         self.schemas: dict[str, RegisteredSchema] = {}
+        self._frames: ChatFrames | bool | None = False  # False: not read yet
         self.entries: OrderedDict[str, ModuleEntry] = OrderedDict()  # GPU-tier LRU order: oldest first
         self.module_rows = np.zeros(pool.num_blocks + 1, dtype=np.int32)  # [blocks] rows of module blocks
         self.num_marked = 0  # blocks with module rows (``active`` reads this every step)
@@ -157,6 +159,13 @@ class PromptModules:
         }
 
     # ---- schemas --------------------------------------------------------------------------------
+    @property
+    def frames(self) -> ChatFrames | None:
+        """The chat template's frames, read once (role tags and chat prompts render through them)."""
+        if self._frames is False:
+            self._frames = ChatFrames.of(self.tokenizer)
+        return self._frames  # type: ignore[return-value]
+
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
@@ -170,8 +179,7 @@ class PromptModules:
         schema = parse_schema(text)
         if schema.name in self.schemas and not replace:
             raise PMLError(f"schema {schema.name!r} is already registered; remove it first")
-        wrap = chat_role_wrap(self.tokenizer) if getattr(self.tokenizer, "chat_template", None) else None
-        lay = layout(schema, self._tokenize, wrap)
+        lay = layout(schema, self._tokenize, self.frames)
         if replace and schema.name in self.schemas:
             self.unregister(schema.name)
         self.schemas[schema.name] = RegisteredSchema(schema, lay, text, schema_pieces(lay), setting)
@@ -215,8 +223,9 @@ class PromptModules:
         return mp
 
     def layout_of(self, text: str) -> tuple[list[int], list[int]]:
-        """The tokens and positions a PML prompt runs as, without holes and without reusing anything:
-        what full prefill of the very same prompt computes (the exact baseline of every approximation)."""
+        """The tokens and positions a PML prompt runs as, in table order (pieces, then its own tokens),
+        without holes and without reusing anything: what full prefill of the very same prompt computes
+        (the exact baseline of every approximation). Sorted by position, the ids are the prompt's text."""
         asm = self._assemble(text)[1]
         ids = [t for p in asm.pieces for t in p.token_ids] + list(asm.own_token_ids)
         pos = [q for p in asm.pieces for q in p.positions] + list(asm.own_positions)
@@ -226,7 +235,7 @@ class PromptModules:
         """A PML prompt parsed against the registered schemas and assembled into pieces."""
         prompt = parse_prompt(text, {n: r.schema for n, r in self.schemas.items()})
         reg = self.schemas[prompt.schema]
-        return reg, assemble(reg.schema, reg.layout, prompt, self._tokenize)
+        return reg, assemble(reg.schema, reg.layout, prompt, self._tokenize, self.frames)
 
     def _place(
         self, reg: RegisteredSchema, asm: AssembledPrompt, salt: str | None, recompute: Recompute = NONE

@@ -11,6 +11,8 @@ from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.grouping import queue_groups
 from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
+from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.params import SamplingParams
 
 Prompt = str | dict[str, Any]  # "text" or {"prompt": ..., "prompt_token_ids": ..., "cache_salt": ...}
@@ -111,7 +113,9 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
         With ``application``, conversations without a system message get that application's pinned
-        system prompt, so they reuse its precomputed KV.
+        system prompt, so they reuse its precomputed KV. A conversation whose first message is a
+        Prompt Cache ``<prompt schema="...">`` document runs over that schema's modules, its later
+        messages following as turns (``add_generation_prompt`` does not apply: see the README).
         """
         if not messages:
             raise ValueError("no messages given")
@@ -119,6 +123,8 @@ class LLM:
         if application is not None:
             if application not in self.engine.config.system_prompts:
                 raise ValueError(f"unknown application {application!r}; pinned: {sorted(self.engine.pinned)}")
+            if any(c and is_pml_prompt(str(c[0].get("content") or "")) for c in conversations):  # type: ignore[union-attr]
+                raise ValueError("a conversation opening with a <prompt> document takes no application")
             system = {"role": "system", "content": self.engine.config.system_prompts[application]}
             conversations = [c if c and c[0].get("role") == "system" else [system, *c] for c in conversations]  # type: ignore[union-attr,list-item]
         prompts: list[Prompt] = [self.render_chat(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
@@ -154,9 +160,16 @@ class LLM:
         return run_batch_file(self.engine, path_in, path_out, grouping, progress)
 
     def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> str:
+        """The conversation as prompt text: through the chat template, or one PML prompt when it opens
+        with a ``<prompt>`` document."""
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        pml = chat_as_pml(conversation)  # type: ignore[arg-type]
+        if pml is not None:
+            return pml
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template: pass prompt_token_ids")
         return self.engine.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )

@@ -22,6 +22,8 @@ from prefixserve.entrypoints.server_protocol import (
     parse_request,
 )
 from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
+from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
@@ -132,10 +134,20 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
 
 
 def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest) -> str:
-    """The request's messages (after the application's pinned system prompt) through the chat template."""
+    """The request's messages (after the application's pinned system prompt) through the chat template;
+    a conversation whose first message is a ``<prompt>`` document becomes one PML prompt instead."""
     conversation = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
     ]
+    try:
+        pml = chat_as_pml(conversation)
+    except PMLError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_pml") from None
+    if pml is not None:  # a Prompt Cache conversation: the engine lays it out over the schema's modules
+        if req.application is not None:
+            raise APIError(400, "a conversation opening with a <prompt> document takes no application",
+                           param="application")
+        return pml
     if req.application is not None:
         system = application_prompt(ctx, req.application)
         if conversation[0]["role"] != "system":  # the pinned prompt is the chat's system message

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from prefixserve.config import cache_dir
+from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import (
     LlamaForCausalLM,
@@ -302,7 +303,7 @@ def load_model(
     shard: Shard | None = None,
 ) -> tuple[LlamaForCausalLM, Path | None]:
     """Load weights (``shard``: this rank's part only); returns the model and the directory holding
-    its tokenizer (None: no tokenizer)."""
+    its tokenizer (None: a dummy model's, see ``load_tokenizer``)."""
     if source.kind == "gguf":
         directory = convert_gguf(source.path, progress=progress)
     elif source.kind == "hf":
@@ -344,15 +345,13 @@ def tokenizer_for(model: str | None, progress: bool = True) -> tuple[str, Any]:
 
 
 def load_tokenizer(directory: Path | None) -> Any:
-    """The model's own tokenizer (transformers); for dummy weights the default model's, if installed.
-
-    Returns None when a dummy model has no tokenizer at hand: the engine then takes token ids only.
-    """
+    """The model's own tokenizer (transformers); for dummy weights the default model's if installed,
+    else a byte-level one built in code (``byte_tokenizer``): a dummy model always takes text."""
     from transformers import AutoTokenizer
 
     if directory is None:
         try:
             directory = convert_gguf(default_gguf_path())
         except FileNotFoundError:
-            return None
+            return byte_tokenizer()
     return AutoTokenizer.from_pretrained(str(directory))

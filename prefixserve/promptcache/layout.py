@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from prefixserve.promptcache.chat import ChatFrames
 from prefixserve.promptcache.pml import Module, Node, Param, PMLError, Prompt, Role, Schema, Text, Union
 
 Tokenize = Callable[[str], list[int]]
-RoleWrap = Callable[[str], tuple[str, str]]  # role -> (text before its content, text after)
 
 
 @dataclass(slots=True)
@@ -27,6 +26,7 @@ class Segment:
     token_ids: list[int] = field(default_factory=list)  # empty for a parameter
     param: str | None = None
     param_len: int = 0
+    filler: bool = False  # whitespace only (between modules): computed with each prompt, not stored
 
     @property
     def length(self) -> int:
@@ -42,45 +42,98 @@ class SchemaLayout:
     segments: list[Segment]
     spans: dict[str, tuple[int, int]]  # module -> [start, end) of its positions
     length: int  # positions the whole schema spans
+    chat: bool = False  # the schema has role tags, rendered through the chat template
 
 
-def layout(schema: Schema, tokenize: Tokenize, wrap: RoleWrap | None = None) -> SchemaLayout:
-    """Lay the schema out from position 0; ``wrap`` renders role tags (default: no text)."""
-    out = SchemaLayout([], {}, 0)
-    out.length = _place(schema.children, 0, None, tokenize, wrap, out)
+@dataclass(slots=True)
+class _Placing:
+    tokenize: Tokenize
+    frames: ChatFrames | None
+    out: SchemaLayout
+    first_role: Role | None = None  # the turn that opens the conversation (first in document order)
+
+
+def layout(schema: Schema, tokenize: Tokenize, frames: ChatFrames | None = None) -> SchemaLayout:
+    """Lay the schema out from position 0; ``frames`` render role tags (None: they add no text).
+
+    In a schema with role tags, whitespace outside the turns is layout, not text: the template alone
+    separates turns, so the schema renders as ``apply_chat_template`` renders its conversation."""
+    out = SchemaLayout([], {}, 0, chat=schema.has_roles)
+    ctx = _Placing(tokenize, frames, out, _first_role(schema.children))
+    out.length = _place(schema.children, 0, None, ctx, in_role=False)
     return out
 
 
-def _place(
-    nodes: list[Node], pos: int, module: str | None, tokenize: Tokenize, wrap: RoleWrap | None,
-    out: SchemaLayout,
-) -> int:
-    """Place ``nodes`` from ``pos``; returns the position after them."""
+def _first_role(nodes: list[Node]) -> Role | None:
     for node in nodes:
+        if isinstance(node, Role):
+            return node
+        inner = node.children if isinstance(node, Module) else node.members if isinstance(node, Union) else []
+        found = _first_role(list(inner))
+        if found is not None:
+            return found
+    return None
+
+
+def _place(nodes: list[Node], pos: int, module: str | None, ctx: _Placing, in_role: bool) -> int:
+    """Place ``nodes`` from ``pos``; returns the position after them."""
+    out = ctx.out
+    for node, inside in _flatten(nodes, ctx, in_role):
         if isinstance(node, Text):
-            ids = tokenize(node.text)
+            ids = ctx.tokenize(node.text)
             if ids:
-                out.segments.append(Segment(module, pos, ids))
+                out.segments.append(Segment(module, pos, ids, filler=not node.text.strip()))
                 pos += len(ids)
         elif isinstance(node, Param):
             out.segments.append(Segment(module, pos, [], node.name, node.length))
             pos += node.length
-        elif isinstance(node, Role):
-            before, after = wrap(node.role) if wrap is not None else ("", "")
-            inner = [Text(before), *node.children, Text(after)]
-            pos = _place(inner, pos, module, tokenize, wrap, out)
         elif isinstance(node, Module):
             start = pos
-            pos = _place(node.children, pos, node.name, tokenize, wrap, out)
+            pos = _place(node.children, pos, node.name, ctx, inside)
             out.spans[node.name] = (start, pos)
         elif isinstance(node, Union):
             end = pos
             for member in node.members:
-                end = max(end, _place([member], pos, module, tokenize, wrap, out))
+                end = max(end, _place([member], pos, module, ctx, inside))
             pos = end
         else:  # pragma: no cover - the parser builds no other node
             raise PMLError(f"cannot lay out {type(node).__name__}")
     return pos
+
+
+def _flatten(nodes: list[Node], ctx: _Placing, in_role: bool) -> list[tuple[Node, bool]]:
+    """``nodes`` with each role tag opened into the template's text around its children, whitespace
+    outside turns dropped in a chat schema, and neighbouring texts joined: each run of text is
+    tokenized whole, as the template's rendering of the same conversation is (no token boundary
+    where one tag ends and the next begins). Each node comes with whether it sits inside a turn."""
+    opened: list[tuple[Node, bool]] = []
+    for node in nodes:
+        if isinstance(node, Text) and ctx.out.chat and not in_role and not node.text.strip():
+            continue
+        if isinstance(node, Role):
+            opened += ((child, True) for child in _role_nodes(node, ctx))
+        else:
+            opened.append((node, in_role))
+    joined: list[tuple[Node, bool]] = []
+    for node, inside in opened:
+        if isinstance(node, Text) and joined and isinstance(joined[-1][0], Text):
+            joined[-1] = (Text(joined[-1][0].text + node.text), inside or joined[-1][1])  # type: ignore[union-attr]
+        else:
+            joined.append((node, inside))
+    return joined
+
+
+def _role_nodes(role: Role, ctx: _Placing) -> list[Node]:
+    """A turn: the template's text before it, its content stripped at the edges, the text after."""
+    children = list(role.children)
+    if children and isinstance(children[0], Text):
+        children[0] = Text(children[0].text.lstrip())
+    if children and isinstance(children[-1], Text):
+        children[-1] = Text(children[-1].text.rstrip())
+    if ctx.frames is None:
+        return children
+    before, _, after = ctx.frames.message(role.role, "", first=role is ctx.first_role)
+    return [Text(before), *children, Text(after)]
 
 
 def check_arguments(schema: Schema, prompt: Prompt, tokenize: Tokenize) -> dict[tuple[str, str], list[int]]:
@@ -101,30 +154,3 @@ def check_arguments(schema: Schema, prompt: Prompt, tokenize: Tokenize) -> dict[
 
 def _param_segments(schema: Schema) -> list[Segment]:
     return [s for s in layout(schema, lambda text: []).segments if s.param is not None]
-
-
-_SENTINEL = "\x00PML-CONTENT\x00"
-
-
-def chat_role_wrap(tokenizer: Any) -> RoleWrap:
-    """Role tags through the model's own chat template: the text it puts before and after one message.
-
-    A message is rendered after a fixed system message and the system message alone is cut off, so
-    a template that adds a default system prompt before a lone user turn adds nothing here."""
-    anchor = [{"role": "system", "content": "."}]
-
-    def render(messages: list[dict[str, str]]) -> str:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False))
-
-    wraps: dict[str, tuple[str, str]] = {}
-    for role in ("system", "user", "assistant"):
-        if role == "system":
-            text = render([{"role": role, "content": _SENTINEL}])
-        else:
-            head, full = render(anchor), render([*anchor, {"role": role, "content": _SENTINEL}])
-            text = full[len(head):] if full.startswith(head) else full
-        before, sep, after = text.partition(_SENTINEL)
-        if not sep:
-            raise PMLError(f"the chat template does not render a {role} message's content")
-        wraps[role] = (before, after)
-    return lambda role: wraps[role]

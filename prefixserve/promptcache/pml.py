@@ -91,6 +91,20 @@ class Schema:
     parent: dict[str, str | None]  # module -> enclosing module (None at top level)
     union_of: dict[str, int]  # module -> id of the union it belongs to, if any
 
+    @property
+    def has_roles(self) -> bool:
+        """Does the schema hold role tags (a chat-shaped schema: prompts then end as chats do)?"""
+        stack: list[Node] = list(self.children)
+        while stack:
+            node = stack.pop()
+            if isinstance(node, Role):
+                return True
+            if isinstance(node, Module):
+                stack.extend(node.children)
+            elif isinstance(node, Union):
+                stack.extend(node.members)
+        return False
+
     def ancestors(self, name: str) -> list[str]:
         """The enclosing modules of ``name``, outermost first."""
         out = []
@@ -110,13 +124,27 @@ class Import:
 
 
 @dataclass(slots=True)
+class Turn:
+    """A prompt's own chat message (``<user>...</user>``): its text is the prompt's, not cached."""
+
+    role: str
+    text: str
+    line: int = 0
+    column: int = 0
+
+
+@dataclass(slots=True)
 class Prompt:
     schema: str
-    items: list[Import | Text]  # in document order; free text may come between and after imports
+    items: list[Import | Text | Turn]  # in document order; free text and turns may come between imports
 
     @property
     def imports(self) -> list[Import]:
         return [i for i in self.items if isinstance(i, Import)]
+
+    @property
+    def has_turns(self) -> bool:
+        return any(isinstance(i, Turn) for i in self.items)
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -224,6 +252,8 @@ def _node(elem: Element, schema: _SchemaBuild, parent: str | None, in_role: bool
     tag = elem.tag
     if tag == "module":
         name = _name_of(elem, "module")
+        if name in ROLES:
+            raise PMLError(f"module name {name!r} is a role tag's name; rename the module", *_at(elem))
         if name in schema.modules:
             raise PMLError(f"module {name!r} is defined twice", *_at(elem))
         module = Module(name, [], *_at(elem))
@@ -303,20 +333,41 @@ def parse_prompt(text: str, schemas: dict[str, Schema]) -> Prompt:
     if schema is None:
         known = ", ".join(sorted(schemas)) or "none are registered"
         raise PMLError(f"unknown schema {name!r} (known: {known})", *_at(root))
-    items: list[Import | Text] = [Text(root.text)] if root.text else []
+    items: list[Import | Text | Turn] = [Text(root.text)] if root.text else []
     for child in root:
-        _imports(child, schema, None, items)
+        if child.tag in ROLES:
+            items.append(_turn(child))
+        else:
+            _imports(child, schema, None, items)
         if child.tail:
             items.append(Text(child.tail))
     _check_imports(schema, [i for i in items if isinstance(i, Import)])
     return Prompt(name, items)
 
 
-def _imports(elem: Element, schema: Schema, parent: str | None, out: list[Import | Text]) -> None:
+def _turn(elem: Element) -> Turn:
+    """A role tag at the top of a prompt: one chat message of plain text."""
     line, column = _at(elem)
+    if _attrs(elem):
+        raise PMLError(f"<{elem.tag}> takes no attributes", line, column)
+    if len(elem):
+        inner = elem[0]
+        problem = (f"<{inner.tag}> inside a <{elem.tag}> turn: a turn holds only text "
+                   "(import modules outside turns; turns do not nest)")
+        raise PMLError(problem, *_at(inner))
+    return Turn(elem.tag, elem.text or "", line, column)
+
+
+def _imports(elem: Element, schema: Schema, parent: str | None, out: list[Import | Text | Turn]) -> None:
+    line, column = _at(elem)
+    if elem.tag in ROLES:
+        problem = f"<{elem.tag}> inside the import of <{parent}>: role turns go directly inside <prompt>"
+        raise PMLError(problem, line, column)
     module = schema.modules.get(elem.tag)
     if module is None:
-        raise PMLError(f"unknown module <{elem.tag}> in schema {schema.name!r}", line, column)
+        problem = (f"unknown module <{elem.tag}> in schema {schema.name!r} "
+                   f"(nor a role: roles are {', '.join(f'<{r}>' for r in ROLES)})")
+        raise PMLError(problem, line, column)
     if parent is not None and schema.parent[elem.tag] != parent:
         raise PMLError(f"<{elem.tag}> is not a module of <{parent}> in schema {schema.name!r}", line, column)
     if (elem.text or "").strip() and not len(elem):
