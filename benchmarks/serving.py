@@ -39,7 +39,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "docs" / "benchmarks"

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.engine_process import OutputDecoder, OutputEncoder
-from prefixserve.entrypoints.server import ServerThread, build_app, wants_engine_process
+from prefixserve.entrypoints.openai.engine_process import OutputDecoder, OutputEncoder
+from prefixserve.entrypoints.openai.server import ServerThread, build_app, wants_engine_process
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
 _step = st.tuples(
@@ -121,8 +121,8 @@ def test_counters_before_a_call_answer_cover_what_came_before(tiny_config_path: 
     async scheduling the aborted request's launch is still in flight, so the engine is not idle)."""
     import asyncio
 
-    from prefixserve.entrypoints.engine_process import EngineProcess
-    from prefixserve.entrypoints.server_engine import StreamSink
+    from prefixserve.entrypoints.openai.engine_process import EngineProcess
+    from prefixserve.entrypoints.openai.engine_thread import StreamSink
     from prefixserve.sampling.params import SamplingParams
 
     config = EngineConfig(

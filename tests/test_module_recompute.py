@@ -264,7 +264,7 @@ def test_preemption_keeps_recovered_prompts_exact(tiny_config_path) -> None:
 
 # ---- over HTTP ---------------------------------------------------------------------------------
 def test_http_takes_module_recompute_on_completions_and_schemas(tiny_config_path) -> None:
-    from prefixserve.entrypoints.server import ServerThread, build_app  # the server's packages
+    from prefixserve.entrypoints.openai.server import ServerThread, build_app  # the server's packages
 
     config = EngineConfig(model=f"dummy:{tiny_config_path}", dtype="float32", device="cpu", num_kv_blocks=256)
     with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:

@@ -19,7 +19,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.cli import build_parser, main
-from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
 API_KEY = "schema-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

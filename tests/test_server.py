@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

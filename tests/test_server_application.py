@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
 SYSTEM = "You are a terse assistant for a bicycle shop. " * 12  # ~120 tokens: several KV blocks
 

@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints import server as server_mod
-from prefixserve.entrypoints import server_format as fmt
-from prefixserve.entrypoints.server import ServerThread, build_app, http_options
-from prefixserve.entrypoints.server_app import _stream
+from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai import server as server_mod
+from prefixserve.entrypoints.openai.app import _stream
+from prefixserve.entrypoints.openai.server import ServerThread, build_app, http_options
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -151,7 +151,7 @@ def test_a_stream_whose_reader_is_behind_gets_one_output_in_flight(tiny_config_p
     import time
 
     from prefixserve import LLM, SamplingParams
-    from prefixserve.entrypoints.server_engine import EngineLoop, StreamSink
+    from prefixserve.entrypoints.openai.engine_thread import EngineLoop, StreamSink
 
     llm = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, progress=False)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
 CLIENTS = 32
 SYSTEM = " ".join(f"Rule {i}: answer about item {i * 7 % 13} politely and briefly." for i in range(80))

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixserve.entrypoints.server import free_port
+from prefixserve.entrypoints.openai.server import free_port
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 

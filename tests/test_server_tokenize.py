@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
 SLOW_S = 1.5
 MARK = "SLOW-TO-TOKENIZE"

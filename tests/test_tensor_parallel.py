@@ -20,7 +20,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.loader import load_model, resolve_model
 from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible

@@ -24,8 +24,8 @@ from prefixserve.entrypoints.batch_file import (
     read_batch,
     result_row,
 )
-from prefixserve.entrypoints.openai_prepare import OpenAIContext, Prepared, prepare, response_body
-from prefixserve.entrypoints.server_protocol import APIError, param_of
+from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared, prepare, response_body
+from prefixserve.entrypoints.openai.protocol import APIError, param_of
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.offline import BatchPlan, plan_batch, shard_groups

@@ -211,7 +211,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from prefixserve.entrypoints.server import serve
+        from prefixserve.entrypoints.openai.server import serve
     except ImportError as exc:
         raise SystemExit(
             f"error: the server needs fastapi, uvicorn, pydantic and prometheus-client ({exc}); "

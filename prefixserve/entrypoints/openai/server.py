@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server: ``prefixserve serve`` and an in-process runner for tests and benchmarks.
 
-The pieces: ``server_protocol`` (request models, errors), ``server_engine`` (the engine thread),
-``server_format`` (responses and stream chunks), ``server_metrics`` (Prometheus), ``server_app``
+The pieces: ``protocol`` (request models, errors), ``engine_thread`` (the engine thread),
+``format`` (responses and stream chunks), ``metrics`` (Prometheus), ``app``
 (routes). FastAPI and uvicorn are imported here, never by the engine core.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections; in-flight requests get
@@ -25,8 +25,8 @@ import uvicorn
 
 from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.args import engine_config_from_args
-from prefixserve.entrypoints.server_app import MAX_BODY_BYTES, build_app
-from prefixserve.entrypoints.server_engine import EngineLoop
+from prefixserve.entrypoints.openai.app import MAX_BODY_BYTES, build_app
+from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 
 __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]
 

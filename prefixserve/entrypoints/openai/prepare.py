@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.entrypoints import server_format as fmt
-from prefixserve.entrypoints.server_protocol import (
+from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

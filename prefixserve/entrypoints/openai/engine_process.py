@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.server_engine import (
+from prefixserve.entrypoints.openai.engine_thread import (
     IDLE_WAIT_S,
     EngineLoop,
     EngineStopped,

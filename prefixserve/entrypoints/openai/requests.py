@@ -1,7 +1,7 @@
 """Reading one OpenAI request off the wire: auth, body limits, strict UTF-8 JSON (or PML for schemas).
 
 Each check raises APIError with the status and a message that names the problem; the body's own
-checks (model, parameters, prompts) are ``openai_prepare``'s, shared with the batch runner.
+checks (model, parameters, prompts) are ``prepare``'s, shared with the batch runner.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 from fastapi import Request
 
-from prefixserve.entrypoints.openai_prepare import OpenAIContext
-from prefixserve.entrypoints.server_engine import EngineLoop
-from prefixserve.entrypoints.server_protocol import (
+from prefixserve.entrypoints.openai.engine_thread import EngineLoop
+from prefixserve.entrypoints.openai.prepare import OpenAIContext
+from prefixserve.entrypoints.openai.protocol import (
     APIError,
     SchemaRequest,
     find_lone_surrogate,

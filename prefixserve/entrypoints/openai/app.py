@@ -25,8 +25,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.entrypoints import server_format as fmt
-from prefixserve.entrypoints.openai_prepare import (
+from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
+from prefixserve.entrypoints.openai.metrics import ServerMetrics
+from prefixserve.entrypoints.openai.prepare import (
     Prepared,
     check_model,
     prepare_chat,
@@ -34,10 +36,8 @@ from prefixserve.entrypoints.openai_prepare import (
     response_body,
     stream_state,
 )
-from prefixserve.entrypoints.server_engine import EngineLoop, EngineStopped, StreamSink
-from prefixserve.entrypoints.server_metrics import ServerMetrics
-from prefixserve.entrypoints.server_protocol import APIError, param_of
-from prefixserve.entrypoints.server_requests import (
+from prefixserve.entrypoints.openai.protocol import APIError, param_of
+from prefixserve.entrypoints.openai.requests import (
     MAX_BODY_BYTES,
     ServerState,
     authorize,
@@ -69,7 +69,7 @@ def build_app(
     if engine_process:
         if engine is not None:
             raise ValueError("engine_process takes a config, not an engine")
-        from prefixserve.entrypoints.engine_process import EngineProcess
+        from prefixserve.entrypoints.openai.engine_process import EngineProcess
         from prefixserve.model.loader import tokenizer_for
 
         config = config or EngineConfig()
