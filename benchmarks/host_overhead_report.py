@@ -129,7 +129,7 @@ NOTES: list[str] = [
     "  turning a batch's lists into an array costs ~20 ns per entry (1.5 ms at B=256, P=4K); it keeps",
     "  int64 copies of the lengths for the planner; `block_tables_host` of array-built metadata is",
     "  `TableRows` (lists made on access: only the reference backend reads them).",
-    "* `BlockManager` (scheduler/blocks.py) keeps a numpy mirror of every block table, written at each",
+    "* `BlockManager` (scheduler/block_tables.py) keeps a numpy mirror of every block table, written at each",
     "  change (prefix hit, reserve, copy-on-write, deduplicating swap, fork, free); `block_tables_np`",
     "  gathers a batch's rows in one numpy index. `register_computed` returns at once when no block",
     "  filled up (it copied the sequence's whole digest list every call); `reserve` returns at once when",

@@ -99,6 +99,27 @@ class Sequence:
         return detok
 
 
+@dataclass(slots=True)
+class HeldModules:
+    """A Prompt Cache request's module blocks: they lead every sample's table, held by the request
+    until it ends, with stand-in digests so its own blocks chain from all the modules; the blocks'
+    empty rows are ``holes`` placeholder tokens of the prompt."""
+
+    blocks: list[int]
+    digests: list[bytes]
+    holes: int = 0
+    tokens: int = 0  # real prompt tokens reused from modules
+    recomputed_tokens: int = 0  # module rows recomputed in this request's context (recovery)
+    private_rows: int = 0  # module rows in private copies of module blocks
+    # module rows (table row runs) still to compute in context: in the first prefill step
+    recompute_runs: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def uncounted_tokens(self) -> int:
+        """Table rows that are not prompt tokens served from cache: holes and recomputed rows."""
+        return self.holes + self.recomputed_tokens
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """What a user asked for; owns 1..n sequences (the n samples share the prompt's KV blocks)."""
@@ -121,17 +142,7 @@ class Request:
     stream: bool = False  # report every step's progress, not only the final output
     unreported: int = 0  # tokens generated since the last streamed output (EngineConfig.stream_interval)
     streamed: bool = False  # a progress output has gone out (the first one goes at once)
-    # Prompt Cache: the leading blocks of every sample's table are reused module blocks (held by the
-    # request until it ends), with stand-in digests so own blocks chain from all the modules; the
-    # module blocks' empty rows are ``num_hole_tokens`` placeholder tokens of the prompt
-    module_blocks: list[int] = field(default_factory=list)
-    module_digests: list[bytes] = field(default_factory=list)
-    num_hole_tokens: int = 0
-    num_module_tokens: int = 0  # real prompt tokens reused from modules
-    num_recomputed_tokens: int = 0  # module rows recomputed in this request's context (recovery)
-    num_private_module_rows: int = 0  # module rows in private copies of module blocks
-    # module rows (table row runs) still to compute in context: in the first prefill step
-    recompute_runs: list[tuple[int, int]] = field(default_factory=list)
+    modules: HeldModules | None = None  # a Prompt Cache prompt's reused module blocks
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -147,13 +158,14 @@ class Request:
         step's host time on a 2-core CPU. ``RequestOutput`` turns it into a list only when read."""
         if self._reported_prompt is None:
             ids = self.prompt_token_ids
-            self._reported_prompt = token_array(t for t in ids if t >= 0) if self.num_hole_tokens else ids
+            holes = self.modules is not None and self.modules.holes > 0
+            self._reported_prompt = token_array(t for t in ids if t >= 0) if holes else ids
         return self._reported_prompt
 
     @property
     def pending_recompute_tokens(self) -> int:
         """Module rows its first prefill step will recompute besides its own tokens (recovery)."""
-        return sum(b - a for a, b in self.recompute_runs)
+        return 0 if self.modules is None else sum(b - a for a, b in self.modules.recompute_runs)
 
     @property
     def is_finished(self) -> bool:

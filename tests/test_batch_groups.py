@@ -10,7 +10,7 @@ import random
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob, GroupState
 from prefixserve.scheduler.prefix_tree import (
     build_tree,

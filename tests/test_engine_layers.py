@@ -15,7 +15,7 @@ ENGINE = Path(__file__).resolve().parents[1] / "prefixserve" / "engine"
 FORBIDDEN = (
     "prefixserve.engine.llm_engine",
     "prefixserve.engine.output_processor",
-    "prefixserve.engine.pinned",
+    "prefixserve.engine.system_prompts",
     "prefixserve.sequence",
     "prefixserve.scheduler",
     "prefixserve.outputs",
@@ -40,9 +40,9 @@ def test_the_device_side_knows_nothing_of_requests_or_the_loop(module: str) -> N
 
 
 def test_the_package_reexports_what_callers_import() -> None:
-    from prefixserve.engine import PLACEHOLDER_TOKEN, Engine, PinnedPrompt
+    from prefixserve.engine import PLACEHOLDER_TOKEN, Engine, SystemPromptKV
     from prefixserve.engine.model_runner import ModelRunner
 
     assert Engine.__module__ == "prefixserve.engine.llm_engine"
-    assert PinnedPrompt.__module__ == "prefixserve.engine.pinned"
+    assert SystemPromptKV.__module__ == "prefixserve.engine.system_prompts"
     assert PLACEHOLDER_TOKEN < 0 and ModelRunner.__module__ == "prefixserve.engine.model_runner"

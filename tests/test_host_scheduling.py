@@ -17,7 +17,7 @@ import pytest
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence
 

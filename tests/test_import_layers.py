@@ -107,6 +107,41 @@ def test_no_import_cycles(package: str) -> None:
     assert find_cycles(graph) == [], "import cycles (move the shared code into a module both import)"
 
 
+# The packages of prefixserve from the bottom up (DESIGN.md "The house"): a module imports only from
+# its own layer or those below it. The model and the KV cache know nothing of requests, the
+# scheduler nothing of the engine; only entrypoints (and the Ray batch driver beside them, which
+# runs the batch runner's rows in Ray actors) see the engine. "" is the package's own __init__.
+LAYERS = (
+    ("config", "triton_support", "detokenizer", "outputs"),
+    ("attention", "sampling"),
+    ("model", "sequence"),
+    ("kv",),
+    ("promptcache", "scheduler"),
+    ("engine",),
+    ("distributed", "entrypoints"),
+    ("", "__main__"),
+)
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_packages_import_only_their_layer_or_those_below() -> None:
+    rank = {package: i for i, layer in enumerate(LAYERS) for package in layer}
+    graph = import_graph(ROOT / "prefixserve")
+    packages = {_package_of(m) for m in graph}
+    assert packages <= set(rank), f"add these packages to LAYERS: {sorted(packages - set(rank))}"
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if rank[_package_of(target)] > rank[_package_of(module)]
+    )
+    assert upward == [], "imports up the layers (move the shared code down): " + "; ".join(upward)
+
+
 def test_the_cycle_finder_sees_function_level_and_relative_imports(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     pkg.mkdir()

@@ -21,7 +21,7 @@ SCHEMA = """<schema name="travel">You plan trips. Facts follow.
 <module name="rome">Rome is the capital of Italy; it is known for the Colosseum and pasta.</module>
 <union><module name="short">The trip is short.</module><module name="long">The trip is a long one
 that lasts weeks and covers many places.</module></union>
-<module name="plan">Plan a trip of <param name="days" len="4"/> days.</module>
+<module name="plan">Plan a trip of <param name="days" len="8"/> days.</module>
 </schema>"""
 
 PROMPTS = [

@@ -97,7 +97,7 @@ def test_pinned_system_prompts_survive_memory_pressure(tiny_config_path) -> None
         system_prompts=apps,
     )
     engine = llm.engine
-    pinned = {name: list(p.blocks) for name, p in engine.pinned.items()}
+    pinned = {name: list(p.blocks) for name, p in engine.system_prompt_kv.items()}
     assert all(len(b) >= 4 for b in pinned.values())
     assert llm.metrics()["kv_blocks_pinned"] == sum(len(b) for b in pinned.values())
     # Flood the tiny pool: evictions and preemptions happen, the pinned blocks stay indexed and held.
@@ -112,11 +112,12 @@ def test_pinned_system_prompts_survive_memory_pressure(tiny_config_path) -> None
         out = llm.chat(
             [{"role": "user", "content": "Hello?"}], SamplingParams(max_tokens=2), application=name
         )[0]
-        expected = engine.pinned[name].token_ids
+        expected = engine.system_prompt_kv[name].token_ids
         assert out.prompt_token_ids[: len(expected)] == expected
         assert out.num_cached_tokens == len(pinned[name]) * engine.config.block_size
     raw = llm.generate("Plain question", SamplingParams(max_tokens=2), application="chef")[0]
-    assert raw.prompt_token_ids[: len(engine.pinned["chef"].token_ids)] == engine.pinned["chef"].token_ids
+    chef = engine.system_prompt_kv["chef"].token_ids
+    assert raw.prompt_token_ids[: len(chef)] == chef
     with pytest.raises(ValueError, match="unknown application 'nope'"):
         llm.generate("x", application="nope")
     assert engine.pool.num_used == sum(len(b) for b in pinned.values())
@@ -151,7 +152,7 @@ def test_application_requests_reuse_the_pinned_digests(tiny_config_path) -> None
         system_prompts={"a": "Answer briefly. " * 10},
     )
     engine = llm.engine
-    pinned = engine.pinned["a"]
+    pinned = engine.system_prompt_kv["a"]
     req = engine.add_request(
         "r", params=SamplingParams(max_tokens=1), prompt_token_ids=[5, 6, 7], application="a"
     )

@@ -8,12 +8,11 @@ stats             counters, step timers, gauges and metrics()
 model_runner      ModelRunner: KV cache, attention backend, CUDA graphs, forward, sampling on the device
 cuda_graph        decode steps captured and replayed as CUDA graphs (the runner's)
 output_processor  texts and RequestOutput (stop checks are the scheduler's: scheduler/stop.py)
-pinned            pinned system prompts (RelayAttention)
-module_callbacks  the Prompt Cache's device calls (encode a piece, measure deviation)
+system_prompts    applications' system prompts, their KV held (RelayAttention)
 gc_tuning         Python GC thresholds for an engine process
 """
 
 from prefixserve.engine.llm_engine import PLACEHOLDER_TOKEN, Engine
-from prefixserve.engine.pinned import PinnedPrompt
+from prefixserve.engine.system_prompts import SystemPromptKV
 
-__all__ = ["PLACEHOLDER_TOKEN", "Engine", "PinnedPrompt"]
+__all__ = ["PLACEHOLDER_TOKEN", "Engine", "SystemPromptKV"]

@@ -16,7 +16,7 @@ import torch
 
 from prefixserve.engine.model_runner import Launch
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from prefixserve.scheduler.stop import ends_by_length
 from prefixserve.sequence import Request, Sequence

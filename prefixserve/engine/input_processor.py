@@ -12,12 +12,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from prefixserve.engine.model_runner import ModelRunner
-from prefixserve.engine.pinned import PinnedPrompt
-from prefixserve.engine.prompt_modules import ModulePrompt, PromptModules
+from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.promptcache.recompute import parse_recompute
+from prefixserve.promptcache.store import ModulePrompt, PromptModules
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sequence import Request, Sequence, TokenArray, counting_positions, token_array
+from prefixserve.sequence import HeldModules, Request, Sequence, TokenArray, counting_positions, token_array
 
 
 def int_list(values: Any, name: str) -> list[Any]:
@@ -49,12 +49,13 @@ class InputProcessor:
         self,
         runner: ModelRunner,
         modules: PromptModules,
-        pinned: dict[str, PinnedPrompt],
+        system_prompt_kv: dict[str, SystemPromptKV],
         requests: dict[str, Request],
         vocab_size: int,
         block_size: int,
     ) -> None:
-        self.runner, self.modules, self.pinned, self.requests = runner, modules, pinned, requests
+        self.runner, self.modules, self.requests = runner, modules, requests
+        self.system_prompt_kv = system_prompt_kv
         self.vocab_size, self.block_size = vocab_size, block_size
         self._next_seq_id = 0
 
@@ -99,21 +100,22 @@ class InputProcessor:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
             prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=False)
         tokens = int_list(prompt_token_ids, "prompt_token_ids")
-        pinned = None
+        system = None
         if application is not None:
-            pinned = self.pinned.get(application)
-            if pinned is None:
-                raise ValueError(f"unknown application {application!r}; pinned: {sorted(self.pinned)}")
-            if tokens[: len(pinned.token_ids)] != pinned.token_ids:
+            system = self.system_prompt_kv.get(application)
+            if system is None:
+                known = sorted(self.system_prompt_kv)
+                raise ValueError(f"unknown application {application!r}; known: {known}")
+            if tokens[: len(system.token_ids)] != system.token_ids:
                 if prompt_positions is not None:
                     raise ValueError("prompt_positions cannot be combined with an application prefix")
-                tokens = pinned.token_ids + tokens
+                tokens = system.token_ids + tokens
         req = self._request(
             request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, None, max_model_len
         )
-        if pinned is not None and prompt_positions is None and cache_salt is None:
+        if system is not None and prompt_positions is None and cache_salt is None:
             # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
-            req.sequences[0].block_digests = list(pinned.digests)
+            req.sequences[0].block_digests = list(system.digests)
         return req
 
     def _request(
@@ -163,11 +165,10 @@ class InputProcessor:
         ids = token_array(tokens)
         req = Request(request_id, prompt, ids, positions, params, cache_salt, stream=stream)
         if modules is not None:
-            req.module_blocks, req.module_digests = modules.blocks, modules.digests
-            req.num_hole_tokens, req.num_module_tokens = modules.holes, modules.module_tokens
-            req.num_recomputed_tokens = modules.recomputed_tokens
-            req.num_private_module_rows = modules.private_rows
-            req.recompute_runs = modules.recompute_runs
+            req.modules = HeldModules(
+                modules.blocks, modules.digests, modules.holes, modules.module_tokens,
+                modules.recomputed_tokens, modules.private_rows, modules.recompute_runs,
+            )  # fmt: skip
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
         self.new_sequence(req, 0, token_array(ids), token_array(positions))
         return req
@@ -175,7 +176,7 @@ class InputProcessor:
     def new_sequence(self, req: Request, index: int, tokens: TokenArray, positions: TokenArray) -> Sequence:
         """Sample ``index`` of ``req`` (the first at intake, the others when n > 1 samples fork)."""
         seq = Sequence(self._next_seq_id, req, index, tokens, positions)
-        seq.block_digests = list(req.module_digests)
+        seq.block_digests = list(req.modules.digests) if req.modules is not None else []
         self._next_seq_id += 1
         if req.params.seed is not None:
             seed = hash((req.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF

@@ -5,7 +5,8 @@ Callers (the LLM API, the CLI, the server) drive an Engine through ``add_request
 module owns the requests and the order of a step, as vLLM v1's ``EngineCore`` does; features sit at
 the edges: intake (``input_processor``), step inputs (``step_inputs``), launch-ahead placeholders
 (``in_flight``), token placing and stops (``Scheduler.update_from_output``), metrics (``stats``),
-pinned system prompts (``pinned``), the Prompt Cache's device calls (``module_callbacks``).
+applications' system prompts (``system_prompts``); the Prompt Cache's store and device calls live in
+``promptcache/``.
 """
 
 from __future__ import annotations
@@ -24,21 +25,21 @@ from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
 from prefixserve.engine.model_runner import ModelRunner, PrevTokenFeed, StepBatch, context_length
-from prefixserve.engine.module_callbacks import prompt_modules
 from prefixserve.engine.output_processor import request_output
-from prefixserve.engine.pinned import PinnedPrompt, pin_system_prompt, render_system_prompt
 from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
+from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.device_calls import prompt_modules
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
-from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence, token_array
@@ -104,13 +105,15 @@ class Engine:
         if config.spill_prefix_cache and config.enable_prefix_caching:
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
             self.blocks.restore = self.spill.restore
-        self.pinned: dict[str, PinnedPrompt] = {}
+        self.system_prompt_kv: dict[str, SystemPromptKV] = {}
         vocab, requests = self.model_config.vocab_size, self.requests
-        self.input_processor = InputProcessor(self.runner, self.modules, self.pinned, requests, vocab, bs)
+        self.input_processor = InputProcessor(
+            self.runner, self.modules, self.system_prompt_kv, requests, vocab, bs
+        )
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)
         # A sequence must always fit in the blocks nobody pins, or it could preempt itself forever.
-        unpinned = self.pool.num_blocks - sum(len(p.blocks) for p in self.pinned.values())
+        unpinned = self.pool.num_blocks - sum(len(p.blocks) for p in self.system_prompt_kv.values())
         self.max_model_len = min(self.max_model_len, unpinned * bs)
         if self.max_model_len < 2:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
@@ -153,11 +156,11 @@ class Engine:
         """Token ids of a system prompt as the chat template renders it at the start of a chat."""
         return render_system_prompt(self.tokenizer, text)
 
-    def pin_system_prompt(self, name: str, text: str) -> PinnedPrompt:
-        """Compute an application's system prompt KV once and hold its full blocks for good (``pinned``)."""
-        pinned = pin_system_prompt(self, name, text)
+    def pin_system_prompt(self, name: str, text: str) -> SystemPromptKV:
+        """Compute an application's system prompt KV once and hold its full blocks for good."""
+        held = pin_system_prompt(self, name, text)
         self._finished_outputs = []
-        return pinned
+        return held
 
     # ---- Prompt Cache schemas -------------------------------------------------------------------
     def register_schema(
@@ -213,15 +216,16 @@ class Engine:
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
             application, module_recompute, self.tokenizer, self.max_model_len,
         )  # fmt: skip
-        if req.recompute_runs:
+        if req.modules is not None and req.modules.recompute_runs:
             self._to_recover.add(req)
         self.requests[request_id] = req
         if queue:
             self.scheduler.add(req.sequences[0])
         self.counters["requests_total"] += 1
-        self.counters["prompt_tokens_total"] += req.num_prompt_tokens - req.num_hole_tokens
-        if req.num_module_tokens:
-            self.counters["module_tokens_reused_total"] += req.num_module_tokens - req.num_recomputed_tokens
+        held = req.modules
+        self.counters["prompt_tokens_total"] += req.num_prompt_tokens - (held.holes if held else 0)
+        if held is not None:
+            self.counters["module_tokens_reused_total"] += held.tokens - held.recomputed_tokens
         return req
 
     def is_pml_prompt(self, prompt: str) -> bool:
@@ -472,9 +476,9 @@ class Engine:
             return False
         del self.requests[req.request_id]
         self._to_recover.discard(req)
-        if req.module_blocks:  # the request's own hold on its module blocks
-            self.modules.release(req.module_blocks)
-            req.module_blocks = []
+        if req.modules is not None and req.modules.blocks:  # the request's own hold on its modules
+            self.modules.release(req.modules.blocks)
+            req.modules.blocks = []
         req.finish_time = time.monotonic()
         self.counters["requests_finished_total"] += 1
         return True

@@ -27,6 +27,7 @@ def output_text(seq: Sequence, tokenizer: Any) -> str:
 def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutput:
     """What the caller sees of a request now: every sample's text, ids, reasons and logprobs, and times."""
     completions = []
+    held = req.modules
     for seq in req.sequences:
         text = seq.output_text if isinstance(seq.stop_reason, str) else output_text(seq, tokenizer)
         want_lp = req.params.logprobs is not None
@@ -53,9 +54,9 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         outputs=completions,
         finished=finished,
         num_cached_tokens=req.num_cached_tokens,
-        num_recomputed_tokens=req.num_recomputed_tokens,
-        module_rows_shared=req.num_module_tokens - req.num_private_module_rows,
-        module_rows_private=req.num_private_module_rows,
+        num_recomputed_tokens=held.recomputed_tokens if held else 0,
+        module_rows_shared=held.tokens - held.private_rows if held else 0,
+        module_rows_private=held.private_rows if held else 0,
         metrics=times,
     )
 

@@ -109,7 +109,7 @@ class EngineStats:
             prefix_cache_evicted_blocks_total=pool.evictions,
             kv_scattered_allocations_total=pool.scattered_allocations,
             kv_blocks_used_peak=self.kv_peak,
-            kv_blocks_pinned=sum(len(p.blocks) for p in engine.pinned.values()),
+            kv_blocks_pinned=sum(len(p.blocks) for p in engine.system_prompt_kv.values()),
             shared_segments_per_step=self.last_step_segments,
         )
         return out

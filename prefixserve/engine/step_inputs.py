@@ -14,7 +14,7 @@ import numpy as np
 
 from prefixserve.engine.in_flight import LaunchedStep, PendingToken
 from prefixserve.engine.model_runner import ModelRunner, StepBatch
-from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from prefixserve.sequence import Request, Sequence
 
@@ -34,7 +34,12 @@ def recompute_runs(sched: SchedulerOutput, to_recover: set[Request]) -> list[Rec
     """
     if not to_recover:  # nearly every step: no pass over the batch
         return []
-    return [(s.seq, a, b) for s in sched.scheduled for a, b in s.seq.request.recompute_runs]
+    return [
+        (s.seq, a, b)
+        for s in sched.scheduled
+        if s.seq.request.modules is not None
+        for a, b in s.seq.request.modules.recompute_runs
+    ]
 
 
 def take_recompute_ids(sched: SchedulerOutput, to_recover: set[Request]) -> list[int]:
@@ -43,7 +48,7 @@ def take_recompute_ids(sched: SchedulerOutput, to_recover: set[Request]) -> list
     runs = recompute_runs(sched, to_recover)
     ids: list[int] = [t for seq, a, b in runs for t in seq.token_ids[a:b]]
     for seq, _, _ in runs:
-        seq.request.recompute_runs = []
+        seq.request.modules.recompute_runs = []  # type: ignore[union-attr]
         to_recover.discard(seq.request)
     return ids
 

@@ -309,9 +309,7 @@ class TensorParallelRunner(ModelRunner):
 
 def _import_path() -> str:
     """PYTHONPATH for a worker: this process's prefixserve first, so both import the same code."""
-    import prefixserve
-
-    here = str(Path(prefixserve.__file__).resolve().parent.parent)
+    here = str(Path(__file__).resolve().parents[2])  # the folder holding prefixserve/
     return os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixserve.engine.grouping import DEFAULT_DECODE, queue_groups
 from prefixserve.entrypoints.batch_file import (
     BadRow,
     BatchRow,
@@ -28,6 +27,7 @@ from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared, prep
 from prefixserve.entrypoints.openai.protocol import APIError, param_of
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.scheduler.batch_queue import DEFAULT_DECODE, queue_groups
 from prefixserve.scheduler.offline import BatchPlan, plan_batch, shard_groups
 
 
@@ -234,7 +234,7 @@ def plan_rows(
 ) -> RowPlan:
     """Check and tokenize every row (an application's pinned prompt put first, as the engine does)
     and plan prefix-sharing groups over all their prompts, without loading the model."""
-    from prefixserve.engine.pinned import render_system_prompt
+    from prefixserve.engine.system_prompts import render_system_prompt
 
     ctx = OpenAIContext(model=model_name, tokenizer=tokenizer, system_prompts=dict(system_prompts))
     states, answered = _prepare_rows(ctx, rows)

@@ -9,11 +9,11 @@ from typing import Any
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.engine.grouping import queue_groups
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.scheduler.batch_queue import queue_groups
 
 Prompt = str | dict[str, Any]  # "text" or {"prompt": ..., "prompt_token_ids": ..., "cache_salt": ...}
 Message = dict[str, str]
@@ -122,7 +122,8 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         if application is not None:
             if application not in self.engine.config.system_prompts:
-                raise ValueError(f"unknown application {application!r}; pinned: {sorted(self.engine.pinned)}")
+                known = sorted(self.engine.system_prompt_kv)
+                raise ValueError(f"unknown application {application!r}; known: {known}")
             if any(c and is_pml_prompt(str(c[0].get("content") or "")) for c in conversations):  # type: ignore[union-attr]
                 raise ValueError("a conversation opening with a <prompt> document takes no application")
             system = {"role": "system", "content": self.engine.config.system_prompts[application]}

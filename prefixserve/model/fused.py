@@ -28,7 +28,7 @@ KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, s
 
 @functools.cache
 def _have_triton() -> bool:
-    from prefixserve.attention.kernels import triton_available
+    from prefixserve.triton_support import triton_available
 
     return triton_available()
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from prefixserve.attention.kernels.launch import Launch, record, relaunch
+from prefixserve.triton_support.launch import Launch, record, relaunch
 
 BLOCK = 1024  # logits a program loads at once
 WARPS = 4
@@ -26,7 +26,7 @@ NO_INDEX = 2**31 - 1  # "none here" for a chunk's first NaN; vocabularies stay f
 
 @functools.cache
 def _kernels():
-    from prefixserve.attention.kernels import require_triton
+    from prefixserve.triton_support import require_triton
 
     triton, tl = require_triton()
 
@@ -97,7 +97,7 @@ def splits_for(rows: int, vocab: int, programs: int, block: int = BLOCK) -> int:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     """``logits.argmax(-1)``; through ``kernel_argmax`` for 16- and 32-bit float logits on the current
     CUDA device (with Triton), else torch (fp64 would lose exactness in the kernels' fp32)."""
-    from prefixserve.attention.kernels import triton_available
+    from prefixserve.triton_support import triton_available
 
     if (
         logits.is_cuda

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.scheduler.blocks import BlockManager
+from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob, GroupState
 from prefixserve.scheduler.stop import stop_possible, stop_reason
 from prefixserve.sequence import SeqStatus, Sequence

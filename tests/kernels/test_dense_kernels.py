@@ -172,8 +172,8 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int) -> None:
 
 def test_bound_kernel_signatures_and_no_held_tensors() -> None:
     """A bound launch is keyed by all the compiled kernel was specialised on, and keeps no tensor."""
-    from prefixserve.attention.kernels.launch import Launch
     from prefixserve.model.kernels.bound import BoundKernel, _signature
+    from prefixserve.triton_support.launch import Launch
 
     x = torch.zeros(8, 16)
     base = _signature((4,), (x, 16, 1e-5), {"BLOCK": 16})

@@ -1,18 +1,19 @@
 """Triton kernels for attention over the paged KV cache (GPU; CPU under ``TRITON_INTERPRET=1``).
 
 Triton is optional: ``import prefixserve`` never needs it. The kernel modules import it through
-``require_triton`` so that a missing install fails on first use with a message that says what to do.
-The public functions are loaded lazily from their modules (PEP 562) for the same reason.
+``prefixserve.triton_support.require_triton`` so that a missing install fails on first use with a
+message that says what to do. The public functions are loaded lazily from their modules (PEP 562) for
+the same reason.
 
 One kernel (with its launcher and its torch reference) per module, host planning apart from device
 code. Imports go one way, down this order (a module imports only modules before it; function-level
 imports included; tests/kernels/test_kernel_imports.py checks it):
 
-    launch < _ptxas < merge < tiles < attend < packed_decode < paged_attention < shared_plan
+    _ptxas < merge < tiles < attend < packed_decode < paged_attention < shared_plan
     < gluon_attend < shared_gluon < shared_attention < mixed_rule < mixed_own < mixed_gluon
     < step_plan < step_launch < graph_attention < triton_backend
 
-  * launch: recorded launches replayed per layer;  _ptxas: the ptxas that builds the mixed kernel;
+  * _ptxas: the ptxas that builds the mixed kernel (recorded launches: ``prefixserve.triton_support``);
   * merge: the LSE merge kernel;  tiles: host checks, shared-memory tile fitting, fitted launches;
   * attend: Triton device blocks (softmax step, products, paged KV walk);
   * packed_decode, paged_attention: the paged kernels (several decode sequences a program; any step);
@@ -30,7 +31,6 @@ commit that had each; "docs/kernels.md §N" in comments names its section.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 _EXPORTS = {
@@ -44,54 +44,7 @@ _EXPORTS = {
     "TritonPagedBackend": "triton_backend",
 }
 
-__all__ = [*sorted(_EXPORTS), "require_triton", "triton_available"]
-
-
-def triton_available() -> bool:
-    """True when Triton can be imported (a GPU is still needed unless TRITON_INTERPRET=1)."""
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return False
-    return True
-
-
-def require_triton() -> tuple[Any, Any]:
-    """Return ``(triton, triton.language)`` or raise ImportError naming the fix."""
-    try:
-        triton = importlib.import_module("triton")
-        tl = importlib.import_module("triton.language")
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "prefixserve's Triton kernels need the 'triton' package: pip install 'prefixserve[triton]' "
-            "(or use the 'reference' / 'cascade' attention backends, which need only torch)"
-        ) from exc
-    _interpreter_compat()
-    return triton, tl
-
-
-def _interpreter_compat() -> None:
-    """Let Triton 3.x's CPU interpreter run loops with tensor bounds under NumPy >= 2.4.
-
-    The interpreter turns a scalar tensor (a 1-element array) into a Python int with ``int(array)``,
-    which NumPy 2.4 refuses for arrays with ndim > 0; we patch that one conversion, nothing else.
-    """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        interp = importlib.import_module("triton.runtime.interpreter")
-    except ImportError:  # pragma: no cover
-        return
-    original = getattr(interp, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_prefixserve_compat", False):
-        return
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._prefixserve_compat = True  # type: ignore[attr-defined]
-    interp._patch_lang_tensor = patched
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,7 @@ produces NaN). The paged kernel (``paged_attention.py``), the packed decode kern
 
 from __future__ import annotations
 
-from prefixserve.attention.kernels import require_triton
+from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
 

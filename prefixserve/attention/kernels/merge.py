@@ -18,8 +18,8 @@ import math
 import numpy as np
 import torch
 
-from prefixserve.attention.kernels import require_triton
-from prefixserve.attention.kernels.launch import Launch, record
+from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.launch import Launch, record
 
 triton, tl = require_triton()
 

@@ -28,8 +28,8 @@ import torch
 
 from prefixserve.attention.kernels import _ptxas
 from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
-from prefixserve.attention.kernels.launch import Launch, record
 from prefixserve.attention.kernels.mixed_rule import HEAVY_SHARED_N, OWN_M, SHARED_N, own_tiling
+from prefixserve.triton_support.launch import Launch, record
 
 if GLUON:
     from triton.experimental import gluon

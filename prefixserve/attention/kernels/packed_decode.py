@@ -13,9 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from prefixserve.attention.kernels import require_triton
 from prefixserve.attention.kernels.attend import accumulate_pv, finish_rows, qk_scores, softmax_step
-from prefixserve.attention.kernels.launch import Launch
 from prefixserve.attention.kernels.tiles import (
     dot_precision,
     fit_tiles,
@@ -23,6 +21,8 @@ from prefixserve.attention.kernels.tiles import (
     launch_fitting,
     smem_limit,
 )
+from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.launch import Launch
 
 triton, tl = require_triton()
 

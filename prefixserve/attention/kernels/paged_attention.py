@@ -17,9 +17,7 @@ import math
 
 import torch
 
-from prefixserve.attention.kernels import require_triton
 from prefixserve.attention.kernels.attend import attend_range, finish_rows
-from prefixserve.attention.kernels.launch import Launch
 from prefixserve.attention.kernels.merge import merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
 from prefixserve.attention.kernels.tiles import (
@@ -32,6 +30,8 @@ from prefixserve.attention.kernels.tiles import (
     num_sms,
     smem_limit,
 )
+from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.launch import Launch
 
 triton, tl = require_triton()
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.kernels import require_triton, shared_gluon
+from prefixserve.attention.kernels import shared_gluon
 from prefixserve.attention.kernels.attend import (
     accumulate_pv,
     attend_range,
@@ -33,7 +33,6 @@ from prefixserve.attention.kernels.attend import (
     qk_scores,
     softmax_step,
 )
-from prefixserve.attention.kernels.launch import Launch
 from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
 from prefixserve.attention.kernels.shared_plan import SharedWork, plan_shared_work
 from prefixserve.attention.kernels.tiles import (
@@ -43,6 +42,8 @@ from prefixserve.attention.kernels.tiles import (
     interpreter_upcast,
     launch_fitting,
 )
+from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.launch import Launch
 
 triton, tl = require_triton()
 

@@ -23,7 +23,7 @@ import torch
 
 from prefixserve import config
 from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
-from prefixserve.attention.kernels.launch import Launch, record
+from prefixserve.triton_support.launch import Launch, record
 
 if GLUON:
     from triton.experimental import gluon

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prefixserve.attention.kernels.launch import relaunch
+from prefixserve.triton_support.launch import relaunch
 
 if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
     from prefixserve.attention.kernels.mixed_rule import MixedTiles

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.attention.kernels.launch import Launch, record
+from prefixserve.triton_support.launch import Launch, record
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

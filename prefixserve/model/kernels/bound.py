@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.attention.kernels.launch import Launch, record, relaunch
+from prefixserve.triton_support.launch import Launch, record, relaunch
 
 MAX_SIGNATURES = 64  # per kernel: prefill lengths vary, so the cache is an LRU
 

@@ -21,9 +21,9 @@ import functools
 
 import torch
 
-from prefixserve.attention.kernels import require_triton
 from prefixserve.model.kernels import skinny_matmul
 from prefixserve.model.kernels.silu_mul import silu_mul
+from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
 

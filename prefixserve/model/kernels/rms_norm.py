@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.attention.kernels import require_triton
 from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prefixserve.attention.kernels import require_triton
 from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
 

@@ -1,22 +1,19 @@
-"""Pinned system prompts (RelayAttention): an application's system prompt, computed once, never evicted.
+"""Applications' system prompts (RelayAttention): each one's KV computed once and never evicted.
 
 ``pin_system_prompt`` runs the prompt through the engine and holds its full blocks; this module also
-holds what a pin is and how a system prompt's text becomes tokens.
+holds what such a held prompt is (``SystemPromptKV``) and how a system prompt's text becomes tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefixserve.sampling.params import SamplingParams
 
-if TYPE_CHECKING:
-    from prefixserve.engine.llm_engine import Engine
-
 
 @dataclass(slots=True)
-class PinnedPrompt:
+class SystemPromptKV:
     """An application's system prompt whose KV is computed once and never evicted."""
 
     name: str
@@ -36,15 +33,16 @@ def render_system_prompt(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def pin_system_prompt(engine: Engine, name: str, text: str) -> PinnedPrompt:
-    """Compute an application's system prompt KV once and hold its full blocks for good.
+def pin_system_prompt(engine: Any, name: str, text: str) -> SystemPromptKV:
+    """Compute an application's system prompt KV once and hold its full blocks for good (``engine``:
+    the Engine, which imports this module).
 
     Pinned blocks carry a reference of their own, so they are never evicted; any request whose
     prompt starts with these tokens (named by ``application=`` or not) finds them in the prefix index.
     """
     if not engine.config.enable_prefix_caching:
         raise ValueError("pinned system prompts need the prefix cache (enable_prefix_caching=True)")
-    if not name or name in engine.pinned:
+    if not name or name in engine.system_prompt_kv:
         raise ValueError(f"application name {name!r} is empty or already pinned")
     if engine.requests:
         raise RuntimeError("pin system prompts at start-up, before any request is queued")
@@ -64,9 +62,9 @@ def pin_system_prompt(engine: Engine, name: str, text: str) -> PinnedPrompt:
         raise RuntimeError(f"pinning {name!r}: {len(digests) - len(blocks)} blocks were evicted at once")
     engine.pool.acquire(blocks)
     engine.stats.restore(saved, engine.runner)
-    pinned = PinnedPrompt(name, tokens, blocks, list(digests))
-    engine.pinned[name] = pinned
-    return pinned
+    held = SystemPromptKV(name, tokens, blocks, list(digests))
+    engine.system_prompt_kv[name] = held
+    return held
 
 
-__all__ = ["PinnedPrompt", "pin_system_prompt", "render_system_prompt"]
+__all__ = ["SystemPromptKV", "pin_system_prompt", "render_system_prompt"]

@@ -2,7 +2,8 @@
 
 ``PromptModules`` is handed these calls at start-up (``prompt_modules``): encoding a module piece
 alone into fresh blocks, and measuring how far cached module rows are from their in-context K/V
-(accuracy recovery).
+(accuracy recovery). The runner is the engine's ``ModelRunner``, taken by what it does (``plan``,
+``forward``, ``kv_deviation``, ``kv``) so that this package does not import the engine above it.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from typing import Any
 import numpy as np
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.model_runner import ModelRunner
-from prefixserve.engine.prompt_modules import PromptModules
 from prefixserve.kv.block_pool import BlockPool
+from prefixserve.promptcache.store import PromptModules
 
 
 def prompt_modules(
-    runner: ModelRunner, config: EngineConfig, pool: BlockPool, tokenizer: Any, source: Any
+    runner: Any, config: EngineConfig, pool: BlockPool, tokenizer: Any, source: Any
 ) -> PromptModules:
     """The engine's Prompt Cache, wired to ``runner`` through a ``ModuleDeviceCalls``."""
     model_id = str(getattr(source, "path", None) or source.name)
@@ -47,7 +47,7 @@ class ModuleDeviceCalls:
     ``modules`` (the ``PromptModules`` these calls serve) is set once it exists: it is built with them.
     """
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
+    def __init__(self, runner: Any, config: EngineConfig) -> None:
         self.runner, self.config = runner, config
         self.modules: Any = None
 

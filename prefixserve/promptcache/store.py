@@ -75,7 +75,7 @@ class ModuleEntry:
     positions: list[int]
     names: set[tuple[str, str]] = field(default_factory=set)  # (schema, piece) naming it
     blocks: list[int] | None = None  # GPU tier: blocks the store holds one reference on
-    pinned: bool = False  # never leaves the GPU tier
+    keep_on_gpu: bool = False  # registered with pin=True: never leaves the GPU tier
 
     @property
     def rows(self) -> int:
@@ -192,7 +192,7 @@ class PromptModules:
         for entry in list(self.entries.values()):
             entry.names = {n for n in entry.names if n[0] != name}
             if not entry.names:
-                entry.pinned = False
+                entry.keep_on_gpu = False
                 self._drop_gpu(entry)
 
     def encode_schema(self, name: str, cache_salt: str | None = None, pin: bool = False) -> int:
@@ -201,7 +201,7 @@ class PromptModules:
         total = 0
         for piece in reg.pieces.values():
             entry = self._resident(reg, piece, cache_salt)
-            entry.pinned = entry.pinned or pin
+            entry.keep_on_gpu = entry.keep_on_gpu or pin
             total += entry.rows
         return total
 
@@ -418,9 +418,10 @@ class PromptModules:
         return self.pool.allocate(count)
 
     def _movable(self, entry: ModuleEntry) -> bool:
-        """On the GPU, not pinned, and held by nobody but the store."""
+        """On the GPU, not kept there (pin=True), and held by nobody but the store."""
         blocks = entry.blocks
-        return blocks is not None and not entry.pinned and all(self.pool.ref_counts[b] == 1 for b in blocks)
+        held_elsewhere = blocks is None or any(self.pool.ref_counts[b] != 1 for b in blocks)
+        return not entry.keep_on_gpu and not held_elsewhere
 
     def move_out(self, drop_host: bool = False) -> None:
         """Move every piece no request holds off the GPU (to host memory; ``drop_host``: out of it too,

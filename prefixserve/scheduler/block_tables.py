@@ -1,4 +1,4 @@
-"""Bridges sequences and the block pool: prefix-cache matching, slot reservation, copy-on-write.
+"""Sequences' block tables over the block pool: prefix-cache matching, slot reservation, copy-on-write.
 
 Every change to a sequence's ``block_table`` goes through this class, which also keeps a numpy mirror
 of all the tables (one row per sequence holding blocks): ``block_tables_np`` gathers a step's batch
@@ -58,7 +58,8 @@ class BlockManager:
         returns the prompt tokens found (a module block's holes not counted)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         req = seq.request
-        modules = req.module_blocks
+        modules = req.modules.blocks if req.modules is not None else []
+        uncounted = req.modules.uncounted_tokens if req.modules is not None else 0
         if modules:  # Prompt Cache: the module blocks lead the table, computed, never indexed
             self.pool.acquire(modules)
             seq.block_table = list(modules)
@@ -66,7 +67,7 @@ class BlockManager:
             seq.num_indexed_blocks = len(modules)
             seq.num_computed_tokens = len(modules) * self.block_size
         if not self.enable_prefix_caching:
-            return seq.num_computed_tokens - req.num_hole_tokens - req.num_recomputed_tokens if modules else 0
+            return seq.num_computed_tokens - uncounted if modules else 0
         n = self.cacheable_blocks(seq)
         start = len(modules)
         digests = self._digests(seq, n)
@@ -81,7 +82,7 @@ class BlockManager:
         self._mirror(seq, start, hits)
         seq.num_indexed_blocks = start + len(hits)
         seq.num_computed_tokens = (start + len(hits)) * self.block_size
-        return seq.num_computed_tokens - (req.num_hole_tokens + req.num_recomputed_tokens if modules else 0)
+        return seq.num_computed_tokens - (uncounted if modules else 0)
 
     def reserve(self, seq: Sequence, upto_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make room for KV up to ``upto_tokens``; copy-on-write the block being written if shared.

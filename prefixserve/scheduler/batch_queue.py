@@ -30,9 +30,9 @@ def queue_groups(engine: Any, requests: Sequence[Request], grouping: str = "firs
     positions join the key that keeps cache salts apart. Prompt Cache requests already hold their
     modules' blocks (shared with every request using them), so each runs as a group of its own."""
     for r in requests:
-        if r.module_blocks:
+        if r.modules is not None:
             engine.add_group([r], 0)
-    requests = [r for r in requests if not r.module_blocks]
+    requests = [r for r in requests if r.modules is None]
     keys = [(r.cache_salt, _position_key(r.prompt_positions)) for r in requests]
     plan = plan_batch(
         [r.prompt_token_ids for r in requests],
