@@ -32,15 +32,12 @@ def plot(payload: dict, out: Path = RESULTS) -> None:
         rows = sorted((r for r in payload["rows"] if r["B"] == b), key=lambda r: r["P"])
         ps = [r["P"] for r in rows]
         line = ax.plot(ps, [r["auto_tok_s"] for r in rows], marker="o", label=f"B={b} sharing on")[0]
-        ax.plot(
-            ps,
-            [r["sharing_off_tok_s"] for r in rows],
-            marker="x",
-            color=line.get_color(),
-            alpha=0.6,
-            label=f"B={b} sharing off",
-        )
-        ax.plot(ps, [r["ceiling_tok_s"] for r in rows], linestyle="--", color=line.get_color(), alpha=0.6)
+        if all("sharing_off_tok_s" in r for r in rows):  # a run of some modes plots only those
+            off = [r["sharing_off_tok_s"] for r in rows]
+            ax.plot(ps, off, marker="x", color=line.get_color(), alpha=0.6, label=f"B={b} sharing off")
+        if all("ceiling_tok_s" in r for r in rows):
+            ceiling = [r["ceiling_tok_s"] for r in rows]
+            ax.plot(ps, ceiling, linestyle="--", color=line.get_color(), alpha=0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("shared prefix length P (tokens)")
