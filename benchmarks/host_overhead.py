@@ -25,9 +25,9 @@ are staggered (about B/16 sequences cross a block boundary every step, as in a r
 the block manager's numpy mirror, no per-step list slicing), which engine.py has since taken, so it is
 ``Engine`` now; see the notes in docs/benchmarks/host_overhead.md.
 
-The engine's phases are timed where it has them (``_plan``, ``_launch``, ``_complete``; ``_run_batch``
-in older versions), so the script keeps working while engine.py changes; a phase it lacks reads 0
-and its time shows up in "rest of step".
+The engine's phases are timed where it has them (``_assemble_batch``, ``_launch``, ``_complete``;
+``_plan`` and ``_run_batch`` in older versions), so the script keeps working while engine.py
+changes; a phase it lacks reads 0 and its time shows up in "rest of step".
 
     python -m benchmarks.host_overhead                        # all B x P, both variants, writes docs
     python -m benchmarks.host_overhead --batches 256 --prefixes 4096 --no-write
@@ -209,8 +209,6 @@ def make_engine(batch: int, prefix: int, steps: int, variant: str, mode: str) ->
     engine_mod.load_tokenizer = lambda directory: None
     runner_mod.KVCache = lambda *args, **kwargs: _StubKV(rec)
     try:
-        if variant == "proposed" and not hasattr(Engine, "_plan"):
-            raise RuntimeError("ProposedEngine copies Engine._plan, which this engine.py does not have")
         cls = ProposedEngine if variant == "proposed" else Engine
         eng = cls(config, progress=False)
     finally:
@@ -237,7 +235,9 @@ def _instrument(eng: Engine, rec: _Recorder) -> Callable[[], None]:
     eng.scheduler.schedule = rec.timed(eng.scheduler.schedule, "schedule")  # type: ignore[method-assign]
     # the engine's phases: planning (host metadata + attention plan), launch (forward + sampling
     # issued, bookkeeping), completion (tokens back: stops, outputs); older engines: _run_batch
-    for method, name in (("_plan", "plan"), ("_launch", "launch"), ("_complete", "complete")):
+    phases = (("_assemble_batch", "plan"), ("_plan", "plan"), ("_launch", "launch"))
+    phases += (("_complete", "complete"),)
+    for method, name in phases:
         if hasattr(eng, method):
             setattr(eng, method, rec.timed(getattr(eng, method), name))
     if not hasattr(eng, "_launch") and hasattr(eng, "_run_batch"):

@@ -171,19 +171,8 @@ class Engine:
         replace: bool = False,
         module_recompute: str | None = None,
     ) -> str:
-        """Register a PML schema; with ``encode`` its modules are encoded now (else at first use).
-
-        Returns the schema's name. ``pin`` keeps its modules on the GPU for good; ``module_recompute``
-        is the schema's accuracy-recovery setting (``promptcache/recompute.py``).
-        """
-        schema = self.modules.register(text, replace=replace, recompute=module_recompute)
-        if encode or pin:
-            try:
-                self.modules.encode_schema(schema.name, pin=pin)
-            except BaseException:
-                self.modules.unregister(schema.name)
-                raise
-        return schema.name
+        """Register a PML schema (``PromptModules.add_schema``); returns its name."""
+        return self.modules.add_schema(text, encode, pin, replace, module_recompute)
 
     def unregister_schema(self, name: str) -> None:
         self.modules.unregister(name)
@@ -332,16 +321,15 @@ class Engine:
         if not sched.scheduled:
             return None, False
         try:
-            return self._plan(sched), False
+            return self._assemble_batch(sched), False
         except WorkerDiedError:
             raise
         except Exception:
             log.exception("assembling the step failed; failing the requests in this batch")
             return None, True
 
-    def _plan(self, sched: SchedulerOutput) -> StepBatch:
-        """The step's inputs assembled (``step_inputs``); the runner plans the device side. (Named
-        ``_plan`` for ``benchmarks/host_overhead.py``, which times the phase by this name.)"""
+    def _assemble_batch(self, sched: SchedulerOutput) -> StepBatch:
+        """The step's inputs assembled (``step_inputs``); the runner plans the device side."""
         rows = self.modules.module_rows if self.modules.active else None
         return assemble_batch(sched, self.blocks, self.runner, rows, self._to_recover)
 

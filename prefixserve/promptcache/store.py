@@ -185,6 +185,20 @@ class PromptModules:
         self.schemas[schema.name] = RegisteredSchema(schema, lay, text, schema_pieces(lay), setting)
         return schema
 
+    def add_schema(
+        self, text: str, encode: bool, pin: bool, replace: bool, recompute: Recompute | str | None
+    ) -> str:
+        """Register a schema; with ``encode`` its pieces are encoded now (else at first use), and
+        ``pin`` keeps them on the GPU for good. A schema whose encoding fails is not kept."""
+        schema = self.register(text, replace=replace, recompute=recompute)
+        if encode or pin:
+            try:
+                self.encode_schema(schema.name, pin=pin)
+            except BaseException:
+                self.unregister(schema.name)
+                raise
+        return schema.name
+
     def unregister(self, name: str) -> None:
         """Forget a schema; its pieces leave the GPU tier once no request holds them."""
         if self.schemas.pop(name, None) is None:
