@@ -51,7 +51,7 @@ class StepBatch:
     positions: list[int]
     meta: AttentionMetadata
     graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
-    plan_id: int = 0  # tensor parallelism: which of the workers' plans this is (``TensorParallelRunner``)
+    batch_id: int = 0  # tensor parallelism: which of the workers' plans this is (``TensorParallelRunner``)
 
 
 @dataclass(slots=True)
@@ -158,8 +158,8 @@ class ModelRunner:
         """A random stream on the device for one seeded sequence."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    # ---- planning ------------------------------------------------------------------------------
-    def plan(
+    # ---- a step batch --------------------------------------------------------------------------
+    def prepare_batch(
         self,
         positions: list[int],
         query_lens: list[int],
@@ -332,7 +332,7 @@ class ModelRunner:
             blocks = pool.allocate(-(-tokens // bs))
             try:
                 table = np.array([blocks], np.int32)
-                batch = self.plan(list(range(tokens)), [tokens], [tokens], table)
+                batch = self.prepare_batch(list(range(tokens)), [tokens], [tokens], table)
                 launch = self.forward([0] * tokens, batch, [])
                 self.sample(launch, [], [], [])
                 self.wait(launch)

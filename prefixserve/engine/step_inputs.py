@@ -92,7 +92,7 @@ def assemble_batch(
         pos = [p for seq, a, b in runs for p in seq.positions[a:b]] + pos
         query_lens = [b - a for _, a, b in runs] + query_lens
         seq_lens = [b for _, _, b in runs] + seq_lens
-    return runner.plan(pos, query_lens, seq_lens, tables, module_rows, eager=bool(runs))
+    return runner.prepare_batch(pos, query_lens, seq_lens, tables, module_rows, eager=bool(runs))
 
 
 def gather_token_ids(

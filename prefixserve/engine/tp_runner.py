@@ -2,7 +2,7 @@
 other rank (one GPU each; gloo ranks on a CPU).
 
 Only rank 0 schedules, plans requests and samples. Each runner call that touches the device goes to
-the workers first, as one small pickled message over a local socket (the step's plan arguments,
+the workers first, as one small pickled message over a local socket (the step batch's arguments,
 token ids and copy-on-write pairs; the rows to score; a KV-block copy), and every rank then runs the
 same call on its own shard: the collectives inside (all-reduces after o_proj, down_proj and the
 embedding; the logits' all-gather) meet because every rank makes the same calls in the same order.
@@ -148,7 +148,7 @@ class TensorParallelRunner(ModelRunner):
         # a GGUF is converted here, once, before the workers look for it; a model whose heads do
         # not split over the ranks is refused before any process starts
         check_divisible(model_config(source, progress), size)
-        self._plan_id = 0
+        self._batch_id = 0
         self.health = _Health()
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixserve-tp-")
         init_file = str(Path(self._tmp.name) / "init")
@@ -256,14 +256,14 @@ class TensorParallelRunner(ModelRunner):
             self.guard(_reraise, exc)
 
     # ---- the runner's device calls ----------------------------------------------------------------
-    def plan(self, *args: Any, **kwargs: Any) -> StepBatch:
-        """The workers get the plan's arguments first and plan while this rank does: by the time the
-        forward reaches them their plan is ready, and their launch is not late to the first
-        all-reduce by a plan's host time."""
-        self._plan_id += 1
-        self.call("plan", self._plan_id, args, kwargs)
-        batch = super().plan(*args, **kwargs)
-        batch.plan_id = self._plan_id
+    def prepare_batch(self, *args: Any, **kwargs: Any) -> StepBatch:
+        """The workers get the batch's arguments first and prepare it while this rank does: by the time
+        the forward reaches them their batch is ready, and their launch is not late to the first
+        all-reduce by its host time."""
+        self._batch_id += 1
+        self.call("prepare_batch", self._batch_id, args, kwargs)
+        batch = super().prepare_batch(*args, **kwargs)
+        batch.batch_id = self._batch_id
         return batch
 
     feeds_tokens = False  # the workers get ids as host data: every launch waits for the tokens it reads
@@ -273,7 +273,7 @@ class TensorParallelRunner(ModelRunner):
     ) -> Launch:
         if feed is not None:
             raise ValueError("tensor-parallel steps take their ids from the host (feeds_tokens is False)")
-        self.call("forward", batch.plan_id, ids, copies)
+        self.call("forward", batch.batch_id, ids, copies)
         return self.guard(self._forward_local, ids, batch, copies)
 
     def _forward_local(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
@@ -289,7 +289,7 @@ class TensorParallelRunner(ModelRunner):
         return self.guard(super().logits, launch, rows, fp32)
 
     def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
-        self.call("deviation", batch.plan_id, ids)
+        self.call("deviation", batch.batch_id, ids)
         return self.guard(super().kv_deviation, ids, batch)
 
     def wait(self, launch: Launch) -> Any:

@@ -38,27 +38,27 @@ def serve(conn: Connection, rank: int) -> None:
     runner = ModelRunner(model, config, context_length(config, model))
     conn.send(("ready",))
     launch: Launch | None = None
-    plans: dict[int, StepBatch | Exception] = {}  # by rank 0's plan id, until a call uses one
+    batches: dict[int, StepBatch | Exception] = {}  # by rank 0's batch id, until a call uses one
     while True:
         try:
             op, *args = conn.recv()
         except EOFError:  # rank 0 is gone
             return
-        if op == "plan":  # a plan that fails here failed on rank 0 too: only its use would be fatal
-            plan_id, plan_args, plan_kwargs = args
+        if op == "prepare_batch":  # one that fails here failed on rank 0 too: only its use would be fatal
+            batch_id, batch_args, batch_kwargs = args
             try:
-                plans[plan_id] = runner.plan(*plan_args, **plan_kwargs)
+                batches[batch_id] = runner.prepare_batch(*batch_args, **batch_kwargs)
             except Exception as exc:
-                plans[plan_id] = exc
+                batches[batch_id] = exc
         elif op == "forward":
-            plan_id, ids, copies = args
-            launch = runner.forward(ids, _planned(plans, plan_id), copies)
+            batch_id, ids, copies = args
+            launch = runner.forward(ids, _prepared(batches, batch_id), copies)
         elif op == "logits":
             assert launch is not None, "logits before any forward"
             runner.logits(launch, *args)
         elif op == "deviation":
-            plan_id, ids = args
-            runner.kv_deviation(ids, _planned(plans, plan_id))
+            batch_id, ids = args
+            runner.kv_deviation(ids, _prepared(batches, batch_id))
         elif op == "kv":
             _kv_call(runner, args[0], args[1:])
         elif op == "stop":
@@ -67,11 +67,11 @@ def serve(conn: Connection, rank: int) -> None:
             raise ValueError(f"unknown message {op!r}")
 
 
-def _planned(plans: dict[int, StepBatch | Exception], plan_id: int) -> StepBatch:
-    """The plan rank 0 launches, taken out with every older one (rank 0 replans a step at times)."""
-    for old in [k for k in plans if k < plan_id]:
-        del plans[old]
-    batch = plans.pop(plan_id)
+def _prepared(batches: dict[int, StepBatch | Exception], batch_id: int) -> StepBatch:
+    """The batch rank 0 launches, taken out with every older one (rank 0 prepares a step again at times)."""
+    for old in [k for k in batches if k < batch_id]:
+        del batches[old]
+    batch = batches.pop(batch_id)
     if isinstance(batch, Exception):
         raise batch
     return batch

@@ -62,7 +62,7 @@ class ModuleDeviceCalls:
         chunk = self.config.max_num_batched_tokens
         for start in range(0, len(token_ids), chunk):
             end = min(len(token_ids), start + chunk)
-            batch = self.runner.plan(positions[start:end], [end - start], [end], table, eager=True)
+            batch = self.runner.prepare_batch(positions[start:end], [end - start], [end], table, eager=True)
             self.runner.forward(token_ids[start:end], batch, [])
 
     def row_batches(
@@ -102,7 +102,7 @@ class ModuleDeviceCalls:
             pos = [p for a, b in batch for p in positions[a:b]]
             ids = [t for a, b in batch for t in token_ids[a:b]]
             q_lens, s_lens = [b - a for a, b in batch], [b for _, b in batch]
-            step = self.runner.plan(pos, q_lens, s_lens, table, self.modules.module_rows, eager=True)
+            step = self.runner.prepare_batch(pos, q_lens, s_lens, table, self.modules.module_rows, eager=True)
             per_row.append(self.runner.kv_deviation(ids, step))
         flat = np.concatenate(per_row) if per_row else np.zeros(0)
         out, start = [], 0
