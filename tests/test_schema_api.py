@@ -201,6 +201,9 @@ def test_chat_shaped_pml_over_completions_and_chat_completions(
     prompt = TRAVEL_PROMPT.replace('schema="travel"', 'schema="travel-chat"')
     done = client.completions.create(model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
     assert done.choices[0].text.strip(), done
+    pieces = client.completions.create(model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == done.choices[0].text
     messages = [{"role": "user", "content": prompt.replace("What should I eat?", "")},
                 {"role": "user", "content": "What should I eat?"}]
     chat = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
