@@ -114,7 +114,7 @@ def test_bad_prompts_are_refused_and_the_engine_goes_on(tiny_config_path) -> Non
         '<prompt schema="nope"><tokyo/> x</prompt>': "unknown schema",
         '<prompt schema="travel"><berlin/> x</prompt>': "unknown module",
         '<prompt schema="travel"><short/><long/> x</prompt>': "one union",
-        '<prompt schema="travel"><plan days="one two three four five six seven eight"/></prompt>': "over",
+        '<prompt schema="travel"><plan days="1 2 3 4 5 6 7 8 9 10"/></prompt>': "over",
         '<prompt schema="travel"><tokyo> x</prompt>': "PML",
     }
     for prompt, problem in bad.items():
