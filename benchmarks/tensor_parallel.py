@@ -27,10 +27,53 @@ from benchmarks.harness import RESULTS, run_info, write_results
 NAME = "tensor_parallel"
 
 
+def _graph_us(fn, reps: int = 20, calls: int = 64) -> float:
+    """Mean microseconds of one ``fn()`` call, ``calls`` of them captured in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps / calls * 1e3
+
+
+def _symm_variants(b: int, hidden: int, group: str, want: torch.Tensor, x: torch.Tensor) -> dict:
+    """PyTorch's symmetric-memory all-reduces over NVLink peer memory (one-shot: every rank reads
+    every peer's buffer; two-shot: reduce-scatter then all-gather), checked against NCCL's sum of
+    the same inputs, timed graphed. An error is recorded, not raised: the op set is alpha."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    out: dict = {}
+    try:
+        buf = symm_mem.empty(b, hidden, dtype=torch.bfloat16, device="cuda")
+        symm_mem.rendezvous(buf, group)
+        buf.copy_(x)
+        got = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)
+        out["one_shot_max_err"] = float((got.float() - want.float()).abs().max())
+        out["one_shot_us"] = _graph_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group))
+        buf.copy_(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)
+        out["two_shot_max_err"] = float((buf.float() - want.float()).abs().max())
+        out["two_shot_us"] = _graph_us(lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group))
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
 def _allreduce_worker(
-    rank: int, size: int, init: str, hidden: int, layers: int, batches: list[int], out
+    rank: int, size: int, init: str, hidden: int, layers: int, batches: list[int], out, symm: bool = False
 ) -> None:
-    """One rank: per B, a graph of ``2 * layers`` in-place all-reduces of [B, hidden] bf16, replayed."""
+    """One rank: per B, a graph of ``2 * layers`` in-place NCCL all-reduces of [B, hidden] bf16,
+    replayed; with ``symm`` also PyTorch's symmetric-memory one-shot and two-shot all-reduces."""
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
@@ -38,44 +81,36 @@ def _allreduce_worker(
     dist.init_process_group(
         "nccl", init_method=f"file://{init}", rank=rank, world_size=size, device_id=torch.device("cuda", rank)
     )
+    group = dist.group.WORLD.group_name
     result = {}
     for b in batches:
         x = torch.zeros(b, hidden, dtype=torch.bfloat16, device="cuda")  # zeros: sums stay finite
-        dist.all_reduce(x)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(2 * layers):
-                dist.all_reduce(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        reps = 20
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        step_ms = start.elapsed_time(end) / reps
-        one_ms = step_ms / (2 * layers)
+        one_us = _graph_us(lambda x=x: dist.all_reduce(x), calls=2 * layers)
         nbytes = b * hidden * 2
         result[b] = {
-            "step_allreduce_ms": step_ms,
-            "one_allreduce_us": one_ms * 1e3,
-            "bus_GBps": 2 * (size - 1) / size * nbytes / (one_ms * 1e-3) / 1e9,
+            "step_allreduce_ms": one_us * 2 * layers / 1e3,
+            "one_allreduce_us": one_us,
+            "bus_GBps": 2 * (size - 1) / size * nbytes / (one_us * 1e-6) / 1e9,
+            "bytes": nbytes,
         }
+        if symm:
+            gen = torch.Generator(device="cuda").manual_seed(rank + 7 * b)
+            data = torch.randn(b, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+            want = data.clone()
+            dist.all_reduce(want)
+            result[b]["symm"] = _symm_variants(b, hidden, group, want, data)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
 
 
-def allreduce(size: int, hidden: int, layers: int, batches: list[int]) -> dict[int, dict]:
+def allreduce(size: int, hidden: int, layers: int, batches: list[int], symm: bool = False) -> dict[int, dict]:
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = str(Path(tmp) / "init")
         procs = [
-            ctx.Process(target=_allreduce_worker, args=(r, size, init, hidden, layers, batches, queue))
+            ctx.Process(target=_allreduce_worker, args=(r, size, init, hidden, layers, batches, queue, symm))
             for r in range(size)
         ]
         for p in procs:
@@ -104,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--own", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--symm", action="store_true",
+                    help="allreduce part: also PyTorch's symmetric-memory one-shot and two-shot all-reduces")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     args = ap.parse_args(argv)
     tp = args.tensor_parallel_size
@@ -123,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if "allreduce" in args.parts:
         cfg = _config(args.model)
-        result = allreduce(tp, cfg["hidden_size"], cfg["num_hidden_layers"], args.batches)
+        result = allreduce(tp, cfg["hidden_size"], cfg["num_hidden_layers"], args.batches, args.symm)
         payload["allreduce"] = {str(b): v for b, v in result.items()}
         print(payload["allreduce"], flush=True)
         save()
@@ -195,6 +232,7 @@ def markdown(payload: dict) -> str:
                 for b, v in payload["allreduce"].items()
             ),
         ]
+        md += _symm_lines(payload["allreduce"])
     if payload["compare"]:
         md += [
             "",
@@ -211,6 +249,31 @@ def markdown(payload: dict) -> str:
                 f"| {r['B']} | {r['P']} | {one:.0f} | {many:.0f} | {many / max(one, 1e-9):.2f}x | {idle_s} |"
             )
     return "\n".join(md) + "\n"
+
+
+def _symm_lines(allreduce: dict) -> list[str]:
+    """NCCL beside PyTorch's symmetric-memory all-reduces, per B (``--symm``)."""
+    rows = {b: v["symm"] for b, v in allreduce.items() if "symm" in v}
+    if not rows:
+        return []
+    md = [
+        "",
+        "One all-reduce of [B, hidden] bf16, graphed (64 calls a graph), microseconds; max error against "
+        "NCCL's sum of the same random inputs:",
+        "",
+        "| B | MB | NCCL us | symm one-shot us | symm two-shot us | one-shot max err | two-shot max err |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for b, v in rows.items():
+        if "error" in v:
+            md.append(f"| {b} | | {allreduce[b]['one_allreduce_us']:.1f} | {v['error']} | | | |")
+            continue
+        mb = allreduce[b].get("bytes", 0) / 1e6
+        md.append(
+            f"| {b} | {mb:.2f} | {allreduce[b]['one_allreduce_us']:.1f} | {v['one_shot_us']:.1f} "
+            f"| {v['two_shot_us']:.1f} | {v['one_shot_max_err']:.3g} | {v['two_shot_max_err']:.3g} |"
+        )
+    return md
 
 
 if __name__ == "__main__":
