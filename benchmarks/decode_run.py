@@ -61,10 +61,12 @@ def measure(
     n: int = 1,
     eager: bool = False,
     tp: int = 1,
+    peer_allreduce: bool = False,
 ) -> dict:
     prompts, warm = prompts
     llm = LLM(
         tensor_parallel_size=tp,
+        tp_peer_allreduce=peer_allreduce and tp > 1,
         model=model,
         dtype="bfloat16" if device == "cuda" else "float32",
         device=device,

@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--own", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tp-peer-allreduce", action="store_true",
+                    help="compare part: all-reduces over peer memory (EngineConfig.tp_peer_allreduce)")
     ap.add_argument("--symm", action="store_true",
                     help="allreduce part: also PyTorch's symmetric-memory one-shot and two-shot all-reduces")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
             row = {"B": b, "P": p}
             for size in (1, tp):
-                r = measure(args.compare_model, args.device, "auto", prompts, args.gen, tp=size)
+                r = measure(args.compare_model, args.device, "auto", prompts, args.gen, tp=size,
+                            peer_allreduce=args.tp_peer_allreduce)
                 row[f"tp{size}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"tp{size}_host_overhead_frac"] = r["host_overhead_frac"]

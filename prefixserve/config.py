@@ -67,6 +67,10 @@ class EngineConfig:
     # tensor parallelism: the model split over this many GPUs (gloo processes on a CPU), one worker
     # process per rank beside this one (prefixserve/engine/tp_runner.py)
     tensor_parallel_size: int = 1
+    # tensor parallelism on GPUs: decode-sized all-reduces through PyTorch's symmetric memory (NVLink
+    # peer reads; model/peer_allreduce.py) instead of NCCL. Off until every GPU test passes with it:
+    # greedy equality held with the auto attention, the triton_paged run did not finish in time
+    tp_peer_allreduce: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -223,3 +223,19 @@ def test_a_failed_start_leaves_no_worker_or_group(tiny_config_path: Path) -> Non
     assert not dist.is_initialized()
     with LLM(tensor_parallel_size=2, **cfg) as llm:  # a later engine starts as if nothing happened
         assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)[0].outputs[0].token_ids
+
+
+def test_peer_allreduce_is_opt_in_and_cuda_only() -> None:
+    """The symmetric-memory all-reduce is off unless asked for, and never on a CPU group (gloo)."""
+    from prefixserve.config import EngineConfig
+    from prefixserve.entrypoints.args import engine_config_from_args
+    from prefixserve.entrypoints.cli import build_parser
+    from prefixserve.model.parallel import Shard
+    from prefixserve.model.peer_allreduce import peer_allreduce_for
+
+    assert EngineConfig().tp_peer_allreduce is False
+    args = build_parser().parse_args(["generate", "hi", "--tp-peer-allreduce"])
+    assert engine_config_from_args(args).tp_peer_allreduce is True
+    assert peer_allreduce_for(None, torch.device("cpu")) is None  # type: ignore[arg-type]
+    x = torch.ones(4)
+    assert Shard().all_reduce(x) is x and Shard().peer is None

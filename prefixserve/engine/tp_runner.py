@@ -43,6 +43,7 @@ from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, cont
 from prefixserve.kv.cache import KVCache, PackedKV
 from prefixserve.model.loader import ModelSource, load_model, model_config
 from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
+from prefixserve.model.peer_allreduce import peer_allreduce_for
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ def init_rank(config: EngineConfig, rank: int, size: int, init_file: str) -> Sha
         timeout=timedelta(seconds=START_TIMEOUT_S),
         **kwargs,
     )
-    return Shard(rank, size, dist.group.WORLD)
+    use_peer = backend == "nccl" and config.tp_peer_allreduce
+    peer = peer_allreduce_for(dist.group.WORLD, device) if use_peer else None
+    return Shard(rank, size, dist.group.WORLD, peer)
 
 
 @dataclass(slots=True)

@@ -51,6 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="split the model over this many GPUs (gloo processes on a CPU)",
     )
     g.add_argument(
+        "--tp-peer-allreduce",
+        action="store_true",
+        help="tensor parallelism: decode-sized all-reduces over NVLink peer memory (symmetric memory) "
+        "instead of NCCL (experimental)",
+    )
+    g.add_argument(
         "--system-prompt",
         action="append",
         default=[],
@@ -183,5 +189,6 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         module_store=args.module_store,
         spill_prefix_cache=args.spill_prefix_cache,
         tensor_parallel_size=args.tensor_parallel_size,
+        tp_peer_allreduce=args.tp_peer_allreduce,
         **modules,
     )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.peer_allreduce import PeerAllReduce
 
 
 class WorkerDiedError(RuntimeError):
@@ -32,6 +33,7 @@ class Shard:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # None with size 1
+    peer: PeerAllReduce | None = None  # decode-sized all-reduces over NVLink peer memory (CUDA)
 
     @property
     def parallel(self) -> bool:
@@ -74,7 +76,10 @@ class Shard:
 
     # ---- collectives --------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place (row-parallel outputs, vocab-parallel lookups)."""
+        """Sum ``x`` over the ranks, in place (row-parallel outputs, vocab-parallel lookups): through
+        peer memory where the message fits its buffer, else NCCL (or gloo on a CPU)."""
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer(x)
         if self.parallel:
             dist.all_reduce(x, group=self.group)
         return x
