@@ -61,18 +61,19 @@ def measure(
     n: int = 1,
     eager: bool = False,
     tp: int = 1,
-    peer_allreduce: bool = False,
+    peer_allreduce: bool = True,
+    max_batched: int = 16384,
 ) -> dict:
     prompts, warm = prompts
     llm = LLM(
         tensor_parallel_size=tp,
-        tp_peer_allreduce=peer_allreduce and tp > 1,
+        tp_peer_allreduce=peer_allreduce,
         model=model,
         dtype="bfloat16" if device == "cuda" else "float32",
         device=device,
         attention=attention,
         max_num_seqs=len(prompts) * n,
-        max_num_batched_tokens=16384,
+        max_num_batched_tokens=max_batched,
         enforce_eager=eager,
         progress=False,
     )

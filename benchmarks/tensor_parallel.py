@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--own", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tp-peer-allreduce", action="store_true",
-                    help="compare part: all-reduces over peer memory (EngineConfig.tp_peer_allreduce)")
+    ap.add_argument("--max-batched-tokens", type=int, default=16384,
+                    help="the grid's step token budget (a 70B shard leaves about 12 GiB a GPU: a smaller "
+                    "budget keeps more of it for the KV pool)")
     ap.add_argument("--symm", action="store_true",
                     help="allreduce part: also PyTorch's symmetric-memory one-shot and two-shot all-reduces")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
@@ -171,12 +172,14 @@ def main(argv: list[str] | None = None) -> None:
         for b in args.batches:
             prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
             row = {"B": b, "P": p}
-            for size in (1, tp):
+            # TP=1; TP=N with every all-reduce through NCCL; TP=N as configured by default (decode-sized
+            # all-reduces over peer memory): one run, one machine
+            for key, size, peer in (("tp1", 1, False), (f"tp{tp}_nccl", tp, False), (f"tp{tp}", tp, True)):
                 r = measure(args.compare_model, args.device, "auto", prompts, args.gen, tp=size,
-                            peer_allreduce=args.tp_peer_allreduce)
-                row[f"tp{size}_tok_s"] = r["tok_s"]
+                            peer_allreduce=peer)
+                row[f"{key}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
-                row[f"tp{size}_host_overhead_frac"] = r["host_overhead_frac"]
+                row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
             print(row, flush=True)
             payload["compare"] = [x for x in payload["compare"] if x["B"] != b] + [row]
             payload["compare"].sort(key=lambda x: x["B"])
@@ -185,9 +188,10 @@ def main(argv: list[str] | None = None) -> None:
         for b in args.batches:
             for p in args.prefixes:
                 prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
-                row = {"B": b, "P": p, "tp": tp}
+                row = {"B": b, "P": p, "tp": tp, "max_batched_tokens": args.max_batched_tokens}
                 for mode, attention in modes.items():
-                    r = measure(args.model, args.device, attention, prompts, args.gen, tp=tp)
+                    r = measure(args.model, args.device, attention, prompts, args.gen, tp=tp,
+                                max_batched=args.max_batched_tokens)
                     row[f"{mode}_tok_s"], row[f"{mode}_prefill_s"] = r["tok_s"], r["prefill_s"]
                     if mode == "auto":
                         row["host_overhead_frac"] = r["host_overhead_frac"]
@@ -241,15 +245,22 @@ def markdown(payload: dict) -> str:
             "",
             f"## {payload['compare_model']}: TP=1 vs TP={tp} (sharing on)",
             "",
-            f"| B | P | TP=1 tok/s | TP={tp} tok/s | TP={tp} / TP=1 | GPU idle between steps |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"TP={tp} NCCL: every all-reduce through NCCL (`--no-tp-peer-allreduce`); TP={tp}: the default, "
+            "decode-sized all-reduces over NVLink peer memory. GPU idle: rank 0's GPU between decode "
+            "steps, as a fraction of the decode time.",
+            "",
+            f"| B | P | TP=1 tok/s | TP={tp} NCCL tok/s | TP={tp} tok/s | NCCL / TP=1 | TP={tp} / TP=1 "
+            "| GPU idle TP=1 / NCCL / TP=" + str(tp) + " |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in payload["compare"]:
-            one, many = r.get("tp1_tok_s", 0), r.get(f"tp{tp}_tok_s", 0)
-            idle = [r.get(f"tp{n}_host_overhead_frac") for n in (1, tp)]
-            idle_s = " / ".join(f"{x:.0%}" for x in idle) if None not in idle else "-"
+            keys = ("tp1", f"tp{tp}_nccl", f"tp{tp}")
+            one, nccl, many = (r.get(f"{k}_tok_s", 0) for k in keys)
+            idle = [r.get(f"{k}_host_overhead_frac") for k in keys]
+            idle_s = " / ".join(f"{x:.1%}" for x in idle) if None not in idle else "-"
             md.append(
-                f"| {r['B']} | {r['P']} | {one:.0f} | {many:.0f} | {many / max(one, 1e-9):.2f}x | {idle_s} |"
+                f"| {r['B']} | {r['P']} | {one:.0f} | {nccl:.0f} | {many:.0f} | {nccl / max(one, 1e-9):.2f}x "
+                f"| {many / max(one, 1e-9):.2f}x | {idle_s} |"
             )
     return "\n".join(md) + "\n"
 

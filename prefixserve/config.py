@@ -68,9 +68,9 @@ class EngineConfig:
     # process per rank beside this one (prefixserve/engine/tp_runner.py)
     tensor_parallel_size: int = 1
     # tensor parallelism on GPUs: decode-sized all-reduces through PyTorch's symmetric memory (NVLink
-    # peer reads; model/peer_allreduce.py) instead of NCCL. Off until every GPU test passes with it:
-    # greedy equality held with the auto attention, the triton_paged run did not finish in time
-    tp_peer_allreduce: bool = False
+    # peer reads; model/peer_allreduce.py), NCCL above its buffer's size or where peer memory is
+    # unavailable (docs/benchmarks/tensor_parallel_allreduce/ measures the two)
+    tp_peer_allreduce: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -175,6 +175,35 @@ def test_replicated_kv_head_and_block_copies(one_kv_head: Path) -> None:
         assert packed.shape[3] == 1  # every head of the model (here one)
 
 
+def test_launch_ahead_equals_one_synchronous_process(one_kv_head: Path) -> None:
+    """``async_scheduling`` over 2 ranks: each step is launched before the host has the tokens of the
+    step ahead, and the workers take them from rank 0's broadcast. Greedy, seeded n=3 and stop-token
+    outputs equal one synchronous process's; the rows really were fed."""
+    ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10], [400, 401]]
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7)
+    kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
+    single = LLM(async_scheduling=False, **kwargs)
+    expected = {}
+    for name, params in (("greedy", GREEDY), ("seeded", seeded)):
+        expected[name] = [[list(c.token_ids) for c in o.outputs] for o in single.generate(prompts, params)]
+    stop_at = expected["greedy"][0][0][4]
+    stopped = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])
+    expected["stop"] = [[list(c.token_ids) for c in o.outputs] for o in single.generate(prompts, stopped)]
+    with LLM(tensor_parallel_size=2, async_scheduling=True, **kwargs) as tp:
+        assert tp.engine.launch_ahead
+        fed = []
+        forward = tp.engine.runner.forward
+        tp.engine.runner.forward = lambda ids, batch, copies, feed=None: (  # type: ignore[method-assign]
+            fed.append(feed is not None) or forward(ids, batch, copies, feed)
+        )
+        for name, params in (("greedy", GREEDY), ("seeded", seeded), ("stop", stopped)):
+            got = [[list(c.token_ids) for c in o.outputs] for o in tp.generate(prompts, params)]
+            assert got == expected[name], name
+        assert sum(fed) >= 10, "no step was launched ahead with device-fed tokens"
+        assert_pool_empty(tp)
+
+
 def test_killed_worker_fails_the_engine_fast(tiny_config_path: Path) -> None:
     cfg = dict(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, progress=False)
     llm = LLM(tensor_parallel_size=2, **cfg)
@@ -197,6 +226,11 @@ def test_server_on_top_and_a_dead_worker(tiny_config_path: Path) -> None:
     config = EngineConfig(
         model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, tensor_parallel_size=2
     )
+    server_survives_a_dead_worker(config)
+
+
+def server_survives_a_dead_worker(config: EngineConfig) -> None:
+    """Serve one request over the ranks, kill worker 1: the next request fails and /health goes 503."""
     with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         body = {"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 5, "temperature": 0}
         first = http.post("/v1/completions", json=body)
@@ -225,17 +259,19 @@ def test_a_failed_start_leaves_no_worker_or_group(tiny_config_path: Path) -> Non
         assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)[0].outputs[0].token_ids
 
 
-def test_peer_allreduce_is_opt_in_and_cuda_only() -> None:
-    """The symmetric-memory all-reduce is off unless asked for, and never on a CPU group (gloo)."""
+def test_peer_allreduce_is_on_by_default_and_cuda_only() -> None:
+    """The symmetric-memory all-reduce is on unless refused, and never on a CPU group (gloo)."""
     from prefixserve.config import EngineConfig
     from prefixserve.entrypoints.args import engine_config_from_args
     from prefixserve.entrypoints.cli import build_parser
     from prefixserve.model.parallel import Shard
     from prefixserve.model.peer_allreduce import peer_allreduce_for
 
-    assert EngineConfig().tp_peer_allreduce is False
-    args = build_parser().parse_args(["generate", "hi", "--tp-peer-allreduce"])
+    assert EngineConfig().tp_peer_allreduce is True
+    args = build_parser().parse_args(["generate", "hi", "--no-tp-peer-allreduce"])
+    assert engine_config_from_args(args).tp_peer_allreduce is False
+    args = build_parser().parse_args(["generate", "hi"])
     assert engine_config_from_args(args).tp_peer_allreduce is True
-    assert peer_allreduce_for(None, torch.device("cpu")) is None  # type: ignore[arg-type]
+    assert peer_allreduce_for(None, torch.device("cpu"), "x") is None  # type: ignore[arg-type]
     x = torch.ones(4)
     assert Shard().all_reduce(x) is x and Shard().peer is None

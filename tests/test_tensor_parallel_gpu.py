@@ -16,8 +16,10 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("attention", ["auto", "triton_paged"])
-def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention: str) -> None:
+@pytest.mark.parametrize("attention, peer", [("auto", True), ("triton_paged", True), ("auto", False)])
+def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention: str, peer: bool) -> None:
+    """fp32 greedy tokens over 2 GPUs equal one GPU's, with steps launched ahead (fed tokens broadcast
+    from rank 0) and decode-sized all-reduces over peer memory (``peer``) or all through NCCL."""
     shared = [(7 * i) % 40000 + 100 for i in range(200)]
     prompts = [{"prompt_token_ids": [*shared, 1000 + j, 2000 + j]} for j in range(6)]
     prompts.append({"prompt_token_ids": [5, 6, 7]})
@@ -32,7 +34,20 @@ def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention:
     single = LLM(**kwargs)
     want = [o.outputs[0].token_ids for o in single.generate(prompts, params)]
     del single
-    with LLM(tensor_parallel_size=2, **kwargs) as tp:
+    with LLM(tensor_parallel_size=2, tp_peer_allreduce=peer, **kwargs) as tp:
+        assert tp.engine.launch_ahead
+        assert (tp.engine.runner.shard.peer is not None) is peer
         got = [o.outputs[0].token_ids for o in tp.generate(prompts, params)]
         assert got == want
         assert tp.engine.graphs is not None and tp.engine.graphs.captures > 0, "decode left CUDA graphs"
+
+
+def test_a_dead_worker_fails_the_servers_requests(tiny_config_path: Path) -> None:
+    """Over 2 GPUs (NCCL, peer memory): a killed worker fails requests with an error and /health goes
+    503; nothing hangs in a collective."""
+    pytest.importorskip("fastapi")
+    from prefixserve.config import EngineConfig
+    from tests.test_tensor_parallel import server_survives_a_dead_worker
+
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", num_kv_blocks=256, tensor_parallel_size=2)
+    server_survives_a_dead_worker(config)

@@ -87,9 +87,8 @@ class Engine:
         )
         # launch-ahead: a step goes to the device before the host has the tokens of the step ahead
         # of it (they are read on the device), so the GPU never waits on that step's bookkeeping
-        self.launch_ahead = self.async_scheduling and self.runner.feeds_tokens
-        sync_or_async = self._step_async if self.async_scheduling else self._step_sync
-        self._step_mode = self._step_launch_ahead if self.launch_ahead else sync_or_async  # chosen once
+        self.launch_ahead = self.async_scheduling
+        self._step_mode = self._step_launch_ahead if self.launch_ahead else self._step_sync  # chosen once
         self.eos_ids = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -254,8 +253,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns outputs of finished requests (and of streaming ones that moved).
 
-        The mode is chosen once, at start-up: ``_step_sync``, ``_step_async`` (``async_scheduling``,
-        on under CUDA graphs) or ``_step_launch_ahead``. Each returns whether a batch went out.
+        The mode is chosen once, at start-up: ``_step_sync``, or ``_step_launch_ahead``
+        (``async_scheduling``, on under CUDA graphs). Each returns whether a batch went out.
         """
         started, waited = time.perf_counter(), self.runner.waited
         sched = self.scheduler.schedule()
@@ -277,24 +276,6 @@ class Engine:
             launched = self._launch_or_fail(sched, batch)
             if launched is not None:
                 outputs += self._complete_or_fail(launched)
-        return batch is not None
-
-    def _step_async(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
-        """Complete the step in flight, then launch this one and return while the device works (its
-        outputs come from the next call). Sequences carry a placeholder for each in-flight token
-        (``in_flight``); it is replaced before any text, stop check, digest or output reads it."""
-        prev, self._launched = self._launched, None  # taken first: a failure must not repeat
-        batch, failed = self._assemble_or_fail(sched)
-        if prev is not None:
-            outputs += self._complete_or_fail(prev)
-            if batch is not None and any(s.seq.is_finished for s in sched.scheduled):
-                # sequences that stopped on the in-flight token drop out; assemble the rest again
-                sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
-                batch, failed = self._assemble_or_fail(sched) if sched.scheduled else (None, False)
-        if failed:
-            self._fail(sched)
-        elif batch is not None:
-            self._launched = self._launch_or_fail(sched, batch)
         return batch is not None
 
     def _step_launch_ahead(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:

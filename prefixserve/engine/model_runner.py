@@ -35,6 +35,7 @@ from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
 from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
+from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
 
@@ -117,16 +118,7 @@ class ModelRunner:
             cpu_linear.pack_linear_weights(model)
             cpu_malloc.keep_freed_memory()
         self.block_size = bs = config.block_size
-        self.num_blocks = config.num_kv_blocks or self.shard.min_int(
-            blocks_for_budget(
-                model.config,
-                bs,
-                self.dtype,
-                self.device,
-                config.memory_fraction,
-                max_blocks=-(-context // bs) * config.max_num_seqs,
-            )
-        )
+        self.num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit(model, config, context)
         self.kv = KVCache(
             model.config,
             self.num_blocks,
@@ -150,9 +142,24 @@ class ModelRunner:
         self._last_done: torch.cuda.Event | None = None
         self._last_decode = False
 
-    # A launch may read an earlier launch's tokens on the device (``PrevTokenFeed``); the tensor-parallel
-    # runner sends ids to its workers as host data, so it cannot.
-    feeds_tokens = True
+    def _kv_blocks_that_fit(self, model: torch.nn.Module, config: EngineConfig, context: int) -> int:
+        """The KV pool's size from free memory, the same on every rank: what a step needs beside it
+        is kept out on a GPU (``step_reserve``); a pool smaller than one step is refused."""
+        bs, tokens = self.block_size, config.max_num_batched_tokens
+        seqs, gpu = config.max_num_seqs, self.device.type == "cuda"
+        reserve = step_reserve(model.config, self.dtype, max(tokens, seqs), seqs) if gpu else 0
+        blocks = blocks_for_budget(
+            model.config,
+            bs,
+            self.dtype,
+            self.device,
+            config.memory_fraction,
+            max_blocks=-(-context // bs) * config.max_num_seqs,
+            reserve=reserve,
+        )
+        blocks = self.shard.min_int(blocks)
+        check_kv_fits(blocks, bs, min(tokens, context), self.device)
+        return blocks
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A random stream on the device for one seeded sequence."""
@@ -265,7 +272,7 @@ class ModelRunner:
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
         if rows:
-            logits = self.logits(launch, rows, fp32=not argmax_only(params))
+            logits = self._logits(launch, rows, fp32=not argmax_only(params))
             launch.future = sample_async(logits, params, generators, self.default_generator)
         launch.hidden = None
         if launch.start is not None:
@@ -277,6 +284,10 @@ class ModelRunner:
     def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
         """Logits [len(rows), vocab] of the launch's hidden rows ``rows``: fp32, or with ``fp32=False``
         the model's dtype (``compute_logits``)."""
+        return self._logits(launch, rows, fp32)
+
+    def _logits(self, launch: Launch, rows: list[int], fp32: bool) -> torch.Tensor:
+        """``logits`` on this process's shard (the tensor-parallel runner tells its workers first)."""
         hidden = launch.hidden
         contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
         picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]

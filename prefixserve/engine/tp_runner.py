@@ -39,11 +39,13 @@ import torch
 import torch.distributed as dist
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
+from prefixserve.engine.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
 from prefixserve.kv.cache import KVCache, PackedKV
 from prefixserve.model.loader import ModelSource, load_model, model_config
 from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.model.peer_allreduce import peer_allreduce_for
+from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.sampler import argmax_only
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ def init_rank(config: EngineConfig, rank: int, size: int, init_file: str) -> Sha
         **kwargs,
     )
     use_peer = backend == "nccl" and config.tp_peer_allreduce
-    peer = peer_allreduce_for(dist.group.WORLD, device) if use_peer else None
+    name = f"prefixserve-{Path(init_file).parent.name}"  # this engine's own (its temporary folder)
+    peer = peer_allreduce_for(dist.group.WORLD, device, name) if use_peer else None
     return Shard(rank, size, dist.group.WORLD, peer)
 
 
@@ -269,23 +272,43 @@ class TensorParallelRunner(ModelRunner):
         batch.batch_id = self._batch_id
         return batch
 
-    feeds_tokens = False  # the workers get ids as host data: every launch waits for the tokens it reads
-
     def forward(
-        self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]], feed: Any = None
+        self,
+        ids: list[int],
+        batch: StepBatch,
+        copies: list[tuple[int, int]],
+        feed: PrevTokenFeed | None = None,
     ) -> Launch:
-        if feed is not None:
-            raise ValueError("tensor-parallel steps take their ids from the host (feeds_tokens is False)")
-        self.call("forward", batch.batch_id, ids, copies)
-        return self.guard(self._forward_local, ids, batch, copies)
+        """The workers get the step's host ids; rows fed from the step ahead (launch-ahead) take
+        their tokens from a broadcast of rank 0's sampled tokens, issued on the device behind that
+        step's sampling, so no rank waits for them on the host."""
+        fed = None if feed is None else (feed.dst, feed.src, len(feed.tokens))
+        self.call("forward", batch.batch_id, ids, copies, fed)
+        return self.guard(self._forward_local, ids, batch, copies, feed)
 
-    def _forward_local(self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]]) -> Launch:
+    def _forward_local(
+        self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]], feed: PrevTokenFeed | None
+    ) -> Launch:
         self._kv.copy_blocks(copies)
-        return ModelRunner.forward(self, ids, batch, [])
+        if feed is not None:
+            dist.broadcast(feed.tokens, src=0, group=self.shard.group)
+        return ModelRunner.forward(self, ids, batch, [], feed)
 
     @property
     def _kv(self) -> KVCache:
         return self.kv._kv if isinstance(self.kv, _BroadcastKV) else self.kv
+
+    def sample(
+        self,
+        launch: Launch,
+        rows: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> None:
+        """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather."""
+        if rows:
+            self.call("logits", rows, not argmax_only(params))
+        self.guard(super().sample, launch, rows, params, generators)
 
     def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
         self.call("logits", rows, fp32)

@@ -16,9 +16,10 @@ from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.model_runner import Launch, ModelRunner, StepBatch, context_length
+from prefixserve.engine.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
 from prefixserve.engine.tp_runner import init_rank
 from prefixserve.model.loader import ModelSource, load_model
 
@@ -51,8 +52,8 @@ def serve(conn: Connection, rank: int) -> None:
             except Exception as exc:
                 batches[batch_id] = exc
         elif op == "forward":
-            batch_id, ids, copies = args
-            launch = runner.forward(ids, _prepared(batches, batch_id), copies)
+            batch_id, ids, copies, fed = args
+            launch = runner.forward(ids, _prepared(batches, batch_id), copies, _fed_tokens(runner, fed))
         elif op == "logits":
             assert launch is not None, "logits before any forward"
             runner.logits(launch, *args)
@@ -75,6 +76,16 @@ def _prepared(batches: dict[int, StepBatch | Exception], batch_id: int) -> StepB
     if isinstance(batch, Exception):
         raise batch
     return batch
+
+
+def _fed_tokens(runner: ModelRunner, fed: tuple[list[int], list[int], int] | None) -> PrevTokenFeed | None:
+    """Rows of a step launched ahead: their tokens come from rank 0's broadcast of the step before."""
+    if fed is None:
+        return None
+    dst, src, count = fed
+    tokens = torch.empty(count, dtype=torch.long, device=runner.device)
+    dist.broadcast(tokens, src=0, group=runner.shard.group)
+    return PrevTokenFeed(dst, src, tokens)
 
 
 def _kv_call(runner: ModelRunner, name: str, args: tuple[Any, ...]) -> None:

@@ -52,9 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--tp-peer-allreduce",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="tensor parallelism: decode-sized all-reduces over NVLink peer memory (symmetric memory) "
-        "instead of NCCL (experimental)",
+        "instead of NCCL (on by default; --no-tp-peer-allreduce: NCCL for all)",
     )
     g.add_argument(
         "--system-prompt",

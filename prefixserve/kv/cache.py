@@ -180,9 +180,12 @@ def blocks_for_budget(
     device: torch.device,
     memory_fraction: float,
     max_blocks: int | None = None,
+    reserve: int = 0,
 ) -> int:
-    """Blocks that fit in ``memory_fraction`` of the available memory, capped at ``max_blocks``."""
-    budget = int(available_memory(device) * memory_fraction)
+    """Blocks that fit in ``memory_fraction`` of the available memory, leaving at least ``reserve``
+    bytes of it for the steps, capped at ``max_blocks``."""
+    available = available_memory(device)
+    budget = int(min(available * memory_fraction, available - reserve))
     blocks = budget // bytes_per_block(config, block_size, dtype)
     if max_blocks is not None:
         blocks = min(blocks, max_blocks)

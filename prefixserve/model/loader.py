@@ -28,6 +28,7 @@ from prefixserve.model.llama import (
     VocabParallelEmbedding,
     rope_inv_freq,
 )
+from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -140,6 +141,7 @@ def _materialize(
     """Build the module (this rank's part of it) without default init; weights are filled in afterwards."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
+    check_weights_fit(model.to(dtype), device, shard or Shard())  # before any byte is allocated
     model = model.to_empty(device=device).to(dtype)
     model.rotary.inv_freq = rope_inv_freq(config).to(device)
     if config.tie_word_embeddings:  # to_empty makes fresh tensors: tie them again

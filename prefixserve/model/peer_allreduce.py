@@ -23,11 +23,19 @@ MAX_BYTES = 16 << 20  # up to [1024, 8192] bf16: two-shot stayed ahead of NCCL t
 class PeerAllReduce:
     """One symmetric buffer per rank and the two-shot all-reduce through it (CUDA, NCCL group)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, device: torch.device, name: str, max_bytes: int = MAX_BYTES
+    ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _register_process_group
 
         self.two_shot = torch.ops.symm_mem.two_shot_all_reduce_  # raises where this torch has none
-        self.group_name = group.group_name
+        # Symmetric memory keeps each group name's store for the life of the process. A process that
+        # runs a second engine gets a default group of the same name ("0") whose store is new: the
+        # stale one would never meet the new workers. So the group is registered under a name of
+        # this engine's own, the same on every rank.
+        _register_process_group(name, group)
+        self.group_name = name
         self.size = dist.get_world_size(group)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank at start-up
@@ -51,14 +59,15 @@ class PeerAllReduce:
         return x
 
 
-def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device) -> PeerAllReduce | None:
+def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:
     """The peer all-reduce where this build and machine give one, else None (NCCL does it all).
 
-    Every rank must call this at the same point: the buffer's exchange is collective."""
+    Every rank must call this at the same point, with the same ``name`` (unique to this group in
+    the process's life): the buffer's exchange is collective."""
     if device.type != "cuda":
         return None
     try:
-        return PeerAllReduce(group, device)
+        return PeerAllReduce(group, device, name)
     except Exception as exc:  # an older torch, no peer access: NCCL alone is correct, only slower
         log.warning("peer all-reduce unavailable (%s); all-reduces go through NCCL", exc)
         return None

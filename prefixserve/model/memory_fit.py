@@ -1,0 +1,70 @@
+"""Will the model fit this device? Weights checked before they are allocated, and the memory a step
+needs beside them kept out of the KV pool, so a model too large for its GPUs is refused at start with
+the numbers, never by an out-of-memory error in the middle of loading or of the first long step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.parallel import Shard
+
+GiB = 1 << 30
+FIXED_RESERVE = 1 * GiB  # CUDA context growth, NCCL and peer buffers, graph pools, the allocator's slack
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (tied weights once); works on a meta-device model."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def step_reserve(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_seqs: int) -> int:
+    """Memory a step takes beside weights and KV: the widest activations of ``max_tokens`` tokens
+    (residual, q/k/v, gate and up columns of this rank, their products), fp32 logits of ``max_seqs``
+    rows with their softmax and the gathered copy, and a fixed part (``FIXED_RESERVE``)."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    heads = config.num_attention_heads + 2 * config.num_key_value_heads
+    per_token = 4 * config.hidden_size + heads * config.head_dim + 3 * config.intermediate_size
+    logits = 3 * max_seqs * config.vocab_size * 4
+    return max_tokens * per_token * item + logits + FIXED_RESERVE
+
+
+def check_weights_fit(model: torch.nn.Module, device: torch.device, shard: Shard) -> None:
+    """Refuse a model (``model`` built on the meta device) whose weights do not fit the device's free
+    memory with room for a step, naming the sizes and the rank count that would fit."""
+    if device.type != "cuda":
+        return
+    need = weight_bytes(model)
+    free, total = torch.cuda.mem_get_info(device)
+    room = free - FIXED_RESERVE
+    if need <= room:
+        return
+    whole = need * shard.size
+    fits = math.ceil(whole / max(room, 1))
+    raise ValueError(
+        f"the model's weights need {need / GiB:.1f} GiB on {device} at tensor_parallel_size="
+        f"{shard.size} ({whole / GiB:.1f} GiB in all), but it has {free / GiB:.1f} GiB free of "
+        f"{total / GiB:.1f} GiB, {FIXED_RESERVE / GiB:.0f} GiB of which a step needs: use "
+        f"tensor_parallel_size >= {fits} (GPUs of this size), or a smaller dtype or model"
+    )
+
+
+def check_kv_fits(num_blocks: int, block_size: int, max_tokens: int, device: torch.device) -> None:
+    """Refuse a KV pool that cannot hold one step's worth of tokens (``max_num_batched_tokens``)."""
+    if num_blocks * block_size < max_tokens:
+        raise ValueError(
+            f"after the weights, {device} has room for {num_blocks} KV blocks ({num_blocks * block_size} "
+            f"tokens), fewer than one step's max_num_batched_tokens={max_tokens}: use more GPUs "
+            f"(tensor_parallel_size), a higher kv_memory_fraction, or a smaller max_num_batched_tokens"
+        )
+
+
+__all__ = ["check_kv_fits", "check_weights_fit", "step_reserve", "weight_bytes"]
