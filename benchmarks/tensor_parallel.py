@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
             row = {"B": b, "P": p}
             # TP=1; TP=N with every all-reduce through NCCL; TP=N as configured by default (decode-sized
             # all-reduces over peer memory): one run, one machine
-            for key, size, peer in (("tp1", 1, False), (f"tp{tp}_nccl", tp, False), (f"tp{tp}", tp, True)):
+            # the peer all-reduce goes to a process's first tensor-parallel engine only: run one B a process
+            for key, size, peer in (("tp1", 1, False), (f"tp{tp}", tp, True), (f"tp{tp}_nccl", tp, False)):
                 r = measure(args.compare_model, args.device, "auto", prompts, args.gen, tp=size,
                             peer_allreduce=peer)
                 row[f"{key}_tok_s"] = r["tok_s"]

@@ -154,6 +154,7 @@ class TensorParallelRunner(ModelRunner):
         # a GGUF is converted here, once, before the workers look for it; a model whose heads do
         # not split over the ranks is refused before any process starts
         check_divisible(model_config(source, progress), size)
+        config = _peer_once_per_process(config)
         self._batch_id = 0
         self.health = _Health()
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixserve-tp-")
@@ -333,6 +334,30 @@ class TensorParallelRunner(ModelRunner):
         self._tmp.cleanup()
 
 
+_peer_used = False  # whether a tensor-parallel engine of this process set up the peer all-reduce
+
+
+def _peer_once_per_process(config: EngineConfig) -> EngineConfig:
+    """The peer all-reduce for the first tensor-parallel engine of a process only; later ones use
+    NCCL. Measured on 2 x H100 (torch 2.11): a second engine's symmetric-memory rendezvous in the
+    same process never returned, whatever the group's name."""
+    global _peer_used
+    if not (config.tp_peer_allreduce and config.torch_device.type == "cuda"):
+        return config
+    if _peer_used:
+        log.warning(
+            "an earlier tensor-parallel engine of this process had the peer all-reduce: this one uses NCCL"
+        )
+        return replace(config, tp_peer_allreduce=False)
+    _peer_used = True
+    return config
+
+
+def peer_used_in_process() -> bool:
+    """Whether an engine of this process took the peer all-reduce (later ones use NCCL)."""
+    return _peer_used
+
+
 def _import_path() -> str:
     """PYTHONPATH for a worker: this process's prefixserve first, so both import the same code."""
     here = str(Path(__file__).resolve().parents[2])  # the folder holding prefixserve/
@@ -384,4 +409,11 @@ def _release(procs: list[subprocess.Popen[bytes]], conns: list[Connection], heal
             proc.wait()
 
 
-__all__ = ["TensorParallelRunner", "WorkerDiedError", "init_rank", "leave_group", "rank_config"]
+__all__ = [
+    "TensorParallelRunner",
+    "WorkerDiedError",
+    "init_rank",
+    "leave_group",
+    "peer_used_in_process",
+    "rank_config",
+]

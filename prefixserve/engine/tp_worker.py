@@ -9,7 +9,9 @@ closes. Any error ends the process after sending its traceback: rank 0 reports i
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Client, Connection
@@ -100,6 +102,7 @@ def _kv_call(runner: ModelRunner, name: str, args: tuple[Any, ...]) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck rank is
     address, rank = sys.argv[1], int(sys.argv[2])
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     conn = Client(address, family="AF_UNIX", authkey=authkey)
