@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compare-prefix", type=int, default=1024)
     ap.add_argument("--own", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                    help="the grid's modes (one a process: only a process's first tensor-parallel engine "
+                    "gets the peer all-reduce)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-batched-tokens", type=int, default=16384,
                     help="the grid's step token budget (a 70B shard leaves about 12 GiB a GPU: a smaller "
@@ -189,11 +192,18 @@ def main(argv: list[str] | None = None) -> None:
         for b in args.batches:
             for p in args.prefixes:
                 prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
-                row = {"B": b, "P": p, "tp": tp, "max_batched_tokens": args.max_batched_tokens}
-                for mode, attention in modes.items():
-                    r = measure(args.model, args.device, attention, prompts, args.gen, tp=tp,
-                                max_batched=args.max_batched_tokens)
+                row = next((x for x in payload["grid"] if (x["B"], x["P"]) == (b, p)), {})
+                row.update({"B": b, "P": p, "tp": tp, "max_batched_tokens": args.max_batched_tokens})
+                for mode, attention in ((m, modes[m]) for m in args.modes):
+                    try:
+                        r = measure(args.model, args.device, attention, prompts, args.gen, tp=tp,
+                                    max_batched=args.max_batched_tokens)
+                    except Exception as exc:  # e.g. a point that does not fit: recorded, the rest go on
+                        row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                        print(row, flush=True)
+                        continue
                     row[f"{mode}_tok_s"], row[f"{mode}_prefill_s"] = r["tok_s"], r["prefill_s"]
+                    row[f"{mode}_memory_needed_gb"] = r.get("memory_needed_gb")
                     if mode == "auto":
                         row["host_overhead_frac"] = r["host_overhead_frac"]
                         row["graphs_captured"] = r["graphs_captured"]
