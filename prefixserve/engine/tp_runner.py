@@ -320,7 +320,20 @@ class TensorParallelRunner(ModelRunner):
         return self.guard(super().kv_deviation, ids, batch)
 
     def wait(self, launch: Launch) -> Any:
+        """Wait for the launch while watching the workers: a rank that died leaves the others' kernels
+        spinning on its peer-memory signals (no abort reaches them), so a plain event sync would
+        never return; this raises ``WorkerDiedError`` instead."""
+        for event in (launch.future.event if launch.future is not None else None, launch.done):
+            if event is not None:
+                self._wait_event(event)
         return self.guard(super().wait, launch)
+
+    def _wait_event(self, event: torch.cuda.Event) -> None:
+        polls = 0
+        while not event.query():
+            self.check()
+            polls += 1
+            time.sleep(0 if polls < 2000 else 1e-4)  # yield first: most waits end within a step
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
