@@ -17,6 +17,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[float] | None = None  # chosen tokens' logprobs, if asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (logprobs or best_of)
 
     @property
     def finished(self) -> bool:

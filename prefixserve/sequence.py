@@ -172,5 +172,5 @@ class Request:
         return (
             bool(self.sequences)
             and all(s.is_finished for s in self.sequences)
-            and (self.forked or self.params.n == 1)
+            and (self.forked or self.params.num_samples == 1)
         )

@@ -370,7 +370,7 @@ class Engine:
         launched, rows, params, generators = self.in_flight_tokens.mark_launched(
             scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples
         )
-        self.runner.sample(launch, rows, params, generators)
+        self.runner.sample(launch, rows, params, generators, launched.samplers)
         return launched
 
     def _complete_or_fail(
@@ -430,11 +430,11 @@ class Engine:
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """When sequence 0 of an n > 1 request finishes its prompt, split off the other samples."""
         req = seq.request
-        if req.params.n == 1 or req.forked:
+        if req.params.num_samples == 1 or req.forked:
             return [seq]
         req.forked = True
         out = [seq]
-        for index in range(1, req.params.n):
+        for index in range(1, req.params.num_samples):
             tokens, positions = token_array(seq.token_ids), token_array(seq.positions)
             child = self.input_processor.new_sequence(req, index, tokens, positions)
             self.blocks.fork(seq, child)

@@ -28,18 +28,20 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
     """What the caller sees of a request now: every sample's text, ids, reasons and logprobs, and times."""
     completions = []
     held = req.modules
-    for seq in req.sequences:
+    for rank, seq in enumerate(_reported(req)):
         text = seq.output_text if isinstance(seq.stop_reason, str) else output_text(seq, tokenizer)
         want_lp = req.params.logprobs is not None
+        ranked = req.params.num_samples > req.params.n
         completions.append(
             CompletionOutput(
-                index=seq.index,
+                index=rank if ranked else seq.index,
                 text=text,
                 token_ids=seq.output_token_ids,  # a fresh slice: no second copy
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 logprobs=list(seq.output_logprobs) if want_lp else None,
                 top_logprobs=list(seq.output_top_logprobs) if want_lp else None,
+                cumulative_logprob=sum(seq.output_logprobs) if want_lp or ranked else None,
             )
         )
     times = {"arrival_time": req.arrival_time}
@@ -59,6 +61,16 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         module_rows_private=held.private_rows if held else 0,
         metrics=times,
     )
+
+
+def _reported(req: Request) -> list[Sequence]:
+    """The samples reported: all of them, or with ``best_of`` > n the n of highest cumulative logprob
+    (ties: the lower index), ranked."""
+    p = req.params
+    if p.num_samples == p.n:
+        return req.sequences
+    ranked = sorted(req.sequences, key=lambda s: (-sum(s.output_logprobs), s.index))
+    return ranked[: p.n]
 
 
 __all__ = ["output_text", "request_output"]

@@ -67,19 +67,13 @@ def check_model(ctx: OpenAIContext, name: str | None) -> None:
 
 
 def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.presence_penalty not in (None, 0, 0.0):
-        raise APIError(400, "presence_penalty is not supported (only 0)", param="presence_penalty")
-    if req.frequency_penalty not in (None, 0, 0.0):
-        raise APIError(400, "frequency_penalty is not supported (only 0)", param="frequency_penalty")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of not in (None, req.n):
-            raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            raise APIError(400, "best_of > n cannot be streamed", param="best_of")
     else:
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
@@ -105,6 +99,11 @@ def sampling(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias or None,
+            best_of=req.best_of if isinstance(req, CompletionRequest) else None,
         )
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")
@@ -126,8 +125,9 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     check_unsupported(req)
     prompts = normalize_prompts(req.prompt)
     params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-    if len(prompts) * params.n > MAX_N:
-        raise APIError(400, f"n x prompts must be at most {MAX_N}, got {len(prompts) * params.n}", "n")
+    if len(prompts) * params.num_samples > MAX_N:
+        total = len(prompts) * params.num_samples
+        raise APIError(400, f"n (or best_of) x prompts must be at most {MAX_N}, got {total}", "n")
     if req.application is not None:
         application_prompt(ctx, req.application)  # a 400 naming an unknown application
     return Prepared(False, f"cmpl-{uuid.uuid4().hex}", req, prompts, params, req.logprobs is not None)
@@ -145,8 +145,11 @@ def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest) -> str:
         raise APIError(400, str(exc), param="messages", code="invalid_pml") from None
     if pml is not None:  # a Prompt Cache conversation: the engine lays it out over the schema's modules
         if req.application is not None:
-            raise APIError(400, "a conversation opening with a <prompt> document takes no application",
-                           param="application")
+            raise APIError(
+                400,
+                "a conversation opening with a <prompt> document takes no application",
+                param="application",
+            )
         return pml
     if req.application is not None:
         system = application_prompt(ctx, req.application)
