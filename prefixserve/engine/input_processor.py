@@ -89,6 +89,8 @@ class InputProcessor:
         if prompt_token_ids is None and prompt is not None and is_pml_prompt(prompt):
             if application is not None or prompt_positions is not None:
                 raise ValueError("a PML prompt takes neither application nor prompt_positions")
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not available for PML (Prompt Cache) prompts")
             mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # module blocks held from here on
             try:
                 tokens, positions = mp.token_ids, mp.positions

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixserve.engine.prompt_logprobs import prompt_logprob_lists
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sequence import Request, Sequence
 
@@ -44,6 +45,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
                 cumulative_logprob=sum(seq.output_logprobs) if want_lp or ranked else None,
             )
         )
+    prompt_lp = prompt_logprob_lists(req)
     times = {"arrival_time": req.arrival_time}
     if req.first_token_time is not None:
         times["first_token_time"] = req.first_token_time
@@ -60,6 +62,8 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         module_rows_shared=held.tokens - held.private_rows if held else 0,
         module_rows_private=held.private_rows if held else 0,
         metrics=times,
+        prompt_logprobs=prompt_lp[0] if prompt_lp else None,
+        prompt_top_logprobs=prompt_lp[1] if prompt_lp else None,
     )
 
 
