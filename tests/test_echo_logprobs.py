@@ -215,3 +215,32 @@ def test_bad_values_are_400_naming_the_field(server: ServerThread, body: dict, f
     assert r.json()["error"]["param"] == field, r.json()
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_tokenize_detokenize_and_tokenizer_info(server: ServerThread, chunked_llm: LLM) -> None:
+    """vLLM's shapes; lm-eval's remote tokenizer reads eos_token and chat_template."""
+    tok = chunked_llm.get_tokenizer()
+    text = "Question: What is the capital of Spain?"
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0 and body["token_strs"] is None
+    strs = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=60)
+    assert strs.json()["token_strs"] == tok.convert_ids_to_tokens(strs.json()["tokens"])
+    chat = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": chat}, timeout=60)
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert r.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]}, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    for path, bad, field in [
+        ("/tokenize", {"add_special_tokens": False}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        r = httpx.post(f"{server.url}{path}", json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)
