@@ -27,14 +27,8 @@ CHOICES = [" Madrid", " Lisbon", " Berlin", " Barcelona and Valencia"]
 
 
 @pytest.fixture(scope="module")
-def hf_model() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    from prefixserve.model.loader import default_gguf_path
-
-    path = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_gguf_model: torch.nn.Module) -> torch.nn.Module:
+    return hf_gguf_model
 
 
 def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
