@@ -151,6 +151,38 @@ def test_engine_tokens_are_argmax_of_reference_penalized_logits(
     assert_pool_empty(llm)
 
 
+@pytest.mark.gpu
+def test_engine_penalties_under_cuda_graphs_and_launch_ahead(tiny_config_path: Path) -> None:
+    """On a GPU: decode steps replay CUDA graphs and launch ahead (the defaults there); the penalized
+    tokens are still the argmax of the reference on the recorded raw logits."""
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cuda", dtype="float32", num_kv_blocks=512, progress=False
+    )
+    assert llm.engine.launch_ahead and llm.engine.graphs is not None
+    seen = _recording(llm)
+    prompts = [
+        {"prompt_token_ids": [(i * 7 + j) % 50 + 3 for j in range(40 + 9 * i)]} for i in range(len(CASES))
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw) for kw in CASES]
+    outs = llm.generate(prompts, params)
+    by_id = {o.request_id: (i, o) for i, o in enumerate(outs)}
+    step_of: Counter[str] = Counter()
+    checked = 0
+    for logits, ids in seen:
+        for r, rid in enumerate(ids):
+            i, out = by_id[rid]
+            k = step_of[rid]
+            step_of[rid] += 1
+            tokens = out.outputs[0].token_ids
+            if k < len(tokens):
+                want = reference(logits[r].cpu(), params[i], prompts[i]["prompt_token_ids"], tokens[:k])
+                assert int(want.argmax()) == tokens[k], (CASES[i], k)
+                checked += 1
+    assert checked == 24 * len(CASES)
+    assert outs[0].outputs[0].token_ids != [7] * 24  # the frequency penalty bites
+    assert_pool_empty(llm)
+
+
 def test_plain_requests_take_the_untouched_path(tiny_config_path: Path) -> None:
     """No penalty, no bias: the sampler's path is not entered and greedy outputs are unchanged."""
     llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
