@@ -17,6 +17,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[float] | None = None  # chosen tokens' logprobs, if asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (logprobs or best_of)
 
     @property
     def finished(self) -> bool:
@@ -46,6 +47,10 @@ class RequestOutput:
     module_rows_shared: int = 0
     module_rows_private: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token and finish times
+    # with SamplingParams.prompt_logprobs: each prompt token's logprob (the first: None) and its top-k
+    # (token id, logprob) pairs (the first: []); None when not asked for
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __init__(
         self,
@@ -59,12 +64,15 @@ class RequestOutput:
         module_rows_shared: int = 0,
         module_rows_private: int = 0,
         metrics: dict[str, float] | None = None,
+        prompt_logprobs: list[float | None] | None = None,
+        prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
     ) -> None:
         self.request_id, self.prompt, self._prompt_ids = request_id, prompt, prompt_token_ids
         self.outputs, self.finished = outputs, finished
         self.num_cached_tokens, self.num_recomputed_tokens = num_cached_tokens, num_recomputed_tokens
         self.module_rows_shared, self.module_rows_private = module_rows_shared, module_rows_private
         self.metrics = {} if metrics is None else metrics
+        self.prompt_logprobs, self.prompt_top_logprobs = prompt_logprobs, prompt_top_logprobs
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -102,6 +110,8 @@ class RequestOutput:
             self.module_rows_shared,
             self.module_rows_private,
             self.metrics,
+            self.prompt_logprobs,
+            self.prompt_top_logprobs,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as constructor arguments (an array stays compact)

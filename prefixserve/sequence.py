@@ -143,6 +143,7 @@ class Request:
     unreported: int = 0  # tokens generated since the last streamed output (EngineConfig.stream_interval)
     streamed: bool = False  # a progress output has gone out (the first one goes at once)
     modules: HeldModules | None = None  # a Prompt Cache prompt's reused module blocks
+    prompt_logprobs: Any = None  # engine/prompt_logprobs.PromptLogprobState when asked for
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,5 +173,5 @@ class Request:
         return (
             bool(self.sequences)
             and all(s.is_finished for s in self.sequences)
-            and (self.forked or self.params.n == 1)
+            and (self.forked or self.params.num_samples == 1)
         )

@@ -46,6 +46,18 @@ def default_llm() -> LLM:
     return LLM(dtype="float32", device="cpu", attention="reference", num_kv_blocks=1024, progress=False)
 
 
+@pytest.fixture(scope="session")
+def hf_gguf_model() -> torch.nn.Module:
+    """HF transformers' model of the default GGUF in fp32: a reference forward independent of ours."""
+    from transformers import AutoModelForCausalLM
+
+    from prefixserve.model.loader import default_gguf_path
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
 def tiny_cascade_llm(tiny_config_path: Path, async_scheduling: bool, blocks: int = 512) -> LLM:
     """The tiny dummy model on the CPU with the cascade backend and small prefill chunks (96 tokens),
     so a few short prompts exercise chunking, sharing and, with ``async_scheduling``, steps launched

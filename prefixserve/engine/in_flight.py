@@ -89,7 +89,7 @@ class InFlightTokens:
             if computed < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
             p = req.params
-            if p.n == 1 or req.forked:
+            if p.num_samples == 1 or req.forked:
                 targets: tuple[Sequence, ...] | list[Sequence] = (seq,)
             else:
                 targets = fork(seq)  # copies seq's tokens before its placeholder

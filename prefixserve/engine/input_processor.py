@@ -77,6 +77,11 @@ class InputProcessor:
 
         A PML prompt's module blocks are held from here on (by the request, until it ends)."""
         params = params or SamplingParams()
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            bad = max(params.logit_bias)
+            raise ValueError(f"logit_bias names token id {bad}, not in the vocabulary [0, {self.vocab_size})")
+        if stream and params.num_samples > params.n:
+            raise ValueError("best_of > n cannot be streamed (the n best are known only at the end)")
         if module_recompute is not None:
             parse_recompute(module_recompute)  # a bad setting is refused whatever the prompt
         if request_id in self.requests:
@@ -84,6 +89,8 @@ class InputProcessor:
         if prompt_token_ids is None and prompt is not None and is_pml_prompt(prompt):
             if application is not None or prompt_positions is not None:
                 raise ValueError("a PML prompt takes neither application nor prompt_positions")
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not available for PML (Prompt Cache) prompts")
             mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # module blocks held from here on
             try:
                 tokens, positions = mp.token_ids, mp.positions

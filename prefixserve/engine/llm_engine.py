@@ -26,6 +26,7 @@ from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, InFlightTokens, Laun
 from prefixserve.engine.input_processor import InputProcessor
 from prefixserve.engine.model_runner import ModelRunner, PrevTokenFeed, StepBatch, context_length
 from prefixserve.engine.output_processor import request_output
+from prefixserve.engine.prompt_logprobs import PromptLogprobs
 from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
@@ -79,6 +80,8 @@ class Engine:
         self.max_model_len = min(context, num_blocks * bs)
         self.pool = BlockPool(num_blocks, bs)
         self.blocks = BlockManager(self.pool, config.enable_prefix_caching)
+        self.prompt_logprobs = PromptLogprobs(self.device, bs)  # echo / prompt_logprobs rows
+        self.blocks.prompt_logprobs = self.prompt_logprobs
         self.scheduler = Scheduler(
             self.blocks, config.max_num_batched_tokens, config.max_num_seqs, config.kv_admit_threshold
         )
@@ -206,6 +209,8 @@ class Engine:
         )  # fmt: skip
         if req.modules is not None and req.modules.recompute_runs:
             self._to_recover.add(req)
+        if req.params.prompt_logprobs is not None:
+            self.prompt_logprobs.add(req)
         self.requests[request_id] = req
         if queue:
             self.scheduler.add(req.sequences[0])
@@ -348,10 +353,12 @@ class Engine:
         feed = PrevTokenFeed(dst, src, ahead_of.launch.tokens) if dst else None
         launch = self.runner.forward(ids, batch, sched.copies, feed)
         self.stats.count_step(batch.meta.stats, len(ids), self.model_config.num_hidden_layers)
+        if self.prompt_logprobs.active:  # before the sequences advance and the sampling takes the rows
+            self.prompt_logprobs.collect(scheduled, num_recompute_rows, launch, self.runner, self.blocks)
         launched, rows, params, generators = self.in_flight_tokens.mark_launched(
             scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples
         )
-        self.runner.sample(launch, rows, params, generators)
+        self.runner.sample(launch, rows, params, generators, launched.samplers)
         return launched
 
     def _complete_or_fail(
@@ -411,11 +418,11 @@ class Engine:
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """When sequence 0 of an n > 1 request finishes its prompt, split off the other samples."""
         req = seq.request
-        if req.params.n == 1 or req.forked:
+        if req.params.num_samples == 1 or req.forked:
             return [seq]
         req.forked = True
         out = [seq]
-        for index in range(1, req.params.n):
+        for index in range(1, req.params.num_samples):
             tokens, positions = token_array(seq.token_ids), token_array(seq.positions)
             child = self.input_processor.new_sequence(req, index, tokens, positions)
             self.blocks.fork(seq, child)
@@ -445,6 +452,7 @@ class Engine:
             return False
         del self.requests[req.request_id]
         self._to_recover.discard(req)
+        self.prompt_logprobs.discard(req)
         if req.modules is not None and req.modules.blocks:  # the request's own hold on its modules
             self.modules.release(req.modules.blocks)
             req.modules.blocks = []

@@ -37,10 +37,12 @@ from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.penalties import PenaltyState, any_processing, process_logits
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
 
 if TYPE_CHECKING:
     from prefixserve.kv.block_pool import BlockPool
+    from prefixserve.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,16 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+def _ended(seq: Sequence) -> bool:
+    return seq.is_finished
+
+
+def _prompt_and_output(seq: Sequence) -> tuple[Any, Any]:
+    """A sequence's prompt ids and the output ids known on the host (placeholders are negative)."""
+    n = seq.num_prompt_tokens
+    return seq.token_ids[:n], seq.token_ids[n:]
+
+
 def context_length(config: EngineConfig, model: torch.nn.Module) -> int:
     """The longest sequence the engine runs (it sizes the KV pool); the same on every rank."""
     return config.max_model_len or model.config.max_position_embeddings
@@ -135,6 +147,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
             self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.penalties: PenaltyState | None = None  # token counts of sequences with penalties
         # The device's own clock (CUDA): busy time of steps and the gaps between them, where the GPU
         # waited on the host; and the host's time spent waiting on the device (any device).
         self.timers: Counter[str] = Counter()
@@ -265,21 +278,46 @@ class ModelRunner:
         rows: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        seqs: list[Sequence] | None = None,
     ) -> None:
         """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
+
+        ``seqs``: the sequence each row samples for (they key the penalties' device state; needed
+        only when some row's parameters process its logits).
 
         Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
         if rows:
             logits = self._logits(launch, rows, fp32=not argmax_only(params))
-            launch.future = sample_async(logits, params, generators, self.default_generator)
+            if seqs is not None and any_processing(params):
+                launch.future = self._sample_processed(logits, params, generators, seqs)
+            else:
+                launch.future = sample_async(logits, params, generators, self.default_generator)
         launch.hidden = None
         if launch.start is not None:
             launch.done = torch.cuda.Event(enable_timing=True)
             launch.done.record()
         else:
             self.waited += time.perf_counter() - launch.issued
+
+    def _sample_processed(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        seqs: list[Sequence],
+    ) -> SampleFuture:
+        """Sampling after logit_bias and penalties; the sampled tokens are counted on the device."""
+        state = self.penalties
+        if state is None:
+            state = self.penalties = PenaltyState(self.device)
+        state.release(_ended)
+        processed, taken = process_logits(logits, params, seqs, state, _prompt_and_output)
+        future = sample_async(logits, params, generators, self.default_generator, processed)
+        if taken is not None:
+            state.record(taken, future.device_tokens)
+        return future
 
     def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
         """Logits [len(rows), vocab] of the launch's hidden rows ``rows``: fp32, or with ``fp32=False``

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixserve.engine.prompt_logprobs import prompt_logprob_lists
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sequence import Request, Sequence
 
@@ -28,20 +29,23 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
     """What the caller sees of a request now: every sample's text, ids, reasons and logprobs, and times."""
     completions = []
     held = req.modules
-    for seq in req.sequences:
+    for rank, seq in enumerate(_reported(req)):
         text = seq.output_text if isinstance(seq.stop_reason, str) else output_text(seq, tokenizer)
         want_lp = req.params.logprobs is not None
+        ranked = req.params.num_samples > req.params.n
         completions.append(
             CompletionOutput(
-                index=seq.index,
+                index=rank if ranked else seq.index,
                 text=text,
                 token_ids=seq.output_token_ids,  # a fresh slice: no second copy
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 logprobs=list(seq.output_logprobs) if want_lp else None,
                 top_logprobs=list(seq.output_top_logprobs) if want_lp else None,
+                cumulative_logprob=sum(seq.output_logprobs) if want_lp or ranked else None,
             )
         )
+    prompt_lp = prompt_logprob_lists(req)
     times = {"arrival_time": req.arrival_time}
     if req.first_token_time is not None:
         times["first_token_time"] = req.first_token_time
@@ -58,7 +62,19 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         module_rows_shared=held.tokens - held.private_rows if held else 0,
         module_rows_private=held.private_rows if held else 0,
         metrics=times,
+        prompt_logprobs=prompt_lp[0] if prompt_lp else None,
+        prompt_top_logprobs=prompt_lp[1] if prompt_lp else None,
     )
+
+
+def _reported(req: Request) -> list[Sequence]:
+    """The samples reported: all of them, or with ``best_of`` > n the n of highest cumulative logprob
+    (ties: the lower index), ranked."""
+    p = req.params
+    if p.num_samples == p.n:
+        return req.sequences
+    ranked = sorted(req.sequences, key=lambda s: (-sum(s.output_logprobs), s.index))
+    return ranked[: p.n]
 
 
 __all__ = ["output_text", "request_output"]

@@ -118,6 +118,18 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over the output tokens")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], over the output tokens")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="(0, 2], over prompt and output (1 = off)"
+    )
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        metavar="ID=BIAS",
+        help="add BIAS in [-100, 100] to token ID's logit (repeatable)",
+    )
 
 
 def read_system_prompts(items: list[str]) -> dict[str, str]:
@@ -193,3 +205,19 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         tp_peer_allreduce=args.tp_peer_allreduce,
         **modules,
     )
+
+
+def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
+    """``--logit-bias ID=BIAS`` items as {token id: bias}; a malformed item raises ValueError naming it."""
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        tid, sep, bias = item.partition("=")
+        try:
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise ValueError(f"logit_bias: --logit-bias wants ID=BIAS, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"logit_bias: --logit-bias wants ID=BIAS, got {item!r}")
+    return out

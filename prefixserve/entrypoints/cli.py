@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from prefixserve.entrypoints.args import add_engine_args, add_sampling_args, engine_config_from_args
+from prefixserve.entrypoints.args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    parse_logit_bias,
+)
 from prefixserve.promptcache.pml import is_pml_prompt
 
 DEMO_SYSTEM = (
@@ -41,6 +46,10 @@ def _params(args: argparse.Namespace) -> Any:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=args.stop,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=parse_logit_bias(args.logit_bias),
     )
 
 
@@ -317,8 +326,12 @@ def _add_schema_parser(sub: Any) -> None:
     add.add_argument("--replace", action="store_true", help="replace a schema of the same name")
     add.add_argument("--pin", action="store_true", help="keep its modules on the GPU for good")
     add.add_argument("--no-encode", action="store_true", help="encode its modules at first use, not now")
-    add.add_argument("--module-recompute", default=None, metavar="MODE",
-                     help="the schema's accuracy recovery: none, link:K or blend:R (requests may override)")
+    add.add_argument(
+        "--module-recompute",
+        default=None,
+        metavar="MODE",
+        help="the schema's accuracy recovery: none, link:K or blend:R (requests may override)",
+    )
     actions.add_parser("list", parents=[common], help="the registered schemas")
     rm = actions.add_parser("rm", parents=[common], help="remove a schema")
     rm.add_argument("name", metavar="NAME")
@@ -354,9 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser(
-        "batch", help="run an OpenAI Batch file (JSONL), grouped by shared prefix; resumable"
-    )
+    t = sub.add_parser("batch", help="run an OpenAI Batch file (JSONL), grouped by shared prefix; resumable")
     t.add_argument("input", help="OpenAI Batch input: one request per line (custom_id, method, url, body)")
     t.add_argument("-o", "--output", default=None, help="output JSONL (appended; a rerun resumes)")
     t.add_argument("--analyze", action="store_true", help="print the plan and its token saving, run nothing")

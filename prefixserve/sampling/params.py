@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range [-100, 100]
 
 
 @dataclass(slots=True)
@@ -26,6 +29,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the chosen token's
     include_stop_str_in_output: bool = False
+    # logits processing (sampling/penalties.py), vLLM's definitions: presence and frequency over the
+    # output tokens (OpenAI's), repetition over prompt and output tokens (divides positive logits,
+    # multiplies negative ones); logit_bias adds to the raw logits of the token ids it names
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+    prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and top-k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,10 +60,88 @@ class SamplingParams:
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
         ]
+        checks += _processing_checks(self)
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request runs: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_counts(self) -> bool:
+        """A penalty that reads the tokens so far (the runner keeps their counts on the device)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything that changes the logits before the choice (false: the fast path, untouched)."""
+        return self.needs_counts or bool(self.logit_bias)
+
+    @property
+    def wants_chosen_logprobs(self) -> bool:
+        """The chosen tokens' logprobs are kept: asked for, or needed to rank ``best_of`` samples."""
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _processing_checks(p: SamplingParams) -> list[tuple[bool, str]]:
+    """Checks of the logits-processing fields, best_of and prompt_logprobs (messages name the field)."""
+    bias = p.logit_bias
+    bias_ok = bias is None or (
+        isinstance(bias, dict)
+        and all(_is_id(k) for k in bias)
+        and all(_finite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in bias.values())
+    )
+    return [
+        (
+            _finite(p.presence_penalty) and -MAX_PENALTY <= p.presence_penalty <= MAX_PENALTY,
+            f"presence_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        ),
+        (
+            _finite(p.frequency_penalty) and -MAX_PENALTY <= p.frequency_penalty <= MAX_PENALTY,
+            f"frequency_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        ),
+        (
+            _finite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= MAX_PENALTY,
+            f"repetition_penalty must be in (0, {MAX_PENALTY:g}]",
+        ),
+        (
+            bias_ok,
+            f"logit_bias must map token ids (integers >= 0) to values in [-{MAX_LOGIT_BIAS:g}, "
+            f"{MAX_LOGIT_BIAS:g}]",
+        ),
+        (
+            p.best_of is None
+            or (isinstance(p.best_of, int) and not isinstance(p.best_of, bool) and p.n <= p.best_of <= MAX_N),
+            f"best_of must be an integer in [n, {MAX_N}] (n={p.n})",
+        ),
+        (
+            p.best_of is None or p.best_of == p.n or p.temperature > 0.0,
+            "best_of > n needs temperature > 0 (greedy samples are all the same)",
+        ),
+        (
+            p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
+        ),
+    ]
+
+
+def _is_id(k: object) -> bool:
+    """A logit_bias key: an int, or a string of one (OpenAI sends ids as JSON object keys)."""
+    if isinstance(k, bool):
+        return False
+    if isinstance(k, int):
+        return k >= 0
+    return isinstance(k, str) and k.strip().isdigit()

@@ -151,8 +151,9 @@ class SampleFuture:
 
 
 def argmax_only(params: list[SamplingParams]) -> bool:
-    """True when every row is greedy and none asks for logprobs: the logits need no fp32 copy."""
-    return all(p.greedy and p.logprobs is None for p in params)
+    """True when every row is greedy, none asks for logprobs and none processes its logits: the logits
+    need no fp32 copy."""
+    return all(p.greedy and not p.wants_chosen_logprobs and not p.processes_logits for p in params)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -165,8 +166,13 @@ def sample_async(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    processed: torch.Tensor | None = None,
 ) -> SampleFuture:
-    """Launch the sampling of every row; nothing here waits for the device."""
+    """Launch the sampling of every row; nothing here waits for the device.
+
+    ``processed``: the logits after bias and penalties (``penalties.process_logits``), which the
+    choice is made from; logprobs are always those of the raw ``logits`` (vLLM's raw logprobs)."""
+    raw, logits = logits, (logits if processed is None else processed)
     dev = logits.device
     rows = logits.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -181,11 +187,11 @@ def sample_async(
         idx = _to_device(random_rows, dev)
         rows_params = [params[i] for i in random_rows]
         tokens[idx] = _draw(logits[idx], rows_params, [generators[i] for i in random_rows], default_generator)
-    want = [p.logprobs for p in params if p.logprobs is not None]
+    want = [p.logprobs or 0 for p in params if p.wants_chosen_logprobs]
     chosen_lp = top_vals = top_ids = None
     counts = [p.logprobs or 0 for p in params]
     if want:
-        logp = logits.log_softmax(-1)
+        logp = raw.log_softmax(-1)
         chosen_lp = logp.gather(1, tokens[:, None])[:, 0]
         if max(want) > 0:
             top_vals, top_ids = logp.topk(max(want), dim=-1)

@@ -183,7 +183,7 @@ class Scheduler:
                 token_ids[idx] = tokens_out[i]
                 req = seq.request
                 p = req.params
-                if want_logprobs and p.logprobs is not None:
+                if want_logprobs and p.wants_chosen_logprobs:
                     seq.output_logprobs.append(result.logprobs[i])
                     seq.output_top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
                 req.unreported += 1

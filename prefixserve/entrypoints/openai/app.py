@@ -44,13 +44,22 @@ from prefixserve.entrypoints.openai.requests import (
     read_json,
     read_schema_request,
 )
+from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError, is_pml_prompt, parse_schema
 
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/schemas", "/health", "/metrics")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/schemas",
+    "/health",
+    "/metrics",
+    *TOKENIZER_ROUTES,
+)
 
 
 def build_app(
@@ -327,6 +336,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     _add_completion_routes(app, state)
     _add_chat_routes(app, state)
     _add_schema_routes(app, state)
+    add_tokenizer_routes(app, state)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:

@@ -85,6 +85,8 @@ class OutputEncoder:
         if out.finished:
             del self._sent[out.request_id]
         head = (out.prompt, out.stored_prompt_token_ids) if first else None
+        if out.prompt_logprobs is not None and (first or out.finished):  # whole, once the prompt is done
+            head = (out.prompt, out.stored_prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs)
         counts = (
             out.num_cached_tokens,
             out.num_recomputed_tokens,
@@ -108,11 +110,12 @@ class OutputDecoder:
         """The output, or None for a request forgotten meanwhile (aborted here while it was sent)."""
         rid, finished, head, choices, counts, metrics = wire
         if head is not None:
-            self._state[rid] = (head[0], head[1], {})
+            per = self._state[rid][2] if rid in self._state else {}
+            self._state[rid] = (head[0], head[1], per, *head[2:])
         state = self._state.get(rid)
         if state is None:
             return None
-        prompt, prompt_ids, per = state
+        prompt, prompt_ids, per, *prompt_lp = state
         outputs = []
         for index, keep, text_add, tok, finish, stop, lp, top in choices:
             acc = per.setdefault(index, ["", [], None, None])
@@ -128,7 +131,17 @@ class OutputDecoder:
             self._state.pop(rid, None)
         cached, recomputed, shared, private = counts
         return RequestOutput(
-            rid, prompt, prompt_ids, outputs, finished, cached, recomputed, shared, private, metrics
+            rid,
+            prompt,
+            prompt_ids,
+            outputs,
+            finished,
+            cached,
+            recomputed,
+            shared,
+            private,
+            metrics,
+            *prompt_lp,
         )
 
     def forget(self, request_id: str) -> None:

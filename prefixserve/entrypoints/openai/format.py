@@ -11,7 +11,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from json.encoder import encode_basestring  # a str as a JSON string (non-ASCII kept), in C
 from typing import Any
 
@@ -71,15 +71,63 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, token_text: TokenTe
     return {"content": content}
 
 
+def prompt_completion_logprobs(f: RequestOutput, token_text: TokenText) -> dict[str, Any]:
+    """The prompt's part of an echoed choice's logprobs: its first token has none (null)."""
+    lps, tops = f.prompt_logprobs or [], f.prompt_top_logprobs or []
+    tokens = [token_text(t) for t in f.prompt_token_ids]
+    offsets, offset = [], 0
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if x is None else _lp(x) for x in lps[:1]] + [_lp(x) for x in lps[1:]],
+        "top_logprobs": [None] * min(1, len(tops))
+        + [{token_text(t): _lp(v) for t, v in top} for top in tops[1:]],
+        "text_offset": offsets,
+    }
+
+
+def without_completion(f: RequestOutput) -> RequestOutput:
+    """The output with its samples' tokens taken out (echo with max_tokens 0 answers the prompt alone)."""
+    outs = [
+        replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="length")
+        for c in f.outputs
+    ]
+    return RequestOutput(*f._args()[:3], outs, *f._args()[4:])
+
+
 def completion_body(
-    rid: str, model: str, finals: list[RequestOutput], n: int, token_text: TokenText, want_logprobs: bool
+    rid: str,
+    model: str,
+    finals: list[RequestOutput],
+    n: int,
+    token_text: TokenText,
+    want_logprobs: bool,
+    echoed: list[str] | None = None,
 ) -> dict[str, Any]:
+    """``echoed``: each prompt's text, put before its choices' texts (echo), with the prompt's logprobs
+    before theirs."""
     choices = []
     for p, f in enumerate(finals):
+        head = echoed[p] if echoed is not None else ""
+        prompt_lp = (
+            prompt_completion_logprobs(f, token_text) if echoed is not None and want_logprobs else None
+        )
         for c in f.outputs:
-            lp = completion_logprobs(c, 0, len(c.token_ids), token_text) if want_logprobs else None
+            lp = None
+            if want_logprobs:
+                start = sum(map(len, prompt_lp["tokens"])) if prompt_lp else 0
+                lp = completion_logprobs(c, 0, len(c.token_ids), token_text, start)
+                if prompt_lp is not None:
+                    lp = {key: prompt_lp[key] + lp[key] for key in lp}
             choices.append(
-                {"index": p * n + c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                {
+                    "index": p * n + c.index,
+                    "text": head + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                }
             )
     return {
         "id": rid,

@@ -53,6 +53,8 @@ class Prepared:
     prompts: list[str | list[int]]
     params: SamplingParams
     want_logprobs: bool
+    echo: bool = False  # completions: the prompt's text (and its logprobs) lead each choice
+    no_completion: bool = False  # echo with max_tokens 0: the one token generated is not answered
 
     @property
     def prompt_field(self) -> str:
@@ -67,19 +69,13 @@ def check_model(ctx: OpenAIContext, name: str | None) -> None:
 
 
 def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.presence_penalty not in (None, 0, 0.0):
-        raise APIError(400, "presence_penalty is not supported (only 0)", param="presence_penalty")
-    if req.frequency_penalty not in (None, 0, 0.0):
-        raise APIError(400, "frequency_penalty is not supported (only 0)", param="frequency_penalty")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if req.echo and req.stream:
+            raise APIError(400, "echo cannot be combined with stream", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of not in (None, req.n):
-            raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            raise APIError(400, "best_of > n cannot be streamed", param="best_of")
     else:
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
@@ -105,6 +101,11 @@ def sampling(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias or None,
+            best_of=req.best_of if isinstance(req, CompletionRequest) else None,
         )
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")
@@ -125,12 +126,18 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     check_model(ctx, req.model)
     check_unsupported(req)
     prompts = normalize_prompts(req.prompt)
-    params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-    if len(prompts) * params.n > MAX_N:
-        raise APIError(400, f"n x prompts must be at most {MAX_N}, got {len(prompts) * params.n}", "n")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    no_completion = req.echo and max_tokens == 0  # the prompt's logprobs alone (lm-eval's scoring)
+    params = sampling(req, 1 if no_completion else max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = req.logprobs
+    if len(prompts) * params.num_samples > MAX_N:
+        total = len(prompts) * params.num_samples
+        raise APIError(400, f"n (or best_of) x prompts must be at most {MAX_N}, got {total}", "n")
     if req.application is not None:
         application_prompt(ctx, req.application)  # a 400 naming an unknown application
-    return Prepared(False, f"cmpl-{uuid.uuid4().hex}", req, prompts, params, req.logprobs is not None)
+    want = req.logprobs is not None
+    return Prepared(False, f"cmpl-{uuid.uuid4().hex}", req, prompts, params, want, req.echo, no_completion)
 
 
 def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest) -> str:
@@ -145,8 +152,11 @@ def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest) -> str:
         raise APIError(400, str(exc), param="messages", code="invalid_pml") from None
     if pml is not None:  # a Prompt Cache conversation: the engine lays it out over the schema's modules
         if req.application is not None:
-            raise APIError(400, "a conversation opening with a <prompt> document takes no application",
-                           param="application")
+            raise APIError(
+                400,
+                "a conversation opening with a <prompt> document takes no application",
+                param="application",
+            )
         return pml
     if req.application is not None:
         system = application_prompt(ctx, req.application)
@@ -189,7 +199,19 @@ def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput
     """The non-streamed answer, from every prompt's final output in order."""
     if prep.chat:
         return fmt.chat_body(prep.rid, ctx.model, finals[0], ctx.token_text, prep.want_logprobs)
-    return fmt.completion_body(prep.rid, ctx.model, finals, prep.params.n, ctx.token_text, prep.want_logprobs)
+    if prep.no_completion:
+        finals = [fmt.without_completion(f) for f in finals]
+    echoed = [_prompt_text(ctx, f) for f in finals] if prep.echo else None
+    return fmt.completion_body(
+        prep.rid, ctx.model, finals, prep.params.n, ctx.token_text, prep.want_logprobs, echoed
+    )
+
+
+def _prompt_text(ctx: OpenAIContext, final: RequestOutput) -> str:
+    """What echo puts before a choice's text: the prompt as given, or its token ids decoded."""
+    if final.prompt is not None:
+        return final.prompt
+    return ctx.tokenizer.decode(final.prompt_token_ids) if ctx.tokenizer is not None else ""
 
 
 def stream_state(ctx: OpenAIContext, prep: Prepared) -> fmt.StreamState:

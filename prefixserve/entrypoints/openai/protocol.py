@@ -70,6 +70,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     # extensions
     cache_salt: str | None = None
     application: str | None = None
@@ -232,6 +233,12 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "min_tokens",
         "logprobs",
         "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "best_of",
+        "prompt_logprobs",
         "application",
         "cache_salt",
         "module_recompute",

@@ -1,0 +1,178 @@
+"""Logits processing before the choice: ``logit_bias``, then presence, frequency and repetition penalties.
+
+Definitions as vLLM's (OpenAI's for presence and frequency): with ``c[t]`` the count of token ``t`` in
+the sequence's output so far,
+
+    logits[t] += logit_bias[t]
+    logits[t] /= rep if logits[t] > 0 else 1 / rep     where t is in the prompt or the output
+    logits[t] -= frequency_penalty * c[t] + presence_penalty * (c[t] > 0)
+
+All of it runs on the device for the whole batch. The token counts are device state, one row per
+sequence (``PenaltyState``), updated from the sampled tokens on the device right behind each sampling:
+under launch-ahead a sequence's last token is still on the device (a placeholder on the host) when
+its next row is sampled, and stream order alone makes the counts include it. The host never reads a
+sampled token to keep the counts, and a row's prompt is read once, when its sequence first samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from prefixserve.sampling.params import SamplingParams
+
+PromptOf = Callable[[Hashable], tuple[Sequence[int], Sequence[int]]]  # key -> (prompt ids, output ids)
+
+
+def _tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` [R, V] with each row's bias added (in place; one scatter for the batch)."""
+    rows, cols, vals = [], [], []
+    for r, p in enumerate(params):
+        if p.logit_bias:
+            rows += [r] * len(p.logit_bias)
+            cols += list(p.logit_bias)
+            vals += list(p.logit_bias.values())
+    if rows:
+        dev = logits.device
+        index = (_tensor(rows, dev, torch.long), _tensor(cols, dev, torch.long))
+        logits.index_put_(index, _tensor(vals, dev, logits.dtype), accumulate=True)
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [R, V]
+    counts: torch.Tensor,  # [R, V] output token counts
+    prompt_seen: torch.Tensor,  # [R, V] bool: the token is in the prompt
+    presence: torch.Tensor,  # [R]
+    frequency: torch.Tensor,  # [R]
+    repetition: torch.Tensor,  # [R]
+) -> torch.Tensor:
+    """The three penalties on a batch, vectorized (a new tensor)."""
+    counts = counts.to(logits.dtype)
+    seen = prompt_seen | (counts > 0)
+    rep = torch.where(seen, repetition[:, None], torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+class PenaltyState:
+    """Per-sequence token counts and prompt masks on the device, one row (slot) per sequence.
+
+    A sequence takes a slot the first time it samples with a penalty that reads tokens; ``release``
+    gives back the slots of sequences that have ended. Rows grow by doubling.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: dict[Hashable, int] = {}
+        self.free: list[int] = []
+        self.counts: torch.Tensor | None = None  # [capacity, V] int32
+        self.prompt_seen: torch.Tensor | None = None  # [capacity, V] bool
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def _grow(self, vocab: int) -> None:
+        old = 0 if self.counts is None else self.counts.shape[0]
+        new = max(8, 2 * old)
+        counts = torch.zeros(new, vocab, dtype=torch.int32, device=self.device)
+        seen = torch.zeros(new, vocab, dtype=torch.bool, device=self.device)
+        if self.counts is not None:
+            counts[:old] = self.counts
+            seen[:old] = self.prompt_seen
+        self.counts, self.prompt_seen = counts, seen
+        self.free += range(new - 1, old - 1, -1)  # popped lowest first
+
+    def _take(self, key: Hashable, prompt_of: PromptOf, vocab: int) -> int:
+        """A fresh slot for ``key``: its prompt's tokens marked, its known output tokens counted."""
+        if not self.free:
+            self._grow(vocab)
+        slot = self.free.pop()
+        self.slots[key] = slot
+        prompt, output = prompt_of(key)
+        self.counts[slot].zero_()
+        self.prompt_seen[slot].zero_()
+        prompt_ids = [t for t in prompt if 0 <= t < vocab]  # placeholders (< 0) are no tokens
+        if prompt_ids:
+            self.prompt_seen[slot].index_fill_(0, _tensor(prompt_ids, self.device, torch.long), True)
+        output_ids = [t for t in output if 0 <= t < vocab]
+        if output_ids:
+            ids = _tensor(output_ids, self.device, torch.long)
+            self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return slot
+
+    def apply(
+        self,
+        logits: torch.Tensor,  # [R, V] fp32, changed in place where rows need it
+        params: list[SamplingParams],
+        keys: Sequence[Hashable],
+        prompt_of: PromptOf,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Penalize the rows whose parameters ask for it; returns (their row indices, their slots)
+        for ``record``, or None when no row reads counts."""
+        rows = [r for r, p in enumerate(params) if p.needs_counts]
+        if not rows:
+            return None
+        vocab = logits.shape[-1]
+        slots = self.slots
+        picked = [slots[keys[r]] if keys[r] in slots else self._take(keys[r], prompt_of, vocab) for r in rows]
+        dev = logits.device
+        row_t, slot_t = _tensor(rows, dev, torch.long), _tensor(picked, dev, torch.long)
+        ps = [params[r] for r in rows]
+        penalized = apply_penalties(
+            logits.index_select(0, row_t),
+            self.counts.index_select(0, slot_t),
+            self.prompt_seen.index_select(0, slot_t),
+            _tensor([p.presence_penalty for p in ps], dev, logits.dtype),
+            _tensor([p.frequency_penalty for p in ps], dev, logits.dtype),
+            _tensor([p.repetition_penalty for p in ps], dev, logits.dtype),
+        )
+        logits.index_copy_(0, row_t, penalized)
+        return row_t, slot_t
+
+    def record(self, taken: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor) -> None:
+        """Count the tokens just sampled (``tokens`` [R] on the device) in their rows' slots."""
+        row_t, slot_t = taken
+        chosen = tokens.index_select(0, row_t)
+        self.counts.index_put_((slot_t, chosen), torch.ones_like(chosen, dtype=torch.int32), accumulate=True)
+
+    def release(self, ended: Callable[[Hashable], bool]) -> None:
+        """Give back the slots of the sequences ``ended`` says are over."""
+        gone = [k for k in self.slots if ended(k)]
+        for k in gone:
+            self.free.append(self.slots.pop(k))
+
+
+def process_logits(
+    logits: torch.Tensor,  # [R, V] fp32
+    params: list[SamplingParams],
+    keys: Sequence[Hashable],
+    state: PenaltyState,
+    prompt_of: PromptOf,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The logits the choice is made from (a copy: the raw ones still give the logprobs) and what
+    ``PenaltyState.record`` needs afterwards."""
+    out = apply_logit_bias(logits.clone(), params)
+    return out, state.apply(out, params, keys, prompt_of)
+
+
+def any_processing(params: list[SamplingParams]) -> bool:
+    """Whether any row changes its logits before the choice (false: the sampler's path is untouched)."""
+    return any(p.processes_logits for p in params)
+
+
+__all__ = [
+    "PenaltyState",
+    "any_processing",
+    "apply_logit_bias",
+    "apply_penalties",
+    "process_logits",
+]
