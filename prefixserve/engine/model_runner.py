@@ -37,6 +37,7 @@ from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
+from prefixserve.structured.bitmask import apply_bitmask
 
 if TYPE_CHECKING:
     from prefixserve.kv.block_pool import BlockPool
@@ -258,14 +259,19 @@ class ModelRunner:
         rows: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        mask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> None:
         """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
 
-        Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
-        counts the time since the forward was issued as time spent on the device, not on the host.
+        ``mask``: structured outputs' token bitmask on the host and the sample rows it constrains
+        (``structured.decoding``), applied to the logits before sampling. Closing records the step's
+        end event (CUDA), or on a CPU, where the device work ran inline, counts the time since the
+        forward was issued as time spent on the device, not on the host.
         """
         if rows:
             logits = self.logits(launch, rows, fp32=not argmax_only(params))
+            if mask is not None:
+                apply_bitmask(logits, *mask)
             launch.future = sample_async(logits, params, generators, self.default_generator)
         launch.hidden = None
         if launch.start is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixserve.sampling.structured_outputs import StructuredOutputs, as_structured
+
 MAX_STOP_STRINGS = 16
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -26,8 +28,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the chosen token's
     include_stop_str_in_output: bool = False
+    # the output must match a JSON schema, a regex, a choice or a grammar (``prefixserve.structured``)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = as_structured(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
