@@ -63,6 +63,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     # no prefix cache: each timed run prefills its prompts alike, whichever mode ran before it
     llm = LLM(
+        model=args.model,
         dtype=dtype,
         device=args.device,
         max_num_seqs=max(args.batch, 8),
@@ -113,7 +114,8 @@ def markdown(result: dict[str, Any], name: str) -> str:
         f"`python -m benchmarks.structured --device {s['device']} --batch {s['batch']} "
         f"--tokens {s['tokens']}`: "
         f"{s['batch']} chat requests, {s['tokens']} generated tokens each, temperature {s['temperature']}, "
-        f"default model in {s['dtype']}, launch-ahead {'on' if s['launch_ahead'] else 'off'}. The schema "
+        f"{s['model'] or 'default model'} in {s['dtype']}, "
+        f"launch-ahead {'on' if s['launch_ahead'] else 'off'}. The schema "
         "(an array of at least 64 records: a string of at most 16 characters, an integer in [0, 100], a "
         "boolean) keeps every row constrained to the token cap. Best of "
         f"{s['repeats']} after an untimed run of each mode.",
@@ -157,6 +159,9 @@ def plot(result: dict[str, Any], path: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--model", default=None, help="default: SmolLM2-135M-Instruct (a dummy config needs a tokenizer)"
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
