@@ -5,13 +5,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputs",
+    "StructuredOutputsParams",
+]
 
 if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
     from prefixserve.entrypoints.llm import LLM
     from prefixserve.outputs import RequestOutput
     from prefixserve.sampling.params import SamplingParams
+    from prefixserve.sampling.structured_outputs import StructuredOutputs, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from prefixserve.sampling.params import SamplingParams
 
         return SamplingParams
+    if name in ("StructuredOutputs", "StructuredOutputsParams"):
+        from prefixserve.sampling import structured_outputs
+
+        return getattr(structured_outputs, name)
     if name == "EngineConfig":
         from prefixserve.config import EngineConfig
 

@@ -67,6 +67,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, grown as tokens arrive
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    grammar: Any = None  # structured outputs: the grammar matcher, advanced as each token is placed
 
     @property
     def num_tokens(self) -> int:

@@ -34,7 +34,7 @@ LAYERS = (
     ("config", "triton_support", "detokenizer", "outputs"),
     ("attention", "sampling"),
     ("model", "sequence"),
-    ("kv",),
+    ("kv", "structured"),
     ("promptcache", "scheduler"),
     ("engine",),
     ("distributed", "entrypoints"),
@@ -78,11 +78,12 @@ def test_the_cycle_finder_sees_function_level_and_relative_imports(tmp_path: Pat
 
 def test_the_core_and_the_cli_import_without_the_server_packages() -> None:
     """The engine core needs only torch, triton, transformers, gguf, numpy, safetensors, tqdm, rich
-    (defusedxml: at the first PML document)."""
+    (defusedxml: at the first PML document; xgrammar: at the first structured-outputs request)."""
     code = textwrap.dedent(
         """
         import importlib.abc, sys
-        BLOCKED = {"fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client", "defusedxml"}
+        BLOCKED = {"fastapi", "uvicorn", "starlette", "pydantic", "prometheus_client", "defusedxml",
+                   "xgrammar"}
 
         class Block(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):

@@ -32,6 +32,9 @@ class LaunchedStep:
     indices: list[int]  # where each sampler's placeholder sits in its token ids
     touched: set[Request]
     launch: Launch
+    # what its sampling takes (rows, params, generators) until it is issued; kept past the launch when
+    # grammar-constrained rows need the tokens of the step ahead for their mask (launch-ahead)
+    sampling: tuple[list[int], list[SamplingParams], list[torch.Generator | None]] | None = None
 
 
 # A placeholder still waiting for its token: (its index in the token ids, the launch sampling it, the row)

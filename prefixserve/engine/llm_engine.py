@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence, token_array
+
+if TYPE_CHECKING:
+    from prefixserve.structured.decoding import StructuredDecoding
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,7 @@ class Engine:
         # requests whose recovery rows are still to compute: steps look at the batch only if any
         self._to_recover: set[Request] = set()
         self._finished_outputs: list[RequestOutput] = []
+        self.structured: StructuredDecoding | None = None  # made at the first constrained request
         self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
         self.spill: PrefixSpill | None = None
         if config.spill_prefix_cache and config.enable_prefix_caching:
@@ -203,6 +207,8 @@ class Engine:
         for ``add_group`` (offline batches), which queues it as a member of a prefix-sharing group.
         ``module_recompute`` ("none", "link:K", "blend:R") overrides a PML prompt's recovery setting.
         """
+        if params is not None and params.structured_outputs is not None:
+            self._structured().admit(params.structured_outputs)  # compiled now, or refused
         req = self.input_processor.process(
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
             application, module_recompute, self.tokenizer, self.max_model_len,
@@ -220,6 +226,14 @@ class Engine:
         if held is not None:
             self.counters["module_tokens_reused_total"] += held.tokens - held.recomputed_tokens
         return req
+
+    def _structured(self) -> StructuredDecoding:
+        """Structured decoding, set up at the first constrained request (xgrammar is imported then)."""
+        if self.structured is None:
+            from prefixserve.structured.decoding import StructuredDecoding
+
+            self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        return self.structured
 
     def is_pml_prompt(self, prompt: str) -> bool:
         """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document."""
@@ -301,6 +315,8 @@ class Engine:
         self._launched = self._launch_or_fail(sched, batch, prev)
         if prev is not None:  # launched ahead of it (or failed to): now wait for its tokens
             outputs += self._complete_or_fail(prev, launched_after=self._launched)
+        if self._launched is not None and self._launched.sampling is not None:
+            self._launched = self._sample_or_fail(self._launched)  # grammar rows: masked after prev
         return True
 
     def _assemble_or_fail(self, sched: SchedulerOutput) -> tuple[StepBatch | None, bool]:
@@ -358,8 +374,30 @@ class Engine:
         launched, rows, params, generators = self.in_flight_tokens.mark_launched(
             scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples
         )
-        self.runner.sample(launch, rows, params, generators, launched.samplers)
+        launched.sampling = (rows, params, generators)
+        if ahead_of is None or self.structured is None or not self.structured.constrained(launched.samplers):
+            self._sample(launched)  # else after ahead_of's tokens are placed: their masks need them
         return launched
+
+    def _sample(self, launched: LaunchedStep) -> None:
+        """Issue a launched step's sampling; grammar-constrained rows get their token mask first."""
+        rows, params, generators = launched.sampling
+        launched.sampling = None
+        mask = self.structured.bitmask(launched.samplers) if self.structured is not None else None
+        self.runner.sample(launched.launch, rows, params, generators, launched.samplers, mask)
+
+    def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:
+        try:
+            self._sample(launched)
+            return launched
+        except WorkerDiedError:
+            raise
+        except Exception:
+            log.exception("sampling failed; failing the requests in this batch")
+            for req in launched.touched:
+                if self.requests.get(req.request_id) is req:
+                    self._finish_request(req, "error")
+            return None
 
     def _complete_or_fail(
         self, launched: LaunchedStep, launched_after: LaunchedStep | None = None

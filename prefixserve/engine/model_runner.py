@@ -39,6 +39,7 @@ from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.penalties import PenaltyState, any_processing, process_logits
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
+from prefixserve.structured.bitmask import apply_bitmask
 
 if TYPE_CHECKING:
     from prefixserve.kv.block_pool import BlockPool
@@ -279,17 +280,22 @@ class ModelRunner:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         seqs: list[Sequence] | None = None,
+        mask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> None:
         """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
 
         ``seqs``: the sequence each row samples for (they key the penalties' device state; needed
-        only when some row's parameters process its logits).
+        only when some row's parameters process its logits). ``mask``: structured outputs' token
+        bitmask on the host and the sample rows it constrains (``structured.decoding``), applied to
+        the logits before penalties and sampling.
 
         Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
         if rows:
             logits = self._logits(launch, rows, fp32=not argmax_only(params))
+            if mask is not None:
+                apply_bitmask(logits, *mask)
             if seqs is not None and any_processing(params):
                 launch.future = self._sample_processed(logits, params, generators, seqs)
             else:

@@ -306,11 +306,12 @@ class TensorParallelRunner(ModelRunner):
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         seqs: list[Any] | None = None,
+        mask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> None:
         """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather."""
         if rows:
             self.call("logits", rows, not argmax_only(params))
-        self.guard(super().sample, launch, rows, params, generators, seqs)
+        self.guard(super().sample, launch, rows, params, generators, seqs, mask)
 
     def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
         self.call("logits", rows, fp32)

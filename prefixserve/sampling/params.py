@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from prefixserve.sampling.structured_outputs import StructuredOutputs, as_structured
+
 MAX_STOP_STRINGS = 16
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -38,8 +40,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
     prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and top-k
+    # the output must match a JSON schema, a regex, a choice or a grammar (``prefixserve.structured``)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = as_structured(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

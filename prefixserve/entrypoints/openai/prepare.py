@@ -21,10 +21,20 @@ from prefixserve.entrypoints.openai.protocol import (
     param_of,
     parse_request,
 )
+from prefixserve.entrypoints.openai.structured import structured_outputs
+from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
+from prefixserve.entrypoints.openai.tools import (
+    Tools,
+    conversation,
+    read_tools,
+    template_knows_tools,
+    tool_message,
+)
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
+from prefixserve.sampling.structured_outputs import StructuredOutputs
 
 
 @dataclass(kw_only=True)
@@ -55,6 +65,7 @@ class Prepared:
     want_logprobs: bool
     echo: bool = False  # completions: the prompt's text (and its logprobs) lead each choice
     no_completion: bool = False  # echo with max_tokens 0: the one token generated is not answered
+    tools: Tools | None = None  # chat with tools: the output may be tool calls (openai/tools.py)
 
     @property
     def prompt_field(self) -> str:
@@ -76,15 +87,13 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of > req.n and req.stream:
             raise APIError(400, "best_of > n cannot be streamed", param="best_of")
-    else:
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
 
 
 def sampling(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -106,6 +115,7 @@ def sampling(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=req.logit_bias or None,
             best_of=req.best_of if isinstance(req, CompletionRequest) else None,
+            structured_outputs=structured,
         )
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")
@@ -126,9 +136,10 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     check_model(ctx, req.model)
     check_unsupported(req)
     prompts = normalize_prompts(req.prompt)
+    structured = structured_outputs(req)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     no_completion = req.echo and max_tokens == 0  # the prompt's logprobs alone (lm-eval's scoring)
-    params = sampling(req, 1 if no_completion else max_tokens, req.logprobs)
+    params = sampling(req, 1 if no_completion else max_tokens, req.logprobs, structured)
     if req.echo and req.logprobs is not None:
         params.prompt_logprobs = req.logprobs
     if len(prompts) * params.num_samples > MAX_N:
@@ -140,14 +151,14 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     return Prepared(False, f"cmpl-{uuid.uuid4().hex}", req, prompts, params, want, req.echo, no_completion)
 
 
-def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest) -> str:
-    """The request's messages (after the application's pinned system prompt) through the chat template;
-    a conversation whose first message is a ``<prompt>`` document becomes one PML prompt instead."""
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
+def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest, tools: Tools | None = None) -> str:
+    """The request's messages (after the application's pinned system prompt) through the chat template,
+    with the tools (``openai/tools.py``); a conversation whose first message is a ``<prompt>`` document
+    becomes one PML prompt instead."""
+    native = tools is not None and template_knows_tools(ctx.tokenizer)
+    messages = conversation(req.messages, tools, native)
     try:
-        pml = chat_as_pml(conversation)
+        pml = chat_as_pml(messages)
     except PMLError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_pml") from None
     if pml is not None:  # a Prompt Cache conversation: the engine lays it out over the schema's modules
@@ -160,12 +171,18 @@ def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest) -> str:
         return pml
     if req.application is not None:
         system = application_prompt(ctx, req.application)
-        if conversation[0]["role"] != "system":  # the pinned prompt is the chat's system message
-            conversation.insert(0, {"role": "system", "content": system})
+        if messages[0]["role"] != "system":  # the pinned prompt is the chat's system message
+            messages.insert(0, {"role": "system", "content": system})
+    extra: dict[str, Any] = {}
+    if native:  # the template renders the tools itself
+        extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
     try:
         return str(
             ctx.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                **extra,
             )
         )
     except Exception as exc:
@@ -185,9 +202,18 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    prompt = chat_prompt(ctx, req)
-    return Prepared(True, f"chatcmpl-{uuid.uuid4().hex}", req, [prompt], params, bool(req.logprobs))
+    tools = read_tools(req)
+    structured = structured_outputs(req)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None and structured is not None:
+        message = "tool_choice 'required' or a named function takes no response_format or structured_outputs"
+        raise APIError(400, message, param="tool_choice", code="invalid_value")
+    params = sampling(
+        req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, forced or structured
+    )
+    prompt = chat_prompt(ctx, req, tools)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    return Prepared(True, rid, req, [prompt], params, bool(req.logprobs), tools=tools)
 
 
 def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:
@@ -198,7 +224,14 @@ def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:
 def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:
     """The non-streamed answer, from every prompt's final output in order."""
     if prep.chat:
-        return fmt.chat_body(prep.rid, ctx.model, finals[0], ctx.token_text, prep.want_logprobs)
+        body = fmt.chat_body(prep.rid, ctx.model, finals[0], ctx.token_text, prep.want_logprobs)
+        if prep.tools is not None:
+            for choice in body["choices"]:
+                text = choice["message"]["content"]
+                choice["message"], choice["finish_reason"] = tool_message(
+                    text, choice["finish_reason"], prep.tools
+                )
+        return body
     if prep.no_completion:
         finals = [fmt.without_completion(f) for f in finals]
     echoed = [_prompt_text(ctx, f) for f in finals] if prep.echo else None
@@ -217,6 +250,11 @@ def _prompt_text(ctx: OpenAIContext, final: RequestOutput) -> str:
 def stream_state(ctx: OpenAIContext, prep: Prepared) -> fmt.StreamState:
     req = prep.req
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    if prep.tools is not None:
+        return ToolStreamState(
+            prep.rid, ctx.model, prep.chat, prep.params.n, ctx.token_text, list(prep.params.stop or []),
+            prep.want_logprobs, include_usage, tools=prep.tools,
+        )  # fmt: skip
     return fmt.StreamState(
         prep.rid,
         ctx.model,

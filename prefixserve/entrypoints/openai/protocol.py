@@ -81,6 +81,15 @@ class _Common(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # structured outputs (openai/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* fields (removed in vLLM 0.12, still sent by many clients)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar is the backend
 
 
 class CompletionRequest(_Common):
@@ -99,9 +108,11 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (openai/tools.py)
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -117,7 +128,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
 
@@ -244,6 +256,8 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "module_recompute",
     )
     head = message.split(" ", 1)[0].split("=", 1)[0]
+    if head.startswith("structured_outputs"):
+        return head.rstrip(":"), "invalid_value"
     if head in fields:
         return head, "invalid_value"
     if "stop" in message:

@@ -1,0 +1,178 @@
+"""Structured outputs' cost: JSON-schema decoding tokens/s against unconstrained decoding, batch B.
+
+B chat requests (default 64) generate the same number of tokens two ways: unconstrained
+(``ignore_eos``) and constrained by a JSON schema whose outputs cannot end before the token cap (an
+array of at least 64 small records), so every constrained step fills each row's token bitmask on the
+host (xgrammar) and applies it to the logits before sampling. The modes alternate, each run once
+untimed first (the grammar is then compiled and cached; its compile time is reported apart), and
+the best of ``--repeats`` counts; the prefix cache is off, so every run prefills alike. Targets
+(issue 53): within 15% of unconstrained on the CPU default model, within 10% on a GPU.
+
+    python -m benchmarks.structured [--device cpu|cuda] [--batch 64] [--tokens 64] [--repeats 1]
+
+Writes docs/benchmarks/structured_{cpu,gpu}.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from benchmarks.harness import RESULTS, pyplot, run_info, write_results
+from prefixserve import LLM, SamplingParams, StructuredOutputs
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "score", "active"],
+    "additionalProperties": False,
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 64}},
+    "required": ["records"],
+    "additionalProperties": False,
+}
+
+
+def _conversations(batch: int) -> list[list[dict[str, str]]]:
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"List the players of team {i} as JSON records with name, score, active.",
+            }
+        ]
+        for i in range(batch)
+    ]
+
+
+def _run(llm: LLM, convs: list[Any], params: SamplingParams) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params)
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    # no prefix cache: each timed run prefills its prompts alike, whichever mode ran before it
+    llm = LLM(
+        model=args.model,
+        dtype=dtype,
+        device=args.device,
+        max_num_seqs=max(args.batch, 8),
+        enable_prefix_caching=False,
+        progress=False,
+    )
+    convs = _conversations(args.batch)
+    modes = {
+        "unconstrained": SamplingParams(
+            temperature=args.temperature, seed=0, max_tokens=args.tokens, ignore_eos=True
+        ),
+        "json_schema": SamplingParams(
+            temperature=args.temperature, seed=0, max_tokens=args.tokens,
+            structured_outputs=StructuredOutputs(json=SCHEMA),
+        ),
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    llm.engine._structured().admit(modes["json_schema"].structured_outputs)
+    compile_s = time.perf_counter() - t0
+    for params in modes.values():  # untimed: warm-up, graphs captured, grammar cached
+        _run(llm, convs[: min(8, args.batch)], params)
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(args.repeats):
+        for name, params in modes.items():
+            elapsed, tokens = _run(llm, convs, params)
+            rate = tokens / elapsed
+            if name not in best or rate > best[name]["tokens_per_s"]:
+                best[name] = {"seconds": elapsed, "tokens": tokens, "tokens_per_s": rate}
+            print(f"{name}: {tokens} tokens in {elapsed:.2f} s = {rate:.1f} tok/s")
+    ratio = best["json_schema"]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"]
+    target = 0.85 if args.device == "cpu" else 0.90
+    return {
+        "info": run_info(("xgrammar", "transformers")),
+        "settings": vars(args) | {"dtype": dtype, "launch_ahead": llm.engine.launch_ahead},
+        "grammar_compile_s": compile_s,
+        "results": best,
+        "ratio": ratio,
+        "target": target,
+        "meets_target": ratio >= target,
+    }
+
+
+def markdown(result: dict[str, Any], name: str) -> str:
+    s, info, r = result["settings"], result["info"], result["results"]
+    lines = [
+        f"# Structured outputs: JSON-schema decoding vs unconstrained ({s['device']})",
+        "",
+        f"`python -m benchmarks.structured --device {s['device']} --batch {s['batch']} "
+        f"--tokens {s['tokens']}`: "
+        f"{s['batch']} chat requests, {s['tokens']} generated tokens each, temperature {s['temperature']}, "
+        f"{s['model'] or 'default model'} in {s['dtype']}, "
+        f"launch-ahead {'on' if s['launch_ahead'] else 'off'}. The schema "
+        "(an array of at least 64 records: a string of at most 16 characters, an integer in [0, 100], a "
+        "boolean) keeps every row constrained to the token cap. Best of "
+        f"{s['repeats']} after an untimed run of each mode.",
+        "",
+        "| mode | tokens | seconds | tokens/s |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for mode, row in r.items():
+        lines.append(f"| {mode} | {row['tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.1f} |")
+    verdict = "meets" if result["meets_target"] else "misses"
+    lines += [
+        "",
+        f"JSON-schema / unconstrained = **{result['ratio']:.3f}** ({verdict} the target of "
+        f"{result['target']:.2f}). Grammar compile (once, cached after): "
+        f"{result['grammar_compile_s'] * 1e3:.0f} ms.",
+        "",
+        f"Device: {info['device']} ({info['cpu_count']} CPUs); torch {info['torch']}, xgrammar "
+        f"{info.get('xgrammar')}, commit {info['commit']}, {info['date']}.",
+        "",
+        f"![tokens/s]({name}.png)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    modes = list(result["results"])
+    rates = [result["results"][m]["tokens_per_s"] for m in modes]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(modes, rates, color=["#888888", "#3b7dd8"])
+    ax.set_ylabel("generated tokens/s")
+    s = result["settings"]
+    ax.set_title(f"B={s['batch']}, {s['tokens']} tokens, {s['device']}: ratio {result['ratio']:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--model", default=None, help="default: SmolLM2-135M-Instruct (a dummy config needs a tokenizer)"
+    )
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--name", default=None, help="result file name (default structured_cpu / structured_gpu)")
+    args = ap.parse_args(argv)
+    name = args.name or ("structured_cpu" if args.device == "cpu" else "structured_gpu")
+    result = measure(args)
+    write_results(name, result, markdown(result, name))
+    plot(result, RESULTS / f"{name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""StructuredOutputs -> xgrammar grammars: checked without a tokenizer, compiled once per engine.
+
+``check`` parses a spec into an ``xgrammar.Grammar`` (no tokenizer needed), so the server can refuse a
+bad schema, regex or grammar with a 400 before anything is queued. ``GrammarCache`` holds the
+engine's ``TokenizerInfo`` (built once: it walks the whole vocabulary) and compiles each distinct
+spec once, keyed by ``StructuredOutputs.key()``; a compiled grammar is what each request's matcher
+runs on. xgrammar is imported here only, at first use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from typing import Any
+
+from prefixserve.sampling.structured_outputs import StructuredOutputs
+
+# JSON with free whitespace lets a small model emit newlines forever; bounded runs still allow pretty
+# printing and keep every output able to end
+MAX_WHITESPACE = 8
+CACHE_SIZE = 256  # compiled grammars kept per engine (a JSON schema's is tens of KB to a few MB)
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:  # pragma: no cover - the structured extra is not installed
+        raise ValueError("structured outputs need xgrammar: pip install 'prefixserve[structured]'") from None
+    return xgrammar
+
+
+def _clean(exc: Exception) -> str:
+    """xgrammar's C++ message without its timestamp, source location and check text."""
+    text = str(exc).strip()
+    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
+    text = re.sub(r"^Check failed: .*? is false:\s*", "", text)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """A grammar whose only sentences are the choices (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _source(spec: StructuredOutputs) -> tuple[str, Any, dict[str, Any]]:
+    """(how to build it, its text, options): ``json`` (schema), ``regex`` or ``ebnf``."""
+    whitespace: dict[str, Any] = {"any_whitespace": not spec.disable_any_whitespace}
+    if not spec.disable_any_whitespace:
+        whitespace["max_whitespace_cnt"] = MAX_WHITESPACE
+    kind = spec.kind
+    if kind == "json":
+        return "json", json.dumps(spec.json), {**whitespace, "strict_mode": True}
+    if kind == "json_object":  # any object: properties are free, so not strict
+        return "json", json.dumps({"type": "object"}), {**whitespace, "strict_mode": False}
+    if kind == "regex":
+        return "regex", spec.regex, {}
+    if kind == "choice":
+        return "ebnf", choice_ebnf(spec.choice or []), {}
+    return "ebnf", spec.grammar, {}
+
+
+_checked: OrderedDict[tuple[str, str, bool], None] = OrderedDict()  # specs that passed ``check``
+
+
+def check(spec: StructuredOutputs) -> None:
+    """Raise ValueError naming the spec's kind if it is not a valid schema, regex or grammar.
+
+    Parses without a tokenizer (no compile), so callers without the engine can check; specs that
+    passed are remembered, so a client repeating its schema pays once.
+    """
+    key = spec.key()
+    if key in _checked:
+        return
+    how, source, options = _source(spec)
+    xgr = _xgrammar()
+    try:
+        if how == "json":
+            xgr.Grammar.from_json_schema(source, **options)
+        elif how == "regex":
+            xgr.Grammar.from_regex(source)
+        else:
+            xgr.Grammar.from_ebnf(source)
+    except Exception as exc:
+        what = {"json": "invalid JSON schema", "regex": "invalid regex", "ebnf": "invalid grammar"}[how]
+        raise ValueError(f"structured_outputs.{spec.kind}: {what}: {_clean(exc)}") from None
+    _checked[key] = None
+    if len(_checked) > CACHE_SIZE:
+        _checked.popitem(last=False)
+
+
+class GrammarCache:
+    """One engine's compiler: its tokenizer's info, built once, and each distinct spec compiled once."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int = 2) -> None:
+        xgr = _xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self.vocab_size = vocab_size  # the model's: its logits may be wider than the tokenizer's vocabulary
+        self.compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        self._compiled: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, spec: StructuredOutputs) -> Any:
+        """The compiled grammar of ``spec`` (``xgrammar.CompiledGrammar``); ValueError if it is bad."""
+        key = spec.key()
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self.hits += 1
+            self._compiled.move_to_end(key)
+            return compiled
+        check(spec)  # the clear message for a bad spec
+        how, source, options = _source(spec)
+        try:
+            if how == "json":
+                compiled = self.compiler.compile_json_schema(source, **options)
+            elif how == "regex":
+                compiled = self.compiler.compile_regex(source)
+            else:
+                compiled = self.compiler.compile_grammar(source)
+        except Exception as exc:
+            raise ValueError(f"structured_outputs.{spec.kind}: cannot compile: {_clean(exc)}") from None
+        self.misses += 1
+        self._compiled[key] = compiled
+        if len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+
+__all__ = ["MAX_WHITESPACE", "GrammarCache", "check", "choice_ebnf"]

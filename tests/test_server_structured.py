@@ -1,0 +1,304 @@
+"""Structured outputs and tools over HTTP: the official ``openai`` client against a live server running
+the default model (SmolLM2-135M-Instruct) with async scheduling (steps launched ahead).
+
+``parse()`` with a pydantic model returns a parsed object for 20 varied prompts; JSON mode, a regex, a
+choice and an EBNF grammar are matched, on chat and completions, through every field name clients send;
+``tool_choice="required"`` and a named function return calls whose arguments validate against the
+function's schema, streamed or not; bad specs and unknown tools are 400s naming the field, and the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import engine_checks
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from prefixserve.config import EngineConfig
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
+
+pytest.importorskip("xgrammar")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    config = EngineConfig(
+        device="cpu", dtype="float32", num_kv_blocks=1024, max_num_seqs=32, async_scheduling=True
+    )
+    with ServerThread(build_app(config)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+def blocks_used(server: ServerThread) -> int:
+    return int(server.engine_loop.call(engine_checks.blocks_in_use).result(10))
+
+
+def pool_empty(server: ServerThread, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while blocks_used(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert blocks_used(server) == 0
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    likes_cats: bool
+
+
+TOPICS = [
+    "a pirate", "a chef from Lyon", "a retired astronaut", "a teenage chess champion", "a beekeeper",
+    "a jazz drummer", "a lighthouse keeper", "a software engineer", "a marathon runner", "a librarian",
+    "a volcano researcher", "a circus juggler", "a farmer in Kenya", "a medieval knight", "a painter",
+    "a taxi driver in Tokyo", "a deep-sea diver", "a kindergarten teacher", "a robot", "a grandmother",
+]  # fmt: skip
+
+
+def test_parse_returns_the_pydantic_object_every_time(client: openai.OpenAI, server: ServerThread) -> None:
+    def ask(topic: str) -> Any:
+        return client.chat.completions.parse(
+            model="default",
+            messages=[
+                {
+                    "role": "user",
+                    "content": f"Invent {topic}. Give their name, age and whether they like cats.",
+                }
+            ],
+            response_format=Person,
+            max_tokens=200,
+            temperature=0.8,
+            seed=len(topic),
+        )
+
+    with ThreadPoolExecutor(len(TOPICS)) as pool:
+        replies = list(pool.map(ask, TOPICS))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Person), choice.message.content
+    pool_empty(server)
+
+
+def test_json_mode_regex_choice_and_grammar(client: openai.OpenAI, http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Describe a red bicycle as a JSON object with two keys."}]
+    reply = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        response_format={"type": "json_object"},
+        max_tokens=300,
+        temperature=0,
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    ask = [{"role": "user", "content": "Give me a phone number."}]
+    for extra in ({"structured_outputs": {"regex": phone}}, {"guided_regex": phone}):
+        reply = client.chat.completions.create(model="default", messages=ask, max_tokens=40, extra_body=extra)
+        assert re.fullmatch(phone, reply.choices[0].message.content), reply.choices[0].message.content
+    done = client.completions.create(
+        model="default", prompt="Call me at", max_tokens=40, extra_body={"guided_regex": phone}
+    )
+    assert re.fullmatch(phone, done.choices[0].text)
+
+    choices = ["positive", "negative", "neutral"]
+    ask = [{"role": "user", "content": "Sentiment of: 'I love this bike!'"}]
+    for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        reply = client.chat.completions.create(
+            model="default", messages=ask, max_tokens=10, n=3, extra_body=extra
+        )
+        assert all(c.message.content in choices for c in reply.choices)
+
+    grammar = 'root ::= "SELECT " column " FROM " table\n'
+    grammar += 'column ::= "name" | "age" | "*"\ntable ::= "users" | "bikes"'
+    sql = r"SELECT (name|age|\*) FROM (users|bikes)"
+    for extra in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar}):
+        done = client.completions.create(model="default", prompt="SQL:", max_tokens=20, extra_body=extra)
+        assert re.fullmatch(sql, done.choices[0].text), done.choices[0].text
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["n"],
+    }
+    body = {
+        "prompt": "A number:",
+        "max_tokens": 60,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "n", "schema": schema, "strict": True},
+        },
+    }
+    done = http.post("/v1/completions", json=body).json()
+    jsonschema.validate(json.loads(done["choices"][0]["text"]), schema)
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Sky", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                           "required": ["city"], "additionalProperties": False},
+        },
+    },
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What will the weather be in Tokyo for the next 3 days?"}]
+
+
+def _schema(name: str) -> dict[str, Any]:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def _streamed_calls(client: openai.OpenAI, **kw: Any) -> tuple[list[dict[str, str]], str | None]:
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += d.id or ""
+                call["name"] += (d.function.name or "") if d.function else ""
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_forced_tool_calls_validate_streamed_or_not(
+    client: openai.OpenAI, server: ServerThread, tool_choice: Any
+) -> None:
+    kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+              max_tokens=150, temperature=0)  # fmt: skip
+    reply = client.chat.completions.create(**kw)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
+    streamed, finish = _streamed_calls(client, **kw)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(call.function.name, call.function.arguments)]
+    assert streamed[0]["id"].startswith("call_")
+    pool_empty(server)
+
+
+def test_parallel_required_calls_all_validate(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0
+    )
+    choice = reply.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
+
+
+def test_tool_results_come_back_and_auto_answers(client: openai.OpenAI, server: ServerThread) -> None:
+    args = json.dumps({"city": "Tokyo", "unit": "celsius", "days": 3})
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny, 24 C"}'},
+    ]  # fmt: skip
+    for tool_choice in ("auto", "none"):
+        reply = client.chat.completions.create(
+            model="default",
+            messages=history,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_tokens=40,
+            temperature=0,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        assert choice.message.content or choice.message.tool_calls
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model="default",
+                messages=history,
+                tools=TOOLS,
+                tool_choice=tool_choice,
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+            )
+            if c.choices
+        )
+        if choice.message.content is not None:
+            assert streamed == choice.message.content
+    pool_empty(server)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+        ({"guided_regex": "[z-"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs.grammar"),
+        ({"guided_grammar": 'start ::= "a"'}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]},
+         "tools[0].function.parameters"),
+    ],
+)  # fmt: skip
+def test_bad_specs_are_400s_naming_the_field(http: httpx.Client, extra: dict[str, Any], param: str) -> None:
+    body = {"messages": ASK, "max_tokens": 5, **extra}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert param.split(".")[0].split("[")[0] in error["message"], error
+    ok = http.post(
+        "/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, "guided_choice": ["yes", "no"]}
+    )
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("yes", "no")

@@ -1,0 +1,164 @@
+"""Tool calling and structured-output fields without a model: reading tools and tool_choice, rendering
+(Hermes for templates without tools, the template's own otherwise), parsing calls from outputs,
+streaming them as ``delta.tool_calls``, and OpenAI bodies (as batch files send them) to StructuredOutputs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, response_body, stream_state
+from prefixserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest, parse_request
+from prefixserve.entrypoints.openai.tools import conversation, parse_calls, read_tools, tool_message
+from prefixserve.model.byte_tokenizer import byte_tokenizer
+from prefixserve.outputs import CompletionOutput, RequestOutput
+
+pytest.importorskip("xgrammar")
+
+PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": PARAMS}},
+    {"type": "function", "function": {"name": "time"}},
+]
+ASK = [{"role": "user", "content": "Weather in Lima?"}]
+CALL = '{"city": "Lima"}'
+
+
+def _req(**body: Any) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, {"messages": ASK, **body}, "messages")
+
+
+def test_tool_choice_modes_and_constraints() -> None:
+    assert read_tools(_req()) is None
+    assert read_tools(_req(tools=TOOLS, tool_choice="none")) is None
+    auto = read_tools(_req(tools=TOOLS))
+    assert auto.choice == "auto" and auto.constraint() is None
+    required = read_tools(_req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    schema = required.constraint().json
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    assert [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == ["weather", "time"]
+    named = read_tools(_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}}))
+    assert named.constraint().json == PARAMS
+    with pytest.raises(APIError) as err:
+        read_tools(_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}))
+    assert err.value.param == "tool_choice" and "nope" in err.value.message
+
+
+def test_parse_calls_in_each_mode() -> None:
+    auto = read_tools(_req(tools=TOOLS))
+    text = 'Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+    message, reason = tool_message(text, "stop", auto)
+    assert reason == "tool_calls" and message["content"] == "Sure."
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Lima"}'}
+    two = text + '<tool_call>{"name": "time", "arguments": {}}</tool_call>'
+    assert [c["function"]["name"] for c in parse_calls(two, auto)] == ["weather", "time"]
+    assert parse_calls('{"name": "weather", "arguments": {"city": "Oslo"}}', auto)  # bare, no tags
+    assert parse_calls("It is sunny.", auto) is None
+    assert parse_calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', auto) is None
+    assert tool_message('<tool_call>{"name": "wea', "length", auto) == (
+        {"role": "assistant", "content": '<tool_call>{"name": "wea'},
+        "length",
+    )
+    required = read_tools(_req(tools=TOOLS, tool_choice="required"))
+    calls = parse_calls(
+        '[{"name": "time", "arguments": {}}, {"name": "weather", "arguments": {"city": "A"}}]', required
+    )
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{}, {"city": "A"}]
+    named = read_tools(_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}}))
+    (call,) = parse_calls('{"city": "Lima"}', named)
+    assert call["function"]["name"] == "weather" and call["id"].startswith("call_")
+
+
+def test_rendering_hermes_and_history() -> None:
+    req = _req(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": CALL}}
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        tools=TOOLS,
+    )  # fmt: skip
+    tools = read_tools(req)
+    hermes = conversation(req.messages, tools, native=False)
+    assert (
+        hermes[0]["content"].startswith("Be brief.\n\n# Tools")
+        and '"name": "weather"' in hermes[0]["content"]
+    )
+    assert (
+        hermes[2]["content"]
+        == '<tool_call>\n{"name": "weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+    )
+    assert hermes[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+    native = conversation(req.messages, tools, native=True)
+    assert native[0] == {"role": "system", "content": "Be brief."}
+    assert native[2]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Lima"}}
+    assert native[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+@pytest.fixture(scope="module")
+def ctx() -> OpenAIContext:
+    return OpenAIContext(model="m", tokenizer=byte_tokenizer(), system_prompts={})
+
+
+def _output(text: str, finish: str | None) -> RequestOutput:
+    return RequestOutput(
+        "r-0", None, [1], [CompletionOutput(0, text, [1] * len(text), finish)], finish is not None
+    )
+
+
+def _events(chunks: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(c.removeprefix("data: ")) for c in chunks]
+
+
+def test_streamed_tool_calls_reassemble_to_the_reply(ctx: OpenAIContext) -> None:
+    body = {"messages": ASK, "tools": TOOLS, "stream": True}
+    prep = prepare(ctx, "/v1/chat/completions", body)
+    text = '<tool_call>{"name": "weather", "arguments": {"city": "Lima", "days": 3}}</tool_call>'
+    state = stream_state(ctx, prep)
+    chunks = []
+    for end in range(0, len(text), 7):
+        chunks += state.update(0, _output(text[:end], None))
+    assert chunks == []  # held back: it may be a call
+    events = _events(state.update(0, _output(text, "stop")))
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    head = deltas[0]["tool_calls"][0]
+    assert head["id"].startswith("call_") and head["function"] == {"name": "weather", "arguments": ""}
+    args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas if d.get("tool_calls"))
+    assert json.loads(args) == {"city": "Lima", "days": 3}
+    plain = stream_state(ctx, prep)  # an auto reply that is text streams as text
+    first = _events(plain.update(0, _output("It is", None)))
+    assert first[0]["choices"][0]["delta"] == {"content": "It is"}
+    reply = response_body(ctx, prep, [_output(text, "stop")])
+    assert reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "weather"
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": PARAMS}}},
+            "json",
+        ),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "choice"),
+        ({"guided_json": PARAMS}, "json"),
+        ({"guided_grammar": 'root ::= "x"'}, "grammar"),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)
+def test_bodies_to_structured_outputs(ctx: OpenAIContext, body: dict[str, Any], kind: str | None) -> None:
+    for url, base in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "x"})):
+        spec = prepare(ctx, url, {**base, **body}).params.structured_outputs
+        assert (spec.kind if spec else None) == kind
