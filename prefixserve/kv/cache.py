@@ -168,6 +168,7 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 def available_memory(device: torch.device) -> int:
     """Free bytes the KV cache may draw from: free GPU memory, or physical RAM on a CPU."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # what loading freed (e.g. dummy weights drawn whole, then sliced) counts
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
