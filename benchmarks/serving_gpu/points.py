@@ -7,9 +7,12 @@ from typing import Any
 
 from benchmarks.harness import mean, pct
 
+SERVED_FRACTION = 0.95  # a rate is kept up with only if at least this share of it is served
 
-def summarize(results: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
-    """Latency and throughput of one point, from the clients' records."""
+
+def summarize(results: list[dict[str, Any]], start_at: float, slo: float | None = None) -> dict[str, Any]:
+    """Latency and throughput of one point, from the clients' records; with ``slo`` (seconds per
+    token) also the goodput: requests a second that finished within it."""
     ok = [r for r in results if r["error"] is None and r["end"] is not None and r["tokens"] > 0]
     errors = [r["error"] for r in results if r["error"] is not None]
     out: dict[str, Any] = {"requests": len(results), "ok": len(ok), "errors": len(errors)}
@@ -64,14 +67,18 @@ def summarize(results: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
         client_lag_p99_s=pct(lag, 0.99) if lag else 0.0,
         streamed_token_fraction=counted / max(1, tokens),
     )
+    if slo is not None:
+        out["goodput_req_s"] = sum(n <= slo for n in norm) / span
     return out
 
 
 def over(point: dict[str, Any], slo: float, backlog_s: float) -> bool:
-    """The server did not keep up at this point: timed out, mean normalised latency over the SLO, or a
-    queue that grew by more than ``backlog_s`` of TTFT across the window."""
+    """The server did not keep up at this point: timed out, served fewer than ``SERVED_FRACTION`` of
+    the offered requests a second (failed and unfinished ones count as not served), mean normalised
+    latency over the SLO, or a queue that grew by more than ``backlog_s`` of TTFT across the window."""
     return bool(
         point.get("timed_out")
+        or not point.get("throughput_req_s", 0.0) >= SERVED_FRACTION * point["rate_req_s"]
         or not point.get("norm_latency_mean", float("inf")) <= slo
         or not point.get("backlog_growth_s", float("inf")) <= backlog_s
     )

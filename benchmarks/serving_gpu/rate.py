@@ -48,7 +48,7 @@ def run_point(
     run = clients.run(server.url, reqs, args.point_timeout)
     wall = time.monotonic() - t0
     time.sleep(0.2)  # let the engine thread's snapshot catch up
-    stats = summarize(run["results"], run["start_at"])
+    stats = summarize(run["results"], run["start_at"], args.slo)
     stats["timed_out"] = any(r["error"] == "deadline" for r in run["results"])
     stats["server"] = metrics_delta(before, scrape(server.url))
     stats["wall_s"] = wall
@@ -140,7 +140,8 @@ def point_line(r: dict[str, Any]) -> str:
         return f"[rate {r['config']} {r['system_tokens']} tok] {r['rate_req_s']:g} req/s: no request finished"
     return (
         f"[rate {r['config']} {r['system_tokens']} tok] {r['rate_req_s']:g} req/s ({r['requests']} req): "
-        f"{r['throughput_req_s']:.2f} req/s, {r['throughput_tok_s']:.0f} tok/s, "
+        f"{r['throughput_req_s']:.2f} req/s served (goodput {r.get('goodput_req_s', 0.0):.2f}), "
+        f"{r['throughput_tok_s']:.0f} tok/s, "
         f"norm {r['norm_latency_mean']:.4f} (p99 {r['norm_latency_p99']:.4f}) s/tok, "
         f"TTFT {r['ttft_mean_s']:.3f} (p99 {r['ttft_p99_s']:.3f}) s, "
         f"ITL {1e3 * r['itl_mean_s']:.1f} (p99 {1e3 * r['itl_p99_s']:.1f}) ms, errors {r['errors']}, "
