@@ -37,13 +37,19 @@ from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sampling.penalties import PenaltyState, any_processing, process_logits
+from prefixserve.sampling.penalties import (
+    Penalized,
+    PenaltyState,
+    any_processing,
+    process_logits,
+    prompt_and_output,
+    sequence_ended,
+)
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
 from prefixserve.structured.bitmask import apply_bitmask
 
 if TYPE_CHECKING:
     from prefixserve.kv.block_pool import BlockPool
-    from prefixserve.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +104,6 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
     t = torch.tensor(values, dtype=torch.long)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-def _ended(seq: Sequence) -> bool:
-    return seq.is_finished
-
-
-def _prompt_and_output(seq: Sequence) -> tuple[Any, Any]:
-    """A sequence's prompt ids and the output ids known on the host (placeholders are negative)."""
-    n = seq.num_prompt_tokens
-    return seq.token_ids[:n], seq.token_ids[n:]
 
 
 def context_length(config: EngineConfig, model: torch.nn.Module) -> int:
@@ -279,7 +275,7 @@ class ModelRunner:
         rows: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        seqs: list[Sequence] | None = None,
+        seqs: list[Penalized] | None = None,
         mask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> None:
         """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
@@ -312,14 +308,14 @@ class ModelRunner:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        seqs: list[Sequence],
+        seqs: list[Penalized],
     ) -> SampleFuture:
         """Sampling after logit_bias and penalties; the sampled tokens are counted on the device."""
         state = self.penalties
         if state is None:
             state = self.penalties = PenaltyState(self.device)
-        state.release(_ended)
-        processed, taken = process_logits(logits, params, seqs, state, _prompt_and_output)
+        state.release(sequence_ended)
+        processed, taken = process_logits(logits, params, seqs, state, prompt_and_output)
         future = sample_async(logits, params, generators, self.default_generator, processed)
         if taken is not None:
             state.record(taken, future.device_tokens)

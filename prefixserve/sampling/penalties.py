@@ -17,12 +17,33 @@ sampled token to keep the counts, and a row's prompt is read once, when its sequ
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from prefixserve.sampling.params import SamplingParams
 
 PromptOf = Callable[[Hashable], tuple[Sequence[int], Sequence[int]]]  # key -> (prompt ids, output ids)
+
+
+class Penalized(Protocol, Hashable):
+    """What the penalties read of a sequence (the engine's ``Sequence``; the device side never imports it)."""
+
+    num_prompt_tokens: int
+    token_ids: Any
+
+    @property
+    def is_finished(self) -> bool: ...
+
+
+def sequence_ended(seq: Penalized) -> bool:
+    return seq.is_finished
+
+
+def prompt_and_output(seq: Penalized) -> tuple[Any, Any]:
+    """A sequence's prompt ids and the output ids known on the host (placeholders are negative)."""
+    n = seq.num_prompt_tokens
+    return seq.token_ids[:n], seq.token_ids[n:]
 
 
 def _tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -170,9 +191,12 @@ def any_processing(params: list[SamplingParams]) -> bool:
 
 
 __all__ = [
+    "Penalized",
     "PenaltyState",
     "any_processing",
     "apply_logit_bias",
     "apply_penalties",
     "process_logits",
+    "prompt_and_output",
+    "sequence_ended",
 ]
