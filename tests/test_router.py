@@ -51,6 +51,18 @@ def test_misses_go_to_the_least_loaded_and_ties_to_the_less_loaded() -> None:
     assert router.choose([], {"a": 3, "b": 1}) == "b"  # a prompt shorter than a block
 
 
+def test_misses_at_equal_load_take_turns_and_hits_do_not() -> None:
+    router = Router()
+    assert [router.choose(_digests(str(i)), {"a": 0, "b": 0, "c": 0}) for i in range(4)] == [
+        "a",
+        "b",
+        "c",
+        "a",
+    ]
+    router.index.apply("c", CacheEvents(added=_digests("p")))
+    assert {router.choose(_digests("p", str(i)), {"a": 0, "b": 0, "c": 0}) for i in range(3)} == {"c"}
+
+
 def test_sessions_stick_while_healthy_and_move_when_their_replica_goes() -> None:
     router = _router_holding({"a": _digests("1")})
     assert router.choose(_digests("9"), {"a": 5, "b": 0}, session="s") == "b"

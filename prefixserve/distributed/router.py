@@ -97,6 +97,8 @@ class Router:
         self.policy = policy or RoutingPolicy()
         self.index = PrefixIndex()
         self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._routed = 0  # requests routed so far
+        self._last: dict[str, int] = {}  # replica -> the request number it took last
 
     def choose(self, digests: Sequence[bytes], loads: Mapping[str, int], session: str | None = None) -> str:
         """The replica for a request whose prompt has these block digests.
@@ -111,6 +113,8 @@ class Router:
                 self._sessions.move_to_end(session)
                 return stuck
         chosen = self._by_prefix(digests, loads)
+        self._routed += 1
+        self._last[chosen] = self._routed
         if session is not None:
             self._sessions[session] = chosen
             self._sessions.move_to_end(session)
@@ -121,8 +125,10 @@ class Router:
     def _by_prefix(self, digests: Sequence[bytes], loads: Mapping[str, int]) -> str:
         least = min(loads.values())
         depth = self.index.match(digests, loads)
-        # most cached blocks first, then least load, then name (a stable order for equal replicas)
-        ranked = sorted(loads, key=lambda r: (-depth[r], loads[r], r))
+        # most cached blocks first, then least load, then the one routed to least recently (misses at
+        # equal load take turns, so distinct prefixes spread over the caches), then the name
+        last = self._last
+        ranked = sorted(loads, key=lambda r: (-depth[r], loads[r], last.get(r, 0), r))
         best = ranked[0]
         if depth[best] > 0 and not self.policy.overloaded(loads[best], least):
             return best

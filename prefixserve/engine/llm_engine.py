@@ -514,10 +514,11 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         return self.stats.metrics(self)
 
-    def drain_cache_events(self) -> CacheEvents:
+    def drain_cache_events(self, full: bool = False) -> CacheEvents:
         """Prefix-index changes since the last call, for a replica router (the first call turns the
-        log on and returns the whole index as a snapshot). Call it on the engine's thread."""
-        return enable_cache_events(self.pool).drain()
+        log on and returns the whole index as a snapshot, as does ``full``). Call it on the engine's
+        thread."""
+        return enable_cache_events(self.pool).drain(full)
 
 
 __all__ = ["PLACEHOLDER_TOKEN", "Engine"]

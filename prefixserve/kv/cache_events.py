@@ -58,9 +58,10 @@ class CacheEventLog:
             return
         self._log.append((added, digest))
 
-    def drain(self) -> CacheEvents:
-        """The changes since the last drain (or a snapshot), and start a new log."""
-        if self._overflowed:
+    def drain(self, full: bool = False) -> CacheEvents:
+        """The changes since the last drain (or a snapshot: ``full``, the first, after an overflow),
+        and start a new log. A consumer that lost a drain (a call that failed) asks for ``full``."""
+        if self._overflowed or full:
             self._overflowed = False
             self._log.clear()
             return CacheEvents(added=list(self._snapshot()), reset=True)
