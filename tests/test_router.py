@@ -174,3 +174,21 @@ def test_router_index_equals_every_engines_prefix_cache(
 def test_the_engines_did_evict(engines: dict[str, LLM]) -> None:
     """The property test above ran through evictions (a pool of 24 blocks, prompts of up to 5)."""
     assert sum(llm.engine.pool.evictions for llm in engines.values()) > 0
+
+
+def test_replica_metrics_merge_into_one_family_each_with_a_replica_label() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixserve.distributed.serve_metrics import merge_replica_metrics
+
+    texts = {}
+    for name, count in (("replica-0", 2), ("replica-1", 5)):
+        registry = CollectorRegistry()
+        Counter("prefixserve_requests", "Requests", ["route"], registry=registry).labels("/v1").inc(count)
+        texts[name] = generate_latest(registry).decode()
+    merged = merge_replica_metrics(texts).decode()
+    assert merged.count("# TYPE prefixserve_requests_total counter") == 1
+    (family,) = [f for f in text_string_to_metric_families(merged) if f.name == "prefixserve_requests"]
+    got = {(s.labels["replica"], s.value) for s in family.samples if s.name.endswith("_total")}
+    assert got == {("replica-0", 2.0), ("replica-1", 5.0)}

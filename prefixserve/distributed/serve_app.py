@@ -79,6 +79,7 @@ ReplicaDeployment = serve.deployment(
     health_check_period_s=2.0,
     health_check_timeout_s=60.0,
     graceful_shutdown_timeout_s=5.0,
+    logging_config={"enable_access_log": False},  # the ingress polls each replica 4 times a second
 )(EngineReplica)
 
 
@@ -119,15 +120,27 @@ def serve_app(
 
 
 def run_replicas(
-    config: EngineConfig, replicas: int, host: str, port: int, api_key: str | None = None
+    config: EngineConfig,
+    replicas: int,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    replica_cpus: float | None = None,
 ) -> int:
     """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
+    import signal
+
     import ray
 
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM shuts Serve down as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(serve_app(config, replicas, api_key=api_key), name=APP_NAME, route_prefix="/")
+    app = serve_app(config, replicas, api_key=api_key, replica_cpus=replica_cpus)
+    serve.run(app, name=APP_NAME, route_prefix="/")
     log.info(
         "serving %d replicas of %s on http://%s:%d", replicas, config.model or "the default model", host, port
     )
