@@ -92,6 +92,8 @@ class ReplicaSet:
                 log.warning("replica %s does not answer (%s); routing around it", name, exc)
             self.failed(name)
             return
+        if not full and name in self._need_full:
+            return  # it failed while this poll was out: these changes are on top of a forgotten state
         if incarnation != self._incarnation.get(name):
             self.router.forget_replica(name)  # a new process: nothing it held before is there
             self._incarnation[name] = incarnation
