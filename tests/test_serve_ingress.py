@@ -87,3 +87,39 @@ def test_a_delta_that_crossed_a_failure_is_dropped_and_a_snapshot_asked_for() ->
     a.answers = [("i1", CacheEvents(added=[b"x", b"late"], reset=True))]
     _run(replicas.poll("a"))
     assert a.asked_full[-1] is True and replicas.router.index.digests_of("a") == {b"x", b"late"}
+
+
+def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -> None:
+    """A completion and a chat naming an application: the ingress's digests are among the blocks
+    the engine cached for the same request (the pinned system prompt first, as the engine's intake)."""
+    import json
+
+    from prefixserve import LLM, SamplingParams
+    from prefixserve.distributed.serve_ingress import IngressCore
+    from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
+
+    system = "You answer questions about trains, briefly and politely. " * 3
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, system_prompts={"rail": system},
+        progress=False,
+    )  # fmt: skip
+    tok = llm.engine.tokenizer
+    ctx = OpenAIContext(model=llm.engine.model_name, tokenizer=tok, system_prompts={"rail": system})
+    core = IngressCore(ReplicaSet({"a": FakeReplica()}), ctx, llm.engine.config.block_size)
+    question = "Which line goes to the harbour, and how often does it run on Sundays? " * 2
+    bodies = {
+        "/v1/completions": {"model": "default", "prompt": question, "application": "rail"},
+        "/v1/chat/completions": {
+            "model": "default", "messages": [{"role": "user", "content": question}], "application": "rail",
+        },
+    }  # fmt: skip
+    for path, body in bodies.items():
+        digests, session = _run(core.routing_key(path, json.dumps(body).encode(), {"x-session-id": "s9"}))
+        assert session == "s9"
+        pinned = len(llm.engine.system_prompt_kv["rail"].digests)
+        assert len(digests) > pinned  # the question's own blocks too
+        text = prepare(ctx, path, body).prompts[0]
+        llm.generate([text], SamplingParams(max_tokens=1), application="rail")  # as the server submits it
+        assert set(digests) <= set(llm.engine.pool.cached_digests()), path
+    digests, session = _run(core.routing_key("/v1/completions", b"{not json", {}))
+    assert digests == [] and session is None  # the replica answers the error

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from prefixserve.distributed.router import Router, RoutingPolicy
 from prefixserve.distributed.serve_metrics import merge_replica_metrics
+from prefixserve.engine.system_prompts import render_system_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
 from prefixserve.entrypoints.openai.protocol import APIError
@@ -134,6 +135,7 @@ class IngressCore:
 
     def __init__(self, replicas: ReplicaSet, ctx: OpenAIContext, block_size: int) -> None:
         self.replicas, self.ctx, self.block_size = replicas, ctx, block_size
+        self._pinned: dict[str, list[int]] = {}  # application -> its pinned system prompt's token ids
 
     async def routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
         """(the block digests of the request's first prompt, its session); ([], ...) when the body
@@ -150,8 +152,17 @@ class IngressCore:
                 return [], session
             encode = self.ctx.tokenizer.encode
             prompt = await asyncio.to_thread(encode, prompt, add_special_tokens=False)
+        ids = list(prompt)
+        application = getattr(prep.req, "application", None)
+        if application in self.ctx.system_prompts:  # as the engine's intake: the pinned prompt goes first
+            pinned = self._pinned.get(application)
+            if pinned is None:
+                text = self.ctx.system_prompts[application]
+                pinned = self._pinned[application] = render_system_prompt(self.ctx.tokenizer, text)
+            if ids[: len(pinned)] != pinned:
+                ids = pinned + ids
         salt = getattr(prep.req, "cache_salt", None)
-        return prompt_digests(list(prompt), self.block_size, salt=salt), session
+        return prompt_digests(ids, self.block_size, salt=salt), session
 
     async def forward(self, request: Request) -> Response:
         """Route and forward one request; relay the replica's answer (streamed as it comes)."""
