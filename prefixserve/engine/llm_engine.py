@@ -32,6 +32,7 @@ from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, tak
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
+from prefixserve.kv.cache_events import CacheEvents, enable_cache_events
 from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.model.parallel import WorkerDiedError
@@ -512,6 +513,12 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         return self.stats.metrics(self)
+
+    def drain_cache_events(self, full: bool = False) -> CacheEvents:
+        """Prefix-index changes since the last call, for a replica router (the first call turns the
+        log on and returns the whole index as a snapshot, as does ``full``). Call it on the engine's
+        thread."""
+        return enable_cache_events(self.pool).drain(full)
 
 
 __all__ = ["PLACEHOLDER_TOKEN", "Engine"]

@@ -219,6 +219,8 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return _serve_replicas(args)
     try:
         from prefixserve.entrypoints.openai.server import serve
     except ImportError as exc:
@@ -227,6 +229,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "reinstall prefixserve (pip install -e .) to get them"
         ) from exc
     return serve(args)
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    """``serve --replicas N``: N engines on Ray Serve behind one prefix-affinity endpoint."""
+    import logging
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    try:
+        from prefixserve.distributed.serve_app import run_replicas
+    except ImportError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    return run_replicas(config, args.replicas, args.host, args.port, args.api_key, args.replica_cpus)
 
 
 # ---- prefixserve schema: a running server's Prompt Cache schemas ---------------------------------
@@ -395,6 +412,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="run the engine in its own process, apart from the HTTP loop's GIL (auto: on a GPU)",
+    )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas on Ray Serve behind a prefix-affinity router (pip install -e '.[ray]')",
+    )
+    s.add_argument(
+        "--replica-cpus", type=float, default=None, help="with --replicas: CPUs Ray reserves per replica (1)"
     )
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)

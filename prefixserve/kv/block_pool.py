@@ -18,6 +18,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -90,6 +91,8 @@ class BlockPool:
         # called with the (block, digest) pairs an allocation evicts, before anyone writes the blocks
         # (the engine's host spill copies their KV out: kv/prefix_spill.py)
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
+        # digests entering and leaving the index, for a replica router (kv/cache_events.py); None: off
+        self.cache_events: Any = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -151,6 +154,8 @@ class BlockPool:
                 del self._block_of[digest]
                 self.evictions += 1
                 evicted.append((block, digest))
+                if self.cache_events is not None:
+                    self.cache_events.removed(digest)
             self.ref_counts[block] = 1
             self._plain[block] = False
             out.append(block)
@@ -211,6 +216,12 @@ class BlockPool:
             return
         self._digest_of[block] = digest
         self._block_of[digest] = block
+        if self.cache_events is not None:
+            self.cache_events.added(digest)
+
+    def cached_digests(self) -> list[bytes]:
+        """Every digest in the prefix index now (a router's snapshot of this pool)."""
+        return list(self._block_of)
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Mark free cached blocks as recently used (a lookup that found them)."""

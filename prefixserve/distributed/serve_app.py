@@ -1,0 +1,157 @@
+"""``prefixserve serve --replicas N`` on Ray Serve: N engine replicas behind one prefix-affinity ingress.
+
+Each replica is its own deployment (``replica-0`` ... ``replica-{N-1}``, one Ray Serve replica each),
+so the router addresses a replica by a name that survives its restarts: Ray Serve places each one
+(a GPU or a tensor-parallel group each; a CPU process on a CPU machine), calls its health check and
+restarts it when its engine died. The ingress deployment serves the OpenAI routes and routes with
+``serve_ingress.IngressCore``. This is the only module that imports Ray Serve (the ``[ray]`` extra);
+a single server never does.
+"""
+
+# no `from __future__ import annotations`: Ray Serve's class-based routes need real annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from prefixserve.config import EngineConfig
+from prefixserve.distributed.router import RoutingPolicy
+from prefixserve.distributed.serve_ingress import IngressCore, ReplicaSet
+from prefixserve.distributed.serve_replica import EngineReplica
+from prefixserve.entrypoints.openai.prepare import OpenAIContext
+from prefixserve.entrypoints.openai.protocol import APIError
+
+try:
+    from ray import serve
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("prefixserve serve --replicas needs Ray Serve: pip install 'prefixserve[ray]'") from exc
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "prefixserve"
+MAX_ONGOING = 4096  # Ray Serve's default (5) would queue a replica's requests in front of its scheduler
+
+api = FastAPI(title="prefixserve replicas", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> Response:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(api)
+class Ingress:
+    """The OpenAI endpoint in front of the replicas (one Ray Serve replica of it by default)."""
+
+    def __init__(self, config: EngineConfig, policy: RoutingPolicy | None, *replicas: Any) -> None:
+        from prefixserve.model.loader import tokenizer_for
+
+        model, tokenizer = tokenizer_for(config.model, progress=False)
+        ctx = OpenAIContext(model=model, tokenizer=tokenizer, system_prompts=dict(config.system_prompts))
+        handles = {f"replica-{i}": h for i, h in enumerate(replicas)}
+        self.core = IngressCore(ReplicaSet(handles, policy), ctx, config.block_size)
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        return await self.core.health()
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        return await self.core.metrics()
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def forward(self, path: str, request: Request) -> Response:
+        return await self.core.forward(request)  # ``path`` is in ``request`` too
+
+    async def check_health(self) -> None:
+        self.core.replicas.ensure_polling()  # Serve calls this on the replica's loop: start polling early
+
+
+ReplicaDeployment = serve.deployment(
+    name="replica",
+    max_ongoing_requests=MAX_ONGOING,
+    health_check_period_s=2.0,
+    health_check_timeout_s=60.0,
+    graceful_shutdown_timeout_s=5.0,
+    logging_config={"enable_access_log": False},  # the ingress polls each replica 4 times a second
+)(EngineReplica)
+
+
+def replica_resources(
+    config: EngineConfig, cpus: float | None = None, gpus: float | None = None
+) -> dict[str, Any]:
+    """Ray resources of one replica: a GPU per tensor-parallel rank when the engine runs on CUDA, else
+    ``cpus`` (1 by default) of a CPU machine."""
+    if gpus is None:
+        wants_cuda = config.device.startswith("cuda")
+        if config.device == "auto":
+            import ray
+
+            wants_cuda = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+        gpus = float(config.tensor_parallel_size) if wants_cuda else 0.0
+    return {"num_cpus": 1.0 if cpus is None else cpus, "num_gpus": gpus}
+
+
+def serve_app(
+    config: EngineConfig | None = None,
+    replicas: int = 2,
+    *,
+    api_key: str | None = None,
+    policy: RoutingPolicy | None = None,
+    replica_cpus: float | None = None,
+    replica_gpus: float | None = None,
+) -> Any:
+    """The Ray Serve application: ``serve.run(serve_app(config, replicas=2), route_prefix="/")``."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    config = config or EngineConfig()
+    resources = replica_resources(config, replica_cpus, replica_gpus)
+    bound = [
+        ReplicaDeployment.options(name=f"replica-{i}", ray_actor_options=resources).bind(config, api_key)
+        for i in range(replicas)
+    ]
+    return Ingress.bind(config, policy, *bound)
+
+
+def run_replicas(
+    config: EngineConfig,
+    replicas: int,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    replica_cpus: float | None = None,
+) -> int:
+    """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
+    import signal
+
+    import ray
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM shuts Serve down as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=True)
+    serve.start(http_options={"host": host, "port": port})
+    app = serve_app(config, replicas, api_key=api_key, replica_cpus=replica_cpus)
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    log.info(
+        "serving %d replicas of %s on http://%s:%d", replicas, config.model or "the default model", host, port
+    )
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
+__all__ = ["APP_NAME", "Ingress", "ReplicaDeployment", "replica_resources", "run_replicas", "serve_app"]

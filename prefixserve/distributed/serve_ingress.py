@@ -1,0 +1,262 @@
+"""The ingress in front of the engine replicas: routes each OpenAI request, forwards it, relays the answer.
+
+Completions and chats are routed by ``router.Router`` on the block digests of their whole prompt (a
+chat is rendered with the model's chat template first, exactly as a replica renders it, so a
+conversation routes on everything before its last turn, not on its first message). The replicas'
+prefix-cache events are polled in the background and feed the router's index; a replica that fails
+a call or a poll leaves the routing at once and comes back when a poll succeeds again (after Ray
+Serve restarted it, with an empty cache). Every other route goes to the least loaded healthy
+replica; schema changes go to all of them. No Ray import: ``serve_app.py`` wraps this in a
+deployment; replicas are reached through anything shaped like a Ray Serve handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
+
+from prefixserve.distributed.router import Router, RoutingPolicy
+from prefixserve.distributed.serve_metrics import merge_replica_metrics
+from prefixserve.engine.system_prompts import render_system_prompt
+from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
+from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.kv.cache_events import prompt_digests
+from prefixserve.promptcache.pml import is_pml_prompt
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.25  # how often the replicas' cache events are drained
+CALL_TIMEOUT_S = 5.0  # a poll or metrics call slower than this counts as a failure
+SESSION_HEADER = "x-session-id"
+REPLICA_HEADER = "X-Prefixserve-Replica"  # which replica answered (debugging, tests)
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+ROUTED = {"/v1/completions", "/v1/chat/completions"}
+
+
+class ReplicaSet:
+    """The replicas' handles, health, outstanding requests and cache index (one event loop's)."""
+
+    def __init__(self, handles: dict[str, Any], policy: RoutingPolicy | None = None) -> None:
+        if not handles:
+            raise ValueError("need at least one replica")
+        self.handles = handles
+        self.router = Router(policy)
+        self.loads = dict.fromkeys(handles, 0)
+        self.healthy: set[str] = set()  # a replica joins once a poll answered
+        self._incarnation: dict[str, str] = {}
+        self._need_full = set(handles)  # the next poll asks for a snapshot
+        self._poller: asyncio.Task[None] | None = None
+        self.registry = CollectorRegistry()
+        self.routed = Counter(
+            "prefixserve_router_requests", "Requests routed", ["replica"], registry=self.registry
+        )
+        self.hit_blocks = Counter(
+            "prefixserve_router_cached_blocks",
+            "Prompt blocks the chosen replica held when routed",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "prefixserve_router_replica_failures",
+            "Calls a replica failed",
+            ["replica"],
+            registry=self.registry,
+        )
+
+    # ---- health and cache events ---------------------------------------------------------------
+    def ensure_polling(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(name) for name in self.handles))
+            await asyncio.sleep(POLL_S)
+
+    async def poll(self, name: str) -> None:
+        """Drain one replica's cache events into the index; a failure takes it out of routing."""
+        full = name in self._need_full
+        try:
+            call = self.handles[name].cache_events.remote(full)
+            incarnation, events = await asyncio.wait_for(_result(call), CALL_TIMEOUT_S)
+        except Exception as exc:
+            if name in self.healthy:
+                log.warning("replica %s does not answer (%s); routing around it", name, exc)
+            self.failed(name)
+            return
+        if not full and name in self._need_full:
+            return  # it failed while this poll was out: these changes are on top of a forgotten state
+        if incarnation != self._incarnation.get(name):
+            self.router.forget_replica(name)  # a new process: nothing it held before is there
+            self._incarnation[name] = incarnation
+        self.router.index.apply(name, events)
+        self._need_full.discard(name)
+        if name not in self.healthy:
+            log.info("replica %s is serving", name)
+            self.healthy.add(name)
+
+    def failed(self, name: str) -> None:
+        """Out of routing until a poll succeeds; what it held is forgotten (it may restart empty)."""
+        if name in self.healthy:
+            self.failures.labels(name).inc()
+        self.healthy.discard(name)
+        self.router.forget_replica(name)
+        self._need_full.add(name)
+
+    # ---- routing ---------------------------------------------------------------------------------
+    def choose(self, digests: Sequence[bytes], session: str | None) -> str:
+        loads = {name: self.loads[name] for name in self.healthy}
+        if not loads:
+            raise APIError(503, "no engine replica is serving now; retry shortly")
+        name = self.router.choose(digests, loads, session)
+        self.routed.labels(name).inc()
+        held = self.router.index.match(digests, [name])[name]
+        if held:
+            self.hit_blocks.labels(name).inc(held)
+        return name
+
+
+async def _result(response: Any) -> Any:
+    """Await a Ray Serve ``DeploymentResponse`` (or any awaitable)."""
+    return await response
+
+
+class IngressCore:
+    """The ingress's request handling, given the replica set and the model's tokenizer context."""
+
+    def __init__(self, replicas: ReplicaSet, ctx: OpenAIContext, block_size: int) -> None:
+        self.replicas, self.ctx, self.block_size = replicas, ctx, block_size
+        self._pinned: dict[str, list[int]] = {}  # application -> its pinned system prompt's token ids
+
+    async def routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
+        """(the block digests of the request's first prompt, its session); ([], ...) when the body
+        is not a valid request: the replica then answers the error itself."""
+        try:
+            data = json.loads(body)
+            session = headers.get(SESSION_HEADER) or (data.get("user") if isinstance(data, dict) else None)
+            prep = prepare(self.ctx, path, data)
+        except (ValueError, APIError, AttributeError, TypeError):
+            return [], headers.get(SESSION_HEADER)
+        prompt = prep.prompts[0] if prep.prompts else ""
+        if isinstance(prompt, str):
+            if self.ctx.tokenizer is None or is_pml_prompt(prompt):
+                return [], session
+            encode = self.ctx.tokenizer.encode
+            prompt = await asyncio.to_thread(encode, prompt, add_special_tokens=False)
+        ids = list(prompt)
+        application = getattr(prep.req, "application", None)
+        if application in self.ctx.system_prompts:  # as the engine's intake: the pinned prompt goes first
+            pinned = self._pinned.get(application)
+            if pinned is None:
+                text = self.ctx.system_prompts[application]
+                pinned = self._pinned[application] = render_system_prompt(self.ctx.tokenizer, text)
+            if ids[: len(pinned)] != pinned:
+                ids = pinned + ids
+        salt = getattr(prep.req, "cache_salt", None)
+        return prompt_digests(ids, self.block_size, salt=salt), session
+
+    async def forward(self, request: Request) -> Response:
+        """Route and forward one request; relay the replica's answer (streamed as it comes)."""
+        self.replicas.ensure_polling()
+        path, body = request.url.path, await request.body()
+        if path in ROUTED and request.method == "POST":
+            digests, session = await self.routing_key(path, body, request.headers)
+        else:
+            digests, session = [], None
+        if request.method != "GET" and path.startswith("/v1/schemas"):
+            return await self._broadcast(request, body)
+        name = self.replicas.choose(digests, session)
+        return await self._call(name, request, body)
+
+    def _request_args(
+        self, request: Request, body: bytes
+    ) -> tuple[str, str, str, list[tuple[str, str]], bytes]:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
+        return request.method, request.url.path, request.url.query, headers, body
+
+    async def _call(self, name: str, request: Request, body: bytes) -> Response:
+        replicas = self.replicas
+        replicas.loads[name] += 1
+        handle = replicas.handles[name].options(stream=True)
+        chunks: AsyncIterator[Any] = handle.handle.remote(*self._request_args(request, body)).__aiter__()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                replicas.loads[name] -= 1
+
+        try:
+            start = await chunks.__anext__()
+            headers = {k: v for k, v in start["headers"] if k.lower() not in HOP_HEADERS}
+            headers[REPLICA_HEADER] = name
+            if not headers.get("content-type", "").startswith("text/event-stream"):
+                content = b"".join([bytes(c) async for c in chunks])
+                release()
+                return Response(content, status_code=start["status"], headers=headers)
+        except Exception as exc:
+            release()
+            replicas.failed(name)
+            log.warning("replica %s failed a request: %s", name, exc)
+            error = APIError(503, f"engine replica {name} failed while answering: {type(exc).__name__}")
+            return JSONResponse(error.body(), status_code=503, headers={REPLICA_HEADER: name})
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks:
+                    yield bytes(chunk)
+            except Exception as exc:
+                replicas.failed(name)
+                log.warning("replica %s failed mid-stream: %s", name, exc)
+                error = APIError(500, f"engine replica {name} failed mid-stream", code="engine_error")
+                yield fmt.sse(error.body()).encode()
+            finally:
+                release()
+                with contextlib.suppress(Exception):
+                    await chunks.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(relay(), status_code=start["status"], headers=headers)
+
+    async def _broadcast(self, request: Request, body: bytes) -> Response:
+        """Schema changes go to every healthy replica; the first one's answer is returned."""
+        names = sorted(self.replicas.healthy)
+        if not names:
+            raise APIError(503, "no engine replica is serving now; retry shortly")
+        answers = await asyncio.gather(*(self._call(n, request, body) for n in names))
+        return answers[0]
+
+    async def health(self) -> Response:
+        self.replicas.ensure_polling()
+        states = {name: name in self.replicas.healthy for name in self.replicas.handles}
+        body = {
+            "status": "ok" if any(states.values()) else "unavailable",
+            "replicas": states,
+            "outstanding": dict(self.replicas.loads),
+        }
+        return JSONResponse(body, status_code=200 if any(states.values()) else 503)
+
+    async def metrics(self) -> Response:
+        """Every healthy replica's metrics with a ``replica`` label, and the router's own."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        names = sorted(self.replicas.healthy)
+        calls = [_result(self.replicas.handles[n].metrics_text.remote()) for n in names]
+        texts = await asyncio.gather(
+            *(asyncio.wait_for(c, CALL_TIMEOUT_S) for c in calls), return_exceptions=True
+        )
+        per_replica = {n: t.decode() for n, t in zip(names, texts, strict=True) if isinstance(t, bytes)}
+        merged = merge_replica_metrics(per_replica) + generate_latest(self.replicas.registry)
+        return Response(merged, media_type=CONTENT_TYPE_LATEST)
+
+
+__all__ = ["REPLICA_HEADER", "SESSION_HEADER", "IngressCore", "ReplicaSet"]

@@ -1,0 +1,130 @@
+"""One engine replica behind the Ray Serve ingress: the single server's app, called in process.
+
+The replica runs exactly the app ``prefixserve serve`` runs (``openai/app.build_app``: its engine
+thread, checks, errors, streaming, metrics), so a replicated endpoint answers as one server does.
+The ingress hands it a request's method, path, headers and body; the replica drives its ASGI app
+without a socket and yields the response start (status, headers) and then the body chunks as the
+app writes them. It also reports its prefix-cache events (for the router) and its health (Ray
+Serve restarts a replica whose engine stopped). No Ray import: ``serve_app.py`` makes it a
+deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prefixserve.config import EngineConfig
+from prefixserve.kv.cache_events import CacheEvents
+
+APP_EXIT_WAIT_S = 5.0  # how long a finished response's ASGI task gets to return
+
+
+class EngineReplica:
+    """An engine and its OpenAI app; methods are called by the ingress through a Ray Serve handle."""
+
+    def __init__(self, config: EngineConfig, api_key: str | None = None) -> None:
+        from prefixserve.entrypoints.openai.app import build_app  # FastAPI: only where a replica runs
+
+        self.app = build_app(config, api_key=api_key)
+        self.loop = self.app.state.engine_loop
+        self.loop.start()  # the app's lifespan would; it is never run here (no server)
+        self.incarnation = uuid.uuid4().hex  # a restarted replica is a new one: its cache starts empty
+
+    def info(self) -> dict[str, Any]:
+        """Who this replica is: its incarnation and process id (tests kill it by pid)."""
+        return {"incarnation": self.incarnation, "pid": os.getpid()}
+
+    async def cache_events(self, full: bool = False) -> tuple[str, CacheEvents]:
+        """(incarnation, prefix-index changes since the last call, or all of it when ``full``)."""
+        events = await self.loop.run(lambda engine: engine.drain_cache_events(full))
+        return self.incarnation, events
+
+    async def metrics_text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return bytes(generate_latest(self.app.state.metrics.registry))
+
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising makes it restart the replica."""
+        if not self.loop.alive:
+            raise RuntimeError("the engine of this replica stopped")
+
+    async def handle(
+        self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes
+    ) -> AsyncIterator[dict[str, Any] | bytes]:
+        """Run one HTTP request through the app: yields ``{"status", "headers"}``, then body chunks.
+
+        Leaving early (the ingress's client went away) tells the app its client disconnected, so
+        the app aborts the engine requests as it would for a socket."""
+        async for item in call_asgi(self.app, method, path, query, headers, body):
+            yield item
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            with contextlib.suppress(Exception):
+                loop.stop(timeout=5.0)
+
+
+async def call_asgi(
+    app: Any, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes
+) -> AsyncIterator[dict[str, Any] | bytes]:
+    """Drive an ASGI app for one HTTP request without a socket (see ``EngineReplica.handle``)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 80),
+    }
+    messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    gone = asyncio.Event()
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    task = asyncio.create_task(app(scope, receive, messages.put))
+    try:
+        while True:
+            getter = asyncio.ensure_future(messages.get())
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                task.result()  # the app raised: pass it on
+                if messages.empty():
+                    raise RuntimeError("the app ended without a complete response")
+                continue
+            message = getter.result()
+            if message["type"] == "http.response.start":
+                raw = message.get("headers", [])
+                yield {"status": message["status"], "headers": [(k.decode(), v.decode()) for k, v in raw]}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
+                    return
+    finally:
+        gone.set()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(task, APP_EXIT_WAIT_S)
+
+
+__all__ = ["EngineReplica", "call_asgi"]

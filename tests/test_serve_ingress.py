@@ -1,0 +1,125 @@
+"""The ingress's replica set without Ray: fake handles shaped like Ray Serve's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from prefixserve.distributed.serve_ingress import ReplicaSet
+from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.kv.cache_events import CacheEvents
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class FakeReplica:
+    """Answers ``cache_events.remote(full)`` from a script of (incarnation, events) or exceptions."""
+
+    def __init__(self) -> None:
+        self.answers: list[Any] = []
+        self.asked_full: list[bool] = []
+        self.cache_events = _Method(self._events)
+
+    async def _events(self, full: bool) -> tuple[str, CacheEvents]:
+        self.asked_full.append(full)
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_replica_joins_on_a_poll_leaves_on_a_failure_and_comes_back_with_a_snapshot() -> None:
+    a, b = FakeReplica(), FakeReplica()
+    replicas = ReplicaSet({"a": a, "b": b})
+    with pytest.raises(APIError, match="no engine replica"):
+        replicas.choose([], None)
+    a.answers = [("i1", CacheEvents(added=[b"x"], reset=True)), ("i1", CacheEvents(added=[b"y"]))]
+    _run(replicas.poll("a"))
+    _run(replicas.poll("a"))
+    assert replicas.healthy == {"a"} and replicas.router.index.digests_of("a") == {b"x", b"y"}
+    assert a.asked_full == [True, False]
+    assert replicas.choose([b"x"], None) == "a"
+    a.answers = [RuntimeError("actor died"), ("i2", CacheEvents(added=[b"z"], reset=True))]
+    _run(replicas.poll("a"))
+    assert replicas.healthy == set() and replicas.router.index.digests_of("a") == set()
+    _run(replicas.poll("a"))  # restarted: a new incarnation, asked for a snapshot
+    assert a.asked_full[-1] is True and replicas.router.index.digests_of("a") == {b"z"}
+    assert replicas.healthy == {"a"}
+
+
+def test_a_delta_that_crossed_a_failure_is_dropped_and_a_snapshot_asked_for() -> None:
+    a = FakeReplica()
+    replicas = ReplicaSet({"a": a})
+    a.answers = [("i1", CacheEvents(added=[b"x"], reset=True))]
+    _run(replicas.poll("a"))
+    gate = asyncio.Event
+
+    async def scenario() -> None:
+        started, release = gate(), gate()
+
+        async def slow(full: bool) -> tuple[str, CacheEvents]:
+            started.set()
+            await release.wait()
+            return "i1", CacheEvents(added=[b"late"])
+
+        a.cache_events = _Method(slow)
+        poll = asyncio.create_task(replicas.poll("a"))
+        await started.wait()
+        replicas.failed("a")  # a request to it failed meanwhile
+        release.set()
+        await poll
+
+    _run(scenario())
+    assert replicas.router.index.digests_of("a") == set() and "a" not in replicas.healthy
+    a.cache_events = _Method(a._events)
+    a.answers = [("i1", CacheEvents(added=[b"x", b"late"], reset=True))]
+    _run(replicas.poll("a"))
+    assert a.asked_full[-1] is True and replicas.router.index.digests_of("a") == {b"x", b"late"}
+
+
+def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -> None:
+    """A completion and a chat naming an application: the ingress's digests are among the blocks
+    the engine cached for the same request (the pinned system prompt first, as the engine's intake)."""
+    import json
+
+    from prefixserve import LLM, SamplingParams
+    from prefixserve.distributed.serve_ingress import IngressCore
+    from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
+
+    system = "You answer questions about trains, briefly and politely. " * 3
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, system_prompts={"rail": system},
+        progress=False,
+    )  # fmt: skip
+    tok = llm.engine.tokenizer
+    ctx = OpenAIContext(model=llm.engine.model_name, tokenizer=tok, system_prompts={"rail": system})
+    core = IngressCore(ReplicaSet({"a": FakeReplica()}), ctx, llm.engine.config.block_size)
+    question = "Which line goes to the harbour, and how often does it run on Sundays? " * 2
+    bodies = {
+        "/v1/completions": {"model": "default", "prompt": question, "application": "rail"},
+        "/v1/chat/completions": {
+            "model": "default", "messages": [{"role": "user", "content": question}], "application": "rail",
+        },
+    }  # fmt: skip
+    for path, body in bodies.items():
+        digests, session = _run(core.routing_key(path, json.dumps(body).encode(), {"x-session-id": "s9"}))
+        assert session == "s9"
+        pinned = len(llm.engine.system_prompt_kv["rail"].digests)
+        assert len(digests) > pinned  # the question's own blocks too
+        text = prepare(ctx, path, body).prompts[0]
+        llm.generate([text], SamplingParams(max_tokens=1), application="rail")  # as the server submits it
+        assert set(digests) <= set(llm.engine.pool.cached_digests()), path
+    digests, session = _run(core.routing_key("/v1/completions", b"{not json", {}))
+    assert digests == [] and session is None  # the replica answers the error
