@@ -5,22 +5,20 @@ Callers (the LLM API, the CLI, the server) drive an Engine through ``add_request
 module owns the requests and the order of a step, as vLLM v1's ``EngineCore`` does; features sit at
 the edges: intake (``input_processor``), step inputs (``step_inputs``), launch-ahead placeholders
 (``in_flight``), token placing and stops (``Scheduler.update_from_output``), metrics (``stats``),
-applications' system prompts (``system_prompts``); the Prompt Cache's store and device calls live in
-``promptcache/``.
+applications' system prompts (``system_prompts``); what the engine offers besides the loop (device
+properties, schemas, pinned prompts, metrics, cache events) is ``engine_services``; the Prompt Cache's
+store and device calls live in ``promptcache/``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from prefixserve.config import EngineConfig
-from prefixserve.engine.cuda_graph import DecodeGraphs
+from prefixserve.engine.engine_services import EngineServices
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
@@ -29,16 +27,13 @@ from prefixserve.engine.output_processor import request_output
 from prefixserve.engine.prompt_logprobs import PromptLogprobs
 from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
-from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
+from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
-from prefixserve.kv.cache import KVCache
-from prefixserve.kv.cache_events import CacheEvents, enable_cache_events
 from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.device_calls import prompt_modules
-from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
 from prefixserve.scheduler.block_tables import BlockManager
@@ -52,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(EngineServices):
     """Requests in, RequestOutputs out, one batch per ``step``; the model runner does the device work."""
 
     def __init__(self, config: EngineConfig | None = None, progress: bool = True) -> None:
@@ -128,65 +123,6 @@ class Engine:
             self.register_schema(text)
         tune_gc()
 
-    def shutdown(self) -> None:
-        """Release the device side: under tensor parallelism, stop the worker processes."""
-        self.runner.shutdown()
-
-    # ---- the device side, as callers and tests inspect it --------------------------------------
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    @property
-    def kv(self) -> KVCache:
-        return self.runner.kv
-
-    @property
-    def backend(self) -> Any:
-        return self.runner.backend
-
-    @property
-    def graphs(self) -> DecodeGraphs | None:
-        return self.runner.graphs
-
-    def capture_graphs(self) -> int:
-        """Capture the dense pieces of every eager-step size now; returns how many were captured.
-
-        A server calls this at start-up: captured lazily, each new size of prefill or mixed step
-        (and a server meets many) stalls every running stream for a warm-up forward and L + 1
-        captures. Each size runs one synthetic prefill over blocks taken from the pool and given back.
-        """
-        return self.runner.capture_pieces(self.pool)
-
-    # ---- pinned system prompts (RelayAttention) ------------------------------------------------
-    def render_system_prompt(self, text: str) -> list[int]:
-        """Token ids of a system prompt as the chat template renders it at the start of a chat."""
-        return render_system_prompt(self.tokenizer, text)
-
-    def pin_system_prompt(self, name: str, text: str) -> SystemPromptKV:
-        """Compute an application's system prompt KV once and hold its full blocks for good."""
-        held = pin_system_prompt(self, name, text)
-        self._finished_outputs = []
-        return held
-
-    # ---- Prompt Cache schemas -------------------------------------------------------------------
-    def register_schema(
-        self,
-        text: str,
-        encode: bool = True,
-        pin: bool = False,
-        replace: bool = False,
-        module_recompute: str | None = None,
-    ) -> str:
-        """Register a PML schema (``PromptModules.add_schema``); returns its name."""
-        return self.modules.add_schema(text, encode, pin, replace, module_recompute)
-
-    def unregister_schema(self, name: str) -> None:
-        self.modules.unregister(name)
-
-    def list_schemas(self) -> list[dict[str, Any]]:
-        return self.modules.list_schemas()
-
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,
@@ -227,18 +163,6 @@ class Engine:
         if held is not None:
             self.counters["module_tokens_reused_total"] += held.tokens - held.recomputed_tokens
         return req
-
-    def _structured(self) -> StructuredDecoding:
-        """Structured decoding, set up at the first constrained request (xgrammar is imported then)."""
-        if self.structured is None:
-            from prefixserve.structured.decoding import StructuredDecoding
-
-            self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
-        return self.structured
-
-    def is_pml_prompt(self, prompt: str) -> bool:
-        """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document."""
-        return is_pml_prompt(prompt)
 
     def add_group(self, requests: list[Request], prefix_len: int) -> None:
         """Queue requests added with ``queue=False`` as one prefix-sharing group (BatchLLM): the first
@@ -501,24 +425,6 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         return request_output(req, self.tokenizer, finished=req.request_id not in self.requests)
-
-    # ---- observability -------------------------------------------------------------------------
-    @property
-    def counters(self) -> Counter[str]:
-        return self.stats.counters
-
-    @property
-    def timers(self) -> Counter[str]:
-        return self.stats.timers
-
-    def metrics(self) -> dict[str, float]:
-        return self.stats.metrics(self)
-
-    def drain_cache_events(self, full: bool = False) -> CacheEvents:
-        """Prefix-index changes since the last call, for a replica router (the first call turns the
-        log on and returns the whole index as a snapshot, as does ``full``). Call it on the engine's
-        thread."""
-        return enable_cache_events(self.pool).drain(full)
 
 
 __all__ = ["PLACEHOLDER_TOKEN", "Engine"]

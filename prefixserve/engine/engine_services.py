@@ -1,0 +1,126 @@
+"""What an Engine offers besides its loop: the device side as callers inspect it, applications' pinned
+system prompts, Prompt Cache schemas, structured decoding's set-up, and observability (metrics, the
+prefix cache's events for a replica router). ``Engine`` (``llm_engine``) inherits it, so the loop's
+module holds only requests and the order of a step."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from prefixserve.engine.cuda_graph import DecodeGraphs
+from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
+from prefixserve.kv.cache import KVCache
+from prefixserve.kv.cache_events import CacheEvents, enable_cache_events
+from prefixserve.promptcache.pml import is_pml_prompt
+
+if TYPE_CHECKING:
+    from prefixserve.structured.decoding import StructuredDecoding
+
+
+class EngineServices:
+    """Mixed into ``Engine``: everything here reads the attributes ``Engine._set_up`` sets."""
+
+    runner: Any
+    pool: Any
+    modules: Any
+    tokenizer: Any
+    stats: Any
+    structured: StructuredDecoding | None
+    model_config: Any
+    eos_ids: set[int]
+    _finished_outputs: list[Any]
+
+    def shutdown(self) -> None:
+        """Release the device side: under tensor parallelism, stop the worker processes."""
+        self.runner.shutdown()
+
+    # ---- the device side, as callers and tests inspect it --------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def kv(self) -> KVCache:
+        return self.runner.kv
+
+    @property
+    def backend(self) -> Any:
+        return self.runner.backend
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.runner.graphs
+
+    def capture_graphs(self) -> int:
+        """Capture the dense pieces of every eager-step size now; returns how many were captured.
+
+        A server calls this at start-up: captured lazily, each new size of prefill or mixed step
+        (and a server meets many) stalls every running stream for a warm-up forward and L + 1
+        captures. Each size runs one synthetic prefill over blocks taken from the pool and given back.
+        """
+        return self.runner.capture_pieces(self.pool)
+
+    # ---- pinned system prompts (RelayAttention) ------------------------------------------------
+    def render_system_prompt(self, text: str) -> list[int]:
+        """Token ids of a system prompt as the chat template renders it at the start of a chat."""
+        return render_system_prompt(self.tokenizer, text)
+
+    def pin_system_prompt(self, name: str, text: str) -> SystemPromptKV:
+        """Compute an application's system prompt KV once and hold its full blocks for good."""
+        held = pin_system_prompt(self, name, text)
+        self._finished_outputs = []
+        return held
+
+    # ---- Prompt Cache schemas -------------------------------------------------------------------
+    def register_schema(
+        self,
+        text: str,
+        encode: bool = True,
+        pin: bool = False,
+        replace: bool = False,
+        module_recompute: str | None = None,
+    ) -> str:
+        """Register a PML schema (``PromptModules.add_schema``); returns its name."""
+        return self.modules.add_schema(text, encode, pin, replace, module_recompute)
+
+    def unregister_schema(self, name: str) -> None:
+        self.modules.unregister(name)
+
+    def list_schemas(self) -> list[dict[str, Any]]:
+        return self.modules.list_schemas()
+
+    def _structured(self) -> StructuredDecoding:
+        """Structured decoding, set up at the first constrained request (xgrammar is imported then)."""
+        if self.structured is None:
+            from prefixserve.structured.decoding import StructuredDecoding
+
+            self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        return self.structured
+
+    def is_pml_prompt(self, prompt: str) -> bool:
+        """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document."""
+        return is_pml_prompt(prompt)
+
+    # ---- observability -------------------------------------------------------------------------
+    @property
+    def counters(self) -> Counter[str]:
+        return self.stats.counters
+
+    @property
+    def timers(self) -> Counter[str]:
+        return self.stats.timers
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.metrics(self)
+
+    def drain_cache_events(self, full: bool = False) -> CacheEvents:
+        """Prefix-index changes since the last call, for a replica router (the first call turns the
+        log on and returns the whole index as a snapshot, as does ``full``). Call it on the engine's
+        thread."""
+        return enable_cache_events(self.pool).drain(full)
+
+
+__all__ = ["EngineServices"]
