@@ -110,6 +110,10 @@ def measure(
         "graphs_shared": len(_shared_keys(engine)),
         "graphs_mixed": sum(bool(k[4][-1]) for k in _shared_keys(engine)),  # on the mixed kernel
         "kv_blocks_used_peak": after["kv_blocks_used_peak"],
+        "kv_blocks_total": after["kv_blocks_total"],
+        # a pool too small for the batch shows here: requests preempted (recomputed later) in the run
+        "preemptions": after["preemptions_total"] - before["preemptions_total"],
+        "steps": after["steps_total"] - before["steps_total"],
         "prefill_s": first - t0,
         "elapsed_s": elapsed,
         "gc_pause_s": pauses.total,  # Python's cyclic GC, all generations, in the timed run

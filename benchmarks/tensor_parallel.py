@@ -82,6 +82,11 @@ def _allreduce_worker(
         "nccl", init_method=f"file://{init}", rank=rank, world_size=size, device_id=torch.device("cuda", rank)
     )
     group = dist.group.WORLD.group_name
+    peer = None
+    if symm:  # the engine's own path: copy in, two-shot over peer memory, copy out
+        from prefixserve.model.peer_allreduce import PeerAllReduce
+
+        peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "bench-peer")
     result = {}
     for b in batches:
         x = torch.zeros(b, hidden, dtype=torch.bfloat16, device="cuda")  # zeros: sums stay finite
@@ -99,6 +104,9 @@ def _allreduce_worker(
             want = data.clone()
             dist.all_reduce(want)
             result[b]["symm"] = _symm_variants(b, hidden, group, want, data)
+        if peer is not None and peer.fits(x):
+            engine_us = _graph_us(lambda x=x: peer(x), calls=2 * layers)
+            result[b].update(engine_peer_us=engine_us, engine_peer_step_ms=engine_us * 2 * layers / 1e3)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
@@ -138,15 +146,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compare-prefix", type=int, default=1024)
     ap.add_argument("--own", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                    help="the grid's modes (one a process: only a process's first tensor-parallel engine "
-                    "gets the peer all-reduce)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        choices=list(MODES),
+        help="the grid's modes (one a process: only a process's first tensor-parallel engine "
+        "gets the peer all-reduce)",
+    )
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--max-batched-tokens", type=int, default=16384,
-                    help="the grid's step token budget (a 70B shard leaves about 12 GiB a GPU: a smaller "
-                    "budget keeps more of it for the KV pool)")
-    ap.add_argument("--symm", action="store_true",
-                    help="allreduce part: also PyTorch's symmetric-memory one-shot and two-shot all-reduces")
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=16384,
+        help="the grid's step token budget (a 70B shard leaves about 12 GiB a GPU: a smaller "
+        "budget keeps more of it for the KV pool)",
+    )
+    ap.add_argument(
+        "--symm",
+        action="store_true",
+        help="allreduce part: also PyTorch's symmetric-memory one-shot and two-shot all-reduces",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     args = ap.parse_args(argv)
     tp = args.tensor_parallel_size
@@ -179,8 +199,9 @@ def main(argv: list[str] | None = None) -> None:
             # all-reduces over peer memory): one run, one machine
             # the peer all-reduce goes to a process's first tensor-parallel engine only: run one B a process
             for key, size, peer in (("tp1", 1, False), (f"tp{tp}", tp, True), (f"tp{tp}_nccl", tp, False)):
-                r = measure(args.compare_model, args.device, "auto", prompts, args.gen, tp=size,
-                            peer_allreduce=peer)
+                r = measure(
+                    args.compare_model, args.device, "auto", prompts, args.gen, tp=size, peer_allreduce=peer
+                )
                 row[f"{key}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
@@ -196,14 +217,27 @@ def main(argv: list[str] | None = None) -> None:
                 row.update({"B": b, "P": p, "tp": tp, "max_batched_tokens": args.max_batched_tokens})
                 for mode, attention in ((m, modes[m]) for m in args.modes):
                     try:
-                        r = measure(args.model, args.device, attention, prompts, args.gen, tp=tp,
-                                    max_batched=args.max_batched_tokens)
+                        r = measure(
+                            args.model,
+                            args.device,
+                            attention,
+                            prompts,
+                            args.gen,
+                            tp=tp,
+                            max_batched=args.max_batched_tokens,
+                        )
                     except Exception as exc:  # e.g. a point that does not fit: recorded, the rest go on
                         row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:300]
                         print(row, flush=True)
                         continue
                     row[f"{mode}_tok_s"], row[f"{mode}_prefill_s"] = r["tok_s"], r["prefill_s"]
                     row[f"{mode}_memory_needed_gb"] = r.get("memory_needed_gb")
+                    # a pool too small for B runs the batch in waves: preemptions show it
+                    row[f"{mode}_preemptions"], row["kv_blocks_total"] = (
+                        r["preemptions"],
+                        r["kv_blocks_total"],
+                    )
+                    row[f"{mode}_kv_blocks_used_peak"] = r["kv_blocks_used_peak"]
                     if mode == "auto":
                         row["host_overhead_frac"] = r["host_overhead_frac"]
                         row["graphs_captured"] = r["graphs_captured"]
@@ -232,21 +266,24 @@ def markdown(payload: dict) -> str:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in payload["grid"]:
-        on, off, ceil = r.get("auto_tok_s", 0), r.get("sharing_off_tok_s", 0), r.get("ceiling_tok_s", 0)
-        step = r["B"] / max(on, 1e-9) * 1e3
-        ar = payload["allreduce"].get(str(r["B"]), {}).get("step_allreduce_ms")
-        share = f"{ar / step:.0%}" if ar else "-"
+        on, off, ceil = (r.get(f"{m}_tok_s") for m in ("auto", "sharing_off", "ceiling"))
+        step = r["B"] / on * 1e3 if on else None
+        measured = payload["allreduce"].get(str(r["B"]), {})
+        # the all-reduce the engine runs: peer memory where measured (the default), else NCCL
+        ar = measured.get("engine_peer_step_ms", measured.get("step_allreduce_ms"))
         md.append(
-            f"| {r['B']} | {r['P']} | {on:.0f} | {off:.0f} | {ceil:.0f} | {on / max(off, 1e-9):.2f}x | "
-            f"{on / max(ceil, 1e-9):.0%} | {step:.1f} | {f'{ar:.2f}' if ar else '-'} | {share} |"
+            f"| {r['B']} | {r['P']} | {_num(on)} | {_num(off)} | {_num(ceil)} | {_ratio(on, off, 'x')} | "
+            f"{_ratio(on, ceil, '%')} | {_num(step, '.1f')} | {_num(ar, '.2f')} | {_ratio(ar, step, '%')} |"
         )
     if payload["allreduce"]:
         md += [
             "",
-            "All-reduce: the step's 2 x layers in-place NCCL all-reduces of [B, hidden] bf16 in one CUDA "
-            "graph, timed bare (20 replays); share = that / the step (B / sharing-on tok/s). Per call: "
+            "All-reduce: the step's 2 x layers all-reduces of [B, hidden] bf16 in one CUDA graph, timed "
+            "bare (20 replays); share = that / the step (B / sharing-on tok/s), through the engine's "
+            "peer-memory path (copy in, two-shot, copy out) where `--symm` measured it, else NCCL. Per call: "
             + ", ".join(
-                f"B={b}: {v['one_allreduce_us']:.1f} us ({v['bus_GBps']:.0f} GB/s bus)"
+                f"B={b}: NCCL {v['one_allreduce_us']:.1f} us ({v['bus_GBps']:.0f} GB/s bus)"
+                + (f", engine peer {v['engine_peer_us']:.1f} us" if "engine_peer_us" in v else "")
                 for b, v in payload["allreduce"].items()
             ),
         ]
@@ -274,6 +311,17 @@ def markdown(payload: dict) -> str:
                 f"| {many / max(one, 1e-9):.2f}x | {idle_s} |"
             )
     return "\n".join(md) + "\n"
+
+
+def _num(x: float | None, spec: str = ".0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _ratio(a: float | None, b: float | None, unit: str) -> str:
+    """a / b as ``1.23x`` or ``45%``; ``-`` where either was not measured."""
+    if not a or not b:
+        return "-"
+    return f"{a / b:.2f}x" if unit == "x" else f"{a / b:.0%}"
 
 
 def _symm_lines(allreduce: dict) -> list[str]:

@@ -1,0 +1,130 @@
+"""Where a tensor-parallel decode step's time goes: rank 0's kernels per decode step, by kind.
+
+One engine per process (only a process's first tensor-parallel engine gets the peer all-reduce), the
+8B-shaped dummy model, B requests sharing a P-token prefix, decode steps under CUDA graphs as served.
+After a warm-up run of the same shapes, ``torch.profiler`` records a short run; kernel device time
+is summed by name, divided by the decode steps, and grouped (matmul, attention, all-reduce, norm,
+elementwise, sampling, copy, other). Run it once per rank count and compare the two JSON files.
+
+PYTHONPATH=. python -m benchmarks.probes.tp_step_profile --tp 2 --json out/tp2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.decode_run import shared_prompts
+from prefixserve import LLM, SamplingParams
+
+KINDS = (  # first match wins: (kind, substrings of a kernel's name, lower case)
+    ("allreduce", ("allreduce", "all_reduce", "nccl", "two_shot", "symm", "barrier")),
+    ("attention", ("attn", "attention", "cascade", "merge", "flash", "shared_", "own_", "decode_")),
+    ("matmul", ("gemm", "nvjet", "sm90_xmma", "cutlass", "matmul", "gate_up", "skinny")),
+    ("norm", ("rms", "norm")),
+    ("sampling", ("argmax", "softmax", "sample", "topk", "sort", "penalt")),
+    ("copy", ("copy", "memcpy", "memset", "cat", "index")),
+    ("elementwise", ("elementwise", "silu", "rotary", "rope", "mul", "add", "fill")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, subs in KINDS if any(s in low for s in subs)), "other")
+
+
+def _profiled(llm: LLM, args: argparse.Namespace, gen: int, seed: int) -> tuple[dict, float]:
+    """Kernel device microseconds and calls by name over one run; its decode ms per step."""
+    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    prompts = shared_prompts(args.batch, args.prefix, args.own, seed=seed)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    first = max(o.metrics["first_token_time"] for o in outs)
+    last = max(o.metrics["finish_time"] for o in outs)
+    by_name: dict[str, tuple[float, int]] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
+        if us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
+            old = by_name.get(ev.key, (0.0, 0))
+            by_name[ev.key] = (old[0] + us, old[1] + ev.count)
+    return by_name, 1e3 * (last - first) / max(gen - 1, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--own", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=40)
+    ap.add_argument("--short-gen", type=int, default=8)
+    ap.add_argument("--no-peer", action="store_true", help="every all-reduce through NCCL")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        tp_peer_allreduce=not args.no_peer,
+        dtype="bfloat16",
+        device="cuda",
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=16384,
+        progress=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
+    llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=1), params)  # warm: graphs, compiles
+    # two profiled runs of the same shapes, short and long: their difference is decode steps alone
+    short, _ = _profiled(llm, args, args.short_gen, seed=2)
+    long, long_ms = _profiled(llm, args, args.gen, seed=3)
+    steps = args.gen - args.short_gen
+    by_name = {
+        n: (
+            (long.get(n, (0.0, 0))[0] - short.get(n, (0.0, 0))[0]) / steps,
+            (long.get(n, (0.0, 0))[1] - short.get(n, (0.0, 0))[1]) / steps,
+        )
+        for n in long
+    }
+    by_name = {n: v for n, v in by_name.items() if v[0] > 0}
+    total_us = sum(v[0] for v in by_name.values())
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, (us, _) in by_name.items():
+        by_kind[kind_of(name)] += us
+    result = {
+        "tp": args.tp,
+        "peer": not args.no_peer,
+        "batch": args.batch,
+        "prefix": args.prefix,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "decode_ms_per_step": long_ms,  # the long run's first token to last finish, per decode step
+        "kernel_ms_per_step": total_us / 1e3,
+        "kinds_ms_per_step": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [
+            {"name": n[:120], "ms": us / 1e3, "calls_per_step": c, "kind": kind_of(n)}
+            for n, (us, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
+        ],
+    }
+    llm.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(
+        f"TP={args.tp} peer={not args.no_peer} decode {result['decode_ms_per_step']:.2f} ms/step, "
+        f"kernels {total_us / 1e3:.2f} ms/step"
+    )
+    for k, ms in result["kinds_ms_per_step"].items():
+        print(f"  {k:12s} {ms:8.2f} ms  ({ms / max(total_us / 1e3, 1e-9):.0%})")
+    for row in result["top"][:25]:
+        print(f"  {row['ms']:8.3f} ms {row['calls_per_step']:6.1f}x {row['kind']:10s} {row['name'][:90]}")
+
+
+if __name__ == "__main__":
+    main()
