@@ -45,7 +45,7 @@ from prefixserve.sampling.penalties import (
     prompt_and_output,
     sequence_ended,
 )
-from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async
+from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async, tokens_future
 from prefixserve.structured.bitmask import apply_bitmask
 
 if TYPE_CHECKING:
@@ -288,7 +288,9 @@ class ModelRunner:
         Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
-        if rows:
+        if rows and self.sharded_argmax(params, mask):
+            launch.future = tokens_future(self._argmax(launch, rows))
+        elif rows:
             logits = self._logits(launch, rows, fp32=not argmax_only(params))
             if mask is not None:
                 apply_bitmask(logits, *mask)
@@ -328,10 +330,24 @@ class ModelRunner:
 
     def _logits(self, launch: Launch, rows: list[int], fp32: bool) -> torch.Tensor:
         """``logits`` on this process's shard (the tensor-parallel runner tells its workers first)."""
+        return self.model.compute_logits(self._hidden_rows(launch, rows), fp32)
+
+    def sharded_argmax(self, params: list[SamplingParams], mask: object | None) -> bool:
+        """Greedy rows alone, nothing masked, under tensor parallelism: the ranks exchange each row's
+        best column and its score rather than gathering the logits (``compute_argmax``)."""
+        return self.shard.parallel and mask is None and argmax_only(params) and self.model.argmax_exact
+
+    def argmax(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        """Greedy tokens [len(rows)] of the launch's hidden rows ``rows``; every rank calls it."""
+        return self._argmax(launch, rows)
+
+    def _argmax(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        return self.model.compute_argmax(self._hidden_rows(launch, rows))
+
+    def _hidden_rows(self, launch: Launch, rows: list[int]) -> torch.Tensor:
         hidden = launch.hidden
         contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
-        picked = hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
-        return self.model.compute_logits(picked, fp32)
+        return hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
 
     def shutdown(self) -> None:
         """Release what outlives the object (nothing on one device; workers under tensor parallelism)."""

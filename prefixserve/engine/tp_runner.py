@@ -308,14 +308,21 @@ class TensorParallelRunner(ModelRunner):
         seqs: list[Any] | None = None,
         mask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> None:
-        """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather."""
-        if rows:
+        """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather (or,
+        greedy alone, their best column for the sharded argmax)."""
+        if rows and self.sharded_argmax(params, mask):
+            self.call("argmax", rows)
+        elif rows:
             self.call("logits", rows, not argmax_only(params))
         self.guard(super().sample, launch, rows, params, generators, seqs, mask)
 
     def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
         self.call("logits", rows, fp32)
         return self.guard(super().logits, launch, rows, fp32)
+
+    def argmax(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        self.call("argmax", rows)
+        return self.guard(super().argmax, launch, rows)
 
     def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
         self.call("deviation", batch.batch_id, ids)

@@ -59,6 +59,9 @@ def serve(conn: Connection, rank: int) -> None:
         elif op == "logits":
             assert launch is not None, "logits before any forward"
             runner.logits(launch, *args)
+        elif op == "argmax":
+            assert launch is not None, "argmax before any forward"
+            runner.argmax(launch, *args)
         elif op == "deviation":
             batch_id, ids = args
             runner.kv_deviation(ids, _prepared(batches, batch_id))

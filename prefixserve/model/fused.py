@@ -136,6 +136,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` takes the skinny kernel for this product (it writes a tensor of its own)."""
+    if not (_SWITCHES["skinny"] and _use_triton(x)):
+        return False
+    from prefixserve.model.kernels import skinny_matmul
+
+    rows, cols = x.shape[0], weight.shape[0]
+    return skinny_matmul.supported(x, weight) and skinny_matmul.skinny_config(rows, cols) is not None
+
+
 def add_rms_norm(
     x: torch.Tensor,  # [T, N], or [S, T, N] fp32 split-K partials (``linear_partials``)
     weight: torch.Tensor,  # [N]

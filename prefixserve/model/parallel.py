@@ -92,6 +92,14 @@ class Shard:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)[:, :total]
 
+    def all_gather_stack(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x``, stacked in rank order: [size, *x.shape]."""
+        if not self.parallel:
+            return x[None]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (the KV pool must have one size everywhere)."""
         if not self.parallel:

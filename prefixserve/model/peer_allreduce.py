@@ -58,6 +58,23 @@ class PeerAllReduce:
         x.copy_(staged)
         return x
 
+    def staged(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A [rows, cols] view of the buffer for a product to be written into (no copy in), or None
+        where such a message does not fit."""
+        numel = rows * cols
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32) or nbytes > self.buffer.numel():
+            return None
+        if numel % (self.size * 16):
+            return None
+        return self.buffer[:nbytes].view(dtype).view(rows, cols)
+
+    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        """Sum a ``staged`` view over the ranks in place and return it (no copy out). It holds the sum
+        only until this rank's next all-reduce: the caller consumes it at once."""
+        self.two_shot(staged, "sum", self.group_name)
+        return staged
+
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:
     """The peer all-reduce where this build and machine give one, else None (NCCL does it all).

@@ -195,10 +195,20 @@ def sample_async(
         chosen_lp = logp.gather(1, tokens[:, None])[:, 0]
         if max(want) > 0:
             top_vals, top_ids = logp.topk(max(want), dim=-1)
-    on_device = tokens
-    results = [tokens, chosen_lp, top_vals, top_ids]
+    return _future([tokens, chosen_lp, top_vals, top_ids], counts)
+
+
+def tokens_future(tokens: torch.Tensor) -> SampleFuture:
+    """Tokens chosen on the device by other means (tensor parallelism's sharded argmax), on their way
+    to the host as ``sample_async``'s are."""
+    return _future([tokens, None, None, None], [0] * tokens.shape[0])
+
+
+def _future(results: list[torch.Tensor | None], counts: list[int]) -> SampleFuture:
+    on_device = results[0]
+    assert on_device is not None
     event = None
-    if dev.type == "cuda":  # into pinned host memory behind the kernels, then one event to wait on
+    if on_device.is_cuda:  # into pinned host memory behind the kernels, then one event to wait on
         results = [None if t is None else _pinned_copy(t) for t in results]
         event = torch.cuda.Event()
         event.record()
