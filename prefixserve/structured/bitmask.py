@@ -31,6 +31,7 @@ def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: l
         logits[r].masked_fill_(~allowed, float("-inf"))
 
 
+@torch.inference_mode()  # the logits are inference tensors: updating them in place needs the mode
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """As ``apply_bitmask_reference``, batched: ``bitmask`` is on the host, [len(logits), words]."""
     if not rows:

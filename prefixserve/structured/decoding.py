@@ -9,6 +9,7 @@ each get their own, and a preempted sequence keeps its own across the recompute.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -21,9 +22,15 @@ from prefixserve.structured.grammars import GrammarCache
 class StructuredDecoding:
     """Grammars compiled once per spec, matchers per sequence, and the host side of each step's mask."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int], threads: int = 2) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_ids: set[int], threads: int | None = None
+    ) -> None:
         import xgrammar as xgr
 
+        # the mask's fill is the host's longest part of a constrained step (docs/benchmarks/structured_gpu):
+        # threads hide it behind the GPU's forward
+        if threads is None:
+            threads = max(2, min(8, (os.cpu_count() or 2) // 2))
         self.grammars = GrammarCache(tokenizer, vocab_size, sorted(eos_ids), threads)
         self.words = -(-vocab_size // 32)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
