@@ -215,3 +215,15 @@ def test_limits_are_checked_and_default_to_the_engine_size(engine: Engine) -> No
     adm = Admission(engine)
     assert adm.max_requests == 4 * engine.config.max_num_seqs
     assert adm.max_tokens == 2 * engine.pool.num_blocks * engine.pool.block_size
+
+
+def test_the_offline_api_queues_everything(tiny_config_path: Path) -> None:
+    """No admission offline: far more prompts than a server's default bound (4 x max_num_seqs) all run."""
+    from prefixserve import LLM
+
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, max_num_seqs=1, progress=False
+    )
+    prompts = [{"prompt_token_ids": ids(100 * i + 1, 6)} for i in range(12)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 12
