@@ -106,14 +106,18 @@ def serve_app(
     policy: RoutingPolicy | None = None,
     replica_cpus: float | None = None,
     replica_gpus: float | None = None,
+    overload: Any = None,
 ) -> Any:
-    """The Ray Serve application: ``serve.run(serve_app(config, replicas=2), route_prefix="/")``."""
+    """The Ray Serve application: ``serve.run(serve_app(config, replicas=2), route_prefix="/")``.
+    ``overload``: each replica's ``OverloadSettings`` (its own queue bounds; None: the defaults)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     config = config or EngineConfig()
     resources = replica_resources(config, replica_cpus, replica_gpus)
     bound = [
-        ReplicaDeployment.options(name=f"replica-{i}", ray_actor_options=resources).bind(config, api_key)
+        ReplicaDeployment.options(name=f"replica-{i}", ray_actor_options=resources).bind(
+            config, api_key, overload
+        )
         for i in range(replicas)
     ]
     return Ingress.bind(config, policy, *bound)
@@ -126,6 +130,7 @@ def run_replicas(
     port: int,
     api_key: str | None = None,
     replica_cpus: float | None = None,
+    overload: Any = None,
 ) -> int:
     """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
     import signal
@@ -139,7 +144,7 @@ def run_replicas(
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": host, "port": port})
-    app = serve_app(config, replicas, api_key=api_key, replica_cpus=replica_cpus)
+    app = serve_app(config, replicas, api_key=api_key, replica_cpus=replica_cpus, overload=overload)
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.info(
         "serving %d replicas of %s on http://%s:%d", replicas, config.model or "the default model", host, port

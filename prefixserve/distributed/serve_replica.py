@@ -27,10 +27,11 @@ APP_EXIT_WAIT_S = 5.0  # how long a finished response's ASGI task gets to return
 class EngineReplica:
     """An engine and its OpenAI app; methods are called by the ingress through a Ray Serve handle."""
 
-    def __init__(self, config: EngineConfig, api_key: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, api_key: str | None = None, overload: Any = None) -> None:
+        """``overload``: the server's ``OverloadSettings`` (queue bounds, deadline, stall timeout)."""
         from prefixserve.entrypoints.openai.app import build_app  # FastAPI: only where a replica runs
 
-        self.app = build_app(config, api_key=api_key)
+        self.app = build_app(config, api_key=api_key, overload=overload)
         self.loop = self.app.state.engine_loop
         self.loop.start()  # the app's lifespan would; it is never run here (no server)
         self.incarnation = uuid.uuid4().hex  # a restarted replica is a new one: its cache starts empty

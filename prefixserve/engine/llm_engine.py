@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.config import EngineConfig
@@ -136,6 +136,7 @@ class Engine(EngineServices):
         application: str | None = None,
         queue: bool = True,
         module_recompute: str | None = None,
+        admit: Callable[[Request], None] | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
 
@@ -143,6 +144,8 @@ class Engine(EngineServices):
         starts with it (a chat rendered with that system message). ``queue=False`` leaves the request
         for ``add_group`` (offline batches), which queues it as a member of a prefix-sharing group.
         ``module_recompute`` ("none", "link:K", "blend:R") overrides a PML prompt's recovery setting.
+        ``admit``: a server's overload check (``engine/admission.py``), shown the processed request
+        before it is queued; what it raises refuses the request, and nothing is queued then.
         """
         if params is not None and params.structured_outputs is not None:
             self._structured().admit(params.structured_outputs)  # compiled now, or refused
@@ -150,6 +153,13 @@ class Engine(EngineServices):
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
             application, module_recompute, self.tokenizer, self.max_model_len,
         )  # fmt: skip
+        if admit is not None:
+            try:
+                admit(req)
+            except BaseException:
+                if req.modules is not None:  # the module blocks the intake took for it
+                    self.modules.release(req.modules.blocks)
+                raise
         if req.modules is not None and req.modules.recompute_runs:
             self._to_recover.add(req)
         if req.params.prompt_logprobs is not None:
@@ -172,12 +182,13 @@ class Engine(EngineServices):
             raise ValueError("add_group takes requests added with queue=False and not yet queued")
         self.scheduler.add_group(GroupJob(members=seqs, prefix_len=prefix_len))
 
-    def abort(self, request_id: str, report: bool = True) -> bool:
-        """Stop a request now and free its blocks; its final output comes from the next ``step``."""
+    def abort(self, request_id: str, report: bool = True, reason: str = "abort") -> bool:
+        """Stop a request now and free its blocks; its final output (``finish_reason`` ``reason``)
+        comes from the next ``step``."""
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self._finish_request(req, "abort", report)
+        self._finish_request(req, reason, report)
         self.counters["requests_aborted_total"] += 1
         return True
 

@@ -242,8 +242,13 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise SystemExit(f"error: {exc}") from exc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prefixserve.entrypoints.openai.server import overload_settings
+
     config = engine_config_from_args(args)
-    return run_replicas(config, args.replicas, args.host, args.port, args.api_key, args.replica_cpus)
+    overload = overload_settings(args)
+    return run_replicas(
+        config, args.replicas, args.host, args.port, args.api_key, args.replica_cpus, overload=overload
+    )
 
 
 # ---- prefixserve schema: a running server's Prompt Cache schemas ---------------------------------
@@ -412,6 +417,38 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="run the engine in its own process, apart from the HTTP loop's GIL (auto: on a GPU)",
+    )
+    o = s.add_argument_group("overload (beyond a bound: 429 with Retry-After)")
+    o.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests that may wait to start (default: 4 x --max-num-seqs; 0: unbounded)",
+    )
+    o.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens the waiting requests may still have to compute, shared prefixes counted once "
+        "(default: 2 x the KV pool's tokens; 0: unbounded)",
+    )
+    o.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a request that has not started this long after it came is dropped before it runs (429); "
+        "a request's X-Max-Queue-Delay header may ask for less (default: no deadline)",
+    )
+    o.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a stream whose client takes nothing for this long has its requests aborted, freeing "
+        "their KV (default 60; 0: never)",
     )
     s.add_argument(
         "--replicas",

@@ -3,6 +3,10 @@ Prompt Cache schema routes (``/v1/schemas``: register, list, remove; run on the 
 
 Bodies are read and parsed by hand (size limit before parsing, strict UTF-8, then JSON, then the
 model) so that every refusal is a 4xx naming the problem, never a 422 or a 500.
+
+Under overload (``overload.py``) a request past the waiting queue's bounds, or dropped from it past its
+deadline, is answered 429 with Retry-After. A stream's status and headers go out with its first
+output (its first token, or its end), so a streamed request dropped from the queue gets that 429 too.
 """
 
 from __future__ import annotations
@@ -18,16 +22,26 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
+from prefixserve.engine.admission import QueueFull
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
+from prefixserve.entrypoints.openai.overload import (
+    OverloadSettings,
+    StallWatch,
+    deadline_error,
+    dropped,
+    queue_deadline,
+    refusal,
+    sse_response,
+)
 from prefixserve.entrypoints.openai.prepare import (
     Prepared,
     check_model,
@@ -69,11 +83,15 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     engine_process: bool = False,
+    overload: OverloadSettings | None = None,
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
 
     ``engine_process``: the engine runs in a child process (``engine_process.py``), not on a thread
-    of this one; the app then holds only the tokenizer."""
+    of this one; the app then holds only the tokenizer. ``overload``: the waiting queue's bounds,
+    the queue deadline and the stream stall timeout (default: bounds sized from the engine, no
+    deadline, 60 s)."""
+    overload = overload or OverloadSettings()
     loop: EngineLoop
     if engine_process:
         if engine is not None:
@@ -82,7 +100,7 @@ def build_app(
         from prefixserve.model.loader import tokenizer_for
 
         config = config or EngineConfig()
-        loop = EngineProcess(config)
+        loop = EngineProcess(config, limits=overload.limits)
         info = loop.info
         model, max_model_len, system_prompts = info["model"], info["max_model_len"], info["system_prompts"]
         tokenizer = tokenizer_for(config.model, progress=False)[1]
@@ -92,11 +110,13 @@ def build_app(
         if captured := engine.capture_graphs():  # now, not as stalls of the first requests of each size
             took = time.perf_counter() - started
             log.info("captured dense pieces of %d step sizes in %.1f s", captured, took)
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, limits=overload.limits)
         model, max_model_len, tokenizer = engine.model_name, engine.max_model_len, engine.tokenizer
         system_prompts = dict(engine.config.system_prompts)
     metrics = ServerMetrics(lambda: loop.snapshot)
     loop.observer = metrics
+    stall_s = overload.stream_stall_timeout
+    watch = None if stall_s is None else StallWatch(loop, stall_s, metrics.streams_stalled)
     state = ServerState(
         loop=loop,
         model=model,
@@ -105,6 +125,8 @@ def build_app(
         api_key=api_key,
         system_prompts=system_prompts,
         max_body_bytes=max_body_bytes,
+        max_queue_delay=overload.max_queue_delay,
+        stall_watch=watch,
     )
 
     @asynccontextmanager
@@ -156,6 +178,8 @@ class _CountRequests:
 
 
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if exc.headers:
+        headers = {**exc.headers, **(headers or {})}
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
@@ -209,7 +233,9 @@ async def _tokenize(state: ServerState, text: str) -> list[int] | None:
     return list(ids)
 
 
-async def _submit(state: ServerState, prep: Prepared, sink: asyncio.Queue[RequestOutput]) -> list[str]:
+async def _submit(
+    state: ServerState, prep: Prepared, sink: asyncio.Queue[RequestOutput], deadline: float | None = None
+) -> list[str]:
     """Queue one engine request per prompt; on a refusal, abort the ones already queued."""
     ids: list[str] = []
     req, params, prompt_field = prep.req, prep.params, prep.prompt_field
@@ -231,8 +257,13 @@ async def _submit(state: ServerState, prep: Prepared, sink: asyncio.Queue[Reques
                 application=application,
                 module_recompute=req.module_recompute,
                 stream=req.stream,
+                deadline=deadline,
             )
             ids.append(sub_id)
+    except QueueFull as exc:  # the waiting queue is at a bound, or would not drain before the deadline
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        raise refusal(exc) from None
     except PMLError as exc:  # a Prompt Cache prompt: unknown schema or module, bad argument, bad XML
         for sub_id in ids:
             state.loop.abort(sub_id)
@@ -263,6 +294,8 @@ async def _collect(
                     return None
                 continue
             if out.finished:
+                if dropped(out):  # waited past its deadline: the whole request is refused
+                    raise deadline_error(state.loop)
                 finals[out.request_id] = out
     finally:
         for sub_id in ids:
@@ -285,10 +318,40 @@ async def _latest(sink: asyncio.Queue[RequestOutput]) -> dict[str, RequestOutput
     return latest
 
 
+async def _first_outputs(
+    state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
+) -> dict[str, RequestOutput] | None:
+    """A stream's first outputs (its first token, or its end), before anything is sent: a request
+    dropped from the queue past its deadline is then a 429, not a 200 and an error event. None if
+    the client left meanwhile (its requests are aborted)."""
+    abort = True
+    try:
+        while True:
+            try:
+                latest = await asyncio.wait_for(_latest(sink), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if any(dropped(out) for out in latest.values()):
+                raise deadline_error(state.loop)
+            abort = False
+            return latest
+    finally:
+        if abort:  # refused, or the client left: abort what may still run
+            for sub_id in ids:
+                state.loop.abort(sub_id)
+
+
 async def _stream(
-    state: ServerState, ids: list[str], sink: asyncio.Queue[RequestOutput], s: fmt.StreamState
+    state: ServerState,
+    ids: list[str],
+    sink: asyncio.Queue[RequestOutput],
+    s: fmt.StreamState,
+    first: dict[str, RequestOutput] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE body; leaving early (client gone, cancelled) aborts what is still running.
+    """SSE body from the first outputs on; leaving early (client gone, cancelled) aborts what is
+    still running.
 
     The events of one wake-up (several choices or prompts; the last delta, usage and ``[DONE]``) go
     out as one body write: each write costs a trip through the ASGI middleware and the HTTP protocol.
@@ -302,7 +365,14 @@ async def _stream(
             if isinstance(sink, StreamSink):
                 sink.resume()  # what was taken is written: ready for the next outputs
             parts: list[str] = []
-            for sub_id, out in (await _latest(sink)).items():
+            latest = first if first is not None else await _latest(sink)
+            first = None
+            for sub_id, out in latest.items():
+                if dropped(out):  # another prompt of this request waited past its deadline
+                    parts.append(fmt.sse(deadline_error(state.loop).body()))
+                    finals[sub_id] = out
+                    yield "".join(parts)
+                    return
                 if any(c.finish_reason == "error" for c in out.outputs):
                     error = APIError(500, "the engine failed while running this request", code="engine_error")
                     parts.append(fmt.sse(error.body()))
@@ -322,11 +392,6 @@ async def _stream(
         for sub_id in ids:
             if sub_id not in finals:
                 state.loop.abort(sub_id)
-
-
-def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
 # ---- routes ------------------------------------------------------------------------------------
@@ -375,12 +440,17 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(model_card())
 
 
-async def _answer(state: ServerState, request: Request, prep: Prepared) -> Response:
-    """Queue a checked request and answer it: an SSE stream, or one JSON body when all is done."""
+async def _answer(state: ServerState, request: Request, prep: Prepared, deadline: float | None) -> Response:
+    """Queue a checked request and answer it: an SSE stream (from its first output on), or one JSON
+    body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``)."""
     sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
-    ids = await _submit(state, prep, sink)
+    ids = await _submit(state, prep, sink, deadline)
     if prep.req.stream:
-        return _sse_response(_stream(state, ids, sink, stream_state(state, prep)))
+        first = await _first_outputs(state, request, ids, sink)
+        if first is None:
+            return Response(status_code=499)
+        body = _stream(state, ids, sink, stream_state(state, prep), first)
+        return sse_response(body, ids, state.stall_watch)
     finals = await _collect(state, request, ids, sink)
     if finals is None:
         return Response(status_code=499)
@@ -391,14 +461,18 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(state, request)
-        return await _answer(state, request, prepare_completion(state, await read_json(state, request)))
+        deadline = queue_deadline(request, state.max_queue_delay)
+        body = prepare_completion(state, await read_json(state, request))
+        return await _answer(state, request, body, deadline)
 
 
 def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(state, request)
-        return await _answer(state, request, prepare_chat(state, await read_json(state, request)))
+        deadline = queue_deadline(request, state.max_queue_delay)
+        body = prepare_chat(state, await read_json(state, request))
+        return await _answer(state, request, body, deadline)
 
 
 # ---- Prompt Cache schemas ----------------------------------------------------------------------

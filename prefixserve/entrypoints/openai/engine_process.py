@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
+from prefixserve.engine.admission import Admission, AdmissionLimits
 from prefixserve.entrypoints.openai.engine_thread import (
     IDLE_WAIT_S,
     EngineLoop,
@@ -41,8 +42,9 @@ from prefixserve.entrypoints.openai.engine_thread import (
     _Stream,
     abort_everything,
     add_or_refuse,
-    guarded_step,
+    engine_metrics,
     name_os_thread,
+    serve_step,
 )
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling.params import SamplingParams
@@ -158,7 +160,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 # ---- the child process ----------------------------------------------------------------------------
-def _serve_engine(config: EngineConfig, conn: Any) -> None:
+def _serve_engine(config: EngineConfig, conn: Any, limits: AdmissionLimits | None = None) -> None:
     """The child's main: load the engine, say so, then step and answer commands until told to stop."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     name_os_thread("ps-engine-proc")
@@ -175,6 +177,7 @@ def _serve_engine(config: EngineConfig, conn: Any) -> None:
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    admission = None if limits is None else Admission(engine, limits)
     conn.send(
         (
             "ready",
@@ -182,18 +185,18 @@ def _serve_engine(config: EngineConfig, conn: Any) -> None:
                 "model": engine.model_name,
                 "max_model_len": engine.max_model_len,
                 "system_prompts": dict(engine.config.system_prompts),
-                "snapshot": engine.metrics(),
+                "snapshot": engine_metrics(engine, admission),
             },
         )
     )
-    _EngineChild(engine, conn).run()
+    _EngineChild(engine, conn, admission).run()
 
 
 class _EngineChild:
     """The engine thread's loop with a pipe for its command queue and its deliveries."""
 
-    def __init__(self, engine: Any, conn: Any) -> None:
-        self.engine, self.conn = engine, conn
+    def __init__(self, engine: Any, conn: Any, admission: Admission | None = None) -> None:
+        self.engine, self.conn, self.admission = engine, conn, admission
         self.encoder = OutputEncoder()
         self.paced: dict[str, Any] = {}  # streamed requests with a reader that paces them -> Request
         self.last_snapshot = 0.0
@@ -212,7 +215,7 @@ class _EngineChild:
                     if not engine.has_unfinished():  # an abort changed the counters: send them
                         self._send_outputs([], self._due_snapshot(force=True))
                 if engine.has_unfinished():
-                    outputs, dead = guarded_step(engine)
+                    outputs, dead = serve_step(engine, self.admission)
                     # the counters ride with the outputs when they are due, and always with the
                     # last outputs of a burst: the server counts them before it answers
                     self._send_outputs(outputs, self._due_snapshot(force=not engine.has_unfinished()))
@@ -227,9 +230,12 @@ class _EngineChild:
         if kind == "add":
             self._add(*command[1:])
         elif kind == "abort":
-            self.paced.pop(command[1], None)
-            self.encoder.forget(command[1])
-            self.engine.abort(command[1], report=False)
+            if command[2]:  # reported: its final output goes to the server as any other
+                self.engine.abort(command[1], report=True)
+            else:
+                self.paced.pop(command[1], None)
+                self.encoder.forget(command[1])
+                self.engine.abort(command[1], report=False)
         elif kind == "resume":
             for rid in command[1]:
                 req = self.paced.get(rid)
@@ -256,7 +262,7 @@ class _EngineChild:
     def _add(
         self, rid: str, prompt: Any, params: SamplingParams, kwargs: dict[str, Any], paced: bool
     ) -> None:
-        req, error = add_or_refuse(self.engine, rid, prompt, params, kwargs)
+        req, error = add_or_refuse(self.engine, rid, prompt, params, kwargs, self.admission)
         if error is None and paced:
             self.paced[rid] = req
         self.conn.send(("accepted", rid, None if error is None else _portable(error)))
@@ -279,7 +285,7 @@ class _EngineChild:
         if not force and now - self.last_snapshot < SNAPSHOT_EVERY_S:
             return None
         self.last_snapshot = now
-        return self.engine.metrics()
+        return engine_metrics(self.engine, self.admission)
 
     def _shutdown(self) -> None:
         abort_everything(self.engine)
@@ -310,10 +316,17 @@ class _RemoteRequest:
 class EngineProcess(EngineLoop):
     """``EngineLoop``'s interface over an engine in a child process (spawned: CUDA starts there only)."""
 
-    def __init__(self, config: EngineConfig, observer: LatencyObserver | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        observer: LatencyObserver | None = None,
+        limits: AdmissionLimits | None = None,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve_engine, args=(config, child), name="prefixserve-engine")
+        self._process = ctx.Process(
+            target=_serve_engine, args=(config, child, limits), name="prefixserve-engine"
+        )
         self._process.start()
         child.close()
         if not self._conn.poll(READY_TIMEOUT_S):
@@ -369,11 +382,14 @@ class EngineProcess(EngineLoop):
         self._adds.pop(request_id, None)
         return False
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, report: bool = False) -> None:
+        if report:  # its final output still comes, as any other
+            self._put(("abort", request_id, True))
+            return
         self._adds.pop(request_id, None)  # an add cancelled before its answer: never registered
         self._streams.pop(request_id, None)
         self._decoder.forget(request_id)
-        self._put(("abort", request_id))
+        self._put(("abort", request_id, False))
 
     def abort_all(self) -> None:
         self._put(("abort_all",))

@@ -7,6 +7,10 @@ back to each request's asyncio queue with ``loop.call_soon_threadsafe`` (one cal
 Commands are applied in order, so an abort sent after an add always finds its request. ``run`` awaits
 any callable on the engine thread between two steps (registering a Prompt Cache schema runs forwards,
 so it must happen there); commands still queued when the thread stops fail with EngineStopped.
+
+Overload (``engine/admission.py``): with ``limits``, the loop keeps an ``Admission`` beside the engine;
+an add past the waiting queue's bounds fails with ``QueueFull``, and before each step the requests
+that waited past their deadline are dropped (they end with finish_reason ``DEADLINE_REASON``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from prefixserve.engine import Engine
+from prefixserve.engine.admission import Admission, AdmissionLimits, QueueFull
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
@@ -89,10 +94,14 @@ class EngineStopped(RuntimeError):
 class EngineLoop:
     """Runs an Engine on a dedicated thread; all methods except the thread's own are thread-safe."""
 
-    def __init__(self, engine: Engine, observer: LatencyObserver | None = None) -> None:
+    def __init__(
+        self, engine: Engine, observer: LatencyObserver | None = None, limits: AdmissionLimits | None = None
+    ) -> None:
         self.engine = engine
+        self.admission = None if limits is None else Admission(engine, limits)
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._init_delivery(observer, engine.metrics(), self._run, "prefixserve-engine")
+        snapshot = engine_metrics(engine, self.admission)
+        self._init_delivery(observer, snapshot, self._run, "prefixserve-engine")
 
     def _init_delivery(
         self,
@@ -136,8 +145,11 @@ class EngineLoop:
         application: str | None = None,
         stream: bool = False,
         module_recompute: str | None = None,
+        deadline: float | None = None,
     ) -> None:
-        """Queue a request; returns once the engine accepted it, raises ValueError if it refused it."""
+        """Queue a request; returns once the engine accepted it, raises ValueError if it refused it
+        (QueueFull past the queue's bounds). ``deadline``: the ``time.monotonic()`` by which it must
+        have started, or it is dropped (its final output has finish_reason ``DEADLINE_REASON``)."""
         if not self.alive:
             raise EngineStopped(self._refusal())
         loop = asyncio.get_running_loop()
@@ -148,6 +160,7 @@ class EngineLoop:
             stream=stream,
             application=application,
             module_recompute=module_recompute,
+            queue_deadline=deadline,
         )
         if not self._queue_add((request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
             raise EngineStopped("the server is shutting down")
@@ -165,9 +178,10 @@ class EngineLoop:
         """Send ``(request_id, prompt, params, kwargs, stream, accepted)`` to the engine (``_add``)."""
         return self._put(("add", *add))
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks; nothing more is delivered for it."""
-        self._put(("abort", request_id))
+    def abort(self, request_id: str, report: bool = False) -> None:
+        """Stop a request and free its blocks; nothing more is delivered for it, unless ``report``:
+        then its final output (finish_reason "abort") still comes."""
+        self._put(("abort", request_id, report))
 
     def abort_all(self) -> None:
         """Stop every request, each stream getting a final output with finish_reason 'abort'."""
@@ -218,12 +232,12 @@ class EngineLoop:
                 self._shutdown()
                 return
             if engine.has_unfinished():
-                outputs, dead = guarded_step(engine)
+                outputs, dead = serve_step(engine, self.admission)
                 self._deliver(outputs)
                 if dead:  # no step can run again: take nothing more
                     self._refuse_queued()
                     return
-            self.snapshot = engine.metrics()
+            self.snapshot = engine_metrics(engine, self.admission)
 
     def _next_nowait(self) -> tuple[Any, ...] | None:
         try:
@@ -236,8 +250,10 @@ class EngineLoop:
         if kind == "add":
             self._add(*command[1:])
         elif kind == "abort":
-            self._streams.pop(command[1], None)
-            self.engine.abort(command[1], report=False)
+            report = command[2]
+            if not report:
+                self._streams.pop(command[1], None)
+            self.engine.abort(command[1], report=report)
         elif kind == "abort_all":
             self._abort_everything()
         elif kind == "call":
@@ -263,7 +279,7 @@ class EngineLoop:
     ) -> None:
         if accepted.cancelled():
             return
-        stream.request, error = add_or_refuse(self.engine, request_id, prompt, params, kwargs)
+        stream.request, error = add_or_refuse(self.engine, request_id, prompt, params, kwargs, self.admission)
         if error is None:
             stream.last_time = time.monotonic()
             self._streams[request_id] = stream
@@ -275,7 +291,7 @@ class EngineLoop:
     def _shutdown(self) -> None:
         self._abort_everything()
         self._deliver(self.engine.step())
-        self.snapshot = self.engine.metrics()
+        self.snapshot = engine_metrics(self.engine, self.admission)
         self._refuse_queued()
         self.engine.shutdown()  # tensor-parallel workers stop with the server
 
@@ -329,12 +345,24 @@ class EngineLoop:
 
 
 def add_or_refuse(
-    engine: Engine, request_id: str, prompt: str | None, params: SamplingParams, kwargs: dict[str, Any]
+    engine: Engine,
+    request_id: str,
+    prompt: str | None,
+    params: SamplingParams,
+    kwargs: dict[str, Any],
+    admission: Admission | None = None,
 ) -> tuple[Any, BaseException | None]:
-    """``engine.add_request``: (the Request, None), or (None, the error to hand the caller): a bad
-    request is a ValueError (a PMLError names line and column), anything else a RuntimeError."""
+    """``engine.add_request``: (the Request, None), or (None, the error to hand the caller): a full
+    queue is QueueFull, a bad request a ValueError (a PMLError names line and column), anything else a
+    RuntimeError. ``kwargs["queue_deadline"]`` goes to ``admission`` (ignored without one)."""
+    kwargs = dict(kwargs)
+    deadline = kwargs.pop("queue_deadline", None)
+    if admission is not None:
+        kwargs["admit"] = admission.gate(deadline)
     try:
         return engine.add_request(request_id, prompt, params, **kwargs), None
+    except QueueFull as exc:
+        return None, exc
     except PMLError as exc:  # a Prompt Cache prompt naming an unknown schema or module, ...
         return None, PMLError(exc.problem, exc.line, exc.column)
     except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
@@ -342,6 +370,22 @@ def add_or_refuse(
     except Exception as exc:
         log.exception("add_request failed")
         return None, RuntimeError(f"the engine could not take the request: {exc}")
+
+
+def serve_step(engine: Engine, admission: Admission | None) -> tuple[list[RequestOutput], bool]:
+    """A server's step: the queue's expired requests dropped first (their final outputs come with
+    this step's), then ``guarded_step``."""
+    if admission is not None:
+        admission.before_step()
+    return guarded_step(engine)
+
+
+def engine_metrics(engine: Engine, admission: Admission | None) -> dict[str, float]:
+    """The engine's metrics, with the admission's counters and gauges when there is one."""
+    out = engine.metrics()
+    if admission is not None:
+        out.update(admission.metrics())
+    return out
 
 
 def guarded_step(engine: Engine) -> tuple[list[RequestOutput], bool]:

@@ -17,7 +17,8 @@ PREFIX = "prefixserve"
 _COUNTERS = {
     "requests_total": "requests accepted by the engine",
     "requests_finished_total": "requests finished (any reason)",
-    "requests_aborted_total": "requests aborted (client gone, shutdown)",
+    "requests_aborted_total": "requests aborted (client gone or stalled, shutdown, queue deadline)",
+    "requests_dropped_deadline_total": "requests dropped from the waiting queue past their deadline (429)",
     "prompt_tokens_total": "prompt tokens of accepted requests",
     "prompt_tokens_computed_total": "prompt tokens actually run through the model (not from cache)",
     "generation_tokens_total": "tokens generated",
@@ -54,6 +55,20 @@ _GAUGES = {
     "kv_blocks_cached": ("kv_blocks_cached", "KV blocks in the prefix index"),
     "module_blocks_gpu": ("module_blocks_gpu", "KV blocks holding encoded prompt modules"),
     "module_entries_host": ("module_entries_host", "prompt module pieces kept in host memory"),
+    # overload (engine/admission.py): absent without an admission (then 0)
+    "waiting_prompt_tokens": ("num_waiting_prompt_tokens", "prompt tokens waiting requests have to compute"),
+    "queue_wait_estimate_seconds": (
+        "queue_wait_estimate_seconds",
+        "time the waiting queue takes to drain at its recent rate",
+    ),
+    "max_waiting_requests": ("max_waiting_requests", "bound on waiting requests (0: unbounded)"),
+    "max_waiting_tokens": ("max_waiting_tokens", "bound on waiting prompt tokens (0: unbounded)"),
+}
+# requests refused at arrival with 429, by the bound they met
+_REFUSED = {
+    "queue_requests": "requests_refused_queue_requests_total",
+    "queue_tokens": "requests_refused_queue_tokens_total",
+    "deadline": "requests_refused_deadline_total",
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -68,6 +83,15 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_{key.removesuffix('_total')}", doc, value=snap.get(key, 0))
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=snap.get(key, 0))
+        refused = CounterMetricFamily(
+            f"{PREFIX}_requests_refused",
+            "requests refused with 429 at arrival: the waiting queue at its bound of requests or prompt "
+            "tokens, or too long to drain before the request's deadline",
+            labels=["reason"],
+        )
+        for reason, key in _REFUSED.items():
+            refused.add_metric([reason], snap.get(key, 0))
+        yield refused
         total = snap.get("kv_blocks_total", 0) or 1
         yield GaugeMetricFamily(
             f"{PREFIX}_kv_usage_ratio",
@@ -86,6 +110,11 @@ class ServerMetrics:
             f"{PREFIX}_http_requests",
             "HTTP requests by route and status",
             ["route", "status"],
+            registry=self.registry,
+        )
+        self.streams_stalled = Counter(
+            f"{PREFIX}_streams_stalled",
+            "streams whose client took nothing for the stall timeout (their requests aborted)",
             registry=self.registry,
         )
         self.ttft = Histogram(

@@ -24,6 +24,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -31,6 +32,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
+        self.headers = headers  # sent with the error (e.g. Retry-After on a 429)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -35,6 +35,8 @@ class ServerState(OpenAIContext):
     max_model_len: int
     api_key: str | None
     max_body_bytes: int
+    max_queue_delay: float | None = None  # seconds a request may wait to start (overload.py)
+    stall_watch: Any = None  # overload.StallWatch: aborts streams whose client stopped reading
 
 
 # ---- request reading ---------------------------------------------------------------------------

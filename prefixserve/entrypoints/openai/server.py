@@ -24,9 +24,11 @@ from typing import Any
 import uvicorn
 
 from prefixserve.config import EngineConfig
+from prefixserve.engine.admission import AdmissionLimits
 from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.openai.app import MAX_BODY_BYTES, build_app
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
+from prefixserve.entrypoints.openai.overload import OverloadSettings
 
 __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]
 
@@ -129,6 +131,17 @@ def wants_engine_process(choice: str, config: EngineConfig) -> bool:
     return config.device.startswith("cuda")
 
 
+def overload_settings(args: argparse.Namespace) -> OverloadSettings:
+    """``serve``'s overload options (ValueError names a bad one)."""
+    limits = AdmissionLimits(args.max_waiting_requests, args.max_waiting_tokens)
+    stall = args.stream_stall_timeout
+    if stall is not None and stall < 0:
+        raise ValueError(f"--stream-stall-timeout must be >= 0 (0: never), got {stall}")
+    if args.max_queue_delay is not None and not args.max_queue_delay > 0:
+        raise ValueError(f"--max-queue-delay must be > 0 seconds, got {args.max_queue_delay}")
+    return OverloadSettings(limits, args.max_queue_delay, stall or None)
+
+
 def serve(args: argparse.Namespace) -> int:
     """``prefixserve serve``: load the model, bind (127.0.0.1 by default), serve until SIGTERM/Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,9 +149,10 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}")
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     config = engine_config_from_args(args)
+    overload = overload_settings(args)
     log.info("loading %s", config.model or "the default model")
     own_process = wants_engine_process(args.engine_process, config)
-    app = build_app(config, api_key=args.api_key, engine_process=own_process)
+    app = build_app(config, api_key=args.api_key, engine_process=own_process, overload=overload)
     state = app.state.server
     options = http_options()
     log.info(

@@ -1,0 +1,186 @@
+"""The server's side of overload: queue deadlines, refusals as 429 with Retry-After, stalled streams.
+
+The queue's bounds and the dropping of expired requests live with the engine
+(``engine/admission.py``: one place that sees every arrival and every step, in either engine mode);
+this module turns them into HTTP:
+
+* a request's queue deadline: ``--max-queue-delay`` and the ``X-Max-Queue-Delay`` header (seconds,
+  the smaller wins), counted from when the request reached the route;
+* ``QueueFull`` and a request dropped past its deadline become 429 ``rate_limit_error`` with a
+  ``Retry-After`` header (whole seconds: the time the queue now takes to drain, from the engine's
+  last snapshot). 429 rather than 503: the server is up, this request came when it was full, and
+  clients (the openai SDK among them) retry a 429 after Retry-After;
+* a stream whose client stops reading: the engine never waits for a reader (outputs are paced, the
+  request keeps running), but it would run to ``max_tokens`` for a client that may be gone without
+  closing its connection. ``StallWatch`` aborts a stream's requests once one of its writes has not
+  been taken for ``--stream-stall-timeout`` seconds; their KV is freed at once, and a client that
+  comes back reads what was sent, a final chunk with finish_reason "abort" and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from prometheus_client import Counter
+from starlette.types import Message, Send
+
+from prefixserve.engine.admission import DEADLINE_REASON, AdmissionLimits, QueueFull
+from prefixserve.entrypoints.openai.engine_thread import EngineLoop
+from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+QUEUE_DELAY_HEADER = "X-Max-Queue-Delay"
+STALL_S = 60.0  # default --stream-stall-timeout
+RETRY_AFTER_MAX_S = 60
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadSettings:
+    """``prefixserve serve``'s overload options. ``limits``: the waiting queue's bounds (None sizes one
+    from the engine, 0 is unbounded); ``max_queue_delay``: seconds a request may wait before it starts
+    (None: no deadline unless the request's header sets one); ``stream_stall_timeout``: seconds a
+    stream's write may wait for its client before the stream's requests are aborted (None: never)."""
+
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    max_queue_delay: float | None = None
+    stream_stall_timeout: float | None = STALL_S
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_delay", "stream_stall_timeout"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
+
+
+def queue_deadline(request: Request, max_queue_delay: float | None) -> float | None:
+    """The ``time.monotonic()`` by which this request must have started: now plus the smaller of the
+    server's ``max_queue_delay`` and the request's ``X-Max-Queue-Delay`` header; None for neither."""
+    arrival = time.monotonic()
+    raw = request.headers.get(QUEUE_DELAY_HEADER)
+    delay = max_queue_delay
+    if raw is not None:
+        try:
+            asked = float(raw)
+        except ValueError:
+            asked = math.nan
+        if not (asked > 0 and math.isfinite(asked)):
+            message = f"header {QUEUE_DELAY_HEADER} must be a number of seconds > 0, got {raw[:40]!r}"
+            raise APIError(400, message, param=QUEUE_DELAY_HEADER, code="invalid_value")
+        delay = asked if delay is None else min(delay, asked)
+    return None if delay is None else arrival + delay
+
+
+def refusal(exc: QueueFull) -> APIError:
+    """A request the queue refused at arrival, as a 429."""
+    code = "queue_timeout" if exc.bound == "deadline" else "queue_full"
+    return APIError(429, exc.message, code=code, headers={"Retry-After": str(exc.retry_after)})
+
+
+def dropped(out: RequestOutput) -> bool:
+    """Was this request dropped from the queue past its deadline (before it ran)?"""
+    return out.finished and any(c.finish_reason == DEADLINE_REASON for c in out.outputs)
+
+
+def deadline_error(loop: EngineLoop) -> APIError:
+    """A request dropped from the queue past its deadline, as a 429 with the engine's Retry-After."""
+    retry = int(loop.snapshot.get("queue_retry_after_seconds", 1))
+    retry = max(1, min(RETRY_AFTER_MAX_S, retry))
+    message = f"the request waited past its queue deadline (dropped before it ran); retry after {retry} s"
+    return APIError(429, message, code="queue_timeout", headers={"Retry-After": str(retry)})
+
+
+class WatchedStream(StreamingResponse):
+    """An SSE response that notes when its current write began, for ``StallWatch``."""
+
+    def __init__(
+        self, body: AsyncIterator[str], ids: list[str], watch: StallWatch | None, headers: dict[str, str]
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.ids = ids
+        self.watch = watch
+        self.writing_since: float | None = None  # loop time the pending write began; None: none pending
+        self.stalled = False
+
+    async def stream_response(self, send: Send) -> None:
+        if self.watch is None:
+            await super().stream_response(send)
+            return
+        clock = asyncio.get_running_loop().time
+
+        async def timed(message: Message) -> None:
+            self.writing_since = clock()
+            try:
+                await send(message)  # waits while the client's socket takes nothing
+            finally:
+                self.writing_since = None
+
+        self.watch.add(self)
+        try:
+            await super().stream_response(timed)
+        finally:
+            self.watch.discard(self)
+
+
+class StallWatch:
+    """Aborts the requests of streams whose pending write has waited ``stall_s`` for its client.
+
+    One task per event loop, alive while there are streams, looks at them every ``stall_s / 4``
+    (at most every second): a stream costs two attribute writes per write, not a timer."""
+
+    def __init__(self, loop: EngineLoop, stall_s: float, stalled: Counter) -> None:
+        self.loop, self.stall_s, self.stalled = loop, stall_s, stalled
+        self._streams: set[WatchedStream] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, stream: WatchedStream) -> None:
+        self._streams.add(stream)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    def discard(self, stream: WatchedStream) -> None:
+        self._streams.discard(stream)
+
+    async def _watch(self) -> None:
+        period = min(1.0, self.stall_s / 4)
+        clock = asyncio.get_running_loop().time
+        while self._streams:
+            await asyncio.sleep(period)
+            now = clock()
+            for stream in list(self._streams):
+                since = stream.writing_since
+                if since is not None and not stream.stalled and now - since >= self.stall_s:
+                    self._abort(stream, now - since)
+
+    def _abort(self, stream: WatchedStream, waited: float) -> None:
+        stream.stalled = True
+        self.stalled.inc()
+        log.warning("a stream's client took nothing for %.1f s: aborting %s", waited, ", ".join(stream.ids))
+        for rid in stream.ids:
+            self.loop.abort(rid, report=True)  # the KV goes now; the final output waits for the client
+
+
+def sse_response(body: AsyncIterator[str], ids: list[str], watch: StallWatch | None) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return WatchedStream(body, ids, watch, headers)
+
+
+__all__ = [
+    "QUEUE_DELAY_HEADER",
+    "OverloadSettings",
+    "StallWatch",
+    "WatchedStream",
+    "deadline_error",
+    "dropped",
+    "queue_deadline",
+    "refusal",
+    "sse_response",
+]

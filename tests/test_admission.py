@@ -1,0 +1,229 @@
+"""The server's overload control at the engine's edge (``engine/admission.py``), driven step by step on
+the tiny dummy model with a fake clock: the waiting queue's bounds refuse with QueueFull and count it,
+shared prompt blocks are counted once, a request past its deadline is dropped before it costs compute,
+nothing leaks, and the engine keeps serving. (Over HTTP: test_server_overload.py.)"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixserve.config import EngineConfig
+from prefixserve.engine import Engine
+from prefixserve.engine.admission import DEADLINE_REASON, Admission, AdmissionLimits, QueueFull
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.params import SamplingParams
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_config_path: Path) -> Iterator[Engine]:
+    """One request runs at a time (max_num_seqs=1), so the next ones wait in the queue."""
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, max_num_seqs=1)
+    engine = Engine(config, progress=False)
+    yield engine
+    engine.shutdown()
+
+
+def assert_pool_empty(engine: Engine) -> None:
+    engine.pool.check_integrity()
+    assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
+    assert engine.pool.num_used == 0
+
+
+def ids(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def add(
+    engine: Engine,
+    admission: Admission,
+    rid: str,
+    tokens: list[int],
+    max_tokens: int = 4,
+    deadline: float | None = None,
+) -> None:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(rid, params=params, prompt_token_ids=tokens, admit=admission.gate(deadline))
+
+
+def step(engine: Engine, admission: Admission) -> list[RequestOutput]:
+    """What a server's loop does: the admission's turn, then the engine's step."""
+    admission.before_step()
+    return engine.step()
+
+
+def drain(engine: Engine, admission: Admission, clock: FakeClock | None = None) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        if clock is not None:
+            clock.now += 0.01
+        finals.update({o.request_id: o for o in step(engine, admission) if o.finished})
+    step(engine, admission)  # the admission forgets what ended
+    assert not engine.has_unfinished()
+    return finals
+
+
+def test_the_requests_bound_refuses_and_counts_and_the_engine_keeps_serving(engine: Engine) -> None:
+    adm = Admission(engine, AdmissionLimits(max_waiting_requests=2, max_waiting_tokens=0))
+    assert (adm.max_requests, adm.max_tokens) == (2, None)
+    add(engine, adm, "a", ids(100, 20), max_tokens=8)
+    step(engine, adm)  # a runs: the one slot is taken
+    add(engine, adm, "b", ids(200, 20))
+    add(engine, adm, "c", ids(300, 20))
+    with pytest.raises(QueueFull) as refused:
+        add(engine, adm, "d", ids(400, 20))
+    assert refused.value.bound == "requests" and refused.value.retry_after >= 1
+    assert "2 requests are waiting" in str(refused.value)
+    assert "d" not in engine.requests and len(engine.scheduler.waiting) == 2
+    assert adm.counters["requests_refused_queue_requests_total"] == 1
+    finals = drain(engine, adm)
+    assert {rid: o.outputs[0].finish_reason for rid, o in finals.items()} == dict.fromkeys("abc", "length")
+    add(engine, adm, "d", ids(400, 20))  # the queue drained: taken now
+    assert drain(engine, adm)["d"].outputs[0].finish_reason == "length"
+    assert_pool_empty(engine)
+    assert adm.metrics()["requests_refused_queue_requests_total"] == 1
+    assert adm.waiting_tokens == 0 and not adm._claimed
+
+
+def test_the_tokens_bound_counts_shared_and_cached_prompt_blocks_once(engine: Engine) -> None:
+    adm = Admission(engine, AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=100))
+    b = ids(1000, 64)  # 3 full blocks can be shared (the last token is always computed)
+    add(engine, adm, "a", ids(900, 20), max_tokens=8)
+    step(engine, adm)
+    add(engine, adm, "b", b)
+    assert adm.waiting_tokens == 64
+    add(engine, adm, "d", b[:48] + ids(3000, 20))  # shares b's first 3 blocks: 20 new tokens
+    assert adm.waiting_tokens == 84
+    with pytest.raises(QueueFull) as refused:
+        add(engine, adm, "e", ids(4000, 17))  # 84 + 17 > 100
+    assert refused.value.bound == "tokens" and "84 prompt tokens" in str(refused.value)
+    assert adm.counters["requests_refused_queue_tokens_total"] == 1
+    drain(engine, adm)
+    assert adm.waiting_tokens == 0 and not adm._claimed
+    # b's blocks are in the prefix cache now: a request starting with them adds only its own tokens
+    add(engine, adm, "a2", ids(900, 20), max_tokens=8)
+    step(engine, adm)
+    add(engine, adm, "f", b[:48] + ids(5000, 30))
+    assert adm.waiting_tokens == 30
+    # an empty queue takes any request, however large: a bound never starves one big prompt
+    drain(engine, adm)
+    add(engine, adm, "big", ids(6000, 300))
+    drain(engine, adm)
+    assert_pool_empty(engine)
+
+
+def test_the_books_follow_a_request_aborted_while_it_waits(engine: Engine) -> None:
+    adm = Admission(engine, AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=100))
+    add(engine, adm, "a", ids(900, 20), max_tokens=8)
+    step(engine, adm)
+    add(engine, adm, "b", ids(11_000, 64))
+    engine.abort("b", report=False)  # its client left; no step since
+    add(engine, adm, "c", ids(12_000, 80))  # 64 + 80 would pass the bound: b no longer counts
+    assert adm.waiting_tokens == 80 and adm.metrics()["waiting_prompt_tokens"] == 80
+    drain(engine, adm)
+    assert adm.metrics()["waiting_prompt_tokens"] == 0
+    assert_pool_empty(engine)
+
+
+def test_a_request_past_its_deadline_is_dropped_before_it_costs_compute(engine: Engine) -> None:
+    clock = FakeClock()
+    adm = Admission(engine, AdmissionLimits(), clock=clock)
+    add(engine, adm, "a", ids(100, 20), max_tokens=12, deadline=clock.now + 0.5)
+    step(engine, adm)  # a started: its deadline no longer applies
+    computed = engine.counters["prompt_tokens_computed_total"]
+    aborted = engine.counters["requests_aborted_total"]
+    add(engine, adm, "b", ids(7000, 40), deadline=clock.now + 1.0)
+    add(engine, adm, "c", ids(8000, 24))
+    clock.now += 0.6
+    assert not any(o.request_id == "b" for o in step(engine, adm))  # a (running) is past its deadline
+    clock.now += 0.6
+    outs = {o.request_id: o for o in step(engine, adm)}
+    assert outs["b"].finished and outs["b"].outputs[0].finish_reason == DEADLINE_REASON
+    assert outs["b"].outputs[0].token_ids == [] and "b" not in engine.requests
+    assert adm.counters["requests_dropped_deadline_total"] == 1
+    assert engine.counters["requests_aborted_total"] == aborted + 1
+    finals = drain(engine, adm, clock)
+    assert finals["a"].outputs[0].finish_reason == "length"
+    assert finals["c"].outputs[0].finish_reason == "length"
+    assert engine.counters["prompt_tokens_computed_total"] - computed == 24  # c's prompt, none of b's
+    assert_pool_empty(engine)
+
+
+def test_the_drain_rate_sets_retry_after_and_refuses_what_would_miss_its_deadline(engine: Engine) -> None:
+    clock = FakeClock()
+    adm = Admission(engine, AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=0), clock=clock)
+    assert adm.retry_after() == 1 and adm.queue_wait_estimate() == 0.0  # nothing measured yet
+    for i in range(20):
+        add(engine, adm, f"r{i}", ids(10_000 + 100 * i, 8), max_tokens=1)
+    for _ in range(15):  # one request starts (and ends) per step, a step every 0.1 s: 10 per second
+        clock.now += 0.1
+        step(engine, adm)
+    assert adm.rate is not None and adm.rate == pytest.approx(10.0, rel=0.15)
+    waiting = len(engine.scheduler.waiting)
+    assert 3 <= waiting <= 7
+    assert adm.queue_wait_estimate() == pytest.approx(waiting / adm.rate)
+    with pytest.raises(QueueFull) as refused:  # the queue ahead takes ~0.5 s: a 0.2 s deadline is missed
+        add(engine, adm, "late", ids(20_000, 8), max_tokens=1, deadline=clock.now + 0.2)
+    assert refused.value.bound == "deadline"
+    with pytest.raises(QueueFull):  # a deadline already past at arrival
+        add(engine, adm, "past", ids(20_000, 8), max_tokens=1, deadline=clock.now - 1)
+    assert adm.counters["requests_refused_deadline_total"] == 2
+    add(engine, adm, "ok", ids(21_000, 8), max_tokens=1, deadline=clock.now + 5.0)
+    for i in range(30):
+        add(engine, adm, f"s{i}", ids(30_000 + 100 * i, 8), max_tokens=1)
+    waiting = len(engine.scheduler.waiting)
+    assert adm.retry_after() == math.ceil(waiting / adm.rate) and adm.retry_after() > 1
+    assert adm.metrics()["queue_wait_estimate_seconds"] == pytest.approx(waiting / adm.rate)
+    finals = drain(engine, adm, clock)
+    assert finals["ok"].outputs[0].finish_reason == "length"
+    assert_pool_empty(engine)
+
+
+def test_a_refused_prompt_cache_request_gives_its_module_blocks_back(engine: Engine) -> None:
+    engine.register_schema(
+        '<schema name="trips">You plan trips. <module name="paris">Paris is the capital of France, '
+        "on the Seine, with museums and cafes and long walks by the river.</module></schema>"
+    )
+    used = engine.pool.num_used  # the schema's encoded module blocks
+
+    def refuse(_: object) -> None:
+        raise QueueFull("full", 1, "requests")
+
+    with pytest.raises(QueueFull):
+        engine.add_request("pml", '<prompt schema="trips"><paris/> Where first?</prompt>', admit=refuse)
+    assert engine.pool.num_used == used and "pml" not in engine.requests
+    engine.pool.check_integrity()
+    engine.unregister_schema("trips")
+
+
+def test_limits_are_checked_and_default_to_the_engine_size(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="max_waiting_tokens"):
+        AdmissionLimits(max_waiting_tokens=-1)
+    adm = Admission(engine)
+    assert adm.max_requests == 4 * engine.config.max_num_seqs
+    assert adm.max_tokens == 2 * engine.pool.num_blocks * engine.pool.block_size
+
+
+def test_the_offline_api_queues_everything(tiny_config_path: Path) -> None:
+    """No admission offline: far more prompts than a server's default bound (4 x max_num_seqs) all run."""
+    from prefixserve import LLM
+
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, max_num_seqs=1, progress=False
+    )
+    prompts = [{"prompt_token_ids": ids(100 * i + 1, 6)} for i in range(12)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 12

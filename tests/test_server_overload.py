@@ -1,0 +1,281 @@
+"""Overload over HTTP, live on loopback: the waiting queue's bound and a request's queue deadline are
+answered 429 with Retry-After and counted in /metrics, a streamed request dropped from the queue gets
+the 429 too (its headers wait for its first output), a stream whose client stops reading has its
+requests aborted, and through all of it the engine keeps serving and the KV pool ends empty.
+
+One request runs at a time (max_num_seqs=1): a long streamed "blocker" (the tiny model with a long
+context, so that it runs for many seconds however fast the machine) holds the slot while the test fills
+the queue behind it, and hanging up on the blocker lets the queue drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import engine_checks
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import TINY_CONFIG
+
+from prefixserve.config import EngineConfig
+from prefixserve.engine.admission import AdmissionLimits
+from prefixserve.entrypoints.openai.overload import QUEUE_DELAY_HEADER, OverloadSettings, queue_deadline
+from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.entrypoints.openai.server import GracefulServer, ServerThread, build_app, overload_settings
+
+BLOCKER = {"prompt": "A long ride " * 8, "max_tokens": 16000, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def long_config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dummy model with a 16K-token context: room for a blocker that runs for a while."""
+    path = tmp_path_factory.mktemp("tiny-long") / "config.json"
+    path.write_text(json.dumps({**TINY_CONFIG, "max_position_embeddings": 16384}))
+    return path
+
+
+def one_at_a_time(config_path: Path) -> EngineConfig:
+    return EngineConfig(model=f"dummy:{config_path}", device="cpu", num_kv_blocks=1280, max_num_seqs=1)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
+def server(long_config_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
+    overload = OverloadSettings(AdmissionLimits(max_waiting_requests=2, max_waiting_tokens=0))
+    app = build_app(one_at_a_time(long_config_path), engine_process=request.param, overload=overload)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+def wait_metric(http: httpx.Client, name: str, value: float, timeout: float = 20.0) -> None:
+    """The engine's counters reach /metrics after its step (or, in its own process, its next send)."""
+    deadline = time.monotonic() + timeout
+    while metric(http, name) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(http, name) == value, name
+
+
+def wait_metric_above(http: httpx.Client, name: str, timeout: float = 20.0) -> None:
+    start, deadline = metric(http, name), time.monotonic() + timeout
+    while metric(http, name) == start and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(http, name) > start, name
+
+
+def wait_pool_empty(server: ServerThread, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.engine_loop.call(engine_checks.blocks_in_use).result(10) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine_loop.call(engine_checks.blocks_in_use).result(10) == 0
+    assert server.engine_loop.call(engine_checks.live_requests_after_integrity_check).result(10) == 0
+
+
+@contextmanager
+def blocker(http: httpx.Client) -> Iterator[None]:
+    """A long stream holding the only running slot until the block ends (then the client hangs up)."""
+    with http.stream("POST", "/v1/completions", json=BLOCKER) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # kept: a dropped iterator closes the response (a hang-up)
+        next(lines)
+        yield
+        assert metric(http, "prefixserve_num_requests_running") == 1, "the blocker ended too early"
+
+
+def refused_total(http: httpx.Client, reason: str) -> float:
+    return metric(http, f'prefixserve_requests_refused_total{{reason="{reason}"}}')
+
+
+def assert_429(response: httpx.Response, code: str) -> dict[str, Any]:
+    assert response.status_code == 429, response.text
+    assert int(response.headers["retry-after"]) >= 1
+    error = response.json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == code, error
+    return error  # type: ignore[no-any-return]
+
+
+def test_the_queue_bound_refuses_with_429_counts_it_and_the_engine_keeps_serving(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    refused = refused_total(http, "queue_requests")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, blocker(http):  # the blocker goes first
+        body = {"prompt": "Waiting in line", "max_tokens": 4}
+        waiting = [pool.submit(http.post, "/v1/completions", json=body) for _ in range(2)]
+        wait_metric(http, "prefixserve_num_requests_waiting", 2)
+        response = http.post("/v1/completions", json=body)
+        error = assert_429(response, "queue_full")
+        assert "2 requests are waiting" in error["message"]
+        with pytest.raises(openai.RateLimitError) as sdk:  # what the official client sees
+            client.completions.create(model="default", prompt="me too", max_tokens=4)
+        assert int(sdk.value.response.headers["retry-after"]) >= 1
+        wait_metric(http, 'prefixserve_requests_refused_total{reason="queue_requests"}', refused + 2)
+        assert metric(http, "prefixserve_max_waiting_requests") == 2
+    # the blocker's client hung up: the queue drains and every queued request is served
+    assert [f.result().status_code for f in waiting] == [200, 200]
+    again = http.post("/v1/completions", json={"prompt": "still there?", "max_tokens": 3})
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+    wait_pool_empty(server)
+
+
+def test_a_request_past_its_queue_deadline_is_refused_with_429_before_it_runs(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    dropped = metric(http, "prefixserve_requests_dropped_deadline_total")
+    with blocker(http):
+        wait_metric_above(http, "prefixserve_generation_tokens_total")  # a snapshot after its prefill
+        computed = metric(http, "prefixserve_prompt_tokens_computed_total")
+        body = {"prompt": list(range(5000, 5040)), "max_tokens": 4}
+        started = time.monotonic()
+        response = http.post("/v1/completions", json=body, headers={QUEUE_DELAY_HEADER: "0.5"})
+        assert time.monotonic() - started >= 0.5
+        assert "queue deadline" in assert_429(response, "queue_timeout")["message"]
+        # streamed: the status waits for the first output, so the client gets the 429 too, not a 200
+        stream_body = {**body, "prompt": list(range(6000, 6040)), "stream": True}
+        with http.stream(
+            "POST", "/v1/completions", json=stream_body, headers={QUEUE_DELAY_HEADER: "0.3"}
+        ) as streamed:
+            streamed.read()
+            assert_429(streamed, "queue_timeout")
+        wait_metric(http, "prefixserve_requests_dropped_deadline_total", dropped + 2)
+        # neither prompt ran (the blocker only decodes meanwhile)
+        assert metric(http, "prefixserve_prompt_tokens_computed_total") == computed
+        assert metric(http, "prefixserve_num_requests_waiting") == 0
+    wait_pool_empty(server)
+    # served well within a generous deadline
+    ok = http.post("/v1/completions", json=body, headers={QUEUE_DELAY_HEADER: "60"})
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 40
+    wait_pool_empty(server)
+
+
+def test_a_streamed_client_that_leaves_while_queued_is_aborted(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    aborted = metric(http, "prefixserve_requests_aborted_total")
+    with blocker(http):
+        body = {"prompt": "Climb " * 20, "max_tokens": 8, "stream": True}
+        with (
+            httpx.Client(base_url=server.url, timeout=1.0) as impatient,
+            pytest.raises(httpx.ReadTimeout),
+            impatient.stream("POST", "/v1/completions", json=body),
+        ):
+            pass
+        wait_metric(http, "prefixserve_requests_aborted_total", aborted + 1)
+        assert metric(http, "prefixserve_num_requests_waiting") == 0
+    wait_pool_empty(server)
+
+
+def test_a_bad_queue_delay_header_is_a_400_naming_it(http: httpx.Client) -> None:
+    for value in ("soon", "0", "-1", "nan", "inf"):
+        response = http.post("/v1/completions", json={"prompt": "x"}, headers={QUEUE_DELAY_HEADER: value})
+        assert response.status_code == 400, value
+        assert response.json()["error"]["param"] == QUEUE_DELAY_HEADER
+
+
+def test_the_deadline_is_the_smaller_of_the_flag_and_the_header() -> None:
+    class Fake:
+        def __init__(self, headers: dict[str, str]) -> None:
+            self.headers = headers
+
+    def delay(server: float | None, header: str | None) -> float | None:
+        before = time.monotonic()
+        deadline = queue_deadline(Fake({} if header is None else {QUEUE_DELAY_HEADER: header}), server)  # type: ignore[arg-type]
+        return None if deadline is None else round(deadline - before, 1)
+
+    assert delay(None, None) is None
+    assert delay(5.0, None) == 5.0
+    assert delay(None, "2.5") == 2.5
+    assert delay(5.0, "2.5") == 2.5 and delay(1.0, "2.5") == 1.0
+    with pytest.raises(APIError):
+        delay(5.0, "-3")
+
+
+def test_serve_flags_make_the_overload_settings() -> None:
+    def parse(**kw: Any) -> OverloadSettings:
+        base = {
+            "max_waiting_requests": None,
+            "max_waiting_tokens": None,
+            "max_queue_delay": None,
+            "stream_stall_timeout": 60.0,
+        }
+        return overload_settings(argparse.Namespace(**{**base, **kw}))
+
+    assert parse() == OverloadSettings()
+    settings = parse(
+        max_waiting_requests=0, max_waiting_tokens=5000, max_queue_delay=2.0, stream_stall_timeout=0
+    )
+    assert settings.limits == AdmissionLimits(0, 5000)
+    assert (settings.max_queue_delay, settings.stream_stall_timeout) == (2.0, None)
+    for bad in ({"max_waiting_requests": -1}, {"max_queue_delay": 0.0}, {"stream_stall_timeout": -2.0}):
+        with pytest.raises(ValueError):
+            parse(**bad)
+
+
+# ---- a client that stops reading -----------------------------------------------------------------
+@contextmanager
+def small_buffer_server(app: Any) -> Iterator[str]:
+    """A live server whose sockets have a small send buffer (accepted sockets inherit it from the
+    listener), so that a client that reads nothing blocks the server's writes after a few KB."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.bind(("127.0.0.1", 0))
+    host, port = sock.getsockname()
+    server = GracefulServer(uvicorn.Config(app, log_level="warning", lifespan="on"), grace_s=1.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted_and_frees_its_kv(long_config_path: Path) -> None:
+    config = EngineConfig(model=f"dummy:{long_config_path}", device="cpu", num_kv_blocks=4200, max_num_seqs=8)
+    app = build_app(config, overload=OverloadSettings(stream_stall_timeout=1.0))
+    loop = app.state.engine_loop
+    with small_buffer_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({**BLOCKER, "n": 4, "logprobs": 5}).encode()
+        reader = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect((host, int(port)))
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        reader.sendall(head.encode() + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        try:  # ... and never reads
+            wait_metric(http, "prefixserve_streams_stalled_total", 1, timeout=120)
+            wait_metric(http, "prefixserve_requests_aborted_total", 1)
+            assert loop.call(engine_checks.blocks_in_use).result(10) == 0  # freed, the client still there
+            assert metric(http, "prefixserve_generation_tokens_total") < 4 * BLOCKER["max_tokens"]
+            ok = http.post("/v1/completions", json={"prompt": "next", "max_tokens": 3})
+            assert ok.status_code == 200
+        finally:
+            reader.close()
+        assert loop.call(engine_checks.live_requests_after_integrity_check).result(10) == 0
