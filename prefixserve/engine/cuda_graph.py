@@ -93,6 +93,10 @@ class DecodeGraphs:
         held = current is not None and batch <= current < 4 * batch and exact < current
         return current if held and self._held < HOLD_STEPS else exact
 
+    def reset_hold(self) -> None:
+        """Forget the bucket in use (after start-up batches: the next batch takes its own)."""
+        self._current, self._held = None, 0
+
     def _exact(self, batch: int) -> int | None:
         i = bisect.bisect_left(self.buckets, batch)
         return self.buckets[i] if i < len(self.buckets) else None

@@ -12,6 +12,7 @@ import torch
 
 from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
+from prefixserve.engine.warmup import warm_decode_graphs
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.cache_events import CacheEvents, enable_cache_events
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -54,14 +55,14 @@ class EngineServices:
     def graphs(self) -> DecodeGraphs | None:
         return self.runner.graphs
 
-    def capture_graphs(self) -> int:
-        """Capture the dense pieces of every eager-step size now; returns how many were captured.
+    def capture_graphs(self, progress: bool = False) -> int:
+        """Capture now the graphs serving meets first; returns how many were captured.
 
-        A server calls this at start-up: captured lazily, each new size of prefill or mixed step
-        (and a server meets many) stalls every running stream for a warm-up forward and L + 1
-        captures. Each size runs one synthetic prefill over blocks taken from the pool and given back.
-        """
-        return self.runner.capture_pieces(self.pool)
+        A server calls this before it says ready: captured lazily, each new size of prefill or
+        mixed step, and each decode batch bucket, stalls every running stream for a warm-up forward
+        and its captures. Dense pieces: one synthetic prefill per eager-step size over blocks taken
+        from the pool and given back; decode graphs: ``warmup.warm_decode_graphs``."""
+        return self.runner.capture_pieces(self.pool) + warm_decode_graphs(self, progress)
 
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:

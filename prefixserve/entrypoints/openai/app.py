@@ -107,9 +107,10 @@ def build_app(
     else:
         engine = engine or Engine(config or EngineConfig(), progress=False)
         started = time.perf_counter()
-        if captured := engine.capture_graphs():  # now, not as stalls of the first requests of each size
+        # now, not as stalls of the first requests of each size and batch
+        if captured := engine.capture_graphs(progress=True):
             took = time.perf_counter() - started
-            log.info("captured dense pieces of %d step sizes in %.1f s", captured, took)
+            log.info("captured %d graphs in %.1f s before serving", captured, took)
         loop = EngineLoop(engine, limits=overload.limits)
         model, max_model_len, tokenizer = engine.model_name, engine.max_model_len, engine.tokenizer
         system_prompts = dict(engine.config.system_prompts)

@@ -170,10 +170,8 @@ def _serve_engine(config: EngineConfig, conn: Any, limits: AdmissionLimits | Non
 
         engine = Engine(config, progress=False)
         started = time.perf_counter()
-        if captured := engine.capture_graphs():
-            log.info(
-                "captured dense pieces of %d step sizes in %.1f s", captured, time.perf_counter() - started
-            )
+        if captured := engine.capture_graphs(progress=True):
+            log.info("captured %d graphs in %.1f s before serving", captured, time.perf_counter() - started)
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return

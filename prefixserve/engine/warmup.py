@@ -1,0 +1,76 @@
+"""Start-up decode batches, so that the decode graphs serving meets first exist before a server is ready.
+
+Decode graphs are captured lazily, one per (batch bucket, attention key): a warm-up forward and a
+capture, with Triton compiles the first time, while every running stream waits. A server with a
+pinned system prompt met 11 of them in its first burst (issue 52: inter-token gaps of up to 12 s).
+Here every bucket runs a few synthetic decode steps twice: on prompts of their own (the plain key)
+and on prompts behind a shared prefix (each pinned system prompt, else a synthetic one), the two
+shapes a burst meets first. Keys met later (more segments, other kernel choices) are still captured
+when first met. The synthetic requests leave no trace in the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+from prefixserve.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DECODE_STEPS = 3  # tokens each synthetic request generates: the first decode step captures, the rest replay
+OWN_TOKENS = 8  # each synthetic prompt's tokens after the shared prefix
+
+
+def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
+    """Run a decode batch of every graph bucket, plain and behind a shared prefix; returns captures."""
+    graphs = engine.graphs
+    if graphs is None:  # a CPU, or enforce_eager: nothing is captured
+        return 0
+    before, started = graphs.captures, time.perf_counter()
+    rng = random.Random(0)
+    vocab = engine.runner.model.full_config.vocab_size
+    prefixes = [list(held.token_ids) for held in engine.system_prompt_kv.values()]
+    if not prefixes:
+        prefixes = [_tokens(rng, vocab, 4 * engine.config.block_size)]
+    prefixes = [p for p in prefixes if len(p) + OWN_TOKENS + DECODE_STEPS < engine.max_model_len]
+    runs = [(bucket, prefix) for bucket in graphs.buckets for prefix in (None, *prefixes)]
+    saved = engine.stats.save(engine.runner)
+    try:
+        for bucket, prefix in _progress(runs, progress):
+            _decode_batch(engine, bucket, prefix or [], rng, vocab)
+    finally:
+        engine.stats.restore(saved, engine.runner)
+        graphs.reset_hold()  # the first real batch picks its own bucket
+    captured = graphs.captures - before
+    log.info("captured %d decode graphs in %.1f s", captured, time.perf_counter() - started)
+    return captured
+
+
+def _decode_batch(engine: Any, rows: int, prefix: list[int], rng: random.Random, vocab: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    ids = [f"__warmup__{rows}_{len(prefix)}_{i}" for i in range(rows)]
+    for request_id in ids:
+        prompt = prefix + _tokens(rng, vocab, OWN_TOKENS)
+        engine.add_request(request_id, params=params, prompt_token_ids=prompt)
+    while any(request_id in engine.requests for request_id in ids):
+        engine.step()
+
+
+def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
+    """Ordinary ids, away from the specials that usually sit at either end of a vocabulary."""
+    low, high = min(100, vocab // 4), max(min(vocab - 100, 30000), min(100, vocab // 4) + 1)
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+def _progress(runs: list[Any], shown: bool) -> Any:
+    if not shown:
+        return runs
+    from tqdm import tqdm
+
+    return tqdm(runs, desc="capturing decode graphs", unit="batch")
+
+
+__all__ = ["warm_decode_graphs"]

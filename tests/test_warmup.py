@@ -1,0 +1,69 @@
+"""Start-up decode batches (``engine/warmup.py``): every bucket runs, plain and behind a shared prefix,
+and the engine is left as it was (no request, no block held, metrics unchanged)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixserve import LLM
+from prefixserve.engine import warmup
+
+
+class _FakeGraphs:
+    """What the warm-up reads of ``DecodeGraphs`` (a CPU has none): its buckets and capture count."""
+
+    def __init__(self, buckets: list[int]) -> None:
+        self.buckets, self.captures, self.resets = buckets, 0, 0
+
+    def reset_hold(self) -> None:
+        self.resets += 1
+
+
+def test_every_bucket_decodes_plain_and_shared_and_nothing_is_left(
+    tiny_config_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}",
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=512,
+        max_num_seqs=8,
+        system_prompts={"app": "You are a careful assistant. " * 12},
+        progress=False,
+    )
+    engine = llm.engine
+    fake = _FakeGraphs([1, 2, 3, 4, 6, 8])
+    monkeypatch.setattr(type(engine), "graphs", property(lambda self: fake))
+    before = llm.metrics()
+    pinned = engine.system_prompt_kv["app"].token_ids
+    decode_batches: list[tuple[int, bool]] = []
+    step = engine.step
+
+    def watched() -> list:
+        running = list(engine.scheduler.running)
+        out = step()
+        if running and all(s.num_tokens > len(s.request.prompt_token_ids) for s in running):
+            shared = all(list(s.request.prompt_token_ids[: len(pinned)]) == list(pinned) for s in running)
+            decode_batches.append((len(running), shared))
+        return out
+
+    monkeypatch.setattr(engine, "step", watched)
+    assert warmup.warm_decode_graphs(engine, progress=False) == 0
+    for bucket in fake.buckets:
+        assert (bucket, False) in decode_batches, (bucket, decode_batches)
+        assert (bucket, True) in decode_batches, (bucket, decode_batches)
+    assert fake.resets == 1
+    assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
+    after = llm.metrics()
+    for key in ("requests_total", "generation_tokens_total", "prompt_tokens_total", "steps_total"):
+        assert after[key] == before[key], key
+    assert after["kv_blocks_used"] == before["kv_blocks_used"]  # the pinned prompt's blocks alone
+    llm.shutdown()
+
+
+def test_nothing_to_capture_on_a_cpu(tiny_config_path: Path) -> None:
+    with LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, progress=False) as llm:
+        assert llm.engine.graphs is None
+        assert warmup.warm_decode_graphs(llm.engine, progress=False) == 0
