@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 # the A/B switches below, read on every call
-_SWITCHES = {"triton": True, "skinny": True, "gate_up": True, "split_k": True}
+_SWITCHES = {"triton": True, "skinny": True, "gate_up": True, "split_k": True, "staged_allreduce": True}
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
 
@@ -134,6 +134,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if out is not None:
             return out
     return F.linear(x, weight, bias)
+
+
+def staged_allreduce(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a row-parallel product goes straight into the peer all-reduce buffer (cuBLAS), rather
+    than through ``linear`` (the skinny kernel where it wins) and a copy in."""
+    return _SWITCHES["staged_allreduce"] and x.is_cuda and not skinny_wins(x, weight)
 
 
 def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:

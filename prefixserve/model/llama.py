@@ -141,7 +141,7 @@ class RowParallelLinear(Linear):
         sum lives only until the next all-reduce, which is why only these two call sites, whose
         next op (``add_rms_norm`` with the residual) writes new tensors, take it."""
         peer = shard.peer
-        if peer is not None and x.is_cuda and not fused.skinny_wins(x, self.weight):
+        if peer is not None and fused.staged_allreduce(x, self.weight):
             staged = peer.staged(x.shape[0], self.out_features, x.dtype)
             if staged is not None:
                 torch.mm(x, self.weight.t(), out=staged)
