@@ -14,6 +14,7 @@ activation, one kernel on Hopper where that beat the pair.
 from __future__ import annotations
 
 import contextlib
+import os
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,14 @@ import torch
 import torch.nn.functional as F
 
 # the A/B switches below, read on every call
-_SWITCHES = {"triton": True, "skinny": True, "gate_up": True, "split_k": True, "staged_allreduce": True}
+_SWITCHES = {
+    "triton": True,
+    "skinny": True,
+    "gate_up": True,
+    "split_k": True,
+    # an environment variable, so tensor-parallel workers (processes of their own) follow it too
+    "staged_allreduce": os.environ.get("PREFIXSERVE_STAGED_ALLREDUCE", "1") != "0",
+}
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
 
