@@ -14,8 +14,8 @@ activation, one kernel on Hopper where that beat the pair.
 from __future__ import annotations
 
 import contextlib
-import os
 import functools
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
