@@ -31,7 +31,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_memory_fraction
+    # None: what max_num_seqs sequences of max_model_len tokens hold, capped by kv_memory_fraction
+    # (model/memory_fit.py); more blocks keep more of the prefix cache
+    num_kv_blocks: int | None = None
     kv_memory_fraction: float | None = None  # None: 0.85 of free GPU memory, 0.1 of RAM on a CPU
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 256

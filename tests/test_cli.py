@@ -31,10 +31,21 @@ def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]
 
 
 def test_generate_on_the_default_model_shows_prefix_reuse() -> None:
+    """The demo's questions share a system prompt long enough for shared-segment attention to run;
+    its report line says how many KV rows that saved (the engine's counters)."""
     result = _run("generate", "--max-tokens", "6", "--num-kv-blocks", "256")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(">>> ") == 3
-    assert "from prefix cache" in result.stdout
+    report = re.search(
+        r"from prefix cache (\S+)\n.*?of (\S+) a per-sequence path reads: (\S+) saved.*"
+        r"shared-segment attention in (\d+) of (\d+) steps",
+        result.stdout,
+        re.S,
+    )
+    assert report, result.stdout
+    hits, logical, saved, cascade, steps = (int(g.replace(",", "")) for g in report.groups())
+    assert hits > 0 and saved > 0 and 0 < cascade <= steps
+    assert saved > logical // 3  # most of the three questions' KV is the shared system prompt
 
 
 def test_bench_prints_a_table(tiny_config_path) -> None:

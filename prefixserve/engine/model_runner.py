@@ -35,7 +35,7 @@ from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
 from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
-from prefixserve.model.memory_fit import check_kv_fits, step_reserve
+from prefixserve.model.memory_fit import check_kv_fits, kv_blocks_for_sequences, step_reserve
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.penalties import (
     Penalized,
@@ -115,7 +115,8 @@ class ModelRunner:
     """Owns the model, the KV cache tensors, the attention backend and the decode graphs."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, context: int) -> None:
-        """Size the KV pool (``config.num_kv_blocks`` or what memory allows), allocate it, set up graphs.
+        """Size the KV pool (``config.num_kv_blocks``, else ``_kv_blocks_that_fit``), allocate it, set up
+        graphs.
 
         ``context`` is the longest sequence the engine will run; the pool needs no more blocks than
         ``max_num_seqs`` such sequences hold.
@@ -153,8 +154,11 @@ class ModelRunner:
         self._last_decode = False
 
     def _kv_blocks_that_fit(self, model: torch.nn.Module, config: EngineConfig, context: int) -> int:
-        """The KV pool's size from free memory, the same on every rank: what a step needs beside it
-        is kept out on a GPU (``step_reserve``); a pool smaller than one step is refused."""
+        """The default KV pool, the same on every rank: what ``max_num_seqs`` sequences of ``context``
+        tokens can hold (``kv_blocks_for_sequences``), capped by ``memory_fraction`` of free GPU
+        memory less what a step needs beside it (``step_reserve``), or of RAM on a CPU, where the pool
+        is resident only as far as blocks are written (``pool_zeros``). A pool smaller than one step
+        is refused."""
         bs, tokens = self.block_size, config.max_num_batched_tokens
         seqs, gpu = config.max_num_seqs, self.device.type == "cuda"
         reserve = step_reserve(model.config, self.dtype, max(tokens, seqs), seqs) if gpu else 0
@@ -164,7 +168,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             config.memory_fraction,
-            max_blocks=-(-context // bs) * config.max_num_seqs,
+            max_blocks=kv_blocks_for_sequences(context, bs, config.max_num_seqs),
             reserve=reserve,
         )
         blocks = self.shard.min_int(blocks)

@@ -31,8 +31,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton | triton_paged")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (default: enough for --max-num-seqs sequences of the model's "
+        "context; on a GPU also no more than --kv-memory-fraction of its free memory). More blocks "
+        "keep more of the prefix cache",
+    )
+    g.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the most of the memory the default KV pool may take: of free GPU memory (default 0.85), "
+        "of RAM on a CPU (default 0.1)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences running at once (default 256; generate and chat: the sequences they run)",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
@@ -177,13 +197,15 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     """The EngineConfig the engine options on the command line describe (validated by EngineConfig)."""
     from prefixserve.config import EngineConfig
 
-    modules: dict[str, Any] = {}  # left out when not given: EngineConfig's defaults hold
+    given: dict[str, Any] = {}  # left out when not given: EngineConfig's defaults hold
     if args.module_gpu_fraction is not None:
-        modules["module_gpu_fraction"] = args.module_gpu_fraction
+        given["module_gpu_fraction"] = args.module_gpu_fraction
     if args.module_host_bytes is not None:
-        modules["module_host_bytes"] = args.module_host_bytes
+        given["module_host_bytes"] = args.module_host_bytes
     if args.module_recompute is not None:
-        modules["module_recompute"] = args.module_recompute
+        given["module_recompute"] = args.module_recompute
+    if args.max_num_seqs is not None:
+        given["max_num_seqs"] = args.max_num_seqs
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -191,7 +213,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         attention=args.attention,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
+        kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -203,7 +225,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         spill_prefix_cache=args.spill_prefix_cache,
         tensor_parallel_size=args.tensor_parallel_size,
         tp_peer_allreduce=args.tp_peer_allreduce,
-        **modules,
+        **given,
     )
 
 

@@ -15,23 +15,20 @@ from prefixserve.entrypoints.args import (
     engine_config_from_args,
     parse_logit_bias,
 )
+from prefixserve.entrypoints.demo import DEMO_QUESTIONS, DEMO_SYSTEM, sharing_report
 from prefixserve.promptcache.pml import is_pml_prompt
 
-DEMO_SYSTEM = (
-    "You are a concise assistant for a travel company. Answer in one or two sentences, "
-    "mention one practical tip, and never invent prices."
-)
-DEMO_QUESTIONS = [
-    "What is the best time of year to visit Kyoto?",
-    "How do I get from the airport to the center of Lisbon?",
-    "What should I pack for a week in Iceland in October?",
-]
 
-
-def _make_llm(args: argparse.Namespace) -> Any:
+def _make_llm(args: argparse.Namespace, sequences: int | None = None) -> Any:
+    """The engine the options describe. ``sequences``: how many sequences the command runs (generate,
+    chat): without ``--max-num-seqs`` that many run at once, and the default KV pool holds that many
+    of the model's context, not 256 of them."""
     from prefixserve.entrypoints.llm import LLM
 
-    return LLM.from_config(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if sequences is not None and args.max_num_seqs is None:
+        config.max_num_seqs = max(1, min(sequences, config.max_num_seqs))
+    return LLM.from_config(config)
 
 
 def _params(args: argparse.Namespace) -> Any:
@@ -80,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts, system = DEMO_QUESTIONS, system or DEMO_SYSTEM
         print(f"(no prompts given: running a demo of {len(prompts)} questions sharing one system prompt)")
     params = _params(args)
-    llm = _make_llm(args)
+    llm = _make_llm(args, sequences=len(prompts) * params.num_samples)
     # PML prompts (<prompt schema="...">, with --schema) go as they are: their schema has the roles
     pml = [is_pml_prompt(p) for p in prompts]
     if args.raw:
@@ -101,20 +98,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for c in out.outputs:
             tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
             print(f"{tag}{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})")
-    m = llm.metrics()
-    modules = f", from prompt modules {m['module_tokens_reused_total']}" if any(pml) else ""
-    print(
-        f"\nprompt tokens {m['prompt_tokens_total']}, "
-        f"from prefix cache {m['prefix_cache_hit_tokens_total']}{modules}; "
-        f"KV rows read by attention {m['attention_kv_tokens_read_total']} of "
-        f"{m['attention_kv_tokens_logical_total']} a per-sequence path reads"
-    )
+    print("\n" + sharing_report(llm.metrics(), modules=any(pml)))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
     params = _params(args)
+    llm = _make_llm(args, sequences=params.num_samples)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("prefixserve chat: type a message, /reset to clear the history, Ctrl-D to quit.")
     while True:

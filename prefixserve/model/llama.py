@@ -23,6 +23,7 @@ from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.model import cpu_linear, fused
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.meta_init import LoadedLater
 from prefixserve.model.parallel import Shard
 from prefixserve.sampling.argmax import argmax_rows
 
@@ -49,9 +50,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3's long-context scaling when the config asks for it."""
+    """Inverse frequencies, with Llama-3's long-context scaling when the config asks for it.
+
+    Computed on the CPU whatever device context the model is built under (callers move it): on the
+    meta device, fp64 ``arange`` runs torch's Python decomposition, which imports torch._dynamo."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "llama3":
@@ -92,7 +97,7 @@ class RotaryEmbedding(nn.Module):
         return fused.apply_rope(q, cos, sin), fused.apply_rope(k, cos, sin)
 
 
-class Linear(nn.Linear):
+class Linear(LoadedLater, nn.Linear):
     """``nn.Linear`` that takes oneDNN with a packed weight on the CPU when it has one (``cpu_linear``),
     and on a GPU the skinny kernel for a decode step's few rows where it beats cuBLAS (``fused.linear``)."""
 
@@ -149,7 +154,7 @@ class RowParallelLinear(Linear):
         return shard.all_reduce(self(x))
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(LoadedLater, nn.Embedding):
     """The embedding rows ``src`` = [start, stop) of the vocabulary; other ids look up zeros here and
     their row on the rank that holds it (the all-reduce sums the ranks' lookups)."""
 

@@ -29,6 +29,7 @@ from prefixserve.model.llama import (
     rope_inv_freq,
 )
 from prefixserve.model.memory_fit import check_weights_fit
+from prefixserve.model.meta_init import allocate
 from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -138,14 +139,13 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
 def _materialize(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard | None
 ) -> LlamaForCausalLM:
-    """Build the module (this rank's part of it) without default init; weights are filled in afterwards."""
+    """Build the module (this rank's part of it) without default init (``meta_init``); weights are
+    filled in afterwards."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
     check_weights_fit(model.to(dtype), device, shard or Shard())  # before any byte is allocated
-    model = model.to_empty(device=device).to(dtype)
+    allocate(model, device)  # tied embeddings stay tied
     model.rotary.inv_freq = rope_inv_freq(config).to(device)
-    if config.tie_word_embeddings:  # to_empty makes fresh tensors: tie them again
-        model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
@@ -349,11 +349,29 @@ def tokenizer_for(model: str | None, progress: bool = True) -> tuple[str, Any]:
 def load_tokenizer(directory: Path | None) -> Any:
     """The model's own tokenizer (transformers); for dummy weights the default model's if installed,
     else a byte-level one built in code (``byte_tokenizer``): a dummy model always takes text."""
-    from transformers import AutoTokenizer
-
     if directory is None:
         try:
             directory = convert_gguf(default_gguf_path())
         except FileNotFoundError:
             return byte_tokenizer()
+    if _plain_fast_tokenizer(directory):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+_PLAIN_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")  # transformers 4's name, and 5's
+
+
+def _plain_fast_tokenizer(directory: Path) -> bool:
+    """Is the directory's tokenizer the generic fast one (what a converted GGUF holds)? Then it is
+    built directly: ``AutoTokenizer`` resolves the same class but imports accelerate, boto3 and PIL
+    on the way (transformers 5: 1.5 s and 110 MB of a CPU start)."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("tokenizer_class") in _PLAIN_FAST and (directory / "tokenizer.json").is_file()

@@ -37,6 +37,13 @@ def step_reserve(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_s
     return max_tokens * per_token * item + logits + FIXED_RESERVE
 
 
+def kv_blocks_for_sequences(context: int, block_size: int, max_num_seqs: int) -> int:
+    """Blocks that ``max_num_seqs`` sequences of ``context`` tokens hold at most: the most a pool can
+    be used by running sequences (blocks past it only keep more of the prefix cache). The default
+    pool's size, capped by memory (``blocks_for_budget``)."""
+    return -(-context // block_size) * max_num_seqs
+
+
 def check_weights_fit(model: torch.nn.Module, device: torch.device, shard: Shard) -> None:
     """Refuse a model (``model`` built on the meta device) whose weights do not fit the device's free
     memory with room for a step, naming the sizes and the rank count that would fit."""
@@ -67,4 +74,10 @@ def check_kv_fits(num_blocks: int, block_size: int, max_tokens: int, device: tor
         )
 
 
-__all__ = ["check_kv_fits", "check_weights_fit", "step_reserve", "weight_bytes"]
+__all__ = [
+    "check_kv_fits",
+    "check_weights_fit",
+    "kv_blocks_for_sequences",
+    "step_reserve",
+    "weight_bytes",
+]
