@@ -68,6 +68,21 @@ def test_best_window_prefers_uncached_then_least_recently_used() -> None:
     assert best_window(free, cost, 7) == 4 and best_window(free, cost, 8) is None
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    free=st.lists(st.booleans(), min_size=1, max_size=60),
+    costs=st.lists(st.integers(0, 50), min_size=60, max_size=60),
+    count=st.integers(1, 20),
+)
+def test_best_window_is_the_cheapest_all_free_window(free: list[bool], costs: list[int], count: int) -> None:
+    """Against brute force: every window of ``count`` free blocks, least summed cost, lowest start."""
+    m, cost = np.array(free), np.array(costs[: len(free)], dtype=np.int64)
+    windows = [
+        (int(cost[i : i + count].sum()), i) for i in range(len(free) - count + 1) if m[i : i + count].all()
+    ]
+    assert best_window(m, cost, count) == (min(windows)[1] if windows else None)
+
+
 def test_fewest_runs_takes_longest_runs_then_best_fit() -> None:
     free = mask(20, [0, 1, 3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 15, 16])  # runs 2, 4, 3, 5
     got = fewest_runs(free, 7)  # 5 whole, then 2 from the shortest run holding 2 (0..1)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from prefixserve.kv.fragmentation import FreeSpace, free_space
-from prefixserve.kv.placement import best_window, fewest_runs
+from prefixserve.kv.placement import Scratch, best_window, fewest_runs
 
 CONTIGUOUS_MIN_BLOCKS = 16  # allocations this long are placed in a run of consecutive free blocks
 
@@ -92,6 +92,7 @@ class BlockPool:
         # a run's cost to evict (kv/placement.py). ``_clock`` only grows.
         self._stamp = np.zeros(num_blocks, dtype=np.int64)
         self._clock = 0
+        self._scratch = Scratch(num_blocks)  # best_window's buffers, made once
         self._version = 0  # bumped by every change of the free set (``free_space`` caches on it)
         self._space: tuple[int, FreeSpace] | None = None
         self._digest_of: dict[int, bytes] = {}
@@ -159,7 +160,7 @@ class BlockPool:
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
         if count >= CONTIGUOUS_MIN_BLOCKS:
-            start = best_window(self._free_mask, self._stamp, count)
+            start = best_window(self._free_mask, self._stamp, count, self._scratch)
             if start is not None:
                 out = list(range(start, start + count))
             else:
