@@ -123,6 +123,9 @@ def test_a_run_just_hit_is_evicted_last() -> None:
     pool.touch(seqs[0])  # the oldest run was just hit: keep it
     assert pool.allocate(N) == seqs[1]
     pool.check_integrity()
+    pool.release(seqs[1])  # uncached now: a touch leaves it as it is
+    pool.touch(seqs[1])
+    pool.check_integrity()
 
 
 # ---- random workloads -------------------------------------------------------------------------

@@ -269,7 +269,7 @@ class BlockPool:
         """Mark free cached blocks as recently used (a lookup that found them)."""
         moved = []
         for b in blocks:
-            if b in self._free:
+            if b in self._free and b in self._digest_of:  # an uncached block has nothing to keep
                 self._free.move_to_end(b)
                 moved.append(b)
         self._restamp(moved)
