@@ -80,3 +80,4 @@ def assert_pool_empty(llm: LLM) -> None:
     assert not engine.requests, f"requests still registered: {list(engine.requests)}"
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.pool.num_used == 0, f"{engine.pool.num_used} blocks still held"
+    assert not len(engine.scheduler._in_flight), "finished sequences still marked as computing a prompt"

@@ -25,6 +25,7 @@ LIBRARIES = {
     "attention_grid",
     "attention_report",
     "host_overhead_report",
+    "soak_report",
 }
 
 

@@ -127,7 +127,7 @@ def test_long_allocations_get_consecutive_blocks_when_a_run_is_free() -> None:
     run = pool.allocate(n)
     assert run == list(range(5, 5 + n))  # the first whole run (hole 5 joins 6..), not holes 1 and 3
     pool.check_integrity()
-    # cached free blocks are not part of a run: they are evicted only when nothing else is free
+    # a run with a cached block costs an eviction: an uncached run is taken first
     pool.register(run[0], b"d" * 16)
     pool.release(run)
     again = pool.allocate(n)
@@ -135,7 +135,7 @@ def test_long_allocations_get_consecutive_blocks_when_a_run_is_free() -> None:
     pool.check_integrity()
 
 
-def test_without_a_free_run_long_allocations_fall_back_to_the_free_list() -> None:
+def test_without_a_free_run_long_allocations_take_the_fewest_runs() -> None:
     from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS
 
     n = CONTIGUOUS_MIN_BLOCKS

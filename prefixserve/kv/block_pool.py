@@ -7,9 +7,12 @@ of (previous block's digest, its token ids, its position ids, cache salt); a lat
 prompt's cached blocks by recomputing the same digests. Blocks nobody holds stay in the index until
 their slot is needed: eviction is LRU over free blocks.
 
-A long allocation (a prompt) gets consecutive block ids when the pool has such a run of uncached free
-blocks: a segment in consecutive blocks is one row range of the cache, which the GPU's shared-segment
-kernel reads with whole-tile TMA copies (``attention/kernels/shared_attention.py``).
+A long allocation (a prompt) gets consecutive block ids whenever the pool has a run of that many free
+blocks, evicting the cached ones in the run (``kv/placement.py`` picks the run and says what it costs
+LRU): a segment in consecutive blocks is one row range of the cache, which the GPU's shared-segment
+kernels read with whole-tile TMA copies (``attention/kernels/shared_plan.py``). Before, only runs of
+uncached free blocks counted, and a pool full of cached blocks (any server after a few bursts) handed
+a new document scattered ids. ``free_space`` measures what is left (``kv/fragmentation.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from typing import Any
 
 import numpy as np
 
-CONTIGUOUS_MIN_BLOCKS = 16  # allocations this long look for a run of consecutive free blocks
+from prefixserve.kv.fragmentation import FreeSpace, free_space
+from prefixserve.kv.placement import Scratch, best_window, fewest_runs
+
+CONTIGUOUS_MIN_BLOCKS = 16  # allocations this long are placed in a run of consecutive free blocks
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -81,12 +87,21 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         # Free blocks in eviction order (first = evicted first). Uncached blocks go to the front.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._plain = np.ones(num_blocks, dtype=bool)  # free and uncached: what a run may take
+        self._free_mask = np.ones(num_blocks, dtype=bool)  # free, cached or not: what a run may take
+        # when each free cached block last entered the LRU end (release, touch); 0 for uncached ones:
+        # a run's cost to evict (kv/placement.py). ``_clock`` only grows.
+        self._stamp = np.zeros(num_blocks, dtype=np.int64)
+        self._clock = 0
+        self._scratch = Scratch(num_blocks)  # best_window's buffers, made once
+        self._version = 0  # bumped by every change of the free set (``free_space`` caches on it)
+        self._space: tuple[int, FreeSpace] | None = None
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.evictions = 0
-        # long allocations that found no run of consecutive uncached free blocks (scattered ids: the
-        # shared kernel then reads such a segment block by block instead of in whole TMA tiles)
+        # cached blocks evicted by long allocations to keep their run (part of ``evictions``)
+        self.run_evictions = 0
+        # long allocations that found no free run of their length and got several runs (the fewest
+        # possible): the shared kernel reads such a segment block by block instead of in TMA tiles
         self.scattered_allocations = 0
         # called with the (block, digest) pairs an allocation evicts, before anyone writes the blocks
         # (the engine's host spill copies their KV out: kv/prefix_spill.py)
@@ -111,6 +126,12 @@ class BlockPool:
     def is_free(self, block: int) -> bool:
         return block in self._free
 
+    def free_space(self) -> FreeSpace:
+        """The free blocks as runs of consecutive ids (cached until the free set changes)."""
+        if self._space is None or self._space[0] != self._version:
+            self._space = (self._version, free_space(self._free_mask))
+        return self._space[1]
+
     def digest_of(self, block: int) -> bytes | None:
         return self._digest_of.get(block)
 
@@ -130,62 +151,74 @@ class BlockPool:
 
     # ---- holding and releasing -----------------------------------------------------------------
     def allocate(self, count: int) -> list[int]:
-        """Hand out ``count`` blocks, evicting the least recently used cached ones if needed.
+        """Hand out ``count`` blocks, evicting cached ones if needed.
 
-        Uncached free blocks go first (consecutive ids when ``count`` is long and a run exists).
+        A long allocation (``CONTIGUOUS_MIN_BLOCKS``+) gets one run of consecutive ids whenever a free
+        run that long exists, else the fewest runs possible (``kv/placement.py``); a short one takes
+        the free list's head: uncached blocks first, then the least recently used cached ones.
         """
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
         if count >= CONTIGUOUS_MIN_BLOCKS:
-            run = self._plain_run(count)
-            if run is not None:
-                for b in run:
-                    del self._free[b]
-                    self.ref_counts[b] = 1
-                self._plain[run[0] : run[-1] + 1] = False
-                return run
-            self.scattered_allocations += 1
-        out = []
+            start = best_window(self._free_mask, self._stamp, count, self._scratch)
+            if start is not None:
+                out = list(range(start, start + count))
+            else:
+                self.scattered_allocations += 1
+                out = fewest_runs(self._free_mask, count)
+            before = self.evictions
+            for b in out:
+                del self._free[b]
+            self._take(out)
+            self.run_evictions += self.evictions - before
+            return out
+        out = [self._free.popitem(last=False)[0] for _ in range(count)]
+        self._take(out)
+        return out
+
+    def _take(self, blocks: list[int]) -> None:
+        """Hold blocks just taken off the free list: evict their index entries, ref count 1."""
         evicted: list[tuple[int, bytes]] = []
-        for _ in range(count):
-            block, _ = self._free.popitem(last=False)
-            digest = self._digest_of.pop(block, None)
+        digest_of, counts = self._digest_of, self.ref_counts
+        for block in blocks:
+            digest = digest_of.pop(block, None)
             if digest is not None:
                 del self._block_of[digest]
                 self.evictions += 1
                 evicted.append((block, digest))
                 if self.cache_events is not None:
                     self.cache_events.removed(digest)
-            self.ref_counts[block] = 1
-            self._plain[block] = False
-            out.append(block)
+            counts[block] = 1
+        self._mark_held(blocks)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
-        return out
 
-    def _plain_run(self, count: int) -> list[int] | None:
-        """The lowest run of ``count`` consecutive free, uncached blocks, or None."""
-        idx = np.flatnonzero(self._plain)
-        if idx.size < count:
-            return None
-        breaks = np.flatnonzero(np.diff(idx) != 1) + 1  # where a new run starts
-        starts = np.r_[0, breaks]
-        lengths = np.r_[breaks, idx.size] - starts
-        fits = np.flatnonzero(lengths >= count)
-        if fits.size == 0:
-            return None
-        first = int(idx[starts[fits[0]]])
-        return list(range(first, first + count))
+    def _mark_held(self, blocks: Sequence[int]) -> None:
+        """Blocks just taken off the free list: not free, no recency stamp."""
+        if len(blocks) == 1:  # a decode step's new block: scalar stores are ~10x cheaper than a list's
+            (b,) = blocks
+            self._free_mask[b] = False
+            self._stamp[b] = 0
+        elif blocks:
+            self._free_mask[blocks] = False
+            self._stamp[blocks] = 0
+        else:
+            return
+        self._version += 1
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Take one more reference on each block (a cache hit, a fork, a pin)."""
-        for b in blocks:
-            if self.ref_counts[b] == 0:
-                if b not in self._free:
-                    raise RuntimeError(f"block {b} has no holder but is not free")
-                del self._free[b]
-                self._plain[b] = False
-            self.ref_counts[b] += 1
+        taken = []
+        try:
+            for b in blocks:
+                if self.ref_counts[b] == 0:
+                    if b not in self._free:
+                        raise RuntimeError(f"block {b} has no holder but is not free")
+                    del self._free[b]
+                    taken.append(b)
+                self.ref_counts[b] += 1
+        finally:
+            self._mark_held(taken)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; a block nobody holds becomes free (kept in the index)."""
@@ -203,12 +236,21 @@ class BlockPool:
                 if held == 1:
                     emptied.append(b)
         finally:  # blocks released before an error are free, as they were before it
-            free, digest_of, plain = self._free, self._digest_of, self._plain
+            free, digest_of, mask = self._free, self._digest_of, self._free_mask
+            cached = []
             for b in emptied:  # in release order
                 free[b] = None
-                if b not in digest_of:
+                if b in digest_of:
+                    cached.append(b)
+                else:
                     free.move_to_end(b, last=False)  # nothing cached: reuse it first
-                    plain[b] = True
+            if len(emptied) == 1:
+                mask[emptied[0]] = True
+            elif emptied:
+                mask[emptied] = True
+            if emptied:
+                self._restamp(cached)
+                self._version += 1
 
     def register(self, block: int, digest: bytes) -> None:
         """Put a full, held block in the prefix index (first writer of a digest wins)."""
@@ -225,17 +267,34 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Mark free cached blocks as recently used (a lookup that found them)."""
+        moved = []
         for b in blocks:
-            if b in self._free:
+            if b in self._free and b in self._digest_of:  # an uncached block has nothing to keep
                 self._free.move_to_end(b)
+                moved.append(b)
+        self._restamp(moved)
+
+    def _restamp(self, blocks: list[int]) -> None:
+        """Free cached blocks just put at the LRU end, oldest first: the youngest stamps, in order."""
+        if len(blocks) == 1:
+            self._clock += 1
+            self._stamp[blocks[0]] = self._clock
+        elif blocks:
+            self._stamp[blocks] = np.arange(self._clock + 1, self._clock + 1 + len(blocks))
+            self._clock += len(blocks)
 
     def check_integrity(self) -> None:
         """Raise if ref counts, the free list and the index disagree (tests call this)."""
         for b in range(self.num_blocks):
             if (self.ref_counts[b] == 0) != (b in self._free):
                 raise AssertionError(f"block {b}: ref {self.ref_counts[b]}, free={b in self._free}")
-            if self._plain[b] != (b in self._free and b not in self._digest_of):
-                raise AssertionError(f"block {b}: free-and-uncached mark is stale")
+            if self._free_mask[b] != (b in self._free):
+                raise AssertionError(f"block {b}: free mark is stale")
+            if (self._stamp[b] != 0) != (b in self._free and b in self._digest_of):
+                raise AssertionError(f"block {b}: recency stamp {self._stamp[b]} is stale")
+        stamps = [int(self._stamp[b]) for b in self._free if b in self._digest_of]
+        if stamps != sorted(stamps) or len(set(stamps)) != len(stamps):
+            raise AssertionError("recency stamps do not follow the free list's LRU order")
         for d, b in self._block_of.items():
             if self._digest_of.get(b) != d:
                 raise AssertionError(f"index entry for block {b} is inconsistent")

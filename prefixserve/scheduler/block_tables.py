@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixserve.kv.block_pool import BlockPool, chain_digests
+from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS, BlockPool, chain_digests
 from prefixserve.sequence import Sequence
 
 
@@ -97,7 +97,11 @@ class BlockManager:
     def reserve(self, seq: Sequence, upto_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make room for KV up to ``upto_tokens``; copy-on-write the block being written if shared.
 
-        Returns False (and changes nothing) if the pool is short of blocks.
+        A long prompt's first chunk takes the blocks of every token known (the whole prompt) when
+        the pool has them free: one allocation is one run of consecutive ids (``kv/placement.py``),
+        where chunk-by-chunk allocations would each land in a run of their own, and one break in a
+        shared segment costs the GPU kernels their whole-tile reads. Returns False (and changes
+        nothing) if the pool is short of blocks.
         """
         table = seq.block_table
         new_blocks = -(-upto_tokens // self.block_size) - len(table)
@@ -108,6 +112,10 @@ class BlockManager:
         new_blocks = max(0, new_blocks)
         if new_blocks + int(cow) > self.pool.num_free:
             return False
+        if new_blocks:
+            whole = -(-len(seq.token_ids) // self.block_size) - len(table)
+            if whole >= CONTIGUOUS_MIN_BLOCKS and new_blocks < whole <= self.pool.num_free - int(cow):
+                new_blocks = whole
         if cow:
             old = table[write_block]
             (fresh,) = self.pool.allocate(1)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob, GroupState
+from prefixserve.scheduler.prompts_in_flight import PromptsInFlight
 from prefixserve.scheduler.stop import stop_possible, stop_reason
 from prefixserve.sequence import SeqStatus, Sequence
 
@@ -70,7 +71,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # digest of a prompt block -> the running sequence that will compute it
-        self._in_flight: dict[bytes, Sequence] = {}
+        self._in_flight = PromptsInFlight()
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Is the first block this sequence would compute already being computed by another one?
@@ -82,20 +83,15 @@ class Scheduler:
         if index >= self.blocks.cacheable_blocks(seq):
             return False
         digest = self.blocks.digests(seq, index + 1)[index]
-        holder = self._in_flight.get(digest)
-        if holder is None or holder is seq or holder.status is not SeqStatus.RUNNING:
+        holder = self._in_flight.holder(digest)
+        if holder is None or holder is seq:
             return False
         return not self.blocks.is_cached(digest)
 
     def _mark_in_flight(self, seq: Sequence) -> None:
-        if len(self._in_flight) > 65536:  # drop entries of sequences that are done with their prompt
-            self._in_flight = {d: s for d, s in self._in_flight.items() if s.status is SeqStatus.RUNNING}
         full = self.blocks.cacheable_blocks(seq)
         start = seq.num_computed_tokens // self.blocks.block_size
-        for digest in self.blocks.digests(seq, full)[start:]:
-            holder = self._in_flight.get(digest)
-            if holder is None or holder.status is not SeqStatus.RUNNING:
-                self._in_flight[digest] = seq
+        self._in_flight.mark(seq, self.blocks.digests(seq, full)[start:])
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -129,6 +125,7 @@ class Scheduler:
             if seq in self.waiting:
                 self.waiting.remove(seq)
         self.blocks.free(seq)
+        self._in_flight.forget(seq)
         seq.status = SeqStatus.FINISHED
         job = self._group_of.pop(seq, None)
         if job is not None:
@@ -204,6 +201,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        self._in_flight.forget(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

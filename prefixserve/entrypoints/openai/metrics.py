@@ -34,7 +34,8 @@ _COUNTERS = {
     "cuda_graph_captures_total": "CUDA graphs captured (decode batches, dense pieces of eager steps)",
     "cuda_graph_capture_seconds_total": "host time spent capturing CUDA graphs (the running streams wait)",
     "prefix_cache_evicted_blocks_total": "cached KV blocks evicted to make room (least recently used first)",
-    "kv_scattered_allocations_total": "allocations of 16+ blocks given scattered ids (no free run)",
+    "kv_scattered_allocations_total": "allocations of 16+ blocks split into runs (no free run long enough)",
+    "kv_run_evicted_blocks_total": "cached KV blocks evicted to give a long allocation one run of block ids",
     # Prompt Cache: schemas' modules
     "module_tokens_reused_total": "prompt tokens served from encoded prompt modules (Prompt Cache)",
     "module_encodes_total": "prompt module pieces encoded (run through the model)",
@@ -53,6 +54,14 @@ _GAUGES = {
     "kv_blocks_total": ("kv_blocks_total", "KV pool size in blocks"),
     "kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
     "kv_blocks_cached": ("kv_blocks_cached", "KV blocks in the prefix index"),
+    "kv_free_runs": ("kv_free_runs", "runs of consecutive free KV block ids"),
+    "kv_longest_free_run": ("kv_longest_free_run", "free KV blocks in the longest run of consecutive ids"),
+    "kv_free_fragmentation": (
+        "kv_free_fragmentation",
+        "share of free KV blocks outside the longest free run (0: one run)",
+    ),
+    "gpu_memory_allocated_bytes": ("gpu_memory_allocated_bytes", "CUDA memory held by tensors (engine)"),
+    "gpu_memory_reserved_bytes": ("gpu_memory_reserved_bytes", "CUDA memory the caching allocator holds"),
     "module_blocks_gpu": ("module_blocks_gpu", "KV blocks holding encoded prompt modules"),
     "module_entries_host": ("module_entries_host", "prompt module pieces kept in host memory"),
     # overload (engine/admission.py): absent without an admission (then 0)
