@@ -26,13 +26,13 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import TINY_CONFIG
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.admission import AdmissionLimits
 from prefixserve.entrypoints.openai.overload import QUEUE_DELAY_HEADER, OverloadSettings, queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.server import GracefulServer, ServerThread, build_app, overload_settings
+from tests.conftest import TINY_CONFIG
 
 BLOCKER = {"prompt": "A long ride " * 8, "max_tokens": 16000, "ignore_eos": True, "stream": True}
 
