@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -28,8 +27,7 @@ _SWITCHES = {
     "skinny": True,
     "gate_up": True,
     "split_k": True,
-    # an environment variable, so tensor-parallel workers (processes of their own) follow it too
-    "staged_allreduce": os.environ.get("PREFIXSERVE_STAGED_ALLREDUCE", "1") != "0",
+    "staged_allreduce": True,
 }
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
