@@ -60,8 +60,9 @@ def _decode_batch(engine: Any, rows: int, prefix: list[int], rng: random.Random,
 
 
 def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
-    """Ordinary ids, away from the specials that usually sit at either end of a vocabulary."""
-    low, high = min(100, vocab // 4), max(min(vocab - 100, 30000), min(100, vocab // 4) + 1)
+    """Ordinary ids, away from the specials that usually sit at the ends of a vocabulary."""
+    low = min(100, vocab // 4)
+    high = max(min(vocab - 100, 30000), low + 1)
     return [rng.randrange(low, high) for _ in range(n)]
 
 

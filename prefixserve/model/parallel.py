@@ -88,9 +88,8 @@ class Shard:
         """Every rank's ``x`` [R, C] side by side, [R, size * C], cut to ``total`` columns."""
         if not self.parallel:
             return x[:, :total]
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)[:, :total]
+        every = self.all_gather_stack(x)  # [size, R, C]
+        return every.permute(1, 0, 2).reshape(x.shape[0], -1)[:, :total]
 
     def all_gather_stack(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x``, stacked in rank order: [size, *x.shape]."""

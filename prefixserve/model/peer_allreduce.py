@@ -52,10 +52,9 @@ class PeerAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks in place (the caller checked ``fits``)."""
-        staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        staged = self._view(x.numel() * x.element_size(), x.dtype).view(x.shape)
         staged.copy_(x)
-        self.two_shot(staged, "sum", self.group_name)
-        x.copy_(staged)
+        x.copy_(self.reduce_staged(staged))
         return x
 
     def staged(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -67,7 +66,10 @@ class PeerAllReduce:
             return None
         if numel % (self.size * 16):
             return None
-        return self.buffer[:nbytes].view(dtype).view(rows, cols)
+        return self._view(nbytes, dtype).view(rows, cols)
+
+    def _view(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.buffer[:nbytes].view(dtype)
 
     def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
         """Sum a ``staged`` view over the ranks in place and return it (no copy out). It holds the sum
