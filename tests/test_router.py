@@ -192,3 +192,13 @@ def test_replica_metrics_merge_into_one_family_each_with_a_replica_label() -> No
     (family,) = [f for f in text_string_to_metric_families(merged) if f.name == "prefixserve_requests"]
     got = {(s.labels["replica"], s.value) for s in family.samples if s.name.endswith("_total")}
     assert got == {("replica-0", 2.0), ("replica-1", 5.0)}
+
+
+def test_round_robin_ignores_prefixes_and_takes_turns() -> None:
+    a, b = b"a" * 16, b"b" * 16
+    router = _router_holding({"r0": [a, b], "r1": []}, RoutingPolicy(routing="round_robin"))
+    picks = [router.choose([a, b], {"r0": 0, "r1": 0}) for _ in range(4)]
+    assert picks == ["r0", "r1", "r0", "r1"]
+    assert router.choose([a], {"r1": 0}) == "r1"  # only the healthy ones take turns
+    with pytest.raises(ValueError, match="routing"):
+        RoutingPolicy(routing="random")

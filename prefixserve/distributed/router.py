@@ -71,15 +71,24 @@ class PrefixIndex:
         return depth
 
 
+ROUTINGS = ("prefix", "round_robin")
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingPolicy:
     """When affinity gives way to load: a replica counts as overloaded when its outstanding requests
-    exceed the least loaded replica's by more than ``max(min_imbalance, imbalance_fraction * least)``."""
+    exceed the least loaded replica's by more than ``max(min_imbalance, imbalance_fraction * least)``.
+
+    ``routing="round_robin"`` ignores prefixes and loads (each healthy replica in turn, sessions still
+    stick): the baseline prefix affinity is measured against (``benchmarks/replicas.py``)."""
 
     min_imbalance: int = 4
     imbalance_fraction: float = 0.25
+    routing: str = "prefix"
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.min_imbalance < 0 or self.imbalance_fraction < 0:
             raise ValueError(
                 f"min_imbalance and imbalance_fraction must be >= 0, got {self.min_imbalance}, "
@@ -112,7 +121,10 @@ class Router:
             if stuck is not None and stuck in loads:
                 self._sessions.move_to_end(session)
                 return stuck
-        chosen = self._by_prefix(digests, loads)
+        if self.policy.routing == "round_robin":
+            chosen = min(loads, key=lambda r: (self._last.get(r, 0), r))  # the one routed to longest ago
+        else:
+            chosen = self._by_prefix(digests, loads)
         self._routed += 1
         self._last[chosen] = self._routed
         if session is not None:
@@ -143,4 +155,4 @@ class Router:
             del self._sessions[session]
 
 
-__all__ = ["MAX_SESSIONS", "PrefixIndex", "Router", "RoutingPolicy"]
+__all__ = ["MAX_SESSIONS", "ROUTINGS", "PrefixIndex", "Router", "RoutingPolicy"]

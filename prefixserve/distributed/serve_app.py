@@ -131,6 +131,7 @@ def run_replicas(
     api_key: str | None = None,
     replica_cpus: float | None = None,
     overload: Any = None,
+    policy: RoutingPolicy | None = None,
 ) -> int:
     """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
     import signal
@@ -144,7 +145,9 @@ def run_replicas(
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": host, "port": port})
-    app = serve_app(config, replicas, api_key=api_key, replica_cpus=replica_cpus, overload=overload)
+    app = serve_app(
+        config, replicas, api_key=api_key, policy=policy, replica_cpus=replica_cpus, overload=overload
+    )
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.info(
         "serving %d replicas of %s on http://%s:%d", replicas, config.model or "the default model", host, port

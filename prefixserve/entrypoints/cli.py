@@ -232,12 +232,21 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise SystemExit(f"error: {exc}") from exc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prefixserve.distributed.router import RoutingPolicy
     from prefixserve.entrypoints.openai.server import overload_settings
 
     config = engine_config_from_args(args)
     overload = overload_settings(args)
+    policy = RoutingPolicy(routing=args.routing)
     return run_replicas(
-        config, args.replicas, args.host, args.port, args.api_key, args.replica_cpus, overload=overload
+        config,
+        args.replicas,
+        args.host,
+        args.port,
+        args.api_key,
+        args.replica_cpus,
+        overload=overload,
+        policy=policy,
     )
 
 
@@ -448,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--replica-cpus", type=float, default=None, help="with --replicas: CPUs Ray reserves per replica (1)"
+    )
+    s.add_argument(
+        "--routing",
+        choices=["prefix", "round_robin"],
+        default="prefix",
+        help="with --replicas: prefix affinity (default), or round robin (the baseline for affinity)",
     )
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
