@@ -50,7 +50,8 @@ SMOKE = dict(
     doc_tokens=512,
     question_tokens=16,
     output_tokens=8,
-    rate_ladder=[2.0, 4.0, 8.0],
+    rate_ladder=[1.0, 2.0, 4.0, 8.0],
+    start_rate=2.0,
     window=3.0,
     min_requests=6,
     max_requests=24,
@@ -76,6 +77,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rate-ladder", type=float, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48])
+    p.add_argument("--start-rate", type=float, default=4.0, help="the ladder's first rate (req/s)")
     p.add_argument("--window", type=float, default=20.0, help="seconds of arrivals per rate")
     p.add_argument("--min-requests", type=int, default=24)
     p.add_argument("--max-requests", type=int, default=480)
@@ -172,7 +174,9 @@ def point_line(name: str, r: dict[str, Any]) -> str:
     if not r.get("ok"):
         return f"[{name}] {r['rate_req_s']:g} req/s: no request finished"
     return (
-        f"[{name}] {r['rate_req_s']:g} req/s ({r['requests']} req): {r['throughput_req_s']:.2f} served, "
+        f"[{name}] {r['rate_req_s']:g} req/s ({r['requests']} req, "
+        f"arrivals {r.get('arrival_req_s', 0):.2f}/s): "
+        f"served {r['served_fraction']:.3f}, "
         f"{r['throughput_tok_s']:.0f} tok/s, hit {r['cached_prompt_fraction']:.3f}, "
         f"TTFT {r['ttft_mean_s']:.2f} (p99 {r['ttft_p99_s']:.2f}) s, "
         f"norm {r['norm_latency_mean']:.4f} s/tok, "
@@ -186,6 +190,33 @@ def hit_tokens(results: list[dict[str, Any]]) -> dict[str, int]:
         "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
         "cached_tokens": sum(r["cached_tokens"] for r in ok),
     }
+
+
+def point(rate: float, results: list[dict[str, Any]], start_at: float, slo: float) -> dict[str, Any]:
+    """One rate's record. A finite window makes ``ok / (last end - first arrival)`` fall short of the
+    offered rate even for a server that keeps up (the last arrival still needs its service time), and
+    a Poisson draw of n requests spans more or less than n / rate: so ``served_fraction`` compares the
+    actual finish with an ideal one, the last arrival plus an unqueued service time (the median
+    end-to-end time of the first quarter of arrivals)."""
+    row = {"rate_req_s": rate, **summarize(results, start_at, slo), **hit_tokens(results)}
+    row["timed_out"] = any(r["error"] == "deadline" for r in results)
+    ok = sorted((r for r in results if r["error"] is None and r["end"] is not None), key=lambda r: r["due"])
+    if len(ok) >= 2:
+        first_due, last_due = ok[0]["due"], max(r["due"] for r in results)
+        quarter = ok[: max(1, len(ok) // 4)]
+        service = sorted(r["end"] - r["sent"] for r in quarter)[len(quarter) // 2]
+        ideal = last_due - first_due + service
+        actual = max(r["end"] for r in ok) - first_due
+        row["arrival_req_s"] = (len(results) - 1) / max(1e-9, last_due - first_due)
+        row["served_fraction"] = len(ok) / len(results) * min(1.0, ideal / actual)
+    else:
+        row["served_fraction"] = 0.0
+    return row
+
+
+def keep_up_view(row: dict[str, Any]) -> dict[str, Any]:
+    """The point as ``serving_gpu.points.over`` judges it: served = ``served_fraction`` x offered."""
+    return {**row, "throughput_req_s": row.get("served_fraction", 0.0) * row["rate_req_s"]}
 
 
 def run_config(
@@ -215,26 +246,26 @@ def run_config(
                 f"[{name}] burst: {section['burst'].get('throughput_tok_s', 0):.0f} streamed tok/s",
                 flush=True,
             )
-        probe = clients.run(
-            server.url, burst_requests(tok, shared, 2 * len(shared), args.output_tokens), args.point_timeout
-        )
-        start_rate = summarize(probe["results"], probe["start_at"]).get(
-            "throughput_req_s", args.rate_ladder[0]
-        )
         ladder = sorted(args.rate_ladder)
-        first = max([i for i, r in enumerate(ladder) if r <= start_rate / 2] or [0])
-        for rate in ladder[first:]:
+        order = [r for r in ladder if r >= args.start_rate]
+        downward = False
+        while order:
+            rate = order.pop(0)
             n = int(min(args.max_requests, max(args.min_requests, round(rate * args.window))))
             reqs = poisson_requests(tok, shared, rate, n, seed=int(rate * 1000), gen=args.output_tokens)
             run = clients.run(server.url, reqs, args.point_timeout)
-            row = {"rate_req_s": rate, **summarize(run["results"], run["start_at"], args.slo)}
-            row.update(hit_tokens(run["results"]))
-            row["timed_out"] = any(r["error"] == "deadline" for r in run["results"])
+            row = point(rate, run["results"], run["start_at"], args.slo)
             section["points"].append(row)
             print(point_line(name, row), flush=True)
-            if over(row, args.slo, args.backlog):
+            crossed = over(keep_up_view(row), args.slo, args.backlog)
+            if crossed and len(section["points"]) == 1:
+                downward = True  # the first rate is already too much: walk down
+                order = [r for r in reversed(ladder) if r < rate]
+            elif crossed != downward:
                 break
-        section["sustained"] = sustainable(section["points"], args.slo, args.backlog)
+        section["sustained"] = sustainable(
+            [keep_up_view(p) for p in section["points"]], args.slo, args.backlog
+        )
         status, health = http_get(server.url + "/health")
         section["health"] = {"status": status, "body": health[:2000]}
     finally:
@@ -312,13 +343,13 @@ def markdown(payload: dict[str, Any]) -> str:
         op, goal = TARGETS[key]
         met = "-" if value is None else ("yes" if (value >= goal if op == ">=" else value <= goal) else "no")
         lines.append(f"| {key} | {'-' if value is None else f'{value:.3f}'} | {op} {goal} | {met} |")
-    lines += ["", "Points (offered -> served req/s, hit fraction, mean TTFT):", ""]
+    lines += ["", "Points (offered req/s: served fraction, hit fraction, mean TTFT):", ""]
     for name, s in payload["configs"].items():
         pts = ", ".join(
-            f"{p['rate_req_s']:g}->{p.get('throughput_req_s', 0):.2f} "
+            f"{p['rate_req_s']:g}: served {p.get('served_fraction', 0):.3f} "
             f"({p.get('cached_prompt_fraction', 0):.2f}, "
             f"{p.get('ttft_mean_s', 0):.2f} s)"
-            for p in s["points"]
+            for p in sorted(s["points"], key=lambda p: p["rate_req_s"])
         )
         lines.append(f"- {name}: {pts}")
     info = payload["info"]
@@ -336,10 +367,12 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for name, s in payload["configs"].items():
-        x = [p["rate_req_s"] for p in s["points"]]
-        ax1.plot(x, [p.get("throughput_req_s", 0) for p in s["points"]], marker="o", label=name)
-        ax2.plot(x, [p.get("ttft_mean_s", float("nan")) for p in s["points"]], marker="o", label=name)
-    ax1.set(xlabel="offered req/s", ylabel="served req/s", title="served vs offered")
+        pts = sorted(s["points"], key=lambda p: p["rate_req_s"])
+        x = [p["rate_req_s"] for p in pts]
+        ax1.plot(x, [p.get("served_fraction", 0) for p in pts], marker="o", label=name)
+        ax2.plot(x, [p.get("ttft_mean_s", float("nan")) for p in pts], marker="o", label=name)
+    ax1.axhline(0.95, color="grey", lw=0.8, ls="--")
+    ax1.set(xlabel="offered req/s", ylabel="served fraction", title="served / offered")
     ax2.set(xlabel="offered req/s", ylabel="mean TTFT (s)", title="TTFT", yscale="log")
     ax1.legend()
     fig.tight_layout()
