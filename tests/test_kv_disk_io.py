@@ -321,3 +321,45 @@ def test_copy_runs_join_blocks_evicted_together() -> None:
     assert runs[0][1].data_ptr() == one[1].data_ptr()
     stacked = copy_stream("cpu").to_device_blocks(parts)
     assert torch.equal(stacked, torch.stack(parts))
+
+
+# --- on a GPU: the copy stream's paths --------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_copy_paths_are_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Host (pinned and pageable), disk and block-major spill round trips through the copy stream,
+    with no explicit sync between the copies and the reads: events order them."""
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=256,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    kv = KVCache(config, 64, 16, dtype, torch.device("cuda"))
+    kv.tensor.copy_(random_tensor(tuple(kv.tensor.shape), dtype, 5).cuda())
+    ref = kv.gather_rows(list(range(4)), 60)
+    packed, ready = kv.gather_rows_async(list(range(4)), 60)
+    host = HostTier(1 << 30)
+    host.put("a", packed, ready=ready)
+    kv.scatter_rows([10, 11, 12, 13], host.get("a")[0])  # type: ignore[index]
+    assert torch.equal(bits(kv.gather_rows([10, 11, 12, 13], 60)), bits(ref))
+    kv.scatter_rows([20, 21, 22, 23], ref.clone())  # pageable: through the pinned slots
+    assert torch.equal(bits(kv.gather_rows([20, 21, 22, 23], 60)), bits(ref))
+    store = DiskTier(tmp_path, readers=3, chunk_bytes=4096)
+    store.put("k", ref)
+    got = store.get("k", kv.tensor.device)
+    assert got is not None and got[0].is_cuda
+    kv.scatter_rows([30, 31, 32, 33], got[0])
+    assert torch.equal(bits(kv.gather_rows([30, 31, 32, 33], 60)), bits(ref))
+    blocks, ready = kv.gather_blocks([5, 9, 2])
+    parts = [blocks[0], blocks[1], blocks[2]]  # one run: one copy back
+    stacked = copy_stream(kv.tensor.device).to_device_blocks(parts)
+    rows = stacked.permute(1, 2, 0, 3, 4, 5).reshape(4, 2, 48, 2, 64)
+    kv.scatter_rows([40, 41, 42], rows)
+    for i, b in enumerate([5, 9, 2]):
+        assert torch.equal(bits(kv.tensor[:, :, 40 + i]), bits(kv.tensor[:, :, b]))
