@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -169,9 +170,18 @@ class Reader:
         self.chunk_bytes = chunk_bytes
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix="prefixserve-kv-read")
-        # twice the readers: a reader fills a slot while the device still copies out of the last one
-        self.slots = Slots(2 * readers, chunk_bytes, pin)
+        self._pin = pin
+        self._slots: Slots | None = None  # made at the first read: an unread store pins nothing
+        self._lock = threading.Lock()
         self.fallbacks = 0  # files read buffered after O_DIRECT was refused
+
+    @property
+    def slots(self) -> Slots:
+        """Twice the readers: a reader fills a slot while the device still copies out of its last one."""
+        with self._lock:
+            if self._slots is None:
+                self._slots = Slots(2 * self.readers, self.chunk_bytes, self._pin)
+            return self._slots
 
     def _open(self, path: str) -> tuple[int, bool]:
         if self.direct:

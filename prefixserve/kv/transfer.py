@@ -35,9 +35,12 @@ class Ready(Protocol):
 def aligned_bytes(nbytes: int, pin: bool) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` whose first byte is ALIGN-aligned (pinned if ``pin``).
 
-    Pinned: over-allocated by ALIGN and sliced, whatever the host allocator's own alignment. Else an
-    anonymous mapping, page-aligned by the kernel."""
+    Pinned: the host allocator's blocks are page-aligned in practice; one that is not is allocated
+    again ALIGN bytes larger and sliced. Else an anonymous mapping, page-aligned by the kernel."""
     if pin:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
         skip = -raw.data_ptr() % ALIGN
         return raw[skip : skip + nbytes]
