@@ -9,7 +9,12 @@ Three questions, one run:
   the first module that differs), ``module_gpu`` (the PML prompt, modules in the GPU tier),
   ``module_host`` (every module moved to host memory first: the request copies them back) and
   ``module_disk`` (moved off the host too: read from the module store, checksum checked). TTFT =
-  wall time of a one-token ``generate``, median of ``--trials`` requests with fresh subsets.
+  wall time of a one-token ``generate``, median of ``--trials`` requests with fresh subsets. Each row
+  also gives each tier's rate: host GB/s = the modules' KV bytes / (host TTFT - GPU TTFT), disk read
+  GB/s = the disk tier's own read rate (read, checked and handed to the device copy) during the disk
+  TTFT; and, once per run, what the machine gives (``benchmarks/io_rates.py``): one large pinned
+  host-to-device copy, the host tier's copy path over the same entries, a plain sequential O_DIRECT
+  read of the store's files and ``fio`` of them where installed; the report shows the fractions.
 * **Decode with 64 concurrent requests** importing modules in different subsets and orders, at each
   ``--decode-points`` IMPORTED/MODULES (3K, 5K and 7K module tokens a request by default):
   ``module`` (PML prompts: each module's blocks read once per step for all its holders; also with
@@ -25,6 +30,8 @@ Three questions, one run:
 
     python -m benchmarks.promptcache run --device cpu --model default --quality     # this CPU
     python -m benchmarks.promptcache run                                           # H200, dummy 8B
+    python -m benchmarks.promptcache run --device cuda --lengths 5120 --decode-points \
+        --spill-docs 24 --spill-doc-tokens 2048 --merge           # the tiers and the spill on a GPU
     python -m benchmarks.promptcache report --json docs/benchmarks/promptcache.json
 
 ``--recovery`` runs only the accuracy-recovery sections (``benchmarks/recovery.py``: quality vs TTFT
@@ -47,6 +54,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import RESULTS, gpu_idle_frac, pyplot, run_info, run_or_report, write_text
+from benchmarks.io_rates import machine_rates
 from benchmarks.promptcache_workload import bench_schema, prompts_for, ttft, words
 from benchmarks.recovery import (
     add_recovery_args,
@@ -57,10 +65,45 @@ from benchmarks.recovery import (
     run_recovery_ttft,
 )
 from prefixserve import LLM, SamplingParams
+from prefixserve.kv.transfer import copy_stream
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    """Bytes of one token's KV, every layer and head (what a tier moves per module token)."""
+    kv = llm.engine.modules.kv
+    layers, two, _, _, _, dim = kv.tensor.shape
+    return layers * two * kv.total_kv_heads * dim * kv.tensor.element_size()
+
+
+def host_copy_gbs(llm: LLM, limit: int = 2 << 30) -> float | None:
+    """GB/s of the host tier's copy path (``CopyStream.to_device``) over the entries now in host memory
+    (up to ``limit`` bytes), timed to the last byte on the device; None off CUDA or with no entries."""
+    if llm.engine.device.type != "cuda":
+        return None
+    host, entries, total = llm.engine.modules.host, [], 0
+    keys = host.keys()  # least recently used first
+    for key in keys:
+        found = host.get(key)
+        if found is None or total >= limit:
+            break
+        entries.append(found[0])
+        total += found[0].numel() * found[0].element_size()
+    if not entries:
+        return None
+    copier = copy_stream(llm.engine.device)
+    copier.to_device(entries[0])  # warm-up: the copy stream's first use
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    landed = [copier.to_device(e) for e in entries]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    del landed
+    return total / seconds / 1e9
 
 
 def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
     tok = llm.get_tokenizer()
+    per_token = kv_bytes_per_token(llm)
     most = max(args.lengths) // args.module_tokens
     schema, texts = bench_schema(tok, 2 * most, args.module_tokens, args.seed)
     llm.register_schema(schema)
@@ -71,6 +114,8 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
         times: dict[str, list[float]] = {
             m: [] for m in ("full", "prefix", "module_gpu", "module_host", "module_disk")
         }
+        disk_rates: list[float] = []
+        host_rate = None
         for trial in range(args.trials + 1):  # the first round warms every path up, untimed
             pml, plain, shuffled = prompts_for(rng, texts, count, question)
             llm.generate(prompts_for(rng, texts, count, question)[2], SamplingParams(max_tokens=1))
@@ -82,10 +127,17 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
                 "module_gpu": ttft(llm, pml),
             }
             llm.engine.modules.move_out()
+            if trial == args.trials:
+                host_rate = host_copy_gbs(llm)
             got["module_host"] = ttft(llm, pml.replace(question, " Host" + question))
-            if llm.engine.modules.disk is not None:
+            disk = llm.engine.modules.disk
+            if disk is not None:
                 llm.engine.modules.move_out(drop_host=True)
+                before = (disk.read_bytes, disk.read_seconds)
                 got["module_disk"] = ttft(llm, pml.replace(question, " Disk" + question))
+                read_bytes, read_s = disk.read_bytes - before[0], disk.read_seconds - before[1]
+                if trial and read_bytes:
+                    disk_rates.append(read_bytes / read_s / 1e9)
             if trial:
                 for mode, t in got.items():
                     times[mode].append(t)
@@ -94,6 +146,15 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
         for mode, ts in times.items():
             if ts:
                 row[f"{mode}_s"] = statistics.median(ts)
+        row["module_bytes"] = row["module_tokens"] * per_token
+        if "module_host_s" in row:  # the time the host tier adds over the GPU tier, as a rate
+            row["host_gbs"] = (
+                row["module_bytes"] / max(1e-6, row["module_host_s"] - row["module_gpu_s"]) / 1e9
+            )
+        if host_rate is not None:
+            row["host_copy_gbs"] = host_rate
+        if disk_rates:
+            row["disk_read_gbs"] = statistics.median(disk_rates)
         rows.append(row)
         print(json.dumps(row))
     llm.unregister_schema("bench")
@@ -116,7 +177,10 @@ def run_decode(args: argparse.Namespace, question: str) -> list[dict[str, Any]]:
     for point in args.decode_points:
         imported, modules = (int(x) for x in point.split("/"))
         out: dict[str, Any] = {
-            "requests": args.decode_requests, "gen": args.decode_gen, "imported": imported, "modules": modules
+            "requests": args.decode_requests,
+            "gen": args.decode_gen,
+            "imported": imported,
+            "modules": modules,
         }
         for mode, (pml, caching, attention, recovery) in decode_modes(args.decode_recovery).items():
             kw = {"enable_prefix_caching": caching, "attention": attention, "module_recompute": recovery}
@@ -243,6 +307,7 @@ def run_spill(args: argparse.Namespace) -> dict[str, Any]:
         out[f"{tag}_s"] = time.perf_counter() - t0
         out[f"{tag}_hit_rate"] = m["prefix_cache_hit_tokens_total"] / m["prompt_tokens_total"]
         out[f"{tag}_host_hit_tokens"] = m["prefix_cache_host_hit_tokens_total"]
+        out[f"{tag}_spilled_blocks"] = m.get("prefix_cache_spilled_blocks_total", 0)
         out["kv_blocks"] = blocks
         print(json.dumps(out))
         del llm
@@ -289,11 +354,14 @@ def run(args: argparse.Namespace) -> None:
             result["recovery_ttft"] = run_recovery_ttft(llm, args, question)
         del llm
     else:
-        with tempfile.TemporaryDirectory() as store:
+        with tempfile.TemporaryDirectory(dir=args.store_dir) as store:
             llm = make_llm(args, module_store=store)
             q_ids = llm.get_tokenizer().encode(question, add_special_tokens=False)
             result["settings"]["question_tokens"] = len(q_ids)
             result["ttft"] = run_ttft(llm, args, question) if args.lengths else []
+            if result["ttft"]:  # the machine's own rates, on the store's very files
+                result["machine"] = machine_rates(sorted(Path(store).glob("*.kv")))
+                print(json.dumps(result["machine"]))
             if args.quality:
                 result["quality"] = run_quality(llm, args)
             del llm
@@ -309,7 +377,16 @@ def run(args: argparse.Namespace) -> None:
     old = out / f"{args.name}.json"
     if args.merge and old.exists():  # keep the earlier run's sections this run did not measure
         earlier = json.loads(old.read_text())
-        sections = ("ttft", "quality", "decode", "spill", "recovery_quality", "chat_quality", "recovery_ttft")
+        sections = (
+            "ttft",
+            "machine",
+            "quality",
+            "decode",
+            "spill",
+            "recovery_quality",
+            "chat_quality",
+            "recovery_ttft",
+        )
         for section in sections:
             if not result.get(section) and earlier.get(section):
                 result[section] = earlier[section]
@@ -340,8 +417,8 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
     if result["ttft"]:
         lines += [
             "| module tokens | full prefill s | prefix caching s | modules on GPU s | on host s | on disk s "
-            "| full / GPU | full / host | full / disk | prefix / GPU |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| full / GPU | full / host | full / disk | prefix / GPU | host GB/s | disk read GB/s |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
     for row in result["ttft"]:
         full, gpu = row["full_s"], row["module_gpu_s"]
@@ -353,11 +430,17 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
         def ratio(a: float, b: float | None) -> str:
             return "-" if b is None else f"{a / b:.1f}x"
 
+        def rate(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1f}"
+
         lines.append(
             f"| {row['module_tokens']} | {f(full)} | {f(row['prefix_s'])} | {f(gpu)} | {f(host)} "
             f"| {f(disk)} | {ratio(full, gpu)} | {ratio(full, host)} | {ratio(full, disk)} "
-            f"| {ratio(row['prefix_s'], gpu)} |"
+            f"| {ratio(row['prefix_s'], gpu)} | {rate(row.get('host_gbs'))} "
+            f"| {rate(row.get('disk_read_gbs'))} |"
         )
+    if result["ttft"]:
+        lines += ["", *machine_lines(result)]
     if result.get("decode"):
         lines += decode_lines(result)
     if "quality" in result:
@@ -414,6 +497,38 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
     fig.savefig(out / f"{name}.png", dpi=120)
 
 
+def machine_lines(result: dict[str, Any]) -> list[str]:
+    """The tiers' rates against what the machine gives, measured in the same run."""
+    m, rows = result.get("machine") or {}, result["ttft"]
+    if not m:
+        return ["(No machine rates in this run: they came with issue 54.)"]
+    last = rows[-1]
+
+    def frac(x: float | None, of: float | None) -> str:
+        return "-" if x is None or not of else f"{x:.1f} GB/s ({x / of:.0%} of it)"
+
+    def gbs(x: float | None) -> str:
+        return "not measured" if x is None else f"{x:.1f} GB/s"
+
+    read = "O_DIRECT" if m.get("sequential_read_direct") else "buffered (O_DIRECT refused)"
+    h2d, seq, fio = m.get("pinned_h2d_gbs"), m.get("sequential_read_gbs"), m.get("fio_read_gbs")
+    disk, tokens = last.get("disk_read_gbs"), last["module_tokens"]
+    lines = [
+        "Host GB/s is the modules' KV bytes over the time the host tier adds to the GPU tier's TTFT;"
+        " disk read GB/s is the disk tier's own rate (read, checked, handed to the device copy).",
+        "",
+        f"- one pinned host-to-device copy of 1 GiB: {gbs(h2d)}; the host tier's copy path over its"
+        f" entries: {frac(last.get('host_copy_gbs'), h2d)}",
+        f"- a plain sequential read ({read}, 8 MiB reads, one thread) of the store's"
+        f" {m['files_bytes'] / 1e9:.2f} GB of files: {gbs(seq)}; the disk tier at {tokens} module"
+        f" tokens: {frac(disk, seq)}",
+        f"- fio (libaio, O_DIRECT, depth 8, 8 MiB reads) of the same files: {gbs(fio)}",
+    ]
+    if fio:
+        lines[-1] += f"; the disk tier: {frac(disk, fio)}"
+    return lines
+
+
 def decode_lines(result: dict[str, Any]) -> list[str]:
     """The decode table: one row per point; an older JSON's single point (a dict) reads as one row."""
     s, points = result["settings"], result["decode"]
@@ -435,8 +550,10 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
     for d in points:
         shared, plain = d["module_decode_tok_s"], d["plain_decode_tok_s"]
         ceiling = d.get("ceiling_decode_tok_s")
-        vs_ceiling = ("-", "-", "-") if ceiling is None else (
-            f"{ceiling:.0f}", f"{ceiling / plain:.2f}x", f"{shared / ceiling:.0%}"
+        vs_ceiling = (
+            ("-", "-", "-")
+            if ceiling is None
+            else (f"{ceiling:.0f}", f"{ceiling / plain:.2f}x", f"{shared / ceiling:.0%}")
         )
         lines.append(
             f"| {d['imported']} / {d['modules']} | {d.get('prompt_tokens', '-')} "
@@ -456,8 +573,13 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="dummy:llama-3.1-8b" if gpu else "default")
     ap.add_argument("--device", default="cuda" if gpu else "cpu")
     ap.add_argument("--name", default="promptcache" if gpu else "promptcache_cpu")
-    ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 4096, 5120, 8192],
-                    help="module tokens a prompt imports (none: no TTFT run)")
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        nargs="*",
+        default=[1024, 2048, 4096, 5120, 8192],
+        help="module tokens a prompt imports (none: no TTFT run)",
+    )
     ap.add_argument("--module-tokens", type=int, default=512)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -465,14 +587,27 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--decode-requests", type=int, default=64)
-    ap.add_argument("--decode-points", nargs="*", default=["6/8", "10/12", "14/16"],
-                    help="decode runs IMPORTED/MODULES: a request imports IMPORTED of the schema's MODULES")
+    ap.add_argument(
+        "--decode-points",
+        nargs="*",
+        default=["6/8", "10/12", "14/16"],
+        help="decode runs IMPORTED/MODULES: a request imports IMPORTED of the schema's MODULES",
+    )
     ap.add_argument("--decode-gen", type=int, default=65)
     ap.add_argument("--decode-trials", type=int, default=3, help="timed decode runs a mode (median)")
-    ap.add_argument("--decode-recovery", nargs="*", default=["link:64"],
-                    help="recoveries the decode also runs PML prompts with, besides none (the paper's)")
+    ap.add_argument(
+        "--decode-recovery",
+        nargs="*",
+        default=["link:64"],
+        help="recoveries the decode also runs PML prompts with, besides none (the paper's)",
+    )
     ap.add_argument("--spill-docs", type=int, default=0, help="documents for the prefix spill run (0: none)")
     ap.add_argument("--spill-doc-tokens", type=int, default=512)
+    ap.add_argument(
+        "--store-dir",
+        default=None,
+        help="where the module store's temporary directory goes (the drive the disk tier reads)",
+    )
     ap.add_argument("--merge", action="store_true", help="keep sections of the existing JSON not re-run")
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--quality-prompts", type=int, default=10)

@@ -1,4 +1,4 @@
-"""KV tiers: cache blocks <-> packed rows, the host LRU, and the checksummed disk store (issue 32)."""
+"""KV tiers: cache blocks <-> packed rows, the host LRU, and the checksummed disk store (issues 32, 54)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.kv.cache import KVCache
+from prefixserve.kv.kvfile import parse_header
 from prefixserve.kv.tiers import DiskTier, HostTier, packed_nbytes
 from prefixserve.model.config import ModelConfig
 
@@ -26,7 +27,7 @@ TINY = ModelConfig(
 )
 BLOCK = 4
 NUM_BLOCKS = 10
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def random_cache(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> KVCache:
@@ -217,7 +218,7 @@ def test_disk_flipped_data_byte_is_a_miss(tmp_path: Path, caplog: pytest.LogCapt
     store.put("k", packed_for(torch.float32))
     path = only_file(store)
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0x01  # tensor data sits at the end of a safetensors file
+    data[parse_header(bytes(data)).data_offset + 3] ^= 0x01  # a byte of the tensor data
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="prefixserve.kv.tiers"):
         assert store.get("k") is None
@@ -226,36 +227,38 @@ def test_disk_flipped_data_byte_is_a_miss(tmp_path: Path, caplog: pytest.LogCapt
     assert store.get("k") is None and store.corrupt == 1  # now simply missing
 
 
-@pytest.mark.parametrize("keep", [0, 5, 8, 40, -1])
-def test_disk_truncated_file_is_a_miss(tmp_path: Path, keep: int) -> None:
-    store = DiskTier(tmp_path)
-    store.put("k", packed_for(torch.bfloat16))
+@pytest.mark.parametrize("keep", [0, 5, 8, 40, 4096, 4097, -1, -4096, "extended"])
+def test_disk_truncated_file_is_a_miss(tmp_path: Path, keep: int | str) -> None:
+    store = DiskTier(tmp_path, chunk_bytes=4096)
+    store.put("k", packed_for(torch.bfloat16, rows=200))  # 4800 bytes: two chunks
     path = only_file(store)
     data = path.read_bytes()
-    path.write_bytes(data[:keep])
+    path.write_bytes(data + bytes(4096) if keep == "extended" else data[:keep])
     assert store.get("k") is None
     assert store.corrupt == 1 and not path.exists()
 
 
 def test_disk_garbage_file_is_a_miss(tmp_path: Path) -> None:
     store = DiskTier(tmp_path)
-    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header at all" * 3)
+    (tmp_path / "junk.kv").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header at all" * 3)
     assert store.keys() == ["junk"]
     assert store.get("junk") is None and store.corrupt == 1 and store.keys() == []
 
 
-def test_disk_file_without_our_fields_is_a_miss(tmp_path: Path) -> None:
+def test_disk_older_safetensors_entry_is_a_plain_miss(tmp_path: Path) -> None:
+    """The earlier format is not read: a miss (recomputed and written anew), the old file left alone."""
     from safetensors.torch import save_file
 
     store = DiskTier(tmp_path)
-    save_file({"kv": packed_for(torch.float32)}, str(tmp_path / "foreign.safetensors"))
-    assert store.get("foreign") is None and store.corrupt == 1
+    save_file({"kv": packed_for(torch.float32)}, str(tmp_path / "old.safetensors"))
+    assert store.get("old") is None and store.corrupt == 0 and store.keys() == [] and "old" not in store
+    assert (tmp_path / "old.safetensors").exists()
 
 
 def test_disk_stale_temp_file_is_ignored(tmp_path: Path) -> None:
     store = DiskTier(tmp_path)
     store.put("a", packed_for(torch.float32))
-    (tmp_path / "b.safetensors.x1y2z3.tmp").write_bytes(b"half written")  # a writer killed mid-put
+    (tmp_path / "b.kv.x1y2z3.tmp").write_bytes(b"half written")  # a writer killed mid-put
     assert store.keys() == ["a"] and "b" not in store and store.get("b") is None and store.corrupt == 0
     got = store.get("a")
     assert got is not None and torch.equal(got[0], packed_for(torch.float32))
@@ -285,11 +288,11 @@ _ORIGINALS: dict[torch.dtype, tuple[bytes, torch.Tensor, dict[str, str]]] = {}
 
 def original_file(dtype: torch.dtype) -> tuple[bytes, torch.Tensor, dict[str, str]]:
     if dtype not in _ORIGINALS:
-        packed, meta = random_packed(2, dtype, seed=3), {"schema": "s", "module": "m"}
+        packed, meta = random_packed(90, dtype, seed=3), {"schema": "s", "module": "m"}  # 2 chunks (fp32)
         with tempfile.TemporaryDirectory() as d:
-            store = DiskTier(d)
+            store = DiskTier(d, chunk_bytes=4096)
             store.put("k", packed, meta)
-            _ORIGINALS[dtype] = ((Path(d) / "k.safetensors").read_bytes(), packed, meta)
+            _ORIGINALS[dtype] = ((Path(d) / "k.kv").read_bytes(), packed, meta)
     return _ORIGINALS[dtype]
 
 
@@ -302,11 +305,11 @@ def test_disk_flipped_byte_never_serves_wrong_data(
     corrupted = bytearray(data)
     corrupted[where.draw(st.integers(0, len(data) - 1), label="position")] ^= mask
     with tempfile.TemporaryDirectory() as d:
-        store = DiskTier(d)
-        (Path(d) / "k.safetensors").write_bytes(bytes(corrupted))
+        store = DiskTier(d, chunk_bytes=4096)
+        (Path(d) / "k.kv").write_bytes(bytes(corrupted))
         got = store.get("k")
         if got is None:
             assert store.corrupt == 1 and store.keys() == []
-        else:  # a harmless flip (header padding: space -> tab, CR, LF): exactly the original
+        else:  # a harmless flip (padding after the header or the data): exactly the original
             assert got[0].dtype == packed.dtype and got[0].shape == packed.shape
             assert torch.equal(got[0].view(torch.uint8), packed.view(torch.uint8)) and got[1] == meta

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.kv.kvfile import parse_header
 from prefixserve.promptcache.pml import PMLError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -157,7 +158,7 @@ def test_disk_store_survives_restart_and_corruption_is_recomputed(tiny_config_pa
     first = tiny(tiny_config_path, module_store=str(store))
     first.register_schema(SCHEMA)
     want = token_ids(first.generate(PROMPTS, GREEDY))
-    files = sorted(store.glob("*.safetensors"))
+    files = sorted(store.glob("*.kv"))
     assert len(files) == first.metrics()["module_encodes_total"] > 0
 
     second = tiny(tiny_config_path, module_store=str(store))  # a restart: modules come from disk
@@ -166,8 +167,8 @@ def test_disk_store_survives_restart_and_corruption_is_recomputed(tiny_config_pa
     assert second.metrics()["module_loads_disk_total"] == len(files)
     assert token_ids(second.generate(PROMPTS, GREEDY)) == want
 
-    data = bytearray(files[0].read_bytes())  # flip bytes at the end (tensor data), truncate another
-    data[-3] ^= 0xFF
+    data = bytearray(files[0].read_bytes())  # flip a byte of the tensor data, truncate another file
+    data[parse_header(bytes(data)).data_offset + 3] ^= 0xFF
     files[0].write_bytes(bytes(data))
     files[1].write_bytes(files[1].read_bytes()[:100])
     third = tiny(tiny_config_path, module_store=str(store))
@@ -177,14 +178,41 @@ def test_disk_store_survives_restart_and_corruption_is_recomputed(tiny_config_pa
     assert token_ids(third.generate(PROMPTS, GREEDY)) == want
 
 
+def test_requests_needing_one_stored_module_at_once_read_it_once(tiny_config_path, tmp_path) -> None:
+    """Two requests in one batch import the same modules from disk: each module is read and copied
+    once; the second request holds the blocks the first one's load filled."""
+    llm = tiny(tiny_config_path, module_store=str(tmp_path))
+    llm.register_schema(SCHEMA)
+    same = [PROMPTS[0], PROMPTS[0].replace("sushi", "temples")]  # tokyo + paris, twice
+    want = token_ids(llm.generate(same, GREEDY))
+    llm.engine.modules.move_out(drop_host=True)
+    disk = llm.engine.modules.disk
+    assert disk is not None
+    reads, loads = disk.reads, llm.metrics()["module_loads_disk_total"]
+    encodes = llm.metrics()["module_encodes_total"]
+    assert token_ids(llm.generate(same, GREEDY)) == want
+    pieces = 3  # the schema's leading text, tokyo, paris
+    assert disk.reads - reads == pieces
+    assert llm.metrics()["module_loads_disk_total"] - loads == pieces
+    assert llm.metrics()["module_encodes_total"] == encodes  # nothing recomputed
+    assert_only_modules_held(llm)
+
+
 @pytest.mark.gpu
 def test_gpu_triton_path_and_graphs_equal_reference(tiny_config_path) -> None:
     """On CUDA (fp32): module prompts through the Triton kernels and the decode graphs give the
     reference path's greedy tokens."""
     outs = []
     for attention in ("reference", "auto"):
-        llm = LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cuda", attention=attention,
-                  num_kv_blocks=256, progress=False, enforce_eager=attention == "reference")
+        llm = LLM(
+            f"dummy:{tiny_config_path}",
+            dtype="float32",
+            device="cuda",
+            attention=attention,
+            num_kv_blocks=256,
+            progress=False,
+            enforce_eager=attention == "reference",
+        )
         if llm.get_tokenizer() is None:
             pytest.skip("the default model (its tokenizer) is not installed")
         llm.register_schema(SCHEMA)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from prefixserve.config import EngineConfig
 from prefixserve.engine.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
 from prefixserve.kv.cache import KVCache, PackedKV
+from prefixserve.kv.transfer import Ready
 from prefixserve.model.loader import ModelSource, load_model, model_config
 from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.model.peer_allreduce import peer_allreduce_for
@@ -134,6 +135,14 @@ class _BroadcastKV:
     def gather_rows(self, blocks: list[int], rows: int) -> PackedKV:
         self._runner.call("kv", "gather_rows", blocks, rows)
         return self._runner.guard(self._kv.gather_rows, blocks, rows)
+
+    def gather_rows_async(self, blocks: list[int], rows: int) -> tuple[PackedKV, Ready | None]:
+        self._runner.call("kv", "gather_rows_async", blocks, rows)
+        return self._runner.guard(self._kv.gather_rows_async, blocks, rows)
+
+    def gather_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, Ready | None]:
+        self._runner.call("kv", "gather_blocks", blocks)
+        return self._runner.guard(self._kv.gather_blocks, blocks)
 
     def scatter_rows(self, blocks: list[int], packed: PackedKV) -> None:
         self._kv._slots(blocks, packed.shape[2])  # bad blocks fail here, before any worker is told

@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from prefixserve.kv.transfer import Ready, copy_stream
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.parallel import Shard
 
@@ -96,6 +97,17 @@ class KVCache:
         size = self.shard.size
         return [Shard(r, size).kv_head_span(self.total_kv_heads) for r in range(size)]
 
+    def _gathered(self, blocks: list[int], rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of ``blocks`` (every head) as a new tensor on the cache's device."""
+        slots = self._slots(blocks, rows)
+        packed = self._flat_view().index_select(2, slots)  # contiguous, exactly `rows` rows
+        if self.shard.parallel:
+            parts = [torch.empty_like(packed) for _ in range(self.shard.size)]
+            dist.all_gather(parts, packed, group=self.shard.group)
+            first = {span: i for i, span in reversed(list(enumerate(self._rank_heads())))}
+            packed = torch.cat([parts[i] for _, i in sorted(first.items())], dim=3)
+        return packed
+
     def gather_rows(self, blocks: list[int], rows: int) -> PackedKV:
         """Copy the first ``rows`` KV rows held in ``blocks`` (in order) of every layer to a new host tensor.
 
@@ -104,29 +116,37 @@ class KVCache:
         tensor ``[layers, 2, rows, kv_heads, head_dim]`` of the cache's dtype, every head of the model
         (under tensor parallelism the ranks' heads are gathered on the device first).
 
-        On CUDA: one gather kernel on the current stream into a device temporary of exactly ``rows``
-        rows, then a non_blocking D2H copy into pinned memory on the same stream, then
-        ``current_stream().synchronize()`` before returning. So the result is complete when this
-        returns (correctness first; no event to carry), and it sees every write to those blocks that
-        was enqueued on the current stream before the call. The price is a host wait for the work
-        already queued on that stream: call it where the host would wait anyway (e.g. after a step's
-        outputs are read), or from a side stream if that wait ever shows. Measured on an H100 (512 MiB,
-        4096 bf16 rows of an 8B-shaped model): 11 ms (48 GB/s) once PyTorch's caching host allocator
-        holds a pinned block of that size; the first pinned allocation costs ~0.4 s.
+        Complete when this returns (``gather_rows_async`` and wait): one gather kernel on the current
+        stream into a device temporary of exactly ``rows`` rows, then one D2H copy into pinned memory
+        on the copy stream (``kv/transfer.py``), which the host waits for: that copy and the work queued
+        before it on the current stream, no device-wide sync. Measured on an H100 (512 MiB, 4096 bf16
+        rows of an 8B-shaped model): 11 ms (48 GB/s) once PyTorch's caching host allocator holds a pinned
+        block of that size; the first pinned allocation costs ~0.4 s.
         """
-        slots = self._slots(blocks, rows)
-        packed = self._flat_view().index_select(2, slots)  # contiguous, exactly `rows` rows
-        if self.shard.parallel:
-            parts = [torch.empty_like(packed) for _ in range(self.shard.size)]
-            dist.all_gather(parts, packed, group=self.shard.group)
-            first = {span: i for i, span in reversed(list(enumerate(self._rank_heads())))}
-            packed = torch.cat([parts[i] for _, i in sorted(first.items())], dim=3)
-        if self.tensor.device.type != "cuda":
-            return packed  # index_select made a new tensor: nothing shares the cache's memory
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        torch.cuda.current_stream(self.tensor.device).synchronize()
-        return host
+        packed, ready = self.gather_rows_async(blocks, rows)
+        if ready is not None:
+            ready.synchronize()
+        return packed
+
+    def gather_rows_async(self, blocks: list[int], rows: int) -> tuple[PackedKV, Ready | None]:
+        """``gather_rows`` without waiting: the host tensor and the event after its copy (None on a CPU).
+
+        The gather is enqueued on the current stream (it sees every write enqueued there before), the
+        copy on the copy stream; read the tensor on the host only after ``ready.synchronize()``; a copy
+        back to the device on the copy stream is ordered after it anyway (``HostTier`` keeps the event)."""
+        return copy_stream(self.tensor.device).to_host(self._gathered(blocks, rows))
+
+    def gather_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, Ready | None]:
+        """Whole blocks, each contiguous across all layers: ``[len(blocks), layers, 2, block_size,
+        kv_heads, head_dim]`` on the host, and the event after its copy, as ``gather_rows_async``.
+
+        Block-major, so each block's KV is one contiguous piece (a prefix-cache entry of its own) and
+        blocks that come back together go to the device in one copy; the device reorders them (one
+        copy kernel) rather than the host."""
+        layers, two, _, bs, _, dim = self.tensor.shape
+        n = len(blocks)
+        packed = self._gathered(blocks, n * bs).view(layers, two, n, bs, self.total_kv_heads, dim)
+        return copy_stream(self.tensor.device).to_host(packed.permute(2, 0, 1, 3, 4, 5).contiguous())
 
     def scatter_rows(self, blocks: list[int], packed: PackedKV) -> None:
         """Write ``packed`` rows into ``blocks``, in order: the inverse of ``gather_rows``.
@@ -137,13 +157,14 @@ class KVCache:
         Under tensor parallelism rank 0 passes the rows and every other rank an empty tensor of their
         shape: rank 0's rows are broadcast, and each rank writes its heads.
 
-        On CUDA: a non_blocking H2D copy on the current stream (truly asynchronous when ``packed`` is
-        pinned, as ``HostTier`` entries and ``gather_rows`` results are), then one scatter kernel on
-        the same stream. It returns without waiting: kernels enqueued later on the current stream see
-        the data, and the host can go on (the copy overlaps host work). Do not modify ``packed`` in
-        place until that stream has passed the copy (dropping the reference is fine: the caching host
-        allocator keeps pinned memory until the copy is done). Work on another stream must wait for
-        the current stream first.
+        ``packed`` may be on the host or already on the cache's device (a disk entry read straight to the
+        device). On CUDA a host ``packed`` goes over in one H2D copy on the copy stream (``kv/transfer.py``;
+        through reused pinned slots if it is pageable), the current stream waits on its event, and one
+        scatter kernel on the current stream writes the blocks. It returns without waiting: kernels
+        enqueued later on the current stream see the data, the copy overlaps the steps queued before it,
+        and the host goes on. Do not modify a pinned ``packed`` in place until the copy is done (dropping
+        the reference is fine: the caching host allocator keeps pinned memory until then). Work on
+        another stream must wait for the current stream first.
         """
         layers, two, _, _, _, dim = self.tensor.shape
         heads = self.total_kv_heads
@@ -155,7 +176,7 @@ class KVCache:
         if packed.dtype != self.tensor.dtype:
             raise ValueError(f"packed dtype {packed.dtype} != cache dtype {self.tensor.dtype}")
         slots = self._slots(blocks, packed.shape[2])
-        src = packed.to(self.tensor.device, non_blocking=True)
+        src = copy_stream(self.tensor.device).to_device(packed)
         if self.shard.parallel:
             dist.broadcast(src, src=0, group=self.shard.group)
             start, stop = self._rank_heads()[self.shard.rank]

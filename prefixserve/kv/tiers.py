@@ -8,29 +8,33 @@ block costs no bytes in host memory or on disk.
 - ``KVCache.gather_rows`` / ``KVCache.scatter_rows`` (in ``kv/cache.py``) copy between cache blocks and
   a packed host tensor.
 - ``HostTier``: LRU of packed entries in host memory (pinned when CUDA is available) under a byte budget;
-  ``put`` returns what it evicts, so the caller can spill it to disk.
-- ``DiskTier``: one safetensors file per entry, written atomically and checksummed. A corrupt or truncated
-  file is reported as a miss (and deleted) so the caller recomputes it; it is never served.
+  ``put`` returns what it evicts, so the caller can spill it to disk. An entry may still be on its way
+  from the device (a copy on the copy stream): it carries that copy's event, and ``get`` waits on it.
+- ``DiskTier``: one file per entry (``kv/kvfile.py``: raw bytes in xxh3-checked chunks), written
+  atomically, read with O_DIRECT by several threads into pinned buffers, each chunk verified and then
+  copied to the device while the next ones are read (``kv/transfer.py``). A corrupt or truncated file is
+  reported as a miss (and deleted) so the caller recomputes it; it is never served. Concurrent reads of
+  one key share one load (``kv/single_flight.py``).
 
-Pure kv-layer code: torch, safetensors and the standard library.
+Pure kv-layer code: torch, xxhash and the standard library.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
 import tempfile
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from prefixserve.kv import kvfile
 from prefixserve.kv.cache import PackedKV
+from prefixserve.kv.single_flight import SingleFlight
+from prefixserve.kv.transfer import Ready, copy_stream
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,20 @@ def packed_nbytes(packed: PackedKV) -> int:
 # Host tier
 
 
+class _HostEntry:
+    __slots__ = ("meta", "packed", "ready")
+
+    def __init__(self, packed: PackedKV, meta: Meta, ready: Ready | None) -> None:
+        self.packed, self.meta, self.ready = packed, meta, ready
+
+    def landed(self) -> PackedKV:
+        """The tensor, once the copy that fills it (if any) has finished: it may be read on the host."""
+        if self.ready is not None:
+            self.ready.synchronize()  # that copy alone, long done by the time an entry is read again
+            self.ready = None
+        return self.packed
+
+
 class HostTier:
     """LRU of packed entries in host memory under a byte budget.
 
@@ -54,9 +72,12 @@ class HostTier:
     entry bigger than the whole budget is not kept: it comes back as evicted at once.
 
     Entries are CPU tensors; with ``pin`` (default: whenever CUDA is available) a pageable tensor is copied
-    into pinned memory on ``put``, so ``scatter_rows`` from it is a truly asynchronous H2D copy. A tensor
-    already pinned (``gather_rows`` on CUDA returns one) is kept as it is, without a copy. The tier holds
-    references, not copies: the caller must not modify a tensor after ``put`` or after ``get`` hands it out.
+    into pinned memory on ``put``, so a copy to the device from it is truly asynchronous. A tensor already
+    pinned (``gather_rows`` on CUDA returns one) is kept as it is, without a copy; so is a view of a larger
+    pinned tensor (one spill's blocks share one buffer, freed when the last of them goes). ``ready``: the
+    event of the device-to-host copy still filling ``packed``; ``get`` and eviction wait for it, so what
+    they hand out is whole. The tier holds references, not copies: the caller must not modify a tensor
+    after ``put`` or after ``get`` hands it out.
     """
 
     def __init__(self, capacity_bytes: int, pin: bool | None = None) -> None:
@@ -65,9 +86,11 @@ class HostTier:
         self.capacity_bytes = int(capacity_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.nbytes = 0
-        self._entries: OrderedDict[str, tuple[PackedKV, Meta]] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[str, _HostEntry] = OrderedDict()  # oldest first
 
-    def put(self, key: str, packed: PackedKV, meta: Meta | None = None) -> list[tuple[str, PackedKV, Meta]]:
+    def put(
+        self, key: str, packed: PackedKV, meta: Meta | None = None, ready: Ready | None = None
+    ) -> list[tuple[str, PackedKV, Meta]]:
         """Keep ``packed`` under ``key`` as the most recently used entry (replacing an older one of that key).
 
         Returns the evicted ``(key, packed, meta)``, least recently used first: the entries pushed out to make
@@ -80,15 +103,18 @@ class HostTier:
         self.pop(key)
         size = packed_nbytes(packed)
         if size > self.capacity_bytes:
-            return [(key, packed, meta)]
+            return [(key, _HostEntry(packed, meta, ready).landed(), meta)]
         evicted: list[tuple[str, PackedKV, Meta]] = []
         while self.nbytes + size > self.capacity_bytes:
-            old_key, (old_packed, old_meta) = self._entries.popitem(last=False)
-            self.nbytes -= packed_nbytes(old_packed)
-            evicted.append((old_key, old_packed, old_meta))
+            old_key, old = self._entries.popitem(last=False)
+            self.nbytes -= packed_nbytes(old.packed)
+            evicted.append((old_key, old.landed(), old.meta))
         if self.pin and not packed.is_pinned():
+            if ready is not None:
+                ready.synchronize()
+                ready = None
             packed = packed.pin_memory()
-        self._entries[key] = (packed, meta)
+        self._entries[key] = _HostEntry(packed, meta, ready)
         self.nbytes += size
         return evicted
 
@@ -98,14 +124,15 @@ class HostTier:
         if entry is None:
             return None
         self._entries.move_to_end(key)
-        return entry[0], dict(entry[1])
+        return entry.landed(), dict(entry.meta)
 
     def pop(self, key: str) -> tuple[PackedKV, Meta] | None:
         """Remove and return the entry (e.g. when it moves to the GPU or is invalidated); None if absent."""
         entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.nbytes -= packed_nbytes(entry[0])
-        return entry
+        if entry is None:
+            return None
+        self.nbytes -= packed_nbytes(entry.packed)
+        return entry.landed(), entry.meta
 
     def keys(self) -> list[str]:
         """Keys from least to most recently used (the eviction order)."""
@@ -123,52 +150,52 @@ class HostTier:
 # Disk tier
 
 _KEY = re.compile(r"[A-Za-z0-9_.-]+")
-_SUFFIX = ".safetensors"
+_SUFFIX = ".kv"  # kv/kvfile.py's format; the older ``.safetensors`` entries are not read (a miss)
 _TMP_SUFFIX = ".tmp"
 _MAX_KEY = 200  # file names stop at 255 bytes on common filesystems; leave room for the suffixes
-_FIELD = "prefixserve."  # our fields in the safetensors metadata: sha256, dtype, shape, meta
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _checksum(tensor: torch.Tensor, dtype: str, shape: list[int], meta: Meta) -> str:
-    """sha256 of the tensor's bytes, then of its dtype, shape and metadata.
-
-    Covering the header fields too means a flipped byte in the stored metadata is caught like one in the
-    data (a flip in the safetensors dtype that keeps the element size, F32 -> I32, leaves the bytes alike
-    but changes the dtype: the dtype check catches it).
-    """
-    h = hashlib.sha256()
-    flat = tensor.contiguous().reshape(-1)
-    if flat.numel():
-        h.update(memoryview(flat.view(torch.uint8).numpy()))
-    h.update(b"\0")
-    h.update(json.dumps({"dtype": dtype, "shape": shape, "meta": meta}, sort_keys=True).encode())
-    return h.hexdigest()
 
 
 class DiskTier:
-    """Entries as files under a directory (``--module-store DIR``): ``<key>.safetensors`` per key.
+    """Entries as files under a directory (``--module-store DIR``): ``<key>.kv`` per key (``kv/kvfile.py``).
 
-    Each file holds tensor ``kv`` and, in the safetensors metadata, the caller's metadata (JSON), the dtype,
-    the shape and a sha256 over the tensor bytes and those fields. Writes go to a temp file in the same
-    directory, are fsynced and then renamed over the real name (``os.replace``, atomic): a kill at any point
-    leaves either the old entry, the new one or no entry under the real name, plus at worst a stale
-    ``*.tmp`` file, which ``keys`` ignores. Reads check everything: a missing file is a plain miss; a
-    truncated, unreadable or mismatching file is logged, deleted, counted in ``corrupt`` and reported as a
-    miss, so the caller recomputes it. Wrong data is never returned.
+    Writes go to a temp file in the same directory, are fsynced and then renamed over the real name
+    (``os.replace``, atomic): a kill at any point leaves either the old entry, the new one or no entry
+    under the real name, plus at worst a stale ``*.tmp`` file, which ``keys`` ignores. Reads check
+    everything: a missing file is a plain miss; a truncated, unreadable or mismatching file is logged,
+    deleted, counted in ``corrupt`` and reported as a miss, so the caller recomputes it. Wrong data is
+    never returned: each chunk is checked before its bytes go anywhere, and the tensor is returned only
+    once every chunk has passed.
 
-    Keys must be file-name safe (``[A-Za-z0-9_.-]+``, at most 200 characters); the caller hashes or
-    escapes anything else. Several processes may share a directory: each write is atomic, and last
-    writer wins.
+    Files of the earlier safetensors format (``<key>.safetensors``) are left alone and not read: such an
+    entry is a miss, recomputed once and written again in this format.
+
+    ``readers`` threads read ``chunk_bytes`` chunks (the unit of checking and of the copy to the device;
+    files written with larger chunks read as corrupt), with ``O_DIRECT`` unless ``direct`` is off or the
+    filesystem refuses it (then buffered). Keys must be file-name safe (``[A-Za-z0-9_.-]+``, at most 200
+    characters); the caller hashes or escapes anything else. Several processes may share a directory:
+    each write is atomic, and last writer wins. Concurrent ``get`` calls for one key share one read.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        readers: int = 4,
+        chunk_bytes: int = 8 << 20,
+        direct: bool = True,
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.chunk_bytes = chunk_bytes
         self.corrupt = 0  # entries found corrupt (and deleted) by get
+        self.reads = 0  # files read (a get answered by another's read is not one)
+        self.read_bytes = 0
+        self.read_seconds = 0.0  # wall time of those reads, until the last chunk's copy was enqueued
+        self._reader = kvfile.Reader(readers, chunk_bytes, direct, pin=torch.cuda.is_available())
+        self._flights: SingleFlight[tuple[PackedKV, Meta, Ready | None] | None] = SingleFlight()
+
+    @property
+    def reader(self) -> kvfile.Reader:
+        return self._reader
 
     def _path(self, key: str) -> Path:
         if not isinstance(key, str) or not _KEY.fullmatch(key) or len(key) > _MAX_KEY:
@@ -183,22 +210,12 @@ class DiskTier:
             if not isinstance(k, str) or not isinstance(v, str):
                 raise ValueError(f"metadata must map str to str, got {k!r}: {v!r}")
         tensor = packed.detach().to("cpu").contiguous()
-        dtype, shape = _dtype_name(tensor.dtype), list(tensor.shape)
-        fields = {
-            _FIELD + "sha256": _checksum(tensor, dtype, shape, meta),
-            _FIELD + "dtype": dtype,
-            _FIELD + "shape": json.dumps(shape),
-            _FIELD + "meta": json.dumps(meta, sort_keys=True),
-        }
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=path.name + ".", suffix=_TMP_SUFFIX)
-        os.close(fd)
         try:
-            save_file({"kv": tensor}, tmp, metadata=fields)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with os.fdopen(fd, "wb") as f:
+                kvfile.write(f, tensor, meta, self.chunk_bytes)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -219,40 +236,43 @@ class DiskTier:
             os.close(fd)
 
     def get(self, key: str, device: str | torch.device = "cpu") -> tuple[PackedKV, Meta] | None:
-        """The entry and its metadata, verified, on ``device``; None if missing or corrupt (then deleted)."""
+        """The entry and its metadata, verified, on ``device``; None if missing or corrupt (then deleted).
+
+        On CUDA the tensor was copied on the device's copy stream; the current stream is made to wait
+        for it (an event), so work enqueued after this call sees it and the host does not wait for the
+        copies, only for the reads and checks."""
         path = self._path(key)
+        dev = torch.device(device)
+        found = self._flights.run((key, str(dev)), lambda: self._load(key, path, dev))
+        if found is None:
+            return None
+        tensor, meta, ready = found
+        return copy_stream(dev).hand_over(tensor, ready), dict(meta)
+
+    def _load(self, key: str, path: Path, device: torch.device) -> tuple[PackedKV, Meta, Ready | None] | None:
+        copier = copy_stream(device)
+        out: dict[str, torch.Tensor] = {}
+
+        def begin(header: kvfile.Header) -> kvfile.Sink:
+            dst = copier.empty((header.nbytes,), torch.uint8)
+            out["dst"] = dst
+            return lambda start, data: copier.copy_in(dst[start : start + data.numel()], data)
+
+        t0 = time.perf_counter()
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                fields = f.metadata() or {}
-                names = list(f.keys())
-                if names != ["kv"]:
-                    return self._corrupt(key, path, f"tensors {names}, want ['kv']")
-                tensor = f.get_tensor("kv")
+            header = self._reader.read(str(path), begin)
         except FileNotFoundError:
             return None
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # safetensors' errors, and a Rust panic (a BaseException)
+        except (kvfile.CorruptFile, OSError) as exc:
             if not path.exists():
                 return None  # removed between open and read: a miss, not a corruption
-            return self._corrupt(key, path, f"unreadable ({type(exc).__name__}: {exc})")
-        try:
-            want_sum = fields[_FIELD + "sha256"]
-            want_dtype = fields[_FIELD + "dtype"]
-            want_shape = json.loads(fields[_FIELD + "shape"])
-            meta = json.loads(fields[_FIELD + "meta"])
-        except (KeyError, ValueError) as exc:
-            return self._corrupt(key, path, f"bad metadata ({type(exc).__name__}: {exc})")
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            return self._corrupt(key, path, "bad metadata (not a str -> str map)")
-        dtype, shape = _dtype_name(tensor.dtype), list(tensor.shape)
-        if dtype != want_dtype:
-            return self._corrupt(key, path, f"dtype {dtype}, stored as {want_dtype}")
-        if shape != want_shape:
-            return self._corrupt(key, path, f"shape {shape}, stored as {want_shape}")
-        if _checksum(tensor, dtype, shape, meta) != want_sum:
-            return self._corrupt(key, path, "checksum mismatch")
-        return tensor.to(device), meta
+            return self._corrupt(key, path, f"{type(exc).__name__}: {exc}")
+        ready = copier.record()  # after every chunk's copy
+        self.reads += 1
+        self.read_bytes += header.nbytes
+        self.read_seconds += time.perf_counter() - t0
+        tensor = out["dst"].view(header.dtype).view(header.shape)
+        return tensor, header.meta, ready
 
     def _corrupt(self, key: str, path: Path, problem: str) -> None:
         log.warning(

@@ -406,8 +406,8 @@ class PromptModules:
             self.kv.scatter_rows(blocks, found[0])
             self.counters["module_loads_host_total"] += 1
             return
-        if self.disk is not None:
-            found = self.disk.get(entry.key)
+        if self.disk is not None:  # read, checked and copied straight to the device (kv/tiers.py)
+            found = self.disk.get(entry.key, self.kv.tensor.device)
             if found is not None and found[0].shape[2] == entry.rows:
                 self.kv.scatter_rows(blocks, found[0])
                 self.counters["module_loads_disk_total"] += 1
@@ -449,8 +449,8 @@ class PromptModules:
     def _demote(self, entry: ModuleEntry) -> None:
         """Move a piece's KV from its blocks to host memory (and so give the blocks back)."""
         assert entry.blocks is not None
-        packed = self.kv.gather_rows(entry.blocks, entry.rows)
-        self.host.put(entry.key, packed, {"rows": str(entry.rows)})
+        packed, ready = self.kv.gather_rows_async(entry.blocks, entry.rows)  # no host wait
+        self.host.put(entry.key, packed, {"rows": str(entry.rows)}, ready=ready)
         self.counters["module_evictions_gpu_total"] += 1
         self._drop_gpu(entry)
 
