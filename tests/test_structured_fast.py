@@ -105,7 +105,7 @@ def test_folded_grammar_masks_equal_xgrammars_at_every_step(tokenizer, grammar) 
     )
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     raw = grammar()
-    fold = folded(xgr, raw)
+    fold = folded(raw)
     assert fold is not raw  # each has a bounded repeat with something after it
     compiled = [compiler.compile_grammar(raw), compiler.compile_grammar(fold)]
     masks = [xgr.allocate_token_bitmask(1, vocab) for _ in compiled]

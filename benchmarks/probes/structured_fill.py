@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         ws: dict[str, Any] = {"any_whitespace": False} if compact else {"max_whitespace_cnt": MAX_WHITESPACE}
         grammar = xgr.Grammar.from_json_schema(json.dumps(SCHEMA), strict_mode=True, **ws)
         grammars, line = {}, []
-        for name, g in (("raw", grammar), ("folded", folded(xgr, grammar))):
+        for name, g in (("raw", grammar), ("folded", folded(grammar))):
             t0 = time.perf_counter()
             grammars[name] = compiler.compile_grammar(g)
             line.append(f"{name} compiled in {(time.perf_counter() - t0) * 1e3:.0f} ms")
