@@ -45,6 +45,7 @@ def test_fold_a_bounded_string_into_its_closing_quote() -> None:
         'root ::= (("a" r{0, 3} "b"))\nr ::= (("x" "y"))\n',  # not one character class
         'root ::= (("a" c{0, 300} "b"))\nc ::= (([a-z]))\n',  # past LIMIT
         "root ::= TagDispatch(...)\n",  # not read: left alone
+        'root ::= (("a" c{0, 3} "b") | ("\\xe5" d))\nc ::= (([a-z]))\nd ::= (("x"))\n',  # a printed byte
     ],
 )
 def test_fold_leaves_what_it_does_not_fold(text: str) -> None:
@@ -67,7 +68,7 @@ RECORD = {
     "properties": {
         "name": {"type": "string", "maxLength": 16},
         "tag": {"type": "string", "minLength": 2, "maxLength": 5},
-        "say": {"enum": ['he said "hi"', "naïve\\path"]},
+        "say": {"enum": ['he said "hi"', "名\\path"]},
         "score": {"type": "integer", "minimum": 0, "maximum": 100},
     },
     "required": ["name", "tag", "say", "score"],
@@ -124,6 +125,34 @@ def test_folded_grammar_masks_equal_xgrammars_at_every_step(tokenizer, grammar) 
             if matchers[0].is_terminated():
                 assert matchers[1].is_terminated()
                 break
+
+
+@pytest.mark.parametrize(
+    ("schema", "strict"),
+    [
+        (
+            {
+                "type": "object",
+                "properties": {"名字": {"type": "string", "maxLength": 3}},
+                "required": ["名字"],
+            },
+            False,
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"const": "naïve"}},
+            },
+            True,
+        ),
+    ],
+)
+def test_a_grammar_printed_with_bytes_is_not_folded(schema: dict, strict: bool) -> None:
+    """xgrammar prints a code point below 0x100 and a lone UTF-8 byte (additional properties other
+    than a non-ASCII name are matched byte by byte) alike, ``\\xNN``: such a grammar is compiled as
+    it is, since its text would not read back as the same language."""
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=strict, any_whitespace=False)
+    assert folded(raw) is raw
 
 
 def test_grammar_cache_compiles_the_folded_grammar(tokenizer) -> None:

@@ -11,7 +11,10 @@ rule end where the sequence ends: a token too long for the string now fails insi
 (decided at compile time) and only tokens crossing the closing quote stay uncertain.
 
 This works on xgrammar's printed grammar (one rule a line: a choice of sequences of strings,
-classes and rule references). A rule it does not read as such is left as it is.
+classes and rule references). A rule it does not read as such is left as it is, and so is a grammar
+whose printing holds an escaped byte above 0x7f: xgrammar prints single UTF-8 bytes so (a JSON schema
+excluding a non-ASCII property name from its additional ones builds them) and reads them back as
+code points, another language.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import re
 LIMIT = 256  # widest repeat folded (hi - lo): each step of the chain is a rule compiled into the cache
 
 _RULE = re.compile(r"^([A-Za-z_]\w*) ::= (.*)$")
+_HIGH_BYTE = re.compile(r"\\x[89a-fA-F][0-9a-fA-F]")  # \x80-\xff: printed bytes, read back as code points
 _CLASS_RULE = re.compile(r"^\(\((\[(?:\\.|[^\]\\])*\])\)\)$")  # name ::= (([...]))
 _REPEAT = re.compile(r"^([A-Za-z_]\w*)\{(\d+), (-?\d+)\}$")
 _TOKEN = re.compile(
@@ -99,7 +103,10 @@ def _after_group(body: str) -> str:
 
 def fold_repeats(ebnf: str, limit: int = LIMIT) -> str | None:
     """``ebnf`` (xgrammar's printed grammar) with each bounded repeat of a character class that has
-    something after it folded into it; None if there is none."""
+    something after it folded into it; None if there is none (or the text does not read back as
+    the same grammar)."""
+    if _HIGH_BYTE.search(ebnf):
+        return None
     lines = ebnf.strip().splitlines()
     rules: dict[str, str] = {}
     for line in lines:
