@@ -31,6 +31,7 @@ class EngineServices:
     stats: Any
     structured: StructuredDecoding | None
     model_config: Any
+    config: Any
     eos_ids: set[int]
     _finished_outputs: list[Any]
 
@@ -98,7 +99,13 @@ class EngineServices:
         if self.structured is None:
             from prefixserve.structured.decoding import StructuredDecoding
 
-            self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+            self.structured = StructuredDecoding(
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.eos_ids,
+                device=self.runner.device,
+                rows=self.config.max_num_seqs,
+            )
         return self.structured
 
     def is_pml_prompt(self, prompt: str) -> bool:

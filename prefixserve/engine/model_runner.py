@@ -46,10 +46,10 @@ from prefixserve.sampling.penalties import (
     sequence_ended,
 )
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async, tokens_future
-from prefixserve.structured.bitmask import apply_bitmask
 
 if TYPE_CHECKING:
     from prefixserve.kv.block_pool import BlockPool
+    from prefixserve.structured.bitmask import StepMask
 
 log = logging.getLogger(__name__)
 
@@ -280,14 +280,14 @@ class ModelRunner:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         seqs: list[Penalized] | None = None,
-        mask: tuple[torch.Tensor, list[int]] | None = None,
+        mask: StepMask | None = None,
     ) -> None:
         """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
 
         ``seqs``: the sequence each row samples for (they key the penalties' device state; needed
         only when some row's parameters process its logits). ``mask``: structured outputs' token
-        bitmask on the host and the sample rows it constrains (``structured.decoding``), applied to
-        the logits before penalties and sampling.
+        bitmask on the host and the sample rows it constrains (``structured.bitmask.StepMask``), copied
+        to the device and applied to the logits before penalties and sampling.
 
         Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
         counts the time since the forward was issued as time spent on the device, not on the host.
@@ -297,7 +297,7 @@ class ModelRunner:
         elif rows:
             logits = self._logits(launch, rows, fp32=not argmax_only(params))
             if mask is not None:
-                apply_bitmask(logits, *mask)
+                mask.apply(logits)
             if seqs is not None and any_processing(params):
                 launch.future = self._sample_processed(logits, params, generators, seqs)
             else:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.model.peer_allreduce import peer_allreduce_for
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import argmax_only
+
+if TYPE_CHECKING:
+    from prefixserve.structured.bitmask import StepMask
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +318,7 @@ class TensorParallelRunner(ModelRunner):
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         seqs: list[Any] | None = None,
-        mask: tuple[torch.Tensor, list[int]] | None = None,
+        mask: StepMask | None = None,
     ) -> None:
         """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather (or,
         greedy alone, their best column for the sharded argmax)."""

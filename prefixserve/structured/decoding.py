@@ -16,6 +16,7 @@ import torch
 
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 from prefixserve.sequence import Sequence
+from prefixserve.structured.bitmask import StepBitmasks, StepMask
 from prefixserve.structured.grammars import GrammarCache
 
 
@@ -23,16 +24,24 @@ class StructuredDecoding:
     """Grammars compiled once per spec, matchers per sequence, and the host side of each step's mask."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, eos_ids: set[int], threads: int | None = None
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_ids: set[int],
+        threads: int | None = None,
+        device: torch.device | str = "cpu",
+        rows: int = 64,
     ) -> None:
         import xgrammar as xgr
 
-        # the mask's fill is the host's longest part of a constrained step (docs/benchmarks/structured_gpu):
-        # threads hide it behind the GPU's forward
+        # with bounded repeats folded (``repeats``) a row's fill takes ~10-20 us: threads pay off on a
+        # big host only, and on a 2-core one they fight the engine's own thread
+        # (``benchmarks/probes/structured_fill.py``)
         if threads is None:
-            threads = max(2, min(8, (os.cpu_count() or 2) // 2))
-        self.grammars = GrammarCache(tokenizer, vocab_size, sorted(eos_ids), threads)
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self.grammars = GrammarCache(tokenizer, vocab_size, sorted(eos_ids), max(2, threads))
         self.words = -(-vocab_size // 32)
+        self.masks = StepBitmasks(self.words, device, rows)  # ``rows``: the most sample rows a step has
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._matcher_cls = xgr.GrammarMatcher
 
@@ -45,10 +54,11 @@ class StructuredDecoding:
         """Does any of a step's sampling sequences follow a grammar?"""
         return any(s.request.params.structured_outputs is not None for s in samplers)
 
-    def bitmask(self, samplers: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
+    def bitmask(self, samplers: list[Sequence]) -> StepMask | None:
         """The step's mask on the host, int32 [len(samplers), words], and the rows it constrains (None:
         no row is). Every constrained sequence's matcher has seen all its tokens but the one sampled now.
-        Rows of sequences that finished meanwhile (launch-ahead) stay all-allowed: their token is dropped.
+        Only constrained rows are filled and masked: rows of sequences that finished meanwhile
+        (launch-ahead) stay unmasked, their token is dropped.
         """
         rows: list[int] = []
         matchers = []
@@ -65,9 +75,9 @@ class StructuredDecoding:
             matchers.append(matcher)
         if not rows:
             return None
-        mask = torch.full((len(samplers), self.words), -1, dtype=torch.int32)
+        mask = self.masks.host(len(samplers))
         self._batch.batch_fill_next_token_bitmask(matchers, mask, rows)
-        return mask, rows
+        return StepMask(mask, rows, self.masks)
 
 
 __all__ = ["StructuredDecoding"]

@@ -3,8 +3,9 @@
 ``check`` parses a spec into an ``xgrammar.Grammar`` (no tokenizer needed), so the server can refuse a
 bad schema, regex or grammar with a 400 before anything is queued. ``GrammarCache`` holds the
 engine's ``TokenizerInfo`` (built once: it walks the whole vocabulary) and compiles each distinct
-spec once, keyed by ``StructuredOutputs.key()``; a compiled grammar is what each request's matcher
-runs on. xgrammar is imported here only, at first use.
+spec once, keyed by ``StructuredOutputs.key()``, with its bounded character repeats folded first
+(``repeats``: the same language, far cheaper masks); a compiled grammar is what each request's
+matcher runs on. xgrammar is imported here only, at first use.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import OrderedDict
 from typing import Any
 
 from prefixserve.sampling.structured_outputs import StructuredOutputs
+from prefixserve.structured.repeats import fold_repeats
 
 # JSON with free whitespace lets a small model emit newlines forever; bounded runs still allow pretty
 # printing and keep every output able to end
@@ -63,6 +65,29 @@ def _source(spec: StructuredOutputs) -> tuple[str, Any, dict[str, Any]]:
 _checked: OrderedDict[tuple[str, str, bool], None] = OrderedDict()  # specs that passed ``check``
 
 
+def parse(spec: StructuredOutputs) -> Any:
+    """The spec's ``xgrammar.Grammar`` as xgrammar parses it (no tokenizer needed; not folded)."""
+    xgr = _xgrammar()
+    how, source, options = _source(spec)
+    if how == "json":
+        return xgr.Grammar.from_json_schema(source, **options)
+    if how == "regex":
+        return xgr.Grammar.from_regex(source)
+    return xgr.Grammar.from_ebnf(source)
+
+
+def folded(grammar: Any) -> Any:
+    """``grammar`` with its bounded character repeats folded (``repeats``): the same language, whose
+    masks inside a ``maxLength`` string or a whitespace run come from the compiled cache."""
+    text = fold_repeats(str(grammar))
+    if text is None:
+        return grammar
+    try:
+        return _xgrammar().Grammar.from_ebnf(text)
+    except Exception:  # pragma: no cover - a printing the fold misread: compile the grammar as it was
+        return grammar
+
+
 def check(spec: StructuredOutputs) -> None:
     """Raise ValueError naming the spec's kind if it is not a valid schema, regex or grammar.
 
@@ -72,16 +97,11 @@ def check(spec: StructuredOutputs) -> None:
     key = spec.key()
     if key in _checked:
         return
-    how, source, options = _source(spec)
-    xgr = _xgrammar()
+    _xgrammar()  # outside the try: a missing xgrammar says so, not that the spec is bad
     try:
-        if how == "json":
-            xgr.Grammar.from_json_schema(source, **options)
-        elif how == "regex":
-            xgr.Grammar.from_regex(source)
-        else:
-            xgr.Grammar.from_ebnf(source)
+        parse(spec)
     except Exception as exc:
+        how = _source(spec)[0]
         what = {"json": "invalid JSON schema", "regex": "invalid regex", "ebnf": "invalid grammar"}[how]
         raise ValueError(f"structured_outputs.{spec.kind}: {what}: {_clean(exc)}") from None
     _checked[key] = None
@@ -112,14 +132,8 @@ class GrammarCache:
             self._compiled.move_to_end(key)
             return compiled
         check(spec)  # the clear message for a bad spec
-        how, source, options = _source(spec)
         try:
-            if how == "json":
-                compiled = self.compiler.compile_json_schema(source, **options)
-            elif how == "regex":
-                compiled = self.compiler.compile_regex(source)
-            else:
-                compiled = self.compiler.compile_grammar(source)
+            compiled = self.compiler.compile_grammar(folded(parse(spec)))
         except Exception as exc:
             raise ValueError(f"structured_outputs.{spec.kind}: cannot compile: {_clean(exc)}") from None
         self.misses += 1
@@ -129,4 +143,4 @@ class GrammarCache:
         return compiled
 
 
-__all__ = ["MAX_WHITESPACE", "GrammarCache", "check", "choice_ebnf"]
+__all__ = ["MAX_WHITESPACE", "GrammarCache", "check", "choice_ebnf", "folded", "parse"]
