@@ -118,14 +118,31 @@ async def call_asgi(
                 raw = message.get("headers", [])
                 yield {"status": message["status"], "headers": [(k.decode(), v.decode()) for k, v in raw]}
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                body, more = _with_queued_body(message, messages)
+                if body:
+                    yield body
+                if not more:
                     return
     finally:
         gone.set()
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(task, APP_EXIT_WAIT_S)
+
+
+def _with_queued_body(message: dict[str, Any], messages: asyncio.Queue[dict[str, Any]]) -> tuple[bytes, bool]:
+    """A body message joined with the body messages already queued behind it: (bytes, more_body).
+
+    Each item a replica yields is one Ray Serve streaming hop to the ingress; when the ingress falls
+    behind (many streams, a token each per step), chunks queue here and go as one item. Nothing
+    waits for a chunk that is not there yet, so a stream keeping up is relayed chunk by chunk.
+    """
+    parts = [bytes(message.get("body", b""))]
+    more = bool(message.get("more_body", False))
+    while more and not messages.empty():
+        queued = messages.get_nowait()  # the app writes only body messages after the start
+        parts.append(bytes(queued.get("body", b"")))
+        more = bool(queued.get("more_body", False))
+    return b"".join(parts), more
 
 
 __all__ = ["EngineReplica", "call_asgi"]
