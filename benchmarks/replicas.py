@@ -334,6 +334,7 @@ def markdown(payload: dict[str, Any]) -> str:
         f"served at >= 0.95 x offered with mean normalised latency <= {a['slo']} s/token and TTFT growing "
         f"by <= {a['backlog']} s over a window.",
         "",
+        *([payload["note"], ""] if payload.get("note") else []),
         "| config | replicas | sustained req/s | hit tokens / prompt tokens | burst streamed tok/s |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
