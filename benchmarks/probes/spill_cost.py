@@ -15,6 +15,14 @@ and only the arithmetic is tiny. It counts, per evicted (spilled) and restored b
 and the hit rate, host hits, spilled / restored blocks and host entries dropped (pushed out of the
 host tier). On the CPU copies and waits are no-ops; the counts are those the CUDA path would make.
 
+At d979dea (a new pinned buffer per eviction; restore read entries with ``get``, making them the
+newest, then allocated, whose spill pushed out the next document's): 70 pinned buffers (one per
+eviction, ~117 blocks: 234 MiB on the 8B), 3.0 host event waits per restored block, hit rate 33.3%
+(49,248 host-hit tokens, as on the H100), 3,185 host entries pushed out. With ``kv/slab_pool.py`` and
+restore taking its entries out first: no pinned allocation after start (one slab here; 64 of 64 MiB
+pinned at engine start on the 8B), 141 D2H copies for 75 evictions, 96 H2D for 48 restores, no host
+wait, hit rate 66.4% (98,304 tokens: every revisit, the 2/3 the tiers allow), nothing pushed out.
+
 Run: PYTHONPATH=. python -m benchmarks.probes.spill_cost [--docs 24] [--doc-tokens 2048]
 (~1-2 min on a 2-core CPU at the defaults)
 """
