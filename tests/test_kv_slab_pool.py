@@ -80,7 +80,7 @@ def test_copy_out_into_slots_on_a_cpu() -> None:
     assert torch.equal(torch.stack([p.view(s) for s in slots]), src)
 
 
-def spill_setup(host_blocks: int) -> tuple[BlockPool, KVCache, HostTier, PrefixSpill]:
+def spill_setup(host_blocks: int, device: str = "cpu") -> tuple[BlockPool, KVCache, HostTier, PrefixSpill]:
     config = ModelConfig(
         vocab_size=64,
         hidden_size=32,
@@ -90,11 +90,11 @@ def spill_setup(host_blocks: int) -> tuple[BlockPool, KVCache, HostTier, PrefixS
         num_key_value_heads=2,
         head_dim=8,
     )
-    kv = KVCache(config, 8, 4, torch.bfloat16, torch.device("cpu"))
+    kv = KVCache(config, 8, 4, torch.bfloat16, torch.device(device))
     gen = torch.Generator().manual_seed(1)
     kv.tensor.copy_(torch.randn(tuple(kv.tensor.shape), generator=gen).to(torch.bfloat16))
     block_bytes = kv.tensor[:, :, 0].numel() * kv.tensor.element_size()
-    host = HostTier(host_blocks * block_bytes, pin=False)
+    host = HostTier(host_blocks * block_bytes, pin=device == "cuda")
     blocks = BlockPool(8, 4)
     return blocks, kv, host, PrefixSpill(blocks, kv, host)
 
@@ -103,8 +103,10 @@ def digest(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def test_spill_round_trip_is_bit_exact_and_takes_the_entries_out() -> None:
-    blocks, kv, host, spill = spill_setup(host_blocks=4)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_spill_round_trip_is_bit_exact_and_takes_the_entries_out(device: str) -> None:
+    """On a GPU with no sync between the spill, the restore and the read: events order them."""
+    blocks, kv, host, spill = spill_setup(host_blocks=4, device=device)
     want = {b: kv.tensor[:, :, b].clone() for b in (6, 2, 5)}
     spill.save([(6, digest(0)), (2, digest(1)), (5, digest(2))])
     kv.tensor[:, :, [6, 2, 5]] = 0  # the pool reuses the evicted blocks
@@ -114,6 +116,7 @@ def test_spill_round_trip_is_bit_exact_and_takes_the_entries_out() -> None:
         assert torch.equal(kv.tensor[:, :, block].view(torch.int16), want[src].view(torch.int16))
         assert blocks.cached_block(digest((6, 2, 5).index(src))) == block
     assert len(host) == 0 and spill.slots.available == spill.slots.capacity  # slots back
+    assert spill.slots.allocations == 1 and (device == "cpu" or spill.slots.slabs[0].is_pinned())
     blocks.check_integrity()
 
 
