@@ -55,7 +55,8 @@ import torch
 
 from benchmarks.harness import RESULTS, gpu_idle_frac, pyplot, run_info, run_or_report, write_text
 from benchmarks.io_rates import machine_rates
-from benchmarks.promptcache_workload import bench_schema, prompts_for, ttft, words
+from benchmarks.promptcache_spill import run_spill, spill_lines
+from benchmarks.promptcache_workload import bench_schema, prompts_for, ttft
 from benchmarks.recovery import (
     add_recovery_args,
     last_logits,
@@ -289,32 +290,6 @@ def run_quality(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_spill(args: argparse.Namespace) -> dict[str, Any]:
-    """The prefix cache's host tier: ``--spill-docs`` documents asked about in turn, a pool that holds
-    about a third of them; prefix hit rate and wall time with and without ``spill_prefix_cache``."""
-    out: dict[str, Any] = {"docs": args.spill_docs, "doc_tokens": args.spill_doc_tokens, "rounds": 3}
-    for spill in (False, True):
-        blocks = args.spill_docs * args.spill_doc_tokens // 16 // 3 + 8
-        llm = make_llm(args, num_kv_blocks=blocks, spill_prefix_cache=spill)
-        rng = random.Random(args.seed + 5)
-        docs = [words(rng, llm.get_tokenizer(), args.spill_doc_tokens) for _ in range(args.spill_docs)]
-        t0 = time.perf_counter()
-        for r in range(out["rounds"]):
-            for doc in docs:
-                llm.generate(doc + f" Question {r}: what came first?", SamplingParams(max_tokens=1))
-        m = llm.metrics()
-        tag = "spill" if spill else "no_spill"
-        out[f"{tag}_s"] = time.perf_counter() - t0
-        out[f"{tag}_hit_rate"] = m["prefix_cache_hit_tokens_total"] / m["prompt_tokens_total"]
-        out[f"{tag}_host_hit_tokens"] = m["prefix_cache_host_hit_tokens_total"]
-        out[f"{tag}_spilled_blocks"] = m.get("prefix_cache_spilled_blocks_total", 0)
-        out["kv_blocks"] = blocks
-        print(json.dumps(out))
-        del llm
-        gc.collect()
-    return out
-
-
 def make_llm(args: argparse.Namespace, **kw: Any) -> LLM:
     # Prompt Cache as the paper has it unless a section asks otherwise (recovery sets it per request)
     extra: dict[str, Any] = {"max_num_batched_tokens": args.max_num_batched_tokens}
@@ -371,7 +346,7 @@ def run(args: argparse.Namespace) -> None:
     if args.decode_requests and not args.recovery:
         result["decode"] = run_decode(args, question)
     if args.spill_docs and not args.recovery:
-        result["spill"] = run_spill(args)
+        result["spill"] = run_spill(args, make_llm)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     old = out / f"{args.name}.json"
@@ -456,18 +431,7 @@ def report(result: dict[str, Any], out: Path, name: str | None = None) -> None:
             f"({qd['greedy_tokens']} tokens) |",
         ]
     if "spill" in result:
-        sp = result["spill"]
-        lines += [
-            "",
-            f"The prefix cache's host tier: {sp['docs']} documents of {sp['doc_tokens']} tokens asked about "
-            f"in turn, {sp['rounds']} rounds, a pool of {sp['kv_blocks']} blocks (about a third of them):",
-            "",
-            "| | prefix-cache hit rate | host hits (tokens) | wall s |",
-            "| --- | ---: | ---: | ---: |",
-            f"| evicted blocks dropped | {sp['no_spill_hit_rate']:.1%} | 0 | {sp['no_spill_s']:.2f} |",
-            f"| evicted blocks spilled to host | {sp['spill_hit_rate']:.1%} | {sp['spill_host_hit_tokens']} "
-            f"| {sp['spill_s']:.2f} |",
-        ]
+        lines += spill_lines(result["spill"])
     lines += recovery_lines(result)
     for section, commit in result.get("merged_from", {}).items():
         lines += ["", f"(The {section} section is from an earlier run, commit {commit}.)"]

@@ -22,6 +22,7 @@ LIBRARIES = {
     "recovery",
     "decode_run",
     "promptcache_workload",
+    "promptcache_spill",
     "attention_grid",
     "attention_report",
     "host_overhead_report",

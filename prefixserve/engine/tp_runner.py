@@ -147,6 +147,10 @@ class _BroadcastKV:
         self._runner.call("kv", "gather_blocks", blocks)
         return self._runner.guard(self._kv.gather_blocks, blocks)
 
+    def gather_blocks_device(self, blocks: list[int]) -> torch.Tensor:
+        self._runner.call("kv", "gather_blocks_device", blocks)
+        return self._runner.guard(self._kv.gather_blocks_device, blocks)
+
     def scatter_rows(self, blocks: list[int], packed: PackedKV) -> None:
         self._kv._slots(blocks, packed.shape[2])  # bad blocks fail here, before any worker is told
         self._runner.call("kv", "scatter_rows", blocks, tuple(packed.shape), packed.dtype)

@@ -98,7 +98,7 @@ def _kv_call(runner: ModelRunner, name: str, args: tuple[Any, ...]) -> None:
     if name == "scatter_rows":
         blocks, shape, dtype = args
         runner.kv.scatter_rows(blocks, torch.empty(shape, dtype=dtype, device=runner.device))
-    elif name in ("copy_blocks", "gather_rows", "gather_rows_async", "gather_blocks"):
+    elif name in ("copy_blocks", "gather_rows", "gather_rows_async", "gather_blocks", "gather_blocks_device"):
         getattr(runner.kv, name)(*args)
     else:
         raise ValueError(f"unknown KV call {name!r}")

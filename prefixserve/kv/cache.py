@@ -143,10 +143,15 @@ class KVCache:
         Block-major, so each block's KV is one contiguous piece (a prefix-cache entry of its own) and
         blocks that come back together go to the device in one copy; the device reorders them (one
         copy kernel) rather than the host."""
+        return copy_stream(self.tensor.device).to_host(self.gather_blocks_device(blocks))
+
+    def gather_blocks_device(self, blocks: list[int]) -> torch.Tensor:
+        """``gather_blocks``' tensor left on the cache's device (enqueued on the current stream), for a
+        caller that copies it into host memory it owns (``kv/prefix_spill.py``: reused pinned slots)."""
         layers, two, _, bs, _, dim = self.tensor.shape
         n = len(blocks)
         packed = self._gathered(blocks, n * bs).view(layers, two, n, bs, self.total_kv_heads, dim)
-        return copy_stream(self.tensor.device).to_host(packed.permute(2, 0, 1, 3, 4, 5).contiguous())
+        return packed.permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def scatter_rows(self, blocks: list[int], packed: PackedKV) -> None:
         """Write ``packed`` rows into ``blocks``, in order: the inverse of ``gather_rows``.

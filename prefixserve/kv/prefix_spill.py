@@ -7,22 +7,32 @@ before anything writes the block), and a prefix lookup that stops on the device 
 memory: the following blocks found there are copied into fresh blocks and indexed again. The host
 tier is the one Prompt Cache modules use, so both share its byte budget and its LRU order.
 
-No host wait on either side. Evicting: one gather of all the evicted blocks on the current stream
-(block-major: each block contiguous across its layers), one D2H copy into one pinned buffer on the
-copy stream (``kv/transfer.py``), and each block's host entry is its slice of that buffer carrying the
-copy's event; nothing reads it on the host before that event. Restoring: the blocks found go to the
-device in one copy per run of blocks that were evicted together, on the copy stream (ordered after
-their D2H copies), and the scatter on the current stream waits on an event.
+Host memory: a ``SlabPool`` of pinned slots, one block each, as many as the host tier's budget holds
+(allocated when the engine starts on CUDA, never freed): an eviction allocates nothing. A new pinned
+buffer per eviction (256 MiB for an 8B model's 2K-token document) made the spill slower than
+recomputing on an H100 (``benchmarks/probes/spill_cost.py``). An entry leaving the tier gives its slot
+back (``HostTier.on_drop``); one restored gives it back after the copy that reads it.
+
+No host wait on either side. Evicting: room made in the host tier first (its oldest entries' slots
+come back), one gather of all the evicted blocks on the current stream (block-major: each block
+contiguous across its layers), one D2H copy per run of consecutive slots on the copy stream
+(``kv/transfer.py``), one event for all; nothing reads a slot on the host. Restoring: the blocks found
+are taken out of the tier first (so spilling the blocks their allocation evicts pushes out nothing
+else: reading an entry must not make it the newest, or the next ones asked for are the ones pushed
+out), copied to the device in one copy per run of slots on the copy stream, their slots go back with
+that copy's event, and the scatter on the current stream waits on it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
+from prefixserve.kv.slab_pool import SlabPool
 from prefixserve.kv.tiers import HostTier
-from prefixserve.kv.transfer import copy_stream
+from prefixserve.kv.transfer import Ready, copy_stream
 
 
 def _key(digest: bytes) -> str:
@@ -36,33 +46,67 @@ class PrefixSpill:
         self.pool, self.kv, self.host = pool, kv, host
         self.spilled_blocks = 0
         self.restored_blocks = 0
+        layers, two, _, bs, _, dim = kv.tensor.shape
+        shape = (layers, two, bs, kv.total_kv_heads, dim)
+        cuda = kv.tensor.device.type == "cuda"
+        blocks = host.capacity_bytes // (math.prod(shape) * kv.tensor.element_size())
+        self.slots = SlabPool(shape, kv.tensor.dtype, blocks, pin=cuda, prealloc=cuda)
+        self._slot_of: dict[str, int] = {}
         pool.on_evict = self.save
+        host.on_drop = self._dropped
+
+    @property
+    def host_capacity_blocks(self) -> int:
+        """Blocks the host tier holds at most (its byte budget over a block's bytes)."""
+        return min(self.slots.capacity, self.host.capacity_bytes // self.slots.slot_bytes)
+
+    def _dropped(self, key: str, ready: Ready | None) -> None:
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self.slots.release([slot], ready)
 
     def save(self, evicted: list[tuple[int, bytes]]) -> None:
-        """Copy evicted blocks' KV to host memory: one gather and one copy for all of them, no wait."""
-        host, ready = self.kv.gather_blocks([b for b, _ in evicted])  # [n, L, 2, bs, H, D], pinned
-        for i, (_, digest) in enumerate(evicted):
-            self.host.put(_key(digest), host[i], ready=ready)
+        """Copy evicted blocks' KV to host slots: one gather, one copy per slot run, no wait."""
+        fit = self.host_capacity_blocks
+        evicted = evicted[max(0, len(evicted) - fit) :] if fit else []  # the newest, if not all fit
+        if not evicted:
+            return
+        copier = copy_stream(self.kv.tensor.device)
+        self.host.make_room(len(evicted) * self.slots.slot_bytes, wait=False)  # their slots come back
+        slots, waits = self.slots.acquire(len(evicted))
+        device = self.kv.gather_blocks_device([b for b, _ in evicted])  # [n, L, 2, bs, H, D]
+        for start, run in self.slots.runs(slots):
+            copier.copy_out(run, device[start : start + run.shape[0]], waits)
+        ready = copier.record()
+        for slot, (_, digest) in zip(slots, evicted, strict=True):
+            key = _key(digest)
+            self.host.put(key, self.slots.view(slot), ready=ready)  # a stale entry of the key is dropped
+            self._slot_of[key] = slot
         self.spilled_blocks += len(evicted)
 
     def restore(self, digests: Sequence[bytes]) -> list[int]:
         """The leading ``digests`` found in host memory, copied into fresh indexed blocks (held once)."""
-        found = []
-        for digest in digests:
-            entry = self.host.get(_key(digest))
-            if entry is None:
+        keys = []
+        for digest in digests[: self.pool.num_free]:
+            key = _key(digest)
+            if key not in self.host:
                 break
-            found.append((digest, entry[0]))
-        found = found[: self.pool.num_free]
-        if not found:
+            keys.append(key)
+        if not keys:
             return []
-        blocks = self.pool.allocate(len(found))  # may evict (and spill) other blocks first
-        stacked = copy_stream(self.kv.tensor.device).to_device_blocks([p for _, p in found])
+        parts = []
+        for key in keys:
+            packed, _ready = self.host.take(key)  # type: ignore[misc]  # the D2H is on the copy stream too
+            parts.append(packed)
+        copier = copy_stream(self.kv.tensor.device)
+        stacked, ready = copier.to_device_blocks_async(parts)  # one H2D copy per run of slots
+        self.slots.release([self._slot_of.pop(key) for key in keys], ready)
+        blocks = self.pool.allocate(len(keys))  # may evict (and spill) other blocks first
+        stacked = copier.hand_over(stacked, ready)
         layers, two, bs, heads, dim = stacked.shape[1:]  # [n, L, 2, bs, H, D] -> [L, 2, n * bs, H, D]
-        rows = stacked.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, len(found) * bs, heads, dim)
+        rows = stacked.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, len(keys) * bs, heads, dim)
         self.kv.scatter_rows(blocks, rows)
-        for block, (digest, _) in zip(blocks, found, strict=True):
+        for block, digest in zip(blocks, digests[: len(keys)], strict=True):
             self.pool.register(block, digest)
-            self.host.pop(_key(digest))
-        self.restored_blocks += len(found)
+        self.restored_blocks += len(keys)
         return blocks

@@ -27,6 +27,7 @@ import re
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,6 +88,9 @@ class HostTier:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.nbytes = 0
         self._entries: OrderedDict[str, _HostEntry] = OrderedDict()  # oldest first
+        # called with (key, ready) for each entry the tier drops on its own (pushed out, or replaced
+        # by a ``put`` of its key), so the owner of its memory can reuse it (kv/prefix_spill.py)
+        self.on_drop: Callable[[str, Ready | None], None] | None = None
 
     def put(
         self, key: str, packed: PackedKV, meta: Meta | None = None, ready: Ready | None = None
@@ -100,15 +104,14 @@ class HostTier:
         if packed.device.type != "cpu":
             raise ValueError(f"HostTier keeps CPU tensors, got one on {packed.device}")
         meta = dict(meta or {})
-        self.pop(key)
+        stale = self._entries.pop(key, None)
+        if stale is not None:
+            self.nbytes -= packed_nbytes(stale.packed)
+            self._dropped(key, stale)
         size = packed_nbytes(packed)
         if size > self.capacity_bytes:
             return [(key, _HostEntry(packed, meta, ready).landed(), meta)]
-        evicted: list[tuple[str, PackedKV, Meta]] = []
-        while self.nbytes + size > self.capacity_bytes:
-            old_key, old = self._entries.popitem(last=False)
-            self.nbytes -= packed_nbytes(old.packed)
-            evicted.append((old_key, old.landed(), old.meta))
+        evicted = self.make_room(size)
         if self.pin and not packed.is_pinned():
             if ready is not None:
                 ready.synchronize()
@@ -117,6 +120,32 @@ class HostTier:
         self._entries[key] = _HostEntry(packed, meta, ready)
         self.nbytes += size
         return evicted
+
+    def make_room(self, nbytes: int, wait: bool = True) -> list[tuple[str, PackedKV, Meta]]:
+        """Push out least recently used entries until ``nbytes`` more fit (all of them if they never
+        will); returns them as ``put`` does. ``wait=False``: for a caller that drops them, do not wait
+        for copies still filling them (their tensors may then be incomplete)."""
+        evicted: list[tuple[str, PackedKV, Meta]] = []
+        while self._entries and self.nbytes + nbytes > self.capacity_bytes:
+            old_key, old = self._entries.popitem(last=False)
+            self.nbytes -= packed_nbytes(old.packed)
+            evicted.append((old_key, old.landed() if wait else old.packed, old.meta))
+            self._dropped(old_key, old)
+        return evicted
+
+    def _dropped(self, key: str, entry: _HostEntry) -> None:
+        if self.on_drop is not None:
+            self.on_drop(key, entry.ready)
+
+    def take(self, key: str) -> tuple[PackedKV, Ready | None] | None:
+        """Remove the entry and return its tensor with the event of the copy still filling it (None
+        if done), without waiting: for a caller whose next copy of it is ordered after that one
+        anyway (on the same copy stream). None if absent. Recency of other entries is unchanged."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        self.nbytes -= packed_nbytes(entry.packed)
+        return entry.packed, entry.ready
 
     def get(self, key: str) -> tuple[PackedKV, Meta] | None:
         """The entry and its metadata (a copy of the dict), marked most recently used; None if absent."""

@@ -8,6 +8,7 @@ an event (``wait_event``: the device waits, the host goes on), never on a device
 - ``CopyStream.to_device`` / ``to_device_blocks``: host -> device, in as few and as large copies as
   the source allows (a pinned source goes straight; a pageable one through reused pinned slots).
 - ``CopyStream.to_host``: device -> pinned host, returning the event that says the bytes are there.
+- ``CopyStream.copy_out``: device -> host into a buffer the caller owns (a ``SlabPool`` slot run).
 - ``Slots``: a few page-aligned (pinned on CUDA) buffers reused for staging, each with the event of
   the last copy out of it, so a slot is never refilled while the device still reads it.
 """
@@ -151,19 +152,23 @@ class CopyStream:
     def to_device_blocks(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Equal-shaped host parts stacked on the device (``[len(parts), *shape]``), ready for the current
         stream. Parts lying back to back in one storage (one spill's blocks) go in one copy."""
+        return self.hand_over(*self.to_device_blocks_async(parts))
+
+    def to_device_blocks_async(self, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Ready | None]:
+        """``to_device_blocks`` without the hand-over: the device tensor and the event after its copies
+        (one per run of parts back to back in one storage; a CPU makes the same copies, plainly).
+        Pass both to ``hand_over`` before the current stream reads the tensor."""
         if not parts:
             raise ValueError("no parts to copy")
         shape, dtype = tuple(parts[0].shape), parts[0].dtype
-        if not self.cuda:
-            return torch.stack(list(parts)).to(self.device)
         dst = self.empty((len(parts), *shape), dtype)
         for start, run in _runs(parts):
             piece = dst[start : start + run.shape[0]]
-            if run.is_pinned():
+            if not self.cuda or run.is_pinned():
                 self.copy_in(piece, run)
             else:
                 self._staged(piece, run.contiguous())
-        return self.hand_over(dst, self.record())
+        return dst, self.record()
 
     def _staged(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue ``dst.copy_(src)`` for a pageable ``src`` through the pinned slots, a slot at a time:
@@ -193,6 +198,22 @@ class CopyStream:
             ready = self.record()
         src.record_stream(self.stream)  # its memory is not reused before the copy has read it
         return host, ready
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, waits: Sequence[Ready] = ()) -> None:
+        """Enqueue ``dst.copy_(src)`` (device -> a host buffer the caller owns, pinned on CUDA) on the copy
+        stream, after the work queued so far on the current stream (``src`` is made there) and after
+        ``waits`` (the events of the last copies that read ``dst``: the device waits, not the host).
+        Call ``record`` after the last of a batch for the event that says the bytes are there."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        assert self.stream is not None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for ready in waits:
+            self.stream.wait_event(ready)  # type: ignore[arg-type]
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
