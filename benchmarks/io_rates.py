@@ -18,7 +18,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -99,6 +98,17 @@ def machine_rates(paths: list[Path]) -> dict[str, float | bool | None]:
     }
 
 
-if __name__ == "__main__":
-    files = sorted(p for p in Path(sys.argv[1]).iterdir() if p.is_file())
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "directory", type=Path, help="the files whose plain read rate to measure (e.g. a module store)"
+    )
+    args = ap.parse_args(argv)
+    files = sorted(p for p in args.directory.iterdir() if p.is_file())
     print(json.dumps(machine_rates(files), indent=1))
+
+
+if __name__ == "__main__":
+    main()
