@@ -242,6 +242,13 @@ class Engine(EngineServices):
         if prev is not None:
             self.in_flight_tokens.drop_surely_finished(sched, self.max_model_len)
         batch, failed = self._assemble_or_fail(sched)
+        if prev is not None and prev.sampling is not None:
+            # grammar rows: the mask was filled on a thread since the tokens ahead of it arrived; the
+            # sampling goes out just before this forward, which reads its tokens on the device
+            prev = self._sample_or_fail(prev)
+            if prev is None and batch is not None:  # assembled with rows of the requests that failed
+                self._fail(sched)
+                batch = None
         if batch is None:  # nothing to launch ahead of it: wait for its tokens now
             if prev is not None:
                 outputs += self._complete_or_fail(prev)
@@ -251,8 +258,6 @@ class Engine(EngineServices):
         self._launched = self._launch_or_fail(sched, batch, prev)
         if prev is not None:  # launched ahead of it (or failed to): now wait for its tokens
             outputs += self._complete_or_fail(prev, launched_after=self._launched)
-        if self._launched is not None and self._launched.sampling is not None:
-            self._launched = self._sample_or_fail(self._launched)  # grammar rows: masked after prev
         return True
 
     def _assemble_or_fail(self, sched: SchedulerOutput) -> tuple[StepBatch | None, bool]:
@@ -312,7 +317,7 @@ class Engine(EngineServices):
         )
         launched.sampling = (rows, params, generators)
         if ahead_of is None or self.structured is None or not self.structured.constrained(launched.samplers):
-            self._sample(launched)  # else after ahead_of's tokens are placed: their masks need them
+            self._sample(launched)  # else at the next step: its masks need ahead_of's tokens
         return launched
 
     def _sample(self, launched: LaunchedStep) -> None:
@@ -359,15 +364,17 @@ class Engine(EngineServices):
         """
         hidden = self.in_flight_tokens.hide(launched_after)
         try:
-            return self._place_and_report(launched)
+            return self._place_and_report(launched, launched_after)
         finally:
             self.in_flight_tokens.unhide(hidden)
 
-    def _place_and_report(self, launched: LaunchedStep) -> list[RequestOutput]:
+    def _place_and_report(
+        self, launched: LaunchedStep, launched_after: LaunchedStep | None = None
+    ) -> list[RequestOutput]:
         """Wait for the step's tokens and place them; outputs of requests that finished or stream."""
         result = self.runner.wait(launched.launch)
         if result is not None:
-            self._place_tokens(launched, result)
+            self._place_tokens(launched, result, launched_after)
         outputs: list[RequestOutput] = []
         interval = self.config.stream_interval
         for req in launched.touched:
@@ -382,8 +389,20 @@ class Engine(EngineServices):
                 outputs.append(self._output(req))
         return outputs
 
-    def _place_tokens(self, launched: LaunchedStep, result: SampleResult) -> None:
-        """The scheduler puts the tokens in place, checks stops and frees sequences that stopped."""
+    def _place_tokens(
+        self, launched: LaunchedStep, result: SampleResult, launched_after: LaunchedStep | None = None
+    ) -> None:
+        """The scheduler puts the tokens in place, checks stops and frees sequences that stopped.
+
+        Grammar matchers take the tokens first; if ``launched_after``'s sampling waits for its mask,
+        that and its fill go to structured decoding's thread, to overlap all that follows here.
+        """
+        if self.structured is not None:
+            after = launched_after
+            then = after.samplers if after is not None and after.sampling is not None else None
+            self.structured.advance(
+                launched.samplers, launched.indices, result.tokens, self.in_flight_tokens.pending, then
+            )
         self.scheduler.update_from_output(
             launched.samplers, launched.indices, result, self.in_flight_tokens.pending,
             self.eos_ids, self.max_model_len, self.tokenizer, self.counters, self.launch_ahead,

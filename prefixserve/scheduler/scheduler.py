@@ -178,9 +178,6 @@ class Scheduler:
                     held.pop(0)
                 token_ids = seq.token_ids
                 token_ids[idx] = tokens_out[i]
-                grammar = seq.grammar  # structured outputs: the matcher follows the tokens (to its end)
-                if grammar is not None and not grammar.is_terminated():
-                    grammar.accept_token(tokens_out[i])
                 req = seq.request
                 p = req.params
                 if want_logprobs and p.wants_chosen_logprobs:

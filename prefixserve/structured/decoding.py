@@ -1,15 +1,22 @@
 """One engine's structured decoding: grammars, a matcher per constrained sequence, each step's mask.
 
 The engine calls ``admit`` when a constrained request arrives (compiling its grammar, or refusing
-it), ``bitmask`` when a step's sampling is issued, and the scheduler advances each sequence's
-matcher (``Sequence.grammar``) as its sampled token is put in place. A matcher is made at the
+it), ``advance`` as a step's tokens arrive (each sequence's matcher, ``Sequence.grammar``, takes the
+token put in place), and ``bitmask`` when a step's sampling is issued. A matcher is made at the
 sequence's first sampled token, so the n samples of a request (split off at the end of the prompt)
 each get their own, and a preempted sequence keeps its own across the recompute.
+
+Launched ahead, the tokens of step t arrive while the forward of step t+1 runs, and step t+1's
+sampling waits for its mask. ``advance`` given step t+1's samplers hands the accept and that mask's
+fill to a worker thread (xgrammar drops the GIL in both): the engine's thread places the tokens,
+reports, schedules and assembles step t+2 meanwhile, then ``bitmask`` takes the mask and the sampling
+of t+1 goes out just ahead of the forward of t+2, so the GPU is not left idle by the fill.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,6 +51,10 @@ class StructuredDecoding:
         self.masks = StepBitmasks(self.words, device, rows)  # ``rows``: the most sample rows a step has
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._matcher_cls = xgr.GrammarMatcher
+        self._accept = xgr.BatchGrammarMatcher.batch_accept_token
+        self._worker: ThreadPoolExecutor | None = None  # made at the first step launched ahead
+        # the worker's job: the samplers whose mask it fills, and the mask to come
+        self._job: tuple[list[Sequence], Future[StepMask | None]] | None = None
 
     def admit(self, spec: StructuredOutputs) -> None:
         """Compile ``spec`` now (or find it compiled): a bad one raises ValueError before queueing."""
@@ -54,14 +65,47 @@ class StructuredDecoding:
         """Does any of a step's sampling sequences follow a grammar?"""
         return any(s.request.params.structured_outputs is not None for s in samplers)
 
-    def bitmask(self, samplers: list[Sequence]) -> StepMask | None:
-        """The step's mask on the host, int32 [len(samplers), words], and the rows it constrains (None:
-        no row is). Every constrained sequence's matcher has seen all its tokens but the one sampled now.
-        Only constrained rows are filled and masked: rows of sequences that finished meanwhile
-        (launch-ahead) stay unmasked, their token is dropped.
+    def advance(
+        self,
+        samplers: list[Sequence],
+        indices: list[int],
+        tokens: list[int],
+        pending: dict[Sequence, list[Any]],
+        then: list[Sequence] | None = None,
+    ) -> None:
+        """Each constrained sampler's matcher takes its token, where ``Scheduler.update_from_output``
+        will put it in place (so before that call: the same test on ``pending``); with ``then``, the
+        samplers of a step launched ahead whose sampling waits, the accept and their mask's fill run
+        on the worker thread, taken by ``bitmask(then)``. Without, the accept runs now.
         """
-        rows: list[int] = []
-        matchers = []
+        self._join()
+        matchers, accepted = [], []
+        for i, seq in enumerate(samplers):
+            grammar = seq.grammar
+            if grammar is None:
+                continue
+            held = pending.get(seq)
+            if held and held[0][0] == indices[i] and not seq.is_finished:
+                matchers.append(grammar)
+                accepted.append(tokens[i])
+        if then is None:
+            self._accept_live(matchers, accepted)
+            return
+        candidates = self._candidates(then)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-grammar")
+        job = self._worker.submit(self._accept_and_fill, matchers, accepted, len(then), candidates)
+        self._job = (then, job)
+
+    def _accept_live(self, matchers: list[Any], tokens: list[int]) -> None:
+        """Matchers that have not ended take their tokens (one call for all)."""
+        live = [k for k, m in enumerate(matchers) if not m.is_terminated()]
+        if live:
+            self._accept([matchers[k] for k in live], [tokens[k] for k in live])
+
+    def _candidates(self, samplers: list[Sequence]) -> list[tuple[int, Any]]:
+        """(row, matcher) of each constrained sampler still running; a matcher is made at its first."""
+        out = []
         for i, seq in enumerate(samplers):
             spec = seq.request.params.structured_outputs
             if spec is None or seq.is_finished:
@@ -69,15 +113,49 @@ class StructuredDecoding:
             matcher = seq.grammar
             if matcher is None:
                 matcher = seq.grammar = self._matcher_cls(self.grammars.get(spec))
-            if matcher.is_terminated():  # ended (ignore_eos): what follows is free
-                continue
-            rows.append(i)
-            matchers.append(matcher)
-        if not rows:
+            out.append((i, matcher))
+        return out
+
+    def _fill(self, n: int, candidates: list[tuple[int, Any]]) -> StepMask | None:
+        """The mask of ``n`` sample rows, the candidates' rows filled (those whose matcher has ended,
+        ignore_eos, are free)."""
+        live = [(i, m) for i, m in candidates if not m.is_terminated()]
+        if not live:
             return None
-        mask = self.masks.host(len(samplers))
-        self._batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+        rows = [i for i, _ in live]
+        mask = self.masks.host(n)
+        self._batch.batch_fill_next_token_bitmask([m for _, m in live], mask, rows)
         return StepMask(mask, rows, self.masks)
+
+    def _accept_and_fill(
+        self, matchers: list[Any], tokens: list[int], n: int, candidates: list[tuple[int, Any]]
+    ) -> StepMask | None:
+        self._accept_live(matchers, tokens)
+        return self._fill(n, candidates)
+
+    def _join(self) -> StepMask | None:
+        """The worker's job done (its exception raised here), and its mask."""
+        if self._job is None:
+            return None
+        job, self._job = self._job[1], None
+        return job.result()
+
+    def bitmask(self, samplers: list[Sequence]) -> StepMask | None:
+        """The step's mask on the host, int32 [len(samplers), words], and the rows it constrains (None:
+        no row is): the worker's if it filled this step's, else filled now. Every constrained
+        sequence's matcher has seen all its tokens but the one sampled now. Only constrained rows are
+        filled and masked: rows of sequences that finished meanwhile (launch-ahead) stay unmasked,
+        their token is dropped.
+        """
+        mine = self._job is not None and self._job[0] is samplers
+        mask = self._join()
+        if not mine:
+            return self._fill(len(samplers), self._candidates(samplers))
+        if mask is not None:  # finished while the worker filled: left unmasked, as if filled now
+            mask.rows = [r for r in mask.rows if not samplers[r].is_finished]
+            if not mask.rows:
+                return None
+        return mask
 
 
 __all__ = ["StructuredDecoding"]

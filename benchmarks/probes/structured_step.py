@@ -1,0 +1,218 @@
+"""Where a constrained decode step's host time goes, piece by piece, and which of it a GPU would wait on.
+
+The schema and workload are ``benchmarks/structured.py``'s (B rows, JSON schema, greedy). A tiny
+dummy model (2 layers, the default model's tokenizer and vocabulary) runs launched ahead on the CPU,
+so the forward is cheap and the host's share shows. Prints:
+
+- pieces, replayed over the rows' own walks: advancing B matchers one ``accept_token`` call a row
+  (what the scheduler did) and in one ``batch_accept_token``; the B-row mask fill; the mask applied
+  to B x vocab fp32 logits on the CPU (on a GPU this is a few queued kernels instead);
+- whole engine steps, unconstrained and constrained: the step, the runner's forward and sampling
+  (the device's work on a CPU), the rest (the engine's host work), the structured calls on the
+  engine's thread, and the two gaps a GPU would see: from the tokens of step t on the host to the
+  sampling of step t+1 issued (hidden while the forward of t+1 runs), and from that sampling issued
+  to the forward of t+2 issued (the GPU idles for it, less the sampling's own time).
+
+PYTHONPATH=. python -m benchmarks.probes.structured_step [--batch 64] [--tokens 64] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.structured import SCHEMA, _conversations
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
+
+
+def _llm(batch: int) -> Any:
+    from prefixserve import LLM
+
+    path = Path(tempfile.mkdtemp()) / "config.json"
+    path.write_text(json.dumps(TINY))
+    return LLM(
+        model=f"dummy:{path}", device="cpu", max_num_seqs=max(batch, 8), enable_prefix_caching=False,
+        async_scheduling=True, progress=False,
+    )  # fmt: skip
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:7.3f}" if values else "    n/a"
+
+
+def pieces(llm: Any, walks: list[list[int]], repeat: int) -> dict[str, list[float]]:
+    """Each piece per step over the walks (rows that ended drop out), seconds."""
+    import xgrammar as xgr
+
+    from prefixserve.sampling.structured_outputs import StructuredOutputs
+    from prefixserve.structured.bitmask import StepBitmasks
+
+    sd = llm.engine._structured()
+    compiled = sd.grammars.get(StructuredOutputs(json=SCHEMA))
+    vocab = llm.engine.model_config.vocab_size
+    masks = StepBitmasks(sd.words, "cpu", len(walks))
+    logits = torch.randn(len(walks), vocab)
+    out: dict[str, list[float]] = defaultdict(list)
+    for _ in range(repeat):
+        loop = [xgr.GrammarMatcher(compiled) for _ in walks]
+        batch = [xgr.GrammarMatcher(compiled) for _ in walks]
+        for j in range(max(map(len, walks))):
+            live = [i for i, w in enumerate(walks) if j < len(w) and not batch[i].is_terminated()]
+            if not live:
+                break
+            mask = masks.host(len(walks))
+            t0 = time.perf_counter()
+            sd._batch.batch_fill_next_token_bitmask([batch[i] for i in live], mask, live)
+            t1 = time.perf_counter()
+            masks.apply(logits, mask, live)
+            t2 = time.perf_counter()
+            for i in live:
+                loop[i].accept_token(walks[i][j])
+            t3 = time.perf_counter()
+            xgr.BatchGrammarMatcher.batch_accept_token([batch[i] for i in live], [walks[i][j] for i in live])
+            t4 = time.perf_counter()
+            out["fill"].append(t1 - t0)
+            out["apply (CPU kernel)"].append(t2 - t1)
+            out["accept, a call a row"].append(t3 - t2)
+            out["accept, batched"].append(t4 - t3)
+    return out
+
+
+class StepClock:
+    """Wraps the runner and the structured calls to time a step's parts and the GPU-facing gaps."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.t = engine, defaultdict(float)
+        self.gap_fill: list[float] = []  # tokens of t on the host -> sampling of t+1 issued
+        self.gap_launch: list[float] = []  # sampling issued -> next forward issued
+        self._tokens_at: float | None = None
+        self._sampled_at: float | None = None
+        runner = engine.runner
+        for name in ("forward", "sample", "wait"):
+            setattr(runner, name, self._timed(getattr(runner, name), name))
+        self.structured = engine._structured()
+        for name in ("advance", "bitmask"):  # (an engine before ``advance`` accepted in the scheduler)
+            if hasattr(self.structured, name):
+                setattr(self.structured, name, self._structured(getattr(self.structured, name), name))
+
+    def _structured(self, fn: Any, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.t[name] += time.perf_counter() - t0
+            return out
+
+        return call
+
+    def _timed(self, fn: Any, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if name == "forward" and self._sampled_at is not None:
+                self.gap_launch.append(t0 - self._sampled_at)
+                self._sampled_at = None
+            out = fn(*args, **kwargs)
+            t1 = time.perf_counter()
+            self.t["runner"] += t1 - t0
+            self.t["runner cpu"] += time.thread_time() - c0
+            if name == "wait":
+                self._tokens_at = t1
+            if name == "sample":
+                if self._tokens_at is not None:
+                    self.gap_fill.append(t0 - self._tokens_at)
+                    self._tokens_at = None
+                self._sampled_at = t1
+            return out
+
+        return call
+
+
+def engine_steps(llm: Any, batch: int, tokens: int, steps: int, constrained: bool) -> dict[str, Any]:
+    """Median per decode step: the step, the runner, the rest; the GPU-facing gaps."""
+    from prefixserve import SamplingParams, StructuredOutputs
+
+    engine = llm.engine
+    spec = StructuredOutputs(json=SCHEMA) if constrained else None
+    params = SamplingParams(
+        temperature=0.0, max_tokens=tokens, ignore_eos=not constrained, structured_outputs=spec
+    )
+    prompts = [engine.tokenizer.apply_chat_template(c, tokenize=False) for c in _conversations(batch)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}-{constrained}", p, params)
+    clock = StepClock(engine)
+    rows: dict[str, list[float]] = defaultdict(list)
+    n = 0
+    while engine.has_unfinished():
+        clock.t.clear()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        engine.step()
+        total, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        n += 1
+        if n <= 3 or n > steps + 3:  # prefill and the first steps; the tail of the batch
+            continue
+        rows["step"].append(total)
+        rows["runner (forward, sample, wait)"].append(clock.t["runner"])
+        rows["engine host (the rest)"].append(total - clock.t["runner"])
+        rows["  its CPU time (engine thread)"].append(cpu - clock.t["runner cpu"])
+        rows["  structured: advance (accept)"].append(clock.t["advance"])
+        rows["  structured: bitmask (fill/join)"].append(clock.t["bitmask"])
+    for key in ("forward", "sample", "wait"):  # undo the wrapping
+        vars(engine.runner).pop(key, None)
+    for key in ("advance", "bitmask"):
+        vars(clock.structured).pop(key, None)
+    return {"rows": rows, "gap_fill": clock.gap_fill[3:], "gap_launch": clock.gap_launch[3:]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40, help="decode steps timed (after 3 untimed)")
+    ap.add_argument("--repeat", type=int, default=3, help="replays of the walks for the pieces")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # the engine's thread and the fill's share the host
+    llm = _llm(args.batch)
+    from prefixserve import SamplingParams, StructuredOutputs
+
+    spec = StructuredOutputs(json=SCHEMA)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, structured_outputs=spec)
+    outs = llm.chat(_conversations(args.batch), params)  # warm-up, and the rows' walks
+    walks = [list(o.outputs[0].token_ids) for o in outs]
+    print(f"B={args.batch}, {args.tokens} tokens, tiny dummy model launched ahead on the CPU; ms a step")
+    print("\npieces (median over the walks' steps)")
+    for name, values in pieces(llm, walks, args.repeat).items():
+        print(f"  {name:34s} {_ms(values)}")
+    for constrained in (False, True):
+        engine_steps(llm, args.batch, args.tokens, 4, constrained)  # warm
+        res = engine_steps(llm, args.batch, args.tokens, args.steps, constrained)
+        print(f"\nengine steps, {'json_schema' if constrained else 'unconstrained'} (median)")
+        for name, values in res["rows"].items():
+            print(f"  {name:34s} {_ms(values)}")
+        if constrained:  # unconstrained, the sampling goes out right behind its forward
+            print(f"  {'gap: tokens t -> sample t+1 issued':34s} {_ms(res['gap_fill'])}")
+            print(f"  {'gap: sample issued -> next forward':34s} {_ms(res['gap_launch'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Structured decoding launched ahead: the accept and the mask's fill on the worker thread, the masked
+sampling issued just ahead of the next forward. Every mask equals the synchronous engine's, row by
+row, and so do the outputs; the worker's job is taken by its own step only, its errors fail that
+step's requests, and a sampling that fails also fails the batch assembled behind it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixserve import SamplingParams
+from prefixserve.sampling.structured_outputs import StructuredOutputs
+from tests.conftest import assert_pool_empty, tiny_cascade_llm
+
+xgr = pytest.importorskip("xgrammar")
+
+RECORD = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+SPECS = [
+    StructuredOutputs(json={"type": "array", "items": RECORD, "minItems": 3}),
+    StructuredOutputs(regex=r"[0-9]{2,4}-[ab]{3}"),
+    StructuredOutputs(choice=["alpha", "beta", "gamma delta"]),
+]
+
+
+def _params() -> list[SamplingParams]:
+    out = []
+    for i in range(12):
+        spec = SPECS[i % len(SPECS)] if i % 4 != 3 else None  # unconstrained rows in the same batches
+        stop = ["-"] if i == 4 else None  # a stop string ends a constrained row mid-grammar
+        out.append(SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, stop=stop, structured_outputs=spec))
+    return out
+
+
+def _record_masks(llm: Any) -> dict[tuple[str, int], bytes]:
+    """Each masked row's words by (request id, output position), as the runner's sampling gets them."""
+    masks: dict[tuple[str, int], bytes] = {}
+    runner = llm.engine.runner
+    sample = runner.sample
+
+    def recording(
+        launch: Any, rows: Any, params: Any, generators: Any, seqs: Any = None, mask: Any = None
+    ) -> None:
+        if mask is not None:
+            for r in mask.rows:
+                seq = seqs[r]
+                key = (f"{seq.request.request_id}/{seq.index}", len(seq.token_ids))
+                masks[key] = mask.bitmask[r].numpy().tobytes()
+        return sample(launch, rows, params, generators, seqs, mask)
+
+    runner.sample = recording
+    return masks
+
+
+def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path) -> None:
+    prompts = [f"prompt number {i}: answer" for i in range(12)]
+    runs = {}
+    for ahead in (False, True):
+        llm = tiny_cascade_llm(tiny_config_path, async_scheduling=ahead)
+        masks = _record_masks(llm)
+        outs = llm.generate(prompts, _params())
+        texts = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+        runs[ahead] = (texts, masks)
+        assert_pool_empty(llm)
+        worker = llm.engine.structured._worker
+        assert (worker is not None) is ahead  # launched ahead, the fills ran on the worker
+    (sync_texts, sync_masks), (ahead_texts, ahead_masks) = runs[False], runs[True]
+    assert ahead_texts == sync_texts
+    assert len(sync_masks) > 100
+    assert ahead_masks.keys() == sync_masks.keys()
+    assert all(ahead_masks[k] == sync_masks[k] for k in sync_masks)
+    assert any(reason == "stop" for rows in sync_texts for _, reason in rows)
+
+
+def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(tiny_config_path: Path) -> None:
+    """Launched ahead, a constrained step's sampling is followed by the next forward with no wait for
+    tokens between them: the device has the next forward queued while the host fills the next mask."""
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    calls: list[str] = []
+    runner = llm.engine.runner
+    for name in ("forward", "sample", "wait"):
+        fn = getattr(runner, name)
+        setattr(runner, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
+    spec = StructuredOutputs(json={"type": "array", "items": RECORD, "minItems": 8})
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=spec)
+    llm.generate([f"p{i}" for i in range(4)], params)
+    trace = "".join(c[0] for c in calls)  # forward, sample, wait
+    # the first step is sampled at once (nothing ahead of it); then each step: the sampling of the
+    # step ahead, this step's forward, the wait for the tokens ahead (which fills the next mask)
+    steps = (len(trace) - 6) // 3
+    assert steps > 10 and trace == "fs" + "fw" + "sfw" * steps + "sw"
+
+
+def test_worker_job_is_taken_by_its_own_step_only(tiny_config_path: Path) -> None:
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    engine = llm.engine
+    sd = engine._structured()
+    llm.generate(["warm"], SamplingParams(max_tokens=4, structured_outputs=SPECS[1]))
+    req = engine.add_request("a", "x", SamplingParams(max_tokens=8, structured_outputs=SPECS[1]))
+    seq = req.sequences[0]
+    samplers = [seq]
+    sd.advance([], [], [], {}, then=samplers)  # a job for `samplers`: its mask filled on the worker
+    assert sd._job is not None and sd._job[0] is samplers
+    other = sd.bitmask([seq])  # another step's list: filled now, the job joined and dropped
+    assert sd._job is None and other is not None and other.rows == [0]
+    sd.advance([], [], [], {}, then=samplers)
+    seq.status = type(seq.status).FINISHED  # finished while the worker filled: left unmasked
+    assert sd.bitmask(samplers) is None
+
+
+def test_a_failed_worker_job_fails_its_step_and_the_batch_behind(tiny_config_path: Path) -> None:
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    sd = llm.engine._structured()
+    fill, failures = sd._accept_and_fill, []
+
+    def failing(*args: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("fill failed")
+        return fill(*args)
+
+    sd._accept_and_fill = failing
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SPECS[0])
+    outs = llm.generate([f"q{i}" for i in range(3)], params)
+    assert failures and all(o.outputs[0].finish_reason == "error" for o in outs)
+    assert_pool_empty(llm)
+    (out,) = llm.generate(["again"], SamplingParams(max_tokens=12, structured_outputs=SPECS[1]))
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    assert_pool_empty(llm)
