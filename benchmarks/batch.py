@@ -80,6 +80,7 @@ def measure(llm: LLM, prompts: list[list[int]], gen: int, mode: str) -> dict[str
     computed = after["prompt_tokens_computed_total"] - before["prompt_tokens_computed_total"]
     logical = sum(map(len, prompts))
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
+
     def delta(key: str) -> float:
         return round(after.get(key, 0) - before.get(key, 0), 4)
 
@@ -128,7 +129,10 @@ def run(args: argparse.Namespace) -> None:
             prompts = dataset(seed, args.requests, degree, prefix, distinct, args.instruction, args.sub)
             plan = plan_batch(prompts).analysis
             row: dict[str, Any] = {
-                "prefix": prefix, "distinct": distinct, "degree": degree, "requests": len(prompts),
+                "prefix": prefix,
+                "distinct": distinct,
+                "degree": degree,
+                "requests": len(prompts),
                 "first_level_optimum": round(plan.first_level_saving, 4),
                 "optimal": round(plan.optimal_saving, 4),
             }
@@ -141,8 +145,18 @@ def run(args: argparse.Namespace) -> None:
                 results[mode] = measure(llm, prompts, args.gen, mode)
             base = results["online"]
             for mode, r in sorted(results.items(), key=lambda kv: list(MODES).index(kv[0])):
-                keys = ("seconds", "req_s", "tok_s", "saving", "preemptions", "steps", "gpu_busy_s",
-                        "gpu_idle_s", "kv_read_tokens", "shared_segments")
+                keys = (
+                    "seconds",
+                    "req_s",
+                    "tok_s",
+                    "saving",
+                    "preemptions",
+                    "steps",
+                    "gpu_busy_s",
+                    "gpu_idle_s",
+                    "kv_read_tokens",
+                    "shared_segments",
+                )
                 row.update({f"{mode}_{key}": r[key] for key in keys})
                 if mode != "online":
                     row[f"{mode}_x"] = round(r["req_s"] / base["req_s"], 3)
@@ -156,10 +170,17 @@ def run(args: argparse.Namespace) -> None:
 
 def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], Path]:
     payload = {
-        **run_info(), "model": args.model, "gen": args.gen, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": llm.engine.pool.num_blocks,
-        "block_size": llm.engine.config.block_size, "order": args.order, "warm_each": args.warm_each,
-        "instruction": args.instruction, "sub": args.sub,
+        **run_info(),
+        "model": args.model,
+        "gen": args.gen,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_kv_blocks": llm.engine.pool.num_blocks,
+        "block_size": llm.engine.config.block_size,
+        "order": args.order,
+        "warm_each": args.warm_each,
+        "instruction": args.instruction,
+        "sub": args.sub,
         **({"name": args.name} if args.name else {}),
         "rows": rows,
     }
@@ -167,6 +188,7 @@ def _save(args: argparse.Namespace, llm: LLM, rows: list[dict[str, Any]]) -> tup
     out.mkdir(parents=True, exist_ok=True)
     old = out / f"{_name(payload)}.json"
     if args.merge and old.exists():  # a grid too long for one run, in parts: keep the other settings
+
         def key(r: dict[str, Any]) -> tuple[int, int, int]:
             return r["prefix"], r["distinct"], r["degree"]
 
@@ -187,32 +209,48 @@ def report(payload: dict[str, Any], out: Path) -> None:
     name = _name(payload)
     modes = [m for m in MODES if all(f"{m}_req_s" in r for r in payload["rows"])]  # those run
     lines = [
-        "# Offline batches: schedule=\"batch\" vs the online scheduler",
+        '# Offline batches: schedule="batch" vs the online scheduler',
         "",
         f"{payload['device']}; torch {payload['torch']}; commit {payload['commit']}; {payload['date']}; "
         f"model {payload['model']}; {payload['gen']} generated tokens (EOS ignored); max_num_seqs "
         f"{payload['max_num_seqs']}, {payload['max_num_batched_tokens']} tokens a step, "
         f"{payload['num_kv_blocks']} KV blocks of {payload['block_size']}. "
-        + (f"Every prompt starts with a {payload['instruction']}-token instruction. "
-           if payload.get("instruction") else "")
-        + (f"Each 4 members of a group share a {payload['sub']}-token sub-prefix. "
-           if payload.get("sub") else "")
+        + (
+            f"Every prompt starts with a {payload['instruction']}-token instruction. "
+            if payload.get("instruction")
+            else ""
+        )
+        + (
+            f"Each 4 members of a group share a {payload['sub']}-token sub-prefix. "
+            if payload.get("sub")
+            else ""
+        )
         + "Inputs shuffled. Modes run in the "
         f"order {', '.join(payload.get('order', list(MODES)))} at each point; "
-        + ("each point run once untimed first. " if payload.get("warm_each") else
-           "no untimed run of each point first (the first mode timed pays its compiles and graph captures). ")
+        + (
+            "each point run once untimed first. "
+            if payload.get("warm_each")
+            else "no untimed run of each point first "
+            "(the first mode timed pays its compiles and graph captures). "
+        )
         + "Written by `benchmarks/batch.py`.",
         "",
-        "| P/D | degree | " + " | ".join(f"{m} req/s" for m in modes) + " | "
-        + " | ".join(f"{SHORT[m]} / online" for m in modes[1:]) + " | "
-        + " | ".join(f"saving {SHORT[m]}" for m in modes) + " | first-level optimum | full tree |",
+        "| P/D | degree | "
+        + " | ".join(f"{m} req/s" for m in modes)
+        + " | "
+        + " | ".join(f"{SHORT[m]} / online" for m in modes[1:])
+        + " | "
+        + " | ".join(f"saving {SHORT[m]}" for m in modes)
+        + " | first-level optimum | full tree |",
         "| --- | ---: | " + " | ".join(["---:"] * (3 * len(modes) + 1)) + " |",
     ]
     for r in payload["rows"]:
         lines.append(
             f"| {r['prefix']}/{r['distinct']} | {r['degree']} | "
-            + " | ".join(f"{r[m + '_req_s']:.2f}" for m in modes) + " | "
-            + " | ".join(f"{r[m + '_x']:.2f}x" for m in modes[1:]) + " | "
+            + " | ".join(f"{r[m + '_req_s']:.2f}" for m in modes)
+            + " | "
+            + " | ".join(f"{r[m + '_x']:.2f}x" for m in modes[1:])
+            + " | "
             + " | ".join(f"{r[m + '_saving']:.1%}" for m in modes)
             + f" | {r['first_level_optimum']:.1%} | {r['optimal']:.1%} |"
         )
@@ -284,13 +322,24 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--merge", action="store_true", help="keep the existing JSON's rows of other settings")
     ap.add_argument("--instruction", type=int, default=0, help="tokens every prompt starts with")
     ap.add_argument("--sub", type=int, default=0, help="sub-prefix tokens of each 4 group members")
-    ap.add_argument("--warm-each", action="store_true",
-                    help="run each point once untimed first (else the first mode timed pays its compiles)")
-    ap.add_argument("--order", nargs="+", default=list(MODES), choices=list(MODES),
-                    help="the modes run at each point, in this order (to see run-order effects); "
-                    "online and batch at least")
-    ap.add_argument("--name", default=None,
-                    help="file name of the results, without suffix (default: batch, or batch_cpu on the CPU)")
+    ap.add_argument(
+        "--warm-each",
+        action="store_true",
+        help="run each point once untimed first (else the first mode timed pays its compiles)",
+    )
+    ap.add_argument(
+        "--order",
+        nargs="+",
+        default=list(MODES),
+        choices=list(MODES),
+        help="the modes run at each point, in this order (to see run-order effects); "
+        "online and batch at least",
+    )
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="file name of the results, without suffix (default: batch, or batch_cpu on the CPU)",
+    )
 
 
 def main() -> None:

@@ -112,8 +112,16 @@ def run_recovery_quality(
     one = SamplingParams(max_tokens=1, temperature=0.0)
     answer = SamplingParams(max_tokens=answer_tokens, temperature=0.0)
     stats: dict[str, dict[str, Any]] = {
-        m: {"kl": [], "agree": 0, "exact": 0, "same": 0, "ttft": [], "recomputed": [], "private": [],
-            "module_rows": []}
+        m: {
+            "kl": [],
+            "agree": 0,
+            "exact": 0,
+            "same": 0,
+            "ttft": [],
+            "recomputed": [],
+            "private": [],
+            "module_rows": [],
+        }
         for m in ("full", *modes)
     }
     try:

@@ -22,11 +22,18 @@ def _write_input(path: Path, rows: int, seed: int = 0) -> None:
     for g in range(rows // 4):
         system = " ".join(rng.choice(words) for _ in range(50))
         for m in range(4):
-            body = {"messages": [{"role": "system", "content": system},
-                                 {"role": "user", "content": f"item {m} of set {g}"}],
-                    "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            lines.append({"custom_id": f"g{g}-m{m}", "method": "POST", "url": "/v1/chat/completions",
-                          "body": body})
+            body = {
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"item {m} of set {g}"},
+                ],
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            lines.append(
+                {"custom_id": f"g{g}-m{m}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
     rng.shuffle(lines)
     text = [json.dumps(x) for x in lines]
     text.insert(len(text) // 2, '{"custom_id": "torn", "method": "PO')  # a bad line stays an error row
@@ -60,8 +67,12 @@ def _lines(path: Path) -> int:
 def _run(args: list[str], out: Path, kill_at_line: int | None = None) -> int | None:
     """Run the command; with ``kill_at_line``, SIGKILL it once the output has that many lines."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "prefixserve", "batch", *args, "-o", str(out)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixserve", "batch", *args, "-o", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     if kill_at_line is None:
         return proc.wait(timeout=300)
     deadline = time.monotonic() + 300

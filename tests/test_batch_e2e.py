@@ -71,18 +71,42 @@ def _rows() -> list[dict | str]:
     system = "You answer in one short sentence about geography and nothing else. " * 3
     rows: list[dict | str] = []
     for i, q in enumerate(["Where is Kyoto?", "Where is Lisbon?", "Where is Oslo?", "Where is Quito?"]):
-        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
-                "max_tokens": 5, "temperature": 0}
+        body = {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            "max_tokens": 5,
+            "temperature": 0,
+        }
         rows.append({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
-    rows.append({"custom_id": "cmpl-0", "method": "POST", "url": "/v1/completions",
-                 "body": {"prompt": ["Once upon a time", "The capital of France"], "max_tokens": 4,
-                          "temperature": 0}})
+    rows.append(
+        {
+            "custom_id": "cmpl-0",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "prompt": ["Once upon a time", "The capital of France"],
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+        }
+    )
     rows.append("{broken")
     rows.append({"custom_id": "chat-0", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}})
-    rows.append({"custom_id": "bad-body", "method": "POST", "url": "/v1/completions",
-                 "body": {"prompt": "x", "temperature": -1}})
-    rows.append({"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
-                 "body": {"prompt": "word " * 9000, "max_tokens": 2}})
+    rows.append(
+        {
+            "custom_id": "bad-body",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "x", "temperature": -1},
+        }
+    )
+    rows.append(
+        {
+            "custom_id": "too-long",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "word " * 9000, "max_tokens": 2},
+        }
+    )
     return rows
 
 
@@ -98,8 +122,9 @@ def test_batch_file_answers_like_the_server_and_resumes(default_llm: LLM, tmp_pa
     assert len(lines) == 9
     rows = {r["custom_id"]: r for r in lines if r["error"] is None}
     # Bodies are the server's: run one row through the online path and compare (ids aside).
-    ctx = OpenAIContext(model=default_llm.engine.model_name, tokenizer=default_llm.get_tokenizer(),
-                        system_prompts={})
+    ctx = OpenAIContext(
+        model=default_llm.engine.model_name, tokenizer=default_llm.get_tokenizer(), system_prompts={}
+    )
     row = json.loads(src.read_text().splitlines()[1])
     prep = prepare(ctx, row["url"], row["body"])
     online = default_llm.generate(prep.prompts, prep.params)

@@ -45,8 +45,11 @@ def _run(sched: Scheduler, seqs: list[Sequence], on_step=None) -> tuple[int, lis
         seen.update(s.seq.seq_id for s in out.scheduled)
         for item in out.scheduled:
             seq = item.seq
-            computed_prompt += max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + item.num_tokens)
-                                   - seq.num_computed_tokens)
+            computed_prompt += max(
+                0,
+                min(seq.num_prompt_tokens, seq.num_computed_tokens + item.num_tokens)
+                - seq.num_computed_tokens,
+            )
             seq.num_computed_tokens += item.num_tokens
             sched.blocks.register_computed(seq)
             if seq.num_computed_tokens == seq.num_tokens:

@@ -33,11 +33,17 @@ def _input(path: Path) -> None:
     for t, topic in enumerate(topics):
         system = f"You are a patient teacher. Every answer is about {topic}, in plain words. " * 3
         for q in range(3):
-            body = {"messages": [{"role": "system", "content": system},
-                                 {"role": "user", "content": f"Tell me fact number {q + 1}."}],
-                    "max_tokens": 6, "temperature": 0}
-            rows.append({"custom_id": f"t{t}q{q}", "method": "POST", "url": "/v1/chat/completions",
-                         "body": body})
+            body = {
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Tell me fact number {q + 1}."},
+                ],
+                "max_tokens": 6,
+                "temperature": 0,
+            }
+            rows.append(
+                {"custom_id": f"t{t}q{q}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
     rng.shuffle(rows)
     rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {}})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -77,8 +77,11 @@ def oracle(q, k, v, batch, scale: float) -> torch.Tensor:
     bs, tables, seq_lens, query_lens, module_rows = batch
     out, start = [], 0
     for table, seq_len, q_len in zip(tables, seq_lens, query_lens, strict=True):
-        idx = [i for i in range(seq_len)
-               if module_rows[table[i // bs]] == 0 or i % bs < module_rows[table[i // bs]]]
+        idx = [
+            i
+            for i in range(seq_len)
+            if module_rows[table[i // bs]] == 0 or i % bs < module_rows[table[i // bs]]
+        ]
         slots = torch.tensor([table[i // bs] * bs + i % bs for i in idx])
         ks = k.reshape(-1, *k.shape[2:])[slots].double()
         vs = v.reshape(-1, *v.shape[2:])[slots].double()

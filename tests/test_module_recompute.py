@@ -46,9 +46,15 @@ def test_parse_recompute_accepts_the_three_forms_and_names_bad_ones() -> None:
     assert parse_recompute("link:16") == Recompute("link", tokens=16)
     assert parse_recompute(" Blend:0.15 ").spec == "blend:0.15"
     assert parse_recompute("blend:1").ratio == 1.0 and not parse_recompute("blend:1").needs_deviation
-    for bad, words in (("link:0", "link takes"), ("link:x", "link takes"), ("blend:0", "blend takes"),
-                       ("blend:1.5", "blend takes"), ("blend:nan", "blend takes"), ("relink", "not one of"),
-                       ("link", "not one of")):
+    for bad, words in (
+        ("link:0", "link takes"),
+        ("link:x", "link takes"),
+        ("blend:0", "blend takes"),
+        ("blend:1.5", "blend takes"),
+        ("blend:nan", "blend takes"),
+        ("relink", "not one of"),
+        ("link", "not one of"),
+    ):
         with pytest.raises(ValueError, match=words) as err:
             parse_recompute(bad)
         assert str(err.value).startswith("module_recompute")
@@ -188,9 +194,11 @@ def test_outputs_and_metrics_count_recomputed_and_private_rows(tiny_config_path)
         assert out.module_rows_private >= out.num_recomputed_tokens
         assert out.num_cached_tokens == module_tokens - out.num_recomputed_tokens
     m = llm.metrics()
-    for key, field in (("module_recomputed_tokens_total", "num_recomputed_tokens"),
-                       ("module_rows_private_total", "module_rows_private"),
-                       ("module_rows_shared_total", "module_rows_shared")):
+    for key, field in (
+        ("module_recomputed_tokens_total", "num_recomputed_tokens"),
+        ("module_rows_private_total", "module_rows_private"),
+        ("module_rows_shared_total", "module_rows_shared"),
+    ):
         assert m[key] - start[key] == sum(getattr(o, field) for o in outs), key
     assert_only_modules_held(llm)
 

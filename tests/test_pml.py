@@ -67,8 +67,13 @@ def travel():
 def test_schema_constructs(travel):
     assert travel.name == "travel"
     assert list(travel.modules) == ["trip-plan", "domestic", "overseas", "tokyo", "paris"]
-    assert travel.parent == {"trip-plan": None, "domestic": None, "overseas": None, "tokyo": "overseas",
-                             "paris": "overseas"}
+    assert travel.parent == {
+        "trip-plan": None,
+        "domestic": None,
+        "overseas": None,
+        "tokyo": "overseas",
+        "paris": "overseas",
+    }
     assert travel.union_of["domestic"] == travel.union_of["overseas"] != travel.union_of["tokyo"]
     assert travel.union_of["tokyo"] == travel.union_of["paris"]
     kinds = [type(n) for n in travel.children if not (isinstance(n, Text) and not n.text.strip())]
@@ -77,8 +82,9 @@ def test_schema_constructs(travel):
     assert [type(n) for n in plan.children] == [Text, Param, Text]
     assert plan.children[1] == Param("duration", 4, 3, 43)
     # <parameter> and length= are accepted too
-    alt = parse_schema('<schema name="s"><module name="m">a <parameter name="p" length="2"/></module>'
-                       "</schema>")
+    alt = parse_schema(
+        '<schema name="s"><module name="m">a <parameter name="p" length="2"/></module></schema>'
+    )
     assert alt.modules["m"].children[1].length == 2
 
 
@@ -139,8 +145,9 @@ def test_prompt_errors_name_line_and_column(travel, doc, needle, line, column):
 
 
 def test_argument_longer_than_its_parameter(travel):
-    p = parse_prompt('<prompt schema="travel"><trip-plan duration="one two three four five"/></prompt>',
-                     {"travel": travel})
+    p = parse_prompt(
+        '<prompt schema="travel"><trip-plan duration="one two three four five"/></prompt>', {"travel": travel}
+    )
     with pytest.raises(PMLError, match="5 tokens, over its parameter's length of 4"):
         check_arguments(travel, p, _words)
 
@@ -152,8 +159,11 @@ def test_argument_longer_than_its_parameter(travel):
         ('<schema name="s"><param name="p" len="3"/></schema>', "must be inside a <module>"),
         ('<schema name="s"><module name="m"><param name="p"/></module></schema>', "needs len"),
         ('<schema name="s"><module name="m"><param name="p" len="0"/></module></schema>', "needs len"),
-        ('<schema name="s"><module name="m"><param name="p" len="2"/><param name="p" len="2"/></module>'
-         "</schema>", "two parameters"),
+        (
+            '<schema name="s"><module name="m"><param name="p" len="2"/><param name="p" len="2"/></module>'
+            "</schema>",
+            "two parameters",
+        ),
         ('<schema name="s"><union>text<module name="a"/></union></schema>', "only <module>"),
         ('<schema name="s"><union><param name="p" len="1"/></union></schema>', "only <module>"),
         ('<schema name="s"><union></union></schema>', "empty <union>"),

@@ -41,8 +41,11 @@ TRAVEL = """<schema name="travel">
 </schema>"""
 TRAVEL_TURNS = [
     {"role": "system", "content": "You are a travel planner. Answer in one short paragraph."},
-    {"role": "user", "content": "I am planning a trip of five days. I am going abroad. I will visit Tokyo. "
-                                "I love noodles and fish."},
+    {
+        "role": "user",
+        "content": "I am planning a trip of five days. I am going abroad. I will visit Tokyo. "
+        "I love noodles and fish.",
+    },
     {"role": "assistant", "content": "Great, tell me what you would like to know."},
 ]
 TRAVEL_PROMPT = (
@@ -86,8 +89,10 @@ def test_free_text_after_a_chat_schema_is_a_user_turn_then_the_generation_prompt
 
 def test_role_tags_in_a_prompt_and_an_unfinished_assistant_turn() -> None:
     schema = '<schema name="s"><system>Be brief.</system><module name="m">Doc.</module></schema>'
-    prompt = ('<prompt schema="s"><m/><user>Hi</user><assistant>Hello</assistant>Go on'
-              "<assistant>Sure, </assistant></prompt>")
+    prompt = (
+        '<prompt schema="s"><m/><user>Hi</user><assistant>Hello</assistant>Go on'
+        "<assistant>Sure, </assistant></prompt>"
+    )
     got = _text(rendered_ids(schema, prompt, _chars, TAGS))
     # the last turn is continued: no end-of-turn, no generation prompt, its trailing space kept
     assert got.endswith("[user]Hi[/user][assistant]Hello[/assistant][user]Go on[/user][assistant]Sure, ")
@@ -144,11 +149,17 @@ def test_role_names_are_no_module_names() -> None:
 
 def test_a_chat_opening_with_a_prompt_document_becomes_one_prompt() -> None:
     doc = '<prompt schema="s"><m/></prompt>'
-    chat = [{"role": "system", "content": doc}, {"role": "user", "content": "a < b & c"},
-            {"role": "assistant", "content": "yes"}, {"role": "developer", "content": "Be kind."}]
+    chat = [
+        {"role": "system", "content": doc},
+        {"role": "user", "content": "a < b & c"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "developer", "content": "Be kind."},
+    ]
     text = chat_prompt(chat)
-    assert text == ('<prompt schema="s"><m/><user>a &lt; b &amp; c</user><assistant>yes</assistant>'
-                    "<system>Be kind.</system></prompt>")
+    assert text == (
+        '<prompt schema="s"><m/><user>a &lt; b &amp; c</user><assistant>yes</assistant>'
+        "<system>Be kind.</system></prompt>"
+    )
     schema = parse_schema('<schema name="s"><module name="m">Doc.</module></schema>')
     items = parse_prompt(text, {"s": schema}).items
     assert [i.role for i in items if isinstance(i, Turn)] == ["user", "assistant", "system"]
@@ -182,8 +193,10 @@ def llama3_tokenizer(smollm_tokenizer: Any, tmp_path_factory: pytest.TempPathFac
     config_path.write_text(json.dumps(config))
     tok = AutoTokenizer.from_pretrained(str(directory))
     tok.add_special_tokens(
-        {"bos_token": "<|begin_of_text|>",
-         "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+        {
+            "bos_token": "<|begin_of_text|>",
+            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        }
     )
     return tok
 
@@ -219,8 +232,11 @@ def test_rendered_tokens_equal_apply_chat_template(which: str, request: pytest.F
         assert got == want
     # a schema opening with a user turn: the template's default system turn (SmolLM2) or BOS comes first
     schema = '<schema name="s"><user><module name="m">Doc.</module></user></schema>'
-    want = tok.apply_chat_template([{"role": "user", "content": "Doc."}, {"role": "user", "content": "Q?"}],
-                                   tokenize=True, add_generation_prompt=True)
+    want = tok.apply_chat_template(
+        [{"role": "user", "content": "Doc."}, {"role": "user", "content": "Q?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+    )
     want = _ids(want)
     assert rendered_ids(schema, '<prompt schema="s"><m/>Q?</prompt>', _encoder(tok), frames) == want
 
@@ -232,8 +248,11 @@ DOC_SCHEMA = """<schema name="museum"><module name="doc">
 </module></schema>"""
 DOC_CHAT = [
     {"role": "system", "content": "You answer questions about the document."},
-    {"role": "user", "content": "The museum opens at nine and closes at five. Tickets cost twelve euros; "
-                                "children enter free."},
+    {
+        "role": "user",
+        "content": "The museum opens at nine and closes at five. Tickets cost twelve euros; "
+        "children enter free.",
+    },
 ]
 
 
@@ -244,10 +263,12 @@ def test_plain_prefix_chat_schema_gives_llm_chats_greedy_tokens(default_llm: LLM
     params = SamplingParams(max_tokens=12, temperature=0.0)
     question = {"role": "user", "content": "When does the museum close?"}
     want = default_llm.chat([*DOC_CHAT, question], params)[0]
-    as_pml = llm.generate('<prompt schema="museum"><doc/><user>When does the museum close?</user></prompt>',
-                          params)[0]
-    as_chat = llm.chat([{"role": "system", "content": '<prompt schema="museum"><doc/></prompt>'}, question],
-                       params)[0]
+    as_pml = llm.generate(
+        '<prompt schema="museum"><doc/><user>When does the museum close?</user></prompt>', params
+    )[0]
+    as_chat = llm.chat(
+        [{"role": "system", "content": '<prompt schema="museum"><doc/></prompt>'}, question], params
+    )[0]
     for got in (as_pml, as_chat):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].text.strip()
@@ -261,8 +282,13 @@ def test_chat_shaped_schema_answers_with_text_and_reuses_modules() -> None:
     llm.register_schema(TRAVEL)
     params = SamplingParams(max_tokens=6, temperature=0.0, n=2, seed=1)
     first = llm.generate(TRAVEL_PROMPT, params)[0]
-    again = llm.chat([{"role": "user", "content": TRAVEL_PROMPT.replace("What should I eat?", "")},
-                      {"role": "user", "content": "What should I eat?"}], params)[0]
+    again = llm.chat(
+        [
+            {"role": "user", "content": TRAVEL_PROMPT.replace("What should I eat?", "")},
+            {"role": "user", "content": "What should I eat?"},
+        ],
+        params,
+    )[0]
     for out in (first, again):
         assert out.outputs[0].text.strip() and out.outputs[0].token_ids[0] != llm.get_tokenizer().eos_token_id
     assert again.outputs[0].token_ids == first.outputs[0].token_ids

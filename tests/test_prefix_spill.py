@@ -8,8 +8,15 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def run(tiny_config_path, spill: bool):
-    llm = LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cpu", progress=False,
-              num_kv_blocks=24, block_size=4, spill_prefix_cache=spill)
+    llm = LLM(
+        f"dummy:{tiny_config_path}",
+        dtype="float32",
+        device="cpu",
+        progress=False,
+        num_kv_blocks=24,
+        block_size=4,
+        spill_prefix_cache=spill,
+    )
     docs = [[1000 + 37 * d + i for i in range(40)] for d in range(4)]  # 10 blocks each: 4 do not fit
     outs = []
     for round_ in range(3):

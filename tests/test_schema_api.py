@@ -201,28 +201,43 @@ def test_chat_shaped_pml_over_completions_and_chat_completions(
     prompt = TRAVEL_PROMPT.replace('schema="travel"', 'schema="travel-chat"')
     done = client.completions.create(model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
     assert done.choices[0].text.strip(), done
-    pieces = client.completions.create(model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True)
+    pieces = client.completions.create(
+        model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in pieces if c.choices) == done.choices[0].text
-    messages = [{"role": "user", "content": prompt.replace("What should I eat?", "")},
-                {"role": "user", "content": "What should I eat?"}]
-    chat = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    messages = [
+        {"role": "user", "content": prompt.replace("What should I eat?", "")},
+        {"role": "user", "content": "What should I eat?"},
+    ]
+    chat = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert chat.choices[0].message.content == done.choices[0].text  # one prompt, two request shapes
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
-    again = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
-                                           temperature=0)
+    again = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
     cached = chat.usage.prompt_tokens_details.cached_tokens
     assert again.usage.prompt_tokens_details.cached_tokens >= cached > 0
     stream = client.chat.completions.create(
-        model="default", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        model="default",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == done.choices[0].text
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
-    samples = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
-                                             temperature=1.0, n=3, seed=5, stop=["\n"])
+    samples = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=MAX_TOKENS, temperature=1.0, n=3, seed=5, stop=["\n"]
+    )
     assert len(samples.choices) == 3 and all("\n" not in c.message.content for c in samples.choices)
 
 
@@ -230,8 +245,13 @@ def test_bad_role_nesting_is_400_naming_line_and_column(http: httpx.Client, trav
     r = complete(http, '<prompt schema="travel">\n<tokyo><user>Hi</user></tokyo></prompt>')
     message = error_of(r, 400)
     assert "<user> inside the import of <tokyo>" in message and "line 2, column 8" in message
-    body = {"model": "default", "max_tokens": 4, "messages": [
-        {"role": "user", "content": '<prompt schema="travel"><tokyo/><wizard>Hi</wizard></prompt>'}]}
+    body = {
+        "model": "default",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": '<prompt schema="travel"><tokyo/><wizard>Hi</wizard></prompt>'}
+        ],
+    }
     r = http.post("/v1/chat/completions", json=body)
     assert "unknown module <wizard>" in error_of(r, 400) and r.json()["error"]["param"] == "messages"
     body["messages"].append(dict(body["messages"][0]))

@@ -62,8 +62,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"warm-up {'off' if args.no_warmup else f'{warm_s:.1f} s'}: captures per burst "
-          f"{[r['captures'] for r in rows]}, seconds {[round(r['seconds'], 2) for r in rows]}")
+    print(
+        f"warm-up {'off' if args.no_warmup else f'{warm_s:.1f} s'}: captures per burst "
+        f"{[r['captures'] for r in rows]}, seconds {[round(r['seconds'], 2) for r in rows]}"
+    )
 
 
 if __name__ == "__main__":

@@ -114,14 +114,22 @@ def result_row(custom_id: str, status_code: int, body: dict[str, Any]) -> dict[s
     """An output line for a request that got an HTTP answer (200, or the server's 4xx error body)."""
     request_id = f"req_{secrets.token_hex(12)}"
     response = {"status_code": status_code, "request_id": request_id, "body": body}
-    return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": custom_id, "response": response,
-            "error": None}
+    return {
+        "id": f"batch_req_{secrets.token_hex(12)}",
+        "custom_id": custom_id,
+        "response": response,
+        "error": None,
+    }
 
 
 def error_row(bad: BadRow) -> dict[str, Any]:
     """An output line for an input line that could not be read as a request."""
-    return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": bad.custom_id, "response": None,
-            "error": {"code": bad.code, "message": bad.message}}
+    return {
+        "id": f"batch_req_{secrets.token_hex(12)}",
+        "custom_id": bad.custom_id,
+        "response": None,
+        "error": {"code": bad.code, "message": bad.message},
+    }
 
 
 class ResultWriter:

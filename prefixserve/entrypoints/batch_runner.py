@@ -130,8 +130,9 @@ def run_rows(
     on_request: Callable[[RequestOutput], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Run OpenAI Batch rows on ``engine`` grouped by shared prefix; yield each output line when ready."""
-    ctx = OpenAIContext(model=engine.model_name, tokenizer=engine.tokenizer,
-                        system_prompts=dict(engine.config.system_prompts))
+    ctx = OpenAIContext(
+        model=engine.model_name, tokenizer=engine.tokenizer, system_prompts=dict(engine.config.system_prompts)
+    )
     states, answered = _prepare_rows(ctx, rows)
     yield from answered
     specs = []
@@ -210,8 +211,12 @@ def run_batch_file(
             errors += row["response"] is None or row["response"]["status_code"] != 200
             bar.rows_done()
     bar.close()
-    return {"rows_written": written, "rows_skipped": skipped, "error_rows": errors,
-            "prompt_saving": round(bar.saving, 4)}
+    return {
+        "rows_written": written,
+        "rows_skipped": skipped,
+        "error_rows": errors,
+        "prompt_saving": round(bar.saving, 4),
+    }
 
 
 # ---- planning without the model: --analyze and sharding over replicas ------------------------------
@@ -252,8 +257,12 @@ def plan_rows(
 
 
 def analyze_batch_file(
-    tokenizer: Any, model_name: str, system_prompts: dict[str, str], path_in: str | Path,
-    grouping: str = "first_level", block_size: int = 16,
+    tokenizer: Any,
+    model_name: str,
+    system_prompts: dict[str, str],
+    path_in: str | Path,
+    grouping: str = "first_level",
+    block_size: int = 16,
 ) -> dict[str, Any]:
     """What ``prefixserve batch --analyze`` prints: the token saving (Eq. 1) of the full prefix tree,
     of the best one-level grouping and of the plan, the groups' sizes, and the KV the plan holds."""
@@ -261,8 +270,12 @@ def analyze_batch_file(
     good = [r for r in rows if isinstance(r, BatchRow)]
     planned = plan_rows(tokenizer, model_name, system_prompts, good, grouping)
     report = planned.plan.analysis.to_dict(block_size)
-    report.update(grouping=grouping, rows=len(rows), unreadable_rows=len(rows) - len(good),
-                  refused_rows=len(planned.answered))
+    report.update(
+        grouping=grouping,
+        rows=len(rows),
+        unreadable_rows=len(rows) - len(good),
+        refused_rows=len(planned.answered),
+    )
     return report
 
 

@@ -91,8 +91,11 @@ class LLM:
         queue = schedule == "online"
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                order.append(self._add(prompt, p, application=application, queue=queue,
-                                       module_recompute=module_recompute))
+                order.append(
+                    self._add(
+                        prompt, p, application=application, queue=queue, module_recompute=module_recompute
+                    )
+                )
             if not queue:
                 queue_groups(self.engine, [self.engine.requests[r] for r in order], grouping)
         except Exception:
@@ -133,7 +136,11 @@ class LLM:
 
     # ---- Prompt Cache ------------------------------------------------------------------------
     def register_schema(
-        self, pml: str, encode: bool = True, pin: bool = False, replace: bool = False,
+        self,
+        pml: str,
+        encode: bool = True,
+        pin: bool = False,
+        replace: bool = False,
         module_recompute: str | None = None,
     ) -> str:
         """Register a PML schema (Prompt Cache); returns its name. Its modules are encoded now
@@ -231,7 +238,12 @@ class LLM:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
             self.engine.add_request(
-                request_id, prompt, params, stream=stream, application=application, queue=queue,
+                request_id,
+                prompt,
+                params,
+                stream=stream,
+                application=application,
+                queue=queue,
                 module_recompute=module_recompute,
             )
         elif isinstance(prompt, dict):

@@ -69,7 +69,7 @@ class ChatFrames:
             raise PMLError(f"the chat template cannot render a user message: {exc}") from None
         if not with_header.startswith(bare):
             raise PMLError("the chat template's generation prompt does not follow the conversation")
-        return cls(before, after, first, with_header[len(bare):])
+        return cls(before, after, first, with_header[len(bare) :])
 
 
 def _split(text: str, role: str) -> tuple[str, str]:
@@ -92,7 +92,7 @@ def _after_anchor(render: Any, role: str) -> tuple[str, str]:
         except Exception:
             continue
         if full.startswith(head):
-            return _split(full[len(head):], role)
+            return _split(full[len(head) :], role)
     raise PMLError(f"the chat template does not render a {role} message after other messages")
 
 

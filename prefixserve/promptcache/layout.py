@@ -145,8 +145,10 @@ def check_arguments(schema: Schema, prompt: Prompt, tokenize: Tokenize) -> dict[
             ids = tokenize(value)
             limit = lengths[(imp.module, name)]
             if len(ids) > limit:
-                problem = (f"argument {name!r} of <{imp.module}> is {len(ids)} tokens, over its parameter's "
-                           f"length of {limit}")
+                problem = (
+                    f"argument {name!r} of <{imp.module}> is {len(ids)} tokens, over its parameter's "
+                    f"length of {limit}"
+                )
                 raise PMLError(problem, imp.line, imp.column)
             out[(imp.module, name)] = ids
     return out

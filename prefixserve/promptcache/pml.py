@@ -352,8 +352,10 @@ def _turn(elem: Element) -> Turn:
         raise PMLError(f"<{elem.tag}> takes no attributes", line, column)
     if len(elem):
         inner = elem[0]
-        problem = (f"<{inner.tag}> inside a <{elem.tag}> turn: a turn holds only text "
-                   "(import modules outside turns; turns do not nest)")
+        problem = (
+            f"<{inner.tag}> inside a <{elem.tag}> turn: a turn holds only text "
+            "(import modules outside turns; turns do not nest)"
+        )
         raise PMLError(problem, *_at(inner))
     return Turn(elem.tag, elem.text or "", line, column)
 
@@ -365,8 +367,10 @@ def _imports(elem: Element, schema: Schema, parent: str | None, out: list[Import
         raise PMLError(problem, line, column)
     module = schema.modules.get(elem.tag)
     if module is None:
-        problem = (f"unknown module <{elem.tag}> in schema {schema.name!r} "
-                   f"(nor a role: roles are {', '.join(f'<{r}>' for r in ROLES)})")
+        problem = (
+            f"unknown module <{elem.tag}> in schema {schema.name!r} "
+            f"(nor a role: roles are {', '.join(f'<{r}>' for r in ROLES)})"
+        )
         raise PMLError(problem, line, column)
     if parent is not None and schema.parent[elem.tag] != parent:
         raise PMLError(f"<{elem.tag}> is not a module of <{parent}> in schema {schema.name!r}", line, column)

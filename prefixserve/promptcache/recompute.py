@@ -87,8 +87,9 @@ def link_runs(piece_rows: Sequence[int], tokens: int) -> list[tuple[int, int]]:
     return [(i, 0, min(tokens, rows)) for i, rows in enumerate(piece_rows) if i > 0 and rows > 0]
 
 
-def blend_blocks(piece_rows: Sequence[int], scores: Sequence[Sequence[float]], ratio: float,
-                 block_size: int) -> list[list[int]]:
+def blend_blocks(
+    piece_rows: Sequence[int], scores: Sequence[Sequence[float]], ratio: float, block_size: int
+) -> list[list[int]]:
     """For ``blend:ratio``: the blocks (indices within each piece) to recompute, per piece.
 
     ``scores[i][j]`` is piece i's block j's deviation (any non-negative measure; larger = further from
