@@ -20,6 +20,7 @@ from prefixserve.kv.single_flight import SingleFlight
 from prefixserve.kv.tiers import DiskTier, HostTier
 from prefixserve.kv.transfer import ALIGN, _runs, aligned_bytes, copy_stream
 from prefixserve.model.config import ModelConfig
+from tests.test_kv_tiers import TINY
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -67,15 +68,7 @@ def test_disk_round_trip_is_bit_exact(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_host_round_trip_through_the_cache_is_bit_exact(dtype: torch.dtype) -> None:
-    config = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    config = TINY
     cache = KVCache(config, 12, 4, dtype, torch.device("cpu"))
     cache.tensor.copy_(random_tensor(tuple(cache.tensor.shape), dtype, 3))
     host = HostTier(1 << 20, pin=False)

@@ -12,7 +12,7 @@ from prefixserve.kv.prefix_spill import PrefixSpill
 from prefixserve.kv.slab_pool import SlabPool
 from prefixserve.kv.tiers import HostTier
 from prefixserve.kv.transfer import copy_stream
-from prefixserve.model.config import ModelConfig
+from tests.test_kv_tiers import TINY
 
 
 class PendingEvent:
@@ -81,15 +81,7 @@ def test_copy_out_into_slots_on_a_cpu() -> None:
 
 
 def spill_setup(host_blocks: int, device: str = "cpu") -> tuple[BlockPool, KVCache, HostTier, PrefixSpill]:
-    config = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    config = TINY
     kv = KVCache(config, 8, 4, torch.bfloat16, torch.device(device))
     gen = torch.Generator().manual_seed(1)
     kv.tensor.copy_(torch.randn(tuple(kv.tensor.shape), generator=gen).to(torch.bfloat16))

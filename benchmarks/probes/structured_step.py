@@ -29,22 +29,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import TINY
 from benchmarks.structured import SCHEMA, _conversations
-
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 49152,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "eos_token_id": 2,
-}
 
 
 def _llm(batch: int) -> Any:
