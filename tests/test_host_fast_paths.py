@@ -34,7 +34,7 @@ from tests.conftest import assert_pool_empty, tiny_cascade_llm
 class AlwaysCheckEngine(Engine):
     """The token loop as it was: ``check_stop`` after every token, counters bumped per token."""
 
-    def _place_tokens(self, flight, result) -> None:
+    def _place_tokens(self, flight, result, launched_after=None) -> None:
         now = time.monotonic()
         pending = self.in_flight_tokens.pending
         for i, seq in enumerate(flight.samplers):
