@@ -36,19 +36,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @needs_gluon
 def test_kernel_compiles_for_sm90() -> None:
-    """Three shapes (GQA 4 / 8 / 1, d 128 / 64, bf16 / fp16) of the shared kernel and five of the
-    mixed kernel (mixed_gluon.py; GQA 16: own tiles of N = 32; 128-row own tiles) through the whole
-    sm_90 pipeline; the mixed kernel's cubin by ptxas >= 12.9 where Triton has one (``_ptxas``)."""
+    """Each kernel variant through the whole sm_90 pipeline, the shapes between them covering GQA
+    1 / 4 / 8 / 16 (16: own tiles of N = 32), d 128 / 64 and bf16 / fp16: the shared kernel and the
+    mixed kernel (mixed_gluon.py; 64- and 128-row own tiles, the shared-heavy form); the mixed
+    kernel's cubin by ptxas >= 12.9 where Triton has one (``_ptxas``). One shape a variant and
+    dtype: each compile costs CI seconds on the CPU."""
     shapes = [
         "shared:4:128:bf16",
-        "shared:8:64:fp16",
-        "shared:1:128:fp16",
-        "mixed:4:128:bf16",
+        "shared:1:64:fp16",
         "mixed:8:64:fp16",
         "mixed:16:128:bf16",
         "mixed128:4:128:bf16",
-        "mixed128:8:64:fp16",
-        "mixedheavy:4:128:bf16",
         "mixedheavy:8:64:fp16",
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
