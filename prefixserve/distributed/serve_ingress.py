@@ -139,7 +139,13 @@ class IngressCore:
 
     async def routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
         """(the block digests of the request's first prompt, its session); ([], ...) when the body
-        is not a valid request: the replica then answers the error itself."""
+        is not a valid request: the replica then answers the error itself.
+
+        Computed on a worker thread: parsing, the chat template, encoding and hashing take
+        milliseconds for a long prompt, and the event loop meanwhile relays every stream's tokens."""
+        return await asyncio.to_thread(self._routing_key, path, body, headers)
+
+    def _routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
         try:
             data = json.loads(body)
             session = headers.get(SESSION_HEADER) or (data.get("user") if isinstance(data, dict) else None)
@@ -150,8 +156,7 @@ class IngressCore:
         if isinstance(prompt, str):
             if self.ctx.tokenizer is None or is_pml_prompt(prompt):
                 return [], session
-            encode = self.ctx.tokenizer.encode
-            prompt = await asyncio.to_thread(encode, prompt, add_special_tokens=False)
+            prompt = self.ctx.tokenizer.encode(prompt, add_special_tokens=False)
         ids = list(prompt)
         application = getattr(prep.req, "application", None)
         if application in self.ctx.system_prompts:  # as the engine's intake: the pinned prompt goes first
