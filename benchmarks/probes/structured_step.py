@@ -14,6 +14,7 @@ so the forward is cheap and the host's share shows. Prints:
   to the forward of t+2 issued (the GPU idles for it, less the sampling's own time).
 
 PYTHONPATH=. python -m benchmarks.probes.structured_step [--batch 64] [--tokens 64] [--steps 40]
+    [--device cuda --model dummy:DIR]   (on a GPU: the gaps are then real idle time of the device)
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ from benchmarks.harness import TINY
 from benchmarks.structured import SCHEMA, _conversations
 
 
-def _llm(batch: int) -> Any:
+def _llm(batch: int, device: str, model: str | None) -> Any:
     from prefixserve import LLM
 
-    path = Path(tempfile.mkdtemp()) / "config.json"
-    path.write_text(json.dumps(TINY))
+    if model is None:
+        path = Path(tempfile.mkdtemp()) / "config.json"
+        path.write_text(json.dumps(TINY))
+        model = f"dummy:{path}"
+    dtype = "bfloat16" if device == "cuda" else "float32"
     return LLM(
-        model=f"dummy:{path}", device="cpu", max_num_seqs=max(batch, 8), enable_prefix_caching=False,
+        model=model, device=device, dtype=dtype, max_num_seqs=max(batch, 8), enable_prefix_caching=False,
         async_scheduling=True, progress=False,
     )  # fmt: skip
 
@@ -99,8 +103,8 @@ class StepClock:
         for name in ("forward", "sample", "wait"):
             setattr(runner, name, self._timed(getattr(runner, name), name))
         self.structured = engine._structured()
-        for name in ("advance", "bitmask"):  # (an engine before ``advance`` accepted in the scheduler)
-            if hasattr(self.structured, name):
+        for name in ("advance", "bitmask", "_join", "_accept_and_fill"):
+            if hasattr(self.structured, name):  # (``_accept_and_fill`` runs on the worker thread)
                 setattr(self.structured, name, self._structured(getattr(self.structured, name), name))
 
     def _structured(self, fn: Any, name: str) -> Any:
@@ -163,9 +167,11 @@ def engine_steps(llm: Any, batch: int, tokens: int, steps: int, constrained: boo
         rows["  its CPU time (engine thread)"].append(cpu - clock.t["runner cpu"])
         rows["  structured: advance (accept)"].append(clock.t["advance"])
         rows["  structured: bitmask (fill/join)"].append(clock.t["bitmask"])
+        rows["  structured: waiting on the worker"].append(clock.t["_join"])
+        rows["  worker: accept + fill"].append(clock.t["_accept_and_fill"])
     for key in ("forward", "sample", "wait"):  # undo the wrapping
         vars(engine.runner).pop(key, None)
-    for key in ("advance", "bitmask"):
+    for key in ("advance", "bitmask", "_join", "_accept_and_fill"):
         vars(clock.structured).pop(key, None)
     return {"rows": rows, "gap_fill": clock.gap_fill[3:], "gap_launch": clock.gap_launch[3:]}
 
@@ -176,16 +182,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed (after 3 untimed)")
     ap.add_argument("--repeat", type=int, default=3, help="replays of the walks for the pieces")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", default=None, help="default: a tiny dummy model (a dummy needs a tokenizer)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)  # the engine's thread and the fill's share the host
-    llm = _llm(args.batch)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the engine's thread and the fill's share the host
+    llm = _llm(args.batch, args.device, args.model)
     from prefixserve import SamplingParams, StructuredOutputs
 
     spec = StructuredOutputs(json=SCHEMA)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, structured_outputs=spec)
     outs = llm.chat(_conversations(args.batch), params)  # warm-up, and the rows' walks
     walks = [list(o.outputs[0].token_ids) for o in outs]
-    print(f"B={args.batch}, {args.tokens} tokens, tiny dummy model launched ahead on the CPU; ms a step")
+    where = args.model or "tiny dummy model"
+    print(f"B={args.batch}, {args.tokens} tokens, {where} launched ahead on {args.device}; ms a step")
     print("\npieces (median over the walks' steps)")
     for name, values in pieces(llm, walks, args.repeat).items():
         print(f"  {name:34s} {_ms(values)}")
