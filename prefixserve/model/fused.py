@@ -142,10 +142,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def staged_allreduce(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a row-parallel product goes straight into the peer all-reduce buffer (cuBLAS), rather
-    than through ``linear`` (the skinny kernel where it wins) and a copy in."""
-    return _SWITCHES["staged_allreduce"] and x.is_cuda and not skinny_wins(x, weight)
+def staged_allreduce(x: torch.Tensor) -> bool:
+    """Whether a row-parallel product goes straight into the peer all-reduce buffer (``linear_into``)
+    rather than into a tensor of its own and a copy in."""
+    return _SWITCHES["staged_allreduce"] and x.is_cuda
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``linear(x, weight)`` (no bias) written into ``out`` [M, N]: the skinny kernel where it wins,
+    else cuBLAS (``torch.mm(..., out=)``)."""
+    if skinny_wins(x, weight):
+        from prefixserve.model.kernels import skinny_matmul
+
+        written = skinny_matmul.linear_if_faster(x, weight, None, out=out)
+        if written is not None:
+            return written
+    return torch.mm(x, weight.t(), out=out)
 
 
 def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:

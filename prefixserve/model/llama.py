@@ -141,15 +141,16 @@ class RowParallelLinear(Linear):
     def reduced(self, x: torch.Tensor, shard: Shard) -> torch.Tensor:
         """The product summed over the ranks, for a norm that adds it to the residual stream next.
 
-        On the peer path cuBLAS writes the product straight into the peer buffer and the sum is
-        returned there: the copies in and out of the buffer (130 a step of the 8B model) go. That
-        sum lives only until the next all-reduce, which is why only these two call sites, whose
-        next op (``add_rms_norm`` with the residual) writes new tensors, take it."""
+        On the peer path the product (cuBLAS, or the skinny kernel at a few rows) is written straight
+        into the peer buffer and the sum is returned there: the copies in and out of the buffer (130
+        a step of the 8B model) go. That sum lives only until the next all-reduce, which is why only
+        these two call sites, whose next op (``add_rms_norm`` with the residual) writes new tensors,
+        take it."""
         peer = shard.peer
-        if peer is not None and fused.staged_allreduce(x, self.weight):
+        if peer is not None and fused.staged_allreduce(x):
             staged = peer.staged(x.shape[0], self.out_features, x.dtype)
             if staged is not None:
-                torch.mm(x, self.weight.t(), out=staged)
+                fused.linear_into(x, self.weight, staged)
                 return peer.reduce_staged(staged)
         return shard.all_reduce(self(x))
 

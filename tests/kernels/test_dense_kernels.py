@@ -249,6 +249,26 @@ def test_skinny_linear_strided_rows() -> None:
     torch.testing.assert_close(skinny_linear(one, w).float(), ref1, rtol=1e-2, atol=1e-2)
 
 
+def test_skinny_linear_into_a_buffer_view() -> None:
+    """``out``: the product written into a view of a wider byte buffer (the peer all-reduce buffer's
+    way), nothing around it touched; an ``out`` of the wrong shape or dtype is refused."""
+    from prefixserve.model.kernels.skinny_matmul import skinny_linear
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 256, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(72, 256, generator=gen) / 16).to(DEVICE, torch.float16)
+    buffer = torch.full((4096,), 7, dtype=torch.uint8, device=DEVICE)
+    view = buffer[: 5 * 72 * 2].view(torch.float16).view(5, 72)
+    assert skinny_linear(x, w, out=view).data_ptr() == view.data_ptr()
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(view.float(), ref, rtol=1e-2, atol=1e-2)
+    assert bool((buffer[5 * 72 * 2 :] == 7).all())
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_linear(x, w, out=torch.empty(5, 71, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_linear(x, w, out=torch.empty(5, 72, dtype=torch.float32, device=DEVICE))
+
+
 def test_skinny_linear_refuses_what_it_does_not_take() -> None:
     """Too many rows, fp32, K off the tile, mismatched dtypes, a strided or mis-sized bias: a
     ValueError naming the shapes; the rule sends those products (and the fused qkv over 16 rows) to

@@ -143,28 +143,31 @@ def skinny_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``supported`` inputs, into a new [M, N] tensor; ``config``:
-    (BLOCK_N, STAGES), by default ``skinny_config``'s (32 columns, six stages where it names none:
-    cuBLAS is the faster choice there, ``fused.linear`` takes it)."""
+    """``F.linear(x, weight, bias)`` for ``supported`` inputs, into a new [M, N] tensor (or ``out``);
+    ``config``: (BLOCK_N, STAGES), by default ``skinny_config``'s (32 columns, six stages where it
+    names none: cuBLAS is the faster choice there, ``fused.linear`` takes it)."""
     if not supported(x, weight, bias):
         raise ValueError(
             f"skinny_linear takes 1-{MAX_ROWS} 16-bit rows with K % {BLOCK_K} == 0, the weight's dtype "
             f"and a contiguous bias of N, on a Hopper GPU: x {tuple(x.shape)} {x.dtype}, weight "
             f"{tuple(weight.shape)} {weight.dtype}"
         )
-    return _launch(x, weight, bias, config or skinny_config(x.shape[0], weight.shape[0]) or (32, 6))
+    config = config or skinny_config(x.shape[0], weight.shape[0]) or (32, 6)
+    return _launch(x, weight, bias, config, out=out)
 
 
 def linear_if_faster(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` through the kernel where it takes the product and its rule names
-    tiles (``supported``, ``skinny_config``); None where cuBLAS should do it (``fused.linear``)."""
+    tiles (``supported``, ``skinny_config``); None where cuBLAS should do it (``fused.linear``).
+    ``out``: a [M, N] tensor with unit column stride to write into (a peer all-reduce buffer)."""
     if not supported(x, weight, bias):
         return None
     config = skinny_config(x.shape[0], weight.shape[0])
-    return None if config is None else _launch(x, weight, bias, config)
+    return None if config is None else _launch(x, weight, bias, config, out=out)
 
 
 def skinny_gated(
@@ -193,12 +196,16 @@ def _launch(
     bias: torch.Tensor | None,
     config: tuple[int, int],
     gated: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n, stages = config
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
     _skinny(
         (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
