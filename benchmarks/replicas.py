@@ -6,7 +6,8 @@ prefixes uniformly at random and arrives by a Poisson process. Every configurati
 started as a user starts it:
 
 - ``direct``: ``prefixserve serve`` (one engine, no Ray);
-- ``replicas1``: ``prefixserve serve --replicas 1`` (the same engine behind the Ray Serve ingress);
+- ``replicas1``: ``prefixserve serve --replicas 1`` (the same engine behind the Ray Serve ingresses, with
+  the defaults a user gets: ``--engine-process auto``, ``--ingress-replicas`` per ``serve_app``);
 - ``affinity``: ``--replicas N`` with prefix-affinity routing;
 - ``round_robin``: ``--replicas N --routing round_robin``.
 
@@ -92,6 +93,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="each engine's KV pool (default: sized)")
     p.add_argument("--replica-cpus", type=float, default=None)
+    p.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=None,
+        help="ingresses of the replica configs (default: the server's, 2+ on GPUs, 1 on the CPU)",
+    )
+    p.add_argument(
+        "--engine-process",
+        choices=["auto", "on", "off"],
+        default=None,
+        help="where every config runs its engines (default: the server's, auto)",
+    )
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--point-timeout", type=float, default=180.0)
     p.add_argument("--server-timeout", type=float, default=600.0)
@@ -161,11 +174,15 @@ def server_for(name: str, args: argparse.Namespace, workdir: Path) -> ServerProc
     cmd += ["--model", args.model, "--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
     if args.num_kv_blocks:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.engine_process is not None:
+        cmd += ["--engine-process", args.engine_process]
     if name != "direct":
         cmd += ["--replicas", "1" if name == "replicas1" else str(args.replicas)]
         cmd += ["--routing", "round_robin" if name == "round_robin" else "prefix"]
         if args.replica_cpus is not None:
             cmd += ["--replica-cpus", str(args.replica_cpus)]
+        if args.ingress_replicas is not None:
+            cmd += ["--ingress-replicas", str(args.ingress_replicas)]
     return ServerProcess(cmd, workdir / f"server_{name}.log", name)
 
 
@@ -375,6 +392,8 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def plot(payload: dict[str, Any], path: Path) -> None:
     plt = pyplot()
+    if plt is None:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for name, s in payload["configs"].items():
         pts = sorted(s["points"], key=lambda p: p["rate_req_s"])

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,59 +22,24 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+import replica_checks as rc  # noqa: E402
+
 from prefixserve.config import EngineConfig  # noqa: E402
-from prefixserve.distributed.serve_app import APP_NAME, serve_app  # noqa: E402
+from prefixserve.distributed.serve_app import serve_app  # noqa: E402
 from prefixserve.distributed.serve_ingress import REPLICA_HEADER  # noqa: E402
-from prefixserve.entrypoints.openai.server import free_port  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARED = "You are a careful assistant for the travel desk. " * 12  # a long shared system prompt
-
-
-def _wait_healthy(url: str, replicas: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(url + "/health", timeout=5.0)
-            if r.status_code == 200 and sum(r.json()["replicas"].values()) == replicas:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"not all {replicas} replicas healthy within {timeout} s")
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_config_path: Path) -> Iterator[str]:
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256)
-        serve.run(serve_app(config, 2, replica_cpus=0.5), name=APP_NAME, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, 2)
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256)
+    with rc.serve_on_ray(serve_app(config, 2, replica_cpus=0.5), 2) as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-def _client(url: str) -> Any:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
-
-
-def _complete(url: str, prompt: str, max_tokens: int = 4) -> tuple[str, str]:
-    """(the replica that answered, the text)."""
-    raw = _client(url).completions.with_raw_response.create(
-        model="default", prompt=prompt, max_tokens=max_tokens
-    )
-    return raw.headers[REPLICA_HEADER], raw.parse().choices[0].text
 
 
 def test_openai_client_streamed_and_not(endpoint: str) -> None:
-    client = _client(endpoint)
+    client = rc.client(endpoint)
     assert [m.id for m in client.models.list()]
     out = client.completions.create(model="default", prompt="Hello there", max_tokens=5, temperature=0)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
@@ -93,42 +57,21 @@ def test_openai_client_streamed_and_not(endpoint: str) -> None:
     assert "prefixserve_router_requests_total" in metrics
 
 
-def _long_stream(url: str, prompt: str) -> Any:
-    """A streamed completion that runs for a while (4 samples of 1,800 tokens each)."""
-    body = {
-        "model": "default",
-        "prompt": prompt,
-        "max_tokens": 1800,
-        "n": 4,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    return httpx.stream("POST", url + "/v1/completions", json=body, timeout=60.0)
-
-
-def _started(response: Any) -> Iterator[str]:
-    """The stream's lines, after checking that it produced its first event."""
-    assert response.status_code == 200
-    lines = response.iter_lines()
-    assert next(line for line in lines if line.startswith("data: "))
-    return lines
-
-
 def test_a_shared_prefix_lands_on_one_replica(endpoint: str) -> None:
     """Misses at equal load take turns over the replicas; requests sharing a prefix do not."""
-    holder, _ = _complete(endpoint, SHARED + "Question 0: where to?")
+    holder, _ = rc.complete(endpoint, SHARED + "Question 0: where to?")
     time.sleep(1.0)  # the ingress polls the replicas' cache events every 0.25 s
-    landed = {_complete(endpoint, SHARED + f"Question {i}: how long?")[0] for i in range(1, 5)}
+    landed = {rc.complete(endpoint, SHARED + f"Question {i}: how long?")[0] for i in range(1, 5)}
     assert landed == {holder}
     with ThreadPoolExecutor(3) as pool:  # together: the holder gets busier, within the threshold
-        landed = set(pool.map(lambda i: _complete(endpoint, SHARED + f"Question {i}?", 20)[0], range(5, 8)))
+        landed = set(pool.map(lambda i: rc.complete(endpoint, SHARED + f"Question {i}?", 20)[0], range(5, 8)))
     assert landed == {holder}
-    misses = [_complete(endpoint, f"Unrelated question {i}")[0] for i in range(2)]
+    misses = [rc.complete(endpoint, f"Unrelated question {i}")[0] for i in range(2)]
     assert set(misses) == {"replica-0", "replica-1"}  # without the shared prefix they take turns
     chats = [
         [{"role": "system", "content": SHARED}, {"role": "user", "content": f"Trip {i}?"}] for i in range(3)
     ]
-    chat = _client(endpoint).chat.completions.with_raw_response.create
+    chat = rc.client(endpoint).chat.completions.with_raw_response.create
     first = chat(model="default", messages=chats[0], max_tokens=2).headers[REPLICA_HEADER]
     time.sleep(1.0)
     later = {chat(model="default", messages=m, max_tokens=2).headers[REPLICA_HEADER] for m in chats[1:]}
@@ -138,21 +81,16 @@ def test_a_shared_prefix_lands_on_one_replica(endpoint: str) -> None:
     assert chat(model="default", messages=turn, max_tokens=2).headers[REPLICA_HEADER] == first
 
 
-def _replica_pid(name: str) -> int:
-    handle = serve.get_deployment_handle(name, app_name=APP_NAME)
-    return int(handle.info.remote().result()["pid"])
-
-
 def test_a_killed_replica_fails_its_stream_the_rest_is_served_and_it_comes_back(endpoint: str) -> None:
-    with _long_stream(endpoint, "Tell a long story.") as r:
-        lines = _started(r)
+    with rc.long_stream(endpoint, "Tell a long story.") as r:
+        lines = rc.started(r)
         victim = r.headers[REPLICA_HEADER]
-        os.kill(_replica_pid(victim), signal.SIGKILL)
+        os.kill(rc.replica_info(victim)["pid"], signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest and "error" in json.loads(rest[-1][6:]), rest[-3:]  # an error event ends the stream
-    others = {_complete(endpoint, f"Other request {i}")[0] for i in range(3)}
+    others = {rc.complete(endpoint, f"Other request {i}")[0] for i in range(3)}
     assert victim not in others  # served by the replica that lives
-    _wait_healthy(endpoint, 2)  # Ray Serve restarted it
+    rc.wait_healthy(endpoint, 2)  # Ray Serve restarted it
     with ThreadPoolExecutor(4) as pool:  # misses in flight together spread by load: both replicas take some
-        landed = set(pool.map(lambda i: _complete(endpoint, f"Fresh prompt {i}", 40)[0], range(4)))
+        landed = set(pool.map(lambda i: rc.complete(endpoint, f"Fresh prompt {i}", 40)[0], range(4)))
     assert victim in landed

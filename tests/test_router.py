@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from prefixserve import LLM, SamplingParams
 from prefixserve.distributed.router import PrefixIndex, Router, RoutingPolicy
 from prefixserve.kv.block_pool import BlockPool
-from prefixserve.kv.cache_events import CacheEvents, enable_cache_events, prompt_digests
+from prefixserve.kv.cache_events import (
+    MAX_CONSUMERS,
+    CacheEventLog,
+    CacheEvents,
+    enable_cache_events,
+    prompt_digests,
+)
 
 BS = 4  # block size of the engines below: short prompts fill several blocks
 
@@ -112,6 +118,50 @@ def test_events_are_off_until_enabled_then_net_and_bounded() -> None:
         enable_cache_events(BlockPool(2, 2), limit=0)
 
 
+def test_each_consumer_follows_from_its_own_cursor() -> None:
+    """Two routers (two ingresses) drain one log: each gets every change, whenever it drains."""
+    held: set[bytes] = set()
+    log = CacheEventLog(lambda: sorted(held), limit=100)
+    log.added(b"before")  # nobody follows yet: not logged
+    held.add(b"x")
+    assert log.drain(consumer="a") == CacheEvents(added=[b"x"], reset=True)
+    held.add(b"y")
+    log.added(b"y")
+    assert log.drain(consumer="b") == CacheEvents(added=[b"x", b"y"], reset=True)
+    held.discard(b"x")
+    log.removed(b"x")
+    assert log.drain(consumer="b") == CacheEvents(removed=[b"x"])
+    assert log.drain(consumer="a") == CacheEvents(added=[b"y"], removed=[b"x"])  # both, since its last
+    assert log.drain(consumer="a") == CacheEvents() and not log._log  # seen by all: trimmed
+    assert log.drain(full=True, consumer="b").reset  # a consumer that lost a drain resyncs
+    assert log.consumers == {"a", "b"}
+
+
+def test_a_consumer_that_stops_draining_is_dropped_and_resyncs() -> None:
+    """The log never holds more than ``limit`` events for a consumer that went away; when it comes
+    back its drain is a snapshot, and the consumer that kept draining lost nothing."""
+    held: set[bytes] = set()
+    log = CacheEventLog(lambda: sorted(held), limit=4)
+    log.drain(consumer="live")
+    log.drain(consumer="gone")
+    for i in range(10):
+        digest = f"d{i}".encode()
+        held.add(digest)
+        log.added(digest)
+        assert len(log._log) <= 4
+        if i % 3 == 0:
+            assert log.drain(consumer="live").added == [
+                f"d{j}".encode() for j in range(i - 2, i + 1) if j >= 0
+            ]
+    assert "gone" not in log.consumers and "live" in log.consumers
+    back = log.drain(consumer="gone")
+    assert back.reset and set(back.added) == held
+    assert log.drain(consumer="live") == CacheEvents()  # d9 came with its last drain
+    for i in range(MAX_CONSUMERS + 1):  # consumers too are bounded: the one furthest behind goes
+        log.drain(consumer=f"c{i}")
+    assert len(log.consumers) == MAX_CONSUMERS
+
+
 def test_prompt_digests_are_the_engines_own(tiny_config_path: Path) -> None:
     llm = LLM(
         model=f"dummy:{tiny_config_path}", device="cpu", block_size=BS, num_kv_blocks=64, progress=False
@@ -141,34 +191,43 @@ def engines(tiny_config_path: Path) -> dict[str, LLM]:
 
 
 @pytest.fixture(scope="module")
-def router() -> Router:
-    """One router over ``engines`` for all the examples: its index must track them throughout."""
-    return Router()
+def routers() -> tuple[Router, Router]:
+    """Two routers over ``engines`` for all the examples (two ingresses, each its own consumer of the
+    engines' events): both indexes must track them throughout."""
+    return Router(), Router()
 
 
 PREFIXES = [list(range(10 + 40 * k, 10 + 40 * k + 13)) for k in range(4)]  # 4 shared 13-token starts
 request = st.tuples(st.integers(0, 3), st.lists(st.integers(5, 900), min_size=0, max_size=9))
-requests = st.lists(st.tuples(request, st.integers(0, 2), st.booleans()), min_size=1, max_size=6)
+step = st.tuples(request, st.integers(0, 2), st.booleans(), st.booleans(), st.booleans())
+requests = st.lists(step, min_size=1, max_size=6)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests)
 def test_router_index_equals_every_engines_prefix_cache(
-    engines: dict[str, LLM], router: Router, steps: list[tuple[tuple[int, list[int]], int, bool]]
+    engines: dict[str, LLM],
+    routers: tuple[Router, Router],
+    steps: list[tuple[tuple[int, list[int]], int, bool, bool, bool]],
 ) -> None:
-    """Random requests, routed or sent anywhere, on engines that evict: after each, the router's
-    index holds exactly each engine's prefix cache."""
+    """Random requests, routed by either router or sent anywhere, on engines that evict; after each,
+    each router drains or not (two ingresses polling at their own times): a router that drained
+    holds exactly each engine's prefix cache."""
     replicas = engines
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    for (prefix, tail), load_bias, routed in steps:
+    for (prefix, tail), load_bias, routed, drains_a, drains_b in steps:
         ids = PREFIXES[prefix] + tail
         digests = prompt_digests(ids, BS)
         loads = {r: (load_bias * 3 if i == load_bias else 0) for i, r in enumerate(replicas)}
+        router = routers[load_bias % 2]
         target = router.choose(digests, loads) if routed else list(replicas)[load_bias]
         replicas[target].generate([{"prompt_token_ids": ids}], params)
-        for name, llm in replicas.items():
-            router.index.apply(name, llm.engine.drain_cache_events())
-            assert router.index.digests_of(name) == set(llm.engine.pool.cached_digests()), name
+        for consumer, (follower, drains) in enumerate(zip(routers, (drains_a, drains_b), strict=True)):
+            if not drains:
+                continue
+            for name, llm in replicas.items():
+                follower.index.apply(name, llm.engine.drain_cache_events(consumer=f"ingress-{consumer}"))
+                assert follower.index.digests_of(name) == set(llm.engine.pool.cached_digests()), name
 
 
 def test_the_engines_did_evict(engines: dict[str, LLM]) -> None:

@@ -21,15 +21,18 @@ class _Method:
 
 
 class FakeReplica:
-    """Answers ``cache_events.remote(full)`` from a script of (incarnation, events) or exceptions."""
+    """Answers ``cache_events.remote(full, consumer)`` from a script of (incarnation, events) or
+    exceptions."""
 
     def __init__(self) -> None:
         self.answers: list[Any] = []
         self.asked_full: list[bool] = []
+        self.consumers: set[str] = set()
         self.cache_events = _Method(self._events)
 
-    async def _events(self, full: bool) -> tuple[str, CacheEvents]:
+    async def _events(self, full: bool, consumer: str) -> tuple[str, CacheEvents]:
         self.asked_full.append(full)
+        self.consumers.add(consumer)
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
             raise answer
@@ -57,6 +60,24 @@ def test_a_replica_joins_on_a_poll_leaves_on_a_failure_and_comes_back_with_a_sna
     _run(replicas.poll("a"))  # restarted: a new incarnation, asked for a snapshot
     assert a.asked_full[-1] is True and replicas.router.index.digests_of("a") == {b"z"}
     assert replicas.healthy == {"a"}
+    assert a.consumers == {replicas.consumer}  # one consumer id per ingress, on every poll
+    assert ReplicaSet({"a": a}).consumer != replicas.consumer
+
+
+def test_a_new_ingress_routes_after_its_first_poll_round() -> None:
+    """The proxy may send a request to an ingress that never polled yet: it waits for the first
+    round instead of answering 503 with replicas serving."""
+    a = FakeReplica()
+    a.answers = [("i1", CacheEvents(added=[b"x"], reset=True))] + [("i1", CacheEvents())] * 50
+    replicas = ReplicaSet({"a": a})
+
+    async def scenario() -> str:
+        await replicas.ready()
+        name = replicas.choose([b"x"], None)
+        replicas._poller.cancel()
+        return name
+
+    assert _run(scenario()) == "a"
 
 
 def test_a_delta_that_crossed_a_failure_is_dropped_and_a_snapshot_asked_for() -> None:
@@ -69,7 +90,7 @@ def test_a_delta_that_crossed_a_failure_is_dropped_and_a_snapshot_asked_for() ->
     async def scenario() -> None:
         started, release = gate(), gate()
 
-        async def slow(full: bool) -> tuple[str, CacheEvents]:
+        async def slow(full: bool, consumer: str) -> tuple[str, CacheEvents]:
             started.set()
             await release.wait()
             return "i1", CacheEvents(added=[b"late"])

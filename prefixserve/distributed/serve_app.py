@@ -1,9 +1,10 @@
-"""``prefixserve serve --replicas N`` on Ray Serve: N engine replicas behind one prefix-affinity ingress.
+"""``prefixserve serve --replicas N`` on Ray Serve: N engine replicas behind prefix-affinity ingresses.
 
 Each replica is its own deployment (``replica-0`` ... ``replica-{N-1}``, one Ray Serve replica each),
 so the router addresses a replica by a name that survives its restarts: Ray Serve places each one
 (a GPU or a tensor-parallel group each; a CPU process on a CPU machine), calls its health check and
-restarts it when its engine died. The ingress deployment serves the OpenAI routes and routes with
+restarts it when its engine died. The ingress deployment (``--ingress-replicas`` Ray Serve replicas
+of it, ``default_ingress_replicas``) serves the OpenAI routes and routes with
 ``serve_ingress.IngressCore``. This is the only module that imports Ray Serve (the ``[ray]`` extra);
 a single server never does.
 """
@@ -47,7 +48,7 @@ async def _api_error(_: Request, exc: APIError) -> Response:
 @serve.deployment(name="ingress", max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(api)
 class Ingress:
-    """The OpenAI endpoint in front of the replicas (one Ray Serve replica of it by default)."""
+    """The OpenAI endpoint in front of the replicas (``default_ingress_replicas`` of it by default)."""
 
     def __init__(self, config: EngineConfig, policy: RoutingPolicy | None, *replicas: Any) -> None:
         from prefixserve.model.loader import tokenizer_for
@@ -98,6 +99,22 @@ def replica_resources(
     return {"num_cpus": 1.0 if cpus is None else cpus, "num_gpus": gpus}
 
 
+def default_ingress_replicas(replicas: int, on_gpu: bool) -> int:
+    """Ingresses when none is asked for: one per engine replica on GPUs (at least 2), else 1.
+
+    Every streamed token crosses an ingress (a Ray Serve item from the replica, relayed to the
+    proxy) on one Python event loop: a single ingress relaying all of a GPU engine's streams is one
+    of the two causes issue 52 found for ``--replicas 1`` streaming 46% fewer tokens/s than a direct
+    server on an H100, and N GPU engines make N times the tokens. A CPU engine makes far fewer tokens
+    than one ingress relays, and each ingress is a process (a tokenizer, the index) that would take
+    memory and a core from the engines. More ingresses cost little otherwise (each polls every
+    replica 4 times a second), but each sees only its own requests' loads and sessions."""
+    return max(2, replicas) if on_gpu else 1
+
+
+ENGINE_PROCESS_CHOICES = ("auto", "on", "off")
+
+
 def serve_app(
     config: EngineConfig | None = None,
     replicas: int = 2,
@@ -107,20 +124,35 @@ def serve_app(
     replica_cpus: float | None = None,
     replica_gpus: float | None = None,
     overload: Any = None,
+    engine_process: str = "auto",
+    ingress_replicas: int | None = None,
+    switch_interval_ms: float | None = None,
 ) -> Any:
     """The Ray Serve application: ``serve.run(serve_app(config, replicas=2), route_prefix="/")``.
-    ``overload``: each replica's ``OverloadSettings`` (its own queue bounds; None: the defaults)."""
+
+    ``overload``: each replica's ``OverloadSettings`` (its own queue bounds; None: the defaults);
+    ``engine_process``: where each replica runs its engine, as ``serve --engine-process`` (auto: its
+    own process on CUDA); ``ingress_replicas``: None: ``default_ingress_replicas``;
+    ``switch_interval_ms``: each replica process's GIL switch interval (None: Python's)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if ingress_replicas is not None and ingress_replicas < 1:
+        raise ValueError(f"ingress_replicas must be >= 1, got {ingress_replicas}")
+    if engine_process not in ENGINE_PROCESS_CHOICES:
+        raise ValueError(
+            f"engine_process must be one of {', '.join(ENGINE_PROCESS_CHOICES)}, got {engine_process!r}"
+        )
     config = config or EngineConfig()
     resources = replica_resources(config, replica_cpus, replica_gpus)
+    if ingress_replicas is None:
+        ingress_replicas = default_ingress_replicas(replicas, resources["num_gpus"] > 0)
     bound = [
         ReplicaDeployment.options(name=f"replica-{i}", ray_actor_options=resources).bind(
-            config, api_key, overload
+            config, api_key, overload, engine_process, switch_interval_ms
         )
         for i in range(replicas)
     ]
-    return Ingress.bind(config, policy, *bound)
+    return Ingress.options(num_replicas=ingress_replicas).bind(config, policy, *bound)
 
 
 def run_replicas(
@@ -132,6 +164,9 @@ def run_replicas(
     replica_cpus: float | None = None,
     overload: Any = None,
     policy: RoutingPolicy | None = None,
+    engine_process: str = "auto",
+    ingress_replicas: int | None = None,
+    switch_interval_ms: float | None = None,
 ) -> int:
     """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
     import signal
@@ -145,12 +180,28 @@ def run_replicas(
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": host, "port": port})
+    if ingress_replicas is None:
+        on_gpu = replica_resources(config, replica_cpus)["num_gpus"] > 0
+        ingress_replicas = default_ingress_replicas(replicas, on_gpu)
     app = serve_app(
-        config, replicas, api_key=api_key, policy=policy, replica_cpus=replica_cpus, overload=overload
+        config,
+        replicas,
+        api_key=api_key,
+        policy=policy,
+        replica_cpus=replica_cpus,
+        overload=overload,
+        engine_process=engine_process,
+        ingress_replicas=ingress_replicas,
+        switch_interval_ms=switch_interval_ms,
     )
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.info(
-        "serving %d replicas of %s on http://%s:%d", replicas, config.model or "the default model", host, port
+        "serving %d replicas of %s behind %d ingresses on http://%s:%d",
+        replicas,
+        config.model or "the default model",
+        ingress_replicas,
+        host,
+        port,
     )
     try:
         while True:
@@ -162,4 +213,12 @@ def run_replicas(
     return 0
 
 
-__all__ = ["APP_NAME", "Ingress", "ReplicaDeployment", "replica_resources", "run_replicas", "serve_app"]
+__all__ = [
+    "APP_NAME",
+    "Ingress",
+    "ReplicaDeployment",
+    "default_ingress_replicas",
+    "replica_resources",
+    "run_replicas",
+    "serve_app",
+]

@@ -8,6 +8,12 @@ a call or a poll leaves the routing at once and comes back when a poll succeeds 
 Serve restarted it, with an empty cache). Every other route goes to the least loaded healthy
 replica; schema changes go to all of them. No Ray import: ``serve_app.py`` wraps this in a
 deployment; replicas are reached through anything shaped like a Ray Serve handle.
+
+There may be several ingresses (Ray Serve's proxy picks one per request): each follows every
+replica's events as its own consumer (``kv/cache_events.py``: a cursor each), so each holds the
+whole index, but loads and sessions are each ingress's own: a session sticks to its replica only
+while the proxy sends it to the same ingress (its prompt's prefix still routes it to the replica
+holding it).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -38,6 +45,7 @@ POLL_S = 0.25  # how often the replicas' cache events are drained
 CALL_TIMEOUT_S = 5.0  # a poll or metrics call slower than this counts as a failure
 SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "X-Prefixserve-Replica"  # which replica answered (debugging, tests)
+INGRESS_HEADER = "X-Prefixserve-Ingress"  # which ingress routed it (its consumer id)
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 ROUTED = {"/v1/completions", "/v1/chat/completions"}
 
@@ -45,16 +53,21 @@ ROUTED = {"/v1/completions", "/v1/chat/completions"}
 class ReplicaSet:
     """The replicas' handles, health, outstanding requests and cache index (one event loop's)."""
 
-    def __init__(self, handles: dict[str, Any], policy: RoutingPolicy | None = None) -> None:
+    def __init__(
+        self, handles: dict[str, Any], policy: RoutingPolicy | None = None, consumer: str | None = None
+    ) -> None:
+        """``consumer``: this ingress's name to the replicas' event logs (default: a fresh one)."""
         if not handles:
             raise ValueError("need at least one replica")
         self.handles = handles
+        self.consumer = consumer or uuid.uuid4().hex[:12]
         self.router = Router(policy)
         self.loads = dict.fromkeys(handles, 0)
         self.healthy: set[str] = set()  # a replica joins once a poll answered
         self._incarnation: dict[str, str] = {}
         self._need_full = set(handles)  # the next poll asks for a snapshot
         self._poller: asyncio.Task[None] | None = None
+        self._first_round = asyncio.Event()  # every replica answered or failed a poll once
         self.registry = CollectorRegistry()
         self.routed = Counter(
             "prefixserve_router_requests", "Requests routed", ["replica"], registry=self.registry
@@ -77,16 +90,26 @@ class ReplicaSet:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
+    async def ready(self, timeout: float = CALL_TIMEOUT_S) -> None:
+        """Wait for the first poll round: a new ingress (the proxy may pick one that just started)
+        routes nothing before it, and would answer 503 with replicas serving."""
+        if self._first_round.is_set():
+            return
+        self.ensure_polling()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_round.wait(), timeout)
+
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.gather(*(self.poll(name) for name in self.handles))
+            self._first_round.set()
             await asyncio.sleep(POLL_S)
 
     async def poll(self, name: str) -> None:
         """Drain one replica's cache events into the index; a failure takes it out of routing."""
         full = name in self._need_full
         try:
-            call = self.handles[name].cache_events.remote(full)
+            call = self.handles[name].cache_events.remote(full, self.consumer)
             incarnation, events = await asyncio.wait_for(_result(call), CALL_TIMEOUT_S)
         except Exception as exc:
             if name in self.healthy:
@@ -171,7 +194,7 @@ class IngressCore:
 
     async def forward(self, request: Request) -> Response:
         """Route and forward one request; relay the replica's answer (streamed as it comes)."""
-        self.replicas.ensure_polling()
+        await self.replicas.ready()
         path, body = request.url.path, await request.body()
         if path in ROUTED and request.method == "POST":
             digests, session = await self.routing_key(path, body, request.headers)
@@ -205,6 +228,7 @@ class IngressCore:
             start = await chunks.__anext__()
             headers = {k: v for k, v in start["headers"] if k.lower() not in HOP_HEADERS}
             headers[REPLICA_HEADER] = name
+            headers[INGRESS_HEADER] = replicas.consumer
             if not headers.get("content-type", "").startswith("text/event-stream"):
                 content = b"".join([bytes(c) async for c in chunks])
                 release()
@@ -214,7 +238,8 @@ class IngressCore:
             replicas.failed(name)
             log.warning("replica %s failed a request: %s", name, exc)
             error = APIError(503, f"engine replica {name} failed while answering: {type(exc).__name__}")
-            return JSONResponse(error.body(), status_code=503, headers={REPLICA_HEADER: name})
+            tags = {REPLICA_HEADER: name, INGRESS_HEADER: replicas.consumer}
+            return JSONResponse(error.body(), status_code=503, headers=tags)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -241,7 +266,7 @@ class IngressCore:
         return answers[0]
 
     async def health(self) -> Response:
-        self.replicas.ensure_polling()
+        await self.replicas.ready()
         states = {name: name in self.replicas.healthy for name in self.replicas.handles}
         body = {
             "status": "ok" if any(states.values()) else "unavailable",
@@ -264,4 +289,4 @@ class IngressCore:
         return Response(merged, media_type=CONTENT_TYPE_LATEST)
 
 
-__all__ = ["REPLICA_HEADER", "SESSION_HEADER", "IngressCore", "ReplicaSet"]
+__all__ = ["INGRESS_HEADER", "REPLICA_HEADER", "SESSION_HEADER", "IngressCore", "ReplicaSet"]

@@ -1,7 +1,12 @@
 """One engine replica behind the Ray Serve ingress: the single server's app, called in process.
 
-The replica runs exactly the app ``prefixserve serve`` runs (``openai/app.build_app``: its engine
-thread, checks, errors, streaming, metrics), so a replicated endpoint answers as one server does.
+The replica runs exactly the app ``prefixserve serve`` runs (``openai/app.build_app``: its checks,
+errors, streaming, metrics), so a replicated endpoint answers as one server does; its engine runs
+where the direct server's does (``--engine-process``, auto: a process of its own when the engine runs
+on CUDA, else a thread). The replica's process also runs Ray's streaming and the app's loop; an engine
+thread sharing their GIL is one of the two causes issue 52 found for 256 streamed chats running 46%
+slower behind ``--replicas 1`` than from a direct server on an H100 (the other: one ingress
+relaying every stream, ``serve_app.default_ingress_replicas``).
 The ingress hands it a request's method, path, headers and body; the replica drives its ASGI app
 without a socket and yields the response start (status, headers) and then the body chunks as the
 app writes them. It also reports its prefix-cache events (for the router) and its health (Ray
@@ -13,13 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from prefixserve.config import EngineConfig
-from prefixserve.kv.cache_events import CacheEvents
+from prefixserve.kv.cache_events import DEFAULT_CONSUMER, CacheEvents
 
 APP_EXIT_WAIT_S = 5.0  # how long a finished response's ASGI task gets to return
 
@@ -27,22 +34,42 @@ APP_EXIT_WAIT_S = 5.0  # how long a finished response's ASGI task gets to return
 class EngineReplica:
     """An engine and its OpenAI app; methods are called by the ingress through a Ray Serve handle."""
 
-    def __init__(self, config: EngineConfig, api_key: str | None = None, overload: Any = None) -> None:
-        """``overload``: the server's ``OverloadSettings`` (queue bounds, deadline, stall timeout)."""
-        from prefixserve.entrypoints.openai.app import build_app  # FastAPI: only where a replica runs
+    def __init__(
+        self,
+        config: EngineConfig,
+        api_key: str | None = None,
+        overload: Any = None,
+        engine_process: str = "auto",
+        switch_interval_ms: float | None = None,
+    ) -> None:
+        """``overload``: the server's ``OverloadSettings`` (queue bounds, deadline, stall timeout);
+        ``engine_process``: auto, on or off, as ``serve --engine-process``; ``switch_interval_ms``:
+        this process's GIL switch interval, as ``serve --switch-interval-ms`` (None: Python's)."""
+        # FastAPI and uvicorn: only where a replica runs
+        from prefixserve.entrypoints.openai.app import build_app
+        from prefixserve.entrypoints.openai.server import wants_engine_process
 
-        self.app = build_app(config, api_key=api_key, overload=overload)
+        if switch_interval_ms is not None:
+            sys.setswitchinterval(switch_interval_ms / 1e3)
+        own_process = wants_engine_process(engine_process, config)
+        self.app = build_app(config, api_key=api_key, engine_process=own_process, overload=overload)
         self.loop = self.app.state.engine_loop
         self.loop.start()  # the app's lifespan would; it is never run here (no server)
         self.incarnation = uuid.uuid4().hex  # a restarted replica is a new one: its cache starts empty
 
     def info(self) -> dict[str, Any]:
-        """Who this replica is: its incarnation and process id (tests kill it by pid)."""
-        return {"incarnation": self.incarnation, "pid": os.getpid()}
+        """Who this replica is: its incarnation, process id and its engine's (tests kill them by pid)."""
+        pid = os.getpid()
+        return {"incarnation": self.incarnation, "pid": pid, "engine_pid": getattr(self.loop, "pid", pid)}
 
-    async def cache_events(self, full: bool = False) -> tuple[str, CacheEvents]:
-        """(incarnation, prefix-index changes since the last call, or all of it when ``full``)."""
-        events = await self.loop.run(lambda engine: engine.drain_cache_events(full))
+    async def cache_events(
+        self, full: bool = False, consumer: str = DEFAULT_CONSUMER
+    ) -> tuple[str, CacheEvents]:
+        """(incarnation, prefix-index changes since ``consumer``'s last call, or all of it when
+        ``full``); each ingress is its own consumer. A method caller, not a lambda: an engine in its
+        own process runs only what pickles."""
+        drain = operator.methodcaller("drain_cache_events", full, consumer)
+        events = await self.loop.run(drain)
         return self.incarnation, events
 
     async def metrics_text(self) -> bytes:

@@ -14,7 +14,7 @@ from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
 from prefixserve.engine.warmup import warm_decode_graphs
 from prefixserve.kv.cache import KVCache
-from prefixserve.kv.cache_events import CacheEvents, enable_cache_events
+from prefixserve.kv.cache_events import DEFAULT_CONSUMER, CacheEvents, enable_cache_events
 from prefixserve.promptcache.pml import is_pml_prompt
 
 if TYPE_CHECKING:
@@ -124,11 +124,11 @@ class EngineServices:
     def metrics(self) -> dict[str, float]:
         return self.stats.metrics(self)
 
-    def drain_cache_events(self, full: bool = False) -> CacheEvents:
-        """Prefix-index changes since the last call, for a replica router (the first call turns the
-        log on and returns the whole index as a snapshot, as does ``full``). Call it on the engine's
-        thread."""
-        return enable_cache_events(self.pool).drain(full)
+    def drain_cache_events(self, full: bool = False, consumer: str = DEFAULT_CONSUMER) -> CacheEvents:
+        """Prefix-index changes since ``consumer``'s last call, for a replica router (each router its
+        own ``consumer``; the first call turns the log on and returns the whole index as a snapshot,
+        as does ``full``). Call it on the engine's thread."""
+        return enable_cache_events(self.pool).drain(full, consumer)
 
 
 __all__ = ["EngineServices"]

@@ -227,6 +227,10 @@ def _serve_replicas(args: argparse.Namespace) -> int:
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.ingress_replicas is not None and args.ingress_replicas < 1:
+        raise ValueError(f"--ingress-replicas must be >= 1, got {args.ingress_replicas}")
+    if args.switch_interval_ms <= 0:
+        raise ValueError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}")
     try:
         from prefixserve.distributed.serve_app import run_replicas
     except ImportError as exc:
@@ -247,6 +251,9 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         args.replica_cpus,
         overload=overload,
         policy=policy,
+        engine_process=args.engine_process,
+        ingress_replicas=args.ingress_replicas,
+        switch_interval_ms=args.switch_interval_ms,
     )
 
 
@@ -408,14 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--switch-interval-ms",
         type=float,
         default=SERVER_SWITCH_INTERVAL_MS,
-        help="Python's thread switch interval in the server: how long the engine thread can wait for "
-        "the GIL while the HTTP loop holds it (Python's default is 5)",
+        help="Python's thread switch interval in the server (with --replicas: in each replica): how long "
+        "the engine thread can wait for the GIL while the HTTP loop holds it (Python's default is 5)",
     )
     s.add_argument(
         "--engine-process",
         choices=["auto", "on", "off"],
         default="auto",
-        help="run the engine in its own process, apart from the HTTP loop's GIL (auto: on a GPU)",
+        help="run the engine in its own process, apart from the HTTP loop's GIL (auto: on a GPU); "
+        "with --replicas: each replica's engine",
     )
     o = s.add_argument_group("overload (beyond a bound: 429 with Retry-After)")
     o.add_argument(
@@ -457,6 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--replica-cpus", type=float, default=None, help="with --replicas: CPUs Ray reserves per replica (1)"
+    )
+    s.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --replicas: ingresses relaying the streams (default: one per replica, at least 2, "
+        "when replicas run on GPUs; else 1); each routes with its own loads and sessions",
     )
     s.add_argument(
         "--routing",

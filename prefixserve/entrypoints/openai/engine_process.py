@@ -366,6 +366,11 @@ class EngineProcess(EngineLoop):
     def alive(self) -> bool:
         return self._thread.is_alive() and self._process.is_alive() and not self._stopping
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (a replica reports it; tests kill it)."""
+        return self._process.pid
+
     def _refusal(self) -> str:
         return (
             "the server is shutting down" if self._process.is_alive() else "the engine process is not running"
