@@ -232,8 +232,15 @@ class ModelRunner:
         return Launch(hidden, len(ids) == len(batch.meta.query_lens_host), issued, start)
 
     def _forward(self, ids: list[int], batch: StepBatch, feed: PrevTokenFeed | None = None) -> torch.Tensor:
-        """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden]."""
+        """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden].
+
+        Host-tier KV still landing in the cache (``kv/landing.py``): each layer of an eager or piecewise
+        forward waits for its own copies; one captured graph waits for them all first. Nothing landing
+        (every step but those right after a host-tier restore): ``before_layer`` is None."""
+        before_layer = self.kv.landing_hook()
         if batch.graph_step is not None:
+            if before_layer is not None:
+                self.kv.settle()
             try:
                 return self.graphs.run(
                     ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step, feed
@@ -252,17 +259,18 @@ class ModelRunner:
                 )
                 self.backend.prepare(batch.meta)
         if self.pieces is not None and self.pieces.fits(len(ids)):
-            return self.pieces.run(ids, batch.positions, batch.meta, self.backend, feed)
+            return self.pieces.run(ids, batch.positions, batch.meta, self.backend, feed, before_layer)
         ids_t = _index(ids, self.device)
         if feed is not None:
             feed.apply(ids_t)
         pos_t = _index(batch.positions, self.device)
-        return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)
+        return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend, before_layer)
 
     def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
         """Per token of an eager batch whose layer-0 KV is already in the cache: squared L2 distance
         (all heads, K plus V) between the layer-1 K/V in the cache and the K/V the token gets in
         the batch's context (``LlamaForCausalLM.layer_kv``). Nothing is written; waits for the device."""
+        self.kv.settle()
         ids_t, pos_t = _index(ids, self.device), _index(batch.positions, self.device)
         k, v = self.model.layer_kv(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)  # [T, Hkv, D]
         k_cache, v_cache = self.kv.layers[min(1, len(self.kv.layers) - 1)]

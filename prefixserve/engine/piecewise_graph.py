@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,11 +98,14 @@ class PiecewiseGraphs:
         meta: AttentionMetadata,
         backend: AttentionBackend,
         feed: Any = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """The step's final hidden states [tokens, hidden]; ``backend.prepare(meta)`` has run.
 
         ``feed`` (a ``model_runner.PrevTokenFeed``) overwrites rows of ids with tokens still on the
-        device."""
+        device. ``before_layer(l)`` runs before piece l, the first to touch layer l's cache (it
+        writes the tokens' K/V): eagerly, between replays, never inside a captured graph (the model
+        runner's wait for KV still being copied in, ``kv/landing.py``)."""
         tokens = len(ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, tokens)]
         pinned = self._staging.next()
@@ -114,9 +118,11 @@ class PiecewiseGraphs:
             feed.apply(self.inputs[0])
         self.inputs[2, :tokens].copy_(meta.slot_mapping)  # already on the device (no wait for it)
         entry = self.entries.get(bucket)
-        if entry is None or not entry.graphs:
-            return self._eager(bucket, tokens, meta, backend)  # the first time: warm-up, then capture
+        if entry is None or not entry.graphs:  # the first time: warm-up, then capture
+            return self._eager(bucket, tokens, meta, backend, before_layer)
         for layer in range(self.layers):
+            if before_layer is not None:
+                before_layer(layer)
             entry.graphs[layer].replay()
             self._attend(entry, layer, tokens, meta, backend)
         entry.graphs[-1].replay()
@@ -152,13 +158,20 @@ class PiecewiseGraphs:
         return rope
 
     def _eager(
-        self, bucket: int, tokens: int, meta: AttentionMetadata, backend: AttentionBackend
+        self,
+        bucket: int,
+        tokens: int,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run the step through the pieces eagerly (this compiles every kernel at the bucket's shapes),
         then capture the pieces; returns the step's hidden states."""
         entry = self.entries.get(bucket) or self._new_bucket(bucket)
         rope = None
         for piece in range(self.layers + 1):
+            if before_layer is not None and piece < self.layers:
+                before_layer(piece)
             rope = self._piece(entry, piece, bucket, rope)
             if piece < self.layers:
                 self._attend(entry, piece, tokens, meta, backend)

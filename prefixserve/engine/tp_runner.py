@@ -156,6 +156,10 @@ class _BroadcastKV:
         self._runner.call("kv", "scatter_rows", blocks, tuple(packed.shape), packed.dtype)
         self._runner.guard(self._kv.scatter_rows, blocks, packed)
 
+    def scatter_rows_layered(self, blocks: list[int], packed: PackedKV) -> None:
+        """``scatter_rows``: rank 0's rows reach the others by broadcast, not layer by layer."""
+        self.scatter_rows(blocks, packed)
+
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: its own shard, plus the workers it sends each device call to."""

@@ -1,15 +1,21 @@
 """The KV cache tensors (one K and one V per layer, paged), the copies between its blocks and a packed
-host tensor, and how many blocks fit in memory."""
+host tensor, and how many blocks fit in memory.
+
+Host rows written with ``scatter_rows_layered`` land layer by layer behind the next forward
+(``kv/landing.py``): every method here that touches the pool settles the blocks it touches first, and
+the model runner's forward waits per layer (``landing_hook``)."""
 
 from __future__ import annotations
 
 import math
 import mmap
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+from prefixserve.kv.landing import Landing, block_runs, worth_layering
 from prefixserve.kv.transfer import Ready, copy_stream
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.parallel import Shard
@@ -55,11 +61,28 @@ class KVCache:
         self.scratch_slot = num_blocks * block_size
         self.shard = shard or Shard()
         self.total_kv_heads = total_kv_heads or config.num_key_value_heads
+        self.landing = Landing(self._flat_view(), copy_stream(self.tensor.device))
+
+    # ---- host rows landing layer by layer (kv/landing.py) ----------------------------------------
+    def landing_hook(self) -> Callable[[int], None] | None:
+        """For a forward about to be issued: what it calls before each layer touches the cache, or None
+        when no host rows are landing (every step but those right after a host-tier restore)."""
+        return self.landing.hook()
+
+    def settle(self, blocks: Iterable[int] | None = None) -> None:
+        """Make the current stream wait for host rows still landing (in ``blocks``, if given): for work
+        on the pool outside a forward's layers."""
+        self.landing.settle(blocks)
+
+    def issue_layered(self) -> None:
+        """Start the copies ``scatter_rows_layered`` queued (a forward or ``settle`` would, later)."""
+        self.landing.issue()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate each ``src`` block's K/V into ``dst`` in every layer."""
         if not pairs:
             return
+        self.settle([b for pair in pairs for b in pair])
         src, dst = torch.tensor(pairs, dtype=torch.long).T.contiguous()
         if self.tensor.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
             src = src.pin_memory().to(self.tensor.device, non_blocking=True)
@@ -68,8 +91,18 @@ class KVCache:
 
     def _slots(self, blocks: list[int], rows: int) -> torch.Tensor:
         """Slot ids (block * block_size + offset) of the first ``rows`` rows of ``blocks``, on the cache's
-        device. Checked on the host: on CUDA an out-of-range index is a device-side assert that kills
-        the process."""
+        device (``_check_blocks`` first)."""
+        self._check_blocks(blocks, rows)
+        bs = self.block_size
+        base = torch.tensor(blocks, dtype=torch.long) * bs
+        slots = (base[:, None] + torch.arange(bs, dtype=torch.long)).reshape(-1)[:rows]
+        if self.tensor.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
+            slots = slots.pin_memory().to(self.tensor.device, non_blocking=True)
+        return slots
+
+    def _check_blocks(self, blocks: list[int], rows: int) -> None:
+        """``blocks`` are the distinct pool blocks that ``rows`` rows fill. Checked on the host: on CUDA
+        an out-of-range index is a device-side assert that kills the process."""
         bs = self.block_size
         if rows < 0:
             raise ValueError(f"rows must be >= 0, got {rows}")
@@ -81,11 +114,6 @@ class KVCache:
         bad = [b for b in blocks if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"block ids {bad} outside the pool's 0..{self.num_blocks - 1}")
-        base = torch.tensor(blocks, dtype=torch.long) * bs
-        slots = (base[:, None] + torch.arange(bs, dtype=torch.long)).reshape(-1)[:rows]
-        if self.tensor.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
-            slots = slots.pin_memory().to(self.tensor.device, non_blocking=True)
-        return slots
 
     def _flat_view(self) -> torch.Tensor:
         """The cache as ``[layers, 2, all slots, kv_heads, head_dim]`` (a view: writes reach the cache)."""
@@ -100,6 +128,7 @@ class KVCache:
     def _gathered(self, blocks: list[int], rows: int) -> torch.Tensor:
         """The first ``rows`` rows of ``blocks`` (every head) as a new tensor on the cache's device."""
         slots = self._slots(blocks, rows)
+        self.settle(blocks)
         packed = self._flat_view().index_select(2, slots)  # contiguous, exactly `rows` rows
         if self.shard.parallel:
             parts = [torch.empty_like(packed) for _ in range(self.shard.size)]
@@ -171,6 +200,45 @@ class KVCache:
         the reference is fine: the caching host allocator keeps pinned memory until then). Work on
         another stream must wait for the current stream first.
         """
+        self._check_packed(packed)
+        slots = self._slots(blocks, packed.shape[2])
+        self.settle(blocks)
+        src = copy_stream(self.tensor.device).to_device(packed)
+        if self.shard.parallel:
+            dist.broadcast(src, src=0, group=self.shard.group)
+            start, stop = self._rank_heads()[self.shard.rank]
+            src = src[:, :, :, start:stop]
+        self._flat_view().index_copy_(2, slots, src)
+
+    def scatter_rows_layered(self, blocks: list[int], packed: PackedKV) -> None:
+        """``scatter_rows`` of host rows landing layer by layer behind the next forward (``kv/landing.py``):
+        queued here, issued by ``issue_layered`` or the next forward, each layer's copy on the copy
+        stream straight into the blocks, and each layer of the forward waiting for its own. Work on
+        these blocks outside a forward's layers must ``settle`` first (this class's methods do).
+
+        ``scatter_rows`` itself (the whole copy, then the scatter) for what cannot land by layers:
+        under tensor parallelism (rank 0's rows are broadcast), rows already on the device, a pageable
+        or non-contiguous host tensor on CUDA, and copies too small to pay their issue cost.
+        """
+        self._check_packed(packed)
+        rows = packed.shape[2]
+        self._check_blocks(blocks, rows)
+        cuda = self.tensor.device.type == "cuda"
+        runs = block_runs(blocks, rows, self.block_size)
+        row_bytes = math.prod(packed.shape[3:]) * packed.element_size()
+        layered = (
+            not self.shard.parallel
+            and packed.device.type == "cpu"
+            and packed.is_contiguous()
+            and (not cuda or packed.is_pinned())
+            and worth_layering(runs, row_bytes, cuda)
+        )
+        if not layered:
+            self.scatter_rows(blocks, packed)
+            return
+        self.landing.queue(blocks, packed, runs)
+
+    def _check_packed(self, packed: PackedKV) -> None:
         layers, two, _, _, _, dim = self.tensor.shape
         heads = self.total_kv_heads
         shape = tuple(packed.shape)
@@ -180,13 +248,6 @@ class KVCache:
             )
         if packed.dtype != self.tensor.dtype:
             raise ValueError(f"packed dtype {packed.dtype} != cache dtype {self.tensor.dtype}")
-        slots = self._slots(blocks, packed.shape[2])
-        src = copy_stream(self.tensor.device).to_device(packed)
-        if self.shard.parallel:
-            dist.broadcast(src, src=0, group=self.shard.group)
-            start, stop = self._rank_heads()[self.shard.rank]
-            src = src[:, :, :, start:stop]
-        self._flat_view().index_copy_(2, slots, src)
 
 
 def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

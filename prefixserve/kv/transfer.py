@@ -7,6 +7,8 @@ an event (``wait_event``: the device waits, the host goes on), never on a device
 - ``copy_stream(device)``: the one ``CopyStream`` of a device (None's worth of work on a CPU).
 - ``CopyStream.to_device`` / ``to_device_blocks``: host -> device, in as few and as large copies as
   the source allows (a pinned source goes straight; a pageable one through reused pinned slots).
+- ``CopyStream.copy_all``: host -> device into memory the caller owns (KV pool blocks, a layer at a
+  time: ``kv/landing.py``), one event after the lot; ``follow_current`` orders it after the steps.
 - ``CopyStream.to_host``: device -> pinned host, returning the event that says the bytes are there.
 - ``CopyStream.copy_out``: device -> host into a buffer the caller owns (a ``SlabPool`` slot run).
 - ``Slots``: a few page-aligned (pinned on CUDA) buffers reused for staging, each with the event of
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 import mmap
 import queue
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -136,6 +138,24 @@ class CopyStream:
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
+
+    def follow_current(self) -> None:
+        """Order the copy stream's later work after everything queued so far on the current stream (a
+        copy into memory that work may still read or write). Nothing on a CPU."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def copy_all(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Ready | None:
+        """Enqueue ``dst.copy_(src)`` (pinned host -> device, both contiguous) for each pair on the copy
+        stream; the event after the last. On a CPU they are plain copies, done on return (None)."""
+        if self.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        return self.record()
 
     def to_device(self, src: torch.Tensor) -> torch.Tensor:
         """``src`` (host, contiguous) on the device, ready for the current stream: one copy if pinned,

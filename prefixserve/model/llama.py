@@ -15,6 +15,7 @@ of the checkpoint's tensors each holds, and an all-reduce follows o_proj, down_p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -347,11 +348,16 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """Final hidden states. ``before_layer(i)``, if given, runs before layer i touches the cache:
+        the model runner's wait for KV still being copied into it (``kv/landing.py``)."""
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
         residual = None
-        for layer, kv_layer in zip(self.model.layers, kv_cache, strict=True):
+        for i, (layer, kv_layer) in enumerate(zip(self.model.layers, kv_cache, strict=True)):
+            if before_layer is not None:
+                before_layer(i)
             h, residual = layer(h, residual, rope, kv_layer, meta, backend)
         return self.model.norm(h, residual)[0]
 

@@ -19,7 +19,9 @@ different ``cache_salt`` never do. Tiers: the GPU tier holds blocks (at most ``g
 pool); the least recently used piece that no request holds moves to host memory (``kv/tiers.py``,
 an LRU under a byte budget), and from there off the end; with a module store directory every piece
 is also written to disk when encoded (checksummed; a corrupt entry is recomputed, never served).
-A piece found in a lower tier is copied back into fresh blocks instead of being recomputed.
+A piece found in a lower tier is copied back into fresh blocks instead of being recomputed; from
+host memory, a prompt's pieces are copied layer by layer, all of them per layer, and the prefill
+that reads them waits per layer (``kv/landing.py``), so the copy overlaps it.
 
 Accuracy recovery (``promptcache/recompute.py``): a request may recompute some rows of its pieces
 in its own context (``link:K``, ``blend:R``). Those rows go into private copies of just the blocks
@@ -217,6 +219,7 @@ class PromptModules:
             entry = self._resident(reg, piece, cache_salt)
             entry.keep_on_gpu = entry.keep_on_gpu or pin
             total += entry.rows
+        self.kv.issue_layered()
         return total
 
     # ---- requests -------------------------------------------------------------------------------
@@ -274,6 +277,7 @@ class PromptModules:
             for entry in entries:
                 self.release(entry.blocks)
             raise
+        self.kv.issue_layered()  # the pieces' host-tier copies start now, layer-major across them
         holes = 0
         starts: list[int] = []  # each piece's first row in the table
         for entry in entries:
@@ -402,8 +406,8 @@ class PromptModules:
     def _fill(self, entry: ModuleEntry, blocks: list[int]) -> None:
         """Put the piece's KV in ``blocks``: from host memory, from disk, or by encoding it."""
         found = self.host.get(entry.key)
-        if found is not None:
-            self.kv.scatter_rows(blocks, found[0])
+        if found is not None:  # queued: lands layer by layer behind the prefill that reads it
+            self.kv.scatter_rows_layered(blocks, found[0])
             self.counters["module_loads_host_total"] += 1
             return
         if self.disk is not None:  # read, checked and copied straight to the device (kv/tiers.py)

@@ -1,0 +1,243 @@
+"""Host-tier KV landing layer by layer behind the forward that reads it (issue 54, ``kv/landing.py``).
+
+On a CPU copies are plain and done on issue, so the pipeline's order is checked with a copy stream
+whose copies land only when the current stream waits for them (``LazyCopier``): a reader that does
+not wait for a layer's copies sees the bytes that were there before, as it would race on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.engine.piecewise_graph import PiecewiseGraphs
+from prefixserve.kv.landing import MIN_COPY_BYTES, block_runs, worth_layering
+from tests.test_kv_tiers import DTYPES, TINY, random_cache, random_packed
+from tests.test_prompt_cache import PROMPTS, SCHEMA
+
+LAYERS = TINY.num_hidden_layers
+
+
+class _Copies:
+    """A lazy copy's event: its copies are made when something waits for it."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], log: list) -> None:
+        self.pairs, self.log, self.done = pairs, log, False
+
+    def synchronize(self) -> None:
+        if not self.done:
+            for dst, src in self.pairs:
+                dst.copy_(src)
+            self.done = True
+
+
+class LazyCopier:
+    """A copy stream whose copies land only when the current stream waits on their event."""
+
+    def __init__(self, log: list | None = None) -> None:
+        self.log: list = [] if log is None else log
+
+    def follow_current(self) -> None:
+        self.log.append("follow")
+
+    def copy_all(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> _Copies:
+        pairs = list(pairs)
+        self.log.append(("copy", len(pairs)))
+        return _Copies(pairs, self.log)
+
+    def wait(self, ready: _Copies | None) -> None:
+        if ready is not None:
+            self.log.append("wait")
+            ready.synchronize()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+LAYOUTS = [
+    ([6, 7, 8], 10),  # one run, the last block half filled
+    ([2, 3, 7, 8, 9, 0], 22),  # three runs
+    ([5], 1),
+    ([9, 0, 4, 2], 13),  # every block its own run
+]
+
+
+def test_block_runs_and_when_layering_pays() -> None:
+    assert block_runs([6, 7, 8], 10, 4) == [(0, 10, 24)]
+    assert block_runs([2, 3, 7, 8, 9, 0], 22, 4) == [(0, 8, 8), (8, 20, 28), (20, 22, 0)]
+    assert block_runs([], 0, 4) == []
+    row = 2048  # one row of one layer's K: 8 heads x 128 x bf16
+    assert worth_layering([(0, 10, 0)], 1, cuda=False)  # a CPU copies plainly: always
+    assert not worth_layering([], row, cuda=False)
+    assert worth_layering([(0, 512, 0)], row, cuda=True)  # a 512-token module in one run: 1 MiB copies
+    many = [(i * 16, (i + 1) * 16, 100 * i) for i in range(32)]  # 32 scattered blocks: 32 KiB copies
+    assert not worth_layering(many, row, cuda=True)
+    assert worth_layering([(0, MIN_COPY_BYTES // row, 0)], row, cuda=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("blocks", "rows"), LAYOUTS)
+def test_layered_scatter_writes_the_bytes_scatter_rows_writes(
+    dtype: torch.dtype, blocks: list[int], rows: int
+) -> None:
+    """Bit for bit the same pool as the whole copy and scatter: the same rows into the same slots,
+    nothing else touched (the tail of a partly filled block, other blocks, the scratch block)."""
+    packed = random_packed(rows, dtype)
+    whole, layered = random_cache(dtype), random_cache(dtype)
+    before = layered.tensor.clone()
+    whole.scatter_rows(blocks, packed)
+    layered.scatter_rows_layered(blocks, packed)
+    assert torch.equal(bits(layered.tensor), bits(before))  # queued: nothing written before the issue
+    assert layered.landing.pending
+    layered.issue_layered()
+    assert not layered.landing.pending  # a CPU's copies are done on issue
+    assert torch.equal(bits(layered.tensor), bits(whole.tensor))
+
+
+def test_copies_go_layer_major_with_one_event_per_layer() -> None:
+    """Every queued entry's copies of layer 0, then of layer 1, ...; one event per layer; each layer
+    lands when the current stream waits for it, and not before."""
+    cache = random_cache(torch.float32)
+    cache.landing.copier = copier = LazyCopier()
+    first, second = random_packed(7, torch.float32, seed=2), random_packed(10, torch.float32, seed=3)
+    want = random_cache(torch.float32)
+    want.scatter_rows([1, 2], first)
+    want.scatter_rows([5, 6, 8], second)
+    cache.scatter_rows_layered([1, 2], first)  # one run
+    cache.scatter_rows_layered([5, 6, 8], second)  # two runs
+    hook = cache.landing_hook()
+    assert hook is not None
+    # the copy stream follows the current stream once, then a copy batch per layer: K and V of each run
+    assert copier.log == ["follow"] + [("copy", 2 * (1 + 2))] * LAYERS
+    before = cache.tensor.clone()
+    for layer in range(LAYERS):
+        assert torch.equal(cache.tensor[layer:], before[layer:])  # this layer and later: not landed yet
+        hook(layer)
+        assert torch.equal(cache.tensor[: layer + 1], want.tensor[: layer + 1])
+    assert copier.log.count("wait") == LAYERS
+    assert not cache.landing.pending and cache.landing_hook() is None  # the next forward checks a None
+    assert torch.equal(cache.tensor, want.tensor)
+
+
+def test_work_outside_a_forward_settles_only_the_blocks_it_touches() -> None:
+    cache = random_cache(torch.float32)
+    cache.landing.copier = copier = LazyCopier()
+    rows = random_packed(6, torch.float32)
+    cache.scatter_rows_layered([3, 4], rows)
+    untouched = cache.gather_rows([7, 8], 8)  # other blocks: nothing is issued or waited for
+    assert copier.log == [] and cache.landing.pending
+    assert torch.equal(untouched, random_cache(torch.float32).gather_rows([7, 8], 8))
+    assert torch.equal(cache.gather_rows([3, 4], 6), rows)  # these blocks: everything lands first
+    assert copier.log == ["follow"] + [("copy", 2)] * LAYERS + ["wait"] * LAYERS
+    assert not cache.landing.pending
+    cache.scatter_rows_layered([0, 1], random_packed(5, torch.float32, seed=4))
+    cache.copy_blocks([(1, 9)])  # a block copy from a landing block waits for it too
+    assert torch.equal(cache.tensor[:, :, 9, :1], random_packed(5, torch.float32, seed=4)[:, :, 4:5])
+
+
+# --- end to end: modules restored from the host tier, through the engine --------------------------
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(("piecewise", "recompute"), [(False, "none"), (True, "none"), (False, "link:4")])
+def test_host_tier_modules_land_layer_by_layer_in_the_prefill(
+    tiny_config_path, piecewise: bool, recompute: str
+) -> None:
+    """Greedy outputs with modules restored from host memory equal those with the modules on the GPU,
+    while each layer's copies land only when that layer waits for them, just before its attention:
+    with the pool zeroed after the modules moved out, a layer that read early would read zeros."""
+    llm = LLM(
+        f"dummy:{tiny_config_path}",
+        dtype="float32",
+        device="cpu",
+        progress=False,
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,  # every block but the modules' is computed again
+        module_recompute=recompute,
+    )
+    runner = llm.engine.runner
+    if piecewise:
+        runner.pieces = PiecewiseGraphs(runner.model, runner.kv, 64, capture=False)
+    llm.register_schema(SCHEMA)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    modules = llm.engine.modules
+    modules.move_out()  # every module to host memory
+    assert modules.gpu_blocks == 0
+    runner.kv.tensor.zero_()  # no module KV left on the device to be read by mistake
+    log: list = []
+    runner.kv.landing.copier = LazyCopier(log)
+    attend = runner.backend.forward
+    runner.backend.forward = lambda *a, **kw: log.append("attend") or attend(*a, **kw)
+    loads = modules.counters["module_loads_host_total"]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == want
+    assert modules.counters["module_loads_host_total"] > loads
+    assert runner.kv.landing.copies > 0 and not runner.kv.landing.pending
+    layers = runner.kv.landing.layers
+    assert log.count("wait") == layers * log.count("follow")  # every issued layer was waited for
+    if recompute == "none":  # the first prefill: layer l waits for its copies, then attends
+        assert layer_order(log[log.index("wait") :])[: 2 * layers] == ["wait", "attend"] * layers
+
+
+def layer_order(log: list) -> list:
+    """The log's waits and attentions, each run of waits (one per issue that copied the layer) as one."""
+    out: list = []
+    for item in log:
+        if item in ("wait", "attend") and not (item == "wait" and out and out[-1] == "wait"):
+            out.append(item)
+    return out
+
+
+# --- on a GPU: real streams and events (skipped without one) ---------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("blocks", "rows"), [(list(range(3, 9)), 22), ([2, 3, 7, 8, 9, 0], 22)])
+def test_layered_scatter_on_cuda_lands_the_bytes_scatter_rows_writes(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, blocks: list[int], rows: int
+) -> None:
+    """Pinned rows copied on the copy stream a layer at a time, each layer waited for on the current
+    stream: the same bytes as the whole copy and scatter (tiny rows: the size rule is lifted)."""
+    monkeypatch.setattr("prefixserve.kv.landing.MIN_COPY_BYTES", 0)
+    packed = random_packed(rows, dtype).pin_memory()
+    whole, layered = random_cache(dtype, "cuda"), random_cache(dtype, "cuda")
+    whole.scatter_rows(blocks, packed)
+    layered.scatter_rows_layered(blocks, packed)
+    hook = layered.landing_hook()
+    assert hook is not None and layered.landing.copies == 2 * LAYERS * len(block_runs(blocks, rows, 4))
+    for layer in range(LAYERS):
+        hook(layer)
+    assert not layered.landing.pending
+    assert torch.equal(bits(layered.tensor), bits(whole.tensor))
+
+
+@pytest.mark.gpu
+def test_host_tier_modules_land_layer_by_layer_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, tiny_config_path
+) -> None:
+    """Greedy outputs with modules restored from pinned host memory, landing layer by layer on the copy
+    stream under the prefill (eager and piecewise-graphed), equal those with the modules on the GPU."""
+    monkeypatch.setattr("prefixserve.kv.landing.MIN_COPY_BYTES", 0)
+    llm = LLM(
+        f"dummy:{tiny_config_path}",
+        device="cuda",
+        progress=False,
+        num_kv_blocks=256,
+        enable_prefix_caching=False,  # every block but the modules' is computed again
+    )
+    llm.register_schema(SCHEMA)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    kv = llm.engine.runner.kv
+    for _ in range(2):  # the second round replays the piecewise graphs captured in the first
+        llm.engine.modules.move_out()
+        kv.tensor.zero_()  # no module KV left on the device to be read by mistake
+        copies = kv.landing.copies
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        assert kv.landing.copies > copies and not kv.landing.pending
