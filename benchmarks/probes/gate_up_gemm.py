@@ -8,7 +8,8 @@ TMA at every size, removed). Each is timed as a CUDA graph over enough
 weight copies that none stays in L2. Prints per row count the unfused time, the best fused tiles
 and the rules' picks; ``--json`` keeps every timing.
 
-PYTHONPATH=. python -m benchmarks.probes.gate_up_gemm --rows 1 16 64 128 256 512 1024 8192
+PYTHONPATH=. python -m benchmarks.probes.gate_up_gemm --rows 1 16 64 128 256 512 1024 8192 [--tp 2]
+(``--tp N``: one tensor-parallel rank's shard, an N-th of the intermediate columns)
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
         "--engine-ab", type=int, default=0, help="no sweep: N rounds of engine steps, kernel on/off"
     )
     ap.add_argument("--ab", type=int, default=0, help="no sweep: N alternations of the pair and the rule")
+    ap.add_argument("--tp", type=int, default=1, help="sweep one tensor-parallel rank's shard")
     args = ap.parse_args()
     if args.engine_ab:
         return engine_ab(args.rows, args.engine_ab)
@@ -60,7 +62,7 @@ def main() -> None:
     dev = torch.device("cuda")
     copy_tbps, gemm_tflops = measure_ceilings(dev)
     print(f"copy {copy_tbps:.2f} TB/s, GEMM {gemm_tflops:.0f} TFLOP/s", flush=True)
-    n, k = 2 * INTER, HIDDEN
+    n, k = 2 * INTER // args.tp, HIDDEN
     copies = max(2, -(-(256 << 20) // (n * k * 2)))
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 32 for _ in range(copies)]
     rows, table = [], []

@@ -8,7 +8,9 @@ pick (None: cuBLAS), and the copy rate measured in the same run; ``--json`` keep
 first sweep (2026-11-25, H100) also tried BLOCK_K 256 and split K (2-8 slices, summed by a second
 kernel): never better by more than 1%.
 
-PYTHONPATH=. python -m benchmarks.probes.skinny_gemm --rows 1 16 64
+PYTHONPATH=. python -m benchmarks.probes.skinny_gemm --rows 1 16 64 [--tp 2]
+(``--tp N``: one rank's shard of each shape: N-th of the columns of qkv, gate-up and lm_head, of the
+inputs of o and down)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from benchmarks.harness.timing import graph_ms, measure_ceilings
 from prefixserve.model.kernels import skinny_matmul
 
+COLUMN_PARALLEL = ("qkv", "gate_up", "lm_head")  # sharded by output columns; o and down by input columns
 SHAPES = {
     "qkv": (6144, 4096),
     "o": (4096, 4096),
@@ -44,6 +47,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tp", type=int, default=1, help="time one tensor-parallel rank's shard of each shape")
     args = ap.parse_args()
     dev = torch.device("cuda")
     copy_tbps, _ = measure_ceilings(dev)
@@ -51,6 +55,7 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
+        n, k = (n // args.tp, k) if name in COLUMN_PARALLEL else (n, k // args.tp)
         copies = max(2, -(-(256 << 20) // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         floor_ms = n * k * 2 / (copy_tbps * 1e9)
