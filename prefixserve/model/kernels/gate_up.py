@@ -84,11 +84,9 @@ def tiled_config(m: int, n: int) -> TileConfig | None:
     against cuBLAS's: 27% slower at 160 rows on an H200 (10% on an H100), 5-9% slower at 192-224 on
     an H200; at 256 rows 2-5% faster a call but level in whole H200 decode steps (0.993x), and from
     768 rows cuBLAS's compute-bound GEMM is about 7% faster than this kernel's."""
-    if n < skinny_matmul.MIN_GATED_COLUMNS or m > 128:
+    if n < skinny_matmul.MIN_GATED_COLUMNS:
         return None
-    if n < skinny_matmul.SHARD_GATED_COLUMNS:  # a rank's half of it: 46.0 vs 49.5 us at 128 rows (H100)
-        return 64, 128, 64, 5, 4
-    return 128, 64, 64, 5, 4
+    return (128, 64, 64, 5, 4) if m <= 128 else None
 
 
 @functools.cache

@@ -90,22 +90,16 @@ def skinny_config(m: int, n: int) -> tuple[int, int] | None:
     return None
 
 
-# the gated form's rules were measured at 14,336 columns (Llama-3.1-8B) and 7,168 (its half, a rank's
-# shard at tensor parallelism 2)
-MIN_GATED_COLUMNS = 7168
-SHARD_GATED_COLUMNS = 8192  # below it, the rank-shard rule
+MIN_GATED_COLUMNS = 8192  # the gated form's rules were measured at 14,336 columns (Llama-3.1-8B)
 
 
 def gated_config(m: int, n: int) -> tuple[int, int] | None:
     """(BLOCK_N, STAGES) of the gated form (``n`` output columns, 2n weight rows), or None where
-    cuBLAS and the SiLU-and-mul kernel should run: narrower than ``MIN_GATED_COLUMNS`` (a small model,
-    a shard of more than 2 ranks), where too few programs would fill the SMs and nothing was measured.
-    At 7,168 columns (H100, ``benchmarks/probes/gate_up_gemm.py --tp 2``) 32 columns and three stages
-    were best: 43.0 vs 51.5 us for cuBLAS and the SiLU kernel at 16 rows, 44.3 vs 46.8 at 64."""
+    cuBLAS and the SiLU-and-mul kernel should run: narrower than ``MIN_GATED_COLUMNS`` (a
+    tensor-parallel shard of the gate-up, a small model), where too few programs would fill the SMs
+    and nothing was measured."""
     if n < MIN_GATED_COLUMNS:
         return None
-    if n < SHARD_GATED_COLUMNS:
-        return 32, 3
     return (32, 6) if m <= 16 else (64, 4)
 
 
