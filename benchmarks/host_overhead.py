@@ -126,7 +126,15 @@ class _StubModel:
         self._logits = torch.randn(max_rows, VOCAB, generator=gen)
         self._calls = 0
 
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, layers: Any, meta: Any, backend: Any) -> Any:
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        layers: Any,
+        meta: Any,
+        backend: Any,
+        before_layer: Any = None,
+    ) -> Any:
         step = meta.plan
         if isinstance(step, TritonStep) and step.shared is not None:
             build_layout(meta, step, Q_HEADS, KV_HEADS, HEAD_DIM, torch.device("cpu"), torch.bfloat16)
@@ -145,6 +153,13 @@ class _StubKV:
         self.rec = rec
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass
+
+    def landing_hook(self) -> None:
+        """No host-tier KV ever lands here (``kv/landing.py``)."""
+        return None
+
+    def settle(self, blocks: Any = None) -> None:
         pass
 
 
