@@ -141,9 +141,8 @@ class InputProcessor:
         if not tokens:
             raise ValueError("the prompt is empty")
         vocab = self.vocab_size
-        holes = modules.holes if modules is not None else 0
-        if holes:  # a module block's empty rows hold placeholders that are never computed
-            tokens = list(tokens)
+        if modules is not None:  # module rows (and holes' placeholders) came from the store: own ones only
+            tokens = list(tokens) if modules.holes else tokens
             check = tokens[len(modules.blocks) * self.block_size :]
         else:
             check = tokens
