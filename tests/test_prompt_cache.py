@@ -247,6 +247,9 @@ def test_piece_keys_and_stand_in_digests_are_remembered_exactly(tiny_config_path
             parent = block_digest(parent, [i], [], "s")
             want.append(parent)
     assert modules._stand_in_digests(entries, NONE, "s") == want
+    got = modules._digests_of(entries, NONE, "s")  # remembered per set of pieces, handed out as copies
+    got.clear()
+    assert modules._digests_of(entries, NONE, "s") == want
     tokyo = modules.key_of(reg.pieces["tokyo"], None)
     llm.engine.modules.unregister("travel")
     llm.register_schema(SCHEMA.replace("sushi", "ramen"))

@@ -176,7 +176,7 @@ class InputProcessor:
                 modules.recomputed_tokens, modules.private_rows, modules.recompute_runs,
             )  # fmt: skip
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
-        self.new_sequence(req, 0, token_array(ids), token_array(positions))
+        self.new_sequence(req, 0, ids[:], positions[:])  # copies of the arrays (C speed, no re-typing)
         return req
 
     def new_sequence(self, req: Request, index: int, tokens: TokenArray, positions: TokenArray) -> Sequence:

@@ -110,7 +110,7 @@ def assemble(
     for name in used:
         end = max(end, layout.spans[name][1])
     placed: list[tuple[int, int]] = []  # (position, token) of arguments and whitespace runs
-    args = check_arguments(schema, prompt, tokenize)
+    args = check_arguments(schema, prompt, tokenize, layout)
     starts = {(s.module, s.param): s.start for s in layout.segments if s.param is not None}
     for key, ids in args.items():
         placed += zip(range(starts[key], starts[key] + len(ids)), ids, strict=True)

@@ -62,6 +62,7 @@ from prefixserve.promptcache.recompute import (
 log = logging.getLogger(__name__)
 
 KEY_CACHE_SIZE = 4096  # (piece, salt) keys a registered schema remembers
+DIGEST_CACHE_SIZE = 256  # sets of pieces whose stand-in digests are remembered
 HOLE_TOKEN = -2  # a request's token at a module block's empty row (never computed, never sampled)
 
 Encode = Callable[[list[int], list[int], list[int]], None]  # (token ids, positions, blocks): fill blocks
@@ -153,6 +154,9 @@ class PromptModules:
         self.module_rows = np.zeros(pool.num_blocks + 1, dtype=np.int32)  # [blocks] rows of module blocks
         self.num_marked = 0  # blocks with module rows (``active`` reads this every step)
         self.gpu_blocks = 0  # blocks the GPU tier holds
+        # (piece keys, recovery, salt) -> stand-in digests: requests over one set of pieces (one
+        # document, other questions) hash the same ~320 digests per 5K module tokens otherwise
+        self._digests: OrderedDict[tuple[tuple[str, ...], str, str | None], list[bytes]] = OrderedDict()
         self.counters: dict[str, int] = {
             "module_encodes_total": 0,
             "module_loads_host_total": 0,
@@ -312,8 +316,21 @@ class PromptModules:
                 raise
         if not mp.recompute_runs:
             mp.recompute = NONE  # nothing recomputed: the plain Prompt Cache KV
-        mp.digests = self._stand_in_digests(entries, mp.recompute, salt)
+        mp.digests = self._digests_of(entries, mp.recompute, salt)
         return mp
+
+    def _digests_of(self, entries: list[ModuleEntry], recompute: Recompute, salt: str | None) -> list[bytes]:
+        """``_stand_in_digests``, remembered for the last ``DIGEST_CACHE_SIZE`` sets of pieces (a copy:
+        the caller may keep it)."""
+        key = (tuple(e.key for e in entries), recompute.spec if recompute.kind != "none" else "", salt)
+        found = self._digests.get(key)
+        if found is None:
+            found = self._digests[key] = self._stand_in_digests(entries, recompute, salt)
+            if len(self._digests) > DIGEST_CACHE_SIZE:
+                self._digests.popitem(last=False)
+        else:
+            self._digests.move_to_end(key)
+        return list(found)
 
     @staticmethod
     def _stand_in_digests(entries: list[ModuleEntry], recompute: Recompute, salt: str | None) -> list[bytes]:
