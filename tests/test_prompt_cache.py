@@ -219,3 +219,42 @@ def test_gpu_triton_path_and_graphs_equal_reference(tiny_config_path) -> None:
         outs.append(token_ids(llm.generate(PROMPTS * 3, GREEDY)))
         assert_only_modules_held(llm)
     assert outs[0] == outs[1]
+
+
+def test_piece_keys_and_stand_in_digests_are_remembered_exactly(tiny_config_path) -> None:
+    """The per-schema key cache gives ``key_of``'s keys, is gone with a re-registration (new text,
+    new keys), and the inlined stand-in digests are ``block_digest``'s chain."""
+    import hashlib
+
+    from prefixserve.kv.block_pool import block_digest
+    from prefixserve.promptcache.recompute import NONE
+
+    llm = tiny(tiny_config_path)
+    modules = llm.engine.modules
+    llm.register_schema(SCHEMA)
+    llm.generate({"prompt": PROMPTS[0], "cache_salt": "s"}, GREEDY)
+    reg = modules.schemas["travel"]
+    assert reg.keys
+    for (name, salt), key in reg.keys.items():
+        assert key == modules.key_of(reg.pieces[name], salt)
+    entries = [e for e in modules.entries.values() if e.blocks is not None]
+    h = hashlib.blake2b(b"prompt-modules", digest_size=16)
+    want = []
+    for entry in entries:
+        h.update(entry.key.encode())
+        parent = h.digest()
+        for i in range(len(entry.blocks)):
+            parent = block_digest(parent, [i], [], "s")
+            want.append(parent)
+    assert modules._stand_in_digests(entries, NONE, "s") == want
+    got = modules._digests_of(entries, NONE, "s")  # remembered per set of pieces, handed out as copies
+    got.clear()
+    assert modules._digests_of(entries, NONE, "s") == want
+    tokyo = modules.key_of(reg.pieces["tokyo"], None)
+    llm.engine.modules.unregister("travel")
+    llm.register_schema(SCHEMA.replace("sushi", "ramen"))
+    llm.generate(PROMPTS[0], GREEDY)
+    reg = modules.schemas["travel"]
+    assert ("tokyo", "s") not in reg.keys and reg.keys[("tokyo", None)] != tokyo
+    assert reg.keys[("tokyo", None)] == modules.key_of(reg.pieces["tokyo"], None)
+    assert_only_modules_held(llm)

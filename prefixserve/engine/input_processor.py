@@ -141,9 +141,8 @@ class InputProcessor:
         if not tokens:
             raise ValueError("the prompt is empty")
         vocab = self.vocab_size
-        holes = modules.holes if modules is not None else 0
-        if holes:  # a module block's empty rows hold placeholders that are never computed
-            tokens = list(tokens)
+        if modules is not None:  # module rows (and holes' placeholders) came from the store: own ones only
+            tokens = list(tokens) if modules.holes else tokens
             check = tokens[len(modules.blocks) * self.block_size :]
         else:
             check = tokens
@@ -177,7 +176,7 @@ class InputProcessor:
                 modules.recomputed_tokens, modules.private_rows, modules.recompute_runs,
             )  # fmt: skip
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
-        self.new_sequence(req, 0, token_array(ids), token_array(positions))
+        self.new_sequence(req, 0, ids[:], positions[:])  # copies of the arrays (C speed, no re-typing)
         return req
 
     def new_sequence(self, req: Request, index: int, tokens: TokenArray, positions: TokenArray) -> Sequence:

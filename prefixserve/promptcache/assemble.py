@@ -89,18 +89,28 @@ def schema_fillers(layout: SchemaLayout) -> list[Segment]:
 
 
 def assemble(
-    schema: Schema, layout: SchemaLayout, prompt: Prompt, tokenize: Tokenize, frames: ChatFrames | None = None
+    schema: Schema,
+    layout: SchemaLayout,
+    prompt: Prompt,
+    tokenize: Tokenize,
+    frames: ChatFrames | None = None,
+    all_pieces: dict[str, Piece] | None = None,
 ) -> AssembledPrompt:
-    """The pieces ``prompt`` reuses and its own tokens, each token at its schema position."""
+    """The pieces ``prompt`` reuses and its own tokens, each token at its schema position.
+
+    ``all_pieces``: ``schema_pieces(layout)`` made once per schema (a registered schema keeps them:
+    rebuilding them per request copied every module's token list); they are read, never changed."""
     if prompt.schema != schema.name:
         raise PMLError(f"prompt is for schema {prompt.schema!r}, not {schema.name!r}")
     used = set(closure(schema, prompt))
-    pieces = [p for name, p in schema_pieces(layout).items() if name.startswith("#") or name in used]
+    if all_pieces is None:
+        all_pieces = schema_pieces(layout)
+    pieces = [p for name, p in all_pieces.items() if name.startswith("#") or name in used]
     end = max((p.positions[-1] + 1 for p in pieces), default=0)
     for name in used:
         end = max(end, layout.spans[name][1])
     placed: list[tuple[int, int]] = []  # (position, token) of arguments and whitespace runs
-    args = check_arguments(schema, prompt, tokenize)
+    args = check_arguments(schema, prompt, tokenize, layout)
     starts = {(s.module, s.param): s.start for s in layout.segments if s.param is not None}
     for key, ids in args.items():
         placed += zip(range(starts[key], starts[key] + len(ids)), ids, strict=True)
