@@ -15,7 +15,6 @@ import torch
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.landing import MIN_COPY_BYTES, block_runs, worth_layering
-from prefixserve.kv.transfer import CopyStream, Events
 from tests.test_kv_tiers import DTYPES, TINY, random_cache, random_packed
 from tests.test_prompt_cache import PROMPTS, SCHEMA
 
@@ -246,31 +245,3 @@ def test_host_tier_modules_land_layer_by_layer_on_cuda(
         copies = kv.landing.copies
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         assert kv.landing.copies > copies and not kv.landing.pending
-
-
-def test_copy_all_on_a_cpu_copies_at_once() -> None:
-    """On a CPU the two-stream ``copy_all`` is plain copies, done on return; ``wait`` of none is none."""
-    copier = CopyStream(torch.device("cpu"))
-    dst, src = torch.zeros(3, 4), [torch.randn(4) for _ in range(3)]
-    assert copier.copy_all([(dst[i], s) for i, s in enumerate(src)]) is None
-    assert torch.equal(dst, torch.stack(src))
-    copier.wait(None)
-    Events(()).synchronize()
-
-
-@pytest.mark.gpu
-def test_copy_all_alternates_two_streams_and_waits_for_both() -> None:
-    """Copies alternate between the copy stream and a second one; the ready of a call holds an event
-    of each stream that got copies, and waiting for it orders the current stream after both."""
-    copier = CopyStream(torch.device("cuda", torch.cuda.current_device()))
-    src = torch.randn(5, 1 << 18).pin_memory()
-    dst = torch.empty(5, 1 << 18, device="cuda")
-    copier.follow_current()
-    ready = copier.copy_all([(dst[i], src[i]) for i in range(5)])
-    assert isinstance(ready, Events) and len(ready.events) == 2
-    copier.wait(ready)
-    assert torch.equal(dst.cpu(), src)
-    one = copier.copy_all([(dst[0], src[1])])
-    assert isinstance(one, Events) and len(one.events) == 1
-    one.synchronize()
-    assert torch.equal(dst[0].cpu(), src[1])

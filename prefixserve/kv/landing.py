@@ -24,9 +24,6 @@ so the prefill ends about a layer's compute after the last copy instead of a who
   puts a kernel on the copy stream. A copy costs the host some microseconds to issue, so entries
   whose copies would be small (a few scattered blocks) keep ``scatter_rows``' one copy and one
   scatter (``worth_layering``).
-- Two copy streams (``CopyStream.copy_all`` alternates a layer's copies between them): on one, the
-  copy engine idled between 1 MiB copies (86% of the pinned rate at 5K tokens of an 8B model); with
-  a copy always queued behind the running one it does not. A layer's ready is an event per stream.
 - Events are per layer, not per group of layers: the copies are per layer anyway, an event costs
   microseconds, and the smaller the last unit, the shorter the prefill's tail after the copy.
 

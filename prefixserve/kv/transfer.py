@@ -8,8 +8,7 @@ an event (``wait_event``: the device waits, the host goes on), never on a device
 - ``CopyStream.to_device`` / ``to_device_blocks``: host -> device, in as few and as large copies as
   the source allows (a pinned source goes straight; a pageable one through reused pinned slots).
 - ``CopyStream.copy_all``: host -> device into memory the caller owns (KV pool blocks, a layer at a
-  time: ``kv/landing.py``), alternating between two streams so a copy is always queued behind the
-  one running; ``Events`` after the lot; ``follow_current`` orders both after the steps.
+  time: ``kv/landing.py``), one event after the lot; ``follow_current`` orders it after the steps.
 - ``CopyStream.to_host``: device -> pinned host, returning the event that says the bytes are there.
 - ``CopyStream.copy_out``: device -> host into a buffer the caller owns (a ``SlabPool`` slot run).
 - ``Slots``: a few page-aligned (pinned on CUDA) buffers reused for staging, each with the event of
@@ -34,17 +33,6 @@ class Ready(Protocol):
     """What says a copy has finished: a ``torch.cuda.Event`` (``synchronize`` waits for that copy alone)."""
 
     def synchronize(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Events:
-    """Several streams' events, ready when all are (``CopyStream.copy_all`` over two streams)."""
-
-    events: tuple[Ready, ...]
-
-    def synchronize(self) -> None:
-        for event in self.events:
-            event.synchronize()
 
 
 def aligned_bytes(nbytes: int, pin: bool) -> torch.Tensor:
@@ -98,10 +86,6 @@ class CopyStream:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        # ``copy_all``'s second stream: with copies alternating between two streams one is always
-        # queued behind the other, so the copy engines never idle between small copies (issue 54:
-        # 1 MiB per-layer copies on one stream reached 86% of the pinned rate)
-        self.second = torch.cuda.Stream(device) if self.cuda else None
         self._slot_args = (slots, slot_bytes)
         self._slots: Slots | None = None  # pinned slots for pageable sources, made on first use
 
@@ -123,11 +107,8 @@ class CopyStream:
 
     def wait(self, ready: Ready | None) -> None:
         """Make the current stream wait for ``ready`` (the device waits; the host does not)."""
-        if ready is None or not self.cuda:
-            return
-        current = torch.cuda.current_stream(self.device)
-        for event in ready.events if isinstance(ready, Events) else (ready,):
-            current.wait_event(event)  # type: ignore[arg-type]
+        if ready is not None and self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(ready)  # type: ignore[arg-type]
 
     def hand_over(self, tensor: torch.Tensor, ready: Ready | None) -> torch.Tensor:
         """``tensor``, written on the copy stream, made safe to use on the current stream."""
@@ -161,31 +142,20 @@ class CopyStream:
     def follow_current(self) -> None:
         """Order the copy stream's later work after everything queued so far on the current stream (a
         copy into memory that work may still read or write). Nothing on a CPU."""
-        if self.stream is not None and self.second is not None:
-            current = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(current)
-            self.second.wait_stream(current)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def copy_all(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Ready | None:
-        """Enqueue ``dst.copy_(src)`` (pinned host -> device, both contiguous) for each pair, alternating
-        between the copy stream and a second one (``follow_current`` orders both); ``Events`` after
-        the last copy on each. On a CPU they are plain copies, done on return (None)."""
-        if self.stream is None or self.second is None:
+        """Enqueue ``dst.copy_(src)`` (pinned host -> device, both contiguous) for each pair on the copy
+        stream; the event after the last. On a CPU they are plain copies, done on return (None)."""
+        if self.stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
             return None
-        pairs = list(pairs)
-        events = []
-        for stream, share in ((self.stream, pairs[0::2]), (self.second, pairs[1::2])):
-            if not share:
-                continue
-            with torch.cuda.stream(stream):  # one switch per stream and call, not per copy
-                for dst, src in share:
-                    dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            events.append(event)
-        return Events(tuple(events)) if events else None
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        return self.record()
 
     def to_device(self, src: torch.Tensor) -> torch.Tensor:
         """``src`` (host, contiguous) on the device, ready for the current stream: one copy if pinned,
