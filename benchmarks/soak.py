@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, TINY, dummy_model, run_info, run_or_report
-from benchmarks.harness.server import Clients, ServerProcess, free_port, scrape
+from benchmarks.harness.server import Clients, ServerProcess, free_port, scrape, wait_idle
 from benchmarks.serving_gpu.workload import chat_requests, doc_requests, system_prompt
 from benchmarks.soak_report import report
 
@@ -180,17 +180,6 @@ def burst_requests(args: argparse.Namespace, tok: Any, systems: list[str], i: in
         system = systems[(i // 2) % len(systems)]
         return chat_requests(tok, system, args.chats, 10_000 + i, args, None, logprobs=False, tag="s")
     return doc_requests(tok, args, 20_000 + i)
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
-    """/metrics once the engine has no request left (the answers are in, the last step may not be)."""
-    t0 = time.monotonic()
-    while True:
-        m = scrape(url)
-        idle = m and not m.get("num_requests_running") and not m.get("num_requests_waiting")
-        if idle or time.monotonic() - t0 > timeout:
-            return m
-        time.sleep(0.05)
 
 
 def run_burst(
