@@ -27,7 +27,7 @@ import multiprocessing
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
@@ -148,6 +148,21 @@ class OutputDecoder:
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+
+    def decode_live(self, wires: list[tuple[Any, ...]], live: Container[str]) -> list[RequestOutput]:
+        """The outputs of the requests in ``live``; the others' wires are dropped and their state
+        forgotten. A request aborted here unreported while its first output was on its way would
+        otherwise get its state (its prompt's ids among it) rebuilt by that output's head, and no
+        final output ever comes to clear it: one entry leaked per such abort."""
+        outs = []
+        for wire in wires:
+            if wire[0] not in live:
+                self._state.pop(wire[0], None)
+                continue
+            out = self.decode(wire)
+            if out is not None:
+                outs.append(out)
+        return outs
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -440,8 +455,8 @@ class EngineProcess(EngineLoop):
                 if kind == "out":
                     if message[2] is not None:  # counters first: they cover these outputs
                         self.snapshot = message[2]
-                    decode = self._decoder.decode
-                    self._deliver([o for o in map(decode, message[1]) if o is not None])
+                    # a request's "accepted" comes before its outputs: one not registered was aborted
+                    self._deliver(self._decoder.decode_live(message[1], self._streams))
                 elif kind == "accepted":
                     self._accepted(message[1], message[2])
                 elif kind == "result":
