@@ -11,9 +11,10 @@ that a long-running server stays as fast, as small and as clean as a fresh one:
   system prompts, taken in turn, so they are cached, reused and evicted) and **documents** (a new
   ``--doc-tokens`` document each time, ``--questions`` questions about it at once);
 - per burst: tokens/s (generated tokens / first send to last answer), the server's resident memory
-  (its process and children, from /proc), the engine's CUDA memory (allocated, reserved: /metrics),
-  blocks in use and the free space's fragmentation (sampled from /metrics during the burst), and the
-  burst's scattered allocations, evicted blocks and preemptions (/metrics counters);
+  (its process and children, from /proc; also by process, and anonymous / file-backed), the engine's
+  CUDA memory (allocated, reserved: /metrics), blocks in use and the free space's fragmentation
+  (sampled from /metrics during the burst), and the burst's scattered allocations, evicted blocks and
+  preemptions (/metrics counters);
 - at the end: blocks still held by nobody's request (leaked) and the verdicts on the targets
   (``benchmarks/soak_report.py``): the last bursts' tokens/s >= 0.95 of the first's for chats and
   for documents, resident and CUDA memory flat after warm-up (< 1% growth), zero leaked blocks.
@@ -117,8 +118,14 @@ def apply_device_defaults(args: argparse.Namespace, argv: list[str]) -> None:
             setattr(args, key, value)
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (the server and its engine process)."""
+MEMORY_FIELDS = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+
+
+def tree_memory(pid: int) -> dict[str, int]:
+    """Resident bytes of a process and all its descendants (the server and its engine process):
+    ``rss`` in all, ``server`` (the process itself) and ``children``, and by kind over the tree:
+    ``anon`` (heaps, Python objects, pinned buffers), ``file`` (mapped libraries and files as paged in)
+    and ``shmem``. Which side grows, and how, says where to look."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -129,16 +136,22 @@ def tree_rss(pid: int) -> int:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    total = dict.fromkeys(("rss", "server", "children", *MEMORY_FIELDS.values()), 0)
+    todo = [pid]
     while todo:
         p = todo.pop()
         todo += children.get(p, [])
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
         except OSError:
             continue
+        for line in lines:
+            parts = line.split()
+            key = MEMORY_FIELDS.get(parts[0]) if parts else None
+            if key:
+                total[key] += int(parts[1]) * 1024
+                if key == "rss":
+                    total["server" if p == pid else "children"] += int(parts[1]) * 1024
     return total
 
 
@@ -211,8 +224,10 @@ def run_burst(
         "longest_free_run_min": sampler.min_longest_run,
         "gpu_allocated_bytes": after.get("gpu_memory_allocated_bytes"),
         "gpu_reserved_bytes": after.get("gpu_memory_reserved_bytes"),
-        "rss_bytes": tree_rss(server.proc.pid) if server.proc else None,
     }
+    memory = tree_memory(server.proc.pid) if server.proc else {}
+    out["rss_bytes"] = memory.get("rss")
+    out["memory"] = memory
     for key, name in COUNTERS.items():
         out[key] = after.get(name, 0.0) - before.get(name, 0.0)
     return out
