@@ -118,10 +118,10 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--system-tokens", type=int, default=2048)
     r.add_argument("--user-tokens", type=int, nargs=2, default=[64, 256])
     r.add_argument("--output-tokens", type=int, nargs=2, default=[128, 256])
-    r.add_argument("--ladder-window", type=float, default=20.0, help="seconds of arrivals per ladder rate")
+    r.add_argument("--ladder-window", type=float, default=15.0, help="seconds of arrivals per ladder rate")
     r.add_argument("--ladder-start", type=float, default=0.75, help="first ladder rate, x the burst's rate")
     r.add_argument("--ladder-step", type=float, default=1.25, help="ratio between ladder rates")
-    r.add_argument("--ladder-points", type=int, default=5, help="ladder rates at most")
+    r.add_argument("--ladder-points", type=int, default=4, help="ladder rates at most")
     r.add_argument(
         "--warm-requests", type=int, default=None, help="the warm-up burst's chats (default --max-num-seqs)"
     )

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.admission import Admission, AdmissionLimits
+from prefixserve.engine.host_trim import IdleTrim
 from prefixserve.entrypoints.openai.engine_thread import (
     IDLE_WAIT_S,
     EngineLoop,
@@ -212,6 +213,7 @@ class _EngineChild:
         self.engine, self.conn, self.admission = engine, conn, admission
         self.encoder = OutputEncoder()
         self.paced: dict[str, Any] = {}  # streamed requests with a reader that paces them -> Request
+        self.trim = IdleTrim()  # freed heap back to the OS after a burst (engine/host_trim.py)
         self.last_snapshot = 0.0
 
     def run(self) -> None:
@@ -234,6 +236,9 @@ class _EngineChild:
                     self._send_outputs(outputs, self._due_snapshot(force=not engine.has_unfinished()))
                     if dead:
                         return
+                    self.trim.busy()
+                    if not engine.has_unfinished():  # the burst's last outputs are sent
+                        self.trim.idle()
         except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
             log.info("the server closed the pipe; the engine stops")
             engine.shutdown()
@@ -376,6 +381,10 @@ class EngineProcess(EngineLoop):
             self._process.kill()
             self._process.join(5)
         self._conn.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams) + len(self._adds)
 
     @property
     def alive(self) -> bool:
