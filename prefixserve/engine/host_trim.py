@@ -5,13 +5,13 @@ document burst's 128 prompts of 8K tokens tokenized on the HTTP process's worker
 worker's arena as large as its share of the burst was, though nothing in it is live any more (on a
 2-core VM, 128 x 8K tokens tokenized on 20 threads: 171 MiB of 271 MiB of heap free after the burst,
 RSS 425 MiB; trimmed after each burst, RSS 324-333 MiB). The resident memory then tracks the largest
-burst each arena has seen, and creeps up as bursts land on other threads' arenas: for a server that
-runs for days, RSS stops telling what is live. ``malloc_trim(0)`` hands every arena's free pages back
-(madvise); it walks the free chunks (milliseconds) and the next burst faults its pages in again, so it
-runs only when the process has nothing in flight, after work, at most once per ``MIN_INTERVAL_S``.
-In ``benchmarks/soak.py --device cpu`` (engine process on, 128-request bursts of 3.5K-token
-documents and chats, 2-core VM) the HTTP process's RSS was 330 MiB (median of bursts 4-29) instead
-of 355, tokens/s unchanged.
+burst each arena has seen (on this VM the level was reached at the first burst; with more cores,
+more arenas reach theirs one burst at a time), not what is live. ``malloc_trim(0)`` hands every
+arena's free pages back (madvise); it walks the free chunks (15 ms for those 171 MiB) and the next
+burst faults its pages in again, so it runs only when the process has nothing in flight, after work,
+at most once per ``MIN_INTERVAL_S``. In ``benchmarks/soak.py --device cpu`` (engine process on,
+128-request bursts of 3.5K-token documents and chats, 2-core VM) the HTTP process's RSS was 330 MiB
+(median of bursts 4-29) instead of 355, tokens/s unchanged.
 
 Not where ``cpu_malloc.keep_freed_memory`` holds freed memory on purpose (a CPU engine in this
 process keeps its activations in the heap between steps), and nowhere but glibc.
