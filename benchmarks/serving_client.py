@@ -13,8 +13,10 @@ Each request is sent at ``start_at + offset`` (CLOCK_MONOTONIC, the same in ever
 through ``client.chat.completions.create`` or ``client.completions.create``. Per request the answer
 holds: when it was due, sent, got its first token and ended; the tokens each streamed chunk carried
 (counted from the chunk's logprobs when asked for, else one per chunk with text) and when; usage; and
-the error (HTTP status, message) if any. Requests still running at ``deadline`` are cancelled
-(the server aborts them) and reported with ``error: "deadline"``.
+the error if any: its message, when it came (``failed``) and, for an HTTP error, the status, the
+error body's ``code`` and the ``Retry-After`` header. Requests still running at ``deadline`` are
+cancelled (the server aborts them) and reported with ``error: "deadline"``; ``timeout`` (seconds,
+default 600) is each request's HTTP timeout.
 """
 
 from __future__ import annotations
@@ -84,9 +86,13 @@ async def _one(client: Any, req: dict[str, Any], due: float) -> dict[str, Any]:
     except asyncio.CancelledError:
         out["error"] = "deadline"
     except openai.APIStatusError as exc:
+        out["failed"] = time.monotonic()
         out["error"] = f"HTTP {exc.status_code}: {str(exc)[:300]}"
         out["status"] = exc.status_code
+        out["code"] = getattr(exc, "code", None)
+        out["retry_after"] = exc.response.headers.get("retry-after")
     except Exception as exc:  # connection reset, malformed stream, ...
+        out["failed"] = time.monotonic()
         out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return out
 

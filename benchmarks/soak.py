@@ -11,12 +11,26 @@ that a long-running server stays as fast, as small and as clean as a fresh one:
   system prompts, taken in turn, so they are cached, reused and evicted) and **documents** (a new
   ``--doc-tokens`` document each time, ``--questions`` questions about it at once);
 - per burst: tokens/s (generated tokens / first send to last answer), the server's resident memory
-  (its process and children, from /proc), the engine's CUDA memory (allocated, reserved: /metrics),
-  blocks in use and the free space's fragmentation (sampled from /metrics during the burst), and the
-  burst's scattered allocations, evicted blocks and preemptions (/metrics counters);
+  (its process and children, from /proc; also by process, and anonymous / file-backed), the engine's
+  CUDA memory (allocated, reserved: /metrics), blocks in use and the free space's fragmentation
+  (sampled from /metrics during the burst), and the burst's scattered allocations, evicted blocks and
+  preemptions (/metrics counters);
 - at the end: blocks still held by nobody's request (leaked) and the verdicts on the targets
   (``benchmarks/soak_report.py``): the last bursts' tokens/s >= 0.95 of the first's for chats and
   for documents, resident and CUDA memory flat after warm-up (< 1% growth), zero leaked blocks.
+
+Host memory that grows and then stops (bounded, so "flat after warm-up" holds only once it is full;
+measured with ``--device cpu`` and the engine in its own process, 20,000 blocks, 128-request bursts,
+3.5K-token documents, on a 2-core VM; the Python heaps of both processes stayed flat in tracemalloc):
+
+- the CPU KV pool's pages, resident as blocks are first written (``kv/cache.py``'s ``pool_zeros``),
+  until the whole pool has been written (it wrapped); a GPU pool is device memory;
+- the CPU engine's oneDNN primitive caches (ideep's ``LRU_CACHE_CAPACITY``, oneDNN's
+  ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 entries each): a matmul primitive per row count a step
+  had, ~160 KB each for the tiny model: the engine's malloc in-use bytes grew 145 -> 555 MiB over 60
+  bursts, 109 -> 115 MiB over 36 with both capacities at 16 (bursts 4.5x slower); a GPU engine has none;
+- free heap glibc keeps after a burst (per thread arena): given back once the process is idle
+  (``engine/host_trim.py``; the HTTP process: median 355 -> 330 MiB over the same 30 bursts).
 
 Usage (GPU; the defaults, sized for the 8B dummy model on one H100, take ~7 min, start-up included):
     PYTHONPATH=. python -m benchmarks.soak run
@@ -38,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, TINY, dummy_model, run_info, run_or_report
-from benchmarks.harness.server import Clients, ServerProcess, free_port, scrape
+from benchmarks.harness.server import Clients, ServerProcess, free_port, scrape, wait_idle
 from benchmarks.serving_gpu.workload import chat_requests, doc_requests, system_prompt
 from benchmarks.soak_report import report
 
@@ -117,8 +131,14 @@ def apply_device_defaults(args: argparse.Namespace, argv: list[str]) -> None:
             setattr(args, key, value)
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (the server and its engine process)."""
+MEMORY_FIELDS = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+
+
+def tree_memory(pid: int) -> dict[str, int]:
+    """Resident bytes of a process and all its descendants (the server and its engine process):
+    ``rss`` in all, ``server`` (the process itself) and ``children``, and by kind over the tree:
+    ``anon`` (heaps, Python objects, pinned buffers), ``file`` (mapped libraries and files as paged in)
+    and ``shmem``. Which side grows, and how, says where to look."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -129,16 +149,22 @@ def tree_rss(pid: int) -> int:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    total = dict.fromkeys(("rss", "server", "children", *MEMORY_FIELDS.values()), 0)
+    todo = [pid]
     while todo:
         p = todo.pop()
         todo += children.get(p, [])
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
         except OSError:
             continue
+        for line in lines:
+            parts = line.split()
+            key = MEMORY_FIELDS.get(parts[0]) if parts else None
+            if key:
+                total[key] += int(parts[1]) * 1024
+                if key == "rss":
+                    total["server" if p == pid else "children"] += int(parts[1]) * 1024
     return total
 
 
@@ -182,17 +208,6 @@ def burst_requests(args: argparse.Namespace, tok: Any, systems: list[str], i: in
     return doc_requests(tok, args, 20_000 + i)
 
 
-def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
-    """/metrics once the engine has no request left (the answers are in, the last step may not be)."""
-    t0 = time.monotonic()
-    while True:
-        m = scrape(url)
-        idle = m and not m.get("num_requests_running") and not m.get("num_requests_waiting")
-        if idle or time.monotonic() - t0 > timeout:
-            return m
-        time.sleep(0.05)
-
-
 def run_burst(
     args: argparse.Namespace, server: ServerProcess, clients: Clients, reqs: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -222,8 +237,10 @@ def run_burst(
         "longest_free_run_min": sampler.min_longest_run,
         "gpu_allocated_bytes": after.get("gpu_memory_allocated_bytes"),
         "gpu_reserved_bytes": after.get("gpu_memory_reserved_bytes"),
-        "rss_bytes": tree_rss(server.proc.pid) if server.proc else None,
     }
+    memory = tree_memory(server.proc.pid) if server.proc else {}
+    out["rss_bytes"] = memory.get("rss")
+    out["memory"] = memory
     for key, name in COUNTERS.items():
         out[key] = after.get(name, 0.0) - before.get(name, 0.0)
     return out

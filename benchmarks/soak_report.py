@@ -61,6 +61,12 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "bound": f"< {GROWTH_MAX}",
             "ok": growth < GROWTH_MAX,
         }
+    split = {}  # not judged: which process, and which kind of memory, the growth is in
+    for key in ("server", "children", "anon", "file"):
+        first = _median([(b.get("memory") or {}).get(key) for b in timed[: 2 * window]])
+        last = _median([(b.get("memory") or {}).get(key) for b in timed[-2 * window :]])
+        if first:
+            split[key] = {"first_bytes": first, "last_bytes": last, "growth": last / first - 1}
     end = result.get("end") or {}
     leaked = None
     if "kv_blocks_used" in end:
@@ -83,7 +89,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "preemptions": sum(b["preemptions"] for b in bursts),
         "free_fragmentation_max": max((b["free_fragmentation_max"] for b in bursts), default=0.0),
     }
-    return {"targets": targets, "totals": totals, "ok": all(t["ok"] for t in targets.values())}
+    ok = all(t["ok"] for t in targets.values())
+    return {"targets": targets, "memory_split": split, "totals": totals, "ok": ok}
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -94,6 +101,28 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 
 def _mib(v: float | None) -> str:
     return "-" if v is None else f"{v / 2**20:,.0f} MiB"
+
+
+SPLIT_NAMES = {
+    "server": "the server process (HTTP)",
+    "children": "its children (the engine process)",
+    "anon": "anonymous (heaps, Python objects, pinned buffers), all processes",
+    "file": "file-backed (libraries, mapped files), all processes",
+}
+
+
+def _split_lines(split: dict[str, dict[str, float]]) -> list[str]:
+    """The resident memory's growth by process and by kind (the same windows as rss_growth)."""
+    if not split:
+        return []
+    lines = ["Resident memory by process and by kind (not judged: where rss_growth comes from):", ""]
+    lines += ["| part | first | last | growth |", "| --- | ---: | ---: | ---: |"]
+    for key, row in split.items():
+        lines.append(
+            f"| {SPLIT_NAMES[key]} | {_mib(row['first_bytes'])} | {_mib(row['last_bytes'])} "
+            f"| {row['growth']:+.3f} |"
+        )
+    return [*lines, ""]
 
 
 def report(result: dict[str, Any], out_dir: Path) -> None:
@@ -148,6 +177,7 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         f"{tot['free_fragmentation_max']:.2f}; preemptions: {tot['preemptions']:.0f}. The pool first "
         f"evicted in burst {_fmt(tot['first_eviction_burst'])}: bursts before it ran on an unwrapped pool.",
         "",
+        *_split_lines(summary.get("memory_split") or {}),
         "## Bursts (every tenth, and the last two)",
         "",
         "| # | kind | tok/s | s | peak blocks | max frag. | scattered | evicted | RSS | CUDA reserved "

@@ -27,6 +27,7 @@ LIBRARIES = {
     "attention_report",
     "host_overhead_report",
     "soak_report",
+    "overload_report",
 }
 
 

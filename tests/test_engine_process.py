@@ -66,6 +66,19 @@ def test_an_aborted_request_in_flight_is_dropped_not_an_error() -> None:
     assert decoder.decode(encoder.encode(later)) is None
 
 
+def test_a_first_output_after_an_abort_leaves_no_state() -> None:
+    """Aborted unreported (client gone) while its first output was on its way: the output's head must
+    not rebuild the request's state, which no final output would ever clear."""
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    first = RequestOutput("gone", None, list(range(8192)), [CompletionOutput(0, "a", [5])], False)
+    other = RequestOutput("live", None, [1], [CompletionOutput(0, "b", [6])], False)
+    wires = [encoder.encode(first), encoder.encode(other)]
+    decoder.forget("gone")  # the server side aborted it (report=False) before the reader got here
+    outs = decoder.decode_live(wires, {"live"})
+    assert [o.request_id for o in outs] == ["live"]
+    assert set(decoder._state) == {"live"}
+
+
 def test_auto_runs_the_engine_apart_only_on_a_gpu() -> None:
     from types import SimpleNamespace as Config  # EngineConfig refuses cuda on a machine without one
 

@@ -35,7 +35,8 @@ def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The server's /metrics as {name: value}; HTTP answers summed by status class (http_2xx, ...)."""
+    """The server's /metrics as {name: value}; HTTP answers summed by status class (http_2xx, ...),
+    refusals at arrival by reason (``requests_refused_queue_requests_total``, ...)."""
     status, text = http_get(url + "/metrics")
     out: dict[str, float] = {}
     if status != 200:
@@ -48,9 +49,24 @@ def scrape(url: str) -> dict[str, float]:
             m = re.search(r'status="(\d)\d\d"', key)
             if m:
                 out[f"http_{m.group(1)}xx"] = out.get(f"http_{m.group(1)}xx", 0.0) + float(value)
+        elif key.startswith("prefixserve_requests_refused_total{"):  # by reason, as the engine names them
+            m = re.search(r'reason="(\w+)"', key)
+            if m:
+                out[f"requests_refused_{m.group(1)}_total"] = float(value)
         elif "{" not in key:
             out[key.removeprefix("prefixserve_")] = float(value)
     return out
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """/metrics once the engine has no request left (the answers are in, the last step may not be)."""
+    t0 = time.monotonic()
+    while True:
+        m = scrape(url)
+        idle = m and not m.get("num_requests_running") and not m.get("num_requests_waiting")
+        if idle or time.monotonic() - t0 > timeout:
+            return m
+        time.sleep(0.05)
 
 
 class ServerProcess:
@@ -119,15 +135,24 @@ class Clients:
         ]
 
     def run(
-        self, url: str, requests: list[dict[str, Any]], timeout: float, lead: float = 1.0
+        self,
+        url: str,
+        requests: list[dict[str, Any]],
+        timeout: float,
+        lead: float = 1.0,
+        request_timeout: float | None = None,
     ) -> dict[str, Any]:
-        """Send every request at its offset from a common start (``lead`` seconds from now)."""
+        """Send every request at its offset from a common start (``lead`` seconds from now); the ones
+        still running ``timeout`` seconds after the start are cancelled. ``request_timeout``: each
+        request's HTTP timeout (the client's default, 600 s, when None)."""
         start_at = time.monotonic() + lead
         share: list[list[dict[str, Any]]] = [[] for _ in self.procs]
         for k, r in enumerate(sorted(requests, key=lambda r: r["offset"])):
             share[k % len(self.procs)].append(r)
         for proc, reqs in zip(self.procs, share, strict=True):
             job = {"url": url + "/v1", "start_at": start_at, "deadline": start_at + timeout, "requests": reqs}
+            if request_timeout is not None:
+                job["timeout"] = request_timeout
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(job) + "\n")
             proc.stdin.flush()

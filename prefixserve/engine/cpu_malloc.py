@@ -26,6 +26,11 @@ TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes a C int
 _applied: bool | None = None
 
 
+def holds_freed_memory() -> bool:
+    """Did ``keep_freed_memory`` take effect in this process (so nothing should trim its heap)?"""
+    return bool(_applied)
+
+
 def keep_freed_memory() -> bool:
     """Set the thresholds above (once per process); True when glibc took them."""
     global _applied

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.admission import QueueFull
+from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
@@ -130,18 +131,26 @@ def build_app(
         stall_watch=watch,
     )
 
+    trim = IdleTrim()  # freed heap back to the OS when idle (engine/host_trim.py)
+
+    def requests_seen() -> float:
+        return loop.snapshot.get("requests_total", 0.0)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop.start()
+        trimmer = asyncio.create_task(trim_when_idle(lambda: loop.in_flight, requests_seen, trim))
         try:
             yield
         finally:
+            trimmer.cancel()
             await asyncio.get_running_loop().run_in_executor(None, loop.stop)
 
     app = FastAPI(title="prefixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.state.engine_loop = loop
     app.state.metrics = metrics
+    app.state.host_trim = trim
     app.add_middleware(_CountRequests, metrics=metrics)
     _add_error_handlers(app)
     _add_routes(app, state, metrics)

@@ -27,11 +27,12 @@ import multiprocessing
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.admission import Admission, AdmissionLimits
+from prefixserve.engine.host_trim import IdleTrim
 from prefixserve.entrypoints.openai.engine_thread import (
     IDLE_WAIT_S,
     EngineLoop,
@@ -149,6 +150,21 @@ class OutputDecoder:
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
+    def decode_live(self, wires: list[tuple[Any, ...]], live: Container[str]) -> list[RequestOutput]:
+        """The outputs of the requests in ``live``; the others' wires are dropped and their state
+        forgotten. A request aborted here unreported while its first output was on its way would
+        otherwise get its state (its prompt's ids among it) rebuilt by that output's head, and no
+        final output ever comes to clear it: one entry leaked per such abort."""
+        outs = []
+        for wire in wires:
+            if wire[0] not in live:
+                self._state.pop(wire[0], None)
+                continue
+            out = self.decode(wire)
+            if out is not None:
+                outs.append(out)
+        return outs
+
 
 def _portable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling, else a RuntimeError saying what it was."""
@@ -197,6 +213,7 @@ class _EngineChild:
         self.engine, self.conn, self.admission = engine, conn, admission
         self.encoder = OutputEncoder()
         self.paced: dict[str, Any] = {}  # streamed requests with a reader that paces them -> Request
+        self.trim = IdleTrim()  # freed heap back to the OS after a burst (engine/host_trim.py)
         self.last_snapshot = 0.0
 
     def run(self) -> None:
@@ -219,6 +236,9 @@ class _EngineChild:
                     self._send_outputs(outputs, self._due_snapshot(force=not engine.has_unfinished()))
                     if dead:
                         return
+                    self.trim.busy()
+                    if not engine.has_unfinished():  # the burst's last outputs are sent
+                        self.trim.idle()
         except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
             log.info("the server closed the pipe; the engine stops")
             engine.shutdown()
@@ -363,6 +383,10 @@ class EngineProcess(EngineLoop):
         self._conn.close()
 
     @property
+    def in_flight(self) -> int:
+        return len(self._streams) + len(self._adds)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._process.is_alive() and not self._stopping
 
@@ -445,8 +469,8 @@ class EngineProcess(EngineLoop):
                 if kind == "out":
                     if message[2] is not None:  # counters first: they cover these outputs
                         self.snapshot = message[2]
-                    decode = self._decoder.decode
-                    self._deliver([o for o in map(decode, message[1]) if o is not None])
+                    # a request's "accepted" comes before its outputs: one not registered was aborted
+                    self._deliver(self._decoder.decode_live(message[1], self._streams))
                 elif kind == "accepted":
                     self._accepted(message[1], message[2])
                 elif kind == "result":

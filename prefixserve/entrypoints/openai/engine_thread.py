@@ -130,6 +130,11 @@ class EngineLoop:
         self._thread.join(timeout)
 
     @property
+    def in_flight(self) -> int:
+        """Requests registered here whose final output has not been delivered."""
+        return len(self._streams)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
