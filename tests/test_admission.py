@@ -181,6 +181,10 @@ def test_the_drain_rate_sets_retry_after_and_refuses_what_would_miss_its_deadlin
     with pytest.raises(QueueFull):  # a deadline already past at arrival
         add(engine, adm, "past", ids(20_000, 8), max_tokens=1, deadline=clock.now - 1)
     assert adm.counters["requests_refused_deadline_total"] == 2
+    wait = adm.queue_wait_estimate()
+    with pytest.raises(QueueFull):  # the estimate fits the time left, but not its margin
+        add(engine, adm, "close", ids(20_000, 8), max_tokens=1, deadline=clock.now + wait / 0.8)
+    assert adm.counters["requests_refused_deadline_total"] == 3
     add(engine, adm, "ok", ids(21_000, 8), max_tokens=1, deadline=clock.now + 5.0)
     for i in range(30):
         add(engine, adm, f"s{i}", ids(30_000 + 100 * i, 8), max_tokens=1)
