@@ -20,7 +20,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm_eval is in the test extra: p
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "examples" / "lm_eval"
-LIMIT = 6
+LIMIT = 4
 
 
 @pytest.fixture(scope="module")
