@@ -40,6 +40,8 @@ def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention:
     with LLM(tensor_parallel_size=2, tp_peer_allreduce=peer, **kwargs) as tp:
         assert tp.engine.launch_ahead
         assert (tp.engine.runner.shard.peer is not None) is (peer and first)
+        if peer and first:  # two ranks: the norms after attention and the MLP sum over NVLink themselves
+            assert tp.engine.runner.shard.peer.fused is not None
         got = [o.outputs[0].token_ids for o in tp.generate(prompts, params)]
         assert got == want
         assert tp.engine.graphs is not None and tp.engine.graphs.captures > 0, "decode left CUDA graphs"

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from prefixserve.model.peer_allreduce import PeerSum
+
 # the A/B switches below, read on every call
 _SWITCHES = {
     "triton": True,
@@ -28,6 +30,7 @@ _SWITCHES = {
     "gate_up": True,
     "split_k": True,
     "staged_allreduce": True,
+    "peer_norm": True,
 }
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
 
@@ -67,6 +70,11 @@ def gate_up_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, the MLP's gate-up projection and SiLU-and-mul run as one kernel where its
     rule says (True) or as the matmul then the SiLU-and-mul kernel (False): A/B runs."""
     return _switched("gate_up", enabled)
+
+
+def peer_norms(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Turn the fused two-rank all-reduce + add + RMSNorm on or off (A/B runs)."""
+    return _switched("peer_norm", enabled)
 
 
 def split_k_products(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -148,6 +156,12 @@ def staged_allreduce(x: torch.Tensor) -> bool:
     return _SWITCHES["staged_allreduce"] and x.is_cuda
 
 
+def peer_norm_enabled() -> bool:
+    """Whether a two-rank all-reduce followed by a residual add and an RMSNorm runs as one kernel
+    (``kernels/peer_norm.py``) rather than the two-shot all-reduce and ``add_rms_norm``."""
+    return _SWITCHES["peer_norm"] and _have_triton()
+
+
 def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``linear(x, weight)`` (no bias) written into ``out`` [M, N]: the skinny kernel where it wins,
     else cuBLAS (``torch.mm(..., out=)``)."""
@@ -171,7 +185,7 @@ def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def add_rms_norm(
-    x: torch.Tensor,  # [T, N], or [S, T, N] fp32 split-K partials (``linear_partials``)
+    x: torch.Tensor | PeerSum,  # [T, N], [S, T, N] fp32 split-K partials, or two ranks' products
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
@@ -180,8 +194,13 @@ def add_rms_norm(
 
     The add is done in the model dtype, the statistics in fp32 and the result cast back before the
     weight multiply, as HF's RMSNorm after its residual add. Partials are summed in fp32 and rounded
-    to the model dtype first, as a split-K matmul's own reduce does.
+    to the model dtype first, as a split-K matmul's own reduce does. Two ranks' products
+    (``PeerSum``, always with the residual) are summed over NVLink in the same kernel.
     """
+    if isinstance(x, PeerSum):
+        if residual is None:
+            raise ValueError("two ranks' products join the residual stream: give the residual")
+        return x.add_rms_norm(residual, weight, eps)
     if _use_triton(x):
         from prefixserve.model.kernels import rms_norm
 
@@ -278,6 +297,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: 
 
 
 __all__ = [
+    "PeerSum",
     "add_rms_norm",
     "apply_rope",
     "gate_up_kernels",

@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor | fused.PeerSum,  # [T, hidden], or what ``fused.add_rms_norm`` also takes
         residual: torch.Tensor | None = None,  # [T, hidden]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         normed, summed = fused.add_rms_norm(x, self.weight, self.eps, residual)
@@ -139,8 +139,12 @@ class RowParallelLinear(Linear):
         super().__init__(src[1] - src[0], out_features, bias=False)
         self.src, self.total_in = src, total_in
 
-    def reduced(self, x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    def reduced(self, x: torch.Tensor, shard: Shard, slot: int | None = None) -> torch.Tensor | fused.PeerSum:
         """The product summed over the ranks, for a norm that adds it to the residual stream next.
+
+        With a product ``slot`` (0 or 1; consecutive calls alternate) the sum may be left to that
+        norm: at two ranks a ``PeerSum`` comes back, which ``fused.add_rms_norm`` sums over NVLink
+        with the residual add and the norm in one kernel (``kernels/peer_norm.py``).
 
         On the peer path the product (cuBLAS, or the skinny kernel at a few rows) is written straight
         into the peer buffer and the sum is returned there: the copies in and out of the buffer (130
@@ -149,6 +153,11 @@ class RowParallelLinear(Linear):
         take it."""
         peer = shard.peer
         if peer is not None and fused.staged_allreduce(x):
+            if slot is not None:
+                pending = peer.product_slot(slot, x.shape[0], self.out_features, x.dtype)
+                if pending is not None:
+                    fused.linear_into(x, self.weight, pending.mine)
+                    return pending
             staged = peer.staged(x.shape[0], self.out_features, x.dtype)
             if staged is not None:
                 fused.linear_into(x, self.weight, staged)
@@ -239,9 +248,13 @@ class Attention(nn.Module):
         )
         return q
 
-    def output(self, out: torch.Tensor) -> torch.Tensor:  # attention output [T, Hq, D] -> [T, hidden]
-        """o_proj of the attention output, the ranks' partial products summed."""
-        return self.o_proj.reduced(out.reshape(out.shape[0], self.num_heads * self.head_dim), self.shard)
+    def output(
+        self, out: torch.Tensor, for_norm: bool = False
+    ) -> torch.Tensor | fused.PeerSum:  # attention output [T, Hq, D] -> [T, hidden]
+        """o_proj of the attention output, the ranks' partial products summed (with ``for_norm``,
+        maybe by the norm that follows: ``RowParallelLinear.reduced``'s product slot 0)."""
+        flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        return self.o_proj.reduced(flat, self.shard, slot=0 if for_norm else None)
 
 
 class MLP(nn.Module):
@@ -254,9 +267,10 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, parts, bias=False)
         self.down_proj = RowParallelLinear(inter, cols, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor | fused.PeerSum:  # [T, hidden]
         """The MLP's output; with ``partials`` (for a norm next: ``fused.add_rms_norm`` takes them)
-        maybe the down projection's fp32 split-K partials [S, T, hidden] instead (one process only)."""
+        maybe the down projection's fp32 split-K partials [S, T, hidden] instead (one process), or
+        at two ranks both ranks' products unsummed (``PeerSum``, product slot 1)."""
         # [T, I] (this rank's columns: on a GPU without the [T, 2I] product), then the ranks' sums added
         if x.is_cuda:
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight)
@@ -264,7 +278,7 @@ class MLP(nn.Module):
             act = fused.silu_and_mul(self.gate_up_proj(x))
         if partials and not self.shard.parallel and act.is_cuda:
             return fused.linear_partials(act, self.down_proj.weight)
-        return self.down_proj.reduced(act, self.shard)
+        return self.down_proj.reduced(act, self.shard, slot=1 if partials else None)
 
 
 class DecoderLayer(nn.Module):
@@ -301,8 +315,8 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP."""
-        x, residual = self.post_attention_layernorm(self.self_attn.output(out), residual)
-        return self.mlp(x, partials=True), residual  # the next norm sums split-K partials
+        x, residual = self.post_attention_layernorm(self.self_attn.output(out, for_norm=True), residual)
+        return self.mlp(x, partials=True), residual  # the next norm sums split-K partials or ranks
 
 
 class LlamaBody(nn.Module):

@@ -6,11 +6,18 @@ its half of every peer's buffer, then gathers the halves) reads the peers' buffe
 NVLink; docs/benchmarks/tensor_parallel_allreduce/ measures it against NCCL (the choice and its size
 limit come from there). Its input must live in memory every rank mapped at start-up, so a message is
 copied into one such buffer, reduced there and copied back: two device copies, graph-capturable.
+
+At two ranks the all-reduces that a residual add and an RMSNorm follow (after attention, after the
+MLP) go further: the row-parallel product is written into one of two product slots and
+``kernels/peer_norm.py`` reads the peer's slot, sums, adds the residual and normalises in one kernel
+with one barrier (``PeerSum``; docs/kernels.md has the measured gain).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +25,8 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 MAX_BYTES = 16 << 20  # up to [1024, 8192] bf16: two-shot stayed ahead of NCCL to 16.8 MB measured
+SLOT_BYTES = 8 << 20  # each fused product slot: [512, 8192] bf16, a decode step's at B <= 512
+SLOTS = 2  # the fused call sites alternate between them (attention's output: 0, the MLP's: 1)
 
 
 class PeerAllReduce:
@@ -39,6 +48,9 @@ class PeerAllReduce:
         self.size = dist.get_world_size(group)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank at start-up
+        self.fused: _FusedSlots | None = None
+        if self.size == 2:
+            self.fused = _FusedSlots(symm_mem, group, self.group_name, dist.get_rank(group), device)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -77,6 +89,67 @@ class PeerAllReduce:
         self.two_shot(staged, "sum", self.group_name)
         return staged
 
+    def product_slot(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> PeerSum | None:
+        """A ``PeerSum`` whose ``mine`` [rows, cols] is where this rank's product goes, for an RMSNorm
+        to sum; None where the fused path does not apply (not two ranks, too large, other dtypes)."""
+        from prefixserve.model import fused
+        from prefixserve.model.kernels.peer_norm import MAX_HIDDEN
+
+        nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+        if self.fused is None or not fused.peer_norm_enabled():
+            return None
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return None
+        if nbytes > SLOT_BYTES or cols > MAX_HIDDEN:
+            return None
+        return PeerSum(self.fused, slot, self.fused.views(slot, rows, cols, dtype)[0])
+
+
+class _FusedSlots:
+    """The two ranks' product slots and program flags in symmetric memory, and views of the peer's."""
+
+    def __init__(
+        self, symm_mem: Any, group: dist.ProcessGroup, name: str, rank: int, device: torch.device
+    ) -> None:
+        from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
+
+        self.products = symm_mem.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.products, name)
+        self.peer_products = handle.get_buffer(1 - rank, (SLOTS * SLOT_BYTES,), torch.uint8, 0)
+        self.flags = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int32, device=device)
+        self.flags.zero_()
+        handle = symm_mem.rendezvous(self.flags, name)
+        self.peer_flags = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int32, 0)
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags are zero before any rank signals
+
+    def views(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's, the peer's) [rows, cols] product in ``slot``."""
+        nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+        at = slot * SLOT_BYTES
+        mine = self.products[at : at + nbytes].view(dtype).view(rows, cols)
+        return mine, self.peer_products[at : at + nbytes].view(dtype).view(rows, cols)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSum:
+    """Two ranks' row-parallel products not yet summed: the next RMSNorm sums them with the residual
+    (``add_rms_norm``) in one kernel. ``mine`` is this rank's product, in the slot it was written to."""
+
+    slots: _FusedSlots
+    slot: int
+    mine: torch.Tensor
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(sum + residual) * weight, sum + residual)``, the sum over both ranks."""
+        from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
+
+        mine = self.mine
+        _, peer = self.slots.views(self.slot, mine.shape[0], mine.shape[1], mine.dtype)
+        return peer_add_rms_norm(mine, peer, residual, weight, eps, self.slots.flags, self.slots.peer_flags)
+
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:
     """The peer all-reduce where this build and machine give one, else None (NCCL does it all).
@@ -92,4 +165,4 @@ def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str
         return None
 
 
-__all__ = ["MAX_BYTES", "PeerAllReduce", "peer_allreduce_for"]
+__all__ = ["MAX_BYTES", "PeerAllReduce", "PeerSum", "peer_allreduce_for"]

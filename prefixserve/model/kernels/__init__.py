@@ -11,7 +11,9 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
   * silu_mul: SiLU(gate) * up from the fused gate-up projection;
   * skinny_matmul: a linear layer over a decode step's few rows, its weight streamed near the copy
     rate (cuBLAS is used wherever it measured faster); its gated form is the next one's small case;
-  * gate_up: the gate-up projection with SiLU-and-mul in its epilogue ([T, 2I] never written).
+  * gate_up: the gate-up projection with SiLU-and-mul in its epilogue ([T, 2I] never written);
+  * peer_norm: at two ranks, the all-reduce of a row-parallel product (the peer's read over NVLink)
+    with the residual add and RMSNorm after it.
 
 The activation is one jit function (``silu_mul.silu_mul``) that the elementwise kernel and both
 matmul epilogues call; gate_up also takes the skinny kernel; the other modules stand alone.

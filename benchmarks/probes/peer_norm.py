@@ -1,0 +1,198 @@
+"""Is the fused two-rank all-reduce + residual add + RMSNorm right, and faster than two-shot then the norm?
+
+Two GPUs, one process each (NCCL group, peer memory as the engine sets it up: ``PeerAllReduce``).
+Per hidden size and rows B:
+
+- correctness: both ranks' products summed with the residual and normalised by the fused kernel
+  (``kernels/peer_norm.py``) against the torch reference of the gathered products; the two ranks'
+  outputs compared bit for bit; then 200 calls in one CUDA graph alternating the product slots, each
+  call's product fresh (a scale of a base written into the slot just before), every output checked
+  afterwards (a missed barrier shows as a stale or half-written product);
+- timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel; the
+  engine's other path (two-shot all-reduce in peer memory, then ``add_rms_norm``); ``add_rms_norm``
+  alone (the floor a fused kernel cannot beat); bytes / 450 GB/s (NVLink 4 one way) for scale.
+
+    PYTHONPATH=. python -m benchmarks.probes.peer_norm [--hidden 4096 8192] [--rows 1 64 256] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+NVLINK_GBPS = 450.0
+EPS = 1e-5
+
+
+def _graph_us(fn, calls: int = 64, reps: int = 20) -> float:
+    """Mean microseconds of ``fn(i)``, ``calls`` of them captured in one CUDA graph."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        dist.barrier()
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps / calls * 1e3)
+    return sorted(times)[2]
+
+
+def _check(peer, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> dict:
+    from prefixserve.model import fused
+    from prefixserve.model.kernels.peer_norm import peer_add_rms_norm_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(1000 * rank + rows)
+    common = torch.Generator(device="cuda").manual_seed(rows)
+    mine = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype)
+    residual = torch.randn(rows, hidden, generator=common, device="cuda").to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=common, device="cuda")).to(dtype)
+    pending = peer.product_slot(0, rows, hidden, dtype)
+    pending.mine.copy_(mine)
+    out, summed = fused.add_rms_norm(pending, weight, EPS, residual)
+    products = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(products, mine)
+    ref, ref_summed = peer_add_rms_norm_ref(products[0], products[1], residual, weight, EPS)
+    err = max(
+        float((out.float() - ref.float()).abs().max()),
+        float((summed.float() - ref_summed.float()).abs().max()),
+    )
+    outs = [torch.empty_like(out) for _ in range(2)]
+    dist.all_gather(outs, out)
+    ranks_equal = bool(torch.equal(outs[0], outs[1]))
+
+    # 200 graphed calls, slots alternating, each product fresh: every output checked afterwards
+    calls = 200
+    scales = torch.arange(1, calls + 1, device="cuda", dtype=torch.float32)
+    results = torch.empty(calls, rows, hidden, device="cuda", dtype=dtype)
+    slot_views = [peer.product_slot(s, rows, hidden, dtype) for s in (0, 1)]
+
+    def call(i: int) -> None:
+        p = slot_views[i % 2]
+        torch.mul(mine, scales[i].to(dtype), out=p.mine)
+        results[i] = fused.add_rms_norm(p, weight, EPS, residual)[1]
+
+    graph = torch.cuda.CUDAGraph()
+    for i in range(2):
+        call(i)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    stale = 0
+    for i in range(calls):
+        s = scales[i].to(dtype)
+        want = ((products[0] * s).float() + (products[1] * s).float()).to(dtype) + residual
+        stale += int(not torch.equal(results[i], want))
+    return {"max_err": err, "ranks_bitwise_equal": ranks_equal, "graphed_calls_wrong": stale}
+
+
+def _time(peer, rows: int, hidden: int) -> dict:
+    from prefixserve.model import fused
+
+    dtype = torch.bfloat16
+    residual = torch.randn(rows, hidden, device="cuda").to(dtype)
+    weight = torch.ones(hidden, device="cuda", dtype=dtype)
+    slots = [peer.product_slot(s, rows, hidden, dtype) for s in (0, 1)]
+    for s in slots:
+        s.mine.normal_()
+    staged = peer.staged(rows, hidden, dtype)
+    staged.normal_()
+    local = torch.randn(rows, hidden, device="cuda").to(dtype)
+    out: dict = {"bytes": rows * hidden * 2}
+    out["fused_us"] = _graph_us(lambda i: fused.add_rms_norm(slots[i % 2], weight, EPS, residual))
+    if peer.fits(staged):
+        out["two_shot_norm_us"] = _graph_us(
+            lambda i: fused.add_rms_norm(peer.reduce_staged(staged), weight, EPS, residual)
+        )
+        out["two_shot_us"] = _graph_us(lambda i: peer.reduce_staged(staged))
+    out["norm_alone_us"] = _graph_us(lambda i: fused.add_rms_norm(local, weight, EPS, residual))
+    out["nvlink_bound_us"] = out["bytes"] / (NVLINK_GBPS * 1e3)
+    return out
+
+
+def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], queue) -> None:
+    torch.cuda.set_device(rank)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init}", rank=rank, world_size=2, device_id=torch.device("cuda", rank)
+    )
+    from prefixserve.model.peer_allreduce import PeerAllReduce
+
+    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "probe-peer-norm")
+    assert peer.fused is not None
+    result = []
+    for hidden in hidden_sizes:
+        for b in rows:
+            row = {"hidden": hidden, "rows": b}
+            for dtype in (torch.float32, torch.bfloat16):
+                if b * hidden * dtype.itemsize <= 8 << 20:
+                    row[str(dtype).removeprefix("torch.")] = _check(peer, b, hidden, dtype, rank)
+            row.update(_time(peer, b, hidden))
+            result.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = str(Path(tmp) / "init")
+        procs = [ctx.Process(target=_worker, args=(r, init, args.hidden, args.rows, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=400)
+        for p in procs:
+            p.join(60)
+    device = torch.cuda.get_device_name(0)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"device": device, "torch": torch.__version__, "rows": result}, indent=1)
+        )
+    print(f"{device} x 2; microseconds per call, graphed")
+    head = ("hidden", "B", "MB", "fused", "two-shot + norm", "two-shot", "norm alone", "NVLink bound")
+    head += ("fused / (two-shot + norm)", "wrong bf16 / fp32", "max err bf16")
+    print("| " + " | ".join(head) + " |")
+    print("|" + " ---: |" * len(head))
+    nan = float("nan")
+    for r in result:
+        two = r.get("two_shot_norm_us")
+        wrong = [r.get(k, {}).get("graphed_calls_wrong", "-") for k in ("bfloat16", "float32")]
+        cells = (r["hidden"], r["rows"], f"{r['bytes'] / 1e6:.2f}", f"{r['fused_us']:.1f}")
+        cells += (f"{two or nan:.1f}", f"{r.get('two_shot_us', nan):.1f}", f"{r['norm_alone_us']:.1f}")
+        cells += (f"{r['nvlink_bound_us']:.1f}", f"{r['fused_us'] / two if two else nan:.2f}")
+        cells += (f"{wrong[0]} / {wrong[1]}", f"{r.get('bfloat16', {}).get('max_err', nan):.3g}")
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

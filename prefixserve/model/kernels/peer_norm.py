@@ -1,0 +1,137 @@
+"""Two ranks' row-parallel products summed over NVLink, the residual added and RMSNorm applied: one kernel.
+
+At TP=2 every layer of a decode step ends its attention and its MLP the same way: a row-parallel
+product on each rank, an all-reduce of [B, hidden], then the residual add and the next RMSNorm. Through
+PyTorch's two-shot all-reduce that is two kernels (the all-reduce, with its own barriers between the
+ranks, then ``add_rms_norm``) and the message crosses NVLink twice (reduce-scatter, all-gather). Here
+each rank reads the peer's whole partial once, straight from the peer's symmetric buffer, and adds it
+to its own in the same pass that adds the residual and normalises: one kernel, one barrier, and both
+ranks compute the identical sum (``a + b`` is commutative in IEEE arithmetic, so the replicated
+residual streams never drift apart).
+
+Synchronisation: program ``i`` on each rank meets program ``i`` on the other through a pair of int32
+flags in symmetric memory. It sets the peer's flag ``i`` from 0 to 1 (release, system scope: its
+product, written by the kernel before, is visible to the peer) and waits for its own flag ``i`` to
+go from 1 to 0 (acquire: the peer's product is visible here). Compare-and-swap in both directions
+makes consecutive calls safe: a rank cannot signal again before the peer consumed the last signal.
+
+Why one barrier is enough: each rank alternates between two product buffers (slot 0 after
+attention, slot 1 after the MLP: the call sites alternate in every forward). Before a rank writes
+slot s again (two calls later), its program ``i`` has met the peer's program ``i`` of the call in
+between, which started only after the peer's kernel that read slot s had finished (stream order).
+
+The rounding follows ``add_rms_norm``: the two products are summed in fp32 and rounded to the model
+dtype (a correctly rounded add, as the two-shot all-reduce's), the residual added in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.triton_support import require_triton
+
+triton, tl = require_triton()
+
+MAX_HIDDEN = 16384  # one row per program iteration, in registers
+MAX_PROGRAMS = 512  # flags per rank; programs past the rows loop over them (all resident on an H100)
+
+
+@triton.jit
+def _peer_add_rms_norm_kernel(
+    mine_ptr,  # [T, N] this rank's product (model dtype)
+    peer_ptr,  # [T, N] the peer's product, in its memory (read over NVLink)
+    res_ptr,  # [T, N] the residual stream
+    w_ptr,  # [N]
+    out_ptr,  # [T, N] normalised
+    res_out_ptr,  # [T, N] the residual stream plus the sum
+    my_flags_ptr,  # [MAX_PROGRAMS] int32: the peer's program i sets flag i here
+    peer_flags_ptr,  # [MAX_PROGRAMS] int32, in the peer's memory: this rank's program i sets flag i
+    n_rows,
+    n_cols,
+    stride,  # row stride of every [T, N] operand
+    eps,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # meet the peer's program pid: signal it, then wait for its signal
+    while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
+        pass
+    while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
+        pass
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
+        a = tl.load(mine_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(peer_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        x = ((a + b).to(dtype).to(tl.float32) + r).to(dtype)  # the all-reduce's sum, then the residual add
+        tl.store(res_out_ptr + at, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        normed = (xf * rstd).to(dtype).to(tl.float32)
+        tl.store(out_ptr + at, (normed * w).to(dtype), mask=mask)
+
+
+_bound = BoundKernel(_peer_add_rms_norm_kernel)
+
+
+def peer_add_rms_norm(
+    mine: torch.Tensor,  # [T, N]
+    peer: torch.Tensor,  # [T, N]
+    residual: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    my_flags: torch.Tensor,  # [>= programs] int32
+    peer_flags: torch.Tensor,  # [>= programs] int32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors; the
+    peer must make the same call (its ``mine`` is this rank's ``peer``) at the same point."""
+    tokens, n = mine.shape
+    if n > MAX_HIDDEN:
+        raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN}")
+    for name, t in (("peer", peer), ("residual", residual)):
+        if t.shape != mine.shape or t.dtype != mine.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must match {tuple(mine.shape)} {mine.dtype}")
+    if not (mine.is_contiguous() and peer.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("peer_add_rms_norm needs contiguous rows")
+    out = torch.empty_like(mine)
+    res_out = torch.empty_like(mine)
+    if tokens == 0:
+        return out, res_out
+    programs = min(tokens, MAX_PROGRAMS, my_flags.numel(), peer_flags.numel())
+    block = triton.next_power_of_2(n)
+    _bound(
+        (programs,),
+        mine,
+        peer,
+        residual,
+        weight,
+        out,
+        res_out,
+        my_flags,
+        peer_flags,
+        tokens,
+        n,
+        n,
+        eps,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return out, res_out
+
+
+def peer_add_rms_norm_ref(
+    mine: torch.Tensor, peer: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: the ranks' sum rounded to the model dtype, then ``add_rms_norm_ref``."""
+    from prefixserve.model.kernels.rms_norm import add_rms_norm_ref
+
+    summed = (mine.float() + peer.float()).to(mine.dtype)
+    return add_rms_norm_ref(summed, weight, eps, residual)
+
+
+__all__ = ["MAX_PROGRAMS", "peer_add_rms_norm", "peer_add_rms_norm_ref"]

@@ -1,0 +1,56 @@
+"""The fused two-rank all-reduce + residual add + RMSNorm against its torch reference.
+
+One process plays one rank: the "peer's" product and flags are ordinary tensors, the peer's flags
+already showing its signal, as after the peer's programs ran first. (Two real ranks over NVLink:
+``tests/test_tensor_parallel_gpu.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE
+
+from prefixserve.model.kernels.peer_norm import peer_add_rms_norm, peer_add_rms_norm_ref
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden", "flags"), [(1, 64, 8), (7, 96, 8), (13, 40, 4)])
+def test_peer_add_rms_norm_matches_reference(dtype: torch.dtype, rows: int, hidden: int, flags: int) -> None:
+    gen = torch.Generator().manual_seed(rows * hidden)
+    mine, peer, res = (torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype) for _ in range(3))
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    my_flags = torch.ones(flags, dtype=torch.int32, device=DEVICE)  # the peer has signalled
+    peer_flags = torch.zeros(flags, dtype=torch.int32, device=DEVICE)  # and consumed the last signal
+    out, summed = peer_add_rms_norm(mine, peer, res, w, 1e-5, my_flags, peer_flags)
+    ref, ref_summed = peer_add_rms_norm_ref(mine, peer, res, w, 1e-5)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(summed, ref_summed, **tol)
+    torch.testing.assert_close(out, ref, **tol)
+    programs = min(rows, flags)  # more rows than flags: the programs loop over the rows
+    assert my_flags[:programs].eq(0).all() and my_flags[programs:].eq(1).all()  # signals consumed
+    assert peer_flags[:programs].eq(1).all() and peer_flags[programs:].eq(0).all()  # one sent each
+
+
+def test_peer_add_rms_norm_sum_is_the_same_on_both_ranks() -> None:
+    """Each rank adds the other's product to its own: the replicated residual stream must come out
+    bit for bit the same on both, or the ranks drift apart."""
+    gen = torch.Generator().manual_seed(3)
+    a, b, res = (torch.randn(5, 64, generator=gen).to(DEVICE) for _ in range(3))
+    w = torch.ones(64, device=DEVICE)
+
+    def flags() -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+        return zeros + 1, zeros
+
+    out0, sum0 = peer_add_rms_norm(a, b, res, w, 1e-6, *flags())
+    out1, sum1 = peer_add_rms_norm(b, a, res, w, 1e-6, *flags())
+    assert torch.equal(sum0, sum1) and torch.equal(out0, out1)
+
+
+def test_peer_add_rms_norm_refuses_mismatched_operands() -> None:
+    x = torch.zeros(2, 8, device=DEVICE)
+    f = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="peer"):
+        peer_add_rms_norm(x, torch.zeros(3, 8, device=DEVICE), x, x[0], 1e-6, f, f)
