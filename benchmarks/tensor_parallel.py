@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="allreduce part: also PyTorch's symmetric-memory one-shot and two-shot all-reduces",
     )
+    ap.add_argument(
+        "--peer-norm-ab",
+        action="store_true",
+        help="compare part: also TP=N with PREFIXSERVE_PEER_NORM=0 (two-shot all-reduce, then the norm)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     args = ap.parse_args(argv)
     tp = args.tensor_parallel_size
@@ -198,10 +203,15 @@ def main(argv: list[str] | None = None) -> None:
             # TP=1; TP=N with every all-reduce through NCCL; TP=N as configured by default (decode-sized
             # all-reduces over peer memory): one run, one machine
             # the peer all-reduce goes to a process's first tensor-parallel engine only: run one B a process
-            for key, size, peer in (("tp1", 1, False), (f"tp{tp}", tp, True), (f"tp{tp}_nccl", tp, False)):
+            runs = [("tp1", 1, False, "1"), (f"tp{tp}", tp, True, "1"), (f"tp{tp}_nccl", tp, False, "1")]
+            if args.peer_norm_ab:  # the fused all-reduce + norm off: PyTorch's two-shot, then the norm
+                runs.append((f"tp{tp}_two_shot", tp, True, "0"))
+            for key, size, peer, peer_norm in runs:
+                os.environ["PREFIXSERVE_PEER_NORM"] = peer_norm  # the workers inherit it
                 r = measure(
                     args.compare_model, args.device, "auto", prompts, args.gen, tp=size, peer_allreduce=peer
                 )
+                os.environ.pop("PREFIXSERVE_PEER_NORM")
                 row[f"{key}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
@@ -294,21 +304,26 @@ def markdown(payload: dict) -> str:
             f"## {payload['compare_model']}: TP=1 vs TP={tp} (sharing on)",
             "",
             f"TP={tp} NCCL: every all-reduce through NCCL (`--no-tp-peer-allreduce`); TP={tp}: the default, "
-            "decode-sized all-reduces over NVLink peer memory. GPU idle: rank 0's GPU between decode "
-            "steps, as a fraction of the decode time.",
+            "decode-sized all-reduces over NVLink peer memory (at TP=2 those before a norm fused with it, "
+            "`kernels/peer_norm.py`); two-shot: the same with `PREFIXSERVE_PEER_NORM=0` (PyTorch's "
+            "two-shot all-reduce, then the norm), where `--peer-norm-ab` ran it. GPU idle: rank 0's GPU "
+            "between decode steps, as a fraction of the decode time.",
             "",
-            f"| B | P | TP=1 tok/s | TP={tp} NCCL tok/s | TP={tp} tok/s | NCCL / TP=1 | TP={tp} / TP=1 "
-            "| GPU idle TP=1 / NCCL / TP=" + str(tp) + " |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| B | P | TP=1 tok/s | TP={tp} NCCL tok/s | TP={tp} two-shot tok/s | TP={tp} tok/s "
+            f"| NCCL / TP=1 | two-shot / TP=1 | TP={tp} / TP=1 | GPU idle TP=1 / NCCL / TP=" + str(tp) + " |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in payload["compare"]:
             keys = ("tp1", f"tp{tp}_nccl", f"tp{tp}")
             one, nccl, many = (r.get(f"{k}_tok_s", 0) for k in keys)
+            two = r.get(f"tp{tp}_two_shot_tok_s")
             idle = [r.get(f"{k}_host_overhead_frac") for k in keys]
             idle_s = " / ".join(f"{x:.1%}" for x in idle) if None not in idle else "-"
+            two_s = f"{two:.0f} | " if two else "- | "
+            two_r = f"{two / max(one, 1e-9):.2f}x | " if two else "- | "
             md.append(
-                f"| {r['B']} | {r['P']} | {one:.0f} | {nccl:.0f} | {many:.0f} | {nccl / max(one, 1e-9):.2f}x "
-                f"| {many / max(one, 1e-9):.2f}x | {idle_s} |"
+                f"| {r['B']} | {r['P']} | {one:.0f} | {nccl:.0f} | {two_s}{many:.0f} | "
+                f"{nccl / max(one, 1e-9):.2f}x | {two_r}{many / max(one, 1e-9):.2f}x | {idle_s} |"
             )
     return "\n".join(md) + "\n"
 

@@ -161,6 +161,13 @@ def gluon_enabled() -> bool:
     return _env_choice("PREFIXSERVE_GLUON", "1", ("0", "1")) == "1"
 
 
+def peer_norm_enabled() -> bool:
+    """``PREFIXSERVE_PEER_NORM``: "1" (default) lets a two-rank all-reduce that a residual add and an
+    RMSNorm follow run as one kernel with them (``model/kernels/peer_norm.py``); "0" keeps PyTorch's
+    two-shot all-reduce and the separate norm (A/B runs: tensor-parallel workers inherit it)."""
+    return _env_choice("PREFIXSERVE_PEER_NORM", "1", ("0", "1")) == "1"
+
+
 def mixed_mode() -> str:
     """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
     (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every

@@ -1,4 +1,4 @@
-"""The environment switches: exactly three PREFIXSERVE_* variables, read only in prefixserve/config.py.
+"""The environment switches: exactly four PREFIXSERVE_* variables, read only in prefixserve/config.py.
 
 Each switch is a function of ``prefixserve.config`` that reads its variable when called, so a test (or a
 benchmark) that sets the variable sees the effect on the next call; a value outside the documented ones
@@ -16,7 +16,7 @@ import pytest
 from prefixserve import config
 
 PACKAGE = Path(config.__file__).resolve().parent
-SWITCHES = {"PREFIXSERVE_CACHE", "PREFIXSERVE_GLUON", "PREFIXSERVE_MIXED"}
+SWITCHES = {"PREFIXSERVE_CACHE", "PREFIXSERVE_GLUON", "PREFIXSERVE_MIXED", "PREFIXSERVE_PEER_NORM"}
 
 
 def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -56,12 +56,22 @@ def test_mixed_mode(monkeypatch: pytest.MonkeyPatch) -> None:
             config.mixed_mode()
 
 
+def test_peer_norm_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PREFIXSERVE_PEER_NORM", raising=False)
+    assert config.peer_norm_enabled() is True
+    monkeypatch.setenv("PREFIXSERVE_PEER_NORM", "0")
+    assert config.peer_norm_enabled() is False
+    monkeypatch.setenv("PREFIXSERVE_PEER_NORM", "off")
+    with pytest.raises(ValueError, match="PREFIXSERVE_PEER_NORM"):
+        config.peer_norm_enabled()
+
+
 def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_only_the_three_switches_are_named_in_the_package() -> None:
-    """A fourth PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
+def test_only_the_four_switches_are_named_in_the_package() -> None:
+    """A fifth PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
     add it to config.py, with its function and docstring, and to SWITCHES, or do without it."""
     names: dict[str, list[str]] = {}
     for path in _sources():

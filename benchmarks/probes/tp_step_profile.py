@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import defaultdict
 
 import torch
@@ -22,7 +23,7 @@ from benchmarks.decode_run import shared_prompts
 from prefixserve import LLM, SamplingParams
 
 KINDS = (  # first match wins: (kind, substrings of a kernel's name, lower case)
-    ("allreduce", ("allreduce", "all_reduce", "nccl", "two_shot", "symm", "barrier")),
+    ("allreduce", ("allreduce", "all_reduce", "nccl", "two_shot", "symm", "barrier", "peer_add")),
     ("attention", ("attn", "attention", "cascade", "merge", "flash", "shared_", "own_", "decode_")),
     ("matmul", ("gemm", "nvjet", "sm90_xmma", "cutlass", "matmul", "gate_up", "skinny")),
     ("norm", ("rms", "norm")),
@@ -66,8 +67,13 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=40)
     ap.add_argument("--short-gen", type=int, default=8)
     ap.add_argument("--no-peer", action="store_true", help="every all-reduce through NCCL")
+    ap.add_argument(
+        "--no-peer-norm", action="store_true", help="PREFIXSERVE_PEER_NORM=0: two-shot, then the norm"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.no_peer_norm:
+        os.environ["PREFIXSERVE_PEER_NORM"] = "0"  # before the workers start: they inherit it
 
     llm = LLM(
         model=args.model,
@@ -83,7 +89,14 @@ def main() -> None:
     llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=1), params)  # warm: graphs, compiles
     # two profiled runs of the same shapes, short and long: their difference is decode steps alone
     short, _ = _profiled(llm, args, args.short_gen, seed=2)
+    runner = llm.engine.runner
+    if args.tp > 1:
+        runner.worker_stats()  # from here: the long run's steps
+    idle_before = dict(runner.timers)
     long, long_ms = _profiled(llm, args, args.gen, seed=3)
+    workers = runner.worker_stats() if args.tp > 1 else []
+    keys = ("gpu_busy_seconds_total", "gpu_idle_seconds_total")
+    rank0 = {k: runner.timers[k] - idle_before.get(k, 0.0) for k in keys}
     steps = args.gen - args.short_gen
     by_name = {
         n: (
@@ -100,12 +113,18 @@ def main() -> None:
     result = {
         "tp": args.tp,
         "peer": not args.no_peer,
+        "peer_norm": not args.no_peer_norm,
         "batch": args.batch,
         "prefix": args.prefix,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "decode_ms_per_step": long_ms,  # the long run's first token to last finish, per decode step
         "kernel_ms_per_step": total_us / 1e3,
+        # each rank's GPU idle between its steps over the long run (rank 0: the engine's timer)
+        "gpu_idle_frac_by_rank": [
+            rank0["gpu_idle_seconds_total"] / max(1e-9, sum(rank0.values())),
+            *(w["gpu_idle_s"] / max(1e-9, w["gpu_idle_s"] + w["gpu_busy_s"]) for w in workers),
+        ],
         "kinds_ms_per_step": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top": [
             {"name": n[:120], "ms": us / 1e3, "calls_per_step": c, "kind": kind_of(n)}
@@ -117,8 +136,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     print(
-        f"TP={args.tp} peer={not args.no_peer} decode {result['decode_ms_per_step']:.2f} ms/step, "
-        f"kernels {total_us / 1e3:.2f} ms/step"
+        f"TP={args.tp} peer={not args.no_peer} peer_norm={not args.no_peer_norm} decode "
+        f"{result['decode_ms_per_step']:.2f} ms/step, kernels {total_us / 1e3:.2f} ms/step, GPU idle by rank "
+        + " / ".join(f"{x:.1%}" for x in result["gpu_idle_frac_by_rank"])
     )
     for k, ms in result["kinds_ms_per_step"].items():
         print(f"  {k:12s} {ms:8.2f} ms  ({ms / max(total_us / 1e3, 1e-9):.0%})")

@@ -282,6 +282,12 @@ class TensorParallelRunner(ModelRunner):
         except OSError as exc:  # a closed socket: the watcher says which worker
             self.guard(_reraise, exc)
 
+    def worker_stats(self) -> list[dict[str, float]]:
+        """Each worker's GPU busy and idle seconds between its steps since the last call (``StepGaps``);
+        waits for the workers' devices. For probes: rank 0's idle timer sees only rank 0."""
+        self.call("stats")
+        return [self._expect(conn, rank, "stats")[0] for rank, conn in enumerate(self.conns, start=1)]
+
     # ---- the runner's device calls ----------------------------------------------------------------
     def prepare_batch(self, *args: Any, **kwargs: Any) -> StepBatch:
         """The workers get the batch's arguments first and prepare it while this rank does: by the time

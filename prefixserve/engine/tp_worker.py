@@ -26,6 +26,42 @@ from prefixserve.engine.tp_runner import init_rank
 from prefixserve.model.loader import ModelSource, load_model
 
 
+class StepGaps:
+    """This rank's GPU idle between consecutive steps (CUDA events around each forward): rank 0's own
+    idle timer cannot see a worker that starts its steps late, which rank 0 then waits for inside
+    the step's first collective. Read with the "stats" message (``TensorParallelRunner.worker_stats``)."""
+
+    KEEP = 4096  # steps kept: the newest
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = device.type == "cuda"
+        self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event | None]] = []
+
+    def started(self, start: torch.cuda.Event | None) -> None:
+        if self.on and start is not None:
+            self.steps = [*self.steps[-self.KEEP + 1 :], (start, None)]
+
+    def ended(self) -> None:
+        """The step's last device call on this rank (its logits or argmax) is issued."""
+        if self.on and self.steps and self.steps[-1][1] is None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self.steps[-1] = (self.steps[-1][0], done)
+
+    def stats(self) -> dict[str, float]:
+        """Seconds busy and idle over the kept steps (waits for the device), then forgets them."""
+        steps = [(a, b) for a, b in self.steps if b is not None]
+        self.steps = []
+        busy = idle = 0.0
+        if steps:
+            steps[-1][1].synchronize()
+        for i, (start, done) in enumerate(steps):
+            busy += start.elapsed_time(done) / 1e3
+            if i:
+                idle += max(0.0, steps[i - 1][1].elapsed_time(start) / 1e3)
+        return {"steps": float(len(steps)), "gpu_busy_s": busy, "gpu_idle_s": idle}
+
+
 def serve(conn: Connection, rank: int) -> None:
     """Load this rank's shard, then run rank 0's messages until "stop"."""
     first = conn.recv()
@@ -41,6 +77,7 @@ def serve(conn: Connection, rank: int) -> None:
     runner = ModelRunner(model, config, context_length(config, model))
     conn.send(("ready",))
     launch: Launch | None = None
+    gaps = StepGaps(runner.device)
     batches: dict[int, StepBatch | Exception] = {}  # by rank 0's batch id, until a call uses one
     while True:
         try:
@@ -56,12 +93,17 @@ def serve(conn: Connection, rank: int) -> None:
         elif op == "forward":
             batch_id, ids, copies, fed = args
             launch = runner.forward(ids, _prepared(batches, batch_id), copies, _fed_tokens(runner, fed))
+            gaps.started(launch.start)
         elif op == "logits":
             assert launch is not None, "logits before any forward"
             runner.logits(launch, *args)
+            gaps.ended()
         elif op == "argmax":
             assert launch is not None, "argmax before any forward"
             runner.argmax(launch, *args)
+            gaps.ended()
+        elif op == "stats":
+            conn.send(("stats", gaps.stats()))
         elif op == "deviation":
             batch_id, ids = args
             runner.kv_deviation(ids, _prepared(batches, batch_id))

@@ -159,7 +159,9 @@ def staged_allreduce(x: torch.Tensor) -> bool:
 def peer_norm_enabled() -> bool:
     """Whether a two-rank all-reduce followed by a residual add and an RMSNorm runs as one kernel
     (``kernels/peer_norm.py``) rather than the two-shot all-reduce and ``add_rms_norm``."""
-    return _SWITCHES["peer_norm"] and _have_triton()
+    from prefixserve import config
+
+    return _SWITCHES["peer_norm"] and _have_triton() and config.peer_norm_enabled()
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
