@@ -129,6 +129,36 @@ def allreduce(size: int, hidden: int, layers: int, batches: list[int], symm: boo
     return result
 
 
+def _measure(
+    model: str, device: str, attention: str, prompts, gen: int, tp: int, peer: bool, out=None
+) -> dict:
+    """``measure`` of one engine; with ``out`` (a queue) its result also goes there."""
+    r = measure(model, device, attention, prompts, gen, tp=tp, peer_allreduce=peer)
+    if out is not None:
+        out.put(r)
+    return r
+
+
+def _measure_elsewhere(run: tuple, env: dict[str, str]) -> dict:
+    """``_measure(*run)`` in a new process with ``env`` set (its tensor-parallel workers inherit it)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # a spawned child copies the environment at start
+    try:
+        proc = ctx.Process(target=_measure, args=(*run, queue))
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    result = queue.get(timeout=600)
+    proc.join(120)
+    return result
+
+
 def _config(model: str) -> dict:
     from prefixserve.model.loader import resolve_model
 
@@ -207,11 +237,11 @@ def main(argv: list[str] | None = None) -> None:
             if args.peer_norm_ab:  # the fused all-reduce + norm off: PyTorch's two-shot, then the norm
                 runs.append((f"tp{tp}_two_shot", tp, True, "0"))
             for key, size, peer, peer_norm in runs:
-                os.environ["PREFIXSERVE_PEER_NORM"] = peer_norm  # the workers inherit it
-                r = measure(
-                    args.compare_model, args.device, "auto", prompts, args.gen, tp=size, peer_allreduce=peer
-                )
-                os.environ.pop("PREFIXSERVE_PEER_NORM")
+                run = (args.compare_model, args.device, "auto", prompts, args.gen, size, peer)
+                if peer_norm == "1":
+                    r = _measure(*run)
+                else:  # a process of its own: only a process's first engine gets the peer all-reduce
+                    r = _measure_elsewhere(run, {"PREFIXSERVE_PEER_NORM": peer_norm})
                 row[f"{key}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
