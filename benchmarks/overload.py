@@ -30,7 +30,9 @@ Definitions (per request; times on the client, from when it was sent):
 
 Verdicts (``benchmarks/overload_report.py``), over the R and 2R windows: zero 5xx (503 refusals
 apart), zero unresolved requests, p99 time to a refusal at 2R <= ``--at-once``, and
-goodput(2R) / goodput(R) >= 0.9.
+goodput(2R) / goodput(R) >= 0.9. The server's counters over each window say where refusals were
+decided: at arrival in the HTTP process (from the engine's last published queue), at arrival by the
+engine (between its steps), or by dropping a waiting request that could not start by its deadline.
 
 Usage (GPU; the defaults, sized for the 8B dummy model on one H100, take ~7 min, start-up included):
     PYTHONPATH=. python -m benchmarks.overload run
@@ -84,6 +86,7 @@ COUNTERS = {
     "refused_queue_requests": "requests_refused_queue_requests_total",
     "refused_queue_tokens": "requests_refused_queue_tokens_total",
     "refused_deadline": "requests_refused_deadline_total",
+    "refused_http": "requests_refused_http_total",  # of the three above, decided in the HTTP process
     "dropped_deadline": "requests_dropped_deadline_total",
     "generation_tokens": "generation_tokens_total",
     "preemptions": "preemptions_total",
@@ -277,7 +280,8 @@ def window_line(s: dict[str, Any]) -> str:
     return (
         f"[{s['label']:>10s}] {s['rate_req_s']:7.2f} req/s, {s['requests']:5d} req: served {s['served']} "
         f"(goodput {s['goodput_req_s']:.2f} req/s), refused {s['refused_at_once']} at once + "
-        f"{s['refused_late']} late, unresolved {s['unresolved']}, 5xx {s['http_5xx']}; TTFT p50 "
+        f"{s['refused_late']} late ({s.get('server', {}).get('refused_http', 0):.0f} decided in HTTP), "
+        f"unresolved {s['unresolved']}, 5xx {s['http_5xx']}; TTFT p50 "
         f"{s['ttft_p50_s']:.2f} p99 {s['ttft_p99_s']:.2f} s; refusal p99 {s['refusal_s_p99']:.3f} s; "
         f"client lag p99 {s['client_lag_p99_s']:.3f} s; {s['wall_s']:.0f} s"
     )

@@ -165,17 +165,19 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "",
         "The burst sends max-num-seqs chats at once (its rate: answers / time to all of them); ladder points "
         f"run {s['ladder_window']:g} s of arrivals, R and 2R {s['window']:g} s. Server counters over each "
-        "window (429s at arrival by bound, drops at the deadline, 5xx):",
+        "window (429s at arrival by bound, and of them those decided in the HTTP process before the "
+        "engine saw them; drops for the deadline, 5xx):",
         "",
-        "| window | refused: queue requests | queue tokens | deadline estimate | dropped at deadline "
-        "| aborted | preemptions | 5xx |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| window | refused: queue requests | queue tokens | deadline estimate | of them in HTTP "
+        "| dropped for deadline | aborted | preemptions | 5xx |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for x in shown:
         v = x["server"]
+        in_http = f"{v['refused_http']:.0f}" if "refused_http" in v else "-"  # runs before it was counted
         lines.append(
             f"| {x['label']} | {v['refused_queue_requests']:.0f} | {v['refused_queue_tokens']:.0f} "
-            f"| {v['refused_deadline']:.0f} | {v['dropped_deadline']:.0f} | {v['aborted']:.0f} "
+            f"| {v['refused_deadline']:.0f} | {in_http} | {v['dropped_deadline']:.0f} | {v['aborted']:.0f} "
             f"| {v['preemptions']:.0f} | {v['http_5xx']:.0f} |"
         )
     samples = [f"{x['label']}: {x['error_sample']}" for x in shown if x.get("error_sample")]

@@ -3,6 +3,8 @@ functions, so that they also pickle over to an engine in its own process (``engi
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 
@@ -13,3 +15,12 @@ def blocks_in_use(engine: Any) -> int:
 def live_requests_after_integrity_check(engine: Any) -> int:
     engine.pool.check_integrity()
     return len(engine.requests)
+
+
+def hold(engine: Any, held: str, go: str, timeout: float = 60.0) -> None:
+    """Keep the engine's loop between two steps until the file ``go`` exists (``held`` is created
+    once it is held): a stand-in for a step that takes long."""
+    Path(held).touch()
+    until = time.monotonic() + timeout
+    while not Path(go).exists() and time.monotonic() < until:
+        time.sleep(0.01)

@@ -1,19 +1,30 @@
 """The server's overload control at the engine's edge (``engine/admission.py``), driven step by step on
 the tiny dummy model with a fake clock: the waiting queue's bounds refuse with QueueFull and count it,
-shared prompt blocks are counted once, a request past its deadline is dropped before it costs compute,
-nothing leaks, and the engine keeps serving. (Over HTTP: test_server_overload.py.)"""
+shared prompt blocks are counted once, the wait is the slower of the request and prefill-token drains,
+a request that cannot start by its deadline is dropped before it costs compute (before the deadline
+once its place in the queue says so), nothing leaks, and the engine keeps serving. Then the HTTP side's
+``ArrivalGate`` on fake published states and a fake clock. (Over HTTP: test_server_overload.py.)"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.engine.admission import DEADLINE_REASON, Admission, AdmissionLimits, QueueFull
+from prefixserve.engine.admission import (
+    DEADLINE_REASON,
+    Admission,
+    AdmissionLimits,
+    QueueFull,
+    QueueState,
+    queue_wait,
+)
+from prefixserve.entrypoints.openai.overload import HTTP_REFUSED, ArrivalGate
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
 
@@ -52,9 +63,11 @@ def add(
     tokens: list[int],
     max_tokens: int = 4,
     deadline: float | None = None,
+    arrival: int | None = None,
 ) -> None:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request(rid, params=params, prompt_token_ids=tokens, admit=admission.gate(deadline))
+    admit = admission.gate(deadline, arrival)
+    engine.add_request(rid, params=params, prompt_token_ids=tokens, admit=admit)
 
 
 def step(engine: Engine, admission: Admission) -> list[RequestOutput]:
@@ -172,6 +185,7 @@ def test_the_drain_rate_sets_retry_after_and_refuses_what_would_miss_its_deadlin
         clock.now += 0.1
         step(engine, adm)
     assert adm.rate is not None and adm.rate == pytest.approx(10.0, rel=0.15)
+    assert adm.token_rate == pytest.approx(80.0, rel=0.15)  # 8-token prompts
     waiting = len(engine.scheduler.waiting)
     assert 3 <= waiting <= 7
     assert adm.queue_wait_estimate() == pytest.approx(waiting / adm.rate)
@@ -185,7 +199,10 @@ def test_the_drain_rate_sets_retry_after_and_refuses_what_would_miss_its_deadlin
     with pytest.raises(QueueFull):  # the estimate fits the time left, but not its margin
         add(engine, adm, "close", ids(20_000, 8), max_tokens=1, deadline=clock.now + wait / 0.8)
     assert adm.counters["requests_refused_deadline_total"] == 3
-    add(engine, adm, "ok", ids(21_000, 8), max_tokens=1, deadline=clock.now + 5.0)
+    add(engine, adm, "ok", ids(21_000, 8), max_tokens=1, deadline=clock.now + 5.0, arrival=7)
+    state = adm.state()
+    assert (state.decided, state.waiting, state.waiting_tokens) == (7, waiting + 1, 8 * (waiting + 1))
+    assert (state.request_rate, state.token_rate, state.max_requests) == (adm.rate, adm.token_rate, None)
     for i in range(30):
         add(engine, adm, f"s{i}", ids(30_000 + 100 * i, 8), max_tokens=1)
     waiting = len(engine.scheduler.waiting)
@@ -231,3 +248,114 @@ def test_the_offline_api_queues_everything(tiny_config_path: Path) -> None:
     prompts = [{"prompt_token_ids": ids(100 * i + 1, 6)} for i in range(12)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 12
+
+
+def test_the_wait_is_the_slower_of_the_request_and_prefill_token_drains() -> None:
+    assert queue_wait(10, 100, 5.0, 1000.0) == 2.0  # short prompts: the requests drain slower
+    assert queue_wait(2, 10_000, 5.0, 1000.0) == 10.0  # a long prompt: its tokens do
+    assert queue_wait(2, 10_000, 5.0, None) == 0.4  # a rate never measured says nothing
+    assert queue_wait(3, 30, None, None) == 0.0
+    assert queue_wait(3, 30, 0.0, 10.0) == math.inf and queue_wait(0, 0, 0.0, 0.0) == 0.0
+
+
+def test_a_long_prompt_in_the_queue_refuses_what_a_request_count_would_admit(engine: Engine) -> None:
+    clock = FakeClock()
+    adm = Admission(engine, AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=0), clock=clock)
+    add(engine, adm, "a", ids(41_000, 8), max_tokens=2)
+    step(engine, adm)  # a runs and holds the one slot
+    add(engine, adm, "short", ids(41_500, 8), max_tokens=1)
+    add(engine, adm, "long", ids(42_000, 400), max_tokens=1)
+    adm.rate, adm.token_rate = 10.0, 80.0  # as measured (test_the_drain_rate_...): 8-token prompts
+    assert 2 / adm.rate < 0.75 * 2.0  # by requests alone, a 2 s deadline would be admitted
+    assert adm.queue_wait_estimate() == pytest.approx(408 / 80.0)  # the long prompt's prefill: 5.1 s
+    with pytest.raises(QueueFull) as refused:
+        add(engine, adm, "late", ids(43_000, 8), max_tokens=1, deadline=clock.now + 2.0)
+    assert refused.value.bound == "deadline" and refused.value.retry_after == 6
+    drain(engine, adm, clock)
+    assert_pool_empty(engine)
+
+
+def test_a_waiting_request_that_cannot_start_in_time_is_dropped_before_its_deadline(engine: Engine) -> None:
+    clock = FakeClock()
+    adm = Admission(engine, AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=0), clock=clock)
+    add(engine, adm, "a", ids(44_000, 8), max_tokens=2)
+    step(engine, adm)  # a runs and holds the one slot
+    add(engine, adm, "w0", ids(45_000, 8), max_tokens=1)
+    add(engine, adm, "w1", ids(45_100, 8), max_tokens=1)
+    adm.rate = 2.0  # as if measured: the 2 ahead of x take 1 s
+    deadline = clock.now + 3.0
+    add(engine, adm, "x", ids(46_000, 8), max_tokens=1, deadline=deadline)  # 1 s fits 3/4 of 3 s
+    add(engine, adm, "y", ids(46_500, 8), max_tokens=1, deadline=clock.now + 30.0)
+    clock.now += 0.5
+    adm.before_step()  # x: 2.5 s left, starts in ~1 s
+    assert "x" in engine.requests
+    clock.now += 2.0
+    adm.before_step()  # 0.5 s left; even 3/4 of its start estimate (>= 1 s: no starts lately) is past it
+    assert clock.now < deadline and "x" not in engine.requests and "y" in engine.requests
+    assert adm.counters["requests_dropped_deadline_total"] == 1
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["x"].outputs[0].finish_reason == DEADLINE_REASON and outs["x"].outputs[0].token_ids == []
+    finals = {**{r: o for r, o in outs.items() if o.finished}, **drain(engine, adm, clock)}
+    assert {finals[r].outputs[0].finish_reason for r in ("a", "w0", "w1", "y")} == {"length"}
+    assert_pool_empty(engine)
+
+
+# ---- the HTTP side: ArrivalGate ------------------------------------------------------------------
+def published(**kw: float | int | None) -> QueueState:
+    """A state as the engine would publish it: 3 waiting holding 300 tokens, 1 request/s and 100
+    prefill tokens/s, half of a new prompt to compute, bounds of 5 requests and 1000 tokens."""
+    base = dict(
+        taken=1000.0,
+        decided=0,
+        waiting=3,
+        waiting_tokens=300,
+        request_rate=1.0,
+        token_rate=100.0,
+        new_token_share=0.5,
+        max_requests=5,
+        max_tokens=1000,
+    )
+    return QueueState(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_the_gate_refuses_at_arrival_from_the_published_queue_and_what_was_sent_since() -> None:
+    clock = FakeClock()
+    loop = SimpleNamespace(queue_state=None)
+    gate = ArrivalGate(loop, clock=clock)  # type: ignore[arg-type]
+    assert gate.admit(100, clock.now + 0.001) is None  # nothing published: the engine decides
+    loop.queue_state = published()
+    assert gate.admit(100, None) == 1 and gate.admit(None, None) == 2  # sent, not decided yet
+    with pytest.raises(QueueFull) as full:  # 3 published + 2 sent: at the bound of 5
+        gate.admit(100, None)
+    assert full.value.bound == "requests" and "5 requests are waiting" in str(full.value)
+    assert full.value.retry_after == 5  # 5 requests at 1 per second
+    loop.queue_state = published(decided=2, waiting=5, waiting_tokens=350)  # the engine took them
+    with pytest.raises(QueueFull):
+        gate.admit(100, None)
+    clock.now += 2.0  # the published queue drained 2 requests (and 200 tokens) since it was taken
+    assert gate.admit(100, None) == 3
+    loop.queue_state = published(decided=3, waiting_tokens=990, taken=clock.now)
+    with pytest.raises(QueueFull) as full:  # 990 + half of 100 > 1000
+        gate.admit(100, None)
+    assert full.value.bound == "tokens"
+    assert gate.admit(10, None) == 4  # 990 + 5 fits
+    # deadlines: 3 + 1 sent requests at 1/s = 4 s; the tokens, (990 + 5) / 100 = 9.95 s, are slower
+    loop.queue_state = published(decided=4, taken=clock.now)  # 3 requests, 300 tokens: 3 s
+    with pytest.raises(QueueFull) as late:
+        gate.admit(10, clock.now + 3.9)  # 3 s > 3/4 of 3.9 s
+    assert late.value.bound == "deadline" and late.value.retry_after == 3
+    with pytest.raises(QueueFull):  # the same, before the prompt is tokenized
+        gate.check(clock.now + 3.9)
+    gate.check(clock.now + 4.1)  # passes, and sends nothing: the next number is still 5
+    assert gate.admit(10, clock.now + 4.1) == 5  # 3 s fits 3/4 of 4.1 s
+    with pytest.raises(QueueFull):
+        gate.admit(10, clock.now - 0.1)  # no time left
+    loop.queue_state = published(decided=5, taken=clock.now, waiting=1, waiting_tokens=1000, max_tokens=None)
+    with pytest.raises(QueueFull):  # one long prompt ahead: 10 s of prefill, though 1 s by requests
+        gate.admit(10, clock.now + 10.0)
+    assert gate.counters == {
+        "requests_refused_queue_requests_total": 2,
+        "requests_refused_queue_tokens_total": 1,
+        "requests_refused_deadline_total": 4,
+        HTTP_REFUSED: 7,
+    }

@@ -1,6 +1,7 @@
 """Overload over HTTP, live on loopback: the waiting queue's bound and a request's queue deadline are
 answered 429 with Retry-After and counted in /metrics, a streamed request dropped from the queue gets
-the 429 too (its headers wait for its first output), a stream whose client stops reading has its
+the 429 too (its headers wait for its first output), a request that cannot start in time is refused
+by the HTTP process while the engine's loop is held, a stream whose client stops reading has its
 requests aborted, and through all of it the engine keeps serving and the KV pool ends empty.
 
 One request runs at a time (max_num_seqs=1): a long streamed "blocker" (the tiny model with a long
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import socket
 import threading
@@ -168,6 +170,44 @@ def test_a_request_past_its_queue_deadline_is_refused_with_429_before_it_runs(
     ok = http.post("/v1/completions", json=body, headers={QUEUE_DELAY_HEADER: "60"})
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 40
     wait_pool_empty(server)
+
+
+def test_a_request_that_cannot_start_in_time_is_refused_at_arrival_while_the_engine_is_held(
+    server: ServerThread, http: httpx.Client, tmp_path: Path
+) -> None:
+    loop = server.engine_loop
+    refused = refused_total(http, "deadline")
+    at_http = metric(http, "prefixserve_requests_refused_http_total")
+    held, go = tmp_path / "held", tmp_path / "go"
+    body = {"prompt": "Waiting in line", "max_tokens": 4}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, blocker(http):
+        first = pool.submit(http.post, "/v1/completions", json=body)
+        wait_metric(http, "prefixserve_num_requests_waiting", 1)
+        hold = loop.call(functools.partial(engine_checks.hold, held=str(held), go=str(go)))
+        while not held.exists():
+            time.sleep(0.01)
+        # the engine's loop is held between two steps; what it published last says one request waits
+        state = loop.queue_state
+        assert state is not None and state.waiting == 1
+        # ... with drain rates a short CPU run cannot measure: one request starts every 4 s
+        gate = server.app.state.arrival_gate
+        measured = state._replace(taken=time.monotonic(), request_rate=0.25)
+        gate.loop = argparse.Namespace(queue_state=measured)
+        try:
+            late = http.post("/v1/completions", json=body, headers={QUEUE_DELAY_HEADER: "2"})
+            assert "would wait about" in assert_429(late, "queue_timeout")["message"]
+            second = pool.submit(http.post, "/v1/completions", json=body)  # no deadline: to the engine
+            assert refused_total(http, "deadline") == refused + 1
+            assert metric(http, "prefixserve_requests_refused_http_total") == at_http + 1
+            assert not hold.done() and not second.done()  # decided here, the engine still held
+        finally:
+            gate.loop = loop
+            go.touch()
+        hold.result(30)
+    # the blocker's client hung up: the engine serves the others
+    assert [f.result().status_code for f in (first, second)] == [200, 200]
+    wait_pool_empty(server)
+    assert loop.queue_state is not None and loop.queue_state.waiting == 0
 
 
 def test_a_streamed_client_that_leaves_while_queued_is_aborted(

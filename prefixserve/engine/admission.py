@@ -3,12 +3,18 @@
 An engine that queues every request lets the queue grow without bound under overload: every request
 then waits longer than its client will, and nobody is told. So the loop that drives a server's engine
 (``entrypoints/openai/engine_thread.py``, or the engine process) keeps an ``Admission`` beside the
-engine. ``Engine.add_request(admit=...)`` asks it about each processed request before queueing it:
-past a bound it raises ``QueueFull`` (the server answers 429 with ``Retry-After``) and nothing is
-queued. Before each step, ``before_step`` drops the waiting requests whose deadline has passed (they
-finish with ``finish_reason`` ``DEADLINE_REASON``, before any compute), notes which ones started, and
-measures how fast the queue drains. The offline API never has one (it queues everything by design),
-and nothing here runs inside ``Engine.step``.
+engine. It is the authoritative check: ``Engine.add_request(admit=...)`` asks it about each processed
+request before queueing it; past a bound it raises ``QueueFull`` (the server answers 429 with
+``Retry-After``) and nothing is queued. Before each step, ``before_step`` drops the waiting requests
+that cannot start by their deadline (they finish with ``finish_reason`` ``DEADLINE_REASON``, before any
+compute), notes which ones started, and measures how fast the queue drains. The offline API never has
+one (it queues everything by design), and nothing here runs inside ``Engine.step``.
+
+Arrival checks here run between engine steps, and a step with big prefills can take seconds: a request
+refused here hears so only then. So the loop publishes the queue (``state``: a ``QueueState``) after
+every step and every arrival decision, and the HTTP process refuses most requests itself, at once, from
+the latest one (``entrypoints/openai/overload.py``, ``ArrivalGate``); what passes it is still checked
+here, and this check is what makes the bounds exact.
 
 Bounds (``AdmissionLimits``; None: sized from the engine, 0: unbounded):
 
@@ -23,12 +29,17 @@ Bounds (``AdmissionLimits``; None: sized from the engine, 0: unbounded):
 A request is always admitted into an empty queue, so a bound never starves one large prompt.
 
 Deadlines are absolute ``time.monotonic()`` times (CLOCK_MONOTONIC: one clock for the processes of a
-host). A request that has a deadline is also refused at once when the queue ahead of it would not
-drain before that deadline at the rate it drained lately (``queue_wait_estimate``): at 2x the
-sustainable rate, clients hear "no" at arrival instead of after waiting their whole deadline. The
-estimate must fit in ``DEADLINE_MARGIN`` of the time left: the drain rate is a smoothed past rate and
-lags a queue that grows (an H100 run of ``benchmarks/overload.py`` at 2x its ladder's top rate, with
-the whole time left as the bound, refused 34 requests at arrival and dropped 41 at their deadline).
+host). The queue's wait is estimated from two drain rates, each measured over time the queue was not
+empty and smoothed: requests started per second and prefill tokens computed per second; the wait is
+the slower of (waiting requests / request rate) and (waiting prompt tokens / token rate), so a queue of
+long prompts is not taken for a queue of short ones (``queue_wait``). A request that has a deadline is
+refused at arrival when the queue ahead of it would not drain in ``DEADLINE_MARGIN`` of its time left:
+the rates are smoothed past rates and lag a queue that grows (an H100 run of ``benchmarks/overload.py``
+at 2x its ladder's top rate, with the whole time left as the bound, refused 34 requests at arrival and
+dropped 41 at their deadline). A waiting request is dropped before its deadline once the estimated
+start of its place in the queue (the requests and tokens ahead of it) is past its time left even
+shrunk by the same margin: the margin leans towards refusing at arrival, where the client can go
+elsewhere at once, and towards keeping a request already queued, which may still make it.
 """
 
 from __future__ import annotations
@@ -37,15 +48,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefixserve.sequence import Request, SeqStatus
 
 WAITING_REQUESTS_PER_SEQ = 4  # default bound on waiting requests: this many times max_num_seqs
 WAITING_TOKENS_PER_POOL = 2.0  # default bound on waiting prompt tokens: this many KV pools' worth
-DEADLINE_REASON = "deadline"  # finish_reason of a request dropped from the queue past its deadline
-RATE_WINDOW_S = 1.0  # the drain rate is sampled over this much time with a non-empty queue
-RATE_SMOOTHING = 0.3  # weight of the newest sample in the drain rate's moving average
+DEADLINE_REASON = "deadline"  # finish_reason of a request dropped from the queue for its deadline
+RATE_WINDOW_S = 1.0  # the drain rates are sampled over this much time with a non-empty queue
+RATE_SMOOTHING = 0.3  # weight of the newest sample in the drain rates' moving averages
+SHARE_SMOOTHING = 0.1  # weight of each new prompt in the share of prompt tokens left to compute
 RETRY_AFTER_MAX_S = 60  # Retry-After never says more than this
 DEADLINE_MARGIN = (
     0.75  # a request is admitted if its estimated queue wait is within this share of its time left
@@ -57,6 +69,45 @@ COUNTERS = (
     "requests_refused_deadline_total",
     "requests_dropped_deadline_total",
 )
+
+
+def refused_counter(bound: str) -> str:
+    """The counter of refusals at arrival at ``bound`` ("requests", "tokens" or "deadline")."""
+    return (
+        "requests_refused_deadline_total" if bound == "deadline" else f"requests_refused_queue_{bound}_total"
+    )
+
+
+def queue_wait(requests: float, tokens: float, request_rate: float | None, token_rate: float | None) -> float:
+    """Seconds until ``requests`` holding ``tokens`` prompt tokens still to compute have started: the
+    slower of the two drains (short prompts drain by requests, long ones by prefill tokens). A part
+    whose rate was never measured says nothing (0); work at a rate of 0 is inf."""
+    wait = 0.0
+    for work, rate in ((requests, request_rate), (tokens, token_rate)):
+        if work > 0 and rate is not None:
+            wait = max(wait, work / rate if rate > 0 else math.inf)
+    return wait
+
+
+def retry_after_s(wait: float) -> int:
+    """Whole seconds for Retry-After from a queue wait, in [1, ``RETRY_AFTER_MAX_S``]."""
+    return RETRY_AFTER_MAX_S if math.isinf(wait) else max(1, min(RETRY_AFTER_MAX_S, math.ceil(wait)))
+
+
+class QueueState(NamedTuple):
+    """The waiting queue as the engine saw it at ``taken``: what the HTTP process needs to refuse at
+    arrival without waiting for the engine (``ArrivalGate``). A tuple of numbers, so it crosses the
+    engine process's pipe cheaply, with each step's outputs."""
+
+    taken: float  # time.monotonic() when it was taken
+    decided: int  # the highest arrival number (``Admission.admit``'s ``arrival``) decided by then
+    waiting: int  # sequences in the scheduler's waiting queue
+    waiting_tokens: int  # prompt tokens the waiting requests still have to compute
+    request_rate: float | None  # requests started per second of a non-empty queue (None: unmeasured)
+    token_rate: float | None  # prefill tokens computed per second of a non-empty queue
+    new_token_share: float  # the share of a new prompt's tokens that is not cached or queued already
+    max_requests: int | None  # the bounds (None: unbounded)
+    max_tokens: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +153,12 @@ def _bound(value: int | None, default: int) -> int | None:
     return value or None  # 0: unbounded
 
 
+def _smooth(old: float | None, sample: float) -> float:
+    return sample if old is None else old + RATE_SMOOTHING * (sample - old)
+
+
 class Admission:
-    """The queue's bounds, deadlines and drain rate for one engine; used on the engine's thread."""
+    """The queue's bounds, deadlines and drain rates for one engine; used on the engine's thread."""
 
     def __init__(
         self,
@@ -122,19 +177,31 @@ class Admission:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.waiting_tokens = 0  # sum of ``tokens`` over ``_waiting``
         self.rate: float | None = None  # requests started per second while the queue was not empty
+        self.token_rate: float | None = None  # prefill tokens computed per second, likewise
+        self.new_token_share = 1.0  # smoothed share of a new prompt's tokens it adds to the queue
+        self.decided = 0  # the highest arrival number seen (``admit``'s ``arrival``)
         self._waiting: dict[str, _Waiting] = {}  # admitted, not started, in arrival order
         self._claimed: dict[bytes, int] = {}  # digest -> how many waiting prompts hold that block
         self._last_tick = clock()
+        self._last_computed = self._computed()
         self._busy = False  # the queue had requests at the last tick
         self._window_s = 0.0
         self._window_starts = 0
+        self._window_tokens = 0
         self._starts = 0  # starts seen by ``admit`` since the last ``before_step``
         self._looked_at = -1  # engine steps at the last look
 
     # ---- at arrival (Engine.add_request's ``admit``) ----------------------------------------------
-    def gate(self, deadline: float | None = None) -> Callable[[Request], None]:
-        """The ``admit`` check for one request: admits it (with its deadline) or raises QueueFull."""
+    def gate(self, deadline: float | None = None, arrival: int | None = None) -> Callable[[Request], None]:
+        """The ``admit`` check for one request: admits it (with its deadline) or raises QueueFull.
+        ``arrival``: the number the HTTP process gave it (``QueueState.decided`` acknowledges it)."""
+        self.arrived(arrival)
         return lambda req: self.admit(req, deadline)
+
+    def arrived(self, arrival: int | None) -> None:
+        """Note that the engine has decided (or will, before the next ``state``) arrival ``arrival``."""
+        if arrival is not None and arrival > self.decided:
+            self.decided = arrival
 
     def admit(self, req: Request, deadline: float | None = None) -> None:
         """Take ``req`` into the queue's books, or raise QueueFull naming the bound it would pass."""
@@ -152,6 +219,9 @@ class Admission:
         if self._over_tokens(tokens) and not looked:  # a refusal goes by fresh books only
             self._starts += self._look()
             tokens, digests = self._new_work(req)
+        prompt = req.sequences[0].num_tokens
+        if prompt > 0:
+            self.new_token_share += SHARE_SMOOTHING * (min(1.0, tokens / prompt) - self.new_token_share)
         if self._over_tokens(tokens):
             self._refuse(
                 "tokens",
@@ -202,27 +272,27 @@ class Admission:
         return max(0, seq.num_tokens - (start + known) * bs), digests
 
     def _refuse(self, bound: str, why: str) -> None:
-        key = "deadline" if bound == "deadline" else f"queue_{bound}"
-        self.counters[f"requests_refused_{key}_total"] += 1
+        self.counters[refused_counter(bound)] += 1
         retry = self.retry_after()
         raise QueueFull(f"{why}; retry after {retry} s", retry, bound)
 
     # ---- between steps ---------------------------------------------------------------------------
     def before_step(self) -> None:
-        """Drop the waiting requests past their deadline (their final outputs come from the next
-        ``step``), forget the ones that started or ended, and sample the drain rate."""
+        """Drop the waiting requests that cannot start by their deadline (their final outputs come
+        from the next ``step``), forget the ones that started or ended, and sample the drain rates."""
         now = self.clock()
         started, self._starts = self._starts + self._look(now), 0
         self._sample_rate(now, started)
 
     def _look(self, now: float | None = None) -> int:
         """Forget the requests that started or ended since the last look; with ``now``, also drop
-        those past their deadline. Returns how many started."""
+        those that cannot start by their deadline (``_hopeless``). Returns how many started."""
         self._looked_at = self.engine.counters["steps_total"]
         if not self._waiting:
             return 0
         requests = self.engine.requests
         started = 0
+        ahead = ahead_tokens = 0  # still waiting, ahead of the one looked at
         done: list[tuple[str, _Waiting]] = []
         expired: list[tuple[str, _Waiting]] = []
         for rid, w in self._waiting.items():
@@ -233,8 +303,15 @@ class Admission:
             elif req.sequences[0].status is not SeqStatus.WAITING:
                 done.append((rid, w))
                 started += 1
-            elif now is not None and w.deadline is not None and now >= w.deadline:
+            elif (
+                now is not None
+                and w.deadline is not None
+                and self._hopeless(w.deadline - now, ahead, ahead_tokens)
+            ):
                 expired.append((rid, w))
+            else:
+                ahead += 1
+                ahead_tokens += w.tokens
         for rid, w in done:
             self._forget(rid, w)
         for rid, w in expired:
@@ -242,6 +319,16 @@ class Admission:
             self.engine.abort(rid, report=True, reason=DEADLINE_REASON)
             self.counters["requests_dropped_deadline_total"] += 1
         return started
+
+    def _hopeless(self, left: float, ahead: int, ahead_tokens: int) -> bool:
+        """Can a waiting request with ``left`` seconds to its deadline, behind ``ahead`` requests
+        holding ``ahead_tokens``, no longer start in time? Past its deadline, or its estimated start
+        times ``DEADLINE_MARGIN`` is past it (an estimate that is inf, a rate of 0, drops nothing:
+        it says the queue stalled lately, not when this request starts)."""
+        if left <= 0:
+            return True
+        start = queue_wait(ahead, ahead_tokens, self.rate, self.token_rate)
+        return not math.isinf(start) and DEADLINE_MARGIN * start > left
 
     def _forget(self, rid: str, w: _Waiting) -> None:
         del self._waiting[rid]
@@ -254,52 +341,84 @@ class Admission:
             else:
                 del claimed[d]
 
+    def _computed(self) -> int:
+        return int(self.engine.counters["prompt_tokens_computed_total"])
+
     def _sample_rate(self, now: float, started: int) -> None:
-        """Requests started per second, over time the queue was not empty (an idle engine drains
-        nothing and says nothing about the rate)."""
+        """Requests started and prefill tokens computed per second, over time the queue was not empty
+        (an idle engine drains nothing and says nothing about the rates)."""
+        computed = self._computed()
         if self._busy:
             self._window_s += now - self._last_tick
             self._window_starts += started
+            self._window_tokens += computed - self._last_computed
             if self._window_s >= RATE_WINDOW_S:
-                sample = self._window_starts / self._window_s
-                self.rate = sample if self.rate is None else self.rate + RATE_SMOOTHING * (sample - self.rate)
-                self._window_s, self._window_starts = 0.0, 0
-        self._last_tick = now
+                self.rate = _smooth(self.rate, self._window_starts / self._window_s)
+                self.token_rate = _smooth(self.token_rate, self._window_tokens / self._window_s)
+                self._window_s, self._window_starts, self._window_tokens = 0.0, 0, 0
+        self._last_tick, self._last_computed = now, computed
         self._busy = bool(self._waiting)
 
-    # ---- estimates and metrics ---------------------------------------------------------------------
+    # ---- estimates, the published state and metrics --------------------------------------------------
     def queue_wait_estimate(self, waiting: int | None = None) -> float:
-        """Seconds until ``waiting`` requests (default: the queue now) have started, at the recent rate;
-        0 before any rate was measured, inf when the queue did not drain at all lately."""
+        """Seconds until ``waiting`` requests (default: the queue now) and the prompt tokens waiting
+        have started, at the recent rates (``queue_wait``); 0 for an empty queue or before any rate
+        was measured, inf when the queue did not drain at all lately."""
         if waiting is None:
-            waiting = len(self.engine.scheduler.waiting)
-        if not waiting or self.rate is None:
+            waiting = self._refresh()
+        if not waiting:
             return 0.0
-        return waiting / self.rate if self.rate > 0 else math.inf
+        return queue_wait(waiting, self.waiting_tokens, self.rate, self.token_rate)
 
     def retry_after(self) -> int:
         """Whole seconds for Retry-After: the time the queue now takes to drain, in [1, 60]."""
-        wait = self.queue_wait_estimate()
-        return RETRY_AFTER_MAX_S if math.isinf(wait) else max(1, min(RETRY_AFTER_MAX_S, math.ceil(wait)))
+        return retry_after_s(self.queue_wait_estimate())
+
+    def _refresh(self) -> int:
+        """Bring the books up to the queue (a step may have started some); returns its length."""
+        waiting = len(self.engine.scheduler.waiting)
+        if self._stale(waiting):
+            self._starts += self._look()
+        return waiting
+
+    def state(self) -> QueueState:
+        """The queue now, for the HTTP process (published after every step and arrival decision)."""
+        waiting = self._refresh()
+        return QueueState(
+            self.clock(),
+            self.decided,
+            waiting,
+            self.waiting_tokens,
+            self.rate,
+            self.token_rate,
+            self.new_token_share,
+            self.max_requests,
+            self.max_tokens,
+        )
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges for the server's /metrics (merged into the engine's snapshot)."""
-        if len(self._waiting) > len(self.engine.scheduler.waiting):  # some left since the last look
-            self._starts += self._look()
-        wait = self.queue_wait_estimate()
+        wait = self.queue_wait_estimate()  # the books brought up to the queue first
         return {
             **self.counters,
             "waiting_prompt_tokens": self.waiting_tokens,
             "queue_wait_estimate_seconds": wait if not math.isinf(wait) else float(RETRY_AFTER_MAX_S),
             "queue_retry_after_seconds": self.retry_after(),
+            "queue_drain_requests_per_second": self.rate or 0.0,
+            "queue_drain_prompt_tokens_per_second": self.token_rate or 0.0,
             "max_waiting_requests": self.max_requests or 0,
             "max_waiting_tokens": self.max_tokens or 0,
         }
 
 
 __all__ = [
+    "DEADLINE_MARGIN",
     "DEADLINE_REASON",
     "Admission",
     "AdmissionLimits",
     "QueueFull",
+    "QueueState",
+    "queue_wait",
+    "refused_counter",
+    "retry_after_s",
 ]

@@ -4,9 +4,11 @@ Prompt Cache schema routes (``/v1/schemas``: register, list, remove; run on the 
 Bodies are read and parsed by hand (size limit before parsing, strict UTF-8, then JSON, then the
 model) so that every refusal is a 4xx naming the problem, never a 422 or a 500.
 
-Under overload (``overload.py``) a request past the waiting queue's bounds, or dropped from it past its
-deadline, is answered 429 with Retry-After. A stream's status and headers go out with its first
-output (its first token, or its end), so a streamed request dropped from the queue gets that 429 too.
+Under overload (``overload.py``) a request past the waiting queue's bounds, or one that would not start
+by its deadline, is answered 429 with Retry-After: at arrival by ``ArrivalGate`` in this process (from
+the engine's last published queue), else by the engine when it takes the request, or when it drops it
+from the queue. A stream's status and headers go out with its first output (its first token, or its
+end), so a streamed request dropped from the queue gets that 429 too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 from prefixserve.entrypoints.openai.overload import (
+    ArrivalGate,
     OverloadSettings,
     StallWatch,
     deadline_error,
@@ -115,7 +118,8 @@ def build_app(
         loop = EngineLoop(engine, limits=overload.limits)
         model, max_model_len, tokenizer = engine.model_name, engine.max_model_len, engine.tokenizer
         system_prompts = dict(engine.config.system_prompts)
-    metrics = ServerMetrics(lambda: loop.snapshot)
+    gate = ArrivalGate(loop)
+    metrics = ServerMetrics(lambda: loop.snapshot, lambda: gate.counters)
     loop.observer = metrics
     stall_s = overload.stream_stall_timeout
     watch = None if stall_s is None else StallWatch(loop, stall_s, metrics.streams_stalled)
@@ -129,6 +133,7 @@ def build_app(
         max_body_bytes=max_body_bytes,
         max_queue_delay=overload.max_queue_delay,
         stall_watch=watch,
+        gate=gate,
     )
 
     trim = IdleTrim()  # freed heap back to the OS when idle (engine/host_trim.py)
@@ -149,6 +154,7 @@ def build_app(
     app = FastAPI(title="prefixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.state.engine_loop = loop
+    app.state.arrival_gate = gate
     app.state.metrics = metrics
     app.state.host_trim = trim
     app.add_middleware(_CountRequests, metrics=metrics)
@@ -243,6 +249,10 @@ async def _tokenize(state: ServerState, text: str) -> list[int] | None:
     return list(ids)
 
 
+def _length(tokens: list[int] | None) -> int | None:
+    return None if tokens is None else len(tokens)
+
+
 async def _submit(
     state: ServerState, prep: Prepared, sink: asyncio.Queue[RequestOutput], deadline: float | None = None
 ) -> list[str]:
@@ -251,12 +261,19 @@ async def _submit(
     req, params, prompt_field = prep.req, prep.params, prep.prompt_field
     application = req.application
     texts = [p if isinstance(p, str) else None for p in prep.prompts]
+    if state.gate is not None:
+        try:  # a request the gate refuses whatever its prompt is refused before it is tokenized
+            state.gate.check(deadline)
+        except QueueFull as exc:
+            raise refusal(exc) from None
     encoded = await asyncio.gather(*(_tokenize(state, t) for t in texts if t is not None))
     encoded_iter = iter(encoded)
     try:
         for i, prompt in enumerate(prep.prompts):
             sub_id = f"{prep.rid}-{i}"
             text, tokens = (prompt, next(encoded_iter)) if isinstance(prompt, str) else (None, list(prompt))
+            # refused here at once when the engine's last published queue says so (overload.py)
+            arrival = None if state.gate is None else state.gate.admit(_length(tokens), deadline)
             await state.loop.add(
                 sub_id,
                 text,
@@ -268,6 +285,7 @@ async def _submit(
                 module_recompute=req.module_recompute,
                 stream=req.stream,
                 deadline=deadline,
+                arrival=arrival,
             )
             ids.append(sub_id)
     except QueueFull as exc:  # the waiting queue is at a bound, or would not drain before the deadline

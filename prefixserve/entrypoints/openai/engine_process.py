@@ -11,7 +11,10 @@ reason. ``EngineProcess`` has ``EngineLoop``'s interface (the routes cannot tell
 * outputs cross as deltas (``OutputEncoder`` / ``OutputDecoder``): outputs are cumulative, and sending
   whole ones would copy every token again each step; the prompt's ids cross once;
 * a reader thread in the server process decodes them and delivers them as the engine thread did
-  (per-request queues, backpressure, latency metrics); ``run`` takes picklable callables only.
+  (per-request queues, backpressure, latency metrics); ``run`` takes picklable callables only;
+* the waiting queue's state (``QueueState``, for refusals at arrival in this process:
+  ``overload.ArrivalGate``) rides with every step's outputs and every add's answer, so it is never
+  older than the child's last step.
 
 If the child dies, its requests end with finish_reason "error", /health answers 503 and nothing more
 is accepted.
@@ -200,6 +203,7 @@ def _serve_engine(config: EngineConfig, conn: Any, limits: AdmissionLimits | Non
                 "max_model_len": engine.max_model_len,
                 "system_prompts": dict(engine.config.system_prompts),
                 "snapshot": engine_metrics(engine, admission),
+                "queue": None if admission is None else admission.state(),
             },
         )
     )
@@ -283,7 +287,11 @@ class _EngineChild:
         req, error = add_or_refuse(self.engine, rid, prompt, params, kwargs, self.admission)
         if error is None and paced:
             self.paced[rid] = req
-        self.conn.send(("accepted", rid, None if error is None else _portable(error)))
+        self.conn.send(("accepted", rid, None if error is None else _portable(error), self._queue_state()))
+
+    def _queue_state(self) -> Any:
+        """The waiting queue now (``QueueState``), or None without an admission."""
+        return None if self.admission is None else self.admission.state()
 
     def _send_outputs(self, outputs: list[RequestOutput], snapshot: dict[str, float] | None = None) -> None:
         wires = []
@@ -294,8 +302,9 @@ class _EngineChild:
             elif req is not None:
                 req.stream = False  # no more outputs until the server's reader took this one
             wires.append(self.encoder.encode(out))
-        if wires or snapshot is not None:
-            self.conn.send(("out", wires, snapshot))
+        state = self._queue_state()  # after every step: the queue as the step left it
+        if wires or snapshot is not None or state is not None:
+            self.conn.send(("out", wires, snapshot, state))
 
     def _due_snapshot(self, force: bool = False) -> dict[str, float] | None:
         """The engine's counters, when ``force``d or SNAPSHOT_EVERY_S after the last ones sent."""
@@ -362,7 +371,9 @@ class EngineProcess(EngineLoop):
             raise RuntimeError(f"the engine could not start: {info}")
         self.info: dict[str, Any] = info
         self.engine = None  # type: ignore[assignment]
-        self._init_delivery(observer, info["snapshot"], self._read, "prefixserve-engine-reader")
+        self._init_delivery(
+            observer, info["snapshot"], info.get("queue"), self._read, "prefixserve-engine-reader"
+        )
         self._adds: dict[str, tuple[_Stream, asyncio.Future[None]]] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -469,9 +480,13 @@ class EngineProcess(EngineLoop):
                 if kind == "out":
                     if message[2] is not None:  # counters first: they cover these outputs
                         self.snapshot = message[2]
+                    if message[3] is not None:
+                        self.queue_state = message[3]
                     # a request's "accepted" comes before its outputs: one not registered was aborted
                     self._deliver(self._decoder.decode_live(message[1], self._streams))
                 elif kind == "accepted":
+                    if message[3] is not None:  # the add decided: before its caller hears of it
+                        self.queue_state = message[3]
                     self._accepted(message[1], message[2])
                 elif kind == "result":
                     done = self._calls.pop(message[1], None)

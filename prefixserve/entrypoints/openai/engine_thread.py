@@ -10,7 +10,11 @@ so it must happen there); commands still queued when the thread stops fail with 
 
 Overload (``engine/admission.py``): with ``limits``, the loop keeps an ``Admission`` beside the engine;
 an add past the waiting queue's bounds fails with ``QueueFull``, and before each step the requests
-that waited past their deadline are dropped (they end with finish_reason ``DEADLINE_REASON``).
+that cannot start by their deadline are dropped (they end with finish_reason ``DEADLINE_REASON``).
+After every step, and after a batch of adds, the loop publishes the queue (``queue_state``, a
+``QueueState``), from which the HTTP side refuses most requests at arrival without waiting for the
+loop (``overload.ArrivalGate``); an add carries the ``arrival`` number that gate gave it, and the
+published state says up to which number the engine has decided.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from prefixserve.engine import Engine
-from prefixserve.engine.admission import Admission, AdmissionLimits, QueueFull
+from prefixserve.engine.admission import Admission, AdmissionLimits, QueueFull, QueueState
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
@@ -101,18 +105,22 @@ class EngineLoop:
         self.admission = None if limits is None else Admission(engine, limits)
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         snapshot = engine_metrics(engine, self.admission)
-        self._init_delivery(observer, snapshot, self._run, "prefixserve-engine")
+        state = None if self.admission is None else self.admission.state()
+        self._init_delivery(observer, snapshot, state, self._run, "prefixserve-engine")
 
     def _init_delivery(
         self,
         observer: LatencyObserver | None,
         snapshot: dict[str, float],
+        queue_state: QueueState | None,
         target: Callable[[], None],
         name: str,
     ) -> None:
         """What delivering outputs and taking commands needs, with the thread that runs ``target``."""
         self.observer = observer
         self.snapshot: dict[str, float] = snapshot  # replaced (not mutated) by the delivering thread
+        # the waiting queue as the engine last published it (None: no admission); replaced likewise
+        self.queue_state: QueueState | None = queue_state
         self._streams: dict[str, _Stream] = {}  # the delivering thread's
         self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._stopping = False
@@ -151,10 +159,12 @@ class EngineLoop:
         stream: bool = False,
         module_recompute: str | None = None,
         deadline: float | None = None,
+        arrival: int | None = None,
     ) -> None:
         """Queue a request; returns once the engine accepted it, raises ValueError if it refused it
         (QueueFull past the queue's bounds). ``deadline``: the ``time.monotonic()`` by which it must
-        have started, or it is dropped (its final output has finish_reason ``DEADLINE_REASON``)."""
+        have started, or it is dropped (its final output has finish_reason ``DEADLINE_REASON``).
+        ``arrival``: its number from ``overload.ArrivalGate``, acknowledged in ``queue_state``."""
         if not self.alive:
             raise EngineStopped(self._refusal())
         loop = asyncio.get_running_loop()
@@ -166,6 +176,7 @@ class EngineLoop:
             application=application,
             module_recompute=module_recompute,
             queue_deadline=deadline,
+            arrival=arrival,
         )
         if not self._queue_add((request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
             raise EngineStopped("the server is shutting down")
@@ -229,13 +240,16 @@ class EngineLoop:
                     command = self._commands.get(timeout=IDLE_WAIT_S)
                 except queue.Empty:
                     command = None
-            stop = False
+            stop = added = False
             while command is not None:
                 stop = self._apply(command) or stop
+                added = added or command[0] == "add"
                 command = self._next_nowait()
             if stop:
                 self._shutdown()
                 return
+            if added:  # the arrivals' decisions, before a step that may take long
+                self._publish_queue()
             if engine.has_unfinished():
                 outputs, dead = serve_step(engine, self.admission)
                 self._deliver(outputs)
@@ -243,6 +257,11 @@ class EngineLoop:
                     self._refuse_queued()
                     return
             self.snapshot = engine_metrics(engine, self.admission)
+            self._publish_queue()
+
+    def _publish_queue(self) -> None:
+        if self.admission is not None:
+            self.queue_state = self.admission.state()
 
     def _next_nowait(self) -> tuple[Any, ...] | None:
         try:
@@ -283,6 +302,8 @@ class EngineLoop:
         accepted: asyncio.Future[None],
     ) -> None:
         if accepted.cancelled():
+            if self.admission is not None:  # decided: its client left first
+                self.admission.arrived(kwargs.get("arrival"))
             return
         stream.request, error = add_or_refuse(self.engine, request_id, prompt, params, kwargs, self.admission)
         if error is None:
@@ -359,11 +380,13 @@ def add_or_refuse(
 ) -> tuple[Any, BaseException | None]:
     """``engine.add_request``: (the Request, None), or (None, the error to hand the caller): a full
     queue is QueueFull, a bad request a ValueError (a PMLError names line and column), anything else a
-    RuntimeError. ``kwargs["queue_deadline"]`` goes to ``admission`` (ignored without one)."""
+    RuntimeError. ``kwargs["queue_deadline"]`` and ``kwargs["arrival"]`` go to ``admission`` (ignored
+    without one)."""
     kwargs = dict(kwargs)
     deadline = kwargs.pop("queue_deadline", None)
+    arrival = kwargs.pop("arrival", None)
     if admission is not None:
-        kwargs["admit"] = admission.gate(deadline)
+        kwargs["admit"] = admission.gate(deadline, arrival)
     try:
         return engine.add_request(request_id, prompt, params, **kwargs), None
     except QueueFull as exc:
@@ -378,7 +401,7 @@ def add_or_refuse(
 
 
 def serve_step(engine: Engine, admission: Admission | None) -> tuple[list[RequestOutput], bool]:
-    """A server's step: the queue's expired requests dropped first (their final outputs come with
+    """A server's step: the queue's hopeless requests dropped first (their final outputs come with
     this step's), then ``guarded_step``."""
     if admission is not None:
         admission.before_step()

@@ -1,7 +1,9 @@
 """Prometheus metrics for one server app (its own CollectorRegistry, so several apps can coexist).
 
 Engine counters and gauges are read from the engine thread's latest snapshot at scrape time (the HTTP
-thread never touches the Engine); latency histograms are fed by the engine thread as requests move.
+thread never touches the Engine), plus the counters of refusals the HTTP process decided itself
+(``overload.ArrivalGate``: added to the engine's, by bound); latency histograms are fed by the engine
+thread as requests move.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ _COUNTERS = {
     "requests_total": "requests accepted by the engine",
     "requests_finished_total": "requests finished (any reason)",
     "requests_aborted_total": "requests aborted (client gone or stalled, shutdown, queue deadline)",
-    "requests_dropped_deadline_total": "requests dropped from the waiting queue past their deadline (429)",
+    "requests_dropped_deadline_total": "requests dropped from the waiting queue for their deadline (429)",
+    "requests_refused_http_total": (
+        "requests refused with 429 at arrival by the HTTP process, from the engine's last published "
+        "queue, before the engine saw them (also in requests_refused_total)"
+    ),
     "prompt_tokens_total": "prompt tokens of accepted requests",
     "prompt_tokens_computed_total": "prompt tokens actually run through the model (not from cache)",
     "generation_tokens_total": "tokens generated",
@@ -68,7 +74,15 @@ _GAUGES = {
     "waiting_prompt_tokens": ("num_waiting_prompt_tokens", "prompt tokens waiting requests have to compute"),
     "queue_wait_estimate_seconds": (
         "queue_wait_estimate_seconds",
-        "time the waiting queue takes to drain at its recent rate",
+        "time the waiting queue takes to drain at its recent rates",
+    ),
+    "queue_drain_requests_per_second": (
+        "queue_drain_requests_per_second",
+        "requests started per second while the queue was not empty (smoothed)",
+    ),
+    "queue_drain_prompt_tokens_per_second": (
+        "queue_drain_prompt_tokens_per_second",
+        "prefill tokens computed per second while the queue was not empty (smoothed)",
     ),
     "max_waiting_requests": ("max_waiting_requests", "bound on waiting requests (0: unbounded)"),
     "max_waiting_tokens": ("max_waiting_tokens", "bound on waiting prompt tokens (0: unbounded)"),
@@ -83,11 +97,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], dict[str, float]], local: Callable[[], dict[str, int]] | None
+    ) -> None:
         self._snapshot = snapshot
+        self._local = local
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
+        if self._local is not None:  # counters this process keeps, added to the engine's
+            snap = dict(snap)
+            for key, value in self._local().items():
+                snap[key] = snap.get(key, 0) + value
         for key, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"{PREFIX}_{key.removesuffix('_total')}", doc, value=snap.get(key, 0))
         for key, (name, doc) in _GAUGES.items():
@@ -112,9 +133,13 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The app's registry plus the engine thread's latency observer."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], dict[str, float]], local: Callable[[], dict[str, int]] | None = None
+    ) -> None:
+        """``snapshot``: the engine's latest metrics; ``local``: counters kept in this process, summed
+        with the engine's of the same name (the HTTP side's refusals at arrival)."""
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(snapshot))
+        self.registry.register(_EngineCollector(snapshot, local))
         self.http_requests = Counter(
             f"{PREFIX}_http_requests",
             "HTTP requests by route and status",

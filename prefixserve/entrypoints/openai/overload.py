@@ -1,15 +1,26 @@
-"""The server's side of overload: queue deadlines, refusals as 429 with Retry-After, stalled streams.
+"""The server's side of overload: refusals at arrival, queue deadlines, 429 with Retry-After, stalled
+streams.
 
-The queue's bounds and the dropping of expired requests live with the engine
-(``engine/admission.py``: one place that sees every arrival and every step, in either engine mode);
-this module turns them into HTTP:
+The queue's bounds, its drain rates and the dropping of requests that cannot start by their deadline
+live with the engine (``engine/admission.py``: one place that sees every arrival and every step, in
+either engine mode), and its check is the exact one. But it runs between engine steps, and a step
+with big prefills takes seconds, so a request refused there waits that long to hear so. This module
+turns the engine's decisions into HTTP, and takes most refusals off the engine's path:
 
+* ``ArrivalGate``, in the HTTP process, refuses a request at arrival, at once, from the queue the
+  engine last published (``QueueState``: after every step and every arrival decision; the engine
+  process sends it with its outputs) plus the requests sent since that the engine has not decided
+  yet: past the bound on waiting requests or prompt tokens, or when the estimated queue wait does not
+  fit ``DEADLINE_MARGIN`` of the request's time left. The published queue is taken to drain at its
+  rates for the time since it was taken; requests sent since are behind it and have not started.
+  What passes the gate goes to the engine, which decides exactly; both count their refusals in the
+  same /metrics counters, by bound (the gate's also in ``requests_refused_http_total``);
 * a request's queue deadline: ``--max-queue-delay`` and the ``X-Max-Queue-Delay`` header (seconds,
   the smaller wins), counted from when the request reached the route;
-* ``QueueFull`` and a request dropped past its deadline become 429 ``rate_limit_error`` with a
-  ``Retry-After`` header (whole seconds: the time the queue now takes to drain, from the engine's
-  last snapshot). 429 rather than 503: the server is up, this request came when it was full, and
-  clients (the openai SDK among them) retry a 429 after Retry-After;
+* ``QueueFull`` (from the gate or the engine) and a request dropped from the queue for its deadline
+  become 429 ``rate_limit_error`` with a ``Retry-After`` header (whole seconds: the time the queue now
+  takes to drain, from the engine's last state). 429 rather than 503: the server is up, this request
+  came when it was full, and clients (the openai SDK among them) retry a 429 after Retry-After;
 * a stream whose client stops reading: the engine never waits for a reader (outputs are paced, the
   request keeps running), but it would run to ``max_tokens`` for a client that may be gone without
   closing its connection. ``StallWatch`` aborts a stream's requests once one of its writes has not
@@ -22,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -31,7 +43,16 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import Counter
 from starlette.types import Message, Send
 
-from prefixserve.engine.admission import DEADLINE_REASON, AdmissionLimits, QueueFull
+from prefixserve.engine.admission import (
+    DEADLINE_MARGIN,
+    DEADLINE_REASON,
+    AdmissionLimits,
+    QueueFull,
+    QueueState,
+    queue_wait,
+    refused_counter,
+    retry_after_s,
+)
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.outputs import RequestOutput
@@ -41,6 +62,7 @@ log = logging.getLogger(__name__)
 QUEUE_DELAY_HEADER = "X-Max-Queue-Delay"
 STALL_S = 60.0  # default --stream-stall-timeout
 RETRY_AFTER_MAX_S = 60
+HTTP_REFUSED = "requests_refused_http_total"  # refusals at arrival decided here, not by the engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +101,105 @@ def queue_deadline(request: Request, max_queue_delay: float | None) -> float | N
     return None if delay is None else arrival + delay
 
 
+class ArrivalGate:
+    """Refusals at arrival decided in the HTTP process, from the engine's last ``QueueState`` (read
+    from ``loop.queue_state``) and the arrivals sent since that it has not decided yet. Thread-safe:
+    the state is replaced whole by the thread that receives it, the rest is under a lock."""
+
+    def __init__(self, loop: EngineLoop, clock: Callable[[], float] = time.monotonic) -> None:
+        self.loop, self.clock = loop, clock
+        self.counters: dict[str, int] = {
+            **{refused_counter(b): 0 for b in ("requests", "tokens", "deadline")},
+            HTTP_REFUSED: 0,
+        }
+        self._lock = threading.Lock()
+        self._sent: dict[int, float] = {}  # arrival number -> prompt tokens it adds (estimated)
+        self._sent_tokens = 0.0  # their sum
+        self._last = 0  # the last arrival number given
+
+    def check(self, deadline: float | None) -> None:
+        """``admit``'s refusals that do not depend on the prompt (all but a token bound its tokens
+        would pass), before the prompt is tokenized: a refused request costs the server no more."""
+        self._decide(None, deadline, reserve=False)
+
+    def admit(self, prompt_tokens: int | None, deadline: float | None) -> int | None:
+        """Refuse a request (QueueFull, counted) or let it go to the engine: then its arrival number,
+        to send with it (None while the engine publishes no state: nothing to go by).
+        ``prompt_tokens``: its prompt's length, None if unknown here (its tokens then count 0)."""
+        return self._decide(prompt_tokens, deadline, reserve=True)
+
+    def _decide(self, prompt_tokens: int | None, deadline: float | None, reserve: bool) -> int | None:
+        state = self.loop.queue_state
+        if state is None:
+            return None
+        with self._lock:
+            self._settle(state.decided)
+            now = self.clock()
+            waiting, tokens = self._queue_now(state, now)
+            adds = (prompt_tokens or 0) * state.new_token_share
+            wait = queue_wait(waiting, tokens, state.request_rate, state.token_rate)
+            count = math.ceil(waiting - 1e-9)
+            if state.max_requests is not None and count >= state.max_requests:
+                self._refuse(
+                    "requests",
+                    f"the server is at capacity: {count} requests are waiting (the bound is "
+                    f"{state.max_requests})",
+                    wait,
+                )
+            if state.max_tokens is not None and tokens > 0 and tokens + adds > state.max_tokens:
+                self._refuse(
+                    "tokens",
+                    f"the server is at capacity: the waiting requests hold about {tokens:.0f} prompt "
+                    f"tokens still to compute and this one adds about {adds:.0f} (the bound is "
+                    f"{state.max_tokens})",
+                    wait,
+                )
+            if deadline is not None:
+                left = deadline - now
+                if left <= 0 or wait > DEADLINE_MARGIN * left:
+                    self._refuse(
+                        "deadline",
+                        f"the request would wait about {wait:.1f} s in the queue, past its queue "
+                        f"deadline ({max(left, 0.0):.1f} s left)",
+                        wait,
+                    )
+            if not reserve:
+                return None
+            self._last += 1
+            self._sent[self._last] = adds
+            self._sent_tokens += adds
+            return self._last
+
+    def _settle(self, decided: int) -> None:
+        """Forget the arrivals the engine has decided (numbers go up, so they lead ``_sent``)."""
+        sent = self._sent
+        while sent:
+            first = next(iter(sent))
+            if first > decided:
+                break
+            self._sent_tokens -= sent.pop(first)
+        if not sent:
+            self._sent_tokens = 0.0  # no float residue
+
+    def _queue_now(self, state: QueueState, now: float) -> tuple[float, float]:
+        """(waiting requests, their prompt tokens still to compute), estimated for ``now``: the
+        published queue drained at its rates since it was taken, then the arrivals sent since, which
+        the engine has not seen start."""
+        elapsed = max(0.0, now - state.taken)
+        waiting, tokens = float(state.waiting), float(state.waiting_tokens)
+        if state.request_rate:
+            waiting = max(0.0, waiting - elapsed * state.request_rate)
+        if state.token_rate:
+            tokens = max(0.0, tokens - elapsed * state.token_rate)
+        return waiting + len(self._sent), tokens + self._sent_tokens
+
+    def _refuse(self, bound: str, why: str, wait: float) -> None:
+        self.counters[refused_counter(bound)] += 1
+        self.counters[HTTP_REFUSED] += 1
+        retry = retry_after_s(wait)
+        raise QueueFull(f"{why}; retry after {retry} s", retry, bound)
+
+
 def refusal(exc: QueueFull) -> APIError:
     """A request the queue refused at arrival, as a 429."""
     code = "queue_timeout" if exc.bound == "deadline" else "queue_full"
@@ -86,15 +207,18 @@ def refusal(exc: QueueFull) -> APIError:
 
 
 def dropped(out: RequestOutput) -> bool:
-    """Was this request dropped from the queue past its deadline (before it ran)?"""
+    """Was this request dropped from the queue for its deadline (before it ran)?"""
     return out.finished and any(c.finish_reason == DEADLINE_REASON for c in out.outputs)
 
 
 def deadline_error(loop: EngineLoop) -> APIError:
-    """A request dropped from the queue past its deadline, as a 429 with the engine's Retry-After."""
+    """A request dropped from the queue for its deadline, as a 429 with the engine's Retry-After."""
     retry = int(loop.snapshot.get("queue_retry_after_seconds", 1))
     retry = max(1, min(RETRY_AFTER_MAX_S, retry))
-    message = f"the request waited past its queue deadline (dropped before it ran); retry after {retry} s"
+    message = (
+        "the request would not start by its queue deadline (dropped from the queue before it ran); "
+        f"retry after {retry} s"
+    )
     return APIError(429, message, code="queue_timeout", headers={"Retry-After": str(retry)})
 
 
@@ -174,7 +298,9 @@ def sse_response(body: AsyncIterator[str], ids: list[str], watch: StallWatch | N
 
 
 __all__ = [
+    "HTTP_REFUSED",
     "QUEUE_DELAY_HEADER",
+    "ArrivalGate",
     "OverloadSettings",
     "StallWatch",
     "WatchedStream",
