@@ -93,6 +93,11 @@ COUNTERS = {
     "http_2xx": "http_2xx",
     "http_4xx": "http_4xx",
     "http_5xx": "http_5xx",
+    # where a client's wait goes: the engine's arrival-to-first-token, the HTTP loop's lateness
+    "server_ttft_sum": "time_to_first_token_seconds_sum",
+    "server_ttft_count": "time_to_first_token_seconds_count",
+    "loop_lag_sum": "event_loop_lag_seconds_sum",
+    "loop_lag_count": "event_loop_lag_seconds_count",
 }
 OUTCOMES = (
     "served",  # within its deadline

@@ -166,11 +166,12 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "The burst sends max-num-seqs chats at once (its rate: answers / time to all of them); ladder points "
         f"run {s['ladder_window']:g} s of arrivals, R and 2R {s['window']:g} s. Server counters over each "
         "window (429s at arrival by bound, and of them those decided in the HTTP process before the "
-        "engine saw them; drops for the deadline, 5xx):",
+        "engine saw them; drops for the deadline, 5xx; the engine's mean arrival-to-first-token, and how "
+        "late the HTTP process's event loop ran on average: where a client's wait goes):",
         "",
         "| window | refused: queue requests | queue tokens | deadline estimate | of them in HTTP "
-        "| dropped for deadline | aborted | preemptions | 5xx |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| dropped for deadline | aborted | preemptions | 5xx | engine TTFT mean s | loop lag mean ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for x in shown:
         v = x["server"]
@@ -178,7 +179,8 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         lines.append(
             f"| {x['label']} | {v['refused_queue_requests']:.0f} | {v['refused_queue_tokens']:.0f} "
             f"| {v['refused_deadline']:.0f} | {in_http} | {v['dropped_deadline']:.0f} | {v['aborted']:.0f} "
-            f"| {v['preemptions']:.0f} | {v['http_5xx']:.0f} |"
+            f"| {v['preemptions']:.0f} | {v['http_5xx']:.0f} | {_mean(v, 'server_ttft', 1.0, '.2f')} "
+            f"| {_mean(v, 'loop_lag', 1e3, '.1f')} |"
         )
     samples = [f"{x['label']}: {x['error_sample']}" for x in shown if x.get("error_sample")]
     if samples or summary["warnings"]:
@@ -186,6 +188,12 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         lines += [f"- {n}" for n in summary["warnings"] + samples]
     write_text(out_dir, f"{name}.md", lines)
     plot(result, out_dir / f"{name}.png")
+
+
+def _mean(counters: dict, name: str, scale: float, spec: str) -> str:
+    """A histogram's mean over the window from its _sum and _count deltas ("-" where not scraped)."""
+    total, count = counters.get(f"{name}_sum"), counters.get(f"{name}_count")
+    return "-" if not count or total is None else format(scale * total / count, spec)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -70,3 +70,33 @@ def test_the_http_task_trims_once_the_requests_are_done(no_kept_memory: None) ->
 
     asyncio.run(scenario())
     assert len(calls) == 1  # once after the work, not again while nothing happens
+
+
+def test_idle_frees_finished_requests_cycles_before_the_trim(no_kept_memory: None) -> None:
+    """A finished request and its sequence reference each other: only a cyclic pass frees them, and
+    the idle moment runs one before the trim (``tune_gc`` makes the engine's own passes rare)."""
+    import gc
+    import weakref
+
+    from prefixserve.sampling.params import SamplingParams
+    from prefixserve.sequence import Request, Sequence, token_array
+
+    req = Request("r", None, token_array([1, 2]), token_array([0, 1]), SamplingParams())
+    req.sequences.append(Sequence(0, req, 0, token_array([1, 2]), token_array([0, 1])))
+
+    class Held:  # something the request holds (its slots take no weak reference themselves)
+        pass
+
+    req.prompt_logprobs = Held()
+    gone = weakref.ref(req.prompt_logprobs)
+    order: list[str] = []
+    trim = IdleTrim(trim=lambda: order.append("trim" if gone() is None else "trim before the collect"))
+    del req
+    gc.disable()
+    try:
+        assert gone() is not None  # a cycle: no reference count reaches zero
+        trim.busy()
+        assert trim.idle()
+    finally:
+        gc.enable()
+    assert gone() is None and order == ["trim"]

@@ -145,10 +145,12 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop.start()
         trimmer = asyncio.create_task(trim_when_idle(lambda: loop.in_flight, requests_seen, trim))
+        lag = asyncio.create_task(metrics.watch_loop_lag())
         try:
             yield
         finally:
             trimmer.cancel()
+            lag.cancel()
             await asyncio.get_running_loop().run_in_executor(None, loop.stop)
 
     app = FastAPI(title="prefixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

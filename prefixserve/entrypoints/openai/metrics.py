@@ -8,6 +8,7 @@ thread as requests move.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -93,6 +94,7 @@ _REFUSED = {
     "queue_tokens": "requests_refused_queue_tokens_total",
     "deadline": "requests_refused_deadline_total",
 }
+LOOP_TICK_S = 0.1  # the event-loop lag probe's period
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -169,6 +171,23 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+        self.loop_lag = Histogram(
+            f"{PREFIX}_event_loop_lag_seconds",
+            "how late the HTTP process's event loop ran a timer due every LOOP_TICK_S: every request's "
+            "routing, every streamed chunk and every refusal waits that long",
+            buckets=(0.001, 0.0025, *_LATENCY_BUCKETS),
+            registry=self.registry,
+        )
+
+    async def watch_loop_lag(self, tick: float = LOOP_TICK_S) -> None:
+        """Run for the app's lifetime: how late the loop wakes up from ``tick`` s sleeps (a loop busy
+        with streams or request handling delays everything it serves by that much)."""
+        clock = asyncio.get_running_loop().time
+        while True:
+            due = clock() + tick
+            await asyncio.sleep(tick)
+            self.loop_lag.observe(max(0.0, clock() - due))
 
     # LatencyObserver (called on the engine thread; prometheus-client is thread-safe)
     def first_token(self, seconds: float) -> None:
