@@ -75,7 +75,8 @@ class HostTier:
     Entries are CPU tensors; with ``pin`` (default: whenever CUDA is available) a pageable tensor is copied
     into pinned memory on ``put``, so a copy to the device from it is truly asynchronous. A tensor already
     pinned (``gather_rows`` on CUDA returns one) is kept as it is, without a copy; so is a view of a larger
-    pinned tensor (one spill's blocks share one buffer, freed when the last of them goes). ``ready``: the
+    pinned tensor (one spill's blocks, or Prompt Cache pieces moved out together, share one buffer,
+    freed when the last of them goes: the budget counts the views, not the buffer). ``ready``: the
     event of the device-to-host copy still filling ``packed``; ``get`` and eviction wait for it, so what
     they hand out is whole. The tier holds references, not copies: the caller must not modify a tensor
     after ``put`` or after ``get`` hands it out.
