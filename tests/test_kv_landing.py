@@ -357,6 +357,31 @@ def test_layered_scatter_on_cuda_lands_the_bytes_scatter_rows_writes(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_joined_copies_on_cuda_land_the_rows_per_entry_copies_land(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Three entries of one pinned allocation, each from a block boundary, into one run of blocks:
+    one copy per layer and K or V on the copy stream, the rows bit for bit scatter_rows' rows."""
+    monkeypatch.setattr("prefixserve.kv.landing.MIN_COPY_BYTES", 0)
+    rows, counts = [5, 8, 3], [2, 2, 1]
+    host = random_packed(sum(counts) * BLOCK, dtype).pin_memory()
+    starts = [0, 2 * BLOCK, 4 * BLOCK]
+    views = [host[:, :, s : s + r] for s, r in zip(starts, rows, strict=True)]
+    blocks = [[3, 4], [5, 6], [7]]
+    whole, layered = random_cache(dtype, "cuda"), random_cache(dtype, "cuda")
+    for b, v in zip(blocks, views, strict=True):
+        whole.scatter_rows(b, v)
+        layered.scatter_rows_layered(b, v)
+    hook = layered.landing_hook()
+    assert hook is not None and layered.landing.copies == 2 * LAYERS
+    for layer in range(LAYERS):
+        hook(layer)
+    for b, r in zip(blocks, rows, strict=True):
+        assert torch.equal(bits(layered.gather_rows(b, r)), bits(whole.gather_rows(b, r)))
+
+
+@pytest.mark.gpu
 def test_host_tier_modules_land_layer_by_layer_on_cuda(
     monkeypatch: pytest.MonkeyPatch, tiny_config_path
 ) -> None:
