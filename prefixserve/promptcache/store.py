@@ -47,7 +47,7 @@ import numpy as np
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
-from prefixserve.kv.tiers import DiskTier, HostTier
+from prefixserve.kv.tiers import DiskTier, HostGroup, HostTier, packed_nbytes
 from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
 from prefixserve.promptcache.chat import ChatFrames
 from prefixserve.promptcache.layout import SchemaLayout, layout
@@ -541,23 +541,42 @@ class PromptModules:
     def _demote(self, entries: list[ModuleEntry]) -> None:
         """Move pieces' KV from their blocks to host memory (and so give the blocks back).
 
-        One gather of their whole blocks and one copy, with no host wait, into one host allocation
-        where each piece's rows start on a block boundary, in the order given (least recently used
-        first: a prompt's pieces, used together, are neighbours in table order). Restored together in
-        that order into one run of blocks (``_bring_up``), they land in one copy per layer and K or V,
-        the hole rows between them going into the holes (``kv/landing.py``). The allocation is freed
-        when the last of its pieces leaves the host tier."""
-        if not entries:
-            return
+        In order (least recently used first: a prompt's pieces, used together, are neighbours in
+        table order), up to a quarter of the host budget at a time (``_demote_together``). A group
+        leaves the host tier's budget only when its last piece goes, so a larger one could push out
+        more at a time than the room asked for."""
+        kv = self.kv
+        block_bytes = self.block_size * kv.tensor.shape[0] * 2 * kv.total_kv_heads * kv.tensor.shape[-1]
+        block_bytes *= kv.tensor.element_size()
+        limit = self.host.capacity_bytes // 4
+        chunk: list[ModuleEntry] = []
+        size = 0
+        for entry in entries:
+            assert entry.blocks is not None
+            nbytes = len(entry.blocks) * block_bytes
+            if chunk and size + nbytes > limit:
+                self._demote_together(chunk)
+                chunk, size = [], 0
+            chunk.append(entry)
+            size += nbytes
+        if chunk:
+            self._demote_together(chunk)
+
+    def _demote_together(self, entries: list[ModuleEntry]) -> None:
+        """One gather of the pieces' whole blocks and one copy, with no host wait, into one host
+        allocation (a ``HostGroup``) where each piece's rows start on a block boundary. Restored
+        together in this order into one run of blocks (``_bring_up``), they land in one copy per layer
+        and K or V, the hole rows between them going into the holes (``kv/landing.py``)."""
         bs = self.block_size
         blocks = [b for entry in entries for b in entry.blocks or ()]
         packed, ready = self.kv.gather_rows_async(blocks, len(blocks) * bs)
+        group = HostGroup(packed_nbytes(packed))
         start = 0
         for entry in entries:
             assert entry.blocks is not None
             rows = packed[:, :, start : start + entry.rows]
             start += len(entry.blocks) * bs
-            self.host.put(entry.key, rows, {"rows": str(entry.rows)}, ready=ready)
+            self.host.put(entry.key, rows, {"rows": str(entry.rows)}, ready=ready, group=group)
             self.counters["module_evictions_gpu_total"] += 1
             self._drop_gpu(entry)
 
