@@ -82,15 +82,15 @@ class HostTier:
     """LRU of packed entries in host memory under a byte budget.
 
     The budget counts tensor bytes only (``packed_nbytes``; for the entries of a ``HostGroup``, the group's
-    bytes, once). ``put`` returns the entries it pushed out, least
-    recently used first, so the caller can spill them to disk; the tier itself never writes anywhere. An
-    entry bigger than the whole budget is not kept: it comes back as evicted at once.
+    bytes, once). ``put`` returns the entries it pushed out, least recently used first, so the caller can
+    spill them to disk; the tier itself never writes anywhere. An entry (or group) bigger than the whole
+    budget is not kept: it comes back as evicted at once.
 
     Entries are CPU tensors; with ``pin`` (default: whenever CUDA is available) a pageable tensor is copied
     into pinned memory on ``put``, so a copy to the device from it is truly asynchronous. A tensor already
     pinned (``gather_rows`` on CUDA returns one) is kept as it is, without a copy; so is a view of a larger
-    pinned tensor (one spill's blocks, or Prompt Cache pieces moved out together, share one buffer,
-    freed when the last of them goes: the budget counts the views, not the buffer). ``ready``: the
+    pinned tensor (a slot of the prefix spill's slabs; Prompt Cache pieces moved out together, one
+    ``HostGroup``, whose buffer is freed when the last of them goes and counted until then). ``ready``: the
     event of the device-to-host copy still filling ``packed``; ``get`` and eviction wait for it, so what
     they hand out is whole. The tier holds references, not copies: the caller must not modify a tensor
     after ``put`` or after ``get`` hands it out.
