@@ -124,6 +124,7 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
             m: [] for m in ("full", "prefix", "module_gpu", "module_host", "module_disk")
         }
         disk_rates: list[float] = []
+        host_copies: list[int] = []  # host-to-device copies a host-tier request issued
         host_rate = None
         for trial in range(args.trials + 1):  # the first round warms every path up, untimed
             pml, plain, shuffled = prompts_for(rng, texts, count, question)
@@ -138,7 +139,9 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
             llm.engine.modules.move_out()
             if trial == args.trials:
                 host_rate = host_copy_gbs(llm)
+            copies = llm.engine.modules.kv.landing.copies
             got["module_host"] = ttft(llm, pml.replace(question, " Host" + question))
+            host_copies.append(llm.engine.modules.kv.landing.copies - copies)
             disk = llm.engine.modules.disk
             if disk is not None:
                 llm.engine.modules.move_out(drop_host=True)
@@ -162,6 +165,9 @@ def run_ttft(llm: LLM, args: argparse.Namespace, question: str) -> list[dict[str
             )
         if host_rate is not None:
             row["host_copy_gbs"] = host_rate
+        if host_copies:  # layers x K and V x runs of modules adjacent in host memory and in the pool
+            row["host_copies"] = max(host_copies)
+            row["layers"] = llm.engine.modules.kv.landing.layers
         if disk_rates:
             row["disk_read_gbs"] = statistics.median(disk_rates)
         rows.append(row)
@@ -499,6 +505,15 @@ def machine_lines(result: dict[str, Any]) -> list[str]:
     ]
     if fio:
         lines[-1] += f"; the disk tier: {frac(disk, fio)}"
+    copies = []
+    for row in rows:
+        if row.get("layers"):
+            runs = row["host_copies"] // (2 * row["layers"])
+            copies.append(f"{row['host_copies']} at {row['module_tokens']} ({runs} per layer, K or V)")
+    if copies:
+        lines.append(
+            f"- host-to-device copies of a host-tier request (most over its trials): {', '.join(copies)}"
+        )
     return lines
 
 

@@ -7,6 +7,7 @@ not wait for a layer's copies sees the bytes that were there before, as it would
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
 import pytest
@@ -14,8 +15,11 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.piecewise_graph import PiecewiseGraphs
+from prefixserve.kv.block_pool import BlockPool
+from prefixserve.kv.cache import KVCache
 from prefixserve.kv.landing import MIN_COPY_BYTES, block_runs, worth_layering
-from tests.test_kv_tiers import DTYPES, TINY, random_cache, random_packed
+from prefixserve.promptcache.store import PromptModules
+from tests.test_kv_tiers import BLOCK, DTYPES, TINY, random_cache, random_packed
 from tests.test_prompt_cache import PROMPTS, SCHEMA
 
 LAYERS = TINY.num_hidden_layers
@@ -77,6 +81,8 @@ def test_block_runs_and_when_layering_pays() -> None:
     many = [(i * 16, (i + 1) * 16, 100 * i) for i in range(32)]  # 32 scattered blocks: 32 KiB copies
     assert not worth_layering(many, row, cuda=True)
     assert worth_layering([(0, MIN_COPY_BYTES // row, 0)], row, cuda=True)
+    assert worth_layering([(0, 3, 0)], row, cuda=True, joins=True)  # adds no copy: always
+    assert not worth_layering([(0, 16, 0), (16, 19, 90)], row, cuda=True, joins=True)  # one 6 KiB copy
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,6 +143,138 @@ def test_work_outside_a_forward_settles_only_the_blocks_it_touches() -> None:
     cache.scatter_rows_layered([0, 1], random_packed(5, torch.float32, seed=4))
     cache.copy_blocks([(1, 9)])  # a block copy from a landing block waits for it too
     assert torch.equal(cache.tensor[:, :, 9, :1], random_packed(5, torch.float32, seed=4)[:, :, 4:5])
+
+
+# --- copies of several entries joined: one per layer and K or V for entries adjacent on both sides ---
+
+
+def test_joined_copies_land_the_rows_per_entry_copies_land() -> None:
+    """Entries packed in one host allocation from block boundaries (as ``PromptModules._demote`` packs
+    them), some of them queued, in order or not, into random block layouts: every entry's rows land
+    bit for bit where per-entry copies put them, nothing outside their blocks is touched, and a copy
+    joins the next entry exactly when that entry follows it both in the host allocation and in the
+    pool (the joined copy writes the host's padding rows into the holes between them, which no table
+    reads). ``mirror`` leaves in the pool the gaps the host has where entries are skipped (a copy
+    across them would write blocks outside the landing); ``apart`` puts each entry in an allocation
+    of its own, at the offsets it would have in a shared one."""
+    rng = random.Random(0)
+    for case in range(80):
+        dtype = DTYPES[case % len(DTYPES)]
+        n = rng.randint(1, 6)
+        rows = [rng.randint(1, 3 * BLOCK) for _ in range(n)]
+        counts = [-(-r // BLOCK) for r in rows]
+        starts = [sum(counts[:i]) * BLOCK for i in range(n)]
+        layout = rng.choice(["run", "gaps", "mirror", "scattered", "apart"])
+        host = random_packed(sum(counts) * BLOCK, dtype, seed=case)
+        views = [host[:, :, s : s + r] for s, r in zip(starts, rows, strict=True)]
+        if layout == "apart":
+            views = [
+                random_packed(sum(counts) * BLOCK, dtype, seed=99)[:, :, s : s + r]
+                for s, r in zip(starts, rows, strict=True)
+            ]
+        order = sorted(rng.sample(range(n), rng.randint(1, n))) if rng.random() < 0.5 else list(range(n))
+        if rng.random() < 0.3:
+            rng.shuffle(order)
+        blocks, nxt = {}, rng.randrange(8)
+        free = rng.sample(range(POOL_BLOCKS), POOL_BLOCKS)
+        for i in order:
+            if layout == "scattered":  # any distinct ids
+                blocks[i], free = free[: counts[i]], free[counts[i] :]
+                continue
+            if layout == "mirror":  # where the host has them, from block 2 on
+                nxt = 2 + starts[i] // BLOCK
+            nxt += layout == "gaps" and rng.random() < 0.5  # a free block left before the entry
+            blocks[i] = list(range(nxt, nxt + counts[i]))
+            nxt += counts[i]
+        per_entry, joined = pool_cache(dtype), pool_cache(dtype)
+        before = joined.tensor.clone()
+        want_copies, holes = 0, []
+        for k, i in enumerate(order):
+            per_entry.scatter_rows(blocks[i], views[i])
+            joined.scatter_rows_layered(blocks[i], views[i])
+            want_copies += len(block_runs(blocks[i], rows[i], BLOCK))
+            prev = order[k - 1] if k else -2
+            if layout != "apart" and i == prev + 1 and blocks[i][0] == blocks[prev][-1] + 1:
+                want_copies -= 1  # i's first run continues prev's last, in host memory and in the pool
+                holes.append(prev)
+        joined.issue_layered()
+        assert joined.landing.copies == 2 * LAYERS * want_copies, (case, layout)
+        flat, want, old = (t.flatten(2, 3) for t in (joined.tensor, per_entry.tensor, before))
+        for i in holes:  # the hole rows of prev's last block: the host's rows between the two entries
+            last, used = blocks[i][-1] * BLOCK, rows[i] - (counts[i] - 1) * BLOCK
+            pad = host[:, :, starts[i] + rows[i] : starts[i] + counts[i] * BLOCK]
+            assert torch.equal(bits(flat[:, :, last + used : last + BLOCK]), bits(pad))
+            flat[:, :, last + used : last + BLOCK] = old[:, :, last + used : last + BLOCK]
+        assert torch.equal(bits(flat), bits(want)), (case, layout)
+
+
+POOL_BLOCKS = 40
+
+
+def pool_cache(dtype: torch.dtype) -> KVCache:
+    cache = KVCache(TINY, POOL_BLOCKS, BLOCK, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=gen).to(dtype))
+    return cache
+
+
+class ByteTokenizer:
+    """A token per byte, no chat template: enough to lay out a PML schema."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+
+def module_kv(ids: list[int], positions: list[int]) -> torch.Tensor:
+    """Made-up KV of a piece, a function of its tokens and positions (exact in fp32)."""
+    row = torch.tensor([t * 4096 + p for t, p in zip(ids, positions, strict=True)], dtype=torch.float32)
+    lanes = torch.arange(LAYERS * 2 * TINY.num_key_value_heads * TINY.head_dim, dtype=torch.float32)
+    return row[None, None, :, None, None] + lanes.view(LAYERS, 2, 1, TINY.num_key_value_heads, -1) / 8
+
+
+def test_a_schema_restored_in_order_lands_in_one_copy_per_layer_and_k_or_v() -> None:
+    """Ten modules of random lengths (holes in their last blocks) moved to host memory together and
+    restored by a prompt in schema order into a fresh pool: one run of blocks, one host allocation,
+    so 2 x layers copies (one per module was 10 x 2 x layers), and the very rows encoded. Modules
+    not adjacent in the host allocation take a copy each."""
+    rng = random.Random(1)
+    texts = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(9, 40))) for _ in range(10)]
+    body = "".join(f'<module name="m{i}">{t}</module>' for i, t in enumerate(texts))
+    pool = BlockPool(512, BLOCK)
+    kv = KVCache(TINY, pool.num_blocks, BLOCK, torch.float32, torch.device("cpu"))
+
+    def encode(ids: list[int], positions: list[int], blocks: list[int]) -> None:
+        kv.scatter_rows(blocks, module_kv(ids, positions))
+
+    modules = PromptModules(pool, kv, encode, ByteTokenizer(), "test", gpu_fraction=0.9, recompute_reserve=0)
+    modules.register(f'<schema name="s">{body}</schema>')
+
+    def pml(names: list[int], question: str) -> str:
+        return '<prompt schema="s">' + "".join(f"<m{i}/>" for i in names) + f" {question}</prompt>"
+
+    def restore(names: list[int]) -> int:
+        """Copies per layer and K or V of a prompt over ``names``, restored after a ``move_out``."""
+        modules.move_out()
+        copies = kv.landing.copies
+        mp = modules.prepare(pml(names, "Which?"), None)
+        assert not kv.landing.pending  # a CPU's copies are done on issue
+        assert mp.blocks == list(range(mp.blocks[0], mp.blocks[0] + len(mp.blocks)))  # one run
+        start, reg = 0, modules.schemas["s"]
+        for i, rows in zip(names, mp.piece_rows, strict=True):
+            entry = modules.entries[modules.key_of(reg.pieces[f"m{i}"], None)]
+            count = -(-rows // BLOCK)
+            got = kv.gather_rows(mp.blocks[start : start + count], rows)
+            assert torch.equal(got, module_kv(entry.token_ids, entry.positions))  # bit for bit
+            start += count
+        modules.release(mp.blocks)
+        return (kv.landing.copies - copies) // (2 * LAYERS)
+
+    modules.release(modules.prepare(pml(list(range(10)), "Hi"), None).blocks)
+    assert modules.counters["module_encodes_total"] == 10
+    assert restore(list(range(10))) == 1
+    assert modules.counters["module_loads_host_total"] == 10
+    assert restore([0, 2, 5]) == 3  # neighbours in the pool, not in host memory
+    assert restore([0, 2, 5]) == 1  # moved out together after that prompt: neighbours now
 
 
 # --- end to end: modules restored from the host tier, through the engine --------------------------
@@ -216,6 +354,31 @@ def test_layered_scatter_on_cuda_lands_the_bytes_scatter_rows_writes(
         hook(layer)
     assert not layered.landing.pending
     assert torch.equal(bits(layered.tensor), bits(whole.tensor))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_joined_copies_on_cuda_land_the_rows_per_entry_copies_land(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Three entries of one pinned allocation, each from a block boundary, into one run of blocks:
+    one copy per layer and K or V on the copy stream, the rows bit for bit scatter_rows' rows."""
+    monkeypatch.setattr("prefixserve.kv.landing.MIN_COPY_BYTES", 0)
+    rows, counts = [5, 8, 3], [2, 2, 1]
+    host = random_packed(sum(counts) * BLOCK, dtype).pin_memory()
+    starts = [0, 2 * BLOCK, 4 * BLOCK]
+    views = [host[:, :, s : s + r] for s, r in zip(starts, rows, strict=True)]
+    blocks = [[3, 4], [5, 6], [7]]
+    whole, layered = random_cache(dtype, "cuda"), random_cache(dtype, "cuda")
+    for b, v in zip(blocks, views, strict=True):
+        whole.scatter_rows(b, v)
+        layered.scatter_rows_layered(b, v)
+    hook = layered.landing_hook()
+    assert hook is not None and layered.landing.copies == 2 * LAYERS
+    for layer in range(LAYERS):
+        hook(layer)
+    for b, r in zip(blocks, rows, strict=True):
+        assert torch.equal(bits(layered.gather_rows(b, r)), bits(whole.gather_rows(b, r)))
 
 
 @pytest.mark.gpu

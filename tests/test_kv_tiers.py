@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.kvfile import parse_header
-from prefixserve.kv.tiers import DiskTier, HostTier, packed_nbytes
+from prefixserve.kv.tiers import DiskTier, HostGroup, HostTier, packed_nbytes
 from prefixserve.model.config import ModelConfig
 
 TINY = ModelConfig(
@@ -180,6 +180,28 @@ def test_host_tier_oversize_replace_and_pop() -> None:
     assert popped is not None and tier.nbytes == 0 and tier.pop("b") is None
     with pytest.raises(ValueError):
         HostTier(-1)
+
+
+def test_host_tier_counts_a_group_once_until_its_last_entry_goes() -> None:
+    """Entries that are views of one allocation (Prompt Cache pieces moved out together): the budget
+    counts the allocation, from its first entry in to its last entry out, when its memory is freed."""
+    tier = HostTier(capacity_bytes=1000, pin=False)
+    whole = torch.zeros(100)  # 400 bytes
+    group = HostGroup(packed_nbytes(whole))
+    for key, (a, b) in zip("abc", [(0, 30), (32, 60), (64, 100)], strict=True):
+        assert tier.put(key, whole[a:b], group=group) == []
+        assert tier.nbytes == 400
+    tier.put("d", torch.zeros(125))  # 500 bytes: 900
+    assert [k for k, _, _ in tier.put("e", torch.zeros(50))] == ["a", "b", "c"]  # 200 fit once c went
+    assert tier.nbytes == 700 and group.members == 0
+    again = HostGroup(400)
+    tier.put("a", whole[0:30], group=again)
+    tier.put("b", whole[32:60], group=again)
+    assert tier.nbytes == 1100 - 500 and tier.keys() == ["e", "a", "b"]  # d made room for the group
+    assert tier.pop("a") is not None and tier.nbytes == 600  # b still holds it
+    assert tier.take("b") is not None and tier.nbytes == 200
+    assert [k for k, _, _ in tier.put("f", whole[:10], group=HostGroup(1200))] == ["f"]  # over the budget
+    assert tier.nbytes == 200 and "f" not in tier
 
 
 # --- disk tier --------------------------------------------------------------------------------------

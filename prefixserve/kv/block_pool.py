@@ -150,21 +150,22 @@ class BlockPool:
         return found
 
     # ---- holding and releasing -----------------------------------------------------------------
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, run: bool = False) -> list[int]:
         """Hand out ``count`` blocks, evicting cached ones if needed.
 
-        A long allocation (``CONTIGUOUS_MIN_BLOCKS``+) gets one run of consecutive ids whenever a free
-        run that long exists, else the fewest runs possible (``kv/placement.py``); a short one takes
-        the free list's head: uncached blocks first, then the least recently used cached ones.
+        A long allocation (``CONTIGUOUS_MIN_BLOCKS``+), or any with ``run``, gets one run of consecutive
+        ids whenever a free run that long exists, else the fewest runs possible (``kv/placement.py``);
+        a short one takes the free list's head: uncached blocks first, then the least recently used
+        cached ones. (``run``: host-tier modules landing in one copy per layer, ``kv/landing.py``.)
         """
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
-        if count >= CONTIGUOUS_MIN_BLOCKS:
+        if count >= CONTIGUOUS_MIN_BLOCKS or (run and count > 1):
             start = best_window(self._free_mask, self._stamp, count, self._scratch)
             if start is not None:
                 out = list(range(start, start + count))
             else:
-                self.scattered_allocations += 1
+                self.scattered_allocations += count >= CONTIGUOUS_MIN_BLOCKS
                 out = fewest_runs(self._free_mask, count)
             before = self.evictions
             for b in out:

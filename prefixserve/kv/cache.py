@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from prefixserve.kv.landing import Landing, block_runs, worth_layering
+from prefixserve.kv.landing import Landing, block_runs, rows_contiguous, worth_layering
 from prefixserve.kv.transfer import Ready, copy_stream
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.parallel import Shard
@@ -61,7 +61,7 @@ class KVCache:
         self.scratch_slot = num_blocks * block_size
         self.shard = shard or Shard()
         self.total_kv_heads = total_kv_heads or config.num_key_value_heads
-        self.landing = Landing(self._flat_view(), copy_stream(self.tensor.device))
+        self.landing = Landing(self._flat_view(), copy_stream(self.tensor.device), block_size)
 
     # ---- host rows landing layer by layer (kv/landing.py) ----------------------------------------
     def landing_hook(self) -> Callable[[int], None] | None:
@@ -205,6 +205,7 @@ class KVCache:
         self.settle(blocks)
         src = copy_stream(self.tensor.device).to_device(packed)
         if self.shard.parallel:
+            src = src.contiguous()  # maybe a row range of a larger host tensor (the host tier's)
             dist.broadcast(src, src=0, group=self.shard.group)
             start, stop = self._rank_heads()[self.shard.rank]
             src = src[:, :, :, start:stop]
@@ -218,7 +219,10 @@ class KVCache:
 
         ``scatter_rows`` itself (the whole copy, then the scatter) for what cannot land by layers:
         under tensor parallelism (rank 0's rows are broadcast), rows already on the device, a pageable
-        or non-contiguous host tensor on CUDA, and copies too small to pay their issue cost.
+        host tensor on CUDA, one whose layers' K and V rows are not each contiguous, and copies too
+        small to pay their issue cost. ``packed`` may be a row range of a larger host tensor (the
+        host tier's pieces moved out together): it then joins the copies of the entry queued before
+        it where their rows and blocks follow one another (``Landing.queue``).
         """
         self._check_packed(packed)
         rows = packed.shape[2]
@@ -229,9 +233,9 @@ class KVCache:
         layered = (
             not self.shard.parallel
             and packed.device.type == "cpu"
-            and packed.is_contiguous()
+            and rows_contiguous(packed)
             and (not cuda or packed.is_pinned())
-            and worth_layering(runs, row_bytes, cuda)
+            and worth_layering(runs, row_bytes, cuda, self.landing.joins(packed, runs))
         )
         if not layered:
             self.scatter_rows(blocks, packed)

@@ -51,11 +51,24 @@ def packed_nbytes(packed: PackedKV) -> int:
 # Host tier
 
 
-class _HostEntry:
-    __slots__ = ("meta", "packed", "ready")
+class HostGroup:
+    """One host allocation that several entries are views of (Prompt Cache pieces moved out together):
+    the budget counts its bytes once, from its first entry in until its last entry out, since its
+    memory is freed only then (an entry that stays keeps its neighbours' bytes held)."""
 
-    def __init__(self, packed: PackedKV, meta: Meta, ready: Ready | None) -> None:
-        self.packed, self.meta, self.ready = packed, meta, ready
+    __slots__ = ("members", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.members = nbytes, 0
+
+
+class _HostEntry:
+    __slots__ = ("group", "meta", "packed", "ready")
+
+    def __init__(
+        self, packed: PackedKV, meta: Meta, ready: Ready | None, group: HostGroup | None = None
+    ) -> None:
+        self.packed, self.meta, self.ready, self.group = packed, meta, ready, group
 
     def landed(self) -> PackedKV:
         """The tensor, once the copy that fills it (if any) has finished: it may be read on the host."""
@@ -68,14 +81,16 @@ class _HostEntry:
 class HostTier:
     """LRU of packed entries in host memory under a byte budget.
 
-    The budget counts tensor bytes only (``packed_nbytes``). ``put`` returns the entries it pushed out, least
-    recently used first, so the caller can spill them to disk; the tier itself never writes anywhere. An
-    entry bigger than the whole budget is not kept: it comes back as evicted at once.
+    The budget counts tensor bytes only (``packed_nbytes``; for the entries of a ``HostGroup``, the group's
+    bytes, once). ``put`` returns the entries it pushed out, least recently used first, so the caller can
+    spill them to disk; the tier itself never writes anywhere. An entry (or group) bigger than the whole
+    budget is not kept: it comes back as evicted at once.
 
     Entries are CPU tensors; with ``pin`` (default: whenever CUDA is available) a pageable tensor is copied
     into pinned memory on ``put``, so a copy to the device from it is truly asynchronous. A tensor already
     pinned (``gather_rows`` on CUDA returns one) is kept as it is, without a copy; so is a view of a larger
-    pinned tensor (one spill's blocks share one buffer, freed when the last of them goes). ``ready``: the
+    pinned tensor (a slot of the prefix spill's slabs; Prompt Cache pieces moved out together, one
+    ``HostGroup``, whose buffer is freed when the last of them goes and counted until then). ``ready``: the
     event of the device-to-host copy still filling ``packed``; ``get`` and eviction wait for it, so what
     they hand out is whole. The tier holds references, not copies: the caller must not modify a tensor
     after ``put`` or after ``get`` hands it out.
@@ -93,33 +108,61 @@ class HostTier:
         self.on_drop: Callable[[str, Ready | None], None] | None = None
 
     def put(
-        self, key: str, packed: PackedKV, meta: Meta | None = None, ready: Ready | None = None
+        self,
+        key: str,
+        packed: PackedKV,
+        meta: Meta | None = None,
+        ready: Ready | None = None,
+        group: HostGroup | None = None,
     ) -> list[tuple[str, PackedKV, Meta]]:
         """Keep ``packed`` under ``key`` as the most recently used entry (replacing an older one of that key).
 
         Returns the evicted ``(key, packed, meta)``, least recently used first: the entries pushed out to make
-        room, or this one alone if it is bigger than the whole budget (then an older entry of the key is
-        dropped too, since it is stale).
+        room, or this one alone if it (or its group) is bigger than the whole budget (then an older entry
+        of the key is dropped too, since it is stale). ``group``: the allocation ``packed`` is a view of,
+        shared with other entries, whose bytes the budget counts instead of the view's.
         """
         if packed.device.type != "cpu":
             raise ValueError(f"HostTier keeps CPU tensors, got one on {packed.device}")
         meta = dict(meta or {})
         stale = self._entries.pop(key, None)
         if stale is not None:
-            self.nbytes -= packed_nbytes(stale.packed)
+            self._uncharge(stale)
             self._dropped(key, stale)
-        size = packed_nbytes(packed)
-        if size > self.capacity_bytes:
+        repin = self.pin and not packed.is_pinned()
+        if repin:
+            group = None  # copied into pinned memory of its own below
+        if (group.nbytes if group is not None else packed_nbytes(packed)) > self.capacity_bytes:
             return [(key, _HostEntry(packed, meta, ready).landed(), meta)]
-        evicted = self.make_room(size)
-        if self.pin and not packed.is_pinned():
+        evicted = self.make_room(
+            packed_nbytes(packed) if group is None else 0 if group.members else group.nbytes
+        )
+        if repin:
             if ready is not None:
                 ready.synchronize()
                 ready = None
             packed = packed.pin_memory()
-        self._entries[key] = _HostEntry(packed, meta, ready)
-        self.nbytes += size
+        entry = self._entries[key] = _HostEntry(packed, meta, ready, group)
+        self._charge(entry)
         return evicted
+
+    def _charge(self, entry: _HostEntry) -> None:
+        group = entry.group
+        if group is None:
+            self.nbytes += packed_nbytes(entry.packed)
+            return
+        if not group.members:
+            self.nbytes += group.nbytes
+        group.members += 1
+
+    def _uncharge(self, entry: _HostEntry) -> None:
+        group = entry.group
+        if group is None:
+            self.nbytes -= packed_nbytes(entry.packed)
+            return
+        group.members -= 1
+        if not group.members:
+            self.nbytes -= group.nbytes
 
     def make_room(self, nbytes: int, wait: bool = True) -> list[tuple[str, PackedKV, Meta]]:
         """Push out least recently used entries until ``nbytes`` more fit (all of them if they never
@@ -128,7 +171,7 @@ class HostTier:
         evicted: list[tuple[str, PackedKV, Meta]] = []
         while self._entries and self.nbytes + nbytes > self.capacity_bytes:
             old_key, old = self._entries.popitem(last=False)
-            self.nbytes -= packed_nbytes(old.packed)
+            self._uncharge(old)
             evicted.append((old_key, old.landed() if wait else old.packed, old.meta))
             self._dropped(old_key, old)
         return evicted
@@ -144,7 +187,7 @@ class HostTier:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        self.nbytes -= packed_nbytes(entry.packed)
+        self._uncharge(entry)
         return entry.packed, entry.ready
 
     def get(self, key: str) -> tuple[PackedKV, Meta] | None:
@@ -160,7 +203,7 @@ class HostTier:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        self.nbytes -= packed_nbytes(entry.packed)
+        self._uncharge(entry)
         return entry.landed(), entry.meta
 
     def keys(self) -> list[str]:

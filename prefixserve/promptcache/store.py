@@ -21,7 +21,9 @@ an LRU under a byte budget), and from there off the end; with a module store dir
 is also written to disk when encoded (checksummed; a corrupt entry is recomputed, never served).
 A piece found in a lower tier is copied back into fresh blocks instead of being recomputed; from
 host memory, a prompt's pieces are copied layer by layer, all of them per layer, and the prefill
-that reads them waits per layer (``kv/landing.py``), so the copy overlaps it.
+that reads them waits per layer (``kv/landing.py``), so the copy overlaps it. Pieces moved to the
+host together share one allocation (``_demote``) and a prompt's pieces come back together into one
+run of blocks (``_bring_up``), so pieces used together land in one copy per layer and K or V.
 
 Accuracy recovery (``promptcache/recompute.py``): a request may recompute some rows of its pieces
 in its own context (``link:K``, ``blend:R``). Those rows go into private copies of just the blocks
@@ -45,7 +47,7 @@ import numpy as np
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
-from prefixserve.kv.tiers import DiskTier, HostTier
+from prefixserve.kv.tiers import DiskTier, HostGroup, HostTier, packed_nbytes
 from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
 from prefixserve.promptcache.chat import ChatFrames
 from prefixserve.promptcache.layout import SchemaLayout, layout
@@ -223,8 +225,10 @@ class PromptModules:
         """Encode every piece of a schema now (Prompt Cache encodes at registration); returns tokens."""
         reg = self.schemas[name]
         total = 0
-        for piece in reg.pieces.values():
-            entry = self._resident(reg, piece, cache_salt)
+        for piece in reg.pieces.values():  # one at a time: they need not all fit at once
+            entry = self._entry(reg, piece, cache_salt)
+            if entry.blocks is None:
+                self._bring_up([entry], issue=False)  # issued below, across all of them
             entry.keep_on_gpu = entry.keep_on_gpu or pin
             total += entry.rows
         self.kv.issue_layered()
@@ -275,17 +279,7 @@ class PromptModules:
         tokens: list[int] = []
         positions: list[int] = []
         blocks: list[int] = []
-        entries: list[ModuleEntry] = []
-        try:
-            for piece in pieces:  # each held as soon as it is resident, so the next cannot move it out
-                entry = self._resident(reg, piece, salt)
-                self.pool.acquire(entry.blocks)
-                entries.append(entry)
-        except BaseException:
-            for entry in entries:
-                self.release(entry.blocks)
-            raise
-        self.kv.issue_layered()  # the pieces' host-tier copies start now, layer-major across them
+        entries = self._held_resident(reg, pieces, salt)  # their host-tier copies issued
         holes = 0
         starts: list[int] = []  # each piece's first row in the table
         for entry in entries:
@@ -418,28 +412,79 @@ class PromptModules:
             key = reg.keys[(piece.name, salt)] = self.key_of(piece, salt)
         return key
 
-    def _resident(self, reg: RegisteredSchema, piece: Piece, salt: str | None) -> ModuleEntry:
-        """The piece's entry with its KV in GPU blocks: already there, copied up, or encoded."""
+    def _entry(self, reg: RegisteredSchema, piece: Piece, salt: str | None) -> ModuleEntry:
+        """The piece's entry (made on first use), wherever its KV is now."""
         key = self._key(reg, piece, salt)
         entry = self.entries.get(key)
         if entry is None:
             entry = ModuleEntry(key, list(piece.token_ids), list(piece.positions))
             self.entries[key] = entry
         entry.names.add((reg.schema.name, piece.name))
-        if entry.blocks is not None:
-            return entry
-        blocks = self._allocate(-(-entry.rows // self.block_size), key)
+        return entry
+
+    def _held_resident(
+        self, reg: RegisteredSchema, pieces: list[Piece], salt: str | None
+    ) -> list[ModuleEntry]:
+        """The pieces' entries in table order, each on the GPU and held once more (by a request).
+
+        Those on the GPU are held first, so making room for the others cannot move them out; the
+        others come up together (``_bring_up``), and their host-tier copies are issued (layer-major
+        across them) before anything else: holding their fresh blocks can wait for the copy."""
+        entries = [self._entry(reg, piece, salt) for piece in pieces]
+        missing = {e.key: e for e in entries if e.blocks is None}  # distinct, in table order
+        held: list[list[int]] = []
+
+        def hold(up: bool) -> None:
+            for entry in entries:
+                if (entry.key in missing) == up:
+                    assert entry.blocks is not None
+                    self.pool.acquire(entry.blocks)
+                    held.append(entry.blocks)
+
         try:
-            self._fill(entry, blocks)
-        except Exception:
-            self.pool.release(blocks)
+            hold(up=False)
+            self._bring_up(list(missing.values()))
+            hold(up=True)
+        except BaseException:
+            for blocks in held:
+                self.release(blocks)
             raise
+        return entries
+
+    def _bring_up(self, entries: list[ModuleEntry], issue: bool = True) -> None:
+        """Put the KV of ``entries`` (none on the GPU) in blocks, in order, from one allocation: one run
+        of consecutive blocks where the pool has one (``BlockPool.allocate``), so that pieces demoted
+        together (``_demote``) and restored in the same order land in one copy per layer and K or V
+        (``kv/landing.py``) instead of one per piece. ``issue``: their host-tier copies start as soon
+        as all are queued, before the bookkeeping, which the copies do not need."""
+        if not entries:
+            return
+        counts = [-(-entry.rows // self.block_size) for entry in entries]
+        blocks = self._allocate(sum(counts))
+        filled: list[tuple[ModuleEntry, list[int]]] = []
+        start = 0
+        try:
+            for entry, count in zip(entries, counts, strict=True):
+                mine = blocks[start : start + count]
+                self._fill(entry, mine)
+                filled.append((entry, mine))
+                start += count
+            if issue:
+                self.kv.issue_layered()
+        except BaseException:
+            self.pool.release(blocks[start:])  # not filled: nobody's
+            raise
+        finally:
+            for entry, mine in filled:  # the GPU tier holds what was filled, even if a later one failed
+                self._mark_resident(entry, mine)
+
+    def _mark_resident(self, entry: ModuleEntry, blocks: list[int]) -> None:
+        """The GPU tier holds ``blocks`` for the piece from now on; their rows are marked."""
         entry.blocks = blocks
         self.gpu_blocks += len(blocks)
         self.num_marked += int(np.count_nonzero(self.module_rows[blocks] == 0))
         self.module_rows[blocks] = self.block_size
         self.module_rows[blocks[-1]] = entry.rows - (len(blocks) - 1) * self.block_size
-        return entry
 
     def _fill(self, entry: ModuleEntry, blocks: list[int]) -> None:
         """Put the piece's KV in ``blocks``: from host memory, from disk, or by encoding it."""
@@ -459,19 +504,25 @@ class PromptModules:
         if self.disk is not None:
             self.disk.put(entry.key, self.kv.gather_rows(blocks, entry.rows), {"rows": str(entry.rows)})
 
-    def _allocate(self, count: int, key: str) -> list[int]:
-        """Blocks for a piece, first moving least recently used pieces no request holds to the host."""
-        for entry in list(self.entries.values()):
-            if self.gpu_blocks + count <= self.gpu_blocks_limit and self.pool.num_free >= count:
+    def _allocate(self, count: int) -> list[int]:
+        """Blocks for pieces, first moving least recently used pieces no request holds to the host."""
+        victims: list[ModuleEntry] = []
+        gpu, free = self.gpu_blocks, self.pool.num_free
+        for entry in self.entries.values():
+            if gpu + count <= self.gpu_blocks_limit and free >= count:
                 break
-            if entry.key != key and self._movable(entry):
-                self._demote(entry)
+            if self._movable(entry):
+                assert entry.blocks is not None
+                victims.append(entry)
+                gpu -= len(entry.blocks)
+                free += len(entry.blocks)  # held by the store alone: freed when it lets go
+        self._demote(victims)
         if self.pool.num_free < count:
             raise ValueError(
-                f"the KV pool has no room for a prompt module of {count} blocks ({self.pool.num_free} free); "
+                f"the KV pool has no room for prompt modules of {count} blocks ({self.pool.num_free} free); "
                 "add KV blocks or use fewer or shorter modules at once"
             )
-        return self.pool.allocate(count)
+        return self.pool.allocate(count, run=True)
 
     def _movable(self, entry: ModuleEntry) -> bool:
         """On the GPU, not kept there (pin=True), and held by nobody but the store."""
@@ -482,19 +533,52 @@ class PromptModules:
     def move_out(self, drop_host: bool = False) -> None:
         """Move every piece no request holds off the GPU (to host memory; ``drop_host``: out of it too,
         leaving the disk tier). For benchmarks and operators that free the device."""
-        for entry in list(self.entries.values()):
-            if self._movable(entry):
-                self._demote(entry)
-            if drop_host:
+        self._demote([entry for entry in self.entries.values() if self._movable(entry)])
+        if drop_host:
+            for entry in self.entries.values():
                 self.host.pop(entry.key)
 
-    def _demote(self, entry: ModuleEntry) -> None:
-        """Move a piece's KV from its blocks to host memory (and so give the blocks back)."""
-        assert entry.blocks is not None
-        packed, ready = self.kv.gather_rows_async(entry.blocks, entry.rows)  # no host wait
-        self.host.put(entry.key, packed, {"rows": str(entry.rows)}, ready=ready)
-        self.counters["module_evictions_gpu_total"] += 1
-        self._drop_gpu(entry)
+    def _demote(self, entries: list[ModuleEntry]) -> None:
+        """Move pieces' KV from their blocks to host memory (and so give the blocks back).
+
+        In order (least recently used first: a prompt's pieces, used together, are neighbours in
+        table order), up to a quarter of the host budget at a time (``_demote_together``). A group
+        leaves the host tier's budget only when its last piece goes, so a larger one could push out
+        more at a time than the room asked for."""
+        kv = self.kv
+        block_bytes = self.block_size * kv.tensor.shape[0] * 2 * kv.total_kv_heads * kv.tensor.shape[-1]
+        block_bytes *= kv.tensor.element_size()
+        limit = self.host.capacity_bytes // 4
+        chunk: list[ModuleEntry] = []
+        size = 0
+        for entry in entries:
+            assert entry.blocks is not None
+            nbytes = len(entry.blocks) * block_bytes
+            if chunk and size + nbytes > limit:
+                self._demote_together(chunk)
+                chunk, size = [], 0
+            chunk.append(entry)
+            size += nbytes
+        if chunk:
+            self._demote_together(chunk)
+
+    def _demote_together(self, entries: list[ModuleEntry]) -> None:
+        """One gather of the pieces' whole blocks and one copy, with no host wait, into one host
+        allocation (a ``HostGroup``) where each piece's rows start on a block boundary. Restored
+        together in this order into one run of blocks (``_bring_up``), they land in one copy per layer
+        and K or V, the hole rows between them going into the holes (``kv/landing.py``)."""
+        bs = self.block_size
+        blocks = [b for entry in entries for b in entry.blocks or ()]
+        packed, ready = self.kv.gather_rows_async(blocks, len(blocks) * bs)
+        group = HostGroup(packed_nbytes(packed))
+        start = 0
+        for entry in entries:
+            assert entry.blocks is not None
+            rows = packed[:, :, start : start + entry.rows]
+            start += len(entry.blocks) * bs
+            self.host.put(entry.key, rows, {"rows": str(entry.rows)}, ready=ready, group=group)
+            self.counters["module_evictions_gpu_total"] += 1
+            self._drop_gpu(entry)
 
     def _drop_gpu(self, entry: ModuleEntry) -> None:
         """Give the piece's blocks back (the rows stay marked while a request still holds them)."""
