@@ -31,11 +31,13 @@ import uvicorn
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.admission import AdmissionLimits
+from prefixserve.entrypoints.openai.metrics import PATH_STAGES
 from prefixserve.entrypoints.openai.overload import QUEUE_DELAY_HEADER, OverloadSettings, queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.server import GracefulServer, ServerThread, build_app, overload_settings
 from tests.conftest import TINY_CONFIG
 
+REFUSAL, FIRST_WRITE = "prefixserve_refusal_seconds", "prefixserve_first_write_seconds"
 BLOCKER = {"prompt": "A long ride " * 8, "max_tokens": 16000, "ignore_eos": True, "stream": True}
 
 
@@ -148,6 +150,7 @@ def test_a_request_past_its_queue_deadline_is_refused_with_429_before_it_runs(
     dropped = metric(http, "prefixserve_requests_dropped_deadline_total")
     with blocker(http):
         wait_metric_above(http, "prefixserve_generation_tokens_total")  # a snapshot after its prefill
+        refusals, first_writes = metric(http, f"{REFUSAL}_count"), metric(http, f"{FIRST_WRITE}_count")
         computed = metric(http, "prefixserve_prompt_tokens_computed_total")
         body = {"prompt": list(range(5000, 5040)), "max_tokens": 4}
         started = time.monotonic()
@@ -162,6 +165,9 @@ def test_a_request_past_its_queue_deadline_is_refused_with_429_before_it_runs(
             streamed.read()
             assert_429(streamed, "queue_timeout")
         wait_metric(http, "prefixserve_requests_dropped_deadline_total", dropped + 2)
+        # both 429s timed from their route's start; the streamed one's from its (final) first output
+        wait_metric(http, f"{REFUSAL}_count", refusals + 2)
+        assert metric(http, f"{FIRST_WRITE}_count") == first_writes + 1
         # neither prompt ran (the blocker only decodes meanwhile)
         assert metric(http, "prefixserve_prompt_tokens_computed_total") == computed
         assert metric(http, "prefixserve_num_requests_waiting") == 0
@@ -169,6 +175,26 @@ def test_a_request_past_its_queue_deadline_is_refused_with_429_before_it_runs(
     # served well within a generous deadline
     ok = http.post("/v1/completions", json=body, headers={QUEUE_DELAY_HEADER: "60"})
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 40
+    wait_pool_empty(server)
+
+
+def test_a_streamed_chat_is_timed_through_each_stage_outside_the_engine(
+    server: ServerThread, http: httpx.Client
+) -> None:
+    """intake, to the engine, its first token back, the first write: one observation each, all on
+    the one monotonic clock (a stage cannot take longer than the whole request did)."""
+    stages = [f"prefixserve_{name}" for name, _ in PATH_STAGES.values() if name != "refusal_seconds"]
+    before = {name: (metric(http, f"{name}_count"), metric(http, f"{name}_sum")) for name in stages}
+    started = time.monotonic()
+    body = {"messages": [{"role": "user", "content": "Where does the time go?"}], "max_tokens": 3}
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
+    took = time.monotonic() - started
+    assert '"assistant"' in chunks[0]
+    for name in stages:
+        wait_metric(http, f"{name}_count", before[name][0] + 1)
+        assert 0 <= metric(http, f"{name}_sum") - before[name][1] <= took, name
     wait_pool_empty(server)
 
 

@@ -68,6 +68,9 @@ from prefixserve.promptcache.pml import PMLError, is_pml_prompt, parse_schema
 
 log = logging.getLogger(__name__)
 
+# request.state keys (in the ASGI scope, read by _CountRequests when the response is written)
+ROUTE_START = "ps_route_start"  # time.monotonic() when the route began (the queue deadline's origin)
+FIRST_OUTPUT = "ps_first_output"  # when this process received a stream's first output
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 ROUTES = (
     "/v1/completions",
@@ -177,12 +180,17 @@ class _CountRequests:
             await self.app(scope, receive, send)
             return
         status = 500
+        wrote = False
+        scope.setdefault("state", {})  # request.state's dict, shared with the route below
 
         async def send_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, wrote
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
+            if message["type"] == "http.response.body" and not wrote:
+                wrote = True
+                self._timed(scope, status)
 
         try:
             await self.app(scope, receive, send_status)
@@ -193,6 +201,17 @@ class _CountRequests:
                 if path.startswith(parent + "/"):
                     route = parent
             self.metrics.http_requests.labels(route, str(status)).inc()
+
+    def _timed(self, scope: Scope, status: int) -> None:
+        """A response's first body bytes are written: the stages that end there (``metrics.PATH_STAGES``)."""
+        now = time.monotonic()
+        state = scope.get("state") or {}
+        received = state.get(FIRST_OUTPUT)
+        if received is not None:
+            self.metrics.path("to_client", now - received)
+        started = state.get(ROUTE_START)
+        if status == 429 and started is not None:
+            self.metrics.path("refusal", now - started)
 
 
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -256,9 +275,14 @@ def _length(tokens: list[int] | None) -> int | None:
 
 
 async def _submit(
-    state: ServerState, prep: Prepared, sink: asyncio.Queue[RequestOutput], deadline: float | None = None
+    state: ServerState,
+    prep: Prepared,
+    sink: asyncio.Queue[RequestOutput],
+    deadline: float | None = None,
+    started: float | None = None,
 ) -> list[str]:
-    """Queue one engine request per prompt; on a refusal, abort the ones already queued."""
+    """Queue one engine request per prompt; on a refusal, abort the ones already queued. ``started``:
+    when the route began (the "intake" stage ends as each is handed to the engine)."""
     ids: list[str] = []
     req, params, prompt_field = prep.req, prep.params, prep.prompt_field
     application = req.application
@@ -288,6 +312,7 @@ async def _submit(
                 stream=req.stream,
                 deadline=deadline,
                 arrival=arrival,
+                started=started,
             )
             ids.append(sub_id)
     except QueueFull as exc:  # the waiting queue is at a bound, or would not drain before the deadline
@@ -388,13 +413,13 @@ async def _stream(
     """
     index = {sub_id: i for i, sub_id in enumerate(ids)}
     finals: dict[str, RequestOutput] = {}
+    # a chat's role chunks go out with its first output: one write, which is the first token's
+    head = list(s.role_chunks()) if s.chat else []
     try:
-        if s.chat:
-            yield "".join(s.role_chunks())
         while len(finals) < len(ids):
             if isinstance(sink, StreamSink):
                 sink.resume()  # what was taken is written: ready for the next outputs
-            parts: list[str] = []
+            parts, head = head, []
             latest = first if first is not None else await _latest(sink)
             first = None
             for sub_id, out in latest.items():
@@ -470,13 +495,28 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(model_card())
 
 
-async def _answer(state: ServerState, request: Request, prep: Prepared, deadline: float | None) -> Response:
+def _route_start(request: Request) -> float:
+    """Now, noted on the request for the response middleware's path stages."""
+    started = time.monotonic()
+    setattr(request.state, ROUTE_START, started)
+    return started
+
+
+async def _answer(
+    state: ServerState, request: Request, prep: Prepared, deadline: float | None, started: float | None = None
+) -> Response:
     """Queue a checked request and answer it: an SSE stream (from its first output on), or one JSON
-    body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``)."""
+    body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``);
+    ``started``: when the route began."""
     sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
-    ids = await _submit(state, prep, sink, deadline)
-    if prep.req.stream:
-        first = await _first_outputs(state, request, ids, sink)
+    ids = await _submit(state, prep, sink, deadline, started)
+    if isinstance(sink, StreamSink):
+        try:
+            first = await _first_outputs(state, request, ids, sink)
+        except APIError:  # dropped for its deadline: the 429 ends the "to_client" stage
+            setattr(request.state, FIRST_OUTPUT, sink.first_received)
+            raise
+        setattr(request.state, FIRST_OUTPUT, sink.first_received)
         if first is None:
             return Response(status_code=499)
         body = _stream(state, ids, sink, stream_state(state, prep), first)
@@ -490,19 +530,21 @@ async def _answer(state: ServerState, request: Request, prep: Prepared, deadline
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        started = _route_start(request)
         authorize(state, request)
-        deadline = queue_deadline(request, state.max_queue_delay)
+        deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_completion(state, await read_json(state, request))
-        return await _answer(state, request, body, deadline)
+        return await _answer(state, request, body, deadline, started)
 
 
 def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        started = _route_start(request)
         authorize(state, request)
-        deadline = queue_deadline(request, state.max_queue_delay)
+        deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_chat(state, await read_json(state, request))
-        return await _answer(state, request, body, deadline)
+        return await _answer(state, request, body, deadline, started)
 
 
 # ---- Prompt Cache schemas ----------------------------------------------------------------------

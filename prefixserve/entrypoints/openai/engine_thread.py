@@ -54,6 +54,8 @@ class LatencyObserver(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float, count: int) -> None: ...
     def request_done(self, seconds: float) -> None: ...
+    def path(self, stage: str, seconds: float) -> None:
+        """One stage of a request's way in or its first token's way out (``metrics.PATH_STAGES``)."""
 
 
 class StreamSink(asyncio.Queue):
@@ -70,6 +72,9 @@ class StreamSink(asyncio.Queue):
     def __init__(self) -> None:
         super().__init__()
         self.paused: collections.deque[Any] = collections.deque()  # thread-safe append / popleft
+        # time.monotonic() when the delivering thread handed over this stream's first output (the
+        # start of the "first output to first write" stage; set once, by that thread)
+        self.first_received: float | None = None
 
     def resume(self) -> None:
         """The reader is ready for more: the paused requests get outputs again from the next step."""
@@ -86,6 +91,7 @@ class _Stream:
     tokens: int = 0  # tokens of sample 0 seen so far (for inter-token latency)
     last_time: float = 0.0
     request: Any = None  # the engine's Request (engine thread): paused while its reader is behind
+    handed: float | None = None  # time.monotonic() when the route handed it over (None: not timed)
 
 
 _Item = tuple["asyncio.Queue[RequestOutput]", RequestOutput]
@@ -160,13 +166,18 @@ class EngineLoop:
         module_recompute: str | None = None,
         deadline: float | None = None,
         arrival: int | None = None,
+        started: float | None = None,
     ) -> None:
         """Queue a request; returns once the engine accepted it, raises ValueError if it refused it
         (QueueFull past the queue's bounds). ``deadline``: the ``time.monotonic()`` by which it must
         have started, or it is dropped (its final output has finish_reason ``DEADLINE_REASON``).
-        ``arrival``: its number from ``overload.ArrivalGate``, acknowledged in ``queue_state``."""
+        ``arrival``: its number from ``overload.ArrivalGate``, acknowledged in ``queue_state``.
+        ``started``: when its route began (``time.monotonic()``), for the "intake" stage."""
         if not self.alive:
             raise EngineStopped(self._refusal())
+        handed = time.monotonic()
+        if started is not None and self.observer is not None:
+            self.observer.path("intake", handed - started)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
         kwargs: dict[str, Any] = dict(
@@ -178,7 +189,9 @@ class EngineLoop:
             queue_deadline=deadline,
             arrival=arrival,
         )
-        if not self._queue_add((request_id, prompt, params, kwargs, _Stream(loop, sink, stream), accepted)):
+        if not self._queue_add(
+            (request_id, prompt, params, kwargs, _Stream(loop, sink, stream, handed=handed), accepted)
+        ):
             raise EngineStopped("the server is shutting down")
         try:
             await accepted
@@ -346,11 +359,24 @@ class EngineLoop:
             elif stream.stream and isinstance(stream.sink, StreamSink) and stream.request is not None:
                 stream.request.stream = False  # no more outputs until the reader took this one
                 stream.sink.paused.append(stream.request)
+            if stream.handed is not None:  # its first output: the engine's arrival is known now
+                self._first_output(stream, out, now)
             self._observe(stream, out, now)
             by_loop.setdefault(stream.loop, []).append((stream.sink, out))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: its clients are gone
                 loop.call_soon_threadsafe(_put_all, items)
+
+    def _first_output(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        """A request's first output reached this process: the "to_engine" stage (handed over here to
+        created by the engine), and when its stream's reader got something to write."""
+        handed, stream.handed = stream.handed, None
+        sink = stream.sink
+        if isinstance(sink, StreamSink) and sink.first_received is None:
+            sink.first_received = now
+        arrival = out.metrics.get("arrival_time")
+        if self.observer is not None and arrival is not None and handed is not None:
+            self.observer.path("to_engine", arrival - handed)
 
     def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
         obs = self.observer
@@ -361,6 +387,7 @@ class EngineLoop:
             if stream.tokens == 0:
                 first = out.metrics.get("first_token_time", now)
                 obs.first_token(first - out.metrics.get("arrival_time", first))
+                obs.path("from_engine", now - first)  # pipe, reader thread (process) or nothing (thread)
                 if not stream.stream and tokens > 1:  # only the final output came: spread the rest evenly
                     obs.inter_token((now - first) / (tokens - 1), tokens - 1)
             else:

@@ -3,7 +3,8 @@
 Engine counters and gauges are read from the engine thread's latest snapshot at scrape time (the HTTP
 thread never touches the Engine), plus the counters of refusals the HTTP process decided itself
 (``overload.ArrivalGate``: added to the engine's, by bound); latency histograms are fed by the engine
-thread as requests move.
+thread as requests move, and the path histograms (``PATH_STAGES``) by the routes, the delivering
+thread and the response middleware: where a request's time goes outside the engine's clock.
 """
 
 from __future__ import annotations
@@ -96,6 +97,35 @@ _REFUSED = {
 }
 LOOP_TICK_S = 0.1  # the event-loop lag probe's period
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PATH_BUCKETS = (0.0005, 0.001, 0.0025, *_LATENCY_BUCKETS)
+# A request's way through the server outside the engine's own clock (arrival to first token), stage
+# -> (histogram, help). All on time.monotonic() (CLOCK_MONOTONIC: one clock for the host's processes),
+# so that a client's wait the engine does not see can be placed: before the engine, or after it.
+PATH_STAGES = {
+    "intake": (
+        "request_intake_seconds",
+        "route start (the queue deadline's origin) to the request handed to the engine: body, chat "
+        "template, tokenization on a worker thread, the arrival gate",
+    ),
+    "to_engine": (
+        "request_to_engine_seconds",
+        "handed to the engine (thread queue or pipe) to the engine's arrival time (the engine created "
+        "the request: it took the add between steps)",
+    ),
+    "from_engine": (
+        "first_token_delivery_seconds",
+        "the engine's first token to this process receiving that output (pipe and reader thread)",
+    ),
+    "to_client": (
+        "first_write_seconds",
+        "a stream's first output received to its first chunk (or its 429) written to the transport: "
+        "the event loop, the route and the response",
+    ),
+    "refusal": (
+        "refusal_seconds",
+        "route start to a 429 response written (refused at arrival, by the engine, or dropped)",
+    ),
+}
 
 
 class _EngineCollector(Collector):
@@ -171,7 +201,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-
+        self.stages = {
+            stage: Histogram(f"{PREFIX}_{name}", doc, buckets=_PATH_BUCKETS, registry=self.registry)
+            for stage, (name, doc) in PATH_STAGES.items()
+        }
         self.loop_lag = Histogram(
             f"{PREFIX}_event_loop_lag_seconds",
             "how late the HTTP process's event loop ran a timer due every LOOP_TICK_S: every request's "
@@ -199,3 +232,7 @@ class ServerMetrics:
 
     def request_done(self, seconds: float) -> None:
         self.e2e.observe(max(0.0, seconds))
+
+    def path(self, stage: str, seconds: float) -> None:
+        """One stage of ``PATH_STAGES`` (any thread)."""
+        self.stages[stage].observe(max(0.0, seconds))

@@ -83,10 +83,13 @@ class OverloadSettings:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
 
 
-def queue_deadline(request: Request, max_queue_delay: float | None) -> float | None:
-    """The ``time.monotonic()`` by which this request must have started: now plus the smaller of the
-    server's ``max_queue_delay`` and the request's ``X-Max-Queue-Delay`` header; None for neither."""
-    arrival = time.monotonic()
+def queue_deadline(
+    request: Request, max_queue_delay: float | None, arrival: float | None = None
+) -> float | None:
+    """The ``time.monotonic()`` by which this request must have started: ``arrival`` (default now: the
+    route's start) plus the smaller of the server's ``max_queue_delay`` and the request's
+    ``X-Max-Queue-Delay`` header; None for neither."""
+    arrival = time.monotonic() if arrival is None else arrival
     raw = request.headers.get(QUEUE_DELAY_HEADER)
     delay = max_queue_delay
     if raw is not None:
