@@ -98,6 +98,19 @@ COUNTERS = {
     "server_ttft_count": "time_to_first_token_seconds_count",
     "loop_lag_sum": "event_loop_lag_seconds_sum",
     "loop_lag_count": "event_loop_lag_seconds_count",
+    # the same request's path outside the engine's clock (metrics.PATH_STAGES): route start -> handed
+    # to the engine -> the engine's arrival; the engine's first token -> this process -> first write
+    **{
+        f"{key}_{part}": f"{name}_seconds_{part}"
+        for key, name in (
+            ("intake", "request_intake"),
+            ("to_engine", "request_to_engine"),
+            ("from_engine", "first_token_delivery"),
+            ("to_client", "first_write"),
+            ("refusal", "refusal"),
+        )
+        for part in ("sum", "count")
+    },
 }
 OUTCOMES = (
     "served",  # within its deadline
@@ -227,11 +240,13 @@ def window_stats(
         "served_fraction": counts["served"] / max(1, len(reqs)),
         "ttft_p50_s": pct(ttft, 0.5),
         "ttft_p99_s": pct(ttft, 0.99),
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),  # beside the server's means
         "e2e_p50_s": pct(e2e, 0.5),
         "e2e_p99_s": pct(e2e, 0.99),
         "refusal_s_p50": pct(to_refusal, 0.5),
         "refusal_s_p99": pct(to_refusal, 0.99),
         "refusal_s_max": max(to_refusal, default=float("nan")),
+        "refusal_s_mean": sum(to_refusal) / len(to_refusal) if to_refusal else float("nan"),
         "retry_after_min": min(retry, default=None),
         "retry_after_max": max(retry, default=None),
         "generated_tokens": sum(r["tokens"] for r in served),

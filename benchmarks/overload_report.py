@@ -173,6 +173,7 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "| dropped for deadline | aborted | preemptions | 5xx | engine TTFT mean s | loop lag mean ms |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for x in shown:
         v = x["server"]
         in_http = f"{v['refused_http']:.0f}" if "refused_http" in v else "-"  # runs before it was counted
@@ -182,6 +183,26 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
             f"| {v['preemptions']:.0f} | {v['http_5xx']:.0f} | {_mean(v, 'server_ttft', 1.0, '.2f')} "
             f"| {_mean(v, 'loop_lag', 1e3, '.1f')} |"
         )
+        rows.append(
+            f"| {x['label']} | {_mean(v, 'intake', 1e3, '.1f')} | {_mean(v, 'to_engine', 1e3, '.1f')} "
+            f"| {_mean(v, 'server_ttft', 1e3, '.1f')} | {_mean(v, 'from_engine', 1e3, '.1f')} "
+            f"| {_mean(v, 'to_client', 1e3, '.1f')} | {_fmt(1e3 * x.get('ttft_mean_s', math.nan), '.1f')} "
+            f"| {_mean(v, 'refusal', 1e3, '.1f')} | {_fmt(1e3 * x.get('refusal_s_mean', math.nan), '.1f')} |"
+        )
+    lines += [
+        "",
+        "A streamed request's way to its first token, server-side means over each window in ms (one "
+        "monotonic clock): route start to handed to the engine (body, template, tokenization, gate), "
+        "to the engine's arrival (queue or pipe, adds taken between steps), the engine's own arrival to "
+        "first token, that output back in the HTTP process, to its first write; beside the clients' "
+        "mean TTFT (what these do not cover: before the route started, the network, the client). "
+        "Refusals: route start to the 429 written, beside the clients' mean time to a refusal:",
+        "",
+        "| window | intake | to engine | engine TTFT | first token back | first write | client TTFT "
+        "| refusal (server) | refusal (client) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
     samples = [f"{x['label']}: {x['error_sample']}" for x in shown if x.get("error_sample")]
     if samples or summary["warnings"]:
         lines += ["", "## Notes", ""]
