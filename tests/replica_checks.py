@@ -18,21 +18,33 @@ from tests.conftest import wait_ray_idle
 
 @contextmanager
 def app_on_serve(url: str, app: Any, replicas: int) -> Iterator[str]:
-    """Run ``app`` on the session's Ray Serve (``url``: the ``ray_serve`` fixture's), wait until
-    ``replicas`` are healthy; yield its URL. Afterwards the application is deleted and its replicas
-    (with their engine processes) are gone, so the next module's starts on an idle Ray."""
+    """Run ``app`` (replicas ``replica-0`` ...) on the session's Ray Serve (``url``: the ``ray_serve``
+    fixture's), wait until ``replicas`` are healthy; yield its URL. Afterwards the application is
+    deleted, and its replicas' processes and engine processes are gone and every Ray CPU is free, so
+    the next module's application starts on an idle Ray."""
     from ray import serve
 
     from prefixserve.distributed.serve_app import APP_NAME
 
     wait_ray_idle()
     serve.run(app, name=APP_NAME, route_prefix="/")
+    pids: set[int] = set()
     try:
         wait_healthy(url, replicas)
         yield url
     finally:
+        for i in range(replicas):
+            try:
+                info = replica_info(f"replica-{i}")
+                pids |= {info["pid"], info["engine_pid"]}
+            except Exception:  # a replica the module left dead: Ray Serve ends it with the app
+                pass
         serve.delete(APP_NAME)
         wait_ray_idle()
+        deadline = time.monotonic() + 60
+        while not all(process_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"processes of the deleted application live on: {pids}"
+            time.sleep(0.2)
 
 
 def wait_healthy(url: str, replicas: int, timeout: float = 120.0) -> None:
