@@ -1,9 +1,13 @@
-"""Shared fixtures: the default model loaded once per session, tiny dummy models, leak checks."""
+"""Shared fixtures: the default model loaded once per session, tiny dummy models, one local Ray, leak
+checks."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,11 +30,61 @@ TINY_CONFIG = {
 }
 
 
+ROOT = Path(__file__).resolve().parents[1]
+RAY_CPUS = 2
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    # The modules on the session's one Ray (``ray_cluster``) run last, one after another, so that it
+    # starts once and does not idle beside the other tests; each module keeps its own tests' order.
+    on_ray = {item.module for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: getattr(item, "module", None) in on_ray)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """One local Ray (2 CPUs) for every module that needs one: starting it takes ~10 s on 2 cores.
+
+    Each module leaves it as it found it: its actors, Serve apps and Ray Data pools end with it
+    (``wait_ray_idle`` checks that all CPUs are free again)."""
+    ray = pytest.importorskip("ray")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_serve(ray_cluster: Any) -> Iterator[str]:
+    """Ray Serve's HTTP proxy on the session's Ray, started once; its URL. Each module runs its own
+    application there and deletes it (``replica_checks.app_on_serve``)."""
+    serve = pytest.importorskip("ray.serve")
+    from prefixserve.entrypoints.openai.server import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+def wait_ray_idle(timeout: float = 60.0) -> None:
+    """Until every CPU of the session's Ray is free (a module's actors are gone once they are)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU", 0) < RAY_CPUS:
+        assert time.monotonic() < deadline, f"Ray still busy: {ray.available_resources()}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,8 @@
-"""What the Ray Serve replica tests share: starting an application on a local Ray, waiting for its
-replicas, and requests that say which replica (and ingress) answered."""
+"""What the Ray Serve replica tests share: running an application on the session's Ray Serve, waiting
+for its replicas, and requests that say which replica (and ingress) answered."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,31 +13,38 @@ import httpx
 import openai
 
 from prefixserve.distributed.serve_ingress import INGRESS_HEADER, REPLICA_HEADER
-from prefixserve.entrypoints.openai.server import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import wait_ray_idle
 
 
 @contextmanager
-def serve_on_ray(app: Any, replicas: int, num_cpus: int = 2) -> Iterator[str]:
-    """Start Ray and Serve here, run ``app``, wait until ``replicas`` are healthy; yield its URL."""
-    import ray
+def app_on_serve(url: str, app: Any, replicas: int) -> Iterator[str]:
+    """Run ``app`` (replicas ``replica-0`` ...) on the session's Ray Serve (``url``: the ``ray_serve``
+    fixture's), wait until ``replicas`` are healthy; yield its URL. Afterwards the application is
+    deleted, and its replicas' processes and engine processes are gone and every Ray CPU is free, so
+    the next module's application starts on an idle Ray."""
     from ray import serve
 
     from prefixserve.distributed.serve_app import APP_NAME
 
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    wait_ray_idle()
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    pids: set[int] = set()
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
         wait_healthy(url, replicas)
         yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        for i in range(replicas):
+            try:
+                info = replica_info(f"replica-{i}")
+                pids |= {info["pid"], info["engine_pid"]}
+            except Exception:  # a replica the module left dead: Ray Serve ends it with the app
+                pass
+        serve.delete(APP_NAME)
+        wait_ray_idle()
+        deadline = time.monotonic() + 60
+        while not all(process_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"processes of the deleted application live on: {pids}"
+            time.sleep(0.2)
 
 
 def wait_healthy(url: str, replicas: int, timeout: float = 120.0) -> None:

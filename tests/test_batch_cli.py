@@ -65,7 +65,10 @@ def _lines(path: Path) -> int:
 
 
 def _run(args: list[str], out: Path, kill_at_line: int | None = None) -> int | None:
-    """Run the command; with ``kill_at_line``, SIGKILL it once the output has that many lines."""
+    """Run the command: in this process (its exit status), or with ``kill_at_line`` as a process of its
+    own (``python -m prefixserve``), SIGKILLed once the output has that many lines."""
+    if kill_at_line is None:
+        return main(["batch", *args, "-o", str(out)])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixserve", "batch", *args, "-o", str(out)],
@@ -73,8 +76,6 @@ def _run(args: list[str], out: Path, kill_at_line: int | None = None) -> int | N
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    if kill_at_line is None:
-        return proc.wait(timeout=300)
     deadline = time.monotonic() + 300
     while proc.poll() is None and _lines(out) < kill_at_line and time.monotonic() < deadline:
         time.sleep(0.005)

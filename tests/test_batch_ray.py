@@ -1,4 +1,5 @@
-"""Offline batches on a local Ray cluster: 2 replicas of the default model on the CPU.
+"""Offline batches on a local Ray cluster: 2 replicas of the tiny dummy model on the CPU (what is
+checked is the sharding, the streaming back and the resume, not the model).
 
 The driver shards rows by prefix-sharing group; output lines must equal the single-process run's
 (greedy), and a rerun resumes. Ray Data's ``map_batches`` with the processor class too."""
@@ -13,17 +14,16 @@ import pytest
 
 from prefixserve import LLM
 from prefixserve.config import EngineConfig
+from tests.conftest import wait_ray_idle
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield ray
-    ray.shutdown()
+def local_ray(ray_cluster):
+    """The session's local Ray (2 CPUs); this module's actors are gone when it ends."""
+    yield ray_cluster
+    wait_ray_idle()
 
 
 def _input(path: Path) -> None:
@@ -54,13 +54,16 @@ def _choices(path: Path) -> dict[str, list]:
     return {r["custom_id"]: (r["response"] or {}).get("body", {}).get("choices") for r in rows}
 
 
-def test_ray_replicas_match_one_process_and_resume(local_ray, default_llm: LLM, tmp_path: Path) -> None:
+def test_ray_replicas_match_one_process_and_resume(local_ray, tiny_config_path: Path, tmp_path: Path) -> None:
     from prefixserve.distributed.ray_batch import run_batch_file_ray
 
     src, one, many = tmp_path / "in.jsonl", tmp_path / "one.jsonl", tmp_path / "ray.jsonl"
     _input(src)
-    default_llm.batch(src, one, progress=False)
-    config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=512)
+    model = f"dummy:{tiny_config_path}"
+    LLM(model=model, dtype="float32", device="cpu", num_kv_blocks=512, progress=False).batch(
+        src, one, progress=False
+    )
+    config = EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=512)
     summary = run_batch_file_ray(config, src, many, replicas=2, progress=False)
     assert summary["replicas"] == 2 and summary["rows_written"] == 10 and summary["error_rows"] == 1
     assert _choices(many) == _choices(one)
@@ -68,20 +71,21 @@ def test_ray_replicas_match_one_process_and_resume(local_ray, default_llm: LLM, 
     assert again["rows_written"] == 0 and again["rows_skipped"] == 10
 
 
-def test_ray_data_map_batches(local_ray) -> None:
+def test_ray_data_map_batches(local_ray, tiny_config_path: Path) -> None:
     from prefixserve.distributed.ray_batch import PrefixserveProcessor
 
     head = "Answer with one word. The question is about colours: "
     prompts = [head + q for q in ("sky?", "grass?", "snow?", "coal?")]
     ds = ray.data.from_items([{"prompt": p} for p in prompts])
+    engine = {"model": f"dummy:{tiny_config_path}", "dtype": "float32", "device": "cpu", "num_kv_blocks": 256}
     out = ds.map_batches(
         PrefixserveProcessor,
-        fn_constructor_kwargs={"max_tokens": 4, "dtype": "float32", "device": "cpu", "num_kv_blocks": 256},
+        fn_constructor_kwargs={"max_tokens": 4, **engine},
         concurrency=2,
         batch_size=2,
     ).take_all()
     assert sorted(r["prompt"] for r in out) == sorted(prompts)
-    direct = LLM(dtype="float32", device="cpu", num_kv_blocks=256, progress=False)
+    direct = LLM(**engine, progress=False)
     want = {p: o.outputs[0].text for p, o in zip(prompts, direct.generate(prompts, _greedy(4)), strict=True)}
     assert {r["prompt"]: r["generated_text"] for r in out} == want
 

@@ -1,8 +1,12 @@
-"""The command line: help texts, a real generate on the default model, clear errors."""
+"""The command line: help texts, a real generate on the default model, clear errors.
+
+The commands run in this process (``main``), their output captured: a process of their own would
+import torch again for each; ``python -m prefixserve`` itself runs as one below."""
 
 from __future__ import annotations
 
 import importlib
+import io
 import re
 import subprocess
 import sys
@@ -13,13 +17,11 @@ import pytest
 from prefixserve.entrypoints.cli import main
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "prefixserve.entrypoints.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """``prefixserve ARGS`` here; its standard output (it must exit 0)."""
+    capsys.readouterr()
+    assert main(list(args)) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
@@ -30,26 +32,26 @@ def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]
     assert "--model" in capsys.readouterr().out
 
 
-def test_generate_on_the_default_model_shows_prefix_reuse() -> None:
+def test_generate_on_the_default_model_shows_prefix_reuse(capsys: pytest.CaptureFixture[str]) -> None:
     """The demo's questions share a system prompt long enough for shared-segment attention to run;
     its report line says how many KV rows that saved (the engine's counters)."""
-    result = _run("generate", "--max-tokens", "6", "--num-kv-blocks", "256")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count(">>> ") == 3
+    stdout = _run(capsys, "generate", "--max-tokens", "6", "--num-kv-blocks", "256")
+    assert stdout.count(">>> ") == 3
     report = re.search(
         r"from prefix cache (\S+)\n.*?of (\S+) a per-sequence path reads: (\S+) saved.*"
         r"shared-segment attention in (\d+) of (\d+) steps",
-        result.stdout,
+        stdout,
         re.S,
     )
-    assert report, result.stdout
+    assert report, stdout
     hits, logical, saved, cascade, steps = (int(g.replace(",", "")) for g in report.groups())
     assert hits > 0 and saved > 0 and 0 < cascade <= steps
     assert saved > logical // 3  # most of the three questions' KV is the shared system prompt
 
 
-def test_bench_prints_a_table(tiny_config_path) -> None:
-    result = _run(
+def test_bench_prints_a_table(tiny_config_path, capsys: pytest.CaptureFixture[str]) -> None:
+    stdout = _run(
+        capsys,
         "bench",
         "--num-requests",
         "4",
@@ -66,9 +68,8 @@ def test_bench_prints_a_table(tiny_config_path) -> None:
         "--json",
         str(tiny_config_path.parent / "b.json"),
     )
-    assert result.returncode == 0, result.stderr
     for key in ("output_tokens_per_s", "prefix_cache_hit_rate", "kv_read_saving_x"):
-        assert key in result.stdout
+        assert key in stdout
     import json
 
     report = json.loads((tiny_config_path.parent / "b.json").read_text())
@@ -89,26 +90,13 @@ def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert "NAME=FILE" in capsys.readouterr().err
 
 
-def test_chat_streams_a_reply_and_exits_on_eof() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefixserve.entrypoints.cli",
-            "chat",
-            "--max-tokens",
-            "6",
-            "--num-kv-blocks",
-            "128",
-        ],
-        input="Say hello.\n/reset\nAnd again?\n",
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("bot> ") == 2
-    replies = [line.split("bot> ", 1)[1] for line in result.stdout.splitlines() if "bot> " in line]
+def test_chat_streams_a_reply_and_exits_on_eof(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\n/reset\nAnd again?\n"))
+    stdout = _run(capsys, "chat", "--max-tokens", "6", "--num-kv-blocks", "128")
+    assert stdout.count("bot> ") == 2
+    replies = [line.split("bot> ", 1)[1] for line in stdout.splitlines() if "bot> " in line]
     assert all(r.strip() for r in replies)
 
 

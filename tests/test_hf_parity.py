@@ -23,15 +23,9 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(default_llm: LLM) -> list[list[int]]:
+def hf_greedy(default_llm: LLM, hf_gguf_model: torch.nn.Module) -> list[list[int]]:
     """HF transformers' greedy continuation of each chat prompt, one prompt at a time (no padding)."""
-    from transformers import AutoModelForCausalLM
-
-    from prefixserve.model.loader import default_gguf_path
-
-    path = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    model = hf_gguf_model
     tok = default_llm.get_tokenizer()
     outs = []
     for p in PROMPTS:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixserve.config import EngineConfig
-from prefixserve.engine.llm_engine import Engine
+from prefixserve import LLM
 from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm_eval is in the test extra: pip install -e '.[test]'")
@@ -24,10 +23,19 @@ LIMIT = 4
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    config = EngineConfig(dtype="float32", device="cpu", attention="reference", num_kv_blocks=1024)
-    with ServerThread(build_app(engine=Engine(config, progress=False))) as srv:
+def server(default_llm: LLM) -> Iterator[ServerThread]:
+    """The session's default-model engine (fp32, reference attention) behind a live server."""
+    with ServerThread(build_app(engine=default_llm.engine)) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def tasks() -> object:
+    """The tasks in examples/lm_eval alone: indexing lm-eval's own thousands of task files takes
+    longer than the evaluations (and again for every ``TaskManager``)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS), include_defaults=False)
 
 
 @pytest.fixture
@@ -37,11 +45,9 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)  # the task's data_files path is relative to the repository root
 
 
-def _evaluate(model: object, task: str, **kw: object) -> dict:
+def _evaluate(model: object, task: str, manager: object, **kw: object) -> dict:
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(TASKS))
     return simple_evaluate(
         model=model, tasks=[task], task_manager=manager, limit=LIMIT, log_samples=True, **kw
     )
@@ -54,7 +60,7 @@ def _loglikelihoods(result: dict, task: str) -> list[list[float]]:
 
 
 def test_local_completions_equals_the_hf_backend(
-    server: ServerThread, hf_gguf_model: torch.nn.Module, offline: None
+    server: ServerThread, tasks: object, hf_gguf_model: torch.nn.Module, offline: None
 ) -> None:
     from lm_eval.models.huggingface import HFLM
 
@@ -66,9 +72,10 @@ def test_local_completions_equals_the_hf_backend(
         "max_retries": 1,
         "tokenized_requests": True,  # token-id prompts, encoded by the server's /tokenize
     }
-    ours = _evaluate("local-completions", task, model_args=args)
+    ours = _evaluate("local-completions", task, tasks, model_args=args)
     tokenizer = server.engine_loop.engine.tokenizer
-    hf = _evaluate(HFLM(pretrained=hf_gguf_model, tokenizer=tokenizer, batch_size=1, device="cpu"), task)
+    hf_model = HFLM(pretrained=hf_gguf_model, tokenizer=tokenizer, batch_size=1, device="cpu")
+    hf = _evaluate(hf_model, task, tasks)
     acc, hf_acc = ours["results"][task]["acc,none"], hf["results"][task]["acc,none"]
     assert abs(acc - hf_acc) * LIMIT <= 1, (acc, hf_acc)  # within one document
     assert acc >= 0.5  # the model knows most capitals: the scores are not noise
@@ -78,7 +85,9 @@ def test_local_completions_equals_the_hf_backend(
     assert diff < 1e-3, diff
 
 
-def test_local_chat_completions_runs_the_generation_task(server: ServerThread, offline: None) -> None:
+def test_local_chat_completions_runs_the_generation_task(
+    server: ServerThread, tasks: object, offline: None
+) -> None:
     task = "prefixserve_capitals_gen"
     args = {
         "base_url": f"{server.url}/v1/chat/completions",
@@ -87,7 +96,7 @@ def test_local_chat_completions_runs_the_generation_task(server: ServerThread, o
         "max_retries": 1,
         "tokenizer_backend": None,
     }
-    result = _evaluate("local-chat-completions", task, model_args=args, apply_chat_template=True)
+    result = _evaluate("local-chat-completions", task, tasks, model_args=args, apply_chat_template=True)
     samples = result["samples"][task]
     assert len(samples) == LIMIT
     assert all(isinstance(s["resps"][0][0], str) and s["resps"][0][0] for s in samples)

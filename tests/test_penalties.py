@@ -199,35 +199,36 @@ def test_plain_requests_take_the_untouched_path(tiny_config_path: Path) -> None:
 def test_minus_100_bias_never_emits_and_plus_100_always_emits(default_llm: LLM) -> None:
     prompt = "The capital of France is"
     base = default_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
-    banned = base.token_ids[0]
-    for seed in range(3):
-        for temperature in (0.0, 1.0):
-            p = SamplingParams(
-                temperature=temperature,
-                seed=seed,
-                max_tokens=12,
-                logit_bias={banned: -100.0},
-                ignore_eos=True,
-            )
-            assert banned not in default_llm.generate(prompt, p)[0].outputs[0].token_ids
-    forced = 1234
-    p = SamplingParams(temperature=1.0, seed=0, max_tokens=10, logit_bias={forced: 100.0}, ignore_eos=True)
-    assert default_llm.generate(prompt, p)[0].outputs[0].token_ids == [forced] * 10
+    banned, forced = base.token_ids[0], 1234
+    params = [  # one batch: each row's bias is its own
+        SamplingParams(
+            temperature=temperature, seed=seed, max_tokens=12, logit_bias={banned: -100.0}, ignore_eos=True
+        )
+        for seed in range(3)
+        for temperature in (0.0, 1.0)
+    ]
+    params.append(
+        SamplingParams(temperature=1.0, seed=0, max_tokens=10, logit_bias={forced: 100.0}, ignore_eos=True)
+    )
+    *outs, forced_out = default_llm.generate([prompt] * len(params), params)
+    for out in outs:
+        assert banned not in out.outputs[0].token_ids
+    assert forced_out.outputs[0].token_ids == [forced] * 10
     assert_pool_empty(default_llm)
 
 
 def test_frequency_penalty_reduces_repeats(default_llm: LLM) -> None:
     prompt = "Repeat after me forever: la la la la la la la la la la la la"
 
-    def repeats(**kw: float) -> int:
-        p = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **kw)
-        ids = default_llm.generate(prompt, p)[0].outputs[0].token_ids
-        return len(ids) - len(set(ids))
-
-    plain = repeats()
+    kws: list[dict[str, float]] = [{}, {"frequency_penalty": 1.0}, {"repetition_penalty": 1.5}]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **kw) for kw in kws]
+    outs = default_llm.generate([prompt] * len(params), params)  # one batch: penalties are per row
+    plain, frequency, repetition = (
+        len(ids) - len(set(ids)) for ids in (o.outputs[0].token_ids for o in outs)
+    )
     assert plain >= 24  # the model repeats without a penalty
-    assert repeats(frequency_penalty=1.0) < plain
-    assert repeats(repetition_penalty=1.5) < plain
+    assert frequency < plain
+    assert repetition < plain
 
 
 def test_best_of_returns_the_n_best_by_cumulative_logprob(default_llm: LLM) -> None:

@@ -1,8 +1,9 @@
 """Engine replicas on Ray Serve behind the prefix-affinity ingress, on the CPU with the tiny dummy model.
 
-One Ray Serve application serves the whole module (starting Ray and three actor processes is most
-of its time): the official ``openai`` client streamed and not, affinity of a shared prefix, and a
-replica killed mid-stream, restarted by Ray Serve and routed to again.
+One Ray Serve application serves the whole module (on the session's Ray and Serve, which the other
+Ray modules share: starting its three actor processes is most of its time): the official ``openai``
+client streamed and not, affinity of a shared prefix, and a replica killed mid-stream, restarted by
+Ray Serve and routed to again.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ SHARED = "You are a careful assistant for the travel desk. " * 12  # a long shar
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_config_path: Path) -> Iterator[str]:
+def endpoint(ray_serve: str, tiny_config_path: Path) -> Iterator[str]:
     config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256)
-    with rc.serve_on_ray(serve_app(config, 2, replica_cpus=0.5), 2) as url:
+    with rc.app_on_serve(ray_serve, serve_app(config, 2, replica_cpus=0.5), 2) as url:
         yield url
 
 

@@ -33,10 +33,10 @@ SHARED = "Answer as the harbour master would, in one short sentence. " * 12
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_config_path: Path) -> Iterator[str]:
+def endpoint(ray_serve: str, tiny_config_path: Path) -> Iterator[str]:
     config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256)
     app = serve_app(config, 2, replica_cpus=0.5, engine_process="on", ingress_replicas=2)
-    with rc.serve_on_ray(app, 2) as url:
+    with rc.app_on_serve(ray_serve, app, 2) as url:
         yield url
 
 

@@ -15,11 +15,10 @@ FEW_SHOT = " ".join(f"Example {i}: {i} plus {i} is {2 * i}." for i in range(40))
 
 
 @pytest.fixture(scope="module")
-def engines() -> dict[str, LLM]:
-    return {
-        name: LLM(dtype="float32", device="cpu", attention=name, num_kv_blocks=1024, progress=False)
-        for name in ("reference", "cascade")
-    }
+def engines(default_llm: LLM) -> dict[str, LLM]:
+    """The session's reference engine (the oracle) and one with the cascade backend, alike otherwise."""
+    cascade = LLM(dtype="float32", device="cpu", attention="cascade", num_kv_blocks=1024, progress=False)
+    return {"reference": default_llm, "cascade": cascade}
 
 
 def _run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list[list[list[int]]], dict[str, float]]:

@@ -119,9 +119,14 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
     """Prefix-shared prompts twice (the second time from the prefix cache), then Prompt Cache modules
     moved to host memory (gathered from every rank) and back (scattered): all as one process gives.
     One engine per process: torch.distributed has one default group."""
-    single = LLM(dtype="float32", device="cpu", attention="reference", num_kv_blocks=512, progress=False)
-    single.engine.register_schema(SCHEMA)
     expected = token_ids(default_llm, PROMPTS)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = {mode: [{"prompt": PML, "module_recompute": mode}] for mode in ("none", "link:8")}
+    default_llm.register_schema(SCHEMA)  # the one-process outputs over the schema's modules
+    try:
+        wants = {mode: default_llm.generate(p, params)[0].outputs[0].token_ids for mode, p in prompts.items()}
+    finally:
+        default_llm.unregister_schema("shop")
     with LLM(dtype="float32", device="cpu", num_kv_blocks=512, tensor_parallel_size=3, progress=False) as tp:
         assert token_ids(tp, PROMPTS) == expected
         assert token_ids(tp, PROMPTS) == expected
@@ -129,10 +134,8 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
         with pytest.raises(RuntimeError, match="already has one"):
             LLM(dtype="float32", device="cpu", tensor_parallel_size=3, progress=False)
         tp.engine.register_schema(SCHEMA)
-        params = SamplingParams(max_tokens=8, temperature=0.0)
-        for mode in ("none", "link:8"):
-            prompt = [{"prompt": PML, "module_recompute": mode}]
-            want = single.generate(prompt, params)[0].outputs[0].token_ids
+        for mode, prompt in prompts.items():
+            want = wants[mode]
             assert tp.generate(prompt, params)[0].outputs[0].token_ids == want, mode
             tp.engine.modules.move_out()  # every module to host memory, from 3 ranks
             assert tp.generate(prompt, params)[0].outputs[0].token_ids == want, mode
