@@ -23,6 +23,7 @@ LIBRARIES = {
     "decode_run",
     "promptcache_workload",
     "promptcache_spill",
+    "promptcache_tiers",
     "attention_grid",
     "attention_report",
     "host_overhead_report",

@@ -227,6 +227,7 @@ def test_piece_keys_and_stand_in_digests_are_remembered_exactly(tiny_config_path
     import hashlib
 
     from prefixserve.kv.block_pool import block_digest
+    from prefixserve.promptcache.digests import stand_in_digests
     from prefixserve.promptcache.recompute import NONE
 
     llm = tiny(tiny_config_path)
@@ -246,10 +247,11 @@ def test_piece_keys_and_stand_in_digests_are_remembered_exactly(tiny_config_path
         for i in range(len(entry.blocks)):
             parent = block_digest(parent, [i], [], "s")
             want.append(parent)
-    assert modules._stand_in_digests(entries, NONE, "s") == want
-    got = modules._digests_of(entries, NONE, "s")  # remembered per set of pieces, handed out as copies
+    pieces = [(e.key, len(e.blocks)) for e in entries]
+    assert stand_in_digests(pieces, NONE, "s") == want
+    got = modules._digests(pieces, NONE, "s")  # remembered per set of pieces, handed out as copies
     got.clear()
-    assert modules._digests_of(entries, NONE, "s") == want
+    assert modules._digests(pieces, NONE, "s") == want
     tokyo = modules.key_of(reg.pieces["tokyo"], None)
     llm.engine.modules.unregister("travel")
     llm.register_schema(SCHEMA.replace("sushi", "ramen"))

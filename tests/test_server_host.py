@@ -70,7 +70,7 @@ def test_one_write_per_wakeup_holds_every_event() -> None:
         _out("r-0", ["abx", "cy"], True),
     ]
     writes = _drain(_state(True, n=2), ids, outputs)
-    assert len(writes) == 2  # the role chunks, then everything queued (coalesced) in one write
+    assert len(writes) == 1  # the role chunks go with everything queued (coalesced): one write
     events = [e for w in writes for e in w.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]

@@ -153,7 +153,7 @@ class RowParallelLinear(Linear):
         take it."""
         peer = shard.peer
         if peer is not None and fused.staged_allreduce(x):
-            if slot is not None:
+            if slot is not None and fused.peer_norm_enabled():
                 pending = peer.product_slot(slot, x.shape[0], self.out_features, x.dtype)
                 if pending is not None:
                     fused.linear_into(x, self.weight, pending.mine)

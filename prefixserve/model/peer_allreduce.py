@@ -91,12 +91,12 @@ class PeerAllReduce:
 
     def product_slot(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> PeerSum | None:
         """A ``PeerSum`` whose ``mine`` [rows, cols] is where this rank's product goes, for an RMSNorm
-        to sum; None where the fused path does not apply (not two ranks, too large, other dtypes)."""
-        from prefixserve.model import fused
+        to sum; None where the fused path does not apply (not two ranks, too large, other dtypes).
+        The caller checks ``fused.peer_norm_enabled()`` (the A/B switch) first."""
         from prefixserve.model.kernels.peer_norm import MAX_HIDDEN
 
         nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
-        if self.fused is None or not fused.peer_norm_enabled():
+        if self.fused is None:
             return None
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None

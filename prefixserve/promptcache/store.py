@@ -50,6 +50,7 @@ from prefixserve.kv.cache import KVCache
 from prefixserve.kv.tiers import DiskTier, HostGroup, HostTier, packed_nbytes
 from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
 from prefixserve.promptcache.chat import ChatFrames
+from prefixserve.promptcache.digests import StandInDigests
 from prefixserve.promptcache.layout import SchemaLayout, layout
 from prefixserve.promptcache.pml import PMLError, Schema, parse_prompt, parse_schema
 from prefixserve.promptcache.recompute import (
@@ -64,7 +65,6 @@ from prefixserve.promptcache.recompute import (
 log = logging.getLogger(__name__)
 
 KEY_CACHE_SIZE = 4096  # (piece, salt) keys a registered schema remembers
-DIGEST_CACHE_SIZE = 256  # sets of pieces whose stand-in digests are remembered
 HOLE_TOKEN = -2  # a request's token at a module block's empty row (never computed, never sampled)
 
 Encode = Callable[[list[int], list[int], list[int]], None]  # (token ids, positions, blocks): fill blocks
@@ -158,7 +158,7 @@ class PromptModules:
         self.gpu_blocks = 0  # blocks the GPU tier holds
         # (piece keys, recovery, salt) -> stand-in digests: requests over one set of pieces (one
         # document, other questions) hash the same ~320 digests per 5K module tokens otherwise
-        self._digests: OrderedDict[tuple[tuple[str, ...], str, str | None], list[bytes]] = OrderedDict()
+        self._digests = StandInDigests()
         self.counters: dict[str, int] = {
             "module_encodes_total": 0,
             "module_loads_host_total": 0,
@@ -310,45 +310,8 @@ class PromptModules:
                 raise
         if not mp.recompute_runs:
             mp.recompute = NONE  # nothing recomputed: the plain Prompt Cache KV
-        mp.digests = self._digests_of(entries, mp.recompute, salt)
+        mp.digests = self._digests([(e.key, len(e.blocks or ())) for e in entries], mp.recompute, salt)
         return mp
-
-    def _digests_of(self, entries: list[ModuleEntry], recompute: Recompute, salt: str | None) -> list[bytes]:
-        """``_stand_in_digests``, remembered for the last ``DIGEST_CACHE_SIZE`` sets of pieces (a copy:
-        the caller may keep it)."""
-        key = (tuple(e.key for e in entries), recompute.spec if recompute.kind != "none" else "", salt)
-        found = self._digests.get(key)
-        if found is None:
-            found = self._digests[key] = self._stand_in_digests(entries, recompute, salt)
-            if len(self._digests) > DIGEST_CACHE_SIZE:
-                self._digests.popitem(last=False)
-        else:
-            self._digests.move_to_end(key)
-        return list(found)
-
-    @staticmethod
-    def _stand_in_digests(entries: list[ModuleEntry], recompute: Recompute, salt: str | None) -> list[bytes]:
-        """Digests for a table's module blocks: chained over the pieces' keys (and the recovery
-        setting, whose recomputed rows change the KV the own blocks are computed over), so own
-        blocks are prefix-cached behind exactly this set of pieces."""
-        h = hashlib.blake2b(b"prompt-modules", digest_size=16)
-        if recompute.kind != "none":
-            h.update(recompute.spec.encode())
-        digests: list[bytes] = []
-        # ``block_digest(parent, [i], [], salt)`` inlined (the same bytes): it built two arrays per
-        # block, ~6 ms of host time per 320 module blocks (issue 54)
-        tail = b"||" + (salt or "").encode()
-        most = max((len(e.blocks or ()) for e in entries), default=0)
-        index = array("q", range(most)).tobytes()
-        blake2b = hashlib.blake2b
-        for entry in entries:
-            assert entry.blocks is not None
-            h.update(entry.key.encode())
-            parent = h.digest()
-            for lo in range(0, 8 * len(entry.blocks), 8):
-                parent = blake2b(parent + index[lo : lo + 8] + tail, digest_size=16).digest()
-                digests.append(parent)
-        return digests
 
     # ---- accuracy recovery ----------------------------------------------------------------------
     def _recover(self, mp: ModulePrompt, rows: list[int], starts: list[int]) -> None:

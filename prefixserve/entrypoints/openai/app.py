@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI routes over an EngineLoop, OpenAI-shaped errors, auth, metrics, and the
-Prompt Cache schema routes (``/v1/schemas``: register, list, remove; run on the engine thread).
+Prompt Cache schema routes (``schema_routes.py``) and tokenizer routes (``tokenizer_routes.py``).
 
 Bodies are read and parsed by hand (size limit before parsing, strict UTF-8, then JSON, then the
 model) so that every refusal is a 4xx naming the problem, never a 422 or a 500.
@@ -14,9 +14,7 @@ end), so a streamed request dropped from the queue gets that 429 too.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import operator
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -60,11 +58,11 @@ from prefixserve.entrypoints.openai.requests import (
     ServerState,
     authorize,
     read_json,
-    read_schema_request,
 )
+from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
 from prefixserve.outputs import RequestOutput
-from prefixserve.promptcache.pml import PMLError, is_pml_prompt, parse_schema
+from prefixserve.promptcache.pml import PMLError, is_pml_prompt
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +453,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     _add_model_routes(app, state)
     _add_completion_routes(app, state)
     _add_chat_routes(app, state)
-    _add_schema_routes(app, state)
+    add_schema_routes(app, state)
     add_tokenizer_routes(app, state)
 
 
@@ -545,87 +543,3 @@ def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
         deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_chat(state, await read_json(state, request))
         return await _answer(state, request, body, deadline, started)
-
-
-# ---- Prompt Cache schemas ----------------------------------------------------------------------
-def _schema_card(info: dict[str, Any]) -> dict[str, Any]:
-    return {"object": "schema", **info}
-
-
-def _find_schema(engine: Engine, name: str) -> dict[str, Any] | None:
-    return next((s for s in engine.list_schemas() if s["name"] == name), None)
-
-
-class _SchemaExists(Exception):
-    pass
-
-
-def _register_schema(engine: Engine, pml: str, replace: bool, **options: Any) -> tuple[dict[str, Any], bool]:
-    """Register a schema where the engine is (a module-level function: it pickles for the engine
-    process); returns its card and whether it replaced one."""
-    name = parse_schema(pml).name  # a PMLError names line, column and problem
-    existed = _find_schema(engine, name) is not None
-    if existed and not replace:
-        raise _SchemaExists(name)
-    engine.register_schema(pml, replace=replace, **options)
-    info = _find_schema(engine, name)
-    assert info is not None
-    return info, existed
-
-
-def _add_schema_routes(app: FastAPI, state: ServerState) -> None:
-    """Register, list and remove PML schemas. The engine calls run on the engine thread between two
-    steps (registering encodes the modules now, unless ``encode`` is false)."""
-
-    async def on_engine(fn: Any) -> Any:
-        try:
-            return await state.loop.run(fn)
-        except EngineStopped as exc:
-            raise APIError(503, str(exc)) from None
-
-    @app.post("/v1/schemas")
-    async def add_schema(request: Request) -> Response:
-        authorize(state, request)
-        req = await read_schema_request(state, request)
-        try:
-            register = functools.partial(
-                _register_schema,
-                pml=req.schema_,
-                replace=req.replace,
-                encode=req.encode,
-                pin=req.pin,
-                module_recompute=req.module_recompute,
-            )
-            info, replaced = await on_engine(register)
-        except _SchemaExists as exc:
-            message = f"schema {exc.args[0]!r} is already registered; send replace=true to replace it"
-            raise APIError(409, message, param="schema", code="schema_exists") from None
-        except PMLError as exc:
-            raise APIError(400, str(exc), param="schema", code="invalid_pml") from None
-        except ValueError as exc:  # no room in the KV pool for its modules, a bad module_recompute
-            param = "module_recompute" if str(exc).startswith("module_recompute") else "schema"
-            raise APIError(400, str(exc), param=param, code="invalid_value") from None
-        return JSONResponse(_schema_card(info), status_code=200 if replaced else 201)
-
-    @app.get("/v1/schemas")
-    async def list_schemas(request: Request) -> Response:
-        authorize(state, request)
-        schemas = await on_engine(operator.methodcaller("list_schemas"))
-        return JSONResponse({"object": "list", "data": [_schema_card(s) for s in schemas]})
-
-    @app.get("/v1/schemas/{name}")
-    async def get_schema(name: str, request: Request) -> Response:
-        authorize(state, request)
-        info = await on_engine(functools.partial(_find_schema, name=name))
-        if info is None:
-            raise APIError(404, f"no schema named {name!r}", param="name", code="schema_not_found")
-        return JSONResponse(_schema_card(info))
-
-    @app.delete("/v1/schemas/{name}")
-    async def delete_schema(name: str, request: Request) -> Response:
-        authorize(state, request)
-        try:
-            await on_engine(operator.methodcaller("unregister_schema", name))
-        except KeyError:
-            raise APIError(404, f"no schema named {name!r}", param="name", code="schema_not_found") from None
-        return JSONResponse({"object": "schema", "name": name, "deleted": True})
