@@ -89,6 +89,17 @@ def queue_wait(requests: float, tokens: float, request_rate: float | None, token
     return wait
 
 
+def deadline_missed(wait: float, left: float) -> str | None:
+    """Why a request that would wait ``wait`` s with ``left`` s to its queue deadline is refused at
+    arrival (the estimate must fit ``DEADLINE_MARGIN`` of the time left), or None if it is not."""
+    if left > 0 and wait <= DEADLINE_MARGIN * left:
+        return None
+    return (
+        f"the request would wait about {wait:.1f} s in the queue, past its queue deadline "
+        f"({max(left, 0.0):.1f} s left)"
+    )
+
+
 def retry_after_s(wait: float) -> int:
     """Whole seconds for Retry-After from a queue wait, in [1, ``RETRY_AFTER_MAX_S``]."""
     return RETRY_AFTER_MAX_S if math.isinf(wait) else max(1, min(RETRY_AFTER_MAX_S, math.ceil(wait)))
@@ -229,14 +240,9 @@ class Admission:
                 f"tokens still to compute and this one adds {tokens} (the bound is {self.max_tokens})",
             )
         if deadline is not None:
-            left = deadline - self.clock()
-            wait = self.queue_wait_estimate(waiting)
-            if left <= 0 or wait > DEADLINE_MARGIN * left:
-                self._refuse(
-                    "deadline",
-                    f"the request would wait about {wait:.1f} s in the queue, past its queue deadline "
-                    f"({max(left, 0.0):.1f} s left)",
-                )
+            missed = deadline_missed(self.queue_wait_estimate(waiting), deadline - self.clock())
+            if missed is not None:
+                self._refuse("deadline", missed)
         self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline)
         self.waiting_tokens += tokens
         claimed = self._claimed

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import traceback
+from collections import deque
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
@@ -35,11 +36,11 @@ class StepGaps:
 
     def __init__(self, device: torch.device) -> None:
         self.on = device.type == "cuda"
-        self.steps: list[tuple[torch.cuda.Event, torch.cuda.Event | None]] = []
+        self.steps: deque[tuple[torch.cuda.Event, torch.cuda.Event | None]] = deque(maxlen=self.KEEP)
 
     def started(self, start: torch.cuda.Event | None) -> None:
         if self.on and start is not None:
-            self.steps = [*self.steps[-self.KEEP + 1 :], (start, None)]
+            self.steps.append((start, None))
 
     def ended(self) -> None:
         """The step's last device call on this rank (its logits or argmax) is issued."""
@@ -51,7 +52,7 @@ class StepGaps:
     def stats(self) -> dict[str, float]:
         """Seconds busy and idle over the kept steps (waits for the device), then forgets them."""
         steps = [(a, b) for a, b in self.steps if b is not None]
-        self.steps = []
+        self.steps.clear()
         busy = idle = 0.0
         if steps:
             steps[-1][1].synchronize()

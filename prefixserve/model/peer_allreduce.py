@@ -95,7 +95,7 @@ class PeerAllReduce:
         The caller checks ``fused.peer_norm_enabled()`` (the A/B switch) first."""
         from prefixserve.model.kernels.peer_norm import MAX_HIDDEN
 
-        nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+        nbytes = rows * cols * dtype.itemsize
         if self.fused is None:
             return None
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -125,7 +125,7 @@ class _FusedSlots:
 
     def views(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's, the peer's) [rows, cols] product in ``slot``."""
-        nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+        nbytes = rows * cols * dtype.itemsize
         at = slot * SLOT_BYTES
         mine = self.products[at : at + nbytes].view(dtype).view(rows, cols)
         return mine, self.peer_products[at : at + nbytes].view(dtype).view(rows, cols)

@@ -44,11 +44,11 @@ from prometheus_client import Counter
 from starlette.types import Message, Send
 
 from prefixserve.engine.admission import (
-    DEADLINE_MARGIN,
     DEADLINE_REASON,
     AdmissionLimits,
     QueueFull,
     QueueState,
+    deadline_missed,
     queue_wait,
     refused_counter,
     retry_after_s,
@@ -157,15 +157,9 @@ class ArrivalGate:
                     f"{state.max_tokens})",
                     wait,
                 )
-            if deadline is not None:
-                left = deadline - now
-                if left <= 0 or wait > DEADLINE_MARGIN * left:
-                    self._refuse(
-                        "deadline",
-                        f"the request would wait about {wait:.1f} s in the queue, past its queue "
-                        f"deadline ({max(left, 0.0):.1f} s left)",
-                        wait,
-                    )
+            missed = None if deadline is None else deadline_missed(wait, deadline - now)
+            if missed is not None:
+                self._refuse("deadline", missed, wait)
             if not reserve:
                 return None
             self._last += 1
