@@ -6,7 +6,8 @@ refused with 429/503 at once, no 5xx, and the server's goodput at 2R is >= 0.9 o
 that refuses too eagerly, or spends its steps on requests that then miss, loses goodput).
 
 - one ``prefixserve serve --max-queue-delay D`` (started as a user starts it), loaded by
-  ``benchmarks.serving_client`` processes (the official ``openai`` client, streamed chats, no retries);
+  ``benchmarks.serving_client`` processes (the official ``openai`` client, streamed chats with
+  logprobs so a token counts even where its text is empty, no retries);
 - the workload: chats after one shared system prompt (``--system-tokens``), user turns and answers
   uniform in ``--user-tokens`` / ``--output-tokens`` (EOS ignored, greedy), Poisson arrivals;
 - R: ``--rate``, or found by a short ladder: a warm-up burst of ``--max-num-seqs`` chats at once gives
@@ -112,6 +113,7 @@ COUNTERS = {
         for part in ("sum", "count")
     },
 }
+DROPPED_MARK = "dropped from the queue"  # in the 429 of a request dropped at its deadline after waiting
 OUTCOMES = (
     "served",  # within its deadline
     "refused_at_once",
@@ -210,6 +212,9 @@ def window_stats(
     ttft = [(r["first"] or r["end"]) - r["sent"] for r in served]
     e2e = [r["end"] - r["sent"] for r in served]
     to_refusal = [r["failed"] - r["sent"] for r in refused]
+    # a 429 at arrival (the HTTP gate or the engine's check) or after waiting (dropped from the queue)
+    dropped = [r["failed"] - r["sent"] for r in refused if DROPPED_MARK in str(r.get("error"))]
+    at_arrival = [r["failed"] - r["sent"] for r in refused if DROPPED_MARK not in str(r.get("error"))]
     retry = [int(r["retry_after"]) for r in refused if str(r.get("retry_after") or "").isdigit()]
     codes: dict[str, int] = {}
     for r in refused:
@@ -247,6 +252,12 @@ def window_stats(
         "refusal_s_p99": pct(to_refusal, 0.99),
         "refusal_s_max": max(to_refusal, default=float("nan")),
         "refusal_s_mean": sum(to_refusal) / len(to_refusal) if to_refusal else float("nan"),
+        "refused_at_arrival": len(at_arrival),
+        "refusal_at_arrival_s_p50": pct(at_arrival, 0.5),
+        "refusal_at_arrival_s_p99": pct(at_arrival, 0.99),
+        "refused_dropped": len(dropped),
+        "refusal_dropped_s_p50": pct(dropped, 0.5),
+        "refusal_dropped_s_p99": pct(dropped, 0.99),
         "retry_after_min": min(retry, default=None),
         "retry_after_max": max(retry, default=None),
         "generated_tokens": sum(r["tokens"] for r in served),
@@ -268,7 +279,10 @@ def run_window(
     label: str,
 ) -> dict[str, Any]:
     """``count`` chats at ``rate`` (None: all at once) through the clients, with /metrics around them."""
-    reqs = chat_requests(tok, system, count, seed, args, rate, logprobs=False, stream=True, tag=label)
+    # logprobs: a chunk per token even where its text is empty (a dummy model's tokens often decode
+    # to nothing, and a stream without logprobs sends no chunk for them): the clients' TTFT is the
+    # first token's, not the first printable text's
+    reqs = chat_requests(tok, system, count, seed, args, rate, logprobs=True, stream=True, tag=label)
     longest = max(deadline_s(args, q["body"]["max_tokens"]) for q in reqs)
     span = reqs[-1]["offset"]
     before = wait_idle(server.url)

@@ -203,6 +203,22 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
     ]
+    lines += [
+        "",
+        "Refusals by kind, the clients' times from sent to the 429 in seconds: at arrival (the HTTP "
+        "gate or the engine's check) and dropped from the queue after waiting (admitted on an estimate "
+        "that proved short):",
+        "",
+        "| window | at arrival | p50 / p99 | dropped | p50 / p99 |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *[
+            f"| {x['label']} | {x['refused_at_arrival']} | {_fmt(x['refusal_at_arrival_s_p50'])} / "
+            f"{_fmt(x['refusal_at_arrival_s_p99'])} | {x['refused_dropped']} | "
+            f"{_fmt(x['refusal_dropped_s_p50'])} / {_fmt(x['refusal_dropped_s_p99'])} |"
+            for x in shown
+            if "refused_dropped" in x
+        ],
+    ]
     samples = [f"{x['label']}: {x['error_sample']}" for x in shown if x.get("error_sample")]
     if samples or summary["warnings"]:
         lines += ["", "## Notes", ""]

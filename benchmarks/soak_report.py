@@ -3,6 +3,8 @@
 Judged on bursts past the warm-up: "first" and "last" are medians over ``window`` bursts of a kind
 (one burst's tokens/s moves by a few percent with the client processes and the GC; a median of a
 few does not), so the speed target compares the pool's fresh start with its wrapped steady state.
+Memory is judged from the first burst after the pool wrapped (``_settled``): before it, what the
+pool's size bounds still fills; the growth from the warm-up and a fitted slope are kept beside it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,27 @@ GROWTH_MAX = 0.01  # resident and CUDA memory, last window over first, after war
 def _median(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
+
+
+def _settled(timed: list[dict[str, Any]], bursts: list[dict[str, Any]], window: int) -> list[dict[str, Any]]:
+    """The bursts memory is judged on: those after the first that evicted from the prefix cache. Until
+    the pool has wrapped once, what is sized by it (the prefix index, its digests, the host-side books
+    of cached blocks) still fills; after it, a server's memory is what it will be for days. All timed
+    bursts when too few of them come after it to judge (2 windows of each end)."""
+    wrapped = next((b["i"] for b in bursts if b["evicted_blocks"] > 0), None)
+    after = [b for b in timed if wrapped is not None and b["i"] > wrapped]
+    return after if len(after) >= 4 * window else timed
+
+
+def _slope(points: list[tuple[int, float | None]]) -> float:
+    """Least-squares growth per burst (0 for fewer than two points)."""
+    pts = [(x, y) for x, y in points if y is not None]
+    if len(pts) < 2:
+        return 0.0
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    den = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / den if den else 0.0
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -43,28 +66,33 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "bound": f">= {SPEED_MIN}",
             "ok": ratio is not None and ratio >= SPEED_MIN,
         }
+    settled = _settled(timed, bursts, window)
     for key, field in (
         ("rss", "rss_bytes"),
         ("gpu_allocated", "gpu_allocated_bytes"),
         ("gpu_reserved", "gpu_reserved_bytes"),
     ):
-        first = _median([b[field] for b in timed[: 2 * window]])
-        last = _median([b[field] for b in timed[-2 * window :]])
+        first = _median([b[field] for b in settled[: 2 * window]])
+        last = _median([b[field] for b in settled[-2 * window :]])
         if not first:  # no CUDA memory on the CPU
             continue
         growth = last / first - 1
+        start = _median([b[field] for b in timed[: 2 * window]])
         targets[f"{key}_growth"] = {
             "first_bytes": first,
             "last_bytes": last,
             "max_bytes": max(b[field] for b in timed if b[field] is not None),
+            "from_burst": settled[0]["i"] if settled else None,
+            "growth_since_warmup": last / start - 1 if start else None,  # not judged: fills included
+            "per_100_bursts": _slope([(b["i"], b[field]) for b in settled]) * 100 / first,
             "value": growth,
             "bound": f"< {GROWTH_MAX}",
             "ok": growth < GROWTH_MAX,
         }
     split = {}  # not judged: which process, and which kind of memory, the growth is in
     for key in ("server", "children", "anon", "file"):
-        first = _median([(b.get("memory") or {}).get(key) for b in timed[: 2 * window]])
-        last = _median([(b.get("memory") or {}).get(key) for b in timed[-2 * window :]])
+        first = _median([(b.get("memory") or {}).get(key) for b in settled[: 2 * window]])
+        last = _median([(b.get("memory") or {}).get(key) for b in settled[-2 * window :]])
         if first:
             split[key] = {"first_bytes": first, "last_bytes": last, "growth": last / first - 1}
     end = result.get("end") or {}
@@ -109,6 +137,16 @@ SPLIT_NAMES = {
     "anon": "anonymous (heaps, Python objects, pinned buffers), all processes",
     "file": "file-backed (libraries, mapped files), all processes",
 }
+
+
+def _memory_note(row: dict[str, Any] | None) -> str:
+    """The resident memory's growth since the warm-up and its fitted slope, in a sentence."""
+    if not row or row.get("growth_since_warmup") is None:
+        return ""
+    return (
+        f"Resident memory from the warm-up on (the pool's fill included): {row['growth_since_warmup']:+.3f}; "
+        f"fitted slope over the judged bursts: {row['per_100_bursts']:+.4f} of it per 100 bursts. "
+    )
 
 
 def _split_lines(split: dict[str, dict[str, float]]) -> list[str]:
@@ -171,7 +209,9 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "",
         f"Speed: medians of the first and last {s['window']} bursts of a kind after {s['warmup']} warm-up "
         "bursts of each; memory: medians of the first and last "
-        f"{2 * s['window']} bursts after warm-up. Scattered allocations (long allocations split in "
+        f"{2 * s['window']} bursts from burst {_fmt(t.get('rss_growth', {}).get('from_burst'))} (the "
+        "first after the pool wrapped, when enough bursts follow it; else after warm-up). "
+        f"{_memory_note(t.get('rss_growth'))}Scattered allocations (long allocations split in "
         f"several runs of block ids): {tot['scattered_allocations']:.0f}; worst free-space fragmentation "
         f"seen during a burst (share of free blocks outside the longest free run): "
         f"{tot['free_fragmentation_max']:.2f}; preemptions: {tot['preemptions']:.0f}. The pool first "

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from prefixserve.engine.slot_schedule import SlotSchedule, slot_wait
 from prefixserve.sequence import Request, SeqStatus
 
 WAITING_REQUESTS_PER_SEQ = 4  # default bound on waiting requests: this many times max_num_seqs
@@ -89,6 +90,17 @@ def queue_wait(requests: float, tokens: float, request_rate: float | None, token
     return wait
 
 
+def start_wait(
+    requests: float, tokens: float, request_rate: float | None, token_rate: float | None, slot: float | None
+) -> float:
+    """Seconds until a request behind ``requests`` waiting ones holding ``tokens`` starts. ``slot``:
+    when it gets a batch slot (``slot_schedule.slot_wait``), None when a free one waits for it; with
+    a slot time, that replaces the request drain rate (the schedule knows when sequences end)."""
+    if slot is None:
+        return queue_wait(requests, tokens, request_rate, token_rate)
+    return max(slot, queue_wait(0, tokens, None, token_rate))
+
+
 def deadline_missed(wait: float, left: float) -> str | None:
     """Why a request that would wait ``wait`` s with ``left`` s to its queue deadline is refused at
     arrival (the estimate must fit ``DEADLINE_MARGIN`` of the time left), or None if it is not."""
@@ -119,6 +131,8 @@ class QueueState(NamedTuple):
     new_token_share: float  # the share of a new prompt's tokens that is not cached or queued already
     max_requests: int | None  # the bounds (None: unbounded)
     max_tokens: int | None
+    free_slots: int = 0  # batch slots free when it was taken
+    free_at: tuple[float, ...] = ()  # when the running sequences free theirs (``SlotSchedule``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +200,8 @@ class Admission:
         )
         self.max_tokens = _bound(limits.max_waiting_tokens, int(WAITING_TOKENS_PER_POOL * pool_tokens))
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.slots = SlotSchedule(engine.config.max_num_seqs, getattr(engine, "max_model_len", None))
+        self._slots_at = -1  # engine steps when ``slots`` was rebuilt
         self.waiting_tokens = 0  # sum of ``tokens`` over ``_waiting``
         self.rate: float | None = None  # requests started per second while the queue was not empty
         self.token_rate: float | None = None  # prefill tokens computed per second, likewise
@@ -240,7 +256,8 @@ class Admission:
                 f"tokens still to compute and this one adds {tokens} (the bound is {self.max_tokens})",
             )
         if deadline is not None:
-            missed = deadline_missed(self.queue_wait_estimate(waiting), deadline - self.clock())
+            now = self.clock()
+            missed = deadline_missed(self._wait(waiting, self.waiting_tokens, now), deadline - now)
             if missed is not None:
                 self._refuse("deadline", missed)
         self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline)
@@ -287,6 +304,8 @@ class Admission:
         """Drop the waiting requests that cannot start by their deadline (their final outputs come
         from the next ``step``), forget the ones that started or ended, and sample the drain rates."""
         now = self.clock()
+        sched = self.engine.scheduler
+        self.slots.step_began(now, busy=bool(sched.running or sched.waiting))
         started, self._starts = self._starts + self._look(now), 0
         self._sample_rate(now, started)
 
@@ -312,7 +331,7 @@ class Admission:
             elif (
                 now is not None
                 and w.deadline is not None
-                and self._hopeless(w.deadline - now, ahead, ahead_tokens)
+                and self._hopeless(w.deadline - now, ahead, ahead_tokens, now)
             ):
                 expired.append((rid, w))
             else:
@@ -326,15 +345,30 @@ class Admission:
             self.counters["requests_dropped_deadline_total"] += 1
         return started
 
-    def _hopeless(self, left: float, ahead: int, ahead_tokens: int) -> bool:
+    def _hopeless(self, left: float, ahead: int, ahead_tokens: int, now: float) -> bool:
         """Can a waiting request with ``left`` seconds to its deadline, behind ``ahead`` requests
         holding ``ahead_tokens``, no longer start in time? Past its deadline, or its estimated start
         times ``DEADLINE_MARGIN`` is past it (an estimate that is inf, a rate of 0, drops nothing:
         it says the queue stalled lately, not when this request starts)."""
         if left <= 0:
             return True
-        start = queue_wait(ahead, ahead_tokens, self.rate, self.token_rate)
+        start = self._wait(ahead, ahead_tokens, now)
         return not math.isinf(start) and DEADLINE_MARGIN * start > left
+
+    def _wait(self, ahead: int, ahead_tokens: float, now: float) -> float:
+        """Estimated seconds from ``now`` until a request behind ``ahead`` waiting requests holding
+        ``ahead_tokens`` starts (``start_wait`` with the slot schedule)."""
+        slots = self._schedule(now)
+        slot = slot_wait(ahead, slots.free_slots, slots.free_at, now, self.rate)
+        return start_wait(ahead, ahead_tokens, self.rate, self.token_rate, slot)
+
+    def _schedule(self, now: float) -> SlotSchedule:
+        """The slot schedule, rebuilt once per engine step."""
+        steps = self.engine.counters["steps_total"]
+        if steps != self._slots_at:
+            self._slots_at = steps
+            self.slots.rebuild(self.engine.scheduler.running, now)
+        return self.slots
 
     def _forget(self, rid: str, w: _Waiting) -> None:
         del self._waiting[rid]
@@ -374,7 +408,7 @@ class Admission:
             waiting = self._refresh()
         if not waiting:
             return 0.0
-        return queue_wait(waiting, self.waiting_tokens, self.rate, self.token_rate)
+        return self._wait(waiting, self.waiting_tokens, self.clock())
 
     def retry_after(self) -> int:
         """Whole seconds for Retry-After: the time the queue now takes to drain, in [1, 60]."""
@@ -390,8 +424,10 @@ class Admission:
     def state(self) -> QueueState:
         """The queue now, for the HTTP process (published after every step and arrival decision)."""
         waiting = self._refresh()
+        now = self.clock()
+        slots = self._schedule(now)
         return QueueState(
-            self.clock(),
+            now,
             self.decided,
             waiting,
             self.waiting_tokens,
@@ -400,6 +436,8 @@ class Admission:
             self.new_token_share,
             self.max_requests,
             self.max_tokens,
+            slots.free_slots,
+            slots.free_at,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -427,4 +465,5 @@ __all__ = [
     "queue_wait",
     "refused_counter",
     "retry_after_s",
+    "start_wait",
 ]

@@ -49,10 +49,11 @@ from prefixserve.engine.admission import (
     QueueFull,
     QueueState,
     deadline_missed,
-    queue_wait,
     refused_counter,
     retry_after_s,
+    start_wait,
 )
+from prefixserve.engine.slot_schedule import slot_wait
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.outputs import RequestOutput
@@ -140,7 +141,11 @@ class ArrivalGate:
             now = self.clock()
             waiting, tokens = self._queue_now(state, now)
             adds = (prompt_tokens or 0) * state.new_token_share
-            wait = queue_wait(waiting, tokens, state.request_rate, state.token_rate)
+            # the slot schedule counts the published queue undrained: the slots freed since it was
+            # taken went to the requests it held
+            ahead = state.waiting + len(self._sent)
+            slot = slot_wait(ahead, state.free_slots, state.free_at, now, state.request_rate)
+            wait = start_wait(waiting, tokens, state.request_rate, state.token_rate, slot)
             count = math.ceil(waiting - 1e-9)
             if state.max_requests is not None and count >= state.max_requests:
                 self._refuse(
