@@ -89,6 +89,11 @@ COUNTERS = {
     "refused_deadline": "requests_refused_deadline_total",
     "refused_http": "requests_refused_http_total",  # of the three above, decided in the HTTP process
     "dropped_deadline": "requests_dropped_deadline_total",
+    # the admission's wait estimate against the starts (engine/admission.py)
+    "wait_starts": "queue_starts_estimated_total",
+    "wait_estimated": "queue_wait_estimated_seconds_total",
+    "wait_actual": "queue_wait_actual_seconds_total",
+    "starts_late": "queue_starts_late_total",
     "generation_tokens": "generation_tokens_total",
     "preemptions": "preemptions_total",
     "http_2xx": "http_2xx",
@@ -287,13 +292,14 @@ def run_window(
     span = reqs[-1]["offset"]
     before = wait_idle(server.url)
     t0 = time.monotonic()
-    res = clients.run(
+    answer = clients.run(
         server.url,
         reqs,
         span + longest + args.patience + 5,
         lead=0.5,
         request_timeout=longest + args.patience,
-    )["results"]
+    )
+    res = answer["results"]
     wall = time.monotonic() - t0
     after = wait_idle(server.url, timeout=longest + args.patience)
     if rate is None:  # a burst: its request rate over the time to all answers
@@ -304,7 +310,7 @@ def run_window(
         stats["burst"] = True
     else:
         stats = window_stats(args, reqs, res, rate)
-    stats.update(label=label, wall_s=wall)
+    stats.update(label=label, wall_s=wall, client_loop_lag=answer.get("loop_lag"))
     stats["server"] = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in COUNTERS.items()}
     print(window_line(stats), flush=True)
     return stats

@@ -51,6 +51,12 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 f"{label}: a client sent a request {s['client_lag_max_s']:.2f} s late (the load generator "
                 "fell behind its schedule)"
             )
+        loop_lag = (s.get("client_loop_lag") or {}).get("p99", 0.0)
+        if loop_lag > CLIENT_LAG_MAX_S:
+            warnings.append(
+                f"{label}: a client's event loop ran {loop_lag:.2f} s late at its p99 (the load generator "
+                "was too busy to read its streams: its times are inflated)"
+            )
         if s["server"].get("http_5xx"):
             warnings.append(f"{label}: the server counted {s['server']['http_5xx']:.0f} 5xx answers")
     if result.get("exit_code") not in (0, None):
@@ -209,12 +215,23 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "gate or the engine's check) and dropped from the queue after waiting (admitted on an estimate "
         "that proved short):",
         "",
-        "| window | at arrival | p50 / p99 | dropped | p50 / p99 |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "Beside them, the engine's queue-wait estimate checked against the starts (mean estimated and "
+        "actual wait of the requests that started, and how many started later than estimated by more "
+        "than a quarter of the queue deadline), and the clients' own event-loop lateness (worst "
+        "process, p99 / max):",
+        "",
+        "| window | at arrival | p50 / p99 | dropped | p50 / p99 | wait estimated / actual s | late starts "
+        "| client loop lag p99 / max s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *[
             f"| {x['label']} | {x['refused_at_arrival']} | {_fmt(x['refusal_at_arrival_s_p50'])} / "
             f"{_fmt(x['refusal_at_arrival_s_p99'])} | {x['refused_dropped']} | "
-            f"{_fmt(x['refusal_dropped_s_p50'])} / {_fmt(x['refusal_dropped_s_p99'])} |"
+            f"{_fmt(x['refusal_dropped_s_p50'])} / {_fmt(x['refusal_dropped_s_p99'])} | "
+            f"{_ratio(x['server'], 'wait_estimated', 'wait_starts')} / "
+            f"{_ratio(x['server'], 'wait_actual', 'wait_starts')} | "
+            f"{_fmt(x['server'].get('starts_late'), '.0f')} | "
+            f"{_fmt((x.get('client_loop_lag') or {}).get('p99'))} / "
+            f"{_fmt((x.get('client_loop_lag') or {}).get('max'))} |"
             for x in shown
             if "refused_dropped" in x
         ],
@@ -225,6 +242,12 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         lines += [f"- {n}" for n in summary["warnings"] + samples]
     write_text(out_dir, f"{name}.md", lines)
     plot(result, out_dir / f"{name}.png")
+
+
+def _ratio(counters: dict, num: str, den: str) -> str:
+    """A mean from two counters' deltas over the window ("-" where not scraped or nothing counted)."""
+    n, d = counters.get(num), counters.get(den)
+    return "-" if n is None or not d else f"{n / d:.2f}"
 
 
 def _mean(counters: dict, name: str, scale: float, spec: str) -> str:

@@ -16,7 +16,9 @@ holds: when it was due, sent, got its first token and ended; the tokens each str
 the error if any: its message, when it came (``failed``) and, for an HTTP error, the status, the
 error body's ``code`` and the ``Retry-After`` header. Requests still running at ``deadline`` are
 cancelled (the server aborts them) and reported with ``error: "deadline"``; ``timeout`` (seconds,
-default 600) is each request's HTTP timeout.
+default 600) is each request's HTTP timeout. The answer also says how late the process's own event
+loop ran (``loop_lag``: p99 and max seconds a 10 ms sleep overslept): a client too busy to read its
+streams inflates every time it measures.
 """
 
 from __future__ import annotations
@@ -97,6 +99,19 @@ async def _one(client: Any, req: dict[str, Any], due: float) -> dict[str, Any]:
     return out
 
 
+LAG_PERIOD_S = 0.01  # the loop-lag probe's sleep
+
+
+async def _probe_lag(lags: list[float]) -> None:
+    """How late this process's event loop wakes from a short sleep: a loop busy parsing streams is
+    late to every other request's chunks and answers, and its timings grow with it."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(LAG_PERIOD_S)
+        lags.append(loop.time() - t - LAG_PERIOD_S)
+
+
 async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     import openai
 
@@ -105,6 +120,8 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     )
     start_at = job["start_at"]
     lag_at_start = time.monotonic() - start_at  # > 0: this process got the job late
+    lags: list[float] = []
+    probe = asyncio.create_task(_probe_lag(lags))
     tasks = [asyncio.create_task(_one(client, r, start_at + r["offset"])) for r in job["requests"]]
     deadline = job.get("deadline")
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -116,8 +133,11 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     results = [t.result() for t in tasks if not t.cancelled()]
     cancelled = [r["i"] for r, t in zip(job["requests"], tasks, strict=True) if t.cancelled()]
     results += [{"i": i, "error": "deadline", "due": None, "sent": None, "end": None} for i in cancelled]
+    probe.cancel()
     await client.close()
-    return {"results": results, "lag_at_start": lag_at_start}
+    lags.sort()
+    loop_lag = {"p99": lags[int(0.99 * (len(lags) - 1))], "max": lags[-1]} if lags else None
+    return {"results": results, "lag_at_start": lag_at_start, "loop_lag": loop_lag}
 
 
 def main() -> None:

@@ -162,6 +162,10 @@ def test_a_full_batch_refuses_at_arrival_what_cannot_get_a_slot_in_time(engine: 
     assert sorted(finished) == ["long", "next", "patient", "short"]
     assert adm.counters["requests_dropped_deadline_total"] == 0
     assert adm.counters["requests_refused_deadline_total"] == 2
+    # the two admitted with a deadline started, neither later than estimated by a quarter of it
+    assert adm.counters["queue_starts_estimated_total"] == 2
+    assert adm.counters["queue_starts_late_total"] == 0
+    assert adm.counters["queue_wait_actual_seconds_total"] > 0
     assert engine.pool.num_used == 0
 
 

@@ -158,6 +158,7 @@ class Clients:
             proc.stdin.flush()
         results: list[dict[str, Any]] = []
         fatal = []
+        lags: list[dict[str, float]] = []
         for proc in self.procs:
             assert proc.stdout is not None
             line = proc.stdout.readline()
@@ -165,11 +166,14 @@ class Clients:
                 raise RuntimeError("a client process died")
             answer = json.loads(line)
             results += answer["results"]
+            if answer.get("loop_lag"):
+                lags.append(answer["loop_lag"])
             if answer.get("fatal"):
                 fatal.append(answer["fatal"])
         if fatal:
             raise RuntimeError(f"client failed: {fatal}")
-        return {"results": sorted(results, key=lambda r: r["i"]), "start_at": start_at}
+        loop_lag = {k: max(x[k] for x in lags) for k in ("p99", "max")} if lags else None  # worst process
+        return {"results": sorted(results, key=lambda r: r["i"]), "start_at": start_at, "loop_lag": loop_lag}
 
     def close(self) -> None:
         for proc in self.procs:

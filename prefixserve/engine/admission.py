@@ -69,7 +69,14 @@ COUNTERS = (
     "requests_refused_queue_tokens_total",
     "requests_refused_deadline_total",
     "requests_dropped_deadline_total",
+    # the wait estimate checked against the starts: what tells an operator (and the overload
+    # benchmark) whether refusals at arrival can be trusted
+    "queue_starts_estimated_total",
+    "queue_wait_estimated_seconds_total",
+    "queue_wait_actual_seconds_total",
+    "queue_starts_late_total",
 )
+LATE_SHARE = 0.25  # a start later than estimated by this share of the queue deadline counts as late
 
 
 def refused_counter(bound: str) -> str:
@@ -170,6 +177,8 @@ class _Waiting:
     tokens: int  # prompt tokens it still has to compute (leading shared blocks not counted)
     digests: list[bytes]  # its prompt's full-block digests, claimed while it waits
     deadline: float | None
+    admitted: float = 0.0  # when it was admitted (the admission's clock)
+    estimate: float | None = None  # the queue wait estimated then (with a deadline only)
 
 
 def _bound(value: int | None, default: int) -> int | None:
@@ -255,12 +264,13 @@ class Admission:
                 f"the server is at capacity: the waiting requests hold {self.waiting_tokens} prompt "
                 f"tokens still to compute and this one adds {tokens} (the bound is {self.max_tokens})",
             )
+        now, estimate = self.clock(), None
         if deadline is not None:
-            now = self.clock()
-            missed = deadline_missed(self._wait(waiting, self.waiting_tokens, now), deadline - now)
+            estimate = self._wait(waiting, self.waiting_tokens, now)
+            missed = deadline_missed(estimate, deadline - now)
             if missed is not None:
                 self._refuse("deadline", missed)
-        self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline)
+        self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline, now, estimate)
         self.waiting_tokens += tokens
         claimed = self._claimed
         for d in digests:
@@ -328,6 +338,7 @@ class Admission:
             elif req.sequences[0].status is not SeqStatus.WAITING:
                 done.append((rid, w))
                 started += 1
+                self._check_estimate(w, self.clock() if now is None else now)
             elif (
                 now is not None
                 and w.deadline is not None
@@ -344,6 +355,17 @@ class Admission:
             self.engine.abort(rid, report=True, reason=DEADLINE_REASON)
             self.counters["requests_dropped_deadline_total"] += 1
         return started
+
+    def _check_estimate(self, w: _Waiting, now: float) -> None:
+        """Count a started request's estimated wait against its actual one."""
+        if w.estimate is None or math.isinf(w.estimate) or w.deadline is None:
+            return
+        c, actual = self.counters, now - w.admitted
+        c["queue_starts_estimated_total"] += 1
+        c["queue_wait_estimated_seconds_total"] += w.estimate
+        c["queue_wait_actual_seconds_total"] += actual
+        if actual - w.estimate > LATE_SHARE * (w.deadline - w.admitted):
+            c["queue_starts_late_total"] += 1
 
     def _hopeless(self, left: float, ahead: int, ahead_tokens: int, now: float) -> bool:
         """Can a waiting request with ``left`` seconds to its deadline, behind ``ahead`` requests

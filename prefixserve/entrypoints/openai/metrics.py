@@ -27,6 +27,10 @@ _COUNTERS = {
         "requests refused with 429 at arrival by the HTTP process, from the engine's last published "
         "queue, before the engine saw them (also in requests_refused_total)"
     ),
+    "queue_starts_estimated_total": "queued requests that started, with a wait estimated at admission",
+    "queue_wait_estimated_seconds_total": "their estimated queue waits, summed",
+    "queue_wait_actual_seconds_total": "their actual queue waits, summed",
+    "queue_starts_late_total": "of them, started later than estimated by over a quarter of their deadline",
     "prompt_tokens_total": "prompt tokens of accepted requests",
     "prompt_tokens_computed_total": "prompt tokens actually run through the model (not from cache)",
     "generation_tokens_total": "tokens generated",
