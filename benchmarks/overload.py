@@ -104,6 +104,10 @@ COUNTERS = {
     "server_ttft_count": "time_to_first_token_seconds_count",
     "loop_lag_sum": "event_loop_lag_seconds_sum",
     "loop_lag_count": "event_loop_lag_seconds_count",
+    "loop_lag_le_1s": "event_loop_lag_seconds_bucket_le_1s",
+    "refusal_le_1s": "refusal_seconds_bucket_le_1s",
+    "to_engine_le_1s": "request_to_engine_seconds_bucket_le_1s",
+    "intake_le_1s": "request_intake_seconds_bucket_le_1s",
     # the same request's path outside the engine's clock (metrics.PATH_STAGES): route start -> handed
     # to the engine -> the engine's arrival; the engine's first token -> this process -> first write
     **{
@@ -260,6 +264,17 @@ def window_stats(
         "refused_at_arrival": len(at_arrival),
         "refusal_at_arrival_s_p50": pct(at_arrival, 0.5),
         "refusal_at_arrival_s_p99": pct(at_arrival, 0.99),
+        # the slowest refusals at arrival, for the record: when in the window, how long, the message
+        # (it says the time left when the server decided: arrival or later)
+        "slow_refusals_at_arrival": [
+            {
+                "offset_s": round(offset[r["i"]], 3),
+                "s": round(r["failed"] - r["sent"], 3),
+                "error": str(r["error"])[:260],
+            }
+            for r in sorted(refused, key=lambda r: r["sent"] - r["failed"])
+            if DROPPED_MARK not in str(r.get("error"))
+        ][:8],
         "refused_dropped": len(dropped),
         "refusal_dropped_s_p50": pct(dropped, 0.5),
         "refusal_dropped_s_p99": pct(dropped, 0.99),

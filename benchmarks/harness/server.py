@@ -53,6 +53,8 @@ def scrape(url: str) -> dict[str, float]:
             m = re.search(r'reason="(\w+)"', key)
             if m:
                 out[f"requests_refused_{m.group(1)}_total"] = float(value)
+        elif key.endswith('_bucket{le="1.0"}'):  # a histogram's count within 1 s (how many took longer)
+            out[key.removeprefix("prefixserve_").split("{")[0] + "_le_1s"] = float(value)
         elif "{" not in key:
             out[key.removeprefix("prefixserve_")] = float(value)
     return out
