@@ -55,12 +55,14 @@ def test_glibc_trim_runs() -> None:
 
 def test_the_http_task_trims_once_the_requests_are_done(no_kept_memory: None) -> None:
     calls: list[int] = []
-    trim = IdleTrim(min_interval_s=0.0, trim=lambda: calls.append(1))
+    trim = IdleTrim(min_interval_s=0.0, trim=lambda: calls.append(1), collect=lambda: None)
     state = {"in_flight": 2, "requests": 0.0}
 
     async def scenario() -> None:
         task = asyncio.create_task(
-            trim_when_idle(lambda: state["in_flight"], lambda: state["requests"], trim, period=0.01)
+            trim_when_idle(
+                lambda: state["in_flight"], lambda: state["requests"], trim, period=0.01, observe=took.append
+            )
         )
         await asyncio.sleep(0.05)
         assert not calls  # busy all along
@@ -68,8 +70,26 @@ def test_the_http_task_trims_once_the_requests_are_done(no_kept_memory: None) ->
         await asyncio.sleep(0.05)
         task.cancel()
 
+    took: list[float] = []
     asyncio.run(scenario())
     assert len(calls) == 1  # once after the work, not again while nothing happens
+    assert len(took) == 1 and took[0] >= 0.0  # its time, for /metrics
+
+
+def test_the_server_metrics_time_this_process_gc_passes() -> None:
+    import gc
+
+    from prefixserve.entrypoints.openai.metrics import ServerMetrics
+
+    metrics = ServerMetrics(dict)
+    unwatch = metrics.watch_gc()
+    try:
+        gc.collect()
+    finally:
+        unwatch()
+    gc.collect()  # not counted: no longer watched
+    count = metrics.registry.get_sample_value("prefixserve_http_gc_pause_seconds_count")
+    assert count == 1.0
 
 
 def test_idle_frees_finished_requests_cycles_before_the_trim(no_kept_memory: None) -> None:

@@ -92,11 +92,16 @@ class IdleTrim:
 
 
 async def trim_when_idle(
-    in_flight: Callable[[], int], requests: Callable[[], float], trim: IdleTrim, period: float = POLL_S
+    in_flight: Callable[[], int],
+    requests: Callable[[], float],
+    trim: IdleTrim,
+    period: float = POLL_S,
+    observe: Callable[[float], object] | None = None,
 ) -> None:
     """The HTTP process's side (run as a task for the app's lifetime): every ``period`` seconds, a
-    process that took requests since the last look (``requests``: a count that grows with them) or
-    has some in flight is busy; one with none in flight is idle. The trim runs on a worker thread."""
+        process that took requests since the last look (``requests``: a count that grows with them) or
+        has some in flight is busy; one with none in flight is idle. The trim runs on a worker thread;
+    ``observe`` gets each trim's seconds."""
     seen = requests()
     while True:
         await asyncio.sleep(period)
@@ -105,7 +110,9 @@ async def trim_when_idle(
             seen = count
             trim.busy()
         if not in_flight():
-            await asyncio.to_thread(trim.idle)
+            began = time.perf_counter()
+            if await asyncio.to_thread(trim.idle) and observe is not None:
+                observe(time.perf_counter() - began)  # seconds it took (its GC pass held the GIL)
 
 
 __all__ = ["MIN_INTERVAL_S", "POLL_S", "IdleTrim", "glibc_trim", "trim_when_idle"]

@@ -145,11 +145,15 @@ def build_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop.start()
-        trimmer = asyncio.create_task(trim_when_idle(lambda: loop.in_flight, requests_seen, trim))
+        trimmer = asyncio.create_task(
+            trim_when_idle(lambda: loop.in_flight, requests_seen, trim, observe=metrics.idle_trim.observe)
+        )
         lag = asyncio.create_task(metrics.watch_loop_lag())
+        unwatch_gc = metrics.watch_gc()
         try:
             yield
         finally:
+            unwatch_gc()
             trimmer.cancel()
             lag.cancel()
             await asyncio.get_running_loop().run_in_executor(None, loop.stop)

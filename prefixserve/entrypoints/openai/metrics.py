@@ -10,6 +10,8 @@ thread and the response middleware: where a request's time goes outside the engi
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -209,6 +211,18 @@ class ServerMetrics:
             stage: Histogram(f"{PREFIX}_{name}", doc, buckets=_PATH_BUCKETS, registry=self.registry)
             for stage, (name, doc) in PATH_STAGES.items()
         }
+        self.gc_pause = Histogram(
+            f"{PREFIX}_http_gc_pause_seconds",
+            "the HTTP process's cyclic GC passes, any generation (the event loop stops for each)",
+            buckets=(0.001, 0.0025, *_LATENCY_BUCKETS),
+            registry=self.registry,
+        )
+        self.idle_trim = Histogram(
+            f"{PREFIX}_http_idle_trim_seconds",
+            "the HTTP process's trims once idle (a full GC pass, then malloc_trim; engine/host_trim.py)",
+            buckets=(0.001, 0.0025, *_LATENCY_BUCKETS),
+            registry=self.registry,
+        )
         self.loop_lag = Histogram(
             f"{PREFIX}_event_loop_lag_seconds",
             "how late the HTTP process's event loop ran a timer due every LOOP_TICK_S: every request's "
@@ -216,6 +230,20 @@ class ServerMetrics:
             buckets=(0.001, 0.0025, *_LATENCY_BUCKETS),
             registry=self.registry,
         )
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Time this process's cyclic GC passes (any thread's: a pass holds the GIL, so the event
+        loop waits it out); returns the function that stops watching."""
+        began: list[float] = []
+
+        def callback(phase: str, _info: dict[str, int]) -> None:
+            if phase == "start":
+                began.append(time.perf_counter())
+            elif began:
+                self.gc_pause.observe(time.perf_counter() - began.pop())
+
+        gc.callbacks.append(callback)
+        return lambda: gc.callbacks.remove(callback)
 
     async def watch_loop_lag(self, tick: float = LOOP_TICK_S) -> None:
         """Run for the app's lifetime: how late the loop wakes up from ``tick`` s sleeps (a loop busy
