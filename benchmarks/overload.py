@@ -108,6 +108,8 @@ COUNTERS = {
     "gc_pause_sum": "http_gc_pause_seconds_sum",
     "gc_pause_count": "http_gc_pause_seconds_count",
     "gc_pause_le_1s": "http_gc_pause_seconds_bucket_le_1s",
+    "engine_gc_sum": "engine_gc_pause_seconds_total",
+    "engine_gc_passes": "engine_gc_passes_total",
     "idle_trim_sum": "http_idle_trim_seconds_sum",
     "idle_trim_count": "http_idle_trim_seconds_count",
     "refusal_le_1s": "refusal_seconds_bucket_le_1s",

@@ -11,6 +11,7 @@ from pathlib import Path
 import engine_checks
 import httpx
 import openai
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,3 +158,40 @@ def test_counters_before_a_call_answer_cover_what_came_before(tiny_config_path: 
         asyncio.run(run())
     finally:
         loop.stop()
+
+
+def test_commands_never_wait_on_a_child_that_reads_nothing() -> None:
+    """The server's side queues commands for a writer thread: a child busy in a long step or a GC pass
+    fills the pipe's buffer, and a send on the event loop would stop every stream until it reads.
+    Commands still reach it whole and in order once it reads; a broken pipe refuses the next ones."""
+    import pickle
+    import queue
+
+    from prefixserve.entrypoints.openai.engine_process import EngineProcess
+
+    reading = threading.Event()
+    got: list[object] = []
+
+    class StalledPipe:
+        def send_bytes(self, data: bytes) -> None:
+            reading.wait(10)
+            got.append(pickle.loads(data))
+            if got[-1] == ("break",):
+                raise BrokenPipeError
+
+    ep = object.__new__(EngineProcess)  # the writer's parts only: no child process
+    ep._lock, ep._closed, ep._write_failed = threading.Lock(), False, False
+    ep._outbox, ep._conn = queue.SimpleQueue(), StalledPipe()
+    ep._writer = threading.Thread(target=ep._write, daemon=True)
+    ep._writer.start()
+    began = time.perf_counter()
+    prompt = list(range(4096))
+    assert all(ep._put(("add", f"r{i}", prompt)) for i in range(200))
+    assert time.perf_counter() - began < 2.0  # queued, not sent: nothing waited on the child
+    with pytest.raises((pickle.PicklingError, TypeError, AttributeError)):
+        ep._put(("call", 1, lambda engine: engine))  # unpicklable: the caller hears it at once
+    reading.set()
+    assert ep._put(("break",))
+    ep._writer.join(10)
+    assert [g[1] for g in got[:200]] == [f"r{i}" for i in range(200)] and got[0][2] == prompt
+    assert ep._write_failed and not ep._put(("abort", "r0", False))  # the pipe broke: refused

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.admission import QueueFull
+from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
@@ -106,6 +107,7 @@ def build_app(
 
         config = config or EngineConfig()
         loop = EngineProcess(config, limits=overload.limits)
+        tune_gc()  # this process too: every stream's chunks are young objects, and each pass stops the loop
         info = loop.info
         model, max_model_len, system_prompts = info["model"], info["max_model_len"], info["system_prompts"]
         tokenizer = tokenizer_for(config.model, progress=False)[1]

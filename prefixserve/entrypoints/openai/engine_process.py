@@ -28,13 +28,17 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Container
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.admission import Admission, AdmissionLimits
+from prefixserve.engine.gc_tuning import GcPauses
 from prefixserve.engine.host_trim import IdleTrim
 from prefixserve.entrypoints.openai.engine_thread import (
     IDLE_WAIT_S,
@@ -218,6 +222,7 @@ class _EngineChild:
         self.encoder = OutputEncoder()
         self.paced: dict[str, Any] = {}  # streamed requests with a reader that paces them -> Request
         self.trim = IdleTrim()  # freed heap back to the OS after a burst (engine/host_trim.py)
+        self.gc = GcPauses()  # this process's GC passes, in its snapshots
         self.last_snapshot = 0.0
 
     def run(self) -> None:
@@ -312,7 +317,7 @@ class _EngineChild:
         if not force and now - self.last_snapshot < SNAPSHOT_EVERY_S:
             return None
         self.last_snapshot = now
-        return engine_metrics(self.engine, self.admission)
+        return {**engine_metrics(self.engine, self.admission), **self.gc.metrics()}
 
     def _shutdown(self) -> None:
         abort_everything(self.engine)
@@ -379,11 +384,17 @@ class EngineProcess(EngineLoop):
         self._call_ids = itertools.count()
         self._decoder = OutputDecoder()
         self._resumes: list[str] = []
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # pickled commands; None: stop
+        self._write_failed = False
+        self._writer = threading.Thread(target=self._write, name="prefixserve-engine-writer", daemon=True)
+        self._writer.start()
 
     # ---- the asyncio side ----------------------------------------------------------------------
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping = True
         self._put(("stop",))
+        self._outbox.put(None)
+        self._writer.join(timeout)
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._process.join(timeout)
@@ -450,14 +461,26 @@ class EngineProcess(EngineLoop):
         return done
 
     def _put(self, command: tuple[Any, ...]) -> bool:
+        """Queue ``command`` for the writer thread (pickled here: an unpicklable one raises to the
+        caller). The caller, the event loop among them, never waits on the pipe: a child busy in a
+        long step or a GC pass reads nothing, the pipe's buffer fills after a few prompts, and a
+        blocking send would stop every stream and every refusal at arrival until it reads again."""
+        data = ForkingPickler.dumps(command)
         with self._lock:
-            if self._closed:
+            if self._closed or self._write_failed:
                 return False
-            try:
-                self._conn.send(command)
-            except OSError:  # the child is gone
-                return False
+            self._outbox.put(data)
             return True
+
+    def _write(self) -> None:
+        """The writer thread: sends the queued commands in order until told to stop or the pipe breaks
+        (the reader then sees the child gone and fails what is pending)."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:  # the child is gone
+                self._write_failed = True
+                return
 
     def _resume(self, request_id: str) -> None:
         """Queue a resume; one message per loop turn carries all of them."""

@@ -10,13 +10,13 @@ thread and the response middleware: where a request's time goes outside the engi
 from __future__ import annotations
 
 import asyncio
-import gc
-import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from prefixserve.engine.gc_tuning import watch_gc
 
 PREFIX = "prefixserve"
 
@@ -33,6 +33,8 @@ _COUNTERS = {
     "queue_wait_estimated_seconds_total": "their estimated queue waits, summed",
     "queue_wait_actual_seconds_total": "their actual queue waits, summed",
     "queue_starts_late_total": "of them, started later than estimated by over a quarter of their deadline",
+    "engine_gc_passes_total": "cyclic GC passes in the engine process (each stops its loop)",
+    "engine_gc_pause_seconds_total": "time the engine process's cyclic GC passes took",
     "prompt_tokens_total": "prompt tokens of accepted requests",
     "prompt_tokens_computed_total": "prompt tokens actually run through the model (not from cache)",
     "generation_tokens_total": "tokens generated",
@@ -64,6 +66,10 @@ _COUNTERS = {
 }
 _GAUGES = {
     "num_running": ("num_requests_running", "sequences running"),
+    "engine_gc_pause_longest_seconds": (
+        "engine_gc_pause_longest_seconds",
+        "the engine process's longest cyclic GC pass so far",
+    ),
     "num_waiting": ("num_requests_waiting", "sequences waiting"),
     "kv_blocks_total": ("kv_blocks_total", "KV pool size in blocks"),
     "kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
@@ -232,18 +238,8 @@ class ServerMetrics:
         )
 
     def watch_gc(self) -> Callable[[], None]:
-        """Time this process's cyclic GC passes (any thread's: a pass holds the GIL, so the event
-        loop waits it out); returns the function that stops watching."""
-        began: list[float] = []
-
-        def callback(phase: str, _info: dict[str, int]) -> None:
-            if phase == "start":
-                began.append(time.perf_counter())
-            elif began:
-                self.gc_pause.observe(time.perf_counter() - began.pop())
-
-        gc.callbacks.append(callback)
-        return lambda: gc.callbacks.remove(callback)
+        """Time this process's cyclic GC passes (``gc_tuning.watch_gc``); returns the unwatch."""
+        return watch_gc(self.gc_pause.observe)
 
     async def watch_loop_lag(self, tick: float = LOOP_TICK_S) -> None:
         """Run for the app's lifetime: how late the loop wakes up from ``tick`` s sleeps (a loop busy
