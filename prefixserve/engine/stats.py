@@ -44,6 +44,7 @@ DEVICE_TIMERS = (
 # CUDA allocator's stats: a dict of ~100 entries) are refreshed at most this often while requests
 # run, and on every call once the engine is idle (so a scrape after a burst sees exact values).
 SLOW_GAUGES_S = 0.2
+SLOW_STEP_S = 0.5  # a step longer than this is counted as slow (nothing a step does should take it)
 
 
 class EngineStats:
@@ -81,6 +82,9 @@ class EngineStats:
         """A step's wall time, and its host part: all but the time spent waiting on the device."""
         self.timers["step_seconds_total"] += total
         self.timers["step_host_seconds_total"] += total - waited
+        if total > SLOW_STEP_S:  # a compile, a capture, an allocation: every stream waited this long
+            self.timers["slow_steps_total"] += 1
+            self.timers["slow_step_host_seconds_total"] += total - waited
 
     def save(self, runner: Any) -> tuple[Counter[str], Counter[str], Counter[str]]:
         """Copies of the counters and timers (the runner's too), for ``restore`` after start-up work."""
@@ -100,6 +104,8 @@ class EngineStats:
         out["prefix_cache_spilled_blocks_total"] = spill.spilled_blocks if spill else 0
         out.update(step_seconds_total=self.timers["step_seconds_total"])
         out.update(step_host_seconds_total=self.timers["step_host_seconds_total"])
+        out.update(slow_steps_total=self.timers["slow_steps_total"])
+        out.update(slow_step_host_seconds_total=self.timers["slow_step_host_seconds_total"])
         # CUDA: device time of steps, and the gaps between consecutive steps (the GPU waiting on the host)
         device = engine.runner.timers
         out.update({k: device[k] for k in DEVICE_TIMERS})

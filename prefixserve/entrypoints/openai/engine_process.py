@@ -223,6 +223,7 @@ class _EngineChild:
         self.paced: dict[str, Any] = {}  # streamed requests with a reader that paces them -> Request
         self.trim = IdleTrim()  # freed heap back to the OS after a burst (engine/host_trim.py)
         self.gc = GcPauses()  # this process's GC passes, in its snapshots
+        self.send_s = self.send_longest = 0.0  # time spent sending outputs (the server not reading)
         self.last_snapshot = 0.0
 
     def run(self) -> None:
@@ -309,7 +310,11 @@ class _EngineChild:
             wires.append(self.encoder.encode(out))
         state = self._queue_state()  # after every step: the queue as the step left it
         if wires or snapshot is not None or state is not None:
-            self.conn.send(("out", wires, snapshot, state))
+            began = time.perf_counter()
+            self.conn.send(("out", wires, snapshot, state))  # waits while the server's reader lags
+            took = time.perf_counter() - began
+            self.send_s += took
+            self.send_longest = max(self.send_longest, took)
 
     def _due_snapshot(self, force: bool = False) -> dict[str, float] | None:
         """The engine's counters, when ``force``d or SNAPSHOT_EVERY_S after the last ones sent."""
@@ -317,7 +322,8 @@ class _EngineChild:
         if not force and now - self.last_snapshot < SNAPSHOT_EVERY_S:
             return None
         self.last_snapshot = now
-        return {**engine_metrics(self.engine, self.admission), **self.gc.metrics()}
+        pipe = {"engine_pipe_send_seconds_total": self.send_s, "engine_pipe_send_longest_seconds": self.send_longest}
+        return {**engine_metrics(self.engine, self.admission), **self.gc.metrics(), **pipe}
 
     def _shutdown(self) -> None:
         abort_everything(self.engine)

@@ -35,6 +35,7 @@ _COUNTERS = {
     "queue_starts_late_total": "of them, started later than estimated by over a quarter of their deadline",
     "engine_gc_passes_total": "cyclic GC passes in the engine process (each stops its loop)",
     "engine_gc_pause_seconds_total": "time the engine process's cyclic GC passes took",
+    "engine_pipe_send_seconds_total": "time the engine process waited to send outputs to the server",
     "prompt_tokens_total": "prompt tokens of accepted requests",
     "prompt_tokens_computed_total": "prompt tokens actually run through the model (not from cache)",
     "generation_tokens_total": "tokens generated",
@@ -45,6 +46,8 @@ _COUNTERS = {
     "steps_total": "engine steps",
     "step_seconds_total": "wall time of engine steps",
     "step_host_seconds_total": "time of engine steps not spent waiting on the device",
+    "slow_steps_total": "engine steps longer than 0.5 s (every running stream and every arrival waited)",
+    "slow_step_host_seconds_total": "host time of those slow steps (compiles, captures, allocations)",
     "gpu_busy_seconds_total": "device time of steps (CUDA), first kernel to last",
     "gpu_idle_seconds_total": "device time between consecutive steps (CUDA): the GPU waiting on the host",
     "cuda_graph_captures_total": "CUDA graphs captured (decode batches, dense pieces of eager steps)",
@@ -66,6 +69,10 @@ _COUNTERS = {
 }
 _GAUGES = {
     "num_running": ("num_requests_running", "sequences running"),
+    "engine_pipe_send_longest_seconds": (
+        "engine_pipe_send_longest_seconds",
+        "the engine process's longest wait to send outputs to the server so far",
+    ),
     "engine_gc_pause_longest_seconds": (
         "engine_gc_pause_longest_seconds",
         "the engine process's longest cyclic GC pass so far",
