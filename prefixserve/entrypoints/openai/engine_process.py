@@ -322,7 +322,10 @@ class _EngineChild:
         if not force and now - self.last_snapshot < SNAPSHOT_EVERY_S:
             return None
         self.last_snapshot = now
-        pipe = {"engine_pipe_send_seconds_total": self.send_s, "engine_pipe_send_longest_seconds": self.send_longest}
+        pipe = {
+            "engine_pipe_send_seconds_total": self.send_s,
+            "engine_pipe_send_longest_seconds": self.send_longest,
+        }
         return {**engine_metrics(self.engine, self.admission), **self.gc.metrics(), **pipe}
 
     def _shutdown(self) -> None:
