@@ -321,6 +321,7 @@ def run_window(
     span = reqs[-1]["offset"]
     before = wait_idle(server.url)
     t0 = time.monotonic()
+    began = time.strftime("%H:%M:%S")  # wall clock, to read the server log's times against
     answer = clients.run(
         server.url,
         reqs,
@@ -339,7 +340,7 @@ def run_window(
         stats["burst"] = True
     else:
         stats = window_stats(args, reqs, res, rate)
-    stats.update(label=label, wall_s=wall, client_loop_lag=answer.get("loop_lag"))
+    stats.update(label=label, wall_s=wall, client_loop_lag=answer.get("loop_lag"), began=began)
     stats["server"] = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in COUNTERS.items()}
     print(window_line(stats), flush=True)
     return stats
@@ -447,6 +448,11 @@ def run(args: argparse.Namespace) -> None:
         clients.close()
         result["exit_code"] = server.terminate()
         result["server_log_tail"] = server.log_tail(20)
+        # what stopped the engine while serving: its slow steps and graph captures, with their times
+        # (the windows' wall-clock starts are beside them)
+        marks = ("slow engine step", "captured decode graph", "captured the dense pieces")
+        lines = server.log_path.read_text(errors="replace").splitlines()
+        result["server_stalls"] = [line[:240] for line in lines if any(m in line for m in marks)][-120:]
     result["wall_s"] = time.monotonic() - t0
     report(result, out_dir)
 

@@ -5,9 +5,10 @@ sequence finishes and frees its slot. A drain rate (requests started per second,
 only on average and late: under a growing queue it lags, admits requests that then miss their
 deadline and are dropped after waiting, which is the late refusal a client cannot act on. The engine
 knows more: each running sequence has at most ``max_tokens`` tokens left, one a step, and a step takes
-about the recent step time. So ``SlotSchedule`` predicts, after every step, the time each running
-sequence frees its slot (``free_at``, ascending); the request with ``k`` requests waiting ahead of it
-takes the ``(k - free slots)``-th of them (``slot_wait``).
+about the recent step time (the median of the last ``STEPS_KEPT`` intervals between steps: one step
+that compiles a kernel must not move every estimate). So ``SlotSchedule`` predicts, after every step,
+the time each running sequence frees its slot (``free_at``, ascending); the request with ``k``
+requests waiting ahead of it takes the ``(k - free slots)``-th of them (``slot_wait``).
 
 A sequence that may stop early (EOS, a stop string) frees its slot sooner than its ``max_tokens``
 says, and clients often ask for far more tokens than they use. So a sequence's tokens left are also
@@ -20,6 +21,7 @@ misses is still dropped before its deadline.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -27,7 +29,7 @@ from typing import Any
 LENGTHS_KEPT = 256  # finished sequences whose output lengths cap a running one's tokens left
 TYPICAL_QUANTILE = 0.9  # the cap: this quantile of those lengths
 BOUND_SHARE = 0.9  # when this share of them ran to max_tokens, a sequence's bound is its length
-STEP_SMOOTHING = 0.2  # weight of the newest step interval in the step time's moving average
+STEPS_KEPT = 32  # the step time is the median of this many recent intervals between steps
 STEP_GAP_S = 5.0  # a longer interval between steps is idle time, not a step
 
 
@@ -56,7 +58,8 @@ class SlotSchedule:
     def __init__(self, max_num_seqs: int, max_model_len: int | None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.step_s: float | None = None  # smoothed seconds per engine step while it has work
+        self.step_s: float | None = None  # seconds per engine step while it has work (recent median)
+        self._steps: deque[float] = deque(maxlen=STEPS_KEPT)
         self.free_at: tuple[float, ...] = ()  # ascending monotonic times
         self.free_slots = max_num_seqs
         self._lengths: deque[tuple[int, bool]] = deque(maxlen=LENGTHS_KEPT)  # (output tokens, hit bound)
@@ -68,8 +71,10 @@ class SlotSchedule:
         """Note a step's start; the interval since the last one (both with work) is a step's time."""
         last = self._last_step
         if last is not None and 0.0 < now - last < STEP_GAP_S:
-            sample, old = now - last, self.step_s
-            self.step_s = sample if old is None else old + STEP_SMOOTHING * (sample - old)
+            # a median, not a mean: one step that compiles a kernel takes seconds, and a mean would
+            # then push every slot's time out and refuse (or drop) what the next steps serve in time
+            self._steps.append(now - last)
+            self.step_s = statistics.median(self._steps)
         self._last_step = now if busy else None
 
     def rebuild(self, running: Iterable[Any], now: float) -> None:

@@ -6,6 +6,7 @@ them and puts every metric a caller sees in one dict, as vLLM v1's ``metrics/sta
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.scheduler.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 # every counter a caller may read, 0 before anything happened
 COUNTERS = (
@@ -50,7 +53,15 @@ SLOW_STEP_S = 0.5  # a step longer than this is counted as slow (nothing a step 
 class EngineStats:
     """Counters, step timers and the gauges the loop keeps up to date."""
 
-    __slots__ = ("counters", "kv_peak", "last_step_segments", "slow_at", "slow_gauges", "timers")
+    __slots__ = (
+        "counters",
+        "kv_peak",
+        "last_step_segments",
+        "last_step_tokens",
+        "slow_at",
+        "slow_gauges",
+        "timers",
+    )
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
@@ -59,6 +70,7 @@ class EngineStats:
         self.timers: Counter[str] = Counter()
         self.kv_peak = 0  # most blocks held at once (a gauge: what a workload needed of the pool)
         self.last_step_segments = 0
+        self.last_step_tokens = 0
         self.slow_gauges: dict[str, float] = {}
         self.slow_at = -float("inf")  # time.monotonic() of the last refresh
 
@@ -77,6 +89,7 @@ class EngineStats:
         c["cascade_steps_total"] += int(stats.get("cascade", 0))
         c["shared_segments_total"] += int(stats.get("shared_segments", 0))
         self.last_step_segments = int(stats.get("shared_segments", 0))
+        self.last_step_tokens = num_tokens
 
     def time_step(self, total: float, waited: float) -> None:
         """A step's wall time, and its host part: all but the time spent waiting on the device."""
@@ -85,6 +98,10 @@ class EngineStats:
         if total > SLOW_STEP_S:  # a compile, a capture, an allocation: every stream waited this long
             self.timers["slow_steps_total"] += 1
             self.timers["slow_step_host_seconds_total"] += total - waited
+            log.info(
+                "slow engine step: %.2f s (%.2f s on the host) with %d tokens over %d shared segments",
+                total, total - waited, self.last_step_tokens, self.last_step_segments,
+            )  # fmt: skip
 
     def save(self, runner: Any) -> tuple[Counter[str], Counter[str], Counter[str]]:
         """Copies of the counters and timers (the runner's too), for ``restore`` after start-up work."""
