@@ -72,6 +72,7 @@ CPU = dict(
     ladder_window=6.0,
     ladder_points=4,
     warm_requests=None,
+    warm_window=5.0,
     max_num_seqs=32,
     num_kv_blocks=1024,
     max_num_batched_tokens=256,
@@ -165,6 +166,13 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--user-tokens", type=int, nargs=2, default=[64, 256])
     r.add_argument("--output-tokens", type=int, nargs=2, default=[128, 256])
     r.add_argument("--ladder-window", type=float, default=15.0, help="seconds of arrivals per ladder rate")
+    r.add_argument(
+        "--warm-window",
+        type=float,
+        default=20.0,
+        help="seconds of arrivals at 2R before the judged windows, not judged: the kernels and graphs "
+        "a cold server compiles for new shapes stop it for seconds (0: none)",
+    )
     r.add_argument("--ladder-start", type=float, default=0.75, help="first ladder rate, x the burst's rate")
     r.add_argument("--ladder-step", type=float, default=1.25, help="ratio between ladder rates")
     r.add_argument("--ladder-points", type=int, default=4, help="ladder rates at most")
@@ -439,6 +447,11 @@ def run(args: argparse.Namespace) -> None:
             warm = args.warm_requests or args.max_num_seqs
             result["warm"] = run_window(args, server, clients, tok, system, None, warm, 500, "burst")
         result["rate_req_s"] = rate
+        if args.warm_window > 0:  # the shapes 2R meets compile and capture here, not in a judged window
+            count = max(8, round(2 * rate * args.warm_window))
+            result["warm_overload"] = run_window(
+                args, server, clients, tok, system, 2 * rate, count, 600, "warm 2R"
+            )
         for label, mult, seed in (("R", 1, 700), ("2R", 2, 800)):
             count = max(8, round(mult * rate * args.window))
             result["windows"][label] = run_window(

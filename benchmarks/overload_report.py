@@ -165,19 +165,22 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
     lines += ["", "## Windows", "", *HEADER]
     ladder = result.get("ladder") or {}
     shown = [ladder["burst"]] if ladder.get("burst") else ([result["warm"]] if result.get("warm") else [])
-    shown += ladder.get("points", []) + [w[k] for k in ("R", "2R") if k in w]
+    shown += ladder.get("points", []) + ([result["warm_overload"]] if result.get("warm_overload") else [])
+    shown += [w[k] for k in ("R", "2R") if k in w]
     lines += [_row(x) for x in shown]
     lines += [
         "",
         "The burst sends max-num-seqs chats at once (its rate: answers / time to all of them); ladder points "
         f"run {s['ladder_window']:g} s of arrivals, R and 2R {s['window']:g} s. Server counters over each "
         "window (429s at arrival by bound, and of them those decided in the HTTP process before the "
-        "engine saw them; drops for the deadline, 5xx; the engine's mean arrival-to-first-token, and how "
-        "late the HTTP process's event loop ran on average: where a client's wait goes):",
+        "engine saw them; drops for the deadline, 5xx; the engine's mean arrival-to-first-token, how "
+        "late the HTTP process's event loop ran on average: where a client's wait goes; CUDA graphs "
+        "captured and engine steps over 0.5 s while serving, each stopping every stream and arrival):",
         "",
         "| window | refused: queue requests | queue tokens | deadline estimate | of them in HTTP "
-        "| dropped for deadline | aborted | preemptions | 5xx | engine TTFT mean s | loop lag mean ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| dropped for deadline | aborted | preemptions | 5xx | engine TTFT mean s | loop lag mean ms "
+        "| graph captures (s) | slow steps (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     rows = []
     for x in shown:
@@ -187,7 +190,8 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
             f"| {x['label']} | {v['refused_queue_requests']:.0f} | {v['refused_queue_tokens']:.0f} "
             f"| {v['refused_deadline']:.0f} | {in_http} | {v['dropped_deadline']:.0f} | {v['aborted']:.0f} "
             f"| {v['preemptions']:.0f} | {v['http_5xx']:.0f} | {_mean(v, 'server_ttft', 1.0, '.2f')} "
-            f"| {_mean(v, 'loop_lag', 1e3, '.1f')} |"
+            f"| {_mean(v, 'loop_lag', 1e3, '.1f')} | {_count_s(v, 'graph_captures', 'graph_capture_s')} "
+            f"| {_count_s(v, 'slow_steps', 'slow_step_host_s')} |"
         )
         rows.append(
             f"| {x['label']} | {_mean(v, 'intake', 1e3, '.1f')} | {_mean(v, 'to_engine', 1e3, '.1f')} "
@@ -242,6 +246,13 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         lines += [f"- {n}" for n in summary["warnings"] + samples]
     write_text(out_dir, f"{name}.md", lines)
     plot(result, out_dir / f"{name}.png")
+
+
+def _count_s(counters: dict, count: str, seconds: str) -> str:
+    """ "N (S s)" from a count and a seconds counter ("-" where not scraped)."""
+    if count not in counters:
+        return "-"
+    return f"{counters[count]:.0f} ({counters.get(seconds, 0.0):.1f})"
 
 
 def _ratio(counters: dict, num: str, den: str) -> str:

@@ -290,7 +290,10 @@ def test_a_waiting_request_that_cannot_start_in_time_is_dropped_before_its_deadl
     adm.before_step()  # x: 2.5 s left, starts in ~1 s
     assert "x" in engine.requests
     clock.now += 2.0
-    adm.before_step()  # 0.5 s left; even 3/4 of its start estimate (>= 1 s: no starts lately) is past it
+    adm.before_step()  # 0.5 s left, starts in ~1 s: not yet twice its time left, kept
+    assert "x" in engine.requests
+    clock.now += 0.1
+    adm.before_step()  # 0.4 s left: its start estimate (>= 1 s: no starts lately) is past twice that
     assert clock.now < deadline and "x" not in engine.requests and "y" in engine.requests
     assert adm.counters["requests_dropped_deadline_total"] == 1
     outs = {o.request_id: o for o in engine.step()}
