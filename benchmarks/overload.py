@@ -169,7 +169,7 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--warm-window",
         type=float,
-        default=20.0,
+        default=40.0,
         help="seconds of arrivals at 2R before the judged windows, not judged: the kernels and graphs "
         "a cold server compiles for new shapes stop it for seconds (0: none)",
     )
