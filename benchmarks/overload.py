@@ -182,7 +182,7 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--max-num-seqs", type=int, default=256)
     r.add_argument("--num-kv-blocks", type=int, default=16000, help="the pool (16K blocks fit an H100)")
     r.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    r.add_argument("--clients", type=int, default=4, help="load generator processes")
+    r.add_argument("--clients", type=int, default=8, help="load generator processes")
     r.add_argument("--bin-s", type=float, default=5.0, help="outcomes over time: seconds of arrivals a bin")
     r.add_argument("--server-timeout", type=float, default=600.0)
     r.add_argument("--server-arg", action="append", default=[], help="one more argument for the server")
