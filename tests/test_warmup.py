@@ -67,3 +67,38 @@ def test_nothing_to_capture_on_a_cpu(tiny_config_path: Path) -> None:
     with LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, progress=False) as llm:
         assert llm.engine.graphs is None
         assert warmup.warm_decode_graphs(llm.engine, progress=False) == 0
+
+
+def test_mixed_steps_prefill_behind_one_and_two_shared_segments_and_leave_nothing(
+    tiny_config_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", dtype="float32", num_kv_blocks=1024,
+        max_num_seqs=64, max_num_batched_tokens=512, progress=False,
+    )  # fmt: skip
+    engine = llm.engine
+    fake = _FakeGraphs([1, 2, 4, 8])
+    monkeypatch.setattr(type(engine), "graphs", property(lambda self: fake))
+    before = llm.metrics()
+    seen: list[tuple[int, int]] = []  # (tokens, shared segments) of steps that prefilled while others decoded
+    step = engine.step
+
+    def watched() -> list:
+        out = step()
+        stats = engine.stats
+        decoding = any(s.num_tokens > s.num_prompt_tokens for s in engine.scheduler.running)
+        if decoding and stats.last_step_tokens > len(engine.scheduler.running):
+            seen.append((stats.last_step_tokens, stats.last_step_segments))
+        return out
+
+    monkeypatch.setattr(engine, "step", watched)
+    assert warmup.warm_mixed_steps(engine, progress=False) == 0
+    assert any(segments >= 2 for _, segments in seen), seen  # the nested prefix: two shared segments
+    assert max(tokens for tokens, _ in seen) >= 256  # prefill chunks of several sizes
+    assert fake.resets == 1
+    assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
+    after = llm.metrics()
+    for key in ("requests_total", "generation_tokens_total", "prompt_tokens_total", "steps_total"):
+        assert after[key] == before[key], key
+    assert after["kv_blocks_used"] == before["kv_blocks_used"]
+    llm.shutdown()

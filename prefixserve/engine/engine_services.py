@@ -12,7 +12,7 @@ import torch
 
 from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
-from prefixserve.engine.warmup import warm_decode_graphs
+from prefixserve.engine.warmup import warm_decode_graphs, warm_mixed_steps
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.cache_events import DEFAULT_CONSUMER, CacheEvents, enable_cache_events
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -62,8 +62,10 @@ class EngineServices:
         A server calls this before it says ready: captured lazily, each new size of prefill or
         mixed step, and each decode batch bucket, stalls every running stream for a warm-up forward
         and its captures. Dense pieces: one synthetic prefill per eager-step size over blocks taken
-        from the pool and given back; decode graphs: ``warmup.warm_decode_graphs``."""
-        return self.runner.capture_pieces(self.pool) + warm_decode_graphs(self, progress)
+        from the pool and given back; decode graphs: ``warmup.warm_decode_graphs``; then the kernels
+        of eager steps that prefill behind one and two shared segments (``warmup.warm_mixed_steps``)."""
+        pieces = self.runner.capture_pieces(self.pool)
+        return pieces + warm_decode_graphs(self, progress) + warm_mixed_steps(self, progress)
 
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:

@@ -49,6 +49,58 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
     return captured
 
 
+MIXED_OWN_TOKENS = (48, 200, 700)  # own prompt lengths of the mixed warm-up's arrivals (prefill sizes)
+MIXED_DECODING = 24  # requests decoding while the arrivals prefill
+MIXED_ARRIVALS = 12  # arrivals behind each of the two prefixes
+
+
+def warm_mixed_steps(engine: Any, progress: bool = True) -> int:
+    """Run steps that prefill prompts behind a shared prefix and behind a longer one nested in it (two
+    shared segments) while other requests decode; returns the graphs captured meanwhile.
+
+    Eager steps (prefill with decode) compile their attention kernels for each plan shape they meet
+    first: on an H100 overload run a step over two shared segments first met under load stopped
+    the engine for 1-3 s each time (``benchmarks/overload.py``'s slow steps). Here a few sizes of
+    such steps run before the server is ready."""
+    graphs = engine.graphs
+    if graphs is None:  # a CPU, or enforce_eager: no compile worth the start-up time
+        return 0
+    before, started = graphs.captures, time.perf_counter()
+    rng = random.Random(1)
+    vocab = engine.runner.model.full_config.vocab_size
+    bs = engine.config.block_size
+    outer = _tokens(rng, vocab, 8 * bs)
+    inner = outer + _tokens(rng, vocab, 4 * bs)
+    saved = engine.stats.save(engine.runner)
+    try:
+        for k, own in enumerate(_progress(list(MIXED_OWN_TOKENS), progress, "warming mixed steps")):
+            if len(inner) + own + DECODE_STEPS >= engine.max_model_len:
+                break
+            decoding = [outer + _tokens(rng, vocab, OWN_TOKENS) for _ in range(MIXED_DECODING)]
+            ids = _add(engine, f"__warmup_mix{k}_d", decoding, 8)
+            engine.step()  # they prefill, then decode while the arrivals prefill
+            for name, prefix in (("o", outer), ("i", inner)):
+                arrivals = [prefix + _tokens(rng, vocab, own) for _ in range(MIXED_ARRIVALS)]
+                ids += _add(engine, f"__warmup_mix{k}_{name}", arrivals, 2)
+            while any(request_id in engine.requests for request_id in ids):
+                engine.step()
+    finally:
+        engine.stats.restore(saved, engine.runner)
+        graphs.reset_hold()
+    captured = graphs.captures - before
+    log.info("warmed mixed steps in %.1f s (%d graphs captured)", time.perf_counter() - started, captured)
+    return captured
+
+
+def _add(engine: Any, tag: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Synthetic requests for ``prompts`` (greedy, EOS ignored); their ids."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, params=params, prompt_token_ids=prompt)
+    return ids
+
+
 def _decode_batch(engine: Any, rows: int, prefix: list[int], rng: random.Random, vocab: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
     ids = [f"__warmup__{rows}_{len(prefix)}_{i}" for i in range(rows)]
@@ -66,12 +118,12 @@ def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(low, high) for _ in range(n)]
 
 
-def _progress(runs: list[Any], shown: bool) -> Any:
+def _progress(runs: list[Any], shown: bool, desc: str = "capturing decode graphs") -> Any:
     if not shown:
         return runs
     from tqdm import tqdm
 
-    return tqdm(runs, desc="capturing decode graphs", unit="batch")
+    return tqdm(runs, desc=desc, unit="batch")
 
 
-__all__ = ["warm_decode_graphs"]
+__all__ = ["warm_decode_graphs", "warm_mixed_steps"]
