@@ -111,6 +111,8 @@ COUNTERS = {
     "gc_pause_le_1s": "http_gc_pause_seconds_bucket_le_1s",
     "graph_captures": "cuda_graph_captures_total",
     "graph_capture_s": "cuda_graph_capture_seconds_total",
+    "compiles": "kernel_compiles_serving_total",
+    "compile_s": "kernel_compile_serving_seconds_total",
     "steps": "steps_total",
     "slow_steps": "slow_steps_total",
     "slow_step_host_s": "slow_step_host_seconds_total",
@@ -463,9 +465,11 @@ def run(args: argparse.Namespace) -> None:
         result["server_log_tail"] = server.log_tail(20)
         # what stopped the engine while serving: its slow steps and graph captures, with their times
         # (the windows' wall-clock starts are beside them)
-        marks = ("slow engine step", "captured decode graph", "captured the dense pieces")
+        marks = ("slow engine step", "captured decode graph", "captured the dense pieces", "while serving in")
         lines = server.log_path.read_text(errors="replace").splitlines()
         result["server_stalls"] = [line[:240] for line in lines if any(m in line for m in marks)][-120:]
+        # each kernel compiled while serving, with the specialisation that was new (its full line)
+        result["serve_compiles"] = [line[:700] for line in lines if "while serving in" in line][-60:]
     result["wall_s"] = time.monotonic() - t0
     report(result, out_dir)
 

@@ -175,12 +175,13 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "window (429s at arrival by bound, and of them those decided in the HTTP process before the "
         "engine saw them; drops for the deadline, 5xx; the engine's mean arrival-to-first-token, how "
         "late the HTTP process's event loop ran on average: where a client's wait goes; CUDA graphs "
-        "captured and engine steps over 0.5 s while serving, each stopping every stream and arrival):",
+        "captured, Triton kernels compiled and engine steps over 0.5 s while serving, each stopping every "
+        "stream and arrival):",
         "",
         "| window | refused: queue requests | queue tokens | deadline estimate | of them in HTTP "
         "| dropped for deadline | aborted | preemptions | 5xx | engine TTFT mean s | loop lag mean ms "
-        "| graph captures (s) | slow steps (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| graph captures (s) | kernel compiles (s) | slow steps (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     rows = []
     for x in shown:
@@ -191,7 +192,7 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
             f"| {v['refused_deadline']:.0f} | {in_http} | {v['dropped_deadline']:.0f} | {v['aborted']:.0f} "
             f"| {v['preemptions']:.0f} | {v['http_5xx']:.0f} | {_mean(v, 'server_ttft', 1.0, '.2f')} "
             f"| {_mean(v, 'loop_lag', 1e3, '.1f')} | {_count_s(v, 'graph_captures', 'graph_capture_s')} "
-            f"| {_count_s(v, 'slow_steps', 'slow_step_host_s')} |"
+            f"| {_count_s(v, 'compiles', 'compile_s')} | {_count_s(v, 'slow_steps', 'slow_step_host_s')} |"
         )
         rows.append(
             f"| {x['label']} | {_mean(v, 'intake', 1e3, '.1f')} | {_mean(v, 'to_engine', 1e3, '.1f')} "

@@ -65,7 +65,9 @@ class EngineServices:
         from the pool and given back; decode graphs: ``warmup.warm_decode_graphs``; then the kernels
         of eager steps that prefill behind one and two shared segments (``warmup.warm_mixed_steps``)."""
         pieces = self.runner.capture_pieces(self.pool)
-        return pieces + warm_decode_graphs(self, progress) + warm_mixed_steps(self, progress)
+        captured = pieces + warm_decode_graphs(self, progress) + warm_mixed_steps(self, progress)
+        self.stats.compiles.serving()  # a compile from now on stalls live streams: each is logged
+        return captured
 
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------
     def render_system_prompt(self, text: str) -> list[int]:

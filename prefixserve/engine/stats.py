@@ -15,6 +15,7 @@ import torch
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.scheduler.scheduler import SchedulerOutput
+from prefixserve.triton_support.compile_watch import watch
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class EngineStats:
     """Counters, step timers and the gauges the loop keeps up to date."""
 
     __slots__ = (
+        "compiles",
         "counters",
         "kv_peak",
         "last_step_segments",
@@ -73,6 +75,7 @@ class EngineStats:
         self.last_step_tokens = 0
         self.slow_gauges: dict[str, float] = {}
         self.slow_at = -float("inf")  # time.monotonic() of the last refresh
+        self.compiles = watch()  # the process's Triton compiles (each one met while serving stalls a step)
 
     def count_schedule(self, sched: SchedulerOutput, pool: BlockPool) -> None:
         self.kv_peak = max(self.kv_peak, pool.num_used)
@@ -123,6 +126,7 @@ class EngineStats:
         out.update(step_host_seconds_total=self.timers["step_host_seconds_total"])
         out.update(slow_steps_total=self.timers["slow_steps_total"])
         out.update(slow_step_host_seconds_total=self.timers["slow_step_host_seconds_total"])
+        out.update(self.compiles.metrics())
         # CUDA: device time of steps, and the gaps between consecutive steps (the GPU waiting on the host)
         device = engine.runner.timers
         out.update({k: device[k] for k in DEVICE_TIMERS})

@@ -30,7 +30,7 @@ triton, tl = require_triton()
 MERGE_ELEMENTS = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts", "part_stride"])  # per-step values (compile_watch)
 def _merge_kernel(
     o_part_ptr,  # [P, H, D] fp32
     lse_part_ptr,  # [P, H] fp32

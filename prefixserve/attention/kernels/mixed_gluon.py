@@ -115,7 +115,7 @@ if GLUON:
                 )
             c += ns
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_items", "num_seqs", "table_stride", "own_slot0"])  # per step
     def mixed_gluon_kernel(
         q_ptr,  # [T, Hq, D]
         k_ptr,  # the K / V caches: unused, where the other kernels have them (recorded-launch swaps)

@@ -136,7 +136,7 @@ def packed_decode_program(
     tl.store(lse_ptr + split64 * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "split_size", "stride_bt"])  # per-step values (compile_watch)
 def _packed_decode_kernel(
     q_ptr,
     k_ptr,

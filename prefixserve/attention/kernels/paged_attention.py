@@ -140,7 +140,7 @@ def paged_program(
         tl.store(lse_ptr + split64 * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_tiles", "split_size", "stride_bt"])  # per-step values (compile_watch)
 def _paged_kernel(
     q_ptr,
     k_ptr,

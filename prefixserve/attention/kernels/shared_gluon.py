@@ -93,7 +93,7 @@ if GLUON:
             )
             c += n_tiles
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_items"])  # a step's work list length (compile_watch)
     def shared_gluon_kernel(
         q_ptr,  # [T, Hq, D]
         k_ptr,  # the K / V caches themselves: unused here, they sit where the Triton kernel has them

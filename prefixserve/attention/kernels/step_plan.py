@@ -30,11 +30,17 @@ def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[tor
     the copy is done), so the host does not wait; elsewhere it is a plain copy.
     """
     sizes = [int(a.size) for a in arrays]
-    flat = np.concatenate([np.ascontiguousarray(a, dtype=np.int32).ravel() for a in arrays] or [np.zeros(0)])
-    host = torch.from_numpy(flat.astype(np.int32, copy=False))
+    # each array starts 16-byte aligned: Triton specialises pointers on it, and a start that moved
+    # with the sizes before it would compile the step's kernels again for each new alignment
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size + (-size % 4))
+    flat = np.zeros(starts[-1], dtype=np.int32)
+    for a, start, size in zip(arrays, starts[:-1], sizes, strict=True):
+        flat[start : start + size] = np.ravel(a)
+    host = torch.from_numpy(flat)
     dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    offsets = np.r_[0, np.cumsum(sizes)].tolist()
-    return [dev[a:b] for a, b in itertools.pairwise(offsets)]
+    return [dev[start : start + size] for start, size in zip(starts[:-1], sizes, strict=True)]
 
 
 def host_plan(meta: AttentionMetadata) -> Any:

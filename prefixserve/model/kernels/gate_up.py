@@ -30,7 +30,7 @@ triton, tl = require_triton()
 TileConfig = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a step's rows: one compile for all (compile_watch)
 def _gate_up_kernel(
     x_desc,  # TMA descriptor of x [M, K], tiles [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of the weight [2 N, K], tiles [BLOCK_N, BLOCK_K]

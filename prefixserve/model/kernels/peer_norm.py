@@ -37,7 +37,7 @@ MAX_HIDDEN = 16384  # one row per program iteration, in registers
 MAX_PROGRAMS = 512  # flags per rank; programs past the rows loop over them (all resident on an H100)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
 def _peer_add_rms_norm_kernel(
     mine_ptr,  # [T, N] this rank's product (model dtype)
     peer_ptr,  # [T, N] the peer's product, in its memory (read over NVLink)

@@ -28,7 +28,7 @@ MAX_ROWS = 64  # rows of x this kernel takes; more rows make a matmul compute-bo
 BLOCK_K = 128  # K must be a multiple (every projection of the supported models is)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a step's rows: one compile for all (compile_watch)
 def _skinny_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]

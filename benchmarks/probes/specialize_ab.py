@@ -1,0 +1,94 @@
+"""Do the per-step integer arguments the kernels no longer specialise on cost speed?
+
+Triton compiles a kernel again for an int argument equal to 1 or divisible by 16; the kernels mark
+their per-step counts ``do_not_specialize`` (``triton_support/compile_watch.py`` says why). This
+times each such kernel both ways in one run, on the shapes decode steps meet: the skinny matmul at
+Llama-3.1-8B's o / qkv / gate-up / down shapes (rows 1, 16, 64, a CUDA graph over weight copies), and
+the paged decode kernel (B = 16 / 64 / 256 sequences of 1K / 4K KV). A ratio near 1.00 says the
+flag is free. Writes ``specialize_ab.json`` under ``--out``.
+
+PYTHONPATH=. python -m benchmarks.probes.specialize_ab --out /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness.timing import bench_ms, graph_ms
+from prefixserve.attention.kernels import paged_attention
+from prefixserve.model.kernels import skinny_matmul
+from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.triton_support import require_triton
+
+triton, _ = require_triton()
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def specialised(kernel):
+    """The same kernel source compiled with Triton's default specialisation (every int argument)."""
+    return triton.jit(kernel.fn)
+
+
+def time_skinny(rows: int, n: int, k: int) -> float:
+    copies = max(2, math.ceil(200e6 / (n * k * 2)))  # > L2: each call reads its own weight
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    config = skinny_matmul.skinny_config(rows, n) or (32, 6)
+    return graph_ms(lambda i: skinny_matmul.skinny_linear(x, weights[i], config=config, out=out), copies)
+
+
+def time_paged(batch: int, kv: int) -> float:
+    block, heads, kv_heads, dim = 16, 32, 8, 128
+    blocks = batch * kv // block
+    k_cache = torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, kv // block)
+    seq_lens = torch.full((batch,), kv, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    splits, split_size = paged_attention.choose_split(kv, batch * kv_heads, q.device, 64)
+    o = torch.empty(splits, batch, heads, dim, device="cuda", dtype=torch.float32)
+    lse = torch.empty(splits, batch, heads, device="cuda", dtype=torch.float32)
+    args = (q, k_cache, v_cache, tables, seq_lens, qsl, dim**-0.5, 1, splits, split_size, o[0], lse[0])
+    strides = (batch * heads * dim, batch * heads)
+    return bench_ms(lambda: paged_attention.launch_paged(*args, *strides))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    plain_skinny, plain_paged = skinny_matmul._skinny, paged_attention._paged_kernel
+    alt_skinny = BoundKernel(specialised(skinny_matmul._skinny_kernel))
+    alt_paged = specialised(paged_attention._paged_kernel)
+    rows = []
+    cases = [("skinny", name, m, shape) for name, shape in SHAPES.items() for m in (1, 16, 64)]
+    cases += [("paged", f"B={b} KV={kv}", b, kv) for b in (16, 64, 256) for kv in (1024, 4096)]
+    for kind, name, a, b in cases:
+        times = {}
+        for label, sk, pk in (("unspecialised", plain_skinny, plain_paged), ("specialised", alt_skinny, alt_paged)):
+            skinny_matmul._skinny, paged_attention._paged_kernel = sk, pk
+            times[label] = time_skinny(a, *b) if kind == "skinny" else time_paged(a, b)
+        skinny_matmul._skinny, paged_attention._paged_kernel = plain_skinny, plain_paged
+        row = {"kernel": kind, "case": name, "rows": a, **times}
+        row["ratio"] = times["unspecialised"] / times["specialised"]
+        rows.append(row)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "rows": rows}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "specialize_ab.json").write_text(json.dumps(result, indent=1))
+    print(f"{'kernel':8} {'case':18} {'rows':>5} {'unspec ms':>10} {'spec ms':>10} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['kernel']:8} {r['case']:18} {r['rows']:5} {r['unspecialised']:10.4f} "
+              f"{r['specialised']:10.4f} {r['ratio']:6.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
