@@ -73,7 +73,8 @@ def main() -> None:
     cases += [("paged", f"B={b} KV={kv}", b, kv) for b in (16, 64, 256) for kv in (1024, 4096)]
     for kind, name, a, b in cases:
         times = {}
-        for label, sk, pk in (("unspecialised", plain_skinny, plain_paged), ("specialised", alt_skinny, alt_paged)):
+        ways = (("unspecialised", plain_skinny, plain_paged), ("specialised", alt_skinny, alt_paged))
+        for label, sk, pk in ways:
             skinny_matmul._skinny, paged_attention._paged_kernel = sk, pk
             times[label] = time_skinny(a, *b) if kind == "skinny" else time_paged(a, b)
         skinny_matmul._skinny, paged_attention._paged_kernel = plain_skinny, plain_paged

@@ -88,7 +88,7 @@ def watch() -> CompileWatch:
         WATCH.began(key)
         return before_cache(key=key, **kw) if before_cache else None
 
-    def on_compiled(*, key: Any, repr: str, fn: Any, **kw: Any) -> bool | None:  # noqa: A002
+    def on_compiled(*, key: Any, repr: str, fn: Any, **kw: Any) -> bool | None:
         WATCH.ended(key, getattr(fn, "name", "?"), repr)
         return before_post(key=key, repr=repr, fn=fn, **kw) if before_post else None
 
