@@ -22,6 +22,8 @@ from prefixserve.engine.admission import (
     AdmissionLimits,
     QueueFull,
     QueueState,
+    StartLateness,
+    deadline_missed,
     queue_wait,
 )
 from prefixserve.entrypoints.openai.overload import HTTP_REFUSED, ArrivalGate
@@ -362,3 +364,53 @@ def test_the_gate_refuses_at_arrival_from_the_published_queue_and_what_was_sent_
         "requests_refused_deadline_total": 4,
         HTTP_REFUSED: 7,
     }
+
+
+# ---- the estimate's measured error: slack at arrival ------------------------------------------------
+def test_start_lateness_is_a_high_quantile_of_recent_late_starts() -> None:
+    late = StartLateness()
+    for _ in range(StartLateness.MIN_SAMPLES - 1):
+        late.add(5.0)
+    assert late.slack() == 0.0  # too few starts to say anything
+    late = StartLateness()
+    for i in range(400):
+        late.add(-1.0 if i % 2 else i / 1000)  # early starts count as on time
+    assert late.slack() == pytest.approx(0.398, abs=0.003)  # the top half-percent of 400 starts
+    for _ in range(StartLateness.WINDOW):  # the window moves on: old lateness is forgotten
+        late.add(0.01)
+    assert late.slack() == pytest.approx(0.01)
+
+
+def test_slack_refuses_what_the_estimate_alone_would_admit() -> None:
+    assert deadline_missed(2.0, 3.0) is None  # 2 s fits 3/4 of 3 s
+    why = deadline_missed(2.0, 3.0, slack=1.2)
+    assert why is not None and "allowing 1.2 s" in why
+    assert deadline_missed(2.0, 3.0, slack=1.0) is None
+    clock = FakeClock()
+    loop = SimpleNamespace(queue_state=published(taken=clock.now, max_requests=None, max_tokens=None))
+    gate = ArrivalGate(loop, clock=clock)  # type: ignore[arg-type]
+    assert gate.admit(10, clock.now + 4.1) == 1  # 3 s ahead fits 3/4 of 4.1 s
+    loop.queue_state = published(taken=clock.now, decided=1, max_requests=None, max_tokens=None, slack=1.5)
+    with pytest.raises(QueueFull) as late:  # 3 s + 1.5 s of recent lateness > 4.1 s
+        gate.admit(10, clock.now + 4.1)
+    assert late.value.bound == "deadline"
+
+
+def test_the_engine_publishes_the_lateness_of_its_starts(engine: Engine) -> None:
+    """Requests admitted with an estimate and started later than it make the slack the engine publishes
+    and applies to its own arrival check."""
+    clock = FakeClock()
+    adm = Admission(engine, AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=0), clock=clock)
+    for i in range(60):
+        add(engine, adm, f"r{i}", ids(10_000 + 100 * i, 8), max_tokens=1, deadline=clock.now + 100.0)
+    while engine.has_unfinished():  # the estimates were 0 (nothing measured): every start is late
+        clock.now += 0.1
+        step(engine, adm)
+    slack = adm.state().slack
+    assert slack > 1.0 and adm.metrics()["queue_wait_slack_seconds"] == slack
+    assert adm.counters["queue_starts_estimated_total"] == 60
+    wait = adm.queue_wait_estimate()
+    with pytest.raises(QueueFull) as refused:  # an empty queue, but less time left than the slack
+        add(engine, adm, "tight", ids(20_000, 8), max_tokens=1, deadline=clock.now + slack / 2 + wait)
+    assert "recent error" in str(refused.value)
+    assert_pool_empty(engine)

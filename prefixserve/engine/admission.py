@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -115,15 +116,51 @@ def start_wait(
     return max(slot, queue_wait(0, tokens, None, token_rate))
 
 
-def deadline_missed(wait: float, left: float) -> str | None:
+def deadline_missed(wait: float, left: float, slack: float = 0.0) -> str | None:
     """Why a request that would wait ``wait`` s with ``left`` s to its queue deadline is refused at
-    arrival (the estimate must fit ``DEADLINE_MARGIN`` of the time left), or None if it is not."""
-    if left > 0 and wait <= DEADLINE_MARGIN * left:
+    arrival, or None if it is not: the estimate must fit ``DEADLINE_MARGIN`` of the time left, and
+    with ``slack`` (how much later than estimated recent requests started, ``StartLateness``) added,
+    the time left itself."""
+    if left > 0 and wait <= DEADLINE_MARGIN * left and wait + slack <= left:
         return None
+    spread = f", allowing {slack:.1f} s for the estimate's recent error" if slack > 0 else ""
     return (
         f"the request would wait about {wait:.1f} s in the queue, past its queue deadline "
-        f"({max(left, 0.0):.1f} s left)"
+        f"({max(left, 0.0):.1f} s left{spread})"
     )
+
+
+class StartLateness:
+    """How much later than estimated the recent queued requests started: the slack an arrival's
+    estimate needs so that what is admitted starts before its deadline.
+
+    The slot schedule is right on average, but a step that runs long, or sequences that finish later
+    than their share of recent lengths, start some requests late: admitted near the margin, those
+    ran into their queue deadline and were dropped after waiting it out (a refusal, but not one at
+    once). The ``QUANTILE`` of the last ``WINDOW`` starts' lateness is kept as a slack both the
+    engine's check and the HTTP gate add to the estimate (``deadline_missed``)."""
+
+    WINDOW = 512
+    QUANTILE = 0.995
+    MIN_SAMPLES = 32  # fewer starts say nothing yet: no slack
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=self.WINDOW)
+        self._slack = 0.0
+        self._stale = False
+
+    def add(self, late: float) -> None:
+        """A start ``late`` s after its estimate (negative: early, kept as 0)."""
+        self.samples.append(max(0.0, late))
+        self._stale = True
+
+    def slack(self) -> float:
+        if self._stale:
+            self._stale = False
+            n = len(self.samples)
+            if n >= self.MIN_SAMPLES:
+                self._slack = sorted(self.samples)[min(n - 1, int(self.QUANTILE * n))]
+        return self._slack
 
 
 def retry_after_s(wait: float) -> int:
@@ -147,6 +184,7 @@ class QueueState(NamedTuple):
     max_tokens: int | None
     free_slots: int = 0  # batch slots free when it was taken
     free_at: tuple[float, ...] = ()  # when the running sequences free theirs (``SlotSchedule``)
+    slack: float = 0.0  # seconds added to a wait estimate at arrival (``StartLateness``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +255,7 @@ class Admission:
         self.max_tokens = _bound(limits.max_waiting_tokens, int(WAITING_TOKENS_PER_POOL * pool_tokens))
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.slots = SlotSchedule(engine.config.max_num_seqs, getattr(engine, "max_model_len", None))
+        self.lateness = StartLateness()  # the wait estimate's recent error: slack for arrivals
         self._slots_at = -1  # engine steps when ``slots`` was rebuilt
         self.waiting_tokens = 0  # sum of ``tokens`` over ``_waiting``
         self.rate: float | None = None  # requests started per second while the queue was not empty
@@ -274,7 +313,7 @@ class Admission:
         now, estimate = self.clock(), None
         if deadline is not None:
             estimate = self._wait(waiting, self.waiting_tokens, now)
-            missed = deadline_missed(estimate, deadline - now)
+            missed = deadline_missed(estimate, deadline - now, self.lateness.slack())
             if missed is not None:
                 self._refuse("deadline", missed)
         self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline, now, estimate)
@@ -341,7 +380,9 @@ class Admission:
             req = w.req
             if requests.get(rid) is not req:  # ended while waiting (aborted), or ran and finished
                 done.append((rid, w))
-                started += req.first_token_time is not None
+                if req.first_token_time is not None:  # it started (and ended) since the last look
+                    started += 1
+                    self._check_estimate(w, self.clock() if now is None else now)
             elif req.sequences[0].status is not SeqStatus.WAITING:
                 done.append((rid, w))
                 started += 1
@@ -371,6 +412,7 @@ class Admission:
         c["queue_starts_estimated_total"] += 1
         c["queue_wait_estimated_seconds_total"] += w.estimate
         c["queue_wait_actual_seconds_total"] += actual
+        self.lateness.add(actual - w.estimate)
         if actual - w.estimate > LATE_SHARE * (w.deadline - w.admitted):
             c["queue_starts_late_total"] += 1
 
@@ -467,6 +509,7 @@ class Admission:
             self.max_tokens,
             slots.free_slots,
             slots.free_at,
+            self.lateness.slack(),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -477,6 +520,7 @@ class Admission:
             "waiting_prompt_tokens": self.waiting_tokens,
             "queue_wait_estimate_seconds": wait if not math.isinf(wait) else float(RETRY_AFTER_MAX_S),
             "queue_retry_after_seconds": self.retry_after(),
+            "queue_wait_slack_seconds": self.lateness.slack(),
             "queue_drain_requests_per_second": self.rate or 0.0,
             "queue_drain_prompt_tokens_per_second": self.token_rate or 0.0,
             "max_waiting_requests": self.max_requests or 0,

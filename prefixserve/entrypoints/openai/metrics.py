@@ -101,6 +101,10 @@ _GAUGES = {
         "queue_wait_estimate_seconds",
         "time the waiting queue takes to drain at its recent rates",
     ),
+    "queue_wait_slack_seconds": (
+        "queue_wait_slack_seconds",
+        "seconds added to a wait estimate at arrival: how much later than estimated recent requests started",
+    ),
     "queue_drain_requests_per_second": (
         "queue_drain_requests_per_second",
         "requests started per second while the queue was not empty (smoothed)",

@@ -162,7 +162,7 @@ class ArrivalGate:
                     f"{state.max_tokens})",
                     wait,
                 )
-            missed = None if deadline is None else deadline_missed(wait, deadline - now)
+            missed = None if deadline is None else deadline_missed(wait, deadline - now, state.slack)
             if missed is not None:
                 self._refuse("deadline", missed, wait)
             if not reserve:
