@@ -465,7 +465,13 @@ def run(args: argparse.Namespace) -> None:
         result["server_log_tail"] = server.log_tail(20)
         # what stopped the engine while serving: its slow steps and graph captures, with their times
         # (the windows' wall-clock starts are beside them)
-        marks = ("slow engine step", "captured decode graph", "captured the dense pieces", "while serving in")
+        marks = (
+            "slow engine step",
+            "captured decode graph",
+            "captured the dense pieces",
+            "while serving in",
+            "from the queue for its deadline",
+        )
         lines = server.log_path.read_text(errors="replace").splitlines()
         result["server_stalls"] = [line[:240] for line in lines if any(m in line for m in marks)][-120:]
         # each kernel compiled while serving, with the specialisation that was new (its full line)

@@ -47,6 +47,7 @@ the mean actual wait).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -56,6 +57,8 @@ from typing import Any, NamedTuple
 
 from prefixserve.engine.slot_schedule import SlotSchedule, slot_wait
 from prefixserve.sequence import Request, SeqStatus
+
+log = logging.getLogger(__name__)
 
 WAITING_REQUESTS_PER_SEQ = 4  # default bound on waiting requests: this many times max_num_seqs
 WAITING_TOKENS_PER_POOL = 2.0  # default bound on waiting prompt tokens: this many KV pools' worth
@@ -224,6 +227,7 @@ class _Waiting:
     deadline: float | None
     admitted: float = 0.0  # when it was admitted (the admission's clock)
     estimate: float | None = None  # the queue wait estimated then (with a deadline only)
+    ahead: int = 0  # requests waiting ahead of it then
 
 
 def _bound(value: int | None, default: int) -> int | None:
@@ -316,7 +320,7 @@ class Admission:
             missed = deadline_missed(estimate, deadline - now, self.lateness.slack())
             if missed is not None:
                 self._refuse("deadline", missed)
-        self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline, now, estimate)
+        self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline, now, estimate, waiting)
         self.waiting_tokens += tokens
         claimed = self._claimed
         for d in digests:
@@ -375,7 +379,7 @@ class Admission:
         started = 0
         ahead = ahead_tokens = 0  # still waiting, ahead of the one looked at
         done: list[tuple[str, _Waiting]] = []
-        expired: list[tuple[str, _Waiting]] = []
+        expired: list[tuple[str, _Waiting, int]] = []  # with the requests then ahead of it
         for rid, w in self._waiting.items():
             req = w.req
             if requests.get(rid) is not req:  # ended while waiting (aborted), or ran and finished
@@ -392,14 +396,20 @@ class Admission:
                 and w.deadline is not None
                 and self._hopeless(w.deadline - now, ahead, ahead_tokens, now)
             ):
-                expired.append((rid, w))
+                expired.append((rid, w, ahead))
             else:
                 ahead += 1
                 ahead_tokens += w.tokens
         for rid, w in done:
             self._forget(rid, w)
-        for rid, w in expired:
+        for rid, w, before in expired:
             self._forget(rid, w)
+            log.info(
+                "dropped %s from the queue for its deadline after %.2f s: %d waited ahead of it at "
+                "admission, estimated wait %s s (slack now %.2f s); %d still ahead",
+                rid, self.clock() - w.admitted, w.ahead,
+                "-" if w.estimate is None else f"{w.estimate:.2f}", self.lateness.slack(), before,
+            )  # fmt: skip
             self.engine.abort(rid, report=True, reason=DEADLINE_REASON)
             self.counters["requests_dropped_deadline_total"] += 1
         return started
