@@ -168,6 +168,14 @@ def peer_norm_enabled() -> bool:
     return _env_choice("PREFIXSERVE_PEER_NORM", "1", ("0", "1")) == "1"
 
 
+def peer_push_enabled() -> bool:
+    """``PREFIXSERVE_PEER_PUSH``: "1" makes the fused two-rank all-reduce write each rank's product
+    into the peer's memory before the barrier (NVLink stores) and read the peer's from its own;
+    "0" (default) reads the peer's product over NVLink after it. Both ranks must agree: tensor-parallel
+    workers inherit it."""
+    return _env_choice("PREFIXSERVE_PEER_PUSH", "0", ("0", "1")) == "1"
+
+
 def mixed_mode() -> str:
     """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
     (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every

@@ -8,7 +8,9 @@ Per hidden size and rows B:
   outputs compared bit for bit; then 200 calls in one CUDA graph alternating the product slots, each
   call's product fresh (a scale of a base written into the slot just before), every output checked
   afterwards (a missed barrier shows as a stale or half-written product);
-- timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel; the
+- timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel, reading
+  the peer's product over NVLink (pull, the default) and with each rank's product pushed into the
+  peer's memory before the barrier (push, ``PREFIXSERVE_PEER_PUSH=1``; checked the same way); the
   engine's other path (two-shot all-reduce in peer memory, then ``add_rms_norm``); ``add_rms_norm``
   alone (the floor a fused kernel cannot beat); bytes / 450 GB/s (NVLink 4 one way) for scale.
 
@@ -106,7 +108,7 @@ def _check(peer, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> dict:
     return {"max_err": err, "ranks_bitwise_equal": ranks_equal, "graphed_calls_wrong": stale}
 
 
-def _time(peer, rows: int, hidden: int) -> dict:
+def _time(peer, rows: int, hidden: int, full: bool = True) -> dict:
     from prefixserve.model import fused
 
     dtype = torch.bfloat16
@@ -120,6 +122,8 @@ def _time(peer, rows: int, hidden: int) -> dict:
     local = torch.randn(rows, hidden, device="cuda").to(dtype)
     out: dict = {"bytes": rows * hidden * 2}
     out["fused_us"] = _graph_us(lambda i: fused.add_rms_norm(slots[i % 2], weight, EPS, residual))
+    if not full:
+        return out
     if peer.fits(staged):
         out["two_shot_norm_us"] = _graph_us(
             lambda i: fused.add_rms_norm(peer.reduce_staged(staged), weight, EPS, residual)
@@ -144,10 +148,14 @@ def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], queu
     for hidden in hidden_sizes:
         for b in rows:
             row = {"hidden": hidden, "rows": b}
-            for dtype in (torch.float32, torch.bfloat16):
-                if b * hidden * dtype.itemsize <= 8 << 20:
-                    row[str(dtype).removeprefix("torch.")] = _check(peer, b, hidden, dtype, rank)
-            row.update(_time(peer, b, hidden))
+            for mode in ("push", "pull"):  # pull last: the other columns time the default
+                os.environ["PREFIXSERVE_PEER_PUSH"] = "1" if mode == "push" else "0"
+                for dtype in (torch.float32, torch.bfloat16):
+                    if b * hidden * dtype.itemsize <= 8 << 20:
+                        name = str(dtype).removeprefix("torch.") + ("_push" if mode == "push" else "")
+                        row[name] = _check(peer, b, hidden, dtype, rank)
+                timed = _time(peer, b, hidden, full=mode == "pull")
+                row.update(timed if mode == "pull" else {"fused_push_us": timed["fused_us"]})
             result.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
@@ -179,18 +187,22 @@ def main() -> None:
             json.dumps({"device": device, "torch": torch.__version__, "rows": result}, indent=1)
         )
     print(f"{device} x 2; microseconds per call, graphed")
-    head = ("hidden", "B", "MB", "fused", "two-shot + norm", "two-shot", "norm alone", "NVLink bound")
-    head += ("fused / (two-shot + norm)", "wrong bf16 / fp32", "max err bf16")
+    head = ("hidden", "B", "MB", "fused", "fused push", "two-shot + norm", "two-shot", "norm alone")
+    head += ("NVLink bound", "fused / (two-shot + norm)", "wrong bf16 / fp32 (push)", "max err bf16 (push)")
     print("| " + " | ".join(head) + " |")
     print("|" + " ---: |" * len(head))
     nan = float("nan")
     for r in result:
         two = r.get("two_shot_norm_us")
-        wrong = [r.get(k, {}).get("graphed_calls_wrong", "-") for k in ("bfloat16", "float32")]
+        keys = ("bfloat16", "float32", "bfloat16_push", "float32_push")
+        wrong = [r.get(k, {}).get("graphed_calls_wrong", "-") for k in keys]
         cells = (r["hidden"], r["rows"], f"{r['bytes'] / 1e6:.2f}", f"{r['fused_us']:.1f}")
+        cells += (f"{r.get('fused_push_us', nan):.1f}",)
         cells += (f"{two or nan:.1f}", f"{r.get('two_shot_us', nan):.1f}", f"{r['norm_alone_us']:.1f}")
         cells += (f"{r['nvlink_bound_us']:.1f}", f"{r['fused_us'] / two if two else nan:.2f}")
-        cells += (f"{wrong[0]} / {wrong[1]}", f"{r.get('bfloat16', {}).get('max_err', nan):.3g}")
+        cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]})",)
+        errs = [r.get(k, {}).get("max_err", nan) for k in ("bfloat16", "bfloat16_push")]
+        cells += (f"{errs[0]:.3g} ({errs[1]:.3g})",)
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 

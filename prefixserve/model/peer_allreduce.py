@@ -116,6 +116,11 @@ class _FusedSlots:
         self.products = symm_mem.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.products, name)
         self.peer_products = handle.get_buffer(1 - rank, (SLOTS * SLOT_BYTES,), torch.uint8, 0)
+        # push (``config.peer_push_enabled``): the peer writes its product into this rank's incoming
+        # slots, and this rank into the peer's
+        self.incoming = symm_mem.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.incoming, name)
+        self.peer_incoming = handle.get_buffer(1 - rank, (SLOTS * SLOT_BYTES,), torch.uint8, 0)
         self.flags = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int32, device=device)
         self.flags.zero_()
         handle = symm_mem.rendezvous(self.flags, name)
@@ -125,10 +130,23 @@ class _FusedSlots:
 
     def views(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's, the peer's) [rows, cols] product in ``slot``."""
-        nbytes = rows * cols * dtype.itemsize
+        return self._view(self.products, slot, rows, cols, dtype), self._view(
+            self.peer_products, slot, rows, cols, dtype
+        )
+
+    def pushed(
+        self, slot: int, rows: int, cols: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's incoming, the peer's incoming) [rows, cols] in ``slot``: where the peer's
+        product arrives, and where this rank's goes."""
+        return self._view(self.incoming, slot, rows, cols, dtype), self._view(
+            self.peer_incoming, slot, rows, cols, dtype
+        )
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, slot: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         at = slot * SLOT_BYTES
-        mine = self.products[at : at + nbytes].view(dtype).view(rows, cols)
-        return mine, self.peer_products[at : at + nbytes].view(dtype).view(rows, cols)
+        return buffer[at : at + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +162,17 @@ class PeerSum:
         self, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(sum + residual) * weight, sum + residual)``, the sum over both ranks."""
+        from prefixserve import config
         from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
 
-        mine = self.mine
-        _, peer = self.slots.views(self.slot, mine.shape[0], mine.shape[1], mine.dtype)
-        return peer_add_rms_norm(mine, peer, residual, weight, eps, self.slots.flags, self.slots.peer_flags)
+        mine, slots = self.mine, self.slots
+        shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
+        push = None
+        if config.peer_push_enabled():  # the peer's product arrives in our memory
+            peer, push = slots.pushed(*shape)
+        else:  # read from the peer's memory
+            _, peer = slots.views(*shape)
+        return peer_add_rms_norm(mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push)
 
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:

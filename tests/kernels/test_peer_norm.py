@@ -54,3 +54,26 @@ def test_peer_add_rms_norm_refuses_mismatched_operands() -> None:
     f = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="peer"):
         peer_add_rms_norm(x, torch.zeros(3, 8, device=DEVICE), x, x[0], 1e-6, f, f)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden", "flags"), [(1, 64, 8), (13, 40, 4)])
+def test_pushed_products_are_written_to_the_peer_and_read_from_here(
+    dtype: torch.dtype, rows: int, hidden: int, flags: int
+) -> None:
+    """Push: this rank's product lands in the peer's incoming buffer whole, and the sum takes the
+    peer's product from this rank's own incoming buffer (as the peer's programs wrote it)."""
+    gen = torch.Generator().manual_seed(rows + hidden)
+    mine, incoming, res = (torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype) for _ in range(3))
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    peer_incoming = torch.full_like(mine, float("nan"))
+    my_flags = torch.ones(flags, dtype=torch.int32, device=DEVICE)
+    peer_flags = torch.zeros(flags, dtype=torch.int32, device=DEVICE)
+    out, summed = peer_add_rms_norm(mine, incoming, res, w, 1e-5, my_flags, peer_flags, push=peer_incoming)
+    ref, ref_summed = peer_add_rms_norm_ref(mine, incoming, res, w, 1e-5)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(summed, ref_summed, **tol)
+    torch.testing.assert_close(out, ref, **tol)
+    assert torch.equal(peer_incoming, mine)  # every row pushed, by whichever program holds it
+    programs = min(rows, flags)
+    assert my_flags[:programs].eq(0).all() and peer_flags[:programs].eq(1).all()

@@ -20,6 +20,12 @@ attention, slot 1 after the MLP: the call sites alternate in every forward). Bef
 slot s again (two calls later), its program ``i`` has met the peer's program ``i`` of the call in
 between, which started only after the peer's kernel that read slot s had finished (stream order).
 
+Push (``push`` given): each program first writes its rows of this rank's product into the peer's
+incoming buffer (NVLink stores, which do not wait for an answer as loads do), then signals; after the
+peer's signal it reads the peer's product from its own incoming buffer, in local memory. The same
+two-slot argument covers the incoming buffers: before a rank writes the peer's incoming slot s
+again, the peer's kernel that read it (two calls back) has finished.
+
 The rounding follows ``add_rms_norm``: the two products are summed in fp32 and rounded to the model
 dtype (a correctly rounded add, as the two-shot all-reduce's), the residual added in the model dtype.
 """
@@ -40,7 +46,8 @@ MAX_PROGRAMS = 512  # flags per rank; programs past the rows loop over them (all
 @triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
 def _peer_add_rms_norm_kernel(
     mine_ptr,  # [T, N] this rank's product (model dtype)
-    peer_ptr,  # [T, N] the peer's product, in its memory (read over NVLink)
+    peer_ptr,  # [T, N] the peer's product: in its memory (read over NVLink), or pushed into ours (PUSH)
+    push_ptr,  # [T, N] PUSH: the peer's incoming buffer, which this rank's product is written to
     res_ptr,  # [T, N] the residual stream
     w_ptr,  # [N]
     out_ptr,  # [T, N] normalised
@@ -52,15 +59,21 @@ def _peer_add_rms_norm_kernel(
     stride,  # row stride of every [T, N] operand
     eps,
     BLOCK: tl.constexpr,
+    PUSH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    if PUSH:  # this program's rows of our product into the peer's incoming buffer, before the signal
+        for row in range(pid, n_rows, tl.num_programs(0)):
+            at = row * stride + cols
+            tl.store(push_ptr + at, tl.load(mine_ptr + at, mask=mask, other=0.0), mask=mask)
+        tl.debug_barrier()  # every thread's stores issued before the release below
     # meet the peer's program pid: signal it, then wait for its signal
     while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
         pass
     while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
         pass
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
@@ -87,15 +100,19 @@ def peer_add_rms_norm(
     eps: float,
     my_flags: torch.Tensor,  # [>= programs] int32
     peer_flags: torch.Tensor,  # [>= programs] int32
+    push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors; the
-    peer must make the same call (its ``mine`` is this rank's ``peer``) at the same point."""
+    peer must make the same call (its ``mine`` is this rank's ``peer``, or with ``push``, is written
+    into this rank's ``peer``) at the same point."""
     tokens, n = mine.shape
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN}")
-    for name, t in (("peer", peer), ("residual", residual)):
+    for name, t in (("peer", peer), ("residual", residual), ("push", mine if push is None else push)):
         if t.shape != mine.shape or t.dtype != mine.dtype:
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must match {tuple(mine.shape)} {mine.dtype}")
+    if push is not None and not push.is_contiguous():
+        raise ValueError("peer_add_rms_norm needs contiguous rows")
     if not (mine.is_contiguous() and peer.is_contiguous() and residual.is_contiguous()):
         raise ValueError("peer_add_rms_norm needs contiguous rows")
     out = torch.empty_like(mine)
@@ -108,6 +125,7 @@ def peer_add_rms_norm(
         (programs,),
         mine,
         peer,
+        mine if push is None else push,
         residual,
         weight,
         out,
@@ -119,6 +137,7 @@ def peer_add_rms_norm(
         n,
         eps,
         BLOCK=block,
+        PUSH=push is not None,
         num_warps=min(16, max(1, block // 512)),
     )
     return out, res_out
