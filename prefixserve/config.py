@@ -168,12 +168,13 @@ def peer_norm_enabled() -> bool:
     return _env_choice("PREFIXSERVE_PEER_NORM", "1", ("0", "1")) == "1"
 
 
-def peer_push_enabled() -> bool:
-    """``PREFIXSERVE_PEER_PUSH``: "1" makes the fused two-rank all-reduce write each rank's product
-    into the peer's memory before the barrier (NVLink stores) and read the peer's from its own;
-    "0" (default) reads the peer's product over NVLink after it. Both ranks must agree: tensor-parallel
+def peer_push_mode() -> str:
+    """``PREFIXSERVE_PEER_PUSH``: whether the fused two-rank all-reduce writes each rank's product into
+    the peer's memory before the barrier (NVLink stores) and reads the peer's from its own, instead of
+    reading the peer's product over NVLink after it: "auto" (default) for decode-sized messages
+    (``peer_allreduce.PUSH_MAX_ROWS``), "1" always, "0" never. Both ranks must agree: tensor-parallel
     workers inherit it."""
-    return _env_choice("PREFIXSERVE_PEER_PUSH", "0", ("0", "1")) == "1"
+    return _env_choice("PREFIXSERVE_PEER_PUSH", "auto", ("auto", "0", "1"))
 
 
 def mixed_mode() -> str:

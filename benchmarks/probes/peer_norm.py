@@ -9,8 +9,8 @@ Per hidden size and rows B:
   call's product fresh (a scale of a base written into the slot just before), every output checked
   afterwards (a missed barrier shows as a stale or half-written product);
 - timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel, reading
-  the peer's product over NVLink (pull, the default) and with each rank's product pushed into the
-  peer's memory before the barrier (push, ``PREFIXSERVE_PEER_PUSH=1``; checked the same way); the
+  the peer's product over NVLink (pull, ``PREFIXSERVE_PEER_PUSH=0``) and with each rank's product
+  pushed into the peer's memory before the barrier (push, ``=1``; checked the same way); the
   engine's other path (two-shot all-reduce in peer memory, then ``add_rms_norm``); ``add_rms_norm``
   alone (the floor a fused kernel cannot beat); bytes / 450 GB/s (NVLink 4 one way) for scale.
 
@@ -149,7 +149,7 @@ def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], queu
         for b in rows:
             row = {"hidden": hidden, "rows": b}
             for mode in ("push", "pull"):  # pull last: the other columns time the default
-                os.environ["PREFIXSERVE_PEER_PUSH"] = "1" if mode == "push" else "0"
+                os.environ["PREFIXSERVE_PEER_PUSH"] = "1" if mode == "push" else "0"  # "auto" left
                 for dtype in (torch.float32, torch.bfloat16):
                     if b * hidden * dtype.itemsize <= 8 << 20:
                         name = str(dtype).removeprefix("torch.") + ("_push" if mode == "push" else "")

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 MAX_BYTES = 16 << 20  # up to [1024, 8192] bf16: two-shot stayed ahead of NCCL to 16.8 MB measured
 SLOT_BYTES = 8 << 20  # each fused product slot: [512, 8192] bf16, a decode step's at B <= 512
 SLOTS = 2  # the fused call sites alternate between them (attention's output: 0, the MLP's: 1)
+# the fused kernel pushes products of at most this many rows (2 x H100, graphed, [rows, 4096] bf16:
+# 1 row 4.9 vs 6.2 us pulled, 64 rows 6.7 vs 7.1; 256 rows 12.8 vs 12.7, and whole TP=2 steps at
+# B=256 2% slower pushed: docs/kernels.md §8)
+PUSH_MAX_ROWS = 64
 
 
 class PeerAllReduce:
@@ -116,7 +120,7 @@ class _FusedSlots:
         self.products = symm_mem.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.products, name)
         self.peer_products = handle.get_buffer(1 - rank, (SLOTS * SLOT_BYTES,), torch.uint8, 0)
-        # push (``config.peer_push_enabled``): the peer writes its product into this rank's incoming
+        # push (``config.peer_push_mode``): the peer writes its product into this rank's incoming
         # slots, and this rank into the peer's
         self.incoming = symm_mem.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.incoming, name)
@@ -167,8 +171,8 @@ class PeerSum:
 
         mine, slots = self.mine, self.slots
         shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
-        push = None
-        if config.peer_push_enabled():  # the peer's product arrives in our memory
+        push, mode = None, config.peer_push_mode()
+        if mode == "1" or (mode == "auto" and mine.shape[0] <= PUSH_MAX_ROWS):  # arrives in our memory
             peer, push = slots.pushed(*shape)
         else:  # read from the peer's memory
             _, peer = slots.views(*shape)
