@@ -82,6 +82,9 @@ def watch() -> CompileWatch:
         _installed = True
         return WATCH
     runtime = knobs.runtime
+    if not (hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")):
+        _installed = True  # a Triton without compile hooks: compiles go uncounted
+        return WATCH
     before_cache, before_post = runtime.jit_cache_hook, runtime.jit_post_compile_hook
 
     def on_compile(*, key: Any, **kw: Any) -> bool | None:
