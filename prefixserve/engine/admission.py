@@ -404,12 +404,13 @@ class Admission:
             self._forget(rid, w)
         for rid, w, before in expired:
             self._forget(rid, w)
+            waited = self.clock() - w.admitted
             if w.estimate is not None and not math.isinf(w.estimate):  # at least this late
-                self.lateness.add(self.clock() - w.admitted - w.estimate)
+                self.lateness.add(waited - w.estimate)
             log.info(
                 "dropped %s from the queue for its deadline after %.2f s: %d waited ahead of it at "
                 "admission, estimated wait %s s (slack now %.2f s); %d still ahead",
-                rid, self.clock() - w.admitted, w.ahead,
+                rid, waited, w.ahead,
                 "-" if w.estimate is None else f"{w.estimate:.2f}", self.lateness.slack(), before,
             )  # fmt: skip
             self.engine.abort(rid, report=True, reason=DEADLINE_REASON)

@@ -108,12 +108,11 @@ def peer_add_rms_norm(
     tokens, n = mine.shape
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN}")
-    for name, t in (("peer", peer), ("residual", residual), ("push", mine if push is None else push)):
+    pushed_to = mine if push is None else push  # the kernel's push_ptr (unread without PUSH)
+    for name, t in (("peer", peer), ("residual", residual), ("push", pushed_to)):
         if t.shape != mine.shape or t.dtype != mine.dtype:
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must match {tuple(mine.shape)} {mine.dtype}")
-    if push is not None and not push.is_contiguous():
-        raise ValueError("peer_add_rms_norm needs contiguous rows")
-    if not (mine.is_contiguous() and peer.is_contiguous() and residual.is_contiguous()):
+    if not all(t.is_contiguous() for t in (mine, peer, residual, pushed_to)):
         raise ValueError("peer_add_rms_norm needs contiguous rows")
     out = torch.empty_like(mine)
     res_out = torch.empty_like(mine)
@@ -125,7 +124,7 @@ def peer_add_rms_norm(
         (programs,),
         mine,
         peer,
-        mine if push is None else push,
+        pushed_to,
         residual,
         weight,
         out,
