@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--own", type=int, default=64)
     ap.add_argument("--gen", type=int, default=40)
     ap.add_argument("--short-gen", type=int, default=8)
+    ap.add_argument("--max-batched-tokens", type=int, default=16384, help="smaller keeps more KV (70B)")
     ap.add_argument("--no-peer", action="store_true", help="every all-reduce through NCCL")
     ap.add_argument(
         "--no-peer-norm", action="store_true", help="PREFIXSERVE_PEER_NORM=0: two-shot, then the norm"
@@ -82,7 +83,7 @@ def main() -> None:
         dtype="bfloat16",
         device="cuda",
         max_num_seqs=args.batch,
-        max_num_batched_tokens=16384,
+        max_num_batched_tokens=args.max_batched_tokens,
         progress=False,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
