@@ -9,6 +9,10 @@ one call goes in parts):
             graph as the engine's are, timed bare; their share of the measured step (B / tok/s).
 
     python -m benchmarks.throughput --tensor-parallel-size 2 --parts grid compare allreduce
+
+Each part keeps the device, commit and date of the run that wrote it (``runs``): parts run on different
+calls or machines say so in the table. ``--merge FILE`` takes the named parts from another result file
+(with its runs) instead of measuring them, e.g. a grid run elsewhere into this file.
 """
 
 from __future__ import annotations
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         help="compare part: also TP=N with PREFIXSERVE_PEER_NORM=0 (two-shot all-reduce, then the norm)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
+    ap.add_argument("--merge", type=Path, help="take --parts from this result file instead of measuring")
     args = ap.parse_args(argv)
     tp = args.tensor_parallel_size
     path = args.out / f"{NAME}.json"
@@ -210,13 +215,26 @@ def main(argv: list[str] | None = None) -> None:
     payload = {**run_info(), "tensor_parallel_size": tp, "gpus": torch.cuda.device_count()}
     payload.update({k: old.get(k, []) for k in ("grid", "compare")})
     payload["allreduce"] = old.get("allreduce", {})
+    payload["runs"] = _runs(old)
     payload.update(model=args.model, compare_model=args.compare_model, own=args.own, gen=args.gen)
+    if args.merge:
+        other = json.loads(args.merge.read_text())
+        for part in args.parts:
+            payload[part] = other.get(part, payload[part])
+            if part in _runs(other):
+                payload["runs"][part] = _runs(other)[part]
+        payload.update({k: other[k] for k in (*RUN_KEYS, "model", "own", "gen") if k in other})
+        write_results(NAME, payload, markdown(payload), args.out)
+        return
     modes = {
         k: (v if args.device == "cuda" else ("reference" if v == "triton_paged" else v))
         for k, v in MODES.items()
     }
 
     def save() -> None:
+        for part in args.parts:  # this run's parts: written by this run
+            if payload.get(part):
+                payload["runs"][part] = {k: payload[k] for k in RUN_KEYS}
         write_results(NAME, payload, markdown(payload), args.out)
 
     if "allreduce" in args.parts:
@@ -288,24 +306,48 @@ def main(argv: list[str] | None = None) -> None:
     save()
 
 
+RUN_KEYS = ("device", "gpus", "torch", "commit", "date")
+
+
+def _runs(result: dict) -> dict[str, dict]:
+    """Which run wrote each part of a result file; a file from before ``runs`` gets its one run's."""
+    if "runs" in result:
+        return dict(result["runs"])
+    parts = [p for p in ("grid", "compare", "allreduce") if result.get(p)]
+    return {p: {k: result.get(k) for k in RUN_KEYS} for p in parts}
+
+
+def _run_line(payload: dict, part: str) -> list[str]:
+    run = payload.get("runs", {}).get(part)
+    if not run:
+        return []
+    return [
+        "",
+        f"Measured on {run['device']} x {run['gpus']}, torch {run['torch']}, commit {run['commit']}, "
+        f"{run['date']}.",
+    ]
+
+
 def markdown(payload: dict) -> str:
     tp = payload["tensor_parallel_size"]
     md = [
         "# Tensor parallelism",
         "",
-        f"{payload['device']} x {payload['gpus']}; torch {payload['torch']}; commit {payload['commit']}; "
-        f"{payload['date']}. Decode-only tokens/s (first token to last finish), {payload['own']} own prompt "
+        f"Decode-only tokens/s (first token to last finish), {payload['own']} own prompt "
         f"tokens and {payload['gen']} generated per request, B requests sharing one P-token prefix; "
         "NCCL, NVLink multicast off, decode steps under CUDA graphs (all-reduces captured). "
         "Written by `benchmarks/tensor_parallel.py`.",
         "",
         f"## {payload['model']} at TP={tp}",
+        *_run_line(payload, "grid"),
         "",
         "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling | step ms "
-        "| all-reduce ms / step | all-reduce share |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| all-reduce ms / step | all-reduce share | step tokens | preempted on / off / ceiling |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in payload["grid"]:
+        # a pool short of the batch recomputes requests (preemptions): such a row is not clean
+        preempted = " / ".join(_num(r.get(f"{m}_preemptions")) for m in ("auto", "sharing_off", "ceiling"))
         on, off, ceil = (r.get(f"{m}_tok_s") for m in ("auto", "sharing_off", "ceiling"))
         step = r["B"] / on * 1e3 if on else None
         measured = payload["allreduce"].get(str(r["B"]), {})
@@ -313,7 +355,8 @@ def markdown(payload: dict) -> str:
         ar = measured.get("engine_peer_step_ms", measured.get("step_allreduce_ms"))
         md.append(
             f"| {r['B']} | {r['P']} | {_num(on)} | {_num(off)} | {_num(ceil)} | {_ratio(on, off, 'x')} | "
-            f"{_ratio(on, ceil, '%')} | {_num(step, '.1f')} | {_num(ar, '.2f')} | {_ratio(ar, step, '%')} |"
+            f"{_ratio(on, ceil, '%')} | {_num(step, '.1f')} | {_num(ar, '.2f')} | {_ratio(ar, step, '%')} | "
+            f"{_num(r.get('max_batched_tokens'))} | {preempted} |"
         )
     if payload["allreduce"]:
         md += [
@@ -332,6 +375,7 @@ def markdown(payload: dict) -> str:
         md += [
             "",
             f"## {payload['compare_model']}: TP=1 vs TP={tp} (sharing on)",
+            *_run_line(payload, "compare"),
             "",
             f"TP={tp} NCCL: every all-reduce through NCCL (`--no-tp-peer-allreduce`); TP={tp}: the default, "
             "decode-sized all-reduces over NVLink peer memory (at TP=2 those before a norm fused with it, "

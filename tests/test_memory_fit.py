@@ -9,7 +9,14 @@ import torch
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import LlamaForCausalLM
 from prefixserve.model.loader import CONFIG_DIR
-from prefixserve.model.memory_fit import GiB, check_kv_fits, check_weights_fit, step_reserve, weight_bytes
+from prefixserve.model.memory_fit import (
+    FIXED_RESERVE,
+    GiB,
+    check_kv_fits,
+    check_weights_fit,
+    step_reserve,
+    weight_bytes,
+)
 from prefixserve.model.parallel import Shard
 
 GPU = torch.device("cuda", 0)
@@ -51,6 +58,9 @@ def test_step_reserve_and_kv_refusal() -> None:
     local = Shard(0, 2).local_config(ModelConfig.from_json(CONFIG_DIR / "llama-3.1-70b.json"))
     reserve = step_reserve(local, torch.bfloat16, 2048, 256)
     assert 1.5 * GiB < reserve < 3 * GiB  # activations of 2048 tokens, 256 rows of fp32 logits, 1 GiB
+    # what a 70B rank at TP=2 needed on 2 x H100 with 16,384-token steps (docs/kernels.md §8): a 2.86 GiB
+    # activation peak, 0.95 GiB the allocator held unallocated when the next allocation failed
+    assert step_reserve(local, torch.bfloat16, 16384, 256) >= (2.86 + 0.95) * GiB + FIXED_RESERVE
     check_kv_fits(128, 16, 2048, GPU)
     with pytest.raises(
         ValueError, match=r"room for 100 KV blocks \(1600 tokens\).*max_num_batched_tokens=2048"
