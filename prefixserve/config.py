@@ -169,12 +169,13 @@ def peer_norm_enabled() -> bool:
 
 
 def peer_push_mode() -> str:
-    """``PREFIXSERVE_PEER_PUSH``: whether the fused two-rank all-reduce writes each rank's product into
-    the peer's memory before the barrier (NVLink stores) and reads the peer's from its own, instead of
-    reading the peer's product over NVLink after it: "auto" (default) for decode-sized messages
-    (``peer_allreduce.PUSH_MAX_ROWS``), "1" always, "0" never. Both ranks must agree: tensor-parallel
-    workers inherit it."""
-    return _env_choice("PREFIXSERVE_PEER_PUSH", "auto", ("auto", "0", "1"))
+    """``PREFIXSERVE_PEER_PUSH``: how the fused two-rank all-reduce gets the peer's product. "auto"
+    (default): the product's producer pushes it into the peer's memory from its epilogue and signals
+    (``kernels/push_signal.py``) where it can (the skinny matmul), else the norm kernel pushes it
+    before its barrier at decode sizes (``peer_allreduce.PUSH_MAX_ROWS``), else the norm reads the
+    peer's over NVLink; "norm": never the producer; "1": always push; "0": always read. Both ranks
+    must agree: tensor-parallel workers inherit it."""
+    return _env_choice("PREFIXSERVE_PEER_PUSH", "auto", ("auto", "norm", "0", "1"))
 
 
 def mixed_mode() -> str:

@@ -75,7 +75,7 @@ def test_peer_norm_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_peer_push_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PREFIXSERVE_PEER_PUSH", raising=False)
     assert config.peer_push_mode() == "auto"
-    for value in ("auto", "0", "1"):
+    for value in ("auto", "norm", "0", "1"):
         monkeypatch.setenv("PREFIXSERVE_PEER_PUSH", value)
         assert config.peer_push_mode() == value
     monkeypatch.setenv("PREFIXSERVE_PEER_PUSH", "yes")

@@ -17,6 +17,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,17 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
         if written is not None:
             return written
     return torch.mm(x, weight.t(), out=out)
+
+
+def linear_pushed(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, push: Any) -> bool:
+    """``linear(x, weight)`` written into ``out`` and pushed into the peer rank's memory with its
+    signal (``push``: a ``push_signal.PushTarget``), where the skinny kernel takes the product;
+    False (nothing written) elsewhere, for ``linear_into``."""
+    if push is None or not skinny_wins(x, weight):
+        return False
+    from prefixserve.model.kernels import skinny_matmul
+
+    return skinny_matmul.linear_if_faster(x, weight, None, out=out, push=push) is not None
 
 
 def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:

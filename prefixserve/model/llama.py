@@ -14,6 +14,7 @@ of the checkpoint's tensors each holds, and an all-reduce follows o_proj, down_p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -156,6 +157,8 @@ class RowParallelLinear(Linear):
             if slot is not None and fused.peer_norm_enabled():
                 pending = peer.product_slot(slot, x.shape[0], self.out_features, x.dtype)
                 if pending is not None:
+                    if fused.linear_pushed(x, self.weight, pending.mine, pending.push_target()):
+                        return dataclasses.replace(pending, pushed=True)
                     fused.linear_into(x, self.weight, pending.mine)
                     return pending
             staged = peer.staged(x.shape[0], self.out_features, x.dtype)

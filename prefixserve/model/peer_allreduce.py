@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from prefixserve.model.kernels.push_signal import PushTarget
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,14 @@ class _FusedSlots:
         self.flags.zero_()
         handle = symm_mem.rendezvous(self.flags, name)
         self.peer_flags = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int32, 0)
+        # a pushing producer's counts (``kernels/push_signal.py``), one 16-byte cell a slot: its
+        # tickets and the calls it produced here, the calls the peer produced into this rank's memory
+        self.tickets = torch.zeros(2 * SLOTS, dtype=torch.int64, device=device)
+        self.expected = torch.zeros(2 * SLOTS, dtype=torch.int64, device=device)
+        self.calls = symm_mem.empty(2 * SLOTS, dtype=torch.int64, device=device)
+        self.calls.zero_()
+        handle = symm_mem.rendezvous(self.calls, name)
+        self.peer_calls = handle.get_buffer(1 - rank, (2 * SLOTS,), torch.int64, 0)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
@@ -147,6 +158,19 @@ class _FusedSlots:
             self.peer_incoming, slot, rows, cols, dtype
         )
 
+    def push_target(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> PushTarget:
+        """Where a pushing producer writes this call's product and how it signals the peer."""
+        from prefixserve.model.kernels.push_signal import PushTarget
+
+        cell = slice(2 * slot, 2 * slot + 1)
+        peer_out = self._view(self.peer_incoming, slot, rows, cols, dtype)
+        return PushTarget(peer_out, self.tickets[cell], self.expected[cell], self.peer_calls[cell])
+
+    def arrived(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the peer's calls into ``slot`` here, this rank's own count): what the norm waits on."""
+        cell = slice(2 * slot, 2 * slot + 1)
+        return self.calls[cell], self.expected[cell]
+
     @staticmethod
     def _view(buffer: torch.Tensor, slot: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         at = slot * SLOT_BYTES
@@ -161,6 +185,15 @@ class PeerSum:
     slots: _FusedSlots
     slot: int
     mine: torch.Tensor
+    pushed: bool = False  # the producer also wrote it into the peer's incoming slot and signalled
+
+    def push_target(self) -> PushTarget | None:
+        """Where the producer of ``mine`` may push it (``config.peer_push_mode``: not "0" or "norm")."""
+        from prefixserve import config
+
+        if config.peer_push_mode() in ("0", "norm"):
+            return None
+        return self.slots.push_target(self.slot, *self.mine.shape, self.mine.dtype)
 
     def add_rms_norm(
         self, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -171,12 +204,16 @@ class PeerSum:
 
         mine, slots = self.mine, self.slots
         shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
-        push, mode = None, config.peer_push_mode()
-        if mode == "1" or (mode == "auto" and mine.shape[0] <= PUSH_MAX_ROWS):  # arrives in our memory
+        push, arrived, mode = None, None, config.peer_push_mode()
+        if self.pushed:  # the peer's producer pushed its product here and counted it
+            peer, _ = slots.pushed(*shape)
+            arrived = slots.arrived(self.slot)
+        elif mode == "1" or (mode != "0" and mine.shape[0] <= PUSH_MAX_ROWS):  # arrives in our memory
             peer, push = slots.pushed(*shape)
         else:  # read from the peer's memory
             _, peer = slots.views(*shape)
-        return peer_add_rms_norm(mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push)
+        flags = (slots.flags, slots.peer_flags)
+        return peer_add_rms_norm(mine, peer, residual, weight, eps, *flags, push, arrived)
 
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:

@@ -77,3 +77,39 @@ def test_pushed_products_are_written_to_the_peer_and_read_from_here(
     assert torch.equal(peer_incoming, mine)  # every row pushed, by whichever program holds it
     programs = min(rows, flags)
     assert my_flags[:programs].eq(0).all() and peer_flags[:programs].eq(1).all()
+
+
+def _counters() -> tuple[torch.Tensor, ...]:
+    """(tickets, expected, calls), one 16-byte aligned int64 count each."""
+    return tuple(torch.zeros(2, dtype=torch.int64, device=DEVICE)[:1] for _ in range(3))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+def test_a_pushing_producer_writes_both_places_and_signals_once_per_call(rows: int) -> None:
+    """The skinny kernel with a push target: the product here and in the peer's buffer, the last of
+    its programs bumping the counts once per call (tickets back to 0, expected and the peer's calls
+    up by one); a norm waiting on those counts then sums the pushed product."""
+    from prefixserve.model.kernels import skinny_matmul
+    from prefixserve.model.kernels.push_signal import PushTarget
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(512, 256, generator=gen).to(DEVICE, dtype) / 16
+    out, peer_out = (torch.zeros(rows, 512, device=DEVICE, dtype=dtype) for _ in range(2))
+    tickets, expected, calls = _counters()
+    target = PushTarget(peer_out, tickets, expected, calls)
+    for call in (1, 2):
+        assert skinny_matmul.linear_if_faster(x, w, out=out, push=target) is out
+        assert torch.equal(out, peer_out)
+        assert (int(tickets), int(expected), int(calls)) == (0, call, call)
+    torch.testing.assert_close(out.float(), (x.float() @ w.float().t()), atol=3e-2, rtol=3e-2)
+    # this rank's norm: the peer's product arrived (its calls reached our expected count)
+    res = torch.randn(rows, 512, generator=gen).to(DEVICE, dtype)
+    norm_w = torch.ones(512, device=DEVICE, dtype=dtype)
+    flags = torch.zeros(8, dtype=torch.int32, device=DEVICE)  # untouched in this mode
+    got, summed = peer_add_rms_norm(out, peer_out, res, norm_w, 1e-5, flags, flags, arrived=(calls, expected))
+    ref, ref_summed = peer_add_rms_norm_ref(out, peer_out, res, norm_w, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert flags.eq(0).all()

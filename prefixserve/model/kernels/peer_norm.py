@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.model.kernels.push_signal import wait_arrived
 from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
@@ -54,12 +55,15 @@ def _peer_add_rms_norm_kernel(
     res_out_ptr,  # [T, N] the residual stream plus the sum
     my_flags_ptr,  # [MAX_PROGRAMS] int32: the peer's program i sets flag i here
     peer_flags_ptr,  # [MAX_PROGRAMS] int32, in the peer's memory: this rank's program i sets flag i
+    calls_ptr,  # ARRIVED: the peer's producer's count of calls into this slot (``push_signal``)
+    expected_ptr,  # ARRIVED: this rank's own count
     n_rows,
     n_cols,
     stride,  # row stride of every [T, N] operand
     eps,
     BLOCK: tl.constexpr,
     PUSH: tl.constexpr = False,
+    ARRIVED: tl.constexpr = False,  # the peer's producer pushed into peer_ptr and signalled: no barrier
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -69,11 +73,13 @@ def _peer_add_rms_norm_kernel(
             at = row * stride + cols
             tl.store(push_ptr + at, tl.load(mine_ptr + at, mask=mask, other=0.0), mask=mask)
         tl.debug_barrier()  # every thread's stores issued before the release below
-    # meet the peer's program pid: signal it, then wait for its signal
-    while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
-        pass
-    while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
-        pass
+    if ARRIVED:
+        wait_arrived(calls_ptr, expected_ptr)
+    else:  # meet the peer's program pid: signal it, then wait for its signal
+        while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
+            pass
+        while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
@@ -101,10 +107,12 @@ def peer_add_rms_norm(
     my_flags: torch.Tensor,  # [>= programs] int32
     peer_flags: torch.Tensor,  # [>= programs] int32
     push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
+    arrived: tuple[torch.Tensor, torch.Tensor] | None = None,  # (calls, expected): pushed by a producer
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors; the
     peer must make the same call (its ``mine`` is this rank's ``peer``, or with ``push``, is written
-    into this rank's ``peer``) at the same point."""
+    into this rank's ``peer``) at the same point. With ``arrived`` the peer's product was pushed into
+    ``peer`` by the peer's producer kernel (``push_signal``): no barrier, a wait on a local count."""
     tokens, n = mine.shape
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN}")
@@ -112,6 +120,8 @@ def peer_add_rms_norm(
     for name, t in (("peer", peer), ("residual", residual), ("push", pushed_to)):
         if t.shape != mine.shape or t.dtype != mine.dtype:
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must match {tuple(mine.shape)} {mine.dtype}")
+    if push is not None and arrived is not None:
+        raise ValueError("a product is pushed by the norm (push) or by its producer (arrived), not both")
     if not all(t.is_contiguous() for t in (mine, peer, residual, pushed_to)):
         raise ValueError("peer_add_rms_norm needs contiguous rows")
     out = torch.empty_like(mine)
@@ -131,12 +141,14 @@ def peer_add_rms_norm(
         res_out,
         my_flags,
         peer_flags,
+        *(arrived or (my_flags, my_flags)),
         tokens,
         n,
         n,
         eps,
         BLOCK=block,
         PUSH=push is not None,
+        ARRIVED=arrived is not None,
         num_warps=min(16, max(1, block // 512)),
     )
     return out, res_out

@@ -19,6 +19,7 @@ import os
 import torch
 
 from prefixserve.model.kernels.bound import BoundKernel
+from prefixserve.model.kernels.push_signal import PushTarget, signal_done
 from prefixserve.model.kernels.silu_mul import silu_mul
 from prefixserve.triton_support import require_triton
 
@@ -34,6 +35,10 @@ def _skinny_kernel(
     w_ptr,  # [N, K]
     out_ptr,  # [M, N]
     bias_ptr,  # [N], or x_ptr when there is none
+    peer_out_ptr,  # PUSH: [M, N] in the peer's memory, written too (else out_ptr)
+    tickets_ptr,  # PUSH: the signal's counters (``push_signal.signal_done``; else unused)
+    expected_ptr,
+    peer_calls_ptr,
     M,
     N,
     K,
@@ -46,6 +51,7 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PUSH: tl.constexpr = False,  # also store into the peer's memory, then signal the peer
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,8 +76,11 @@ def _skinny_kernel(
     dtype = out_ptr.dtype.element_ty
     if GATED:
         acc = silu_mul(acc, acc_up, dtype)
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    at = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptr + at, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    if PUSH:
+        tl.store(peer_out_ptr + at, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+        signal_done(tickets_ptr, expected_ptr, peer_calls_ptr, tl.num_programs(0))
 
 
 _skinny = BoundKernel(_skinny_kernel)
@@ -159,15 +168,20 @@ def skinny_linear(
 
 
 def linear_if_faster(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    push: PushTarget | None = None,
 ) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` through the kernel where it takes the product and its rule names
     tiles (``supported``, ``skinny_config``); None where cuBLAS should do it (``fused.linear``).
-    ``out``: a [M, N] tensor with unit column stride to write into (a peer all-reduce buffer)."""
+    ``out``: a [M, N] tensor with unit column stride to write into (a peer all-reduce buffer);
+    ``push``: also write it into the peer rank's memory and signal it (``push_signal``)."""
     if not supported(x, weight, bias):
         return None
     config = skinny_config(x.shape[0], weight.shape[0])
-    return None if config is None else _launch(x, weight, bias, config, out=out)
+    return None if config is None else _launch(x, weight, bias, config, out=out, push=push)
 
 
 def skinny_gated(
@@ -197,6 +211,7 @@ def _launch(
     config: tuple[int, int],
     gated: bool = False,
     out: torch.Tensor | None = None,
+    push: PushTarget | None = None,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -206,11 +221,14 @@ def _launch(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
+    if push is not None and (push.peer_out.shape != out.shape or push.peer_out.stride() != out.stride()):
+        raise ValueError(f"the peer's buffer {tuple(push.peer_out.shape)} must match out {tuple(out.shape)}")
+    signal = (push.peer_out, push.tickets, push.expected, push.peer_calls) if push else (out, out, out, out)
     _skinny(
-        (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
+        (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, *signal, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        STAGES=stages, num_warps=4,
+        STAGES=stages, PUSH=push is not None, num_warps=4,
     )  # fmt: skip
     return out
 
