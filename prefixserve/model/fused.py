@@ -179,13 +179,18 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
 
 def linear_pushed(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, push: Any) -> bool:
     """``linear(x, weight)`` written into ``out`` and pushed into the peer rank's memory with its
-    signal (``push``: a ``push_signal.PushTarget``), where the skinny kernel takes the product;
-    False (nothing written) elsewhere, for ``linear_into``."""
-    if push is None or not skinny_wins(x, weight):
+    signal (``push``: a ``push_signal.PushTarget``): the skinny kernel at a few rows, the push
+    matmul at 65-512; False (nothing written) elsewhere, for ``linear_into``."""
+    if push is None or not (_SWITCHES["skinny"] and _use_triton(x)):
         return False
-    from prefixserve.model.kernels import skinny_matmul
+    from prefixserve.model.kernels import push_matmul, skinny_matmul
 
-    return skinny_matmul.linear_if_faster(x, weight, None, out=out, push=push) is not None
+    if skinny_wins(x, weight):
+        return skinny_matmul.linear_if_faster(x, weight, None, out=out, push=push) is not None
+    if push_matmul.supported(x, weight, out):
+        push_matmul.push_linear(x, weight, out, push)
+        return True
+    return False
 
 
 def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:

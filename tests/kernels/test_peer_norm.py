@@ -113,3 +113,26 @@ def test_a_pushing_producer_writes_both_places_and_signals_once_per_call(rows: i
     torch.testing.assert_close(summed, ref_summed, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     assert flags.eq(0).all()
+
+
+@pytest.mark.parametrize(("rows", "cols", "k"), [(65, 256, 128), (130, 128, 192), (200, 384, 64)])
+def test_push_matmul_writes_both_places_and_signals_once_per_call(rows: int, cols: int, k: int) -> None:
+    """The 65-512-row product with a push target, against the torch reference: the tiles here and in
+    the peer's buffer, one signal per call whatever the number of programs."""
+    from prefixserve.model.kernels import push_matmul
+    from prefixserve.model.kernels.push_signal import PushTarget
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(rows + cols)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(cols, k, generator=gen) / 8).to(DEVICE, dtype)
+    out, peer_out = (torch.zeros(rows, cols, device=DEVICE, dtype=dtype) for _ in range(2))
+    tickets, expected, calls = _counters()
+    target = PushTarget(peer_out, tickets, expected, calls)
+    for call in (1, 2, 3):
+        assert push_matmul.push_linear(x, w, out, target, config=(64, 64, 2, 4)) is out
+        assert torch.equal(out, peer_out)
+        assert (int(tickets), int(expected), int(calls)) == (0, call, call)
+    torch.testing.assert_close(out.float(), x.float() @ w.float().t(), atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="push_linear"):
+        push_matmul.push_linear(x[:64], w, out[:64], target)
