@@ -116,7 +116,41 @@ def _time(peer, rows: int, k: int) -> dict:
     return out
 
 
-def _worker(rank: int, init: str, rows: list[int], queue) -> None:
+CONFIGS = [  # push_matmul tiles tried by --sweep: (BLOCK_M, BLOCK_N, STAGES, num_warps)
+    (64, 128, 3, 4), (64, 128, 4, 4), (64, 128, 3, 8), (64, 64, 4, 4), (64, 64, 6, 4), (64, 256, 3, 8),
+    (128, 64, 4, 4), (128, 128, 3, 8), (128, 128, 4, 8), (128, 256, 3, 8), (32, 128, 4, 4),
+]  # fmt: skip
+
+
+def _sweep(peer, rows: int, k: int) -> list[dict]:
+    """The producer push per call (matmul + norm) and push_matmul alone for each tile config."""
+    from prefixserve.model.kernels import push_matmul
+
+    dtype = torch.bfloat16
+    copies = max(2, int(200e6 // (HIDDEN * k * 2)))
+    weights = [(torch.randn(HIDDEN, k, device="cuda") / 32).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    residual = torch.randn(rows, HIDDEN, device="cuda").to(dtype)
+    norm_w = torch.ones(HIDDEN, device="cuda", dtype=dtype)
+    slot = peer.product_slot(0, rows, HIDDEN, dtype)
+    target = slot.push_target()
+    os.environ["PREFIXSERVE_PEER_PUSH"] = "auto"
+    found, default = [], push_matmul.CONFIG
+    for config in CONFIGS:
+        push_matmul.CONFIG = config
+        row = {"shape_K": k, "rows": rows, "config": list(config)}
+        row["producer_push_us"] = _graph_us(
+            lambda i: _reduced(peer, x, weights[i % copies], residual, norm_w, i % 2)
+        )
+        row["push_matmul_us"] = _graph_us(
+            lambda i: push_matmul.push_linear(x, weights[i % copies], slot.mine, target)
+        )
+        found.append(row)
+    push_matmul.CONFIG = default
+    return found
+
+
+def _worker(rank: int, init: str, rows: list[int], queue, sweep: list[int]) -> None:
     torch.cuda.set_device(rank)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group(
@@ -134,8 +168,12 @@ def _worker(rank: int, init: str, rows: list[int], queue) -> None:
             result.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
+    swept = []
+    for k in SHAPES.values():
+        for b in sweep:
+            swept += _sweep(peer, b, k)
     if rank == 0:
-        queue.put(result)
+        queue.put((result, swept))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -144,20 +182,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128, 256, 512])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--sweep", type=int, nargs="*", default=[], help="rows to try push_matmul's tiles at")
     args = ap.parse_args()
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = str(Path(tmp) / "init")
-        procs = [ctx.Process(target=_worker, args=(r, init, args.rows, queue)) for r in range(2)]
+        procs = [ctx.Process(target=_worker, args=(r, init, args.rows, queue, args.sweep)) for r in range(2)]
         for p in procs:
             p.start()
-        result = queue.get(timeout=500)
+        result, swept = queue.get(timeout=550)
         for p in procs:
             p.join(60)
     device = torch.cuda.get_device_name(0)
     if args.json:
-        found = {"device": device, "torch": torch.__version__, "rows": result}
+        found = {"device": device, "torch": torch.__version__, "rows": result, "sweep": swept}
         args.json.write_text(json.dumps(found, indent=1))
     print(f"{device} x 2; microseconds per call (matmul + all-reduce + residual add + norm), graphed")
     head = ("shape", "B", "pull", "norm push", "producer push", "cuBLAS", "skinny", "push_matmul", "wrong")
@@ -170,6 +209,11 @@ def main() -> None:
         cells += [f"{r.get(k, nan):.1f}" for k in ("cublas_us", "skinny_us", "push_matmul_us")]
         cells.append(r["producer_push_wrong"])
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    if swept:
+        print("push_matmul tiles: K, B, (BLOCK_M, BLOCK_N, STAGES, warps): producer push / push_matmul us")
+        for r in swept:
+            us = f"{r['producer_push_us']:.1f} / {r['push_matmul_us']:.1f}"
+            print(r["shape_K"], r["rows"], tuple(r["config"]), us)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ triton, tl = require_triton()
 
 MIN_ROWS, MAX_ROWS = 65, 512  # below: the skinny kernel pushes; above: not a decode step's product
 BLOCK_K = 64
+CONFIG = (64, 128, 3, 8)  # (BLOCK_M, BLOCK_N, STAGES, num_warps), not yet tuned
 
 
 @triton.jit(do_not_specialize=["M"])  # a step's rows (compile_watch)
@@ -101,10 +102,10 @@ def push_linear(
     weight: torch.Tensor,
     out: torch.Tensor,
     push: PushTarget,
-    config: tuple[int, int, int, int] = (64, 128, 3, 8),
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight)`` into ``out`` and into ``push.peer_out``, then the peer signalled, for
-    ``supported`` inputs; ``config``: (BLOCK_M, BLOCK_N, STAGES, num_warps), not yet tuned."""
+    ``supported`` inputs; ``config``: (BLOCK_M, BLOCK_N, STAGES, num_warps), else ``CONFIG``."""
     if not supported(x, weight, out):
         raise ValueError(
             f"push_linear takes {MIN_ROWS}-{MAX_ROWS} 16-bit rows with K % {BLOCK_K} == 0 and a matching "
@@ -114,7 +115,7 @@ def push_linear(
         raise ValueError(f"the peer's buffer {tuple(push.peer_out.shape)} must match out {tuple(out.shape)}")
     m, k = x.shape
     n = weight.shape[0]
-    block_m, block_n, stages, warps = config
+    block_m, block_n, stages, warps = config or CONFIG
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _bound(
         grid, x, weight, out, push.peer_out, push.tickets, push.expected, push.peer_calls, m, n, k,
