@@ -219,10 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     payload.update(model=args.model, compare_model=args.compare_model, own=args.own, gen=args.gen)
     if args.merge:
         other = json.loads(args.merge.read_text())
+        other_runs = _runs(other)
         for part in args.parts:
             payload[part] = other.get(part, payload[part])
-            if part in _runs(other):
-                payload["runs"][part] = _runs(other)[part]
+            if part in other_runs:
+                payload["runs"][part] = other_runs[part]
         payload.update({k: other[k] for k in (*RUN_KEYS, "model", "own", "gen") if k in other})
         write_results(NAME, payload, markdown(payload), args.out)
         return
