@@ -206,6 +206,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="compare part: also TP=N with PREFIXSERVE_PEER_NORM=0 (two-shot all-reduce, then the norm)",
     )
+    ap.add_argument(
+        "--peer-signal-ab",
+        action="store_true",
+        help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL=swap (ranks meet by compare-and-swap)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     ap.add_argument("--merge", type=Path, help="take --parts from this result file instead of measuring")
     args = ap.parse_args(argv)
@@ -252,15 +257,21 @@ def main(argv: list[str] | None = None) -> None:
             # TP=1; TP=N with every all-reduce through NCCL; TP=N as configured by default (decode-sized
             # all-reduces over peer memory): one run, one machine
             # the peer all-reduce goes to a process's first tensor-parallel engine only: run one B a process
-            runs = [("tp1", 1, False, "1"), (f"tp{tp}", tp, True, "1"), (f"tp{tp}_nccl", tp, False, "1")]
+            # (key, ranks, peer all-reduce, environment of a process of its own)
+            runs: list[tuple[str, int, bool, dict[str, str]]] = [
+                ("tp1", 1, False, {}),
+                (f"tp{tp}", tp, True, {}),
+                (f"tp{tp}_nccl", tp, False, {}),
+            ]
             if args.peer_norm_ab:  # the fused all-reduce + norm off: PyTorch's two-shot, then the norm
-                runs.append((f"tp{tp}_two_shot", tp, True, "0"))
-            for key, size, peer, peer_norm in runs:
+                runs.append((f"tp{tp}_two_shot", tp, True, {"PREFIXSERVE_PEER_NORM": "0"}))
+            if args.peer_signal_ab:  # the fused kernel's ranks meeting by compare-and-swap
+                runs.append((f"tp{tp}_swap", tp, True, {"PREFIXSERVE_PEER_SIGNAL": "swap"}))
+            for key, size, peer, env in runs:
                 run = (args.compare_model, args.device, "auto", prompts, args.gen, size, peer)
-                if peer_norm == "1":
-                    r = _measure(*run)
-                else:  # a process of its own: only a process's first engine gets the peer all-reduce
-                    r = _measure_elsewhere(run, {"PREFIXSERVE_PEER_NORM": peer_norm})
+                # an environment needs a process of its own: only a process's first engine gets the peer
+                # all-reduce, and the workers inherit the environment at start
+                r = _measure_elsewhere(run, env) if env else _measure(*run)
                 row[f"{key}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
@@ -308,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 RUN_KEYS = ("device", "gpus", "torch", "commit", "date")
+AB_RUNS = (("two_shot", "two-shot"), ("swap", "swap"))  # compare's optional runs: key suffix, label
 
 
 def _runs(result: dict) -> dict[str, dict]:
@@ -381,25 +393,30 @@ def markdown(payload: dict) -> str:
             f"TP={tp} NCCL: every all-reduce through NCCL (`--no-tp-peer-allreduce`); TP={tp}: the default, "
             "decode-sized all-reduces over NVLink peer memory (at TP=2 those before a norm fused with it, "
             "`kernels/peer_norm.py`); two-shot: the same with `PREFIXSERVE_PEER_NORM=0` (PyTorch's "
-            "two-shot all-reduce, then the norm), where `--peer-norm-ab` ran it. GPU idle: rank 0's GPU "
-            "between decode steps, as a fraction of the decode time.",
+            "two-shot all-reduce, then the norm), where `--peer-norm-ab` ran it; swap: the fused kernel's "
+            "ranks meeting by compare-and-swap flags (`PREFIXSERVE_PEER_SIGNAL=swap`, the protocol before "
+            "call counts), where `--peer-signal-ab` ran it. GPU idle: rank 0's GPU between decode steps, "
+            "as a fraction of the decode time.",
             "",
-            f"| B | P | TP=1 tok/s | TP={tp} NCCL tok/s | TP={tp} two-shot tok/s | TP={tp} tok/s "
-            f"| NCCL / TP=1 | two-shot / TP=1 | TP={tp} / TP=1 | GPU idle TP=1 / NCCL / TP=" + str(tp) + " |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        variants = [(f"tp{tp}_nccl", "NCCL")] + [
+            (f"tp{tp}_{k}", label)
+            for k, label in AB_RUNS
+            if any(f"tp{tp}_{k}_tok_s" in r for r in payload["compare"])
+        ]
+        variants.append((f"tp{tp}", f"TP={tp}"))
+        head = ["B", "P", "TP=1 tok/s"] + [f"{label} tok/s" for _, label in variants]
+        head += [f"{label} / TP=1" for _, label in variants]
+        head.append("GPU idle TP=1 / " + " / ".join(label for _, label in variants))
+        md += ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
         for r in payload["compare"]:
-            keys = ("tp1", f"tp{tp}_nccl", f"tp{tp}")
-            one, nccl, many = (r.get(f"{k}_tok_s", 0) for k in keys)
-            two = r.get(f"tp{tp}_two_shot_tok_s")
-            idle = [r.get(f"{k}_host_overhead_frac") for k in keys]
-            idle_s = " / ".join(f"{x:.1%}" for x in idle) if None not in idle else "-"
-            two_s = f"{two:.0f} | " if two else "- | "
-            two_r = f"{two / max(one, 1e-9):.2f}x | " if two else "- | "
-            md.append(
-                f"| {r['B']} | {r['P']} | {one:.0f} | {nccl:.0f} | {two_s}{many:.0f} | "
-                f"{nccl / max(one, 1e-9):.2f}x | {two_r}{many / max(one, 1e-9):.2f}x | {idle_s} |"
-            )
+            one = r.get("tp1_tok_s", 0)
+            cells = [str(r["B"]), str(r["P"]), f"{one:.0f}"]
+            cells += [_num(r.get(f"{k}_tok_s")) for k, _ in variants]
+            cells += [_ratio(r.get(f"{k}_tok_s"), one, "x") for k, _ in variants]
+            idle = [r.get(f"{k}_host_overhead_frac") for k in ("tp1", *(k for k, _ in variants))]
+            cells.append(" / ".join("-" if x is None else f"{x:.1%}" for x in idle))
+            md.append("| " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
 
 

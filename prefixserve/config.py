@@ -177,6 +177,16 @@ def peer_push_mode() -> str:
     return _env_choice("PREFIXSERVE_PEER_PUSH", "auto", ("auto", "0", "1"))
 
 
+def peer_signal_mode() -> str:
+    """``PREFIXSERVE_PEER_SIGNAL``: how the two ranks' programs of the fused all-reduce meet. "count"
+    (default): each program writes its call count into the peer's flag without waiting for an answer
+    and reads its own until the peer's count reaches it, the kernel launched with programmatic
+    dependent launch on Hopper; "swap": compare-and-swap flags, each swap answered over NVLink before
+    the program goes on (the earlier protocol, for A/B runs). Both ranks must agree: tensor-parallel
+    workers inherit it."""
+    return _env_choice("PREFIXSERVE_PEER_SIGNAL", "count", ("count", "swap"))
+
+
 def mixed_mode() -> str:
     """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
     (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every

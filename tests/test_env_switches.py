@@ -1,4 +1,4 @@
-"""The environment switches: exactly five PREFIXSERVE_* variables, read only in prefixserve/config.py.
+"""The environment switches: exactly six PREFIXSERVE_* variables, read only in prefixserve/config.py.
 
 Each switch is a function of ``prefixserve.config`` that reads its variable when called, so a test (or a
 benchmark) that sets the variable sees the effect on the next call; a value outside the documented ones
@@ -22,6 +22,7 @@ SWITCHES = {
     "PREFIXSERVE_MIXED",
     "PREFIXSERVE_PEER_NORM",
     "PREFIXSERVE_PEER_PUSH",
+    "PREFIXSERVE_PEER_SIGNAL",
 }
 
 
@@ -72,6 +73,17 @@ def test_peer_norm_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
         config.peer_norm_enabled()
 
 
+def test_peer_signal_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PREFIXSERVE_PEER_SIGNAL", raising=False)
+    assert config.peer_signal_mode() == "count"
+    for value in ("count", "swap"):
+        monkeypatch.setenv("PREFIXSERVE_PEER_SIGNAL", value)
+        assert config.peer_signal_mode() == value
+    monkeypatch.setenv("PREFIXSERVE_PEER_SIGNAL", "cas")
+    with pytest.raises(ValueError, match="PREFIXSERVE_PEER_SIGNAL"):
+        config.peer_signal_mode()
+
+
 def test_peer_push_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PREFIXSERVE_PEER_PUSH", raising=False)
     assert config.peer_push_mode() == "auto"
@@ -87,15 +99,15 @@ def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_only_the_five_switches_are_named_in_the_package() -> None:
-    """A sixth PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
+def test_only_the_six_switches_are_named_in_the_package() -> None:
+    """A seventh PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
     add it to config.py, with its function and docstring, and to SWITCHES, or do without it."""
     names: dict[str, list[str]] = {}
     for path in _sources():
         for name in re.findall(r"PREFIXSERVE_[A-Z0-9_]+", path.read_text()):
             names.setdefault(name, []).append(str(path.relative_to(PACKAGE.parent)))
     extra = {name: files for name, files in names.items() if name not in SWITCHES}
-    assert not extra, f"PREFIXSERVE_* names outside the five switches: {extra}"
+    assert not extra, f"PREFIXSERVE_* names outside the six switches: {extra}"
     config_text = (PACKAGE / "config.py").read_text()
     assert all(f'"{name}"' in config_text for name in SWITCHES)
 

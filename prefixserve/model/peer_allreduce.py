@@ -129,6 +129,15 @@ class _FusedSlots:
         self.flags.zero_()
         handle = symm_mem.rendezvous(self.flags, name)
         self.peer_flags = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int32, 0)
+        # meeting by call count (``config.peer_signal_mode``): the peer's program i writes its count
+        # of calls into counts[i]; calls[i] is this rank's own count (int64: never wraps)
+        self.counts = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int64, device=device)
+        self.counts.zero_()
+        handle = symm_mem.rendezvous(self.counts, name)
+        self.peer_counts = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int64, 0)
+        self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
+        # programmatic dependent launch: the kernel waits for its producer in-kernel (Hopper and later)
+        self.dependent_launch = torch.cuda.get_device_capability(device)[0] >= 9
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
@@ -176,7 +185,12 @@ class PeerSum:
             peer, push = slots.pushed(*shape)
         else:  # read from the peer's memory
             _, peer = slots.views(*shape)
-        return peer_add_rms_norm(mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push)
+        if config.peer_signal_mode() == "swap":
+            return peer_add_rms_norm(mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push)
+        flags = (slots.counts, slots.peer_counts)
+        return peer_add_rms_norm(
+            mine, peer, residual, weight, eps, *flags, push, calls=slots.calls, pdl=slots.dependent_launch
+        )
 
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:

@@ -77,3 +77,36 @@ def test_pushed_products_are_written_to_the_peer_and_read_from_here(
     assert torch.equal(peer_incoming, mine)  # every row pushed, by whichever program holds it
     programs = min(rows, flags)
     assert my_flags[:programs].eq(0).all() and peer_flags[:programs].eq(1).all()
+
+
+@pytest.mark.parametrize("push", [False, True])
+@pytest.mark.parametrize(("rows", "flags"), [(1, 8), (13, 4)])
+def test_call_count_signal_counts_each_program_once(push: bool, rows: int, flags: int) -> None:
+    """Signal by call count: each program adds one to its own count, writes it to the peer's flag and
+    goes on once its own flag has reached it (the peer's program of the same call, or a later one)."""
+    gen = torch.Generator().manual_seed(rows + 17)
+    mine, incoming, res = (torch.randn(rows, 64, generator=gen).to(DEVICE) for _ in range(3))
+    w = torch.ones(64, device=DEVICE)
+    programs = min(rows, flags)
+    calls = torch.full((flags,), 41, dtype=torch.int64, device=DEVICE)
+    my_flags = torch.full((flags,), 42, dtype=torch.int64, device=DEVICE)  # the peer's 42nd call signalled
+    peer_flags = torch.full((flags,), 41, dtype=torch.int64, device=DEVICE)
+    pushed = torch.zeros_like(mine) if push else None
+    out, summed = peer_add_rms_norm(mine, incoming, res, w, 1e-5, my_flags, peer_flags, pushed, calls=calls)
+    ref, ref_summed = peer_add_rms_norm_ref(mine, incoming, res, w, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert calls[:programs].eq(42).all() and calls[programs:].eq(41).all()
+    assert peer_flags[:programs].eq(42).all() and peer_flags[programs:].eq(41).all()
+    assert my_flags.eq(42).all()  # read, never consumed: the count only grows
+    if push:
+        assert torch.equal(pushed, mine)
+
+
+def test_call_count_signal_wants_int64_flags() -> None:
+    x = torch.zeros(2, 8, device=DEVICE)
+    f32 = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="int64"):
+        peer_add_rms_norm(
+            x, x, x, x[0], 1e-6, f32, f32, calls=torch.zeros(4, dtype=torch.int64, device=DEVICE)
+        )

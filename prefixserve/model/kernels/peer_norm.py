@@ -52,30 +52,46 @@ def _peer_add_rms_norm_kernel(
     w_ptr,  # [N]
     out_ptr,  # [T, N] normalised
     res_out_ptr,  # [T, N] the residual stream plus the sum
-    my_flags_ptr,  # [MAX_PROGRAMS] int32: the peer's program i sets flag i here
-    peer_flags_ptr,  # [MAX_PROGRAMS] int32, in the peer's memory: this rank's program i sets flag i
+    my_flags_ptr,  # [MAX_PROGRAMS]: the peer's program i signals flag i here
+    peer_flags_ptr,  # [MAX_PROGRAMS], in the peer's memory: this rank's program i signals flag i
+    calls_ptr,  # EPOCH: [MAX_PROGRAMS] int64, this rank's own: the calls program i has made
     n_rows,
     n_cols,
     stride,  # row stride of every [T, N] operand
     eps,
     BLOCK: tl.constexpr,
     PUSH: tl.constexpr = False,
+    EPOCH: tl.constexpr = False,  # signal by call count (int64 flags), without waiting for an answer
+    RELAXED: tl.constexpr = False,  # EPOCH, pull: the signal without a system-scope release
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the producer
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # written at load time
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before (the product's matmul) has finished
     if PUSH:  # this program's rows of our product into the peer's incoming buffer, before the signal
         for row in range(pid, n_rows, tl.num_programs(0)):
             at = row * stride + cols
             tl.store(push_ptr + at, tl.load(mine_ptr + at, mask=mask, other=0.0), mask=mask)
         tl.debug_barrier()  # every thread's stores issued before the release below
     # meet the peer's program pid: signal it, then wait for its signal
-    while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
-        pass
-    while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
-        pass
+    if EPOCH:
+        call = tl.load(calls_ptr + pid) + 1
+        tl.store(calls_ptr + pid, call)
+        if RELAXED and not PUSH:
+            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
+        else:
+            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
+        while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
+            pass
+    else:
+        while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
+            pass
+        while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
     dtype = out_ptr.dtype.element_ty
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
         at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
         a = tl.load(mine_ptr + at, mask=mask, other=0.0).to(tl.float32)
@@ -101,6 +117,10 @@ def peer_add_rms_norm(
     my_flags: torch.Tensor,  # [>= programs] int32
     peer_flags: torch.Tensor,  # [>= programs] int32
     push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
+    calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
+    relaxed: bool = False,  # with ``calls``, pull: no system-scope release before the signal
+    pdl: bool = False,  # launch with programmatic dependent launch (Hopper)
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors; the
     peer must make the same call (its ``mine`` is this rank's ``peer``, or with ``push``, is written
@@ -119,7 +139,15 @@ def peer_add_rms_norm(
     if tokens == 0:
         return out, res_out
     programs = min(tokens, MAX_PROGRAMS, my_flags.numel(), peer_flags.numel())
+    flag_dtype = torch.int32 if calls is None else torch.int64
+    if my_flags.dtype != flag_dtype or peer_flags.dtype != flag_dtype:
+        raise ValueError(
+            f"flags must be {flag_dtype} (signal by {'call count' if calls is not None else 'swap'})"
+        )
+    if calls is not None:
+        programs = min(programs, calls.numel())
     block = triton.next_power_of_2(n)
+    extra = {"launch_pdl": True} if pdl else {}
     _bound(
         (programs,),
         mine,
@@ -131,13 +159,18 @@ def peer_add_rms_norm(
         res_out,
         my_flags,
         peer_flags,
+        my_flags if calls is None else calls,  # unread without EPOCH
         tokens,
         n,
         n,
         eps,
         BLOCK=block,
         PUSH=push is not None,
-        num_warps=min(16, max(1, block // 512)),
+        EPOCH=calls is not None,
+        RELAXED=relaxed,
+        PDL=pdl,
+        num_warps=num_warps or min(16, max(1, block // 512)),
+        **extra,
     )
     return out, res_out
 

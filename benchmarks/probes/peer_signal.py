@@ -1,0 +1,272 @@
+"""How should the two ranks of the fused all-reduce + norm meet: swap flags, or count calls?
+
+Two GPUs, one process each (NCCL group, the engine's symmetric product slots: ``PeerAllReduce``).
+The fused kernel (``kernels/peer_norm.py``) meets the peer's program of the same index once a call.
+Variants of that meeting, each checked and timed the same way:
+
+- ``swap``: compare-and-swap 0 -> 1 on the peer's flag (release, system scope), then 1 -> 0 on its
+  own (acquire): the compare-and-swap waits for the peer GPU's answer before the program goes on;
+- ``count``: each program counts its calls in local memory, writes the count into the peer's int64
+  flag (an exchange whose answer nothing waits for) and reads its own flag until the peer's count
+  reaches it; ``count_relaxed``: the same signal without the system-scope release (pull only);
+- ``+pdl``: launched with programmatic dependent launch, so the kernel is resident before the
+  product's matmul ends (it waits for it with ``griddepcontrol.wait``);
+- ``push``: each program first writes its rows into the peer's memory (the engine's mode up to 64 rows).
+
+Per variant and shape: 200 graphed calls with fresh products, every output checked (a wrong count is
+a broken meeting), then microseconds a call, graphed, alone (64 calls back to back) and after the
+row-parallel matmul that feeds it in the engine (o_proj and down_proj shards at TP=2), whose time
+alone is subtracted: what the all-reduce + norm adds to a decode layer.
+
+    PYTHONPATH=. python -m benchmarks.probes.peer_signal [--hidden 4096 8192] [--rows 1 64 256] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+EPS = 1e-5
+# row-parallel shards at TP=2, K per hidden size: o_proj (heads x dim / 2), down_proj (intermediate / 2)
+SHARDS = {4096: {"o": 2048, "down": 7168}, 8192: {"o": 4096, "down": 14336}}
+VARIANTS = {
+    "swap": {},
+    "count": {"count": True},
+    "count_relaxed": {"count": True, "relaxed": True},
+    "swap+pdl": {"pdl": True},
+    "count+pdl": {"count": True, "pdl": True},
+    "count_relaxed+pdl": {"count": True, "relaxed": True, "pdl": True},
+    "swap push": {"push": True},
+    "count push": {"count": True, "push": True},
+    "count push+pdl": {"count": True, "push": True, "pdl": True},
+}
+
+
+def _graph_us(fn, calls: int = 64, reps: int = 20) -> float:
+    """Median of 5 means of microseconds per ``fn(i)``, ``calls`` of them in one CUDA graph."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        dist.barrier()
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps / calls * 1e3)
+    return sorted(times)[2]
+
+
+class _Meeting:
+    """The engine's product slots plus the int64 count flags, and one call of a variant."""
+
+    def __init__(self, peer, rank: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
+
+        self.slots = peer.fused
+        self.counts = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int64, device="cuda")
+        self.counts.zero_()
+        handle = symm_mem.rendezvous(self.counts, peer.group_name)
+        self.peer_counts = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int64, 0)
+        self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    def mine(self, slot: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.slots.views(slot, rows, hidden, dtype)[0]
+
+    def call(self, variant: dict, slot: int, residual, weight, warps: int | None = None):
+        from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
+
+        mine = self.mine(slot, *residual.shape, residual.dtype)
+        shape = (slot, *residual.shape, residual.dtype)
+        push = None
+        if variant.get("push"):
+            peer, push = self.slots.pushed(*shape)
+        else:
+            peer = self.slots.views(*shape)[1]
+        if variant.get("count"):
+            flags = (self.counts, self.peer_counts)
+            extra = {"calls": self.calls, "relaxed": variant.get("relaxed", False)}
+        else:
+            flags = (self.slots.flags, self.slots.peer_flags)
+            extra = {}
+        return peer_add_rms_norm(
+            mine,
+            peer,
+            residual,
+            weight,
+            EPS,
+            *flags,
+            push,
+            pdl=variant.get("pdl", False),
+            num_warps=warps,
+            **extra,
+        )
+
+
+def _check(meet: _Meeting, variant: dict, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> int:
+    """Graphed calls with fresh products, slots alternating: how many outputs were wrong."""
+    gen = torch.Generator(device="cuda").manual_seed(1000 * rank + rows)
+    common = torch.Generator(device="cuda").manual_seed(rows)
+    base = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype)
+    residual = torch.randn(rows, hidden, generator=common, device="cuda").to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=common, device="cuda")).to(dtype)
+    products = [torch.empty_like(base) for _ in range(2)]
+    dist.all_gather(products, base)
+    calls = 200
+    scales = torch.arange(1, calls + 1, device="cuda", dtype=torch.float32)
+    results = torch.empty(calls, rows, hidden, device="cuda", dtype=dtype)
+
+    def one(i: int) -> None:
+        torch.mul(base, scales[i].to(dtype), out=meet.mine(i % 2, rows, hidden, dtype))
+        results[i] = meet.call(variant, i % 2, residual, weight)[1]
+
+    for i in range(2):
+        one(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            one(i)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    wrong = 0
+    for i in range(calls):
+        s = scales[i].to(dtype)
+        want = ((products[0] * s).float() + (products[1] * s).float()).to(dtype) + residual
+        wrong += int(not torch.equal(results[i], want))
+    return wrong
+
+
+def _time(meet: _Meeting, variant: dict, rows: int, hidden: int, warps: int | None = None) -> dict:
+    dtype = torch.bfloat16
+    residual = torch.randn(rows, hidden, device="cuda").to(dtype)
+    weight = torch.ones(hidden, device="cuda", dtype=dtype)
+    for s in (0, 1):
+        meet.mine(s, rows, hidden, dtype).normal_()
+    out = {"alone_us": _graph_us(lambda i: meet.call(variant, i % 2, residual, weight, warps))}
+    for name, k in SHARDS[hidden].items():
+        x = torch.randn(rows, k, device="cuda").to(dtype)
+        w = (torch.randn(hidden, k, device="cuda") / k**0.5).to(dtype)
+
+        def layer(i: int, x=x, w=w) -> None:
+            torch.mm(x, w.t(), out=meet.mine(i % 2, rows, hidden, dtype))
+            meet.call(variant, i % 2, residual, weight, warps)
+
+        out[f"{name}_with_us"] = _graph_us(layer, calls=32)
+    return out
+
+
+def _matmul_us(rows: int, hidden: int) -> dict:
+    dtype = torch.bfloat16
+    out = {}
+    for name, k in SHARDS[hidden].items():
+        x = torch.randn(rows, k, device="cuda").to(dtype)
+        w = torch.randn(hidden, k, device="cuda").to(dtype)
+        y = torch.empty(rows, hidden, device="cuda", dtype=dtype)
+        out[f"{name}_matmul_us"] = _graph_us(lambda i, x=x, w=w, y=y: torch.mm(x, w.t(), out=y), calls=32)
+    return out
+
+
+def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], warps: list[int], queue) -> None:
+    torch.cuda.set_device(rank)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init}", rank=rank, world_size=2, device_id=torch.device("cuda", rank)
+    )
+    from prefixserve.model.peer_allreduce import PeerAllReduce
+
+    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "probe-peer-signal")
+    meet = _Meeting(peer, rank)
+    result = []
+    for hidden in hidden_sizes:
+        for b in rows:
+            row: dict = {"hidden": hidden, "rows": b, **_matmul_us(b, hidden)}
+            for name, variant in VARIANTS.items():
+                wrong = {
+                    str(dt).removeprefix("torch."): _check(meet, variant, b, hidden, dt, rank)
+                    for dt in (torch.float32, torch.bfloat16)
+                    if b * hidden * dt.itemsize <= 8 << 20
+                }
+                row[name] = {"wrong": wrong, **_time(meet, variant, b, hidden)}
+            for w in warps:  # the pull kernel's width, counted meeting
+                row[f"count w{w}"] = _time(meet, VARIANTS["count+pdl"], b, hidden, warps=w)
+            result.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _table(result: list[dict]) -> list[str]:
+    names = [k for k in result[0] if isinstance(result[0][k], dict)]
+    lines = []
+    for shard in ("alone", "o", "down"):
+        head = ["hidden", "B", "matmul"] if shard != "alone" else ["hidden", "B"]
+        lines.append(f"\n{shard}: us a call" + (" over the matmul alone" if shard != "alone" else ""))
+        lines.append("| " + " | ".join(head + names) + " |")
+        lines.append("|" + " ---: |" * (len(head) + len(names)))
+        for r in result:
+            cells = [str(r["hidden"]), str(r["rows"])]
+            key = "alone_us" if shard == "alone" else f"{shard}_with_us"
+            base = 0.0 if shard == "alone" else r[f"{shard}_matmul_us"]
+            if shard != "alone":
+                cells.append(f"{base:.1f}")
+            cells += [f"{r[n][key] - base:.1f}" for n in names]
+            lines.append("| " + " | ".join(cells) + " |")
+    wrong = {n: sum(sum(r[n].get("wrong", {}).values()) for r in result) for n in names}
+    lines.append(f"\nwrong outputs of graphed calls: {wrong}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128, 256, 512])
+    ap.add_argument("--warps", type=int, nargs="*", default=[4, 16])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = str(Path(tmp) / "init")
+        procs = [
+            ctx.Process(target=_worker, args=(r, init, args.hidden, args.rows, args.warps, queue))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=540)
+        for p in procs:
+            p.join(60)
+    device = torch.cuda.get_device_name(0)
+    if args.json:
+        payload = {"device": device, "torch": torch.__version__, "rows": result}
+        args.json.write_text(json.dumps(payload, indent=1))
+    print(f"{device} x 2; microseconds, graphed")
+    print("\n".join(_table(result)))
+
+
+if __name__ == "__main__":
+    main()
