@@ -180,10 +180,9 @@ def peer_push_mode() -> str:
 def peer_signal_mode() -> str:
     """``PREFIXSERVE_PEER_SIGNAL``: how the two ranks' programs of the fused all-reduce meet. "count"
     (default): each program writes its call count into the peer's flag without waiting for an answer
-    and reads its own until the peer's count reaches it, the kernel launched with programmatic
-    dependent launch on Hopper; "swap": compare-and-swap flags, each swap answered over NVLink before
-    the program goes on (the earlier protocol, for A/B runs). Both ranks must agree: tensor-parallel
-    workers inherit it."""
+    and reads its own until the peer's count reaches it; "swap": compare-and-swap flags, each swap
+    answered over NVLink before the program goes on (the earlier protocol, for A/B runs). Both ranks
+    must agree: tensor-parallel workers inherit it."""
     return _env_choice("PREFIXSERVE_PEER_SIGNAL", "count", ("count", "swap"))
 
 

@@ -6,11 +6,10 @@ Variants of that meeting, each checked and timed the same way:
 
 - ``swap``: compare-and-swap 0 -> 1 on the peer's flag (release, system scope), then 1 -> 0 on its
   own (acquire): the compare-and-swap waits for the peer GPU's answer before the program goes on;
-- ``count``: each program counts its calls in local memory, writes the count into the peer's int64
-  flag (an exchange whose answer nothing waits for) and reads its own flag until the peer's count
-  reaches it; ``count_relaxed``: the same signal without the system-scope release (pull only);
-- ``+pdl``: launched with programmatic dependent launch, so the kernel is resident before the
-  product's matmul ends (it waits for it with ``griddepcontrol.wait``);
+- ``count``: each program counts its calls in local memory and writes the count into the peer's int64
+  flag with an exchange whose answer nothing waits for (relaxed where the product is an earlier
+  kernel's, release after pushed stores), then reads its own flag until the peer's count reaches it
+  (acquiring atomics; ``count volatile``: volatile loads, as vLLM's custom all-reduce waits);
 - ``push``: each program first writes its rows into the peer's memory (the engine's mode up to 64 rows).
 
 Per variant and shape: 200 graphed calls with fresh products, every output checked (a wrong count is
@@ -38,13 +37,9 @@ SHARDS = {4096: {"o": 2048, "down": 7168}, 8192: {"o": 4096, "down": 14336}}
 VARIANTS = {
     "swap": {},
     "count": {"count": True},
-    "count_relaxed": {"count": True, "relaxed": True},
-    "swap+pdl": {"pdl": True},
-    "count+pdl": {"count": True, "pdl": True},
-    "count_relaxed+pdl": {"count": True, "relaxed": True, "pdl": True},
+    "count volatile": {"count": True, "spin_volatile": True},
     "swap push": {"push": True},
     "count push": {"count": True, "push": True},
-    "count push+pdl": {"count": True, "push": True, "pdl": True},
 }
 
 
@@ -104,7 +99,7 @@ class _Meeting:
             peer = self.slots.views(*shape)[1]
         if variant.get("count"):
             flags = (self.counts, self.peer_counts)
-            extra = {"calls": self.calls, "relaxed": variant.get("relaxed", False)}
+            extra = {"calls": self.calls, "spin_volatile": variant.get("spin_volatile", False)}
         else:
             flags = (self.slots.flags, self.slots.peer_flags)
             extra = {}
@@ -116,7 +111,6 @@ class _Meeting:
             EPS,
             *flags,
             push,
-            pdl=variant.get("pdl", False),
             num_warps=warps,
             **extra,
         )
@@ -209,7 +203,7 @@ def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], warp
                 }
                 row[name] = {"wrong": wrong, **_time(meet, variant, b, hidden)}
             for w in warps:  # the pull kernel's width, counted meeting
-                row[f"count w{w}"] = _time(meet, VARIANTS["count+pdl"], b, hidden, warps=w)
+                row[f"count w{w}"] = _time(meet, VARIANTS["count"], b, hidden, warps=w)
             result.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)

@@ -136,8 +136,6 @@ class _FusedSlots:
         handle = symm_mem.rendezvous(self.counts, name)
         self.peer_counts = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int64, 0)
         self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
-        # programmatic dependent launch: the kernel waits for its producer in-kernel (Hopper and later)
-        self.dependent_launch = torch.cuda.get_device_capability(device)[0] >= 9
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
@@ -188,9 +186,7 @@ class PeerSum:
         if config.peer_signal_mode() == "swap":
             return peer_add_rms_norm(mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push)
         flags = (slots.counts, slots.peer_counts)
-        return peer_add_rms_norm(
-            mine, peer, residual, weight, eps, *flags, push, calls=slots.calls, pdl=slots.dependent_launch
-        )
+        return peer_add_rms_norm(mine, peer, residual, weight, eps, *flags, push, calls=slots.calls)
 
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:

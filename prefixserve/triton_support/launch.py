@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 # keywords of ``kernel[grid](...)`` that are compile options, not kernel parameters
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class Launch:
     args: list[Any]  # every kernel parameter, constexprs included, in signature order
     num_positional: int  # the first ones are passed positionally on the slow path
     keywords: list[str]  # names of the rest (the constexprs), in the order they sit in ``args``
-    options: dict[str, Any]  # num_warps, num_stages, maxnreg, launch_pdl
+    options: dict[str, Any]  # num_warps, num_stages, maxnreg
     compiled: Any  # triton CompiledKernel, or None when the fast path is not available
     # (dst, src, make): args[dst] is made from args[src] (a TMA descriptor of a layer's KV cache), so
     # a swap of args[src] remakes it

@@ -62,15 +62,11 @@ def _peer_add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     PUSH: tl.constexpr = False,
     EPOCH: tl.constexpr = False,  # signal by call count (int64 flags), without waiting for an answer
-    RELAXED: tl.constexpr = False,  # EPOCH, pull: the signal without a system-scope release
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the producer
+    SPIN_VOLATILE: tl.constexpr = False,  # EPOCH: wait with volatile loads, not acquiring atomics
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # written at load time
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the kernel before (the product's matmul) has finished
     if PUSH:  # this program's rows of our product into the peer's incoming buffer, before the signal
         for row in range(pid, n_rows, tl.num_programs(0)):
             at = row * stride + cols
@@ -80,18 +76,23 @@ def _peer_add_rms_norm_kernel(
     if EPOCH:
         call = tl.load(calls_ptr + pid) + 1
         tl.store(calls_ptr + pid, call)
-        if RELAXED and not PUSH:
-            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
-        else:
+        if PUSH:  # this program's stores into the peer's memory are seen before its count
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
-        while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
-            pass
+        else:  # the product is an earlier kernel's, complete before this one began: nothing to order
+            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
+        if SPIN_VOLATILE:
+            while tl.load(my_flags_ptr + pid, volatile=True) < call:
+                pass
+        else:
+            while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
+                pass
     else:
         while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
             pass
         while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
             pass
     dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
         at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
         a = tl.load(mine_ptr + at, mask=mask, other=0.0).to(tl.float32)
@@ -118,9 +119,8 @@ def peer_add_rms_norm(
     peer_flags: torch.Tensor,  # [>= programs] int32
     push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
     calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
-    relaxed: bool = False,  # with ``calls``, pull: no system-scope release before the signal
-    pdl: bool = False,  # launch with programmatic dependent launch (Hopper)
     num_warps: int | None = None,
+    spin_volatile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors; the
     peer must make the same call (its ``mine`` is this rank's ``peer``, or with ``push``, is written
@@ -147,7 +147,6 @@ def peer_add_rms_norm(
     if calls is not None:
         programs = min(programs, calls.numel())
     block = triton.next_power_of_2(n)
-    extra = {"launch_pdl": True} if pdl else {}
     _bound(
         (programs,),
         mine,
@@ -167,10 +166,8 @@ def peer_add_rms_norm(
         BLOCK=block,
         PUSH=push is not None,
         EPOCH=calls is not None,
-        RELAXED=relaxed,
-        PDL=pdl,
+        SPIN_VOLATILE=spin_volatile,
         num_warps=num_warps or min(16, max(1, block // 512)),
-        **extra,
     )
     return out, res_out
 
