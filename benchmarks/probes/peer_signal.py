@@ -9,7 +9,7 @@ Variants of that meeting, each checked and timed the same way:
 - ``count``: each program counts its calls in local memory and writes the count into the peer's int64
   flag with an exchange whose answer nothing waits for (relaxed where the product is an earlier
   kernel's, release after pushed stores), then reads its own flag until the peer's count reaches it
-  (acquiring atomics; ``count volatile``: volatile loads, as vLLM's custom all-reduce waits);
+  (acquiring atomics);
 - ``push``: each program first writes its rows into the peer's memory (the engine's mode up to 64 rows).
 
 Per variant and shape: 200 graphed calls with fresh products, every output checked (a wrong count is
@@ -37,7 +37,6 @@ SHARDS = {4096: {"o": 2048, "down": 7168}, 8192: {"o": 4096, "down": 14336}}
 VARIANTS = {
     "swap": {},
     "count": {"count": True},
-    "count volatile": {"count": True, "spin_volatile": True},
     "swap push": {"push": True},
     "count push": {"count": True, "push": True},
 }
@@ -99,7 +98,7 @@ class _Meeting:
             peer = self.slots.views(*shape)[1]
         if variant.get("count"):
             flags = (self.counts, self.peer_counts)
-            extra = {"calls": self.calls, "spin_volatile": variant.get("spin_volatile", False)}
+            extra = {"calls": self.calls}
         else:
             flags = (self.slots.flags, self.slots.peer_flags)
             extra = {}

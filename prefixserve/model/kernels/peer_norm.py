@@ -62,7 +62,6 @@ def _peer_add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     PUSH: tl.constexpr = False,
     EPOCH: tl.constexpr = False,  # signal by call count (int64 flags), without waiting for an answer
-    SPIN_VOLATILE: tl.constexpr = False,  # EPOCH: wait with volatile loads, not acquiring atomics
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -74,18 +73,15 @@ def _peer_add_rms_norm_kernel(
         tl.debug_barrier()  # every thread's stores issued before the release below
     # meet the peer's program pid: signal it, then wait for its signal
     if EPOCH:
-        call = tl.load(calls_ptr + pid) + 1
-        tl.store(calls_ptr + pid, call)
+        # one atomic, its answer shared by the program's warps: a load and a store would let a late
+        # warp read the count an early one had already raised, and wait for a call not yet made
+        call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
         if PUSH:  # this program's stores into the peer's memory are seen before its count
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
         else:  # the product is an earlier kernel's, complete before this one began: nothing to order
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
-        if SPIN_VOLATILE:
-            while tl.load(my_flags_ptr + pid, volatile=True) < call:
-                pass
-        else:
-            while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
-                pass
+        while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
+            pass
     else:
         while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
             pass
@@ -120,7 +116,6 @@ def peer_add_rms_norm(
     push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
     calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
     num_warps: int | None = None,
-    spin_volatile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors; the
     peer must make the same call (its ``mine`` is this rank's ``peer``, or with ``push``, is written
@@ -166,7 +161,6 @@ def peer_add_rms_norm(
         BLOCK=block,
         PUSH=push is not None,
         EPOCH=calls is not None,
-        SPIN_VOLATILE=spin_volatile,
         num_warps=num_warps or min(16, max(1, block // 512)),
     )
     return out, res_out
