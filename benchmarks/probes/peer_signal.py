@@ -66,7 +66,7 @@ def _graph_us(fn, calls: int = 64, reps: int = 20) -> float:
     return sorted(times)[2]
 
 
-class _Meeting:
+class Meeting:
     """The engine's product slots plus the int64 count flags, and one call of a variant."""
 
     def __init__(self, peer, rank: int) -> None:
@@ -115,7 +115,7 @@ class _Meeting:
         )
 
 
-def _check(meet: _Meeting, variant: dict, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> int:
+def wrong_outputs(meet: Meeting, variant: dict, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> int:
     """Graphed calls with fresh products, slots alternating: how many outputs were wrong."""
     gen = torch.Generator(device="cuda").manual_seed(1000 * rank + rows)
     common = torch.Generator(device="cuda").manual_seed(rows)
@@ -150,7 +150,7 @@ def _check(meet: _Meeting, variant: dict, rows: int, hidden: int, dtype: torch.d
     return wrong
 
 
-def _time(meet: _Meeting, variant: dict, rows: int, hidden: int, warps: int | None = None) -> dict:
+def _time(meet: Meeting, variant: dict, rows: int, hidden: int, warps: int | None = None) -> dict:
     dtype = torch.bfloat16
     residual = torch.randn(rows, hidden, device="cuda").to(dtype)
     weight = torch.ones(hidden, device="cuda", dtype=dtype)
@@ -189,14 +189,14 @@ def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], warp
     from prefixserve.model.peer_allreduce import PeerAllReduce
 
     peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "probe-peer-signal")
-    meet = _Meeting(peer, rank)
+    meet = Meeting(peer, rank)
     result = []
     for hidden in hidden_sizes:
         for b in rows:
             row: dict = {"hidden": hidden, "rows": b, **_matmul_us(b, hidden)}
             for name, variant in VARIANTS.items():
                 wrong = {
-                    str(dt).removeprefix("torch."): _check(meet, variant, b, hidden, dt, rank)
+                    str(dt).removeprefix("torch."): wrong_outputs(meet, variant, b, hidden, dt, rank)
                     for dt in (torch.float32, torch.bfloat16)
                     if b * hidden * dt.itemsize <= 8 << 20
                 }
