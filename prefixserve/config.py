@@ -172,8 +172,9 @@ def peer_push_mode() -> str:
     """``PREFIXSERVE_PEER_PUSH``: whether the fused two-rank all-reduce writes each rank's product into
     the peer's memory before the barrier (NVLink stores) and reads the peer's from its own, instead of
     reading the peer's product over NVLink after it: "auto" (default) for decode-sized messages
-    (``peer_allreduce.PUSH_MAX_ROWS``), "1" always, "0" never. Both ranks must agree: tensor-parallel
-    workers inherit it."""
+    (``peer_allreduce.PUSH_MAX_ROWS``) where the ranks meet by compare-and-swap
+    (``PREFIXSERVE_PEER_SIGNAL=swap``), never where they meet by call count; "1" always, "0" never.
+    Both ranks must agree: tensor-parallel workers inherit it."""
     return _env_choice("PREFIXSERVE_PEER_PUSH", "auto", ("auto", "0", "1"))
 
 

@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 MAX_BYTES = 16 << 20  # up to [1024, 8192] bf16: two-shot stayed ahead of NCCL to 16.8 MB measured
 SLOT_BYTES = 8 << 20  # each fused product slot: [512, 8192] bf16, a decode step's at B <= 512
 SLOTS = 2  # the fused call sites alternate between them (attention's output: 0, the MLP's: 1)
-# the fused kernel pushes products of at most this many rows (2 x H100, graphed, [rows, 4096] bf16:
-# 1 row 4.9 vs 6.2 us pulled, 64 rows 6.7 vs 7.1; 256 rows 12.8 vs 12.7, and whole TP=2 steps at
-# B=256 2% slower pushed: docs/kernels.md §8)
+# ranks meeting by compare-and-swap (PREFIXSERVE_PEER_SIGNAL=swap), the fused kernel pushes products of
+# at most this many rows (2 x H100, graphed, [rows, 4096] bf16: 1 row 4.9 vs 6.2 us pulled, 64 rows
+# 6.7 vs 7.1; 256 rows 12.8 vs 12.7, and whole TP=2 steps at B=256 2% slower pushed: docs/kernels.md
+# §8); meeting by call count it always pulls
 PUSH_MAX_ROWS = 64
 
 
@@ -178,12 +179,13 @@ class PeerSum:
 
         mine, slots = self.mine, self.slots
         shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
-        push, mode = None, config.peer_push_mode()
-        if mode == "1" or (mode == "auto" and mine.shape[0] <= PUSH_MAX_ROWS):  # arrives in our memory
-            peer, push = slots.pushed(*shape)
+        push, mode, swap = None, config.peer_push_mode(), config.peer_signal_mode() == "swap"
+        # meeting by call count, a pull is as fast or faster at every size (docs/kernels.md §8)
+        if mode == "1" or (mode == "auto" and swap and mine.shape[0] <= PUSH_MAX_ROWS):
+            peer, push = slots.pushed(*shape)  # arrives in our memory
         else:  # read from the peer's memory
             _, peer = slots.views(*shape)
-        if config.peer_signal_mode() == "swap":
+        if swap:
             return peer_add_rms_norm(mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push)
         flags = (slots.counts, slots.peer_counts)
         return peer_add_rms_norm(mine, peer, residual, weight, eps, *flags, push, calls=slots.calls)
