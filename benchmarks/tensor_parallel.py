@@ -256,7 +256,6 @@ def main(argv: list[str] | None = None) -> None:
             row = {"B": b, "P": p}
             # TP=1; TP=N with every all-reduce through NCCL; TP=N as configured by default (decode-sized
             # all-reduces over peer memory): one run, one machine
-            # the peer all-reduce goes to a process's first tensor-parallel engine only: run one B a process
             # (key, ranks, peer all-reduce, environment of a process of its own)
             runs: list[tuple[str, int, bool, dict[str, str]]] = [
                 ("tp1", 1, False, {}),
@@ -269,9 +268,9 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append((f"tp{tp}_swap", tp, True, {"PREFIXSERVE_PEER_SIGNAL": "swap"}))
             for key, size, peer, env in runs:
                 run = (args.compare_model, args.device, "auto", prompts, args.gen, size, peer)
-                # an environment needs a process of its own: only a process's first engine gets the peer
-                # all-reduce, and the workers inherit the environment at start
-                r = _measure_elsewhere(run, env) if env else _measure(*run)
+                # each run in a process of its own: only a process's first tensor-parallel engine gets the
+                # peer all-reduce (a second B in one process ran on NCCL), and workers inherit ``env``
+                r = _measure_elsewhere(run, env)
                 row[f"{key}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
