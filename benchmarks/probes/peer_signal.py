@@ -233,13 +233,30 @@ def _table(result: list[dict]) -> list[str]:
     return lines
 
 
+def _report(payload: dict, json_path: Path | None) -> None:
+    """Print the tables; with ``json_path``, write the result there and the tables beside it (.md)."""
+    lines = [f"# Fused all-reduce + norm: how the ranks meet ({payload['device']} x 2)", ""]
+    commit = payload.get("commit", "not recorded")
+    lines += [f"torch {payload['torch']}, commit {commit}; microseconds, graphed."]
+    lines += _table(payload["rows"])
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps(payload, indent=1))
+        json_path.with_suffix(".md").write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128, 256, 512])
     ap.add_argument("--warps", type=int, nargs="*", default=[4, 16])
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the result here, and its tables beside it (.md)")
+    ap.add_argument("--render", type=Path, help="no measuring: this earlier result's tables (.md beside it)")
     args = ap.parse_args()
+    if args.render:
+        _report(json.loads(args.render.read_text()), args.render)
+        return
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,12 +270,10 @@ def main() -> None:
         result = queue.get(timeout=540)
         for p in procs:
             p.join(60)
-    device = torch.cuda.get_device_name(0)
-    if args.json:
-        payload = {"device": device, "torch": torch.__version__, "rows": result}
-        args.json.write_text(json.dumps(payload, indent=1))
-    print(f"{device} x 2; microseconds, graphed")
-    print("\n".join(_table(result)))
+    from benchmarks.harness.info import git_commit
+
+    payload = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": git_commit()}
+    _report({**payload, "rows": result}, args.json)
 
 
 if __name__ == "__main__":

@@ -110,3 +110,48 @@ def test_call_count_signal_wants_int64_flags() -> None:
         peer_add_rms_norm(
             x, x, x, x[0], 1e-6, f32, f32, calls=torch.zeros(4, dtype=torch.int64, device=DEVICE)
         )
+
+
+class _Slots:
+    """One rank's view of ``_FusedSlots`` on one device: the peer has already made its call."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        gen = torch.Generator().manual_seed(rows)
+        self.mine, self.peer_product, self.incoming = (
+            torch.randn(rows, cols, generator=gen).to(DEVICE) for _ in range(3)
+        )
+        self.peer_incoming = torch.full_like(self.mine, float("nan"))
+        self.flags = torch.ones(8, dtype=torch.int32, device=DEVICE)
+        self.peer_flags = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+        self.counts = torch.ones(8, dtype=torch.int64, device=DEVICE)
+        self.peer_counts = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+        self.calls = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+
+    def views(self, *shape: object) -> tuple[torch.Tensor, torch.Tensor]:  # (slot, rows, cols, dtype)
+        return self.mine, self.peer_product
+
+    def pushed(self, *shape: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.incoming, self.peer_incoming
+
+
+@pytest.mark.parametrize("signal", ["count", "swap"])
+def test_peer_sum_meets_as_the_switch_says(monkeypatch: pytest.MonkeyPatch, signal: str) -> None:
+    """The engine's call site: by count it reads the peer's product at every size and raises the
+    counts; by swap it pushes decode-sized products (<= 64 rows) and consumes the swap flags."""
+    from prefixserve.model.peer_allreduce import PeerSum
+
+    monkeypatch.setenv("PREFIXSERVE_PEER_SIGNAL", signal)
+    monkeypatch.delenv("PREFIXSERVE_PEER_PUSH", raising=False)
+    slots = _Slots(rows=3, cols=32)
+    res, w = torch.randn(3, 32).to(DEVICE), torch.ones(32, device=DEVICE)
+    out, summed = PeerSum(slots, 0, slots.mine).add_rms_norm(res, w, 1e-5)  # type: ignore[arg-type]
+    peer = slots.peer_product if signal == "count" else slots.incoming
+    ref, ref_summed = peer_add_rms_norm_ref(slots.mine, peer, res, w, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if signal == "count":
+        assert slots.calls[:3].eq(1).all() and slots.peer_counts[:3].eq(1).all()
+        assert slots.peer_incoming.isnan().all() and slots.peer_flags.eq(0).all()  # nothing pushed
+    else:
+        assert torch.equal(slots.peer_incoming, slots.mine) and slots.peer_flags[:3].eq(1).all()
+        assert slots.calls.eq(0).all()

@@ -9,11 +9,16 @@ to its own in the same pass that adds the residual and normalises: one kernel, o
 ranks compute the identical sum (``a + b`` is commutative in IEEE arithmetic, so the replicated
 residual streams never drift apart).
 
-Synchronisation: program ``i`` on each rank meets program ``i`` on the other through a pair of int32
-flags in symmetric memory. It sets the peer's flag ``i`` from 0 to 1 (release, system scope: its
-product, written by the kernel before, is visible to the peer) and waits for its own flag ``i`` to
-go from 1 to 0 (acquire: the peer's product is visible here). Compare-and-swap in both directions
-makes consecutive calls safe: a rank cannot signal again before the peer consumed the last signal.
+Synchronisation: program ``i`` on each rank meets program ``i`` on the other once a call. By call
+count (``calls`` given, the engine's default): each program raises its own count of calls by one (one
+atomic, its answer shared by the program's warps), writes the count into the peer's int64 flag ``i``
+without waiting for an answer, and reads its own flag ``i`` (acquire) until the peer's count has
+reached its own. A pulled product is the kernel before's output, complete before this kernel began,
+so the count goes out relaxed; a pushed one's stores are ordered before it (release). Counts only
+grow, so graph replays need no reset. By swap (no ``calls``: int32 flags): it sets the peer's flag
+``i`` from 0 to 1 (release, system scope) and waits for its own flag ``i`` to go from 1 to 0
+(acquire); each compare-and-swap waits for the peer GPU's answer, and a rank cannot signal again
+before the peer consumed the last signal.
 
 Why one barrier is enough: each rank alternates between two product buffers (slot 0 after
 attention, slot 1 after the MLP: the call sites alternate in every forward). Before a rank writes
