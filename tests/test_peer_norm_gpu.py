@@ -34,9 +34,9 @@ def _worker(rank: int, init: str, queue) -> None:
     dist.init_process_group(
         "nccl", init_method=f"file://{init}", rank=rank, world_size=2, device_id=torch.device("cuda", rank)
     )
-    meet = Meeting(PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "test-peer-norm"), rank)
+    meet = Meeting(PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "test-peer-norm"))
     wrong = {}
-    for name, variant in VARIANTS.items():
+    for name, variant in {**VARIANTS, "engine": {"engine": True}}.items():
         for rows in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 if rows * HIDDEN * dtype.itemsize <= 8 << 20:

@@ -63,6 +63,33 @@ def graph_ms(fn: Callable[[int], Any], copies: int, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def ranks_graph_us(fn: Callable[[int], Any], calls: int = 64, reps: int = 20) -> float:
+    """Microseconds per ``fn(i)``, ``calls`` of them in one CUDA graph, every rank of the default
+    process group replaying together (a barrier before each of 5 timings; their median)."""
+    import torch.distributed as dist
+
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        dist.barrier()
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps / calls * 1e3)
+    return sorted(times)[2]
+
+
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
     """(copy TB/s counting read + write, bf16 GEMM TFLOP/s on random data), measured now."""
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device).random_(0, 255)

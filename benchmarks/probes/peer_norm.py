@@ -28,32 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.timing import ranks_graph_us
+from benchmarks.probes.peer_signal import Meeting, wrong_outputs
+
 NVLINK_GBPS = 450.0
 EPS = 1e-5
-
-
-def _graph_us(fn, calls: int = 64, reps: int = 20) -> float:
-    """Mean microseconds of ``fn(i)``, ``calls`` of them captured in one CUDA graph."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        dist.barrier()
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps / calls * 1e3)
-    return sorted(times)[2]
 
 
 def _check(peer, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> dict:
@@ -79,33 +58,9 @@ def _check(peer, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> dict:
     dist.all_gather(outs, out)
     ranks_equal = bool(torch.equal(outs[0], outs[1]))
 
-    # 200 graphed calls, slots alternating, each product fresh: every output checked afterwards
-    calls = 200
-    scales = torch.arange(1, calls + 1, device="cuda", dtype=torch.float32)
-    results = torch.empty(calls, rows, hidden, device="cuda", dtype=dtype)
-    slot_views = [peer.product_slot(s, rows, hidden, dtype) for s in (0, 1)]
-
-    def call(i: int) -> None:
-        p = slot_views[i % 2]
-        torch.mul(mine, scales[i].to(dtype), out=p.mine)
-        results[i] = fused.add_rms_norm(p, weight, EPS, residual)[1]
-
-    graph = torch.cuda.CUDAGraph()
-    for i in range(2):
-        call(i)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    stale = 0
-    for i in range(calls):
-        s = scales[i].to(dtype)
-        want = ((products[0] * s).float() + (products[1] * s).float()).to(dtype) + residual
-        stale += int(not torch.equal(results[i], want))
-    return {"max_err": err, "ranks_bitwise_equal": ranks_equal, "graphed_calls_wrong": stale}
+    # 200 graphed calls through the engine's call site, slots alternating, each product fresh
+    wrong = wrong_outputs(Meeting(peer), {"engine": True}, rows, hidden, dtype, rank)
+    return {"max_err": err, "ranks_bitwise_equal": ranks_equal, "graphed_calls_wrong": wrong}
 
 
 def _time(peer, rows: int, hidden: int, full: bool = True) -> dict:
@@ -121,15 +76,15 @@ def _time(peer, rows: int, hidden: int, full: bool = True) -> dict:
     staged.normal_()
     local = torch.randn(rows, hidden, device="cuda").to(dtype)
     out: dict = {"bytes": rows * hidden * 2}
-    out["fused_us"] = _graph_us(lambda i: fused.add_rms_norm(slots[i % 2], weight, EPS, residual))
+    out["fused_us"] = ranks_graph_us(lambda i: fused.add_rms_norm(slots[i % 2], weight, EPS, residual))
     if not full:
         return out
     if peer.fits(staged):
-        out["two_shot_norm_us"] = _graph_us(
+        out["two_shot_norm_us"] = ranks_graph_us(
             lambda i: fused.add_rms_norm(peer.reduce_staged(staged), weight, EPS, residual)
         )
-        out["two_shot_us"] = _graph_us(lambda i: peer.reduce_staged(staged))
-    out["norm_alone_us"] = _graph_us(lambda i: fused.add_rms_norm(local, weight, EPS, residual))
+        out["two_shot_us"] = ranks_graph_us(lambda i: peer.reduce_staged(staged))
+    out["norm_alone_us"] = ranks_graph_us(lambda i: fused.add_rms_norm(local, weight, EPS, residual))
     out["nvlink_bound_us"] = out["bytes"] / (NVLINK_GBPS * 1e3)
     return out
 

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.timing import ranks_graph_us
+
 EPS = 1e-5
 # row-parallel shards at TP=2, K per hidden size: o_proj (heads x dim / 2), down_proj (intermediate / 2)
 SHARDS = {4096: {"o": 2048, "down": 7168}, 8192: {"o": 4096, "down": 14336}}
@@ -42,77 +44,32 @@ VARIANTS = {
 }
 
 
-def _graph_us(fn, calls: int = 64, reps: int = 20) -> float:
-    """Median of 5 means of microseconds per ``fn(i)``, ``calls`` of them in one CUDA graph."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        dist.barrier()
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps / calls * 1e3)
-    return sorted(times)[2]
-
-
 class Meeting:
-    """The engine's product slots plus the int64 count flags, and one call of a variant."""
+    """The engine's product slots and flags (``PeerAllReduce``), and one fused call of a variant."""
 
-    def __init__(self, peer, rank: int) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
-
+    def __init__(self, peer) -> None:
+        self.peer = peer
         self.slots = peer.fused
-        self.counts = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int64, device="cuda")
-        self.counts.zero_()
-        handle = symm_mem.rendezvous(self.counts, peer.group_name)
-        self.peer_counts = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int64, 0)
-        self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device="cuda")
-        torch.cuda.synchronize()
-        dist.barrier()
 
     def mine(self, slot: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         return self.slots.views(slot, rows, hidden, dtype)[0]
 
     def call(self, variant: dict, slot: int, residual, weight, warps: int | None = None):
+        from prefixserve.model import fused
         from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
 
-        mine = self.mine(slot, *residual.shape, residual.dtype)
         shape = (slot, *residual.shape, residual.dtype)
+        if variant.get("engine"):  # the engine's call site, as the switches say
+            return fused.add_rms_norm(self.peer.product_slot(*shape), weight, EPS, residual)
+        mine, peer = self.slots.views(*shape)
         push = None
         if variant.get("push"):
             peer, push = self.slots.pushed(*shape)
-        else:
-            peer = self.slots.views(*shape)[1]
         if variant.get("count"):
-            flags = (self.counts, self.peer_counts)
-            extra = {"calls": self.calls}
+            flags, extra = (self.slots.counts, self.slots.peer_counts), {"calls": self.slots.calls}
         else:
-            flags = (self.slots.flags, self.slots.peer_flags)
-            extra = {}
-        return peer_add_rms_norm(
-            mine,
-            peer,
-            residual,
-            weight,
-            EPS,
-            *flags,
-            push,
-            num_warps=warps,
-            **extra,
-        )
+            flags, extra = (self.slots.flags, self.slots.peer_flags), {}
+        return peer_add_rms_norm(mine, peer, residual, weight, EPS, *flags, push, num_warps=warps, **extra)
 
 
 def wrong_outputs(meet: Meeting, variant: dict, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> int:
@@ -156,7 +113,7 @@ def _time(meet: Meeting, variant: dict, rows: int, hidden: int, warps: int | Non
     weight = torch.ones(hidden, device="cuda", dtype=dtype)
     for s in (0, 1):
         meet.mine(s, rows, hidden, dtype).normal_()
-    out = {"alone_us": _graph_us(lambda i: meet.call(variant, i % 2, residual, weight, warps))}
+    out = {"alone_us": ranks_graph_us(lambda i: meet.call(variant, i % 2, residual, weight, warps))}
     for name, k in SHARDS[hidden].items():
         x = torch.randn(rows, k, device="cuda").to(dtype)
         w = (torch.randn(hidden, k, device="cuda") / k**0.5).to(dtype)
@@ -165,7 +122,7 @@ def _time(meet: Meeting, variant: dict, rows: int, hidden: int, warps: int | Non
             torch.mm(x, w.t(), out=meet.mine(i % 2, rows, hidden, dtype))
             meet.call(variant, i % 2, residual, weight, warps)
 
-        out[f"{name}_with_us"] = _graph_us(layer, calls=32)
+        out[f"{name}_with_us"] = ranks_graph_us(layer, calls=32)
     return out
 
 
@@ -176,7 +133,8 @@ def _matmul_us(rows: int, hidden: int) -> dict:
         x = torch.randn(rows, k, device="cuda").to(dtype)
         w = torch.randn(hidden, k, device="cuda").to(dtype)
         y = torch.empty(rows, hidden, device="cuda", dtype=dtype)
-        out[f"{name}_matmul_us"] = _graph_us(lambda i, x=x, w=w, y=y: torch.mm(x, w.t(), out=y), calls=32)
+        timed = lambda i, x=x, w=w, y=y: torch.mm(x, w.t(), out=y)  # noqa: E731
+        out[f"{name}_matmul_us"] = ranks_graph_us(timed, calls=32)
     return out
 
 
@@ -189,7 +147,7 @@ def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], warp
     from prefixserve.model.peer_allreduce import PeerAllReduce
 
     peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "probe-peer-signal")
-    meet = Meeting(peer, rank)
+    meet = Meeting(peer)
     result = []
     for hidden in hidden_sizes:
         for b in rows:
