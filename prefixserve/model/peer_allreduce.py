@@ -118,24 +118,21 @@ class _FusedSlots:
     ) -> None:
         from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
 
-        self.products = symm_mem.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(self.products, name)
-        self.peer_products = handle.get_buffer(1 - rank, (SLOTS * SLOT_BYTES,), torch.uint8, 0)
+        def shared(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            """(this rank's zeroed buffer in symmetric memory, the peer's): a collective rendezvous."""
+            mine = symm_mem.empty(numel, dtype=dtype, device=device)
+            mine.zero_()
+            peer = symm_mem.rendezvous(mine, name).get_buffer(1 - rank, (numel,), dtype, 0)
+            return mine, peer
+
+        self.products, self.peer_products = shared(SLOTS * SLOT_BYTES, torch.uint8)
         # push (``config.peer_push_mode``): the peer writes its product into this rank's incoming
         # slots, and this rank into the peer's
-        self.incoming = symm_mem.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(self.incoming, name)
-        self.peer_incoming = handle.get_buffer(1 - rank, (SLOTS * SLOT_BYTES,), torch.uint8, 0)
-        self.flags = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int32, device=device)
-        self.flags.zero_()
-        handle = symm_mem.rendezvous(self.flags, name)
-        self.peer_flags = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int32, 0)
-        # meeting by call count (``config.peer_signal_mode``): the peer's program i writes its count
-        # of calls into counts[i]; calls[i] is this rank's own count (int64: never wraps)
-        self.counts = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int64, device=device)
-        self.counts.zero_()
-        handle = symm_mem.rendezvous(self.counts, name)
-        self.peer_counts = handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int64, 0)
+        self.incoming, self.peer_incoming = shared(SLOTS * SLOT_BYTES, torch.uint8)
+        # meeting by swap: int32 flags; by call count (``config.peer_signal_mode``): the peer's program i
+        # writes its count of calls into counts[i], and calls[i] is this rank's own (int64: never wraps)
+        self.flags, self.peer_flags = shared(MAX_PROGRAMS, torch.int32)
+        self.counts, self.peer_counts = shared(MAX_PROGRAMS, torch.int64)
         self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank signals
@@ -186,9 +183,10 @@ class PeerSum:
         else:  # read from the peer's memory
             _, peer = slots.views(*shape)
         if swap:
-            return peer_add_rms_norm(mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push)
-        flags = (slots.counts, slots.peer_counts)
-        return peer_add_rms_norm(mine, peer, residual, weight, eps, *flags, push, calls=slots.calls)
+            flags, calls = (slots.flags, slots.peer_flags), None
+        else:
+            flags, calls = (slots.counts, slots.peer_counts), slots.calls
+        return peer_add_rms_norm(mine, peer, residual, weight, eps, *flags, push, calls=calls)
 
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:

@@ -59,14 +59,14 @@ def _peer_add_rms_norm_kernel(
     res_out_ptr,  # [T, N] the residual stream plus the sum
     my_flags_ptr,  # [MAX_PROGRAMS]: the peer's program i signals flag i here
     peer_flags_ptr,  # [MAX_PROGRAMS], in the peer's memory: this rank's program i signals flag i
-    calls_ptr,  # EPOCH: [MAX_PROGRAMS] int64, this rank's own: the calls program i has made
+    calls_ptr,  # COUNT: [MAX_PROGRAMS] int64, this rank's own: the calls program i has made
     n_rows,
     n_cols,
     stride,  # row stride of every [T, N] operand
     eps,
     BLOCK: tl.constexpr,
     PUSH: tl.constexpr = False,
-    EPOCH: tl.constexpr = False,  # signal by call count (int64 flags), without waiting for an answer
+    COUNT: tl.constexpr = False,  # meet by call count (int64 flags), without waiting for an answer
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -77,7 +77,7 @@ def _peer_add_rms_norm_kernel(
             tl.store(push_ptr + at, tl.load(mine_ptr + at, mask=mask, other=0.0), mask=mask)
         tl.debug_barrier()  # every thread's stores issued before the release below
     # meet the peer's program pid: signal it, then wait for its signal
-    if EPOCH:
+    if COUNT:
         # one atomic, its answer shared by the program's warps: a load and a store would let a late
         # warp read the count an early one had already raised, and wait for a call not yet made
         call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
@@ -116,8 +116,8 @@ def peer_add_rms_norm(
     residual: torch.Tensor,  # [T, N]
     weight: torch.Tensor,  # [N]
     eps: float,
-    my_flags: torch.Tensor,  # [>= programs] int32
-    peer_flags: torch.Tensor,  # [>= programs] int32
+    my_flags: torch.Tensor,  # [>= programs] int32 (swap), int64 (``calls`` given)
+    peer_flags: torch.Tensor,  # the same, in the peer's memory
     push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
     calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
     num_warps: int | None = None,
@@ -139,11 +139,9 @@ def peer_add_rms_norm(
     if tokens == 0:
         return out, res_out
     programs = min(tokens, MAX_PROGRAMS, my_flags.numel(), peer_flags.numel())
-    flag_dtype = torch.int32 if calls is None else torch.int64
+    flag_dtype = torch.int32 if calls is None else torch.int64  # swap flags, or call counts
     if my_flags.dtype != flag_dtype or peer_flags.dtype != flag_dtype:
-        raise ValueError(
-            f"flags must be {flag_dtype} (signal by {'call count' if calls is not None else 'swap'})"
-        )
+        raise ValueError(f"flags must be {flag_dtype} here, got {my_flags.dtype} and {peer_flags.dtype}")
     if calls is not None:
         programs = min(programs, calls.numel())
     block = triton.next_power_of_2(n)
@@ -158,14 +156,14 @@ def peer_add_rms_norm(
         res_out,
         my_flags,
         peer_flags,
-        my_flags if calls is None else calls,  # unread without EPOCH
+        my_flags if calls is None else calls,  # unread without COUNT
         tokens,
         n,
         n,
         eps,
         BLOCK=block,
         PUSH=push is not None,
-        EPOCH=calls is not None,
+        COUNT=calls is not None,
         num_warps=num_warps or min(16, max(1, block // 512)),
     )
     return out, res_out
