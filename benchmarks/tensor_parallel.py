@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from benchmarks.decode_run import MODES, measure, shared_prompts
 from benchmarks.harness import RESULTS, run_info, write_results
+from benchmarks.harness.ranks import join_group, leave_group, run_ranks
 
 NAME = "tensor_parallel"
 
@@ -74,17 +74,13 @@ def _symm_variants(b: int, hidden: int, group: str, want: torch.Tensor, x: torch
 
 
 def _allreduce_worker(
-    rank: int, size: int, init: str, hidden: int, layers: int, batches: list[int], out, symm: bool = False
+    rank: int, size: int, init: str, queue, hidden: int, layers: int, batches: list[int], symm: bool = False
 ) -> None:
     """One rank: per B, a graph of ``2 * layers`` in-place NCCL all-reduces of [B, hidden] bf16,
     replayed; with ``symm`` also PyTorch's symmetric-memory one-shot and two-shot all-reduces."""
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group(
-        "nccl", init_method=f"file://{init}", rank=rank, world_size=size, device_id=torch.device("cuda", rank)
-    )
+    join_group(rank, size, init)
     group = dist.group.WORLD.group_name
     peer = None
     if symm:  # the engine's own path: copy in, two-shot over peer memory, copy out
@@ -111,26 +107,11 @@ def _allreduce_worker(
         if peer is not None and peer.fits(x):
             engine_us = _graph_us(lambda x=x: peer(x), calls=2 * layers)
             result[b].update(engine_peer_us=engine_us, engine_peer_step_ms=engine_us * 2 * layers / 1e3)
-    if rank == 0:
-        out.put(result)
-    dist.destroy_process_group()
+    leave_group(queue, rank, result)
 
 
 def allreduce(size: int, hidden: int, layers: int, batches: list[int], symm: bool = False) -> dict[int, dict]:
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = str(Path(tmp) / "init")
-        procs = [
-            ctx.Process(target=_allreduce_worker, args=(r, size, init, hidden, layers, batches, queue, symm))
-            for r in range(size)
-        ]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=300)
-        for p in procs:
-            p.join(60)
-    return result
+    return run_ranks(_allreduce_worker, (hidden, layers, batches, symm), size=size, timeout=300)[0]
 
 
 def _measure(

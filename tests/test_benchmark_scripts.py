@@ -117,3 +117,22 @@ def test_every_library_module_imports() -> None:
         [sys.executable, "-c", code, *mods], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _sum_ranks(rank: int, size: int, init: str, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.harness.ranks import join_group, leave_group
+
+    join_group(rank, size, init, backend="gloo")
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    leave_group(queue, rank, (dist.get_rank(), float(x)))
+
+
+def test_run_ranks_brings_every_ranks_answer_back() -> None:
+    """The probes' and GPU tests' process-per-rank runner, on gloo: each rank joins, answers, leaves."""
+    from benchmarks.harness.ranks import run_ranks
+
+    assert run_ranks(_sum_ranks, size=3, timeout=60) == [(0, 6.0), (1, 6.0), (2, 6.0)]

@@ -7,10 +7,6 @@ product). Every output must equal the sum computed apart. Needs 2 CUDA GPUs (ski
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,17 +19,14 @@ ROWS = (1, 64, 256, 512)
 HIDDEN = 4096
 
 
-def _worker(rank: int, init: str, queue) -> None:
+def _worker(rank: int, size: int, init: str, queue) -> None:
     import torch.distributed as dist
 
+    from benchmarks.harness.ranks import join_group, leave_group
     from benchmarks.probes.peer_signal import VARIANTS, Meeting, wrong_outputs
     from prefixserve.model.peer_allreduce import PeerAllReduce
 
-    torch.cuda.set_device(rank)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group(
-        "nccl", init_method=f"file://{init}", rank=rank, world_size=2, device_id=torch.device("cuda", rank)
-    )
+    join_group(rank, size, init)
     meet = Meeting(PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "test-peer-norm"))
     wrong = {}
     for name, variant in {**VARIANTS, "engine": {"engine": True}}.items():
@@ -41,22 +34,13 @@ def _worker(rank: int, init: str, queue) -> None:
             for dtype in (torch.float32, torch.bfloat16):
                 if rows * HIDDEN * dtype.itemsize <= 8 << 20:
                     wrong[f"{name} {rows} {dtype}"] = wrong_outputs(meet, variant, rows, HIDDEN, dtype, rank)
-    queue.put((rank, wrong))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(queue, rank, wrong)
 
 
 def test_every_meeting_protocol_sums_fresh_products() -> None:
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = str(Path(tmp) / "init")
-        procs = [ctx.Process(target=_worker, args=(r, init, queue), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=240) for _ in procs)
-        for p in procs:
-            p.join(60)
-    for rank, wrong in results.items():
+    from benchmarks.harness.ranks import run_ranks
+
+    results = run_ranks(_worker, timeout=240)
+    for rank, wrong in enumerate(results):
         assert not any(wrong.values()), f"rank {rank}: {wrong}"
     assert len(results[0]) == len(results[1]) > 0

@@ -3,9 +3,10 @@
 ``info``: where and when a result was measured; ``output``: the JSON + Markdown (+ plot) a script
 writes and its ``run`` / ``report`` command line; ``server``: ``prefixserve serve`` as a subprocess
 and the client processes that load it; ``models``: dummy model configs; ``timing``: GPU timing under
-CUDA graphs; ``stats``: percentiles and the GPU's idle share; ``text``: prompts of a given token
-length. Each module imports only the standard library, torch and prefixserve (never a script), so
-scripts can share them without import circles.
+CUDA graphs; ``ranks``: one process per GPU in a process group, every rank's answer brought back;
+``stats``: percentiles and the GPU's idle share; ``text``: prompts of a given token length. Each
+module imports only the standard library, torch and prefixserve (never a script), so scripts can
+share them without import circles.
 """
 
 from benchmarks.harness.info import run_info

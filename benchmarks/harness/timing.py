@@ -36,9 +36,12 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
         return fn
 
 
-def graph_ms(fn: Callable[[int], Any], copies: int, reps: int = 10) -> float:
+def graph_ms(
+    fn: Callable[[int], Any], copies: int, reps: int = 10, before: Callable[[], Any] | None = None
+) -> float:
     """ms per call of ``fn(i)`` for i over the weight copies, replayed from one CUDA graph (L2 holds
-    none of a copy's weights by the time it comes round again)."""
+    none of a copy's weights by the time it comes round again); ``before`` runs before each of the 5
+    timings (their median)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -54,6 +57,8 @@ def graph_ms(fn: Callable[[int], Any], copies: int, reps: int = 10) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(5):
+        if before is not None:
+            before()
         start.record()
         for _ in range(reps):
             graph.replay()
@@ -65,29 +70,10 @@ def graph_ms(fn: Callable[[int], Any], copies: int, reps: int = 10) -> float:
 
 def ranks_graph_us(fn: Callable[[int], Any], calls: int = 64, reps: int = 20) -> float:
     """Microseconds per ``fn(i)``, ``calls`` of them in one CUDA graph, every rank of the default
-    process group replaying together (a barrier before each of 5 timings; their median)."""
+    process group replaying together (a barrier before each timing)."""
     import torch.distributed as dist
 
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        dist.barrier()
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps / calls * 1e3)
-    return sorted(times)[2]
+    return graph_ms(fn, calls, reps, before=dist.barrier) * 1e3
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:

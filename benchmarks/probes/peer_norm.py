@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.ranks import join_group, leave_group, run_ranks
 from benchmarks.harness.timing import ranks_graph_us
 from benchmarks.probes.peer_signal import Meeting, wrong_outputs
 
@@ -89,12 +89,8 @@ def _time(peer, rows: int, hidden: int, full: bool = True) -> dict:
     return out
 
 
-def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], queue) -> None:
-    torch.cuda.set_device(rank)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group(
-        "nccl", init_method=f"file://{init}", rank=rank, world_size=2, device_id=torch.device("cuda", rank)
-    )
+def _worker(rank: int, size: int, init: str, queue, hidden_sizes: list[int], rows: list[int]) -> None:
+    join_group(rank, size, init)
     from prefixserve.model.peer_allreduce import PeerAllReduce
 
     peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "probe-peer-norm")
@@ -114,10 +110,7 @@ def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], queu
             result.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-    if rank == 0:
-        queue.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(queue, rank, result)
 
 
 def main() -> None:
@@ -126,16 +119,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = str(Path(tmp) / "init")
-        procs = [ctx.Process(target=_worker, args=(r, init, args.hidden, args.rows, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=400)
-        for p in procs:
-            p.join(60)
+    result = run_ranks(_worker, (args.hidden, args.rows), timeout=400)[0]
     device = torch.cuda.get_device_name(0)
     if args.json:
         args.json.write_text(

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.ranks import join_group, leave_group, run_ranks
 from benchmarks.harness.timing import ranks_graph_us
 
 EPS = 1e-5
@@ -138,12 +137,10 @@ def _matmul_us(rows: int, hidden: int) -> dict:
     return out
 
 
-def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], warps: list[int], queue) -> None:
-    torch.cuda.set_device(rank)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group(
-        "nccl", init_method=f"file://{init}", rank=rank, world_size=2, device_id=torch.device("cuda", rank)
-    )
+def _worker(
+    rank: int, size: int, init: str, queue, hidden_sizes: list[int], rows: list[int], warps: list[int]
+) -> None:
+    join_group(rank, size, init)
     from prefixserve.model.peer_allreduce import PeerAllReduce
 
     peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "probe-peer-signal")
@@ -164,10 +161,7 @@ def _worker(rank: int, init: str, hidden_sizes: list[int], rows: list[int], warp
             result.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-    if rank == 0:
-        queue.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(queue, rank, result)
 
 
 def _table(result: list[dict]) -> list[str]:
@@ -215,19 +209,7 @@ def main() -> None:
     if args.render:
         _report(json.loads(args.render.read_text()), args.render)
         return
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = str(Path(tmp) / "init")
-        procs = [
-            ctx.Process(target=_worker, args=(r, init, args.hidden, args.rows, args.warps, queue))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=540)
-        for p in procs:
-            p.join(60)
+    result = run_ranks(_worker, (args.hidden, args.rows, args.warps))[0]
     from benchmarks.harness.info import git_commit
 
     payload = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": git_commit()}
