@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from collections import defaultdict
 
 import torch
@@ -38,12 +39,37 @@ def kind_of(name: str) -> str:
     return next((k for k, subs in KINDS if any(s in low for s in subs)), "other")
 
 
-def _profiled(llm: LLM, args: argparse.Namespace, gen: int, seed: int) -> tuple[dict, float]:
-    """Kernel device microseconds and calls by name over one run; its decode ms per step."""
+def _gap_pairs(prof: profile) -> dict[str, tuple[float, int]]:
+    """Microseconds and count of the GPU's gaps (no kernel, copy or memset running on rank 0's
+    device) by the names of the activity before and after each, over one profiled run."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
+    spans = sorted(
+        (ev["ts"], ev["ts"] + ev.get("dur", 0), ev["name"][:60])
+        for ev in trace.get("traceEvents", [])
+        if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    gaps: dict[str, tuple[float, int]] = {}
+    end, before = None, ""
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            key = f"{before} -> {name}"
+            old = gaps.get(key, (0.0, 0))
+            gaps[key] = (old[0] + start - end, old[1] + 1)
+        if end is None or stop > end:
+            end, before = stop, name
+    return gaps
+
+
+def _profiled(llm: LLM, args: argparse.Namespace, gen: int, seed: int) -> tuple[dict, float, dict]:
+    """Kernel device microseconds and calls by name over one run; its decode ms per step; its gaps."""
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     prompts = shared_prompts(args.batch, args.prefix, args.own, seed=seed)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] if args.cuda_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         outs = llm.generate(prompts, params)
         torch.cuda.synchronize()
     first = max(o.metrics["first_token_time"] for o in outs)
@@ -54,7 +80,19 @@ def _profiled(llm: LLM, args: argparse.Namespace, gen: int, seed: int) -> tuple[
         if us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
             old = by_name.get(ev.key, (0.0, 0))
             by_name[ev.key] = (old[0] + us, old[1] + ev.count)
-    return by_name, 1e3 * (last - first) / max(gen - 1, 1)
+    return by_name, 1e3 * (last - first) / max(gen - 1, 1), _gap_pairs(prof)
+
+
+def _per_step(long: dict, short: dict, steps: int) -> dict[str, tuple[float, float]]:
+    """What the long run has beyond the short one (its extra decode steps), per decode step."""
+    out = {
+        n: (
+            (long[n][0] - short.get(n, (0.0, 0))[0]) / steps,
+            (long[n][1] - short.get(n, (0.0, 0))[1]) / steps,
+        )
+        for n in long
+    }
+    return {n: v for n, v in out.items() if v[0] > 0}
 
 
 def main() -> None:
@@ -71,6 +109,7 @@ def main() -> None:
     ap.add_argument(
         "--no-peer-norm", action="store_true", help="PREFIXSERVE_PEER_NORM=0: two-shot, then the norm"
     )
+    ap.add_argument("--cuda-only", action="store_true", help="record GPU activity alone (less host overhead)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.no_peer_norm:
@@ -89,24 +128,18 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
     llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=1), params)  # warm: graphs, compiles
     # two profiled runs of the same shapes, short and long: their difference is decode steps alone
-    short, _ = _profiled(llm, args, args.short_gen, seed=2)
+    short, _, short_gaps = _profiled(llm, args, args.short_gen, seed=2)
     runner = llm.engine.runner
     if args.tp > 1:
         runner.worker_stats()  # from here: the long run's steps
     idle_before = dict(runner.timers)
-    long, long_ms = _profiled(llm, args, args.gen, seed=3)
+    long, long_ms, long_gaps = _profiled(llm, args, args.gen, seed=3)
     workers = runner.worker_stats() if args.tp > 1 else []
     keys = ("gpu_busy_seconds_total", "gpu_idle_seconds_total")
     rank0 = {k: runner.timers[k] - idle_before.get(k, 0.0) for k in keys}
     steps = args.gen - args.short_gen
-    by_name = {
-        n: (
-            (long.get(n, (0.0, 0))[0] - short.get(n, (0.0, 0))[0]) / steps,
-            (long.get(n, (0.0, 0))[1] - short.get(n, (0.0, 0))[1]) / steps,
-        )
-        for n in long
-    }
-    by_name = {n: v for n, v in by_name.items() if v[0] > 0}
+    by_name = _per_step(long, short, steps)
+    gaps = _per_step(long_gaps, short_gaps, steps)
     total_us = sum(v[0] for v in by_name.values())
     by_kind: dict[str, float] = defaultdict(float)
     for name, (us, _) in by_name.items():
@@ -125,6 +158,11 @@ def main() -> None:
         "gpu_idle_frac_by_rank": [
             rank0["gpu_idle_seconds_total"] / max(1e-9, sum(rank0.values())),
             *(w["gpu_idle_s"] / max(1e-9, w["gpu_idle_s"] + w["gpu_busy_s"]) for w in workers),
+        ],
+        "gap_ms_per_step": sum(v[0] for v in gaps.values()) / 1e3,
+        "top_gaps": [
+            {"between": n, "ms": us / 1e3, "per_step": c}
+            for n, (us, c) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]
         ],
         "kinds_ms_per_step": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top": [
@@ -145,6 +183,9 @@ def main() -> None:
         print(f"  {k:12s} {ms:8.2f} ms  ({ms / max(total_us / 1e3, 1e-9):.0%})")
     for row in result["top"][:25]:
         print(f"  {row['ms']:8.3f} ms {row['calls_per_step']:6.1f}x {row['kind']:10s} {row['name'][:90]}")
+    print(f"gaps between GPU activities: {result['gap_ms_per_step']:.3f} ms/step")
+    for row in result["top_gaps"][:12]:
+        print(f"  {row['ms']:8.3f} ms {row['per_step']:6.1f}x  {row['between'][:110]}")
 
 
 if __name__ == "__main__":

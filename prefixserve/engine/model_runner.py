@@ -300,10 +300,13 @@ class ModelRunner:
         Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
-        if rows and self.sharded_argmax(params, mask):
+        sharded = bool(rows) and self.sharded_argmax(params, mask)
+        fp32 = bool(rows) and not sharded and not argmax_only(params)
+        self._before_sampling(rows, sharded, fp32)
+        if sharded:
             launch.future = tokens_future(self._argmax(launch, rows))
         elif rows:
-            logits = self._logits(launch, rows, fp32=not argmax_only(params))
+            logits = self._logits(launch, rows, fp32=fp32)
             if mask is not None:
                 mask.apply(logits)
             if seqs is not None and any_processing(params):
@@ -316,6 +319,10 @@ class ModelRunner:
             launch.done.record()
         else:
             self.waited += time.perf_counter() - launch.issued
+
+    def _before_sampling(self, rows: list[int], sharded: bool, fp32: bool) -> None:
+        """A hook before the sampling's device work: the tensor-parallel runner tells its workers
+        which of their calls it makes (the sharded argmax, or the logits in fp32 or not)."""
 
     def _sample_processed(
         self,

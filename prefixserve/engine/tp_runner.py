@@ -46,7 +46,6 @@ from prefixserve.model.loader import ModelSource, load_model, model_config
 from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.model.peer_allreduce import peer_allreduce_for
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sampling.sampler import argmax_only
 
 if TYPE_CHECKING:
     from prefixserve.structured.bitmask import StepMask
@@ -335,12 +334,14 @@ class TensorParallelRunner(ModelRunner):
         mask: StepMask | None = None,
     ) -> None:
         """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather (or,
-        greedy alone, their best column for the sharded argmax)."""
-        if rows and self.sharded_argmax(params, mask):
+        greedy alone, their best column for the sharded argmax: ``_before_sampling``)."""
+        self.guard(super().sample, launch, rows, params, generators, seqs, mask)
+
+    def _before_sampling(self, rows: list[int], sharded: bool, fp32: bool) -> None:
+        if sharded:
             self.call("argmax", rows)
         elif rows:
-            self.call("logits", rows, not argmax_only(params))
-        self.guard(super().sample, launch, rows, params, generators, seqs, mask)
+            self.call("logits", rows, fp32)
 
     def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:
         self.call("logits", rows, fp32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prefixserve.sampling.structured_outputs import StructuredOutputs, as_structured
@@ -95,6 +96,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def distinct(params: Iterable[SamplingParams]) -> Iterable[SamplingParams]:
+    """Each parameters object once: a batch's rows mostly share a few (one per ``generate`` call or
+    request), and the checks a step makes over every row read several properties each (at 256 rows
+    about 0.4 ms of the host's step, twice at two ranks)."""
+    return {id(p): p for p in params}.values()
 
 
 def _finite(x: object) -> bool:

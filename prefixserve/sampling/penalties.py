@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.params import SamplingParams, distinct
 
 PromptOf = Callable[[Hashable], tuple[Sequence[int], Sequence[int]]]  # key -> (prompt ids, output ids)
 
@@ -187,7 +187,7 @@ def process_logits(
 
 def any_processing(params: list[SamplingParams]) -> bool:
     """Whether any row changes its logits before the choice (false: the sampler's path is untouched)."""
-    return any(p.processes_logits for p in params)
+    return any(p.processes_logits for p in distinct(params))
 
 
 __all__ = [

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.sampling.argmax import argmax_rows
-from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.params import SamplingParams, distinct
 
 
 @dataclass(slots=True)
@@ -153,7 +153,7 @@ class SampleFuture:
 def argmax_only(params: list[SamplingParams]) -> bool:
     """True when every row is greedy, none asks for logprobs and none processes its logits: the logits
     need no fp32 copy."""
-    return all(p.greedy and not p.wants_chosen_logprobs and not p.processes_logits for p in params)
+    return all(p.greedy and not p.wants_chosen_logprobs and not p.processes_logits for p in distinct(params))
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
