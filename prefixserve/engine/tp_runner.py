@@ -175,6 +175,7 @@ class TensorParallelRunner(ModelRunner):
         check_divisible(model_config(source, progress), size)
         config = _peer_once_per_process(config)
         self._batch_id = 0
+        self._argmax_tokens: torch.Tensor | None = None  # the sharded argmax's latest (every rank's)
         self.health = _Health()
         self._tmp = tempfile.TemporaryDirectory(prefix="prefixserve-tp-")
         init_file = str(Path(self._tmp.name) / "init")
@@ -306,17 +307,24 @@ class TensorParallelRunner(ModelRunner):
         feed: PrevTokenFeed | None = None,
     ) -> Launch:
         """The workers get the step's host ids; rows fed from the step ahead (launch-ahead) take
-        their tokens from a broadcast of rank 0's sampled tokens, issued on the device behind that
-        step's sampling, so no rank waits for them on the host."""
-        fed = None if feed is None else (feed.dst, feed.src, len(feed.tokens))
+        their tokens on the device, so no rank waits for them on the host: where the step ahead chose
+        them by the sharded argmax, every rank computed the same tokens and each reads its own (the
+        latest it chose); otherwise from a broadcast of rank 0's, issued behind that step's sampling."""
+        everywhere = feed is not None and feed.tokens is self._argmax_tokens
+        fed = None if feed is None else (feed.dst, feed.src, len(feed.tokens), everywhere)
         self.call("forward", batch.batch_id, ids, copies, fed)
-        return self.guard(self._forward_local, ids, batch, copies, feed)
+        return self.guard(self._forward_local, ids, batch, copies, feed, everywhere)
 
     def _forward_local(
-        self, ids: list[int], batch: StepBatch, copies: list[tuple[int, int]], feed: PrevTokenFeed | None
+        self,
+        ids: list[int],
+        batch: StepBatch,
+        copies: list[tuple[int, int]],
+        feed: PrevTokenFeed | None,
+        everywhere: bool,
     ) -> Launch:
         self._kv.copy_blocks(copies)
-        if feed is not None:
+        if feed is not None and not everywhere:
             dist.broadcast(feed.tokens, src=0, group=self.shard.group)
         return ModelRunner.forward(self, ids, batch, [], feed)
 
@@ -338,6 +346,7 @@ class TensorParallelRunner(ModelRunner):
         self.guard(super().sample, launch, rows, params, generators, seqs, mask)
 
     def _before_sampling(self, rows: list[int], sharded: bool, fp32: bool) -> None:
+        self._argmax_tokens = None  # set once the sharded argmax's tokens are issued (``_argmax``)
         if sharded:
             self.call("argmax", rows)
         elif rows:
@@ -350,6 +359,12 @@ class TensorParallelRunner(ModelRunner):
     def argmax(self, launch: Launch, rows: list[int]) -> torch.Tensor:
         self.call("argmax", rows)
         return self.guard(super().argmax, launch, rows)
+
+    def _argmax(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        """The sharded argmax's tokens, which every rank now holds: a step fed from them needs no
+        broadcast while no later sampling has replaced them (``forward``)."""
+        self._argmax_tokens = super()._argmax(launch, rows)
+        return self._argmax_tokens
 
     def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
         self.call("deviation", batch.batch_id, ids)

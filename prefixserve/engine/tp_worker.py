@@ -80,6 +80,7 @@ def serve(conn: Connection, rank: int) -> None:
     launch: Launch | None = None
     gaps = StepGaps(runner.device)
     batches: dict[int, StepBatch | Exception] = {}  # by rank 0's batch id, until a call uses one
+    argmax_tokens: torch.Tensor | None = None  # the latest sharded argmax's, the same on every rank
     while True:
         try:
             op, *args = conn.recv()
@@ -93,15 +94,17 @@ def serve(conn: Connection, rank: int) -> None:
                 batches[batch_id] = exc
         elif op == "forward":
             batch_id, ids, copies, fed = args
-            launch = runner.forward(ids, _prepared(batches, batch_id), copies, _fed_tokens(runner, fed))
+            feed = _fed_tokens(runner, fed, argmax_tokens)
+            launch = runner.forward(ids, _prepared(batches, batch_id), copies, feed)
             gaps.started(launch.start)
         elif op == "logits":
             assert launch is not None, "logits before any forward"
             runner.logits(launch, *args)
+            argmax_tokens = None
             gaps.ended()
         elif op == "argmax":
             assert launch is not None, "argmax before any forward"
-            runner.argmax(launch, *args)
+            argmax_tokens = runner.argmax(launch, *args)
             gaps.ended()
         elif op == "stats":
             conn.send(("stats", gaps.stats()))
@@ -126,11 +129,20 @@ def _prepared(batches: dict[int, StepBatch | Exception], batch_id: int) -> StepB
     return batch
 
 
-def _fed_tokens(runner: ModelRunner, fed: tuple[list[int], list[int], int] | None) -> PrevTokenFeed | None:
-    """Rows of a step launched ahead: their tokens come from rank 0's broadcast of the step before."""
+def _fed_tokens(
+    runner: ModelRunner,
+    fed: tuple[list[int], list[int], int, bool] | None,
+    argmax_tokens: torch.Tensor | None,
+) -> PrevTokenFeed | None:
+    """Rows of a step launched ahead: their tokens are this rank's own from the step before's sharded
+    argmax (``everywhere``), else they come from rank 0's broadcast."""
     if fed is None:
         return None
-    dst, src, count = fed
+    dst, src, count, everywhere = fed
+    if everywhere:
+        if argmax_tokens is None or argmax_tokens.shape[0] != count:
+            raise RuntimeError(f"rank 0 feeds {count} argmax tokens; this rank holds {argmax_tokens!r}")
+        return PrevTokenFeed(dst, src, argmax_tokens)
     tokens = torch.empty(count, dtype=torch.long, device=runner.device)
     dist.broadcast(tokens, src=0, group=runner.shard.group)
     return PrevTokenFeed(dst, src, tokens)
