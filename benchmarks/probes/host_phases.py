@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.decode_run import shared_prompts
+from benchmarks.harness.info import git_commit
 from prefixserve import LLM, SamplingParams
 
 PHASES = (  # module, class (or "" for a function), attribute
@@ -174,6 +175,8 @@ def main() -> None:
         "prefix": args.prefix,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "torch": torch.__version__,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "decode_ms_per_step": decode_ms,
         "host_ms_per_step": per_step,
         "gpu_ms_per_step_between_marks": gpu,

@@ -15,12 +15,14 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode_run import shared_prompts
+from benchmarks.harness.info import git_commit
 from prefixserve import LLM, SamplingParams
 
 KINDS = (  # first match wins: (kind, substrings of a kernel's name, lower case)
@@ -152,6 +154,8 @@ def main() -> None:
         "prefix": args.prefix,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "decode_ms_per_step": long_ms,  # the long run's first token to last finish, per decode step
         "kernel_ms_per_step": total_us / 1e3,
         # each rank's GPU idle between its steps over the long run (rank 0: the engine's timer)
