@@ -18,8 +18,9 @@ pytestmark = [
 
 @pytest.mark.parametrize("attention, peer", [("auto", True), ("triton_paged", True), ("auto", False)])
 def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention: str, peer: bool) -> None:
-    """fp32 greedy tokens over 2 GPUs equal one GPU's, with steps launched ahead (fed tokens broadcast
-    from rank 0) and decode-sized all-reduces over peer memory (``peer``) or all through NCCL."""
+    """fp32 greedy tokens over 2 GPUs equal one GPU's, with steps launched ahead (fed from each rank's
+    own sharded argmax, replayed from its graph) and decode-sized all-reduces over peer memory
+    (``peer``) or all through NCCL."""
     shared = [(7 * i) % 40000 + 100 for i in range(200)]
     prompts = [{"prompt_token_ids": [*shared, 1000 + j, 2000 + j]} for j in range(6)]
     prompts.append({"prompt_token_ids": [5, 6, 7]})
@@ -45,6 +46,8 @@ def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention:
         got = [o.outputs[0].token_ids for o in tp.generate(prompts, params)]
         assert got == want
         assert tp.engine.graphs is not None and tp.engine.graphs.captures > 0, "decode left CUDA graphs"
+        argmax_graphs = tp.engine.runner.argmax_graphs
+        assert argmax_graphs is not None and argmax_graphs.graphs, "the sharded argmax ran eagerly"
 
 
 def test_a_dead_worker_fails_the_servers_requests(tiny_config_path: Path) -> None:

@@ -76,6 +76,7 @@ class DecodeGraphs:
         self.capture_s = 0.0  # host seconds spent capturing: every running stream stalls meanwhile
         self._current: int | None = None  # the bucket of the last decode step
         self._held = 0  # consecutive steps run in a bucket above the batch's own
+        self.replayed: torch.Tensor | None = None  # the last replay's whole output buffer [bucket, hidden]
 
     def bucket_for(self, batch: int) -> int | None:
         """The bucket to run ``batch`` rows in, or None when the batch is too large for graphs.
@@ -131,6 +132,7 @@ class DecodeGraphs:
         else:
             entry.attention.load(step.arrays)
         entry.graph.replay()
+        self.replayed = entry.hidden
         return entry.hidden[:rows]
 
     def _refit(self, step: GraphStep) -> tuple[GraphStep, _Captured | None]:

@@ -31,6 +31,7 @@ from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
 from prefixserve.engine import cpu_malloc
+from prefixserve.engine.argmax_graph import ArgmaxGraphs
 from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
 from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
@@ -93,6 +94,7 @@ class Launch:
     start: torch.cuda.Event | None = None  # timing events around the step's device work (CUDA)
     done: torch.cuda.Event | None = None
     future: SampleFuture | None = None
+    graph_hidden: torch.Tensor | None = None  # a replayed decode graph's whole output buffer
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -104,6 +106,11 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
     t = torch.tensor(values, dtype=torch.long)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def _leading(rows: list[int]) -> bool:
+    """Whether ``rows`` are the first rows in order (a decode step: every row samples)."""
+    return rows == list(range(len(rows)))
 
 
 def context_length(config: EngineConfig, model: torch.nn.Module) -> int:
@@ -144,6 +151,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
             self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
+        self.argmax_graphs: ArgmaxGraphs | None = None  # the sharded argmax, under tensor parallelism
+        if self.graphs is not None and self.shard.parallel:
+            self.argmax_graphs = ArgmaxGraphs(self.model.compute_argmax, self.graphs.pool)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.penalties: PenaltyState | None = None  # token counts of sequences with penalties
         # The device's own clock (CUDA): busy time of steps and the gaps between them, where the GPU
@@ -229,7 +239,10 @@ class ModelRunner:
             start.record()
         issued = time.perf_counter()
         hidden = self._forward(ids, batch, feed)
-        return Launch(hidden, len(ids) == len(batch.meta.query_lens_host), issued, start)
+        launch = Launch(hidden, len(ids) == len(batch.meta.query_lens_host), issued, start)
+        if batch.graph_step is not None and self.graphs is not None:
+            launch.graph_hidden, self.graphs.replayed = self.graphs.replayed, None
+        return launch
 
     def _forward(self, ids: list[int], batch: StepBatch, feed: PrevTokenFeed | None = None) -> torch.Tensor:
         """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden].
@@ -361,12 +374,15 @@ class ModelRunner:
         return self._argmax(launch, rows)
 
     def _argmax(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        """The sharded argmax of the launch's rows ``rows``: replayed from a graph of its own after a
+        graphed decode step whose every row samples in order (``argmax_graph.py``), else eager."""
+        if self.argmax_graphs is not None and launch.graph_hidden is not None and _leading(rows):
+            return self.argmax_graphs.run(launch.graph_hidden, len(rows))
         return self.model.compute_argmax(self._hidden_rows(launch, rows))
 
     def _hidden_rows(self, launch: Launch, rows: list[int]) -> torch.Tensor:
         hidden = launch.hidden
-        contiguous = rows == list(range(len(rows)))  # decode steps: every row samples, in order
-        return hidden[: len(rows)] if contiguous else hidden[_index(rows, self.device)]
+        return hidden[: len(rows)] if _leading(rows) else hidden[_index(rows, self.device)]
 
     def shutdown(self) -> None:
         """Release what outlives the object (nothing on one device; workers under tensor parallelism)."""
