@@ -178,6 +178,7 @@ class _StubGraphs:
         self.buckets = batch_buckets(max_batch)
         self._host_np = np.zeros((3, self.buckets[-1]), dtype=np.int64)
         self.attention: dict[tuple[Any, ...], Any] = {}
+        self.replayed: torch.Tensor | None = None  # no graph replays here: the argmax stays eager
 
     def bucket_for(self, batch: int) -> int | None:
         fits = [b for b in self.buckets if b >= batch]
