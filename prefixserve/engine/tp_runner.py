@@ -391,7 +391,7 @@ class TensorParallelRunner(ModelRunner):
         if self.health.stopping.is_set():
             return
         # NCCL keeps a communicator that captured graphs use until they are gone: drop them first
-        self.graphs = self.pieces = None
+        self.graphs = self.pieces = self.argmax_graphs = None
         gc.collect()
         self._release()
         torch.set_num_threads(self._threads_before)
