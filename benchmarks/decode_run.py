@@ -7,6 +7,7 @@ lives apart from any of those scripts.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import time
@@ -50,6 +51,25 @@ class _GCPauses:
         else:
             self.total += time.perf_counter() - self._start
             self.full += info["generation"] == 2
+
+
+def add_shared_run_args(ap: argparse.ArgumentParser, gen: int, short_gen: int) -> None:
+    """The TP probes' run: a model over ``--tp`` ranks, ``--batch`` requests sharing a ``--prefix``-token
+    run and ``--own`` tokens each, a long run of ``--gen`` tokens less a short one of ``--short-gen``."""
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--own", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=gen)
+    ap.add_argument("--short-gen", type=int, default=short_gen)
+
+
+def decode_ms_per_step(outs: list, gen: int) -> float:
+    """A run's first token to its last finish, per decode step."""
+    first = max(o.metrics["first_token_time"] for o in outs)
+    last = max(o.metrics["finish_time"] for o in outs)
+    return 1e3 * (last - first) / max(gen - 1, 1)
 
 
 def measure(

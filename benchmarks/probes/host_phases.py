@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.decode_run import shared_prompts
+from benchmarks.decode_run import add_shared_run_args, decode_ms_per_step, shared_prompts
 from benchmarks.harness.info import git_commit
 from prefixserve import LLM, SamplingParams
 
@@ -129,20 +129,12 @@ def run(llm: LLM, timers: Timers, args: argparse.Namespace, gen: int, seed: int)
     before, _ = timers.snapshot()
     outs = llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=seed), params)
     after, _ = timers.snapshot()
-    first = max(o.metrics["first_token_time"] for o in outs)
-    last = max(o.metrics["finish_time"] for o in outs)
-    return {k: after[k] - before.get(k, 0.0) for k in after}, 1e3 * (last - first) / max(gen - 1, 1)
+    return {k: after[k] - before.get(k, 0.0) for k in after}, decode_ms_per_step(outs, gen)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--model", default="dummy:llama-3.1-8b")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--prefix", type=int, default=1024)
-    ap.add_argument("--own", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=96)
-    ap.add_argument("--short-gen", type=int, default=16)
+    add_shared_run_args(ap, gen=96, short_gen=16)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.decode_run import shared_prompts
+from benchmarks.decode_run import add_shared_run_args, decode_ms_per_step, shared_prompts
 from benchmarks.harness.info import git_commit
 from prefixserve import LLM, SamplingParams
 
@@ -74,15 +74,13 @@ def _profiled(llm: LLM, args: argparse.Namespace, gen: int, seed: int) -> tuple[
     with profile(activities=activities) as prof:
         outs = llm.generate(prompts, params)
         torch.cuda.synchronize()
-    first = max(o.metrics["first_token_time"] for o in outs)
-    last = max(o.metrics["finish_time"] for o in outs)
     by_name: dict[str, tuple[float, int]] = {}
     for ev in prof.key_averages():
         us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
         if us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
             old = by_name.get(ev.key, (0.0, 0))
             by_name[ev.key] = (old[0] + us, old[1] + ev.count)
-    return by_name, 1e3 * (last - first) / max(gen - 1, 1), _gap_pairs(prof)
+    return by_name, decode_ms_per_step(outs, gen), _gap_pairs(prof)
 
 
 def _per_step(long: dict, short: dict, steps: int) -> dict[str, tuple[float, float]]:
@@ -99,13 +97,7 @@ def _per_step(long: dict, short: dict, steps: int) -> dict[str, tuple[float, flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--model", default="dummy:llama-3.1-8b")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--prefix", type=int, default=1024)
-    ap.add_argument("--own", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=40)
-    ap.add_argument("--short-gen", type=int, default=8)
+    add_shared_run_args(ap, gen=40, short_gen=8)
     ap.add_argument("--max-batched-tokens", type=int, default=16384, help="smaller keeps more KV (70B)")
     ap.add_argument("--no-peer", action="store_true", help="every all-reduce through NCCL")
     ap.add_argument(
