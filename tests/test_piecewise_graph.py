@@ -93,7 +93,7 @@ def test_piece_hidden_states_match_forward_exactly(tmp_path) -> None:
     positions = list(range(len(ids)))
     tables = torch.arange(3, dtype=torch.int32)[None].numpy()
     batch = runner.prepare_batch(positions, [len(ids)], [len(ids)], tables)
-    want = runner._forward(ids, batch).clone()
+    want = runner._forward(ids, batch)[0].clone()
     got = pieces.run(ids, positions, batch.meta, runner.backend)
     assert torch.equal(got, want)
 

@@ -76,7 +76,6 @@ class DecodeGraphs:
         self.capture_s = 0.0  # host seconds spent capturing: every running stream stalls meanwhile
         self._current: int | None = None  # the bucket of the last decode step
         self._held = 0  # consecutive steps run in a bucket above the batch's own
-        self.replayed: torch.Tensor | None = None  # the last replay's whole output buffer [bucket, hidden]
 
     def bucket_for(self, batch: int) -> int | None:
         """The bucket to run ``batch`` rows in, or None when the batch is too large for graphs.
@@ -110,7 +109,8 @@ class DecodeGraphs:
     def run(
         self, ids: list[int], positions: list[int], slots: np.ndarray, step: GraphStep, feed: Any = None
     ) -> torch.Tensor:
-        """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: [rows, hidden].
+        """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: the graph's whole
+        output buffer [bucket, hidden], whose first ``len(ids)`` rows are the step's (the rest padding).
 
         ``feed`` (a ``model_runner.PrevTokenFeed``) overwrites rows of ids with tokens still on the
         device."""
@@ -132,8 +132,7 @@ class DecodeGraphs:
         else:
             entry.attention.load(step.arrays)
         entry.graph.replay()
-        self.replayed = entry.hidden
-        return entry.hidden[:rows]
+        return entry.hidden
 
     def _refit(self, step: GraphStep) -> tuple[GraphStep, _Captured | None]:
         """A captured graph of the same kind and bucket whose capacities hold this step, newest first."""

@@ -238,14 +238,15 @@ class ModelRunner:
         if start is not None:
             start.record()
         issued = time.perf_counter()
-        hidden = self._forward(ids, batch, feed)
-        launch = Launch(hidden, len(ids) == len(batch.meta.query_lens_host), issued, start)
-        if batch.graph_step is not None and self.graphs is not None:
-            launch.graph_hidden, self.graphs.replayed = self.graphs.replayed, None
-        return launch
+        hidden, graph_hidden = self._forward(ids, batch, feed)
+        decode = len(ids) == len(batch.meta.query_lens_host)
+        return Launch(hidden, decode, issued, start, graph_hidden=graph_hidden)
 
-    def _forward(self, ids: list[int], batch: StepBatch, feed: PrevTokenFeed | None = None) -> torch.Tensor:
-        """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden].
+    def _forward(
+        self, ids: list[int], batch: StepBatch, feed: PrevTokenFeed | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the model: the batch's captured graph, or eagerly. Returns hidden states [tokens, hidden]
+        and, from a graph, its whole output buffer (``Launch.graph_hidden``), else None.
 
         Host-tier KV still landing in the cache (``kv/landing.py``): each layer of an eager or piecewise
         forward waits for its own copies; one captured graph waits for them all first. Nothing landing
@@ -255,9 +256,10 @@ class ModelRunner:
             if before_layer is not None:
                 self.kv.settle()
             try:
-                return self.graphs.run(
+                out = self.graphs.run(
                     ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step, feed
                 )
+                return out[: len(ids)], out
             except GraphCaptureError:  # this step reruns eagerly (its KV writes are idempotent)
                 log.exception("CUDA graphs are off from now on")
                 self.graphs = None
@@ -272,12 +274,12 @@ class ModelRunner:
                 )
                 self.backend.prepare(batch.meta)
         if self.pieces is not None and self.pieces.fits(len(ids)):
-            return self.pieces.run(ids, batch.positions, batch.meta, self.backend, feed, before_layer)
+            return self.pieces.run(ids, batch.positions, batch.meta, self.backend, feed, before_layer), None
         ids_t = _index(ids, self.device)
         if feed is not None:
             feed.apply(ids_t)
         pos_t = _index(batch.positions, self.device)
-        return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend, before_layer)
+        return self.model(ids_t, pos_t, self.kv.layers, batch.meta, self.backend, before_layer), None
 
     def kv_deviation(self, ids: list[int], batch: StepBatch) -> np.ndarray:
         """Per token of an eager batch whose layer-0 KV is already in the cache: squared L2 distance
