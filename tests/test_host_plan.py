@@ -32,7 +32,7 @@ def dense_make_plan(meta: AttentionMetadata) -> SharedPlan:
     query_lens = np.asarray(meta.query_lens_host, dtype=np.int64)  # [S]
     n_blocks = -(-seq_lens // bs)  # [S] table length
     n_cand = (seq_lens - query_lens) // bs  # [S] full blocks wholly before the first query token
-    tables = plan_mod._host_tables(meta)  # [S, W] int32, zero-padded
+    tables = plan_mod.host_tables(meta)  # [S, W] int32, zero-padded
     width = tables.shape[1]
     if num_seqs < 2 or int(n_cand.max(initial=0)) == 0:
         return plan_mod._no_sharing(meta, seq_lens, n_blocks, tables)

@@ -17,6 +17,7 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
 from prefixserve.attention.cascade import cascade_attention
+from prefixserve.attention.decode_plans import DecodePlans
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.plan import SharedPlan, fold_segments, make_plan, unshared_plan
 
@@ -147,6 +148,7 @@ class AutoBackend(AttentionBackend):
     def __init__(self) -> None:
         self._gpu: AttentionBackend | None = None
         self._kv_bytes_per_token: int | None = None  # learned from the first forward's cache
+        self.decode_plans = DecodePlans()  # graphed decode steps: the plan carried on while it holds
 
     def _gpu_backend(self, device: torch.device) -> AttentionBackend | None:
         if device.type != "cuda":
@@ -204,7 +206,8 @@ class AutoBackend(AttentionBackend):
         from prefixserve.attention.kernels.graph_attention import paged_graph_step, shared_graph_step
         from prefixserve.attention.kernels.step_plan import host_plan
 
-        plan = self._folded(host_plan(meta), meta.block_size, self.graph_cost.min_segment_saving)
+        saving = self.graph_cost.min_segment_saving
+        plan = self.decode_plans.plan(meta, lambda m: self._folded(host_plan(m), m.block_size, saving))
         kv_bytes = 2 * shape.kv_heads * shape.head_dim * torch.empty(0, dtype=shape.dtype).element_size()
         logical = meta.logical_kv_tokens()
         if plan.has_holes or gpu_cascade_pays_off(plan, logical, kv_bytes, self.graph_cost, shape.group):

@@ -99,10 +99,12 @@ class GraphAttention(AttentionBackend):
     def __init__(self, fields: dict[str, tuple[tuple[int, ...], bool]], device: torch.device) -> None:
         self.fields = fields
         self.offsets: dict[str, int] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # each field's (start, end) in the flat buffer
         total = 0
         for name, (shape, _clear) in fields.items():
             self.offsets[name] = total
-            total += int(np.prod(shape, dtype=np.int64))
+            self._spans[name] = (total, total + int(np.prod(shape, dtype=np.int64)))
+            total = self._spans[name][1]
             total += -total % 4  # 16-byte aligned starts (Triton specialises pointers on alignment)
         self.device = device
         self.ints = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
@@ -123,19 +125,19 @@ class GraphAttention(AttentionBackend):
         """
         host = self.staging.next()
         host_np = host.numpy()
+        spans, fields = self._spans, self.fields
         for name, arr in arrays.items():
-            shape, clear = self.fields[name]
-            start = self.offsets[name]
-            size = int(np.prod(shape, dtype=np.int64))
-            view = host_np[start : start + size].reshape(shape)
+            start, end = spans[name]
+            flat = host_np[start:end]
             if arr.ndim == 2:
+                shape, clear = fields[name]
+                view = flat.reshape(shape)
                 view[: arr.shape[0], : arr.shape[1]] = arr
                 if clear:
                     view[arr.shape[0] :] = 0
             else:
-                flat = view.reshape(-1)
                 flat[: arr.size] = arr.ravel()
-                if clear:
+                if fields[name][1]:
                     flat[arr.size :] = 0
         self.ints.copy_(host, non_blocking=True)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ class SharedPlan:
     seg_num_tokens_host: list[int] = field(default_factory=list)  # [G] KV rows of each segment
     # a segment ends in a partly filled Prompt Cache module block: only the segment path is exact
     has_holes: bool = False
+    # values computed from the segments alone (a graphed step's shared work list and merge index),
+    # kept with the plan while ``DecodePlans`` carries it on to later steps
+    derived: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     # the fields above that are tensors (what moves to the device, what equality of plans compares)
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -76,7 +79,7 @@ class SharedPlan:
         return self.seg_row_start_host[g + 1] - self.seg_row_start_host[g]
 
 
-def _host_tables(meta: AttentionMetadata) -> np.ndarray:
+def host_tables(meta: AttentionMetadata) -> np.ndarray:
     """The padded block tables on the host (the metadata's own copy: no device read)."""
     if meta.block_tables_np is not None:
         return meta.block_tables_np
@@ -105,10 +108,10 @@ def make_plan(meta: AttentionMetadata) -> SharedPlan:
     device = meta.block_tables.device
     bs = meta.block_size
     num_seqs = meta.num_seqs
-    seq_lens, query_lens = _host_lens(meta)  # [S], [S] int64
+    seq_lens, query_lens = host_lens(meta)  # [S], [S] int64
     n_blocks = -(-seq_lens // bs)  # [S] table length
     n_cand = (seq_lens - query_lens) // bs  # [S] full blocks wholly before the first query token
-    tables = _host_tables(meta)  # [S, W] int32, zero-padded
+    tables = host_tables(meta)  # [S, W] int32, zero-padded
     modules = meta.module_rows is not None  # module blocks may be in the batch (checked on heads below)
     if (num_seqs < 2 and not modules) or int(n_cand.max(initial=0)) == 0:
         return _no_sharing(meta, seq_lens, n_blocks, tables)
@@ -429,7 +432,7 @@ def _ranges(begin: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.repeat(begin - ends + count, count) + np.arange(ends[-1])
 
 
-def _host_lens(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+def host_lens(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
     """(seq_lens, query_lens) as int64 arrays: the metadata's own copies when it has them."""
     if meta.seq_lens_np is not None and meta.query_lens_np is not None:
         return meta.seq_lens_np, meta.query_lens_np
@@ -464,6 +467,6 @@ def _no_sharing(
 
 def unshared_plan(meta: AttentionMetadata) -> SharedPlan:
     """A plan with zero segments (each own part is the whole table): the per-sequence path's work."""
-    seq_lens = _host_lens(meta)[0]
+    seq_lens = host_lens(meta)[0]
     n_blocks = -(-seq_lens // meta.block_size)
-    return _no_sharing(meta, seq_lens, n_blocks, _host_tables(meta))
+    return _no_sharing(meta, seq_lens, n_blocks, host_tables(meta))

@@ -88,7 +88,9 @@ def shared_graph_step(
     width = capacity(own_tables.shape[1], MIN_TABLE_WIDTH)
     heads = (shape.q_heads, kv_heads, shape.head_dim)
     # mixed: the mixed launch's tiles (mixed_rule.MixedTiles), None: two kernels
-    work, mixed = plan_step_work(plan, blocks, bs, heads, shape.device, shape.dtype, 1, meta.num_seqs)
+    memo = plan.derived  # kept while the plan is carried on to later steps (``DecodePlans``)
+    step_rows = (1, meta.num_seqs, None, memo)
+    work, mixed = plan_step_work(plan, blocks, bs, heads, shape.device, shape.dtype, *step_rows)
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
@@ -111,16 +113,13 @@ def shared_graph_step(
     )
     key = _floor(needed, floor, (0, 1, 3, 4))
     slots_cap = key[9]
-    # merge CSR over the bucket's rows: each row's shared slots, then its own splits (fixed offset)
     batch = meta.num_seqs
-    shared_rows = seg_rows[work.slot_row_index.numpy()]
-    own_rows = np.tile(np.arange(batch, dtype=np.int64), own_splits)
-    own_ids = slots_cap + np.repeat(np.arange(own_splits, dtype=np.int64) * bucket, batch) + own_rows
-    rows = np.concatenate([shared_rows, own_rows])
-    ids = np.concatenate([np.arange(work.num_slots, dtype=np.int64), own_ids])
-    row_ptr, order = merge.csr_by_row(rows, bucket)
+    merge_key = ("merge", id(work), bucket, batch, own_splits, slots_cap)
+    if merge_key not in memo:
+        memo[merge_key] = _merge_index(seg_rows[work.slot_row_index.numpy()], work.num_slots, *merge_key[2:])
+    row_ptr, part_idx = memo[merge_key]
     seg_blocks = plan.seg_blocks.numpy()
-    nnz = capacity(ids.size, 16)
+    nnz = capacity(part_idx.size, 16)
     if floor is not None and key[:10] == floor[:10]:
         nnz = max(nnz, floor[10])
     key = (*key[:10], nnz)
@@ -132,8 +131,8 @@ def shared_graph_step(
         "own_tables": own_tables,
         "own_seq_lens": own_lens,
         "qsl": np.arange(bucket + 1, dtype=np.int32),
-        "row_ptr": row_ptr.astype(np.int32),
-        "part_idx": ids[order].astype(np.int32),
+        "row_ptr": row_ptr,
+        "part_idx": part_idx,
     }
     stats = {
         "kv_tokens_read": float(plan.kv_tokens_read),
@@ -148,6 +147,19 @@ def shared_graph_step(
         stats,
         lambda f: shared_graph_step(meta, plan, shape, bucket, f),
     )
+
+
+def _merge_index(
+    shared_rows: np.ndarray, num_slots: int, bucket: int, batch: int, own_splits: int, slots_cap: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(row_ptr [bucket+1], part_idx) int32: the merge CSR over the bucket's rows, each row's shared
+    slots (``shared_rows``: the query row of each), then its own splits at a fixed offset."""
+    own_rows = np.tile(np.arange(batch, dtype=np.int64), own_splits)
+    own_ids = slots_cap + np.repeat(np.arange(own_splits, dtype=np.int64) * bucket, batch) + own_rows
+    rows = np.concatenate([shared_rows, own_rows])
+    ids = np.concatenate([np.arange(num_slots, dtype=np.int64), own_ids])
+    row_ptr, order = merge.csr_by_row(rows, bucket)
+    return row_ptr.astype(np.int32), ids[order].astype(np.int32)
 
 
 class _Recorded(GraphAttention):

@@ -115,10 +115,15 @@ def plan_step_work(
     max_query_len: int,
     num_seqs: int,
     mode: str | None = None,  # PREFIXSERVE_MIXED's values; None: the switch
+    memo: dict[tuple[Any, ...], Any] | None = None,
 ) -> tuple[Any, MixedTiles | None]:
     """A shared step's work list and its mixed launch's tiles (``mixed_rule.MixedTiles``; None: two
     kernels), as the eager backend and the decode graphs both plan them: the mixed rule is asked
-    before the work list (a step that may mix prefers tall tiles) and after it (the tiles it got)."""
+    before the work list (a step that may mix prefers tall tiles) and after it (the tiles it got).
+
+    ``memo`` keeps the work list, which depends on the segments alone, for later steps of a plan
+    carried on (``SharedPlan.derived``); the caller must not change it (the eager path moves its
+    items to the device, so it passes none)."""
     from prefixserve.attention.kernels import mixed_rule
     from prefixserve.attention.kernels.shared_plan import plan_work_for
 
@@ -128,7 +133,12 @@ def plan_step_work(
     rule = {"block_size": block_size, "segments": plan.num_segments}
     mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, **rule)
     group = q_heads // kv_heads
-    work = plan_work_for(plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable)
+    key = ("work", block_size, shape, str(device), dtype, mixable)
+    work = None if memo is None else memo.get(key)
+    if work is None:
+        work = plan_work_for(plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable)
+        if memo is not None:
+            memo[key] = work
     return work, mixed_rule.mixed_rows(device, dtype, shape, work, *sizes, **rule)
 
 

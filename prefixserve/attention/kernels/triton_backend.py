@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
+from prefixserve.attention.decode_plans import DecodePlans
 from prefixserve.attention.kernels.step_launch import (
     MERGE,
     PAGED_OUT,
@@ -208,6 +209,7 @@ class TritonBackend(TritonPagedBackend):
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.decode_plans = DecodePlans()  # graphed decode steps: the plan carried on while it holds
 
     def _side_stream(self, device: torch.device, rows: int) -> torch.cuda.Stream | None:
         if device.type != "cuda" or rows < self.overlap_min_rows:
@@ -236,7 +238,7 @@ class TritonBackend(TritonPagedBackend):
         """A decode step for a captured graph: shared segments when the batch has any, else paged."""
         from prefixserve.attention.kernels.graph_attention import shared_graph_step
 
-        plan = host_plan(meta)
+        plan = self.decode_plans.plan(meta, host_plan)
         if plan.num_segments == 0:
             return super().graph_step(meta, shape, bucket)
         step = shared_graph_step(meta, plan, shape, bucket)
