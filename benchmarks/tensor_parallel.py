@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.decode_run import MODES, measure, shared_prompts
 from benchmarks.harness import RESULTS, run_info, write_results
+from benchmarks.harness.output import pyplot
 from benchmarks.harness.ranks import join_group, leave_group, run_ranks
 
 NAME = "tensor_parallel"
@@ -210,8 +211,10 @@ def main(argv: list[str] | None = None) -> None:
             payload[part] = other.get(part, payload[part])
             if part in other_runs:
                 payload["runs"][part] = other_runs[part]
-        payload.update({k: other[k] for k in (*RUN_KEYS, "model", "own", "gen") if k in other})
+        kept = (*RUN_KEYS, "cpu_count", "python", "model", "own", "gen")
+        payload.update({k: other[k] for k in kept if k in other})
         write_results(NAME, payload, markdown(payload), args.out)
+        plot(payload, args.out / f"{NAME}.png")
         return
     modes = {
         k: (v if args.device == "cuda" else ("reference" if v == "triton_paged" else v))
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
             if payload.get(part):
                 payload["runs"][part] = {k: payload[k] for k in RUN_KEYS}
         write_results(NAME, payload, markdown(payload), args.out)
+        plot(payload, args.out / f"{NAME}.png")
 
     if "allreduce" in args.parts:
         cfg = _config(args.model)
@@ -398,6 +402,37 @@ def markdown(payload: dict) -> str:
             cells.append(" / ".join("-" if x is None else f"{x:.1%}" for x in idle))
             md.append("| " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
+
+
+def plot(payload: dict, path: Path) -> None:
+    """Bars of decode tok/s: the compare model at TP=1 and TP=N (NCCL alone, as configured) per B,
+    and the grid model's sharing on / off / ceiling per (B, P), each panel titled with its run."""
+    plt = pyplot()
+    parts = [p for p in ("compare", "grid") if payload.get(p)]
+    if plt is None or not parts:
+        return
+    tp = payload["tensor_parallel_size"]
+    series = {
+        "compare": [("tp1", "TP=1"), (f"tp{tp}_nccl", f"TP={tp} NCCL"), (f"tp{tp}", f"TP={tp}")],
+        "grid": [("auto", "sharing on"), ("sharing_off", "sharing off"), ("ceiling", "no attention")],
+    }
+    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.2), squeeze=False)
+    for ax, part in zip(axes[0], parts, strict=True):
+        rows = payload[part]
+        labels = [f"B={r['B']}" + (f"\nP={r['P']}" if part == "grid" else "") for r in rows]
+        width = 0.8 / len(series[part])
+        for j, (key, label) in enumerate(series[part]):
+            values = [r.get(f"{key}_tok_s") or 0 for r in rows]
+            ax.bar([i + j * width for i in range(len(rows))], values, width, label=label)
+        ax.set_xticks([i + width * (len(series[part]) - 1) / 2 for i in range(len(rows))], labels)
+        ax.set_ylabel("decode tokens/s")
+        run = payload.get("runs", {}).get(part, {})
+        model = payload["compare_model" if part == "compare" else "model"]
+        ax.set_title(f"{model} ({run.get('device', '?')} x {run.get('gpus', '?')}, {run.get('commit', '?')})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _num(x: float | None, spec: str = ".0f") -> str:
