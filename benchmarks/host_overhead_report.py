@@ -42,7 +42,7 @@ def _table(rows: list[dict[str, Any]], title: str) -> list[str]:
 
 def _compare(before: list[dict[str, Any]], rows: list[dict[str, Any]], mode: str, prefix: int) -> list[str]:
     """Per component (medians over the steps): before (engine variant of the earlier run), after
-    (engine), after (proposed)."""
+    (engine), and after (proposed) where the run has that variant."""
 
     def pick(src: list[dict[str, Any]], variant: str, batch: int) -> dict[str, Any] | None:
         for r in src:
@@ -51,12 +51,15 @@ def _compare(before: list[dict[str, Any]], rows: list[dict[str, Any]], mode: str
         return None
 
     batches = sorted({r["batch"] for r in rows if r["prefix"] == prefix and r["mode"] == mode})
-    sources = ((before, "engine"), (rows, "engine"), (rows, "proposed"))
-    cols = [(b, pick(src, v, b)) for b in batches for src, v in sources]
-    names = ["before", "after", "+engine.py"]
-    heads = [f"B={b} {names[i % 3]}" for i, (b, _) in enumerate(cols)]
-    md = [f"### {mode}, P={prefix}: before / after / after + recommended engine.py change (R1)", ""]
-    md += ["| component (median us/step) | " + " | ".join(heads) + " |", "| --- |" + " ---: |" * len(cols)]
+    sources = [(before, "engine", "before"), (rows, "engine", "after")]
+    if any(r["variant"] == "proposed" for r in rows):
+        sources.append((rows, "proposed", "+engine.py"))
+    cols = [(f"B={b} {name}", pick(src, v, b)) for b in batches for src, v, name in sources]
+    md = [f"### {mode}, P={prefix}: " + " / ".join(name for *_, name in sources), ""]
+    md += [
+        "| component (median us/step) | " + " | ".join(h for h, _ in cols) + " |",
+        "| --- |" + " ---: |" * len(cols),
+    ]
     for key, label in COMPONENTS:
         cells = [f"{r['median_us'][key]:,.0f}" if r else "-" for _, r in cols]
         if key == "total":
@@ -94,8 +97,8 @@ def render(payload: dict[str, Any]) -> str:
         f"{BLOCK}; {steps} decode-only steps per run, best run (lowest median step) of"
         f" {payload.get('runs', 1)} per configuration. `graph` = the CUDA-graph decode path",
         "(`graph_step` + the graph's host-side `load`); `eager` = `prepare` + the first layer's",
-        "`build_layout`. `engine` is engine.py as it is; `proposed` is `ProposedEngine` in the script:",
-        "engine.py with the change recommended below (R1). Produced by `python -m benchmarks.host_overhead",
+        "`build_layout`. `engine` is engine.py as it is (`proposed`, in runs that have it, the engine",
+        "with a change the notes recommend). Produced by `python -m benchmarks.host_overhead",
         "--json-out RUN.json` (before: the same script on the tree before this change), alternating",
         "before and after runs, then `--from-json AFTER*.json --before BEFORE*.json`.",
         "",
@@ -117,65 +120,39 @@ NOTES: list[str] = [
     "+-40% from run to run, so each configuration is the best of several alternating runs (lowest",
     "median step) and the before/after tables show medians over the steps.",
     "",
-    "### What changed (exact: the same schedules, the same plans)",
+    "### What changed (exact: the same plans)",
     "",
-    "* `make_plan` (attention/plan.py) reads the whole [S, W] table twice (each row against the row",
-    "  above; the entries that differ, *heads*) and works on the heads only: holder counts are the",
-    "  heads' run lengths down their columns, every distinct (block, successor) pair starts at or just",
-    "  left of a head, segment lengths come from scanning one holder's row (pointer jumping when that",
-    "  would cost more). tests/test_host_plan.py keeps the previous implementation and checks every",
-    "  field of the plan, bit for bit, on random and structured batches, both ways of measuring.",
-    "* `build_metadata` (attention/metadata.py) also takes the block tables as an array, the fast form:",
-    "  turning a batch's lists into an array costs ~20 ns per entry (1.5 ms at B=256, P=4K); it keeps",
-    "  int64 copies of the lengths for the planner; `block_tables_host` of array-built metadata is",
-    "  `TableRows` (lists made on access: only the reference backend reads them).",
-    "* `BlockManager` (scheduler/block_tables.py) keeps a numpy mirror of every block table, written at each",
-    "  change (prefix hit, reserve, copy-on-write, deduplicating swap, fork, free); `block_tables_np`",
-    "  gathers a batch's rows in one numpy index. `register_computed` returns at once when no block",
-    "  filled up (it copied the sequence's whole digest list every call); `reserve` returns at once when",
-    "  there is nothing to allocate or copy. tests/test_host_scheduling.py keeps the previous methods",
-    "  and runs a model-free workload (shared prompts, chunked prefill, n > 1 forks with copy-on-write,",
-    "  deduplicated greedy siblings, aborts, preemption) through both: identical schedules step by step",
-    "  and identical pools; the mirror is checked against every table after every step.",
-    "* `Scheduler.schedule` (scheduler/scheduler.py): the running loop reads attributes directly and",
-    "  inlines `reserve`'s nothing-to-do case; a set of scheduled ids that could never match is gone;",
-    "  `finish` scans `running` once. `BlockPool.cached_block(digest)` for single lookups.",
+    "* Decode plans carried from step to step (`attention/decode_plans.py`, `DecodePlans`): a graphed",
+    "  decode step whose batch is the step before's, every sequence one token longer, keeps the step",
+    "  before's shared segments when no candidate entry changed and every block that filled up is named",
+    "  by no other candidate; only the own parts move (each own length + 1, the query block the own",
+    "  table's last entry, a new column where a block filled). Otherwise it plans from scratch. The",
+    "  check is one comparison of the table with the step before's (the entries that differ are the",
+    "  new blocks) and a count of candidate entries per block, so `make_plan` reads 0 in steady decode.",
+    "  tests/test_decode_plans.py compares the carried plan and the graphed step planned from it (key",
+    "  and every array) with planning from scratch over random decode runs: joins, leaves, forks,",
+    "  copy-on-write, candidate blocks moved, a prefix-cache hit whose recomputed last token makes a",
+    "  block shared one step on, two joiners filling the same block.",
+    "* The graphed shared step's work list and merge index, which depend on the segments alone, are",
+    "  kept with the carried plan (`SharedPlan.derived`), so 'backend: graph step' is the carry, the",
+    "  mixed-launch rule and the arrays.",
+    "* A graph's `load` writes each field at a span computed once, not from its shape every step",
+    "  ('forward host part').",
+    "* Where the carry costs: at B=1024, P=16K the table comparison covers about a million entries,",
+    "  and 'backend: graph step' grew by a quarter of what `make_plan` cost there (tables above).",
     "",
-    "### Recommended changes in engine.py and the kernels (R2-R4 now made)",
+    "Earlier changes to these paths (heads-only `make_plan`, block tables from the block manager's",
+    "numpy mirror, one pass over the batch at launch, stop checks only where one can fire, the work",
+    "list in numpy) are in this page's history (`git log -p docs/benchmarks/host_overhead.md`).",
     "",
-    "* R1, engine.py `_plan`: `tables = self.blocks.block_tables_np(seqs, seq_lens)` instead of",
-    "  `seq.block_table[: blocks_needed(c + n)]` per sequence (made earlier). The gather loop now also",
-    "  reads a decode row's position with one index instead of a slice.",
-    "* R2, done: `Engine._launch` is `_gather_ids` (a decode row's id by one index, the prompt-token",
-    "  counter bumped once a step) and `_advance`, one pass after the forward is issued: computed",
-    "  tokens, `register_computed` only when a block filled up (its own early return, checked inline),",
-    "  `_fork_if_needed` only for an unforked n > 1 request, the placeholders (before the sampling is",
-    "  issued: it reads no token ids; a failure drops them with the other pending tokens), and the",
-    "  rows, parameters, generators and touched requests, with no further pass over the batch.",
-    "* R3, done: `Engine._place_tokens` calls `_check_stop` only where `stop_reason` could return a",
-    "  reason or search stop strings (`output_processor.stop_possible`: its length conditions, then",
-    "  past `min_tokens` EOS, stop ids or any stop string), bumps the generated-tokens counter once,",
-    "  reads attributes directly; `_fill` asks `req.is_finished` only of requests whose last sample",
-    "  is finished.",
-    "  tests/test_host_fast_paths.py checks the skip against an engine that checks every token",
-    "  (random stop ids, stop strings, EOS, min_tokens, max_tokens, n > 1, streams; synchronous and",
-    "  launch-ahead): same outputs, same counters.",
-    "* R4, done: `TritonBackend.install` takes a host plan's `seg_rows` as they are;",
-    "  `plan_shared_work`'s work list is built with numpy per segment (`_cut_segments`; at B=1024,",
-    "  P=16K ~2,000 items were Python tuples and a `torch.tensor` of them). Checked against the",
-    "  previous loop in tests/test_host_fast_paths.py. `make_plan` (attention/plan.py) is now timed in",
-    "  the graph mode too (it is called through `step_plan.host_plan`; it read 0 before and its time",
-    "  was in 'backend: graph step').",
+    "### What is left",
     "",
-    "### What is left, and what the 0.5 ms target would take",
-    "",
-    "With R1 at B=256, P=4K (2.4 ms on this CPU): Python loops over the batch's sequences (scheduler,",
-    "gather, launch, complete: ~4.5 us per sequence together) and per-call numpy overheads of planning",
-    "(`make_plan` ~0.5 ms, ~0.13 ms of it fixed per call; the graph step ~0.3 ms). Reaching ~0.5 ms needs",
-    "~1 us per sequence in total (per-sequence decode state in arrays, bookkeeping as numpy over the",
-    "batch) and an incremental plan (the shared structure changes only when sequences join or leave).",
-    "Meanwhile engine.py's async scheduling plans step N+1 while the GPU runs step N, which hides host",
-    "time shorter than the GPU step (~5-8 ms at B=256 with 8B shapes).",
+    "At B=256 the step is about 1.4 ms on this CPU, and nearly all of it is Python over the batch's",
+    "sequences: scheduling, gathering, the launch's pass (computed tokens, placeholders) and the",
+    "completion's (tokens in place, stop checks, outputs), about 4 us per sequence together. Less",
+    "would take per-sequence decode state in arrays and bookkeeping as numpy over the batch. With",
+    "launch-ahead the host plans step N+1 while the GPU runs step N, so host time under the GPU step",
+    "(5-9 ms at B=256 with 8B shapes on an H200) is hidden; at TP=2 rank 0's host has about 5.4 ms.",
     "",
     "### The step in which a large batch finishes (438877a)",
     "",
