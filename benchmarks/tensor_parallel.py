@@ -203,12 +203,17 @@ def main(argv: list[str] | None = None) -> None:
     payload.update({k: old.get(k, []) for k in ("grid", "compare")})
     payload["allreduce"] = old.get("allreduce", {})
     payload["runs"] = _runs(old)
+    _stamp_cells(payload)
     payload.update(model=args.model, compare_model=args.compare_model, own=args.own, gen=args.gen)
     if args.merge:
         other = json.loads(args.merge.read_text())
         other_runs = _runs(other)
+        _stamp_cells(other)
         for part in args.parts:
-            payload[part] = other.get(part, payload[part])
+            if part == "grid":  # cell by cell: the --batches x --prefixes rows' --modes
+                _merge_cells(payload, other, set(args.batches), set(args.prefixes), args.modes)
+            else:
+                payload[part] = other.get(part, payload[part])
             if part in other_runs:
                 payload["runs"][part] = other_runs[part]
         kept = (*RUN_KEYS, "cpu_count", "python", "model", "own", "gen")
@@ -285,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                         print(row, flush=True)
                         continue
                     row[f"{mode}_tok_s"], row[f"{mode}_prefill_s"] = r["tok_s"], r["prefill_s"]
+                    row[f"{mode}_commit"] = payload["commit"]
                     row[f"{mode}_memory_needed_gb"] = r.get("memory_needed_gb")
                     # a pool too small for B runs the batch in waves: preemptions show it
                     row[f"{mode}_preemptions"], row["kv_blocks_total"] = (
@@ -314,10 +320,39 @@ def _runs(result: dict) -> dict[str, dict]:
     return {p: {k: result.get(k) for k in RUN_KEYS} for p in parts}
 
 
+def _stamp_cells(result: dict) -> None:
+    """Give each measured grid cell (a row's mode) without a commit the commit of the run that wrote
+    the grid: cells of several runs then keep their own after a later run or merge."""
+    commit = result.get("runs", {}).get("grid", {}).get("commit")
+    for row in result.get("grid", []):
+        for mode in MODES:
+            if f"{mode}_tok_s" in row and f"{mode}_commit" not in row and commit:
+                row[f"{mode}_commit"] = commit
+
+
+def _merge_cells(payload: dict, other: dict, batches: set[int], prefixes: set[int], modes: list[str]) -> None:
+    """Copy the grid cells of ``other`` named by B, P and mode (every field of that mode) into ``payload``."""
+    for src in other.get("grid", []):
+        if src["B"] not in batches or src["P"] not in prefixes:
+            continue
+        row = next((x for x in payload["grid"] if (x["B"], x["P"]) == (src["B"], src["P"])), None)
+        if row is None:
+            row = {"B": src["B"], "P": src["P"]}
+            payload["grid"].append(row)
+        shared = ("tp", "max_batched_tokens", "kv_blocks_total")
+        row.update({k: v for k, v in src.items() if k in shared or any(k.startswith(f"{m}_") for m in modes)})
+        if "auto" in modes:  # the sharing-on run's own fields
+            row.update({k: src[k] for k in ("host_overhead_frac", "graphs_captured") if k in src})
+    payload["grid"].sort(key=lambda x: (x["B"], x["P"]))
+
+
 def _run_line(payload: dict, part: str) -> list[str]:
     run = payload.get("runs", {}).get(part)
     if not run:
         return []
+    if part == "grid":  # cells of several runs: each names its commit
+        latest = f"latest run {run['date']}"
+        return ["", f"Measured on {run['device']} x {run['gpus']}, torch {run['torch']}, {latest}."]
     return [
         "",
         f"Measured on {run['device']} x {run['gpus']}, torch {run['torch']}, commit {run['commit']}, "
@@ -339,12 +374,14 @@ def markdown(payload: dict) -> str:
         *_run_line(payload, "grid"),
         "",
         "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling | step ms "
-        "| all-reduce ms / step | all-reduce share | step tokens | preempted on / off / ceiling |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| all-reduce ms / step | all-reduce share | step tokens | preempted on / off / ceiling "
+        "| commit on / off / ceiling |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in payload["grid"]:
         # a pool short of the batch recomputes requests (preemptions): such a row is not clean
         preempted = " / ".join(_num(r.get(f"{m}_preemptions")) for m in ("auto", "sharing_off", "ceiling"))
+        commits = " / ".join(r.get(f"{m}_commit", "-") for m in ("auto", "sharing_off", "ceiling"))
         on, off, ceil = (r.get(f"{m}_tok_s") for m in ("auto", "sharing_off", "ceiling"))
         step = r["B"] / on * 1e3 if on else None
         measured = payload["allreduce"].get(str(r["B"]), {})
@@ -353,7 +390,7 @@ def markdown(payload: dict) -> str:
         md.append(
             f"| {r['B']} | {r['P']} | {_num(on)} | {_num(off)} | {_num(ceil)} | {_ratio(on, off, 'x')} | "
             f"{_ratio(on, ceil, '%')} | {_num(step, '.1f')} | {_num(ar, '.2f')} | {_ratio(ar, step, '%')} | "
-            f"{_num(r.get('max_batched_tokens'))} | {preempted} |"
+            f"{_num(r.get('max_batched_tokens'))} | {preempted} | {commits} |"
         )
     if payload["allreduce"]:
         md += [
