@@ -21,6 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.info import git_commit
 from benchmarks.harness.timing import graph_ms, measure_ceilings
 from prefixserve.model import fused
 from prefixserve.model.kernels import gate_up, skinny_matmul
@@ -122,7 +123,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             ceilings = {"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops}
-            json.dump({**ceilings, "table": table, "rows": rows}, f, indent=1)
+            info = {"device": torch.cuda.get_device_name(), "commit": git_commit(), "tp": args.tp}
+            json.dump({**info, **ceilings, "table": table, "rows": rows}, f, indent=1)
 
 
 def ab(row_counts: list[int], rounds: int) -> None:
