@@ -323,7 +323,7 @@ def _runs(result: dict) -> dict[str, dict]:
 def _stamp_cells(result: dict) -> None:
     """Give each measured grid cell (a row's mode) without a commit the commit of the run that wrote
     the grid: cells of several runs then keep their own after a later run or merge."""
-    commit = result.get("runs", {}).get("grid", {}).get("commit")
+    commit = _runs(result).get("grid", {}).get("commit")
     for row in result.get("grid", []):
         for mode in MODES:
             if f"{mode}_tok_s" in row and f"{mode}_commit" not in row and commit:

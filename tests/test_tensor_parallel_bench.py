@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from benchmarks import tensor_parallel as tp
+from benchmarks.tensor_parallel import _merge_cells, _stamp_cells, markdown
 
 GRID_ROW = {
     "B": 256, "P": 16384, "tp": 2, "max_batched_tokens": 1024, "auto_tok_s": 5238.0,
@@ -33,10 +34,32 @@ def test_merge_keeps_each_parts_run(tmp_path: Path) -> None:
     other = _file(tmp_path / "other.json", "bbbbbbb", grid=[GRID_ROW], compare=[{"B": 1}])
     tp.main(["--parts", "grid", "--merge", str(other), "--out", str(out)])
     merged = json.loads((out / "tensor_parallel.json").read_text())
-    assert merged["grid"] == [GRID_ROW] and merged["compare"] == [COMPARE_ROW]  # compare not taken
+    cells = {f"{m}_commit": "bbbbbbb" for m in ("auto", "sharing_off", "ceiling")}  # each cell its run's
+    assert merged["grid"] == [{**GRID_ROW, **cells}]
+    assert merged["compare"] == [COMPARE_ROW]  # compare not taken
     assert merged["runs"]["grid"]["commit"] == "bbbbbbb"
     assert merged["runs"]["compare"]["commit"] == "aaaaaaa"
     md = (out / "tensor_parallel.md").read_text()
     grid_part, compare_part = md.split("TP=1 vs TP=2")
-    assert "commit bbbbbbb" in grid_part and "commit aaaaaaa" in compare_part
+    assert "| bbbbbbb / bbbbbbb / bbbbbbb |" in grid_part and "commit aaaaaaa" in compare_part
     assert "| 2.83x |" in grid_part and "| 1024 | 0 / 2 / 0 |" in grid_part  # step tokens, preemptions
+
+
+def _result(commit: str, on: float, off: float) -> dict:
+    cells = [(b, p) for b in (64, 256) for p in (1024, 16384)]
+    rows = [{"B": b, "P": p, "auto_tok_s": on, "sharing_off_tok_s": off} for b, p in cells]
+    run = {"device": "GPU", "gpus": 2, "torch": "t", "commit": commit, "date": "d"}
+    return {"grid": rows, "runs": {"grid": run}}
+
+
+def test_a_cell_merge_takes_only_the_named_cells_and_keeps_each_commit() -> None:
+    payload, newer = _result("old", 100.0, 50.0), _result("new", 120.0, 40.0)
+    _stamp_cells(payload)
+    _stamp_cells(newer)
+    _merge_cells(payload, newer, {256}, {16384}, ["auto"])
+    cells = {(r["B"], r["P"]): r for r in payload["grid"]}
+    assert cells[256, 16384]["auto_tok_s"] == 120.0 and cells[256, 16384]["auto_commit"] == "new"
+    assert cells[256, 16384]["sharing_off_tok_s"] == 50.0 and cells[256, 16384]["sharing_off_commit"] == "old"
+    assert all(cells[k]["auto_commit"] == "old" for k in cells if k != (256, 16384))
+    payload.update(tensor_parallel_size=2, own=64, gen=128, model="m", compare=[], allreduce={})
+    assert "| 256 | 16384 | 120 | 50 |" in markdown(payload) and "new / old / -" in markdown(payload)
