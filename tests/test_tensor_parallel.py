@@ -234,6 +234,16 @@ def test_killed_worker_fails_the_engine_fast(tiny_config_path: Path) -> None:
     assert all(p.poll() is not None for p in llm.engine.runner.procs)
 
 
+def test_a_dead_worker_lets_the_other_workers_go(tmp_path: Path) -> None:
+    """Over 3 ranks, worker 1 killed: worker 2 ends with the failed request, not with the server."""
+    heads = {"num_attention_heads": 6, "num_key_value_heads": 3}  # 3 ranks: 2 heads, 1 KV head each
+    cfg = dict(TINY_CONFIG, hidden_size=96, intermediate_size=192, **heads)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    config = EngineConfig(model=f"dummy:{path}", device="cpu", num_kv_blocks=128, tensor_parallel_size=3)
+    server_survives_a_dead_worker(config)
+
+
 def test_server_on_top_and_a_dead_worker(tiny_config_path: Path) -> None:
     """The HTTP server runs unchanged over 2 ranks; when a worker dies, requests fail and /health says
     503 instead of the server hanging."""
@@ -244,7 +254,8 @@ def test_server_on_top_and_a_dead_worker(tiny_config_path: Path) -> None:
 
 
 def server_survives_a_dead_worker(config: EngineConfig) -> None:
-    """Serve one request over the ranks, kill worker 1: the next request fails and /health goes 503."""
+    """Serve one request over the ranks, kill worker 1: the next request fails, /health goes 503 and
+    the other workers end while the server is still up."""
     with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         body = {"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 5, "temperature": 0}
         first = http.post("/v1/completions", json=body)
@@ -259,6 +270,15 @@ def server_survives_a_dead_worker(config: EngineConfig) -> None:
         while http.get("/health").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert http.get("/health").status_code == 503
+        # the engine lets the other ranks go now (a worker blocked in a collective is killed after
+        # 10 s), not when the server exits
+        runner, deadline = srv.engine_loop.engine.runner, time.monotonic() + 30
+        while not runner.health.stopping.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert runner.health.stopping.is_set(), "the engine kept its workers after losing one"
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(p.poll() is not None for p in procs), "a live worker outlasted its dead peer"
     assert all(p.poll() is not None for p in procs)
 
 

@@ -266,8 +266,9 @@ class EngineLoop:
             if engine.has_unfinished():
                 outputs, dead = serve_step(engine, self.admission)
                 self._deliver(outputs)
-                if dead:  # no step can run again: take nothing more
+                if dead:  # no step can run again: take nothing more, and let the other ranks go now
                     self._refuse_queued()
+                    self._release_engine()
                     return
             self.snapshot = engine_metrics(engine, self.admission)
             self._publish_queue()
@@ -333,6 +334,14 @@ class EngineLoop:
         self.snapshot = engine_metrics(self.engine, self.admission)
         self._refuse_queued()
         self.engine.shutdown()  # tensor-parallel workers stop with the server
+
+    def _release_engine(self) -> None:
+        """After a lost tensor-parallel worker: stop the other ranks and leave the group now, not when
+        the server exits (until then they would hold their devices, blocked in a collective)."""
+        try:
+            self.engine.shutdown()
+        except Exception:  # the server goes on answering 503 whatever happens here
+            log.exception("releasing the engine after a lost worker failed")
 
     def _refuse_queued(self) -> None:
         """Take no more commands, and fail those still queued."""
