@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from prefixserve.engine.graph_capture import capture_into
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,7 @@ class ArgmaxGraphs:
             self.argmax(hidden)  # warm-up: kernels compile and the collective is set up outside capture
             torch.cuda.synchronize(hidden.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capture_into(graph, self.pool):
                 tokens = self.argmax(hidden)
             entry = self.graphs[key] = (graph, tokens)
             log.info("captured the sharded argmax of %d rows (%d graphs)", hidden.shape[0], len(self.graphs))

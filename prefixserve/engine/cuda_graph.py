@@ -24,6 +24,7 @@ import torch
 
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.engine.graph_capture import capture_into
 from prefixserve.kv.cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capture_into(graph, self.pool):
                 hidden = self._forward(bucket, attention)
         except Exception as exc:
             raise GraphCaptureError(f"capturing the decode graph {step.key[:2]} failed: {exc}") from exc

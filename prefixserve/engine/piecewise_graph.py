@@ -31,6 +31,7 @@ import torch
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.graph import HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.engine.graph_capture import capture_into
 from prefixserve.kv.cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class PiecewiseGraphs:
         try:
             for piece in range(self.layers + 1):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with capture_into(graph, self.pool):
                     rope = self._piece(entry, piece, bucket, rope)
                 graphs.append(graph)
         except Exception:
