@@ -8,6 +8,7 @@ stats             counters, step timers, gauges and metrics()
 model_runner      ModelRunner: KV cache, attention backend, CUDA graphs, forward, sampling on the device
 cuda_graph        decode steps captured and replayed as CUDA graphs (the runner's)
 argmax_graph      under tensor parallelism, a graphed step's sharded argmax replayed from its own graph
+graph_capture     one CUDA graph capture into a shared pool, its pool routing ended should it fail
 output_processor  texts and RequestOutput (stop checks are the scheduler's: scheduler/stop.py)
 system_prompts    applications' system prompts, their KV held (RelayAttention)
 gc_tuning         Python GC thresholds for an engine process
