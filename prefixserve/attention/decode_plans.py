@@ -84,7 +84,7 @@ class DecodePlans:
             known = new[new < len(counts)]
             if counts[known].any() or len(set(new.tolist())) != new.size:  # named by another candidate
                 return None
-            self._count(new)
+            _count(last, new)
         last.tables, last.seq_lens, last.n_cand = tables, seq_lens, n_cand
         return self._carried_plan(last, tables, n_cand, gained, num_seqs)
 
@@ -111,17 +111,6 @@ class DecodePlans:
         )
         return last.plan
 
-    def _count(self, blocks: np.ndarray) -> None:
-        """Add candidate entries naming ``blocks`` (distinct) to the last step's counts."""
-        last = self._last
-        assert last is not None
-        need = int(blocks.max()) + 1
-        if need > len(last.cand_count):  # doubling: new blocks keep coming with higher ids
-            grown = np.zeros(max(need, 2 * len(last.cand_count)), dtype=last.cand_count.dtype)
-            grown[: len(last.cand_count)] = last.cand_count
-            last.cand_count = grown
-        last.cand_count[blocks] += 1
-
     def _remember(self, meta: AttentionMetadata, plan: SharedPlan) -> None:
         """Keep a decode step's inputs and plan (a host plan: its tensors on the CPU) to carry on."""
         self._last = None
@@ -137,6 +126,16 @@ class DecodePlans:
         cand_count = np.bincount(candidates.astype(np.intp), minlength=1)
         own_n = -(-plan.own_seq_lens.numpy().astype(np.int64) // bs)
         self._last = _Planned(tables, seq_lens, n_cand, cand_count, own_n, plan)
+
+
+def _count(last: _Planned, blocks: np.ndarray) -> None:
+    """Add candidate entries naming ``blocks`` (distinct) to the last step's counts."""
+    need = int(blocks.max()) + 1
+    if need > len(last.cand_count):  # doubling: new blocks keep coming with higher ids
+        grown = np.zeros(max(need, 2 * len(last.cand_count)), dtype=last.cand_count.dtype)
+        grown[: len(last.cand_count)] = last.cand_count
+        last.cand_count = grown
+    last.cand_count[blocks] += 1
 
 
 __all__ = ["DecodePlans"]

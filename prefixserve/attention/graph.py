@@ -98,13 +98,11 @@ class GraphAttention(AttentionBackend):
 
     def __init__(self, fields: dict[str, tuple[tuple[int, ...], bool]], device: torch.device) -> None:
         self.fields = fields
-        self.offsets: dict[str, int] = {}
-        self._spans: dict[str, tuple[int, int]] = {}  # each field's (start, end) in the flat buffer
+        self.spans: dict[str, tuple[int, int]] = {}  # each field's (start, end) in the flat buffer
         total = 0
         for name, (shape, _clear) in fields.items():
-            self.offsets[name] = total
-            self._spans[name] = (total, total + int(np.prod(shape, dtype=np.int64)))
-            total = self._spans[name][1]
+            self.spans[name] = (total, total + int(np.prod(shape, dtype=np.int64)))
+            total = self.spans[name][1]
             total += -total % 4  # 16-byte aligned starts (Triton specialises pointers on alignment)
         self.device = device
         self.ints = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
@@ -112,9 +110,8 @@ class GraphAttention(AttentionBackend):
 
     def buffer(self, name: str) -> torch.Tensor:
         """The device view of field ``name`` (what the captured kernels read)."""
-        shape, _ = self.fields[name]
-        start = self.offsets[name]
-        return self.ints[start : start + int(np.prod(shape, dtype=np.int64))].view(shape)
+        start, end = self.spans[name]
+        return self.ints[start:end].view(self.fields[name][0])
 
     def load(self, arrays: dict[str, np.ndarray]) -> None:
         """Write a step's arrays into a host mirror (2-d ones into the top-left corner) and copy it over.
@@ -125,7 +122,7 @@ class GraphAttention(AttentionBackend):
         """
         host = self.staging.next()
         host_np = host.numpy()
-        spans, fields = self._spans, self.fields
+        spans, fields = self.spans, self.fields
         for name, arr in arrays.items():
             start, end = spans[name]
             flat = host_np[start:end]

@@ -155,7 +155,7 @@ def test_graph_buffers_clear_work_list_tails() -> None:
     # the host mirrors are used in turn: a step's arrays never overwrite a mirror whose copy may be pending
     first, second = probe.staging.next(), probe.staging.next()
     assert first.data_ptr() != second.data_ptr() and probe.staging.next().data_ptr() == first.data_ptr()
-    assert probe.offsets["rows"] % 4 == 0
+    assert probe.spans["rows"][0] % 4 == 0
 
 
 def test_auto_has_no_graph_path_on_cpu() -> None:
