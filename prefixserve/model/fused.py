@@ -164,6 +164,24 @@ def peer_norm_enabled() -> bool:
     return _SWITCHES["peer_norm"] and _have_triton() and config.peer_norm_enabled()
 
 
+def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:
+    """A vocabulary shard's lookups of ``ids`` (zeros for ids other ranks hold) written into ``out``:
+    one kernel (``kernels/embedding.py``) where Triton runs, else the torch path."""
+    if _use_triton(ids):
+        from prefixserve.model.kernels.embedding import shard_embedding as kernel
+
+        return kernel(ids, weight, start, out)
+    return out.copy_(shard_lookup(ids, weight, start))
+
+
+def shard_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """The torch path of a vocabulary shard's lookups: rows of ``weight`` for the ids this shard
+    holds (``start`` is its first), zeros for the others."""
+    local = ids - start
+    mine = (local >= 0) & (local < weight.shape[0])
+    return F.embedding(torch.where(mine, local, 0), weight) * mine[:, None].to(weight.dtype)
+
+
 def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``linear(x, weight)`` (no bias) written into ``out`` [M, N]: the skinny kernel where it wins,
     else cuBLAS (``torch.mm(..., out=)``)."""
@@ -197,11 +215,10 @@ def add_rms_norm(
     The add is done in the model dtype, the statistics in fp32 and the result cast back before the
     weight multiply, as HF's RMSNorm after its residual add. Partials are summed in fp32 and rounded
     to the model dtype first, as a split-K matmul's own reduce does. Two ranks' products
-    (``PeerSum``, always with the residual) are summed over NVLink in the same kernel.
+    (``PeerSum``) are summed over NVLink in the same kernel; without a residual (the embedding's
+    lookups) the second output is that sum, a new tensor.
     """
     if isinstance(x, PeerSum):
-        if residual is None:
-            raise ValueError("two ranks' products join the residual stream: give the residual")
         return x.add_rms_norm(residual, weight, eps)
     if _use_triton(x):
         from prefixserve.model.kernels import rms_norm
@@ -308,6 +325,8 @@ __all__ = [
     "linear_silu_and_mul",
     "rope_cos_sin",
     "rope_qkv",
+    "shard_embedding",
+    "shard_lookup",
     "silu_and_mul",
     "skinny_matmuls",
     "split_k_for",

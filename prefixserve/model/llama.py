@@ -26,6 +26,7 @@ from prefixserve.model import cpu_linear, fused
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.meta_init import LoadedLater
 from prefixserve.model.parallel import Shard
+from prefixserve.model.peer_allreduce import ATTENTION_SLOT, EMBEDDING_SLOT, MLP_SLOT
 from prefixserve.sampling.argmax import argmax_rows
 
 
@@ -46,8 +47,15 @@ class RMSNorm(nn.Module):
         x: torch.Tensor | fused.PeerSum,  # [T, hidden], or what ``fused.add_rms_norm`` also takes
         residual: torch.Tensor | None = None,  # [T, hidden]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        normed, summed = fused.add_rms_norm(x, self.weight, self.eps, residual)
+        normed, summed = self.with_stream(x, residual)
         return normed if residual is None else (normed, summed)
+
+    def with_stream(
+        self, x: torch.Tensor | fused.PeerSum, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``, with no residual ``(norm(x), x)``: the residual
+        stream too, which a ``PeerSum`` x only has once summed."""
+        return fused.add_rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -142,9 +150,9 @@ class RowParallelLinear(Linear):
     def reduced(self, x: torch.Tensor, shard: Shard, slot: int | None = None) -> torch.Tensor | fused.PeerSum:
         """The product summed over the ranks, for a norm that adds it to the residual stream next.
 
-        With a product ``slot`` (0 or 1; consecutive calls alternate) the sum may be left to that
-        norm: at two ranks a ``PeerSum`` comes back, which ``fused.add_rms_norm`` sums over NVLink
-        with the residual add and the norm in one kernel (``kernels/peer_norm.py``).
+        With a product ``slot`` (``peer_allreduce``'s: consecutive calls never share one) the sum may
+        be left to that norm: at two ranks a ``PeerSum`` comes back, which ``fused.add_rms_norm``
+        sums over NVLink with the residual add and the norm in one kernel (``kernels/peer_norm.py``).
 
         On the peer path the product (cuBLAS, or the skinny kernel at a few rows) is written straight
         into the peer buffer and the sum is returned there: the copies in and out of the buffer (130
@@ -177,10 +185,20 @@ class VocabParallelEmbedding(LoadedLater, nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if not self.shard.parallel:
             return super().forward(ids)
-        start, stop = self.src
-        mine = (ids >= start) & (ids < stop)
-        out = super().forward(torch.where(mine, ids - start, 0)) * mine[:, None].to(self.weight.dtype)
-        return self.shard.all_reduce(out)
+        return self.shard.all_reduce(fused.shard_lookup(ids, self.weight, self.src[0]))
+
+    def summed_later(self, ids: torch.Tensor) -> torch.Tensor | fused.PeerSum:
+        """``forward(ids)``, except that at two ranks on the fused path the lookups are written into
+        the embedding's product slot and come back unsummed (``PeerSum``): the first layer's norm
+        sums them (``DecoderLayer.before_attention``), saving the all-reduce and its copies."""
+        peer = self.shard.peer
+        fused_path = fused.staged_allreduce(ids) and fused.peer_norm_enabled()
+        if self.shard.parallel and peer is not None and fused_path:
+            pending = peer.product_slot(EMBEDDING_SLOT, ids.shape[0], self.embedding_dim, self.weight.dtype)
+            if pending is not None:
+                fused.shard_embedding(ids, self.weight, self.src[0], pending.mine)
+                return pending
+        return self(ids)
 
 
 class Attention(nn.Module):
@@ -252,9 +270,9 @@ class Attention(nn.Module):
         self, out: torch.Tensor, for_norm: bool = False
     ) -> torch.Tensor | fused.PeerSum:  # attention output [T, Hq, D] -> [T, hidden]
         """o_proj of the attention output, the ranks' partial products summed (with ``for_norm``,
-        maybe by the norm that follows: ``RowParallelLinear.reduced``'s product slot 0)."""
+        maybe by the norm that follows: ``RowParallelLinear.reduced``'s ``ATTENTION_SLOT``)."""
         flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)
-        return self.o_proj.reduced(flat, self.shard, slot=0 if for_norm else None)
+        return self.o_proj.reduced(flat, self.shard, slot=ATTENTION_SLOT if for_norm else None)
 
 
 class MLP(nn.Module):
@@ -270,7 +288,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor | fused.PeerSum:  # [T, hidden]
         """The MLP's output; with ``partials`` (for a norm next: ``fused.add_rms_norm`` takes them)
         maybe the down projection's fp32 split-K partials [S, T, hidden] instead (one process), or
-        at two ranks both ranks' products unsummed (``PeerSum``, product slot 1)."""
+        at two ranks both ranks' products unsummed (``PeerSum``, ``MLP_SLOT``)."""
         # [T, I] (this rank's columns: on a GPU without the [T, 2I] product), then the ranks' sums added
         if x.is_cuda:
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight)
@@ -278,7 +296,7 @@ class MLP(nn.Module):
             act = fused.silu_and_mul(self.gate_up_proj(x))
         if partials and not self.shard.parallel and act.is_cuda:
             return fused.linear_partials(act, self.down_proj.weight)
-        return self.down_proj.reduced(act, self.shard, slot=1 if partials else None)
+        return self.down_proj.reduced(act, self.shard, slot=MLP_SLOT if partials else None)
 
 
 class DecoderLayer(nn.Module):
@@ -307,10 +325,7 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, cache: fused.KVWrite
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, residual stream): the input norm, then q/k/v with RoPE, K/V written to ``cache``."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.input_layernorm.with_stream(h, residual)
         return self.self_attn.query(x, rope, cache), residual
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         """Final hidden states. ``before_layer(i)``, if given, runs before layer i touches the cache:
         the model runner's wait for KV still being copied into it (``kv/landing.py``)."""
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed_tokens.summed_later(input_ids)
         rope = self.rotary.cos_sin(positions)
         residual = None
         for i, (layer, kv_layer) in enumerate(zip(self.model.layers, kv_cache, strict=True)):
@@ -382,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: fused.KVWrite
     ) -> tuple[torch.Tensor, torch.Tensor, Rope]:
         """(layer 0's q, the residual stream, the step's RoPE angles) from the token ids."""
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed_tokens.summed_later(input_ids)
         rope = self.rotary.cos_sin(positions)
         q, residual = self.model.layers[0].before_attention(h, None, rope, cache)
         return q, residual, rope

@@ -7,8 +7,8 @@ NVLink; docs/benchmarks/tensor_parallel_allreduce/ measures it against NCCL (the
 limit come from there). Its input must live in memory every rank mapped at start-up, so a message is
 copied into one such buffer, reduced there and copied back: two device copies, graph-capturable.
 
-At two ranks the all-reduces that a residual add and an RMSNorm follow (after attention, after the
-MLP) go further: the row-parallel product is written into one of two product slots and
+At two ranks the all-reduces that an RMSNorm follows (after attention, after the MLP, and the
+embedding's before the first layer) go further: the product is written into a product slot and
 ``kernels/peer_norm.py`` reads the peer's slot, sums, adds the residual and normalises in one kernel
 with one barrier (``PeerSum``; docs/kernels.md has the measured gain).
 """
@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 
 MAX_BYTES = 16 << 20  # up to [1024, 8192] bf16: two-shot stayed ahead of NCCL to 16.8 MB measured
 SLOT_BYTES = 8 << 20  # each fused product slot: [512, 8192] bf16, a decode step's at B <= 512
-SLOTS = 2  # the fused call sites alternate between them (attention's output: 0, the MLP's: 1)
+# the fused call sites: consecutive calls never share a slot (kernels/peer_norm.py says why one
+# barrier a call is then enough)
+ATTENTION_SLOT, MLP_SLOT, EMBEDDING_SLOT = 0, 1, 2
+SLOTS = 3
 # ranks meeting by compare-and-swap (PREFIXSERVE_PEER_SIGNAL=swap), the fused kernel pushes products of
 # at most this many rows (2 x H100, graphed, [rows, 4096] bf16: 1 row 4.9 vs 6.2 us pulled, 64 rows
 # 6.7 vs 7.1; 256 rows 12.8 vs 12.7, and whole TP=2 steps at B=256 2% slower pushed: docs/kernels.md
@@ -168,9 +171,10 @@ class PeerSum:
     mine: torch.Tensor
 
     def add_rms_norm(
-        self, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(sum + residual) * weight, sum + residual)``, the sum over both ranks."""
+        """``(rms_norm(sum + residual) * weight, sum + residual)``, the sum over both ranks (no
+        residual: the first layer's norm of the embedding's lookups, ``(rms_norm(sum) * weight, sum)``)."""
         from prefixserve import config
         from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
 
@@ -203,4 +207,12 @@ def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str
         return None
 
 
-__all__ = ["MAX_BYTES", "PeerAllReduce", "PeerSum", "peer_allreduce_for"]
+__all__ = [
+    "ATTENTION_SLOT",
+    "EMBEDDING_SLOT",
+    "MAX_BYTES",
+    "MLP_SLOT",
+    "PeerAllReduce",
+    "PeerSum",
+    "peer_allreduce_for",
+]

@@ -416,3 +416,40 @@ def test_gate_up_rule_tiles_compile_and_replay_in_a_graph(m: int) -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), _gate_up_ref(x, w), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("vocab", "hidden", "tokens", "start"), [(50, 64, 9, 0), (37, 1100, 6, 40), (8, 24, 1, 3)]
+)
+def test_shard_embedding_matches_the_masked_lookup(
+    dtype: torch.dtype, vocab: int, hidden: int, tokens: int, start: int
+) -> None:
+    """A vocabulary shard's lookups written into a view of a wider buffer (a product slot): the
+    shard's rows for the ids it holds, zeros for ids below or past it, nothing else touched."""
+    from prefixserve.model.kernels.embedding import shard_embedding, shard_embedding_ref
+
+    gen = torch.Generator().manual_seed(vocab + hidden)
+    weight = torch.randn(vocab, hidden, generator=gen).to(DEVICE, dtype)
+    ids = torch.randint(0, start + vocab + 20, (tokens,), generator=gen).to(DEVICE)
+    ids[0] = start + vocab - 1  # the shard's last row, and ids on both sides of it
+    if tokens > 2:
+        ids[1], ids[2] = start + vocab, max(start - 1, 0)
+    buffer = torch.full((tokens * hidden + 7,), float("nan"), dtype=dtype, device=DEVICE)
+    out = buffer[: tokens * hidden].view(tokens, hidden)
+    assert shard_embedding(ids, weight, start, out) is out
+    assert torch.equal(out, shard_embedding_ref(ids, weight, start))
+    assert torch.equal(out, fused.shard_lookup(ids, weight, start))
+    assert buffer[tokens * hidden :].isnan().all()
+    held = (ids >= start) & (ids < start + vocab)
+    assert out[~held].eq(0).all() and torch.equal(out[held], weight[ids[held] - start])
+
+
+def test_shard_embedding_refuses_mismatched_operands() -> None:
+    from prefixserve.model.kernels.embedding import shard_embedding
+
+    weight = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="must be"):
+        shard_embedding(
+            torch.zeros(3, dtype=torch.long, device=DEVICE), weight, 0, torch.zeros(3, 9, device=DEVICE)
+        )

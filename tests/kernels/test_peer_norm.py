@@ -155,3 +155,25 @@ def test_peer_sum_meets_as_the_switch_says(monkeypatch: pytest.MonkeyPatch, sign
     else:
         assert torch.equal(slots.peer_incoming, slots.mine) and slots.peer_flags[:3].eq(1).all()
         assert slots.calls.eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("signal", ["swap", "count"])
+def test_peer_sum_without_a_residual_is_the_first_norm(dtype: torch.dtype, signal: str) -> None:
+    """The embedding's lookups (no residual stream yet): the stream out is the ranks' sum, a new
+    tensor, and the norm is of that sum; the residual operand is never read."""
+    gen = torch.Generator().manual_seed(11)
+    mine, peer = (torch.randn(6, 96, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
+    if signal == "count":
+        my_flags = torch.ones(8, dtype=torch.int64, device=DEVICE)
+        peer_flags, calls = torch.zeros_like(my_flags), torch.zeros_like(my_flags)
+    else:
+        my_flags = torch.ones(8, dtype=torch.int32, device=DEVICE)
+        peer_flags, calls = torch.zeros_like(my_flags), None
+    out, summed = peer_add_rms_norm(mine, peer, None, w, 1e-5, my_flags, peer_flags, calls=calls)
+    ref, ref_summed = peer_add_rms_norm_ref(mine, peer, None, w, 1e-5)
+    assert torch.equal(summed, ref_summed)  # one rounding of an exact fp32 sum: bit for bit
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(out, ref, **tol)
+    assert summed.data_ptr() not in (mine.data_ptr(), peer.data_ptr())

@@ -20,10 +20,11 @@ grow, so graph replays need no reset. By swap (no ``calls``: int32 flags): it se
 (acquire); each compare-and-swap waits for the peer GPU's answer, and a rank cannot signal again
 before the peer consumed the last signal.
 
-Why one barrier is enough: each rank alternates between two product buffers (slot 0 after
-attention, slot 1 after the MLP: the call sites alternate in every forward). Before a rank writes
-slot s again (two calls later), its program ``i`` has met the peer's program ``i`` of the call in
-between, which started only after the peer's kernel that read slot s had finished (stream order).
+Why one barrier is enough: consecutive calls use different product buffers (slot 0 after attention,
+slot 1 after the MLP, slot 2 for the embedding's lookups before the first layer's norm: a forward
+is 2, 0, 1, 0, 1, ..., 0, 1). Before a rank writes slot s again (two or more calls later), its
+program ``i`` has met the peer's program ``i`` of a call in between, which started only after the
+peer's kernel that read slot s had finished (stream order).
 
 Push (``push`` given): each program first writes its rows of this rank's product into the peer's
 incoming buffer (NVLink stores, which do not wait for an answer as loads do), then signals; after the
@@ -53,7 +54,7 @@ def _peer_add_rms_norm_kernel(
     mine_ptr,  # [T, N] this rank's product (model dtype)
     peer_ptr,  # [T, N] the peer's product: in its memory (read over NVLink), or pushed into ours (PUSH)
     push_ptr,  # [T, N] PUSH: the peer's incoming buffer, which this rank's product is written to
-    res_ptr,  # [T, N] the residual stream
+    res_ptr,  # [T, N] the residual stream (read when HAS_RESIDUAL)
     w_ptr,  # [N]
     out_ptr,  # [T, N] normalised
     res_out_ptr,  # [T, N] the residual stream plus the sum
@@ -67,6 +68,7 @@ def _peer_add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     PUSH: tl.constexpr = False,
     COUNT: tl.constexpr = False,  # meet by call count (int64 flags), without waiting for an answer
+    HAS_RESIDUAL: tl.constexpr = True,  # False: the first norm, whose stream is the sum alone
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -98,8 +100,10 @@ def _peer_add_rms_norm_kernel(
         at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
         a = tl.load(mine_ptr + at, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(peer_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        x = ((a + b).to(dtype).to(tl.float32) + r).to(dtype)  # the all-reduce's sum, then the residual add
+        x = (a + b).to(dtype)  # the all-reduce's sum
+        if HAS_RESIDUAL:  # then the residual add
+            r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + r).to(dtype)
         tl.store(res_out_ptr + at, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
@@ -113,7 +117,7 @@ _bound = BoundKernel(_peer_add_rms_norm_kernel)
 def peer_add_rms_norm(
     mine: torch.Tensor,  # [T, N]
     peer: torch.Tensor,  # [T, N]
-    residual: torch.Tensor,  # [T, N]
+    residual: torch.Tensor | None,  # [T, N]; None: the stream is the sum alone (the embedding's)
     weight: torch.Tensor,  # [N]
     eps: float,
     my_flags: torch.Tensor,  # [>= programs] int32 (swap), int64 (``calls`` given)
@@ -122,17 +126,18 @@ def peer_add_rms_norm(
     calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors; the
-    peer must make the same call (its ``mine`` is this rank's ``peer``, or with ``push``, is written
-    into this rank's ``peer``) at the same point."""
+    """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors (no
+    residual: of ``mine + peer``); the peer must make the same call (its ``mine`` is this rank's
+    ``peer``, or with ``push``, is written into this rank's ``peer``) at the same point."""
     tokens, n = mine.shape
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN}")
     pushed_to = mine if push is None else push  # the kernel's push_ptr (unread without PUSH)
-    for name, t in (("peer", peer), ("residual", residual), ("push", pushed_to)):
+    stream = mine if residual is None else residual  # the kernel's res_ptr (unread without a residual)
+    for name, t in (("peer", peer), ("residual", stream), ("push", pushed_to)):
         if t.shape != mine.shape or t.dtype != mine.dtype:
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must match {tuple(mine.shape)} {mine.dtype}")
-    if not all(t.is_contiguous() for t in (mine, peer, residual, pushed_to)):
+    if not all(t.is_contiguous() for t in (mine, peer, stream, pushed_to)):
         raise ValueError("peer_add_rms_norm needs contiguous rows")
     out = torch.empty_like(mine)
     res_out = torch.empty_like(mine)
@@ -150,7 +155,7 @@ def peer_add_rms_norm(
         mine,
         peer,
         pushed_to,
-        residual,
+        stream,
         weight,
         out,
         res_out,
@@ -164,13 +169,14 @@ def peer_add_rms_norm(
         BLOCK=block,
         PUSH=push is not None,
         COUNT=calls is not None,
+        HAS_RESIDUAL=residual is not None,
         num_warps=num_warps or min(16, max(1, block // 512)),
     )
     return out, res_out
 
 
 def peer_add_rms_norm_ref(
-    mine: torch.Tensor, peer: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    mine: torch.Tensor, peer: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: the ranks' sum rounded to the model dtype, then ``add_rms_norm_ref``."""
     from prefixserve.model.kernels.rms_norm import add_rms_norm_ref
