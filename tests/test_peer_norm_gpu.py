@@ -44,3 +44,40 @@ def test_every_meeting_protocol_sums_fresh_products() -> None:
     for rank, wrong in enumerate(results):
         assert not any(wrong.values()), f"rank {rank}: {wrong}"
     assert len(results[0]) == len(results[1]) > 0
+
+
+def _argmax_worker(rank: int, size: int, init: str, queue) -> None:
+    import torch.distributed as dist
+
+    from benchmarks.harness.ranks import join_group, leave_group
+    from prefixserve.model.peer_allreduce import PeerAllReduce
+
+    join_group(rank, size, init)
+    peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "test-peer-argmax")
+    vocab = 50_000  # per rank
+    wrong = {}
+    for rows in (1, 64, 256, 1000):
+        bad = 0
+        for call in range(20):
+            gen = torch.Generator(device="cuda").manual_seed(rows * 100 + call)  # the same on both ranks
+            full = torch.randn(rows, 2 * vocab, device="cuda", generator=gen).to(torch.bfloat16)
+            if call % 2:  # every third row's maximum on both ranks exactly: rank 0's column must win
+                top = full.float().amax(-1).to(torch.bfloat16) + 1
+                full[::3, 7] = top[::3]
+                full[::3, vocab + 7] = top[::3]
+            mine = full[:, rank * vocab : (rank + 1) * vocab].contiguous()
+            local = mine.argmax(-1)
+            tokens = peer.argmax(mine, local, rank * vocab)
+            bad += int((tokens != full.argmax(-1)).sum())
+        wrong[rows] = bad
+    leave_group(queue, rank, wrong)
+
+
+def test_the_sharded_argmax_exchange_picks_the_whole_vocabulary_argmax() -> None:
+    """Each rank's best column over NVLink (``kernels/peer_argmax.py``): the tokens equal the argmax
+    over both ranks' columns, ties going to the first rank's, 20 calls with fresh logits a size."""
+    from benchmarks.harness.ranks import run_ranks
+
+    results = run_ranks(_argmax_worker, timeout=240)
+    for rank, wrong in enumerate(results):
+        assert not any(wrong.values()), f"rank {rank}: {wrong}"

@@ -309,3 +309,26 @@ def test_peer_allreduce_is_on_by_default_and_cuda_only() -> None:
     assert peer_allreduce_for(None, torch.device("cpu"), "x") is None  # type: ignore[arg-type]
     x = torch.ones(4)
     assert Shard().all_reduce(x) is x and Shard().peer is None
+
+
+def test_shutdown_frees_captured_graphs_a_caller_still_holds(tiny_config_path: Path) -> None:
+    """NCCL's abort waits while a captured graph still uses the communicator, so shutdown resets every
+    graph it captured (decode, pieces, the sharded argmax) before leaving the group, even one that a
+    caller holds a reference to."""
+    from prefixserve.engine.argmax_graph import ArgmaxGraphs
+
+    class Graph:
+        resets = 0
+
+        def reset(self) -> None:
+            Graph.resets += 1
+
+    cfg = dict(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, progress=False)
+    llm = LLM(tensor_parallel_size=2, **cfg)
+    held = ArgmaxGraphs(lambda h: h, (0, 0))
+    held.graphs[(1, (4, 8))] = (Graph(), torch.zeros(4))  # type: ignore[assignment]
+    held.graphs[(2, (8, 8))] = (Graph(), torch.zeros(8))  # type: ignore[assignment]
+    llm.engine.runner.argmax_graphs = held
+    llm.shutdown()
+    assert Graph.resets == 2 and not held.graphs
+    assert llm.engine.runner.argmax_graphs is None

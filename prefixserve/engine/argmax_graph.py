@@ -1,13 +1,14 @@
 """The sharded argmax of a graphed decode step, replayed from a CUDA graph of its own.
 
 Under tensor parallelism a greedy step's sampling is ``compute_argmax``: the lm_head shard, the
-argmax of each rank's columns, an all-gather of [R, 2] and the pick, about fifteen small launches
+argmax of each rank's columns, the ranks' exchange of [R, 2] (one kernel over peer memory at two
+ranks, else NCCL's all-gather) and the pick, up to fifteen small launches
 that rank 0's host issues every step. At two ranks a decode step's GPU work shrinks while the host's
 does not, and with launch-ahead the host must finish a step's work within the GPU's step before
 (docs/kernels.md §8); this takes those launches down to one replay. Each decode graph's output
 buffer (``DecodeGraphs``: one per captured key) gets its own argmax graph, captured on first use into
 the decode graphs' memory pool, over all the bucket's rows (padding rows' tokens are never read).
-Every rank takes the same path for the same step (the same bucket and rows), so the all-gather is
+Every rank takes the same path for the same step (the same bucket and rows), so the exchange is
 captured on all of them together, as the decode graphs' all-reduces are.
 """
 
@@ -29,6 +30,13 @@ class ArgmaxGraphs:
     def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor], pool: tuple[int, int]) -> None:
         self.argmax, self.pool = argmax, pool
         self.graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def release(self) -> None:
+        """Free every captured argmax now: each holds NCCL's communicator through its all-gather,
+        and leaving the group waits for it (``DecodeGraphs.release``)."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
     def run(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
         """Tokens [rows] of the first ``rows`` rows of ``hidden``, a decode graph's whole output buffer.

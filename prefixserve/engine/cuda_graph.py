@@ -78,6 +78,13 @@ class DecodeGraphs:
         self._current: int | None = None  # the bucket of the last decode step
         self._held = 0  # consecutive steps run in a bucket above the batch's own
 
+    def release(self) -> None:
+        """Free every captured graph now, even where something still holds this object: a graph
+        that captured a collective holds NCCL's communicator, and leaving the group waits for it."""
+        for entry in self.graphs.values():
+            entry.graph.reset()
+        self.graphs.clear()
+
     def bucket_for(self, batch: int) -> int | None:
         """The bucket to run ``batch`` rows in, or None when the batch is too large for graphs.
 

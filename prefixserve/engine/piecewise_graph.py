@@ -88,6 +88,13 @@ class PiecewiseGraphs:
         self.captures = 0
         self.capture_s = 0.0
 
+    def release(self) -> None:
+        """Free every captured piece now (``DecodeGraphs.release`` says why)."""
+        for entry in self.entries.values():
+            for graph in entry.graphs:
+                graph.reset()
+        self.entries.clear()
+
     def fits(self, tokens: int) -> bool:
         return 0 < tokens <= self.buckets[-1]
 

@@ -390,7 +390,12 @@ class TensorParallelRunner(ModelRunner):
         """Stop the workers and leave the process group (idempotent)."""
         if self.health.stopping.is_set():
             return
-        # NCCL keeps a communicator that captured graphs use until they are gone: drop them first
+        # NCCL's abort waits while a captured graph still uses its communicator: free every graph
+        # first, including ones a caller still holds (a test's reference kept each leave at its 15 s
+        # bound, and the abort, still running, then broke the next engine's captures)
+        for holder in (self.graphs, self.pieces, self.argmax_graphs):
+            if holder is not None:
+                holder.release()
         self.graphs = self.pieces = self.argmax_graphs = None
         gc.collect()
         self._release()

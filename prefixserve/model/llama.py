@@ -463,13 +463,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor:  # [R] int64
         """``compute_logits(hidden, fp32=False).argmax(-1)`` (every rank calls it) with no logits
         gathered: each rank finds its own columns' best, then the ranks exchange [R, 2] (score,
-        column) instead of [R, vocab / ranks] logits (0.36 ms of a 6.4 ms 8B step at B=256, TP=2)."""
+        column) instead of [R, vocab / ranks] logits (0.36 ms of a 6.4 ms 8B step at B=256, TP=2):
+        at two ranks on the fused path in one kernel over NVLink (``kernels/peer_argmax.py``), else
+        through NCCL."""
         logits = self.lm_head(hidden)
         start = self.lm_head.src[0]
         valid = self.config.vocab_size - start
         if valid < logits.shape[1]:  # the last rank's padding rows score 0: never the argmax
             logits[:, valid:] = float("-inf")
         local = argmax_rows(logits)
+        peer = self.shard.peer
+        if peer is not None and logits.is_cuda and fused.peer_norm_enabled():
+            tokens = peer.argmax(logits, local, start)  # two ranks: one kernel over NVLink
+            if tokens is not None:
+                return tokens
         best = logits.gather(1, local[:, None])[:, 0].float()  # exact: bf16/fp16 -> fp32
         every = self.shard.all_gather_stack(torch.stack([best, (local + start).float()], 1))
         # the first rank holding a row's largest score holds its lowest such column, as argmax picks

@@ -35,6 +35,7 @@ SLOTS = 3
 # 6.7 vs 7.1; 256 rows 12.8 vs 12.7, and whole TP=2 steps at B=256 2% slower pushed: docs/kernels.md
 # §8); meeting by call count it always pulls
 PUSH_MAX_ROWS = 64
+PICK_ROWS = 4096  # rows the sharded argmax trades over peer memory (more go through NCCL)
 
 
 class PeerAllReduce:
@@ -97,6 +98,13 @@ class PeerAllReduce:
         self.two_shot(staged, "sum", self.group_name)
         return staged
 
+    def argmax(self, logits: torch.Tensor, local: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The two ranks' argmax tokens [R] over peer memory (``kernels/peer_argmax.py``), or None
+        where this path does not apply (not two ranks, too many rows): then NCCL trades them."""
+        if self.fused is None or logits.shape[0] > PICK_ROWS:
+            return None
+        return self.fused.argmax(logits, local, start)
+
     def product_slot(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> PeerSum | None:
         """A ``PeerSum`` whose ``mine`` [rows, cols] is where this rank's product goes, for an RMSNorm
         to sum; None where the fused path does not apply (not two ranks, too large, other dtypes).
@@ -119,6 +127,7 @@ class _FusedSlots:
     def __init__(
         self, symm_mem: Any, group: dist.ProcessGroup, name: str, rank: int, device: torch.device
     ) -> None:
+        from prefixserve.model.kernels.peer_argmax import MAX_PROGRAMS as PICK_PROGRAMS
         from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
 
         def shared(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +146,34 @@ class _FusedSlots:
         self.flags, self.peer_flags = shared(MAX_PROGRAMS, torch.int32)
         self.counts, self.peer_counts = shared(MAX_PROGRAMS, torch.int64)
         self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
+        # the sharded argmax's exchange (``kernels/peer_argmax.py``): (score, column) a row, and its
+        # own call counts
+        self.picks, self.peer_picks = shared(2 * PICK_ROWS, torch.float32)
+        self.pick_counts, self.peer_pick_counts = shared(PICK_PROGRAMS, torch.int64)
+        self.pick_calls = torch.zeros(PICK_PROGRAMS, dtype=torch.int64, device=device)
+        self.rank = rank
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank signals
+
+    def argmax(self, logits: torch.Tensor, local: torch.Tensor, start: int) -> torch.Tensor:
+        """The two ranks' argmax tokens [R] from this rank's ``logits`` and their best columns
+        ``local`` (``kernels/peer_argmax.py``); the peer makes the same call."""
+        from prefixserve.model.kernels.peer_argmax import peer_argmax
+
+        def pairs(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer.view(2, PICK_ROWS)
+
+        return peer_argmax(
+            logits,
+            local,
+            start,
+            self.rank,
+            pairs(self.picks),
+            pairs(self.peer_picks),
+            self.pick_counts,
+            self.peer_pick_counts,
+            self.pick_calls,
+        )
 
     def views(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's, the peer's) [rows, cols] product in ``slot``."""
