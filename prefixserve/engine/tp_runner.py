@@ -390,9 +390,9 @@ class TensorParallelRunner(ModelRunner):
         """Stop the workers and leave the process group (idempotent)."""
         if self.health.stopping.is_set():
             return
-        # NCCL's abort waits while a captured graph still uses its communicator: free every graph
-        # first, including ones a caller still holds (a test's reference kept each leave at its 15 s
-        # bound, and the abort, still running, then broke the next engine's captures)
+        # a graph that captured an NCCL collective keeps the communicator in use: free every graph
+        # before leaving, including ones a caller still holds (with a test's reference to the argmax
+        # graphs, each leave had run to its 15 s bound; with the graphs reset first, none does)
         for holder in (self.graphs, self.pieces, self.argmax_graphs):
             if holder is not None:
                 holder.release()

@@ -13,7 +13,9 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
     rate (cuBLAS is used wherever it measured faster); its gated form is the next one's small case;
   * gate_up: the gate-up projection with SiLU-and-mul in its epilogue ([T, 2I] never written);
   * peer_norm: at two ranks, the all-reduce of a row-parallel product (the peer's read over NVLink)
-    with the residual add and RMSNorm after it.
+    with the residual add and RMSNorm after it;
+  * embedding: a vocabulary shard's lookups written where the ranks' sum reads them;
+  * peer_argmax: at two ranks, the sharded argmax's exchange of each row's best column.
 
 The activation is one jit function (``silu_mul.silu_mul``) that the elementwise kernel and both
 matmul epilogues call; gate_up also takes the skinny kernel; the other modules stand alone.
