@@ -3,8 +3,10 @@
 The loader keeps each weight as ``[out, in]`` and the model multiplies ``x @ W.T`` (cuBLAS "TN"). This
 times ``torch.mm`` of the 8B's projections at TP=1 and at TP=2's shard shapes, both layouts (``W.T``
 of an ``[N, K]`` weight, and a contiguous ``[K, N]`` weight: "NN"), and the first with PyTorch's
-reduced-precision bf16 reductions off. Each call reads a different copy of the weight, graphed, so L2
-holds none of it (``benchmarks/harness/timing.graph_ms``); the two layouts' products are compared.
+reduced-precision bf16 reductions off, and the first through cuBLASLt (``preferred_blas_library``:
+its heuristic picks another kernel for some shapes). Each call reads a different copy of the weight,
+graphed, so L2 holds none of it (``benchmarks/harness/timing.graph_ms``); the two layouts' products
+are compared.
 
 PYTHONPATH=. python -m benchmarks.probes.gemm_layout --json out/gemm_layout.json
 """
@@ -33,7 +35,8 @@ def _shape(name: str, tp: int) -> tuple[int, int]:
 
 
 def measure(rows: int, k: int, n: int, device: torch.device) -> dict[str, float]:
-    """Microseconds a call: TN, NN, TN without reduced-precision reductions; and max |TN - NN|."""
+    """Microseconds a call: TN, NN, TN without reduced-precision reductions, TN through cuBLASLt;
+    and max |TN - NN|."""
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / 64 for _ in range(COPIES)]
     transposed = [w.t().contiguous() for w in weights]
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
@@ -49,6 +52,12 @@ def measure(rows: int, k: int, n: int, device: torch.device) -> dict[str, float]
         result["TN_no_reduced_us"] = graph_ms(lambda i: torch.mm(x, weights[i].t(), out=out), COPIES) * 1e3
     finally:
         matmul.allow_bf16_reduced_precision_reduction = before
+    blas = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the same call, through cuBLASLt's heuristic
+    try:
+        result["TN_lt_us"] = graph_ms(lambda i: torch.mm(x, weights[i].t(), out=out), COPIES) * 1e3
+    finally:
+        torch.backends.cuda.preferred_blas_library(blas)
     diff = (x @ weights[0].t()).float() - (x @ transposed[0]).float()
     result["max_abs_diff"] = float(diff.abs().max())
     return result
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"TP={tp} {name:8s} {rows:4d}x{k}x{n}: TN {r['TN_us']:6.1f} us, NN {r['NN_us']:6.1f} "
                     f"({r['TN_us'] / r['NN_us']:.2f}x), TN without reduced reductions "
-                    f"{r['TN_no_reduced_us']:6.1f}; max |TN - NN| {r['max_abs_diff']:.3g}",
+                    f"{r['TN_no_reduced_us']:6.1f}, TN via cuBLASLt {r['TN_lt_us']:6.1f}; "
+                    f"max |TN - NN| {r['max_abs_diff']:.3g}",
                     flush=True,
                 )
     if args.json:
