@@ -148,7 +148,8 @@ class _FusedSlots:
         self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
         # the sharded argmax's exchange (``kernels/peer_argmax.py``): (score, column) a row, and its
         # own call counts
-        self.picks, self.peer_picks = shared(2 * PICK_ROWS, torch.float32)
+        picks, peer_picks = shared(2 * PICK_ROWS, torch.float32)
+        self.picks, self.peer_picks = picks.view(2, PICK_ROWS), peer_picks.view(2, PICK_ROWS)
         self.pick_counts, self.peer_pick_counts = shared(PICK_PROGRAMS, torch.int64)
         self.pick_calls = torch.zeros(PICK_PROGRAMS, dtype=torch.int64, device=device)
         self.rank = rank
@@ -160,16 +161,13 @@ class _FusedSlots:
         ``local`` (``kernels/peer_argmax.py``); the peer makes the same call."""
         from prefixserve.model.kernels.peer_argmax import peer_argmax
 
-        def pairs(buffer: torch.Tensor) -> torch.Tensor:
-            return buffer.view(2, PICK_ROWS)
-
         return peer_argmax(
             logits,
             local,
             start,
             self.rank,
-            pairs(self.picks),
-            pairs(self.peer_picks),
+            self.picks,
+            self.peer_picks,
             self.pick_counts,
             self.peer_pick_counts,
             self.pick_calls,
