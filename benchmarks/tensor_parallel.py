@@ -190,10 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--peer-signal-ab",
-        nargs="*",
-        choices=("swap", "marked"),
-        help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL set to each mode named (none named: "
-        "swap, the ranks meeting by compare-and-swap; marked: no flags, the pushed values the signal)",
+        action="store_true",
+        help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL=swap (ranks meet by compare-and-swap)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     ap.add_argument("--merge", type=Path, help="take --parts from this result file instead of measuring")
@@ -256,9 +254,8 @@ def main(argv: list[str] | None = None) -> None:
             ]
             if args.peer_norm_ab:  # the fused all-reduce + norm off: PyTorch's two-shot, then the norm
                 runs.append((f"tp{tp}_two_shot", tp, True, {"PREFIXSERVE_PEER_NORM": "0"}))
-            if args.peer_signal_ab is not None:  # the fused kernel's ranks meeting another way
-                for mode in args.peer_signal_ab or ["swap"]:
-                    runs.append((f"tp{tp}_{mode}", tp, True, {"PREFIXSERVE_PEER_SIGNAL": mode}))
+            if args.peer_signal_ab:  # the fused kernel's ranks meeting by compare-and-swap
+                runs.append((f"tp{tp}_swap", tp, True, {"PREFIXSERVE_PEER_SIGNAL": "swap"}))
             for key, size, peer, env in runs:
                 run = (args.compare_model, args.device, "auto", prompts, args.gen, size, peer)
                 # each run in a process of its own: only a process's first tensor-parallel engine gets the
@@ -312,8 +309,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 RUN_KEYS = ("device", "gpus", "torch", "commit", "date")
-# compare's optional runs: key suffix, label
-AB_RUNS = (("two_shot", "two-shot"), ("swap", "swap"), ("marked", "marked"))
+AB_RUNS = (("two_shot", "two-shot"), ("swap", "swap"))  # compare's optional runs: key suffix, label
 
 
 def _runs(result: dict) -> dict[str, dict]:
@@ -420,9 +416,7 @@ def markdown(payload: dict) -> str:
             "`kernels/peer_norm.py`); two-shot: the same with `PREFIXSERVE_PEER_NORM=0` (PyTorch's "
             "two-shot all-reduce, then the norm), where `--peer-norm-ab` ran it; swap: the fused kernel's "
             "ranks meeting by compare-and-swap flags (`PREFIXSERVE_PEER_SIGNAL=swap`, the protocol before "
-            "call counts), and marked: no flags, each rank's product pushed into the peer's memory where "
-            "-0.0 marks what is not yet written (`PREFIXSERVE_PEER_SIGNAL=marked`), where `--peer-signal-ab` "
-            "ran them. GPU idle: rank 0's GPU between decode steps, "
+            "call counts), where `--peer-signal-ab` ran it. GPU idle: rank 0's GPU between decode steps, "
             "as a fraction of the decode time.",
             "",
         ]

@@ -183,10 +183,8 @@ def peer_signal_mode() -> str:
     (default): each program writes its call count into the peer's flag without waiting for an answer
     and reads its own until the peer's count reaches it; "swap": compare-and-swap flags, each swap
     answered over NVLink before the program goes on (the earlier protocol, for A/B runs). Both ranks
-    must agree: tensor-parallel workers inherit it. "marked": no flags; each rank pushes its product
-    into the peer's incoming buffer, which holds -0.0 wherever nothing was written yet, and reads its
-    own until no value is -0.0 (16-bit products; fp32 ones meet by count)."""
-    return _env_choice("PREFIXSERVE_PEER_SIGNAL", "count", ("count", "swap", "marked"))
+    must agree: tensor-parallel workers inherit it."""
+    return _env_choice("PREFIXSERVE_PEER_SIGNAL", "count", ("count", "swap"))
 
 
 def mixed_mode() -> str:

@@ -36,7 +36,6 @@ EPS = 1e-5
 # row-parallel shards at TP=2, K per hidden size: o_proj (heads x dim / 2), down_proj (intermediate / 2)
 SHARDS = {4096: {"o": 2048, "down": 7168}, 8192: {"o": 4096, "down": 14336}}
 VARIANTS = {
-    "marked": {"marked": True},
     "swap": {},
     "count": {"count": True},
     "swap push": {"push": True},
@@ -63,12 +62,6 @@ class Meeting:
             return fused.add_rms_norm(self.peer.product_slot(*shape), weight, EPS, residual)
         mine, peer = self.slots.views(*shape)
         push = None
-        if variant.get("marked"):
-            peer, push = self.slots.pushed(*shape)
-            flags = (self.slots.flags, self.slots.peer_flags)
-            return peer_add_rms_norm(
-                mine, peer, residual, weight, EPS, *flags, push, num_warps=warps, marked=True
-            )
         if variant.get("push"):
             peer, push = self.slots.pushed(*shape)
         if variant.get("count"):
@@ -76,16 +69,6 @@ class Meeting:
         else:
             flags, extra = (self.slots.flags, self.slots.peer_flags), {}
         return peer_add_rms_norm(mine, peer, residual, weight, EPS, *flags, push, num_warps=warps, **extra)
-
-
-def reset_marks(meet: Meeting) -> None:
-    """Every incoming slot back to "nothing written yet", on both ranks before either pushes."""
-    from prefixserve.model.kernels.peer_norm import MARK_BITS
-
-    torch.cuda.synchronize()
-    meet.slots.incoming.view(torch.int16).fill_(MARK_BITS)
-    torch.cuda.synchronize()
-    dist.barrier()
 
 
 def wrong_outputs(meet: Meeting, variant: dict, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> int:
@@ -167,12 +150,10 @@ def _worker(
         for b in rows:
             row: dict = {"hidden": hidden, "rows": b, **_matmul_us(b, hidden)}
             for name, variant in VARIANTS.items():
-                if variant.get("marked"):  # the push variants leave values in the incoming slots
-                    reset_marks(meet)
                 wrong = {
                     str(dt).removeprefix("torch."): wrong_outputs(meet, variant, b, hidden, dt, rank)
                     for dt in (torch.float32, torch.bfloat16)
-                    if b * hidden * dt.itemsize <= 8 << 20 and not (variant.get("marked") and dt.itemsize > 2)
+                    if b * hidden * dt.itemsize <= 8 << 20
                 }
                 row[name] = {"wrong": wrong, **_time(meet, variant, b, hidden)}
             for w in warps:  # the pull kernel's width, counted meeting

@@ -128,7 +128,7 @@ class _FusedSlots:
         self, symm_mem: Any, group: dist.ProcessGroup, name: str, rank: int, device: torch.device
     ) -> None:
         from prefixserve.model.kernels.peer_argmax import MAX_PROGRAMS as PICK_PROGRAMS
-        from prefixserve.model.kernels.peer_norm import MARK_BITS, MAX_PROGRAMS
+        from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
 
         def shared(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             """(this rank's zeroed buffer in symmetric memory, the peer's): a collective rendezvous."""
@@ -141,7 +141,6 @@ class _FusedSlots:
         # push (``config.peer_push_mode``): the peer writes its product into this rank's incoming
         # slots, and this rank into the peer's
         self.incoming, self.peer_incoming = shared(SLOTS * SLOT_BYTES, torch.uint8)
-        self.incoming.view(torch.int16).fill_(MARK_BITS)  # the marked meeting: nothing written yet
         # meeting by swap: int32 flags; by call count (``config.peer_signal_mode``): the peer's program i
         # writes its count of calls into counts[i], and calls[i] is this rank's own (int64: never wraps)
         self.flags, self.peer_flags = shared(MAX_PROGRAMS, torch.int32)
@@ -214,13 +213,7 @@ class PeerSum:
 
         mine, slots = self.mine, self.slots
         shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
-        push, mode, signal = None, config.peer_push_mode(), config.peer_signal_mode()
-        if signal == "marked" and mine.dtype in (torch.bfloat16, torch.float16):
-            peer, push = slots.pushed(*shape)
-            return peer_add_rms_norm(
-                mine, peer, residual, weight, eps, slots.flags, slots.peer_flags, push, marked=True
-            )
-        swap = signal == "swap"
+        push, mode, swap = None, config.peer_push_mode(), config.peer_signal_mode() == "swap"
         # meeting by call count, a pull is as fast or faster at every size (docs/kernels.md §8)
         if mode == "1" or (mode == "auto" and swap and mine.shape[0] <= PUSH_MAX_ROWS):
             peer, push = slots.pushed(*shape)  # arrives in our memory

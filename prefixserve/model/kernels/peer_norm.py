@@ -47,8 +47,6 @@ triton, tl = require_triton()
 
 MAX_HIDDEN = 16384  # one row per program iteration, in registers
 MAX_PROGRAMS = 512  # flags per rank; programs past the rows loop over them (all resident on an H100)
-MARK_BITS = -32768  # int16 bits of -0.0 (bf16 and fp16): in an incoming buffer, "not yet written"
-MARK: tl.constexpr = tl.constexpr(MARK_BITS)
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
@@ -71,111 +69,46 @@ def _peer_add_rms_norm_kernel(
     PUSH: tl.constexpr = False,
     COUNT: tl.constexpr = False,  # meet by call count (int64 flags), without waiting for an answer
     HAS_RESIDUAL: tl.constexpr = True,  # False: the first norm, whose stream is the sum alone
-    MARKED: tl.constexpr = False,  # no flags: the pushed values are the signal (peer_ptr: int16 bits)
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if MARKED:
-        _marked_rows(
-            mine_ptr,
-            peer_ptr,
-            push_ptr,
-            res_ptr,
-            w_ptr,
-            out_ptr,
-            res_out_ptr,
-            n_rows,
-            n_cols,
-            stride,
-            eps,
-            BLOCK,
-            HAS_RESIDUAL,
-        )
-    else:
-        if PUSH:  # this program's rows of our product into the peer's incoming buffer, before the signal
-            for row in range(pid, n_rows, tl.num_programs(0)):
-                at = row * stride + cols
-                tl.store(push_ptr + at, tl.load(mine_ptr + at, mask=mask, other=0.0), mask=mask)
-            tl.debug_barrier()  # every thread's stores issued before the release below
-        # meet the peer's program pid: signal it, then wait for its signal
-        if COUNT:
-            # one atomic, its answer shared by the program's warps: a load and a store would let a late
-            # warp read the count an early one had already raised, and wait for a call not yet made
-            call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
-            if PUSH:  # this program's stores into the peer's memory are seen before its count
-                tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
-            else:  # the product is an earlier kernel's, complete before this one began: nothing to order
-                tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
-            while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
-                pass
-        else:
-            while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
-                pass
-            while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PUSH:  # this program's rows of our product into the peer's incoming buffer, before the signal
         for row in range(pid, n_rows, tl.num_programs(0)):
-            at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
-            a = tl.load(mine_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(peer_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            _sum_norm_row(a, b, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL)
-
-
-@triton.jit
-def _sum_norm_row(a, b, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
-    """One row: the ranks' products ``a + b`` (fp32) rounded, the residual added, normalised."""
-    dtype = out_ptr.dtype.element_ty
-    x = (a + b).to(dtype)  # the all-reduce's sum
-    if HAS_RESIDUAL:  # then the residual add
-        r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) + r).to(dtype)
-    tl.store(res_out_ptr + at, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * rstd).to(dtype).to(tl.float32)
-    tl.store(out_ptr + at, (normed * w).to(dtype), mask=mask)
-
-
-@triton.jit
-def _marked_rows(
-    mine_ptr,
-    bits_ptr,
-    push_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    res_out_ptr,
-    n_rows,
-    n_cols,
-    stride,
-    eps,
-    BLOCK: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """The marked protocol: every value of an incoming buffer not yet written holds ``MARK`` (-0.0's
-    bits). Push each row of this rank's product with -0.0 written as +0.0; then, per row, read the
-    incoming row (volatile: from L2, where the peer's stores land) until no value holds the mark,
-    put the mark back for the slot's next use, and sum."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    for row in range(pid, n_rows, tl.num_programs(0)):
-        at = row * stride + cols
-        a = tl.load(mine_ptr + at, mask=mask, other=0.0)
-        tl.store(push_ptr + at, tl.where(a == 0.0, tl.zeros_like(a), a), mask=mask)
+            at = row * stride + cols
+            tl.store(push_ptr + at, tl.load(mine_ptr + at, mask=mask, other=0.0), mask=mask)
+        tl.debug_barrier()  # every thread's stores issued before the release below
+    # meet the peer's program pid: signal it, then wait for its signal
+    if COUNT:
+        # one atomic, its answer shared by the program's warps: a load and a store would let a late
+        # warp read the count an early one had already raised, and wait for a call not yet made
+        call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
+        if PUSH:  # this program's stores into the peer's memory are seen before its count
+            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
+        else:  # the product is an earlier kernel's, complete before this one began: nothing to order
+            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
+        while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
+            pass
+    else:
+        while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
+            pass
+        while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
-        at = row * stride + cols
-        bits = tl.load(bits_ptr + at, mask=mask, other=0, volatile=True)
-        while tl.sum((bits == MARK).to(tl.int32), axis=0) > 0:
-            bits = tl.load(bits_ptr + at, mask=mask, other=0, volatile=True)
-        tl.store(bits_ptr + at, tl.full([BLOCK], MARK, tl.int16), mask=mask)
+        at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
         a = tl.load(mine_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        a = tl.where(a == 0.0, tl.zeros_like(a), a)  # as pushed: both ranks sum the same operands
-        b = bits.to(dtype, bitcast=True).to(tl.float32)
-        _sum_norm_row(a, b, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL)
+        b = tl.load(peer_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        x = (a + b).to(dtype)  # the all-reduce's sum
+        if HAS_RESIDUAL:  # then the residual add
+            r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + r).to(dtype)
+        tl.store(res_out_ptr + at, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        normed = (xf * rstd).to(dtype).to(tl.float32)
+        tl.store(out_ptr + at, (normed * w).to(dtype), mask=mask)
 
 
 _bound = BoundKernel(_peer_add_rms_norm_kernel)
@@ -192,7 +125,6 @@ def peer_add_rms_norm(
     push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
     calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
     num_warps: int | None = None,
-    marked: bool = False,  # no flags: ``push`` carries the values, ``peer`` holds MARK where unwritten
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors (no
     residual: of ``mine + peer``); the peer must make the same call (its ``mine`` is this rank's
@@ -211,18 +143,12 @@ def peer_add_rms_norm(
     res_out = torch.empty_like(mine)
     if tokens == 0:
         return out, res_out
-    if marked:
-        if push is None or mine.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"the marked meeting needs a push buffer and 16-bit values, got {mine.dtype}")
-        programs = min(tokens, MAX_PROGRAMS)
-        peer = peer.view(torch.int16)  # read as bits: MARK is -0.0's
-    else:
-        programs = min(tokens, MAX_PROGRAMS, my_flags.numel(), peer_flags.numel())
-        flag_dtype = torch.int32 if calls is None else torch.int64  # swap flags, or call counts
-        if my_flags.dtype != flag_dtype or peer_flags.dtype != flag_dtype:
-            raise ValueError(f"flags must be {flag_dtype} here, got {my_flags.dtype} and {peer_flags.dtype}")
-        if calls is not None:
-            programs = min(programs, calls.numel())
+    programs = min(tokens, MAX_PROGRAMS, my_flags.numel(), peer_flags.numel())
+    flag_dtype = torch.int32 if calls is None else torch.int64  # swap flags, or call counts
+    if my_flags.dtype != flag_dtype or peer_flags.dtype != flag_dtype:
+        raise ValueError(f"flags must be {flag_dtype} here, got {my_flags.dtype} and {peer_flags.dtype}")
+    if calls is not None:
+        programs = min(programs, calls.numel())
     block = triton.next_power_of_2(n)
     _bound(
         (programs,),
@@ -244,7 +170,6 @@ def peer_add_rms_norm(
         PUSH=push is not None,
         COUNT=calls is not None,
         HAS_RESIDUAL=residual is not None,
-        MARKED=marked,
         num_warps=num_warps or min(16, max(1, block // 512)),
     )
     return out, res_out
@@ -260,4 +185,4 @@ def peer_add_rms_norm_ref(
     return add_rms_norm_ref(summed, weight, eps, residual)
 
 
-__all__ = ["MARK_BITS", "MAX_PROGRAMS", "peer_add_rms_norm", "peer_add_rms_norm_ref"]
+__all__ = ["MAX_PROGRAMS", "peer_add_rms_norm", "peer_add_rms_norm_ref"]
