@@ -3,6 +3,7 @@ CUDA graphs with their all-reduces captured. Needs 2 CUDA GPUs (skipped elsewher
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,27 @@ def test_a_dead_worker_fails_the_servers_requests(tiny_config_path: Path) -> Non
 
     config = EngineConfig(model=f"dummy:{tiny_config_path}", num_kv_blocks=256, tensor_parallel_size=2)
     server_survives_a_dead_worker(config)
+
+
+def test_a_worker_killed_mid_decode_leaves_no_peer_kernel_waiting(tiny_config_path: Path) -> None:
+    """Kill worker 1 while rank 0 decodes over the peer kernels: the generation fails with the
+    worker's death, and rank 0's GPU drains (their waits read the abort flag the watcher raises)
+    instead of spinning for the life of the process. In a process of its own: only a process's
+    first tensor-parallel engine takes the peer kernels."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("tp_dead_peer.py")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_config_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    error, state = done.stdout.split()[-2:]
+    assert error == "WorkerDiedError", done.stdout + done.stderr[-3000:]
+    assert state == "DRAINED", "rank 0's GPU still runs a kernel waiting for the dead rank"

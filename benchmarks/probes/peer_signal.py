@@ -68,6 +68,7 @@ class Meeting:
             flags, extra = (self.slots.counts, self.slots.peer_counts), {"calls": self.slots.calls}
         else:
             flags, extra = (self.slots.flags, self.slots.peer_flags), {}
+        extra["abort"] = self.slots.abort
         return peer_add_rms_norm(mine, peer, residual, weight, EPS, *flags, push, num_warps=warps, **extra)
 
 

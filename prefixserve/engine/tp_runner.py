@@ -10,7 +10,8 @@ The workers are plain ``python -m prefixserve.engine.tp_worker`` processes, so a
 is not imported again in them (``multiprocessing``'s spawn would).
 
 A worker that dies fails the engine at once with ``WorkerDiedError``: a thread waits on every
-worker's exit and aborts the process group, so no rank stays blocked in a collective. Shutdown
+worker's exit, raises the abort flag that rank 0's peer kernels read while they wait for the other
+rank (``PeerAbort``) and aborts the process group, so no rank stays blocked in a collective. Shutdown
 (``shutdown``, interpreter exit, or rank 0 dying, which closes the workers' sockets) stops them all.
 """
 
@@ -28,6 +29,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, Listener
@@ -94,6 +96,15 @@ class _Health:
     dead: WorkerDiedError | None = None
     died: threading.Event = field(default_factory=threading.Event)
     stopping: threading.Event = field(default_factory=threading.Event)
+    # rank 0's peer kernels' abort (``PeerAbort.set``): once a rank is gone they stop waiting for it
+    give_up: list[Callable[[], None]] = field(default_factory=list)
+
+    def give_up_waits(self) -> None:
+        for give_up in self.give_up:
+            try:
+                give_up()
+            except Exception:  # the engine is failing already: its error says why
+                log.debug("aborting the peer kernels failed", exc_info=True)
 
 
 def _watch_worker(health: _Health, rank: int, proc: subprocess.Popen[bytes], conn: Connection) -> None:
@@ -113,6 +124,7 @@ def _watch_worker(health: _Health, rank: int, proc: subprocess.Popen[bytes], con
     )
     health.died.set()
     log.error("%s", health.dead)
+    health.give_up_waits()  # first: NCCL's abort may wait for the stream the peer kernels hold
     if dist.is_initialized():
         try:
             dist.distributed_c10d._abort_process_group()
@@ -207,6 +219,10 @@ class TensorParallelRunner(ModelRunner):
             if config.torch_device.type == "cpu":  # the ranks share the cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
             shard = self.guard(init_rank, rank_config(config, 0), 0, size, init_file)
+            if shard.peer is not None:
+                self.health.give_up.append(shard.peer.abort.set)
+                if self.health.dead is not None:  # a worker died before this was in place
+                    self.health.give_up_waits()
             model, self.tokenizer_dir = load_model(
                 source, config.torch_dtype, rank_config(config, 0).torch_device, config.seed, progress, shard
             )
@@ -371,9 +387,10 @@ class TensorParallelRunner(ModelRunner):
         return self.guard(super().kv_deviation, ids, batch)
 
     def wait(self, launch: Launch) -> Any:
-        """Wait for the launch while watching the workers: a rank that died leaves the others' kernels
-        spinning on its peer-memory signals (no abort reaches them), so a plain event sync would
-        never return; this raises ``WorkerDiedError`` instead."""
+        """Wait for the launch while watching the workers: a rank that died leaves this rank's peer
+        kernels waiting on its signals until the watcher raises their abort flag (``PeerAbort``), and
+        PyTorch's two-shot all-reduce has no such flag, so a plain event sync could block; this
+        raises ``WorkerDiedError`` as soon as a worker is gone."""
         for event in (launch.future.event if launch.future is not None else None, launch.done):
             if event is not None:
                 self._wait_event(event)

@@ -57,9 +57,10 @@ class PeerAllReduce:
         self.size = dist.get_world_size(group)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank at start-up
+        self.abort = PeerAbort(device)
         self.fused: _FusedSlots | None = None
         if self.size == 2:
-            self.fused = _FusedSlots(symm_mem, group, self.group_name, dist.get_rank(group), device)
+            self.fused = _FusedSlots(symm_mem, group, self.group_name, dist.get_rank(group), self.abort)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -121,14 +122,35 @@ class PeerAllReduce:
         return PeerSum(self.fused, slot, self.fused.views(slot, rows, cols, dtype)[0])
 
 
+class PeerAbort:
+    """A flag in device memory that every wait of this project's peer kernels reads: a rank whose peer
+    died would otherwise spin on a signal that never comes, its stream stuck for the life of the
+    process. Setting it makes every wait give up, now and in any later call (outputs then are
+    meaningless; the caller has given up on the peer). NCCL's collectives have their own abort;
+    PyTorch's two-shot all-reduce has none."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._one = torch.ones(1, dtype=torch.int32).pin_memory()
+        self._stream = torch.cuda.Stream(device)  # a pool stream: it does not wait for the stuck one
+
+    def set(self) -> None:
+        """Raise the flag from any thread: a copy on a stream of its own, which the copy engine runs
+        while the kernels still spin (a kernel launch might find no free SM)."""
+        with torch.cuda.stream(self._stream):
+            self.flag.copy_(self._one, non_blocking=True)
+
+
 class _FusedSlots:
     """The two ranks' product slots and program flags in symmetric memory, and views of the peer's."""
 
     def __init__(
-        self, symm_mem: Any, group: dist.ProcessGroup, name: str, rank: int, device: torch.device
+        self, symm_mem: Any, group: dist.ProcessGroup, name: str, rank: int, abort: PeerAbort
     ) -> None:
         from prefixserve.model.kernels.peer_argmax import MAX_PROGRAMS as PICK_PROGRAMS
         from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
+
+        device = abort.flag.device
 
         def shared(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             """(this rank's zeroed buffer in symmetric memory, the peer's): a collective rendezvous."""
@@ -153,6 +175,7 @@ class _FusedSlots:
         self.pick_counts, self.peer_pick_counts = shared(PICK_PROGRAMS, torch.int64)
         self.pick_calls = torch.zeros(PICK_PROGRAMS, dtype=torch.int64, device=device)
         self.rank = rank
+        self.abort = abort.flag
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
@@ -171,6 +194,7 @@ class _FusedSlots:
             self.pick_counts,
             self.peer_pick_counts,
             self.pick_calls,
+            self.abort,
         )
 
     def views(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +247,9 @@ class PeerSum:
             flags, calls = (slots.flags, slots.peer_flags), None
         else:
             flags, calls = (slots.counts, slots.peer_counts), slots.calls
-        return peer_add_rms_norm(mine, peer, residual, weight, eps, *flags, push, calls=calls)
+        return peer_add_rms_norm(
+            mine, peer, residual, weight, eps, *flags, push, calls=calls, abort=slots.abort
+        )
 
 
 def peer_allreduce_for(group: dist.ProcessGroup, device: torch.device, name: str) -> PeerAllReduce | None:
@@ -245,6 +271,7 @@ __all__ = [
     "EMBEDDING_SLOT",
     "MAX_BYTES",
     "MLP_SLOT",
+    "PeerAbort",
     "PeerAllReduce",
     "PeerSum",
     "peer_allreduce_for",

@@ -71,3 +71,15 @@ def test_peer_argmax_refuses_what_does_not_fit() -> None:
         peer_argmax(logits, local, 0, 0, buf, buf, flags, flags, flags)
     with pytest.raises(ValueError, match="two ranks"):
         peer_argmax(logits[:2], local[:2], 0, 2, buf, buf, flags, flags, flags)
+
+
+def test_a_raised_abort_ends_the_wait_for_a_peer_that_never_signals() -> None:
+    """A dead peer's count never comes: with the abort flag raised the exchange returns at once."""
+    logits = torch.randn(5, 16, device=DEVICE)
+    local = logits.argmax(-1)
+    buf = torch.zeros(2, CAP, device=DEVICE)
+    flags = torch.zeros(8, dtype=torch.int64, device=DEVICE)  # the peer never signalled
+    calls = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    abort = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    tokens = peer_argmax(logits, local, 0, 0, buf, buf.clone(), flags, flags.clone(), calls, abort)
+    assert tokens.shape == (5,) and calls[0] == 1

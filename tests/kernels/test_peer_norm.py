@@ -126,6 +126,7 @@ class _Slots:
         self.counts = torch.ones(8, dtype=torch.int64, device=DEVICE)
         self.peer_counts = torch.zeros(8, dtype=torch.int64, device=DEVICE)
         self.calls = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+        self.abort = torch.zeros(1, dtype=torch.int32, device=DEVICE)
 
     def views(self, *shape: object) -> tuple[torch.Tensor, torch.Tensor]:  # (slot, rows, cols, dtype)
         return self.mine, self.peer_product
@@ -177,3 +178,25 @@ def test_peer_sum_without_a_residual_is_the_first_norm(dtype: torch.dtype, signa
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
     torch.testing.assert_close(out, ref, **tol)
     assert summed.data_ptr() not in (mine.data_ptr(), peer.data_ptr())
+
+
+@pytest.mark.parametrize("count", [False, True])
+def test_a_raised_abort_ends_the_wait_for_a_peer_that_never_signals(count: bool) -> None:
+    """A dead peer never signals: with the abort flag raised (``PeerAbort``) the call returns at once,
+    under both meeting protocols, rather than spin for the life of the process."""
+    x = torch.ones(3, 64, device=DEVICE)
+    if count:  # the peer's count stays behind this call's
+        flags = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+        extra = {"calls": torch.full((4,), 7, dtype=torch.int64, device=DEVICE)}
+        peer_flags = flags.clone()
+    else:  # the peer never consumed the last signal nor sent one
+        flags, peer_flags, extra = (
+            torch.zeros(4, dtype=torch.int32, device=DEVICE),
+            torch.ones(4, dtype=torch.int32, device=DEVICE),
+            {},
+        )
+    abort = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    out, summed = peer_add_rms_norm(x, x, x, x[0], 1e-6, flags, peer_flags, abort=abort, **extra)
+    assert out.shape == summed.shape == x.shape
+    if count:
+        assert extra["calls"][:3].eq(8).all()  # the call was counted; only the wait gave up

@@ -41,6 +41,7 @@ def _peer_argmax_kernel(
     my_flags_ptr,  # [MAX_PROGRAMS] int64: the peer's program i writes its count of calls here
     peer_flags_ptr,  # [MAX_PROGRAMS] int64, in the peer's memory
     calls_ptr,  # [MAX_PROGRAMS] int64: this rank's own counts of calls
+    abort_ptr,  # [1] int32, local: nonzero once the peer is gone (the wait gives up)
     n_rows,
     stride,  # the logits' row stride
     start,  # this rank's first vocabulary column
@@ -59,8 +60,9 @@ def _peer_argmax_kernel(
     tl.debug_barrier()  # every thread's pair stored before the release below
     call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
     tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
-    while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
-        pass
+    gone = tl.load(abort_ptr, volatile=True)
+    while (tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call) & (gone == 0):
+        gone = tl.load(abort_ptr, volatile=True)
     peer_score = tl.load(peer_ptr + rows, mask=ok, other=0.0)
     peer_column = tl.load(peer_ptr + cap + rows, mask=ok, other=0.0)
     if RANK == 0:  # this rank's pair comes first
@@ -84,8 +86,11 @@ def peer_argmax(
     my_flags: torch.Tensor,  # [MAX_PROGRAMS] int64
     peer_flags: torch.Tensor,  # [MAX_PROGRAMS] int64, the peer's
     calls: torch.Tensor,  # [MAX_PROGRAMS] int64
+    abort: torch.Tensor | None = None,  # [1] int32: set nonzero (``PeerAbort``), the wait gives up
 ) -> torch.Tensor:
-    """The tokens [R] (int64) of the two ranks' argmax; the peer makes the same call at the same point."""
+    """The tokens [R] (int64) of the two ranks' argmax; the peer makes the same call at the same point.
+    Once ``abort`` is nonzero the call returns without waiting for the peer (its tokens are then
+    meaningless: the caller has given up on the peer). Without ``abort`` (tests) a zero is made."""
     rows = logits.shape[0]
     cap = mine.shape[1]
     programs = triton.cdiv(rows, BLOCK)
@@ -96,6 +101,8 @@ def peer_argmax(
     if local.shape != (rows,) or logits.stride(1) != 1 or mine.shape != peer.shape:
         raise ValueError("peer_argmax needs [R, V] logits with contiguous rows and [R] columns")
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if abort is None:
+        abort = torch.zeros(1, dtype=torch.int32, device=logits.device)
     if rows:
         _bound(
             (programs,),
@@ -107,6 +114,7 @@ def peer_argmax(
             my_flags,
             peer_flags,
             calls,
+            abort,
             rows,
             logits.stride(0),
             start,

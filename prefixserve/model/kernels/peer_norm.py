@@ -32,6 +32,10 @@ peer's signal it reads the peer's product from its own incoming buffer, in local
 two-slot argument covers the incoming buffers: before a rank writes the peer's incoming slot s
 again, the peer's kernel that read it (two calls back) has finished.
 
+A rank whose peer died would wait for a signal that never comes, its stream stuck for the life of
+the process: every wait also reads a local abort flag, which rank 0 raises once it learns a worker
+is gone (``peer_allreduce.PeerAbort``), and then returns without the peer.
+
 The rounding follows ``add_rms_norm``: the two products are summed in fp32 and rounded to the model
 dtype (a correctly rounded add, as the two-shot all-reduce's), the residual added in the model dtype.
 """
@@ -61,6 +65,7 @@ def _peer_add_rms_norm_kernel(
     my_flags_ptr,  # [MAX_PROGRAMS]: the peer's program i signals flag i here
     peer_flags_ptr,  # [MAX_PROGRAMS], in the peer's memory: this rank's program i signals flag i
     calls_ptr,  # COUNT: [MAX_PROGRAMS] int64, this rank's own: the calls program i has made
+    abort_ptr,  # [1] int32, local: nonzero once the peer is gone (every wait gives up)
     n_rows,
     n_cols,
     stride,  # row stride of every [T, N] operand
@@ -87,13 +92,15 @@ def _peer_add_rms_norm_kernel(
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
         else:  # the product is an earlier kernel's, complete before this one began: nothing to order
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
-        while tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call:
-            pass
+        gone = tl.load(abort_ptr, volatile=True)
+        while (tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call) & (gone == 0):
+            gone = tl.load(abort_ptr, volatile=True)
     else:
-        while tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0:
-            pass
-        while tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
+        gone = tl.load(abort_ptr, volatile=True)
+        while (tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0) & (gone == 0):
+            gone = tl.load(abort_ptr, volatile=True)
+        while (tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1) & (gone == 0):
+            gone = tl.load(abort_ptr, volatile=True)
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
@@ -125,10 +132,13 @@ def peer_add_rms_norm(
     push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
     calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
     num_warps: int | None = None,
+    abort: torch.Tensor | None = None,  # [1] int32: set nonzero (``PeerAbort``), the waits give up
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors (no
     residual: of ``mine + peer``); the peer must make the same call (its ``mine`` is this rank's
-    ``peer``, or with ``push``, is written into this rank's ``peer``) at the same point."""
+    ``peer``, or with ``push``, is written into this rank's ``peer``) at the same point. Once
+    ``abort`` is nonzero the call returns without waiting for the peer, its outputs meaningless (the
+    caller has given up on the peer). Without ``abort`` (tests, probes) a zero is made."""
     tokens, n = mine.shape
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN}")
@@ -149,6 +159,8 @@ def peer_add_rms_norm(
         raise ValueError(f"flags must be {flag_dtype} here, got {my_flags.dtype} and {peer_flags.dtype}")
     if calls is not None:
         programs = min(programs, calls.numel())
+    if abort is None:
+        abort = torch.zeros(1, dtype=torch.int32, device=mine.device)
     block = triton.next_power_of_2(n)
     _bound(
         (programs,),
@@ -162,6 +174,7 @@ def peer_add_rms_norm(
         my_flags,
         peer_flags,
         my_flags if calls is None else calls,  # unread without COUNT
+        abort,
         tokens,
         n,
         n,
