@@ -51,6 +51,9 @@ triton, tl = require_triton()
 
 MAX_HIDDEN = 16384  # one row per program iteration, in registers
 MAX_PROGRAMS = 512  # flags per rank; programs past the rows loop over them (all resident on an H100)
+# a wait reads the abort flag once every this many polls of its own flag (a read each poll cost up to
+# 0.5 us a call, docs/kernels.md §8)
+ABORT_POLLS: tl.constexpr = tl.constexpr(1024)
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
@@ -92,15 +95,23 @@ def _peer_add_rms_norm_kernel(
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
         else:  # the product is an earlier kernel's, complete before this one began: nothing to order
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
-        gone = tl.load(abort_ptr, volatile=True)
+        gone = tl.full([], 0, tl.int32)
+        polls = tl.full([], 0, tl.int32)
         while (tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call) & (gone == 0):
-            gone = tl.load(abort_ptr, volatile=True)
+            polls += 1
+            if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
+                gone = tl.load(abort_ptr, volatile=True)
     else:
-        gone = tl.load(abort_ptr, volatile=True)
+        gone = tl.full([], 0, tl.int32)
+        polls = tl.full([], 0, tl.int32)
         while (tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0) & (gone == 0):
-            gone = tl.load(abort_ptr, volatile=True)
+            polls += 1
+            if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
+                gone = tl.load(abort_ptr, volatile=True)
         while (tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1) & (gone == 0):
-            gone = tl.load(abort_ptr, volatile=True)
+            polls += 1
+            if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
+                gone = tl.load(abort_ptr, volatile=True)
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
