@@ -28,9 +28,6 @@ triton, tl = require_triton()
 # 16-25 us for 256-1024 rows of 32 x 128 on the H200, several times the bytes' time: a program walks
 # its parts one load after another, so more, smaller programs keep more loads in flight.
 MERGE_ELEMENTS = 1024
-# parts a program loads at once: a decode row's shared segments and own splits are usually 2-4, and
-# one part at a time made each row a chain of dependent loads (docs/kernels.md §2.6)
-MERGE_PARTS = 4
 
 
 @triton.jit(do_not_specialize=["num_parts", "part_stride"])  # per-step values (compile_watch)
@@ -54,7 +51,6 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     REGULAR: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    PARTS: tl.constexpr = 1,
 ):
     row = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -73,30 +69,21 @@ def _merge_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
-    chunk = tl.arange(0, PARTS)
-    for c in range(0, count, PARTS):  # PARTS parts a pass: their loads are issued together
-        k = c + chunk
-        live = k < count
-        slot = row + k * part_stride if REGULAR else tl.load(part_idx_ptr + first + k, mask=live, other=0)
+    for i in range(0, count):
+        slot = row + i * part_stride if REGULAR else tl.load(part_idx_ptr + first + i)
         slot = slot.to(tl.int64)
-        both = live[:, None] & h_mask[None, :]  # [PARTS, BLOCK_H]
-        lse = tl.load(
-            lse_part_ptr + slot[:, None] * stride_lp + offs_h[None, :], mask=both, other=float("-inf")
-        )
+        lse = tl.load(lse_part_ptr + slot * stride_lp + offs_h, mask=h_mask, other=float("-inf"))
         o = tl.load(
-            o_part_ptr
-            + slot[:, None, None] * stride_pp
-            + offs_h[None, :, None] * stride_ph
-            + offs_d[None, None, :],
-            mask=both[:, :, None],
+            o_part_ptr + slot * stride_pp + offs_h[:, None] * stride_ph + offs_d[None, :],
+            mask=h_mask[:, None],
             other=0.0,
         )
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_new = tl.maximum(m, lse)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part yet: alpha and w stay 0
         alpha = tl.exp2((m - m_use) * 1.4426950408889634)
-        w = tl.exp2((lse - m_use[None, :]) * 1.4426950408889634)  # exp2(-inf) = 0 drops empty parts
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
-        denom = denom * alpha + tl.sum(w, axis=0)
+        w = tl.exp2((lse - m_use) * 1.4426950408889634)  # exp2(-inf) = 0 drops empty parts exactly
+        acc = acc * alpha[:, None] + o * w[:, None]
+        denom = denom * alpha + w
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     empty = denom == 0.0
@@ -204,7 +191,6 @@ def merge_partials(
         "HEAD_DIM": dim,
         "REGULAR": regular,
         "WRITE_LSE": out_lse is not None,
-        "PARTS": MERGE_PARTS,
         "num_warps": 4,
     }
     grid = (num_rows, triton.cdiv(heads, block_h))
