@@ -69,28 +69,21 @@ def _merge_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
-    for i in range(0, count, 2):  # two parts a pass: their loads go out together
-        two = i + 1 < count
-        if REGULAR:
-            slot_a = row + i * part_stride
-            slot_b = row + (i + 1) * part_stride
-        else:
-            slot_a = tl.load(part_idx_ptr + first + i)
-            slot_b = tl.load(part_idx_ptr + first + i + 1, mask=two, other=0)
-        slot_a = slot_a.to(tl.int64)
-        slot_b = slot_b.to(tl.int64)
-        lse_a = tl.load(lse_part_ptr + slot_a * stride_lp + offs_h, mask=h_mask, other=float("-inf"))
-        lse_b = tl.load(lse_part_ptr + slot_b * stride_lp + offs_h, mask=h_mask & two, other=float("-inf"))
-        at = offs_h[:, None] * stride_ph + offs_d[None, :]
-        o_a = tl.load(o_part_ptr + slot_a * stride_pp + at, mask=h_mask[:, None], other=0.0)
-        o_b = tl.load(o_part_ptr + slot_b * stride_pp + at, mask=h_mask[:, None] & two, other=0.0)
-        m_new = tl.maximum(m, tl.maximum(lse_a, lse_b))
+    for i in range(0, count):
+        slot = row + i * part_stride if REGULAR else tl.load(part_idx_ptr + first + i)
+        slot = slot.to(tl.int64)
+        lse = tl.load(lse_part_ptr + slot * stride_lp + offs_h, mask=h_mask, other=float("-inf"))
+        o = tl.load(
+            o_part_ptr + slot * stride_pp + offs_h[:, None] * stride_ph + offs_d[None, :],
+            mask=h_mask[:, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m, lse)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part yet: alpha and w stay 0
         alpha = tl.exp2((m - m_use) * 1.4426950408889634)
-        w_a = tl.exp2((lse_a - m_use) * 1.4426950408889634)  # exp2(-inf) = 0 drops empty parts exactly
-        w_b = tl.exp2((lse_b - m_use) * 1.4426950408889634)
-        acc = acc * alpha[:, None] + o_a * w_a[:, None] + o_b * w_b[:, None]
-        denom = denom * alpha + w_a + w_b
+        w = tl.exp2((lse - m_use) * 1.4426950408889634)  # exp2(-inf) = 0 drops empty parts exactly
+        acc = acc * alpha[:, None] + o * w[:, None]
+        denom = denom * alpha + w
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     empty = denom == 0.0
