@@ -332,3 +332,57 @@ def test_shutdown_frees_captured_graphs_a_caller_still_holds(tiny_config_path: P
     llm.shutdown()
     assert Graph.resets == 2 and not held.graphs
     assert llm.engine.runner.argmax_graphs is None
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie nobody reaped counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_worker_ends_with_rank_0s_process_wherever_it_waits() -> None:
+    """Rank 0's process killed while a worker waits somewhere other than its socket (here a sleep,
+    standing in for a GPU wait on a kernel that waits for rank 0): the worker's watcher thread ends
+    it within a few polls instead of leaving an orphan holding its GPU."""
+    import subprocess
+    import sys
+
+    child = (
+        "import os, time\n"
+        "from prefixserve.engine.tp_worker import exit_with_parent\n"
+        "exit_with_parent(os.getppid(), poll_s=0.05)\n"
+        "print('watching', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True)\n"
+        "assert p.stdout.readline().strip() == 'watching'\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    rank0 = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, env=env)
+    worker = 0
+    try:
+        worker = int(rank0.stdout.readline())
+        assert not _exited(worker)
+        rank0.kill()
+        rank0.wait()
+        deadline = time.monotonic() + 10
+        while not _exited(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _exited(worker), "the worker outlived rank 0's process"
+    finally:
+        rank0.kill()
+        if worker and not _exited(worker):  # the test failed: no orphan left behind
+            os.kill(worker, signal.SIGKILL)

@@ -3,7 +3,9 @@
 Started by ``TensorParallelRunner`` as ``python -m prefixserve.engine.tp_worker ADDRESS RANK``
 (the socket's key on its standard input). It loads its shard, sizes its KV cache with the
 other ranks, says "ready", then runs messages in order until told to stop or until rank 0's socket
-closes. Any error ends the process after sending its traceback: rank 0 reports it and fails.
+closes. Any error ends the process after sending its traceback: rank 0 reports it and fails. A
+thread ends the process when rank 0's process is gone, wherever the main thread waits (a kernel of
+this rank spinning for rank 0's signal would otherwise keep the process and its GPU memory).
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
@@ -159,8 +164,35 @@ def _kv_call(runner: ModelRunner, name: str, args: tuple[Any, ...]) -> None:
         raise ValueError(f"unknown KV call {name!r}")
 
 
+PARENT_POLL_S = 1.0  # how often the worker looks for rank 0's process
+
+
+def exit_with_parent(
+    parent: int, exit_now: Callable[[int], None] = os._exit, poll_s: float = PARENT_POLL_S
+) -> threading.Thread:
+    """A daemon thread that calls ``exit_now(1)`` once this process's parent is no longer ``parent``
+    (it died, and the process was handed to another). Rank 0 closing its socket ends the worker's
+    loop, but only while that loop waits for a message: one waiting on the GPU, for a kernel that
+    waits on rank 0, never reads it."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(
+            "prefixserve tensor-parallel worker: rank 0's process is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        exit_now(1)
+
+    thread = threading.Thread(target=watch, daemon=True, name="tp-parent")
+    thread.start()
+    return thread
+
+
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck rank is
+    exit_with_parent(os.getppid())
     address, rank = sys.argv[1], int(sys.argv[2])
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     conn = Client(address, family="AF_UNIX", authkey=authkey)
