@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.model.kernels.bound import BoundKernel
-from prefixserve.model.kernels.peer_norm import ABORT_POLLS
+from prefixserve.model.kernels.peer_norm import wait_for_count
 from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
@@ -61,12 +61,7 @@ def _peer_argmax_kernel(
     tl.debug_barrier()  # every thread's pair stored before the release below
     call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
     tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
-    gone = tl.full([], 0, tl.int32)
-    polls = tl.full([], 0, tl.int32)
-    while (tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call) & (gone == 0):
-        polls += 1
-        if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
-            gone = tl.load(abort_ptr, volatile=True)
+    wait_for_count(my_flags_ptr + pid, call, abort_ptr)
     peer_score = tl.load(peer_ptr + rows, mask=ok, other=0.0)
     peer_column = tl.load(peer_ptr + cap + rows, mask=ok, other=0.0)
     if RANK == 0:  # this rank's pair comes first

@@ -56,6 +56,18 @@ MAX_PROGRAMS = 512  # flags per rank; programs past the rows loop over them (all
 ABORT_POLLS: tl.constexpr = tl.constexpr(1024)
 
 
+@triton.jit
+def wait_for_count(flag_ptr, call, abort_ptr):
+    """Read this rank's flag (acquire) until the peer's count there reaches ``call``, or until the
+    abort flag is raised (read once every ``ABORT_POLLS`` polls)."""
+    gone = tl.full([], 0, tl.int32)
+    polls = tl.full([], 0, tl.int32)
+    while (tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < call) & (gone == 0):
+        polls += 1
+        if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
+            gone = tl.load(abort_ptr, volatile=True)
+
+
 @triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
 def _peer_add_rms_norm_kernel(
     mine_ptr,  # [T, N] this rank's product (model dtype)
@@ -95,12 +107,7 @@ def _peer_add_rms_norm_kernel(
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
         else:  # the product is an earlier kernel's, complete before this one began: nothing to order
             tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
-        gone = tl.full([], 0, tl.int32)
-        polls = tl.full([], 0, tl.int32)
-        while (tl.atomic_add(my_flags_ptr + pid, 0, sem="acquire", scope="sys") < call) & (gone == 0):
-            polls += 1
-            if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
-                gone = tl.load(abort_ptr, volatile=True)
+        wait_for_count(my_flags_ptr + pid, call, abort_ptr)
     else:
         gone = tl.full([], 0, tl.int32)
         polls = tl.full([], 0, tl.int32)
