@@ -97,14 +97,15 @@ class _Health:
     died: threading.Event = field(default_factory=threading.Event)
     stopping: threading.Event = field(default_factory=threading.Event)
     # rank 0's peer kernels' abort (``PeerAbort.set``): once a rank is gone they stop waiting for it
-    give_up: list[Callable[[], None]] = field(default_factory=list)
+    give_up: Callable[[], None] | None = None
 
     def give_up_waits(self) -> None:
-        for give_up in self.give_up:
-            try:
-                give_up()
-            except Exception:  # the engine is failing already: its error says why
-                log.debug("aborting the peer kernels failed", exc_info=True)
+        if self.give_up is None:
+            return
+        try:
+            self.give_up()
+        except Exception:  # the engine is failing already: its error says why
+            log.debug("aborting the peer kernels failed", exc_info=True)
 
 
 def _watch_worker(health: _Health, rank: int, proc: subprocess.Popen[bytes], conn: Connection) -> None:
@@ -220,7 +221,7 @@ class TensorParallelRunner(ModelRunner):
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
             shard = self.guard(init_rank, rank_config(config, 0), 0, size, init_file)
             if shard.peer is not None:
-                self.health.give_up.append(shard.peer.abort.set)
+                self.health.give_up = shard.peer.abort.set
                 if self.health.dead is not None:  # a worker died before this was in place
                     self.health.give_up_waits()
             model, self.tokenizer_dir = load_model(

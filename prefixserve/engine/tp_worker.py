@@ -19,7 +19,6 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
@@ -167,10 +166,8 @@ def _kv_call(runner: ModelRunner, name: str, args: tuple[Any, ...]) -> None:
 PARENT_POLL_S = 1.0  # how often the worker looks for rank 0's process
 
 
-def exit_with_parent(
-    parent: int, exit_now: Callable[[int], None] = os._exit, poll_s: float = PARENT_POLL_S
-) -> threading.Thread:
-    """A daemon thread that calls ``exit_now(1)`` once this process's parent is no longer ``parent``
+def exit_with_parent(parent: int, poll_s: float = PARENT_POLL_S) -> None:
+    """A daemon thread that ends this process (exit code 1) once its parent is no longer ``parent``
     (it died, and the process was handed to another). Rank 0 closing its socket ends the worker's
     loop, but only while that loop waits for a message: one waiting on the GPU, for a kernel that
     waits on rank 0, never reads it."""
@@ -183,11 +180,9 @@ def exit_with_parent(
             file=sys.stderr,
             flush=True,
         )
-        exit_now(1)
+        os._exit(1)
 
-    thread = threading.Thread(target=watch, daemon=True, name="tp-parent")
-    thread.start()
-    return thread
+    threading.Thread(target=watch, daemon=True, name="tp-parent").start()
 
 
 def main() -> None:

@@ -57,15 +57,22 @@ ABORT_POLLS: tl.constexpr = tl.constexpr(1024)
 
 
 @triton.jit
+def _polled(polls, gone, abort_ptr):
+    """One more poll of a wait: (polls, the abort flag as last read, once every ``ABORT_POLLS``)."""
+    polls += 1
+    if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
+        gone = tl.load(abort_ptr, volatile=True)
+    return polls, gone
+
+
+@triton.jit
 def wait_for_count(flag_ptr, call, abort_ptr):
     """Read this rank's flag (acquire) until the peer's count there reaches ``call``, or until the
-    abort flag is raised (read once every ``ABORT_POLLS`` polls)."""
+    abort flag is raised."""
     gone = tl.full([], 0, tl.int32)
     polls = tl.full([], 0, tl.int32)
     while (tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < call) & (gone == 0):
-        polls += 1
-        if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
-            gone = tl.load(abort_ptr, volatile=True)
+        polls, gone = _polled(polls, gone, abort_ptr)
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
@@ -112,13 +119,9 @@ def _peer_add_rms_norm_kernel(
         gone = tl.full([], 0, tl.int32)
         polls = tl.full([], 0, tl.int32)
         while (tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0) & (gone == 0):
-            polls += 1
-            if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
-                gone = tl.load(abort_ptr, volatile=True)
+            polls, gone = _polled(polls, gone, abort_ptr)
         while (tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1) & (gone == 0):
-            polls += 1
-            if polls % ABORT_POLLS == 0:  # a long wait: has the peer gone?
-                gone = tl.load(abort_ptr, volatile=True)
+            polls, gone = _polled(polls, gone, abort_ptr)
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
