@@ -1,0 +1,158 @@
+"""How much faster than ``torch.mm`` cuBLASLt's other candidates run a decode step's products.
+
+For each projection of the 8B at TP=1 and TP=2 and the 70B at TP=2 (weights ``[N, K]``, ``x @ W.T``)
+at a few row counts: ``torch.mm`` (cuBLAS's one pick), then every candidate of cuBLASLt's heuristic
+list (``prefixserve.model.blaslt``), each graphed over 8 copies of the weight so L2 holds none of it
+(``benchmarks/harness/timing.graph_ms``), each candidate's product checked against ``torch.mm``'s.
+Prints the best candidate per shape and what it is (tile id, split K, stages, cluster).
+
+PYTHONPATH=. python -m benchmarks.probes.lt_candidates --json out/lt_candidates.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness.info import git_commit
+from benchmarks.harness.timing import graph_ms
+from prefixserve.model import blaslt
+
+# model -> projection -> (N, K), the shard a rank holds
+SHAPES = {
+    "8b_tp1": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "8b_tp2": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)},
+    "70b_tp2": {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)},
+}
+
+
+def copies_for(n: int, k: int) -> int:
+    """Enough weight copies that L2 (50 MB) is cold when a copy comes round again, at least 2."""
+    return max(2, min(8, -(-96 * 2**20 // (n * k * 2))))
+
+
+def _screen_us(fn, copies: int) -> float:
+    """A quick time of one graphed candidate (3 replays), for ranking many before timing the best."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (3 * copies)
+
+
+def deep(x, weights, out, reference, seeds, copies: int, cap: int, finalists: int = 6) -> dict:
+    """Screen every configuration ``blaslt.variants`` accepts (at most ``cap``, sampled), then time
+    the fastest few as the heuristic's candidates were timed."""
+    import random
+
+    problem = blaslt.Problem.of(x, weights[0], out)
+    every = blaslt.variants(problem, x.device, seeds)
+    pool = random.Random(0).sample(every, min(cap, len(every)))
+    screened = []
+    for algo in pool:
+        try:
+            us = _screen_us(lambda i, a=algo: blaslt.matmul_into(x, weights[i], out, a), copies)
+        except Exception:
+            continue
+        screened.append((us, algo))
+    screened.sort(key=lambda t: t[0])
+    timed = []
+    for _, algo in screened[:finalists]:
+        blaslt.matmul_into(x, weights[0], out, algo)
+        err = float((out.float() - reference).abs().max())
+        us = graph_ms(lambda i, a=algo: blaslt.matmul_into(x, weights[i], out, a), copies) * 1e3
+        timed.append({"us": us, "max_abs_err": err, **blaslt.describe(algo)})
+    ok = [c for c in timed if c["max_abs_err"] < 0.05]
+    return {
+        "variants": len(every),
+        "screened": len(screened),
+        "finalists": timed,
+        "best": min(ok, key=lambda c: c["us"]) if ok else None,
+    }
+
+
+def measure(rows: int, n: int, k: int, limit: int, cap: int = 0) -> dict:
+    device = torch.device("cuda")
+    copies = copies_for(n, k)
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+    reference = torch.mm(x, weights[0].t()).float()
+    mm_us = graph_ms(lambda i: torch.mm(x, weights[i].t(), out=out), copies) * 1e3
+    problem = blaslt.Problem.of(x, weights[0], out)
+    found = []
+    for rank, algo in enumerate(blaslt.candidates(problem, device, limit)):
+        try:
+            blaslt.matmul_into(x, weights[0], out, algo)
+            err = float((out.float() - reference).abs().max())
+            us = graph_ms(lambda i, a=algo: blaslt.matmul_into(x, weights[i], out, a), copies) * 1e3
+        except Exception as exc:  # a candidate that fails is reported, not fatal
+            found.append({"rank": rank, "error": repr(exc)[:200]})
+            continue
+        found.append({"rank": rank, "us": us, "max_abs_err": err, **blaslt.describe(algo)})
+    ok = [c for c in found if "us" in c and c["max_abs_err"] < 0.05]
+    best = min(ok, key=lambda c: c["us"]) if ok else None
+    result = {"mm_us": mm_us, "copies": copies, "candidates": found, "best": best}
+    if cap:
+        seeds = blaslt.candidates(problem, device, limit)
+        result["deep"] = deep(x, weights, out, reference, seeds, copies, cap)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--models", nargs="+", default=list(SHAPES))
+    ap.add_argument("--limit", type=int, default=48)
+    ap.add_argument("--deep", type=int, default=0, help="screen up to this many configurations a shape")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    results = []
+    lines = []
+    for model in args.models:
+        for layer, (n, k) in SHAPES[model].items():
+            for rows in args.rows:
+                r = {
+                    "model": model,
+                    "layer": layer,
+                    "rows": rows,
+                    "N": n,
+                    "K": k,
+                    **measure(rows, n, k, args.limit, args.deep),
+                }
+                results.append(r)
+                best = r["best"]
+                flops = 2 * rows * n * k
+                line = (
+                    f"{model:8s} {layer:8s} {rows:4d}x{n:6d}x{k:6d}: mm {r['mm_us']:7.1f} us "
+                    f"({flops / r['mm_us'] / 1e6:4.0f} TF/s)"
+                )
+                if best:
+                    cfg = {
+                        key: best[key] for key in ("algo_id", "tile", "split_k", "stages", "cluster", "rank")
+                    }
+                    line += f", best Lt {best['us']:7.1f} us ({r['mm_us'] / best['us']:.3f}x) {cfg}"
+                line += (
+                    f", Lt[0] {r['candidates'][0].get('us', float('nan')):7.1f}" if r["candidates"] else ""
+                )
+                print(line, flush=True)
+                lines.append(line)
+    if args.json:
+        info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
