@@ -193,11 +193,6 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL=swap (ranks meet by compare-and-swap)",
     )
-    ap.add_argument(
-        "--gemm-tuning-ab",
-        action="store_true",
-        help="compare part: also TP=1 and TP=N with PREFIXSERVE_GEMM_TUNING=0 (cuBLAS's own picks)",
-    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     ap.add_argument("--merge", type=Path, help="take --parts from this result file instead of measuring")
     args = ap.parse_args(argv)
@@ -261,9 +256,6 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append((f"tp{tp}_two_shot", tp, True, {"PREFIXSERVE_PEER_NORM": "0"}))
             if args.peer_signal_ab:  # the fused kernel's ranks meeting by compare-and-swap
                 runs.append((f"tp{tp}_swap", tp, True, {"PREFIXSERVE_PEER_SIGNAL": "swap"}))
-            if args.gemm_tuning_ab:  # every product on cuBLAS's own pick, at both sizes
-                untuned = {"PREFIXSERVE_GEMM_TUNING": "0"}
-                runs += [("tp1_untuned", 1, False, untuned), (f"tp{tp}_untuned", tp, True, untuned)]
             for key, size, peer, env in runs:
                 run = (args.compare_model, args.device, "auto", prompts, args.gen, size, peer)
                 # each run in a process of its own: only a process's first tensor-parallel engine gets the
@@ -446,34 +438,7 @@ def markdown(payload: dict) -> str:
             idle = [r.get(f"{k}_host_overhead_frac") for k in ("tp1", *(k for k, _ in variants))]
             cells.append(" / ".join("-" if x is None else f"{x:.1%}" for x in idle))
             md.append("| " + " | ".join(cells) + " |")
-        md += _tuning_lines(payload["compare"], tp)
     return "\n".join(md) + "\n"
-
-
-def _tuning_lines(rows: list[dict], tp: int) -> list[str]:
-    """The compare part's GEMM-choice A/B (``--gemm-tuning-ab``), where it ran: each size with every
-    product on cuBLAS's own pick against the tuned cuBLASLt kernels (``model/gemm_tuning.py``)."""
-    rows = [r for r in rows if "tp1_untuned_tok_s" in r]
-    if not rows:
-        return []
-    md = [
-        "",
-        "GEMM choice (`--gemm-tuning-ab`): cuBLAS's own pick for every product "
-        "(`PREFIXSERVE_GEMM_TUNING=0`) against the default, decode graphs' products on the cuBLASLt "
-        "kernel timed fastest for their shape.",
-        "",
-        f"| B | P | TP=1 cuBLAS | TP=1 tuned | gain | TP={tp} cuBLAS | TP={tp} tuned | gain "
-        f"| TP={tp} / TP=1 cuBLAS | TP={tp} / TP=1 tuned |",
-        "|" + " ---: |" * 10,
-    ]
-    for r in rows:
-        one, one_u = r.get("tp1_tok_s"), r.get("tp1_untuned_tok_s")
-        many, many_u = r.get(f"tp{tp}_tok_s"), r.get(f"tp{tp}_untuned_tok_s")
-        cells = [str(r["B"]), str(r["P"]), _num(one_u), _num(one), _ratio(one, one_u, "x")]
-        cells += [_num(many_u), _num(many), _ratio(many, many_u, "x"), _ratio(many_u, one_u, "x")]
-        cells.append(_ratio(many, one, "x"))
-        md.append("| " + " | ".join(cells) + " |")
-    return md
 
 
 def plot(payload: dict, path: Path) -> None:

@@ -187,14 +187,6 @@ def peer_signal_mode() -> str:
     return _env_choice("PREFIXSERVE_PEER_SIGNAL", "count", ("count", "swap"))
 
 
-def gemm_tuning_enabled() -> bool:
-    """``PREFIXSERVE_GEMM_TUNING``: "1" (default) lets a decode graph's products of 64-512 rows run the
-    cuBLASLt kernel timed fastest for their shape (``model/gemm_tuning.py``; choices kept under the
-    cache directory); "0" keeps ``torch.mm``'s pick everywhere (A/B runs: tensor-parallel workers
-    inherit it)."""
-    return _env_choice("PREFIXSERVE_GEMM_TUNING", "1", ("0", "1")) == "1"
-
-
 def mixed_mode() -> str:
     """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
     (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every

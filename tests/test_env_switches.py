@@ -1,4 +1,4 @@
-"""The environment switches: exactly seven PREFIXSERVE_* variables, read only in prefixserve/config.py.
+"""The environment switches: exactly six PREFIXSERVE_* variables, read only in prefixserve/config.py.
 
 Each switch is a function of ``prefixserve.config`` that reads its variable when called, so a test (or a
 benchmark) that sets the variable sees the effect on the next call; a value outside the documented ones
@@ -18,7 +18,6 @@ from prefixserve import config
 PACKAGE = Path(config.__file__).resolve().parent
 SWITCHES = {
     "PREFIXSERVE_CACHE",
-    "PREFIXSERVE_GEMM_TUNING",
     "PREFIXSERVE_GLUON",
     "PREFIXSERVE_MIXED",
     "PREFIXSERVE_PEER_NORM",
@@ -50,17 +49,6 @@ def test_gluon_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("PREFIXSERVE_GLUON", bad)
         with pytest.raises(ValueError, match="PREFIXSERVE_GLUON"):
             config.gluon_enabled()
-
-
-def test_gemm_tuning_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PREFIXSERVE_GEMM_TUNING", raising=False)
-    assert config.gemm_tuning_enabled() is True
-    for value, expect in (("1", True), ("0", False), ("", True)):
-        monkeypatch.setenv("PREFIXSERVE_GEMM_TUNING", value)
-        assert config.gemm_tuning_enabled() is expect, value
-    monkeypatch.setenv("PREFIXSERVE_GEMM_TUNING", "on")
-    with pytest.raises(ValueError, match="PREFIXSERVE_GEMM_TUNING"):
-        config.gemm_tuning_enabled()
 
 
 def test_mixed_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,24 +2,29 @@
 
 For each projection of the 8B at TP=1 and TP=2 and the 70B at TP=2 (weights ``[N, K]``, ``x @ W.T``)
 at a few row counts: ``torch.mm`` (cuBLAS's one pick), then every candidate of cuBLASLt's heuristic
-list (``prefixserve.model.blaslt``), each graphed over 8 copies of the weight so L2 holds none of it
+list (``benchmarks/harness/blaslt.py``), each graphed over 8 copies of the weight so L2 holds none of it
 (``benchmarks/harness/timing.graph_ms``), each candidate's product checked against ``torch.mm``'s.
-Prints the best candidate per shape and what it is (tile id, split K, stages, cluster).
+Prints the best candidate per shape and what it is (tile id, split K, stages, cluster). ``--deep N``
+also screens up to N of the configurations cuBLASLt accepts beyond its list (``blaslt.variants``:
+tile x custom option x cluster shape x split K) and times the fastest few the same way.
 
 PYTHONPATH=. python -m benchmarks.probes.lt_candidates --json out/lt_candidates.json
+PYTHONPATH=. python -m benchmarks.probes.lt_candidates --rows 256 --deep 2000 --json out/lt_deep.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import blaslt
 from benchmarks.harness.info import git_commit
 from benchmarks.harness.timing import graph_ms
-from prefixserve.model import blaslt
 
 # model -> projection -> (N, K), the shard a rank holds
 SHAPES = {
@@ -34,7 +39,7 @@ def copies_for(n: int, k: int) -> int:
     return max(2, min(8, -(-96 * 2**20 // (n * k * 2))))
 
 
-def _screen_us(fn, copies: int) -> float:
+def _screen_us(fn: Callable[[int], object], copies: int) -> float:
     """A quick time of one graphed candidate (3 replays), for ranking many before timing the best."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -50,11 +55,18 @@ def _screen_us(fn, copies: int) -> float:
     return start.elapsed_time(end) * 1e3 / (3 * copies)
 
 
-def deep(x, weights, out, reference, seeds, copies: int, cap: int, finalists: int = 6) -> dict:
+def deep(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    seeds: list[blaslt.Algo],
+    copies: int,
+    cap: int,
+    finalists: int = 6,
+) -> dict:
     """Screen every configuration ``blaslt.variants`` accepts (at most ``cap``, sampled), then time
     the fastest few as the heuristic's candidates were timed."""
-    import random
-
     problem = blaslt.Problem.of(x, weights[0], out)
     every = blaslt.variants(problem, x.device, seeds)
     pool = random.Random(0).sample(every, min(cap, len(every)))

@@ -23,8 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode_run import add_shared_run_args, decode_ms_per_step, shared_prompts
 from benchmarks.harness.info import git_commit
-from prefixserve import LLM, SamplingParams, config
-from prefixserve.model import gemm_tuning
+from prefixserve import LLM, SamplingParams
 
 KINDS = (  # first match wins: (kind, substrings of a kernel's name, lower case)
     ("allreduce", ("allreduce", "all_reduce", "nccl", "two_shot", "symm", "barrier", "peer_add")),
@@ -151,9 +150,6 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "decode_ms_per_step": long_ms,  # the long run's first token to last finish, per decode step
         "kernel_ms_per_step": total_us / 1e3,
-        # rank 0's decode-sized products: whether they could take a timed cuBLASLt kernel, how many were
-        # timed in this process and the host seconds that took (at start-up, not in these steps)
-        "gemm_tuning": {"enabled": config.gemm_tuning_enabled(), **gemm_tuning.stats},
         # each rank's GPU idle between its steps over the long run (rank 0: the engine's timer)
         "gpu_idle_frac_by_rank": [
             rank0["gpu_idle_seconds_total"] / max(1e-9, sum(rank0.values())),

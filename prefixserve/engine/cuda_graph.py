@@ -26,7 +26,6 @@ from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, Ho
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.engine.graph_capture import capture_into
 from prefixserve.kv.cache import KVCache
-from prefixserve.model import gemm_tuning
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,6 @@ class DecodeGraphs:
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, param.dtype, self.device
         )
         self.buckets = batch_buckets(max_batch)
-        gemm_tuning.register_weights(model)  # same-shaped weights for the warm-ups' product timings
         cap = self.buckets[-1]
         # rows: token ids, positions, KV write slots (int64: what embedding and index_copy_ take)
         self.inputs = torch.zeros(3, cap, dtype=torch.long, device=self.device)
@@ -173,8 +171,7 @@ class DecodeGraphs:
         started = time.perf_counter()
         attention = step.build()
         attention.load(step.arrays)
-        with gemm_tuning.tuning():  # eager warm-up: Triton compiles and product choices outside the capture
-            self._forward(bucket, attention)
+        self._forward(bucket, attention)  # eager warm-up: Triton compiles outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:

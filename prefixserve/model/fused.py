@@ -7,10 +7,8 @@ model's (the same ops in the same order, so fp32 outputs are bit-identical to it
 
 ``triton_kernels(False)`` forces the torch path on CUDA too: tests and benchmarks compare the two.
 ``linear`` is a matmul: a decode step's few rows through the skinny kernel where it beat cuBLAS
-(Hopper), a decode graph's tens to hundreds of rows through the cuBLASLt kernel timed fastest for
-the shape where one beat cuBLAS's pick (``gemm_tuning``), ``F.linear`` everywhere else;
-``linear_silu_and_mul`` is the MLP's gate-up matmul with its activation, one kernel on Hopper where
-that beat the pair.
+(Hopper), ``F.linear`` everywhere else; ``linear_silu_and_mul`` is the MLP's gate-up matmul with its
+activation, one kernel on Hopper where that beat the pair.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import gemm_tuning
 from prefixserve.model.peer_allreduce import PeerSum
 
 # the A/B switches below, read on every call
@@ -150,10 +147,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = skinny_matmul.linear_if_faster(x, weight, bias)
         if out is not None:
             return out
-    if bias is None and x.is_cuda:
-        out = gemm_tuning.product(x, weight)
-        if out is not None:
-            return out
     return F.linear(x, weight, bias)
 
 
@@ -198,8 +191,7 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
         written = skinny_matmul.linear_if_faster(x, weight, None, out=out)
         if written is not None:
             return written
-    tuned = gemm_tuning.product(x, weight, out)
-    return tuned if tuned is not None else torch.mm(x, weight.t(), out=out)
+    return torch.mm(x, weight.t(), out=out)
 
 
 def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:

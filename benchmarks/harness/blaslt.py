@@ -1,10 +1,12 @@
-"""cuBLASLt called directly (ctypes), so a product can run an algorithm other than the heuristic's first.
+"""cuBLASLt called directly (ctypes), so a product can run a kernel other than cuBLAS's own pick.
 
 ``torch.mm`` takes cuBLAS's one pick per shape. At a decode step's shapes that pick can leave SMs idle
-(too few output tiles for one wave, or 1.7 waves), while cuBLASLt's own candidate list for the same
-shape holds split-K and other tile choices. This module asks cuBLASLt for that list, runs a chosen
-candidate, and reads what each one is (tile, split K, stages, cluster): the timed choice among them
-is ``lt_tuning``'s. The library is the one PyTorch already loaded; nothing is built here.
+(too few output tiles for one wave, or 1.7 waves), while cuBLASLt offers the same kernels with other
+tiles, cluster shapes and options. This module asks cuBLASLt for its candidates (its heuristic list,
+and every configuration it accepts beyond it: ``variants``), runs one, and reads what each is, for
+``benchmarks/probes/lt_candidates.py``. The engine keeps ``torch.mm``: the kernels that won alone
+gained nothing in whole steps (docs/kernels.md section 4). The library is the one PyTorch already
+loaded; nothing is built here.
 
 Row-major ``out[M, N] = x[M, K] @ weight[N, K].T`` is column-major ``out.T = weight @ x.T``: cuBLASLt's
 A is the weight (transposed), its B is x, and its D is ``out`` (the layout ``F.linear`` uses too).
