@@ -39,6 +39,7 @@ def test_every_candidate_equals_torch(m: int, n: int, k: int, dtype: torch.dtype
     assert seeds, "cuBLASLt offered no candidate"
     assert len(blaslt.candidates(problem, x.device, max_workspace=0)) <= len(seeds)
     wider = blaslt.variants(problem, x.device, seeds[:1], tiles=TILES, customs=(0, 5))
+    assert wider, "no configuration beyond the heuristic's list was accepted"
     for algo in seeds + wider[:24]:
         out.fill_(float("nan"))
         blaslt.matmul_into(x, w, out, algo)

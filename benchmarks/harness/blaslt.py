@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,10 @@ class _Descriptors:
                 lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "LayoutCreate"
             )
 
+    def operands(self) -> tuple[ctypes.c_void_p, ...]:
+        """(matmul, A, B, C, D) as cuBLASLt's calls take them (C is D: beta is 0)."""
+        return self.desc, self.a, self.b, self.d, self.d
+
 
 @functools.lru_cache(maxsize=4096)
 def _descriptors(problem: Problem) -> _Descriptors:
@@ -258,11 +263,7 @@ def candidates(
     _check(
         lib.cublasLtMatmulAlgoGetHeuristic(
             state.handle,
-            descs.desc,
-            descs.a,
-            descs.b,
-            descs.d,
-            descs.d,
+            *descs.operands(),
             state.preference,
             limit,
             results,
@@ -330,57 +331,49 @@ def variants(
     candidate) in tile, custom option, cluster shape or split K: the search space beyond the
     heuristic's short list (``tiles`` and ``customs`` narrow it to those the seed offers among them).
     Checked with ``cublasLtMatmulAlgoCheck``; duplicates dropped."""
-    lib, state, descs = _lib(), _state(device), _descriptors(problem)
     seen: set[tuple[int, ...]] = set()
     found = []
     for seed in seeds:
-        custom_max = ctypes.c_int32(0)
-        lib.cublasLtMatmulAlgoCapGetAttribute(
-            ctypes.byref(seed),
-            _CAP_CUSTOM_OPTION_MAX,
-            ctypes.byref(custom_max),
-            4,
-            ctypes.byref(ctypes.c_size_t()),
-        )
-        offered = _tile_ids(seed)
-        for tile in [t for t in offered if tiles is None or t in tiles]:
-            for custom in [
-                c for c in range(min(custom_max.value, 15) + 1) if customs is None or c in customs
-            ]:
-                for cluster in CLUSTERS:
-                    for split_k in split_ks:
-                        algo = Algo()
-                        ctypes.memmove(ctypes.byref(algo), ctypes.byref(seed), ctypes.sizeof(Algo))
-                        try:
-                            _set(algo, "tile", tile)
-                            _set(algo, "custom", custom)
-                            _set(algo, "cluster", cluster)
-                            _set(algo, "split_k", split_k)
-                            _set(algo, "reduction", _REDUCTION_COMPUTE_TYPE if split_k > 1 else 0)
-                        except BlasLtError:
-                            continue
-                        result = _Heuristic()
-                        status = lib.cublasLtMatmulAlgoCheck(
-                            state.handle,
-                            descs.desc,
-                            descs.a,
-                            descs.b,
-                            descs.d,
-                            descs.d,
-                            ctypes.byref(algo),
-                            ctypes.byref(result),
-                        )
-                        if (
-                            status != _SUCCESS
-                            or result.state != _SUCCESS
-                            or result.workspace_size > max_workspace
-                        ):
-                            continue
-                        key = tuple(describe(algo).values())
-                        if key not in seen:
-                            seen.add(key)
-                            found.append(algo)
+        offered_tiles = [t for t in _tile_ids(seed) if tiles is None or t in tiles]
+        offered_customs = [c for c in range(_custom_max(seed) + 1) if customs is None or c in customs]
+        for tile, custom, cluster, split_k in itertools.product(
+            offered_tiles, offered_customs, CLUSTERS, split_ks
+        ):
+            algo = Algo()
+            ctypes.memmove(ctypes.byref(algo), ctypes.byref(seed), ctypes.sizeof(Algo))
+            try:
+                _set(algo, "tile", tile)
+                _set(algo, "custom", custom)
+                _set(algo, "cluster", cluster)
+                _set(algo, "split_k", split_k)
+                _set(algo, "reduction", _REDUCTION_COMPUTE_TYPE if split_k > 1 else 0)
+            except BlasLtError:
+                continue
+            if not _accepted(problem, device, algo, max_workspace):
+                continue
+            key = tuple(describe(algo).values())
+            if key not in seen:
+                seen.add(key)
+                found.append(algo)
     return found
+
+
+def _custom_max(algo: Algo) -> int:
+    """The largest custom option the algorithm offers (at most 15: the search stays bounded)."""
+    value = ctypes.c_int32(0)
+    _lib().cublasLtMatmulAlgoCapGetAttribute(
+        ctypes.byref(algo), _CAP_CUSTOM_OPTION_MAX, ctypes.byref(value), 4, ctypes.byref(ctypes.c_size_t())
+    )
+    return min(value.value, 15)
+
+
+def _accepted(problem: Problem, device: torch.device, algo: Algo, max_workspace: int) -> bool:
+    """Whether cuBLASLt runs this configuration for the problem within ``max_workspace`` bytes."""
+    result = _Heuristic()
+    status = _lib().cublasLtMatmulAlgoCheck(
+        _state(device).handle, *_descriptors(problem).operands(), ctypes.byref(algo), ctypes.byref(result)
+    )
+    return status == _SUCCESS and result.state == _SUCCESS and result.workspace_size <= max_workspace
 
 
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)

@@ -157,6 +157,14 @@ def main(argv: list[str] | None = None) -> None:
                 line += (
                     f", Lt[0] {r['candidates'][0].get('us', float('nan')):7.1f}" if r["candidates"] else ""
                 )
+                searched = r.get("deep")
+                if searched and searched["best"]:
+                    d = searched["best"]
+                    cfg = {key: d[key] for key in ("tile", "custom", "cluster", "split_k")}
+                    line += (
+                        f", deep ({searched['screened']} of {searched['variants']}) {d['us']:7.1f} us "
+                        f"({r['mm_us'] / d['us']:.3f}x) {cfg}"
+                    )
                 print(line, flush=True)
                 lines.append(line)
     if args.json:
