@@ -80,11 +80,6 @@ def _loaded_path() -> str | None:
     return None
 
 
-def library_path() -> str:
-    """The path of the cuBLASLt library in use (choices timed on one version are kept per version)."""
-    return _lib()._name
-
-
 @functools.cache
 def _lib() -> ctypes.CDLL:
     # cuBLAS loads lazily: one product makes PyTorch map the library it links against
@@ -101,18 +96,7 @@ def _lib() -> ctypes.CDLL:
         "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, u64, u64, i64],
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
         "cublasLtMatmulPreferenceSetAttribute": [p, i, p, sz],
-        "cublasLtMatmulAlgoGetHeuristic": [
-            p,
-            p,
-            p,
-            p,
-            p,
-            p,
-            p,
-            i,
-            ctypes.POINTER(_Heuristic),
-            ctypes.POINTER(i),
-        ],
+        "cublasLtMatmulAlgoGetHeuristic": [*[p] * 7, i, ctypes.POINTER(_Heuristic), ctypes.POINTER(i)],
         "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(Algo), i, p, sz, ctypes.POINTER(sz)],
         "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(Algo), i, p, sz],
         "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(Algo), i, p, sz, ctypes.POINTER(sz)],
