@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 
 from benchmarks.harness import blaslt
@@ -28,3 +29,9 @@ def test_supported_refuses_what_it_cannot_call() -> None:
     assert not blaslt.supported(x, w)  # CPU tensors
     assert not blaslt.supported(x.float(), w.float())
     assert not blaslt.available() or torch.cuda.is_available()
+
+
+def test_matmul_into_names_bad_operands() -> None:
+    x, w = torch.randn(64, 128), torch.randn(32, 128)
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        blaslt.matmul_into(x, w, torch.empty(64, 32), blaslt.Algo())

@@ -366,6 +366,12 @@ _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 def matmul_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, algo: Algo) -> torch.Tensor:
     """``out = x @ weight.T`` by one cuBLASLt candidate, on the current stream (graph-capturable:
     the scalars are host values read at the call, the workspace is a fixed buffer)."""
+    if not supported(x, weight, out):
+        raise ValueError(
+            "cuBLASLt product needs 2-D CUDA fp16/bf16 x [M, K], weight [N, K] and out [M, N] of one "
+            f"dtype, unit column strides and 8-element rows: got x {tuple(x.shape)} {x.dtype}, weight "
+            f"{tuple(weight.shape)} {weight.dtype}, out {tuple(out.shape)} {out.dtype}"
+        )
     problem = Problem.of(x, weight, out)
     lib, state, descs = _lib(), _state(x.device), _descriptors(problem)
     stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,20 +38,26 @@ def copies_for(n: int, k: int) -> int:
     return max(2, min(8, -(-96 * 2**20 // (n * k * 2))))
 
 
-def _screen_us(fn: Callable[[int], object], copies: int) -> float:
-    """A quick time of one graphed candidate (3 replays), for ranking many before timing the best."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * copies)
+def _timed(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    algo: blaslt.Algo,
+    reps: int = 10,
+) -> dict:
+    """One candidate graphed over the weight copies: microseconds a call, its largest difference from
+    ``torch.mm``'s product, and what it is."""
+    blaslt.matmul_into(x, weights[0], out, algo)
+    err = float((out.float() - reference).abs().max())
+    us = graph_ms(lambda i: blaslt.matmul_into(x, weights[i], out, algo), len(weights), reps) * 1e3
+    return {"us": us, "max_abs_err": err, **blaslt.describe(algo)}
+
+
+def _best(entries: list[dict]) -> dict | None:
+    """The fastest entry whose product matched ``torch.mm``'s."""
+    ok = [c for c in entries if "us" in c and c["max_abs_err"] < 0.05]
+    return min(ok, key=lambda c: c["us"]) if ok else None
 
 
 def deep(
@@ -61,36 +66,22 @@ def deep(
     out: torch.Tensor,
     reference: torch.Tensor,
     seeds: list[blaslt.Algo],
-    copies: int,
     cap: int,
     finalists: int = 6,
 ) -> dict:
-    """Screen every configuration ``blaslt.variants`` accepts (at most ``cap``, sampled), then time
-    the fastest few as the heuristic's candidates were timed."""
-    problem = blaslt.Problem.of(x, weights[0], out)
-    every = blaslt.variants(problem, x.device, seeds)
+    """Screen every configuration ``blaslt.variants`` accepts (at most ``cap``, sampled; one replay a
+    timing), then time the fastest few as the heuristic's candidates were timed."""
+    every = blaslt.variants(blaslt.Problem.of(x, weights[0], out), x.device, seeds)
     pool = random.Random(0).sample(every, min(cap, len(every)))
     screened = []
     for algo in pool:
         try:
-            us = _screen_us(lambda i, a=algo: blaslt.matmul_into(x, weights[i], out, a), copies)
-        except Exception:
+            screened.append((_timed(x, weights, out, reference, algo, reps=1)["us"], algo))
+        except Exception:  # a configuration that fails to run is left out of the ranking
             continue
-        screened.append((us, algo))
     screened.sort(key=lambda t: t[0])
-    timed = []
-    for _, algo in screened[:finalists]:
-        blaslt.matmul_into(x, weights[0], out, algo)
-        err = float((out.float() - reference).abs().max())
-        us = graph_ms(lambda i, a=algo: blaslt.matmul_into(x, weights[i], out, a), copies) * 1e3
-        timed.append({"us": us, "max_abs_err": err, **blaslt.describe(algo)})
-    ok = [c for c in timed if c["max_abs_err"] < 0.05]
-    return {
-        "variants": len(every),
-        "screened": len(screened),
-        "finalists": timed,
-        "best": min(ok, key=lambda c: c["us"]) if ok else None,
-    }
+    timed = [_timed(x, weights, out, reference, algo) for _, algo in screened[:finalists]]
+    return {"variants": len(every), "screened": len(screened), "finalists": timed, "best": _best(timed)}
 
 
 def measure(rows: int, n: int, k: int, limit: int, cap: int = 0) -> dict:
@@ -101,23 +92,16 @@ def measure(rows: int, n: int, k: int, limit: int, cap: int = 0) -> dict:
     out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
     reference = torch.mm(x, weights[0].t()).float()
     mm_us = graph_ms(lambda i: torch.mm(x, weights[i].t(), out=out), copies) * 1e3
-    problem = blaslt.Problem.of(x, weights[0], out)
+    seeds = blaslt.candidates(blaslt.Problem.of(x, weights[0], out), device, limit)
     found = []
-    for rank, algo in enumerate(blaslt.candidates(problem, device, limit)):
+    for rank, algo in enumerate(seeds):
         try:
-            blaslt.matmul_into(x, weights[0], out, algo)
-            err = float((out.float() - reference).abs().max())
-            us = graph_ms(lambda i, a=algo: blaslt.matmul_into(x, weights[i], out, a), copies) * 1e3
+            found.append({"rank": rank, **_timed(x, weights, out, reference, algo)})
         except Exception as exc:  # a candidate that fails is reported, not fatal
             found.append({"rank": rank, "error": repr(exc)[:200]})
-            continue
-        found.append({"rank": rank, "us": us, "max_abs_err": err, **blaslt.describe(algo)})
-    ok = [c for c in found if "us" in c and c["max_abs_err"] < 0.05]
-    best = min(ok, key=lambda c: c["us"]) if ok else None
-    result = {"mm_us": mm_us, "copies": copies, "candidates": found, "best": best}
+    result = {"mm_us": mm_us, "copies": copies, "candidates": found, "best": _best(found)}
     if cap:
-        seeds = blaslt.candidates(problem, device, limit)
-        result["deep"] = deep(x, weights, out, reference, seeds, copies, cap)
+        result["deep"] = deep(x, weights, out, reference, seeds, cap)
     return result
 
 
