@@ -135,6 +135,7 @@ def measure(
         "preemptions": after["preemptions_total"] - before["preemptions_total"],
         "steps": after["steps_total"] - before["steps_total"],
         "prefill_s": first - t0,
+        "decode_window": (first, last),  # time.monotonic(), the engine's clock
         "elapsed_s": elapsed,
         "gc_pause_s": pauses.total,  # Python's cyclic GC, all generations, in the timed run
         "gc_full_passes": pauses.full,

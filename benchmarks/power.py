@@ -55,12 +55,14 @@ REASONS = {
 
 
 class Sampler:
-    """nvidia-smi polled every 20 ms in a child process; rows kept with host timestamps."""
+    """nvidia-smi polled every 20 ms in a child process; rows kept with host timestamps (``time.time``).
+    ``gpu``: the one board to poll (an index, UUID or PCI bus id as nvidia-smi's ``-i`` takes it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: str | None = None) -> None:
         self.rows: list[tuple[float, list[str]]] = []
+        which = ["-i", gpu] if gpu is not None else []
         self.proc = subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "20"],
+            ["nvidia-smi", *which, f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "20"],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -193,6 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL=swap (ranks meet by compare-and-swap)",
     )
+    ap.add_argument(
+        "--power",
+        action="store_true",
+        help="grid part: each rank's board power, SM clock and throttle reasons over each timed decode "
+        "(nvidia-smi every 20 ms), and benchmarks.power's ceilings on the first GPU for the energy model",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     ap.add_argument("--merge", type=Path, help="take --parts from this result file instead of measuring")
     args = ap.parse_args(argv)
@@ -202,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     payload = {**run_info(), "tensor_parallel_size": tp, "gpus": torch.cuda.device_count()}
     payload.update({k: old.get(k, []) for k in ("grid", "compare")})
     payload["allreduce"] = old.get("allreduce", {})
+    payload["power"] = old.get("power", {})  # the grid's last --power run: its ceilings
     payload["runs"] = _runs(old)
     _stamp_cells(payload)
     payload.update(model=args.model, compare_model=args.compare_model, own=args.own, gen=args.gen)
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         for part in args.parts:
             if part == "grid":  # cell by cell: the --batches x --prefixes rows' --modes
                 _merge_cells(payload, other, set(args.batches), set(args.prefixes), args.modes)
+                payload["power"] = other.get("power") or payload["power"]
             else:
                 payload[part] = other.get(part, payload[part])
             if part in other_runs:
@@ -269,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             payload["compare"].sort(key=lambda x: x["B"])
             save()
     if "grid" in args.parts:
+        boards = _boards(payload) if args.power else None
         for b in args.batches:
             for p in args.prefixes:
                 prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
@@ -298,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                         r["kv_blocks_total"],
                     )
                     row[f"{mode}_kv_blocks_used_peak"] = r["kv_blocks_used_peak"]
+                    if boards is not None:
+                        row[f"{mode}_boards"] = boards.during(*r["decode_window"])
                     if mode == "auto":
                         row["host_overhead_frac"] = r["host_overhead_frac"]
                         row["graphs_captured"] = r["graphs_captured"]
@@ -305,7 +317,38 @@ def main(argv: list[str] | None = None) -> None:
                 payload["grid"] = [x for x in payload["grid"] if (x["B"], x["P"]) != (b, p)] + [row]
                 payload["grid"].sort(key=lambda x: (x["B"], x["P"]))
                 save()
+        for sampler in boards.samplers if boards is not None else ():
+            sampler.close()
     save()
+
+
+class _Boards:
+    """One nvidia-smi sampler per visible GPU, for the boards' state over a timed decode."""
+
+    def __init__(self) -> None:
+        from benchmarks.power import Sampler
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        self.samplers = [Sampler(gpu=i.strip()) for i in ids]
+        self.offset = time.time() - time.monotonic()  # the engine's clock to the samplers'
+
+    def during(self, first: float, last: float) -> list[dict]:
+        """Each board's median power and SM clock, lowest clock and throttle reasons, first token to
+        last finish (``time.monotonic``)."""
+        return [s.window(first + self.offset, last + self.offset) for s in self.samplers]
+
+
+def _boards(payload: dict) -> _Boards:
+    """The samplers, after the first GPU's sustained ceilings (copy, read, GEMM, spin kernel), whose
+    energy model (``benchmarks.power``) goes into ``payload["power"]``."""
+    from benchmarks.power import ceilings
+
+    boards = _Boards()
+    ceil = ceilings(boards.samplers[0], window_s=1.0)
+    payload["power"] = {"commit": payload["commit"], "device": payload["device"], "ceilings": ceil}
+    print({k: ceil[k] for k in ("model", "gemm", "read")}, flush=True)
+    return boards
 
 
 RUN_KEYS = ("device", "gpus", "torch", "commit", "date")
@@ -392,6 +435,7 @@ def markdown(payload: dict) -> str:
             f"{_ratio(on, ceil, '%')} | {_num(step, '.1f')} | {_num(ar, '.2f')} | {_ratio(ar, step, '%')} | "
             f"{_num(r.get('max_batched_tokens'))} | {preempted} | {commits} |"
         )
+    md += _power_lines(payload)
     if payload["allreduce"]:
         md += [
             "",
@@ -439,6 +483,60 @@ def markdown(payload: dict) -> str:
             cells.append(" / ".join("-" if x is None else f"{x:.1%}" for x in idle))
             md.append("| " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
+
+
+def _power_lines(payload: dict) -> list[str]:
+    """The grid's cells measured with ``--power``: the boards' state over each timed decode, and the
+    step time the energy model allows at the cap for the step's counted work."""
+    from benchmarks.harness.step_work import decode_step_work, power_bound_ms
+
+    modes = {"auto": "on", "sharing_off": "off", "ceiling": "ceiling"}
+    rows = [(r, m) for r in payload["grid"] for m in modes if r.get(f"{m}_boards")]
+    if not rows or not payload.get("power"):
+        return []
+    model = payload["power"]["ceilings"]["model"]
+    cfg = _config(payload["model"])
+    own = payload["own"] + payload["gen"] / 2  # a sequence's own tokens, averaged over its decode
+    md = [
+        "",
+        f"## Power during the grid's decodes ({payload['power']['device']})",
+        "",
+        "Each rank's board over each timed decode (nvidia-smi every 20 ms: medians; `min` the lowest "
+        "SM clock seen), and the step time the linear energy model of `benchmarks/power.py` allows at "
+        "the board's cap for the step's counted work (`benchmarks/harness/step_work.py`, one rank: the "
+        "FLOPs, and the bytes no implementation skips: each weight once, the prefix's KV once, each "
+        "sequence's own KV once). Model from this run's sustained ceilings on the first GPU "
+        f"(commit {payload['power']['commit']}): {model['j_per_byte_read'] * 1e12:.0f} pJ a byte read, "
+        f"{model['j_per_flop'] * 1e12:.2f} pJ a bf16 FLOP, above the spin kernel's {model['floor_w']:.0f} W, "
+        f"cap {model['cap_w']:.0f} W. The model is a lead, not a wall (a FLOP at a lower clock costs less).",
+        "",
+        "| B | P | mode | step ms | W by rank | SM MHz by rank (min) | throttle | TFLOP | GB "
+        "| model ms at the cap | step / model |",
+        "| ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r, m in rows:
+        boards, tok_s = r[f"{m}_boards"], r.get(f"{m}_tok_s")
+        step = r["B"] / tok_s * 1e3 if tok_s else None
+        work = decode_step_work(cfg, payload["tensor_parallel_size"], r["B"], r["P"], own, m != "ceiling")
+        bound = power_bound_ms(work, model)
+        reasons = sorted({x for b in boards for x in b["reasons"]})
+        md.append(
+            f"| {r['B']} | {r['P']} | {modes[m]} | {_num(step, '.1f')} | "
+            + " / ".join(_num(b["power_w"]) for b in boards)
+            + " | "
+            + " / ".join(f"{_num(b['sm_mhz'])} ({_num(b['sm_mhz_min'])})" for b in boards)
+            + f" | {', '.join(reasons) or '-'} | {work['flops'] / 1e12:.1f} | {work['bytes'] / 1e9:.1f} | "
+            f"{bound:.1f} | {_ratio(step, bound, 'x')} |"
+        )
+    for r in payload["grid"]:
+        off = r.get("sharing_off_tok_s")
+        if off and r.get("auto_boards"):
+            md += [
+                "",
+                f"B={r['B']}, P={r['P']}: 3x on/off needs the sharing-on step at "
+                f"{r['B'] / off * 1e3 / 3:.1f} ms or less.",
+            ]
+    return md
 
 
 def plot(payload: dict, path: Path) -> None:

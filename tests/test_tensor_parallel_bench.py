@@ -63,3 +63,46 @@ def test_a_cell_merge_takes_only_the_named_cells_and_keeps_each_commit() -> None
     assert all(cells[k]["auto_commit"] == "old" for k in cells if k != (256, 16384))
     payload.update(tensor_parallel_size=2, own=64, gen=128, model="m", compare=[], allreduce={})
     assert "| 256 | 16384 | 120 | 50 |" in markdown(payload) and "new / old / -" in markdown(payload)
+
+
+def _board(watts: float, mhz: float) -> dict:
+    return {"samples": 50, "sm_mhz": mhz, "sm_mhz_min": mhz - 100, "power_w": watts, "limit_w": 700.0}
+
+
+def test_the_power_section_shows_each_board_and_the_models_step() -> None:
+    model = {"j_per_byte_read": 100e-12, "j_per_flop": 1e-12, "floor_w": 150.0, "cap_w": 700.0}
+    row = {**GRID_ROW, "auto_boards": [{**_board(695, 1500), "reasons": ["power cap"]}] * 2}
+    row["sharing_off_boards"] = [{**_board(640, 1980), "reasons": []}] * 2
+    payload = {"tensor_parallel_size": 2, "own": 64, "gen": 128, "model": "dummy:llama-3.1-70b"}
+    payload.update(compare=[], allreduce={}, grid=[row], runs={})
+    payload["power"] = {"commit": "ccccccc", "device": "GPU-X", "ceilings": {"model": model}}
+    md = markdown(payload)
+    on = next(line for line in md.splitlines() if line.startswith("| 256 | 16384 | on |"))
+    # one rank of the 70B at B=256, P=16K, 128 own tokens a sequence: 23.3 TFLOP and 77.6 GB,
+    # (100 pJ x 77.6 GB + 1 pJ x 23.3 TFLOP) / 550 W = 56.5 ms; the step 256 / 5238 tok/s = 48.9 ms
+    assert "| 48.9 | 695 / 695 | 1500 (1400) / 1500 (1400) | power cap | 23.3 | 77.6 | 56.5 | 0.86x |" in on
+    off = next(line for line in md.splitlines() if line.startswith("| 256 | 16384 | off |"))
+    assert "| 640 / 640 |" in off and "| - |" in off  # no throttle reason
+    assert "3x on/off needs the sharing-on step at 46.1 ms or less" in md  # 256 / 1850 / 3
+    del payload["power"]
+    assert "Power during" not in markdown(payload)  # cells without a run's ceilings: no section
+
+
+def test_step_work_counts_a_rank_of_a_small_model_by_hand() -> None:
+    from benchmarks.harness.step_work import decode_step_work, power_bound_ms
+
+    cfg = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg.update(head_dim=2, intermediate_size=16, vocab_size=10)
+    # a layer: q 8x8, k and v 8x4 each, o 8x8, gate, up and down 8x16 each = 576; lm_head 80
+    params = (2 * 576 + 80) / 2
+    dense = decode_step_work(cfg, 2, batch=3, prefix=5, own=2, attention=False)
+    assert dense == {"flops": 2 * 3 * params, "bytes": 2 * params}
+    full = decode_step_work(cfg, 2, batch=3, prefix=5, own=2)
+    # 4 x B x the rank's q heads x dim x keys x layers
+    assert full["flops"] == dense["flops"] + 4 * 3 * 2 * 2 * (5 + 2) * 2
+    assert full["bytes"] == dense["bytes"] + 4 * 2 * 1 * 2 * (5 + 3 * 2)  # prefix once, each own part once
+    # four ranks over two KV heads: each rank holds one head's replica
+    kv_bytes = decode_step_work(cfg, 4, 3, 5, 2)["bytes"] - decode_step_work(cfg, 4, 3, 5, 2, False)["bytes"]
+    assert kv_bytes == 4 * 2 * 2 * 11
+    model = {"j_per_byte_read": 1.0, "j_per_flop": 0.0, "floor_w": 100.0, "cap_w": 600.0}
+    assert power_bound_ms({"flops": 7.0, "bytes": 1.0}, model) == 1e3 / 500
