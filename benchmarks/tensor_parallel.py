@@ -517,16 +517,21 @@ def _power_lines(payload: dict) -> list[str]:
     for r, m in rows:
         boards, tok_s = r[f"{m}_boards"], r.get(f"{m}_tok_s")
         step = r["B"] / tok_s * 1e3 if tok_s else None
-        work = decode_step_work(cfg, payload["tensor_parallel_size"], r["B"], r["P"], own, m != "ceiling")
-        bound = power_bound_ms(work, model)
         reasons = sorted({x for b in boards for x in b["reasons"]})
+        cells = ["-"] * 4  # sharing off: its KV reads depend on what L2 serves, so no count
+        if m != "sharing_off":
+            work = decode_step_work(cfg, payload["tensor_parallel_size"], r["B"], r["P"], own, m == "auto")
+            bound = power_bound_ms(work, model)
+            cells = [f"{work['flops'] / 1e12:.1f}", f"{work['bytes'] / 1e9:.1f}", f"{bound:.1f}"]
+            cells.append(_ratio(step, bound, "x"))
         md.append(
             f"| {r['B']} | {r['P']} | {modes[m]} | {_num(step, '.1f')} | "
             + " / ".join(_num(b["power_w"]) for b in boards)
             + " | "
             + " / ".join(f"{_num(b['sm_mhz'])} ({_num(b['sm_mhz_min'])})" for b in boards)
-            + f" | {', '.join(reasons) or '-'} | {work['flops'] / 1e12:.1f} | {work['bytes'] / 1e9:.1f} | "
-            f"{bound:.1f} | {_ratio(step, bound, 'x')} |"
+            + f" | {', '.join(reasons) or '-'} | "
+            + " | ".join(cells)
+            + " |"
         )
     for r in payload["grid"]:
         off = r.get("sharing_off_tok_s")
