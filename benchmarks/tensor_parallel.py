@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--power",
         action="store_true",
-        help="grid part: each rank's board power, SM clock and throttle reasons over each timed decode "
-        "(nvidia-smi every 20 ms), and benchmarks.power's ceilings on the first GPU for the energy model",
+        help="grid and compare parts: each board's power, SM clock and throttle reasons over each timed "
+        "decode (nvidia-smi every 20 ms), and benchmarks.power's ceilings on the first GPU (energy model)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     ap.add_argument("--merge", type=Path, help="take --parts from this result file instead of measuring")
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         payload["allreduce"] = {str(b): v for b, v in result.items()}
         print(payload["allreduce"], flush=True)
         save()
+    boards = _boards(payload) if args.power else None
     if "compare" in args.parts:
         p = args.compare_prefix
         for b in args.batches:
@@ -273,12 +274,13 @@ def main(argv: list[str] | None = None) -> None:
                 row[f"{key}_tok_s"] = r["tok_s"]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
+                if boards is not None:  # the run's decode on the boards (one monotonic clock per host)
+                    row[f"{key}_boards"] = boards.during(*r["decode_window"])
             print(row, flush=True)
             payload["compare"] = [x for x in payload["compare"] if x["B"] != b] + [row]
             payload["compare"].sort(key=lambda x: x["B"])
             save()
     if "grid" in args.parts:
-        boards = _boards(payload) if args.power else None
         for b in args.batches:
             for p in args.prefixes:
                 prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
@@ -317,8 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                 payload["grid"] = [x for x in payload["grid"] if (x["B"], x["P"]) != (b, p)] + [row]
                 payload["grid"].sort(key=lambda x: (x["B"], x["P"]))
                 save()
-        for sampler in boards.samplers if boards is not None else ():
-            sampler.close()
+    for sampler in boards.samplers if boards is not None else ():
+        sampler.close()
     save()
 
 
@@ -482,6 +484,7 @@ def markdown(payload: dict) -> str:
             idle = [r.get(f"{k}_host_overhead_frac") for k in ("tp1", *(k for k, _ in variants))]
             cells.append(" / ".join("-" if x is None else f"{x:.1%}" for x in idle))
             md.append("| " + " | ".join(cells) + " |")
+        md += _compare_power_lines(payload, [("tp1", "TP=1"), *variants])
     return "\n".join(md) + "\n"
 
 
@@ -541,6 +544,32 @@ def _power_lines(payload: dict) -> list[str]:
                 f"B={r['B']}, P={r['P']}: 3x on/off needs the sharing-on step at "
                 f"{r['B'] / off * 1e3 / 3:.1f} ms or less.",
             ]
+    return md
+
+
+def _compare_power_lines(payload: dict, runs: list[tuple[str, str]]) -> list[str]:
+    """The compare's runs measured with ``--power``: each board's state over the run's decode."""
+    rows = [(r, k, label) for r in payload["compare"] for k, label in runs if r.get(f"{k}_boards")]
+    if not rows:
+        return []
+    md = [
+        "",
+        "Boards over each timed decode (nvidia-smi every 20 ms: medians; `min` the lowest SM clock "
+        "seen; every visible GPU, the first being rank 0's; a TP=1 run leaves the second idle):",
+        "",
+        "| B | run | W by GPU | SM MHz by GPU (min) | throttle |",
+        "| ---: | --- | --- | --- | --- |",
+    ]
+    for r, k, label in rows:
+        boards = r[f"{k}_boards"]
+        reasons = sorted({x for b in boards for x in b["reasons"]})
+        md.append(
+            f"| {r['B']} | {label} | "
+            + " / ".join(_num(b["power_w"]) for b in boards)
+            + " | "
+            + " / ".join(f"{_num(b['sm_mhz'])} ({_num(b['sm_mhz_min'])})" for b in boards)
+            + f" | {', '.join(reasons) or '-'} |"
+        )
     return md
 
 

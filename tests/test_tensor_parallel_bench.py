@@ -66,7 +66,8 @@ def test_a_cell_merge_takes_only_the_named_cells_and_keeps_each_commit() -> None
 
 
 def _board(watts: float, mhz: float) -> dict:
-    return {"samples": 50, "sm_mhz": mhz, "sm_mhz_min": mhz - 100, "power_w": watts, "limit_w": 700.0}
+    state = {"samples": 50, "sm_mhz": mhz, "sm_mhz_min": mhz - 100, "power_w": watts, "limit_w": 700.0}
+    return {**state, "reasons": []}
 
 
 def test_the_power_section_shows_each_board_and_the_models_step() -> None:
@@ -107,3 +108,14 @@ def test_step_work_counts_a_rank_of_a_small_model_by_hand() -> None:
     assert kv_bytes == 4 * 2 * 2 * 11
     model = {"j_per_byte_read": 1.0, "j_per_flop": 0.0, "floor_w": 100.0, "cap_w": 600.0}
     assert power_bound_ms({"flops": 7.0, "bytes": 1.0}, model) == 1e3 / 500
+
+
+def test_the_compare_shows_each_runs_boards() -> None:
+    row = {**COMPARE_ROW, "tp1_boards": [{**_board(690, 1600), "reasons": ["power cap"]}, _board(80, 345)]}
+    row["tp2_boards"] = [{**_board(610, 1980), "reasons": []}] * 2
+    payload = {"tensor_parallel_size": 2, "own": 64, "gen": 128, "model": "m", "compare_model": "c"}
+    payload.update(grid=[], allreduce={}, compare=[row], runs={})
+    md = markdown(payload)
+    assert "| 256 | TP=1 | 690 / 80 | 1600 (1500) / 345 (245) | power cap |" in md
+    assert "| 256 | TP=2 | 610 / 610 | 1980 (1880) / 1980 (1880) | - |" in md
+    assert "| 256 | NCCL |" not in md  # a run without boards: no line
