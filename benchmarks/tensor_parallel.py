@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
             if part == "grid":  # cell by cell: the --batches x --prefixes rows' --modes
                 _merge_cells(payload, other, set(args.batches), set(args.prefixes), args.modes)
                 payload["power"] = other.get("power") or payload["power"]
+            elif part == "compare":  # row by row: the --batches rows
+                kept = [r for r in payload["compare"] if r["B"] not in args.batches]
+                taken = [r for r in other.get("compare", []) if r["B"] in args.batches]
+                payload["compare"] = sorted(kept + taken, key=lambda r: r["B"])
             else:
                 payload[part] = other.get(part, payload[part])
             if part in other_runs:
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         p = args.compare_prefix
         for b in args.batches:
             prompts = (shared_prompts(b, p, args.own), shared_prompts(b, p, args.own, seed=1))
-            row = {"B": b, "P": p}
+            row = {"B": b, "P": p, "commit": payload["commit"]}
             # TP=1; TP=N with every all-reduce through NCCL; TP=N as configured by default (decode-sized
             # all-reduces over peer memory): one run, one machine
             # (key, ranks, peer all-reduce, environment of a process of its own)
@@ -366,13 +370,18 @@ def _runs(result: dict) -> dict[str, dict]:
 
 
 def _stamp_cells(result: dict) -> None:
-    """Give each measured grid cell (a row's mode) without a commit the commit of the run that wrote
-    the grid: cells of several runs then keep their own after a later run or merge."""
-    commit = _runs(result).get("grid", {}).get("commit")
+    """Give each measured grid cell (a row's mode) and each compare row without a commit the commit of
+    the run that wrote that part: rows of several runs then keep their own after a later run or merge."""
+    runs = _runs(result)
+    commit = runs.get("grid", {}).get("commit")
     for row in result.get("grid", []):
         for mode in MODES:
             if f"{mode}_tok_s" in row and f"{mode}_commit" not in row and commit:
                 row[f"{mode}_commit"] = commit
+    commit = runs.get("compare", {}).get("commit")
+    for row in result.get("compare", []):
+        if "commit" not in row and commit:
+            row["commit"] = commit
 
 
 def _merge_cells(payload: dict, other: dict, batches: set[int], prefixes: set[int], modes: list[str]) -> None:
@@ -395,7 +404,7 @@ def _run_line(payload: dict, part: str) -> list[str]:
     run = payload.get("runs", {}).get(part)
     if not run:
         return []
-    if part == "grid":  # cells of several runs: each names its commit
+    if part in ("grid", "compare"):  # cells or rows of several runs: each names its commit
         latest = f"latest run {run['date']}"
         return ["", f"Measured on {run['device']} x {run['gpus']}, torch {run['torch']}, {latest}."]
     return [
@@ -475,6 +484,7 @@ def markdown(payload: dict) -> str:
         head = ["B", "P", "TP=1 tok/s"] + [f"{label} tok/s" for _, label in variants]
         head += [f"{label} / TP=1" for _, label in variants]
         head.append("GPU idle TP=1 / " + " / ".join(label for _, label in variants))
+        head.append("commit")
         md += ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
         for r in payload["compare"]:
             one = r.get("tp1_tok_s", 0)
@@ -483,6 +493,7 @@ def markdown(payload: dict) -> str:
             cells += [_ratio(r.get(f"{k}_tok_s"), one, "x") for k, _ in variants]
             idle = [r.get(f"{k}_host_overhead_frac") for k in ("tp1", *(k for k, _ in variants))]
             cells.append(" / ".join("-" if x is None else f"{x:.1%}" for x in idle))
+            cells.append(r.get("commit", "-"))
             md.append("| " + " | ".join(cells) + " |")
         md += _compare_power_lines(payload, [("tp1", "TP=1"), *variants])
     return "\n".join(md) + "\n"

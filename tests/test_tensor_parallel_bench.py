@@ -36,12 +36,12 @@ def test_merge_keeps_each_parts_run(tmp_path: Path) -> None:
     merged = json.loads((out / "tensor_parallel.json").read_text())
     cells = {f"{m}_commit": "bbbbbbb" for m in ("auto", "sharing_off", "ceiling")}  # each cell its run's
     assert merged["grid"] == [{**GRID_ROW, **cells}]
-    assert merged["compare"] == [COMPARE_ROW]  # compare not taken
+    assert merged["compare"] == [{**COMPARE_ROW, "commit": "aaaaaaa"}]  # compare not taken
     assert merged["runs"]["grid"]["commit"] == "bbbbbbb"
     assert merged["runs"]["compare"]["commit"] == "aaaaaaa"
     md = (out / "tensor_parallel.md").read_text()
     grid_part, compare_part = md.split("TP=1 vs TP=2")
-    assert "| bbbbbbb / bbbbbbb / bbbbbbb |" in grid_part and "commit aaaaaaa" in compare_part
+    assert "| bbbbbbb / bbbbbbb / bbbbbbb |" in grid_part and "| aaaaaaa |" in compare_part
     assert "| 2.83x |" in grid_part and "| 1024 | 0 / 2 / 0 |" in grid_part  # step tokens, preemptions
 
 
@@ -119,3 +119,21 @@ def test_the_compare_shows_each_runs_boards() -> None:
     assert "| 256 | TP=1 | 690 / 80 | 1600 (1500) / 345 (245) | power cap |" in md
     assert "| 256 | TP=2 | 610 / 610 | 1980 (1880) / 1980 (1880) | - |" in md
     assert "| 256 | NCCL |" not in md  # a run without boards: no line
+
+
+def test_a_compare_merge_takes_the_named_rows_each_with_its_commit(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    old_rows = [{**COMPARE_ROW, "B": 64}, COMPARE_ROW]
+    _file(out / "tensor_parallel.json", "aaaaaaa", compare=old_rows)
+    other = _file(
+        tmp_path / "other.json",
+        "bbbbbbb",
+        compare=[{**COMPARE_ROW, "B": 64}, {**COMPARE_ROW, "tp2_tok_s": 1.0}],
+    )
+    tp.main(["--parts", "compare", "--batches", "256", "--merge", str(other), "--out", str(out)])
+    merged = json.loads((out / "tensor_parallel.json").read_text())["compare"]
+    assert [(r["B"], r["commit"], r["tp2_tok_s"]) for r in merged] == [
+        (64, "aaaaaaa", 39970.0),
+        (256, "bbbbbbb", 1.0),
+    ]
