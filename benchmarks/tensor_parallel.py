@@ -529,24 +529,17 @@ def _power_lines(payload: dict) -> list[str]:
         "| ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r, m in rows:
-        boards, tok_s = r[f"{m}_boards"], r.get(f"{m}_tok_s")
+        tok_s = r.get(f"{m}_tok_s")
         step = r["B"] / tok_s * 1e3 if tok_s else None
-        reasons = sorted({x for b in boards for x in b["reasons"]})
-        cells = ["-"] * 4  # sharing off: its KV reads depend on what L2 serves, so no count
-        if m != "sharing_off":
+        cells = [str(r["B"]), str(r["P"]), modes[m], _num(step, ".1f"), *_board_cells(r[f"{m}_boards"])]
+        if m == "sharing_off":  # its KV reads depend on what L2 serves, so no count
+            cells += ["-"] * 4
+        else:
             work = decode_step_work(cfg, payload["tensor_parallel_size"], r["B"], r["P"], own, m == "auto")
             bound = power_bound_ms(work, model)
-            cells = [f"{work['flops'] / 1e12:.1f}", f"{work['bytes'] / 1e9:.1f}", f"{bound:.1f}"]
+            cells += [f"{work['flops'] / 1e12:.1f}", f"{work['bytes'] / 1e9:.1f}", f"{bound:.1f}"]
             cells.append(_ratio(step, bound, "x"))
-        md.append(
-            f"| {r['B']} | {r['P']} | {modes[m]} | {_num(step, '.1f')} | "
-            + " / ".join(_num(b["power_w"]) for b in boards)
-            + " | "
-            + " / ".join(f"{_num(b['sm_mhz'])} ({_num(b['sm_mhz_min'])})" for b in boards)
-            + f" | {', '.join(reasons) or '-'} | "
-            + " | ".join(cells)
-            + " |"
-        )
+        md.append("| " + " | ".join(cells) + " |")
     for r in payload["grid"]:
         off = r.get("sharing_off_tok_s")
         if off and r.get("auto_boards"):
@@ -572,16 +565,18 @@ def _compare_power_lines(payload: dict, runs: list[tuple[str, str]]) -> list[str
         "| ---: | --- | --- | --- | --- |",
     ]
     for r, k, label in rows:
-        boards = r[f"{k}_boards"]
-        reasons = sorted({x for b in boards for x in b["reasons"]})
-        md.append(
-            f"| {r['B']} | {label} | "
-            + " / ".join(_num(b["power_w"]) for b in boards)
-            + " | "
-            + " / ".join(f"{_num(b['sm_mhz'])} ({_num(b['sm_mhz_min'])})" for b in boards)
-            + f" | {', '.join(reasons) or '-'} |"
-        )
+        md.append("| " + " | ".join([str(r["B"]), label, *_board_cells(r[f"{k}_boards"])]) + " |")
     return md
+
+
+def _board_cells(boards: list[dict]) -> list[str]:
+    """Table cells of the boards' state over a run: power by board, SM clock (lowest), throttle reasons."""
+    reasons = sorted({x for b in boards for x in b["reasons"]})
+    return [
+        " / ".join(_num(b["power_w"]) for b in boards),
+        " / ".join(f"{_num(b['sm_mhz'])} ({_num(b['sm_mhz_min'])})" for b in boards),
+        ", ".join(reasons) or "-",
+    ]
 
 
 def plot(payload: dict, path: Path) -> None:
