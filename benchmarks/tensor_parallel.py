@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         payload["allreduce"] = {str(b): v for b, v in result.items()}
         print(payload["allreduce"], flush=True)
         save()
-    boards = _boards(payload) if args.power else None
+    boards = _boards(payload) if args.power and {"grid", "compare"} & set(args.parts) else None
     if "compare" in args.parts:
         p = args.compare_prefix
         for b in args.batches:
@@ -501,8 +501,8 @@ def markdown(payload: dict) -> str:
 
 def _power_lines(payload: dict) -> list[str]:
     """The grid's cells measured with ``--power``: the boards' state over each timed decode, and the
-    step time the energy model allows at the cap for the step's counted work."""
-    from benchmarks.harness.step_work import decode_step_work, power_bound_ms
+    step time the energy model gives at the cap for the step's counted work."""
+    from benchmarks.harness.step_work import capped_step_ms, decode_step_work
 
     modes = {"auto": "on", "sharing_off": "off", "ceiling": "ceiling"}
     rows = [(r, m) for r in payload["grid"] for m in modes if r.get(f"{m}_boards")]
@@ -516,7 +516,7 @@ def _power_lines(payload: dict) -> list[str]:
         f"## Power during the grid's decodes ({payload['power']['device']})",
         "",
         "Each rank's board over each timed decode (nvidia-smi every 20 ms: medians; `min` the lowest "
-        "SM clock seen), and the step time the linear energy model of `benchmarks/power.py` allows at "
+        "SM clock seen), and the step time the linear energy model of `benchmarks/power.py` gives at "
         "the board's cap for the step's counted work (`benchmarks/harness/step_work.py`, one rank: the "
         "FLOPs, and the bytes no implementation skips: each weight once, the prefix's KV once, each "
         "sequence's own KV once). Model from this run's sustained ceilings on the first GPU "
@@ -536,9 +536,9 @@ def _power_lines(payload: dict) -> list[str]:
             cells += ["-"] * 4
         else:
             work = decode_step_work(cfg, payload["tensor_parallel_size"], r["B"], r["P"], own, m == "auto")
-            bound = power_bound_ms(work, model)
-            cells += [f"{work['flops'] / 1e12:.1f}", f"{work['bytes'] / 1e9:.1f}", f"{bound:.1f}"]
-            cells.append(_ratio(step, bound, "x"))
+            capped = capped_step_ms(work, model)
+            cells += [f"{work['flops'] / 1e12:.1f}", f"{work['bytes'] / 1e9:.1f}", f"{capped:.1f}"]
+            cells.append(_ratio(step, capped, "x"))
         md.append("| " + " | ".join(cells) + " |")
     for r in payload["grid"]:
         off = r.get("sharing_off_tok_s")

@@ -91,7 +91,7 @@ def test_the_power_section_shows_each_board_and_the_models_step() -> None:
 
 
 def test_step_work_counts_a_rank_of_a_small_model_by_hand() -> None:
-    from benchmarks.harness.step_work import decode_step_work, power_bound_ms
+    from benchmarks.harness.step_work import capped_step_ms, decode_step_work
 
     cfg = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     cfg.update(head_dim=2, intermediate_size=16, vocab_size=10)
@@ -107,7 +107,7 @@ def test_step_work_counts_a_rank_of_a_small_model_by_hand() -> None:
     kv_bytes = decode_step_work(cfg, 4, 3, 5, 2)["bytes"] - decode_step_work(cfg, 4, 3, 5, 2, False)["bytes"]
     assert kv_bytes == 4 * 2 * 2 * 11
     model = {"j_per_byte_read": 1.0, "j_per_flop": 0.0, "floor_w": 100.0, "cap_w": 600.0}
-    assert power_bound_ms({"flops": 7.0, "bytes": 1.0}, model) == 1e3 / 500
+    assert capped_step_ms({"flops": 7.0, "bytes": 1.0}, model) == 1e3 / 500
 
 
 def test_the_compare_shows_each_runs_boards() -> None:

@@ -1,8 +1,9 @@
 """What one rank's decode step must do, counted from a model config: its FLOPs and the HBM bytes no
 implementation can skip (each weight once, the shared prefix's KV once, every sequence's own KV once).
 
-The counts feed the power-bound step time of ``benchmarks/power.py``'s energy model: at the board's
-cap a step takes at least (J/byte x bytes + J/FLOP x FLOPs) / (cap - floor).
+The counts feed ``benchmarks/power.py``'s linear energy model, whose step time at the board's cap is
+(J/byte x bytes + J/FLOP x FLOPs) / (cap - floor): a lead, not a bound (a step at a lower clock than
+the ceilings' GEMM pays less a FLOP and can beat it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def decode_step_work(
     return work
 
 
-def power_bound_ms(work: dict[str, float], model: dict[str, float]) -> float:
+def capped_step_ms(work: dict[str, float], model: dict[str, float]) -> float:
     """The step's time at the board's cap by the linear energy model (``benchmarks.power.ceilings``)."""
     joules = model["j_per_byte_read"] * work["bytes"] + model["j_per_flop"] * work["flops"]
     return 1e3 * joules / (model["cap_w"] - model["floor_w"])
