@@ -20,15 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.decode_run import MODES, measure, shared_prompts
 from benchmarks.harness import RESULTS, run_info, write_results
-from benchmarks.harness.output import pyplot
+from benchmarks.harness.models import model_config
+from benchmarks.harness.output import cell, pyplot, ratio_cell
 from benchmarks.harness.ranks import join_group, leave_group, run_ranks
+from benchmarks.tensor_parallel_power import compare_power_lines, grid_power_lines, start_boards
 
 NAME = "tensor_parallel"
 
@@ -146,12 +147,6 @@ def _measure_elsewhere(run: tuple, env: dict[str, str]) -> dict:
     return result
 
 
-def _config(model: str) -> dict:
-    from prefixserve.model.loader import resolve_model
-
-    return json.loads(resolve_model(model).path.read_text())
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensor-parallel-size", type=int, default=2)
@@ -247,12 +242,12 @@ def main(argv: list[str] | None = None) -> None:
         plot(payload, args.out / f"{NAME}.png")
 
     if "allreduce" in args.parts:
-        cfg = _config(args.model)
+        cfg = model_config(args.model)
         result = allreduce(tp, cfg["hidden_size"], cfg["num_hidden_layers"], args.batches, args.symm)
         payload["allreduce"] = {str(b): v for b, v in result.items()}
         print(payload["allreduce"], flush=True)
         save()
-    boards = _boards(payload) if args.power and {"grid", "compare"} & set(args.parts) else None
+    boards = start_boards(payload) if args.power and {"grid", "compare"} & set(args.parts) else None
     if "compare" in args.parts:
         p = args.compare_prefix
         for b in args.batches:
@@ -323,38 +318,9 @@ def main(argv: list[str] | None = None) -> None:
                 payload["grid"] = [x for x in payload["grid"] if (x["B"], x["P"]) != (b, p)] + [row]
                 payload["grid"].sort(key=lambda x: (x["B"], x["P"]))
                 save()
-    for sampler in boards.samplers if boards is not None else ():
-        sampler.close()
+    if boards is not None:
+        boards.close()
     save()
-
-
-class _Boards:
-    """One nvidia-smi sampler per visible GPU, for the boards' state over a timed decode."""
-
-    def __init__(self) -> None:
-        from benchmarks.power import Sampler
-
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        self.samplers = [Sampler(gpu=i.strip()) for i in ids]
-        self.offset = time.time() - time.monotonic()  # the engine's clock to the samplers'
-
-    def during(self, first: float, last: float) -> list[dict]:
-        """Each board's median power and SM clock, lowest clock and throttle reasons, first token to
-        last finish (``time.monotonic``)."""
-        return [s.window(first + self.offset, last + self.offset) for s in self.samplers]
-
-
-def _boards(payload: dict) -> _Boards:
-    """The samplers, after the first GPU's sustained ceilings (copy, read, GEMM, spin kernel), whose
-    energy model (``benchmarks.power``) goes into ``payload["power"]``."""
-    from benchmarks.power import ceilings
-
-    boards = _Boards()
-    ceil = ceilings(boards.samplers[0], window_s=1.0)
-    payload["power"] = {"commit": payload["commit"], "device": payload["device"], "ceilings": ceil}
-    print({k: ceil[k] for k in ("model", "gemm", "read")}, flush=True)
-    return boards
 
 
 RUN_KEYS = ("device", "gpus", "torch", "commit", "date")
@@ -434,7 +400,7 @@ def markdown(payload: dict) -> str:
     ]
     for r in payload["grid"]:
         # a pool short of the batch recomputes requests (preemptions): such a row is not clean
-        preempted = " / ".join(_num(r.get(f"{m}_preemptions")) for m in ("auto", "sharing_off", "ceiling"))
+        preempted = " / ".join(cell(r.get(f"{m}_preemptions")) for m in ("auto", "sharing_off", "ceiling"))
         commits = " / ".join(r.get(f"{m}_commit", "-") for m in ("auto", "sharing_off", "ceiling"))
         on, off, ceil = (r.get(f"{m}_tok_s") for m in ("auto", "sharing_off", "ceiling"))
         step = r["B"] / on * 1e3 if on else None
@@ -442,11 +408,11 @@ def markdown(payload: dict) -> str:
         # the all-reduce the engine runs: peer memory where measured (the default), else NCCL
         ar = measured.get("engine_peer_step_ms", measured.get("step_allreduce_ms"))
         md.append(
-            f"| {r['B']} | {r['P']} | {_num(on)} | {_num(off)} | {_num(ceil)} | {_ratio(on, off, 'x')} | "
-            f"{_ratio(on, ceil, '%')} | {_num(step, '.1f')} | {_num(ar, '.2f')} | {_ratio(ar, step, '%')} | "
-            f"{_num(r.get('max_batched_tokens'))} | {preempted} | {commits} |"
+            f"| {r['B']} | {r['P']} | {cell(on)} | {cell(off)} | {cell(ceil)} | {ratio_cell(on, off, 'x')} | "
+            f"{ratio_cell(on, ceil, '%')} | {cell(step, '.1f')} | {cell(ar, '.2f')} | "
+            f"{ratio_cell(ar, step, '%')} | {cell(r.get('max_batched_tokens'))} | {preempted} | {commits} |"
         )
-    md += _power_lines(payload)
+    md += grid_power_lines(payload)
     if payload["allreduce"]:
         md += [
             "",
@@ -489,94 +455,14 @@ def markdown(payload: dict) -> str:
         for r in payload["compare"]:
             one = r.get("tp1_tok_s", 0)
             cells = [str(r["B"]), str(r["P"]), f"{one:.0f}"]
-            cells += [_num(r.get(f"{k}_tok_s")) for k, _ in variants]
-            cells += [_ratio(r.get(f"{k}_tok_s"), one, "x") for k, _ in variants]
+            cells += [cell(r.get(f"{k}_tok_s")) for k, _ in variants]
+            cells += [ratio_cell(r.get(f"{k}_tok_s"), one, "x") for k, _ in variants]
             idle = [r.get(f"{k}_host_overhead_frac") for k in ("tp1", *(k for k, _ in variants))]
             cells.append(" / ".join("-" if x is None else f"{x:.1%}" for x in idle))
             cells.append(r.get("commit", "-"))
             md.append("| " + " | ".join(cells) + " |")
-        md += _compare_power_lines(payload, [("tp1", "TP=1"), *variants])
+        md += compare_power_lines(payload, [("tp1", "TP=1"), *variants])
     return "\n".join(md) + "\n"
-
-
-def _power_lines(payload: dict) -> list[str]:
-    """The grid's cells measured with ``--power``: the boards' state over each timed decode, and the
-    step time the energy model gives at the cap for the step's counted work."""
-    from benchmarks.harness.step_work import capped_step_ms, decode_step_work
-
-    modes = {"auto": "on", "sharing_off": "off", "ceiling": "ceiling"}
-    rows = [(r, m) for r in payload["grid"] for m in modes if r.get(f"{m}_boards")]
-    if not rows or not payload.get("power"):
-        return []
-    model = payload["power"]["ceilings"]["model"]
-    cfg = _config(payload["model"])
-    own = payload["own"] + payload["gen"] / 2  # a sequence's own tokens, averaged over its decode
-    md = [
-        "",
-        f"## Power during the grid's decodes ({payload['power']['device']})",
-        "",
-        "Each rank's board over each timed decode (nvidia-smi every 20 ms: medians; `min` the lowest "
-        "SM clock seen), and the step time the linear energy model of `benchmarks/power.py` gives at "
-        "the board's cap for the step's counted work (`benchmarks/harness/step_work.py`, one rank: the "
-        "FLOPs, and the bytes no implementation skips: each weight once, the prefix's KV once, each "
-        "sequence's own KV once). Model from this run's sustained ceilings on the first GPU "
-        f"(commit {payload['power']['commit']}): {model['j_per_byte_read'] * 1e12:.0f} pJ a byte read, "
-        f"{model['j_per_flop'] * 1e12:.2f} pJ a bf16 FLOP, above the spin kernel's {model['floor_w']:.0f} W, "
-        f"cap {model['cap_w']:.0f} W. The model is a lead, not a wall (a FLOP at a lower clock costs less).",
-        "",
-        "| B | P | mode | step ms | W by rank | SM MHz by rank (min) | throttle | TFLOP | GB "
-        "| model ms at the cap | step / model |",
-        "| ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for r, m in rows:
-        tok_s = r.get(f"{m}_tok_s")
-        step = r["B"] / tok_s * 1e3 if tok_s else None
-        cells = [str(r["B"]), str(r["P"]), modes[m], _num(step, ".1f"), *_board_cells(r[f"{m}_boards"])]
-        if m == "sharing_off":  # its KV reads depend on what L2 serves, so no count
-            cells += ["-"] * 4
-        else:
-            work = decode_step_work(cfg, payload["tensor_parallel_size"], r["B"], r["P"], own, m == "auto")
-            capped = capped_step_ms(work, model)
-            cells += [f"{work['flops'] / 1e12:.1f}", f"{work['bytes'] / 1e9:.1f}", f"{capped:.1f}"]
-            cells.append(_ratio(step, capped, "x"))
-        md.append("| " + " | ".join(cells) + " |")
-    for r in payload["grid"]:
-        off = r.get("sharing_off_tok_s")
-        if off and r.get("auto_boards"):
-            md += [
-                "",
-                f"B={r['B']}, P={r['P']}: 3x on/off needs the sharing-on step at "
-                f"{r['B'] / off * 1e3 / 3:.1f} ms or less.",
-            ]
-    return md
-
-
-def _compare_power_lines(payload: dict, runs: list[tuple[str, str]]) -> list[str]:
-    """The compare's runs measured with ``--power``: each board's state over the run's decode."""
-    rows = [(r, k, label) for r in payload["compare"] for k, label in runs if r.get(f"{k}_boards")]
-    if not rows:
-        return []
-    md = [
-        "",
-        "Boards over each timed decode (nvidia-smi every 20 ms: medians; `min` the lowest SM clock "
-        "seen; every visible GPU, the first being rank 0's; a TP=1 run leaves the second idle):",
-        "",
-        "| B | run | W by GPU | SM MHz by GPU (min) | throttle |",
-        "| ---: | --- | --- | --- | --- |",
-    ]
-    for r, k, label in rows:
-        md.append("| " + " | ".join([str(r["B"]), label, *_board_cells(r[f"{k}_boards"])]) + " |")
-    return md
-
-
-def _board_cells(boards: list[dict]) -> list[str]:
-    """Table cells of the boards' state over a run: power by board, SM clock (lowest), throttle reasons."""
-    reasons = sorted({x for b in boards for x in b["reasons"]})
-    return [
-        " / ".join(_num(b["power_w"]) for b in boards),
-        " / ".join(f"{_num(b['sm_mhz'])} ({_num(b['sm_mhz_min'])})" for b in boards),
-        ", ".join(reasons) or "-",
-    ]
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -608,17 +494,6 @@ def plot(payload: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _num(x: float | None, spec: str = ".0f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _ratio(a: float | None, b: float | None, unit: str) -> str:
-    """a / b as ``1.23x`` or ``45%``; ``-`` where either was not measured."""
-    if not a or not b:
-        return "-"
-    return f"{a / b:.2f}x" if unit == "x" else f"{a / b:.0%}"
 
 
 def _symm_lines(allreduce: dict) -> list[str]:

@@ -37,3 +37,10 @@ def dummy_model(config: dict[str, Any], folder: Path) -> str:
     path = folder / "config.json"
     path.write_text(json.dumps(config))
     return f"dummy:{path}"
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """The config a model name resolves to (``dummy:llama-3.1-70b``, a folder, a GGUF), as a dict."""
+    from prefixserve.model.loader import resolve_model
+
+    return dict(json.loads(resolve_model(name).path.read_text()))

@@ -78,3 +78,15 @@ def write_results(name: str, payload: dict[str, Any], markdown: str, out: Path =
     write_json(out / f"{name}.json", payload)
     (out / f"{name}.md").write_text(markdown)
     print(markdown)
+
+
+def cell(x: float | None, spec: str = ".0f") -> str:
+    """A table cell: ``x`` formatted, or ``-`` where it was not measured."""
+    return "-" if x is None else format(x, spec)
+
+
+def ratio_cell(a: float | None, b: float | None, unit: str) -> str:
+    """a / b as ``1.23x`` or ``45%``; ``-`` where either was not measured."""
+    if not a or not b:
+        return "-"
+    return f"{a / b:.2f}x" if unit == "x" else f"{a / b:.0%}"
