@@ -29,6 +29,7 @@ LIBRARIES = {
     "host_overhead_report",
     "soak_report",
     "overload_report",
+    "tensor_parallel_power",
 }
 
 
