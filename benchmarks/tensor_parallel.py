@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         "--power",
         action="store_true",
         help="grid and compare parts: each board's power, SM clock and throttle reasons over each timed "
-        "decode (nvidia-smi every 20 ms), and benchmarks.power's ceilings on the first GPU (energy model)",
+        "decode (nvidia-smi every 20 ms); for the grid, benchmarks.power's ceilings on the first GPU too",
     )
     ap.add_argument("--out", type=Path, default=RESULTS, help="where tensor_parallel.{json,md} go")
     ap.add_argument("--merge", type=Path, help="take --parts from this result file instead of measuring")
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         payload["allreduce"] = {str(b): v for b, v in result.items()}
         print(payload["allreduce"], flush=True)
         save()
-    boards = start_boards(payload) if args.power and {"grid", "compare"} & set(args.parts) else None
+    measured = {"grid", "compare"} & set(args.parts)
+    boards = start_boards(payload, grid="grid" in measured) if args.power and measured else None
     if "compare" in args.parts:
         p = args.compare_prefix
         for b in args.batches:

@@ -35,15 +35,17 @@ class Boards:
             sampler.close()
 
 
-def start_boards(payload: dict) -> Boards:
-    """The samplers, after the first GPU's sustained ceilings (copy, read, GEMM, spin kernel), whose
-    energy model (``benchmarks.power``) goes into ``payload["power"]``."""
+def start_boards(payload: dict, grid: bool) -> Boards:
+    """The samplers; for a ``grid`` run first the first GPU's sustained ceilings (copy, read, GEMM,
+    spin kernel), whose energy model (``benchmarks.power``) goes into ``payload["power"]``: the grid's
+    table reads it, so a compare-only run leaves the grid's model as it was."""
     from benchmarks.power import ceilings
 
     boards = Boards()
-    ceil = ceilings(boards.samplers[0], window_s=1.0)
-    payload["power"] = {"commit": payload["commit"], "device": payload["device"], "ceilings": ceil}
-    print({k: ceil[k] for k in ("model", "gemm", "read")}, flush=True)
+    if grid:
+        ceil = ceilings(boards.samplers[0], window_s=1.0)
+        payload["power"] = {"commit": payload["commit"], "device": payload["device"], "ceilings": ceil}
+        print({k: ceil[k] for k in ("model", "gemm", "read")}, flush=True)
     return boards
 
 
