@@ -236,6 +236,28 @@ def test_engine_decode_step_through_the_mixed_kernel(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize(("own_m", "shared_n"), MIXED_TILES)
+def test_mixed_kernel_where_the_running_max_keeps_growing(monkeypatch, own_m, shared_n) -> None:
+    """Prefix keys scaled up along the prefix, with a jump at 3/4 (rows' scores grow by several log2
+    units a tile, O rescaled by factors far from 1): the mixed launch holds the two-kernel path's
+    error against the reference."""
+    _force_own_rows(monkeypatch, own_m, shared_n)
+    prefix, bs = 4096, 16
+    q, k, v, meta = _decode_batch([(prefix, 64, 200)], bs, 32, 8, 128, torch.bfloat16, seed=5)
+    t = torch.arange(prefix, device=k.device, dtype=torch.float32)
+    ramp = (1 + 12 * t / prefix + 20 * (t >= 3 * prefix // 4)).view(-1, bs, 1, 1)
+    k[: prefix // bs] = (k[: prefix // bs].float() * ramp).to(k.dtype)
+    out, again, lay = _run(q, k, v, meta, mixed=True)
+    assert lay.mixed == (int(own_m), shared_n)
+    split, _, _ = _run(q, k, v, meta, mixed=False)
+    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), meta, 128**-0.5)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1.1 * rel_err(split, ref) + 1e-4
+    assert rel_err(again, out) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize(
     ("own", "shift", "hkv", "hq"),
     # (128, 0, 2, 64): GQA 32, tickets of one KV head

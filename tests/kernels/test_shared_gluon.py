@@ -167,6 +167,33 @@ def test_gluon_matches_triton_kernel_and_fp64(monkeypatch, dtype, group, dim, le
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize(
+    ("group", "dim", "lengths", "rows"), [(4, 128, [4096], [96]), (8, 64, [1000, 3000], [40, 17])]
+)
+def test_running_max_that_keeps_growing(monkeypatch, group, dim, lengths, rows) -> None:
+    """Keys scaled up along each segment, with a jump at 3/4: a row's running max grows by several
+    log2 units a tile, so every tile rescales O by a factor far from 1, and the Gluon kernel holds the
+    Triton kernel's error against fp64."""
+    q, k, v, seg = _segments(lengths, rows, group, dim, torch.bfloat16, seed=7 * group + dim)
+    seg_blocks, block_ptr = seg[0], seg[1]
+    bs = k.shape[1]
+    for i, n in enumerate(lengths):  # token t of segment i: keys x (1 + 12 t / n), a jump at 3/4
+        blocks = seg_blocks[block_ptr[i] : block_ptr[i + 1]].long()
+        t = torch.arange(blocks.numel() * bs, device=k.device, dtype=torch.float32)
+        ramp = (1 + 12 * t / n + 20 * (t >= 3 * n // 4)).view(-1, bs, 1, 1)
+        k[blocks] = (k[blocks].float() * ramp).to(k.dtype)
+    o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, block_m=128)
+    monkeypatch.setenv("PREFIXSERVE_GLUON", "0")
+    o_t, lse_t = shared_segment_attention(q, k, v, *seg, 0.09, block_m=128)
+    ref_o, ref_lse = shared_segment_attention_ref(q, k, v, *seg, 0.09, torch.float64)
+    assert torch.isfinite(o_g).all()
+    assert float((lse_g - lse_t).abs().max() / lse_t.abs().max()) < 1e-6
+    assert float((lse_g.double() - ref_lse).abs().max() / ref_lse.abs().max()) < 1e-5
+    assert rel_err(o_g, ref_o) <= 1.1 * rel_err(o_t, ref_o) + 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch) -> None:
     """96 sequences on a contiguous 2,048-token prefix (384 stacked rows: tall tiles), own suffixes
     scattered: the decode step launches the Gluon kernel, a later layer replays it, both exact."""
