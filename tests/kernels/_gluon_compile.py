@@ -4,8 +4,9 @@ A separate process: tests/kernels/conftest.py sets TRITON_INTERPRET=1 for the tl
 Triton is imported, and under it Triton's own library functions (``gl.max``...) are built for the
 interpreter, which the real compiler refuses.
 
-Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, mixed, mixed128: the mixed
-kernel with 128-row own tiles, or mixedheavy: with 128-token shared tiles; DTYPE bf16 or fp16)
+Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, shared192: the shared kernel
+with 192-row tiles, mixed, mixed128: the mixed kernel with 128-row own tiles, or mixedheavy: with
+128-token shared tiles; DTYPE bf16 or fp16)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"  # register counts t
 def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: str = "shared"):
     """triton.compile of the shipped configuration of the shared (or the mixed) kernel for sm_90."""
     own_m = 128 if kernel_name == "mixed128" else 64
+    block_m = 192 if kernel_name == "shared192" else 128
     shared_n = 128 if kernel_name == "mixedheavy" else 64
     kernel_name = "mixed" if kernel_name.startswith("mixed") else kernel_name
     import triton
@@ -39,7 +41,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     types = {"q_ptr": elt, "k_ptr": elt, "v_ptr": elt, "k_desc": desc, "v_desc": desc}
     types |= {"seg_rows_ptr": "*i32", "items_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
     types["qk_scale"] = "fp32"
-    consts = {"GROUP": group, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": 3}
+    consts = {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": 3}
     if kernel_name == "mixed":
         kernel = mixed_gluon.mixed_gluon_kernel
         desc = mangle_type(gluon_attend.gluon_descriptor(cache, shared_n))
@@ -54,7 +56,10 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         maxnreg = mixed_gluon.MAXNREG
     else:
         kernel = shared_gluon.shared_gluon_kernel
-        maxnreg = shared_gluon.MAXNREG
+        maxnreg = shared_gluon.MAXNREG if block_m == 128 else shared_gluon.MAXNREG_WIDE
+        consts |= {"OVERLAP": block_m == 128, "CONSUMER_REGS": shared_gluon.CONSUMER_REGS[block_m]}
+        if block_m == 192:
+            consts["STAGES"] = 2  # shared_plan.SHARED_WIDE_TMA
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     src = GluonASTSource(
         fn=kernel,

@@ -40,8 +40,9 @@ def test_own_tiling() -> None:
 
 def test_rule(monkeypatch) -> None:
     """Decode steps on the Gluon path take the mixed kernel: one shared segment from
-    ONE_SEGMENT_OWN_TOKENS own tokens a sequence, up to a segment LONG_SHARED times the own parts;
-    several by the first rule (MIN_OWN_TOKENS and the own-bytes / shared-FLOPs ratio)."""
+    ONE_SEGMENT_OWN_TOKENS own tokens a sequence, up to a segment LONG_SHARED times the own parts
+    or, where 192-row shared tiles fit, WIDE_SHARED times per query head; several by the first rule
+    (MIN_OWN_TOKENS and the own-bytes / shared-FLOPs ratio)."""
     monkeypatch.setattr(shared_gluon, "eligible_for", lambda *a: True)
     monkeypatch.setenv("PREFIXSERVE_MIXED", "auto")
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, (32, 8, 128)
@@ -61,6 +62,13 @@ def test_rule(monkeypatch) -> None:
     long = mixed_rule.LONG_SHARED * 64 * 100
     assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, long - 1, 64 * 100, 64)  # the boundary
     assert not mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, long, 64 * 100, 64)
+    # GQA 8 (the 70B's TP=2 shard, 32 / 4 heads): 256 rows on a 16K prefix with 128 own tokens
+    # (products per query head 1,024 x the own tokens) run two kernels on 192-row tiles; 128 rows
+    # (1,024 stacked: 192-row tiles would pad 12%) or an 8K prefix (512 x) stay mixed
+    gqa8 = (32, 4, 128)
+    assert not mixed_rule.use_mixed(dev, bf16, gqa8, _work(), 1, 256 * 16384, 256 * 128, 256)
+    assert mixed_rule.use_mixed(dev, bf16, gqa8, _work(), 1, 128 * 16384, 128 * 128, 128)
+    assert mixed_rule.use_mixed(dev, bf16, gqa8, _work(), 1, 256 * 8192, 256 * 128, 256)
     # several segments (n=8 samples of 32 prompts): own parts of 128 whose bytes' time is at least
     # half the shared products' time
     many = {"segments": 2}
@@ -372,3 +380,33 @@ def test_the_planner_passes_mixable_to_the_tiles(monkeypatch) -> None:
     assert shared_plan.plan_shared_work(*args, **kw, mixable=True).block_m == 128
     monkeypatch.setattr(shared_plan, "tma_capable", lambda *a: False)
     assert shared_plan.plan_shared_work(*args, **kw, mixable=True).block_m == 64
+
+
+def test_wide_tiles_where_the_gluon_kernel_runs_a_step_that_does_not_mix(monkeypatch) -> None:
+    """192-row tiles (the Gluon kernel's three consumer warpgroups) for tall TMA steps that will not
+    mix, where padding to 192 rows costs at most 4% over 128 (2,048 stacked rows: 2,112 vs 2,048;
+    1,024: 1,152 vs 1,024 keeps 128); never for a mixable step, a pointer-load one, fp32, or where
+    the Gluon kernel does not run (``wide`` false: the Triton kernel takes powers of two only)."""
+    from prefixserve.attention.kernels import shared_plan
+    from prefixserve.attention.kernels.shared_plan import pick_shared_tiles, wide_tiles_pay
+
+    assert wide_tiles_pay(2048) and wide_tiles_pay(8192) and wide_tiles_pay(192)
+    assert not wide_tiles_pay(1024) and not wide_tiles_pay(256) and not wide_tiles_pay(128)
+    tall = {"max_tokens": 16384, "tma": True}
+    assert pick_shared_tiles(256, 8, **tall, wide=True) == (192, 128, 2)  # 70B's TP=2 shard
+    assert pick_shared_tiles(128, 8, **tall, wide=True)[0] == 128  # 1,024 rows: too much padding
+    assert pick_shared_tiles(256, 8, **tall, wide=True, mixable=True)[0] == 128  # the mixed kernel's
+    assert pick_shared_tiles(256, 8, **tall, wide=False)[0] == 128
+    assert pick_shared_tiles(256, 8, max_tokens=16384, tma=False, wide=True)[0] == 128
+    assert pick_shared_tiles(256, 8, **tall, elt=4, wide=True)[0] == 128
+    # the planner asks shared_gluon.eligible_for; its items then hold 192 // 8 = 24 rows each
+    monkeypatch.setattr(shared_plan, "tma_capable", lambda *a: True)
+    monkeypatch.setattr(shared_plan.shared_gluon, "eligible_for", lambda *a: True)
+    blocks = np.arange(16384 // 16, dtype=np.int32)
+    kw = {"seg_blocks": blocks, "seg_block_start": [0, len(blocks)], "block_size": 16}
+    work = shared_plan.plan_shared_work([0, 256], [16384], 4, 8, torch.device("cpu"), **kw)
+    assert (work.block_m, work.block_n, work.num_stages) == (192, 128, 2)
+    rows = work.items[:, 2] - work.items[:, 1]
+    assert int(rows.max()) == 24 and int(rows.sum()) == 256 * work.splits[0]
+    monkeypatch.setattr(shared_plan.shared_gluon, "eligible_for", lambda *a: False)
+    assert shared_plan.plan_shared_work([0, 256], [16384], 4, 8, torch.device("cpu"), **kw).block_m == 128

@@ -37,12 +37,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @needs_gluon
 def test_kernel_compiles_for_sm90() -> None:
     """Each kernel variant through the whole sm_90 pipeline, the shapes between them covering GQA
-    4 / 8 / 16 (16: own tiles of N = 32), d 128 / 64 and bf16 / fp16: the shared kernel and the
-    mixed kernel (mixed_gluon.py; 64- and 128-row own tiles, the shared-heavy form); the mixed
-    kernel's cubin by ptxas >= 12.9 where Triton has one (``_ptxas``). One shape a variant and
-    dtype: each compile costs CI seconds on the CPU."""
+    4 / 8 / 16 (16: own tiles of N = 32), d 128 / 64 and bf16 / fp16: the shared kernel (128- and
+    192-row tiles) and the mixed kernel (mixed_gluon.py; 64- and 128-row own tiles, the shared-heavy
+    form); the mixed kernel's cubin by ptxas >= 12.9 where Triton has one (``_ptxas``). One shape a
+    variant and dtype: each compile costs CI seconds on the CPU."""
     shapes = [
         "shared:4:128:bf16",
+        "shared192:8:128:bf16",
         "mixed:16:128:bf16",
         "mixed128:4:128:bf16",
         "mixedheavy:8:64:fp16",
@@ -66,17 +67,18 @@ def test_kernel_compiles_for_sm90() -> None:
         assert r["shared"] <= SMEM_PER_BLOCK_HOPPER, r  # the 3-stage ring and Q fit one SM
         assert r["wgmma"] and r["tma"], r  # Hopper tensor-core products and TMA tile loads
         # the loader warps drop to 24 registers; the consumer warpgroups run at 240 (shared kernel),
-        # or the shared ones at SHARED_REGS and the own one at OWN_REGS (mixed kernel)
+        # 160 (its 192-row tiles: three of them), or the shared ones at SHARED_REGS and the own one
+        # at OWN_REGS (mixed kernel)
         kernel = r["shape"].split(":")[0]
-        regs = (
-            {"24", "240"}
-            if kernel == "shared"
-            else {"24", str(mixed_gluon.SHARED_REGS), str(mixed_gluon.OWN_REGS)}
-        )
+        regs = {
+            "shared": {"24", "240"},
+            "shared192": {"24", "160"},
+        }.get(kernel, {"24", str(mixed_gluon.SHARED_REGS), str(mixed_gluon.OWN_REGS)})
         assert regs <= set(r["setmaxnreg"]), r
         assert r["cubin_bytes"] > 0
         assert not r["wgmma_serialized"], r  # ptxas keeps the async products async
-        assert r["newer_ptxas"] == (kernel != "shared" and _ptxas.newer_ptxas() is not None), r
+        mixed = kernel.startswith("mixed")
+        assert r["newer_ptxas"] == (mixed and _ptxas.newer_ptxas() is not None), r
 
 
 def test_eligibility_rule() -> None:
@@ -145,13 +147,18 @@ def _segments(lengths: list[int], rows: list[int], group: int, dim: int, dtype: 
         (2, 64, [5000], [130], True),
     ],
 )
-def test_gluon_matches_triton_kernel_and_fp64(monkeypatch, dtype, group, dim, lengths, rows, split) -> None:
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_gluon_matches_triton_kernel_and_fp64(
+    monkeypatch, dtype, group, dim, lengths, rows, split, block_m
+) -> None:
+    """128- and 192-row tiles (three consumer warpgroups) against the Triton kernel's 128-row ones
+    and fp64."""
     q, k, v, seg = _segments(lengths, rows, group, dim, dtype, seed=group * dim + len(lengths))
     kw = {"block_m": 128}
     if split:
         kw |= {"min_chunk": 128, "target_programs": 4096}
     counter = _Counter(monkeypatch)
-    o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, **kw)
+    o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, **(kw | {"block_m": block_m}))
     assert counter.calls == 1
     monkeypatch.setenv("PREFIXSERVE_GLUON", "0")
     o_t, lse_t = shared_segment_attention(q, k, v, *seg, 0.09, **kw)
@@ -194,9 +201,15 @@ def test_running_max_that_keeps_growing(monkeypatch, group, dim, lengths, rows) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
-def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch) -> None:
-    """96 sequences on a contiguous 2,048-token prefix (384 stacked rows: tall tiles), own suffixes
-    scattered: the decode step launches the Gluon kernel, a later layer replays it, both exact."""
+@pytest.mark.parametrize("wide", [True, False])
+def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide) -> None:
+    """96 sequences on a contiguous 2,048-token prefix (384 stacked rows: tall tiles, 192-row ones
+    unless ``wide_tiles_pay`` is made to refuse them), own suffixes short enough that the step runs
+    two kernels: the decode step launches the Gluon kernel, a later layer replays it, both exact."""
+    from prefixserve.attention.kernels import shared_plan
+
+    if not wide:
+        monkeypatch.setattr(shared_plan, "wide_tiles_pay", lambda rows: False)
     gen = torch.Generator().manual_seed(11)
     batch, prefix, bs, hq, hkv, dim = 96, 2048, 16, 16, 4, 128
     own = torch.randint(1, 90, (batch,), generator=gen).tolist()
@@ -220,5 +233,7 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch) -> None:
     again = be.forward(q, k, v, meta, dim**-0.5)  # a later layer: the recorded launch, replayed
     ref = ReferenceBackend().forward(q, k, v, meta, dim**-0.5)
     assert counter.calls >= 1
+    lay = next(iter(meta.plan.layouts.values()))
+    assert not lay.mixed and lay.work.block_m == (192 if wide else 128)
     assert rel_err(out, ref) < 1e-2
     assert rel_err(again, out) < 1e-6

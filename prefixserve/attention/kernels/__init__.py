@@ -9,8 +9,8 @@ One kernel (with its launcher and its torch reference) per module, host planning
 code. Imports go one way, down this order (a module imports only modules before it; function-level
 imports included; tests/kernels/test_kernel_imports.py checks it):
 
-    _ptxas < merge < tiles < attend < packed_decode < paged_attention < shared_plan
-    < gluon_attend < shared_gluon < shared_attention < mixed_rule < mixed_own < mixed_gluon
+    _ptxas < merge < tiles < attend < packed_decode < paged_attention < gluon_attend
+    < shared_gluon < shared_plan < shared_attention < mixed_rule < mixed_own < mixed_gluon
     < step_plan < step_launch < graph_attention < triton_backend
 
   * _ptxas: the ptxas that builds the mixed kernel (recorded launches: ``prefixserve.triton_support``);

@@ -1,14 +1,15 @@
 """When a decode step runs as one mixed launch (``mixed_gluon.py``), and with which own tiles: host rules.
 
 ``may_mix`` says whether a decode step could take it (the shared planner asks first, to prefer tall
-tiles for such a step): with one shared segment, own parts of 64+ tokens and a segment under 512
-times the own parts (``LONG_SHARED``); with several, own KV reads long enough next to the shared
-products to be hidden under them. ``use_mixed`` adds the work list's condition (128 x 128 TMA
-tiles); ``own_tiling`` picks the KV heads per own ticket and the padded query heads of an own tile;
-``own_rows_for`` the own tile height and ``shared_tokens_for`` the shared tiles' tokens; ``mixed_rows``
-(a ``MixedTiles``, or None for two kernels) is what the backend and the graph planner call after
-planning. PREFIXSERVE_MIXED (``config.mixed_mode``) turns the launch off, on wherever
-eligible, or leaves it to the rules.
+tiles for such a step): with one shared segment, own parts of 64+ tokens, a segment under 512
+times the own parts (``LONG_SHARED``) and, where 192-row shared tiles fit the rows, products per
+query head under 1,024 times the own parts (``WIDE_SHARED``); with several, own KV reads long
+enough next to the shared products to be hidden under them. ``use_mixed`` adds the work list's
+condition (128 x 128 TMA tiles); ``own_tiling`` picks the KV heads per own ticket and the padded
+query heads of an own tile; ``own_rows_for`` the own tile height and ``shared_tokens_for`` the
+shared tiles' tokens; ``mixed_rows`` (a ``MixedTiles``, or None for two kernels) is what the backend
+and the graph planner call after planning. PREFIXSERVE_MIXED (``config.mixed_mode``) turns the
+launch off, on wherever eligible, or leaves it to the rules.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from prefixserve import config
 from prefixserve.attention.kernels import _ptxas, shared_gluon
+from prefixserve.attention.kernels.shared_plan import wide_tiles_pay
 
 OWN_MAX_N = 32  # query heads of an own tile (padded to 8s: wgmma's N)
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
@@ -63,6 +65,15 @@ ONE_SEGMENT_OWN_TOKENS = 64
 # (256 x 32K, S=128), and at 128 (16K, S=128) 63.4 / 161.4 / 561.7 vs 69.6 / 169.2 / 596.5 at B = 64
 # / 256 / 1024 (docs/kernels.md §2.5)
 LONG_SHARED = 512
+# ...and from a segment whose products per query head (GQA group x holder rows x segment tokens) are
+# WIDE_SHARED times the own tokens, where the shared tiles can be 192 rows (``shared_plan``'s
+# ``wide_tiles_pay``; the mixed kernel has no registers for a third shared warpgroup): two kernels on
+# them read the segment 1.5x less often. Calls (``launch_modes.call``, H200, back to back at the
+# power cap, us, mixed / two kernels on 192-row tiles, 16K prefix, 128 own tokens; docs/kernels.md
+# §2.3): at GQA 8 (1,024) 147.7 / 144.2 (32/4 heads, B=256: the 70B's TP=2 shard), 282.9 / 277.5
+# (B=512), 285.2 / 280.1 (64/8, B=256); at GQA 4 (512) the mixed kernel stays ahead: 298.2 / 317.2
+# (32/8, B=512), 577.4 / 623.2 (B=1024), 295.6 / 315.7 (16/4, B=1024)
+WIDE_SHARED = 1024
 MIN_OWN_TOKENS = 128  # each own ticket costs about 1 us beyond its tiles
 MIN_OWN_SHARE = 0.5
 GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (docs/kernels.md §2.3, §2.5)
@@ -154,7 +165,9 @@ def may_mix(
         return True
     if segments == 1:
         long_segment = shared_row_tokens >= LONG_SHARED * own_tokens
-        return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs and not long_segment
+        group = q_heads // kv_heads
+        wide = group * shared_row_tokens >= WIDE_SHARED * own_tokens and wide_tiles_pay(num_seqs * group)
+        return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs and not (long_segment or wide)
     if own_tokens < MIN_OWN_TOKENS * num_seqs:
         return False
     elt = torch.empty(0, dtype=dtype).element_size()

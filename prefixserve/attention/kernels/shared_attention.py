@@ -374,6 +374,8 @@ def launch_shared(
             lse_part,
             scale,
             work.num_stages,
+            work.block_m,
+            work.block_n,
         )
     return launch_with_descriptors(
         _shared_kernel,

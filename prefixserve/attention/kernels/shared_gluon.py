@@ -49,6 +49,7 @@ if GLUON:
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr,
     ):
         """One warpgroup's rows m_off .. m_off + PART_M of every ticket's tile: gathered, attended, stored
         (with the in-warpgroup overlap: ``_attend_tiles``'s ``OVERLAP``)."""
@@ -89,7 +90,7 @@ if GLUON:
             ticket = (base, row_lo, row_hi, kv_len, n_tiles, kvh)
             out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
             _run_ticket(
-                q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, True
+                q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
             )
             c += n_tiles
 
@@ -117,26 +118,30 @@ if GLUON:
         BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr,  # QK(j+1) before softmax(j) in each consumer warpgroup
+        CONSUMER_REGS: gl.constexpr,  # registers a consumer thread
     ):
         # a Gluon kernel body: shared memory, barriers and the partitions' wiring, kept in one piece
         """Grid (work items, KV heads): one ticket (item, head) per program. A ticket's rows x GROUP
         heads attend its KV range and land in its partial slots."""
         first = gl.program_id(0) + gl.program_id(1) * num_items
         end, step = first + 1, 1
+        # shared-memory shapes are powers of two: 192 query rows sit in a 256-row buffer
+        Q_ROWS: gl.constexpr = 256 if BLOCK_M == 192 else BLOCK_M
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty
+            [Q_ROWS, HEAD_DIM], q_ptr.dtype.element_ty
         )
-        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], q_layout)
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [Q_ROWS, HEAD_DIM], q_layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        PART_M: gl.constexpr = BLOCK_M // 2  # rows of each consumer warpgroup
+        PART_M: gl.constexpr = 64  # rows of each consumer warpgroup (gluon_attend.PART_ROWS)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # both consumers free the slot
+            mbarrier.init(kv_empty.index(i), count=BLOCK_M // PART_M)  # every consumer frees the slot
         fence_async_shared()  # the barrier inits before any async use
         # two consumer warpgroups, each its own partition (one's softmax beside the other's products),
         # and the loader warp
@@ -164,45 +169,69 @@ if GLUON:
             stride_oh,
             stride_lp,
         )
-        gl.warp_specialize(
-            [
-                (
-                    _consumer_partition,
-                    (0, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES),
-                ),
-                (
-                    _consumer_partition,
-                    (PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES),
-                ),
-                (
-                    _load_partition,
-                    (
-                        k_desc,
-                        v_desc,
-                        k_bufs,
-                        v_bufs,
-                        k_ready,
-                        v_ready,
-                        kv_empty,
-                        items_ptr,
-                        num_items,
-                        first,
-                        end,
-                        step,
-                        BLOCK_N,
-                        HEAD_DIM,
-                        STAGES,
-                    ),
-                ),
-            ],
-            [4, 1],
-            [240, 24],
+        loads = (
+            k_desc,
+            v_desc,
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            kv_empty,
+            items_ptr,
+            num_items,
+            first,
+            end,
+            step,
+            BLOCK_N,
+            HEAD_DIM,
+            STAGES,
         )
+        if BLOCK_M == 3 * PART_M:
+            gl.warp_specialize(
+                [
+                    (
+                        _consumer_partition,
+                        (0, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (
+                        _consumer_partition,
+                        (PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (
+                        _consumer_partition,
+                        (2 * PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (_load_partition, loads),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, 24],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (
+                        _consumer_partition,
+                        (0, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (
+                        _consumer_partition,
+                        (PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (_load_partition, loads),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, 24],
+            )
 
 
 # 24 registers for the loader warp (its warpgroup: 4 warps), the rest to the consumer warpgroups:
 # maxnreg x 12 warps x 32 threads <= 65,536 registers
 MAXNREG = 168
+# 192-row tiles, three consumer warpgroups: 16 warps at launch, then 3 x 128 x 160 + 128 x 24 <= 65,536.
+# At 160 registers a consumer cannot hold tile j+1's scores beside tile j's (the overlap spilled 608 B
+# and ptxas serialised the wgmmas), so these tiles run without it
+MAXNREG_WIDE = 128
+CONSUMER_REGS = {128: 240, 192: 160}
 
 
 def eligible_for(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -222,7 +251,7 @@ def eligible(
     return (
         eligible_for(q.device, q.dtype, q.shape[-1])
         and k_cache.dtype == q.dtype == v_cache.dtype
-        and block_m == 128
+        and block_m in (128, 192)
         and block_n in (64, 128)
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -275,8 +304,10 @@ def launch_shared_gluon(
         BLOCK_N=block_n,
         HEAD_DIM=dim,
         STAGES=stages,
+        OVERLAP=block_m == 128,
+        CONSUMER_REGS=CONSUMER_REGS[block_m],
         num_warps=4,  # the default partition: one consumer warpgroup
-        maxnreg=MAXNREG,
+        maxnreg=MAXNREG if block_m == 128 else MAXNREG_WIDE,
     )
     grid = (items.shape[0], kv_heads)
     compiled = shared_gluon_kernel[grid](*args, **kw)

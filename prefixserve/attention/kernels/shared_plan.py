@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefixserve.attention.kernels import shared_gluon
 from prefixserve.attention.kernels.tiles import (
     SMEM_LIMIT_HOPPER,
     fit_tiles,
@@ -68,6 +69,7 @@ def pick_shared_tiles(
     max_tokens: int = 0,
     tma: bool = False,
     mixable: bool = False,
+    wide: bool = False,
 ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_stages) for the shared kernel, fitted to shared memory.
 
@@ -75,7 +77,8 @@ def pick_shared_tiles(
     tall tiles would let the step run as one mixed launch (``mixable``: ``mixed_rule.may_mix``); the
     bf16 choice was measured on the H200 (docs/kernels.md §2.2), and ``fit_tiles`` shrinks it for
     4-byte elements or wider heads so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed
-    256 KiB > 227 KiB).
+    256 KiB > 227 KiB). ``wide``: the Gluon kernel runs the tiles (``shared_gluon.eligible_for``), so a
+    tall step that will not mix takes 192-row tiles where ``wide_tiles_pay``.
     """
     m = max_rows * group
     # 128-row tiles (two wgmma warpgroups) once the segment's work is large: at 256 rows the shared
@@ -86,18 +89,34 @@ def pick_shared_tiles(
     tall = m > 256 or m * max_tokens >= work
     block_m = 128 if tall else (64 if m > 16 else 16)
     block_m = max(block_m, next_power_of_2(group))
+    if wide and tma and not mixable and block_m == 128 and elt == 2 and head_dim <= 128 and wide_tiles_pay(m):
+        return fit_tiles(WIDE_M, *SHARED_WIDE_TMA, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
     table = (SHARED_TALL_TMA, SHARED_SHORT_TMA) if tma else (SHARED_TALL, SHARED_SHORT)
     block_n, stages = table[0] if block_m >= 128 else table[1]
     return fit_tiles(block_m, block_n, stages, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
 
 
 TALL_WORK = 256 * 8192  # stacked rows x segment tokens from which tiles are 128 rows tall
+# 192-row tiles: three consumer warpgroups of the Gluon kernel (``shared_gluon``), so each program
+# reads a segment's K and V for 1.5x the rows; they pay where padding the stacked rows to 192 adds at
+# most WIDE_PAD over padding them to 128 (H200, docs/kernels.md §2.3)
+WIDE_M = 192
+WIDE_PAD = 1.04
+
+
+def wide_tiles_pay(stacked_rows: int) -> bool:
+    """True when ``stacked_rows`` (a segment's rows x GQA group) pad to 192-row tiles with at most
+    ``WIDE_PAD`` times the rows they pad to with 128-row tiles."""
+    wide = math.ceil(stacked_rows / WIDE_M) * WIDE_M
+    return wide <= WIDE_PAD * math.ceil(stacked_rows / 128) * 128
+
 
 # (BLOCK_N, num_stages), measured on the H200 (docs/kernels.md §2.2): 128-row tiles are compute-bound
 # at large B; 16 / 64-row tiles are bandwidth-bound and split along KV
 SHARED_TALL = (128, 3)
 SHARED_SHORT = (64, 2)
 SHARED_TALL_TMA = (128, 3)
+SHARED_WIDE_TMA = (128, 2)  # 192 query rows (48 KB, in a 64 KB buffer) leave two 64 KB K + V slots
 SHARED_SHORT_TMA = (64, 3)
 
 
@@ -206,6 +225,7 @@ def plan_shared_work(
         max(seg_num_tokens, default=0),
         tma,
         tma and mixable,
+        tma and shared_gluon.eligible_for(device, dtype, head_dim),
     )
     block_m, block_n, num_stages = fit_tiles(
         block_m or auto_m, block_n or auto_n, num_stages or auto_stages, head_dim, elt, limit

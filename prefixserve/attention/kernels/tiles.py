@@ -53,9 +53,11 @@ def tile_smem_bytes(block_m: int, block_n: int, dim: int, elt: int, stages: int)
 
     The K/V term is what Triton 3.6 reported on the H200 (fp32, 128 x 128 tiles, d=128, 2 stages:
     2 x 2 x 128 x 128 x 4 = 262,144 B); the q tile is added because wgmma may read it from shared
-    memory. Scores and probabilities stay in registers.
+    memory, in a buffer of a power-of-two rows (the Gluon kernel's 192-row tiles hold q in 256 rows).
+    Scores and probabilities stay in registers.
     """
-    return stages * 2 * block_n * dim * elt + block_m * dim * elt
+    q_rows = 1 << max(block_m - 1, 0).bit_length()
+    return stages * 2 * block_n * dim * elt + q_rows * dim * elt
 
 
 def fit_tiles(
