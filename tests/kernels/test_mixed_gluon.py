@@ -356,6 +356,45 @@ def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch, shared_n) -
         assert rel_err(got, ref) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+def test_captured_decode_graph_through_192_row_shared_tiles() -> None:
+    """A decode step with short own parts on a 4K prefix at GQA 8 (2,048 stacked rows: 192-row tiles,
+    two kernels) in a captured graph, replayed on a later step with new lengths and padding rows,
+    against the reference."""
+    from prefixserve.attention.graph import HeadShape
+
+    hq, hkv, dim, dtype, bucket, prefix = 32, 4, 128, torch.bfloat16, 320, 4096  # 64 padding rows
+    q, k, v, meta = _decode_batch([(prefix, 256, 40)], 16, hq, hkv, dim, dtype, seed=9)
+    shape = HeadShape(hq, hkv, dim, dtype, q.device)
+    be = TritonBackend()
+    step = be.graph_step(meta, shape, bucket)
+    assert step.key[0] == "shared" and step.key[4][0] == 192 and not step.key[4][-1]
+    attn = step.build()
+    static_q = torch.zeros(bucket, hq, dim, dtype=dtype, device=q.device)
+    static_q[: q.shape[0]] = q
+    attn.o_part.fill_(float("nan"))  # stale partials must never be read
+    attn.load(step.arrays)
+    attn.forward(static_q, k, v, None, dim**-0.5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attn.forward(static_q, k, v, None, dim**-0.5)
+    for trim in (0, 17):
+        lens = [n - min(trim, n - prefix - 1) for n in meta.seq_lens_host]
+        tables = [row[: -(-n // 16)].tolist() for row, n in zip(meta.block_tables_np, lens, strict=True)]
+        later = build_metadata(16, [1] * len(lens), lens, tables, "cuda")
+        later_step = be.graph_step(later, shape, bucket)
+        if later_step.key != step.key:
+            later_step = later_step.refit(step.key)
+        assert later_step.key == step.key
+        attn.load(later_step.arrays)
+        graph.replay()
+        ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), later, dim**-0.5)
+        got = static_out[: q.shape[0]]
+        assert torch.isfinite(got).all()
+        assert rel_err(got, ref) < 1e-2
+
+
 def test_mixable_decode_steps_prefer_tall_shared_tiles() -> None:
     """At 256 stacked rows over a 4K prefix the shared kernel alone is faster on 64-row tiles, but a
     step that can run as one mixed launch takes 128-row ones (the mixed kernel needs them)."""
