@@ -49,15 +49,17 @@ class Case:
         device: torch.device,
         seed: int = 0,
         scattered_prefix: bool = False,
+        heads: tuple[int, int] = (HQ, HKV),
     ) -> None:
         from prefixserve.attention.metadata import build_metadata
 
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.B, self.P, self.S = batch, prefix, suffix
+        self.hq, self.hkv = heads  # query and KV heads (default: the grid's model)
         n_p, n_s = prefix // BS, suffix // BS
         num_blocks = n_p + batch * n_s
-        self.k_cache = torch.randn(num_blocks, BS, HKV, D, device=device, dtype=torch.bfloat16)
-        self.v_cache = torch.randn(num_blocks, BS, HKV, D, device=device, dtype=torch.bfloat16)
+        self.k_cache = torch.randn(num_blocks, BS, self.hkv, D, device=device, dtype=torch.bfloat16)
+        self.v_cache = torch.randn(num_blocks, BS, self.hkv, D, device=device, dtype=torch.bfloat16)
         # the prefix in consecutive blocks (a prompt's blocks from a fresh pool), or scattered; the
         # suffix blocks (allocated a decode step at a time) are always scattered
         perm = torch.randperm(num_blocks, generator=g)
@@ -67,16 +69,16 @@ class Case:
         self.suffix_blocks = perm[n_p:].view(batch, n_s)
         tables = torch.cat([self.prefix_blocks.expand(batch, n_p), self.suffix_blocks], 1).tolist()
         self.meta = build_metadata(BS, [1] * batch, [prefix + suffix] * batch, tables, device)
-        self.q = torch.randn(batch, HQ, D, device=device, dtype=torch.bfloat16)
+        self.q = torch.randn(batch, self.hq, D, device=device, dtype=torch.bfloat16)
         self.scale = 1.0 / math.sqrt(D)
 
     def kv_bytes(self) -> int:
-        return (self.P + self.B * self.S) * HKV * D * 2 * 2
+        return (self.P + self.B * self.S) * self.hkv * D * 2 * 2
 
     def roofline(self, copy_tbps: float, gemm_tflops: float) -> tuple[float, float]:
         """(bytes_ms, flops_ms) for the minimal traffic and the attention FLOPs."""
-        nbytes = self.kv_bytes() + 2 * self.B * HQ * D * 2
-        flops = 4 * HQ * D * self.B * (self.P + self.S)
+        nbytes = self.kv_bytes() + 2 * self.B * self.hq * D * 2
+        flops = 4 * self.hq * D * self.B * (self.P + self.S)
         return nbytes / (copy_tbps * 1e12) * 1e3, flops / (gemm_tflops * 1e12) * 1e3
 
     # --- prefixserve -------------------------------------------------------------------------------
@@ -103,9 +105,9 @@ class Case:
             t0 = time.perf_counter()
             be.prepare(meta)
             if name == "triton" and meta.plan.shared is not None:
-                key = (HQ, HKV, D, str(self.q.device), str(self.q.dtype))
+                key = (self.hq, self.hkv, D, str(self.q.device), str(self.q.dtype))
                 meta.plan.layouts[key] = build_layout(
-                    meta, meta.plan, HQ, HKV, D, self.q.device, self.q.dtype
+                    meta, meta.plan, self.hq, self.hkv, D, self.q.device, self.q.dtype
                 )
             _sync(self.q.device)
             times.append((time.perf_counter() - t0) * 1e3)
@@ -132,62 +134,62 @@ class Case:
 
     # --- torch baselines ---------------------------------------------------------------------------
     def materialised(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Per-sequence contiguous KV [B, HKV, P+S, D] (None when it would not fit the cap)."""
+        """Per-sequence contiguous KV [B, Hkv, P+S, D] (None when it would not fit the cap)."""
         n = self.P + self.S
-        if self.B * n * HKV * D * 2 * 2 > BASELINE_CAP_BYTES:
+        if self.B * n * self.hkv * D * 2 * 2 > BASELINE_CAP_BYTES:
             return None
         idx = torch.cat([self.prefix_blocks.expand(self.B, -1), self.suffix_blocks], 1).to(self.q.device)
-        k = self.k_cache[idx].reshape(self.B, n, HKV, D).transpose(1, 2)
-        v = self.v_cache[idx].reshape(self.B, n, HKV, D).transpose(1, 2)
+        k = self.k_cache[idx].reshape(self.B, n, self.hkv, D).transpose(1, 2)
+        v = self.v_cache[idx].reshape(self.B, n, self.hkv, D).transpose(1, 2)
         return k, v
 
     def baseline_fn(self, kv: tuple[torch.Tensor, torch.Tensor]):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         k, v = kv
-        q4 = self.q.view(self.B, HKV, HQ // HKV, D)  # the G heads of a KV head are G query rows
+        q4 = self.q.view(self.B, self.hkv, self.hq // self.hkv, D)  # a KV head's G heads: G query rows
 
         def run() -> torch.Tensor:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 o = torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=self.scale)
-            return o.reshape(self.B, HQ, D)
+            return o.reshape(self.B, self.hq, D)
 
         return run
 
     def paper_fn(self):
         """Prefix once with all B x G queries stacked, suffix per sequence, LSE merge (torch ops)."""
-        b, g = self.B, HQ // HKV
-        kp = self.k_cache[self.prefix_blocks.to(self.q.device)].reshape(1, self.P, HKV, D).transpose(1, 2)
-        vp = self.v_cache[self.prefix_blocks.to(self.q.device)].reshape(1, self.P, HKV, D).transpose(1, 2)
+        b, g, hkv = self.B, self.hq // self.hkv, self.hkv
+        kp = self.k_cache[self.prefix_blocks.to(self.q.device)].reshape(1, self.P, hkv, D).transpose(1, 2)
+        vp = self.v_cache[self.prefix_blocks.to(self.q.device)].reshape(1, self.P, hkv, D).transpose(1, 2)
         sb = self.suffix_blocks.to(self.q.device)
-        ks = self.k_cache[sb].reshape(b, self.S, HKV, D).transpose(1, 2)
-        vs = self.v_cache[sb].reshape(b, self.S, HKV, D).transpose(1, 2)
+        ks = self.k_cache[sb].reshape(b, self.S, self.hkv, D).transpose(1, 2)
+        vs = self.v_cache[sb].reshape(b, self.S, self.hkv, D).transpose(1, 2)
         flash = torch.ops.aten._scaled_dot_product_flash_attention
 
         def run() -> torch.Tensor:
-            qp = self.q.view(b, HKV, g, D).transpose(0, 1).reshape(1, HKV, b * g, D)
-            op, lp = flash(qp, kp, vp, scale=self.scale)[:2]  # [1, HKV, B*G, D], [1, HKV, B*G]
-            os_, ls = flash(self.q.view(b, HKV, g, D), ks, vs, scale=self.scale)[:2]  # [B, HKV, G, *]
-            op = op.view(HKV, b, g, D).transpose(0, 1)
-            lp = lp.view(HKV, b, g).transpose(0, 1)
+            qp = self.q.view(b, self.hkv, g, D).transpose(0, 1).reshape(1, self.hkv, b * g, D)
+            op, lp = flash(qp, kp, vp, scale=self.scale)[:2]  # [1, Hkv, B*G, D], [1, Hkv, B*G]
+            os_, ls = flash(self.q.view(b, hkv, g, D), ks, vs, scale=self.scale)[:2]  # [B, Hkv, G, *]
+            op = op.view(self.hkv, b, g, D).transpose(0, 1)
+            lp = lp.view(self.hkv, b, g).transpose(0, 1)
             m = torch.maximum(lp, ls)
             wp, ws = torch.exp(lp - m)[..., None], torch.exp(ls - m)[..., None]
-            return ((op.float() * wp + os_.float() * ws) / (wp + ws)).to(self.q.dtype).reshape(b, HQ, D)
+            return ((op.float() * wp + os_.float() * ws) / (wp + ws)).to(self.q.dtype).reshape(b, self.hq, D)
 
         return run
 
     def reference64(self) -> torch.Tensor:
-        """fp64 attention over each sequence's whole KV: [B, HQ, D]."""
+        """fp64 attention over each sequence's whole KV: [B, Hq, D]."""
         outs = []
         for lo in range(0, self.B, 16):
             hi = min(self.B, lo + 16)
             idx = torch.cat([self.prefix_blocks.expand(hi - lo, -1), self.suffix_blocks[lo:hi]], 1)
             idx = idx.to(self.q.device)
-            k = self.k_cache[idx].reshape(hi - lo, -1, HKV, D).double()
-            v = self.v_cache[idx].reshape(hi - lo, -1, HKV, D).double()
-            q = self.q[lo:hi].double().view(hi - lo, HKV, HQ // HKV, D)
+            k = self.k_cache[idx].reshape(hi - lo, -1, self.hkv, D).double()
+            v = self.v_cache[idx].reshape(hi - lo, -1, self.hkv, D).double()
+            q = self.q[lo:hi].double().view(hi - lo, self.hkv, self.hq // self.hkv, D)
             s = torch.einsum("bhgd,bnhd->bhgn", q, k) * self.scale
-            outs.append(torch.einsum("bhgn,bnhd->bhgd", s.softmax(-1), v).reshape(hi - lo, HQ, D))
+            outs.append(torch.einsum("bhgn,bnhd->bhgd", s.softmax(-1), v).reshape(hi - lo, self.hq, D))
         return torch.cat(outs)
 
 

@@ -69,6 +69,8 @@ def test_rule(monkeypatch) -> None:
     assert not mixed_rule.use_mixed(dev, bf16, gqa8, _work(), 1, 256 * 16384, 256 * 128, 256)
     assert mixed_rule.use_mixed(dev, bf16, gqa8, _work(), 1, 128 * 16384, 128 * 128, 128)
     assert mixed_rule.use_mixed(dev, bf16, gqa8, _work(), 1, 256 * 8192, 256 * 128, 256)
+    # GQA 4 at the same products per query head (a 32K prefix, 512 rows) was not measured: mixed
+    assert mixed_rule.use_mixed(dev, bf16, shape, _work(), 1, 512 * 32768, 512 * 128, 512)
     # several segments (n=8 samples of 32 prompts): own parts of 128 whose bytes' time is at least
     # half the shared products' time
     many = {"segments": 2}

@@ -72,8 +72,11 @@ LONG_SHARED = 512
 # power cap, us, mixed / two kernels on 192-row tiles, 16K prefix, 128 own tokens; docs/kernels.md
 # §2.3): at GQA 8 (1,024) 147.7 / 144.2 (32/4 heads, B=256: the 70B's TP=2 shard), 282.9 / 277.5
 # (B=512), 285.2 / 280.1 (64/8, B=256); at GQA 4 (512) the mixed kernel stays ahead: 298.2 / 317.2
-# (32/8, B=512), 577.4 / 623.2 (B=1024), 295.6 / 315.7 (16/4, B=1024)
+# (32/8, B=512), 577.4 / 623.2 (B=1024), 295.6 / 315.7 (16/4, B=1024). Only GQA 8 and up was measured
+# at 1,024 (GQA 4 reaches it from a 32K prefix: H100 calls had the mixed kernel 5% ahead of two kernels
+# on 128-row tiles there, about what 192-row ones gain), so the rule stops at WIDE_GROUP
 WIDE_SHARED = 1024
+WIDE_GROUP = 8
 MIN_OWN_TOKENS = 128  # each own ticket costs about 1 us beyond its tiles
 MIN_OWN_SHARE = 0.5
 GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (docs/kernels.md §2.3, §2.5)
@@ -166,7 +169,11 @@ def may_mix(
     if segments == 1:
         long_segment = shared_row_tokens >= LONG_SHARED * own_tokens
         group = q_heads // kv_heads
-        wide = group * shared_row_tokens >= WIDE_SHARED * own_tokens and wide_tiles_pay(num_seqs * group)
+        wide = (
+            group >= WIDE_GROUP
+            and group * shared_row_tokens >= WIDE_SHARED * own_tokens
+            and wide_tiles_pay(num_seqs * group)
+        )
         return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs and not (long_segment or wide)
     if own_tokens < MIN_OWN_TOKENS * num_seqs:
         return False
