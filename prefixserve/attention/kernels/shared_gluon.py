@@ -10,11 +10,16 @@ tile j+1's Q @ K^T before tile j's softmax (FA3's intra-warpgroup overlap, ``_at
 ``OVERLAP``; the mixed kernel runs the same loop without it). The loader keeps
 24 registers, the consumers get 240. Measured 1.2-1.4x the Triton kernel alone (docs/kernels.md §2.3).
 
+192-row tiles (``shared_plan.WIDE_M``) run three consumer warpgroups of 160 registers without the
+in-warpgroup overlap (there is no room for it), on 128-token K/V tiles in two ring slots: each
+program reads its segment's K and V from L2 for 1.5x the rows, which at the power cap is energy off
+every call (docs/kernels.md §2.3).
+
 A program takes one (work item, KV head) ticket; the partitions walk tickets first .. end with a
 step (here one ticket), so that the mixed kernel (``mixed_gluon.py``), whose programs walk every
 SM-th ticket, runs the same loader and ticket code.
 The loader, the ticket loop and the row stores are ``gluon_attend.py``'s; the kernel here holds the
-two consumer partitions and the ring.
+consumer partitions and the ring.
 """
 
 from __future__ import annotations
