@@ -314,24 +314,17 @@ def test_own_partials_exact_on_a_one_hot_probe(monkeypatch, own, shift, hkv, hq,
     assert (lse - math.log(own)).abs().max() < 1e-5
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
-@pytest.mark.parametrize("shared_n", [None, 128])  # the rules' tiles; 128-token shared tiles forced
-def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch, shared_n) -> None:
-    """The graph path (the engine's decode graphs) takes the mixed kernel, and a captured graph
-    replays it on a later step with new lengths and padding rows, against the reference."""
+def _captured_step_replays(q, k, v, meta, prefixes, bucket, trims, check_key) -> None:
+    """The graph path's attention for ``meta``'s decode step (``check_key`` asserts on its graph key),
+    captured in a CUDA graph, then replayed on later steps whose own parts are shorter by up to each
+    of ``trims`` tokens (one at least), padding rows past the sequences, against the reference."""
     from prefixserve.attention.graph import HeadShape
 
-    monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
-    if shared_n:
-        _force_own_rows(monkeypatch, "64", shared_n)
-    hq, hkv, dim, dtype, bucket = 32, 8, 128, torch.bfloat16, 256  # 96 padding rows
-    q, k, v, meta = _decode_batch([(1024, 100, 300), (2048, 60, 200)], 16, hq, hkv, dim, dtype, seed=5)
-    shape = HeadShape(hq, hkv, dim, dtype, q.device)
+    hq, dim, dtype = q.shape[1], q.shape[2], q.dtype
+    shape = HeadShape(hq, k.shape[2], dim, dtype, q.device)
     be = TritonBackend()
     step = be.graph_step(meta, shape, bucket)
-    assert step.key[0] == "shared" and step.key[4][-1] and step.key[3] == 1  # mixed: one own partial
-    assert shared_n is None or step.key[4][-1] == (64, shared_n)
+    check_key(step.key)
     attn = step.build()
     static_q = torch.zeros(bucket, hq, dim, dtype=dtype, device=q.device)
     static_q[: q.shape[0]] = q
@@ -341,8 +334,7 @@ def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch, shared_n) -
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = attn.forward(static_q, k, v, None, dim**-0.5)
-    prefixes = [1024] * 100 + [2048] * 60
-    for trim in (0, 37):  # a later step: own parts shorter by up to ``trim`` tokens (one at least)
+    for trim in trims:
         lens = [n - min(trim, n - p - 1) for n, p in zip(meta.seq_lens_host, prefixes, strict=True)]
         tables = [row[: -(-n // 16)].tolist() for row, n in zip(meta.block_tables_np, lens, strict=True)]
         later = build_metadata(16, [1] * len(lens), lens, tables, "cuda")
@@ -360,41 +352,36 @@ def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch, shared_n) -
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("shared_n", [None, 128])  # the rules' tiles; 128-token shared tiles forced
+def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch, shared_n) -> None:
+    """The graph path (the engine's decode graphs) takes the mixed kernel, and a captured graph
+    replays it on a later step with new lengths and padding rows, against the reference."""
+    monkeypatch.setenv("PREFIXSERVE_MIXED", "1")
+    if shared_n:
+        _force_own_rows(monkeypatch, "64", shared_n)
+    groups = [(1024, 100, 300), (2048, 60, 200)]
+    q, k, v, meta = _decode_batch(groups, 16, 32, 8, 128, torch.bfloat16, seed=5)
+
+    def check_key(key) -> None:
+        assert key[0] == "shared" and key[4][-1] and key[3] == 1  # mixed: one own partial
+        assert shared_n is None or key[4][-1] == (64, shared_n)
+
+    prefixes = [1024] * 100 + [2048] * 60
+    _captured_step_replays(q, k, v, meta, prefixes, 256, (0, 37), check_key)  # 96 padding rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 def test_captured_decode_graph_through_192_row_shared_tiles() -> None:
     """A decode step with short own parts on a 4K prefix at GQA 8 (2,048 stacked rows: 192-row tiles,
     two kernels) in a captured graph, replayed on a later step with new lengths and padding rows,
     against the reference."""
-    from prefixserve.attention.graph import HeadShape
+    q, k, v, meta = _decode_batch([(4096, 256, 40)], 16, 32, 4, 128, torch.bfloat16, seed=9)
 
-    hq, hkv, dim, dtype, bucket, prefix = 32, 4, 128, torch.bfloat16, 320, 4096  # 64 padding rows
-    q, k, v, meta = _decode_batch([(prefix, 256, 40)], 16, hq, hkv, dim, dtype, seed=9)
-    shape = HeadShape(hq, hkv, dim, dtype, q.device)
-    be = TritonBackend()
-    step = be.graph_step(meta, shape, bucket)
-    assert step.key[0] == "shared" and step.key[4][0] == 192 and not step.key[4][-1]
-    attn = step.build()
-    static_q = torch.zeros(bucket, hq, dim, dtype=dtype, device=q.device)
-    static_q[: q.shape[0]] = q
-    attn.o_part.fill_(float("nan"))  # stale partials must never be read
-    attn.load(step.arrays)
-    attn.forward(static_q, k, v, None, dim**-0.5)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = attn.forward(static_q, k, v, None, dim**-0.5)
-    for trim in (0, 17):
-        lens = [n - min(trim, n - prefix - 1) for n in meta.seq_lens_host]
-        tables = [row[: -(-n // 16)].tolist() for row, n in zip(meta.block_tables_np, lens, strict=True)]
-        later = build_metadata(16, [1] * len(lens), lens, tables, "cuda")
-        later_step = be.graph_step(later, shape, bucket)
-        if later_step.key != step.key:
-            later_step = later_step.refit(step.key)
-        assert later_step.key == step.key
-        attn.load(later_step.arrays)
-        graph.replay()
-        ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), later, dim**-0.5)
-        got = static_out[: q.shape[0]]
-        assert torch.isfinite(got).all()
-        assert rel_err(got, ref) < 1e-2
+    def check_key(key) -> None:
+        assert key[0] == "shared" and key[4][0] == 192 and not key[4][-1]
+
+    _captured_step_replays(q, k, v, meta, [4096] * 256, 320, (0, 17), check_key)  # 64 padding rows
 
 
 def test_mixable_decode_steps_prefer_tall_shared_tiles() -> None:
