@@ -35,7 +35,6 @@ except ImportError:  # pragma: no cover - older Triton
     GLUON = False
 
 LOG2E = 1.4426950408889634
-PART_ROWS = 64  # query rows of one consumer warpgroup: one wgmma's M
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if GLUON else {}
 
 
@@ -249,7 +248,7 @@ if GLUON:
         k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
         base, row_lo, row_hi, kv_len, n_tiles, kvh = ticket
         o_ptr, lse_ptr, stride_op, stride_oh, stride_lp = out
-        PART_M: gl.constexpr = 64  # PART_ROWS
+        PART_M: gl.constexpr = 64  # a consumer warpgroup's query rows: one wgmma's M
         STAGES: gl.constexpr = k_bufs.shape[0]
         m_i, l_i, acc = _attend_tiles(
             q,

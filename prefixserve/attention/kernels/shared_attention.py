@@ -34,7 +34,7 @@ from prefixserve.attention.kernels.attend import (
     softmax_step,
 )
 from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
-from prefixserve.attention.kernels.shared_plan import SharedWork, plan_shared_work
+from prefixserve.attention.kernels.shared_plan import WIDE_M, SharedWork, plan_shared_work
 from prefixserve.attention.kernels.tiles import (
     LOG2E,
     check_cache,
@@ -375,7 +375,9 @@ def launch_shared(
             scale,
             work.num_stages,
             work.block_m,
-            work.block_n,
+            # 128-row tiles keep the kernel's 128-token K/V tiles whatever the plan's block_n (items
+            # are token ranges); 192-row ones take the plan's, fitted beside q's 256-row buffer
+            work.block_n if work.block_m == WIDE_M else 128,
         )
     return launch_with_descriptors(
         _shared_kernel,

@@ -142,14 +142,14 @@ if GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        PART_M: gl.constexpr = 64  # rows of each consumer warpgroup (gluon_attend.PART_ROWS)
+        PART_M: gl.constexpr = 64  # rows of each consumer warpgroup: one wgmma's M
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=BLOCK_M // PART_M)  # every consumer frees the slot
         fence_async_shared()  # the barrier inits before any async use
-        # two consumer warpgroups, each its own partition (one's softmax beside the other's products),
-        # and the loader warp
+        # two (or, on 192-row tiles, three) consumer warpgroups, each its own partition (one's softmax
+        # beside the others' products), and the loader warp
         # what both consumer partitions read (worker partitions take scalars and shared memory only)
         shared = (
             q_smem,
