@@ -44,7 +44,7 @@ def call(case: Case, mode: str):
     """The whole attention call of ``case`` under ``mode``, graphed; and its layout."""
     mixed, own_m, wide = MODES[mode]
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
-    shared_plan.wide_tiles_pay = WIDE_TILES_PAY if wide else (lambda rows: False)
+    shared_plan.wide_tiles_pay = WIDE_TILES_PAY if wide else (lambda *a: False)
     be = TritonBackend()
     be.mixed = mixed
     be.overlap_min_rows = 0  # the shared kernel on a side stream, as in the decode graphs

@@ -418,11 +418,13 @@ def test_wide_tiles_where_the_gluon_kernel_runs_a_step_that_does_not_mix(monkeyp
     from prefixserve.attention.kernels import shared_plan
     from prefixserve.attention.kernels.shared_plan import pick_shared_tiles, wide_tiles_pay
 
-    assert wide_tiles_pay(2048) and wide_tiles_pay(8192) and wide_tiles_pay(192)
-    assert not wide_tiles_pay(1024) and not wide_tiles_pay(256) and not wide_tiles_pay(128)
+    assert wide_tiles_pay([2048]) and wide_tiles_pay([8192]) and wide_tiles_pay([192])
+    assert not wide_tiles_pay([1024]) and not wide_tiles_pay([256]) and not wide_tiles_pay([128])
+    # several segments: the padded work (rows x tokens) of all of them counts
+    assert wide_tiles_pay([2048, 32], [16384, 100])  # a 16K prefix and a short 32-row segment
+    assert not wide_tiles_pay([2048, 32], [4096, 4096])  # 32 rows padded to 192, not 128: 5.9% more work
     tall = {"max_tokens": 16384, "tma": True}
     assert pick_shared_tiles(256, 8, **tall, wide=True) == (192, 128, 2)  # 70B's TP=2 shard
-    assert pick_shared_tiles(128, 8, **tall, wide=True)[0] == 128  # 1,024 rows: too much padding
     assert pick_shared_tiles(256, 8, **tall, wide=True, mixable=True)[0] == 128  # the mixed kernel's
     assert pick_shared_tiles(256, 8, **tall, wide=False)[0] == 128
     assert pick_shared_tiles(256, 8, max_tokens=16384, tma=False, wide=True)[0] == 128
@@ -436,5 +438,7 @@ def test_wide_tiles_where_the_gluon_kernel_runs_a_step_that_does_not_mix(monkeyp
     assert (work.block_m, work.block_n, work.num_stages) == (192, 128, 2)
     rows = work.items[:, 2] - work.items[:, 1]
     assert int(rows.max()) == 24 and int(rows.sum()) == 256 * work.splits[0]
+    plan = shared_plan.plan_shared_work
+    assert plan([0, 128], [16384], 4, 8, torch.device("cpu"), **kw).block_m == 128  # 1,024 rows: padding
     monkeypatch.setattr(shared_plan.shared_gluon, "eligible_for", lambda *a: False)
-    assert shared_plan.plan_shared_work([0, 256], [16384], 4, 8, torch.device("cpu"), **kw).block_m == 128
+    assert plan([0, 256], [16384], 4, 8, torch.device("cpu"), **kw).block_m == 128

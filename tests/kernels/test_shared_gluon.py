@@ -209,7 +209,7 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide) -> None:
     from prefixserve.attention.kernels import shared_plan
 
     if not wide:
-        monkeypatch.setattr(shared_plan, "wide_tiles_pay", lambda rows: False)
+        monkeypatch.setattr(shared_plan, "wide_tiles_pay", lambda *a: False)
     gen = torch.Generator().manual_seed(11)
     batch, prefix, bs, hq, hkv, dim = 96, 2048, 16, 16, 4, 128
     own = torch.randint(1, 90, (batch,), generator=gen).tolist()

@@ -172,7 +172,7 @@ def may_mix(
         wide = (
             group >= WIDE_GROUP
             and group * shared_row_tokens >= WIDE_SHARED * own_tokens
-            and wide_tiles_pay(num_seqs * group)
+            and wide_tiles_pay([num_seqs * group])
         )
         return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs and not (long_segment or wide)
     if own_tokens < MIN_OWN_TOKENS * num_seqs:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,8 +78,9 @@ def pick_shared_tiles(
     tall tiles would let the step run as one mixed launch (``mixable``: ``mixed_rule.may_mix``); the
     bf16 choice was measured on the H200 (docs/kernels.md §2.2), and ``fit_tiles`` shrinks it for
     4-byte elements or wider heads so that every dtype / head_dim fits (fp32 128 x 128 at d=128 needed
-    256 KiB > 227 KiB). ``wide``: the Gluon kernel runs the tiles (``shared_gluon.eligible_for``), so a
-    tall step that will not mix takes 192-row tiles where ``wide_tiles_pay``.
+    256 KiB > 227 KiB). ``wide``: the Gluon kernel runs the tiles (``shared_gluon.eligible_for``) and
+    192-row ones pay for the step's segments (``wide_tiles_pay``), so a tall step that will not mix
+    takes them.
     """
     m = max_rows * group
     # 128-row tiles (two wgmma warpgroups) once the segment's work is large: at 256 rows the shared
@@ -89,7 +91,7 @@ def pick_shared_tiles(
     tall = m > 256 or m * max_tokens >= work
     block_m = 128 if tall else (64 if m > 16 else 16)
     block_m = max(block_m, next_power_of_2(group))
-    if wide and tma and not mixable and block_m == 128 and elt == 2 and head_dim <= 128 and wide_tiles_pay(m):
+    if wide and tma and not mixable and block_m == 128 and elt == 2 and head_dim <= 128:
         return fit_tiles(WIDE_M, *SHARED_WIDE_TMA, head_dim, elt, smem or SMEM_LIMIT_HOPPER)
     table = (SHARED_TALL_TMA, SHARED_SHORT_TMA) if tma else (SHARED_TALL, SHARED_SHORT)
     block_n, stages = table[0] if block_m >= 128 else table[1]
@@ -98,17 +100,22 @@ def pick_shared_tiles(
 
 TALL_WORK = 256 * 8192  # stacked rows x segment tokens from which tiles are 128 rows tall
 # 192-row tiles: three consumer warpgroups of the Gluon kernel (``shared_gluon``), so each program
-# reads a segment's K and V for 1.5x the rows; they pay where padding the stacked rows to 192 adds at
-# most WIDE_PAD over padding them to 128 (H200, docs/kernels.md §2.3)
+# reads a segment's K and V for 1.5x the rows; they pay where padding the segments' stacked rows to 192
+# adds at most WIDE_PAD to the work of padding them to 128 (H200, docs/kernels.md §2.3)
 WIDE_M = 192
 WIDE_PAD = 1.04
 
 
-def wide_tiles_pay(stacked_rows: int) -> bool:
-    """True when ``stacked_rows`` (a segment's rows x GQA group) pad to 192-row tiles with at most
-    ``WIDE_PAD`` times the rows they pad to with 128-row tiles."""
-    wide = math.ceil(stacked_rows / WIDE_M) * WIDE_M
-    return wide <= WIDE_PAD * math.ceil(stacked_rows / 128) * 128
+def wide_tiles_pay(stacked_rows: Sequence[int], tokens: Sequence[int] | None = None) -> bool:
+    """True when the segments' ``stacked_rows`` (holder rows x GQA group each), padded to 192-row
+    tiles, make at most ``WIDE_PAD`` times the work (rows x ``tokens``, each segment's) they make
+    padded to 128-row tiles."""
+    tokens = tokens if tokens is not None else [1] * len(stacked_rows)
+    pads = [
+        (math.ceil(m / WIDE_M) * WIDE_M * t, math.ceil(m / 128) * 128 * t)
+        for m, t in zip(stacked_rows, tokens, strict=True)
+    ]
+    return sum(w for w, _ in pads) <= WIDE_PAD * sum(n for _, n in pads)
 
 
 # (BLOCK_N, num_stages), measured on the H200 (docs/kernels.md §2.2): 128-row tiles are compute-bound
@@ -225,7 +232,9 @@ def plan_shared_work(
         max(seg_num_tokens, default=0),
         tma,
         tma and mixable,
-        tma and shared_gluon.eligible_for(device, dtype, head_dim),
+        tma
+        and shared_gluon.eligible_for(device, dtype, head_dim)
+        and wide_tiles_pay([r * group for r in rows], seg_num_tokens),
     )
     block_m, block_n, num_stages = fit_tiles(
         block_m or auto_m, block_n or auto_n, num_stages or auto_stages, head_dim, elt, limit
