@@ -69,6 +69,7 @@ def _power_run() -> dict:
 def test_counted_matches_the_attention_benchmarks_roofline() -> None:
     case = attention.Case.__new__(attention.Case)
     case.B, case.P, case.S = 256, 16384, 512
+    case.hq, case.hkv = attention.HQ, attention.HKV  # the grid's heads, as power.counted counts them
     nbytes, flops = power.counted(256, 16384, 512)
     bytes_ms, flops_ms = case.roofline(1.0, 1.0)  # 1 TB/s and 1 TFLOP/s: ms = bytes / 1e9
     assert nbytes / 1e9 == pytest.approx(bytes_ms)
