@@ -19,8 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from prefixserve import config
-from prefixserve.attention.kernels import _ptxas, shared_gluon
-from prefixserve.attention.kernels.shared_plan import wide_tiles_pay
+from prefixserve.attention.kernels import _ptxas, shared_gluon, shared_plan
 
 OWN_MAX_N = 32  # query heads of an own tile (padded to 8s: wgmma's N)
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M
@@ -172,7 +171,7 @@ def may_mix(
         wide = (
             group >= WIDE_GROUP
             and group * shared_row_tokens >= WIDE_SHARED * own_tokens
-            and wide_tiles_pay([num_seqs * group])
+            and shared_plan.wide_tiles_pay([num_seqs * group])
         )
         return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs and not (long_segment or wide)
     if own_tokens < MIN_OWN_TOKENS * num_seqs:
