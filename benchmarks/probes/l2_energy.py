@@ -17,6 +17,7 @@ import json
 
 import torch
 
+from benchmarks.harness.info import run_info
 from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
@@ -75,7 +76,7 @@ def main() -> None:
         print(f"| {r['MB']} | {r['TBps']:.2f} | {r['W']:.0f} | {r['sm_mhz']} | {r['pJ_per_byte']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "floor_w": floor_w, "rows": rows}, f, indent=1)
+            json.dump(run_info() | {"floor_w": floor_w, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

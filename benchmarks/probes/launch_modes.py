@@ -26,6 +26,7 @@ import json
 import torch
 
 from benchmarks.attention import HKV, HQ, Case
+from benchmarks.harness.info import run_info
 from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings, time_launches
 from prefixserve.attention.kernels import mixed_rule, shared_plan
 from prefixserve.attention.kernels.triton_backend import TritonBackend
@@ -113,7 +114,8 @@ def main() -> None:
         sampler.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops, "rows": rows}, f, indent=1)
+            payload = run_info() | {"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops, "rows": rows}
+            json.dump(payload, f, indent=1)
 
 
 if __name__ == "__main__":

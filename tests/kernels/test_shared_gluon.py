@@ -145,6 +145,7 @@ def _segments(lengths: list[int], rows: list[int], group: int, dim: int, dtype: 
         (8, 64, [777, 1536], [17, 50], True),  # KV splits, 16 rows per tile
         (1, 128, [300], [200], True),  # one query head per KV head
         (2, 64, [5000], [130], True),
+        (8, 128, [2048], [40], False),  # 320 stacked rows: the last tile's last warpgroup has none
     ],
 )
 @pytest.mark.parametrize("block_m", [128, 192])

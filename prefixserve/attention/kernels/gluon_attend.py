@@ -230,6 +230,17 @@ if GLUON:
         gl.store(lse_ptr + slot * stride_lp + head, lse, mask=ok)
 
     @gluon.jit
+    def _pass_tiles(k_ready, v_ready, kv_empty, c0, n_tiles, STAGES: gl.constexpr):
+        """Free each of a ticket's ring slots once its K and V have landed, as a consumer that used them
+        would: the slot's count of consumers holds, and the loader refills it when the others are done."""
+        for i in range(n_tiles):
+            slot = (c0 + i) % STAGES
+            phase = ((c0 + i) // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(kv_empty.index(slot), count=1)
+
+    @gluon.jit
     def _run_ticket(
         q,  # the warpgroup's query rows: shared memory or registers (wgmma's A)
         ring,  # (K tiles, V tiles, k_ready, v_ready, kv_empty)
@@ -244,12 +255,17 @@ if GLUON:
         HEAD_DIM: gl.constexpr,
         OVERLAP: gl.constexpr,
     ):
-        """One ticket for one warpgroup: its rows attend the ticket's tiles and land in its partial slots."""
+        """One ticket for one warpgroup: its rows attend the ticket's tiles and land in its partial slots.
+        A warpgroup whose rows all lie past the ticket's (a segment's last tile, short of the tile's
+        height) only frees each slot once loaded: no products, no softmax, no stores."""
         k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
         base, row_lo, row_hi, kv_len, n_tiles, kvh = ticket
         o_ptr, lse_ptr, stride_op, stride_oh, stride_lp = out
         PART_M: gl.constexpr = 64  # a consumer warpgroup's query rows: one wgmma's M
         STAGES: gl.constexpr = k_bufs.shape[0]
+        if (row_hi - row_lo) * GROUP <= m_off:
+            _pass_tiles(k_ready, v_ready, kv_empty, c0, n_tiles, STAGES)
+            return
         m_i, l_i, acc = _attend_tiles(
             q,
             k_bufs,
