@@ -1,5 +1,6 @@
-"""Tensor parallelism on GPUs (NCCL): greedy outputs over 2 GPUs equal one GPU's, decode steps under
-CUDA graphs with their all-reduces captured. Needs 2 CUDA GPUs (skipped elsewhere)."""
+"""Tensor parallelism on GPUs (NCCL): greedy outputs over 2 (and 4) GPUs equal one GPU's, decode steps
+under CUDA graphs with their all-reduces captured. Needs 2 CUDA GPUs, the 4-rank case 4 (skipped
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,19 @@ def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention:
     """fp32 greedy tokens over 2 GPUs equal one GPU's, with steps launched ahead (fed from each rank's
     own sharded argmax, replayed from its graph) and decode-sized all-reduces over peer memory
     (``peer``) or all through NCCL."""
+    _ranks_equal_one(tiny_config_path, 2, attention, peer)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+@pytest.mark.parametrize("peer", [True, False])
+def test_four_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, peer: bool) -> None:
+    """The same over 4 GPUs: past two ranks the all-reduces are PyTorch's two-shot over peer memory
+    (no fused norm) or NCCL's, the argmax's exchange NCCL's, and the tiny model's 2 KV heads are
+    replicated (each rank holds one of the 4 query heads and its KV head)."""
+    _ranks_equal_one(tiny_config_path, 4, "auto", peer)
+
+
+def _ranks_equal_one(tiny_config_path: Path, ranks: int, attention: str, peer: bool) -> None:
     shared = [(7 * i) % 40000 + 100 for i in range(200)]
     prompts = [{"prompt_token_ids": [*shared, 1000 + j, 2000 + j]} for j in range(6)]
     prompts.append({"prompt_token_ids": [5, 6, 7]})
@@ -39,11 +53,11 @@ def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention:
     from prefixserve.engine.tp_runner import peer_used_in_process
 
     first = not peer_used_in_process()  # only a process's first engine takes the peer all-reduce
-    with LLM(tensor_parallel_size=2, tp_peer_allreduce=peer, **kwargs) as tp:
+    with LLM(tensor_parallel_size=ranks, tp_peer_allreduce=peer, **kwargs) as tp:
         assert tp.engine.launch_ahead
         assert (tp.engine.runner.shard.peer is not None) is (peer and first)
         if peer and first:  # two ranks: the norms after attention and the MLP sum over NVLink themselves
-            assert tp.engine.runner.shard.peer.fused is not None
+            assert (tp.engine.runner.shard.peer.fused is not None) is (ranks == 2)
         got = [o.outputs[0].token_ids for o in tp.generate(prompts, params)]
         assert got == want
         assert tp.engine.graphs is not None and tp.engine.graphs.captures > 0, "decode left CUDA graphs"
