@@ -1,4 +1,4 @@
-"""The fused two-rank all-reduce + norm over NVLink at real widths: two GPUs, one process each.
+"""The fused all-reduce + norm over NVLink at real widths: two GPUs (and four), one process each.
 
 Each meeting protocol (call counts, pulled and pushed; compare-and-swap) runs 200 graphed calls with
 fresh products in alternating slots, at decode sizes and with every program several warps wide (the
@@ -44,6 +44,38 @@ def test_every_meeting_protocol_sums_fresh_products() -> None:
     for rank, wrong in enumerate(results):
         assert not any(wrong.values()), f"rank {rank}: {wrong}"
     assert len(results[0]) == len(results[1]) > 0
+
+
+def _ranks_worker(rank: int, size: int, init: str, queue) -> None:
+    import torch.distributed as dist
+
+    from benchmarks.harness.ranks import join_group, leave_group
+    from benchmarks.probes.peer_signal import Meeting, wrong_outputs
+    from prefixserve.model.peer_allreduce import PeerAllReduce
+
+    join_group(rank, size, init)
+    meet = Meeting(PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "test-ranks-norm"))
+    wrong = {}
+    variants = {"one-shot": {"two_shot": False}, "two-shot": {"two_shot": True}, "engine": {"engine": True}}
+    for name, variant in variants.items():
+        for rows in (*ROWS, 3, 33):
+            for dtype in (torch.float32, torch.bfloat16):
+                if rows * HIDDEN * dtype.itemsize <= 8 << 20:
+                    wrong[f"{name} {rows} {dtype}"] = wrong_outputs(meet, variant, rows, HIDDEN, dtype, rank)
+    leave_group(queue, rank, wrong)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_four_ranks_sum_fresh_products_one_shot_and_two_shot() -> None:
+    """``kernels/ranks_norm.py`` over 4 GPUs: every rank's output of 200 graphed calls with fresh
+    products equals the rank-order sum of the gathered products (so every rank's is the same),
+    one-shot, two-shot (row counts that leave a group short) and as the engine picks."""
+    from benchmarks.harness.ranks import run_ranks
+
+    results = run_ranks(_ranks_worker, size=4, timeout=300)
+    for rank, wrong in enumerate(results):
+        assert not any(wrong.values()), f"rank {rank}: {wrong}"
+    assert len(results[0]) > 0
 
 
 def _argmax_worker(rank: int, size: int, init: str, queue) -> None:

@@ -1,20 +1,23 @@
-"""Is the fused two-rank all-reduce + residual add + RMSNorm right, and faster than two-shot then the norm?
+"""Is the fused all-reduce + residual add + RMSNorm right, and faster than two-shot then the norm?
 
-Two GPUs, one process each (NCCL group, peer memory as the engine sets it up: ``PeerAllReduce``).
-Per hidden size and rows B:
+N GPUs (``--ranks``, default 2), one process each (NCCL group, peer memory as the engine sets it up:
+``PeerAllReduce``). Per hidden size and rows B:
 
-- correctness: both ranks' products summed with the residual and normalised by the fused kernel
-  (``kernels/peer_norm.py``) against the torch reference of the gathered products; the two ranks'
-  outputs compared bit for bit; then 200 calls in one CUDA graph alternating the product slots, each
-  call's product fresh (a scale of a base written into the slot just before), every output checked
-  afterwards (a missed barrier shows as a stale or half-written product);
-- timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel, reading
-  the peer's product over NVLink (pull, ``PREFIXSERVE_PEER_PUSH=0``) and with each rank's product
-  pushed into the peer's memory before the barrier (push, ``=1``; checked the same way); the
-  engine's other path (two-shot all-reduce in peer memory, then ``add_rms_norm``); ``add_rms_norm``
-  alone (the floor a fused kernel cannot beat); bytes / 450 GB/s (NVLink 4 one way) for scale.
+- correctness: every rank's product summed with the residual and normalised by the engine's fused
+  call (``kernels/peer_norm.py`` at two ranks, ``kernels/ranks_norm.py`` past two) against the torch
+  reference of the gathered products; the ranks' outputs compared bit for bit; then 200 calls in one
+  CUDA graph alternating the product slots, each call's product fresh (a scale of a base written into
+  the slot just before), every output checked afterwards (a missed barrier shows as a stale or
+  half-written product);
+- timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel as the
+  engine calls it; at two ranks also with each rank's product pushed into the peer's memory before
+  the barrier (push, ``PREFIXSERVE_PEER_PUSH=1``; checked the same way), past two each of
+  ``ranks_norm``'s ways forced (one-shot, two-shot; checked the same way); the engine's unfused path
+  (PyTorch's two-shot all-reduce in peer memory, then ``add_rms_norm``); ``add_rms_norm`` alone (the
+  floor a fused kernel cannot beat); a two-shot all-reduce's bytes into a rank (2 (N - 1) / N
+  products) at 450 GB/s (NVLink 4 one way) for scale.
 
-    PYTHONPATH=. python -m benchmarks.probes.peer_norm [--hidden 4096 8192] [--rows 1 64 256] [--json F]
+    PYTHONPATH=. python -m benchmarks.probes.peer_norm [--ranks 4] [--hidden 4096] [--rows 1 64] [--json F]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness import run_info
 from benchmarks.harness.ranks import join_group, leave_group, run_ranks
 from benchmarks.harness.timing import ranks_graph_us
 from benchmarks.probes.peer_signal import Meeting, wrong_outputs
@@ -37,8 +41,9 @@ EPS = 1e-5
 
 def _check(peer, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> dict:
     from prefixserve.model import fused
-    from prefixserve.model.kernels.peer_norm import peer_add_rms_norm_ref
+    from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm_ref
 
+    size = dist.get_world_size()
     gen = torch.Generator(device="cuda").manual_seed(1000 * rank + rows)
     common = torch.Generator(device="cuda").manual_seed(rows)
     mine = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype)
@@ -47,16 +52,16 @@ def _check(peer, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> dict:
     pending = peer.product_slot(0, rows, hidden, dtype)
     pending.mine.copy_(mine)
     out, summed = fused.add_rms_norm(pending, weight, EPS, residual)
-    products = [torch.empty_like(mine) for _ in range(2)]
+    products = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(products, mine)
-    ref, ref_summed = peer_add_rms_norm_ref(products[0], products[1], residual, weight, EPS)
+    ref, ref_summed = ranks_add_rms_norm_ref(products, residual, weight, EPS)
     err = max(
         float((out.float() - ref.float()).abs().max()),
         float((summed.float() - ref_summed.float()).abs().max()),
     )
-    outs = [torch.empty_like(out) for _ in range(2)]
+    outs = [torch.empty_like(out) for _ in range(size)]
     dist.all_gather(outs, out)
-    ranks_equal = bool(torch.equal(outs[0], outs[1]))
+    ranks_equal = all(torch.equal(outs[0], o) for o in outs[1:])
 
     # 200 graphed calls through the engine's call site, slots alternating, each product fresh
     wrong = wrong_outputs(Meeting(peer), {"engine": True}, rows, hidden, dtype, rank)
@@ -85,7 +90,12 @@ def _time(peer, rows: int, hidden: int, full: bool = True) -> dict:
         )
         out["two_shot_us"] = ranks_graph_us(lambda i: peer.reduce_staged(staged))
     out["norm_alone_us"] = ranks_graph_us(lambda i: fused.add_rms_norm(local, weight, EPS, residual))
-    out["nvlink_bound_us"] = out["bytes"] / (NVLINK_GBPS * 1e3)
+    size = dist.get_world_size()  # a two-shot all-reduce's bytes into each rank: 2 (N - 1) / N products
+    out["nvlink_bound_us"] = 2 * (size - 1) / size * out["bytes"] / (NVLINK_GBPS * 1e3)
+    if size > 2:  # kernels/ranks_norm.py's two ways, forced
+        meet = Meeting(peer)
+        for name, variant in (("one_shot", {"two_shot": False}), ("two_shot_fused", {"two_shot": True})):
+            out[f"{name}_us"] = ranks_graph_us(lambda i, v=variant: meet.call(v, i % 2, residual, weight))
     return out
 
 
@@ -99,14 +109,24 @@ def _worker(rank: int, size: int, init: str, queue, hidden_sizes: list[int], row
     for hidden in hidden_sizes:
         for b in rows:
             row = {"hidden": hidden, "rows": b}
-            for mode in ("push", "pull"):  # pull last: the other columns time the default
+            # two ranks: pushed and pulled (pull last: the other columns time the default); more:
+            # the engine's choice, and each of ranks_norm's two ways checked apart
+            modes = ("push", "pull") if size == 2 else ("pull", "one_shot", "two_shot_fused")
+            for mode in modes:
                 os.environ["PREFIXSERVE_PEER_PUSH"] = "1" if mode == "push" else "0"  # "auto" left
                 for dtype in (torch.float32, torch.bfloat16):
                     if b * hidden * dtype.itemsize <= 8 << 20:
-                        name = str(dtype).removeprefix("torch.") + ("_push" if mode == "push" else "")
-                        row[name] = _check(peer, b, hidden, dtype, rank)
-                timed = _time(peer, b, hidden, full=mode == "pull")
-                row.update(timed if mode == "pull" else {"fused_push_us": timed["fused_us"]})
+                        name = str(dtype).removeprefix("torch.") + ("" if mode == "pull" else f"_{mode}")
+                        if mode in ("pull", "push"):
+                            row[name] = _check(peer, b, hidden, dtype, rank)
+                        else:
+                            variant = {"two_shot": mode == "two_shot_fused"}
+                            wrong = wrong_outputs(Meeting(peer), variant, b, hidden, dtype, rank)
+                            row[name] = {"graphed_calls_wrong": wrong}
+                if mode == "push":
+                    row["fused_push_us"] = _time(peer, b, hidden, full=False)["fused_us"]
+                elif mode == "pull":
+                    row.update(_time(peer, b, hidden))
             result.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
@@ -117,32 +137,63 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--ranks", type=int, default=2, help="GPUs (2: peer_norm.py; 3-8: ranks_norm.py)")
+    ap.add_argument("--json", type=Path, help="also write this JSON, and the table beside it (.md)")
     args = ap.parse_args()
-    result = run_ranks(_worker, (args.hidden, args.rows), timeout=400)[0]
-    device = torch.cuda.get_device_name(0)
+    result = run_ranks(_worker, (args.hidden, args.rows), size=args.ranks, timeout=400)[0]
+    info = {**run_info(), "ranks": args.ranks}
+    lines = _table(result, args.ranks, info)
+    print("\n".join(lines))
     if args.json:
-        args.json.write_text(
-            json.dumps({"device": device, "torch": torch.__version__, "rows": result}, indent=1)
-        )
-    print(f"{device} x 2; microseconds per call, graphed")
-    head = ("hidden", "B", "MB", "fused", "fused push", "two-shot + norm", "two-shot", "norm alone")
-    head += ("NVLink bound", "fused / (two-shot + norm)", "wrong bf16 / fp32 (push)", "max err bf16 (push)")
-    print("| " + " | ".join(head) + " |")
-    print("|" + " ---: |" * len(head))
+        args.json.write_text(json.dumps({**info, "rows": result}, indent=1))
+        args.json.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def _table(result: list[dict], ranks: int, info: dict) -> list[str]:
+    lines = [
+        f"# Fused all-reduce + norm at {ranks} ranks",
+        "",
+        f"{info['device']} x {ranks}, torch {info['torch']}, commit {info['commit']}, {info['date']}; "
+        "microseconds a call, graphed (64 calls a graph). Written by `benchmarks/probes/peer_norm.py`.",
+        "",
+    ]
     nan = float("nan")
+    if ranks == 2:
+        head = ("hidden", "B", "MB", "fused", "fused push", "two-shot + norm", "two-shot", "norm alone")
+        head += (
+            "NVLink bound",
+            "fused / (two-shot + norm)",
+            "wrong bf16 / fp32 (push)",
+            "max err bf16 (push)",
+        )
+    else:
+        head = ("hidden", "B", "MB", "engine", "one-shot", "two-shot fused", "two-shot + norm", "two-shot")
+        head += ("norm alone", "NVLink bound", "engine / (two-shot + norm)", "wrong bf16 / fp32 (one / two)")
+        head += ("max err bf16", "ranks equal")
+    lines += ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for r in result:
         two = r.get("two_shot_norm_us")
-        keys = ("bfloat16", "float32", "bfloat16_push", "float32_push")
-        wrong = [r.get(k, {}).get("graphed_calls_wrong", "-") for k in keys]
         cells = (r["hidden"], r["rows"], f"{r['bytes'] / 1e6:.2f}", f"{r['fused_us']:.1f}")
-        cells += (f"{r.get('fused_push_us', nan):.1f}",)
+        if ranks == 2:
+            keys = ("bfloat16", "float32", "bfloat16_push", "float32_push")
+            cells += (f"{r.get('fused_push_us', nan):.1f}",)
+        else:
+            keys = ("bfloat16", "float32", "bfloat16_one_shot", "float32_one_shot")
+            keys += ("bfloat16_two_shot_fused", "float32_two_shot_fused")
+            cells += (f"{r.get('one_shot_us', nan):.1f}", f"{r.get('two_shot_fused_us', nan):.1f}")
+        wrong = [r.get(k, {}).get("graphed_calls_wrong", "-") for k in keys]
         cells += (f"{two or nan:.1f}", f"{r.get('two_shot_us', nan):.1f}", f"{r['norm_alone_us']:.1f}")
         cells += (f"{r['nvlink_bound_us']:.1f}", f"{r['fused_us'] / two if two else nan:.2f}")
-        cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]})",)
-        errs = [r.get(k, {}).get("max_err", nan) for k in ("bfloat16", "bfloat16_push")]
-        cells += (f"{errs[0]:.3g} ({errs[1]:.3g})",)
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+        if ranks == 2:
+            cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]})",)
+            errs = [r.get(k, {}).get("max_err", nan) for k in ("bfloat16", "bfloat16_push")]
+            cells += (f"{errs[0]:.3g} ({errs[1]:.3g})",)
+        else:
+            cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]}, {wrong[4]} / {wrong[5]})",)
+            bf16 = r.get("bfloat16", {})
+            cells += (f"{bf16.get('max_err', nan):.3g}", str(bf16.get("ranks_bitwise_equal", "-")))
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class Meeting:
         self.slots = peer.fused
 
     def mine(self, slot: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.slots.views(slot, rows, hidden, dtype)[0]
+        return self.slots.mine(slot, rows, hidden, dtype)
 
     def call(self, variant: dict, slot: int, residual, weight, warps: int | None = None):
         from prefixserve.model import fused
@@ -60,6 +60,24 @@ class Meeting:
         shape = (slot, *residual.shape, residual.dtype)
         if variant.get("engine"):  # the engine's call site, as the switches say
             return fused.add_rms_norm(self.peer.product_slot(*shape), weight, EPS, residual)
+        if "two_shot" in variant:  # past two ranks: kernels/ranks_norm.py, one-shot or two-shot
+            from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
+
+            s = self.slots
+            return ranks_add_rms_norm(
+                s.tables[slot],
+                s.rank,
+                s.mine(*shape),
+                residual,
+                weight,
+                EPS,
+                s.counts,
+                s.counts_table,
+                s.calls,
+                s.abort,
+                two_shot=variant["two_shot"],
+                num_warps=warps,
+            )
         mine, peer = self.slots.views(*shape)
         push = None
         if variant.get("push"):
@@ -79,7 +97,7 @@ def wrong_outputs(meet: Meeting, variant: dict, rows: int, hidden: int, dtype: t
     base = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype)
     residual = torch.randn(rows, hidden, generator=common, device="cuda").to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden, generator=common, device="cuda")).to(dtype)
-    products = [torch.empty_like(base) for _ in range(2)]
+    products = [torch.empty_like(base) for _ in range(dist.get_world_size())]
     dist.all_gather(products, base)
     calls = 200
     scales = torch.arange(1, calls + 1, device="cuda", dtype=torch.float32)
@@ -102,7 +120,10 @@ def wrong_outputs(meet: Meeting, variant: dict, rows: int, hidden: int, dtype: t
     wrong = 0
     for i in range(calls):
         s = scales[i].to(dtype)
-        want = ((products[0] * s).float() + (products[1] * s).float()).to(dtype) + residual
+        summed = torch.zeros(rows, hidden, device="cuda")
+        for product in products:  # in rank order, as every rank sums
+            summed += (product * s).float()
+        want = summed.to(dtype) + residual
         wrong += int(not torch.equal(results[i], want))
     return wrong
 

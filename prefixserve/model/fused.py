@@ -205,7 +205,7 @@ def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def add_rms_norm(
-    x: torch.Tensor | PeerSum,  # [T, N], [S, T, N] fp32 split-K partials, or two ranks' products
+    x: torch.Tensor | PeerSum,  # [T, N], [S, T, N] fp32 split-K partials, or the ranks' products
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]

@@ -7,10 +7,11 @@ NVLink; docs/benchmarks/tensor_parallel_allreduce/ measures it against NCCL (the
 limit come from there). Its input must live in memory every rank mapped at start-up, so a message is
 copied into one such buffer, reduced there and copied back: two device copies, graph-capturable.
 
-At two ranks the all-reduces that an RMSNorm follows (after attention, after the MLP, and the
-embedding's before the first layer) go further: the product is written into a product slot and
-``kernels/peer_norm.py`` reads the peer's slot, sums, adds the residual and normalises in one kernel
-with one barrier (``PeerSum``; docs/kernels.md has the measured gain).
+The all-reduces that an RMSNorm follows (after attention, after the MLP, and the embedding's before
+the first layer) go further: the product is written into a product slot and one kernel reads the
+other ranks' slots, sums, adds the residual and normalises (``PeerSum``): ``kernels/peer_norm.py`` at
+two ranks (one barrier), ``kernels/ranks_norm.py`` at three to eight (docs/kernels.md has the
+measured gains).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ SLOTS = 3
 # §8); meeting by call count it always pulls
 PUSH_MAX_ROWS = 64
 PICK_ROWS = 4096  # rows the sharded argmax trades over peer memory (more go through NCCL)
+# past two ranks, the fused call reads every rank's whole product (one-shot) up to this many rows,
+# and above sums 1 / N of the rows a rank, then gathers the sums (two-shot)
+ONE_SHOT_MAX_ROWS = 32
 
 
 class PeerAllReduce:
@@ -59,8 +63,11 @@ class PeerAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank at start-up
         self.abort = PeerAbort(device)
         self.fused: _FusedSlots | None = None
-        if self.size == 2:
-            self.fused = _FusedSlots(symm_mem, group, self.group_name, dist.get_rank(group), self.abort)
+        from prefixserve.model.kernels.ranks_norm import MAX_RANKS
+
+        if 2 <= self.size <= MAX_RANKS:  # more ranks: two-shot, then the norm
+            rank = dist.get_rank(group)
+            self.fused = _FusedSlots(symm_mem, group, self.group_name, rank, self.size, self.abort)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -102,13 +109,13 @@ class PeerAllReduce:
     def argmax(self, logits: torch.Tensor, local: torch.Tensor, start: int) -> torch.Tensor | None:
         """The two ranks' argmax tokens [R] over peer memory (``kernels/peer_argmax.py``), or None
         where this path does not apply (not two ranks, too many rows): then NCCL trades them."""
-        if self.fused is None or logits.shape[0] > PICK_ROWS:
+        if self.fused is None or self.fused.size != 2 or logits.shape[0] > PICK_ROWS:
             return None
         return self.fused.argmax(logits, local, start)
 
     def product_slot(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> PeerSum | None:
         """A ``PeerSum`` whose ``mine`` [rows, cols] is where this rank's product goes, for an RMSNorm
-        to sum; None where the fused path does not apply (not two ranks, too large, other dtypes).
+        to sum; None where the fused path does not apply (one rank, too large, other dtypes).
         The caller checks ``fused.peer_norm_enabled()`` (the A/B switch) first."""
         from prefixserve.model.kernels.peer_norm import MAX_HIDDEN
 
@@ -119,7 +126,7 @@ class PeerAllReduce:
             return None
         if nbytes > SLOT_BYTES or cols > MAX_HIDDEN:
             return None
-        return PeerSum(self.fused, slot, self.fused.views(slot, rows, cols, dtype)[0])
+        return PeerSum(self.fused, slot, self.fused.mine(slot, rows, cols, dtype))
 
 
 class PeerAbort:
@@ -142,24 +149,53 @@ class PeerAbort:
 
 
 class _FusedSlots:
-    """The two ranks' product slots and program flags in symmetric memory, and views of the peer's."""
+    """The ranks' product slots and program flags in symmetric memory, and views of the others'.
+
+    Two ranks (``kernels/peer_norm.py``): the peer's slots, and for the A/B switches its incoming
+    slots (push) and compare-and-swap flags, and the sharded argmax's exchange. More ranks
+    (``kernels/ranks_norm.py``): a table of every rank's slot addresses a slot, and call counts."""
 
     def __init__(
-        self, symm_mem: Any, group: dist.ProcessGroup, name: str, rank: int, abort: PeerAbort
+        self, symm_mem: Any, group: dist.ProcessGroup, name: str, rank: int, size: int, abort: PeerAbort
     ) -> None:
         from prefixserve.model.kernels.peer_argmax import MAX_PROGRAMS as PICK_PROGRAMS
         from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
 
         device = abort.flag.device
+        self.rank, self.size, self.abort = rank, size, abort.flag
 
-        def shared(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            """(this rank's zeroed buffer in symmetric memory, the peer's): a collective rendezvous."""
+        def every(numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+            """Every rank's zeroed buffer in symmetric memory as mapped here, this rank's at ``rank``:
+            a collective rendezvous."""
             mine = symm_mem.empty(numel, dtype=dtype, device=device)
             mine.zero_()
-            peer = symm_mem.rendezvous(mine, name).get_buffer(1 - rank, (numel,), dtype, 0)
-            return mine, peer
+            handle = symm_mem.rendezvous(mine, name)
+            return [mine if r == rank else handle.get_buffer(r, (numel,), dtype, 0) for r in range(size)]
 
-        self.products, self.peer_products = shared(SLOTS * SLOT_BYTES, torch.uint8)
+        def shared(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            """(this rank's zeroed buffer in symmetric memory, the peer's) at two ranks."""
+            buffers = every(numel, dtype)
+            return buffers[rank], buffers[1 - rank]
+
+        products = every(SLOTS * SLOT_BYTES, torch.uint8)
+        self.products = products[rank]
+        self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
+        if size > 2:
+            from prefixserve.model.kernels.ranks_norm import MAX_RANKS
+
+            def addresses(buffers: list[torch.Tensor], offset: int = 0) -> torch.Tensor:
+                return torch.tensor(
+                    [b.data_ptr() + offset for b in buffers], dtype=torch.int64, device=device
+                )
+
+            # slot s of every rank, by rank; rank q's program i writes its meetings into counts[q, i]
+            self.tables = [addresses(products, s * SLOT_BYTES) for s in range(SLOTS)]
+            counts = every(MAX_RANKS * MAX_PROGRAMS, torch.int64)
+            self.counts, self.counts_table = counts[rank], addresses(counts)
+            torch.cuda.synchronize(device)
+            dist.barrier(group)  # every rank's counts are zero before any rank signals
+            return
+        self.peer_products = products[1 - rank]
         # push (``config.peer_push_mode``): the peer writes its product into this rank's incoming
         # slots, and this rank into the peer's
         self.incoming, self.peer_incoming = shared(SLOTS * SLOT_BYTES, torch.uint8)
@@ -167,15 +203,12 @@ class _FusedSlots:
         # writes its count of calls into counts[i], and calls[i] is this rank's own (int64: never wraps)
         self.flags, self.peer_flags = shared(MAX_PROGRAMS, torch.int32)
         self.counts, self.peer_counts = shared(MAX_PROGRAMS, torch.int64)
-        self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
         # the sharded argmax's exchange (``kernels/peer_argmax.py``): (score, column) a row, and its
         # own call counts
         picks, peer_picks = shared(2 * PICK_ROWS, torch.float32)
         self.picks, self.peer_picks = picks.view(2, PICK_ROWS), peer_picks.view(2, PICK_ROWS)
         self.pick_counts, self.peer_pick_counts = shared(PICK_PROGRAMS, torch.int64)
         self.pick_calls = torch.zeros(PICK_PROGRAMS, dtype=torch.int64, device=device)
-        self.rank = rank
-        self.abort = abort.flag
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
@@ -196,6 +229,10 @@ class _FusedSlots:
             self.pick_calls,
             self.abort,
         )
+
+    def mine(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's [rows, cols] product in ``slot``."""
+        return self._view(self.products, slot, rows, cols, dtype)
 
     def views(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's, the peer's) [rows, cols] product in ``slot``."""
@@ -220,7 +257,7 @@ class _FusedSlots:
 
 @dataclass(frozen=True, slots=True)
 class PeerSum:
-    """Two ranks' row-parallel products not yet summed: the next RMSNorm sums them with the residual
+    """The ranks' row-parallel products not yet summed: the next RMSNorm sums them with the residual
     (``add_rms_norm``) in one kernel. ``mine`` is this rank's product, in the slot it was written to."""
 
     slots: _FusedSlots
@@ -230,12 +267,14 @@ class PeerSum:
     def add_rms_norm(
         self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(sum + residual) * weight, sum + residual)``, the sum over both ranks (no
+        """``(rms_norm(sum + residual) * weight, sum + residual)``, the sum over the ranks (no
         residual: the first layer's norm of the embedding's lookups, ``(rms_norm(sum) * weight, sum)``)."""
         from prefixserve import config
         from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
 
         mine, slots = self.mine, self.slots
+        if slots.size > 2:
+            return self._ranks_norm(residual, weight, eps)
         shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
         push, mode, swap = None, config.peer_push_mode(), config.peer_signal_mode() == "swap"
         # meeting by call count, a pull is as fast or faster at every size (docs/kernels.md §8)
@@ -249,6 +288,27 @@ class PeerSum:
             flags, calls = (slots.counts, slots.peer_counts), slots.calls
         return peer_add_rms_norm(
             mine, peer, residual, weight, eps, *flags, push, calls=calls, abort=slots.abort
+        )
+
+    def _ranks_norm(
+        self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Past two ranks: one-shot for a few rows, two-shot above (``ONE_SHOT_MAX_ROWS``)."""
+        from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
+
+        s = self.slots
+        return ranks_add_rms_norm(
+            s.tables[self.slot],
+            s.rank,
+            self.mine,
+            residual,
+            weight,
+            eps,
+            s.counts,
+            s.counts_table,
+            s.calls,
+            s.abort,
+            two_shot=self.mine.shape[0] > ONE_SHOT_MAX_ROWS,
         )
 
 

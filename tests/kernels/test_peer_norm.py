@@ -115,6 +115,8 @@ def test_call_count_signal_wants_int64_flags() -> None:
 class _Slots:
     """One rank's view of ``_FusedSlots`` on one device: the peer has already made its call."""
 
+    size = 2
+
     def __init__(self, rows: int, cols: int) -> None:
         gen = torch.Generator().manual_seed(rows)
         self.mine, self.peer_product, self.incoming = (

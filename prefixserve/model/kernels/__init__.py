@@ -14,11 +14,13 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
   * gate_up: the gate-up projection with SiLU-and-mul in its epilogue ([T, 2I] never written);
   * peer_norm: at two ranks, the all-reduce of a row-parallel product (the peer's read over NVLink)
     with the residual add and RMSNorm after it;
+  * ranks_norm: the same at three to eight ranks, one-shot or two-shot (its row-end is peer_norm's);
   * embedding: a vocabulary shard's lookups written where the ranks' sum reads them;
   * peer_argmax: at two ranks, the sharded argmax's exchange of each row's best column.
 
 The activation is one jit function (``silu_mul.silu_mul``) that the elementwise kernel and both
-matmul epilogues call; gate_up also takes the skinny kernel; the other modules stand alone.
+matmul epilogues call; gate_up also takes the skinny kernel; ranks_norm takes peer_norm's waits
+and row-end; the other modules stand alone.
 Triton is optional, as for the attention kernels: the modules load it through ``require_triton`` and
 are imported only when a CUDA tensor takes the fused path, so ``import prefixserve`` never needs it.
 docs/kernels.md ("Dense path") says how they work.

@@ -122,21 +122,30 @@ def _peer_add_rms_norm_kernel(
             polls, gone = _polled(polls, gone, abort_ptr)
         while (tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1) & (gone == 0):
             polls, gone = _polled(polls, gone, abort_ptr)
-    dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
         at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
         a = tl.load(mine_ptr + at, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(peer_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        x = (a + b).to(dtype)  # the all-reduce's sum
-        if HAS_RESIDUAL:  # then the residual add
-            r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) + r).to(dtype)
-        tl.store(res_out_ptr + at, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        normed = (xf * rstd).to(dtype).to(tl.float32)
-        tl.store(out_ptr + at, (normed * w).to(dtype), mask=mask)
+        add_norm_store(a + b, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL)
+
+
+@triton.jit
+def add_norm_store(
+    summed, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr
+):
+    """One row's end: the ranks' fp32 ``summed`` rounded to the model dtype (the all-reduce's sum),
+    the residual added, stored as the stream, normalised and stored."""
+    dtype = out_ptr.dtype.element_ty
+    x = summed.to(dtype)
+    if HAS_RESIDUAL:  # then the residual add
+        r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + r).to(dtype)
+    tl.store(res_out_ptr + at, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * rstd).to(dtype).to(tl.float32)
+    tl.store(out_ptr + at, (normed * w).to(dtype), mask=mask)
 
 
 _bound = BoundKernel(_peer_add_rms_norm_kernel)
