@@ -35,6 +35,7 @@ from prefixserve.triton_support import require_triton
 triton, tl = require_triton()
 
 MAX_RANKS = 8  # one host's NVLink domain
+COUNTS_ROW: tl.constexpr = tl.constexpr(MAX_PROGRAMS)  # a rank's row of the counts (a jit global)
 
 
 @triton.jit
@@ -52,14 +53,14 @@ def _meet(
     after this program's stores), then wait until every other rank's has."""
     for q in tl.static_range(RANKS):
         if q != RANK:
-            theirs = tl.load(counts_table_ptr + q).to(tl.pointer_type(tl.int64)) + RANK * MAX_PROGRAMS + pid
+            theirs = tl.load(counts_table_ptr + q).to(tl.pointer_type(tl.int64)) + RANK * COUNTS_ROW + pid
             if RELEASE:
                 tl.atomic_xchg(theirs, meeting, sem="release", scope="sys")
             else:
                 tl.atomic_xchg(theirs, meeting, sem="relaxed", scope="sys")
     for q in tl.static_range(RANKS):
         if q != RANK:
-            wait_for_count(my_counts_ptr + q * MAX_PROGRAMS + pid, meeting, abort_ptr)
+            wait_for_count(my_counts_ptr + q * COUNTS_ROW + pid, meeting, abort_ptr)
 
 
 @triton.jit
@@ -67,9 +68,15 @@ def _row_sum(products_ptr, at, mask, dtype, BLOCK: tl.constexpr, RANKS: tl.const
     """The ranks' products at ``at``, summed in rank order in fp32."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for q in tl.static_range(RANKS):
-        product = tl.load(products_ptr + q).to(tl.pointer_type(dtype))
-        acc += tl.load(product + at, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(_product(products_ptr, q, dtype) + at, mask=mask, other=0.0).to(tl.float32)
     return acc
+
+
+@triton.jit
+def _product(products_ptr, q, dtype):
+    """Rank ``q``'s product, its address from the table: 16-byte aligned (symmetric buffers, slots of
+    8 MiB), said so, or the loads of every row go one element at a time."""
+    return tl.multiple_of(tl.load(products_ptr + q).to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
@@ -108,7 +115,7 @@ def _ranks_add_rms_norm_kernel(
     # every rank's ready to read, and nothing of this kernel's needs ordering before it
     _meet(my_counts_ptr, counts_table_ptr, meeting, pid, abort_ptr, RANK, RANKS, False)
     if TWO_SHOT:
-        mine = tl.load(products_ptr + RANK).to(tl.pointer_type(dtype))
+        mine = _product(products_ptr, RANK, dtype)
         for group in range(pid, tl.cdiv(n_rows, RANKS), programs):  # this rank's row of each group
             row = group * RANKS + RANK
             if row < n_rows:
@@ -124,7 +131,7 @@ def _ranks_add_rms_norm_kernel(
                     row = group * RANKS + q
                     if row < n_rows:
                         at = row * stride + cols
-                        theirs = tl.load(products_ptr + q).to(tl.pointer_type(dtype))
+                        theirs = _product(products_ptr, q, dtype)
                         summed = tl.load(theirs + at, mask=mask, other=0.0).to(tl.float32)
                         add_norm_store(
                             summed, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL
