@@ -36,7 +36,8 @@ ALIGNED = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11)  # argument positions with 16-byte
 
 for two_shot in (False, True):
     for block, warps in ((4096, 8), (8192, 16)):
-        consts = {"RANK": 1, "RANKS": 4, "BLOCK": block, "TWO_SHOT": two_shot, "HAS_RESIDUAL": True}
+        consts = {"RANK": 1, "RANKS": 4, "RANKS_P2": 4, "BLOCK": block, "TWO_SHOT": two_shot}
+        consts["HAS_RESIDUAL"] = True
         src = ASTSource(
             fn=ranks_norm._ranks_add_rms_norm_kernel,
             signature={**SIGNATURE, **dict.fromkeys(consts, "constexpr")},

@@ -9,9 +9,9 @@ sums, adds the residual and normalises, in one of two ways:
   NVLink a rank), after one meeting;
 - two-shot: rows go in groups of N, row ``q`` of a group summed by rank ``q`` alone (1 / N of the rows
   from every rank), its sum written over this rank's own product row (no other rank reads that row
-  before the second meeting); after a second meeting each rank reads the other ranks' sums of the
-  group's rows and normalises every row itself: 2 (N - 1) / N products a rank cross NVLink, as in
-  a two-shot all-reduce, and the norm rides along.
+  before the second meeting); after a second meeting each rank reads the group's sums, all rows at
+  once, and normalises every row itself: 2 (N - 1) / N products a rank cross NVLink, as in a
+  two-shot all-reduce, and the norm rides along.
 
 Every rank sums the ranks' products in rank order in fp32 and rounds once, so every rank's residual
 stream is the same bit for bit (in two-shot each row's sum is made once and copied).
@@ -96,6 +96,7 @@ def _ranks_add_rms_norm_kernel(
     eps,
     RANK: tl.constexpr,
     RANKS: tl.constexpr,
+    RANKS_P2: tl.constexpr,  # RANKS rounded up to a power of two (a group's tile)
     BLOCK: tl.constexpr,
     TWO_SHOT: tl.constexpr = False,
     HAS_RESIDUAL: tl.constexpr = True,
@@ -116,26 +117,33 @@ def _ranks_add_rms_norm_kernel(
     _meet(my_counts_ptr, counts_table_ptr, meeting, pid, abort_ptr, RANK, RANKS, False)
     if TWO_SHOT:
         mine = _product(products_ptr, RANK, dtype)
-        for group in range(pid, tl.cdiv(n_rows, RANKS), programs):  # this rank's row of each group
+        groups = tl.cdiv(n_rows, RANKS)
+        for group in range(pid, groups, programs):  # this rank's row of each group: its sum, for all
             row = group * RANKS + RANK
             if row < n_rows:
                 at = row * stride + cols
                 summed = _row_sum(products_ptr, at, mask, dtype, BLOCK, RANKS)
-                add_norm_store(summed, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL)
-                tl.store(mine + at, summed.to(dtype), mask=mask)  # the row's sum, for the others
+                tl.store(mine + at, summed.to(dtype), mask=mask)
         tl.debug_barrier()  # every thread's stores issued before the release below
         _meet(my_counts_ptr, counts_table_ptr, meeting + 1, pid, abort_ptr, RANK, RANKS, True)
-        for group in range(pid, tl.cdiv(n_rows, RANKS), programs):  # the others' rows: their sums
-            for q in tl.static_range(RANKS):
-                if q != RANK:
-                    row = group * RANKS + q
-                    if row < n_rows:
-                        at = row * stride + cols
-                        theirs = _product(products_ptr, q, dtype)
-                        summed = tl.load(theirs + at, mask=mask, other=0.0).to(tl.float32)
-                        add_norm_store(
-                            summed, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL
-                        )
+        # every row of the group at once (their loads all in flight), this rank's own among them: one
+        # code path normalises each row on every rank, so every rank's output is the same bit for bit
+        ranks = tl.arange(0, RANKS_P2)
+        owners = tl.load(products_ptr + ranks, mask=ranks < RANKS, other=0).to(tl.pointer_type(dtype))
+        owners = tl.multiple_of(owners, 16)
+        for group in range(pid, groups, programs):
+            rows = group * RANKS + ranks
+            at2 = rows[:, None] * stride + cols[None, :]
+            mask2 = ((ranks < RANKS) & (rows < n_rows))[:, None] & mask[None, :]
+            x = tl.load(owners[:, None] + at2, mask=mask2, other=0.0)  # the sums, model dtype
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + at2, mask=mask2, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) + r).to(dtype)
+            tl.store(res_out_ptr + at2, x, mask=mask2)
+            xf = x.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+            normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+            tl.store(out_ptr + at2, (normed * w[None, :]).to(dtype), mask=mask2)
     else:
         for row in range(pid, n_rows, programs):
             at = row * stride + cols  # T x N < 2**31: a slot holds at most 8 MiB
@@ -203,6 +211,7 @@ def ranks_add_rms_norm(
         eps,
         RANK=rank,
         RANKS=ranks,
+        RANKS_P2=triton.next_power_of_2(ranks),
         BLOCK=block,
         TWO_SHOT=two_shot,
         HAS_RESIDUAL=residual is not None,
