@@ -56,7 +56,7 @@ def _ranks_worker(rank: int, size: int, init: str, queue) -> None:
     join_group(rank, size, init)
     meet = Meeting(PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "test-ranks-norm"))
     wrong = {}
-    variants = {"one-shot": {"two_shot": False}, "two-shot": {"two_shot": True}, "engine": {"engine": True}}
+    variants = {"ranks kernel": {"ranks": True}, "engine": {"engine": True}}
     for name, variant in variants.items():
         for rows in (*ROWS, 3, 33):
             for dtype in (torch.float32, torch.bfloat16):
@@ -66,10 +66,11 @@ def _ranks_worker(rank: int, size: int, init: str, queue) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
-def test_four_ranks_sum_fresh_products_one_shot_and_two_shot() -> None:
+def test_four_ranks_sum_fresh_products() -> None:
     """``kernels/ranks_norm.py`` over 4 GPUs: every rank's output of 200 graphed calls with fresh
-    products equals the rank-order sum of the gathered products (so every rank's is the same),
-    one-shot, two-shot (row counts that leave a group short) and as the engine picks."""
+    products equals the rank-order sum of the gathered products (so every rank's is the same), the
+    kernel forced at every size and as the engine calls it (the kernel up to 32 rows, the two-shot
+    all-reduce and the norm above)."""
     from benchmarks.harness.ranks import run_ranks
 
     results = run_ranks(_ranks_worker, size=4, timeout=300)

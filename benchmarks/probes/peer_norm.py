@@ -11,8 +11,8 @@ N GPUs (``--ranks``, default 2), one process each (NCCL group, peer memory as th
   half-written product);
 - timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel as the
   engine calls it; at two ranks also with each rank's product pushed into the peer's memory before
-  the barrier (push, ``PREFIXSERVE_PEER_PUSH=1``; checked the same way), past two each of
-  ``ranks_norm``'s ways forced (one-shot, two-shot; checked the same way); the engine's unfused path
+  the barrier (push, ``PREFIXSERVE_PEER_PUSH=1``; checked the same way), past two ``ranks_norm``
+  forced at every size (one-shot; checked the same way); the engine's unfused path
   (PyTorch's two-shot all-reduce in peer memory, then ``add_rms_norm``); ``add_rms_norm`` alone (the
   floor a fused kernel cannot beat); a two-shot all-reduce's bytes into a rank (2 (N - 1) / N
   products) at 450 GB/s (NVLink 4 one way) for scale.
@@ -92,10 +92,9 @@ def _time(peer, rows: int, hidden: int, full: bool = True) -> dict:
     out["norm_alone_us"] = ranks_graph_us(lambda i: fused.add_rms_norm(local, weight, EPS, residual))
     size = dist.get_world_size()  # a two-shot all-reduce's bytes into each rank: 2 (N - 1) / N products
     out["nvlink_bound_us"] = 2 * (size - 1) / size * out["bytes"] / (NVLINK_GBPS * 1e3)
-    if size > 2:  # kernels/ranks_norm.py's two ways, forced
+    if size > 2:  # kernels/ranks_norm.py at every size (the engine takes it up to RANKS_MAX_ROWS)
         meet = Meeting(peer)
-        for name, variant in (("one_shot", {"two_shot": False}), ("two_shot_fused", {"two_shot": True})):
-            out[f"{name}_us"] = ranks_graph_us(lambda i, v=variant: meet.call(v, i % 2, residual, weight))
+        out["one_shot_us"] = ranks_graph_us(lambda i: meet.call({"ranks": True}, i % 2, residual, weight))
     return out
 
 
@@ -111,7 +110,7 @@ def _worker(rank: int, size: int, init: str, queue, hidden_sizes: list[int], row
             row = {"hidden": hidden, "rows": b}
             # two ranks: pushed and pulled (pull last: the other columns time the default); more:
             # the engine's choice, and each of ranks_norm's two ways checked apart
-            modes = ("push", "pull") if size == 2 else ("pull", "one_shot", "two_shot_fused")
+            modes = ("push", "pull") if size == 2 else ("pull", "one_shot")
             for mode in modes:
                 os.environ["PREFIXSERVE_PEER_PUSH"] = "1" if mode == "push" else "0"  # "auto" left
                 for dtype in (torch.float32, torch.bfloat16):
@@ -119,9 +118,8 @@ def _worker(rank: int, size: int, init: str, queue, hidden_sizes: list[int], row
                         name = str(dtype).removeprefix("torch.") + ("" if mode == "pull" else f"_{mode}")
                         if mode in ("pull", "push"):
                             row[name] = _check(peer, b, hidden, dtype, rank)
-                        else:
-                            variant = {"two_shot": mode == "two_shot_fused"}
-                            wrong = wrong_outputs(Meeting(peer), variant, b, hidden, dtype, rank)
+                        else:  # ranks_norm at every size
+                            wrong = wrong_outputs(Meeting(peer), {"ranks": True}, b, hidden, dtype, rank)
                             row[name] = {"graphed_calls_wrong": wrong}
                 if mode == "push":
                     row["fused_push_us"] = _time(peer, b, hidden, full=False)["fused_us"]
@@ -167,8 +165,8 @@ def _table(result: list[dict], ranks: int, info: dict) -> list[str]:
             "max err bf16 (push)",
         )
     else:
-        head = ("hidden", "B", "MB", "engine", "one-shot", "two-shot fused", "two-shot + norm", "two-shot")
-        head += ("norm alone", "NVLink bound", "engine / (two-shot + norm)", "wrong bf16 / fp32 (one / two)")
+        head = ("hidden", "B", "MB", "engine", "one-shot", "two-shot + norm", "two-shot")
+        head += ("norm alone", "NVLink bound", "engine / (two-shot + norm)", "wrong bf16 / fp32 (one-shot)")
         head += ("max err bf16", "ranks equal")
     lines += ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for r in result:
@@ -179,8 +177,7 @@ def _table(result: list[dict], ranks: int, info: dict) -> list[str]:
             cells += (f"{r.get('fused_push_us', nan):.1f}",)
         else:
             keys = ("bfloat16", "float32", "bfloat16_one_shot", "float32_one_shot")
-            keys += ("bfloat16_two_shot_fused", "float32_two_shot_fused")
-            cells += (f"{r.get('one_shot_us', nan):.1f}", f"{r.get('two_shot_fused_us', nan):.1f}")
+            cells += (f"{r.get('one_shot_us', nan):.1f}",)
         wrong = [r.get(k, {}).get("graphed_calls_wrong", "-") for k in keys]
         cells += (f"{two or nan:.1f}", f"{r.get('two_shot_us', nan):.1f}", f"{r['norm_alone_us']:.1f}")
         cells += (f"{r['nvlink_bound_us']:.1f}", f"{r['fused_us'] / two if two else nan:.2f}")
@@ -189,7 +186,7 @@ def _table(result: list[dict], ranks: int, info: dict) -> list[str]:
             errs = [r.get(k, {}).get("max_err", nan) for k in ("bfloat16", "bfloat16_push")]
             cells += (f"{errs[0]:.3g} ({errs[1]:.3g})",)
         else:
-            cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]}, {wrong[4]} / {wrong[5]})",)
+            cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]})",)
             bf16 = r.get("bfloat16", {})
             cells += (f"{bf16.get('max_err', nan):.3g}", str(bf16.get("ranks_bitwise_equal", "-")))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")

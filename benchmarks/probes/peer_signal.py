@@ -60,7 +60,7 @@ class Meeting:
         shape = (slot, *residual.shape, residual.dtype)
         if variant.get("engine"):  # the engine's call site, as the switches say
             return fused.add_rms_norm(self.peer.product_slot(*shape), weight, EPS, residual)
-        if "two_shot" in variant:  # past two ranks: kernels/ranks_norm.py, one-shot or two-shot
+        if variant.get("ranks"):  # kernels/ranks_norm.py at every size (the engine: a few rows)
             from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
 
             s = self.slots
@@ -75,7 +75,6 @@ class Meeting:
                 s.counts_table,
                 s.calls,
                 s.abort,
-                two_shot=variant["two_shot"],
                 num_warps=warps,
             )
         mine, peer = self.slots.views(*shape)

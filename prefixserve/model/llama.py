@@ -151,9 +151,9 @@ class RowParallelLinear(Linear):
         """The product summed over the ranks, for a norm that adds it to the residual stream next.
 
         With a product ``slot`` (``peer_allreduce``'s: consecutive calls never share one) the sum may
-        be left to that norm: at 2-8 ranks a ``PeerSum`` comes back, which ``fused.add_rms_norm``
-        sums over NVLink with the residual add and the norm in one kernel (``kernels/peer_norm.py``,
-        ``kernels/ranks_norm.py``).
+        be left to that norm: where ``product_slot`` gives one, a ``PeerSum`` comes back, which
+        ``fused.add_rms_norm`` sums over NVLink with the residual add and the norm in one kernel
+        (``kernels/peer_norm.py``, ``kernels/ranks_norm.py``).
 
         On the peer path the product (cuBLAS, or the skinny kernel at a few rows) is written straight
         into the peer buffer and the sum is returned there: the copies in and out of the buffer (130
@@ -189,7 +189,7 @@ class VocabParallelEmbedding(LoadedLater, nn.Embedding):
         return self.shard.all_reduce(fused.shard_lookup(ids, self.weight, self.src[0]))
 
     def summed_later(self, ids: torch.Tensor) -> torch.Tensor | fused.PeerSum:
-        """``forward(ids)``, except that on the fused path (2-8 ranks) the lookups are written into
+        """``forward(ids)``, except that on the fused path (``product_slot``) the lookups are written into
         the embedding's product slot and come back unsummed (``PeerSum``): the first layer's norm
         sums them (``DecoderLayer.before_attention``), saving the all-reduce and its copies."""
         peer = self.shard.peer
@@ -289,7 +289,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor | fused.PeerSum:  # [T, hidden]
         """The MLP's output; with ``partials`` (for a norm next: ``fused.add_rms_norm`` takes them)
         maybe the down projection's fp32 split-K partials [S, T, hidden] instead (one process), or
-        on the fused path (2-8 ranks) the ranks' products unsummed (``PeerSum``, ``MLP_SLOT``)."""
+        on the fused path (``product_slot``) the ranks' products unsummed (``PeerSum``, ``MLP_SLOT``)."""
         # [T, I] (this rank's columns: on a GPU without the [T, 2I] product), then the ranks' sums added
         if x.is_cuda:
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight)

@@ -10,8 +10,8 @@ copied into one such buffer, reduced there and copied back: two device copies, g
 The all-reduces that an RMSNorm follows (after attention, after the MLP, and the embedding's before
 the first layer) go further: the product is written into a product slot and one kernel reads the
 other ranks' slots, sums, adds the residual and normalises (``PeerSum``): ``kernels/peer_norm.py`` at
-two ranks (one barrier), ``kernels/ranks_norm.py`` at three to eight (docs/kernels.md has the
-measured gains).
+two ranks (one barrier), ``kernels/ranks_norm.py`` at three to eight up to ``RANKS_MAX_ROWS`` rows
+(docs/kernels.md has the measured gains).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ SLOTS = 3
 # §8); meeting by call count it always pulls
 PUSH_MAX_ROWS = 64
 PICK_ROWS = 4096  # rows the sharded argmax trades over peer memory (more go through NCCL)
-# past two ranks, the fused call reads every rank's whole product (one-shot) up to this many rows,
-# and above sums 1 / N of the rows a rank, then gathers the sums (two-shot)
-ONE_SHOT_MAX_ROWS = 32
+# past two ranks the fused call (every rank's whole product read: one-shot) takes at most this many
+# rows; above, the two-shot's fewer bytes win (4 x H200, [32, 4096] 9.9 vs 10.9 us, [64, 4096] 11.8
+# vs 11.4: docs/kernels.md §8)
+RANKS_MAX_ROWS = 32
 
 
 class PeerAllReduce:
@@ -125,6 +126,8 @@ class PeerAllReduce:
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None
         if nbytes > SLOT_BYTES or cols > MAX_HIDDEN:
+            return None
+        if self.fused.size > 2 and rows > RANKS_MAX_ROWS:
             return None
         return PeerSum(self.fused, slot, self.fused.mine(slot, rows, cols, dtype))
 
@@ -293,7 +296,7 @@ class PeerSum:
     def _ranks_norm(
         self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Past two ranks: one-shot for a few rows, two-shot above (``ONE_SHOT_MAX_ROWS``)."""
+        """Past two ranks (at most ``RANKS_MAX_ROWS`` rows: ``product_slot``)."""
         from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
 
         s = self.slots
@@ -308,7 +311,6 @@ class PeerSum:
             s.counts_table,
             s.calls,
             s.abort,
-            two_shot=self.mine.shape[0] > ONE_SHOT_MAX_ROWS,
         )
 
 

@@ -3,7 +3,7 @@
 A separate process: tests/kernels/conftest.py sets TRITON_INTERPRET=1, under which nothing is
 compiled, and the interpreter runs a jit function's Python as it is (a non-constexpr global or a
 load the compiler cannot vectorise shows only here). Pointer and size arguments carry the 16-byte
-divisibility Triton's launcher gives aligned ones. Prints one JSON line per (two_shot, block).
+divisibility Triton's launcher gives aligned ones. Prints one JSON line per (ranks, block).
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ SIGNATURE = {
 }
 ALIGNED = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11)  # argument positions with 16-byte divisibility
 
-for two_shot in (False, True):
+for ranks in (3, 4):
     for block, warps in ((4096, 8), (8192, 16)):
-        consts = {"RANK": 1, "RANKS": 4, "RANKS_P2": 4, "BLOCK": block, "TWO_SHOT": two_shot}
-        consts["HAS_RESIDUAL"] = True
+        consts = {"RANK": 1, "RANKS": ranks, "BLOCK": block, "HAS_RESIDUAL": True}
         src = ASTSource(
             fn=ranks_norm._ranks_add_rms_norm_kernel,
             signature={**SIGNATURE, **dict.fromkeys(consts, "constexpr")},
@@ -49,4 +48,4 @@ for two_shot in (False, True):
             "v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
             "b16_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b16\s", ptx)),
         }
-        print(json.dumps({"two_shot": two_shot, "block": block, **counts}), flush=True)
+        print(json.dumps({"ranks": ranks, "block": block, **counts}), flush=True)

@@ -1,9 +1,8 @@
 """The fused all-reduce + residual add + RMSNorm past two ranks against its torch reference.
 
 One process plays one rank of N: the other ranks' products and counts are ordinary tensors whose
-addresses go in the tables, their counts already showing every meeting, as after their programs ran
-first. In two-shot, the other ranks' rows of each group already hold their sums (what their first
-half wrote before the second meeting). (N real ranks over NVLink: ``tests/test_peer_norm_gpu.py``.)"""
+addresses go in the tables, their counts already showing their call, as after their programs ran
+first. (N real ranks over NVLink: ``tests/test_peer_norm_gpu.py``.)"""
 
 from __future__ import annotations
 
@@ -23,30 +22,18 @@ def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _as_rank(
-    rank: int,
-    products: list[torch.Tensor],
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    two_shot: bool,
+    rank: int, products: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """One rank's call, the others having run: (out, sum, the others' counts, this rank's calls)."""
+    """One rank's call, the others having made theirs: (out, sum, every rank's counts, this rank's calls)."""
     ranks = len(products)
-    buffers = [p.clone() for p in products]
-    if two_shot:  # each other rank q has summed row q of every group into its own product
-        acc = torch.zeros(products[0].shape, dtype=torch.float32, device=DEVICE)
-        for p in products:
-            acc = acc + p.float()
-        for q in range(ranks):
-            if q != rank:
-                buffers[q][q::ranks] = acc.to(products[0].dtype)[q::ranks]
     counts = [torch.zeros(MAX_RANKS * MAX_PROGRAMS, dtype=torch.int64, device=DEVICE) for _ in range(ranks)]
-    counts[rank].view(MAX_RANKS, MAX_PROGRAMS)[:ranks] = 2  # every meeting of the first call
+    counts[rank].view(MAX_RANKS, MAX_PROGRAMS)[:ranks] = 1  # every other rank's first call
     calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=DEVICE)
     abort = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out, summed = ranks_add_rms_norm(
-        _addresses(buffers),
+        _addresses(products),
         rank,
-        buffers[rank],
+        products[rank],
         residual,
         weight,
         EPS,
@@ -54,48 +41,44 @@ def _as_rank(
         _addresses(counts),
         calls,
         abort,
-        two_shot=two_shot,
     )
     return out, summed, counts, calls
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("two_shot", [False, True])
 @pytest.mark.parametrize(
     ("ranks", "rank", "rows", "hidden"),
     [(3, 0, 1, 64), (3, 2, 7, 96), (4, 1, 9, 40), (4, 3, 4, 64), (8, 5, 30, 32), (5, 4, 13, 48)],
 )
 def test_ranks_add_rms_norm_matches_reference(
-    dtype: torch.dtype, two_shot: bool, ranks: int, rank: int, rows: int, hidden: int
+    dtype: torch.dtype, ranks: int, rank: int, rows: int, hidden: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows * hidden + ranks)
     products = [torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype) for _ in range(ranks)]
     residual = torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
-    out, summed, counts, calls = _as_rank(rank, products, residual, weight, two_shot)
+    out, summed, counts, calls = _as_rank(rank, products, residual, weight)
     ref, ref_summed = ranks_add_rms_norm_ref(products, residual, weight, EPS)
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
     torch.testing.assert_close(summed, ref_summed, **tol)
     torch.testing.assert_close(out, ref, **tol)
-    programs = min(-(-rows // ranks) if two_shot else rows, MAX_PROGRAMS)
-    meetings = 2 if two_shot else 1
-    assert calls[:programs].eq(meetings).all() and calls[programs:].eq(0).all()
-    for q in range(ranks):  # each program told every other rank of its last meeting, at [rank, program]
+    programs = min(rows, MAX_PROGRAMS)
+    assert calls[:programs].eq(1).all() and calls[programs:].eq(0).all()
+    for q in range(ranks):  # each program told every other rank of its call, at [rank, program]
         if q != rank:
             told = counts[q].view(MAX_RANKS, MAX_PROGRAMS)
-            assert told[rank, :programs].eq(meetings).all() and told[rank, programs:].eq(0).all()
+            assert told[rank, :programs].eq(1).all() and told[rank, programs:].eq(0).all()
             assert told[torch.arange(MAX_RANKS) != rank].eq(0).all()
 
 
-@pytest.mark.parametrize("two_shot", [False, True])
-def test_every_rank_gets_the_same_stream_bit_for_bit(two_shot: bool) -> None:
-    """Each rank sums the products in rank order (or copies the owner's sum): the replicated
-    residual streams must come out identical, or the ranks drift apart."""
+def test_every_rank_gets_the_same_stream_bit_for_bit() -> None:
+    """Each rank sums the products in rank order: the replicated residual streams must come out
+    identical, or the ranks drift apart."""
     gen = torch.Generator().manual_seed(11)
     products = [torch.randn(6, 64, generator=gen).to(DEVICE) * 10 ** (i % 3) for i in range(4)]
     residual = torch.randn(6, 64, generator=gen).to(DEVICE)
     weight = torch.ones(64, device=DEVICE)
-    results = [_as_rank(rank, products, residual, weight, two_shot)[:2] for rank in range(4)]
+    results = [_as_rank(rank, products, residual, weight)[:2] for rank in range(4)]
     for out, summed in results[1:]:
         assert torch.equal(summed, results[0][1]) and torch.equal(out, results[0][0])
 
@@ -104,7 +87,7 @@ def test_the_embeddings_sum_has_no_residual() -> None:
     gen = torch.Generator().manual_seed(5)
     products = [torch.randn(3, 32, generator=gen).to(DEVICE) for _ in range(3)]
     weight = torch.ones(32, device=DEVICE)
-    out, summed, _, _ = _as_rank(1, products, None, weight, True)
+    out, summed, _, _ = _as_rank(1, products, None, weight)
     ref, ref_summed = ranks_add_rms_norm_ref(products, None, weight, EPS)
     torch.testing.assert_close(summed, ref_summed)
     torch.testing.assert_close(out, ref)
@@ -124,42 +107,50 @@ def test_ranks_add_rms_norm_refuses_bad_tables() -> None:
         ranks_add_rms_norm(table, 0, x, x, x[0], EPS, counts[:8], _addresses([counts] * 3), calls, abort)
 
 
-@pytest.mark.parametrize("rows", [3, 40])
-def test_peer_sum_past_two_ranks_takes_the_ranks_kernel(rows: int) -> None:
-    """The engine's call site at four ranks: one-shot up to ``ONE_SHOT_MAX_ROWS`` rows (one meeting
-    a program), two-shot above (two meetings, a program per group of four rows)."""
+def test_peer_sum_past_two_ranks_takes_the_ranks_kernel() -> None:
+    """The engine's call site at four ranks: the norm sums through ``ranks_add_rms_norm``."""
     from types import SimpleNamespace
 
-    from prefixserve.model.peer_allreduce import ONE_SHOT_MAX_ROWS, PeerSum
+    from prefixserve.model.peer_allreduce import PeerSum
 
-    ranks, rank, cols = 4, 2, 32
+    ranks, rank, rows, cols = 4, 2, 3, 32
     gen = torch.Generator().manual_seed(rows)
     products = [torch.randn(rows, cols, generator=gen).to(DEVICE) for _ in range(ranks)]
     residual, weight = torch.randn(rows, cols, generator=gen).to(DEVICE), torch.ones(cols, device=DEVICE)
-    two_shot = rows > ONE_SHOT_MAX_ROWS
-    buffers = [p.clone() for p in products]
-    if two_shot:
-        acc = sum((p.float() for p in products), torch.zeros(rows, cols, device=DEVICE))
-        for q in range(ranks):
-            if q != rank:
-                buffers[q][q::ranks] = acc[q::ranks]
     counts = [torch.zeros(MAX_RANKS * MAX_PROGRAMS, dtype=torch.int64, device=DEVICE) for _ in range(ranks)]
-    counts[rank].view(MAX_RANKS, MAX_PROGRAMS)[:ranks] = 2
+    counts[rank].view(MAX_RANKS, MAX_PROGRAMS)[:ranks] = 1
     slots = SimpleNamespace(
         size=ranks,
         rank=rank,
-        tables=[_addresses(buffers)],
+        tables=[_addresses(products)],
         counts=counts[rank],
         counts_table=_addresses(counts),
         calls=torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=DEVICE),
         abort=torch.zeros(1, dtype=torch.int32, device=DEVICE),
     )
-    out, summed = PeerSum(slots, 0, buffers[rank]).add_rms_norm(residual, weight, EPS)  # type: ignore[arg-type]
+    out, summed = PeerSum(slots, 0, products[rank]).add_rms_norm(residual, weight, EPS)  # type: ignore[arg-type]
     ref, ref_summed = ranks_add_rms_norm_ref(products, residual, weight, EPS)
     torch.testing.assert_close(summed, ref_summed)
     torch.testing.assert_close(out, ref)
-    programs = -(-rows // ranks) if two_shot else rows
-    assert slots.calls[:programs].eq(2 if two_shot else 1).all() and slots.calls[programs:].eq(0).all()
+    assert slots.calls[:rows].eq(1).all() and slots.calls[rows:].eq(0).all()
+
+
+@pytest.mark.parametrize(
+    ("ranks", "rows", "fused"), [(2, 512, True), (4, 32, True), (4, 33, False), (8, 1, True)]
+)
+def test_product_slots_past_two_ranks_stop_at_a_few_rows(ranks: int, rows: int, fused: bool) -> None:
+    """Above ``RANKS_MAX_ROWS`` rows at more than two ranks there is no product slot: the layer
+    takes the two-shot all-reduce, then the norm (fewer bytes across NVLink at those sizes)."""
+    from types import SimpleNamespace
+
+    from prefixserve.model.peer_allreduce import RANKS_MAX_ROWS, PeerAllReduce
+
+    assert RANKS_MAX_ROWS == 32
+    peer = object.__new__(PeerAllReduce)
+    mine = torch.zeros(rows, 64)
+    peer.fused = SimpleNamespace(size=ranks, mine=lambda *shape: mine)  # type: ignore[attr-defined]
+    pending = peer.product_slot(0, rows, 64, torch.bfloat16)
+    assert (pending is not None) is fused
 
 
 def test_compiles_for_hopper_with_whole_vector_loads() -> None:

@@ -1,27 +1,23 @@
 """More than two ranks' row-parallel products summed over NVLink, the residual added and RMSNorm applied.
 
 ``peer_norm.py`` does this for two ranks; past two, PyTorch's two-shot all-reduce then ``add_rms_norm``
-was three kernels, copies and their gaps per call. Here every rank maps every rank's product slot
+is two kernels and their gap per call. Here every rank maps every rank's product slot
 (``peer_allreduce._FusedSlots``: a table of addresses, this rank's own among them), and one kernel
-sums, adds the residual and normalises, in one of two ways:
-
-- one-shot: each program reads its rows from every rank's product ((N - 1) whole products over
-  NVLink a rank), after one meeting;
-- two-shot: rows go in groups of N, row ``q`` of a group summed by rank ``q`` alone (1 / N of the rows
-  from every rank), its sum written over this rank's own product row (no other rank reads that row
-  before the second meeting); after a second meeting each rank reads the group's sums, all rows at
-  once, and normalises every row itself: 2 (N - 1) / N products a rank cross NVLink, as in a
-  two-shot all-reduce, and the norm rides along.
+meets the other ranks once, reads each of its rows from every rank's product ((N - 1) whole products
+a rank over NVLink: one-shot), sums, adds the residual and normalises. It pays for a few rows, where
+a call is its meetings' latency; above ``peer_allreduce.RANKS_MAX_ROWS`` the two-shot's fewer bytes
+win and the engine takes that path (docs/kernels.md §8 has both measured, and a fused two-shot that
+lost to PyTorch's).
 
 Every rank sums the ranks' products in rank order in fp32 and rounds once, so every rank's residual
-stream is the same bit for bit (in two-shot each row's sum is made once and copied).
+stream is the same bit for bit.
 
-Meetings go by call count as at two ranks: program ``i`` raises its own count (one atomic per call,
-by the call's meetings), writes each meeting's number into every other rank's flag ``[rank, i]``
-and reads its own flags ``[q, i]`` (acquire) until every other rank ``q`` has reached it. Consecutive
-calls use different slots (``peer_allreduce``), which with one meeting a call makes reuse safe for
-the reason ``peer_norm.py`` gives; a second meeting changes nothing there. A raised abort flag ends
-every wait (``wait_for_count``).
+Meetings go by call count as at two ranks: program ``i`` raises its own count (one atomic a call),
+writes it into every other rank's flag ``[rank, i]`` without waiting for an answer and reads its own
+flags ``[q, i]`` (acquire) until every other rank ``q`` has reached it. The products are the kernels'
+before this one, complete before it began, so the counts go out relaxed. Consecutive calls use
+different slots (``peer_allreduce``), which with one meeting a call makes reuse safe for the reason
+``peer_norm.py`` gives. A raised abort flag ends every wait (``wait_for_count``).
 """
 
 from __future__ import annotations
@@ -39,28 +35,16 @@ COUNTS_ROW: tl.constexpr = tl.constexpr(MAX_PROGRAMS)  # a rank's row of the cou
 
 
 @triton.jit
-def _meet(
-    my_counts_ptr,
-    counts_table_ptr,
-    meeting,
-    pid,
-    abort_ptr,
-    RANK: tl.constexpr,
-    RANKS: tl.constexpr,
-    RELEASE: tl.constexpr,
-):
-    """Tell every other rank's program ``pid`` that this one reached ``meeting`` (with ``RELEASE``,
-    after this program's stores), then wait until every other rank's has."""
+def _meet(my_counts_ptr, counts_table_ptr, call, pid, abort_ptr, RANK: tl.constexpr, RANKS: tl.constexpr):
+    """Tell every other rank's program ``pid`` that this one has made ``call`` calls, then wait until
+    every other rank's has."""
     for q in tl.static_range(RANKS):
         if q != RANK:
-            theirs = tl.load(counts_table_ptr + q).to(tl.pointer_type(tl.int64)) + RANK * COUNTS_ROW + pid
-            if RELEASE:
-                tl.atomic_xchg(theirs, meeting, sem="release", scope="sys")
-            else:
-                tl.atomic_xchg(theirs, meeting, sem="relaxed", scope="sys")
+            theirs = tl.load(counts_table_ptr + q).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(theirs + RANK * COUNTS_ROW + pid, call, sem="relaxed", scope="sys")
     for q in tl.static_range(RANKS):
         if q != RANK:
-            wait_for_count(my_counts_ptr + q * COUNTS_ROW + pid, meeting, abort_ptr)
+            wait_for_count(my_counts_ptr + q * COUNTS_ROW + pid, call, abort_ptr)
 
 
 @triton.jit
@@ -88,7 +72,7 @@ def _ranks_add_rms_norm_kernel(
     res_out_ptr,  # [T, N] the residual stream plus the sum
     my_counts_ptr,  # [MAX_RANKS, MAX_PROGRAMS] int64, this rank's: rank q's program i writes [q, i]
     counts_table_ptr,  # [RANKS] int64: each rank's counts as mapped here
-    calls_ptr,  # [MAX_PROGRAMS] int64, this rank's own: the meetings program i has had
+    calls_ptr,  # [MAX_PROGRAMS] int64, this rank's own: the calls program i has made
     abort_ptr,  # [1] int32, local: nonzero once a peer is gone
     n_rows,
     n_cols,
@@ -96,59 +80,21 @@ def _ranks_add_rms_norm_kernel(
     eps,
     RANK: tl.constexpr,
     RANKS: tl.constexpr,
-    RANKS_P2: tl.constexpr,  # RANKS rounded up to a power of two (a group's tile)
     BLOCK: tl.constexpr,
-    TWO_SHOT: tl.constexpr = False,
     HAS_RESIDUAL: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # one atomic, its answer shared by the program's warps (peer_norm.py says why not a load)
-    if TWO_SHOT:
-        meeting = tl.atomic_add(calls_ptr + pid, 2, sem="relaxed", scope="gpu") + 1
-    else:
-        meeting = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
-    # the products are the kernels' before this one, complete before it began: one meeting makes
-    # every rank's ready to read, and nothing of this kernel's needs ordering before it
-    _meet(my_counts_ptr, counts_table_ptr, meeting, pid, abort_ptr, RANK, RANKS, False)
-    if TWO_SHOT:
-        mine = _product(products_ptr, RANK, dtype)
-        groups = tl.cdiv(n_rows, RANKS)
-        for group in range(pid, groups, programs):  # this rank's row of each group: its sum, for all
-            row = group * RANKS + RANK
-            if row < n_rows:
-                at = row * stride + cols
-                summed = _row_sum(products_ptr, at, mask, dtype, BLOCK, RANKS)
-                tl.store(mine + at, summed.to(dtype), mask=mask)
-        tl.debug_barrier()  # every thread's stores issued before the release below
-        _meet(my_counts_ptr, counts_table_ptr, meeting + 1, pid, abort_ptr, RANK, RANKS, True)
-        # every row of the group at once (their loads all in flight), this rank's own among them: one
-        # code path normalises each row on every rank, so every rank's output is the same bit for bit
-        ranks = tl.arange(0, RANKS_P2)
-        owners = tl.load(products_ptr + ranks, mask=ranks < RANKS, other=0).to(tl.pointer_type(dtype))
-        owners = tl.multiple_of(owners, 16)
-        for group in range(pid, groups, programs):
-            rows = group * RANKS + ranks
-            at2 = rows[:, None] * stride + cols[None, :]
-            mask2 = ((ranks < RANKS) & (rows < n_rows))[:, None] & mask[None, :]
-            x = tl.load(owners[:, None] + at2, mask=mask2, other=0.0)  # the sums, model dtype
-            if HAS_RESIDUAL:
-                r = tl.load(res_ptr + at2, mask=mask2, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) + r).to(dtype)
-            tl.store(res_out_ptr + at2, x, mask=mask2)
-            xf = x.to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-            normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
-            tl.store(out_ptr + at2, (normed * w[None, :]).to(dtype), mask=mask2)
-    else:
-        for row in range(pid, n_rows, programs):
-            at = row * stride + cols  # T x N < 2**31: a slot holds at most 8 MiB
-            summed = _row_sum(products_ptr, at, mask, dtype, BLOCK, RANKS)
-            add_norm_store(summed, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL)
+    call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
+    _meet(my_counts_ptr, counts_table_ptr, call, pid, abort_ptr, RANK, RANKS)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        at = row * stride + cols  # T x N < 2**31: a slot holds at most 8 MiB
+        summed = _row_sum(products_ptr, at, mask, dtype, BLOCK, RANKS)
+        add_norm_store(summed, at, mask, res_ptr, w, out_ptr, res_out_ptr, n_cols, eps, HAS_RESIDUAL)
 
 
 _bound = BoundKernel(_ranks_add_rms_norm_kernel)
@@ -165,12 +111,10 @@ def ranks_add_rms_norm(
     counts_table: torch.Tensor,  # [ranks] int64: each rank's ``my_counts`` as mapped here
     calls: torch.Tensor,  # [MAX_PROGRAMS] int64
     abort: torch.Tensor,  # [1] int32
-    two_shot: bool = False,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(sum + residual) * weight, sum + residual)`` as new tensors, the sum over the ranks'
-    products in rank order. Every rank must make the same call (same rows, same ``two_shot``) at the
-    same point. With ``two_shot`` this rank's product is overwritten with sums."""
+    products in rank order. Every rank must make the same call (same rows) at the same point."""
     ranks = products.numel()
     tokens, n = mine.shape
     if not 2 <= ranks <= MAX_RANKS or not 0 <= rank < ranks:
@@ -191,8 +135,7 @@ def ranks_add_rms_norm(
     res_out = torch.empty_like(mine)
     if tokens == 0:
         return out, res_out
-    work = triton.cdiv(tokens, ranks) if two_shot else tokens
-    programs = min(work, MAX_PROGRAMS, calls.numel())
+    programs = min(tokens, MAX_PROGRAMS, calls.numel())
     block = triton.next_power_of_2(n)
     _bound(
         (programs,),
@@ -211,9 +154,7 @@ def ranks_add_rms_norm(
         eps,
         RANK=rank,
         RANKS=ranks,
-        RANKS_P2=triton.next_power_of_2(ranks),
         BLOCK=block,
-        TWO_SHOT=two_shot,
         HAS_RESIDUAL=residual is not None,
         num_warps=num_warps or min(16, max(1, block // 512)),
     )
