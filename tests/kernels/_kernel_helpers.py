@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,3 +44,24 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(x).all():
         return math.inf
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def compiled_for_hopper(script: str, *args: str, **env: str) -> list[dict]:
+    """Run ``script`` (beside this file: it compiles kernels for sm_90 with the real compiler and
+    prints one JSON line each) in a process without ``TRITON_INTERPRET``; its lines, parsed. Skips
+    where Triton's wheel has no ptxas."""
+    here = Path(__file__).resolve()
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ["PYTHONPATH"] = os.pathsep.join([str(here.parents[2]), environ.get("PYTHONPATH", "")])
+    environ.update(env)
+    run = subprocess.run(
+        [sys.executable, str(here.with_name(script)), *args],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if run.returncode and "ptxas" in run.stderr.lower():  # pragma: no cover - a wheel without ptxas
+        pytest.skip(run.stderr[-500:])
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]

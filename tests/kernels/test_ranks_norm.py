@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE
+from _kernel_helpers import DEVICE, compiled_for_hopper
 
 from prefixserve.model.kernels.peer_norm import MAX_PROGRAMS
 from prefixserve.model.kernels.ranks_norm import MAX_RANKS, ranks_add_rms_norm, ranks_add_rms_norm_ref
@@ -156,26 +156,7 @@ def test_product_slots_past_two_ranks_stop_at_a_few_rows(ranks: int, rows: int, 
 def test_compiles_for_hopper_with_whole_vector_loads() -> None:
     """The real compiler (sm_90, no GPU needed): both ways compile, and the products' addresses from
     the table keep their alignment, so a row's loads go 16 bytes at a time, not an element at a time."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("_ranks_norm_compile.py"))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if run.returncode and "ptxas" in run.stderr.lower():  # pragma: no cover - a wheel without ptxas
-        pytest.skip(run.stderr[-500:])
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line) for line in run.stdout.splitlines()]
+    results = compiled_for_hopper("_ranks_norm_compile.py")
     assert len(results) == 4
     for r in results:
         assert r["v4_loads"] > 0 and r["b16_loads"] == 0, r

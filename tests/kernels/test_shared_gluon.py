@@ -8,16 +8,10 @@ shared memory fits an SM, and its partitions ask for the registers the design co
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from _kernel_helpers import DEVICE, rel_err
+from _kernel_helpers import DEVICE, compiled_for_hopper, rel_err
 
 from prefixserve.attention.kernels import _ptxas, mixed_gluon, shared_gluon
 from prefixserve.attention.kernels.shared_attention import (
@@ -31,7 +25,6 @@ from prefixserve.attention.reference import ReferenceBackend
 needs_gluon = pytest.mark.skipif(not shared_gluon.GLUON, reason="this Triton has no Gluon")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 SMEM_PER_BLOCK_HOPPER = 232_448
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @needs_gluon
@@ -48,20 +41,8 @@ def test_kernel_compiles_for_sm90() -> None:
         "mixed128:4:128:bf16",
         "mixedheavy:8:64:fp16",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["TRITON_ALWAYS_COMPILE"] = "1"  # through ptxas every time: which one builds each kernel shows
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("_gluon_compile.py")), *shapes],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if run.returncode and "ptxas" in run.stderr.lower():  # pragma: no cover - a wheel without ptxas
-        pytest.skip(run.stderr[-500:])
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line) for line in run.stdout.splitlines()]
+    # through ptxas every time: which one builds each kernel shows
+    results = compiled_for_hopper("_gluon_compile.py", *shapes, TRITON_ALWAYS_COMPILE="1")
     assert [r["shape"] for r in results] == shapes
     for r in results:
         assert r["shared"] <= SMEM_PER_BLOCK_HOPPER, r  # the 3-stage ring and Q fit one SM
