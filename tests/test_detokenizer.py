@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
@@ -110,11 +110,13 @@ def test_chunks_match_decode(tok: Any, pools: dict[str, list[int]], data: Any, c
 
 @HYPO
 @given(text=st.text(max_size=60), cut=st.integers(0, 5))
+@example(text="<|im_end|>", cut=0)  # hypothesis found it: a special token's own spelling
 def test_encoded_unicode_text_round_trips(tok: Any, text: str, cut: int) -> None:
-    """Any unicode text's own tokens (split multi-byte characters included), minus a few at the end."""
+    """Any unicode text's own tokens (split multi-byte characters included), minus a few at the end.
+    A text that spells a special token ("<|im_end|>") encodes to it, which the output skips."""
     ids = tok.encode(text, add_special_tokens=False)
     d = _check_feed(tok, ids, [1])
-    if text == tok.decode(ids):
+    if text == tok.decode(ids, skip_special_tokens=True):
         assert d.full_text == text
     _check_feed(tok, ids[: max(0, len(ids) - cut)], [3, 1])
 
