@@ -66,7 +66,7 @@ class PeerAllReduce:
         self.fused: _FusedSlots | None = None
         from prefixserve.model.kernels.ranks_norm import MAX_RANKS
 
-        if 2 <= self.size <= MAX_RANKS:  # more ranks: two-shot, then the norm
+        if 2 <= self.size <= MAX_RANKS:  # past MAX_RANKS: the two-shot, then the norm
             rank = dist.get_rank(group)
             self.fused = _FusedSlots(symm_mem, group, self.group_name, rank, self.size, self.abort)
 
@@ -191,7 +191,7 @@ class _FusedSlots:
                     [b.data_ptr() + offset for b in buffers], dtype=torch.int64, device=device
                 )
 
-            # slot s of every rank, by rank; rank q's program i writes its meetings into counts[q, i]
+            # slot s of every rank, by rank; rank q's program i writes its call count into counts[q, i]
             self.tables = [addresses(products, s * SLOT_BYTES) for s in range(SLOTS)]
             counts = every(MAX_RANKS * MAX_PROGRAMS, torch.int64)
             self.counts, self.counts_table = counts[rank], addresses(counts)
