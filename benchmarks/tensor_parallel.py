@@ -394,11 +394,16 @@ def markdown(payload: dict) -> str:
         f"## {payload['model']} at TP={tp}",
         *_run_line(payload, "grid"),
         "",
-        "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling | step ms "
-        "| all-reduce ms / step | all-reduce share | step tokens | preempted on / off / ceiling "
-        "| commit on / off / ceiling |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    if payload["grid"]:
+        md += [
+            "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling | step ms "
+            "| all-reduce ms / step | all-reduce share | step tokens | preempted on / off / ceiling "
+            "| commit on / off / ceiling |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+    else:
+        md.append("No grid run here yet; the all-reduces of its decode steps:")
     for r in payload["grid"]:
         # a pool short of the batch recomputes requests (preemptions): such a row is not clean
         preempted = " / ".join(cell(r.get(f"{m}_preemptions")) for m in ("auto", "sharing_off", "ceiling"))
@@ -434,8 +439,9 @@ def markdown(payload: dict) -> str:
             *_run_line(payload, "compare"),
             "",
             f"TP={tp} NCCL: every all-reduce through NCCL (`--no-tp-peer-allreduce`); TP={tp}: the default, "
-            "decode-sized all-reduces over NVLink peer memory (at TP=2 those before a norm fused with it, "
-            "`kernels/peer_norm.py`); two-shot: the same with `PREFIXSERVE_PEER_NORM=0` (PyTorch's "
+            "decode-sized all-reduces over NVLink peer memory (those before a norm fused with it: at TP=2 "
+            "`kernels/peer_norm.py`, past two ranks up to 32 rows `kernels/ranks_norm.py`, in runs from "
+            "4c31f73 on); two-shot: the same with `PREFIXSERVE_PEER_NORM=0` (PyTorch's "
             "two-shot all-reduce, then the norm), where `--peer-norm-ab` ran it; swap: the fused kernel's "
             "ranks meeting by compare-and-swap flags (`PREFIXSERVE_PEER_SIGNAL=swap`, the protocol before "
             "call counts), where `--peer-signal-ab` ran it. GPU idle: rank 0's GPU between decode steps, "
