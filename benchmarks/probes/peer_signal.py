@@ -53,13 +53,25 @@ class Meeting:
     def mine(self, slot: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         return self.slots.mine(slot, rows, hidden, dtype)
 
+    def engine_sum(self, shape: tuple) -> object:
+        """What the engine's norm is given for the product in ``shape``'s slot: the fused path's
+        ``PeerSum``, or past the fused kernel's rows (``RANKS_MAX_ROWS``, more than two ranks) the
+        product summed by the two-shot all-reduce (copied into its buffer, where the engine's matmul
+        writes it)."""
+        pending = self.peer.product_slot(*shape)
+        if pending is not None:
+            return pending
+        staged = self.peer.staged(*shape[1:])
+        staged.copy_(self.mine(*shape))
+        return self.peer.reduce_staged(staged)
+
     def call(self, variant: dict, slot: int, residual, weight, warps: int | None = None):
         from prefixserve.model import fused
         from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
 
         shape = (slot, *residual.shape, residual.dtype)
         if variant.get("engine"):  # the engine's call site, as the switches say
-            return fused.add_rms_norm(self.peer.product_slot(*shape), weight, EPS, residual)
+            return fused.add_rms_norm(self.engine_sum(shape), weight, EPS, residual)
         if variant.get("ranks"):  # kernels/ranks_norm.py at every size (the engine: a few rows)
             from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
 
