@@ -137,3 +137,29 @@ def test_run_ranks_brings_every_ranks_answer_back() -> None:
     from benchmarks.harness.ranks import run_ranks
 
     assert run_ranks(_sum_ranks, size=3, timeout=60) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+def _second_rank_fails(rank: int, size: int, init: str, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.harness.ranks import join_group, leave_group
+
+    join_group(rank, size, init, backend="gloo")
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank that is gone
+    leave_group(queue, rank, None)
+
+
+def test_run_ranks_fails_at_once_when_a_rank_dies() -> None:
+    """A rank that raises must fail the run with its rank named, not leave the caller waiting out the
+    timeout while the others sit in a collective (a GPU test once hung 300 s that way)."""
+    import time
+
+    from benchmarks.harness.ranks import run_ranks
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exit code 1"):
+        run_ranks(_second_rank_fails, size=2, timeout=120)
+    assert time.monotonic() - started < 60
