@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, TINY, dummy_model, pct, run_info, run_or_report
-from benchmarks.harness.server import Clients, ServerProcess, free_port, wait_idle
+from benchmarks.harness.server import Clients, ServerProcess, apply_cpu_defaults, serve_command, wait_idle
 from benchmarks.harness.text import rendered_tokens
 from benchmarks.overload_report import report
 from benchmarks.serving_gpu.workload import chat_requests, system_prompt
@@ -188,25 +188,6 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--bin-s", type=float, default=5.0, help="outcomes over time: seconds of arrivals a bin")
     r.add_argument("--server-timeout", type=float, default=600.0)
     r.add_argument("--server-arg", action="append", default=[], help="one more argument for the server")
-
-
-def apply_device_defaults(args: argparse.Namespace, argv: list[str]) -> None:
-    """On the CPU, the tiny sizes for every option not given on the command line."""
-    if args.device != "cpu":
-        return
-    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
-    for key, value in CPU.items():
-        if key not in given:
-            setattr(args, key, value)
-
-
-def server_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1", "--port", str(free_port())]
-    cmd += ["--model", args.model, "--device", args.device, "--attention", "auto"]
-    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks)]
-    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    cmd += ["--max-queue-delay", str(args.max_queue_delay)]
-    return cmd + args.server_arg
 
 
 # ---- one request, one window ----------------------------------------------------------------------
@@ -413,7 +394,7 @@ def round_rate(rate: float) -> float:
 
 # ---- the run -------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> None:
-    apply_device_defaults(args, sys.argv[1:])
+    apply_cpu_defaults(args, sys.argv[1:], CPU)
     tmp = Path(tempfile.mkdtemp(prefix="overload_"))
     if args.model is None:
         args.model = "dummy:llama-3.1-8b" if args.device == "cuda" else dummy_model(TINY, tmp / "tiny")
@@ -423,7 +404,9 @@ def run(args: argparse.Namespace) -> None:
 
     model_name, tok = tokenizer_for(args.model, progress=False)
     system = system_prompt(tok, args.system_tokens, random.Random(55).randrange(10**6))
-    server = ServerProcess(server_command(args), tmp / "server.log", "overload")
+    server = ServerProcess(
+        serve_command(args, "--max-queue-delay", str(args.max_queue_delay)), tmp / "server.log", "overload"
+    )
     result: dict[str, Any] = {
         "benchmark": name,
         "run": run_info(("openai", "fastapi", "uvicorn")),

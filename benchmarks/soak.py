@@ -52,7 +52,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, TINY, dummy_model, run_info, run_or_report
-from benchmarks.harness.server import Clients, ServerProcess, free_port, scrape, wait_idle
+from benchmarks.harness.server import (
+    Clients,
+    ServerProcess,
+    apply_cpu_defaults,
+    scrape,
+    serve_command,
+    wait_idle,
+)
 from benchmarks.serving_gpu.workload import chat_requests, doc_requests, system_prompt
 from benchmarks.soak_report import report
 
@@ -121,16 +128,6 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--server-arg", action="append", default=[], help="one more argument for the server")
 
 
-def apply_device_defaults(args: argparse.Namespace, argv: list[str]) -> None:
-    """On the CPU, the tiny sizes for every option not given on the command line."""
-    if args.device != "cpu":
-        return
-    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
-    for key, value in CPU.items():
-        if key not in given:
-            setattr(args, key, value)
-
-
 MEMORY_FIELDS = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
 
 
@@ -192,14 +189,6 @@ class Sampler(threading.Thread):
                 self.min_longest_run = min(longest, self.min_longest_run or longest)
 
 
-def server_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1", "--port", str(free_port())]
-    cmd += ["--model", args.model, "--device", args.device, "--attention", "auto"]
-    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks)]
-    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return cmd + args.server_arg
-
-
 def burst_requests(args: argparse.Namespace, tok: Any, systems: list[str], i: int) -> list[dict[str, Any]]:
     """Burst ``i``: chats after system prompt ``i // 2 % S`` (even i), or a new document (odd i)."""
     if i % 2 == 0:
@@ -247,7 +236,7 @@ def run_burst(
 
 
 def run(args: argparse.Namespace) -> None:
-    apply_device_defaults(args, sys.argv[1:])
+    apply_cpu_defaults(args, sys.argv[1:], CPU)
     tmp = Path(tempfile.mkdtemp(prefix="soak_"))
     if args.model is None:
         args.model = "dummy:llama-3.1-8b" if args.device == "cuda" else dummy_model(TINY, tmp / "tiny")
@@ -260,7 +249,7 @@ def run(args: argparse.Namespace) -> None:
     systems = [
         system_prompt(tok, args.system_tokens, rng.randrange(10**6)) for _ in range(args.system_prompts)
     ]
-    server = ServerProcess(server_command(args), tmp / "server.log", "soak")
+    server = ServerProcess(serve_command(args), tmp / "server.log", "soak")
     result: dict[str, Any] = {
         "benchmark": name,
         "run": run_info(("openai",)),

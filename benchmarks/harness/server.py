@@ -20,6 +20,27 @@ from typing import Any
 from benchmarks.harness.output import ROOT
 
 
+def serve_command(args: Any, *extra: str) -> list[str]:
+    """``prefixserve serve`` on a free local port as the server benchmarks start it: ``args``' model,
+    device and pool sizes (``--max-num-seqs``, ``--num-kv-blocks``, ``--max-num-batched-tokens``),
+    then ``extra`` and every ``--server-arg``."""
+    cmd = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1", "--port", str(free_port())]
+    cmd += ["--model", args.model, "--device", args.device, "--attention", "auto"]
+    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--num-kv-blocks", str(args.num_kv_blocks)]
+    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), *extra]
+    return cmd + args.server_arg
+
+
+def apply_cpu_defaults(args: Any, argv: list[str], cpu: dict[str, Any]) -> None:
+    """On the CPU (``args.device``), ``cpu``'s tiny sizes for every option not given in ``argv``."""
+    if args.device != "cpu":
+        return
+    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    for key, value in cpu.items():
+        if key not in given:
+            setattr(args, key, value)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
