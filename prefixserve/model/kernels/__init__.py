@@ -14,7 +14,8 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
   * gate_up: the gate-up projection with SiLU-and-mul in its epilogue ([T, 2I] never written);
   * peer_norm: at two ranks, the all-reduce of a row-parallel product (the peer's read over NVLink)
     with the residual add and RMSNorm after it;
-  * ranks_norm: the same at three to eight ranks, one-shot or two-shot (its row-end is peer_norm's);
+  * ranks_norm: the same at three to eight ranks for a few rows, every rank's product read (its
+    row-end is peer_norm's);
   * embedding: a vocabulary shard's lookups written where the ranks' sum reads them;
   * peer_argmax: at two ranks, the sharded argmax's exchange of each row's best column.
 
