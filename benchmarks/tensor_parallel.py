@@ -190,12 +190,6 @@ def main(argv: list[str] | None = None) -> None:
         help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL=swap (ranks meet by compare-and-swap)",
     )
     ap.add_argument(
-        "--splits-ab",
-        action="store_true",
-        help="compare part: also TP=1 and TP=N with PREFIXSERVE_MIXED_SPLITS=waves (a mixed step's shared "
-        "segment split until its tickets alone fill the SMs, the rule before hidden_splits)",
-    )
-    ap.add_argument(
         "--power",
         action="store_true",
         help="grid and compare parts: each board's power, SM clock and throttle reasons over each timed "
@@ -268,10 +262,6 @@ def main(argv: list[str] | None = None) -> None:
                 (f"tp{tp}", tp, True, {}),
                 (f"tp{tp}_nccl", tp, False, {}),
             ]
-            if args.splits_ab:  # each beside its default run: the shared splits that fill the waves
-                waves = {"PREFIXSERVE_MIXED_SPLITS": "waves"}
-                runs.insert(1, ("tp1_waves", 1, False, waves))
-                runs.insert(3, (f"tp{tp}_waves", tp, True, waves))
             if args.peer_norm_ab:  # the fused all-reduce + norm off: PyTorch's two-shot, then the norm
                 runs.append((f"tp{tp}_two_shot", tp, True, {"PREFIXSERVE_PEER_NORM": "0"}))
             if args.peer_signal_ab:  # the fused kernel's ranks meeting by compare-and-swap
@@ -479,33 +469,7 @@ def markdown(payload: dict) -> str:
             cells.append(r.get("commit", "-"))
             md.append("| " + " | ".join(cells) + " |")
         md += compare_power_lines(payload, [("tp1", "TP=1"), *variants])
-        md += _splits_lines(payload["compare"], tp)
     return "\n".join(md) + "\n"
-
-
-def _splits_lines(compare: list[dict], tp: int) -> list[str]:
-    """The ``--splits-ab`` table: each rank count under both rules for a mixed step's shared splits."""
-    rows = [r for r in compare if "tp1_waves_tok_s" in r]
-    if not rows:
-        return []
-    md = [
-        "",
-        "Shared splits (`--splits-ab`): hide, the default (a mixed step's shared segment split no further "
-        "than its own part outlasts the shared tickets, `shared_plan.hidden_splits`), against waves "
-        "(`PREFIXSERVE_MIXED_SPLITS=waves`: split until the shared tickets alone fill the SMs), each in "
-        "a process of its own, beside each other in one run:",
-        "",
-        f"| B | P | TP=1 hide / waves tok/s | TP={tp} hide / waves tok/s | TP={tp} / TP=1 hide | waves |",
-        "| ---: | ---: | --- | --- | ---: | ---: |",
-    ]
-    for r in rows:
-        one, one_w = r.get("tp1_tok_s"), r.get("tp1_waves_tok_s")
-        many, many_w = r.get(f"tp{tp}_tok_s"), r.get(f"tp{tp}_waves_tok_s")
-        md.append(
-            f"| {r['B']} | {r['P']} | {cell(one)} / {cell(one_w)} | {cell(many)} / {cell(many_w)} | "
-            f"{ratio_cell(many, one, 'x')} | {ratio_cell(many_w, one_w, 'x')} |"
-        )
-    return md
 
 
 def plot(payload: dict, path: Path) -> None:

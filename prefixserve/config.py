@@ -193,12 +193,3 @@ def mixed_mode() -> str:
     eligible decode step; "0": never (shared kernel + own kernel). An explicit ``TritonBackend.mixed``
     overrides it."""
     return _env_choice("PREFIXSERVE_MIXED", "auto", ("auto", "0", "1"))
-
-
-def mixed_splits_mode() -> str:
-    """``PREFIXSERVE_MIXED_SPLITS``: how far a step that may run as one mixed launch splits its shared
-    segments' tall tiles along the KV. "hide" (default): the fewest splits whose shared tickets the
-    own part outlasts (``shared_plan.hidden_splits``), never more than "waves"; "waves": enough for the
-    shared tickets alone to fill the SMs' waves (``shared_plan.wave_splits``, the rule before; A/B
-    runs: tensor-parallel workers inherit it)."""
-    return _env_choice("PREFIXSERVE_MIXED_SPLITS", "hide", ("hide", "waves"))

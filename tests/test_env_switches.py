@@ -1,4 +1,4 @@
-"""The environment switches: exactly seven PREFIXSERVE_* variables, read only in prefixserve/config.py.
+"""The environment switches: exactly six PREFIXSERVE_* variables, read only in prefixserve/config.py.
 
 Each switch is a function of ``prefixserve.config`` that reads its variable when called, so a test (or a
 benchmark) that sets the variable sees the effect on the next call; a value outside the documented ones
@@ -20,7 +20,6 @@ SWITCHES = {
     "PREFIXSERVE_CACHE",
     "PREFIXSERVE_GLUON",
     "PREFIXSERVE_MIXED",
-    "PREFIXSERVE_MIXED_SPLITS",
     "PREFIXSERVE_PEER_NORM",
     "PREFIXSERVE_PEER_PUSH",
     "PREFIXSERVE_PEER_SIGNAL",
@@ -64,17 +63,6 @@ def test_mixed_mode(monkeypatch: pytest.MonkeyPatch) -> None:
             config.mixed_mode()
 
 
-def test_mixed_splits_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PREFIXSERVE_MIXED_SPLITS", raising=False)
-    assert config.mixed_splits_mode() == "hide"
-    for value in ("hide", "waves"):
-        monkeypatch.setenv("PREFIXSERVE_MIXED_SPLITS", value)
-        assert config.mixed_splits_mode() == value
-    monkeypatch.setenv("PREFIXSERVE_MIXED_SPLITS", "wave")
-    with pytest.raises(ValueError, match="PREFIXSERVE_MIXED_SPLITS"):
-        config.mixed_splits_mode()
-
-
 def test_peer_norm_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PREFIXSERVE_PEER_NORM", raising=False)
     assert config.peer_norm_enabled() is True
@@ -111,15 +99,15 @@ def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_only_the_seven_switches_are_named_in_the_package() -> None:
-    """An eighth PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
+def test_only_the_six_switches_are_named_in_the_package() -> None:
+    """A seventh PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
     add it to config.py, with its function and docstring, and to SWITCHES, or do without it."""
     names: dict[str, list[str]] = {}
     for path in _sources():
         for name in re.findall(r"PREFIXSERVE_[A-Z0-9_]+", path.read_text()):
             names.setdefault(name, []).append(str(path.relative_to(PACKAGE.parent)))
     extra = {name: files for name, files in names.items() if name not in SWITCHES}
-    assert not extra, f"PREFIXSERVE_* names outside the seven switches: {extra}"
+    assert not extra, f"PREFIXSERVE_* names outside the six switches: {extra}"
     config_text = (PACKAGE / "config.py").read_text()
     assert all(f'"{name}"' in config_text for name in SWITCHES)
 

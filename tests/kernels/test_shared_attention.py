@@ -14,13 +14,7 @@ from prefixserve.attention.kernels.shared_attention import (
     shared_segment_attention,
     shared_segment_attention_ref,
 )
-from prefixserve.attention.kernels.shared_plan import (
-    hidden_splits,
-    own_heavy,
-    plan_shared_work,
-    step_size,
-    wave_splits,
-)
+from prefixserve.attention.kernels.shared_plan import own_heavy, plan_shared_work, step_size, wave_splits
 
 KV_HEADS = 2
 
@@ -110,31 +104,6 @@ def test_wave_splits_fill_the_last_wave() -> None:
     assert wave_splits(16, 132, 64) == 8
     assert wave_splits(256, 132, 64) == 1
     assert wave_splits(64, 132, 1) == 1  # a segment too short to split
-
-
-def test_hidden_splits_stop_where_the_own_part_outlasts_the_shared_tickets() -> None:
-    """The 8B at B=256 over a 1K prefix, 65 own tokens a sequence (one M-tile's ticket 13.8 us on one
-    SM): 64 tiles (TP=1) need no split under 17 us of own reads; the TP=2 shard's 32 tiles need 2 under
-    8.5 us; a 16K prefix hides under no count, so the waves' count stands; never above it."""
-    assert hidden_splits(64, 132, 2, 13.8, 17.0) == 1
-    assert hidden_splits(32, 132, 4, 13.8, 8.5) == 2
-    assert hidden_splits(64, 132, 2, 221.5, 17.0) == 2
-    assert hidden_splits(32, 132, 4, 13.8, 1e-3) == 4
-    assert hidden_splits(32, 132, 1, 13.8, 1e9) == 1
-    # past one wave a program runs several tickets: 200 tiles on 132 SMs take two each at k=1
-    assert hidden_splits(200, 132, 3, 10.0, 15.0) == 3
-    assert hidden_splits(200, 132, 3, 10.0, 20.0) == 1
-
-
-@pytest.mark.parametrize(("own_us", "splits"), [(0.0, 2), (1e-3, 2), (1e9, 1)])
-def test_plan_splits_a_mixable_segment_only_as_far_as_its_own_part_hides(own_us: float, splits: int) -> None:
-    """A mixable segment on tall tiles (64 holders x GQA 4 over 4,096 tokens, 4 SMs on the CPU): the
-    waves' rule splits it in 2; an own part that outlasts the whole segment leaves it whole."""
-    cpu = torch.device("cpu")
-    work = plan_shared_work([0, 64], [4096], 1, 4, cpu, block_m=128, mixable=True, own_us=own_us)
-    assert work.block_m == 128 and work.splits == [splits]
-    unmixable = plan_shared_work([0, 64], [4096], 1, 4, cpu, block_m=128, own_us=1e9)
-    assert unmixable.splits == [2]  # the rule is the mixed launch's: two kernels keep the waves' splits
 
 
 def test_own_heavy_compares_own_reads_with_shared_flops() -> None:

@@ -78,7 +78,8 @@ WIDE_SHARED = 1024
 WIDE_GROUP = 8
 MIN_OWN_TOKENS = 128  # each own ticket costs about 1 us beyond its tiles
 MIN_OWN_SHARE = 0.5
-GLUON_TFLOPS, COPY_TBPS = shared_plan.GLUON_TFLOPS, shared_plan.COPY_TBPS
+GLUON_TFLOPS = 640.0  # the shared Gluon kernel's measured rate (docs/kernels.md §2.3, §2.5)
+COPY_TBPS = 4.0  # what the own KV streams at, about (H200)
 
 
 def own_tiling(q_heads: int, kv_heads: int, block_size: int, own_m: int = OWN_M) -> tuple[int, int]:
@@ -175,15 +176,10 @@ def may_mix(
         return own_tokens >= ONE_SEGMENT_OWN_TOKENS * num_seqs and not (long_segment or wide)
     if own_tokens < MIN_OWN_TOKENS * num_seqs:
         return False
-    shared_us = 4 * q_heads * dim * shared_row_tokens / (GLUON_TFLOPS * 1e6)
-    return own_read_us(dtype, kv_heads, dim, own_tokens) >= MIN_OWN_SHARE * shared_us
-
-
-def own_read_us(dtype: torch.dtype, kv_heads: int, dim: int, own_tokens: int) -> float:
-    """Microseconds the whole GPU takes to read a step's own K and V (``own_tokens`` over all its
-    sequences) at ``COPY_TBPS``: in a mixed launch, each program's own part."""
     elt = torch.empty(0, dtype=dtype).element_size()
-    return 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e6)
+    own_ms = 2 * elt * kv_heads * dim * own_tokens / (COPY_TBPS * 1e9)
+    shared_ms = 4 * q_heads * dim * shared_row_tokens / (GLUON_TFLOPS * 1e9)
+    return own_ms >= MIN_OWN_SHARE * shared_ms
 
 
 def use_mixed(
@@ -235,7 +231,6 @@ __all__ = [
     "eligible",
     "may_mix",
     "mixed_rows",
-    "own_read_us",
     "own_rows_for",
     "own_tiling",
     "shared_tokens_for",

@@ -174,30 +174,6 @@ def wave_splits(base_programs: int, slots: int, kmax: int, cost: float = SPLIT_C
     return min(range(1, max(1, kmax) + 1), key=lambda k: math.ceil(base * k / slots) * (1 / k + cost))
 
 
-# What a mixed launch's shared tiles and own tiles run at (H200, docs/kernels.md §2.3, §2.5): the shared
-# Gluon kernel's bf16 rate and the own KV's read rate. Only their ratio is used, to weigh one against
-# the other (``mixed_rule``, ``hidden_splits``).
-GLUON_TFLOPS = 640.0
-COPY_TBPS = 4.0
-
-
-def hidden_splits(base_programs: int, slots: int, most: int, tile_us: float, own_us: float) -> int:
-    """The fewest KV splits (up to ``most``) whose shared tickets last no longer than the own part.
-
-    In a mixed launch every program streams an even share of the own KV (``own_us``: the step's own
-    read time, which is each program's) beside its shared tickets (``tile_us``: one M-tile over the
-    whole segment on one SM), so a shared ticket the own part outlasts costs no time, while each split
-    adds a partial to store and merge. B=256, P=1K, 64-195 own tokens a sequence (H200, one call):
-    the 8B's TP=2 shard (16 / 4 heads) ran 3-6% faster on 2 splits than on ``wave_splits``' 4, the 8B
-    (32 / 8) 2-3% faster on 1 than on 2 from 128 own tokens (docs/kernels.md §2.5). Where no count
-    hides, ``most``."""
-    base, slots = max(1, base_programs), max(1, slots)
-    for k in range(1, max(1, most)):
-        if math.ceil(base * k / slots) * tile_us / k <= own_us:
-            return k
-    return max(1, most)
-
-
 def _to_int32(values: np.ndarray) -> np.ndarray:
     """``values`` as int32, refusing values out of its range (as ``torch.tensor(..., dtype=int32)`` does)."""
     if values.size and (values.min() < np.iinfo(np.int32).min or values.max() > np.iinfo(np.int32).max):
@@ -224,7 +200,6 @@ def plan_shared_work(
     seg_block_start: list[int] | None = None,
     block_size: int = 0,
     mixable: bool = False,
-    own_us: float = 0.0,
 ) -> SharedWork:
     """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
 
@@ -233,9 +208,7 @@ def plan_shared_work(
     per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
     With the segments' blocks (``seg_blocks``, ``seg_block_start``, ``block_size``; host values) the
     work list notes contiguous segments, and the TMA path is taken when all of them are. ``mixable``:
-    the step may run as one mixed launch on tall tiles (``pick_shared_tiles``); ``own_us``: such a
-    step's own KV read time (us, the whole GPU), which tall tiles need split no further than to hide
-    under (``hidden_splits``; 0: split to fill the waves).
+    the step may run as one mixed launch on tall tiles (``pick_shared_tiles``).
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
     first_rows = np.full(len(rows), -1, dtype=np.int64)
@@ -273,10 +246,6 @@ def plan_shared_work(
         # one program per SM: split so the last wave is full
         kmax = max((math.ceil(t / min_chunk) for t in seg_num_tokens), default=1)
         want = wave_splits(base_programs, num_sms(device), min(kmax, 64))
-        if mixable and own_us > 0:
-            flops = 4 * block_m * head_dim * max(seg_num_tokens, default=0)
-            tile_us = flops * num_sms(device) / (GLUON_TFLOPS * 1e6)
-            want = hidden_splits(base_programs, num_sms(device), want, tile_us, own_us)
     else:
         # short tiles aim at one program per SM: fewer, longer splits stream better (B=16, P=16K:
         # 58 -> 46 us; docs/kernels.md §2.2)
@@ -367,12 +336,11 @@ def plan_work_for(
     head_dim: int,
     dtype: torch.dtype,
     mixable: bool = False,
-    own_us: float = 0.0,
 ) -> SharedWork:
     """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
 
     ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path);
-    ``mixable``: ``mixed_rule.may_mix`` for the step; ``own_us``: its own KV read time.
+    ``mixable``: ``mixed_rule.may_mix`` for the step.
     """
     bstart = plan.seg_block_start_host
     return plan_shared_work(
@@ -388,7 +356,6 @@ def plan_work_for(
         seg_block_start=bstart,
         block_size=block_size,
         mixable=mixable,
-        own_us=own_us,
     )
 
 

@@ -121,12 +121,9 @@ def plan_step_work(
     kernels), as the eager backend and the decode graphs both plan them: the mixed rule is asked
     before the work list (a step that may mix prefers tall tiles) and after it (the tiles it got).
 
-    ``memo`` keeps the work list, which depends on the segments and on the own parts of the step that
-    made it (how far a mixed step's segments split, ``shared_plan.hidden_splits``), for later steps of
-    a plan carried on (``SharedPlan.derived``): a decode keeps its first step's splits while its own
-    parts grow, which only hides the shared tickets better. The caller must not change it (the eager
-    path moves its items to the device, so it passes none)."""
-    from prefixserve import config
+    ``memo`` keeps the work list, which depends on the segments alone, for later steps of a plan
+    carried on (``SharedPlan.derived``); the caller must not change it (the eager path moves its
+    items to the device, so it passes none)."""
     from prefixserve.attention.kernels import mixed_rule
     from prefixserve.attention.kernels.shared_plan import plan_work_for
 
@@ -139,10 +136,7 @@ def plan_step_work(
     key = ("work", block_size, shape, str(device), dtype, mixable)
     work = None if memo is None else memo.get(key)
     if work is None:
-        hide = mixable and config.mixed_splits_mode() == "hide"
-        own_us = mixed_rule.own_read_us(dtype, kv_heads, dim, own_tokens) if hide else 0.0
-        args = (plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable)
-        work = plan_work_for(*args, own_us=own_us)
+        work = plan_work_for(plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable)
         if memo is not None:
             memo[key] = work
     return work, mixed_rule.mixed_rows(device, dtype, shape, work, *sizes, **rule)
