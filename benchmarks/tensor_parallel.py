@@ -190,6 +190,13 @@ def main(argv: list[str] | None = None) -> None:
         help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL=swap (ranks meet by compare-and-swap)",
     )
     ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="compare part: TP=1 and TP=N (the default path) run this many times in turn, each in a "
+        "process of its own; a cell is the median run (runs on one machine differ by 1-2%%)",
+    )
+    ap.add_argument(
         "--power",
         action="store_true",
         help="grid and compare parts: each board's power, SM clock and throttle reasons over each timed "
@@ -266,16 +273,25 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append((f"tp{tp}_two_shot", tp, True, {"PREFIXSERVE_PEER_NORM": "0"}))
             if args.peer_signal_ab:  # the fused kernel's ranks meeting by compare-and-swap
                 runs.append((f"tp{tp}_swap", tp, True, {"PREFIXSERVE_PEER_SIGNAL": "swap"}))
-            for key, size, peer, env in runs:
-                run = (args.compare_model, args.device, "auto", prompts, args.gen, size, peer)
-                # each run in a process of its own: only a process's first tensor-parallel engine gets the
-                # peer all-reduce (a second B in one process ran on NCCL), and workers inherit ``env``
-                r = _measure_elsewhere(run, env)
+            results: dict[str, list[dict]] = {}
+            for rep in range(max(1, args.repeats)):
+                for key, size, peer, env in runs if rep == 0 else runs[:2]:  # repeats: TP=1 and TP=N
+                    run = (args.compare_model, args.device, "auto", prompts, args.gen, size, peer)
+                    # each run in a process of its own: only a process's first tensor-parallel engine gets
+                    # the peer all-reduce (a second B in one process ran on NCCL); workers inherit ``env``
+                    r = _measure_elsewhere(run, env)
+                    if boards is not None:  # the run's decode on the boards (one monotonic clock per host)
+                        r["boards"] = boards.during(*r["decode_window"])
+                    results.setdefault(key, []).append(r)
+            for key, rs in results.items():
+                r = sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2]  # the median run (upper, if even)
                 row[f"{key}_tok_s"] = r["tok_s"]
+                if len(rs) > 1:
+                    row[f"{key}_tok_s_runs"] = [x["tok_s"] for x in rs]
                 # rank 0's GPU idle between decode steps: a host-bound step shows here
                 row[f"{key}_host_overhead_frac"] = r["host_overhead_frac"]
-                if boards is not None:  # the run's decode on the boards (one monotonic clock per host)
-                    row[f"{key}_boards"] = boards.during(*r["decode_window"])
+                if "boards" in r:
+                    row[f"{key}_boards"] = r["boards"]
             print(row, flush=True)
             payload["compare"] = [x for x in payload["compare"] if x["B"] != b] + [row]
             payload["compare"].sort(key=lambda x: x["B"])
@@ -469,7 +485,33 @@ def markdown(payload: dict) -> str:
             cells.append(r.get("commit", "-"))
             md.append("| " + " | ".join(cells) + " |")
         md += compare_power_lines(payload, [("tp1", "TP=1"), *variants])
+        md += _repeat_lines(payload["compare"], tp)
     return "\n".join(md) + "\n"
+
+
+def _repeat_lines(compare: list[dict], tp: int) -> list[str]:
+    """The runs behind ``--repeats`` rows: each run's tok/s in order, and each pair's ratio."""
+    rows = [r for r in compare if "tp1_tok_s_runs" in r and f"tp{tp}_tok_s_runs" in r]
+    if not rows:
+        return []
+    md = [
+        "",
+        f"Repeated rows (`--repeats`): TP=1 and TP={tp} ran in turn, each run in a process of its own; the "
+        "table's cells are the median runs (GPU idle and boards are theirs). Each run, tok/s in order, and "
+        f"TP={tp} / TP=1 of the runs made one after the other:",
+        "",
+        f"| B | P | TP=1 runs | TP={tp} runs | TP={tp} / TP=1 by pair | median ratio |",
+        "| ---: | ---: | --- | --- | --- | ---: |",
+    ]
+    for r in rows:
+        one, many = r["tp1_tok_s_runs"], r[f"tp{tp}_tok_s_runs"]
+        pairs = " / ".join(f"{m / o:.3f}" for o, m in zip(one, many, strict=False))
+        md.append(
+            f"| {r['B']} | {r['P']} | {' / '.join(f'{x:.0f}' for x in one)} | "
+            f"{' / '.join(f'{x:.0f}' for x in many)} | {pairs} | "
+            f"{ratio_cell(r.get(f'tp{tp}_tok_s'), r.get('tp1_tok_s'), 'x')} |"
+        )
+    return md
 
 
 def plot(payload: dict, path: Path) -> None:

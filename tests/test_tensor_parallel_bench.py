@@ -137,3 +137,27 @@ def test_a_compare_merge_takes_the_named_rows_each_with_its_commit(tmp_path: Pat
         (64, "aaaaaaa", 39970.0),
         (256, "bbbbbbb", 1.0),
     ]
+
+
+def test_repeated_compare_rows_are_the_median_runs(tmp_path: Path, monkeypatch) -> None:
+    """``--repeats 3``: TP=1 and TP=2 run three times in turn (NCCL once); a cell is the median run,
+    with its GPU idle, and the markdown lists every run and each pair's ratio."""
+    made: list[tuple[int, bool]] = []
+    tok_s = {(1, False): [100.0, 120.0, 110.0], (2, True): [200.0, 190.0, 230.0], (2, False): [150.0]}
+
+    def fake(run: tuple, env: dict) -> dict:
+        key = (run[5], run[6])  # ranks, peer all-reduce
+        made.append(key)
+        value = tok_s[key][sum(k == key for k in made) - 1]
+        return {"tok_s": value, "host_overhead_frac": value / 1e4, "decode_window": (0.0, 1.0)}
+
+    monkeypatch.setattr(tp, "_measure_elsewhere", fake)
+    args = ["--parts", "compare", "--batches", "4", "--compare-prefix", "16", "--repeats", "3"]
+    tp.main([*args, "--device", "cpu", "--out", str(tmp_path)])
+    assert made == [(1, False), (2, True), (2, False), (1, False), (2, True), (1, False), (2, True)]
+    (row,) = json.loads((tmp_path / "tensor_parallel.json").read_text())["compare"]
+    assert (row["tp1_tok_s"], row["tp2_tok_s"], row["tp2_nccl_tok_s"]) == (110.0, 200.0, 150.0)
+    assert row["tp1_host_overhead_frac"] == 110.0 / 1e4 and "tp2_nccl_tok_s_runs" not in row
+    assert row["tp2_tok_s_runs"] == [200.0, 190.0, 230.0]
+    md = (tmp_path / "tensor_parallel.md").read_text()
+    assert "| 4 | 16 | 100 / 120 / 110 | 200 / 190 / 230 | 2.000 / 1.583 / 2.091 | 1.82x |" in md
