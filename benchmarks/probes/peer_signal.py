@@ -73,22 +73,7 @@ class Meeting:
         if variant.get("engine"):  # the engine's call site, as the switches say
             return fused.add_rms_norm(self.engine_sum(shape), weight, EPS, residual)
         if variant.get("ranks"):  # kernels/ranks_norm.py at every size (the engine: a few rows)
-            from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
-
-            s = self.slots
-            return ranks_add_rms_norm(
-                s.tables[slot],
-                s.rank,
-                s.mine(*shape),
-                residual,
-                weight,
-                EPS,
-                s.counts,
-                s.counts_table,
-                s.calls,
-                s.abort,
-                num_warps=warps,
-            )
+            return self.slots.ranks_norm(slot, self.mine(*shape), residual, weight, EPS, num_warps=warps)
         mine, peer = self.slots.views(*shape)
         push = None
         if variant.get("push"):

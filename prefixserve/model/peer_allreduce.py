@@ -233,6 +233,33 @@ class _FusedSlots:
             self.abort,
         )
 
+    def ranks_norm(
+        self,
+        slot: int,
+        mine: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        num_warps: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Past two ranks: every rank's product in ``slot`` (this rank's is ``mine``) summed, the
+        residual added and normalised (``kernels/ranks_norm.py``); the other ranks make the same call."""
+        from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
+
+        return ranks_add_rms_norm(
+            self.tables[slot],
+            self.rank,
+            mine,
+            residual,
+            weight,
+            eps,
+            self.counts,
+            self.counts_table,
+            self.calls,
+            self.abort,
+            num_warps=num_warps,
+        )
+
     def mine(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's [rows, cols] product in ``slot``."""
         return self._view(self.products, slot, rows, cols, dtype)
@@ -276,8 +303,8 @@ class PeerSum:
         from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
 
         mine, slots = self.mine, self.slots
-        if slots.size > 2:
-            return self._ranks_norm(residual, weight, eps)
+        if slots.size > 2:  # at most RANKS_MAX_ROWS rows (product_slot)
+            return slots.ranks_norm(self.slot, mine, residual, weight, eps)
         shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
         push, mode, swap = None, config.peer_push_mode(), config.peer_signal_mode() == "swap"
         # meeting by call count, a pull is as fast or faster at every size (docs/kernels.md §8)
@@ -291,26 +318,6 @@ class PeerSum:
             flags, calls = (slots.counts, slots.peer_counts), slots.calls
         return peer_add_rms_norm(
             mine, peer, residual, weight, eps, *flags, push, calls=calls, abort=slots.abort
-        )
-
-    def _ranks_norm(
-        self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Past two ranks (at most ``RANKS_MAX_ROWS`` rows: ``product_slot``)."""
-        from prefixserve.model.kernels.ranks_norm import ranks_add_rms_norm
-
-        s = self.slots
-        return ranks_add_rms_norm(
-            s.tables[self.slot],
-            s.rank,
-            self.mine,
-            residual,
-            weight,
-            eps,
-            s.counts,
-            s.counts_table,
-            s.calls,
-            s.abort,
         )
 
 
