@@ -6,6 +6,8 @@ first. (N real ranks over NVLink: ``tests/test_peer_norm_gpu.py``.)"""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from _kernel_helpers import DEVICE, compiled_for_hopper
@@ -111,7 +113,7 @@ def test_peer_sum_past_two_ranks_takes_the_ranks_kernel() -> None:
     """The engine's call site at four ranks: the norm sums through ``ranks_add_rms_norm``."""
     from types import SimpleNamespace
 
-    from prefixserve.model.peer_allreduce import PeerSum
+    from prefixserve.model.peer_allreduce import PeerSum, _FusedSlots
 
     ranks, rank, rows, cols = 4, 2, 3, 32
     gen = torch.Generator().manual_seed(rows)
@@ -128,6 +130,7 @@ def test_peer_sum_past_two_ranks_takes_the_ranks_kernel() -> None:
         calls=torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=DEVICE),
         abort=torch.zeros(1, dtype=torch.int32, device=DEVICE),
     )
+    slots.ranks_norm = functools.partial(_FusedSlots.ranks_norm, slots)  # the slots' own call, unchanged
     out, summed = PeerSum(slots, 0, products[rank]).add_rms_norm(residual, weight, EPS)  # type: ignore[arg-type]
     ref, ref_summed = ranks_add_rms_norm_ref(products, residual, weight, EPS)
     torch.testing.assert_close(summed, ref_summed)
