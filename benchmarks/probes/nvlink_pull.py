@@ -96,7 +96,8 @@ def _worker(rank: int, size: int, init: str, queue, shapes: list[tuple[int, int]
             except Exception as exc:  # a form that does not run here is reported, not fatal
                 row[name] = {"error": repr(exc)[:200]}
             dist.barrier()
-        row["local"] = {"us": ranks_graph_us(lambda i: _copiers(mine, dst)["row"]())}
+        local = _copiers(mine, dst)["row"]
+        row["local"] = {"us": ranks_graph_us(lambda i, local=local: local())}
         result.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
