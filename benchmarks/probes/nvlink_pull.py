@@ -4,7 +4,7 @@ Two GPUs, one process each, the engine's symmetric product slots (``PeerAllReduc
 the peer's [rows, hidden] bf16 product slot into local memory at the same time (as the fused
 all-reduce + norm reads it, ``kernels/peer_norm.py``), no meeting, graphed 64 calls back to back:
 
-- ``row``: one program a row, all of it in one load a thread (the fused kernel's pattern);
+- ``row``: one program a row, spread over its threads (the fused kernel's pattern);
 - ``row x4``: four rows a program, their loads issued before any store;
 - ``tma``: each program copies [16, 256]-element boxes (one 4,096-wide row) with TMA from the
   peer's memory into shared memory, then to local memory;
