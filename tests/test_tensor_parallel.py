@@ -304,6 +304,8 @@ def test_peer_allreduce_is_on_by_default_and_cuda_only() -> None:
     assert EngineConfig().tp_peer_allreduce is True
     args = build_parser().parse_args(["generate", "hi", "--no-tp-peer-allreduce"])
     assert engine_config_from_args(args).tp_peer_allreduce is False
+    args = build_parser().parse_args(["generate", "hi", "--disable-custom-all-reduce"])  # vLLM's name
+    assert engine_config_from_args(args).tp_peer_allreduce is False
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_config_from_args(args).tp_peer_allreduce is True
     assert peer_allreduce_for(None, torch.device("cpu"), "x") is None  # type: ignore[arg-type]

@@ -78,6 +78,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "instead of NCCL (on by default; --no-tp-peer-allreduce: NCCL for all)",
     )
     g.add_argument(
+        "--disable-custom-all-reduce",
+        dest="tp_peer_allreduce",
+        action="store_false",
+        help="vLLM's name for --no-tp-peer-allreduce",
+    )
+    g.add_argument(
         "--system-prompt",
         action="append",
         default=[],
