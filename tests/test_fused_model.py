@@ -303,6 +303,31 @@ def test_split_k_down_projection_matches_one_matmul_on_gpu(
 
 
 @pytest.mark.gpu
+def test_split_k_qkv_projection_matches_one_matmul_on_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the rule taking every qkv projection (the tiny model's K = 64: one slice, so the RoPE
+    kernel still takes [1, T, W] fp32 partials and rounds them), outputs and the K/V written match
+    the one-matmul path and the unfused model."""
+    from prefixserve.model.kernels import skinny_matmul
+
+    if not (skinny_matmul.hopper(torch.device("cuda")) and fused._bmm_takes_out_dtype()):
+        pytest.skip("the split-K rule takes Hopper GPUs with torch.bmm(out_dtype=) only")
+    monkeypatch.setattr(fused, "QKV_SPLIT_K_ROWS", [(1, 1 << 20, 1)])
+    model = _tiny(False, torch.bfloat16, "cuda", tmp_path)
+    proj = model.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(5, 64, device="cuda").bfloat16()
+    assert fused.qkv_partials(x, proj.weight, proj.bias).shape == (1, 5, proj.weight.shape[0])
+    with fused.split_k_products(True):
+        split_outs = _run_both(model, "cuda")
+    with fused.split_k_products(False):
+        plain_outs = _run_both(model, "cuda")
+    _assert_both_near_unfused(split_outs, plain_outs)
+    for (got, _), (plain, _) in zip(split_outs, plain_outs, strict=True):
+        assert ((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+
+
+@pytest.mark.gpu
 def test_triton_dense_path_replays_in_a_cuda_graph(tmp_path: Path) -> None:
     """A decode forward captured in a CUDA graph (as the engine's decode graphs do) replays exactly."""
     model = _tiny(True, torch.bfloat16, "cuda", tmp_path)

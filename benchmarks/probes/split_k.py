@@ -9,7 +9,12 @@ copies that do not fit L2, against the fp32 reference; ``--lt`` also times cuBLA
 backend; ``--profile`` lists the kernels each form launches; ``--engine-ab N`` runs whole decode
 steps (``step_modes``-style, a fresh engine each) with ``fused.SPLIT_K_ROWS`` on and off, N rounds.
 
+``--qkv`` times the attention's qkv projection the same way, paired with the RoPE kernel that
+writes K/V to the cache (``fused.qkv_partials``: that kernel sums the partials), at Llama-3.1-8B's
+and 70B's tensor-parallel shards.
+
 PYTHONPATH=. python -m benchmarks.probes.split_k --rows 128 256 512 1024 --profile --engine-ab 2
+PYTHONPATH=. python -m benchmarks.probes.split_k --qkv qkv8b_tp2 qkv8b_tp1 --rows 64 128 256 --splits 2 4
 """
 
 from __future__ import annotations
@@ -23,10 +28,21 @@ import torch.nn.functional as F
 from benchmarks.harness.timing import graph_ms
 from prefixserve.model import fused
 from prefixserve.model.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+from prefixserve.model.kernels.rope import rope_qkv, rope_qkv_ref
 
 HIDDEN, INTER, EPS = 4096, 14336, 1e-5
 PROJECTIONS = {"down": (HIDDEN, INTER), "o": (HIDDEN, HIDDEN)}  # N, K
 SPLITS = (2, 3, 4, 7, 8)
+HEAD_DIM = 128
+# the qkv projection's shards: (query heads, KV heads, K) a rank
+QKV = {
+    "qkv8b_tp1": (32, 8, 4096),
+    "qkv8b_tp2": (16, 4, 4096),
+    "qkv8b_tp4": (8, 2, 4096),
+    "qkv70b_tp1": (64, 8, 8192),
+    "qkv70b_tp2": (32, 4, 8192),
+    "qkv70b_tp4": (16, 2, 8192),
+}
 
 
 def pair_forms(k: int, splits: tuple[int, ...]) -> list[tuple[str, int]]:
@@ -89,6 +105,58 @@ def sweep_projection(
     return out
 
 
+def run_qkv(x, w, rope, heads, kv_heads, cache, splits):
+    qkv = fused.split_k_matmul(x, w, splits) if splits else fused.linear(x, w)
+    return rope_qkv(qkv, *rope, heads, kv_heads, HEAD_DIM, cache, x.dtype)
+
+
+def sweep_qkv(names: list[str], rows: list[int], splits: tuple[int, ...]) -> list[dict]:
+    """The qkv projection then RoPE with the K/V cache write, one matmul against K slices."""
+    dev = torch.device("cuda")
+    out = []
+    for name in names:
+        heads, kv_heads, k = QKV[name]
+        n = (heads + 2 * kv_heads) * HEAD_DIM
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+        for m in rows:
+            row = {"proj": name, "rows": m, "n": n, "k": k}
+            row.update(qkv_point(ws, m, heads, kv_heads, pair_forms(k, splits)))
+            forms = [f for f, _ in pair_forms(k, splits)]
+            print(
+                f"{name:>11} {m:5d} rows: linear + rope {row['linear']:6.1f} us"
+                + "".join(f", {f} {row[f]:6.1f}" for f in forms[1:])
+                + f"  (best {row['best']}: {row['linear'] / row[row['best']]:.3f}x;"
+                f" err {row[row['best'] + '_err']:.1e} vs {row['linear_err']:.1e})",
+                flush=True,
+            )
+            out.append(row)
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
+def qkv_point(
+    ws: list[torch.Tensor], m: int, heads: int, kv_heads: int, forms: list[tuple[str, int]]
+) -> dict:
+    """Each form's us a call and its q's largest error (against the fp64 product rounded once)."""
+    dev = ws[0].device
+    x = torch.randn(m, ws[0].shape[1], device=dev, dtype=torch.bfloat16)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
+    rope = fused.rope_cos_sin(torch.arange(m, device=dev) * 7, inv_freq)
+    caches = [torch.zeros(m, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    cache = (*caches, torch.arange(m, device=dev))
+    exact = F.linear(x.double(), ws[0].double()).to(torch.bfloat16)
+    ref_q = rope_qkv_ref(exact, *rope, heads, kv_heads, HEAD_DIM)[0].float()
+    row: dict = {}
+    for form, s in forms:
+        got = run_qkv(x, ws[0], rope, heads, kv_heads, cache, s)[0].float()
+        row[f"{form}_err"] = float((got - ref_q).abs().max() / ref_q.abs().max())
+        row[form] = 1e3 * graph_ms(lambda i, s=s: run_qkv(x, ws[i], rope, heads, kv_heads, cache, s), len(ws))
+    row["best"] = min((f for f, _ in forms if f != "linear"), key=lambda f: row[f])
+    return row
+
+
 def profile(m: int, splits: tuple[int, ...]) -> dict:
     """Kernel names and times of the down pair at ``m`` rows, linear vs the 4-way split."""
     from torch.profiler import ProfilerActivity
@@ -146,12 +214,16 @@ def main() -> None:
     ap.add_argument("--points", nargs="+", default=["256x16384"])
     ap.add_argument("--projections", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
     ap.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
+    ap.add_argument("--qkv", nargs="*", default=[], choices=list(QKV), help="qkv + RoPE pairs instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.profile:
         result["profile"] = profile(args.profile, tuple(args.splits))
-    result["sweep"] = sweep(args.projections, args.rows, tuple(args.splits), args.lt)
+    if args.qkv:
+        result["qkv"] = sweep_qkv(args.qkv, args.rows, tuple(args.splits))
+    else:
+        result["sweep"] = sweep(args.projections, args.rows, tuple(args.splits), args.lt)
     if args.engine_ab:
         result["engine"] = engine_ab(args.points, args.engine_ab)
     if args.json:

@@ -88,21 +88,36 @@ def split_k_products(enabled: bool) -> contextlib.AbstractContextManager[None]:
 # sums them, in place of cuBLAS's split-K GEMM and its reduce kernel (``benchmarks/probes/split_k.py``).
 SPLIT_K_ROWS: list[tuple[int, int, int]] = [(65, 320, 2)]
 SPLIT_K_MIN_K = 8192  # the o projection (K = hidden) timed level with cuBLAS at 128 and 256 rows
+# The same for the attention's qkv projection where it has at most QKV_SPLIT_K_MAX_N columns (a
+# narrow tensor-parallel shard's): the RoPE kernel sums the partials (``split_k.py --qkv``). Wider
+# shards (the 8B's 3,072 at TP=2) ran faster as a pair but slower in whole steps at the power cap.
+QKV_SPLIT_K_ROWS: list[tuple[int, int, int]] = [(64, 256, 2)]
+QKV_SPLIT_K_MAX_N = 2048
 
 
-def split_k_for(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """How many K slices ``linear_partials`` cuts this product into (0: one matmul). Hopper only,
-    where it was measured; 16-bit, contiguous rows, K slices of whole 64-column steps."""
+def split_k_for(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rows_rule: list[tuple[int, int, int]] | None = None,
+    min_k: int | None = None,
+) -> int:
+    """How many K slices ``linear_partials`` cuts this product into (0: one matmul): ``rows_rule``
+    (default ``SPLIT_K_ROWS``) for products with K >= ``min_k`` (default ``SPLIT_K_MIN_K``). Hopper
+    only, where it was measured; 16-bit, contiguous rows, K slices of whole 64-column steps."""
     if not (_SWITCHES["split_k"] and _use_triton(x) and x.dtype in (torch.float16, torch.bfloat16)):
         return 0
     from prefixserve.model.kernels import skinny_matmul
 
     rows, k = x.shape
-    if k < SPLIT_K_MIN_K or not (x.is_contiguous() and weight.is_contiguous()) or weight.dtype != x.dtype:
+    if (
+        k < (SPLIT_K_MIN_K if min_k is None else min_k)
+        or not (x.is_contiguous() and weight.is_contiguous())
+        or weight.dtype != x.dtype
+    ):
         return 0
     if not _bmm_takes_out_dtype():
         return 0
-    for lo, hi, splits in SPLIT_K_ROWS:
+    for lo, hi, splits in SPLIT_K_ROWS if rows_rule is None else rows_rule:
         if lo <= rows <= hi and k % (splits * 64) == 0:
             return splits if skinny_matmul.hopper(x.device) else 0
     return 0
@@ -136,6 +151,16 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     split K, which reduces its partials in a kernel of its own)."""
     splits = split_k_for(x, weight)
     return split_k_matmul(x, weight, splits) if splits else linear(x, weight)
+
+
+def qkv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The qkv projection ``linear(x, weight, bias)`` [T, W], or where ``QKV_SPLIT_K_ROWS`` says so
+    (a shard's few columns, no bias) its fp32 split-K partials [S, T, W], which ``rope_qkv`` sums:
+    cuBLAS's one matmul leaves SMs idle at those shapes."""
+    splits = 0
+    if bias is None and weight.shape[0] <= QKV_SPLIT_K_MAX_N:
+        splits = split_k_for(x, weight, QKV_SPLIT_K_ROWS, min_k=0)
+    return split_k_matmul(x, weight, splits) if splits else linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -273,13 +298,20 @@ def rope_qkv(
     num_kv_heads: int,
     head_dim: int,
     cache: KVWrite | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused projection into q [T, Hq, D] and k [T, Hkv, D] (RoPE applied, contiguous) and
-    v [T, Hkv, D]; with ``cache``, also write k and v into their cache slots."""
+    v [T, Hkv, D]; with ``cache``, also write k and v into their cache slots. ``qkv`` may be the
+    projection's fp32 split-K partials [S, T, W] (``qkv_partials``), with ``dtype`` the model's:
+    their sum rounded to it is the projection."""
     if _use_triton(qkv):
         from prefixserve.model.kernels.rope import rope_qkv as kernel
 
-        return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache)
+        return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, dtype)
+    if qkv.dim() == 3:
+        if dtype is None:
+            raise ValueError("split-K partials need the model's dtype")
+        qkv = qkv.sum(0).to(dtype)
     tokens = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = apply_rope(q.view(tokens, num_heads, head_dim), cos, sin)
@@ -323,6 +355,7 @@ __all__ = [
     "linear",
     "linear_partials",
     "linear_silu_and_mul",
+    "qkv_partials",
     "rope_cos_sin",
     "rope_qkv",
     "shard_embedding",

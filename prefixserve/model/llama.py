@@ -230,8 +230,16 @@ class Attention(nn.Module):
         cache: fused.KVWrite | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin = rope if rope is not None else rotary.cos_sin(positions)
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        return fused.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache)
+        return self._rotated(x, (cos, sin), cache)
+
+    def _rotated(
+        self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ``x`` with RoPE applied (K/V written to ``cache`` if given). On a GPU the
+        projection may come as split-K partials, which the RoPE kernel sums (``fused.qkv_partials``)."""
+        proj = self.qkv_proj
+        qkv = fused.qkv_partials(x, proj.weight, proj.bias) if x.is_cuda else proj(x)  # [(S,) T, W]
+        return fused.rope_qkv(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim, cache, x.dtype)
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, rope: Rope | None = None
@@ -262,10 +270,7 @@ class Attention(nn.Module):
 
     def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
         """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention."""
-        q, _, _ = fused.rope_qkv(
-            self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads, self.head_dim, cache
-        )
-        return q
+        return self._rotated(x, rope, cache)[0]
 
     def output(
         self, out: torch.Tensor, for_norm: bool = False

@@ -147,6 +147,64 @@ def test_rope_qkv_matches_reference(
         assert (caches[0].view(18, -1)[untouched.to(DEVICE)] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("write", [False, True])
+def test_rope_qkv_sums_split_k_partials(dtype: torch.dtype, splits: int, write: bool) -> None:
+    """fp32 partials [S, T, W] in: the kernel rotates their sum rounded once to the model dtype, as
+    if the one-matmul product had come in, and writes v (the sum) as a new tensor and to the cache."""
+    heads, kv_heads, dim, tokens = 3, 1, 24, 5
+    gen = torch.Generator().manual_seed(splits * 2 + write)
+    parts = torch.randn(splits, tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE)
+    total = parts[0].clone()
+    for p in parts[1:]:  # in plane order, as the kernel adds them
+        total += p
+    product = total.to(dtype)
+    positions = torch.tensor([3, 0, 900, 41, 7], device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    cos, sin = rope_cos_sin(positions, inv_freq.float().to(DEVICE))
+    slots = torch.tensor([4, 1, 0, 6, 2], device=DEVICE)
+    caches = [torch.zeros(2, 4, kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(4)]
+    got_cache = (caches[0], caches[1], slots) if write else None
+    ref_cache = (caches[2], caches[3], slots) if write else None
+    q, k, v = rope_qkv(parts, cos, sin, heads, kv_heads, dim, got_cache, dtype)
+    rq, rk, rv = rope_qkv(product, cos, sin, heads, kv_heads, dim, ref_cache)
+    assert q.dtype == k.dtype == v.dtype == dtype and v.is_contiguous()
+    assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
+    if write:
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with fused.triton_kernels(False):  # the torch path takes the same partials
+        tq, tk, tv = fused.rope_qkv(parts, cos, sin, heads, kv_heads, dim, dtype=dtype)
+    ref = rope_qkv_ref(product, cos, sin, heads, kv_heads, dim)
+    torch.testing.assert_close(tq, ref[0], **_tol(dtype))
+    torch.testing.assert_close(tk, ref[1], **_tol(dtype))
+    assert torch.equal(tv, ref[2])
+
+
+def test_rope_qkv_refuses_partials_it_cannot_sum() -> None:
+    cos = sin = torch.zeros(2, 8, device=DEVICE)
+    parts = torch.zeros(2, 2, 3 * 8, device=DEVICE)
+    with pytest.raises(ValueError, match="need dtype"):
+        rope_qkv(parts, cos, sin, 1, 1, 8)
+    with pytest.raises(ValueError, match="fp32"):
+        rope_qkv(parts.half(), cos, sin, 1, 1, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"\[\(S,\) T, 24\]"):
+        rope_qkv(torch.zeros(2, 2, 16, device=DEVICE), cos, sin, 1, 1, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="model's dtype"), fused.triton_kernels(False):
+        fused.rope_qkv(parts, cos, sin, 1, 1, 8)
+
+
+def test_qkv_partials_rule() -> None:
+    """The qkv projection is split only where the rule says: CUDA Hopper, a shard's few columns, no
+    bias, 64-256 rows; elsewhere (here: a CPU) it is the one product."""
+    x = torch.randn(128, 64)
+    w = torch.randn(96, 64)
+    assert fused.split_k_for(x, w, fused.QKV_SPLIT_K_ROWS, min_k=0) == 0  # not CUDA
+    torch.testing.assert_close(fused.qkv_partials(x, w, None), x @ w.T)
+    b = torch.randn(96)
+    torch.testing.assert_close(fused.qkv_partials(x, w, b), x @ w.T + b)
+
+
 def test_torch_rope_without_cat_is_bit_identical_to_hf() -> None:
     """The CPU path (``fused.apply_rope``) gives exactly HF's rotate-half results, from a strided view."""
     from prefixserve.model.fused import rope_qkv as torch_rope_qkv

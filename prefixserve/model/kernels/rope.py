@@ -7,6 +7,10 @@ in fp32 registers, writes q and k (contiguous, as the attention kernels take the
 writes the rotated k and the untouched v into the token's cache slot: one kernel instead of about a
 dozen.
 
+The projection may also come as fp32 split-K partials [S, T, W] (``fused.qkv_partials``): the
+kernel sums a row's S planes in fp32 and rounds the sum to the model dtype once, which is what the
+one-matmul product holds, before it rotates; it then writes v as well (no view of a product to give).
+
 cos and sin come in as [T, D] fp32 (HF's layout, computed once per step from the positions by
 ``RotaryEmbedding.cos_sin``, so positions stay data and any position works); the kernel reads their
 first halves. Inside a CUDA graph the slot of a padding row is the cache's scratch slot, as for
@@ -24,26 +28,41 @@ triton, tl = require_triton()
 
 
 @triton.jit
+def _load_row_part(ptr, mask, stride_split, SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """fp32 values of the product at ``ptr``: the product as it is (SPLITS 0), or the SPLITS fp32
+    partial planes summed in order and rounded once to ``dtype`` (what the one-matmul product holds)."""
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS > 0:
+        for s in tl.static_range(1, SPLITS):
+            x += tl.load(ptr + s * stride_split, mask=mask, other=0.0)
+        x = x.to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rotate_heads(
-    src_ptr,  # the token's first head of this group in the qkv row
+    src_ptr,  # the token's first head of this group in the qkv row (partials: in the first plane)
     cos,  # [1, HALF_BLOCK] fp32
     sin,
     dst_ptr,  # the token's row of q or k
     cache_ptr,  # the token's cache slot (used when WRITE)
     stride_ch,  # cache head stride
+    stride_split,  # elements between partial planes (SPLITS > 0)
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     WRITE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF_BLOCK)[None, :]
     mask = (h < NUM_HEADS) & (d < half)
     off = h * HEAD_DIM + d
-    x1 = tl.load(src_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src_ptr + off + half, mask=mask, other=0.0).to(tl.float32)
+    dtype: tl.constexpr = dst_ptr.dtype.element_ty
+    x1 = _load_row_part(src_ptr + off, mask, stride_split, SPLITS, dtype)
+    x2 = _load_row_part(src_ptr + off + half, mask, stride_split, SPLITS, dtype)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     tl.store(dst_ptr + off, o1.to(dst_ptr.dtype.element_ty), mask=mask)
@@ -56,19 +75,22 @@ def _rotate_heads(
 
 @triton.jit
 def _rope_qkv_kernel(
-    qkv_ptr,  # [T, (Hq + 2 Hkv) D]
+    qkv_ptr,  # [T, (Hq + 2 Hkv) D] (SPLITS 0), or fp32 partials [SPLITS, T, (Hq + 2 Hkv) D]
     cos_ptr,  # [T, D] fp32
     sin_ptr,  # [T, D] fp32
     q_ptr,  # [T, Hq, D] out
     k_ptr,  # [T, Hkv, D] out
+    v_ptr,  # [T, Hkv, D] out (SPLITS > 0)
     slot_ptr,  # [T] int64 (WRITE_KV)
     k_cache_ptr,  # [slots, Hkv, D] (WRITE_KV)
     v_cache_ptr,  # [slots, Hkv, D] (WRITE_KV)
+    stride_split,
     stride_t,
     stride_cos,
     stride_sin,
     stride_q,
     stride_k,
+    stride_v,
     stride_ks,
     stride_kh,
     stride_vs,
@@ -80,6 +102,7 @@ def _rope_qkv_kernel(
     BLOCK_KV: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -90,7 +113,21 @@ def _rope_qkv_kernel(
     slot = 0
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-    _rotate_heads(row, cos, sin, q_ptr + t * stride_q, q_ptr, 0, NUM_Q, HEAD_DIM, BLOCK_Q, HALF_BLOCK, False)
+    _rotate_heads(
+        row,
+        cos,
+        sin,
+        q_ptr + t * stride_q,
+        q_ptr,
+        0,
+        stride_split,
+        NUM_Q,
+        HEAD_DIM,
+        BLOCK_Q,
+        HALF_BLOCK,
+        False,
+        SPLITS,
+    )
     _rotate_heads(
         row + NUM_Q * HEAD_DIM,
         cos,
@@ -98,49 +135,63 @@ def _rope_qkv_kernel(
         k_ptr + t * stride_k,
         k_cache_ptr + slot * stride_ks,
         stride_kh,
+        stride_split,
         NUM_KV,
         HEAD_DIM,
         BLOCK_KV,
         HALF_BLOCK,
         WRITE_KV,
+        SPLITS,
     )
-    if WRITE_KV:  # v goes to the cache as it is
+    if WRITE_KV or SPLITS > 0:  # v goes to the cache as it is (partials: summed, and to v too)
         h = tl.arange(0, BLOCK_KV)[:, None]
         dd = tl.arange(0, 2 * HALF_BLOCK)[None, :]
         mask = (h < NUM_KV) & (dd < HEAD_DIM)
-        v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + h * HEAD_DIM + dd, mask=mask, other=0.0)
-        dst = v_cache_ptr + slot * stride_vs + h * stride_vh + dd
-        tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        src = row + (NUM_Q + NUM_KV) * HEAD_DIM + h * HEAD_DIM + dd
+        v = _load_row_part(src, mask, stride_split, SPLITS, v_ptr.dtype.element_ty)
+        if WRITE_KV:
+            dst = v_cache_ptr + slot * stride_vs + h * stride_vh + dd
+            tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if SPLITS > 0:
+            tl.store(v_ptr + t * stride_v + h * HEAD_DIM + dd, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 _bound = BoundKernel(_rope_qkv_kernel)  # launched by shape, so a step pays Triton's bind once
 
 
 def rope_qkv(
-    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D], or fp32 split-K partials [S, T, (Hq + 2 Hkv) D]
     cos: torch.Tensor,  # [T, D] fp32
     sin: torch.Tensor,  # [T, D] fp32
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k_cache, v_cache, slots
+    dtype: torch.dtype | None = None,  # of q, k and v; partials need it (the model's dtype)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hkv, D] (new, contiguous, RoPE applied) and v [T, Hkv, D] (a view of qkv).
+    """q [T, Hq, D] and k [T, Hkv, D] (new, contiguous, RoPE applied) and v [T, Hkv, D] (a view of
+    qkv; from partials, their sum, new).
 
     With ``cache`` = (k_cache, v_cache, slots), each [.., block_size, Hkv, D] cache gets the token's
     rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them.
     """
-    tokens = qkv.shape[0]
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with contiguous rows")
+    splits = qkv.shape[0] if qkv.dim() == 3 else 0  # 0: the product itself
+    if qkv.dim() == 3 and (qkv.dtype != torch.float32 or dtype is None or not qkv[0].is_contiguous()):
+        raise ValueError("split-K partials must be fp32 [S, T, W] with contiguous planes, and need dtype")
+    if qkv.dim() not in (2, 3) or qkv.shape[-1] != width or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} must be [(S,) T, {width}] with contiguous rows")
+    tokens, dtype = qkv.shape[-2], dtype or qkv.dtype
     if head_dim % 2 or cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"cos/sin must be [T, {head_dim}] (even head_dim)")
     if cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError("cos/sin need contiguous rows")
-    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(tokens, num_kv_heads, head_dim)
+    q = torch.empty(tokens, num_heads, head_dim, dtype=dtype, device=qkv.device)
+    k = torch.empty(tokens, num_kv_heads, head_dim, dtype=dtype, device=qkv.device)
+    if splits:
+        v = torch.empty(tokens, num_kv_heads, head_dim, dtype=dtype, device=qkv.device)
+    else:
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(tokens, num_kv_heads, head_dim)
     if tokens == 0:
         return q, k, v
     if cache is not None:
@@ -159,14 +210,17 @@ def rope_qkv(
         sin,
         q,
         k,
+        v,
         slots,
         kc,
         vc,
-        qkv.stride(0),
+        qkv.stride(0) if splits else 0,
+        qkv.stride(-2),
         cos.stride(0),
         sin.stride(0),
         q.stride(0),
         k.stride(0),
+        v.stride(0),
         kc.stride(0),
         kc.stride(1),
         vc.stride(0),
@@ -178,6 +232,7 @@ def rope_qkv(
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
         WRITE_KV=cache is not None,
+        SPLITS=splits,
         num_warps=4,
     )
     return q, k, v
