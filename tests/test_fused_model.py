@@ -277,22 +277,16 @@ def _assert_both_near_unfused(
             assert err < 2e-2, float(err)
 
 
-@pytest.mark.gpu
-def test_split_k_down_projection_matches_one_matmul_on_gpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With the rule taking every down projection (the tiny model's K = 128, 2 slices), the model
-    hands the next norm fp32 partials; outputs match the one-matmul path and the unfused model."""
+def _skip_without_split_k() -> None:
     from prefixserve.model.kernels import skinny_matmul
 
     if not (skinny_matmul.hopper(torch.device("cuda")) and fused._bmm_takes_out_dtype()):
-        pytest.skip("the split-K rule takes Hopper GPUs with torch.bmm(out_dtype=) only")
-    monkeypatch.setattr(fused, "SPLIT_K_MIN_K", 128)
-    monkeypatch.setattr(fused, "SPLIT_K_ROWS", [(1, 1 << 20, 2)])
-    model = _tiny(False, torch.bfloat16, "cuda", tmp_path)
-    act = torch.zeros(5, 128, device="cuda", dtype=torch.bfloat16)
-    assert fused.split_k_for(act, model.model.layers[0].mlp.down_proj.weight) == 2
-    assert model.model.layers[0].mlp(torch.randn(5, 64, device="cuda").bfloat16(), partials=True).dim() == 3
+        pytest.skip("the split-K rules take Hopper GPUs with torch.bmm(out_dtype=) only")
+
+
+def _assert_split_k_matches_one_matmul(model: LlamaForCausalLM) -> None:
+    """The model's runs with the split-K rules on and off: both near the unfused model, and near
+    each other (bf16)."""
     with fused.split_k_products(True):
         split_outs = _run_both(model, "cuda")
     with fused.split_k_products(False):
@@ -300,6 +294,22 @@ def test_split_k_down_projection_matches_one_matmul_on_gpu(
     _assert_both_near_unfused(split_outs, plain_outs)
     for (got, _), (plain, _) in zip(split_outs, plain_outs, strict=True):
         assert ((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_split_k_down_projection_matches_one_matmul_on_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the rule taking every down projection (the tiny model's K = 128, 2 slices), the model
+    hands the next norm fp32 partials; outputs match the one-matmul path and the unfused model."""
+    _skip_without_split_k()
+    monkeypatch.setattr(fused, "SPLIT_K_MIN_K", 128)
+    monkeypatch.setattr(fused, "SPLIT_K_ROWS", [(1, 1 << 20, 2)])
+    model = _tiny(False, torch.bfloat16, "cuda", tmp_path)
+    act = torch.zeros(5, 128, device="cuda", dtype=torch.bfloat16)
+    assert fused.split_k_for(act, model.model.layers[0].mlp.down_proj.weight) == 2
+    assert model.model.layers[0].mlp(torch.randn(5, 64, device="cuda").bfloat16(), partials=True).dim() == 3
+    _assert_split_k_matches_one_matmul(model)
 
 
 @pytest.mark.gpu
@@ -309,22 +319,13 @@ def test_split_k_qkv_projection_matches_one_matmul_on_gpu(
     """With the rule taking every qkv projection (the tiny model's K = 64: one slice, so the RoPE
     kernel still takes [1, T, W] fp32 partials and rounds them), outputs and the K/V written match
     the one-matmul path and the unfused model."""
-    from prefixserve.model.kernels import skinny_matmul
-
-    if not (skinny_matmul.hopper(torch.device("cuda")) and fused._bmm_takes_out_dtype()):
-        pytest.skip("the split-K rule takes Hopper GPUs with torch.bmm(out_dtype=) only")
+    _skip_without_split_k()
     monkeypatch.setattr(fused, "QKV_SPLIT_K_ROWS", [(1, 1 << 20, 1)])
     model = _tiny(False, torch.bfloat16, "cuda", tmp_path)
     proj = model.model.layers[0].self_attn.qkv_proj
     x = torch.randn(5, 64, device="cuda").bfloat16()
     assert fused.qkv_partials(x, proj.weight, proj.bias).shape == (1, 5, proj.weight.shape[0])
-    with fused.split_k_products(True):
-        split_outs = _run_both(model, "cuda")
-    with fused.split_k_products(False):
-        plain_outs = _run_both(model, "cuda")
-    _assert_both_near_unfused(split_outs, plain_outs)
-    for (got, _), (plain, _) in zip(split_outs, plain_outs, strict=True):
-        assert ((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+    _assert_split_k_matches_one_matmul(model)
 
 
 @pytest.mark.gpu
