@@ -103,6 +103,29 @@ def test_script_help(name: str, help_results: dict[str, str]) -> None:
     assert help_results[name] == "ok"
 
 
+def _probe_rows(readme: str) -> tuple[set[str], set[str]]:
+    """The probes the README's two tables name: (live, removed)."""
+    live, removed = set(), set()
+    table = live
+    for line in readme.splitlines():
+        if line.startswith("## Removed probes"):
+            table = removed
+        if line.startswith("| `") and "`" in line[3:]:
+            table.add(line[3 : line.index("`", 3)])
+    return live, removed
+
+
+def test_the_probes_readme_names_each_probe_once() -> None:
+    """Every probe in benchmarks/probes/ has its row in the README's live table (the rule it backs and
+    where its answer is), and the removed table names only files that are gone: docs that point at a
+    probe must find it."""
+    files = {p.name for p in (ROOT / "benchmarks" / "probes").glob("[!_]*.py")}
+    live, removed = _probe_rows((ROOT / "benchmarks" / "probes" / "README.md").read_text())
+    assert files - live == set(), "probes without a README row"
+    assert live - files == set(), "README rows for probes that are not there"
+    assert removed & files == set(), "probes listed as removed but present"
+
+
 def test_every_library_module_imports() -> None:
     """The shared modules import on their own (no script pulled in first)."""
     mods = [f"benchmarks.{m}" for m in sorted(LIBRARIES)]
