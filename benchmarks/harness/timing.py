@@ -36,12 +36,9 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
         return fn
 
 
-def graph_ms(
-    fn: Callable[[int], Any], copies: int, reps: int = 10, before: Callable[[], Any] | None = None
-) -> float:
-    """ms per call of ``fn(i)`` for i over the weight copies, replayed from one CUDA graph (L2 holds
-    none of a copy's weights by the time it comes round again); ``before`` runs before each of the 5
-    timings (their median)."""
+def replay_graph(fn: Callable[[int], Any], copies: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of ``fn(i)`` for i over the weight copies (warmed up on a side stream first),
+    replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -54,6 +51,16 @@ def graph_ms(
             fn(i)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_ms(
+    fn: Callable[[int], Any], copies: int, reps: int = 10, before: Callable[[], Any] | None = None
+) -> float:
+    """ms per call of ``fn(i)`` for i over the weight copies, replayed from one CUDA graph (L2 holds
+    none of a copy's weights by the time it comes round again); ``before`` runs before each of the 5
+    timings (their median)."""
+    graph = replay_graph(fn, copies)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(5):

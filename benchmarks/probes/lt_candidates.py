@@ -7,9 +7,14 @@ list (``benchmarks/harness/blaslt.py``), each graphed over 8 copies of the weigh
 Prints the best candidate per shape and what it is (tile id, split K, stages, cluster). ``--deep N``
 also screens up to N of the configurations cuBLASLt accepts beyond its list (``blaslt.variants``:
 tile x custom option x cluster shape x split K) and times the fastest few the same way.
+``--sustained S`` also runs ``torch.mm``, the K-sliced form (``fused.split_k_matmul``, 2 and 4 slices)
+and the fastest candidates back to back for S seconds with the board's power (``benchmarks.power``):
+decode steps run at the power cap, where a call's time back to back is its energy, not its time in
+a short burst.
 
 PYTHONPATH=. python -m benchmarks.probes.lt_candidates --json out/lt_candidates.json
 PYTHONPATH=. python -m benchmarks.probes.lt_candidates --rows 256 --deep 2000 --json out/lt_deep.json
+PYTHONPATH=. python -m benchmarks.probes.lt_candidates --rows 256 --models 8b_tp1 8b_tp2 --sustained 1
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 
 from benchmarks.harness import blaslt
 from benchmarks.harness.info import git_commit
-from benchmarks.harness.timing import graph_ms
+from benchmarks.harness.timing import graph_ms, replay_graph
+from prefixserve.model.fused import split_k_matmul
 
 # model -> projection -> (N, K), the shard a rank holds
 SHAPES = {
@@ -84,7 +90,9 @@ def deep(
     return {"variants": len(every), "screened": len(screened), "finalists": timed, "best": _best(timed)}
 
 
-def measure(rows: int, n: int, k: int, limit: int, cap: int = 0) -> dict:
+def measure(rows: int, n: int, k: int, limit: int, cap: int = 0, sustained: dict | None = None) -> dict:
+    """``torch.mm`` and cuBLASLt's candidates at one shape (see the module docstring); ``sustained``
+    (``{"sampler": power.Sampler, "window": s, "top": n}``) adds the back-to-back runs."""
     device = torch.device("cuda")
     copies = copies_for(n, k)
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
@@ -102,7 +110,36 @@ def measure(rows: int, n: int, k: int, limit: int, cap: int = 0) -> dict:
     result = {"mm_us": mm_us, "copies": copies, "candidates": found, "best": _best(found)}
     if cap:
         result["deep"] = deep(x, weights, out, reference, seeds, cap)
+    if sustained:
+        forms = {"torch.mm": lambda i: torch.mm(x, weights[i].t(), out=out)}
+        for splits in (2, 4):
+            forms[f"split_k {splits}"] = lambda i, s=splits: split_k_matmul(x, weights[i], s)
+        ok = sorted((c for c in found if "us" in c and c["max_abs_err"] < 0.05), key=lambda c: c["us"])
+        for c in ok[: sustained["top"]]:
+            algo = seeds[c["rank"]]
+            forms[f"lt rank {c['rank']} tile {c['tile']} split {c['split_k']}"] = lambda i, a=algo: (
+                blaslt.matmul_into(x, weights[i], out, a)
+            )
+        result["sustained"] = [
+            {"form": name, **_back_to_back(fn, copies, sustained["sampler"], sustained["window"])}
+            for name, fn in forms.items()
+        ]
     return result
+
+
+def _back_to_back(fn, copies: int, sampler, window: float) -> dict:
+    """``fn(i)`` over the weight copies from one CUDA graph, replayed back to back for ``window``
+    seconds: microseconds a call and the board's median power and SM clock over the window."""
+    from benchmarks import power
+
+    graph = replay_graph(fn, copies)
+    st = power.sustained(graph.replay, sampler, window)
+    return {
+        "us": 1e3 * st["ms"] / copies,
+        "power_w": st["power_w"],
+        "sm_mhz": st["sm_mhz"],
+        "power_cap": "power cap" in st["reasons"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,8 +148,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=list(SHAPES))
     ap.add_argument("--limit", type=int, default=48)
     ap.add_argument("--deep", type=int, default=0, help="screen up to this many configurations a shape")
+    ap.add_argument("--sustained", type=float, default=0.0, help="also S seconds back to back, with power")
+    ap.add_argument("--top", type=int, default=8, help="candidates run back to back (--sustained)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    sustained = None
+    if args.sustained:
+        from benchmarks import power
+
+        sampler = power.Sampler(gpu=str(torch.cuda.current_device()))
+        sustained = {"sampler": sampler, "window": args.sustained, "top": args.top}
     results = []
     lines = []
     for model in args.models:
@@ -124,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                     "rows": rows,
                     "N": n,
                     "K": k,
-                    **measure(rows, n, k, args.limit, args.deep),
+                    **measure(rows, n, k, args.limit, args.deep, sustained),
                 }
                 results.append(r)
                 best = r["best"]
@@ -151,6 +196,17 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 print(line, flush=True)
                 lines.append(line)
+                for e in r.get("sustained", []):
+                    base = r["sustained"][0]["us"]
+                    row = (
+                        f"    back to back {e['form']:34s} {e['us']:7.1f} us {base / e['us']:.3f}x "
+                        f"{e['power_w'] or 0:4.0f} W {e['sm_mhz'] or 0:5.0f} MHz"
+                        + (" power cap" if e["power_cap"] else "")
+                    )
+                    print(row, flush=True)
+                    lines.append(row)
+    if sustained:
+        sustained["sampler"].close()
     if args.json:
         info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
