@@ -196,8 +196,9 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 print(line, flush=True)
                 lines.append(line)
-                for e in r.get("sustained", []):
-                    base = r["sustained"][0]["us"]
+                runs = r.get("sustained", [])
+                for e in runs:
+                    base = runs[0]["us"]  # torch.mm's
                     row = (
                         f"    back to back {e['form']:34s} {e['us']:7.1f} us {base / e['us']:.3f}x "
                         f"{e['power_w'] or 0:4.0f} W {e['sm_mhz'] or 0:5.0f} MHz"
