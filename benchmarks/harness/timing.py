@@ -36,6 +36,13 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
         return fn
 
 
+def cold_weights(n: int, k: int, scale: float = 1.0, budget: int = 256 << 20) -> list[torch.Tensor]:
+    """Random bf16 [n, k] weights (times ``scale``) on the GPU, enough copies (at least 2) to fill
+    ``budget`` bytes: cycled through, each copy is out of L2 by the time it comes round again."""
+    copies = max(2, -(-budget // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * scale for _ in range(copies)]
+
+
 def replay_graph(fn: Callable[[int], Any], copies: int) -> torch.cuda.CUDAGraph:
     """One CUDA graph of ``fn(i)`` for i over the weight copies (warmed up on a side stream first),
     replayed once."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness.info import git_commit
-from benchmarks.harness.timing import graph_ms, measure_ceilings
+from benchmarks.harness.timing import cold_weights, graph_ms, measure_ceilings
 from prefixserve.model import fused
 from prefixserve.model.kernels import gate_up, skinny_matmul
 from prefixserve.model.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
@@ -64,16 +64,15 @@ def main() -> None:
     copy_tbps, gemm_tflops = measure_ceilings(dev)
     print(f"copy {copy_tbps:.2f} TB/s, GEMM {gemm_tflops:.0f} TFLOP/s", flush=True)
     n, k = 2 * INTER // args.tp, HIDDEN
-    copies = max(2, -(-(256 << 20) // (n * k * 2)))
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 32 for _ in range(copies)]
+    ws = cold_weights(n, k, 1 / 32)
     rows, table = [], []
     for m in args.rows:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ref = silu_and_mul_ref(F.linear(x.float(), ws[0].float()))
         scale = float(ref.abs().max())
         floor_ms = max(n * k * 2 / (copy_tbps * 1e9), 2 * m * n * k / (gemm_tflops * 1e9))
-        cublas = graph_ms(lambda i, x=x: silu_and_mul(F.linear(x, ws[i])), copies)
-        engine_unfused = graph_ms(lambda i, x=x: silu_and_mul(fused.linear(x, ws[i])), copies)
+        cublas = graph_ms(lambda i, x=x: silu_and_mul(F.linear(x, ws[i])), len(ws))
+        engine_unfused = graph_ms(lambda i, x=x: silu_and_mul(fused.linear(x, ws[i])), len(ws))
         best = None
         cands = (
             [("skinny", c) for c in skinny_configs()]
@@ -97,12 +96,12 @@ def main() -> None:
             if err > 2e-2:
                 print(f"  m={m} {kind} {cfg}: error {err:.2e}")
                 continue
-            ms = graph_ms(run, copies)
+            ms = graph_ms(run, len(ws))
             rows.append({"m": m, "kind": kind, "config": list(cfg), "ms": ms})
             if best is None or ms < best[0]:
                 best = (ms, kind, cfg)
         pick = gate_up.gate_up_silu(x, ws[0]) is not None
-        rule_ms = graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies)
+        rule_ms = graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), len(ws))
         line = {
             "m": m,
             "cublas_pair_ms": cublas,
@@ -132,15 +131,14 @@ def ab(row_counts: list[int], rounds: int) -> None:
     turn ``rounds`` times per row count (a sweep's last timings run on a hotter GPU than its first)."""
     dev = torch.device("cuda")
     n, k = 2 * INTER, HIDDEN
-    copies = max(2, -(-(256 << 20) // (n * k * 2)))
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 32 for _ in range(copies)]
+    ws = cold_weights(n, k, 1 / 32)
     for m in row_counts:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         pair, rule = [], []
         for _ in range(rounds):
             with fused.gate_up_kernels(False):
-                pair.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies))
-            rule.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), copies))
+                pair.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), len(ws)))
+            rule.append(graph_ms(lambda i, x=x: fused.linear_silu_and_mul(x, ws[i]), len(ws)))
         p, r = sorted(pair)[rounds // 2], sorted(rule)[rounds // 2]
         rule_of = gate_up.tiled_config if m > skinny_matmul.MAX_ROWS else skinny_matmul.gated_config
         tiles = rule_of(m, INTER)

@@ -22,7 +22,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness.timing import graph_ms, measure_ceilings
+from benchmarks.harness.timing import cold_weights, graph_ms, measure_ceilings
 from prefixserve.model.kernels import skinny_matmul
 
 COLUMN_PARALLEL = ("qkv", "gate_up", "lm_head")  # sharded by output columns; o and down by input columns
@@ -56,13 +56,12 @@ def main() -> None:
     for name in args.shapes:
         n, k = SHAPES[name]
         n, k = (n // args.tp, k) if name in COLUMN_PARALLEL else (n, k // args.tp)
-        copies = max(2, -(-(256 << 20) // (n * k * 2)))
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        ws = cold_weights(n, k)
         floor_ms = n * k * 2 / (copy_tbps * 1e9)
         for m in args.rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x.float(), ws[0].float())
-            cublas = graph_ms(lambda i, x=x, ws=ws: F.linear(x, ws[i]), copies)
+            cublas = graph_ms(lambda i, x=x, ws=ws: F.linear(x, ws[i]), len(ws))
             best = None
             for cfg in configs():
                 out = skinny_matmul.skinny_linear(x, ws[0], config=cfg)
@@ -71,7 +70,7 @@ def main() -> None:
                     print(f"  {name} m={m} {cfg}: error {err:.2e}")
                     continue
                 ms = graph_ms(
-                    lambda i, c=cfg, x=x, ws=ws: skinny_matmul.skinny_linear(x, ws[i], config=c), copies
+                    lambda i, c=cfg, x=x, ws=ws: skinny_matmul.skinny_linear(x, ws[i], config=c), len(ws)
                 )
                 rows.append({"shape": name, "m": m, "config": list(cfg), "ms": ms, "cublas_ms": cublas})
                 if best is None or ms < best[1]:

@@ -25,7 +25,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness.timing import graph_ms
+from benchmarks.harness.timing import cold_weights, graph_ms
 from prefixserve.model import fused
 from prefixserve.model.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from prefixserve.model.kernels.rope import rope_qkv, rope_qkv_ref
@@ -67,8 +67,7 @@ def sweep_projection(
 ) -> list[dict]:
     forms = pair_forms(k, splits)
     dev = torch.device("cuda")
-    copies = max(2, -(-(256 << 20) // (n * k * 2)))
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    ws = cold_weights(n, k, 1 / 64)
     nw = torch.rand(n, device=dev, dtype=torch.bfloat16) + 0.5
     out = []
     for m in rows:
@@ -78,7 +77,7 @@ def sweep_projection(
         ref_sum = add_rms_norm_ref(exact, nw.double(), EPS, res.double())[1]
 
         def timed(s: int, x=x, res=res) -> float:
-            return 1e3 * graph_ms(lambda i: run_pair(x, ws[i], nw, res, s), copies)
+            return 1e3 * graph_ms(lambda i: run_pair(x, ws[i], nw, res, s), len(ws))
 
         row = {"proj": name, "rows": m}
         for form, s in forms:
@@ -112,13 +111,11 @@ def run_qkv(x, w, rope, heads, kv_heads, cache, splits):
 
 def sweep_qkv(names: list[str], rows: list[int], splits: tuple[int, ...]) -> list[dict]:
     """The qkv projection then RoPE with the K/V cache write, one matmul against K slices."""
-    dev = torch.device("cuda")
     out = []
     for name in names:
         heads, kv_heads, k = QKV[name]
         n = (heads + 2 * kv_heads) * HEAD_DIM
-        copies = max(2, -(-(256 << 20) // (n * k * 2)))
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+        ws = cold_weights(n, k, 1 / 64)
         for m in rows:
             row = {"proj": name, "rows": m, "n": n, "k": k}
             row.update(qkv_point(ws, m, heads, kv_heads, pair_forms(k, splits)))

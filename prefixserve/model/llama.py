@@ -229,8 +229,7 @@ class Attention(nn.Module):
         rope: Rope | None,
         cache: fused.KVWrite | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cos, sin = rope if rope is not None else rotary.cos_sin(positions)
-        return self._rotated(x, (cos, sin), cache)
+        return self._rotated(x, rope if rope is not None else rotary.cos_sin(positions), cache)
 
     def _rotated(
         self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite | None
