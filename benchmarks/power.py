@@ -40,7 +40,7 @@ import torch
 from benchmarks.attention import Case
 from benchmarks.attention_grid import GRID_B, GRID_P, GRID_S, HKV, HQ, D
 from benchmarks.harness import RESULTS, pyplot, run_info, run_or_report, write_text
-from benchmarks.harness.timing import PART_OF, bench_ms, graphed
+from benchmarks.harness.timing import PART_OF, bench_ms, graphed, replay_graph
 
 FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active,temperature.gpu"
 # nvidia-smi's clocks_event_reasons bits (nvmlClocksEventReasons)
@@ -124,6 +124,32 @@ def sustained(fn: Callable[[], Any], sampler: Sampler, window_s: float) -> dict[
     stop.record()
     torch.cuda.synchronize()
     return {"ms": start.elapsed_time(stop) / n, **sampler.window(t0 + 0.1, time.time())}
+
+
+def graph_back_to_back(
+    fn: Callable[[int], Any], copies: int, sampler: Sampler, window_s: float, floor_w: float | None = None
+) -> dict[str, Any]:
+    """``fn(i)`` over ``copies`` weight copies from one CUDA graph, replayed back to back for
+    ``window_s`` seconds: microseconds a call, the board's median power and SM clock, whether the cap
+    held it, and (given the spin kernel's ``floor_w``) millijoules a call above that floor, which is
+    what a call costs a step that runs at the cap."""
+    graph = replay_graph(fn, copies)
+    st = sustained(graph.replay, sampler, window_s)
+    us = 1e3 * st["ms"] / copies
+    out = {
+        "us": us,
+        "power_w": st["power_w"],
+        "sm_mhz": st["sm_mhz"],
+        "power_cap": "power cap" in st["reasons"],
+    }
+    if floor_w is not None and st["power_w"] is not None:
+        out["mj_above_floor"] = (st["power_w"] - floor_w) * us * 1e-3
+    return out
+
+
+def spin_floor_w(sampler: Sampler, window_s: float = 1.0) -> float:
+    """The board's power with its clocks up and almost nothing switching (one spinning thread)."""
+    return sustained(lambda: torch.cuda._sleep(1_000_000), sampler, window_s)["power_w"]
 
 
 def flushed(fn: Callable[[], Any], sampler: Sampler, window_s: float) -> dict[str, Any]:

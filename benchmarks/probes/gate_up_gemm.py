@@ -9,7 +9,11 @@ weight copies that none stays in L2. Prints per row count the unfused time, the 
 and the rules' picks; ``--json`` keeps every timing.
 
 PYTHONPATH=. python -m benchmarks.probes.gate_up_gemm --rows 1 16 64 128 256 512 1024 8192 [--tp 2]
-(``--tp N``: one tensor-parallel rank's shard, an N-th of the intermediate columns)
+(``--tp N``: one tensor-parallel rank's shard, an N-th of the intermediate columns; ``--model 70b``:
+Llama-3.1-70B's gate-up, [57344, 8192]). ``--sustained S`` then runs the unfused pair, cuBLAS's product
+alone and the ``--top`` fused tiles back to back for S seconds each, two rounds in turn, with the
+board's power sampled: at the power cap, where a decode step's products run, a call's time is its
+energy, which the burst sweep does not show (docs/kernels.md §4).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from prefixserve.model.kernels import gate_up, skinny_matmul
 from prefixserve.model.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
 INTER, HIDDEN = 14336, 4096
+MODELS = {"8b": (INTER, HIDDEN), "70b": (28672, 8192)}  # (intermediate, hidden)
 
 
 def skinny_configs():
@@ -55,6 +60,9 @@ def main() -> None:
     )
     ap.add_argument("--ab", type=int, default=0, help="no sweep: N alternations of the pair and the rule")
     ap.add_argument("--tp", type=int, default=1, help="sweep one tensor-parallel rank's shard")
+    ap.add_argument("--model", choices=sorted(MODELS), default="8b")
+    ap.add_argument("--sustained", type=float, default=0.0, help="also S seconds back to back, with power")
+    ap.add_argument("--top", type=int, default=3, help="fused tiles run back to back (--sustained)")
     args = ap.parse_args()
     if args.engine_ab:
         return engine_ab(args.rows, args.engine_ab)
@@ -63,7 +71,15 @@ def main() -> None:
     dev = torch.device("cuda")
     copy_tbps, gemm_tflops = measure_ceilings(dev)
     print(f"copy {copy_tbps:.2f} TB/s, GEMM {gemm_tflops:.0f} TFLOP/s", flush=True)
-    n, k = 2 * INTER // args.tp, HIDDEN
+    inter, hidden = MODELS[args.model]
+    n, k = 2 * inter // args.tp, hidden
+    sampler = floor_w = None
+    if args.sustained:
+        from benchmarks import power
+
+        sampler = power.Sampler(gpu=str(torch.cuda.current_device()))
+        floor_w = power.spin_floor_w(sampler)
+        print(f"spin floor {floor_w} W", flush=True)
     ws = cold_weights(n, k, 1 / 32)
     rows, table = [], []
     for m in args.rows:
@@ -111,6 +127,9 @@ def main() -> None:
             "best": None if best is None else dict(zip(("ms", "kind", "config"), best, strict=True)),
             "floor_ms": floor_ms,
         }
+        if sampler is not None:
+            fused_tiles = sorted((r for r in rows if r["m"] == m), key=lambda r: r["ms"])[: args.top]
+            line["sustained"] = back_to_back(x, ws, fused_tiles, sampler, args.sustained, floor_w)
         table.append(line)
         b = "-" if best is None else f"{best[0] * 1e3:.1f} us {best[1]} {best[2]}"
         print(
@@ -119,11 +138,43 @@ def main() -> None:
             f"floor {floor_ms * 1e3:.1f} us |",
             flush=True,
         )
+    if sampler is not None:
+        sampler.close()
+        print("| rows | form | us a call (rounds) | board W | mJ a call above the floor |")
+        for line in table:
+            for form, runs in line["sustained"].items():
+                us = " / ".join(f"{r['us']:.1f}" for r in runs)
+                watts = " / ".join(f"{r['power_w']:.0f}" for r in runs)
+                mj = " / ".join(f"{r['mj_above_floor']:.2f}" for r in runs)
+                print(f"| {line['m']} | {form} | {us} | {watts} | {mj} |")
     if args.json:
         with open(args.json, "w") as f:
-            ceilings = {"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops}
+            ceilings = {"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops, "spin_floor_w": floor_w}
             info = {"device": torch.cuda.get_device_name(), "commit": git_commit(), "tp": args.tp}
+            info |= {"model": args.model, "sustained_s": args.sustained}
             json.dump({**info, **ceilings, "table": table, "rows": rows}, f, indent=1)
+
+
+def back_to_back(x, ws, fused_tiles: list[dict], sampler, window_s: float, floor_w: float) -> dict:
+    """The unfused pair, cuBLAS's product alone and each fused tile back to back (graphed over the weight
+    copies), two rounds in turn: per form, each round's us a call, power and mJ above the floor."""
+    from benchmarks import power
+
+    forms = {
+        "cuBLAS + SiLU kernel": lambda i: silu_and_mul(F.linear(x, ws[i])),
+        "cuBLAS product alone": lambda i: F.linear(x, ws[i]),
+    }
+    for r in fused_tiles:
+        forms[f"{r['kind']} {r['config']}"] = lambda i, c=tuple(r["config"]), kind=r["kind"]: (
+            skinny_matmul.skinny_gated(x, ws[i], config=c)
+            if kind == "skinny"
+            else gate_up.gate_up_tiled(x, ws[i], c)
+        )
+    runs: dict[str, list[dict]] = {name: [] for name in forms}
+    for _ in range(2):
+        for name, fn in forms.items():
+            runs[name].append(power.graph_back_to_back(fn, len(ws), sampler, window_s, floor_w))
+    return runs
 
 
 def ab(row_counts: list[int], rounds: int) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.harness import blaslt
 from benchmarks.harness.info import git_commit
-from benchmarks.harness.timing import graph_ms, replay_graph
+from benchmarks.harness.timing import graph_ms
 from prefixserve.model.fused import split_k_matmul
 
 # model -> projection -> (N, K), the shard a rank holds
@@ -120,26 +120,13 @@ def measure(rows: int, n: int, k: int, limit: int, cap: int = 0, sustained: dict
             forms[f"lt rank {c['rank']} tile {c['tile']} split {c['split_k']}"] = lambda i, a=algo: (
                 blaslt.matmul_into(x, weights[i], out, a)
             )
+        from benchmarks import power
+
         result["sustained"] = [
-            {"form": name, **_back_to_back(fn, copies, sustained["sampler"], sustained["window"])}
+            {"form": name, **power.graph_back_to_back(fn, copies, sustained["sampler"], sustained["window"])}
             for name, fn in forms.items()
         ]
     return result
-
-
-def _back_to_back(fn, copies: int, sampler, window: float) -> dict:
-    """``fn(i)`` over the weight copies from one CUDA graph, replayed back to back for ``window``
-    seconds: microseconds a call and the board's median power and SM clock over the window."""
-    from benchmarks import power
-
-    graph = replay_graph(fn, copies)
-    st = power.sustained(graph.replay, sampler, window)
-    return {
-        "us": 1e3 * st["ms"] / copies,
-        "power_w": st["power_w"],
-        "sm_mhz": st["sm_mhz"],
-        "power_cap": "power cap" in st["reasons"],
-    }
 
 
 def main(argv: list[str] | None = None) -> None:
