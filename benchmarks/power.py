@@ -147,9 +147,14 @@ def graph_back_to_back(
     return out
 
 
+def spin(sampler: Sampler, window_s: float) -> dict[str, Any]:
+    """One spinning thread back to back: the clocked-up board doing almost nothing (its floor)."""
+    return sustained(lambda: torch.cuda._sleep(1_000_000), sampler, window_s)
+
+
 def spin_floor_w(sampler: Sampler, window_s: float = 1.0) -> float:
-    """The board's power with its clocks up and almost nothing switching (one spinning thread)."""
-    return sustained(lambda: torch.cuda._sleep(1_000_000), sampler, window_s)["power_w"]
+    """The board's power with its clocks up and almost nothing switching (``spin``)."""
+    return spin(sampler, window_s)["power_w"]
 
 
 def flushed(fn: Callable[[], Any], sampler: Sampler, window_s: float) -> dict[str, Any]:
@@ -210,7 +215,7 @@ def ceilings(sampler: Sampler, window_s: float) -> dict[str, Any]:
     out["read"] = _read_rate(sampler, window_s)
     out["gemm"] = _gemm_rate(sampler, window_s)
     # one spinning thread: the clocks stay up, almost nothing switches (the board's floor at speed)
-    out["spin"] = sustained(lambda: torch.cuda._sleep(1_000_000), sampler, window_s)
+    out["spin"] = spin(sampler, window_s)
     torch.cuda.empty_cache()
     floor, cap = out["spin"]["power_w"], out["gemm"]["limit_w"]
     out["model"] = {

@@ -117,7 +117,7 @@ def main() -> None:
     from benchmarks import power
 
     sampler = power.Sampler(gpu="0")
-    floor_w = power.sustained(lambda: torch.cuda._sleep(1_000_000), sampler, 2.0)["power_w"]
+    floor_w = power.spin_floor_w(sampler, 2.0)
     rows = [measure(mb, sampler, args.seconds, floor_w) for mb in args.sizes_mb]
     groups = [measure_readers(r, 2048, sampler, args.seconds, floor_w) for r in args.readers]
     sampler.close()

@@ -120,7 +120,7 @@ def measure(
     from benchmarks import power
 
     sampler = power.Sampler(gpu=str(torch.cuda.current_device()))
-    floor_w = power.sustained(lambda: torch.cuda._sleep(1_000_000), sampler, 2.0)["power_w"]
+    floor_w = power.spin_floor_w(sampler, 2.0)
     foot = footprint_mb << 20
     x = torch.randint(-(2**31), 2**31 - 1, (foot // 4,), dtype=torch.int32, device="cuda")
     out = torch.zeros(GRID * CONSUMERS, dtype=torch.int32, device="cuda")
