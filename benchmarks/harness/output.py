@@ -80,6 +80,15 @@ def write_results(name: str, payload: dict[str, Any], markdown: str, out: Path =
     print(markdown)
 
 
+def write_or_print(json_path: Path | None, payload: dict[str, Any], markdown: str) -> None:
+    """A probe's result: its JSON at ``json_path`` and the Markdown beside it (printed too), or, with
+    no path, the Markdown printed only."""
+    if json_path is None:
+        print(markdown)
+    else:
+        write_results(json_path.stem, payload, markdown, out=json_path.parent)
+
+
 def cell(x: float | None, spec: str = ".0f") -> str:
     """A table cell: ``x`` formatted, or ``-`` where it was not measured."""
     return "-" if x is None else format(x, spec)

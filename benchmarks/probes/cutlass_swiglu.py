@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import ctypes
-import json
 import subprocess
 import tempfile
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.output import write_or_print
 from benchmarks.harness.timing import cold_weights, graph_ms
 from prefixserve.model.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 
@@ -189,11 +189,7 @@ def main() -> None:
             result["shapes"][shape] = measure(shape, built, sampler, floor_w, args.seconds)
             torch.cuda.empty_cache()
         sampler.close()
-    text = report(result)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-        args.json.with_suffix(".md").write_text(text + "\n")
+    write_or_print(args.json, result, report(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.harness.output import write_or_print
+
 SOURCE = Path(__file__).with_name("multicast_read.cu")
 CHUNK, STAGES, CONSUMERS, GRID = 16384, 4, 128, 128  # as multicast_read.cu; GRID CTAs a launch
 SMEM = STAGES * CHUNK + 2 * STAGES * 8  # the ring and its full / empty barriers
@@ -185,11 +187,7 @@ def main() -> None:
         kernels = {c: GroupRead(c, Path(build)) for c in args.clusters}
     result = run_info() | {"wrong": wrong_outputs(kernels)}
     result["rows"] = measure(kernels, args.groups, args.footprint_mb, args.seconds)
-    text = report(result)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-        args.json.with_suffix(".md").write_text(text + "\n")
+    write_or_print(args.json, result, report(result) + "\n")
 
 
 if __name__ == "__main__":
