@@ -147,6 +147,31 @@ def graph_back_to_back(
     return out
 
 
+def forms_in_turn(
+    forms: dict[str, Callable[[int], Any]],
+    copies: int,
+    sampler: Sampler,
+    window_s: float,
+    floor_w: float | None = None,
+    rounds: int = 2,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each form ``graph_back_to_back`` in turn, ``rounds`` times over (a board warms between the first
+    form and the last): per form, each round's result."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in forms}
+    for _ in range(rounds):
+        for name, fn in forms.items():
+            runs[name].append(graph_back_to_back(fn, copies, sampler, window_s, floor_w))
+    return runs
+
+
+def rounds_cells(runs: list[dict[str, Any]]) -> str:
+    """Table cells of ``forms_in_turn``'s rounds of one form: us a call | board W | mJ above the floor."""
+    us = " / ".join(f"{r['us']:.1f}" for r in runs)
+    watts = " / ".join(f"{r['power_w']:.0f}" for r in runs)
+    mj = " / ".join(f"{r['mj_above_floor']:.2f}" for r in runs)
+    return f"{us} | {watts} | {mj}"
+
+
 def spin(sampler: Sampler, window_s: float) -> dict[str, Any]:
     """One spinning thread back to back: the clocked-up board doing almost nothing (its floor)."""
     return sustained(lambda: torch.cuda._sleep(1_000_000), sampler, window_s)

@@ -124,26 +124,21 @@ def measure(shape: str, libs: dict[str, Path], sampler, floor_w: float, seconds:
         got = variant(0).clone()
         want = unfused if variant.epi else product
         # max_err_vs_fp32: the fused forms against the fp32 reference; a plain product against cuBLAS's
+        target = ref if variant.epi else want.float()
         checks[name] = {
             "layout_mismatch": int(variant.bad.item()),
             "equal_to_engine": float((got == want).float().mean()),
-            "max_err_vs_fp32": float((got.float() - (ref if variant.epi else want.float())).abs().max())
-            / float((ref if variant.epi else want.float()).abs().max()),
+            "max_err_vs_fp32": float((got.float() - target).abs().max()) / float(target.abs().max()),
         }
         forms[name] = variant
-    result = {
-        "checks": checks,
-        "forms": {n: {"burst_us": graph_ms(fn, len(ws)) * 1e3} for n, fn in forms.items()},
-    }
-    for _ in range(2):
-        for name, fn in forms.items():
-            result["forms"][name].setdefault("back_to_back", []).append(
-                power.graph_back_to_back(fn, len(ws), sampler, seconds, floor_w)
-            )
-    return result
+    burst = {name: graph_ms(fn, len(ws)) * 1e3 for name, fn in forms.items()}
+    runs = power.forms_in_turn(forms, len(ws), sampler, seconds, floor_w)
+    return {"checks": checks, "forms": {n: {"burst_us": burst[n], "back_to_back": runs[n]} for n in forms}}
 
 
 def report(result: dict) -> str:
+    from benchmarks import power
+
     lines = [
         f"{result['device']}, torch {result['torch']}, commit {result.get('commit')}, {result['date']}: "
         f"spin floor {result['floor_w']:.0f} W, {ROWS} rows, back to back {result['seconds']} s a round",
@@ -156,16 +151,8 @@ def report(result: dict) -> str:
         for name, f in r["forms"].items():
             check = r["checks"].get(name)
             eq = "-" if check is None else f"{check['equal_to_engine']:.4f}"
-            runs = f["back_to_back"]
-            lines.append(
-                f"| {shape} | {name} | {eq} | {f['burst_us']:.1f} | "
-                + " / ".join(f"{b['us']:.1f}" for b in runs)
-                + " | "
-                + " / ".join(f"{b['power_w']:.0f}" for b in runs)
-                + " | "
-                + " / ".join(f"{b['mj_above_floor']:.2f}" for b in runs)
-                + " |"
-            )
+            cells = power.rounds_cells(f["back_to_back"])
+            lines.append(f"| {shape} | {name} | {eq} | {f['burst_us']:.1f} | {cells} |")
     return "\n".join(lines)
 
 

@@ -143,10 +143,7 @@ def main() -> None:
         print("| rows | form | us a call (rounds) | board W | mJ a call above the floor |")
         for line in table:
             for form, runs in line["sustained"].items():
-                us = " / ".join(f"{r['us']:.1f}" for r in runs)
-                watts = " / ".join(f"{r['power_w']:.0f}" for r in runs)
-                mj = " / ".join(f"{r['mj_above_floor']:.2f}" for r in runs)
-                print(f"| {line['m']} | {form} | {us} | {watts} | {mj} |")
+                print(f"| {line['m']} | {form} | {power.rounds_cells(runs)} |")
     if args.json:
         with open(args.json, "w") as f:
             ceilings = {"copy_tbps": copy_tbps, "gemm_tflops": gemm_tflops, "spin_floor_w": floor_w}
@@ -170,11 +167,7 @@ def back_to_back(x, ws, fused_tiles: list[dict], sampler, window_s: float, floor
             if kind == "skinny"
             else gate_up.gate_up_tiled(x, ws[i], c)
         )
-    runs: dict[str, list[dict]] = {name: [] for name in forms}
-    for _ in range(2):
-        for name, fn in forms.items():
-            runs[name].append(power.graph_back_to_back(fn, len(ws), sampler, window_s, floor_w))
-    return runs
+    return power.forms_in_turn(forms, len(ws), sampler, window_s, floor_w)
 
 
 def ab(row_counts: list[int], rounds: int) -> None:
