@@ -4,8 +4,12 @@ The own part: each sequence's own KV (``--own`` tokens on average, lengths drawn
 3 own/2], scattered blocks as a decode allocates them) attended by the paged kernel into fp32
 partials, one launch (graphed, L2 flushed). Variants: KV splits, BLOCK_N, stages, warps, sequences
 per program. Also the CSR merge of a step's partials per row. Prints tables; ``--json`` keeps them.
+``--heads 32/4`` sets query / KV heads (the 70B's TP=2 shard); ``--sustained S`` also runs each
+launch back to back for S seconds with the board's power and ranks them by millijoules a call above
+the spin kernel's floor: at the power cap that, not a burst's time, is what a step pays.
 
 PYTHONPATH=. python -m benchmarks.probes.own_part --batches 64 256 1024
+PYTHONPATH=. python -m benchmarks.probes.own_part --heads 32/4 --batches 256 --sustained 1
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import itertools
 import json
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -23,31 +28,33 @@ from prefixserve.attention.kernels import merge, paged_attention
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
-def own_case(batch: int, own: int, seed: int = 0) -> dict:
+def own_case(batch: int, own: int, seed: int = 0, heads: tuple[int, int] = (HQ, HKV)) -> dict:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(own // 2, own + own // 2 + 1, (batch,), generator=g)
     width = -(-int(lens.max()) // BS)
     blocks = batch * width + 16
     perm = torch.randperm(blocks, generator=g)[: batch * width].view(batch, width).to(torch.int32)
     dev = "cuda"
+    hq, hkv = heads
     return {
-        "q": torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16),
-        "k": torch.randn(blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16),
-        "v": torch.randn(blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16),
+        "q": torch.randn(batch, hq, D, device=dev, dtype=torch.bfloat16),
+        "k": torch.randn(blocks, BS, hkv, D, device=dev, dtype=torch.bfloat16),
+        "v": torch.randn(blocks, BS, hkv, D, device=dev, dtype=torch.bfloat16),
         "tables": perm.to(dev),
         "lens": lens.to(torch.int32).to(dev),
         "qsl": torch.arange(batch + 1, dtype=torch.int32, device=dev),
-        "bytes": int(lens.sum()) * HKV * D * 2 * 2,
+        "bytes": int(lens.sum()) * hkv * D * 2 * 2,
         "max": int(lens.max()),
     }
 
 
-def time_own(c: dict, splits: int, block_n: int, stages: int, warps: int, pack: int) -> float:
-    b = c["q"].shape[0]
+def own_launch(c: dict, splits: int, block_n: int, stages: int, warps: int, pack: int) -> Callable[[], None]:
+    """One own-part launch of ``c`` at this shape, run once (compiled), graphed."""
+    b, hq = c["q"].shape[:2]
     split_size = math.ceil(math.ceil(c["max"] / splits) / block_n) * block_n
     splits = math.ceil(c["max"] / split_size)
-    o = torch.empty(splits * b, HQ, D, dtype=torch.float32, device="cuda")
-    lse = torch.empty(splits * b, HQ, dtype=torch.float32, device="cuda")
+    o = torch.empty(splits * b, hq, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(splits * b, hq, dtype=torch.float32, device="cuda")
 
     def run() -> None:
         paged_attention.launch_paged(
@@ -63,8 +70,8 @@ def time_own(c: dict, splits: int, block_n: int, stages: int, warps: int, pack: 
             split_size,
             o,
             lse,
-            b * HQ * D,
-            b * HQ,
+            b * hq * D,
+            b * hq,
             block_n,
             num_warps=warps,
             num_stages=stages,
@@ -72,7 +79,7 @@ def time_own(c: dict, splits: int, block_n: int, stages: int, warps: int, pack: 
         )
 
     run()
-    return bench_ms(graphed(run))
+    return graphed(run)
 
 
 def time_merge(rows: int, parts: int) -> float:
@@ -106,13 +113,24 @@ def main() -> None:
     ap.add_argument("--pack", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--merge-parts", type=int, nargs="+", default=[2, 3, 5, 9, 12])
     ap.add_argument("--skip-own", action="store_true")
+    ap.add_argument("--heads", default=f"{HQ}/{HKV}", help="query / KV heads, e.g. 32/4")
+    ap.add_argument("--sustained", type=float, default=0.0, help="also S seconds back to back, with power")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    heads = tuple(int(x) for x in args.heads.split("/"))
     copy_tbps, _ = measure_ceilings(torch.device("cuda"))
     print(f"copy {copy_tbps:.2f} TB/s")
-    out = {"copy_tbps": copy_tbps, "own": [], "merge": []}
+    out = {"copy_tbps": copy_tbps, "heads": args.heads, "own": [], "merge": []}
+    sampler, floor_w = None, 0.0
+    if args.sustained:
+        from benchmarks import power
+
+        sampler = power.Sampler(gpu="0")
+        floor_w = power.spin_floor_w(sampler)
+        out["floor_w"] = floor_w
+        print(f"spin floor {floor_w:.0f} W")
     for b in args.batches:
-        c = own_case(b, args.own)
+        c = own_case(b, args.own, heads=heads)
         bound = c["bytes"] / (copy_tbps * 1e12) * 1e3
         rows = []
         for s, n, st, w, p in (
@@ -121,23 +139,18 @@ def main() -> None:
             else itertools.product(args.splits, args.block_n, args.stages, args.warps, args.pack)
         ):
             try:
-                ms = time_own(c, s, n, st, w, p)
+                fn = own_launch(c, s, n, st, w, p)
             except Exception as e:  # a shape the kernel cannot take
                 print(f"B={b} splits={s} n={n} stages={st} warps={w} pack={p}: {type(e).__name__}")
                 continue
-            rows.append(
-                {
-                    "B": b,
-                    "splits": s,
-                    "block_n": n,
-                    "stages": st,
-                    "warps": w,
-                    "pack": p,
-                    "ms": ms,
-                    "bound_ms": bound,
-                }
-            )
-        rows.sort(key=lambda r: r["ms"])
+            row = {"B": b, "splits": s, "block_n": n, "stages": st, "warps": w, "pack": p}
+            row |= {"ms": bench_ms(fn), "bound_ms": bound}
+            if sampler is not None:
+                st_ = power.sustained(fn, sampler, args.sustained)
+                row |= {"sustained_us": 1e3 * st_["ms"], "power_w": st_["power_w"]}
+                row["mJ_above_floor"] = st_["ms"] * (st_["power_w"] - floor_w)
+            rows.append(row)
+        rows.sort(key=lambda r: r["mJ_above_floor"] if sampler is not None else r["ms"])
         default = next(
             (
                 r
@@ -150,10 +163,16 @@ def main() -> None:
             f"B={b}, own {c['bytes'] / 1e6:.1f} MB, bound {bound * 1e3:.1f} us; "
             f"default {default and round(default['ms'] * 1e3, 1)} us; best 8:"
         )
-        for r in rows[:8]:
+        for r in rows[:8] + ([default] if default and default not in rows[:8] else []):
+            energy = (
+                f"; back to back {r['sustained_us']:.1f} us at {r['power_w']:.0f} W, "
+                f"{r['mJ_above_floor']:.2f} mJ above the floor"
+                if "mJ_above_floor" in r
+                else ""
+            )
             print(
                 f"  splits {r['splits']} n {r['block_n']} stages {r['stages']} warps {r['warps']} "
-                f"pack {r['pack']}: {r['ms'] * 1e3:.1f} us ({bound / r['ms']:.0%} of copy)"
+                f"pack {r['pack']}: {r['ms'] * 1e3:.1f} us ({bound / r['ms']:.0%} of copy){energy}"
             )
         out["own"] += rows
         for parts in args.merge_parts:
@@ -163,6 +182,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
+    if sampler is not None:
+        sampler.close()
 
 
 if __name__ == "__main__":
