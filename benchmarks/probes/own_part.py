@@ -120,7 +120,9 @@ def main() -> None:
     heads = tuple(int(x) for x in args.heads.split("/"))
     copy_tbps, _ = measure_ceilings(torch.device("cuda"))
     print(f"copy {copy_tbps:.2f} TB/s")
-    out = {"copy_tbps": copy_tbps, "heads": args.heads, "own": [], "merge": []}
+    from benchmarks.harness.info import run_info
+
+    out = run_info() | {"copy_tbps": copy_tbps, "heads": args.heads, "own": [], "merge": []}
     sampler, floor_w = None, 0.0
     if args.sustained:
         from benchmarks import power
