@@ -6,7 +6,9 @@ partials, one launch (graphed, L2 flushed). Variants: KV splits, BLOCK_N, stages
 per program. Also the CSR merge of a step's partials per row. Prints tables; ``--json`` keeps them.
 ``--heads 32/4`` sets query / KV heads (the 70B's TP=2 shard); ``--sustained S`` also runs each
 launch back to back for S seconds with the board's power and ranks them by millijoules a call above
-the spin kernel's floor: at the power cap that, not a burst's time, is what a step pays.
+the spin kernel's floor: at the power cap that, not a burst's time, is what a step pays. Each batch
+also times the own KV read alone, the same paged walk with no products (``_paged_read``): the floor
+an own kernel of this layout could reach.
 
 PYTHONPATH=. python -m benchmarks.probes.own_part --batches 64 256 1024
 PYTHONPATH=. python -m benchmarks.probes.own_part --heads 32/4 --batches 256 --sustained 1
@@ -24,8 +26,71 @@ import torch
 
 from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings
 from prefixserve.attention.kernels import merge, paged_attention
+from prefixserve.triton_support import require_triton
 
 HQ, HKV, D, BS = 32, 8, 128, 16
+triton, tl = require_triton()
+
+
+@triton.jit
+def _paged_read(
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    stride_kb,
+    stride_kt,
+    stride_bt,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """One (sequence, KV head): its own K and V rows read through the block table and summed (so
+    that nothing is optimised away), the paged kernel's walk without its products."""
+    pid = tl.program_id(0)
+    seq, kvh = pid // HKV, pid % HKV
+    n = tl.load(lens_ptr + seq)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for start in tl.range(0, n, BLOCK_N, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        blk = tl.load(bt_ptr + seq * stride_bt + offs // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        rows = blk * stride_kb + (offs % BLOCK_SIZE) * stride_kt + kvh * HEAD_DIM
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
+def read_launch(c: dict, block_n: int = 64, stages: int = 3) -> Callable[[], None]:
+    """The own KV read alone (``_paged_read``), run once, graphed."""
+    b, hkv = c["q"].shape[0], c["k"].shape[2]
+    out = torch.empty(b * hkv, dtype=torch.float32, device="cuda")
+    k, v, tables = c["k"], c["v"], c["tables"]
+
+    def run() -> None:
+        _paged_read[(b * hkv,)](
+            k,
+            v,
+            tables,
+            c["lens"],
+            out,
+            k.stride(0),
+            k.stride(1),
+            tables.stride(0),
+            hkv,
+            D,
+            block_n,
+            BS,
+            stages,
+        )
+
+    run()
+    return graphed(run)
 
 
 def own_case(batch: int, own: int, seed: int = 0, heads: tuple[int, int] = (HQ, HKV)) -> dict:
@@ -153,6 +218,12 @@ def main() -> None:
                 row["mJ_above_floor"] = st_["ms"] * (st_["power_w"] - floor_w)
             rows.append(row)
         rows.sort(key=lambda r: r["mJ_above_floor"] if sampler is not None else r["ms"])
+        read = {"B": b, "ms": bench_ms(read_fn := read_launch(c))}
+        if sampler is not None:
+            st_ = power.sustained(read_fn, sampler, args.sustained)
+            read |= {"sustained_us": 1e3 * st_["ms"], "power_w": st_["power_w"]}
+            read["mJ_above_floor"] = st_["ms"] * (st_["power_w"] - floor_w)
+        out.setdefault("read_floor", []).append(read)
         default = next(
             (
                 r
@@ -176,6 +247,15 @@ def main() -> None:
                 f"  splits {r['splits']} n {r['block_n']} stages {r['stages']} warps {r['warps']} "
                 f"pack {r['pack']}: {r['ms'] * 1e3:.1f} us ({bound / r['ms']:.0%} of copy){energy}"
             )
+        energy = (
+            f"; back to back {read['sustained_us']:.1f} us at {read['power_w']:.0f} W, "
+            f"{read['mJ_above_floor']:.2f} mJ above the floor"
+            if "mJ_above_floor" in read
+            else ""
+        )
+        print(
+            f"  the own KV read alone: {read['ms'] * 1e3:.1f} us ({bound / read['ms']:.0%} of copy){energy}"
+        )
         out["own"] += rows
         for parts in args.merge_parts:
             ms = time_merge(b, parts)
