@@ -126,16 +126,15 @@ def sustained(fn: Callable[[], Any], sampler: Sampler, window_s: float) -> dict[
     return {"ms": start.elapsed_time(stop) / n, **sampler.window(t0 + 0.1, time.time())}
 
 
-def graph_back_to_back(
-    fn: Callable[[int], Any], copies: int, sampler: Sampler, window_s: float, floor_w: float | None = None
+def back_to_back(
+    fn: Callable[[], Any], sampler: Sampler, window_s: float, floor_w: float | None = None, calls: int = 1
 ) -> dict[str, Any]:
-    """``fn(i)`` over ``copies`` weight copies from one CUDA graph, replayed back to back for
-    ``window_s`` seconds: microseconds a call, the board's median power and SM clock, whether the cap
-    held it, and (given the spin kernel's ``floor_w``) millijoules a call above that floor, which is
-    what a call costs a step that runs at the cap."""
-    graph = replay_graph(fn, copies)
-    st = sustained(graph.replay, sampler, window_s)
-    us = 1e3 * st["ms"] / copies
+    """``fn`` (``calls`` calls a run) back to back for ``window_s`` seconds: microseconds a call, the
+    board's median power and SM clock, whether the cap held it, and (given the spin kernel's
+    ``floor_w``) millijoules a call above that floor, which is what a call costs a step that runs
+    at the cap."""
+    st = sustained(fn, sampler, window_s)
+    us = 1e3 * st["ms"] / calls
     out = {
         "us": us,
         "power_w": st["power_w"],
@@ -145,6 +144,13 @@ def graph_back_to_back(
     if floor_w is not None and st["power_w"] is not None:
         out["mj_above_floor"] = (st["power_w"] - floor_w) * us * 1e-3
     return out
+
+
+def graph_back_to_back(
+    fn: Callable[[int], Any], copies: int, sampler: Sampler, window_s: float, floor_w: float | None = None
+) -> dict[str, Any]:
+    """``back_to_back`` of ``fn(i)`` over ``copies`` weight copies, all in one CUDA graph."""
+    return back_to_back(replay_graph(fn, copies).replay, sampler, window_s, floor_w, calls=copies)
 
 
 def forms_in_turn(

@@ -105,11 +105,8 @@ def measure(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     def add(what: str, own: int, fn: Any) -> None:
-        st = power.sustained(fn, sampler, args.seconds)
-        us = 1e3 * st["ms"]
-        row = {"what": what, "own": own, "burst_us": 1e3 * bench_ms(fn), "us": us, "power_w": st["power_w"]}
-        row |= {"sm_mhz": st.get("sm_mhz"), "mj_above_floor": us * (st["power_w"] - floor_w) / 1e3}
-        rows.append(row)
+        b2b = power.back_to_back(fn, sampler, args.seconds, floor_w)
+        rows.append({"what": what, "own": own, "burst_us": 1e3 * bench_ms(fn)} | b2b)
 
     owns = args.owns if variant == "engine" else args.owns[:1]
     for own in owns:

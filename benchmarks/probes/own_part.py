@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -147,6 +148,27 @@ def own_launch(c: dict, splits: int, block_n: int, stages: int, warps: int, pack
     return graphed(run)
 
 
+def timed(fn: Callable[[], None], sampler: Any, floor_w: float, seconds: float) -> dict:
+    """A launch's burst time (L2 flushed) and, given a sampler, its run back to back with power."""
+    row = {"ms": bench_ms(fn)}
+    if sampler is not None:
+        from benchmarks import power
+
+        b2b = power.back_to_back(fn, sampler, seconds, floor_w)
+        row |= {"sustained_us": b2b["us"], "power_w": b2b["power_w"], "mJ_above_floor": b2b["mj_above_floor"]}
+    return row
+
+
+def energy_text(r: dict) -> str:
+    """The back-to-back part of a printed row, or nothing where it was not run."""
+    if "mJ_above_floor" not in r:
+        return ""
+    return (
+        f"; back to back {r['sustained_us']:.1f} us at {r['power_w']:.0f} W, "
+        f"{r['mJ_above_floor']:.2f} mJ above the floor"
+    )
+
+
 def time_merge(rows: int, parts: int) -> float:
     o = torch.randn(rows * parts, HQ, D, device="cuda")
     lse = torch.randn(rows * parts, HQ, device="cuda")
@@ -211,18 +233,9 @@ def main() -> None:
                 print(f"B={b} splits={s} n={n} stages={st} warps={w} pack={p}: {type(e).__name__}")
                 continue
             row = {"B": b, "splits": s, "block_n": n, "stages": st, "warps": w, "pack": p}
-            row |= {"ms": bench_ms(fn), "bound_ms": bound}
-            if sampler is not None:
-                st_ = power.sustained(fn, sampler, args.sustained)
-                row |= {"sustained_us": 1e3 * st_["ms"], "power_w": st_["power_w"]}
-                row["mJ_above_floor"] = st_["ms"] * (st_["power_w"] - floor_w)
-            rows.append(row)
+            rows.append(row | timed(fn, sampler, floor_w, args.sustained) | {"bound_ms": bound})
         rows.sort(key=lambda r: r["mJ_above_floor"] if sampler is not None else r["ms"])
-        read = {"B": b, "ms": bench_ms(read_fn := read_launch(c))}
-        if sampler is not None:
-            st_ = power.sustained(read_fn, sampler, args.sustained)
-            read |= {"sustained_us": 1e3 * st_["ms"], "power_w": st_["power_w"]}
-            read["mJ_above_floor"] = st_["ms"] * (st_["power_w"] - floor_w)
+        read = {"B": b} | timed(read_launch(c), sampler, floor_w, args.sustained)
         out.setdefault("read_floor", []).append(read)
         default = next(
             (
@@ -237,25 +250,12 @@ def main() -> None:
             f"default {default and round(default['ms'] * 1e3, 1)} us; best 8:"
         )
         for r in rows[:8] + ([default] if default and default not in rows[:8] else []):
-            energy = (
-                f"; back to back {r['sustained_us']:.1f} us at {r['power_w']:.0f} W, "
-                f"{r['mJ_above_floor']:.2f} mJ above the floor"
-                if "mJ_above_floor" in r
-                else ""
-            )
             print(
                 f"  splits {r['splits']} n {r['block_n']} stages {r['stages']} warps {r['warps']} "
-                f"pack {r['pack']}: {r['ms'] * 1e3:.1f} us ({bound / r['ms']:.0%} of copy){energy}"
+                f"pack {r['pack']}: {r['ms'] * 1e3:.1f} us ({bound / r['ms']:.0%} of copy){energy_text(r)}"
             )
-        energy = (
-            f"; back to back {read['sustained_us']:.1f} us at {read['power_w']:.0f} W, "
-            f"{read['mJ_above_floor']:.2f} mJ above the floor"
-            if "mJ_above_floor" in read
-            else ""
-        )
-        print(
-            f"  the own KV read alone: {read['ms'] * 1e3:.1f} us ({bound / read['ms']:.0%} of copy){energy}"
-        )
+        share = f"{bound / read['ms']:.0%} of copy"
+        print(f"  the own KV read alone: {read['ms'] * 1e3:.1f} us ({share}){energy_text(read)}")
         out["own"] += rows
         for parts in args.merge_parts:
             ms = time_merge(b, parts)
