@@ -187,12 +187,6 @@ def peer_signal_mode() -> str:
     return _env_choice("PREFIXSERVE_PEER_SIGNAL", "count", ("count", "swap"))
 
 
-def own_merge_enabled() -> bool:
-    """``PREFIXSERVE_OWN_MERGE``: whether a decode step's own kernel folds the merge in (own_merge.py)
-    where it has one own split and no pack ("1", default), or writes partials for a merge launch ("0")."""
-    return _env_choice("PREFIXSERVE_OWN_MERGE", "1", ("0", "1")) == "1"
-
-
 def mixed_mode() -> str:
     """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
     (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every

@@ -113,7 +113,6 @@ PART_OF = {
     "_paged_kernel": "own",
     "_packed_decode_kernel": "own",
     "_merge_kernel": "merge",
-    "_own_merge_kernel": "own_merge",
 }
 
 

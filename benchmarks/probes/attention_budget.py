@@ -3,13 +3,11 @@
 A 70B sharing-on decode step at B=256, P=16K runs at the power cap, where a call's time is its energy
 (docs/kernels.md §8), and 3x sharing on / off needs about 0.9 ms off a step: 11 us off each of its
 80 attention calls. This probe prices the parts of one call (one segment, ``launch_modes``'s
-``two_kernels``: the shared Gluon kernel, then the own kernel with the merge folded in), each back
-to back for S seconds with the board's power, in microseconds a call and millijoules above the spin
+``two_kernels``: the shared Gluon kernel beside the paged own kernel, then the merge), each back to
+back for S seconds with the board's power, in microseconds a call and millijoules above the spin
 kernel's floor:
 
 - the whole call at several own lengths (the own part's price a token), and each launch alone;
-- ``merge_apart``: the same with the own kernel beside the shared one writing partials, then the
-  merge launch (``launch_modes``'s ``merge_apart``, the path before ``own_merge.py``);
 - ``no_reload``: the call with the shared kernel's loader patched to fetch K / V for a ticket's
   first ring slots only, every later tile reusing a slot's stale contents (wrong outputs; the
   engine's code is untouched). What it saves is the most any change to how K / V reach the SMs
@@ -37,7 +35,7 @@ import torch
 from benchmarks.harness.output import write_or_print
 from prefixserve.attention.kernels.gluon_attend import GLUON
 
-VARIANTS = ("engine", "merge_apart", "no_reload")
+VARIANTS = ("engine", "no_reload")
 NO_RELOAD_CACHE = Path(tempfile.gettempdir()) / "prefixserve_probe_no_reload"
 
 
@@ -110,16 +108,16 @@ def measure(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         b2b = power.back_to_back(fn, sampler, args.seconds, floor_w)
         rows.append({"what": what, "own": own, "burst_us": 1e3 * bench_ms(fn)} | b2b)
 
-    owns = args.owns if variant != "no_reload" else args.owns[:1]
+    owns = args.owns if variant == "engine" else args.owns[:1]
     for own in owns:
         case = Case(args.batch, args.prefix, own, dev, heads=heads)
-        fn, lay, _ = call(case, "merge_apart" if variant == "merge_apart" else "two_kernels")
+        fn, lay, _ = call(case, "two_kernels")
         add("call", own, fn)
         if own == args.owns[0]:
             tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
             for launch, pos, _ in lay.launches:
                 name = getattr(launch.kernel, "__name__", "?")
-                if variant != "no_reload" or PART_OF.get(name) == "shared":
+                if variant == "engine" or PART_OF.get(name) == "shared":
                     one = graphed(lambda la=launch, po=pos, ts=tensors: relaunch_layer(la, po, ts))
                     add(PART_OF.get(name, name), own, one)
         del case, fn, lay
@@ -160,7 +158,6 @@ def main() -> None:
     )
     ap.add_argument("--seconds", type=float, default=1.5, help="back to back, each row")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--variant", choices=VARIANTS, default=None, help="(a child process's one variant)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -175,7 +172,7 @@ def main() -> None:
     child += ["--heads", args.heads, "--batch", str(args.batch), "--prefix", str(args.prefix)]
     child += ["--owns", *map(str, args.owns), "--seconds", str(args.seconds)]
     for _ in range(args.rounds):
-        for variant in args.variants:
+        for variant in VARIANTS:
             # the patched kernel compiles into a cache of its own (the engine's entry is never reused)
             env = os.environ | ({"TRITON_CACHE_DIR": str(NO_RELOAD_CACHE)} if variant == "no_reload" else {})
             out = subprocess.run([*child, "--variant", variant], capture_output=True, text=True, env=env)

@@ -1,14 +1,12 @@
 """One decode attention call of a one-segment step under each launch, and the parts of the two-kernel call.
 
-Modes: two kernels (the shared Gluon kernel, then the own kernel with the merge folded in,
-``own_merge.py``; the shared tiles as the planner picks them, 192 rows where
-``shared_plan.wide_tiles_pay``), the same on 128-row tiles (``two_kernels128``), the shared kernel on
-a side stream beside the own kernel writing partials, then the merge launch (``merge_apart``), and
-the mixed kernel with 64- or 128-row own tiles. Each call is
+Modes: two kernels (shared Gluon kernel on a side stream beside the own kernel, then the merge; the
+shared tiles as the planner picks them, 192 rows where ``shared_plan.wide_tiles_pay``), the same on
+128-row tiles (``two_kernels128``), and the mixed kernel with 64- or 128-row own tiles. Each call is
 timed as a CUDA graph replay (``benchmarks.harness.timing.bench_ms``: median, L2 flushed), and with
 ``--sustained S`` also back to back for S seconds with the board's power (``benchmarks.power``: at the
 power cap a call's energy is what sets a decode step's time); the two-kernel call's launches are also
-timed alone (shared kernel, own kernel, merge if apart). ``--heads 32/4`` sets query / KV heads (default the
+timed alone (shared kernel, own kernel, merge). ``--heads 32/4`` sets query / KV heads (default the
 8B's 32/8; 32/4 is the 70B's TP=2 shard). T* as in attention.py, from ceilings measured in the run.
 Points are BxPxS (sequences, shared prefix tokens, own tokens each). The phased kernel this probe
 was first written for (shared tickets, then own ones, in one launch) is in git history at a891d3d
@@ -24,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 
 import torch
 
@@ -36,20 +33,17 @@ from prefixserve.attention.kernels.triton_backend import TritonBackend
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
 WIDE_TILES_PAY = shared_plan.wide_tiles_pay
-MODES = {  # (mixed launch, own rows forced, 192-row shared tiles allowed, merge folded into the own kernel)
-    "two_kernels": (False, None, True, True),
-    "merge_apart": (False, None, True, False),
-    "two_kernels128": (False, None, False, True),
-    "mixed64": (True, 64, True, False),
-    "mixed128": (True, 128, True, False),
+MODES = {  # (mixed launch, own rows forced, 192-row shared tiles allowed)
+    "two_kernels": (False, None, True),
+    "two_kernels128": (False, None, False),
+    "mixed64": (True, 64, True),
+    "mixed128": (True, 128, True),
 }
 
 
 def call(case: Case, mode: str):
     """The whole attention call of ``case`` under ``mode``, graphed; and its layout."""
-    mixed, own_m, wide, folded = MODES[mode]
-    before = os.environ.get("PREFIXSERVE_OWN_MERGE")
-    os.environ["PREFIXSERVE_OWN_MERGE"] = "1" if folded else "0"  # read when the layout is built
+    mixed, own_m, wide = MODES[mode]
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
     shared_plan.wide_tiles_pay = WIDE_TILES_PAY if wide else (lambda *a: False)
     be = TritonBackend()
@@ -59,10 +53,6 @@ def call(case: Case, mode: str):
     be.prepare(meta)
     out = be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
     lay = next(iter(meta.plan.layouts.values()))
-    if before is None:
-        del os.environ["PREFIXSERVE_OWN_MERGE"]
-    else:
-        os.environ["PREFIXSERVE_OWN_MERGE"] = before
     fn = graphed(lambda: be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale))
     return fn, lay, out
 
@@ -103,17 +93,16 @@ def main() -> None:
                 st = power.sustained(fn, sampler, args.sustained)
                 row[f"{mode}_sustained"] = 1e3 * st["ms"]
                 row[f"{mode}_mJ"] = st["ms"] * (st["power_w"] or float("nan"))
-            if mode in ("two_kernels", "merge_apart"):
+            if mode == "two_kernels":
                 tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
                 row |= {f"part_{k}": 1e3 * v for k, v in time_launches(lay.launches, tensors).items()}
         row["own_bytes_us"] = 1e6 * b * s * case.hkv * 128 * 2 * 2 / (copy_tbps * 1e12)
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    part_names = ("shared", "own", "merge", "own_merge")
-    print("| B | P | S | T* us | " + " | ".join(args.modes) + " | " + " | ".join(part_names) + " alone |")
+    print("| B | P | S | T* us | " + " | ".join(args.modes) + " | shared alone | own alone | merge |")
     for r in rows:
         cells = [f"{r[m]:.1f}" for m in args.modes]
-        parts = [f"{r.get('part_' + k, float('nan')):.1f}" for k in part_names]
+        parts = [f"{r.get(k, float('nan')):.1f}" for k in ("part_shared", "part_own", "part_merge")]
         head = f"| {r['B']} | {r['P']} | {r['S']} | {r['t_star_us']:.1f} | "
         print(head + " | ".join(cells + parts) + " |")
     if sampler is not None:

@@ -9,15 +9,14 @@ One kernel (with its launcher and its torch reference) per module, host planning
 code. Imports go one way, down this order (a module imports only modules before it; function-level
 imports included; tests/kernels/test_kernel_imports.py checks it):
 
-    _ptxas < merge < tiles < attend < packed_decode < paged_attention < own_merge
-    < gluon_attend < shared_gluon < shared_plan < shared_attention < mixed_rule < mixed_own < mixed_gluon
+    _ptxas < merge < tiles < attend < packed_decode < paged_attention < gluon_attend
+    < shared_gluon < shared_plan < shared_attention < mixed_rule < mixed_own < mixed_gluon
     < step_plan < step_launch < graph_attention < triton_backend
 
   * _ptxas: the ptxas that builds the mixed kernel (recorded launches: ``prefixserve.triton_support``);
   * merge: the LSE merge kernel;  tiles: host checks, shared-memory tile fitting, fitted launches;
   * attend: Triton device blocks (softmax step, products, paged KV walk);
   * packed_decode, paged_attention: the paged kernels (several decode sequences a program; any step);
-  * own_merge: a decode step's own part with the merge folded in (after the shared kernel);
   * shared_plan: the shared-segment work list (host);  shared_attention: the Triton shared kernel;
   * gluon_attend: Gluon blocks of the Hopper ring pipeline;  shared_gluon: the Gluon shared kernel;
   * mixed_rule: when a decode step takes the mixed kernel (host);  mixed_own: its own tiles;

@@ -9,9 +9,7 @@ on any later step (``attention/graph.py`` explains the scheme):
   * shared partials go to slots ``[0, slots_cap)`` and own partials after them at a fixed offset, so
     the merge CSR (refilled each step) can name any slot;
   * a step that ``use_mixed`` takes runs the shared and own tiles as one mixed launch
-    (``mixed_gluon.py``), which writes one own partial per row (the step's one own split), then the merge;
-  * a step whose own part is one split of one sequence a program runs the shared kernel, then the own
-    kernel with the merge folded in (``own_merge.py``): the CSR names shared slots only.
+    (``mixed_gluon.py``), which writes one own partial per row (the step's one own split), then the merge.
 The key of a step (``GraphStep.key``) holds every value a graph bakes in: bucket, capacities, tiles
 and split counts. Capacities are powers of two, so a growing batch re-captures rarely.
 """
@@ -24,19 +22,18 @@ import numpy as np
 import torch
 
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity
-from prefixserve.attention.kernels import merge, mixed_rule, own_merge, paged_attention, shared_attention
+from prefixserve.attention.kernels import merge, mixed_rule, paged_attention, shared_attention
 from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, SharedWork
 from prefixserve.attention.kernels.step_launch import (
     MERGE,
     PAGED_OUT,
     PAGED_PART,
     csr_merge,
-    launch_folded_path,
     launch_mixed_path,
     launch_split_path,
     replay_launches,
 )
-from prefixserve.attention.kernels.step_plan import folds_merge, own_pack_rule, plan_step_work
+from prefixserve.attention.kernels.step_plan import own_pack_rule, plan_step_work
 from prefixserve.attention.metadata import AttentionMetadata
 
 PAGED_BLOCK_N = 64
@@ -101,16 +98,12 @@ def shared_graph_step(
     own_splits = _splits(int(own_lens.max(initial=0)), -(-bucket // pack) * kv_heads, shape.device)
     if mixed:  # the mixed kernel writes one own partial per row
         own_splits = 1
-    # the own kernel merges the shared partials (own_merge.py): no own partial, no merge launch
-    folded = not mixed and folds_merge(1, meta.num_seqs, meta.num_seqs, own_splits)
-    if folded:
-        own_splits = 0
     needed = (
         "shared",
         bucket,
         width,
         own_splits,
-        (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed, folded),
+        (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed),
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
         capacity(plan.seg_blocks.numel(), 16),
@@ -271,7 +264,7 @@ class SharedGraph(_Recorded):
         }
         super().__init__(fields, shape)
         self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
-        self.block_m, self.block_n, self.stages, self.tma, self.pack, self.mixed, self.folded = tiles
+        self.block_m, self.block_n, self.stages, self.tma, self.pack, self.mixed = tiles
         parts = slots + own_splits * bucket
         f32 = {"dtype": torch.float32, "device": shape.device}
         self.o_part = torch.empty(parts, shape.q_heads, shape.head_dim, **f32)
@@ -318,12 +311,6 @@ class SharedGraph(_Recorded):
             step_lists = tuple(self.buffer(n) for n in ("seg_rows", "items", "own_tables", "own_seq_lens"))
             parts = (self.o_part, self.lse_part, s)
             return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, self.mixed)
-        if self.folded:
-            own_merge_args = (*own_args[:5], self.o_part, self.lse_part, row_ptr, part_idx, scale, out)
-            return launch_folded_path(
-                lambda: shared_attention.launch_shared(*shared_args),
-                lambda: own_merge.launch_own_merge(*own_merge_args, PAGED_BLOCK_N, pack=self.pack),
-            )
         return launch_split_path(
             lambda: shared_attention.launch_shared(*shared_args),
             lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),

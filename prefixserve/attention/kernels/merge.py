@@ -30,17 +30,6 @@ triton, tl = require_triton()
 MERGE_ELEMENTS = 1024
 
 
-@triton.jit
-def fold_part(m, acc, denom, lse, o):
-    """Fold one partial (o normalised, lse natural log) into a row's running merge: (max, sum of
-    weighted o, sum of weights), weights relative to the max (also ``own_merge``'s seed)."""
-    m_new = tl.maximum(m, lse)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part yet: alpha and w stay 0
-    alpha = tl.exp2((m - m_use) * 1.4426950408889634)
-    w = tl.exp2((lse - m_use) * 1.4426950408889634)  # exp2(-inf) = 0 drops empty parts exactly
-    return m_new, acc * alpha[:, None] + o * w[:, None], denom * alpha + w
-
-
 @triton.jit(do_not_specialize=["num_parts", "part_stride"])  # per-step values (compile_watch)
 def _merge_kernel(
     o_part_ptr,  # [P, H, D] fp32
@@ -89,7 +78,13 @@ def _merge_kernel(
             mask=h_mask[:, None],
             other=0.0,
         )
-        m, acc, denom = fold_part(m, acc, denom, lse, o)
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part yet: alpha and w stay 0
+        alpha = tl.exp2((m - m_use) * 1.4426950408889634)
+        w = tl.exp2((lse - m_use) * 1.4426950408889634)  # exp2(-inf) = 0 drops empty parts exactly
+        acc = acc * alpha[:, None] + o * w[:, None]
+        denom = denom * alpha + w
+        m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     empty = denom == 0.0
     out = acc / tl.where(empty, 1.0, denom)[:, None]
@@ -221,4 +216,4 @@ def merge_partials_ref(
     return out, lse_out
 
 
-__all__ = ["fold_part", "merge_partials", "merge_partials_ref"]
+__all__ = ["merge_partials", "merge_partials_ref"]

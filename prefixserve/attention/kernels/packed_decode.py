@@ -28,73 +28,6 @@ triton, tl = require_triton()
 
 
 @triton.jit
-def packed_range(
-    q,  # [BLOCK_M, HEAD_DIM]: row m is a query head of sequence seq_m[m]
-    m_i,  # [BLOCK_M] fp32 online-softmax state (base 2), as ``attend_range`` takes it
-    l_i,
-    acc,
-    seq_m,  # [BLOCK_M] sequence of each row
-    first_seq,  # the program's first sequence: columns cover first_seq .. first_seq + PACK - 1
-    num_seqs,
-    split,
-    num_splits,
-    split_size,  # KV tokens per split; 0: each sequence's KV cut evenly into num_splits
-    seq_lens_ptr,
-    bt_ptr,
-    k_base,  # k_cache pointer at this KV head
-    v_base,
-    qk_scale,
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
-    stride_bt,
-    PACK: tl.constexpr,
-    CHUNK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """The packed walk: each KV tile holds CHUNK tokens of every packed sequence's split, scores
-    outside a row's own sequence masked; returns the state (also ``own_merge``'s packed walk)."""
-    offs_n = tl.arange(0, PACK * CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    # columns: CHUNK-token slices of each packed sequence's KV split
-    seq_n = first_seq + offs_n // CHUNK
-    live_n = seq_n < num_seqs
-    # (a sequence without a query still walks its KV, unseen: no row of the tile belongs to it)
-    len_n = tl.load(seq_lens_ptr + seq_n, mask=live_n, other=0)
-    even = tl.cdiv(tl.cdiv(len_n, num_splits), CHUNK) * CHUNK
-    size_n = tl.where(split_size > 0, split_size, even)
-    lo_n = split * size_n
-    hi_n = tl.minimum(lo_n + size_n, len_n)
-    steps = tl.max(tl.cdiv(tl.maximum(hi_n - lo_n, 0), CHUNK), 0)
-    table_n = bt_ptr + seq_n.to(tl.int64) * stride_bt
-    same = seq_m[:, None] == seq_n[None, :]
-    for it in tl.range(0, steps):
-        n = lo_n + it * CHUNK + offs_n % CHUNK
-        n_ok = n < hi_n
-        blk = tl.load(table_n + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        within = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
-        s = qk_scores(q, k, DOT_PREC, UPCAST)
-        s = tl.where(same & n_ok[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
-        v = tl.load(
-            v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
-        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def packed_decode_program(
     pid,  # group of PACK sequences
     kvh,
@@ -144,6 +77,7 @@ def packed_decode_program(
     sequence are masked, and the loop is PACK times longer for the same MMA work per token.
     """
     offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, PACK * CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
     # rows: query heads of the packed sequences
     seq_m = pid * PACK + offs_m // GROUP
@@ -158,37 +92,43 @@ def packed_decode_program(
         mask=row_ok[:, None],
         other=0.0,
     )
+    # columns: CHUNK-token slices of each packed sequence's KV split
+    seq_n = pid * PACK + offs_n // CHUNK
+    live_n = seq_n < num_seqs
+    # (a sequence without a query still walks its KV, unseen: no row of the tile belongs to it)
+    len_n = tl.load(seq_lens_ptr + seq_n, mask=live_n, other=0)
+    even = tl.cdiv(tl.cdiv(len_n, num_splits), CHUNK) * CHUNK
+    size_n = tl.where(split_size > 0, split_size, even)
+    lo_n = split * size_n
+    hi_n = tl.minimum(lo_n + size_n, len_n)
+    steps = tl.max(tl.cdiv(tl.maximum(hi_n - lo_n, 0), CHUNK), 0)
+    table_n = bt_ptr + seq_n.to(tl.int64) * stride_bt
+    same = seq_m[:, None] == seq_n[None, :]
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = packed_range(
-        q,
-        m_i,
-        l_i,
-        acc,
-        seq_m,
-        pid * PACK,
-        num_seqs,
-        split,
-        num_splits,
-        split_size,
-        seq_lens_ptr,
-        bt_ptr,
-        k_ptr + kvh * stride_kh,
-        v_ptr + kvh * stride_vh,
-        qk_scale,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        stride_bt,
-        PACK,
-        CHUNK,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        DOT_PREC,
-        UPCAST,
-    )
+    for it in tl.range(0, steps):
+        n = lo_n + it * CHUNK + offs_n % CHUNK
+        n_ok = n < hi_n
+        blk = tl.load(table_n + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        within = (n % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(
+            k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :],
+            mask=n_ok[:, None],
+            other=0.0,
+        )
+        s = qk_scores(q, k, DOT_PREC, UPCAST)
+        s = tl.where(same & n_ok[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :],
+            mask=n_ok[:, None],
+            other=0.0,
+        )
+        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     o, lse = finish_rows(m_i, l_i, acc)
     split64 = split.to(tl.int64)
     o_rows = o_ptr + split64 * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh
@@ -322,4 +262,4 @@ def launch_packed_decode(
     )
 
 
-__all__ = ["decode_pack", "launch_packed_decode", "packed_range"]
+__all__ = ["decode_pack", "launch_packed_decode"]

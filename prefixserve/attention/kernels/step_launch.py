@@ -3,11 +3,9 @@ decode graphs (``graph_attention.py``): the two-kernel path (shared kernel, on a
 given, beside the own kernel, then the merge), the mixed path (one mixed launch, then the merge), and
 the replay of recorded launches with a later layer's tensors.
 
-The folded path (a decode step's own kernel with the merge in it, ``own_merge.py``) runs the shared
-kernel, then that one launch. A path launches through Triton's normal path once and returns
-``Recorded`` launches; every later layer (eager) or a graph capture repeats them with
-``replay_launches`` (kernels/launch.py: the compiled kernel's launcher called directly, the layer's
-q / K / V / output swapped in).
+A path launches through Triton's normal path once and returns ``Recorded`` launches; every later
+layer (eager) or a graph capture repeats them with ``replay_launches`` (kernels/launch.py: the
+compiled kernel's launcher called directly, the layer's q / K / V / output swapped in).
 """
 
 from __future__ import annotations
@@ -74,15 +72,6 @@ def launch_split_path(
     return launches + [(m, MERGE, False) for m in rec]
 
 
-def launch_folded_path(shared: Callable[[], Any], own_merge: Callable[[], Any]) -> list[Recorded]:
-    """Shared kernel, then the own kernel with the merge folded in (``own_merge.py``), on one stream:
-    the second reads the first's partials, so nothing runs beside it."""
-    from prefixserve.attention.kernels.own_merge import OWN_MERGE
-
-    launches = [(shared(), SHARED, False), (own_merge(), OWN_MERGE, False)]
-    return [(la, pos, side) for la, pos, side in launches if la is not None]
-
-
 def launch_mixed_path(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -145,7 +134,6 @@ __all__ = [
     "SHARED",
     "Recorded",
     "csr_merge",
-    "launch_folded_path",
     "launch_mixed_path",
     "launch_split_path",
     "relaunch_layer",

@@ -96,16 +96,6 @@ def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], bl
     return pack if own_heavy(plan, block_size, kv_heads, group, dim, elt) else 1
 
 
-def folds_merge(max_query_len: int, tokens: int, num_seqs: int, own_splits: int) -> bool:
-    """Whether a two-kernel step runs its own part with the merge folded in (``own_merge.py``): a
-    decode step (one query a sequence) whose own part is one split, and PREFIXSERVE_OWN_MERGE not
-    "0" (``config.own_merge_enabled``)."""
-    from prefixserve import config
-
-    one_each = max_query_len == 1 and tokens == num_seqs
-    return one_each and own_splits == 1 and config.own_merge_enabled()
-
-
 def step_sizes(plan: Any, block_size: int) -> tuple[int, int]:
     """(holder rows x KV tokens summed over segments, own KV tokens): a step's shared FLOPs and own
     bytes, up to constant factors (``mixed_rule`` weighs one against the other for steps of several

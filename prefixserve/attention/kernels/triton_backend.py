@@ -40,14 +40,12 @@ from prefixserve.attention.kernels.step_launch import (
     PAGED_OUT,
     PAGED_PART,
     csr_merge,
-    launch_folded_path,
     launch_mixed_path,
     launch_split_path,
     relaunch_layer,
     replay_launches,
 )
 from prefixserve.attention.kernels.step_plan import (
-    folds_merge,
     host_plan,
     own_pack_rule,
     plan_step_work,
@@ -69,7 +67,6 @@ class _Layout:
     own_split_size: int
     own_pack: int = 1  # decode sequences per own-kernel program
     mixed: MixedTiles | None = None  # the tiles of one launch of shared and own tiles (mixed_gluon.py)
-    folded: bool = False  # the own kernel merges (own_merge.py): the CSR names shared slots only
     work: Any = None  # SharedWork, when the step has segments
     num_slots: int = 0  # shared slots + own slots
     row_ptr: torch.Tensor | None = None  # [T+1] int32: CSR over the merged partials
@@ -299,24 +296,6 @@ class TritonBackend(TritonPagedBackend):
             step_lists = (plan.seg_rows, lay.work.items, plan.own_block_tables, plan.own_seq_lens)
             parts = (lay.o_part, lay.lse_part, ns)
             return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, lay.mixed)
-        if lay.folded:
-            from prefixserve.attention.kernels.own_merge import launch_own_merge
-
-            return launch_folded_path(
-                lambda: shared_mod.launch_shared(*shared_args, scale, lay.o_part, lay.lse_part),
-                lambda: launch_own_merge(
-                    *own_args[:3],
-                    plan.own_block_tables,
-                    plan.own_seq_lens,
-                    lay.o_part,
-                    lay.lse_part,
-                    lay.row_ptr,
-                    lay.part_idx,
-                    scale,
-                    out,
-                    pack=lay.own_pack,
-                ),
-            )
         own_args += (
             step.max_query_len,
             lay.own_splits,
@@ -377,9 +356,6 @@ def build_layout(
         # should a layer's caches not take the mixed kernel)
         own_splits = 1
         own_split_size = max(1, -(-max(plan.own_seq_lens_host, default=0) // block_n)) * block_n
-    folded = not mixed and folds_merge(step.max_query_len, tokens, meta.num_seqs, own_splits)
-    if folded:  # no own partials: the own kernel merges the shared ones
-        own_splits = 0
     # merge CSR over the step's T rows: each row's own splits, then its slots in every segment
     seg_rows = step.seg_rows_host
     if seg_rows is None:  # a step planned elsewhere (e.g. benchmarks): read the rows back once
@@ -395,7 +371,6 @@ def build_layout(
         own_split_size=own_split_size,
         own_pack=pack,
         mixed=mixed,
-        folded=folded,
         work=work,
         num_slots=num_slots,
         row_ptr=row_ptr_d,
