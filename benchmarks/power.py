@@ -134,15 +134,20 @@ def back_to_back(
     ``floor_w``) millijoules a call above that floor, which is what a call costs a step that runs
     at the cap."""
     st = sustained(fn, sampler, window_s)
-    us = 1e3 * st["ms"] / calls
+    return call_cost(1e3 * st["ms"] / calls, st, floor_w)
+
+
+def call_cost(us: float, board: dict[str, Any], floor_w: float | None = None) -> dict[str, Any]:
+    """A call's microseconds with its run's board state (``Sampler.window``): power, SM clock, whether
+    the cap held it, and (given the spin floor) millijoules a call above that floor."""
     out = {
         "us": us,
-        "power_w": st["power_w"],
-        "sm_mhz": st["sm_mhz"],
-        "power_cap": "power cap" in st["reasons"],
+        "power_w": board["power_w"],
+        "sm_mhz": board["sm_mhz"],
+        "power_cap": "power cap" in board["reasons"],
     }
-    if floor_w is not None and st["power_w"] is not None:
-        out["mj_above_floor"] = (st["power_w"] - floor_w) * us * 1e-3
+    if floor_w is not None and board["power_w"] is not None:
+        out["mj_above_floor"] = (board["power_w"] - floor_w) * us * 1e-3
     return out
 
 

@@ -50,6 +50,7 @@ def ranks_back_to_back(graph: Any, sampler: power.Sampler, seconds: float, floor
     stop.synchronize()
     replays = torch.tensor([max(20, int(seconds / (start.elapsed_time(stop) / 10e3)))], device="cuda")
     dist.broadcast(replays, 0)
+    n = int(replays.item())
     for _ in range(20):
         graph.replay()
     torch.cuda.synchronize()
@@ -57,20 +58,12 @@ def ranks_back_to_back(graph: Any, sampler: power.Sampler, seconds: float, floor
     torch.cuda.synchronize()
     t0 = time.time()
     start.record()
-    for _ in range(int(replays.item())):
+    for _ in range(n):
         graph.replay()
     stop.record()
     stop.synchronize()
-    us = start.elapsed_time(stop) * 1e3 / (int(replays.item()) * CALLS)
-    board = sampler.window(t0 + 0.2, time.time())
-    watts = board["power_w"]
-    return {
-        "us": us,
-        "power_w": watts,
-        "sm_mhz": board["sm_mhz"],
-        "power_cap": "power cap" in board["reasons"],
-        "mj_above_floor": None if watts is None else (watts - floor_w) * us * 1e-3,
-    }
+    us = start.elapsed_time(stop) * 1e3 / (n * CALLS)
+    return power.call_cost(us, sampler.window(t0 + 0.2, time.time()), floor_w)
 
 
 def _forms(meet: Meeting, hidden: int, warps: list[int]) -> dict[str, Callable[[int], Any]]:
