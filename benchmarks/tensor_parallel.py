@@ -220,9 +220,11 @@ def main(argv: list[str] | None = None) -> None:
         other_runs = _runs(other)
         _stamp_cells(other)
         for part in args.parts:
+            _check_same_machine(part, payload["runs"].get(part), other_runs.get(part), args.merge)
             if part == "grid":  # cell by cell: the --batches x --prefixes rows' --modes
-                _merge_cells(payload, other, set(args.batches), set(args.prefixes), args.modes)
-                payload["power"] = other.get("power") or payload["power"]
+                taken = _merge_cells(payload, other, set(args.batches), set(args.prefixes), args.modes)
+                if any(k.endswith("_boards") for row in taken for k in row):  # its ceilings go with them
+                    payload["power"] = other.get("power") or payload["power"]
             elif part == "compare":  # row by row: the --batches rows
                 kept = [r for r in payload["compare"] if r["B"] not in args.batches]
                 taken = [r for r in other.get("compare", []) if r["B"] in args.batches]
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 payload[part] = other.get(part, payload[part])
             if part in other_runs:
-                payload["runs"][part] = other_runs[part]
+                payload["runs"][part] = _later_run(part, payload["runs"].get(part), other_runs[part])
         kept = (*RUN_KEYS, "cpu_count", "python", "model", "own", "gen")
         payload.update({k: other[k] for k in kept if k in other})
         write_results(NAME, payload, markdown(payload), args.out)
@@ -367,8 +369,32 @@ def _stamp_cells(result: dict) -> None:
             row["commit"] = commit
 
 
-def _merge_cells(payload: dict, other: dict, batches: set[int], prefixes: set[int], modes: list[str]) -> None:
-    """Copy the grid cells of ``other`` named by B, P and mode (every field of that mode) into ``payload``."""
+def _check_same_machine(part: str, mine: dict | None, theirs: dict | None, source: Path) -> None:
+    """Refuse to mix one part's numbers from two kinds of machine (H100 and H200 tables stay apart)."""
+    if not mine or not theirs:
+        return
+    here, there = (mine.get("device"), mine.get("gpus")), (theirs.get("device"), theirs.get("gpus"))
+    if here != there:
+        raise SystemExit(
+            f"--merge: {source}'s {part} ran on {there[0]} x {there[1]}, this file's on "
+            f"{here[0]} x {here[1]}; results of different machines go to different files (--out)"
+        )
+
+
+def _later_run(part: str, mine: dict | None, theirs: dict) -> dict:
+    """The run a merged part names: the merged file's, except that a part merged cell by cell or row
+    by row (each naming its commit) keeps the later of the two, so its "latest run" stays true."""
+    if part in ("grid", "compare") and mine and str(mine.get("date")) > str(theirs.get("date")):
+        return mine
+    return theirs
+
+
+def _merge_cells(
+    payload: dict, other: dict, batches: set[int], prefixes: set[int], modes: list[str]
+) -> list[dict]:
+    """Copy the grid cells of ``other`` named by B, P and mode (every field of that mode) into ``payload``;
+    returns the rows of ``other`` they came from."""
+    taken = []
     for src in other.get("grid", []):
         if src["B"] not in batches or src["P"] not in prefixes:
             continue
@@ -380,7 +406,9 @@ def _merge_cells(payload: dict, other: dict, batches: set[int], prefixes: set[in
         row.update({k: v for k, v in src.items() if k in shared or any(k.startswith(f"{m}_") for m in modes)})
         if "auto" in modes:  # the sharing-on run's own fields
             row.update({k: src[k] for k in ("host_overhead_frac", "graphs_captured") if k in src})
+        taken.append({k: v for k, v in src.items() if any(k.startswith(f"{m}_") for m in modes)})
     payload["grid"].sort(key=lambda x: (x["B"], x["P"]))
+    return taken
 
 
 def _run_line(payload: dict, part: str) -> list[str]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import tensor_parallel as tp
 from benchmarks.tensor_parallel import _merge_cells, _stamp_cells, markdown
 
@@ -63,6 +65,72 @@ def test_a_cell_merge_takes_only_the_named_cells_and_keeps_each_commit() -> None
     assert all(cells[k]["auto_commit"] == "old" for k in cells if k != (256, 16384))
     payload.update(tensor_parallel_size=2, own=64, gen=128, model="m", compare=[], allreduce={})
     assert "| 256 | 16384 | 120 | 50 |" in markdown(payload) and "new / old / -" in markdown(payload)
+
+
+def _grid_file(path: Path, device: str, date: str, row: dict, power: dict | None = None) -> Path:
+    run = {"device": device, "gpus": 2, "torch": "t", "commit": "c" + date[-1], "date": date}
+    payload = {**run, "model": "dummy:llama-3.1-70b", "compare_model": "c", "own": 64, "gen": 128}
+    payload["tensor_parallel_size"] = 2
+    payload.update(grid=[row], compare=[], allreduce={}, runs={"grid": run}, power=power or {})
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_a_merge_refuses_cells_of_another_kind_of_machine(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    _grid_file(out / "tensor_parallel.json", "GPU-H200", "2026-11-27 10:00 UTC", {**GRID_ROW, "B": 64})
+    before = (out / "tensor_parallel.json").read_text()
+    other = _grid_file(tmp_path / "other.json", "GPU-H100", "2026-11-27 11:00 UTC", GRID_ROW)
+    with pytest.raises(SystemExit, match="ran on GPU-H100 x 2, this file's on GPU-H200 x 2"):
+        tp.main(
+            [
+                "--parts",
+                "grid",
+                "--batches",
+                "256",
+                "--prefixes",
+                "16384",
+                "--merge",
+                str(other),
+                "--out",
+                str(out),
+            ]
+        )
+    assert (out / "tensor_parallel.json").read_text() == before  # nothing written
+
+
+def test_a_cell_merge_takes_the_power_ceilings_only_with_measured_boards(tmp_path: Path) -> None:
+    """A merged file's ceilings describe its own --power run: cells merged without boards leave this
+    file's ceilings (and its later run date) in place."""
+    out = tmp_path / "out"
+    out.mkdir()
+    model = {"j_per_byte_read": 100e-12, "j_per_flop": 1e-12, "floor_w": 150.0, "cap_w": 700.0}
+    mine = {"commit": "mine", "device": "GPU", "ceilings": {"model": model}}
+    _grid_file(out / "tensor_parallel.json", "GPU", "2026-11-27 12:00 UTC", {**GRID_ROW, "B": 64}, mine)
+    theirs = {"commit": "theirs", "device": "GPU", "ceilings": {"model": model}}
+    other = _grid_file(tmp_path / "o.json", "GPU", "2026-11-27 11:00 UTC", GRID_ROW, theirs)
+    args = [
+        "--parts",
+        "grid",
+        "--batches",
+        "256",
+        "--prefixes",
+        "16384",
+        "--merge",
+        str(other),
+        "--out",
+        str(out),
+    ]
+    tp.main(args)
+    merged = json.loads((out / "tensor_parallel.json").read_text())
+    assert [r["B"] for r in merged["grid"]] == [64, 256]
+    assert merged["power"]["commit"] == "mine" and merged["runs"]["grid"]["date"] == "2026-11-27 12:00 UTC"
+    boards = {**GRID_ROW, "auto_boards": [_board(690, 1500)] * 2}
+    _grid_file(other, "GPU", "2026-11-27 13:00 UTC", boards, theirs)
+    tp.main(args)
+    merged = json.loads((out / "tensor_parallel.json").read_text())
+    assert merged["power"]["commit"] == "theirs" and merged["runs"]["grid"]["date"] == "2026-11-27 13:00 UTC"
 
 
 def _board(watts: float, mhz: float) -> dict:
