@@ -76,6 +76,22 @@ def _grid_file(path: Path, device: str, date: str, row: dict, power: dict | None
     return path
 
 
+def _merge_cell_args(other: Path, out: Path) -> list[str]:
+    """--merge of the grid cell B=256, P=16K from ``other`` into ``out``'s file."""
+    return [
+        "--parts",
+        "grid",
+        "--batches",
+        "256",
+        "--prefixes",
+        "16384",
+        "--merge",
+        str(other),
+        "--out",
+        str(out),
+    ]
+
+
 def test_a_merge_refuses_cells_of_another_kind_of_machine(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -83,20 +99,7 @@ def test_a_merge_refuses_cells_of_another_kind_of_machine(tmp_path: Path) -> Non
     before = (out / "tensor_parallel.json").read_text()
     other = _grid_file(tmp_path / "other.json", "GPU-H100", "2026-11-27 11:00 UTC", GRID_ROW)
     with pytest.raises(SystemExit, match="ran on GPU-H100 x 2, this file's on GPU-H200 x 2"):
-        tp.main(
-            [
-                "--parts",
-                "grid",
-                "--batches",
-                "256",
-                "--prefixes",
-                "16384",
-                "--merge",
-                str(other),
-                "--out",
-                str(out),
-            ]
-        )
+        tp.main(_merge_cell_args(other, out))
     assert (out / "tensor_parallel.json").read_text() == before  # nothing written
 
 
@@ -110,18 +113,7 @@ def test_a_cell_merge_takes_the_power_ceilings_only_with_measured_boards(tmp_pat
     _grid_file(out / "tensor_parallel.json", "GPU", "2026-11-27 12:00 UTC", {**GRID_ROW, "B": 64}, mine)
     theirs = {"commit": "theirs", "device": "GPU", "ceilings": {"model": model}}
     other = _grid_file(tmp_path / "o.json", "GPU", "2026-11-27 11:00 UTC", GRID_ROW, theirs)
-    args = [
-        "--parts",
-        "grid",
-        "--batches",
-        "256",
-        "--prefixes",
-        "16384",
-        "--merge",
-        str(other),
-        "--out",
-        str(out),
-    ]
+    args = _merge_cell_args(other, out)
     tp.main(args)
     merged = json.loads((out / "tensor_parallel.json").read_text())
     assert [r["B"] for r in merged["grid"]] == [64, 256]
