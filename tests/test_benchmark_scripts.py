@@ -30,6 +30,7 @@ LIBRARIES = {
     "soak_report",
     "overload_report",
     "tensor_parallel_power",
+    "tensor_parallel_files",
 }
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import tensor_parallel as tp
-from benchmarks.tensor_parallel import _merge_cells, _stamp_cells, markdown
+from benchmarks.tensor_parallel import markdown
+from benchmarks.tensor_parallel_files import merge_cells, stamp_cells
 
 GRID_ROW = {
     "B": 256, "P": 16384, "tp": 2, "max_batched_tokens": 1024, "auto_tok_s": 5238.0,
@@ -56,9 +57,9 @@ def _result(commit: str, on: float, off: float) -> dict:
 
 def test_a_cell_merge_takes_only_the_named_cells_and_keeps_each_commit() -> None:
     payload, newer = _result("old", 100.0, 50.0), _result("new", 120.0, 40.0)
-    _stamp_cells(payload)
-    _stamp_cells(newer)
-    _merge_cells(payload, newer, {256}, {16384}, ["auto"])
+    stamp_cells(payload)
+    stamp_cells(newer)
+    merge_cells(payload, newer, {256}, {16384}, ["auto"])
     cells = {(r["B"], r["P"]): r for r in payload["grid"]}
     assert cells[256, 16384]["auto_tok_s"] == 120.0 and cells[256, 16384]["auto_commit"] == "new"
     assert cells[256, 16384]["sharing_off_tok_s"] == 50.0 and cells[256, 16384]["sharing_off_commit"] == "old"
