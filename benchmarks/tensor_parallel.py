@@ -12,7 +12,8 @@ one call goes in parts):
 
 Each part keeps the device, commit and date of the run that wrote it (``runs``): parts run on different
 calls or machines say so in the table. ``--merge FILE`` takes the named parts from another result file
-(with its runs) instead of measuring them, e.g. a grid run elsewhere into this file.
+(with its runs) instead of measuring them, e.g. a grid run elsewhere into this file; parts measured on
+another kind of machine are refused (``tensor_parallel_files.py``).
 """
 
 from __future__ import annotations
