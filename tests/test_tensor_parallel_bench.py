@@ -20,9 +20,11 @@ GRID_ROW = {
 COMPARE_ROW = {"B": 256, "P": 1024, "tp1_tok_s": 24669.0, "tp2_tok_s": 39970.0, "tp2_nccl_tok_s": 31183.0}
 
 
-def _file(path: Path, commit: str, **parts: object) -> Path:
+def _file(
+    path: Path, commit: str, device: str = "GPU-X", date: str = "2026-11-26 00:00 UTC", **parts: object
+) -> Path:
     """A result file as a run before per-part runs wrote it: one run's keys at the top."""
-    info = {"device": "GPU-X", "gpus": 2, "torch": "2.x", "commit": commit, "date": "2026-11-26 00:00 UTC"}
+    info = {"device": device, "gpus": 2, "torch": "2.x", "commit": commit, "date": date}
     payload = {**info, "model": "dummy:llama-3.1-70b", "compare_model": "dummy:llama-3.1-8b", "own": 64}
     payload.update({"gen": 128, "tensor_parallel_size": 2, "grid": [], "compare": [], "allreduce": {}})
     payload.update(parts)
@@ -69,12 +71,9 @@ def test_a_cell_merge_takes_only_the_named_cells_and_keeps_each_commit() -> None
 
 
 def _grid_file(path: Path, device: str, date: str, row: dict, power: dict | None = None) -> Path:
-    run = {"device": device, "gpus": 2, "torch": "t", "commit": "c" + date[-1], "date": date}
-    payload = {**run, "model": "dummy:llama-3.1-70b", "compare_model": "c", "own": 64, "gen": 128}
-    payload["tensor_parallel_size"] = 2
-    payload.update(grid=[row], compare=[], allreduce={}, runs={"grid": run}, power=power or {})
-    path.write_text(json.dumps(payload))
-    return path
+    """A result file whose grid part names its run (``runs``), with that run's power ceilings."""
+    run = {"device": device, "gpus": 2, "torch": "2.x", "commit": "ccccccc", "date": date}
+    return _file(path, "ccccccc", device, date, grid=[row], runs={"grid": run}, power=power or {})
 
 
 def _merge_cell_args(other: Path, out: Path) -> list[str]:
