@@ -153,7 +153,8 @@ def _weights(n: int, k: int) -> list[torch.Tensor]:
 class Layers:
     """The three forms' weights, this rank's slice of them, and the symmetric buffers."""
 
-    def __init__(self, rank: int, peer, gathered: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(self, rank: int, peer, gathered: tuple, flags: tuple) -> None:
+        """``gathered``, ``flags``: (this rank's, the peer's) symmetric MLP input rows and meeting counts."""
         self.rank, self.peer = rank, peer
         self.qkv_full, self.o_full = _weights(QKV, HIDDEN), _weights(HIDDEN, HIDDEN)
         self.qkv_shard, self.o_shard = _weights(QKV // 2, HIDDEN), _weights(HIDDEN, HIDDEN // 2)
@@ -161,6 +162,7 @@ class Layers:
         self.gu_full, self.down_full = _weights(2 * INTER, HIDDEN), _weights(HIDDEN, INTER)
         self.norm_w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
         self.gathered, self.peer_gathered = gathered
+        self.flags, self.peer_flags = flags
         device = torch.device("cuda", rank)
         self.calls = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
 
@@ -208,8 +210,8 @@ class Layers:
             full[mine_at : mine_at + half],
             peer_full[theirs_at : theirs_at + half],
             full[theirs_at : theirs_at + half],
-            slots.flags_gather,
-            slots.peer_flags_gather,
+            self.flags,
+            self.peer_flags,
             self.calls,
         )
         s = fused.silu_and_mul(fused.linear(full, self.gu_shard[i]))
@@ -273,19 +275,19 @@ def _worker(rank: int, size: int, init: str, queue, rows_list: list[int]) -> Non
     from prefixserve.model.peer_allreduce import PeerAllReduce
 
     peer = PeerAllReduce(dist.group.WORLD, torch.device("cuda", rank), "probe-dp-attention")
-    slots = peer.fused
-    numel = max(rows_list) * HIDDEN
-    buf = symm_mem.empty(numel, dtype=torch.bfloat16, device="cuda")
-    handle = symm_mem.rendezvous(buf, "probe-dp-attention")
-    peer_buf = handle.get_buffer(1 - rank, (numel,), torch.bfloat16, 0)
-    flags = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int64, device="cuda")
-    flags.zero_()
-    fh = symm_mem.rendezvous(flags, "probe-dp-attention")
-    peer_flags = fh.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int64, 0)
-    slots.flags_gather, slots.peer_flags_gather = flags, peer_flags
+
+    def shared(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's zeroed symmetric buffer, the peer's): a collective rendezvous."""
+        mine = symm_mem.empty(numel, dtype=dtype, device="cuda")
+        mine.zero_()
+        handle = symm_mem.rendezvous(mine, "probe-dp-attention")
+        return mine, handle.get_buffer(1 - rank, (numel,), dtype, 0)
+
+    gathered = shared(max(rows_list) * HIDDEN, torch.bfloat16)
+    flags = shared(MAX_PROGRAMS, torch.int64)
     torch.cuda.synchronize()
-    dist.barrier()
-    layers = Layers(rank, peer, (buf, peer_buf))
+    dist.barrier()  # every rank's counts are zero before any rank signals
+    layers = Layers(rank, peer, gathered, flags)
     result = []
     for rows in rows_list:
         row: dict = {"rows": rows, **_check(layers, rows), **_time(layers, rows)}
