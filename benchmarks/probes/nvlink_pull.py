@@ -9,7 +9,10 @@ all-reduce + norm reads it, ``kernels/peer_norm.py``), no meeting, graphed 64 ca
 - ``tma``: each program copies [16, 256]-element boxes (one 4,096-wide row) with TMA from the
   peer's memory into shared memory, then to local memory;
 - ``copy_``: ``torch.Tensor.copy_`` (a device-to-device copy through the copy engine);
-- ``local``: the ``row`` kernel reading this rank's own slot (HBM / L2), for scale.
+- ``local``: the ``row`` kernel reading this rank's own slot (HBM / L2), for scale;
+- ``push row`` / ``push tma`` / ``push copy_``: the other direction: each rank writes its own rows into
+  the peer's slot at the same time (plain stores, TMA stores through a descriptor over the peer's
+  memory, the copy engine), whether NVLink carries writes faster than reads.
 
 Prints us a call and GB/s a direction (bytes read from the peer over the time), against NVLink 4's
 450 GB/s a direction.
@@ -63,6 +66,28 @@ def _row_copy(src: torch.Tensor, dst: torch.Tensor, rows_a_program: int = 1) -> 
     _rows_copy[grid](src, dst, rows, cols, ROWS=rows_a_program, BLOCK=cols, num_warps=warps)
 
 
+@triton.jit
+def _tma_push(src_ptr, dst_desc, n_boxes, BM: tl.constexpr, BN: tl.constexpr):
+    pid = tl.program_id(0)
+    for b in range(pid, n_boxes, tl.num_programs(0)):
+        at = (b * BM + tl.arange(0, BM))[:, None] * BN + tl.arange(0, BN)[None, :]
+        dst_desc.store([b * BM, 0], tl.load(src_ptr + at))
+
+
+def _pushers(src: torch.Tensor, dst: torch.Tensor) -> dict:
+    """Each rank writes ``src`` (its own) into ``dst`` (the peer's slot)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm = 16
+    desc = TensorDescriptor.from_tensor(dst.view(-1, 256), block_shape=[bm, 256])
+    n_boxes = dst.numel() // 256 // bm
+    return {
+        "push row": lambda: _row_copy(src, dst),
+        "push tma": lambda: _tma_push[(n_boxes,)](src, desc, n_boxes, BM=bm, BN=256, num_warps=4),
+        "push copy_": lambda: dst.copy_(src),
+    }
+
+
 def _copiers(src: torch.Tensor, dst: torch.Tensor) -> dict:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -101,6 +126,23 @@ def _worker(rank: int, size: int, init: str, queue, shapes: list[tuple[int, int]
                 row[name] = {"error": repr(exc)[:200]}
             dist.barrier()
         row["local"] = {"us": ranks_graph_us(lambda i, mine=mine, dst=dst: _row_copy(mine, dst))}
+        gen = torch.Generator(device=mine.device)
+        own, want = torch.empty_like(mine), torch.empty_like(mine)
+        own.normal_(generator=gen.manual_seed(rank))
+        want.normal_(generator=gen.manual_seed(1 - rank))  # what the peer writes here
+        for name, fn in _pushers(own, theirs).items():
+            try:
+                mine.zero_()
+                torch.cuda.synchronize()
+                dist.barrier()
+                fn()
+                torch.cuda.synchronize()
+                dist.barrier()
+                ok = bool(torch.equal(mine, want))
+                row[name] = {"us": ranks_graph_us(lambda i, fn=fn: fn()), "right": ok}
+            except Exception as exc:
+                row[name] = {"error": repr(exc)[:200]}
+            dist.barrier()
         result.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -116,11 +158,12 @@ def main() -> None:
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     result = run_ranks(_worker, (shapes,))[0]
-    lines = ["| rows x hidden | MB | " + " | ".join(["row", "row x4", "tma", "copy_", "local"]) + " |"]
-    lines.append("| --- | ---: |" + " ---: |" * 5)
+    forms = ("row", "row x4", "tma", "copy_", "local", "push row", "push tma", "push copy_")
+    lines = ["| rows x hidden | MB | " + " | ".join(forms) + " |"]
+    lines.append("| --- | ---: |" + " ---: |" * len(forms))
     for r in result:
         cells = []
-        for name in ("row", "row x4", "tma", "copy_", "local"):
+        for name in forms:
             c = r[name]
             if "us" in c:
                 gbs = r["mb"] * 2**20 / (c["us"] * 1e-6) / 1e9
