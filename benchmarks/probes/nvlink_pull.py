@@ -14,8 +14,8 @@ all-reduce + norm reads it, ``kernels/peer_norm.py``), no meeting, graphed 64 ca
   the peer's slot at the same time (plain stores, TMA stores through a descriptor over the peer's
   memory, the copy engine), whether NVLink carries writes faster than reads.
 
-Prints us a call and GB/s a direction (bytes read from the peer over the time), against NVLink 4's
-450 GB/s a direction.
+Prints us a call and GB/s a direction (bytes read from or written to the peer over the time),
+against NVLink 4's 450 GB/s a direction.
 
     PYTHONPATH=. python -m benchmarks.probes.nvlink_pull [--shapes 256x4096 256x8192] [--json F]
 """
