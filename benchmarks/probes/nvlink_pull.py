@@ -103,6 +103,24 @@ def _copiers(src: torch.Tensor, dst: torch.Tensor) -> dict:
     }
 
 
+def _checked_us(fn, got: torch.Tensor, want: torch.Tensor) -> dict:
+    """One copy form on both ranks at once: ``got`` cleared, one call, checked against ``want``, then
+    timed graphed. A form that does not run here is reported, not fatal."""
+    try:
+        got.zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        ok = bool(torch.equal(got, want))
+        out = {"us": ranks_graph_us(lambda i: fn()), "right": ok}
+    except Exception as exc:
+        out = {"error": repr(exc)[:200]}
+    dist.barrier()
+    return out
+
+
 def _worker(rank: int, size: int, init: str, queue, shapes: list[tuple[int, int]]) -> None:
     join_group(rank, size, init)
     from prefixserve.model.peer_allreduce import PeerAllReduce
@@ -116,33 +134,14 @@ def _worker(rank: int, size: int, init: str, queue, shapes: list[tuple[int, int]
         dst = torch.empty_like(mine)
         row = {"rows": rows, "hidden": hidden, "mb": mine.numel() * 2 / 2**20}
         for name, fn in _copiers(theirs, dst).items():
-            try:
-                fn()
-                torch.cuda.synchronize()
-                dist.barrier()
-                ok = bool(torch.equal(dst, theirs))
-                row[name] = {"us": ranks_graph_us(lambda i, fn=fn: fn()), "right": ok}
-            except Exception as exc:  # a form that does not run here is reported, not fatal
-                row[name] = {"error": repr(exc)[:200]}
-            dist.barrier()
+            row[name] = _checked_us(fn, dst, theirs)
         row["local"] = {"us": ranks_graph_us(lambda i, mine=mine, dst=dst: _row_copy(mine, dst))}
         gen = torch.Generator(device=mine.device)
         own, want = torch.empty_like(mine), torch.empty_like(mine)
         own.normal_(generator=gen.manual_seed(rank))
         want.normal_(generator=gen.manual_seed(1 - rank))  # what the peer writes here
         for name, fn in _pushers(own, theirs).items():
-            try:
-                mine.zero_()
-                torch.cuda.synchronize()
-                dist.barrier()
-                fn()
-                torch.cuda.synchronize()
-                dist.barrier()
-                ok = bool(torch.equal(mine, want))
-                row[name] = {"us": ranks_graph_us(lambda i, fn=fn: fn()), "right": ok}
-            except Exception as exc:
-                row[name] = {"error": repr(exc)[:200]}
-            dist.barrier()
+            row[name] = _checked_us(fn, mine, want)
         result.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
