@@ -162,21 +162,30 @@ class IncrementalDetokenizer:
         return "".join((pieces[i][got - need :], *pieces[i + 1 :], self.pending))
 
     def find_first(self, stops: Sequence[str]) -> tuple[int, str] | None:
-        """The earliest stop string in ``full_text``: (where it starts, which one), or None.
+        """The earliest stop string in ``full_text`` that ends past the text already searched: (where
+        it starts, which one), or None.
 
         Meant to be called after each ``add`` while no stop string has been found yet: it looks only at
         the text that could hold an occurrence the previous call did not see (text settled since then,
         the ``max(len(stop)) - 1`` characters before it, and ``pending``), and gives the same answer
         as searching all of ``full_text``. Ties at one position go to the smaller string, as ``min``
-        over ``(position, stop)`` pairs would.
+        over ``(position, stop)`` pairs would. After ``skip_search`` the text settled by then is out of
+        the search: only occurrences that end past it count.
         """
         if not stops:
             return None
-        start = max(0, self._searched - max(map(len, stops)) + 1)
+        searched = self._searched
+        start = max(0, searched - max(map(len, stops)) + 1)
         self._searched = self._len  # an occurrence ending in text settled by now is seen now or never
         tail = self.text_from(start)
-        hits = [(at, s) for s in stops if (at := tail.find(s)) >= 0]
+        seen = searched - start  # in ``tail``: an occurrence must end past it
+        hits = [(at, s) for s in stops if (at := tail.find(s, max(0, seen - len(s) + 1))) >= 0]
         if not hits:
             return None
         at, stop = min(hits)
         return start + at, stop
+
+    def skip_search(self) -> None:
+        """Leave the text settled so far out of later ``find_first`` calls (``min_tokens``: a stop string
+        counts only where it ends in text generated after them, as vLLM searches only new text)."""
+        self._searched = self._len

@@ -89,14 +89,16 @@ class Sequence:
         self.token_ids.append(token)
         self.positions.append(self.positions[-1] + 1)
 
-    def detokenize(self, tokenizer: Any) -> IncrementalDetokenizer:
-        """The output's incremental detokenizer, first fed the tokens appended since the last call."""
+    def detokenize(self, tokenizer: Any, upto: int | None = None) -> IncrementalDetokenizer:
+        """The output's incremental detokenizer, first fed the tokens appended since the last call
+        (with ``upto``, only as far as the first ``upto`` output tokens)."""
         detok = self.detokenizer
         if detok is None:
             detok = self.detokenizer = IncrementalDetokenizer(tokenizer)
         start = self.num_prompt_tokens + detok.num_ids
-        if start < len(self.token_ids):
-            detok.add(self.token_ids[start:])
+        end = len(self.token_ids) if upto is None else min(len(self.token_ids), self.num_prompt_tokens + upto)
+        if start < end:
+            detok.add(self.token_ids[start:end])
         return detok
 
 

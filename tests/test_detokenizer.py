@@ -205,13 +205,15 @@ def _byte_ids(tok: Any) -> dict[int, int]:
     return out
 
 
-def _old_stop(text_of: Any, n: int, stops: list[str], min_tokens: int, include: bool) -> Any:
-    """The engine's old rule: after token k (past min_tokens) re-decode everything and search it all."""
-    for k in range(1, n + 1):
-        if k <= min_tokens:
-            continue
+def _stop_rule(text_of: Any, n: int, stops: list[str], min_tokens: int, include: bool) -> Any:
+    """The rule by re-decoding everything: after each token k past min_tokens, the earliest stop string
+    that ends past the first min_tokens tokens' settled text (their text less a trailing run of U+FFFD,
+    which later bytes may still change), as vLLM searches only text generated past min_tokens; with
+    min_tokens 0, the earliest anywhere."""
+    mark = len(text_of(min_tokens).rstrip("\ufffd")) if min_tokens else 0
+    for k in range(min_tokens + 1, n + 1):
         text = text_of(k)
-        hits = [(text.find(s), s) for s in stops if s in text]
+        hits = [(at, s) for s in stops if (at := text.find(s, max(0, mark - len(s) + 1))) >= 0]
         if hits:
             at, stop = min(hits)
             return k, text[: at + len(stop) if include else at], stop
@@ -231,13 +233,15 @@ def test_find_first_matches_full_search(tok: Any, pools: dict[str, list[int]], d
     stops = [s for s in picked + extra if s][:16]
     min_tokens = data.draw(st.integers(0, 10))
     include = data.draw(st.booleans())
-    want = _old_stop(
+    want = _stop_rule(
         lambda k: tok.decode(ids[:k], skip_special_tokens=True), len(ids), stops, min_tokens, include
     )
     d = IncrementalDetokenizer(tok)
     got = None
     for k, t in enumerate(ids, 1):
         d.add(t)
+        if k == min_tokens:
+            d.skip_search()  # what the engine's first stop check past min_tokens does
         if k > min_tokens and (hit := d.find_first(stops)) is not None:
             at, stop = hit
             got = k, d.full_text[: at + len(stop) if include else at], stop
@@ -271,10 +275,10 @@ def tiny_llm(tiny_config_path: Path) -> LLM:
     return llm
 
 
-def _assert_old_semantics(tok: Any, out: Any, params: SamplingParams) -> bool:
-    """One completion ends where (and as) the old re-decode-everything rule would have ended it."""
+def _assert_stop_rule(tok: Any, out: Any, params: SamplingParams) -> bool:
+    """One completion ends where (and as) the re-decode-everything rule would have ended it."""
     ids = out.token_ids
-    want = _old_stop(
+    want = _stop_rule(
         lambda k: tok.decode(ids[:k], skip_special_tokens=True),
         len(ids),
         params.stop,
@@ -290,7 +294,7 @@ def _assert_old_semantics(tok: Any, out: Any, params: SamplingParams) -> bool:
     return True
 
 
-def test_engine_stop_strings_cut_as_before(tiny_llm: LLM) -> None:
+def test_engine_stop_strings_cut_by_the_rule(tiny_llm: LLM) -> None:
     tok = tiny_llm.engine.tokenizer
     rng = random.Random(7)
     prompts = [
@@ -328,7 +332,7 @@ def test_engine_stop_strings_cut_as_before(tiny_llm: LLM) -> None:
     stopped = 0
     for out, p in zip(outs, params, strict=True):
         for c in out.outputs:
-            stopped += _assert_old_semantics(tok, c, p)
+            stopped += _assert_stop_rule(tok, c, p)
     assert stopped >= len(prompts) // 2
     assert not tiny_llm.engine.requests and tiny_llm.engine.pool.num_used == 0
 
@@ -350,7 +354,7 @@ def test_engine_streaming_text_is_the_cumulative_decode(tiny_llm: LLM) -> None:
             if not c.finished:  # unchanged: the cumulative text, as decode gives it (U+FFFD tail and all)
                 assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
         assert last is not None and last.finished
-        _assert_old_semantics(tok, last.outputs[0], params)
+        _assert_stop_rule(tok, last.outputs[0], params)
 
 
 def test_engine_without_tokenizer_pays_nothing(tiny_llm: LLM) -> None:
@@ -367,3 +371,36 @@ def test_engine_without_tokenizer_pays_nothing(tiny_llm: LLM) -> None:
         assert req.sequences[0].detokenizer is None
     finally:
         engine.tokenizer = tok
+
+
+def test_a_stop_string_inside_min_tokens_does_not_cut_the_text(tiny_llm: LLM) -> None:
+    """A stop string that shows up within the first min_tokens tokens is no stop, streamed or not: the
+    sample goes on and its text stays the decode of its tokens (vLLM searches only text generated past
+    min_tokens). It once stopped at min_tokens + 1 tokens with the text cut back to that occurrence."""
+    tok = tiny_llm.engine.tokenizer
+    prompt = {"prompt_token_ids": [500, 600]}
+    ids = (
+        tiny_llm.generate(prompt, SamplingParams(seed=3, max_tokens=30, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    early = tok.decode(ids[:3], skip_special_tokens=True).rstrip("\ufffd")
+    stop = early[-2:] if len(early) >= 2 else "zz"
+    for stream in (False, True):
+        for min_tokens in (0, 8):
+            params = SamplingParams(
+                seed=3, max_tokens=30, ignore_eos=True, stop=[stop], min_tokens=min_tokens
+            )
+            if stream:
+                *_, last = tiny_llm.stream(prompt, params)
+            else:
+                last = tiny_llm.generate(prompt, params)[0]
+            c = last.outputs[0]
+            stopped = _assert_stop_rule(tok, c, params)
+            if min_tokens == 0:
+                assert stopped and len(c.token_ids) <= 3
+            else:
+                assert len(c.token_ids) > min_tokens
+                assert c.text.startswith(
+                    tok.decode(ids[:min_tokens], skip_special_tokens=True).rstrip("\ufffd")
+                )

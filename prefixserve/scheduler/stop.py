@@ -57,10 +57,15 @@ def ends_by_length(seq: Sequence, max_model_len: int) -> bool:
 def _hit_stop_string(seq: Sequence, tokenizer: Any) -> bool:
     if tokenizer is None:  # no tokenizer: the text stays "", which holds no (non-empty) stop
         return False
-    # Called after every appended token until a stop string shows up, so only the new text and the
-    # longest stop's length - 1 characters before it are searched: O(new tokens) per step.
+    # Called after every appended token past min_tokens until a stop string shows up, so only the new
+    # text and the longest stop's length - 1 characters before it are searched: O(new tokens) per step.
+    # The first call leaves the text of the min_tokens tokens out (vLLM searches only new text), so
+    # a stop string counts only where it ends in text generated past them.
+    min_tokens = seq.request.params.min_tokens
+    if min_tokens and (seq.detokenizer is None or seq.detokenizer.num_ids <= min_tokens):
+        seq.detokenize(tokenizer, upto=min_tokens).skip_search()
     detok = seq.detokenize(tokenizer)
-    hit = detok.find_first(seq.request.params.stop or [])  # the earliest, as in the full text
+    hit = detok.find_first(seq.request.params.stop or [])  # the earliest, as in the text searched
     if hit is None:
         return False
     at, stop = hit
