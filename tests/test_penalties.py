@@ -89,9 +89,9 @@ def _recording(llm: LLM) -> list[tuple[torch.Tensor, list[str]]]:
     runner = llm.engine.runner
     original, seen = runner._sample_processed, []
 
-    def recording(logits, params, generators, seqs):
+    def recording(logits, params, generators, seqs, ban=None):
         seen.append((logits.clone(), [s.request.request_id for s in seqs]))
-        return original(logits, params, generators, seqs)
+        return original(logits, params, generators, seqs, ban)
 
     runner._sample_processed = recording
     return seen

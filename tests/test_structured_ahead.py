@@ -46,14 +46,20 @@ def _record_masks(llm: Any) -> dict[tuple[str, int], bytes]:
     sample = runner.sample
 
     def recording(
-        launch: Any, rows: Any, params: Any, generators: Any, seqs: Any = None, mask: Any = None
+        launch: Any,
+        rows: Any,
+        params: Any,
+        generators: Any,
+        seqs: Any = None,
+        mask: Any = None,
+        ban: Any = None,
     ) -> None:
         if mask is not None:
             for r in mask.rows:
                 seq = seqs[r]
                 key = (f"{seq.request.request_id}/{seq.index}", len(seq.token_ids))
                 masks[key] = mask.bitmask[r].numpy().tobytes()
-        return sample(launch, rows, params, generators, seqs, mask)
+        return sample(launch, rows, params, generators, seqs, mask, ban)
 
     runner.sample = recording
     return masks

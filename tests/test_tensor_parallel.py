@@ -218,6 +218,27 @@ def test_launch_ahead_equals_one_synchronous_process(
         assert_pool_empty(tp)
 
 
+def test_min_tokens_ban_equals_one_process(one_kv_head: Path) -> None:
+    """Stops banned under min_tokens (on rank 0's gathered logits, so never the sharded argmax) over 2
+    ranks, launched ahead: the tokens one process gives, greedy and seeded."""
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 300, 42], [8, 9, 10])]
+    kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
+    skew = {999: 50.0, 2: 40.0}  # the stop id, then EOS, far ahead of every other token
+    cases = [
+        SamplingParams(
+            max_tokens=10, temperature=t, seed=7, min_tokens=6, stop_token_ids=[999], logit_bias=skew
+        )
+        for t in (0.0, 1.0)
+    ]
+    single = LLM(**kwargs)
+    want = [[list(c.token_ids) for o in single.generate(prompts, p) for c in o.outputs] for p in cases]
+    assert all(len(ids) == 7 and ids[-1] == 999 and 2 not in ids for w in want for ids in w)
+    with LLM(tensor_parallel_size=2, async_scheduling=True, **kwargs) as tp:
+        got = [[list(c.token_ids) for o in tp.generate(prompts, p) for c in o.outputs] for p in cases]
+        assert got == want
+        assert_pool_empty(tp)
+
+
 def test_killed_worker_fails_the_engine_fast(tiny_config_path: Path) -> None:
     cfg = dict(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, progress=False)
     llm = LLM(tensor_parallel_size=2, **cfg)

@@ -34,6 +34,7 @@ from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.device_calls import prompt_modules
+from prefixserve.sampling.min_tokens import min_tokens_ban
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
 from prefixserve.scheduler.block_tables import BlockManager
@@ -321,11 +322,13 @@ class Engine(EngineServices):
         return launched
 
     def _sample(self, launched: LaunchedStep) -> None:
-        """Issue a launched step's sampling; grammar-constrained rows get their token mask first."""
+        """Issue a launched step's sampling; grammar-constrained rows get their token mask first, rows
+        under their ``min_tokens`` a ban on stops."""
         rows, params, generators = launched.sampling
         launched.sampling = None
         mask = self.structured.bitmask(launched.samplers) if self.structured is not None else None
-        self.runner.sample(launched.launch, rows, params, generators, launched.samplers, mask)
+        ban = min_tokens_ban(launched.samplers, launched.indices, params, self.eos_ids)
+        self.runner.sample(launched.launch, rows, params, generators, launched.samplers, mask, ban)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:
         try:

@@ -37,6 +37,7 @@ from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, kv_blocks_for_sequences, step_reserve
+from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.penalties import (
     Penalized,
@@ -304,19 +305,22 @@ class ModelRunner:
         generators: list[torch.Generator | None],
         seqs: list[Penalized] | None = None,
         mask: StepMask | None = None,
+        ban: TokenBan | None = None,
     ) -> None:
         """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
 
         ``seqs``: the sequence each row samples for (they key the penalties' device state; needed
-        only when some row's parameters process its logits). ``mask``: structured outputs' token
-        bitmask on the host and the sample rows it constrains (``structured.bitmask.StepMask``), copied
-        to the device and applied to the logits before penalties and sampling.
+        only when some row's parameters process its logits or ``ban`` is given). ``mask``: structured
+        outputs' token bitmask on the host and the sample rows it constrains
+        (``structured.bitmask.StepMask``), copied to the device and applied to the logits before
+        penalties and sampling. ``ban``: stops that rows under their ``min_tokens`` may not choose
+        (``sampling/min_tokens.py``), set to -inf in the logits the choice is made from.
 
         Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
-        sharded = bool(rows) and self.sharded_argmax(params, mask)
-        fp32 = bool(rows) and not sharded and not argmax_only(params)
+        sharded = bool(rows) and ban is None and self.sharded_argmax(params, mask)
+        fp32 = bool(rows) and not sharded and (ban is not None or not argmax_only(params))
         self._before_sampling(rows, sharded, fp32)
         if sharded:
             launch.future = tokens_future(self._argmax(launch, rows))
@@ -324,8 +328,8 @@ class ModelRunner:
             logits = self._logits(launch, rows, fp32=fp32)
             if mask is not None:
                 mask.apply(logits)
-            if seqs is not None and any_processing(params):
-                launch.future = self._sample_processed(logits, params, generators, seqs)
+            if seqs is not None and (ban is not None or any_processing(params)):
+                launch.future = self._sample_processed(logits, params, generators, seqs, ban)
             else:
                 launch.future = sample_async(logits, params, generators, self.default_generator)
         launch.hidden = None
@@ -345,13 +349,15 @@ class ModelRunner:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         seqs: list[Penalized],
+        ban: TokenBan | None = None,
     ) -> SampleFuture:
-        """Sampling after logit_bias and penalties; the sampled tokens are counted on the device."""
+        """Sampling after logit_bias, min_tokens' ban and penalties; the sampled tokens are counted on
+        the device."""
         state = self.penalties
         if state is None:
             state = self.penalties = PenaltyState(self.device)
         state.release(sequence_ended)
-        processed, taken = process_logits(logits, params, seqs, state, prompt_and_output)
+        processed, taken = process_logits(logits, params, seqs, state, prompt_and_output, ban)
         future = sample_async(logits, params, generators, self.default_generator, processed)
         if taken is not None:
             state.record(taken, future.device_tokens)

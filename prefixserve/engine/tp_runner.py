@@ -50,6 +50,7 @@ from prefixserve.model.peer_allreduce import peer_allreduce_for
 from prefixserve.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from prefixserve.sampling.min_tokens import TokenBan
     from prefixserve.structured.bitmask import StepMask
 
 log = logging.getLogger(__name__)
@@ -357,10 +358,11 @@ class TensorParallelRunner(ModelRunner):
         generators: list[torch.Generator | None],
         seqs: list[Any] | None = None,
         mask: StepMask | None = None,
+        ban: TokenBan | None = None,
     ) -> None:
         """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather (or,
         greedy alone, their best column for the sharded argmax: ``_before_sampling``)."""
-        self.guard(super().sample, launch, rows, params, generators, seqs, mask)
+        self.guard(super().sample, launch, rows, params, generators, seqs, mask, ban)
 
     def _before_sampling(self, rows: list[int], sharded: bool, fp32: bool) -> None:
         self._argmax_tokens = None  # set once the sharded argmax's tokens are issued (``_argmax``)

@@ -21,7 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
+from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import SamplingParams, distinct
+from prefixserve.sampling.small_tensors import small_tensor
 
 PromptOf = Callable[[Hashable], tuple[Sequence[int], Sequence[int]]]  # key -> (prompt ids, output ids)
 
@@ -46,12 +48,6 @@ def prompt_and_output(seq: Penalized) -> tuple[Any, Any]:
     return seq.token_ids[:n], seq.token_ids[n:]
 
 
-def _tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """``logits`` [R, V] with each row's bias added (in place; one scatter for the batch)."""
     rows, cols, vals = [], [], []
@@ -62,8 +58,8 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
             vals += list(p.logit_bias.values())
     if rows:
         dev = logits.device
-        index = (_tensor(rows, dev, torch.long), _tensor(cols, dev, torch.long))
-        logits.index_put_(index, _tensor(vals, dev, logits.dtype), accumulate=True)
+        index = (small_tensor(rows, dev, torch.long), small_tensor(cols, dev, torch.long))
+        logits.index_put_(index, small_tensor(vals, dev, logits.dtype), accumulate=True)
     return logits
 
 
@@ -123,10 +119,10 @@ class PenaltyState:
         self.prompt_seen[slot].zero_()
         prompt_ids = [t for t in prompt if 0 <= t < vocab]  # placeholders (< 0) are no tokens
         if prompt_ids:
-            self.prompt_seen[slot].index_fill_(0, _tensor(prompt_ids, self.device, torch.long), True)
+            self.prompt_seen[slot].index_fill_(0, small_tensor(prompt_ids, self.device, torch.long), True)
         output_ids = [t for t in output if 0 <= t < vocab]
         if output_ids:
-            ids = _tensor(output_ids, self.device, torch.long)
+            ids = small_tensor(output_ids, self.device, torch.long)
             self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         return slot
 
@@ -146,15 +142,15 @@ class PenaltyState:
         slots = self.slots
         picked = [slots[keys[r]] if keys[r] in slots else self._take(keys[r], prompt_of, vocab) for r in rows]
         dev = logits.device
-        row_t, slot_t = _tensor(rows, dev, torch.long), _tensor(picked, dev, torch.long)
+        row_t, slot_t = small_tensor(rows, dev, torch.long), small_tensor(picked, dev, torch.long)
         ps = [params[r] for r in rows]
         penalized = apply_penalties(
             logits.index_select(0, row_t),
             self.counts.index_select(0, slot_t),
             self.prompt_seen.index_select(0, slot_t),
-            _tensor([p.presence_penalty for p in ps], dev, logits.dtype),
-            _tensor([p.frequency_penalty for p in ps], dev, logits.dtype),
-            _tensor([p.repetition_penalty for p in ps], dev, logits.dtype),
+            small_tensor([p.presence_penalty for p in ps], dev, logits.dtype),
+            small_tensor([p.frequency_penalty for p in ps], dev, logits.dtype),
+            small_tensor([p.repetition_penalty for p in ps], dev, logits.dtype),
         )
         logits.index_copy_(0, row_t, penalized)
         return row_t, slot_t
@@ -178,10 +174,13 @@ def process_logits(
     keys: Sequence[Hashable],
     state: PenaltyState,
     prompt_of: PromptOf,
+    ban: TokenBan | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The logits the choice is made from (a copy: the raw ones still give the logprobs) and what
-    ``PenaltyState.record`` needs afterwards."""
+    ``PenaltyState.record`` needs afterwards. ``ban``: min_tokens' banned stops (``min_tokens.py``)."""
     out = apply_logit_bias(logits.clone(), params)
+    if ban is not None:
+        ban.apply(out)
     return out, state.apply(out, params, keys, prompt_of)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from prefixserve.sampling.argmax import argmax_rows
 from prefixserve.sampling.params import SamplingParams, distinct
+from prefixserve.sampling.small_tensors import small_tensor
 
 
 @dataclass(slots=True)
@@ -22,12 +23,6 @@ class SampleResult:
     tokens: list[int]
     logprobs: list[float] | None  # chosen token's logprob per row (raw model distribution)
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, top-k (token, logprob)
-
-
-def _to_device(values: list, device: torch.device) -> torch.Tensor:
-    """A small tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
-    t = torch.tensor(values)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 # The most top-k candidates taken with ``torch.topk`` rather than a sort of the whole vocabulary:
@@ -43,18 +38,18 @@ def _filter_sorted(
     """Drop (to -inf) what top-k, top-p and min-p drop; the most likely token always survives."""
     dev, width = sorted_logits.device, sorted_logits.shape[-1]
     rank = torch.arange(width, device=dev)[None, :]
-    top_k = _to_device([p.top_k or width for p in params], dev)[:, None]
+    top_k = small_tensor([p.top_k or width for p in params], dev)[:, None]
     drop = rank >= top_k
-    top_p = _to_device([p.top_p for p in params], dev)[:, None]
+    top_p = small_tensor([p.top_p for p in params], dev)[:, None]
     drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # keep the token that crosses top_p
-    min_p = _to_device([p.min_p for p in params], dev)[:, None]
+    min_p = small_tensor([p.min_p for p in params], dev)[:, None]
     drop |= sorted_probs < min_p * sorted_probs[:, :1]
     drop[:, 0] = False
     return sorted_logits.masked_fill(drop, float("-inf"))
 
 
 def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    return logits / _to_device([p.temperature for p in params], logits.device)[:, None]
+    return logits / small_tensor([p.temperature for p in params], logits.device)[:, None]
 
 
 def _top_candidates(
@@ -90,7 +85,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         scaled = torch.empty_like(scaled).scatter_(-1, order, kept)
     elif any(p.min_p > 0.0 for p in params):
         probs = scaled.softmax(-1)
-        min_p = _to_device([p.min_p for p in params], logits.device)[:, None]
+        min_p = small_tensor([p.min_p for p in params], logits.device)[:, None]
         scaled = scaled.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return scaled.softmax(-1)
 
@@ -182,9 +177,9 @@ def sample_async(
     else:
         tokens = torch.empty(rows, dtype=torch.long, device=dev)
         if greedy:
-            idx = _to_device(greedy, dev)
+            idx = small_tensor(greedy, dev)
             tokens[idx] = argmax_rows(logits[idx])
-        idx = _to_device(random_rows, dev)
+        idx = small_tensor(random_rows, dev)
         rows_params = [params[i] for i in random_rows]
         tokens[idx] = _draw(logits[idx], rows_params, [generators[i] for i in random_rows], default_generator)
     want = [p.logprobs or 0 for p in params if p.wants_chosen_logprobs]

@@ -1,0 +1,69 @@
+"""``min_tokens``: the first ``min_tokens`` output tokens of a sample are never EOS or a stop token id.
+
+As vLLM's min-tokens logits processor: while a row's output is shorter than its ``min_tokens``, the
+logits of its stop token ids (and of EOS, unless ``ignore_eos``) are set to -inf before the choice, so
+the sample goes on with the likeliest other token instead of emitting a stop it may not act on. The
+ban goes on the logits the choice is made from, never on the raw ones (logprobs stay the model's).
+Rows under a grammar (structured outputs) are left to it: it may need EOS to end a valid output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from prefixserve.sampling.params import SamplingParams, distinct
+from prefixserve.sampling.small_tensors import small_tensor
+
+
+class Sampling(Protocol):
+    """What the ban reads of a sampling sequence (the engine's ``Sequence``)."""
+
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class TokenBan:
+    """Token ids a step's sample rows may not choose: row ``rows[i]`` bans ``ids[i]``."""
+
+    rows: list[int]
+    ids: list[int]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the banned logits of ``logits`` [sample rows, V] to -inf, in place (ids past V: no tokens)."""
+        vocab = logits.shape[-1]
+        pairs = [(r, t) for r, t in zip(self.rows, self.ids, strict=True) if 0 <= t < vocab]
+        if not pairs:
+            return
+        rows, ids = zip(*pairs, strict=True)
+        dev = logits.device
+        index = (small_tensor(list(rows), dev, torch.long), small_tensor(list(ids), dev, torch.long))
+        logits.index_put_(index, torch.full((), float("-inf"), dtype=logits.dtype, device=dev))
+
+
+def min_tokens_ban(
+    samplers: Sequence[Sampling],
+    indices: Sequence[int],
+    params: Sequence[SamplingParams],
+    eos_ids: Collection[int],
+) -> TokenBan | None:
+    """The ban of a step's sample rows (``samplers[i]`` samples the token at ``indices[i]`` of its token
+    ids, with ``params[i]``), or None when no row is under its ``min_tokens``."""
+    if not any(p.min_tokens for p in distinct(params)):
+        return None
+    rows: list[int] = []
+    ids: list[int] = []
+    for r, (seq, at, p) in enumerate(zip(samplers, indices, params, strict=True)):
+        # the token sampled here is output token number at - prompt + 1; stops count from min_tokens + 1
+        if not p.min_tokens or at - seq.num_prompt_tokens >= p.min_tokens or p.structured_outputs is not None:
+            continue
+        banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_ids)
+        rows += [r] * len(banned)
+        ids += sorted(banned)
+    return TokenBan(rows, ids) if rows else None
+
+
+__all__ = ["TokenBan", "min_tokens_ban"]
