@@ -49,17 +49,27 @@ def test_ban_sets_minus_inf_where_asked() -> None:
     assert torch.equal(logits, want)
 
 
-@pytest.fixture(scope="module")
-def skewed_llm(tiny_config_path: Path) -> LLM:
-    """The tiny random model with FAVOURED and EOS (2) far ahead of every other token, in its raw logits."""
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def skewed_llm(tiny_config_path: Path, request: pytest.FixtureRequest) -> LLM:
+    """The tiny random model with FAVOURED and EOS (2) far ahead of every other token, in its raw logits
+    (on a GPU: decode steps under CUDA graphs, the logits eager after them)."""
     llm = LLM(
-        model=f"dummy:{tiny_config_path}", dtype="float32", device="cpu", num_kv_blocks=256, progress=False
+        model=f"dummy:{tiny_config_path}",
+        dtype="float32",
+        device=request.param,
+        num_kv_blocks=256,
+        progress=False,
     )
     bias = torch.zeros(llm.engine.model_config.vocab_size)
     bias[FAVOURED], bias[2] = 40.0, 30.0
     model = llm.engine.model
     logits = model.compute_logits
-    model.compute_logits = lambda hidden, fp32=True: logits(hidden, fp32) + bias.to(hidden.dtype)
+
+    def skewed(hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        out = logits(hidden, fp32)
+        return out + bias.to(out.device, out.dtype)
+
+    model.compute_logits = skewed
     return llm
 
 

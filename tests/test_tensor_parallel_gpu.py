@@ -26,6 +26,29 @@ def test_two_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, attention:
     _ranks_equal_one(tiny_config_path, 2, attention, peer)
 
 
+def test_min_tokens_ban_over_two_gpus_equals_one(tiny_config_path: Path) -> None:
+    """Steps whose rows are under their min_tokens gather the logits to rank 0 for the ban (no sharded
+    argmax), later steps take the sharded argmax again: fp32 tokens over 2 GPUs equal one GPU's, greedy
+    and seeded, with the stop id and EOS skewed far ahead so that the ban decides every early token."""
+    prompts = [{"prompt_token_ids": [(11 * i) % 30000 + 100 for i in range(40 + j)]} for j in range(5)]
+    skew = {777: 50.0, 2: 40.0}
+    cases = [
+        SamplingParams(
+            max_tokens=14, temperature=t, seed=5, min_tokens=9, stop_token_ids=[777], logit_bias=skew
+        )
+        for t in (0.0, 1.0)
+    ]
+    kwargs = dict(model=f"dummy:{tiny_config_path}", dtype="float32", num_kv_blocks=256, progress=False)
+    single = LLM(**kwargs)
+    want = [[o.outputs[0].token_ids for o in single.generate(prompts, p)] for p in cases]
+    del single
+    assert all(len(ids) == 10 and ids[-1] == 777 and 2 not in ids for w in want for ids in w)
+    with LLM(tensor_parallel_size=2, **kwargs) as tp:
+        assert tp.engine.launch_ahead
+        got = [[o.outputs[0].token_ids for o in tp.generate(prompts, p)] for p in cases]
+    assert got == want
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 @pytest.mark.parametrize("peer", [True, False])
 def test_four_gpus_equal_one_under_cuda_graphs(tiny_config_path: Path, peer: bool) -> None:
