@@ -222,6 +222,29 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert bytes(content[0].bytes).decode() == content[0].token
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI) -> None:
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements" (vLLM does so); logprobs=0 gives the sampled token's alone."""
+    for k in (0, 1):
+        out = client.completions.create(
+            model="default", prompt="Chain", max_tokens=8, temperature=1.0, seed=3, logprobs=k
+        )
+        lp = out.choices[0].logprobs
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == value and len(top) <= k + 1
+
+
+def test_nulls_take_the_defaults(http: httpx.Client) -> None:
+    """OpenAI's spec marks these fields nullable, and clients send the unset ones as null."""
+    nulls = {"n": None, "stream": None, "stream_options": None, "temperature": None, "seed": None}
+    body = {"prompt": "Gears", "max_tokens": 3, "echo": None, "logprobs": None, **nulls}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    chat = {"messages": MSG, "max_tokens": 2, "logprobs": None, "tools": None, "tool_choice": None, **nulls}
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+
+
 def test_cached_tokens_on_repeated_system_prompt(client: openai.OpenAI, server: ServerThread) -> None:
     system = f"Session {uuid.uuid4().hex}. " + SYSTEM
     cached = []
@@ -272,6 +295,29 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str]] = [
     ("big-logprobs", C, {"prompt": "hi", "logprobs": 50}, 400, "logprobs must be"),
     ("empty-prompt", C, {"prompt": ""}, 400, "prompt is empty"),
     ("bad-token-id", C, {"prompt": [10**9]}, 400, "token ids must be in"),
+    (
+        "stream-options-alone",
+        C,
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream=true",
+    ),
+    ("min-over-max", C, {"prompt": "hi", "max_tokens": 2, "min_tokens": 9}, 400, "min_tokens must be <="),
+    (
+        "completion-tokens-zero",
+        CH,
+        {"messages": MSG, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    ("empty-tools", CH, {"messages": MSG, "tools": []}, 400, "tools must not be empty"),
+    (
+        "image-part",
+        CH,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "of type 'image_url' is not supported",
+    ),
 ]
 
 

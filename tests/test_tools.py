@@ -60,6 +60,8 @@ def test_parse_calls_in_each_mode() -> None:
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Lima"}'}
     two = text + '<tool_call>{"name": "time", "arguments": {}}</tool_call>'
     assert [c["function"]["name"] for c in parse_calls(two, auto)] == ["weather", "time"]
+    one = read_tools(_req(tools=TOOLS, parallel_tool_calls=False))  # at most one call, the first
+    assert [c["function"]["name"] for c in parse_calls(two, one)] == ["weather"]
     assert parse_calls('{"name": "weather", "arguments": {"city": "Oslo"}}', auto)  # bare, no tags
     assert parse_calls("It is sunny.", auto) is None
     assert parse_calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', auto) is None

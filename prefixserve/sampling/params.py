@@ -59,6 +59,10 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            ),
             (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are allowed"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (

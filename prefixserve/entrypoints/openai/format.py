@@ -45,13 +45,26 @@ def completion_logprobs(
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
+    lps = (c.logprobs or [])[start:end]
     tops = (c.top_logprobs or [])[start:end]
     return {
         "tokens": tokens,
-        "token_logprobs": [_lp(x) for x in (c.logprobs or [])[start:end]],
-        "top_logprobs": [{token_text(t): _lp(lp) for t, lp in top} for top in tops],
+        "token_logprobs": [_lp(x) for x in lps],
+        "top_logprobs": [
+            _top_with(top, t, lp, token_text)
+            for top, t, lp in zip(tops, c.token_ids[start:end], lps, strict=False)
+        ],
         "text_offset": offsets,
     }
+
+
+def _top_with(top: list[tuple[int, float]], token: int, logprob: float, token_text: TokenText) -> dict:
+    """A legacy ``top_logprobs`` entry: the top alternatives, and the chosen token's own logprob where
+    it is not among them ("up to logprobs + 1 elements", as OpenAI and vLLM answer)."""
+    entry = {token_text(t): _lp(lp) for t, lp in top}
+    if all(t != token for t, _ in top):
+        entry.setdefault(token_text(token), _lp(logprob))
+    return entry
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, token_text: TokenText) -> dict[str, Any]:
@@ -83,7 +96,10 @@ def prompt_completion_logprobs(f: RequestOutput, token_text: TokenText) -> dict[
         "tokens": tokens,
         "token_logprobs": [None if x is None else _lp(x) for x in lps[:1]] + [_lp(x) for x in lps[1:]],
         "top_logprobs": [None] * min(1, len(tops))
-        + [{token_text(t): _lp(v) for t, v in top} for top in tops[1:]],
+        + [
+            _top_with(top, t, lp, token_text)
+            for top, t, lp in zip(tops[1:], f.prompt_token_ids[1:], lps[1:], strict=False)
+        ],
         "text_offset": offsets,
     }
 

@@ -80,6 +80,8 @@ def check_model(ctx: OpenAIContext, name: str | None) -> None:
 
 
 def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     if isinstance(req, CompletionRequest):
         if req.echo and req.stream:
             raise APIError(400, "echo cannot be combined with stream", param="echo")
@@ -208,9 +210,16 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
     if forced is not None and structured is not None:
         message = "tool_choice 'required' or a named function takes no response_format or structured_outputs"
         raise APIError(400, message, param="tool_choice", code="invalid_value")
-    params = sampling(
-        req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, forced or structured
-    )
+    try:
+        params = sampling(
+            req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, forced or structured
+        )
+    except APIError as exc:  # the limit came as max_completion_tokens: the error names that field
+        if req.max_completion_tokens is None or "max_tokens" not in exc.message:
+            raise
+        message = exc.message.replace("max_tokens", "max_completion_tokens")
+        param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
+        raise APIError(400, message, param=param, code=exc.code) from None
     prompt = chat_prompt(ctx, req, tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     return Prepared(True, rid, req, [prompt], params, bool(req.logprobs), tools=tools)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
@@ -116,6 +116,19 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (openai/tools.py)
     tool_call_id: str | None = None  # a tool message: which call it answers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """A content part that is not text (an image, audio) is refused by its type, not as "not a
+        string": the model takes text alone."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                shown = f"of type {kind!r}" if kind is not None else "without a type"
+                raise ValueError(f"a content part {shown} is not supported: this model takes text parts only")
+        return data
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -171,7 +184,7 @@ def parse_request(cls: type[BaseModel], data: Any, required: str) -> Any:
             400, f"'{required}' is a required field", param=required, code="missing_required_field"
         )
     try:
-        return cls.model_validate(data, strict=True)
+        return cls.model_validate(_without_nulls(data), strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = _loc(tuple(err["loc"])) or None
@@ -182,6 +195,16 @@ def parse_request(cls: type[BaseModel], data: Any, required: str) -> Any:
         shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
         message = f"invalid value for '{field}': {err['msg']} (got {shown[:100]})"
         raise APIError(400, message, param=field, code="invalid_type") from None
+
+
+def _without_nulls(data: dict[str, Any]) -> dict[str, Any]:
+    """The body with its null fields left out: OpenAI's spec marks most fields nullable, and clients
+    send unset ones as null (``"n": null``, ``"stream": null``), which then take their defaults."""
+    out = {k: v for k, v in data.items() if v is not None}
+    options = out.get("stream_options")
+    if isinstance(options, dict):
+        out["stream_options"] = {k: v for k, v in options.items() if v is not None}
+    return out
 
 
 def normalize_prompts(prompt: Any) -> list[str | list[int]]:

@@ -68,6 +68,8 @@ def _bad(message: str, param: str) -> APIError:
 def read_tools(req: ChatCompletionRequest) -> Tools | None:
     """The request's tools, checked (a 400 names the field); None without tools or with ``none``."""
     choice = req.tool_choice
+    if req.tools is not None and not req.tools:
+        raise _bad("tools must not be empty (leave the field out for no tools)", "tools")
     if not req.tools:
         if choice not in (None, "none"):
             raise _bad("tool_choice needs tools", "tool_choice")
@@ -203,7 +205,7 @@ def parse_calls(text: str, tools: Tools) -> list[dict[str, Any]] | None:
             continue
         if isinstance(obj, dict) and obj.get("name") in tools.functions:
             calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-    return calls or None
+    return (calls if tools.parallel else calls[:1]) or None  # parallel_tool_calls false: the first
 
 
 def tool_message(text: str, finish_reason: str | None, tools: Tools) -> tuple[dict[str, Any], str | None]:
