@@ -59,11 +59,34 @@ def test_sampling_follows_the_distribution() -> None:
         ({"top_k": -5}, "top_k"),
         ({"stop": ["x"] * 17}, "stop strings"),
         ({"logprobs": 99}, "logprobs"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be <= max_tokens"),
     ],
 )
 def test_bad_sampling_params_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_vllm_spellings_of_off_and_defaults() -> None:
+    """What vLLM's SamplingParams turns into its defaults is taken the same way (a None or True had
+    passed the checks and then failed every request of its step)."""
+    p = SamplingParams(stop_token_ids=None, seed=-1, logprobs=True, prompt_logprobs=True, top_k=-1)
+    assert (p.stop_token_ids, p.seed, p.logprobs, p.prompt_logprobs, p.top_k) == ([], None, 1, 1, 0)
+    assert SamplingParams(temperature=1e-40).temperature == 0.01  # raised, as vLLM: no overflow to NaN
+    assert SamplingParams(temperature=0.0).greedy
+
+
+def test_tiny_temperature_and_vllm_spellings_end_to_end(tiny_config_path: Path) -> None:
+    llm = LLM(model=f"dummy:{tiny_config_path}", dtype="float32", num_kv_blocks=64, progress=False)
+    prompts = [{"prompt_token_ids": list(range(10, 30))}, {"prompt_token_ids": [7, 8, 9]}]
+    loose = SamplingParams(temperature=1e-40, stop_token_ids=None, logprobs=True, seed=-1)
+    outs = llm.generate(prompts, loose)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in outs)
+    assert all(0 not in o.outputs[0].token_ids for o in outs)  # NaN logits had picked token 0 each step
 
 
 def test_seeded_generation_is_reproducible(tiny_config_path: Path) -> None:

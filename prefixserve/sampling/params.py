@@ -13,6 +13,8 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range [-100, 100]
+MIN_TEMPERATURE = 1e-2  # a smaller positive temperature is raised to it, as vLLM does
+_STOP_IDS = "stop_token_ids must be a list of token ids (integers >= 0)"
 
 
 @dataclass(slots=True)
@@ -51,6 +53,17 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if self.top_k == -1:
             self.top_k = 0
+        # vLLM's spellings of "off" and "the chosen token's": None stop ids, seed -1, logprobs True
+        ids = self.stop_token_ids
+        self.stop_token_ids = [] if ids is None else list(ids) if isinstance(ids, list | tuple | set) else ids
+        if self.seed == -1:
+            self.seed = None
+        if isinstance(self.logprobs, bool):
+            self.logprobs = int(self.logprobs)
+        if isinstance(self.prompt_logprobs, bool):
+            self.prompt_logprobs = int(self.prompt_logprobs)
+        if isinstance(self.temperature, int | float) and 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE  # logits / 1e-40 overflow to inf, and NaN would pick token 0
         checks = [
             (isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
             (self.temperature >= 0.0, "temperature must be >= 0"),
@@ -59,6 +72,10 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (
+                isinstance(self.stop_token_ids, list) and all(map(_is_token_id, self.stop_token_ids)),
+                _STOP_IDS,
+            ),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
@@ -152,6 +169,10 @@ def _processing_checks(p: SamplingParams) -> list[tuple[bool, str]]:
             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
         ),
     ]
+
+
+def _is_token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 def _is_id(k: object) -> bool:

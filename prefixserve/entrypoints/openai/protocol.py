@@ -268,6 +268,7 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "min_p",
         "max_tokens",
         "min_tokens",
+        "stop_token_ids",
         "logprobs",
         "seed",
         "presence_penalty",
