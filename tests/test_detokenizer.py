@@ -7,6 +7,7 @@ check that stop strings cut exactly where the old whole-output re-decode every s
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -337,24 +338,36 @@ def test_engine_stop_strings_cut_by_the_rule(tiny_llm: LLM) -> None:
     assert not tiny_llm.engine.requests and tiny_llm.engine.pool.num_used == 0
 
 
-def test_engine_streaming_text_is_the_cumulative_decode(tiny_llm: LLM) -> None:
+def test_engine_streaming_text_is_the_settled_decode_less_the_stop_buffer(tiny_llm: LLM) -> None:
+    """Each streamed (unfinished) text is the decode of the tokens so far without a half-received
+    character's U+FFFD tail, less the longest stop string's length - 1 characters (vLLM's stop
+    buffer: they may yet start a stop string and be cut); so each is a prefix of the next and of the
+    final text, which is the whole decode or the text cut at its stop string."""
     tok = tiny_llm.engine.tokenizer
     free = tiny_llm.generate(
         {"prompt_token_ids": [500, 600]}, SamplingParams(seed=3, max_tokens=30, ignore_eos=True)
     )
     text = free[0].outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 2] or "zz"
+    held = 0
     for params in (
         SamplingParams(seed=3, max_tokens=30, ignore_eos=True),
-        SamplingParams(seed=3, max_tokens=30, ignore_eos=True, stop=[stop]),
+        SamplingParams(seed=3, max_tokens=30, ignore_eos=True, stop=[stop, "zzzz"]),
+        SamplingParams(seed=3, max_tokens=30, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
     ):
-        last = None
-        for last in tiny_llm.stream({"prompt_token_ids": [500, 600]}, params):
-            c = last.outputs[0]
-            if not c.finished:  # unchanged: the cumulative text, as decode gives it (U+FFFD tail and all)
-                assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
-        assert last is not None and last.finished
-        _assert_stop_rule(tok, last.outputs[0], params)
+        hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
+        texts = []
+        for out in tiny_llm.stream({"prompt_token_ids": [500, 600]}, params):
+            c = out.outputs[0]
+            texts.append(c.text)
+            if not c.finished:
+                settled = tok.decode(c.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+                assert c.text == settled[: len(settled) - hold]
+                held += len(settled) > len(c.text)
+        assert out.finished
+        _assert_stop_rule(tok, c, params)
+        assert all(b.startswith(a) for a, b in itertools.pairwise(texts)), texts
+    assert held  # the bias makes split characters, and the stop buffer held some back
 
 
 def test_engine_without_tokenizer_pays_nothing(tiny_llm: LLM) -> None:

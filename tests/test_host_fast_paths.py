@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -76,12 +77,19 @@ def _llm(tiny_config_path, async_scheduling: bool, always_check: bool, blocks: i
 VOCAB = 49152  # the tiny dummy model's (tests/conftest.py)
 
 
+def _params(**kwargs: Any) -> SamplingParams:
+    """SamplingParams with min_tokens cut to max_tokens (which must hold it), the draws unchanged."""
+    if kwargs["max_tokens"] is not None:
+        kwargs["min_tokens"] = min(kwargs["min_tokens"], kwargs["max_tokens"])
+    return SamplingParams(**kwargs)
+
+
 def _workload(seed: int, count: int) -> list[SamplingParams]:
     """Stops that do hit a random model: thousands of stop ids (a few percent of the vocabulary each
     token), common letters as stop strings; min_tokens hides some of them."""
     rng = random.Random(seed)
     return [
-        SamplingParams(
+        _params(
             max_tokens=rng.randint(1, 14),
             min_tokens=rng.choice([0, 0, 1, 3, 6]),
             temperature=0.0 if rng.random() < 0.6 else 0.9,
@@ -168,7 +176,7 @@ def test_stop_possible_false_means_no_stop_and_no_side_effect(tokenizer) -> None
     for _ in range(3000):
         prompt = [rng.randrange(40) for _ in range(rng.randint(1, 6))]
         out = [rng.randrange(40) for _ in range(rng.randint(1, 12))]
-        p = SamplingParams(
+        p = _params(
             max_tokens=rng.choice([None, rng.randint(1, 14)]),
             min_tokens=rng.choice([0, 1, 3, 8]),
             stop_token_ids=rng.sample(range(40), k=rng.randint(0, 3)),

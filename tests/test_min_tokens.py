@@ -79,6 +79,7 @@ def test_no_stop_before_min_tokens(skewed_llm: LLM, async_scheduling: bool) -> N
     engine.launch_ahead = engine.async_scheduling = async_scheduling
     engine._step_mode = engine._step_launch_ahead if async_scheduling else engine._step_sync
     prompts = [{"prompt_token_ids": [40, 41, 42]}, {"prompt_token_ids": [50] * 7}]
+    tok = skewed_llm.get_tokenizer()
     for temperature in (0.0, 1.0):
         base = dict(max_tokens=12, temperature=temperature, seed=4, logprobs=1)
         stop_id = SamplingParams(**base, min_tokens=5, stop_token_ids=[FAVOURED], n=2)
@@ -87,9 +88,14 @@ def test_no_stop_before_min_tokens(skewed_llm: LLM, async_scheduling: bool) -> N
                 assert c.token_ids[5] == FAVOURED and FAVOURED not in c.token_ids[:5], c.token_ids
                 assert (len(c.token_ids), c.finish_reason, c.stop_reason) == (6, "stop", FAVOURED)
                 assert 2 not in c.token_ids[:5]  # EOS is banned too, unless ignore_eos
+                # the stop token's own text is left out of the text, as vLLM leaves it out
+                assert c.text == tok.decode(c.token_ids[:-1], skip_special_tokens=True)
                 for lp, top in zip(c.logprobs[:5], c.top_logprobs[:5], strict=True):
                     # the raw distribution: FAVOURED still on top, the chosen token far below it
                     assert top[0][0] == FAVOURED and top[0][1] > -1e-3 and lp < -20.0
+        kept = SamplingParams(**base, stop_token_ids=[FAVOURED], include_stop_str_in_output=True)
+        c = skewed_llm.generate(prompts[0], kept)[0].outputs[0]
+        assert c.token_ids == [FAVOURED] and c.text == tok.decode([FAVOURED], skip_special_tokens=True)
         no_favoured = {FAVOURED: -100.0}  # EOS is the likeliest token then
         eos = SamplingParams(**base, min_tokens=4, logit_bias=no_favoured)
         c = skewed_llm.generate(prompts[0], eos)[0].outputs[0]

@@ -25,12 +25,41 @@ def output_text(seq: Sequence, tokenizer: Any) -> str:
     return seq.detokenize(tokenizer).full_text
 
 
+def sample_text(seq: Sequence, tokenizer: Any) -> str:
+    """What a sample's output says of its text now, as vLLM's detokenizer answers:
+
+    * finished on a stop string: the text cut there (``stop.py``);
+    * finished on EOS or a stop token id: the text of the tokens before it, unless
+      ``include_stop_str_in_output`` (the stop token's own text, if it has one, is left out);
+    * otherwise finished: the decode of all its tokens;
+    * still running (streamed): the settled text (no half-received character) less the longest stop
+      string's length - 1 characters, which may yet turn out to start a stop string and be cut; each
+      streamed text is then a prefix of the next and of the final one.
+    """
+    if isinstance(seq.stop_reason, str):
+        return seq.output_text
+    if tokenizer is None:
+        return ""
+    p = seq.request.params
+    if seq.is_finished:
+        if seq.finish_reason != "stop" or p.include_stop_str_in_output:
+            return output_text(seq, tokenizer)
+        before = seq.num_tokens - seq.num_prompt_tokens - 1  # the tokens before the stop token
+        detok = seq.detokenizer
+        if detok is not None and detok.num_ids > before:  # fed past it already: decode afresh
+            return tokenizer.decode(seq.output_token_ids[:before], skip_special_tokens=True)
+        return seq.detokenize(tokenizer, upto=before).full_text
+    text = seq.detokenize(tokenizer).text
+    hold = max(map(len, p.stop), default=1) - 1 if not p.include_stop_str_in_output else 0
+    return text[: len(text) - hold] if hold else text
+
+
 def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutput:
     """What the caller sees of a request now: every sample's text, ids, reasons and logprobs, and times."""
     completions = []
     held = req.modules
     for rank, seq in enumerate(_reported(req)):
-        text = seq.output_text if isinstance(seq.stop_reason, str) else output_text(seq, tokenizer)
+        text = sample_text(seq, tokenizer)
         want_lp = req.params.logprobs is not None
         ranked = req.params.num_samples > req.params.n
         completions.append(
@@ -77,4 +106,4 @@ def _reported(req: Request) -> list[Sequence]:
     return ranked[: p.n]
 
 
-__all__ = ["output_text", "request_output"]
+__all__ = ["output_text", "request_output", "sample_text"]
