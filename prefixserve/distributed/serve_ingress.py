@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from prefixserve.distributed.router import Router, RoutingPolicy
 from prefixserve.distributed.serve_metrics import merge_replica_metrics
+from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt
 from prefixserve.engine.system_prompts import render_system_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
@@ -179,7 +180,7 @@ class IngressCore:
         if isinstance(prompt, str):
             if self.ctx.tokenizer is None or is_pml_prompt(prompt):
                 return [], session
-            prompt = self.ctx.tokenizer.encode(prompt, add_special_tokens=False)
+            prompt = encode_prompt(self.ctx.tokenizer, prompt)
         ids = list(prompt)
         application = getattr(prep.req, "application", None)
         if application in self.ctx.system_prompts:  # as the engine's intake: the pinned prompt goes first
@@ -187,8 +188,7 @@ class IngressCore:
             if pinned is None:
                 text = self.ctx.system_prompts[application]
                 pinned = self._pinned[application] = render_system_prompt(self.ctx.tokenizer, text)
-            if ids[: len(pinned)] != pinned:
-                ids = pinned + ids
+            ids = behind_pinned(pinned, ids, self.ctx.tokenizer)
         salt = getattr(prep.req, "cache_salt", None)
         return prompt_digests(ids, self.block_size, salt=salt), session
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prefixserve.engine.model_runner import ModelRunner
+from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.promptcache.recompute import parse_recompute
@@ -105,7 +106,7 @@ class InputProcessor:
                 raise ValueError("give a prompt or prompt_token_ids")
             if tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
-            prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            prompt_token_ids = encode_prompt(tokenizer, prompt)
         tokens = int_list(prompt_token_ids, "prompt_token_ids")
         system = None
         if application is not None:
@@ -116,7 +117,7 @@ class InputProcessor:
             if tokens[: len(system.token_ids)] != system.token_ids:
                 if prompt_positions is not None:
                     raise ValueError("prompt_positions cannot be combined with an application prefix")
-                tokens = system.token_ids + tokens
+                tokens = behind_pinned(system.token_ids, tokens, tokenizer)
         req = self._request(
             request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, None, max_model_len
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.sampling.params import SamplingParams
 
 
@@ -30,7 +31,7 @@ def render_system_prompt(tokenizer: Any, text: str) -> list[int]:
         rendered = tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False)
     else:
         rendered = text
-    return tokenizer.encode(rendered, add_special_tokens=False)
+    return encode_prompt(tokenizer, rendered)
 
 
 def pin_system_prompt(engine: Any, name: str, text: str) -> SystemPromptKV:

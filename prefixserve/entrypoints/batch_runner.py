@@ -239,6 +239,7 @@ def plan_rows(
 ) -> RowPlan:
     """Check and tokenize every row (an application's pinned prompt put first, as the engine does)
     and plan prefix-sharing groups over all their prompts, without loading the model."""
+    from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt
     from prefixserve.engine.system_prompts import render_system_prompt
 
     ctx = OpenAIContext(model=model_name, tokenizer=tokenizer, system_prompts=dict(system_prompts))
@@ -248,8 +249,8 @@ def plan_rows(
     for k, st in enumerate(states):
         head = pinned.get(st.prep.req.application or "", [])
         for p in st.prep.prompts:
-            ids = tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-            prompts.append(ids if ids[: len(head)] == head else head + ids)
+            ids = encode_prompt(tokenizer, p) if isinstance(p, str) else list(p)
+            prompts.append(behind_pinned(head, ids, tokenizer))
             salts.append(st.prep.req.cache_salt)
             decode.append(st.prep.params.max_tokens or DEFAULT_DECODE)
             row_of.append(k)

@@ -9,6 +9,7 @@ from typing import Any
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
+from prefixserve.engine.prompt_tokens import encode_prompts
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -220,7 +221,7 @@ class LLM:
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and not self.engine.is_pml_prompt(p)]
         if tok is None or len(texts) < 2:
             return prompts
-        ids = tok([prompts[i] for i in texts], add_special_tokens=False)["input_ids"]
+        ids = encode_prompts(tok, [prompts[i] for i in texts])
         out = list(prompts)
         for i, token_ids in zip(texts, ids, strict=True):
             out[i] = {"prompt": prompts[i], "prompt_token_ids": token_ids}

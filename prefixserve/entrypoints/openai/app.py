@@ -32,6 +32,7 @@ from prefixserve.engine import Engine
 from prefixserve.engine.admission import QueueFull
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
+from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
@@ -268,10 +269,9 @@ async def _tokenize(state: ServerState, text: str) -> list[int] | None:
     if state.tokenizer is None or is_pml_prompt(text):
         return None
     try:
-        ids = await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=False)
+        return await asyncio.to_thread(encode_prompt, state.tokenizer, text)
     except Exception:
         return None
-    return list(ids)
 
 
 def _length(tokens: list[int] | None) -> int | None:
