@@ -21,6 +21,21 @@ def test_filters_keep_only_allowed_tokens() -> None:
     assert (min_p[0, :2] > 0).all() and (min_p[0, 2:] == 0).all()
 
 
+def test_top_p_takes_what_top_k_and_min_p_kept() -> None:
+    """vLLM's order: min-p and top-k first, then top-p over the renormalised rest (0.35 and 0.25 of
+    [0.35, 0.25, 0.22, 0.18] are 0.58 and 0.42 then, so top_p 0.5 keeps the first alone; over the whole
+    vocabulary it had kept both)."""
+    logits = torch.log(torch.tensor([[0.35, 0.25, 0.22, 0.18]])).expand(2000, 4).clone()
+    for params in (SamplingParams(top_k=2, top_p=0.5), SamplingParams(min_p=0.7, top_p=0.55)):
+        probs = _filtered_probs(logits[:1], [params])
+        assert probs[0, 0] == 1.0 and (probs[0, 1:] == 0).all(), params
+        out = sample(logits, [params] * 2000, [None] * 2000, torch.Generator().manual_seed(5))
+        assert set(out.tokens) == {0}, params  # the top-k candidates' path too
+    loose = SamplingParams(top_k=3, top_p=0.9)  # (0.35 + 0.25) / 0.82 = 0.73 < 0.9: all three stay
+    out = sample(logits, [loose] * 2000, [None] * 2000, torch.Generator().manual_seed(5))
+    assert set(out.tokens) == {0, 1, 2}
+
+
 def test_greedy_rows_and_seeded_rows_in_one_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 50)

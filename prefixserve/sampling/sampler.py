@@ -35,15 +35,19 @@ def _filter_sorted(
     sorted_probs: torch.Tensor,  # [R, K] their probabilities under the whole vocabulary's softmax
     params: list[SamplingParams],
 ) -> torch.Tensor:
-    """Drop (to -inf) what top-k, top-p and min-p drop; the most likely token always survives."""
+    """Drop (to -inf) what min-p, top-k and then top-p drop, in vLLM's order: min-p against the
+    likeliest token's probability, top-k by rank, and top-p over the probabilities of what those two
+    kept, renormalised; the most likely token always survives."""
     dev, width = sorted_logits.device, sorted_logits.shape[-1]
     rank = torch.arange(width, device=dev)[None, :]
     top_k = small_tensor([p.top_k or width for p in params], dev)[:, None]
     drop = rank >= top_k
-    top_p = small_tensor([p.top_p for p in params], dev)[:, None]
-    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # keep the token that crosses top_p
     min_p = small_tensor([p.min_p for p in params], dev)[:, None]
     drop |= sorted_probs < min_p * sorted_probs[:, :1]
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    kept = kept / kept.sum(-1, keepdim=True)
+    top_p = small_tensor([p.top_p for p in params], dev)[:, None]
+    drop |= (kept.cumsum(-1) - kept) >= top_p  # keep the token that crosses top_p
     drop[:, 0] = False
     return sorted_logits.masked_fill(drop, float("-inf"))
 
@@ -58,8 +62,8 @@ def _top_candidates(
     """When every row has a top-k (at most ``TOPK_CAP``): (probs [R, K], their token ids [R, K]) over
     the K = max top-k best tokens, filtered; else None (the whole vocabulary is needed).
 
-    Only the top K are ranked (``torch.topk``, no sort of the vocabulary); the softmax normaliser of
-    top-p and min-p still sums the whole row, so they mean what they mean over the full vocabulary.
+    Only the top K are ranked (``torch.topk``, no sort of the vocabulary); their probabilities are the
+    whole row's softmax (min-p compares with the likeliest one; top-p renormalises what is kept).
     """
     width = max((p.top_k for p in params), default=0)
     if not params or any(p.top_k == 0 for p in params) or width > min(TOPK_CAP, logits.shape[-1]):
