@@ -5,8 +5,11 @@ sequence keeps a short window of trailing token ids and decodes only that window
 the text the new tokens add is what the window's text gained past the characters already emitted.
 
 Exactness: after every ``add``, ``text + pending`` equals ``tokenizer.decode(all_ids,
-skip_special_tokens=True)``. Two things make a window's text differ from the text those ids contribute
-to the full decode, and both are handled:
+skip_special_tokens=True)``, or, given the prompt's last ids as ``context`` (as vLLM primes its
+detokenizer with them), what decoding them before all_ids adds to their own text: the same for
+byte-level BPE, and a SentencePiece output's first word keeps its leading space (" Paris", not "Paris"),
+which decoding the output alone strips. Two things make a window's text differ from the text those
+ids contribute to the full decode, and both are handled:
 
 * A multi-byte UTF-8 character split over several byte-level tokens decodes as U+FFFD until its last
   byte arrives. A trailing run of U+FFFD is therefore held back in ``pending`` (not yet in ``text``); it
@@ -85,11 +88,18 @@ class IncrementalDetokenizer:
         "pending",
     )
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self._decode = make_decode(tokenizer, skip_special_tokens)
         self._window: list[int] = []  # the trailing ids being decoded (context + unsettled + new)
         self._emitted = 0  # characters of the window's text already in ``text``
         self._mark = 0  # window index of the last settled point: where the window can be cut
+        if context:  # the prompt's last ids: the output's text is what it adds to theirs (see above)
+            try:
+                primed = self._decode(list(context))
+            except Exception:  # ids this tokenizer cannot decode: no context
+                primed = ""
+            if primed and not primed.endswith(REPLACEMENT):
+                self._window, self._emitted, self._mark = list(context), len(primed), len(context)
         self._pieces: list[str] = []  # ``text``, in pieces joined on demand
         self._len = 0  # len(text)
         self._searched = 0  # len(text) at the previous ``find_first``

@@ -20,6 +20,8 @@ import torch
 from prefixserve.detokenizer import IncrementalDetokenizer
 from prefixserve.sampling.params import SamplingParams
 
+PROMPT_CONTEXT = 5  # prompt ids an output's text is decoded after (vLLM's initial detokenization offset)
+
 TokenArray = array  # array("q"): token ids or positions; the GC visits the array, never its elements
 
 
@@ -89,12 +91,17 @@ class Sequence:
         self.token_ids.append(token)
         self.positions.append(self.positions[-1] + 1)
 
+    def prompt_tail(self) -> list[int]:
+        """The prompt's last ids, the context the output's text is decoded in (``detokenizer.py``)."""
+        n = self.num_prompt_tokens
+        return [t for t in self.token_ids[max(0, n - PROMPT_CONTEXT) : n] if t >= 0]
+
     def detokenize(self, tokenizer: Any, upto: int | None = None) -> IncrementalDetokenizer:
         """The output's incremental detokenizer, first fed the tokens appended since the last call
         (with ``upto``, only as far as the first ``upto`` output tokens)."""
         detok = self.detokenizer
         if detok is None:
-            detok = self.detokenizer = IncrementalDetokenizer(tokenizer)
+            detok = self.detokenizer = IncrementalDetokenizer(tokenizer, context=self.prompt_tail())
         start = self.num_prompt_tokens + detok.num_ids
         end = len(self.token_ids) if upto is None else min(len(self.token_ids), self.num_prompt_tokens + upto)
         if start < end:
