@@ -146,6 +146,49 @@ def test_streamed_tool_calls_reassemble_to_the_reply(ctx: OpenAIContext) -> None
     assert reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "weather"
 
 
+def test_text_then_a_call_streams_the_text_then_the_call(ctx: OpenAIContext) -> None:
+    """tool_choice auto, a reply that opens with text and then calls: streamed, the text goes out (never
+    the tag, nor a tail that may start one), then the call, as the non-streamed reply holds both."""
+    prep = prepare(ctx, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "stream": True})
+    text = 'Sure, one moment.\n<tool_call>{"name": "weather", "arguments": {"city": "Lima"}}</tool_call>'
+    state = stream_state(ctx, prep)
+    sent = ""
+    for end in range(1, len(text)):
+        for e in _events(state.update(0, _output(text[:end], None))):
+            sent += e["choices"][0]["delta"].get("content", "")
+            assert "<" not in sent and e["choices"][0]["finish_reason"] is None
+    events = _events(state.update(0, _output(text, "stop")))
+    sent += "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert sent.strip() == "Sure, one moment."
+    calls = [d["tool_calls"][0] for e in events if (d := e["choices"][0]["delta"]).get("tool_calls")]
+    assert calls[0]["function"]["name"] == "weather"
+    args = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(args) == {"city": "Lima"} and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    reply = response_body(ctx, prep, [_output(text, "stop")])["choices"][0]
+    assert reply["message"]["content"] == "Sure, one moment." and reply["finish_reason"] == "tool_calls"
+    plain = stream_state(ctx, prep)  # a tag that parses to no call: the rest goes out as text
+    broken = "Hm.\n<tool_call>not json</tool_call>"
+    got = "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for end in (5, len(broken))
+        for e in _events(plain.update(0, _output(broken[:end], None if end < len(broken) else "stop")))
+    )
+    assert got == broken
+
+
+def test_held_reply_that_is_no_call_keeps_its_logprobs(ctx: OpenAIContext) -> None:
+    body = {"messages": ASK, "tools": TOOLS, "stream": True, "logprobs": True}
+    prep = prepare(ctx, "/v1/chat/completions", body)
+    state = stream_state(ctx, prep)
+    text = "{not a call}"
+    out = _output(text, "stop")
+    out.outputs[0].logprobs = [-0.5] * len(text)
+    out.outputs[0].top_logprobs = [[] for _ in text]
+    (event,) = _events(state.update(0, out))
+    assert event["choices"][0]["delta"] == {"content": text}
+    assert len(event["choices"][0]["logprobs"]["content"]) == len(text)
+
+
 @pytest.mark.parametrize(
     ("body", "kind"),
     [

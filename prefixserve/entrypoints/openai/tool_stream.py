@@ -5,7 +5,10 @@ function always, with ``auto`` while its text is empty or starts like ``<tool_ca
 bare call). When it finishes, its calls go out as OpenAI streams them: per call, a first delta with
 ``index``, ``id``, ``type`` and the function's ``name`` (arguments ""), then the arguments in pieces,
 then a last chunk with ``finish_reason: "tool_calls"``; an output that held no call after all goes
-out as content. Any other choice streams its text as usual (``format.StreamState``).
+out as content (with its logprobs, when asked). Any other choice streams its text as usual
+(``format.StreamState``), up to a ``<tool_call>`` tag under ``auto`` (text that may be the start of
+one is held back): a reply that opens with text and then calls streams the text, then the calls,
+as the non-streamed reply holds both.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from prefixserve.entrypoints.openai.tools import Tools, tool_message
 from prefixserve.outputs import RequestOutput
 
 ARGUMENT_PIECE = 16  # characters of arguments per delta
+TAG = "<tool_call>"
 
 
 def _maybe_call(text: str) -> bool:
@@ -39,9 +43,14 @@ class ToolStreamState(fmt.StreamState):
             held = self.held.get(index, True)
             if held and (self.tools.choice != "auto" or _maybe_call(c.text)):
                 if c.finished and not self.choices.get(index, fmt._Choice()).done:
-                    chunks += self._finish_held(index, c.text, c.finish_reason)
+                    chunks += self._finish_held(index, c)
                 continue
             self.held[index] = False
+            if c.finished and TAG in c.text and not self.choices.get(index, fmt._Choice()).done:
+                message, reason = tool_message(c.text, c.finish_reason, self.tools)
+                if message.get("tool_calls"):  # text, then calls (else the rest goes out as text)
+                    chunks += self._finish_after_text(index, c, message, reason)
+                    continue
             plain.append(c)
         if plain:
             shown = copy.copy(out)
@@ -49,16 +58,51 @@ class ToolStreamState(fmt.StreamState):
             chunks += super().update(prompt_index, shown)
         return chunks
 
-    def _finish_held(self, index: int, text: str, finish: str | None) -> list[str]:
+    def _settled(self, text: str) -> int:
+        """As the plain stream's, and under ``auto`` never past a ``<tool_call>`` tag or a tail that may
+        be the start of one (the tool calls go out when the choice finishes)."""
+        upto = super()._settled(text)
+        if self.tools is None or self.tools.choice != "auto":
+            return upto
+        at = text.find(TAG)
+        if at >= 0:
+            return min(upto, at)
+        for k in range(min(len(TAG) - 1, upto), 0, -1):
+            if text[:upto].endswith(TAG[:k]):
+                return upto - k
+        return upto
+
+    def _finish_held(self, index: int, c: Any) -> list[str]:
         self.choices.setdefault(index, fmt._Choice()).done = True
-        message, reason = tool_message(text, finish, self.tools)
+        message, reason = tool_message(c.text, c.finish_reason, self.tools)
         calls = message.get("tool_calls")
         if not calls:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+            lp = (
+                fmt.chat_logprobs(c, 0, len(c.logprobs or ()), self.token_text)
+                if self.want_logprobs
+                else None
+            )
+            choice = {"index": index, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": reason}
             return [self.chunk([choice])]
+        return self._calls(index, message, reason, message.get("content"))
+
+    def _finish_after_text(
+        self, index: int, c: Any, message: dict[str, Any], reason: str | None
+    ) -> list[str]:
+        """An ``auto`` choice that streamed text and then wrote ``<tool_call>``: the text not yet sent
+        before the tag, then its calls."""
+        state = self.choices.setdefault(index, fmt._Choice())
+        state.done = True
+        rest = c.text[state.chars : c.text.find(TAG)]
+        return self._calls(index, message, reason, rest if rest.strip() else None)
+
+    def _calls(
+        self, index: int, message: dict[str, Any], reason: str | None, content: str | None
+    ) -> list[str]:
+        calls = message["tool_calls"]
         chunks = []
-        if message.get("content"):
-            chunks.append(self._delta(index, {"content": message["content"]}))
+        if content:
+            chunks.append(self._delta(index, {"content": content}))
         for k, call in enumerate(calls):
             fn = call["function"]
             head = {
