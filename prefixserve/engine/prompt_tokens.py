@@ -20,8 +20,8 @@ from typing import Any
 @lru_cache(maxsize=8)
 def added_bos(tokenizer: Any) -> int | None:
     """The id the tokenizer puts in front of a text it encodes with its special tokens, or None."""
-    with_special = tokenizer.encode("a", add_special_tokens=True)
-    plain = tokenizer.encode("a", add_special_tokens=False)
+    with_special = tokenizer(["a"], add_special_tokens=True)["input_ids"][0]
+    plain = tokenizer(["a"], add_special_tokens=False)["input_ids"][0]
     if len(with_special) > len(plain) and with_special[1:] == plain[: len(with_special) - 1]:
         return int(with_special[0])
     return None
