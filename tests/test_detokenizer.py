@@ -368,6 +368,14 @@ def test_engine_streaming_text_is_the_settled_decode_less_the_stop_buffer(tiny_l
         _assert_stop_rule(tok, c, params)
         assert all(b.startswith(a) for a, b in itertools.pairwise(texts)), texts
     assert held  # the bias makes split characters, and the stop buffer held some back
+    # a stop buffer longer than the text so far holds all of it (a negative slice had let text through)
+    for n in range(2, 24):
+        params = SamplingParams(seed=3, max_tokens=6, ignore_eos=True, stop=["\x00" * n])
+        outs = [o.outputs[0] for o in tiny_llm.stream({"prompt_token_ids": [500, 600]}, params)]
+        for c in outs[:-1]:
+            settled = tok.decode(c.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+            assert c.text == settled[: max(0, len(settled) - (n - 1))], n
+        assert all(b.text.startswith(a.text) for a, b in itertools.pairwise(outs)), n
 
 
 def test_engine_without_tokenizer_pays_nothing(tiny_llm: LLM) -> None:

@@ -54,7 +54,7 @@ def sample_text(seq: Sequence, tokenizer: Any) -> str:
         return seq.detokenize(tokenizer, upto=before).full_text
     text = seq.detokenize(tokenizer).text
     hold = max(map(len, p.stop), default=1) - 1 if not p.include_stop_str_in_output else 0
-    return text[: len(text) - hold] if hold else text
+    return text[: max(0, len(text) - hold)] if hold else text
 
 
 def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutput:
