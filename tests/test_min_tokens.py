@@ -105,3 +105,20 @@ def test_no_stop_before_min_tokens(skewed_llm: LLM, async_scheduling: bool) -> N
         c = skewed_llm.generate(prompts[0], free)[0].outputs[0]
         assert c.token_ids[:4] == [2] * 4  # with ignore_eos, EOS is no stop: nothing to ban
     assert_pool_empty(skewed_llm)
+
+
+def test_a_grammar_ends_where_it_must_despite_min_tokens(tiny_config_path: Path) -> None:
+    """Under a grammar min_tokens bans nothing and its EOS stops the sample: a swallowed EOS had left
+    the grammar's matcher terminated and every later token free, the output no longer matching."""
+    pytest.importorskip("xgrammar")
+    import re
+
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", dtype="float32", device="cpu", num_kv_blocks=64, progress=False
+    )
+    for min_tokens in (0, 10):
+        p = SamplingParams(
+            temperature=0.0, max_tokens=20, min_tokens=min_tokens, structured_outputs={"regex": "[a-c]{2,5}"}
+        )
+        c = llm.generate({"prompt_token_ids": [30, 260, 2644]}, p)[0].outputs[0]
+        assert re.fullmatch("[a-c]{2,5}", c.text) and c.finish_reason == "stop", (min_tokens, c)

@@ -22,10 +22,11 @@ def stop_reason(seq: Sequence, eos_ids: set[int], max_model_len: int, tokenizer:
     p = seq.request.params
     token = seq.token_ids[-1]
     out_len = seq.num_tokens - seq.num_prompt_tokens
+    stops = _stops_count(p, out_len)
     reason: str | None = None
-    if out_len > p.min_tokens and not p.ignore_eos and token in eos_ids:
+    if stops and not p.ignore_eos and token in eos_ids:
         reason, seq.stop_reason = "stop", None
-    elif out_len > p.min_tokens and token in p.stop_token_ids:
+    elif stops and token in p.stop_token_ids:
         reason, seq.stop_reason = "stop", token
     elif p.stop and out_len > p.min_tokens and _hit_stop_string(seq, tokenizer):
         reason = "stop"
@@ -41,10 +42,16 @@ def stop_possible(seq: Sequence, eos_ids: set[int], max_model_len: int) -> bool:
     if ends_by_length(seq, max_model_len):
         return True
     p = seq.request.params
-    if seq.num_tokens - seq.num_prompt_tokens <= p.min_tokens:
+    if not _stops_count(p, seq.num_tokens - seq.num_prompt_tokens):
         return False
     token = seq.token_ids[-1]
     return (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids or bool(p.stop)
+
+
+def _stops_count(p: Any, out_len: int) -> bool:
+    """Past min_tokens stops count; under a grammar always: it ends the output where it must (its EOS
+    is never banned, ``sampling/min_tokens.py``), and a swallowed EOS would leave what follows free."""
+    return out_len > p.min_tokens or p.structured_outputs is not None
 
 
 def ends_by_length(seq: Sequence, max_model_len: int) -> bool:
