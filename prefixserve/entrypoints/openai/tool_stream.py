@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.entrypoints.openai import format as fmt
-from prefixserve.entrypoints.openai.tools import Tools, tool_message
+from prefixserve.entrypoints.openai.tools import CALL_TAG, Tools, tool_message
 from prefixserve.outputs import RequestOutput
 
 ARGUMENT_PIECE = 16  # characters of arguments per delta
-TAG = "<tool_call>"
+TAG = CALL_TAG
 
 
 def _maybe_call(text: str) -> bool:
     head = text.lstrip()
-    return not head or head.startswith(("<tool_call>", "{")) or "<tool_call>".startswith(head)
+    return not head or head.startswith((TAG, "{")) or TAG.startswith(head)
 
 
 @dataclass

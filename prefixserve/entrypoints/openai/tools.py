@@ -25,7 +25,8 @@ from prefixserve.entrypoints.openai.protocol import APIError, ChatCompletionRequ
 from prefixserve.entrypoints.openai.structured import checked
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+CALL_TAG = "<tool_call>"  # opens a call in the output (Hermes / Qwen2.5)
+TOOL_CALL = re.compile(re.escape(CALL_TAG) + r"\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
 
 
