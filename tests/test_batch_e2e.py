@@ -63,6 +63,21 @@ def test_batch_schedule_with_n_samples_salts_and_a_bad_prompt(tiny_config_path: 
         llm.generate(["x"], params, schedule="fifo")
 
 
+def test_batch_schedule_in_a_pool_of_one_context_ends_like_online(tiny_config_path: Path):
+    """A sequence that needs the whole pool (max_tokens None runs to it) beside a prefix group: the
+    batch schedule must not wait forever on the group's held prefix block."""
+    prefix = list(range(600, 616))  # one full block, shared by two prompts: a group
+    prompts = [{"prompt_token_ids": [12]}] + [{"prompt_token_ids": [*prefix, t]} for t in (35, 22)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None)
+    pool = {"num_kv_blocks": 6, "max_num_seqs": 2, "async_scheduling": False}
+    expected = [o.outputs[0].token_ids for o in _tiny(tiny_config_path, **pool).generate(prompts, params)]
+    llm = _tiny(tiny_config_path, **pool)
+    got = llm.generate(prompts, params, schedule="batch")
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert [len(t) for t in expected] == [95, 79, 79]  # each ran to the 96-token context
+    assert_pool_empty(llm)
+
+
 def _batch_file(path: Path, rows: list[dict | str]) -> None:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
 

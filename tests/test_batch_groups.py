@@ -32,6 +32,25 @@ def _seq(i: int, prompt: list[int], max_tokens: int) -> Sequence:
     return seq
 
 
+def _compute(sched: Scheduler, scheduled: list) -> int:
+    """Compute one step's chunks at once; returns the prompt tokens among them."""
+    computed_prompt = 0
+    for item in scheduled:
+        seq = item.seq
+        computed_prompt += max(
+            0,
+            min(seq.num_prompt_tokens, seq.num_computed_tokens + item.num_tokens) - seq.num_computed_tokens,
+        )
+        seq.num_computed_tokens += item.num_tokens
+        sched.blocks.register_computed(seq)
+        if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_tokens - seq.num_prompt_tokens >= seq.request.params.max_tokens:
+                sched.finish(seq)
+            else:
+                seq.append_token(7)
+    return computed_prompt
+
+
 def _run(sched: Scheduler, seqs: list[Sequence], on_step=None) -> tuple[int, list[list[Sequence]]]:
     """Step until done; returns prompt tokens computed and each step's admitted sequences."""
     computed_prompt = 0
@@ -43,20 +62,7 @@ def _run(sched: Scheduler, seqs: list[Sequence], on_step=None) -> tuple[int, lis
         out = sched.schedule()
         admitted.append([s.seq for s in out.scheduled if s.seq.seq_id not in seen])
         seen.update(s.seq.seq_id for s in out.scheduled)
-        for item in out.scheduled:
-            seq = item.seq
-            computed_prompt += max(
-                0,
-                min(seq.num_prompt_tokens, seq.num_computed_tokens + item.num_tokens)
-                - seq.num_computed_tokens,
-            )
-            seq.num_computed_tokens += item.num_tokens
-            sched.blocks.register_computed(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                if seq.num_tokens - seq.num_prompt_tokens >= seq.request.params.max_tokens:
-                    sched.finish(seq)
-                else:
-                    seq.append_token(7)
+        computed_prompt += _compute(sched, out.scheduled)
         if on_step is not None:
             on_step(sched)
     assert not sched.has_work()
@@ -153,3 +159,23 @@ def test_every_member_aborted_before_the_group_starts():
     _run(sched, seqs)
     assert all(j.state is GroupState.DONE for j in jobs)
     assert sched.blocks.pool.num_used == 0
+
+
+def test_an_idle_scheduler_lets_a_groups_hold_go_for_a_head_that_needs_the_pool():
+    """A sequence that needs the whole pool waits at the head of the queue while a group holds its
+    prefix block and nothing runs: the hold goes (the block stays cached) and every sequence ends."""
+    members = [_seq(1 + i, [5] * 4 + [i], max_tokens=2) for i in range(2)]
+    long = _seq(0, [3] * 20, max_tokens=4)  # 24 tokens: all 6 blocks of the pool
+    sched = Scheduler(BlockManager(BlockPool(6, BS)), max_num_batched_tokens=32, max_num_seqs=2)
+    job = GroupJob(members=members, prefix_len=4)
+    sched.add_group(job)
+    _compute(sched, sched.schedule().scheduled)  # the leader computes the prefix
+    sched.finish(members[0])
+    sched.add(long)  # heads the queue: the group's second member is released behind it
+    held = []
+    _run(sched, [long, *members], on_step=lambda s: held.append(s.held_group_blocks))
+    assert held[0] == 1 and sched.num_preemptions > 0  # it was held when the long sequence needed it
+    assert long.is_finished and members[1].is_finished
+    assert job.state is GroupState.DONE and sched.held_group_blocks == 0
+    assert sched.blocks.pool.num_used == 0
+    sched.blocks.pool.check_integrity()

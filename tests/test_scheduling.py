@@ -129,3 +129,19 @@ def test_half_precision_runs_and_sharing_keeps_greedy_outputs(tiny_config_path: 
         assert_pool_empty(llm)
     assert outs["cascade"] == outs["reference"]
     assert all(len(t) == 8 for t in outs["reference"])
+
+
+def test_an_n_request_aborted_before_its_prompt_ends_reports_n_samples(tiny_config_path: Path) -> None:
+    """The samples split off only once the prompt is done; an abort before that still reports all n,
+    each empty and aborted (as vLLM reports every child of an aborted parent)."""
+    llm = _tiny(tiny_config_path, num_kv_blocks=64, max_num_batched_tokens=32)
+    engine = llm.engine
+    params = SamplingParams(n=3, best_of=4, temperature=0.7, max_tokens=8)
+    engine.add_request("a", prompt_token_ids=list(range(100, 200)), params=params)
+    engine.step()  # the first 32-token chunk of the 100-token prompt
+    assert engine.abort("a")
+    (out,) = [o for o in engine.step() if o.request_id == "a"]
+    assert out.finished
+    assert sorted(c.index for c in out.outputs) == [0, 1, 2]
+    assert all(c.finish_reason == "abort" and c.token_ids == [] and c.text == "" for c in out.outputs)
+    assert_pool_empty(llm)

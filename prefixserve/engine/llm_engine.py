@@ -433,6 +433,12 @@ class Engine(EngineServices):
             if not seq.is_finished:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
+        if not req.forked:  # ended before its prompt did: the samples not split off end empty
+            first, end = req.sequences[0], req.num_prompt_tokens
+            for index in range(len(req.sequences), req.params.num_samples):
+                tokens, positions = token_array(first.token_ids[:end]), token_array(first.positions[:end])
+                empty = self.input_processor.new_sequence(req, index, tokens, positions)
+                empty.status, empty.finish_reason = SeqStatus.FINISHED, reason
         req.forked = True  # no more samples will be split off
         self._retire(req)
         if report:

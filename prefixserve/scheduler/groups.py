@@ -5,7 +5,9 @@ group by admitting its leader alone, whose prefill computes the prefix; once eve
 prefix is in the prefix index, the group takes a reference on those blocks (so no eviction can take
 them while members are still to come) and releases its other members to the waiting queue. When the
 last member finishes, the group drops its reference: the prefix's lifetime is the group's, decided
-explicitly, not left to LRU. Pure Python: no torch.
+explicitly, not left to LRU. One exception: an idle scheduler whose next sequence does not fit beside
+the held prefixes lets the holds go (``let_go``), since otherwise nothing would ever run again.
+Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -74,12 +76,17 @@ class GroupJob:
         self.leader = self.pending.popleft() if self.pending else None
         return self.leader
 
+    def let_go(self, pool: BlockPool) -> None:
+        """Drop the hold early: the prefix blocks become the cache's to keep or evict, and members
+        still to run find them there or compute them again (a sequence needs the pool they held)."""
+        pool.release(self.held)
+        self.held = []
+
     def member_finished(self, seq: Sequence, pool: BlockPool) -> None:
         """Count a member out (finished, aborted or failed); the last one releases the hold."""
         if seq in self.pending:
             self.pending.remove(seq)
         self.unfinished -= 1
         if self.unfinished == 0:
-            pool.release(self.held)
-            self.held = []
+            self.let_go(pool)
             self.state = GroupState.DONE

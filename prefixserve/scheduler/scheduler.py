@@ -8,7 +8,9 @@ full blocks usually come back from the prefix cache).
 
 Offline batches add prefix-sharing groups (``add_group``; BatchLLM section 3.3): each step feeds
 decodes first, then distinct prompts (waiting members of started groups), then the next group's
-common prefix, and a group's prefix is computed (by its leader) before its other members start.
+common prefix, and a group's prefix is computed (by its leader) before its other members start;
+the group holds those blocks until its last member ends, or until the scheduler idles with a head
+of the queue that needs them.
 With ``kv_admit_threshold`` set, admission also stops where the KV pool would pass that share of its
 blocks (memory-centric token batching), so decode-heavy steps take prefill chunks while memory allows.
 
@@ -238,6 +240,12 @@ class Scheduler:
                 i += 1
         self._advance_groups()
         budget = self._admit(out, budget)
+        if not self.running and self.waiting and self.held_group_blocks:
+            # Idle, yet the queue's head does not fit beside the groups' held prefixes: let the
+            # holds go (their blocks stay cached) rather than wait forever.
+            for job in set(self._group_of.values()):
+                job.let_go(self.blocks.pool)
+            budget = self._admit(out, budget)
         while self.groups and budget > 0 and self._room_for_more():
             self._start_group(self.groups.popleft())
             budget = self._admit(out, budget)
