@@ -53,3 +53,13 @@ def test_unknown_application_is_refused(http: httpx.Client) -> None:
         assert out.status_code == 400
         error = out.json()["error"]
         assert "unknown application 'nope'" in error["message"] and error["param"] == "application"
+
+
+def test_a_chat_with_its_own_system_message_keeps_it_alone(http: httpx.Client) -> None:
+    """The pinned prompt goes in front of a chat that has no system message, never beside one."""
+    messages = [{"role": "system", "content": "Talk like a pirate."}, {"role": "user", "content": "hi"}]
+    chat = {"messages": messages, "max_tokens": 3, "temperature": 0}
+    alone = http.post("/v1/chat/completions", json=chat).json()
+    named = http.post("/v1/chat/completions", json={**chat, "application": "shop"}).json()
+    assert named["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"] < 100
+    assert named["choices"][0]["message"] == alone["choices"][0]["message"]

@@ -114,8 +114,16 @@ def test_pinned_system_prompts_survive_memory_pressure(tiny_config_path) -> None
         expected = engine.system_prompt_kv[name].token_ids
         assert out.prompt_token_ids[: len(expected)] == expected
         assert out.num_cached_tokens == len(pinned[name]) * engine.config.block_size
-    raw = llm.generate("Plain question", SamplingParams(max_tokens=2), application="chef")[0]
+    # A conversation with its own system message keeps it, alone, also in a batch beside one without.
+    own = [{"role": "system", "content": "Talk like a pirate."}, {"role": "user", "content": "Hello?"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    mixed = llm.chat([own, [{"role": "user", "content": "Hello?"}]], greedy, application="chef")
+    plain = llm.chat(own, greedy)[0]
+    assert mixed[0].prompt_token_ids == plain.prompt_token_ids
+    assert mixed[0].outputs[0].token_ids == plain.outputs[0].token_ids
     chef = engine.system_prompt_kv["chef"].token_ids
+    assert mixed[1].prompt_token_ids[: len(chef)] == chef
+    raw = llm.generate("Plain question", SamplingParams(max_tokens=2), application="chef")[0]
     assert raw.prompt_token_ids[: len(chef)] == chef
     with pytest.raises(ValueError, match="unknown application 'nope'"):
         llm.generate("x", application="nope")

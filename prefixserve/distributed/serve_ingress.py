@@ -182,7 +182,7 @@ class IngressCore:
                 return [], session
             prompt = encode_prompt(self.ctx.tokenizer, prompt)
         ids = list(prompt)
-        application = getattr(prep.req, "application", None)
+        application = prep.application
         if application in self.ctx.system_prompts:  # as the engine's intake: the pinned prompt goes first
             pinned = self._pinned.get(application)
             if pinned is None:

@@ -140,7 +140,7 @@ def run_rows(
         req = st.prep.req
         for rid, prompt in zip(st.ids, st.prep.prompts, strict=True):
             text, tokens = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-            specs.append(RequestSpec(rid, text, st.prep.params, tokens, req.cache_salt, req.application))
+            specs.append(RequestSpec(rid, text, st.prep.params, tokens, req.cache_salt, st.prep.application))
     errors, _ = submit_grouped(engine, specs, grouping)
     refused = {spec.request_id: err for spec, err in zip(specs, errors, strict=True) if err is not None}
     owner: dict[str, _RowState] = {}
@@ -247,7 +247,7 @@ def plan_rows(
     pinned = {name: render_system_prompt(tokenizer, text) for name, text in system_prompts.items()}
     prompts, salts, decode, row_of = [], [], [], []
     for k, st in enumerate(states):
-        head = pinned.get(st.prep.req.application or "", [])
+        head = pinned.get(st.prep.application or "", [])
         for p in st.prep.prompts:
             ids = encode_prompt(tokenizer, p) if isinstance(p, str) else list(p)
             prompts.append(behind_pinned(head, ids, tokenizer))

@@ -130,10 +130,16 @@ class LLM:
                 raise ValueError(f"unknown application {application!r}; known: {known}")
             if any(c and is_pml_prompt(str(c[0].get("content") or "")) for c in conversations):  # type: ignore[union-attr]
                 raise ValueError("a conversation opening with a <prompt> document takes no application")
-            system = {"role": "system", "content": self.engine.config.system_prompts[application]}
-            conversations = [c if c and c[0].get("role") == "system" else [system, *c] for c in conversations]  # type: ignore[union-attr,list-item]
-        prompts: list[Prompt] = [self.render_chat(c, add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm, application=application)
+        prompts: list[Prompt] = []
+        for c in conversations:
+            pinned = application is not None and bool(c) and c[0].get("role") != "system"  # type: ignore[union-attr]
+            if pinned:
+                system = {"role": "system", "content": self.engine.config.system_prompts[application]}
+                c = [system, *c]  # type: ignore[list-item]
+            # the pinned prompt leads only the chats it was put in front of, not one with its own
+            text = self.render_chat(c, add_generation_prompt)  # type: ignore[arg-type]
+            prompts.append({"prompt": text, "application": application if pinned else None})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     # ---- Prompt Cache ------------------------------------------------------------------------
     def register_schema(
@@ -216,15 +222,23 @@ class LLM:
         """Plain text prompts become ``{"prompt", "prompt_token_ids"}`` dicts, tokenized in one batch
         call: a fast tokenizer encodes a batch on all cores, where one ``encode`` per prompt keeps
         one core busy (256 chats with an 8K-token system prompt: seconds before the first step).
-        PML prompts and dicts pass through unchanged."""
+        So do dicts of a text ``prompt`` without ids (``chat``'s); PML prompts pass through unchanged."""
         tok = self.engine.tokenizer
-        texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and not self.engine.is_pml_prompt(p)]
+        texts = {i: p if isinstance(p, str) else p.get("prompt") for i, p in enumerate(prompts)}
+        texts = {
+            i: t
+            for i, t in texts.items()
+            if isinstance(t, str)
+            and not self.engine.is_pml_prompt(t)
+            and (isinstance(prompts[i], str) or prompts[i].get("prompt_token_ids") is None)  # type: ignore[union-attr]
+        }
         if tok is None or len(texts) < 2:
             return prompts
-        ids = encode_prompts(tok, [prompts[i] for i in texts])
+        ids = encode_prompts(tok, list(texts.values()))
         out = list(prompts)
-        for i, token_ids in zip(texts, ids, strict=True):
-            out[i] = {"prompt": prompts[i], "prompt_token_ids": token_ids}
+        for (i, text), token_ids in zip(texts.items(), ids, strict=True):
+            given = prompts[i] if isinstance(prompts[i], dict) else {}
+            out[i] = {**given, "prompt": text, "prompt_token_ids": token_ids}  # type: ignore[dict-item]
         return out
 
     def _add(

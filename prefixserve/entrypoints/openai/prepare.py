@@ -15,6 +15,7 @@ from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     normalize_prompts,
     normalize_stop,
@@ -32,7 +33,7 @@ from prefixserve.entrypoints.openai.tools import (
 )
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
-from prefixserve.promptcache.pml import PMLError
+from prefixserve.promptcache.pml import PMLError, is_pml_prompt
 from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
@@ -66,6 +67,9 @@ class Prepared:
     echo: bool = False  # completions: the prompt's text (and its logprobs) lead each choice
     no_completion: bool = False  # echo with max_tokens 0: the one token generated is not answered
     tools: Tools | None = None  # chat with tools: the output may be tool calls (openai/tools.py)
+    # the pinned system prompt the prompts go behind: the request's ``application``, or for a chat
+    # None where the conversation brought its own system message (the pinned one leads no chat twice)
+    application: str | None = None
 
     @property
     def prompt_field(self) -> str:
@@ -150,15 +154,28 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     if req.application is not None:
         application_prompt(ctx, req.application)  # a 400 naming an unknown application
     want = req.logprobs is not None
-    return Prepared(False, f"cmpl-{uuid.uuid4().hex}", req, prompts, params, want, req.echo, no_completion)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    return Prepared(
+        False, rid, req, prompts, params, want, req.echo, no_completion, application=req.application
+    )
 
 
-def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest, tools: Tools | None = None) -> str:
-    """The request's messages (after the application's pinned system prompt) through the chat template,
-    with the tools (``openai/tools.py``); a conversation whose first message is a ``<prompt>`` document
-    becomes one PML prompt instead."""
+def chat_prompt(
+    ctx: OpenAIContext, req: ChatCompletionRequest, tools: Tools | None = None
+) -> tuple[str, str | None]:
+    """The request's messages through the chat template, with the tools (``openai/tools.py``), and
+    the application whose pinned prompt it starts with. A conversation without a system message gets
+    the application's; one with its own keeps it, alone (no application); tools written into the
+    pinned message change it, so the pinned KV no longer leads (no application). A conversation whose
+    first message is a ``<prompt>`` document becomes one PML prompt instead."""
     native = tools is not None and template_knows_tools(ctx.tokenizer)
-    messages = conversation(req.messages, tools, native)
+    given = list(req.messages)
+    system = None
+    own = given[0].role in ("system", "developer") or is_pml_prompt(given[0].text())
+    if req.application is not None and not own:
+        system = application_prompt(ctx, req.application)
+        given.insert(0, ChatMessage(role="system", content=system))
+    messages = conversation(given, tools, native)
     try:
         pml = chat_as_pml(messages)
     except PMLError as exc:
@@ -170,25 +187,18 @@ def chat_prompt(ctx: OpenAIContext, req: ChatCompletionRequest, tools: Tools | N
                 "a conversation opening with a <prompt> document takes no application",
                 param="application",
             )
-        return pml
-    if req.application is not None:
-        system = application_prompt(ctx, req.application)
-        if messages[0]["role"] != "system":  # the pinned prompt is the chat's system message
-            messages.insert(0, {"role": "system", "content": system})
+        return pml, None
+    pinned = system is not None and messages[0] == {"role": "system", "content": system}
     extra: dict[str, Any] = {}
     if native:  # the template renders the tools itself
         extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
     try:
-        return str(
-            ctx.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                **extra,
-            )
+        text = ctx.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt, **extra
         )
     except Exception as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    return str(text), req.application if pinned else None
 
 
 def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
@@ -220,9 +230,11 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
         message = exc.message.replace("max_tokens", "max_completion_tokens")
         param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
         raise APIError(400, message, param=param, code=exc.code) from None
-    prompt = chat_prompt(ctx, req, tools)
+    prompt, application = chat_prompt(ctx, req, tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    return Prepared(True, rid, req, [prompt], params, bool(req.logprobs), tools=tools)
+    return Prepared(
+        True, rid, req, [prompt], params, bool(req.logprobs), tools=tools, application=application
+    )
 
 
 def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:
