@@ -39,6 +39,23 @@ def valid_token_ids(tokens: list[int], vocab: int) -> bool:
     return all((type(t) is int or isinstance(t, numbers.Integral)) and 0 <= t < vocab for t in tokens)
 
 
+def check_context(num_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Refuse a prompt (or a ``max_tokens``) the context cannot hold: a ValueError naming the numbers.
+    The server asks it before its overload gate too, so a request that can never run is a 400 and
+    not a 429 to retry."""
+    if num_tokens >= max_model_len:
+        raise ValueError(
+            f"the prompt has {num_tokens} tokens, over the context length of {max_model_len} "
+            "(leaving room for at least one generated token)"
+        )
+    room = max_model_len - num_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise ValueError(
+            f"max_tokens={max_tokens} does not fit: the prompt has {num_tokens} tokens and the "
+            f"context length is {max_model_len}, so at most {room} tokens can be generated"
+        )
+
+
 class InputProcessor:
     """Validates prompts against the model and the context and makes their requests and sequences.
 
@@ -149,17 +166,7 @@ class InputProcessor:
             check = tokens
         if not valid_token_ids(check, vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), as integers")
-        if len(tokens) >= max_model_len:
-            raise ValueError(
-                f"the prompt has {len(tokens)} tokens, over the context length of {max_model_len} "
-                "(leaving room for at least one generated token)"
-            )
-        room = max_model_len - len(tokens)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(tokens)} tokens and the "
-                f"context length is {max_model_len}, so at most {room} tokens can be generated"
-            )
+        check_context(len(tokens), params.max_tokens, max_model_len)
         if prompt_positions is None:
             positions = counting_positions(len(tokens))
         else:
@@ -192,4 +199,4 @@ class InputProcessor:
         return seq
 
 
-__all__ = ["InputProcessor", "int_list", "valid_token_ids"]
+__all__ = ["InputProcessor", "check_context", "int_list", "valid_token_ids"]

@@ -32,6 +32,7 @@ from prefixserve.engine import Engine
 from prefixserve.engine.admission import QueueFull
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
+from prefixserve.engine.input_processor import check_context
 from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
@@ -289,7 +290,7 @@ async def _submit(
     when the route began (the "intake" stage ends as each is handed to the engine)."""
     ids: list[str] = []
     req, params, prompt_field = prep.req, prep.params, prep.prompt_field
-    application = req.application
+    application = prep.application
     texts = [p if isinstance(p, str) else None for p in prep.prompts]
     if state.gate is not None:
         try:  # a request the gate refuses whatever its prompt is refused before it is tokenized
@@ -302,6 +303,8 @@ async def _submit(
         for i, prompt in enumerate(prep.prompts):
             sub_id = f"{prep.rid}-{i}"
             text, tokens = (prompt, next(encoded_iter)) if isinstance(prompt, str) else (None, list(prompt))
+            if tokens is not None:  # one that can never run is a 400 before the gate's 429 to retry
+                check_context(len(tokens), params.max_tokens, state.max_model_len)
             # refused here at once when the engine's last published queue says so (overload.py)
             arrival = None if state.gate is None else state.gate.admit(_length(tokens), deadline)
             await state.loop.add(
