@@ -49,13 +49,27 @@ def test_tool_choice_modes_and_constraints() -> None:
     with pytest.raises(APIError) as err:
         read_tools(_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}))
     assert err.value.param == "tool_choice" and "nope" in err.value.message
+    with pytest.raises(APIError) as err:  # the function as a string, not an object
+        read_tools(_req(tools=TOOLS, tool_choice={"type": "function", "function": "weather"}))
+    assert err.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("function", [5, "weather", {"arguments": "{}"}, {"name": "weather", "arguments": 3}])
+def test_an_earlier_call_that_is_not_a_function_object_is_a_400(function: Any) -> None:
+    history = [
+        *ASK,
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": function}]},
+    ]
+    with pytest.raises(APIError) as err:
+        _req(messages=history, tools=TOOLS)
+    assert err.value.status == 400 and err.value.param == "messages[1].tool_calls"
 
 
 def test_parse_calls_in_each_mode() -> None:
     auto = read_tools(_req(tools=TOOLS))
     text = 'Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Lima"}}\n</tool_call>'
     message, reason = tool_message(text, "stop", auto)
-    assert reason == "tool_calls" and message["content"] == "Sure."
+    assert reason == "tool_calls" and message["content"] == "Sure.\n"  # the text before the call
     (call,) = message["tool_calls"]
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Lima"}'}
     two = text + '<tool_call>{"name": "time", "arguments": {}}</tool_call>'
@@ -159,13 +173,13 @@ def test_text_then_a_call_streams_the_text_then_the_call(ctx: OpenAIContext) -> 
             assert "<" not in sent and e["choices"][0]["finish_reason"] is None
     events = _events(state.update(0, _output(text, "stop")))
     sent += "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
-    assert sent.strip() == "Sure, one moment."
+    assert sent == "Sure, one moment.\n"
     calls = [d["tool_calls"][0] for e in events if (d := e["choices"][0]["delta"]).get("tool_calls")]
     assert calls[0]["function"]["name"] == "weather"
     args = "".join(c["function"]["arguments"] for c in calls)
     assert json.loads(args) == {"city": "Lima"} and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     reply = response_body(ctx, prep, [_output(text, "stop")])["choices"][0]
-    assert reply["message"]["content"] == "Sure, one moment." and reply["finish_reason"] == "tool_calls"
+    assert reply["message"]["content"] == sent and reply["finish_reason"] == "tool_calls"
     plain = stream_state(ctx, prep)  # a tag that parses to no call: the rest goes out as text
     broken = "Hm.\n<tool_call>not json</tool_call>"
     got = "".join(
@@ -189,6 +203,33 @@ def test_held_reply_that_is_no_call_keeps_its_logprobs(ctx: OpenAIContext) -> No
     assert len(event["choices"][0]["logprobs"]["content"]) == len(text)
 
 
+def _with_logprobs(out: RequestOutput) -> RequestOutput:
+    c = out.outputs[0]
+    c.logprobs, c.top_logprobs = [-0.5] * len(c.token_ids), [[] for _ in c.token_ids]
+    return out
+
+
+@pytest.mark.parametrize("before", ["", "Sure! "])
+def test_streamed_calls_carry_the_content_and_logprobs_of_the_reply(ctx: OpenAIContext, before: str) -> None:
+    """Streamed, a call reply holds the same content (the text before the first call; the text after
+    it is dropped in both) and every token's logprob, as the non-streamed reply does."""
+    body = {"messages": ASK, "tools": TOOLS, "stream": True, "logprobs": True}
+    prep = prepare(ctx, "/v1/chat/completions", body)
+    text = before + '<tool_call>{"name": "time", "arguments": {}}</tool_call> bye'
+    state = stream_state(ctx, prep)
+    events = []
+    for end in range(1, len(text) + 1):
+        events += _events(
+            state.update(0, _with_logprobs(_output(text[:end], None if end < len(text) else "stop")))
+        )
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    logprobs = sum(len((e["choices"][0]["logprobs"] or {}).get("content") or ()) for e in events)
+    reply = response_body(ctx, prep, [_with_logprobs(_output(text, "stop"))])["choices"][0]
+    assert content == (reply["message"]["content"] or "") == before
+    assert logprobs == len(reply["logprobs"]["content"]) == len(text)
+    assert events[-1]["choices"][0]["finish_reason"] == reply["finish_reason"] == "tool_calls"
+
+
 @pytest.mark.parametrize(
     ("body", "kind"),
     [
@@ -207,3 +248,19 @@ def test_bodies_to_structured_outputs(ctx: OpenAIContext, body: dict[str, Any], 
     for url, base in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "x"})):
         spec = prepare(ctx, url, {**base, **body}).params.structured_outputs
         assert (spec.kind if spec else None) == kind
+
+
+def test_the_pinned_prompt_leads_only_a_chat_it_was_put_in_front_of() -> None:
+    """``Prepared.application`` (what the engine puts in front) is the request's only where the
+    rendered chat opens with the pinned system message as it was pinned."""
+    ctx = OpenAIContext(model="m", tokenizer=byte_tokenizer(), system_prompts={"shop": "Sell bikes."})
+    ask = {"messages": ASK, "application": "shop"}
+    pinned = prepare(ctx, "/v1/chat/completions", ask)
+    assert pinned.application == "shop" and "Sell bikes." in pinned.prompts[0]
+    own = [{"role": "developer", "content": "Be brief."}, *ASK]
+    mine = prepare(ctx, "/v1/chat/completions", {**ask, "messages": own})
+    assert mine.application is None and "Sell bikes." not in mine.prompts[0]
+    tooled = prepare(ctx, "/v1/chat/completions", {**ask, "tools": TOOLS})  # the tools join its text
+    assert tooled.application is None and "Sell bikes.\n\n# Tools" in tooled.prompts[0]
+    plain = prepare(ctx, "/v1/completions", {"prompt": "x", "application": "shop"})
+    assert plain.application == "shop"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
@@ -128,6 +128,18 @@ class ChatMessage(BaseModel):
                 shown = f"of type {kind!r}" if kind is not None else "without a type"
                 raise ValueError(f"a content part {shown} is not supported: this model takes text parts only")
         return data
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_shaped(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """An earlier call is rendered into the prompt: its function must be an object with a name."""
+        for call in calls or ():
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError("each tool call needs a 'function' object with a string 'name'")
+            if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+                raise ValueError("a tool call's function.arguments must be a JSON string")
+        return calls
 
     def text(self) -> str:
         if self.content is None:

@@ -5,7 +5,8 @@ function always, with ``auto`` while its text is empty or starts like ``<tool_ca
 bare call). When it finishes, its calls go out as OpenAI streams them: per call, a first delta with
 ``index``, ``id``, ``type`` and the function's ``name`` (arguments ""), then the arguments in pieces,
 then a last chunk with ``finish_reason: "tool_calls"``; an output that held no call after all goes
-out as content (with its logprobs, when asked). Any other choice streams its text as usual
+out as content (with its logprobs, when asked), and the first chunk of calls carries the logprobs
+not yet sent. Any other choice streams its text as usual
 (``format.StreamState``), up to a ``<tool_call>`` tag under ``auto`` (text that may be the start of
 one is held back): a reply that opens with text and then calls streams the text, then the calls,
 as the non-streamed reply holds both.
@@ -84,7 +85,7 @@ class ToolStreamState(fmt.StreamState):
             )
             choice = {"index": index, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": reason}
             return [self.chunk([choice])]
-        return self._calls(index, message, reason, message.get("content"))
+        return self._calls(index, c, message, reason, message.get("content"))
 
     def _finish_after_text(
         self, index: int, c: Any, message: dict[str, Any], reason: str | None
@@ -93,16 +94,25 @@ class ToolStreamState(fmt.StreamState):
         before the tag, then its calls."""
         state = self.choices.setdefault(index, fmt._Choice())
         state.done = True
-        rest = c.text[state.chars : c.text.find(TAG)]
-        return self._calls(index, message, reason, rest if rest.strip() else None)
+        rest = c.text[state.chars : c.text.find(TAG)]  # the streamed text held no tag's start
+        return self._calls(index, c, message, reason, rest or None)
 
     def _calls(
-        self, index: int, message: dict[str, Any], reason: str | None, content: str | None
+        self, index: int, c: Any, message: dict[str, Any], reason: str | None, content: str | None
     ) -> list[str]:
+        """The rest of the content, then the calls; the logprobs not yet sent ride on the first chunk
+        (the non-streamed reply holds every token's)."""
+        state = self.choices.setdefault(index, fmt._Choice())
+        lp = None
+        if self.want_logprobs:
+            end = len(c.logprobs or ())
+            lp = fmt.chat_logprobs(c, state.tokens, end, self.token_text)
+            state.tokens = end
         calls = message["tool_calls"]
         chunks = []
         if content:
-            chunks.append(self._delta(index, {"content": content}))
+            chunks.append(self._delta(index, {"content": content}, lp))
+            lp = None
         for k, call in enumerate(calls):
             fn = call["function"]
             head = {
@@ -111,7 +121,8 @@ class ToolStreamState(fmt.StreamState):
                 "type": "function",
                 "function": {"name": fn["name"], "arguments": ""},
             }
-            chunks.append(self._delta(index, {"tool_calls": [head]}))
+            chunks.append(self._delta(index, {"tool_calls": [head]}, lp))
+            lp = None
             args = fn["arguments"]
             for at in range(0, len(args), ARGUMENT_PIECE):
                 piece = {"index": k, "function": {"arguments": args[at : at + ARGUMENT_PIECE]}}
@@ -119,8 +130,8 @@ class ToolStreamState(fmt.StreamState):
         chunks.append(self.chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
         return chunks
 
-    def _delta(self, index: int, delta: dict[str, Any]) -> str:
-        return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+    def _delta(self, index: int, delta: dict[str, Any], logprobs: Any = None) -> str:
+        return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
 
 
 __all__ = ["ToolStreamState"]

@@ -102,7 +102,8 @@ def read_tools(req: ChatCompletionRequest) -> Tools | None:
         return Tools(functions, choice or "auto", parallel=parallel)
     if choice == "none":
         return None
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    named = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
         message = (
             "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}"
@@ -214,10 +215,15 @@ def tool_message(text: str, finish_reason: str | None, tools: Tools) -> tuple[di
     calls = parse_calls(text, tools) if finish_reason in ("stop", "length") else None
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
-    content = TOOL_CALL.sub("", text).strip() if tools.choice == "auto" else ""
-    if content.strip() == text.strip():  # a bare call object, not in tags
-        content = ""
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+    # under auto the text before the first call is the content (vLLM's Hermes parser); a bare call
+    # object, not in tags, has none; the stream sends the same (tool_stream.py)
+    at = text.find(CALL_TAG) if tools.choice == "auto" else -1
+    content = text[:at] if at > 0 else ""
+    return {
+        "role": "assistant",
+        "content": content if content.strip() else None,
+        "tool_calls": calls,
+    }, "tool_calls"
 
 
 __all__ = ["Tools", "conversation", "parse_calls", "read_tools", "template_knows_tools", "tool_message"]
