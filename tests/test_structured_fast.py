@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 from prefixserve.structured.bitmask import StepBitmasks, apply_bitmask_reference, apply_rows
-from prefixserve.structured.grammars import MAX_WHITESPACE, GrammarCache, folded
+from prefixserve.structured.grammars import MAX_WHITESPACE, GrammarCache, folded, parse
 from prefixserve.structured.repeats import fold_repeats
 
 xgr = pytest.importorskip("xgrammar")
@@ -153,6 +153,17 @@ def test_a_grammar_printed_with_bytes_is_not_folded(schema: dict, strict: bool) 
     it is, since its text would not read back as the same language."""
     raw = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=strict, any_whitespace=False)
     assert folded(raw) is raw
+
+
+@pytest.mark.parametrize("wrap", ["{}", '{{"a": {}}}'])
+def test_a_bounded_string_takes_no_raw_control_character(wrap: str) -> None:
+    """xgrammar 0.2.8 lets U+0000-U+001F into a string with minLength / maxLength raw, which JSON
+    refuses; the engine's grammar takes the characters of xgrammar's unbounded strings there."""
+    bounded = {"type": "string", "minLength": 1, "maxLength": 4}
+    schema = bounded if wrap == "{}" else {"type": "object", "properties": {"a": bounded}}
+    grammar = parse(StructuredOutputs(json=schema))
+    for text, ok in (("ab", True), ("é€", True), ("a\x19b", False), ("\x00", False), ("a\tb", False)):
+        assert xgr.testing._is_grammar_accept_string(grammar, wrap.format(f'"{text}"')) is ok, text
 
 
 def test_grammar_cache_compiles_the_folded_grammar(tokenizer) -> None:

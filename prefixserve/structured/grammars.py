@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import Any
 
 from prefixserve.sampling.structured_outputs import StructuredOutputs
-from prefixserve.structured.repeats import fold_repeats
+from prefixserve.structured.repeats import fold_repeats, reads_back
 
 # JSON with free whitespace lets a small model emit newlines forever; bounded runs still allow pretty
 # printing and keep every output able to end
@@ -70,10 +70,25 @@ def parse(spec: StructuredOutputs) -> Any:
     xgr = _xgrammar()
     how, source, options = _source(spec)
     if how == "json":
-        return xgr.Grammar.from_json_schema(source, **options)
+        return _no_raw_controls(xgr.Grammar.from_json_schema(source, **options))
     if how == "regex":
         return xgr.Grammar.from_regex(source)
     return xgr.Grammar.from_ebnf(source)
+
+
+# xgrammar 0.2.8 builds a string with minLength / maxLength from this character, which lets the
+# control characters U+0000-U+001F through raw, where JSON (RFC 8259) allows them only escaped
+_LOOSE_CHAR = r"(([^\"\\\r\n]))"
+_JSON_CHAR = r"(([^\0-\x1f\"\\\r\n]))"  # the character of xgrammar's unbounded strings
+
+
+def _no_raw_controls(grammar: Any) -> Any:
+    """A JSON schema's grammar whose bounded strings take the characters its other strings take.
+    One whose printing holds bytes (a non-ASCII name among excluded properties) stays as built."""
+    text = str(grammar)
+    if _LOOSE_CHAR not in text or not reads_back(text):
+        return grammar
+    return _xgrammar().Grammar.from_ebnf(text.replace(_LOOSE_CHAR, _JSON_CHAR))
 
 
 def folded(grammar: Any) -> Any:

@@ -36,6 +36,11 @@ _TOKEN = re.compile(
 )
 
 
+def reads_back(ebnf: str) -> bool:
+    """Does xgrammar read this printed grammar back as the same language (no printed high bytes)?"""
+    return _HIGH_BYTE.search(ebnf) is None
+
+
 def _tokens(body: str) -> list[str] | None:
     out, i = [], 0
     while i < len(body):
@@ -105,7 +110,7 @@ def fold_repeats(ebnf: str, limit: int = LIMIT) -> str | None:
     """``ebnf`` (xgrammar's printed grammar) with each bounded repeat of a character class that has
     something after it folded into it; None if there is none (or the text does not read back as
     the same grammar)."""
-    if _HIGH_BYTE.search(ebnf):
+    if not reads_back(ebnf):
         return None
     lines = ebnf.strip().splitlines()
     rules: dict[str, str] = {}
@@ -169,4 +174,4 @@ def fold_repeats(ebnf: str, limit: int = LIMIT) -> str | None:
     return "\n".join(f"{name} ::= {body}" for name, body in out.items()) + "\n"
 
 
-__all__ = ["LIMIT", "fold_repeats"]
+__all__ = ["LIMIT", "fold_repeats", "reads_back"]
