@@ -48,6 +48,7 @@ def test_unknown_application_is_refused(http: httpx.Client) -> None:
     for route, body in (
         ("/v1/completions", {"prompt": "x", "application": "nope"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "application": "nope"}),
+        ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}], "application": "nope"}),
     ):
         out = http.post(route, json=body)
         assert out.status_code == 400
@@ -63,3 +64,15 @@ def test_a_chat_with_its_own_system_message_keeps_it_alone(http: httpx.Client) -
     named = http.post("/v1/chat/completions", json={**chat, "application": "shop"}).json()
     assert named["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"] < 100
     assert named["choices"][0]["message"] == alone["choices"][0]["message"]
+
+
+def test_a_completion_past_the_context_counts_the_pinned_prompt(http: httpx.Client) -> None:
+    """The server's check before its queue counts the pinned prompt the engine puts in front."""
+    pinned = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "application": "shop"})
+    head = pinned.json()["usage"]["prompt_tokens"] - 1
+    body = {"prompt": [5] * (2048 - head), "max_tokens": 1, "application": "shop"}
+    out = http.post("/v1/completions", json=body)
+    assert out.status_code == 400 and out.json()["error"]["code"] == "context_length_exceeded"
+    assert f"the prompt has {2048} tokens" in out.json()["error"]["message"]
+    fits = http.post("/v1/completions", json={**body, "prompt": [5] * (2047 - head)})
+    assert fits.status_code == 200, fits.text

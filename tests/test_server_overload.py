@@ -302,10 +302,10 @@ def test_serve_flags_make_the_overload_settings() -> None:
 def test_a_prompt_past_the_context_is_a_400_whatever_the_queue_holds(long_config_path: Path) -> None:
     """The queue's token bound would refuse a 20,000-token prompt with a 429 to retry whenever anything
     waits; a prompt no context can hold is refused as the idle server refuses it: a 400."""
-    overload = OverloadSettings(AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=64))
+    overload = OverloadSettings(AdmissionLimits(max_waiting_requests=2, max_waiting_tokens=64))
     app = build_app(one_at_a_time(long_config_path), overload=overload)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool, blocker(http):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool, blocker(http):
             body = {"prompt": list(range(300, 340)), "max_tokens": 4}
             queued = pool.submit(http.post, "/v1/completions", json=body)
             wait_metric(http, "prefixserve_num_requests_waiting", 1)
@@ -315,7 +315,17 @@ def test_a_prompt_past_the_context_is_a_400_whatever_the_queue_holds(long_config
             room = http.post("/v1/completions", json={**body, "max_tokens": 16380})
             assert room.status_code == 400 and room.json()["error"]["param"] == "max_tokens"
             assert_429(http.post("/v1/completions", json={**body, "prompt": [7] * 100}), "queue_full")
-        assert queued.result().status_code == 200  # the blocker's client hung up: the queue drained
+            short = {**body, "prompt": list(range(400, 410))}  # under the token bound: it waits too
+            second = pool.submit(http.post, "/v1/completions", json=short)  # the request bound is reached
+            wait_metric(http, "prefixserve_num_requests_waiting", 2)
+            past = http.post("/v1/completions", json={"prompt": [7] * 20000, "max_tokens": 4})
+            assert past.status_code == 400 and past.json()["error"]["code"] == "context_length_exceeded"
+            assert (
+                "2 requests are waiting"
+                in assert_429(http.post("/v1/completions", json=body), "queue_full")["message"]
+            )
+        # the blocker's client hung up: the queue drained
+        assert queued.result().status_code == second.result().status_code == 200
         wait_pool_empty(srv)
 
 

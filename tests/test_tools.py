@@ -264,3 +264,18 @@ def test_the_pinned_prompt_leads_only_a_chat_it_was_put_in_front_of() -> None:
     assert tooled.application is None and "Sell bikes.\n\n# Tools" in tooled.prompts[0]
     plain = prepare(ctx, "/v1/completions", {"prompt": "x", "application": "shop"})
     assert plain.application == "shop"
+
+
+def test_a_template_that_writes_the_tools_into_the_pinned_message_takes_no_application() -> None:
+    """A template rendering the tools inside the system turn (as Qwen2.5's does): the chat no longer
+    opens with the pinned prompt as pinned, so the engine must not put that in front again."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+        "{% if loop.first and tools %} Tools: {{ tools | length }}{% endif %}<|end|>{% endfor %}"
+    )
+    ctx = OpenAIContext(model="m", tokenizer=tokenizer, system_prompts={"shop": "Sell bikes."})
+    ask = {"messages": ASK, "application": "shop"}
+    assert prepare(ctx, "/v1/chat/completions", ask).application == "shop"
+    tooled = prepare(ctx, "/v1/chat/completions", {**ask, "tools": TOOLS})
+    assert tooled.application is None and tooled.prompts[0].startswith("<|system|>Sell bikes. Tools: 2")

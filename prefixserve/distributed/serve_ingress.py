@@ -32,8 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from prefixserve.distributed.router import Router, RoutingPolicy
 from prefixserve.distributed.serve_metrics import merge_replica_metrics
-from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt
-from prefixserve.engine.system_prompts import render_system_prompt
+from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
 from prefixserve.entrypoints.openai.protocol import APIError
@@ -159,7 +158,6 @@ class IngressCore:
 
     def __init__(self, replicas: ReplicaSet, ctx: OpenAIContext, block_size: int) -> None:
         self.replicas, self.ctx, self.block_size = replicas, ctx, block_size
-        self._pinned: dict[str, list[int]] = {}  # application -> its pinned system prompt's token ids
 
     async def routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
         """(the block digests of the request's first prompt, its session); ([], ...) when the body
@@ -181,14 +179,7 @@ class IngressCore:
             if self.ctx.tokenizer is None or is_pml_prompt(prompt):
                 return [], session
             prompt = encode_prompt(self.ctx.tokenizer, prompt)
-        ids = list(prompt)
-        application = prep.application
-        if application in self.ctx.system_prompts:  # as the engine's intake: the pinned prompt goes first
-            pinned = self._pinned.get(application)
-            if pinned is None:
-                text = self.ctx.system_prompts[application]
-                pinned = self._pinned[application] = render_system_prompt(self.ctx.tokenizer, text)
-            ids = behind_pinned(pinned, ids, self.ctx.tokenizer)
+        ids = self.ctx.engine_ids(list(prompt), prep.application)  # as the engine's intake would make them
         salt = getattr(prep.req, "cache_salt", None)
         return prompt_digests(ids, self.block_size, salt=salt), session
 

@@ -187,12 +187,15 @@ class InputProcessor:
         self.new_sequence(req, 0, ids[:], positions[:])  # copies of the arrays (C speed, no re-typing)
         return req
 
-    def new_sequence(self, req: Request, index: int, tokens: TokenArray, positions: TokenArray) -> Sequence:
-        """Sample ``index`` of ``req`` (the first at intake, the others when n > 1 samples fork)."""
+    def new_sequence(
+        self, req: Request, index: int, tokens: TokenArray, positions: TokenArray, samples: bool = True
+    ) -> Sequence:
+        """Sample ``index`` of ``req`` (the first at intake, the others when n > 1 samples fork);
+        ``samples=False``: one that ends before it samples (no generator, no device touched)."""
         seq = Sequence(self._next_seq_id, req, index, tokens, positions)
         seq.block_digests = list(req.modules.digests) if req.modules is not None else []
         self._next_seq_id += 1
-        if req.params.seed is not None:
+        if req.params.seed is not None and samples:
             seed = hash((req.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
             seq.generator = self.runner.make_generator(seed)
         req.sequences.append(seq)

@@ -437,7 +437,7 @@ class Engine(EngineServices):
             first, end = req.sequences[0], req.num_prompt_tokens
             for index in range(len(req.sequences), req.params.num_samples):
                 tokens, positions = token_array(first.token_ids[:end]), token_array(first.positions[:end])
-                empty = self.input_processor.new_sequence(req, index, tokens, positions)
+                empty = self.input_processor.new_sequence(req, index, tokens, positions, samples=False)
                 empty.status, empty.finish_reason = SeqStatus.FINISHED, reason
         req.forked = True  # no more samples will be split off
         self._retire(req)

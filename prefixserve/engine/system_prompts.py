@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.engine.prompt_tokens import encode_prompt
+from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.params import SamplingParams
 
 
@@ -23,15 +24,25 @@ class SystemPromptKV:
     digests: list[bytes]  # their prefix-cache digests (a request that starts with the prompt reuses them)
 
 
+def opens_own_system(role: str, content: str) -> bool:
+    """Does a chat opening with this message bring its own system prompt (then an application's
+    pinned one is not put in front), or a Prompt Cache document (which takes none)?"""
+    return role in ("system", "developer") or is_pml_prompt(content)
+
+
+def system_prompt_text(tokenizer: Any, text: str) -> str:
+    """A system prompt as the chat template renders it at the start of a chat (a chat rendered with
+    it as its system message starts with this text, unless the template wrote more into it)."""
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False))
+    return text
+
+
 def render_system_prompt(tokenizer: Any, text: str) -> list[int]:
     """Token ids of a system prompt as the chat template renders it at the start of a chat."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot pin a system prompt given as text")
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False)
-    else:
-        rendered = text
-    return encode_prompt(tokenizer, rendered)
+    return encode_prompt(tokenizer, system_prompt_text(tokenizer, text))
 
 
 def pin_system_prompt(engine: Any, name: str, text: str) -> SystemPromptKV:
@@ -68,4 +79,10 @@ def pin_system_prompt(engine: Any, name: str, text: str) -> SystemPromptKV:
     return held
 
 
-__all__ = ["SystemPromptKV", "pin_system_prompt", "render_system_prompt"]
+__all__ = [
+    "SystemPromptKV",
+    "opens_own_system",
+    "pin_system_prompt",
+    "render_system_prompt",
+    "system_prompt_text",
+]

@@ -239,18 +239,15 @@ def plan_rows(
 ) -> RowPlan:
     """Check and tokenize every row (an application's pinned prompt put first, as the engine does)
     and plan prefix-sharing groups over all their prompts, without loading the model."""
-    from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt
-    from prefixserve.engine.system_prompts import render_system_prompt
+    from prefixserve.engine.prompt_tokens import encode_prompt
 
     ctx = OpenAIContext(model=model_name, tokenizer=tokenizer, system_prompts=dict(system_prompts))
     states, answered = _prepare_rows(ctx, rows)
-    pinned = {name: render_system_prompt(tokenizer, text) for name, text in system_prompts.items()}
     prompts, salts, decode, row_of = [], [], [], []
     for k, st in enumerate(states):
-        head = pinned.get(st.prep.application or "", [])
         for p in st.prep.prompts:
             ids = encode_prompt(tokenizer, p) if isinstance(p, str) else list(p)
-            prompts.append(behind_pinned(head, ids, tokenizer))
+            prompts.append(ctx.engine_ids(ids, st.prep.application))
             salts.append(st.prep.req.cache_salt)
             decode.append(st.prep.params.max_tokens or DEFAULT_DECODE)
             row_of.append(k)

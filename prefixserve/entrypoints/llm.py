@@ -10,6 +10,7 @@ from typing import Any
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.prompt_tokens import encode_prompts
+from prefixserve.engine.system_prompts import opens_own_system, system_prompt_text
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -132,12 +133,17 @@ class LLM:
                 raise ValueError("a conversation opening with a <prompt> document takes no application")
         prompts: list[Prompt] = []
         for c in conversations:
-            pinned = application is not None and bool(c) and c[0].get("role") != "system"  # type: ignore[union-attr]
-            if pinned:
-                system = {"role": "system", "content": self.engine.config.system_prompts[application]}
-                c = [system, *c]  # type: ignore[list-item]
-            # the pinned prompt leads only the chats it was put in front of, not one with its own
+            first = c[0] if c and isinstance(c[0], dict) else {}
+            system = None if application is None else self.engine.config.system_prompts[application]
+            if system is not None and not opens_own_system(
+                str(first.get("role")), str(first.get("content") or "")
+            ):
+                c = [{"role": "system", "content": system}, *c]  # type: ignore[list-item]
+            else:
+                system = None
             text = self.render_chat(c, add_generation_prompt)  # type: ignore[arg-type]
+            # the pinned prompt leads only the chats it was put in front of, not one with its own
+            pinned = system is not None and text.startswith(system_prompt_text(self.engine.tokenizer, system))
             prompts.append({"prompt": text, "application": application if pinned else None})
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -224,14 +230,12 @@ class LLM:
         one core busy (256 chats with an 8K-token system prompt: seconds before the first step).
         So do dicts of a text ``prompt`` without ids (``chat``'s); PML prompts pass through unchanged."""
         tok = self.engine.tokenizer
-        texts = {i: p if isinstance(p, str) else p.get("prompt") for i, p in enumerate(prompts)}
         texts = {
-            i: t
-            for i, t in texts.items()
-            if isinstance(t, str)
-            and not self.engine.is_pml_prompt(t)
-            and (isinstance(prompts[i], str) or prompts[i].get("prompt_token_ids") is None)  # type: ignore[union-attr]
+            i: p if isinstance(p, str) else p.get("prompt")
+            for i, p in enumerate(prompts)
+            if isinstance(p, str) or (isinstance(p, dict) and p.get("prompt_token_ids") is None)
         }
+        texts = {i: t for i, t in texts.items() if isinstance(t, str) and not self.engine.is_pml_prompt(t)}
         if tok is None or len(texts) < 2:
             return prompts
         ids = encode_prompts(tok, list(texts.values()))

@@ -84,7 +84,9 @@ _JSON_CHAR = r"(([^\0-\x1f\"\\\r\n]))"  # the character of xgrammar's unbounded 
 
 def _no_raw_controls(grammar: Any) -> Any:
     """A JSON schema's grammar whose bounded strings take the characters its other strings take.
-    One whose printing holds bytes (a non-ASCII name among excluded properties) stays as built."""
+    One whose printing holds ``\\x80``-``\\xff`` escapes stays as built, raw control characters and
+    all: a character U+0080-U+00FF in a property name, enum or const prints so, and so do the lone
+    UTF-8 bytes of rules excluding a non-ASCII name, which would read back as other characters."""
     text = str(grammar)
     if _LOOSE_CHAR not in text or not reads_back(text):
         return grammar

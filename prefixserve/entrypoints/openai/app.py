@@ -279,6 +279,13 @@ def _length(tokens: list[int] | None) -> int | None:
     return None if tokens is None else len(tokens)
 
 
+def _check_fits(state: ServerState, prep: Prepared, tokens: list[int]) -> None:
+    """ValueError (a 400) for a prompt, or a max_tokens, that no context holds, as the engine's
+    intake would refuse it: counted with the application's pinned prompt in front."""
+    ids = state.engine_ids(tokens, prep.application)
+    check_context(len(ids), prep.params.max_tokens, state.max_model_len)
+
+
 async def _submit(
     state: ServerState,
     prep: Prepared,
@@ -292,19 +299,19 @@ async def _submit(
     req, params, prompt_field = prep.req, prep.params, prep.prompt_field
     application = prep.application
     texts = [p if isinstance(p, str) else None for p in prep.prompts]
-    if state.gate is not None:
-        try:  # a request the gate refuses whatever its prompt is refused before it is tokenized
-            state.gate.check(deadline)
-        except QueueFull as exc:
-            raise refusal(exc) from None
-    encoded = await asyncio.gather(*(_tokenize(state, t) for t in texts if t is not None))
-    encoded_iter = iter(encoded)
     try:
+        for prompt in prep.prompts:  # ids, known for free: one that can never run is a 400, not a 429
+            if not isinstance(prompt, str):
+                _check_fits(state, prep, list(prompt))
+        if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
+            state.gate.check(deadline)
+        encoded = await asyncio.gather(*(_tokenize(state, t) for t in texts if t is not None))
+        encoded_iter = iter(encoded)
         for i, prompt in enumerate(prep.prompts):
             sub_id = f"{prep.rid}-{i}"
             text, tokens = (prompt, next(encoded_iter)) if isinstance(prompt, str) else (None, list(prompt))
-            if tokens is not None:  # one that can never run is a 400 before the gate's 429 to retry
-                check_context(len(tokens), params.max_tokens, state.max_model_len)
+            if text is not None and tokens is not None:
+                _check_fits(state, prep, tokens)
             # refused here at once when the engine's last published queue says so (overload.py)
             arrival = None if state.gate is None else state.gate.admit(_length(tokens), deadline)
             await state.loop.add(

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.engine.prompt_tokens import behind_pinned
+from prefixserve.engine.system_prompts import opens_own_system, render_system_prompt, system_prompt_text
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.protocol import (
     APIError,
@@ -33,7 +35,7 @@ from prefixserve.entrypoints.openai.tools import (
 )
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
-from prefixserve.promptcache.pml import PMLError, is_pml_prompt
+from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
@@ -46,12 +48,23 @@ class OpenAIContext:
     tokenizer: Any
     system_prompts: dict[str, str]
     _token_text: dict[int, str] = field(default_factory=dict)
+    _pinned: dict[str, list[int]] = field(default_factory=dict)  # application -> its pinned prompt's ids
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def engine_ids(self, ids: list[int], application: str | None) -> list[int]:
+        """A prompt's ids as the engine's intake makes them: the application's pinned prompt first."""
+        if application is None or application not in self.system_prompts:
+            return ids
+        head = self._pinned.get(application)
+        if head is None:
+            text = self.system_prompts[application]
+            head = self._pinned[application] = render_system_prompt(self.tokenizer, text)
+        return behind_pinned(head, ids, self.tokenizer)
 
 
 @dataclass(slots=True)
@@ -165,16 +178,16 @@ def chat_prompt(
 ) -> tuple[str, str | None]:
     """The request's messages through the chat template, with the tools (``openai/tools.py``), and
     the application whose pinned prompt it starts with. A conversation without a system message gets
-    the application's; one with its own keeps it, alone (no application); tools written into the
-    pinned message change it, so the pinned KV no longer leads (no application). A conversation whose
-    first message is a ``<prompt>`` document becomes one PML prompt instead."""
+    the application's; one with its own keeps it, alone (no application); where the tools are written
+    into the pinned message, the chat no longer opens with the pinned prompt (no application). A
+    conversation whose first message is a ``<prompt>`` document becomes one PML prompt instead."""
     native = tools is not None and template_knows_tools(ctx.tokenizer)
     given = list(req.messages)
-    system = None
-    own = given[0].role in ("system", "developer") or is_pml_prompt(given[0].text())
-    if req.application is not None and not own:
-        system = application_prompt(ctx, req.application)
+    system = None if req.application is None else application_prompt(ctx, req.application)
+    if system is not None and not opens_own_system(given[0].role, given[0].text()):
         given.insert(0, ChatMessage(role="system", content=system))
+    else:
+        system = None
     messages = conversation(given, tools, native)
     try:
         pml = chat_as_pml(messages)
@@ -188,7 +201,6 @@ def chat_prompt(
                 param="application",
             )
         return pml, None
-    pinned = system is not None and messages[0] == {"role": "system", "content": system}
     extra: dict[str, Any] = {}
     if native:  # the template renders the tools itself
         extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
@@ -198,6 +210,8 @@ def chat_prompt(
         )
     except Exception as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    # the pinned KV leads only a chat that opens with it as pinned (a template may write the tools in)
+    pinned = system is not None and str(text).startswith(system_prompt_text(ctx.tokenizer, system))
     return str(text), req.application if pinned else None
 
 
