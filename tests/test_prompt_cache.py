@@ -153,6 +153,24 @@ def test_host_tier_gives_back_the_same_kv(tiny_config_path) -> None:
     assert_only_modules_held(llm)
 
 
+def test_a_sequence_that_needs_the_modules_blocks_gets_them_and_the_modules_come_back(
+    tiny_config_path,
+) -> None:
+    """A registered schema's modules sit in the pool; a plain prompt that fits the context only
+    without them takes their blocks once nothing runs (they move to host memory), and a later PML
+    prompt brings them back: the same greedy answers as with room for both."""
+    room = tiny(tiny_config_path)
+    room.register_schema(SCHEMA)
+    long = {"prompt_token_ids": list(range(1000, 1000 + 16 * 15 - 4))}  # the whole pool with its answer
+    want = token_ids(room.generate([long, PROMPTS[0]], GREEDY))
+    llm = tiny(tiny_config_path, num_kv_blocks=16)  # a schema takes 10 of them
+    llm.register_schema(SCHEMA)
+    got = [token_ids(llm.generate(p, GREEDY))[0] for p in (long, PROMPTS[0])]  # had waited forever
+    assert got == want
+    assert llm.metrics()["module_evictions_gpu_total"] > 0 and llm.metrics()["module_loads_host_total"] > 0
+    assert_only_modules_held(llm)
+
+
 def test_disk_store_survives_restart_and_corruption_is_recomputed(tiny_config_path, tmp_path) -> None:
     store = tmp_path / "modules"
     first = tiny(tiny_config_path, module_store=str(store))

@@ -104,6 +104,7 @@ class Engine(EngineServices):
         self._finished_outputs: list[RequestOutput] = []
         self.structured: StructuredDecoding | None = None  # made at the first constrained request
         self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
+        self.scheduler.reclaim = self.modules.move_out  # idle pieces give their blocks to a stuck queue
         self.spill: PrefixSpill | None = None
         if config.spill_prefix_cache and config.enable_prefix_caching:
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)

@@ -493,13 +493,17 @@ class PromptModules:
         held_elsewhere = blocks is None or any(self.pool.ref_counts[b] != 1 for b in blocks)
         return not entry.keep_on_gpu and not held_elsewhere
 
-    def move_out(self, drop_host: bool = False) -> None:
+    def move_out(self, drop_host: bool = False) -> int:
         """Move every piece no request holds off the GPU (to host memory; ``drop_host``: out of it too,
-        leaving the disk tier). For benchmarks and operators that free the device."""
-        self._demote([entry for entry in self.entries.values() if self._movable(entry)])
+        leaving the disk tier); returns the blocks given back. For benchmarks, operators that free the
+        device, and a scheduler whose next sequence needs the blocks."""
+        movable = [entry for entry in self.entries.values() if self._movable(entry)]
+        freed = sum(len(entry.blocks or ()) for entry in movable)
+        self._demote(movable)
         if drop_host:
             for entry in self.entries.values():
                 self.host.pop(entry.key)
+        return freed
 
     def _demote(self, entries: list[ModuleEntry]) -> None:
         """Move pieces' KV from their blocks to host memory (and so give the blocks back).

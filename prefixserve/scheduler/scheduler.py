@@ -10,7 +10,8 @@ Offline batches add prefix-sharing groups (``add_group``; BatchLLM section 3.3):
 decodes first, then distinct prompts (waiting members of started groups), then the next group's
 common prefix, and a group's prefix is computed (by its leader) before its other members start;
 the group holds those blocks until its last member ends, or until the scheduler idles with a head
-of the queue that needs them.
+of the queue that needs them (``_unstick``, which also asks the engine's ``reclaim`` for blocks held
+outside every sequence).
 With ``kv_admit_threshold`` set, admission also stops where the KV pool would pass that share of its
 blocks (memory-centric token batching), so decode-heavy steps take prefill chunks while memory allows.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +76,9 @@ class Scheduler:
         self.num_preemptions = 0
         # digest of a prompt block -> the running sequence that will compute it
         self._in_flight = PromptsInFlight()
+        # frees blocks held outside every sequence when the scheduler is stuck (``_unstick``); returns
+        # how many it freed (the engine's: the module store's idle pieces to host memory)
+        self.reclaim: Callable[[], int] | None = None
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Is the first block this sequence would compute already being computed by another one?
@@ -240,12 +245,8 @@ class Scheduler:
                 i += 1
         self._advance_groups()
         budget = self._admit(out, budget)
-        if not self.running and self.waiting and self.held_group_blocks:
-            # Idle, yet the queue's head does not fit beside the groups' held prefixes: let the
-            # holds go (their blocks stay cached) rather than wait forever.
-            for job in set(self._group_of.values()):
-                job.let_go(self.blocks.pool)
-            budget = self._admit(out, budget)
+        if not self.running and self.waiting:
+            budget = self._unstick(out, budget)
         while self.groups and budget > 0 and self._room_for_more():
             self._start_group(self.groups.popleft())
             budget = self._admit(out, budget)
@@ -285,6 +286,18 @@ class Scheduler:
             budget -= n + extra
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _unstick(self, out: SchedulerOutput, budget: int) -> int:
+        """Idle, yet the queue's head does not fit beside blocks held for later use: the groups' held
+        prefixes (their blocks stay cached) and what ``reclaim`` lets go (the module store's pieces no
+        request holds, moved to host memory). Without this the head would wait forever."""
+        freed = False
+        for job in set(self._group_of.values()):
+            freed = freed or bool(job.held)
+            job.let_go(self.blocks.pool)
+        if self.reclaim is not None:
+            freed = self.reclaim() > 0 or freed
+        return self._admit(out, budget) if freed else budget
 
     # ---- offline groups (BatchLLM) ---------------------------------------------------------------
     def _under_threshold(self, seq: Sequence, num_tokens: int) -> bool:
