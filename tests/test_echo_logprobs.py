@@ -226,6 +226,18 @@ def test_tokenize_detokenize_and_tokenizer_info(server: ServerThread, chunked_ll
     r = httpx.post(f"{server.url}/tokenize", json={"messages": chat}, timeout=60)
     rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert r.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    # messages are rendered as the chat route renders them: developer turns, tool turns, tools
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+    for extra in (
+        {"messages": [{"role": "developer", "content": "Be nice."}, *chat]},
+        {"messages": [*chat, {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+        {"messages": chat, "tools": tools},
+    ):
+        counted = httpx.post(f"{server.url}/tokenize", json=extra, timeout=60).json()["count"]
+        asked = httpx.post(f"{server.url}/v1/chat/completions", json={**extra, "max_tokens": 1}, timeout=60)
+        assert counted == asked.json()["usage"]["prompt_tokens"], extra
+    other = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "model": "other"}, timeout=60)
+    assert other.status_code == 404
     back = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]}, timeout=60)
     assert back.status_code == 200 and back.json() == {"prompt": text}
     info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()

@@ -278,3 +278,26 @@ def test_piece_keys_and_stand_in_digests_are_remembered_exactly(tiny_config_path
     assert ("tokyo", "s") not in reg.keys and reg.keys[("tokyo", None)] != tokyo
     assert reg.keys[("tokyo", None)] == modules.key_of(reg.pieces["tokyo"], None)
     assert_only_modules_held(llm)
+
+
+def test_a_batch_file_row_keeps_its_module_recompute(tiny_config_path, tmp_path) -> None:
+    """A batch row's ``module_recompute`` is the request's, as on the server: "none" is answered as
+    ``generate`` answers it, and a bad value is that row's 400."""
+    import json
+
+    llm = tiny(tiny_config_path, module_recompute="link:64")
+    llm.register_schema(SCHEMA)
+    body = {"model": "default", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    rows = [
+        {"custom_id": custom_id, "url": "/v1/completions", "body": {**body, "module_recompute": value}}
+        for custom_id, value in (("none", "none"), ("bad", "foo"))
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    llm.batch(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), progress=False)
+    answers = {r["custom_id"]: r["response"] for r in map(json.loads, open(tmp_path / "out.jsonl"))}
+    want = llm.generate({"prompt": PROMPTS[1], "module_recompute": "none"}, GREEDY)[0].outputs[0].token_ids
+    assert want != llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids  # the setting matters here
+    text = llm.get_tokenizer().decode(want)
+    assert answers["none"]["body"]["choices"][0]["text"] == text
+    assert answers["bad"]["status_code"] == 400
+    assert_only_modules_held(llm)

@@ -41,6 +41,7 @@ class RequestSpec:
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None
     application: str | None = None
+    module_recompute: str | None = None  # Prompt Cache recovery, as the request's body sets it
 
 
 def submit_grouped(
@@ -58,6 +59,7 @@ def submit_grouped(
                 prompt_token_ids=spec.prompt_token_ids,
                 cache_salt=spec.cache_salt,
                 application=spec.application,
+                module_recompute=spec.module_recompute,
                 queue=False,
             )
         except ValueError as exc:
@@ -140,7 +142,17 @@ def run_rows(
         req = st.prep.req
         for rid, prompt in zip(st.ids, st.prep.prompts, strict=True):
             text, tokens = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-            specs.append(RequestSpec(rid, text, st.prep.params, tokens, req.cache_salt, st.prep.application))
+            specs.append(
+                RequestSpec(
+                    rid,
+                    text,
+                    st.prep.params,
+                    tokens,
+                    req.cache_salt,
+                    st.prep.application,
+                    req.module_recompute,
+                )
+            )
     errors, _ = submit_grouped(engine, specs, grouping)
     refused = {spec.request_id: err for spec, err in zip(specs, errors, strict=True) if err is not None}
     owner: dict[str, _RowState] = {}

@@ -14,15 +14,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefixserve.entrypoints.openai.protocol import APIError, ChatMessage, parse_request
+from prefixserve.engine.prompt_tokens import encode_prompt
+from prefixserve.entrypoints.openai.prepare import chat_prompt, check_model
+from prefixserve.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    parse_request,
+)
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
+from prefixserve.entrypoints.openai.tools import read_tools
+from prefixserve.promptcache.pml import is_pml_prompt
 
 # what /tokenizer_info reports of the tokenizer (vLLM's fields; lm-eval reads eos_token, chat_template)
 INFO_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length", "padding_side")
 
 
 class TokenizeRequest(BaseModel):
-    """A text prompt, or chat messages through the chat template (vLLM's two forms)."""
+    """A text prompt, or chat messages through the chat template (vLLM's two forms; messages are read
+    again as a chat request, with its ``tools`` and ``application``)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
@@ -45,21 +55,23 @@ def _tokenizer(state: ServerState) -> Any:
     return state.tokenizer
 
 
-def _encode(state: ServerState, req: TokenizeRequest) -> list[int]:
+def _encode(state: ServerState, req: TokenizeRequest, body: dict[str, Any]) -> list[int]:
     tok = _tokenizer(state)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either 'prompt' or 'messages'", param="prompt")
     if req.prompt is not None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         return list(tok.encode(req.prompt, add_special_tokens=special))
-    conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        text = tok.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
-        )
-    except Exception as exc:
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    return list(tok.encode(str(text), add_special_tokens=bool(req.add_special_tokens)))
+    # messages: rendered as /v1/chat/completions renders them (roles, tool turns, tools, application)
+    chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, body, "messages")
+    if not chat.messages:
+        raise APIError(400, "'messages' must not be empty", param="messages")
+    text, _ = chat_prompt(state, chat, read_tools(chat))
+    if is_pml_prompt(text):
+        raise APIError(400, "a Prompt Cache conversation is laid out by the engine: not tokenized here")
+    if req.add_special_tokens is None:  # as the chat's prompt is encoded: one BOS at most
+        return encode_prompt(tok, text)
+    return list(tok.encode(text, add_special_tokens=req.add_special_tokens))
 
 
 def tokenizer_info(state: ServerState) -> dict[str, Any]:
@@ -84,7 +96,8 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(state, request)
         required = "messages" if isinstance(body, dict) and body.get("messages") is not None else "prompt"
         req: TokenizeRequest = parse_request(TokenizeRequest, body, required)
-        ids = await asyncio.to_thread(_encode, state, req)
+        check_model(state, req.model)  # as the generation routes: a 404 for another model
+        ids = await asyncio.to_thread(_encode, state, req, body)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         out["token_strs"] = _tokenizer(state).convert_ids_to_tokens(ids) if req.return_token_strs else None
         return JSONResponse(out)
@@ -93,6 +106,7 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(request: Request) -> Response:
         authorize(state, request)
         req: DetokenizeRequest = parse_request(DetokenizeRequest, await read_json(state, request), "tokens")
+        check_model(state, req.model)
         tok = _tokenizer(state)
         vocab = len(tok)
         if any(t < 0 or t >= vocab for t in req.tokens):
