@@ -13,6 +13,7 @@ from prefixserve.entrypoints.batch_file import (
     finished_keys,
     read_batch,
     result_row,
+    row_key,
 )
 
 
@@ -60,10 +61,16 @@ def test_writer_appends_whole_lines_and_resume_cuts_a_torn_tail(tmp_path: Path) 
         w.write(error_row(BadRow(7, "a", "duplicate_custom_id", "line 7: custom_id 'a' is a duplicate")))
     with open(out, "ab") as f:
         f.write(b'{"id": "batch_req_x", "custom_id": "c", "respo')  # a kill mid-line
-    assert finished_keys(out) == {"a", "b", "line:7"}
+    assert finished_keys(out) == {("id", "a"), ("id", "b"), ("line", "7")}
     assert out.read_bytes().endswith(b"\n")  # the torn tail is gone
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["custom_id"] for r in rows] == ["a", "b", "a"]
     assert rows[1]["response"]["status_code"] == 400 and rows[0]["error"] is None
     assert rows[0]["id"].startswith("batch_req_") and rows[0]["response"]["request_id"].startswith("req_")
     assert finished_keys(tmp_path / "missing.jsonl") == set()
+    # a custom_id that reads like a line number is still a custom_id: the bad line 2 stays to answer
+    with ResultWriter(out) as w:
+        w.write(result_row("line:2", 200, {"ok": True}))
+    keys = finished_keys(out)
+    assert ("id", "line:2") in keys and ("line", "2") not in keys
+    assert row_key(BadRow(2, None, "invalid_json", "line 2: not valid JSON")) not in keys

@@ -294,7 +294,8 @@ def test_a_batch_file_row_keeps_its_module_recompute(tiny_config_path, tmp_path)
     ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     llm.batch(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), progress=False)
-    answers = {r["custom_id"]: r["response"] for r in map(json.loads, open(tmp_path / "out.jsonl"))}
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    answers = {r["custom_id"]: r["response"] for r in map(json.loads, lines)}
     want = llm.generate({"prompt": PROMPTS[1], "module_recompute": "none"}, GREEDY)[0].outputs[0].token_ids
     assert want != llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids  # the setting matters here
     text = llm.get_tokenizer().decode(want)

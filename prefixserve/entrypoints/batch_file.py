@@ -80,17 +80,22 @@ def read_batch(path: str | Path) -> list[BatchRow | BadRow]:
     return rows
 
 
-def finished_keys(path: str | Path) -> set[str]:
-    """Input rows already answered in an output file; a torn last line is cut off first.
+def row_key(row: BatchRow | BadRow) -> tuple[str, str]:
+    """How an answered row is known on resume: a row that ran (or whose body was refused) by its
+    custom_id, a line that could not be read as a request by its number (its custom_id may be missing
+    or a duplicate's); two kinds, so no custom_id can pass for a line number."""
+    return ("line", str(row.line)) if isinstance(row, BadRow) else ("id", row.custom_id)
 
-    A row that ran (or whose body was refused) is known by its custom_id; a line that could not be
-    read as a request by ``line:N`` (its custom_id may be missing or a duplicate's)."""
+
+def finished_keys(path: str | Path) -> set[tuple[str, str]]:
+    """The ``row_key`` of each input row already answered in an output file; a torn last line is cut
+    off first."""
     p = Path(path)
     if not p.exists():
         return set()
     data = p.read_bytes()
     keep = data.rfind(b"\n") + 1  # bytes up to the last complete line
-    done: set[str] = set()
+    done: set[tuple[str, str]] = set()
     for raw in data[:keep].splitlines():
         try:
             row = json.loads(raw)
@@ -101,9 +106,9 @@ def finished_keys(path: str | Path) -> set[str]:
         error = row.get("error")
         where = _LINE.match(str(error.get("message", ""))) if isinstance(error, dict) else None
         if where is not None:
-            done.add(f"line:{where.group(1)}")
+            done.add(("line", where.group(1)))
         elif isinstance(row.get("custom_id"), str):
-            done.add(row["custom_id"])
+            done.add(("id", row["custom_id"]))
     if keep < len(data):
         with open(p, "r+b") as f:
             f.truncate(keep)

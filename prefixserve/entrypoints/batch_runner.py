@@ -22,6 +22,7 @@ from prefixserve.entrypoints.batch_file import (
     finished_keys,
     read_batch,
     result_row,
+    row_key,
 )
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared, prepare, response_body
 from prefixserve.entrypoints.openai.protocol import APIError, param_of
@@ -191,12 +192,8 @@ def pending_rows(path_in: str | Path, path_out: str | Path) -> tuple[list[BatchR
     """Input rows not yet answered in ``path_out`` (its torn tail cut off), and how many are."""
     rows = read_batch(path_in)
     done = finished_keys(path_out)
-    todo = [r for r in rows if _key(r) not in done]
+    todo = [r for r in rows if row_key(r) not in done]
     return todo, len(rows) - len(todo)
-
-
-def _key(row: BatchRow | BadRow) -> str:
-    return f"line:{row.line}" if isinstance(row, BadRow) else row.custom_id
 
 
 def run_batch_file(
