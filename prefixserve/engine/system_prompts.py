@@ -7,6 +7,7 @@ holds what such a held prompt is (``SystemPromptKV``) and how a system prompt's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from prefixserve.engine.prompt_tokens import encode_prompt
@@ -33,9 +34,21 @@ def opens_own_system(role: str, content: str) -> bool:
 def system_prompt_text(tokenizer: Any, text: str) -> str:
     """A system prompt as the chat template renders it at the start of a chat (a chat rendered with
     it as its system message starts with this text, unless the template wrote more into it)."""
-    if getattr(tokenizer, "chat_template", None):
-        return str(tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False))
-    return text
+    template = getattr(tokenizer, "chat_template", None)
+    return _rendered(tokenizer, template, text) if template else text
+
+
+@lru_cache(maxsize=32)
+def _rendered(tokenizer: Any, template: str, text: str) -> str:
+    """Rendered once per (tokenizer, template, prompt): every chat naming an application asks."""
+    return str(tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=False))
+
+
+def opens_with_pinned(tokenizer: Any, rendered: str, system: str | None) -> bool:
+    """Does a rendered chat open with the pinned ``system`` prompt as pinned? Only then may the
+    engine take it as the application's (its KV leads the chat); a template that writes more into
+    that turn (the tools) makes it another prompt."""
+    return system is not None and rendered.startswith(system_prompt_text(tokenizer, system))
 
 
 def render_system_prompt(tokenizer: Any, text: str) -> list[int]:
@@ -82,6 +95,7 @@ def pin_system_prompt(engine: Any, name: str, text: str) -> SystemPromptKV:
 __all__ = [
     "SystemPromptKV",
     "opens_own_system",
+    "opens_with_pinned",
     "pin_system_prompt",
     "render_system_prompt",
     "system_prompt_text",

@@ -10,7 +10,7 @@ from typing import Any
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.prompt_tokens import encode_prompts
-from prefixserve.engine.system_prompts import opens_own_system, system_prompt_text
+from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -131,10 +131,11 @@ class LLM:
                 raise ValueError(f"unknown application {application!r}; known: {known}")
             if any(c and is_pml_prompt(str(c[0].get("content") or "")) for c in conversations):  # type: ignore[union-attr]
                 raise ValueError("a conversation opening with a <prompt> document takes no application")
+        pinned = None if application is None else self.engine.config.system_prompts[application]
         prompts: list[Prompt] = []
         for c in conversations:
             first = c[0] if c and isinstance(c[0], dict) else {}
-            system = None if application is None else self.engine.config.system_prompts[application]
+            system = pinned  # put in front of a chat without its own system message, and only there
             if system is not None and not opens_own_system(
                 str(first.get("role")), str(first.get("content") or "")
             ):
@@ -142,9 +143,8 @@ class LLM:
             else:
                 system = None
             text = self.render_chat(c, add_generation_prompt)  # type: ignore[arg-type]
-            # the pinned prompt leads only the chats it was put in front of, not one with its own
-            pinned = system is not None and text.startswith(system_prompt_text(self.engine.tokenizer, system))
-            prompts.append({"prompt": text, "application": application if pinned else None})
+            leads = opens_with_pinned(self.engine.tokenizer, text, system)
+            prompts.append({"prompt": text, "application": application if leads else None})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ---- Prompt Cache ------------------------------------------------------------------------

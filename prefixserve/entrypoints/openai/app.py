@@ -302,7 +302,7 @@ async def _submit(
     try:
         for prompt in prep.prompts:  # ids, known for free: one that can never run is a 400, not a 429
             if not isinstance(prompt, str):
-                _check_fits(state, prep, list(prompt))
+                _check_fits(state, prep, prompt)
         if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
             state.gate.check(deadline)
         encoded = await asyncio.gather(*(_tokenize(state, t) for t in texts if t is not None))

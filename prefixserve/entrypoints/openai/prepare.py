@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.engine.prompt_tokens import behind_pinned
-from prefixserve.engine.system_prompts import opens_own_system, render_system_prompt, system_prompt_text
+from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned, render_system_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.protocol import (
     APIError,
@@ -210,9 +210,8 @@ def chat_prompt(
         )
     except Exception as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    # the pinned KV leads only a chat that opens with it as pinned (a template may write the tools in)
-    pinned = system is not None and str(text).startswith(system_prompt_text(ctx.tokenizer, system))
-    return str(text), req.application if pinned else None
+    text = str(text)
+    return text, req.application if opens_with_pinned(ctx.tokenizer, text, system) else None
 
 
 def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:

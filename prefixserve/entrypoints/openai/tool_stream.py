@@ -23,12 +23,11 @@ from prefixserve.entrypoints.openai.tools import CALL_TAG, Tools, tool_message
 from prefixserve.outputs import RequestOutput
 
 ARGUMENT_PIECE = 16  # characters of arguments per delta
-TAG = CALL_TAG
 
 
 def _maybe_call(text: str) -> bool:
     head = text.lstrip()
-    return not head or head.startswith((TAG, "{")) or TAG.startswith(head)
+    return not head or head.startswith((CALL_TAG, "{")) or CALL_TAG.startswith(head)
 
 
 @dataclass
@@ -47,7 +46,7 @@ class ToolStreamState(fmt.StreamState):
                     chunks += self._finish_held(index, c)
                 continue
             self.held[index] = False
-            if c.finished and TAG in c.text and not self.choices.get(index, fmt._Choice()).done:
+            if c.finished and CALL_TAG in c.text and not self.choices.get(index, fmt._Choice()).done:
                 message, reason = tool_message(c.text, c.finish_reason, self.tools)
                 if message.get("tool_calls"):  # text, then calls (else the rest goes out as text)
                     chunks += self._finish_after_text(index, c, message, reason)
@@ -65,11 +64,11 @@ class ToolStreamState(fmt.StreamState):
         upto = super()._settled(text)
         if self.tools is None or self.tools.choice != "auto":
             return upto
-        at = text.find(TAG)
+        at = text.find(CALL_TAG)
         if at >= 0:
             return min(upto, at)
-        for k in range(min(len(TAG) - 1, upto), 0, -1):
-            if text[:upto].endswith(TAG[:k]):
+        for k in range(min(len(CALL_TAG) - 1, upto), 0, -1):
+            if text[:upto].endswith(CALL_TAG[:k]):
                 return upto - k
         return upto
 
@@ -94,7 +93,7 @@ class ToolStreamState(fmt.StreamState):
         before the tag, then its calls."""
         state = self.choices.setdefault(index, fmt._Choice())
         state.done = True
-        rest = c.text[state.chars : c.text.find(TAG)]  # the streamed text held no tag's start
+        rest = c.text[state.chars : c.text.find(CALL_TAG)]  # the streamed text held no tag's start
         return self._calls(index, c, message, reason, rest or None)
 
     def _calls(
