@@ -51,6 +51,7 @@ class RequestOutput:
     # (token id, logprob) pairs (the first: []); None when not asked for
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # why a request that finished with "error" did, where the engine knows
 
     def __init__(
         self,
@@ -66,6 +67,7 @@ class RequestOutput:
         metrics: dict[str, float] | None = None,
         prompt_logprobs: list[float | None] | None = None,
         prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
+        error: str | None = None,
     ) -> None:
         self.request_id, self.prompt, self._prompt_ids = request_id, prompt, prompt_token_ids
         self.outputs, self.finished = outputs, finished
@@ -73,6 +75,7 @@ class RequestOutput:
         self.module_rows_shared, self.module_rows_private = module_rows_shared, module_rows_private
         self.metrics = {} if metrics is None else metrics
         self.prompt_logprobs, self.prompt_top_logprobs = prompt_logprobs, prompt_top_logprobs
+        self.error = error
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -112,6 +115,7 @@ class RequestOutput:
             self.metrics,
             self.prompt_logprobs,
             self.prompt_top_logprobs,
+            self.error,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as constructor arguments (an array stays compact)

@@ -123,6 +123,9 @@ class HeldModules:
     private_rows: int = 0  # module rows in private copies of module blocks
     # module rows (table row runs) still to compute in context: in the first prefill step
     recompute_runs: list[tuple[int, int]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # the pieces' keys, in table order
+    private: list[int] = field(default_factory=list)  # table indices of the recovery copies
+    let_go: bool = False  # the holds were let go while it waited (``PromptModules.let_go``)
 
     @property
     def uncounted_tokens(self) -> int:
@@ -153,6 +156,7 @@ class Request:
     unreported: int = 0  # tokens generated since the last streamed output (EngineConfig.stream_interval)
     streamed: bool = False  # a progress output has gone out (the first one goes at once)
     modules: HeldModules | None = None  # a Prompt Cache prompt's reused module blocks
+    error: str | None = None  # why it finished with "error", where the engine knows
     prompt_logprobs: Any = None  # engine/prompt_logprobs.PromptLogprobState when asked for
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
 

@@ -93,7 +93,8 @@ class InputProcessor:
     ) -> Request:
         """The checked request, with its first sequence; see ``Engine.add_request`` for the arguments.
 
-        A PML prompt's module blocks are held from here on (by the request, until it ends)."""
+        A PML prompt's module blocks are held from here on (by the request, until it ends), or from
+        its admission where the pool has no room for them now (``engine/module_holds.py``)."""
         params = params or SamplingParams()
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             bad = max(params.logit_bias)
@@ -109,7 +110,7 @@ class InputProcessor:
                 raise ValueError("a PML prompt takes neither application nor prompt_positions")
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs are not available for PML (Prompt Cache) prompts")
-            mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # module blocks held from here on
+            mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # held now, or at admission
             try:
                 tokens, positions = mp.token_ids, mp.positions
                 return self._request(
@@ -161,7 +162,7 @@ class InputProcessor:
         vocab = self.vocab_size
         if modules is not None:  # module rows (and holes' placeholders) came from the store: own ones only
             tokens = list(tokens) if modules.holes else tokens
-            check = tokens[len(modules.blocks) * self.block_size :]
+            check = tokens[modules.module_slots :]
         else:
             check = tokens
         if not valid_token_ids(check, vocab):
@@ -182,6 +183,7 @@ class InputProcessor:
             req.modules = HeldModules(
                 modules.blocks, modules.digests, modules.holes, modules.module_tokens,
                 modules.recomputed_tokens, modules.private_rows, modules.recompute_runs,
+                modules.keys, modules.private, modules.let_go,
             )  # fmt: skip
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
         self.new_sequence(req, 0, ids[:], positions[:])  # copies of the arrays (C speed, no re-typing)

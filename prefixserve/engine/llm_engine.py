@@ -23,6 +23,7 @@ from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
 from prefixserve.engine.model_runner import ModelRunner, PrevTokenFeed, StepBatch, context_length
+from prefixserve.engine.module_holds import WaitingModuleHolds
 from prefixserve.engine.output_processor import request_output
 from prefixserve.engine.prompt_logprobs import PromptLogprobs
 from prefixserve.engine.stats import EngineStats
@@ -104,7 +105,9 @@ class Engine(EngineServices):
         self._finished_outputs: list[RequestOutput] = []
         self.structured: StructuredDecoding | None = None  # made at the first constrained request
         self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
-        self.scheduler.reclaim = self.modules.move_out  # idle pieces give their blocks to a stuck queue
+        holds = WaitingModuleHolds(self.modules, self.requests, self._to_recover)  # for a stuck queue
+        self.scheduler.reclaim, self.scheduler.ready = holds.reclaim, holds.ready
+        self.scheduler.refuse = self._refuse
         self.spill: PrefixSpill | None = None
         if config.spill_prefix_cache and config.enable_prefix_caching:
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
@@ -444,6 +447,12 @@ class Engine(EngineServices):
         self._retire(req)
         if report:
             self._finished_outputs.append(self._output(req))
+
+    def _refuse(self, seq: Sequence, why: str) -> None:
+        """End a request the scheduler can never start (``Scheduler._unstick``), saying why."""
+        log.warning("request %s ended: %s", seq.request.request_id, why)
+        seq.request.error = why
+        self._finish_request(seq.request, "error")
 
     def _retire(self, req: Request) -> bool:
         """Take a finished request out of the engine; False if it was already out (reported).

@@ -96,6 +96,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         metrics=times,
         prompt_logprobs=prompt_lp[0] if prompt_lp else None,
         prompt_top_logprobs=prompt_lp[1] if prompt_lp else None,
+        error=req.error,
     )
 
 

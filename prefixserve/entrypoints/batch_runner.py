@@ -25,7 +25,7 @@ from prefixserve.entrypoints.batch_file import (
     row_key,
 )
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared, prepare, response_body
-from prefixserve.entrypoints.openai.protocol import APIError, param_of
+from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.batch_queue import DEFAULT_DECODE, queue_groups
@@ -182,9 +182,9 @@ def run_rows(
 
 def _answer(ctx: OpenAIContext, st: _RowState) -> dict[str, Any]:
     finals = [st.finals[i] for i in st.ids]
-    if any(c.finish_reason == "error" for f in finals for c in f.outputs):
-        error = APIError(500, "the engine failed while running this request", code="engine_error")
-        return result_row(st.row.custom_id, 500, error.body())
+    error = engine_failure(finals)
+    if error is not None:
+        return result_row(st.row.custom_id, error.status, error.body())
     return result_row(st.row.custom_id, 200, response_body(ctx, st.prep, finals))
 
 

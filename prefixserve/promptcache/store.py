@@ -39,9 +39,8 @@ import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,7 +50,14 @@ from prefixserve.kv.tiers import DiskTier, HostGroup, HostTier, packed_nbytes
 from prefixserve.promptcache.assemble import AssembledPrompt, Piece, assemble, schema_pieces
 from prefixserve.promptcache.chat import ChatFrames
 from prefixserve.promptcache.digests import StandInDigests
-from prefixserve.promptcache.layout import SchemaLayout, layout
+from prefixserve.promptcache.entries import (
+    HOLE_TOKEN,
+    ModuleEntry,
+    ModulePrompt,
+    NoRoom,
+    RegisteredSchema,
+)
+from prefixserve.promptcache.layout import layout
 from prefixserve.promptcache.pml import PMLError, Schema, parse_prompt, parse_schema
 from prefixserve.promptcache.recompute import (
     NONE,
@@ -62,65 +68,16 @@ from prefixserve.promptcache.recompute import (
     parse_recompute,
 )
 
+if TYPE_CHECKING:
+    from prefixserve.sequence import HeldModules
+
 log = logging.getLogger(__name__)
 
 KEY_CACHE_SIZE = 4096  # (piece, salt) keys a registered schema remembers
-HOLE_TOKEN = -2  # a request's token at a module block's empty row (never computed, never sampled)
 
 Encode = Callable[[list[int], list[int], list[int]], None]  # (token ids, positions, blocks): fill blocks
 # (token ids, positions, table blocks, runs of table rows): each row's layer-1 KV deviation, per run
 Deviation = Callable[[list[int], list[int], list[int], list[tuple[int, int]]], list[np.ndarray]]
-
-
-@dataclass(slots=True)
-class ModuleEntry:
-    """One encoded piece and where its KV is now."""
-
-    key: str
-    token_ids: list[int]
-    positions: list[int]
-    names: set[tuple[str, str]] = field(default_factory=set)  # (schema, piece) naming it
-    blocks: list[int] | None = None  # GPU tier: blocks the store holds one reference on
-    keep_on_gpu: bool = False  # registered with pin=True: never leaves the GPU tier
-
-    @property
-    def rows(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class ModulePrompt:
-    """A PML prompt made ready for a request: the module blocks it holds and its token layout."""
-
-    token_ids: list[int]  # module slots (HOLE_TOKEN at holes), then the own tokens
-    positions: list[int]
-    blocks: list[int]  # the leading module blocks, in table order (one reference held for the request)
-    digests: list[bytes]  # stand-in digests of those blocks, so own blocks chain from all the pieces
-    module_tokens: int  # real tokens reused from pieces
-    holes: int
-    recompute: Recompute = NONE
-    recomputed_tokens: int = 0  # module rows computed again in this request's context
-    private_rows: int = 0  # module rows in blocks this request holds alone (recomputed or copied along)
-    piece_rows: list[int] = field(default_factory=list)  # real rows of each piece, in table order
-    # runs (first, end) of table rows to compute in this prompt's context before its own tokens
-    recompute_runs: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def shared_rows(self) -> int:
-        """Module rows read from the blocks every request holding the piece shares."""
-        return self.module_tokens - self.private_rows
-
-
-@dataclass(slots=True)
-class RegisteredSchema:
-    schema: Schema
-    layout: SchemaLayout
-    text: str
-    pieces: dict[str, Piece]
-    recompute: Recompute | None = None  # the schema's recovery setting (None: the engine's)
-    # (piece name, cache salt) -> the piece's key: hashing 5K module tokens per request cost ~4 ms of
-    # host time in a Prompt Cache request's first token (issue 54). Gone with the registration.
-    keys: dict[tuple[str, str | None], str] = field(default_factory=dict)
 
 
 class PromptModules:
@@ -168,6 +125,8 @@ class PromptModules:
             "module_rows_shared_total": 0,
             "module_rows_private_total": 0,
             "module_recompute_skipped_total": 0,
+            "module_holds_let_go_total": 0,  # these two hold their pieces from admission on
+            "module_holds_deferred_total": 0,
         }
 
     # ---- schemas --------------------------------------------------------------------------------
@@ -279,16 +238,23 @@ class PromptModules:
         tokens: list[int] = []
         positions: list[int] = []
         blocks: list[int] = []
-        entries = self._held_resident(reg, pieces, salt)  # their host-tier copies issued
+        entries = [self._entry(reg, piece, salt) for piece in pieces]
+        try:
+            self._hold(entries)  # their host-tier copies issued
+            held = True
+        except NoRoom:  # the pool is busy: held at admission instead (``take_again``)
+            held = False
+            self.counters["module_holds_deferred_total"] += 1
         holes = 0
         starts: list[int] = []  # each piece's first row in the table
         for entry in entries:
             starts.append(len(tokens))
-            assert entry.blocks is not None
             pad = -entry.rows % bs
             tokens += entry.token_ids + [HOLE_TOKEN] * pad
             positions += entry.positions + [entry.positions[-1]] * pad
-            blocks += entry.blocks
+            if held:
+                assert entry.blocks is not None
+                blocks += entry.blocks
             holes += pad
             self.entries.move_to_end(entry.key)
         module_tokens = sum(e.rows for e in entries)
@@ -301,17 +267,27 @@ class PromptModules:
             holes,
             recompute,
             piece_rows=[e.rows for e in entries],
+            keys=[e.key for e in entries],
+            let_go=not held,
+            module_slots=len(tokens),
         )
         if recompute.kind != "none" and len(entries) > 1:
-            try:
-                self._recover(mp, mp.piece_rows, starts)
-            except BaseException:
-                self.release(mp.blocks)
-                raise
+            if not held:  # as under memory pressure (``_recover``): plain Prompt Cache, not a wait
+                self._skip_recovery(recompute)
+            else:
+                try:
+                    self._recover(mp, mp.piece_rows, starts)
+                except BaseException:
+                    self.release(mp.blocks)
+                    raise
         if not mp.recompute_runs:
             mp.recompute = NONE  # nothing recomputed: the plain Prompt Cache KV
-        mp.digests = self._digests([(e.key, len(e.blocks or ())) for e in entries], mp.recompute, salt)
+        mp.digests = self._digests([(e.key, -(-e.rows // bs)) for e in entries], mp.recompute, salt)
         return mp
+
+    def _skip_recovery(self, setting: Recompute) -> None:
+        self.counters["module_recompute_skipped_total"] += 1
+        log.info("module_recompute %s skipped: %d free blocks", setting.spec, self.pool.num_free)
 
     # ---- accuracy recovery ----------------------------------------------------------------------
     def _recover(self, mp: ModulePrompt, rows: list[int], starts: list[int]) -> None:
@@ -342,20 +318,26 @@ class PromptModules:
             # The copies are held from admission to the end of the request: under memory pressure
             # they would starve running sequences, so the request runs as plain Prompt Cache (its
             # output says so: num_recomputed_tokens 0) rather than wait or be refused.
-            self.counters["module_recompute_skipped_total"] += 1
-            log.info("module_recompute %s skipped: %d free blocks", setting.spec, self.pool.num_free)
+            self._skip_recovery(setting)
             return
-        fresh = self.pool.allocate(len(touched))
-        old = [mp.blocks[t] for t in touched]
-        self.kv.copy_blocks(list(zip(old, fresh, strict=True)))
-        for t, b, o in zip(touched, fresh, old, strict=True):
-            mp.blocks[t] = b
-            self.module_rows[b] = self.module_rows[o]
-            self.num_marked += 1
-        self.release(old)  # the request's reference moves to its copies; the store keeps its own
+        fresh = self._privatize(mp.blocks, touched)
+        mp.private = touched
         mp.recompute_runs = runs
         mp.recomputed_tokens = sum(b - a for a, b in runs)
         mp.private_rows = sum(int(self.module_rows[b]) for b in fresh)
+
+    def _privatize(self, blocks: list[int], touched: list[int]) -> list[int]:
+        """Give ``blocks[t]`` for each t in ``touched`` a private copy (in place); returns the copies.
+        The request's reference moves to its copies; the store keeps its own on the originals."""
+        fresh = self.pool.allocate(len(touched))
+        old = [blocks[t] for t in touched]
+        self.kv.copy_blocks(list(zip(old, fresh, strict=True)))
+        for t, b, o in zip(touched, fresh, old, strict=True):
+            blocks[t] = b
+            self.module_rows[b] = self.module_rows[o]
+            self.num_marked += 1
+        self.release(old)
+        return fresh
 
     # ---- tiers ----------------------------------------------------------------------------------
     def key_of(self, piece: Piece, salt: str | None) -> str:
@@ -385,15 +367,10 @@ class PromptModules:
         entry.names.add((reg.schema.name, piece.name))
         return entry
 
-    def _held_resident(
-        self, reg: RegisteredSchema, pieces: list[Piece], salt: str | None
-    ) -> list[ModuleEntry]:
-        """The pieces' entries in table order, each on the GPU and held once more (by a request).
-
-        Those on the GPU are held first, so making room for the others cannot move them out; the
-        others come up together (``_bring_up``), and their host-tier copies are issued (layer-major
-        across them) before anything else: holding their fresh blocks can wait for the copy."""
-        entries = [self._entry(reg, piece, salt) for piece in pieces]
+    def _hold(self, entries: list[ModuleEntry]) -> None:
+        """Put the entries (in table order) on the GPU and hold each once more (for a request). Those
+        on the GPU are held first, so making room for the others cannot move them out; the others come
+        up together (``_bring_up``), their host-tier copies issued (layer-major across them) first."""
         missing = {e.key: e for e in entries if e.blocks is None}  # distinct, in table order
         held: list[list[int]] = []
 
@@ -412,7 +389,36 @@ class PromptModules:
             for blocks in held:
                 self.release(blocks)
             raise
-        return entries
+
+    # ---- waiting requests' holds ----------------------------------------------------------------
+    def let_go(self, held: HeldModules) -> None:
+        """Drop the holds of a request that has not started (a stuck scheduler's head needs the
+        blocks). Its layout stays; ``take_again`` holds the same pieces before it is admitted."""
+        self.release(held.blocks)
+        held.blocks = []
+        held.let_go = True
+        self.counters["module_holds_let_go_total"] += 1
+
+    def take_again(self, held: HeldModules) -> bool:
+        """Hold a request's pieces after ``let_go`` (or an intake with no room for them), its recovery
+        blocks copied afresh (none of their rows was computed: it had not started); False, holding
+        nothing, if the pool has no room yet. The pieces come back by key, so a schema removed
+        meanwhile costs an encode, not the request."""
+        entries = [self.entries[key] for key in held.keys]
+        try:
+            self._hold(entries)
+        except NoRoom:
+            return False
+        blocks = [b for entry in entries for b in entry.blocks or ()]
+        if held.private:
+            if self.pool.num_free < len(held.private):
+                self.release(blocks)
+                return False
+            self._privatize(blocks, held.private)
+        for entry in entries:
+            self.entries.move_to_end(entry.key)
+        held.blocks, held.let_go = blocks, False
+        return True
 
     def _bring_up(self, entries: list[ModuleEntry], issue: bool = True) -> None:
         """Put the KV of ``entries`` (none on the GPU) in blocks, in order, from one allocation: one run
@@ -481,7 +487,7 @@ class PromptModules:
                 free += len(entry.blocks)  # held by the store alone: freed when it lets go
         self._demote(victims)
         if self.pool.num_free < count:
-            raise ValueError(
+            raise NoRoom(
                 f"the KV pool has no room for prompt modules of {count} blocks ({self.pool.num_free} free); "
                 "add KV blocks or use fewer or shorter modules at once"
             )

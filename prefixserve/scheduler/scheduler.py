@@ -76,9 +76,14 @@ class Scheduler:
         self.num_preemptions = 0
         # digest of a prompt block -> the running sequence that will compute it
         self._in_flight = PromptsInFlight()
-        # frees blocks held outside every sequence when the scheduler is stuck (``_unstick``); returns
-        # how many it freed (the engine's: the module store's idle pieces to host memory)
-        self.reclaim: Callable[[], int] | None = None
+        # The engine's hooks for blocks held outside every sequence (``engine/module_holds.py``).
+        # ``reclaim(head)``: frees what it can when the scheduler is stuck behind ``head``
+        # (``_unstick``) and returns how many blocks that freed; ``ready(seq)``: may ``seq`` be
+        # admitted now (False: not yet, the blocks it must hold first have no room).
+        self.reclaim: Callable[[Sequence], int] | None = None
+        self.ready: Callable[[Sequence], bool] | None = None
+        # ``refuse(seq, why)``: end a head that can never start (the engine's ``_finish_request``)
+        self.refuse: Callable[[Sequence, str], None] | None = None
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Is the first block this sequence would compute already being computed by another one?
@@ -257,6 +262,9 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
+            if self.ready is not None and not self.ready(seq):
+                self.waiting.appendleft(seq)
+                break
             hit = self.blocks.match_prefix(seq)
             if self._prefix_in_flight(seq):
                 self.blocks.free(seq)  # its next blocks are being computed: take them from the cache soon
@@ -289,15 +297,31 @@ class Scheduler:
 
     def _unstick(self, out: SchedulerOutput, budget: int) -> int:
         """Idle, yet the queue's head does not fit beside blocks held for later use: the groups' held
-        prefixes (their blocks stay cached) and what ``reclaim`` lets go (the module store's pieces no
-        request holds, moved to host memory). Without this the head would wait forever."""
+        prefixes (their blocks stay cached) and what ``reclaim`` lets go (the Prompt Cache holds of
+        requests waiting behind it, and pieces no request holds, moved to host memory). Without this
+        the head would wait forever. A head that still does not fit never will: it is refused."""
+        head = self.waiting[0]
         freed = False
         for job in set(self._group_of.values()):
             freed = freed or bool(job.held)
             job.let_go(self.blocks.pool)
         if self.reclaim is not None:
-            freed = self.reclaim() > 0 or freed
-        return self._admit(out, budget) if freed else budget
+            freed = self.reclaim(head) > 0 or freed
+        if freed:
+            budget = self._admit(out, budget)
+        if not self.running and self.waiting and self.waiting[0] is head and self.refuse is not None:
+            self.refuse(head, self._why_stuck(head))
+        return budget
+
+    def _why_stuck(self, seq: Sequence) -> str:
+        pool = self.blocks.pool
+        need = self.blocks.blocks_needed(seq.num_tokens)
+        return (
+            f"the KV pool cannot hold this request: its prompt needs {need} blocks of "
+            f"{self.blocks.block_size} tokens and, with nothing else running, {pool.num_free} of the "
+            f"pool's {pool.num_blocks} are free (the rest are pinned: Prompt Cache modules registered "
+            "with pin=True, or this prompt's own modules); add KV blocks or pin less"
+        )
 
     # ---- offline groups (BatchLLM) ---------------------------------------------------------------
     def _under_threshold(self, seq: Sequence, num_tokens: int) -> bool:

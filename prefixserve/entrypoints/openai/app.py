@@ -55,7 +55,7 @@ from prefixserve.entrypoints.openai.prepare import (
     response_body,
     stream_state,
 )
-from prefixserve.entrypoints.openai.protocol import APIError, param_of
+from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
 from prefixserve.entrypoints.openai.requests import (
     MAX_BODY_BYTES,
     ServerState,
@@ -371,8 +371,9 @@ async def _collect(
             if sub_id not in finals:
                 state.loop.abort(sub_id)
     ordered = [finals[i] for i in ids]
-    if any(c.finish_reason == "error" for f in ordered for c in f.outputs):
-        raise APIError(500, "the engine failed while running this request", code="engine_error")
+    failure = engine_failure(ordered)
+    if failure is not None:
+        raise failure
     return ordered
 
 
@@ -442,8 +443,8 @@ async def _stream(
                     finals[sub_id] = out
                     yield "".join(parts)
                     return
-                if any(c.finish_reason == "error" for c in out.outputs):
-                    error = APIError(500, "the engine failed while running this request", code="engine_error")
+                error = engine_failure([out])
+                if error is not None:
                     parts.append(fmt.sse(error.body()))
                     finals[sub_id] = out
                     yield "".join(parts)

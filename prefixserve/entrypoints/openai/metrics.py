@@ -70,6 +70,8 @@ _COUNTERS = {
     "module_rows_shared_total": "module rows requests read from blocks shared with other requests",
     "module_rows_private_total": "module rows requests read from their own copies (recovered blocks)",
     "module_recompute_skipped_total": "requests run without module recovery: the pool was short of blocks",
+    "module_holds_let_go_total": "waiting requests that let their module blocks go for a stuck queue's head",
+    "module_holds_deferred_total": "Prompt Cache requests taken in with no room for their modules yet",
 }
 _GAUGES = {
     "num_running": ("num_requests_running", "sequences running"),

@@ -7,9 +7,13 @@ Requests are validated in strict mode so that a wrong type (``"temperature": "ho
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from prefixserve.outputs import RequestOutput
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
@@ -36,6 +40,19 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_failure(outputs: Iterable[RequestOutput]) -> APIError | None:
+    """The error for outputs that finished with "error", or None. Where the engine said why, the
+    request can never run here (it needs more of the KV pool than can ever be free): a 400 naming
+    the numbers, not to be retried. Otherwise the engine failed while running it: a 500."""
+    failed = [o for o in outputs if any(c.finish_reason == "error" for c in o.outputs)]
+    if not failed:
+        return None
+    reasons = [o.error for o in failed if o.error]
+    if reasons:
+        return APIError(400, reasons[0], code="kv_capacity_exceeded")
+    return APIError(500, "the engine failed while running this request", code="engine_error")
 
 
 _ERROR_TYPES = {
