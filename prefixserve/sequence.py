@@ -123,6 +123,7 @@ class HeldModules:
     private_rows: int = 0  # module rows in private copies of module blocks
     # module rows (table row runs) still to compute in context: in the first prefill step
     recompute_runs: list[tuple[int, int]] = field(default_factory=list)
+    runs: list[tuple[int, int]] = field(default_factory=list)  # all of them: again after a let-go
     keys: list[str] = field(default_factory=list)  # the pieces' keys, in table order
     private: list[int] = field(default_factory=list)  # table indices of the recovery copies
     let_go: bool = False  # the holds were let go while it waited (``PromptModules.let_go``)

@@ -46,7 +46,9 @@ def test_deltas_rebuild_every_cumulative_output(steps, logprobs: bool) -> None:
             tops = [[(t, -1.0)] for t in tokens[i]] if logprobs else None
             reason = "length" if finished else None
             outs.append(CompletionOutput(i, texts[i], list(tokens[i]), reason, None, lps, tops))
-        sent = RequestOutput("r", "p", prompt_ids, outs, finished, 3, 0, 0, 0, {"arrival_time": 1.0})
+        error = "why it ended" if finished and logprobs else None  # the engine's reason travels too
+        times = {"arrival_time": 1.0}
+        sent = RequestOutput("r", "p", prompt_ids, outs, finished, 3, 0, 0, 0, times, error=error)
         got = decoder.decode(pickle_round_trip(encoder.encode(sent)))
         assert got == sent
     assert not encoder._sent and not decoder._state  # a finished request is forgotten on both sides

@@ -344,7 +344,7 @@ class Admission:
         seq = req.sequences[0]
         blocks = self.engine.blocks
         bs = blocks.block_size
-        start = len(req.modules.blocks) if req.modules is not None else 0  # Prompt Cache: computed
+        start = len(req.modules.digests) if req.modules is not None else 0  # Prompt Cache: computed
         digests = blocks.digests(seq, blocks.cacheable_blocks(seq))[start:]
         claimed, cached = self._claimed, self.engine.pool.cached_block
         known = 0

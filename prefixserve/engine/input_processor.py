@@ -183,7 +183,7 @@ class InputProcessor:
             req.modules = HeldModules(
                 modules.blocks, modules.digests, modules.holes, modules.module_tokens,
                 modules.recomputed_tokens, modules.private_rows, modules.recompute_runs,
-                modules.keys, modules.private, modules.let_go,
+                list(modules.recompute_runs), modules.keys, modules.private, modules.let_go,
             )  # fmt: skip
             req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
         self.new_sequence(req, 0, ids[:], positions[:])  # copies of the arrays (C speed, no re-typing)

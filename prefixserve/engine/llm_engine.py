@@ -105,7 +105,7 @@ class Engine(EngineServices):
         self._finished_outputs: list[RequestOutput] = []
         self.structured: StructuredDecoding | None = None  # made at the first constrained request
         self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
-        holds = WaitingModuleHolds(self.modules, self.requests, self._to_recover)  # for a stuck queue
+        holds = WaitingModuleHolds(self.modules, self.requests, self._to_recover, self._fail_request)
         self.scheduler.reclaim, self.scheduler.ready = holds.reclaim, holds.ready
         self.scheduler.refuse = self._refuse
         self.spill: PrefixSpill | None = None
@@ -449,10 +449,17 @@ class Engine(EngineServices):
             self._finished_outputs.append(self._output(req))
 
     def _refuse(self, seq: Sequence, why: str) -> None:
-        """End a request the scheduler can never start (``Scheduler._unstick``), saying why."""
+        """End a request the scheduler can never start (``Scheduler._unstick``), saying why. Not while
+        a step is in flight: its tokens may end the very sequence that preempted itself for a block
+        (launch-ahead schedules before the tokens ahead of it are checked); the next step asks again."""
+        if self._launched is not None:
+            return
         log.warning("request %s ended: %s", seq.request.request_id, why)
         seq.request.error = why
         self._finish_request(seq.request, "error")
+
+    def _fail_request(self, req: Request) -> None:
+        self._finish_request(req, "error")
 
     def _retire(self, req: Request) -> bool:
         """Take a finished request out of the engine; False if it was already out (reported).

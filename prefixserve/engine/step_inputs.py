@@ -34,12 +34,14 @@ def recompute_runs(sched: SchedulerOutput, to_recover: set[Request]) -> list[Rec
     """
     if not to_recover:  # nearly every step: no pass over the batch
         return []
-    return [
-        (s.seq, a, b)
-        for s in sched.scheduled
-        if s.seq.request.modules is not None
-        for a, b in s.seq.request.modules.recompute_runs
-    ]
+    runs: list[RecomputeRun] = []
+    seen: set[Request] = set()  # samples of one request share its copies: their rows go once
+    for s in sched.scheduled:
+        req = s.seq.request
+        if req in to_recover and req not in seen and req.modules is not None:
+            seen.add(req)
+            runs += [(s.seq, a, b) for a, b in req.modules.recompute_runs]
+    return runs
 
 
 def take_recompute_ids(sched: SchedulerOutput, to_recover: set[Request]) -> list[int]:

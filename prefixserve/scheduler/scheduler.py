@@ -77,12 +77,13 @@ class Scheduler:
         # digest of a prompt block -> the running sequence that will compute it
         self._in_flight = PromptsInFlight()
         # The engine's hooks for blocks held outside every sequence (``engine/module_holds.py``).
-        # ``reclaim(head)``: frees what it can when the scheduler is stuck behind ``head``
-        # (``_unstick``) and returns how many blocks that freed; ``ready(seq)``: may ``seq`` be
-        # admitted now (False: not yet, the blocks it must hold first have no room).
-        self.reclaim: Callable[[Sequence], int] | None = None
+        # ``reclaim(head, own)``: frees what it can when the scheduler is stuck behind ``head``
+        # (``_unstick``; ``own``: what the head itself may do without) and returns how many blocks
+        # that freed; ``ready(seq)``: may ``seq`` be admitted now (False: not yet, the blocks it must
+        # hold first have no room; or it ended trying). ``refuse(seq, why)``: end a head that can
+        # never start, saying why.
+        self.reclaim: Callable[[Sequence, bool], int] | None = None
         self.ready: Callable[[Sequence], bool] | None = None
-        # ``refuse(seq, why)``: end a head that can never start (the engine's ``_finish_request``)
         self.refuse: Callable[[Sequence, str], None] | None = None
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
@@ -263,6 +264,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if self.ready is not None and not self.ready(seq):
+                if seq.status is SeqStatus.FINISHED:  # ended trying (its request failed)
+                    continue
                 self.waiting.appendleft(seq)
                 break
             hit = self.blocks.match_prefix(seq)
@@ -297,30 +300,36 @@ class Scheduler:
 
     def _unstick(self, out: SchedulerOutput, budget: int) -> int:
         """Idle, yet the queue's head does not fit beside blocks held for later use: the groups' held
-        prefixes (their blocks stay cached) and what ``reclaim`` lets go (the Prompt Cache holds of
-        requests waiting behind it, and pieces no request holds, moved to host memory). Without this
-        the head would wait forever. A head that still does not fit never will: it is refused."""
+        prefixes (their blocks stay cached), then what ``reclaim`` lets go (the Prompt Cache holds of
+        the requests waiting behind it, pieces no request holds, and last the head's own recovery
+        copies). Without this the head would wait forever. A head that still does not fit never
+        will: nothing but pinned blocks and its own is held. It is refused."""
         head = self.waiting[0]
         freed = False
         for job in set(self._group_of.values()):
             freed = freed or bool(job.held)
             job.let_go(self.blocks.pool)
-        if self.reclaim is not None:
-            freed = self.reclaim(head) > 0 or freed
-        if freed:
-            budget = self._admit(out, budget)
-        if not self.running and self.waiting and self.waiting[0] is head and self.refuse is not None:
+        for own in (False, True):
+            if self.reclaim is not None:
+                freed = self.reclaim(head, own) > 0 or freed
+            if freed:
+                budget = self._admit(out, budget)
+            if self.running or not self.waiting or self.waiting[0] is not head:
+                return budget
+            freed = False
+        if self.refuse is not None:
             self.refuse(head, self._why_stuck(head))
         return budget
 
     def _why_stuck(self, seq: Sequence) -> str:
+        """The refusal's message: the numbers, and what holds the rest of the pool."""
         pool = self.blocks.pool
         need = self.blocks.blocks_needed(seq.num_tokens)
         return (
-            f"the KV pool cannot hold this request: its prompt needs {need} blocks of "
-            f"{self.blocks.block_size} tokens and, with nothing else running, {pool.num_free} of the "
-            f"pool's {pool.num_blocks} are free (the rest are pinned: Prompt Cache modules registered "
-            "with pin=True, or this prompt's own modules); add KV blocks or pin less"
+            f"the KV pool cannot hold this request: its {seq.num_tokens} tokens need {need} blocks of "
+            f"{self.blocks.block_size} and, with nothing else running, {pool.num_free} of the pool's "
+            f"{pool.num_blocks} are free; the rest hold pinned prompts (schemas registered with "
+            "pin=True, or system prompts) or this request's own modules. Add KV blocks or pin less"
         )
 
     # ---- offline groups (BatchLLM) ---------------------------------------------------------------

@@ -392,8 +392,9 @@ async def _first_outputs(
     state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
 ) -> dict[str, RequestOutput] | None:
     """A stream's first outputs (its first token, or its end), before anything is sent: a request
-    dropped from the queue past its deadline is then a 429, not a 200 and an error event. None if
-    the client left meanwhile (its requests are aborted)."""
+    dropped from the queue past its deadline is then a 429, and one the KV pool can never hold a
+    400, not a 200 and an error event. None if the client left meanwhile (its requests are
+    aborted)."""
     abort = True
     try:
         while True:
@@ -405,6 +406,9 @@ async def _first_outputs(
                 continue
             if any(dropped(out) for out in latest.values()):
                 raise deadline_error(state.loop)
+            refused = engine_failure(out for out in latest.values() if out.error)
+            if refused is not None:
+                raise refused
             abort = False
             return latest
     finally:
@@ -528,7 +532,7 @@ async def _answer(
     if isinstance(sink, StreamSink):
         try:
             first = await _first_outputs(state, request, ids, sink)
-        except APIError:  # dropped for its deadline: the 429 ends the "to_client" stage
+        except APIError:  # dropped for its deadline (429), or refused (400): ends the "to_client" stage
             setattr(request.state, FIRST_OUTPUT, sink.first_received)
             raise
         setattr(request.state, FIRST_OUTPUT, sink.first_received)

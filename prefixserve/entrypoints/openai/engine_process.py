@@ -102,6 +102,7 @@ class OutputEncoder:
             out.num_recomputed_tokens,
             out.module_rows_shared,
             out.module_rows_private,
+            out.error,
         )
         return out.request_id, out.finished, head, choices, counts, out.metrics
 
@@ -139,7 +140,8 @@ class OutputDecoder:
             outputs.append(CompletionOutput(index, acc[0], acc[1], finish, stop, acc[2], acc[3]))
         if finished:
             self._state.pop(rid, None)
-        cached, recomputed, shared, private = counts
+        cached, recomputed, shared, private, error = counts
+        prompt_lp += [None] * (2 - len(prompt_lp))
         return RequestOutput(
             rid,
             prompt,
@@ -152,6 +154,7 @@ class OutputDecoder:
             private,
             metrics,
             *prompt_lp,
+            error=error,
         )
 
     def forget(self, request_id: str) -> None:
