@@ -129,6 +129,11 @@ class HeldModules:
     let_go: bool = False  # the holds were let go while it waited (``PromptModules.let_go``)
 
     @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens served from the modules' KV (the recomputed rows are computed again)."""
+        return self.tokens - self.recomputed_tokens
+
+    @property
     def uncounted_tokens(self) -> int:
         """Table rows that are not prompt tokens served from cache: holes and recomputed rows."""
         return self.holes + self.recomputed_tokens

@@ -181,11 +181,13 @@ class InputProcessor:
         req = Request(request_id, prompt, ids, positions, params, cache_salt, stream=stream)
         if modules is not None:
             req.modules = HeldModules(
-                modules.blocks, modules.digests, modules.holes, modules.module_tokens,
-                modules.recomputed_tokens, modules.private_rows, modules.recompute_runs,
-                list(modules.recompute_runs), modules.keys, modules.private, modules.let_go,
+                blocks=modules.blocks, digests=modules.digests, holes=modules.holes,
+                tokens=modules.module_tokens, recomputed_tokens=modules.recomputed_tokens,
+                private_rows=modules.private_rows, recompute_runs=modules.recompute_runs,
+                runs=list(modules.recompute_runs), keys=modules.keys, private=modules.private,
+                let_go=modules.let_go,
             )  # fmt: skip
-            req.num_cached_tokens = modules.module_tokens - modules.recomputed_tokens
+            req.num_cached_tokens = req.modules.reused_tokens
         self.new_sequence(req, 0, ids[:], positions[:])  # copies of the arrays (C speed, no re-typing)
         return req
 

@@ -176,7 +176,7 @@ class Engine(EngineServices):
         held = req.modules
         self.counters["prompt_tokens_total"] += req.num_prompt_tokens - (held.holes if held else 0)
         if held is not None:
-            self.counters["module_tokens_reused_total"] += held.tokens - held.recomputed_tokens
+            self.counters["module_tokens_reused_total"] += held.reused_tokens
         return req
 
     def add_group(self, requests: list[Request], prefix_len: int) -> None:

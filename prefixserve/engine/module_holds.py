@@ -49,7 +49,7 @@ class WaitingModuleHolds:
             computed = head.request not in self.to_recover  # it ran them, then was preempted
             self.modules.drop_recovery(held, head.request.cache_salt, computed)
             self.to_recover.discard(head.request)
-            head.request.num_cached_tokens = held.tokens - held.recomputed_tokens
+            head.request.num_cached_tokens = held.reused_tokens
             for seq in head.request.sequences:
                 seq.block_digests = list(held.digests)
         else:

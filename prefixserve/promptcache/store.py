@@ -264,8 +264,12 @@ class PromptModules(PieceTiers):
                     raise
         if not mp.recompute_runs:
             mp.recompute = NONE  # nothing recomputed: the plain Prompt Cache KV
-        mp.digests = self._digests([(e.key, -(-e.rows // bs)) for e in entries], mp.recompute, salt)
+        mp.digests = self._stand_ins(entries, mp.recompute, salt)
         return mp
+
+    def _stand_ins(self, entries: list[ModuleEntry], recompute: Recompute, salt: str | None) -> list[bytes]:
+        """The stand-in digests of a table's module blocks (each piece's key and block count)."""
+        return self._digests([(e.key, -(-e.rows // self.block_size)) for e in entries], recompute, salt)
 
     def _skip_recovery(self, setting: Recompute) -> None:
         self.counters["module_recompute_skipped_total"] += 1
@@ -398,8 +402,7 @@ class PromptModules(PieceTiers):
         held.private_rows = 0
         if not computed:
             held.recomputed_tokens = 0
-        pieces = [(key, -(-self.entries[key].rows // self.block_size)) for key in held.keys]
-        held.digests = self._digests(pieces, NONE, salt)
+        held.digests = self._stand_ins([self.entries[key] for key in held.keys], NONE, salt)
         self.counters["module_recompute_skipped_total"] += 1
         log.info("module recovery dropped: the request fits the KV pool only without its copies")
 
