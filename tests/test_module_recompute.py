@@ -170,6 +170,7 @@ def test_recomputed_rows_never_reach_the_shared_blocks(tiny_config_path) -> None
     assert stored.keys() == after.keys()
     for key, kv in stored.items():
         assert torch.equal(kv, after[key]), key
+    llm.reset_prefix_cache()  # the questions' blocks are computed again, as the first time
     again = llm.generate(PROMPTS, PARAMS, module_recompute="none")
     for x, y in zip(before, again, strict=True):
         assert gap(x, y) == 0.0
@@ -239,6 +240,7 @@ def test_bad_settings_are_refused_and_the_engine_goes_on(tiny_config_path) -> No
     assert len(llm.generate(PROMPTS[0], PARAMS, module_recompute="link:3")[0].outputs[0].token_ids) == 8
 
 
+@pytest.mark.usefixtures("default_tokenizer")  # its pool sizes
 def test_a_pool_short_of_blocks_runs_without_recovery_rather_than_refusing(tiny_config_path) -> None:
     """Private copies are held for a request's life: with the pool near its reserve the request
     runs as plain Prompt Cache (and says so), never refused, and equals the ``none`` path."""
@@ -254,6 +256,7 @@ def test_a_pool_short_of_blocks_runs_without_recovery_rather_than_refusing(tiny_
     assert_only_modules_held(llm)
 
 
+@pytest.mark.usefixtures("default_tokenizer")  # its pool sizes
 def test_preemption_keeps_recovered_prompts_exact(tiny_config_path) -> None:
     want = None
     for blocks in (256, 34):

@@ -82,6 +82,21 @@ def test_a_shared_prefix_lands_on_one_replica(endpoint: str) -> None:
     assert chat(model="default", messages=turn, max_tokens=2).headers[REPLICA_HEADER] == first
 
 
+def test_a_prefix_cache_reset_reaches_every_replica(endpoint: str) -> None:
+    def cached_tokens() -> int:
+        out = rc.client(endpoint).completions.create(
+            model="default", prompt=SHARED + "Open when?", max_tokens=2
+        )
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    cached_tokens()
+    assert cached_tokens() > 0
+    r = httpx.post(endpoint + "/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["reset"] is True and r.json()["replicas"] == {"replica-0": True, "replica-1": True}
+    assert cached_tokens() == 0
+
+
 def test_a_killed_replica_fails_its_stream_the_rest_is_served_and_it_comes_back(endpoint: str) -> None:
     with rc.long_stream(endpoint, "Tell a long story.") as r:
         lines = rc.started(r)

@@ -329,6 +329,21 @@ def assert_error(response: httpx.Response, status: int, words: str) -> dict[str,
     return error
 
 
+def test_reset_prefix_cache_in_every_engine_mode(http: httpx.Client, server: ServerThread) -> None:
+    body = {"prompt": f"Session {uuid.uuid4().hex}. " + SYSTEM, "max_tokens": 2, "temperature": 0}
+
+    def cached_tokens() -> int:
+        usage = http.post("/v1/completions", json=body).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached_tokens() == 0 and cached_tokens() >= 64
+    wait_pool_empty(server)
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json()["reset"] is True, r.text
+    assert cached_tokens() == 0
+    wait_pool_empty(server)
+
+
 @pytest.mark.parametrize(
     ("route", "body", "status", "words"), [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS]
 )

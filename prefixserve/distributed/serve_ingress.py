@@ -34,6 +34,7 @@ from prefixserve.distributed.router import Router, RoutingPolicy
 from prefixserve.distributed.serve_metrics import merge_replica_metrics
 from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.cache_routes import RESET_ROUTE
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.kv.cache_events import prompt_digests
@@ -191,7 +192,7 @@ class IngressCore:
             digests, session = await self.routing_key(path, body, request.headers)
         else:
             digests, session = [], None
-        if request.method != "GET" and path.startswith("/v1/schemas"):
+        if request.method != "GET" and (path.startswith("/v1/schemas") or path == RESET_ROUTE):
             return await self._broadcast(request, body)
         name = self.replicas.choose(digests, session)
         return await self._call(name, request, body)
@@ -249,12 +250,16 @@ class IngressCore:
         return StreamingResponse(relay(), status_code=start["status"], headers=headers)
 
     async def _broadcast(self, request: Request, body: bytes) -> Response:
-        """Schema changes go to every healthy replica; the first one's answer is returned."""
+        """Schema changes and prefix-cache resets go to every healthy replica; the first one's answer
+        is returned, except that a reset says ``reset: true`` only where every replica's did."""
         names = sorted(self.replicas.healthy)
         if not names:
             raise APIError(503, "no engine replica is serving now; retry shortly")
         answers = await asyncio.gather(*(self._call(n, request, body) for n in names))
-        return answers[0]
+        if request.url.path != RESET_ROUTE or any(a.status_code != 200 for a in answers):
+            return answers[0]
+        each = {n: bool(json.loads(bytes(a.body)).get("reset")) for n, a in zip(names, answers, strict=True)}
+        return JSONResponse({"object": "prefix_cache_reset", "reset": all(each.values()), "replicas": each})
 
     async def health(self) -> Response:
         await self.replicas.ready()

@@ -26,6 +26,7 @@ class EngineServices:
 
     runner: Any
     pool: Any
+    spill: Any
     modules: Any
     tokenizer: Any
     stats: Any
@@ -34,6 +35,7 @@ class EngineServices:
     config: Any
     eos_ids: set[int]
     _finished_outputs: list[Any]
+    requests: dict[str, Any]
 
     def shutdown(self) -> None:
         """Release the device side: under tensor parallelism, stop the worker processes."""
@@ -115,6 +117,19 @@ class EngineServices:
     def is_pml_prompt(self, prompt: str) -> bool:
         """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document."""
         return is_pml_prompt(prompt)
+
+    # ---- the prefix cache ------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget the automatic prefix cache (as vLLM's ``reset_prefix_cache``): every cached block
+        nobody holds leaves the index, and the prefix blocks spilled to host memory are dropped, so
+        later prompts compute their tokens again. Pinned system prompts, Prompt Cache modules and the
+        blocks of requests still in the engine keep theirs. True when nothing but pins is left: no
+        request was in the engine (else call it again once they have finished)."""
+        gpu = self.pool.forget_unheld()
+        host = self.spill.forget() if self.spill is not None else 0
+        self.stats.counters["prefix_cache_resets_total"] += 1
+        self.stats.counters["prefix_cache_reset_blocks_total"] += gpu + host
+        return not self.requests
 
     # ---- observability -------------------------------------------------------------------------
     @property

@@ -35,6 +35,8 @@ COUNTERS = (
     "steps_total",
     "preemptions_total",
     "batched_tokens_total",
+    "prefix_cache_resets_total",
+    "prefix_cache_reset_blocks_total",
 )
 
 DEVICE_TIMERS = (

@@ -167,6 +167,11 @@ class LLM:
     def unregister_schema(self, name: str) -> None:
         self.engine.unregister_schema(name)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (``Engine.reset_prefix_cache``): later prompts compute their tokens
+        again. Pins stay. True unless requests were still in the engine."""
+        return self.engine.reset_prefix_cache()
+
     def schemas(self) -> list[dict[str, Any]]:
         """The registered schemas: name, modules, positions spanned, pieces and their tokens."""
         return self.engine.list_schemas()

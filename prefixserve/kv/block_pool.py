@@ -262,6 +262,21 @@ class BlockPool:
         if self.cache_events is not None:
             self.cache_events.added(digest)
 
+    def forget_unheld(self) -> int:
+        """Take every block nobody holds out of the prefix index (a prefix-cache reset): they stay free,
+        uncached, and are handed out first. Held blocks keep their entries. Returns how many left."""
+        forgotten = [b for b in self._free if b in self._digest_of]
+        for b in reversed(forgotten):  # in LRU order at the free list's head, like other uncached blocks
+            digest = self._digest_of.pop(b)
+            del self._block_of[digest]
+            self._free.move_to_end(b, last=False)
+            if self.cache_events is not None:
+                self.cache_events.removed(digest)
+        if forgotten:
+            self._stamp[forgotten] = 0
+            self._version += 1
+        return len(forgotten)
+
     def cached_digests(self) -> list[bytes]:
         """Every digest in the prefix index now (a router's snapshot of this pool)."""
         return list(self._block_of)

@@ -65,6 +65,16 @@ class PrefixSpill:
         if slot is not None:
             self.slots.release([slot], ready)
 
+    def forget(self) -> int:
+        """Drop every prefix block held in host memory (a prefix-cache reset; Prompt Cache modules in
+        the same tier stay); their slots come back once any copy still filling them is done."""
+        keys = list(self._slot_of)  # the tier's prefix entries: a dropped one gives its slot back at once
+        for key in keys:
+            taken = self.host.take(key)
+            ready = taken[1] if taken is not None else None
+            self.slots.release([self._slot_of.pop(key)], ready)
+        return len(keys)
+
     def save(self, evicted: list[tuple[int, bytes]]) -> None:
         """Copy evicted blocks' KV to host slots: one gather, one copy per slot run, no wait."""
         fit = self.host_capacity_blocks

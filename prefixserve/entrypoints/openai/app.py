@@ -35,6 +35,7 @@ from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.engine.input_processor import check_context
 from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 from prefixserve.entrypoints.openai.overload import (
@@ -476,6 +477,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     _add_chat_routes(app, state)
     add_schema_routes(app, state)
     add_tokenizer_routes(app, state)
+    add_cache_routes(app, state)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:

@@ -57,6 +57,8 @@ _COUNTERS = {
     "kernel_compiles_serving_total": "Triton kernels compiled after start-up (each stalls every stream)",
     "kernel_compile_serving_seconds_total": "host time those serve-time compiles took",
     "prefix_cache_evicted_blocks_total": "cached KV blocks evicted to make room (least recently used first)",
+    "prefix_cache_resets_total": "prefix-cache resets (POST /reset_prefix_cache, LLM.reset_prefix_cache)",
+    "prefix_cache_reset_blocks_total": "cached KV blocks those resets dropped (device and host memory)",
     "kv_scattered_allocations_total": "allocations of 16+ blocks split into runs (no free run long enough)",
     "kv_run_evicted_blocks_total": "cached KV blocks evicted to give a long allocation one run of block ids",
     # Prompt Cache: schemas' modules
