@@ -101,7 +101,8 @@ class Sequence:
         (with ``upto``, only as far as the first ``upto`` output tokens)."""
         detok = self.detokenizer
         if detok is None:
-            detok = self.detokenizer = IncrementalDetokenizer(tokenizer, context=self.prompt_tail())
+            skip = self.request.params.skip_special_tokens
+            detok = self.detokenizer = IncrementalDetokenizer(tokenizer, skip, context=self.prompt_tail())
         start = self.num_prompt_tokens + detok.num_ids
         end = len(self.token_ids) if upto is None else min(len(self.token_ids), self.num_prompt_tokens + upto)
         if start < end:

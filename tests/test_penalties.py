@@ -1,5 +1,6 @@
-"""Penalties and logit_bias (sampling/penalties.py): the vectorized batch path equals a per-row plain
-reference; the device-kept counts are right under launch-ahead; each control does what its definition says."""
+"""Penalties, logit_bias and allowed_token_ids (sampling/penalties.py): the vectorized batch path equals
+a per-row plain reference; the device-kept counts are right under launch-ahead; each control does what
+its definition says."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def reference(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output
     out = logits.clone()
     for t, b in (p.logit_bias or {}).items():
         out[t] += b
+    if p.allowed_token_ids is not None:
+        out[[t for t in range(len(out)) if t not in p.allowed_token_ids]] = float("-inf")
     counts = Counter(output)
     for t in set(prompt) | set(output):
         x = out[t].item()
@@ -37,6 +40,7 @@ row = st.fixed_dictionaries(
         "frequency_penalty": penalty,
         "repetition_penalty": st.sampled_from([1.0, 0.5, 1.3, 2.0]),
         "logit_bias": st.none() | st.dictionaries(st.integers(0, 30), st.floats(-100, 100), max_size=4),
+        "allowed_token_ids": st.none() | st.lists(st.integers(0, 40), min_size=1, max_size=6),  # 31+: none
     }
 )
 

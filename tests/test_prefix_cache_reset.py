@@ -9,6 +9,7 @@ nothing leaks, and the next prompt computes its tokens again with the same greed
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
@@ -66,7 +67,7 @@ def test_a_reset_makes_the_next_prompt_compute_again_with_the_same_output(tiny_c
 
 
 def test_pins_and_running_requests_keep_their_blocks(tiny_config_path) -> None:
-    system = "You answer questions about the travel desk, briefly and politely. " * 2
+    system = "You answer questions about the travel desk."
     llm = tiny(tiny_config_path, system_prompts={"desk": system})
     pinned = llm.metrics()["kv_blocks_pinned"]
     assert pinned > 0
@@ -92,6 +93,7 @@ def test_pins_and_running_requests_keep_their_blocks(tiny_config_path) -> None:
     engine.pool.check_integrity()
 
 
+@pytest.mark.usefixtures("default_tokenizer")  # the PML prompts' lengths
 def test_host_prefix_entries_go_and_prompt_modules_stay(tiny_config_path) -> None:
     llm = tiny(tiny_config_path, num_kv_blocks=40, spill_prefix_cache=True, module_recompute="none")
     llm.register_schema(SCHEMA)

@@ -219,8 +219,8 @@ def test_launch_ahead_equals_one_synchronous_process(
 
 
 def test_min_tokens_ban_equals_one_process(one_kv_head: Path) -> None:
-    """Stops banned under min_tokens (on rank 0's gathered logits, so never the sharded argmax) over 2
-    ranks, launched ahead: the tokens one process gives, greedy and seeded."""
+    """Stops banned under min_tokens, and allowed_token_ids (on rank 0's gathered logits, so never the
+    sharded argmax) over 2 ranks, launched ahead: the tokens one process gives, greedy and seeded."""
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 300, 42], [8, 9, 10])]
     kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
     skew = {999: 50.0, 2: 40.0}  # the stop id, then EOS, far ahead of every other token
@@ -230,9 +230,14 @@ def test_min_tokens_ban_equals_one_process(one_kv_head: Path) -> None:
         )
         for t in (0.0, 1.0)
     ]
+    allowed = [3, 77, 999, 2]  # allowed_token_ids: the same mask, on the same gathered logits
+    cases += [
+        SamplingParams(max_tokens=8, temperature=t, seed=5, allowed_token_ids=allowed) for t in (0.0, 1.0)
+    ]
     single = LLM(**kwargs)
     want = [[list(c.token_ids) for o in single.generate(prompts, p) for c in o.outputs] for p in cases]
-    assert all(len(ids) == 7 and ids[-1] == 999 and 2 not in ids for w in want for ids in w)
+    assert all(len(ids) == 7 and ids[-1] == 999 and 2 not in ids for w in want[:2] for ids in w)
+    assert all(set(ids) <= set(allowed) for w in want[2:] for ids in w)
     with LLM(tensor_parallel_size=2, async_scheduling=True, **kwargs) as tp:
         got = [[list(c.token_ids) for o in tp.generate(prompts, p) for c in o.outputs] for p in cases]
         assert got == want

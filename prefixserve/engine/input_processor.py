@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prefixserve.engine.model_runner import ModelRunner
-from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt
+from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_last
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.promptcache.recompute import parse_recompute
@@ -99,6 +99,16 @@ class InputProcessor:
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             bad = max(params.logit_bias)
             raise ValueError(f"logit_bias names token id {bad}, not in the vocabulary [0, {self.vocab_size})")
+        if params.allowed_token_ids and params.allowed_token_ids[-1] >= self.vocab_size:
+            bad = params.allowed_token_ids[-1]
+            raise ValueError(
+                f"allowed_token_ids names token id {bad}, not in the vocabulary [0, {self.vocab_size})"
+            )
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None and (application is not None or prompt_positions is not None):
+            raise ValueError(
+                "truncate_prompt_tokens cannot be combined with an application or prompt_positions"
+            )
         if stream and params.num_samples > params.n:
             raise ValueError("best_of > n cannot be streamed (the n best are known only at the end)")
         if module_recompute is not None:
@@ -108,8 +118,9 @@ class InputProcessor:
         if prompt_token_ids is None and prompt is not None and is_pml_prompt(prompt):
             if application is not None or prompt_positions is not None:
                 raise ValueError("a PML prompt takes neither application nor prompt_positions")
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs are not available for PML (Prompt Cache) prompts")
+            if params.prompt_logprobs is not None or truncate is not None:
+                what = "prompt_logprobs are" if truncate is None else "truncate_prompt_tokens is"
+                raise ValueError(f"{what} not available for PML (Prompt Cache) prompts")
             mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # held now, or at admission
             try:
                 tokens, positions = mp.token_ids, mp.positions
@@ -126,6 +137,9 @@ class InputProcessor:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
             prompt_token_ids = encode_prompt(tokenizer, prompt)
         tokens = int_list(prompt_token_ids, "prompt_token_ids")
+        if truncate is not None:
+            kept = keep_last(tokens, truncate, params.max_tokens, max_model_len)
+            prompt, tokens = (prompt, tokens) if len(kept) == len(tokens) else (None, kept)  # text: all of it
         system = None
         if application is not None:
             system = self.system_prompt_kv.get(application)

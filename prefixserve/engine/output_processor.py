@@ -17,7 +17,8 @@ from prefixserve.sequence import Request, Sequence
 
 
 def output_text(seq: Sequence, tokenizer: Any) -> str:
-    """The output's text, as ``decode(output ids, skip_special_tokens=True)`` gives it.
+    """The output's text, as ``decode(output ids, skip_special_tokens=...)`` gives it (the request's
+    ``skip_special_tokens``, True by default).
 
     Incremental: the sequence's detokenizer decodes only what was appended since the last call.
     """
@@ -48,7 +49,7 @@ def sample_text(seq: Sequence, tokenizer: Any) -> str:
         before = seq.num_tokens - seq.num_prompt_tokens - 1  # the tokens before the stop token
         detok = seq.detokenizer
         if detok is not None and detok.num_ids > before:  # fed past it already: decode afresh
-            fresh = IncrementalDetokenizer(tokenizer, context=seq.prompt_tail())
+            fresh = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, context=seq.prompt_tail())
             fresh.add(seq.output_token_ids[:before])
             return fresh.full_text
         return seq.detokenize(tokenizer, upto=before).full_text

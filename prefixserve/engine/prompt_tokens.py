@@ -45,6 +45,16 @@ def encode_prompts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [_one_bos(ids, bos) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
 
+def keep_last(ids: list[int], keep: int | None, max_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: a prompt's last ``keep`` ids (left truncation); -1 keeps as many
+    as leave room in the context for ``max_tokens`` (for one token where it is None)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max(1, max_model_len - (max_tokens or 1))
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def behind_pinned(head: list[int], ids: list[int], tokenizer: Any) -> list[int]:
     """``ids`` with the pinned prompt ``head`` in front: as they are if they start with it, else
     ``head`` then ``ids`` less a leading BOS that ``head`` opens with too."""
@@ -56,4 +66,4 @@ def behind_pinned(head: list[int], ids: list[int], tokenizer: Any) -> list[int]:
     return head + ids
 
 
-__all__ = ["added_bos", "behind_pinned", "encode_prompt", "encode_prompts"]
+__all__ = ["added_bos", "behind_pinned", "encode_prompt", "encode_prompts", "keep_last"]

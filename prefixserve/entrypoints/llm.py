@@ -114,6 +114,8 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         application: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
@@ -121,6 +123,8 @@ class LLM:
         system prompt, so they reuse its precomputed KV. A conversation whose first message is a
         Prompt Cache ``<prompt schema="...">`` document runs over that schema's modules, its later
         messages following as turns (``add_generation_prompt`` does not apply: see the README).
+        ``continue_final_message`` (with ``add_generation_prompt=False``) leaves the last message open,
+        so the model goes on with it; ``chat_template_kwargs`` are more variables for the template.
         """
         if not messages:
             raise ValueError("no messages given")
@@ -142,7 +146,7 @@ class LLM:
                 c = [{"role": "system", "content": system}, *c]  # type: ignore[list-item]
             else:
                 system = None
-            text = self.render_chat(c, add_generation_prompt)  # type: ignore[arg-type]
+            text = self.render_chat(c, add_generation_prompt, continue_final_message, chat_template_kwargs)  # type: ignore[arg-type]
             leads = opens_with_pinned(self.engine.tokenizer, text, system)
             prompts.append({"prompt": text, "application": application if leads else None})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -185,9 +189,19 @@ class LLM:
 
         return run_batch_file(self.engine, path_in, path_out, grouping, progress)
 
-    def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        conversation: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The conversation as prompt text: through the chat template, or one PML prompt when it opens
         with a ``<prompt>`` document."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt=False (the last message goes on)"
+            )
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
@@ -196,8 +210,11 @@ class LLM:
             return pml
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template: pass prompt_token_ids")
+        extra = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            extra["continue_final_message"] = True
         return self.engine.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
 
     def stream(

@@ -45,6 +45,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and top-k
     # the output must match a JSON schema, a regex, a choice or a grammar (``prefixserve.structured``)
     structured_outputs: StructuredOutputs | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be chosen (every other logit: -inf)
+    skip_special_tokens: bool = True  # the output's text leaves special tokens out (as decode does)
+    # keep the prompt's last k tokens (left truncation); -1: as many as leave room for max_tokens
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = as_structured(self.structured_outputs)
@@ -93,6 +97,8 @@ class SamplingParams:
                 raise ValueError(message)
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
 
     @property
     def num_samples(self) -> int:
@@ -107,7 +113,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Anything that changes the logits before the choice (false: the fast path, untouched)."""
-        return self.needs_counts or bool(self.logit_bias)
+        return self.needs_counts or bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def wants_chosen_logprobs(self) -> bool:
@@ -168,11 +174,32 @@ def _processing_checks(p: SamplingParams) -> list[tuple[bool, str]]:
             p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
         ),
+        (
+            p.allowed_token_ids is None
+            or (
+                isinstance(p.allowed_token_ids, list | tuple | set)
+                and len(p.allowed_token_ids) > 0
+                and all(map(_is_token_id, p.allowed_token_ids))
+            ),
+            "allowed_token_ids must be a non-empty list of token ids (integers >= 0)",
+        ),
+        (
+            p.truncate_prompt_tokens is None
+            or (
+                _is_int(p.truncate_prompt_tokens)
+                and (p.truncate_prompt_tokens >= 1 or p.truncate_prompt_tokens == -1)
+            ),
+            "truncate_prompt_tokens must be an integer >= 1, or -1 (as many as leave room for max_tokens)",
+        ),
     ]
 
 
+def _is_int(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _is_token_id(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+    return _is_int(t) and t >= 0  # type: ignore[operator]
 
 
 def _is_id(k: object) -> bool:

@@ -1,9 +1,11 @@
-"""Logits processing before the choice: ``logit_bias``, then presence, frequency and repetition penalties.
+"""Logits processing before the choice: ``logit_bias``, ``allowed_token_ids``, then presence, frequency
+and repetition penalties.
 
 Definitions as vLLM's (OpenAI's for presence and frequency): with ``c[t]`` the count of token ``t`` in
 the sequence's output so far,
 
     logits[t] += logit_bias[t]
+    logits[t] = -inf                                   where allowed_token_ids is set and t not in it
     logits[t] /= rep if logits[t] > 0 else 1 / rep     where t is in the prompt or the output
     logits[t] -= frequency_penalty * c[t] + presence_penalty * (c[t] > 0)
 
@@ -61,6 +63,25 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         index = (small_tensor(rows, dev, torch.long), small_tensor(cols, dev, torch.long))
         logits.index_put_(index, small_tensor(vals, dev, logits.dtype), accumulate=True)
     return logits
+
+
+def apply_allowed_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Rows with ``allowed_token_ids``: every other logit of theirs set to -inf (in place; ids past the
+    vocabulary are no tokens)."""
+    rows = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return
+    vocab, dev = logits.shape[-1], logits.device
+    keep_rows, keep_ids = [], []
+    for i, r in enumerate(rows):
+        ids = [t for t in params[r].allowed_token_ids or () if t < vocab]
+        keep_rows += [i] * len(ids)
+        keep_ids += ids
+    masked = torch.full((len(rows), vocab), float("-inf"), dtype=logits.dtype, device=dev)
+    index = (small_tensor(keep_rows, dev, torch.long), small_tensor(keep_ids, dev, torch.long))
+    row_t = small_tensor(rows, dev, torch.long)
+    masked.index_put_(index, logits.index_select(0, row_t)[index])
+    logits.index_copy_(0, row_t, masked)
 
 
 def apply_penalties(
@@ -179,6 +200,7 @@ def process_logits(
     """The logits the choice is made from (a copy: the raw ones still give the logprobs) and what
     ``PenaltyState.record`` needs afterwards. ``ban``: min_tokens' banned stops (``min_tokens.py``)."""
     out = apply_logit_bias(logits.clone(), params)
+    apply_allowed_tokens(out, params)
     if ban is not None:
         ban.apply(out)
     return out, state.apply(out, params, keys, prompt_of)
@@ -193,6 +215,7 @@ __all__ = [
     "Penalized",
     "PenaltyState",
     "any_processing",
+    "apply_allowed_tokens",
     "apply_logit_bias",
     "apply_penalties",
     "process_logits",

@@ -260,17 +260,20 @@ def _add_error_handlers(app: FastAPI) -> None:
 # ---- submitting and collecting -----------------------------------------------------------------
 
 
-async def _tokenize(state: ServerState, text: str) -> list[int] | None:
+async def _tokenize(state: ServerState, text: str, special: bool = True) -> list[int] | None:
     """A plain text prompt's token ids, encoded in a worker thread (the tokenizer releases the GIL).
 
     Encoding on the engine thread stops every step for as long as it takes (~10 ms for an 8K-token
     prompt, ~35 ms for 16K): each arrival stalled all running streams. None leaves the text to the
     engine: a possible Prompt Cache prompt (``<prompt ...>``, parsed there), no tokenizer, or an error
-    (the engine then reports it as it would).
+    (the engine then reports it as it would). ``special=False``: without the tokenizer's BOS (a
+    completion's ``add_special_tokens``).
     """
     if state.tokenizer is None or is_pml_prompt(text):
         return None
     try:
+        if not special:
+            return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=False)
         return await asyncio.to_thread(encode_prompt, state.tokenizer, text)
     except Exception:
         return None
@@ -306,7 +309,8 @@ async def _submit(
                 _check_fits(state, prep, prompt)
         if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
             state.gate.check(deadline)
-        encoded = await asyncio.gather(*(_tokenize(state, t) for t in texts if t is not None))
+        special = getattr(req, "add_special_tokens", True)  # completions'; a chat's template has its own
+        encoded = await asyncio.gather(*(_tokenize(state, t, special) for t in texts if t is not None))
         encoded_iter = iter(encoded)
         for i, prompt in enumerate(prep.prompts):
             sub_id = f"{prep.rid}-{i}"

@@ -39,6 +39,16 @@ from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
+# ``apply_chat_template``'s own arguments: a request sets them through its fields (or not at all), never
+# through ``chat_template_kwargs``, whose keys the template reads as its variables (``enable_thinking``)
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
 
 @dataclass(kw_only=True)
 class OpenAIContext:
@@ -97,8 +107,36 @@ def check_model(ctx: OpenAIContext, name: str | None) -> None:
 
 
 def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 naming each field that is set to something this server does not do: a client that asks
+    for beam search or a ban on words must not get an answer made without them."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    refused = (
+        (req.use_beam_search, "use_beam_search", "beam search is not supported"),
+        (req.priority != 0, "priority", "priority scheduling is not supported: priority must be 0"),
+        (
+            bool(req.bad_words),
+            "bad_words",
+            "bad_words is not supported; allowed_token_ids or logit_bias ban tokens",
+        ),
+    )
+    for is_set, param, message in refused:
+        if is_set:
+            raise APIError(400, message, param=param)
+    if isinstance(req, ChatCompletionRequest):
+        if req.chat_template is not None:
+            raise APIError(
+                400, "chat_template is not taken from requests: the model's template applies", "chat_template"
+            )
+        if req.echo:
+            raise APIError(400, "echo is not supported on chat completions", param="echo")
+        if req.continue_final_message and req.add_generation_prompt:
+            message = "continue_final_message needs add_generation_prompt=false (the last message goes on)"
+            raise APIError(400, message, param="continue_final_message")
+        reserved = set(req.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS
+        if reserved:
+            message = f"chat_template_kwargs may not set {sorted(reserved)}: they are request fields"
+            raise APIError(400, message, param="chat_template_kwargs")
     if isinstance(req, CompletionRequest):
         if req.echo and req.stream:
             raise APIError(400, "echo cannot be combined with stream", param="echo")
@@ -135,6 +173,9 @@ def sampling(
             logit_bias=req.logit_bias or None,
             best_of=req.best_of if isinstance(req, CompletionRequest) else None,
             structured_outputs=structured,
+            allowed_token_ids=req.allowed_token_ids,
+            skip_special_tokens=req.skip_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")
@@ -201,7 +242,11 @@ def chat_prompt(
                 param="application",
             )
         return pml, None
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if req.continue_final_message:
+        extra["continue_final_message"] = True
+    if req.documents is not None:
+        extra["documents"] = req.documents
     if native:  # the template renders the tools itself
         extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
     try:
@@ -255,10 +300,20 @@ def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:
     return prepare_chat(ctx, data) if url.endswith("/chat/completions") else prepare_completion(ctx, data)
 
 
+def token_text(ctx: OpenAIContext, prep: Prepared) -> fmt.TokenText:
+    """How the request's logprobs name a token: its text, or with vLLM's ``return_tokens_as_token_ids``
+    ``token_id:<id>`` (a token whose text is not valid UTF-8 on its own stays identifiable)."""
+    return token_id_text if prep.req.return_tokens_as_token_ids else ctx.token_text
+
+
+def token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:
     """The non-streamed answer, from every prompt's final output in order."""
     if prep.chat:
-        body = fmt.chat_body(prep.rid, ctx.model, finals[0], ctx.token_text, prep.want_logprobs)
+        body = fmt.chat_body(prep.rid, ctx.model, finals[0], token_text(ctx, prep), prep.want_logprobs)
         if prep.tools is not None:
             for choice in body["choices"]:
                 text = choice["message"]["content"]
@@ -270,7 +325,7 @@ def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput
         finals = [fmt.without_completion(f) for f in finals]
     echoed = [_prompt_text(ctx, f) for f in finals] if prep.echo else None
     return fmt.completion_body(
-        prep.rid, ctx.model, finals, prep.params.n, ctx.token_text, prep.want_logprobs, echoed
+        prep.rid, ctx.model, finals, prep.params.n, token_text(ctx, prep), prep.want_logprobs, echoed
     )
 
 
@@ -286,15 +341,15 @@ def stream_state(ctx: OpenAIContext, prep: Prepared) -> fmt.StreamState:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if prep.tools is not None:
         return ToolStreamState(
-            prep.rid, ctx.model, prep.chat, prep.params.n, ctx.token_text, list(prep.params.stop or []),
-            prep.want_logprobs, include_usage, tools=prep.tools,
+            prep.rid, ctx.model, prep.chat, prep.params.n, token_text(ctx, prep),
+            list(prep.params.stop or []), prep.want_logprobs, include_usage, tools=prep.tools,
         )  # fmt: skip
     return fmt.StreamState(
         prep.rid,
         ctx.model,
         prep.chat,
         prep.params.n,
-        ctx.token_text,
+        token_text(ctx, prep),
         list(prep.params.stop or []),
         prep.want_logprobs,
         include_usage,

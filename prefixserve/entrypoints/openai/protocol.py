@@ -109,6 +109,15 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar is the backend
+    # vLLM's extensions, honoured (``prepare.py``): the chosen tokens, the text, the prompt's length
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    # ...and refused where set, rather than ignored (``prepare.check_unsupported``)
+    use_beam_search: bool = False
+    priority: int = 0
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_Common):
@@ -117,6 +126,7 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS (where it adds one) in front of a text prompt
 
 
 class TextPart(BaseModel):
@@ -175,6 +185,11 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open: the model goes on with it
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking)
+    documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
+    chat_template: str | None = None  # refused: the server's template only
+    echo: bool = False  # refused: completions echo, chats do not
 
 
 class SchemaRequest(BaseModel):
@@ -309,6 +324,8 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "application",
         "cache_salt",
         "module_recompute",
+        "allowed_token_ids",
+        "truncate_prompt_tokens",
     )
     head = message.split(" ", 1)[0].split("=", 1)[0]
     if head.startswith("structured_outputs"):

@@ -1,0 +1,179 @@
+"""vLLM's request extensions, honoured or refused, never dropped: ``allowed_token_ids``,
+``skip_special_tokens``, ``truncate_prompt_tokens``, ``add_special_tokens``, ``return_tokens_as_token_ids``,
+``continue_final_message`` and ``chat_template_kwargs``; ``use_beam_search``, ``priority``, ``bad_words``,
+a request's ``chat_template`` and a chat's ``echo`` are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.config import EngineConfig
+from tests.test_prompt_tokens import BOS, bos_model  # noqa: F401  (a fixture)
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(100, 140))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_config_path: Path) -> LLM:
+    return LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cpu", num_kv_blocks=128, progress=False)
+
+
+def params(**kw: object) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("allowed_token_ids", [], "non-empty"),
+        ("allowed_token_ids", [3, -1], "allowed_token_ids"),
+        ("truncate_prompt_tokens", 0, "truncate_prompt_tokens"),
+        ("truncate_prompt_tokens", -2, "truncate_prompt_tokens"),
+    ],
+)
+def test_bad_values_name_the_field(field: str, value: object, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_allowed_token_ids_pick_only_among_them(llm: LLM) -> None:
+    allowed = [7, 300, 4000]
+    sampled = llm.generate(
+        {"prompt_token_ids": PROMPT}, params(allowed_token_ids=allowed, temperature=1.0, seed=3)
+    )
+    assert set(sampled[0].outputs[0].token_ids) <= set(allowed)
+    # greedy among them is greedy with every other token far behind (a +100 bias shifts them alike)
+    want = llm.generate({"prompt_token_ids": PROMPT}, params(logit_bias=dict.fromkeys(allowed, 100.0)))
+    got = llm.generate({"prompt_token_ids": PROMPT}, params(allowed_token_ids=allowed))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="allowed_token_ids names token id 99999999"):
+        llm.generate({"prompt_token_ids": PROMPT}, params(allowed_token_ids=[1, 99999999]))
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(llm: LLM) -> None:
+    want = llm.generate({"prompt_token_ids": PROMPT[-12:]}, GREEDY)[0]
+    got = llm.generate({"prompt_token_ids": PROMPT}, params(truncate_prompt_tokens=12))[0]
+    assert list(got.prompt_token_ids) == PROMPT[-12:]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    short = llm.generate({"prompt_token_ids": PROMPT[:5]}, params(truncate_prompt_tokens=12))[0]
+    assert list(short.prompt_token_ids) == PROMPT[:5]  # shorter prompts stay whole
+    text = llm.generate("one two three four five six seven eight nine ten", params(truncate_prompt_tokens=3))[
+        0
+    ]
+    assert len(text.prompt_token_ids) == 3 and text.prompt is None  # the text no longer says the prompt
+    room = llm.engine.max_model_len - 8
+    long = llm.generate({"prompt_token_ids": [5] * (room + 50)}, params(truncate_prompt_tokens=-1))[0]
+    assert len(long.prompt_token_ids) == room  # -1: as many as leave room for max_tokens
+    with pytest.raises(ValueError, match="truncate_prompt_tokens cannot be combined"):
+        llm.generate(
+            {"prompt_token_ids": PROMPT, "positions": list(range(40))}, params(truncate_prompt_tokens=4)
+        )
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    special = tok.convert_tokens_to_ids(tok.all_special_tokens[-1])
+    forced = {"allowed_token_ids": [special], "max_tokens": 2}
+    skipped = llm.generate({"prompt_token_ids": PROMPT}, params(**forced))[0].outputs[0]
+    kept = llm.generate({"prompt_token_ids": PROMPT}, params(**forced, skip_special_tokens=False))[0].outputs[
+        0
+    ]
+    assert skipped.token_ids == kept.token_ids == [special, special]
+    assert skipped.text == "" and kept.text == tok.decode([special, special]) != ""
+
+
+def test_continue_final_message_leaves_the_last_turn_open(llm: LLM) -> None:
+    chat = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+    text = llm.render_chat(chat, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("My answer is")
+    closed = llm.render_chat(chat, add_generation_prompt=False)
+    assert not closed.endswith("My answer is") and closed.startswith(text)
+    with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt=False"):
+        llm.chat(chat, GREEDY, continue_final_message=True)
+    out = llm.chat(chat, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == text
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def http(tiny_config_path: Path) -> Iterator[httpx.Client]:
+    from prefixserve.entrypoints.openai.server import ServerThread, build_app  # the server's packages
+
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}",
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=128,
+        system_prompts={"desk": "Be brief."},
+    )
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=120) as client:
+        yield client
+
+
+COMPLETION = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"priority": 2}, "priority"),
+        ("/v1/completions", {"bad_words": ["no"]}, "bad_words"),
+        ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"truncate_prompt_tokens": 4, "application": "desk"}, "truncate_prompt_tokens"),
+    ],
+)
+def test_what_is_not_done_is_refused_by_name(http: httpx.Client, route: str, extra: dict, param: str) -> None:
+    body = (COMPLETION if route == "/v1/completions" else CHAT) | extra
+    r = http.post(route, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    # defaults (and their spellings) are no refusal
+    ok = (COMPLETION if route == "/v1/completions" else CHAT) | {"use_beam_search": False, "priority": 0}
+    assert http.post(route, json=ok | {"bad_words": []}).status_code == 200
+
+
+def test_extensions_reach_the_engine(http: httpx.Client) -> None:
+    allowed = [7, 300, 4000]
+    body = COMPLETION | {"allowed_token_ids": allowed, "temperature": 1.0, "seed": 1, "logprobs": 1}
+    out = http.post("/v1/completions", json=body | {"return_tokens_as_token_ids": True}).json()
+    tokens = out["choices"][0]["logprobs"]["tokens"]
+    assert tokens and all(t in {f"token_id:{a}" for a in allowed} for t in tokens), tokens
+    short = http.post("/v1/completions", json=COMPLETION | {"truncate_prompt_tokens": 5}).json()
+    assert short["usage"]["prompt_tokens"] == 5
+    whole = http.post("/v1/completions", json=COMPLETION | {"prompt": PROMPT[-5:]}).json()
+    assert short["choices"][0]["text"] == whole["choices"][0]["text"]
+    chat = CHAT | {"messages": [*CHAT["messages"], {"role": "assistant", "content": "Hello"}]}
+    opened = chat | {"add_generation_prompt": False, "continue_final_message": True}
+    assert http.post("/v1/chat/completions", json=opened).status_code == 200
+    kwargs = CHAT | {"chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "doc"}]}
+    assert http.post("/v1/chat/completions", json=kwargs).status_code == 200
+
+
+def test_add_special_tokens_false_leaves_the_bos_out(bos_model: Path) -> None:  # noqa: F811
+    from prefixserve.entrypoints.openai.server import ServerThread, build_app
+
+    config = EngineConfig(model=f"dummy:{bos_model}", dtype="float32", device="cpu", num_kv_blocks=128)
+    body = {"prompt": "Hello world", "max_tokens": 1, "logprobs": 0, "echo": True}
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=120) as client:
+        with_bos = client.post("/v1/completions", json=body).json()
+        without = client.post("/v1/completions", json=body | {"add_special_tokens": False}).json()
+    assert with_bos["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"] + 1
+    assert (
+        with_bos["choices"][0]["logprobs"]["tokens"][0]
+        == "<s>"
+        != without["choices"][0]["logprobs"]["tokens"][0]
+    )
