@@ -1,11 +1,12 @@
-"""vLLM's request extensions, honoured or refused, never dropped: ``allowed_token_ids``,
+"""vLLM's request extensions, honoured or refused, never dropped: ``allowed_token_ids``, ``bad_words``,
 ``skip_special_tokens``, ``truncate_prompt_tokens``, ``add_special_tokens``, ``return_tokens_as_token_ids``,
-``continue_final_message`` and ``chat_template_kwargs``; ``use_beam_search``, ``priority``, ``bad_words``,
-a request's ``chat_template`` and a chat's ``echo`` are 400s naming the field.
+``continue_final_message`` and ``chat_template_kwargs``; ``use_beam_search``, ``priority``, a request's
+``chat_template`` and a chat's ``echo`` are 400s naming the field.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
+from tests.conftest import assert_pool_empty
 from tests.test_prompt_tokens import BOS, bos_model  # noqa: F401  (a fixture)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -55,6 +57,37 @@ def test_allowed_token_ids_pick_only_among_them(llm: LLM) -> None:
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="allowed_token_ids names token id 99999999"):
         llm.generate({"prompt_token_ids": PROMPT}, params(allowed_token_ids=[1, 99999999]))
+
+
+def pairs(ids: list[int]) -> set[tuple[int, int]]:
+    return set(itertools.pairwise(ids))
+
+
+@pytest.mark.usefixtures("default_tokenizer")  # " blue" and " sky" are one token each in it
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_bad_words_never_appear_whole(tiny_config_path: Path, launch_ahead: bool) -> None:
+    """A two-token word: its second token is banned right after its first, also when the first is
+    still on the device as the step after it is launched; a one-token word is banned everywhere."""
+    llm = LLM(
+        f"dummy:{tiny_config_path}",
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=128,
+        progress=False,
+        async_scheduling=launch_ahead,
+    )
+    tok = llm.get_tokenizer()
+    blue, sky = tok.encode(" blue sky", add_special_tokens=False)
+    mixed = params(allowed_token_ids=[blue, sky], temperature=1.0, seed=11, max_tokens=40, n=3)
+    free = [c.token_ids for c in llm.generate({"prompt_token_ids": PROMPT}, mixed)[0].outputs]
+    assert any((blue, sky) in pairs(ids) for ids in free)  # without the ban the word comes up
+    mixed.bad_words = [" blue sky"]
+    banned = llm.generate({"prompt_token_ids": PROMPT}, mixed)[0].outputs
+    assert all((blue, sky) not in pairs(c.token_ids) for c in banned)
+    assert all(" blue sky" not in c.text for c in banned) and any(blue in c.token_ids for c in banned)
+    one = params(allowed_token_ids=[blue, sky], temperature=1.0, seed=11, max_tokens=12, bad_words=["blue"])
+    assert set(llm.generate({"prompt_token_ids": PROMPT}, one)[0].outputs[0].token_ids) == {sky}
+    assert_pool_empty(llm)
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones(llm: LLM) -> None:
@@ -126,7 +159,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     [
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"priority": 2}, "priority"),
-        ("/v1/completions", {"bad_words": ["no"]}, "bad_words"),
+        ("/v1/completions", {"bad_words": ["  "]}, "bad_words"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
@@ -159,6 +192,8 @@ def test_extensions_reach_the_engine(http: httpx.Client) -> None:
     chat = CHAT | {"messages": [*CHAT["messages"], {"role": "assistant", "content": "Hello"}]}
     opened = chat | {"add_generation_prompt": False, "continue_final_message": True}
     assert http.post("/v1/chat/completions", json=opened).status_code == 200
+    banned = COMPLETION | {"allowed_token_ids": allowed, "bad_words": [" blue", "the"], "temperature": 1.0}
+    assert http.post("/v1/completions", json=banned).status_code == 200
     kwargs = CHAT | {"chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "doc"}]}
     assert http.post("/v1/chat/completions", json=kwargs).status_code == 200
 

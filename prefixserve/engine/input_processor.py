@@ -17,6 +17,7 @@ from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.promptcache.recompute import parse_recompute
 from prefixserve.promptcache.store import ModulePrompt, PromptModules
+from prefixserve.sampling.bad_words import encode_bad_words
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sequence import HeldModules, Request, Sequence, TokenArray, counting_positions, token_array
 
@@ -104,6 +105,12 @@ class InputProcessor:
             raise ValueError(
                 f"allowed_token_ids names token id {bad}, not in the vocabulary [0, {self.vocab_size})"
             )
+        if params.bad_words and params.bad_words_token_ids is None:
+            if tokenizer is None:
+                raise ValueError(
+                    "bad_words needs a tokenizer: this model has none (ban token ids with logit_bias)"
+                )
+            params.bad_words_token_ids = encode_bad_words(params.bad_words, tokenizer)
         truncate = params.truncate_prompt_tokens
         if truncate is not None and (application is not None or prompt_positions is not None):
             raise ValueError(

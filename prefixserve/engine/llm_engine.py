@@ -35,6 +35,7 @@ from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.device_calls import prompt_modules
+from prefixserve.sampling.bad_words import bad_words_ban, joined, waits_for_tokens
 from prefixserve.sampling.min_tokens import min_tokens_ban
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
@@ -321,9 +322,15 @@ class Engine(EngineServices):
             scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples
         )
         launched.sampling = (rows, params, generators)
-        if ahead_of is None or self.structured is None or not self.structured.constrained(launched.samplers):
-            self._sample(launched)  # else at the next step: its masks need ahead_of's tokens
+        if ahead_of is None or not self._waits_for_tokens(launched.samplers, params):
+            self._sample(launched)  # else at the next step: its masks or bans need ahead_of's tokens
         return launched
+
+    def _waits_for_tokens(self, samplers: list[Sequence], params: list[SamplingParams]) -> bool:
+        """Does a step's sampling read the tokens ahead of it on the host (a grammar's mask, a
+        multi-token bad word)?"""
+        grammar = self.structured is not None and self.structured.constrained(samplers)
+        return grammar or waits_for_tokens(params)
 
     def _sample(self, launched: LaunchedStep) -> None:
         """Issue a launched step's sampling; grammar-constrained rows get their token mask first, rows
@@ -332,6 +339,7 @@ class Engine(EngineServices):
         launched.sampling = None
         mask = self.structured.bitmask(launched.samplers) if self.structured is not None else None
         ban = min_tokens_ban(launched.samplers, launched.indices, params, self.eos_ids)
+        ban = joined(ban, bad_words_ban(launched.samplers, launched.indices, params))
         self.runner.sample(launched.launch, rows, params, generators, launched.samplers, mask, ban)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:

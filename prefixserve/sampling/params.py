@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prefixserve.sampling.structured_outputs import StructuredOutputs, as_structured
 
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 256
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
@@ -49,6 +50,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # the output's text leaves special tokens out (as decode does)
     # keep the prompt's last k tokens (left truncation); -1: as many as leave room for max_tokens
     truncate_prompt_tokens: int | None = None
+    # strings the output may never contain (``sampling/bad_words.py``); their token ids are set at intake
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.structured_outputs = as_structured(self.structured_outputs)
@@ -182,6 +186,15 @@ def _processing_checks(p: SamplingParams) -> list[tuple[bool, str]]:
                 and all(map(_is_token_id, p.allowed_token_ids))
             ),
             "allowed_token_ids must be a non-empty list of token ids (integers >= 0)",
+        ),
+        (
+            p.bad_words is None
+            or (
+                isinstance(p.bad_words, list | tuple)
+                and len(p.bad_words) <= MAX_BAD_WORDS
+                and all(isinstance(w, str) and w.strip() for w in p.bad_words)
+            ),
+            f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings",
         ),
         (
             p.truncate_prompt_tokens is None

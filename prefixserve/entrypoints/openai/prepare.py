@@ -108,17 +108,12 @@ def check_model(ctx: OpenAIContext, name: str | None) -> None:
 
 def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """A 400 naming each field that is set to something this server does not do: a client that asks
-    for beam search or a ban on words must not get an answer made without them."""
+    for beam search must not get an answer made without it."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     refused = (
         (req.use_beam_search, "use_beam_search", "beam search is not supported"),
         (req.priority != 0, "priority", "priority scheduling is not supported: priority must be 0"),
-        (
-            bool(req.bad_words),
-            "bad_words",
-            "bad_words is not supported; allowed_token_ids or logit_bias ban tokens",
-        ),
     )
     for is_set, param, message in refused:
         if is_set:
@@ -176,6 +171,7 @@ def sampling(
             allowed_token_ids=req.allowed_token_ids,
             skip_special_tokens=req.skip_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            bad_words=req.bad_words or None,
         )
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")

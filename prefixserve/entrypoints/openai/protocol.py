@@ -113,11 +113,11 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     # ...and refused where set, rather than ignored (``prepare.check_unsupported``)
     use_beam_search: bool = False
     priority: int = 0
-    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_Common):
@@ -326,6 +326,7 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "module_recompute",
         "allowed_token_ids",
         "truncate_prompt_tokens",
+        "bad_words",
     )
     head = message.split(" ", 1)[0].split("=", 1)[0]
     if head.startswith("structured_outputs"):
