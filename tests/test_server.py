@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+import prefixserve
 from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.openai.server import ServerThread, build_app
 
@@ -87,6 +88,7 @@ def test_models_health_and_metrics(server: ServerThread, client: openai.OpenAI, 
     models = client.models.list().data
     assert len(models) == 1 and models[0].id.startswith("dummy")
     assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/version", headers={}).json() == {"version": prefixserve.__version__}
     text = http.get("/metrics").text
     for name in (
         "prefixserve_requests_total",

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prefixserve import __version__
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.admission import QueueFull
@@ -485,13 +486,17 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
-    """/health and /metrics (no API key: load balancers and Prometheus scrape them)."""
+    """/health, /version and /metrics (no API key: load balancers and Prometheus scrape them)."""
 
     @app.get("/health")
     async def health() -> Response:
         if not state.loop.alive:
             return _error(APIError(503, "the engine is not running"))
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
