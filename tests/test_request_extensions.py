@@ -1,12 +1,13 @@
 """vLLM's request extensions, honoured or refused, never dropped: ``allowed_token_ids``, ``bad_words``,
 ``skip_special_tokens``, ``truncate_prompt_tokens``, ``add_special_tokens``, ``return_tokens_as_token_ids``,
-``continue_final_message`` and ``chat_template_kwargs``; ``use_beam_search``, ``priority``, a request's
-``chat_template`` and a chat's ``echo`` are 400s naming the field.
+``continue_final_message``, ``chat_template_kwargs`` and a chat's ``echo``; ``use_beam_search``,
+``priority`` and a request's ``chat_template`` are 400s naming the field.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,7 +162,11 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         ("/v1/completions", {"priority": 2}, "priority"),
         ("/v1/completions", {"bad_words": ["  "]}, "bad_words"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
-        ("/v1/chat/completions", {"echo": True}, "echo"),
+        (
+            "/v1/chat/completions",
+            {"echo": True, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "echo",
+        ),
         ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
@@ -196,6 +201,29 @@ def test_extensions_reach_the_engine(http: httpx.Client) -> None:
     assert http.post("/v1/completions", json=banned).status_code == 200
     kwargs = CHAT | {"chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "doc"}]}
     assert http.post("/v1/chat/completions", json=kwargs).status_code == 200
+
+
+def test_a_chat_echo_leads_with_the_open_assistant_message(http: httpx.Client) -> None:
+    chat = CHAT | {
+        "messages": [*CHAT["messages"], {"role": "assistant", "content": "Well, "}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "temperature": 0,
+    }
+    plain = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json=chat | {"echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "Well, " + plain
+    with http.stream("POST", "/v1/chat/completions", json=chat | {"echo": True, "stream": True}) as r:
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    deltas = [json.loads(ln)["choices"][0]["delta"] for ln in lines]
+    assert deltas[0] == {"role": "assistant", "content": "Well, "}
+    assert "".join(d.get("content") or "" for d in deltas) == "Well, " + plain
+    user_last = CHAT | {"echo": True, "temperature": 0}  # the last message is the user's: nothing echoed
+
+    def content(body: dict) -> str:
+        return http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    assert content(user_last) == content(CHAT | {"temperature": 0})
 
 
 def test_add_special_tokens_false_leaves_the_bos_out(bos_model: Path) -> None:  # noqa: F811

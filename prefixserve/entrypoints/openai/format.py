@@ -208,6 +208,7 @@ class StreamState:
     stop: list[str]
     want_logprobs: bool
     include_usage: bool
+    echo: str = ""  # a chat's echo: the role chunks' content (the last assistant message, vLLM's echo)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     _head: str = field(init=False, repr=False)
@@ -243,7 +244,7 @@ class StreamState:
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": self.echo},
                         "logprobs": None,
                         "finish_reason": None,
                     }

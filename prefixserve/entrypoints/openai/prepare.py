@@ -90,6 +90,8 @@ class Prepared:
     echo: bool = False  # completions: the prompt's text (and its logprobs) lead each choice
     no_completion: bool = False  # echo with max_tokens 0: the one token generated is not answered
     tools: Tools | None = None  # chat with tools: the output may be tool calls (openai/tools.py)
+    # a chat's echo (vLLM's): the last message's text, where it is the assistant's, leads the answer
+    echo_content: str = ""
     # the pinned system prompt the prompts go behind: the request's ``application``, or for a chat
     # None where the conversation brought its own system message (the pinned one leads no chat twice)
     application: str | None = None
@@ -123,8 +125,8 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise APIError(
                 400, "chat_template is not taken from requests: the model's template applies", "chat_template"
             )
-        if req.echo:
-            raise APIError(400, "echo is not supported on chat completions", param="echo")
+        if req.echo and req.tools:
+            raise APIError(400, "echo cannot be combined with tools on chat completions", param="echo")
         if req.continue_final_message and req.add_generation_prompt:
             message = "continue_final_message needs add_generation_prompt=false (the last message goes on)"
             raise APIError(400, message, param="continue_final_message")
@@ -286,9 +288,12 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
         raise APIError(400, message, param=param, code=exc.code) from None
     prompt, application = chat_prompt(ctx, req, tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    last = req.messages[-1]
+    echo = last.text() if req.echo and last.role == "assistant" else ""
     return Prepared(
-        True, rid, req, [prompt], params, bool(req.logprobs), tools=tools, application=application
-    )
+        True, rid, req, [prompt], params, bool(req.logprobs), tools=tools, application=application,
+        echo_content=echo,
+    )  # fmt: skip
 
 
 def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:
@@ -310,6 +315,9 @@ def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput
     """The non-streamed answer, from every prompt's final output in order."""
     if prep.chat:
         body = fmt.chat_body(prep.rid, ctx.model, finals[0], token_text(ctx, prep), prep.want_logprobs)
+        if prep.echo_content:
+            for choice in body["choices"]:
+                choice["message"]["content"] = prep.echo_content + (choice["message"]["content"] or "")
         if prep.tools is not None:
             for choice in body["choices"]:
                 text = choice["message"]["content"]
@@ -349,4 +357,5 @@ def stream_state(ctx: OpenAIContext, prep: Prepared) -> fmt.StreamState:
         list(prep.params.stop or []),
         prep.want_logprobs,
         include_usage,
+        echo=prep.echo_content,
     )

@@ -189,7 +189,7 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking)
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
     chat_template: str | None = None  # refused: the server's template only
-    echo: bool = False  # refused: completions echo, chats do not
+    echo: bool = False  # vLLM's: the last message, where it is the assistant's, leads the answer
 
 
 class SchemaRequest(BaseModel):
