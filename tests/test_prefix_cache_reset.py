@@ -134,3 +134,23 @@ def test_http_route_resets_and_needs_the_api_key(tiny_config_path) -> None:
         after = http.post("/v1/completions", json=body, headers=key).json()["usage"]
         assert after["prompt_tokens_details"]["cached_tokens"] == 0
         assert "prefixserve_prefix_cache_resets_total 1.0" in http.get("/metrics").text
+
+
+@pytest.mark.gpu
+def test_gpu_reset_with_host_spill(tiny_config_path) -> None:
+    """On CUDA, with the prefix cache spilling to pinned host slots: a reset gives every slot back and
+    the next prompt is computed again with the same greedy output."""
+    llm = LLM(
+        f"dummy:{tiny_config_path}", dtype="float32", device="cuda", progress=False, block_size=16,
+        num_kv_blocks=24, spill_prefix_cache=True,
+    )  # fmt: skip
+    docs = [[3000 + 29 * d + i for i in range(96)] for d in range(5)]  # 6 blocks each: some spill
+    first = [llm.generate({"prompt_token_ids": [*doc, 3]}, GREEDY)[0] for doc in docs]
+    spill = llm.engine.spill
+    assert spill.spilled_blocks > 0 and spill.slots.available < spill.slots.capacity
+    assert llm.reset_prefix_cache() is True
+    assert spill.slots.available == spill.slots.capacity and llm.engine.pool.num_cached == 0
+    again = [llm.generate({"prompt_token_ids": [*doc, 3]}, GREEDY)[0] for doc in docs]
+    assert all(a.num_cached_tokens == 0 for a in again)  # neither the pool nor host memory had them
+    assert [a.outputs[0].token_ids for a in again] == [f.outputs[0].token_ids for f in first]
+    llm.engine.pool.check_integrity()

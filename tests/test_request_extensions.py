@@ -240,3 +240,29 @@ def test_add_special_tokens_false_leaves_the_bos_out(bos_model: Path) -> None:  
         == "<s>"
         != without["choices"][0]["logprobs"]["tokens"][0]
     )
+
+
+@pytest.mark.gpu
+def test_gpu_allowed_ids_bad_words_and_truncation_under_graphs(tiny_config_path: Path) -> None:
+    """On CUDA (decode graphs, launch-ahead): allowed_token_ids and bad_words hold, greedy with allowed
+    ids equals the +100 bias, and a truncated prompt answers as its tail does."""
+    llm = LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cuda", num_kv_blocks=256, progress=False)
+    tok = llm.get_tokenizer()
+    word = next(w for w in (" blue sky", "ab", " ab") if len(tok.encode(w, add_special_tokens=False)) == 2)
+    first, second = tok.encode(word, add_special_tokens=False)
+    mixed = params(allowed_token_ids=[first, second], temperature=1.0, seed=11, max_tokens=40, n=4)
+    free = [c.token_ids for c in llm.generate({"prompt_token_ids": PROMPT}, mixed)[0].outputs]
+    assert any((first, second) in pairs(ids) for ids in free)
+    mixed.bad_words = [word]
+    banned = [c.token_ids for c in llm.generate({"prompt_token_ids": PROMPT}, mixed)[0].outputs]
+    assert all((first, second) not in pairs(ids) and set(ids) <= {first, second} for ids in banned)
+    allowed = [7, 30, 90]
+    want = llm.generate({"prompt_token_ids": PROMPT}, params(logit_bias=dict.fromkeys(allowed, 100.0)))
+    got = llm.generate({"prompt_token_ids": PROMPT}, params(allowed_token_ids=allowed))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    tail = llm.generate({"prompt_token_ids": PROMPT[-9:]}, GREEDY)[0].outputs[0].token_ids
+    assert (
+        llm.generate({"prompt_token_ids": PROMPT}, params(truncate_prompt_tokens=9))[0].outputs[0].token_ids
+        == tail
+    )
+    assert_pool_empty(llm)
