@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from prefixserve.version import __version__
+
 __all__ = [
     "LLM",
     "EngineConfig",
@@ -12,6 +13,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputs",
     "StructuredOutputsParams",
+    "__version__",
 ]
 
 if TYPE_CHECKING:

@@ -88,7 +88,9 @@ def test_models_health_and_metrics(server: ServerThread, client: openai.OpenAI, 
     models = client.models.list().data
     assert len(models) == 1 and models[0].id.startswith("dummy")
     assert http.get("/health").json() == {"status": "ok"}
-    assert http.get("/version", headers={}).json() == {"version": prefixserve.__version__}
+    assert http.get("/version").json() == {"version": prefixserve.__version__}
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert f'\nversion = "{prefixserve.__version__}"\n' in pyproject  # one version, two places
     text = http.get("/metrics").text
     for name in (
         "prefixserve_requests_total",

@@ -27,7 +27,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixserve import __version__
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.admission import QueueFull
@@ -68,6 +67,7 @@ from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError, is_pml_prompt
+from prefixserve.version import __version__
 
 log = logging.getLogger(__name__)
 
