@@ -165,6 +165,7 @@ class Request:
     modules: HeldModules | None = None  # a Prompt Cache prompt's reused module blocks
     error: str | None = None  # why it finished with "error", where the engine knows
     prompt_logprobs: Any = None  # engine/prompt_logprobs.PromptLogprobState when asked for
+    bad_words_ids: list[list[int]] | None = None  # ``params.bad_words`` encoded at intake (bad_words.py)
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -86,6 +86,10 @@ def test_bad_words_never_appear_whole(tiny_config_path: Path, launch_ahead: bool
     banned = llm.generate({"prompt_token_ids": PROMPT}, mixed)[0].outputs
     assert all((blue, sky) not in pairs(c.token_ids) for c in banned)
     assert all(" blue sky" not in c.text for c in banned) and any(blue in c.token_ids for c in banned)
+    mixed.bad_words = [" sky"]  # the same object, other words: each request encodes its own
+    assert all(
+        set(c.token_ids) == {blue} for c in llm.generate({"prompt_token_ids": PROMPT}, mixed)[0].outputs
+    )
     one = params(allowed_token_ids=[blue, sky], temperature=1.0, seed=11, max_tokens=12, bad_words=["blue"])
     assert set(llm.generate({"prompt_token_ids": PROMPT}, one)[0].outputs[0].token_ids) == {sky}
     assert_pool_empty(llm)
@@ -153,6 +157,7 @@ def http(tiny_config_path: Path) -> Iterator[httpx.Client]:
 
 COMPLETION = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+PML_CHAT = '<prompt schema="s"><m/> Hi</prompt>'  # a Prompt Cache conversation: no template
 
 
 @pytest.mark.parametrize(
@@ -170,6 +175,14 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": '<prompt schema="s"><m/> Hi</prompt>'}],
+                "documents": [{"a": 1}],
+            },
+            "documents",
+        ),
         ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ("/v1/completions", {"truncate_prompt_tokens": 4, "application": "desk"}, "truncate_prompt_tokens"),
     ],
@@ -190,6 +203,14 @@ def test_extensions_reach_the_engine(http: httpx.Client) -> None:
     out = http.post("/v1/completions", json=body | {"return_tokens_as_token_ids": True}).json()
     tokens = out["choices"][0]["logprobs"]["tokens"]
     assert tokens and all(t in {f"token_id:{a}" for a in allowed} for t in tokens), tokens
+    context = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    too_long = COMPLETION | {"prompt": [9] * (context + 50)}  # past the context: a 400 unless cut first
+    assert http.post("/v1/completions", json=too_long).status_code == 400
+    cut = http.post("/v1/completions", json=too_long | {"truncate_prompt_tokens": 50}).json()
+    assert cut["usage"]["prompt_tokens"] == 50
+    long_text = COMPLETION | {"prompt": "a b " * context, "truncate_prompt_tokens": -1}
+    text = http.post("/v1/completions", json=long_text)
+    assert text.status_code == 200 and text.json()["usage"]["prompt_tokens"] + 6 == context
     short = http.post("/v1/completions", json=COMPLETION | {"truncate_prompt_tokens": 5}).json()
     assert short["usage"]["prompt_tokens"] == 5
     whole = http.post("/v1/completions", json=COMPLETION | {"prompt": PROMPT[-5:]}).json()
@@ -224,6 +245,24 @@ def test_a_chat_echo_leads_with_the_open_assistant_message(http: httpx.Client) -
         return http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
 
     assert content(user_last) == content(CHAT | {"temperature": 0})
+
+
+def test_a_batch_file_encodes_as_the_server_does(bos_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    llm = LLM(f"dummy:{bos_model}", dtype="float32", device="cpu", num_kv_blocks=128, progress=False)
+    body = {"prompt": "Hello world", "max_tokens": 1}
+    rows = [
+        {"custom_id": key, "method": "POST", "url": "/v1/completions", "body": body | extra}
+        for key, extra in (
+            ("a", {}),
+            ("b", {"add_special_tokens": False}),
+            ("c", {"truncate_prompt_tokens": 1}),
+        )
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    llm.batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
+    answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    used = {a["custom_id"]: a["response"]["body"]["usage"]["prompt_tokens"] for a in answers}
+    assert used["a"] == used["b"] + 1 and used["c"] == 1
 
 
 def test_add_special_tokens_false_leaves_the_bos_out(bos_model: Path) -> None:  # noqa: F811

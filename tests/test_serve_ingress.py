@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -144,3 +145,43 @@ def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -
         assert set(digests) <= set(llm.engine.pool.cached_digests()), path
     digests, session = _run(core.routing_key("/v1/completions", b"{not json", {}))
     assert digests == [] and session is None  # the replica answers the error
+
+
+@pytest.mark.parametrize(
+    ("answers", "status", "reset"),
+    [
+        ({"replica-0": (200, True), "replica-1": (200, True)}, 200, True),
+        ({"replica-0": (200, True), "replica-1": (200, False)}, 200, False),
+        ({"replica-0": (200, True), "replica-1": (503, None)}, 503, None),  # its error, not another's success
+    ],
+)
+def test_a_reset_answers_for_every_replica(answers: dict, status: int, reset: bool | None) -> None:
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from prefixserve.distributed.serve_ingress import IngressCore
+
+    core = IngressCore.__new__(IngressCore)  # only the broadcast: no Ray, no tokenizer
+    core.replicas = SimpleNamespace(healthy=set(answers))
+
+    async def call(name: str, request: Any, body: bytes) -> Any:
+        code, done = answers[name]
+        body_of = (
+            {"object": "prefix_cache_reset", "reset": done} if code == 200 else {"error": {"message": "x"}}
+        )
+        return JSONResponse(body_of, status_code=code)
+
+    core._call = call  # type: ignore[method-assign]
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/reset_prefix_cache",
+        "headers": [],
+        "query_string": b"",
+    }
+    answer = _run(core._broadcast(Request(scope), b""))
+    assert answer.status_code == status
+    if reset is not None:
+        assert json.loads(bytes(answer.body))["reset"] is reset

@@ -32,13 +32,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 from prefixserve.distributed.router import Router, RoutingPolicy
 from prefixserve.distributed.serve_metrics import merge_replica_metrics
-from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.cache_routes import RESET_ROUTE
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
+from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.kv.cache_events import prompt_digests
-from prefixserve.promptcache.pml import is_pml_prompt
 
 log = logging.getLogger(__name__)
 
@@ -175,12 +173,10 @@ class IngressCore:
             prep = prepare(self.ctx, path, data)
         except (ValueError, APIError, AttributeError, TypeError):
             return [], headers.get(SESSION_HEADER)
-        prompt = prep.prompts[0] if prep.prompts else ""
-        if isinstance(prompt, str):
-            if self.ctx.tokenizer is None or is_pml_prompt(prompt):
-                return [], session
-            prompt = encode_prompt(self.ctx.tokenizer, prompt)
-        ids = self.ctx.engine_ids(list(prompt), prep.application)  # as the engine's intake would make them
+        ids = prompt_ids(self.ctx, prep, prep.prompts[0] if prep.prompts else "")
+        if ids is None:  # a Prompt Cache document, no tokenizer
+            return [], session
+        ids = self.ctx.engine_ids(truncated(prep, ids, None), prep.application)  # as the engine's intake
         salt = getattr(prep.req, "cache_salt", None)
         return prompt_digests(ids, self.block_size, salt=salt), session
 
@@ -251,13 +247,17 @@ class IngressCore:
 
     async def _broadcast(self, request: Request, body: bytes) -> Response:
         """Schema changes and prefix-cache resets go to every healthy replica; the first one's answer
-        is returned, except that a reset says ``reset: true`` only where every replica's did."""
+        is returned, except for a reset: a failed replica's error if any failed, else ``reset: true``
+        only where every replica's said so."""
         names = sorted(self.replicas.healthy)
         if not names:
             raise APIError(503, "no engine replica is serving now; retry shortly")
         answers = await asyncio.gather(*(self._call(n, request, body) for n in names))
-        if request.url.path != RESET_ROUTE or any(a.status_code != 200 for a in answers):
+        if request.url.path != RESET_ROUTE:
             return answers[0]
+        failed = [a for a in answers if a.status_code != 200]
+        if failed:  # a replica that did not reset: its error, not another's success
+            return failed[0]
         each = {n: bool(json.loads(bytes(a.body)).get("reset")) for n, a in zip(names, answers, strict=True)}
         return JSONResponse({"object": "prefix_cache_reset", "reset": all(each.values()), "replicas": each})
 

@@ -105,12 +105,13 @@ class InputProcessor:
             raise ValueError(
                 f"allowed_token_ids names token id {bad}, not in the vocabulary [0, {self.vocab_size})"
             )
-        if params.bad_words and params.bad_words_token_ids is None:
+        bad_words = None
+        if params.bad_words:
             if tokenizer is None:
                 raise ValueError(
                     "bad_words needs a tokenizer: this model has none (ban token ids with logit_bias)"
                 )
-            params.bad_words_token_ids = encode_bad_words(params.bad_words, tokenizer)
+            bad_words = encode_bad_words(params.bad_words, tokenizer)
         truncate = params.truncate_prompt_tokens
         if truncate is not None and (application is not None or prompt_positions is not None):
             raise ValueError(
@@ -131,9 +132,11 @@ class InputProcessor:
             mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # held now, or at admission
             try:
                 tokens, positions = mp.token_ids, mp.positions
-                return self._request(
+                req = self._request(
                     request_id, prompt, params, tokens, positions, cache_salt, stream, mp, max_model_len
                 )
+                req.bad_words_ids = bad_words
+                return req
             except BaseException:
                 self.modules.release(mp.blocks)
                 raise
@@ -163,6 +166,7 @@ class InputProcessor:
         if system is not None and prompt_positions is None and cache_salt is None:
             # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
             req.sequences[0].block_digests = list(system.digests)
+        req.bad_words_ids = bad_words
         return req
 
     def _request(

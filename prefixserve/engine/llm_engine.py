@@ -330,7 +330,7 @@ class Engine(EngineServices):
         """Does a step's sampling read the tokens ahead of it on the host (a grammar's mask, a
         multi-token bad word)?"""
         grammar = self.structured is not None and self.structured.constrained(samplers)
-        return grammar or waits_for_tokens(params)
+        return grammar or waits_for_tokens(samplers, params)
 
     def _sample(self, launched: LaunchedStep) -> None:
         """Issue a launched step's sampling; grammar-constrained rows get their token mask first, rows

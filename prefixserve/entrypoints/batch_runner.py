@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.batch_file import (
     BadRow,
     BatchRow,
@@ -24,7 +25,14 @@ from prefixserve.entrypoints.batch_file import (
     result_row,
     row_key,
 )
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared, prepare, response_body
+from prefixserve.entrypoints.openai.prepare import (
+    OpenAIContext,
+    Prepared,
+    prepare,
+    prompt_ids,
+    response_body,
+    truncated,
+)
 from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
@@ -142,7 +150,8 @@ def run_rows(
     for st in states:
         req = st.prep.req
         for rid, prompt in zip(st.ids, st.prep.prompts, strict=True):
-            text, tokens = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            text = prompt if isinstance(prompt, str) else None
+            tokens = prompt_ids(ctx, st.prep, prompt)  # as the server encodes it (add_special_tokens)
             specs.append(
                 RequestSpec(
                     rid,
@@ -248,15 +257,15 @@ def plan_rows(
 ) -> RowPlan:
     """Check and tokenize every row (an application's pinned prompt put first, as the engine does)
     and plan prefix-sharing groups over all their prompts, without loading the model."""
-    from prefixserve.engine.prompt_tokens import encode_prompt
-
     ctx = OpenAIContext(model=model_name, tokenizer=tokenizer, system_prompts=dict(system_prompts))
     states, answered = _prepare_rows(ctx, rows)
     prompts, salts, decode, row_of = [], [], [], []
     for k, st in enumerate(states):
         for p in st.prep.prompts:
-            ids = encode_prompt(tokenizer, p) if isinstance(p, str) else list(p)
-            prompts.append(ctx.engine_ids(ids, st.prep.application))
+            ids = prompt_ids(ctx, st.prep, p)
+            if ids is None:  # a Prompt Cache document: planned on its text's tokens
+                ids = encode_prompt(tokenizer, p) if tokenizer is not None else []
+            prompts.append(ctx.engine_ids(truncated(st.prep, ids, None), st.prep.application))
             salts.append(st.prep.req.cache_salt)
             decode.append(st.prep.params.max_tokens or DEFAULT_DECODE)
             row_of.append(k)

@@ -207,6 +207,8 @@ class LLM:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
         pml = chat_as_pml(conversation)  # type: ignore[arg-type]
         if pml is not None:
+            if continue_final_message or chat_template_kwargs:
+                raise ValueError("a conversation opening with a <prompt> document is not templated")
             return pml
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template: pass prompt_token_ids")

@@ -19,11 +19,18 @@ from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import SamplingParams, distinct
 
 
+class Asked(Protocol):
+    """What the ban reads of a request (the engine's ``Request``): its words, encoded at intake."""
+
+    bad_words_ids: list[list[int]] | None
+
+
 class Sampling(Protocol):
     """What the ban reads of a sampling sequence (the engine's ``Sequence``)."""
 
     num_prompt_tokens: int
     token_ids: Any
+    request: Asked
 
 
 def encode_bad_words(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
@@ -38,9 +45,11 @@ def encode_bad_words(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def waits_for_tokens(params: Sequence[SamplingParams]) -> bool:
+def waits_for_tokens(samplers: Sequence[Sampling], params: Sequence[SamplingParams]) -> bool:
     """Does a step's sampling read the tokens ahead of it (a multi-token bad word)?"""
-    return any(any(len(w) > 1 for w in p.bad_words_token_ids or ()) for p in distinct(params))
+    if not any(p.bad_words for p in distinct(params)):
+        return False
+    return any(any(len(w) > 1 for w in s.request.bad_words_ids or ()) for s in samplers)
 
 
 def bad_words_ban(
@@ -48,12 +57,12 @@ def bad_words_ban(
 ) -> TokenBan | None:
     """The tokens each sample row may not choose next (``samplers[i]`` samples the token at
     ``indices[i]`` of its ids, with ``params[i]``), or None when no row has bad words."""
-    if not any(p.bad_words_token_ids for p in distinct(params)):
+    if not any(p.bad_words for p in distinct(params)):
         return None
     rows: list[int] = []
     ids: list[int] = []
-    for r, (seq, at, p) in enumerate(zip(samplers, indices, params, strict=True)):
-        for word in p.bad_words_token_ids or ():
+    for r, (seq, at) in enumerate(zip(samplers, indices, strict=True)):
+        for word in seq.request.bad_words_ids or ():
             lead = len(word) - 1
             if lead == 0 or (
                 at - seq.num_prompt_tokens >= lead and list(seq.token_ids[at - lead : at]) == word[:-1]

@@ -50,9 +50,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # the output's text leaves special tokens out (as decode does)
     # keep the prompt's last k tokens (left truncation); -1: as many as leave room for max_tokens
     truncate_prompt_tokens: int | None = None
-    # strings the output may never contain (``sampling/bad_words.py``); their token ids are set at intake
+    # strings the output may never contain (``sampling/bad_words.py``), encoded at each request's intake
     bad_words: list[str] | None = None
-    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.structured_outputs = as_structured(self.structured_outputs)

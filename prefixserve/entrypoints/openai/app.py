@@ -33,7 +33,6 @@ from prefixserve.engine.admission import QueueFull
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.engine.input_processor import check_context
-from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
@@ -53,8 +52,10 @@ from prefixserve.entrypoints.openai.prepare import (
     check_model,
     prepare_chat,
     prepare_completion,
+    prompt_ids,
     response_body,
     stream_state,
+    truncated,
 )
 from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
 from prefixserve.entrypoints.openai.requests import (
@@ -66,7 +67,7 @@ from prefixserve.entrypoints.openai.requests import (
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
 from prefixserve.outputs import RequestOutput
-from prefixserve.promptcache.pml import PMLError, is_pml_prompt
+from prefixserve.promptcache.pml import PMLError
 from prefixserve.version import __version__
 
 log = logging.getLogger(__name__)
@@ -261,21 +262,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 # ---- submitting and collecting -----------------------------------------------------------------
 
 
-async def _tokenize(state: ServerState, text: str, special: bool = True) -> list[int] | None:
-    """A plain text prompt's token ids, encoded in a worker thread (the tokenizer releases the GIL).
+async def _tokenize(state: ServerState, prep: Prepared, text: str) -> list[int] | None:
+    """A text prompt's token ids (``prompt_ids``), encoded in a worker thread (the tokenizer releases
+    the GIL).
 
     Encoding on the engine thread stops every step for as long as it takes (~10 ms for an 8K-token
     prompt, ~35 ms for 16K): each arrival stalled all running streams. None leaves the text to the
     engine: a possible Prompt Cache prompt (``<prompt ...>``, parsed there), no tokenizer, or an error
-    (the engine then reports it as it would). ``special=False``: without the tokenizer's BOS (a
-    completion's ``add_special_tokens``).
+    (the engine then reports it as it would).
     """
-    if state.tokenizer is None or is_pml_prompt(text):
-        return None
     try:
-        if not special:
-            return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=False)
-        return await asyncio.to_thread(encode_prompt, state.tokenizer, text)
+        return await asyncio.to_thread(prompt_ids, state, prep, text)
     except Exception:
         return None
 
@@ -307,15 +304,17 @@ async def _submit(
     try:
         for prompt in prep.prompts:  # ids, known for free: one that can never run is a 400, not a 429
             if not isinstance(prompt, str):
-                _check_fits(state, prep, prompt)
+                _check_fits(state, prep, truncated(prep, prompt, state.max_model_len))
         if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
             state.gate.check(deadline)
-        special = getattr(req, "add_special_tokens", True)  # completions'; a chat's template has its own
-        encoded = await asyncio.gather(*(_tokenize(state, t, special) for t in texts if t is not None))
+        encoded = await asyncio.gather(*(_tokenize(state, prep, t) for t in texts if t is not None))
         encoded_iter = iter(encoded)
         for i, prompt in enumerate(prep.prompts):
             sub_id = f"{prep.rid}-{i}"
             text, tokens = (prompt, next(encoded_iter)) if isinstance(prompt, str) else (None, list(prompt))
+            if tokens is not None:
+                kept = truncated(prep, tokens, state.max_model_len)
+                text, tokens = (text, tokens) if len(kept) == len(tokens) else (None, kept)  # text: all of it
             if text is not None and tokens is not None:
                 _check_fits(state, prep, tokens)
             # refused here at once when the engine's last published queue says so (overload.py)

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.engine.prompt_tokens import behind_pinned
+from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_last
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned, render_system_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.protocol import (
@@ -35,7 +35,7 @@ from prefixserve.entrypoints.openai.tools import (
 )
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
-from prefixserve.promptcache.pml import PMLError
+from prefixserve.promptcache.pml import PMLError, is_pml_prompt
 from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
@@ -99,6 +99,28 @@ class Prepared:
     @property
     def prompt_field(self) -> str:
         return "messages" if self.chat else "prompt"
+
+
+def truncated(prep: Prepared, ids: list[int], max_model_len: int | None) -> list[int]:
+    """The ids the engine keeps of a prompt under ``truncate_prompt_tokens`` (``keep_last``). -1 needs
+    the context length: without it (a router, a plan made before the model loads) the ids stay whole."""
+    keep = prep.params.truncate_prompt_tokens
+    if keep is None or (keep == -1 and max_model_len is None):
+        return ids
+    return keep_last(ids, keep, prep.params.max_tokens, max_model_len or 0)
+
+
+def prompt_ids(ctx: OpenAIContext, prep: Prepared, prompt: str | list[int]) -> list[int] | None:
+    """A prompt's ids as the request has it encoded (a completion's ``add_special_tokens``: the
+    tokenizer's BOS or not; a chat's template writes its own), or None for a text the engine reads
+    itself: a Prompt Cache document, or a model without a tokenizer."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if ctx.tokenizer is None or is_pml_prompt(prompt):
+        return None
+    if getattr(prep.req, "add_special_tokens", True):
+        return encode_prompt(ctx.tokenizer, prompt)
+    return list(ctx.tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def check_model(ctx: OpenAIContext, name: str | None) -> None:
@@ -233,6 +255,12 @@ def chat_prompt(
     except PMLError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_pml") from None
     if pml is not None:  # a Prompt Cache conversation: the engine lays it out over the schema's modules
+        templated = [
+            f for f in ("continue_final_message", "chat_template_kwargs", "documents") if getattr(req, f)
+        ]
+        if templated:
+            message = f"a conversation opening with a <prompt> document is not templated: drop {templated[0]}"
+            raise APIError(400, message, param=templated[0])
         if req.application is not None:
             raise APIError(
                 400,
