@@ -67,21 +67,18 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
 
 def apply_allowed_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     """Rows with ``allowed_token_ids``: every other logit of theirs set to -inf (in place; ids past the
-    vocabulary are no tokens)."""
-    rows = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
-    if not rows:
-        return
+    vocabulary are no tokens). One gather and two writes per parameters object, whatever its rows."""
+    rows_of: dict[int, tuple[SamplingParams, list[int]]] = {}
+    for r, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            rows_of.setdefault(id(p), (p, []))[1].append(r)
     vocab, dev = logits.shape[-1], logits.device
-    keep_rows, keep_ids = [], []
-    for i, r in enumerate(rows):
-        ids = [t for t in params[r].allowed_token_ids or () if t < vocab]
-        keep_rows += [i] * len(ids)
-        keep_ids += ids
-    masked = torch.full((len(rows), vocab), float("-inf"), dtype=logits.dtype, device=dev)
-    index = (small_tensor(keep_rows, dev, torch.long), small_tensor(keep_ids, dev, torch.long))
-    row_t = small_tensor(rows, dev, torch.long)
-    masked.index_put_(index, logits.index_select(0, row_t)[index])
-    logits.index_copy_(0, row_t, masked)
+    for p, rows in rows_of.values():
+        row_t = small_tensor(rows, dev, torch.long)[:, None]
+        id_t = small_tensor([t for t in p.allowed_token_ids or () if t < vocab], dev, torch.long)[None, :]
+        kept = logits[row_t, id_t]
+        logits.index_fill_(0, row_t[:, 0], float("-inf"))
+        logits[row_t, id_t] = kept
 
 
 def apply_penalties(
