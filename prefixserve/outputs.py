@@ -52,6 +52,8 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None  # why a request that finished with "error" did, where the engine knows
+    # each prompt token's rank among the model's choices there (1: its top; the first: None)
+    prompt_logprob_ranks: list[int | None] | None = None
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class RequestOutput:
         prompt_logprobs: list[float | None] | None = None,
         prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
         error: str | None = None,
+        prompt_logprob_ranks: list[int | None] | None = None,
     ) -> None:
         self.request_id, self.prompt, self._prompt_ids = request_id, prompt, prompt_token_ids
         self.outputs, self.finished = outputs, finished
@@ -75,7 +78,7 @@ class RequestOutput:
         self.module_rows_shared, self.module_rows_private = module_rows_shared, module_rows_private
         self.metrics = {} if metrics is None else metrics
         self.prompt_logprobs, self.prompt_top_logprobs = prompt_logprobs, prompt_top_logprobs
-        self.error = error
+        self.error, self.prompt_logprob_ranks = error, prompt_logprob_ranks
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -116,6 +119,7 @@ class RequestOutput:
             self.prompt_logprobs,
             self.prompt_top_logprobs,
             self.error,
+            self.prompt_logprob_ranks,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as constructor arguments (an array stays compact)

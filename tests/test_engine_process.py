@@ -48,7 +48,12 @@ def test_deltas_rebuild_every_cumulative_output(steps, logprobs: bool) -> None:
             outs.append(CompletionOutput(i, texts[i], list(tokens[i]), reason, None, lps, tops))
         error = "why it ended" if finished and logprobs else None  # the engine's reason travels too
         times = {"arrival_time": 1.0}
-        sent = RequestOutput("r", "p", prompt_ids, outs, finished, 3, 0, 0, 0, times, error=error)
+        prompt_lp = ([None, -1.5, -0.25], [[], [(8, -1.5)], [(1, -0.1)]], [None, 1, 2]) if logprobs else ()
+        sent = RequestOutput(
+            "r", "p", prompt_ids, outs, finished, 3, 0, 0, 0, times, *prompt_lp[:2], error=error
+        )
+        if prompt_lp:
+            sent.prompt_logprob_ranks = prompt_lp[2]  # the prompt's ranks travel with its logprobs
         got = decoder.decode(pickle_round_trip(encoder.encode(sent)))
         assert got == sent
     assert not encoder._sent and not decoder._state  # a finished request is forgotten on both sides

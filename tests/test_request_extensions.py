@@ -224,6 +224,38 @@ def test_extensions_reach_the_engine(http: httpx.Client) -> None:
     assert http.post("/v1/chat/completions", json=kwargs).status_code == 200
 
 
+def test_prompt_logprobs_in_vllm_shape(http: httpx.Client) -> None:
+    """Per prompt token (the first: null): its own logprob and rank, and the k top ones ranked 1..k;
+    the logprobs are the echo's, and a token among the top has the rank of its place there."""
+    body = COMPLETION | {"prompt": PROMPT[:12], "max_tokens": 1}
+    got = http.post("/v1/completions", json=body | {"prompt_logprobs": 3}).json()
+    echo = http.post("/v1/completions", json=body | {"echo": True, "logprobs": 1}).json()
+    entries = got["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 12
+    echoed = echo["choices"][0]["logprobs"]["token_logprobs"][:12]
+    for i, entry in enumerate(entries[1:], start=1):
+        own = entry[str(PROMPT[i])]
+        assert own["logprob"] == pytest.approx(echoed[i], abs=1e-5)
+        ranks = {v["rank"] for v in entry.values()}
+        assert {1, 2, 3} <= ranks and len(entry) <= 4  # the top 3, and the prompt's own token
+    chat = http.post("/v1/chat/completions", json=CHAT | {"prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    streamed = http.post("/v1/completions", json=body | {"prompt_logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprob_ranks_count_the_tokens_above(llm: LLM) -> None:
+    greedy = llm.generate({"prompt_token_ids": PROMPT[:6]}, params(max_tokens=6))[0].outputs[0].token_ids
+    prompt = PROMPT[:6] + greedy  # its last six tokens are the model's first choices: rank 1
+    out = llm.generate({"prompt_token_ids": prompt}, params(max_tokens=1, prompt_logprobs=20))[0]
+    assert out.prompt_logprob_ranks is not None and out.prompt_logprob_ranks[0] is None
+    assert out.prompt_logprob_ranks[6:] == [1] * 6 and min(out.prompt_logprob_ranks[1:6]) > 1
+    tops, ranks = out.prompt_top_logprobs[1:], out.prompt_logprob_ranks[1:]
+    for token, top, rank in zip(prompt[1:], tops, ranks, strict=True):
+        ids = [t for t, _ in top]
+        assert rank == ids.index(token) + 1 if token in ids else rank > 20  # its place among the top 20
+
+
 def test_a_chat_echo_leads_with_the_open_assistant_message(http: httpx.Client) -> None:
     chat = CHAT | {
         "messages": [*CHAT["messages"], {"role": "assistant", "content": "Well, "}],

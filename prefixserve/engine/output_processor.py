@@ -98,6 +98,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         prompt_logprobs=prompt_lp[0] if prompt_lp else None,
         prompt_top_logprobs=prompt_lp[1] if prompt_lp else None,
         error=req.error,
+        prompt_logprob_ranks=prompt_lp[2] if prompt_lp else None,
     )
 
 

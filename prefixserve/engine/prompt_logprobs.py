@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from prefixserve.scheduler.block_tables import BlockManager
     from prefixserve.scheduler.scheduler import ScheduledSeq
 
+# each prompt token's logprob (the first: None), top-k (token id, logprob) pairs (the first: []), rank
+PromptLists = tuple[list[float | None], list[list[tuple[int, float]]], list[int | None]]
+
 TOP = MAX_LOGPROBS  # every scored row keeps its top 20, so any request's k is a slice of a kept block
 STORE_BLOCKS = 8192  # kept blocks' results (LRU): 16 tokens x 20 x 12 bytes a block, ~30 MB
 
@@ -44,9 +47,10 @@ class PromptLogprobState:
     lp: torch.Tensor  # [P] fp32, NaN where not known
     top_vals: torch.Tensor  # [P, TOP] fp32
     top_ids: torch.Tensor  # [P, TOP] int64
+    rank: torch.Tensor  # [P] int64: 1 + how many tokens the model put above the prompt's own (vLLM's rank)
     known: int = 1  # leading tokens whose results are in place (token 0 has none)
     stored: int = 0  # leading blocks put into the store
-    lists: tuple[list[float | None], list[list[tuple[int, float]]]] | None = field(default=None)
+    lists: PromptLists | None = field(default=None)
 
 
 class PromptLogprobs:
@@ -55,7 +59,7 @@ class PromptLogprobs:
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device, self.block_size = device, block_size
         self.active: set[Request] = set()
-        self.store: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.store: OrderedDict[bytes, tuple[torch.Tensor, ...]] = OrderedDict()  # (lp, vals, ids, rank)
 
     def add(self, req: Request) -> None:
         p = req.num_prompt_tokens
@@ -63,6 +67,7 @@ class PromptLogprobs:
             torch.full((p,), float("nan"), device=self.device),
             torch.zeros(p, TOP, device=self.device),
             torch.zeros(p, TOP, dtype=torch.long, device=self.device),
+            torch.zeros(p, dtype=torch.long, device=self.device),
         )
         self.active.add(req)
 
@@ -86,11 +91,12 @@ class PromptLogprobs:
             return  # done scoring (a preempted request computes its prompt again, scoring nothing)
         bs = self.block_size
         for j, digest in enumerate(seq.block_digests[:num_blocks]):
-            lp, vals, ids = self.store[digest]
+            lp, vals, ids, rank = self.store[digest]
             self.store.move_to_end(digest)
             state.lp[j * bs : (j + 1) * bs] = lp
             state.top_vals[j * bs : (j + 1) * bs] = vals
             state.top_ids[j * bs : (j + 1) * bs] = ids
+            state.rank[j * bs : (j + 1) * bs] = rank
         state.known = max(1, num_blocks * bs)
         state.stored = num_blocks
 
@@ -126,6 +132,7 @@ class PromptLogprobs:
         logp = runner.logits(launch, rows, fp32=True).log_softmax(-1)
         dev = logp.device
         chosen = logp.gather(1, torch.tensor(targets, device=dev)[:, None])[:, 0]
+        rank = (logp > chosen[:, None]).sum(-1) + 1
         vals, ids = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
         at = 0
         for seq, lo, hi in spans:
@@ -134,6 +141,7 @@ class PromptLogprobs:
             state.lp[lo:hi] = chosen[at : at + k]
             state.top_vals[lo:hi, : vals.shape[1]] = vals[at : at + k]
             state.top_ids[lo:hi, : ids.shape[1]] = ids[at : at + k]
+            state.rank[lo:hi] = rank[at : at + k]
             at += k
             state.known = max(state.known, hi)
             self._keep(seq, state, blocks)
@@ -153,6 +161,7 @@ class PromptLogprobs:
                 state.lp[sl].clone(),
                 state.top_vals[sl].clone(),
                 state.top_ids[sl].clone(),
+                state.rank[sl].clone(),
             )
             self.store.move_to_end(digests[j])
         state.stored = full
@@ -160,9 +169,9 @@ class PromptLogprobs:
             self.store.popitem(last=False)
 
 
-def prompt_logprob_lists(req: Request) -> tuple[list[float | None], list[list[tuple[int, float]]]] | None:
-    """The request's prompt logprobs as host lists (first token: None and no top), or None when not
-    asked for; made once, when the prompt is done."""
+def prompt_logprob_lists(req: Request) -> PromptLists | None:
+    """The request's prompt logprobs as host lists (first token: None, no top, no rank), or None when
+    not asked for; made once, when the prompt is done."""
     state: PromptLogprobState | None = req.prompt_logprobs
     k = req.params.prompt_logprobs
     if state is None or k is None or state.known < req.num_prompt_tokens:
@@ -172,8 +181,9 @@ def prompt_logprob_lists(req: Request) -> tuple[list[float | None], list[list[tu
         vals, ids = state.top_vals[:, :k].tolist(), state.top_ids[:, :k].tolist()
         values: list[Any] = [None, *lp[1:]]
         tops = [[], *(list(zip(i, v, strict=True)) for i, v in zip(ids[1:], vals[1:], strict=True))]
-        state.lists = (values, tops)
+        ranks: list[Any] = [None, *state.rank[1:].tolist()]
+        state.lists = (values, tops, ranks)
     return state.lists
 
 
-__all__ = ["PromptLogprobState", "PromptLogprobs", "prompt_logprob_lists"]
+__all__ = ["PromptLists", "PromptLogprobState", "PromptLogprobs", "prompt_logprob_lists"]

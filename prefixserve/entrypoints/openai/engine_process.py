@@ -96,7 +96,8 @@ class OutputEncoder:
             del self._sent[out.request_id]
         head = (out.prompt, out.stored_prompt_token_ids) if first else None
         if out.prompt_logprobs is not None and (first or out.finished):  # whole, once the prompt is done
-            head = (out.prompt, out.stored_prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs)
+            lists = (out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_logprob_ranks)
+            head = (out.prompt, out.stored_prompt_token_ids, *lists)
         counts = (
             out.num_cached_tokens,
             out.num_recomputed_tokens,
@@ -141,7 +142,7 @@ class OutputDecoder:
         if finished:
             self._state.pop(rid, None)
         cached, recomputed, shared, private, error = counts
-        prompt_lp += [None] * (2 - len(prompt_lp))
+        lp, top, ranks = prompt_lp or (None, None, None)
         return RequestOutput(
             rid,
             prompt,
@@ -153,8 +154,10 @@ class OutputDecoder:
             shared,
             private,
             metrics,
-            *prompt_lp,
+            lp,
+            top,
             error=error,
+            prompt_logprob_ranks=ranks,
         )
 
     def forget(self, request_id: str) -> None:

@@ -84,9 +84,13 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, token_text: TokenTe
     return {"content": content}
 
 
-def prompt_completion_logprobs(f: RequestOutput, token_text: TokenText) -> dict[str, Any]:
-    """The prompt's part of an echoed choice's logprobs: its first token has none (null)."""
+def prompt_completion_logprobs(
+    f: RequestOutput, token_text: TokenText, k: int | None = None
+) -> dict[str, Any]:
+    """The prompt's part of an echoed choice's logprobs (its ``k`` top ones): its first token has none."""
     lps, tops = f.prompt_logprobs or [], f.prompt_top_logprobs or []
+    if k is not None:
+        tops = [top[:k] for top in tops]
     tokens = [token_text(t) for t in f.prompt_token_ids]
     offsets, offset = [], 0
     for t in tokens:
@@ -102,6 +106,19 @@ def prompt_completion_logprobs(f: RequestOutput, token_text: TokenText) -> dict[
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(f: RequestOutput, k: int, token_text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first: None), its own logprob and rank and the
+    ``k`` top ones (ranks 1..k), keyed by token id."""
+    lps, tops, ranks = f.prompt_logprobs or [], f.prompt_top_logprobs or [], f.prompt_logprob_ranks or []
+    out: list[dict[str, Any] | None] = [None] if lps else []
+    for token, lp, top, rank in zip(f.prompt_token_ids[1:], lps[1:], tops[1:], ranks[1:], strict=False):
+        entry = {str(token): {"logprob": _lp(lp), "rank": rank, "decoded_token": token_text(token)}}
+        for r, (t, v) in enumerate(top[:k], start=1):
+            entry.setdefault(str(t), {"logprob": _lp(v), "rank": r, "decoded_token": token_text(t)})
+        out.append(entry)
+    return out
 
 
 def without_completion(f: RequestOutput) -> RequestOutput:
@@ -121,14 +138,17 @@ def completion_body(
     token_text: TokenText,
     want_logprobs: bool,
     echoed: list[str] | None = None,
+    echo_k: int | None = None,
 ) -> dict[str, Any]:
     """``echoed``: each prompt's text, put before its choices' texts (echo), with the prompt's logprobs
-    before theirs."""
+    (``echo_k`` top ones) before theirs."""
     choices = []
     for p, f in enumerate(finals):
         head = echoed[p] if echoed is not None else ""
         prompt_lp = (
-            prompt_completion_logprobs(f, token_text) if echoed is not None and want_logprobs else None
+            prompt_completion_logprobs(f, token_text, echo_k)
+            if echoed is not None and want_logprobs
+            else None
         )
         for c in f.outputs:
             lp = None

@@ -135,6 +135,8 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     for beam search must not get an answer made without it."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
     refused = (
         (req.use_beam_search, "use_beam_search", "beam search is not supported"),
         (req.priority != 0, "priority", "priority scheduling is not supported: priority must be 0"),
@@ -196,6 +198,7 @@ def sampling(
             skip_special_tokens=req.skip_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             bad_words=req.bad_words or None,
+            prompt_logprobs=req.prompt_logprobs,
         )
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")
@@ -220,8 +223,8 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     no_completion = req.echo and max_tokens == 0  # the prompt's logprobs alone (lm-eval's scoring)
     params = sampling(req, 1 if no_completion else max_tokens, req.logprobs, structured)
-    if req.echo and req.logprobs is not None:
-        params.prompt_logprobs = req.logprobs
+    if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs: as many top ones as asked
+        params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     if len(prompts) * params.num_samples > MAX_N:
         total = len(prompts) * params.num_samples
         raise APIError(400, f"n (or best_of) x prompts must be at most {MAX_N}, got {total}", "n")
@@ -343,6 +346,10 @@ def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput
     """The non-streamed answer, from every prompt's final output in order."""
     if prep.chat:
         body = fmt.chat_body(prep.rid, ctx.model, finals[0], token_text(ctx, prep), prep.want_logprobs)
+        if prep.req.prompt_logprobs is not None:  # vLLM puts a chat's at the top
+            body["prompt_logprobs"] = fmt.prompt_logprobs(
+                finals[0], prep.req.prompt_logprobs, token_text(ctx, prep)
+            )
         if prep.echo_content:
             for choice in body["choices"]:
                 choice["message"]["content"] = prep.echo_content + (choice["message"]["content"] or "")
@@ -356,9 +363,17 @@ def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput
     if prep.no_completion:
         finals = [fmt.without_completion(f) for f in finals]
     echoed = [_prompt_text(ctx, f) for f in finals] if prep.echo else None
-    return fmt.completion_body(
-        prep.rid, ctx.model, finals, prep.params.n, token_text(ctx, prep), prep.want_logprobs, echoed
+    echo_k = prep.req.logprobs if prep.echo else None
+    body = fmt.completion_body(
+        prep.rid, ctx.model, finals, prep.params.n, token_text(ctx, prep), prep.want_logprobs, echoed, echo_k
     )
+    k = prep.req.prompt_logprobs
+    if k is not None:  # each choice its prompt's (vLLM's shape)
+        for choice in body["choices"]:
+            choice["prompt_logprobs"] = fmt.prompt_logprobs(
+                finals[choice["index"] // prep.params.n], k, token_text(ctx, prep)
+            )
+    return body
 
 
 def _prompt_text(ctx: OpenAIContext, final: RequestOutput) -> str:

@@ -115,6 +115,7 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top-k (vLLM's shape)
     # ...and refused where set, rather than ignored (``prepare.check_unsupported``)
     use_beam_search: bool = False
     priority: int = 0
