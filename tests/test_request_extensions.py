@@ -331,6 +331,9 @@ def test_gpu_allowed_ids_bad_words_and_truncation_under_graphs(tiny_config_path:
     want = llm.generate({"prompt_token_ids": PROMPT}, params(logit_bias=dict.fromkeys(allowed, 100.0)))
     got = llm.generate({"prompt_token_ids": PROMPT}, params(allowed_token_ids=allowed))
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    greedy = llm.generate({"prompt_token_ids": PROMPT[:6]}, params(max_tokens=6))[0].outputs[0].token_ids
+    scored = llm.generate({"prompt_token_ids": PROMPT[:6] + greedy}, params(max_tokens=1, prompt_logprobs=5))
+    assert scored[0].prompt_logprob_ranks[6:] == [1] * 6  # the model's own choices rank first
     tail = llm.generate({"prompt_token_ids": PROMPT[-9:]}, GREEDY)[0].outputs[0].token_ids
     assert (
         llm.generate({"prompt_token_ids": PROMPT}, params(truncate_prompt_tokens=9))[0].outputs[0].token_ids
