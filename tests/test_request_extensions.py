@@ -244,6 +244,37 @@ def test_prompt_logprobs_in_vllm_shape(http: httpx.Client) -> None:
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_echo_and_prompt_logprobs_answer_for_the_clients_prompt(http: httpx.Client) -> None:
+    """Behind an application's pinned prompt, echo's text and logprobs and prompt_logprobs cover what
+    the client sent, not the pinned prompt the engine put in front."""
+    for prompt in ("Do you sell tires?", PROMPT[:7]):
+        body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "prompt_logprobs": 1}
+        out = http.post("/v1/completions", json=body | {"application": "desk"}).json()["choices"][0]
+        alone = http.post("/v1/completions", json=body).json()["choices"][0]
+        lp = out["logprobs"]
+        text = out["text"]
+        assert "".join(lp["tokens"]) == text and all(o <= len(text) for o in lp["text_offset"])
+        n = len(alone["prompt_logprobs"])
+        assert len(out["prompt_logprobs"]) == n and alone["prompt_logprobs"][0] is None
+        assert out["prompt_logprobs"][0] is not None  # its first token follows the pinned prompt
+        assert lp["tokens"][:n] == alone["logprobs"]["tokens"][:n]
+
+
+def test_tokenize_renders_chats_under_the_same_rules(http: httpx.Client) -> None:
+    chat = {"messages": CHAT["messages"]}
+    assert (
+        http.post("/tokenize", json=chat | {"chat_template_kwargs": {"enable_thinking": False}}).status_code
+        == 200
+    )
+    for extra, param in (
+        ({"chat_template_kwargs": {"chat_template": "{{ 'X' }}"}}, "chat_template_kwargs"),
+        ({"chat_template": "{{ 'X' }}"}, "chat_template"),
+        ({"continue_final_message": True}, "continue_final_message"),
+    ):
+        r = http.post("/tokenize", json=chat | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_prompt_logprob_ranks_count_the_tokens_above(llm: LLM) -> None:
     greedy = llm.generate({"prompt_token_ids": PROMPT[:6]}, params(max_tokens=6))[0].outputs[0].token_ids
     prompt = PROMPT[:6] + greedy  # its last six tokens are the model's first choices: rank 1

@@ -85,35 +85,41 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, token_text: TokenTe
 
 
 def prompt_completion_logprobs(
-    f: RequestOutput, token_text: TokenText, k: int | None = None
+    f: RequestOutput, token_text: TokenText, k: int | None = None, skip: int = 0
 ) -> dict[str, Any]:
-    """The prompt's part of an echoed choice's logprobs (its ``k`` top ones): its first token has none."""
-    lps, tops = f.prompt_logprobs or [], f.prompt_top_logprobs or []
-    if k is not None:
-        tops = [top[:k] for top in tops]
-    tokens = [token_text(t) for t in f.prompt_token_ids]
+    """The prompt's part of an echoed choice's logprobs (its ``k`` top ones) from prompt token ``skip``
+    on (before it: a pinned prompt the client did not send); the prompt's first token has none."""
+    ids = f.prompt_token_ids[skip:]
+    lps, tops = (f.prompt_logprobs or [])[skip:], (f.prompt_top_logprobs or [])[skip:]
+    tokens = [token_text(t) for t in ids]
     offsets, offset = [], 0
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [None if x is None else _lp(x) for x in lps[:1]] + [_lp(x) for x in lps[1:]],
-        "top_logprobs": [None] * min(1, len(tops))
-        + [
-            _top_with(top, t, lp, token_text)
-            for top, t, lp in zip(tops[1:], f.prompt_token_ids[1:], lps[1:], strict=False)
+        "token_logprobs": [None if x is None else _lp(x) for x in lps],
+        "top_logprobs": [
+            None if x is None else _top_with(top[:k] if k is not None else top, t, x, token_text)
+            for top, t, x in zip(tops, ids, lps, strict=False)
         ],
         "text_offset": offsets,
     }
 
 
-def prompt_logprobs(f: RequestOutput, k: int, token_text: TokenText) -> list[dict[str, Any] | None]:
-    """vLLM's ``prompt_logprobs``: per prompt token (the first: None), its own logprob and rank and the
-    ``k`` top ones (ranks 1..k), keyed by token id."""
+def prompt_logprobs(
+    f: RequestOutput, k: int, token_text: TokenText, skip: int = 0
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token from ``skip`` on (the prompt's first: None), its own
+    logprob and rank and the ``k`` top ones (ranks 1..k), keyed by token id."""
     lps, tops, ranks = f.prompt_logprobs or [], f.prompt_top_logprobs or [], f.prompt_logprob_ranks or []
-    out: list[dict[str, Any] | None] = [None] if lps else []
-    for token, lp, top, rank in zip(f.prompt_token_ids[1:], lps[1:], tops[1:], ranks[1:], strict=False):
+    out: list[dict[str, Any] | None] = []
+    for token, lp, top, rank in zip(
+        f.prompt_token_ids[skip:], lps[skip:], tops[skip:], ranks[skip:], strict=False
+    ):
+        if lp is None:
+            out.append(None)
+            continue
         entry = {str(token): {"logprob": _lp(lp), "rank": rank, "decoded_token": token_text(token)}}
         for r, (t, v) in enumerate(top[:k], start=1):
             entry.setdefault(str(t), {"logprob": _lp(v), "rank": r, "decoded_token": token_text(t)})
@@ -139,14 +145,15 @@ def completion_body(
     want_logprobs: bool,
     echoed: list[str] | None = None,
     echo_k: int | None = None,
+    skips: list[int] | None = None,
 ) -> dict[str, Any]:
     """``echoed``: each prompt's text, put before its choices' texts (echo), with the prompt's logprobs
-    (``echo_k`` top ones) before theirs."""
+    (``echo_k`` top ones; from prompt token ``skips[p]`` on) before theirs."""
     choices = []
     for p, f in enumerate(finals):
         head = echoed[p] if echoed is not None else ""
         prompt_lp = (
-            prompt_completion_logprobs(f, token_text, echo_k)
+            prompt_completion_logprobs(f, token_text, echo_k, skips[p] if skips else 0)
             if echoed is not None and want_logprobs
             else None
         )

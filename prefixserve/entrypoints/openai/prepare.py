@@ -144,20 +144,8 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     for is_set, param, message in refused:
         if is_set:
             raise APIError(400, message, param=param)
-    if isinstance(req, ChatCompletionRequest):
-        if req.chat_template is not None:
-            raise APIError(
-                400, "chat_template is not taken from requests: the model's template applies", "chat_template"
-            )
-        if req.echo and req.tools:
-            raise APIError(400, "echo cannot be combined with tools on chat completions", param="echo")
-        if req.continue_final_message and req.add_generation_prompt:
-            message = "continue_final_message needs add_generation_prompt=false (the last message goes on)"
-            raise APIError(400, message, param="continue_final_message")
-        reserved = set(req.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS
-        if reserved:
-            message = f"chat_template_kwargs may not set {sorted(reserved)}: they are request fields"
-            raise APIError(400, message, param="chat_template_kwargs")
+    if isinstance(req, ChatCompletionRequest) and req.echo and req.tools:
+        raise APIError(400, "echo cannot be combined with tools on chat completions", param="echo")
     if isinstance(req, CompletionRequest):
         if req.echo and req.stream:
             raise APIError(400, "echo cannot be combined with stream", param="echo")
@@ -237,6 +225,20 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     )
 
 
+def check_template_fields(req: ChatCompletionRequest) -> None:
+    """A 400 for the template fields a chat may not set so (every route that renders one asks)."""
+    if req.chat_template is not None:
+        message = "chat_template is not taken from requests: the model's template applies"
+        raise APIError(400, message, param="chat_template")
+    if req.continue_final_message and req.add_generation_prompt:
+        message = "continue_final_message needs add_generation_prompt=false (the last message goes on)"
+        raise APIError(400, message, param="continue_final_message")
+    reserved = set(req.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS
+    if reserved:
+        message = f"chat_template_kwargs may not set {sorted(reserved)}: they are request fields"
+        raise APIError(400, message, param="chat_template_kwargs")
+
+
 def chat_prompt(
     ctx: OpenAIContext, req: ChatCompletionRequest, tools: Tools | None = None
 ) -> tuple[str, str | None]:
@@ -245,6 +247,7 @@ def chat_prompt(
     the application's; one with its own keeps it, alone (no application); where the tools are written
     into the pinned message, the chat no longer opens with the pinned prompt (no application). A
     conversation whose first message is a ``<prompt>`` document becomes one PML prompt instead."""
+    check_template_fields(req)
     native = tools is not None and template_knows_tools(ctx.tokenizer)
     given = list(req.messages)
     system = None if req.application is None else application_prompt(ctx, req.application)
@@ -362,25 +365,48 @@ def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput
         return body
     if prep.no_completion:
         finals = [fmt.without_completion(f) for f in finals]
-    echoed = [_prompt_text(ctx, f) for f in finals] if prep.echo else None
+    k = prep.req.prompt_logprobs
+    skips = [pinned_lead(ctx, prep, p) for p in prep.prompts] if prep.echo or k is not None else None
+    echoed = (
+        [_prompt_text(ctx, f, skip) for f, skip in zip(finals, skips or (), strict=True)]
+        if prep.echo
+        else None
+    )
     echo_k = prep.req.logprobs if prep.echo else None
     body = fmt.completion_body(
-        prep.rid, ctx.model, finals, prep.params.n, token_text(ctx, prep), prep.want_logprobs, echoed, echo_k
+        prep.rid,
+        ctx.model,
+        finals,
+        prep.params.n,
+        token_text(ctx, prep),
+        prep.want_logprobs,
+        echoed,
+        echo_k,
+        skips,
     )
-    k = prep.req.prompt_logprobs
-    if k is not None:  # each choice its prompt's (vLLM's shape)
+    if k is not None and skips is not None:  # each choice its prompt's (vLLM's shape)
         for choice in body["choices"]:
-            choice["prompt_logprobs"] = fmt.prompt_logprobs(
-                finals[choice["index"] // prep.params.n], k, token_text(ctx, prep)
-            )
+            p = choice["index"] // prep.params.n
+            choice["prompt_logprobs"] = fmt.prompt_logprobs(finals[p], k, token_text(ctx, prep), skips[p])
     return body
 
 
-def _prompt_text(ctx: OpenAIContext, final: RequestOutput) -> str:
-    """What echo puts before a choice's text: the prompt as given, or its token ids decoded."""
+def pinned_lead(ctx: OpenAIContext, prep: Prepared, prompt: str | list[int]) -> int:
+    """How many leading prompt ids of the engine's are the application's pinned prompt, put in front
+    of a prompt that did not start with it: echo and prompt_logprobs answer for the client's prompt."""
+    if prep.application is None:
+        return 0
+    head = ctx.engine_ids([], prep.application)
+    sent = prompt_ids(ctx, prep, prompt) or []
+    return 0 if sent[: len(head)] == head else len(head)
+
+
+def _prompt_text(ctx: OpenAIContext, final: RequestOutput, skip: int = 0) -> str:
+    """What echo puts before a choice's text: the prompt as given, or its token ids from ``skip`` on
+    (past a pinned prompt the client did not send) decoded."""
     if final.prompt is not None:
         return final.prompt
-    return ctx.tokenizer.decode(final.prompt_token_ids) if ctx.tokenizer is not None else ""
+    return ctx.tokenizer.decode(final.prompt_token_ids[skip:]) if ctx.tokenizer is not None else ""
 
 
 def stream_state(ctx: OpenAIContext, prep: Prepared) -> fmt.StreamState:
