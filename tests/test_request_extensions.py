@@ -211,6 +211,8 @@ def test_extensions_reach_the_engine(http: httpx.Client) -> None:
     long_text = COMPLETION | {"prompt": "a b " * context, "truncate_prompt_tokens": -1}
     text = http.post("/v1/completions", json=long_text)
     assert text.status_code == 200 and text.json()["usage"]["prompt_tokens"] + 6 == context
+    scoring = http.post("/v1/completions", json=COMPLETION | {"echo": True, "max_tokens": 0, "min_tokens": 2})
+    assert scoring.status_code == 400 and "max_tokens (0" in scoring.json()["error"]["message"]  # as sent
     short = http.post("/v1/completions", json=COMPLETION | {"truncate_prompt_tokens": 5}).json()
     assert short["usage"]["prompt_tokens"] == 5
     whole = http.post("/v1/completions", json=COMPLETION | {"prompt": PROMPT[-5:]}).json()

@@ -210,6 +210,9 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     structured = structured_outputs(req)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     no_completion = req.echo and max_tokens == 0  # the prompt's logprobs alone (lm-eval's scoring)
+    if no_completion and req.min_tokens:
+        message = f"min_tokens must be <= max_tokens (0: the prompt alone), got {req.min_tokens}"
+        raise APIError(400, message, param="min_tokens", code="invalid_value")
     params = sampling(req, 1 if no_completion else max_tokens, req.logprobs, structured)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs: as many top ones as asked
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
