@@ -2,8 +2,8 @@
 
 One Ray Serve application serves the whole module (on the session's Ray and Serve, which the other
 Ray modules share: starting its three actor processes is most of its time): the official ``openai``
-client streamed and not, affinity of a shared prefix, and a replica killed mid-stream, restarted by
-Ray Serve and routed to again.
+client streamed and not, affinity of a shared prefix, stored responses answered by the replica that
+stored them, and a replica killed mid-stream, restarted by Ray Serve and routed to again.
 """
 
 from __future__ import annotations
@@ -95,6 +95,30 @@ def test_a_prefix_cache_reset_reaches_every_replica(endpoint: str) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["reset"] is True and r.json()["replicas"] == {"replica-0": True, "replica-1": True}
     assert cached_tokens() == 0
+
+
+def test_responses_go_on_where_they_are_stored(endpoint: str) -> None:
+    """A stored response lives in its replica: a request naming it (``previous_response_id``,
+    ``/v1/responses/{id}``) goes there, whichever replica its prompt or the load would pick."""
+    client = rc.client(endpoint)
+    create = client.responses.with_raw_response.create
+    first = create(model="default", input="Plan a trip to Lima.", max_output_tokens=3)
+    owner, rid = first.headers[REPLICA_HEADER], first.parse().id
+    assert rid.startswith(f"resp_{owner}_")
+    for i in range(4):  # unrelated prompts would take turns over the replicas
+        rc.complete(endpoint, f"Unrelated question {i}")
+        then = create(model="default", input=f"And day {i}?", previous_response_id=rid, max_output_tokens=3)
+        assert then.headers[REPLICA_HEADER] == owner and then.parse().previous_response_id == rid
+        rid = then.parse().id
+    streamed = list(
+        client.responses.create(model="default", input="Hi", previous_response_id=rid, stream=True)
+    )
+    assert streamed[-1].response.id.startswith(f"resp_{owner}_")
+    got = httpx.get(f"{endpoint}/v1/responses/{rid}", timeout=60)
+    assert got.status_code == 200 and got.headers[REPLICA_HEADER] == owner and got.json()["id"] == rid
+    assert httpx.get(f"{endpoint}/v1/responses/{rid}/input_items", timeout=60).json()["data"]
+    assert httpx.delete(f"{endpoint}/v1/responses/{rid}", timeout=60).json()["deleted"] is True
+    assert httpx.get(f"{endpoint}/v1/responses/{rid}", timeout=60).status_code == 404
 
 
 def test_a_killed_replica_fails_its_stream_the_rest_is_served_and_it_comes_back(endpoint: str) -> None:

@@ -185,3 +185,25 @@ def test_a_reset_answers_for_every_replica(answers: dict, status: int, reset: bo
     assert answer.status_code == status
     if reset is not None:
         assert json.loads(bytes(answer.body))["reset"] is reset
+
+
+def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it() -> None:
+    from prefixserve.distributed.serve_ingress import IngressCore
+    from prefixserve.entrypoints.openai.prepare import OpenAIContext
+    from prefixserve.entrypoints.openai.responses import ResponseStore
+
+    ctx = OpenAIContext(model="m", tokenizer=None, system_prompts={})
+    core = IngressCore(ReplicaSet({"replica-0": FakeReplica(), "replica-1": FakeReplica()}), ctx, 16)
+    rid = ResponseStore(tag="replica-1").new_id()
+    owner = core._response_owner
+    assert owner(f"/v1/responses/{rid}", b"") == "replica-1"
+    assert owner(f"/v1/responses/{rid}/input_items", b"") == "replica-1"
+    body = json.dumps({"input": "hi", "previous_response_id": rid}).encode()
+    assert owner("/v1/responses", body) == "replica-1"
+    assert owner("/v1/responses", b'{"input": "hi"}') is None  # a new conversation routes on its prompt
+    assert owner("/v1/responses", b"{not json") is None
+    assert owner("/v1/responses/resp_abc", b"") is None  # no tag: any replica answers (404)
+    assert owner(f"/v1/responses/{ResponseStore(tag='replica-7').new_id()}", b"") is None
+    assert owner("/v1/chat/completions", body) is None
+    with pytest.raises(ValueError, match="tag"):
+        ResponseStore(tag="a_b")

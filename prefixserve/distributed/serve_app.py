@@ -127,13 +127,15 @@ def serve_app(
     engine_process: str = "auto",
     ingress_replicas: int | None = None,
     switch_interval_ms: float | None = None,
+    max_stored_responses: int = 1024,
 ) -> Any:
     """The Ray Serve application: ``serve.run(serve_app(config, replicas=2), route_prefix="/")``.
 
     ``overload``: each replica's ``OverloadSettings`` (its own queue bounds; None: the defaults);
     ``engine_process``: where each replica runs its engine, as ``serve --engine-process`` (auto: its
     own process on CUDA); ``ingress_replicas``: None: ``default_ingress_replicas``;
-    ``switch_interval_ms``: each replica process's GIL switch interval (None: Python's)."""
+    ``switch_interval_ms``: each replica process's GIL switch interval (None: Python's);
+    ``max_stored_responses``: each replica's bound on the /v1/responses it keeps."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if ingress_replicas is not None and ingress_replicas < 1:
@@ -148,7 +150,13 @@ def serve_app(
         ingress_replicas = default_ingress_replicas(replicas, resources["num_gpus"] > 0)
     bound = [
         ReplicaDeployment.options(name=f"replica-{i}", ray_actor_options=resources).bind(
-            config, api_key, overload, engine_process, switch_interval_ms
+            config,
+            api_key,
+            overload,
+            engine_process,
+            switch_interval_ms,
+            f"replica-{i}",
+            max_stored_responses,
         )
         for i in range(replicas)
     ]
@@ -167,6 +175,7 @@ def run_replicas(
     engine_process: str = "auto",
     ingress_replicas: int | None = None,
     switch_interval_ms: float | None = None,
+    max_stored_responses: int = 1024,
 ) -> int:
     """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
     import signal
@@ -193,6 +202,7 @@ def run_replicas(
         engine_process=engine_process,
         ingress_replicas=ingress_replicas,
         switch_interval_ms=switch_interval_ms,
+        max_stored_responses=max_stored_responses,
     )
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.info(

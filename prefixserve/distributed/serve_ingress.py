@@ -5,9 +5,12 @@ chat is rendered with the model's chat template first, exactly as a replica rend
 conversation routes on everything before its last turn, not on its first message). The replicas'
 prefix-cache events are polled in the background and feed the router's index; a replica that fails
 a call or a poll leaves the routing at once and comes back when a poll succeeds again (after Ray
-Serve restarted it, with an empty cache). Every other route goes to the least loaded healthy
-replica; schema changes go to all of them. No Ray import: ``serve_app.py`` wraps this in a
-deployment; replicas are reached through anything shaped like a Ray Serve handle.
+Serve restarted it, with an empty cache). Responses (``/v1/responses``) route as the chat they run
+as, except that a request naming a stored response (``previous_response_id``, or
+``/v1/responses/{id}``) goes to the replica that stored it, whose name its id carries. Every other
+route goes to the least loaded healthy replica; schema changes go to all of them. No Ray import:
+``serve_app.py`` wraps this in a deployment; replicas are reached through anything shaped like a Ray
+Serve handle.
 
 There may be several ingresses (Ray Serve's proxy picks one per request): each follows every
 replica's events as its own consumer (``kv/cache_events.py``: a cursor each), so each holds the
@@ -36,6 +39,8 @@ from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.cache_routes import RESET_ROUTE
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
 from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.entrypoints.openai.responses import id_tag, prepare_response
+from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE
 from prefixserve.kv.cache_events import prompt_digests
 
 log = logging.getLogger(__name__)
@@ -46,7 +51,7 @@ SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "X-Prefixserve-Replica"  # which replica answered (debugging, tests)
 INGRESS_HEADER = "X-Prefixserve-Ingress"  # which ingress routed it (its consumer id)
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
-ROUTED = {"/v1/completions", "/v1/chat/completions"}
+ROUTED = {"/v1/completions", "/v1/chat/completions", RESPONSES_ROUTE}
 
 
 class ReplicaSet:
@@ -170,7 +175,10 @@ class IngressCore:
         try:
             data = json.loads(body)
             session = headers.get(SESSION_HEADER) or (data.get("user") if isinstance(data, dict) else None)
-            prep = prepare(self.ctx, path, data)
+            if path == RESPONSES_ROUTE:  # the chat it runs as (a stored conversation goes to its owner)
+                prep = prepare_response(self.ctx, data, None).prep
+            else:
+                prep = prepare(self.ctx, path, data)
         except (ValueError, APIError, AttributeError, TypeError):
             return [], headers.get(SESSION_HEADER)
         ids = prompt_ids(self.ctx, prep, prep.prompts[0] if prep.prompts else "")
@@ -190,8 +198,30 @@ class IngressCore:
             digests, session = [], None
         if request.method != "GET" and (path.startswith("/v1/schemas") or path == RESET_ROUTE):
             return await self._broadcast(request, body)
+        owner = self._response_owner(path, body)
+        if owner is not None:
+            if owner not in self.replicas.healthy:
+                message = f"{owner}, which stores this response, is not serving now; retry shortly"
+                raise APIError(503, message)
+            return await self._call(owner, request, body)
         name = self.replicas.choose(digests, session)
         return await self._call(name, request, body)
+
+    def _response_owner(self, path: str, body: bytes) -> str | None:
+        """The replica that stored the response a request names (its id carries the replica's name:
+        ``ResponseStore.new_id``): ``/v1/responses/{id}`` routes, and ``previous_response_id``.
+        Stored responses live in their replica's process, so no other replica could answer."""
+        if not path.startswith(RESPONSES_ROUTE):
+            return None
+        if path == RESPONSES_ROUTE:
+            try:
+                named = json.loads(body).get("previous_response_id")
+            except (ValueError, AttributeError):
+                return None
+        else:
+            named = path[len(RESPONSES_ROUTE) + 1 :].split("/", 1)[0]
+        owner = id_tag(named) if isinstance(named, str) else None
+        return owner if owner in self.replicas.handles else None
 
     def _request_args(
         self, request: Request, body: bytes

@@ -41,18 +41,29 @@ class EngineReplica:
         overload: Any = None,
         engine_process: str = "auto",
         switch_interval_ms: float | None = None,
+        name: str | None = None,
+        max_stored_responses: int = 1024,
     ) -> None:
         """``overload``: the server's ``OverloadSettings`` (queue bounds, deadline, stall timeout);
         ``engine_process``: auto, on or off, as ``serve --engine-process``; ``switch_interval_ms``:
-        this process's GIL switch interval, as ``serve --switch-interval-ms`` (None: Python's)."""
+        this process's GIL switch interval, as ``serve --switch-interval-ms`` (None: Python's);
+        ``name``: the ingress's name for it, written into the ids of the responses it stores (at most
+        ``max_stored_responses``)."""
         # FastAPI and uvicorn: only where a replica runs
         from prefixserve.entrypoints.openai.app import build_app
+        from prefixserve.entrypoints.openai.responses import ResponseStore
         from prefixserve.entrypoints.openai.server import wants_engine_process
 
         if switch_interval_ms is not None:
             sys.setswitchinterval(switch_interval_ms / 1e3)
         own_process = wants_engine_process(engine_process, config)
-        self.app = build_app(config, api_key=api_key, engine_process=own_process, overload=overload)
+        self.app = build_app(
+            config,
+            api_key=api_key,
+            engine_process=own_process,
+            overload=overload,
+            responses=ResponseStore(max_stored_responses, tag=name),
+        )
         self.loop = self.app.state.engine_loop
         self.loop.start()  # the app's lifespan would; it is never run here (no server)
         self.incarnation = uuid.uuid4().hex  # a restarted replica is a new one: its cache starts empty

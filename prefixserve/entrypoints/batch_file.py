@@ -1,11 +1,11 @@
 """OpenAI Batch API files: read request lines, write result lines, resume after a kill.
 
-Input lines are ``{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
-"body": {...}}``; output lines are ``{"id", "custom_id", "response": {"status_code", "request_id",
-"body"} | null, "error": {"code", "message"} | null}``. A line that cannot be read becomes an error
-row naming its line number; the job goes on. Rows are appended one whole line per ``write`` and
-flushed, and a torn last line (a kill mid-write) is cut off on resume, so a run killed at any point
-and started again ends with every input row in the output exactly once.
+Input lines are ``{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions"
+| "/v1/responses", "body": {...}}``; output lines are ``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"} | null, "error": {"code", "message"} | null}``. A line that
+cannot be read becomes an error row naming its line number; the job goes on. Rows are appended one
+whole line per ``write`` and flushed, and a torn last line (a kill mid-write) is cut off on resume,
+so a run killed at any point and started again ends with every input row in the output exactly once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
+RESPONSES_URL = "/v1/responses"
+BATCH_URLS = ("/v1/completions", "/v1/chat/completions", RESPONSES_URL)
 _LINE = re.compile(r"line (\d+): ")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.batch_file import (
+    RESPONSES_URL,
     BadRow,
     BatchRow,
     ResultWriter,
@@ -34,6 +35,8 @@ from prefixserve.entrypoints.openai.prepare import (
     truncated,
 )
 from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
+from prefixserve.entrypoints.openai.responses import ResponseCall, prepare_response
+from prefixserve.entrypoints.openai.responses_request import renamed
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.batch_queue import DEFAULT_DECODE, queue_groups
@@ -114,6 +117,14 @@ class _RowState:
     prep: Prepared
     ids: list[str]
     finals: dict[str, RequestOutput] = field(default_factory=dict)
+    call: ResponseCall | None = None  # a /v1/responses row (its chat is ``prep``)
+
+
+def _prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, ResponseCall | None]:
+    if row.url != RESPONSES_URL:
+        return prepare(ctx, row.url, row.body), None
+    call = prepare_response(ctx, row.body, None)  # a batch stores nothing: no previous_response_id
+    return call.prep, call
 
 
 def _prepare_rows(
@@ -125,12 +136,12 @@ def _prepare_rows(
         try:
             if row.body.get("stream"):
                 raise APIError(400, "stream is not supported in a batch", param="stream")
-            prep = prepare(ctx, row.url, row.body)
+            prep, call = _prepare_row(ctx, row)
         except APIError as exc:
             answered.append(result_row(row.custom_id, exc.status, exc.body()))
             continue
         ids = [f"batch-{row.line}-{i}" for i in range(len(prep.prompts))]
-        states.append(_RowState(row, prep, ids))
+        states.append(_RowState(row, prep, ids, call=call))
     return states, answered
 
 
@@ -175,7 +186,8 @@ def run_rows(
             if i not in refused:
                 engine.abort(i, report=False)
         param, code = param_of(str(failed), st.prep.prompt_field)
-        yield result_row(st.row.custom_id, 400, APIError(400, str(failed), param=param, code=code).body())
+        error = APIError(400, str(failed), param=param, code=code)
+        yield result_row(st.row.custom_id, 400, (error if st.call is None else renamed(error)).body())
     while owner:
         for out in engine.step():
             st = owner.get(out.request_id)
@@ -194,7 +206,8 @@ def _answer(ctx: OpenAIContext, st: _RowState) -> dict[str, Any]:
     error = engine_failure(finals)
     if error is not None:
         return result_row(st.row.custom_id, error.status, error.body())
-    return result_row(st.row.custom_id, 200, response_body(ctx, st.prep, finals))
+    body = response_body(ctx, st.prep, finals) if st.call is None else st.call.body(finals)
+    return result_row(st.row.custom_id, 200, body)
 
 
 def pending_rows(path_in: str | Path, path_out: str | Path) -> tuple[list[BatchRow | BadRow], int]:

@@ -254,6 +254,7 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         engine_process=args.engine_process,
         ingress_replicas=args.ingress_replicas,
         switch_interval_ms=args.switch_interval_ms,
+        max_stored_responses=args.max_stored_responses,
     )
 
 
@@ -424,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="run the engine in its own process, apart from the HTTP loop's GIL (auto: on a GPU); "
         "with --replicas: each replica's engine",
+    )
+    s.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="/v1/responses kept for previous_response_id and GET, least recently used dropped first "
+        "(default 1024; 0: none are stored); with --replicas: each replica's",
     )
     o = s.add_argument_group("overload (beyond a bound: 429 with Retry-After)")
     o.add_argument(

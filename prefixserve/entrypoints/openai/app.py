@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +36,7 @@ from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
+from prefixserve.entrypoints.openai.model_routes import add_model_routes
 from prefixserve.entrypoints.openai.overload import (
     ArrivalGate,
     OverloadSettings,
@@ -49,7 +49,6 @@ from prefixserve.entrypoints.openai.overload import (
 )
 from prefixserve.entrypoints.openai.prepare import (
     Prepared,
-    check_model,
     prepare_chat,
     prepare_completion,
     prompt_ids,
@@ -64,6 +63,10 @@ from prefixserve.entrypoints.openai.requests import (
     authorize,
     read_json,
 )
+from prefixserve.entrypoints.openai.responses import ResponseCall, ResponseStore, prepare_response
+from prefixserve.entrypoints.openai.responses_request import renamed
+from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE, add_responses_routes
+from prefixserve.entrypoints.openai.responses_stream import response_stream
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
 from prefixserve.outputs import RequestOutput
@@ -79,6 +82,7 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its clie
 ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
+    RESPONSES_ROUTE,
     "/v1/models",
     "/v1/schemas",
     "/health",
@@ -95,13 +99,14 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     engine_process: bool = False,
     overload: OverloadSettings | None = None,
+    responses: ResponseStore | None = None,
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
 
     ``engine_process``: the engine runs in a child process (``engine_process.py``), not on a thread
     of this one; the app then holds only the tokenizer. ``overload``: the waiting queue's bounds,
     the queue deadline and the stream stall timeout (default: bounds sized from the engine, no
-    deadline, 60 s)."""
+    deadline, 60 s). ``responses``: where /v1/responses keeps stored responses (default: 1,024)."""
     overload = overload or OverloadSettings()
     loop: EngineLoop
     if engine_process:
@@ -142,6 +147,7 @@ def build_app(
         max_queue_delay=overload.max_queue_delay,
         stall_watch=watch,
         gate=gate,
+        responses=ResponseStore() if responses is None else responses,
     )
 
     trim = IdleTrim()  # freed heap back to the OS when idle (engine/host_trim.py)
@@ -206,7 +212,7 @@ class _CountRequests:
         finally:
             path = scope.get("path", "")
             route = path if path in ROUTES else "other"
-            for parent in ("/v1/models", "/v1/schemas"):
+            for parent in ("/v1/models", "/v1/schemas", RESPONSES_ROUTE):
                 if path.startswith(parent + "/"):
                     route = parent
             self.metrics.http_requests.labels(route, str(status)).inc()
@@ -438,7 +444,7 @@ async def _stream(
     index = {sub_id: i for i, sub_id in enumerate(ids)}
     finals: dict[str, RequestOutput] = {}
     # a chat's role chunks go out with its first output: one write, which is the first token's
-    head = list(s.role_chunks()) if s.chat else []
+    head = s.opening()
     try:
         while len(finals) < len(ids):
             if isinstance(sink, StreamSink):
@@ -448,13 +454,13 @@ async def _stream(
             first = None
             for sub_id, out in latest.items():
                 if dropped(out):  # another prompt of this request waited past its deadline
-                    parts.append(fmt.sse(deadline_error(state.loop).body()))
+                    parts.append(s.error_event(deadline_error(state.loop).body()))
                     finals[sub_id] = out
                     yield "".join(parts)
                     return
                 error = engine_failure([out])
                 if error is not None:
-                    parts.append(fmt.sse(error.body()))
+                    parts.append(s.error_event(error.body()))
                     finals[sub_id] = out
                     yield "".join(parts)
                     return
@@ -462,9 +468,7 @@ async def _stream(
                 if out.finished:
                     finals[sub_id] = out
             if len(finals) == len(ids):
-                if s.include_usage:
-                    parts.append(s.usage_chunk([finals[i] for i in ids]))
-                parts.append("data: [DONE]\n\n")
+                parts += s.closing([finals[i] for i in ids])
             if parts:
                 yield "".join(parts)
     finally:
@@ -476,12 +480,13 @@ async def _stream(
 # ---- routes ------------------------------------------------------------------------------------
 def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
     _add_status_routes(app, state, metrics)
-    _add_model_routes(app, state)
+    add_model_routes(app, state)
     _add_completion_routes(app, state)
     _add_chat_routes(app, state)
     add_schema_routes(app, state)
     add_tokenizer_routes(app, state)
     add_cache_routes(app, state)
+    add_responses_routes(app, state)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
@@ -502,28 +507,6 @@ def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _add_model_routes(app: FastAPI, state: ServerState) -> None:
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": state.model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "prefixserve",
-            "max_model_len": state.max_model_len,
-        }
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        authorize(state, request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> Response:
-        authorize(state, request)
-        check_model(state, model_id)
-        return JSONResponse(model_card())
-
-
 def _route_start(request: Request) -> float:
     """Now, noted on the request for the response middleware's path stages."""
     started = time.monotonic()
@@ -532,11 +515,16 @@ def _route_start(request: Request) -> float:
 
 
 async def _answer(
-    state: ServerState, request: Request, prep: Prepared, deadline: float | None, started: float | None = None
+    state: ServerState,
+    request: Request,
+    prep: Prepared,
+    deadline: float | None,
+    started: float | None = None,
+    call: ResponseCall | None = None,
 ) -> Response:
     """Queue a checked request and answer it: an SSE stream (from its first output on), or one JSON
     body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``);
-    ``started``: when the route began."""
+    ``started``: when the route began; ``call``: a /v1/responses request (its chat is ``prep``)."""
     sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
     ids = await _submit(state, prep, sink, deadline, started)
     if isinstance(sink, StreamSink):
@@ -548,12 +536,13 @@ async def _answer(
         setattr(request.state, FIRST_OUTPUT, sink.first_received)
         if first is None:
             return Response(status_code=499)
-        body = _stream(state, ids, sink, stream_state(state, prep), first)
+        s = stream_state(state, prep) if call is None else response_stream(call)
+        body = _stream(state, ids, sink, s, first)
         return sse_response(body, ids, state.stall_watch)
     finals = await _collect(state, request, ids, sink)
     if finals is None:
         return Response(status_code=499)
-    return JSONResponse(response_body(state, prep, finals))
+    return JSONResponse(response_body(state, prep, finals) if call is None else call.body(finals))
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
@@ -574,3 +563,14 @@ def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
         deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_chat(state, await read_json(state, request))
         return await _answer(state, request, body, deadline, started)
+
+    @app.post(RESPONSES_ROUTE)
+    async def responses(request: Request) -> Response:
+        started = _route_start(request)
+        authorize(state, request)
+        deadline = queue_deadline(request, state.max_queue_delay, started)
+        call = prepare_response(state, await read_json(state, request), state.responses)
+        try:
+            return await _answer(state, request, call.prep, deadline, started, call)
+        except APIError as exc:  # the chat's field names, as this API names them
+            raise renamed(exc) from None

@@ -18,6 +18,7 @@ from typing import Any
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
 TokenText = Callable[[int], str]
+DONE = "data: [DONE]\n\n"  # a completion or chat stream's last event
 
 
 def _lp(x: float) -> float:
@@ -263,6 +264,18 @@ class StreamState:
             text = encode_basestring(delta)
             choice = f'{{"index":{index},"text":{text},"logprobs":null,"finish_reason":{reason}}}'
         return self._head + choice + self._tail
+
+    def opening(self) -> list[str]:
+        """What the stream sends before its first output's: a chat's role chunks."""
+        return self.role_chunks() if self.chat else []
+
+    def closing(self, finals: list[RequestOutput]) -> list[str]:
+        """What follows the last output's chunks: the usage where asked, and ``[DONE]``."""
+        return [self.usage_chunk(finals), DONE] if self.include_usage else [DONE]
+
+    def error_event(self, error: dict[str, Any]) -> str:
+        """An error body (``APIError.body()``) sent in place of the rest of the stream."""
+        return sse(error)
 
     def role_chunks(self) -> list[str]:
         """Chat streams open each choice with the assistant role."""

@@ -412,15 +412,22 @@ def _prompt_text(ctx: OpenAIContext, final: RequestOutput, skip: int = 0) -> str
     return ctx.tokenizer.decode(final.prompt_token_ids[skip:]) if ctx.tokenizer is not None else ""
 
 
-def stream_state(ctx: OpenAIContext, prep: Prepared) -> fmt.StreamState:
+def stream_state(
+    ctx: OpenAIContext,
+    prep: Prepared,
+    plain: type[fmt.StreamState] = fmt.StreamState,
+    with_tools: type[ToolStreamState] = ToolStreamState,
+) -> fmt.StreamState:
+    """The request's stream state: ``with_tools`` where its output may be tool calls, else ``plain``
+    (the Responses API passes its event-sending kinds of each)."""
     req = prep.req
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if prep.tools is not None:
-        return ToolStreamState(
+        return with_tools(
             prep.rid, ctx.model, prep.chat, prep.params.n, token_text(ctx, prep),
             list(prep.params.stop or []), prep.want_logprobs, include_usage, tools=prep.tools,
         )  # fmt: skip
-    return fmt.StreamState(
+    return plain(
         prep.rid,
         ctx.model,
         prep.chat,

@@ -38,6 +38,7 @@ class ServerState(OpenAIContext):
     max_queue_delay: float | None = None  # seconds a request may wait to start (overload.py)
     stall_watch: Any = None  # overload.StallWatch: aborts streams whose client stopped reading
     gate: Any = None  # overload.ArrivalGate: refusals at arrival, decided in this process
+    responses: Any = None  # responses.ResponseStore: what /v1/responses stored
 
 
 # ---- request reading ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.openai.app import MAX_BODY_BYTES, build_app
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.overload import OverloadSettings
+from prefixserve.entrypoints.openai.responses import ResponseStore
 
 __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]
 
@@ -152,7 +153,12 @@ def serve(args: argparse.Namespace) -> int:
     overload = overload_settings(args)
     log.info("loading %s", config.model or "the default model")
     own_process = wants_engine_process(args.engine_process, config)
-    app = build_app(config, api_key=args.api_key, engine_process=own_process, overload=overload)
+    if args.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+    stored = ResponseStore(args.max_stored_responses)
+    app = build_app(
+        config, api_key=args.api_key, engine_process=own_process, overload=overload, responses=stored
+    )
     state = app.state.server
     options = http_options()
     log.info(

@@ -1,0 +1,74 @@
+"""Stored responses: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET .../input_items`` (OpenAI's).
+
+``POST /v1/responses`` is in ``app.py`` beside the other generating routes; what it stores is in
+this process's ``ResponseStore`` (``responses.py``), so these answer for this server's responses.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.entrypoints.openai.requests import ServerState, authorize
+from prefixserve.entrypoints.openai.responses import StoredResponse
+
+RESPONSES_ROUTE = "/v1/responses"
+MAX_LIST = 100  # input items in one page
+
+
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
+    found = state.responses.get(response_id)
+    if found is None:
+        message = f"no stored response with id {response_id!r}"
+        raise APIError(404, message, param="response_id", code="response_not_found")
+    return found
+
+
+def add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get(RESPONSES_ROUTE + "/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        authorize(state, request)
+        return JSONResponse(_stored(state, response_id).body)
+
+    @app.delete(RESPONSES_ROUTE + "/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        authorize(state, request)
+        _stored(state, response_id)
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.get(RESPONSES_ROUTE + "/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        request: Request,
+        limit: int = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> Response:
+        authorize(state, request)
+        if not 1 <= limit <= MAX_LIST:
+            raise APIError(400, f"limit must be in [1, {MAX_LIST}], got {limit}", param="limit")
+        items = list(_stored(state, response_id).input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise APIError(400, f"no input item with id {after!r} in this response", param="after")
+            items = items[at + 1 :]
+        page = items[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
+
+
+__all__ = ["RESPONSES_ROUTE", "add_responses_routes"]
