@@ -210,3 +210,20 @@ def test_stream_interval_spaces_progress_outputs(tiny_config_path, n: int) -> No
         EngineConfig(stream_interval=0)
     out = llm.generate(prompt, params)[0]
     assert [c.token_ids for c in out.outputs] == expected
+
+
+def test_continuous_usage_rides_on_every_chunk_of_its_choice() -> None:
+    """vLLM's continuous_usage_stats: a chunk carries its own choice's tokens so far (n=2 here)."""
+    s = fmt.StreamState("chatcmpl-1", "m", True, 2, str, [], False, True, continuous_usage=True)
+    outs = [CompletionOutput(0, "ab", [1, 2], None), CompletionOutput(1, "xyz", [3, 4, 5], None)]
+    chunks = [
+        json.loads(c.removeprefix("data: "))
+        for c in s.update(0, RequestOutput("r", None, [5, 6], outs, False))
+    ]
+    assert [(c["choices"][0]["index"], c["usage"]) for c in chunks] == [
+        (0, {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}),
+        (1, {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}),
+    ]
+    plain = fmt.StreamState("chatcmpl-1", "m", True, 2, str, [], False, True)
+    first = plain.update(0, RequestOutput("r", None, [5, 6], outs, False))[0]
+    assert json.loads(first.removeprefix("data: "))["usage"] is None

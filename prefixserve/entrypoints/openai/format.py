@@ -237,6 +237,7 @@ class StreamState:
     want_logprobs: bool
     include_usage: bool
     echo: str = ""  # a chat's echo: the role chunks' content (the last assistant message, vLLM's echo)
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk its choice's usage so far
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     _head: str = field(init=False, repr=False)
@@ -293,6 +294,17 @@ class StreamState:
             for i in range(self.n)
         ]
 
+    def count(self, out: RequestOutput, c: CompletionOutput) -> None:
+        """With continuous usage, the chunks that follow carry ``c``'s usage so far (vLLM's: the
+        prompt's tokens and this choice's)."""
+        if self.continuous_usage:
+            done = len(c.token_ids)
+            total = out.num_prompt_tokens + done
+            self._tail = (
+                f'],"usage":{{"prompt_tokens":{out.num_prompt_tokens},"completion_tokens":{done},'
+                f'"total_tokens":{total}}}}}\n\n'
+            )
+
     def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
         chunks = []
         for c in out.outputs:
@@ -300,6 +312,7 @@ class StreamState:
             state = self.choices.setdefault(index, _Choice())
             if state.done:
                 continue
+            self.count(out, c)
             upto = len(c.text) if c.finished else self._settled(c.text)
             upto = max(upto, state.chars)
             delta = c.text[state.chars : upto]

@@ -421,11 +421,14 @@ def stream_state(
     """The request's stream state: ``with_tools`` where its output may be tool calls, else ``plain``
     (the Responses API passes its event-sending kinds of each)."""
     req = prep.req
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(include_usage and options and options.continuous_usage_stats)
     if prep.tools is not None:
         return with_tools(
             prep.rid, ctx.model, prep.chat, prep.params.n, token_text(ctx, prep),
-            list(prep.params.stop or []), prep.want_logprobs, include_usage, tools=prep.tools,
+            list(prep.params.stop or []), prep.want_logprobs, include_usage, continuous_usage=continuous,
+            tools=prep.tools,
         )  # fmt: skip
     return plain(
         prep.rid,
@@ -437,4 +440,5 @@ def stream_state(
         prep.want_logprobs,
         include_usage,
         echo=prep.echo_content,
+        continuous_usage=continuous,
     )

@@ -40,6 +40,7 @@ class ToolStreamState(fmt.StreamState):
         plain = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
+            self.count(out, c)
             held = self.held.get(index, True)
             if held and (self.tools.choice != "auto" or _maybe_call(c.text)):
                 if c.finished and not self.choices.get(index, fmt._Choice()).done:
