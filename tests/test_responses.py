@@ -22,9 +22,12 @@ import engine_checks
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.openai.prepare import OpenAIContext
+from prefixserve.entrypoints.openai import responses as responses_mod
+from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
 from prefixserve.entrypoints.openai.responses_request import input_messages
@@ -40,13 +43,18 @@ WEATHER = {
 }
 
 
+TOKENIZER = byte_tokenizer()
+
+
 @pytest.fixture(scope="module")
 def ctx() -> OpenAIContext:
-    return OpenAIContext(model="m", tokenizer=byte_tokenizer(), system_prompts={})
+    return OpenAIContext(model="m", tokenizer=TOKENIZER, system_prompts={})
 
 
 def _output(text: str, finish: str | None, logprobs: bool = False) -> RequestOutput:
-    c = CompletionOutput(0, text, [ord(ch) % 200 + 1 for ch in text], finish)
+    ids = list(TOKENIZER.encode(text, add_special_tokens=False))  # ASCII: a token a character
+    assert len(ids) == len(text)
+    c = CompletionOutput(0, text, ids, finish)
     if logprobs:
         c.logprobs = [-0.25] * len(text)
         c.top_logprobs = [[(7, -0.1)] for _ in text]
@@ -150,24 +158,36 @@ CASES = {
         "stop",
     ),
     "auto, no call": ({"tools": [WEATHER]}, "{not a call}", "stop"),
+    "aborted": ({}, "It is sun", "abort"),
 }
+EVENT = TypeAdapter(ResponseStreamEvent)
 
 
+@pytest.mark.parametrize("logprobs", [False, True], ids=["", "logprobs"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_streamed_events_build_the_non_streamed_answer(ctx: OpenAIContext, case: str) -> None:
+def test_streamed_events_build_the_non_streamed_answer(ctx: OpenAIContext, case: str, logprobs: bool) -> None:
     extra, text, finish = CASES[case]
     body = {"input": "Weather in Lima?", **extra}
-    events = _streamed(ctx, body, text, finish)
-    answer = _answered(ctx, body, text, finish)
+    if logprobs:
+        body["include"] = ["message.output_text.logprobs"]
+    events = _streamed(ctx, body, text, finish, logprobs)
+    answer = _answered(ctx, body, text, finish, logprobs)
+    for event in events:  # every event and the answer as the official SDK's models read them
+        EVENT.validate_python(event)
+    Response.model_validate(answer)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     last = events[-1]
-    assert last["type"] == ("response.incomplete" if finish == "length" else "response.completed")
+    assert last["type"] == ("response.completed" if finish == "stop" else "response.incomplete")
     final = last["response"]
     assert _shape(final["output"]) == _shape(answer["output"])
     assert final["status"] == answer["status"] and final["usage"] == answer["usage"]
-    # each item: added, its deltas, done; the deltas add up to the item as it ends
+    usage = answer["usage"]["input_tokens_details"]
+    assert usage["cached_tokens"] + usage["cache_write_tokens"] == answer["usage"]["input_tokens"]
+    # each item: added, its deltas, done, before the next item's; the deltas add up to the item
+    indices = [e["output_index"] for e in events if "output_index" in e]
+    assert indices == sorted(indices)
     for index, item in enumerate(final["output"]):
         mine = [e for e in events if e.get("output_index") == index]
         assert (
@@ -176,8 +196,13 @@ def test_streamed_events_build_the_non_streamed_answer(ctx: OpenAIContext, case:
         )
         assert mine[-1]["item"] == item and mine[0]["item"]["id"] == item["id"]
         if item["type"] == "message":
-            text_deltas = [e["delta"] for e in mine if e["type"] == "response.output_text.delta"]
-            assert "".join(text_deltas) == item["content"][0]["text"]
+            deltas = [e for e in mine if e["type"] == "response.output_text.delta"]
+            assert "".join(e["delta"] for e in deltas) == item["content"][0]["text"]
+            if logprobs:
+                sent = [lp for e in deltas for lp in e["logprobs"]]
+                assert sent == item["content"][0]["logprobs"]
+                shown = "".join(lp["token"] for lp in sent)  # the text's own tokens, no call's
+                assert shown == item["content"][0]["text"] or len(final["output"]) == 1
         else:
             args = [e["delta"] for e in mine if e["type"] == "response.function_call_arguments.delta"]
             assert "".join(args) == item["arguments"]
@@ -193,7 +218,9 @@ def test_streamed_events_build_the_non_streamed_answer(ctx: OpenAIContext, case:
     if case == "two calls":
         assert [json.loads(i["arguments"])["city"] for i in answer["output"]] == ["Lima", "Cusco"]
     if case == "empty":
-        assert _shape(answer["output"]) == [("message", "completed", "", "null")]
+        assert _shape(answer["output"])[0][:3] == ("message", "completed", "")
+    if case == "aborted":  # a stream whose client stopped reading: not stored, not "completed"
+        assert answer["status"] == "cancelled"
 
 
 def test_logprobs_ride_on_the_text(ctx: OpenAIContext) -> None:
@@ -220,7 +247,11 @@ ERRORS = [
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].function.name"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
+    ({"input": "hi", "tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
@@ -229,8 +260,8 @@ ERRORS = [
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
-     "text.format.json_schema.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format.schema"),
     ({"input": "hi", "truncation": "middle"}, "truncation"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "hi", "model": "gpt-9"}, "model"),
@@ -244,7 +275,13 @@ def test_bad_requests_name_the_field_in_this_api(
     with pytest.raises(APIError) as err:
         prepare_response(ctx, body, ResponseStore())
     assert err.value.status in (400, 404) and err.value.param == param, err.value.message
-    for chat_word in ("max_completion_tokens", "messages", "response_format"):
+    for chat_word in (
+        "max_completion_tokens",
+        "messages",
+        "response_format",
+        ".function.",
+        "json_schema.schema",
+    ):
         assert chat_word not in err.value.message
 
 
@@ -252,7 +289,7 @@ def test_previous_response_must_be_stored(ctx: OpenAIContext) -> None:
     store = ResponseStore()
     with pytest.raises(APIError) as err:
         prepare_response(ctx, {"input": "hi", "previous_response_id": "resp_x"}, store)
-    assert err.value.status == 404 and err.value.code == "previous_response_not_found"
+    assert err.value.status == 400 and err.value.code == "previous_response_not_found"
     first = prepare_response(ctx, {"input": "Weather in Lima?", "instructions": "Be brief."}, store)
     first.body([_output("Sunny.", "stop")])
     then = prepare_response(ctx, {"input": "And Cusco?", "previous_response_id": first.rid}, store)
@@ -277,7 +314,7 @@ def test_store_drops_the_least_recently_used() -> None:
     assert store.delete("big") and not store.delete("big") and len(store) == 1
 
 
-def test_truncation_auto_drops_the_oldest_turns(ctx: OpenAIContext) -> None:
+def test_truncation_auto_drops_the_oldest_turns(ctx: OpenAIContext, monkeypatch: pytest.MonkeyPatch) -> None:
     @dataclass(kw_only=True)
     class Sized(OpenAIContext):
         max_model_len: int = 300
@@ -298,6 +335,20 @@ def test_truncation_auto_drops_the_oldest_turns(ctx: OpenAIContext) -> None:
     prompt = cut.prep.prompts[0]
     assert "Be brief." in prompt and "a" * 150 not in prompt and "c" * 40 in prompt and "Last?" in prompt
     assert len(ctx.tokenizer.encode(prompt)) + 20 <= 300
+    many = [turns[0]] + [
+        {"role": r, "content": f"{r} {i} " * 6} for i in range(64) for r in ("user", "assistant")
+    ] + [{"role": "user", "content": "Last?"}]  # fmt: skip
+    renders = []
+    monkeypatch.setattr(responses_mod, "prepare_chat", lambda *a: renders.append(1) or prepare_chat(*a))
+    cut = prepare_response(
+        sized, {"input": many, "truncation": "auto", "max_output_tokens": 20}, ResponseStore()
+    )
+    assert len(renders) <= 8  # bisection over 65 possible cuts, not one render per turn
+    kept = cut.prep.prompts[0]
+    first = min(i for i in range(64) if f"user {i} " in kept)  # the fewest turns dropped that fit
+    assert len(ctx.tokenizer.encode(kept)) + 20 <= 300
+    longer = prepare_chat(sized, {"messages": [turns[0], *many[1 + 2 * (first - 1) :]], "max_tokens": 20})
+    assert len(ctx.tokenizer.encode(longer.prompts[0])) + 20 > 300
     tiny = Sized(model="m", tokenizer=ctx.tokenizer, system_prompts={}, max_model_len=40)
     last = prepare_response(tiny, {**body, "truncation": "auto"}, ResponseStore())  # only the last turn left
     assert "Last?" in last.prep.prompts[0] and "c" * 40 not in last.prep.prompts[0]
@@ -327,7 +378,7 @@ def test_batch_rows_answer_as_the_server_does(tiny_config_path: Path, tmp_path: 
     chat = rows["chat"]["body"]
     assert answer["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
     assert answer["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
-    assert rows["chained"]["status_code"] == 404
+    assert rows["chained"]["status_code"] == 400
     assert rows["long"]["status_code"] == 400 and rows["long"]["body"]["error"]["param"] == "input"
 
 
@@ -414,10 +465,26 @@ def test_previous_response_id_goes_on_from_the_prefix_cache(
     assert second.usage.input_tokens_details.cached_tokens > 0 and second.previous_response_id == first.id
     listed = client.responses.input_items.list(second.id)
     assert [i.content[0].text for i in listed.data] == ["And for mountains?"]
+    replay = [
+        {"role": "user", "content": "Which bicycle for a city?"},
+        {"role": "assistant", "content": first.output_text},
+        {"type": "function_call", "call_id": "call_9", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_9", "output": "sunny"},
+    ]
+    third = client.responses.create(model="default", input=replay, max_output_tokens=2)
+    page = httpx.get(f"{server.url}/v1/responses/{third.id}/input_items?order=asc", timeout=60).json()
+    ResponseItemList.model_validate(page)  # the SDK's models: statuses, output_text for the assistant
+    assert [i["type"] for i in page["data"]] == [
+        "message",
+        "message",
+        "function_call",
+        "function_call_output",
+    ]
+    assert page["data"][1]["content"][0]["type"] == "output_text"
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as err:
+    with pytest.raises(openai.BadRequestError) as err:  # as OpenAI answers it
         client.responses.create(model="default", input="more?", previous_response_id=first.id)
     assert err.value.body["param"] == "previous_response_id"
     unstored = client.responses.create(model="default", input="hi", max_output_tokens=2, store=False)

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -569,7 +570,10 @@ def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
         started = _route_start(request)
         authorize(state, request)
         deadline = queue_deadline(request, state.max_queue_delay, started)
-        call = prepare_response(state, await read_json(state, request), state.responses)
+        data = await read_json(state, request)
+        ready = partial(prepare_response, state, data, state.responses)  # auto: it renders several cuts
+        auto = isinstance(data, dict) and data.get("truncation") == "auto"
+        call = await asyncio.to_thread(ready) if auto else ready()
         try:
             return await _answer(state, request, call.prep, deadline, started, call)
         except APIError as exc:  # the chat's field names, as this API names them

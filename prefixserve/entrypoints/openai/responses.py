@@ -18,7 +18,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.prepare import (
     OpenAIContext,
@@ -135,13 +134,27 @@ def output_items(choice: dict[str, Any], want_logprobs: bool) -> list[dict[str, 
     message, status = choice["message"], item_status(choice["finish_reason"])
     calls = message.get("tool_calls") or []
     items = []
-    if message.get("content") or not calls:
+    text = message.get("content") or ""
+    if text or not calls:
         lp = (choice.get("logprobs") or {}).get("content", []) if want_logprobs else None
-        items.append(message_item(new_id("msg"), message.get("content") or "", status, lp))
+        if lp and calls:  # the tokens that wrote the calls are not the text's
+            lp = lp[: text_tokens(lp, len(text))]
+        items.append(message_item(new_id("msg"), text, status, lp))
     for call in calls:
         fn = call["function"]
         items.append(call_item(new_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"))
     return items
+
+
+def text_tokens(logprobs: list[dict[str, Any]], chars: int) -> int:
+    """How many leading logprob entries a text of ``chars`` characters holds (by their tokens' text)."""
+    count = 0
+    for entry in logprobs:
+        chars -= len(entry["token"])
+        if chars < 0:
+            break
+        count += 1
+    return count
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -152,9 +165,12 @@ def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for item in given:
         kind = item.get("type", "message")
-        entry = {"type": kind, **item}
+        entry = {"type": kind, "status": "completed", **item}
         if kind == "message" and isinstance(entry.get("content"), str):
-            entry["content"] = [{"type": "input_text", "text": entry["content"]}]
+            part = "output_text" if entry.get("role") == "assistant" else "input_text"
+            entry["content"] = [{"type": part, "text": entry["content"]}]
+            if part == "output_text":
+                entry["content"][0]["annotations"] = []
         entry.setdefault("id", new_id(kinds.get(kind, "item")))
         out.append(entry)
     return out
@@ -162,9 +178,11 @@ def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def response_usage(finals: list[RequestOutput]) -> dict[str, Any]:
     u = fmt.usage(finals)
+    cached = u["prompt_tokens_details"]["cached_tokens"]
     return {
         "input_tokens": u["prompt_tokens"],
-        "input_tokens_details": u["prompt_tokens_details"],
+        # the prompt tokens computed now: their blocks enter the prefix cache as they fill
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": u["prompt_tokens"] - cached},
         "output_tokens": u["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u["total_tokens"],
@@ -233,7 +251,7 @@ class ResponseCall:
         body["usage"] = response_usage(finals)
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
-        if self.stored:
+        if self.stored and status != "cancelled":  # an aborted answer is no turn to go on from
             assert self.store is not None
             self.store.put(self.rid, body, self.history + input_messages(items), input_items(self.req.input))
         return body
@@ -256,7 +274,7 @@ def prepare_response(ctx: OpenAIContext, data: Any, store: ResponseStore | None)
             message = f"previous response {req.previous_response_id!r} is not stored here"
             if store is None or not store.enabled:
                 message += " (this server stores no responses)"
-            raise APIError(404, message, param="previous_response_id", code="previous_response_not_found")
+            raise APIError(400, message, param="previous_response_id", code="previous_response_not_found")
         earlier = found.history
     given = input_messages(req.input)
     try:
@@ -271,28 +289,37 @@ def prepare_response(ctx: OpenAIContext, data: Any, store: ResponseStore | None)
 def _fitted(
     ctx: OpenAIContext, req: ResponsesRequest, data: dict[str, Any], turns: list[dict[str, Any]]
 ) -> Prepared:
-    """``truncation: auto``: the oldest turns after the leading system messages are dropped, a user
-    turn at a time, while the prompt leaves no room for the output; the last user turn always stays
-    (then the usual 400 if it alone does not fit). Without the context length (a router) or a
-    tokenizer nothing is dropped."""
+    """``truncation: auto``: the fewest oldest turns after the leading system messages are dropped,
+    a user turn at a time, for the prompt to leave room for the output; the last user turn always
+    stays (then the usual 400 if it alone does not fit). A prompt shrinks as turns go, so the cut is
+    found by bisection: a few renders of the conversation, not one per turn. Without the context
+    length (a router) or a tokenizer nothing is dropped."""
     max_model_len = getattr(ctx, "max_model_len", None)
     lead = next((i for i, m in enumerate(turns) if m["role"] not in ("system", "developer")), len(turns))
     head, rest = turns[:lead], turns[lead:]
-    while True:
-        prep = prepare_chat(ctx, chat_request(req, data, head + rest))
+    starts = [0] + [i for i, m in enumerate(rest) if i > 0 and m["role"] == "user"]
+
+    def attempt(k: int) -> tuple[Prepared, bool]:
+        prep = prepare_chat(ctx, chat_request(req, data, head + rest[starts[k] :]))
         ids = prompt_ids(ctx, prep, prep.prompts[0]) if max_model_len is not None else None
         if ids is None:
-            return prep
-        try:
-            check_context(
-                len(ctx.engine_ids(ids, prep.application)), prep.params.max_tokens or 1, max_model_len
-            )
-            return prep
-        except ValueError:
-            later = [i for i, m in enumerate(rest) if i > 0 and m["role"] == "user"]
-            if not later:
-                return prep
-            rest = rest[later[0] :]
+            return prep, True
+        room = max_model_len - len(ctx.engine_ids(ids, prep.application))
+        return prep, room >= (prep.params.max_tokens or 1)
+
+    prep, fits = attempt(0)
+    if fits or len(starts) == 1:
+        return prep
+    low, high = 1, len(starts) - 1  # the answer is in [low, high]; high is the last resort
+    best = None
+    while low <= high:
+        mid = (low + high) // 2
+        tried, fits = attempt(mid)
+        if fits:
+            best, high = tried, mid - 1
+        else:
+            low = mid + 1
+    return best if best is not None else attempt(len(starts) - 1)[0]
 
 
 __all__ = ["ResponseCall", "ResponseStore", "id_tag", "prepare_response"]

@@ -11,6 +11,7 @@ its errors are renamed to this API's fields (``renamed``). What this API has and
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,9 +30,11 @@ CHAT_EXTENSIONS = (
 RENAMES = (
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
     ("response_format", "text.format"),
     ("messages", "input"),
 )
+CHAT_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.function\b")  # a chat tool's fields sit in "function"
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -87,8 +90,12 @@ def check_supported(req: ResponsesRequest) -> None:
     for i, name in enumerate(req.include or ()):
         if name != LOGPROBS_INCLUDE:
             raise _bad(f"include may only hold {LOGPROBS_INCLUDE!r}, got {name!r}", f"include[{i}]")
-    if req.metadata is not None and len(req.metadata) > 16:
-        raise _bad("metadata may hold at most 16 keys", "metadata")
+    if req.metadata is not None:
+        if len(req.metadata) > 16:
+            raise _bad("metadata may hold at most 16 keys", "metadata")
+        for key, value in req.metadata.items():
+            if len(key) > 64 or len(value) > 512:
+                raise _bad("metadata keys may have at most 64 characters, values 512", f"metadata.{key[:64]}")
 
 
 # ---- input -> chat messages --------------------------------------------------------------------
@@ -176,9 +183,13 @@ def chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
 
 
 def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, str):
+    if choice in ("none", "auto", "required"):
         return choice
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(choice.get("name"), str)
+    ):
         message = "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}"
         raise _bad(message, "tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}
@@ -201,6 +212,9 @@ def response_format(text: dict[str, Any]) -> dict[str, Any] | None:
             f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
             "text.format.type",
         )
+    for required in ("name", "schema"):
+        if required not in fmt:
+            raise _bad(f"text.format of type json_schema needs a '{required}'", f"text.format.{required}")
     schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": schema}
 
@@ -233,13 +247,13 @@ def chat_request(req: ResponsesRequest, data: dict[str, Any], turns: list[dict[s
 def renamed(exc: APIError) -> APIError:
     """The chat route's error with this API's names for the fields (a message's index in the chat
     counts the instructions and earlier turns, so ``messages[k]`` becomes ``input`` alone)."""
-    message, param = exc.message, exc.param
+    message, param = CHAT_TOOL_FIELD.sub(r"\1", exc.message), exc.param
     for chat_name, name in RENAMES:
         message = message.replace(chat_name, name)
     if param is not None:
-        head = param.split(".", 1)[0].split("[", 1)[0]
+        param = CHAT_TOOL_FIELD.sub(r"\1", param)
         for chat_name, name in RENAMES:
-            if head == chat_name:
+            if param == chat_name or param.startswith((chat_name + ".", chat_name + "[")):
                 param = name if chat_name == "messages" else name + param[len(chat_name) :]
                 break
     exc.message, exc.param, exc.args = message, param, (message,)

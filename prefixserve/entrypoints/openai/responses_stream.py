@@ -24,6 +24,7 @@ from prefixserve.entrypoints.openai.responses import (
     item_status,
     message_item,
     new_id,
+    text_tokens,
 )
 from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
 from prefixserve.outputs import RequestOutput
@@ -31,14 +32,21 @@ from prefixserve.outputs import RequestOutput
 
 @dataclass
 class ResponseEvents:
-    """One streamed response's output items as they grow, and its events' sequence."""
+    """One streamed response's output items as they grow, and its events' sequence.
+
+    Logprobs ride on the text deltas that hold their tokens' text: the chat stream sends every
+    token's as it comes, text held back (a possible tool call) included, so they wait here until
+    the text they belong to is sent; a reply that turns out to be calls drops the calls' own, as
+    the non-streamed answer does (``responses.text_tokens``)."""
 
     call: ResponseCall
     want_logprobs: bool
     sequence: int = 0
     items: list[dict[str, Any]] = field(default_factory=list)
     message: int | None = None  # output index of the message item still open
-    calls: dict[int, int] = field(default_factory=dict)  # open calls: the chat's call index -> output index
+    call_at: int | None = None  # output index of the function call still open
+    pending: list[Any] = field(default_factory=list)  # logprobs not yet sent with their text
+    lp_chars: int = 0  # characters of text the sent logprobs' tokens hold
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -55,11 +63,11 @@ class ResponseEvents:
         """The events for one chat choice (its text, tool-call pieces and finish)."""
         out: list[str] = []
         delta = choice.get("delta") or {}
-        calls = delta.get("tool_calls") or ()
-        lp = (choice.get("logprobs") or {}).get("content") if self.want_logprobs and not calls else None
-        if delta.get("content") or lp:
-            out += self._text(delta.get("content") or "", lp or [])
-        for piece in calls:
+        if self.want_logprobs:
+            self.pending += (choice.get("logprobs") or {}).get("content") or ()
+        if delta.get("content"):
+            out += self._text(delta["content"])
+        for piece in delta.get("tool_calls") or ():
             out += self._call_piece(piece)
         if choice.get("finish_reason") is not None:
             out += self._close(item_status(choice["finish_reason"]))
@@ -81,14 +89,19 @@ class ResponseEvents:
             ),
         ]
 
-    def _text(self, text: str, logprobs: list[Any]) -> list[str]:
+    def _text(self, text: str, rest: bool = False) -> list[str]:
+        """A text delta, with the logprobs whose tokens' text it completes (``rest``: all left)."""
         out = self._open_message() if self.message is None else []
         index = self.message
         assert index is not None
         item = self.items[index]
         part = item["content"][0]
         part["text"] += text
+        logprobs: list[Any] = []
         if self.want_logprobs:
+            take = len(self.pending) if rest else text_tokens(self.pending, len(part["text"]) - self.lp_chars)
+            logprobs, self.pending = self.pending[:take], self.pending[take:]
+            self.lp_chars += sum(len(e["token"]) for e in logprobs)
             part["logprobs"] += logprobs
         fields: dict[str, Any] = {
             "item_id": item["id"],
@@ -116,61 +129,64 @@ class ResponseEvents:
         ]
 
     def _call_piece(self, piece: dict[str, Any]) -> list[str]:
-        """A call's first piece (its id and name) opens its item; later pieces carry its arguments."""
+        """A call's first piece (its id and name) ends what was open and opens its item; later
+        pieces carry its arguments."""
         out: list[str] = []
         fn = piece.get("function") or {}
         if "id" in piece:
-            out += self._close_message("completed")  # the text before the calls is whole
-            index = self.calls[piece["index"]] = len(self.items)
+            self.pending = []  # the calls' tokens: no text holds them
+            out += self._close_message("completed") + self._close_call()
+            index = self.call_at = len(self.items)
             item = call_item(new_id("fc"), piece["id"], fn["name"], "", "in_progress")
             self.items.append(item)
             out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
-        if fn.get("arguments"):
-            index = self.calls[piece["index"]]
-            item = self.items[index]
+        if fn.get("arguments") and self.call_at is not None:
+            item = self.items[self.call_at]
             item["arguments"] += fn["arguments"]
-            out.append(
-                self.event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=fn["arguments"],
-                )
-            )
+            where = {"item_id": item["id"], "output_index": self.call_at}
+            out.append(self.event("response.function_call_arguments.delta", **where, delta=fn["arguments"]))
         return out
 
+    def _close_call(self) -> list[str]:
+        index, self.call_at = self.call_at, None
+        if index is None:
+            return []
+        item = self.items[index]
+        item["status"] = "completed"
+        where = {"item_id": item["id"], "output_index": index}
+        return [
+            self.event(
+                "response.function_call_arguments.done",
+                **where,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
     def _close(self, status: str) -> list[str]:
-        """Every open item done; an answer without any (no token of text) is one empty message, as
-        the non-streamed answer has it."""
+        """Every open item done; the logprobs still waiting go with the text (a last empty delta);
+        an answer without any item (no token of text) is one empty message, as the non-streamed
+        answer has it."""
         out = self._open_message() if not self.items else []
-        out += self._close_message(status)
-        for index in self.calls.values():
-            item = self.items[index]
-            item["status"] = "completed"
-            where = {"item_id": item["id"], "output_index": index}
-            out.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    **where,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
-            out.append(self.event("response.output_item.done", output_index=index, item=item))
-        self.calls = {}
-        return out
+        if self.pending and self.message is not None:
+            out += self._text("", rest=True)
+        return out + self._close_message(status) + self._close_call()
 
     def closing(self, finals: list[RequestOutput]) -> list[str]:
         body = self.call.finished(self.items, finals)
-        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [self.event(kind, response=body)]
 
     def failed(self, error: dict[str, Any]) -> str:
-        """An ``error`` event and ``response.failed`` (the stream ends there)."""
+        """An ``error`` event (the server's own code) and ``response.failed``, whose error code is one
+        of the API's (the stream ends there)."""
         err = error.get("error", {})
         code = err.get("code") or err.get("type")
+        kind = err.get("type")
+        api_code = {"rate_limit_error": "rate_limit_exceeded", "invalid_request_error": "invalid_prompt"}
         body = self.call.skeleton("failed")
-        body["error"] = {"code": code, "message": err.get("message")}
+        body["error"] = {"code": api_code.get(kind, "server_error"), "message": err.get("message")}
         return self.event(
             "error", code=code, message=err.get("message"), param=err.get("param")
         ) + self.event("response.failed", response=body)
