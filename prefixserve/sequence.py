@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from prefixserve.detokenizer import IncrementalDetokenizer
-from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.params import SamplingParams, param_flags
 
 PROMPT_CONTEXT = 5  # prompt ids an output's text is decoded after (vLLM's initial detokenization offset)
 
@@ -167,9 +167,11 @@ class Request:
     prompt_logprobs: Any = None  # engine/prompt_logprobs.PromptLogprobState when asked for
     bad_words_ids: list[list[int]] | None = None  # ``params.bad_words`` encoded at intake (bad_words.py)
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
+    param_flags: int = field(init=False)  # what the step checks ask of ``params`` (sampling/params.py)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.param_flags = param_flags(self.params)
 
     @property
     def reported_prompt_token_ids(self) -> TokenArray:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.engine.model_runner import Launch
-from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.params import RowParams, SamplingParams
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from prefixserve.scheduler.stop import ends_by_length
@@ -75,7 +75,8 @@ class InFlightTokens:
         step = LaunchedStep([], [], set(), launch)
         samplers, indices, touched = step.samplers, step.indices, step.touched
         rows: list[int] = []
-        params: list[SamplingParams] = []
+        params = RowParams()
+        flags = 0
         generators: list[torch.Generator | None] = []
         end = num_recompute_rows
         for s in scheduled:
@@ -92,6 +93,7 @@ class InFlightTokens:
             if computed < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
             p = req.params
+            flags |= req.param_flags
             if p.num_samples == 1 or req.forked:
                 targets: tuple[Sequence, ...] | list[Sequence] = (seq,)
             else:
@@ -111,6 +113,7 @@ class InFlightTokens:
                 indices.append(entry[0])
                 params.append(p)
                 generators.append(target.generator)
+        params.flags = flags
         return step, rows, params, generators
 
     def hide(self, launched_after: LaunchedStep | None) -> list[HiddenToken]:

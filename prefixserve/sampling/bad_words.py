@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from prefixserve.sampling.min_tokens import TokenBan
-from prefixserve.sampling.params import SamplingParams, distinct
+from prefixserve.sampling.params import BAD_WORDS, SamplingParams, flags_of
 
 
 class Asked(Protocol):
@@ -47,7 +47,7 @@ def encode_bad_words(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
 
 def waits_for_tokens(samplers: Sequence[Sampling], params: Sequence[SamplingParams]) -> bool:
     """Does a step's sampling read the tokens ahead of it (a multi-token bad word)?"""
-    if not any(p.bad_words for p in distinct(params)):
+    if not flags_of(params) & BAD_WORDS:
         return False
     return any(any(len(w) > 1 for w in s.request.bad_words_ids or ()) for s in samplers)
 
@@ -57,7 +57,7 @@ def bad_words_ban(
 ) -> TokenBan | None:
     """The tokens each sample row may not choose next (``samplers[i]`` samples the token at
     ``indices[i]`` of its ids, with ``params[i]``), or None when no row has bad words."""
-    if not any(p.bad_words for p in distinct(params)):
+    if not flags_of(params) & BAD_WORDS:
         return None
     rows: list[int] = []
     ids: list[int] = []

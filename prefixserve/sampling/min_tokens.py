@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from prefixserve.sampling.params import SamplingParams, distinct
+from prefixserve.sampling.params import MIN_TOKENS, SamplingParams, flags_of
 from prefixserve.sampling.small_tensors import small_tensor
 
 
@@ -52,7 +52,7 @@ def min_tokens_ban(
 ) -> TokenBan | None:
     """The ban of a step's sample rows (``samplers[i]`` samples the token at ``indices[i]`` of its token
     ids, with ``params[i]``), or None when no row is under its ``min_tokens``."""
-    if not any(p.min_tokens for p in distinct(params)):
+    if not flags_of(params) & MIN_TOKENS:
         return None
     rows: list[int] = []
     ids: list[int] = []

@@ -134,6 +134,42 @@ def distinct(params: Iterable[SamplingParams]) -> Iterable[SamplingParams]:
     return {id(p): p for p in params}.values()
 
 
+# What a step's checks ask of all its rows' parameters, one bit each (``param_flags``)
+MIN_TOKENS = 1  # some row has min_tokens (its stops may be banned)
+BAD_WORDS = 2  # some row has bad words
+PROCESSES_LOGITS = 4  # some row changes its logits before the choice
+NOT_ARGMAX = 8  # some row is not a plain argmax (sampled, logprobs kept, or logits processed)
+
+
+def param_flags(p: SamplingParams) -> int:
+    """``p``'s bits of the step checks, read once per request at intake (``Request.param_flags``)."""
+    processes = p.processes_logits
+    return (
+        (MIN_TOKENS if p.min_tokens else 0)
+        | (BAD_WORDS if p.bad_words else 0)
+        | (PROCESSES_LOGITS if processes else 0)
+        | (NOT_ARGMAX if processes or not p.greedy or p.wants_chosen_logprobs else 0)
+    )
+
+
+class RowParams(list):  # type: ignore[type-arg]
+    """A step's sample rows' parameters (``list[SamplingParams]``) with their ``flags`` or-ed while
+    the list was built: a server's requests each bring their own object, so each check reading
+    every row's properties would be a pass over the whole batch, five of them every step."""
+
+    flags: int = 0
+
+
+def flags_of(params: Iterable[SamplingParams]) -> int:
+    """The or of the rows' ``param_flags``: kept by a ``RowParams``, else read now."""
+    if isinstance(params, RowParams):
+        return params.flags
+    flags = 0
+    for p in distinct(params):
+        flags |= param_flags(p)
+    return flags
+
+
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from prefixserve.sampling.min_tokens import TokenBan
-from prefixserve.sampling.params import SamplingParams, distinct
+from prefixserve.sampling.params import PROCESSES_LOGITS, SamplingParams, flags_of
 from prefixserve.sampling.small_tensors import small_tensor
 
 PromptOf = Callable[[Hashable], tuple[Sequence[int], Sequence[int]]]  # key -> (prompt ids, output ids)
@@ -205,7 +205,7 @@ def process_logits(
 
 def any_processing(params: list[SamplingParams]) -> bool:
     """Whether any row changes its logits before the choice (false: the sampler's path is untouched)."""
-    return any(p.processes_logits for p in distinct(params))
+    return bool(flags_of(params) & PROCESSES_LOGITS)
 
 
 __all__ = [

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.sampling.argmax import argmax_rows
-from prefixserve.sampling.params import SamplingParams, distinct
+from prefixserve.sampling.params import NOT_ARGMAX, SamplingParams, flags_of
 from prefixserve.sampling.small_tensors import small_tensor
 
 
@@ -152,7 +152,7 @@ class SampleFuture:
 def argmax_only(params: list[SamplingParams]) -> bool:
     """True when every row is greedy, none asks for logprobs and none processes its logits: the logits
     need no fp32 copy."""
-    return all(p.greedy and not p.wants_chosen_logprobs and not p.processes_logits for p in distinct(params))
+    return not flags_of(params) & NOT_ARGMAX
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
