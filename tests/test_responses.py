@@ -52,12 +52,11 @@ def ctx() -> OpenAIContext:
 
 
 def _output(text: str, finish: str | None, logprobs: bool = False) -> RequestOutput:
-    ids = list(TOKENIZER.encode(text, add_special_tokens=False))  # ASCII: a token a character
-    assert len(ids) == len(text)
+    ids = list(TOKENIZER.encode(text, add_special_tokens=False))  # bytes: a character may take several
     c = CompletionOutput(0, text, ids, finish)
     if logprobs:
-        c.logprobs = [-0.25] * len(text)
-        c.top_logprobs = [[(7, -0.1)] for _ in text]
+        c.logprobs = [-0.25] * len(ids)
+        c.top_logprobs = [[(7, -0.1)] for _ in ids]
     return RequestOutput("r-0", None, [1, 2, 3], [c], finish is not None)
 
 
@@ -159,6 +158,11 @@ CASES = {
     ),
     "auto, no call": ({"tools": [WEATHER]}, "{not a call}", "stop"),
     "aborted": ({}, "It is sun", "abort"),
+    "unicode text then a call": (
+        {"tools": [WEATHER]},
+        'Voilà 🚲🚲 ok\n<tool_call>{"name": "weather", "arguments": {"city": "Lima"}}</tool_call>',
+        "stop",
+    ),
 }
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -201,8 +205,10 @@ def test_streamed_events_build_the_non_streamed_answer(ctx: OpenAIContext, case:
             if logprobs:
                 sent = [lp for e in deltas for lp in e["logprobs"]]
                 assert sent == item["content"][0]["logprobs"]
-                shown = "".join(lp["token"] for lp in sent)  # the text's own tokens, no call's
-                assert shown == item["content"][0]["text"] or len(final["output"]) == 1
+                own = TOKENIZER.encode(item["content"][0]["text"], add_special_tokens=False)
+                assert len(sent) == len(own)  # the text's own tokens, none of a call's
+                if item["content"][0]["text"].isascii():  # a delta carries its own text's tokens
+                    assert all("".join(lp["token"] for lp in e["logprobs"]) == e["delta"] for e in deltas)
         else:
             args = [e["delta"] for e in mine if e["type"] == "response.function_call_arguments.delta"]
             assert "".join(args) == item["arguments"]
@@ -212,6 +218,8 @@ def test_streamed_events_build_the_non_streamed_answer(ctx: OpenAIContext, case:
             "reason": "max_output_tokens"
         }
         assert answer["output"][0]["status"] == "incomplete"
+    if case == "unicode text then a call":
+        assert answer["output"][0]["content"][0]["text"] == "Voilà 🚲🚲 ok\n"
     if case == "text then a call":
         assert [i["type"] for i in answer["output"]] == ["message", "function_call"]
         assert answer["output"][0]["content"][0]["text"] == "Let me check.\n"
@@ -466,9 +474,9 @@ def test_previous_response_id_goes_on_from_the_prefix_cache(
     listed = client.responses.input_items.list(second.id)
     assert [i.content[0].text for i in listed.data] == ["And for mountains?"]
     replay = [
-        {"role": "user", "content": "Which bicycle for a city?"},
-        {"role": "assistant", "content": first.output_text},
-        {"type": "function_call", "call_id": "call_9", "name": "weather", "arguments": "{}"},
+        {"role": "user", "content": [{"type": "text", "text": "Which bicycle for a city?"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"type": "function_call", "call_id": "call_9", "name": "weather", "arguments": {"city": "Lima"}},
         {"type": "function_call_output", "call_id": "call_9", "output": "sunny"},
     ]
     third = client.responses.create(model="default", input=replay, max_output_tokens=2)

@@ -11,10 +11,13 @@ conversation: its turns come back in front of the new input, and the prefix cach
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +75,7 @@ class ResponseStore:
         self.max_responses, self.max_chars, self.tag = max_responses, max_chars, tag
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
         self._chars = 0
+        self._lock = threading.Lock()  # ``truncation: auto`` reads it from a worker thread
 
     def new_id(self) -> str:
         return new_id("resp") if self.tag is None else f"resp_{self.tag}_{uuid.uuid4().hex}"
@@ -84,22 +88,28 @@ class ResponseStore:
         return len(self._items)
 
     def get(self, rid: str) -> StoredResponse | None:
-        found = self._items.get(rid)
-        if found is not None:
-            self._items.move_to_end(rid)
-        return found
+        with self._lock:
+            found = self._items.get(rid)
+            if found is not None:
+                self._items.move_to_end(rid)
+            return found
 
     def put(
         self, rid: str, body: dict[str, Any], history: list[dict[str, Any]], input_items: list[dict[str, Any]]
     ) -> None:
         chars = sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in history)
-        self.delete(rid)
-        self._items[rid] = StoredResponse(body, history, input_items, chars)
-        self._chars += chars
-        while self._items and (len(self._items) > self.max_responses or self._chars > self.max_chars):
-            self.delete(next(iter(self._items)))
+        with self._lock:
+            self._drop(rid)
+            self._items[rid] = StoredResponse(body, history, input_items, chars)
+            self._chars += chars
+            while self._items and (len(self._items) > self.max_responses or self._chars > self.max_chars):
+                self._drop(next(iter(self._items)))
 
     def delete(self, rid: str) -> bool:
+        with self._lock:
+            return self._drop(rid)
+
+    def _drop(self, rid: str) -> bool:
         found = self._items.pop(rid, None)
         if found is not None:
             self._chars -= found.chars
@@ -129,8 +139,11 @@ def item_status(finish_reason: str | None) -> str:
     return "completed" if finish_reason in ("stop", "tool_calls") else "incomplete"
 
 
-def output_items(choice: dict[str, Any], want_logprobs: bool) -> list[dict[str, Any]]:
-    """A chat choice as output items: its text (where it has any, or no calls) and its calls."""
+def output_items(
+    choice: dict[str, Any], want_logprobs: bool, text_tokens: Callable[[int], int]
+) -> list[dict[str, Any]]:
+    """A chat choice as output items: its text (where it has any, or no calls) and its calls.
+    ``text_tokens(chars)``: how many output tokens wrote the text's first ``chars`` characters."""
     message, status = choice["message"], item_status(choice["finish_reason"])
     calls = message.get("tool_calls") or []
     items = []
@@ -138,7 +151,7 @@ def output_items(choice: dict[str, Any], want_logprobs: bool) -> list[dict[str, 
     if text or not calls:
         lp = (choice.get("logprobs") or {}).get("content", []) if want_logprobs else None
         if lp and calls:  # the tokens that wrote the calls are not the text's
-            lp = lp[: text_tokens(lp, len(text))]
+            lp = lp[: text_tokens(len(text))]
         items.append(message_item(new_id("msg"), text, status, lp))
     for call in calls:
         fn = call["function"]
@@ -146,15 +159,27 @@ def output_items(choice: dict[str, Any], want_logprobs: bool) -> list[dict[str, 
     return items
 
 
-def text_tokens(logprobs: list[dict[str, Any]], chars: int) -> int:
-    """How many leading logprob entries a text of ``chars`` characters holds (by their tokens' text)."""
-    count = 0
-    for entry in logprobs:
-        chars -= len(entry["token"])
-        if chars < 0:
-            break
-        count += 1
-    return count
+@dataclass
+class TextTokens:
+    """How many leading output tokens wrote the first characters of a reply's text, decoded as the
+    detokenizer decodes them (a character may take several tokens, a skipped special token none):
+    the logprobs a message carries are its text's, not those of a tool call written after it."""
+
+    tokenizer: Any
+    skip_special: bool = True
+    counted: int = 0  # tokens known to lie within the text asked about so far (it only grows)
+
+    def within(self, ids: Sequence[int], chars: int) -> int:
+        if self.tokenizer is None:
+            return len(ids)
+        k = self.counted
+        while (
+            k < len(ids)
+            and len(self.tokenizer.decode(ids[: k + 1], skip_special_tokens=self.skip_special)) <= chars
+        ):
+            k += 1
+        self.counted = k
+        return k
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -166,13 +191,26 @@ def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for item in given:
         kind = item.get("type", "message")
         entry = {"type": kind, "status": "completed", **item}
-        if kind == "message" and isinstance(entry.get("content"), str):
-            part = "output_text" if entry.get("role") == "assistant" else "input_text"
-            entry["content"] = [{"type": part, "text": entry["content"]}]
-            if part == "output_text":
-                entry["content"][0]["annotations"] = []
+        if kind == "message":
+            entry["content"] = _listed_parts(entry.get("role"), entry.get("content"))
+        if kind == "function_call" and not isinstance(entry.get("arguments"), str):
+            entry["arguments"] = json.dumps(entry.get("arguments", {}), ensure_ascii=False)
         entry.setdefault("id", new_id(kinds.get(kind, "item")))
         out.append(entry)
+    return out
+
+
+def _listed_parts(role: Any, content: Any) -> list[dict[str, Any]]:
+    """A message's content as the item list shows it: an assistant's as ``output_text`` parts,
+    anyone else's as ``input_text`` (``input_messages`` has checked that they are text)."""
+    parts = [{"text": content}] if isinstance(content, str) else content
+    out = []
+    for part in parts:
+        text = part.get("text", part.get("refusal", ""))
+        if role == "assistant":
+            out.append({"type": "output_text", "text": text, "annotations": []})
+        else:
+            out.append({"type": "input_text", "text": text})
     return out
 
 
@@ -259,7 +297,15 @@ class ResponseCall:
     def body(self, finals: list[RequestOutput]) -> dict[str, Any]:
         """The non-streamed answer, from the chat answer's one choice."""
         chat = response_body(self.ctx, self.prep, finals)
-        return self.finished(output_items(chat["choices"][0], self.prep.want_logprobs), finals)
+        ids = finals[0].outputs[0].token_ids
+        counter = self.text_tokens()
+        items = output_items(
+            chat["choices"][0], self.prep.want_logprobs, lambda chars: counter.within(ids, chars)
+        )
+        return self.finished(items, finals)
+
+    def text_tokens(self) -> TextTokens:
+        return TextTokens(self.ctx.tokenizer, self.prep.params.skip_special_tokens)
 
 
 def prepare_response(ctx: OpenAIContext, data: Any, store: ResponseStore | None) -> ResponseCall:

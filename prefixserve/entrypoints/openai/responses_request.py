@@ -25,6 +25,7 @@ CHAT_EXTENSIONS = (
     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "include_stop_str_in_output",
     "cache_salt", "application", "module_recompute", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "chat_template_kwargs", "priority", "user", "truncate_prompt_tokens",
+    "return_tokens_as_token_ids",
 )  # fmt: skip
 # the chat route's names for fields this API calls otherwise (error messages and params)
 RENAMES = (
@@ -215,6 +216,8 @@ def response_format(text: dict[str, Any]) -> dict[str, Any] | None:
     for required in ("name", "schema"):
         if required not in fmt:
             raise _bad(f"text.format of type json_schema needs a '{required}'", f"text.format.{required}")
+    if not isinstance(fmt["name"], str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", fmt["name"]):
+        raise _bad("text.format.name must be 1-64 letters, digits, _ or -", "text.format.name")
     schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": schema}
 

@@ -13,6 +13,7 @@ and what is stored. Every event carries its ``sequence_number``; there is no ``[
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +21,11 @@ from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.prepare import stream_state
 from prefixserve.entrypoints.openai.responses import (
     ResponseCall,
+    TextTokens,
     call_item,
     item_status,
     message_item,
     new_id,
-    text_tokens,
 )
 from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
 from prefixserve.outputs import RequestOutput
@@ -37,7 +38,7 @@ class ResponseEvents:
     Logprobs ride on the text deltas that hold their tokens' text: the chat stream sends every
     token's as it comes, text held back (a possible tool call) included, so they wait here until
     the text they belong to is sent; a reply that turns out to be calls drops the calls' own, as
-    the non-streamed answer does (``responses.text_tokens``)."""
+    the non-streamed answer does (``responses.TextTokens``)."""
 
     call: ResponseCall
     want_logprobs: bool
@@ -46,7 +47,9 @@ class ResponseEvents:
     message: int | None = None  # output index of the message item still open
     call_at: int | None = None  # output index of the function call still open
     pending: list[Any] = field(default_factory=list)  # logprobs not yet sent with their text
-    lp_chars: int = 0  # characters of text the sent logprobs' tokens hold
+    sent: int = 0  # tokens whose logprobs were sent or dropped
+    token_ids: Sequence[int] = ()  # the reply's tokens so far (the latest output's)
+    counter: TextTokens | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -99,9 +102,12 @@ class ResponseEvents:
         part["text"] += text
         logprobs: list[Any] = []
         if self.want_logprobs:
-            take = len(self.pending) if rest else text_tokens(self.pending, len(part["text"]) - self.lp_chars)
+            if self.counter is None:
+                self.counter = self.call.text_tokens()
+            within = self.counter.within(self.token_ids, len(part["text"]))
+            take = len(self.pending) if rest else max(0, min(len(self.pending), within - self.sent))
             logprobs, self.pending = self.pending[:take], self.pending[take:]
-            self.lp_chars += sum(len(e["token"]) for e in logprobs)
+            self.sent += take
             part["logprobs"] += logprobs
         fields: dict[str, Any] = {
             "item_id": item["id"],
@@ -134,6 +140,7 @@ class ResponseEvents:
         out: list[str] = []
         fn = piece.get("function") or {}
         if "id" in piece:
+            self.sent += len(self.pending)
             self.pending = []  # the calls' tokens: no text holds them
             out += self._close_message("completed") + self._close_call()
             index = self.call_at = len(self.items)
@@ -196,6 +203,10 @@ class _AsEvents:
     """Sends a chat stream state's choices as a response's events (mixed in before the state)."""
 
     events: ResponseEvents
+
+    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
+        self.events.token_ids = out.outputs[0].token_ids  # one reply (a response has no n)
+        return super().update(prompt_index, out)  # type: ignore[misc]
 
     def chunk(self, choices: list[dict[str, Any]]) -> str:
         return "".join(self.events.choice(c) for c in choices)
