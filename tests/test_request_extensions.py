@@ -157,6 +157,7 @@ def http(tiny_config_path: Path) -> Iterator[httpx.Client]:
 
 COMPLETION = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+RESPONSE = {"input": "Hi", "max_output_tokens": 3}
 PML_CHAT = '<prompt schema="s"><m/> Hi</prompt>'  # a Prompt Cache conversation: no template
 
 
@@ -185,16 +186,56 @@ PML_CHAT = '<prompt schema="s"><m/> Hi</prompt>'  # a Prompt Cache conversation:
         ),
         ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ("/v1/completions", {"truncate_prompt_tokens": 4, "application": "desk"}, "truncate_prompt_tokens"),
+        # fields OpenAI or vLLM define that this server does not do (protocol.NOT_DONE)
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+        (
+            "/v1/chat/completions",
+            {"web_search_options": {"search_context_size": "low"}},
+            "web_search_options",
+        ),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
+        ("/v1/completions", {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
+        ("/v1/completions", {"truncation_side": "right"}, "truncation_side"),
+        ("/v1/completions", {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+        ("/v1/completions", {"return_token_ids": True, "stream": True}, "return_token_ids"),
+        ("/v1/responses", {"moderation": {"mode": "block"}}, "moderation"),
+        (
+            "/v1/responses",
+            {"previous_input_messages": [{"role": "user", "content": "x"}]},
+            "previous_input_messages",
+        ),
     ],
 )
 def test_what_is_not_done_is_refused_by_name(http: httpx.Client, route: str, extra: dict, param: str) -> None:
-    body = (COMPLETION if route == "/v1/completions" else CHAT) | extra
-    r = http.post(route, json=body)
+    base = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/v1/responses": RESPONSE}[route]
+    r = http.post(route, json=base | extra)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     # defaults (and their spellings) are no refusal
-    ok = (COMPLETION if route == "/v1/completions" else CHAT) | {"use_beam_search": False, "priority": 0}
-    assert http.post(route, json=ok | {"bad_words": []}).status_code == 200
+    ok = base | {"use_beam_search": False, "priority": 0, "functions": None, "modalities": ["text"]}
+    assert http.post(route, json=ok | {"bad_words": [], "truncation_side": "left"}).status_code == 200
+
+
+def test_return_token_ids_answer_the_ids_the_engine_ran(http: httpx.Client) -> None:
+    chat = http.post(
+        "/v1/chat/completions", json=CHAT | {"return_token_ids": True, "n": 2, "ignore_eos": True}
+    ).json()
+    rendered = http.post("/tokenize", json={"messages": CHAT["messages"]}).json()["tokens"]
+    assert chat["prompt_token_ids"] == rendered
+    assert [len(c["token_ids"]) for c in chat["choices"]] == [3, 3]  # max_tokens 3, ignore_eos
+    prompts = {"prompt": ["Hello there", "Once upon"], "n": 2, "return_token_ids": True}
+    cmpl = http.post("/v1/completions", json=COMPLETION | prompts).json()
+    for choice in cmpl["choices"]:
+        text = http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"]
+        assert text == choice["text"] and len(choice["token_ids"]) == 6
+        prompt = prompts["prompt"][choice["index"] // 2]
+        assert choice["prompt_token_ids"] == http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    plain = http.post("/v1/completions", json=COMPLETION).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
 
 
 def test_extensions_reach_the_engine(http: httpx.Client) -> None:

@@ -279,3 +279,30 @@ def test_a_template_that_writes_the_tools_into_the_pinned_message_takes_no_appli
     assert prepare(ctx, "/v1/chat/completions", ask).application == "shop"
     tooled = prepare(ctx, "/v1/chat/completions", {**ask, "tools": TOOLS})
     assert tooled.application is None and tooled.prompts[0].startswith("<|system|>Sell bikes. Tools: 2")
+
+
+def test_names_reasoning_and_effort_reach_the_template() -> None:
+    """A message's ``name`` and ``reasoning_content`` and the request's ``reasoning_effort`` are the
+    template's to render (vLLM gives them to it); a template that does not read them is unchanged."""
+    tok = byte_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.reasoning_content }}]{{ m.content }}"
+        "{% endfor %}<{{ reasoning_effort }}>"
+    )
+    ctx = OpenAIContext(model="m", tokenizer=tok, system_prompts={})
+    messages = [
+        {"role": "user", "content": "Hi", "name": "ana"},
+        {"role": "assistant", "content": "Yes", "reasoning_content": "short"},
+        {"role": "user", "content": "More?"},
+    ]
+    prep = prepare(ctx, "/v1/chat/completions", {"messages": messages, "reasoning_effort": "low"})
+    assert prep.prompts[0] == "[user|ana|]Hi[assistant||short]Yes[user||]More?<low>"
+
+
+def test_a_responses_structured_outputs_constrains_it(ctx: OpenAIContext) -> None:
+    from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
+
+    call = prepare_response(
+        ctx, {"input": "Pick", "structured_outputs": {"choice": ["a", "b"]}}, ResponseStore()
+    )
+    assert call.prep.params.structured_outputs is not None

@@ -19,6 +19,7 @@ from prefixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    check_not_done,
     normalize_prompts,
     normalize_stop,
     param_of,
@@ -137,6 +138,8 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
+    if req.return_token_ids and req.stream:
+        raise APIError(400, "return_token_ids cannot be streamed", param="return_token_ids")
     refused = (
         (req.use_beam_search, "use_beam_search", "beam search is not supported"),
         (req.priority != 0, "priority", "priority scheduling is not supported: priority must be 0"),
@@ -146,6 +149,8 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise APIError(400, message, param=param)
     if isinstance(req, ChatCompletionRequest) and req.echo and req.tools:
         raise APIError(400, "echo cannot be combined with tools on chat completions", param="echo")
+    if isinstance(req, ChatCompletionRequest) and req.best_of not in (None, req.n):
+        raise APIError(400, "best_of is not supported on chat completions: it must equal n", param="best_of")
     if isinstance(req, CompletionRequest):
         if req.echo and req.stream:
             raise APIError(400, "echo cannot be combined with stream", param="echo")
@@ -203,6 +208,7 @@ def application_prompt(ctx: OpenAIContext, application: str) -> str:
 
 def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     """Check a /v1/completions body; one engine prompt per prompt in it."""
+    check_not_done(data)
     req: CompletionRequest = parse_request(CompletionRequest, data, "prompt")
     check_model(ctx, req.model)
     check_unsupported(req)
@@ -265,7 +271,9 @@ def chat_prompt(
         raise APIError(400, str(exc), param="messages", code="invalid_pml") from None
     if pml is not None:  # a Prompt Cache conversation: the engine lays it out over the schema's modules
         templated = [
-            f for f in ("continue_final_message", "chat_template_kwargs", "documents") if getattr(req, f)
+            f
+            for f in ("continue_final_message", "chat_template_kwargs", "documents", "reasoning_effort")
+            if getattr(req, f)
         ]
         if templated:
             message = f"a conversation opening with a <prompt> document is not templated: drop {templated[0]}"
@@ -282,6 +290,8 @@ def chat_prompt(
         extra["continue_final_message"] = True
     if req.documents is not None:
         extra["documents"] = req.documents
+    if req.reasoning_effort is not None:
+        extra["reasoning_effort"] = req.reasoning_effort
     if native:  # the template renders the tools itself
         extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
     try:
@@ -296,6 +306,7 @@ def chat_prompt(
 
 def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
     """Check a /v1/chat/completions body; its messages become one prompt through the chat template."""
+    check_not_done(data)
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, data, "messages")
     check_model(ctx, req.model)
     check_unsupported(req)
@@ -349,7 +360,22 @@ def token_id_text(token_id: int) -> str:
 
 
 def response_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:
-    """The non-streamed answer, from every prompt's final output in order."""
+    """The non-streamed answer, from every prompt's final output in order; with vLLM's
+    ``return_token_ids`` the prompt's ids (as the engine ran it) and each choice's."""
+    body = _answer_body(ctx, prep, finals)
+    if prep.req.return_token_ids:
+        for choice in body["choices"]:
+            final = finals[0] if prep.chat else finals[choice["index"] // prep.params.n]
+            ids = [] if prep.no_completion else final.outputs[choice["index"] % prep.params.n].token_ids
+            choice["token_ids"] = list(ids)
+            if not prep.chat:
+                choice["prompt_token_ids"] = list(final.prompt_token_ids)
+        if prep.chat:
+            body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+    return body
+
+
+def _answer_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:
     if prep.chat:
         body = fmt.chat_body(prep.rid, ctx.model, finals[0], token_text(ctx, prep), prep.want_logprobs)
         if prep.req.prompt_logprobs is not None:  # vLLM puts a chat's at the top

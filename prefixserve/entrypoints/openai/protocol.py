@@ -17,6 +17,45 @@ if TYPE_CHECKING:
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
+# Fields OpenAI or vLLM define that change what a client gets and that this server does not do: set
+# to anything but their "off" value, they are a 400 naming the field, never silently ignored
+NOT_DONE = {
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "web_search_options": "this server has no hosted web search",
+    "audio": "this model writes text only",
+    "moderation": "this server does not moderate",
+    "prediction": "predicted outputs are not supported",
+    "structural_tag": "use structured_outputs (json, regex, choice, grammar)",
+    "guided_whitespace_pattern": "the JSON grammar's whitespace is fixed",
+    "logits_processors": "custom logits processors are not supported",
+    "vllm_xargs": "custom logits processors are not supported",
+    "logprob_token_ids": "use logprobs",
+    "repetition_detection": "not supported",
+    "kv_transfer_params": "disaggregated prefill is not supported",
+    "thinking_token_budget": "this model does not reason",
+    "prompt_embeds": "prompts are text or token ids",
+    "previous_input_messages": "send the conversation as input, or use previous_response_id",
+    "previous_response": "use previous_response_id",
+    "context_management": "use truncation",
+}
+OFF_VALUES = {"modalities": (["text"],), "truncation_side": ("left",)}
+
+
+def check_not_done(data: Any) -> None:
+    """A 400 for the first field of ``NOT_DONE`` (or ``OFF_VALUES``) a body sets."""
+    if not isinstance(data, dict):
+        return
+    for name, reason in NOT_DONE.items():
+        if data.get(name) not in (None, False, [], {}):
+            raise APIError(
+                400, f"{name} is not supported: {reason}", param=name, code="unsupported_parameter"
+            )
+    for name, off in OFF_VALUES.items():
+        if data.get(name) is not None and data[name] not in off:
+            message = f"{name} must be {off[0]!r} (or unset) here, got {data[name]!r}"
+            raise APIError(400, message, param=name, code="unsupported_parameter")
+
 
 class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` JSON with an HTTP status."""
@@ -117,6 +156,7 @@ class _Common(BaseModel):
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top-k (vLLM's shape)
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     # ...and refused where set, rather than ignored (``prepare.check_unsupported``)
     use_beam_search: bool = False
     priority: int = 0
@@ -141,7 +181,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = None  # a participant's name, given to the template
+    reasoning_content: str | None = None  # an earlier turn's reasoning (vLLM's), given to the template
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (openai/tools.py)
     tool_call_id: str | None = None  # a tool message: which call it answers
 
@@ -192,6 +233,8 @@ class ChatCompletionRequest(_Common):
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
     chat_template: str | None = None  # refused: the server's template only
     echo: bool = False  # vLLM's: the last message, where it is the assistant's, leads the answer
+    reasoning_effort: str | None = None  # given to the template (a template without it ignores it)
+    best_of: int | None = None  # refused above n: chats sample n
 
 
 class SchemaRequest(BaseModel):

@@ -29,7 +29,7 @@ from prefixserve.entrypoints.openai.prepare import (
     prompt_ids,
     response_body,
 )
-from prefixserve.entrypoints.openai.protocol import APIError, parse_request
+from prefixserve.entrypoints.openai.protocol import APIError, check_not_done, parse_request
 from prefixserve.entrypoints.openai.responses_request import (
     ResponsesRequest,
     chat_request,
@@ -311,6 +311,7 @@ class ResponseCall:
 def prepare_response(ctx: OpenAIContext, data: Any, store: ResponseStore | None) -> ResponseCall:
     """Check a /v1/responses body; a 400 (or a 404 for an unknown ``previous_response_id``) names
     the field in this API's words."""
+    check_not_done(data)
     req: ResponsesRequest = parse_request(ResponsesRequest, data, "input")
     check_supported(req)
     earlier: list[dict[str, Any]] = []

@@ -150,6 +150,10 @@ def conversation(messages: list[ChatMessage], tools: Tools | None, native: bool)
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         entry: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.name is not None:
+            entry["name"] = m.name
+        if m.reasoning_content is not None:
+            entry["reasoning_content"] = m.reasoning_content
         if native:
             if m.tool_calls:
                 entry["tool_calls"] = [
