@@ -131,29 +131,16 @@ def test_completion_and_chat(client: openai.OpenAI, server: ServerThread, http: 
 def test_streaming_equals_non_streamed(client: openai.OpenAI, server: ServerThread) -> None:
     prompt = "Tell me about wheels and spokes"
     full = greedy_completion(client, prompt, max_tokens=32).choices[0].text
-    chunks = list(
-        client.completions.create(
-            model="default",
-            prompt=prompt,
-            max_tokens=32,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+
+    def streamed(**options: bool) -> list[Any]:
+        kw = {"model": "default", "prompt": prompt, "max_tokens": 32, "temperature": 0}
+        return list(client.completions.create(**kw, stream=True, stream_options=options))
+
+    chunks = streamed(include_usage=True)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 32
-    continuous = list(
-        client.completions.create(
-            model="default",
-            prompt=prompt,
-            max_tokens=32,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
-        )
-    )  # vLLM's: every chunk carries the usage so far
+    continuous = streamed(include_usage=True, continuous_usage_stats=True)  # vLLM's: usage on every chunk
     counts = [c.usage.completion_tokens for c in continuous if c.choices]
     assert counts == sorted(counts) and counts[-1] == 32 and counts[0] >= 1
     assert {c.usage.prompt_tokens for c in continuous} == {chunks[-1].usage.prompt_tokens}
