@@ -17,6 +17,18 @@ def live_requests_after_integrity_check(engine: Any) -> int:
     return len(engine.requests)
 
 
+def wait_server_pool_empty(server: Any, timeout: float = 15.0, integrity: bool = True) -> None:
+    """Wait until a live server's engine holds no KV block (a finished request's blocks go back a
+    step or two after its answer), then assert it, and with ``integrity`` that the pool is whole and
+    no request is left."""
+    deadline = time.monotonic() + timeout
+    while server.engine_loop.call(blocks_in_use).result(10) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine_loop.call(blocks_in_use).result(10) == 0
+    if integrity:
+        assert server.engine_loop.call(live_requests_after_integrity_check).result(10) == 0
+
+
 def hold(engine: Any, held: str, go: str, timeout: float = 60.0) -> None:
     """Keep the engine's loop between two steps until the file ``go`` exists (``held`` is created
     once it is held): a stand-in for a step that takes long."""

@@ -12,7 +12,6 @@ field, and the server keeps serving with its pool empty.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,12 +402,7 @@ def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _pool_empty(server: ServerThread, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.engine_loop.call(engine_checks.blocks_in_use).result(10) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.engine_loop.call(engine_checks.blocks_in_use).result(10) == 0
-    assert server.engine_loop.call(engine_checks.live_requests_after_integrity_check).result(10) == 0
+_pool_empty = engine_checks.wait_server_pool_empty
 
 
 def test_a_response_is_the_chat_turn_it_stands_for(client: openai.OpenAI, server: ServerThread) -> None:

@@ -7,7 +7,6 @@ pool empty. Pinned applications are in test_server_application.py.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,12 +61,7 @@ def blocks_used(server: ServerThread) -> int:
     return int(server.engine_loop.call(engine_checks.blocks_in_use).result(10))
 
 
-def wait_pool_empty(server: ServerThread, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while blocks_used(server) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert blocks_used(server) == 0
-    assert server.engine_loop.call(engine_checks.live_requests_after_integrity_check).result(10) == 0
+wait_pool_empty = engine_checks.wait_server_pool_empty
 
 
 def metric(http: httpx.Client, name: str) -> float:

@@ -90,11 +90,7 @@ def wait_metric_above(http: httpx.Client, name: str, timeout: float = 20.0) -> N
 
 
 def wait_pool_empty(server: ServerThread, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.engine_loop.call(engine_checks.blocks_in_use).result(10) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.engine_loop.call(engine_checks.blocks_in_use).result(10) == 0
-    assert server.engine_loop.call(engine_checks.live_requests_after_integrity_check).result(10) == 0
+    engine_checks.wait_server_pool_empty(server, timeout)
 
 
 @contextmanager

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,15 +50,8 @@ def http(server: ServerThread) -> Iterator[httpx.Client]:
         yield c
 
 
-def blocks_used(server: ServerThread) -> int:
-    return int(server.engine_loop.call(engine_checks.blocks_in_use).result(10))
-
-
 def pool_empty(server: ServerThread, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while blocks_used(server) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert blocks_used(server) == 0
+    engine_checks.wait_server_pool_empty(server, timeout, integrity=False)
 
 
 class Person(BaseModel):
