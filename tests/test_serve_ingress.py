@@ -112,12 +112,13 @@ def test_a_delta_that_crossed_a_failure_is_dropped_and_a_snapshot_asked_for() ->
 
 
 def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -> None:
-    """A completion and a chat naming an application: the ingress's digests are among the blocks
+    """A completion, a chat and a message naming an application: the ingress's digests are among the blocks
     the engine cached for the same request (the pinned system prompt first, as the engine's intake)."""
     import json
 
     from prefixserve import LLM, SamplingParams
     from prefixserve.distributed.serve_ingress import IngressCore
+    from prefixserve.entrypoints.openai.anthropic_messages import prepare_message
     from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
 
     system = "You answer questions about trains, briefly and politely. " * 3
@@ -134,13 +135,18 @@ def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -
         "/v1/chat/completions": {
             "model": "default", "messages": [{"role": "user", "content": question}], "application": "rail",
         },
+        "/v1/messages": {  # Anthropic's: as the chat it runs as
+            "model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": question}],
+            "application": "rail",
+        },
     }  # fmt: skip
     for path, body in bodies.items():
         digests, session = _run(core.routing_key(path, json.dumps(body).encode(), {"x-session-id": "s9"}))
         assert session == "s9"
         pinned = len(llm.engine.system_prompt_kv["rail"].digests)
         assert len(digests) > pinned  # the question's own blocks too
-        text = prepare(ctx, path, body).prompts[0]
+        prep = prepare_message(ctx, body).prep if path == "/v1/messages" else prepare(ctx, path, body)
+        text = prep.prompts[0]
         llm.generate([text], SamplingParams(max_tokens=1), application="rail")  # as the server submits it
         assert set(digests) <= set(llm.engine.pool.cached_digests()), path
     digests, session = _run(core.routing_key("/v1/completions", b"{not json", {}))

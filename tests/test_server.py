@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import engine_checks
 import httpx
 import openai
@@ -392,6 +393,13 @@ def test_api_key_required(server: ServerThread) -> None:
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="default", prompt="hi", max_tokens=1)
+    # Anthropic's clients send the key as x-api-key; its errors come in Anthropic's shape
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60)
+    ask = [{"role": "user", "content": "hi"}]
+    assert claude.messages.create(model="default", max_tokens=1, messages=ask).usage.output_tokens == 1
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        claude.with_options(api_key="wrong").messages.create(model="default", max_tokens=1, messages=ask)
+    assert err.value.body["error"]["type"] == "authentication_error"
 
 
 # ---- disconnects and tenancy -------------------------------------------------------------------

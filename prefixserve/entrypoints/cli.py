@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or x-api-key: KEY)")
     s.add_argument(
         "--switch-interval-ms",
         type=float,

@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +35,8 @@ from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
+from prefixserve.entrypoints.openai.anthropic_routes import add_anthropic_routes
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
@@ -64,7 +67,7 @@ from prefixserve.entrypoints.openai.requests import (
     authorize,
     read_json,
 )
-from prefixserve.entrypoints.openai.responses import ResponseCall, ResponseStore, prepare_response
+from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
 from prefixserve.entrypoints.openai.responses_request import renamed
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE, add_responses_routes
 from prefixserve.entrypoints.openai.responses_stream import response_stream
@@ -84,6 +87,8 @@ ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
     RESPONSES_ROUTE,
+    MESSAGES_ROUTE,
+    COUNT_ROUTE,
     "/v1/models",
     "/v1/schemas",
     "/health",
@@ -488,6 +493,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     add_tokenizer_routes(app, state)
     add_cache_routes(app, state)
     add_responses_routes(app, state)
+    add_anthropic_routes(app, state, partial(_answer, state), _route_start)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
@@ -521,11 +527,13 @@ async def _answer(
     prep: Prepared,
     deadline: float | None,
     started: float | None = None,
-    call: ResponseCall | None = None,
+    stream: Callable[[], fmt.StreamState] | None = None,
+    body: Callable[[list[RequestOutput]], dict[str, Any]] | None = None,
 ) -> Response:
     """Queue a checked request and answer it: an SSE stream (from its first output on), or one JSON
     body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``);
-    ``started``: when the route began; ``call``: a /v1/responses request (its chat is ``prep``)."""
+    ``started``: when the route began; ``stream`` and ``body``: another API's answer to the chat
+    ``prep`` (/v1/responses, /v1/messages), in place of the chat's."""
     sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
     ids = await _submit(state, prep, sink, deadline, started)
     if isinstance(sink, StreamSink):
@@ -537,13 +545,12 @@ async def _answer(
         setattr(request.state, FIRST_OUTPUT, sink.first_received)
         if first is None:
             return Response(status_code=499)
-        s = stream_state(state, prep) if call is None else response_stream(call)
-        body = _stream(state, ids, sink, s, first)
-        return sse_response(body, ids, state.stall_watch)
+        s = stream_state(state, prep) if stream is None else stream()
+        return sse_response(_stream(state, ids, sink, s, first), ids, state.stall_watch)
     finals = await _collect(state, request, ids, sink)
     if finals is None:
         return Response(status_code=499)
-    return JSONResponse(response_body(state, prep, finals) if call is None else call.body(finals))
+    return JSONResponse(response_body(state, prep, finals) if body is None else body(finals))
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
@@ -575,6 +582,7 @@ def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
         auto = isinstance(data, dict) and data.get("truncation") == "auto"
         call = await asyncio.to_thread(ready) if auto else ready()
         try:
-            return await _answer(state, request, call.prep, deadline, started, call)
+            stream = partial(response_stream, call)
+            return await _answer(state, request, call.prep, deadline, started, stream, call.body)
         except APIError as exc:  # the chat's field names, as this API names them
             raise renamed(exc) from None

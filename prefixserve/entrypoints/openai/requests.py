@@ -43,11 +43,16 @@ class ServerState(OpenAIContext):
 
 # ---- request reading ---------------------------------------------------------------------------
 def authorize(state: ServerState, request: Request) -> None:
+    """The API key from ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY``
+    (Anthropic's)."""
     if state.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+        scheme, token = "bearer", request.headers.get("x-api-key", "")
+    if not token:
+        message = "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+        raise APIError(401, message, code="invalid_api_key")
     if not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
