@@ -18,7 +18,7 @@ import pytest
 from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai import server as server_mod
-from prefixserve.entrypoints.openai.app import _stream
+from prefixserve.entrypoints.openai.answering import stream_events
 from prefixserve.entrypoints.openai.server import ServerThread, build_app, http_options
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
@@ -50,14 +50,14 @@ def test_plain_chunk_is_the_dict_chunk(chat: bool, finish: str | None, delta: st
 
 
 def _drain(state: fmt.StreamState, ids: list[str], outputs: list[RequestOutput]) -> list[str]:
-    """The writes ``_stream`` makes when all of ``outputs`` are queued at once."""
+    """The writes ``stream_events`` makes when all of ``outputs`` are queued at once."""
 
     async def run() -> list[str]:
         sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
         for o in outputs:
             sink.put_nowait(o)
         loop = SimpleNamespace(abort=lambda _rid: None)
-        return [w async for w in _stream(SimpleNamespace(loop=loop), ids, sink, state)]  # type: ignore[arg-type]
+        return [w async for w in stream_events(SimpleNamespace(loop=loop), ids, sink, state)]  # type: ignore[arg-type]
 
     return asyncio.run(run())
 

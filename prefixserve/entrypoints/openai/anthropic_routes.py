@@ -1,18 +1,20 @@
 """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API.
 
-The message runs through the app's own answering path (queueing, deadlines, streaming, aborts on
-disconnect), handed in as ``answer``; every refusal is answered in Anthropic's error shape.
+The message runs through the answering path every generating route takes (``answering.py``:
+queueing, deadlines, streaming, aborts on disconnect); every refusal is answered in Anthropic's
+error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixserve.entrypoints.openai.answering import answer, route_start
 from prefixserve.entrypoints.openai.anthropic_messages import (
     COUNT_ROUTE,
     MESSAGES_ROUTE,
@@ -25,17 +27,12 @@ from prefixserve.entrypoints.openai.overload import queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
 
-# (request, prep, deadline, route start, stream state maker, body maker) -> the answer
-Answer = Callable[..., Awaitable[Response]]
-
 
 def anthropic_error(exc: APIError) -> JSONResponse:
     return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=exc.headers)
 
 
-def add_anthropic_routes(
-    app: FastAPI, state: ServerState, answer: Answer, route_start: Callable[..., float]
-) -> None:
+def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(MESSAGES_ROUTE)
     async def messages(request: Request) -> Response:
         started = route_start(request)
@@ -43,9 +40,8 @@ def add_anthropic_routes(
             authorize(state, request)
             deadline = queue_deadline(request, state.max_queue_delay, started)
             call = prepare_message(state, await read_json(state, request))
-            return await answer(
-                request, call.prep, deadline, started, stream=lambda: message_stream(call), body=call.body
-            )
+            stream = partial(message_stream, call)
+            return await answer(state, request, call.prep, deadline, started, stream, call.body)
         except APIError as exc:
             return anthropic_error(exc)
 

@@ -4,11 +4,9 @@ Prompt Cache schema routes (``schema_routes.py``) and tokenizer routes (``tokeni
 Bodies are read and parsed by hand (size limit before parsing, strict UTF-8, then JSON, then the
 model) so that every refusal is a 4xx naming the problem, never a 422 or a 500.
 
-Under overload (``overload.py``) a request past the waiting queue's bounds, or one that would not start
-by its deadline, is answered 429 with Retry-After: at arrival by ``ArrivalGate`` in this process (from
-the engine's last published queue), else by the engine when it takes the request, or when it drops it
-from the queue. A stream's status and headers go out with its first output (its first token, or its
-end), so a streamed request dropped from the queue gets that 429 too.
+Each generating route checks its body into a ``Prepared`` request and hands it to ``answering.py``
+(queueing, overload refusals, streaming, collecting): completions and chats here, OpenAI's
+Responses API in ``responses_routes.py`` and Anthropic's Messages API in ``anthropic_routes.py``.
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,59 +26,40 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.engine.admission import QueueFull
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
-from prefixserve.engine.input_processor import check_context
-from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.answering import FIRST_OUTPUT, ROUTE_START, answer, route_start
 from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
 from prefixserve.entrypoints.openai.anthropic_routes import add_anthropic_routes
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
-from prefixserve.entrypoints.openai.engine_thread import EngineLoop, EngineStopped, StreamSink
+from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 from prefixserve.entrypoints.openai.model_routes import add_model_routes
 from prefixserve.entrypoints.openai.overload import (
     ArrivalGate,
     OverloadSettings,
     StallWatch,
-    deadline_error,
-    dropped,
     queue_deadline,
-    refusal,
-    sse_response,
 )
 from prefixserve.entrypoints.openai.prepare import (
-    Prepared,
     prepare_chat,
     prepare_completion,
-    prompt_ids,
-    response_body,
-    stream_state,
-    truncated,
 )
-from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
+from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import (
     MAX_BODY_BYTES,
     ServerState,
     authorize,
     read_json,
 )
-from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
-from prefixserve.entrypoints.openai.responses_request import renamed
+from prefixserve.entrypoints.openai.responses import ResponseStore
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE, add_responses_routes
-from prefixserve.entrypoints.openai.responses_stream import response_stream
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
-from prefixserve.outputs import RequestOutput
-from prefixserve.promptcache.pml import PMLError
 from prefixserve.version import __version__
 
 log = logging.getLogger(__name__)
 
-# request.state keys (in the ASGI scope, read by _CountRequests when the response is written)
-ROUTE_START = "ps_route_start"  # time.monotonic() when the route began (the queue deadline's origin)
-FIRST_OUTPUT = "ps_first_output"  # when this process received a stream's first output
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -271,218 +248,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(APIError(500, f"internal error: {type(exc).__name__}"))
 
 
-# ---- submitting and collecting -----------------------------------------------------------------
-
-
-async def _tokenize(state: ServerState, prep: Prepared, text: str) -> list[int] | None:
-    """A text prompt's token ids (``prompt_ids``), encoded in a worker thread (the tokenizer releases
-    the GIL).
-
-    Encoding on the engine thread stops every step for as long as it takes (~10 ms for an 8K-token
-    prompt, ~35 ms for 16K): each arrival stalled all running streams. None leaves the text to the
-    engine: a possible Prompt Cache prompt (``<prompt ...>``, parsed there), no tokenizer, or an error
-    (the engine then reports it as it would).
-    """
-    try:
-        return await asyncio.to_thread(prompt_ids, state, prep, text)
-    except Exception:
-        return None
-
-
-def _length(tokens: list[int] | None) -> int | None:
-    return None if tokens is None else len(tokens)
-
-
-def _check_fits(state: ServerState, prep: Prepared, tokens: list[int]) -> None:
-    """ValueError (a 400) for a prompt, or a max_tokens, that no context holds, as the engine's
-    intake would refuse it: counted with the application's pinned prompt in front."""
-    ids = state.engine_ids(tokens, prep.application)
-    check_context(len(ids), prep.params.max_tokens, state.max_model_len)
-
-
-async def _submit(
-    state: ServerState,
-    prep: Prepared,
-    sink: asyncio.Queue[RequestOutput],
-    deadline: float | None = None,
-    started: float | None = None,
-) -> list[str]:
-    """Queue one engine request per prompt; on a refusal, abort the ones already queued. ``started``:
-    when the route began (the "intake" stage ends as each is handed to the engine)."""
-    ids: list[str] = []
-    req, params, prompt_field = prep.req, prep.params, prep.prompt_field
-    application = prep.application
-    texts = [p if isinstance(p, str) else None for p in prep.prompts]
-    try:
-        for prompt in prep.prompts:  # ids, known for free: one that can never run is a 400, not a 429
-            if not isinstance(prompt, str):
-                _check_fits(state, prep, truncated(prep, prompt, state.max_model_len))
-        if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
-            state.gate.check(deadline)
-        encoded = await asyncio.gather(*(_tokenize(state, prep, t) for t in texts if t is not None))
-        encoded_iter = iter(encoded)
-        for i, prompt in enumerate(prep.prompts):
-            sub_id = f"{prep.rid}-{i}"
-            text, tokens = (prompt, next(encoded_iter)) if isinstance(prompt, str) else (None, list(prompt))
-            if tokens is not None:
-                kept = truncated(prep, tokens, state.max_model_len)
-                text, tokens = (text, tokens) if len(kept) == len(tokens) else (None, kept)  # text: all of it
-            if text is not None and tokens is not None:
-                _check_fits(state, prep, tokens)
-            # refused here at once when the engine's last published queue says so (overload.py)
-            arrival = None if state.gate is None else state.gate.admit(_length(tokens), deadline)
-            await state.loop.add(
-                sub_id,
-                text,
-                params,
-                sink,
-                prompt_token_ids=tokens,
-                cache_salt=req.cache_salt,
-                application=application,
-                module_recompute=req.module_recompute,
-                stream=req.stream,
-                deadline=deadline,
-                arrival=arrival,
-                started=started,
-            )
-            ids.append(sub_id)
-    except QueueFull as exc:  # the waiting queue is at a bound, or would not drain before the deadline
-        for sub_id in ids:
-            state.loop.abort(sub_id)
-        raise refusal(exc) from None
-    except PMLError as exc:  # a Prompt Cache prompt: unknown schema or module, bad argument, bad XML
-        for sub_id in ids:
-            state.loop.abort(sub_id)
-        raise APIError(400, str(exc), param=prompt_field, code="invalid_pml") from None
-    except ValueError as exc:
-        for sub_id in ids:
-            state.loop.abort(sub_id)
-        param, code = param_of(str(exc), prompt_field)
-        raise APIError(400, str(exc), param=param, code=code) from None
-    except EngineStopped as exc:
-        for sub_id in ids:
-            state.loop.abort(sub_id)
-        raise APIError(503, str(exc)) from None
-    return ids
-
-
-async def _collect(
-    state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
-) -> list[RequestOutput] | None:
-    """Wait for every final output; None if the client left (its requests are aborted)."""
-    finals: dict[str, RequestOutput] = {}
-    try:
-        while len(finals) < len(ids):
-            try:
-                out = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
-                continue
-            if out.finished:
-                if dropped(out):  # waited past its deadline: the whole request is refused
-                    raise deadline_error(state.loop)
-                finals[out.request_id] = out
-    finally:
-        for sub_id in ids:
-            if sub_id not in finals:
-                state.loop.abort(sub_id)
-    ordered = [finals[i] for i in ids]
-    failure = engine_failure(ordered)
-    if failure is not None:
-        raise failure
-    return ordered
-
-
-async def _latest(sink: asyncio.Queue[RequestOutput]) -> dict[str, RequestOutput]:
-    """Wait for outputs, then take all that are queued: outputs are cumulative, the newest per request
-    is all that matters (a stream that fell behind catches up in one write)."""
-    out = await sink.get()
-    latest = {out.request_id: out}
-    while not sink.empty():
-        out = sink.get_nowait()
-        latest[out.request_id] = out
-    return latest
-
-
-async def _first_outputs(
-    state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
-) -> dict[str, RequestOutput] | None:
-    """A stream's first outputs (its first token, or its end), before anything is sent: a request
-    dropped from the queue past its deadline is then a 429, and one the KV pool can never hold a
-    400, not a 200 and an error event. None if the client left meanwhile (its requests are
-    aborted)."""
-    abort = True
-    try:
-        while True:
-            try:
-                latest = await asyncio.wait_for(_latest(sink), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
-                continue
-            if any(dropped(out) for out in latest.values()):
-                raise deadline_error(state.loop)
-            refused = engine_failure(out for out in latest.values() if out.error)
-            if refused is not None:
-                raise refused
-            abort = False
-            return latest
-    finally:
-        if abort:  # refused, or the client left: abort what may still run
-            for sub_id in ids:
-                state.loop.abort(sub_id)
-
-
-async def _stream(
-    state: ServerState,
-    ids: list[str],
-    sink: asyncio.Queue[RequestOutput],
-    s: fmt.StreamState,
-    first: dict[str, RequestOutput] | None = None,
-) -> AsyncIterator[str]:
-    """SSE body from the first outputs on; leaving early (client gone, cancelled) aborts what is
-    still running.
-
-    The events of one wake-up (several choices or prompts; the last delta, usage and ``[DONE]``) go
-    out as one body write: each write costs a trip through the ASGI middleware and the HTTP protocol.
-    """
-    index = {sub_id: i for i, sub_id in enumerate(ids)}
-    finals: dict[str, RequestOutput] = {}
-    # a chat's role chunks go out with its first output: one write, which is the first token's
-    head = s.opening()
-    try:
-        while len(finals) < len(ids):
-            if isinstance(sink, StreamSink):
-                sink.resume()  # what was taken is written: ready for the next outputs
-            parts, head = head, []
-            latest = first if first is not None else await _latest(sink)
-            first = None
-            for sub_id, out in latest.items():
-                if dropped(out):  # another prompt of this request waited past its deadline
-                    parts.append(s.error_event(deadline_error(state.loop).body()))
-                    finals[sub_id] = out
-                    yield "".join(parts)
-                    return
-                error = engine_failure([out])
-                if error is not None:
-                    parts.append(s.error_event(error.body()))
-                    finals[sub_id] = out
-                    yield "".join(parts)
-                    return
-                parts += s.update(index[sub_id], out)
-                if out.finished:
-                    finals[sub_id] = out
-            if len(finals) == len(ids):
-                parts += s.closing([finals[i] for i in ids])
-            if parts:
-                yield "".join(parts)
-    finally:
-        for sub_id in ids:
-            if sub_id not in finals:
-                state.loop.abort(sub_id)
-
-
 # ---- routes ------------------------------------------------------------------------------------
 def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
     _add_status_routes(app, state, metrics)
@@ -493,7 +258,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     add_tokenizer_routes(app, state)
     add_cache_routes(app, state)
     add_responses_routes(app, state)
-    add_anthropic_routes(app, state, partial(_answer, state), _route_start)
+    add_anthropic_routes(app, state)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
@@ -514,75 +279,21 @@ def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _route_start(request: Request) -> float:
-    """Now, noted on the request for the response middleware's path stages."""
-    started = time.monotonic()
-    setattr(request.state, ROUTE_START, started)
-    return started
-
-
-async def _answer(
-    state: ServerState,
-    request: Request,
-    prep: Prepared,
-    deadline: float | None,
-    started: float | None = None,
-    stream: Callable[[], fmt.StreamState] | None = None,
-    body: Callable[[list[RequestOutput]], dict[str, Any]] | None = None,
-) -> Response:
-    """Queue a checked request and answer it: an SSE stream (from its first output on), or one JSON
-    body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``);
-    ``started``: when the route began; ``stream`` and ``body``: another API's answer to the chat
-    ``prep`` (/v1/responses, /v1/messages), in place of the chat's."""
-    sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
-    ids = await _submit(state, prep, sink, deadline, started)
-    if isinstance(sink, StreamSink):
-        try:
-            first = await _first_outputs(state, request, ids, sink)
-        except APIError:  # dropped for its deadline (429), or refused (400): ends the "to_client" stage
-            setattr(request.state, FIRST_OUTPUT, sink.first_received)
-            raise
-        setattr(request.state, FIRST_OUTPUT, sink.first_received)
-        if first is None:
-            return Response(status_code=499)
-        s = stream_state(state, prep) if stream is None else stream()
-        return sse_response(_stream(state, ids, sink, s, first), ids, state.stall_watch)
-    finals = await _collect(state, request, ids, sink)
-    if finals is None:
-        return Response(status_code=499)
-    return JSONResponse(response_body(state, prep, finals) if body is None else body(finals))
-
-
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        started = _route_start(request)
+        started = route_start(request)
         authorize(state, request)
         deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_completion(state, await read_json(state, request))
-        return await _answer(state, request, body, deadline, started)
+        return await answer(state, request, body, deadline, started)
 
 
 def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        started = _route_start(request)
+        started = route_start(request)
         authorize(state, request)
         deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_chat(state, await read_json(state, request))
-        return await _answer(state, request, body, deadline, started)
-
-    @app.post(RESPONSES_ROUTE)
-    async def responses(request: Request) -> Response:
-        started = _route_start(request)
-        authorize(state, request)
-        deadline = queue_deadline(request, state.max_queue_delay, started)
-        data = await read_json(state, request)
-        ready = partial(prepare_response, state, data, state.responses)  # auto: it renders several cuts
-        auto = isinstance(data, dict) and data.get("truncation") == "auto"
-        call = await asyncio.to_thread(ready) if auto else ready()
-        try:
-            stream = partial(response_stream, call)
-            return await _answer(state, request, call.prep, deadline, started, stream, call.body)
-        except APIError as exc:  # the chat's field names, as this API names them
-            raise renamed(exc) from None
+        return await answer(state, request, body, deadline, started)

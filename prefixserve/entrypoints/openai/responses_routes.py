@@ -1,19 +1,26 @@
-"""Stored responses: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET .../input_items`` (OpenAI's).
+"""OpenAI's Responses API routes: ``POST /v1/responses``; stored responses: ``GET`` and ``DELETE
+/v1/responses/{id}``, ``GET .../input_items``.
 
-``POST /v1/responses`` is in ``app.py`` beside the other generating routes; what it stores is in
-this process's ``ResponseStore`` (``responses.py``), so these answer for this server's responses.
+What a response stores is in this process's ``ResponseStore`` (``responses.py``), so the stored
+routes answer for this server's responses.
 """
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
 from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixserve.entrypoints.openai.answering import answer, route_start
+from prefixserve.entrypoints.openai.overload import queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.requests import ServerState, authorize
-from prefixserve.entrypoints.openai.responses import StoredResponse
+from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
+from prefixserve.entrypoints.openai.responses import StoredResponse, prepare_response
+from prefixserve.entrypoints.openai.responses_request import renamed
+from prefixserve.entrypoints.openai.responses_stream import response_stream
 
 RESPONSES_ROUTE = "/v1/responses"
 MAX_LIST = 100  # input items in one page
@@ -28,6 +35,21 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post(RESPONSES_ROUTE)
+    async def responses(request: Request) -> Response:
+        started = route_start(request)
+        authorize(state, request)
+        deadline = queue_deadline(request, state.max_queue_delay, started)
+        data = await read_json(state, request)
+        ready = partial(prepare_response, state, data, state.responses)  # auto: it renders several cuts
+        auto = isinstance(data, dict) and data.get("truncation") == "auto"
+        call = await asyncio.to_thread(ready) if auto else ready()
+        try:
+            stream = partial(response_stream, call)
+            return await answer(state, request, call.prep, deadline, started, stream, call.body)
+        except APIError as exc:  # the chat's field names, as this API names them
+            raise renamed(exc) from None
+
     @app.get(RESPONSES_ROUTE + "/{response_id}")
     async def get_response(response_id: str, request: Request) -> Response:
         authorize(state, request)

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP server: ``prefixserve serve`` and an in-process runner for tests and benchmarks.
 
 The pieces: ``protocol`` (request models, errors), ``engine_thread`` (the engine thread),
-``format`` (responses and stream chunks), ``metrics`` (Prometheus), ``app``
-(routes). FastAPI and uvicorn are imported here, never by the engine core.
+``format`` (responses and stream chunks), ``metrics`` (Prometheus), ``app`` (the app and its
+routes), ``answering`` (one request's queueing, streaming and collecting). FastAPI and uvicorn are
+imported here, never by the engine core.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections; in-flight requests get
 ``grace_s`` seconds to finish, then whatever still runs is aborted (streams end with finish_reason

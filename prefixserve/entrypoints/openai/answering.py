@@ -1,0 +1,288 @@
+"""Answering one request: queue its engine work, then stream its outputs or collect its answer.
+
+Shared by every generating route (completions, chats, responses, messages): another API's answer to
+the chat it runs as comes in as ``stream`` and ``body`` makers. Under overload (``overload.py``) a
+request is refused 429 at arrival by ``ArrivalGate``, by the engine when it takes the request, or when
+it drops it from the queue; a stream's status and headers go out with its first output, so a
+streamed request dropped from the queue gets that 429 too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from prefixserve.engine.admission import QueueFull
+from prefixserve.engine.input_processor import check_context
+from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.engine_thread import EngineStopped, StreamSink
+from prefixserve.entrypoints.openai.overload import deadline_error, dropped, refusal, sse_response
+from prefixserve.entrypoints.openai.prepare import (
+    Prepared,
+    prompt_ids,
+    response_body,
+    stream_state,
+    truncated,
+)
+from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
+from prefixserve.entrypoints.openai.requests import ServerState
+from prefixserve.outputs import RequestOutput
+from prefixserve.promptcache.pml import PMLError
+
+# request.state keys (in the ASGI scope, read by the app's middleware when the response is written)
+ROUTE_START = "ps_route_start"  # time.monotonic() when the route began (the queue deadline's origin)
+FIRST_OUTPUT = "ps_first_output"  # when this process received a stream's first output
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+
+
+async def _tokenize(state: ServerState, prep: Prepared, text: str) -> list[int] | None:
+    """A text prompt's token ids (``prompt_ids``), encoded in a worker thread (the tokenizer releases
+    the GIL).
+
+    Encoding on the engine thread stops every step for as long as it takes (~10 ms for an 8K-token
+    prompt, ~35 ms for 16K): each arrival stalled all running streams. None leaves the text to the
+    engine: a possible Prompt Cache prompt (``<prompt ...>``, parsed there), no tokenizer, or an error
+    (the engine then reports it as it would).
+    """
+    try:
+        return await asyncio.to_thread(prompt_ids, state, prep, text)
+    except Exception:
+        return None
+
+
+def _length(tokens: list[int] | None) -> int | None:
+    return None if tokens is None else len(tokens)
+
+
+def _check_fits(state: ServerState, prep: Prepared, tokens: list[int]) -> None:
+    """ValueError (a 400) for a prompt, or a max_tokens, that no context holds, as the engine's
+    intake would refuse it: counted with the application's pinned prompt in front."""
+    ids = state.engine_ids(tokens, prep.application)
+    check_context(len(ids), prep.params.max_tokens, state.max_model_len)
+
+
+async def submit(
+    state: ServerState,
+    prep: Prepared,
+    sink: asyncio.Queue[RequestOutput],
+    deadline: float | None = None,
+    started: float | None = None,
+) -> list[str]:
+    """Queue one engine request per prompt; on a refusal, abort the ones already queued. ``started``:
+    when the route began (the "intake" stage ends as each is handed to the engine)."""
+    ids: list[str] = []
+    req, params, prompt_field = prep.req, prep.params, prep.prompt_field
+    application = prep.application
+    texts = [p if isinstance(p, str) else None for p in prep.prompts]
+    try:
+        for prompt in prep.prompts:  # ids, known for free: one that can never run is a 400, not a 429
+            if not isinstance(prompt, str):
+                _check_fits(state, prep, truncated(prep, prompt, state.max_model_len))
+        if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
+            state.gate.check(deadline)
+        encoded = await asyncio.gather(*(_tokenize(state, prep, t) for t in texts if t is not None))
+        encoded_iter = iter(encoded)
+        for i, prompt in enumerate(prep.prompts):
+            sub_id = f"{prep.rid}-{i}"
+            text, tokens = (prompt, next(encoded_iter)) if isinstance(prompt, str) else (None, list(prompt))
+            if tokens is not None:
+                kept = truncated(prep, tokens, state.max_model_len)
+                text, tokens = (text, tokens) if len(kept) == len(tokens) else (None, kept)  # text: all of it
+            if text is not None and tokens is not None:
+                _check_fits(state, prep, tokens)
+            # refused here at once when the engine's last published queue says so (overload.py)
+            arrival = None if state.gate is None else state.gate.admit(_length(tokens), deadline)
+            await state.loop.add(
+                sub_id,
+                text,
+                params,
+                sink,
+                prompt_token_ids=tokens,
+                cache_salt=req.cache_salt,
+                application=application,
+                module_recompute=req.module_recompute,
+                stream=req.stream,
+                deadline=deadline,
+                arrival=arrival,
+                started=started,
+            )
+            ids.append(sub_id)
+    except QueueFull as exc:  # the waiting queue is at a bound, or would not drain before the deadline
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        raise refusal(exc) from None
+    except PMLError as exc:  # a Prompt Cache prompt: unknown schema or module, bad argument, bad XML
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        raise APIError(400, str(exc), param=prompt_field, code="invalid_pml") from None
+    except ValueError as exc:
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        param, code = param_of(str(exc), prompt_field)
+        raise APIError(400, str(exc), param=param, code=code) from None
+    except EngineStopped as exc:
+        for sub_id in ids:
+            state.loop.abort(sub_id)
+        raise APIError(503, str(exc)) from None
+    return ids
+
+
+async def collect(
+    state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
+) -> list[RequestOutput] | None:
+    """Wait for every final output; None if the client left (its requests are aborted)."""
+    finals: dict[str, RequestOutput] = {}
+    try:
+        while len(finals) < len(ids):
+            try:
+                out = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if out.finished:
+                if dropped(out):  # waited past its deadline: the whole request is refused
+                    raise deadline_error(state.loop)
+                finals[out.request_id] = out
+    finally:
+        for sub_id in ids:
+            if sub_id not in finals:
+                state.loop.abort(sub_id)
+    ordered = [finals[i] for i in ids]
+    failure = engine_failure(ordered)
+    if failure is not None:
+        raise failure
+    return ordered
+
+
+async def _latest(sink: asyncio.Queue[RequestOutput]) -> dict[str, RequestOutput]:
+    """Wait for outputs, then take all that are queued: outputs are cumulative, the newest per request
+    is all that matters (a stream that fell behind catches up in one write)."""
+    out = await sink.get()
+    latest = {out.request_id: out}
+    while not sink.empty():
+        out = sink.get_nowait()
+        latest[out.request_id] = out
+    return latest
+
+
+async def first_outputs(
+    state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
+) -> dict[str, RequestOutput] | None:
+    """A stream's first outputs (its first token, or its end), before anything is sent: a request
+    dropped from the queue past its deadline is then a 429, and one the KV pool can never hold a
+    400, not a 200 and an error event. None if the client left meanwhile (its requests are
+    aborted)."""
+    abort = True
+    try:
+        while True:
+            try:
+                latest = await asyncio.wait_for(_latest(sink), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if any(dropped(out) for out in latest.values()):
+                raise deadline_error(state.loop)
+            refused = engine_failure(out for out in latest.values() if out.error)
+            if refused is not None:
+                raise refused
+            abort = False
+            return latest
+    finally:
+        if abort:  # refused, or the client left: abort what may still run
+            for sub_id in ids:
+                state.loop.abort(sub_id)
+
+
+async def stream_events(
+    state: ServerState,
+    ids: list[str],
+    sink: asyncio.Queue[RequestOutput],
+    s: fmt.StreamState,
+    first: dict[str, RequestOutput] | None = None,
+) -> AsyncIterator[str]:
+    """SSE body from the first outputs on; leaving early (client gone, cancelled) aborts what is
+    still running.
+
+    The events of one wake-up (several choices or prompts; the last delta, usage and ``[DONE]``) go
+    out as one body write: each write costs a trip through the ASGI middleware and the HTTP protocol.
+    """
+    index = {sub_id: i for i, sub_id in enumerate(ids)}
+    finals: dict[str, RequestOutput] = {}
+    # a chat's role chunks go out with its first output: one write, which is the first token's
+    head = s.opening()
+    try:
+        while len(finals) < len(ids):
+            if isinstance(sink, StreamSink):
+                sink.resume()  # what was taken is written: ready for the next outputs
+            parts, head = head, []
+            latest = first if first is not None else await _latest(sink)
+            first = None
+            for sub_id, out in latest.items():
+                if dropped(out):  # another prompt of this request waited past its deadline
+                    parts.append(s.error_event(deadline_error(state.loop).body()))
+                    finals[sub_id] = out
+                    yield "".join(parts)
+                    return
+                error = engine_failure([out])
+                if error is not None:
+                    parts.append(s.error_event(error.body()))
+                    finals[sub_id] = out
+                    yield "".join(parts)
+                    return
+                parts += s.update(index[sub_id], out)
+                if out.finished:
+                    finals[sub_id] = out
+            if len(finals) == len(ids):
+                parts += s.closing([finals[i] for i in ids])
+            if parts:
+                yield "".join(parts)
+    finally:
+        for sub_id in ids:
+            if sub_id not in finals:
+                state.loop.abort(sub_id)
+
+
+def route_start(request: Request) -> float:
+    """Now, noted on the request for the response middleware's path stages."""
+    started = time.monotonic()
+    setattr(request.state, ROUTE_START, started)
+    return started
+
+
+async def answer(
+    state: ServerState,
+    request: Request,
+    prep: Prepared,
+    deadline: float | None,
+    started: float | None = None,
+    stream: Callable[[], fmt.StreamState] | None = None,
+    body: Callable[[list[RequestOutput]], dict[str, Any]] | None = None,
+) -> Response:
+    """Queue a checked request and answer it: an SSE stream (from its first output on), or one JSON
+    body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``);
+    ``started``: when the route began; ``stream`` and ``body``: another API's answer to the chat
+    ``prep`` (/v1/responses, /v1/messages), in place of the chat's."""
+    sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
+    ids = await submit(state, prep, sink, deadline, started)
+    if isinstance(sink, StreamSink):
+        try:
+            first = await first_outputs(state, request, ids, sink)
+        except APIError:  # dropped for its deadline (429), or refused (400): ends the "to_client" stage
+            setattr(request.state, FIRST_OUTPUT, sink.first_received)
+            raise
+        setattr(request.state, FIRST_OUTPUT, sink.first_received)
+        if first is None:
+            return Response(status_code=499)
+        s = stream_state(state, prep) if stream is None else stream()
+        return sse_response(stream_events(state, ids, sink, s, first), ids, state.stall_watch)
+    finals = await collect(state, request, ids, sink)
+    if finals is None:
+        return Response(status_code=499)
+    return JSONResponse(response_body(state, prep, finals) if body is None else body(finals))
