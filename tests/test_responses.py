@@ -12,6 +12,7 @@ field, and the server keeps serving with its pool empty.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,7 +263,8 @@ ERRORS = [
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
-    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "background": True, "stream": True}, "background"),
+    ({"input": "hi", "background": True, "store": False}, "background"),
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
@@ -307,6 +309,21 @@ def test_previous_response_must_be_stored(ctx: OpenAIContext) -> None:
     off = ResponseStore(max_responses=0)
     kept = prepare_response(ctx, {"input": "hi"}, off)
     assert kept.body([_output("x", "stop")])["store"] is False and len(off) == 0
+
+
+def test_background_responses_need_a_store_and_an_end(ctx: OpenAIContext) -> None:
+    with pytest.raises(APIError) as err:  # nothing to poll
+        prepare_response(ctx, {"input": "hi", "background": True}, ResponseStore(max_responses=0))
+    assert err.value.param == "background"
+    store = ResponseStore()
+    running = prepare_response(ctx, {"input": "hi", "background": True}, store)
+    store.put(running.rid, running.skeleton("in_progress"), running.history, [])
+    with pytest.raises(APIError) as err:  # no output yet to go on from
+        prepare_response(ctx, {"input": "and?", "previous_response_id": running.rid}, store)
+    assert err.value.code == "previous_response_not_finished" and "in_progress" in err.value.message
+    running.body([_output("Done.", "stop")])
+    then = prepare_response(ctx, {"input": "and?", "previous_response_id": running.rid}, store)
+    assert [m["content"] for m in then.history] == ["hi", "Done.", "and?"]
 
 
 def test_store_drops_the_least_recently_used() -> None:
@@ -374,6 +391,7 @@ def test_batch_rows_answer_as_the_server_does(tiny_config_path: Path, tmp_path: 
             "instructions": "Be brief.", "input": ask[1:], "max_output_tokens": 6, "temperature": 0}),
         "chained": ("/v1/responses", {"input": "more?", "previous_response_id": "resp_x"}),
         "long": ("/v1/responses", {"input": "word " * 3000}),
+        "background": ("/v1/responses", {"input": "hi", "background": True}),
     }  # fmt: skip
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [{"custom_id": k, "method": "POST", "url": u, "body": b} for k, (u, b) in bodies.items()]
@@ -387,6 +405,8 @@ def test_batch_rows_answer_as_the_server_does(tiny_config_path: Path, tmp_path: 
     assert answer["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     assert rows["chained"]["status_code"] == 400
     assert rows["long"]["status_code"] == 400 and rows["long"]["body"]["error"]["param"] == "input"
+    assert rows["background"]["status_code"] == 400  # the output file is where a batch answers
+    assert rows["background"]["body"]["error"]["param"] == "background"
 
 
 # ---- live --------------------------------------------------------------------------------------
@@ -521,6 +541,51 @@ def test_function_call_results_continue_the_conversation(client: openai.OpenAI, 
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.tools[0].name == "weather"
     _pool_empty(server)
+
+
+def _polled(client: openai.OpenAI, rid: str, timeout: float = 60) -> Response:
+    """A background response once it has left queued and in_progress."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_background_responses_are_polled_and_cancelled(client: openai.OpenAI, server: ServerThread) -> None:
+    ask = {"model": "default", "input": "Which bicycle for a city?", "max_output_tokens": 8, "temperature": 0}
+    queued = client.responses.create(**ask, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _polled(client, queued.id)
+    foreground = client.responses.create(**ask)
+    assert done.status in ("completed", "incomplete") and done.output_text == foreground.output_text
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+    then = client.responses.create(
+        model="default", input="Why?", previous_response_id=done.id, max_output_tokens=2
+    )
+    assert then.usage.input_tokens > done.usage.input_tokens  # goes on from the background turn
+    with pytest.raises(openai.BadRequestError):  # a foreground response has nothing to cancel
+        client.responses.cancel(foreground.id)
+    long = {
+        "model": "default",
+        "input": "Ride on.",
+        "max_output_tokens": 1500,
+        "extra_body": {"ignore_eos": True},
+    }
+    running = client.responses.create(**long, background=True)
+    with pytest.raises(openai.BadRequestError) as err:  # still running: no output to go on from
+        client.responses.create(model="default", input="and?", previous_response_id=running.id)
+    assert "previous_response_id" in str(err.value.body)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"  # twice: harmless
+    deleted = client.responses.create(**long, background=True)
+    client.responses.delete(deleted.id)  # stops it too
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+    _pool_empty(server)  # the cancelled runs' blocks are free
+    assert len(server.app.state.server.background) == 0
 
 
 def test_errors_over_http_and_the_server_keeps_serving(server: ServerThread, client: openai.OpenAI) -> None:

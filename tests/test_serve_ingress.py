@@ -204,6 +204,7 @@ def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it()
     owner = core._response_owner
     assert owner(f"/v1/responses/{rid}", b"") == "replica-1"
     assert owner(f"/v1/responses/{rid}/input_items", b"") == "replica-1"
+    assert owner(f"/v1/responses/{rid}/cancel", b"") == "replica-1"  # a background response's
     body = json.dumps({"input": "hi", "previous_response_id": rid}).encode()
     assert owner("/v1/responses", body) == "replica-1"
     assert owner("/v1/responses", b'{"input": "hi"}') is None  # a new conversation routes on its prompt

@@ -134,8 +134,9 @@ def _prepare_rows(
     states, answered = [], []
     for row in rows:
         try:
-            if row.body.get("stream"):
-                raise APIError(400, "stream is not supported in a batch", param="stream")
+            for name in ("stream", "background"):  # a batch's rows are answered in its output file
+                if row.body.get(name):
+                    raise APIError(400, f"{name} is not supported in a batch", param=name)
             prep, call = _prepare_row(ctx, row)
         except APIError as exc:
             answered.append(result_row(row.custom_id, exc.status, exc.body()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -133,16 +133,20 @@ async def submit(
 
 
 async def collect(
-    state: ServerState, request: Request, ids: list[str], sink: asyncio.Queue[RequestOutput]
+    state: ServerState,
+    gone: Callable[[], Awaitable[bool]],
+    ids: list[str],
+    sink: asyncio.Queue[RequestOutput],
 ) -> list[RequestOutput] | None:
-    """Wait for every final output; None if the client left (its requests are aborted)."""
+    """Wait for every final output; None if the client left (``gone()``, asked twice a second: its
+    requests are aborted, as they are when this is cancelled)."""
     finals: dict[str, RequestOutput] = {}
     try:
         while len(finals) < len(ids):
             try:
                 out = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
+                if await gone():
                     return None
                 continue
             if out.finished:
@@ -282,7 +286,7 @@ async def answer(
             return Response(status_code=499)
         s = stream_state(state, prep) if stream is None else stream()
         return sse_response(stream_events(state, ids, sink, s, first), ids, state.stall_watch)
-    finals = await collect(state, request, ids, sink)
+    finals = await collect(state, request.is_disconnected, ids, sink)
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(response_body(state, prep, finals) if body is None else body(finals))

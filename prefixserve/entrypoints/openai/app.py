@@ -53,6 +53,7 @@ from prefixserve.entrypoints.openai.requests import (
     read_json,
 )
 from prefixserve.entrypoints.openai.responses import ResponseStore
+from prefixserve.entrypoints.openai.responses_background import BackgroundRuns
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE, add_responses_routes
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
@@ -131,6 +132,7 @@ def build_app(
         stall_watch=watch,
         gate=gate,
         responses=ResponseStore() if responses is None else responses,
+        background=BackgroundRuns(),
     )
 
     trim = IdleTrim()  # freed heap back to the OS when idle (engine/host_trim.py)
@@ -149,6 +151,7 @@ def build_app(
         try:
             yield
         finally:
+            state.background.cancel_all()
             unwatch_gc()
             trimmer.cancel()
             lag.cancel()

@@ -39,6 +39,7 @@ class ServerState(OpenAIContext):
     stall_watch: Any = None  # overload.StallWatch: aborts streams whose client stopped reading
     gate: Any = None  # overload.ArrivalGate: refusals at arrival, decided in this process
     responses: Any = None  # responses.ResponseStore: what /v1/responses stored
+    background: Any = None  # responses_background.BackgroundRuns: background responses running
 
 
 # ---- request reading ---------------------------------------------------------------------------

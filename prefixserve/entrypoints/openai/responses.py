@@ -41,6 +41,7 @@ from prefixserve.outputs import RequestOutput
 
 MAX_STORED = 1024  # responses kept for previous_response_id (oldest dropped first)
 MAX_STORED_CHARS = 64 << 20  # and at most this many characters of their conversations
+FINISHED = ("completed", "incomplete")  # statuses of a stored response that a conversation goes on from
 
 
 def new_id(kind: str) -> str:
@@ -255,7 +256,7 @@ class ResponseCall:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "background": False,
+            "background": req.background,
             "error": None,
             "incomplete_details": None,
             "instructions": req.instructions,
@@ -322,7 +323,18 @@ def prepare_response(ctx: OpenAIContext, data: Any, store: ResponseStore | None)
             if store is None or not store.enabled:
                 message += " (this server stores no responses)"
             raise APIError(400, message, param="previous_response_id", code="previous_response_not_found")
+        if found.body.get("status") not in FINISHED:
+            status = found.body.get("status")
+            message = f"previous response {req.previous_response_id!r} is {status}: no turn to go on from"
+            raise APIError(400, message, param="previous_response_id", code="previous_response_not_finished")
         earlier = found.history
+    if req.background and (store is None or not store.enabled):
+        raise APIError(
+            400,
+            "this server stores no responses: a background response could not be polled",
+            param="background",
+            code="invalid_value",
+        )
     given = input_messages(req.input)
     try:
         prep = _fitted(ctx, req, data, earlier + given) if req.truncation == "auto" else None

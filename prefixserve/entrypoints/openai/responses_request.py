@@ -5,7 +5,7 @@ A response is one chat turn: ``instructions``, the conversation of ``previous_re
 messages; ``text.format`` becomes ``response_format``; the flat function tools become chat tools;
 ``max_output_tokens`` becomes ``max_completion_tokens``. The chat route then checks everything, and
 its errors are renamed to this API's fields (``renamed``). What this API has and the model cannot do
-(hosted tools, images, files, reasoning, background runs) is a 400 naming the field.
+(hosted tools, images, files, reasoning) is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ def _bad(message: str, param: str) -> APIError:
 
 def check_supported(req: ResponsesRequest) -> None:
     """A 400 for each field set to what a text model served here cannot do."""
-    if req.background:
-        raise _bad("background responses are not supported: leave background false", "background")
+    if req.background and req.stream:
+        raise _bad("a background response is not streamed here: poll GET /v1/responses/{id}", "background")
+    if req.background and not req.store:
+        raise _bad("a background response must be stored (store: true) to be polled", "background")
     if req.prompt is not None:
         raise _bad("stored prompt templates are not supported: send the input", "prompt")
     if req.conversation is not None:

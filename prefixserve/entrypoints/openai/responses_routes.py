@@ -1,5 +1,6 @@
-"""OpenAI's Responses API routes: ``POST /v1/responses``; stored responses: ``GET`` and ``DELETE
-/v1/responses/{id}``, ``GET .../input_items``.
+"""OpenAI's Responses API routes: ``POST /v1/responses`` (background ones: ``responses_background.py``);
+stored responses: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET .../input_items``, and
+``POST .../cancel`` for a background one.
 
 What a response stores is in this process's ``ResponseStore`` (``responses.py``), so the stored
 routes answer for this server's responses.
@@ -14,13 +15,14 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.entrypoints.openai.answering import answer, route_start
+from prefixserve.entrypoints.openai.answering import answer, collect, route_start, submit
 from prefixserve.entrypoints.openai.overload import queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
-from prefixserve.entrypoints.openai.responses import StoredResponse, prepare_response
+from prefixserve.entrypoints.openai.responses import ResponseCall, StoredResponse, prepare_response
 from prefixserve.entrypoints.openai.responses_request import renamed
 from prefixserve.entrypoints.openai.responses_stream import response_stream
+from prefixserve.outputs import RequestOutput
 
 RESPONSES_ROUTE = "/v1/responses"
 MAX_LIST = 100  # input items in one page
@@ -34,6 +36,20 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
     return found
 
 
+async def _start_background(
+    state: ServerState, call: ResponseCall, deadline: float | None, started: float
+) -> Response:
+    """Queue a background response now (a refusal answers this request) and answer it ``queued``;
+    its answer is collected by a task, whoever is still connected."""
+    sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    ids = await submit(state, call.prep, sink, deadline, started)
+    return JSONResponse(state.background.start(call, collect(state, _never_gone, ids, sink)))
+
+
+async def _never_gone() -> bool:
+    return False
+
+
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(RESPONSES_ROUTE)
     async def responses(request: Request) -> Response:
@@ -45,10 +61,23 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         auto = isinstance(data, dict) and data.get("truncation") == "auto"
         call = await asyncio.to_thread(ready) if auto else ready()
         try:
+            if call.req.background:
+                return await _start_background(state, call, deadline, started)
             stream = partial(response_stream, call)
             return await answer(state, request, call.prep, deadline, started, stream, call.body)
         except APIError as exc:  # the chat's field names, as this API names them
             raise renamed(exc) from None
+
+    @app.post(RESPONSES_ROUTE + "/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        """Stops a background response that is still running; one that has finished is answered as
+        it is (cancelling twice is harmless)."""
+        authorize(state, request)
+        if not _stored(state, response_id).body.get("background"):
+            message = "only a background response can be cancelled"
+            raise APIError(400, message, param="response_id", code="invalid_value")
+        await state.background.cancel(response_id)
+        return JSONResponse(_stored(state, response_id).body)
 
     @app.get(RESPONSES_ROUTE + "/{response_id}")
     async def get_response(response_id: str, request: Request) -> Response:
@@ -59,6 +88,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     async def delete_response(response_id: str, request: Request) -> Response:
         authorize(state, request)
         _stored(state, response_id)
+        await state.background.cancel(response_id)  # a running one stops first
         state.responses.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
