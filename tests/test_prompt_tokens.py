@@ -87,3 +87,22 @@ def test_engine_prompts_open_with_one_bos(bos_model: Path) -> None:
     assert list(alone.prompt_token_ids) == list(batch[0].prompt_token_ids) == [BOS, *plain]
     assert list(pinned.prompt_token_ids)[-len(plain) :] == plain
     assert pinned.num_cached_tokens > 0  # the pinned prompt's blocks lead it
+
+
+def test_a_chats_add_special_tokens_as_vllm_takes_it() -> None:
+    """A chat whose template writes no BOS: unset or true puts the tokenizer's in front (once), false
+    encodes the rendered text alone; /tokenize's messages count the same ids."""
+    from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat, prompt_ids
+
+    tok = _bos_tokenizer()
+    tok.chat_template = TEMPLATE.replace("{{ bos_token }}", "")
+    ctx = OpenAIContext(model="m", tokenizer=tok, system_prompts={})
+    messages = [{"role": "user", "content": "hi there"}]
+    firsts = {}
+    for flag in (None, True, False):
+        body = {"messages": messages} | ({} if flag is None else {"add_special_tokens": flag})
+        prep = prepare_chat(ctx, body)
+        ids = prompt_ids(ctx, prep, prep.prompts[0])
+        assert ids is not None and ids.count(BOS) <= 1
+        firsts[flag] = ids[0]
+    assert firsts == {None: BOS, True: BOS, False: tok.encode("[", add_special_tokens=False)[0]}

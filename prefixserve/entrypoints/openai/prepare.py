@@ -112,14 +112,14 @@ def truncated(prep: Prepared, ids: list[int], max_model_len: int | None) -> list
 
 
 def prompt_ids(ctx: OpenAIContext, prep: Prepared, prompt: str | list[int]) -> list[int] | None:
-    """A prompt's ids as the request has it encoded (a completion's ``add_special_tokens``: the
-    tokenizer's BOS or not; a chat's template writes its own), or None for a text the engine reads
-    itself: a Prompt Cache document, or a model without a tokenizer."""
+    """A prompt's ids as the request has it encoded (``add_special_tokens``: the tokenizer's BOS in
+    front, once, or the text alone), or None for a text the engine reads itself: a Prompt Cache
+    document, or a model without a tokenizer."""
     if not isinstance(prompt, str):
         return list(prompt)
     if ctx.tokenizer is None or is_pml_prompt(prompt):
         return None
-    if getattr(prep.req, "add_special_tokens", True):
+    if getattr(prep.req, "add_special_tokens", None) is not False:
         return encode_prompt(ctx.tokenizer, prompt)
     return list(ctx.tokenizer.encode(prompt, add_special_tokens=False))
 

@@ -235,6 +235,9 @@ class ChatCompletionRequest(_Common):
     echo: bool = False  # vLLM's: the last message, where it is the assistant's, leads the answer
     reasoning_effort: str | None = None  # given to the template (a template without it ignores it)
     best_of: int | None = None  # refused above n: chats sample n
+    # vLLM's: false encodes the rendered chat as it is; true (and unset) puts the tokenizer's BOS
+    # in front where the template wrote none (never a second)
+    add_special_tokens: bool | None = None
 
 
 class SchemaRequest(BaseModel):

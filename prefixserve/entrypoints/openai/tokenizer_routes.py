@@ -69,9 +69,9 @@ def _encode(state: ServerState, req: TokenizeRequest, body: dict[str, Any]) -> l
     text, _ = chat_prompt(state, chat, read_tools(chat))
     if is_pml_prompt(text):
         raise APIError(400, "a Prompt Cache conversation is laid out by the engine: not tokenized here")
-    if req.add_special_tokens is None:  # as the chat's prompt is encoded: one BOS at most
+    if req.add_special_tokens is not False:  # as the chat's prompt is encoded: one BOS at most
         return encode_prompt(tok, text)
-    return list(tok.encode(text, add_special_tokens=req.add_special_tokens))
+    return list(tok.encode(text, add_special_tokens=False))
 
 
 def tokenizer_info(state: ServerState) -> dict[str, Any]:
