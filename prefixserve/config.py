@@ -40,6 +40,9 @@ class EngineConfig:
     # offline batches (BatchLLM memory-centric batching): group members are admitted while the KV pool
     # stays under this share of its blocks; online requests are admitted while blocks last
     kv_admit_threshold: float = 0.9
+    # the waiting queue's order: "fcfs" (arrival), or "priority" (a request's priority, then arrival;
+    # the least urgent running request is the one preempted); requests may set a priority only then
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None  # None: the model's context length (capped by the pool)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps are captured and replayed on CUDA)
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if not 0.0 < self.kv_admit_threshold <= 1.0:
             raise ValueError(f"kv_admit_threshold must be in (0, 1], got {self.kv_admit_threshold}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.stream_interval < 1:

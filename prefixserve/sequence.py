@@ -154,6 +154,7 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # under the priority scheduling policy, a smaller value is served first
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_token_time: float | None = None

@@ -41,6 +41,7 @@ from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob
+from prefixserve.scheduler.policy import check_priority
 from prefixserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence, token_array
 
@@ -85,7 +86,11 @@ class Engine(EngineServices):
         self.prompt_logprobs = PromptLogprobs(self.device, bs)  # echo / prompt_logprobs rows
         self.blocks.prompt_logprobs = self.prompt_logprobs
         self.scheduler = Scheduler(
-            self.blocks, config.max_num_batched_tokens, config.max_num_seqs, config.kv_admit_threshold
+            self.blocks,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.kv_admit_threshold,
+            config.scheduling_policy,
         )
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.graphs is not None
@@ -143,6 +148,7 @@ class Engine(EngineServices):
         queue: bool = True,
         module_recompute: str | None = None,
         admit: Callable[[Request], None] | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
 
@@ -152,13 +158,16 @@ class Engine(EngineServices):
         ``module_recompute`` ("none", "link:K", "blend:R") overrides a PML prompt's recovery setting.
         ``admit``: a server's overload check (``engine/admission.py``), shown the processed request
         before it is queued; what it raises refuses the request, and nothing is queued then.
+        ``priority``: under the ``priority`` scheduling policy, a smaller value is served first.
         """
+        check_priority(priority, self.config.scheduling_policy)
         if params is not None and params.structured_outputs is not None:
             self._structured().admit(params.structured_outputs)  # compiled now, or refused
         req = self.input_processor.process(
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
             application, module_recompute, self.tokenizer, self.max_model_len,
         )  # fmt: skip
+        req.priority = priority
         if admit is not None:
             try:
                 admit(req)

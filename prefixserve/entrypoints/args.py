@@ -54,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="sequences running at once (default 256; generate and chat: the sequences they run)",
     )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="the waiting queue's order: fcfs (arrival), or priority (a request's priority field, "
+        "smaller first, then arrival)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
@@ -221,6 +228,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         num_kv_blocks=args.num_kv_blocks,
         kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,

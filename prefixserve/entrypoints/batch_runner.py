@@ -54,6 +54,7 @@ class RequestSpec:
     cache_salt: str | None = None
     application: str | None = None
     module_recompute: str | None = None  # Prompt Cache recovery, as the request's body sets it
+    priority: int = 0  # the engine's priority policy's (refused under fcfs, as the server does)
 
 
 def submit_grouped(
@@ -72,6 +73,7 @@ def submit_grouped(
                 cache_salt=spec.cache_salt,
                 application=spec.application,
                 module_recompute=spec.module_recompute,
+                priority=spec.priority,
                 queue=False,
             )
         except ValueError as exc:
@@ -173,6 +175,7 @@ def run_rows(
                     req.cache_salt,
                     st.prep.application,
                     req.module_recompute,
+                    req.priority,
                 )
             )
     errors, _ = submit_grouped(engine, specs, grouping)

@@ -4,7 +4,8 @@ Each step: running sequences first (decode tokens and unfinished prefill chunks,
 waiting sequences admitted while the token budget, the sequence cap and the block pool allow. When a
 running sequence cannot get a block, the most recently admitted running sequence is preempted by
 recompute: its blocks go back to the pool and it waits again at the front of the queue (its prompt's
-full blocks usually come back from the prefix cache).
+full blocks usually come back from the prefix cache). Under the ``priority`` policy (``policy.py``)
+the queue is ordered by priority and the least urgent running sequence is the one preempted.
 
 Offline batches add prefix-sharing groups (``add_group``; BatchLLM section 3.3): each step feeds
 decodes first, then distinct prompts (waiting members of started groups), then the next group's
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob, GroupState
+from prefixserve.scheduler.policy import queue_policy
 from prefixserve.scheduler.prompts_in_flight import PromptsInFlight
 from prefixserve.scheduler.stop import stop_possible, stop_reason
 from prefixserve.sequence import SeqStatus, Sequence
@@ -63,8 +65,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         kv_admit_threshold: float | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.blocks = blocks
+        self.policy = queue_policy(policy)  # the waiting queue's order, and whom to preempt (policy.py)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.kv_admit_threshold = kv_admit_threshold  # None: admit while blocks last
@@ -108,7 +112,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one (it already holds blocks)."""
@@ -213,7 +217,7 @@ class Scheduler:
         self.blocks.free(seq)
         self._in_flight.forget(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.policy.requeue(self.waiting, seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
 
@@ -239,9 +243,13 @@ class Scheduler:
                 i += 1
                 continue
             while not reserve(seq, computed + n, copies):
-                victim = running[-1]
-                if len(running) - 1 < i:  # never undo work already planned for this step
-                    victim = seq
+                victim = self.policy.victim(running)
+                at = running.index(victim)
+                if at < i:  # planned for this step already (scheduled[at] is its entry): unplanned
+                    budget += scheduled.pop(at).num_tokens
+                    i -= 1
+                    own = set(victim.block_table)  # and no copy into the blocks it gives back
+                    copies[:] = [c for c in copies if c[1] not in own]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -357,7 +365,8 @@ class Scheduler:
         admit = job.start(self.blocks.block_size)
         if job.state is GroupState.PREFIX:
             self._prefix_groups.append(job)
-        self.waiting.extend(admit)
+        for seq in admit:
+            self.policy.enqueue(self.waiting, seq)
 
     def _advance_groups(self) -> None:
         """Hold each group prefix that is now fully cached and release the group's other members.
@@ -373,6 +382,7 @@ class Scheduler:
             released = job.try_hold(self.blocks.pool, self.blocks.digests(job.leader, job.prefix_len // bs))
             if job.state is GroupState.READY:
                 self._prefix_groups.remove(job)
-                self.waiting.extend(released)
+                for seq in released:
+                    self.policy.enqueue(self.waiting, seq)
             elif job.leader.status is SeqStatus.FINISHED and job.next_leader() is not None:
-                self.waiting.append(job.leader)
+                self.policy.enqueue(self.waiting, job.leader)

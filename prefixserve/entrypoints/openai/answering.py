@@ -106,6 +106,7 @@ async def submit(
                 cache_salt=req.cache_salt,
                 application=application,
                 module_recompute=req.module_recompute,
+                priority=req.priority,
                 stream=req.stream,
                 deadline=deadline,
                 arrival=arrival,

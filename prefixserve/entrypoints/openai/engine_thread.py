@@ -167,6 +167,7 @@ class EngineLoop:
         deadline: float | None = None,
         arrival: int | None = None,
         started: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; returns once the engine accepted it, raises ValueError if it refused it
         (QueueFull past the queue's bounds). ``deadline``: the ``time.monotonic()`` by which it must
@@ -188,6 +189,7 @@ class EngineLoop:
             module_recompute=module_recompute,
             queue_deadline=deadline,
             arrival=arrival,
+            priority=priority,
         )
         if not self._queue_add(
             (request_id, prompt, params, kwargs, _Stream(loop, sink, stream, handed=handed), accepted)

@@ -140,13 +140,8 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
     if req.return_token_ids and req.stream:
         raise APIError(400, "return_token_ids cannot be streamed", param="return_token_ids")
-    refused = (
-        (req.use_beam_search, "use_beam_search", "beam search is not supported"),
-        (req.priority != 0, "priority", "priority scheduling is not supported: priority must be 0"),
-    )
-    for is_set, param, message in refused:
-        if is_set:
-            raise APIError(400, message, param=param)
+    if req.use_beam_search:
+        raise APIError(400, "beam search is not supported", param="use_beam_search")
     if isinstance(req, ChatCompletionRequest) and req.echo and req.tools:
         raise APIError(400, "echo cannot be combined with tools on chat completions", param="echo")
     if isinstance(req, ChatCompletionRequest) and req.best_of not in (None, req.n):

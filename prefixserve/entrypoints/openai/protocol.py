@@ -157,9 +157,9 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top-k (vLLM's shape)
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
+    priority: int = 0  # under --scheduling-policy priority, a smaller value is served first
     # ...and refused where set, rather than ignored (``prepare.check_unsupported``)
     use_beam_search: bool = False
-    priority: int = 0
 
 
 class CompletionRequest(_Common):
@@ -375,6 +375,7 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "allowed_token_ids",
         "truncate_prompt_tokens",
         "bad_words",
+        "priority",
     )
     head = message.split(" ", 1)[0].split("=", 1)[0]
     if head.startswith("structured_outputs"):
