@@ -121,6 +121,37 @@ def test_content_blocks_become_chat_messages() -> None:
     assert chat_messages(MessagesRequest.model_validate({"messages": ASK}))[1] is False
 
 
+def test_claude_codes_conversations_keep_one_prefix() -> None:
+    """Claude Code's first system block changes every request (a billing header): left out, so that
+    turns share their prompt; same-role neighbours are one turn, as Anthropic combines them."""
+    turns = []
+    for cch in ("a1b2c", "d3e4f"):
+        req = MessagesRequest.model_validate(
+            {
+                "system": [
+                    {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={cch};"},
+                    {"type": "text", "text": "You are Claude Code."},
+                ],
+                "messages": [
+                    {"role": "user", "content": "Fix the bug."},
+                    {"role": "user", "content": [{"type": "text", "text": "In main.py."}]},
+                    {"role": "assistant", "content": "Looking."},
+                    {"role": "assistant", "content": [
+                        {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "main.py"}}]},
+                    {"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": "x = 1"}]},
+                ],
+            }
+        )  # fmt: skip
+        turns.append(chat_messages(req))
+    assert turns[0] == turns[1]
+    messages, prefill = turns[0]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"] and not prefill
+    assert messages[0]["content"] == "You are Claude Code."
+    assert messages[1]["content"] == "Fix the bug.\n\nIn main.py."
+    assert messages[2]["content"] == "Looking." and messages[2]["tool_calls"][0]["id"] == "t1"
+
+
 def _without_ids(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Content blocks without the tool calls' generated ids (checked to be there)."""
     assert all(b["id"].startswith("call_") for b in blocks if b["type"] == "tool_use")
@@ -144,6 +175,11 @@ CASES = {
     "named": ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "weather"}}, '{"city": "Lima"}',
               "stop", None),
     "auto, no call": ({"tools": [WEATHER]}, "{not a call}", "stop", None),
+    "any, cut": ({"tools": [WEATHER], "tool_choice": {"type": "any"}}, '[{"name": "weather", "argu',
+                 "length", None),
+    "named, cut": ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "weather"}}, '{"city": "Li',
+                   "length", None),
+    "typeless tool": ({"tools": [{**WEATHER, "type": None}]}, "Sunny.", "stop", None),
     "unicode": ({}, "Voilà 🚲🚲 ok", "stop", None),
 }  # fmt: skip
 EVENT = TypeAdapter(RawMessageStreamEvent)
@@ -191,13 +227,17 @@ def test_streamed_events_build_the_non_streamed_answer(ctx: OpenAIContext, case:
         "any": (["tool_use", "tool_use"], "tool_use"),
         "named": (["tool_use"], "tool_use"),
         "auto, no call": (["text"], "end_turn"),
+        "any, cut": (["tool_use"], "max_tokens"),  # never the constrained output's own text
+        "named, cut": (["tool_use"], "max_tokens"),
+        "typeless tool": (["text"], "end_turn"),
         "unicode": (["text"], "end_turn"),
     }
     assert (kinds, answer["stop_reason"]) == expected[case]
     assert answer["stop_sequence"] == stop
     for block in answer["content"]:
         if block["type"] == "tool_use":
-            assert block["name"] == "weather" and block["input"]["city"] in ("Lima", "Cusco")
+            assert block["name"] == "weather" and block["input"].get("city", "Lima") in ("Lima", "Cusco")
+            assert block["input"] or "cut" in case  # a call cut short has no input yet
     if case == "text then a call":
         assert answer["content"][0]["text"] == "Let me check.\n"
 
@@ -218,7 +258,18 @@ ERRORS = [
         {"type": "tool_use", "id": "t", "name": "weather", "input": {}}]}], "max_tokens": 8},
      "messages[1].content"),
     ({"messages": ASK, "max_tokens": 8, "system": 3}, "system"),
-    ({"messages": ASK, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"messages": ASK, "max_tokens": 8, "thinking": {"type": "deep"}}, "thinking.type"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}]}], "max_tokens": 8},
+     "messages[0].content[0].is_error"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "thinking"}]}], "max_tokens": 8},
+     "messages[0].content[0].thinking"),
+    ({"messages": ASK, "max_tokens": 8, "tools": [WEATHER],
+      "tool_choice": {"type": "any", "disable_parallel_tool_use": "x"}},
+     "tool_choice.disable_parallel_tool_use"),
+    ({"messages": ASK, "max_tokens": 8, "tools": [{**WEATHER, "description": 3}]}, "tools[0].description"),
+    ({"messages": ASK, "max_tokens": 8, "stop_sequences": [""]}, "stop_sequences"),
+    ({"messages": ASK, "max_tokens": 8, "context_management": {"edits": []}}, "context_management"),
     ({"messages": ASK, "max_tokens": 8, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools[0].type"),
     ({"messages": ASK, "max_tokens": 8, "tools": [{"name": "bad name!", "input_schema": {}}]},
@@ -249,7 +300,8 @@ def test_bad_requests_name_the_field_in_this_api(
     with pytest.raises(APIError) as err:
         prepare_message(ctx, body)
     assert err.value.status in (400, 404) and err.value.param == param, err.value.message
-    for chat_word in ("max_completion_tokens", "response_format", ".function.", "json_schema.schema"):
+    for chat_word in ("max_completion_tokens", "response_format", ".function.", "json_schema.schema",
+                      "truncation", "'required'"):  # fmt: skip
         assert chat_word not in err.value.message
 
 
@@ -383,11 +435,15 @@ def test_errors_are_anthropics_and_the_server_keeps_serving(
     with pytest.raises(anthropic.NotFoundError) as err:
         claude.messages.create(model="claude-9", max_tokens=8, messages=ASK)
     assert err.value.body["error"]["type"] == "not_found_error"
-    with pytest.raises(anthropic.BadRequestError) as err:
+    with pytest.raises(anthropic.BadRequestError) as err:  # the message names the field, as Anthropic's do
         claude.messages.create(
-            model="default", max_tokens=8, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024}
+            model="default", max_tokens=8, messages=[{"role": "user", "content": [{"type": "image"}]}]
         )
-    assert "thinking" in err.value.body["error"]["message"]
+    assert err.value.body["error"]["message"].startswith("messages[0].content[0]: ")
+    thinks = claude.messages.create(  # Claude's clients send it unasked: accepted
+        model="default", max_tokens=2, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
+    assert thinks.usage.output_tokens == 2
     with httpx.Client(base_url=server.url, timeout=60) as http:
         got = http.post("/v1/messages", content=b"{not json")
         assert got.status_code == 400 and got.json()["type"] == "error", got.text

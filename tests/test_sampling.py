@@ -72,6 +72,7 @@ def test_sampling_follows_the_distribution() -> None:
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n must"),
         ({"top_k": -5}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # had overflowed the sampler's tensor: every request of its step failed
         ({"stop": ["x"] * 17}, "stop strings"),
         ({"logprobs": 99}, "logprobs"),
         ({"stop_token_ids": 5}, "stop_token_ids"),

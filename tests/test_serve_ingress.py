@@ -151,6 +151,12 @@ def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -
         assert set(digests) <= set(llm.engine.pool.cached_digests()), path
     digests, session = _run(core.routing_key("/v1/completions", b"{not json", {}))
     assert digests == [] and session is None  # the replica answers the error
+    for path, body in [  # without the header, the body's user is the session
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "u1"}),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                          "metadata": {"user_id": "u1"}}),
+    ]:  # fmt: skip
+        assert _run(core.routing_key(path, json.dumps(body).encode(), {}))[1] == "u1", path
 
 
 @pytest.mark.parametrize(

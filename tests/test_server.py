@@ -376,6 +376,8 @@ def test_error_params_name_the_field(http: httpx.Client) -> None:
 def test_body_too_large_routes_and_methods(http: httpx.Client) -> None:
     huge = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
     assert_error(http.post("/v1/completions", content=huge), 413, "over the limit")
+    deep = b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert_error(http.post("/v1/completions", content=deep), 400, "nested too deeply")
     assert_error(http.get("/v1/nope"), 404, "no route")
     assert_error(http.get("/v1/completions"), 405, "not allowed")
     assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
@@ -400,6 +402,9 @@ def test_api_key_required(server: ServerThread) -> None:
     with pytest.raises(anthropic.AuthenticationError) as err:
         claude.with_options(api_key="wrong").messages.create(model="default", max_tokens=1, messages=ask)
     assert err.value.body["error"]["type"] == "authentication_error"
+    both = {"Authorization": "Bearer some-other-token", "x-api-key": API_KEY}  # either one matching will do
+    with httpx.Client(base_url=server.url, timeout=30) as anon:
+        assert anon.post("/v1/completions", json=body, headers=both).status_code == 200
 
 
 # ---- disconnects and tenancy -------------------------------------------------------------------

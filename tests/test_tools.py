@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, response_body, stream_state
+from prefixserve.entrypoints.openai.prepare import (
+    OpenAIContext,
+    prepare,
+    prepare_chat,
+    response_body,
+    stream_state,
+)
 from prefixserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest, parse_request
 from prefixserve.entrypoints.openai.tools import conversation, parse_calls, read_tools, tool_message
 from prefixserve.model.byte_tokenizer import byte_tokenizer
@@ -37,7 +43,13 @@ def _req(**body: Any) -> ChatCompletionRequest:
 
 def test_tool_choice_modes_and_constraints() -> None:
     assert read_tools(_req()) is None
-    assert read_tools(_req(tools=TOOLS, tool_choice="none")) is None
+    none = read_tools(_req(tools=TOOLS, tool_choice="none"))
+    assert none.choice == "none" and none.constraint() is None
+    ctx = OpenAIContext(model="m", tokenizer=byte_tokenizer(), system_prompts={})
+    prep = prepare_chat(ctx, {"messages": ASK, "tools": TOOLS, "tool_choice": "none"})
+    assert prep.tools is None  # nothing reads the output as calls...
+    auto_prompt = prepare_chat(ctx, {"messages": ASK, "tools": TOOLS}).prompts[0]
+    assert prep.prompts[0] == auto_prompt  # ...yet the tools stay in the prompt, as OpenAI and vLLM keep them
     auto = read_tools(_req(tools=TOOLS))
     assert auto.choice == "auto" and auto.constraint() is None
     required = read_tools(_req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))

@@ -175,7 +175,6 @@ class IngressCore:
     def _routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
         try:
             data = json.loads(body)
-            session = headers.get(SESSION_HEADER) or (data.get("user") if isinstance(data, dict) else None)
             if path == RESPONSES_ROUTE:  # the chat it runs as (a stored conversation goes to its owner)
                 prep = prepare_response(self.ctx, data, None).prep
             elif path == MESSAGES_ROUTE:  # Anthropic's: the chat it runs as
@@ -184,6 +183,8 @@ class IngressCore:
                 prep = prepare(self.ctx, path, data)
         except (ValueError, APIError, AttributeError, TypeError):
             return [], headers.get(SESSION_HEADER)
+        # the header, else the body's user (a chat's ``user``, Anthropic's ``metadata.user_id``)
+        session = headers.get(SESSION_HEADER) or getattr(prep.req, "user", None)
         ids = prompt_ids(self.ctx, prep, prep.prompts[0] if prep.prompts else "")
         if ids is None:  # a Prompt Cache document, no tokenizer
             return [], session

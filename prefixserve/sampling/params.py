@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 256
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_TOP_K = (1 << 31) - 1  # more than any vocabulary, and what the sampler's index tensors hold
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range [-100, 100]
 MIN_TEMPERATURE = 1e-2  # a smaller positive temperature is raised to it, as vLLM does
@@ -75,7 +76,10 @@ class SamplingParams:
             (isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
             (self.temperature >= 0.0, "temperature must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be >= 0 (0 or -1 disables it)"),
+            (
+                isinstance(self.top_k, int) and 0 <= self.top_k <= MAX_TOP_K,
+                f"top_k must be in [0, {MAX_TOP_K}] (0 or -1 disables it)",
+            ),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),

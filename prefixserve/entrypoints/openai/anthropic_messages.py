@@ -12,6 +12,7 @@ Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from prefixserve.entrypoints.openai.anthropic_request import (
     MessagesRequest,
     chat_request,
+    check_refused,
     check_supported,
     renamed,
 )
@@ -30,9 +32,11 @@ from prefixserve.entrypoints.openai.prepare import (
     response_body,
 )
 from prefixserve.entrypoints.openai.protocol import APIError, check_not_done, parse_request
+from prefixserve.entrypoints.openai.tools import Tools
 from prefixserve.outputs import RequestOutput
 
 MESSAGES_ROUTE = "/v1/messages"
+CALL_NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')  # a constrained call's name, in its JSON
 COUNT_ROUTE = MESSAGES_ROUTE + "/count_tokens"
 # Anthropic's error types by HTTP status (``error.type``; the SDK raises by status)
 ERROR_TYPES = {
@@ -73,6 +77,21 @@ def tool_input(arguments: str) -> dict[str, Any]:
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
     fn = call["function"]
     return {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": tool_input(fn["arguments"])}
+
+
+def cut_call(text: str, tools: Tools) -> dict[str, Any]:
+    """A forced call (``tool_choice`` any or a tool) that ``max_tokens`` cut: a ``tool_use`` block
+    with the name it was writing and an empty input, as Anthropic answers an incomplete tool use,
+    never the constrained output's own text."""
+    named = tools.named
+    if named is None:
+        found = CALL_NAME.search(text)
+        named = found.group(1) if found and found.group(1) in tools.functions else next(iter(tools.functions))
+    return {"type": "tool_use", "id": f"call_{uuid.uuid4().hex[:24]}", "name": named, "input": {}}
+
+
+def forced(tools: Tools | None) -> bool:
+    return tools is not None and tools.choice in ("named", "required")
 
 
 def stop_of(chat_reason: str | None, final: RequestOutput) -> tuple[str, str | None]:
@@ -128,7 +147,11 @@ class MessageCall:
         choice = response_body(self.ctx, self.prep, finals)["choices"][0]
         message, reason = choice["message"], choice["finish_reason"]
         content: list[dict[str, Any]] = []
-        if message.get("content"):
+        tools = self.prep.tools
+        if reason == "length" and forced(tools) and not message.get("tool_calls"):
+            assert tools is not None
+            content.append(cut_call(message.get("content") or "", tools))
+        elif message.get("content"):
             content.append({"type": "text", "text": message["content"]})
         content += [tool_use_block(call) for call in message.get("tool_calls") or ()]
         body = self.skeleton(message_usage(finals))
@@ -138,12 +161,13 @@ class MessageCall:
 
 
 def _parsed(ctx: OpenAIContext, data: Any, required: tuple[str, ...]) -> tuple[MessagesRequest, Prepared]:
+    check_refused(data)
     check_not_done(data)
     for name in required[1:]:
         if isinstance(data, dict) and data.get(name) is None:
             raise APIError(400, f"'{name}' is a required field", param=name, code="missing_required_field")
     req: MessagesRequest = parse_request(MessagesRequest, data, required[0])
-    check_supported(req, data)
+    check_supported(req)
     body = chat_request(req, data)  # its own errors name this API's fields already
     try:
         prep = prepare_chat(ctx, body)

@@ -9,7 +9,8 @@ an ``input_schema``) and ``tool_choice`` become chat tools; ``stop_sequences`` b
 ``output_config.format`` becomes ``response_format``. ``cache_control`` is accepted and has nothing
 to switch on: the prefix cache serves every repeated prefix. The chat route then checks everything,
 and its errors are renamed to this API's fields (``renamed``). What the model cannot do (images,
-documents, extended thinking, server tools, MCP servers) is a 400 naming the field.
+documents, server tools, MCP servers) is a 400 naming the field; ``thinking`` (which Claude's
+clients send unasked) is accepted and given to the template as ``enable_thinking``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ REFUSED = {
     "mcp_servers": "MCP servers are not supported: send the tools as custom tools",
     "context_management": "context management is not supported",
 }
+THINKING_TYPES = ("disabled", "enabled", "adaptive")
+# a system block Claude Code sends with a value new every request: left out, or no prompt would ever
+# share its first block with the last one (the prefix cache and the replicas' routing both miss)
+BILLING_HEADER = "x-anthropic-billing-header:"
 # the chat route's names for fields this API calls otherwise (error messages and params)
 RENAMES = (
     ("max_completion_tokens", "max_tokens"),
@@ -36,7 +41,10 @@ RENAMES = (
     ("response_format", "output_config.format"),
     ("function.parameters", "input_schema"),
     ("tool_choice.function.name", "tool_choice.name"),
+    ("reasoning_effort", "output_config.effort"),
+    ("tool_choice 'required'", "tool_choice any"),
 )
+PARAM_RENAMES = {"stop": "stop_sequences"}
 CHAT_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.function\.name\b")  # a chat tool's name sits in "function"
 MESSAGE_INDEX = re.compile(r"messages\[\d+\]")  # the chat's indices count the system and tool messages
 
@@ -68,14 +76,23 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def check_supported(req: MessagesRequest, data: dict[str, Any]) -> None:
-    """A 400 for each field set to what a text model served here cannot do."""
+def check_refused(data: Any) -> None:
+    """A 400 for each of this API's fields set to what a text model served here cannot do (before
+    the chat route's own list, whose hints name the OpenAI fields)."""
     for name, reason in REFUSED.items():
-        if data.get(name) not in (None, [], {}):
+        if isinstance(data, dict) and data.get(name) not in (None, [], {}):
             raise _bad(f"{name} is not supported: {reason}", name)
-    kind = (req.thinking or {}).get("type", "disabled")
-    if kind != "disabled":
-        raise _bad(f"this model does not think: thinking must be disabled, got type {kind!r}", "thinking")
+
+
+def check_supported(req: MessagesRequest) -> None:
+    """A 400 for a field whose value this API does not define, or this server cannot honour."""
+    kind = (req.thinking or {}).get("type") or "disabled"
+    if kind not in THINKING_TYPES:  # accepted and left to the template: clients send it on their own
+        raise _bad(f"thinking.type must be one of {', '.join(THINKING_TYPES)}, got {kind!r}", "thinking.type")
+    if not isinstance((req.tool_choice or {}).get("disable_parallel_tool_use", False), bool):
+        raise _bad(
+            "tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice.disable_parallel_tool_use"
+        )
     if req.max_tokens is not None and req.max_tokens < 1:
         raise _bad(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
     user = (req.metadata or {}).get("user_id")
@@ -118,6 +135,8 @@ def _user_turns(blocks: list[Any], param: str) -> list[dict[str, Any]]:
             if not isinstance(call_id, str):
                 raise _bad("a tool_result block needs a string tool_use_id", f"{param}[{k}].tool_use_id")
             result = _text_blocks(block.get("content", ""), f"{param}[{k}].content")
+            if not isinstance(block.get("is_error", False), bool):
+                raise _bad("a tool_result's is_error must be a boolean", f"{param}[{k}].is_error")
             if block.get("is_error") is True:
                 result = f"Error: {result}"  # what the model reads of the flag: the chat has no field
             out.append({"role": "tool", "tool_call_id": call_id, "content": result})
@@ -143,19 +162,45 @@ def _assistant_turn(blocks: list[Any], param: str) -> dict[str, Any]:
             arguments = json.dumps(given, ensure_ascii=False)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             message.setdefault("tool_calls", []).append(call)
-        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise _bad("a thinking block needs a string thinking", f"{param}[{k}].thinking")
             message["reasoning_content"] = block["thinking"]
         elif kind != "redacted_thinking":
             raise _unsupported(kind, f"{param}[{k}]")
     return message
 
 
+def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user or assistant messages as one turn each, as Anthropic combines them (a chat
+    template may insist that roles alternate): texts joined by a blank line, tool calls in order."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        last = out[-1] if out else None
+        if last is None or m["role"] != last["role"] or m["role"] not in ("user", "assistant"):
+            out.append(dict(m))
+            continue
+        last["content"] = "\n\n".join(t for t in (last["content"], m["content"]) if t)
+        if m.get("tool_calls"):
+            last["tool_calls"] = [*last.get("tool_calls", []), *m["tool_calls"]]
+        if m.get("reasoning_content"):
+            last["reasoning_content"] = m["reasoning_content"]
+    return out
+
+
 def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], bool]:
     """The conversation as chat messages, and whether its last message is the assistant's to go on
     with (a prefill: text only)."""
     out: list[dict[str, Any]] = []
-    if req.system:
-        out.append({"role": "system", "content": _text_blocks(req.system, "system")})
+    system = req.system
+    if isinstance(system, list):
+        system = [
+            b
+            for b in system
+            if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))
+        ]
+    if system:
+        out.append({"role": "system", "content": _text_blocks(system, "system")})
     if not req.messages:
         raise _bad("messages must not be empty", "messages")
     for i, m in enumerate(req.messages):
@@ -172,6 +217,7 @@ def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], bool]:
             out += _user_turns(content, f"{param}.content")
         else:
             out.append(_assistant_turn(content, f"{param}.content"))
+    out = _merged(out)
     last = out[-1]
     prefill = last["role"] == "assistant"
     if prefill and last.get("tool_calls"):
@@ -186,11 +232,13 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     tool (web search, code execution, a computer) is a 400."""
     out = []
     for i, tool in enumerate(tools):
-        kind = tool.get("type", "custom")
+        kind = tool.get("type") or "custom"
         if kind != "custom":
             raise _bad(f"only custom tools are supported, got type {kind!r}", f"tools[{i}].type")
         fn = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
         if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise _bad("a tool's description must be a string", f"tools[{i}].description")
             fn["description"] = tool["description"]
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out
@@ -255,6 +303,10 @@ def chat_request(req: MessagesRequest, data: dict[str, Any]) -> dict[str, Any]:
             body["tool_choice"] = chat_tool_choice(choice)
             if choice.get("disable_parallel_tool_use") is True:
                 body["parallel_tool_calls"] = False
+    if req.thinking is not None:  # templates that think (Qwen3's) read it; the others ignore it
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs.setdefault("enable_thinking", (req.thinking.get("type") or "disabled") != "disabled")
+        body["chat_template_kwargs"] = kwargs
     config = req.output_config or {}
     if config.get("format") is not None:
         body["response_format"] = response_format(config)
@@ -276,8 +328,9 @@ def renamed(exc: APIError) -> APIError:
             param = param.replace(chat_name, name)
         if param.startswith("messages"):
             param = "messages"
+        param = PARAM_RENAMES.get(param, param)
     exc.message, exc.param, exc.args = message, param, (message,)
     return exc
 
 
-__all__ = ["MessagesRequest", "chat_request", "check_supported", "renamed"]
+__all__ = ["MessagesRequest", "chat_request", "check_refused", "check_supported", "renamed"]

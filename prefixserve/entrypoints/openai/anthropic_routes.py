@@ -8,6 +8,7 @@ error shape.
 from __future__ import annotations
 
 import asyncio
+import logging
 from functools import partial
 from typing import Any
 
@@ -27,9 +28,19 @@ from prefixserve.entrypoints.openai.overload import queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
 
+log = logging.getLogger(__name__)
+
 
 def anthropic_error(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=exc.headers)
+    """An error in Anthropic's shape, its message led by the field it is about (as Anthropic's
+    ``messages.0.content: ...``)."""
+    message = f"{exc.param}: {exc.message}" if exc.param else exc.message
+    return JSONResponse(error_body(exc.status, message), status_code=exc.status, headers=exc.headers)
+
+
+def _failed(exc: Exception) -> JSONResponse:
+    log.exception("a messages request failed", exc_info=exc)
+    return anthropic_error(APIError(500, f"internal error: {type(exc).__name__}"))
 
 
 def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
@@ -44,6 +55,8 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
             return await answer(state, request, call.prep, deadline, started, stream, call.body)
         except APIError as exc:
             return anthropic_error(exc)
+        except Exception as exc:  # still Anthropic's shape: its clients read no other
+            return _failed(exc)
 
     @app.post(COUNT_ROUTE)
     async def count(request: Request) -> Response:
@@ -53,6 +66,8 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse(await asyncio.to_thread(count_tokens, state, data))
         except APIError as exc:
             return anthropic_error(exc)
+        except Exception as exc:  # still Anthropic's shape: its clients read no other
+            return _failed(exc)
 
 
 __all__ = ["add_anthropic_routes"]

@@ -18,7 +18,9 @@ from typing import Any
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.anthropic_messages import (
     MessageCall,
+    cut_call,
     error_of,
+    forced,
     message_usage,
     stop_of,
     tool_input,
@@ -56,6 +58,11 @@ class MessageEvents:
         """The events for one chat choice (its text, tool-call pieces and finish)."""
         out: list[str] = []
         delta = choice.get("delta") or {}
+        tools = self.call.prep.tools
+        if choice.get("finish_reason") == "length" and forced(tools) and delta.get("content"):
+            assert tools is not None  # a forced call cut short: held until now, sent as the answer's
+            block = cut_call(delta["content"], tools)
+            delta = {"tool_calls": [{"id": block["id"], "function": {"name": block["name"]}}]}
         if delta.get("content"):
             if self.open_kind != "text":
                 out += self._close() + self._open({"type": "text", "text": ""}, "text")

@@ -333,8 +333,9 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     last = req.messages[-1]
     echo = last.text() if req.echo and last.role == "assistant" else ""
+    calls = tools if tools is not None and tools.choice != "none" else None  # what reads the output
     return Prepared(
-        True, rid, req, [prompt], params, bool(req.logprobs), tools=tools, application=application,
+        True, rid, req, [prompt], params, bool(req.logprobs), tools=calls, application=application,
         echo_content=echo,
     )  # fmt: skip
 

@@ -48,13 +48,16 @@ def authorize(state: ServerState, request: Request) -> None:
     (Anthropic's)."""
     if state.api_key is None:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        scheme, token = "bearer", request.headers.get("x-api-key", "")
-    if not token:
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    given = [
+        bearer.strip() if scheme.lower() == "bearer" else "",
+        request.headers.get("x-api-key", "").strip(),
+    ]
+    if not any(given):
         message = "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
         raise APIError(401, message, code="invalid_api_key")
-    if not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+    key = state.api_key.encode()
+    if not any(secrets.compare_digest(token.encode(), key) for token in given if token):
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
@@ -79,10 +82,13 @@ async def read_text(state: ServerState, request: Request) -> str:
 def parse_json(text: str) -> Any:
     try:
         data = json.loads(text)
+        surrogate = find_lone_surrogate(data)
     except json.JSONDecodeError as exc:
         message = f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
         raise APIError(400, message) from None
-    if find_lone_surrogate(data):
+    except RecursionError:  # arrays or objects nested some thousand deep: no request needs that
+        raise APIError(400, "the request body is nested too deeply") from None
+    if surrogate:
         raise APIError(400, "the request contains a lone UTF-16 surrogate escape, which is not valid text")
     return data
 

@@ -10,7 +10,8 @@ are trained on; earlier calls are rendered in it and tool results as ``<tool_res
 Reading the output, as vLLM does: ``auto`` parses ``<tool_call>`` blocks (or one bare call object)
 from the text; ``required`` constrains the output to a JSON array of calls (``name`` one of the
 tools, ``arguments`` its parameters schema; one call when ``parallel_tool_calls`` is false) and a
-named function to its arguments alone, so both always parse; ``none`` leaves the tools out.
+named function to its arguments alone, so both always parse; under ``none`` the tools are rendered
+(the prompt stays the one the conversation's other turns share) and the output is plain text.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _bad(message: str, param: str) -> APIError:
 
 
 def read_tools(req: ChatCompletionRequest) -> Tools | None:
-    """The request's tools, checked (a 400 names the field); None without tools or with ``none``."""
+    """The request's tools, checked (a 400 names the field); None without tools. Under ``none`` they
+    are in the prompt, as OpenAI and vLLM put them, and the output is never read as calls."""
     choice = req.tool_choice
     if req.tools is not None and not req.tools:
         raise _bad("tools must not be empty (leave the field out for no tools)", "tools")
@@ -100,8 +102,8 @@ def read_tools(req: ChatCompletionRequest) -> Tools | None:
     parallel = req.parallel_tool_calls is not False
     if choice is None or choice in ("auto", "required"):
         return Tools(functions, choice or "auto", parallel=parallel)
-    if choice == "none":
-        return None
+    if choice == "none":  # rendered still (the prompt stays the one other turns share), never read
+        return Tools(functions, "none", parallel=parallel)
     fn = choice.get("function") if isinstance(choice, dict) else None
     named = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
