@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -414,3 +415,24 @@ def test_gpu_allowed_ids_bad_words_and_truncation_under_graphs(tiny_config_path:
         == tail
     )
     assert_pool_empty(llm)
+
+
+def test_a_client_names_its_request(http: httpx.Client) -> None:
+    """vLLM's ``request_id`` field and ``X-Request-Id`` header (which wins) name the answer; the header
+    comes back; two requests named alike run side by side; a name with spaces is a 400."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    got = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "request_id": "batch-7"})
+    assert got.json()["id"] == "cmpl-batch-7" and "x-request-id" not in got.headers
+    named = {"X-Request-Id": "trace-1"}
+    got = http.post("/v1/chat/completions", json=chat | {"request_id": "b"}, headers=named)
+    assert got.json()["id"] == "chatcmpl-trace-1" and got.headers["x-request-id"] == "trace-1"
+    with http.stream("POST", "/v1/chat/completions", json=chat | {"stream": True, "request_id": "s1"}) as r:
+        ids = {json.loads(ln[6:])["id"] for ln in r.iter_lines() if ln.startswith("data: {")}
+    assert ids == {"chatcmpl-s1"}
+    with ThreadPoolExecutor(4) as pool:  # the engine's own ids stay unique
+        dup = chat | {"request_id": "dup"}
+        same = list(pool.map(lambda _: http.post("/v1/chat/completions", json=dup), range(4)))
+    assert [r.status_code for r in same] == [200] * 4 and {r.json()["id"] for r in same} == {"chatcmpl-dup"}
+    bad = http.post("/v1/completions", json={"prompt": "hi", "request_id": "has space"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+    assert http.get("/health", headers={"X-Request-Id": "probe"}).headers["x-request-id"] == "probe"

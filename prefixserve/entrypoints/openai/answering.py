@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -87,8 +88,10 @@ async def submit(
             state.gate.check(deadline)
         encoded = await asyncio.gather(*(_tokenize(state, prep, t) for t in texts if t is not None))
         encoded_iter = iter(encoded)
+        # the engine's ids: unique even where clients name two requests alike (``request_id``)
+        base = prep.rid if getattr(req, "request_id", None) is None else f"{prep.rid}-{uuid.uuid4().hex[:8]}"
         for i, prompt in enumerate(prep.prompts):
-            sub_id = f"{prep.rid}-{i}"
+            sub_id = f"{base}-{i}"
             text, tokens = (prompt, next(encoded_iter)) if isinstance(prompt, str) else (None, list(prompt))
             if tokens is not None:
                 kept = truncated(prep, tokens, state.max_model_len)

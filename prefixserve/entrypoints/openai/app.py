@@ -48,9 +48,10 @@ from prefixserve.entrypoints.openai.prepare import (
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import (
     MAX_BODY_BYTES,
+    REQUEST_ID_HEADER,
     ServerState,
     authorize,
-    read_json,
+    read_named_json,
 )
 from prefixserve.entrypoints.openai.responses import ResponseStore
 from prefixserve.entrypoints.openai.responses_background import BackgroundRuns
@@ -170,7 +171,9 @@ def build_app(
 
 
 class _CountRequests:
-    """Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects alone)."""
+    """Counts requests by route and status, times the path stages a response ends, and echoes the
+    client's X-Request-Id. Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects
+    alone)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -183,11 +186,14 @@ class _CountRequests:
         status = 500
         wrote = False
         scope.setdefault("state", {})  # request.state's dict, shared with the route below
+        named = next((v for k, v in scope.get("headers", ()) if k == REQUEST_ID_HEADER.encode()), None)
 
         async def send_status(message: Message) -> None:
             nonlocal status, wrote
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if named is not None:  # the client's name for its request, echoed (vLLM's header)
+                    message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER.encode(), named)]
             await send(message)
             if message["type"] == "http.response.body" and not wrote:
                 wrote = True
@@ -288,7 +294,7 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
         started = route_start(request)
         authorize(state, request)
         deadline = queue_deadline(request, state.max_queue_delay, started)
-        body = prepare_completion(state, await read_json(state, request))
+        body = prepare_completion(state, await read_named_json(state, request))
         return await answer(state, request, body, deadline, started)
 
 
@@ -298,5 +304,5 @@ def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
         started = route_start(request)
         authorize(state, request)
         deadline = queue_deadline(request, state.max_queue_delay, started)
-        body = prepare_chat(state, await read_json(state, request))
+        body = prepare_chat(state, await read_named_json(state, request))
         return await answer(state, request, body, deadline, started)

@@ -7,7 +7,6 @@ body is exactly what the server would answer for the same body. No web framework
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ from prefixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    answer_id,
     check_not_done,
     normalize_prompts,
     normalize_stop,
@@ -223,7 +223,7 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     if req.application is not None:
         application_prompt(ctx, req.application)  # a 400 naming an unknown application
     want = req.logprobs is not None
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = answer_id("cmpl", req.request_id)
     return Prepared(
         False, rid, req, prompts, params, want, req.echo, no_completion, application=req.application
     )
@@ -330,7 +330,7 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
         param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
         raise APIError(400, message, param=param, code=exc.code) from None
     prompt, application = chat_prompt(ctx, req, tools)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = answer_id("chatcmpl", req.request_id)
     last = req.messages[-1]
     echo = last.text() if req.echo and last.role == "assistant" else ""
     calls = tools if tools is not None and tools.choice != "none" else None  # what reads the output

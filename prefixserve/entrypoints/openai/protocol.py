@@ -7,6 +7,8 @@ Requests are validated in strict mode so that a wrong type (``"temperature": "ho
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -158,6 +160,7 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top-k (vLLM's shape)
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     priority: int = 0  # under --scheduling-policy priority, a smaller value is served first
+    request_id: str | None = None  # vLLM's: the answer's id is cmpl- / chatcmpl- and this (``answer_id``)
     # ...and refused where set, rather than ignored (``prepare.check_unsupported``)
     use_beam_search: bool = False
 
@@ -323,6 +326,20 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
 
 def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: it goes into ids and logs
+
+
+def answer_id(kind: str, given: str | None) -> str:
+    """An answer's id: ``kind``-``given`` where the client named its request (vLLM's ``request_id``
+    field, or the ``X-Request-Id`` header), else ``kind``-<random hex>."""
+    if given is None:
+        return f"{kind}-{uuid.uuid4().hex}"
+    if not REQUEST_ID.fullmatch(given):
+        message = "request_id must be 1-256 printable ASCII characters without spaces"
+        raise APIError(400, message, param="request_id", code="invalid_value")
+    return f"{kind}-{given}"
 
 
 def normalize_stop(stop: Any) -> list[str] | None:

@@ -23,6 +23,7 @@ from prefixserve.entrypoints.openai.protocol import (
 )
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+REQUEST_ID_HEADER = "x-request-id"  # a client's name for its request: echoed, and in the answer's id
 
 
 @dataclass(kw_only=True)
@@ -95,6 +96,14 @@ def parse_json(text: str) -> Any:
 
 async def read_json(state: ServerState, request: Request) -> Any:
     return parse_json(await read_text(state, request))
+
+
+async def read_named_json(state: ServerState, request: Request) -> Any:
+    """A completion's or chat's body, with the ``X-Request-Id`` header, where sent, as its
+    ``request_id`` (the header wins, as in vLLM)."""
+    data = await read_json(state, request)
+    named = request.headers.get(REQUEST_ID_HEADER)
+    return {**data, "request_id": named} if named and isinstance(data, dict) else data
 
 
 _RAW_PML_TYPES = ("application/xml", "text/xml", "text/plain")
