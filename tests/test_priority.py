@@ -146,3 +146,16 @@ def test_priority_over_http(tiny_config_path: Path) -> None:
         got = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": "high"})
         assert got.status_code == 400 and got.json()["error"]["param"] == "priority"
         engine_checks.wait_server_pool_empty(srv)
+
+
+def test_offline_generate_takes_a_priority_per_prompt(tiny_config_path: Path) -> None:
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, max_num_seqs=1,
+        scheduling_policy="priority", progress=False,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    outs = llm.generate(["a bicycle", "a tandem", "a unicycle"], params, priority=[2, 1, 0])
+    finished = [o.metrics["finish_time"] for o in outs]
+    assert finished[2] < finished[1] < finished[0]  # one at a time, the smallest value first
+    with pytest.raises(ValueError, match="priority has 1 values for 2 prompts"):
+        llm.generate(["a", "b"], params, priority=[1])

@@ -69,6 +69,7 @@ class LLM:
         schedule: str = "online",
         grouping: str = "first_level",
         module_recompute: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (continuously batched); outputs come back in prompt order.
 
@@ -78,7 +79,8 @@ class LLM:
         ends, groups ordered by Eq. 3; ``grouping`` is ``first_level`` (Algorithm 1) or ``tree``.
         ``module_recompute`` ("none", "link:K", "blend:R") sets Prompt Cache accuracy recovery for the
         PML prompts (a dict prompt's own ``"module_recompute"`` wins; unset: the schema's, else the
-        engine's).
+        engine's). ``priority``: one per prompt, under ``LLM(scheduling_policy="priority")`` (a
+        smaller value starts first), as vLLM's.
         """
         if schedule not in ("online", "batch"):
             raise ValueError(f"schedule {schedule!r} is not one of online, batch")
@@ -88,14 +90,22 @@ class LLM:
         if not prompts:
             raise ValueError("no prompts given: pass a prompt or a non-empty list of prompts")
         params = self._params_per_prompt(sampling_params, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts")
         prompts = self._tokenize_texts(prompts)
         order: list[str] = []
         queue = schedule == "online"
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
                 order.append(
                     self._add(
-                        prompt, p, application=application, queue=queue, module_recompute=module_recompute
+                        prompt,
+                        p,
+                        application=application,
+                        queue=queue,
+                        module_recompute=module_recompute,
+                        priority=rank,
                     )
                 )
             if not queue:
@@ -277,6 +287,7 @@ class LLM:
         application: str | None = None,
         queue: bool = True,
         module_recompute: str | None = None,
+        priority: int = 0,
     ) -> str:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
@@ -288,6 +299,7 @@ class LLM:
                 application=application,
                 queue=queue,
                 module_recompute=module_recompute,
+                priority=priority,
             )
         elif isinstance(prompt, dict):
             self.engine.add_request(
@@ -301,6 +313,7 @@ class LLM:
                 application=prompt.get("application", application),
                 queue=queue,
                 module_recompute=prompt.get("module_recompute", module_recompute),
+                priority=priority,
             )
         else:
             raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
