@@ -27,6 +27,9 @@ _DTYPES = {
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    # the names the model is served under (vLLM's --served-model-name): the first is the one answers
+    # carry; requests may name any of them (or "default"). Empty: the model's own name
+    served_model_name: tuple[str, ...] = ()
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
@@ -78,6 +81,9 @@ class EngineConfig:
     tp_peer_allreduce: bool = True
 
     def __post_init__(self) -> None:
+        self.served_model_name = tuple(self.served_model_name)
+        if any(not isinstance(n, str) or not n.strip() for n in self.served_model_name):
+            raise ValueError(f"served_model_name takes non-empty names, got {self.served_model_name!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -54,7 +54,10 @@ class Ingress:
         from prefixserve.model.loader import tokenizer_for
 
         model, tokenizer = tokenizer_for(config.model, progress=False)
-        ctx = OpenAIContext(model=model, tokenizer=tokenizer, system_prompts=dict(config.system_prompts))
+        names = config.served_model_name or (model,)  # as the replicas' engines name it
+        ctx = OpenAIContext(
+            model=names[0], tokenizer=tokenizer, system_prompts=dict(config.system_prompts), aliases=names[1:]
+        )
         handles = {f"replica-{i}": h for i, h in enumerate(replicas)}
         self.core = IngressCore(ReplicaSet(handles, policy), ctx, config.block_size)
 

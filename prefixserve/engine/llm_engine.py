@@ -58,7 +58,7 @@ class Engine(EngineServices):
         self.config = config = config or EngineConfig()
         self.device, self.dtype = config.torch_device, config.torch_dtype
         source = resolve_model(config.model)
-        self.model_name = source.name
+        self.model_name = config.served_model_name[0] if config.served_model_name else source.name
         if config.tensor_parallel_size > 1:  # this process is rank 0; workers hold the other shards
             from prefixserve.engine.tp_runner import TensorParallelRunner
 

@@ -55,6 +55,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names the model is served under: answers carry the first, requests may name any",
+    )
+    g.add_argument(
         "--scheduling-policy",
         choices=("fcfs", "priority"),
         default="fcfs",
@@ -229,6 +236,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
+        served_model_name=tuple(args.served_model_name or ()),
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,

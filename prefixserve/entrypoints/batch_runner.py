@@ -156,7 +156,10 @@ def run_rows(
 ) -> Iterator[dict[str, Any]]:
     """Run OpenAI Batch rows on ``engine`` grouped by shared prefix; yield each output line when ready."""
     ctx = OpenAIContext(
-        model=engine.model_name, tokenizer=engine.tokenizer, system_prompts=dict(engine.config.system_prompts)
+        model=engine.model_name,
+        tokenizer=engine.tokenizer,
+        system_prompts=dict(engine.config.system_prompts),
+        aliases=engine.config.served_model_name[1:],
     )
     states, answered = _prepare_rows(ctx, rows)
     yield from answered

@@ -116,6 +116,7 @@ def build_app(
         loop = EngineLoop(engine, limits=overload.limits)
         model, max_model_len, tokenizer = engine.model_name, engine.max_model_len, engine.tokenizer
         system_prompts = dict(engine.config.system_prompts)
+        config = engine.config
     gate = ArrivalGate(loop)
     metrics = ServerMetrics(lambda: loop.snapshot, lambda: gate.counters)
     loop.observer = metrics
@@ -124,6 +125,7 @@ def build_app(
     state = ServerState(
         loop=loop,
         model=model,
+        aliases=config.served_model_name[1:],
         max_model_len=max_model_len,
         tokenizer=tokenizer,
         api_key=api_key,

@@ -58,6 +58,7 @@ class OpenAIContext:
     model: str
     tokenizer: Any
     system_prompts: dict[str, str]
+    aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name)
     _token_text: dict[int, str] = field(default_factory=dict)
     _pinned: dict[str, list[int]] = field(default_factory=dict)  # application -> its pinned prompt's ids
 
@@ -125,9 +126,10 @@ def prompt_ids(ctx: OpenAIContext, prep: Prepared, prompt: str | list[int]) -> l
 
 
 def check_model(ctx: OpenAIContext, name: str | None) -> None:
-    if name is None or name in (ctx.model, "default"):
+    if name is None or name in (ctx.model, "default", *ctx.aliases):
         return
-    message = f"the model '{name}' does not exist; this server serves '{ctx.model}' (or use 'default')"
+    served = ", ".join(repr(n) for n in (ctx.model, *ctx.aliases))
+    message = f"the model '{name}' does not exist; this server serves {served} (or use 'default')"
     raise APIError(404, message, param="model", code="model_not_found")
 
 

@@ -1,0 +1,52 @@
+"""``--served-model-name`` (vLLM's): the names a model is served under. Answers carry the first;
+requests may name any of them (or ``default``); ``/v1/models`` lists a card per name; batch rows
+answer the same."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixserve import LLM
+from prefixserve.config import EngineConfig
+from prefixserve.entrypoints.args import add_engine_args, engine_config_from_args
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
+
+
+def test_the_flag_reaches_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--served-model-name", "acme/tiny", "tiny"]))
+    assert config.served_model_name == ("acme/tiny", "tiny")
+    assert engine_config_from_args(parser.parse_args([])).served_model_name == ()
+    with pytest.raises(ValueError, match="served_model_name"):
+        EngineConfig(served_model_name=("ok", " "))
+
+
+def test_a_model_answers_to_each_served_name(tiny_config_path: Path, tmp_path: Path) -> None:
+    names = ("acme/tiny-chat", "tiny")
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, served_model_name=names
+    )
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        cards = http.get("/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == list(names) and {c["root"] for c in cards} == {names[0]}
+        for asked in (*names, "default"):
+            got = http.post("/v1/completions", json={"model": asked, "prompt": "hi", "max_tokens": 1})
+            assert got.status_code == 200 and got.json()["model"] == names[0], got.text
+        assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+        wrong = http.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi", "max_tokens": 1})
+        assert wrong.status_code == 404 and "'acme/tiny-chat', 'tiny'" in wrong.json()["error"]["message"]
+    llm = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, served_model_name=names,
+              progress=False)  # fmt: skip
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    row = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+           "body": {"model": "tiny", "prompt": "hi", "max_tokens": 1}}  # fmt: skip
+    src.write_text(json.dumps(row) + "\n")
+    llm.batch(src, out, progress=False)
+    answer = json.loads(out.read_text())["response"]
+    assert answer["status_code"] == 200 and answer["body"]["model"] == names[0]
