@@ -24,12 +24,25 @@ _DTYPES = {
 }
 
 
+def _template_text(given: str) -> str:
+    """``--chat-template``: a file's text, or the template as given (it holds a Jinja tag)."""
+    if "{" in given:
+        return given
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template {given!r} is neither a file nor a Jinja template")
+    return path.read_text(encoding="utf-8")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     # the names the model is served under (vLLM's --served-model-name): the first is the one answers
     # carry; requests may name any of them (or "default"). Empty: the model's own name
     served_model_name: tuple[str, ...] = ()
+    # the chat template every chat is rendered with, in place of the tokenizer's (vLLM's
+    # --chat-template): a file's path, or the template itself; held as the template's text
+    chat_template: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
@@ -82,6 +95,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.served_model_name = tuple(self.served_model_name)
+        if self.chat_template is not None:
+            self.chat_template = _template_text(self.chat_template)
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_name):
             raise ValueError(f"served_model_name takes non-empty names, got {self.served_model_name!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -63,7 +63,7 @@ def run_batch_file_ray(
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     todo, skipped = pending_rows(path_in, path_out)
-    name, tokenizer = tokenizer_for(config.model, progress=False)
+    name, tokenizer = tokenizer_for(config.model, progress=False, chat_template=config.chat_template)
     good = [r for r in todo if isinstance(r, BatchRow)]
     planned = plan_rows(tokenizer, name, config.system_prompts, good, grouping)
     shards = [s for s in shard_rows(planned, replicas) if s]

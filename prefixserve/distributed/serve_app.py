@@ -53,7 +53,7 @@ class Ingress:
     def __init__(self, config: EngineConfig, policy: RoutingPolicy | None, *replicas: Any) -> None:
         from prefixserve.model.loader import tokenizer_for
 
-        model, tokenizer = tokenizer_for(config.model, progress=False)
+        model, tokenizer = tokenizer_for(config.model, progress=False, chat_template=config.chat_template)
         names = config.served_model_name or (model,)  # as the replicas' engines name it
         ctx = OpenAIContext(
             model=names[0], tokenizer=tokenizer, system_prompts=dict(config.system_prompts), aliases=names[1:]

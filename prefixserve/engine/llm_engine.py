@@ -31,7 +31,7 @@ from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, tak
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.prefix_spill import PrefixSpill
-from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
+from prefixserve.model.loader import load_model, load_tokenizer, resolve_model, with_chat_template
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.device_calls import prompt_modules
@@ -76,7 +76,7 @@ class Engine(EngineServices):
     def _set_up(self, config: EngineConfig, source: Any, tok_dir: Any) -> None:
         """Everything past the model runner: pool, scheduler, Prompt Cache, pinned prompts, schemas."""
         self.model_config = self.runner.model.full_config
-        self.tokenizer = load_tokenizer(tok_dir)
+        self.tokenizer = with_chat_template(load_tokenizer(tok_dir), config.chat_template)
         bs = config.block_size
         context = context_length(config, self.runner.model)
         num_blocks = self.runner.num_blocks

@@ -55,6 +55,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="render chats with this Jinja template (a file, or the template itself) instead of the model's",
+    )
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -237,6 +243,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         served_model_name=tuple(args.served_model_name or ()),
+        chat_template=args.chat_template,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,

@@ -334,8 +334,11 @@ def _dummy_tokenizer_dir(source: ModelSource) -> Path | None:
     return source.path.parent if (source.path.parent / "tokenizer_config.json").exists() else None
 
 
-def tokenizer_for(model: str | None, progress: bool = True) -> tuple[str, Any]:
-    """The model's name and tokenizer without loading its weights (batch analysis, Ray drivers)."""
+def tokenizer_for(
+    model: str | None, progress: bool = True, chat_template: str | None = None
+) -> tuple[str, Any]:
+    """The model's name and tokenizer without loading its weights (batch analysis, Ray drivers);
+    ``chat_template``: the template to render chats with instead of its own."""
     source = resolve_model(model)
     if source.kind == "gguf":
         directory: Path | None = convert_gguf(source.path, progress=progress)
@@ -343,7 +346,22 @@ def tokenizer_for(model: str | None, progress: bool = True) -> tuple[str, Any]:
         directory = source.path
     else:
         directory = _dummy_tokenizer_dir(source)
-    return source.name, load_tokenizer(directory)
+    return source.name, with_chat_template(load_tokenizer(directory), chat_template)
+
+
+def with_chat_template(tokenizer: Any, template: str | None) -> Any:
+    """The tokenizer rendering chats with ``template`` (None: its own), which must parse as Jinja:
+    a broken one is refused at start, not at each chat."""
+    if template is None or tokenizer is None:
+        return tokenizer
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse: {exc.message} (line {exc.lineno})") from None
+    tokenizer.chat_template = template
+    return tokenizer
 
 
 def load_tokenizer(directory: Path | None) -> Any:

@@ -105,7 +105,7 @@ def build_app(
         tune_gc()  # this process too: every stream's chunks are young objects, and each pass stops the loop
         info = loop.info
         model, max_model_len, system_prompts = info["model"], info["max_model_len"], info["system_prompts"]
-        tokenizer = tokenizer_for(config.model, progress=False)[1]
+        tokenizer = tokenizer_for(config.model, progress=False, chat_template=config.chat_template)[1]
     else:
         engine = engine or Engine(config or EngineConfig(), progress=False)
         started = time.perf_counter()

@@ -1,6 +1,7 @@
-"""``--served-model-name`` (vLLM's): the names a model is served under. Answers carry the first;
-requests may name any of them (or ``default``); ``/v1/models`` lists a card per name; batch rows
-answer the same."""
+"""vLLM's serving flags. ``--served-model-name``: the names a model is served under (answers carry
+the first; requests may name any of them, or ``default``; ``/v1/models`` lists a card per name;
+batch rows answer the same). ``--chat-template``: the template every chat is rendered with (a file or
+the template itself; a broken one refused at start)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,35 @@ def test_a_model_answers_to_each_served_name(tiny_config_path: Path, tmp_path: P
     llm.batch(src, out, progress=False)
     answer = json.loads(out.read_text())["response"]
     assert answer["status_code"] == 200 and answer["body"]["model"] == names[0]
+
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+
+def test_chats_render_with_the_servers_template(tiny_config_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert (
+        engine_config_from_args(parser.parse_args(["--chat-template", str(path)])).chat_template == TEMPLATE
+    )
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
+    for given in (str(path), TEMPLATE):
+        llm = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, chat_template=given,
+                  progress=False)  # fmt: skip
+        rendered = llm.render_chat([{"role": "user", "content": "hi"}])
+        assert rendered == "<user>hi<assistant>"
+    with pytest.raises(ValueError, match="does not parse"):
+        LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, chat_template="{% for %}",
+            progress=False)  # fmt: skip
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, chat_template=TEMPLATE
+    )
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        got = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        tok = llm.get_tokenizer()
+        assert got["tokens"] == tok.encode("<user>hi<assistant>", add_special_tokens=False)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == got["count"]
