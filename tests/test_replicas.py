@@ -2,8 +2,9 @@
 
 One Ray Serve application serves the whole module (on the session's Ray and Serve, which the other
 Ray modules share: starting its three actor processes is most of its time): the official ``openai``
-client streamed and not, affinity of a shared prefix, stored responses answered by the replica that
-stored them, and a replica killed mid-stream, restarted by Ray Serve and routed to again.
+client streamed and not, a browser origin's CORS preflight, affinity of a shared prefix, stored
+responses answered by the replica that stored them, and a replica killed mid-stream, restarted by Ray
+Serve and routed to again.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from prefixserve.distributed.serve_app import serve_app  # noqa: E402
 from prefixserve.distributed.serve_ingress import REPLICA_HEADER  # noqa: E402
 
 SHARED = "You are a careful assistant for the travel desk. " * 12  # a long shared system prompt
+UI = "https://ui.example"  # a browser page's origin the ingress lets call it (CORS)
 
 
 @pytest.fixture(scope="module")
 def endpoint(ray_serve: str, tiny_config_path: Path) -> Iterator[str]:
     config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256)
-    with rc.app_on_serve(ray_serve, serve_app(config, 2, replica_cpus=0.5), 2) as url:
+    app = serve_app(config, 2, replica_cpus=0.5, allowed_origins=[UI])
+    with rc.app_on_serve(ray_serve, app, 2) as url:
         yield url
 
 
@@ -53,6 +56,17 @@ def test_openai_client_streamed_and_not(endpoint: str) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="default", prompt="x", max_tokens=-1)
+    ask = {
+        "Origin": UI,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+    preflight = httpx.options(endpoint + "/v1/chat/completions", headers=ask)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == UI
+    other = httpx.options(
+        endpoint + "/v1/chat/completions", headers={**ask, "Origin": "https://elsewhere.example"}
+    )
+    assert "access-control-allow-origin" not in other.headers
     metrics = httpx.get(endpoint + "/metrics").text
     assert 'replica="replica-0"' in metrics and 'replica="replica-1"' in metrics
     assert "prefixserve_router_requests_total" in metrics

@@ -83,3 +83,31 @@ def test_chats_render_with_the_servers_template(tiny_config_path: Path, tmp_path
         assert got["tokens"] == tok.encode("<user>hi<assistant>", add_special_tokens=False)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == got["count"]
+
+
+def test_browser_origins_only_where_allowed(tiny_config_path: Path) -> None:
+    """``--allowed-origins``: a listed origin's preflight is answered and its answers readable
+    (``X-Request-Id`` exposed); any other origin, and every origin by default, gets no CORS headers."""
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64)
+    ui = "https://ui.example"
+    ask = {
+        "Origin": ui,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+    body = {"prompt": "hi", "max_tokens": 1}
+    with ServerThread(build_app(config, allowed_origins=[ui])) as srv, httpx.Client(base_url=srv.url) as http:
+        preflight = http.options("/v1/completions", headers=ask)
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ui
+        got = http.post("/v1/completions", json=body, headers={"Origin": ui, "X-Request-Id": "r1"})
+        assert got.headers["access-control-allow-origin"] == ui
+        assert "x-request-id" in got.headers["access-control-expose-headers"].lower()
+        assert (
+            "access-control-allow-origin"
+            not in http.options(
+                "/v1/completions", headers={**ask, "Origin": "https://elsewhere.example"}
+            ).headers
+        )
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url) as http:
+        got = http.post("/v1/completions", json=body, headers={"Origin": ui})
+        assert got.status_code == 200 and "access-control-allow-origin" not in got.headers

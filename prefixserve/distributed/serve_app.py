@@ -22,6 +22,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.distributed.router import RoutingPolicy
 from prefixserve.distributed.serve_ingress import IngressCore, ReplicaSet
 from prefixserve.distributed.serve_replica import EngineReplica
+from prefixserve.entrypoints.openai.cors import allow_origins
 from prefixserve.entrypoints.openai.prepare import OpenAIContext
 from prefixserve.entrypoints.openai.protocol import APIError
 
@@ -50,8 +51,16 @@ async def _api_error(_: Request, exc: APIError) -> Response:
 class Ingress:
     """The OpenAI endpoint in front of the replicas (``default_ingress_replicas`` of it by default)."""
 
-    def __init__(self, config: EngineConfig, policy: RoutingPolicy | None, *replicas: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        policy: RoutingPolicy | None,
+        *replicas: Any,
+        allowed_origins: list[str] | None = None,
+    ) -> None:
         from prefixserve.model.loader import tokenizer_for
+
+        allow_origins(api, allowed_origins)  # before this process's app serves its first request
 
         model, tokenizer = tokenizer_for(config.model, progress=False, chat_template=config.chat_template)
         names = config.served_model_name or (model,)  # as the replicas' engines name it
@@ -131,6 +140,7 @@ def serve_app(
     ingress_replicas: int | None = None,
     switch_interval_ms: float | None = None,
     max_stored_responses: int = 1024,
+    allowed_origins: list[str] | None = None,
 ) -> Any:
     """The Ray Serve application: ``serve.run(serve_app(config, replicas=2), route_prefix="/")``.
 
@@ -138,7 +148,8 @@ def serve_app(
     ``engine_process``: where each replica runs its engine, as ``serve --engine-process`` (auto: its
     own process on CUDA); ``ingress_replicas``: None: ``default_ingress_replicas``;
     ``switch_interval_ms``: each replica process's GIL switch interval (None: Python's);
-    ``max_stored_responses``: each replica's bound on the /v1/responses it keeps."""
+    ``max_stored_responses``: each replica's bound on the /v1/responses it keeps;
+    ``allowed_origins``: the browser origins the ingress answers (CORS)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if ingress_replicas is not None and ingress_replicas < 1:
@@ -163,7 +174,8 @@ def serve_app(
         )
         for i in range(replicas)
     ]
-    return Ingress.options(num_replicas=ingress_replicas).bind(config, policy, *bound)
+    ingress = Ingress.options(num_replicas=ingress_replicas)
+    return ingress.bind(config, policy, *bound, allowed_origins=allowed_origins)
 
 
 def run_replicas(
@@ -179,6 +191,7 @@ def run_replicas(
     ingress_replicas: int | None = None,
     switch_interval_ms: float | None = None,
     max_stored_responses: int = 1024,
+    allowed_origins: list[str] | None = None,
 ) -> int:
     """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
     import signal
@@ -206,6 +219,7 @@ def run_replicas(
         ingress_replicas=ingress_replicas,
         switch_interval_ms=switch_interval_ms,
         max_stored_responses=max_stored_responses,
+        allowed_origins=allowed_origins,
     )
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.info(

@@ -255,6 +255,7 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         ingress_replicas=args.ingress_replicas,
         switch_interval_ms=args.switch_interval_ms,
         max_stored_responses=args.max_stored_responses,
+        allowed_origins=args.allowed_origins,
     )
 
 
@@ -412,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or x-api-key: KEY)")
+    s.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins that may call the server (CORS; '*': any); none by default",
+    )
     s.add_argument(
         "--switch-interval-ms",
         type=float,

@@ -32,6 +32,7 @@ from prefixserve.entrypoints.openai.answering import FIRST_OUTPUT, ROUTE_START, 
 from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
 from prefixserve.entrypoints.openai.anthropic_routes import add_anthropic_routes
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
+from prefixserve.entrypoints.openai.cors import allow_origins
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 from prefixserve.entrypoints.openai.model_routes import add_model_routes
@@ -85,13 +86,15 @@ def build_app(
     engine_process: bool = False,
     overload: OverloadSettings | None = None,
     responses: ResponseStore | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
 
     ``engine_process``: the engine runs in a child process (``engine_process.py``), not on a thread
     of this one; the app then holds only the tokenizer. ``overload``: the waiting queue's bounds,
     the queue deadline and the stream stall timeout (default: bounds sized from the engine, no
-    deadline, 60 s). ``responses``: where /v1/responses keeps stored responses (default: 1,024)."""
+    deadline, 60 s). ``responses``: where /v1/responses keeps stored responses (default: 1,024).
+    ``allowed_origins``: the browser origins that may call it (``cors.py``; None: none)."""
     overload = overload or OverloadSettings()
     loop: EngineLoop
     if engine_process:
@@ -167,6 +170,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.host_trim = trim
     app.add_middleware(_CountRequests, metrics=metrics)
+    allow_origins(app, allowed_origins)  # outermost: a preflight is answered before anything counts it
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
     return app

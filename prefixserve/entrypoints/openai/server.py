@@ -158,7 +158,12 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     stored = ResponseStore(args.max_stored_responses)
     app = build_app(
-        config, api_key=args.api_key, engine_process=own_process, overload=overload, responses=stored
+        config,
+        api_key=args.api_key,
+        engine_process=own_process,
+        overload=overload,
+        responses=stored,
+        allowed_origins=args.allowed_origins,
     )
     state = app.state.server
     options = http_options()
