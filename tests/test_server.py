@@ -83,6 +83,7 @@ def test_models_health_and_metrics(server: ServerThread, client: openai.OpenAI, 
     models = client.models.list().data
     assert len(models) == 1 and models[0].id.startswith("dummy")
     assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ok"}  # vLLM's, for SageMaker
     assert http.get("/version").json() == {"version": prefixserve.__version__}
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert f'\nversion = "{prefixserve.__version__}"\n' in pyproject  # one version, two places

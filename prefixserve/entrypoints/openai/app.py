@@ -72,6 +72,7 @@ ROUTES = (
     "/v1/models",
     "/v1/schemas",
     "/health",
+    "/ping",
     "/metrics",
     *TOKENIZER_ROUTES,
 )
@@ -277,9 +278,11 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
-    """/health, /version and /metrics (no API key: load balancers and Prometheus scrape them)."""
+    """/health (and /ping), /version and /metrics (no API key: load balancers and Prometheus scrape
+    them)."""
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's, for SageMaker's health checks
     async def health() -> Response:
         if not state.loop.alive:
             return _error(APIError(503, "the engine is not running"))
