@@ -24,6 +24,9 @@ _DTYPES = {
 }
 
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names; one rule reads both (reasoning.py)
+
+
 def _template_text(given: str) -> str:
     """``--chat-template``: a file's text, or the template as given (it holds a Jinja tag)."""
     if "{" in given:
@@ -43,6 +46,9 @@ class EngineConfig:
     # the chat template every chat is rendered with, in place of the tokenizer's (vLLM's
     # --chat-template): a file's path, or the template itself; held as the template's text
     chat_template: str | None = None
+    # a thinking model's <think> ... </think> answered apart as reasoning_content (vLLM's
+    # --reasoning-parser; entrypoints/openai/reasoning.py); None: the output as it is
+    reasoning_parser: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
@@ -95,6 +101,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.served_model_name = tuple(self.served_model_name)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            known = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"reasoning_parser must be one of {known}, got {self.reasoning_parser!r}")
         if self.chat_template is not None:
             self.chat_template = _template_text(self.chat_template)
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_name):

@@ -252,7 +252,7 @@ ERRORS = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # sent back, left out: nothing left
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
@@ -262,7 +262,7 @@ ERRORS = [
     ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": 3}}, "reasoning.effort"),
     ({"input": "hi", "background": True, "stream": True}, "background"),
     ({"input": "hi", "background": True, "store": False}, "background"),
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include[0]"),

@@ -61,6 +61,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="render chats with this Jinja template (a file, or the template itself) instead of the model's",
     )
     g.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,
+        help="answer a thinking model's <think> ... </think> apart, as reasoning_content (chats)",
+    )
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -244,6 +250,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         scheduling_policy=args.scheduling_policy,
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=args.chat_template,
+        reasoning_parser=args.reasoning_parser,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,

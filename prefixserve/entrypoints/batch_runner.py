@@ -160,6 +160,7 @@ def run_rows(
         tokenizer=engine.tokenizer,
         system_prompts=dict(engine.config.system_prompts),
         aliases=engine.config.served_model_name[1:],
+        reasoning_parser=engine.config.reasoning_parser,
     )
     states, answered = _prepare_rows(ctx, rows)
     yield from answered

@@ -90,6 +90,11 @@ def cut_call(text: str, tools: Tools) -> dict[str, Any]:
     return {"type": "tool_use", "id": f"call_{uuid.uuid4().hex[:24]}", "name": named, "input": {}}
 
 
+def thinking_block(text: str) -> dict[str, Any]:
+    """A thinking model's reasoning as Claude answers its own (no signature: nothing to verify)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def forced(tools: Tools | None) -> bool:
     return tools is not None and tools.choice in ("named", "required")
 
@@ -147,6 +152,8 @@ class MessageCall:
         choice = response_body(self.ctx, self.prep, finals)["choices"][0]
         message, reason = choice["message"], choice["finish_reason"]
         content: list[dict[str, Any]] = []
+        if message.get("reasoning_content") is not None:  # a thinking model's, read apart (reasoning.py)
+            content.append(thinking_block(message["reasoning_content"]))
         tools = self.prep.tools
         if reason == "length" and forced(tools) and not message.get("tool_calls"):
             assert tools is not None

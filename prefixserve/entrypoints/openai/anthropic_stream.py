@@ -23,6 +23,7 @@ from prefixserve.entrypoints.openai.anthropic_messages import (
     forced,
     message_usage,
     stop_of,
+    thinking_block,
     tool_input,
 )
 from prefixserve.entrypoints.openai.prepare import stream_state
@@ -63,6 +64,11 @@ class MessageEvents:
             assert tools is not None  # a forced call cut short: held until now, sent as the answer's
             block = cut_call(delta["content"], tools)
             delta = {"tool_calls": [{"id": block["id"], "function": {"name": block["name"]}}]}
+        if delta.get("reasoning_content"):  # a thinking model's reasoning (reasoning.py): a thinking block
+            if self.open_kind != "thinking":
+                out += self._close() + self._open(thinking_block(""), "thinking")
+            thinking = {"type": "thinking_delta", "thinking": delta["reasoning_content"]}
+            out.append(event("content_block_delta", {"index": self.blocks - 1, "delta": thinking}))
         if delta.get("content"):
             if self.open_kind != "text":
                 out += self._close() + self._open({"type": "text", "text": ""}, "text")
@@ -118,8 +124,11 @@ class _AsEvents:
 
     events: MessageEvents
 
+    def before(self, out: RequestOutput) -> list[str]:
+        return self.events.start(out)  # message_start, once: the first output has the prompt's usage
+
     def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
-        return self.events.start(out) + super().update(prompt_index, out)  # type: ignore[misc]
+        return self.before(out) + super().update(prompt_index, out)  # type: ignore[misc]
 
     def chunk(self, choices: list[dict[str, Any]]) -> str:
         return "".join(self.events.choice(c) for c in choices)

@@ -130,6 +130,7 @@ def build_app(
         loop=loop,
         model=model,
         aliases=config.served_model_name[1:],
+        reasoning_parser=config.reasoning_parser,
         max_model_len=max_model_len,
         tokenizer=tokenizer,
         api_key=api_key,

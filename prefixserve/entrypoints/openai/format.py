@@ -270,6 +270,11 @@ class StreamState:
         """What the stream sends before its first output's: a chat's role chunks."""
         return self.role_chunks() if self.chat else []
 
+    def before(self, out: RequestOutput) -> list[str]:
+        """What goes before an output's chunks: nothing here; another API's adapter may open its
+        answer there (once), whatever part of the state sends the first chunk."""
+        return []
+
     def closing(self, finals: list[RequestOutput]) -> list[str]:
         """What follows the last output's chunks: the usage where asked, and ``[DONE]``."""
         return [self.usage_chunk(finals), DONE] if self.include_usage else [DONE]

@@ -25,6 +25,7 @@ from prefixserve.entrypoints.openai.protocol import (
     param_of,
     parse_request,
 )
+from prefixserve.entrypoints.openai.reasoning import ReasoningSplit, Thinking, reasoning_kind, with_reasoning
 from prefixserve.entrypoints.openai.structured import structured_outputs
 from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
 from prefixserve.entrypoints.openai.tools import (
@@ -59,6 +60,7 @@ class OpenAIContext:
     tokenizer: Any
     system_prompts: dict[str, str]
     aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name)
+    reasoning_parser: str | None = None  # chats' <think> answered apart (reasoning.py)
     _token_text: dict[int, str] = field(default_factory=dict)
     _pinned: dict[str, list[int]] = field(default_factory=dict)  # application -> its pinned prompt's ids
 
@@ -97,6 +99,7 @@ class Prepared:
     # the pinned system prompt the prompts go behind: the request's ``application``, or for a chat
     # None where the conversation brought its own system message (the pinned one leads no chat twice)
     application: str | None = None
+    thinking: Thinking | None = None  # a chat whose reasoning is answered apart (reasoning.py)
 
     @property
     def prompt_field(self) -> str:
@@ -336,9 +339,12 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
     last = req.messages[-1]
     echo = last.text() if req.echo and last.role == "assistant" else ""
     calls = tools if tools is not None and tools.choice != "none" else None  # what reads the output
+    thinking = None
+    if ctx.reasoning_parser is not None and not is_pml_prompt(prompt):
+        thinking = Thinking.for_prompt(prompt)
     return Prepared(
         True, rid, req, [prompt], params, bool(req.logprobs), tools=calls, application=application,
-        echo_content=echo,
+        echo_content=echo, thinking=thinking,
     )  # fmt: skip
 
 
@@ -383,12 +389,17 @@ def _answer_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]
         if prep.echo_content:
             for choice in body["choices"]:
                 choice["message"]["content"] = prep.echo_content + (choice["message"]["content"] or "")
-        if prep.tools is not None:
-            for choice in body["choices"]:
+        for choice in body["choices"]:
+            reasoning = None
+            if prep.thinking is not None:  # the answer apart from the reasoning, then read for calls
+                reasoning, choice["message"]["content"] = prep.thinking.split(choice["message"]["content"])
+            if prep.tools is not None:
                 text = choice["message"]["content"]
                 choice["message"], choice["finish_reason"] = tool_message(
                     text, choice["finish_reason"], prep.tools
                 )
+            if reasoning is not None:
+                choice["message"] = with_reasoning(choice["message"], reasoning)
         return body
     if prep.no_completion:
         finals = [fmt.without_completion(f) for f in finals]
@@ -445,24 +456,24 @@ def stream_state(
     """The request's stream state: ``with_tools`` where its output may be tool calls, else ``plain``
     (the Responses API passes its event-sending kinds of each)."""
     req = prep.req
+    if prep.thinking is not None:  # the same kinds, with the reasoning apart
+        plain, with_tools = reasoning_kind(plain), reasoning_kind(with_tools)
     options = req.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = bool(include_usage and options and options.continuous_usage_stats)
+    state: fmt.StreamState
     if prep.tools is not None:
-        return with_tools(
+        state = with_tools(
             prep.rid, ctx.model, prep.chat, prep.params.n, token_text(ctx, prep),
             list(prep.params.stop or []), prep.want_logprobs, include_usage, continuous_usage=continuous,
             tools=prep.tools,
         )  # fmt: skip
-    return plain(
-        prep.rid,
-        ctx.model,
-        prep.chat,
-        prep.params.n,
-        token_text(ctx, prep),
-        list(prep.params.stop or []),
-        prep.want_logprobs,
-        include_usage,
-        echo=prep.echo_content,
-        continuous_usage=continuous,
-    )
+    else:
+        state = plain(
+            prep.rid, ctx.model, prep.chat, prep.params.n, token_text(ctx, prep),
+            list(prep.params.stop or []), prep.want_logprobs, include_usage, echo=prep.echo_content,
+            continuous_usage=continuous,
+        )  # fmt: skip
+    if prep.thinking is not None:
+        state.reasoning = ReasoningSplit(prep.thinking)  # type: ignore[attr-defined]
+    return state

@@ -136,6 +136,12 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
     }
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A thinking model's reasoning (read apart: ``reasoning.py``) as the API's reasoning item."""
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def item_status(finish_reason: str | None) -> str:
     return "completed" if finish_reason in ("stop", "tool_calls") else "incomplete"
 
@@ -148,6 +154,8 @@ def output_items(
     message, status = choice["message"], item_status(choice["finish_reason"])
     calls = message.get("tool_calls") or []
     items = []
+    if message.get("reasoning_content") is not None:
+        items.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
     text = message.get("content") or ""
     if text or not calls:
         lp = (choice.get("logprobs") or {}).get("content", []) if want_logprobs else None

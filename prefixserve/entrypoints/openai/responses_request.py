@@ -5,7 +5,7 @@ A response is one chat turn: ``instructions``, the conversation of ``previous_re
 messages; ``text.format`` becomes ``response_format``; the flat function tools become chat tools;
 ``max_output_tokens`` becomes ``max_completion_tokens``. The chat route then checks everything, and
 its errors are renamed to this API's fields (``renamed``). What this API has and the model cannot do
-(hosted tools, images, files, reasoning) is a 400 naming the field.
+(hosted tools, images, files) is a 400 naming the field; ``reasoning.effort`` goes to the template.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def check_supported(req: ResponsesRequest) -> None:
         raise _bad("stored prompt templates are not supported: send the input", "prompt")
     if req.conversation is not None:
         raise _bad("conversations are not supported: use previous_response_id", "conversation")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise _bad("this model does not reason: leave reasoning unset", "reasoning")
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise _bad("reasoning.effort must be a string", "reasoning.effort")
     for i, name in enumerate(req.include or ()):
         if name != LOGPROBS_INCLUDE:
             raise _bad(f"include may only hold {LOGPROBS_INCLUDE!r}, got {name!r}", f"include[{i}]")
@@ -165,8 +166,8 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise _bad("a function_call_output item needs a string call_id", f"{param}.call_id")
             text = output if isinstance(output, str) else _text(output, f"{param}.output")
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
-        elif kind == "reasoning":
-            raise _bad("reasoning items are not supported: this model does not reason", f"{param}.type")
+        elif kind == "reasoning":  # an earlier turn's reasoning, sent back: the templates drop it
+            continue
         else:
             raise _bad(f"input items of type {kind!r} are not supported", f"{param}.type")
     return out
@@ -240,6 +241,8 @@ def chat_request(req: ResponsesRequest, data: dict[str, Any], turns: list[dict[s
         "parallel_tool_calls": req.parallel_tool_calls,
     }
     body.update({k: data[k] for k in CHAT_EXTENSIONS if data.get(k) is not None})
+    if (req.reasoning or {}).get("effort") is not None:
+        body["reasoning_effort"] = req.reasoning["effort"]  # given to the template, as a chat's is
     if req.tools:
         body["tools"] = chat_tools(req.tools)
     if req.tool_choice is not None:

@@ -26,6 +26,7 @@ from prefixserve.entrypoints.openai.responses import (
     item_status,
     message_item,
     new_id,
+    reasoning_item,
 )
 from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
 from prefixserve.outputs import RequestOutput
@@ -45,6 +46,7 @@ class ResponseEvents:
     sequence: int = 0
     items: list[dict[str, Any]] = field(default_factory=list)
     message: int | None = None  # output index of the message item still open
+    reasoning: int | None = None  # output index of the reasoning item still open
     call_at: int | None = None  # output index of the function call still open
     pending: list[Any] = field(default_factory=list)  # logprobs not yet sent with their text
     sent: int = 0  # tokens whose logprobs were sent or dropped
@@ -68,8 +70,10 @@ class ResponseEvents:
         delta = choice.get("delta") or {}
         if self.want_logprobs:
             self.pending += (choice.get("logprobs") or {}).get("content") or ()
+        if delta.get("reasoning_content"):
+            out += self._reasoning(delta["reasoning_content"])
         if delta.get("content"):
-            out += self._text(delta["content"])
+            out += self._close_reasoning() + self._text(delta["content"])
         for piece in delta.get("tool_calls") or ():
             out += self._call_piece(piece)
         if choice.get("finish_reason") is not None:
@@ -118,6 +122,33 @@ class ResponseEvents:
         out.append(self.event("response.output_text.delta", **fields, logprobs=logprobs))
         return out
 
+    def _reasoning(self, text: str) -> list[str]:
+        """A thinking model's reasoning (``reasoning.py``): its item opened first, then the delta."""
+        out = []
+        if self.reasoning is None:
+            index = self.reasoning = len(self.items)
+            item = reasoning_item(new_id("rs"), "", "in_progress")
+            self.items.append(item)
+            out.append(
+                self.event("response.output_item.added", output_index=index, item={**item, "content": []})
+            )
+        item = self.items[self.reasoning]
+        item["content"][0]["text"] += text
+        where = {"item_id": item["id"], "output_index": self.reasoning, "content_index": 0}
+        return [*out, self.event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _close_reasoning(self) -> list[str]:
+        index, self.reasoning = self.reasoning, None
+        if index is None:
+            return []
+        item = self.items[index]
+        item["status"] = "completed"
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            self.event("response.reasoning_text.done", **where, text=item["content"][0]["text"]),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
     def _close_message(self, status: str) -> list[str]:
         index, self.message = self.message, None
         if index is None:
@@ -142,7 +173,7 @@ class ResponseEvents:
         if "id" in piece:
             self.sent += len(self.pending)
             self.pending = []  # the calls' tokens: no text holds them
-            out += self._close_message("completed") + self._close_call()
+            out += self._close_reasoning() + self._close_message("completed") + self._close_call()
             index = self.call_at = len(self.items)
             item = call_item(new_id("fc"), piece["id"], fn["name"], "", "in_progress")
             self.items.append(item)
@@ -175,7 +206,9 @@ class ResponseEvents:
         """Every open item done; the logprobs still waiting go with the text (a last empty delta);
         an answer without any item (no token of text) is one empty message, as the non-streamed
         answer has it."""
-        out = self._open_message() if not self.items else []
+        out = self._close_reasoning()
+        if not any(item["type"] != "reasoning" for item in self.items):
+            out += self._open_message()
         if self.pending and self.message is not None:
             out += self._text("", rest=True)
         return out + self._close_message(status) + self._close_call()
@@ -204,9 +237,12 @@ class _AsEvents:
 
     events: ResponseEvents
 
-    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
+    def before(self, out: RequestOutput) -> list[str]:
         self.events.token_ids = out.outputs[0].token_ids  # one reply (a response has no n)
-        return super().update(prompt_index, out)  # type: ignore[misc]
+        return []
+
+    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
+        return self.before(out) + super().update(prompt_index, out)  # type: ignore[misc]
 
     def chunk(self, choices: list[dict[str, Any]]) -> str:
         return "".join(self.events.choice(c) for c in choices)

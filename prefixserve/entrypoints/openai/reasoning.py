@@ -1,0 +1,142 @@
+"""Reasoning outputs (vLLM's ``--reasoning-parser``): a thinking model's ``<think> ... </think>``
+apart from its answer, as ``reasoning_content`` (the DeepSeek API's name; ``reasoning`` too, vLLM's
+newer one) beside ``content``.
+
+One rule serves DeepSeek-R1 (and its Qwen and Llama distills, QwQ) and Qwen3: the reasoning runs
+from the start of the output, or from a leading ``<think>``, to ``</think>``, and the answer is what
+follows. A template that opens the ``<think>`` in the prompt (the R1 distills') makes the whole output
+reasoning until ``</think>``, even where ``max_tokens`` cut it first; otherwise an output that does
+not open with ``<think>`` has no reasoning at all. Tool calls and the answer's other reading happen
+on the answer alone. Streamed, the reasoning goes out as ``delta.reasoning_content`` as it settles
+(never a half tag), then the answer through the usual stream state (``ReasoningStream``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixserve.config import REASONING_PARSERS as PARSERS  # vLLM's names; both take the rule above
+from prefixserve.outputs import RequestOutput
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """How one chat's output is read: ``opened`` where its prompt ended inside ``<think>``."""
+
+    opened: bool
+
+    @classmethod
+    def for_prompt(cls, prompt: str) -> Thinking:
+        return cls(opened=prompt.rstrip().endswith(START))
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(the reasoning or None, the answer) of a whole output."""
+        head = text.lstrip()
+        if not self.opened and not head.startswith(START):
+            return None, text
+        body = head[len(START) :] if head.startswith(START) else text
+        at = body.find(END)
+        if at < 0:
+            return body, ""
+        return body[:at], body[at + len(END) :]
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Where one streamed choice stands: ``phase`` None (not known yet: the output may still open
+    with ``<think>``), "reasoning" from ``start`` on, or "answer" from ``start`` on."""
+
+    phase: str | None = None
+    start: int = 0
+    sent: int = 0  # reasoning characters sent (from ``start``)
+
+
+def _held(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` may be the start of ``tag`` (or half a character)."""
+    upto = len(text.rstrip("\ufffd"))
+    for k in range(min(len(tag) - 1, upto), 0, -1):
+        if text[:upto].endswith(tag[:k]):
+            return len(text) - upto + k
+    return len(text) - upto
+
+
+@dataclass
+class ReasoningSplit:
+    """Splits a stream's cumulative outputs: reasoning deltas out, the answer's text left."""
+
+    thinking: Thinking
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def advance(self, index: int, text: str, finished: bool) -> tuple[str, str | None]:
+        """(the reasoning settled since the last call, the answer's text so far or None while the
+        output is still reasoning, or may still open with ``<think>``)."""
+        state = self.choices.setdefault(index, _Choice())
+        if state.phase is None:
+            head = text.lstrip()
+            if head.startswith(START):
+                state.phase, state.start = "reasoning", len(text) - len(head) + len(START)
+            elif not finished and START.startswith(head):
+                return "", None  # nothing yet, or what may still be the tag
+            else:  # from the first character: reasoning where the prompt opened it, else the answer
+                state.phase = "reasoning" if self.thinking.opened else "answer"
+        if state.phase == "answer":
+            return "", text[state.start :]
+        body = text[state.start :]
+        at = body.find(END)
+        upto = at if at >= 0 else len(body) if finished else len(body) - _held(body, END)
+        delta, state.sent = body[state.sent : max(upto, state.sent)], max(upto, state.sent)
+        if at < 0:
+            return delta, "" if finished else None
+        state.phase, state.start = "answer", state.start + at + len(END)
+        return delta, text[state.start :]
+
+
+class ReasoningStream:
+    """Mixed in before a chat stream state: each choice's reasoning as ``reasoning_content`` deltas,
+    its answer through the state's own ``update`` (text, tool calls, logprobs, finish)."""
+
+    reasoning: ReasoningSplit
+    n: int
+
+    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
+        chunks: list[str] = self.before(out)  # type: ignore[attr-defined]
+        answers = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            delta, answer = self.reasoning.advance(index, c.text, c.finished)
+            if delta:
+                chunks.append(self.chunk([reasoning_choice(index, delta)]))  # type: ignore[attr-defined]
+            if answer is not None:
+                answers.append(dataclasses.replace(c, text=answer))
+        if answers:
+            shown = copy.copy(out)
+            shown.outputs = answers
+            chunks += super().update(prompt_index, shown)  # type: ignore[misc]
+        return chunks
+
+
+@functools.cache
+def reasoning_kind(kind: type) -> type:
+    """``kind`` (a stream state class) with its reasoning apart."""
+    return type(f"Reasoning{kind.__name__}", (ReasoningStream, kind), {})
+
+
+def reasoning_choice(index: int, text: str) -> dict[str, Any]:
+    delta = {"reasoning_content": text, "reasoning": text}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+def with_reasoning(message: dict[str, Any], reasoning: str) -> dict[str, Any]:
+    """A non-streamed chat message with its reasoning beside it (``content`` None where the answer
+    is empty, as vLLM answers)."""
+    return {**message, "content": message.get("content") or None, "reasoning_content": reasoning,
+            "reasoning": reasoning}  # fmt: skip
+
+
+__all__ = ["PARSERS", "ReasoningSplit", "ReasoningStream", "Thinking", "reasoning_kind", "with_reasoning"]

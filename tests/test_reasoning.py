@@ -1,0 +1,212 @@
+"""Reasoning outputs (``--reasoning-parser``): a thinking model's ``<think> ... </think>`` apart.
+
+Without a model: the split of whole outputs (opened by the template or by the output, closed or cut),
+the streamed split against it on random chunkings (never half a tag in a delta), and each API's
+answer streamed and not (chat ``reasoning_content``, a Responses reasoning item, an Anthropic thinking
+block), tool calls read from the answer alone. Live, with the tiny dummy model: a template that opens
+``<think>`` makes the whole output reasoning, streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message, RawMessageStreamEvent
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from prefixserve.config import EngineConfig
+from prefixserve.entrypoints.openai.anthropic_messages import prepare_message
+from prefixserve.entrypoints.openai.anthropic_stream import message_stream
+from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat, response_body, stream_state
+from prefixserve.entrypoints.openai.reasoning import ReasoningSplit, Thinking
+from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
+from prefixserve.entrypoints.openai.responses_stream import response_stream
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
+from prefixserve.model.byte_tokenizer import byte_tokenizer
+from prefixserve.outputs import CompletionOutput, RequestOutput
+
+TOKENIZER = byte_tokenizer()
+SPLITS = [  # (opened by the prompt, output) -> (reasoning, answer)
+    (False, "<think>Plan it.</think>The answer.", ("Plan it.", "The answer.")),
+    (False, "  <think>\nA</think>\n\nB", ("\nA", "\n\nB")),
+    (False, "No thinking here.", (None, "No thinking here.")),
+    (False, "<think>cut short", ("cut short", "")),
+    (True, "Plan it.</think>The answer.", ("Plan it.", "The answer.")),
+    (True, "still thinking </thi", ("still thinking </thi", "")),
+    (True, "<think>again</think>x", ("again", "x")),
+    (True, "", ("", "")),
+    (False, "", (None, "")),
+    (False, "<thin", (None, "<thin")),
+]
+
+
+@pytest.mark.parametrize(("opened", "text", "expected"), SPLITS)
+def test_whole_outputs_split(opened: bool, text: str, expected: tuple[str | None, str]) -> None:
+    assert Thinking(opened).split(text) == expected
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_stream_splits_as_the_whole_output(seed: int) -> None:
+    rng = random.Random(seed)
+    pieces = ["<think>", "</think>", "<", "</", "think", ">", " a", "b ", "\n", "é", "🚲", "<thi", "nk>"]
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+    opened = rng.random() < 0.5
+    split = ReasoningSplit(Thinking(opened))
+    cuts = [*sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6)))), len(text)]
+    reasoning, answers = "", []
+    for k, end in enumerate(cuts):
+        delta, answer = split.advance(0, text[:end], k == len(cuts) - 1)
+        assert END_TAG not in delta and not delta.endswith("</thin")
+        reasoning += delta
+        if answer is not None:
+            assert not answers or answer.startswith(answers[-1])  # the answer's text only grows
+            answers.append(answer)
+    whole_reasoning, whole_answer = Thinking(opened).split(text)
+    assert reasoning == (whole_reasoning or "") and answers[-1] == whole_answer, (text, opened)
+
+
+END_TAG = "</think>"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Lima?"}]
+OPENING = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}<think>\n"  # an R1 distill's way
+
+
+@pytest.fixture(scope="module")
+def ctx() -> OpenAIContext:
+    return OpenAIContext(model="m", tokenizer=TOKENIZER, system_prompts={}, reasoning_parser="deepseek_r1")
+
+
+def _output(text: str, finish: str | None) -> RequestOutput:
+    ids = list(TOKENIZER.encode(text, add_special_tokens=False))
+    return RequestOutput("r-0", None, [1, 2, 3], [CompletionOutput(0, text, ids, finish)], finish is not None)
+
+
+def _chunks(state: Any, text: str, finish: str) -> list[str]:
+    chunks = list(state.opening())
+    for end in range(1, len(text), 3):
+        chunks += state.update(0, _output(text[:end], None))
+    final = _output(text, finish)
+    return chunks + state.update(0, final) + state.closing([final])
+
+
+CASES = {
+    "thought then answer": ({}, "<think>Check the map.</think>It is sunny."),
+    "thought then a call": (
+        {"tools": [WEATHER]},
+        "<think>Use the tool.</think>\n"
+        '<tool_call>{"name": "weather", "arguments": {"city": "Lima"}}</tool_call>',
+    ),
+    "no thought": ({}, "Sunny."),
+    "cut while thinking": ({}, "<think>Hmm, let me"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chat_streams_reasoning_then_the_answer(ctx: OpenAIContext, case: str) -> None:
+    extra, text = CASES[case]
+    body = {"messages": ASK, **extra}
+    finish = "length" if "cut" in case else "stop"
+    whole = response_body(ctx, prepare_chat(ctx, body), [_output(text, finish)])["choices"][0]
+    events = [
+        json.loads(line[6:])
+        for chunk in _chunks(stream_state(ctx, prepare_chat(ctx, {**body, "stream": True})), text, finish)
+        for line in chunk.split("\n")
+        if line.startswith("data: {")
+    ]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    message = whole["message"]
+    assert reasoning == (message.get("reasoning_content") or "") and content == (message["content"] or "")
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)  # vLLM's newer name too
+    calls = [c for d in deltas for c in d.get("tool_calls") or ()]
+    if case == "thought then a call":
+        assert message["reasoning_content"] == "Use the tool." and whole["finish_reason"] == "tool_calls"
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["weather"] and calls
+    if case == "no thought":
+        assert "reasoning_content" not in message and message["content"] == "Sunny."
+    if case == "cut while thinking":
+        assert message["reasoning_content"] == "Hmm, let me" and message["content"] is None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_responses_and_messages_answer_the_reasoning(ctx: OpenAIContext, case: str) -> None:
+    extra, text = CASES[case]
+    finish = "length" if "cut" in case else "stop"
+    tools = [{"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}]
+    r_body = {"input": ASK[0]["content"], **({"tools": tools} if extra else {})}
+    answer = prepare_response(ctx, r_body, ResponseStore()).body([_output(text, finish)])
+    Response.model_validate(answer)
+    streamed_call = prepare_response(ctx, {**r_body, "stream": True}, ResponseStore())
+    events = [
+        json.loads(line[6:])
+        for chunk in _chunks(response_stream(streamed_call), text, finish)
+        for line in chunk.split("\n")
+        if line.startswith("data: ")
+    ]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
+    final = events[-1]["response"]["output"]
+    assert [i["type"] for i in final] == [i["type"] for i in answer["output"]]
+    reasoning = [i for i in answer["output"] if i["type"] == "reasoning"]
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert streamed == "".join(i["content"][0]["text"] for i in reasoning)
+    assert bool(reasoning) == (case != "no thought")
+    a_tools = [{"name": "weather", "input_schema": WEATHER["function"]["parameters"]}]
+    a_body = {"max_tokens": 64, "messages": ASK, **({"tools": a_tools} if extra else {})}
+    message = prepare_message(ctx, a_body).body([_output(text, finish)])
+    Message.model_validate(message)
+    state = message_stream(prepare_message(ctx, {**a_body, "stream": True}))
+    snapshot, bufs, adapter = None, {}, TypeAdapter(RawMessageStreamEvent)
+    for chunk in _chunks(state, text, finish):
+        for block in chunk.split("\n\n"):
+            if block:
+                payload = json.loads(block.split("\n")[1][6:])
+                snapshot = accumulate_event(
+                    event=adapter.validate_python(payload), current_snapshot=snapshot, json_bufs=bufs
+                )
+    assert snapshot is not None
+    kinds = [b["type"] for b in message["content"]]
+    assert [b["type"] for b in snapshot.to_dict()["content"]] == kinds
+    assert (kinds[0] == "thinking") == (case != "no thought")
+    thinking = [b["thinking"] for b in message["content"] if b["type"] == "thinking"]
+    assert thinking == [b["thinking"] for b in snapshot.to_dict()["content"] if b["type"] == "thinking"]
+
+
+def test_a_template_that_opens_the_thought(tiny_config_path: Path) -> None:
+    """Live: the prompt ends inside ``<think>``, so all the (dummy) output is reasoning, streamed or
+    not, and the plain server answers the same text as content."""
+    base = {
+        "model": f"dummy:{tiny_config_path}",
+        "device": "cpu",
+        "num_kv_blocks": 64,
+        "chat_template": OPENING,
+    }
+    chat = {"messages": ASK, "max_tokens": 8, "temperature": 0}
+    with (
+        ServerThread(build_app(EngineConfig(**base))) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as h,
+    ):
+        plain = h.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+    thinking = EngineConfig(**base, reasoning_parser="deepseek_r1")
+    with ServerThread(build_app(thinking)) as srv, httpx.Client(base_url=srv.url, timeout=60) as h:
+        got = h.post("/v1/chat/completions", json=chat).json()["choices"][0]
+        with h.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            deltas = [json.loads(ln[6:])["choices"] for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert got["message"]["reasoning_content"] == plain["content"] and got["message"]["content"] is None
+    streamed = "".join(c[0]["delta"].get("reasoning_content") or "" for c in deltas if c)
+    assert streamed == plain["content"]
