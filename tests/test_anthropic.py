@@ -16,24 +16,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import engine_checks
 import httpx
 import openai
 import pytest
-from anthropic.lib.streaming._messages import accumulate_event
-from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.openai.anthropic_messages import count_tokens, prepare_message
-from prefixserve.entrypoints.openai.anthropic_request import MessagesRequest, chat_messages
-from prefixserve.entrypoints.openai.anthropic_stream import message_stream
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat
-from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.server import ServerThread, build_app
-from prefixserve.model.byte_tokenizer import byte_tokenizer
-from prefixserve.outputs import CompletionOutput, RequestOutput
+anthropic = pytest.importorskip("anthropic")  # a test extra (the GPU image has none)
+from anthropic.lib.streaming._messages import accumulate_event  # noqa: E402
+from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent  # noqa: E402
+
+from prefixserve.config import EngineConfig  # noqa: E402
+from prefixserve.entrypoints.openai.anthropic_messages import count_tokens, prepare_message  # noqa: E402
+from prefixserve.entrypoints.openai.anthropic_request import MessagesRequest, chat_messages  # noqa: E402
+from prefixserve.entrypoints.openai.anthropic_stream import message_stream  # noqa: E402
+from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat  # noqa: E402
+from prefixserve.entrypoints.openai.protocol import APIError  # noqa: E402
+from prefixserve.entrypoints.openai.server import ServerThread, build_app  # noqa: E402
+from prefixserve.model.byte_tokenizer import byte_tokenizer  # noqa: E402
+from prefixserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 WEATHER = {
     "name": "weather",

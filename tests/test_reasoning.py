@@ -16,21 +16,28 @@ from typing import Any
 
 import httpx
 import pytest
-from anthropic.lib.streaming._messages import accumulate_event
-from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.openai.anthropic_messages import prepare_message
-from prefixserve.entrypoints.openai.anthropic_stream import message_stream
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat, response_body, stream_state
-from prefixserve.entrypoints.openai.reasoning import ReasoningSplit, Thinking
-from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
-from prefixserve.entrypoints.openai.responses_stream import response_stream
-from prefixserve.entrypoints.openai.server import ServerThread, build_app
-from prefixserve.model.byte_tokenizer import byte_tokenizer
-from prefixserve.outputs import CompletionOutput, RequestOutput
+anthropic = pytest.importorskip("anthropic")  # a test extra (the GPU image has none)
+from anthropic.lib.streaming._messages import accumulate_event  # noqa: E402
+from anthropic.types import Message, RawMessageStreamEvent  # noqa: E402
+
+from prefixserve.config import EngineConfig  # noqa: E402
+from prefixserve.entrypoints.openai.anthropic_messages import prepare_message  # noqa: E402
+from prefixserve.entrypoints.openai.anthropic_stream import message_stream  # noqa: E402
+from prefixserve.entrypoints.openai.prepare import (  # noqa: E402
+    OpenAIContext,
+    prepare_chat,
+    response_body,
+    stream_state,
+)
+from prefixserve.entrypoints.openai.reasoning import ReasoningSplit, Thinking  # noqa: E402
+from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response  # noqa: E402
+from prefixserve.entrypoints.openai.responses_stream import response_stream  # noqa: E402
+from prefixserve.entrypoints.openai.server import ServerThread, build_app  # noqa: E402
+from prefixserve.model.byte_tokenizer import byte_tokenizer  # noqa: E402
+from prefixserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 TOKENIZER = byte_tokenizer()
 SPLITS = [  # (opened by the prompt, output) -> (reasoning, answer)
