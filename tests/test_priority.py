@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import engine_checks
 import httpx
 import pytest
+import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
@@ -95,12 +96,16 @@ def test_requests_start_in_priority_order_with_the_same_text(tiny_config_path: P
         assert not engine.has_unfinished()
 
 
-def test_the_least_urgent_running_request_is_preempted(tiny_config_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_least_urgent_running_request_is_preempted(tiny_config_path: Path, device: str) -> None:
     """A pool too small for every request's output, the low-priority requests started first: the
     urgent ones, admitted last, are not the ones preempted (first come first served would take the
-    latest admitted); every text is still its greedy one."""
+    latest admitted); every text is still its greedy one. On CUDA: under decode graphs and steps
+    launched ahead."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     config = EngineConfig(
-        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=24, max_num_seqs=8,
+        model=f"dummy:{tiny_config_path}", device=device, dtype="float32", num_kv_blocks=24, max_num_seqs=8,
         scheduling_policy="priority",
     )  # fmt: skip
     engine = Engine(config, progress=False)
@@ -125,7 +130,9 @@ def test_the_least_urgent_running_request_is_preempted(tiny_config_path: Path) -
                 texts[out.request_id] = out.outputs[0].text
     assert preempted, "the pool was meant to be too small"
     assert all(prompts[rid][1] == 1 for rid in preempted)  # only the low-priority ones
-    alone = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, progress=False)
+    alone = LLM(
+        model=f"dummy:{tiny_config_path}", device=device, dtype="float32", num_kv_blocks=128, progress=False
+    )
     for rid, (prompt, _) in prompts.items():
         assert texts[rid] == alone.generate([prompt], params)[0].outputs[0].text
     assert engine_checks.blocks_in_use(engine) == 0
