@@ -98,10 +98,10 @@ def test_requests_start_in_priority_order_with_the_same_text(tiny_config_path: P
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_least_urgent_running_request_is_preempted(tiny_config_path: Path, device: str) -> None:
-    """A pool too small for every request's output, the low-priority requests started first: the
-    urgent ones, admitted last, are not the ones preempted (first come first served would take the
-    latest admitted); every text is still its greedy one. On CUDA: under decode graphs and steps
-    launched ahead."""
+    """A pool too small for every request's output, the low-priority requests started first: each
+    preemption takes the least urgent request running then, never an urgent one while a low-priority
+    one runs (first come first served would take the urgent ones, admitted last); every text is
+    still its greedy one. On CUDA: under decode graphs and steps launched ahead."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     config = EngineConfig(
@@ -115,6 +115,9 @@ def test_the_least_urgent_running_request_is_preempted(tiny_config_path: Path, d
     original = engine.scheduler._preempt
 
     def noting(seq, out):  # type: ignore[no-untyped-def]
+        key = (seq.request.priority, seq.request.arrival_time)
+        others = [(s.request.priority, s.request.arrival_time) for s in engine.scheduler.running]
+        assert key == max(others), "a more urgent request was preempted while a less urgent one ran"
         preempted.append(seq.request.request_id)
         original(seq, out)
 
@@ -128,8 +131,7 @@ def test_the_least_urgent_running_request_is_preempted(tiny_config_path: Path, d
         for out in engine.step():
             if out.finished:
                 texts[out.request_id] = out.outputs[0].text
-    assert preempted, "the pool was meant to be too small"
-    assert all(prompts[rid][1] == 1 for rid in preempted)  # only the low-priority ones
+    assert any(prompts[rid][1] == 1 for rid in preempted), "the pool was meant to be too small"
     alone = LLM(
         model=f"dummy:{tiny_config_path}", device=device, dtype="float32", num_kv_blocks=128, progress=False
     )
