@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from prefixserve import LLM
+from prefixserve.config import EngineConfig
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -92,6 +93,25 @@ def tiny_config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny") / "config.json"
     path.write_text(json.dumps(TINY_CONFIG))
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_config_path: Path) -> Iterator[Any]:
+    """A live server of the tiny dummy model on the CPU, one per test module (the server's packages
+    imported here, not at collection: the GPU image may lack them)."""
+    from prefixserve.entrypoints.openai.server import ServerThread, build_app
+
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=512, max_num_seqs=16)
+    with ServerThread(build_app(config)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tiny_openai(tiny_server: Any) -> Any:
+    """The official ``openai`` client of ``tiny_server``."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture

@@ -12,8 +12,6 @@ requests are 4xx in Anthropic's shape while the server keeps serving with its po
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import engine_checks
@@ -26,13 +24,12 @@ anthropic = pytest.importorskip("anthropic")  # a test extra (the GPU image has 
 from anthropic.lib.streaming._messages import accumulate_event  # noqa: E402
 from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent  # noqa: E402
 
-from prefixserve.config import EngineConfig  # noqa: E402
 from prefixserve.entrypoints.openai.anthropic_messages import count_tokens, prepare_message  # noqa: E402
 from prefixserve.entrypoints.openai.anthropic_request import MessagesRequest, chat_messages  # noqa: E402
 from prefixserve.entrypoints.openai.anthropic_stream import message_stream  # noqa: E402
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat  # noqa: E402
 from prefixserve.entrypoints.openai.protocol import APIError  # noqa: E402
-from prefixserve.entrypoints.openai.server import ServerThread, build_app  # noqa: E402
+from prefixserve.entrypoints.openai.server import ServerThread  # noqa: E402
 from prefixserve.model.byte_tokenizer import byte_tokenizer  # noqa: E402
 from prefixserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
@@ -324,30 +321,18 @@ def test_count_tokens_counts_the_prompt_that_runs(ctx: OpenAIContext) -> None:
 
 # ---- live --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_config_path: Path) -> Iterator[ServerThread]:
-    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=512, max_num_seqs=16)
-    with ServerThread(build_app(config)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def claude(server: ServerThread) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def chat(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+def claude(tiny_server: ServerThread) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=tiny_server.url, api_key="none", max_retries=0, timeout=120)
 
 
 _pool_empty = engine_checks.wait_server_pool_empty
 
 
 def test_a_message_is_the_chat_turn_it_stands_for(
-    claude: anthropic.Anthropic, chat: openai.OpenAI, server: ServerThread
+    claude: anthropic.Anthropic, tiny_openai: openai.OpenAI, tiny_server: ServerThread
 ) -> None:
     ask = "Tell me about the bicycles you sell."
-    c = chat.chat.completions.create(
+    c = tiny_openai.chat.completions.create(
         model="default",
         messages=[{"role": "system", "content": "You sell bicycles."}, {"role": "user", "content": ask}],
         max_completion_tokens=12,
@@ -384,15 +369,15 @@ def test_a_message_is_the_chat_turn_it_stands_for(
         )  # fmt: skip
         assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", seq)
         assert cut.content[0].text == text[: text.find(seq)]
-    _pool_empty(server)
+    _pool_empty(tiny_server)
 
 
 def test_prefill_and_tool_results_render_as_the_chat(
-    claude: anthropic.Anthropic, chat: openai.OpenAI, server: ServerThread
+    claude: anthropic.Anthropic, tiny_openai: openai.OpenAI, tiny_server: ServerThread
 ) -> None:
     prefill = [{"role": "user", "content": "Name a bicycle."}, {"role": "assistant", "content": "The best"}]
     m = claude.messages.create(model="default", max_tokens=6, extra_body=GREEDY, messages=prefill)
-    c = chat.chat.completions.create(
+    c = tiny_openai.chat.completions.create(
         model="default", messages=prefill, max_completion_tokens=6, temperature=0,
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     )  # fmt: skip
@@ -407,7 +392,7 @@ def test_prefill_and_tool_results_render_as_the_chat(
     m = claude.messages.create(
         model="default", max_tokens=4, extra_body=GREEDY, messages=turns, tools=[WEATHER]
     )
-    c = chat.chat.completions.create(
+    c = tiny_openai.chat.completions.create(
         model="default",
         messages=[
             turns[0],
@@ -421,11 +406,11 @@ def test_prefill_and_tool_results_render_as_the_chat(
         temperature=0,
     )  # fmt: skip
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == c.usage.prompt_tokens
-    _pool_empty(server)
+    _pool_empty(tiny_server)
 
 
 def test_errors_are_anthropics_and_the_server_keeps_serving(
-    claude: anthropic.Anthropic, server: ServerThread
+    claude: anthropic.Anthropic, tiny_server: ServerThread
 ) -> None:
     long = [{"role": "user", "content": "bicycle " * 3000}]  # over the tiny model's 2,048-token context
     with pytest.raises(anthropic.BadRequestError) as err:
@@ -445,14 +430,14 @@ def test_errors_are_anthropics_and_the_server_keeps_serving(
         model="default", max_tokens=2, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024}
     )
     assert thinks.usage.output_tokens == 2
-    with httpx.Client(base_url=server.url, timeout=60) as http:
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as http:
         got = http.post("/v1/messages", content=b"{not json")
         assert got.status_code == 400 and got.json()["type"] == "error", got.text
         got = http.post("/v1/messages/count_tokens", json={"messages": "hi"})
         assert got.status_code == 400 and got.json()["error"]["type"] == "invalid_request_error"
     ok = claude.messages.create(model="default", max_tokens=3, messages=ASK)
     assert ok.usage.output_tokens == 3
-    _pool_empty(server)
+    _pool_empty(tiny_server)
 
 
 def test_a_failure_mid_stream_is_an_error_event(ctx: OpenAIContext) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,14 +24,13 @@ import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.openai import responses as responses_mod
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
 from prefixserve.entrypoints.openai.responses_request import input_messages
 from prefixserve.entrypoints.openai.responses_stream import response_stream
-from prefixserve.entrypoints.openai.server import ServerThread, build_app
+from prefixserve.entrypoints.openai.server import ServerThread
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
@@ -410,27 +408,17 @@ def test_batch_rows_answer_as_the_server_does(tiny_config_path: Path, tmp_path: 
 
 
 # ---- live --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tiny_config_path: Path) -> Iterator[ServerThread]:
-    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=512, max_num_seqs=16)
-    with ServerThread(build_app(config)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
 _pool_empty = engine_checks.wait_server_pool_empty
 
 
-def test_a_response_is_the_chat_turn_it_stands_for(client: openai.OpenAI, server: ServerThread) -> None:
+def test_a_response_is_the_chat_turn_it_stands_for(
+    tiny_openai: openai.OpenAI, tiny_server: ServerThread
+) -> None:
     ask = "Tell me about the bicycles you sell."
-    r = client.responses.create(
+    r = tiny_openai.responses.create(
         model="default", instructions="You sell bicycles.", input=ask, max_output_tokens=12, temperature=0
     )
-    chat = client.chat.completions.create(
+    chat = tiny_openai.chat.completions.create(
         model="default",
         messages=[{"role": "system", "content": "You sell bicycles."}, {"role": "user", "content": ask}],
         max_completion_tokens=12,
@@ -445,7 +433,7 @@ def test_a_response_is_the_chat_turn_it_stands_for(client: openai.OpenAI, server
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert r.instructions == "You sell bicycles." and r.store is True
     events = list(
-        client.responses.create(
+        tiny_openai.responses.create(
             model="default",
             instructions="You sell bicycles.",
             input=ask,
@@ -457,17 +445,17 @@ def test_a_response_is_the_chat_turn_it_stands_for(client: openai.OpenAI, server
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == r.output_text == events[-1].response.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert client.responses.retrieve(events[-1].response.id).output_text == text
-    _pool_empty(server)
+    assert tiny_openai.responses.retrieve(events[-1].response.id).output_text == text
+    _pool_empty(tiny_server)
 
 
 def test_previous_response_id_goes_on_from_the_prefix_cache(
-    client: openai.OpenAI, server: ServerThread
+    tiny_openai: openai.OpenAI, tiny_server: ServerThread
 ) -> None:
-    first = client.responses.create(
+    first = tiny_openai.responses.create(
         model="default", input="Which bicycle for a city?", max_output_tokens=8, temperature=0
     )
-    second = client.responses.create(
+    second = tiny_openai.responses.create(
         model="default",
         input="And for mountains?",
         previous_response_id=first.id,
@@ -479,13 +467,13 @@ def test_previous_response_id_goes_on_from_the_prefix_cache(
         {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And for mountains?"},
     ]
-    chat = client.chat.completions.create(
+    chat = tiny_openai.chat.completions.create(
         model="default", messages=whole, max_completion_tokens=8, temperature=0
     )
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.usage.input_tokens_details.cached_tokens > 0 and second.previous_response_id == first.id
-    listed = client.responses.input_items.list(second.id)
+    listed = tiny_openai.responses.input_items.list(second.id)
     assert [i.content[0].text for i in listed.data] == ["And for mountains?"]
     replay = [
         {"role": "user", "content": [{"type": "text", "text": "Which bicycle for a city?"}]},
@@ -493,8 +481,8 @@ def test_previous_response_id_goes_on_from_the_prefix_cache(
         {"type": "function_call", "call_id": "call_9", "name": "weather", "arguments": {"city": "Lima"}},
         {"type": "function_call_output", "call_id": "call_9", "output": "sunny"},
     ]
-    third = client.responses.create(model="default", input=replay, max_output_tokens=2)
-    page = httpx.get(f"{server.url}/v1/responses/{third.id}/input_items?order=asc", timeout=60).json()
+    third = tiny_openai.responses.create(model="default", input=replay, max_output_tokens=2)
+    page = httpx.get(f"{tiny_server.url}/v1/responses/{third.id}/input_items?order=asc", timeout=60).json()
     ResponseItemList.model_validate(page)  # the SDK's models: statuses, output_text for the assistant
     assert [i["type"] for i in page["data"]] == [
         "message",
@@ -503,30 +491,32 @@ def test_previous_response_id_goes_on_from_the_prefix_cache(
         "function_call_output",
     ]
     assert page["data"][1]["content"][0]["type"] == "output_text"
-    client.responses.delete(first.id)
+    tiny_openai.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(first.id)
+        tiny_openai.responses.retrieve(first.id)
     with pytest.raises(openai.BadRequestError) as err:  # as OpenAI answers it
-        client.responses.create(model="default", input="more?", previous_response_id=first.id)
+        tiny_openai.responses.create(model="default", input="more?", previous_response_id=first.id)
     assert err.value.body["param"] == "previous_response_id"
-    unstored = client.responses.create(model="default", input="hi", max_output_tokens=2, store=False)
+    unstored = tiny_openai.responses.create(model="default", input="hi", max_output_tokens=2, store=False)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(unstored.id)
-    _pool_empty(server)
+        tiny_openai.responses.retrieve(unstored.id)
+    _pool_empty(tiny_server)
 
 
-def test_function_call_results_continue_the_conversation(client: openai.OpenAI, server: ServerThread) -> None:
+def test_function_call_results_continue_the_conversation(
+    tiny_openai: openai.OpenAI, tiny_server: ServerThread
+) -> None:
     """A function call and its output sent back as items render as the chat's tool turns do."""
     items = [
         {"role": "user", "content": "Weather in Lima?"},
         {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Lima"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 24 C"},
     ]
-    r = client.responses.create(
+    r = tiny_openai.responses.create(
         model="default", input=items, tools=[WEATHER], max_output_tokens=6, temperature=0
     )
-    chat = client.chat.completions.create(
+    chat = tiny_openai.chat.completions.create(
         model="default",
         messages=[
             items[0],
@@ -540,7 +530,7 @@ def test_function_call_results_continue_the_conversation(client: openai.OpenAI, 
     )  # fmt: skip
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.tools[0].name == "weather"
-    _pool_empty(server)
+    _pool_empty(tiny_server)
 
 
 def _polled(client: openai.OpenAI, rid: str, timeout: float = 60) -> Response:
@@ -553,43 +543,49 @@ def _polled(client: openai.OpenAI, rid: str, timeout: float = 60) -> Response:
         time.sleep(0.05)
 
 
-def test_background_responses_are_polled_and_cancelled(client: openai.OpenAI, server: ServerThread) -> None:
+def test_background_responses_are_polled_and_cancelled(
+    tiny_openai: openai.OpenAI, tiny_server: ServerThread
+) -> None:
     ask = {"model": "default", "input": "Which bicycle for a city?", "max_output_tokens": 8, "temperature": 0}
-    queued = client.responses.create(**ask, background=True)
+    queued = tiny_openai.responses.create(**ask, background=True)
     assert queued.status == "queued" and queued.background is True and queued.output == []
-    done = _polled(client, queued.id)
-    foreground = client.responses.create(**ask)
+    done = _polled(tiny_openai, queued.id)
+    foreground = tiny_openai.responses.create(**ask)
     assert done.status in ("completed", "incomplete") and done.output_text == foreground.output_text
     assert done.usage.output_tokens == foreground.usage.output_tokens
-    then = client.responses.create(
+    then = tiny_openai.responses.create(
         model="default", input="Why?", previous_response_id=done.id, max_output_tokens=2
     )
     assert then.usage.input_tokens > done.usage.input_tokens  # goes on from the background turn
     with pytest.raises(openai.BadRequestError):  # a foreground response has nothing to cancel
-        client.responses.cancel(foreground.id)
+        tiny_openai.responses.cancel(foreground.id)
     long = {
         "model": "default",
         "input": "Ride on.",
         "max_output_tokens": 1500,
         "extra_body": {"ignore_eos": True},
     }
-    running = client.responses.create(**long, background=True)
+    running = tiny_openai.responses.create(**long, background=True)
     with pytest.raises(openai.BadRequestError) as err:  # still running: no output to go on from
-        client.responses.create(model="default", input="and?", previous_response_id=running.id)
+        tiny_openai.responses.create(model="default", input="and?", previous_response_id=running.id)
     assert "previous_response_id" in str(err.value.body)
-    cancelled = client.responses.cancel(running.id)
-    assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
-    assert client.responses.cancel(running.id).status == "cancelled"  # twice: harmless
-    deleted = client.responses.create(**long, background=True)
-    client.responses.delete(deleted.id)  # stops it too
+    cancelled = tiny_openai.responses.cancel(running.id)
+    assert (
+        cancelled.status == "cancelled" and tiny_openai.responses.retrieve(running.id).status == "cancelled"
+    )
+    assert tiny_openai.responses.cancel(running.id).status == "cancelled"  # twice: harmless
+    deleted = tiny_openai.responses.create(**long, background=True)
+    tiny_openai.responses.delete(deleted.id)  # stops it too
     with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(deleted.id)
-    _pool_empty(server)  # the cancelled runs' blocks are free
-    assert len(server.app.state.server.background) == 0
+        tiny_openai.responses.retrieve(deleted.id)
+    _pool_empty(tiny_server)  # the cancelled runs' blocks are free
+    assert len(tiny_server.app.state.server.background) == 0
 
 
-def test_errors_over_http_and_the_server_keeps_serving(server: ServerThread, client: openai.OpenAI) -> None:
-    with httpx.Client(base_url=server.url, timeout=60) as http:
+def test_errors_over_http_and_the_server_keeps_serving(
+    tiny_server: ServerThread, tiny_openai: openai.OpenAI
+) -> None:
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as http:
         long_input = "bicycle " * 3000  # over the tiny model's 2,048-token context
         for body, param in [
             ({"input": long_input}, "input"),
@@ -613,6 +609,6 @@ def test_errors_over_http_and_the_server_keeps_serving(server: ServerThread, cli
         ]
         cut = http.post("/v1/responses", json={"input": turns, "truncation": "auto", "max_output_tokens": 4})
         assert cut.status_code == 200 and cut.json()["usage"]["input_tokens"] < 100, cut.text
-    ok = client.responses.create(model="default", input="still there?", max_output_tokens=3)
+    ok = tiny_openai.responses.create(model="default", input="still there?", max_output_tokens=3)
     assert ok.usage.output_tokens == 3
-    _pool_empty(server)
+    _pool_empty(tiny_server)

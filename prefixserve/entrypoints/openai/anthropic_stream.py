@@ -26,6 +26,7 @@ from prefixserve.entrypoints.openai.anthropic_messages import (
     thinking_block,
     tool_input,
 )
+from prefixserve.entrypoints.openai.event_stream import AsEvents
 from prefixserve.entrypoints.openai.prepare import stream_state
 from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
 from prefixserve.outputs import RequestOutput
@@ -47,7 +48,10 @@ class MessageEvents:
     arguments: str = ""  # the open tool_use block's arguments so far (sent whole when it closes)
     reason: str | None = None  # the chat's finish reason
 
-    def start(self, out: RequestOutput) -> list[str]:
+    def opening(self) -> list[str]:
+        return []  # message_start goes with the first output (``before``), which has the usage
+
+    def before(self, out: RequestOutput) -> list[str]:
         """``message_start`` with the first output: the prompt's usage is known from it."""
         if self.started:
             return []
@@ -119,40 +123,13 @@ class MessageEvents:
         return event("error", {"error": error_of(err.get("type"), str(err.get("message")))})
 
 
-class _AsEvents:
-    """Sends a chat stream state's choices as a message's events (mixed in before the state)."""
-
-    events: MessageEvents
-
-    def before(self, out: RequestOutput) -> list[str]:
-        return self.events.start(out)  # message_start, once: the first output has the prompt's usage
-
-    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
-        return self.before(out) + super().update(prompt_index, out)  # type: ignore[misc]
-
-    def chunk(self, choices: list[dict[str, Any]]) -> str:
-        return "".join(self.events.choice(c) for c in choices)
-
-    def _plain_chunk(self, index: int, delta: str, finish: str | None) -> str:
-        return self.events.choice({"delta": {"content": delta} if delta else {}, "finish_reason": finish})
-
-    def opening(self) -> list[str]:
-        return []  # message_start goes with the first output (``update``), which has the usage
-
-    def closing(self, finals: list[RequestOutput]) -> list[str]:
-        return self.events.closing(finals)
-
-    def error_event(self, error: dict[str, Any]) -> str:
-        return self.events.failed(error)
-
-
 @dataclass
-class MessageStream(_AsEvents, fmt.StreamState):
+class MessageStream(AsEvents, fmt.StreamState):
     events: Any = field(default=None)
 
 
 @dataclass
-class MessageToolStream(_AsEvents, ToolStreamState):
+class MessageToolStream(AsEvents, ToolStreamState):
     events: Any = field(default=None)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.event_stream import AsEvents
 from prefixserve.entrypoints.openai.prepare import stream_state
 from prefixserve.entrypoints.openai.responses import (
     ResponseCall,
@@ -57,6 +58,10 @@ class ResponseEvents:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def before(self, out: RequestOutput) -> list[str]:
+        self.token_ids = out.outputs[0].token_ids  # one reply (a response has no n)
+        return []
 
     def opening(self) -> list[str]:
         body = self.call.skeleton("in_progress")
@@ -232,41 +237,13 @@ class ResponseEvents:
         ) + self.event("response.failed", response=body)
 
 
-class _AsEvents:
-    """Sends a chat stream state's choices as a response's events (mixed in before the state)."""
-
-    events: ResponseEvents
-
-    def before(self, out: RequestOutput) -> list[str]:
-        self.events.token_ids = out.outputs[0].token_ids  # one reply (a response has no n)
-        return []
-
-    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
-        return self.before(out) + super().update(prompt_index, out)  # type: ignore[misc]
-
-    def chunk(self, choices: list[dict[str, Any]]) -> str:
-        return "".join(self.events.choice(c) for c in choices)
-
-    def _plain_chunk(self, index: int, delta: str, finish: str | None) -> str:
-        return self.events.choice({"delta": {"content": delta} if delta else {}, "finish_reason": finish})
-
-    def opening(self) -> list[str]:
-        return self.events.opening()
-
-    def closing(self, finals: list[RequestOutput]) -> list[str]:
-        return self.events.closing(finals)
-
-    def error_event(self, error: dict[str, Any]) -> str:
-        return self.events.failed(error)
-
-
 @dataclass
-class ResponseStream(_AsEvents, fmt.StreamState):
+class ResponseStream(AsEvents, fmt.StreamState):
     events: Any = None
 
 
 @dataclass
-class ResponseToolStream(_AsEvents, ToolStreamState):
+class ResponseToolStream(AsEvents, ToolStreamState):
     events: Any = None
 
 
