@@ -168,3 +168,29 @@ def test_offline_generate_takes_a_priority_per_prompt(tiny_config_path: Path) ->
     assert finished[2] < finished[1] < finished[0]  # one at a time, the smallest value first
     with pytest.raises(ValueError, match="priority has 1 values for 2 prompts"):
         llm.generate(["a", "b"], params, priority=[1])
+
+
+def test_admission_counts_only_those_sorting_before(tiny_config_path: Path) -> None:
+    """The queue deadline's wait estimate, at arrival and between steps, counts the requests ahead in
+    the queue's order: an urgent request behind ten low-priority ones is admitted and kept."""
+    from prefixserve.engine.admission import Admission, AdmissionLimits
+
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, max_num_seqs=1,
+        scheduling_policy="priority",
+    )  # fmt: skip
+    engine = Engine(config, progress=False)
+    now = [100.0]
+    admission = Admission(engine, AdmissionLimits(100, 0), clock=lambda: now[0])
+    admission.rate, admission.token_rate = 1.0, 1e9  # one request starts a second
+    params = SamplingParams(max_tokens=50, temperature=0.0)
+    engine.add_request("running", "x", params, admit=admission.gate())
+    engine.step()
+    for i in range(10):
+        engine.add_request(f"low{i}", f"low {i}", params, priority=5, admit=admission.gate())
+    engine.add_request("urgent", "urgent", params, priority=-5, admit=admission.gate(deadline=now[0] + 5.0))
+    assert engine.scheduler.waiting[0].request.request_id == "urgent"
+    admission.before_step()  # ten seconds of queue in arrival order, none ahead in the queue's
+    assert "urgent" in engine.requests
+    for rid in list(engine.requests):
+        engine.abort(rid)

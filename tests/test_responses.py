@@ -11,10 +11,12 @@ field, and the server keeps serving with its pool empty.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import engine_checks
@@ -28,6 +30,7 @@ from prefixserve.entrypoints.openai import responses as responses_mod
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
+from prefixserve.entrypoints.openai.responses_background import BackgroundRuns, FirstOutput
 from prefixserve.entrypoints.openai.responses_request import input_messages
 from prefixserve.entrypoints.openai.responses_stream import response_stream
 from prefixserve.entrypoints.openai.server import ServerThread
@@ -322,6 +325,52 @@ def test_background_responses_need_a_store_and_an_end(ctx: OpenAIContext) -> Non
     running.body([_output("Done.", "stop")])
     then = prepare_response(ctx, {"input": "and?", "previous_response_id": running.rid}, store)
     assert [m["content"] for m in then.history] == ["hi", "Done.", "and?"]
+
+
+def test_a_running_background_response_is_never_evicted() -> None:
+    """The store's bounds drop ended responses only: one still queued or in progress stays
+    pollable and cancellable (past the bound if it must)."""
+    store = ResponseStore(max_responses=2)
+    store.put("running", {"status": "in_progress"}, [], [])
+    for i in range(3):
+        store.put(f"done{i}", {"status": "completed"}, [], [])
+    assert store.get("running") is not None and store.get("done0") is None and len(store) == 2
+    store.put("queued", {"status": "queued"}, [], [])
+    store.put("done9", {"status": "completed"}, [], [])
+    assert store.get("running") and store.get("queued") and len(store) == 2  # at the bound with running ones:
+    assert store.get("done9") is None  # an ended one is not kept
+
+
+def test_a_background_run_cancelled_before_it_ran() -> None:
+    """Cancelled in the turn it started (a shutdown, a DELETE at once): its collecting still stops
+    (aborting the engine's requests on its way out) and the response reads cancelled."""
+    stopped: list[str] = []
+
+    async def collecting() -> None:
+        await asyncio.sleep(3600)  # cancelled before its first step: its body never runs
+
+    class Call(SimpleNamespace):
+        def skeleton(self, status: str) -> dict[str, Any]:
+            return {"id": self.rid, "status": status, "background": True}
+
+    async def main() -> None:
+        store, runs = ResponseStore(), BackgroundRuns()
+        call = Call(rid="resp_x", store=store, history=[], req=SimpleNamespace(input="hi"))
+        sink = FirstOutput()
+        answered = runs.start(call, sink, collecting(), lambda: stopped.append("aborted"))  # type: ignore[arg-type]
+        assert answered["status"] == "queued"
+        runs.cancel_all()
+        await asyncio.sleep(0.05)
+        assert store.get("resp_x").body["status"] == "cancelled" and stopped == ["aborted"] and len(runs) == 0
+        later = Call(rid="resp_y", store=store, history=[], req=SimpleNamespace(input="hi"))
+        sink = FirstOutput()
+        runs.start(later, sink, collecting(), lambda: stopped.append("aborted"))  # type: ignore[arg-type]
+        sink.put_nowait(None)  # its first output: it has started
+        assert store.get("resp_y").body["status"] == "in_progress"
+        await runs.cancel("resp_y")
+        assert store.get("resp_y").body["status"] == "cancelled" and stopped == ["aborted"] * 2
+
+    asyncio.run(main())
 
 
 def test_store_drops_the_least_recently_used() -> None:

@@ -267,6 +267,7 @@ class Admission:
         self.new_token_share = 1.0  # smoothed share of a new prompt's tokens it adds to the queue
         self.decided = 0  # the highest arrival number seen (``admit``'s ``arrival``)
         self._waiting: dict[str, _Waiting] = {}  # admitted, not started, in arrival order
+        self._priorities = False  # a request with a priority other than 0 was admitted
         self._claimed: dict[bytes, int] = {}  # digest -> how many waiting prompts hold that block
         self._last_tick = clock()
         self._last_computed = self._computed()
@@ -315,11 +316,14 @@ class Admission:
                 f"tokens still to compute and this one adds {tokens} (the bound is {self.max_tokens})",
             )
         now, estimate = self.clock(), None
-        if deadline is not None:
-            estimate = self._wait(waiting, self.waiting_tokens, now)
+        if deadline is not None:  # under the priority policy only those sorting before it are ahead
+            behind = [w for w in self._waiting.values() if w.req.priority > req.priority]
+            ahead_tokens = self.waiting_tokens - sum(w.tokens for w in behind)
+            estimate = self._wait(waiting - len(behind), ahead_tokens, now)
             missed = deadline_missed(estimate, deadline - now, self.lateness.slack())
             if missed is not None:
                 self._refuse("deadline", missed)
+        self._priorities = self._priorities or req.priority != 0
         self._waiting[req.request_id] = _Waiting(req, tokens, digests, deadline, now, estimate, waiting)
         self.waiting_tokens += tokens
         claimed = self._claimed
@@ -380,7 +384,10 @@ class Admission:
         ahead = ahead_tokens = 0  # still waiting, ahead of the one looked at
         done: list[tuple[str, _Waiting]] = []
         expired: list[tuple[str, _Waiting, int]] = []  # with the requests then ahead of it
-        for rid, w in self._waiting.items():
+        books = self._waiting.items()
+        if self._priorities:  # the queue's order: priority, then arrival (scheduler/policy.py)
+            books = sorted(books, key=lambda item: (item[1].req.priority, item[1].req.arrival_time))
+        for rid, w in books:
             req = w.req
             if requests.get(rid) is not req:  # ended while waiting (aborted), or ran and finished
                 done.append((rid, w))

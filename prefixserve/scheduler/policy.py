@@ -53,7 +53,7 @@ class PriorityFirst:
 
     def victim(self, running: Seq[Sequence]) -> Sequence:
         """The least urgent (latest in the queue's order), even one already planned this step."""
-        return max(running, key=_order)
+        return max(reversed(running), key=_order)  # ties (a request's n samples): the latest admitted
 
 
 def check_priority(priority: object, policy: str) -> None:

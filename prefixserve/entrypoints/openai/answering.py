@@ -73,9 +73,11 @@ async def submit(
     sink: asyncio.Queue[RequestOutput],
     deadline: float | None = None,
     started: float | None = None,
+    progress: bool | None = None,
 ) -> list[str]:
     """Queue one engine request per prompt; on a refusal, abort the ones already queued. ``started``:
-    when the route began (the "intake" stage ends as each is handed to the engine)."""
+    when the route began (the "intake" stage ends as each is handed to the engine); ``progress``:
+    outputs every step, not only the last (default: where the request streams)."""
     ids: list[str] = []
     req, params, prompt_field = prep.req, prep.params, prep.prompt_field
     application = prep.application
@@ -84,8 +86,11 @@ async def submit(
         for prompt in prep.prompts:  # ids, known for free: one that can never run is a 400, not a 429
             if not isinstance(prompt, str):
                 _check_fits(state, prep, truncated(prep, prompt, state.max_model_len))
+        # the gate's wait estimate counts the whole queue ahead: a request with a priority of its own
+        # (which may pass those waiting) is left to the engine's books, which know the order
+        gate_deadline = deadline if req.priority == 0 else None
         if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
-            state.gate.check(deadline)
+            state.gate.check(gate_deadline)
         encoded = await asyncio.gather(*(_tokenize(state, prep, t) for t in texts if t is not None))
         encoded_iter = iter(encoded)
         # the engine's ids: unique even where clients name two requests alike (``request_id``)
@@ -99,7 +104,7 @@ async def submit(
             if text is not None and tokens is not None:
                 _check_fits(state, prep, tokens)
             # refused here at once when the engine's last published queue says so (overload.py)
-            arrival = None if state.gate is None else state.gate.admit(_length(tokens), deadline)
+            arrival = None if state.gate is None else state.gate.admit(_length(tokens), gate_deadline)
             await state.loop.add(
                 sub_id,
                 text,
@@ -110,7 +115,7 @@ async def submit(
                 application=application,
                 module_recompute=req.module_recompute,
                 priority=req.priority,
-                stream=req.stream,
+                stream=req.stream if progress is None else progress,
                 deadline=deadline,
                 arrival=arrival,
                 started=started,

@@ -42,6 +42,7 @@ from prefixserve.outputs import RequestOutput
 MAX_STORED = 1024  # responses kept for previous_response_id (oldest dropped first)
 MAX_STORED_CHARS = 64 << 20  # and at most this many characters of their conversations
 FINISHED = ("completed", "incomplete")  # statuses of a stored response that a conversation goes on from
+ACTIVE = ("queued", "in_progress")  # a background response's statuses while it may still change
 
 
 def new_id(kind: str) -> str:
@@ -103,8 +104,15 @@ class ResponseStore:
             self._drop(rid)
             self._items[rid] = StoredResponse(body, history, input_items, chars)
             self._chars += chars
-            while self._items and (len(self._items) > self.max_responses or self._chars > self.max_chars):
-                self._drop(next(iter(self._items)))
+            while len(self._items) > self.max_responses or self._chars > self.max_chars:
+                # the least recently used that has ended: a background one still running stays
+                # pollable and cancellable, past the bounds if need be (the engine bounds those)
+                ended = next(
+                    (r for r, item in self._items.items() if item.body.get("status") not in ACTIVE), None
+                )
+                if ended is None:
+                    break
+                self._drop(ended)
 
     def delete(self, rid: str) -> bool:
         with self._lock:

@@ -11,59 +11,87 @@ its blocks. Not streamed; not kept across a restart, as the store is not.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from prefixserve.entrypoints.openai.engine_thread import StreamSink
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.responses import ResponseCall, input_items
 from prefixserve.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
-ACTIVE = ("queued", "in_progress")  # a background response's statuses while it may still change
 # a failure's error code as the Responses API names it, by the server's error type
 FAILURE_CODES = {"rate_limit_error": "rate_limit_exceeded", "invalid_request_error": "invalid_prompt"}
+
+
+class FirstOutput(StreamSink):
+    """A background response's sink: notes its first output (the request has started: the
+    response leaves ``queued`` for ``in_progress``). Never resumed, so the engine builds that one
+    progress output and then only the final one (``StreamSink``'s backpressure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: Callable[[], None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        if self.started is not None:
+            self.started, started = None, self.started
+            started()
+        super().put_nowait(item)
 
 
 class BackgroundRuns:
     """The background responses running in this process, by response id."""
 
     def __init__(self) -> None:
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # response id -> (the run, its collecting of the engine's outputs)
+        self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Future[Any]]] = {}
 
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def start(self, call: ResponseCall, finals: Awaitable[list[RequestOutput] | None]) -> dict[str, Any]:
-        """Store the response as ``queued`` and run on until ``finals`` (its queued engine work's
-        final outputs) are in; the ``queued`` body is the create request's answer."""
+    def start(
+        self,
+        call: ResponseCall,
+        sink: FirstOutput,
+        finals: Awaitable[list[RequestOutput] | None],
+        abort: Callable[[], None],
+    ) -> dict[str, Any]:
+        """Store the response as ``queued`` (``in_progress`` from its first output on) and run on
+        until ``finals`` (its queued engine work's final outputs, from ``sink``) are in; the
+        ``queued`` body is the create request's answer. Cancelled at any point, even before it
+        ever ran, it calls ``abort`` (the engine's requests stop and free their blocks)."""
         body = call.skeleton("queued")
         self._put(call, body)
-        task = asyncio.get_running_loop().create_task(self._run(call, finals))
-        self._tasks[call.rid] = task
-        task.add_done_callback(lambda _: self._tasks.pop(call.rid, None))
+        sink.started = lambda: self._put(call, call.skeleton("in_progress"))
+        collecting = asyncio.ensure_future(finals)
+        task = asyncio.get_running_loop().create_task(self._run(call, collecting))
+        self._tasks[call.rid] = (task, collecting)
+
+        def ended(done: asyncio.Task[None]) -> None:
+            self._tasks.pop(call.rid, None)
+            if done.cancelled():  # also before it ever ran: nothing else stops the collecting
+                collecting.cancel()
+                abort()
+                self._put(call, call.skeleton("cancelled"))
+
+        task.add_done_callback(ended)
         return body
 
     async def _run(self, call: ResponseCall, finals: Awaitable[list[RequestOutput] | None]) -> None:
-        self._put(call, call.skeleton("in_progress"))
         try:
             done = await finals
-        except asyncio.CancelledError:  # cancelled: the engine's requests were aborted on the way out
-            self._put(call, call.skeleton("cancelled"))
-            raise
+            if done is None or any(c.finish_reason == "abort" for f in done for c in f.outputs):
+                self._put(call, call.skeleton("cancelled"))  # aborted by the server (shutting down)
+                return
+            call.body(done)  # stored as a foreground response is: completed or incomplete
         except APIError as exc:
             self._failed(call, FAILURE_CODES.get(exc.type, "server_error"), exc.message)
-            return
         except Exception as exc:  # the task's own failure: recorded, never lost in the event loop
             log.exception("background response %s failed", call.rid)
             self._failed(call, "server_error", f"internal error: {type(exc).__name__}")
-            return
-        if done is None or any(c.finish_reason == "abort" for f in done for c in f.outputs):
-            self._put(call, call.skeleton("cancelled"))  # aborted by the server (shutting down)
-            return
-        call.body(done)  # stored as a foreground response is: completed or incomplete
 
     def _failed(self, call: ResponseCall, code: str, message: str) -> None:
         body = call.skeleton("failed")
@@ -78,17 +106,17 @@ class BackgroundRuns:
     async def cancel(self, rid: str) -> None:
         """Stop a running background response (its stored status becomes ``cancelled``); nothing
         for one that has finished."""
-        task = self._tasks.get(rid)
-        if task is None:
+        running = self._tasks.get(rid)
+        if running is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for part in running:
+            part.cancel()
+        await asyncio.gather(*running, return_exceptions=True)  # the engine's requests are aborted
 
     def cancel_all(self) -> None:
         """At shutdown: every run is cancelled (each aborts its engine requests)."""
-        for task in list(self._tasks.values()):
+        for task, _ in list(self._tasks.values()):
             task.cancel()
 
 
-__all__ = ["ACTIVE", "BackgroundRuns"]
+__all__ = ["BackgroundRuns", "FirstOutput"]

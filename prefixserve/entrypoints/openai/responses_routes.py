@@ -20,9 +20,9 @@ from prefixserve.entrypoints.openai.overload import queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
 from prefixserve.entrypoints.openai.responses import ResponseCall, StoredResponse, prepare_response
+from prefixserve.entrypoints.openai.responses_background import FirstOutput
 from prefixserve.entrypoints.openai.responses_request import renamed
 from prefixserve.entrypoints.openai.responses_stream import response_stream
-from prefixserve.outputs import RequestOutput
 
 RESPONSES_ROUTE = "/v1/responses"
 MAX_LIST = 100  # input items in one page
@@ -36,14 +36,15 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
     return found
 
 
-async def _start_background(
-    state: ServerState, call: ResponseCall, deadline: float | None, started: float
-) -> Response:
+async def _start_background(state: ServerState, call: ResponseCall, started: float) -> Response:
     """Queue a background response now (a refusal answers this request) and answer it ``queued``;
-    its answer is collected by a task, whoever is still connected."""
-    sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    ids = await submit(state, call.prep, sink, deadline, started)
-    return JSONResponse(state.background.start(call, collect(state, _never_gone, ids, sink)))
+    its answer is collected by a task, whoever is still connected. No queue deadline: it is the
+    work a client chose to wait for."""
+    sink = FirstOutput()
+    ids = await submit(state, call.prep, sink, None, started, progress=True)  # the first: in_progress
+    finals = collect(state, _never_gone, ids, sink)
+    body = state.background.start(call, sink, finals, lambda: [state.loop.abort(i) for i in ids])
+    return JSONResponse(body)
 
 
 async def _never_gone() -> bool:
@@ -62,7 +63,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         call = await asyncio.to_thread(ready) if auto else ready()
         try:
             if call.req.background:
-                return await _start_background(state, call, deadline, started)
+                return await _start_background(state, call, started)
             stream = partial(response_stream, call)
             return await answer(state, request, call.prep, deadline, started, stream, call.body)
         except APIError as exc:  # the chat's field names, as this API names them
