@@ -212,8 +212,49 @@ def test_a_template_that_opens_the_thought(tiny_config_path: Path) -> None:
     thinking = EngineConfig(**base, reasoning_parser="deepseek_r1")
     with ServerThread(build_app(thinking)) as srv, httpx.Client(base_url=srv.url, timeout=60) as h:
         got = h.post("/v1/chat/completions", json=chat).json()["choices"][0]
+        shaped = h.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
+        assert shaped.status_code == 200, shaped.text  # the grammar after the thought compiles and runs
         with h.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
             deltas = [json.loads(ln[6:])["choices"] for ln in r.iter_lines() if ln.startswith("data: {")]
     assert got["message"]["reasoning_content"] == plain["content"] and got["message"]["content"] is None
     streamed = "".join(c[0]["delta"].get("reasoning_content") or "" for c in deltas if c)
     assert streamed == plain["content"]
+
+
+@pytest.mark.parametrize("how", ["opened", "optional"])
+def test_a_constraint_holds_after_the_thought(how: str) -> None:
+    """With a reasoning parser, a chat's structured output is the answer's: free reasoning up to
+    ``</think>`` first (the prompt's open one, or one the output opens), then the grammar."""
+    xgr = pytest.importorskip("xgrammar")
+    from prefixserve.sampling.structured_outputs import StructuredOutputs
+    from prefixserve.structured.grammars import GrammarCache
+
+    cache = GrammarCache(TOKENIZER, len(TOKENIZER), [TOKENIZER.eos_token_id])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = cache.get(StructuredOutputs(json=schema, after_thinking=how))
+
+    def takes(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return all(matcher.accept_token(t) for t in TOKENIZER.encode(text, add_special_tokens=False)) and (
+            matcher.is_completed() or matcher.accept_token(TOKENIZER.eos_token_id)
+        )
+
+    thought = 'Try {"a": 2}, no.</think>\n\n{"a": 1}'
+    assert takes(thought) == (how == "opened")
+    assert takes('<think>hmm</think>{"a": 1}')
+    assert takes('{"a": 1}') == (how == "optional")  # no thought where the output may skip one
+    assert not takes('hmm</think>{"a": "x"}') and not takes("hmm</think>nope")
+
+
+def test_chats_put_the_constraint_after_the_thought(ctx: OpenAIContext) -> None:
+    body = {"messages": ASK, "response_format": {"type": "json_object"}}
+    assert prepare_chat(ctx, body).params.structured_outputs.after_thinking == "optional"
+    plain = OpenAIContext(model="m", tokenizer=TOKENIZER, system_prompts={})
+    assert prepare_chat(plain, body).params.structured_outputs.after_thinking is None
+    TOKENIZER_OPENING = byte_tokenizer()
+    TOKENIZER_OPENING.chat_template = OPENING
+    opening = OpenAIContext(
+        model="m", tokenizer=TOKENIZER_OPENING, system_prompts={}, reasoning_parser="qwen3"
+    )
+    forced = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
+    assert prepare_chat(opening, forced).params.structured_outputs.after_thinking == "opened"

@@ -30,6 +30,10 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # a thinking model's reasoning goes first, free (``<think> ... </think>``): "opened" where the
+    # prompt opened the <think> (the output starts inside it), "optional" where the output may open
+    # one; the constraint holds from after ``</think>`` (and any whitespace). None: from the start
+    after_thinking: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -51,6 +55,8 @@ class StructuredOutputs:
                                      and all(isinstance(c, str) and c for c in self.choice)),
              "structured_outputs.choice must be a non-empty list of non-empty strings"),
         ]  # fmt: skip
+        if self.after_thinking not in (None, "opened", "optional"):
+            checks.append((False, "structured_outputs.after_thinking must be 'opened' or 'optional'"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -59,12 +65,13 @@ class StructuredOutputs:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str, bool]:
-        """What the compiled grammar depends on: the kind, the spec as canonical text, the whitespace."""
+    def key(self) -> tuple[str, str, bool, str | None]:
+        """What the compiled grammar depends on: the kind, the spec as canonical text, the whitespace,
+        the thinking before it."""
         kind = self.kind
         spec = getattr(self, kind)
         text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, ensure_ascii=False)
-        return kind, text, self.disable_any_whitespace
+        return kind, text, self.disable_any_whitespace, self.after_thinking
 
 
 StructuredOutputsParams = StructuredOutputs  # vLLM's name

@@ -22,6 +22,7 @@ from prefixserve.structured.repeats import fold_repeats, reads_back
 # printing and keep every output able to end
 MAX_WHITESPACE = 8
 CACHE_SIZE = 256  # compiled grammars kept per engine (a JSON schema's is tens of KB to a few MB)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # a thinking model's reasoning (after_thinking)
 
 
 def _xgrammar() -> Any:
@@ -62,7 +63,7 @@ def _source(spec: StructuredOutputs) -> tuple[str, Any, dict[str, Any]]:
     return "ebnf", spec.grammar, {}
 
 
-_checked: OrderedDict[tuple[str, str, bool], None] = OrderedDict()  # specs that passed ``check``
+_checked: OrderedDict[tuple[str, str, bool, str | None], None] = OrderedDict()  # specs that passed ``check``
 
 
 def parse(spec: StructuredOutputs) -> Any:
@@ -70,10 +71,24 @@ def parse(spec: StructuredOutputs) -> Any:
     xgr = _xgrammar()
     how, source, options = _source(spec)
     if how == "json":
-        return _no_raw_controls(xgr.Grammar.from_json_schema(source, **options))
-    if how == "regex":
-        return xgr.Grammar.from_regex(source)
-    return xgr.Grammar.from_ebnf(source)
+        grammar = _no_raw_controls(xgr.Grammar.from_json_schema(source, **options))
+    elif how == "regex":
+        grammar = xgr.Grammar.from_regex(source)
+    else:
+        grammar = xgr.Grammar.from_ebnf(source)
+    return grammar if spec.after_thinking is None else after_thinking(grammar, spec.after_thinking)
+
+
+def after_thinking(grammar: Any, how: str) -> Any:
+    """``grammar`` behind a thinking model's free reasoning: any text up to ``</think>`` (from the
+    output's start where the prompt ``opened`` it, else from a leading ``<think>``, or none at all
+    where the output does not open one), then whitespace, then ``grammar``."""
+    xgr = _xgrammar()
+    begin = "" if how == "opened" else THINK_OPEN
+    tag = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": THINK_CLOSE}
+    thinking = xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": tag}))
+    behind = xgr.Grammar.concat(thinking, xgr.Grammar.from_regex(r"\s*"), grammar)
+    return behind if how == "opened" else xgr.Grammar.union(behind, grammar)
 
 
 # xgrammar 0.2.8 builds a string with minLength / maxLength from this character, which lets the
@@ -136,7 +151,7 @@ class GrammarCache:
         )
         self.vocab_size = vocab_size  # the model's: its logits may be wider than the tokenizer's vocabulary
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads)
-        self._compiled: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str, bool, str | None], Any] = OrderedDict()
         self.hits = 0
         self.misses = 0
 

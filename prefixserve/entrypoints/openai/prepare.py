@@ -7,7 +7,7 @@ body is exactly what the server would answer for the same body. No web framework
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_last
@@ -342,6 +342,9 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
     thinking = None
     if ctx.reasoning_parser is not None and not is_pml_prompt(prompt):
         thinking = Thinking.for_prompt(prompt)
+        if params.structured_outputs is not None:  # the constraint holds for the answer, after the thought
+            how = "opened" if thinking.opened else "optional"
+            params.structured_outputs = replace(params.structured_outputs, after_thinking=how)
     return Prepared(
         True, rid, req, [prompt], params, bool(req.logprobs), tools=calls, application=application,
         echo_content=echo, thinking=thinking,
