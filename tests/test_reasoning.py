@@ -59,6 +59,13 @@ def test_whole_outputs_split(opened: bool, text: str, expected: tuple[str | None
     assert Thinking(opened).split(text) == expected
 
 
+def test_a_prompt_opens_the_thought_where_its_last_think_is_not_closed() -> None:
+    assert Thinking.for_prompt("User: hi\nAssistant: <think>\n").opened  # an R1 distill's template
+    assert Thinking.for_prompt("Assistant: <think>\nLet me").opened  # a prefill stopped inside one
+    assert not Thinking.for_prompt("Assistant: <think>a</think>b\nUser: more?\nAssistant:").opened
+    assert not Thinking.for_prompt("no tags at all").opened
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_the_stream_splits_as_the_whole_output(seed: int) -> None:
     rng = random.Random(seed)
@@ -134,6 +141,11 @@ def test_chat_streams_reasoning_then_the_answer(ctx: OpenAIContext, case: str) -
         if line.startswith("data: {")
     ]
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    if case == "thought then answer":  # continuous usage: the reasoning's chunks carry it too
+        usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        state = stream_state(ctx, prepare_chat(ctx, {**body, "stream": True, **usage}))
+        chunks = [c for c in _chunks(state, text, finish) if "reasoning_content" in c]
+        assert chunks and all('"usage":{"prompt_tokens"' in c for c in chunks)
     reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
     content = "".join(d.get("content") or "" for d in deltas)
     message = whole["message"]
@@ -149,9 +161,22 @@ def test_chat_streams_reasoning_then_the_answer(ctx: OpenAIContext, case: str) -
         assert message["reasoning_content"] == "Hmm, let me" and message["content"] is None
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_responses_and_messages_answer_the_reasoning(ctx: OpenAIContext, case: str) -> None:
-    extra, text = CASES[case]
+OPENED_CASES = {"empty thought": ({}, "</think>Hi"), "nothing": ({}, "")}
+
+
+@pytest.fixture(scope="module")
+def opening_ctx() -> OpenAIContext:
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = OPENING
+    return OpenAIContext(model="m", tokenizer=tokenizer, system_prompts={}, reasoning_parser="deepseek_r1")
+
+
+@pytest.mark.parametrize("case", [*CASES, *OPENED_CASES])
+def test_responses_and_messages_answer_the_reasoning(
+    ctx: OpenAIContext, opening_ctx: OpenAIContext, case: str
+) -> None:
+    extra, text = CASES[case] if case in CASES else OPENED_CASES[case]
+    ctx = ctx if case in CASES else opening_ctx
     finish = "length" if "cut" in case else "stop"
     tools = [{"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}]
     r_body = {"input": ASK[0]["content"], **({"tools": tools} if extra else {})}
@@ -172,7 +197,7 @@ def test_responses_and_messages_answer_the_reasoning(ctx: OpenAIContext, case: s
     reasoning = [i for i in answer["output"] if i["type"] == "reasoning"]
     streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert streamed == "".join(i["content"][0]["text"] for i in reasoning)
-    assert bool(reasoning) == (case != "no thought")
+    assert bool(reasoning) == (case not in ("no thought", *OPENED_CASES))  # an empty thought: no item
     a_tools = [{"name": "weather", "input_schema": WEATHER["function"]["parameters"]}]
     a_body = {"max_tokens": 64, "messages": ASK, **({"tools": a_tools} if extra else {})}
     message = prepare_message(ctx, a_body).body([_output(text, finish)])
@@ -189,7 +214,7 @@ def test_responses_and_messages_answer_the_reasoning(ctx: OpenAIContext, case: s
     assert snapshot is not None
     kinds = [b["type"] for b in message["content"]]
     assert [b["type"] for b in snapshot.to_dict()["content"]] == kinds
-    assert (kinds[0] == "thinking") == (case != "no thought")
+    assert ("thinking" in kinds) == (case not in ("no thought", *OPENED_CASES))
     thinking = [b["thinking"] for b in message["content"] if b["type"] == "thinking"]
     assert thinking == [b["thinking"] for b in snapshot.to_dict()["content"] if b["type"] == "thinking"]
 

@@ -436,3 +436,8 @@ def test_a_client_names_its_request(http: httpx.Client) -> None:
     bad = http.post("/v1/completions", json={"prompt": "hi", "request_id": "has space"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
     assert http.get("/health", headers={"X-Request-Id": "probe"}).headers["x-request-id"] == "probe"
+    spaced = http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"X-Request-Id": "a b"}
+    )
+    assert spaced.status_code == 200 and spaced.headers["x-request-id"] == "a b"  # a header's: echoed only
+    assert spaced.json()["id"].startswith("cmpl-") and "a b" not in spaced.json()["id"]

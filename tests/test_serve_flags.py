@@ -71,6 +71,9 @@ def test_chats_render_with_the_servers_template(tiny_config_path: Path, tmp_path
                   progress=False)  # fmt: skip
         rendered = llm.render_chat([{"role": "user", "content": "hi"}])
         assert rendered == "<user>hi<assistant>"
+    loops = "{% for m in messages %}{{ m['content'] }}{% if loop.first %}{% break %}{% endif %}{% endfor %}"
+    assert LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, chat_template=loops,
+               progress=False).render_chat([{"role": "user", "content": "hi"}]) == "hi"  # fmt: skip
     with pytest.raises(ValueError, match="does not parse"):
         LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, chat_template="{% for %}",
             progress=False)  # fmt: skip
@@ -111,3 +114,16 @@ def test_browser_origins_only_where_allowed(tiny_config_path: Path) -> None:
     with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url) as http:
         got = http.post("/v1/completions", json=body, headers={"Origin": ui})
         assert got.status_code == 200 and "access-control-allow-origin" not in got.headers
+
+
+def test_allowed_origins_as_vllm_takes_them() -> None:
+    from prefixserve.entrypoints.openai.cors import read_origins
+
+    assert read_origins(['["https://ui.example", "http://localhost:3000"]']) == [
+        "https://ui.example",
+        "http://localhost:3000",
+    ]  # vLLM's one JSON list
+    assert read_origins(["*"]) == ["*"] and read_origins(None) is None
+    for bad in (["ui.example"], ["[not json"], ["https://ui.example/path"]):
+        with pytest.raises(ValueError, match="allowed-origins"):
+            read_origins(bad)

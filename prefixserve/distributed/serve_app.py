@@ -22,7 +22,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.distributed.router import RoutingPolicy
 from prefixserve.distributed.serve_ingress import IngressCore, ReplicaSet
 from prefixserve.distributed.serve_replica import EngineReplica
-from prefixserve.entrypoints.openai.cors import allow_origins
+from prefixserve.entrypoints.openai.cors import allow_origins, read_origins
 from prefixserve.entrypoints.openai.prepare import OpenAIContext
 from prefixserve.entrypoints.openai.protocol import APIError
 
@@ -159,6 +159,7 @@ def serve_app(
             f"engine_process must be one of {', '.join(ENGINE_PROCESS_CHOICES)}, got {engine_process!r}"
         )
     config = config or EngineConfig()
+    read_origins(allowed_origins)  # a bad origin refused here, not in each ingress's process
     resources = replica_resources(config, replica_cpus, replica_gpus)
     if ingress_replicas is None:
         ingress_replicas = default_ingress_replicas(replicas, resources["num_gpus"] > 0)

@@ -52,6 +52,7 @@ SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "X-Prefixserve-Replica"  # which replica answered (debugging, tests)
 INGRESS_HEADER = "X-Prefixserve-Ingress"  # which ingress routed it (its consumer id)
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+RELAYED_NOT = HOP_HEADERS | {"x-request-id"}  # of a replica's answer: Ray's proxy sets its own X-Request-Id
 ROUTED = {"/v1/completions", "/v1/chat/completions", RESPONSES_ROUTE, MESSAGES_ROUTE}
 
 
@@ -248,7 +249,7 @@ class IngressCore:
 
         try:
             start = await chunks.__anext__()
-            headers = {k: v for k, v in start["headers"] if k.lower() not in HOP_HEADERS}
+            headers = {k: v for k, v in start["headers"] if k.lower() not in RELAYED_NOT}
             headers[REPLICA_HEADER] = name
             headers[INGRESS_HEADER] = replicas.consumer
             if not headers.get("content-type", "").startswith("text/event-stream"):

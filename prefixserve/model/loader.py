@@ -356,8 +356,12 @@ def with_chat_template(tokenizer: Any, template: str | None) -> Any:
         return tokenizer
     import jinja2
 
+    try:  # as transformers compiles it (loop controls, its {% generation %} tag), where it can say
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # pragma: no cover - another transformers: jinja2 with loop controls
+        compile_template = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse
     try:
-        jinja2.Environment().parse(template)
+        compile_template(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not parse: {exc.message} (line {exc.lineno})") from None
     tokenizer.chat_template = template

@@ -152,7 +152,7 @@ class MessageCall:
         choice = response_body(self.ctx, self.prep, finals)["choices"][0]
         message, reason = choice["message"], choice["finish_reason"]
         content: list[dict[str, Any]] = []
-        if message.get("reasoning_content") is not None:  # a thinking model's, read apart (reasoning.py)
+        if message.get("reasoning_content"):  # a thinking model's, read apart (reasoning.py); as streamed
             content.append(thinking_block(message["reasoning_content"]))
         tools = self.prep.tools
         if reason == "length" and forced(tools) and not message.get("tool_calls"):

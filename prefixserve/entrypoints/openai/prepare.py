@@ -389,13 +389,12 @@ def _answer_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]
             body["prompt_logprobs"] = fmt.prompt_logprobs(
                 finals[0], prep.req.prompt_logprobs, token_text(ctx, prep)
             )
-        if prep.echo_content:
-            for choice in body["choices"]:
-                choice["message"]["content"] = prep.echo_content + (choice["message"]["content"] or "")
         for choice in body["choices"]:
             reasoning = None
-            if prep.thinking is not None:  # the answer apart from the reasoning, then read for calls
+            if prep.thinking is not None:  # the model's answer apart from its reasoning, then read for calls
                 reasoning, choice["message"]["content"] = prep.thinking.split(choice["message"]["content"])
+            if prep.echo_content:  # what the client sent leads the model's answer
+                choice["message"]["content"] = prep.echo_content + (choice["message"]["content"] or "")
             if prep.tools is not None:
                 text = choice["message"]["content"]
                 choice["message"], choice["finish_reason"] = tool_message(

@@ -5,8 +5,9 @@ newer one) beside ``content``.
 One rule serves DeepSeek-R1 (and its Qwen and Llama distills, QwQ) and Qwen3: the reasoning runs
 from the start of the output, or from a leading ``<think>``, to ``</think>``, and the answer is what
 follows. A template that opens the ``<think>`` in the prompt (the R1 distills') makes the whole output
-reasoning until ``</think>``, even where ``max_tokens`` cut it first; otherwise an output that does
-not open with ``<think>`` has no reasoning at all. Tool calls and the answer's other reading happen
+reasoning until ``</think>``, even where ``max_tokens`` cut it first (so does one ``<think>`` the
+output opened: vLLM's qwen3 parser would answer that as content); otherwise an output that does not
+open with ``<think>`` has no reasoning at all. Tool calls and the answer's other reading happen
 on the answer alone. Streamed, the reasoning goes out as ``delta.reasoning_content`` as it settles
 (never a half tag), then the answer through the usual stream state (``ReasoningStream``).
 """
@@ -33,7 +34,9 @@ class Thinking:
 
     @classmethod
     def for_prompt(cls, prompt: str) -> Thinking:
-        return cls(opened=prompt.rstrip().endswith(START))
+        """Opened where the prompt's last ``<think>`` is not closed: a template that opens it, or an
+        assistant's prefill (``continue_final_message``) that stopped inside one."""
+        return cls(opened=prompt.rfind(START) > prompt.rfind(END))
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(the reasoning or None, the answer) of a whole output."""
@@ -111,6 +114,7 @@ class ReasoningStream:
             index = prompt_index * self.n + c.index
             delta, answer = self.reasoning.advance(index, c.text, c.finished)
             if delta:
+                self.count(out, c)  # type: ignore[attr-defined]  # continuous usage: these chunks' too
                 chunks.append(self.chunk([reasoning_choice(index, delta)]))  # type: ignore[attr-defined]
             if answer is not None:
                 answers.append(dataclasses.replace(c, text=answer))

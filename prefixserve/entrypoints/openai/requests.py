@@ -16,6 +16,7 @@ from fastapi import Request
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.prepare import OpenAIContext
 from prefixserve.entrypoints.openai.protocol import (
+    REQUEST_ID,
     APIError,
     SchemaRequest,
     find_lone_surrogate,
@@ -103,7 +104,9 @@ async def read_named_json(state: ServerState, request: Request) -> Any:
     ``request_id`` (the header wins, as in vLLM)."""
     data = await read_json(state, request)
     named = request.headers.get(REQUEST_ID_HEADER)
-    return {**data, "request_id": named} if named and isinstance(data, dict) else data
+    if not named or not REQUEST_ID.fullmatch(named) or not isinstance(data, dict):
+        return data  # a header's name the answer's id cannot hold is echoed only (never a 400)
+    return {**data, "request_id": named}
 
 
 _RAW_PML_TYPES = ("application/xml", "text/xml", "text/plain")

@@ -162,7 +162,7 @@ def output_items(
     message, status = choice["message"], item_status(choice["finish_reason"])
     calls = message.get("tool_calls") or []
     items = []
-    if message.get("reasoning_content") is not None:
+    if message.get("reasoning_content"):  # as the stream has it: an item where there is reasoning
         items.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
     text = message.get("content") or ""
     if text or not calls:
