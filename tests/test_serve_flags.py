@@ -99,7 +99,18 @@ def test_browser_origins_only_where_allowed(tiny_config_path: Path) -> None:
         "Access-Control-Request-Headers": "content-type",
     }
     body = {"prompt": "hi", "max_tokens": 1}
-    with ServerThread(build_app(config, allowed_origins=[ui])) as srv, httpx.Client(base_url=srv.url) as http:
+    app = build_app(config, allowed_origins=[ui])
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url) as http:
+        failed = http.get("/boom", headers={"Origin": ui, "X-Request-Id": "r9"})  # a bug's 500 too
+        assert (
+            failed.status_code == 500 and failed.json()["error"]["message"] == "internal error: RuntimeError"
+        )
+        assert failed.headers["access-control-allow-origin"] == ui and failed.headers["x-request-id"] == "r9"
         preflight = http.options("/v1/completions", headers=ask)
         assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ui
         got = http.post("/v1/completions", json=body, headers={"Origin": ui, "X-Request-Id": "r1"})

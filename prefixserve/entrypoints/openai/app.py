@@ -171,11 +171,40 @@ def build_app(
     app.state.arrival_gate = gate
     app.state.metrics = metrics
     app.state.host_trim = trim
+    app.add_middleware(_Failures)  # innermost: a failure's 500 passes the counting and CORS layers
     app.add_middleware(_CountRequests, metrics=metrics)
     allow_origins(app, allowed_origins)  # outermost: a preflight is answered before anything counts it
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
     return app
+
+
+class _Failures:
+    """A route's unhandled exception as a 500 in OpenAI's shape, answered inside the other layers
+    (Starlette's own handler answers outside them: no X-Request-Id, no CORS headers, counted as
+    nothing). A response already started can only be cut: the exception goes on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def noting(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error", exc_info=exc)
+            await _error(APIError(500, f"internal error: {type(exc).__name__}"))(scope, receive, send)
 
 
 class _CountRequests:
