@@ -95,6 +95,7 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "Weather in Lima?"}]
+CALL_TEXT = '<tool_call>{"name": "weather", "arguments": {"city": "Lima"}}</tool_call>'
 OPENING = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}<think>\n"  # an R1 distill's way
 
 
@@ -283,3 +284,37 @@ def test_chats_put_the_constraint_after_the_thought(ctx: OpenAIContext) -> None:
     )
     forced = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
     assert prepare_chat(opening, forced).params.structured_outputs.after_thinking == "opened"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [("<think>Plan.</think>Hello there", "Hello there"), ("<think>P</think>Hi\n" + CALL_TEXT, "Hi\n")],
+)
+def test_a_responses_message_has_its_own_logprobs(ctx: OpenAIContext, text: str, said: str) -> None:
+    """The reasoning's tokens (and a call's) are no text's: a message's logprobs spell its text,
+    streamed or not."""
+    tools = [{"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}]
+    body = {"input": "hi", "include": ["message.output_text.logprobs"], "tools": tools}
+
+    def output(upto: int, finish: str | None) -> RequestOutput:
+        out = _output(text[:upto], finish)
+        c = out.outputs[0]
+        c.logprobs = [-0.5] * len(c.token_ids)
+        c.top_logprobs = [[] for _ in c.token_ids]
+        return out
+
+    answer = prepare_response(ctx, body, ResponseStore()).body([output(len(text), "stop")])
+    state = response_stream(prepare_response(ctx, {**body, "stream": True}, ResponseStore()))
+    chunks = list(state.opening())
+    for end in range(1, len(text), 4):
+        chunks += state.update(0, output(end, None))
+    final = output(len(text), "stop")
+    chunks += state.update(0, final) + state.closing([final])
+    events = [json.loads(ln[6:]) for c in chunks for ln in c.split("\n") if ln.startswith("data: ")]
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    for part in (
+        next(i for i in answer["output"] if i["type"] == "message")["content"][0],
+        next(i for i in events[-1]["response"]["output"] if i["type"] == "message")["content"][0],
+    ):
+        assert "".join(lp["token"] for lp in part["logprobs"]) == part["text"] == said
+    assert "".join(lp["token"] for lp in streamed) == said

@@ -38,6 +38,11 @@ class Thinking:
         assistant's prefill (``continue_final_message``) that stopped inside one."""
         return cls(opened=prompt.rfind(START) > prompt.rfind(END))
 
+    def answer_at(self, text: str) -> int:
+        """Where the answer starts in a whole output (0 where it has no reasoning)."""
+        reasoning, answer = self.split(text)
+        return 0 if reasoning is None else len(text) - len(answer)
+
     def split(self, text: str) -> tuple[str | None, str]:
         """(the reasoning or None, the answer) of a whole output."""
         head = text.lstrip()

@@ -155,10 +155,11 @@ def item_status(finish_reason: str | None) -> str:
 
 
 def output_items(
-    choice: dict[str, Any], want_logprobs: bool, text_tokens: Callable[[int], int]
+    choice: dict[str, Any], want_logprobs: bool, text_tokens: Callable[[int], int], skip: int = 0
 ) -> list[dict[str, Any]]:
-    """A chat choice as output items: its text (where it has any, or no calls) and its calls.
-    ``text_tokens(chars)``: how many output tokens wrote the text's first ``chars`` characters."""
+    """A chat choice as output items: its reasoning (``reasoning.py``), its text (where it has any,
+    or no calls) and its calls. ``text_tokens(chars)``: how many output tokens wrote the output up
+    to the text's first ``chars`` characters; ``skip``: the tokens before the text (the reasoning's)."""
     message, status = choice["message"], item_status(choice["finish_reason"])
     calls = message.get("tool_calls") or []
     items = []
@@ -167,8 +168,8 @@ def output_items(
     text = message.get("content") or ""
     if text or not calls:
         lp = (choice.get("logprobs") or {}).get("content", []) if want_logprobs else None
-        if lp and calls:  # the tokens that wrote the calls are not the text's
-            lp = lp[: text_tokens(len(text))]
+        if lp and (calls or skip):  # the tokens that wrote the reasoning or the calls are not the text's
+            lp = lp[skip : text_tokens(len(text))]
         items.append(message_item(new_id("msg"), text, status, lp))
     for call in calls:
         fn = call["function"]
@@ -314,12 +315,17 @@ class ResponseCall:
     def body(self, finals: list[RequestOutput]) -> dict[str, Any]:
         """The non-streamed answer, from the chat answer's one choice."""
         chat = response_body(self.ctx, self.prep, finals)
-        ids = finals[0].outputs[0].token_ids
-        counter = self.text_tokens()
+        out = finals[0].outputs[0]
+        ids, counter, lead = out.token_ids, self.text_tokens(), self.answer_at(out.text)
+        skip = counter.within(ids, lead) if lead else 0
         items = output_items(
-            chat["choices"][0], self.prep.want_logprobs, lambda chars: counter.within(ids, chars)
+            chat["choices"][0], self.prep.want_logprobs, lambda chars: counter.within(ids, lead + chars), skip
         )
         return self.finished(items, finals)
+
+    def answer_at(self, text: str) -> int:
+        """Where the answer starts in the output's text (past a thinking model's reasoning)."""
+        return 0 if self.prep.thinking is None else self.prep.thinking.answer_at(text)
 
     def text_tokens(self) -> TextTokens:
         return TextTokens(self.ctx.tokenizer, self.prep.params.skip_special_tokens)

@@ -53,6 +53,8 @@ class ResponseEvents:
     sent: int = 0  # tokens whose logprobs were sent or dropped
     token_ids: Sequence[int] = ()  # the reply's tokens so far (the latest output's)
     counter: TextTokens | None = None
+    lead: int = 0  # characters of the output before the answer (a thinking model's reasoning)
+    skipped: bool = False  # the reasoning's logprobs are dropped (they are no text's)
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -61,6 +63,9 @@ class ResponseEvents:
 
     def before(self, out: RequestOutput) -> list[str]:
         self.token_ids = out.outputs[0].token_ids  # one reply (a response has no n)
+        text = out.outputs[0].text
+        if self.call.prep.thinking is not None and "</think>" in text:  # the raw output's, once it is known
+            self.lead = max(self.lead, self.call.answer_at(text))  # (not an answer-only copy's: 0)
         return []
 
     def opening(self) -> list[str]:
@@ -113,7 +118,13 @@ class ResponseEvents:
         if self.want_logprobs:
             if self.counter is None:
                 self.counter = self.call.text_tokens()
-            within = self.counter.within(self.token_ids, len(part["text"]))
+            if self.lead and not self.skipped:  # the reasoning's tokens: no text's logprobs
+                self.skipped = True
+                drop = max(
+                    0, min(len(self.pending), self.counter.within(self.token_ids, self.lead) - self.sent)
+                )
+                self.pending, self.sent = self.pending[drop:], self.sent + drop
+            within = self.counter.within(self.token_ids, self.lead + len(part["text"]))
             take = len(self.pending) if rest else max(0, min(len(self.pending), within - self.sent))
             logprobs, self.pending = self.pending[:take], self.pending[take:]
             self.sent += take
