@@ -318,3 +318,34 @@ def test_a_responses_message_has_its_own_logprobs(ctx: OpenAIContext, text: str,
     ):
         assert "".join(lp["token"] for lp in part["logprobs"]) == part["text"] == said
     assert "".join(lp["token"] for lp in streamed) == said
+
+
+def test_reasoning_chunks_carry_their_own_logprobs(ctx: OpenAIContext) -> None:
+    """Streamed, each reasoning chunk carries its own tokens' logprobs (vLLM's), the answer's chunks
+    the rest; together they are the non-streamed answer's."""
+    text = "<think>Check the map.</think>It is sunny."
+    body = {"messages": ASK, "logprobs": True, "top_logprobs": 1}
+
+    def output(upto: int, finish: str | None) -> RequestOutput:
+        out = _output(text[:upto], finish)
+        c = out.outputs[0]
+        c.logprobs = [-0.5] * len(c.token_ids)
+        c.top_logprobs = [[(7, -0.1)] for _ in c.token_ids]
+        return out
+
+    whole = response_body(ctx, prepare_chat(ctx, body), [output(len(text), "stop")])["choices"][0]
+    state = stream_state(ctx, prepare_chat(ctx, {**body, "stream": True}))
+    chunks = list(state.opening())
+    for end in range(1, len(text), 3):
+        chunks += state.update(0, output(end, None))
+    final = output(len(text), "stop")
+    chunks += state.update(0, final) + state.closing([final])
+    events = [json.loads(ln[6:]) for c in chunks for ln in c.split("\n") if ln.startswith("data: {")]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    thought = [c for c in choices if c["delta"].get("reasoning_content")]
+    assert any(c["logprobs"] for c in thought)
+    for c in thought:  # a chunk's tokens lie within the reasoning sent so far
+        assert all(lp["token"] in "<think>Check the map." for lp in (c["logprobs"] or {}).get("content", []))
+    streamed = [lp for c in choices for lp in (c.get("logprobs") or {}).get("content") or ()]
+    assert streamed == whole["logprobs"]["content"]
+    assert "".join(lp["token"] for lp in streamed) == text

@@ -8,6 +8,7 @@ body is exactly what the server would answer for the same body. No web framework
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_last
@@ -27,6 +28,7 @@ from prefixserve.entrypoints.openai.protocol import (
 )
 from prefixserve.entrypoints.openai.reasoning import ReasoningSplit, Thinking, reasoning_kind, with_reasoning
 from prefixserve.entrypoints.openai.structured import structured_outputs
+from prefixserve.entrypoints.openai.text_tokens import TextTokens
 from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
 from prefixserve.entrypoints.openai.tools import (
     Tools,
@@ -476,6 +478,8 @@ def stream_state(
             list(prep.params.stop or []), prep.want_logprobs, include_usage, echo=prep.echo_content,
             continuous_usage=continuous,
         )  # fmt: skip
-    if prep.thinking is not None:
-        state.reasoning = ReasoningSplit(prep.thinking)  # type: ignore[attr-defined]
+    if prep.thinking is not None:  # the reasoning chunks carry their own tokens' logprobs
+        skip = prep.params.skip_special_tokens
+        counter = partial(TextTokens, ctx.tokenizer, skip) if prep.want_logprobs else None
+        state.reasoning = ReasoningSplit(prep.thinking, counter)  # type: ignore[attr-defined]
     return state

@@ -17,10 +17,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.config import REASONING_PARSERS as PARSERS  # vLLM's names; both take the rule above
+from prefixserve.entrypoints.openai import format as fmt
+from prefixserve.entrypoints.openai.text_tokens import TextTokens
 from prefixserve.outputs import RequestOutput
 
 START, END = "<think>", "</think>"
@@ -76,10 +79,25 @@ def _held(text: str, tag: str) -> int:
 
 @dataclass
 class ReasoningSplit:
-    """Splits a stream's cumulative outputs: reasoning deltas out, the answer's text left."""
+    """Splits a stream's cumulative outputs: reasoning deltas out, the answer's text left.
+    ``counter``: makes a choice's ``TextTokens`` (where logprobs go with the reasoning chunks)."""
 
     thinking: Thinking
+    counter: Callable[[], TextTokens] | None = None
     choices: dict[int, _Choice] = field(default_factory=dict)
+    counters: dict[int, TextTokens] = field(default_factory=dict)
+
+    def reasoned(self, index: int) -> int:
+        """Characters of choice ``index``'s output up to the end of the reasoning sent."""
+        state = self.choices[index]
+        return state.start + state.sent if state.phase == "reasoning" else state.start
+
+    def tokens_within(self, index: int, ids: Sequence[int], chars: int) -> int:
+        assert self.counter is not None
+        counter = self.counters.get(index)
+        if counter is None:
+            counter = self.counters[index] = self.counter()
+        return counter.within(ids, chars)
 
     def advance(self, index: int, text: str, finished: bool) -> tuple[str, str | None]:
         """(the reasoning settled since the last call, the answer's text so far or None while the
@@ -120,7 +138,8 @@ class ReasoningStream:
             delta, answer = self.reasoning.advance(index, c.text, c.finished)
             if delta:
                 self.count(out, c)  # type: ignore[attr-defined]  # continuous usage: these chunks' too
-                chunks.append(self.chunk([reasoning_choice(index, delta)]))  # type: ignore[attr-defined]
+                choice = reasoning_choice(index, delta, self._logprobs(index, c))
+                chunks.append(self.chunk([choice]))  # type: ignore[attr-defined]
             if answer is not None:
                 answers.append(dataclasses.replace(c, text=answer))
         if answers:
@@ -129,6 +148,20 @@ class ReasoningStream:
             chunks += super().update(prompt_index, shown)  # type: ignore[misc]
         return chunks
 
+    def _logprobs(self, index: int, c: Any) -> dict[str, Any] | None:
+        """The logprobs of the tokens that wrote the reasoning sent so far and were not sent yet;
+        the stream state's own count moves past them (the answer's chunks carry the rest)."""
+        if not self.want_logprobs or self.reasoning.counter is None:  # type: ignore[attr-defined]
+            return None
+        split = self.reasoning
+        end = split.tokens_within(index, c.token_ids, split.reasoned(index))
+        sent = self.choices.setdefault(index, fmt._Choice())  # type: ignore[attr-defined]
+        if end <= sent.tokens:
+            return None
+        lp = fmt.chat_logprobs(c, sent.tokens, end, self.token_text)  # type: ignore[attr-defined]
+        sent.tokens = end
+        return lp
+
 
 @functools.cache
 def reasoning_kind(kind: type) -> type:
@@ -136,9 +169,9 @@ def reasoning_kind(kind: type) -> type:
     return type(f"Reasoning{kind.__name__}", (ReasoningStream, kind), {})
 
 
-def reasoning_choice(index: int, text: str) -> dict[str, Any]:
+def reasoning_choice(index: int, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     delta = {"reasoning_content": text, "reasoning": text}
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
 def with_reasoning(message: dict[str, Any], reasoning: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from prefixserve.entrypoints.openai.responses_request import (
     input_messages,
     renamed,
 )
+from prefixserve.entrypoints.openai.text_tokens import TextTokens
 from prefixserve.outputs import RequestOutput
 
 MAX_STORED = 1024  # responses kept for previous_response_id (oldest dropped first)
@@ -175,29 +176,6 @@ def output_items(
         fn = call["function"]
         items.append(call_item(new_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"))
     return items
-
-
-@dataclass
-class TextTokens:
-    """How many leading output tokens wrote the first characters of a reply's text, decoded as the
-    detokenizer decodes them (a character may take several tokens, a skipped special token none):
-    the logprobs a message carries are its text's, not those of a tool call written after it."""
-
-    tokenizer: Any
-    skip_special: bool = True
-    counted: int = 0  # tokens known to lie within the text asked about so far (it only grows)
-
-    def within(self, ids: Sequence[int], chars: int) -> int:
-        if self.tokenizer is None:
-            return len(ids)
-        k = self.counted
-        while (
-            k < len(ids)
-            and len(self.tokenizer.decode(ids[: k + 1], skip_special_tokens=self.skip_special)) <= chars
-        ):
-            k += 1
-        self.counted = k
-        return k
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

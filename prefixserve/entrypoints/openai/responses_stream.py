@@ -22,13 +22,13 @@ from prefixserve.entrypoints.openai.event_stream import AsEvents
 from prefixserve.entrypoints.openai.prepare import stream_state
 from prefixserve.entrypoints.openai.responses import (
     ResponseCall,
-    TextTokens,
     call_item,
     item_status,
     message_item,
     new_id,
     reasoning_item,
 )
+from prefixserve.entrypoints.openai.text_tokens import TextTokens
 from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
 from prefixserve.outputs import RequestOutput
 
@@ -40,7 +40,7 @@ class ResponseEvents:
     Logprobs ride on the text deltas that hold their tokens' text: the chat stream sends every
     token's as it comes, text held back (a possible tool call) included, so they wait here until
     the text they belong to is sent; a reply that turns out to be calls drops the calls' own, as
-    the non-streamed answer does (``responses.TextTokens``)."""
+    the non-streamed answer does (``text_tokens.TextTokens``)."""
 
     call: ResponseCall
     want_logprobs: bool
