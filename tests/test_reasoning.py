@@ -104,9 +104,22 @@ def ctx() -> OpenAIContext:
     return OpenAIContext(model="m", tokenizer=TOKENIZER, system_prompts={}, reasoning_parser="deepseek_r1")
 
 
-def _output(text: str, finish: str | None) -> RequestOutput:
+def _output(text: str, finish: str | None, logprobs: bool = False) -> RequestOutput:
     ids = list(TOKENIZER.encode(text, add_special_tokens=False))
-    return RequestOutput("r-0", None, [1, 2, 3], [CompletionOutput(0, text, ids, finish)], finish is not None)
+    c = CompletionOutput(0, text, ids, finish)
+    if logprobs:
+        c.logprobs = [-0.5] * len(ids)
+        c.top_logprobs = [[(7, -0.1)] for _ in ids]
+    return RequestOutput("r-0", None, [1, 2, 3], [c], finish is not None)
+
+
+def _streamed_with_logprobs(state: Any, text: str, step: int) -> list[str]:
+    """The stream's chunks over a growing output whose tokens have logprobs (cut every ``step``)."""
+    chunks = list(state.opening())
+    for end in range(1, len(text), step):
+        chunks += state.update(0, _output(text[:end], None, logprobs=True))
+    final = _output(text, "stop", logprobs=True)
+    return chunks + state.update(0, final) + state.closing([final])
 
 
 def _chunks(state: Any, text: str, finish: str) -> list[str]:
@@ -296,20 +309,9 @@ def test_a_responses_message_has_its_own_logprobs(ctx: OpenAIContext, text: str,
     tools = [{"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}]
     body = {"input": "hi", "include": ["message.output_text.logprobs"], "tools": tools}
 
-    def output(upto: int, finish: str | None) -> RequestOutput:
-        out = _output(text[:upto], finish)
-        c = out.outputs[0]
-        c.logprobs = [-0.5] * len(c.token_ids)
-        c.top_logprobs = [[] for _ in c.token_ids]
-        return out
-
-    answer = prepare_response(ctx, body, ResponseStore()).body([output(len(text), "stop")])
+    answer = prepare_response(ctx, body, ResponseStore()).body([_output(text, "stop", logprobs=True)])
     state = response_stream(prepare_response(ctx, {**body, "stream": True}, ResponseStore()))
-    chunks = list(state.opening())
-    for end in range(1, len(text), 4):
-        chunks += state.update(0, output(end, None))
-    final = output(len(text), "stop")
-    chunks += state.update(0, final) + state.closing([final])
+    chunks = _streamed_with_logprobs(state, text, 4)
     events = [json.loads(ln[6:]) for c in chunks for ln in c.split("\n") if ln.startswith("data: ")]
     streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
     for part in (
@@ -326,20 +328,8 @@ def test_reasoning_chunks_carry_their_own_logprobs(ctx: OpenAIContext) -> None:
     text = "<think>Check the map.</think>It is sunny."
     body = {"messages": ASK, "logprobs": True, "top_logprobs": 1}
 
-    def output(upto: int, finish: str | None) -> RequestOutput:
-        out = _output(text[:upto], finish)
-        c = out.outputs[0]
-        c.logprobs = [-0.5] * len(c.token_ids)
-        c.top_logprobs = [[(7, -0.1)] for _ in c.token_ids]
-        return out
-
-    whole = response_body(ctx, prepare_chat(ctx, body), [output(len(text), "stop")])["choices"][0]
-    state = stream_state(ctx, prepare_chat(ctx, {**body, "stream": True}))
-    chunks = list(state.opening())
-    for end in range(1, len(text), 3):
-        chunks += state.update(0, output(end, None))
-    final = output(len(text), "stop")
-    chunks += state.update(0, final) + state.closing([final])
+    whole = response_body(ctx, prepare_chat(ctx, body), [_output(text, "stop", logprobs=True)])["choices"][0]
+    chunks = _streamed_with_logprobs(stream_state(ctx, prepare_chat(ctx, {**body, "stream": True})), text, 3)
     events = [json.loads(ln[6:]) for c in chunks for ln in c.split("\n") if ln.startswith("data: {")]
     choices = [e["choices"][0] for e in events if e["choices"]]
     thought = [c for c in choices if c["delta"].get("reasoning_content")]
