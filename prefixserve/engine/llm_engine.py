@@ -5,7 +5,8 @@ Callers (the LLM API, the CLI, the server) drive an Engine through ``add_request
 module owns the requests and the order of a step, as vLLM v1's ``EngineCore`` does; features sit at
 the edges: intake (``input_processor``), step inputs (``step_inputs``), launch-ahead placeholders
 (``in_flight``), token placing and stops (``Scheduler.update_from_output``), metrics (``stats``),
-applications' system prompts (``system_prompts``); what the engine offers besides the loop (device
+applications' system prompts (``system_prompts``); building it (runner, pool, scheduler, Prompt
+Cache, pinned prompts) is ``engine_setup``; what the engine offers besides the loop (device
 properties, schemas, pinned prompts, metrics, cache events) is ``engine_services``; the Prompt Cache's
 store and device calls live in ``promptcache/``.
 """
@@ -15,124 +16,34 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prefixserve.config import EngineConfig
 from prefixserve.engine.engine_services import EngineServices
-from prefixserve.engine.gc_tuning import tune_gc
-from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, InFlightTokens, LaunchedStep
-from prefixserve.engine.input_processor import InputProcessor
-from prefixserve.engine.model_runner import ModelRunner, PrevTokenFeed, StepBatch, context_length
-from prefixserve.engine.module_holds import WaitingModuleHolds
+from prefixserve.engine.engine_setup import EngineSetup
+from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep
+from prefixserve.engine.model_runner import PrevTokenFeed, StepBatch
 from prefixserve.engine.output_processor import request_output
-from prefixserve.engine.prompt_logprobs import PromptLogprobs
-from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
-from prefixserve.engine.system_prompts import SystemPromptKV
-from prefixserve.kv.block_pool import BlockPool
-from prefixserve.kv.prefix_spill import PrefixSpill
-from prefixserve.model.loader import load_model, load_tokenizer, resolve_model, with_chat_template
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
-from prefixserve.promptcache.device_calls import prompt_modules
 from prefixserve.sampling.bad_words import bad_words_ban, joined, waits_for_tokens
 from prefixserve.sampling.min_tokens import min_tokens_ban
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
-from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.policy import check_priority
-from prefixserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from prefixserve.scheduler.scheduler import SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence, token_array
 
 if TYPE_CHECKING:
-    from prefixserve.structured.decoding import StructuredDecoding
+    pass
 
 log = logging.getLogger(__name__)
 
 
-class Engine(EngineServices):
-    """Requests in, RequestOutputs out, one batch per ``step``; the model runner does the device work."""
-
-    def __init__(self, config: EngineConfig | None = None, progress: bool = True) -> None:
-        self.config = config = config or EngineConfig()
-        self.device, self.dtype = config.torch_device, config.torch_dtype
-        source = resolve_model(config.model)
-        self.model_name = config.served_model_name[0] if config.served_model_name else source.name
-        if config.tensor_parallel_size > 1:  # this process is rank 0; workers hold the other shards
-            from prefixserve.engine.tp_runner import TensorParallelRunner
-
-            self.runner = TensorParallelRunner(config, source, progress)
-            tok_dir = self.runner.tokenizer_dir
-        else:
-            model, tok_dir = load_model(source, self.dtype, self.device, config.seed, progress)
-            self.runner = ModelRunner(model, config, context_length(config, model))  # sizes the KV pool
-        try:
-            self._set_up(config, source, tok_dir)
-        except BaseException:  # tensor parallelism: no worker outlives a failed start
-            self.runner.shutdown()
-            raise
-
-    def _set_up(self, config: EngineConfig, source: Any, tok_dir: Any) -> None:
-        """Everything past the model runner: pool, scheduler, Prompt Cache, pinned prompts, schemas."""
-        self.model_config = self.runner.model.full_config
-        self.tokenizer = with_chat_template(load_tokenizer(tok_dir), config.chat_template)
-        bs = config.block_size
-        context = context_length(config, self.runner.model)
-        num_blocks = self.runner.num_blocks
-        self.max_model_len = min(context, num_blocks * bs)
-        self.pool = BlockPool(num_blocks, bs)
-        self.blocks = BlockManager(self.pool, config.enable_prefix_caching)
-        self.prompt_logprobs = PromptLogprobs(self.device, bs)  # echo / prompt_logprobs rows
-        self.blocks.prompt_logprobs = self.prompt_logprobs
-        self.scheduler = Scheduler(
-            self.blocks,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            config.kv_admit_threshold,
-            config.scheduling_policy,
-        )
-        self.async_scheduling = (
-            config.async_scheduling if config.async_scheduling is not None else self.graphs is not None
-        )
-        # launch-ahead: a step goes to the device before the host has the tokens of the step ahead
-        # of it (they are read on the device), so the GPU never waits on that step's bookkeeping
-        self.launch_ahead = self.async_scheduling
-        self._step_mode = self._step_launch_ahead if self.launch_ahead else self._step_sync  # chosen once
-        self.eos_ids = set(self.model_config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
-        self._launched: LaunchedStep | None = None  # async: the step whose tokens are still on the device
-        self.in_flight_tokens = InFlightTokens()  # placeholders of tokens still on the device
-        # requests whose recovery rows are still to compute: steps look at the batch only if any
-        self._to_recover: set[Request] = set()
-        self._finished_outputs: list[RequestOutput] = []
-        self.structured: StructuredDecoding | None = None  # made at the first constrained request
-        self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
-        holds = WaitingModuleHolds(self.modules, self.requests, self._to_recover, self._fail_request)
-        self.scheduler.reclaim, self.scheduler.ready = holds.reclaim, holds.ready
-        self.scheduler.refuse = self._refuse
-        self.spill: PrefixSpill | None = None
-        if config.spill_prefix_cache and config.enable_prefix_caching:
-            self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
-            self.blocks.restore = self.spill.restore
-        self.system_prompt_kv: dict[str, SystemPromptKV] = {}
-        vocab, requests = self.model_config.vocab_size, self.requests
-        self.input_processor = InputProcessor(
-            self.runner, self.modules, self.system_prompt_kv, requests, vocab, bs
-        )
-        for name, text in config.system_prompts.items():
-            self.pin_system_prompt(name, text)
-        # A sequence must always fit in the blocks nobody pins, or it could preempt itself forever.
-        unpinned = self.pool.num_blocks - sum(len(p.blocks) for p in self.system_prompt_kv.values())
-        self.max_model_len = min(self.max_model_len, unpinned * bs)
-        if self.max_model_len < 2:
-            raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
-        for text in config.schemas:
-            self.register_schema(text)
-        tune_gc()
+class Engine(EngineSetup, EngineServices):
+    """Requests in, RequestOutputs out, one batch per ``step``; the model runner does the device work
+    (built by ``EngineSetup``)."""
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

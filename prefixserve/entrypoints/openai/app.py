@@ -203,8 +203,7 @@ class _Failures:
         except Exception as exc:
             if started:
                 raise
-            log.exception("unhandled error", exc_info=exc)
-            await _error(APIError(500, f"internal error: {type(exc).__name__}"))(scope, receive, send)
+            await _internal_error(exc)(scope, receive, send)
 
 
 class _CountRequests:
@@ -264,6 +263,12 @@ def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+def _internal_error(exc: Exception) -> JSONResponse:
+    """A bug's answer: logged with its traceback, answered as a 500 naming only its type."""
+    log.exception("unhandled error", exc_info=exc)
+    return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -288,10 +293,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         where = ".".join(str(p) for p in err["loc"] if p != "body")
         return _error(APIError(400, f"invalid value for '{where}': {err['msg']}", param=where or None))
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # one raised outside ``_Failures`` (in a middleware)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+        return _internal_error(exc)
 
 
 # ---- routes ------------------------------------------------------------------------------------
