@@ -317,7 +317,9 @@ class Admission:
             )
         now, estimate = self.clock(), None
         if deadline is not None:  # under the priority policy only those sorting before it are ahead
-            behind = [w for w in self._waiting.values() if w.req.priority > req.priority]
+            behind = []
+            if self._priorities or req.priority != 0:  # (first come first served: the whole queue)
+                behind = [w for w in self._waiting.values() if w.req.priority > req.priority]
             ahead_tokens = self.waiting_tokens - sum(w.tokens for w in behind)
             estimate = self._wait(waiting - len(behind), ahead_tokens, now)
             missed = deadline_missed(estimate, deadline - now, self.lateness.slack())

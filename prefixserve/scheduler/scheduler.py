@@ -244,7 +244,7 @@ class Scheduler:
                 continue
             while not reserve(seq, computed + n, copies):
                 victim = self.policy.victim(running)
-                at = running.index(victim)
+                at = len(running) - 1 if victim is running[-1] else running.index(victim)
                 if at < i:  # planned for this step already (scheduled[at] is its entry): unplanned
                     budget += scheduled.pop(at).num_tokens
                     i -= 1
