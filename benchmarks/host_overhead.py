@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 import prefixserve.attention.plan as plan_mod
-import prefixserve.engine.llm_engine as engine_mod
+import prefixserve.engine.engine_setup as engine_mod  # where the Engine loads its model
 import prefixserve.engine.model_runner as runner_mod
 from benchmarks.harness import run_info, write_results
 from benchmarks.harness.info import cpu_model
