@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class EngineServices:
-    """Mixed into ``Engine``: everything here reads the attributes ``Engine._set_up`` sets."""
+    """Mixed into ``Engine``: everything here reads the attributes ``EngineSetup._set_up`` sets."""
 
     runner: Any
     pool: Any
