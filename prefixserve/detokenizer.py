@@ -47,6 +47,8 @@ _PLAIN_INNER_DECODE = {"transformers.tokenization_utils_tokenizers", "transforme
 # at most about this many ids, and a cut (one extra small decode) happens about once per WINDOW tokens.
 WINDOW = 8
 
+PROMPT_CONTEXT = 5  # prompt ids an output's text is decoded after (vLLM's initial detokenization offset)
+
 
 def make_decode(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
     """``ids -> tokenizer.decode(ids, skip_special_tokens=...)``, as cheaply as it can be had exactly.
@@ -199,3 +201,14 @@ class IncrementalDetokenizer:
         """Leave the text settled so far out of later ``find_first`` calls (``min_tokens``: a stop string
         counts only where it ends in text generated after them, as vLLM searches only new text)."""
         self._searched = self._len
+
+
+def decode_output(
+    tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int], skip_special_tokens: bool = True
+) -> str:
+    """An output's whole text as the engine's detokenizer gives it: decoded after the prompt's last
+    ``PROMPT_CONTEXT`` ids (for outputs made outside a sequence, e.g. beam search's)."""
+    context = [t for t in prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT) :] if t >= 0]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context=context)
+    detok.add(output_ids)
+    return detok.full_text

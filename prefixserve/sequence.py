@@ -17,10 +17,8 @@ from typing import Any
 
 import torch
 
-from prefixserve.detokenizer import IncrementalDetokenizer
+from prefixserve.detokenizer import PROMPT_CONTEXT, IncrementalDetokenizer
 from prefixserve.sampling.params import SamplingParams, param_flags
-
-PROMPT_CONTEXT = 5  # prompt ids an output's text is decoded after (vLLM's initial detokenization offset)
 
 TokenArray = array  # array("q"): token ids or positions; the GC visits the array, never its elements
 

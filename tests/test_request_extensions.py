@@ -1,7 +1,7 @@
 """vLLM's request extensions, honoured or refused, never dropped: ``allowed_token_ids``, ``bad_words``,
 ``skip_special_tokens``, ``truncate_prompt_tokens``, ``add_special_tokens``, ``return_tokens_as_token_ids``,
-``continue_final_message``, ``chat_template_kwargs`` and a chat's ``echo``; ``use_beam_search``,
-``priority`` and a request's ``chat_template`` are 400s naming the field.
+``continue_final_message``, ``chat_template_kwargs`` and a chat's ``echo``; sampling fields under
+``use_beam_search``, ``priority`` and a request's ``chat_template`` are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ PML_CHAT = '<prompt schema="s"><m/> Hi</prompt>'  # a Prompt Cache conversation:
 @pytest.mark.parametrize(
     ("route", "extra", "param"),
     [
-        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"use_beam_search": True, "top_k": 5}, "top_k"),
         ("/v1/completions", {"priority": 2}, "priority"),
         ("/v1/completions", {"bad_words": ["  "]}, "bad_words"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixserve.detokenizer import IncrementalDetokenizer
+from prefixserve.detokenizer import decode_output
 from prefixserve.engine.prompt_logprobs import prompt_logprob_lists
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sequence import Request, Sequence
@@ -49,9 +49,8 @@ def sample_text(seq: Sequence, tokenizer: Any) -> str:
         before = seq.num_tokens - seq.num_prompt_tokens - 1  # the tokens before the stop token
         detok = seq.detokenizer
         if detok is not None and detok.num_ids > before:  # fed past it already: decode afresh
-            fresh = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, context=seq.prompt_tail())
-            fresh.add(seq.output_token_ids[:before])
-            return fresh.full_text
+            ids = seq.output_token_ids[:before]
+            return decode_output(tokenizer, seq.prompt_tail(), ids, p.skip_special_tokens)
         return seq.detokenize(tokenizer, upto=before).full_text
     text = seq.detokenize(tokenizer).text
     hold = max(map(len, p.stop), default=1) - 1 if not p.include_stop_str_in_output else 0

@@ -136,7 +136,7 @@ def _prepare_rows(
     states, answered = [], []
     for row in rows:
         try:
-            for name in ("stream", "background"):  # a batch's rows are answered in its output file
+            for name in ("stream", "background", "use_beam_search"):  # rows are run as sampled ones
                 if row.body.get(name):
                     raise APIError(400, f"{name} is not supported in a batch", param=name)
             prep, call = _prepare_row(ctx, row)

@@ -9,11 +9,19 @@ from typing import Any
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.engine.prompt_tokens import encode_prompts
+from prefixserve.engine.input_processor import check_context
+from prefixserve.engine.prompt_tokens import encode_prompt, encode_prompts
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import is_pml_prompt
+from prefixserve.sampling.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    top_candidates,
+    with_text,
+)
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.batch_queue import queue_groups
 
@@ -228,6 +236,56 @@ class LLM:
         return self.engine.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best outputs by beam search
+        (``sampling/beam_search.py``), best first. Each step runs every live beam as a one-token
+        request, whose prompt and shared prefix come from the prefix cache. A sequence's ``text`` is
+        its output's (vLLM's holds the prompt's too); ``tokens`` holds the prompt and the output."""
+        from tqdm.auto import tqdm
+
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given: pass a prompt or a non-empty list of prompts")
+        ids = [self._beam_prompt(p) for p in prompts]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        context = self.engine.max_model_len
+        for prompt in ids:
+            check_context(len(prompt), params.max_tokens, context)
+        rooms = [params.max_tokens or context - len(prompt) for prompt in ids]
+        search = BeamSearch(ids, params, self.engine.eos_ids, rooms)
+        step = params.step_params()
+        with tqdm(desc="beam search", disable=not use_tqdm, unit="step") as bar:
+            while not search.done:
+                beams = [{"prompt_token_ids": t, "cache_salt": salts[i]} for i, t in search.pending()]
+                search.advance([top_candidates(out) for out in self.generate(beams, step)])
+                bar.update(1)
+        results = search.results()
+        for best in results:
+            with_text(best, self.engine.tokenizer, params)
+        return [BeamSearchOutput(best) for best in results]
+
+    def _beam_prompt(self, prompt: Prompt) -> list[int]:
+        """A beam search prompt's token ids (a text encoded as ``generate`` encodes it)."""
+        if isinstance(prompt, dict) and prompt.get("prompt_token_ids") is not None:
+            return list(prompt["prompt_token_ids"])
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise TypeError(
+                f"a prompt is a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r:.80}"
+            )
+        if self.engine.is_pml_prompt(text):
+            raise ValueError("beam search takes plain prompts, not Prompt Cache (PML) prompts")
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer: give beam search prompt_token_ids")
+        return encode_prompt(self.engine.tokenizer, text)
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None

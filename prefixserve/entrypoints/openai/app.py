@@ -31,6 +31,7 @@ from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.entrypoints.openai.answering import FIRST_OUTPUT, ROUTE_START, answer, route_start
 from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
 from prefixserve.entrypoints.openai.anthropic_routes import add_anthropic_routes
+from prefixserve.entrypoints.openai.beam_answers import answer_beams
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.cors import allow_origins
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
@@ -109,6 +110,7 @@ def build_app(
         tune_gc()  # this process too: every stream's chunks are young objects, and each pass stops the loop
         info = loop.info
         model, max_model_len, system_prompts = info["model"], info["max_model_len"], info["system_prompts"]
+        eos_ids = frozenset(info["eos_ids"])
         tokenizer = tokenizer_for(config.model, progress=False, chat_template=config.chat_template)[1]
     else:
         engine = engine or Engine(config or EngineConfig(), progress=False)
@@ -119,6 +121,7 @@ def build_app(
             log.info("captured %d graphs in %.1f s before serving", captured, took)
         loop = EngineLoop(engine, limits=overload.limits)
         model, max_model_len, tokenizer = engine.model_name, engine.max_model_len, engine.tokenizer
+        eos_ids = frozenset(engine.eos_ids)
         system_prompts = dict(engine.config.system_prompts)
         config = engine.config
     gate = ArrivalGate(loop)
@@ -132,6 +135,7 @@ def build_app(
         aliases=config.served_model_name[1:],
         reasoning_parser=config.reasoning_parser,
         max_model_len=max_model_len,
+        eos_ids=eos_ids,
         tokenizer=tokenizer,
         api_key=api_key,
         system_prompts=system_prompts,
@@ -338,6 +342,8 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
         authorize(state, request)
         deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_completion(state, await read_named_json(state, request))
+        if body.req.use_beam_search:
+            return await answer_beams(state, request, body, deadline, started)
         return await answer(state, request, body, deadline, started)
 
 
@@ -348,4 +354,6 @@ def _add_chat_routes(app: FastAPI, state: ServerState) -> None:
         authorize(state, request)
         deadline = queue_deadline(request, state.max_queue_delay, started)
         body = prepare_chat(state, await read_named_json(state, request))
+        if body.req.use_beam_search:
+            return await answer_beams(state, request, body, deadline, started)
         return await answer(state, request, body, deadline, started)

@@ -211,6 +211,7 @@ def _serve_engine(config: EngineConfig, conn: Any, limits: AdmissionLimits | Non
             {
                 "model": engine.model_name,
                 "max_model_len": engine.max_model_len,
+                "eos_ids": sorted(engine.eos_ids),
                 "system_prompts": dict(engine.config.system_prompts),
                 "snapshot": engine_metrics(engine, admission),
                 "queue": None if admission is None else admission.state(),

@@ -147,8 +147,10 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
     if req.return_token_ids and req.stream:
         raise APIError(400, "return_token_ids cannot be streamed", param="return_token_ids")
-    if req.use_beam_search:
-        raise APIError(400, "beam search is not supported", param="use_beam_search")
+    if req.length_penalty is not None and not req.use_beam_search:
+        raise APIError(
+            400, "length_penalty applies only to beam search (use_beam_search)", param="length_penalty"
+        )
     if isinstance(req, ChatCompletionRequest) and req.echo and req.tools:
         raise APIError(400, "echo cannot be combined with tools on chat completions", param="echo")
     if isinstance(req, ChatCompletionRequest) and req.best_of not in (None, req.n):

@@ -161,8 +161,8 @@ class _Common(BaseModel):
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     priority: int = 0  # under --scheduling-policy priority, a smaller value is served first
     request_id: str | None = None  # vLLM's: the answer's id is cmpl- / chatcmpl- and this (``answer_id``)
-    # ...and refused where set, rather than ignored (``prepare.check_unsupported``)
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # vLLM's: the n best outputs by beam search (``beam_answers.py``)
+    length_penalty: float | None = None  # beam search's score: cum logprob / length ** length_penalty
 
 
 class CompletionRequest(_Common):

@@ -35,6 +35,7 @@ class ServerState(OpenAIContext):
 
     loop: EngineLoop
     max_model_len: int
+    eos_ids: frozenset[int]  # the tokens that end an output (the model's EOS and the tokenizer's)
     api_key: str | None
     max_body_bytes: int
     max_queue_delay: float | None = None  # seconds a request may wait to start (overload.py)
