@@ -49,6 +49,9 @@ class EngineConfig:
     # a thinking model's <think> ... </think> answered apart as reasoning_content (vLLM's
     # --reasoning-parser; entrypoints/openai/reasoning.py); None: the output as it is
     reasoning_parser: str | None = None
+    # a chat request's own chat_template renders it (vLLM's --trust-request-chat-template); off: a
+    # request that sends one is refused, as a template runs code-like logic chosen by the client
+    trust_request_chat_template: bool = False
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)

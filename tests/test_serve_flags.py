@@ -1,7 +1,8 @@
 """vLLM's serving flags. ``--served-model-name``: the names a model is served under (answers carry
 the first; requests may name any of them, or ``default``; ``/v1/models`` lists a card per name;
 batch rows answer the same). ``--chat-template``: the template every chat is rendered with (a file or
-the template itself; a broken one refused at start)."""
+the template itself; a broken one refused at start); ``--trust-request-chat-template``: a request's
+own template renders its chat."""
 
 from __future__ import annotations
 
@@ -86,6 +87,39 @@ def test_chats_render_with_the_servers_template(tiny_config_path: Path, tmp_path
         assert got["tokens"] == tok.encode("<user>hi<assistant>", add_special_tokens=False)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == got["count"]
+
+
+def test_a_requests_template_renders_its_chat_only_where_the_server_trusts_it(tiny_config_path: Path) -> None:
+    """vLLM's --trust-request-chat-template: off, a chat sending chat_template is a 400 naming it; on,
+    that template renders the chat (tokenize, chat completions, ``LLM.chat``'s ``chat_template``)."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--trust-request-chat-template"])
+    assert engine_config_from_args(args).trust_request_chat_template
+    assert not engine_config_from_args(parser.parse_args([])).trust_request_chat_template
+    messages = [{"role": "user", "content": "hi"}]
+    chat = {"messages": messages, "max_tokens": 1, "chat_template": TEMPLATE, "return_token_ids": True}
+    for trusted in (False, True):
+        config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64,
+                              trust_request_chat_template=trusted)  # fmt: skip
+        with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+            answer = http.post("/v1/chat/completions", json=chat)
+            tokens = http.post("/tokenize", json={"messages": messages, "chat_template": TEMPLATE})
+            if not trusted:
+                assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template"
+                assert "--trust-request-chat-template" in answer.json()["error"]["message"]
+                assert tokens.status_code == 400
+                continue
+            llm = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, progress=False)
+            want = llm.get_tokenizer().encode("<user>hi<assistant>", add_special_tokens=False)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["prompt_token_ids"] == want
+            assert tokens.json()["tokens"] == want
+            plain = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+            assert plain != want  # without it, the model's own template
+    assert llm.render_chat(messages, chat_template=TEMPLATE) == "<user>hi<assistant>"
+    out = llm.chat(messages, chat_template=TEMPLATE)[0]
+    assert out.prompt == "<user>hi<assistant>"
 
 
 def test_browser_origins_only_where_allowed(tiny_config_path: Path) -> None:

@@ -65,7 +65,11 @@ class Ingress:
         model, tokenizer = tokenizer_for(config.model, progress=False, chat_template=config.chat_template)
         names = config.served_model_name or (model,)  # as the replicas' engines name it
         ctx = OpenAIContext(
-            model=names[0], tokenizer=tokenizer, system_prompts=dict(config.system_prompts), aliases=names[1:]
+            model=names[0],
+            tokenizer=tokenizer,
+            system_prompts=dict(config.system_prompts),
+            aliases=names[1:],
+            trust_request_chat_template=config.trust_request_chat_template,
         )
         handles = {f"replica-{i}": h for i, h in enumerate(replicas)}
         self.core = IngressCore(ReplicaSet(handles, policy), ctx, config.block_size)

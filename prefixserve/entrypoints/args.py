@@ -67,6 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="answer a thinking model's <think> ... </think> apart, as reasoning_content (chats)",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat with the chat_template its request sends (refused with a 400 otherwise)",
+    )
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -251,6 +256,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,

@@ -161,6 +161,7 @@ def run_rows(
         system_prompts=dict(engine.config.system_prompts),
         aliases=engine.config.served_model_name[1:],
         reasoning_parser=engine.config.reasoning_parser,
+        trust_request_chat_template=engine.config.trust_request_chat_template,
     )
     states, answered = _prepare_rows(ctx, rows)
     yield from answered

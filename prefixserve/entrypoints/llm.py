@@ -134,8 +134,10 @@ class LLM:
         application: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate.
+        """Apply the model's chat template (or ``chat_template``, a Jinja template's text, as vLLM's)
+        to one conversation or a list of them, then generate.
 
         With ``application``, conversations without a system message get that application's pinned
         system prompt, so they reuse its precomputed KV. A conversation whose first message is a
@@ -164,7 +166,13 @@ class LLM:
                 c = [{"role": "system", "content": system}, *c]  # type: ignore[list-item]
             else:
                 system = None
-            text = self.render_chat(c, add_generation_prompt, continue_final_message, chat_template_kwargs)  # type: ignore[arg-type]
+            text = self.render_chat(
+                c,  # type: ignore[arg-type]
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
+                chat_template,
+            )
             leads = opens_with_pinned(self.engine.tokenizer, text, system)
             prompts.append({"prompt": text, "application": application if leads else None})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -213,9 +221,10 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The conversation as prompt text: through the chat template, or one PML prompt when it opens
-        with a ``<prompt>`` document."""
+        """The conversation as prompt text: through the chat template (``chat_template``, else the
+        model's), or one PML prompt when it opens with a ``<prompt>`` document."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message needs add_generation_prompt=False (the last message goes on)"
@@ -225,7 +234,7 @@ class LLM:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
         pml = chat_as_pml(conversation)  # type: ignore[arg-type]
         if pml is not None:
-            if continue_final_message or chat_template_kwargs:
+            if continue_final_message or chat_template_kwargs or chat_template:
                 raise ValueError("a conversation opening with a <prompt> document is not templated")
             return pml
         if self.engine.tokenizer is None:
@@ -233,6 +242,8 @@ class LLM:
         extra = dict(chat_template_kwargs or {})
         if continue_final_message:
             extra["continue_final_message"] = True
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
         return self.engine.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )

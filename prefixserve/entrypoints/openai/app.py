@@ -134,6 +134,7 @@ def build_app(
         model=model,
         aliases=config.served_model_name[1:],
         reasoning_parser=config.reasoning_parser,
+        trust_request_chat_template=config.trust_request_chat_template,
         max_model_len=max_model_len,
         eos_ids=eos_ids,
         tokenizer=tokenizer,

@@ -63,6 +63,7 @@ class OpenAIContext:
     system_prompts: dict[str, str]
     aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name)
     reasoning_parser: str | None = None  # chats' <think> answered apart (reasoning.py)
+    trust_request_chat_template: bool = False  # a chat's own chat_template renders it (vLLM's flag)
     _token_text: dict[int, str] = field(default_factory=dict)
     _pinned: dict[str, list[int]] = field(default_factory=dict)  # application -> its pinned prompt's ids
 
@@ -238,10 +239,13 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     )
 
 
-def check_template_fields(req: ChatCompletionRequest) -> None:
+def check_template_fields(ctx: OpenAIContext, req: ChatCompletionRequest) -> None:
     """A 400 for the template fields a chat may not set so (every route that renders one asks)."""
-    if req.chat_template is not None:
-        message = "chat_template is not taken from requests: the model's template applies"
+    if req.chat_template is not None and not ctx.trust_request_chat_template:
+        message = (
+            "chat_template is not taken from requests unless the server runs with "
+            "--trust-request-chat-template: the server's template applies"
+        )
         raise APIError(400, message, param="chat_template")
     if req.continue_final_message and req.add_generation_prompt:
         message = "continue_final_message needs add_generation_prompt=false (the last message goes on)"
@@ -260,8 +264,8 @@ def chat_prompt(
     the application's; one with its own keeps it, alone (no application); where the tools are written
     into the pinned message, the chat no longer opens with the pinned prompt (no application). A
     conversation whose first message is a ``<prompt>`` document becomes one PML prompt instead."""
-    check_template_fields(req)
-    native = tools is not None and template_knows_tools(ctx.tokenizer)
+    check_template_fields(ctx, req)
+    native = tools is not None and template_knows_tools(ctx.tokenizer, req.chat_template)
     given = list(req.messages)
     system = None if req.application is None else application_prompt(ctx, req.application)
     if system is not None and not opens_own_system(given[0].role, given[0].text()):
@@ -296,6 +300,8 @@ def chat_prompt(
         extra["documents"] = req.documents
     if req.reasoning_effort is not None:
         extra["reasoning_effort"] = req.reasoning_effort
+    if req.chat_template is not None:  # the request's own (--trust-request-chat-template)
+        extra["chat_template"] = req.chat_template
     if native:  # the template renders the tools itself
         extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
     try:

@@ -234,7 +234,7 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False  # the last (assistant) message left open: the model goes on with it
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking)
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
-    chat_template: str | None = None  # refused: the server's template only
+    chat_template: str | None = None  # refused unless the server trusts requests' templates
     echo: bool = False  # vLLM's: the last message, where it is the assistant's, leads the answer
     reasoning_effort: str | None = None  # given to the template (a template without it ignores it)
     best_of: int | None = None  # refused above n: chats sample n

@@ -119,8 +119,9 @@ def read_tools(req: ChatCompletionRequest) -> Tools | None:
 
 
 # ---- rendering ---------------------------------------------------------------------------------
-def template_knows_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
+def template_knows_tools(tokenizer: Any, template: str | None = None) -> bool:
+    """Whether the chat template (``template``, else the tokenizer's) renders ``tools`` itself."""
+    template = template if template is not None else getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and "tools" in template
 
 
