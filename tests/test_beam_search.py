@@ -300,3 +300,23 @@ def test_a_batch_row_with_beam_search_is_a_400_row_and_the_others_run(tiny_llm: 
     assert out["beam"]["response"]["body"]["error"]["param"] == "use_beam_search"
     assert out["plain"]["response"]["status_code"] == 200
     assert_pool_empty(tiny_llm)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_sharing_kernels_and_graphs_give_the_reference_beams(tiny_config_path: Path) -> None:
+    """fp32 on CUDA: the engine's own kernels (shared-prefix attention, decode graphs) find the same
+    beams as the reference attention; a long shared prompt makes the beams' batches share it."""
+    prompt = list(range(3, 603))
+    prompts = [{"prompt_token_ids": [*prompt, 7, 8]}, {"prompt_token_ids": [*prompt, 9]}]
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
+    found = []
+    for attention in ("reference", "auto"):
+        llm = LLM(model=f"dummy:{tiny_config_path}", dtype="float32", device="cuda", attention=attention,
+                  num_kv_blocks=2048, progress=False)  # fmt: skip
+        found.append(llm.beam_search(prompts, params))
+        assert_pool_empty(llm)
+        llm.shutdown()
+    for a, b in zip(*found, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        want = [s.cum_logprob for s in b.sequences]
+        assert [s.cum_logprob for s in a.sequences] == pytest.approx(want, abs=1e-4)
