@@ -165,6 +165,7 @@ class Request:
     error: str | None = None  # why it finished with "error", where the engine knows
     prompt_logprobs: Any = None  # engine/prompt_logprobs.PromptLogprobState when asked for
     bad_words_ids: list[list[int]] | None = None  # ``params.bad_words`` encoded at intake (bad_words.py)
+    thinking_budget: Any = None  # sampling/thinking_budget.ThinkingBudget, for thinking_token_budget
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
     param_flags: int = field(init=False)  # what the step checks ask of ``params`` (sampling/params.py)
 

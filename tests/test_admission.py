@@ -365,6 +365,13 @@ def test_the_gate_refuses_at_arrival_from_the_published_queue_and_what_was_sent_
         "requests_refused_deadline_total": 4,
         HTTP_REFUSED: 7,
     }
+    # once priorities order the queue, a whole-queue wait says nothing of one request's: the
+    # deadline is the engine's to judge (those sorting ahead of it), the bounds still the gate's
+    loop.queue_state = published(decided=6, taken=clock.now, priorities=True)
+    assert gate.admit(10, clock.now + 0.5) == 6
+    loop.queue_state = published(decided=7, taken=clock.now, waiting=5, priorities=True)
+    with pytest.raises(QueueFull):
+        gate.admit(10, None)
 
 
 # ---- the estimate's measured error: slack at arrival ------------------------------------------------

@@ -64,6 +64,24 @@ def test_a_prompt_opens_the_thought_where_its_last_think_is_not_closed() -> None
     assert Thinking.for_prompt("Assistant: <think>\nLet me").opened  # a prefill stopped inside one
     assert not Thinking.for_prompt("Assistant: <think>a</think>b\nUser: more?\nAssistant:").opened
     assert not Thinking.for_prompt("no tags at all").opened
+    # only what the template wrote after the last message counts, or a prefill and after
+    asked = "What does the <think> tag do?"
+    assert not Thinking.for_prompt(f"<user>{asked}<end><assistant>", asked).opened
+    assert Thinking.for_prompt(f"<user>{asked}<end><assistant><think>\n", asked).opened
+    prefill = "<think>Let me see"
+    assert Thinking.for_prompt(f"<user>hi<end><assistant>{prefill}", prefill, continued=True).opened
+    assert not Thinking.for_prompt(f"<user>{prefill}<end><assistant>", prefill).opened
+
+
+def test_deepseek_r1_reads_every_output_as_thinking_first() -> None:
+    """vLLM's R1 parser: R1 may think without writing <think>, so the reasoning runs from the start
+    of every output to </think> (all of it where there is none), a leading <think> left out."""
+    r1 = Thinking.for_prompt("<user>hi<assistant>", "hi", parser="deepseek_r1")
+    assert r1.split("Okay, a greeting.\n</think>\n\nHello!") == ("Okay, a greeting.\n", "\n\nHello!")
+    assert r1.split("<think>Plan.</think>Done.") == ("Plan.", "Done.")
+    assert r1.split("no tags at all") == ("no tags at all", "")
+    qwen = Thinking.for_prompt("<user>hi<assistant>", "hi", parser="qwen3")
+    assert qwen.split("no tags at all") == (None, "no tags at all")
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -101,7 +119,7 @@ OPENING = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}<think>\n"  # 
 
 @pytest.fixture(scope="module")
 def ctx() -> OpenAIContext:
-    return OpenAIContext(model="m", tokenizer=TOKENIZER, system_prompts={}, reasoning_parser="deepseek_r1")
+    return OpenAIContext(model="m", tokenizer=TOKENIZER, system_prompts={}, reasoning_parser="qwen3")
 
 
 def _output(text: str, finish: str | None, logprobs: bool = False) -> RequestOutput:
@@ -182,7 +200,7 @@ OPENED_CASES = {"empty thought": ({}, "</think>Hi"), "nothing": ({}, "")}
 def opening_ctx() -> OpenAIContext:
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = OPENING
-    return OpenAIContext(model="m", tokenizer=tokenizer, system_prompts={}, reasoning_parser="deepseek_r1")
+    return OpenAIContext(model="m", tokenizer=tokenizer, system_prompts={}, reasoning_parser="qwen3")
 
 
 @pytest.mark.parametrize("case", [*CASES, *OPENED_CASES])
@@ -212,6 +230,15 @@ def test_responses_and_messages_answer_the_reasoning(
     streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert streamed == "".join(i["content"][0]["text"] for i in reasoning)
     assert bool(reasoning) == (case not in ("no thought", *OPENED_CASES))  # an empty thought: no item
+    # the tokens that wrote the reasoning (its tags too), streamed or not
+    written = (
+        Thinking.for_prompt("", parser="qwen3").answer_at(text)
+        if case in CASES
+        else text.find("</think>") + 8
+    )
+    want = len(TOKENIZER.encode(text[:written], add_special_tokens=False)) if written > 0 else 0
+    details = answer["usage"]["output_tokens_details"]
+    assert details == events[-1]["response"]["usage"]["output_tokens_details"] == {"reasoning_tokens": want}
     a_tools = [{"name": "weather", "input_schema": WEATHER["function"]["parameters"]}]
     a_body = {"max_tokens": 64, "messages": ASK, **({"tools": a_tools} if extra else {})}
     message = prepare_message(ctx, a_body).body([_output(text, finish)])
@@ -339,3 +366,30 @@ def test_reasoning_chunks_carry_their_own_logprobs(ctx: OpenAIContext) -> None:
     streamed = [lp for c in choices for lp in (c.get("logprobs") or {}).get("content") or ()]
     assert streamed == whole["logprobs"]["content"]
     assert "".join(lp["token"] for lp in streamed) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "blocks"),
+    [
+        ("<think>Which city? Let me", [("thinking", None)]),  # cut in the thought: no call begun
+        ('<think>Lima.</think>{"name": "weather", "argu', [("thinking", None), ("tool_use", "weather")]),
+    ],
+)
+def test_a_forced_call_cut_by_max_tokens_has_the_same_blocks_streamed_or_not(
+    ctx: OpenAIContext, text: str, blocks: list[tuple[str, str | None]]
+) -> None:
+    tools = [
+        {"name": "weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    ]
+    body = {"max_tokens": 64, "messages": [{"role": "user", "content": "Weather in Lima?"}], "tools": tools,
+            "tool_choice": {"type": "any"}}  # fmt: skip
+    whole = prepare_message(ctx, body).body([_output(text, "length")])
+    state = message_stream(prepare_message(ctx, {**body, "stream": True}))
+    snapshot, buffers, events = None, {}, TypeAdapter(RawMessageStreamEvent)
+    for chunk in _chunks(state, text, "length"):
+        for block in filter(None, chunk.split("\n\n")):
+            event = events.validate_python(json.loads(block.split("\n")[1][6:]))
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)
+    assert [(b["type"], b.get("name")) for b in whole["content"]] == blocks
+    assert [(b.type, getattr(b, "name", None)) for b in snapshot.content] == blocks
+    assert whole["stop_reason"] == snapshot.stop_reason == "max_tokens"

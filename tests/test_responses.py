@@ -369,6 +369,17 @@ def test_a_background_run_cancelled_before_it_ran() -> None:
         assert store.get("resp_y").body["status"] == "in_progress"
         await runs.cancel("resp_y")
         assert store.get("resp_y").body["status"] == "cancelled" and stopped == ["aborted"] * 2
+        # a first output delivered after the cancel (the engine thread's, still on its way) or the
+        # delete changes nothing: cancelled stays cancelled, deleted stays gone
+        for rid, delete in (("resp_z", False), ("resp_w", True)):
+            late = Call(rid=rid, store=store, history=[], req=SimpleNamespace(input="hi"))
+            sink = FirstOutput()
+            runs.start(late, sink, collecting(), lambda: None)  # type: ignore[arg-type]
+            await runs.cancel(rid)
+            if delete:
+                store.delete(rid)
+            sink.put_nowait(None)
+            assert (store.get(rid) is None) if delete else store.get(rid).body["status"] == "cancelled"
 
     asyncio.run(main())
 

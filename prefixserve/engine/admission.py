@@ -188,6 +188,9 @@ class QueueState(NamedTuple):
     free_slots: int = 0  # batch slots free when it was taken
     free_at: tuple[float, ...] = ()  # when the running sequences free theirs (``SlotSchedule``)
     slack: float = 0.0  # seconds added to a wait estimate at arrival (``StartLateness``)
+    # a request with a priority of its own was admitted: the queue's order is not arrival's, so a
+    # wait estimate over the whole queue says nothing of one request's (the engine's books decide)
+    priorities: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,6 +535,7 @@ class Admission:
             slots.free_slots,
             slots.free_at,
             self.lateness.slack(),
+            self._priorities,
         )
 
     def metrics(self) -> dict[str, float]:

@@ -103,7 +103,7 @@ class EngineSetup:
         self.system_prompt_kv: dict[str, SystemPromptKV] = {}
         vocab, requests = self.model_config.vocab_size, self.requests
         self.input_processor = InputProcessor(
-            self.runner, self.modules, self.system_prompt_kv, requests, vocab, bs
+            self.runner, self.modules, self.system_prompt_kv, requests, vocab, bs, config.reasoning_parser
         )
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)

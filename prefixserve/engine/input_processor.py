@@ -19,6 +19,7 @@ from prefixserve.promptcache.recompute import parse_recompute
 from prefixserve.promptcache.store import ModulePrompt, PromptModules
 from prefixserve.sampling.bad_words import encode_bad_words
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.thinking_budget import thinking_budget
 from prefixserve.sequence import HeldModules, Request, Sequence, TokenArray, counting_positions, token_array
 
 
@@ -72,10 +73,12 @@ class InputProcessor:
         requests: dict[str, Request],
         vocab_size: int,
         block_size: int,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.runner, self.modules, self.requests = runner, modules, requests
         self.system_prompt_kv = system_prompt_kv
         self.vocab_size, self.block_size = vocab_size, block_size
+        self.reasoning_parser = reasoning_parser  # what thinking_token_budget needs
         self._next_seq_id = 0
 
     def process(
@@ -112,6 +115,7 @@ class InputProcessor:
                     "bad_words needs a tokenizer: this model has none (ban token ids with logit_bias)"
                 )
             bad_words = encode_bad_words(params.bad_words, tokenizer)
+        self._check_thinking(params, tokenizer)
         truncate = params.truncate_prompt_tokens
         if truncate is not None and (application is not None or prompt_positions is not None):
             raise ValueError(
@@ -136,6 +140,7 @@ class InputProcessor:
                     request_id, prompt, params, tokens, positions, cache_salt, stream, mp, max_model_len
                 )
                 req.bad_words_ids = bad_words
+                req.thinking_budget = thinking_budget(params, tokenizer, tokens, self.reasoning_parser)
                 return req
             except BaseException:
                 self.modules.release(mp.blocks)
@@ -167,7 +172,21 @@ class InputProcessor:
             # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
             req.sequences[0].block_digests = list(system.digests)
         req.bad_words_ids = bad_words
+        req.thinking_budget = thinking_budget(params, tokenizer, tokens, self.reasoning_parser)
         return req
+
+    def _check_thinking(self, params: SamplingParams, tokenizer: Any) -> None:
+        """A thinking budget needs a reasoning parser (which says where a model's thinking is) and a
+        tokenizer (the tags' ids)."""
+        if params.thinking_token_budget is None:
+            return
+        if self.reasoning_parser is None:
+            raise ValueError(
+                "thinking_token_budget needs a reasoning parser: start the engine with one "
+                "(--reasoning-parser, EngineConfig.reasoning_parser)"
+            )
+        if tokenizer is None:
+            raise ValueError("thinking_token_budget needs a tokenizer: this model has none")
 
     def _request(
         self,

@@ -30,6 +30,8 @@ from prefixserve.sampling.bad_words import bad_words_ban, joined, waits_for_toke
 from prefixserve.sampling.min_tokens import min_tokens_ban
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
+from prefixserve.sampling.thinking_budget import thinking_force
+from prefixserve.sampling.thinking_budget import waits_for_tokens as budget_waits
 from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.policy import check_priority
 from prefixserve.scheduler.scheduler import SchedulerOutput
@@ -242,15 +244,17 @@ class Engine(EngineSetup, EngineServices):
             scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples
         )
         launched.sampling = (rows, params, generators)
-        if ahead_of is None or not self._waits_for_tokens(launched.samplers, params):
+        if ahead_of is None or not self._waits_for_tokens(launched.samplers, launched.indices, params):
             self._sample(launched)  # else at the next step: its masks or bans need ahead_of's tokens
         return launched
 
-    def _waits_for_tokens(self, samplers: list[Sequence], params: list[SamplingParams]) -> bool:
+    def _waits_for_tokens(
+        self, samplers: list[Sequence], indices: list[int], params: list[SamplingParams]
+    ) -> bool:
         """Does a step's sampling read the tokens ahead of it on the host (a grammar's mask, a
-        multi-token bad word)?"""
+        multi-token bad word, a thinking budget within reach)?"""
         grammar = self.structured is not None and self.structured.constrained(samplers)
-        return grammar or waits_for_tokens(samplers, params)
+        return grammar or waits_for_tokens(samplers, params) or budget_waits(samplers, indices, params)
 
     def _sample(self, launched: LaunchedStep) -> None:
         """Issue a launched step's sampling; grammar-constrained rows get their token mask first, rows
@@ -260,6 +264,7 @@ class Engine(EngineSetup, EngineServices):
         mask = self.structured.bitmask(launched.samplers) if self.structured is not None else None
         ban = min_tokens_ban(launched.samplers, launched.indices, params, self.eos_ids)
         ban = joined(ban, bad_words_ban(launched.samplers, launched.indices, params))
+        ban = joined(ban, thinking_force(launched.samplers, launched.indices, params))
         self.runner.sample(launched.launch, rows, params, generators, launched.samplers, mask, ban)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:

@@ -76,7 +76,9 @@ def joined(a: TokenBan | None, b: TokenBan | None) -> TokenBan | None:
     """Both bans at once."""
     if a is None or b is None:
         return a or b
-    return TokenBan(a.rows + b.rows, a.ids + b.ids)
+    return TokenBan(
+        a.rows + b.rows, a.ids + b.ids, a.forced_rows + b.forced_rows, a.forced_ids + b.forced_ids
+    )
 
 
 __all__ = ["bad_words_ban", "encode_bad_words", "joined", "waits_for_tokens"]

@@ -10,7 +10,7 @@ Rows under a grammar (structured outputs) are left to it: it may need EOS to end
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,14 +27,24 @@ class Sampling(Protocol):
 
 @dataclass(slots=True)
 class TokenBan:
-    """Token ids a step's sample rows may not choose: row ``rows[i]`` bans ``ids[i]``."""
+    """Token ids a step's sample rows may not choose: row ``rows[i]`` bans ``ids[i]``; and rows that
+    may choose one token only: row ``forced_rows[i]`` takes ``forced_ids[i]`` (``thinking_budget.py``)."""
 
     rows: list[int]
     ids: list[int]
+    forced_rows: list[int] = field(default_factory=list)
+    forced_ids: list[int] = field(default_factory=list)
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set the banned logits of ``logits`` [sample rows, V] to -inf, in place (ids past V: no tokens)."""
+        """Set the banned logits of ``logits`` [sample rows, V] to -inf, in place (ids past V: no tokens);
+        a forced row's every logit but its token's, which becomes 0 (any finite value is chosen)."""
         vocab = logits.shape[-1]
+        if self.forced_rows:
+            dev = logits.device
+            rows = small_tensor(self.forced_rows, dev, torch.long)
+            ids = small_tensor(self.forced_ids, dev, torch.long)
+            logits.index_fill_(0, rows, float("-inf"))
+            logits.index_put_((rows, ids), torch.zeros((), dtype=logits.dtype, device=dev))
         pairs = [(r, t) for r, t in zip(self.rows, self.ids, strict=True) if 0 <= t < vocab]
         if not pairs:
             return

@@ -53,6 +53,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # strings the output may never contain (``sampling/bad_words.py``), encoded at each request's intake
     bad_words: list[str] | None = None
+    # a reasoning model's thinking ends after at most this many tokens (``sampling/thinking_budget.py``;
+    # needs the engine's reasoning_parser)
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = as_structured(self.structured_outputs)
@@ -143,6 +146,7 @@ MIN_TOKENS = 1  # some row has min_tokens (its stops may be banned)
 BAD_WORDS = 2  # some row has bad words
 PROCESSES_LOGITS = 4  # some row changes its logits before the choice
 NOT_ARGMAX = 8  # some row is not a plain argmax (sampled, logprobs kept, or logits processed)
+THINKING_BUDGET = 16  # some row's thinking may be cut (its end tag forced)
 
 
 def param_flags(p: SamplingParams) -> int:
@@ -153,6 +157,7 @@ def param_flags(p: SamplingParams) -> int:
         | (BAD_WORDS if p.bad_words else 0)
         | (PROCESSES_LOGITS if processes else 0)
         | (NOT_ARGMAX if processes or not p.greedy or p.wants_chosen_logprobs else 0)
+        | (THINKING_BUDGET if p.thinking_token_budget is not None else 0)
     )
 
 
@@ -234,6 +239,11 @@ def _processing_checks(p: SamplingParams) -> list[tuple[bool, str]]:
                 and all(isinstance(w, str) and w.strip() for w in p.bad_words)
             ),
             f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings",
+        ),
+        (
+            p.thinking_token_budget is None
+            or (_is_int(p.thinking_token_budget) and p.thinking_token_budget >= 0),
+            "thinking_token_budget must be an integer >= 0",
         ),
         (
             p.truncate_prompt_tokens is None

@@ -87,7 +87,8 @@ async def submit(
             if not isinstance(prompt, str):
                 _check_fits(state, prep, truncated(prep, prompt, state.max_model_len))
         # the gate's wait estimate counts the whole queue ahead: a request with a priority of its own
-        # (which may pass those waiting) is left to the engine's books, which know the order
+        # (which may pass those waiting) is left to the engine's books, which know the order, and so
+        # is every request once priorities are in the queue (``QueueState.priorities``)
         gate_deadline = deadline if req.priority == 0 else None
         if state.gate is not None:  # a request the gate refuses whatever its prompt is, before tokenizing
             state.gate.check(gate_deadline)

@@ -32,6 +32,7 @@ from prefixserve.entrypoints.openai.prepare import (
     response_body,
 )
 from prefixserve.entrypoints.openai.protocol import APIError, check_not_done, parse_request
+from prefixserve.entrypoints.openai.reasoning import END
 from prefixserve.entrypoints.openai.tools import Tools
 from prefixserve.outputs import RequestOutput
 
@@ -155,7 +156,9 @@ class MessageCall:
         if message.get("reasoning_content"):  # a thinking model's, read apart (reasoning.py); as streamed
             content.append(thinking_block(message["reasoning_content"]))
         tools = self.prep.tools
-        if reason == "length" and forced(tools) and not message.get("tool_calls"):
+        # cut inside the thought: no call was begun, as the stream sends it (only the thinking block)
+        in_thought = bool(message.get("reasoning_content")) and END not in finals[0].outputs[0].text
+        if reason == "length" and forced(tools) and not message.get("tool_calls") and not in_thought:
             assert tools is not None
             content.append(cut_call(message.get("content") or "", tools))
         elif message.get("content"):
@@ -175,7 +178,7 @@ def _parsed(ctx: OpenAIContext, data: Any, required: tuple[str, ...]) -> tuple[M
             raise APIError(400, f"'{name}' is a required field", param=name, code="missing_required_field")
     req: MessagesRequest = parse_request(MessagesRequest, data, required[0])
     check_supported(req)
-    body = chat_request(req, data)  # its own errors name this API's fields already
+    body = chat_request(req, data, ctx.reasoning_parser is not None)  # its errors name this API's fields
     try:
         prep = prepare_chat(ctx, body)
     except APIError as exc:

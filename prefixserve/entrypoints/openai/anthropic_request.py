@@ -89,6 +89,11 @@ def check_supported(req: MessagesRequest) -> None:
     kind = (req.thinking or {}).get("type") or "disabled"
     if kind not in THINKING_TYPES:  # accepted and left to the template: clients send it on their own
         raise _bad(f"thinking.type must be one of {', '.join(THINKING_TYPES)}, got {kind!r}", "thinking.type")
+    budget = (req.thinking or {}).get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise _bad(
+            f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking.budget_tokens"
+        )
     if not isinstance((req.tool_choice or {}).get("disable_parallel_tool_use", False), bool):
         raise _bad(
             "tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice.disable_parallel_tool_use"
@@ -271,8 +276,9 @@ def response_format(config: dict[str, Any]) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
 
 
-def chat_request(req: MessagesRequest, data: dict[str, Any]) -> dict[str, Any]:
-    """The chat body for this message."""
+def chat_request(req: MessagesRequest, data: dict[str, Any], reasoning: bool = False) -> dict[str, Any]:
+    """The chat body for this message. ``reasoning``: the server reads thinking apart (a reasoning
+    parser), so ``thinking.budget_tokens`` bounds it (``thinking_token_budget``)."""
     messages, prefill = chat_messages(req)
     body: dict[str, Any] = {k: data[k] for k in CHAT_EXTENSIONS if data.get(k) is not None}
     body.update(
@@ -303,10 +309,14 @@ def chat_request(req: MessagesRequest, data: dict[str, Any]) -> dict[str, Any]:
             body["tool_choice"] = chat_tool_choice(choice)
             if choice.get("disable_parallel_tool_use") is True:
                 body["parallel_tool_calls"] = False
-    if req.thinking is not None:  # templates that think (Qwen3's) read it; the others ignore it
-        kwargs = dict(body.get("chat_template_kwargs") or {})
-        kwargs.setdefault("enable_thinking", (req.thinking.get("type") or "disabled") != "disabled")
-        body["chat_template_kwargs"] = kwargs
+    # templates that think (Qwen3's) read it, the others ignore it; left out, thinking is off, as
+    # Anthropic's API has it (a template's own default is not asked for)
+    thinking = req.thinking or {}
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    kwargs.setdefault("enable_thinking", (thinking.get("type") or "disabled") != "disabled")
+    body["chat_template_kwargs"] = kwargs
+    if reasoning and thinking.get("type") == "enabled" and thinking.get("budget_tokens") is not None:
+        body.setdefault("thinking_token_budget", thinking["budget_tokens"])
     config = req.output_config or {}
     if config.get("format") is not None:
         body["response_format"] = response_format(config)

@@ -162,7 +162,9 @@ class ArrivalGate:
                     f"{state.max_tokens})",
                     wait,
                 )
-            missed = None if deadline is None else deadline_missed(wait, deadline - now, state.slack)
+            # where priorities order the queue, the requests ahead of this one are the engine's to count
+            judged = deadline is not None and not state.priorities
+            missed = deadline_missed(wait, deadline - now, state.slack) if judged else None
             if missed is not None:
                 self._refuse("deadline", missed, wait)
             if not reserve:

@@ -197,6 +197,7 @@ def sampling(
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             bad_words=req.bad_words or None,
             prompt_logprobs=req.prompt_logprobs,
+            thinking_token_budget=req.thinking_token_budget,
         )
     except ValueError as exc:
         param, code = param_of(str(exc), "prompt")
@@ -351,7 +352,8 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
     calls = tools if tools is not None and tools.choice != "none" else None  # what reads the output
     thinking = None
     if ctx.reasoning_parser is not None and not is_pml_prompt(prompt):
-        thinking = Thinking.for_prompt(prompt)
+        last, continued = req.messages[-1].text(), req.continue_final_message
+        thinking = Thinking.for_prompt(prompt, last, continued, ctx.reasoning_parser)
         if params.structured_outputs is not None:  # the constraint holds for the answer, after the thought
             how = "opened" if thinking.opened else "optional"
             params.structured_outputs = replace(params.structured_outputs, after_thinking=how)

@@ -35,7 +35,6 @@ NOT_DONE = {
     "logprob_token_ids": "use logprobs",
     "repetition_detection": "not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
-    "thinking_token_budget": "this model does not reason",
     "prompt_embeds": "prompts are text or token ids",
     "previous_input_messages": "send the conversation as input, or use previous_response_id",
     "previous_response": "use previous_response_id",
@@ -163,6 +162,7 @@ class _Common(BaseModel):
     request_id: str | None = None  # vLLM's: the answer's id is cmpl- / chatcmpl- and this (``answer_id``)
     use_beam_search: bool = False  # vLLM's: the n best outputs by beam search (``beam_answers.py``)
     length_penalty: float | None = None  # beam search's score: cum logprob / length ** length_penalty
+    thinking_token_budget: int | None = None  # vLLM's: thinking ends after this many tokens (needs a parser)
 
 
 class CompletionRequest(_Common):
@@ -393,6 +393,8 @@ def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
         "truncate_prompt_tokens",
         "bad_words",
         "priority",
+        "thinking_token_budget",
+        "length_penalty",
     )
     head = message.split(" ", 1)[0].split("=", 1)[0]
     if head.startswith("structured_outputs"):

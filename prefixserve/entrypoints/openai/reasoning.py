@@ -2,12 +2,12 @@
 apart from its answer, as ``reasoning_content`` (the DeepSeek API's name; ``reasoning`` too, vLLM's
 newer one) beside ``content``.
 
-One rule serves DeepSeek-R1 (and its Qwen and Llama distills, QwQ) and Qwen3: the reasoning runs
-from the start of the output, or from a leading ``<think>``, to ``</think>``, and the answer is what
-follows. A template that opens the ``<think>`` in the prompt (the R1 distills') makes the whole output
-reasoning until ``</think>``, even where ``max_tokens`` cut it first (so does one ``<think>`` the
-output opened: vLLM's qwen3 parser would answer that as content); otherwise an output that does not
-open with ``<think>`` has no reasoning at all. Tool calls and the answer's other reading happen
+The reasoning runs from the start of the output, or from a leading ``<think>``, to ``</think>``, and
+the answer is what follows; an output cut before ``</think>`` is all reasoning. ``deepseek_r1`` (R1,
+its Qwen and Llama distills, QwQ) reads every output so, as vLLM's: R1 may start thinking without
+the tag. ``qwen3`` reads an output as reasoning only where the template opened ``<think>`` after the
+last message (the R1 distills' templates do) or the output opens with it; otherwise (thinking off)
+the output is all answer. Tool calls and the answer's other reading happen
 on the answer alone. Streamed, the reasoning goes out as ``delta.reasoning_content`` as it settles
 (never a half tag), then the answer through the usual stream state (``ReasoningStream``).
 """
@@ -25,8 +25,9 @@ from prefixserve.config import REASONING_PARSERS as PARSERS  # vLLM's names; bot
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.text_tokens import TextTokens
 from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.thinking_budget import THINK_END, THINK_START
 
-START, END = "<think>", "</think>"
+START, END = THINK_START, THINK_END
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +37,18 @@ class Thinking:
     opened: bool
 
     @classmethod
-    def for_prompt(cls, prompt: str) -> Thinking:
-        """Opened where the prompt's last ``<think>`` is not closed: a template that opens it, or an
-        assistant's prefill (``continue_final_message``) that stopped inside one."""
-        return cls(opened=prompt.rfind(START) > prompt.rfind(END))
+    def for_prompt(
+        cls, prompt: str, last: str = "", continued: bool = False, parser: str = "qwen3"
+    ) -> Thinking:
+        """Opened where the prompt's last ``<think>`` is not closed in what the template wrote after
+        the last message (``last``, its text) or, for an assistant's prefill (``continued``:
+        ``continue_final_message``), in that message and after: a ``<think>`` inside a message's
+        text opens nothing (a user asking about the tag). ``deepseek_r1``: always opened."""
+        if parser == "deepseek_r1":
+            return cls(opened=True)
+        at = prompt.rfind(last) if last else -1
+        tail = prompt if at < 0 else prompt[at if continued else at + len(last) :]
+        return cls(opened=tail.rfind(START) > tail.rfind(END))
 
     def answer_at(self, text: str) -> int:
         """Where the answer starts in a whole output (0 where it has no reasoning)."""

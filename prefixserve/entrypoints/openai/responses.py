@@ -210,7 +210,8 @@ def _listed_parts(role: Any, content: Any) -> list[dict[str, Any]]:
     return out
 
 
-def response_usage(finals: list[RequestOutput]) -> dict[str, Any]:
+def response_usage(finals: list[RequestOutput], reasoning_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning_tokens``: those that wrote the reasoning item."""
     u = fmt.usage(finals)
     cached = u["prompt_tokens_details"]["cached_tokens"]
     return {
@@ -218,7 +219,7 @@ def response_usage(finals: list[RequestOutput]) -> dict[str, Any]:
         # the prompt tokens computed now: their blocks enter the prefix cache as they fill
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": u["prompt_tokens"] - cached},
         "output_tokens": u["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": u["total_tokens"],
     }
 
@@ -282,7 +283,7 @@ class ResponseCall:
         status = "cancelled" if "abort" in reasons else "incomplete" if "length" in reasons else "completed"
         body = self.skeleton(status)
         body["output"] = items
-        body["usage"] = response_usage(finals)
+        body["usage"] = response_usage(finals, self.reasoning_tokens(finals))
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         if self.stored and status != "cancelled":  # an aborted answer is no turn to go on from
@@ -300,6 +301,12 @@ class ResponseCall:
             chat["choices"][0], self.prep.want_logprobs, lambda chars: counter.within(ids, lead + chars), skip
         )
         return self.finished(items, finals)
+
+    def reasoning_tokens(self, finals: list[RequestOutput]) -> int:
+        """The output tokens that wrote the reasoning (before the answer's first character)."""
+        out = finals[0].outputs[0] if finals and finals[0].outputs else None
+        lead = 0 if out is None else self.answer_at(out.text)
+        return self.text_tokens().within(out.token_ids, lead) if out is not None and lead else 0
 
     def answer_at(self, text: str) -> int:
         """Where the answer starts in the output's text (past a thinking model's reasoning)."""

@@ -65,13 +65,19 @@ class BackgroundRuns:
         ever ran, it calls ``abort`` (the engine's requests stop and free their blocks)."""
         body = call.skeleton("queued")
         self._put(call, body)
-        sink.started = lambda: self._put(call, call.skeleton("in_progress"))
+
+        def started() -> None:  # a first output that arrives after a cancel or a delete changes nothing
+            if call.rid in self._tasks:
+                self._put(call, call.skeleton("in_progress"))
+
+        sink.started = started
         collecting = asyncio.ensure_future(finals)
         task = asyncio.get_running_loop().create_task(self._run(call, collecting))
         self._tasks[call.rid] = (task, collecting)
 
         def ended(done: asyncio.Task[None]) -> None:
             self._tasks.pop(call.rid, None)
+            sink.started = None
             if done.cancelled():  # also before it ever ran: nothing else stops the collecting
                 collecting.cancel()
                 abort()

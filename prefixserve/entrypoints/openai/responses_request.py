@@ -25,7 +25,7 @@ CHAT_EXTENSIONS = (
     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "include_stop_str_in_output",
     "cache_salt", "application", "module_recompute", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "chat_template_kwargs", "priority", "user", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids", "structured_outputs",
+    "return_tokens_as_token_ids", "structured_outputs", "thinking_token_budget",
 )  # fmt: skip
 # the chat route's names for fields this API calls otherwise (error messages and params)
 RENAMES = (

@@ -1,0 +1,188 @@
+"""``thinking_token_budget`` (vLLM's): a reasoning model thinks for at most that many tokens.
+
+A sample's thinking starts where its prompt ends with ``<think>`` (a template that opens it) or
+where its output opens with ``<think>``, as the reasoning parser reads outputs
+(``entrypoints/openai/reasoning.py``). Once ``budget`` tokens have followed the opening without a
+``</think>``, the end tag's tokens are forced, one per step (every other logit -inf, on the logits
+the choice is made from: logprobs stay the model's), and the answer follows as the model goes on.
+A ``</think>`` the model writes itself ends the count. The output's tags are matched as token ids,
+as vLLM's budget matches them: reasoning models write them as single tokens of their own.
+
+A sample's reading of its output (``BudgetState``) advances over the tokens on the host since the
+last step, so a step costs O(new tokens). Under launch-ahead the token just sampled is still on the
+device: a step where it could decide a force (the count within reach of the budget, or the opening
+still undecided) samples after the tokens ahead of it have arrived (``waits_for_tokens``), as grammar
+rows do; the steps before that keep launching ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prefixserve.sampling.min_tokens import TokenBan
+from prefixserve.sampling.params import THINKING_BUDGET, SamplingParams, flags_of
+
+THINK_START, THINK_END = "<think>", "</think>"  # both reasoning parsers' tags (vLLM's deepseek_r1, qwen3)
+PROMPT_TAIL = 16  # prompt ids decoded to see whether it ends with <think>
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkingTags:
+    """The tags' token ids in the model's tokenizer."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+    @classmethod
+    def encode(cls, tokenizer: Any) -> ThinkingTags:
+        start = tuple(tokenizer.encode(THINK_START, add_special_tokens=False))
+        end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+        return cls(start, end)
+
+
+def opens_thinking(prompt: Sequence[int], tokenizer: Any) -> bool:
+    """Whether the prompt ends with ``<think>`` (a template that opens the thought, as DeepSeek-R1's
+    distills' do): its last ids' text, so however the tag's characters were split into tokens. Only
+    the end counts: a ``<think>`` in a message's text opens nothing."""
+    tail = tokenizer.decode(list(prompt[-PROMPT_TAIL:]), skip_special_tokens=False)
+    return bool(tail.rstrip().endswith(THINK_START))
+
+
+@dataclass(slots=True)
+class BudgetState:
+    """One sample's reading of its output: ``inside`` its thinking after the opening, ``count`` the
+    tokens there so far, ``done`` once it closed (or never opened)."""
+
+    seen: int = 0  # output tokens read
+    inside: bool = False
+    count: int = 0
+    done: bool = False
+    opened_at: int = 0  # where the thinking's own tokens start in the output (after its <think>)
+
+
+@dataclass(slots=True)
+class ThinkingBudget:
+    """A request's budget, made at intake; each of its samples reads its own output."""
+
+    budget: int
+    tags: ThinkingTags
+    opened: bool  # the prompt left a <think> open
+    states: dict[int, BudgetState] = field(default_factory=dict)
+
+    def read(self, index: int, output: Sequence[int]) -> BudgetState:
+        """Sample ``index``'s state after the known tokens of ``output`` (stopping at the first one still
+        on the device, a negative placeholder)."""
+        state = self.states.get(index)
+        if state is None:
+            state = self.states[index] = BudgetState(inside=self.opened)
+        start, end = self.tags.start, self.tags.end
+        while not state.done and state.seen < len(output) and output[state.seen] >= 0:
+            state.seen += 1
+            if not state.inside:  # the output must open with the whole start tag
+                if output[state.seen - 1] != start[state.seen - 1]:
+                    state.done = True
+                elif state.seen == len(start):
+                    state.inside, state.opened_at = True, state.seen
+            elif (
+                state.seen - len(end) >= state.opened_at
+                and tuple(output[state.seen - len(end) : state.seen]) == end
+            ):
+                state.done = True
+            else:
+                state.count += 1
+        return state
+
+    def forced(self, state: BudgetState, output: Sequence[int]) -> int | None:
+        """The token the next choice must be (the end tag's next one), or None to choose freely."""
+        if state.done or not state.inside or state.count < self.budget:
+            return None
+        end = self.tags.end
+        tail = output[state.opened_at : state.seen]
+        for k in range(min(len(end) - 1, len(tail)), 0, -1):  # the end tag's part already written
+            if tuple(tail[len(tail) - k :]) == end[:k]:
+                return end[k]
+        return end[0]
+
+    def unsure(self, state: BudgetState, unknown: int) -> bool:
+        """Whether ``unknown`` tokens not yet on the host could make the next choice a forced one."""
+        if state.done:
+            return False
+        if state.inside:
+            return state.count + unknown >= self.budget
+        return unknown - (len(self.tags.start) - state.seen) >= self.budget
+
+
+def thinking_budget(
+    params: SamplingParams, tokenizer: Any, prompt: Sequence[int], parser: str | None
+) -> ThinkingBudget | None:
+    """A request's budget at intake (None without one). ``deepseek_r1`` outputs think from their
+    start, as that parser reads them (a leading ``<think>`` then counts as thought)."""
+    if params.thinking_token_budget is None:
+        return None
+    tags = ThinkingTags.encode(tokenizer)
+    opened = parser == "deepseek_r1" or opens_thinking(prompt, tokenizer)
+    return ThinkingBudget(params.thinking_token_budget, tags, opened)
+
+
+class Asked(Protocol):
+    thinking_budget: ThinkingBudget | None
+
+
+class Sampling(Protocol):
+    """What the force reads of a sampling sequence (the engine's ``Sequence``)."""
+
+    index: int
+    num_prompt_tokens: int
+    token_ids: Any
+    request: Asked
+
+
+def _rows(samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]) -> Any:
+    """(row, sequence, its budget, its output before the sampled token) of each row with a budget."""
+    if not flags_of(params) & THINKING_BUDGET:
+        return
+    for r, (seq, at) in enumerate(zip(samplers, indices, strict=True)):
+        budget = seq.request.thinking_budget
+        if budget is not None:
+            yield r, seq, budget, seq.token_ids[seq.num_prompt_tokens : at]
+
+
+def waits_for_tokens(
+    samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]
+) -> bool:
+    """Does a step's sampling need the tokens ahead of it to know whether a row is forced?"""
+    for _, seq, budget, output in _rows(samplers, indices, params):
+        state = budget.read(seq.index, output)
+        if budget.unsure(state, len(output) - state.seen):
+            return True
+    return False
+
+
+def thinking_force(
+    samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]
+) -> TokenBan | None:
+    """The rows whose next token is forced to end their thinking (``samplers[i]`` samples the token at
+    ``indices[i]`` of its ids), as a ``TokenBan`` of forced rows; None when there are none."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for r, seq, budget, output in _rows(samplers, indices, params):
+        token = budget.forced(budget.read(seq.index, output), output)
+        if token is not None:
+            rows.append(r)
+            ids.append(token)
+    return TokenBan([], [], rows, ids) if rows else None
+
+
+__all__ = [
+    "THINK_END",
+    "THINK_START",
+    "BudgetState",
+    "ThinkingBudget",
+    "ThinkingTags",
+    "opens_thinking",
+    "thinking_budget",
+    "thinking_force",
+    "waits_for_tokens",
+]
