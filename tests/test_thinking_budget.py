@@ -95,13 +95,14 @@ def test_the_engine_ends_the_thought_after_the_budget(tiny_config_path: Path, as
     end = tok.encode("</think>", add_special_tokens=False)
     prompt = {"prompt_token_ids": [5, 6, 7, *tok.encode("<think>\n", add_special_tokens=False)]}
     budgets = [0, 3, 6, None]
+    room = 6 + len(end) + 2  # the tag's tokens fit after the largest budget (8 of them in bytes)
     params = [
-        SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, seed=1, n=2, thinking_token_budget=b)
+        SamplingParams(max_tokens=room, ignore_eos=True, temperature=t, seed=1, n=2, thinking_token_budget=b)
         for b in budgets
         for t in (0.0, 1.0)
     ]
     outs = llm.generate([prompt] * len(params), params)
-    alone = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, n=2))[0]
+    alone = llm.generate([prompt], SamplingParams(max_tokens=room, ignore_eos=True, temperature=0.0, n=2))[0]
     for p, out in zip(params, outs, strict=True):
         for c in out.outputs:
             budget = p.thinking_token_budget
@@ -176,3 +177,28 @@ def test_the_server_takes_the_budget(tiny_config_path: Path) -> None:
         assert kinds[0] == "thinking" and "text" in kinds
         wrong = h.post("/v1/messages", json={**messages, "thinking": {"type": "enabled", "budget_tokens": 0}})
         assert wrong.status_code == 400 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_budget_holds_with_graphs_and_launch_ahead(tiny_config_path: Path) -> None:
+    """CUDA, the engine's defaults (decode graphs, launch-ahead): each budgeted sample's end tag comes
+    right after its budget, and the tokens equal a synchronous run's."""
+    runs = []
+    for async_scheduling in (True, False):
+        llm = LLM(model=f"dummy:{tiny_config_path}", device="cuda", dtype="float32", num_kv_blocks=256,
+                  reasoning_parser="qwen3", async_scheduling=async_scheduling, progress=False)  # fmt: skip
+        tok = llm.get_tokenizer()
+        end = tok.encode("</think>", add_special_tokens=False)
+        prompt = {"prompt_token_ids": [5, 6, 7, *tok.encode("<think>\n", add_special_tokens=False)]}
+        room = 9 + len(end) + 2  # the tag's tokens fit after the largest budget (8 in bytes)
+        params = [SamplingParams(max_tokens=room, ignore_eos=True, temperature=0.0, thinking_token_budget=b)
+                  for b in (0, 2, 5, 9)]  # fmt: skip
+        outs = llm.generate([prompt] * len(params), params)
+        for p, out in zip(params, outs, strict=True):
+            ids = out.outputs[0].token_ids
+            b = p.thinking_token_budget
+            assert any(ids[i : i + len(end)] == end for i in range(b + 1)), (b, ids)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        assert_pool_empty(llm)
+        llm.shutdown()
+    assert runs[0] == runs[1]
