@@ -4,6 +4,7 @@ server's answers (official ``openai`` client) for echo, penalties, bias and bad 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -187,6 +188,29 @@ def test_penalties_and_bias_over_http(client: openai.OpenAI, chunked_llm: LLM) -
     assert sorted(c.index for c in best.choices) == [0, 1]
 
 
+def test_echo_streams_as_it_answers_whole(server: ServerThread) -> None:
+    """vLLM streams echo: each choice's first chunk leads with its prompt's text (and logprobs, the
+    first token's null), so the chunks join to the non-streamed choice, logprobs and all."""
+    body = {"prompt": [FEW_SHOT, "The sky is"], "max_tokens": 4, "echo": True, "logprobs": 2, "n": 2,
+            "temperature": 0}  # fmt: skip
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"]
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    joined: dict[int, dict] = {}
+    for line in r.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for c in json.loads(line[6:])["choices"]:
+            got = joined.setdefault(c["index"], {"text": "", "logprobs": {k: [] for k in c["logprobs"]}})
+            got["text"] += c["text"]
+            for key, values in c["logprobs"].items():
+                got["logprobs"][key] += values
+            got["finish_reason"] = c["finish_reason"]
+    assert sorted(joined) == [c["index"] for c in whole] == [0, 1, 2, 3]
+    for c in whole:
+        assert c["text"].startswith(body["prompt"][c["index"] // 2])
+        assert joined[c["index"]] == {k: c[k] for k in ("text", "logprobs", "finish_reason")}
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -198,7 +222,7 @@ def test_penalties_and_bias_over_http(client: openai.OpenAI, chunked_llm: LLM) -
         ({"logit_bias": {"4900000": 1}}, "logit_bias"),
         ({"n": 3, "best_of": 2, "temperature": 1.0}, "best_of"),
         ({"best_of": 3, "stream": True, "temperature": 1.0}, "best_of"),
-        ({"echo": True, "stream": True}, "echo"),
+        ({"echo": True, "stream": True, "max_tokens": 0}, "stream"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": 21, "echo": True}, "logprobs"),
     ],

@@ -217,6 +217,12 @@ class _Choice:
     tokens: int = 0  # tokens whose logprobs were sent
     offset: int = 0  # text_offset for completions logprobs
     done: bool = False
+    led: bool = False  # the echoed prompt went out (completions' echo)
+
+
+# completions' echo, streamed: a prompt's text and, where logprobs are asked, its tokens' logprobs
+# (``prompt_completion_logprobs``), which lead each of its choices' first chunk (by prompt index)
+EchoLead = Callable[[int, RequestOutput], tuple[str, dict[str, Any] | None]]
 
 
 @dataclass
@@ -237,6 +243,7 @@ class StreamState:
     want_logprobs: bool
     include_usage: bool
     echo: str = ""  # a chat's echo: the role chunks' content (the last assistant message, vLLM's echo)
+    echo_lead: EchoLead | None = None  # completions' echo (vLLM streams it in each choice's first chunk)
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk its choice's usage so far
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -322,26 +329,41 @@ class StreamState:
             upto = max(upto, state.chars)
             delta = c.text[state.chars : upto]
             end = len(c.logprobs or []) if self.want_logprobs else state.tokens
-            if not delta and end == state.tokens and not c.finished:
+            leads = self.echo_lead is not None and not state.led
+            lead, lead_lp = self.echo_lead(prompt_index, out) if self.echo_lead and leads else ("", None)
+            if not delta and end == state.tokens and not c.finished and not leads:
                 continue
+            state.led = True
             finish = c.finish_reason if c.finished else None
             if self.want_logprobs:
-                chunks.append(self._logprobs_chunk(index, c, state, delta, end, finish))
+                chunks.append(self._logprobs_chunk(index, c, state, lead + delta, end, finish, lead_lp))
             else:
-                chunks.append(self._plain_chunk(index, delta, finish))
+                chunks.append(self._plain_chunk(index, lead + delta, finish))
             state.chars, state.tokens, state.done = upto, end, c.finished
         return chunks
 
     def _logprobs_chunk(
-        self, index: int, c: CompletionOutput, state: _Choice, delta: str, end: int, finish: str | None
+        self,
+        index: int,
+        c: CompletionOutput,
+        state: _Choice,
+        delta: str,
+        end: int,
+        finish: str | None,
+        lead: dict[str, Any] | None = None,
     ) -> str:
-        """A choice with the logprobs of its tokens from ``state.tokens`` to ``end``."""
+        """A choice with the logprobs of its tokens from ``state.tokens`` to ``end`` (after ``lead``'s,
+        an echoed prompt's)."""
         if self.chat:
             lp = chat_logprobs(c, state.tokens, end, self.token_text)
             choice = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp}
         else:
+            if lead is not None:
+                state.offset = sum(map(len, lead["tokens"]))
             lp = completion_logprobs(c, state.tokens, end, self.token_text, state.offset)
             state.offset += sum(len(t) for t in lp["tokens"])
+            if lead is not None:
+                lp = {key: lead[key] + lp[key] for key in lp}
             choice = {"index": index, "text": delta, "logprobs": lp}
         choice["finish_reason"] = finish
         return self.chunk([choice])

@@ -157,8 +157,6 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     if isinstance(req, ChatCompletionRequest) and req.best_of not in (None, req.n):
         raise APIError(400, "best_of is not supported on chat completions: it must equal n", param="best_of")
     if isinstance(req, CompletionRequest):
-        if req.echo and req.stream:
-            raise APIError(400, "echo cannot be combined with stream", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of > req.n and req.stream:
@@ -222,6 +220,8 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     structured = structured_outputs(req)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     no_completion = req.echo and max_tokens == 0  # the prompt's logprobs alone (lm-eval's scoring)
+    if no_completion and req.stream:
+        raise APIError(400, "echo with max_tokens 0 (the prompt alone) is not streamed", param="stream")
     if no_completion and req.min_tokens:
         message = f"min_tokens must be <= max_tokens (0: the prompt alone), got {req.min_tokens}"
         raise APIError(400, message, param="min_tokens", code="invalid_value")
@@ -453,6 +453,23 @@ def pinned_lead(ctx: OpenAIContext, prep: Prepared, prompt: str | list[int]) -> 
     return 0 if sent[: len(head)] == head else len(head)
 
 
+def _echo_lead(ctx: OpenAIContext, prep: Prepared) -> fmt.EchoLead:
+    """What leads a streamed completion's choices with echo: as ``completion_body`` puts it."""
+    skips = [pinned_lead(ctx, prep, p) for p in prep.prompts]
+
+    def lead(p: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
+        text = _prompt_text(ctx, out, skips[p])
+        k = prep.req.logprobs
+        lp = (
+            fmt.prompt_completion_logprobs(out, token_text(ctx, prep), k, skips[p])
+            if prep.want_logprobs
+            else None
+        )
+        return text, lp
+
+    return lead
+
+
 def _prompt_text(ctx: OpenAIContext, final: RequestOutput, skip: int = 0) -> str:
     """What echo puts before a choice's text: the prompt as given, or its token ids from ``skip`` on
     (past a pinned prompt the client did not send) decoded."""
@@ -486,7 +503,7 @@ def stream_state(
         state = plain(
             prep.rid, ctx.model, prep.chat, prep.params.n, token_text(ctx, prep),
             list(prep.params.stop or []), prep.want_logprobs, include_usage, echo=prep.echo_content,
-            continuous_usage=continuous,
+            continuous_usage=continuous, echo_lead=_echo_lead(ctx, prep) if prep.echo else None,
         )  # fmt: skip
     if prep.thinking is not None:  # the reasoning chunks carry their own tokens' logprobs
         skip = prep.params.skip_special_tokens
