@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +31,7 @@ from prefixserve.entrypoints.openai import responses as responses_mod
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
-from prefixserve.entrypoints.openai.responses_background import BackgroundRuns, FirstOutput
+from prefixserve.entrypoints.openai.responses_background import BackgroundRuns, EventLog, FirstOutput
 from prefixserve.entrypoints.openai.responses_request import input_messages
 from prefixserve.entrypoints.openai.responses_stream import response_stream
 from prefixserve.entrypoints.openai.server import ServerThread
@@ -264,7 +265,6 @@ ERRORS = [
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "hi", "reasoning": {"effort": 3}}, "reasoning.effort"),
-    ({"input": "hi", "background": True, "stream": True}, "background"),
     ({"input": "hi", "background": True, "store": False}, "background"),
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
@@ -342,12 +342,14 @@ def test_a_running_background_response_is_never_evicted() -> None:
 
 
 def test_a_background_run_cancelled_before_it_ran() -> None:
-    """Cancelled in the turn it started (a shutdown, a DELETE at once): its collecting still stops
-    (aborting the engine's requests on its way out) and the response reads cancelled."""
+    """Cancelled in the turn it started (a shutdown, a DELETE at once): its engine requests are
+    aborted on its way out and the response reads cancelled; a first output that arrives after the
+    cancel (the engine thread's, still on its way) or the delete changes nothing."""
     stopped: list[str] = []
 
-    async def collecting() -> None:
+    async def events() -> AsyncIterator[str]:
         await asyncio.sleep(3600)  # cancelled before its first step: its body never runs
+        yield ""
 
     class Call(SimpleNamespace):
         def skeleton(self, status: str) -> dict[str, Any]:
@@ -355,31 +357,50 @@ def test_a_background_run_cancelled_before_it_ran() -> None:
 
     async def main() -> None:
         store, runs = ResponseStore(), BackgroundRuns()
-        call = Call(rid="resp_x", store=store, history=[], req=SimpleNamespace(input="hi"))
-        sink = FirstOutput()
-        answered = runs.start(call, sink, collecting(), lambda: stopped.append("aborted"))  # type: ignore[arg-type]
-        assert answered["status"] == "queued"
+
+        def start(rid: str) -> FirstOutput:
+            call = Call(rid=rid, store=store, history=[], req=SimpleNamespace(input="hi"))
+            sink = FirstOutput()
+            runs.start(call, sink, events(), "", lambda: stopped.append("aborted"))  # type: ignore[arg-type]
+            assert store.get(rid).body["status"] == "queued"
+            return sink
+
+        start("resp_x")
         runs.cancel_all()
         await asyncio.sleep(0.05)
         assert store.get("resp_x").body["status"] == "cancelled" and stopped == ["aborted"] and len(runs) == 0
-        later = Call(rid="resp_y", store=store, history=[], req=SimpleNamespace(input="hi"))
-        sink = FirstOutput()
-        runs.start(later, sink, collecting(), lambda: stopped.append("aborted"))  # type: ignore[arg-type]
-        sink.put_nowait(None)  # its first output: it has started
+        start("resp_y").put_nowait(None)  # its first output: it has started
         assert store.get("resp_y").body["status"] == "in_progress"
         await runs.cancel("resp_y")
         assert store.get("resp_y").body["status"] == "cancelled" and stopped == ["aborted"] * 2
-        # a first output delivered after the cancel (the engine thread's, still on its way) or the
-        # delete changes nothing: cancelled stays cancelled, deleted stays gone
         for rid, delete in (("resp_z", False), ("resp_w", True)):
-            late = Call(rid=rid, store=store, history=[], req=SimpleNamespace(input="hi"))
-            sink = FirstOutput()
-            runs.start(late, sink, collecting(), lambda: None)  # type: ignore[arg-type]
+            sink = start(rid)
             await runs.cancel(rid)
             if delete:
                 store.delete(rid)
             sink.put_nowait(None)
             assert (store.get(rid) is None) if delete else store.get(rid).body["status"] == "cancelled"
+
+    asyncio.run(main())
+
+
+def _event(kind: str, n: int) -> str:
+    return f'event: {kind}\ndata: {{"type":"{kind}","sequence_number":{n}}}\n\n'
+
+
+def test_an_event_log_is_followed_from_any_event_while_it_grows() -> None:
+    async def main() -> None:
+        events = EventLog()
+        events.add(_event("a", 0) + _event("b", 1))
+        follower = events.follow(0)
+        first = await follower.__anext__()
+        events.add(_event("c", 2))
+        events.close()
+        assert first + "".join([chunk async for chunk in follower]) == _event("b", 1) + _event("c", 2)
+        assert events.last == {"type": "c", "sequence_number": 2}
+        assert "".join([chunk async for chunk in events.follow()]) == _event("a", 0) + _event(
+            "b", 1
+        ) + _event("c", 2)
 
     asyncio.run(main())
 
@@ -640,6 +661,51 @@ def test_background_responses_are_polled_and_cancelled(
         tiny_openai.responses.retrieve(deleted.id)
     _pool_empty(tiny_server)  # the cancelled runs' blocks are free
     assert len(tiny_server.app.state.server.background) == 0
+
+
+def test_a_background_stream_is_resumed_after_any_event(
+    tiny_openai: openai.OpenAI, tiny_server: ServerThread
+) -> None:
+    """OpenAI's background streaming: the create call streams from response.created (status queued)
+    on; a client that leaves stops nothing, and GET ?stream=true&starting_after=N resumes after
+    event N, so the events join to what a foreground stream sends; cancelling ends the stream."""
+    ask = {
+        "model": "default",
+        "input": "Which bicycle for a city?",
+        "max_output_tokens": 12,
+        "temperature": 0,
+    }
+    first: list[Any] = []
+    with tiny_openai.responses.create(**ask, background=True, stream=True) as stream:
+        for event in stream:
+            first.append(event)
+            if event.sequence_number == 4:
+                break  # the connection drops
+    assert [e.type for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert first[0].response.status == "queued" and first[0].response.background
+    rid = first[0].response.id
+    rest = list(tiny_openai.responses.retrieve(rid, stream=True, starting_after=4))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    again = list(tiny_openai.responses.retrieve(rid, stream=True))  # from the start, after the end
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    foreground = tiny_openai.responses.create(**ask)
+    assert text == foreground.output_text == _polled(tiny_openai, rid).output_text
+    with pytest.raises(openai.BadRequestError):  # a foreground response was never streamed to keep
+        list(tiny_openai.responses.retrieve(foreground.id, stream=True))
+    long = {**ask, "max_output_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    running = tiny_openai.responses.create(**long, background=True, stream=True)
+    head = next(iter(running))
+    tiny_openai.responses.cancel(head.response.id)
+    tail = list(tiny_openai.responses.retrieve(head.response.id, stream=True, starting_after=0))
+    assert tail[-1].type != "response.completed"  # the stream ends where the run stopped
+    assert tiny_openai.responses.retrieve(head.response.id).status == "cancelled"
+    tiny_openai.responses.delete(rid)
+    with pytest.raises(openai.NotFoundError):
+        list(tiny_openai.responses.retrieve(rid, stream=True))
+    _pool_empty(tiny_server)
 
 
 def test_errors_over_http_and_the_server_keeps_serving(

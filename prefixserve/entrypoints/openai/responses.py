@@ -210,6 +210,10 @@ def _listed_parts(role: Any, content: Any) -> list[dict[str, Any]]:
     return out
 
 
+# a failure's error code as the Responses API names it, by the server's error type
+FAILURE_CODES = {"rate_limit_error": "rate_limit_exceeded", "invalid_request_error": "invalid_prompt"}
+
+
 def response_usage(finals: list[RequestOutput], reasoning_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage; ``reasoning_tokens``: those that wrote the reasoning item."""
     u = fmt.usage(finals)

@@ -1,35 +1,35 @@
 """Background responses (``background: true``): answered at once, run on as a task of this process.
 
 The create request is checked and queued as any response is (a refusal, a 429 included, answers it
-then), and answered ``queued``; the response is stored at once and its stored body follows it:
-``in_progress`` while it runs, then what a foreground response would have answered (``completed``
-or ``incomplete``), or ``failed`` with the error, or ``cancelled``. The client polls
-``GET /v1/responses/{id}``; ``POST /v1/responses/{id}/cancel`` (or deleting it) stops it and frees
-its blocks. Not streamed; not kept across a restart, as the store is not.
+then), and answered ``queued``, or with ``stream`` its events from ``response.created`` on; the
+response is stored at once and its stored body follows it: ``in_progress`` while it runs, then what
+a foreground response would have answered (``completed`` or ``incomplete``), or ``failed`` with the
+error, or ``cancelled``. The client polls ``GET /v1/responses/{id}``, or follows its events with
+``?stream=true`` (from ``starting_after``, an event's ``sequence_number``: a dropped connection
+resumes where it broke); ``POST /v1/responses/{id}/cancel`` (or deleting it) stops it and frees its
+blocks. A client leaving its stream stops nothing. Not kept across a restart, as the store is not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prefixserve.entrypoints.openai.engine_thread import StreamSink
-from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.responses import ResponseCall, input_items
-from prefixserve.outputs import RequestOutput
+from prefixserve.entrypoints.openai.responses import ACTIVE, ResponseCall, input_items
 
 log = logging.getLogger(__name__)
 
-# a failure's error code as the Responses API names it, by the server's error type
-FAILURE_CODES = {"rate_limit_error": "rate_limit_exceeded", "invalid_request_error": "invalid_prompt"}
+KEPT_LOGS = 64  # finished responses whose events stay followable (the running ones' always are)
 
 
 class FirstOutput(StreamSink):
     """A background response's sink: notes its first output (the request has started: the
-    response leaves ``queued`` for ``in_progress``). Never resumed, so the engine builds that one
-    progress output and then only the final one (``StreamSink``'s backpressure)."""
+    response leaves ``queued`` for ``in_progress``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,12 +42,52 @@ class FirstOutput(StreamSink):
         super().put_nowait(item)
 
 
-class BackgroundRuns:
-    """The background responses running in this process, by response id."""
+class EventLog:
+    """A background response's stream events, each at the place of its ``sequence_number`` (they
+    count from 0), so that any client can follow it from any event while it runs and after."""
 
     def __init__(self) -> None:
-        # response id -> (the run, its collecting of the engine's outputs)
-        self._tasks: dict[str, tuple[asyncio.Task[None], asyncio.Future[Any]]] = {}
+        self.events: list[str] = []
+        self.last: dict[str, Any] = {}  # the last event's payload
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def add(self, chunk: str) -> None:
+        """The events of one stream write (one or several ``event: ...\\ndata: ...\\n\\n``)."""
+        parts = [part for part in chunk.split("\n\n") if part]
+        self.events += [part + "\n\n" for part in parts]
+        if parts:
+            self.last = json.loads(parts[-1].split("\ndata: ", 1)[1])
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()  # every follower waiting on it goes on; later ones wait on a new one
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events after sequence number ``after``, as they come, until the run ends."""
+        at = max(after + 1, 0)
+        while True:
+            if at < len(self.events):
+                chunk, at = "".join(self.events[at:]), len(self.events)
+                yield chunk
+                continue
+            if self.closed:
+                return
+            await self._changed.wait()
+
+
+class BackgroundRuns:
+    """The background responses running in this process, by response id, and the events of those
+    running or recently finished."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._logs: OrderedDict[str, EventLog] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -56,73 +96,86 @@ class BackgroundRuns:
         self,
         call: ResponseCall,
         sink: FirstOutput,
-        finals: Awaitable[list[RequestOutput] | None],
+        events: AsyncIterator[str],
+        opening: str,
         abort: Callable[[], None],
-    ) -> dict[str, Any]:
+    ) -> EventLog:
         """Store the response as ``queued`` (``in_progress`` from its first output on) and run on
-        until ``finals`` (its queued engine work's final outputs, from ``sink``) are in; the
-        ``queued`` body is the create request's answer. Cancelled at any point, even before it
-        ever ran, it calls ``abort`` (the engine's requests stop and free their blocks)."""
-        body = call.skeleton("queued")
-        self._put(call, body)
+        until ``events`` (its queued engine work's stream, from ``sink``) end, kept in the returned
+        log after ``opening`` (the created and queued events). Cancelled at any point, even before
+        it ever ran, it calls ``abort`` (the engine's requests stop and free their blocks)."""
+        self._put(call, call.skeleton("queued"))
+        events_log = EventLog()
+        events_log.add(opening)
+        self._logs[call.rid] = events_log
 
         def started() -> None:  # a first output that arrives after a cancel or a delete changes nothing
             if call.rid in self._tasks:
                 self._put(call, call.skeleton("in_progress"))
 
         sink.started = started
-        collecting = asyncio.ensure_future(finals)
-        task = asyncio.get_running_loop().create_task(self._run(call, collecting))
-        self._tasks[call.rid] = (task, collecting)
+        task = asyncio.get_running_loop().create_task(self._run(call, events, events_log))
+        self._tasks[call.rid] = task
 
         def ended(done: asyncio.Task[None]) -> None:
             self._tasks.pop(call.rid, None)
             sink.started = None
-            if done.cancelled():  # also before it ever ran: nothing else stops the collecting
-                collecting.cancel()
+            events_log.close()
+            if done.cancelled():  # also before it ever ran: nothing else stops the engine's requests
                 abort()
                 self._put(call, call.skeleton("cancelled"))
+            self._keep_recent()
 
         task.add_done_callback(ended)
-        return body
+        return events_log
 
-    async def _run(self, call: ResponseCall, finals: Awaitable[list[RequestOutput] | None]) -> None:
+    async def _run(self, call: ResponseCall, events: AsyncIterator[str], events_log: EventLog) -> None:
         try:
-            done = await finals
-            if done is None or any(c.finish_reason == "abort" for f in done for c in f.outputs):
-                self._put(call, call.skeleton("cancelled"))  # aborted by the server (shutting down)
-                return
-            call.body(done)  # stored as a foreground response is: completed or incomplete
-        except APIError as exc:
-            self._failed(call, FAILURE_CODES.get(exc.type, "server_error"), exc.message)
+            async for chunk in events:
+                events_log.add(chunk)
+            if events_log.last.get("type") == "response.failed":  # the engine refused or failed it
+                self._put(call, events_log.last["response"])
+            else:  # ended without its last event: aborted by the server (shutting down)
+                stored = None if call.store is None else call.store.get(call.rid)
+                if stored is not None and stored.body.get("status") in ACTIVE:
+                    self._put(call, call.skeleton("cancelled"))
         except Exception as exc:  # the task's own failure: recorded, never lost in the event loop
             log.exception("background response %s failed", call.rid)
-            self._failed(call, "server_error", f"internal error: {type(exc).__name__}")
-
-    def _failed(self, call: ResponseCall, code: str, message: str) -> None:
-        body = call.skeleton("failed")
-        body["error"] = {"code": code, "message": message}
-        self._put(call, body)
+            body = call.skeleton("failed")
+            body["error"] = {"code": "server_error", "message": f"internal error: {type(exc).__name__}"}
+            self._put(call, body)
 
     @staticmethod
     def _put(call: ResponseCall, body: dict[str, Any]) -> None:
         assert call.store is not None  # a background response is stored (``prepare_response``)
         call.store.put(call.rid, body, call.history, input_items(call.req.input))
 
+    def _keep_recent(self) -> None:
+        finished = [rid for rid in self._logs if rid not in self._tasks]
+        for rid in finished[: max(0, len(finished) - KEPT_LOGS)]:
+            del self._logs[rid]
+
+    def events(self, rid: str) -> EventLog | None:
+        """A response's events, while they are kept."""
+        return self._logs.get(rid)
+
+    def forget(self, rid: str) -> None:
+        """A deleted response's events go with it."""
+        self._logs.pop(rid, None)
+
     async def cancel(self, rid: str) -> None:
         """Stop a running background response (its stored status becomes ``cancelled``); nothing
         for one that has finished."""
-        running = self._tasks.get(rid)
-        if running is None:
+        task = self._tasks.get(rid)
+        if task is None:
             return
-        for part in running:
-            part.cancel()
-        await asyncio.gather(*running, return_exceptions=True)  # the engine's requests are aborted
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # the engine's requests are aborted
 
     def cancel_all(self) -> None:
         """At shutdown: every run is cancelled (each aborts its engine requests)."""
-        for task, _ in list(self._tasks.values()):
+        for task in list(self._tasks.values()):
             task.cancel()
 
 
-__all__ = ["BackgroundRuns", "FirstOutput"]
+__all__ = ["BackgroundRuns", "EventLog", "FirstOutput"]

@@ -80,8 +80,6 @@ def _bad(message: str, param: str) -> APIError:
 
 def check_supported(req: ResponsesRequest) -> None:
     """A 400 for each field set to what a text model served here cannot do."""
-    if req.background and req.stream:
-        raise _bad("a background response is not streamed here: poll GET /v1/responses/{id}", "background")
     if req.background and not req.store:
         raise _bad("a background response must be stored (store: true) to be polled", "background")
     if req.prompt is not None:

@@ -15,8 +15,8 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.entrypoints.openai.answering import answer, collect, route_start, submit
-from prefixserve.entrypoints.openai.overload import queue_deadline
+from prefixserve.entrypoints.openai.answering import answer, route_start, stream_events, submit
+from prefixserve.entrypoints.openai.overload import queue_deadline, sse_response
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
 from prefixserve.entrypoints.openai.responses import ResponseCall, StoredResponse, prepare_response
@@ -37,18 +37,30 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
 
 
 async def _start_background(state: ServerState, call: ResponseCall, started: float) -> Response:
-    """Queue a background response now (a refusal answers this request) and answer it ``queued``;
-    its answer is collected by a task, whoever is still connected. No queue deadline: it is the
-    work a client chose to wait for."""
+    """Queue a background response now (a refusal answers this request) and answer it ``queued``,
+    or with ``stream`` its events; its stream runs in a task, whoever is still connected. No queue
+    deadline: it is the work a client chose to wait for."""
     sink = FirstOutput()
     ids = await submit(state, call.prep, sink, None, started, progress=True)  # the first: in_progress
-    finals = collect(state, _never_gone, ids, sink)
-    body = state.background.start(call, sink, finals, lambda: [state.loop.abort(i) for i in ids])
-    return JSONResponse(body)
+    s = response_stream(call)
+    opening = s.events.queued_events()  # type: ignore[attr-defined]
+    events = stream_events(state, ids, sink, s)
+    run = state.background.start(call, sink, events, opening, lambda: [state.loop.abort(i) for i in ids])
+    if call.req.stream:  # leaving it stops nothing: no request of its own to abort
+        return sse_response(run.follow(), [], state.stall_watch)
+    return JSONResponse(_stored(state, call.rid).body)
 
 
-async def _never_gone() -> bool:
-    return False
+def _follow(state: ServerState, response_id: str, starting_after: int | None) -> Response:
+    """A background response's events after ``starting_after`` (all of them without it), live."""
+    if not _stored(state, response_id).body.get("background"):
+        message = "only a background response can be streamed again"
+        raise APIError(400, message, param="response_id", code="invalid_value")
+    run = state.background.events(response_id)
+    if run is None:
+        message = f"the events of response {response_id!r} are no longer kept: get it without stream"
+        raise APIError(400, message, param="stream", code="invalid_value")
+    return sse_response(run.follow(-1 if starting_after is None else starting_after), [], state.stall_watch)
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
@@ -81,8 +93,12 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(_stored(state, response_id).body)
 
     @app.get(RESPONSES_ROUTE + "/{response_id}")
-    async def get_response(response_id: str, request: Request) -> Response:
+    async def get_response(
+        response_id: str, request: Request, stream: bool = False, starting_after: int | None = None
+    ) -> Response:
         authorize(state, request)
+        if stream:
+            return _follow(state, response_id, starting_after)
         return JSONResponse(_stored(state, response_id).body)
 
     @app.delete(RESPONSES_ROUTE + "/{response_id}")
@@ -91,6 +107,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         _stored(state, response_id)
         await state.background.cancel(response_id)  # a running one stops first
         state.responses.delete(response_id)
+        state.background.forget(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @app.get(RESPONSES_ROUTE + "/{response_id}/input_items")

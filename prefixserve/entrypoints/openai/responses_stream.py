@@ -21,6 +21,7 @@ from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.event_stream import AsEvents
 from prefixserve.entrypoints.openai.prepare import stream_state
 from prefixserve.entrypoints.openai.responses import (
+    FAILURE_CODES,
     ResponseCall,
     call_item,
     item_status,
@@ -55,6 +56,7 @@ class ResponseEvents:
     counter: TextTokens | None = None
     lead: int = 0  # characters of the output before the answer (a thinking model's reasoning)
     skipped: bool = False  # the reasoning's logprobs are dropped (they are no text's)
+    queued: bool = False  # a background response's: created and queued went out when it was queued
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -70,9 +72,18 @@ class ResponseEvents:
 
     def opening(self) -> list[str]:
         body = self.call.skeleton("in_progress")
+        if self.queued:
+            return [self.event("response.in_progress", response=body)]
         return [
             self.event("response.created", response=body) + self.event("response.in_progress", response=body)
         ]
+
+    def queued_events(self) -> str:
+        """A background response's first events, sent when it is queued (``opening`` then sends
+        ``in_progress`` alone, with its first output)."""
+        self.queued = True
+        body = self.call.skeleton("queued")
+        return self.event("response.created", response=body) + self.event("response.queued", response=body)
 
     def choice(self, choice: dict[str, Any]) -> str:
         """The events for one chat choice (its text, tool-call pieces and finish)."""
@@ -239,10 +250,11 @@ class ResponseEvents:
         of the API's (the stream ends there)."""
         err = error.get("error", {})
         code = err.get("code") or err.get("type")
-        kind = err.get("type")
-        api_code = {"rate_limit_error": "rate_limit_exceeded", "invalid_request_error": "invalid_prompt"}
         body = self.call.skeleton("failed")
-        body["error"] = {"code": api_code.get(kind, "server_error"), "message": err.get("message")}
+        body["error"] = {
+            "code": FAILURE_CODES.get(err.get("type"), "server_error"),
+            "message": err.get("message"),
+        }
         return self.event(
             "error", code=code, message=err.get("message"), param=err.get("param")
         ) + self.event("response.failed", response=body)
