@@ -110,3 +110,25 @@ def test_concurrent_streaming_clients(server: ServerThread) -> None:
     assert (used, live) == (0, 0), f"{used} blocks, {live} requests left after the load"
     server.engine_loop.call(lambda e: e.pool.check_integrity()).result(10)
     print(f"\n{len(results)} requests from {CLIENTS} clients in {elapsed:.1f}s")
+
+
+def test_one_completions_request_may_hold_many_prompts(tiny_config_path: Path) -> None:
+    """Many questions on one document as one request (vLLM caps none): 300 prompts answer 300
+    choices; past the cap, a 400 naming the prompt."""
+    from prefixserve.engine.admission import AdmissionLimits
+    from prefixserve.entrypoints.openai.overload import OverloadSettings
+    from prefixserve.entrypoints.openai.protocol import MAX_PROMPTS
+
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=512, max_num_seqs=16)
+    overload = OverloadSettings(AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=0))
+    document = list(range(5, 69))
+    prompts = [[*document, 100 + q] for q in range(300)]
+    app = build_app(config, overload=overload)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as h:
+        got = h.post("/v1/completions", json={"prompt": prompts, "max_tokens": 2})
+        assert got.status_code == 200, got.text
+        body = got.json()
+        assert [c["index"] for c in body["choices"]] == list(range(300))
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 299 * 64  # the document once
+        over = h.post("/v1/completions", json={"prompt": [[5, 6]] * (MAX_PROMPTS + 1), "max_tokens": 1})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "prompt"

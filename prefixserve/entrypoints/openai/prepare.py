@@ -15,6 +15,7 @@ from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned, render_system_prompt
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.protocol import (
+    MAX_PROMPTS,
     APIError,
     ChatCompletionRequest,
     ChatMessage,
@@ -40,7 +41,7 @@ from prefixserve.entrypoints.openai.tools import (
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import PMLError, is_pml_prompt
-from prefixserve.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
+from prefixserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
 # ``apply_chat_template``'s own arguments: a request sets them through its fields (or not at all), never
@@ -107,6 +108,9 @@ class Prepared:
     @property
     def prompt_field(self) -> str:
         return "messages" if self.chat else "prompt"
+
+
+MAX_CHOICES = MAX_PROMPTS  # choices (n x prompts) in one completions answer
 
 
 def truncated(prep: Prepared, ids: list[int], max_model_len: int | None) -> list[int]:
@@ -228,9 +232,9 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     params = sampling(req, 1 if no_completion else max_tokens, req.logprobs, structured)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs: as many top ones as asked
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
-    if len(prompts) * params.num_samples > MAX_N:
+    if len(prompts) * params.num_samples > MAX_CHOICES:
         total = len(prompts) * params.num_samples
-        raise APIError(400, f"n (or best_of) x prompts must be at most {MAX_N}, got {total}", "n")
+        raise APIError(400, f"n (or best_of) x prompts must be at most {MAX_CHOICES}, got {total}", "n")
     if req.application is not None:
         application_prompt(ctx, req.application)  # a 400 naming an unknown application
     want = req.logprobs is not None

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 if TYPE_CHECKING:
     from prefixserve.outputs import RequestOutput
 
-MAX_PROMPTS = 64  # prompts in one /v1/completions request
+# prompts in one /v1/completions request (vLLM sets none): many questions on one document may come
+# as one request; each prompt is an engine request, which the waiting queue's bounds still count
+MAX_PROMPTS = 2048
 
 # Fields OpenAI or vLLM define that change what a client gets and that this server does not do: set
 # to anything but their "off" value, they are a 400 naming the field, never silently ignored
