@@ -123,6 +123,15 @@ def test_json_mode_regex_choice_and_grammar(client: openai.OpenAI, http: httpx.C
         )
         assert all(c.message.content in choices for c in reply.choices)
 
+    tagged = {"type": "structural_tag", "format": {"type": "tag", "begin": "<n>", "end": "</n>",
+              "content": {"type": "regex", "pattern": "[0-9]{2,4}"}}}  # fmt: skip
+    for extra in (
+        {"response_format": tagged},
+        {"structured_outputs": {"structural_tag": json.dumps(tagged)}},
+    ):
+        done = client.completions.create(model="default", prompt="Tag:", max_tokens=20, extra_body=extra)
+        assert re.fullmatch(r"<n>[0-9]{2,4}</n>", done.choices[0].text), done.choices[0].text
+
     grammar = 'root ::= "SELECT " column " FROM " table\n'
     grammar += 'column ::= "name" | "age" | "*"\ntable ::= "users" | "bikes"'
     sql = r"SELECT (name|age|\*) FROM (users|bikes)"
@@ -276,6 +285,8 @@ def test_tool_results_come_back_and_auto_answers(client: openai.OpenAI, server: 
         ({"guided_grammar": 'start ::= "a"'}, "guided_grammar"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
+        ({"structured_outputs": {"structural_tag": "[1]"}}, "structured_outputs"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),

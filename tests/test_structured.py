@@ -39,6 +39,20 @@ def test_exactly_one_constraint_and_field_names_in_errors() -> None:
     assert params.structured_outputs == StructuredOutputs(regex="[ab]+")
     with pytest.raises(ValueError, match="unknown fields"):
         SamplingParams(structured_outputs={"guided_regex": "a"})
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag"):
+        StructuredOutputs(structural_tag="[1, 2]")
+
+
+def test_the_older_structural_tag_form_vllm_takes() -> None:
+    """``structures`` (begin, schema, end) with ``triggers``: free text, then a tagged JSON part."""
+    from prefixserve.structured.grammars import parse
+
+    tag = {"type": "structural_tag", "triggers": ["<f="],
+           "structures": [{"begin": "<f=w>", "schema": {"type": "object"}, "end": "</f>"}]}  # fmt: skip
+    grammar = parse(StructuredOutputs(structural_tag=tag))
+    accepts = xgr.testing._is_grammar_accept_string
+    assert accepts(grammar, 'free text <f=w>{"a": 1}</f> more text')
+    assert not accepts(grammar, "free text <f=w>not json</f>")
 
 
 @pytest.mark.parametrize(
@@ -48,6 +62,10 @@ def test_exactly_one_constraint_and_field_names_in_errors() -> None:
         (StructuredOutputs(regex="a(b"), "structured_outputs.regex: invalid regex"),
         (StructuredOutputs(grammar='root ::= "a" | '), "structured_outputs.grammar: invalid grammar"),
         (StructuredOutputs(grammar='start ::= "a"'), "root"),
+        (
+            StructuredOutputs(structural_tag={"type": "structural_tag", "format": {"type": "nonsense"}}),
+            "structured_outputs.structural_tag: invalid structural tag",
+        ),
     ],
 )
 def test_bad_specs_are_refused_with_their_field(spec: StructuredOutputs, words: str) -> None:
@@ -144,6 +162,17 @@ SPECS = [
     StructuredOutputs(regex=r"[0-9]{2,4}-[ab]{3}"),
     StructuredOutputs(json=SCHEMA, disable_any_whitespace=True),
     StructuredOutputs(grammar='root ::= "(" [xyz] ("," [xyz])* ")"'),
+    StructuredOutputs(  # vLLM's structural tag, xgrammar's format form: a tagged part
+        structural_tag={
+            "type": "structural_tag",
+            "format": {
+                "type": "tag",
+                "begin": "<n>",
+                "content": {"type": "regex", "pattern": "[0-9]{2,4}"},
+                "end": "</n>",
+            },
+        }
+    ),
 ]
 
 
@@ -155,6 +184,8 @@ def _matches(spec: StructuredOutputs, text: str) -> bool:
     if spec.json:
         value = json.loads(text)
         return value["kind"] in ("cat", "dog") and isinstance(value["ok"], bool) and len(value) == 2
+    if spec.structural_tag:
+        return re.fullmatch(r"<n>[0-9]{2,4}</n>", text) is not None
     return re.fullmatch(r"\([xyz](,[xyz])*\)", text) is not None
 
 

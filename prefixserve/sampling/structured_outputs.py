@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(slots=True)
@@ -21,7 +21,10 @@ class StructuredOutputs:
 
     ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON object; ``regex``; ``choice``:
     the output is one of these strings; ``grammar``: EBNF (GBNF style, a ``root`` rule).
-    ``disable_any_whitespace``: JSON without free whitespace (compact separators).
+    ``structural_tag``: xgrammar's structural tag (its JSON, or a dict): free text with tagged
+    parts that must match their schemas (vLLM's; both its ``format`` form and the older
+    ``structures`` + ``triggers`` one). ``disable_any_whitespace``: JSON without free whitespace
+    (compact separators).
     """
 
     json: dict[str, Any] | str | None = None
@@ -29,6 +32,7 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     # a thinking model's reasoning goes first, free (``<think> ... </think>``): "opened" where the
     # prompt opened the <think> (the output starts inside it), "optional" where the output may open
@@ -40,6 +44,8 @@ class StructuredOutputs:
         if len(given) != 1:
             names = ", ".join(KINDS)
             raise ValueError(f"structured_outputs takes exactly one of {names}; got {given or 'none'}")
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag, ensure_ascii=False)
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -51,6 +57,8 @@ class StructuredOutputs:
              "must be a non-empty string"),
             (self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()),
              "structured_outputs.grammar must be a non-empty string"),
+            (self.structural_tag is None or _json_object(self.structural_tag),
+             "structured_outputs.structural_tag must be a JSON object (or its text)"),
             (self.choice is None or (isinstance(self.choice, list) and self.choice
                                      and all(isinstance(c, str) and c for c in self.choice)),
              "structured_outputs.choice must be a non-empty list of non-empty strings"),
@@ -72,6 +80,13 @@ class StructuredOutputs:
         spec = getattr(self, kind)
         text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, ensure_ascii=False)
         return kind, text, self.disable_any_whitespace, self.after_thinking
+
+
+def _json_object(text: Any) -> bool:
+    try:
+        return isinstance(text, str) and isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 StructuredOutputsParams = StructuredOutputs  # vLLM's name

@@ -60,6 +60,8 @@ def _source(spec: StructuredOutputs) -> tuple[str, Any, dict[str, Any]]:
         return "regex", spec.regex, {}
     if kind == "choice":
         return "ebnf", choice_ebnf(spec.choice or []), {}
+    if kind == "structural_tag":
+        return "structural_tag", spec.structural_tag, {}
     return "ebnf", spec.grammar, {}
 
 
@@ -74,9 +76,25 @@ def parse(spec: StructuredOutputs) -> Any:
         grammar = _no_raw_controls(xgr.Grammar.from_json_schema(source, **options))
     elif how == "regex":
         grammar = xgr.Grammar.from_regex(source)
+    elif how == "structural_tag":
+        grammar = structural_tag(source)
     else:
         grammar = xgr.Grammar.from_ebnf(source)
     return grammar if spec.after_thinking is None else after_thinking(grammar, spec.after_thinking)
+
+
+def structural_tag(text: str) -> Any:
+    """A structural tag's grammar: xgrammar's ``format`` form, or the older ``structures`` (begin,
+    schema, end) with ``triggers`` that vLLM still takes."""
+    xgr = _xgrammar()
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(text)
+    items = [
+        xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+        for s in tag["structures"]
+    ]
+    return xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
 
 
 def after_thinking(grammar: Any, how: str) -> Any:
@@ -134,7 +152,12 @@ def check(spec: StructuredOutputs) -> None:
         parse(spec)
     except Exception as exc:
         how = _source(spec)[0]
-        what = {"json": "invalid JSON schema", "regex": "invalid regex", "ebnf": "invalid grammar"}[how]
+        what = {
+            "json": "invalid JSON schema",
+            "regex": "invalid regex",
+            "ebnf": "invalid grammar",
+            "structural_tag": "invalid structural tag",
+        }[how]
         raise ValueError(f"structured_outputs.{spec.kind}: {what}: {_clean(exc)}") from None
     _checked[key] = None
     if len(_checked) > CACHE_SIZE:

@@ -30,7 +30,7 @@ NOT_DONE = {
     "audio": "this model writes text only",
     "moderation": "this server does not moderate",
     "prediction": "predicted outputs are not supported",
-    "structural_tag": "use structured_outputs (json, regex, choice, grammar)",
+    "structural_tag": "send it as response_format (type structural_tag) or structured_outputs",
     "guided_whitespace_pattern": "the JSON grammar's whitespace is fixed",
     "logits_processors": "custom logits processors are not supported",
     "vllm_xargs": "custom logits processors are not supported",

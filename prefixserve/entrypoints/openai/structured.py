@@ -48,8 +48,13 @@ def _from_response_format(rf: dict[str, Any]) -> tuple[StructuredOutputs | None,
         return None, "response_format"
     if kind == "json_object":
         return _make("response_format", json_object=True), "response_format"
+    if kind == "structural_tag":  # vLLM's: the tag is the response format itself
+        return _make("response_format", structural_tag=rf), "response_format"
     if kind != "json_schema":
-        message = f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        message = (
+            "response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+            f"got {kind!r}"
+        )
         raise APIError(400, message, param="response_format.type", code="invalid_value")
     js = rf.get("json_schema")
     if not isinstance(js, dict):
@@ -64,7 +69,7 @@ def _from_response_format(rf: dict[str, Any]) -> tuple[StructuredOutputs | None,
 
 def _from_structured_outputs(so: dict[str, Any]) -> tuple[StructuredOutputs, str]:
     known = {*KINDS, "disable_any_whitespace", "whitespace_pattern", "structural_tag", "backend"}
-    unsupported = sorted(k for k in so if k not in known or k in ("whitespace_pattern", "structural_tag"))
+    unsupported = sorted(k for k in so if k not in known or k == "whitespace_pattern")
     if unsupported:
         message = f"structured_outputs: unsupported fields {unsupported}"
         raise APIError(400, message, param="structured_outputs", code="invalid_value")
