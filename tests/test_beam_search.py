@@ -229,24 +229,18 @@ def test_completions_with_beam_search_answer_the_n_best_beams(tiny_server: Any, 
 
 
 def test_chat_with_beam_search(tiny_server: Any, tiny_openai: Any) -> None:
-    chat = tiny_openai.chat.completions.create(
-        model="default",
-        messages=[{"role": "user", "content": "hello"}],
-        n=2,
-        max_tokens=4,
-        extra_body={"use_beam_search": True, "length_penalty": 0.0},
-    )
+    ask = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "hello"}],
+        "n": 2,
+        "max_tokens": 4,
+        "extra_body": {"use_beam_search": True, "length_penalty": 0.0},
+    }
+    chat = tiny_openai.chat.completions.create(**ask)
     assert len(chat.choices) == 2
     assert all(c.finish_reason in ("stop", "length") for c in chat.choices)
     assert chat.usage.completion_tokens >= 2
-    streamed = tiny_openai.chat.completions.create(
-        model="default",
-        messages=[{"role": "user", "content": "hello"}],
-        n=2,
-        max_tokens=4,
-        stream=True,
-        extra_body={"use_beam_search": True, "length_penalty": 0.0},
-    )
+    streamed = tiny_openai.chat.completions.create(**ask, stream=True)
     texts = {0: "", 1: ""}
     finish = {}
     for chunk in streamed:
