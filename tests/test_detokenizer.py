@@ -425,3 +425,18 @@ def test_a_stop_string_inside_min_tokens_does_not_cut_the_text(tiny_llm: LLM) ->
                 assert stopped and len(c.token_ids) <= k
             else:  # the rule above holds it to the text past min_tokens; it once stopped at 9 tokens
                 assert len(c.token_ids) > min_tokens + 1 or not stopped
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny_llm: LLM) -> None:
+    """vLLM's ``detokenize=False``: token ids alone (the host decodes nothing), the same ids as with
+    text; stop strings, which are found in the text, need it on."""
+    prompts = ["The weather", "A bicycle"]
+    with_text = tiny_llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    ids_only = tiny_llm.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+    )
+    for a, b in zip(with_text, ids_only, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids and a.outputs[0].text
+        assert b.outputs[0].text == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["."], detokenize=False)

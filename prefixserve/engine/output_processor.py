@@ -40,9 +40,9 @@ def sample_text(seq: Sequence, tokenizer: Any) -> str:
     """
     if isinstance(seq.stop_reason, str):
         return seq.output_text
-    if tokenizer is None:
-        return ""
     p = seq.request.params
+    if tokenizer is None or not p.detokenize:  # vLLM's detokenize=False: token ids alone
+        return ""
     if seq.is_finished:
         if seq.finish_reason != "stop" or p.include_stop_str_in_output:
             return output_text(seq, tokenizer)

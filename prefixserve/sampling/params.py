@@ -56,6 +56,8 @@ class SamplingParams:
     # a reasoning model's thinking ends after at most this many tokens (``sampling/thinking_budget.py``;
     # needs the engine's reasoning_parser)
     thinking_token_budget: int | None = None
+    # vLLM's: False leaves outputs' text empty (no detokenizing on the host: token ids alone)
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.structured_outputs = as_structured(self.structured_outputs)
@@ -95,6 +97,10 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
             ),
             (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are allowed"),
+            (
+                self.detokenize or not self.stop,
+                "stop strings need detokenize=True (they are found in the text)",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
