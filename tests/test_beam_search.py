@@ -263,6 +263,7 @@ def test_chat_with_beam_search(tiny_server: Any, tiny_openai: Any) -> None:
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"echo": True, "max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10**6}, "max_tokens"),
+        ({"thinking_token_budget": 0}, "thinking_token_budget"),
     ],
 )
 def test_what_beam_search_cannot_honour_is_a_400_naming_it(
@@ -314,3 +315,32 @@ def test_on_a_gpu_the_sharing_kernels_and_graphs_give_the_reference_beams(tiny_c
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         want = [s.cum_logprob for s in b.sequences]
         assert [s.cum_logprob for s in a.sequences] == pytest.approx(want, abs=1e-4)
+
+
+def test_echo_of_a_truncated_prompt_answers_the_kept_tokens(tiny_server: Any) -> None:
+    """As a sampled answer: echo puts the kept tokens' text first, so the logprobs' offsets hold."""
+    body = {"prompt": "hello world again and again", "max_tokens": 2, "echo": True, "logprobs": 0,
+            "truncate_prompt_tokens": 3, "temperature": 0, "n": 1}  # fmt: skip
+    sampled = post(tiny_server, "/v1/completions", body).json()["choices"][0]
+    beam = post(tiny_server, "/v1/completions", {**body, "use_beam_search": True}).json()["choices"][0]
+    kept = len(sampled["text"]) - sum(map(len, sampled["logprobs"]["tokens"][3:]))
+    assert beam["text"][:kept] == sampled["text"][:kept]
+    lp = beam["logprobs"]
+    assert [beam["text"][o : o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"], strict=True)] == lp[
+        "tokens"
+    ]
+
+
+def test_a_client_that_leaves_stops_the_search(tiny_server: Any) -> None:
+    """Each step is shorter than the disconnect poll: the search itself checks between steps."""
+    import time
+
+    import httpx
+
+    body = {"prompt": [5, 6, 7], "n": 4, "max_tokens": 1500, "ignore_eos": True, "use_beam_search": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=1.0)
+    time.sleep(1.5)
+    added = tiny_server.engine_loop.snapshot.get("requests_total", 0.0)
+    time.sleep(1.0)
+    assert tiny_server.engine_loop.snapshot.get("requests_total", 0.0) == added  # no step queued since

@@ -117,6 +117,9 @@ def test_a_requests_template_renders_its_chat_only_where_the_server_trusts_it(ti
             assert tokens.json()["tokens"] == want
             plain = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
             assert plain != want  # without it, the model's own template
+            pml = [{"role": "user", "content": '<prompt schema="s"><m/> Hi</prompt>'}]
+            untemplated = http.post("/v1/chat/completions", json={**chat, "messages": pml})
+            assert untemplated.status_code == 400 and untemplated.json()["error"]["param"] == "chat_template"
     assert llm.render_chat(messages, chat_template=TEMPLATE) == "<user>hi<assistant>"
     out = llm.chat(messages, chat_template=TEMPLATE)[0]
     assert out.prompt == "<user>hi<assistant>"

@@ -10,10 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
-from prefixserve.sampling.thinking_budget import ThinkingBudget, ThinkingTags, opens_thinking
+from prefixserve.sampling.min_tokens import TokenBan
+from prefixserve.sampling.thinking_budget import ThinkingBudget, ThinkingTags, prompt_thought
 from tests.conftest import assert_pool_empty
 
 TAGS = ThinkingTags(start=(7, 8), end=(9, 10, 11))
@@ -35,12 +37,27 @@ class Chars:
         return "".join(map(chr, ids))
 
 
-def test_the_prompt_opens_the_thought_where_it_ends_with_the_start_tag() -> None:
+def test_the_prompt_opens_the_thought_where_its_last_start_tag_is_open() -> None:
+    """As vLLM's budget reads a prompt: its last <think> not closed after it opens the thought, and
+    the prompt's tokens after the tag count (a prefill inside it); found as token ids, or as a prompt
+    whose text ends with <think> however it was tokenized."""
     chars = Chars()
-    assert opens_thinking(chars.encode("<user>hi<assistant><think>\n"), chars)
-    assert not opens_thinking(chars.encode("<user>what does <think> do?<assistant>"), chars)
-    assert not opens_thinking(chars.encode("<think>\n\n</think>\n\n"), chars)
-    assert ThinkingTags.encode(chars) == ThinkingTags(tuple(map(ord, "<think>")), tuple(map(ord, "</think>")))
+    tags = ThinkingTags.encode(chars)
+    assert tags == ThinkingTags(tuple(map(ord, "<think>")), tuple(map(ord, "</think>")))
+    assert prompt_thought(chars.encode("<user>hi<assistant><think>\n"), chars, tags) == 1
+    assert prompt_thought(chars.encode("<assistant><think>\nLet me see"), chars, tags) == 11
+    assert prompt_thought(chars.encode("<think>\n\n</think>\n\n"), chars, tags) is None
+    assert prompt_thought(chars.encode("no tags"), chars, tags) is None
+    split = ThinkingTags(start=(900, 901), end=(902,))  # the tag's ids differ from the prompt's split
+    assert prompt_thought(chars.encode("<assistant><think>"), chars, split) == 0
+
+
+def test_a_forced_token_is_the_choice_unless_a_ban_names_it() -> None:
+    logits = torch.zeros(3, 6)
+    TokenBan([1], [4], forced_rows=[0, 1], forced_ids=[2, 4]).apply(logits)
+    assert logits[0].argmax() == 2 and logits[0, 2] > 1e8
+    assert logits[1, 4] == float("-inf") and torch.isfinite(logits[1, :4]).all()  # the ban wins
+    assert (logits[2] == 0).all()
 
 
 @pytest.mark.parametrize(
@@ -129,6 +146,40 @@ def test_a_budget_needs_a_reasoning_parser(tiny_config_path: Path) -> None:
     llm = thinking_llm(tiny_config_path, False, parser=None)
     with pytest.raises(ValueError, match="reasoning parser"):
         llm.generate("hi", SamplingParams(thinking_token_budget=4))
+    assert_pool_empty(llm)
+
+
+def test_a_constraint_with_a_budget_must_come_after_the_thought(tiny_config_path: Path) -> None:
+    """The forced end tag would break a grammar applied from the first token: refused, unless the
+    constraint holds after the thought (``after_thinking``, which chats set), where it is kept."""
+    from prefixserve.sampling.structured_outputs import StructuredOutputs
+
+    pytest.importorskip("xgrammar")
+    llm = thinking_llm(tiny_config_path, False)
+    tok = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": [5, 6, *tok.encode("<think>\n", add_special_tokens=False)]}
+    choice = StructuredOutputs(choice=["yes", "no"])
+    with pytest.raises(ValueError, match="after_thinking"):
+        llm.generate(prompt, SamplingParams(thinking_token_budget=2, structured_outputs=choice))
+    after = StructuredOutputs(choice=["yes", "no"], after_thinking="opened")
+    out = llm.generate(
+        prompt, SamplingParams(thinking_token_budget=2, max_tokens=40, structured_outputs=after)
+    )
+    text = out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop" and text.split("</think>")[-1].strip() in ("yes", "no")
+    assert_pool_empty(llm)
+
+
+def test_a_bad_word_that_is_the_end_tag_wins_over_the_budget(tiny_config_path: Path) -> None:
+    """A ban of the forced token leaves the row a real choice (no all -inf row, no token 0 forever)."""
+    llm = thinking_llm(tiny_config_path, False)
+    tok = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": [5, 6, *tok.encode("<think>\n", add_special_tokens=False)]}
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, thinking_token_budget=0,
+                            bad_words=["</think>"])  # fmt: skip
+    ids = llm.generate(prompt, params)[0].outputs[0].token_ids
+    end = tok.encode("</think>", add_special_tokens=False)
+    assert all(ids[i : i + len(end)] != end for i in range(len(ids))) and 0 not in ids
     assert_pool_empty(llm)
 
 

@@ -187,6 +187,12 @@ class InputProcessor:
             )
         if tokenizer is None:
             raise ValueError("thinking_token_budget needs a tokenizer: this model has none")
+        so = params.structured_outputs
+        if so is not None and so.after_thinking is None:  # the forced end tag would break the grammar
+            raise ValueError(
+                "thinking_token_budget with structured outputs needs the constraint after the thought: "
+                "set structured_outputs.after_thinking ('opened' or 'optional'; chats set it themselves)"
+            )
 
     def _request(
         self,

@@ -25,10 +25,14 @@ class Sampling(Protocol):
     num_prompt_tokens: int
 
 
+FORCED = 1e9  # a forced token's logit (fp32 logits: its softmax is 1 at any temperature down to 1e-2)
+
+
 @dataclass(slots=True)
 class TokenBan:
-    """Token ids a step's sample rows may not choose: row ``rows[i]`` bans ``ids[i]``; and rows that
-    may choose one token only: row ``forced_rows[i]`` takes ``forced_ids[i]`` (``thinking_budget.py``)."""
+    """Token ids a step's sample rows may not choose: row ``rows[i]`` bans ``ids[i]``; and rows whose
+    choice is forced: row ``forced_rows[i]`` takes ``forced_ids[i]`` (``thinking_budget.py``) unless
+    a ban names it too (the ban wins: the row then chooses among the others)."""
 
     rows: list[int]
     ids: list[int]
@@ -37,14 +41,14 @@ class TokenBan:
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the banned logits of ``logits`` [sample rows, V] to -inf, in place (ids past V: no tokens);
-        a forced row's every logit but its token's, which becomes 0 (any finite value is chosen)."""
+        a forced token's logit is raised to ``FORCED`` first (as vLLM's budget raises it: after any
+        temperature, penalty or top-k/p it is the choice), so a ban of the same token still wins."""
         vocab = logits.shape[-1]
         if self.forced_rows:
             dev = logits.device
             rows = small_tensor(self.forced_rows, dev, torch.long)
             ids = small_tensor(self.forced_ids, dev, torch.long)
-            logits.index_fill_(0, rows, float("-inf"))
-            logits.index_put_((rows, ids), torch.zeros((), dtype=logits.dtype, device=dev))
+            logits.index_put_((rows, ids), torch.full((), FORCED, dtype=logits.dtype, device=dev))
         pairs = [(r, t) for r, t in zip(self.rows, self.ids, strict=True) if 0 <= t < vocab]
         if not pairs:
             return

@@ -1,6 +1,7 @@
 """``thinking_token_budget`` (vLLM's): a reasoning model thinks for at most that many tokens.
 
-A sample's thinking starts where its prompt ends with ``<think>`` (a template that opens it) or
+A sample's thinking starts where its prompt left a ``<think>`` open (a template that opens it, a
+prefill inside one: the prompt's tokens after the tag count too, as vLLM's budget counts them) or
 where its output opens with ``<think>``, as the reasoning parser reads outputs
 (``entrypoints/openai/reasoning.py``). Once ``budget`` tokens have followed the opening without a
 ``</think>``, the end tag's tokens are forced, one per step (every other logit -inf, on the logits
@@ -42,12 +43,26 @@ class ThinkingTags:
         return cls(start, end)
 
 
-def opens_thinking(prompt: Sequence[int], tokenizer: Any) -> bool:
-    """Whether the prompt ends with ``<think>`` (a template that opens the thought, as DeepSeek-R1's
-    distills' do): its last ids' text, so however the tag's characters were split into tokens. Only
-    the end counts: a ``<think>`` in a message's text opens nothing."""
+def prompt_thought(prompt: Sequence[int], tokenizer: Any, tags: ThinkingTags) -> int | None:
+    """The prompt's own thought: where its last ``<think>`` is not closed after it (a template that
+    opens it, an assistant's prefill that stopped inside it), the tokens after the tag, which count
+    toward the budget, as vLLM's count them; None where the prompt opened no thought. The tags are
+    found as token ids (vLLM's way), or as the text of the prompt's last ids ending with ``<think>``
+    however its characters were split into tokens (then 0 tokens after it)."""
+    start, end = _last(prompt, tags.start), _last(prompt, tags.end)
+    if start > end:
+        return len(prompt) - start - len(tags.start)
     tail = tokenizer.decode(list(prompt[-PROMPT_TAIL:]), skip_special_tokens=False)
-    return bool(tail.rstrip().endswith(THINK_START))
+    return 0 if tail.rstrip().endswith(THINK_START) else None
+
+
+def _last(ids: Sequence[int], sub: tuple[int, ...]) -> int:
+    """Where ``sub`` last starts in ``ids`` (-1: nowhere)."""
+    n, first = len(sub), sub[0] if sub else None
+    for at in range(len(ids) - n, -1, -1):
+        if ids[at] == first and tuple(ids[at : at + n]) == sub:
+            return at
+    return -1
 
 
 @dataclass(slots=True)
@@ -69,6 +84,7 @@ class ThinkingBudget:
     budget: int
     tags: ThinkingTags
     opened: bool  # the prompt left a <think> open
+    thought: int = 0  # the prompt's tokens after it, counted toward the budget
     states: dict[int, BudgetState] = field(default_factory=dict)
 
     def read(self, index: int, output: Sequence[int]) -> BudgetState:
@@ -76,7 +92,9 @@ class ThinkingBudget:
         on the device, a negative placeholder)."""
         state = self.states.get(index)
         if state is None:
-            state = self.states[index] = BudgetState(inside=self.opened)
+            state = self.states[index] = BudgetState(
+                inside=self.opened, count=self.thought if self.opened else 0
+            )
         start, end = self.tags.start, self.tags.end
         while not state.done and state.seen < len(output) and output[state.seen] >= 0:
             state.seen += 1
@@ -122,8 +140,9 @@ def thinking_budget(
     if params.thinking_token_budget is None:
         return None
     tags = ThinkingTags.encode(tokenizer)
-    opened = parser == "deepseek_r1" or opens_thinking(prompt, tokenizer)
-    return ThinkingBudget(params.thinking_token_budget, tags, opened)
+    thought = prompt_thought(prompt, tokenizer, tags)
+    opened = parser == "deepseek_r1" or thought is not None
+    return ThinkingBudget(params.thinking_token_budget, tags, opened, thought or 0)
 
 
 class Asked(Protocol):
@@ -181,7 +200,7 @@ __all__ = [
     "BudgetState",
     "ThinkingBudget",
     "ThinkingTags",
-    "opens_thinking",
+    "prompt_thought",
     "thinking_budget",
     "thinking_force",
     "waits_for_tokens",

@@ -69,6 +69,7 @@ def beam_search_params(prep: Prepared) -> BeamSearchParams:
         ("min_tokens", p.min_tokens > 0),
         ("stop", bool(p.stop)),
         ("best_of", p.best_of not in (None, p.n)),
+        ("thinking_token_budget", p.thinking_token_budget is not None),
         (_structured_field(prep), p.structured_outputs is not None),
     )
     for name, bad in refused:
@@ -98,11 +99,12 @@ def beam_search_params(prep: Prepared) -> BeamSearchParams:
 
 def _prompt_ids(
     state: ServerState, prep: Prepared, max_tokens: int | None
-) -> tuple[list[list[int]], list[int]]:
-    """Each prompt's ids as the server would queue them (``truncate_prompt_tokens`` applied), and the
-    most tokens its outputs may have: a 400 where the context (after the application's pinned
-    prompt) cannot hold the prompt and ``max_tokens``."""
-    ids, rooms = [], []
+) -> tuple[list[list[int]], list[int], list[str | None]]:
+    """Each prompt's ids as the server would queue them (``truncate_prompt_tokens`` applied), the
+    most tokens its outputs may have (a 400 where the context, after the application's pinned
+    prompt, cannot hold the prompt and ``max_tokens``), and its text where it was kept whole (what
+    echo answers: else the kept ids' text)."""
+    ids, rooms, texts = [], [], []
     for prompt in prep.prompts:
         tokens = prompt_ids(state, prep, prompt)
         if tokens is None:
@@ -111,7 +113,9 @@ def _prompt_ids(
                 "beam search takes plain prompts, not Prompt Cache (PML) prompts",
                 param=prep.prompt_field,
             )
-        tokens = truncated(prep, tokens, state.max_model_len)
+        kept = truncated(prep, tokens, state.max_model_len)
+        texts.append(prompt if isinstance(prompt, str) and len(kept) == len(tokens) else None)
+        tokens = kept
         used = len(state.engine_ids(tokens, prep.application))
         try:
             check_context(used, max_tokens, state.max_model_len)
@@ -120,7 +124,7 @@ def _prompt_ids(
             raise APIError(400, str(exc), param=param, code=code) from None
         ids.append(tokens)
         rooms.append(max_tokens or state.max_model_len - used)
-    return ids, rooms
+    return ids, rooms, texts
 
 
 async def _search(
@@ -132,13 +136,15 @@ async def _search(
     started: float,
 ) -> list[RequestOutput] | None:
     """Run the search; one final output per prompt (its best beams), or None if the client left."""
-    prompts, rooms = await asyncio.to_thread(_prompt_ids, state, prep, params.max_tokens)
+    prompts, rooms, texts = await asyncio.to_thread(_prompt_ids, state, prep, params.max_tokens)
     search = BeamSearch(prompts, params, state.eos_ids, rooms)
     step = params.step_params()
     firsts: list[RequestOutput] = []  # each prompt's first step: its prompt's counts and logprobs
     while not search.done:
         pending = search.pending()
         first = not firsts
+        if not first and await request.is_disconnected():  # a step takes less than collect's poll
+            return None
         # the prompt's own logprobs (echo, prompt_logprobs) come with the first step
         step_params = replace(step, prompt_logprobs=prep.params.prompt_logprobs) if first else step
         beams = replace(prep, prompts=[tokens for _, tokens in pending], params=step_params)
@@ -160,7 +166,7 @@ async def _search(
         outputs.append(
             RequestOutput(
                 f"{prep.rid}-{i}",
-                prep.prompts[i] if isinstance(prep.prompts[i], str) else None,
+                texts[i],
                 head.stored_prompt_token_ids,
                 completions,
                 True,

@@ -285,7 +285,13 @@ def chat_prompt(
     if pml is not None:  # a Prompt Cache conversation: the engine lays it out over the schema's modules
         templated = [
             f
-            for f in ("continue_final_message", "chat_template_kwargs", "documents", "reasoning_effort")
+            for f in (
+                "continue_final_message",
+                "chat_template_kwargs",
+                "documents",
+                "reasoning_effort",
+                "chat_template",
+            )
             if getattr(req, f)
         ]
         if templated:
