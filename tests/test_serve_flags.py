@@ -123,6 +123,12 @@ def test_a_requests_template_renders_its_chat_only_where_the_server_trusts_it(ti
     assert llm.render_chat(messages, chat_template=TEMPLATE) == "<user>hi<assistant>"
     out = llm.chat(messages, chat_template=TEMPLATE)[0]
     assert out.prompt == "<user>hi<assistant>"
+    # vLLM's LLM.chat(tools=...): the template renders them
+    with_tools = "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}" + TEMPLATE
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    assert (
+        llm.chat(messages, chat_template=with_tools, tools=tools)[0].prompt == "[weather]<user>hi<assistant>"
+    )
 
 
 def test_browser_origins_only_where_allowed(tiny_config_path: Path) -> None:

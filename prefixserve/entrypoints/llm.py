@@ -135,6 +135,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``, a Jinja template's text, as vLLM's)
         to one conversation or a list of them, then generate.
@@ -144,7 +145,9 @@ class LLM:
         Prompt Cache ``<prompt schema="...">`` document runs over that schema's modules, its later
         messages following as turns (``add_generation_prompt`` does not apply: see the README).
         ``continue_final_message`` (with ``add_generation_prompt=False``) leaves the last message open,
-        so the model goes on with it; ``chat_template_kwargs`` are more variables for the template.
+        so the model goes on with it; ``chat_template_kwargs`` are more variables for the template;
+        ``tools`` (OpenAI's function tools, as vLLM's ``LLM.chat`` takes them) go to the template, which
+        renders them as it does (the output's calls are the model's text: parse them as you need).
         """
         if not messages:
             raise ValueError("no messages given")
@@ -172,6 +175,7 @@ class LLM:
                 continue_final_message,
                 chat_template_kwargs,
                 chat_template,
+                tools,
             )
             leads = opens_with_pinned(self.engine.tokenizer, text, system)
             prompts.append({"prompt": text, "application": application if leads else None})
@@ -222,6 +226,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation as prompt text: through the chat template (``chat_template``, else the
         model's), or one PML prompt when it opens with a ``<prompt>`` document."""
@@ -234,7 +239,7 @@ class LLM:
                 raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
         pml = chat_as_pml(conversation)  # type: ignore[arg-type]
         if pml is not None:
-            if continue_final_message or chat_template_kwargs or chat_template:
+            if continue_final_message or chat_template_kwargs or chat_template or tools:
                 raise ValueError("a conversation opening with a <prompt> document is not templated")
             return pml
         if self.engine.tokenizer is None:
@@ -244,6 +249,8 @@ class LLM:
             extra["continue_final_message"] = True
         if chat_template is not None:
             extra["chat_template"] = chat_template
+        if tools is not None:
+            extra["tools"] = tools
         return self.engine.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
