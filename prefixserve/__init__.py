@@ -8,6 +8,7 @@ from prefixserve.version import __version__
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "EngineConfig",
     "RequestOutput",
     "SamplingParams",
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
     from prefixserve.entrypoints.llm import LLM
     from prefixserve.outputs import RequestOutput
+    from prefixserve.sampling.beam_search import BeamSearchParams
     from prefixserve.sampling.params import SamplingParams
     from prefixserve.sampling.structured_outputs import StructuredOutputs, StructuredOutputsParams
 
@@ -30,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from prefixserve.entrypoints.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from prefixserve.sampling.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "SamplingParams":
         from prefixserve.sampling.params import SamplingParams
 
