@@ -132,6 +132,14 @@ def test_json_mode_regex_choice_and_grammar(client: openai.OpenAI, http: httpx.C
         done = client.completions.create(model="default", prompt="Tag:", max_tokens=20, extra_body=extra)
         assert re.fullmatch(r"<n>[0-9]{2,4}</n>", done.choices[0].text), done.choices[0].text
 
+    # a tag naming a token by its text: compiled with the tokenizer, as vLLM compiles it
+    by_text = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Answer:"}, {"type": "token", "token": "<|im_end|>"}]}}  # fmt: skip
+    done = client.completions.create(
+        model="default", prompt="Q:", max_tokens=6, extra_body={"response_format": by_text}
+    )
+    assert done.choices[0].text == "Answer:"  # the token is special: skipped in the text
+
     grammar = 'root ::= "SELECT " column " FROM " table\n'
     grammar += 'column ::= "name" | "age" | "*"\ntable ::= "users" | "bikes"'
     sql = r"SELECT (name|age|\*) FROM (users|bikes)"

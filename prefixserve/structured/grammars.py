@@ -97,6 +97,12 @@ def structural_tag(text: str) -> Any:
     return xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
 
 
+def _names_tokens(spec: StructuredOutputs, exc: Exception) -> bool:
+    """A structural tag that names tokens by their text (``token``, ``exclude_token``, ...): only a
+    compiler with the tokenizer can build it, as vLLM compiles it."""
+    return spec.kind == "structural_tag" and "tokenizer" in str(exc).lower()
+
+
 def after_thinking(grammar: Any, how: str) -> Any:
     """``grammar`` behind a thinking model's free reasoning: any text up to ``</think>`` (from the
     output's start where the prompt ``opened`` it, else from a leading ``<think>``, or none at all
@@ -151,6 +157,8 @@ def check(spec: StructuredOutputs) -> None:
     try:
         parse(spec)
     except Exception as exc:
+        if _names_tokens(spec, exc):  # checked where it compiles, with the tokenizer (``GrammarCache``)
+            return
         how = _source(spec)[0]
         what = {
             "json": "invalid JSON schema",
@@ -188,7 +196,13 @@ class GrammarCache:
             return compiled
         check(spec)  # the clear message for a bad spec
         try:
-            compiled = self.compiler.compile_grammar(folded(parse(spec)))
+            try:
+                compiled = self.compiler.compile_grammar(folded(parse(spec)))
+            except Exception as exc:
+                if not _names_tokens(spec, exc) or spec.after_thinking is not None:
+                    raise
+                # a tag naming tokens by their text: resolved by the compiler, which has the tokenizer
+                compiled = self.compiler.compile_structural_tag(spec.structural_tag)
         except Exception as exc:
             raise ValueError(f"structured_outputs.{spec.kind}: cannot compile: {_clean(exc)}") from None
         self.misses += 1
