@@ -117,7 +117,7 @@ class ThinkingBudget:
         if state.done or not state.inside or state.count < self.budget:
             return None
         end = self.tags.end
-        tail = output[state.opened_at : state.seen]
+        tail = output[max(state.opened_at, state.seen - len(end) + 1) : state.seen]
         for k in range(min(len(end) - 1, len(tail)), 0, -1):  # the end tag's part already written
             if tuple(tail[len(tail) - k :]) == end[:k]:
                 return end[k]
@@ -158,14 +158,35 @@ class Sampling(Protocol):
     request: Asked
 
 
+class _Output(Sequence[int]):
+    """A sequence's output tokens before ``end``, read in place: the reading each step touches only
+    the new ones and the end tag's width, where a slice would copy the whole thought."""
+
+    __slots__ = ("end", "first", "ids")
+
+    def __init__(self, ids: Any, first: int, end: int) -> None:
+        self.ids, self.first, self.end = ids, first, end
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, _ = i.indices(len(self))
+            return self.ids[self.first + start : self.first + stop]
+        return self.ids[self.first + i]
+
+
 def _rows(samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]) -> Any:
-    """(row, sequence, its budget, its output before the sampled token) of each row with a budget."""
+    """(row, sequence, its budget, its output before the sampled token) of each row with a budget
+    whose thought may still be cut."""
     if not flags_of(params) & THINKING_BUDGET:
         return
     for r, (seq, at) in enumerate(zip(samplers, indices, strict=True)):
         budget = seq.request.thinking_budget
-        if budget is not None:
-            yield r, seq, budget, seq.token_ids[seq.num_prompt_tokens : at]
+        state = None if budget is None else budget.states.get(seq.index)
+        if budget is not None and (state is None or not state.done):
+            yield r, seq, budget, _Output(seq.token_ids, seq.num_prompt_tokens, at)
 
 
 def waits_for_tokens(
