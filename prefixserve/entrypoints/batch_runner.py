@@ -122,11 +122,27 @@ class _RowState:
     call: ResponseCall | None = None  # a /v1/responses row (its chat is ``prep``)
 
 
-def _prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, ResponseCall | None]:
+def prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, ResponseCall | None]:
+    """A row's body checked as the server checks its route's (APIError where it would refuse it);
+    a /v1/responses row also gives the response it answers as."""
+    for name in ("stream", "background", "use_beam_search"):  # rows are run as sampled ones
+        if row.body.get(name):
+            raise APIError(400, f"{name} is not supported in a batch", param=name)
     if row.url != RESPONSES_URL:
         return prepare(ctx, row.url, row.body), None
     call = prepare_response(ctx, row.body, None)  # a batch stores nothing: no previous_response_id
     return call.prep, call
+
+
+def row_answer(
+    ctx: OpenAIContext, row: BatchRow, prep: Prepared, call: ResponseCall | None, finals: list[RequestOutput]
+) -> dict[str, Any]:
+    """A row's output line from its engine requests' final outputs, as its route would answer."""
+    error = engine_failure(finals)
+    if error is not None:
+        return result_row(row.custom_id, error.status, error.body())
+    body = response_body(ctx, prep, finals) if call is None else call.body(finals)
+    return result_row(row.custom_id, 200, body)
 
 
 def _prepare_rows(
@@ -136,10 +152,7 @@ def _prepare_rows(
     states, answered = [], []
     for row in rows:
         try:
-            for name in ("stream", "background", "use_beam_search"):  # rows are run as sampled ones
-                if row.body.get(name):
-                    raise APIError(400, f"{name} is not supported in a batch", param=name)
-            prep, call = _prepare_row(ctx, row)
+            prep, call = prepare_row(ctx, row)
         except APIError as exc:
             answered.append(result_row(row.custom_id, exc.status, exc.body()))
             continue
@@ -207,16 +220,7 @@ def run_rows(
                 on_request(out)
             st.finals[out.request_id] = out
             if len(st.finals) == len(st.ids):
-                yield _answer(ctx, st)
-
-
-def _answer(ctx: OpenAIContext, st: _RowState) -> dict[str, Any]:
-    finals = [st.finals[i] for i in st.ids]
-    error = engine_failure(finals)
-    if error is not None:
-        return result_row(st.row.custom_id, error.status, error.body())
-    body = response_body(ctx, st.prep, finals) if st.call is None else st.call.body(finals)
-    return result_row(st.row.custom_id, 200, body)
+                yield row_answer(ctx, st.row, st.prep, st.call, [st.finals[i] for i in st.ids])
 
 
 def pending_rows(path_in: str | Path, path_out: str | Path) -> tuple[list[BatchRow | BadRow], int]:
@@ -280,6 +284,27 @@ def plan_rows(
     """Check and tokenize every row (an application's pinned prompt put first, as the engine does)
     and plan prefix-sharing groups over all their prompts, without loading the model."""
     ctx = OpenAIContext(model=model_name, tokenizer=tokenizer, system_prompts=dict(system_prompts))
+    return _plan(ctx, rows, grouping)
+
+
+def run_order(ctx: OpenAIContext, rows: Sequence[BatchRow], grouping: str = "first_level") -> list[BatchRow]:
+    """``rows`` in the order a plan runs them: those whose prompts share a prefix next to each other,
+    groups in the plan's order; rows the server would refuse first (they are answered at once)."""
+    planned = _plan(ctx, rows, grouping)
+    order: dict[int, BatchRow] = {}  # by id(): a dict keeps first-seen order
+    running = {id(st.row) for st in planned.states}
+    for row in rows:
+        if id(row) not in running:
+            order[id(row)] = row
+    for group in planned.plan.groups:
+        for member in group.members:
+            row = planned.states[planned.row_of_request[member]].row
+            order.setdefault(id(row), row)
+    return list(order.values())
+
+
+def _plan(ctx: OpenAIContext, rows: Sequence[BatchRow], grouping: str) -> RowPlan:
+    tokenizer = ctx.tokenizer
     states, answered = _prepare_rows(ctx, rows)
     prompts, salts, decode, row_of = [], [], [], []
     for k, st in enumerate(states):

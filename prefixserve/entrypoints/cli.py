@@ -13,6 +13,7 @@ from prefixserve.entrypoints.args import (
     add_engine_args,
     add_sampling_args,
     engine_config_from_args,
+    parse_bytes,
     parse_logit_bias,
 )
 from prefixserve.entrypoints.demo import DEMO_QUESTIONS, DEMO_SYSTEM, sharing_report
@@ -441,6 +442,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="/v1/responses kept for previous_response_id and GET, least recently used dropped first "
         "(default 1024; 0: none are stored); with --replicas: each replica's",
+    )
+    b = s.add_argument_group("files and batches (OpenAI's /v1/files and /v1/batches)")
+    b.add_argument(
+        "--files-dir",
+        default=None,
+        metavar="DIR",
+        help="where uploaded files, batches and their results are kept; a restarted server resumes the "
+        "unfinished batches it finds there (default: a temporary folder removed at exit)",
+    )
+    b.add_argument(
+        "--max-file-bytes",
+        type=parse_bytes,
+        default="200M",
+        metavar="SIZE",
+        help="largest upload (default 200M, OpenAI's limit on a batch input file)",
+    )
+    b.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows of one batch in flight at once (default: twice --max-num-seqs)",
+    )
+    b.add_argument(
+        "--batch-grouping",
+        default="first_level",
+        choices=("first_level", "tree", "none"),
+        help="the order a batch's rows run in: prefix-sharing groups (first_level, tree) or the "
+        "file's order (none)",
     )
     o = s.add_argument_group("overload (beyond a bound: 429 with Retry-After)")
     o.add_argument(

@@ -31,6 +31,13 @@ from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.entrypoints.openai.answering import FIRST_OUTPUT, ROUTE_START, answer, route_start
 from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
 from prefixserve.entrypoints.openai.anthropic_routes import add_anthropic_routes
+from prefixserve.entrypoints.openai.batch_routes import (
+    BATCHES_ROUTE,
+    FILES_ROUTE,
+    BatchService,
+    BatchSettings,
+    add_batch_routes,
+)
 from prefixserve.entrypoints.openai.beam_answers import answer_beams
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.cors import allow_origins
@@ -72,6 +79,8 @@ ROUTES = (
     COUNT_ROUTE,
     "/v1/models",
     "/v1/schemas",
+    FILES_ROUTE,
+    BATCHES_ROUTE,
     "/health",
     "/ping",
     "/metrics",
@@ -89,6 +98,7 @@ def build_app(
     overload: OverloadSettings | None = None,
     responses: ResponseStore | None = None,
     allowed_origins: list[str] | None = None,
+    batches: BatchSettings | None = None,
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
 
@@ -96,7 +106,9 @@ def build_app(
     of this one; the app then holds only the tokenizer. ``overload``: the waiting queue's bounds,
     the queue deadline and the stream stall timeout (default: bounds sized from the engine, no
     deadline, 60 s). ``responses``: where /v1/responses keeps stored responses (default: 1,024).
-    ``allowed_origins``: the browser origins that may call it (``cors.py``; None: none)."""
+    ``allowed_origins``: the browser origins that may call it (``cors.py``; None: none).
+    ``batches``: where /v1/files and /v1/batches keep files and batches (default: a temporary
+    folder removed at exit)."""
     overload = overload or OverloadSettings()
     loop: EngineLoop
     if engine_process:
@@ -148,6 +160,7 @@ def build_app(
         background=BackgroundRuns(),
     )
 
+    batch_service = BatchService(batches or BatchSettings(), state, config.max_num_seqs)
     trim = IdleTrim()  # freed heap back to the OS when idle (engine/host_trim.py)
 
     def requests_seen() -> float:
@@ -161,10 +174,12 @@ def build_app(
         )
         lag = asyncio.create_task(metrics.watch_loop_lag())
         unwatch_gc = metrics.watch_gc()
+        batch_service.start()
         try:
             yield
         finally:
             state.background.cancel_all()
+            await batch_service.stop()
             unwatch_gc()
             trimmer.cancel()
             lag.cancel()
@@ -181,6 +196,7 @@ def build_app(
     allow_origins(app, allowed_origins)  # outermost: a preflight is answered before anything counts it
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
+    add_batch_routes(app, state, batch_service)
     return app
 
 
@@ -245,7 +261,7 @@ class _CountRequests:
         finally:
             path = scope.get("path", "")
             route = path if path in ROUTES else "other"
-            for parent in ("/v1/models", "/v1/schemas", RESPONSES_ROUTE):
+            for parent in ("/v1/models", "/v1/schemas", RESPONSES_ROUTE, FILES_ROUTE, BATCHES_ROUTE):
                 if path.startswith(parent + "/"):
                     route = parent
             self.metrics.http_requests.labels(route, str(status)).inc()

@@ -28,6 +28,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.engine.admission import AdmissionLimits
 from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.openai.app import MAX_BODY_BYTES, build_app
+from prefixserve.entrypoints.openai.batch_routes import BatchSettings
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.overload import OverloadSettings
 from prefixserve.entrypoints.openai.responses import ResponseStore
@@ -157,6 +158,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_stored_responses < 0:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     stored = ResponseStore(args.max_stored_responses)
+    batches = BatchSettings(args.files_dir, args.max_file_bytes, args.batch_concurrency, args.batch_grouping)
     app = build_app(
         config,
         api_key=args.api_key,
@@ -164,6 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         overload=overload,
         responses=stored,
         allowed_origins=args.allowed_origins,
+        batches=batches,
     )
     state = app.state.server
     options = http_options()

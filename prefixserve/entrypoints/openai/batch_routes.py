@@ -1,0 +1,162 @@
+"""OpenAI's Files and Batch routes: ``/v1/files`` (upload, list, read, delete) and ``/v1/batches``
+(create, list, get, cancel), over ``files.FileStore`` and ``batches.BatchRuns``."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.datastructures import UploadFile
+
+from prefixserve.entrypoints.openai.batches import BatchRuns, check_batch_request
+from prefixserve.entrypoints.openai.files import MAX_FILE_BYTES, MAX_LIST, FileStore, page
+from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
+from prefixserve.scheduler.offline import GROUPINGS
+
+FILES_ROUTE = "/v1/files"
+BATCHES_ROUTE = "/v1/batches"
+_FORM_OVERHEAD = 64 * 1024  # a multipart upload's bytes beyond its file's: boundaries, headers, purpose
+_UPLOAD_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSettings:
+    """``prefixserve serve``'s Files and Batch options. ``files_dir``: where files and batches are
+    kept (None: a temporary folder removed at exit, so nothing outlives the server);
+    ``concurrency``: rows of one batch in flight at once (None: twice the engine's max_num_seqs, so
+    the engine always has the next rows queued); ``tag``: written into every file and batch id
+    (the Ray ingress routes by it)."""
+
+    files_dir: str | None = None
+    max_file_bytes: int = MAX_FILE_BYTES
+    concurrency: int | None = None
+    grouping: str = "first_level"  # or "tree", or "none": the file's order
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_file_bytes < 1:
+            raise ValueError(f"--max-file-bytes must be >= 1, got {self.max_file_bytes}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--batch-concurrency must be >= 1, got {self.concurrency}")
+        if self.grouping not in (*GROUPINGS, "none"):
+            raise ValueError(f"--batch-grouping must be one of {', '.join((*GROUPINGS, 'none'))}")
+
+
+class BatchService:
+    """The store and the runs, and the temporary folder to remove when the server stops."""
+
+    def __init__(self, settings: BatchSettings, state: ServerState, max_num_seqs: int) -> None:
+        self.temporary = settings.files_dir is None
+        root = tempfile.mkdtemp(prefix="prefixserve-files-") if self.temporary else settings.files_dir
+        self.files = FileStore(root, settings.max_file_bytes, tag=settings.tag)
+        concurrency = settings.concurrency or 2 * max_num_seqs
+        self.runs = BatchRuns(state, self.files, concurrency, settings.grouping, tag=settings.tag)
+
+    def start(self) -> None:
+        self.runs.resume()
+
+    async def stop(self) -> None:
+        await self.runs.stop_all()
+        if self.temporary:
+            shutil.rmtree(self.files.root, ignore_errors=True)
+
+
+def _limit(request: Request, default: int, most: int) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise APIError(400, f"limit must be a whole number from 1 to {most}, got {raw[:40]!r}", param="limit")
+    return int(raw)
+
+
+async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
+    while chunk := await upload.read(_UPLOAD_CHUNK):
+        yield chunk
+
+
+def add_batch_routes(app: FastAPI, state: ServerState, service: BatchService) -> None:
+    files, runs = service.files, service.runs
+
+    @app.post(FILES_ROUTE)
+    async def upload(request: Request) -> Response:
+        authorize(state, request)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > files.max_bytes + _FORM_OVERHEAD:
+            message = f"the file is over the limit of {files.max_bytes} bytes"
+            raise APIError(413, message, param="file", code="file_too_large")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
+        try:
+            form = await request.form(max_files=1, max_fields=8)
+        except Exception as exc:  # the multipart parser's refusals (malformed, too many parts)
+            raise APIError(400, f"the upload is not valid multipart/form-data: {exc}") from None
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise APIError(400, "'file' is a required field (a file part)", param="file")
+            if not isinstance(purpose, str) or not purpose:
+                raise APIError(400, "'purpose' is a required field", param="purpose")
+            stored = await files.save(_upload_chunks(upload), upload.filename or "upload", purpose)
+        finally:
+            await form.close()  # the parts' spooled temporary files
+        return JSONResponse(stored.to_dict())
+
+    @app.get(FILES_ROUTE)
+    async def list_files(request: Request) -> Response:
+        authorize(state, request)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', got {order[:40]!r}", param="order")
+        listed = [f.to_dict() for f in files.list(request.query_params.get("purpose"))]
+        if order == "desc":
+            listed.reverse()
+        limit = _limit(request, MAX_LIST, MAX_LIST)
+        return JSONResponse(page(listed, request.query_params.get("after"), limit))
+
+    @app.get(FILES_ROUTE + "/{file_id}")
+    async def get_file(request: Request, file_id: str) -> Response:
+        authorize(state, request)
+        return JSONResponse(files.get(file_id).to_dict())
+
+    @app.get(FILES_ROUTE + "/{file_id}/content")
+    async def file_content(request: Request, file_id: str) -> Response:
+        authorize(state, request)
+        stored = files.get(file_id)
+        return FileResponse(stored.path, media_type="application/octet-stream", filename=stored.filename)
+
+    @app.delete(FILES_ROUTE + "/{file_id}")
+    async def delete_file(request: Request, file_id: str) -> Response:
+        authorize(state, request)
+        user = runs.in_use(file_id)
+        if user is not None:
+            message = f"file {file_id} is the input of batch {user}, which has not ended: cancel it first"
+            raise APIError(409, message, param="file_id")
+        files.delete(file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    @app.post(BATCHES_ROUTE)
+    async def create_batch(request: Request) -> Response:
+        authorize(state, request)
+        return JSONResponse(runs.create(check_batch_request(await read_json(state, request))))
+
+    @app.get(BATCHES_ROUTE)
+    async def list_batches(request: Request) -> Response:
+        authorize(state, request)
+        limit = _limit(request, 20, 100)
+        return JSONResponse(page(runs.listed(), request.query_params.get("after"), limit))
+
+    @app.get(BATCHES_ROUTE + "/{batch_id}")
+    async def get_batch(request: Request, batch_id: str) -> Response:
+        authorize(state, request)
+        return JSONResponse(runs.get(batch_id).public())
+
+    @app.post(BATCHES_ROUTE + "/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str) -> Response:
+        authorize(state, request)
+        return JSONResponse(runs.cancel(batch_id))
