@@ -142,7 +142,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "settings": vars(args),
         "results": results,
         "speedup": results["file_order"]["seconds"] / results["planned"]["seconds"],
-        "same_answers": texts["planned"] == texts["file_order"],
+        # fp32 answers match row for row; in bf16 a row's step shapes differ with the order (which rows
+        # share its batch), and the rounding that follows can tip a near-tie
+        "same_answers_share": sum(texts["planned"][k] == v for k, v in texts["file_order"].items())
+        / max(1, len(texts["file_order"])),
         "pool_tokens": args.num_kv_blocks * 16,
         "document_tokens": args.docs * args.doc_tokens,
     }
@@ -172,7 +175,13 @@ def markdown(result: dict[str, Any], name: str) -> str:
     lines += [
         "",
         f"The planned order finishes the batch **{result['speedup']:.2f}x** faster than the file's order; "
-        f"the two gave {'the same' if result['same_answers'] else 'different'} greedy answers.",
+        f"{result['same_answers_share']:.1%} of the rows got the same greedy answer in both modes"
+        + (
+            "."
+            if result["same_answers_share"] == 1
+            else f" (in {s['dtype']} a row's batch, and so its rounding, depends on the order; "
+            "the CPU run in float32 matches row for row)."
+        ),
         "",
         f"Device: {info['device']} ({info['cpu_count']} CPUs); torch {info['torch']}, "
         f"commit {info['commit']}, {info['date']}.",
