@@ -158,7 +158,8 @@ def markdown(result: dict[str, Any], name: str) -> str:
         "",
         f"`python -m benchmarks.batch_api --device {s['device']} --model {s['model']} --docs {s['docs']} "
         f"--doc-tokens {s['doc_tokens']} --questions {s['questions']} --gen {s['gen']} "
-        f"--num-kv-blocks {s['num_kv_blocks']} --max-num-seqs {s['max_num_seqs']}`: {s['docs']} documents of "
+        f"--num-kv-blocks {s['num_kv_blocks']} --max-num-seqs {s['max_num_seqs']} "
+        f"--max-num-batched-tokens {s['max_num_batched_tokens']}`: {s['docs']} documents of "
         f"{s['doc_tokens']} tokens, {s['questions']} questions each, {s['gen']} tokens generated a row, in "
         f"{s['dtype']}; {result['document_tokens']:,} document tokens against a KV pool of "
         f"{result['pool_tokens']:,}. Each mode is a fresh `prefixserve serve`, warmed with a batch of its "

@@ -135,6 +135,50 @@ def test_responses_go_on_where_they_are_stored(endpoint: str) -> None:
     assert httpx.get(f"{endpoint}/v1/responses/{rid}", timeout=60).status_code == 404
 
 
+def test_files_and_batches_live_on_their_replica_and_list_from_all(endpoint: str) -> None:
+    """Each upload lands on some replica; its batch runs there, and every id routes back to it."""
+    client = rc.client(endpoint)
+    made = []
+    for k in range(4):  # least loaded at equal load takes turns: both replicas get files
+        rows = [
+            json.dumps(
+                {
+                    "custom_id": f"{k}-{i}",
+                    "url": "/v1/completions",
+                    "method": "POST",
+                    "body": {"model": "default", "prompt": f"batch {k} row {i}", "max_tokens": 3},
+                }
+            )
+            for i in range(3)
+        ]
+        made.append(client.files.create(file=(f"in{k}.jsonl", "\n".join(rows).encode()), purpose="batch"))
+    assert {f.id.split("_")[0].removeprefix("file-") for f in made} == {"replica-0", "replica-1"}
+    batches = [
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        for f in made
+    ]
+    for batch, stored in zip(batches, made, strict=True):
+        assert batch.id.split("_")[1] == stored.id.split("_")[0].removeprefix(
+            "file-"
+        )  # ran where the file is
+        deadline = time.monotonic() + 60
+        while (batch := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing")
+            time.sleep(0.1)
+        out = client.files.content(batch.output_file_id).text.splitlines()
+        assert sorted(json.loads(line)["custom_id"] for line in out) == sorted(
+            f"{stored.filename[2:-6]}-{i}" for i in range(3)
+        )
+    listed = client.batches.list(limit=100).data
+    assert {b.id for b in batches} <= {b.id for b in listed}
+    two = client.files.list(purpose="batch", order="asc", limit=2)
+    rest = client.files.list(purpose="batch", order="asc", after=two.data[-1].id)
+    assert [f.id for f in two.data + rest.data] == [
+        f.id for f in client.files.list(purpose="batch", order="asc")
+    ]
+    assert {f.id for f in made} <= {f.id for f in two.data + rest.data}
+
+
 def test_a_killed_replica_fails_its_stream_the_rest_is_served_and_it_comes_back(endpoint: str) -> None:
     with rc.long_stream(endpoint, "Tell a long story.") as r:
         lines = rc.started(r)

@@ -145,6 +145,7 @@ def serve_app(
     switch_interval_ms: float | None = None,
     max_stored_responses: int = 1024,
     allowed_origins: list[str] | None = None,
+    batches: Any = None,
 ) -> Any:
     """The Ray Serve application: ``serve.run(serve_app(config, replicas=2), route_prefix="/")``.
 
@@ -153,7 +154,8 @@ def serve_app(
     own process on CUDA); ``ingress_replicas``: None: ``default_ingress_replicas``;
     ``switch_interval_ms``: each replica process's GIL switch interval (None: Python's);
     ``max_stored_responses``: each replica's bound on the /v1/responses it keeps;
-    ``allowed_origins``: the browser origins the ingress answers (CORS)."""
+    ``allowed_origins``: the browser origins the ingress answers (CORS); ``batches``: the replicas'
+    ``BatchSettings`` (each keeps its files and batches in a folder of its own under ``files_dir``)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if ingress_replicas is not None and ingress_replicas < 1:
@@ -176,6 +178,7 @@ def serve_app(
             switch_interval_ms,
             f"replica-{i}",
             max_stored_responses,
+            batches,
         )
         for i in range(replicas)
     ]
@@ -197,6 +200,7 @@ def run_replicas(
     switch_interval_ms: float | None = None,
     max_stored_responses: int = 1024,
     allowed_origins: list[str] | None = None,
+    batches: Any = None,
 ) -> int:
     """``prefixserve serve --replicas N``: start Ray (or join a running cluster), serve until Ctrl-C."""
     import signal
@@ -225,6 +229,7 @@ def run_replicas(
         switch_interval_ms=switch_interval_ms,
         max_stored_responses=max_stored_responses,
         allowed_origins=allowed_origins,
+        batches=batches,
     )
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.info(

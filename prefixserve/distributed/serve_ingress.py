@@ -8,8 +8,9 @@ a call or a poll leaves the routing at once and comes back when a poll succeeds 
 Serve restarted it, with an empty cache). Anthropic's messages (``/v1/messages``) and responses
 (``/v1/responses``) route as the chat they run as, except that a request naming a stored response
 (``previous_response_id``, or ``/v1/responses/{id}``) goes to the replica that stored it, whose name
-its id carries. Every other route goes to the least loaded healthy replica; schema changes go to
-all of them. No Ray import: ``serve_app.py`` wraps this in a deployment; replicas are reached
+its id carries; so do files and batches (``serve_objects.py``: their lists merged from every
+replica). Every other route goes to the least loaded healthy replica; schema changes go to all of
+them. No Ray import: ``serve_app.py`` wraps this in a deployment; replicas are reached
 through anything shaped like a Ray Serve handle.
 
 There may be several ingresses (Ray Serve's proxy picks one per request): each follows every
@@ -35,12 +36,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from prefixserve.distributed.router import Router, RoutingPolicy
 from prefixserve.distributed.serve_metrics import merge_replica_metrics
+from prefixserve.distributed.serve_objects import LISTED, merged_list, named_owner
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.anthropic_messages import MESSAGES_ROUTE, prepare_message
 from prefixserve.entrypoints.openai.cache_routes import RESET_ROUTE
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
 from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.responses import id_tag, prepare_response
+from prefixserve.entrypoints.openai.responses import prepare_response
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE
 from prefixserve.kv.cache_events import prompt_digests
 
@@ -203,30 +205,33 @@ class IngressCore:
             digests, session = [], None
         if request.method != "GET" and (path.startswith("/v1/schemas") or path == RESET_ROUTE):
             return await self._broadcast(request, body)
-        owner = self._response_owner(path, body)
-        if owner is not None:
+        if request.method == "GET" and path in LISTED:
+            names = sorted(self.replicas.healthy)
+            if not names:
+                raise APIError(503, "no engine replica is serving now; retry shortly")
+            auth = [(k, v) for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key")]
+
+            async def fetch(name: str, path: str, query: str) -> tuple[int, Any]:
+                return await self._fetch(name, path, query, auth)
+
+            return JSONResponse(await merged_list(fetch, names, path, dict(request.query_params)))
+        owner = named_owner(request.method, path, body)
+        if owner is not None and owner in self.replicas.handles:
             if owner not in self.replicas.healthy:
-                message = f"{owner}, which stores this response, is not serving now; retry shortly"
+                message = f"{owner}, which holds what this request names, is not serving now; retry shortly"
                 raise APIError(503, message)
             return await self._call(owner, request, body)
         name = self.replicas.choose(digests, session)
         return await self._call(name, request, body)
 
-    def _response_owner(self, path: str, body: bytes) -> str | None:
-        """The replica that stored the response a request names (its id carries the replica's name:
-        ``ResponseStore.new_id``): ``/v1/responses/{id}`` routes, and ``previous_response_id``.
-        Stored responses live in their replica's process, so no other replica could answer."""
-        if not path.startswith(RESPONSES_ROUTE):
-            return None
-        if path == RESPONSES_ROUTE:
-            try:
-                named = json.loads(body).get("previous_response_id")
-            except (ValueError, AttributeError):
-                return None
-        else:
-            named = path[len(RESPONSES_ROUTE) + 1 :].split("/", 1)[0]
-        owner = id_tag(named) if isinstance(named, str) else None
-        return owner if owner in self.replicas.handles else None
+    async def _fetch(
+        self, name: str, path: str, query: str, headers: list[tuple[str, str]]
+    ) -> tuple[int, Any]:
+        """A GET of ``path?query`` on one replica (``headers``: the client's credentials): (status, JSON)."""
+        handle = self.replicas.handles[name].options(stream=True)
+        chunks = handle.handle.remote("GET", path, query, headers, b"")
+        start, *rest = [c async for c in chunks]
+        return start["status"], json.loads(b"".join(bytes(c) for c in rest))
 
     def _request_args(
         self, request: Request, body: bytes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import operator
 import os
 import sys
@@ -43,14 +44,17 @@ class EngineReplica:
         switch_interval_ms: float | None = None,
         name: str | None = None,
         max_stored_responses: int = 1024,
+        batches: Any = None,
     ) -> None:
         """``overload``: the server's ``OverloadSettings`` (queue bounds, deadline, stall timeout);
         ``engine_process``: auto, on or off, as ``serve --engine-process``; ``switch_interval_ms``:
         this process's GIL switch interval, as ``serve --switch-interval-ms`` (None: Python's);
         ``name``: the ingress's name for it, written into the ids of the responses it stores (at most
-        ``max_stored_responses``)."""
+        ``max_stored_responses``), and into its files' and batches' (``batches``: the server's
+        ``BatchSettings``; with a ``files_dir``, this replica keeps them in its own folder there)."""
         # FastAPI and uvicorn: only where a replica runs
         from prefixserve.entrypoints.openai.app import build_app
+        from prefixserve.entrypoints.openai.batch_routes import BatchSettings
         from prefixserve.entrypoints.openai.responses import ResponseStore
         from prefixserve.entrypoints.openai.server import wants_engine_process
 
@@ -63,7 +67,9 @@ class EngineReplica:
             engine_process=own_process,
             overload=overload,
             responses=ResponseStore(max_stored_responses, tag=name),
+            batches=replica_batches(batches or BatchSettings(), name),
         )
+        self._resumed = False  # the app's lifespan would resume its batches: done at the first call
         self.loop = self.app.state.engine_loop
         self.loop.start()  # the app's lifespan would; it is never run here (no server)
         self.incarnation = uuid.uuid4().hex  # a restarted replica is a new one: its cache starts empty
@@ -90,6 +96,7 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it restart the replica."""
+        self._resume_batches()
         if not self.loop.alive:
             raise RuntimeError("the engine of this replica stopped")
 
@@ -100,8 +107,16 @@ class EngineReplica:
 
         Leaving early (the ingress's client went away) tells the app its client disconnected, so
         the app aborts the engine requests as it would for a socket."""
+        self._resume_batches()
         async for item in call_asgi(self.app, method, path, query, headers, body):
             yield item
+
+    def _resume_batches(self) -> None:
+        """The unfinished batches this replica's files folder holds, started again (needs the
+        replica's event loop, so not in ``__init__``)."""
+        if not self._resumed:
+            self._resumed = True
+            self.app.state.batch_service.start()
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)
@@ -184,3 +199,11 @@ def _with_queued_body(message: dict[str, Any], messages: asyncio.Queue[dict[str,
 
 
 __all__ = ["EngineReplica", "call_asgi"]
+
+
+def replica_batches(settings: Any, name: str | None) -> Any:
+    """A replica's ``BatchSettings``: ids tagged with its name, its files in ``files_dir/name``."""
+    folder = settings.files_dir
+    if folder is not None and name is not None:
+        folder = os.path.join(folder, name)
+    return dataclasses.replace(settings, files_dir=folder, tag=name)

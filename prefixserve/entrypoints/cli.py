@@ -238,7 +238,7 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}") from exc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from prefixserve.distributed.router import RoutingPolicy
-    from prefixserve.entrypoints.openai.server import overload_settings
+    from prefixserve.entrypoints.openai.server import batch_settings, overload_settings
 
     config = engine_config_from_args(args)
     overload = overload_settings(args)
@@ -257,6 +257,7 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         switch_interval_ms=args.switch_interval_ms,
         max_stored_responses=args.max_stored_responses,
         allowed_origins=args.allowed_origins,
+        batches=batch_settings(args),
     )
 
 

@@ -191,6 +191,7 @@ def build_app(
     app.state.arrival_gate = gate
     app.state.metrics = metrics
     app.state.host_trim = trim
+    app.state.batch_service = batch_service
     app.add_middleware(_Failures)  # innermost: a failure's 500 passes the counting and CORS layers
     app.add_middleware(_CountRequests, metrics=metrics)
     allow_origins(app, allowed_origins)  # outermost: a preflight is answered before anything counts it

@@ -42,8 +42,8 @@ from prefixserve.entrypoints.batch_file import (
 )
 from prefixserve.entrypoints.batch_runner import prepare_row, row_answer, run_order
 from prefixserve.entrypoints.openai.answering import collect, submit
-from prefixserve.entrypoints.openai.files import OUTPUT_PURPOSE, FileStore, new_id, write_atomic
-from prefixserve.entrypoints.openai.protocol import APIError, parse_request
+from prefixserve.entrypoints.openai.files import OUTPUT_PURPOSE, FileStore, write_atomic
+from prefixserve.entrypoints.openai.protocol import APIError, object_id, parse_request
 from prefixserve.entrypoints.openai.requests import ServerState
 from prefixserve.entrypoints.openai.responses_request import renamed
 
@@ -183,7 +183,7 @@ class BatchRuns:
                 f"file {stored.id} has purpose {stored.purpose!r}: a batch reads a file of purpose 'batch'"
             )
             raise APIError(400, message, param="input_file_id")
-        batch_id = new_id("batch", self.tag, "_")
+        batch_id = object_id("batch", self.tag)
         now_ns = time.time_ns()
         now = now_ns // 10**9
         record: dict[str, Any] = {
@@ -209,8 +209,8 @@ class BatchRuns:
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "usage": _zero_usage(),
             "metadata": req.metadata,
-            "_output_id": new_id("file", self.files.tag, "-"),
-            "_error_id": new_id("file", self.files.tag, "-"),
+            "_output_id": object_id("file", self.files.tag, "-"),
+            "_error_id": object_id("file", self.files.tag, "-"),
             "_created_ns": now_ns,  # orders batches made in the same second
         }
         job = BatchJob(record, self.root / batch_id)
@@ -465,7 +465,7 @@ async def _wait(job: BatchJob, seconds: float) -> None:
 
 def _expired_row(row: BatchRow) -> dict[str, Any]:
     return {
-        "id": new_id("batch_req", None, "_"),
+        "id": object_id("batch_req"),
         "custom_id": row.custom_id,
         "response": None,
         "error": EXPIRED_ERROR,

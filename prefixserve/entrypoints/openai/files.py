@@ -13,13 +13,12 @@ import json
 import os
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.entrypoints.openai.protocol import APIError, object_id
 
 # OpenAI's purposes: uploads may carry any of them; a batch reads "batch", and its results are written
 # as "batch_output"
@@ -29,12 +28,6 @@ MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
 MAX_LIST = 10_000  # OpenAI's largest page of files
 _ID = re.compile(r"file-[A-Za-z0-9_-]{1,80}")
 _COPY_CHUNK = 1 << 20
-
-
-def new_id(prefix: str, tag: str | None, sep: str) -> str:
-    """``<prefix><sep><hex>``, or ``<prefix><sep><tag>_<hex>`` behind the Ray ingress (which routes a
-    named object to the replica whose tag its id carries)."""
-    return f"{prefix}{sep}{uuid.uuid4().hex}" if tag is None else f"{prefix}{sep}{tag}_{uuid.uuid4().hex}"
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -91,7 +84,7 @@ class FileStore:
         if purpose not in PURPOSES:
             message = f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}"
             raise APIError(400, message, param="purpose")
-        file_id = new_id("file", self.tag, "-")
+        file_id = object_id("file", self.tag, "-")
         path = self.root / file_id
         part = path.with_name(path.name + ".part")
         size = 0

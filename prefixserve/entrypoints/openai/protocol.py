@@ -344,6 +344,22 @@ def answer_id(kind: str, given: str | None) -> str:
     return f"{kind}-{given}"
 
 
+_TAGGED_ID = re.compile(r"(?:resp_|batch_|file-)([A-Za-z0-9-]+)_[0-9a-f]{32}")
+
+
+def object_id(prefix: str, tag: str | None = None, sep: str = "_") -> str:
+    """An id of a kept object (response, file, batch): ``<prefix><sep><hex>``, or with the keeping
+    store's ``tag`` (behind the Ray ingress, its replica's name) ``<prefix><sep><tag>_<hex>``, so that
+    the ingress sends a later request naming it to that replica (``id_tag``)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}" if tag is None else f"{prefix}{sep}{tag}_{uuid.uuid4().hex}"
+
+
+def id_tag(named: str) -> str | None:
+    """The store tag in a response's, file's or batch's id (``object_id``), or None."""
+    m = _TAGGED_ID.fullmatch(named)
+    return m.group(1) if m else None
+
+
 def normalize_stop(stop: Any) -> list[str] | None:
     if stop is None:
         return None

@@ -15,7 +15,6 @@ import json
 import re
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from prefixserve.entrypoints.openai.prepare import (
     prompt_ids,
     response_body,
 )
-from prefixserve.entrypoints.openai.protocol import APIError, check_not_done, parse_request
+from prefixserve.entrypoints.openai.protocol import APIError, check_not_done, object_id, parse_request
 from prefixserve.entrypoints.openai.responses_request import (
     ResponsesRequest,
     chat_request,
@@ -47,13 +46,7 @@ ACTIVE = ("queued", "in_progress")  # a background response's statuses while it 
 
 
 def new_id(kind: str) -> str:
-    return f"{kind}_{uuid.uuid4().hex}"
-
-
-def id_tag(response_id: str) -> str | None:
-    """The store tag in a response id (``ResponseStore.new_id``), or None."""
-    parts = response_id.split("_")
-    return parts[1] if len(parts) == 3 and parts[0] == "resp" else None
+    return object_id(kind)
 
 
 @dataclass(slots=True)
@@ -81,7 +74,7 @@ class ResponseStore:
         self._lock = threading.Lock()  # ``truncation: auto`` reads it from a worker thread
 
     def new_id(self) -> str:
-        return new_id("resp") if self.tag is None else f"resp_{self.tag}_{uuid.uuid4().hex}"
+        return object_id("resp", self.tag)
 
     @property
     def enabled(self) -> bool:
@@ -392,4 +385,4 @@ def _fitted(
     return best if best is not None else attempt(len(starts) - 1)[0]
 
 
-__all__ = ["ResponseCall", "ResponseStore", "id_tag", "prepare_response"]
+__all__ = ["ResponseCall", "ResponseStore", "prepare_response"]

@@ -145,6 +145,11 @@ def overload_settings(args: argparse.Namespace) -> OverloadSettings:
     return OverloadSettings(limits, args.max_queue_delay, stall or None)
 
 
+def batch_settings(args: argparse.Namespace) -> BatchSettings:
+    """``serve``'s files and batches options."""
+    return BatchSettings(args.files_dir, args.max_file_bytes, args.batch_concurrency, args.batch_grouping)
+
+
 def serve(args: argparse.Namespace) -> int:
     """``prefixserve serve``: load the model, bind (127.0.0.1 by default), serve until SIGTERM/Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -158,7 +163,6 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_stored_responses < 0:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     stored = ResponseStore(args.max_stored_responses)
-    batches = BatchSettings(args.files_dir, args.max_file_bytes, args.batch_concurrency, args.batch_grouping)
     app = build_app(
         config,
         api_key=args.api_key,
@@ -166,7 +170,7 @@ def serve(args: argparse.Namespace) -> int:
         overload=overload,
         responses=stored,
         allowed_origins=args.allowed_origins,
-        batches=batches,
+        batches=batch_settings(args),
     )
     state = app.state.server
     options = http_options()
