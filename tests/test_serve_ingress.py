@@ -200,23 +200,70 @@ def test_a_reset_answers_for_every_replica(answers: dict, status: int, reset: bo
 
 
 def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it() -> None:
-    from prefixserve.distributed.serve_ingress import IngressCore
-    from prefixserve.entrypoints.openai.prepare import OpenAIContext
+    from prefixserve.distributed.serve_objects import named_owner
+    from prefixserve.entrypoints.openai.protocol import object_id
     from prefixserve.entrypoints.openai.responses import ResponseStore
 
-    ctx = OpenAIContext(model="m", tokenizer=None, system_prompts={})
-    core = IngressCore(ReplicaSet({"replica-0": FakeReplica(), "replica-1": FakeReplica()}), ctx, 16)
     rid = ResponseStore(tag="replica-1").new_id()
-    owner = core._response_owner
-    assert owner(f"/v1/responses/{rid}", b"") == "replica-1"
-    assert owner(f"/v1/responses/{rid}/input_items", b"") == "replica-1"
+
+    def owner(path: str, body: bytes, method: str = "POST") -> str | None:
+        return named_owner(method, path, body)
+
+    assert owner(f"/v1/responses/{rid}", b"", "GET") == "replica-1"
+    assert owner(f"/v1/responses/{rid}/input_items", b"", "GET") == "replica-1"
     assert owner(f"/v1/responses/{rid}/cancel", b"") == "replica-1"  # a background response's
     body = json.dumps({"input": "hi", "previous_response_id": rid}).encode()
     assert owner("/v1/responses", body) == "replica-1"
     assert owner("/v1/responses", b'{"input": "hi"}') is None  # a new conversation routes on its prompt
     assert owner("/v1/responses", b"{not json") is None
     assert owner("/v1/responses/resp_abc", b"") is None  # no tag: any replica answers (404)
-    assert owner(f"/v1/responses/{ResponseStore(tag='replica-7').new_id()}", b"") is None
     assert owner("/v1/chat/completions", body) is None
+    file_id, batch_id = object_id("file", "replica-0", "-"), object_id("batch", "replica-1")
+    assert owner(f"/v1/files/{file_id}/content", b"", "GET") == "replica-0"
+    assert owner(f"/v1/files/{file_id}", b"", "DELETE") == "replica-0"
+    assert owner(f"/v1/batches/{batch_id}/cancel", b"") == "replica-1"
+    assert owner("/v1/batches", json.dumps({"input_file_id": file_id}).encode()) == "replica-0"
+    assert owner("/v1/batches", b"", "GET") is None and owner("/v1/files", b"") is None
+    assert owner("/v1/files/file-abc", b"", "GET") is None
+
+
+def test_lists_merge_every_replicas_pages() -> None:
+    """Each replica's whole list is read page by page, merged by creation, then paged for the client."""
+    from urllib.parse import parse_qs
+
+    from prefixserve.distributed.serve_objects import merged_list
+    from prefixserve.entrypoints.openai.files import page
+    from prefixserve.entrypoints.openai.protocol import APIError
+
+    held = {
+        "r0": [{"id": f"batch_r0_{k:032x}", "created_at": 10 + 2 * k} for k in range(150)],
+        "r1": [{"id": f"batch_r1_{k:032x}", "created_at": 11 + 2 * k} for k in range(3)],
+    }
+    asked: list[dict[str, list[str]]] = []
+
+    async def fetch(name: str, path: str, query: str) -> tuple[int, Any]:
+        q = parse_qs(query)
+        asked.append(q)
+        if name == "down":
+            return 503, {"error": {"message": "replica down"}}
+        newest = sorted(held[name], key=lambda b: b["created_at"], reverse=True)
+        return 200, page(newest, q.get("after", [None])[0], int(q["limit"][0]))
+
+    first = _run(merged_list(fetch, ["r0", "r1"], "/v1/batches", {"limit": "4"}))
+    assert [b["created_at"] for b in first["data"]] == [308, 306, 304, 302] and first["has_more"]
+    assert len(asked) == 3 and asked[1]["after"] == [held["r0"][50]["id"]]  # r0's second page of 100
+    later = _run(merged_list(fetch, ["r0", "r1"], "/v1/batches", {"after": held["r0"][2]["id"]}))
+    assert [b["created_at"] for b in later["data"]] == [13, 12, 11, 10]
+    whole = _run(merged_list(fetch, ["r0", "r1"], "/v1/batches", {"limit": "100"}))
+    assert len(whole["data"]) == 100 and whole["first_id"] == held["r0"][-1]["id"]
+    with pytest.raises(APIError, match="replica down"):
+        _run(merged_list(fetch, ["r0", "down"], "/v1/batches", {}))
+    with pytest.raises(APIError, match="limit"):
+        _run(merged_list(fetch, ["r0"], "/v1/batches", {"limit": "0"}))
+
+
+def test_store_tags_are_names() -> None:
+    from prefixserve.entrypoints.openai.responses import ResponseStore
+
     with pytest.raises(ValueError, match="tag"):
         ResponseStore(tag="a_b")
