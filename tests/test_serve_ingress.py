@@ -232,8 +232,7 @@ def test_lists_merge_every_replicas_pages() -> None:
     from urllib.parse import parse_qs
 
     from prefixserve.distributed.serve_objects import merged_list
-    from prefixserve.entrypoints.openai.files import page
-    from prefixserve.entrypoints.openai.protocol import APIError
+    from prefixserve.entrypoints.openai.protocol import APIError, page
 
     held = {
         "r0": [{"id": f"batch_r0_{k:032x}", "created_at": 10 + 2 * k} for k in range(150)],

@@ -15,8 +15,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from prefixserve.entrypoints.openai.batch_routes import BATCHES_ROUTE, FILES_ROUTE
-from prefixserve.entrypoints.openai.files import page
-from prefixserve.entrypoints.openai.protocol import APIError, id_tag
+from prefixserve.entrypoints.openai.protocol import APIError, id_tag, page
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE
 
 LISTED = (FILES_ROUTE, BATCHES_ROUTE)

@@ -13,8 +13,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from prefixserve.entrypoints.openai.batches import BatchRuns, check_batch_request
-from prefixserve.entrypoints.openai.files import MAX_FILE_BYTES, MAX_LIST, FileStore, page
-from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.entrypoints.openai.files import MAX_FILE_BYTES, MAX_LIST, FileStore
+from prefixserve.entrypoints.openai.protocol import APIError, page
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
 from prefixserve.scheduler.offline import GROUPINGS
 

@@ -148,20 +148,3 @@ class FileStore:
         stored = self.get(file_id)
         self._meta_path(file_id).unlink(missing_ok=True)  # metadata first: never a listed file without bytes
         stored.path.unlink(missing_ok=True)
-
-
-def page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
-    """OpenAI's cursor page: the ``limit`` items after the one whose id is ``after``."""
-    if after is not None:
-        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-        if at is None:
-            raise APIError(400, f"'after' names no listed object: {after!r}", param="after")
-        items = items[at + 1 :]
-    data = items[:limit]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(items) > limit,
-    }

@@ -360,6 +360,26 @@ def id_tag(named: str) -> str | None:
     return m.group(1) if m else None
 
 
+def page(
+    items: list[dict[str, Any]], after: str | None, limit: int, what: str = "listed object"
+) -> dict[str, Any]:
+    """OpenAI's cursor page: the ``limit`` items after the one whose id is ``after`` (400 naming
+    ``what`` where none has that id)."""
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise APIError(400, f"no {what} with id {after!r}", param="after")
+        items = items[at + 1 :]
+    data = items[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(items) > limit,
+    }
+
+
 def normalize_stop(stop: Any) -> list[str] | None:
     if stop is None:
         return None

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.entrypoints.openai.answering import answer, route_start, stream_events, submit
 from prefixserve.entrypoints.openai.overload import queue_deadline, sse_response
-from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.entrypoints.openai.protocol import APIError, page
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
 from prefixserve.entrypoints.openai.responses import ResponseCall, StoredResponse, prepare_response
 from prefixserve.entrypoints.openai.responses_background import FirstOutput
@@ -124,21 +124,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         items = list(_stored(state, response_id).input_items)
         if order == "desc":
             items.reverse()
-        if after is not None:
-            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-            if at is None:
-                raise APIError(400, f"no input item with id {after!r} in this response", param="after")
-            items = items[at + 1 :]
-        page = items[:limit]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(items) > limit,
-            }
-        )
+        return JSONResponse(page(items, after, limit, "input item in this response"))
 
 
 __all__ = ["RESPONSES_ROUTE", "add_responses_routes"]
