@@ -4,9 +4,12 @@ restart resumed without answering a row twice, and prefix-sharing groups run tog
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import random
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,14 +277,194 @@ def test_a_restarted_server_resumes_without_answering_twice(tiny_config_path: Pa
         while client.batches.retrieve(batch.id).request_counts.completed < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        # a client's stream still open: the server aborts what runs after its grace period, and the
+        # batch's row aborted then must not count as answered
+        stream = client.completions.create(
+            model=model, prompt="long", max_tokens=1900, stream=True, extra_body={"ignore_eos": True}
+        )
+        reader = threading.Thread(target=lambda: list(stream), daemon=True)
+        reader.start()
+    reader.join(30)
     record = json.loads((tmp_path / "batches" / batch.id / "batch.json").read_text())
     assert record["status"] == "in_progress" and 2 <= record["request_counts"]["completed"] < 12
     with _server(tiny_config_path, tmp_path) as srv:
         client = _client(srv)
         done = _wait(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 12
-        assert set(_rows(client, done.output_file_id)) == {f"s{i}" for i in range(12)}
+        rows = _rows(client, done.output_file_id)
+        assert set(rows) == {f"s{i}" for i in range(12)}
+        for row in rows.values():  # every answer whole: none cut short by the shutdown's abort
+            body = row["response"]["body"]
+            assert (
+                body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 200
+            )
         assert client.files.retrieve(stored.id).filename == "in.jsonl"
+
+
+def _long_rows(model: str, count: int, tokens: int, tag: str = "r") -> list[str]:
+    body = {"model": model, "max_tokens": tokens, "ignore_eos": True}
+    return [_line(f"{tag}{i}", "/v1/completions", {**body, "prompt": f"{tag} {i}"}) for i in range(count)]
+
+
+def _create(client: Any, lines: list[str]) -> Any:
+    stored = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    return client.batches.create(input_file_id=stored.id, endpoint="/v1/completions", completion_window="24h")
+
+
+def _break_steps(engine: Any, error: BaseException, times: int) -> None:
+    """The engine's next ``times`` steps raise ``error`` (run on the engine's thread)."""
+    step, left = engine.step, [times]
+
+    def failing() -> Any:
+        if left[0] > 0:
+            left[0] -= 1
+            raise error
+        return step()
+
+    engine.step = failing
+
+
+def test_rows_a_failed_step_aborted_run_again(tiny_config_path: Path, tmp_path: Path) -> None:
+    """A step that raises aborts every request (the server goes on): the batch's rows then in flight
+    run again, never written cut short."""
+    with _server(tiny_config_path, tmp_path, batches={"concurrency": 3}) as srv:
+        client = _client(srv)
+        batch = _create(client, _long_rows(client.models.list().data[0].id, 6, 150))
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).status != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)
+        srv.engine_loop.call(
+            functools.partial(_break_steps, error=RuntimeError("a failed step"), times=1)
+        ).result(10)
+        done = _wait(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 6
+        for row in _rows(client, done.output_file_id).values():
+            assert row["response"]["body"]["choices"][0]["finish_reason"] == "length"
+
+
+def test_rows_in_flight_when_the_engine_dies_wait_for_a_restart(
+    tiny_config_path: Path, tmp_path: Path
+) -> None:
+    from prefixserve.model.parallel import WorkerDiedError
+
+    with _server(tiny_config_path, tmp_path, batches={"concurrency": 3}) as srv:
+        client = _client(srv)
+        batch = _create(client, _long_rows(client.models.list().data[0].id, 6, 150))
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).status != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)
+        srv.engine_loop.call(
+            functools.partial(_break_steps, error=WorkerDiedError("a worker died"), times=1)
+        ).result(10)
+        time.sleep(1.5)
+        stalled = client.batches.retrieve(batch.id)
+        assert stalled.status == "in_progress" and stalled.request_counts.failed == 0
+    assert not (tmp_path / "batches" / batch.id / "errors.jsonl").read_text()  # no row failed for it
+    with _server(tiny_config_path, tmp_path) as srv:
+        done = _wait(_client(srv), batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 6
+
+
+def test_batches_together_leave_the_queue_to_live_requests(tiny_config_path: Path, tmp_path: Path) -> None:
+    """Rows in flight are bounded over all batches: four batches at once do not fill the queue."""
+    with _server(tiny_config_path, tmp_path, engine={"max_num_seqs": 2}) as srv:
+        client = _client(srv)
+        model = client.models.list().data[0].id
+        made = [_create(client, _long_rows(model, 8, 400, tag)) for tag in "abcd"]
+        deadline = time.monotonic() + 30
+        while sum(client.batches.retrieve(b.id).status == "in_progress" for b in made) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.5)  # the rows planned and queued
+        for i in range(6):  # the default bound: 4 x max_num_seqs waiting; the batches hold 4 rows in all
+            out = client.completions.create(model=model, prompt=f"live {i}", max_tokens=2)
+            assert out.choices[0].finish_reason == "length"
+        for batch in made:
+            with contextlib.suppress(openai.ConflictError):  # one may have ended meanwhile
+                client.batches.cancel(batch.id)
+            assert _wait(client, batch.id).status in ("cancelled", "completed")
+        engine_checks.wait_server_pool_empty(srv)
+
+
+def test_a_batch_resumed_while_cancelling_counts_its_whole_lines(
+    tiny_config_path: Path, tmp_path: Path
+) -> None:
+    with _server(tiny_config_path, tmp_path, batches={"concurrency": 1}) as srv:
+        client = _client(srv)
+        batch = _create(client, _long_rows(client.models.list().data[0].id, 12, 100))
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    folder = tmp_path / "batches" / batch.id
+    record = json.loads((folder / "batch.json").read_text())  # as if killed mid-cancel, counts stale
+    record.update(status="cancelling", request_counts={"total": 12, "completed": 0, "failed": 0})
+    (folder / "batch.json").write_text(json.dumps(record))
+    whole = len((folder / "output.jsonl").read_text().splitlines())
+    with open(folder / "output.jsonl", "a") as f:
+        f.write('{"id": "batch_req_torn", "custom_id": "r9", "resp')  # a line torn by the kill
+    with _server(tiny_config_path, tmp_path) as srv:
+        client = _client(srv)
+        done = _wait(client, batch.id)
+        assert done.status == "cancelled" and done.request_counts.completed == whole >= 2
+        assert len(_rows(client, done.output_file_id)) == whole  # every line whole JSON
+
+
+def test_a_cancel_while_the_file_is_checked_ends_cancelled(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read = batches_module.read_batch
+
+    def slow_read(path: Any) -> Any:
+        time.sleep(1.0)
+        return read(path)
+
+    monkeypatch.setattr(batches_module, "read_batch", slow_read)
+    client = _client(server)
+    batch = _create(client, ["{not json"])
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    assert _wait(client, batch.id).status == "cancelled"
+
+
+def test_an_upload_without_a_length_stops_at_the_limit(tiny_config_path: Path, tmp_path: Path) -> None:
+    """A chunked upload past --max-file-bytes is refused as it arrives, not after it all spooled."""
+    import asyncio
+
+    app = build_app(
+        EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64),
+        batches=BatchSettings(str(tmp_path), max_file_bytes=1000),
+    )
+    sent, answer = [0], {}
+    head = b'--b\r\nContent-Disposition: form-data; name="file"; filename="x"\r\n\r\n'
+
+    async def receive() -> dict[str, Any]:
+        chunk = head if sent[0] == 0 else b"x" * 65536
+        sent[0] += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": sent[0] < 50 << 20}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/files",
+        "raw_path": b"/v1/files",
+        "query_string": b"",
+        "headers": [(b"content-type", b"multipart/form-data; boundary=b")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "root_path": "",
+    }
+    asyncio.run(app(scope, receive, send))
+    assert answer["status"] == 413 and sent[0] < 1 << 20
 
 
 def test_rows_sharing_a_prefix_run_together(tiny_config_path: Path, tmp_path: Path) -> None:
@@ -316,3 +499,19 @@ def test_rows_sharing_a_prefix_run_together(tiny_config_path: Path, tmp_path: Pa
     assert cached["first_level texts"] == cached["none texts"]  # greedy answers do not depend on the order
     assert cached["first_level"] == 8 * 3 * 96  # every row after a document's first reads it cached
     assert cached["first_level"] > 1.5 * cached["none"], cached
+
+
+def test_results_moved_into_the_store_survive_a_crash_between_move_and_metadata(tmp_path: Path) -> None:
+    from prefixserve.entrypoints.openai.files import FileStore
+
+    store = FileStore(tmp_path / "store")
+    source = tmp_path / "output.jsonl"
+    source.write_text('{"custom_id": "a"}\n')
+    stored = store.adopt(source, "out.jsonl", "batch_output", "file-planned")
+    assert stored is not None and store.get("file-planned").bytes == stored.bytes
+    (tmp_path / "store" / "file-planned.json").unlink()  # killed after the move, before its metadata
+    again = store.adopt(source, "out.jsonl", "batch_output", "file-planned")
+    assert again is not None and store.get("file-planned").path.read_text() == '{"custom_id": "a"}\n'
+    empty = tmp_path / "errors.jsonl"
+    empty.write_text("")
+    assert store.adopt(empty, "e.jsonl", "batch_output", "file-none") is None and not empty.exists()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile
+from starlette.types import Message
 
 from prefixserve.entrypoints.openai.batches import BatchRuns, check_batch_request
 from prefixserve.entrypoints.openai.files import MAX_FILE_BYTES, MAX_LIST, FileStore
@@ -75,6 +76,25 @@ def _limit(request: Request, default: int, most: int) -> int:
     return int(raw)
 
 
+def _bounded(request: Request, limit: int) -> Request:
+    """The request, its body cut off with a 413 once past ``limit`` bytes as it is read (the form
+    parser spools all of a body to disk before a route sees it; a body without a Content-Length
+    would otherwise fill the disk)."""
+    seen = 0
+
+    async def receive() -> Message:
+        nonlocal seen
+        message = await request.receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                text = f"the upload is over the limit of {limit} bytes"
+                raise APIError(413, text, param="file", code="file_too_large")
+        return message
+
+    return Request(request.scope, receive)
+
+
 async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
     while chunk := await upload.read(_UPLOAD_CHUNK):
         yield chunk
@@ -93,7 +113,9 @@ def add_batch_routes(app: FastAPI, state: ServerState, service: BatchService) ->
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
         try:
-            form = await request.form(max_files=1, max_fields=8)
+            form = await _bounded(request, files.max_bytes + _FORM_OVERHEAD).form(max_files=1, max_fields=8)
+        except APIError:
+            raise
         except Exception as exc:  # the multipart parser's refusals (malformed, too many parts)
             raise APIError(400, f"the upload is not valid multipart/form-data: {exc}") from None
         try:

@@ -166,6 +166,10 @@ class BatchRuns:
         )
         self.root = files.root / "batches"
         self.root.mkdir(parents=True, exist_ok=True)
+        # rows in flight over every batch together: the queue's room for live requests does not
+        # shrink with the number of batches
+        self.slots = asyncio.Semaphore(concurrency)
+        self.halting = False  # the server is stopping: no row starts, none aborted counts as answered
         self.jobs: dict[str, BatchJob] = {}
         for path in sorted(self.root.glob("batch_*/batch.json")):
             try:
@@ -233,7 +237,7 @@ class BatchRuns:
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         job = self.get(batch_id)
-        if job.status in FINAL:
+        if job.status in FINAL or job.status == "finalizing":
             raise APIError(409, f"batch {batch_id} is {job.status}: only a running batch can be cancelled")
         if job.status != "cancelling":
             self._set(job, "cancelling")
@@ -260,6 +264,13 @@ class BatchRuns:
             if job.status not in FINAL:
                 self._start(job)
 
+    def halt(self) -> None:
+        """The server is stopping (before it aborts what runs): no row starts and no aborted row is
+        written; each unfinished batch resumes when a server starts on the same store."""
+        self.halting = True
+        for job in self.jobs.values():
+            job.stop.set()
+
     async def stop_all(self) -> None:
         """Stop every running batch's task (the server is stopping): records stay as they are, and
         a server started on the same store resumes them."""
@@ -278,28 +289,30 @@ class BatchRuns:
 
     async def _run(self, job: BatchJob) -> None:
         try:
-            rows = await self._validated(job)
+            rows, errors = await self._validated(job)
+            if job.status == "cancelling" and rows is None:  # cancelled while it was checked
+                await self._finish(job)
+                return
             if rows is None:
+                self._fail(job, errors)
                 return
             if job.status == "validating":
                 self._set(job, "in_progress")
             if job.status == "in_progress":
                 await self._run_rows(job, rows)
-            await self._finish(job, rows)
+            await self._finish(job)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: the batch fails with its name, the server goes on
             log.exception("batch %s failed", job.id)
             self._fail(job, [{"code": "internal_error", "message": f"internal error: {type(exc).__name__}"}])
 
-    async def _validated(self, job: BatchJob) -> list[BatchRow] | None:
-        """The input file's rows, or None when the batch failed its check (``errors`` then names the
-        bad lines)."""
+    async def _validated(self, job: BatchJob) -> tuple[list[BatchRow] | None, list[dict[str, Any]]]:
+        """The input file's rows, or None and what fails the batch (each bad line named)."""
         try:
             stored = self.files.get(job.record["input_file_id"])
         except APIError:
-            self._fail(job, [{"code": "missing_file", "message": "the batch's input file was deleted"}])
-            return None
+            return None, [{"code": "missing_file", "message": "the batch's input file was deleted"}]
         read = await asyncio.to_thread(read_batch, stored.path)
         errors = []
         for row in read:
@@ -322,20 +335,26 @@ class BatchRuns:
                 }
             )
         if errors:
-            self._fail(job, errors)
-            return None
+            return None, errors
         job.record["request_counts"]["total"] = len(read)
-        return [row for row in read if isinstance(row, BatchRow)]
+        return [row for row in read if isinstance(row, BatchRow)], []
 
-    async def _run_rows(self, job: BatchJob, rows: list[BatchRow]) -> None:
+    def _recount(self, job: BatchJob) -> None:
+        """Counts, usage and answered rows from the result files (a line torn by a kill cut off):
+        what a resumed batch has answered, whatever its record last saved."""
         out_path, err_path = job.folder / "output.jsonl", job.folder / "errors.jsonl"
         counts, usage = job.record["request_counts"], _zero_usage()
-        ok_done, err_done = finished_keys(out_path), finished_keys(err_path)  # a resumed batch's answers
+        ok_done, err_done = finished_keys(out_path), finished_keys(err_path)
         counts["completed"], counts["failed"] = len(ok_done), len(err_done)
         job.answered = ok_done | err_done
         for line in out_path.read_text(encoding="utf-8").splitlines() if out_path.exists() else ():
             _add_usage(usage, (json.loads(line).get("response") or {}).get("body") or {})
         job.record["usage"] = usage
+
+    async def _run_rows(self, job: BatchJob, rows: list[BatchRow]) -> None:
+        out_path, err_path = job.folder / "output.jsonl", job.folder / "errors.jsonl"
+        counts = job.record["request_counts"]
+        await asyncio.to_thread(self._recount, job)
         todo = [row for row in rows if row_key(row) not in job.answered]
         order = todo
         if self.grouping != "none":
@@ -343,7 +362,7 @@ class BatchRuns:
         expiry = asyncio.get_running_loop().call_later(
             max(0.0, job.record["expires_at"] - time.time()), job.expire
         )
-        slots = asyncio.Semaphore(self.concurrency)
+        slots = self.slots
         running: set[asyncio.Task[None]] = set()
         try:
             with ResultWriter(out_path) as ok, ResultWriter(err_path) as bad:
@@ -378,7 +397,7 @@ class BatchRuns:
         if status == 200:
             _add_usage(job.record["usage"], line["response"]["body"])
         if time.monotonic() - job.saved_at >= SAVE_EVERY_S:
-            self._save(job)
+            self._save(job, durable=False)
 
     async def _answer(self, job: BatchJob, row: BatchRow) -> dict[str, Any] | None:
         """The row's output line, as its route would answer it; None if the batch stopped first."""
@@ -398,20 +417,37 @@ class BatchRuns:
                 if exc.status == 429:  # the queue is full: wait as a client is told to, then again
                     await _wait(job, float((exc.headers or {}).get("Retry-After", 1)))
                     continue
-                if exc.status == 503:  # the engine stopped: the batch waits for a restart
+                if exc.status == 503 or self._engine_gone(job):  # the batch waits for a restart
                     log.error("batch %s stops: %s", job.id, exc.message)
                     job.stop.set()
                     return None
                 return result_row(row.custom_id, exc.status, (exc if call is None else renamed(exc)).body())
             if finals is None:
                 return None
+            if any(c.finish_reason == "abort" for f in finals for c in f.outputs):
+                # aborted, not answered: the server is stopping, or a failed step aborted everything
+                if self._engine_gone(job):
+                    return None
+                await _wait(job, 1.0)
+                continue
             return row_answer(state, row, prep, call, finals)
         return None
 
-    async def _finish(self, job: BatchJob, rows: list[BatchRow]) -> None:
+    def _engine_gone(self, job: BatchJob) -> bool:
+        """True (and the batch stops, to resume at the next start) once the engine no longer runs or
+        the server is stopping: a row failed then was not answered."""
+        if self.halting or not self.state.loop.alive:
+            job.stop.set()
+            return True
+        return False
+
+    async def _finish(self, job: BatchJob) -> None:
         """Results into the file store; the batch's final status."""
-        if job.status == "in_progress" and job.stop.is_set() and not job.record.get("_expired"):
-            return  # the engine stopped: resumed at the next start
+        if self.halting or (
+            job.status == "in_progress" and job.stop.is_set() and not job.record.get("_expired")
+        ):
+            return  # the engine stopped, or the server is stopping: resumed at the next start
+        await asyncio.to_thread(self._recount, job)
         if job.status == "cancelling":
             ended = "cancelled"
         else:
@@ -423,20 +459,12 @@ class BatchRuns:
             ("errors.jsonl", "_error_id", "error_file_id"),
         )
         for name, planned, shown in outputs:
-            path = job.folder / name
-            if path.exists() and path.stat().st_size > 0:
-                self.files.adopt(path, f"{job.id}_{name}", OUTPUT_PURPOSE, job.record[planned])
-                job.record[shown] = job.record[planned]
-            elif self._has(job.record[planned]):  # moved before a restart
-                job.record[shown] = job.record[planned]
+            stored = self.files.adopt(
+                job.folder / name, f"{job.id}_{name}", OUTPUT_PURPOSE, job.record[planned]
+            )
+            if stored is not None:
+                job.record[shown] = stored.id
         self._set(job, ended)
-
-    def _has(self, file_id: str) -> bool:
-        try:
-            self.files.get(file_id)
-        except APIError:
-            return False
-        return True
 
     # ---- records -------------------------------------------------------------------------------
     def _set(self, job: BatchJob, status: str) -> None:
@@ -452,10 +480,12 @@ class BatchRuns:
         }
         self._set(job, "failed")
 
-    def _save(self, job: BatchJob) -> None:
+    def _save(self, job: BatchJob, durable: bool = True) -> None:
+        """The record to disk; ``durable=False`` (counts as rows finish) skips the fsync: a resume
+        recounts from the result files anyway."""
         job.saved_at = time.monotonic()
         job.folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(job.folder / "batch.json", json.dumps(job.record).encode())
+        write_atomic(job.folder / "batch.json", json.dumps(job.record).encode(), durable)
 
 
 async def _wait(job: BatchJob, seconds: float) -> None:

@@ -9,6 +9,7 @@ in a temporary folder removed when it stops.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -30,13 +31,15 @@ _ID = re.compile(r"file-[A-Za-z0-9_-]{1,80}")
 _COPY_CHUNK = 1 << 20
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """``data`` at ``path`` whole or not at all (written beside it, then renamed)."""
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """``data`` at ``path`` whole or not at all (written beside it, then renamed); ``durable``: on
+    the disk before the rename (else a machine's crash may lose it; a process's kill does not)."""
     part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(part, path)
 
 
@@ -89,25 +92,34 @@ class FileStore:
         part = path.with_name(path.name + ".part")
         size = 0
         try:
-            with open(part, "wb") as f:
+            with open(part, "wb") as f:  # written and synced on worker threads: the loop serves meanwhile
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > self.max_bytes:
                         message = f"the file is over the limit of {self.max_bytes} bytes"
                         raise APIError(413, message, param="file", code="file_too_large")
-                    f.write(chunk)
+                    await asyncio.to_thread(f.write, chunk)
                 f.flush()
-                os.fsync(f.fileno())
+                await asyncio.to_thread(os.fsync, f.fileno())
             os.replace(part, path)
         finally:
             part.unlink(missing_ok=True)
         return self._register(file_id, path, size, filename, purpose)
 
-    def adopt(self, source: Path, filename: str, purpose: str, file_id: str) -> StoredFile:
+    def adopt(self, source: Path, filename: str, purpose: str, file_id: str) -> StoredFile | None:
         """A file written elsewhere (a batch's results), moved into the store under the id chosen for
-        it beforehand (a restart between the move and the batch's record finds it there)."""
+        it beforehand, or None where it is empty or missing. Idempotent: a restart after the move
+        (with or without its metadata) finds the file in the store."""
         path = self.root / file_id
-        os.replace(source, path)
+        if source.exists():
+            if source.stat().st_size == 0:
+                source.unlink()
+                return None
+            os.replace(source, path)
+        if not path.exists():
+            return None
+        if self._meta_path(file_id).exists():
+            return self.get(file_id)
         return self._register(file_id, path, path.stat().st_size, filename, purpose)
 
     def _register(self, file_id: str, path: Path, size: int, filename: str, purpose: str) -> StoredFile:

@@ -61,7 +61,11 @@ class GracefulServer(uvicorn.Server):
         self.grace_s = grace_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        loop: EngineLoop | None = getattr(getattr(self.config.app, "state", None), "engine_loop", None)
+        state = getattr(self.config.app, "state", None)
+        batches = getattr(state, "batch_service", None)
+        if batches is not None:  # first: a row aborted below must not count as answered
+            batches.runs.halt()
+        loop: EngineLoop | None = getattr(state, "engine_loop", None)
         if loop is not None:
             asyncio.get_running_loop().call_later(self.grace_s, loop.abort_all)
         await super().shutdown(sockets)
