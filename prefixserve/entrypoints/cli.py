@@ -464,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="rows of one batch in flight at once (default: twice --max-num-seqs)",
+        help="rows in flight at once over all batches (default: twice --max-num-seqs)",
     )
     b.add_argument(
         "--batch-grouping",

@@ -29,8 +29,9 @@ _UPLOAD_CHUNK = 1 << 20
 class BatchSettings:
     """``prefixserve serve``'s Files and Batch options. ``files_dir``: where files and batches are
     kept (None: a temporary folder removed at exit, so nothing outlives the server);
-    ``concurrency``: rows of one batch in flight at once (None: twice the engine's max_num_seqs, so
-    the engine always has the next rows queued); ``tag``: written into every file and batch id
+    ``concurrency``: rows in flight at once over all batches (None: twice the engine's max_num_seqs,
+    so the engine always has the next rows queued and the queue keeps room for live requests);
+    ``tag``: written into every file and batch id
     (the Ray ingress routes by it)."""
 
     files_dir: str | None = None

@@ -4,13 +4,14 @@
 (``validating``: every line a request for its endpoint, else ``failed`` with each bad line in
 ``errors``), then runs (``in_progress``): its rows ordered by the batch planner so that rows sharing a
 prompt prefix run together (``batch_runner.run_order``, BatchLLM's grouping), at most
-``concurrency`` rows in flight, each queued and answered as its route answers a client (same checks,
-same 4xx bodies). Answers with status 200 go to the output file, the others to the error file, a
-whole line at a time; then ``finalizing`` moves both into the file store and the batch is
+``concurrency`` rows in flight over all batches, each queued and answered as its route answers a
+client (same checks, same 4xx bodies). Answers with status 200 go to the output file, the others
+to the error file, a whole line at a time; then ``finalizing`` moves both into the file store and the batch is
 ``completed``. A cancel aborts the rows in flight and keeps what was answered (``cancelled``); past
 its completion window the batch ``expired``, its unanswered rows in the error file as
 ``batch_expired``. A row refused for a full queue (429) waits and tries again: a batch never fails a
-row for load.
+row for load. A row aborted by a failed engine step runs again; one in flight when the server stops
+or the engine dies is left unanswered, for the next start to run.
 
 Each batch's record is saved in the store's ``batches`` folder at every status change (and at most
 once a second as rows finish), so a server restarted on the same ``--files-dir`` resumes its
