@@ -53,6 +53,16 @@ def _line(custom_id: str, url: str, body: dict[str, Any]) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+def _long_rows(model: str, count: int, tokens: int, tag: str = "r") -> list[str]:
+    body = {"model": model, "max_tokens": tokens, "ignore_eos": True}
+    return [_line(f"{tag}{i}", "/v1/completions", {**body, "prompt": f"{tag} {i}"}) for i in range(count)]
+
+
+def _create(client: Any, lines: list[str]) -> Any:
+    stored = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    return client.batches.create(input_file_id=stored.id, endpoint="/v1/completions", completion_window="24h")
+
+
 def _run(client: Any, lines: list[str], endpoint: str, timeout: float = 120.0) -> Any:
     stored = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=stored.id, endpoint=endpoint, completion_window="24h")
@@ -189,18 +199,8 @@ def test_files_and_batches_list_in_pages(server: ServerThread) -> None:
 def test_cancel_keeps_what_was_answered_and_frees_the_rest(server: ServerThread) -> None:
     client = _client(server)
     model = client.models.list().data[0].id
-    lines = [
-        _line(
-            f"c{i}",
-            "/v1/completions",
-            {"model": model, "prompt": f"p {i}", "max_tokens": 300, "ignore_eos": True},
-        )
-        for i in range(60)
-    ]
-    stored = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=stored.id, endpoint="/v1/completions", completion_window="24h"
-    )
+    batch = _create(client, _long_rows(model, 60, 300, "c"))
+    stored = client.files.retrieve(batch.input_file_id)
     with pytest.raises(openai.ConflictError, match="cancel it first"):
         client.files.delete(stored.id)
     cancelling = client.batches.cancel(batch.id)
@@ -257,22 +257,10 @@ def test_rows_refused_for_a_full_queue_wait_and_run(tiny_config_path: Path, tmp_
 
 
 def test_a_restarted_server_resumes_without_answering_twice(tiny_config_path: Path, tmp_path: Path) -> None:
-    lines = []
     with _server(tiny_config_path, tmp_path, batches={"concurrency": 1}) as srv:
         client = _client(srv)
         model = client.models.list().data[0].id
-        lines = [
-            _line(
-                f"s{i}",
-                "/v1/completions",
-                {"model": model, "prompt": f"z {i}", "max_tokens": 200, "ignore_eos": True},
-            )
-            for i in range(12)
-        ]
-        stored = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=stored.id, endpoint="/v1/completions", completion_window="24h"
-        )
+        batch = _create(client, _long_rows(model, 12, 200, "s"))
         deadline = time.monotonic() + 60
         while client.batches.retrieve(batch.id).request_counts.completed < 2:
             assert time.monotonic() < deadline
@@ -298,17 +286,7 @@ def test_a_restarted_server_resumes_without_answering_twice(tiny_config_path: Pa
             assert (
                 body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 200
             )
-        assert client.files.retrieve(stored.id).filename == "in.jsonl"
-
-
-def _long_rows(model: str, count: int, tokens: int, tag: str = "r") -> list[str]:
-    body = {"model": model, "max_tokens": tokens, "ignore_eos": True}
-    return [_line(f"{tag}{i}", "/v1/completions", {**body, "prompt": f"{tag} {i}"}) for i in range(count)]
-
-
-def _create(client: Any, lines: list[str]) -> Any:
-    stored = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
-    return client.batches.create(input_file_id=stored.id, endpoint="/v1/completions", completion_window="24h")
+        assert client.files.retrieve(batch.input_file_id).filename == "in.jsonl"
 
 
 def _break_steps(engine: Any, error: BaseException, times: int) -> None:
