@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RESULTS, pyplot, run_info, write_results
+from benchmarks.harness import RESULTS, bar_chart, run_info, write_results
 from benchmarks.harness.server import ServerProcess, serve_command
 
 MODES = {"planned": "first_level", "file_order": "none"}
@@ -193,18 +193,11 @@ def markdown(result: dict[str, Any], name: str) -> str:
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    modes = list(result["results"])
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(modes, [result["results"][m]["seconds"] for m in modes], color=["#3b7dd8", "#888888"])
-    ax.set_ylabel("seconds to complete the batch")
     s = result["settings"]
-    ax.set_title(f"{s['docs']} docs x {s['questions']} questions, {s['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"{s['docs']} docs x {s['questions']} questions, {s['device']}"
+    bar_chart(
+        path, result["results"], "seconds", "seconds to complete the batch", title, ["#3b7dd8", "#888888"]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

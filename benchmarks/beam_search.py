@@ -27,7 +27,7 @@ import random
 import time
 from typing import Any
 
-from benchmarks.harness import RESULTS, pyplot, run_info, write_results
+from benchmarks.harness import RESULTS, bar_chart, run_info, write_results
 from prefixserve import LLM, SamplingParams
 from prefixserve.sampling.beam_search import BeamSearchParams
 
@@ -142,18 +142,9 @@ def markdown(result: dict[str, Any], name: str) -> str:
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    modes = list(result["results"])
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    ax.bar(modes, [result["results"][m]["seconds"] for m in modes], color=["#3b7dd8", "#888888", "#7fb3f0"])
-    ax.set_ylabel("seconds")
     s = result["settings"]
-    ax.set_title(f"{s['questions']} x {s['doc']}-token prompts, width {s['width']}, {s['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"{s['questions']} x {s['doc']}-token prompts, width {s['width']}, {s['device']}"
+    bar_chart(path, result["results"], "seconds", "seconds", title, ["#3b7dd8", "#888888", "#7fb3f0"])
 
 
 def main(argv: list[str] | None = None) -> None:

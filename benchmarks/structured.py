@@ -24,7 +24,7 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks.harness import RESULTS, pyplot, run_info, write_results
+from benchmarks.harness import RESULTS, bar_chart, run_info, write_results
 from prefixserve import LLM, SamplingParams, StructuredOutputs
 
 RECORD = {
@@ -190,19 +190,16 @@ def markdown(result: dict[str, Any], name: str) -> str:
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    modes = list(result["results"])
-    rates = [result["results"][m]["tokens_per_s"] for m in modes]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(modes, rates, color=["#888888", "#3b7dd8", "#7fb3f0"][: len(modes)])
-    ax.set_ylabel("generated tokens/s")
     s = result["settings"]
-    ax.set_title(f"B={s['batch']}, {s['tokens']} tokens, {s['device']}: ratio {result['ratio']:.3f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"B={s['batch']}, {s['tokens']} tokens, {s['device']}: ratio {result['ratio']:.3f}"
+    bar_chart(
+        path,
+        result["results"],
+        "tokens_per_s",
+        "generated tokens/s",
+        title,
+        ["#888888", "#3b7dd8", "#7fb3f0"],
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

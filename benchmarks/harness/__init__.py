@@ -11,13 +11,22 @@ share them without import circles.
 
 from benchmarks.harness.info import run_info
 from benchmarks.harness.models import TINY, dummy_model
-from benchmarks.harness.output import RESULTS, ROOT, pyplot, run_or_report, write_results, write_text
+from benchmarks.harness.output import (
+    RESULTS,
+    ROOT,
+    bar_chart,
+    pyplot,
+    run_or_report,
+    write_results,
+    write_text,
+)
 from benchmarks.harness.stats import gpu_idle_frac, mean, pct
 
 __all__ = [
     "RESULTS",
     "ROOT",
     "TINY",
+    "bar_chart",
     "dummy_model",
     "gpu_idle_frac",
     "mean",

@@ -58,6 +58,23 @@ def pyplot() -> Any:
     return plt
 
 
+def bar_chart(
+    path: Any, results: dict[str, dict[str, Any]], key: str, ylabel: str, title: str, colors: list[str]
+) -> None:
+    """One bar a mode (``results``' keys) of each mode's ``key``, saved as a PNG at ``path``."""
+    plt = pyplot()
+    if plt is None:
+        return
+    modes = list(results)
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    ax.bar(modes, [results[m][key] for m in modes], color=colors[: len(modes)])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_text(out_dir: Path, name: str, lines: list[str]) -> str:
     """Markdown lines into out_dir/name (the folder made if missing), printed too; returns the text."""
     text = "\n".join(lines) + "\n"
