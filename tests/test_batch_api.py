@@ -493,3 +493,72 @@ def test_results_moved_into_the_store_survive_a_crash_between_move_and_metadata(
     empty = tmp_path / "errors.jsonl"
     empty.write_text("")
     assert store.adopt(empty, "e.jsonl", "batch_output", "file-none") is None and not empty.exists()
+
+
+def test_anthropic_message_batches_through_its_client(server: ServerThread) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    params = [
+        {
+            "model": "default",
+            "max_tokens": 6,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"hi {i}"}],
+        }
+        for i in range(3)
+    ]
+    sent = [{"custom_id": f"m{i}", "params": p} for i, p in enumerate(params)]
+    sent.append(
+        {
+            "custom_id": "no-max",
+            "params": {"model": "default", "messages": [{"role": "user", "content": "x"}]},
+        }
+    )
+    batch = client.messages.batches.create(requests=sent)
+    assert batch.id.startswith("msgbatch_") and batch.processing_status == "in_progress"
+    assert batch.request_counts.processing == 4 and batch.results_url is None
+    deadline = time.monotonic() + 60
+    while (batch := client.messages.batches.retrieve(batch.id)).processing_status != "ended":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    counts = batch.request_counts
+    assert (counts.succeeded, counts.errored, counts.processing, counts.canceled) == (3, 1, 0, 0)
+    results = list(client.messages.batches.results(batch.id))
+    assert [r.custom_id for r in results] == ["m0", "m1", "m2", "no-max"]  # the order sent
+    for r, p in zip(results[:3], params, strict=True):  # the same greedy message as the route answers
+        sdk = {k: v for k, v in p.items() if k != "temperature"}  # not a create() argument in this SDK
+        direct = client.messages.create(**sdk, extra_body={"temperature": 0})
+        assert r.result.type == "succeeded" and r.result.message.content[0].text == direct.content[0].text
+    assert results[3].result.type == "errored" and "max_tokens" in results[3].result.error.error.message
+
+    long = {
+        "model": "default",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    cancelled = client.messages.batches.create(
+        requests=[{"custom_id": f"c{i}", "params": long} for i in range(40)]
+    )
+    assert client.messages.batches.cancel(cancelled.id).processing_status in ("canceling", "ended")
+    while (cancelled := client.messages.batches.retrieve(cancelled.id)).processing_status != "ended":
+        time.sleep(0.05)
+    kinds = [r.result.type for r in client.messages.batches.results(cancelled.id)]
+    assert (
+        len(kinds) == 40
+        and "canceled" in kinds
+        and cancelled.request_counts.canceled == kinds.count("canceled")
+    )
+
+    listed = client.messages.batches.list(limit=1)
+    assert [b.id for b in listed.data] == [cancelled.id] and listed.has_more  # newest first
+    assert [b.id for b in client.messages.batches.list(after_id=cancelled.id, limit=1).data] == [batch.id]
+    assert [b.id for b in client.messages.batches.list(before_id=batch.id, limit=5).data] == [cancelled.id]
+    with pytest.raises(anthropic.BadRequestError, match="twice"):
+        client.messages.batches.create(requests=[sent[0], sent[0]])
+    with pytest.raises(anthropic.BadRequestError, match="custom_id"):
+        client.messages.batches.create(requests=[{"custom_id": "a b", "params": params[0]}])
+    assert client.messages.batches.delete(batch.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.batches.retrieve(batch.id)
+    engine_checks.wait_server_pool_empty(server)

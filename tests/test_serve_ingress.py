@@ -225,6 +225,7 @@ def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it()
     assert owner("/v1/batches", json.dumps({"input_file_id": file_id}).encode()) == "replica-0"
     assert owner("/v1/batches", b"", "GET") is None and owner("/v1/files", b"") is None
     assert owner("/v1/files/file-abc", b"", "GET") is None
+    assert owner(f"/v1/messages/batches/msg{batch_id}/results", b"", "GET") == "replica-1"  # Anthropic's
 
 
 def test_lists_merge_every_replicas_pages() -> None:

@@ -2,7 +2,8 @@
 
 Each lives in the replica that made it, and its id carries that replica's name (``object_id``), so a
 request naming one goes there: ``/v1/responses/{id}`` and ``previous_response_id``,
-``/v1/files/{id}``, ``/v1/batches/{id}``, and a new batch to the replica holding its input file.
+``/v1/files/{id}``, ``/v1/batches/{id}``, ``/v1/messages/batches/{id}``, and a new batch to the
+replica holding its input file.
 Listing files or batches asks every healthy replica for all of its own (page by page) and pages
 through the merged list as one server would.
 """
@@ -15,6 +16,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from prefixserve.entrypoints.openai.batch_routes import BATCHES_ROUTE, FILES_ROUTE
+from prefixserve.entrypoints.openai.message_batches import MESSAGE_BATCHES_ROUTE
 from prefixserve.entrypoints.openai.protocol import APIError, id_tag, page
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE
 
@@ -40,7 +42,7 @@ def named_owner(method: str, path: str, body: bytes) -> str | None:
     elif path == BATCHES_ROUTE:
         named = _json_field(body, "input_file_id") if method == "POST" else None
     else:
-        for parent in (RESPONSES_ROUTE, FILES_ROUTE, BATCHES_ROUTE):
+        for parent in (RESPONSES_ROUTE, FILES_ROUTE, BATCHES_ROUTE, MESSAGE_BATCHES_ROUTE):
             if path.startswith(parent + "/"):
                 named = path[len(parent) + 1 :].split("/", 1)[0]
     return id_tag(named) if isinstance(named, str) else None

@@ -16,6 +16,7 @@ from typing import Any
 
 from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.batch_file import (
+    MESSAGES_URL,
     RESPONSES_URL,
     BadRow,
     BatchRow,
@@ -26,6 +27,7 @@ from prefixserve.entrypoints.batch_file import (
     result_row,
     row_key,
 )
+from prefixserve.entrypoints.openai.anthropic_messages import MessageCall, error_body, prepare_message
 from prefixserve.entrypoints.openai.prepare import (
     OpenAIContext,
     Prepared,
@@ -119,28 +121,46 @@ class _RowState:
     prep: Prepared
     ids: list[str]
     finals: dict[str, RequestOutput] = field(default_factory=dict)
-    call: ResponseCall | None = None  # a /v1/responses row (its chat is ``prep``)
+    call: Call | None = None  # a /v1/responses or /v1/messages row (its chat is ``prep``)
 
 
-def prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, ResponseCall | None]:
+Call = ResponseCall | MessageCall  # another API's answer to the chat a row runs as
+
+
+def prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, Call | None]:
     """A row's body checked as the server checks its route's (APIError where it would refuse it);
-    a /v1/responses row also gives the response it answers as."""
+    a /v1/responses or /v1/messages row also gives the answer it gets in its API."""
     for name in ("stream", "background", "use_beam_search"):  # rows are run as sampled ones
         if row.body.get(name):
             raise APIError(400, f"{name} is not supported in a batch", param=name)
-    if row.url != RESPONSES_URL:
+    call: Call
+    if row.url == RESPONSES_URL:
+        call = prepare_response(ctx, row.body, None)  # a batch stores nothing: no previous_response_id
+    elif row.url == MESSAGES_URL:
+        call = prepare_message(ctx, row.body)
+    else:
         return prepare(ctx, row.url, row.body), None
-    call = prepare_response(ctx, row.body, None)  # a batch stores nothing: no previous_response_id
     return call.prep, call
 
 
+def row_error(row: BatchRow, exc: APIError) -> dict[str, Any]:
+    """A refused row's output line: the error body its route answers, in its API's shape."""
+    if row.url == RESPONSES_URL:
+        body = renamed(exc).body()
+    elif row.url == MESSAGES_URL:
+        body = error_body(exc.status, f"{exc.param}: {exc.message}" if exc.param else exc.message)
+    else:
+        body = exc.body()
+    return result_row(row.custom_id, exc.status, body)
+
+
 def row_answer(
-    ctx: OpenAIContext, row: BatchRow, prep: Prepared, call: ResponseCall | None, finals: list[RequestOutput]
+    ctx: OpenAIContext, row: BatchRow, prep: Prepared, call: Call | None, finals: list[RequestOutput]
 ) -> dict[str, Any]:
     """A row's output line from its engine requests' final outputs, as its route would answer."""
     error = engine_failure(finals)
     if error is not None:
-        return result_row(row.custom_id, error.status, error.body())
+        return row_error(row, error)
     body = response_body(ctx, prep, finals) if call is None else call.body(finals)
     return result_row(row.custom_id, 200, body)
 
@@ -154,7 +174,7 @@ def _prepare_rows(
         try:
             prep, call = prepare_row(ctx, row)
         except APIError as exc:
-            answered.append(result_row(row.custom_id, exc.status, exc.body()))
+            answered.append(row_error(row, exc))
             continue
         ids = [f"batch-{row.line}-{i}" for i in range(len(prep.prompts))]
         states.append(_RowState(row, prep, ids, call=call))
@@ -209,7 +229,7 @@ def run_rows(
                 engine.abort(i, report=False)
         param, code = param_of(str(failed), st.prep.prompt_field)
         error = APIError(400, str(failed), param=param, code=code)
-        yield result_row(st.row.custom_id, 400, (error if st.call is None else renamed(error)).body())
+        yield row_error(st.row, error)
     while owner:
         for out in engine.step():
             st = owner.get(out.request_id)

@@ -42,6 +42,7 @@ from prefixserve.entrypoints.openai.beam_answers import answer_beams
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.cors import allow_origins
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
+from prefixserve.entrypoints.openai.message_batches import MESSAGE_BATCHES_ROUTE, add_message_batch_routes
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 from prefixserve.entrypoints.openai.model_routes import add_model_routes
 from prefixserve.entrypoints.openai.overload import (
@@ -81,6 +82,7 @@ ROUTES = (
     "/v1/schemas",
     FILES_ROUTE,
     BATCHES_ROUTE,
+    MESSAGE_BATCHES_ROUTE,
     "/health",
     "/ping",
     "/metrics",
@@ -198,6 +200,7 @@ def build_app(
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
     add_batch_routes(app, state, batch_service)
+    add_message_batch_routes(app, state, batch_service)
     return app
 
 
@@ -262,7 +265,15 @@ class _CountRequests:
         finally:
             path = scope.get("path", "")
             route = path if path in ROUTES else "other"
-            for parent in ("/v1/models", "/v1/schemas", RESPONSES_ROUTE, FILES_ROUTE, BATCHES_ROUTE):
+            parents = (
+                "/v1/models",
+                "/v1/schemas",
+                RESPONSES_ROUTE,
+                FILES_ROUTE,
+                BATCHES_ROUTE,
+                MESSAGE_BATCHES_ROUTE,
+            )
+            for parent in parents:
                 if path.startswith(parent + "/"):
                     route = parent
             self.metrics.http_requests.labels(route, str(status)).inc()

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,15 +39,13 @@ from prefixserve.entrypoints.batch_file import (
     ResultWriter,
     finished_keys,
     read_batch,
-    result_row,
     row_key,
 )
-from prefixserve.entrypoints.batch_runner import prepare_row, row_answer, run_order
+from prefixserve.entrypoints.batch_runner import prepare_row, row_answer, row_error, run_order
 from prefixserve.entrypoints.openai.answering import collect, submit
 from prefixserve.entrypoints.openai.files import OUTPUT_PURPOSE, FileStore, write_atomic
 from prefixserve.entrypoints.openai.protocol import APIError, object_id, parse_request
 from prefixserve.entrypoints.openai.requests import ServerState
-from prefixserve.entrypoints.openai.responses_request import renamed
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +246,18 @@ class BatchRuns:
                 self._start(job)
         return job.public()
 
+    def delete(self, batch_id: str) -> None:
+        """An ended batch, its input and its results gone (Anthropic's delete)."""
+        job = self.get(batch_id)
+        if job.status not in FINAL:
+            raise APIError(409, f"batch {batch_id} is {job.status}: cancel it and wait for it to end first")
+        for key in ("input_file_id", "output_file_id", "error_file_id"):
+            with contextlib.suppress(APIError):
+                if job.record[key] is not None:
+                    self.files.delete(job.record[key])
+        del self.jobs[batch_id]
+        shutil.rmtree(job.folder, ignore_errors=True)
+
     def in_use(self, file_id: str) -> str | None:
         """The unfinished batch that reads ``file_id``, if any."""
         return next(
@@ -351,6 +362,10 @@ class BatchRuns:
         for line in out_path.read_text(encoding="utf-8").splitlines() if out_path.exists() else ():
             _add_usage(usage, (json.loads(line).get("response") or {}).get("body") or {})
         job.record["usage"] = usage
+        errors = err_path.read_text(encoding="utf-8").splitlines() if err_path.exists() else []
+        job.record["_expired_rows"] = sum(
+            (json.loads(line).get("error") or {}).get("code") == EXPIRED_ERROR["code"] for line in errors
+        )
 
     async def _run_rows(self, job: BatchJob, rows: list[BatchRow]) -> None:
         out_path, err_path = job.folder / "output.jsonl", job.folder / "errors.jsonl"
@@ -408,7 +423,6 @@ class BatchRuns:
             return job.stop.is_set()
 
         while not job.stop.is_set():
-            call = None
             try:
                 prep, call = prepare_row(state, row)  # again at each try: a fresh request id
                 sink: asyncio.Queue[Any] = asyncio.Queue()
@@ -422,7 +436,7 @@ class BatchRuns:
                     log.error("batch %s stops: %s", job.id, exc.message)
                     job.stop.set()
                     return None
-                return result_row(row.custom_id, exc.status, (exc if call is None else renamed(exc)).body())
+                return row_error(row, exc)
             if finals is None:
                 return None
             if any(c.finish_reason == "abort" for f in finals for c in f.outputs):

@@ -344,7 +344,7 @@ def answer_id(kind: str, given: str | None) -> str:
     return f"{kind}-{given}"
 
 
-_TAGGED_ID = re.compile(r"(?:resp_|batch_|file-)([A-Za-z0-9-]+)_[0-9a-f]{32}")
+_TAGGED_ID = re.compile(r"(?:resp_|batch_|msgbatch_|file-)([A-Za-z0-9-]+)_[0-9a-f]{32}")
 
 
 def object_id(prefix: str, tag: str | None = None, sep: str = "_") -> str:

@@ -64,9 +64,10 @@ def authorize(state: ServerState, request: Request) -> None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
-async def read_text(state: ServerState, request: Request) -> str:
-    """The body as text: refused over the size limit (before reading it all) or if not UTF-8."""
-    limit = state.max_body_bytes
+async def read_text(state: ServerState, request: Request, limit: int | None = None) -> str:
+    """The body as text: refused over the size limit (the server's, or ``limit``; before reading it
+    all) or if not UTF-8."""
+    limit = limit or state.max_body_bytes
     too_big = APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
@@ -96,8 +97,8 @@ def parse_json(text: str) -> Any:
     return data
 
 
-async def read_json(state: ServerState, request: Request) -> Any:
-    return parse_json(await read_text(state, request))
+async def read_json(state: ServerState, request: Request, limit: int | None = None) -> Any:
+    return parse_json(await read_text(state, request, limit))
 
 
 async def read_named_json(state: ServerState, request: Request) -> Any:
