@@ -302,20 +302,24 @@ def _break_steps(engine: Any, error: BaseException, times: int) -> None:
     engine.step = failing
 
 
+def _running_then_broken(srv: ServerThread, client: Any, error: BaseException) -> Any:
+    """A batch of 6 long rows, its first rows running, then one engine step raising ``error``."""
+    batch = _create(client, _long_rows(client.models.list().data[0].id, 6, 150))
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)
+    srv.engine_loop.call(functools.partial(_break_steps, error=error, times=1)).result(10)
+    return batch
+
+
 def test_rows_a_failed_step_aborted_run_again(tiny_config_path: Path, tmp_path: Path) -> None:
     """A step that raises aborts every request (the server goes on): the batch's rows then in flight
     run again, never written cut short."""
     with _server(tiny_config_path, tmp_path, batches={"concurrency": 3}) as srv:
         client = _client(srv)
-        batch = _create(client, _long_rows(client.models.list().data[0].id, 6, 150))
-        deadline = time.monotonic() + 60
-        while client.batches.retrieve(batch.id).status != "in_progress":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.3)
-        srv.engine_loop.call(
-            functools.partial(_break_steps, error=RuntimeError("a failed step"), times=1)
-        ).result(10)
+        batch = _running_then_broken(srv, client, RuntimeError("a failed step"))
         done = _wait(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 6
         for row in _rows(client, done.output_file_id).values():
@@ -329,15 +333,7 @@ def test_rows_in_flight_when_the_engine_dies_wait_for_a_restart(
 
     with _server(tiny_config_path, tmp_path, batches={"concurrency": 3}) as srv:
         client = _client(srv)
-        batch = _create(client, _long_rows(client.models.list().data[0].id, 6, 150))
-        deadline = time.monotonic() + 60
-        while client.batches.retrieve(batch.id).status != "in_progress":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.3)
-        srv.engine_loop.call(
-            functools.partial(_break_steps, error=WorkerDiedError("a worker died"), times=1)
-        ).result(10)
+        batch = _running_then_broken(srv, client, WorkerDiedError("a worker died"))
         time.sleep(1.5)
         stalled = client.batches.retrieve(batch.id)
         assert stalled.status == "in_progress" and stalled.request_counts.failed == 0

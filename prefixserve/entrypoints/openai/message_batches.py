@@ -12,9 +12,10 @@ canceling, ended; counts processing / succeeded / errored / canceled / expired) 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -30,6 +31,7 @@ from prefixserve.entrypoints.openai.requests import ServerState, authorize, read
 
 MESSAGE_BATCHES_ROUTE = MESSAGES_URL + "/batches"
 _CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+Route = Callable[..., Awaitable[Response]]
 _PREFIX = "msg"  # msgbatch_...: a batch's id with Anthropic's prefix
 
 
@@ -167,65 +169,60 @@ async def _one(chunk: bytes) -> AsyncIterator[bytes]:
 def add_message_batch_routes(app: FastAPI, state: ServerState, service: BatchService) -> None:
     files, runs = service.files, service.runs
 
+    def anthropic_shaped(route: Route) -> Route:
+        """The route behind the API key, its refusals answered in Anthropic's error shape."""
+
+        @functools.wraps(route)
+        async def shaped(request: Request, *args: Any, **kwargs: Any) -> Response:
+            try:
+                authorize(state, request)
+                return await route(request, *args, **kwargs)
+            except APIError as exc:
+                return anthropic_error(exc)
+
+        return shaped
+
     @app.post(MESSAGE_BATCHES_ROUTE)
+    @anthropic_shaped
     async def create(request: Request) -> Response:
-        try:
-            authorize(state, request)
-            data = await read_json(state, request, files.max_bytes)
-            lines = await asyncio.to_thread(_lines, data.get("requests") if isinstance(data, dict) else None)
-            stored = await files.save(_one(lines), "message_batch_requests.jsonl", "batch")
-            made = runs.create(BatchRequest(input_file_id=stored.id, endpoint=MESSAGES_URL))
-            job = runs.get(made["id"])
-            job.record["request_counts"]["total"] = lines.count(b"\n")
-            return JSONResponse(message_batch(job))
-        except APIError as exc:
-            return anthropic_error(exc)
+        data = await read_json(state, request, files.max_bytes)
+        lines = await asyncio.to_thread(_lines, data.get("requests") if isinstance(data, dict) else None)
+        stored = await files.save(_one(lines), "message_batch_requests.jsonl", "batch")
+        made = runs.create(BatchRequest(input_file_id=stored.id, endpoint=MESSAGES_URL))
+        job = runs.get(made["id"])
+        job.record["request_counts"]["total"] = lines.count(b"\n")
+        return JSONResponse(message_batch(job))
 
     @app.get(MESSAGE_BATCHES_ROUTE)
+    @anthropic_shaped
     async def listed(request: Request) -> Response:
-        try:
-            authorize(state, request)
-            jobs = [runs.get(b["id"]) for b in runs.listed() if b["endpoint"] == MESSAGES_URL]
-            return JSONResponse(_page(request, [message_batch(j) for j in jobs]))
-        except APIError as exc:
-            return anthropic_error(exc)
+        jobs = [runs.get(b["id"]) for b in runs.listed() if b["endpoint"] == MESSAGES_URL]
+        return JSONResponse(_page(request, [message_batch(j) for j in jobs]))
 
     @app.get(MESSAGE_BATCHES_ROUTE + "/{message_batch_id}")
+    @anthropic_shaped
     async def retrieve(request: Request, message_batch_id: str) -> Response:
-        try:
-            authorize(state, request)
-            return JSONResponse(message_batch(_job(service, message_batch_id)))
-        except APIError as exc:
-            return anthropic_error(exc)
+        return JSONResponse(message_batch(_job(service, message_batch_id)))
 
     @app.post(MESSAGE_BATCHES_ROUTE + "/{message_batch_id}/cancel")
+    @anthropic_shaped
     async def cancel(request: Request, message_batch_id: str) -> Response:
-        try:
-            authorize(state, request)
-            job = _job(service, message_batch_id)
-            if job.status not in FINAL and job.status != "finalizing":  # an ended one answers as it is
-                runs.cancel(job.id)
-            return JSONResponse(message_batch(job))
-        except APIError as exc:
-            return anthropic_error(exc)
+        job = _job(service, message_batch_id)
+        if job.status not in FINAL and job.status != "finalizing":  # an ended one answers as it is
+            runs.cancel(job.id)
+        return JSONResponse(message_batch(job))
 
     @app.delete(MESSAGE_BATCHES_ROUTE + "/{message_batch_id}")
+    @anthropic_shaped
     async def delete(request: Request, message_batch_id: str) -> Response:
-        try:
-            authorize(state, request)
-            runs.delete(_job(service, message_batch_id).id)
-            return JSONResponse({"id": message_batch_id, "type": "message_batch_deleted"})
-        except APIError as exc:
-            return anthropic_error(exc)
+        runs.delete(_job(service, message_batch_id).id)
+        return JSONResponse({"id": message_batch_id, "type": "message_batch_deleted"})
 
     @app.get(MESSAGE_BATCHES_ROUTE + "/{message_batch_id}/results")
+    @anthropic_shaped
     async def results(request: Request, message_batch_id: str) -> Response:
-        try:
-            authorize(state, request)
-            job = _job(service, message_batch_id)
-            if job.status not in FINAL:
-                raise APIError(400, f"message batch {message_batch_id} has not ended: its results come then")
-            body = await asyncio.to_thread(_results, service, job)
-            return Response(body, media_type="application/binary")
-        except APIError as exc:
-            return anthropic_error(exc)
+        job = _job(service, message_batch_id)
+        if job.status not in FINAL:
+            raise APIError(400, f"message batch {message_batch_id} has not ended: its results come then")
+        body = await asyncio.to_thread(_results, service, job)
+        return Response(body, media_type="application/binary")
