@@ -9,7 +9,9 @@ from prefixserve.version import __version__
 __all__ = [
     "LLM",
     "BeamSearchParams",
+    "EmbeddingRequestOutput",
     "EngineConfig",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputs",
@@ -20,7 +22,8 @@ __all__ = [
 if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
     from prefixserve.entrypoints.llm import LLM
-    from prefixserve.outputs import RequestOutput
+    from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput
+    from prefixserve.pooling_params import PoolingParams
     from prefixserve.sampling.beam_search import BeamSearchParams
     from prefixserve.sampling.params import SamplingParams
     from prefixserve.sampling.structured_outputs import StructuredOutputs, StructuredOutputsParams
@@ -48,8 +51,12 @@ def __getattr__(name: str) -> Any:
         from prefixserve.config import EngineConfig
 
         return EngineConfig
-    if name == "RequestOutput":
-        from prefixserve.outputs import RequestOutput
+    if name in ("RequestOutput", "EmbeddingRequestOutput"):
+        from prefixserve import outputs
 
-        return RequestOutput
+        return getattr(outputs, name)
+    if name == "PoolingParams":
+        from prefixserve.pooling_params import PoolingParams
+
+        return PoolingParams
     raise AttributeError(f"module 'prefixserve' has no attribute {name!r}")

@@ -24,6 +24,22 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled final hidden states (``PoolingParams``), fp32
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """An embedding request's result (vLLM's ``EmbeddingRequestOutput`` shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finished: bool = True
+
+
 @dataclass(slots=True, init=False, eq=False, repr=False)
 class RequestOutput:
     """A request's state as the caller sees it.
@@ -54,6 +70,8 @@ class RequestOutput:
     error: str | None = None  # why a request that finished with "error" did, where the engine knows
     # each prompt token's rank among the model's choices there (1: its top; the first: None)
     prompt_logprob_ranks: list[int | None] | None = None
+    # an embedding request's vector (``PoolingParams``): the pooled final hidden states, fp32
+    embedding: list[float] | None = None
 
     def __init__(
         self,
@@ -71,6 +89,7 @@ class RequestOutput:
         prompt_top_logprobs: list[list[tuple[int, float]]] | None = None,
         error: str | None = None,
         prompt_logprob_ranks: list[int | None] | None = None,
+        embedding: list[float] | None = None,
     ) -> None:
         self.request_id, self.prompt, self._prompt_ids = request_id, prompt, prompt_token_ids
         self.outputs, self.finished = outputs, finished
@@ -79,6 +98,7 @@ class RequestOutput:
         self.metrics = {} if metrics is None else metrics
         self.prompt_logprobs, self.prompt_top_logprobs = prompt_logprobs, prompt_top_logprobs
         self.error, self.prompt_logprob_ranks = error, prompt_logprob_ranks
+        self.embedding = embedding
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -120,6 +140,7 @@ class RequestOutput:
             self.prompt_top_logprobs,
             self.error,
             self.prompt_logprob_ranks,
+            self.embedding,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as constructor arguments (an array stays compact)

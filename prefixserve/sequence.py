@@ -166,6 +166,7 @@ class Request:
     prompt_logprobs: Any = None  # engine/prompt_logprobs.PromptLogprobState when asked for
     bad_words_ids: list[list[int]] | None = None  # ``params.bad_words`` encoded at intake (bad_words.py)
     thinking_budget: Any = None  # sampling/thinking_budget.ThinkingBudget, for thinking_token_budget
+    pooling: Any = None  # engine/pooling.PoolState: an embedding request's pooling (PoolingParams)
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
     param_flags: int = field(init=False)  # what the step checks ask of ``params`` (sampling/params.py)
 

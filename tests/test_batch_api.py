@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from prefixserve.config import EngineConfig
@@ -101,9 +102,11 @@ def test_rows_are_answered_as_their_routes_answer(server: ServerThread) -> None:
             for i in range(3)
         ],
         "/v1/responses": [{"model": model, "input": f"r {i}", "max_output_tokens": 5} for i in range(2)],
+        "/v1/embeddings": [{"model": model, "input": [f"shared words then {i}", "x"]} for i in range(3)],
     }
     for url, rows in bodies.items():
-        lines = [_line(f"{url}-{i}", url, {**body, "temperature": 0}) for i, body in enumerate(rows)]
+        greedy = {} if url == "/v1/embeddings" else {"temperature": 0}
+        lines = [_line(f"{url}-{i}", url, {**body, **greedy}) for i, body in enumerate(rows)]
         lines.append(_line("wrong-model", url, {**rows[0], "model": "nope"}))
         batch = _run(client, lines, url)
         assert batch.status == "completed", batch
@@ -115,7 +118,7 @@ def test_rows_are_answered_as_their_routes_answer(server: ServerThread) -> None:
         assert "nope" in json.dumps(bad["wrong-model"]["response"]["body"])
         assert batch.usage.output_tokens == sum(
             row["response"]["body"]["usage"].get(
-                "completion_tokens", row["response"]["body"]["usage"].get("output_tokens")
+                "completion_tokens", row["response"]["body"]["usage"].get("output_tokens", 0)
             )
             for row in ok.values()
         )
@@ -125,6 +128,10 @@ def test_rows_are_answered_as_their_routes_answer(server: ServerThread) -> None:
             if url == "/v1/completions":
                 direct = client.completions.create(**{**body, "temperature": 0})
                 assert got["choices"][0]["text"] == direct.choices[0].text
+            elif url == "/v1/embeddings":
+                direct = client.embeddings.create(**body)
+                for mine, theirs in zip(got["data"], direct.data, strict=True):  # batch mates change rounding
+                    assert np.allclose(mine["embedding"], theirs.embedding, atol=1e-5)
             elif url == "/v1/chat/completions":
                 direct = client.chat.completions.create(**{**body, "temperature": 0})
                 assert got["choices"][0]["message"]["content"] == direct.choices[0].message.content
@@ -167,7 +174,7 @@ def test_refusals_name_the_problem(server: ServerThread) -> None:
         )
     stored = client.files.create(file=("a.jsonl", b"{}"), purpose="batch")
     with pytest.raises(openai.BadRequestError, match="endpoint"):
-        client.batches.create(input_file_id=stored.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=stored.id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=stored.id, endpoint="/v1/completions", completion_window="1h")
     with pytest.raises(openai.NotFoundError):

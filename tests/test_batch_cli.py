@@ -106,3 +106,33 @@ def test_kill_at_random_points_then_resume_loses_and_repeats_nothing(tmp_path: P
     assert got.keys() == want.keys()
     for cid, row in got.items():  # greedy: the same answers, however often the run was killed
         assert row["response"]["body"]["choices"] == want[cid]["response"]["body"]["choices"]
+
+
+def test_embedding_rows_answer_as_the_python_api_embeds(tmp_path: Path) -> None:
+    """``/v1/embeddings`` rows of a batch file: the vectors ``LLM.embed`` gives the same inputs."""
+    from prefixserve import LLM
+
+    model = _tiny(tmp_path)
+    doc = "one long shared instruction to embed with " * 4
+    inputs = [[doc + f"passage {i}", f"short {i}"] for i in range(4)]
+    rows = [
+        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": text}}
+        for i, text in enumerate(inputs)
+    ]
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": []}})
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _run([str(src), "--model", model, "--device", "cpu"], out) == 0
+    answered = {row["custom_id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert answered["bad"]["response"]["status_code"] == 400
+    llm = LLM(model=model, device="cpu", progress=False)
+    for i, text in enumerate(inputs):
+        body = answered[f"e{i}"]["response"]["body"]
+        assert answered[f"e{i}"]["response"]["status_code"] == 200
+        want = [o.outputs.embedding for o in llm.embed(text)]
+        got = [d["embedding"] for d in body["data"]]
+        assert len(got) == len(want) == 2
+        for g, w in zip(got, want, strict=True):
+            assert max(abs(a - b) for a, b in zip(g, w, strict=True)) < 1e-5
+    assert sum(row["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+               for row in answered.values() if row["response"]["status_code"] == 200) > 0  # fmt: skip

@@ -30,7 +30,7 @@ def test_read_batch_turns_bad_lines_into_named_errors(tmp_path: Path) -> None:
         json.dumps([1, 2]),
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
         _line("a"),
-        _line("b", url="/v1/embeddings"),
+        _line("b", url="/v1/moderations"),
         json.dumps({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {}}),
         json.dumps({"custom_id": "d", "url": "/v1/chat/completions", "body": "hi"}),
         _line("e", url="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}]),
@@ -45,7 +45,7 @@ def test_read_batch_turns_bad_lines_into_named_errors(tmp_path: Path) -> None:
     assert "JSON object" in bad[4].message
     assert "custom_id" in bad[5].message
     assert bad[6].code == "duplicate_custom_id" and "'a'" in bad[6].message
-    assert bad[7].code == "invalid_url" and "/v1/embeddings" in bad[7].message
+    assert bad[7].code == "invalid_url" and "/v1/moderations" in bad[7].message
     assert "method" in bad[8].message
     assert "'body'" in bad[9].message
     row = error_row(bad[7])

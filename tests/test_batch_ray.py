@@ -45,7 +45,7 @@ def _input(path: Path) -> None:
                 {"custom_id": f"t{t}q{q}", "method": "POST", "url": "/v1/chat/completions", "body": body}
             )
     rng.shuffle(rows)
-    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {}})
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/moderations", "body": {}})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 

@@ -54,6 +54,8 @@ def test_deltas_rebuild_every_cumulative_output(steps, logprobs: bool) -> None:
         )
         if prompt_lp:
             sent.prompt_logprob_ranks = prompt_lp[2]  # the prompt's ranks travel with its logprobs
+        if finished and logprobs:
+            sent.embedding = [0.5, -0.25, float(n)]  # an embedding request's vector travels at its end
         got = decoder.decode(pickle_round_trip(encoder.encode(sent)))
         assert got == sent
     assert not encoder._sent and not decoder._state  # a finished request is forgotten on both sides

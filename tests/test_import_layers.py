@@ -31,7 +31,7 @@ def test_no_import_cycles(package: str) -> None:
 # scheduler nothing of the engine; only entrypoints (and the Ray batch driver beside them, which
 # runs the batch runner's rows in Ray actors) see the engine. "" is the package's own __init__.
 LAYERS = (
-    ("config", "triton_support", "detokenizer", "outputs", "version"),
+    ("config", "triton_support", "detokenizer", "outputs", "pooling_params", "version"),
     ("attention", "sampling"),
     ("model", "sequence"),
     ("kv", "structured"),

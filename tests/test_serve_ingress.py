@@ -139,12 +139,17 @@ def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -
             "model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": question}],
             "application": "rail",
         },
+        "/v1/embeddings": {"model": "default", "input": [question, "another"], "application": "rail"},
     }  # fmt: skip
     for path, body in bodies.items():
         digests, session = _run(core.routing_key(path, json.dumps(body).encode(), {"x-session-id": "s9"}))
         assert session == "s9"
         pinned = len(llm.engine.system_prompt_kv["rail"].digests)
         assert len(digests) > pinned  # the question's own blocks too
+        if path == "/v1/embeddings":  # by its first input
+            llm.embed([question], application="rail")
+            assert set(digests) <= set(llm.engine.pool.cached_digests()), path
+            continue
         prep = prepare_message(ctx, body).prep if path == "/v1/messages" else prepare(ctx, path, body)
         text = prep.prompts[0]
         llm.generate([text], SamplingParams(max_tokens=1), application="rail")  # as the server submits it

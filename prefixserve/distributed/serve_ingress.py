@@ -5,13 +5,13 @@ chat is rendered with the model's chat template first, exactly as a replica rend
 conversation routes on everything before its last turn, not on its first message). The replicas'
 prefix-cache events are polled in the background and feed the router's index; a replica that fails
 a call or a poll leaves the routing at once and comes back when a poll succeeds again (after Ray
-Serve restarted it, with an empty cache). Anthropic's messages (``/v1/messages``) and responses
-(``/v1/responses``) route as the chat they run as, except that a request naming a stored response
-(``previous_response_id``, or ``/v1/responses/{id}``) goes to the replica that stored it, whose name
-its id carries; so do files and batches (``serve_objects.py``: their lists merged from every
-replica). Every other route goes to the least loaded healthy replica; schema changes go to all of
-them. No Ray import: ``serve_app.py`` wraps this in a deployment; replicas are reached
-through anything shaped like a Ray Serve handle.
+Serve restarted it, with an empty cache). Embeddings route by their first input. Anthropic's messages
+(``/v1/messages``) and responses (``/v1/responses``) route as the chat they run as, except that a
+request naming a stored response (``previous_response_id``, or ``/v1/responses/{id}``) goes to the
+replica that stored it, whose name its id carries; so do files and batches (``serve_objects.py``:
+their lists merged from every replica). Every other route goes to the least loaded healthy replica;
+schema changes go to all of them. No Ray import: ``serve_app.py`` wraps this in a deployment;
+replicas are reached through anything shaped like a Ray Serve handle.
 
 There may be several ingresses (Ray Serve's proxy picks one per request): each follows every
 replica's events as its own consumer (``kv/cache_events.py``: a cursor each), so each holds the
@@ -40,6 +40,7 @@ from prefixserve.distributed.serve_objects import LISTED, merged_list, named_own
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.anthropic_messages import MESSAGES_ROUTE, prepare_message
 from prefixserve.entrypoints.openai.cache_routes import RESET_ROUTE
+from prefixserve.entrypoints.openai.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.responses import prepare_response
@@ -55,7 +56,7 @@ REPLICA_HEADER = "X-Prefixserve-Replica"  # which replica answered (debugging, t
 INGRESS_HEADER = "X-Prefixserve-Ingress"  # which ingress routed it (its consumer id)
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 RELAYED_NOT = HOP_HEADERS | {"x-request-id"}  # of a replica's answer: Ray's proxy sets its own X-Request-Id
-ROUTED = {"/v1/completions", "/v1/chat/completions", RESPONSES_ROUTE, MESSAGES_ROUTE}
+ROUTED = {"/v1/completions", "/v1/chat/completions", RESPONSES_ROUTE, MESSAGES_ROUTE, EMBEDDINGS_ROUTE}
 
 
 class ReplicaSet:
@@ -182,6 +183,8 @@ class IngressCore:
                 prep = prepare_response(self.ctx, data, None).prep
             elif path == MESSAGES_ROUTE:  # Anthropic's: the chat it runs as
                 prep = prepare_message(self.ctx, data).prep
+            elif path == EMBEDDINGS_ROUTE:  # by its first input
+                prep = prepare_embedding(self.ctx, data).prep
             else:
                 prep = prepare(self.ctx, path, data)
         except (ValueError, APIError, AttributeError, TypeError):

@@ -17,6 +17,7 @@ from prefixserve.engine.in_flight import InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
 from prefixserve.engine.model_runner import ModelRunner, context_length
 from prefixserve.engine.module_holds import WaitingModuleHolds
+from prefixserve.engine.pooling import Pooler
 from prefixserve.engine.prompt_logprobs import PromptLogprobs
 from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
@@ -66,7 +67,11 @@ class EngineSetup:
         self.pool = BlockPool(num_blocks, bs)
         self.blocks = BlockManager(self.pool, config.enable_prefix_caching)
         self.prompt_logprobs = PromptLogprobs(self.device, bs)  # echo / prompt_logprobs rows
-        self.blocks.prompt_logprobs = self.prompt_logprobs
+        self.pooler = Pooler(bs)  # embedding requests
+        # what reads a step's prompt rows before the sampling takes them; the block manager asks
+        # them how far a prefix-cache hit may go (their kept per-block results)
+        self.prompt_readers = (self.prompt_logprobs, self.pooler)
+        self.blocks.row_keepers = list(self.prompt_readers)
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_batched_tokens,

@@ -23,9 +23,11 @@ from prefixserve.engine.engine_setup import EngineSetup
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep
 from prefixserve.engine.model_runner import PrevTokenFeed, StepBatch
 from prefixserve.engine.output_processor import request_output
+from prefixserve.engine.pooling import embedding_request
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import PoolingParams
 from prefixserve.sampling.bad_words import bad_words_ban, joined, waits_for_tokens
 from prefixserve.sampling.min_tokens import min_tokens_ban
 from prefixserve.sampling.params import SamplingParams
@@ -62,6 +64,7 @@ class Engine(EngineSetup, EngineServices):
         module_recompute: str | None = None,
         admit: Callable[[Request], None] | None = None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
 
@@ -72,8 +75,11 @@ class Engine(EngineSetup, EngineServices):
         ``admit``: a server's overload check (``engine/admission.py``), shown the processed request
         before it is queued; what it raises refuses the request, and nothing is queued then.
         ``priority``: under the ``priority`` scheduling policy, a smaller value is served first.
+        ``pooling``: an embedding request (``params`` None): its output's ``embedding``, no completion.
         """
         check_priority(priority, self.config.scheduling_policy)
+        if pooling is not None:
+            params = embedding_request(pooling, params, prompt)
         if params is not None and params.structured_outputs is not None:
             self._structured().admit(params.structured_outputs)  # compiled now, or refused
         req = self.input_processor.process(
@@ -92,6 +98,8 @@ class Engine(EngineSetup, EngineServices):
             self._to_recover.add(req)
         if req.params.prompt_logprobs is not None:
             self.prompt_logprobs.add(req)
+        if pooling is not None:
+            self.pooler.add(req, pooling)
         self.requests[request_id] = req
         if queue:
             self.scheduler.add(req.sequences[0])
@@ -238,8 +246,9 @@ class Engine(EngineSetup, EngineServices):
         feed = PrevTokenFeed(dst, src, ahead_of.launch.tokens) if dst else None
         launch = self.runner.forward(ids, batch, sched.copies, feed)
         self.stats.count_step(batch.meta.stats, len(ids), self.model_config.num_hidden_layers)
-        if self.prompt_logprobs.active:  # before the sequences advance and the sampling takes the rows
-            self.prompt_logprobs.collect(scheduled, num_recompute_rows, launch, self.runner, self.blocks)
+        for reader in self.prompt_readers:  # before the sequences advance and the sampling takes the rows
+            if reader.active:
+                reader.collect(scheduled, num_recompute_rows, launch, self.runner, self.blocks)
         launched, rows, params, generators = self.in_flight_tokens.mark_launched(
             scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples
         )
@@ -404,7 +413,8 @@ class Engine(EngineSetup, EngineServices):
             return False
         del self.requests[req.request_id]
         self._to_recover.discard(req)
-        self.prompt_logprobs.discard(req)
+        for reader in self.prompt_readers:
+            reader.discard(req)
         if req.modules is not None and req.modules.blocks:  # the request's own hold on its modules
             self.modules.release(req.modules.blocks)
             req.modules.blocks = []

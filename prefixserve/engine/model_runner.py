@@ -372,6 +372,11 @@ class ModelRunner:
         """``logits`` on this process's shard (the tensor-parallel runner tells its workers first)."""
         return self.model.compute_logits(self._hidden_rows(launch, rows), fp32)
 
+    def hidden(self, launch: Launch, rows: list[int]) -> torch.Tensor:
+        """The launch's final hidden states [len(rows), hidden] of rows ``rows`` (what embeddings pool;
+        under tensor parallelism rank 0 holds them whole). May be a view of a graph's buffer."""
+        return self._hidden_rows(launch, rows)
+
     def sharded_argmax(self, params: list[SamplingParams], mask: object | None) -> bool:
         """Greedy rows alone, nothing masked, under tensor parallelism: the ranks exchange each row's
         best column and its score rather than gathering the logits (``compute_argmax``)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefixserve.detokenizer import decode_output
+from prefixserve.engine.pooling import pooled_embedding
 from prefixserve.engine.prompt_logprobs import prompt_logprob_lists
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sequence import Request, Sequence
@@ -98,6 +99,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         prompt_top_logprobs=prompt_lp[1] if prompt_lp else None,
         error=req.error,
         prompt_logprob_ranks=prompt_lp[2] if prompt_lp else None,
+        embedding=pooled_embedding(req) if finished else None,
     )
 
 

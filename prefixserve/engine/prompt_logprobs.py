@@ -19,12 +19,12 @@ all requests do (``Scheduler._prefix_in_flight``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from prefixserve.engine.block_store import BlockStore
 from prefixserve.sampling.params import MAX_LOGPROBS
 from prefixserve.sequence import Request, Sequence
 
@@ -59,7 +59,7 @@ class PromptLogprobs:
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device, self.block_size = device, block_size
         self.active: set[Request] = set()
-        self.store: OrderedDict[bytes, tuple[torch.Tensor, ...]] = OrderedDict()  # (lp, vals, ids, rank)
+        self.store: BlockStore[tuple[torch.Tensor, ...]] = BlockStore(STORE_BLOCKS)  # (lp, vals, ids, rank)
 
     def add(self, req: Request) -> None:
         p = req.num_prompt_tokens
@@ -74,31 +74,30 @@ class PromptLogprobs:
     def discard(self, req: Request) -> None:
         self.active.discard(req)
 
-    # ---- the block manager's hooks (a hit's rows come from the store) ----------------------------
-    def known_blocks(self, digests: list[bytes]) -> int:
-        """How many of these leading blocks have their results kept."""
-        n = 0
-        for d in digests:
-            if d not in self.store:
-                break
-            n += 1
-        return n
+    # ---- the block manager's hooks (a hit's rows come from the store: ``row_keepers``) ----------
+    def wants(self, req: Request) -> bool:
+        return req.params.prompt_logprobs is not None
 
-    def seed(self, seq: Sequence, num_blocks: int) -> None:
-        """A hit of ``num_blocks`` leading blocks: their kept results become the request's."""
+    def known_blocks(self, seq: Sequence, digests: list[bytes]) -> int:
+        """How many of these leading blocks a hit may cover: those whose results are kept."""
+        return self.store.known_blocks(digests)
+
+    def seed(self, seq: Sequence, num_blocks: int) -> int:
+        """A hit of ``num_blocks`` leading blocks: their kept results become the request's. Returns
+        the hit rows to compute again: the last one, whose logits score the first token after it."""
         state = seq.request.prompt_logprobs
         if seq.request not in self.active or seq.index != 0:
-            return  # done scoring (a preempted request computes its prompt again, scoring nothing)
+            return 1  # done scoring (a preempted request computes its prompt again, scoring nothing)
         bs = self.block_size
         for j, digest in enumerate(seq.block_digests[:num_blocks]):
-            lp, vals, ids, rank = self.store[digest]
-            self.store.move_to_end(digest)
+            lp, vals, ids, rank = self.store.take(digest)
             state.lp[j * bs : (j + 1) * bs] = lp
             state.top_vals[j * bs : (j + 1) * bs] = vals
             state.top_ids[j * bs : (j + 1) * bs] = ids
             state.rank[j * bs : (j + 1) * bs] = rank
         state.known = max(1, num_blocks * bs)
         state.stored = num_blocks
+        return 1
 
     # ---- a step -------------------------------------------------------------------------------
     def collect(
@@ -157,16 +156,9 @@ class PromptLogprobs:
         digests = blocks.digests(seq, full)
         for j in range(state.stored, full):
             sl = slice(j * bs, (j + 1) * bs)
-            self.store[digests[j]] = (
-                state.lp[sl].clone(),
-                state.top_vals[sl].clone(),
-                state.top_ids[sl].clone(),
-                state.rank[sl].clone(),
-            )
-            self.store.move_to_end(digests[j])
+            kept = (state.lp[sl], state.top_vals[sl], state.top_ids[sl], state.rank[sl])
+            self.store.put(digests[j], tuple(t.clone() for t in kept))
         state.stored = full
-        while len(self.store) > STORE_BLOCKS:
-            self.store.popitem(last=False)
 
 
 def prompt_logprob_lists(req: Request) -> PromptLists | None:

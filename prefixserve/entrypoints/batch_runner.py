@@ -16,6 +16,7 @@ from typing import Any
 
 from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.batch_file import (
+    EMBEDDINGS_URL,
     MESSAGES_URL,
     RESPONSES_URL,
     BadRow,
@@ -28,6 +29,7 @@ from prefixserve.entrypoints.batch_file import (
     row_key,
 )
 from prefixserve.entrypoints.openai.anthropic_messages import MessageCall, error_body, prepare_message
+from prefixserve.entrypoints.openai.embeddings import EmbeddingCall, prepare_embedding
 from prefixserve.entrypoints.openai.prepare import (
     OpenAIContext,
     Prepared,
@@ -40,6 +42,7 @@ from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, pa
 from prefixserve.entrypoints.openai.responses import ResponseCall, prepare_response
 from prefixserve.entrypoints.openai.responses_request import renamed
 from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import PoolingParams
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.batch_queue import DEFAULT_DECODE, queue_groups
 from prefixserve.scheduler.offline import BatchPlan, plan_batch, shard_groups
@@ -57,6 +60,7 @@ class RequestSpec:
     application: str | None = None
     module_recompute: str | None = None  # Prompt Cache recovery, as the request's body sets it
     priority: int = 0  # the engine's priority policy's (refused under fcfs, as the server does)
+    pooling: PoolingParams | None = None  # an embedding row's (``params`` are then the engine's)
 
 
 def submit_grouped(
@@ -70,13 +74,14 @@ def submit_grouped(
             req = engine.add_request(
                 spec.request_id,
                 spec.prompt,
-                spec.params,
+                spec.params if spec.pooling is None else None,
                 prompt_token_ids=spec.prompt_token_ids,
                 cache_salt=spec.cache_salt,
                 application=spec.application,
                 module_recompute=spec.module_recompute,
                 priority=spec.priority,
                 queue=False,
+                pooling=spec.pooling,
             )
         except ValueError as exc:
             errors.append(exc)
@@ -121,15 +126,15 @@ class _RowState:
     prep: Prepared
     ids: list[str]
     finals: dict[str, RequestOutput] = field(default_factory=dict)
-    call: Call | None = None  # a /v1/responses or /v1/messages row (its chat is ``prep``)
+    call: Call | None = None  # a /v1/responses, /v1/messages or /v1/embeddings row
 
 
-Call = ResponseCall | MessageCall  # another API's answer to the chat a row runs as
+Call = ResponseCall | MessageCall | EmbeddingCall  # another API's answer to the work a row runs as
 
 
 def prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, Call | None]:
     """A row's body checked as the server checks its route's (APIError where it would refuse it);
-    a /v1/responses or /v1/messages row also gives the answer it gets in its API."""
+    a /v1/responses, /v1/messages or /v1/embeddings row also gives the answer it gets in its API."""
     for name in ("stream", "background", "use_beam_search"):  # rows are run as sampled ones
         if row.body.get(name):
             raise APIError(400, f"{name} is not supported in a batch", param=name)
@@ -138,6 +143,8 @@ def prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, Call | Non
         call = prepare_response(ctx, row.body, None)  # a batch stores nothing: no previous_response_id
     elif row.url == MESSAGES_URL:
         call = prepare_message(ctx, row.body)
+    elif row.url == EMBEDDINGS_URL:
+        call = prepare_embedding(ctx, row.body)
     else:
         return prepare(ctx, row.url, row.body), None
     return call.prep, call
@@ -195,6 +202,7 @@ def run_rows(
         aliases=engine.config.served_model_name[1:],
         reasoning_parser=engine.config.reasoning_parser,
         trust_request_chat_template=engine.config.trust_request_chat_template,
+        hidden_size=engine.model_config.hidden_size,
     )
     states, answered = _prepare_rows(ctx, rows)
     yield from answered
@@ -214,6 +222,7 @@ def run_rows(
                     st.prep.application,
                     req.module_recompute,
                     req.priority,
+                    st.prep.pooling,
                 )
             )
     errors, _ = submit_grouped(engine, specs, grouping)

@@ -10,9 +10,11 @@ from typing import Any
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.input_processor import check_context
+from prefixserve.engine.pooling import embedding_output
 from prefixserve.engine.prompt_tokens import encode_prompt, encode_prompts
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned
-from prefixserve.outputs import RequestOutput
+from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput
+from prefixserve.pooling_params import PoolingParams
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.beam_search import (
@@ -124,6 +126,33 @@ class LLM:
             raise
         done = {out.request_id: out for out in self._run(len(order), use_tqdm)}
         return [done[r] for r in order]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        application: str | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (``PoolingParams``: "last" token or "mean"
+        pooling of the final hidden states, L2-normalized by default). Prompts sharing a prefix
+        compute it once, as generation's do."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = self._tokenize_texts(list(prompts))
+        if not prompts:
+            raise ValueError("no prompts given: pass a prompt or a non-empty list of prompts")
+        pooling = pooling_params or PoolingParams()
+        order: list[str] = []
+        try:
+            for prompt in prompts:
+                order.append(self._add(prompt, None, application=application, pooling=pooling))
+        except Exception:
+            for request_id in order:
+                self.engine.abort(request_id, report=False)
+            raise
+        done = {out.request_id: out for out in self._run(len(order), use_tqdm)}
+        return [embedding_output(done[r]) for r in order]
 
     def chat(
         self,
@@ -358,12 +387,13 @@ class LLM:
     def _add(
         self,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | None,
         stream: bool = False,
         application: str | None = None,
         queue: bool = True,
         module_recompute: str | None = None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> str:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
@@ -376,6 +406,7 @@ class LLM:
                 queue=queue,
                 module_recompute=module_recompute,
                 priority=priority,
+                pooling=pooling,
             )
         elif isinstance(prompt, dict):
             self.engine.add_request(
@@ -390,6 +421,7 @@ class LLM:
                 queue=queue,
                 module_recompute=prompt.get("module_recompute", module_recompute),
                 priority=priority,
+                pooling=pooling,
             )
         else:
             raise TypeError(f"a prompt is a string or a dict, got {type(prompt).__name__}")

@@ -26,9 +26,11 @@ class BlockManager:
         # the host tier of the prefix cache: digests -> fresh blocks holding their KV (held once), or None
         self.restore: Callable[[Seq[bytes]], list[int]] | None = None
         self.restored_tokens = 0
-        # requests asking for prompt logprobs hit only blocks whose results are kept
-        # (engine/prompt_logprobs.py: ``known_blocks``, ``seed``), or None
-        self.prompt_logprobs: Any = None
+        # requests that need every prompt row's result (prompt logprobs, mean pooling) hit only blocks
+        # whose results are kept: the first keeper that ``wants(req)`` says how many
+        # (``known_blocks(seq, digests)``) and takes the hit (``seed(seq, blocks)``, returning the hit
+        # rows to compute again); engine/block_store.py
+        self.row_keepers: list[Any] = []
         # numpy mirror of the block tables: row ``_rows[seq]`` holds ``seq.block_table``, 0 after it
         self._rows: dict[Sequence, int] = {}
         self._free_rows: list[int] = list(range(15, -1, -1))  # popped lowest first
@@ -75,9 +77,9 @@ class BlockManager:
         n = self.cacheable_blocks(seq)
         start = len(modules)
         digests = self._digests(seq, n)
-        scored = self.prompt_logprobs is not None and req.params.prompt_logprobs is not None and not modules
-        if scored:
-            n = self.prompt_logprobs.known_blocks(digests[:n])
+        keeper = None if modules else next((k for k in self.row_keepers if k.wants(req)), None)
+        if keeper is not None:
+            n = keeper.known_blocks(seq, digests[:n])
         hits = self.pool.lookup(digests[start:n])
         self.pool.acquire(hits)
         self.pool.touch(hits)
@@ -89,9 +91,8 @@ class BlockManager:
         self._mirror(seq, start, hits)
         seq.num_indexed_blocks = start + len(hits)
         seq.num_computed_tokens = (start + len(hits)) * self.block_size
-        if scored and hits:  # the last hit row is computed again: its logits score the next token
-            self.prompt_logprobs.seed(seq, len(hits))
-            seq.num_computed_tokens -= 1
+        if keeper is not None and hits:
+            seq.num_computed_tokens -= keeper.seed(seq, len(hits))
         return seq.num_computed_tokens - (uncounted if modules else 0)
 
     def reserve(self, seq: Sequence, upto_tokens: int, copies: list[tuple[int, int]]) -> bool:

@@ -109,8 +109,9 @@ async def submit(
             await state.loop.add(
                 sub_id,
                 text,
-                params,
+                None if prep.pooling is not None else params,
                 sink,
+                pooling=prep.pooling,
                 prompt_token_ids=tokens,
                 cache_salt=req.cache_salt,
                 application=application,

@@ -41,6 +41,8 @@ from prefixserve.entrypoints.openai.batch_routes import (
 from prefixserve.entrypoints.openai.beam_answers import answer_beams
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.cors import allow_origins
+from prefixserve.entrypoints.openai.embedding_routes import add_embedding_routes
+from prefixserve.entrypoints.openai.embeddings import EMBEDDINGS_ROUTE
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.message_batches import MESSAGE_BATCHES_ROUTE, add_message_batch_routes
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
@@ -83,6 +85,7 @@ ROUTES = (
     FILES_ROUTE,
     BATCHES_ROUTE,
     MESSAGE_BATCHES_ROUTE,
+    EMBEDDINGS_ROUTE,
     "/health",
     "/ping",
     "/metrics",
@@ -124,6 +127,7 @@ def build_app(
         tune_gc()  # this process too: every stream's chunks are young objects, and each pass stops the loop
         info = loop.info
         model, max_model_len, system_prompts = info["model"], info["max_model_len"], info["system_prompts"]
+        hidden_size = info["hidden_size"]
         eos_ids = frozenset(info["eos_ids"])
         tokenizer = tokenizer_for(config.model, progress=False, chat_template=config.chat_template)[1]
     else:
@@ -135,6 +139,7 @@ def build_app(
             log.info("captured %d graphs in %.1f s before serving", captured, took)
         loop = EngineLoop(engine, limits=overload.limits)
         model, max_model_len, tokenizer = engine.model_name, engine.max_model_len, engine.tokenizer
+        hidden_size = engine.model_config.hidden_size
         eos_ids = frozenset(engine.eos_ids)
         system_prompts = dict(engine.config.system_prompts)
         config = engine.config
@@ -150,6 +155,7 @@ def build_app(
         reasoning_parser=config.reasoning_parser,
         trust_request_chat_template=config.trust_request_chat_template,
         max_model_len=max_model_len,
+        hidden_size=hidden_size,
         eos_ids=eos_ids,
         tokenizer=tokenizer,
         api_key=api_key,
@@ -342,6 +348,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     add_cache_routes(app, state)
     add_responses_routes(app, state)
     add_anthropic_routes(app, state)
+    add_embedding_routes(app, state)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:

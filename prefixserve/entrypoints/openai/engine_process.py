@@ -104,6 +104,7 @@ class OutputEncoder:
             out.module_rows_shared,
             out.module_rows_private,
             out.error,
+            out.embedding,
         )
         return out.request_id, out.finished, head, choices, counts, out.metrics
 
@@ -141,7 +142,7 @@ class OutputDecoder:
             outputs.append(CompletionOutput(index, acc[0], acc[1], finish, stop, acc[2], acc[3]))
         if finished:
             self._state.pop(rid, None)
-        cached, recomputed, shared, private, error = counts
+        cached, recomputed, shared, private, error, embedding = counts
         lp, top, ranks = prompt_lp or (None, None, None)
         return RequestOutput(
             rid,
@@ -158,6 +159,7 @@ class OutputDecoder:
             top,
             error=error,
             prompt_logprob_ranks=ranks,
+            embedding=embedding,
         )
 
     def forget(self, request_id: str) -> None:
@@ -211,6 +213,7 @@ def _serve_engine(config: EngineConfig, conn: Any, limits: AdmissionLimits | Non
             {
                 "model": engine.model_name,
                 "max_model_len": engine.max_model_len,
+                "hidden_size": engine.model_config.hidden_size,
                 "eos_ids": sorted(engine.eos_ids),
                 "system_prompts": dict(engine.config.system_prompts),
                 "snapshot": engine_metrics(engine, admission),

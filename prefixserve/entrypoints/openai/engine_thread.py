@@ -37,6 +37,7 @@ from prefixserve.engine import Engine
 from prefixserve.engine.admission import Admission, AdmissionLimits, QueueFull, QueueState
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import PoolingParams
 from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import SamplingParams
 
@@ -156,9 +157,10 @@ class EngineLoop:
         self,
         request_id: str,
         prompt: str | None,
-        params: SamplingParams,
+        params: SamplingParams | None,
         sink: asyncio.Queue[RequestOutput],
         *,
+        pooling: PoolingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
         application: str | None = None,
@@ -173,7 +175,8 @@ class EngineLoop:
         (QueueFull past the queue's bounds). ``deadline``: the ``time.monotonic()`` by which it must
         have started, or it is dropped (its final output has finish_reason ``DEADLINE_REASON``).
         ``arrival``: its number from ``overload.ArrivalGate``, acknowledged in ``queue_state``.
-        ``started``: when its route began (``time.monotonic()``), for the "intake" stage."""
+        ``started``: when its route began (``time.monotonic()``), for the "intake" stage.
+        ``pooling``: an embedding request (``params`` None)."""
         if not self.alive:
             raise EngineStopped(self._refusal())
         handed = time.monotonic()
@@ -191,6 +194,8 @@ class EngineLoop:
             arrival=arrival,
             priority=priority,
         )
+        if pooling is not None:  # an embedding request (the engine makes its params)
+            kwargs["pooling"] = pooling
         if not self._queue_add(
             (request_id, prompt, params, kwargs, _Stream(loop, sink, stream, handed=handed), accepted)
         ):

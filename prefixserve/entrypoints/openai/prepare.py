@@ -39,6 +39,7 @@ from prefixserve.entrypoints.openai.tools import (
     tool_message,
 )
 from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import PoolingParams
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import PMLError, is_pml_prompt
 from prefixserve.sampling.params import MAX_LOGPROBS, SamplingParams
@@ -65,6 +66,7 @@ class OpenAIContext:
     aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name)
     reasoning_parser: str | None = None  # chats' <think> answered apart (reasoning.py)
     trust_request_chat_template: bool = False  # a chat's own chat_template renders it (vLLM's flag)
+    hidden_size: int | None = None  # the model's final hidden states: an embedding's dimensions
     _token_text: dict[int, str] = field(default_factory=dict)
     _pinned: dict[str, list[int]] = field(default_factory=dict)  # application -> its pinned prompt's ids
 
@@ -104,10 +106,12 @@ class Prepared:
     # None where the conversation brought its own system message (the pinned one leads no chat twice)
     application: str | None = None
     thinking: Thinking | None = None  # a chat whose reasoning is answered apart (reasoning.py)
+    pooling: PoolingParams | None = None  # /v1/embeddings: each prompt's embedding, no completion
+    input_field: str | None = None  # the body's field holding the prompts, where not prompt / messages
 
     @property
     def prompt_field(self) -> str:
-        return "messages" if self.chat else "prompt"
+        return self.input_field or ("messages" if self.chat else "prompt")
 
 
 MAX_CHOICES = MAX_PROMPTS  # choices (n x prompts) in one completions answer

@@ -304,9 +304,10 @@ def _without_nulls(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def normalize_prompts(prompt: Any) -> list[str | list[int]]:
-    """The ``prompt`` field as a list of prompts, each a string or a list of token ids."""
-    message = "'prompt' must be a string, a list of strings, a list of token ids, or a list of such lists"
+def normalize_prompts(prompt: Any, field: str = "prompt") -> list[str | list[int]]:
+    """The ``prompt`` field (or another ``field``, as /v1/embeddings' ``input``) as a list of prompts,
+    each a string or a list of token ids."""
+    message = f"'{field}' must be a string, a list of strings, a list of token ids, or a list of such lists"
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
@@ -315,14 +316,14 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
         prompts = prompt
         for p in prompts:
             if not (isinstance(p, str) or (isinstance(p, list) and all(_is_token(t) for t in p))):
-                raise APIError(400, message, param="prompt", code="invalid_type")
+                raise APIError(400, message, param=field, code="invalid_type")
     else:
-        raise APIError(400, message if prompt != [] else "'prompt' is empty", param="prompt")
+        raise APIError(400, message if prompt != [] else f"'{field}' is empty", param=field)
     if len(prompts) > MAX_PROMPTS:
-        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param=field)
     for p in prompts:
         if not p:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param=field)
     return prompts
 
 

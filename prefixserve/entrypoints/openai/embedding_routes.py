@@ -1,0 +1,24 @@
+"""``POST /v1/embeddings`` (``embeddings.py`` checks the body and shapes the answer)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from prefixserve.entrypoints.openai.answering import answer, route_start
+from prefixserve.entrypoints.openai.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
+from prefixserve.entrypoints.openai.overload import queue_deadline
+from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_named_json
+
+
+def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post(EMBEDDINGS_ROUTE)
+    async def embeddings(request: Request) -> Response:
+        started = route_start(request)
+        authorize(state, request)
+        deadline = queue_deadline(request, state.max_queue_delay, started)
+        call = prepare_embedding(state, await read_named_json(state, request))
+        return await answer(state, request, call.prep, deadline, started, body=call.body)
+
+
+__all__ = ["add_embedding_routes"]

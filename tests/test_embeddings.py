@@ -1,0 +1,152 @@
+"""Embeddings (``PoolingParams``, ``LLM.embed``, ``/v1/embeddings``): equal to a direct fp32 forward
+(HF transformers on the same GGUF), unchanged by prefix sharing and chunked prefill, shared prefixes
+computed once; the server's answers through the official ``openai`` client, and its refusals."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prefixserve import LLM, PoolingParams, SamplingParams
+from tests.conftest import assert_pool_empty
+
+DOC = (
+    "Prefix sharing lets many requests read one copy of a long context. The engine keeps each block "
+    "of keys and values once and every request that starts with the same tokens points at it. "
+) * 3
+PASSAGES = [DOC + q for q in ("Who keeps the blocks?", "What is shared?", "Why is it fast?")] + ["Hello."]
+
+
+def hf_embedding(model: torch.nn.Module, ids: list[int], pooling: str) -> torch.Tensor:
+    """The reference: HF's final (normed) hidden states of the whole prompt, pooled and normalized."""
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0].double()
+    vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+    return torch.nn.functional.normalize(vector, dim=0)
+
+
+@pytest.fixture(scope="module")
+def chunked_llm() -> LLM:
+    """Prefill chunks of 40 tokens, so the prompts come in several chunks, not block-aligned."""
+    return LLM(
+        dtype="float32", device="cpu", attention="reference", num_kv_blocks=512,
+        max_num_batched_tokens=40, progress=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_equal_a_direct_fp32_forward(
+    chunked_llm: LLM, hf_gguf_model: torch.nn.Module, pooling: str
+) -> None:
+    params = PoolingParams(pooling=pooling)
+    first = chunked_llm.embed(PASSAGES, params)
+    again = chunked_llm.embed(PASSAGES, params)  # the document's blocks from the prefix cache now
+    for out in again:  # all but the last token's block from the cache: the whole prompt was seen
+        assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 16 * 16, out.num_cached_tokens
+    for out in first + again:
+        ids = out.prompt_token_ids
+        want = hf_embedding(hf_gguf_model, ids, pooling)
+        got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < 2e-5, (pooling, out.num_cached_tokens)
+        assert abs(got.norm().item() - 1.0) < 1e-5
+    assert_pool_empty(chunked_llm)
+
+
+def test_requests_sharing_a_prefix_compute_it_once(chunked_llm: LLM) -> None:
+    outs = chunked_llm.embed([DOC + f"Question {i}?" for i in range(6)], PoolingParams(pooling="last"))
+    cached = [o.num_cached_tokens for o in outs]
+    assert sum(c > 0 for c in cached) >= 5, cached  # one computes the document, the rest wait and share
+
+
+def test_unnormalized_and_truncated(chunked_llm: LLM, hf_gguf_model: torch.nn.Module) -> None:
+    raw = chunked_llm.embed(PASSAGES[0], PoolingParams(normalize=False))[0]
+    assert abs(torch.tensor(raw.outputs.embedding).norm().item() - 1.0) > 1e-3
+    cut = chunked_llm.embed(PASSAGES[0], PoolingParams(pooling="mean", truncate_prompt_tokens=9))[0]
+    assert len(cut.prompt_token_ids) == 9
+    want = hf_embedding(hf_gguf_model, cut.prompt_token_ids, "mean")
+    assert (torch.tensor(cut.outputs.embedding, dtype=torch.float64) - want).abs().max().item() < 2e-5
+
+
+def test_bad_requests_are_refused_and_leave_nothing(chunked_llm: LLM) -> None:
+    engine = chunked_llm.engine
+    with pytest.raises(ValueError, match="takes no sampling params"):
+        engine.add_request("x", "hi", SamplingParams(), pooling=PoolingParams())
+    with pytest.raises(ValueError, match="PML"):
+        engine.add_request("x", '<prompt schema="s">hi</prompt>', pooling=PoolingParams())
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        PoolingParams(pooling="max")
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        PoolingParams(truncate_prompt_tokens=0)
+    too_long = {"prompt_token_ids": [5] * (engine.max_model_len + 1)}
+    with pytest.raises(ValueError):
+        chunked_llm.embed([PASSAGES[0], too_long])
+    assert_pool_empty(chunked_llm)
+
+
+@pytest.mark.parametrize("budget", [7, 16, 33])
+def test_mean_pooling_over_chunks_and_kept_block_sums(tiny_config_path: Path, budget: int) -> None:
+    """Random prompts sharing prefixes of several lengths (block-aligned or not), in chunks of
+    ``budget`` tokens: mean pooling with the kept per-block sums equals it with no prefix cache."""
+    gen = torch.Generator().manual_seed(budget)
+    heads = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (5, 16, 37, 64)]
+    prompts = [
+        {"prompt_token_ids": head + torch.randint(3, 400, (tail,), generator=gen).tolist()}
+        for head in heads
+        for tail in (1, 9, 23)
+    ]
+    common = dict(
+        model=f"dummy:{tiny_config_path}", device="cpu", dtype="float32", num_kv_blocks=256,
+        max_num_batched_tokens=budget, progress=False,
+    )  # fmt: skip
+    shared = LLM(**common)
+    plain = LLM(**common, enable_prefix_caching=False)
+    params = PoolingParams(pooling="mean", normalize=False)
+    want = [o.outputs.embedding for o in plain.embed(prompts, params)]
+    for _ in range(2):  # the second time, most of every prompt from the kept sums
+        outs = shared.embed(prompts, params)
+        for out, ref in zip(outs, want, strict=True):
+            assert np.allclose(out.outputs.embedding, ref, atol=1e-5), out.num_cached_tokens
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    assert_pool_empty(shared)
+
+
+# ---- the server ---------------------------------------------------------------------------------
+def test_server_embeddings_through_the_openai_client(tiny_openai, tiny_server) -> None:
+    import openai
+
+    inputs = ["a shared instruction: first passage", "a shared instruction: second passage"]
+    got = tiny_openai.embeddings.create(model="default", input=inputs)
+    assert [d.index for d in got.data] == [0, 1]
+    assert len(got.data[0].embedding) == 64  # the tiny model's hidden size
+    assert got.usage.prompt_tokens == got.usage.total_tokens > 0
+    # the same vectors as the engine's own, as base64 fp32 (what the client decodes by default)
+    raw = tiny_openai.embeddings.with_raw_response.create(
+        model="default", input=inputs, encoding_format="base64"
+    )
+    encoded = raw.http_response.json()["data"][0]["embedding"]
+    assert np.allclose(np.frombuffer(base64.b64decode(encoded), dtype="<f4"), got.data[0].embedding)
+    ids = tiny_openai.embeddings.create(model="default", input=[[5, 6, 7], [5, 6, 8]], dimensions=64)
+    assert len(ids.data) == 2 and ids.usage.prompt_tokens == 6
+    mean = tiny_openai.embeddings.create(model="default", input=inputs[0], extra_body={"pooling": "mean"})
+    assert not np.allclose(mean.data[0].embedding, got.data[0].embedding)
+    for bad, field in (
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": [{"text": "x"}]}, "input"),
+        ({"input": "x", "dimensions": 32}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": [1] * 5000}, "input"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            tiny_openai.post("/embeddings", body={"model": "default", **bad}, cast_to=object)
+        assert err.value.body["param"] == field, (bad, err.value.body)
+    with pytest.raises(openai.NotFoundError):
+        tiny_openai.embeddings.create(model="other", input="x")
+    # the server still serves after the refusals
+    assert len(tiny_openai.embeddings.create(model="default", input="still here").data) == 1
