@@ -150,3 +150,17 @@ def test_server_embeddings_through_the_openai_client(tiny_openai, tiny_server) -
         tiny_openai.embeddings.create(model="other", input="x")
     # the server still serves after the refusals
     assert len(tiny_openai.embeddings.create(model="default", input="still here").data) == 1
+
+
+def test_mean_requests_wait_for_sums_not_just_cached_blocks(tiny_config_path: Path) -> None:
+    """Blocks cached by other requests (no sums kept): mean requests arriving together still compute
+    the shared document once (one computes, the rest wait for its sums), not once each."""
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", dtype="float32", num_kv_blocks=256, progress=False
+    )
+    doc = list(range(100, 180))
+    prompts = [{"prompt_token_ids": [*doc, 7 + i, 9]} for i in range(5)]
+    llm.embed(prompts, PoolingParams(pooling="last"))  # the document's blocks cached, no sums kept
+    outs = llm.embed(prompts, PoolingParams(pooling="mean"))
+    assert sum(o.num_cached_tokens > 0 for o in outs) == 4, [o.num_cached_tokens for o in outs]
+    assert_pool_empty(llm)

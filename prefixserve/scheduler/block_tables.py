@@ -77,7 +77,7 @@ class BlockManager:
         n = self.cacheable_blocks(seq)
         start = len(modules)
         digests = self._digests(seq, n)
-        keeper = None if modules else next((k for k in self.row_keepers if k.wants(req)), None)
+        keeper = self._keeper(seq)
         if keeper is not None:
             n = keeper.known_blocks(seq, digests[:n])
         hits = self.pool.lookup(digests[start:n])
@@ -163,6 +163,20 @@ class BlockManager:
 
     def is_cached(self, digest: bytes) -> bool:
         return self.pool.cached_block(digest) is not None
+
+    def can_hit(self, seq: Sequence, digest: bytes) -> bool:
+        """Could a prefix-cache hit of ``seq`` take this block now: cached, and where the request
+        needs every prompt row's result, that result kept (``row_keepers``)?"""
+        if not self.is_cached(digest):
+            return False
+        keeper = self._keeper(seq)
+        return keeper is None or keeper.known_blocks(seq, [digest]) == 1
+
+    def _keeper(self, seq: Sequence) -> Any:
+        """The row keeper a prefix-cache hit of ``seq`` asks (none for a Prompt Cache prompt)."""
+        if seq.request.modules is not None and seq.request.modules.blocks:
+            return None
+        return next((k for k in self.row_keepers if k.wants(seq.request)), None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the parent's blocks by reference (n samples share the prompt)."""

@@ -103,7 +103,7 @@ class Scheduler:
         holder = self._in_flight.holder(digest)
         if holder is None or holder is seq:
             return False
-        return not self.blocks.is_cached(digest)
+        return not self.blocks.can_hit(seq, digest)
 
     def _mark_in_flight(self, seq: Sequence) -> None:
         full = self.blocks.cacheable_blocks(seq)
