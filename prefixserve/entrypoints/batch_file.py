@@ -91,16 +91,27 @@ def row_key(row: BatchRow | BadRow) -> tuple[str, str]:
     return ("line", str(row.line)) if isinstance(row, BadRow) else ("id", row.custom_id)
 
 
+def whole_lines(path: str | Path, cut_torn: bool = False) -> list[bytes]:
+    """A result file's complete lines (none where the file is missing), split at ``\n`` alone: the
+    rows are written with ``ensure_ascii=False``, so U+2028 and its kin stay raw inside them, where
+    ``str.splitlines`` would split. A torn last line (a kill mid-write) is left out, and with
+    ``cut_torn`` cut off the file."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    data = p.read_bytes()
+    keep = data.rfind(b"\n") + 1  # bytes up to the last complete line
+    if cut_torn and keep < len(data):
+        with open(p, "r+b") as f:
+            f.truncate(keep)
+    return [line for line in data[:keep].split(b"\n") if line.strip()]
+
+
 def finished_keys(path: str | Path) -> set[tuple[str, str]]:
     """The ``row_key`` of each input row already answered in an output file; a torn last line is cut
     off first."""
-    p = Path(path)
-    if not p.exists():
-        return set()
-    data = p.read_bytes()
-    keep = data.rfind(b"\n") + 1  # bytes up to the last complete line
     done: set[tuple[str, str]] = set()
-    for raw in data[:keep].splitlines():
+    for raw in whole_lines(path, cut_torn=True):
         try:
             row = json.loads(raw)
         except json.JSONDecodeError:
@@ -113,9 +124,6 @@ def finished_keys(path: str | Path) -> set[tuple[str, str]]:
             done.add(("line", where.group(1)))
         elif isinstance(row.get("custom_id"), str):
             done.add(("id", row["custom_id"]))
-    if keep < len(data):
-        with open(p, "r+b") as f:
-            f.truncate(keep)
     return done
 
 

@@ -157,8 +157,11 @@ def add_batch_routes(app: FastAPI, state: ServerState, service: BatchService) ->
     async def delete_file(request: Request, file_id: str) -> Response:
         authorize(state, request)
         user = runs.in_use(file_id)
+        if user is not None and user.record.get("_messages_api"):
+            message = f"file {file_id} holds the requests of message batch msg{user.id}: delete that instead"
+            raise APIError(409, message, param="file_id")
         if user is not None:
-            message = f"file {file_id} is the input of batch {user}, which has not ended: cancel it first"
+            message = f"file {file_id} is the input of batch {user.id}, which has not ended: cancel it first"
             raise APIError(409, message, param="file_id")
         files.delete(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})

@@ -40,6 +40,7 @@ from prefixserve.entrypoints.batch_file import (
     finished_keys,
     read_batch,
     row_key,
+    whole_lines,
 )
 from prefixserve.entrypoints.batch_runner import prepare_row, row_answer, row_error, run_order
 from prefixserve.entrypoints.openai.answering import collect, submit
@@ -53,6 +54,8 @@ WINDOWS = {"24h": 24 * 3600}  # OpenAI's only completion window
 MAX_ROWS = 50_000  # OpenAI's limit on a batch's requests
 MAX_LISTED_ERRORS = 100  # bad lines named in a failed batch's ``errors``
 SAVE_EVERY_S = 1.0  # at most this often a running batch's counts are saved
+MAX_ABORTED_TRIES = 3  # a row aborted by this many failed steps is answered as an engine error
+ENGINE_SETTLE_S = 0.5  # after an engine error, how long a row waits to see whether the engine died
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 EXPIRED_ERROR = {
     "code": "batch_expired",
@@ -180,7 +183,9 @@ class BatchRuns:
             self.jobs[record["id"]] = BatchJob(record, path.parent)
 
     # ---- the API's operations ------------------------------------------------------------------
-    def create(self, req: BatchRequest) -> dict[str, Any]:
+    def create(self, req: BatchRequest, messages_api: bool = False) -> dict[str, Any]:
+        """A batch of ``req``'s file, started now. ``messages_api``: made through Anthropic's Message
+        Batches API, which alone shows it and owns its requests file."""
         stored = self.files.get(req.input_file_id)
         if stored.purpose != "batch":
             message = (
@@ -216,6 +221,7 @@ class BatchRuns:
             "_output_id": object_id("file", self.files.tag, "-"),
             "_error_id": object_id("file", self.files.tag, "-"),
             "_created_ns": now_ns,  # orders batches made in the same second
+            "_messages_api": messages_api,
         }
         job = BatchJob(record, self.root / batch_id)
         job.folder.mkdir(parents=True)
@@ -258,13 +264,15 @@ class BatchRuns:
         del self.jobs[batch_id]
         shutil.rmtree(job.folder, ignore_errors=True)
 
-    def in_use(self, file_id: str) -> str | None:
-        """The unfinished batch that reads ``file_id``, if any."""
+    def in_use(self, file_id: str) -> BatchJob | None:
+        """The batch that still needs ``file_id``: an unfinished one reading it, or a message batch
+        whose requests it holds (its results are read in their order until the batch is deleted)."""
         return next(
             (
-                j.id
+                j
                 for j in self.jobs.values()
-                if j.status not in FINAL and j.record["input_file_id"] == file_id
+                if (j.status not in FINAL or j.record.get("_messages_api"))
+                and j.record["input_file_id"] == file_id
             ),
             None,
         )
@@ -351,20 +359,28 @@ class BatchRuns:
         job.record["request_counts"]["total"] = len(read)
         return [row for row in read if isinstance(row, BatchRow)], []
 
+    def _result_path(self, job: BatchJob, name: str, planned: str) -> Path:
+        """A result file: in the batch's folder while it runs, in the store once ``_finish`` moved it
+        there (a resume after a kill in between finds it where it is)."""
+        here = job.folder / name
+        stored = self.files.root / job.record[planned]
+        return stored if not here.exists() and stored.exists() else here
+
     def _recount(self, job: BatchJob) -> None:
         """Counts, usage and answered rows from the result files (a line torn by a kill cut off):
         what a resumed batch has answered, whatever its record last saved."""
-        out_path, err_path = job.folder / "output.jsonl", job.folder / "errors.jsonl"
+        out_path = self._result_path(job, "output.jsonl", "_output_id")
+        err_path = self._result_path(job, "errors.jsonl", "_error_id")
         counts, usage = job.record["request_counts"], _zero_usage()
         ok_done, err_done = finished_keys(out_path), finished_keys(err_path)
         counts["completed"], counts["failed"] = len(ok_done), len(err_done)
         job.answered = ok_done | err_done
-        for line in out_path.read_text(encoding="utf-8").splitlines() if out_path.exists() else ():
+        for line in whole_lines(out_path):
             _add_usage(usage, (json.loads(line).get("response") or {}).get("body") or {})
         job.record["usage"] = usage
-        errors = err_path.read_text(encoding="utf-8").splitlines() if err_path.exists() else []
         job.record["_expired_rows"] = sum(
-            (json.loads(line).get("error") or {}).get("code") == EXPIRED_ERROR["code"] for line in errors
+            (json.loads(line).get("error") or {}).get("code") == EXPIRED_ERROR["code"]
+            for line in whole_lines(err_path)
         )
 
     async def _run_rows(self, job: BatchJob, rows: list[BatchRow]) -> None:
@@ -422,6 +438,7 @@ class BatchRuns:
         async def stopped() -> bool:
             return job.stop.is_set()
 
+        aborted = 0
         while not job.stop.is_set():
             try:
                 prep, call = prepare_row(state, row)  # again at each try: a fresh request id
@@ -432,6 +449,8 @@ class BatchRuns:
                 if exc.status == 429:  # the queue is full: wait as a client is told to, then again
                     await _wait(job, float((exc.headers or {}).get("Retry-After", 1)))
                     continue
+                if exc.code == "engine_error":  # the engine failed it: had it died? (it says so late)
+                    await _wait(job, ENGINE_SETTLE_S)
                 if exc.status == 503 or self._engine_gone(job):  # the batch waits for a restart
                     log.error("batch %s stops: %s", job.id, exc.message)
                     job.stop.set()
@@ -443,6 +462,10 @@ class BatchRuns:
                 # aborted, not answered: the server is stopping, or a failed step aborted everything
                 if self._engine_gone(job):
                     return None
+                aborted += 1
+                if aborted >= MAX_ABORTED_TRIES:  # a row that fails every step it is in: not forever
+                    message = f"the engine failed a step running this request {aborted} times"
+                    return row_error(row, APIError(500, message, code="engine_error"))
                 await _wait(job, 1.0)
                 continue
             return row_answer(state, row, prep, call, finals)

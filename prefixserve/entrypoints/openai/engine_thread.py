@@ -272,11 +272,12 @@ class EngineLoop:
                 self._publish_queue()
             if engine.has_unfinished():
                 outputs, dead = serve_step(engine, self.admission)
-                self._deliver(outputs)
-                if dead:  # no step can run again: take nothing more, and let the other ranks go now
-                    self._refuse_queued()
+                if dead:  # no step can run again: take nothing more (not alive before the failed
+                    self._refuse_queued()  # requests hear of it), and let the other ranks go now
+                    self._deliver(outputs)
                     self._release_engine()
                     return
+                self._deliver(outputs)
             self.snapshot = engine_metrics(engine, self.admission)
             self._publish_queue()
 

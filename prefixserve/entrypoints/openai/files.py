@@ -112,10 +112,10 @@ class FileStore:
         (with or without its metadata) finds the file in the store."""
         path = self.root / file_id
         if source.exists():
-            if source.stat().st_size == 0:
+            if source.stat().st_size == 0:  # nothing written (or, resumed after the move, nothing more)
                 source.unlink()
-                return None
-            os.replace(source, path)
+            else:
+                os.replace(source, path)
         if not path.exists():
             return None
         if self._meta_path(file_id).exists():

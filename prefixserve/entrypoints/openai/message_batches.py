@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
@@ -22,12 +23,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.entrypoints.batch_file import MESSAGES_URL, BatchRow, read_batch
+from prefixserve.entrypoints.batch_file import MESSAGES_URL, BatchRow, read_batch, whole_lines
 from prefixserve.entrypoints.openai.anthropic_routes import anthropic_error
 from prefixserve.entrypoints.openai.batch_routes import BatchService
-from prefixserve.entrypoints.openai.batches import FINAL, BatchJob, BatchRequest
+from prefixserve.entrypoints.openai.batches import FINAL, MAX_ROWS, BatchJob, BatchRequest
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
+
+log = logging.getLogger(__name__)
 
 MESSAGE_BATCHES_ROUTE = MESSAGES_URL + "/batches"
 _CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -80,6 +83,9 @@ def _lines(requests: Any) -> bytes:
     written as batch rows."""
     if not isinstance(requests, list) or not requests:
         raise APIError(400, "'requests' must be a non-empty list of {custom_id, params}", param="requests")
+    if len(requests) > MAX_ROWS:
+        message = f"a message batch takes at most {MAX_ROWS} requests here, got {len(requests)}"
+        raise APIError(400, message, param="requests")
     seen: set[str] = set()
     rows = []
     for k, entry in enumerate(requests):
@@ -103,7 +109,7 @@ def _results(service: BatchService, job: BatchJob) -> bytes:
     found: dict[str, dict[str, Any]] = {}
     for key in ("output_file_id", "error_file_id"):
         if job.record[key] is not None:
-            for line in service.files.get(job.record[key]).path.read_text(encoding="utf-8").splitlines():
+            for line in whole_lines(service.files.get(job.record[key]).path):
                 row = json.loads(line)
                 found[row["custom_id"]] = row
     rows = [
@@ -133,7 +139,7 @@ def _job(service: BatchService, message_batch_id: str) -> BatchJob:
     if not message_batch_id.startswith(_PREFIX + "batch_"):
         raise APIError(404, f"no message batch with id {message_batch_id!r}")
     job = service.runs.jobs.get(message_batch_id[len(_PREFIX) :])
-    if job is None or job.record["endpoint"] != MESSAGES_URL:
+    if job is None or not job.record.get("_messages_api"):  # one made through /v1/batches is not one
         raise APIError(404, f"no message batch with id {message_batch_id!r}")
     return job
 
@@ -179,6 +185,9 @@ def add_message_batch_routes(app: FastAPI, state: ServerState, service: BatchSer
                 return await route(request, *args, **kwargs)
             except APIError as exc:
                 return anthropic_error(exc)
+            except Exception:  # still in Anthropic's shape, which its clients parse
+                log.exception("message batch route %s failed", request.url.path)
+                return anthropic_error(APIError(500, "the server failed to answer this request"))
 
         return shaped
 
@@ -188,7 +197,7 @@ def add_message_batch_routes(app: FastAPI, state: ServerState, service: BatchSer
         data = await read_json(state, request, files.max_bytes)
         lines = await asyncio.to_thread(_lines, data.get("requests") if isinstance(data, dict) else None)
         stored = await files.save(_one(lines), "message_batch_requests.jsonl", "batch")
-        made = runs.create(BatchRequest(input_file_id=stored.id, endpoint=MESSAGES_URL))
+        made = runs.create(BatchRequest(input_file_id=stored.id, endpoint=MESSAGES_URL), messages_api=True)
         job = runs.get(made["id"])
         job.record["request_counts"]["total"] = lines.count(b"\n")
         return JSONResponse(message_batch(job))
@@ -196,7 +205,7 @@ def add_message_batch_routes(app: FastAPI, state: ServerState, service: BatchSer
     @app.get(MESSAGE_BATCHES_ROUTE)
     @anthropic_shaped
     async def listed(request: Request) -> Response:
-        jobs = [runs.get(b["id"]) for b in runs.listed() if b["endpoint"] == MESSAGES_URL]
+        jobs = [job for b in runs.listed() if (job := runs.get(b["id"])).record.get("_messages_api")]
         return JSONResponse(_page(request, [message_batch(j) for j in jobs]))
 
     @app.get(MESSAGE_BATCHES_ROUTE + "/{message_batch_id}")
