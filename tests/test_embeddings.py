@@ -164,3 +164,54 @@ def test_mean_requests_wait_for_sums_not_just_cached_blocks(tiny_config_path: Pa
     outs = llm.embed(prompts, PoolingParams(pooling="mean"))
     assert sum(o.num_cached_tokens > 0 for o in outs) == 4, [o.num_cached_tokens for o in outs]
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("kind", ["last", "mean", "echo"])
+def test_a_decoding_request_on_the_prefix_holds_no_one_back(tiny_config_path: Path, kind: str) -> None:
+    """A request still generating after computing a shared prefix keeps no row results: requests
+    that need them (mean pooling, prompt logprobs) start at once, not when it finishes."""
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", dtype="float32", num_kv_blocks=256, progress=False
+    )
+    engine, doc = llm.engine, list(range(100, 180))
+    long = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0)
+    engine.add_request("gen", None, long, prompt_token_ids=[*doc, 5, 6])
+    engine.step(), engine.step()
+    if kind == "echo":
+        scored = SamplingParams(max_tokens=1, prompt_logprobs=1)
+        engine.add_request("m", None, scored, prompt_token_ids=[*doc, 7, 8])
+    else:
+        engine.add_request("m", None, prompt_token_ids=[*doc, 7, 8], pooling=PoolingParams(pooling=kind))
+    steps = 1
+    while not any(o.request_id == "m" and o.finished for o in engine.step()):
+        steps += 1
+    assert steps <= 3, f"{kind} waited {steps} steps for the generating request"
+    engine.abort("gen")
+    engine.step()
+    assert_pool_empty(llm)
+
+
+def test_an_embedding_aborted_by_a_failed_step_is_an_error_not_a_null(tiny_server, monkeypatch) -> None:
+    import httpx
+
+    from prefixserve.engine import Engine
+
+    step, armed = Engine.step, [0]
+
+    def failing(self: Engine):  # one step with an embedding request in it raises
+        if armed[0] and any(r.pooling is not None for r in self.requests.values()):
+            armed[0] -= 1
+            raise RuntimeError("injected step failure")
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", failing)
+    for fmt in ("float", "base64"):
+        armed[0] = 1
+        r = httpx.post(
+            f"{tiny_server.url}/v1/embeddings",
+            json={"input": "hello world", "encoding_format": fmt},
+            timeout=60,
+        )
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", (fmt, r.text[:200])
+    ok = httpx.post(f"{tiny_server.url}/v1/embeddings", json={"input": "hello"}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64

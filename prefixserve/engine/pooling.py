@@ -1,8 +1,10 @@
 """Embedding requests (``PoolingParams``): one vector from the model's final hidden states over the
 prompt, read from the step that computes them, before the sampling takes the hidden rows.
 
-An embedding request computes its prompt and no completion: the engine samples one greedy token
-that is not reported, so the request ends in the step that computes its last prompt row.
+An embedding request computes its prompt and no completion: the engine samples one greedy token,
+which no embedding answer shows (its output still carries it, and the finish reason; the generation
+counters count it, as they count echo's scoring-only requests), so the request ends in the step that
+computes its last prompt row.
 
 **Shared prefixes.** "last" pools the last prompt row, which a prefix-cache hit never skips (one
 token is always left to compute), so requests sharing a prefix compute it once, as generation does.

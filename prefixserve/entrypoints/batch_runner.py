@@ -168,7 +168,10 @@ def row_answer(
     error = engine_failure(finals)
     if error is not None:
         return row_error(row, error)
-    body = response_body(ctx, prep, finals) if call is None else call.body(finals)
+    try:
+        body = response_body(ctx, prep, finals) if call is None else call.body(finals)
+    except APIError as exc:  # an answer its route would refuse (an embedding that never came)
+        return row_error(row, exc)
     return result_row(row.custom_id, 200, body)
 
 

@@ -172,6 +172,11 @@ class BlockManager:
         keeper = self._keeper(seq)
         return keeper is None or keeper.known_blocks(seq, [digest]) == 1
 
+    def keeps_for(self, seq: Sequence, holder: Sequence) -> bool:
+        """Does ``holder``, computing a prefix ``seq`` shares, keep the row results ``seq`` needs?"""
+        keeper = self._keeper(seq)
+        return keeper is not None and keeper.wants(holder.request)
+
     def _keeper(self, seq: Sequence) -> Any:
         """The row keeper a prefix-cache hit of ``seq`` asks (none for a Prompt Cache prompt)."""
         if seq.request.modules is not None and seq.request.modules.blocks:

@@ -103,7 +103,11 @@ class Scheduler:
         holder = self._in_flight.holder(digest)
         if holder is None or holder is seq:
             return False
-        return not self.blocks.can_hit(seq, digest)
+        if not self.blocks.is_cached(digest):
+            return True
+        # cached, but a request that needs every prompt row's result (its keeper's) cannot take it
+        # until they are kept: it waits for a holder that keeps them, never for one that does not
+        return self.blocks.keeps_for(seq, holder) and not self.blocks.can_hit(seq, digest)
 
     def _mark_in_flight(self, seq: Sequence) -> None:
         full = self.blocks.cacheable_blocks(seq)

@@ -101,6 +101,8 @@ def embedding_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutpu
     """OpenAI's answer: one ``embedding`` object per input, in input order, and the prompt tokens."""
     req: EmbeddingRequest = prep.req  # type: ignore[assignment]
     data = []
+    if any(out.embedding is None for out in finals):  # ended without one (aborted by a failed step)
+        raise APIError(500, "the engine failed while computing this embedding", code="engine_error")
     for index, out in enumerate(finals):
         vector: Any = out.embedding
         if req.encoding_format == "base64":  # little-endian fp32, as OpenAI's clients decode it
