@@ -267,6 +267,41 @@ def test_lists_merge_every_replicas_pages() -> None:
         _run(merged_list(fetch, ["r0"], "/v1/batches", {"limit": "0"}))
 
 
+def test_message_batch_lists_merge_with_anthropic_cursors() -> None:
+    """Message batches of every replica in one list, paged by ``after_id`` / ``before_id`` as one
+    server pages its own; each replica read through its own cursor."""
+    from urllib.parse import parse_qs
+
+    from prefixserve.distributed.serve_objects import merged_list
+    from prefixserve.entrypoints.openai.message_batches import anthropic_page
+
+    def when(k: int) -> str:
+        return f"2026-11-28T10:{k // 60:02d}:{k % 60:02d}Z"
+
+    held = {
+        "r0": [{"id": f"msgbatch_r0_{k:04d}", "created_at": when(2 * k)} for k in range(1200)],
+        "r1": [{"id": f"msgbatch_r1_{k:04d}", "created_at": when(2 * k + 1)} for k in range(3)],
+    }
+    asked: list[dict[str, list[str]]] = []
+
+    async def fetch(name: str, path: str, query: str) -> tuple[int, Any]:
+        q = {k: v[0] for k, v in parse_qs(query).items()}
+        asked.append(q)
+        newest = sorted(held[name], key=lambda b: b["created_at"], reverse=True)
+        return 200, anthropic_page(q, newest)
+
+    route = "/v1/messages/batches"
+    first = _run(merged_list(fetch, ["r0", "r1"], route, {"limit": "3"}))
+    assert [b["id"][-4:] for b in first["data"]] == ["1199", "1198", "1197"] and first["has_more"]
+    assert first["first_id"] == held["r0"][-1]["id"] and first["last_id"] == held["r0"][-3]["id"]
+    assert asked[1]["after_id"] == held["r0"][200]["id"]  # r0's second page of 1,000
+    tail = _run(merged_list(fetch, ["r0", "r1"], route, {"after_id": held["r0"][3]["id"]}))
+    assert [b["created_at"] for b in tail["data"]] == [when(k) for k in (5, 4, 3, 2, 1, 0)]
+    assert not tail["has_more"]
+    back = _run(merged_list(fetch, ["r0", "r1"], route, {"before_id": held["r1"][0]["id"], "limit": "2"}))
+    assert [b["created_at"] for b in back["data"]] == [when(3), when(2)]
+
+
 def test_store_tags_are_names() -> None:
     from prefixserve.entrypoints.openai.responses import ResponseStore
 

@@ -4,8 +4,9 @@ Each lives in the replica that made it, and its id carries that replica's name (
 request naming one goes there: ``/v1/responses/{id}`` and ``previous_response_id``,
 ``/v1/files/{id}``, ``/v1/batches/{id}``, ``/v1/messages/batches/{id}``, and a new batch to the
 replica holding its input file.
-Listing files or batches asks every healthy replica for all of its own (page by page) and pages
-through the merged list as one server would.
+Listing files, batches or message batches asks every healthy replica for all of its own (page by
+page) and pages through the merged list as one server would (Anthropic's cursors for message
+batches).
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from typing import Any
 from urllib.parse import urlencode
 
 from prefixserve.entrypoints.openai.batch_routes import BATCHES_ROUTE, FILES_ROUTE
-from prefixserve.entrypoints.openai.message_batches import MESSAGE_BATCHES_ROUTE
+from prefixserve.entrypoints.openai.message_batches import MAX_PAGE, MESSAGE_BATCHES_ROUTE, anthropic_page
 from prefixserve.entrypoints.openai.protocol import APIError, id_tag, page
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE
 
-LISTED = (FILES_ROUTE, BATCHES_ROUTE)
-_PAGE = {FILES_ROUTE: 10_000, BATCHES_ROUTE: 100}  # the largest page each route gives
+LISTED = (FILES_ROUTE, BATCHES_ROUTE, MESSAGE_BATCHES_ROUTE)
+_PAGE = {
+    FILES_ROUTE: 10_000,
+    BATCHES_ROUTE: 100,
+    MESSAGE_BATCHES_ROUTE: MAX_PAGE,
+}  # each route's largest page
 
 # (replica name, path, query) -> (status, JSON body)
 Fetch = Callable[[str, str, str], Awaitable[tuple[int, Any]]]
@@ -49,15 +54,18 @@ def named_owner(method: str, path: str, body: bytes) -> str | None:
 
 
 async def merged_list(fetch: Fetch, names: list[str], path: str, query: dict[str, str]) -> dict[str, Any]:
-    """``GET /v1/files`` or ``/v1/batches`` over every replica in ``names``: each one's whole list,
-    merged newest first (files: as ``order`` asks), then the client's ``after`` and ``limit``."""
-    mine = {k: v for k, v in query.items() if k not in ("after", "limit")}
+    """``GET /v1/files``, ``/v1/batches`` or ``/v1/messages/batches`` over every replica in ``names``:
+    each one's whole list, merged newest first (files: as ``order`` asks), then the client's cursor
+    and ``limit``."""
+    anthropic = path == MESSAGE_BATCHES_ROUTE
+    cursor = "after_id" if anthropic else "after"
+    mine = {k: v for k, v in query.items() if k not in ("after", "after_id", "before_id", "limit")}
     mine["limit"] = str(_PAGE[path])
     items: list[dict[str, Any]] = []
     for name in names:
         after = None
         while True:
-            asked = {**mine, **({"after": after} if after else {})}
+            asked = {**mine, **({cursor: after} if after else {})}
             status, body = await fetch(name, path, urlencode(asked))
             if status != 200:
                 message = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
@@ -68,6 +76,8 @@ async def merged_list(fetch: Fetch, names: list[str], path: str, query: dict[str
             after = body["data"][-1]["id"]
     newest_first = query.get("order", "desc") == "desc"
     items.sort(key=lambda item: (item["created_at"], item["id"]), reverse=newest_first)
+    if anthropic:  # RFC 3339 times of one form: ordered as strings
+        return anthropic_page(query, items)
     limit = query.get("limit")
     if limit is not None and (not limit.isdigit() or not 1 <= int(limit) <= _PAGE[path]):
         raise APIError(400, f"limit must be a whole number from 1 to {_PAGE[path]}, got {limit[:40]!r}")

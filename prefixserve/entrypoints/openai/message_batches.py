@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 MESSAGE_BATCHES_ROUTE = MESSAGES_URL + "/batches"
 _CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 Route = Callable[..., Awaitable[Response]]
+MAX_PAGE = 1000  # the most message batches a page lists (Anthropic's limit)
 _PREFIX = "msg"  # msgbatch_...: a batch's id with Anthropic's prefix
 
 
@@ -144,12 +145,13 @@ def _job(service: BatchService, message_batch_id: str) -> BatchJob:
     return job
 
 
-def _page(request: Request, items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Anthropic's page: ``limit`` items after ``after_id`` or before ``before_id``, newest first."""
-    q = request.query_params
+def anthropic_page(q: Mapping[str, str], items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Anthropic's page of ``items`` (newest first): ``limit`` of them after ``after_id`` or before
+    ``before_id`` (the query ``q``'s)."""
     raw = q.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
-        raise APIError(400, f"limit must be a whole number from 1 to 1000, got {raw[:40]!r}", param="limit")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        message = f"limit must be a whole number from 1 to {MAX_PAGE}, got {raw[:40]!r}"
+        raise APIError(400, message, param="limit")
     limit, ids = int(raw), [item["id"] for item in items]
     for name in ("after_id", "before_id"):
         if q.get(name) is not None and q[name] not in ids:
@@ -206,7 +208,7 @@ def add_message_batch_routes(app: FastAPI, state: ServerState, service: BatchSer
     @anthropic_shaped
     async def listed(request: Request) -> Response:
         jobs = [job for b in runs.listed() if (job := runs.get(b["id"])).record.get("_messages_api")]
-        return JSONResponse(_page(request, [message_batch(j) for j in jobs]))
+        return JSONResponse(anthropic_page(request.query_params, [message_batch(j) for j in jobs]))
 
     @app.get(MESSAGE_BATCHES_ROUTE + "/{message_batch_id}")
     @anthropic_shaped
