@@ -5,7 +5,6 @@ the batch is. (The main suite: ``test_batch_api.py``.)"""
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from pathlib import Path
@@ -15,13 +14,13 @@ import httpx
 import pytest
 
 from tests.test_batch_api import (
-    _break_steps,
     _client,
     _create,
     _line,
     _long_rows,
     _rows,
     _run,
+    _running_then_broken,
     _server,
     _wait,
 )
@@ -130,16 +129,7 @@ def test_engine_death_race_does_not_fail_rows(
 
     monkeypatch.setattr(engine_thread.EngineLoop, "_refuse_queued", late)
     with _server(tiny_config_path, tmp_path, batches={"concurrency": 3}) as srv:
-        client = _client(srv)
-        batch = _create(client, _long_rows(client.models.list().data[0].id, 6, 150))
-        deadline = time.monotonic() + 60
-        while client.batches.retrieve(batch.id).status != "in_progress":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.3)
-        srv.engine_loop.call(functools.partial(_break_steps, error=WorkerDiedError("gone"), times=1)).result(
-            10
-        )
+        batch = _running_then_broken(srv, _client(srv), WorkerDiedError("gone"))
         time.sleep(1.5)
     errors = tmp_path / "batches" / batch.id / "errors.jsonl"
     assert not errors.exists() or not errors.read_text(), errors.read_text()[:300]
