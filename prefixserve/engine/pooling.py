@@ -148,7 +148,7 @@ class Pooler:
 def embedding_request(
     pooling: PoolingParams, params: SamplingParams | None, prompt: str | None
 ) -> SamplingParams:
-    """The sampling an embedding request runs under: one greedy token, never reported, so the request
+    """The sampling an embedding request runs under: one greedy token, never answered, so the request
     ends in the step that computes its prompt. Raises ValueError for what it cannot take."""
     if params is not None:
         raise ValueError("an embedding request (pooling) takes no sampling params")
