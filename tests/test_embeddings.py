@@ -215,3 +215,43 @@ def test_an_embedding_aborted_by_a_failed_step_is_an_error_not_a_null(tiny_serve
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", (fmt, r.text[:200])
     ok = httpx.post(f"{tiny_server.url}/v1/embeddings", json={"input": "hello"}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
+
+
+def test_score_and_rerank_are_cosines_of_the_embeddings(tiny_server) -> None:
+    import httpx
+
+    url = tiny_server.url
+
+    def embed(texts: list[str]) -> np.ndarray:
+        data = httpx.post(f"{url}/v1/embeddings", json={"input": texts}, timeout=60).json()["data"]
+        return np.asarray([d["embedding"] for d in data])
+
+    query, docs = "where do the trains go", ["the harbour line", "a recipe for bread", "the harbour line"]
+    q, d = embed([query]), embed(docs)
+    want = (d @ q[0]).tolist()
+    score = httpx.post(f"{url}/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+    assert [s["index"] for s in score["data"]] == [0, 1, 2] and score["object"] == "list"
+    assert np.allclose([s["score"] for s in score["data"]], want, atol=1e-5)
+    assert score["id"].startswith("score-") and score["usage"]["prompt_tokens"] > 0
+    pairs = httpx.post(f"{url}/v1/score", json={"text_1": docs[:2], "text_2": [query, docs[1]]}, timeout=60)
+    assert np.allclose([s["score"] for s in pairs.json()["data"]], [want[0], 1.0], atol=1e-5)
+    ranked = httpx.post(
+        f"{url}/v1/rerank",
+        json={"query": query, "documents": [{"text": t} for t in docs], "top_n": 2},
+        timeout=60,
+    ).json()
+    order = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert ranked["results"][0]["document"]["text"] == docs[order[0]]
+    assert np.allclose([r["relevance_score"] for r in ranked["results"]], [want[i] for i in order], atol=1e-5)
+    for path, bad, field in (
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+        ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+        ("/score", {"text_2": "a"}, "text_1"),
+        ("/rerank", {"query": "q", "documents": "not a list"}, "documents"),
+        ("/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+        ("/rerank", {"query": "q", "documents": ["x " * 3000]}, "documents"),
+    ):
+        r = httpx.post(f"{url}{path}", json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, bad, r.text[:200])
+    assert httpx.post(f"{url}/rerank", json={"query": "q", "documents": ["a"]}, timeout=60).status_code == 200

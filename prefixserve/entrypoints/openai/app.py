@@ -69,6 +69,7 @@ from prefixserve.entrypoints.openai.responses import ResponseStore
 from prefixserve.entrypoints.openai.responses_background import BackgroundRuns
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE, add_responses_routes
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
+from prefixserve.entrypoints.openai.scoring import RERANK_ROUTES, SCORE_ROUTES
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
 from prefixserve.version import __version__
 
@@ -86,6 +87,8 @@ ROUTES = (
     BATCHES_ROUTE,
     MESSAGE_BATCHES_ROUTE,
     EMBEDDINGS_ROUTE,
+    *SCORE_ROUTES,
+    *RERANK_ROUTES,
     "/health",
     "/ping",
     "/metrics",

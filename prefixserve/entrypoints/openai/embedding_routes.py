@@ -1,4 +1,5 @@
-"""``POST /v1/embeddings`` (``embeddings.py`` checks the body and shapes the answer)."""
+"""``POST /v1/embeddings`` (``embeddings.py`` checks the body and shapes the answer) and the scoring
+routes over it, ``/score`` and ``/rerank`` (``scoring.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from prefixserve.entrypoints.openai.answering import answer, route_start
 from prefixserve.entrypoints.openai.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.entrypoints.openai.overload import queue_deadline
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_named_json
+from prefixserve.entrypoints.openai.scoring import RERANK_ROUTES, SCORE_ROUTES, prepare_rerank, prepare_score
 
 
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
@@ -19,6 +21,17 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         deadline = queue_deadline(request, state.max_queue_delay, started)
         call = prepare_embedding(state, await read_named_json(state, request))
         return await answer(state, request, call.prep, deadline, started, body=call.body)
+
+    async def scored(request: Request) -> Response:
+        started = route_start(request)
+        authorize(state, request)
+        deadline = queue_deadline(request, state.max_queue_delay, started)
+        prepare = prepare_score if request.url.path in SCORE_ROUTES else prepare_rerank
+        call = prepare(state, await read_named_json(state, request))
+        return await answer(state, request, call.prep, deadline, started, body=call.body)
+
+    for path in (*SCORE_ROUTES, *RERANK_ROUTES):
+        app.add_api_route(path, scored, methods=["POST"])
 
 
 __all__ = ["add_embedding_routes"]
