@@ -115,7 +115,7 @@ def _summary(outs) -> dict[str, list]:
 
 
 def _counters(llm: LLM) -> dict[str, float]:
-    skip = ("seconds", "kv_blocks_used_peak")  # timings differ run to run
+    skip = ("seconds", "kv_blocks_used_peak", "slow_steps")  # timings differ run to run (a slow step too)
     return {k: v for k, v in llm.engine.metrics().items() if not any(s in k for s in skip)}
 
 
