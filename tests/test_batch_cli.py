@@ -120,6 +120,22 @@ def test_embedding_rows_answer_as_the_python_api_embeds(tmp_path: Path) -> None:
         for i, text in enumerate(inputs)
     ]
     rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": []}})
+    rows.append(  # vLLM's scoring rows over the same embeddings
+        {
+            "custom_id": "s",
+            "method": "POST",
+            "url": "/v1/score",
+            "body": {"text_1": inputs[0][0], "text_2": inputs[1]},
+        }
+    )
+    rows.append(
+        {
+            "custom_id": "r",
+            "method": "POST",
+            "url": "/v1/rerank",
+            "body": {"query": inputs[0][0], "documents": inputs[1]},
+        }
+    )
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert _run([str(src), "--model", model, "--device", "cpu"], out) == 0
@@ -134,5 +150,14 @@ def test_embedding_rows_answer_as_the_python_api_embeds(tmp_path: Path) -> None:
         assert len(got) == len(want) == 2
         for g, w in zip(got, want, strict=True):
             assert max(abs(a - b) for a, b in zip(g, w, strict=True)) < 1e-5
-    assert sum(row["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    first, second = (llm.embed(text) for text in (inputs[0][:1], inputs[1]))
+    cosines = [
+        sum(a * b for a, b in zip(first[0].outputs.embedding, o.outputs.embedding, strict=True))
+        for o in second
+    ]
+    scores = [d["score"] for d in answered["s"]["response"]["body"]["data"]]
+    assert max(abs(a - b) for a, b in zip(scores, cosines, strict=True)) < 1e-5
+    ranked = answered["r"]["response"]["body"]["results"]
+    assert [r["index"] for r in ranked] == sorted(range(2), key=lambda i: -cosines[i])
+    assert sum(row["response"]["body"]["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
                for row in answered.values() if row["response"]["status_code"] == 200) > 0  # fmt: skip

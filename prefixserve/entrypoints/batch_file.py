@@ -1,11 +1,11 @@
 """OpenAI Batch API files: read request lines, write result lines, resume after a kill.
 
 Input lines are ``{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions"
-| "/v1/responses" | "/v1/messages" | "/v1/embeddings", "body": {...}}``; output lines are ``{"id",
-"custom_id", "response": {"status_code", "request_id", "body"} | null, "error": {"code", "message"} |
-null}``. A line that
-cannot be read becomes an error row naming its line number; the job goes on. Rows are appended one
-whole line per ``write`` and flushed, and a torn last line (a kill mid-write) is cut off on resume,
+| "/v1/responses" | "/v1/messages" | "/v1/embeddings" | "/v1/score" | "/v1/rerank", "body": {...}}``;
+output lines are ``{"id", "custom_id", "response": {"status_code", "request_id", "body"} | null,
+"error": {"code", "message"} | null}``. A line that cannot be read becomes an error row naming its
+line number; the job goes on. Rows are appended one whole line per ``write`` and flushed, and a torn
+last line (a kill mid-write) is cut off on resume,
 so a run killed at any point and started again ends with every input row in the output exactly once.
 """
 
@@ -22,7 +22,9 @@ from typing import Any
 RESPONSES_URL = "/v1/responses"
 MESSAGES_URL = "/v1/messages"  # Anthropic's, for its Message Batches API
 EMBEDDINGS_URL = "/v1/embeddings"
-BATCH_URLS = ("/v1/completions", "/v1/chat/completions", RESPONSES_URL, MESSAGES_URL, EMBEDDINGS_URL)
+SCORE_URL, RERANK_URL = "/v1/score", "/v1/rerank"  # vLLM's, over the embeddings
+COMPLETION_URLS = ("/v1/completions", "/v1/chat/completions")
+BATCH_URLS = (*COMPLETION_URLS, RESPONSES_URL, MESSAGES_URL, EMBEDDINGS_URL, SCORE_URL, RERANK_URL)
 _LINE = re.compile(r"line (\d+): ")
 
 

@@ -18,7 +18,9 @@ from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.entrypoints.batch_file import (
     EMBEDDINGS_URL,
     MESSAGES_URL,
+    RERANK_URL,
     RESPONSES_URL,
+    SCORE_URL,
     BadRow,
     BatchRow,
     ResultWriter,
@@ -41,6 +43,7 @@ from prefixserve.entrypoints.openai.prepare import (
 from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
 from prefixserve.entrypoints.openai.responses import ResponseCall, prepare_response
 from prefixserve.entrypoints.openai.responses_request import renamed
+from prefixserve.entrypoints.openai.scoring import ScoreCall, prepare_rerank, prepare_score
 from prefixserve.outputs import RequestOutput
 from prefixserve.pooling_params import PoolingParams
 from prefixserve.sampling.params import SamplingParams
@@ -126,15 +129,15 @@ class _RowState:
     prep: Prepared
     ids: list[str]
     finals: dict[str, RequestOutput] = field(default_factory=dict)
-    call: Call | None = None  # a /v1/responses, /v1/messages or /v1/embeddings row
+    call: Call | None = None  # a row of another API than completions and chats
 
 
-Call = ResponseCall | MessageCall | EmbeddingCall  # another API's answer to the work a row runs as
+Call = ResponseCall | MessageCall | EmbeddingCall | ScoreCall  # another API's answer to a row's work
 
 
 def prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, Call | None]:
     """A row's body checked as the server checks its route's (APIError where it would refuse it);
-    a /v1/responses, /v1/messages or /v1/embeddings row also gives the answer it gets in its API."""
+    a row of another API than completions and chats also gives the answer it gets in that API."""
     for name in ("stream", "background", "use_beam_search"):  # rows are run as sampled ones
         if row.body.get(name):
             raise APIError(400, f"{name} is not supported in a batch", param=name)
@@ -145,6 +148,8 @@ def prepare_row(ctx: OpenAIContext, row: BatchRow) -> tuple[Prepared, Call | Non
         call = prepare_message(ctx, row.body)
     elif row.url == EMBEDDINGS_URL:
         call = prepare_embedding(ctx, row.body)
+    elif row.url in (SCORE_URL, RERANK_URL):
+        call = (prepare_score if row.url == SCORE_URL else prepare_rerank)(ctx, row.body)
     else:
         return prepare(ctx, row.url, row.body), None
     return call.prep, call
