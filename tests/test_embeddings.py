@@ -255,3 +255,28 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(tiny_server) -> None:
         r = httpx.post(f"{url}{path}", json=bad, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, bad, r.text[:200])
     assert httpx.post(f"{url}/rerank", json={"query": "q", "documents": ["a"]}, timeout=60).status_code == 200
+
+
+def test_chat_messages_embed_as_their_rendered_chat(tiny_server, default_tokenizer) -> None:
+    """vLLM's chat embeddings: ``messages`` rendered by the chat template (no generation prompt
+    unless asked), embedded as that one text would be."""
+    import httpx
+
+    from prefixserve.model.loader import default_gguf_path, tokenizer_for
+
+    tok = tokenizer_for(str(default_gguf_path()), progress=False)[1]
+    messages = [{"role": "system", "content": "Represent the query."}, {"role": "user", "content": "trains"}]
+    url = f"{tiny_server.url}/v1/embeddings"
+    for generation_prompt in (False, True):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        chat = httpx.post(
+            url, json={"messages": messages, "add_generation_prompt": generation_prompt}, timeout=60
+        )
+        plain = httpx.post(url, json={"input": text}, timeout=60)
+        assert chat.status_code == plain.status_code == 200, chat.text[:200]
+        assert np.allclose(
+            chat.json()["data"][0]["embedding"], plain.json()["data"][0]["embedding"], atol=1e-6
+        )
+        assert chat.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    bad = httpx.post(url, json={"messages": "not a list"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"

@@ -22,10 +22,23 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from prefixserve.engine.pooling import embedding_request
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared, application_prompt, check_model
-from prefixserve.entrypoints.openai.protocol import APIError, answer_id, normalize_prompts, parse_request
+from prefixserve.entrypoints.openai.prepare import (
+    OpenAIContext,
+    Prepared,
+    application_prompt,
+    chat_prompt,
+    check_model,
+)
+from prefixserve.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    answer_id,
+    normalize_prompts,
+    parse_request,
+)
 from prefixserve.outputs import RequestOutput
 from prefixserve.pooling_params import PoolingParams
+from prefixserve.promptcache.pml import is_pml_prompt
 
 EMBEDDINGS_ROUTE = "/v1/embeddings"
 
@@ -70,11 +83,35 @@ class EmbeddingCall:
         return embedding_body(self.ctx, self.prep, finals)
 
 
+# vLLM's chat embeddings: ``messages`` in place of ``input``, rendered as a chat is (no generation
+# prompt unless asked), embedded as one prompt
+CHAT_FIELDS = (
+    "messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "documents", "application",
+)  # fmt: skip
+
+
+def _chat_input(ctx: OpenAIContext, data: dict[str, Any]) -> tuple[str, str | None]:
+    """A chat body's one prompt and the application its text opens with (``chat_prompt``)."""
+    body = {"add_generation_prompt": False, **{k: data[k] for k in CHAT_FIELDS if k in data}}
+    text, application = chat_prompt(ctx, parse_request(ChatCompletionRequest, body, "messages"))
+    if is_pml_prompt(text):
+        raise APIError(400, "embeddings are not available for PML (Prompt Cache) prompts", param="messages")
+    return text, application
+
+
 def prepare_embedding(ctx: OpenAIContext, data: Any) -> EmbeddingCall:
-    """Check a /v1/embeddings body; one engine request per input."""
-    req: EmbeddingRequest = parse_request(EmbeddingRequest, data, "input")
+    """Check a /v1/embeddings body; one engine request per input (a chat's ``messages``: one)."""
+    chat = isinstance(data, dict) and data.get("input") is None and data.get("messages") is not None
+    field = "messages" if chat else "input"
+    req: EmbeddingRequest = parse_request(EmbeddingRequest, data, field)
     check_model(ctx, req.model)
-    prompts = normalize_prompts(req.input, "input")
+    application = req.application
+    if chat:
+        text, application = _chat_input(ctx, data)
+        prompts: list[str | list[int]] = [text]
+    else:
+        prompts = normalize_prompts(req.input, "input")
     size = ctx.hidden_size
     if req.dimensions is not None and size is not None and req.dimensions != size:  # None: a router
         message = (
@@ -86,13 +123,13 @@ def prepare_embedding(ctx: OpenAIContext, data: Any) -> EmbeddingCall:
         pooling = PoolingParams(req.pooling, req.normalize, req.truncate_prompt_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), param="truncate_prompt_tokens", code="invalid_value") from None
-    if req.application is not None:
+    if req.application is not None and not chat:
         application_prompt(ctx, req.application)  # a 400 naming an unknown application
     params = embedding_request(pooling, None, None)  # what the fit and truncation checks read
     rid = answer_id("embd", req.request_id)
     prep = Prepared(
         False, rid, req, prompts, params, False,  # type: ignore[arg-type]
-        application=req.application, pooling=pooling, input_field="input",
+        application=application, pooling=pooling, input_field=field,
     )  # fmt: skip
     return EmbeddingCall(ctx, prep)
 
