@@ -134,17 +134,23 @@ def prepare_embedding(ctx: OpenAIContext, data: Any) -> EmbeddingCall:
     return EmbeddingCall(ctx, prep)
 
 
+def pooled_vectors(finals: list[RequestOutput]) -> list[list[float]]:
+    """Each final output's embedding; a 500 where one ended without it (aborted by a failed step)."""
+    if any(out.embedding is None for out in finals):
+        raise APIError(500, "the engine failed while computing an embedding", code="engine_error")
+    return [out.embedding for out in finals]  # type: ignore[misc]
+
+
 def embedding_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:
     """OpenAI's answer: one ``embedding`` object per input, in input order, and the prompt tokens."""
     req: EmbeddingRequest = prep.req  # type: ignore[assignment]
     data = []
-    if any(out.embedding is None for out in finals):  # ended without one (aborted by a failed step)
-        raise APIError(500, "the engine failed while computing this embedding", code="engine_error")
-    for index, out in enumerate(finals):
-        vector: Any = out.embedding
+    for index, vector in enumerate(pooled_vectors(finals)):
         if req.encoding_format == "base64":  # little-endian fp32, as OpenAI's clients decode it
-            vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-        data.append({"object": "embedding", "index": index, "embedding": vector})
+            encoded = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+            data.append({"object": "embedding", "index": index, "embedding": encoded})
+        else:
+            data.append({"object": "embedding", "index": index, "embedding": vector})
     tokens = sum(out.num_prompt_tokens for out in finals)
     cached = sum(out.num_cached_tokens for out in finals)  # what the prefix cache saved (vLLM's field)
     return {
@@ -161,4 +167,11 @@ def embedding_body(ctx: OpenAIContext, prep: Prepared, finals: list[RequestOutpu
     }
 
 
-__all__ = ["EMBEDDINGS_ROUTE", "EmbeddingCall", "EmbeddingRequest", "embedding_body", "prepare_embedding"]
+__all__ = [
+    "EMBEDDINGS_ROUTE",
+    "EmbeddingCall",
+    "EmbeddingRequest",
+    "embedding_body",
+    "pooled_vectors",
+    "prepare_embedding",
+]

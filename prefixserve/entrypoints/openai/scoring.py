@@ -1,10 +1,11 @@
 """vLLM's scoring APIs over the embeddings: ``POST /score`` (and ``/v1/score``) and ``POST /rerank``
 (and ``/v1/rerank``, ``/v2/rerank``: Jina's and Cohere's shape), routed in ``embedding_routes.py``.
 
-A pair's score is the cosine similarity of its two texts' embeddings (normalized, last-token pooling
-unless ``pooling`` says "mean"): what vLLM answers for an embedding model, a bi-encoder, not a
-cross-encoder's judgement of the pair read together. Each distinct text is embedded once, as one
-engine request through the same path as /v1/embeddings (checks, overload, prefix sharing).
+A pair's score is the cosine similarity of its two texts' embeddings (the dot product of the
+normalized vectors; last-token pooling unless ``pooling`` says "mean"): what vLLM answers for an
+embedding model, a bi-encoder, not a cross-encoder's judgement of the pair read together. Each
+distinct text is embedded once, as one engine request through the same path as /v1/embeddings
+(checks, overload, prefix sharing).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from prefixserve.entrypoints.openai.embeddings import prepare_embedding
+from prefixserve.entrypoints.openai.embeddings import pooled_vectors, prepare_embedding
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared
-from prefixserve.entrypoints.openai.protocol import MAX_PROMPTS, APIError, parse_request
+from prefixserve.entrypoints.openai.protocol import MAX_PROMPTS, APIError, answer_id, parse_request
 from prefixserve.outputs import RequestOutput
 
 SCORE_ROUTES = ("/score", "/v1/score")
@@ -71,11 +72,7 @@ class ScoreCall:
     documents: list[str] | None = None
 
     def body(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        if any(out.embedding is None for out in finals):  # ended without one (a failed step)
-            raise APIError(500, "the engine failed while computing these scores", code="engine_error")
-        vectors = np.asarray([out.embedding for out in finals], dtype=np.float64)
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        unit = vectors / np.where(norms == 0, 1.0, norms)
+        unit = np.asarray(pooled_vectors(finals), dtype=np.float64)  # normalized: a dot is the cosine
         scores = [float(unit[a] @ unit[b]) for a, b in self.pairs]
         tokens = sum(out.num_prompt_tokens for out in finals)
         if self.rerank is None:
@@ -123,7 +120,7 @@ def _call(
             exc.param = field
         raise
     prep.input_field = field  # a prompt the engine refuses is named by the scoring request's field
-    prep.rid = f"{'rerank' if isinstance(req, RerankRequest) else 'score'}-{prep.rid.split('-', 1)[1]}"
+    prep.rid = answer_id("rerank" if isinstance(req, RerankRequest) else "score", req.request_id)
     return ScoreCall(ctx, prep, [(at[texts[a]], at[texts[b]]) for a, b in pairs])
 
 
