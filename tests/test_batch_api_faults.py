@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from prefixserve.model.parallel import WorkerDiedError
 from tests.test_batch_api import (
     _client,
     _create,
@@ -119,7 +120,6 @@ def test_engine_death_race_does_not_fail_rows(
     tiny_config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from prefixserve.entrypoints.openai import engine_thread
-    from prefixserve.model.parallel import WorkerDiedError
 
     original = engine_thread.EngineLoop._refuse_queued
 
@@ -161,3 +161,18 @@ def test_message_batch_results_after_its_requests_file_is_deleted(
         assert r.status_code == 200, r.text
         client.messages.batches.delete(b.id)  # the batch, its requests and results go together
         assert httpx.get(f"{srv.url}/v1/files/{mine[0]}").status_code == 404
+
+
+def test_engine_death_in_its_own_process_leaves_rows_for_the_restart(
+    tiny_config_path: Path, tmp_path: Path
+) -> None:
+    """The engine process says it is dying before its requests hear they failed: the batch's rows in
+    flight wait for a restart, none is written as an error."""
+    with _server(tiny_config_path, tmp_path, engine_process=True, batches={"concurrency": 3}) as srv:
+        batch = _running_then_broken(srv, _client(srv), WorkerDiedError("gone"))
+        deadline = time.monotonic() + 30
+        while srv.engine_loop.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+    errors = tmp_path / "batches" / batch.id / "errors.jsonl"
+    assert not errors.exists() or not errors.read_text(), errors.read_text()[:300]

@@ -55,7 +55,6 @@ MAX_ROWS = 50_000  # OpenAI's limit on a batch's requests
 MAX_LISTED_ERRORS = 100  # bad lines named in a failed batch's ``errors``
 SAVE_EVERY_S = 1.0  # at most this often a running batch's counts are saved
 MAX_ABORTED_TRIES = 3  # a row aborted by this many failed steps is answered as an engine error
-ENGINE_SETTLE_S = 0.5  # after an engine error, how long a row waits to see whether the engine died
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 EXPIRED_ERROR = {
     "code": "batch_expired",
@@ -449,8 +448,6 @@ class BatchRuns:
                 if exc.status == 429:  # the queue is full: wait as a client is told to, then again
                     await _wait(job, float((exc.headers or {}).get("Retry-After", 1)))
                     continue
-                if exc.code == "engine_error":  # the engine failed it: had it died? (it says so late)
-                    await _wait(job, ENGINE_SETTLE_S)
                 if exc.status == 503 or self._engine_gone(job):  # the batch waits for a restart
                     log.error("batch %s stops: %s", job.id, exc.message)
                     job.stop.set()

@@ -251,6 +251,8 @@ class _EngineChild:
                         self._send_outputs([], self._due_snapshot(force=True))
                 if engine.has_unfinished():
                     outputs, dead = serve_step(engine, self.admission)
+                    if dead:  # the server stops taking work before its requests hear they failed
+                        self.conn.send(("dying",))
                     # the counters ride with the outputs when they are due, and always with the
                     # last outputs of a burst: the server counts them before it answers
                     self._send_outputs(outputs, self._due_snapshot(force=not engine.has_unfinished()))
@@ -526,6 +528,8 @@ class EngineProcess(EngineLoop):
                         self.queue_state = message[3]
                     # a request's "accepted" comes before its outputs: one not registered was aborted
                     self._deliver(self._decoder.decode_live(message[1], self._streams))
+                elif kind == "dying":  # the engine lost a worker: not alive from now on
+                    self._stopping = True
                 elif kind == "accepted":
                     if message[3] is not None:  # the add decided: before its caller hears of it
                         self.queue_state = message[3]
