@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +61,10 @@ class EngineConfig:
     # (model/memory_fit.py); more blocks keep more of the prefix cache
     num_kv_blocks: int | None = None
     kv_memory_fraction: float | None = None  # None: 0.85 of free GPU memory, 0.1 of RAM on a CPU
+    # vLLM's --gpu-memory-utilization: the share of the GPU's whole memory this engine may use, weights,
+    # steps and KV pool together (what other processes hold counts against it); in place of
+    # kv_memory_fraction. On a CPU: the share of RAM the KV pool may take
+    gpu_memory_utilization: float | None = None
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 256
     # offline batches (BatchLLM memory-centric batching): group members are admitted while the KV pool
@@ -75,6 +80,11 @@ class EngineConfig:
     # exactly when CUDA graphs are
     async_scheduling: bool | None = None
     seed: int = 0  # dummy weights and unseeded sampling
+    # default sampling parameters of requests that leave them unset (vLLM's --generation-config):
+    # "auto" reads generation_config.json from the model's folder, "vllm" reads none (OpenAI's
+    # defaults), else a folder to read it from; the override's keys win (entrypoints/generation_config.py)
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     # a streamed request reports progress every this many generated tokens (per sample; the final
     # output always comes): fewer, larger chunks for a server whose HTTP loop cannot keep up
     stream_interval: int = 1
@@ -123,6 +133,14 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_memory_fraction is not None and not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.gpu_memory_utilization is not None:
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                got = self.gpu_memory_utilization
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {got}")
+            if self.kv_memory_fraction is not None:
+                raise ValueError("set gpu_memory_utilization or kv_memory_fraction, not both")
+        if not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a dict of sampling defaults")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if not 0.0 < self.kv_admit_threshold <= 1.0:
@@ -165,6 +183,8 @@ class EngineConfig:
     def memory_fraction(self) -> float:
         if self.kv_memory_fraction is not None:
             return self.kv_memory_fraction
+        if self.gpu_memory_utilization is not None and self.torch_device.type != "cuda":
+            return self.gpu_memory_utilization
         return 0.85 if self.torch_device.type == "cuda" else 0.1
 
 

@@ -181,6 +181,7 @@ class ModelRunner:
             config.memory_fraction,
             max_blocks=kv_blocks_for_sequences(context, bs, config.max_num_seqs),
             reserve=reserve,
+            utilization=config.gpu_memory_utilization,
         )
         blocks = self.shard.min_int(blocks)
         check_kv_fits(blocks, bs, min(tokens, context), self.device)

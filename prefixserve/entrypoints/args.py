@@ -7,6 +7,7 @@ the parsed options into an ``EngineConfig``. Only the standard library is import
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "of RAM on a CPU (default 0.1)",
     )
     g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="vLLM's: the share of the GPU's whole memory the engine may use, weights, steps and KV "
+        "pool together (memory other processes hold counts against it); in place of --kv-memory-fraction",
+    )
+    g.add_argument(
         "--max-num-seqs",
         type=int,
         default=None,
@@ -87,6 +96,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's names: the prefix cache is on unless --no-enable-prefix-caching (= --no-prefix-caching)",
+    )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="default sampling parameters for requests that leave them unset, as vLLM's: auto reads "
+        "generation_config.json in the model's folder, vllm none (OpenAI's defaults), DIR that folder's",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="sampling defaults merged over the generation config, e.g. '{\"temperature\": 0.6}' (keys: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines; prefixserve never runs code that comes with a model",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument(
         "--stream-interval",
@@ -230,11 +265,39 @@ def read_schemas(files: list[str]) -> list[str]:
     return out
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"wants a JSON object, got {text!r}")
+    return value
+
+
+def _model(args: argparse.Namespace) -> str | None:
+    """``--model``, or the model named first as vLLM's ``serve MODEL`` does (the two must agree)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"two models given: {tag!r} and --model {args.model!r}")
+    return tag if tag is not None else args.model
+
+
+def _prefix_caching(args: argparse.Namespace) -> bool:
+    if args.no_prefix_caching and args.enable_prefix_caching:
+        raise ValueError("--no-prefix-caching and --enable-prefix-caching contradict each other")
+    return not args.no_prefix_caching and args.enable_prefix_caching is not False
+
+
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     """The EngineConfig the engine options on the command line describe (validated by EngineConfig)."""
     from prefixserve.config import EngineConfig
 
     given: dict[str, Any] = {}  # left out when not given: EngineConfig's defaults hold
+    if getattr(args, "engine_seed", None) is not None:
+        given["seed"] = args.engine_seed
+    if args.override_generation_config is not None:
+        given["override_generation_config"] = args.override_generation_config
     if args.module_gpu_fraction is not None:
         given["module_gpu_fraction"] = args.module_gpu_fraction
     if args.module_host_bytes is not None:
@@ -244,13 +307,14 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     if args.max_num_seqs is not None:
         given["max_num_seqs"] = args.max_num_seqs
     return EngineConfig(
-        model=args.model,
+        model=_model(args),
         dtype=args.dtype,
         device=args.device,
         attention=args.attention,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_memory_fraction=args.kv_memory_fraction,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         served_model_name=tuple(args.served_model_name or ()),
@@ -258,7 +322,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=_prefix_caching(args),
+        generation_config=args.generation_config,
         enforce_eager=args.enforce_eager,
         stream_interval=args.stream_interval,
         system_prompts=read_system_prompts(args.system_prompt),

@@ -30,6 +30,7 @@ from prefixserve.entrypoints.batch_file import (
     result_row,
     row_key,
 )
+from prefixserve.entrypoints.generation_config import sampling_defaults
 from prefixserve.entrypoints.openai.anthropic_messages import MessageCall, error_body, prepare_message
 from prefixserve.entrypoints.openai.embeddings import EmbeddingCall, prepare_embedding
 from prefixserve.entrypoints.openai.prepare import (
@@ -211,6 +212,7 @@ def run_rows(
         reasoning_parser=engine.config.reasoning_parser,
         trust_request_chat_template=engine.config.trust_request_chat_template,
         hidden_size=engine.model_config.hidden_size,
+        sampling_defaults=sampling_defaults(engine.config),
     )
     states, answered = _prepare_rows(ctx, rows)
     yield from answered

@@ -17,6 +17,7 @@ from prefixserve.entrypoints.args import (
     parse_logit_bias,
 )
 from prefixserve.entrypoints.demo import DEMO_QUESTIONS, DEMO_SYSTEM, sharing_report
+from prefixserve.entrypoints.serve_args import add_serve_args
 from prefixserve.promptcache.pml import is_pml_prompt
 
 
@@ -232,6 +233,11 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         raise ValueError(f"--ingress-replicas must be >= 1, got {args.ingress_replicas}")
     if args.switch_interval_ms <= 0:
         raise ValueError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}")
+    if args.ssl_keyfile or args.ssl_certfile or args.root_path:
+        raise ValueError(
+            "--ssl-keyfile, --ssl-certfile and --root-path are not taken with --replicas "
+            "(Ray Serve's proxy is the listener; put a TLS proxy in front of it)"
+        )
     try:
         from prefixserve.distributed.serve_app import run_replicas
     except ImportError as exc:
@@ -412,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_batch)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or x-api-key: KEY)")

@@ -13,6 +13,7 @@ from prefixserve.engine.input_processor import check_context
 from prefixserve.engine.pooling import embedding_output
 from prefixserve.engine.prompt_tokens import encode_prompt, encode_prompts
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned
+from prefixserve.entrypoints.generation_config import sampling_defaults
 from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput
 from prefixserve.pooling_params import PoolingParams
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
@@ -44,15 +45,24 @@ class LLM:
         **engine_kwargs: Any,
     ) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, attention=attention, **engine_kwargs)
-        self.engine = Engine(config, progress=progress)
-        self._ids = itertools.count()
+        self._start(config, progress)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = Engine(config, progress=progress)
-        llm._ids = itertools.count()
+        llm._start(config, progress)
         return llm
+
+    def _start(self, config: EngineConfig, progress: bool) -> None:
+        self._sampling_defaults = sampling_defaults(config)  # checked before the model loads
+        self.engine = Engine(config, progress=progress)
+        self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no SamplingParams: vLLM's defaults,
+        with the model's generation config over them (``generation_config``,
+        ``override_generation_config``)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def shutdown(self) -> None:
         """Release the engine's device side (stops tensor-parallel workers; safe to call twice)."""
@@ -338,7 +348,7 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that moved it (for interactive use)."""
-        request_id = self._add(prompt, sampling_params or SamplingParams(), stream=True)
+        request_id = self._add(prompt, sampling_params or self.get_default_sampling_params(), stream=True)
         try:
             while True:
                 for out in self.engine.step():
@@ -355,7 +365,7 @@ class LLM:
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams() for _ in range(count)]
+            return [self.get_default_sampling_params() for _ in range(count)]
         if isinstance(params, SamplingParams):
             return [params] * count
         params = list(params)

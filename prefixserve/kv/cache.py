@@ -273,6 +273,9 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return config.kv_bytes_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
+GIB = 1 << 30
+
+
 def available_memory(device: torch.device) -> int:
     """Free bytes the KV cache may draw from: free GPU memory, or physical RAM on a CPU."""
     if device.type == "cuda":
@@ -290,11 +293,25 @@ def blocks_for_budget(
     memory_fraction: float,
     max_blocks: int | None = None,
     reserve: int = 0,
+    utilization: float | None = None,
 ) -> int:
     """Blocks that fit in ``memory_fraction`` of the available memory, leaving at least ``reserve``
-    bytes of it for the steps, capped at ``max_blocks``."""
+    bytes of it for the steps, capped at ``max_blocks``. ``utilization`` (a GPU): instead, what is
+    left of that share of the GPU's whole memory after everything it holds now (vLLM's
+    ``gpu_memory_utilization``), less ``reserve``."""
     available = available_memory(device)
-    budget = int(min(available * memory_fraction, available - reserve))
+    if utilization is not None and device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        budget = int(total * utilization) - (total - available) - reserve
+        if budget < bytes_per_block(config, block_size, dtype):
+            raise ValueError(
+                f"gpu_memory_utilization {utilization} allows {total * utilization / GIB:.1f} GiB of "
+                f"{device}'s {total / GIB:.1f} GiB, but {(total - available) / GIB:.1f} GiB is already "
+                f"in use (this engine's weights and any other process) and a step needs "
+                f"{reserve / GIB:.1f} GiB more: raise gpu_memory_utilization"
+            )
+    else:
+        budget = int(min(available * memory_fraction, available - reserve))
     blocks = budget // bytes_per_block(config, block_size, dtype)
     if max_blocks is not None:
         blocks = min(blocks, max_blocks)

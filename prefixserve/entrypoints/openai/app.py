@@ -28,6 +28,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
+from prefixserve.entrypoints.generation_config import sampling_defaults
 from prefixserve.entrypoints.openai.answering import FIRST_OUTPUT, ROUTE_START, answer, route_start
 from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
 from prefixserve.entrypoints.openai.anthropic_routes import add_anthropic_routes
@@ -70,6 +71,7 @@ from prefixserve.entrypoints.openai.responses_background import BackgroundRuns
 from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE, add_responses_routes
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.scoring import RERANK_ROUTES, SCORE_ROUTES
+from prefixserve.entrypoints.openai.stats_log import log_stats as stats_log
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
 from prefixserve.version import __version__
 
@@ -107,6 +109,7 @@ def build_app(
     responses: ResponseStore | None = None,
     allowed_origins: list[str] | None = None,
     batches: BatchSettings | None = None,
+    log_stats: bool = False,
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
 
@@ -116,7 +119,8 @@ def build_app(
     deadline, 60 s). ``responses``: where /v1/responses keeps stored responses (default: 1,024).
     ``allowed_origins``: the browser origins that may call it (``cors.py``; None: none).
     ``batches``: where /v1/files and /v1/batches keep files and batches (default: a temporary
-    folder removed at exit)."""
+    folder removed at exit). ``log_stats``: a log line of the engine's throughput and load every
+    10 s while it works (``stats_log.py``; ``serve`` turns it on unless --disable-log-stats)."""
     overload = overload or OverloadSettings()
     loop: EngineLoop
     if engine_process:
@@ -146,6 +150,7 @@ def build_app(
         eos_ids = frozenset(engine.eos_ids)
         system_prompts = dict(engine.config.system_prompts)
         config = engine.config
+    defaults = sampling_defaults(config)
     gate = ArrivalGate(loop)
     metrics = ServerMetrics(lambda: loop.snapshot, lambda: gate.counters)
     loop.observer = metrics
@@ -159,6 +164,7 @@ def build_app(
         trust_request_chat_template=config.trust_request_chat_template,
         max_model_len=max_model_len,
         hidden_size=hidden_size,
+        sampling_defaults=defaults,
         eos_ids=eos_ids,
         tokenizer=tokenizer,
         api_key=api_key,
@@ -185,10 +191,13 @@ def build_app(
         )
         lag = asyncio.create_task(metrics.watch_loop_lag())
         unwatch_gc = metrics.watch_gc()
+        stats = asyncio.create_task(stats_log(lambda: loop.snapshot)) if log_stats else None
         batch_service.start()
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             state.background.cancel_all()
             await batch_service.stop()
             unwatch_gc()

@@ -67,6 +67,8 @@ class OpenAIContext:
     reasoning_parser: str | None = None  # chats' <think> answered apart (reasoning.py)
     trust_request_chat_template: bool = False  # a chat's own chat_template renders it (vLLM's flag)
     hidden_size: int | None = None  # the model's final hidden states: an embedding's dimensions
+    # SamplingParams fields a request that leaves them unset takes (the model's generation config)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
     _pinned: dict[str, list[int]] = field(default_factory=dict)  # application -> its pinned prompt's ids
 
@@ -171,19 +173,27 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise APIError(400, "best_of > n cannot be streamed", param="best_of")
 
 
+def _or_default(value: Any, defaults: dict[str, Any], name: str, openai: Any) -> Any:
+    """A request's value; where it sets none, the model's default (``sampling_defaults``), else OpenAI's."""
+    return value if value is not None else defaults.get(name, openai)
+
+
 def sampling(
     req: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: int | None,
     structured: StructuredOutputs | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
+    """``max_tokens``: already defaulted by the caller (``default_max_tokens``)."""
+    defaults = defaults or {}
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
+            temperature=_or_default(req.temperature, defaults, "temperature", 1.0),
+            top_p=_or_default(req.top_p, defaults, "top_p", 1.0),
+            top_k=_or_default(req.top_k, defaults, "top_k", 0),
+            min_p=_or_default(req.min_p, defaults, "min_p", 0.0),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -194,7 +204,7 @@ def sampling(
             include_stop_str_in_output=req.include_stop_str_in_output,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=_or_default(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
             logit_bias=req.logit_bias or None,
             best_of=req.best_of if isinstance(req, CompletionRequest) else None,
             structured_outputs=structured,
@@ -226,14 +236,15 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     check_unsupported(req)
     prompts = normalize_prompts(req.prompt)
     structured = structured_outputs(req)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = _or_default(req.max_tokens, ctx.sampling_defaults, "max_tokens", 16)
     no_completion = req.echo and max_tokens == 0  # the prompt's logprobs alone (lm-eval's scoring)
     if no_completion and req.stream:
         raise APIError(400, "echo with max_tokens 0 (the prompt alone) is not streamed", param="stream")
     if no_completion and req.min_tokens:
         message = f"min_tokens must be <= max_tokens (0: the prompt alone), got {req.min_tokens}"
         raise APIError(400, message, param="min_tokens", code="invalid_value")
-    params = sampling(req, 1 if no_completion else max_tokens, req.logprobs, structured)
+    defaults = ctx.sampling_defaults
+    params = sampling(req, 1 if no_completion else max_tokens, req.logprobs, structured, defaults)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs: as many top ones as asked
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     if len(prompts) * params.num_samples > MAX_CHOICES:
@@ -343,6 +354,7 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _or_default(max_tokens, ctx.sampling_defaults, "max_tokens", None)
     tools = read_tools(req)
     structured = structured_outputs(req)
     forced = tools.constraint() if tools is not None else None
@@ -351,7 +363,11 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
         raise APIError(400, message, param="tool_choice", code="invalid_value")
     try:
         params = sampling(
-            req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, forced or structured
+            req,
+            max_tokens,
+            (req.top_logprobs or 0) if req.logprobs else None,
+            forced or structured,
+            ctx.sampling_defaults,
         )
     except APIError as exc:  # the limit came as max_completion_tokens: the error names that field
         if req.max_completion_tokens is None or "max_tokens" not in exc.message:

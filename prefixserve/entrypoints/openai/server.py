@@ -32,6 +32,7 @@ from prefixserve.entrypoints.openai.batch_routes import BatchSettings
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.overload import OverloadSettings
 from prefixserve.entrypoints.openai.responses import ResponseStore
+from prefixserve.entrypoints.serve_args import uvicorn_options
 
 __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]
 
@@ -86,20 +87,26 @@ class ServerThread:
     """A live server in this process (tests, benchmarks): ``with ServerThread(app) as srv: srv.url``."""
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int | None = None, grace_s: float = 2.0
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        grace_s: float = 2.0,
+        listener: dict[str, Any] | None = None,
     ) -> None:
+        """``listener``: uvicorn.Config's keywords for TLS, root path and logs (``uvicorn_options``)."""
         self.app = app
         self.host = host
         self.port = port or free_port(host)
-        config = uvicorn.Config(
-            app, host=self.host, port=self.port, log_level="warning", lifespan="on", **http_options()
-        )
+        options: dict[str, Any] = {"log_level": "warning", **http_options(), **(listener or {})}
+        self.scheme = "https" if options.get("ssl_certfile") else "http"
+        config = uvicorn.Config(app, host=self.host, port=self.port, lifespan="on", **options)
         self.server = GracefulServer(config, grace_s)
         self._thread = threading.Thread(target=self.server.run, name="prefixserve-http", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     @property
     def engine_loop(self) -> EngineLoop:
@@ -161,6 +168,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}")
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     config = engine_config_from_args(args)
+    listener = uvicorn_options(args)
     overload = overload_settings(args)
     log.info("loading %s", config.model or "the default model")
     own_process = wants_engine_process(args.engine_process, config)
@@ -175,21 +183,24 @@ def serve(args: argparse.Namespace) -> int:
         responses=stored,
         allowed_origins=args.allowed_origins,
         batches=batch_settings(args),
+        log_stats=not args.disable_log_stats,
     )
     state = app.state.server
     options = http_options()
     log.info(
-        "serving %s (context %d) on http://%s:%d%s (http %s, loop %s)",
+        "serving %s (context %d) on %s://%s:%d%s%s (http %s, loop %s)",
         state.model,
         state.max_model_len,
+        "https" if args.ssl_certfile else "http",
         args.host,
         args.port,
+        args.root_path,
         " (API key required)" if args.api_key else "",
         options["http"],
         options["loop"],
     )
     server = GracefulServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on", **options)
+        uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", **options, **listener)
     )
     server.run()
     return 0 if server.started else 1
