@@ -14,6 +14,7 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "StructuredOutputs",
     "StructuredOutputsParams",
     "__version__",
@@ -22,7 +23,7 @@ __all__ = [
 if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
     from prefixserve.entrypoints.llm import LLM
-    from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput
+    from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
     from prefixserve.pooling_params import PoolingParams
     from prefixserve.sampling.beam_search import BeamSearchParams
     from prefixserve.sampling.params import SamplingParams
@@ -51,7 +52,7 @@ def __getattr__(name: str) -> Any:
         from prefixserve.config import EngineConfig
 
         return EngineConfig
-    if name in ("RequestOutput", "EmbeddingRequestOutput"):
+    if name in ("RequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput"):
         from prefixserve import outputs
 
         return getattr(outputs, name)

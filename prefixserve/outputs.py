@@ -40,6 +40,22 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # the cosine similarity of the pair's two embeddings
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One pair's score (vLLM's ``ScoringRequestOutput`` shape): ``prompt_token_ids`` are the two
+    texts' ids, the first's then the second's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
 @dataclass(slots=True, init=False, eq=False, repr=False)
 class RequestOutput:
     """A request's state as the caller sees it.

@@ -31,3 +31,20 @@ class PoolingParams:
 
 
 __all__ = ["POOLING_KINDS", "PoolingParams"]
+
+
+def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
+    """vLLM's pairing of scoring's two sides, as (first, second) indices: one text against each of
+    the other side's, or the two sides pair by pair."""
+    if num_first < 1 or num_second < 1:
+        raise ValueError("scoring needs at least one text on each side")
+    if num_first == 1 or num_second == 1:
+        return [
+            (0 if num_first == 1 else i, 0 if num_second == 1 else i)
+            for i in range(max(num_first, num_second))
+        ]
+    if num_first != num_second:
+        raise ValueError(
+            f"text_1 has {num_first} texts and text_2 {num_second}: give one, or as many as the other"
+        )
+    return [(i, i) for i in range(num_first)]

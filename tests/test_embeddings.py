@@ -72,6 +72,37 @@ def test_unnormalized_and_truncated(chunked_llm: LLM, hf_gguf_model: torch.nn.Mo
     assert (torch.tensor(cut.outputs.embedding, dtype=torch.float64) - want).abs().max().item() < 2e-5
 
 
+def test_llm_score_is_the_cosine_of_the_hf_embeddings(
+    chunked_llm: LLM, hf_gguf_model: torch.nn.Module
+) -> None:
+    """vLLM's ``LLM.score``: one text against many, and pair by pair; each score the cosine of the two
+    reference embeddings."""
+    query = "Who keeps the blocks of keys and values?"
+    many = chunked_llm.score(query, PASSAGES)
+    pairwise = chunked_llm.score(PASSAGES[:2], [PASSAGES[1], query], PoolingParams(pooling="mean"))
+    tok = chunked_llm.get_tokenizer()
+    for outs, first, second, pooling in (
+        (many, [query] * 4, PASSAGES, "last"),
+        (pairwise, PASSAGES[:2], [PASSAGES[1], query], "mean"),
+    ):
+        assert len(outs) == len(first)
+        for out, a, b in zip(outs, first, second, strict=True):
+            ids_a, ids_b = tok.encode(a), tok.encode(b)
+            assert out.prompt_token_ids == ids_a + ids_b and out.finished
+            want = hf_embedding(hf_gguf_model, ids_a, pooling) @ hf_embedding(hf_gguf_model, ids_b, pooling)
+            assert abs(out.outputs.score - want.item()) < 1e-5, (out.outputs.score, want.item())
+    assert (
+        abs(
+            pairwise[0].outputs.score
+            - chunked_llm.score(PASSAGES[0], PASSAGES[1], PoolingParams(pooling="mean"))[0].outputs.score
+        )
+        < 1e-9
+    )
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        chunked_llm.score(PASSAGES[:2], PASSAGES[:3])
+    assert_pool_empty(chunked_llm)
+
+
 def test_bad_requests_are_refused_and_leave_nothing(chunked_llm: LLM) -> None:
     engine = chunked_llm.engine
     with pytest.raises(ValueError, match="takes no sampling params"):

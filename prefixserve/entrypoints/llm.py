@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.input_processor import check_context
@@ -14,8 +16,8 @@ from prefixserve.engine.pooling import embedding_output
 from prefixserve.engine.prompt_tokens import encode_prompt, encode_prompts
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned
 from prefixserve.entrypoints.generation_config import sampling_defaults
-from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput
-from prefixserve.pooling_params import PoolingParams
+from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from prefixserve.pooling_params import PoolingParams, score_pairs
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.beam_search import (
@@ -163,6 +165,35 @@ class LLM:
             raise
         done = {out.request_id: out for out in self._run(len(order), use_tqdm)}
         return [embedding_output(done[r]) for r in order]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for an embedding model: each pair's cosine similarity of its two
+        embeddings (one text against each of the other side's, or the sides pair by pair; a
+        bi-encoder, as the server's /score). Every text is embedded in one batch, so texts sharing a
+        prefix compute it once."""
+        first = [data_1] if isinstance(data_1, str | dict) else list(data_1)
+        second = [data_2] if isinstance(data_2, str | dict) else list(data_2)
+        pairs = score_pairs(len(first), len(second))
+        vectors = self.embed([*first, *second], pooling_params, use_tqdm)
+        stacked = torch.tensor([v.outputs.embedding for v in vectors], dtype=torch.float64)
+        unit = torch.nn.functional.normalize(stacked, dim=1)
+        out = []
+        for a, b in pairs:
+            one, other = vectors[a], vectors[len(first) + b]
+            out.append(
+                ScoringRequestOutput(
+                    f"{one.request_id}_{other.request_id}",
+                    [*one.prompt_token_ids, *other.prompt_token_ids],
+                    ScoringOutput(float(unit[a] @ unit[len(first) + b])),
+                )
+            )
+        return out
 
     def chat(
         self,

@@ -21,6 +21,7 @@ from prefixserve.entrypoints.openai.embeddings import pooled_vectors, prepare_em
 from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared
 from prefixserve.entrypoints.openai.protocol import MAX_PROMPTS, APIError, answer_id, parse_request
 from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import score_pairs
 
 SCORE_ROUTES = ("/score", "/v1/score")
 RERANK_ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")
@@ -128,17 +129,14 @@ def prepare_score(ctx: OpenAIContext, data: Any) -> ScoreCall:
     """Check a /score body: ``text_1`` (one text, or as many as ``text_2``) against ``text_2``."""
     req: ScoreRequest = parse_request(ScoreRequest, data, "text_1")
     first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
-    if len(first) == 1:
-        first = first * len(second)
-    elif len(second) == 1:
-        second = second * len(first)
-    elif len(first) != len(second):
-        message = f"text_1 has {len(first)} texts and text_2 {len(second)}: give one, or as many as the other"
-        raise APIError(400, message, param="text_2")
-    if len(first) > MAX_PROMPTS:
-        raise APIError(400, f"at most {MAX_PROMPTS} pairs per request, got {len(first)}", param="text_2")
+    try:
+        pairs = score_pairs(len(first), len(second))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="text_2") from None
+    if len(pairs) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} pairs per request, got {len(pairs)}", param="text_2")
     texts = first + second
-    return _call(ctx, req, texts, [(i, len(first) + i) for i in range(len(first))], "text_2")
+    return _call(ctx, req, texts, [(a, len(first) + b) for a, b in pairs], "text_2")
 
 
 def prepare_rerank(ctx: OpenAIContext, data: Any) -> ScoreCall:
