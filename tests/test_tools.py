@@ -89,6 +89,8 @@ def test_parse_calls_in_each_mode() -> None:
     one = read_tools(_req(tools=TOOLS, parallel_tool_calls=False))  # at most one call, the first
     assert [c["function"]["name"] for c in parse_calls(two, one)] == ["weather"]
     assert parse_calls('{"name": "weather", "arguments": {"city": "Oslo"}}', auto)  # bare, no tags
+    (llama3,) = parse_calls('{"name": "weather", "parameters": {"city": "Oslo"}}', auto)  # llama3_json's
+    assert llama3["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
     assert parse_calls("It is sunny.", auto) is None
     assert parse_calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', auto) is None
     assert tool_message('<tool_call>{"name": "wea', "length", auto) == (

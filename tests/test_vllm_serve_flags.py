@@ -63,7 +63,7 @@ def test_a_vllm_command_line_reaches_the_config() -> None:
     assert config.gpu_memory_utilization == 0.5 and config.kv_memory_fraction is None
     assert config.enable_prefix_caching and config.generation_config == "vllm"
     assert config.override_generation_config == {"temperature": 0.2, "max_new_tokens": 9}
-    assert args.disable_log_stats
+    assert args.disable_log_stats and not args.enable_log_requests
     listener = uvicorn_options(args)
     assert listener["log_level"] == "warning" and listener["access_log"] is False
     assert listener["root_path"] == "/api" and listener["ssl_keyfile"] is None
@@ -88,6 +88,40 @@ def test_contradictions_are_refused_naming_both() -> None:
         uvicorn_options(serve_args("--ssl-keyfile", "key.pem"))
     with pytest.raises(SystemExit):
         serve_args("--override-generation-config", "[1]")
+
+
+def test_vllm_tool_and_request_log_flags_are_taken() -> None:
+    args = serve_args(
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-log-requests", "--max-log-len", "9",
+    )  # fmt: skip
+    assert args.enable_log_requests and args.max_log_len == 9 and args.tool_call_parser == "hermes"
+    assert not serve_args("--disable-log-requests").enable_log_requests
+    assert serve_args("--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):  # a format the reader does not take is refused, naming the choices
+        serve_args("--tool-call-parser", "mistral")
+    with pytest.raises(ValueError, match="max-log-len"):
+        uvicorn_options(serve_args("--max-log-len", "-1"))
+
+
+def test_each_queued_request_is_logged_with_its_prompt_cut(
+    tiny_config_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64)
+    with caplog.at_level(logging.INFO, logger="prefixserve.requests"):
+        with ServerThread(build_app(config, log_requests=True, max_log_len=4)) as srv:
+            body = {"prompt": ["the cat sat on the mat", [5, 6, 7, 8, 9, 10]], "max_tokens": 2, "seed": 3}
+            assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
+        with ServerThread(build_app(config)) as quiet:
+            assert httpx.post(f"{quiet.url}/v1/completions", json=body, timeout=60).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefixserve.requests"]
+    assert len(lines) == 2, lines  # one per prompt, none from the server without the flag
+    assert (
+        "prompt: 'the '" in lines[0]
+        and "seed=3" in lines[0]
+        and lines[0].startswith("received request cmpl-")
+    )
+    assert "prompt: None, prompt_token_ids: [5, 6, 7, 8] (6 tokens)" in lines[1]
 
 
 # ---- the generation config -------------------------------------------------------------------------
@@ -213,4 +247,3 @@ def test_the_stats_line_says_what_moved_and_an_idle_server_is_quiet(caplog: pyte
     lines = [r.getMessage() for r in caplog.records if r.name == "prefixserve.stats"]
     assert len(lines) == 2, lines  # the busy interval, then one line as it went idle, then quiet
     assert "running: 4 reqs" in lines[0] and "running: 0 reqs" in lines[1]
-

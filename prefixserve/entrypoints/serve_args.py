@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # the formats tools.parse_calls reads
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -27,6 +28,22 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
         default=None,
         help="the engine's seed: requests without a seed sample from its stream (default 0)",
     )
+    t = s.add_argument_group(
+        "tool calling (always on; the output is read as Hermes <tool_call> blocks "
+        "or one bare JSON call object, whichever it holds)"
+    )
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice 'auto': accepted, as it is always on here",
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="vLLM's parser names whose formats the reader takes: hermes (Qwen2.5, Hermes) and "
+        'llama3_json (a bare {"name", "parameters"} object)',
+    )
     h = s.add_argument_group("HTTP listener (uvicorn)")
     h.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key")
     h.add_argument("--ssl-certfile", default=None, metavar="FILE", help="and this certificate (chain)")
@@ -41,6 +58,24 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no line logged per HTTP request"
     )
     h.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request as it is queued: its id, prompt and parameters (off by default)",
+    )
+    h.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        help="vLLM's older name for the default: no request is logged",
+    )
+    h.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests: a prompt's first N characters and token ids (default: whole)",
+    )
+    h.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="no periodic log line of throughput, running and waiting requests, KV use and cache hits",
@@ -49,6 +84,8 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config's keywords for the listener options on the command line."""
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     return {

@@ -31,6 +31,7 @@ from prefixserve.entrypoints.openai.prepare import (
     truncated,
 )
 from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
+from prefixserve.entrypoints.openai.request_log import log_request
 from prefixserve.entrypoints.openai.requests import ServerState
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
@@ -123,6 +124,8 @@ async def submit(
                 started=started,
             )
             ids.append(sub_id)
+            if state.log_requests:
+                log_request(sub_id, text, tokens, prep.pooling or params, state.max_log_len)
     except QueueFull as exc:  # the waiting queue is at a bound, or would not drain before the deadline
         for sub_id in ids:
             state.loop.abort(sub_id)

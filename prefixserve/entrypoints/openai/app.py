@@ -110,6 +110,8 @@ def build_app(
     allowed_origins: list[str] | None = None,
     batches: BatchSettings | None = None,
     log_stats: bool = False,
+    log_requests: bool = False,
+    max_log_len: int | None = None,
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
 
@@ -120,7 +122,9 @@ def build_app(
     ``allowed_origins``: the browser origins that may call it (``cors.py``; None: none).
     ``batches``: where /v1/files and /v1/batches keep files and batches (default: a temporary
     folder removed at exit). ``log_stats``: a log line of the engine's throughput and load every
-    10 s while it works (``stats_log.py``; ``serve`` turns it on unless --disable-log-stats)."""
+    10 s while it works (``stats_log.py``; ``serve`` turns it on unless --disable-log-stats).
+    ``log_requests``: a log line per engine request, its prompt cut at ``max_log_len``
+    (``request_log.py``)."""
     overload = overload or OverloadSettings()
     loop: EngineLoop
     if engine_process:
@@ -175,6 +179,8 @@ def build_app(
         gate=gate,
         responses=ResponseStore() if responses is None else responses,
         background=BackgroundRuns(),
+        log_requests=log_requests,
+        max_log_len=max_log_len,
     )
 
     batch_service = BatchService(batches or BatchSettings(), state, config.max_num_seqs)

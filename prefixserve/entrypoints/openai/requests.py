@@ -43,6 +43,8 @@ class ServerState(OpenAIContext):
     gate: Any = None  # overload.ArrivalGate: refusals at arrival, decided in this process
     responses: Any = None  # responses.ResponseStore: what /v1/responses stored
     background: Any = None  # responses_background.BackgroundRuns: background responses running
+    log_requests: bool = False  # a log line per engine request (request_log.py, --enable-log-requests)
+    max_log_len: int | None = None  # its prompt cut at this many characters / token ids (None: whole)
 
 
 # ---- request reading ---------------------------------------------------------------------------

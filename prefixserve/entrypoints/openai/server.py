@@ -184,6 +184,8 @@ def serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         batches=batch_settings(args),
         log_stats=not args.disable_log_stats,
+        log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
     )
     state = app.state.server
     options = http_options()
