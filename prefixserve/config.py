@@ -38,6 +38,43 @@ def _template_text(given: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's ``{"method": "ngram", ...}``): the last
+    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens of a sequence are looked up earlier in
+    its own tokens, and the ``num_speculative_tokens`` that followed there are proposed as drafts,
+    all checked by one forward (``engine/speculative.py``)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    method: str = "ngram"
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
+        unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown keys {unknown} (known: {', '.join(SPECULATIVE_KEYS)})"
+            )
+        if spec.get("method", "ngram") != "ngram":
+            raise ValueError(f"speculative_config: method {spec.get('method')!r} is not supported (ngram is)")
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = spec.get(name, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        low = spec.get("prompt_lookup_min", 1)
+        made = cls(spec["num_speculative_tokens"], spec.get("prompt_lookup_max", max(4, low)), low)
+        if made.prompt_lookup_min > made.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+        return made
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
@@ -80,6 +117,10 @@ class EngineConfig:
     # exactly when CUDA graphs are
     async_scheduling: bool | None = None
     seed: int = 0  # dummy weights and unseeded sampling
+    # speculative decoding (vLLM's speculative_config): {"method": "ngram", "num_speculative_tokens":
+    # K, "prompt_lookup_max": 4, "prompt_lookup_min": 1}; None: off. Steps then wait for their tokens
+    # (no launch-ahead): the next step's drafts are read from them
+    speculative_config: dict[str, Any] | None = None
     # default sampling parameters of requests that leave them unset (vLLM's --generation-config):
     # "auto" reads generation_config.json from the model's folder, "vllm" reads none (OpenAI's
     # defaults), else a folder to read it from; the override's keys win (entrypoints/generation_config.py)
@@ -139,6 +180,14 @@ class EngineConfig:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {got}")
             if self.kv_memory_fraction is not None:
                 raise ValueError("set gpu_memory_utilization or kv_memory_fraction, not both")
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, dict):
+                raise ValueError("speculative_config must be a dict (method, num_speculative_tokens, ...)")
+            SpeculativeConfig.from_dict(self.speculative_config)
+            if self.async_scheduling:
+                raise ValueError(
+                    "speculative_config needs async_scheduling off (the drafts read each step's tokens)"
+                )
         if not isinstance(self.override_generation_config, dict):
             raise ValueError("override_generation_config must be a dict of sampling defaults")
         if self.max_num_batched_tokens < 1:
@@ -178,6 +227,12 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return (
+            None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        )
 
     @property
     def memory_fraction(self) -> float:

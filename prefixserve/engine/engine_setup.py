@@ -19,6 +19,7 @@ from prefixserve.engine.model_runner import ModelRunner, context_length
 from prefixserve.engine.module_holds import WaitingModuleHolds
 from prefixserve.engine.pooling import Pooler
 from prefixserve.engine.prompt_logprobs import PromptLogprobs
+from prefixserve.engine.speculative import Speculator
 from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
@@ -79,8 +80,11 @@ class EngineSetup:
             config.kv_admit_threshold,
             config.scheduling_policy,
         )
+        speculative = config.speculative
         self.async_scheduling = (
-            config.async_scheduling if config.async_scheduling is not None else self.graphs is not None
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.graphs is not None and speculative is None  # drafts read each step's tokens
         )
         # launch-ahead: a step goes to the device before the host has the tokens of the step ahead
         # of it (they are read on the device), so the GPU never waits on that step's bookkeeping
@@ -117,6 +121,8 @@ class EngineSetup:
         self.max_model_len = min(self.max_model_len, unpinned * bs)
         if self.max_model_len < 2:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
+        if speculative is not None:  # the scheduler's hook: drafts appended before each step is planned
+            self.scheduler.speculate = Speculator(speculative, self.max_model_len)
         for text in config.schemas:
             self.register_schema(text)
         tune_gc()

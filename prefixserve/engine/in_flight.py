@@ -10,11 +10,12 @@ bookkeeping in its ``async_scheduler.py`` (output placeholders).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from prefixserve.engine.model_runner import Launch
+from prefixserve.engine.speculative import Verified
 from prefixserve.sampling.params import RowParams, SamplingParams
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
@@ -35,6 +36,13 @@ class LaunchedStep:
     # what its sampling takes (rows, params, generators) until it is issued; kept past the launch when
     # grammar-constrained rows need the tokens of the step ahead for their mask (launch-ahead)
     sampling: tuple[list[int], list[SamplingParams], list[torch.Generator | None]] | None = None
+    verified: list[Verified] = field(default_factory=list)  # speculated sequences (rows after the samplers')
+    row_seqs: list[Sequence] = field(default_factory=list)  # the sequence of each speculated row
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequence each sampled row is for: the samplers', then the speculated rows'."""
+        return self.samplers + self.row_seqs if self.row_seqs else self.samplers
 
 
 # A placeholder still waiting for its token: (its index in the token ids, the launch sampling it, the row)
@@ -59,6 +67,7 @@ class InFlightTokens:
         launch: Launch,
         blocks: BlockManager,
         fork: Callable[[Sequence], list[Sequence]],
+        drafts: dict[Sequence, int] | None = None,
     ) -> tuple[LaunchedStep, list[int], list[SamplingParams], list[torch.Generator | None]]:
         """Mark the step's tokens computed, index filled blocks, split off n > 1 samples (``fork``),
         and give each sampling sequence a placeholder for its token until it arrives.
@@ -68,7 +77,9 @@ class InFlightTokens:
         parameters and generators. One pass over the batch (the host's cost per sequence is mostly
         reaching each sequence's objects): placeholders go in before the sampling is issued, which
         reads no token ids; should that fail, the engine drops them with the sequences' other
-        pending tokens.
+        pending tokens. ``drafts``: speculated sequences (``speculative.py``): each samples every row
+        of its chunk, after the samplers' rows, and holds no placeholder; the blocks its drafts fill
+        are indexed once verified.
         """
         pending = self.pending
         register_computed, bs = blocks.register_computed, blocks.block_size
@@ -79,6 +90,7 @@ class InFlightTokens:
         flags = 0
         generators: list[torch.Generator | None] = []
         end = num_recompute_rows
+        verified, spec_rows = step.verified, []
         for s in scheduled:
             seq, n = s.seq, s.num_tokens
             req = seq.request
@@ -87,11 +99,19 @@ class InFlightTokens:
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             # register_computed indexes nothing unless a block filled up since its last call (it
             # never indexes past the computed tokens): most decode steps skip the call
+            drafted = drafts.get(seq, 0) if drafts else 0
             if computed // bs > seq.num_indexed_blocks:
                 held = pending.get(seq)
-                register_computed(seq, len(seq.token_ids) - len(held) if held else None)
+                known = len(held) if held else drafted
+                register_computed(seq, len(seq.token_ids) - known if known else None)
             if computed < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
+            if drafted:
+                verified.append(Verified(seq, drafted, len(spec_rows)))
+                spec_rows.extend(range(end - 1 - drafted, end))
+                step.row_seqs.extend([seq] * (drafted + 1))
+                flags |= req.param_flags
+                continue
             p = req.params
             flags |= req.param_flags
             if p.num_samples == 1 or req.forked:
@@ -113,6 +133,11 @@ class InFlightTokens:
                 indices.append(entry[0])
                 params.append(p)
                 generators.append(target.generator)
+        for v in verified:  # the speculated rows go after the samplers'
+            v.first += len(rows)
+            params.extend([v.seq.request.params] * (v.num_drafts + 1))
+            generators.extend([v.seq.generator] * (v.num_drafts + 1))
+        rows.extend(spec_rows)
         params.flags = flags
         return step, rows, params, generators
 

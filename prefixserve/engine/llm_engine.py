@@ -24,6 +24,7 @@ from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep
 from prefixserve.engine.model_runner import PrevTokenFeed, StepBatch
 from prefixserve.engine.output_processor import request_output
 from prefixserve.engine.pooling import embedding_request
+from prefixserve.engine.speculative import give_back, place_verified
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
@@ -213,6 +214,7 @@ class Engine(EngineSetup, EngineServices):
         return assemble_batch(sched, self.blocks, self.runner, rows, self._to_recover)
 
     def _fail(self, sched: SchedulerOutput) -> None:
+        give_back(sched.drafts)
         for s in sched.scheduled:
             if s.seq.request.request_id in self.requests:
                 self._finish_request(s.seq.request, "error")
@@ -250,7 +252,7 @@ class Engine(EngineSetup, EngineServices):
             if reader.active:
                 reader.collect(scheduled, num_recompute_rows, launch, self.runner, self.blocks)
         launched, rows, params, generators = self.in_flight_tokens.mark_launched(
-            scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples
+            scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples, sched.drafts
         )
         launched.sampling = (rows, params, generators)
         if ahead_of is None or not self._waits_for_tokens(launched.samplers, launched.indices, params):
@@ -274,7 +276,7 @@ class Engine(EngineSetup, EngineServices):
         ban = min_tokens_ban(launched.samplers, launched.indices, params, self.eos_ids)
         ban = joined(ban, bad_words_ban(launched.samplers, launched.indices, params))
         ban = joined(ban, thinking_force(launched.samplers, launched.indices, params))
-        self.runner.sample(launched.launch, rows, params, generators, launched.samplers, mask, ban)
+        self.runner.sample(launched.launch, rows, params, generators, launched.sampled_seqs, mask, ban)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:
         try:
@@ -298,6 +300,7 @@ class Engine(EngineSetup, EngineServices):
             raise
         except Exception:  # e.g. a device error surfacing at the sync: fail that step's requests
             log.exception("engine step failed; failing the requests in this batch")
+            give_back({v.seq: v.num_drafts for v in launched.verified})
             for req in launched.touched:
                 if self.requests.get(req.request_id) is req:
                     self._finish_request(req, "error")
@@ -356,6 +359,11 @@ class Engine(EngineSetup, EngineServices):
             launched.samplers, launched.indices, result, self.in_flight_tokens.pending,
             self.eos_ids, self.max_model_len, self.tokenizer, self.counters, self.launch_ahead,
         )  # fmt: skip
+        if launched.verified:  # speculated sequences: their drafts kept while the samples agree
+            place_verified(
+                launched.verified, result, self.scheduler, self.eos_ids, self.max_model_len,
+                self.tokenizer, self.counters,
+            )  # fmt: skip
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """When sequence 0 of an n > 1 request finishes its prompt, split off the other samples."""

@@ -37,6 +37,8 @@ COUNTERS = (
     "batched_tokens_total",
     "prefix_cache_resets_total",
     "prefix_cache_reset_blocks_total",
+    "spec_decode_draft_tokens_total",
+    "spec_decode_accepted_tokens_total",
 )
 
 DEVICE_TIMERS = (

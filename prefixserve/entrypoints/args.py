@@ -118,6 +118,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)",
     )
     g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding by prompt lookup, as vLLM\'s: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (drafts from the sequence\'s own tokens)',
+    )
+    g.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="accepted for vLLM's command lines; prefixserve never runs code that comes with a model",
@@ -296,6 +304,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     given: dict[str, Any] = {}  # left out when not given: EngineConfig's defaults hold
     if getattr(args, "engine_seed", None) is not None:
         given["seed"] = args.engine_seed
+    if args.speculative_config is not None:
+        given["speculative_config"] = args.speculative_config
     if args.override_generation_config is not None:
         given["override_generation_config"] = args.override_generation_config
     if args.module_gpu_fraction is not None:

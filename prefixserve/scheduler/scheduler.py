@@ -52,6 +52,8 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
     cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache by this step's admissions
+    # speculated sequences -> the drafts at the end of their token ids this step verifies
+    drafts: dict[Sequence, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +89,9 @@ class Scheduler:
         # hold first have no room; or it ended trying). ``refuse(seq, why)``: end a head that can
         # never start, saying why.
         self.reclaim: Callable[[Sequence, bool], int] | None = None
+        # speculative decoding (``engine/speculative.py``): ``propose(running, budget)`` appends
+        # drafts before the step is planned, ``settle(out)`` keeps those its chunks reach
+        self.speculate: Any = None
         self.ready: Callable[[Sequence], bool] | None = None
         self.refuse: Callable[[Sequence, str], None] | None = None
 
@@ -228,6 +233,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.speculate is not None:
+            self.speculate.propose(self.running, budget)
         # Running sequences, in order: running[:i] are scheduled. This loop runs once per sequence per
         # step (B times at batch B), so it reads attributes directly and keeps to one call each.
         running, scheduled, copies = self.running, out.scheduled, out.copies
@@ -268,6 +275,8 @@ class Scheduler:
         while self.groups and budget > 0 and self._room_for_more():
             self._start_group(self.groups.popleft())
             budget = self._admit(out, budget)
+        if self.speculate is not None:
+            self.speculate.settle(out)
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:

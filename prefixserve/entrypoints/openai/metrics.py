@@ -39,6 +39,8 @@ _COUNTERS = {
     "prompt_tokens_total": "prompt tokens of accepted requests",
     "prompt_tokens_computed_total": "prompt tokens actually run through the model (not from cache)",
     "generation_tokens_total": "tokens generated",
+    "spec_decode_draft_tokens_total": "draft tokens speculative decoding proposed and checked",
+    "spec_decode_accepted_tokens_total": "of them, drafts kept (each a token a step did not have to decode)",
     "prefix_cache_hit_tokens_total": "prompt tokens served from the prefix cache",
     "attention_kv_tokens_read_total": "KV rows read by attention (shared segments read once)",
     "attention_kv_tokens_logical_total": "KV rows a per-sequence attention would read",
