@@ -211,3 +211,15 @@ def test_sampled_outputs_keep_the_models_distribution() -> None:
     assert spec.metrics()["spec_decode_accepted_tokens_total"] - before > 50  # the drafts did run
     assert all(abs(w - g) < 0.045 for w, g in zip(want[2:], got[2:], strict=True)), (want, got)
     assert_pool_empty(spec)
+
+
+def test_tensor_parallel_ranks_verify_the_same_drafts(pair: tuple[LLM, LLM]) -> None:
+    """Three gloo ranks: the drafts and their rows reach every rank with the step's inputs."""
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    want = [o.outputs[0].token_ids for o in pair[0].chat(CHATS[:2], greedy)]
+    with LLM(
+        dtype="float32", device="cpu", num_kv_blocks=512, tensor_parallel_size=3, progress=False,
+        speculative_config=SPEC,
+    ) as tp:  # fmt: skip
+        assert [o.outputs[0].token_ids for o in tp.chat(CHATS[:2], greedy)] == want
+        assert tp.metrics()["spec_decode_accepted_tokens_total"] > 0

@@ -57,8 +57,10 @@ def test_a_vllm_command_line_reaches_the_config() -> None:
         "--disable-uvicorn-access-log",
         "--root-path", "/api",
         "--disable-log-stats",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
     )  # fmt: skip
     config = engine_config_from_args(args)
+    assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert config.model == "dummy:llama-3.1-8b" and config.seed == 7
     assert config.gpu_memory_utilization == 0.5 and config.kv_memory_fraction is None
     assert config.enable_prefix_caching and config.generation_config == "vllm"
@@ -247,3 +249,22 @@ def test_the_stats_line_says_what_moved_and_an_idle_server_is_quiet(caplog: pyte
     lines = [r.getMessage() for r in caplog.records if r.name == "prefixserve.stats"]
     assert len(lines) == 2, lines  # the busy interval, then one line as it went idle, then quiet
     assert "running: 4 reqs" in lines[0] and "running: 0 reqs" in lines[1]
+
+
+def test_a_speculating_server_streams_what_it_answers_whole(tiny_config_path: Path) -> None:
+    """Several tokens a step reach a stream in order; the stream's text is the whole answer's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2}
+    config = EngineConfig(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, speculative_config=spec
+    )
+    body = {"prompt": [5, 6, 7, 8, 9] * 8, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        whole = http.post("/v1/completions", json=body).json()
+        chunks = []
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        assert "".join(chunks) == whole["choices"][0]["text"] and whole["usage"]["completion_tokens"] == 40
+        metrics = http.get("/metrics").text
+        assert "prefixserve_spec_decode_draft_tokens_total" in metrics
