@@ -38,7 +38,13 @@ def _template_text(given: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +52,14 @@ class SpeculativeConfig:
     """Speculative decoding by prompt lookup (vLLM's ``{"method": "ngram", ...}``): the last
     ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens of a sequence are looked up earlier in
     its own tokens, and the ``num_speculative_tokens`` that followed there are proposed as drafts,
-    all checked by one forward (``engine/speculative.py``)."""
+    all checked by one forward (``engine/speculative.py``). ``disable_by_batch_size``: no drafts in a
+    step while more sequences than this run (None: always)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     method: str = "ngram"
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
@@ -64,12 +72,17 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method {spec.get('method')!r} is not supported (ngram is)")
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config needs num_speculative_tokens")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in SPECULATIVE_KEYS[1:]:
             value = spec.get(name, 1)
+            if name == "disable_by_batch_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
         low = spec.get("prompt_lookup_min", 1)
-        made = cls(spec["num_speculative_tokens"], spec.get("prompt_lookup_max", max(4, low)), low)
+        top = spec.get("prompt_lookup_max", max(4, low))
+        made = cls(
+            spec["num_speculative_tokens"], top, low, disable_by_batch_size=spec.get("disable_by_batch_size")
+        )
         if made.prompt_lookup_min > made.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
         return made

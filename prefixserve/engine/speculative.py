@@ -110,8 +110,10 @@ class Speculator:
         """Before the step is scheduled: append drafts to the running sequences that take them, while
         the step's token budget has room beside one token for each running sequence."""
         self.drafted = {}
-        spare = budget - len(running)
         spec = self.spec
+        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
+            return
+        spare = budget - len(running)
         for seq in running:
             if spare <= 0:
                 break
