@@ -66,11 +66,17 @@ def assemble_batch(
 
     ``module_rows``: the Prompt Cache's module rows while any are in use, else None. ``to_recover``:
     requests with recovery rows still to compute, which lead the batch (``recompute_runs``).
+
+    A speculated sequence (``sched.drafts``) goes in as one decode row per token of its chunk, each
+    over the sequence's table up to its own position: each layer writes every row's K/V before
+    attending, so row j sees the drafts before it, as one causal chunk would, and a step of decodes
+    and speculated sequences stays a decode step (its CUDA graphs, its shared-segment kernels).
     """
     pos: list[int] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
     seqs: list[Sequence] = []
+    drafts = sched.drafts
     for s in sched.scheduled:  # once per sequence per step: a decode row's position is one index
         seq, n = s.seq, s.num_tokens
         c = seq.num_computed_tokens
@@ -78,6 +84,11 @@ def assemble_batch(
             pos.append(seq.positions[c])
         else:
             pos += seq.positions[c : c + n]
+            if drafts and seq in drafts:
+                query_lens += [1] * n
+                seq_lens += range(c + 1, c + n + 1)
+                seqs += [seq] * n
+                continue
         query_lens.append(n)
         seq_lens.append(c + n)
         seqs.append(seq)
