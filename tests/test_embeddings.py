@@ -271,8 +271,11 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(tiny_server) -> None:
         json={"query": query, "documents": [{"text": t} for t in docs], "top_n": 2},
         timeout=60,
     ).json()
-    order = sorted(range(3), key=lambda i: -want[i])[:2]
-    assert [r["index"] for r in ranked["results"]] == order
+    # the best two by score; docs 0 and 2 are the same text, so which of them ranks first is float noise
+    order = [r["index"] for r in ranked["results"]]
+    assert len(order) == 2 and np.allclose(
+        [want[i] for i in order], sorted(want, reverse=True)[:2], atol=1e-5
+    )
     assert ranked["results"][0]["document"]["text"] == docs[order[0]]
     assert np.allclose([r["relevance_score"] for r in ranked["results"]], [want[i] for i in order], atol=1e-5)
     for path, bad, field in (

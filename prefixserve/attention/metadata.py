@@ -44,6 +44,8 @@ class AttentionMetadata:
     # ordinary one. A module's last block may be partly filled; its empty rows are holes in every table
     # holding it, which only the shared-segment path skips (the plan makes module blocks segments).
     module_rows: np.ndarray | None = None
+    # sliding-window layers' shared work of a decode step, per window (``window_plan.py``), made once
+    window_plans: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -52,6 +54,13 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    @property
+    def max_seq_len(self) -> int:
+        """The step's longest sequence (host data: no device read)."""
+        if self.seq_lens_np is not None:
+            return int(self.seq_lens_np.max(initial=0))
+        return max(self.seq_lens_host, default=0)
 
     @property
     def is_decode_only(self) -> bool:

@@ -150,7 +150,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None  # eager steps' dense work (prefills, mixed steps)
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
+            # sliding-window layers attend between the pieces (window.py), not inside a decode graph
+            if not model.config.has_sliding_layers:
+                self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
             self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
         self.argmax_graphs: ArgmaxGraphs | None = None  # the sharded argmax, under tensor parallelism
         if self.graphs is not None and self.shard.parallel:

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from prefixserve.attention.graph import HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.engine.graph_capture import capture_into
 from prefixserve.kv.cache import KVCache
+
+if TYPE_CHECKING:
+    from prefixserve.model.llama import Ropes
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class _Bucket:
     residual: torch.Tensor  # [bucket, hidden]: the residual stream between pieces
     hidden: torch.Tensor  # [bucket, hidden]: the last piece's output
     graphs: list[torch.cuda.CUDAGraph]
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the angles piece 0 writes, the others read
+    rope: Ropes | None = None  # the angles piece 0 writes, the others read
 
 
 class PiecewiseGraphs:
@@ -78,7 +81,6 @@ class PiecewiseGraphs:
         self.device, self.dtype = param.device, param.dtype
         self.heads, self.head_dim, self.hidden_size = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         self.layers = cfg.num_hidden_layers
-        self.scale = model.model.layers[0].self_attn.scale
         self.buckets = token_buckets(max(MIN_BUCKET, min(max_tokens, MAX_TOKENS)))
         cap = self.buckets[-1]
         self.inputs = torch.zeros(3, cap, dtype=torch.long, device=self.device)  # ids, positions, slots
@@ -139,14 +141,15 @@ class PiecewiseGraphs:
     def _attend(
         self, entry: _Bucket, layer: int, tokens: int, meta: AttentionMetadata, backend: AttentionBackend
     ) -> None:
-        k_cache, v_cache = self.kv.layers[layer]
-        out = backend.forward(entry.q[:tokens], k_cache, v_cache, meta, self.scale)
+        out = self.model.model.layers[layer].self_attn.attend(
+            entry.q[:tokens], self.kv.layers[layer], meta, backend
+        )
         entry.out[:tokens].copy_(out.reshape(tokens, self.heads, self.head_dim))
 
     def _cache(self, layer: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (*self.kv.layers[layer], self.inputs[2, :bucket])
 
-    def _piece(self, entry: _Bucket, piece: int, bucket: int, rope: tuple[torch.Tensor, torch.Tensor] | None):
+    def _piece(self, entry: _Bucket, piece: int, bucket: int, rope: Ropes | None):
         """Run piece ``piece`` on the bucket's buffers (eagerly, or under capture); returns the RoPE
         angles piece 0 computed (the later pieces read them)."""
         model = self.model

@@ -299,23 +299,29 @@ def rope_qkv(
     head_dim: int,
     cache: KVWrite | None = None,
     dtype: torch.dtype | None = None,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused projection into q [T, Hq, D] and k [T, Hkv, D] (RoPE applied, contiguous) and
     v [T, Hkv, D]; with ``cache``, also write k and v into their cache slots. ``qkv`` may be the
     projection's fp32 split-K partials [S, T, W] (``qkv_partials``), with ``dtype`` the model's:
-    their sum rounded to it is the projection."""
+    their sum rounded to it is the projection. ``norms`` (q's and k's RMSNorm weights over a head's
+    dims, eps): QK-norm before RoPE (Qwen3, Gemma 3), in the same kernel on CUDA."""
     if _use_triton(qkv):
         from prefixserve.model.kernels.rope import rope_qkv as kernel
 
-        return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, dtype)
+        return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, dtype, norms)
     if qkv.dim() == 3:
         if dtype is None:
             raise ValueError("split-K partials need the model's dtype")
         qkv = qkv.sum(0).to(dtype)
     tokens = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(tokens, num_heads, head_dim), cos, sin)
-    k = apply_rope(k.view(tokens, num_kv_heads, head_dim), cos, sin)
+    q, k = q.reshape(tokens, num_heads, head_dim), k.reshape(tokens, num_kv_heads, head_dim)
+    if norms is not None:  # over each head's dims: heads as rows
+        q = add_rms_norm(q.reshape(-1, head_dim), norms[0], norms[2])[0].view(q.shape)
+        k = add_rms_norm(k.reshape(-1, head_dim), norms[1], norms[2])[0].view(k.shape)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
     v = v.view(tokens, num_kv_heads, head_dim)
     if cache is not None:
         k_cache, v_cache, slots = cache
@@ -324,27 +330,29 @@ def rope_qkv(
     return q, k, v
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
-    """``silu(gate) * up`` of the fused gate-up projection's two halves."""
+def silu_and_mul(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    """``silu(gate) * up`` of the fused gate-up projection's two halves (``gelu``: the tanh GELU's,
+    Gemma's ``gelu_pytorch_tanh``)."""
     if _use_triton(x):
         from prefixserve.model.kernels.silu_mul import silu_and_mul as kernel
 
-        return kernel(x)
+        return kernel(x, gelu)
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, I]
-    """``silu_and_mul(linear(x, weight))`` of the fused gate-up weight [2 I, K]; on a Hopper GPU one
-    kernel with the activation in its epilogue where its sweep beat the pair (``kernels/gate_up.py``):
-    the [T, 2 I] product is never written."""
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight), gelu)`` of the fused gate-up weight [2 I, K] ([T, K] ->
+    [T, I]); on a Hopper GPU one kernel with the activation in its epilogue where its sweep beat the
+    pair (``kernels/gate_up.py``): the [T, 2 I] product is never written. ``gelu``: the tanh GELU
+    (Gemma) instead of SiLU, in the same kernels."""
     if _SWITCHES["gate_up"] and _use_triton(x):
         from prefixserve.model.kernels import gate_up
 
-        out = gate_up.gate_up_silu(x, weight)
+        out = gate_up.gate_up_silu(x, weight, gelu)
         if out is not None:
             return out
-    return silu_and_mul(linear(x, weight))
+    return silu_and_mul(linear(x, weight), gelu)
 
 
 __all__ = [

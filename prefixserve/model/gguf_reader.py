@@ -1,7 +1,10 @@
-"""Read a Llama-architecture GGUF file: config, dequantized weights (HF names) and tokenizer.
+"""Read a GGUF file of a family the gguf package maps (Llama, Qwen2, Qwen3): config, dequantized
+weights (HF names) and tokenizer.
 
-llama.cpp's converter permutes the rows of q/k projections for its interleaved RoPE; we undo that so
-the weights work with the HF (rotate-half) RoPE our model uses, exactly as transformers does.
+llama.cpp's converter permutes the rows of a Llama's q/k projections for its interleaved RoPE; we
+undo that so the weights work with the HF (rotate-half) RoPE our model uses, exactly as transformers
+does. Qwen's are written as they are (llama.cpp runs them with the rotate-half RoPE), so they are
+read as they are.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import numpy as np
 import torch
 
 from prefixserve.model.config import ModelConfig
+
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3")  # general.architecture values read (the family names)
 
 
 class GGUFError(ValueError):
@@ -36,8 +41,10 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise GGUFError(f"{path}: architecture {arch!r} is not a Llama-family model")
+    if arch not in GGUF_FAMILIES:
+        raise GGUFError(
+            f"{path}: architecture {arch!r} is not one of the GGUF families {list(GGUF_FAMILIES)}"
+        )
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -50,7 +57,13 @@ def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
         num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        head_dim=int(
+            _field(
+                reader,
+                f"{arch}.attention.key_length",
+                _field(reader, f"{arch}.rope.dimension_count", hidden // heads),
+            )
+        ),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
@@ -59,6 +72,7 @@ def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         architecture=arch,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )
 
 
@@ -70,6 +84,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -98,9 +114,10 @@ def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, t
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
         arr = np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
+        permuted = config.architecture == "llama"  # llama.cpp permutes a Llama's q and k only
+        if permuted and (t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias")):
             arr = _unpermute(arr, config.num_attention_heads)
-        elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
+        elif permuted and (t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias")):
             arr = _unpermute(arr, config.num_key_value_heads)
         yield hf_name(t.name), torch.from_numpy(np.ascontiguousarray(arr))  # writable copy
 

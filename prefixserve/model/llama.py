@@ -1,4 +1,8 @@
-"""Llama-family transformer over a flat batch of tokens and the paged KV cache.
+"""The decoder-only transformer over a flat batch of tokens and the paged KV cache, built layer by layer.
+
+One set of blocks serves every family (``model/families``): each layer takes its attention type,
+window and RoPE from ``ModelConfig.layer_spec``, and the config switches the parts families differ
+in (QK-norm, Gemma's sandwich norms, the MLP's activation, an embedding scale, a final soft-cap).
 
 The batch is one flat list of tokens from many sequences (prefill chunks and decode tokens mixed);
 every token brings its own position ID, and attention goes through an AttentionBackend that sees the
@@ -22,8 +26,9 @@ from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.window import attend_layer
 from prefixserve.model import cpu_linear, fused
-from prefixserve.model.config import ModelConfig
+from prefixserve.model.config import LayerSpec, ModelConfig, RopeSpec
 from prefixserve.model.meta_init import LoadedLater
 from prefixserve.model.parallel import Shard
 from prefixserve.model.peer_allreduce import ATTENTION_SLOT, EMBEDDING_SLOT, MLP_SLOT
@@ -58,15 +63,17 @@ class RMSNorm(nn.Module):
         return fused.add_rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3's long-context scaling when the config asks for it.
+def rope_inv_freq(config: ModelConfig, rope: RopeSpec | None = None) -> torch.Tensor:
+    """Inverse frequencies of ``rope`` (default: layer 0's), with Llama-3's long-context scaling or
+    linear scaling when it asks for them.
 
     Computed on the CPU whatever device context the model is built under (callers move it): on the
     meta device, fp64 ``arange`` runs torch's Python decomposition, which imports torch._dynamo."""
+    rope = rope or config.layer_spec(0).rope
     dim = config.head_dim
     steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
-    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
-    scaling = config.rope_scaling or {}
+    inv_freq = 1.0 / (rope.theta ** (steps / dim))
+    scaling = rope.scaling_dict
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "llama3":
         factor = float(scaling["factor"])
@@ -85,14 +92,16 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, D] fp32 each (``RotaryEmbedding.cos_sin``)
+Ropes = tuple[Rope, ...]  # a step's angles for each distinct RoPE of the model (``CausalLM.ropes``)
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE from an explicit position per token (positions are data: they need not be 0..n-1)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rope: RopeSpec | None = None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.spec = rope or config.layer_spec(0).rope
+        self.register_buffer("inv_freq", rope_inv_freq(config, self.spec), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> Rope:  # [T] -> cos, sin [T, D]
         """The step's angles, computed once and shared by every layer."""
@@ -203,14 +212,21 @@ class VocabParallelEmbedding(LoadedLater, nn.Embedding):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    """q/k/v projection (QK-norm where the family has it), RoPE, attention over the cache (within the
+    layer's window, if it slides), o_proj."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, spec: LayerSpec | None = None) -> None:
         super().__init__()
         self.shard = shard
         d = self.head_dim = config.head_dim
         q0, q1 = shard.span(config.num_attention_heads)
         k0, k1 = shard.kv_head_span(config.num_key_value_heads)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
-        self.scale = self.head_dim**-0.5
+        self.scale = config.softmax_scale
+        self.window = spec.window if spec is not None else None  # keys a query sees; None: all
+        if config.qk_norm:  # one RMSNorm over each head's dims, shared by the heads
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         hidden, bias = config.hidden_size, config.attention_bias
         q_total, kv_total = config.num_attention_heads * d, config.num_key_value_heads * d
         parts = [
@@ -238,7 +254,9 @@ class Attention(nn.Module):
         projection may come as split-K partials, which the RoPE kernel sums (``fused.qkv_partials``)."""
         proj = self.qkv_proj
         qkv = fused.qkv_partials(x, proj.weight, proj.bias) if x.is_cuda else proj(x)  # [(S,) T, W]
-        return fused.rope_qkv(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim, cache, x.dtype)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        return fused.rope_qkv(qkv, *rope, *shape, cache, x.dtype, norms)
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, rope: Rope | None = None
@@ -265,7 +283,17 @@ class Attention(nn.Module):
         # attention then reads everything from the cache.
         cache = (k_cache, v_cache, meta.slot_mapping) if write_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
-        return self.output(backend.forward(q, k_cache, v_cache, meta, self.scale))
+        return self.output(self.attend(q, kv_layer, meta, backend))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Attention of q over this layer's cache, with this layer's scale and window."""
+        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window)
 
     def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
         """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention."""
@@ -284,6 +312,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         self.shard = shard
+        self.act = config.hidden_act  # silu (Llama, Qwen) or gelu_pytorch_tanh (Gemma)
         inter = config.intermediate_size
         cols = shard.span(inter)
         parts = [("gate_proj", cols, inter), ("up_proj", cols, inter)]
@@ -295,56 +324,90 @@ class MLP(nn.Module):
         maybe the down projection's fp32 split-K partials [S, T, hidden] instead (one process), or
         on the fused path (``product_slot``) the ranks' products unsummed (``PeerSum``, ``MLP_SLOT``)."""
         # [T, I] (this rank's columns: on a GPU without the [T, 2I] product), then the ranks' sums added
+        gelu = self.act == "gelu_pytorch_tanh"
         if x.is_cuda:
-            act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight)
+            act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight, gelu)
         else:
-            act = fused.silu_and_mul(self.gate_up_proj(x))
+            act = fused.silu_and_mul(self.gate_up_proj(x), gelu)
         if partials and not self.shard.parallel and act.is_cuda:
             return fused.linear_partials(act, self.down_proj.weight)
         return self.down_proj.reduced(act, self.shard, slot=MLP_SLOT if partials else None)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    """Pre-norm attention and MLP blocks; with ``sandwich_norms`` (Gemma) each block's output is
+    normed too before its residual add: ``post_attention_layernorm`` then follows attention and
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` surround the MLP (HF's names)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, spec: LayerSpec, rope_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, shard)
+        self.spec, self.rope_index = spec, rope_index  # rope_index: which of the step's angles
+        self.self_attn = Attention(config, shard, spec)
         self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
         h: torch.Tensor,  # [T, hidden] or [S, T, hidden] partials: the last MLP's output (layer 0: embedding)
         residual: torch.Tensor | None,  # [T, hidden]: the residual stream before h is added; None at layer 0
-        rope: Rope,
+        rope: Ropes,
         kv_layer: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
         """One layer with every residual add fused into the next norm: the stream is h + residual."""
         q, residual = self.before_attention(h, residual, rope, (*kv_layer, meta.slot_mapping))
-        out = backend.forward(q, *kv_layer, meta, self.self_attn.scale)
+        out = self.self_attn.attend(q, kv_layer, meta, backend)
         return self.after_attention(out, residual)
 
     def before_attention(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, cache: fused.KVWrite
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Ropes, cache: fused.KVWrite
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, residual stream): the input norm, then q/k/v with RoPE, K/V written to ``cache``."""
         x, residual = self.input_layernorm.with_stream(h, residual)
-        return self.self_attn.query(x, rope, cache), residual
+        return self.self_attn.query(x, rope[self.rope_index], cache), residual
 
     def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP."""
+        if self.sandwich:  # the block outputs are normed before their residual adds
+            attn = self.post_attention_layernorm(self.self_attn.output(out))
+            x, residual = self.pre_feedforward_layernorm(attn, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(self.self_attn.output(out, for_norm=True), residual)
         return self.mlp(x, partials=True), residual  # the next norm sums split-K partials or ranks
+
+
+def distinct_ropes(config: ModelConfig) -> list[RopeSpec]:
+    """The model's RoPEs in order of first use (one for most models; Gemma: local and global)."""
+    out: list[RopeSpec] = []
+    for i in range(config.num_hidden_layers):
+        rope = config.layer_spec(i).rope
+        if rope not in out:
+            out.append(rope)
+    return out
 
 
 class LlamaBody(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(config, shard) for _ in range(config.num_hidden_layers))
+        ropes = distinct_ropes(config)
+        specs = [config.layer_spec(i) for i in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, s, ropes.index(s.rope)) for s in specs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.embed_scale  # Gemma: sqrt(hidden), applied in the model's dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor | fused.PeerSum:  # [T] -> [T, hidden]
+        """The embeddings of ``ids``, scaled where the family scales them (then summed over ranks here)."""
+        if self.embed_scale is None:
+            return self.embed_tokens.summed_later(ids)
+        h = self.embed_tokens(ids)
+        return h * torch.tensor(self.embed_scale, dtype=h.dtype)
 
 
 class ParallelLMHead(Linear):
@@ -356,8 +419,9 @@ class ParallelLMHead(Linear):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. ``forward`` returns final hidden states; ``compute_logits`` the logits (fp32
-    unless an argmax alone asks for the model's dtype).
+    """The whole model, of any supported family (the name is the first family's). ``forward`` returns
+    final hidden states; ``compute_logits`` the logits (fp32 unless an argmax alone asks for the
+    model's dtype).
 
     ``config`` is what this process computes (``Shard.local_config``: its heads and columns; the
     KV cache and the attention are sized from it); ``full_config`` the checkpoint's model.
@@ -369,7 +433,9 @@ class LlamaForCausalLM(nn.Module):
         self.full_config = config
         self.config = shard.local_config(config)
         self.model = LlamaBody(config, shard)
-        self.rotary = RotaryEmbedding(config)
+        self.ropes = nn.ModuleList(RotaryEmbedding(config, rope) for rope in distinct_ropes(config))
+        self.rotary = self.ropes[0]
+        self.softcap = config.final_logit_softcapping
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, shard)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -386,8 +452,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         """Final hidden states. ``before_layer(i)``, if given, runs before layer i touches the cache:
         the model runner's wait for KV still being copied into it (``kv/landing.py``)."""
-        h = self.model.embed_tokens.summed_later(input_ids)
-        rope = self.rotary.cos_sin(positions)
+        h = self.model.embed(input_ids)
+        rope = self.cos_sin(positions)
         residual = None
         for i, (layer, kv_layer) in enumerate(zip(self.model.layers, kv_cache, strict=True)):
             if before_layer is not None:
@@ -395,20 +461,29 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, rope, kv_layer, meta, backend)
         return self.model.norm(h, residual)[0]
 
+    def cos_sin(self, positions: torch.Tensor) -> Ropes:
+        """The step's RoPE angles, once per distinct RoPE, shared by the layers that use it."""
+        return tuple(rotary.cos_sin(positions) for rotary in self.ropes)
+
+    def reset_ropes(self, device: torch.device) -> None:
+        """Recompute the RoPE tables on ``device`` (after building on the meta device)."""
+        for rotary in self.ropes:
+            rotary.inv_freq = rope_inv_freq(self.full_config, rotary.spec).to(device)
+
     # ---- the forward in pieces between attentions (``engine/piecewise_graph.py`` replays them) ----
     # forward == first_piece, then for each layer l: attention, then piece(l + 1) (last_piece after
     # the last layer); the same ops in the same order.
     def first_piece(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: fused.KVWrite
-    ) -> tuple[torch.Tensor, torch.Tensor, Rope]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Ropes]:
         """(layer 0's q, the residual stream, the step's RoPE angles) from the token ids."""
-        h = self.model.embed_tokens.summed_later(input_ids)
-        rope = self.rotary.cos_sin(positions)
+        h = self.model.embed(input_ids)
+        rope = self.cos_sin(positions)
         q, residual = self.model.layers[0].before_attention(h, None, rope, cache)
         return q, residual, rope
 
     def middle_piece(
-        self, layer: int, out: torch.Tensor, residual: torch.Tensor, rope: Rope, cache: fused.KVWrite
+        self, layer: int, out: torch.Tensor, residual: torch.Tensor, rope: Ropes, cache: fused.KVWrite
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer - 1``'s attention output ``out`` -> (layer ``layer``'s q, the residual stream)."""
         h, residual = self.model.layers[layer - 1].after_attention(out, residual)
@@ -436,18 +511,17 @@ class LlamaForCausalLM(nn.Module):
         are. Layer 1's KV is the first that sees the context: how far the cached rows are from it
         says which rows to recompute (CacheBlend's selection). A one-layer model returns layer 0's.
         """
-        h = self.model.embed_tokens(input_ids)
-        first = self.model.layers[0]
-        if len(self.model.layers) == 1:
-            _, k, v = first.self_attn.project(first.input_layernorm(h), positions, self.rotary)
+        layers, rope = self.model.layers, self.cos_sin(positions)
+        first = layers[0]
+        x, residual = first.input_layernorm.with_stream(self.model.embed(input_ids))
+        if len(layers) == 1:
+            _, k, v = first.self_attn.project(x, positions, self.rotary, rope[first.rope_index])
             return k, v
-        a = first.self_attn(
-            first.input_layernorm(h), positions, self.rotary, kv_cache[0], meta, backend, write_kv=False
-        )
-        h = h + a
-        h = h + first.mlp(first.post_attention_layernorm(h))
-        second = self.model.layers[1]
-        _, k, v = second.self_attn.project(second.input_layernorm(h), positions, self.rotary)
+        q, _, _ = first.self_attn.project(x, positions, self.rotary, rope[first.rope_index])
+        h, residual = first.after_attention(first.self_attn.attend(q, kv_cache[0], meta, backend), residual)
+        second = layers[1]
+        x, _ = second.input_layernorm.with_stream(h, residual)
+        _, k, v = second.self_attn.project(x, positions, self.rotary, rope[second.rope_index])
         return k, v
 
     @torch.inference_mode()
@@ -457,6 +531,8 @@ class LlamaForCausalLM(nn.Module):
         ``fp32=False`` keeps the model's dtype: an argmax needs no cast (the cast is exact, so the
         winner is the same), and at B=1024 x 128K vocabulary the fp32 copy is 0.5 GB a step."""
         logits = self.lm_head(hidden)
+        if self.softcap is not None:  # monotone: the argmax paths need not apply it
+            logits = torch.tanh(logits.float() / self.softcap) * self.softcap
         return self.shard.gather_columns(logits.float() if fp32 else logits, self.config.vocab_size)
 
     @property

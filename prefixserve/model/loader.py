@@ -24,9 +24,9 @@ from prefixserve.model.llama import (
     LlamaForCausalLM,
     MergedLinear,
     ParallelLMHead,
+    RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    rope_inv_freq,
 )
 from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.meta_init import allocate
@@ -145,7 +145,7 @@ def _materialize(
         model = LlamaForCausalLM(config, shard)
     check_weights_fit(model.to(dtype), device, shard or Shard())  # before any byte is allocated
     allocate(model, device)  # tied embeddings stay tied
-    model.rotary.inv_freq = rope_inv_freq(config).to(device)
+    model.reset_ropes(device)
     return model
 
 
@@ -249,7 +249,9 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                 if name not in targets:
                     if "rotary_emb" in name:
                         continue
-                    raise ValueError(f"{file}: unexpected weight {name!r} for a Llama-family model")
+                    raise ValueError(
+                        f"{file}: unexpected weight {name!r} for a {model.config.architecture} model"
+                    )
                 source = f.get_slice(name)
                 shape = tuple(source.get_shape())
                 for param, piece in targets[name]:
@@ -266,6 +268,18 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"{directory}: missing weights {sorted(missing)[:5]} ({len(missing)} in all)")
+    _fold_norm_offset(model)
+
+
+def _fold_norm_offset(model: LlamaForCausalLM) -> None:
+    """Gemma's norms scale by (1 + w): store 1 + w, so every norm is the plain kernel's ``w * x``.
+    Done on the fp32 weights, before the cast to the model's dtype."""
+    offset = model.config.norm_weight_offset
+    if offset:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(offset)
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
@@ -370,12 +384,16 @@ def with_chat_template(tokenizer: Any, template: str | None) -> Any:
 
 def load_tokenizer(directory: Path | None) -> Any:
     """The model's own tokenizer (transformers); for dummy weights the default model's if installed,
-    else a byte-level one built in code (``byte_tokenizer``): a dummy model always takes text."""
+    else a byte-level one built in code (``byte_tokenizer``): a dummy model always takes text. A model
+    directory with no tokenizer file at all (a checkpoint written by ``save_pretrained`` alone) gets
+    the byte-level one too, rather than an empty tokenizer that transformers makes up or refuses."""
     if directory is None:
         try:
             directory = convert_gguf(default_gguf_path())
         except FileNotFoundError:
             return byte_tokenizer()
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        return byte_tokenizer()
     if _plain_fast_tokenizer(directory):
         from transformers import PreTrainedTokenizerFast
 
@@ -385,6 +403,7 @@ def load_tokenizer(directory: Path | None) -> Any:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _PLAIN_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")  # transformers 4's name, and 5's
 
 

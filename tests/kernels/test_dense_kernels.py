@@ -148,6 +148,41 @@ def test_rope_qkv_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 32), (3, 1, 24)])
+@pytest.mark.parametrize("splits", [0, 2])
+def test_rope_qkv_with_qk_norm_matches_norm_then_rope(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, splits: int
+) -> None:
+    """QK-norm (Qwen3, Gemma 3) in the RoPE kernel equals an RMSNorm over each q and k head, as the
+    model's norm rounds it, then the reference RoPE; from the product and from split-K partials."""
+    gen = torch.Generator().manual_seed(dim + splits)
+    tokens, width = 5, (heads + 2 * kv_heads) * dim
+    parts = torch.randn(max(splits, 1), tokens, width, generator=gen).to(DEVICE) * 3
+    qkv = parts.sum(0).to(dtype)
+    wq, wk = (torch.randn(dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    positions = torch.tensor([3, 0, 900, 41, 7], device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    cos, sin = rope_cos_sin(positions, inv_freq.float().to(DEVICE))
+    eps = 1e-6
+
+    def normed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [T, H * D], each head normed
+        xf = x.reshape(tokens, -1, dim).float()
+        out = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        return out.reshape(tokens, -1)
+
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    ref = rope_qkv_ref(torch.cat([normed(q, wq), normed(k, wk), v], -1), cos, sin, heads, kv_heads, dim)
+    source = parts.float().contiguous() if splits else qkv
+    got = rope_qkv(source, cos, sin, heads, kv_heads, dim, None, dtype, (wq, wk, eps))
+    tol = {"rtol": 2e-2, "atol": 5e-2} if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got[0], ref[0], **tol)
+    torch.testing.assert_close(got[1], ref[1], **tol)
+    torch.testing.assert_close(
+        fused.rope_qkv(qkv, cos, sin, heads, kv_heads, dim, None, dtype, (wq, wk, eps))[0], ref[0], **tol
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 2, 3])
 @pytest.mark.parametrize("write", [False, True])
 def test_rope_qkv_sums_split_k_partials(dtype: torch.dtype, splits: int, write: bool) -> None:
@@ -221,10 +256,11 @@ def test_torch_rope_without_cat_is_bit_identical_to_hf() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 1100])  # 1100: two programs per row, the second masked
-def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int) -> None:
+@pytest.mark.parametrize("gelu", [False, True])
+def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int, gelu: bool) -> None:
     gen = torch.Generator().manual_seed(inter)
     x = (3 * torch.randn(5, 2 * inter, generator=gen)).to(DEVICE, dtype)
-    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **_tol(dtype))
+    torch.testing.assert_close(silu_and_mul(x, gelu), silu_and_mul_ref(x, gelu), **_tol(dtype))
     assert silu_and_mul(x[:0]).shape == (0, inter)
 
 
@@ -374,9 +410,9 @@ def test_fused_linear_is_torch_off_cuda() -> None:
     assert torch.equal(fused.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
-def _gate_up_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The unfused pair in fp32: the gate-up product rounded to x's dtype, then SiLU-and-mul."""
-    return silu_and_mul_ref(torch.nn.functional.linear(x.float(), w.float()).to(x.dtype).float())
+def _gate_up_ref(x: torch.Tensor, w: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """The unfused pair in fp32: the gate-up product rounded to x's dtype, then SiLU- (or GELU-) and-mul."""
+    return silu_and_mul_ref(torch.nn.functional.linear(x.float(), w.float()).to(x.dtype).float(), gelu)
 
 
 @pytest.mark.parametrize("dtype", SKINNY_DTYPES)
@@ -390,21 +426,22 @@ def _gate_up_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         (130, 80, 256, "tiled", (128, 64, 64, 3, 4)),
     ],
 )
-def test_gate_up_kernels_match_reference(dtype, m, inter, k, kind, config) -> None:
-    """The gate-up product with SiLU-and-mul in the epilogue against the unfused pair in fp32: the
-    skinny kernel's gated form and the tiled TMA kernel, masked rows and columns
-    (m and I not multiples of the tiles)."""
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gate_up_kernels_match_reference(dtype, m, inter, k, kind, config, gelu) -> None:
+    """The gate-up product with SiLU-and-mul (or Gemma's GELU-and-mul) in the epilogue against the
+    unfused pair in fp32: the skinny kernel's gated form and the tiled TMA kernel, masked rows and
+    columns (m and I not multiples of the tiles)."""
     from prefixserve.model.kernels import gate_up, skinny_matmul
 
     gen = torch.Generator().manual_seed(m * inter + k)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     w = (torch.randn(2 * inter, k, generator=gen) / k**0.5).to(DEVICE, dtype)
     if kind == "skinny":
-        out = skinny_matmul.skinny_gated(x, w, config)
+        out = skinny_matmul.skinny_gated(x, w, config, gelu)
     else:
-        out = gate_up.gate_up_tiled(x, w, config)
+        out = gate_up.gate_up_tiled(x, w, config, gelu)
     assert out.shape == (m, inter) and out.dtype == dtype
-    torch.testing.assert_close(out.float(), _gate_up_ref(x, w), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), _gate_up_ref(x, w, gelu), rtol=1e-2, atol=1e-2)
 
 
 def test_gate_up_rule_and_refusals() -> None:

@@ -10,7 +10,8 @@ code. Imports go one way, down this order (a module imports only modules before 
 imports included; tests/kernels/test_kernel_imports.py checks it):
 
     _ptxas < merge < tiles < attend < packed_decode < paged_attention < gluon_attend
-    < shared_gluon < shared_plan < shared_attention < mixed_rule < mixed_own < mixed_gluon
+    < shared_gluon < shared_plan < shared_attention < window_attention < mixed_rule < mixed_own
+    < mixed_gluon
     < step_plan < step_launch < graph_attention < triton_backend
 
   * _ptxas: the ptxas that builds the mixed kernel (recorded launches: ``prefixserve.triton_support``);
@@ -19,6 +20,8 @@ imports included; tests/kernels/test_kernel_imports.py checks it):
   * packed_decode, paged_attention: the paged kernels (several decode sequences a program; any step);
   * shared_plan: the shared-segment work list (host);  shared_attention: the Triton shared kernel;
   * gluon_attend: Gluon blocks of the Hopper ring pipeline;  shared_gluon: the Gluon shared kernel;
+  * window_attention: a sliding-window layer's attention (each row within its window; a decode step's
+    segments inside the windows through the shared kernel);
   * mixed_rule: when a decode step takes the mixed kernel (host);  mixed_own: its own tiles;
     mixed_gluon: the mixed kernel (shared and own tiles in one launch);
   * step_plan, step_launch: a step's host plan and launch paths, shared by the eager backend and the

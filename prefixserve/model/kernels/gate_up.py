@@ -44,6 +44,7 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     GROUP_M: tl.constexpr,
+    GELU: tl.constexpr = False,  # the tanh GELU instead of SiLU (Gemma)
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -64,7 +65,7 @@ def _gate_up_kernel(
         acc_gate = tl.dot(x, gate.T, acc_gate)
         acc_up = tl.dot(x, up.T, acc_up)
     dtype = out_ptr.dtype.element_ty
-    out = silu_mul(acc_gate, acc_up, dtype).to(dtype)
+    out = silu_mul(acc_gate, acc_up, dtype, GELU).to(dtype)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -120,7 +121,9 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def gate_up_tiled(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.Tensor:
+def gate_up_tiled(
+    x: torch.Tensor, weight: torch.Tensor, config: TileConfig, gelu: bool = False
+) -> torch.Tensor:
     """``silu(x W[:I]^T) * (x W[I:]^T)`` through the tiled kernel, into a new [M, I] tensor.
 
     Launched through Triton's own path (the descriptors are new objects each call): tens of host
@@ -136,13 +139,14 @@ def gate_up_tiled(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> 
     grid = (triton.cdiv(m, block_m) * triton.cdiv(inter, block_n),)
     _gate_up_kernel[grid](
         x_desc, w_desc, out, m, inter, k, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=GROUP_M, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GROUP_M=GROUP_M, GELU=gelu,
+        num_warps=warps,
     )  # fmt: skip
     return out
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``silu_and_mul(F.linear(x, weight))`` in one kernel where a rule names one; None where the
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, gelu: bool = False) -> torch.Tensor | None:
+    """``silu_and_mul(F.linear(x, weight), gelu)`` in one kernel where a rule names one; None where the
     unfused pair should run (``fused.linear_silu_and_mul``): unsupported inputs, rows the rules
     leave to cuBLAS, or fewer than ``skinny_matmul.MIN_GATED_COLUMNS`` output columns."""
     if not supported(x, weight):
@@ -150,9 +154,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     m, inter = x.shape[0], weight.shape[0] // 2
     if m <= skinny_matmul.MAX_ROWS:
         config = skinny_matmul.gated_config(m, inter)  # None below MIN_GATED_COLUMNS
-        return None if config is None else skinny_matmul.gated(x, weight, config)
+        return None if config is None else skinny_matmul.gated(x, weight, config, gelu)
     tiles = tiled_config(m, inter)
-    return None if tiles is None else gate_up_tiled(x, weight, tiles)
+    return None if tiles is None else gate_up_tiled(x, weight, tiles, gelu)
 
 
 __all__ = ["gate_up_silu", "gate_up_tiled", "supported", "tiled_config"]

@@ -15,6 +15,9 @@ cos and sin come in as [T, D] fp32 (HF's layout, computed once per step from the
 ``RotaryEmbedding.cos_sin``, so positions stay data and any position works); the kernel reads their
 first halves. Inside a CUDA graph the slot of a padding row is the cache's scratch slot, as for
 ``index_copy_``.
+
+With QK-norm (Qwen3, Gemma 3) each q and k head is RMS-normed over its dims before it rotates, in the
+same program: the head's two halves are in registers already, so the norm costs no extra read.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def _rotate_heads(
     HALF_BLOCK: tl.constexpr,
     WRITE: tl.constexpr,
     SPLITS: tl.constexpr,
+    norm_ptr,  # [HEAD_DIM] the heads' RMSNorm weight (used when NORM)
+    eps,
+    NORM: tl.constexpr,
 ):
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -63,6 +69,12 @@ def _rotate_heads(
     dtype: tl.constexpr = dst_ptr.dtype.element_ty
     x1 = _load_row_part(src_ptr + off, mask, stride_split, SPLITS, dtype)
     x2 = _load_row_part(src_ptr + off + half, mask, stride_split, SPLITS, dtype)
+    if NORM:  # rounded as the model's RMSNorm: normed to the dtype, times the weight, to the dtype
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(norm_ptr + d, mask=d < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     tl.store(dst_ptr + off, o1.to(dst_ptr.dtype.element_ty), mask=mask)
@@ -95,6 +107,9 @@ def _rope_qkv_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    q_norm_ptr,  # [HEAD_DIM] (NORM)
+    k_norm_ptr,
+    eps,
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -103,6 +118,7 @@ def _rope_qkv_kernel(
     HALF_BLOCK: tl.constexpr,
     WRITE_KV: tl.constexpr,
     SPLITS: tl.constexpr,
+    NORM: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -127,6 +143,9 @@ def _rope_qkv_kernel(
         HALF_BLOCK,
         False,
         SPLITS,
+        q_norm_ptr,
+        eps,
+        NORM,
     )
     _rotate_heads(
         row + NUM_Q * HEAD_DIM,
@@ -142,6 +161,9 @@ def _rope_qkv_kernel(
         HALF_BLOCK,
         WRITE_KV,
         SPLITS,
+        k_norm_ptr,
+        eps,
+        NORM,
     )
     if WRITE_KV or SPLITS > 0:  # v goes to the cache as it is (partials: summed, and to v too)
         h = tl.arange(0, BLOCK_KV)[:, None]
@@ -168,9 +190,10 @@ def rope_qkv(
     head_dim: int,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k_cache, v_cache, slots
     dtype: torch.dtype | None = None,  # of q, k and v; partials need it (the model's dtype)
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # QK-norm: q's and k's weights, eps
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hkv, D] (new, contiguous, RoPE applied) and v [T, Hkv, D] (a view of
-    qkv; from partials, their sum, new).
+    """q [T, Hq, D] and k [T, Hkv, D] (new, contiguous, QK-normed if ``norms``, RoPE applied) and
+    v [T, Hkv, D] (a view of qkv; from partials, their sum, new).
 
     With ``cache`` = (k_cache, v_cache, slots), each [.., block_size, Hkv, D] cache gets the token's
     rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them.
@@ -225,6 +248,9 @@ def rope_qkv(
         kc.stride(1),
         vc.stride(0),
         vc.stride(1),
+        norms[0] if norms else cos,
+        norms[1] if norms else cos,
+        norms[2] if norms else 0.0,
         NUM_Q=num_heads,
         NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -233,6 +259,7 @@ def rope_qkv(
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
         WRITE_KV=cache is not None,
         SPLITS=splits,
+        NORM=norms is not None,
         num_warps=4,
     )
     return q, k, v

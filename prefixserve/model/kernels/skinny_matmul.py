@@ -46,6 +46,7 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    GELU: tl.constexpr = False,  # GATED with the tanh GELU instead of SiLU (Gemma)
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,7 +70,7 @@ def _skinny_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     if GATED:
-        acc = silu_mul(acc, acc_up, dtype)
+        acc = silu_mul(acc, acc_up, dtype, GELU)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -171,10 +172,11 @@ def linear_if_faster(
 
 
 def skinny_gated(
-    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int] | None = None
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int] | None = None, gelu: bool = False
 ) -> torch.Tensor:
-    """``silu(x W[:n]^T) * (x W[n:]^T)`` of the fused gate-up weight [2n, K], into a new [M, n] tensor
-    (``supported`` inputs, no bias); ``config`` by default ``gated_config``'s."""
+    """``silu(x W[:n]^T) * (x W[n:]^T)`` of the fused gate-up weight [2n, K] (``gelu``: the tanh
+    GELU's), into a new [M, n] tensor (``supported`` inputs, no bias); ``config`` by default
+    ``gated_config``'s."""
     if not supported(x, weight) or weight.shape[0] % 2:
         raise ValueError(
             f"skinny_gated takes 1-{MAX_ROWS} 16-bit rows with K % {BLOCK_K} == 0 and a [2n, K] weight "
@@ -182,12 +184,12 @@ def skinny_gated(
             f"{tuple(weight.shape)} {weight.dtype}"
         )
     n = weight.shape[0] // 2
-    return _launch(x, weight, None, config or gated_config(x.shape[0], n) or (32, 6), gated=True)
+    return _launch(x, weight, None, config or gated_config(x.shape[0], n) or (32, 6), gated=True, gelu=gelu)
 
 
-def gated(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int]) -> torch.Tensor:
+def gated(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int], gelu: bool = False) -> torch.Tensor:
     """The gated form's launch for inputs the caller has checked (``gate_up.supported``)."""
-    return _launch(x, weight, None, config, gated=True)
+    return _launch(x, weight, None, config, gated=True, gelu=gelu)
 
 
 def _launch(
@@ -197,6 +199,7 @@ def _launch(
     config: tuple[int, int],
     gated: bool = False,
     out: torch.Tensor | None = None,
+    gelu: bool = False,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -210,7 +213,7 @@ def _launch(
         (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        STAGES=stages, num_warps=4,
+        STAGES=stages, GELU=gelu, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -1,0 +1,275 @@
+"""Sliding-window attention over the paged cache: every row of a step (decode, prefill chunk, mixed) in
+one launch, each query reading only the keys its window covers; and a decode step's shared segments
+inside the windows read once (``window_plan.py``).
+
+One program owns (sequence, query tile, KV head), with the tile's rows packed as the paged kernel
+packs them (``BLOCK_M // G`` query tokens x the G query heads of one KV head, so each K/V tile is read
+once for the group). Row i sees keys ``i - window < j <= i``: the program walks keys from the window
+start of its first row to its last row, so a sequence's blocks wholly behind the window are never read
+and one program reads at most ``window + BLOCK_M // G`` keys, however long the sequence. No KV splits:
+the walk is bounded by the window, not by the sequence. With a skip run per sequence (the keys its
+shared segments cover) the walk steps over it and writes fp32 partials with their LSE, which the merge
+kernel folds with the shared kernel's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prefixserve.attention.kernels.attend import accumulate_pv, finish_rows, qk_scores, softmax_step
+from prefixserve.attention.kernels.merge import merge_partials
+from prefixserve.attention.kernels.tiles import (
+    LOG2E,
+    check_cache,
+    dot_precision,
+    interpreter_upcast,
+    next_power_of_2,
+)
+from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.triton_support import require_triton
+
+triton, tl = require_triton()
+
+
+@triton.jit
+def _walk(
+    q, m_i, l_i, acc, k_base, v_base, table, start, stop, lo, hi, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over keys [start, stop) of a paged run; row m sees keys lo[m] <= n < hi[m]."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for first in range(start, stop, BLOCK_N):
+        n = first + offs_n
+        n_ok = n < stop
+        blk = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        within = (n % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(
+            k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :],
+            mask=n_ok[:, None],
+            other=0.0,
+        )
+        s = qk_scores(q, k, DOT_PREC, UPCAST)
+        visible = (n[None, :] < hi[:, None]) & (n[None, :] >= lo[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :],
+            mask=n_ok[:, None],
+            other=0.0,
+        )
+        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["q_tiles", "window", "stride_bt"])
+def _window_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,
+    o_ptr,  # [T, Hq, D] (the partials' fp32 with SKIP)
+    lse_ptr,  # [T, Hq] fp32 (SKIP only)
+    bt_ptr,  # [S, max_blocks] int32
+    seq_lens_ptr,  # [S] int32
+    qsl_ptr,  # [S+1] int32
+    skip_lo_ptr,  # [S] int32 (SKIP only): keys [skip_lo, skip_hi) are not walked
+    skip_hi_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    q_tiles,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SKIP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = pid // q_tiles
+    q0 = (pid % q_tiles) * (BLOCK_M // GROUP)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q0 < q_len:
+        ctx = tl.load(seq_lens_ptr + seq) - q_len  # keys before this step's first query
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        qi = q0 + offs_m // GROUP
+        head = kvh * GROUP + offs_m % GROUP
+        row_ok = (offs_m < (BLOCK_M // GROUP) * GROUP) & (qi < q_len)
+        tok = (q_start + qi).to(tl.int64)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        hi = ctx + qi + 1  # [BLOCK_M]: row m sees keys lo[m] <= n < hi[m]
+        lo = hi - window
+        kv_hi = ctx + tl.minimum(q0 + BLOCK_M // GROUP, q_len)
+        kv_lo = tl.maximum(ctx + q0 + 1 - window, 0)
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_vh
+        table = bt_ptr + seq.to(tl.int64) * stride_bt
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        first_stop = kv_hi
+        if SKIP:
+            skip_lo = tl.load(skip_lo_ptr + seq)
+            skip_hi = tl.load(skip_hi_ptr + seq)
+            first_stop = tl.where(skip_hi > skip_lo, tl.minimum(kv_hi, skip_lo), kv_hi)
+        m_i, l_i, acc = _walk(
+            q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, lo, hi, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, HEAD_DIM, BLOCK_SIZE, DOT_PREC, UPCAST,
+        )  # fmt: skip
+        if SKIP:  # the keys after the run the shared segments cover
+            m_i, l_i, acc = _walk(
+                q, m_i, l_i, acc, k_base, v_base, table, tl.maximum(first_stop, skip_hi), kv_hi, lo, hi,
+                qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
+                DOT_PREC, UPCAST,
+            )  # fmt: skip
+        o, lse = finish_rows(m_i, l_i, acc)
+        o_rows = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if SKIP:
+            tl.store(lse_ptr + tok * stride_lt + head, lse, mask=row_ok)
+
+
+def window_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    skip: tuple[torch.Tensor, torch.Tensor] | None = None,  # [S] int32 each: keys not walked
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # with skip: o [T, Hq, D], lse [T, Hq] fp32
+) -> torch.Tensor:  # [T, Hq, D]: the attention (o of the partials with ``skip``)
+    """Attention of every query row within its window (``attention/window.py`` says the rule)."""
+    q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
+    group = q_heads // kv_heads
+    q_lens = meta.query_lens_np if meta.query_lens_np is not None else meta.query_lens_host
+    longest = int(max(q_lens))
+    block_m = max(16, next_power_of_2(group * min(longest, max(1, 64 // group))))
+    block_n = 64 if q.element_size() < 4 else 32
+    q_tiles = -(-longest // max(1, block_m // group))
+    if skip is None:
+        o, lse = torch.empty_like(q), None
+    else:
+        assert out is not None, "partials need their buffers"
+        o, lse = out
+    tables = meta.block_tables
+    skip_lo, skip_hi = skip if skip is not None else (meta.seq_lens, meta.seq_lens)
+    _window_kernel[(meta.num_seqs * q_tiles, kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        o,
+        lse if lse is not None else o,
+        tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        skip_lo,
+        skip_hi,
+        scale * LOG2E,
+        q_tiles,
+        window,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        tables.stride(0),
+        o.stride(0),
+        o.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=dim,
+        BLOCK_SIZE=block_size,
+        DOT_PREC=dot_precision(q.dtype),
+        UPCAST=interpreter_upcast(q.dtype),
+        SKIP=skip is not None,
+    )
+    return o
+
+
+def window_shared_attention(
+    q: torch.Tensor,  # [T, Hq, D]: a decode step's rows
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: object,  # window_plan.WindowPlan
+    scale: float,
+    window: int,
+) -> torch.Tensor:  # [T, Hq, D]
+    """A decode step of a sliding layer: the plan's segments once for their stacked rows (the shared
+    kernel), each row's walk over the rest of its window, merged by LSE."""
+    from prefixserve.attention.kernels.shared_attention import launch_shared
+    from prefixserve.attention.kernels.shared_plan import plan_shared_work
+
+    tokens, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    key = (q_heads, kv_heads, dim, q.dtype, q.device)
+    lay = plan.derived.get(key)
+    dev = plan.on(q.device)
+    if lay is None:
+        work = plan_shared_work(
+            plan.seg_row_start,
+            plan.seg_num_tokens,
+            kv_heads,
+            q_heads // kv_heads,
+            q.device,
+            head_dim=dim,
+            dtype=q.dtype,
+            seg_blocks=plan.seg_blocks,
+            seg_block_start=plan.seg_block_start,
+            block_size=k_cache.shape[1],
+        )
+        # slots: row t's walk at t, then the shared kernel's slots; merge CSR per query row
+        owner = plan.seg_rows[work.slot_row_index.numpy()].astype(np.int64)
+        parts = np.concatenate([np.arange(tokens), owner])
+        order = np.argsort(parts, kind="stable")
+        row_ptr = np.zeros(tokens + 1, dtype=np.int32)
+        np.cumsum(np.bincount(parts, minlength=tokens), out=row_ptr[1:])
+        f32 = {"dtype": torch.float32, "device": q.device}
+        lay = {
+            "work": work,
+            "row_ptr": torch.from_numpy(row_ptr).to(q.device),
+            "part_idx": torch.from_numpy(order.astype(np.int32)).to(q.device),
+            "o_part": torch.empty(tokens + work.num_slots, q_heads, dim, **f32),
+            "lse_part": torch.empty(tokens + work.num_slots, q_heads, **f32),
+        }
+        plan.derived[key] = lay
+    o_part, lse_part = lay["o_part"], lay["lse_part"]
+    window_attention(
+        q, k_cache, v_cache, meta, scale, window, (dev["skip_lo"], dev["skip_hi"]), (o_part, lse_part)
+    )
+    shared = (dev["seg_blocks"], dev["seg_block_start"], dev["seg_rows"], lay["work"])
+    launch_shared(q, k_cache, v_cache, *shared, scale, o_part[tokens:], lse_part[tokens:])
+    out = torch.empty_like(q)
+    merge_partials(
+        o_part, lse_part, tokens, row_ptr=lay["row_ptr"], part_idx=lay["part_idx"], out=out, want_lse=False
+    )
+    return out

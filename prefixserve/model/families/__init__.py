@@ -1,0 +1,59 @@
+"""The supported model families: each module reads its config.json into ``ModelConfig``'s fields.
+
+The transformer itself is one set of blocks (``model/llama.py``) built layer by layer from the config;
+a family only says how its config names things and which blocks its layers use (QK-norm, sandwich
+norms, sliding windows, the activation). Adding a family is a short module here and a line in
+``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from prefixserve.model.families import gemma3, llama, qwen3
+
+# family name -> (module, HF architecture names, HF model_type names)
+FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...], tuple[str, ...]]] = {
+    "llama": (llama, ("LlamaForCausalLM",), ("llama",)),
+    "mistral": (llama, ("MistralForCausalLM",), ("mistral",)),
+    "qwen2": (llama, ("Qwen2ForCausalLM",), ("qwen2",)),
+    "qwen3": (qwen3, ("Qwen3ForCausalLM",), ("qwen3",)),
+    "gemma3": (gemma3, ("Gemma3ForCausalLM",), ("gemma3_text",)),
+}
+
+
+def supported() -> str:
+    return ", ".join(arch for _, archs, _ in FAMILIES.values() for arch in archs)
+
+
+def family_of(raw: dict[str, Any]) -> str:
+    """The family of an HF config dict, by ``architectures`` first, then ``model_type``."""
+    archs = raw.get("architectures") or []
+    for name, (_, arch_names, types) in FAMILIES.items():
+        if (archs and archs[0] in arch_names) or (not archs and raw.get("model_type") in types):
+            return name
+    named = archs[0] if archs else raw.get("model_type")
+    raise ValueError(f"unsupported architecture {named!r}; supported families: {supported()}")
+
+
+def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig``'s keyword arguments from an HF config dict, read by its family."""
+    name = family_of(raw)
+    return FAMILIES[name][0].config_fields(raw, name)
+
+
+def write_config(config: Any) -> dict[str, Any]:  # a ModelConfig
+    """An HF-style config.json of ``config`` (its family's architecture name and HF keys)."""
+    out = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in ("eos_token_ids", "architecture", "rope_by_layer_type") and v not in (None, [], {})
+    }
+    _, archs, types = FAMILIES[config.architecture]
+    out["eos_token_id"] = config.eos_token_ids
+    out["architectures"] = [archs[0]]
+    out["model_type"] = types[0]
+    if config.rope_by_layer_type:
+        out["rope_parameters"] = dict(config.rope_by_layer_type)
+    return out

@@ -1,0 +1,189 @@
+"""Sliding-window attention against an fp64 oracle: the Triton kernel and the torch path, on random
+shapes, decode and prefill rows mixed, sequences sharing prefix blocks, and windows that end before the
+shared prefix, at its edge, inside it, and windows longer than every sequence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE, rel_err
+
+from prefixserve.attention.backend import make_backend
+from prefixserve.attention.kernels.window_attention import window_attention as window_kernel
+from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.window import attend_layer, window_attention_torch
+
+
+def _oracle(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window):
+    """Dense fp64 attention per sequence with the window written out as a mask."""
+    bs = k_cache.shape[1]
+    out, start = [], 0
+    for table, q_len, s_len in zip(tables, query_lens, seq_lens, strict=True):
+        k = k_cache[table].flatten(0, 1)[:s_len].double()  # [N, Hkv, D]
+        v = v_cache[table].flatten(0, 1)[:s_len].double()
+        qs = q[start : start + q_len].double()  # [M, Hq, D]
+        group = qs.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("mhd,nhd->hmn", qs, k) * scale
+        i = torch.arange(s_len - q_len, s_len, device=q.device)[:, None]
+        j = torch.arange(s_len, device=q.device)[None, :]
+        visible = (j <= i) & (j > i - window) if window else j <= i
+        scores = scores.masked_fill(~visible, -math.inf)
+        out.append(torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v))
+        start += q_len
+        assert len(table) * bs >= s_len
+    return torch.cat(out)
+
+
+def _case(seed: int, query_lens, seq_lens, shared_blocks: int, group: int, dim: int, bs: int, dtype):
+    """A paged cache where every sequence's first ``shared_blocks`` blocks are the same blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    own = [math.ceil(s / bs) - shared_blocks for s in seq_lens]
+    assert min(own) >= 0
+    need = shared_blocks + sum(own) + 2
+    kv_heads = 2
+    k = torch.randn(need, bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(need, bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    perm = torch.randperm(need, generator=gen).tolist()
+    prefix, at = perm[:shared_blocks], shared_blocks
+    tables = []
+    for n in own:
+        tables.append(prefix + perm[at : at + n])
+        at += n
+    q = torch.randn(sum(query_lens), kv_heads * group, dim, generator=gen).to(DEVICE, dtype)
+    meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
+    return q, k, v, tables, meta
+
+
+# (query_lens, seq_lens, shared blocks of 16, window): decode rows whose windows end before the shared
+# prefix (64 keys), at its edge, inside it; a prefill chunk reaching back into it; one row of one key
+CASES = [
+    ([1, 1, 1], [100, 90, 120], 4, 20),  # every window behind the prefix
+    ([1, 1], [80, 80], 4, 16),  # window starts exactly at the prefix's edge (key 64)
+    ([1, 1, 1], [70, 75, 66], 4, 16),  # windows end inside the prefix
+    ([7, 1, 20], [70, 66, 84], 4, 9),  # prefill chunks and a decode row, windows across blocks
+    ([33, 1], [33, 1], 0, 5),  # a whole prompt, a one-key sequence
+    ([3, 2], [40, 50], 2, 64),  # window longer than every sequence: plain causal attention
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_window_kernel_and_torch_path_match_the_oracle(case, group: int) -> None:
+    query_lens, seq_lens, shared, window = case
+    q, k, v, tables, meta = _case(7, query_lens, seq_lens, shared, group, 32, 16, torch.float32)
+    scale = 32**-0.5
+    ref = _oracle(q, k, v, tables, query_lens, seq_lens, scale, window)
+    assert rel_err(window_attention_torch(q, k, v, meta, scale, window), ref) < 1e-5
+    assert rel_err(window_kernel(q, k, v, meta, scale, window), ref) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_kernel_random_shapes_bf16(seed: int) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    n = int(torch.randint(1, 5, (1,), generator=gen))
+    seq_lens = torch.randint(40, 140, (n,), generator=gen).tolist()
+    query_lens = [
+        int(torch.randint(1, s + 1, (1,), generator=gen)) if i % 2 else 1 for i, s in enumerate(seq_lens)
+    ]
+    window = int(torch.randint(1, 90, (1,), generator=gen))
+    q, k, v, tables, meta = _case(seed, query_lens, seq_lens, 2, 2, 64, 16, torch.bfloat16)
+    ref = _oracle(q, k, v, tables, query_lens, seq_lens, 0.125, window)
+    assert rel_err(window_kernel(q, k, v, meta, 0.125, window), ref) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["reference", "cascade", "triton"])
+def test_backends_take_the_window(name: str) -> None:
+    """``attend_layer`` with a window equals the oracle on every backend (the shared prefix planned as a
+    segment for the full layers); a window covering every sequence keeps the backend's own path."""
+    query_lens, seq_lens, shared = [1, 1, 5], [70, 75, 69], 4
+    q, k, v, tables, meta = _case(3, query_lens, seq_lens, shared, 2, 32, 16, torch.float32)
+    backend = make_backend(name)
+    backend.prepare(meta)
+    for window in (10, 16, 30, 200, None):
+        ref = _oracle(q, k, v, tables, query_lens, seq_lens, 0.2, window)
+        assert rel_err(attend_layer(backend, q, k, v, meta, 0.2, window), ref) < 1e-5, window
+
+
+def _tree_case(seed: int, dtype: torch.dtype, own: list[int]):
+    """Decode rows over a two-level tree of 16-token blocks: 4 blocks every row holds, then 2 blocks
+    held by rows 0-2 and 2 others by rows 3-5, then each row's own tokens (``own``)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, kv_heads, dim, group = 16, 2, 32, 2
+    own_blocks = [math.ceil(n / bs) for n in own]
+    need = 4 + 2 + 2 + sum(own_blocks) + 1
+    k = torch.randn(need, bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(need, bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    perm = torch.randperm(need, generator=gen).tolist()
+    root, left, right, at = perm[:4], perm[4:6], perm[6:8], 8
+    tables = []
+    for i, n in enumerate(own_blocks):
+        tables.append(root + (left if i < 3 else right) + perm[at : at + n])
+        at += n
+    seq_lens = [6 * bs + n for n in own]
+    q = torch.randn(len(own), kv_heads * group, dim, generator=gen).to(DEVICE, dtype)
+    meta = build_metadata(bs, [1] * len(own), seq_lens, tables, DEVICE)
+    return q, k, v, tables, seq_lens, meta
+
+
+@pytest.mark.parametrize("window", [5, 20, 40, 70, 100, 140])
+@pytest.mark.parametrize("backend_name", ["cascade", "triton"])
+def test_decode_windows_share_the_segments_inside_them(window: int, backend_name: str) -> None:
+    """Windows that end before the tree's segments, at a segment's edge, inside one, and cover both
+    levels: the segments wholly inside every holder's window are read once (the plan's KV rows fewer
+    than the rows' windows), the others masked by each row's walk; both paths equal the oracle."""
+    from prefixserve.attention.kernels.window_attention import window_shared_attention
+    from prefixserve.attention.window import window_attention
+    from prefixserve.attention.window_plan import window_plan
+
+    own = [3, 17, 30, 9, 24, 1]
+    q, k, v, tables, seq_lens, meta = _tree_case(11, torch.float32, own)
+    make_backend(backend_name).prepare(meta)
+    ref = _oracle(q, k, v, tables, [1] * len(own), seq_lens, 0.3, window)
+    plan = window_plan(meta, window)
+    windows = sum(min(window, n) for n in seq_lens)
+    if window >= 40:  # the second level's blocks (keys 64-96) lie inside several rows' windows
+        assert plan is not None and plan.kv_tokens_read < windows
+    if window <= 20:  # no whole block of a segment lies inside two of its holders' windows
+        assert plan is None
+    assert rel_err(window_attention(q, k, v, meta, 0.3, window), ref) < 1e-5
+    if plan is not None and backend_name == "triton":
+        assert rel_err(window_shared_attention(q, k, v, meta, plan, 0.3, window), ref) < 1e-5
+
+
+def test_decode_window_sharing_bf16() -> None:
+    from prefixserve.attention.kernels.window_attention import window_shared_attention
+    from prefixserve.attention.window_plan import window_plan
+
+    own = [40, 5, 33, 12, 2, 60]
+    q, k, v, tables, seq_lens, meta = _tree_case(12, torch.bfloat16, own)
+    make_backend("triton").prepare(meta)
+    plan = window_plan(meta, 120)
+    assert plan is not None
+    ref = _oracle(q, k, v, tables, [1] * len(own), seq_lens, 0.3, 120)
+    assert rel_err(window_shared_attention(q, k, v, meta, plan, 0.3, 120), ref) < 2e-2
+
+
+@pytest.mark.parametrize("window", [40, 50, 64])
+def test_a_long_prefix_is_cut_to_the_blocks_inside_every_window(window: int) -> None:
+    """One 8-block prefix that every row holds, far longer than the window: its last blocks (from the
+    latest window start on) are read once, the rest walked or skipped per row; exact either way."""
+    from prefixserve.attention.kernels.window_attention import window_shared_attention
+    from prefixserve.attention.window import window_attention
+    from prefixserve.attention.window_plan import window_plan
+
+    own = [5, 9, 14, 20]
+    query_lens = [1] * len(own)
+    seq_lens = [128 + n for n in own]
+    q, k, v, tables, meta = _case(4, query_lens, seq_lens, 8, 2, 32, 16, torch.float32)
+    make_backend("triton").prepare(meta)
+    plan = window_plan(meta, window)
+    assert plan is not None and plan.num_segments == 1
+    latest = max(seq_lens) - window
+    assert plan.seg_num_tokens == [128 - math.ceil(latest / 16) * 16]
+    assert plan.kv_tokens_read < sum(min(window, n) for n in seq_lens)
+    ref = _oracle(q, k, v, tables, query_lens, seq_lens, 0.3, window)
+    assert rel_err(window_attention(q, k, v, meta, 0.3, window), ref) < 1e-5
+    assert rel_err(window_shared_attention(q, k, v, meta, plan, 0.3, window), ref) < 1e-5

@@ -1,0 +1,283 @@
+"""Each supported family against HF transformers: a tiny random checkpoint written by its config class
+(odd sizes, a window shorter than the prompts) loads into prefixserve, its last-token logits match HF's
+in fp32, its greedy tokens equal HF's ``generate``, and sharing a prefix longer than the window changes
+no token (shared-segment attention on and off, a prefix-cache repeat, n=4 sampling groups)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.loader import ModelSource, load_model
+from tests.conftest import assert_pool_empty
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 24  # shorter than most prompts below
+VOCAB = 331
+SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 72,
+    "intermediate_size": 100,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "pad_token_id": 0,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": {"num_hidden_layers": 3, "tie_word_embeddings": False},
+    "qwen3_sliding": {  # Qwen3's own window rule: layers from max_window_layers on slide
+        "num_hidden_layers": 3,
+        "use_sliding_window": True,
+        "sliding_window": WINDOW,
+        "max_window_layers": 1,
+    },
+    "gemma3_text": {
+        "num_hidden_layers": 4,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "query_pre_attn_scalar": 20,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+        "final_logit_softcapping": 30.0,
+    },
+    "mistral": {"num_hidden_layers": 2, "sliding_window": WINDOW, "head_dim": 12},
+}
+ARCH = {"qwen3_sliding": "qwen3"}
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """HF initialises norms to ones (Gemma's to zeros) and biases to zeros: give every tensor values,
+    so that a norm or offset applied wrongly shows."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                base = 0.0 if "gemma" in type(model).__name__.lower() else 1.0  # Gemma's are 1 + w
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + base)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    name = request.param
+    kwargs = {**SIZES, **FAMILIES[name]}
+    if name == "mistral":
+        kwargs["head_dim"] = 12  # not a power of two: the CPU paths take any head size
+    config = transformers.AutoConfig.for_model(ARCH.get(name, name), **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    _randomize(model)
+    directory = tmp_path_factory.mktemp(name)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return name, directory, model
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+
+
+def _llm(directory: Path, **kw: Any) -> LLM:
+    args = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 160, "block_size": 8, "progress": False}
+    return LLM(model=str(directory), **{**args, **kw})
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def test_config_reads_the_layer_types(family) -> None:
+    name, directory, hf = family
+    config = ModelConfig.from_json(directory / "config.json")
+    if name in ("gemma3_text", "qwen3_sliding", "mistral"):
+        assert config.has_sliding_layers
+        kinds = [config.layer_spec(i).kind for i in range(config.num_hidden_layers)]
+        hf_kinds = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * len(kinds)  # Mistral
+        assert kinds == list(hf_kinds)
+        assert {
+            config.layer_spec(i).window for i in range(len(kinds)) if kinds[i] == "sliding_attention"
+        } == {WINDOW}
+    if name == "gemma3_text":
+        assert config.layer_spec(0).rope != config.layer_spec(2).rope  # local and global RoPE
+
+
+def test_logits_match_hf(family) -> None:
+    name, directory, hf = family
+    model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
+    from prefixserve.attention.backend import make_backend
+    from prefixserve.attention.metadata import build_metadata
+    from prefixserve.kv.cache import KVCache
+
+    bs = 8
+    for length in (9, 3 * WINDOW + 5):  # shorter than the window, and longer
+        ids = _prompt(length, length)
+        cache = KVCache(model.config, -(-length // bs) + 1, bs, torch.float32, torch.device("cpu"))
+        meta = build_metadata(bs, [length], [length], [list(range(-(-length // bs)))], "cpu")
+        for backend_name in ("reference", "cascade"):
+            backend = make_backend(backend_name)
+            backend.prepare(meta)
+            hidden = model(torch.tensor(ids), torch.arange(length), cache.layers, meta, backend)
+            logits = model.compute_logits(hidden[-1:])
+            with torch.no_grad():
+                ref = hf(torch.tensor([ids])).logits[0, -1:]
+            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def _hf_generate(hf: Any, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_tokens_equal_hf_generate(family) -> None:
+    _, directory, hf = family
+    prompts = [_prompt(1, 10), _prompt(2, 2 * WINDOW + 3)]
+    expected = [_hf_generate(hf, p) for p in prompts]
+    for attention in ("reference", "cascade"):
+        llm = _llm(directory, attention=attention)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected, attention
+        assert_pool_empty(llm)
+
+
+def test_sharing_a_prefix_longer_than_the_window_changes_no_token(family) -> None:
+    """8 prompts behind one prefix of 3 windows: shared-segment attention and the prefix cache on, off,
+    a repeat served from the cache, and n=4 seeded sampling groups, all the same tokens."""
+    _, directory, _ = family
+    prefix = _prompt(5, 3 * WINDOW)
+    prompts = [{"prompt_token_ids": prefix + _prompt(10 + i, 3 + 2 * i)} for i in range(8)]
+    plain = _llm(directory, attention="reference", enable_prefix_caching=False)
+    shared = _llm(directory, attention="cascade", max_num_batched_tokens=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+    first = shared.generate(prompts, GREEDY)
+    again = shared.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in first] == want
+    assert [o.outputs[0].token_ids for o in again] == want
+    metrics = shared.metrics()
+    assert metrics["prefix_cache_hit_tokens_total"] >= 8 * (len(prefix) // 8 * 8) - 8
+    assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
+    group = SamplingParams(temperature=0.8, n=4, seed=3, max_tokens=12, ignore_eos=True)
+    samples = [[c.token_ids for c in o.outputs] for o in shared.generate(prompts[:2], group)]
+    assert samples == [[c.token_ids for c in o.outputs] for o in plain.generate(prompts[:2], group)]
+    assert_pool_empty(shared)
+    assert_pool_empty(plain)
+
+
+BAD_CONFIGS = [
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for num_hidden_layers=2"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "supported layer types"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window is None"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'; supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "unsupported rope_scaling type 'dynamic'"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_CONFIGS)
+def test_self_contradicting_configs_are_refused_by_name(
+    change, message, tmp_path: Path, tiny_config_path
+) -> None:
+    from tests.conftest import TINY_CONFIG
+
+    raw = {**TINY_CONFIG, **change}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(raw)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"config\.json"):
+        LLM(model=f"dummy:{path}", device="cpu", dtype="float32", progress=False)
+    # an engine that was serving goes on serving
+    tiny_llm = LLM(model=f"dummy:{tiny_config_path}", device="cpu", dtype="float32", progress=False)
+    out = tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def _write_qwen3_gguf(hf: Any, path: Path) -> None:
+    """The tiny checkpoint as llama.cpp writes a Qwen3 GGUF (f32 tensors, q and k as they are)."""
+    gguf = pytest.importorskip("gguf")
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v"}
+    names |= {"self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm"}
+    names |= {"self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm"}
+    names |= {"post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up"}
+    names |= {"mlp.down_proj": "ffn_down"}
+    for name, tensor in hf.state_dict().items():
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+            }
+            gguf_name = gguf_name.get(name, "output.weight")
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_reads_as_the_checkpoint(family, tmp_path: Path) -> None:
+    """A Qwen3 GGUF (llama.cpp's tensor names, q and k not permuted) reads into the same weights and
+    config as the HF checkpoint, and the model built from it gives HF's logits."""
+    name, _, hf = family
+    if name != "qwen3":
+        pytest.skip("the GGUF family under test is Qwen3")
+    from prefixserve.model.gguf_reader import iter_gguf_weights, load_gguf
+
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_qwen3_gguf(hf, path)
+    reader, config = load_gguf(path)
+    assert (config.architecture, config.qk_norm, config.head_dim) == ("qwen3", True, hf.config.head_dim)
+    weights = dict(iter_gguf_weights(reader, config))
+    expected = hf.state_dict()
+    assert set(weights) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(weights[key], tensor.float()), key
+    # what the conversion cache holds (``loader.convert_gguf``): the weights and the config it writes
+    from safetensors.torch import save_file
+
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(converted / "model.safetensors"))
+    (converted / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    model, _ = load_model(ModelSource("hf", converted, "tiny-qwen3"), torch.float32, torch.device("cpu"))
+    assert model.config == config
+    ids = _prompt(3, 20)
+    from prefixserve.attention.backend import make_backend
+    from prefixserve.attention.metadata import build_metadata
+    from prefixserve.kv.cache import KVCache
+
+    cache = KVCache(model.config, 4, 8, torch.float32, torch.device("cpu"))
+    meta = build_metadata(8, [20], [20], [[0, 1, 2]], "cpu")
+    backend = make_backend("reference")
+    backend.prepare(meta)
+    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(20), cache.layers, meta, backend))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
