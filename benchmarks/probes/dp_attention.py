@@ -32,9 +32,9 @@ import torch.distributed as dist
 from benchmarks.harness import run_info
 from benchmarks.harness.ranks import join_group, leave_group, run_ranks
 from benchmarks.harness.timing import ranks_graph_us
-from prefixserve.model.kernels.bound import BoundKernel
 from prefixserve.model.kernels.peer_norm import MAX_HIDDEN, MAX_PROGRAMS, add_norm_store, wait_for_count
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, tl = require_triton()
 

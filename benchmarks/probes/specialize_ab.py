@@ -24,8 +24,8 @@ import torch
 from benchmarks.harness.timing import bench_ms, graph_ms
 from prefixserve.attention.kernels import paged_attention
 from prefixserve.model.kernels import skinny_matmul
-from prefixserve.model.kernels.bound import BoundKernel
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, _ = require_triton()
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.plan import SharedPlan
@@ -43,26 +42,12 @@ class WindowPlan:
     skip_lo: np.ndarray  # [S] int32: keys [skip_lo, skip_hi) of each sequence come from segments
     skip_hi: np.ndarray
     kv_tokens_read: int  # per layer: each kept segment once, every row's walk
-    device: dict[str, torch.Tensor] = field(default_factory=dict)  # the arrays on the model's device
-    derived: dict[Any, Any] = field(default_factory=dict)  # kernel work lists and buffers, per shape
+    # per (heads, head size, dtype, device): the kernels' work list, buffers and the arrays on the device
+    derived: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_segments(self) -> int:
         return len(self.seg_num_tokens)
-
-    def on(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The plan's arrays as int32 tensors on ``device`` (moved once)."""
-        if not self.device:
-            arrays = {
-                "seg_blocks": self.seg_blocks,
-                "seg_block_start": np.asarray(self.seg_block_start, dtype=np.int32),
-                "seg_rows": self.seg_rows,
-                "skip_lo": self.skip_lo,
-                "skip_hi": self.skip_hi,
-            }
-            as_int32 = {k: np.ascontiguousarray(v, dtype=np.int32) for k, v in arrays.items()}
-            self.device = {k: torch.from_numpy(v).to(device) for k, v in as_int32.items()}
-        return self.device
 
 
 def step_segments(meta: AttentionMetadata) -> tuple[SharedPlan, np.ndarray] | None:

@@ -266,7 +266,7 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype, inter: int, gelu: bo
 
 def test_bound_kernel_signatures_and_no_held_tensors() -> None:
     """A bound launch is keyed by all the compiled kernel was specialised on, and keeps no tensor."""
-    from prefixserve.model.kernels.bound import BoundKernel, _signature
+    from prefixserve.triton_support.bound import BoundKernel, _signature
     from prefixserve.triton_support.launch import Launch
 
     x = torch.zeros(8, 16)

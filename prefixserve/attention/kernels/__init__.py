@@ -10,9 +10,8 @@ code. Imports go one way, down this order (a module imports only modules before 
 imports included; tests/kernels/test_kernel_imports.py checks it):
 
     _ptxas < merge < tiles < attend < packed_decode < paged_attention < gluon_attend
-    < shared_gluon < shared_plan < shared_attention < window_attention < mixed_rule < mixed_own
-    < mixed_gluon
-    < step_plan < step_launch < graph_attention < triton_backend
+    < shared_gluon < shared_plan < shared_attention < mixed_rule < mixed_own < mixed_gluon
+    < step_plan < window_attention < step_launch < graph_attention < triton_backend
 
   * _ptxas: the ptxas that builds the mixed kernel (recorded launches: ``prefixserve.triton_support``);
   * merge: the LSE merge kernel;  tiles: host checks, shared-memory tile fitting, fitted launches;

@@ -14,11 +14,16 @@ kernel folds with the shared kernel's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from prefixserve.attention.kernels.attend import accumulate_pv, finish_rows, qk_scores, softmax_step
 from prefixserve.attention.kernels.merge import merge_partials
+from prefixserve.attention.kernels.shared_attention import launch_shared
+from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, plan_shared_work
+from prefixserve.attention.kernels.step_plan import to_device_packed
 from prefixserve.attention.kernels.tiles import (
     LOG2E,
     check_cache,
@@ -28,6 +33,7 @@ from prefixserve.attention.kernels.tiles import (
 )
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, tl = require_triton()
 
@@ -152,6 +158,9 @@ def _window_kernel(
             tl.store(lse_ptr + tok * stride_lt + head, lse, mask=row_ok)
 
 
+_bound = BoundKernel(_window_kernel)  # every sliding layer of a step: Triton's launch cost paid once
+
+
 def window_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -177,7 +186,8 @@ def window_attention(
         o, lse = out
     tables = meta.block_tables
     skip_lo, skip_hi = skip if skip is not None else (meta.seq_lens, meta.seq_lens)
-    _window_kernel[(meta.num_seqs * q_tiles, kv_heads)](
+    _bound(
+        (meta.num_seqs * q_tiles, kv_heads),
         q,
         k_cache,
         v_cache,
@@ -226,50 +236,55 @@ def window_shared_attention(
 ) -> torch.Tensor:  # [T, Hq, D]
     """A decode step of a sliding layer: the plan's segments once for their stacked rows (the shared
     kernel), each row's walk over the rest of its window, merged by LSE."""
-    from prefixserve.attention.kernels.shared_attention import launch_shared
-    from prefixserve.attention.kernels.shared_plan import plan_shared_work
-
     tokens, q_heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    key = (q_heads, kv_heads, dim, q.dtype, q.device)
+    key = (q_heads, k_cache.shape[2], dim, q.dtype, q.device)
     lay = plan.derived.get(key)
-    dev = plan.on(q.device)
     if lay is None:
-        work = plan_shared_work(
-            plan.seg_row_start,
-            plan.seg_num_tokens,
-            kv_heads,
-            q_heads // kv_heads,
-            q.device,
-            head_dim=dim,
-            dtype=q.dtype,
-            seg_blocks=plan.seg_blocks,
-            seg_block_start=plan.seg_block_start,
-            block_size=k_cache.shape[1],
-        )
-        # slots: row t's walk at t, then the shared kernel's slots; merge CSR per query row
-        owner = plan.seg_rows[work.slot_row_index.numpy()].astype(np.int64)
-        parts = np.concatenate([np.arange(tokens), owner])
-        order = np.argsort(parts, kind="stable")
-        row_ptr = np.zeros(tokens + 1, dtype=np.int32)
-        np.cumsum(np.bincount(parts, minlength=tokens), out=row_ptr[1:])
-        f32 = {"dtype": torch.float32, "device": q.device}
-        lay = {
-            "work": work,
-            "row_ptr": torch.from_numpy(row_ptr).to(q.device),
-            "part_idx": torch.from_numpy(order.astype(np.int32)).to(q.device),
-            "o_part": torch.empty(tokens + work.num_slots, q_heads, dim, **f32),
-            "lse_part": torch.empty(tokens + work.num_slots, q_heads, **f32),
-        }
-        plan.derived[key] = lay
+        lay = plan.derived[key] = _layout(q, k_cache, plan)
     o_part, lse_part = lay["o_part"], lay["lse_part"]
-    window_attention(
-        q, k_cache, v_cache, meta, scale, window, (dev["skip_lo"], dev["skip_hi"]), (o_part, lse_part)
-    )
-    shared = (dev["seg_blocks"], dev["seg_block_start"], dev["seg_rows"], lay["work"])
-    launch_shared(q, k_cache, v_cache, *shared, scale, o_part[tokens:], lse_part[tokens:])
+    window_attention(q, k_cache, v_cache, meta, scale, window, lay["skip"], (o_part, lse_part))
+    launch_shared(q, k_cache, v_cache, *lay["segments"], scale, o_part[tokens:], lse_part[tokens:])
     out = torch.empty_like(q)
     merge_partials(
         o_part, lse_part, tokens, row_ptr=lay["row_ptr"], part_idx=lay["part_idx"], out=out, want_lse=False
     )
     return out
+
+
+def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object) -> dict[str, object]:
+    """A step's launch layout of one plan (made by its first sliding layer, used by every one): the
+    shared kernel's work list, the merge CSR (row t's walk in slot t, the shared kernel's slots after),
+    the partials' buffers, and every int array on the device in one asynchronous copy (a blocking copy
+    would wait for the step in flight, where launch-ahead has the host a step ahead)."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    work = plan_shared_work(
+        plan.seg_row_start,
+        plan.seg_num_tokens,
+        kv_heads,
+        q_heads // kv_heads,
+        q.device,
+        head_dim=dim,
+        dtype=q.dtype,
+        items_on_host=True,
+        seg_blocks=plan.seg_blocks,
+        seg_block_start=plan.seg_block_start,
+        block_size=k_cache.shape[1],
+    )
+    owner = plan.seg_rows[work.slot_row_index.numpy()].astype(np.int64)
+    parts = np.concatenate([np.arange(tokens), owner])
+    row_ptr = np.zeros(tokens + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parts, minlength=tokens), out=row_ptr[1:])
+    host = [plan.seg_blocks, np.asarray(plan.seg_block_start), plan.seg_rows, plan.skip_lo, plan.skip_hi]
+    host += [work.items.numpy(), row_ptr, np.argsort(parts, kind="stable")]
+    blocks, block_start, rows, skip_lo, skip_hi, items, row_ptr_d, part_idx = to_device_packed(host, q.device)
+    work = dataclasses.replace(work, items=items.view(-1, ITEM_FIELDS))
+    f32 = {"dtype": torch.float32, "device": q.device}
+    return {
+        "segments": (blocks, block_start, rows, work),
+        "skip": (skip_lo, skip_hi),
+        "row_ptr": row_ptr_d,
+        "part_idx": part_idx,
+        "o_part": torch.empty(tokens + work.num_slots, q_heads, dim, **f32),
+        "lse_part": torch.empty(tokens + work.num_slots, q_heads, **f32),
+    }

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.model.kernels.bound import BoundKernel
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, tl = require_triton()
 

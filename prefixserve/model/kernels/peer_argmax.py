@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.model.kernels.bound import BoundKernel
 from prefixserve.model.kernels.peer_norm import wait_for_count
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, tl = require_triton()
 

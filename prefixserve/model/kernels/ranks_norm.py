@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.model.kernels.bound import BoundKernel
 from prefixserve.model.kernels.peer_norm import MAX_HIDDEN, MAX_PROGRAMS, add_norm_store, wait_for_count
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, tl = require_triton()
 

@@ -18,9 +18,9 @@ import os
 
 import torch
 
-from prefixserve.model.kernels.bound import BoundKernel
 from prefixserve.model.kernels.silu_mul import silu_mul
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, tl = require_triton()
 

@@ -1,4 +1,4 @@
-"""Dense-path launches bound once per shape: Triton's Python launch cost paid once, not per layer.
+"""Triton launches bound once per shape: Triton's Python launch cost paid once, not per layer.
 
 ``kernel[grid](*args)`` binds, specialises and hashes every argument on each call: tens of
 microseconds. An eager step (a prefill, a Prompt Cache first token) launches each dense kernel once
