@@ -151,6 +151,10 @@ def test_decode_windows_share_the_segments_inside_them(window: int, backend_name
     assert rel_err(window_attention(q, k, v, meta, 0.3, window), ref) < 1e-5
     if plan is not None and backend_name == "triton":
         assert rel_err(window_shared_attention(q, k, v, meta, plan, 0.3, window), ref) < 1e-5
+        # a later layer of the step: the recorded launches again, with its own q, K and V
+        q2, k2, v2 = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+        ref2 = _oracle(q2, k2, v2, tables, [1] * len(own), seq_lens, 0.3, window)
+        assert rel_err(window_shared_attention(q2, k2, v2, meta, plan, 0.3, window), ref2) < 1e-5
 
 
 def test_decode_window_sharing_bf16() -> None:

@@ -11,7 +11,7 @@ imports included; tests/kernels/test_kernel_imports.py checks it):
 
     _ptxas < merge < tiles < attend < packed_decode < paged_attention < gluon_attend
     < shared_gluon < shared_plan < shared_attention < mixed_rule < mixed_own < mixed_gluon
-    < step_plan < window_attention < step_launch < graph_attention < triton_backend
+    < step_plan < step_launch < window_attention < graph_attention < triton_backend
 
   * _ptxas: the ptxas that builds the mixed kernel (recorded launches: ``prefixserve.triton_support``);
   * merge: the LSE merge kernel;  tiles: host checks, shared-memory tile fitting, fitted launches;

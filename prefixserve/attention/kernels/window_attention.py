@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from prefixserve.attention.kernels.attend import accumulate_pv, finish_rows, qk_scores, softmax_step
-from prefixserve.attention.kernels.merge import merge_partials
 from prefixserve.attention.kernels.shared_attention import launch_shared
 from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, plan_shared_work
+from prefixserve.attention.kernels.step_launch import csr_merge, launch_split_path, replay_launches
 from prefixserve.attention.kernels.step_plan import to_device_packed
 from prefixserve.attention.kernels.tiles import (
     LOG2E,
@@ -34,6 +34,7 @@ from prefixserve.attention.kernels.tiles import (
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
+from prefixserve.triton_support.launch import Launch, record
 
 triton, tl = require_triton()
 
@@ -161,6 +162,48 @@ def _window_kernel(
 _bound = BoundKernel(_window_kernel)  # every sliding layer of a step: Triton's launch cost paid once
 
 
+def _launch_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    skip: tuple[torch.Tensor, torch.Tensor] | None,
+    out: tuple[torch.Tensor, torch.Tensor | None],
+) -> tuple[tuple[int, int], tuple, dict]:
+    """The window kernel's grid, arguments and constexprs (q, k_cache, v_cache at 0-2, o at 3)."""
+    q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
+    group = q_heads // kv_heads
+    q_lens = meta.query_lens_np if meta.query_lens_np is not None else meta.query_lens_host
+    longest = int(max(q_lens))
+    block_m = max(16, next_power_of_2(group * min(longest, max(1, 64 // group))))
+    # K and V tiles of BLOCK_N x head_dim: wide heads (Gemma's 256) take half the keys a tile
+    block_n = 32 if q.element_size() == 4 or dim > 128 else 64
+    q_tiles = -(-longest // max(1, block_m // group))
+    o, lse = out
+    tables = meta.block_tables
+    skip_lo, skip_hi = skip if skip is not None else (meta.seq_lens, meta.seq_lens)
+    args = (
+        q, k_cache, v_cache, o, lse if lse is not None else o, tables, meta.seq_lens, meta.query_start_loc,
+        skip_lo, skip_hi, scale * LOG2E, q_tiles, window,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        o.stride(0), o.stride(1), lse.stride(0) if lse is not None else 0,
+    )  # fmt: skip
+    kw = {
+        "GROUP": group,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "HEAD_DIM": dim,
+        "BLOCK_SIZE": block_size,
+        "DOT_PREC": dot_precision(q.dtype),
+        "UPCAST": interpreter_upcast(q.dtype),
+        "SKIP": skip is not None,
+    }
+    return (meta.num_seqs * q_tiles, kv_heads), args, kw
+
+
 def window_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -168,61 +211,12 @@ def window_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int,
-    skip: tuple[torch.Tensor, torch.Tensor] | None = None,  # [S] int32 each: keys not walked
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # with skip: o [T, Hq, D], lse [T, Hq] fp32
-) -> torch.Tensor:  # [T, Hq, D]: the attention (o of the partials with ``skip``)
+) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query row within its window (``attention/window.py`` says the rule)."""
-    q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
-    group = q_heads // kv_heads
-    q_lens = meta.query_lens_np if meta.query_lens_np is not None else meta.query_lens_host
-    longest = int(max(q_lens))
-    block_m = max(16, next_power_of_2(group * min(longest, max(1, 64 // group))))
-    block_n = 64 if q.element_size() < 4 else 32
-    q_tiles = -(-longest // max(1, block_m // group))
-    if skip is None:
-        o, lse = torch.empty_like(q), None
-    else:
-        assert out is not None, "partials need their buffers"
-        o, lse = out
-    tables = meta.block_tables
-    skip_lo, skip_hi = skip if skip is not None else (meta.seq_lens, meta.seq_lens)
-    _bound(
-        (meta.num_seqs * q_tiles, kv_heads),
-        q,
-        k_cache,
-        v_cache,
-        o,
-        lse if lse is not None else o,
-        tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        skip_lo,
-        skip_hi,
-        scale * LOG2E,
-        q_tiles,
-        window,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        tables.stride(0),
-        o.stride(0),
-        o.stride(1),
-        lse.stride(0) if lse is not None else 0,
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HEAD_DIM=dim,
-        BLOCK_SIZE=block_size,
-        DOT_PREC=dot_precision(q.dtype),
-        UPCAST=interpreter_upcast(q.dtype),
-        SKIP=skip is not None,
-    )
-    return o
+    out = torch.empty_like(q)
+    grid, args, kw = _launch_args(q, k_cache, v_cache, meta, scale, window, None, (out, None))
+    _bound(grid, *args, **kw)
+    return out
 
 
 def window_shared_attention(
@@ -235,19 +229,34 @@ def window_shared_attention(
     window: int,
 ) -> torch.Tensor:  # [T, Hq, D]
     """A decode step of a sliding layer: the plan's segments once for their stacked rows (the shared
-    kernel), each row's walk over the rest of its window, merged by LSE."""
+    kernel), each row's walk over the rest of its window (fp32 partials with their LSE), merged by
+    LSE. The step's first sliding layer launches through Triton and records; the others relaunch the
+    records with their own q, K, V and output (``step_launch.replay_launches``), as the full layers'
+    shared path does."""
     tokens, q_heads, dim = q.shape
     key = (q_heads, k_cache.shape[2], dim, q.dtype, q.device)
     lay = plan.derived.get(key)
     if lay is None:
         lay = plan.derived[key] = _layout(q, k_cache, plan)
-    o_part, lse_part = lay["o_part"], lay["lse_part"]
-    window_attention(q, k_cache, v_cache, meta, scale, window, lay["skip"], (o_part, lse_part))
-    launch_shared(q, k_cache, v_cache, *lay["segments"], scale, o_part[tokens:], lse_part[tokens:])
     out = torch.empty_like(q)
-    merge_partials(
-        o_part, lse_part, tokens, row_ptr=lay["row_ptr"], part_idx=lay["part_idx"], out=out, want_lse=False
-    )
+    sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), scale, window)
+    if lay.get("signature") == sig:
+        replay_launches(lay["launches"], (q, k_cache, v_cache, out), None)
+        return out
+    o_part, lse_part = lay["o_part"], lay["lse_part"]
+
+    def walk() -> Launch:
+        grid, args, kw = _launch_args(
+            q, k_cache, v_cache, meta, scale, window, lay["skip"], (o_part, lse_part)
+        )
+        return record(_window_kernel, grid, args, kw, _window_kernel[grid](*args, **kw))
+
+    def shared() -> Launch | None:
+        return launch_shared(q, k_cache, v_cache, *lay["segments"], scale, o_part[tokens:], lse_part[tokens:])
+
+    merge = csr_merge(o_part, lse_part, tokens, lay["row_ptr"], lay["part_idx"], out)
+    lay["launches"] = launch_split_path(shared, walk, merge, None)
+    lay["signature"] = sig
     return out
 
 
