@@ -163,10 +163,12 @@ def report(result: dict[str, Any], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['model']}\nB={r['B']} P={r['P'] // 1024}K" for r in rows]
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["auto_tok_s"] for r in rows], width=0.4, label="sharing on")
-    ax.bar(
-        [i + 0.2 for i in x], [r["attainable_tok_s"] for r in rows], width=0.4, label="attainable", alpha=0.5
-    )
+    ax.bar([i - 0.27 for i in x], [r["auto_tok_s"] for r in rows], width=0.27, label="sharing on")
+    off = [r.get("sharing_off_tok_s", 0.0) for r in rows]
+    if any(off):
+        ax.bar(list(x), off, width=0.27, label="sharing off")
+    attainable = [r["attainable_tok_s"] for r in rows]
+    ax.bar([i + 0.27 for i in x], attainable, width=0.27, label="attainable", alpha=0.5)
     ax.set_xticks(list(x), labels, fontsize=6)
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"Model families on {result['device']}")

@@ -167,10 +167,10 @@ def build_metadata(
         slots = tables[owner, index // block_size].astype(np.int64) * block_size + index % block_size
     return AttentionMetadata(
         block_size=block_size,
-        query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(tables).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=_to_device(starts.astype(np.int32), device),
+        seq_lens=_to_device(s.astype(np.int32), device),
+        block_tables=_to_device(tables, device),
+        slot_mapping=_to_device(slots, device),
         query_lens_host=list(query_lens),
         seq_lens_host=list(seq_lens),
         block_tables_host=host_rows,
@@ -179,6 +179,15 @@ def build_metadata(
         query_lens_np=q,
         module_rows=module_rows,
     )
+
+
+def _to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host array on ``device``; on CUDA through pinned memory without waiting: a pageable copy
+    waits for the GPU's queue to drain, which undoes launch-ahead for every step planned eagerly."""
+    host = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _list_tables(block_tables: list[list[int]], s: np.ndarray, block_size: int) -> np.ndarray:
