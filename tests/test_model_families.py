@@ -69,19 +69,24 @@ def _randomize(model: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + base)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
-    name = request.param
-    kwargs = {**SIZES, **FAMILIES[name]}
-    if name == "mistral":
-        kwargs["head_dim"] = 12  # not a power of two: the CPU paths take any head size
+def tiny_checkpoint(name: str, directory: Path, **sizes: Any) -> Any:
+    """A random HF model of family ``name`` (``FAMILIES``' settings over ``SIZES``, then ``sizes``),
+    saved with ``save_pretrained`` into ``directory``; returns the HF model (fp32, eval)."""
+    kwargs = {**SIZES, **FAMILIES[name], **sizes}
     config = transformers.AutoConfig.for_model(ARCH.get(name, name), **kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     _randomize(model)
-    directory = tmp_path_factory.mktemp(name)
     model.save_pretrained(str(directory), safe_serialization=True)
-    return name, directory, model
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    name = request.param
+    directory = tmp_path_factory.mktemp(name)
+    sizes = {"head_dim": 12} if name == "mistral" else {}  # not a power of two: the CPU paths take any
+    return name, directory, tiny_checkpoint(name, directory, **sizes)
 
 
 def _prompt(seed: int, length: int) -> list[int]:

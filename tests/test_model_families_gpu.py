@@ -12,7 +12,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from tests.conftest import assert_pool_empty
-from tests.test_model_families import FAMILIES, SIZES, WINDOW, _prompt, _randomize
+from tests.test_model_families import WINDOW, _prompt, tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -21,14 +21,8 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module", params=["qwen3_sliding", "gemma3_text"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     name = request.param
-    kwargs = {**SIZES, **FAMILIES[name], "head_dim": 32, "num_attention_heads": 4}
-    config = transformers.AutoConfig.for_model("qwen3" if name.startswith("qwen3") else name, **kwargs)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    _randomize(model)
     directory = tmp_path_factory.mktemp(name)
-    model.save_pretrained(str(directory), safe_serialization=True)
-    return name, directory, model
+    return name, directory, tiny_checkpoint(name, directory, head_dim=32, num_attention_heads=4)
 
 
 def _llm(directory: Path, attention: str) -> LLM:

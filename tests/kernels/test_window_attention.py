@@ -191,3 +191,17 @@ def test_a_long_prefix_is_cut_to_the_blocks_inside_every_window(window: int) -> 
     ref = _oracle(q, k, v, tables, query_lens, seq_lens, 0.3, window)
     assert rel_err(window_attention(q, k, v, meta, 0.3, window), ref) < 1e-5
     assert rel_err(window_shared_attention(q, k, v, meta, plan, 0.3, window), ref) < 1e-5
+
+
+def test_window_and_paged_kernels_compile_for_hopper() -> None:
+    """The real compiler (sm_90, no GPU needed) takes the window kernel in both forms at Gemma's
+    256-wide heads and the paged kernel, whose shared walk (``attend_range``) gained the window bound."""
+    from _kernel_helpers import compiled_for_hopper
+
+    results = compiled_for_hopper("_window_compile.py")
+    assert [(r["kernel"], r["skip"]) for r in results] == [
+        ("window", False),
+        ("window", True),
+        ("paged", False),
+    ]
+    assert all(r["ok"] for r in results)

@@ -69,6 +69,8 @@ def attend_range(
     UPCAST: tl.constexpr,
     MASKED: tl.constexpr = True,
     STAGES: tl.constexpr = None,
+    lower=None,  # [BLOCK_M] int32 with WINDOWED: row m sees tokens n >= lower[m] too (a sliding window)
+    WINDOWED: tl.constexpr = False,
 ):
     """Online softmax of a query tile over KV tokens [kv_lo, kv_hi) of a paged run (shared by kernels).
 
@@ -95,6 +97,8 @@ def attend_range(
         s = qk_scores(q, k, DOT_PREC, UPCAST)
         if MASKED:
             visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
+            if WINDOWED:
+                visible = visible & (n[None, :] >= lower[:, None])
             s = tl.where(visible, s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
         v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from prefixserve.attention.kernels.attend import accumulate_pv, finish_rows, qk_scores, softmax_step
+from prefixserve.attention.kernels.attend import attend_range, finish_rows
 from prefixserve.attention.kernels.shared_attention import launch_shared
 from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, plan_shared_work
 from prefixserve.attention.kernels.step_launch import csr_merge, launch_split_path, replay_launches
@@ -37,39 +37,6 @@ from prefixserve.triton_support.bound import BoundKernel
 from prefixserve.triton_support.launch import Launch, record
 
 triton, tl = require_triton()
-
-
-@triton.jit
-def _walk(
-    q, m_i, l_i, acc, k_base, v_base, table, start, stop, lo, hi, qk_scale,
-    stride_kb, stride_kt, stride_vb, stride_vt,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """Online softmax over keys [start, stop) of a paged run; row m sees keys lo[m] <= n < hi[m]."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for first in range(start, stop, BLOCK_N):
-        n = first + offs_n
-        n_ok = n < stop
-        blk = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        within = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
-        s = qk_scores(q, k, DOT_PREC, UPCAST)
-        visible = (n[None, :] < hi[:, None]) & (n[None, :] >= lo[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
-        v = tl.load(
-            v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        )
-        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
-    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["q_tiles", "window", "stride_bt"])
@@ -142,15 +109,16 @@ def _window_kernel(
             skip_lo = tl.load(skip_lo_ptr + seq)
             skip_hi = tl.load(skip_hi_ptr + seq)
             first_stop = tl.where(skip_hi > skip_lo, tl.minimum(kv_hi, skip_lo), kv_hi)
-        m_i, l_i, acc = _walk(
-            q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, lo, hi, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, HEAD_DIM, BLOCK_SIZE, DOT_PREC, UPCAST,
+        m_i, l_i, acc = attend_range(
+            q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, hi, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST,
+            lower=lo, WINDOWED=True,
         )  # fmt: skip
         if SKIP:  # the keys after the run the shared segments cover
-            m_i, l_i, acc = _walk(
-                q, m_i, l_i, acc, k_base, v_base, table, tl.maximum(first_stop, skip_hi), kv_hi, lo, hi,
-                qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
-                DOT_PREC, UPCAST,
+            m_i, l_i, acc = attend_range(
+                q, m_i, l_i, acc, k_base, v_base, table, tl.maximum(first_stop, skip_hi), kv_hi, hi,
+                qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                DOT_PREC, UPCAST, lower=lo, WINDOWED=True,
             )  # fmt: skip
         o, lse = finish_rows(m_i, l_i, acc)
         o_rows = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]

@@ -1,0 +1,45 @@
+"""Compile the window kernel (both forms) and the paged kernel for sm_90 without a GPU; one JSON line
+each. A separate process, as ``_gluon_compile.py`` says why (no ``TRITON_INTERPRET``): the real
+compiler checks what the interpreter lets through (``attend_range``'s window bound, its keyword call).
+
+Usage: python _window_compile.py
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def compile_for_hopper(kernel, types: dict[str, str], consts: dict[str, object]):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    src = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def main() -> None:
+    from prefixserve.attention.kernels import paged_attention, window_attention
+
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    ptrs |= {"qsl_ptr": "*i32", "skip_lo_ptr": "*i32", "skip_hi_ptr": "*i32", "qk_scale": "fp32"}
+    common = {"BLOCK_M": 16, "BLOCK_SIZE": 16, "DOT_PREC": "tf32", "UPCAST": False}
+    for skip in (False, True):
+        types = ptrs | {"o_ptr": "*fp32" if skip else "*bf16", "lse_ptr": "*fp32"}
+        consts = common | {"GROUP": 2, "BLOCK_N": 32, "HEAD_DIM": 256, "SKIP": skip}
+        compiled = compile_for_hopper(window_attention._window_kernel, types, consts)
+        print(json.dumps({"kernel": "window", "skip": skip, "ok": bool(compiled.asm.get("cubin"))}))
+    types = ptrs | {"o_ptr": "*bf16", "lse_ptr": "*fp32"}
+    consts = common | {"GROUP": 4, "BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True}
+    compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
+    print(json.dumps({"kernel": "paged", "skip": False, "ok": bool(compiled.asm.get("cubin"))}))
+
+
+if __name__ == "__main__":
+    main()
