@@ -286,3 +286,62 @@ def test_qwen3_gguf_reads_as_the_checkpoint(family, tmp_path: Path) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 as published (``Gemma3ForConditionalGeneration``: ``text_config``, the language model's
+    tensors under ``language_model.``, a vision tower beside them) loads as its text model: the
+    vision tensors are left, and text prompts give HF's logits and greedy tokens."""
+    text = {**SIZES, **FAMILIES["gemma3_text"]}
+    text = {k: v for k, v in text.items() if k not in ("pad_token_id",)}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": 28, "patch_size": 14}
+    config = transformers.AutoConfig.for_model(
+        "gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    _randomize(hf)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert any(k.startswith("vision_tower.") for k in f.keys())  # noqa: SIM118
+    model, _ = load_model(ModelSource("hf", tmp_path, "gemma3-mm"), torch.float32, torch.device("cpu"))
+    assert model.config.architecture == "gemma3" and model.config.has_sliding_layers
+    ids = _prompt(7, 2 * WINDOW + 3)
+    llm = _llm(tmp_path, attention="cascade")
+    got = llm.generate([{"prompt_token_ids": ids}], GREEDY)[0].outputs[0].token_ids
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+        )
+    assert got == out[0, len(ids) :].tolist()
+
+
+def test_a_gemma3_checkpoint_is_served_over_http(family) -> None:
+    """`prefixserve serve` of a Gemma 3 directory: the OpenAI completions route answers greedy tokens
+    equal to the offline API's, with the prompt's prefix served from the cache on a repeat."""
+    name, directory, _ = family
+    if name != "gemma3_text":
+        pytest.skip("one family over HTTP is enough: the server runs the same engine")
+    import httpx
+
+    from prefixserve.config import EngineConfig
+    from prefixserve.entrypoints.openai.server import ServerThread, build_app
+
+    ids = _prompt(9, 2 * WINDOW + 5)
+    config = EngineConfig(
+        model=str(directory), device="cpu", dtype="float32", num_kv_blocks=160, block_size=8
+    )
+    body = {"model": directory.name, "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with ServerThread(build_app(config)) as srv:
+        answers = [httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text[:300]
+    offline = _llm(directory, attention="cascade").generate(
+        [{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
+    assert answers[0].json()["choices"][0]["text"] == offline[0].outputs[0].text
+    assert answers[1].json()["choices"][0]["text"] == offline[0].outputs[0].text
+    cached = (answers[1].json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached >= len(ids) // 8 * 8 - 8  # the repeat's whole blocks, but the last row, from the cache

@@ -245,14 +245,17 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
     seen: set[str] = set()
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = language_model_name(stored)
+                if name is None:  # a multimodal checkpoint's vision tower: text is served alone
+                    continue
                 if name not in targets:
                     if "rotary_emb" in name:
                         continue
                     raise ValueError(
                         f"{file}: unexpected weight {name!r} for a {model.config.architecture} model"
                     )
-                source = f.get_slice(name)
+                source = f.get_slice(stored)
                 shape = tuple(source.get_shape())
                 for param, piece in targets[name]:
                     if shape != piece.full:
@@ -280,6 +283,28 @@ def _fold_norm_offset(model: LlamaForCausalLM) -> None:
             for module in model.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.add_(offset)
+
+
+# a multimodal checkpoint's language model, as transformers writes it (4.x and 5.x save the first form)
+_LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_LANGUAGE_PREFIXES += (("model.language_model.", "model."),)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def language_model_name(stored: str) -> str | None:
+    """A checkpoint tensor's name in the language model (a multimodal checkpoint's prefix taken off),
+    or None for the vision tower and its projector."""
+    if stored.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _LANGUAGE_PREFIXES:
+        if stored.startswith(prefix):
+            return replacement + stored[len(prefix) :]
+    return stored
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:

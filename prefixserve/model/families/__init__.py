@@ -19,7 +19,8 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...], tuple[str, ...]]] = {
     "mistral": (llama, ("MistralForCausalLM",), ("mistral",)),
     "qwen2": (llama, ("Qwen2ForCausalLM",), ("qwen2",)),
     "qwen3": (qwen3, ("Qwen3ForCausalLM",), ("qwen3",)),
-    "gemma3": (gemma3, ("Gemma3ForCausalLM",), ("gemma3_text",)),
+    # the multimodal checkpoint (Gemma 3 4B-27B as published) serves its language model: text only
+    "gemma3": (gemma3, ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3")),
 }
 
 

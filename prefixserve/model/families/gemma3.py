@@ -21,7 +21,18 @@ def _ropes(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {FULL: full, SLIDING: {"rope_theta": float(raw.get("rope_local_base_freq", 10_000.0))}}
 
 
+def language_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: a multimodal checkpoint's ``text_config`` (its tie of the
+    embeddings stated at the top), else the config itself."""
+    text = raw.get("text_config")
+    if text is None:
+        return raw
+    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return {**text, "tie_word_embeddings": tie}
+
+
 def config_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    raw = language_config(raw)
     if raw.get("attn_logit_softcapping") is not None:
         raise ValueError(
             f"attn_logit_softcapping={raw['attn_logit_softcapping']} is not supported (Gemma 3 has none)"
