@@ -122,6 +122,27 @@ def test_stops_and_limits_cut_inside_the_kept_drafts(pair: tuple[LLM, LLM]) -> N
     assert_pool_empty(spec)
 
 
+def test_rows_under_a_ban_step_beside_speculated_rows(pair: tuple[LLM, LLM]) -> None:
+    """A row under ``min_tokens`` (or a bad word) samples one token a step beside rows that speculate:
+    the bans cover the samplers' rows only, the speculated rows after them (a step of both once
+    failed its requests with finish_reason "error", found by tests/test_engine_stateful.py)."""
+    plain, spec = pair
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    banned = [
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=10, stop_token_ids=[13]),
+        SamplingParams(temperature=0, max_tokens=24, bad_words=["the"]),
+    ]
+    for params in banned:
+        want = plain.chat(CHATS, [params, *[greedy] * (len(CHATS) - 1)])
+        before = spec.metrics()
+        got = spec.chat(CHATS, [params, *[greedy] * (len(CHATS) - 1)])
+        assert spec.metrics()["spec_decode_draft_tokens_total"] > before["spec_decode_draft_tokens_total"]
+        for a, b in zip(want, got, strict=True):
+            assert b.outputs[0].finish_reason in ("stop", "length"), b.error
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert_pool_empty(spec)
+
+
 def test_sampling_with_a_seed_is_reproducible_and_n_samples_speculate(pair: tuple[LLM, LLM]) -> None:
     _, spec = pair
     params = SamplingParams(temperature=0.7, max_tokens=24, seed=5, n=3)

@@ -31,7 +31,7 @@ from prefixserve.outputs import RequestOutput
 from prefixserve.pooling_params import PoolingParams
 from prefixserve.sampling.bad_words import bad_words_ban, joined, waits_for_tokens
 from prefixserve.sampling.min_tokens import min_tokens_ban
-from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.params import SamplingParams, leading_rows
 from prefixserve.sampling.sampler import SampleResult
 from prefixserve.sampling.thinking_budget import thinking_force
 from prefixserve.sampling.thinking_budget import waits_for_tokens as budget_waits
@@ -273,9 +273,10 @@ class Engine(EngineSetup, EngineServices):
         rows, params, generators = launched.sampling
         launched.sampling = None
         mask = self.structured.bitmask(launched.samplers) if self.structured is not None else None
-        ban = min_tokens_ban(launched.samplers, launched.indices, params, self.eos_ids)
-        ban = joined(ban, bad_words_ban(launched.samplers, launched.indices, params))
-        ban = joined(ban, thinking_force(launched.samplers, launched.indices, params))
+        own = leading_rows(params, len(launched.samplers))  # speculated rows follow, under no ban
+        ban = min_tokens_ban(launched.samplers, launched.indices, own, self.eos_ids)
+        ban = joined(ban, bad_words_ban(launched.samplers, launched.indices, own))
+        ban = joined(ban, thinking_force(launched.samplers, launched.indices, own))
         self.runner.sample(launched.launch, rows, params, generators, launched.sampled_seqs, mask, ban)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:

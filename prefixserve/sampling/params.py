@@ -175,6 +175,16 @@ class RowParams(list):  # type: ignore[type-arg]
     flags: int = 0
 
 
+def leading_rows(params: list[SamplingParams], n: int) -> list[SamplingParams]:
+    """The first ``n`` rows' parameters (a ``RowParams`` keeps its flags: those of every row, a
+    superset, which only gates the checks): a step's samplers, without the speculated rows after them."""
+    if len(params) == n:
+        return params
+    out = RowParams(params[:n])
+    out.flags = flags_of(params)
+    return out
+
+
 def flags_of(params: Iterable[SamplingParams]) -> int:
     """The or of the rows' ``param_flags``: kept by a ``RowParams``, else read now."""
     if isinstance(params, RowParams):
