@@ -1,7 +1,7 @@
 """Exact LSE merge of partial attention states (torch; CPU and GPU).
 
 Attention of a query over its whole KV equals the merge of its attention over any partition of that
-KV, weighted by each part's log-sum-exp (DESIGN.md, "The one idea"). With ``m = max_i lse_i``:
+KV, weighted by each part's log-sum-exp (docs/architecture.md). With ``m = max_i lse_i``:
 ``o = sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m)`` and ``lse = m + log(sum_i exp(lse_i - m))``.
 A part that saw no key has ``lse = -inf`` and weight 0; when every part is empty the max is guarded
 (``m = 0``), so the result is ``o = 0, lse = -inf`` and never NaN. Math is fp32 (or wider).

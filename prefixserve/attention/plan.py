@@ -1,6 +1,6 @@
 """Shared-segment planning: which KV runs are held by several sequences of this step's batch.
 
-The plan turns a step's block tables into two kinds of work (DESIGN.md, "The one idea"):
+The plan turns a step's block tables into two kinds of work (docs/architecture.md):
   * shared segments: a run of full KV blocks held by two or more sequences of the batch, lying wholly
     before each holder's first query token; attended once with all holders' query rows stacked;
   * own parts: each sequence's remaining blocks (its block table with the shared blocks removed,

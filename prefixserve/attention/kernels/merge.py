@@ -1,7 +1,7 @@
 """LSE merge: combine partial attention outputs of one query row into the exact full attention.
 
 Attention over a partition of the KV is exact once the parts are merged with their log-sum-exps
-(DESIGN.md, "The one idea"): with ``m = max_i lse_i``,
+(docs/architecture.md): with ``m = max_i lse_i``,
 ``o = sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m)`` and ``lse = m + log(sum_i exp(lse_i - m))``.
 A part that saw no key has ``lse = -inf`` and adds nothing; a row whose parts are all empty outputs
 zeros with ``lse = -inf`` (the max is guarded, so ``-inf - -inf`` never turns into NaN).

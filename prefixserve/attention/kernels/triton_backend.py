@@ -1,7 +1,7 @@
 """Triton attention backends: "triton" (shared segments + own parts + LSE merge) and "triton_paged".
 
-"triton" runs a step as DESIGN.md's one idea: ``prepare`` plans the shared segments once per step
-(``make_plan``); each layer's ``forward`` then launches the shared-segment kernel (holders' rows
+"triton" runs a step as the one idea (docs/architecture.md): ``prepare`` plans the shared segments
+once per step (``make_plan``); each layer's ``forward`` then launches the shared-segment kernel (holders' rows
 stacked, segment KV read once per M-tile) and the paged kernel over each sequence's own part, both
 writing fp32 partials into one buffer, and one merge kernel combines every row's partials. With no
 segment in the batch it runs the plain paged kernel alone (one launch, plus a split merge for long KV).
