@@ -53,7 +53,7 @@ def host_plan(meta: AttentionMetadata) -> Any:
     tables = meta.block_tables
     if tables.device.type != "cpu":  # plan into CPU tensors, from the host copy when there is one
         host = tables.cpu() if meta.block_tables_np is None else torch.from_numpy(meta.block_tables_np)
-        meta = dataclasses.replace(meta, block_tables=host, plan=None, stats={})
+        meta = dataclasses.replace(meta, block_tables=host, plan=None, stats={}, window_plans={})
     return make_plan(meta)
 
 
