@@ -158,6 +158,10 @@ class EngineConfig:
     module_recompute: str = "link:64"
     # prefix-cache blocks evicted from the pool are copied to that host tier and come back on a hit
     spill_prefix_cache: bool = False
+    # models mixing sliding-window and full layers: True keeps every layer's KV of every block; by
+    # default the sliding layers' pages of blocks behind every holder's window go back to the pool
+    # (kv/layout.py), except where schemas, the host tier or tensor parallelism need every layer's
+    keep_sliding_kv: bool = False
     # tensor parallelism: the model split over this many GPUs (gloo processes on a CPU), one worker
     # process per rank beside this one (prefixserve/engine/tp_runner.py)
     tensor_parallel_size: int = 1
@@ -165,6 +169,14 @@ class EngineConfig:
     # peer reads; model/peer_allreduce.py), NCCL above its buffer's size or where peer memory is
     # unavailable (docs/benchmarks/tensor_parallel_allreduce/ measures the two)
     tp_peer_allreduce: bool = True
+
+    @property
+    def frees_sliding_kv(self) -> bool:
+        """Whether sliding layers may give their blocks back: not with ``keep_sliding_kv``, schemas
+        (Prompt Cache modules), the host tier or tensor parallelism, which keep every layer's KV."""
+        return not (
+            self.keep_sliding_kv or self.schemas or self.spill_prefix_cache or self.tensor_parallel_size > 1
+        )
 
     def __post_init__(self) -> None:
         self.served_model_name = tuple(self.served_model_name)

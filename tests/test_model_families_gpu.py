@@ -25,8 +25,9 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return name, directory, tiny_checkpoint(name, directory, head_dim=32, num_attention_heads=4)
 
 
-def _llm(directory: Path, attention: str) -> LLM:
+def _llm(directory: Path, attention: str, keep_sliding_kv: bool = False) -> LLM:
     return LLM(
+        keep_sliding_kv=keep_sliding_kv,
         model=str(directory),
         dtype="float32",
         device="cuda",
@@ -43,11 +44,14 @@ def test_greedy_tokens_equal_with_the_gpu_kernels(family) -> None:
     prefix = _prompt(5, 3 * WINDOW + 7)
     prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 5 + 3 * i)} for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = _llm(directory, "reference")
+    plain = _llm(directory, "reference", keep_sliding_kv=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    fast = _llm(directory, "triton")  # always the shared-segment path (auto may skip a short prefix)
-    for _ in range(2):  # the second round: the prefix from the cache
-        assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want
+    for keep in (True, False):  # every layer's KV kept; the sliding layers' pages given back
+        fast = _llm(directory, "triton", keep)  # always the shared-segment path (auto may skip one)
+        assert fast.engine.runner.kv.layout.frees_sliding is not keep
+        for _ in range(2):  # the second round: the prefix from the cache
+            assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want, keep
+        assert_pool_empty(fast)
     hf = hf.cuda()
     ids = prompts[0]["prompt_token_ids"]
     with torch.no_grad():

@@ -13,6 +13,7 @@ KV cache layout of one layer: ``k_cache, v_cache: [num_blocks, block_size, kv_he
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -46,6 +47,40 @@ class AttentionMetadata:
     module_rows: np.ndarray | None = None
     # sliding-window layers' shared work of a decode step, per window (``window_plan.py``), made once
     window_plans: dict[int, Any] = field(default_factory=dict)
+    # the freeing KV layout (``kv/layout.py``): each sliding group's view of the step (its pages'
+    # tables and write slots), and each layer's group; a group's view links back to the step's
+    # (``full``), whose shared plan its window plans follow
+    group_metas: tuple[AttentionMetadata, ...] = ()
+    layer_groups: tuple[int, ...] = ()
+    full: AttentionMetadata | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer ``layer`` reads its KV through: the step's, or its sliding group's."""
+        group = self.layer_groups[layer] if self.layer_groups else 0
+        return self if group == 0 else self.group_metas[group - 1]
+
+    def with_groups(self, tables: np.ndarray, layer_groups: tuple[int, ...]) -> None:
+        """Add the sliding groups' views: ``tables`` [R, S, W] their pages of each sequence's blocks."""
+        device = self.block_tables.device
+        views = []
+        for table in tables:
+            table = _fit_width(table, self.block_tables_np)
+            views.append(
+                dataclasses.replace(
+                    self,
+                    block_tables=_to_device(table, device),
+                    slot_mapping=_to_device(
+                        _write_slots(table, self.query_lens_np, self.seq_lens_np, self.block_size), device
+                    ),
+                    block_tables_host=TableRows(table, -(-self.seq_lens_np // self.block_size)),
+                    block_tables_np=table,
+                    plan=None,
+                    stats={},
+                    window_plans={},
+                    full=self,
+                )
+            )
+        self.group_metas, self.layer_groups = tuple(views), layer_groups
 
     @property
     def num_seqs(self) -> int:
@@ -153,18 +188,9 @@ def build_metadata(
     else:
         tables = _list_tables(block_tables, s, block_size)
         host_rows = block_tables
-    # Write slots of the new tokens: token j of sequence i sits at cache index seq_len - q_len + j.
-    num_tokens = int(q.sum())
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(q, out=starts[1:])
-    if num_tokens == num_seqs:  # decode: one token per sequence, at index seq_len - 1
-        index = s - 1
-        slots = tables[np.arange(num_seqs), index // block_size].astype(np.int64) * block_size
-        slots += index % block_size
-    else:
-        owner = np.repeat(np.arange(num_seqs), q)
-        index = (s - q)[owner] + np.arange(num_tokens) - starts[owner]
-        slots = tables[owner, index // block_size].astype(np.int64) * block_size + index % block_size
+    slots = _write_slots(tables, q, s, block_size)
     return AttentionMetadata(
         block_size=block_size,
         query_start_loc=_to_device(starts.astype(np.int32), device),
@@ -179,6 +205,29 @@ def build_metadata(
         query_lens_np=q,
         module_rows=module_rows,
     )
+
+
+def _write_slots(tables: np.ndarray, q: np.ndarray, s: np.ndarray, block_size: int) -> np.ndarray:
+    """[T] int64 write slots of the new tokens: token j of sequence i sits at cache index
+    ``seq_len - q_len + j`` (a decode step: one token each, at ``seq_len - 1``)."""
+    num_seqs, num_tokens = len(s), int(q.sum())
+    if num_tokens == num_seqs:
+        index = s - 1
+        slots = tables[np.arange(num_seqs), index // block_size].astype(np.int64) * block_size
+        return slots + index % block_size
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q, out=starts[1:])
+    owner = np.repeat(np.arange(num_seqs), q)
+    index = (s - q)[owner] + np.arange(num_tokens) - starts[owner]
+    return tables[owner, index // block_size].astype(np.int64) * block_size + index % block_size
+
+
+def _fit_width(table: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """``table`` cut or zero-padded to ``like``'s width (a group's pages beside the block table)."""
+    width = like.shape[1]
+    if table.shape[1] >= width:
+        return np.ascontiguousarray(table[:, :width])
+    return np.pad(table, ((0, 0), (0, width - table.shape[1])))
 
 
 def _to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:

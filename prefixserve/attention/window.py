@@ -31,8 +31,9 @@ def attend_layer(
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """One layer's attention: the backend's ``forward``, or for a sliding layer whose window the step's
     longest sequence outgrows, attention within the window. A window that covers every sequence masks
-    nothing, so the layer keeps the backend's shared-segment path."""
-    if window is None or window >= meta.max_seq_len:
+    nothing, so the layer keeps the backend's shared-segment path, unless the layer reads a sliding
+    group's pages (the backend's plan names the block table's)."""
+    if window is None or (window >= meta.max_seq_len and meta.full is None):
         return backend.forward(q, k_cache, v_cache, meta, scale)
     return window_attention(q, k_cache, v_cache, meta, scale, window)
 

@@ -18,6 +18,7 @@ take the per-row window walk alone (``window.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,10 @@ class WindowPlan:
     skip_lo: np.ndarray  # [S] int32: keys [skip_lo, skip_hi) of each sequence come from segments
     skip_hi: np.ndarray
     kv_tokens_read: int  # per layer: each kept segment once, every row's walk
+    # where segment g's kept blocks sit: in the table row of query row seg_holder[g], from column
+    # seg_column[g] (a sliding group's plan takes its pages from there)
+    seg_holder: np.ndarray
+    seg_column: np.ndarray
     # per (heads, head size, dtype, device): the kernels' work list, buffers and the arrays on the device
     derived: dict[Any, Any] = field(default_factory=dict)
 
@@ -66,10 +71,22 @@ def window_plan(meta: AttentionMetadata, window: int) -> WindowPlan | None:
     segment to share, or is not decode-only (its rows take the plain window walk)."""
     if window in meta.window_plans:
         return meta.window_plans[window]
-    found = step_segments(meta) if meta.is_decode_only else None
-    made = make_window_plan(meta, *found, window) if found is not None else None
+    if meta.full is not None:  # a sliding group's view: the step's plan, on the group's pages
+        base = window_plan(meta.full, window)
+        made = None if base is None else on_pages(base, meta.block_tables_np)
+    else:
+        found = step_segments(meta) if meta.is_decode_only else None
+        made = make_window_plan(meta, *found, window) if found is not None else None
     meta.window_plans[window] = made
     return made
+
+
+def on_pages(plan: WindowPlan, tables: np.ndarray) -> WindowPlan:
+    """``plan`` reading a sliding group's pages: the blocks its segments keep, looked up in the
+    group's ``tables`` [S, W] where the step's plan found them in the block table."""
+    sizes = np.diff(plan.seg_block_start)
+    blocks = [tables[h, c : c + n] for h, c, n in zip(plan.seg_holder, plan.seg_column, sizes, strict=True)]
+    return dataclasses.replace(plan, seg_blocks=np.concatenate(blocks).astype(np.int32), derived={})
 
 
 def make_window_plan(
@@ -116,9 +133,11 @@ def make_window_plan(
     skip_lo[skip_hi == 0] = 0
     # the kept segments with their rows (a decode step's query row s is sequence s)
     by_seg = np.lexsort((seq, seg))
-    seg, seq = seg[by_seg], seq[by_seg]
+    seg, seq, a = seg[by_seg], seq[by_seg], a[by_seg]
     kept, rows_per = np.unique(seg, return_counts=True)
     blocks = [seg_blocks[starts[g] + cut[g] // bs : starts[g + 1]] for g in kept]
+    first_row = np.r_[0, np.cumsum(rows_per)[:-1]]  # one holder of each kept segment
+
     tokens = [int(plan.seg_num_tokens_host[g] - cut[g]) for g in kept]
     walk = (seq_lens - lo) - (skip_hi - skip_lo)
     return WindowPlan(
@@ -130,4 +149,6 @@ def make_window_plan(
         skip_lo=skip_lo.astype(np.int32),
         skip_hi=skip_hi.astype(np.int32),
         kv_tokens_read=int(sum(tokens) + walk.sum()),
+        seg_holder=seq[first_row],
+        seg_column=a[first_row] // bs,
     )

@@ -29,6 +29,7 @@ from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.device_calls import prompt_modules
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import Scheduler
+from prefixserve.scheduler.sliding_pages import SlidingPages
 from prefixserve.sequence import Request
 
 if TYPE_CHECKING:
@@ -64,9 +65,14 @@ class EngineSetup:
         bs = config.block_size
         context = context_length(config, self.runner.model)
         num_blocks = self.runner.num_blocks
-        self.max_model_len = min(context, num_blocks * bs)
         self.pool = BlockPool(num_blocks, bs)
-        self.blocks = BlockManager(self.pool, config.enable_prefix_caching)
+        layout = self.runner.kv.layout
+        sliding = None
+        if layout.frees_sliding:  # the sliding layers' pages, given back behind the windows
+            assert layout.window is not None
+            sliding = SlidingPages(self.pool, layout.sliding_groups, layout.window)
+        self.blocks = BlockManager(self.pool, config.enable_prefix_caching, sliding)
+        self.max_model_len = min(context, self.blocks.max_tokens(num_blocks))
         self.prompt_logprobs = PromptLogprobs(self.device, bs)  # echo / prompt_logprobs rows
         self.pooler = Pooler(bs)  # embedding requests
         # what reads a step's prompt rows before the sampling takes them; the block manager asks
@@ -107,6 +113,8 @@ class EngineSetup:
         self.scheduler.refuse = self._refuse
         self.spill: PrefixSpill | None = None
         if config.spill_prefix_cache and config.enable_prefix_caching:
+            if not self.runner.kv.packs:
+                raise ValueError("spill_prefix_cache needs every layer's KV in one shape; this model's vary")
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
             self.blocks.restore = self.spill.restore
         self.system_prompt_kv: dict[str, SystemPromptKV] = {}
@@ -118,7 +126,7 @@ class EngineSetup:
             self.pin_system_prompt(name, text)
         # A sequence must always fit in the blocks nobody pins, or it could preempt itself forever.
         unpinned = self.pool.num_blocks - sum(len(p.blocks) for p in self.system_prompt_kv.values())
-        self.max_model_len = min(self.max_model_len, unpinned * bs)
+        self.max_model_len = min(self.max_model_len, self.blocks.max_tokens(unpinned))
         if self.max_model_len < 2:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
         if speculative is not None:  # the scheduler's hook: drafts appended before each step is planned

@@ -35,8 +35,9 @@ from prefixserve.engine.argmax_graph import ArgmaxGraphs
 from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
 from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
+from prefixserve.kv.layout import kv_layout, plain_layout
 from prefixserve.model import cpu_linear
-from prefixserve.model.memory_fit import check_kv_fits, kv_blocks_for_sequences, step_reserve
+from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.penalties import (
@@ -136,7 +137,9 @@ class ModelRunner:
             cpu_linear.pack_linear_weights(model)
             cpu_malloc.keep_freed_memory()
         self.block_size = bs = config.block_size
-        self.num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit(model, config, context)
+        self.layout = kv_layout(model.config, config.frees_sliding_kv)
+        pages = self._kv_pages(config.num_kv_blocks)
+        self.num_blocks = pages or self._kv_blocks_that_fit(model, config, context)
         self.kv = KVCache(
             model.config,
             self.num_blocks,
@@ -145,6 +148,7 @@ class ModelRunner:
             self.device,
             self.shard,
             model.full_config.num_key_value_heads,
+            self.layout,
         )
         self.backend = make_backend(config.attention)
         self.graphs: DecodeGraphs | None = None
@@ -166,6 +170,13 @@ class ModelRunner:
         self._last_done: torch.cuda.Event | None = None
         self._last_decode = False
 
+    def _kv_pages(self, blocks: int | None) -> int | None:
+        """Pool pages with the memory of ``blocks`` blocks of every layer (``num_kv_blocks``: a freeing
+        layout's pages are smaller, ``kv/layout.py``)."""
+        if blocks is None:
+            return None
+        return blocks * plain_layout(self.model.config).page_elements(1) // self.layout.page_elements(1)
+
     def _kv_blocks_that_fit(self, model: torch.nn.Module, config: EngineConfig, context: int) -> int:
         """The default KV pool, the same on every rank: what ``max_num_seqs`` sequences of ``context``
         tokens can hold (``kv_blocks_for_sequences``), capped by ``memory_fraction`` of free GPU
@@ -181,9 +192,10 @@ class ModelRunner:
             self.dtype,
             self.device,
             config.memory_fraction,
-            max_blocks=kv_blocks_for_sequences(context, bs, config.max_num_seqs),
+            max_blocks=self.layout.pages_for(context, bs) * config.max_num_seqs,
             reserve=reserve,
             utilization=config.gpu_memory_utilization,
+            layout=self.layout,
         )
         blocks = self.shard.min_int(blocks)
         check_kv_fits(blocks, bs, min(tokens, context), self.device)
@@ -202,12 +214,14 @@ class ModelRunner:
         tables: np.ndarray,
         module_rows: np.ndarray | None = None,
         eager: bool = False,
+        group_tables: np.ndarray | None = None,
     ) -> StepBatch:
         """Host work of a step that needs no token values: metadata and the attention plan.
 
         A decode batch that fits a CUDA graph is planned for it (host arrays only) unless ``eager``;
         anything else gets device metadata and the backend's eager ``prepare``. ``module_rows``
-        marks Prompt Cache module blocks (``AttentionMetadata.module_rows``).
+        marks Prompt Cache module blocks (``AttentionMetadata.module_rows``); ``group_tables`` [R, S, W]
+        the sliding groups' pages under the freeing KV layout.
         """
         bs = self.block_size
         decode = len(positions) == len(query_lens)  # one token each
@@ -221,6 +235,8 @@ class ModelRunner:
                 log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
                 self.graphs = None
         meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
+        if group_tables is not None:
+            meta.with_groups(group_tables, self.layout.group_of)
         self.backend.prepare(meta)
         return StepBatch(positions, meta, None)
 
@@ -450,7 +466,11 @@ class ModelRunner:
             blocks = pool.allocate(-(-tokens // bs))
             try:
                 table = np.array([blocks], np.int32)
-                batch = self.prepare_batch(list(range(tokens)), [tokens], [tokens], table)
+                groups = np.repeat(table[None], self.layout.sliding_groups, 0)  # [0, 1, W] if plain
+                pos = list(range(tokens))
+                batch = self.prepare_batch(
+                    pos, [tokens], [tokens], table, group_tables=groups if len(groups) else None
+                )
                 launch = self.forward([0] * tokens, batch, [])
                 self.sample(launch, [], [], [])
                 self.wait(launch)

@@ -83,8 +83,11 @@ class PiecewiseGraphs:
         self.layers = cfg.num_hidden_layers
         self.buckets = token_buckets(max(MIN_BUCKET, min(max_tokens, MAX_TOKENS)))
         cap = self.buckets[-1]
-        self.inputs = torch.zeros(3, cap, dtype=torch.long, device=self.device)  # ids, positions, slots
-        self._staging = HostStaging((3, cap), torch.long, self.device)
+        # ids, positions, then each KV group's write slots (one group but under the freeing layout)
+        self.groups = kv.layout.group_of
+        rows = 3 + kv.layout.sliding_groups
+        self.inputs = torch.zeros(rows, cap, dtype=torch.long, device=self.device)
+        self._staging = HostStaging((rows, cap), torch.long, self.device)
         self.entries: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
@@ -122,11 +125,13 @@ class PiecewiseGraphs:
         host = pinned.numpy()
         host[0, :tokens], host[1, :tokens] = ids, positions
         host[:2, tokens:bucket] = 0
-        host[2, tokens:bucket] = self.kv.scratch_slot
+        host[2:, tokens:bucket] = self.kv.scratch_slot
         self.inputs[:, :bucket].copy_(pinned[:, :bucket], non_blocking=True)
         if feed is not None:
             feed.apply(self.inputs[0])
         self.inputs[2, :tokens].copy_(meta.slot_mapping)  # already on the device (no wait for it)
+        for g, group in enumerate(meta.group_metas, 3):
+            self.inputs[g, :tokens].copy_(group.slot_mapping)
         entry = self.entries.get(bucket)
         if entry is None or not entry.graphs:  # the first time: warm-up, then capture
             return self._eager(bucket, tokens, meta, backend, before_layer)
@@ -142,12 +147,12 @@ class PiecewiseGraphs:
         self, entry: _Bucket, layer: int, tokens: int, meta: AttentionMetadata, backend: AttentionBackend
     ) -> None:
         out = self.model.model.layers[layer].self_attn.attend(
-            entry.q[:tokens], self.kv.layers[layer], meta, backend
+            entry.q[:tokens], self.kv.layers[layer], meta.for_layer(layer), backend
         )
         entry.out[:tokens].copy_(out.reshape(tokens, self.heads, self.head_dim))
 
     def _cache(self, layer: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (*self.kv.layers[layer], self.inputs[2, :bucket])
+        return (*self.kv.layers[layer], self.inputs[2 + self.groups[layer], :bucket])
 
     def _piece(self, entry: _Bucket, piece: int, bucket: int, rope: Ropes | None):
         """Run piece ``piece`` on the bucket's buffers (eagerly, or under capture); returns the RoPE

@@ -94,6 +94,7 @@ def assemble_batch(
         seqs.append(seq)
     # one numpy gather from the block manager's mirror (lists would cost ~20 ns a block entry)
     tables = blocks.block_tables_np(seqs, seq_lens)
+    group_tables = blocks.group_tables_np(seqs, tables.shape[1])  # the freeing layout's sliding pages
     runs = recompute_runs(sched, to_recover)
     if runs:  # module rows to recompute in context lead the batch, each run a sequence of its own
         bs = blocks.block_size
@@ -105,7 +106,9 @@ def assemble_batch(
         pos = [p for seq, a, b in runs for p in seq.positions[a:b]] + pos
         query_lens = [b - a for _, a, b in runs] + query_lens
         seq_lens = [b for _, _, b in runs] + seq_lens
-    return runner.prepare_batch(pos, query_lens, seq_lens, tables, module_rows, eager=bool(runs))
+    return runner.prepare_batch(
+        pos, query_lens, seq_lens, tables, module_rows, eager=bool(runs), group_tables=group_tables
+    )
 
 
 def gather_token_ids(

@@ -21,7 +21,7 @@ class SystemPromptKV:
 
     name: str
     token_ids: list[int]
-    blocks: list[int]  # the full blocks, held by the pin
+    blocks: list[int]  # the pool pages held by the pin: its full blocks (and their sliding pages' tail)
     digests: list[bytes]  # their prefix-cache digests (a request that starts with the prompt reuses them)
 
 
@@ -86,6 +86,7 @@ def pin_system_prompt(engine: Any, name: str, text: str) -> SystemPromptKV:
     if len(blocks) != len(digests):
         raise RuntimeError(f"pinning {name!r}: {len(digests) - len(blocks)} blocks were evicted at once")
     engine.pool.acquire(blocks)
+    blocks += engine.blocks.hold_sliding_tail(digests)  # the sliding pages a hit of it needs
     engine.stats.restore(saved, engine.runner)
     held = SystemPromptKV(name, tokens, blocks, list(digests))
     engine.system_prompt_kv[name] = held

@@ -206,6 +206,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="copy prefix-cache blocks evicted from the KV pool to that host memory; a later hit "
         "copies them back instead of recomputing",
     )
+    m.add_argument(
+        "--keep-sliding-kv",
+        action="store_true",
+        help="models with sliding-window layers: keep every layer's KV of every block (by default the "
+        "sliding layers' KV behind every sequence's window goes back to the pool); needed for PML "
+        "schemas registered after start-up",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -340,6 +347,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         schemas=read_schemas(args.schema),
         module_store=args.module_store,
         spill_prefix_cache=args.spill_prefix_cache,
+        keep_sliding_kv=args.keep_sliding_kv,
         tensor_parallel_size=args.tensor_parallel_size,
         tp_peer_allreduce=args.tp_peer_allreduce,
         **given,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from prefixserve.kv.landing import Landing, block_runs, rows_contiguous, worth_layering
+from prefixserve.kv.layout import KVLayout, plain_layout
 from prefixserve.kv.transfer import Ready, copy_stream
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.parallel import Shard
@@ -25,15 +26,19 @@ PackedKV = torch.Tensor
 
 
 class KVCache:
-    """All layers' paged K/V in one allocation.
+    """All layers' paged K/V, in one allocation where every slot has one shape.
 
-    Shape ``[layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]``; ``layers[i]`` is (K, V) of
-    layer i. The last block is scratch, outside the pool: a captured decode graph runs a fixed number
-    of rows, and the padding rows write their K/V to ``scratch_slot`` so no pool block is touched.
+    ``layers[i]`` is (K, V) of layer i, each ``[num_blocks + 1, block_size, kv_heads, head_dim]``: the
+    tensor of its slot (``kv/layout.py``; the plain layout gives every layer its own, the freeing
+    layout puts a full layer and its sliding partners on one, addressed by different block tables).
+    With one shape ``tensor`` is ``[slots, 2, num_blocks + 1, block_size, kv_heads, head_dim]``. The
+    last block is scratch, outside the pool: a captured decode graph runs a fixed number of rows, and
+    the padding rows write their K/V to ``scratch_slot`` so no pool block is touched.
 
     Under tensor parallelism each rank's cache holds its KV heads (``config`` is the rank's); packed
     rows always hold every head (``gather_rows`` joins the ranks', ``scatter_rows`` splits them), so
-    host and disk entries do not depend on the rank count. Every rank makes the same calls.
+    host and disk entries do not depend on the rank count. Every rank makes the same calls. Packed
+    rows (the host tier, Prompt Cache modules, disk) need the plain layout of one shape.
     """
 
     def __init__(
@@ -45,38 +50,50 @@ class KVCache:
         device: torch.device,
         shard: Shard | None = None,
         total_kv_heads: int | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
-        shape = (
-            config.num_hidden_layers,
-            2,
-            num_blocks + 1,
-            block_size,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.tensor = pool_zeros(shape, dtype, device)
-        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(config.num_hidden_layers)]
+        self.layout = layout = layout or plain_layout(config)
+        if layout.uniform:
+            heads, dim = layout.slot_shapes[0]
+            self.tensor: torch.Tensor | None = pool_zeros(
+                (layout.num_slots, 2, num_blocks + 1, block_size, heads, dim), dtype, device
+            )
+            slots = list(self.tensor)
+        else:  # per-slot shapes (Gemma 4's global layers): one tensor each, no packed rows
+            self.tensor = None
+            slots = [
+                pool_zeros((2, num_blocks + 1, block_size, h, d), dtype, device)
+                for h, d in layout.slot_shapes
+            ]
+        self.slots = slots
+        self.layers = [(slots[s][0], slots[s][1]) for s in layout.slot_of]
         self.block_size = block_size
         self.num_blocks = num_blocks  # blocks the pool hands out (the scratch block is not one)
         self.scratch_slot = num_blocks * block_size
         self.shard = shard or Shard()
         self.total_kv_heads = total_kv_heads or config.num_key_value_heads
-        self.landing = Landing(self._flat_view(), copy_stream(self.tensor.device), block_size)
+        self.device = torch.device(device)
+        self.packs = layout.is_plain and self.tensor is not None  # host tier, modules, KV files
+        self.landing = (
+            Landing(self._flat_view(), copy_stream(self.device), block_size) if self.packs else None
+        )
 
     # ---- host rows landing layer by layer (kv/landing.py) ----------------------------------------
     def landing_hook(self) -> Callable[[int], None] | None:
         """For a forward about to be issued: what it calls before each layer touches the cache, or None
         when no host rows are landing (every step but those right after a host-tier restore)."""
-        return self.landing.hook()
+        return self.landing.hook() if self.landing is not None else None
 
     def settle(self, blocks: Iterable[int] | None = None) -> None:
         """Make the current stream wait for host rows still landing (in ``blocks``, if given): for work
         on the pool outside a forward's layers."""
-        self.landing.settle(blocks)
+        if self.landing is not None:
+            self.landing.settle(blocks)
 
     def issue_layered(self) -> None:
         """Start the copies ``scatter_rows_layered`` queued (a forward or ``settle`` would, later)."""
-        self.landing.issue()
+        if self.landing is not None:
+            self.landing.issue()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate each ``src`` block's K/V into ``dst`` in every layer."""
@@ -84,10 +101,14 @@ class KVCache:
             return
         self.settle([b for pair in pairs for b in pair])
         src, dst = torch.tensor(pairs, dtype=torch.long).T.contiguous()
-        if self.tensor.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
-            src = src.pin_memory().to(self.tensor.device, non_blocking=True)
-            dst = dst.pin_memory().to(self.tensor.device, non_blocking=True)
-        self.tensor[:, :, dst] = self.tensor[:, :, src]
+        if self.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
+            src = src.pin_memory().to(self.device, non_blocking=True)
+            dst = dst.pin_memory().to(self.device, non_blocking=True)
+        if self.tensor is not None:
+            self.tensor[:, :, dst] = self.tensor[:, :, src]
+            return
+        for slot in self.slots:
+            slot[:, dst] = slot[:, src]
 
     def _slots(self, blocks: list[int], rows: int) -> torch.Tensor:
         """Slot ids (block * block_size + offset) of the first ``rows`` rows of ``blocks``, on the cache's
@@ -96,8 +117,8 @@ class KVCache:
         bs = self.block_size
         base = torch.tensor(blocks, dtype=torch.long) * bs
         slots = (base[:, None] + torch.arange(bs, dtype=torch.long)).reshape(-1)[:rows]
-        if self.tensor.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
-            slots = slots.pin_memory().to(self.tensor.device, non_blocking=True)
+        if self.device.type == "cuda":  # no blocking copy: the host may be ahead of the GPU
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
         return slots
 
     def _check_blocks(self, blocks: list[int], rows: int) -> None:
@@ -117,6 +138,12 @@ class KVCache:
 
     def _flat_view(self) -> torch.Tensor:
         """The cache as ``[layers, 2, all slots, kv_heads, head_dim]`` (a view: writes reach the cache)."""
+        if not self.packs or self.tensor is None:
+            raise ValueError(
+                "this model's KV layout holds no packed rows (its sliding layers free blocks, or its "
+                "layers' KV shapes differ): the host tier, Prompt Cache modules and KV files need "
+                "keep_sliding_kv=True and one KV shape"
+            )
         layers, two, nb, bs, heads, dim = self.tensor.shape
         return self.tensor.view(layers, two, nb * bs, heads, dim)
 
@@ -163,7 +190,7 @@ class KVCache:
         The gather is enqueued on the current stream (it sees every write enqueued there before), the
         copy on the copy stream; read the tensor on the host only after ``ready.synchronize()``; a copy
         back to the device on the copy stream is ordered after it anyway (``HostTier`` keeps the event)."""
-        return copy_stream(self.tensor.device).to_host(self._gathered(blocks, rows))
+        return copy_stream(self.device).to_host(self._gathered(blocks, rows))
 
     def gather_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, Ready | None]:
         """Whole blocks, each contiguous across all layers: ``[len(blocks), layers, 2, block_size,
@@ -172,13 +199,13 @@ class KVCache:
         Block-major, so each block's KV is one contiguous piece (a prefix-cache entry of its own) and
         blocks that come back together go to the device in one copy; the device reorders them (one
         copy kernel) rather than the host."""
-        return copy_stream(self.tensor.device).to_host(self.gather_blocks_device(blocks))
+        return copy_stream(self.device).to_host(self.gather_blocks_device(blocks))
 
     def gather_blocks_device(self, blocks: list[int]) -> torch.Tensor:
         """``gather_blocks``' tensor left on the cache's device (enqueued on the current stream), for a
         caller that copies it into host memory it owns (``kv/prefix_spill.py``: reused pinned slots)."""
-        layers, two, _, bs, _, dim = self.tensor.shape
-        n = len(blocks)
+        layers, two, _, _, dim = self._flat_view().shape
+        bs, n = self.block_size, len(blocks)
         packed = self._gathered(blocks, n * bs).view(layers, two, n, bs, self.total_kv_heads, dim)
         return packed.permute(2, 0, 1, 3, 4, 5).contiguous()
 
@@ -203,7 +230,7 @@ class KVCache:
         self._check_packed(packed)
         slots = self._slots(blocks, packed.shape[2])
         self.settle(blocks)
-        src = copy_stream(self.tensor.device).to_device(packed)
+        src = copy_stream(self.device).to_device(packed)
         if self.shard.parallel:
             src = src.contiguous()  # maybe a row range of a larger host tensor (the host tier's)
             dist.broadcast(src, src=0, group=self.shard.group)
@@ -227,7 +254,7 @@ class KVCache:
         self._check_packed(packed)
         rows = packed.shape[2]
         self._check_blocks(blocks, rows)
-        cuda = self.tensor.device.type == "cuda"
+        cuda = self.device.type == "cuda"
         runs = block_runs(blocks, rows, self.block_size)
         row_bytes = math.prod(packed.shape[3:]) * packed.element_size()
         layered = (
@@ -243,15 +270,15 @@ class KVCache:
         self.landing.queue(blocks, packed, runs)
 
     def _check_packed(self, packed: PackedKV) -> None:
-        layers, two, _, _, _, dim = self.tensor.shape
+        layers, two, _, _, dim = self._flat_view().shape
         heads = self.total_kv_heads
         shape = tuple(packed.shape)
         if len(shape) != 5 or shape[:2] + shape[3:] != (layers, two, heads, dim):
             raise ValueError(
                 f"packed shape {shape} does not fit the cache: want ({layers}, {two}, rows, {heads}, {dim})"
             )
-        if packed.dtype != self.tensor.dtype:
-            raise ValueError(f"packed dtype {packed.dtype} != cache dtype {self.tensor.dtype}")
+        if packed.dtype != self.slots[0].dtype:
+            raise ValueError(f"packed dtype {packed.dtype} != cache dtype {self.slots[0].dtype}")
 
 
 def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -269,8 +296,12 @@ def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps ``buf`` alive
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return config.kv_bytes_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+def bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None
+) -> int:
+    """Bytes of one pool block (a page of every slot of the layout; the plain layout by default)."""
+    elements = (layout or plain_layout(config)).page_elements(block_size)
+    return elements * torch.tensor([], dtype=dtype).element_size()
 
 
 GIB = 1 << 30
@@ -294,6 +325,7 @@ def blocks_for_budget(
     max_blocks: int | None = None,
     reserve: int = 0,
     utilization: float | None = None,
+    layout: KVLayout | None = None,
 ) -> int:
     """Blocks that fit in ``memory_fraction`` of the available memory, leaving at least ``reserve``
     bytes of it for the steps, capped at ``max_blocks``. ``utilization`` (a GPU): instead, what is
@@ -303,7 +335,7 @@ def blocks_for_budget(
     if utilization is not None and device.type == "cuda":
         total = torch.cuda.mem_get_info(device)[1]
         budget = int(total * utilization) - (total - available) - reserve
-        if budget < bytes_per_block(config, block_size, dtype):
+        if budget < bytes_per_block(config, block_size, dtype, layout):
             raise ValueError(
                 f"gpu_memory_utilization {utilization} allows {total * utilization / GIB:.1f} GiB of "
                 f"{device}'s {total / GIB:.1f} GiB, but {(total - available) / GIB:.1f} GiB is already "
@@ -312,12 +344,12 @@ def blocks_for_budget(
             )
     else:
         budget = int(min(available * memory_fraction, available - reserve))
-    blocks = budget // bytes_per_block(config, block_size, dtype)
+    blocks = budget // bytes_per_block(config, block_size, dtype, layout)
     if max_blocks is not None:
         blocks = min(blocks, max_blocks)
     if blocks < 1:
         raise ValueError(
             f"memory fraction {memory_fraction} leaves no room for one KV block "
-            f"({bytes_per_block(config, block_size, dtype)} bytes)"
+            f"({bytes_per_block(config, block_size, dtype, layout)} bytes)"
         )
     return int(blocks)

@@ -458,7 +458,7 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv_layer) in enumerate(zip(self.model.layers, kv_cache, strict=True)):
             if before_layer is not None:
                 before_layer(i)
-            h, residual = layer(h, residual, rope, kv_layer, meta, backend)
+            h, residual = layer(h, residual, rope, kv_layer, meta.for_layer(i), backend)
         return self.model.norm(h, residual)[0]
 
     def cos_sin(self, positions: torch.Tensor) -> Ropes:

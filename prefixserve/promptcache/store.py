@@ -129,6 +129,12 @@ class PromptModules(PieceTiers):
         setting = parse_recompute(recompute) if recompute is not None else None
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot lay out PML schemas")
+        if not self.kv.packs:
+            raise ValueError(
+                "Prompt Cache modules need every layer's KV kept in one shape: this model's sliding "
+                "layers give blocks back (start with keep_sliding_kv / --keep-sliding-kv to keep them) "
+                "or its layers' KV shapes differ"
+            )
         schema = parse_schema(text)
         if schema.name in self.schemas and not replace:
             raise PMLError(f"schema {schema.name!r} is already registered; remove it first")
@@ -332,7 +338,7 @@ class PromptModules(PieceTiers):
     # ---- tiers ----------------------------------------------------------------------------------
     def key_of(self, piece: Piece, salt: str | None) -> str:
         h = hashlib.blake2b(digest_size=20)
-        h.update(f"{self.model_id}|{self.kv.tensor.dtype}|{salt or ''}|".encode())
+        h.update(f"{self.model_id}|{self.kv.slots[0].dtype}|{salt or ''}|".encode())
         h.update(array("q", piece.token_ids).tobytes() + b"|" + array("q", piece.positions).tobytes())
         return h.hexdigest()
 

@@ -15,12 +15,20 @@ from typing import Any
 import numpy as np
 
 from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS, BlockPool, chain_digests
+from prefixserve.scheduler.sliding_pages import SlidingPages
 from prefixserve.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+    """``sliding``: the sliding layer groups' pages under the freeing KV layout (``kv/layout.py``),
+    taken, shared, indexed and given back beside each sequence's blocks; None: every layer reads the
+    block table's pages."""
+
+    def __init__(
+        self, pool: BlockPool, enable_prefix_caching: bool = True, sliding: SlidingPages | None = None
+    ) -> None:
         self.pool = pool
+        self.sliding = sliding
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
         # the host tier of the prefix cache: digests -> fresh blocks holding their KV (held once), or None
@@ -79,10 +87,16 @@ class BlockManager:
         digests = self._digests(seq, n)
         keeper = self._keeper(seq)
         if keeper is not None:
-            n = keeper.known_blocks(seq, digests[:n])
+            # its hit rows may be computed again, earlier than the hit's window tail: no hit under
+            # the freeing layout, whose tail pages are all a hit brings
+            n = start if self.sliding is not None else keeper.known_blocks(seq, digests[:n])
         hits = self.pool.lookup(digests[start:n])
+        if self.sliding is not None:  # no module blocks here (they need the plain layout)
+            hits = hits[: self.sliding.usable_hit(digests, len(hits))]
         self.pool.acquire(hits)
         self.pool.touch(hits)
+        if self.sliding is not None and hits:
+            self.sliding.take_hit(seq, digests, len(hits))
         if self.restore is not None and start + len(hits) < n:  # go on in host memory
             more = self.restore(digests[start + len(hits) : n])
             self.restored_tokens += len(more) * self.block_size
@@ -105,17 +119,23 @@ class BlockManager:
         nothing) if the pool is short of blocks.
         """
         table = seq.block_table
-        new_blocks = -(-upto_tokens // self.block_size) - len(table)
+        upto_blocks = -(-upto_tokens // self.block_size)
+        new_blocks = upto_blocks - len(table)
         write_block = seq.num_computed_tokens // self.block_size
         cow = write_block < len(table) and self.pool.ref_counts[table[write_block]] > 1
-        if new_blocks <= 0 and not cow:
+        sliding = self.sliding
+        pages = sliding.pages_to_reserve(seq, upto_blocks) if sliding is not None else 0
+        if new_blocks <= 0 and not cow and not pages:
             return True  # a decode step inside its last block: nothing to do
+        if cow and sliding is not None:
+            pages += len(sliding.shared_pages(seq, write_block))
         new_blocks = max(0, new_blocks)
-        if new_blocks + int(cow) > self.pool.num_free:
+        if new_blocks + int(cow) + pages > self.pool.num_free:
             return False
         if new_blocks:
             whole = -(-len(seq.token_ids) // self.block_size) - len(table)
-            if whole >= CONTIGUOUS_MIN_BLOCKS and new_blocks < whole <= self.pool.num_free - int(cow):
+            room = self.pool.num_free - int(cow) - pages
+            if whole >= CONTIGUOUS_MIN_BLOCKS and new_blocks < whole <= room:
                 new_blocks = whole
         if cow:
             old = table[write_block]
@@ -124,10 +144,14 @@ class BlockManager:
             table[write_block] = fresh
             self._mirror(seq, write_block, (fresh,))
             self.pool.release([old])
+            if sliding is not None:
+                sliding.copy_on_write(seq, write_block, copies)
         if new_blocks:
             start = len(table)
             table.extend(self.pool.allocate(new_blocks))
             self._mirror(seq, start, table[start:])
+        if sliding is not None:
+            sliding.allocate(seq, upto_blocks)
         return True
 
     def register_computed(self, seq: Sequence, settled: int | None = None) -> None:
@@ -139,16 +163,20 @@ class BlockManager:
         computed it side by side), switch to that block and free ours: the two hold the same KV,
         and holding one block is what lets attention read it once for both.
         """
-        if not self.enable_prefix_caching:
-            return
         computed = seq.num_computed_tokens if settled is None else min(seq.num_computed_tokens, settled)
+        if self.enable_prefix_caching:
+            self._index(seq, computed)
+        if self.sliding is not None:  # after indexing: pages given back stay cached for later hits
+            self.sliding.release_behind(seq, computed)
+
+    def _index(self, seq: Sequence, computed: int) -> None:
         full = computed // self.block_size
         start = seq.num_indexed_blocks
         if full <= start:
             return  # no block filled up since the last call (most decode steps)
         digests = self._digests(seq, full)
         table = seq.block_table
-        pool = self.pool
+        pool, sliding = self.pool, self.sliding
         for i in range(start, full):
             own = table[i]
             existing = pool.cached_block(digests[i])
@@ -159,6 +187,8 @@ class BlockManager:
                 self._mirror(seq, i, (existing,))
             else:
                 pool.register(own, digests[i])
+            if sliding is not None:
+                sliding.register(seq, i, digests[i])
         seq.num_indexed_blocks = full
 
     def is_cached(self, digest: bytes) -> bool:
@@ -191,8 +221,12 @@ class BlockManager:
         child.block_digests = list(parent.block_digests)
         child.num_indexed_blocks = parent.num_indexed_blocks
         child.num_computed_tokens = parent.num_computed_tokens
+        if self.sliding is not None:
+            self.sliding.fork(parent, child)
 
     def free(self, seq: Sequence) -> None:
+        if self.sliding is not None:
+            self.sliding.free(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
         row = self._rows.pop(seq, None)
@@ -228,6 +262,31 @@ class BlockManager:
         if (rows < 0).any():  # sequences holding no block (and needing none)
             out[rows < 0] = 0
         return out
+
+    def group_tables_np(self, seqs: list[Sequence], width: int) -> np.ndarray | None:
+        """[R, S, width] int32: the sliding groups' pages of the batch's blocks, or None (plain layout)."""
+        return self.sliding.tables(seqs, width) if self.sliding is not None else None
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pool pages a sequence of ``num_tokens`` holds at most (its blocks, and the sliding pages of
+        the blocks its window reaches)."""
+        blocks = self.blocks_needed(num_tokens)
+        if self.sliding is None:
+            return blocks
+        window_blocks = -(-self.sliding.window // self.block_size) + 1
+        return blocks + self.sliding.groups * min(blocks, window_blocks)
+
+    def max_tokens(self, pages: int) -> int:
+        """The longest sequence ``pages`` pool pages can hold (``pages_for`` inverted)."""
+        if self.sliding is None:
+            return pages * self.block_size
+        window_blocks = -(-self.sliding.window // self.block_size) + 1
+        blocks = max(pages - self.sliding.groups * window_blocks, pages // (1 + self.sliding.groups))
+        return blocks * self.block_size
+
+    def hold_sliding_tail(self, digests: list[bytes]) -> list[int]:
+        """A pin's extra references: the sliding pages a hit of all of ``digests`` needs ([] if none)."""
+        return self.sliding.hold_tail(digests) if self.sliding is not None else []
 
     def check_tables(self) -> None:
         """Raise if the mirror disagrees with any sequence's block table (tests call this)."""

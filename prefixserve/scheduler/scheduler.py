@@ -345,7 +345,7 @@ class Scheduler:
     def _why_stuck(self, seq: Sequence) -> str:
         """The refusal's message: the numbers, and what holds the rest of the pool."""
         pool = self.blocks.pool
-        need = self.blocks.blocks_needed(seq.num_tokens)
+        need = self.blocks.pages_for(seq.num_tokens)
         return (
             f"the KV pool cannot hold this request: its {seq.num_tokens} tokens need {need} blocks of "
             f"{self.blocks.block_size} and, with nothing else running, {pool.num_free} of the pool's "
