@@ -209,16 +209,19 @@ def test_freed_pages_change_no_token(gemma3: Path) -> None:
     assert_pool_empty(keep)
 
 
-def _peak_running(llm: Any, prompts: list[dict[str, Any]], params: SamplingParams) -> int:
+def _peak_running(llm: Any, prompts: list[dict[str, Any]], params: SamplingParams) -> tuple[int, list]:
+    """The most sequences past their prompt at once, and every request's tokens."""
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(f"long-{i}", params=params, prompt_token_ids=p["prompt_token_ids"])
-    peak = 0  # sequences past their prompt at once (a prompt's first chunks may be preempted)
+    peak, tokens = 0, {}  # a prompt's first chunks may be preempted: count those past it
     while engine.requests:
-        engine.step()
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
         decoding = [s for s in engine.scheduler.running if s.num_computed_tokens >= s.num_prompt_tokens]
         peak = max(peak, len(decoding))
-    return peak
+    return peak, [tokens[f"long-{i}"] for i in range(len(prompts))]
 
 
 def test_the_same_pool_runs_more_long_sequences_at_once(gemma3: Path) -> None:
@@ -231,8 +234,12 @@ def test_the_same_pool_runs_more_long_sequences_at_once(gemma3: Path) -> None:
     keep = _llm(gemma3, keep_sliding_kv=True, enable_prefix_caching=False, max_num_batched_tokens=512)
     free = _llm(gemma3, enable_prefix_caching=False, max_num_batched_tokens=512)
     assert free.engine.pool.num_blocks == 4 * keep.engine.pool.num_blocks  # one memory, smaller pages
-    held_keep, held_free = _peak_running(keep, prompts, params), _peak_running(free, prompts, params)
+    (held_keep, want), (held_free, got) = (
+        _peak_running(keep, prompts, params),
+        _peak_running(free, prompts, params),
+    )
     assert held_keep == 2 and held_free >= 3 * held_keep, (held_free, held_keep)
+    assert got == want  # long prompts: blocks taken ahead, sliding pages chunk by chunk
     assert_pool_empty(free)
     assert_pool_empty(keep)
 

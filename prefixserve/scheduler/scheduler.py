@@ -240,13 +240,20 @@ class Scheduler:
         running, scheduled, copies = self.running, out.scheduled, out.copies
         reserve = self.blocks.reserve
         bs, ref_counts = self.blocks.block_size, self.blocks.pool.ref_counts
+        # the freeing KV layout: how far a sequence's sliding pages reach (a long prompt's blocks are
+        # taken ahead, its sliding pages chunk by chunk)
+        covered = self.blocks.sliding.covered_tokens if self.blocks.sliding is not None else None
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget)
             table = seq.block_table
-            if computed < computed + n <= len(table) * bs and ref_counts[table[computed // bs]] < 2:
+            if (
+                computed < computed + n <= len(table) * bs
+                and ref_counts[table[computed // bs]] < 2
+                and (covered is None or computed + n <= covered(seq))
+            ):
                 # ``reserve``'s first case, inlined (most decode steps): the new tokens fit the blocks
                 # held and the block written is not shared, so there is nothing to reserve or copy
                 scheduled.append(ScheduledSeq(seq, n))

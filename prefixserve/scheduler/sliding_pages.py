@@ -203,6 +203,11 @@ class SlidingPages:
                 out[:, s, held.first : hi] = held.pages[:, held.first : hi]
         return out
 
+    def covered_tokens(self, seq: Sequence) -> int:
+        """Tokens from the start that this sequence's sliding pages were taken for."""
+        held = self._held.get(seq)
+        return 0 if held is None else held.upto * self.block_size
+
     def held_pages(self, seq: Sequence) -> int:
         held = self._held.get(seq)
         return 0 if held is None else self.groups * (held.upto - held.first)
