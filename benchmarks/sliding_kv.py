@@ -11,7 +11,7 @@ sliding layers' pages behind the windows (the default, ``kv/layout.py``). For ea
   prefill_tok_s        prompt tokens over the run's wall time (the first layout's includes compiling)
 and the ratios free over keep of ``fit`` and ``measured`` (target: >= 3x at 32K on Gemma-3-12B).
 
-    PYTHONPATH=. python -m benchmarks.sliding_kv run [--model gemma-3-12b] [--context 32768] [--gen 0]
+    PYTHONPATH=. python -m benchmarks.sliding_kv run [--model gemma-3-12b] [--context 32768] [--gen 1024]
     python -m benchmarks.sliding_kv report --json docs/benchmarks/sliding_kv.json
 """
 
@@ -31,7 +31,6 @@ from benchmarks.harness import RESULTS, pyplot, run_info
 from benchmarks.harness.output import run_or_report, write_json, write_text
 
 NAME = "sliding_kv"
-MAX_GEN = 1024
 
 
 def _prompts(n: int, length: int, seed: int) -> list[array]:
@@ -45,7 +44,7 @@ def _one(model: str, keep: bool, args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(
         model=model,
         keep_sliding_kv=keep,
-        max_model_len=args.context + MAX_GEN,
+        max_model_len=args.context + args.gen,
         max_num_batched_tokens=args.max_batched,
         max_num_seqs=args.max_seqs,
         enable_prefix_caching=False,
@@ -55,11 +54,10 @@ def _one(model: str, keep: bool, args: argparse.Namespace) -> dict[str, Any]:
     kv = engine.runner.kv
     pool_bytes = sum(t.numel() * t.element_size() for t in kv.slots)
     pages = engine.pool.num_blocks
-    n = args.seqs or pages // engine.blocks.pages_for(args.context + MAX_GEN) + 2
-    # long enough that every prompt is in before the first sequence ends: the peak is then memory's
-    gen = args.gen or min(MAX_GEN, -(-n * args.context // args.max_batched) + 16)
+    gen = args.gen  # long enough that every prompt is in before the first ends: the peak is memory's
     per_seq = engine.blocks.pages_for(args.context + gen)
     fit = pages // per_seq
+    n = args.seqs or fit + 2
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     for i, ids in enumerate(_prompts(n, args.context, seed=int(keep))):
         engine.add_request(f"s{i}", params=params, prompt_token_ids=ids)
@@ -112,7 +110,7 @@ def report(result: dict[str, Any], out: Path) -> None:
         "",
         f"{result['device']}; torch {result['torch']}; commit {result['commit']}; {result['date']}; "
         f"{s['model']} (dummy weights, bf16); sequences of {s['context']} prompt tokens (distinct, prefix "
-        "cache off), each generating enough tokens that every prompt is in before the first ends. "
+        f"cache off), each generating {s['gen']} tokens (every prompt is in before the first ends). "
         "Written by `benchmarks/sliding_kv.py`.",
         "",
         "| layout | pool GiB | pages | pages per sequence | fit at once | sequences run | most past their "
@@ -154,7 +152,7 @@ def report(result: dict[str, Any], out: Path) -> None:
 def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--model", default="gemma-3-12b")
     r.add_argument("--context", type=int, default=32768)
-    r.add_argument("--gen", type=int, default=0, help="tokens each generates (0: enough to overlap all)")
+    r.add_argument("--gen", type=int, default=1024, help="tokens each generates")
     r.add_argument("--seqs", type=int, default=0, help="prompts per layout (0: what fits, plus 2)")
     r.add_argument("--max-batched", type=int, default=8192)
     r.add_argument("--max-seqs", type=int, default=256)

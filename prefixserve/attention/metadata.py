@@ -49,38 +49,45 @@ class AttentionMetadata:
     window_plans: dict[int, Any] = field(default_factory=dict)
     # the freeing KV layout (``kv/layout.py``): each sliding group's view of the step (its pages'
     # tables and write slots), and each layer's group; a group's view links back to the step's
-    # (``full``), whose shared plan its window plans follow
+    # (``full``), whose shared plan its window plans follow. A group's tables hold only the columns
+    # its windows reach: column c of row s is block ``table_base[s] + c``
     group_metas: tuple[AttentionMetadata, ...] = ()
     layer_groups: tuple[int, ...] = ()
     full: AttentionMetadata | None = None
+    table_base: torch.Tensor | None = None  # [S] int32 on the device; None: column c is block c
+    table_base_np: np.ndarray | None = None  # [S] int64
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer ``layer`` reads its KV through: the step's, or its sliding group's."""
         group = self.layer_groups[layer] if self.layer_groups else 0
         return self if group == 0 else self.group_metas[group - 1]
 
-    def with_groups(self, tables: np.ndarray, layer_groups: tuple[int, ...]) -> None:
-        """Add the sliding groups' views: ``tables`` [R, S, W] their pages of each sequence's blocks."""
+    def with_groups(self, tables: np.ndarray, base: np.ndarray, layer_groups: tuple[int, ...]) -> None:
+        """Add the sliding groups' views: ``tables`` [R, S, K] their pages of each sequence's blocks
+        from block ``base[s]`` on (the first its windows reach). One copy to the device for all."""
         device = self.block_tables.device
-        views = []
-        for table in tables:
-            table = _fit_width(table, self.block_tables_np)
-            views.append(
-                dataclasses.replace(
-                    self,
-                    block_tables=_to_device(table, device),
-                    slot_mapping=_to_device(
-                        _write_slots(table, self.query_lens_np, self.seq_lens_np, self.block_size), device
-                    ),
-                    block_tables_host=TableRows(table, -(-self.seq_lens_np // self.block_size)),
-                    block_tables_np=table,
-                    plan=None,
-                    stats={},
-                    window_plans={},
-                    full=self,
-                )
+        assert self.query_lens_np is not None and self.seq_lens_np is not None
+        q, s, bs = self.query_lens_np, self.seq_lens_np, self.block_size
+        slots = np.stack([_write_slots(t, q, s, bs, base) for t in tables])  # [R, T]
+        tables_d, slots_d, base_d = _to_device_all((tables, slots, base.astype(np.int32)), device)
+        n_blocks = -(-s // bs)
+        self.group_metas = tuple(
+            dataclasses.replace(
+                self,
+                block_tables=tables_d[g],
+                slot_mapping=slots_d[g],
+                block_tables_host=TableRows(tables[g], n_blocks, base),
+                block_tables_np=tables[g],
+                plan=None,
+                stats={},
+                window_plans={},
+                full=self,
+                table_base=base_d,
+                table_base_np=base,
             )
-        self.group_metas, self.layer_groups = tuple(views), layer_groups
+            for g in range(len(tables))
+        )
+        self.layer_groups = layer_groups
 
     @property
     def num_seqs(self) -> int:
@@ -134,11 +141,12 @@ class TableRows(SequenceABC):
     only per-sequence paths (the reference backend) read rows, and only those pay for the lists.
     """
 
-    __slots__ = ("_n", "_tables")
+    __slots__ = ("_base", "_n", "_tables")
 
-    def __init__(self, tables: np.ndarray, n_blocks: np.ndarray) -> None:
+    def __init__(self, tables: np.ndarray, n_blocks: np.ndarray, base: np.ndarray | None = None) -> None:
         self._tables = tables
         self._n = n_blocks
+        self._base = base  # a group's table: row i starts at block base[i] (0 before it)
 
     def __len__(self) -> int:
         return len(self._n)
@@ -146,7 +154,10 @@ class TableRows(SequenceABC):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self._tables[i, : self._n[i]].tolist()
+        if self._base is None:
+            return self._tables[i, : self._n[i]].tolist()
+        first = int(self._base[i])
+        return [0] * first + self._tables[i, : self._n[i] - first].tolist()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SequenceABC) and list(self) == list(other)
@@ -207,27 +218,36 @@ def build_metadata(
     )
 
 
-def _write_slots(tables: np.ndarray, q: np.ndarray, s: np.ndarray, block_size: int) -> np.ndarray:
+def _write_slots(
+    tables: np.ndarray, q: np.ndarray, s: np.ndarray, block_size: int, base: np.ndarray | None = None
+) -> np.ndarray:
     """[T] int64 write slots of the new tokens: token j of sequence i sits at cache index
-    ``seq_len - q_len + j`` (a decode step: one token each, at ``seq_len - 1``)."""
+    ``seq_len - q_len + j`` (a decode step: one token each, at ``seq_len - 1``); ``base``: row i's
+    first column is block ``base[i]``."""
     num_seqs, num_tokens = len(s), int(q.sum())
     if num_tokens == num_seqs:
         index = s - 1
-        slots = tables[np.arange(num_seqs), index // block_size].astype(np.int64) * block_size
+        column = index // block_size - (base if base is not None else 0)
+        slots = tables[np.arange(num_seqs), column].astype(np.int64) * block_size
         return slots + index % block_size
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(q, out=starts[1:])
     owner = np.repeat(np.arange(num_seqs), q)
     index = (s - q)[owner] + np.arange(num_tokens) - starts[owner]
-    return tables[owner, index // block_size].astype(np.int64) * block_size + index % block_size
+    column = index // block_size - (base[owner] if base is not None else 0)
+    return tables[owner, column].astype(np.int64) * block_size + index % block_size
 
 
-def _fit_width(table: np.ndarray, like: np.ndarray) -> np.ndarray:
-    """``table`` cut or zero-padded to ``like``'s width (a group's pages beside the block table)."""
-    width = like.shape[1]
-    if table.shape[1] >= width:
-        return np.ascontiguousarray(table[:, :width])
-    return np.pad(table, ((0, 0), (0, width - table.shape[1])))
+def _to_device_all(arrays: tuple[np.ndarray, ...], device: torch.device | str) -> list[torch.Tensor]:
+    """Several int host arrays on ``device`` in one copy (``_to_device`` of their bytes, then views)."""
+    flat = np.concatenate([a.astype(np.int64, copy=False).reshape(-1) for a in arrays])
+    moved = _to_device(flat, device)
+    out, at = [], 0
+    for a in arrays:
+        part = moved[at : at + a.size].view(a.shape)
+        out.append(part if a.dtype == np.int64 else part.to(torch.int32))
+        at += a.size
+    return out
 
 
 def _to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:

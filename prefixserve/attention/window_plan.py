@@ -73,7 +73,7 @@ def window_plan(meta: AttentionMetadata, window: int) -> WindowPlan | None:
         return meta.window_plans[window]
     if meta.full is not None:  # a sliding group's view: the step's plan, on the group's pages
         base = window_plan(meta.full, window)
-        made = None if base is None else on_pages(base, meta.block_tables_np)
+        made = None if base is None else on_pages(base, meta.block_tables_np, meta.table_base_np)
     else:
         found = step_segments(meta) if meta.is_decode_only else None
         made = make_window_plan(meta, *found, window) if found is not None else None
@@ -81,11 +81,13 @@ def window_plan(meta: AttentionMetadata, window: int) -> WindowPlan | None:
     return made
 
 
-def on_pages(plan: WindowPlan, tables: np.ndarray) -> WindowPlan:
+def on_pages(plan: WindowPlan, tables: np.ndarray, base: np.ndarray | None) -> WindowPlan:
     """``plan`` reading a sliding group's pages: the blocks its segments keep, looked up in the
-    group's ``tables`` [S, W] where the step's plan found them in the block table."""
+    group's ``tables`` [S, K] (row s from block ``base[s]`` on) where the step's plan found them in
+    the block table."""
     sizes = np.diff(plan.seg_block_start)
-    blocks = [tables[h, c : c + n] for h, c, n in zip(plan.seg_holder, plan.seg_column, sizes, strict=True)]
+    columns = plan.seg_column - (base[plan.seg_holder] if base is not None else 0)
+    blocks = [tables[h, c : c + n] for h, c, n in zip(plan.seg_holder, columns, sizes, strict=True)]
     return dataclasses.replace(plan, seg_blocks=np.concatenate(blocks).astype(np.int32), derived={})
 
 

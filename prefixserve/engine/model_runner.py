@@ -214,14 +214,14 @@ class ModelRunner:
         tables: np.ndarray,
         module_rows: np.ndarray | None = None,
         eager: bool = False,
-        group_tables: np.ndarray | None = None,
+        group_tables: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StepBatch:
         """Host work of a step that needs no token values: metadata and the attention plan.
 
         A decode batch that fits a CUDA graph is planned for it (host arrays only) unless ``eager``;
         anything else gets device metadata and the backend's eager ``prepare``. ``module_rows``
-        marks Prompt Cache module blocks (``AttentionMetadata.module_rows``); ``group_tables`` [R, S, W]
-        the sliding groups' pages under the freeing KV layout.
+        marks Prompt Cache module blocks (``AttentionMetadata.module_rows``); ``group_tables`` the
+        sliding groups' pages under the freeing KV layout ([R, S, K] from block base[s] on, and base).
         """
         bs = self.block_size
         decode = len(positions) == len(query_lens)  # one token each
@@ -236,7 +236,7 @@ class ModelRunner:
                 self.graphs = None
         meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
         if group_tables is not None:
-            meta.with_groups(group_tables, self.layout.group_of)
+            meta.with_groups(*group_tables, self.layout.group_of)
         self.backend.prepare(meta)
         return StepBatch(positions, meta, None)
 

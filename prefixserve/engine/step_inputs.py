@@ -94,7 +94,7 @@ def assemble_batch(
         seqs.append(seq)
     # one numpy gather from the block manager's mirror (lists would cost ~20 ns a block entry)
     tables = blocks.block_tables_np(seqs, seq_lens)
-    group_tables = blocks.group_tables_np(seqs, tables.shape[1])  # the freeing layout's sliding pages
+    group_tables = blocks.group_tables_np(seqs)  # the freeing layout's sliding pages
     runs = recompute_runs(sched, to_recover)
     if runs:  # module rows to recompute in context lead the batch, each run a sequence of its own
         bs = blocks.block_size

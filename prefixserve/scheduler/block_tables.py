@@ -263,9 +263,10 @@ class BlockManager:
             out[rows < 0] = 0
         return out
 
-    def group_tables_np(self, seqs: list[Sequence], width: int) -> np.ndarray | None:
-        """[R, S, width] int32: the sliding groups' pages of the batch's blocks, or None (plain layout)."""
-        return self.sliding.tables(seqs, width) if self.sliding is not None else None
+    def group_tables_np(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The sliding groups' pages of the batch's blocks ([R, S, K] from block base[s] on,
+        ``SlidingPages.tables``), or None (the plain layout)."""
+        return self.sliding.tables(seqs) if self.sliding is not None else None
 
     def pages_for(self, num_tokens: int) -> int:
         """Pool pages a sequence of ``num_tokens`` holds at most (its blocks, and the sliding pages of

@@ -192,16 +192,20 @@ class SlidingPages:
             self.pool.release(held.pages[:, held.first : held.upto].reshape(-1).tolist())
 
     # ---- the step's tables -------------------------------------------------------------------------
-    def tables(self, seqs: list[Sequence], width: int) -> np.ndarray:
-        """[R, S, width] int32: each group's pages of each sequence's blocks (0 where none is held:
-        blocks behind its window, which no kernel reads)."""
-        out = np.zeros((self.groups, len(seqs), width), dtype=np.int32)
-        for s, seq in enumerate(seqs):
-            held = self._held.get(seq)
-            if held is not None:
-                hi = min(held.upto, width)
-                out[:, s, held.first : hi] = held.pages[:, held.first : hi]
-        return out
+    def tables(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """([R, S, K] int32, [S] int64): each group's pages of each sequence's blocks from block
+        ``base[s]`` on, its first held one (every block its queries' windows reach is held); K is the
+        most blocks any of them holds. A window's columns only: at 16K tokens and a 1K window, 1/16
+        of the block table."""
+        held = [self._held.get(seq) for seq in seqs]
+        width = max((h.upto - h.first for h in held if h is not None), default=1)
+        out = np.zeros((self.groups, len(seqs), max(width, 1)), dtype=np.int32)
+        base = np.zeros(len(seqs), dtype=np.int64)
+        for s, h in enumerate(held):
+            if h is not None:
+                out[:, s, : h.upto - h.first] = h.pages[:, h.first : h.upto]
+                base[s] = h.first
+        return out, base
 
     def covered_tokens(self, seq: Sequence) -> int:
         """Tokens from the start that this sequence's sliding pages were taken for."""

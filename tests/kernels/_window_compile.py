@@ -29,10 +29,11 @@ def main() -> None:
 
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32"}
     ptrs |= {"qsl_ptr": "*i32", "skip_lo_ptr": "*i32", "skip_hi_ptr": "*i32", "qk_scale": "fp32"}
+    ptrs |= {"base_ptr": "*i32"}
     common = {"BLOCK_M": 16, "BLOCK_SIZE": 16, "DOT_PREC": "tf32", "UPCAST": False}
-    for skip in (False, True):
+    for skip in (False, True):  # with a table base (a sliding group's) where skipping, without else
         types = ptrs | {"o_ptr": "*fp32" if skip else "*bf16", "lse_ptr": "*fp32"}
-        consts = common | {"GROUP": 2, "BLOCK_N": 32, "HEAD_DIM": 256, "SKIP": skip}
+        consts = common | {"GROUP": 2, "BLOCK_N": 32, "HEAD_DIM": 256, "SKIP": skip, "BASE": skip}
         compiled = compile_for_hopper(window_attention._window_kernel, types, consts)
         print(json.dumps({"kernel": "window", "skip": skip, "ok": bool(compiled.asm.get("cubin"))}))
     types = ptrs | {"o_ptr": "*bf16", "lse_ptr": "*fp32"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from _kernel_helpers import DEVICE, rel_err
@@ -205,3 +206,27 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
         ("paged", False),
     ]
     assert all(r["ok"] for r in results)
+
+
+@pytest.mark.parametrize("case", CASES[:4])
+def test_a_sliding_groups_window_columns_alone_give_the_same_attention(case) -> None:
+    """The freeing KV layout's group tables hold only the columns the windows reach (row s from block
+    base[s] on, zeros where no page is held any more): the kernel and the torch path read the same."""
+    query_lens, seq_lens, shared, window = case
+    q, k, v, tables, _ = _case(11, query_lens, seq_lens, shared, 2, 32, 16, torch.float32)
+    scale = 32**-0.5
+    ref = _oracle(q, k, v, tables, query_lens, seq_lens, scale, window)
+    bs = 16
+    first_keys = [max(0, s - q_len - window + 1) for q_len, s in zip(query_lens, seq_lens, strict=True)]
+    base = np.array(first_keys) // bs
+    width = max(len(t) - b for t, b in zip(tables, base, strict=True))
+    pages = np.zeros((1, len(tables), width), dtype=np.int32)
+    for s, (table, first) in enumerate(zip(tables, base, strict=True)):
+        pages[0, s, : len(table) - first] = table[first:]
+    full = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
+    full.with_groups(pages, base, (1,))
+    group = full.for_layer(0)
+    assert group.table_base is not None and group.block_tables.shape[1] == width
+    assert rel_err(window_attention_torch(q, k, v, group, scale, window), ref) < 1e-5
+    assert rel_err(window_kernel(q, k, v, group, scale, window), ref) < 1e-5
+    assert torch.equal(group.slot_mapping, full.slot_mapping)  # the same pages: the same write slots

@@ -51,6 +51,7 @@ def _window_kernel(
     qsl_ptr,  # [S+1] int32
     skip_lo_ptr,  # [S] int32 (SKIP only): keys [skip_lo, skip_hi) are not walked
     skip_hi_ptr,
+    base_ptr,  # [S] int32 (BASE only): row s of the table starts at block base[s] (a sliding group's)
     qk_scale,  # softmax scale * log2(e)
     q_tiles,
     window,
@@ -74,6 +75,7 @@ def _window_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     SKIP: tl.constexpr,
+    BASE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -101,6 +103,8 @@ def _window_kernel(
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
         table = bt_ptr + seq.to(tl.int64) * stride_bt
+        if BASE:  # read only at blocks >= base: every block a row's window reaches
+            table -= tl.load(base_ptr + seq).to(tl.int64)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -152,9 +156,10 @@ def _launch_args(
     o, lse = out
     tables = meta.block_tables
     skip_lo, skip_hi = skip if skip is not None else (meta.seq_lens, meta.seq_lens)
+    base = meta.table_base if meta.table_base is not None else meta.seq_lens
     args = (
         q, k_cache, v_cache, o, lse if lse is not None else o, tables, meta.seq_lens, meta.query_start_loc,
-        skip_lo, skip_hi, scale * LOG2E, q_tiles, window,
+        skip_lo, skip_hi, base, scale * LOG2E, q_tiles, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         o.stride(0), o.stride(1), lse.stride(0) if lse is not None else 0,
@@ -168,6 +173,7 @@ def _launch_args(
         "DOT_PREC": dot_precision(q.dtype),
         "UPCAST": interpreter_upcast(q.dtype),
         "SKIP": skip is not None,
+        "BASE": meta.table_base is not None,
     }
     return (meta.num_seqs * q_tiles, kv_heads), args, kw
 
