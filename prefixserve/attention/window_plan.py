@@ -47,6 +47,12 @@ class WindowPlan:
     # seg_column[g] (a sliding group's plan takes its pages from there)
     seg_holder: np.ndarray
     seg_column: np.ndarray
+    # a sliding group's plan under the freeing KV layout: its index among the step's groups, and all
+    # the groups' plans (one structure, their own pages), which share ``derived``: the step's first
+    # sliding layer records the kernels' launches once, the others replay them with their group's
+    # arrays swapped in (``kernels/window_attention.py``)
+    group: int = 0
+    groups: tuple[WindowPlan, ...] = ()
     # per (heads, head size, dtype, device): the kernels' work list, buffers and the arrays on the device
     derived: dict[Any, Any] = field(default_factory=dict)
 
@@ -71,14 +77,28 @@ def window_plan(meta: AttentionMetadata, window: int) -> WindowPlan | None:
     segment to share, or is not decode-only (its rows take the plain window walk)."""
     if window in meta.window_plans:
         return meta.window_plans[window]
-    if meta.full is not None:  # a sliding group's view: the step's plan, on the group's pages
+    if meta.full is not None:  # a sliding group's view: the step's plan, on each group's pages
         base = window_plan(meta.full, window)
-        made = None if base is None else on_pages(base, meta.block_tables_np, meta.table_base_np)
+        views = meta.full.group_metas
+        plans = on_every_group(base, views) if base is not None else [None] * len(views)
+        for view, plan in zip(views, plans, strict=True):
+            view.window_plans[window] = plan
+        return meta.window_plans[window]
     else:
         found = step_segments(meta) if meta.is_decode_only else None
         made = make_window_plan(meta, *found, window) if found is not None else None
     meta.window_plans[window] = made
     return made
+
+
+def on_every_group(plan: WindowPlan, views: tuple[AttentionMetadata, ...]) -> list[WindowPlan]:
+    """``plan`` on each sliding group's pages (``on_pages``), linked as one family."""
+    derived: dict[Any, Any] = {}
+    plans = [on_pages(plan, v.block_tables_np, v.table_base_np) for v in views]
+    family = tuple(dataclasses.replace(p, group=g, derived=derived) for g, p in enumerate(plans))
+    for p in family:
+        p.groups = family
+    return list(family)
 
 
 def on_pages(plan: WindowPlan, tables: np.ndarray, base: np.ndarray | None) -> WindowPlan:

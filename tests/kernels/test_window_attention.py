@@ -230,3 +230,42 @@ def test_a_sliding_groups_window_columns_alone_give_the_same_attention(case) -> 
     assert rel_err(window_attention_torch(q, k, v, group, scale, window), ref) < 1e-5
     assert rel_err(window_kernel(q, k, v, group, scale, window), ref) < 1e-5
     assert torch.equal(group.slot_mapping, full.slot_mapping)  # the same pages: the same write slots
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_sliding_groups_share_one_recorded_plan_with_their_own_pages(contiguous: bool) -> None:
+    """The freeing KV layout: three sliding groups hold copies of the window blocks on pages of their
+    own (in runs like the block table's, or scattered: then each group plans alone). Their plans share
+    one recorded launch set, each group replaying it with its tables, segment blocks and work items,
+    and every group's attention equals the oracle over the block table's KV."""
+    from prefixserve.attention.kernels.window_attention import window_shared_attention
+    from prefixserve.attention.window_plan import window_plan
+
+    own, window, bs = [5, 9, 14, 20], 50, 16
+    query_lens, seq_lens = [1] * len(own), [128 + n for n in own]
+    q, k, v, tables, meta = _case(4, query_lens, seq_lens, 8, 2, 32, bs, torch.float32)
+    make_backend("triton").prepare(meta)
+    ref = _oracle(q, k, v, tables, query_lens, seq_lens, 0.3, window)
+    base = np.array([max(0, s - window) // bs for s in seq_lens])
+    width = max(len(t) - b for t, b in zip(tables, base, strict=True))
+    groups, used = 3, k.shape[0]
+    k = torch.cat([k, torch.zeros(groups * used, *k.shape[1:], dtype=k.dtype)])
+    v = torch.cat([v, torch.zeros(groups * used, *v.shape[1:], dtype=v.dtype)])
+    pages = np.zeros((groups, len(tables), width), dtype=np.int32)
+    gen = torch.Generator().manual_seed(9)
+    for g in range(groups):  # group g's copy of block b: page used*(g+1) + b, or a shuffled one
+        order = torch.arange(used) if contiguous or g == 0 else torch.randperm(used, generator=gen)
+        page = (used * (g + 1) + order).tolist()
+        k[page], v[page] = k[:used].clone(), v[:used].clone()
+        for s, (table, first) in enumerate(zip(tables, base, strict=True)):
+            pages[g, s, : len(table) - first] = [page[b] for b in table[first:]]
+    meta.with_groups(pages, base, tuple(range(groups + 1)))
+    plans = [window_plan(meta.for_layer(g + 1), window) for g in range(groups)]
+    assert all(p is not None and p.groups and p.derived is plans[0].derived for p in plans)
+    for _round in range(2):  # the first call records, the rest replay with their group's arrays
+        for g in range(groups):
+            view = meta.for_layer(g + 1)
+            got = window_shared_attention(q, k, v, view, plans[g], 0.3, window)
+            assert rel_err(got, ref) < 1e-5, (g, _round)
+    (layout,) = plans[0].derived.values()  # one layout for the three groups
+    assert layout["groups"] is not None and len(layout["groups"]) == groups

@@ -34,7 +34,7 @@ from prefixserve.attention.kernels.tiles import (
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
-from prefixserve.triton_support.launch import Launch, record
+from prefixserve.triton_support.launch import Launch, record, relaunch
 
 triton, tl = require_triton()
 
@@ -210,14 +210,25 @@ def window_shared_attention(
     tokens, q_heads, dim = q.shape
     key = (q_heads, k_cache.shape[2], dim, q.dtype, q.device)
     lay = plan.derived.get(key)
+    if lay is SOLO:  # the groups' work lists differ: each group plans alone
+        key = (key, plan.group)
+        lay = plan.derived.get(key)
     if lay is None:
-        lay = plan.derived[key] = _layout(q, k_cache, plan)
+        lay = _layout(q, k_cache, plan)
+        if plan.groups and lay["groups"] is None:
+            plan.derived[key] = SOLO
+            key = (key, plan.group)
+        plan.derived[key] = lay
+    group = lay["groups"][plan.group] if lay["groups"] is not None else None
+    if group is not None:  # a sliding group under the freeing KV layout: its own pages' arrays
+        group.setdefault("tables", meta.block_tables)
     out = torch.empty_like(q)
     sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), scale, window)
     if lay.get("signature") == sig:
-        replay_launches(lay["launches"], (q, k_cache, v_cache, out), None)
+        _replay(lay, (q, k_cache, v_cache, out), group)
         return out
     o_part, lse_part = lay["o_part"], lay["lse_part"]
+    segments = lay["segments"] if group is None else (group["blocks"], *lay["segments"][1:3], group["work"])
 
     def walk() -> Launch:
         grid, args, kw = _launch_args(
@@ -226,12 +237,33 @@ def window_shared_attention(
         return record(_window_kernel, grid, args, kw, _window_kernel[grid](*args, **kw))
 
     def shared() -> Launch | None:
-        return launch_shared(q, k_cache, v_cache, *lay["segments"], scale, o_part[tokens:], lse_part[tokens:])
+        return launch_shared(q, k_cache, v_cache, *segments, scale, o_part[tokens:], lse_part[tokens:])
 
     merge = csr_merge(o_part, lse_part, tokens, lay["row_ptr"], lay["part_idx"], out)
     lay["launches"] = launch_split_path(shared, walk, merge, None)
     lay["signature"] = sig
+    if group is not None:  # where each launch holds this group's arrays: swapped per group later
+        mine = {id(group[name]): name for name in GROUP_ARRAYS}
+        lay["group_args"] = [
+            [(i, mine[id(a)]) for i, a in enumerate(launch.args) if id(a) in mine]
+            for launch, _, _ in lay["launches"]
+        ]
     return out
+
+
+GROUP_ARRAYS = ("tables", "blocks", "items")  # what differs between the sliding groups' launches
+SOLO = "solo"
+
+
+def _replay(lay: dict, tensors: tuple[torch.Tensor, ...], group: dict | None) -> None:
+    """Replay the step's recorded launches with this layer's tensors and, for a sliding group, its
+    group's tables, segment blocks and work items."""
+    if group is None:
+        replay_launches(lay["launches"], tensors, None)
+        return
+    for (launch, pos, _), swaps in zip(lay["launches"], lay["group_args"], strict=True):
+        mine = [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0]
+        relaunch(launch, mine + [(i, group[name]) for i, name in swaps])
 
 
 def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object) -> dict[str, object]:
@@ -260,8 +292,18 @@ def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object) -> dict[str, o
     np.cumsum(np.bincount(parts, minlength=tokens), out=row_ptr[1:])
     host = [plan.seg_blocks, np.asarray(plan.seg_block_start), plan.seg_rows, plan.skip_lo, plan.skip_hi]
     host += [work.items.numpy(), row_ptr, np.argsort(parts, kind="stable")]
-    blocks, block_start, rows, skip_lo, skip_hi, items, row_ptr_d, part_idx = to_device_packed(host, q.device)
+    family = _group_items(plan, work, k_cache.shape[1]) if plan.groups else None
+    for blocks_g, items_g in family or ():
+        host += [blocks_g, items_g]
+    moved = to_device_packed(host, q.device)
+    blocks, block_start, rows, skip_lo, skip_hi, items, row_ptr_d, part_idx = moved[:8]
     work = dataclasses.replace(work, items=items.view(-1, ITEM_FIELDS))
+    groups = None
+    if family is not None:
+        groups = []
+        for b, i in zip(moved[8::2], moved[9::2], strict=True):
+            mine = dataclasses.replace(work, items=i.view(-1, ITEM_FIELDS))
+            groups.append({"blocks": b, "items": mine.items, "work": mine})
     f32 = {"dtype": torch.float32, "device": q.device}
     return {
         "segments": (blocks, block_start, rows, work),
@@ -270,4 +312,24 @@ def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object) -> dict[str, o
         "part_idx": part_idx,
         "o_part": torch.empty(tokens + work.num_slots, q_heads, dim, **f32),
         "lse_part": torch.empty(tokens + work.num_slots, q_heads, **f32),
+        "groups": groups,
     }
+
+
+def _group_items(plan: object, work: object, block_size: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Each sliding group's segment blocks and work items (the items name the first cache row of a
+    contiguous segment, which is the group's own), or None where a group's segments break into runs
+    where another's do not (its work list would differ: each group then plans alone)."""
+    from prefixserve.attention.kernels.shared_plan import contiguous_first_rows
+
+    items = work.items.numpy()
+    firsts = [contiguous_first_rows(p.seg_blocks, p.seg_block_start, block_size) for p in plan.groups]
+    if any(((f >= 0) != (firsts[0] >= 0)).any() for f in firsts):
+        return None
+    out = []
+    for p, first in zip(plan.groups, firsts, strict=True):
+        mine = items.copy()
+        row = first[mine[:, 0]]
+        mine[:, 6] = np.where((row >= 0) & (mine[:, 6] >= 0), row + mine[:, 3], -1)
+        out.append((p.seg_blocks, mine))
+    return out
