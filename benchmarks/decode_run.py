@@ -83,6 +83,7 @@ def measure(
     tp: int = 1,
     peer_allreduce: bool = True,
     max_batched: int = 16384,
+    **engine: object,  # more EngineConfig fields (keep_sliding_kv=True: every layer's KV kept)
 ) -> dict:
     prompts, warm = prompts
     llm = LLM(
@@ -96,6 +97,7 @@ def measure(
         max_num_batched_tokens=max_batched,
         enforce_eager=eager,
         progress=False,
+        **engine,
     )
     # Warm-up: the same batch shape and lengths with other tokens, so kernels compile and the decode
     # graphs of this run are captured before the clock starts. As long as the timed run: its graph keys

@@ -249,8 +249,8 @@ def test_sliding_groups_share_one_recorded_plan_with_their_own_pages(contiguous:
     base = np.array([max(0, s - window) // bs for s in seq_lens])
     width = max(len(t) - b for t, b in zip(tables, base, strict=True))
     groups, used = 3, k.shape[0]
-    k = torch.cat([k, torch.zeros(groups * used, *k.shape[1:], dtype=k.dtype)])
-    v = torch.cat([v, torch.zeros(groups * used, *v.shape[1:], dtype=v.dtype)])
+    k = torch.cat([k, k.new_zeros(groups * used, *k.shape[1:])])
+    v = torch.cat([v, v.new_zeros(groups * used, *v.shape[1:])])
     pages = np.zeros((groups, len(tables), width), dtype=np.int32)
     gen = torch.Generator().manual_seed(9)
     for g in range(groups):  # group g's copy of block b: page used*(g+1) + b, or a shuffled one
