@@ -1,7 +1,12 @@
 """Each supported family against HF transformers: a tiny random checkpoint written by its config class
 (odd sizes, a window shorter than the prompts) loads into prefixserve, its last-token logits match HF's
 in fp32, its greedy tokens equal HF's ``generate``, and sharing a prefix longer than the window changes
-no token (shared-segment attention on and off, a prefix-cache repeat, n=4 sampling groups)."""
+no token (shared-segment attention on and off, a prefix-cache repeat, n=4 sampling groups).
+
+Gemma 4 runs four ways: global layers with a larger head (``per_layer_config``) and per-layer inputs;
+KV-shared layers, K as V with the global layers' own KV heads, and double-wide MLPs; one KV shape with
+KV-shared layers (the sliding layers' pages given back); the 31B's form (K as V, no per-layer inputs).
+Its cases skip where the installed transformers has no Gemma 4."""
 
 from __future__ import annotations
 
@@ -54,19 +59,75 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 30.0,
     },
     "mistral": {"num_hidden_layers": 2, "sliding_window": WINDOW, "head_dim": 12},
+    # two global layers with their own head size and KV heads, proportional RoPE, per-layer inputs
+    "gemma4_text": {
+        "num_hidden_layers": 5,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention"] * 2 + ["full_attention", "sliding_attention", "full_attention"],
+        # HF reads one RoPE per layer type: the global layers' sizes must agree
+        "per_layer_config": {i: {"head_dim": 32, "num_key_value_heads": 1} for i in (2, 4)},
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+        "final_logit_softcapping": 30.0,
+    },
+    # the last three layers read layers 1 and 2's KV (double-wide MLPs); the global layers' V is their
+    # K, with one KV head of 32 dims (the older global_head_dim / num_global_key_value_heads fields)
+    "gemma4_shared": {
+        "num_hidden_layers": 6,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 3,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 3,
+        "use_double_wide_mlp": True,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+    },
+    # one KV shape for every layer (the sliding layers' pages can be given back) and KV-shared layers
+    "gemma4_uniform": {
+        "num_hidden_layers": 6,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "global_head_dim": 16,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 8,  # HF's KV-shared layers need per-layer inputs (5.24)
+        "vocab_size_per_layer_input": VOCAB,
+    },
+    # as the 31B: no per-layer inputs, K as V on the global layers, their own head size and KV heads
+    "gemma4_dense": {
+        "num_hidden_layers": 4,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 3,
+        "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 0,
+        "final_logit_softcapping": 30.0,
+    },
 }
-ARCH = {"qwen3_sliding": "qwen3"}
+ARCH = {"qwen3_sliding": "qwen3"} | {
+    name: "gemma4_text" for name in ("gemma4_shared", "gemma4_uniform", "gemma4_dense")
+}
+GEMMA4 = ("gemma4_text", "gemma4_shared", "gemma4_uniform", "gemma4_dense")
 
 
 def _randomize(model: torch.nn.Module) -> None:
-    """HF initialises norms to ones (Gemma's to zeros) and biases to zeros: give every tensor values,
-    so that a norm or offset applied wrongly shows."""
+    """HF initialises norms to ones (Gemma 3's to zeros) and biases to zeros, and Gemma 4's layer
+    scalars to ones: give every tensor values, so that a norm or offset applied wrongly shows."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                base = 0.0 if "gemma" in type(model).__name__.lower() else 1.0  # Gemma's are 1 + w
+                base = 0.0 if "gemma3" in type(model).__name__.lower() else 1.0  # Gemma 3's are 1 + w
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + base)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # a checkpoint tensor (persistent buffer)
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
 
 
 def tiny_checkpoint(name: str, directory: Path, **sizes: Any) -> Any:
@@ -84,6 +145,8 @@ def tiny_checkpoint(name: str, directory: Path, **sizes: Any) -> Any:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
     name = request.param
+    if name in GEMMA4:
+        pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
     directory = tmp_path_factory.mktemp(name)
     sizes = {"head_dim": 12} if name == "mistral" else {}  # not a power of two: the CPU paths take any
     return name, directory, tiny_checkpoint(name, directory, **sizes)
@@ -105,7 +168,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 def test_config_reads_the_layer_types(family) -> None:
     name, directory, hf = family
     config = ModelConfig.from_json(directory / "config.json")
-    if name in ("gemma3_text", "qwen3_sliding", "mistral"):
+    if name in ("gemma3_text", "qwen3_sliding", "mistral", *GEMMA4):
         assert config.has_sliding_layers
         kinds = [config.layer_spec(i).kind for i in range(config.num_hidden_layers)]
         hf_kinds = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * len(kinds)  # Mistral
@@ -115,6 +178,17 @@ def test_config_reads_the_layer_types(family) -> None:
         } == {WINDOW}
     if name == "gemma3_text":
         assert config.layer_spec(0).rope != config.layer_spec(2).rope  # local and global RoPE
+    if name in GEMMA4:  # each layer's KV shape and KV source as HF resolves them
+        layers = range(config.num_hidden_layers)
+        want = [(c.num_key_value_heads, c.head_dim) for c in hf.config.per_layer_config]
+        assert [config.layer_kv_shape(i) for i in layers] == want
+        modes = hf.config.kv_sharing_modes
+        assert [config.kv_source(i) != i for i in layers] == [m == "reuse" for m in modes]
+        for i in layers:  # a shared layer reads the last producer of its type before the shared ones
+            if modes[i] == "reuse":
+                source = config.kv_source(i)
+                assert modes[source] == "store" and kinds[source] == kinds[i]
+        assert config.layer_spec(0).rope != config.layer_spec(config.num_hidden_layers - 1).rope
 
 
 def test_logits_match_hf(family) -> None:
@@ -317,6 +391,106 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path: Path
             torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
         )
     assert got == out[0, len(ids) :].tolist()
+
+
+def test_a_multimodal_gemma4_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 4 as published (``Gemma4ForConditionalGeneration``: ``text_config``, the language model
+    under ``model.language_model.``, vision and audio towers and their projections beside it) loads as
+    its text model, KV-shared layers and per-layer inputs included: text prompts give HF's tokens."""
+    pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
+    text = {k: v for k, v in {**SIZES, **FAMILIES["gemma4_shared"]}.items() if k != "pad_token_id"}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"num_key_value_heads": 2, "head_dim": 8, "patch_size": 4, "position_embedding_size": 64}
+    audio = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "output_proj_dims": 16}
+    audio |= {"subsampling_conv_channels": [4, 4]}
+    config = transformers.AutoConfig.for_model(
+        "gemma4", text_config=text, vision_config=vision, audio_config=audio
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+    _randomize(hf)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        towers = {k.split(".")[1] for k in f.keys()}  # noqa: SIM118
+    assert {"vision_tower", "audio_tower", "embed_vision", "embed_audio", "language_model"} <= towers
+    model, _ = load_model(ModelSource("hf", tmp_path, "gemma4-mm"), torch.float32, torch.device("cpu"))
+    assert model.config.architecture == "gemma4" and model.config.num_kv_shared_layers == 3
+    ids = _prompt(7, 2 * WINDOW + 3)
+    got = _llm(tmp_path, attention="cascade").generate([{"prompt_token_ids": ids}], GREEDY)
+    assert got[0].outputs[0].token_ids == _hf_generate(hf, ids)
+
+
+def test_gemma4_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
+    """Tensor parallelism (gloo, 2 ranks): the global layers' one KV head replicated on both ranks,
+    K as V, KV-shared layers and the per-layer input table split by vocabulary rows give the tokens
+    of one process."""
+    pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
+    tiny_checkpoint("gemma4_shared", tmp_path)
+    prefix = _prompt(5, 2 * WINDOW)
+    prompts = [{"prompt_token_ids": prefix + _prompt(10 + i, 3 + 2 * i)} for i in range(3)]
+    one = _llm(tmp_path).generate(prompts, GREEDY)
+    two = _llm(tmp_path, tensor_parallel_size=2).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+GEMMA4_TINY = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    **SIZES,
+    "num_hidden_layers": 4,
+    "sliding_window": WINDOW,
+}
+F, S = "full_attention", "sliding_attention"
+BAD_GEMMA4 = [
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block=True"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all' is not supported"),
+    ({"num_kv_shared_layers": 4}, "num_kv_shared_layers=4: at least one of the num_hidden_layers=4"),
+    (  # the shared sliding layer has no sliding layer before it to read
+        {"layer_types": [F, F, S, F], "num_kv_shared_layers": 2},
+        "layer 2 (sliding_attention) is KV-shared",
+    ),
+    (
+        {"per_layer_config": {"1": {"intermediate_size": 64}}},
+        "per_layer_config[1] sets ['intermediate_size']",
+    ),
+    ({"per_layer_config": {"3": {"num_key_value_heads": 4}}}, "per_layer_config[3]: num_key_value_heads=4"),
+    ({"rope_parameters": {F: {"rope_type": "yarn", "factor": 2.0}}}, "unsupported rope_scaling type 'yarn'"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_GEMMA4)
+def test_gemma4_configs_it_cannot_serve_are_refused_by_name(change, message, tmp_path: Path) -> None:
+    """Gemma 4's MoE block (a later issue), bidirectional attention and configs that contradict
+    themselves are refused at load, naming the field."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf_dict({**GEMMA4_TINY, **change})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GEMMA4_TINY, **change}))
+    with pytest.raises(ValueError, match=r"config\.json: .*" + re.escape(message)):
+        LLM(model=f"dummy:{path}", device="cpu", dtype="float32", progress=False)
+
+
+def test_gemma4_configs_read_as_hf_resolves_them() -> None:
+    """HF's defaults where a config.json is silent (global layers of 512 dims, the last layer global,
+    per-layer inputs of 256, proportional RoPE at a quarter of the global heads), the older
+    ``global_head_dim`` / ``num_global_key_value_heads`` fields (the KV heads only with K as V), and a
+    config written back by ``to_hf_dict`` reading the same."""
+    bare = ModelConfig.from_hf_dict({**GEMMA4_TINY, "layer_types": [S] * 4})
+    assert bare.layer_types == [S, S, S, F]  # the last layer is global, as HF makes it
+    assert [bare.layer_kv_shape(i) for i in range(4)] == [(2, 16)] * 3 + [(2, 512)]
+    assert (bare.hidden_size_per_layer_input, bare.vocab_size_per_layer_input) == (256, 262_144)
+    global_rope = bare.layer_spec(3).rope
+    assert (global_rope.dim, global_rope.scaling_dict["partial_rotary_factor"]) == (512, 0.25)
+    old = {**GEMMA4_TINY, "global_head_dim": 32, "num_global_key_value_heads": 1}
+    assert ModelConfig.from_hf_dict(old).layer_kv_shape(3) == (2, 32)  # KV heads only with K as V
+    k_eq_v = {**old, "attention_k_eq_v": True, "num_kv_shared_layers": 1, "layer_types": [S, F, S, F]}
+    k_eq_v = ModelConfig.from_hf_dict(k_eq_v)
+    assert [k_eq_v.layer_kv_shape(i) for i in (2, 3)] == [(2, 16), (1, 32)]
+    assert k_eq_v.kv_source(3) == 1 and k_eq_v.layer_spec(3).shares_kv and k_eq_v.layer_spec(1).k_eq_v
+    for config in (bare, k_eq_v):
+        assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config
 
 
 def test_a_gemma3_checkpoint_is_served_over_http(family) -> None:

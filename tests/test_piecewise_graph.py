@@ -112,3 +112,22 @@ def test_captured_pieces_match_eager_on_gpu(tmp_path) -> None:
         assert _tokens(llm, prompts, params) == want, attention
         assert llm.engine.runner.pieces.captures >= 2, attention
         assert_pool_empty(llm)
+
+
+def test_pieces_take_layers_of_other_head_sizes(tmp_path) -> None:
+    """Gemma 4's global layers have wider heads than its sliding ones: the pieces' q and output
+    buffers are viewed per layer, and the tokens equal the plain forward's."""
+    pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
+    from tests.test_model_families import _llm as family_llm
+    from tests.test_model_families import _prompt, tiny_checkpoint
+
+    tiny_checkpoint("gemma4_text", tmp_path)
+    prompts = [{"prompt_token_ids": _prompt(i, 20 + 9 * i)} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = _tokens(family_llm(tmp_path, max_num_batched_tokens=64), prompts, [params] * 4)
+    llm = family_llm(tmp_path, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    assert len(set(PiecewiseGraphs(runner.model, runner.kv, 64, capture=False).head_dims)) == 2
+    runner.pieces = PiecewiseGraphs(runner.model, runner.kv, 64, capture=False)
+    assert _tokens(llm, prompts, [params] * 4) == want
+    assert_pool_empty(llm)

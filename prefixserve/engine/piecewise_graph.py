@@ -35,7 +35,7 @@ from prefixserve.engine.graph_capture import capture_into
 from prefixserve.kv.cache import KVCache
 
 if TYPE_CHECKING:
-    from prefixserve.model.llama import Ropes
+    from prefixserve.model.rotary import Ropes
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 class _Bucket:
     """One bucket's fixed buffers and its captured pieces (empty without capture)."""
 
-    q: torch.Tensor  # [bucket, Hq, D]: a layer's attention input
-    out: torch.Tensor  # [bucket, Hq, D]: its output
+    q: torch.Tensor  # [bucket, Hq * widest D]: a layer's attention input (``_view`` per layer)
+    out: torch.Tensor  # [bucket, Hq * widest D]: its output
     residual: torch.Tensor  # [bucket, hidden]: the residual stream between pieces
     hidden: torch.Tensor  # [bucket, hidden]: the last piece's output
     graphs: list[torch.cuda.CUDAGraph]
@@ -79,7 +79,10 @@ class PiecewiseGraphs:
         param = next(model.parameters())
         self.model, self.kv, self.capture = model, kv, capture
         self.device, self.dtype = param.device, param.dtype
-        self.heads, self.head_dim, self.hidden_size = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        self.heads, self.hidden_size = cfg.num_attention_heads, cfg.hidden_size
+        # each layer's head size (Gemma 4's global layers are wider): q and the attention's output
+        # live in flat buffers of the widest, viewed per layer
+        self.head_dims = [cfg.layer_spec(i).head_dim or cfg.head_dim for i in range(cfg.num_hidden_layers)]
         self.layers = cfg.num_hidden_layers
         self.buckets = token_buckets(max(MIN_BUCKET, min(max_tokens, MAX_TOKENS)))
         cap = self.buckets[-1]
@@ -147,9 +150,14 @@ class PiecewiseGraphs:
         self, entry: _Bucket, layer: int, tokens: int, meta: AttentionMetadata, backend: AttentionBackend
     ) -> None:
         out = self.model.model.layers[layer].self_attn.attend(
-            entry.q[:tokens], self.kv.layers[layer], meta.for_layer(layer), backend
+            self._view(entry.q, layer)[:tokens], self.kv.layers[layer], meta.for_layer(layer), backend
         )
-        entry.out[:tokens].copy_(out.reshape(tokens, self.heads, self.head_dim))
+        self._view(entry.out, layer)[:tokens].copy_(out.reshape(tokens, self.heads, self.head_dims[layer]))
+
+    def _view(self, flat: torch.Tensor, layer: int) -> torch.Tensor:
+        """A bucket's flat q or output buffer as layer ``layer``'s [bucket, Hq, D]."""
+        bucket, d = flat.shape[0], self.head_dims[layer]
+        return flat.view(-1)[: bucket * self.heads * d].view(bucket, self.heads, d)
 
     def _cache(self, layer: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (*self.kv.layers[layer], self.inputs[2 + self.groups[layer], :bucket])
@@ -164,12 +172,12 @@ class PiecewiseGraphs:
             )
         elif piece < self.layers:
             q, residual = model.middle_piece(
-                piece, entry.out, entry.residual, rope, self._cache(piece, bucket)
+                piece, self._view(entry.out, piece - 1), entry.residual, rope, self._cache(piece, bucket)
             )
         else:
-            entry.hidden.copy_(model.last_piece(entry.out, entry.residual))
+            entry.hidden.copy_(model.last_piece(self._view(entry.out, piece - 1), entry.residual, rope))
             return rope
-        entry.q.copy_(q)
+        self._view(entry.q, piece).copy_(q)
         entry.residual.copy_(residual)
         return rope
 
@@ -201,8 +209,8 @@ class PiecewiseGraphs:
             return torch.zeros(*shape, dtype=self.dtype, device=self.device)
 
         entry = _Bucket(
-            q=zeros(bucket, self.heads, self.head_dim),
-            out=zeros(bucket, self.heads, self.head_dim),
+            q=zeros(bucket, self.heads * max(self.head_dims)),
+            out=zeros(bucket, self.heads * max(self.head_dims)),
             residual=zeros(bucket, self.hidden_size),
             hidden=zeros(bucket, self.hidden_size),
             graphs=[],

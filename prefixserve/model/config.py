@@ -1,8 +1,10 @@
 """The model's shape, read from an HF config.json or a GGUF file's metadata, described layer by layer.
 
 Every family (``model/families/``) reads its config.json into one ``ModelConfig``: the sizes every
-layer shares, then what may differ per layer (``layer_spec``): full or sliding-window attention and
-the RoPE that layer type uses. A config that contradicts itself is refused here, naming the field.
+layer shares, then what may differ per layer (``layer_spec``): full or sliding-window attention, the
+RoPE that layer type uses, and (Gemma 4) the layer's head size and KV heads (``layer_kv_shape``),
+whose KV cache it reads (``kv_source``) and its MLP's width. A config that contradicts itself is
+refused here, naming the field.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class RopeSpec:
 
     theta: float
     scaling: tuple[tuple[str, Any], ...] = ()
+    dim: int = 0  # the head size it rotates (a layer's ``head_dim``); 0: the config's
 
     @property
     def scaling_dict(self) -> dict[str, Any]:
@@ -35,19 +38,27 @@ class RopeSpec:
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """What one decoder layer attends with: its type, window (sliding layers only) and RoPE."""
+    """What one decoder layer attends with: its type, window (sliding layers only) and RoPE; its head
+    size and KV heads; whether it reads another layer's KV cache instead of writing its own (Gemma 4's
+    KV-shared layers), whether its V is its K projection (Gemma 4's ``attention_k_eq_v``), and its
+    MLP's width."""
 
     kind: str  # FULL | SLIDING
     window: int | None  # keys a query sees, itself included (HF's ``sliding_window``); None: all
     rope: RopeSpec
+    head_dim: int = 0  # of q, k and v
+    kv_heads: int = 0
+    shares_kv: bool = False  # reads layer ``kv_source``'s cache, writes none
+    k_eq_v: bool = False  # no v_proj: V is the K projection (before K's norm and RoPE)
+    intermediate_size: int = 0
 
 
-def _rope_spec(theta: float, scaling: dict[str, Any] | None) -> RopeSpec:
+def _rope_spec(theta: float, scaling: dict[str, Any] | None, dim: int = 0) -> RopeSpec:
     scaling = {k: v for k, v in (scaling or {}).items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
         scaling = {}
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
-    return RopeSpec(float(theta), frozen)
+    return RopeSpec(float(theta), frozen, dim)
 
 
 @dataclass(slots=True)
@@ -69,7 +80,7 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 puts a bias on q, k and v
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    architecture: str = "llama"  # the family (``model/families``): llama, mistral, qwen2, qwen3, gemma3
+    architecture: str = "llama"  # the family (``model/families``): llama, qwen2, qwen3, gemma3, gemma4, ...
     # ---- what differs between families and between layers ----
     layer_types: list[str] = field(default_factory=list)  # per layer FULL | SLIDING; empty: all FULL
     sliding_window: int | None = None  # the window of SLIDING layers
@@ -82,6 +93,16 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # ---- Gemma 4 (``families/gemma4.py``) ----
+    # layer -> what differs from the sizes above: {"head_dim": .., "num_key_value_heads": ..}
+    per_layer_config: dict[int, dict[str, int]] = field(default_factory=dict)
+    attention_k_eq_v: bool = False  # full layers have no v_proj: V is the K projection
+    v_norm: bool = False  # an RMSNorm without weight over each V head
+    num_kv_shared_layers: int = 0  # the last N layers read the KV of the last earlier layer of their type
+    use_double_wide_mlp: bool = False  # the KV-shared layers' MLPs are twice intermediate_size wide
+    hidden_size_per_layer_input: int = 0  # per-layer input embeddings' width (0: none)
+    vocab_size_per_layer_input: int = 0
+    layer_scalar: bool = False  # each layer's output stream times a learned scalar (a checkpoint tensor)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -109,25 +130,114 @@ class ModelConfig:
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is not supported; supported: {list(ACTIVATIONS)}"
             )
+        self._check_per_layer()
         for spec in {self.layer_spec(i).rope for i in range(self.num_hidden_layers)}:
-            kind = spec.scaling_dict.get("rope_type", spec.scaling_dict.get("type", "default"))
+            scaling = spec.scaling_dict
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {list(ROPE_TYPES)}")
+            factor = float(scaling.get("partial_rotary_factor", 1.0))
+            if not 0 < factor <= 1:
+                raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+
+    def _check_per_layer(self) -> None:
+        """Gemma 4's per-layer sizes, KV sharing and per-layer inputs, each refused naming the field."""
+        layers = self.num_hidden_layers
+        for i, sizes in self.per_layer_config.items():
+            if not 0 <= i < layers:
+                raise ValueError(f"per_layer_config names layer {i}; layers are 0..{layers - 1}")
+            unknown = sorted(set(sizes) - set(PER_LAYER_SIZES))
+            if unknown:
+                raise ValueError(
+                    f"per_layer_config[{i}] sets {unknown}: only {list(PER_LAYER_SIZES)} may differ per layer"
+                )
+            heads, dim = self._own_kv_shape(i)
+            if heads < 1 or dim < 2 or dim % 2 or self.num_attention_heads % heads:
+                raise ValueError(
+                    f"per_layer_config[{i}]: num_key_value_heads={heads}, head_dim={dim} (need an even "
+                    f"head_dim and KV heads dividing num_attention_heads={self.num_attention_heads})"
+                )
+        if not 0 <= self.num_kv_shared_layers < layers:
+            raise ValueError(
+                f"num_kv_shared_layers={self.num_kv_shared_layers}: at least one of the "
+                f"num_hidden_layers={layers} layers must compute its own KV"
+            )
+        for i in range(layers - self.num_kv_shared_layers, layers):
+            source = self.kv_source(i)  # raises if no earlier layer of its type computes KV
+            if self._own_kv_shape(i) != self._own_kv_shape(source):
+                raise ValueError(
+                    f"layer {i} reads layer {source}'s KV (num_kv_shared_layers) but their "
+                    f"(num_key_value_heads, head_dim) differ: {self._own_kv_shape(i)} and "
+                    f"{self._own_kv_shape(source)}"
+                )
+        if self.hidden_size_per_layer_input < 0 or (
+            self.hidden_size_per_layer_input and self.vocab_size_per_layer_input < 1
+        ):
+            raise ValueError(
+                f"hidden_size_per_layer_input={self.hidden_size_per_layer_input} needs a "
+                f"vocab_size_per_layer_input >= 1 (got {self.vocab_size_per_layer_input})"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers, per byte of element size."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+        """K and V of one token across the layers that hold a KV cache, per byte of element size."""
+        owners = [i for i in range(self.num_hidden_layers) if self.kv_source(i) == i]
+        return sum(2 * heads * dim for heads, dim in map(self.layer_kv_shape, owners))
+
+    def _own_kv_shape(self, i: int) -> tuple[int, int]:
+        sizes = self.per_layer_config.get(i, {})
+        return (
+            int(sizes.get("num_key_value_heads", self.num_key_value_heads)),
+            int(sizes.get("head_dim", self.head_dim)),
+        )
+
+    def layer_kv_shape(self, i: int) -> tuple[int, int]:
+        """(num_key_value_heads, head_dim) of layer ``i``'s KV cache: the config's, unless
+        ``per_layer_config`` gives the layer others (Gemma 4's global layers). A layer that reads
+        another's KV has that layer's shape (checked equal to its own)."""
+        return self._own_kv_shape(self.kv_source(i))
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose KV cache layer ``i`` reads: ``i`` itself, except for Gemma 4's last
+        ``num_kv_shared_layers`` layers, which read the last earlier layer of their own type (HF's
+        ``kv_sharing_modes``) and write no KV."""
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        if i < first_shared:
+            return i
+        kind = self.layer_type(i)
+        for j in range(first_shared - 1, -1, -1):
+            if self.layer_type(j) == kind:
+                return j
+        raise ValueError(
+            f"layer {i} ({kind}) is KV-shared (num_kv_shared_layers={self.num_kv_shared_layers}) but no "
+            f"earlier {kind} layer computes KV for it"
+        )
+
+    def layer_type(self, i: int) -> str:
+        """Layer ``i``'s attention type (FULL or SLIDING)."""
+        return self.layer_types[i] if self.layer_types else FULL
 
     def layer_spec(self, i: int) -> LayerSpec:
-        """Layer ``i``'s attention type, window and RoPE."""
-        kind = self.layer_types[i] if self.layer_types else FULL
+        """Layer ``i``'s attention type, window, RoPE, head size and KV heads, KV sharing, MLP width."""
+        kind = self.layer_type(i)
+        heads, dim = self.layer_kv_shape(i)
         rope = self.rope_by_layer_type.get(kind)
         if rope is None:
-            spec = _rope_spec(self.rope_theta, self.rope_scaling)
+            spec = _rope_spec(self.rope_theta, self.rope_scaling, dim)
         else:
-            spec = _rope_spec(rope.get("rope_theta", self.rope_theta), rope)
-        return LayerSpec(kind, self.sliding_window if kind == SLIDING else None, spec)
+            spec = _rope_spec(rope.get("rope_theta", self.rope_theta), rope, dim)
+        shares = self.kv_source(i) != i
+        wide = 2 if shares and self.use_double_wide_mlp else 1
+        return LayerSpec(
+            kind,
+            self.sliding_window if kind == SLIDING else None,
+            spec,
+            head_dim=dim,
+            kv_heads=heads,
+            shares_kv=shares,
+            k_eq_v=self.attention_k_eq_v and kind != SLIDING,
+            intermediate_size=self.intermediate_size * wide,
+        )
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -135,7 +245,11 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+        return self.layer_softmax_scale(self.head_dim)
+
+    def layer_softmax_scale(self, head_dim: int) -> float:
+        """The softmax scale of a layer with heads of ``head_dim``."""
+        return self.attention_scale if self.attention_scale is not None else head_dim**-0.5
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,5 +275,7 @@ class ModelConfig:
         return write_config(self)
 
 
-# RoPE scalings ``model/llama.rope_inv_freq`` computes
-ROPE_TYPES = ("default", "llama3", "linear")
+# RoPE scalings ``model/llama.rope_inv_freq`` computes (``proportional``: Gemma 4's global layers)
+ROPE_TYPES = ("default", "llama3", "linear", "proportional")
+# what ``per_layer_config`` may set for a layer
+PER_LAYER_SIZES = ("head_dim", "num_key_value_heads")

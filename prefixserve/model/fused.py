@@ -330,6 +330,49 @@ def rope_qkv(
     return q, k, v
 
 
+def rope_q(
+    q: torch.Tensor,  # [T, Hq, D], any strides
+    cos: torch.Tensor,  # [T, D] fp32
+    sin: torch.Tensor,
+    norm: tuple[torch.Tensor, float] | None = None,  # q's RMSNorm weight over a head's dims, eps
+) -> torch.Tensor:  # [T, Hq, D], new and contiguous
+    """q alone, QK-normed if ``norm``, RoPE applied: a Gemma 4 KV-shared layer, which projects no K or
+    V. Torch on CUDA too: the RoPE kernel (``rope_qkv``) needs at least one KV head."""
+    if norm is not None:  # over each head's dims: heads as rows
+        q = add_rms_norm(q.reshape(-1, q.shape[-1]), norm[0], norm[1])[0].view(q.shape)
+    return apply_rope(q, cos, sin)
+
+
+def qkv_with_v(
+    qkv: torch.Tensor,  # [T, (Hq + Hkv) D] with k_eq_v, else [T, (Hq + 2 Hkv) D]
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_eq_v: bool,
+    v_eps: float | None,  # V's weightless RMSNorm (Gemma 4's ``v_norm``); None: none
+) -> torch.Tensor:  # [T, (Hq + 2 Hkv) D]: the row ``rope_qkv`` takes
+    """Gemma 4's V before the RoPE kernel: with ``k_eq_v`` the K projection as it comes out of the
+    matmul (before K's norm and RoPE), appended as V; then each V head normed by ``x / sqrt(mean(x^2)
+    + eps)`` in fp32 and cast back (HF's ``Gemma4RMSNorm(with_scale=False)``, its ``pow(.., -0.5)``
+    too). Torch on every device (a few elementwise ops on the KV columns only)."""
+    tokens, q_cols = qkv.shape[0], num_heads * head_dim
+    kv_cols = num_kv_heads * head_dim
+    v = qkv[:, q_cols : q_cols + kv_cols] if k_eq_v else qkv[:, q_cols + kv_cols :]
+    if v_eps is not None:
+        vf = v.reshape(tokens, num_kv_heads, head_dim).float()
+        v = (vf * torch.pow(vf.pow(2).mean(-1, keepdim=True) + v_eps, -0.5)).to(qkv.dtype).view(tokens, -1)
+    if k_eq_v:
+        return torch.cat((qkv, v), dim=-1)
+    qkv[:, q_cols + kv_cols :] = v  # the projection's own output, written in place
+    return qkv
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The MLP activation ``act`` (``silu`` or ``gelu_pytorch_tanh``) alone: Gemma 4's per-layer
+    input gate (torch on every device)."""
+    return F.gelu(x, approximate="tanh") if act == "gelu_pytorch_tanh" else F.silu(x)
+
+
 def silu_and_mul(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     """``silu(gate) * up`` of the fused gate-up projection's two halves (``gelu``: the tanh GELU's,
     Gemma's ``gelu_pytorch_tanh``)."""
@@ -357,6 +400,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, gelu: bool = Fals
 
 __all__ = [
     "PeerSum",
+    "activation",
     "add_rms_norm",
     "apply_rope",
     "gate_up_kernels",
@@ -364,7 +408,9 @@ __all__ = [
     "linear_partials",
     "linear_silu_and_mul",
     "qkv_partials",
+    "qkv_with_v",
     "rope_cos_sin",
+    "rope_q",
     "rope_qkv",
     "shard_embedding",
     "shard_lookup",

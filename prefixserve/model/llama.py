@@ -1,8 +1,9 @@
 """The decoder-only transformer over a flat batch of tokens and the paged KV cache, built layer by layer.
 
 One set of blocks serves every family (``model/families``): each layer takes its attention type,
-window and RoPE from ``ModelConfig.layer_spec``, and the config switches the parts families differ
-in (QK-norm, Gemma's sandwich norms, the MLP's activation, an embedding scale, a final soft-cap).
+window, RoPE, head size and KV heads from ``ModelConfig.layer_spec``, and the config switches the
+parts families differ in (QK-norm, Gemma's sandwich norms, the MLP's activation, an embedding scale,
+a final soft-cap; Gemma 4's V-norm, K-as-V, KV-shared layers, per-layer inputs and layer scalars).
 
 The batch is one flat list of tokens from many sequences (prefill chunks and decode tokens mixed);
 every token brings its own position ID, and attention goes through an AttentionBackend that sees the
@@ -18,7 +19,6 @@ of the checkpoint's tensors each holds, and an all-reduce follows o_proj, down_p
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -27,11 +27,18 @@ from torch import nn
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.window import attend_layer
-from prefixserve.model import cpu_linear, fused
-from prefixserve.model.config import LayerSpec, ModelConfig, RopeSpec
-from prefixserve.model.meta_init import LoadedLater
+from prefixserve.model import fused
+from prefixserve.model.config import LayerSpec, ModelConfig
+from prefixserve.model.linear import (
+    Linear,
+    MergedLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from prefixserve.model.parallel import Shard
-from prefixserve.model.peer_allreduce import ATTENTION_SLOT, EMBEDDING_SLOT, MLP_SLOT
+from prefixserve.model.peer_allreduce import ATTENTION_SLOT, MLP_SLOT
+from prefixserve.model.rotary import Rope, Ropes, RotaryEmbedding, distinct_ropes, rope_inv_freq
 from prefixserve.sampling.argmax import argmax_rows
 
 
@@ -63,177 +70,40 @@ class RMSNorm(nn.Module):
         return fused.add_rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig, rope: RopeSpec | None = None) -> torch.Tensor:
-    """Inverse frequencies of ``rope`` (default: layer 0's), with Llama-3's long-context scaling or
-    linear scaling when it asks for them.
-
-    Computed on the CPU whatever device context the model is built under (callers move it): on the
-    meta device, fp64 ``arange`` runs torch's Python decomposition, which imports torch._dynamo."""
-    rope = rope or config.layer_spec(0).rope
-    dim = config.head_dim
-    steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
-    inv_freq = 1.0 / (rope.theta ** (steps / dim))
-    scaling = rope.scaling_dict
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif kind == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r}")
-    return inv_freq.float()
-
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, D] fp32 each (``RotaryEmbedding.cos_sin``)
-Ropes = tuple[Rope, ...]  # a step's angles for each distinct RoPE of the model (``CausalLM.ropes``)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE from an explicit position per token (positions are data: they need not be 0..n-1)."""
-
-    def __init__(self, config: ModelConfig, rope: RopeSpec | None = None) -> None:
-        super().__init__()
-        self.spec = rope or config.layer_spec(0).rope
-        self.register_buffer("inv_freq", rope_inv_freq(config, self.spec), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor) -> Rope:  # [T] -> cos, sin [T, D]
-        """The step's angles, computed once and shared by every layer."""
-        return fused.rope_cos_sin(positions, self.inv_freq)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos, sin = self.cos_sin(positions)
-        return fused.apply_rope(q, cos, sin), fused.apply_rope(k, cos, sin)
-
-
-class Linear(LoadedLater, nn.Linear):
-    """``nn.Linear`` that takes oneDNN with a packed weight on the CPU when it has one (``cpu_linear``),
-    and on a GPU the skinny kernel for a decode step's few rows where it beats cuBLAS (``fused.linear``)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return fused.linear(x, self.weight, self.bias)
-        return cpu_linear.linear(self, x)
-
-
-class MergedLinear(Linear):
-    """Several projections of the same input as one matmul, their weights stacked by rows.
-
-    ``parts`` names the stacked projections as checkpoints name them (q_proj, k_proj, v_proj;
-    gate_proj, up_proj), in row order: the loaders fill each part's rows from its own tensor, so HF
-    state dicts load unchanged. One GEMM reads x once and runs at a larger N (the split q/k/v and
-    gate/up GEMMs ran split-K with their own reduce kernels at decode sizes on an H200).
-    """
-
-    def __init__(self, in_features: int, parts: list[tuple[str, tuple[int, int], int]], bias: bool) -> None:
-        """``parts``: (checkpoint name, this rank's [start, stop) rows of that tensor, its total rows)."""
-        super().__init__(in_features, sum(b - a for _, (a, b), _ in parts), bias=bias)
-        self.parts = parts
-
-    def part_rows(self) -> dict[str, slice]:
-        """Each part's rows of the stacked weight (and bias)."""
-        out, at = {}, 0
-        for name, (a, b), _ in self.parts:
-            out[name] = slice(at, at + b - a)
-            at += b - a
-        return out
-
-
-class RowParallelLinear(Linear):
-    """A linear layer whose input columns ``src`` = [start, stop) of the checkpoint's ``total`` are
-    this rank's; ``reduced`` sums the ranks' partial products."""
-
-    def __init__(self, total_in: int, src: tuple[int, int], out_features: int) -> None:
-        super().__init__(src[1] - src[0], out_features, bias=False)
-        self.src, self.total_in = src, total_in
-
-    def reduced(self, x: torch.Tensor, shard: Shard, slot: int | None = None) -> torch.Tensor | fused.PeerSum:
-        """The product summed over the ranks, for a norm that adds it to the residual stream next.
-
-        With a product ``slot`` (``peer_allreduce``'s: consecutive calls never share one) the sum may
-        be left to that norm: where ``product_slot`` gives one, a ``PeerSum`` comes back, which
-        ``fused.add_rms_norm`` sums over NVLink with the residual add and the norm in one kernel
-        (``kernels/peer_norm.py``, ``kernels/ranks_norm.py``).
-
-        On the peer path the product (cuBLAS, or the skinny kernel at a few rows) is written straight
-        into the peer buffer and the sum is returned there: the copies in and out of the buffer (130
-        a step of the 8B model) go. That sum lives only until the next all-reduce, which is why only
-        these two call sites, whose next op (``add_rms_norm`` with the residual) writes new tensors,
-        take it."""
-        peer = shard.peer
-        if peer is not None and fused.staged_allreduce(x):
-            if slot is not None and fused.peer_norm_enabled():
-                pending = peer.product_slot(slot, x.shape[0], self.out_features, x.dtype)
-                if pending is not None:
-                    fused.linear_into(x, self.weight, pending.mine)
-                    return pending
-            staged = peer.staged(x.shape[0], self.out_features, x.dtype)
-            if staged is not None:
-                fused.linear_into(x, self.weight, staged)
-                return peer.reduce_staged(staged)
-        return shard.all_reduce(self(x))
-
-
-class VocabParallelEmbedding(LoadedLater, nn.Embedding):
-    """The embedding rows ``src`` = [start, stop) of the vocabulary; other ids look up zeros here and
-    their row on the rank that holds it (the all-reduce sums the ranks' lookups)."""
-
-    def __init__(self, vocab: int, hidden: int, shard: Shard) -> None:
-        self.src = shard.vocab_span(vocab)
-        super().__init__(self.src[1] - self.src[0], hidden)
-        self.vocab, self.shard = vocab, shard
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if not self.shard.parallel:
-            return super().forward(ids)
-        return self.shard.all_reduce(fused.shard_lookup(ids, self.weight, self.src[0]))
-
-    def summed_later(self, ids: torch.Tensor) -> torch.Tensor | fused.PeerSum:
-        """``forward(ids)``, except that on the fused path (``product_slot``) the lookups are written into
-        the embedding's product slot and come back unsummed (``PeerSum``): the first layer's norm
-        sums them (``DecoderLayer.before_attention``), saving the all-reduce and its copies."""
-        peer = self.shard.peer
-        fused_path = fused.staged_allreduce(ids) and fused.peer_norm_enabled()
-        if self.shard.parallel and peer is not None and fused_path:
-            pending = peer.product_slot(EMBEDDING_SLOT, ids.shape[0], self.embedding_dim, self.weight.dtype)
-            if pending is not None:
-                fused.shard_embedding(ids, self.weight, self.src[0], pending.mine)
-                return pending
-        return self(ids)
-
-
 class Attention(nn.Module):
     """q/k/v projection (QK-norm where the family has it), RoPE, attention over the cache (within the
-    layer's window, if it slides), o_proj."""
+    layer's window, if it slides), o_proj.
+
+    Gemma 4's layers differ at the edge, in ``_gemma4_rotated``: heads of the layer's own size and KV
+    heads (``spec``), each V head RMS-normed without a weight (``v_norm``), a full layer's V taken
+    from its K projection (``spec.k_eq_v``: no v_proj), and a KV-shared layer (``spec.shares_kv``)
+    projecting q alone and writing no KV: it attends over its source layer's cache, which the KV cache
+    hands it as its own (``ModelConfig.kv_source``)."""
 
     def __init__(self, config: ModelConfig, shard: Shard, spec: LayerSpec | None = None) -> None:
         super().__init__()
+        spec = spec or config.layer_spec(0)
         self.shard = shard
-        d = self.head_dim = config.head_dim
+        d = self.head_dim = spec.head_dim
         q0, q1 = shard.span(config.num_attention_heads)
-        k0, k1 = shard.kv_head_span(config.num_key_value_heads)
+        k0, k1 = shard.kv_head_span(spec.kv_heads)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
-        self.scale = config.softmax_scale
-        self.window = spec.window if spec is not None else None  # keys a query sees; None: all
+        self.scale = config.layer_softmax_scale(d)
+        self.window = spec.window  # keys a query sees; None: all
+        self.writes_kv, self.k_eq_v = not spec.shares_kv, spec.k_eq_v
+        self.v_norm_eps = config.rms_norm_eps if config.v_norm else None
+        self.gemma4 = spec.shares_kv or spec.k_eq_v or config.v_norm  # the projection takes _gemma4_rotated
         if config.qk_norm:  # one RMSNorm over each head's dims, shared by the heads
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            if self.writes_kv:
+                self.k_norm = RMSNorm(d, config.rms_norm_eps)
         hidden, bias = config.hidden_size, config.attention_bias
-        q_total, kv_total = config.num_attention_heads * d, config.num_key_value_heads * d
-        parts = [
-            ("q_proj", (q0 * d, q1 * d), q_total),
-            ("k_proj", (k0 * d, k1 * d), kv_total),
-            ("v_proj", (k0 * d, k1 * d), kv_total),
-        ]
+        q_total, kv_total = config.num_attention_heads * d, spec.kv_heads * d
+        parts = [("q_proj", (q0 * d, q1 * d), q_total)]
+        if self.writes_kv:
+            parts.append(("k_proj", (k0 * d, k1 * d), kv_total))
+            if not self.k_eq_v:
+                parts.append(("v_proj", (k0 * d, k1 * d), kv_total))
         self.qkv_proj = MergedLinear(hidden, parts, bias=bias)
         self.o_proj = RowParallelLinear(q_total, (q0 * d, q1 * d), hidden)
 
@@ -252,10 +122,28 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of ``x`` with RoPE applied (K/V written to ``cache`` if given). On a GPU the
         projection may come as split-K partials, which the RoPE kernel sums (``fused.qkv_partials``)."""
+        if self.gemma4:
+            return self._gemma4_rotated(x, rope, cache)
         proj = self.qkv_proj
         qkv = fused.qkv_partials(x, proj.weight, proj.bias) if x.is_cuda else proj(x)  # [(S,) T, W]
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        return fused.rope_qkv(qkv, *rope, *shape, cache, x.dtype, norms)
+
+    def _gemma4_rotated(
+        self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``_rotated`` of a Gemma 4 layer: the projection as one matmul (V's norm needs the product
+        itself, not split-K partials), V normed (from K's projection with ``k_eq_v``) into the
+        [q | k | v] row the RoPE kernel takes; a KV-shared layer's q alone, with k and v None."""
+        qkv = self.qkv_proj(x)  # [T, W]
+        if not self.writes_kv:  # the source layer's cache holds this layer's K/V
+            norm = (self.q_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
+            return fused.rope_q(qkv.view(-1, self.num_heads, self.head_dim), *rope, norm), None, None
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.v_norm_eps is not None or self.k_eq_v:
+            qkv = fused.qkv_with_v(qkv, *shape, self.k_eq_v, self.v_norm_eps)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         return fused.rope_qkv(qkv, *rope, *shape, cache, x.dtype, norms)
 
     def project(
@@ -281,7 +169,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_layer
         # With write_kv the new tokens' K/V go into their slots (in the RoPE kernel on CUDA);
         # attention then reads everything from the cache.
-        cache = (k_cache, v_cache, meta.slot_mapping) if write_kv else None
+        cache = (k_cache, v_cache, meta.slot_mapping) if write_kv and self.writes_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
         return self.output(self.attend(q, kv_layer, meta, backend))
 
@@ -296,7 +184,8 @@ class Attention(nn.Module):
         return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window)
 
     def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
-        """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention."""
+        """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention
+        (a KV-shared layer writes none: ``_gemma4_rotated`` leaves its cache alone)."""
         return self._rotated(x, rope, cache)[0]
 
     def output(
@@ -309,11 +198,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, intermediate_size: int | None = None) -> None:
+        """``intermediate_size``: the layer's own (Gemma 4's double-wide MLPs), else the config's."""
         super().__init__()
         self.shard = shard
         self.act = config.hidden_act  # silu (Llama, Qwen) or gelu_pytorch_tanh (Gemma)
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         cols = shard.span(inter)
         parts = [("gate_proj", cols, inter), ("up_proj", cols, inter)]
         self.gate_up_proj = MergedLinear(config.hidden_size, parts, bias=False)
@@ -337,19 +227,34 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; with ``sandwich_norms`` (Gemma) each block's output is
     normed too before its residual add: ``post_attention_layernorm`` then follows attention and
-    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` surround the MLP (HF's names)."""
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` surround the MLP (HF's names).
 
-    def __init__(self, config: ModelConfig, shard: Shard, spec: LayerSpec, rope_index: int = 0) -> None:
+    Gemma 4 adds, after the MLP's residual add, the layer's per-layer input (``per_layer_input_gate``,
+    ``per_layer_projection``, ``post_per_layer_input_norm``: ``_add_per_layer_input``) and scales the
+    stream by ``layer_scalar``; such a layer hands the next the whole stream (residual None)."""
+
+    def __init__(
+        self, config: ModelConfig, shard: Shard, spec: LayerSpec, rope_index: int = 0, index: int = 0
+    ) -> None:
         super().__init__()
         self.spec, self.rope_index = spec, rope_index  # rope_index: which of the step's angles
+        self.index = index
         self.self_attn = Attention(config, shard, spec)
-        self.mlp = MLP(config, shard)
+        self.mlp = MLP(config, shard, spec.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        width = config.hidden_size_per_layer_input
+        if width:  # replicated under tensor parallelism: each rank has the whole stream
+            self.per_layer_input_gate = Linear(config.hidden_size, width, bias=False)
+            self.per_layer_projection = Linear(width, config.hidden_size, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.layer_scalar:  # a checkpoint tensor of one element (HF's buffer)
+            self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.whole_stream = bool(width) or config.layer_scalar
 
     def forward(
         self,
@@ -363,7 +268,7 @@ class DecoderLayer(nn.Module):
         """One layer with every residual add fused into the next norm: the stream is h + residual."""
         q, residual = self.before_attention(h, residual, rope, (*kv_layer, meta.slot_mapping))
         out = self.self_attn.attend(q, kv_layer, meta, backend)
-        return self.after_attention(out, residual)
+        return self.after_attention(out, residual, rope)
 
     def before_attention(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: Ropes, cache: fused.KVWrite
@@ -372,24 +277,37 @@ class DecoderLayer(nn.Module):
         x, residual = self.input_layernorm.with_stream(h, residual)
         return self.self_attn.query(x, rope[self.rope_index], cache), residual
 
-    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP."""
+    def after_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, rope: Ropes
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP. Gemma 4's
+        layers return (the whole stream, None): the per-layer input and the scalar follow the add."""
         if self.sandwich:  # the block outputs are normed before their residual adds
             attn = self.post_attention_layernorm(self.self_attn.output(out))
             x, residual = self.pre_feedforward_layernorm(attn, residual)
-            return self.post_feedforward_layernorm(self.mlp(x)), residual
+            mlp = self.post_feedforward_layernorm(self.mlp(x))
+            if not self.whole_stream:
+                return mlp, residual
+            stream = residual + mlp
+            if hasattr(self, "per_layer_input_gate"):
+                stream = self._add_per_layer_input(stream, rope.per_layer)
+            if hasattr(self, "layer_scalar"):
+                stream = stream * self.layer_scalar
+            return stream, None
         x, residual = self.post_attention_layernorm(self.self_attn.output(out, for_norm=True), residual)
         return self.mlp(x, partials=True), residual  # the next norm sums split-K partials or ranks
 
-
-def distinct_ropes(config: ModelConfig) -> list[RopeSpec]:
-    """The model's RoPEs in order of first use (one for most models; Gemma: local and global)."""
-    out: list[RopeSpec] = []
-    for i in range(config.num_hidden_layers):
-        rope = config.layer_spec(i).rope
-        if rope not in out:
-            out.append(rope)
-    return out
+    def _add_per_layer_input(
+        self,
+        stream: torch.Tensor,
+        inputs: torch.Tensor | None,  # [T, hidden], [T, layers, P]
+    ) -> torch.Tensor:
+        """Gemma 4: ``stream + norm(proj(act(gate(stream)) * per_layer_input))``, the layer's slice of
+        the step's per-layer inputs (``LlamaBody.per_layer_inputs``, carried in the step's ``Ropes``)."""
+        assert inputs is not None, "a layer with per-layer inputs in a step that made none"
+        per_layer = inputs[:, self.index]  # [T, P]
+        gated = fused.activation(self.per_layer_input_gate(stream), self.mlp.act) * per_layer
+        return stream + self.post_per_layer_input_norm(self.per_layer_projection(gated))
 
 
 class LlamaBody(nn.Module):
@@ -398,9 +316,30 @@ class LlamaBody(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
         ropes = distinct_ropes(config)
         specs = [config.layer_spec(i) for i in range(config.num_hidden_layers)]
-        self.layers = nn.ModuleList(DecoderLayer(config, shard, s, ropes.index(s.rope)) for s in specs)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, shard, s, ropes.index(s.rope), i) for i, s in enumerate(specs)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = config.embed_scale  # Gemma: sqrt(hidden), applied in the model's dtype
+        width = self.per_layer_width = config.hidden_size_per_layer_input
+        if width:  # Gemma 4's per-layer input embeddings, every layer's packed in one row
+            layers, vocab = config.num_hidden_layers, config.vocab_size_per_layer_input
+            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab, layers * width, shard)
+            self.per_layer_model_projection = Linear(config.hidden_size, layers * width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(width, config.rms_norm_eps)
+        self.hidden_size = config.hidden_size
+
+    def per_layer_inputs(self, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:  # [T, L, P]
+        """Gemma 4's per-layer inputs: the embeddings ``embeds`` [T, hidden] (scaled) projected to
+        every layer's slice, times ``hidden ** -0.5``, RMS-normed per slice, plus the tokens' rows of
+        ``embed_tokens_per_layer`` times ``sqrt(P)``; the sum times ``2 ** -0.5`` (HF's order and
+        dtypes: the Python-float scales are applied as such, the table's in the model's dtype)."""
+        tokens, width = ids.shape[0], self.per_layer_width
+        proj = self.per_layer_model_projection(embeds) * self.hidden_size**-0.5
+        proj = self.per_layer_projection_norm(proj.view(-1, width)).view(tokens, -1, width)
+        table = self.embed_tokens_per_layer(ids)
+        table = (table * torch.tensor(width**0.5, dtype=table.dtype)).view(tokens, -1, width)
+        return (proj + table) * 2.0**-0.5
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor | fused.PeerSum:  # [T] -> [T, hidden]
         """The embeddings of ``ids``, scaled where the family scales them (then summed over ranks here)."""
@@ -408,14 +347,6 @@ class LlamaBody(nn.Module):
             return self.embed_tokens.summed_later(ids)
         h = self.embed_tokens(ids)
         return h * torch.tensor(self.embed_scale, dtype=h.dtype)
-
-
-class ParallelLMHead(Linear):
-    """The output projection's vocabulary rows ``src`` (the embedding's, for tied weights)."""
-
-    def __init__(self, hidden: int, vocab: int, shard: Shard) -> None:
-        self.src = shard.vocab_span(vocab)
-        super().__init__(hidden, self.src[1] - self.src[0], bias=False)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -453,17 +384,26 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states. ``before_layer(i)``, if given, runs before layer i touches the cache:
         the model runner's wait for KV still being copied into it (``kv/landing.py``)."""
         h = self.model.embed(input_ids)
-        rope = self.cos_sin(positions)
+        rope = self.step_inputs(input_ids, positions, h)
         residual = None
         for i, (layer, kv_layer) in enumerate(zip(self.model.layers, kv_cache, strict=True)):
             if before_layer is not None:
                 before_layer(i)
             h, residual = layer(h, residual, rope, kv_layer, meta.for_layer(i), backend)
-        return self.model.norm(h, residual)[0]
+        return self.model.norm.with_stream(h, residual)[0]  # residual None after a Gemma 4 layer
 
     def cos_sin(self, positions: torch.Tensor) -> Ropes:
         """The step's RoPE angles, once per distinct RoPE, shared by the layers that use it."""
-        return tuple(rotary.cos_sin(positions) for rotary in self.ropes)
+        return Ropes(rotary.cos_sin(positions) for rotary in self.ropes)
+
+    def step_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, h: torch.Tensor) -> Ropes:
+        """The step's ``Ropes``: its angles and, with Gemma 4's per-layer inputs, those (from the ids
+        and their embeddings ``h``); every layer gets them."""
+        rope = self.cos_sin(positions)
+        if self.model.per_layer_width:
+            assert isinstance(h, torch.Tensor)  # Gemma's embeddings are scaled: summed already
+            rope.per_layer = self.model.per_layer_inputs(input_ids, h)
+        return rope
 
     def reset_ropes(self, device: torch.device) -> None:
         """Recompute the RoPE tables on ``device`` (after building on the meta device)."""
@@ -478,7 +418,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, Ropes]:
         """(layer 0's q, the residual stream, the step's RoPE angles) from the token ids."""
         h = self.model.embed(input_ids)
-        rope = self.cos_sin(positions)
+        rope = self.step_inputs(input_ids, positions, h)
         q, residual = self.model.layers[0].before_attention(h, None, rope, cache)
         return q, residual, rope
 
@@ -486,13 +426,13 @@ class LlamaForCausalLM(nn.Module):
         self, layer: int, out: torch.Tensor, residual: torch.Tensor, rope: Ropes, cache: fused.KVWrite
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer - 1``'s attention output ``out`` -> (layer ``layer``'s q, the residual stream)."""
-        h, residual = self.model.layers[layer - 1].after_attention(out, residual)
+        h, residual = self.model.layers[layer - 1].after_attention(out, residual, rope)
         return self.model.layers[layer].before_attention(h, residual, rope, cache)
 
-    def last_piece(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def last_piece(self, out: torch.Tensor, residual: torch.Tensor, rope: Ropes) -> torch.Tensor:
         """The last layer's attention output -> final hidden states [T, hidden]."""
-        h, residual = self.model.layers[-1].after_attention(out, residual)
-        return self.model.norm(h, residual)[0]
+        h, residual = self.model.layers[-1].after_attention(out, residual, rope)
+        return self.model.norm.with_stream(h, residual)[0]
 
     @torch.inference_mode()
     def layer_kv(
@@ -511,14 +451,16 @@ class LlamaForCausalLM(nn.Module):
         are. Layer 1's KV is the first that sees the context: how far the cached rows are from it
         says which rows to recompute (CacheBlend's selection). A one-layer model returns layer 0's.
         """
-        layers, rope = self.model.layers, self.cos_sin(positions)
+        layers, h = self.model.layers, self.model.embed(input_ids)
+        rope = self.step_inputs(input_ids, positions, h)
         first = layers[0]
-        x, residual = first.input_layernorm.with_stream(self.model.embed(input_ids))
+        x, residual = first.input_layernorm.with_stream(h)
         if len(layers) == 1:
             _, k, v = first.self_attn.project(x, positions, self.rotary, rope[first.rope_index])
             return k, v
         q, _, _ = first.self_attn.project(x, positions, self.rotary, rope[first.rope_index])
-        h, residual = first.after_attention(first.self_attn.attend(q, kv_cache[0], meta, backend), residual)
+        out = first.self_attn.attend(q, kv_cache[0], meta, backend)
+        h, residual = first.after_attention(out, residual, rope)
         second = layers[1]
         x, _ = second.input_layernorm.with_stream(h, residual)
         _, k, v = second.self_attn.project(x, positions, self.rotary, rope[second.rope_index])

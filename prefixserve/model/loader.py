@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -20,14 +21,8 @@ import torch
 from prefixserve.config import cache_dir
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import (
-    LlamaForCausalLM,
-    MergedLinear,
-    ParallelLMHead,
-    RMSNorm,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from prefixserve.model.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from prefixserve.model.llama import LlamaForCausalLM, RMSNorm
 from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.meta_init import allocate
 from prefixserve.model.parallel import Shard
@@ -200,7 +195,10 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
                 out[name] = [Piece(name, slice(None), 1, a, b, (whole[0], module.total_in))]
             elif isinstance(module, VocabParallelEmbedding | ParallelLMHead):
                 a, b = module.src
-                out[name] = [Piece(name, slice(None), 0, a, b, (cfg.vocab_size, cfg.hidden_size))]
+                full = (cfg.vocab_size, cfg.hidden_size)
+                if isinstance(module, VocabParallelEmbedding):  # Gemma 4's per-layer table too
+                    full = (module.vocab, module.embedding_dim)
+                out[name] = [Piece(name, slice(None), 0, a, b, full)]
             else:
                 out[name] = [Piece(name, slice(None), 0, 0, whole[0] if whole else 0, whole)]
     return out
@@ -250,7 +248,7 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                 if name is None:  # a multimodal checkpoint's vision tower: text is served alone
                     continue
                 if name not in targets:
-                    if "rotary_emb" in name:
+                    if "rotary_emb" in name or _unused_kv_weight(name, model.full_config):
                         continue
                     raise ValueError(
                         f"{file}: unexpected weight {name!r} for a {model.config.architecture} model"
@@ -274,6 +272,16 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
     _fold_norm_offset(model)
 
 
+_KV_WEIGHT = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
+def _unused_kv_weight(name: str, config: ModelConfig) -> bool:
+    """A K/V projection or norm of a Gemma 4 KV-shared layer, which reads another layer's KV: a
+    checkpoint may hold them (HF ignores them at load too)."""
+    match = _KV_WEIGHT.match(name)
+    return match is not None and config.kv_source(int(match.group(1))) != int(match.group(1))
+
+
 def _fold_norm_offset(model: LlamaForCausalLM) -> None:
     """Gemma's norms scale by (1 + w): store 1 + w, so every norm is the plain kernel's ``w * x``.
     Done on the fp32 weights, before the cast to the model's dtype."""
@@ -293,12 +301,19 @@ _VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    # Gemma 4's towers and their projections into the language model
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+    "audio_tower.",
+    "embed_vision.",
+    "embed_audio.",
 )
 
 
 def language_model_name(stored: str) -> str | None:
     """A checkpoint tensor's name in the language model (a multimodal checkpoint's prefix taken off),
-    or None for the vision tower and its projector."""
+    or None for the vision (and Gemma 4's audio) tower and its projector."""
     if stored.startswith(_VISION_PREFIXES):
         return None
     for prefix, replacement in _LANGUAGE_PREFIXES:
@@ -321,7 +336,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
             p = params.get(name)
             if p is None:  # a tied weight: drawn once, as the embedding
                 continue
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            if name.endswith(("layernorm.weight", "norm.weight", "layer_scalar")):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()

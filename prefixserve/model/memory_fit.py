@@ -37,8 +37,11 @@ def step_reserve(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_s
     rows with their softmax and the gathered copy, ``FRAGMENTATION`` more for the allocator's
     unusable free blocks, and a fixed part (``FIXED_RESERVE``)."""
     item = torch.tensor([], dtype=dtype).element_size()
-    heads = config.num_attention_heads + 2 * config.num_key_value_heads
-    per_token = 4 * config.hidden_size + heads * config.head_dim + 3 * config.intermediate_size
+    specs = [config.layer_spec(i) for i in range(config.num_hidden_layers)]
+    qkv = max((config.num_attention_heads + 2 * s.kv_heads) * s.head_dim for s in specs)
+    inter = max(s.intermediate_size for s in specs)
+    per_layer = 2 * config.num_hidden_layers * config.hidden_size_per_layer_input  # Gemma 4's inputs
+    per_token = 4 * config.hidden_size + qkv + 3 * inter + per_layer
     logits = 3 * max_seqs * config.vocab_size * 4
     variable = max_tokens * per_token * item + logits
     return int(variable * (1 + FRAGMENTATION)) + FIXED_RESERVE

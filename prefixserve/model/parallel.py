@@ -67,12 +67,22 @@ class Shard:
             return config
         check_divisible(config, self.size)
         start, stop = self.kv_head_span(config.num_key_value_heads)
+        per_layer = {  # Gemma 4's global layers: their own KV heads, split alike
+            i: {**sizes, **self._local_kv_heads(sizes)} for i, sizes in config.per_layer_config.items()
+        }
         return replace(
             config,
             num_attention_heads=config.num_attention_heads // self.size,
             num_key_value_heads=stop - start,
             intermediate_size=config.intermediate_size // self.size,
+            per_layer_config=per_layer,
         )
+
+    def _local_kv_heads(self, sizes: dict[str, int]) -> dict[str, int]:
+        if "num_key_value_heads" not in sizes:
+            return {}
+        start, stop = self.kv_head_span(sizes["num_key_value_heads"])
+        return {"num_key_value_heads": stop - start}
 
     # ---- collectives --------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +133,12 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         problems.append(f"num_attention_heads={heads}")
     if kv_heads % size and size % kv_heads:
         problems.append(f"num_key_value_heads={kv_heads} (nor does {size} divide by it)")
+    layer_kv = {sizes.get("num_key_value_heads", kv_heads) for sizes in config.per_layer_config.values()}
+    for heads_of_layers in sorted(layer_kv - {kv_heads}):  # Gemma 4's global layers
+        if heads_of_layers % size and size % heads_of_layers:
+            problems.append(
+                f"per_layer_config's num_key_value_heads={heads_of_layers} (nor does {size} divide by it)"
+            )
     if inter % size:
         problems.append(f"intermediate_size={inter}")
     if problems:

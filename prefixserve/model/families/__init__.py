@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from prefixserve.model.families import gemma3, llama, qwen3
+from prefixserve.model.families import gemma3, gemma4, llama, qwen3
 
 # family name -> (module, HF architecture names, HF model_type names)
 FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...], tuple[str, ...]]] = {
@@ -21,6 +21,8 @@ FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...], tuple[str, ...]]] = {
     "qwen3": (qwen3, ("Qwen3ForCausalLM",), ("qwen3",)),
     # the multimodal checkpoint (Gemma 3 4B-27B as published) serves its language model: text only
     "gemma3": (gemma3, ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3")),
+    # dense only (the MoE block is refused); the multimodal checkpoint serves its language model
+    "gemma4": (gemma4, ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4_text", "gemma4")),
 }
 
 
