@@ -65,16 +65,6 @@ class KVLayout:
         return blocks + self.sliding_groups * min(blocks, -(-self.window // block_size) + 1)
 
 
-def _kv_shape(config: ModelConfig, i: int) -> tuple[int, int]:
-    shape = getattr(config, "layer_kv_shape", None)
-    return shape(i) if shape is not None else (config.num_key_value_heads, config.head_dim)
-
-
-def _kv_source(config: ModelConfig, i: int) -> int:
-    source = getattr(config, "kv_source", None)
-    return source(i) if source is not None else i
-
-
 def kv_layout(config: ModelConfig, free_sliding: bool = True) -> KVLayout:
     """The freeing layout where ``free_sliding`` and the model allows it (``can_free_sliding``), else
     the plain one."""
@@ -85,42 +75,42 @@ def kv_layout(config: ModelConfig, free_sliding: bool = True) -> KVLayout:
 
 def plain_layout(config: ModelConfig) -> KVLayout:
     n = config.num_hidden_layers
-    owners = [i for i in range(n) if _kv_source(config, i) == i]
+    owners = [i for i in range(n) if config.kv_source(i) == i]
     slot = {layer: s for s, layer in enumerate(owners)}
     return KVLayout(
-        slot_of=tuple(slot[_kv_source(config, i)] for i in range(n)),
+        slot_of=tuple(slot[config.kv_source(i)] for i in range(n)),
         group_of=(0,) * n,
-        slot_shapes=tuple(_kv_shape(config, i) for i in owners),
+        slot_shapes=tuple(config.layer_kv_shape(i) for i in owners),
     )
 
 
 def can_free_sliding(config: ModelConfig) -> str | None:
     """Why this model's sliding layers cannot give blocks back (None: they can)."""
     n = config.num_hidden_layers
-    owners = [i for i in range(n) if _kv_source(config, i) == i]
+    owners = [i for i in range(n) if config.kv_source(i) == i]
     kinds = {config.layer_spec(i).kind for i in owners}
     if SLIDING not in kinds:
         return "it has no sliding-window layers"
     if len(kinds) == 1:
         return "every layer slides (no full layer keeps the prefix cache's blocks)"
-    if len({_kv_shape(config, i) for i in owners}) > 1:
+    if len({config.layer_kv_shape(i) for i in owners}) > 1:
         return "its layers' KV heads or head sizes differ"
     return None
 
 
 def _freeing_layout(config: ModelConfig) -> KVLayout:
     n = config.num_hidden_layers
-    owners = [i for i in range(n) if _kv_source(config, i) == i]
+    owners = [i for i in range(n) if config.kv_source(i) == i]
     full = [i for i in owners if config.layer_spec(i).kind != SLIDING]
     sliding = [i for i in owners if config.layer_spec(i).kind == SLIDING]
     width = len(full)
     place = {layer: (s, 0) for s, layer in enumerate(full)}
     place |= {layer: (j % width, 1 + j // width) for j, layer in enumerate(sliding)}
-    where = [place[_kv_source(config, i)] for i in range(n)]
+    where = [place[config.kv_source(i)] for i in range(n)]
     return KVLayout(
         slot_of=tuple(s for s, _ in where),
         group_of=tuple(g for _, g in where),
-        slot_shapes=(_kv_shape(config, full[0]),) * width,
+        slot_shapes=(config.layer_kv_shape(full[0]),) * width,
         window=config.sliding_window,
     )
 
