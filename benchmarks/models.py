@@ -12,10 +12,11 @@ the same shape first). Per model and B, in the same process:
                    the part inside the prefix once and the own part per sequence
   fraction         measured tokens/s over the attainable step's
 and the ratios the issue asks for: Qwen3's fraction over Llama's at each (B, P), and Gemma's sharing
-on over off.
+on over off; for --keep-models, the same decode keeping every layer's KV (``keep_sliding_kv``), beside
+the default that frees the sliding layers' (``kv/layout.py``).
 
     PYTHONPATH=. python -m benchmarks.models run [--models ...] [--batches 256 1024] [--prefixes 16384]
-        [--off-models gemma-3-12b] [--gen 64] [--out docs/benchmarks]
+        [--off-models gemma-3-12b] [--keep-models gemma-3-12b] [--gen 64] [--out docs/benchmarks]
     python -m benchmarks.models report --json docs/benchmarks/models.json
 """
 
@@ -91,6 +92,8 @@ def run(args: argparse.Namespace) -> None:
         cfg = _config(model)
         bare = bare_ms(model, args.batches)
         modes = ["auto", "sharing_off"] if name in args.off_models else ["auto"]
+        if name in args.keep_models:  # the same decode keeping every layer's KV (kv/layout.py)
+            modes.append("keep_sliding_kv")
         for b in args.batches:
             for p in args.prefixes:
                 prompts = (shared_prompts(b, p, args.own, seed=0), shared_prompts(b, p, args.own, seed=1))
@@ -99,7 +102,10 @@ def run(args: argparse.Namespace) -> None:
                 row: dict[str, Any] = {"model": name, "B": b, "P": p, "bare_ms": bare[b]}
                 row["attainable_tok_s"] = b / attainable_ms * 1e3
                 for mode in modes:
-                    got = measure(model, "cuda", MODES[mode], prompts, args.gen, max_batched=args.max_batched)
+                    keep = {"keep_sliding_kv": True} if mode == "keep_sliding_kv" else {}
+                    attention = MODES.get(mode, "auto")
+                    batched = args.max_batched
+                    got = measure(model, "cuda", attention, prompts, args.gen, max_batched=batched, **keep)
                     row[f"{mode}_tok_s"] = got["tok_s"]
                     row[f"{mode}_host_overhead"] = got["host_overhead_frac"]
                     row[f"{mode}_kv_read_saving_x"] = got["kv_read_saving_x"]
@@ -107,6 +113,8 @@ def run(args: argparse.Namespace) -> None:
                 row["fraction"] = row["auto_tok_s"] / row["attainable_tok_s"]
                 if "sharing_off_tok_s" in row:
                     row["on_over_off"] = row["auto_tok_s"] / row["sharing_off_tok_s"]
+                if "keep_sliding_kv_tok_s" in row:
+                    row["free_over_keep"] = row["auto_tok_s"] / row["keep_sliding_kv_tok_s"]
                 result["rows"].append(row)
                 write_json(out / f"{NAME}.json", result)  # a cut-short run keeps what it measured
                 print(row, flush=True)
@@ -136,15 +144,16 @@ def report(result: dict[str, Any], out: Path) -> None:
         "Written by `benchmarks/models.py`.",
         "",
         "| model | B | P | bare matmuls ms | sharing on tok/s | sharing off tok/s | on / off "
-        "| attainable tok/s | fraction of attainable | host overhead (on) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| attainable tok/s | fraction of attainable | host overhead (on) | every layer's KV kept tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         off = r.get("sharing_off_tok_s")
         off_cells = "| | |" if off is None else f"| {off:,.0f} | {r['on_over_off']:.2f}x |"
         lines.append(
             f"| {r['model']} | {r['B']} | {r['P']} | {r['bare_ms']:.2f} | {r['auto_tok_s']:,.0f} {off_cells} "
-            f"{r['attainable_tok_s']:,.0f} | {r['fraction']:.3f} | {r['auto_host_overhead']:.3f} |"
+            f"{r['attainable_tok_s']:,.0f} | {r['fraction']:.3f} | {r['auto_host_overhead']:.3f} | "
+            + (f"{r['keep_sliding_kv_tok_s']:,.0f} |" if "keep_sliding_kv_tok_s" in r else " |")
         )
     ratios = _ratios(rows)
     if ratios:
@@ -181,6 +190,9 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-8b", "gemma-3-12b"])
     r.add_argument(
         "--off-models", nargs="*", default=["gemma-3-12b"], help="models also run with sharing off"
+    )
+    r.add_argument(
+        "--keep-models", nargs="*", default=["gemma-3-12b"], help="models also run keeping every layer's KV"
     )
     r.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
     r.add_argument("--prefixes", type=int, nargs="+", default=[16384])
