@@ -62,6 +62,8 @@ from prefixserve.attention.graph import HeadShape
 from prefixserve.attention.kernels.triton_backend import TritonStep, build_layout
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
+from prefixserve.kv.layout import plain_layout
+from prefixserve.model.config import ModelConfig
 from prefixserve.model.parallel import Shard
 from prefixserve.sampling.params import SamplingParams
 
@@ -71,14 +73,17 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B attention shapes
 # engine's own code around its collaborators (what is left of a phase once they are taken out).
 
 
-class _ModelConfig:
-    num_hidden_layers = 32
-    num_attention_heads = Q_HEADS
-    num_key_value_heads = KV_HEADS
-    head_dim = HEAD_DIM
-    vocab_size = VOCAB
-    max_position_embeddings = 1 << 20
-    eos_token_ids: tuple[int, ...] = ()
+# the stub model's shape (what the engine reads of it: the KV cache's, the context, the vocabulary)
+_MODEL_CONFIG = ModelConfig(
+    vocab_size=VOCAB,
+    hidden_size=Q_HEADS * HEAD_DIM,
+    intermediate_size=4 * Q_HEADS * HEAD_DIM,
+    num_hidden_layers=32,
+    num_attention_heads=Q_HEADS,
+    num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    max_position_embeddings=1 << 20,
+)
 
 
 class _Recorder:
@@ -117,7 +122,7 @@ class _Recorder:
 class _StubModel:
     """Returns at once; in eager mode it does the first layer's host work (``build_layout``)."""
 
-    config = full_config = _ModelConfig
+    config = full_config = _MODEL_CONFIG
     shard = Shard()  # the whole model, one process
 
     def __init__(self, rec: _Recorder, max_rows: int) -> None:
@@ -148,6 +153,8 @@ class _StubModel:
 class _StubKV:
     layers: list[Any] = []  # noqa: RUF012
     scratch_slot = 0
+    layout = plain_layout(_MODEL_CONFIG)  # every layer's KV, one group
+    packs = True
 
     def __init__(self, rec: _Recorder) -> None:
         self.rec = rec

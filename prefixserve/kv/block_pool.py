@@ -150,17 +150,19 @@ class BlockPool:
         return found
 
     # ---- holding and releasing -----------------------------------------------------------------
-    def allocate(self, count: int, run: bool = False) -> list[int]:
+    def allocate(self, count: int, run: bool | None = None) -> list[int]:
         """Hand out ``count`` blocks, evicting cached ones if needed.
 
-        A long allocation (``CONTIGUOUS_MIN_BLOCKS``+), or any with ``run``, gets one run of consecutive
-        ids whenever a free run that long exists, else the fewest runs possible (``kv/placement.py``);
-        a short one takes the free list's head: uncached blocks first, then the least recently used
-        cached ones. (``run``: host-tier modules landing in one copy per layer, ``kv/landing.py``.)
+        A long allocation (``CONTIGUOUS_MIN_BLOCKS``+), or any with ``run=True``, gets one run of
+        consecutive ids whenever a free run that long exists, else the fewest runs possible
+        (``kv/placement.py``); a short one, or any with ``run=False``, takes the free list's head:
+        uncached blocks first, then the least recently used cached ones. (``run=True``: host-tier
+        modules landing in one copy per layer, ``kv/landing.py``; ``run=False``: the sliding pages
+        of a few blocks, many to a block, which no kernel reads as a run.)
         """
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
-        if count >= CONTIGUOUS_MIN_BLOCKS or (run and count > 1):
+        if run is not False and (count >= CONTIGUOUS_MIN_BLOCKS or (run and count > 1)):
             start = best_window(self._free_mask, self._stamp, count, self._scratch)
             if start is not None:
                 out = list(range(start, start + count))

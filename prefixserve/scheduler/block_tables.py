@@ -92,11 +92,12 @@ class BlockManager:
             n = start if self.sliding is not None else keeper.known_blocks(seq, digests[:n])
         hits = self.pool.lookup(digests[start:n])
         if self.sliding is not None:  # no module blocks here (they need the plain layout)
-            hits = hits[: self.sliding.usable_hit(digests, len(hits))]
+            usable, tail = self.sliding.usable_hit(digests, len(hits))
+            hits = hits[:usable]
         self.pool.acquire(hits)
         self.pool.touch(hits)
         if self.sliding is not None and hits:
-            self.sliding.take_hit(seq, digests, len(hits))
+            self.sliding.take_hit(seq, tail, len(hits))
         if self.restore is not None and start + len(hits) < n:  # go on in host memory
             more = self.restore(digests[start + len(hits) : n])
             self.restored_tokens += len(more) * self.block_size

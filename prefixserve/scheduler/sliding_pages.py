@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefixserve.kv.block_pool import BlockPool
+from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS, BlockPool
 from prefixserve.sequence import Sequence
 
 
@@ -76,32 +76,36 @@ class SlidingPages:
         return [int(p) for p in held.pages[:, block] if self.pool.ref_counts[p] > 1]
 
     # ---- taking pages ------------------------------------------------------------------------------
-    def usable_hit(self, digests: Seq[bytes], hit: int) -> int:
+    def usable_hit(self, digests: Seq[bytes], hit: int) -> tuple[int, np.ndarray]:
         """The longest prefix of a ``hit``-block prefix-cache hit whose window tail has every sliding
-        page cached (0..hit)."""
+        page cached (0..hit), and those pages ([R, tail blocks] int32, for ``take_hit``). Looked up
+        from the hit's end down: the first block missing a page cuts the hit there."""
+        cached, groups = self.pool.cached_block, self._range()
+        found: dict[int, list[int]] = {}
         while hit > 0:
             lo = self.first_needed(hit * self.block_size)
-            missing = [
-                j
-                for j in range(lo, hit)
-                if any(self.pool.cached_block(group_digest(digests[j], g)) is None for g in self._range())
-            ]
-            if not missing:
-                return hit
-            hit = missing[-1]
-        return 0
+            for j in range(hit - 1, lo - 1, -1):
+                if j in found:
+                    continue
+                pages = [cached(group_digest(digests[j], g)) for g in groups]
+                if None in pages:
+                    hit = j
+                    break
+                found[j] = pages  # type: ignore[assignment]
+            else:
+                tail = [found[j] for j in range(lo, hit)]
+                return hit, np.asarray(tail, dtype=np.int32).reshape(-1, self.groups).T
+        return 0, np.zeros((self.groups, 0), dtype=np.int32)
 
-    def take_hit(self, seq: Sequence, digests: Seq[bytes], hit: int) -> None:
-        """Hold the sliding pages of a hit's tail (``usable_hit`` said they are cached)."""
-        lo = self.first_needed(hit * self.block_size)
+    def take_hit(self, seq: Sequence, tail: np.ndarray, hit: int) -> None:
+        """Hold the sliding pages of a hit's tail (``usable_hit``'s), one reference each."""
         held = self._state(seq)
         held.grow(hit)
-        for j in range(lo, hit):
-            pages = [self.pool.cached_block(group_digest(digests[j], g)) for g in self._range()]
-            assert None not in pages, "take_hit after usable_hit said the pages are cached"
-            self.pool.acquire(pages)  # type: ignore[arg-type]
-            self.pool.touch(pages)  # type: ignore[arg-type]
-            held.pages[:, j] = pages
+        lo = hit - tail.shape[1]
+        pages = tail.reshape(-1).tolist()
+        self.pool.acquire(pages)
+        self.pool.touch(pages)
+        held.pages[:, lo:hit] = tail
         held.first, held.upto = lo, hit
 
     def allocate(self, seq: Sequence, upto_blocks: int) -> None:
@@ -116,7 +120,8 @@ class SlidingPages:
             return
         held.grow(upto_blocks)
         n = upto_blocks - start
-        pages = self.pool.allocate(n * self.groups)
+        # a run per group where the blocks are many (a prompt's: its shared segments' TMA reads)
+        pages = self.pool.allocate(n * self.groups, run=None if n >= CONTIGUOUS_MIN_BLOCKS else False)
         held.pages[:, start:upto_blocks] = np.asarray(pages, dtype=np.int32).reshape(self.groups, n)
         held.upto = upto_blocks
 
