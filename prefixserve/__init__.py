@@ -11,6 +11,7 @@ __all__ = [
     "BeamSearchParams",
     "EmbeddingRequestOutput",
     "EngineConfig",
+    "Logprob",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
@@ -23,7 +24,7 @@ __all__ = [
 if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
     from prefixserve.entrypoints.llm import LLM
-    from prefixserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+    from prefixserve.outputs import EmbeddingRequestOutput, Logprob, RequestOutput, ScoringRequestOutput
     from prefixserve.pooling_params import PoolingParams
     from prefixserve.sampling.beam_search import BeamSearchParams
     from prefixserve.sampling.params import SamplingParams
@@ -52,7 +53,7 @@ def __getattr__(name: str) -> Any:
         from prefixserve.config import EngineConfig
 
         return EngineConfig
-    if name in ("RequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput"):
+    if name in ("RequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "Logprob"):
         from prefixserve import outputs
 
         return getattr(outputs, name)

@@ -46,7 +46,7 @@ def _summary(outs) -> list:
 
 
 def _logprobs(outs) -> list[float]:
-    return [x for o in outs for c in o.outputs for x in c.logprobs or []]
+    return [x for o in outs for c in o.outputs for x in c.token_logprobs or []]
 
 
 @pytest.mark.parametrize("blocks", [512, 12])  # 12 blocks: sequences are preempted and recomputed

@@ -62,7 +62,7 @@ def test_prompt_logprobs_equal_a_direct_fp32_forward(chunked_llm: LLM, hf_model:
         ids = out.prompt_token_ids
         assert ids == tok.encode(out.prompt, add_special_tokens=False)
         want, rows = hf_logprobs(hf_model, ids)
-        got = out.prompt_logprobs
+        got = out.prompt_token_logprobs
         assert got[0] is None and out.prompt_top_logprobs[0] == []
         assert len(got) == len(ids)
         diff = (torch.tensor(got[1:]) - want).abs().max().item()
@@ -93,7 +93,7 @@ def test_shared_prefix_is_computed_once_and_counted(chunked_llm: LLM) -> None:
     while first.prompt_token_ids[shared] == again.prompt_token_ids[shared]:
         shared += 1
     assert again.num_cached_tokens == (shared // bs) * bs - 1 > 0
-    assert again.prompt_logprobs[:shared] == first.prompt_logprobs[:shared]
+    assert again.prompt_token_logprobs[:shared] == first.prompt_token_logprobs[:shared]
     assert again.prompt_top_logprobs[:shared] == first.prompt_top_logprobs[:shared]
     full = chunked_llm.generate(FEW_SHOT + CHOICES[1], SamplingParams(temperature=0.0, max_tokens=4))[0]
     assert full.prompt_logprobs is None and full.num_cached_tokens > 0

@@ -82,7 +82,7 @@ def _reference(config: Path, prompt: tuple[int, ...], params: SamplingParams) ->
                 "text": c.text,
                 "reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "logprobs": c.logprobs,
+                "logprobs": c.token_logprobs,
                 "prompt_logprobs": out.prompt_logprobs,
             }
             for c in sorted(out.outputs, key=lambda c: c.index)
@@ -416,10 +416,10 @@ class EngineMachine(RuleBasedStateMachine):
                     got = (ids, c.finish_reason, c.stop_reason, c.text)
                     assert got == (r["ids"], r["reason"], r["stop_reason"], r["text"]), (where, got, r)
                     if p.logprobs is not None:
-                        assert c.logprobs == pytest.approx(r["logprobs"], abs=1e-3), where
+                        assert c.token_logprobs == pytest.approx(r["logprobs"], abs=1e-3), where
         if p.prompt_logprobs is not None:
             want = _reference(self.config_path, t.prompt, p)[0]["prompt_logprobs"]
-            got = out.prompt_logprobs
+            got = out.prompt_token_logprobs
             if got is None and t.aborted:
                 return  # aborted before its prompt was done: nothing to report
             assert got is not None and got[0] is None and want[0] is None and len(got) == len(t.prompt), where

@@ -90,7 +90,7 @@ def test_no_stop_before_min_tokens(skewed_llm: LLM, async_scheduling: bool) -> N
                 assert 2 not in c.token_ids[:5]  # EOS is banned too, unless ignore_eos
                 # the stop token's own text is left out of the text, as vLLM leaves it out
                 assert c.text == tok.decode(c.token_ids[:-1], skip_special_tokens=True)
-                for lp, top in zip(c.logprobs[:5], c.top_logprobs[:5], strict=True):
+                for lp, top in zip(c.token_logprobs[:5], c.top_logprobs[:5], strict=True):
                     # the raw distribution: FAVOURED still on top, the chosen token far below it
                     assert top[0][0] == FAVOURED and top[0][1] > -1e-3 and lp < -20.0
         kept = SamplingParams(**base, stop_token_ids=[FAVOURED], include_stop_str_in_output=True)

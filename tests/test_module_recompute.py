@@ -37,7 +37,8 @@ def full_prefill(llm: LLM, pml: str, salt: str) -> object:
 def gap(a, b) -> float:
     """Largest difference between two outputs' chosen-token logprobs (same tokens asserted)."""
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    return max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True))
+    mine, theirs = a.outputs[0].token_logprobs, b.outputs[0].token_logprobs
+    return max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
 
 
 # ---- the setting and the row choice (pure Python) ------------------------------------------------
@@ -84,7 +85,7 @@ def test_recomputing_every_row_equals_full_prefill(tiny_config_path, attention: 
     for i, pml in enumerate(PROMPTS):
         none = llm.generate(pml, PARAMS, module_recompute="none")[0]  # first: own blocks cached
         full = full_prefill(llm, pml, f"full-{i}")
-        nl, fl = none.outputs[0].logprobs, full.outputs[0].logprobs
+        nl, fl = none.outputs[0].token_logprobs, full.outputs[0].token_logprobs
         differs = max(differs, max(abs(a - b) for a, b in zip(nl, fl, strict=True)))
         for mode in EVERYTHING:
             out = llm.generate(pml, PARAMS, module_recompute=mode)[0]

@@ -126,7 +126,7 @@ def _output(text: str, finish: str | None, logprobs: bool = False) -> RequestOut
     ids = list(TOKENIZER.encode(text, add_special_tokens=False))
     c = CompletionOutput(0, text, ids, finish)
     if logprobs:
-        c.logprobs = [-0.5] * len(ids)
+        c.token_logprobs = [-0.5] * len(ids)
         c.top_logprobs = [[(7, -0.1)] for _ in ids]
     return RequestOutput("r-0", None, [1, 2, 3], [c], finish is not None)
 

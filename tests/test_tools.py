@@ -210,7 +210,7 @@ def test_held_reply_that_is_no_call_keeps_its_logprobs(ctx: OpenAIContext) -> No
     state = stream_state(ctx, prep)
     text = "{not a call}"
     out = _output(text, "stop")
-    out.outputs[0].logprobs = [-0.5] * len(text)
+    out.outputs[0].token_logprobs = [-0.5] * len(text)
     out.outputs[0].top_logprobs = [[] for _ in text]
     (event,) = _events(state.update(0, out))
     assert event["choices"][0]["delta"] == {"content": text}
@@ -219,7 +219,7 @@ def test_held_reply_that_is_no_call_keeps_its_logprobs(ctx: OpenAIContext) -> No
 
 def _with_logprobs(out: RequestOutput) -> RequestOutput:
     c = out.outputs[0]
-    c.logprobs, c.top_logprobs = [-0.5] * len(c.token_ids), [[] for _ in c.token_ids]
+    c.token_logprobs, c.top_logprobs = [-0.5] * len(c.token_ids), [[] for _ in c.token_ids]
     return out
 
 

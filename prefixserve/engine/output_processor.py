@@ -73,7 +73,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
                 token_ids=seq.output_token_ids,  # a fresh slice: no second copy
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
-                logprobs=list(seq.output_logprobs) if want_lp else None,
+                token_logprobs=list(seq.output_logprobs) if want_lp else None,
                 top_logprobs=list(seq.output_top_logprobs) if want_lp else None,
                 cumulative_logprob=sum(seq.output_logprobs) if want_lp or ranked else None,
             )
@@ -95,7 +95,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         module_rows_shared=held.tokens - held.private_rows if held else 0,
         module_rows_private=held.private_rows if held else 0,
         metrics=times,
-        prompt_logprobs=prompt_lp[0] if prompt_lp else None,
+        prompt_token_logprobs=prompt_lp[0] if prompt_lp else None,
         prompt_top_logprobs=prompt_lp[1] if prompt_lp else None,
         error=req.error,
         prompt_logprob_ranks=prompt_lp[2] if prompt_lp else None,

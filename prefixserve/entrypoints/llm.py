@@ -213,7 +213,8 @@ class LLM:
         With ``application``, conversations without a system message get that application's pinned
         system prompt, so they reuse its precomputed KV. A conversation whose first message is a
         Prompt Cache ``<prompt schema="...">`` document runs over that schema's modules, its later
-        messages following as turns (``add_generation_prompt`` does not apply: see the README).
+        messages following as turns (``add_generation_prompt`` does not apply: see
+        docs/guides/prompt-cache.md, "Chat models").
         ``continue_final_message`` (with ``add_generation_prompt=False``) leaves the last message open,
         so the model goes on with it; ``chat_template_kwargs`` are more variables for the template;
         ``tools`` (OpenAI's function tools, as vLLM's ``LLM.chat`` takes them) go to the template, which
@@ -476,6 +477,7 @@ class LLM:
             while len(finished) < count:
                 for out in self.engine.step():
                     if out.finished:
+                        out.decode_logprob_tokens(self.engine.tokenizer)  # vLLM's decoded_token
                         finished.append(out)
                         bar.update(1)
                 if not self.engine.scheduler.has_work() and len(finished) < count:

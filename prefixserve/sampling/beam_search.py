@@ -280,7 +280,7 @@ def as_completion(beam: BeamSearchSequence, index: int, logprobs: int | None) ->
         token_ids=outputs,
         finish_reason=beam.finish_reason,
         stop_reason=beam.stop_reason,
-        logprobs=chosen,
+        token_logprobs=chosen,
         top_logprobs=top,
         cumulative_logprob=beam.cum_logprob,
     )

@@ -171,7 +171,7 @@ async def _search(
                 completions,
                 True,
                 num_cached_tokens=head.num_cached_tokens,
-                prompt_logprobs=head.prompt_logprobs,
+                prompt_token_logprobs=head.prompt_token_logprobs,
                 prompt_top_logprobs=head.prompt_top_logprobs,
                 prompt_logprob_ranks=head.prompt_logprob_ranks,
             )

@@ -89,14 +89,16 @@ class OutputEncoder:
             text, ntok, nlp, ntop = per.get(c.index) or ("", 0, 0, 0)
             keep = len(text) if c.text.startswith(text) else 0
             tok = _tail(ntok, c.token_ids)
-            lp, top = _tail(nlp, c.logprobs), _tail(ntop, c.top_logprobs)
+            lp, top = _tail(nlp, c.token_logprobs), _tail(ntop, c.top_logprobs)
             choices.append((c.index, keep, c.text[keep:], tok, c.finish_reason, c.stop_reason, lp, top))
-            per[c.index] = [c.text, len(c.token_ids), len(c.logprobs or ()), len(c.top_logprobs or ())]
+            per[c.index] = [c.text, len(c.token_ids), len(c.token_logprobs or ()), len(c.top_logprobs or ())]
         if out.finished:
             del self._sent[out.request_id]
         head = (out.prompt, out.stored_prompt_token_ids) if first else None
-        if out.prompt_logprobs is not None and (first or out.finished):  # whole, once the prompt is done
-            lists = (out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_logprob_ranks)
+        if out.prompt_token_logprobs is not None and (
+            first or out.finished
+        ):  # whole, once the prompt is done
+            lists = (out.prompt_token_logprobs, out.prompt_top_logprobs, out.prompt_logprob_ranks)
             head = (out.prompt, out.stored_prompt_token_ids, *lists)
         counts = (
             out.num_cached_tokens,

@@ -46,7 +46,7 @@ def completion_logprobs(
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    lps = (c.logprobs or [])[start:end]
+    lps = (c.token_logprobs or [])[start:end]
     tops = (c.top_logprobs or [])[start:end]
     return {
         "tokens": tokens,
@@ -76,7 +76,7 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, token_text: TokenTe
         return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "replace"))}
 
     content = []
-    lps = c.logprobs or []
+    lps = c.token_logprobs or []
     tops = c.top_logprobs or []
     for i in range(start, min(end, len(lps))):
         item = entry(c.token_ids[i], lps[i])
@@ -91,7 +91,7 @@ def prompt_completion_logprobs(
     """The prompt's part of an echoed choice's logprobs (its ``k`` top ones) from prompt token ``skip``
     on (before it: a pinned prompt the client did not send); the prompt's first token has none."""
     ids = f.prompt_token_ids[skip:]
-    lps, tops = (f.prompt_logprobs or [])[skip:], (f.prompt_top_logprobs or [])[skip:]
+    lps, tops = (f.prompt_token_logprobs or [])[skip:], (f.prompt_top_logprobs or [])[skip:]
     tokens = [token_text(t) for t in ids]
     offsets, offset = [], 0
     for t in tokens:
@@ -131,7 +131,7 @@ def prompt_logprobs(
 def without_completion(f: RequestOutput) -> RequestOutput:
     """The output with its samples' tokens taken out (echo with max_tokens 0 answers the prompt alone)."""
     outs = [
-        replace(c, text="", token_ids=[], logprobs=[], top_logprobs=[], finish_reason="length")
+        replace(c, text="", token_ids=[], token_logprobs=[], top_logprobs=[], finish_reason="length")
         for c in f.outputs
     ]
     return RequestOutput(*f._args()[:3], outs, *f._args()[4:])
@@ -328,7 +328,7 @@ class StreamState:
             upto = len(c.text) if c.finished else self._settled(c.text)
             upto = max(upto, state.chars)
             delta = c.text[state.chars : upto]
-            end = len(c.logprobs or []) if self.want_logprobs else state.tokens
+            end = len(c.token_logprobs or []) if self.want_logprobs else state.tokens
             leads = self.echo_lead is not None and not state.led
             lead, lead_lp = self.echo_lead(prompt_index, out) if self.echo_lead and leads else ("", None)
             if not delta and end == state.tokens and not c.finished and not leads:

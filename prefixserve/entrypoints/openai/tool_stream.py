@@ -79,7 +79,7 @@ class ToolStreamState(fmt.StreamState):
         calls = message.get("tool_calls")
         if not calls:
             lp = (
-                fmt.chat_logprobs(c, 0, len(c.logprobs or ()), self.token_text)
+                fmt.chat_logprobs(c, 0, len(c.token_logprobs or ()), self.token_text)
                 if self.want_logprobs
                 else None
             )
@@ -105,7 +105,7 @@ class ToolStreamState(fmt.StreamState):
         state = self.choices.setdefault(index, fmt._Choice())
         lp = None
         if self.want_logprobs:
-            end = len(c.logprobs or ())
+            end = len(c.token_logprobs or ())
             lp = fmt.chat_logprobs(c, state.tokens, end, self.token_text)
             state.tokens = end
         calls = message["tool_calls"]
