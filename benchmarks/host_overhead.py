@@ -54,7 +54,7 @@ import torch
 
 import prefixserve.attention.plan as plan_mod
 import prefixserve.engine.engine_setup as engine_mod  # where the Engine loads its model
-import prefixserve.engine.model_runner as runner_mod
+import prefixserve.worker.model_runner as runner_mod
 from benchmarks.harness import run_info, write_results
 from benchmarks.harness.info import cpu_model
 from benchmarks.host_overhead_report import BLOCK, COMPONENTS, OWN, VOCAB, WARM, best_of, render
@@ -178,7 +178,7 @@ class _StubGraphs:
     """
 
     def __init__(self, rec: _Recorder, max_batch: int) -> None:
-        from prefixserve.engine.cuda_graph import batch_buckets
+        from prefixserve.worker.cuda_graph import batch_buckets
 
         self.rec = rec
         self.shape = HeadShape(Q_HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"))

@@ -163,7 +163,7 @@ class EngineConfig:
     # (kv/layout.py), except where schemas, the host tier or tensor parallelism need every layer's
     keep_sliding_kv: bool = False
     # tensor parallelism: the model split over this many GPUs (gloo processes on a CPU), one worker
-    # process per rank beside this one (prefixserve/engine/tp_runner.py)
+    # process per rank beside this one (prefixserve/worker/tp_runner.py)
     tensor_parallel_size: int = 1
     # tensor parallelism on GPUs: decode-sized all-reduces through PyTorch's symmetric memory (NVLink
     # peer reads; model/peer_allreduce.py), NCCL above its buffer's size or where peer memory is

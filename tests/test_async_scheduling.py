@@ -169,7 +169,7 @@ def test_launch_ahead_issues_a_step_before_waiting_for_the_one_ahead(tiny_config
 def test_feed_writes_device_tokens_in_order_and_permuted() -> None:
     import torch
 
-    from prefixserve.engine.model_runner import PrevTokenFeed
+    from prefixserve.worker.model_runner import PrevTokenFeed
 
     tokens = torch.tensor([40, 41, 42])
     ids = torch.tensor([-1, -1, -1, 9])

@@ -238,7 +238,7 @@ def test_prefill_chunks_causal_own_part_equal_reference(causal_bytes, dtype, mon
 def test_keep_freed_memory_is_applied_once() -> None:
     import sys
 
-    from prefixserve.engine import cpu_malloc
+    from prefixserve.worker import cpu_malloc
 
     first = cpu_malloc.keep_freed_memory()
     assert cpu_malloc.keep_freed_memory() is first

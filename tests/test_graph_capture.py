@@ -1,4 +1,4 @@
-"""A failed CUDA graph capture leaves no pool routing behind (``engine/graph_capture.py``), on CPU with
+"""A failed CUDA graph capture leaves no pool routing behind (``worker/graph_capture.py``), on CPU with
 the pieces of ``torch.cuda`` it touches stood in for."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.engine import graph_capture
+from prefixserve.worker import graph_capture
 
 
 class _Stream:

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from prefixserve.engine import cpu_malloc
 from prefixserve.engine.host_trim import IdleTrim, glibc_trim, trim_when_idle
+from prefixserve.worker import cpu_malloc
 
 
 class Clock:

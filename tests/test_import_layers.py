@@ -35,7 +35,7 @@ LAYERS = (
     ("attention", "sampling"),
     ("model", "sequence"),
     ("kv", "structured"),
-    ("promptcache", "scheduler"),
+    ("promptcache", "scheduler", "worker"),
     ("engine",),
     ("distributed", "entrypoints"),
     ("", "__main__"),

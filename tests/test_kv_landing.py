@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.landing import MIN_COPY_BYTES, block_runs, worth_layering
 from prefixserve.promptcache.store import PromptModules
+from prefixserve.worker.piecewise_graph import PiecewiseGraphs
 from tests.test_kv_tiers import BLOCK, DTYPES, TINY, random_cache, random_packed
 from tests.test_prompt_cache import PROMPTS, SCHEMA
 

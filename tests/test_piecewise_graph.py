@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.engine.piecewise_graph import PiecewiseGraphs, token_buckets
+from prefixserve.worker.piecewise_graph import PiecewiseGraphs, token_buckets
 from tests.conftest import TINY_CONFIG, assert_pool_empty
 
 

@@ -343,7 +343,7 @@ def test_shutdown_frees_captured_graphs_a_caller_still_holds(tiny_config_path: P
     """NCCL's abort waits while a captured graph still uses the communicator, so shutdown resets every
     graph it captured (decode, pieces, the sharded argmax) before leaving the group, even one that a
     caller holds a reference to."""
-    from prefixserve.engine.argmax_graph import ArgmaxGraphs
+    from prefixserve.worker.argmax_graph import ArgmaxGraphs
 
     class Graph:
         resets = 0
@@ -381,7 +381,7 @@ def test_a_worker_ends_with_rank_0s_process_wherever_it_waits() -> None:
 
     child = (
         "import os, time\n"
-        "from prefixserve.engine.tp_worker import exit_with_parent\n"
+        "from prefixserve.worker.tp_worker import exit_with_parent\n"
         "exit_with_parent(os.getppid(), poll_s=0.05)\n"
         "print('watching', flush=True)\n"
         "time.sleep(600)\n"

@@ -73,7 +73,7 @@ def _ranks_equal_one(tiny_config_path: Path, ranks: int, attention: str, peer: b
     single = LLM(**kwargs)
     want = [o.outputs[0].token_ids for o in single.generate(prompts, params)]
     del single
-    from prefixserve.engine.tp_runner import peer_used_in_process
+    from prefixserve.worker.tp_runner import peer_used_in_process
 
     first = not peer_used_in_process()  # only a process's first engine takes the peer all-reduce
     with LLM(tensor_parallel_size=ranks, tp_peer_allreduce=peer, **kwargs) as tp:

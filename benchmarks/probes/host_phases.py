@@ -39,23 +39,23 @@ PHASES = (  # module, class (or "" for a function), attribute
     ("prefixserve.scheduler.scheduler", "Scheduler", "schedule"),
     ("prefixserve.scheduler.scheduler", "Scheduler", "update_from_output"),
     ("prefixserve.engine.llm_engine", "Engine", "_assemble_batch"),
-    ("prefixserve.engine.model_runner", "ModelRunner", "prepare_batch"),
+    ("prefixserve.worker.model_runner", "ModelRunner", "prepare_batch"),
     ("prefixserve.engine.llm_engine", "Engine", "_launch"),
-    ("prefixserve.engine.model_runner", "ModelRunner", "forward"),
+    ("prefixserve.worker.model_runner", "ModelRunner", "forward"),
     ("prefixserve.engine.in_flight", "InFlightTokens", "mark_launched"),
     ("prefixserve.engine.llm_engine", "Engine", "_sample"),
     ("prefixserve.engine.llm_engine", "Engine", "_complete"),
-    ("prefixserve.engine.model_runner", "ModelRunner", "wait"),
-    ("prefixserve.engine.tp_runner", "TensorParallelRunner", "wait"),
-    ("prefixserve.engine.tp_runner", "TensorParallelRunner", "call"),
+    ("prefixserve.worker.model_runner", "ModelRunner", "wait"),
+    ("prefixserve.worker.tp_runner", "TensorParallelRunner", "wait"),
+    ("prefixserve.worker.tp_runner", "TensorParallelRunner", "call"),
     ("prefixserve.engine.llm_engine", "Engine", "_place_and_report"),
 )
 
 
 MARKS = (  # where CUDA events go on rank 0's stream: module, class, method
-    ("prefixserve.engine.model_runner", "ModelRunner", "forward"),
-    ("prefixserve.engine.cuda_graph", "DecodeGraphs", "run"),
-    ("prefixserve.engine.model_runner", "ModelRunner", "sample"),
+    ("prefixserve.worker.model_runner", "ModelRunner", "forward"),
+    ("prefixserve.worker.cuda_graph", "DecodeGraphs", "run"),
+    ("prefixserve.worker.model_runner", "ModelRunner", "sample"),
 )
 
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prefixserve.engine.cuda_graph import DecodeGraphs
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
 from prefixserve.engine.warmup import warm_decode_graphs, warm_mixed_steps
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.cache_events import DEFAULT_CONSUMER, CacheEvents, enable_cache_events
 from prefixserve.promptcache.pml import is_pml_prompt
+from prefixserve.worker.cuda_graph import DecodeGraphs
 
 if TYPE_CHECKING:
     from prefixserve.structured.decoding import StructuredDecoding

@@ -15,7 +15,6 @@ from prefixserve.config import EngineConfig
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.in_flight import InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
-from prefixserve.engine.model_runner import ModelRunner, context_length
 from prefixserve.engine.module_holds import WaitingModuleHolds
 from prefixserve.engine.pooling import Pooler
 from prefixserve.engine.prompt_logprobs import PromptLogprobs
@@ -31,6 +30,7 @@ from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import Scheduler
 from prefixserve.scheduler.sliding_pages import SlidingPages
 from prefixserve.sequence import Request
+from prefixserve.worker.model_runner import ModelRunner, context_length
 
 if TYPE_CHECKING:
     from prefixserve.structured.decoding import StructuredDecoding
@@ -45,7 +45,7 @@ class EngineSetup:
         source = resolve_model(config.model)
         self.model_name = config.served_model_name[0] if config.served_model_name else source.name
         if config.tensor_parallel_size > 1:  # this process is rank 0; workers hold the other shards
-            from prefixserve.engine.tp_runner import TensorParallelRunner
+            from prefixserve.worker.tp_runner import TensorParallelRunner
 
             self.runner = TensorParallelRunner(config, source, progress)
             tok_dir = self.runner.tokenizer_dir

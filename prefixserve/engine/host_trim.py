@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from prefixserve.engine import cpu_malloc
+from prefixserve.worker import cpu_malloc
 
 MIN_INTERVAL_S = 1.0  # a process trims at most this often
 POLL_S = 1.0  # how often the HTTP process's task looks whether it is idle

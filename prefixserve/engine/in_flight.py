@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixserve.engine.model_runner import Launch
 from prefixserve.engine.speculative import Verified
 from prefixserve.sampling.params import RowParams, SamplingParams
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from prefixserve.scheduler.stop import ends_by_length
 from prefixserve.sequence import Request, Sequence
+from prefixserve.worker.model_runner import Launch
 
 PLACEHOLDER_TOKEN = -1  # a sequence's in-flight token until the device returns it (never a real id)
 

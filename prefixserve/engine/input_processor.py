@@ -11,7 +11,6 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from prefixserve.engine.model_runner import ModelRunner
 from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_last
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -21,6 +20,7 @@ from prefixserve.sampling.bad_words import encode_bad_words
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.thinking_budget import thinking_budget
 from prefixserve.sequence import HeldModules, Request, Sequence, TokenArray, counting_positions, token_array
+from prefixserve.worker.model_runner import ModelRunner
 
 
 def int_list(values: Any, name: str) -> list[Any]:

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 from prefixserve.engine.engine_services import EngineServices
 from prefixserve.engine.engine_setup import EngineSetup
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep
-from prefixserve.engine.model_runner import PrevTokenFeed, StepBatch
 from prefixserve.engine.output_processor import request_output
 from prefixserve.engine.pooling import embedding_request
 from prefixserve.engine.speculative import give_back, place_verified
@@ -39,6 +38,7 @@ from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.policy import check_priority
 from prefixserve.scheduler.scheduler import SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence, token_array
+from prefixserve.worker.model_runner import PrevTokenFeed, StepBatch
 
 if TYPE_CHECKING:
     pass

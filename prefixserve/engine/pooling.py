@@ -28,9 +28,9 @@ from prefixserve.sampling.params import SamplingParams
 from prefixserve.sequence import Request, Sequence
 
 if TYPE_CHECKING:
-    from prefixserve.engine.model_runner import Launch, ModelRunner
     from prefixserve.scheduler.block_tables import BlockManager
     from prefixserve.scheduler.scheduler import ScheduledSeq
+    from prefixserve.worker.model_runner import Launch, ModelRunner
 
 STORE_BLOCKS = 4096  # kept blocks' row sums (LRU): 4096 x hidden x 4 bytes, 64 MB at hidden 4096
 

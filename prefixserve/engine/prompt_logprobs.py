@@ -29,9 +29,9 @@ from prefixserve.sampling.params import MAX_LOGPROBS
 from prefixserve.sequence import Request, Sequence
 
 if TYPE_CHECKING:
-    from prefixserve.engine.model_runner import Launch, ModelRunner
     from prefixserve.scheduler.block_tables import BlockManager
     from prefixserve.scheduler.scheduler import ScheduledSeq
+    from prefixserve.worker.model_runner import Launch, ModelRunner
 
 # each prompt token's logprob (the first: None), top-k (token id, logprob) pairs (the first: []), rank
 PromptLists = tuple[list[float | None], list[list[tuple[int, float]]], list[int | None]]

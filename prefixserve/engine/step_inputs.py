@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from prefixserve.engine.in_flight import LaunchedStep, PendingToken
-from prefixserve.engine.model_runner import ModelRunner, StepBatch
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from prefixserve.sequence import Request, Sequence
+from prefixserve.worker.model_runner import ModelRunner, StepBatch
 
 # Module rows to recompute in context: (the sequence, first row, end row) of its module blocks
 RecomputeRun = tuple[Sequence, int, int]

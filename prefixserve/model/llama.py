@@ -410,7 +410,7 @@ class LlamaForCausalLM(nn.Module):
         for rotary in self.ropes:
             rotary.inv_freq = rope_inv_freq(self.full_config, rotary.spec).to(device)
 
-    # ---- the forward in pieces between attentions (``engine/piecewise_graph.py`` replays them) ----
+    # ---- the forward in pieces between attentions (``worker/piecewise_graph.py`` replays them) ----
     # forward == first_piece, then for each layer l: attention, then piece(l + 1) (last_piece after
     # the last layer); the same ops in the same order.
     def first_piece(

@@ -62,7 +62,7 @@ class Ropes(tuple):
     angles, one ``Rope`` per distinct RoPE of the model (``CausalLM.ropes``; a layer's ``rope_index``
     picks its own), and Gemma 4's per-layer inputs ``per_layer`` [T, layers, P] (None without).
 
-    The engine holds it between the forward's pieces (``engine/piecewise_graph.py``), so tensors here
+    The engine holds it between the forward's pieces (``worker/piecewise_graph.py``), so tensors here
     live as long as the CUDA graphs that read them."""
 
     per_layer: torch.Tensor | None = None

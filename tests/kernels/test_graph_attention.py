@@ -22,7 +22,7 @@ from prefixserve.attention.kernels import paged_attention
 from prefixserve.attention.kernels.triton_backend import TritonBackend, TritonPagedBackend
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.reference import ReferenceBackend
-from prefixserve.engine.cuda_graph import batch_buckets
+from prefixserve.worker.cuda_graph import batch_buckets
 
 
 class _Steps:
@@ -186,7 +186,7 @@ def test_a_smaller_step_refits_into_a_captured_keys_capacities() -> None:
 
 
 def test_shrinking_batches_keep_their_bucket_for_a_while() -> None:
-    from prefixserve.engine.cuda_graph import HOLD_STEPS, DecodeGraphs
+    from prefixserve.worker.cuda_graph import HOLD_STEPS, DecodeGraphs
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.buckets, graphs._current, graphs._held = batch_buckets(1024), None, 0

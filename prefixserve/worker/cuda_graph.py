@@ -24,8 +24,8 @@ import torch
 
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.engine.graph_capture import capture_into
 from prefixserve.kv.cache import KVCache
+from prefixserve.worker.graph_capture import capture_into
 
 log = logging.getLogger(__name__)
 

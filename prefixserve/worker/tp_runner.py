@@ -6,7 +6,7 @@ the workers first, as one small pickled message over a local socket (the step ba
 token ids and copy-on-write pairs; the rows to score; a KV-block copy), and every rank then runs the
 same call on its own shard: the collectives inside (all-reduces after o_proj, down_proj and the
 embedding; the logits' all-gather) meet because every rank makes the same calls in the same order.
-The workers are plain ``python -m prefixserve.engine.tp_worker`` processes, so a user's script
+The workers are plain ``python -m prefixserve.worker.tp_worker`` processes, so a user's script
 is not imported again in them (``multiprocessing``'s spawn would).
 
 A worker that dies fails the engine at once with ``WorkerDiedError``: a thread waits on every
@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
 from prefixserve.kv.cache import KVCache, PackedKV
 from prefixserve.kv.transfer import Ready
 from prefixserve.model.loader import ModelSource, load_model, model_config
 from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.model.peer_allreduce import peer_allreduce_for
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.worker.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
 
 if TYPE_CHECKING:
     from prefixserve.sampling.min_tokens import TokenBan
@@ -204,7 +204,7 @@ class TensorParallelRunner(ModelRunner):
         try:
             for rank in range(1, size):
                 env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=_import_path())
-                cmd = [sys.executable, "-m", "prefixserve.engine.tp_worker", listener.address, str(rank)]
+                cmd = [sys.executable, "-m", "prefixserve.worker.tp_worker", listener.address, str(rank)]
                 proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE)
                 assert proc.stdin is not None
                 proc.stdin.write(authkey.hex().encode() + b"\n")  # the socket's key, never in argv

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: one rank's shard, running each device call rank 0 sends it.
 
-Started by ``TensorParallelRunner`` as ``python -m prefixserve.engine.tp_worker ADDRESS RANK``
+Started by ``TensorParallelRunner`` as ``python -m prefixserve.worker.tp_worker ADDRESS RANK``
 (the socket's key on its standard input). It loads its shard, sizes its KV cache with the
 other ranks, says "ready", then runs messages in order until told to stop or until rank 0's socket
 closes. Any error ends the process after sending its traceback: rank 0 reports it and fails. A
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
-from prefixserve.engine.tp_runner import init_rank
 from prefixserve.model.loader import ModelSource, load_model
+from prefixserve.worker.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
+from prefixserve.worker.tp_runner import init_rank
 
 
 class StepGaps:

@@ -30,10 +30,6 @@ import torch
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
-from prefixserve.engine import cpu_malloc
-from prefixserve.engine.argmax_graph import ArgmaxGraphs
-from prefixserve.engine.cuda_graph import DecodeGraphs, GraphCaptureError
-from prefixserve.engine.piecewise_graph import PiecewiseGraphs
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.kv.layout import kv_layout, plain_layout
 from prefixserve.model import cpu_linear
@@ -49,6 +45,10 @@ from prefixserve.sampling.penalties import (
     sequence_ended,
 )
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async, tokens_future
+from prefixserve.worker import cpu_malloc
+from prefixserve.worker.argmax_graph import ArgmaxGraphs
+from prefixserve.worker.cuda_graph import DecodeGraphs, GraphCaptureError
+from prefixserve.worker.piecewise_graph import PiecewiseGraphs
 
 if TYPE_CHECKING:
     from prefixserve.kv.block_pool import BlockPool

@@ -31,8 +31,8 @@ import torch
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.graph import HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.engine.graph_capture import capture_into
 from prefixserve.kv.cache import KVCache
+from prefixserve.worker.graph_capture import capture_into
 
 if TYPE_CHECKING:
     from prefixserve.model.rotary import Ropes

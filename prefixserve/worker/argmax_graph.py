@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from prefixserve.engine.graph_capture import capture_into
+from prefixserve.worker.graph_capture import capture_into
 
 log = logging.getLogger(__name__)
 
