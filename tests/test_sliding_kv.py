@@ -261,3 +261,31 @@ def test_a_pinned_system_prompt_keeps_its_tail_pages(gemma3: Path) -> None:
     ids = list(pinned.token_ids) + _prompt(3, 5)
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert out.num_cached_tokens == len(pinned.digests) * engine.config.block_size
+
+
+def test_speculated_drafts_over_freed_pages_change_no_token(gemma3: Path) -> None:
+    """Prompt lookup drafts tokens past what is verified; the pages behind the window go back only
+    behind the verified tokens' window (a rejected draft cannot have released what the next query
+    sees). Prompts that repeat themselves, so drafts are taken and some rejected."""
+    pattern = _prompt(61, 10)
+    prompts = [{"prompt_token_ids": pattern * 6 + _prompt(70 + i, 5)} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    keep = _llm(gemma3, keep_sliding_kv=True, enable_prefix_caching=False)
+    spec = _llm(gemma3, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert spec.engine.runner.kv.layout.frees_sliding
+    assert _tokens(spec.generate(prompts, params)) == _tokens(keep.generate(prompts, params))
+    assert spec.metrics()["spec_decode_draft_tokens_total"] > 0
+    assert_pool_empty(spec)
+
+
+def test_launch_ahead_over_freed_pages_changes_no_token(gemma3: Path) -> None:
+    """With launch-ahead a step is planned before the tokens of the step ahead of it are on the host:
+    pages go back only behind the settled tokens' window."""
+    prefix = _prompt(5, 3 * FAMILY_WINDOW)
+    prompts = [{"prompt_token_ids": prefix + _prompt(80 + i, 4 + i)} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    keep = _llm(gemma3, keep_sliding_kv=True, enable_prefix_caching=False)
+    ahead = _llm(gemma3, async_scheduling=True, max_num_batched_tokens=64)
+    assert ahead.engine.launch_ahead and ahead.engine.runner.kv.layout.frees_sliding
+    assert _tokens(ahead.generate(prompts, params)) == _tokens(keep.generate(prompts, params))
+    assert_pool_empty(ahead)
