@@ -292,13 +292,6 @@ def cache_dir() -> Path:
     return Path(value)
 
 
-def gluon_enabled() -> bool:
-    """``PREFIXSERVE_GLUON``: "1" (default) lets shared-segment launches on a Hopper GPU take the
-    warp-specialised Gluon kernels (shared_gluon.py, and the mixed kernel built on them); "0" keeps
-    every shared launch on the Triton kernel (A/B runs, or a Triton whose Gluon misbehaves)."""
-    return _env_choice("PREFIXSERVE_GLUON", "1", ("0", "1")) == "1"
-
-
 def peer_norm_enabled() -> bool:
     """``PREFIXSERVE_PEER_NORM``: "1" (default) lets a two-rank all-reduce that a residual add and an
     RMSNorm follow run as one kernel with them (``model/kernels/peer_norm.py``); "0" keeps PyTorch's

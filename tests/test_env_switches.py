@@ -1,4 +1,4 @@
-"""The environment switches: exactly six PREFIXSERVE_* variables, read only in prefixserve/config.py.
+"""The environment switches: exactly five PREFIXSERVE_* variables, read only in prefixserve/config.py.
 
 Each switch is a function of ``prefixserve.config`` that reads its variable when called, so a test (or a
 benchmark) that sets the variable sees the effect on the next call; a value outside the documented ones
@@ -18,7 +18,6 @@ from prefixserve import config
 PACKAGE = Path(config.__file__).resolve().parent
 SWITCHES = {
     "PREFIXSERVE_CACHE",
-    "PREFIXSERVE_GLUON",
     "PREFIXSERVE_MIXED",
     "PREFIXSERVE_PEER_NORM",
     "PREFIXSERVE_PEER_PUSH",
@@ -37,18 +36,6 @@ def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PREFIXSERVE_CACHE", "  ")
     with pytest.raises(ValueError, match="PREFIXSERVE_CACHE"):
         config.cache_dir()
-
-
-def test_gluon_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PREFIXSERVE_GLUON", raising=False)
-    assert config.gluon_enabled() is True
-    for value, expect in (("1", True), ("0", False), (" 0 ", False), ("", True)):
-        monkeypatch.setenv("PREFIXSERVE_GLUON", value)
-        assert config.gluon_enabled() is expect, value
-    for bad in ("yes", "false", "2"):
-        monkeypatch.setenv("PREFIXSERVE_GLUON", bad)
-        with pytest.raises(ValueError, match="PREFIXSERVE_GLUON"):
-            config.gluon_enabled()
 
 
 def test_mixed_mode(monkeypatch: pytest.MonkeyPatch) -> None:

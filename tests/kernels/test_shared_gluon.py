@@ -142,7 +142,7 @@ def test_gluon_matches_triton_kernel_and_fp64(
     counter = _Counter(monkeypatch)
     o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, **(kw | {"block_m": block_m}))
     assert counter.calls == 1
-    monkeypatch.setenv("PREFIXSERVE_GLUON", "0")
+    monkeypatch.setattr(shared_gluon, "GLUON", False)  # the Triton kernel
     o_t, lse_t = shared_segment_attention(q, k, v, *seg, 0.09, **kw)
     assert counter.calls == 1
     ref_o, ref_lse = shared_segment_attention_ref(q, k, v, *seg, 0.09, torch.float64)
@@ -172,7 +172,7 @@ def test_running_max_that_keeps_growing(monkeypatch, group, dim, lengths, rows) 
         ramp = (1 + 12 * t / n + 20 * (t >= 3 * n // 4)).view(-1, bs, 1, 1)
         k[blocks] = (k[blocks].float() * ramp).to(k.dtype)
     o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, block_m=128)
-    monkeypatch.setenv("PREFIXSERVE_GLUON", "0")
+    monkeypatch.setattr(shared_gluon, "GLUON", False)  # the Triton kernel
     o_t, lse_t = shared_segment_attention(q, k, v, *seg, 0.09, block_m=128)
     ref_o, ref_lse = shared_segment_attention_ref(q, k, v, *seg, 0.09, torch.float64)
     assert torch.isfinite(o_g).all()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve import config
 from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
 from prefixserve.triton_support.launch import Launch, record
 
@@ -241,9 +240,9 @@ CONSUMER_REGS = {128: 240, 192: 160}
 
 def eligible_for(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
     """True when the Gluon kernel can run on ``device`` for this dtype and head size: a Hopper GPU
-    (wgmma), 16-bit q and KV, d 64 or 128, and PREFIXSERVE_GLUON not "0" (``config.gluon_enabled``)."""
+    (wgmma), 16-bit q and KV, d 64 or 128, and a Triton with Gluon (``GLUON``)."""
     device = torch.device(device)
-    if not (GLUON and device.type == "cuda" and config.gluon_enabled()):
+    if not (GLUON and device.type == "cuda"):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9 and dtype in GL_DTYPES and head_dim in (64, 128)
 
