@@ -83,7 +83,7 @@ def _reference(config: Path, prompt: tuple[int, ...], params: SamplingParams) ->
                 "reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "logprobs": c.token_logprobs,
-                "prompt_logprobs": out.prompt_logprobs,
+                "prompt_logprobs": out.prompt_token_logprobs,
             }
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]

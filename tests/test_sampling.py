@@ -133,7 +133,7 @@ def test_stop_strings_token_ids_and_logprobs(default_llm: LLM) -> None:
     lp = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
     assert lp.logprobs is not None and len(lp.logprobs) == 5 and len(lp.top_logprobs[0]) == 3
     # Greedy: the chosen token is the top-1 token, and its logprob is the top-1 logprob.
-    for tok, chosen, top in zip(lp.token_ids, lp.logprobs, lp.top_logprobs, strict=True):
+    for tok, chosen, top in zip(lp.token_ids, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert top[0][0] == tok and abs(top[0][1] - chosen) < 1e-5 and chosen <= 0.0
     length = default_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
     assert length.finish_reason == "length" and len(length.token_ids) == 3

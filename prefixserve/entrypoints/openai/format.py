@@ -113,7 +113,8 @@ def prompt_logprobs(
 ) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token from ``skip`` on (the prompt's first: None), its own
     logprob and rank and the ``k`` top ones (ranks 1..k), keyed by token id."""
-    lps, tops, ranks = f.prompt_logprobs or [], f.prompt_top_logprobs or [], f.prompt_logprob_ranks or []
+    lps, tops = f.prompt_token_logprobs or [], f.prompt_top_logprobs or []
+    ranks = f.prompt_logprob_ranks or []
     out: list[dict[str, Any] | None] = []
     for token, lp, top, rank in zip(
         f.prompt_token_ids[skip:], lps[skip:], tops[skip:], ranks[skip:], strict=False
