@@ -90,7 +90,7 @@ COUNTERS = {
     "refused_deadline": "requests_refused_deadline_total",
     "refused_http": "requests_refused_http_total",  # of the three above, decided in the HTTP process
     "dropped_deadline": "requests_dropped_deadline_total",
-    # the admission's wait estimate against the starts (engine/admission.py)
+    # the admission's wait estimate against the starts (serving/admission.py)
     "wait_starts": "queue_starts_estimated_total",
     "wait_estimated": "queue_wait_estimated_seconds_total",
     "wait_actual": "queue_wait_actual_seconds_total",

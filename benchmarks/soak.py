@@ -30,7 +30,7 @@ measured with ``--device cpu`` and the engine in its own process, 20,000 blocks,
   had, ~160 KB each for the tiny model: the engine's malloc in-use bytes grew 145 -> 555 MiB over 60
   bursts, 109 -> 115 MiB over 36 with both capacities at 16 (bursts 4.5x slower); a GPU engine has none;
 - free heap glibc keeps after a burst (per thread arena): given back once the process is idle
-  (``engine/host_trim.py``; the HTTP process: median 355 -> 330 MiB over the same 30 bursts).
+  (``serving/host_trim.py``; the HTTP process: median 355 -> 330 MiB over the same 30 bursts).
 
 Usage (GPU; the defaults, sized for the 8B dummy model on one H100, take ~7 min, start-up included):
     PYTHONPATH=. python -m benchmarks.soak run

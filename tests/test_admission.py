@@ -1,4 +1,4 @@
-"""The server's overload control at the engine's edge (``engine/admission.py``), driven step by step on
+"""The server's overload control at the engine's edge (``serving/admission.py``), driven step by step on
 the tiny dummy model with a fake clock: the waiting queue's bounds refuse with QueueFull and count it,
 shared prompt blocks are counted once, the wait is the slower of the request and prefill-token drains,
 a request that cannot start by its deadline is dropped before it costs compute (before the deadline
@@ -16,7 +16,10 @@ import pytest
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.engine.admission import (
+from prefixserve.entrypoints.openai.overload import HTTP_REFUSED, ArrivalGate
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling.params import SamplingParams
+from prefixserve.serving.admission import (
     DEADLINE_REASON,
     Admission,
     AdmissionLimits,
@@ -26,9 +29,6 @@ from prefixserve.engine.admission import (
     deadline_missed,
     queue_wait,
 )
-from prefixserve.entrypoints.openai.overload import HTTP_REFUSED, ArrivalGate
-from prefixserve.outputs import RequestOutput
-from prefixserve.sampling.params import SamplingParams
 
 
 class FakeClock:

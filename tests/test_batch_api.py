@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.admission import AdmissionLimits
+from prefixserve.serving.admission import AdmissionLimits
 from tests import engine_checks
 
 openai = pytest.importorskip("openai")

@@ -1,5 +1,5 @@
 """A server process trims its heap only when idle after work, at most once per interval, and never
-where a CPU engine keeps its freed memory on purpose (``engine/host_trim.py``)."""
+where a CPU engine keeps its freed memory on purpose (``serving/host_trim.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from prefixserve.engine.host_trim import IdleTrim, glibc_trim, trim_when_idle
+from prefixserve.serving.host_trim import IdleTrim, glibc_trim, trim_when_idle
 from prefixserve.worker import cpu_malloc
 
 

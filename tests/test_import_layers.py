@@ -37,6 +37,7 @@ LAYERS = (
     ("kv", "structured"),
     ("promptcache", "scheduler", "worker"),
     ("engine",),
+    ("serving",),
     ("distributed", "entrypoints"),
     ("", "__main__"),
 )

@@ -173,7 +173,7 @@ def test_offline_generate_takes_a_priority_per_prompt(tiny_config_path: Path) ->
 def test_admission_counts_only_those_sorting_before(tiny_config_path: Path) -> None:
     """The queue deadline's wait estimate, at arrival and between steps, counts the requests ahead in
     the queue's order: an urgent request behind ten low-priority ones is admitted and kept."""
-    from prefixserve.engine.admission import Admission, AdmissionLimits
+    from prefixserve.serving.admission import Admission, AdmissionLimits
 
     config = EngineConfig(
         model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, max_num_seqs=1,

@@ -30,11 +30,11 @@ import pytest
 import uvicorn
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.admission import AdmissionLimits
 from prefixserve.entrypoints.openai.metrics import PATH_STAGES
 from prefixserve.entrypoints.openai.overload import QUEUE_DELAY_HEADER, OverloadSettings, queue_deadline
 from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.server import GracefulServer, ServerThread, build_app, overload_settings
+from prefixserve.serving.admission import AdmissionLimits
 from tests.conftest import TINY_CONFIG
 
 REFUSAL, FIRST_WRITE = "prefixserve_refusal_seconds", "prefixserve_first_write_seconds"

@@ -1,4 +1,4 @@
-"""The slot schedule (``engine/slot_schedule.py``): when the batch is full, a waiting request's start is
+"""The slot schedule (``serving/slot_schedule.py``): when the batch is full, a waiting request's start is
 the time the running sequence ahead of it in finishing order frees its slot, predicted from each one's
 tokens left (capped by the recent finished lengths when those stop early) and the step time. Checked on
 fake sequences, then on the tiny dummy engine with a fake clock (the admission refuses at arrival what
@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.engine.admission import Admission, AdmissionLimits, QueueFull, QueueState
-from prefixserve.engine.slot_schedule import SlotSchedule, slot_wait
 from prefixserve.entrypoints.openai.overload import ArrivalGate
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.serving.admission import Admission, AdmissionLimits, QueueFull, QueueState
+from prefixserve.serving.slot_schedule import SlotSchedule, slot_wait
 
 
 class FakeClock:

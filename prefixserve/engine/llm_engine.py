@@ -73,7 +73,7 @@ class Engine(EngineSetup, EngineServices):
         starts with it (a chat rendered with that system message). ``queue=False`` leaves the request
         for ``add_group`` (offline batches), which queues it as a member of a prefix-sharing group.
         ``module_recompute`` ("none", "link:K", "blend:R") overrides a PML prompt's recovery setting.
-        ``admit``: a server's overload check (``engine/admission.py``), shown the processed request
+        ``admit``: a server's overload check (``serving/admission.py``), shown the processed request
         before it is queued; what it raises refuses the request, and nothing is queued then.
         ``priority``: under the ``priority`` scheduling policy, a smaller value is served first.
         ``pooling``: an embedding request (``params`` None): its output's ``embedding``, no completion.

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.engine.admission import QueueFull
 from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineStopped, StreamSink
@@ -35,6 +34,7 @@ from prefixserve.entrypoints.openai.request_log import log_request
 from prefixserve.entrypoints.openai.requests import ServerState
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
+from prefixserve.serving.admission import QueueFull
 
 # request.state keys (in the ASGI scope, read by the app's middleware when the response is written)
 ROUTE_START = "ps_route_start"  # time.monotonic() when the route began (the queue deadline's origin)

@@ -27,7 +27,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.engine.gc_tuning import tune_gc
-from prefixserve.engine.host_trim import IdleTrim, trim_when_idle
 from prefixserve.entrypoints.generation_config import sampling_defaults
 from prefixserve.entrypoints.openai.answering import FIRST_OUTPUT, ROUTE_START, answer, route_start
 from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
@@ -73,6 +72,7 @@ from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
 from prefixserve.entrypoints.openai.scoring import RERANK_ROUTES, SCORE_ROUTES
 from prefixserve.entrypoints.openai.stats_log import log_stats as stats_log
 from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
+from prefixserve.serving.host_trim import IdleTrim, trim_when_idle
 from prefixserve.version import __version__
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def build_app(
     )
 
     batch_service = BatchService(batches or BatchSettings(), state, config.max_num_seqs)
-    trim = IdleTrim()  # freed heap back to the OS when idle (engine/host_trim.py)
+    trim = IdleTrim()  # freed heap back to the OS when idle (serving/host_trim.py)
 
     def requests_seen() -> float:
         return loop.snapshot.get("requests_total", 0.0)

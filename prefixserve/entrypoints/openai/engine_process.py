@@ -37,9 +37,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.admission import Admission, AdmissionLimits
 from prefixserve.engine.gc_tuning import GcPauses
-from prefixserve.engine.host_trim import IdleTrim
 from prefixserve.entrypoints.openai.engine_thread import (
     IDLE_WAIT_S,
     EngineLoop,
@@ -56,6 +54,8 @@ from prefixserve.entrypoints.openai.engine_thread import (
 )
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.serving.admission import Admission, AdmissionLimits
+from prefixserve.serving.host_trim import IdleTrim
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class _EngineChild:
         self.engine, self.conn, self.admission = engine, conn, admission
         self.encoder = OutputEncoder()
         self.paced: dict[str, Any] = {}  # streamed requests with a reader that paces them -> Request
-        self.trim = IdleTrim()  # freed heap back to the OS after a burst (engine/host_trim.py)
+        self.trim = IdleTrim()  # freed heap back to the OS after a burst (serving/host_trim.py)
         self.gc = GcPauses()  # this process's GC passes, in its snapshots
         self.send_s = self.send_longest = 0.0  # time spent sending outputs (the server not reading)
         self.last_snapshot = 0.0

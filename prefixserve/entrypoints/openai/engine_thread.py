@@ -8,7 +8,7 @@ Commands are applied in order, so an abort sent after an add always finds its re
 any callable on the engine thread between two steps (registering a Prompt Cache schema runs forwards,
 so it must happen there); commands still queued when the thread stops fail with EngineStopped.
 
-Overload (``engine/admission.py``): with ``limits``, the loop keeps an ``Admission`` beside the engine;
+Overload (``serving/admission.py``): with ``limits``, the loop keeps an ``Admission`` beside the engine;
 an add past the waiting queue's bounds fails with ``QueueFull``, and before each step the requests
 that cannot start by their deadline are dropped (they end with finish_reason ``DEADLINE_REASON``).
 After every step, and after a batch of adds, the loop publishes the queue (``queue_state``, a
@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from prefixserve.engine import Engine
-from prefixserve.engine.admission import Admission, AdmissionLimits, QueueFull, QueueState
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.pooling_params import PoolingParams
 from prefixserve.promptcache.pml import PMLError
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.serving.admission import Admission, AdmissionLimits, QueueFull, QueueState
 
 log = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ _GAUGES = {
     "gpu_memory_reserved_bytes": ("gpu_memory_reserved_bytes", "CUDA memory the caching allocator holds"),
     "module_blocks_gpu": ("module_blocks_gpu", "KV blocks holding encoded prompt modules"),
     "module_entries_host": ("module_entries_host", "prompt module pieces kept in host memory"),
-    # overload (engine/admission.py): absent without an admission (then 0)
+    # overload (serving/admission.py): absent without an admission (then 0)
     "waiting_prompt_tokens": ("num_waiting_prompt_tokens", "prompt tokens waiting requests have to compute"),
     "queue_wait_estimate_seconds": (
         "queue_wait_estimate_seconds",
@@ -246,7 +246,7 @@ class ServerMetrics:
         )
         self.idle_trim = Histogram(
             f"{PREFIX}_http_idle_trim_seconds",
-            "the HTTP process's trims once idle (a full GC pass, then malloc_trim; engine/host_trim.py)",
+            "the HTTP process's trims once idle (a full GC pass, then malloc_trim; serving/host_trim.py)",
             buckets=(0.001, 0.0025, *_LATENCY_BUCKETS),
             registry=self.registry,
         )

@@ -2,7 +2,7 @@
 streams.
 
 The queue's bounds, its drain rates and the dropping of requests that cannot start by their deadline
-live with the engine (``engine/admission.py``: one place that sees every arrival and every step, in
+live with the engine (``serving/admission.py``: one place that sees every arrival and every step, in
 either engine mode), and its check is the exact one. But it runs between engine steps, and a step
 with big prefills takes seconds, so a request refused there waits that long to hear so. This module
 turns the engine's decisions into HTTP, and takes most refusals off the engine's path:
@@ -43,7 +43,10 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import Counter
 from starlette.types import Message, Send
 
-from prefixserve.engine.admission import (
+from prefixserve.entrypoints.openai.engine_thread import EngineLoop
+from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.outputs import RequestOutput
+from prefixserve.serving.admission import (
     DEADLINE_REASON,
     AdmissionLimits,
     QueueFull,
@@ -53,10 +56,7 @@ from prefixserve.engine.admission import (
     retry_after_s,
     start_wait,
 )
-from prefixserve.engine.slot_schedule import slot_wait
-from prefixserve.entrypoints.openai.engine_thread import EngineLoop
-from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.outputs import RequestOutput
+from prefixserve.serving.slot_schedule import slot_wait
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from typing import Any
 import uvicorn
 
 from prefixserve.config import EngineConfig
-from prefixserve.engine.admission import AdmissionLimits
 from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.openai.app import MAX_BODY_BYTES, build_app
 from prefixserve.entrypoints.openai.batch_routes import BatchSettings
@@ -33,6 +32,7 @@ from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.overload import OverloadSettings
 from prefixserve.entrypoints.openai.responses import ResponseStore
 from prefixserve.entrypoints.serve_args import uvicorn_options
+from prefixserve.serving.admission import AdmissionLimits
 
 __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]
 

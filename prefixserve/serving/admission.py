@@ -55,8 +55,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from prefixserve.engine.slot_schedule import SlotSchedule, slot_wait
 from prefixserve.sequence import Request, SeqStatus
+from prefixserve.serving.slot_schedule import SlotSchedule, slot_wait
 
 log = logging.getLogger(__name__)
 
