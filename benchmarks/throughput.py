@@ -157,7 +157,7 @@ def main() -> None:
 
 
 def attainable_tok_s(b: int, p: int, own: int, gen: int, dense: dict, model: str) -> float | None:
-    """Tokens/s of the attainable decode step (DESIGN.md): the step's bare graphed matmuls at B
+    """Tokens/s of the attainable decode step (docs/kernels.md §5): the step's bare graphed matmuls at B
     (``dense.json``, same GPU kind) plus every layer's attention at its T*, the larger of its KV bytes
     over the copy bandwidth and its FLOPs over the GEMM rate (both measured in dense.json's run), at
     the mean own length of the decode (own + gen / 2): the prefix read once, each own part once."""

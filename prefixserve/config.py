@@ -98,7 +98,7 @@ class EngineConfig:
     # --chat-template): a file's path, or the template itself; held as the template's text
     chat_template: str | None = None
     # a thinking model's <think> ... </think> answered apart as reasoning_content (vLLM's
-    # --reasoning-parser; entrypoints/openai/reasoning.py); None: the output as it is
+    # --reasoning-parser; protocols/openai/reasoning.py); None: the output as it is
     reasoning_parser: str | None = None
     # a chat request's own chat_template renders it (vLLM's --trust-request-chat-template); off: a
     # request that sends one is refused, as a template runs code-like logic chosen by the client

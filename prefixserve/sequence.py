@@ -67,7 +67,6 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, grown as tokens arrive
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    grammar: Any = None  # structured outputs: the grammar matcher, advanced as each token is placed
 
     @property
     def num_tokens(self) -> int:
@@ -163,10 +162,10 @@ class Request:
     streamed: bool = False  # a progress output has gone out (the first one goes at once)
     modules: HeldModules | None = None  # a Prompt Cache prompt's reused module blocks
     error: str | None = None  # why it finished with "error", where the engine knows
-    prompt_logprobs: Any = None  # engine/prompt_logprobs.PromptLogprobState when asked for
-    bad_words_ids: list[list[int]] | None = None  # ``params.bad_words`` encoded at intake (bad_words.py)
-    thinking_budget: Any = None  # sampling/thinking_budget.ThinkingBudget, for thinking_token_budget
-    pooling: Any = None  # engine/pooling.PoolState: an embedding request's pooling (PoolingParams)
+    # each request rule's state, by the rule's name, where the rule applies to the request (bad words'
+    # encoded ids, a thinking budget, grammar matchers by sample, prompt logprobs, pooling): made at
+    # intake, read back by the rule alone (``sampling/rules.py``, ``engine/output_rules.py``)
+    rules: dict[str, Any] = field(default_factory=dict)
     _reported_prompt: TokenArray | None = field(default=None, repr=False)
     param_flags: int = field(init=False)  # what the step checks ask of ``params`` (sampling/params.py)
 

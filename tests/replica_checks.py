@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 
-from prefixserve.distributed.serve_ingress import INGRESS_HEADER, REPLICA_HEADER
+from prefixserve.ray_scaleout.serve_ingress import INGRESS_HEADER, REPLICA_HEADER
 from tests.conftest import wait_ray_idle
 
 
@@ -24,7 +24,7 @@ def app_on_serve(url: str, app: Any, replicas: int) -> Iterator[str]:
     the next module's application starts on an idle Ray."""
     from ray import serve
 
-    from prefixserve.distributed.serve_app import APP_NAME
+    from prefixserve.ray_scaleout.serve_app import APP_NAME
 
     wait_ray_idle()
     serve.run(app, name=APP_NAME, route_prefix="/")
@@ -103,7 +103,7 @@ def replica_info(name: str) -> dict[str, Any]:
     """A replica's incarnation, its process id and its engine's (``EngineReplica.info``)."""
     from ray import serve
 
-    from prefixserve.distributed.serve_app import APP_NAME
+    from prefixserve.ray_scaleout.serve_app import APP_NAME
 
     handle = serve.get_deployment_handle(name, app_name=APP_NAME)
     return dict(handle.info.remote().result())

@@ -24,14 +24,14 @@ anthropic = pytest.importorskip("anthropic")  # a test extra (the GPU image has 
 from anthropic.lib.streaming._messages import accumulate_event  # noqa: E402
 from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent  # noqa: E402
 
-from prefixserve.entrypoints.openai.anthropic_messages import count_tokens, prepare_message  # noqa: E402
-from prefixserve.entrypoints.openai.anthropic_request import MessagesRequest, chat_messages  # noqa: E402
-from prefixserve.entrypoints.openai.anthropic_stream import message_stream  # noqa: E402
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat  # noqa: E402
-from prefixserve.entrypoints.openai.protocol import APIError  # noqa: E402
 from prefixserve.entrypoints.openai.server import ServerThread  # noqa: E402
 from prefixserve.model.byte_tokenizer import byte_tokenizer  # noqa: E402
 from prefixserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from prefixserve.protocols.anthropic.prepare import count_tokens, prepare_message  # noqa: E402
+from prefixserve.protocols.anthropic.request import MessagesRequest, chat_messages  # noqa: E402
+from prefixserve.protocols.anthropic.stream import message_stream  # noqa: E402
+from prefixserve.protocols.errors import APIError  # noqa: E402
+from prefixserve.protocols.openai.prepare import OpenAIContext, prepare_chat  # noqa: E402
 
 WEATHER = {
     "name": "weather",

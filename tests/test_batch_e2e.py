@@ -127,7 +127,7 @@ def _rows() -> list[dict | str]:
 
 @pytest.mark.slow
 def test_batch_file_answers_like_the_server_and_resumes(default_llm: LLM, tmp_path: Path):
-    from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, response_body
+    from prefixserve.protocols.openai.prepare import OpenAIContext, prepare, response_body
 
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _batch_file(src, _rows())

@@ -55,7 +55,7 @@ def _choices(path: Path) -> dict[str, list]:
 
 
 def test_ray_replicas_match_one_process_and_resume(local_ray, tiny_config_path: Path, tmp_path: Path) -> None:
-    from prefixserve.distributed.ray_batch import run_batch_file_ray
+    from prefixserve.ray_scaleout.ray_batch import run_batch_file_ray
 
     src, one, many = tmp_path / "in.jsonl", tmp_path / "one.jsonl", tmp_path / "ray.jsonl"
     _input(src)
@@ -72,7 +72,7 @@ def test_ray_replicas_match_one_process_and_resume(local_ray, tiny_config_path: 
 
 
 def test_ray_data_map_batches(local_ray, tiny_config_path: Path) -> None:
-    from prefixserve.distributed.ray_batch import PrefixserveProcessor
+    from prefixserve.ray_scaleout.ray_batch import PrefixserveProcessor
 
     head = "Answer with one word. The question is about colours: "
     prompts = [head + q for q in ("sky?", "grass?", "snow?", "coal?")]

@@ -25,7 +25,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @st.composite
 def batches(draw):
-    """(block_size, tables, seq_lens, query_lens) with one of the sharing structures of DESIGN.md."""
+    """(block_size, tables, seq_lens, query_lens) with a sharing structure of docs/architecture.md."""
     bs = draw(st.sampled_from([2, 4]))
     kind = draw(st.sampled_from(["global", "tree", "groups", "modules", "none"]))
     num_seqs = draw(st.integers(1, 6))

@@ -18,7 +18,9 @@ FORBIDDEN = (
     "prefixserve.sequence",
     "prefixserve.scheduler",
     "prefixserve.outputs",
+    "prefixserve.protocols",
     "prefixserve.entrypoints",
+    "prefixserve.ray_scaleout",
 )
 
 

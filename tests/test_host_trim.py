@@ -107,8 +107,8 @@ def test_idle_frees_finished_requests_cycles_before_the_trim(no_kept_memory: Non
     class Held:  # something the request holds (its slots take no weak reference themselves)
         pass
 
-    req.prompt_logprobs = Held()
-    gone = weakref.ref(req.prompt_logprobs)
+    req.rules["held"] = Held()
+    gone = weakref.ref(req.rules["held"])
     order: list[str] = []
     trim = IdleTrim(trim=lambda: order.append("trim" if gone() is None else "trim before the collect"))
     del req

@@ -92,7 +92,7 @@ def test_engine_prompts_open_with_one_bos(bos_model: Path) -> None:
 def test_a_chats_add_special_tokens_as_vllm_takes_it() -> None:
     """A chat whose template writes no BOS: unset or true puts the tokenizer's in front (once), false
     encodes the rendered text alone; /tokenize's messages count the same ids."""
-    from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat, prompt_ids
+    from prefixserve.protocols.openai.prepare import OpenAIContext, prepare_chat, prompt_ids
 
     tok = _bos_tokenizer()
     tok.chat_template = TEMPLATE.replace("{{ bos_token }}", "")

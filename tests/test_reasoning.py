@@ -24,20 +24,16 @@ from anthropic.lib.streaming._messages import accumulate_event  # noqa: E402
 from anthropic.types import Message, RawMessageStreamEvent  # noqa: E402
 
 from prefixserve.config import EngineConfig  # noqa: E402
-from prefixserve.entrypoints.openai.anthropic_messages import prepare_message  # noqa: E402
-from prefixserve.entrypoints.openai.anthropic_stream import message_stream  # noqa: E402
-from prefixserve.entrypoints.openai.prepare import (  # noqa: E402
-    OpenAIContext,
-    prepare_chat,
-    response_body,
-    stream_state,
-)
-from prefixserve.entrypoints.openai.reasoning import ReasoningSplit, Thinking  # noqa: E402
-from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response  # noqa: E402
-from prefixserve.entrypoints.openai.responses_stream import response_stream  # noqa: E402
 from prefixserve.entrypoints.openai.server import ServerThread, build_app  # noqa: E402
 from prefixserve.model.byte_tokenizer import byte_tokenizer  # noqa: E402
 from prefixserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from prefixserve.protocols.anthropic.prepare import prepare_message  # noqa: E402
+from prefixserve.protocols.anthropic.stream import message_stream  # noqa: E402
+from prefixserve.protocols.openai.prepare import OpenAIContext, prepare_chat, response_body, stream_state  # noqa: E402
+from prefixserve.protocols.openai.reasoning import ReasoningSplit, Thinking  # noqa: E402
+from prefixserve.protocols.responses.prepare import prepare_response  # noqa: E402
+from prefixserve.protocols.responses.store import ResponseStore  # noqa: E402
+from prefixserve.protocols.responses.stream import response_stream  # noqa: E402
 
 TOKENIZER = byte_tokenizer()
 SPLITS = [  # (opened by the prompt, output) -> (reasoning, answer)

@@ -27,8 +27,8 @@ httpx = pytest.importorskip("httpx")
 import replica_checks as rc  # noqa: E402
 
 from prefixserve.config import EngineConfig  # noqa: E402
-from prefixserve.distributed.serve_app import serve_app  # noqa: E402
-from prefixserve.distributed.serve_ingress import REPLICA_HEADER  # noqa: E402
+from prefixserve.ray_scaleout.serve_app import serve_app  # noqa: E402
+from prefixserve.ray_scaleout.serve_ingress import REPLICA_HEADER  # noqa: E402
 
 SHARED = "You are a careful assistant for the travel desk. " * 12  # a long shared system prompt
 UI = "https://ui.example"  # a browser page's origin the ingress lets call it (CORS)

@@ -26,8 +26,8 @@ openai = pytest.importorskip("openai")
 import replica_checks as rc  # noqa: E402
 
 from prefixserve.config import EngineConfig  # noqa: E402
-from prefixserve.distributed.serve_app import default_ingress_replicas, serve_app  # noqa: E402
-from prefixserve.distributed.serve_ingress import REPLICA_HEADER  # noqa: E402
+from prefixserve.ray_scaleout.serve_app import default_ingress_replicas, serve_app  # noqa: E402
+from prefixserve.ray_scaleout.serve_ingress import REPLICA_HEADER  # noqa: E402
 
 SHARED = "Answer as the harbour master would, in one short sentence. " * 12
 

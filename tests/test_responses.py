@@ -27,16 +27,17 @@ import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from prefixserve.entrypoints.openai import responses as responses_mod
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare_chat
-from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
 from prefixserve.entrypoints.openai.responses_background import BackgroundRuns, EventLog, FirstOutput
-from prefixserve.entrypoints.openai.responses_request import input_messages
-from prefixserve.entrypoints.openai.responses_stream import response_stream
 from prefixserve.entrypoints.openai.server import ServerThread
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.prepare import OpenAIContext, prepare_chat
+from prefixserve.protocols.responses import prepare as responses_mod
+from prefixserve.protocols.responses.prepare import prepare_response
+from prefixserve.protocols.responses.request import input_messages
+from prefixserve.protocols.responses.store import ResponseStore
+from prefixserve.protocols.responses.stream import response_stream
 
 WEATHER = {
     "type": "function",

@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.distributed.router import PrefixIndex, Router, RoutingPolicy
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.cache_events import (
     MAX_CONSUMERS,
@@ -18,6 +17,7 @@ from prefixserve.kv.cache_events import (
     enable_cache_events,
     prompt_digests,
 )
+from prefixserve.ray_scaleout.router import PrefixIndex, Router, RoutingPolicy
 
 BS = 4  # block size of the engines below: short prompts fill several blocks
 
@@ -248,7 +248,7 @@ def test_replica_metrics_merge_into_one_family_each_with_a_replica_label() -> No
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from prefixserve.distributed.serve_metrics import merge_replica_metrics
+    from prefixserve.ray_scaleout.serve_metrics import merge_replica_metrics
 
     texts = {}
     for name, count in (("replica-0", 2), ("replica-1", 5)):

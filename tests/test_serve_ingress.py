@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from prefixserve.distributed.serve_ingress import ReplicaSet
-from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.kv.cache_events import CacheEvents
+from prefixserve.protocols.errors import APIError
+from prefixserve.ray_scaleout.serve_ingress import ReplicaSet
 
 
 class _Method:
@@ -117,9 +117,9 @@ def test_routing_digests_are_the_ones_the_engine_caches(tiny_config_path: Any) -
     import json
 
     from prefixserve import LLM, SamplingParams
-    from prefixserve.distributed.serve_ingress import IngressCore
-    from prefixserve.entrypoints.openai.anthropic_messages import prepare_message
-    from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare
+    from prefixserve.protocols.anthropic.prepare import prepare_message
+    from prefixserve.protocols.openai.prepare import OpenAIContext, prepare
+    from prefixserve.ray_scaleout.serve_ingress import IngressCore
 
     system = "You answer questions about trains, briefly and politely. " * 3
     llm = LLM(
@@ -178,7 +178,7 @@ def test_a_reset_answers_for_every_replica(answers: dict, status: int, reset: bo
     from starlette.requests import Request
     from starlette.responses import JSONResponse
 
-    from prefixserve.distributed.serve_ingress import IngressCore
+    from prefixserve.ray_scaleout.serve_ingress import IngressCore
 
     core = IngressCore.__new__(IngressCore)  # only the broadcast: no Ray, no tokenizer
     core.replicas = SimpleNamespace(healthy=set(answers))
@@ -205,9 +205,9 @@ def test_a_reset_answers_for_every_replica(answers: dict, status: int, reset: bo
 
 
 def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it() -> None:
-    from prefixserve.distributed.serve_objects import named_owner
-    from prefixserve.entrypoints.openai.protocol import object_id
-    from prefixserve.entrypoints.openai.responses import ResponseStore
+    from prefixserve.protocols.ids import object_id
+    from prefixserve.protocols.responses.store import ResponseStore
+    from prefixserve.ray_scaleout.serve_objects import named_owner
 
     rid = ResponseStore(tag="replica-1").new_id()
 
@@ -237,8 +237,9 @@ def test_lists_merge_every_replicas_pages() -> None:
     """Each replica's whole list is read page by page, merged by creation, then paged for the client."""
     from urllib.parse import parse_qs
 
-    from prefixserve.distributed.serve_objects import merged_list
-    from prefixserve.entrypoints.openai.protocol import APIError, page
+    from prefixserve.protocols.errors import APIError
+    from prefixserve.protocols.openai.lists import page
+    from prefixserve.ray_scaleout.serve_objects import merged_list
 
     held = {
         "r0": [{"id": f"batch_r0_{k:032x}", "created_at": 10 + 2 * k} for k in range(150)],
@@ -272,8 +273,8 @@ def test_message_batch_lists_merge_with_anthropic_cursors() -> None:
     server pages its own; each replica read through its own cursor."""
     from urllib.parse import parse_qs
 
-    from prefixserve.distributed.serve_objects import merged_list
-    from prefixserve.entrypoints.openai.message_batches import anthropic_page
+    from prefixserve.protocols.anthropic.message_batches import anthropic_page
+    from prefixserve.ray_scaleout.serve_objects import merged_list
 
     def when(k: int) -> str:
         return f"2026-11-28T10:{k // 60:02d}:{k % 60:02d}Z"
@@ -303,7 +304,7 @@ def test_message_batch_lists_merge_with_anthropic_cursors() -> None:
 
 
 def test_store_tags_are_names() -> None:
-    from prefixserve.entrypoints.openai.responses import ResponseStore
+    from prefixserve.protocols.responses.store import ResponseStore
 
     with pytest.raises(ValueError, match="tag"):
         ResponseStore(tag="a_b")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from prefixserve.distributed.serve_replica import call_asgi
+from prefixserve.ray_scaleout.serve_replica import call_asgi
 
 
 def _app(chunks: list[bytes], pause: float) -> Any:

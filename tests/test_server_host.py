@@ -16,11 +16,11 @@ import openai
 import pytest
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai import server as server_mod
 from prefixserve.entrypoints.openai.answering import stream_events
 from prefixserve.entrypoints.openai.server import ServerThread, build_app, http_options
 from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.protocols.openai import format as fmt
 
 
 def _state(chat: bool, n: int = 1, include_usage: bool = True) -> fmt.StreamState:

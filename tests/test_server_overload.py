@@ -32,8 +32,8 @@ import uvicorn
 from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.openai.metrics import PATH_STAGES
 from prefixserve.entrypoints.openai.overload import QUEUE_DELAY_HEADER, OverloadSettings, queue_deadline
-from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.server import GracefulServer, ServerThread, build_app, overload_settings
+from prefixserve.protocols.errors import APIError
 from prefixserve.serving.admission import AdmissionLimits
 from tests.conftest import TINY_CONFIG
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from prefixserve.entrypoints.openai.text_tokens import TextTokens
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.loader import load_tokenizer
+from prefixserve.protocols.openai.text_tokens import TextTokens
 
 TEXTS = [
     "Voilà 🚲🚲 ok, naïve café — 東京",

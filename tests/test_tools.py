@@ -10,17 +10,18 @@ from typing import Any
 
 import pytest
 
-from prefixserve.entrypoints.openai.prepare import (
+from prefixserve.model.byte_tokenizer import byte_tokenizer
+from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.prepare import (
     OpenAIContext,
     prepare,
     prepare_chat,
     response_body,
     stream_state,
 )
-from prefixserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest, parse_request
-from prefixserve.entrypoints.openai.tools import conversation, parse_calls, read_tools, tool_message
-from prefixserve.model.byte_tokenizer import byte_tokenizer
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.protocols.openai.request_models import ChatCompletionRequest, parse_request
+from prefixserve.protocols.openai.tools import conversation, parse_calls, read_tools, tool_message
 
 pytest.importorskip("xgrammar")
 
@@ -314,7 +315,8 @@ def test_names_reasoning_and_effort_reach_the_template() -> None:
 
 
 def test_a_responses_structured_outputs_constrains_it(ctx: OpenAIContext) -> None:
-    from prefixserve.entrypoints.openai.responses import ResponseStore, prepare_response
+    from prefixserve.protocols.responses.prepare import prepare_response
+    from prefixserve.protocols.responses.store import ResponseStore
 
     call = prepare_response(
         ctx, {"input": "Pick", "structured_outputs": {"choice": ["a", "b"]}}, ResponseStore()

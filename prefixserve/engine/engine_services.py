@@ -6,19 +6,18 @@ module holds only requests and the order of a step."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from prefixserve.engine.request_rules import structured_decoding
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
 from prefixserve.engine.warmup import warm_decode_graphs, warm_mixed_steps
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.cache_events import DEFAULT_CONSUMER, CacheEvents, enable_cache_events
 from prefixserve.promptcache.pml import is_pml_prompt
+from prefixserve.sampling.rules import RuleSet
 from prefixserve.worker.cuda_graph import DecodeGraphs
-
-if TYPE_CHECKING:
-    from prefixserve.structured.decoding import StructuredDecoding
 
 
 class EngineServices:
@@ -30,7 +29,7 @@ class EngineServices:
     modules: Any
     tokenizer: Any
     stats: Any
-    structured: StructuredDecoding | None
+    rules: RuleSet
     model_config: Any
     config: Any
     eos_ids: set[int]
@@ -100,19 +99,15 @@ class EngineServices:
     def list_schemas(self) -> list[dict[str, Any]]:
         return self.modules.list_schemas()
 
-    def _structured(self) -> StructuredDecoding:
-        """Structured decoding, set up at the first constrained request (xgrammar is imported then)."""
-        if self.structured is None:
-            from prefixserve.structured.decoding import StructuredDecoding
+    @property
+    def structured(self) -> Any:
+        """Structured decoding's engine-wide part (grammar cache, mask buffers, the fill's worker), as
+        tests and probes inspect it; None before the first constrained request."""
+        return structured_decoding(self.rules)
 
-            self.structured = StructuredDecoding(
-                self.tokenizer,
-                self.model_config.vocab_size,
-                self.eos_ids,
-                device=self.runner.device,
-                rows=self.config.max_num_seqs,
-            )
-        return self.structured
+    def _structured(self) -> Any:
+        """Structured decoding, set up now if no constrained request has yet (xgrammar is imported then)."""
+        return structured_decoding(self.rules, self.tokenizer)
 
     def is_pml_prompt(self, prompt: str) -> bool:
         """A text prompt that is a Prompt Cache ``<prompt schema=...>`` document."""

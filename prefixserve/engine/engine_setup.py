@@ -1,6 +1,7 @@
 """Building an Engine: the model runner (one device, or rank 0 of tensor-parallel workers), the
 tokenizer, the KV pool and block manager, the scheduler and its policy, launch-ahead's choice, the
-Prompt Cache's modules and host tier, the prefix cache's spill, pinned system prompts and schemas.
+Prompt Cache's modules and host tier, the prefix cache's spill, pinned system prompts and schemas,
+the request and output rules (``request_rules``: the features the loop calls through one interface).
 
 ``Engine`` (``llm_engine``) inherits it, so the loop's module holds only requests and the order of a
 step; ``_set_up`` wires the scheduler's hooks to the loop's own methods (``_refuse``,
@@ -9,15 +10,14 @@ step; ``_set_up`` wires the scheduler's hooks to the loop's own methods (``_refu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.in_flight import InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
 from prefixserve.engine.module_holds import WaitingModuleHolds
-from prefixserve.engine.pooling import Pooler
-from prefixserve.engine.prompt_logprobs import PromptLogprobs
+from prefixserve.engine.request_rules import output_rules, request_rules
 from prefixserve.engine.speculative import Speculator
 from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
@@ -31,9 +31,6 @@ from prefixserve.scheduler.scheduler import Scheduler
 from prefixserve.scheduler.sliding_pages import SlidingPages
 from prefixserve.sequence import Request
 from prefixserve.worker.model_runner import ModelRunner, context_length
-
-if TYPE_CHECKING:
-    from prefixserve.structured.decoding import StructuredDecoding
 
 
 class EngineSetup:
@@ -73,12 +70,10 @@ class EngineSetup:
             sliding = SlidingPages(self.pool, layout.sliding_groups, layout.window)
         self.blocks = BlockManager(self.pool, config.enable_prefix_caching, sliding)
         self.max_model_len = min(context, self.blocks.max_tokens(num_blocks))
-        self.prompt_logprobs = PromptLogprobs(self.device, bs)  # echo / prompt_logprobs rows
-        self.pooler = Pooler(bs)  # embedding requests
-        # what reads a step's prompt rows before the sampling takes them; the block manager asks
-        # them how far a prefix-cache hit may go (their kept per-block results)
-        self.prompt_readers = (self.prompt_logprobs, self.pooler)
-        self.blocks.row_keepers = list(self.prompt_readers)
+        # what reads a step's prompt rows before the sampling takes them (prompt logprobs, pooling);
+        # the block manager asks them how far a prefix-cache hit may go (their kept per-block results)
+        self.output_rules = output_rules(self.device, bs)
+        self.blocks.row_keepers = list(self.output_rules.rules)
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_batched_tokens,
@@ -106,7 +101,12 @@ class EngineSetup:
         # requests whose recovery rows are still to compute: steps look at the batch only if any
         self._to_recover: set[Request] = set()
         self._finished_outputs: list[RequestOutput] = []
-        self.structured: StructuredDecoding | None = None  # made at the first constrained request
+        # what a request asks of its sampling beyond the sampler's params (grammars, min_tokens, bad
+        # words, thinking budgets): admitted at intake, asked at each step (``sampling/rules.py``)
+        vocab = self.model_config.vocab_size
+        self.rules = request_rules(
+            self.eos_ids, vocab, self.runner.device, config.max_num_seqs, config.reasoning_parser
+        )
         self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
         holds = WaitingModuleHolds(self.modules, self.requests, self._to_recover, self._fail_request)
         self.scheduler.reclaim, self.scheduler.ready = holds.reclaim, holds.ready
@@ -118,9 +118,8 @@ class EngineSetup:
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
             self.blocks.restore = self.spill.restore
         self.system_prompt_kv: dict[str, SystemPromptKV] = {}
-        vocab, requests = self.model_config.vocab_size, self.requests
         self.input_processor = InputProcessor(
-            self.runner, self.modules, self.system_prompt_kv, requests, vocab, bs, config.reasoning_parser
+            self.runner, self.modules, self.system_prompt_kv, self.requests, vocab, bs, self.rules
         )
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)

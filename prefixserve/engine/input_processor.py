@@ -3,6 +3,9 @@ checked ``Request`` with its first sequence, or a ValueError naming the problem.
 
 As vLLM v1's ``input_processor.py``: everything about a request is decided here, before the engine
 queues it, so a refused request leaves nothing behind (a PML prompt's module blocks are given back).
+The features a request asks of its sampling (a grammar, bad words, a thinking budget) are its request
+rules': each may refuse the params (``RuleSet.check``) and makes its state once the prompt's tokens
+are known (``RuleSet.admit``); this module names none of them.
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.promptcache.recompute import parse_recompute
 from prefixserve.promptcache.store import ModulePrompt, PromptModules
-from prefixserve.sampling.bad_words import encode_bad_words
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sampling.thinking_budget import thinking_budget
+from prefixserve.sampling.rules import RuleSet
 from prefixserve.sequence import HeldModules, Request, Sequence, TokenArray, counting_positions, token_array
 from prefixserve.worker.model_runner import ModelRunner
 
@@ -73,12 +75,12 @@ class InputProcessor:
         requests: dict[str, Request],
         vocab_size: int,
         block_size: int,
-        reasoning_parser: str | None = None,
+        rules: RuleSet | None = None,
     ) -> None:
         self.runner, self.modules, self.requests = runner, modules, requests
         self.system_prompt_kv = system_prompt_kv
         self.vocab_size, self.block_size = vocab_size, block_size
-        self.reasoning_parser = reasoning_parser  # what thinking_token_budget needs
+        self.rules = rules if rules is not None else RuleSet(())  # the engine's request rules
         self._next_seq_id = 0
 
     def process(
@@ -100,6 +102,7 @@ class InputProcessor:
         A PML prompt's module blocks are held from here on (by the request, until it ends), or from
         its admission where the pool has no room for them now (``engine/module_holds.py``)."""
         params = params or SamplingParams()
+        self.rules.check(params, tokenizer)  # refused, or prepared for (a grammar compiled)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             bad = max(params.logit_bias)
             raise ValueError(f"logit_bias names token id {bad}, not in the vocabulary [0, {self.vocab_size})")
@@ -108,14 +111,6 @@ class InputProcessor:
             raise ValueError(
                 f"allowed_token_ids names token id {bad}, not in the vocabulary [0, {self.vocab_size})"
             )
-        bad_words = None
-        if params.bad_words:
-            if tokenizer is None:
-                raise ValueError(
-                    "bad_words needs a tokenizer: this model has none (ban token ids with logit_bias)"
-                )
-            bad_words = encode_bad_words(params.bad_words, tokenizer)
-        self._check_thinking(params, tokenizer)
         truncate = params.truncate_prompt_tokens
         if truncate is not None and (application is not None or prompt_positions is not None):
             raise ValueError(
@@ -139,8 +134,7 @@ class InputProcessor:
                 req = self._request(
                     request_id, prompt, params, tokens, positions, cache_salt, stream, mp, max_model_len
                 )
-                req.bad_words_ids = bad_words
-                req.thinking_budget = thinking_budget(params, tokenizer, tokens, self.reasoning_parser)
+                self.rules.admit(req, tokenizer)
                 return req
             except BaseException:
                 self.modules.release(mp.blocks)
@@ -171,28 +165,8 @@ class InputProcessor:
         if system is not None and prompt_positions is None and cache_salt is None:
             # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
             req.sequences[0].block_digests = list(system.digests)
-        req.bad_words_ids = bad_words
-        req.thinking_budget = thinking_budget(params, tokenizer, tokens, self.reasoning_parser)
+        self.rules.admit(req, tokenizer)
         return req
-
-    def _check_thinking(self, params: SamplingParams, tokenizer: Any) -> None:
-        """A thinking budget needs a reasoning parser (which says where a model's thinking is) and a
-        tokenizer (the tags' ids)."""
-        if params.thinking_token_budget is None:
-            return
-        if self.reasoning_parser is None:
-            raise ValueError(
-                "thinking_token_budget needs a reasoning parser: start the engine with one "
-                "(--reasoning-parser, EngineConfig.reasoning_parser)"
-            )
-        if tokenizer is None:
-            raise ValueError("thinking_token_budget needs a tokenizer: this model has none")
-        so = params.structured_outputs
-        if so is not None and so.after_thinking is None:  # the forced end tag would break the grammar
-            raise ValueError(
-                "thinking_token_budget with structured outputs needs the constraint after the thought: "
-                "set structured_outputs.after_thinking ('opened' or 'optional'; chats set it themselves)"
-            )
 
     def _request(
         self,

@@ -5,10 +5,13 @@ Callers (the LLM API, the CLI, the server) drive an Engine through ``add_request
 module owns the requests and the order of a step, as vLLM v1's ``EngineCore`` does; features sit at
 the edges: intake (``input_processor``), step inputs (``step_inputs``), launch-ahead placeholders
 (``in_flight``), token placing and stops (``Scheduler.update_from_output``), metrics (``stats``),
-applications' system prompts (``system_prompts``); building it (runner, pool, scheduler, Prompt
-Cache, pinned prompts) is ``engine_setup``; what the engine offers besides the loop (device
-properties, schemas, pinned prompts, metrics, cache events) is ``engine_services``; the Prompt Cache's
-store and device calls live in ``promptcache/``.
+applications' system prompts (``system_prompts``); what a request asks beyond the sampler's params
+(grammars, bans, budgets; prompt logprobs, embeddings) is its request and output rules', called once
+per hook through ``self.rules`` and ``self.output_rules`` (assembled in ``request_rules``: this module
+imports no rule); building it (runner, pool, scheduler, Prompt Cache, pinned prompts) is
+``engine_setup``; what the engine offers besides the loop (device properties, schemas, pinned
+prompts, metrics, cache events) is ``engine_services``; the Prompt Cache's store and device calls live
+in ``promptcache/``.
 """
 
 from __future__ import annotations
@@ -16,32 +19,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from prefixserve.engine.engine_services import EngineServices
 from prefixserve.engine.engine_setup import EngineSetup
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep
 from prefixserve.engine.output_processor import request_output
-from prefixserve.engine.pooling import embedding_request
 from prefixserve.engine.speculative import give_back, place_verified
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
 from prefixserve.model.parallel import WorkerDiedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.pooling_params import PoolingParams
-from prefixserve.sampling.bad_words import bad_words_ban, joined, waits_for_tokens
-from prefixserve.sampling.min_tokens import min_tokens_ban
-from prefixserve.sampling.params import SamplingParams, leading_rows
+from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.sampler import SampleResult
-from prefixserve.sampling.thinking_budget import thinking_force
-from prefixserve.sampling.thinking_budget import waits_for_tokens as budget_waits
 from prefixserve.scheduler.groups import GroupJob
 from prefixserve.scheduler.policy import check_priority
 from prefixserve.scheduler.scheduler import SchedulerOutput
 from prefixserve.sequence import Request, SeqStatus, Sequence, token_array
 from prefixserve.worker.model_runner import PrevTokenFeed, StepBatch
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +73,8 @@ class Engine(EngineSetup, EngineServices):
         ``pooling``: an embedding request (``params`` None): its output's ``embedding``, no completion.
         """
         check_priority(priority, self.config.scheduling_policy)
-        if pooling is not None:
-            params = embedding_request(pooling, params, prompt)
-        if params is not None and params.structured_outputs is not None:
-            self._structured().admit(params.structured_outputs)  # compiled now, or refused
-        req = self.input_processor.process(
+        params = self.output_rules.prepare(params, pooling, prompt)  # an embedding's: one greedy token
+        req = self.input_processor.process(  # the request rules check and admit it there
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
             application, module_recompute, self.tokenizer, self.max_model_len,
         )  # fmt: skip
@@ -97,10 +88,7 @@ class Engine(EngineSetup, EngineServices):
                 raise
         if req.modules is not None and req.modules.recompute_runs:
             self._to_recover.add(req)
-        if req.params.prompt_logprobs is not None:
-            self.prompt_logprobs.add(req)
-        if pooling is not None:
-            self.pooler.add(req, pooling)
+        self.output_rules.admit(req, pooling)
         self.requests[request_id] = req
         if queue:
             self.scheduler.add(req.sequences[0])
@@ -248,35 +236,24 @@ class Engine(EngineSetup, EngineServices):
         feed = PrevTokenFeed(dst, src, ahead_of.launch.tokens) if dst else None
         launch = self.runner.forward(ids, batch, sched.copies, feed)
         self.stats.count_step(batch.meta.stats, len(ids), self.model_config.num_hidden_layers)
-        for reader in self.prompt_readers:  # before the sequences advance and the sampling takes the rows
-            if reader.active:
-                reader.collect(scheduled, num_recompute_rows, launch, self.runner, self.blocks)
+        # prompt rows read before the sequences advance and the sampling takes the rows
+        self.output_rules.collect(scheduled, num_recompute_rows, launch, self.runner, self.blocks)
         launched, rows, params, generators = self.in_flight_tokens.mark_launched(
             scheduled, num_recompute_rows, launch, self.blocks, self._fork_samples, sched.drafts
         )
         launched.sampling = (rows, params, generators)
-        if ahead_of is None or not self._waits_for_tokens(launched.samplers, launched.indices, params):
-            self._sample(launched)  # else at the next step: its masks or bans need ahead_of's tokens
+        # launched ahead, a step whose rules read the tokens ahead of it on the host (a grammar's mask,
+        # a multi-token bad word, a thinking budget within reach) samples at the next step instead
+        if ahead_of is None or not self.rules.waits(launched.samplers, launched.indices, params):
+            self._sample(launched)
         return launched
 
-    def _waits_for_tokens(
-        self, samplers: list[Sequence], indices: list[int], params: list[SamplingParams]
-    ) -> bool:
-        """Does a step's sampling read the tokens ahead of it on the host (a grammar's mask, a
-        multi-token bad word, a thinking budget within reach)?"""
-        grammar = self.structured is not None and self.structured.constrained(samplers)
-        return grammar or waits_for_tokens(samplers, params) or budget_waits(samplers, indices, params)
-
     def _sample(self, launched: LaunchedStep) -> None:
-        """Issue a launched step's sampling; grammar-constrained rows get their token mask first, rows
-        under their ``min_tokens`` a ban on stops."""
+        """Issue a launched step's sampling under its rules' mask and ban (a grammar's token mask,
+        ``min_tokens``' stops, bad words, a thinking budget's forced end)."""
         rows, params, generators = launched.sampling
         launched.sampling = None
-        mask = self.structured.bitmask(launched.samplers) if self.structured is not None else None
-        own = leading_rows(params, len(launched.samplers))  # speculated rows follow, under no ban
-        ban = min_tokens_ban(launched.samplers, launched.indices, own, self.eos_ids)
-        ban = joined(ban, bad_words_ban(launched.samplers, launched.indices, own))
-        ban = joined(ban, thinking_force(launched.samplers, launched.indices, own))
+        mask, ban = self.rules.restrict(launched.samplers, launched.indices, params)
         self.runner.sample(launched.launch, rows, params, generators, launched.sampled_seqs, mask, ban)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:
@@ -347,17 +324,16 @@ class Engine(EngineSetup, EngineServices):
     ) -> None:
         """The scheduler puts the tokens in place, checks stops and frees sequences that stopped.
 
-        Grammar matchers take the tokens first; if ``launched_after``'s sampling waits for its mask,
-        that and its fill go to structured decoding's thread, to overlap all that follows here.
+        The request rules take the tokens first (grammar matchers); ``then``: ``launched_after``'s
+        samplers where its sampling waits for these tokens, so a rule may start its work (a grammar
+        mask's fill, on structured decoding's thread) to overlap all that follows here.
         """
-        if self.structured is not None:
-            after = launched_after
-            then = after.samplers if after is not None and after.sampling is not None else None
-            self.structured.advance(
-                launched.samplers, launched.indices, result.tokens, self.in_flight_tokens.pending, then
-            )
+        after = launched_after
+        then = after.samplers if after is not None and after.sampling is not None else None
+        pending = self.in_flight_tokens.pending
+        self.rules.advance(launched.samplers, launched.indices, result.tokens, pending, then)
         self.scheduler.update_from_output(
-            launched.samplers, launched.indices, result, self.in_flight_tokens.pending,
+            launched.samplers, launched.indices, result, pending,
             self.eos_ids, self.max_model_len, self.tokenizer, self.counters, self.launch_ahead,
         )  # fmt: skip
         if launched.verified:  # speculated sequences: their drafts kept while the samples agree
@@ -422,8 +398,7 @@ class Engine(EngineSetup, EngineServices):
             return False
         del self.requests[req.request_id]
         self._to_recover.discard(req)
-        for reader in self.prompt_readers:
-            reader.discard(req)
+        self.output_rules.discard(req)
         if req.modules is not None and req.modules.blocks:  # the request's own hold on its modules
             self.modules.release(req.modules.blocks)
             req.modules.blocks = []
@@ -432,7 +407,8 @@ class Engine(EngineSetup, EngineServices):
         return True
 
     def _output(self, req: Request) -> RequestOutput:
-        return request_output(req, self.tokenizer, finished=req.request_id not in self.requests)
+        finished = req.request_id not in self.requests
+        return request_output(req, self.tokenizer, finished, self.output_rules)
 
 
 __all__ = ["PLACEHOLDER_TOKEN", "Engine"]

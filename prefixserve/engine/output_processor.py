@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefixserve.detokenizer import decode_output
-from prefixserve.engine.pooling import pooled_embedding
-from prefixserve.engine.prompt_logprobs import prompt_logprob_lists
+from prefixserve.engine.output_rules import OutputRules
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sequence import Request, Sequence
 
@@ -58,8 +57,11 @@ def sample_text(seq: Sequence, tokenizer: Any) -> str:
     return text[: max(0, len(text) - hold)] if hold else text
 
 
-def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutput:
-    """What the caller sees of a request now: every sample's text, ids, reasons and logprobs, and times."""
+def request_output(
+    req: Request, tokenizer: Any, finished: bool, rules: OutputRules | None = None
+) -> RequestOutput:
+    """What the caller sees of a request now: every sample's text, ids, reasons and logprobs, and times;
+    the output ``rules`` fill their fields (prompt logprobs, an embedding)."""
     completions = []
     held = req.modules
     for rank, seq in enumerate(_reported(req)):
@@ -78,7 +80,7 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
                 cumulative_logprob=sum(seq.output_logprobs) if want_lp or ranked else None,
             )
         )
-    prompt_lp = prompt_logprob_lists(req)
+    fields = rules.report(req, finished) if rules is not None else {}
     times = {"arrival_time": req.arrival_time}
     if req.first_token_time is not None:
         times["first_token_time"] = req.first_token_time
@@ -95,11 +97,8 @@ def request_output(req: Request, tokenizer: Any, finished: bool) -> RequestOutpu
         module_rows_shared=held.tokens - held.private_rows if held else 0,
         module_rows_private=held.private_rows if held else 0,
         metrics=times,
-        prompt_token_logprobs=prompt_lp[0] if prompt_lp else None,
-        prompt_top_logprobs=prompt_lp[1] if prompt_lp else None,
         error=req.error,
-        prompt_logprob_ranks=prompt_lp[2] if prompt_lp else None,
-        embedding=pooled_embedding(req) if finished else None,
+        **fields,
     )
 
 

@@ -11,16 +11,20 @@ token is always left to compute), so requests sharing a prefix compute it once, 
 "mean" needs every prompt row; the fp32 sum of each full block's rows is kept by the block's digest
 (``BlockStore``), so a hit takes the sums of its blocks from the store and a shared prefix is still
 computed once. A hit on blocks whose sums are not kept is cut short there (``known_blocks``).
+
+An output rule (``output_rules.py``): ``prepare`` gives an embedding request its sampling params, a
+request's ``PoolState`` is ``Request.rules[NAME]``, its vector fills the final output's ``embedding``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefixserve.engine.block_store import BlockStore
+from prefixserve.engine.output_rules import OutputRule
 from prefixserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from prefixserve.pooling_params import PoolingParams
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
     from prefixserve.worker.model_runner import Launch, ModelRunner
 
 STORE_BLOCKS = 4096  # kept blocks' row sums (LRU): 4096 x hidden x 4 bytes, 64 MB at hidden 4096
+NAME = "pooling"  # the output rule's name: an embedding request's ``PoolState`` is ``Request.rules[NAME]``
 
 
 @dataclass(slots=True)
@@ -47,37 +52,49 @@ class PoolState:
     vector: torch.Tensor | None = None  # [hidden] fp32, the embedding, once the last row is computed
 
 
-class Pooler:
+class Pooler(OutputRule):
     """The engine's embedding work: the requests still pooling, and the kept blocks' row sums."""
+
+    name = NAME
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.active: set[Request] = set()
         self.store: BlockStore[torch.Tensor] = BlockStore(STORE_BLOCKS)
 
-    def add(self, req: Request, params: PoolingParams) -> None:
-        req.pooling = PoolState(params)
-        self.active.add(req)
+    def prepare(
+        self, params: SamplingParams | None, pooling: PoolingParams | None, prompt: str | None
+    ) -> SamplingParams | None:
+        """An embedding request's sampling (``embedding_request``); other requests' params as given."""
+        return params if pooling is None else embedding_request(pooling, params, prompt)
+
+    def admit(self, req: Request, pooling: PoolingParams | None) -> None:
+        if pooling is not None:
+            req.rules[NAME] = PoolState(pooling)
+            self.active.add(req)
+
+    def report(self, req: Request, finished: bool) -> dict[str, Any] | None:
+        return {"embedding": pooled_embedding(req)} if finished and NAME in req.rules else None
 
     def discard(self, req: Request) -> None:
         self.active.discard(req)
 
     # ---- the block manager's hooks (mean pooling: a hit's rows come from the store) ---------------
     def wants(self, req: Request) -> bool:
-        state: PoolState | None = req.pooling
+        state: PoolState | None = req.rules.get(NAME)
         return state is not None and state.params.pooling == "mean" and req in self.active
 
     def known_blocks(self, seq: Sequence, digests: list[bytes]) -> int:
         """A fresh request may hit the blocks whose sums are kept; one computed before (preempted) may
         hit only rows it has summed, which it takes from nothing (``collect`` skips them)."""
-        state: PoolState = seq.request.pooling
+        state: PoolState = seq.request.rules[NAME]
         n = self.store.known_blocks(digests)
         return n if state.known == 0 else min(n, state.known // self.block_size)
 
     def seed(self, seq: Sequence, num_blocks: int) -> int:
         """A fresh request's hit: its blocks' kept sums start the request's sum. No row is computed
         again."""
-        state: PoolState = seq.request.pooling
+        state: PoolState = seq.request.rules[NAME]
         if state.known > 0:
             return 0
         sums = [self.store.take(d) for d in seq.block_digests[:num_blocks]]
@@ -103,7 +120,7 @@ class Pooler:
             start, row = row, row + n
             if req not in self.active or seq.index != 0:
                 continue
-            state: PoolState = req.pooling
+            state: PoolState = req.rules[NAME]
             p0, prompt = seq.num_computed_tokens, req.num_prompt_tokens
             end = min(p0 + n, prompt)  # prompt rows [p0, end) are at rows [start, start + end - p0)
             if state.params.pooling == "mean" and end > state.known:
@@ -161,7 +178,7 @@ def embedding_request(
 
 def pooled_embedding(req: Request) -> list[float] | None:
     """The request's embedding as a list, once computed (None for other requests)."""
-    state: PoolState | None = req.pooling
+    state: PoolState | None = req.rules.get(NAME)
     if state is None or state.vector is None:
         return None
     return state.vector.tolist()
@@ -177,4 +194,4 @@ def embedding_output(out: RequestOutput) -> EmbeddingRequestOutput:
     )
 
 
-__all__ = ["PoolState", "Pooler", "embedding_output", "embedding_request", "pooled_embedding"]
+__all__ = ["NAME", "PoolState", "Pooler", "embedding_output", "embedding_request", "pooled_embedding"]

@@ -15,6 +15,9 @@ recomputes one row, the last cached one, whose logits score the first token afte
 requests sharing a prefix (lm-eval's few-shot contexts and a question's choices) compute it once
 and count it in ``cached_tokens``; requests arriving together wait for the first one's blocks, as
 all requests do (``Scheduler._prefix_in_flight``).
+
+An output rule (``output_rules.py``): a request's ``PromptLogprobState`` is ``Request.rules[NAME]``,
+its lists fill the output's ``prompt_token_logprobs``, ``prompt_top_logprobs``, ``prompt_logprob_ranks``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixserve.engine.block_store import BlockStore
+from prefixserve.engine.output_rules import OutputRule
+from prefixserve.pooling_params import PoolingParams
 from prefixserve.sampling.params import MAX_LOGPROBS
 from prefixserve.sequence import Request, Sequence
 
@@ -38,6 +43,7 @@ PromptLists = tuple[list[float | None], list[list[tuple[int, float]]], list[int 
 
 TOP = MAX_LOGPROBS  # every scored row keeps its top 20, so any request's k is a slice of a kept block
 STORE_BLOCKS = 8192  # kept blocks' results (LRU): 16 tokens x 20 x 12 bytes a block, ~30 MB
+NAME = "prompt_logprobs"  # the output rule's name: a request's state is ``Request.rules[NAME]``
 
 
 @dataclass(slots=True)
@@ -53,17 +59,22 @@ class PromptLogprobState:
     lists: PromptLists | None = field(default=None)
 
 
-class PromptLogprobs:
+class PromptLogprobs(OutputRule):
     """The engine's prompt-logprob work: the requests still scoring, and the kept blocks' results."""
+
+    name = NAME
 
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device, self.block_size = device, block_size
         self.active: set[Request] = set()
         self.store: BlockStore[tuple[torch.Tensor, ...]] = BlockStore(STORE_BLOCKS)  # (lp, vals, ids, rank)
 
-    def add(self, req: Request) -> None:
+    def admit(self, req: Request, pooling: PoolingParams | None = None) -> None:
+        """A request asking for prompt logprobs: its rows' results on the device, filled as they come."""
+        if req.params.prompt_logprobs is None:
+            return
         p = req.num_prompt_tokens
-        req.prompt_logprobs = PromptLogprobState(
+        req.rules[NAME] = PromptLogprobState(
             torch.full((p,), float("nan"), device=self.device),
             torch.zeros(p, TOP, device=self.device),
             torch.zeros(p, TOP, dtype=torch.long, device=self.device),
@@ -85,7 +96,7 @@ class PromptLogprobs:
     def seed(self, seq: Sequence, num_blocks: int) -> int:
         """A hit of ``num_blocks`` leading blocks: their kept results become the request's. Returns
         the hit rows to compute again: the last one, whose logits score the first token after it."""
-        state = seq.request.prompt_logprobs
+        state = seq.request.rules[NAME]
         if seq.request not in self.active or seq.index != 0:
             return 1  # done scoring (a preempted request computes its prompt again, scoring nothing)
         bs = self.block_size
@@ -135,7 +146,7 @@ class PromptLogprobs:
         vals, ids = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
         at = 0
         for seq, lo, hi in spans:
-            state: PromptLogprobState = seq.request.prompt_logprobs
+            state: PromptLogprobState = seq.request.rules[NAME]
             k = hi - lo
             state.lp[lo:hi] = chosen[at : at + k]
             state.top_vals[lo:hi, : vals.shape[1]] = vals[at : at + k]
@@ -160,11 +171,18 @@ class PromptLogprobs:
             self.store.put(digests[j], tuple(t.clone() for t in kept))
         state.stored = full
 
+    def report(self, req: Request, finished: bool) -> dict[str, Any] | None:
+        lists = prompt_logprob_lists(req)
+        if lists is None:
+            return None
+        values, tops, ranks = lists
+        return {"prompt_token_logprobs": values, "prompt_top_logprobs": tops, "prompt_logprob_ranks": ranks}
+
 
 def prompt_logprob_lists(req: Request) -> PromptLists | None:
     """The request's prompt logprobs as host lists (first token: None, no top, no rank), or None when
     not asked for; made once, when the prompt is done."""
-    state: PromptLogprobState | None = req.prompt_logprobs
+    state: PromptLogprobState | None = req.rules.get(NAME)
     k = req.params.prompt_logprobs
     if state is None or k is None or state.known < req.num_prompt_tokens:
         return None
@@ -178,4 +196,4 @@ def prompt_logprob_lists(req: Request) -> PromptLists | None:
     return state.lists
 
 
-__all__ = ["PromptLists", "PromptLogprobState", "PromptLogprobs", "prompt_logprob_lists"]
+__all__ = ["NAME", "PromptLists", "PromptLogprobState", "PromptLogprobs", "prompt_logprob_lists"]

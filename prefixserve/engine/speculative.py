@@ -89,13 +89,12 @@ class Speculator:
         """Drafts ``seq`` may take: it decodes, may be speculated, and all K + 1 tokens fit its limits."""
         req = seq.request
         p = req.params
+        # (an embedding request samples one token, max_tokens=1: the room below is never positive)
         if (
             seq.status is not SeqStatus.RUNNING
-            or req.pooling is not None
             or req.param_flags & _NOT_SPECULATED
             or p.wants_chosen_logprobs
             or p.structured_outputs is not None
-            or seq.grammar is not None
         ):
             return 0
         size = len(seq.token_ids)

@@ -31,9 +31,11 @@ from prefixserve.entrypoints.batch_file import (
     row_key,
 )
 from prefixserve.entrypoints.generation_config import sampling_defaults
-from prefixserve.entrypoints.openai.anthropic_messages import MessageCall, error_body, prepare_message
-from prefixserve.entrypoints.openai.embeddings import EmbeddingCall, prepare_embedding
-from prefixserve.entrypoints.openai.prepare import (
+from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import PoolingParams
+from prefixserve.protocols.anthropic.prepare import MessageCall, error_body, prepare_message
+from prefixserve.protocols.errors import APIError, engine_failure, param_of
+from prefixserve.protocols.openai.prepare import (
     OpenAIContext,
     Prepared,
     prepare,
@@ -41,12 +43,10 @@ from prefixserve.entrypoints.openai.prepare import (
     response_body,
     truncated,
 )
-from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
-from prefixserve.entrypoints.openai.responses import ResponseCall, prepare_response
-from prefixserve.entrypoints.openai.responses_request import renamed
-from prefixserve.entrypoints.openai.scoring import ScoreCall, prepare_rerank, prepare_score
-from prefixserve.outputs import RequestOutput
-from prefixserve.pooling_params import PoolingParams
+from prefixserve.protocols.pooling.embeddings import EmbeddingCall, prepare_embedding
+from prefixserve.protocols.pooling.scoring import ScoreCall, prepare_rerank, prepare_score
+from prefixserve.protocols.responses.prepare import ResponseCall, prepare_response
+from prefixserve.protocols.responses.request import renamed
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.batch_queue import DEFAULT_DECODE, queue_groups
 from prefixserve.scheduler.offline import BatchPlan, plan_batch, shard_groups

@@ -172,7 +172,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not args.output:
         raise ValueError("give the output file: prefixserve batch INPUT.jsonl -o OUTPUT.jsonl")
     if args.ray:
-        from prefixserve.distributed.ray_batch import run_batch_file_ray
+        from prefixserve.ray_scaleout.ray_batch import run_batch_file_ray
 
         config = engine_config_from_args(args)
         summary = run_batch_file_ray(
@@ -239,12 +239,12 @@ def _serve_replicas(args: argparse.Namespace) -> int:
             "(Ray Serve's proxy is the listener; put a TLS proxy in front of it)"
         )
     try:
-        from prefixserve.distributed.serve_app import run_replicas
+        from prefixserve.ray_scaleout.serve_app import run_replicas
     except ImportError as exc:
         raise SystemExit(f"error: {exc}") from exc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from prefixserve.distributed.router import RoutingPolicy
     from prefixserve.entrypoints.openai.server import batch_settings, overload_settings
+    from prefixserve.ray_scaleout.router import RoutingPolicy
 
     config = engine_config_from_args(args)
     overload = overload_settings(args)

@@ -8,6 +8,9 @@ complete one that the prompt began.
 The check reads a sample's last output tokens on the host. Under launch-ahead the token just sampled
 is still on the device, so a step with rows holding multi-token words samples after the tokens ahead
 of it have arrived (``waits_for_tokens``), as grammar rows do.
+
+A request rule (``BadWordsRule``, ``rules.py``): intake encodes a request's words (its state, in
+``Request.rules["bad_words"]``), each step bans by them, and a multi-token word makes a step wait.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import BAD_WORDS, SamplingParams, flags_of
+from prefixserve.sampling.rules import RequestRule, RuleRequest
+from prefixserve.sampling.token_ban import TokenBan
+
+NAME = "bad_words"  # the rule's name: its state, the request's encoded words, is ``Request.rules[NAME]``
 
 
 class Asked(Protocol):
-    """What the ban reads of a request (the engine's ``Request``): its words, encoded at intake."""
+    """What the ban reads of a request (the engine's ``Request``): its rules' states."""
 
-    bad_words_ids: list[list[int]] | None
+    rules: dict[str, Any]
 
 
 class Sampling(Protocol):
@@ -49,7 +55,7 @@ def waits_for_tokens(samplers: Sequence[Sampling], params: Sequence[SamplingPara
     """Does a step's sampling read the tokens ahead of it (a multi-token bad word)?"""
     if not flags_of(params) & BAD_WORDS:
         return False
-    return any(any(len(w) > 1 for w in s.request.bad_words_ids or ()) for s in samplers)
+    return any(any(len(w) > 1 for w in s.request.rules.get(NAME, ())) for s in samplers)
 
 
 def bad_words_ban(
@@ -62,7 +68,7 @@ def bad_words_ban(
     rows: list[int] = []
     ids: list[int] = []
     for r, (seq, at) in enumerate(zip(samplers, indices, strict=True)):
-        for word in seq.request.bad_words_ids or ():
+        for word in seq.request.rules.get(NAME, ()):
             lead = len(word) - 1
             if lead == 0 or (
                 at - seq.num_prompt_tokens >= lead and list(seq.token_ids[at - lead : at]) == word[:-1]
@@ -72,13 +78,30 @@ def bad_words_ban(
     return TokenBan(rows, ids) if rows else None
 
 
-def joined(a: TokenBan | None, b: TokenBan | None) -> TokenBan | None:
-    """Both bans at once."""
-    if a is None or b is None:
-        return a or b
-    return TokenBan(
-        a.rows + b.rows, a.ids + b.ids, a.forced_rows + b.forced_rows, a.forced_ids + b.forced_ids
-    )
+class BadWordsRule(RequestRule):
+    """``bad_words`` as a request rule: the words encoded at intake, each step's ban by them."""
+
+    name = NAME
+
+    def check(self, params: SamplingParams, tokenizer: Any) -> None:
+        if params.bad_words and tokenizer is None:
+            raise ValueError(
+                "bad_words needs a tokenizer: this model has none (ban token ids with logit_bias)"
+            )
+
+    def admit(self, request: RuleRequest, tokenizer: Any) -> list[list[int]] | None:
+        words = request.params.bad_words
+        return encode_bad_words(words, tokenizer) if words else None
+
+    def waits(
+        self, samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]
+    ) -> bool:
+        return waits_for_tokens(samplers, params)
+
+    def ban(
+        self, samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]
+    ) -> TokenBan | None:
+        return bad_words_ban(samplers, indices, params)
 
 
-__all__ = ["bad_words_ban", "encode_bad_words", "joined", "waits_for_tokens"]
+__all__ = ["NAME", "BadWordsRule", "bad_words_ban", "encode_bad_words", "waits_for_tokens"]

@@ -5,57 +5,23 @@ logits of its stop token ids (and of EOS, unless ``ignore_eos``) are set to -inf
 the sample goes on with the likeliest other token instead of emitting a stop it may not act on. The
 ban goes on the logits the choice is made from, never on the raw ones (logprobs stay the model's).
 Rows under a grammar (structured outputs) are left to it: it may need EOS to end a valid output.
+A request rule (``MinTokensRule``, ``rules.py``): a ban, no state of its own (the params say it all).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from prefixserve.sampling.params import MIN_TOKENS, SamplingParams, flags_of
-from prefixserve.sampling.small_tensors import small_tensor
+from prefixserve.sampling.rules import RequestRule
+from prefixserve.sampling.token_ban import TokenBan  # the sampler's ban
 
 
 class Sampling(Protocol):
     """What the ban reads of a sampling sequence (the engine's ``Sequence``)."""
 
     num_prompt_tokens: int
-
-
-FORCED = 1e9  # a forced token's logit (fp32 logits: its softmax is 1 at any temperature down to 1e-2)
-
-
-@dataclass(slots=True)
-class TokenBan:
-    """Token ids a step's sample rows may not choose: row ``rows[i]`` bans ``ids[i]``; and rows whose
-    choice is forced: row ``forced_rows[i]`` takes ``forced_ids[i]`` (``thinking_budget.py``) unless
-    a ban names it too (the ban wins: the row then chooses among the others)."""
-
-    rows: list[int]
-    ids: list[int]
-    forced_rows: list[int] = field(default_factory=list)
-    forced_ids: list[int] = field(default_factory=list)
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Set the banned logits of ``logits`` [sample rows, V] to -inf, in place (ids past V: no tokens);
-        a forced token's logit is raised to ``FORCED`` first (as vLLM's budget raises it: after any
-        temperature, penalty or top-k/p it is the choice), so a ban of the same token still wins."""
-        vocab = logits.shape[-1]
-        if self.forced_rows:
-            dev = logits.device
-            rows = small_tensor(self.forced_rows, dev, torch.long)
-            ids = small_tensor(self.forced_ids, dev, torch.long)
-            logits.index_put_((rows, ids), torch.full((), FORCED, dtype=logits.dtype, device=dev))
-        pairs = [(r, t) for r, t in zip(self.rows, self.ids, strict=True) if 0 <= t < vocab]
-        if not pairs:
-            return
-        rows, ids = zip(*pairs, strict=True)
-        dev = logits.device
-        index = (small_tensor(list(rows), dev, torch.long), small_tensor(list(ids), dev, torch.long))
-        logits.index_put_(index, torch.full((), float("-inf"), dtype=logits.dtype, device=dev))
 
 
 def min_tokens_ban(
@@ -80,4 +46,18 @@ def min_tokens_ban(
     return TokenBan(rows, ids) if rows else None
 
 
-__all__ = ["TokenBan", "min_tokens_ban"]
+class MinTokensRule(RequestRule):
+    """``min_tokens`` as a request rule: each step's ban of the stops of the rows under it."""
+
+    name = "min_tokens"
+
+    def __init__(self, eos_ids: Collection[int]) -> None:
+        self.eos_ids = eos_ids  # the engine's set: the model's EOS ids and the tokenizer's
+
+    def ban(
+        self, samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]
+    ) -> TokenBan | None:
+        return min_tokens_ban(samplers, indices, params, self.eos_ids)
+
+
+__all__ = ["MinTokensRule", "TokenBan", "min_tokens_ban"]

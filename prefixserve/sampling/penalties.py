@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
-from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import PROCESSES_LOGITS, SamplingParams, flags_of
 from prefixserve.sampling.small_tensors import small_tensor
+from prefixserve.sampling.token_ban import TokenBan
 
 PromptOf = Callable[[Hashable], tuple[Sequence[int], Sequence[int]]]  # key -> (prompt ids, output ids)
 

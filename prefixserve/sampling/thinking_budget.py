@@ -14,6 +14,9 @@ last step, so a step costs O(new tokens). Under launch-ahead the token just samp
 device: a step where it could decide a force (the count within reach of the budget, or the opening
 still undecided) samples after the tokens ahead of it have arrived (``waits_for_tokens``), as grammar
 rows do; the steps before that keep launching ahead.
+
+A request rule (``ThinkingBudgetRule``, ``rules.py``): intake checks the request and makes its
+``ThinkingBudget`` (its state, in ``Request.rules["thinking_budget"]``); each step forces by it.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import THINKING_BUDGET, SamplingParams, flags_of
+from prefixserve.sampling.rules import RequestRule, RuleRequest
+from prefixserve.sampling.token_ban import TokenBan
 
 THINK_START, THINK_END = "<think>", "</think>"  # both reasoning parsers' tags (vLLM's deepseek_r1, qwen3)
 PROMPT_TAIL = 16  # prompt ids decoded to see whether it ends with <think>
+NAME = "thinking_budget"  # the rule's name: a request's ``ThinkingBudget`` is ``Request.rules[NAME]``
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +151,7 @@ def thinking_budget(
 
 
 class Asked(Protocol):
-    thinking_budget: ThinkingBudget | None
+    rules: dict[str, Any]  # a budget at NAME
 
 
 class Sampling(Protocol):
@@ -183,7 +188,7 @@ def _rows(samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence
     if not flags_of(params) & THINKING_BUDGET:
         return
     for r, (seq, at) in enumerate(zip(samplers, indices, strict=True)):
-        budget = seq.request.thinking_budget
+        budget = seq.request.rules.get(NAME)
         state = None if budget is None else budget.states.get(seq.index)
         if budget is not None and (state is None or not state.done):
             yield r, seq, budget, _Output(seq.token_ids, seq.num_prompt_tokens, at)
@@ -215,11 +220,58 @@ def thinking_force(
     return TokenBan([], [], rows, ids) if rows else None
 
 
+class ThinkingBudgetRule(RequestRule):
+    """``thinking_token_budget`` as a request rule: checked and made at intake, forced each step.
+
+    ``reasoning_parser``: the engine's (``EngineConfig.reasoning_parser``), which says where a model's
+    thinking is; a budget needs one."""
+
+    name = NAME
+
+    def __init__(self, reasoning_parser: str | None) -> None:
+        self.reasoning_parser = reasoning_parser
+
+    def check(self, params: SamplingParams, tokenizer: Any) -> None:
+        """A budget needs a reasoning parser and a tokenizer (the tags' ids); beside a grammar, the
+        grammar must start after the thought (the forced end tag would break it)."""
+        if params.thinking_token_budget is None:
+            return
+        if self.reasoning_parser is None:
+            raise ValueError(
+                "thinking_token_budget needs a reasoning parser: start the engine with one "
+                "(--reasoning-parser, EngineConfig.reasoning_parser)"
+            )
+        if tokenizer is None:
+            raise ValueError("thinking_token_budget needs a tokenizer: this model has none")
+        so = params.structured_outputs
+        if so is not None and so.after_thinking is None:
+            raise ValueError(
+                "thinking_token_budget with structured outputs needs the constraint after the thought: "
+                "set structured_outputs.after_thinking ('opened' or 'optional'; chats set it themselves)"
+            )
+
+    def admit(self, request: RuleRequest, tokenizer: Any) -> ThinkingBudget | None:
+        params = request.params
+        return thinking_budget(params, tokenizer, request.prompt_token_ids, self.reasoning_parser)
+
+    def waits(
+        self, samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]
+    ) -> bool:
+        return waits_for_tokens(samplers, indices, params)
+
+    def ban(
+        self, samplers: Sequence[Sampling], indices: Sequence[int], params: Sequence[SamplingParams]
+    ) -> TokenBan | None:
+        return thinking_force(samplers, indices, params)
+
+
 __all__ = [
+    "NAME",
     "THINK_END",
     "THINK_START",
     "BudgetState",
     "ThinkingBudget",
+    "ThinkingBudgetRule",
     "ThinkingTags",
     "prompt_thought",
     "thinking_budget",

@@ -1,10 +1,11 @@
 """One engine's structured decoding: grammars, a matcher per constrained sequence, each step's mask.
 
-The engine calls ``admit`` when a constrained request arrives (compiling its grammar, or refusing
-it), ``advance`` as a step's tokens arrive (each sequence's matcher, ``Sequence.grammar``, takes the
-token put in place), and ``bitmask`` when a step's sampling is issued. A matcher is made at the
-sequence's first sampled token, so the n samples of a request (split off at the end of the prompt)
-each get their own, and a preempted sequence keeps its own across the recompute.
+Its request rule (``rule.StructuredOutputsRule``) calls ``admit`` when a constrained request arrives
+(compiling its grammar, or refusing it), ``advance`` as a step's tokens arrive (each sequence's
+matcher takes the token put in place), and ``bitmask`` when a step's sampling is issued. A request's
+matchers are its rule state (``Request.rules[MATCHERS]``: sample index -> matcher); one is made at
+the sequence's first sampled token, so the n samples of a request (split off at the end of the
+prompt) each get their own, and a preempted sequence keeps its own across the recompute.
 
 Launched ahead, the tokens of step t arrive while the forward of step t+1 runs, and step t+1's
 sampling waits for its mask. ``advance`` given step t+1's samplers hands the accept and that mask's
@@ -25,6 +26,8 @@ from prefixserve.sampling.structured_outputs import StructuredOutputs
 from prefixserve.sequence import Sequence
 from prefixserve.structured.bitmask import StepBitmasks, StepMask
 from prefixserve.structured.grammars import GrammarCache
+
+MATCHERS = "structured_outputs"  # the rule's name; Request.rules[MATCHERS]: sample index -> matcher
 
 
 class StructuredDecoding:
@@ -81,7 +84,8 @@ class StructuredDecoding:
         self._join()
         matchers, accepted = [], []
         for i, seq in enumerate(samplers):
-            grammar = seq.grammar
+            held_matchers = seq.request.rules.get(MATCHERS)
+            grammar = held_matchers.get(seq.index) if held_matchers else None
             if grammar is None:
                 continue
             held = pending.get(seq)
@@ -110,9 +114,10 @@ class StructuredDecoding:
             spec = seq.request.params.structured_outputs
             if spec is None or seq.is_finished:
                 continue
-            matcher = seq.grammar
+            matchers = seq.request.rules.setdefault(MATCHERS, {})  # made at intake (``rule.py``)
+            matcher = matchers.get(seq.index)
             if matcher is None:
-                matcher = seq.grammar = self._matcher_cls(self.grammars.get(spec))
+                matcher = matchers[seq.index] = self._matcher_cls(self.grammars.get(spec))
             out.append((i, matcher))
         return out
 
@@ -158,4 +163,4 @@ class StructuredDecoding:
         return mask
 
 
-__all__ = ["StructuredDecoding"]
+__all__ = ["MATCHERS", "StructuredDecoding"]

@@ -19,21 +19,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.input_processor import check_context
-from prefixserve.entrypoints.openai import format as fmt
 from prefixserve.entrypoints.openai.engine_thread import EngineStopped, StreamSink
 from prefixserve.entrypoints.openai.overload import deadline_error, dropped, refusal, sse_response
-from prefixserve.entrypoints.openai.prepare import (
-    Prepared,
-    prompt_ids,
-    response_body,
-    stream_state,
-    truncated,
-)
-from prefixserve.entrypoints.openai.protocol import APIError, engine_failure, param_of
 from prefixserve.entrypoints.openai.request_log import log_request
 from prefixserve.entrypoints.openai.requests import ServerState
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
+from prefixserve.protocols.errors import APIError, engine_failure, param_of
+from prefixserve.protocols.openai import format as fmt
+from prefixserve.protocols.openai.prepare import Prepared, prompt_ids, response_body, stream_state, truncated
 from prefixserve.serving.admission import QueueFull
 
 # request.state keys (in the ASGI scope, read by the app's middleware when the response is written)

@@ -16,17 +16,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.entrypoints.openai.answering import answer, route_start
-from prefixserve.entrypoints.openai.anthropic_messages import (
+from prefixserve.entrypoints.openai.overload import queue_deadline
+from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
+from prefixserve.protocols.anthropic.prepare import (
     COUNT_ROUTE,
     MESSAGES_ROUTE,
     count_tokens,
     error_body,
     prepare_message,
 )
-from prefixserve.entrypoints.openai.anthropic_stream import message_stream
-from prefixserve.entrypoints.openai.overload import queue_deadline
-from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
+from prefixserve.protocols.anthropic.stream import message_stream
+from prefixserve.protocols.errors import APIError
 
 log = logging.getLogger(__name__)
 

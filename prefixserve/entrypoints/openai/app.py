@@ -29,22 +29,15 @@ from prefixserve.engine import Engine
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.entrypoints.generation_config import sampling_defaults
 from prefixserve.entrypoints.openai.answering import FIRST_OUTPUT, ROUTE_START, answer, route_start
-from prefixserve.entrypoints.openai.anthropic_messages import COUNT_ROUTE, MESSAGES_ROUTE
 from prefixserve.entrypoints.openai.anthropic_routes import add_anthropic_routes
-from prefixserve.entrypoints.openai.batch_routes import (
-    BATCHES_ROUTE,
-    FILES_ROUTE,
-    BatchService,
-    BatchSettings,
-    add_batch_routes,
-)
+from prefixserve.entrypoints.openai.batch_routes import BatchService, add_batch_routes
+from prefixserve.entrypoints.openai.batch_settings import BatchSettings
 from prefixserve.entrypoints.openai.beam_answers import answer_beams
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.cors import allow_origins
 from prefixserve.entrypoints.openai.embedding_routes import add_embedding_routes
-from prefixserve.entrypoints.openai.embeddings import EMBEDDINGS_ROUTE
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
-from prefixserve.entrypoints.openai.message_batches import MESSAGE_BATCHES_ROUTE, add_message_batch_routes
+from prefixserve.entrypoints.openai.message_batches import add_message_batch_routes
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 from prefixserve.entrypoints.openai.model_routes import add_model_routes
 from prefixserve.entrypoints.openai.overload import (
@@ -53,11 +46,6 @@ from prefixserve.entrypoints.openai.overload import (
     StallWatch,
     queue_deadline,
 )
-from prefixserve.entrypoints.openai.prepare import (
-    prepare_chat,
-    prepare_completion,
-)
-from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import (
     MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
@@ -65,13 +53,21 @@ from prefixserve.entrypoints.openai.requests import (
     authorize,
     read_named_json,
 )
-from prefixserve.entrypoints.openai.responses import ResponseStore
 from prefixserve.entrypoints.openai.responses_background import BackgroundRuns
-from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE, add_responses_routes
+from prefixserve.entrypoints.openai.responses_routes import add_responses_routes
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
-from prefixserve.entrypoints.openai.scoring import RERANK_ROUTES, SCORE_ROUTES
 from prefixserve.entrypoints.openai.stats_log import log_stats as stats_log
-from prefixserve.entrypoints.openai.tokenizer_routes import TOKENIZER_ROUTES, add_tokenizer_routes
+from prefixserve.entrypoints.openai.tokenizer_routes import add_tokenizer_routes
+from prefixserve.protocols.anthropic.message_batches import MESSAGE_BATCHES_ROUTE
+from prefixserve.protocols.anthropic.prepare import COUNT_ROUTE, MESSAGES_ROUTE
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.lists import BATCHES_ROUTE, FILES_ROUTE
+from prefixserve.protocols.openai.prepare import prepare_chat, prepare_completion
+from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE
+from prefixserve.protocols.pooling.scoring import RERANK_ROUTES, SCORE_ROUTES
+from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE
+from prefixserve.protocols.responses.store import ResponseStore
+from prefixserve.protocols.vllm.tokenizer import TOKENIZER_ROUTES
 from prefixserve.serving.host_trim import IdleTrim, trim_when_idle
 from prefixserve.version import __version__
 

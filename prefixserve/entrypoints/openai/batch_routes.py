@@ -6,47 +6,21 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.types import Message
 
+from prefixserve.entrypoints.openai.batch_settings import BatchSettings
 from prefixserve.entrypoints.openai.batches import BatchRuns, check_batch_request
-from prefixserve.entrypoints.openai.files import MAX_FILE_BYTES, MAX_LIST, FileStore
-from prefixserve.entrypoints.openai.protocol import APIError, page
+from prefixserve.entrypoints.openai.files import MAX_LIST, FileStore
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
-from prefixserve.scheduler.offline import GROUPINGS
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.lists import BATCHES_ROUTE, FILES_ROUTE, page
 
-FILES_ROUTE = "/v1/files"
-BATCHES_ROUTE = "/v1/batches"
 _FORM_OVERHEAD = 64 * 1024  # a multipart upload's bytes beyond its file's: boundaries, headers, purpose
 _UPLOAD_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class BatchSettings:
-    """``prefixserve serve``'s Files and Batch options. ``files_dir``: where files and batches are
-    kept (None: a temporary folder removed at exit, so nothing outlives the server);
-    ``concurrency``: rows in flight at once over all batches (None: twice the engine's max_num_seqs,
-    so the engine always has the next rows queued and the queue keeps room for live requests);
-    ``tag``: written into every file and batch id
-    (the Ray ingress routes by it)."""
-
-    files_dir: str | None = None
-    max_file_bytes: int = MAX_FILE_BYTES
-    concurrency: int | None = None
-    grouping: str = "first_level"  # or "tree", or "none": the file's order
-    tag: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_file_bytes < 1:
-            raise ValueError(f"--max-file-bytes must be >= 1, got {self.max_file_bytes}")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"--batch-concurrency must be >= 1, got {self.concurrency}")
-        if self.grouping not in (*GROUPINGS, "none"):
-            raise ValueError(f"--batch-grouping must be one of {', '.join((*GROUPINGS, 'none'))}")
 
 
 class BatchService:

@@ -45,8 +45,10 @@ from prefixserve.entrypoints.batch_file import (
 from prefixserve.entrypoints.batch_runner import prepare_row, row_answer, row_error, run_order
 from prefixserve.entrypoints.openai.answering import collect, submit
 from prefixserve.entrypoints.openai.files import OUTPUT_PURPOSE, FileStore, write_atomic
-from prefixserve.entrypoints.openai.protocol import APIError, object_id, parse_request
 from prefixserve.entrypoints.openai.requests import ServerState
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.ids import object_id
+from prefixserve.protocols.openai.request_models import parse_request
 
 log = logging.getLogger(__name__)
 

@@ -18,16 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai.answering import collect, stream_events, submit
 from prefixserve.entrypoints.openai.overload import sse_response
-from prefixserve.entrypoints.openai.prepare import (
-    Prepared,
-    prompt_ids,
-    response_body,
-    stream_state,
-    truncated,
-)
-from prefixserve.entrypoints.openai.protocol import APIError, param_of
 from prefixserve.entrypoints.openai.requests import ServerState
 from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.errors import APIError, param_of
+from prefixserve.protocols.openai.prepare import Prepared, prompt_ids, response_body, stream_state, truncated
 from prefixserve.sampling.beam_search import (
     MAX_BEAM_WIDTH,
     BeamSearch,

@@ -1,4 +1,5 @@
-"""``POST /reset_prefix_cache``: forget the automatic prefix cache on a running server (vLLM's route).
+"""``POST /reset_prefix_cache``: forget the automatic prefix cache on a running server (vLLM's route;
+its path and answer: ``protocols/vllm/cache_reset.py``).
 
 For benchmarks that must start cold, and for operators who want cached prompts gone. It runs on the
 engine between two steps (``Engine.reset_prefix_cache``); pinned system prompts and Prompt Cache
@@ -14,10 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.entrypoints.openai.engine_thread import EngineStopped
-from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize
-
-RESET_ROUTE = "/reset_prefix_cache"
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.vllm.cache_reset import RESET_ROUTE, reset_body
 
 
 def add_cache_routes(app: FastAPI, state: ServerState) -> None:
@@ -28,7 +28,7 @@ def add_cache_routes(app: FastAPI, state: ServerState) -> None:
             reset = await state.loop.run(operator.methodcaller("reset_prefix_cache"))
         except EngineStopped as exc:
             raise APIError(503, str(exc)) from None
-        return JSONResponse({"object": "prefix_cache_reset", "reset": bool(reset)})
+        return JSONResponse(reset_body(bool(reset)))
 
 
-__all__ = ["RESET_ROUTE", "add_cache_routes"]
+__all__ = ["add_cache_routes"]

@@ -1,5 +1,5 @@
-"""``POST /v1/embeddings`` (``embeddings.py`` checks the body and shapes the answer) and the scoring
-routes over it, ``/score`` and ``/rerank`` (``scoring.py``)."""
+"""``POST /v1/embeddings`` (``protocols/pooling/embeddings.py`` checks the body and shapes the answer)
+and the scoring routes over it, ``/score`` and ``/rerank`` (``protocols/pooling/scoring.py``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from prefixserve.entrypoints.openai.answering import answer, route_start
-from prefixserve.entrypoints.openai.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.entrypoints.openai.overload import queue_deadline
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_named_json
-from prefixserve.entrypoints.openai.scoring import RERANK_ROUTES, SCORE_ROUTES, prepare_rerank, prepare_score
+from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
+from prefixserve.protocols.pooling.scoring import RERANK_ROUTES, SCORE_ROUTES, prepare_rerank, prepare_score
 
 
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:

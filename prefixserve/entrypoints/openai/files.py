@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixserve.entrypoints.openai.protocol import APIError, object_id
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.ids import object_id
 
 # OpenAI's purposes: uploads may carry any of them; a batch reads "batch", and its results are written
 # as "batch_output"

@@ -1,4 +1,5 @@
-"""Anthropic's Message Batches API (``/v1/messages/batches``) over the server's batches (``batches.py``).
+"""Anthropic's Message Batches API (``/v1/messages/batches``) over the server's batches (``batches.py``);
+its path and list pages are ``protocols/anthropic/message_batches.py``'s.
 
 A create's ``requests`` (``{custom_id, params}``, each a /v1/messages body) become a batch input
 file of /v1/messages rows, run as any batch runs (the planner's order, 429s retried, resumed after a
@@ -16,8 +17,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from datetime import datetime, timezone
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,23 +27,19 @@ from prefixserve.entrypoints.batch_file import MESSAGES_URL, BatchRow, read_batc
 from prefixserve.entrypoints.openai.anthropic_routes import anthropic_error
 from prefixserve.entrypoints.openai.batch_routes import BatchService
 from prefixserve.entrypoints.openai.batches import FINAL, MAX_ROWS, BatchJob, BatchRequest
-from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
+from prefixserve.protocols.anthropic.message_batches import (
+    MESSAGE_BATCHES_ROUTE,
+    anthropic_page,
+    anthropic_time,
+)
+from prefixserve.protocols.errors import APIError
 
 log = logging.getLogger(__name__)
 
-MESSAGE_BATCHES_ROUTE = MESSAGES_URL + "/batches"
 _CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 Route = Callable[..., Awaitable[Response]]
-MAX_PAGE = 1000  # the most message batches a page lists (Anthropic's limit)
 _PREFIX = "msg"  # msgbatch_...: a batch's id with Anthropic's prefix
-
-
-def _when(ts: int | None) -> str | None:
-    """Anthropic's RFC 3339 time from Unix seconds."""
-    if ts is None:
-        return None
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def message_batch(job: BatchJob) -> dict[str, Any]:
@@ -68,12 +64,12 @@ def message_batch(job: BatchJob) -> dict[str, Any]:
             "canceled": left if ended else 0,
             "expired": expired,
         },
-        "created_at": _when(r["created_at"]),
-        "ended_at": _when(
+        "created_at": anthropic_time(r["created_at"]),
+        "ended_at": anthropic_time(
             next((r[k] for k in ("completed_at", "cancelled_at", "expired_at", "failed_at") if r[k]), None)
         ),
-        "expires_at": _when(r["expires_at"]),
-        "cancel_initiated_at": _when(r["cancelling_at"]),
+        "expires_at": anthropic_time(r["expires_at"]),
+        "cancel_initiated_at": anthropic_time(r["cancelling_at"]),
         "archived_at": None,
         "results_url": f"{MESSAGE_BATCHES_ROUTE}/{_PREFIX + job.id}/results" if ended else None,
     }
@@ -143,31 +139,6 @@ def _job(service: BatchService, message_batch_id: str) -> BatchJob:
     if job is None or not job.record.get("_messages_api"):  # one made through /v1/batches is not one
         raise APIError(404, f"no message batch with id {message_batch_id!r}")
     return job
-
-
-def anthropic_page(q: Mapping[str, str], items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Anthropic's page of ``items`` (newest first): ``limit`` of them after ``after_id`` or before
-    ``before_id`` (the query ``q``'s)."""
-    raw = q.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
-        message = f"limit must be a whole number from 1 to {MAX_PAGE}, got {raw[:40]!r}"
-        raise APIError(400, message, param="limit")
-    limit, ids = int(raw), [item["id"] for item in items]
-    for name in ("after_id", "before_id"):
-        if q.get(name) is not None and q[name] not in ids:
-            raise APIError(400, f"{name} names no listed message batch: {q[name]!r}", param=name)
-    if q.get("before_id") is not None:
-        at = ids.index(q["before_id"])
-        data, more = items[max(0, at - limit) : at], at > limit
-    else:
-        start = ids.index(q["after_id"]) + 1 if q.get("after_id") is not None else 0
-        data, more = items[start : start + limit], len(items) > start + limit
-    return {
-        "data": data,
-        "has_more": more,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-    }
 
 
 async def _one(chunk: bytes) -> AsyncIterator[bytes]:

@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.entrypoints.openai.prepare import check_model
 from prefixserve.entrypoints.openai.requests import ServerState, authorize
+from prefixserve.protocols.openai.prepare import check_model
 
 
 def add_model_routes(app: FastAPI, state: ServerState) -> None:

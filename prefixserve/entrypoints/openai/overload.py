@@ -44,8 +44,8 @@ from prometheus_client import Counter
 from starlette.types import Message, Send
 
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
-from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.errors import APIError
 from prefixserve.serving.admission import (
     DEADLINE_REASON,
     AdmissionLimits,

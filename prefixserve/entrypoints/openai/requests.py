@@ -1,7 +1,8 @@
 """Reading one OpenAI request off the wire: auth, body limits, strict UTF-8 JSON (or PML for schemas).
 
 Each check raises APIError with the status and a message that names the problem; the body's own
-checks (model, parameters, prompts) are ``prepare``'s, shared with the batch runner.
+checks (model, parameters, prompts) are ``protocols/openai/prepare.py``'s, shared with the batch
+runner.
 """
 
 from __future__ import annotations
@@ -14,14 +15,10 @@ from typing import Any
 from fastapi import Request
 
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
-from prefixserve.entrypoints.openai.prepare import OpenAIContext
-from prefixserve.entrypoints.openai.protocol import (
-    REQUEST_ID,
-    APIError,
-    SchemaRequest,
-    find_lone_surrogate,
-    parse_request,
-)
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.ids import REQUEST_ID
+from prefixserve.protocols.openai.prepare import OpenAIContext
+from prefixserve.protocols.openai.request_models import SchemaRequest, find_lone_surrogate, parse_request
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REQUEST_ID_HEADER = "x-request-id"  # a client's name for its request: echoed, and in the answer's id

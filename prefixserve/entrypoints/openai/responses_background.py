@@ -20,7 +20,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prefixserve.entrypoints.openai.engine_thread import StreamSink
-from prefixserve.entrypoints.openai.responses import ACTIVE, ResponseCall, input_items
+from prefixserve.protocols.responses.items import input_items
+from prefixserve.protocols.responses.prepare import ResponseCall
+from prefixserve.protocols.responses.store import ACTIVE
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 stored responses: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET .../input_items``, and
 ``POST .../cancel`` for a background one.
 
-What a response stores is in this process's ``ResponseStore`` (``responses.py``), so the stored
-routes answer for this server's responses.
+What a response stores is in this process's ``ResponseStore`` (``protocols/responses/store.py``), so
+the stored routes answer for this server's responses.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.entrypoints.openai.answering import answer, route_start, stream_events, submit
 from prefixserve.entrypoints.openai.overload import queue_deadline, sse_response
-from prefixserve.entrypoints.openai.protocol import APIError, page
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
-from prefixserve.entrypoints.openai.responses import ResponseCall, StoredResponse, prepare_response
 from prefixserve.entrypoints.openai.responses_background import FirstOutput
-from prefixserve.entrypoints.openai.responses_request import renamed
-from prefixserve.entrypoints.openai.responses_stream import response_stream
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.lists import page
+from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE, ResponseCall, prepare_response
+from prefixserve.protocols.responses.request import renamed
+from prefixserve.protocols.responses.store import StoredResponse
+from prefixserve.protocols.responses.stream import response_stream
 
-RESPONSES_ROUTE = "/v1/responses"
 MAX_LIST = 100  # input items in one page
 
 
@@ -127,4 +128,4 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(page(items, after, limit, "input item in this response"))
 
 
-__all__ = ["RESPONSES_ROUTE", "add_responses_routes"]
+__all__ = ["add_responses_routes"]

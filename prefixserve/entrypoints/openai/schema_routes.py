@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.llm_engine import Engine
 from prefixserve.entrypoints.openai.engine_thread import EngineStopped
-from prefixserve.entrypoints.openai.protocol import APIError
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_schema_request
 from prefixserve.promptcache.pml import PMLError, parse_schema
+from prefixserve.protocols.errors import APIError
 
 
 def _schema_card(info: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """OpenAI-compatible HTTP server: ``prefixserve serve`` and an in-process runner for tests and benchmarks.
 
-The pieces: ``protocol`` (request models, errors), ``engine_thread`` (the engine thread),
-``format`` (responses and stream chunks), ``metrics`` (Prometheus), ``app`` (the app and its
-routes), ``answering`` (one request's queueing, streaming and collecting). FastAPI and uvicorn are
-imported here, never by the engine core.
+The pieces: ``engine_thread`` (the engine thread), ``metrics`` (Prometheus), ``app`` (the app and
+its routes), ``answering`` (one request's queueing, streaming and collecting); request models,
+errors, bodies and stream chunks are ``prefixserve/protocols/``'s. FastAPI and uvicorn are imported
+here, never by the engine core.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections; in-flight requests get
 ``grace_s`` seconds to finish, then whatever still runs is aborted (streams end with finish_reason
@@ -27,11 +27,11 @@ import uvicorn
 from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.openai.app import MAX_BODY_BYTES, build_app
-from prefixserve.entrypoints.openai.batch_routes import BatchSettings
+from prefixserve.entrypoints.openai.batch_settings import BatchSettings
 from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.overload import OverloadSettings
-from prefixserve.entrypoints.openai.responses import ResponseStore
 from prefixserve.entrypoints.serve_args import uvicorn_options
+from prefixserve.protocols.responses.store import ResponseStore
 from prefixserve.serving.admission import AdmissionLimits
 
 __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]

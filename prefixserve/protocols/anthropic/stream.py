@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.entrypoints.openai import format as fmt
-from prefixserve.entrypoints.openai.anthropic_messages import (
+from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.anthropic.prepare import (
     MessageCall,
     cut_call,
     error_of,
@@ -26,10 +26,10 @@ from prefixserve.entrypoints.openai.anthropic_messages import (
     thinking_block,
     tool_input,
 )
-from prefixserve.entrypoints.openai.event_stream import AsEvents
-from prefixserve.entrypoints.openai.prepare import stream_state
-from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
-from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.openai import format as fmt
+from prefixserve.protocols.openai.event_stream import AsEvents
+from prefixserve.protocols.openai.prepare import stream_state
+from prefixserve.protocols.openai.tool_stream import ToolStreamState
 
 
 def event(kind: str, payload: dict[str, Any]) -> str:

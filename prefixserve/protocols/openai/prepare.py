@@ -13,35 +13,34 @@ from typing import Any
 
 from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_last
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned, render_system_prompt
-from prefixserve.entrypoints.openai import format as fmt
-from prefixserve.entrypoints.openai.protocol import (
+from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import PoolingParams
+from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
+from prefixserve.promptcache.pml import PMLError, is_pml_prompt
+from prefixserve.protocols.errors import APIError, param_of
+from prefixserve.protocols.ids import answer_id
+from prefixserve.protocols.openai import format as fmt
+from prefixserve.protocols.openai.reasoning import ReasoningSplit, Thinking, reasoning_kind, with_reasoning
+from prefixserve.protocols.openai.request_models import (
     MAX_PROMPTS,
-    APIError,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    answer_id,
     check_not_done,
     normalize_prompts,
     normalize_stop,
-    param_of,
     parse_request,
 )
-from prefixserve.entrypoints.openai.reasoning import ReasoningSplit, Thinking, reasoning_kind, with_reasoning
-from prefixserve.entrypoints.openai.structured import structured_outputs
-from prefixserve.entrypoints.openai.text_tokens import TextTokens
-from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
-from prefixserve.entrypoints.openai.tools import (
+from prefixserve.protocols.openai.structured import structured_outputs
+from prefixserve.protocols.openai.text_tokens import TextTokens
+from prefixserve.protocols.openai.tool_stream import ToolStreamState
+from prefixserve.protocols.openai.tools import (
     Tools,
     conversation,
     read_tools,
     template_knows_tools,
     tool_message,
 )
-from prefixserve.outputs import RequestOutput
-from prefixserve.pooling_params import PoolingParams
-from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
-from prefixserve.promptcache.pml import PMLError, is_pml_prompt
 from prefixserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.request_models import ChatCompletionRequest, CompletionRequest
 from prefixserve.sampling.structured_outputs import KINDS, StructuredOutputs
 
 _GUIDED = {

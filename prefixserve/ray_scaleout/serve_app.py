@@ -19,12 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from prefixserve.config import EngineConfig
-from prefixserve.distributed.router import RoutingPolicy
-from prefixserve.distributed.serve_ingress import IngressCore, ReplicaSet
-from prefixserve.distributed.serve_replica import EngineReplica
 from prefixserve.entrypoints.openai.cors import allow_origins, read_origins
-from prefixserve.entrypoints.openai.prepare import OpenAIContext
-from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.prepare import OpenAIContext
+from prefixserve.ray_scaleout.router import RoutingPolicy
+from prefixserve.ray_scaleout.serve_ingress import IngressCore, ReplicaSet
+from prefixserve.ray_scaleout.serve_replica import EngineReplica
 
 try:
     from ray import serve

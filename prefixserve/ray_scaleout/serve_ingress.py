@@ -34,18 +34,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
-from prefixserve.distributed.router import Router, RoutingPolicy
-from prefixserve.distributed.serve_metrics import merge_replica_metrics
-from prefixserve.distributed.serve_objects import LISTED, merged_list, named_owner
-from prefixserve.entrypoints.openai import format as fmt
-from prefixserve.entrypoints.openai.anthropic_messages import MESSAGES_ROUTE, prepare_message
-from prefixserve.entrypoints.openai.cache_routes import RESET_ROUTE
-from prefixserve.entrypoints.openai.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
-from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.responses import prepare_response
-from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE
 from prefixserve.kv.cache_events import prompt_digests
+from prefixserve.protocols.anthropic.prepare import MESSAGES_ROUTE, prepare_message
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai import format as fmt
+from prefixserve.protocols.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
+from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
+from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE, prepare_response
+from prefixserve.protocols.vllm.cache_reset import RESET_ROUTE, reset_body
+from prefixserve.ray_scaleout.router import Router, RoutingPolicy
+from prefixserve.ray_scaleout.serve_metrics import merge_replica_metrics
+from prefixserve.ray_scaleout.serve_objects import LISTED, merged_list, named_owner
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +301,7 @@ class IngressCore:
         if failed:  # a replica that did not reset: its error, not another's success
             return failed[0]
         each = {n: bool(json.loads(bytes(a.body)).get("reset")) for n, a in zip(names, answers, strict=True)}
-        return JSONResponse({"object": "prefix_cache_reset", "reset": all(each.values()), "replicas": each})
+        return JSONResponse(reset_body(all(each.values()), each))
 
     async def health(self) -> Response:
         await self.replicas.ready()

@@ -1,21 +1,17 @@
-"""OpenAI request models and the error shape the server answers with.
+"""OpenAI's completion and chat request models, and the checks every body takes before them.
 
 Requests are validated in strict mode so that a wrong type (``"temperature": "hot"``, ``"n": "3"``) is a
 400 naming the field, as OpenAI does, instead of being coerced. Unknown fields are ignored (clients send
-``user``, ``metadata`` and friends).
+``user``, ``metadata`` and friends). Refusals are ``errors.APIError``.
 """
 
 from __future__ import annotations
 
-import re
-import uuid
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-if TYPE_CHECKING:
-    from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.errors import APIError
 
 # prompts in one /v1/completions request (vLLM sets none): many questions on one document may come
 # as one request; each prompt is an engine request, which the waiting queue's bounds still count
@@ -58,54 +54,6 @@ def check_not_done(data: Any) -> None:
         if data.get(name) is not None and data[name] not in off:
             message = f"{name} must be {off[0]!r} (or unset) here, got {data[name]!r}"
             raise APIError(400, message, param=name, code="unsupported_parameter")
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's ``{"error": {...}}`` JSON with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
-        self.headers = headers  # sent with the error (e.g. Retry-After on a 429)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def engine_failure(outputs: Iterable[RequestOutput]) -> APIError | None:
-    """The error for outputs that finished with "error", or None. Where the engine said why, the
-    request can never run here (it needs more of the KV pool than can ever be free): a 400 naming
-    the numbers, not to be retried. Otherwise the engine failed while running it: a 500."""
-    failed = [o for o in outputs if any(c.finish_reason == "error" for c in o.outputs)]
-    if not failed:
-        return None
-    reasons = [o.error for o in failed if o.error]
-    if reasons:
-        return APIError(400, reasons[0], code="kv_capacity_exceeded")
-    return APIError(500, "the engine failed while running this request", code="engine_error")
-
-
-_ERROR_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
 
 
 class StreamOptions(BaseModel):
@@ -331,56 +279,6 @@ def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: it goes into ids and logs
-
-
-def answer_id(kind: str, given: str | None) -> str:
-    """An answer's id: ``kind``-``given`` where the client named its request (vLLM's ``request_id``
-    field, or the ``X-Request-Id`` header), else ``kind``-<random hex>."""
-    if given is None:
-        return f"{kind}-{uuid.uuid4().hex}"
-    if not REQUEST_ID.fullmatch(given):
-        message = "request_id must be 1-256 printable ASCII characters without spaces"
-        raise APIError(400, message, param="request_id", code="invalid_value")
-    return f"{kind}-{given}"
-
-
-_TAGGED_ID = re.compile(r"(?:resp_|batch_|msgbatch_|file-)([A-Za-z0-9-]+)_[0-9a-f]{32}")
-
-
-def object_id(prefix: str, tag: str | None = None, sep: str = "_") -> str:
-    """An id of a kept object (response, file, batch): ``<prefix><sep><hex>``, or with the keeping
-    store's ``tag`` (behind the Ray ingress, its replica's name) ``<prefix><sep><tag>_<hex>``, so that
-    the ingress sends a later request naming it to that replica (``id_tag``)."""
-    return f"{prefix}{sep}{uuid.uuid4().hex}" if tag is None else f"{prefix}{sep}{tag}_{uuid.uuid4().hex}"
-
-
-def id_tag(named: str) -> str | None:
-    """The store tag in a response's, file's or batch's id (``object_id``), or None."""
-    m = _TAGGED_ID.fullmatch(named)
-    return m.group(1) if m else None
-
-
-def page(
-    items: list[dict[str, Any]], after: str | None, limit: int, what: str = "listed object"
-) -> dict[str, Any]:
-    """OpenAI's cursor page: the ``limit`` items after the one whose id is ``after`` (400 naming
-    ``what`` where none has that id)."""
-    if after is not None:
-        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-        if at is None:
-            raise APIError(400, f"no {what} with id {after!r}", param="after")
-        items = items[at + 1 :]
-    data = items[:limit]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(items) > limit,
-    }
-
-
 def normalize_stop(stop: Any) -> list[str] | None:
     if stop is None:
         return None
@@ -404,50 +302,3 @@ def find_lone_surrogate(value: Any) -> bool:
     if isinstance(value, dict):
         return any(find_lone_surrogate(v) for v in value.values())
     return False
-
-
-def param_of(message: str, prompt_field: str) -> tuple[str | None, str]:
-    """Which request field a ValueError from SamplingParams or Engine.add_request is about."""
-    fields = (
-        "n",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "max_tokens",
-        "min_tokens",
-        "stop_token_ids",
-        "logprobs",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "best_of",
-        "prompt_logprobs",
-        "application",
-        "cache_salt",
-        "module_recompute",
-        "allowed_token_ids",
-        "truncate_prompt_tokens",
-        "bad_words",
-        "priority",
-        "thinking_token_budget",
-        "length_penalty",
-    )
-    head = message.split(" ", 1)[0].split("=", 1)[0]
-    if head.startswith("structured_outputs"):
-        return head.rstrip(":"), "invalid_value"
-    if head in fields:
-        return head, "invalid_value"
-    if "stop" in message:
-        return "stop", "invalid_value"
-    if "context length" in message and "max_tokens" not in message:
-        return prompt_field, "context_length_exceeded"
-    if "max_tokens" in message:
-        return "max_tokens", "invalid_value"
-    if "prompt" in message:
-        return prompt_field, "invalid_value"
-    if "application" in message:
-        return "application", "invalid_value"
-    return None, "invalid_value"

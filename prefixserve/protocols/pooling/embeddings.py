@@ -1,5 +1,5 @@
-"""OpenAI's Embeddings API (``POST /v1/embeddings``, routed in ``embedding_routes.py``; batch files'
-``/v1/embeddings`` rows) over the engine's pooling (``engine/pooling.py``).
+"""OpenAI's Embeddings API (``POST /v1/embeddings``, routed in ``entrypoints/openai/embedding_routes.py``;
+batch files' ``/v1/embeddings`` rows) over the engine's pooling (``engine/pooling.py``).
 
 Each input is one engine request that computes its prompt and no completion; its answer is the
 pooled final hidden states ("last" token by default, as vLLM pools decoder models; ``pooling``:
@@ -22,23 +22,23 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from prefixserve.engine.pooling import embedding_request
-from prefixserve.entrypoints.openai.prepare import (
+from prefixserve.outputs import RequestOutput
+from prefixserve.pooling_params import PoolingParams
+from prefixserve.promptcache.pml import is_pml_prompt
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.ids import answer_id
+from prefixserve.protocols.openai.prepare import (
     OpenAIContext,
     Prepared,
     application_prompt,
     chat_prompt,
     check_model,
 )
-from prefixserve.entrypoints.openai.protocol import (
-    APIError,
+from prefixserve.protocols.openai.request_models import (
     ChatCompletionRequest,
-    answer_id,
     normalize_prompts,
     parse_request,
 )
-from prefixserve.outputs import RequestOutput
-from prefixserve.pooling_params import PoolingParams
-from prefixserve.promptcache.pml import is_pml_prompt
 
 EMBEDDINGS_ROUTE = "/v1/embeddings"
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefixserve.entrypoints.openai.protocol import APIError
+from prefixserve.protocols.errors import APIError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value a text model has
 # vLLM's sampling extensions a response takes as a chat does (passed on under the same names)

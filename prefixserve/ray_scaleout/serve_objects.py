@@ -16,10 +16,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlencode
 
-from prefixserve.entrypoints.openai.batch_routes import BATCHES_ROUTE, FILES_ROUTE
-from prefixserve.entrypoints.openai.message_batches import MAX_PAGE, MESSAGE_BATCHES_ROUTE, anthropic_page
-from prefixserve.entrypoints.openai.protocol import APIError, id_tag, page
-from prefixserve.entrypoints.openai.responses_routes import RESPONSES_ROUTE
+from prefixserve.protocols.anthropic.message_batches import MAX_PAGE, MESSAGE_BATCHES_ROUTE, anthropic_page
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.ids import id_tag
+from prefixserve.protocols.openai.lists import BATCHES_ROUTE, FILES_ROUTE, page
+from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE
 
 LISTED = (FILES_ROUTE, BATCHES_ROUTE, MESSAGE_BATCHES_ROUTE)
 _PAGE = {

@@ -17,21 +17,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.entrypoints.openai import format as fmt
-from prefixserve.entrypoints.openai.event_stream import AsEvents
-from prefixserve.entrypoints.openai.prepare import stream_state
-from prefixserve.entrypoints.openai.responses import (
+from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.openai import format as fmt
+from prefixserve.protocols.openai.event_stream import AsEvents
+from prefixserve.protocols.openai.prepare import stream_state
+from prefixserve.protocols.openai.text_tokens import TextTokens
+from prefixserve.protocols.openai.tool_stream import ToolStreamState
+from prefixserve.protocols.responses.items import (
     FAILURE_CODES,
-    ResponseCall,
     call_item,
     item_status,
     message_item,
     new_id,
     reasoning_item,
 )
-from prefixserve.entrypoints.openai.text_tokens import TextTokens
-from prefixserve.entrypoints.openai.tool_stream import ToolStreamState
-from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.responses.prepare import ResponseCall
 
 
 @dataclass

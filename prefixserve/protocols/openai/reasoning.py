@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.config import REASONING_PARSERS as PARSERS  # vLLM's names; both take the rule above
-from prefixserve.entrypoints.openai import format as fmt
-from prefixserve.entrypoints.openai.text_tokens import TextTokens
 from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.openai import format as fmt
+from prefixserve.protocols.openai.text_tokens import TextTokens
 from prefixserve.sampling.thinking_budget import THINK_END, THINK_START
 
 START, END = THINK_START, THINK_END

@@ -22,8 +22,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
-from prefixserve.entrypoints.openai.structured import checked
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.request_models import ChatCompletionRequest, ChatMessage
+from prefixserve.protocols.openai.structured import checked
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
 CALL_TAG = "<tool_call>"  # opens a call in the output (Hermes / Qwen2.5)

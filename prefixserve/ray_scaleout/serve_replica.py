@@ -54,9 +54,9 @@ class EngineReplica:
         ``BatchSettings``; with a ``files_dir``, this replica keeps them in its own folder there)."""
         # FastAPI and uvicorn: only where a replica runs
         from prefixserve.entrypoints.openai.app import build_app
-        from prefixserve.entrypoints.openai.batch_routes import BatchSettings
-        from prefixserve.entrypoints.openai.responses import ResponseStore
+        from prefixserve.entrypoints.openai.batch_settings import BatchSettings
         from prefixserve.entrypoints.openai.server import wants_engine_process
+        from prefixserve.protocols.responses.store import ResponseStore
 
         if switch_interval_ms is not None:
             sys.setswitchinterval(switch_interval_ms / 1e3)

@@ -1,6 +1,6 @@
 """Anthropic's Messages API (``/v1/messages``) over the chat route: prepare, answer, count, errors.
 
-A message runs as one chat turn (``anthropic_request.py`` turns its body into a chat body), so the
+A message runs as one chat turn (``request.py`` turns its body into a chat body), so the
 template, tools, structured outputs, sampling and every check are the chat route's. Its answer is
 the Messages shape: content blocks (``text``, and ``tool_use`` per tool call with its ``input`` as
 an object), ``stop_reason`` (``end_turn``, ``stop_sequence`` naming the sequence, ``max_tokens``,
@@ -17,24 +17,25 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.entrypoints.openai.anthropic_request import (
+from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.anthropic.request import (
     MessagesRequest,
     chat_request,
     check_refused,
     check_supported,
     renamed,
 )
-from prefixserve.entrypoints.openai.prepare import (
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.openai.prepare import (
     OpenAIContext,
     Prepared,
     prepare_chat,
     prompt_ids,
     response_body,
 )
-from prefixserve.entrypoints.openai.protocol import APIError, check_not_done, parse_request
-from prefixserve.entrypoints.openai.reasoning import END
-from prefixserve.entrypoints.openai.tools import Tools
-from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.openai.reasoning import END
+from prefixserve.protocols.openai.request_models import check_not_done, parse_request
+from prefixserve.protocols.openai.tools import Tools
 
 MESSAGES_ROUTE = "/v1/messages"
 CALL_NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')  # a constrained call's name, in its JSON

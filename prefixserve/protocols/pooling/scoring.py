@@ -1,5 +1,6 @@
 """vLLM's scoring APIs over the embeddings: ``POST /score`` (and ``/v1/score``) and ``POST /rerank``
-(and ``/v1/rerank``, ``/v2/rerank``: Jina's and Cohere's shape), routed in ``embedding_routes.py``.
+(and ``/v1/rerank``, ``/v2/rerank``: Jina's and Cohere's shape), routed in
+``entrypoints/openai/embedding_routes.py``.
 
 A pair's score is the cosine similarity of its two texts' embeddings (the dot product of the
 normalized vectors; last-token pooling unless ``pooling`` says "mean"): what vLLM answers for an
@@ -17,11 +18,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from prefixserve.entrypoints.openai.embeddings import pooled_vectors, prepare_embedding
-from prefixserve.entrypoints.openai.prepare import OpenAIContext, Prepared
-from prefixserve.entrypoints.openai.protocol import MAX_PROMPTS, APIError, answer_id, parse_request
 from prefixserve.outputs import RequestOutput
 from prefixserve.pooling_params import score_pairs
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.ids import answer_id
+from prefixserve.protocols.openai.prepare import OpenAIContext, Prepared
+from prefixserve.protocols.openai.request_models import MAX_PROMPTS, parse_request
+from prefixserve.protocols.pooling.embeddings import pooled_vectors, prepare_embedding
 
 SCORE_ROUTES = ("/score", "/v1/score")
 RERANK_ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")

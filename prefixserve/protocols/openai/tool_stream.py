@@ -18,9 +18,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.entrypoints.openai import format as fmt
-from prefixserve.entrypoints.openai.tools import CALL_TAG, Tools, tool_message
 from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.openai import format as fmt
+from prefixserve.protocols.openai.tools import CALL_TAG, Tools, tool_message
 
 ARGUMENT_PIECE = 16  # characters of arguments per delta
 

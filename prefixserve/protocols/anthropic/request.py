@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefixserve.entrypoints.openai.protocol import APIError
-from prefixserve.entrypoints.openai.responses_request import CHAT_EXTENSIONS
+from prefixserve.protocols.errors import APIError
+from prefixserve.protocols.responses.request import CHAT_EXTENSIONS
 
 # fields of this API for what a text model served here does not do: a 400 where set
 REFUSED = {

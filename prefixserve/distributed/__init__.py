@@ -1,1 +1,0 @@
-"""Scale-out on existing distributed engines (Ray for offline batches); nothing home-made."""

@@ -1,0 +1,75 @@
+"""Structured outputs as a request rule (``sampling/rules.py``): a grammar compiled at intake (or the
+request refused), a matcher per sample as the request's state, each step's token bitmask as its mask.
+
+The engine-wide part (``decoding.StructuredDecoding``: the grammar cache, the mask buffers, the fill's
+worker thread) is set up at the first constrained request, which is when xgrammar is imported: an
+engine that never sees one never imports it. Until then every step hook returns at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.rules import RequestRule, RuleRequest
+from prefixserve.structured.decoding import MATCHERS, StructuredDecoding
+
+if TYPE_CHECKING:
+    from prefixserve.sequence import Sequence as EngineSequence
+    from prefixserve.structured.bitmask import StepMask
+
+
+class StructuredOutputsRule(RequestRule):
+    """``structured_outputs``: hooks over one ``StructuredDecoding``, made at the first constrained
+    request with the tokenizer that request came with (``rows``: the most sample rows a step has)."""
+
+    name = MATCHERS
+
+    def __init__(self, vocab_size: int, eos_ids: set[int], device: torch.device | str, rows: int) -> None:
+        self.vocab_size, self.eos_ids, self.device, self.rows = vocab_size, eos_ids, device, rows
+        self.decoding: StructuredDecoding | None = None
+
+    def set_up(self, tokenizer: Any) -> StructuredDecoding:
+        """The engine's structured decoding, made now if it is not yet (xgrammar imported then)."""
+        if self.decoding is None:
+            self.decoding = StructuredDecoding(
+                tokenizer, self.vocab_size, self.eos_ids, device=self.device, rows=self.rows
+            )
+        return self.decoding
+
+    def check(self, params: SamplingParams, tokenizer: Any) -> None:
+        """Compile the request's grammar now (or find it compiled): a bad spec raises ValueError."""
+        if params.structured_outputs is not None:
+            self.set_up(tokenizer).admit(params.structured_outputs)
+
+    def admit(self, request: RuleRequest, tokenizer: Any) -> dict[int, Any] | None:
+        """A constrained request's matchers, by sample index: made at each sample's first token."""
+        return {} if request.params.structured_outputs is not None else None
+
+    def waits(
+        self, samplers: Sequence[EngineSequence], indices: Sequence[int], params: Sequence[SamplingParams]
+    ) -> bool:
+        """A grammar row's mask needs every token before the one it samples."""
+        return self.decoding is not None and self.decoding.constrained(samplers)
+
+    def mask(
+        self, samplers: Sequence[EngineSequence], indices: Sequence[int], params: Sequence[SamplingParams]
+    ) -> StepMask | None:
+        return self.decoding.bitmask(samplers) if self.decoding is not None else None
+
+    def advance(
+        self,
+        samplers: Sequence[EngineSequence],
+        indices: Sequence[int],
+        tokens: Sequence[int],
+        pending: Mapping[Any, Any],
+        then: Sequence[EngineSequence] | None,
+    ) -> None:
+        if self.decoding is not None:
+            self.decoding.advance(samplers, indices, tokens, pending, then)
+
+
+__all__ = ["StructuredOutputsRule"]
