@@ -38,7 +38,7 @@ def shared_prompts(batch: int, prefix: int, own: int, seed: int = 0) -> list[dic
     ]
 
 
-class _GCPauses:
+class GCPauses:
     """A ``gc.callbacks`` entry summing the time of the timed run's collections (a full pass over
     lists of token ids once took 1.8 s at 1024 x 16K, in the middle of decode)."""
 
@@ -108,7 +108,7 @@ def measure(
     )
     before = llm.metrics()
     params = SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, seed=0, max_tokens=gen, ignore_eos=True)
-    pauses = _GCPauses()
+    pauses = GCPauses()
     gc.callbacks.append(pauses)
     t0 = time.perf_counter()
     try:

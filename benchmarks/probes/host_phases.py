@@ -20,17 +20,21 @@ PYTHONPATH=. python -m benchmarks.probes.host_phases --tp 2 --json out/host_tp2.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import gc
 import importlib
 import itertools
 import json
+import pstats
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.decode_run import add_shared_run_args, decode_ms_per_step, shared_prompts
+from benchmarks.decode_run import GCPauses, add_shared_run_args, decode_ms_per_step, shared_prompts
 from benchmarks.harness.info import git_commit
 from prefixserve import LLM, SamplingParams
 
@@ -92,6 +96,8 @@ class Timers:
         assert self.events is not None
         torch.cuda.synchronize()
         starts = [i for i, (label, _) in enumerate(self.events) if label == "DecodeGraphs.run"]
+        if len(starts) <= steps:  # no decode graphs (a sliding-window model): step at the forwards
+            starts = [i for i, (label, _) in enumerate(self.events) if label == "ModelRunner.forward"]
         first, last = starts[-steps - 1], starts[-1]
         out: dict[str, float] = defaultdict(float)
         window = self.events[first : last + 1]
@@ -123,13 +129,43 @@ class Timers:
         return dict(self.seconds), dict(self.calls)
 
 
-def run(llm: LLM, timers: Timers, args: argparse.Namespace, gen: int, seed: int) -> tuple[dict, float]:
-    """Timer deltas over one generate call, and its decode ms per step."""
+def run(
+    llm: LLM, timers: Timers, args: argparse.Namespace, gen: int, seed: int, profile: bool = False
+) -> tuple[dict, float, dict]:
+    """Timer deltas over one generate call, its decode ms per step, and (``profile``) its cProfile
+    stats and the cyclic GC passes it met."""
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    prompts = shared_prompts(args.batch, args.prefix, args.own, seed=seed)
     before, _ = timers.snapshot()
-    outs = llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=seed), params)
+    pauses = GCPauses()
+    profiler = cProfile.Profile() if profile else None
+    gc.callbacks.append(pauses)
+    if profiler is not None:
+        profiler.enable()
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+        gc.callbacks.remove(pauses)
     after, _ = timers.snapshot()
-    return {k: after[k] - before.get(k, 0.0) for k in after}, decode_ms_per_step(outs, gen)
+    extra = {"gc_pause_s": pauses.total, "gc_full_passes": pauses.full}
+    if profiler is not None:
+        extra["stats"] = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    return {k: after[k] - before.get(k, 0.0) for k in after}, decode_ms_per_step(outs, gen), extra
+
+
+def profile_diff(long: dict, short: dict, steps: int, top: int) -> list[tuple[float, float, int, str]]:
+    """Functions by cumulative host ms a decode step: the long run's cProfile less the short one's
+    (prefill and admission cancel out); (cumulative, own, calls a step, name)."""
+    rows = []
+    for key, (_, calls, own, cum, _callers) in long.items():
+        s_calls, s_own, s_cum = short.get(key, (0, 0, 0.0, 0.0, None))[1:4]
+        name = f"{Path(key[0]).name}:{key[1]}({key[2]})"
+        rows.append(
+            (1e3 * (cum - s_cum) / steps, 1e3 * (own - s_own) / steps, (calls - s_calls) // steps, name)
+        )
+    return sorted(rows, reverse=True)[:top]
 
 
 def main() -> None:
@@ -137,6 +173,8 @@ def main() -> None:
     add_shared_run_args(ap, gen=96, short_gen=16)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep-sliding-kv", action="store_true", help="every layer's KV kept (kv/layout.py)")
+    ap.add_argument("--cprofile", type=int, default=0, help="list the long run's N costliest functions")
     args = ap.parse_args()
     timers = Timers()
     for module, owner, name in PHASES:
@@ -152,11 +190,12 @@ def main() -> None:
         max_num_seqs=args.batch,
         max_num_batched_tokens=16384,
         progress=False,
+        keep_sliding_kv=args.keep_sliding_kv,
     )
     run(llm, timers, args, args.gen, seed=1)  # warm: graphs, compiles
-    short, _ = run(llm, timers, args, args.short_gen, seed=2)
+    short, _, short_extra = run(llm, timers, args, args.short_gen, seed=2, profile=args.cprofile > 0)
     timers.events = [] if args.device.startswith("cuda") else None
-    long, decode_ms = run(llm, timers, args, args.gen, seed=3)
+    long, decode_ms, long_extra = run(llm, timers, args, args.gen, seed=3, profile=args.cprofile > 0)
     steps = args.gen - args.short_gen
     per_step = {k: 1e3 * (long[k] - short.get(k, 0.0)) / steps for k in long}
     gpu = timers.gpu_ms(min(steps, args.gen // 2)) if timers.events is not None else {}
@@ -172,6 +211,9 @@ def main() -> None:
         "decode_ms_per_step": decode_ms,
         "host_ms_per_step": per_step,
         "gpu_ms_per_step_between_marks": gpu,
+        "keep_sliding_kv": args.keep_sliding_kv,
+        "gc_pause_s": {"short": short_extra["gc_pause_s"], "long": long_extra["gc_pause_s"]},
+        "gc_full_passes": {"short": short_extra["gc_full_passes"], "long": long_extra["gc_full_passes"]},
     }
     print(
         f"TP={args.tp} B={args.batch} P={args.prefix}: decode {decode_ms:.2f} ms/step; host ms a decode step:"
@@ -182,6 +224,15 @@ def main() -> None:
         print(f"rank 0's GPU, ms a decode step between marks ({sum(gpu.values()):.3f} in all):")
         for k, ms in sorted(gpu.items(), key=lambda kv: -kv[1]):
             print(f"  {ms:7.3f}  {k}")
+    print(f"GC pauses: {result['gc_pause_s']} s, full passes {result['gc_full_passes']}")
+    if args.cprofile:
+        rows = profile_diff(long_extra["stats"], short_extra["stats"], steps, args.cprofile)
+        result["cprofile_ms_per_step"] = [
+            {"cumulative": c, "own": o, "calls": n, "function": f} for c, o, n, f in rows
+        ]
+        print("cProfile, the long run less the short, ms a decode step (cumulative, own, calls):")
+        for c, o, n, f in rows:
+            print(f"  {c:8.3f} {o:8.3f} {n:6d}  {f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

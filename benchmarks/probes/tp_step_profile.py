@@ -105,6 +105,7 @@ def main() -> None:
     )
     ap.add_argument("--cuda-only", action="store_true", help="record GPU activity alone (less host overhead)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep-sliding-kv", action="store_true", help="every layer's KV kept (kv/layout.py)")
     args = ap.parse_args()
     if args.no_peer_norm:
         os.environ["PREFIXSERVE_PEER_NORM"] = "0"  # before the workers start: they inherit it
@@ -118,6 +119,7 @@ def main() -> None:
         max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens,
         progress=False,
+        keep_sliding_kv=args.keep_sliding_kv,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
     llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=1), params)  # warm: graphs, compiles
@@ -142,6 +144,7 @@ def main() -> None:
         "tp": args.tp,
         "peer": not args.no_peer,
         "peer_norm": not args.no_peer_norm,
+        "keep_sliding_kv": args.keep_sliding_kv,
         "batch": args.batch,
         "prefix": args.prefix,
         "device": torch.cuda.get_device_name(),

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefixserve.host_copy import to_device, to_device_packed
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -69,7 +71,7 @@ class AttentionMetadata:
         assert self.query_lens_np is not None and self.seq_lens_np is not None
         q, s, bs = self.query_lens_np, self.seq_lens_np, self.block_size
         slots = np.stack([_write_slots(t, q, s, bs, base) for t in tables])  # [R, T]
-        tables_d, slots_d, base_d = _to_device_all((tables, slots, base.astype(np.int32)), device)
+        tables_d, slots_d, base_d = to_device_packed([tables, slots, base.astype(np.int32)], device)
         n_blocks = -(-s // bs)
         self.group_metas = tuple(
             dataclasses.replace(
@@ -202,12 +204,17 @@ def build_metadata(
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(q, out=starts[1:])
     slots = _write_slots(tables, q, s, block_size)
+    host = [starts.astype(np.int32), s.astype(np.int32), tables, slots]
+    if torch.device(device).type == "cuda":  # one copy for the four
+        starts_d, seq_lens_d, tables_d, slots_d = to_device_packed(host, device)
+    else:
+        starts_d, seq_lens_d, tables_d, slots_d = (to_device(a, device) for a in host)
     return AttentionMetadata(
         block_size=block_size,
-        query_start_loc=_to_device(starts.astype(np.int32), device),
-        seq_lens=_to_device(s.astype(np.int32), device),
-        block_tables=_to_device(tables, device),
-        slot_mapping=_to_device(slots, device),
+        query_start_loc=starts_d,
+        seq_lens=seq_lens_d,
+        block_tables=tables_d,
+        slot_mapping=slots_d,
         query_lens_host=list(query_lens),
         seq_lens_host=list(seq_lens),
         block_tables_host=host_rows,
@@ -236,27 +243,6 @@ def _write_slots(
     index = (s - q)[owner] + np.arange(num_tokens) - starts[owner]
     column = index // block_size - (base[owner] if base is not None else 0)
     return tables[owner, column].astype(np.int64) * block_size + index % block_size
-
-
-def _to_device_all(arrays: tuple[np.ndarray, ...], device: torch.device | str) -> list[torch.Tensor]:
-    """Several int host arrays on ``device`` in one copy (``_to_device`` of their bytes, then views)."""
-    flat = np.concatenate([a.astype(np.int64, copy=False).reshape(-1) for a in arrays])
-    moved = _to_device(flat, device)
-    out, at = [], 0
-    for a in arrays:
-        part = moved[at : at + a.size].view(a.shape)
-        out.append(part if a.dtype == np.int64 else part.to(torch.int32))
-        at += a.size
-    return out
-
-
-def _to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """A host array on ``device``; on CUDA through pinned memory without waiting: a pageable copy
-    waits for the GPU's queue to drain, which undoes launch-ahead for every step planned eagerly."""
-    host = torch.from_numpy(array)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _list_tables(block_tables: list[list[int]], s: np.ndarray, block_size: int) -> np.ndarray:

@@ -30,11 +30,11 @@ import torch
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
+from prefixserve.host_copy import list_to_device
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.kv.layout import kv_layout, plain_layout
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
-from prefixserve.sampling.min_tokens import TokenBan
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.penalties import (
     Penalized,
@@ -45,6 +45,7 @@ from prefixserve.sampling.penalties import (
     sequence_ended,
 )
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async, tokens_future
+from prefixserve.sampling.token_ban import TokenBan
 from prefixserve.worker import cpu_malloc
 from prefixserve.worker.argmax_graph import ArgmaxGraphs
 from prefixserve.worker.cuda_graph import DecodeGraphs, GraphCaptureError
@@ -106,8 +107,7 @@ class Launch:
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 tensor on ``device`` without a blocking copy (a pageable copy would wait for the GPU)."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return list_to_device(values, device, torch.long)
 
 
 def _leading(rows: list[int]) -> bool:

@@ -50,7 +50,7 @@ from prefixserve.sampling.params import SamplingParams
 from prefixserve.worker.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
 
 if TYPE_CHECKING:
-    from prefixserve.sampling.min_tokens import TokenBan
+    from prefixserve.sampling.token_ban import TokenBan
     from prefixserve.structured.bitmask import StepMask
 
 log = logging.getLogger(__name__)

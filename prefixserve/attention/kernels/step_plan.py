@@ -18,29 +18,17 @@ import torch
 from prefixserve.attention.kernels.shared_plan import segment_tokens
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.plan import SharedPlan, make_plan
+from prefixserve.host_copy import to_device_packed as packed_on_device
 
 if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
     from prefixserve.attention.kernels.mixed_rule import MixedTiles
 
 
 def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Copy int32 host arrays to ``device`` in one asynchronous copy; returns 1-d views, in order.
-
-    On CUDA the staging tensor is pinned (torch's caching host allocator, which keeps it alive until
-    the copy is done), so the host does not wait; elsewhere it is a plain copy.
-    """
-    sizes = [int(a.size) for a in arrays]
-    # each array starts 16-byte aligned: Triton specialises pointers on it, and a start that moved
-    # with the sizes before it would compile the step's kernels again for each new alignment
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size + (-size % 4))
-    flat = np.zeros(starts[-1], dtype=np.int32)
-    for a, start, size in zip(arrays, starts[:-1], sizes, strict=True):
-        flat[start : start + size] = np.ravel(a)
-    host = torch.from_numpy(flat)
-    dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    return [dev[start : start + size] for start, size in zip(starts[:-1], sizes, strict=True)]
+    """Int host arrays on ``device`` as int32 (what the kernels take) in one asynchronous copy;
+    returns 1-d views, in order."""
+    flat = [np.ascontiguousarray(np.ravel(a), dtype=np.int32) for a in arrays]
+    return packed_on_device(flat, device)
 
 
 def host_plan(meta: AttentionMetadata) -> Any:
