@@ -182,16 +182,6 @@ def main(argv: list[str] | None = None) -> None:
         help="allreduce part: also PyTorch's symmetric-memory one-shot and two-shot all-reduces",
     )
     ap.add_argument(
-        "--peer-norm-ab",
-        action="store_true",
-        help="compare part: also TP=N with PREFIXSERVE_PEER_NORM=0 (two-shot all-reduce, then the norm)",
-    )
-    ap.add_argument(
-        "--peer-signal-ab",
-        action="store_true",
-        help="compare part: also TP=N with PREFIXSERVE_PEER_SIGNAL=swap (ranks meet by compare-and-swap)",
-    )
-    ap.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -258,10 +248,6 @@ def main(argv: list[str] | None = None) -> None:
                 (f"tp{tp}", tp, True, {}),
                 (f"tp{tp}_nccl", tp, False, {}),
             ]
-            if args.peer_norm_ab:  # the fused all-reduce + norm off: PyTorch's two-shot, then the norm
-                runs.append((f"tp{tp}_two_shot", tp, True, {"PREFIXSERVE_PEER_NORM": "0"}))
-            if args.peer_signal_ab:  # the fused kernel's ranks meeting by compare-and-swap
-                runs.append((f"tp{tp}_swap", tp, True, {"PREFIXSERVE_PEER_SIGNAL": "swap"}))
             results: dict[str, list[dict]] = {}
             for rep in range(max(1, args.repeats)):
                 for key, size, peer, env in runs if rep == 0 else runs[:2]:  # repeats: TP=1 and TP=N
@@ -406,10 +392,10 @@ def markdown(payload: dict) -> str:
             f"TP={tp} NCCL: every all-reduce through NCCL (`--no-tp-peer-allreduce`); TP={tp}: the default, "
             "decode-sized all-reduces over NVLink peer memory (those before a norm fused with it: at TP=2 "
             "`kernels/peer_norm.py`, past two ranks up to 32 rows `kernels/ranks_norm.py`, in runs from "
-            "4c31f73 on); two-shot: the same with `PREFIXSERVE_PEER_NORM=0` (PyTorch's "
-            "two-shot all-reduce, then the norm), where `--peer-norm-ab` ran it; swap: the fused kernel's "
-            "ranks meeting by compare-and-swap flags (`PREFIXSERVE_PEER_SIGNAL=swap`, the protocol before "
-            "call counts), where `--peer-signal-ab` ran it. GPU idle: rank 0's GPU between decode steps, "
+            "4c31f73 on); two-shot: the same with the fused call off (PyTorch's "
+            "two-shot all-reduce, then the norm), and swap: the fused kernel's ranks meeting by "
+            "compare-and-swap flags, in runs before 5e4f618 that had them (both A/B switches are gone). "
+            "GPU idle: rank 0's GPU between decode steps, "
             "as a fraction of the decode time.",
             "",
         ]

@@ -292,32 +292,6 @@ def cache_dir() -> Path:
     return Path(value)
 
 
-def peer_norm_enabled() -> bool:
-    """``PREFIXSERVE_PEER_NORM``: "1" (default) lets a two-rank all-reduce that a residual add and an
-    RMSNorm follow run as one kernel with them (``model/kernels/peer_norm.py``); "0" keeps PyTorch's
-    two-shot all-reduce and the separate norm (A/B runs: tensor-parallel workers inherit it)."""
-    return _env_choice("PREFIXSERVE_PEER_NORM", "1", ("0", "1")) == "1"
-
-
-def peer_push_mode() -> str:
-    """``PREFIXSERVE_PEER_PUSH``: whether the fused two-rank all-reduce writes each rank's product into
-    the peer's memory before the barrier (NVLink stores) and reads the peer's from its own, instead of
-    reading the peer's product over NVLink after it: "auto" (default) for decode-sized messages
-    (``peer_allreduce.PUSH_MAX_ROWS``) where the ranks meet by compare-and-swap
-    (``PREFIXSERVE_PEER_SIGNAL=swap``), never where they meet by call count; "1" always, "0" never.
-    Both ranks must agree: tensor-parallel workers inherit it."""
-    return _env_choice("PREFIXSERVE_PEER_PUSH", "auto", ("auto", "0", "1"))
-
-
-def peer_signal_mode() -> str:
-    """``PREFIXSERVE_PEER_SIGNAL``: how the two ranks' programs of the fused all-reduce meet. "count"
-    (default): each program writes its call count into the peer's flag without waiting for an answer
-    and reads its own until the peer's count reaches it; "swap": compare-and-swap flags, each swap
-    answered over NVLink before the program goes on (the earlier protocol, for A/B runs). Both ranks
-    must agree: tensor-parallel workers inherit it."""
-    return _env_choice("PREFIXSERVE_PEER_SIGNAL", "count", ("count", "swap"))
-
-
 def mixed_mode() -> str:
     """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
     (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every

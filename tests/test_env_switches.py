@@ -1,4 +1,4 @@
-"""The environment switches: exactly five PREFIXSERVE_* variables, read only in prefixserve/config.py.
+"""The environment switches: exactly two PREFIXSERVE_* variables, read only in prefixserve/config.py.
 
 Each switch is a function of ``prefixserve.config`` that reads its variable when called, so a test (or a
 benchmark) that sets the variable sees the effect on the next call; a value outside the documented ones
@@ -16,13 +16,7 @@ import pytest
 from prefixserve import config
 
 PACKAGE = Path(config.__file__).resolve().parent
-SWITCHES = {
-    "PREFIXSERVE_CACHE",
-    "PREFIXSERVE_MIXED",
-    "PREFIXSERVE_PEER_NORM",
-    "PREFIXSERVE_PEER_PUSH",
-    "PREFIXSERVE_PEER_SIGNAL",
-}
+SWITCHES = {"PREFIXSERVE_CACHE", "PREFIXSERVE_MIXED"}  # issue 101: the cache and at most one more
 
 
 def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -50,51 +44,19 @@ def test_mixed_mode(monkeypatch: pytest.MonkeyPatch) -> None:
             config.mixed_mode()
 
 
-def test_peer_norm_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PREFIXSERVE_PEER_NORM", raising=False)
-    assert config.peer_norm_enabled() is True
-    monkeypatch.setenv("PREFIXSERVE_PEER_NORM", "0")
-    assert config.peer_norm_enabled() is False
-    monkeypatch.setenv("PREFIXSERVE_PEER_NORM", "off")
-    with pytest.raises(ValueError, match="PREFIXSERVE_PEER_NORM"):
-        config.peer_norm_enabled()
-
-
-def test_peer_signal_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PREFIXSERVE_PEER_SIGNAL", raising=False)
-    assert config.peer_signal_mode() == "count"
-    for value in ("count", "swap"):
-        monkeypatch.setenv("PREFIXSERVE_PEER_SIGNAL", value)
-        assert config.peer_signal_mode() == value
-    monkeypatch.setenv("PREFIXSERVE_PEER_SIGNAL", "cas")
-    with pytest.raises(ValueError, match="PREFIXSERVE_PEER_SIGNAL"):
-        config.peer_signal_mode()
-
-
-def test_peer_push_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PREFIXSERVE_PEER_PUSH", raising=False)
-    assert config.peer_push_mode() == "auto"
-    for value in ("auto", "0", "1"):
-        monkeypatch.setenv("PREFIXSERVE_PEER_PUSH", value)
-        assert config.peer_push_mode() == value
-    monkeypatch.setenv("PREFIXSERVE_PEER_PUSH", "yes")
-    with pytest.raises(ValueError, match="PREFIXSERVE_PEER_PUSH"):
-        config.peer_push_mode()
-
-
 def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_only_the_six_switches_are_named_in_the_package() -> None:
-    """A seventh PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
+def test_only_the_two_switches_are_named_in_the_package() -> None:
+    """A third PREFIXSERVE_* name anywhere in the package (code, comment or docstring) fails here:
     add it to config.py, with its function and docstring, and to SWITCHES, or do without it."""
     names: dict[str, list[str]] = {}
     for path in _sources():
         for name in re.findall(r"PREFIXSERVE_[A-Z0-9_]+", path.read_text()):
             names.setdefault(name, []).append(str(path.relative_to(PACKAGE.parent)))
     extra = {name: files for name, files in names.items() if name not in SWITCHES}
-    assert not extra, f"PREFIXSERVE_* names outside the six switches: {extra}"
+    assert not extra, f"PREFIXSERVE_* names outside the two switches: {extra}"
     config_text = (PACKAGE / "config.py").read_text()
     assert all(f'"{name}"' in config_text for name in SWITCHES)
 

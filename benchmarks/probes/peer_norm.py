@@ -10,8 +10,7 @@ N GPUs (``--ranks``, default 2), one process each (NCCL group, peer memory as th
   the slot just before), every output checked afterwards (a missed barrier shows as a stale or
   half-written product);
 - timing (bf16): per call, graphed (64 calls a graph, alternating slots): the fused kernel as the
-  engine calls it; at two ranks also with each rank's product pushed into the peer's memory before
-  the barrier (push, ``PREFIXSERVE_PEER_PUSH=1``; checked the same way), past two ``ranks_norm``
+  engine calls it; past two ``ranks_norm``
   forced at every size (one-shot; checked the same way); the engine's unfused path
   (PyTorch's two-shot all-reduce in peer memory, then ``add_rms_norm``); ``add_rms_norm`` alone (the
   floor a fused kernel cannot beat); a two-shot all-reduce's bytes into a rank (2 (N - 1) / N
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -113,22 +111,18 @@ def _worker(rank: int, size: int, init: str, queue, hidden_sizes: list[int], row
     for hidden in hidden_sizes:
         for b in rows:
             row = {"hidden": hidden, "rows": b}
-            # two ranks: pushed and pulled (pull last: the other columns time the default); more:
-            # the engine's choice, and each of ranks_norm's two ways checked apart
-            modes = ("push", "pull") if size == 2 else ("pull", "one_shot")
+            # the engine's choice; past two ranks also each of ranks_norm's two ways checked apart
+            modes = ("pull",) if size == 2 else ("pull", "one_shot")
             for mode in modes:
-                os.environ["PREFIXSERVE_PEER_PUSH"] = "1" if mode == "push" else "0"  # "auto" left
                 for dtype in (torch.float32, torch.bfloat16):
                     if b * hidden * dtype.itemsize <= 8 << 20:
                         name = str(dtype).removeprefix("torch.") + ("" if mode == "pull" else f"_{mode}")
-                        if mode in ("pull", "push"):
+                        if mode == "pull":
                             row[name] = _check(peer, b, hidden, dtype, rank)
                         else:  # ranks_norm at every size
                             wrong = wrong_outputs(Meeting(peer), {"ranks": True}, b, hidden, dtype, rank)
                             row[name] = {"graphed_calls_wrong": wrong}
-                if mode == "push":
-                    row["fused_push_us"] = _time(peer, b, hidden, full=False)["fused_us"]
-                elif mode == "pull":
+                if mode == "pull":
                     row.update(_time(peer, b, hidden))
             result.append(row)
             if rank == 0:
@@ -162,13 +156,8 @@ def _table(result: list[dict], ranks: int, info: dict) -> list[str]:
     ]
     nan = float("nan")
     if ranks == 2:
-        head = ("hidden", "B", "MB", "fused", "fused push", "two-shot + norm", "two-shot", "norm alone")
-        head += (
-            "NVLink bound",
-            "fused / (two-shot + norm)",
-            "wrong bf16 / fp32 (push)",
-            "max err bf16 (push)",
-        )
+        head = ("hidden", "B", "MB", "fused", "two-shot + norm", "two-shot", "norm alone")
+        head += ("NVLink bound", "fused / (two-shot + norm)", "wrong bf16 / fp32", "max err bf16")
     else:
         head = ("hidden", "B", "MB", "engine", "one-shot", "two-shot + norm", "two-shot")
         head += ("norm alone", "NVLink bound", "engine / (two-shot + norm)", "wrong bf16 / fp32 (one-shot)")
@@ -178,8 +167,7 @@ def _table(result: list[dict], ranks: int, info: dict) -> list[str]:
         two = r.get("two_shot_norm_us")
         cells = (r["hidden"], r["rows"], f"{r['bytes'] / 1e6:.2f}", f"{r['fused_us']:.1f}")
         if ranks == 2:
-            keys = ("bfloat16", "float32", "bfloat16_push", "float32_push")
-            cells += (f"{r.get('fused_push_us', nan):.1f}",)
+            keys = ("bfloat16", "float32")
         else:
             keys = ("bfloat16", "float32", "bfloat16_one_shot", "float32_one_shot")
             cells += (f"{r.get('one_shot_us', nan):.1f}",)
@@ -188,9 +176,8 @@ def _table(result: list[dict], ranks: int, info: dict) -> list[str]:
         cells += (f"{two or nan:.1f}", f"{r.get('two_shot_us', nan):.1f}", f"{r['norm_alone_us']:.1f}")
         cells += (f"{r['nvlink_bound_us']:.1f}", f"{r['fused_us'] / two if two else nan:.2f}")
         if ranks == 2:
-            cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]})",)
-            errs = [r.get(k, {}).get("max_err", nan) for k in ("bfloat16", "bfloat16_push")]
-            cells += (f"{errs[0]:.3g} ({errs[1]:.3g})",)
+            cells += (f"{wrong[0]} / {wrong[1]}",)
+            cells += (f"{r.get('bfloat16', {}).get('max_err', nan):.3g}",)
         else:
             cells += (f"{wrong[0]} / {wrong[1]} ({wrong[2]} / {wrong[3]})",)
             bf16 = r.get("bfloat16", {})

@@ -1,18 +1,14 @@
-"""How should the two ranks of the fused all-reduce + norm meet: swap flags, or count calls?
+"""Does the fused all-reduce + norm's meeting of the two ranks hold, and what does the call cost?
 
 Two GPUs, one process each (NCCL group, the engine's symmetric product slots: ``PeerAllReduce``).
-The fused kernel (``kernels/peer_norm.py``) meets the peer's program of the same index once a call.
-Variants of that meeting, each checked and timed the same way:
+The fused kernel (``kernels/peer_norm.py``) meets the peer's program of the same index once a call,
+by call count: each program counts its calls in local memory and writes the count into the peer's
+int64 flag with an exchange whose answer nothing waits for, then reads its own flag until the peer's
+count reaches it (acquiring atomics). It won against compare-and-swap flags and against pushing each
+product into the peer's memory at every size, which are gone (their variants here last at 5e4f618;
+``docs/kernels.md`` §3).
 
-- ``swap``: compare-and-swap 0 -> 1 on the peer's flag (release, system scope), then 1 -> 0 on its
-  own (acquire): the compare-and-swap waits for the peer GPU's answer before the program goes on;
-- ``count``: each program counts its calls in local memory and writes the count into the peer's int64
-  flag with an exchange whose answer nothing waits for (relaxed where the product is an earlier
-  kernel's, release after pushed stores), then reads its own flag until the peer's count reaches it
-  (acquiring atomics);
-- ``push``: each program first writes its rows into the peer's memory (the engine's mode up to 64 rows).
-
-Per variant and shape: 200 graphed calls with fresh products, every output checked (a wrong count is
+Per shape (and kernel width): 200 graphed calls with fresh products, every output checked (a wrong count is
 a broken meeting), then microseconds a call, graphed, alone (64 calls back to back) and after the
 row-parallel matmul that feeds it in the engine (o_proj and down_proj shards at TP=2), whose time
 alone is subtracted: what the all-reduce + norm adds to a decode layer.
@@ -35,12 +31,7 @@ from benchmarks.harness.timing import ranks_graph_us
 EPS = 1e-5
 # row-parallel shards at TP=2, K per hidden size: o_proj (heads x dim / 2), down_proj (intermediate / 2)
 SHARDS = {4096: {"o": 2048, "down": 7168}, 8192: {"o": 4096, "down": 14336}}
-VARIANTS = {
-    "swap": {},
-    "count": {"count": True},
-    "swap push": {"push": True},
-    "count push": {"count": True, "push": True},
-}
+VARIANTS = {"count": {}}  # the engine's meeting (the kernel's only one); {"engine": True}: its call site
 
 
 class Meeting:
@@ -75,15 +66,19 @@ class Meeting:
         if variant.get("ranks"):  # kernels/ranks_norm.py at every size (the engine: a few rows)
             return self.slots.ranks_norm(slot, self.mine(*shape), residual, weight, EPS, num_warps=warps)
         mine, peer = self.slots.views(*shape)
-        push = None
-        if variant.get("push"):
-            peer, push = self.slots.pushed(*shape)
-        if variant.get("count"):
-            flags, extra = (self.slots.counts, self.slots.peer_counts), {"calls": self.slots.calls}
-        else:
-            flags, extra = (self.slots.flags, self.slots.peer_flags), {}
-        extra["abort"] = self.slots.abort
-        return peer_add_rms_norm(mine, peer, residual, weight, EPS, *flags, push, num_warps=warps, **extra)
+        slots = self.slots
+        return peer_add_rms_norm(
+            mine,
+            peer,
+            residual,
+            weight,
+            EPS,
+            slots.counts,
+            slots.peer_counts,
+            slots.calls,
+            num_warps=warps,
+            abort=slots.abort,
+        )
 
 
 def wrong_outputs(meet: Meeting, variant: dict, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> int:

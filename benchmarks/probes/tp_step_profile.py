@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from collections import defaultdict
@@ -100,15 +99,10 @@ def main() -> None:
     add_shared_run_args(ap, gen=40, short_gen=8)
     ap.add_argument("--max-batched-tokens", type=int, default=16384, help="smaller keeps more KV (70B)")
     ap.add_argument("--no-peer", action="store_true", help="every all-reduce through NCCL")
-    ap.add_argument(
-        "--no-peer-norm", action="store_true", help="PREFIXSERVE_PEER_NORM=0: two-shot, then the norm"
-    )
     ap.add_argument("--cuda-only", action="store_true", help="record GPU activity alone (less host overhead)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep-sliding-kv", action="store_true", help="every layer's KV kept (kv/layout.py)")
     args = ap.parse_args()
-    if args.no_peer_norm:
-        os.environ["PREFIXSERVE_PEER_NORM"] = "0"  # before the workers start: they inherit it
 
     llm = LLM(
         model=args.model,
@@ -143,7 +137,6 @@ def main() -> None:
     result = {
         "tp": args.tp,
         "peer": not args.no_peer,
-        "peer_norm": not args.no_peer_norm,
         "keep_sliding_kv": args.keep_sliding_kv,
         "batch": args.batch,
         "prefix": args.prefix,
@@ -174,7 +167,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     print(
-        f"TP={args.tp} peer={not args.no_peer} peer_norm={not args.no_peer_norm} decode "
+        f"TP={args.tp} peer={not args.no_peer} decode "
         f"{result['decode_ms_per_step']:.2f} ms/step, kernels {total_us / 1e3:.2f} ms/step, GPU idle by rank "
         + " / ".join(f"{x:.1%}" for x in result["gpu_idle_frac_by_rank"])
     )

@@ -184,9 +184,7 @@ def staged_allreduce(x: torch.Tensor) -> bool:
 def peer_norm_enabled() -> bool:
     """Whether a two-rank all-reduce followed by a residual add and an RMSNorm runs as one kernel
     (``kernels/peer_norm.py``) rather than the two-shot all-reduce and ``add_rms_norm``."""
-    from prefixserve import config
-
-    return _SWITCHES["peer_norm"] and _have_triton() and config.peer_norm_enabled()
+    return _SWITCHES["peer_norm"] and _have_triton()
 
 
 def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:

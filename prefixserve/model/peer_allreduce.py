@@ -31,11 +31,6 @@ SLOT_BYTES = 8 << 20  # each fused product slot: [512, 8192] bf16, a decode step
 # barrier a call is then enough)
 ATTENTION_SLOT, MLP_SLOT, EMBEDDING_SLOT = 0, 1, 2
 SLOTS = 3
-# ranks meeting by compare-and-swap (PREFIXSERVE_PEER_SIGNAL=swap), the fused kernel pushes products of
-# at most this many rows (2 x H100, graphed, [rows, 4096] bf16: 1 row 4.9 vs 6.2 us pulled, 64 rows
-# 6.7 vs 7.1; 256 rows 12.8 vs 12.7, and whole TP=2 steps at B=256 2% slower pushed: docs/kernels.md
-# §8); meeting by call count it always pulls
-PUSH_MAX_ROWS = 64
 PICK_ROWS = 4096  # rows the sharded argmax trades over peer memory (more go through NCCL)
 # past two ranks the fused call (every rank's whole product read: one-shot) takes at most this many
 # rows; above, the two-shot's fewer bytes win (4 x H200, [32, 4096] 9.9 vs 10.9 us, [64, 4096] 11.8
@@ -117,7 +112,7 @@ class PeerAllReduce:
     def product_slot(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> PeerSum | None:
         """A ``PeerSum`` whose ``mine`` [rows, cols] is where this rank's product goes, for an RMSNorm
         to sum; None where the fused path does not apply (one rank, too large, other dtypes).
-        The caller checks ``fused.peer_norm_enabled()`` (the A/B switch) first."""
+        The caller checks ``fused.peer_norm_enabled()`` first."""
         from prefixserve.model.kernels.peer_norm import MAX_HIDDEN
 
         nbytes = rows * cols * dtype.itemsize
@@ -154,8 +149,8 @@ class PeerAbort:
 class _FusedSlots:
     """The ranks' product slots and program flags in symmetric memory, and views of the others'.
 
-    Two ranks (``kernels/peer_norm.py``): the peer's slots, and for the A/B switches its incoming
-    slots (push) and compare-and-swap flags, and the sharded argmax's exchange. More ranks
+    Two ranks (``kernels/peer_norm.py``): the peer's slots and call counts, and the sharded argmax's
+    exchange. More ranks
     (``kernels/ranks_norm.py``): a table of every rank's slot addresses a slot, and call counts."""
 
     def __init__(
@@ -199,12 +194,8 @@ class _FusedSlots:
             dist.barrier(group)  # every rank's counts are zero before any rank signals
             return
         self.peer_products = products[1 - rank]
-        # push (``config.peer_push_mode``): the peer writes its product into this rank's incoming
-        # slots, and this rank into the peer's
-        self.incoming, self.peer_incoming = shared(SLOTS * SLOT_BYTES, torch.uint8)
-        # meeting by swap: int32 flags; by call count (``config.peer_signal_mode``): the peer's program i
-        # writes its count of calls into counts[i], and calls[i] is this rank's own (int64: never wraps)
-        self.flags, self.peer_flags = shared(MAX_PROGRAMS, torch.int32)
+        # the peer's program i writes its count of calls into counts[i], and calls[i] is this rank's
+        # own (int64: never wraps)
         self.counts, self.peer_counts = shared(MAX_PROGRAMS, torch.int64)
         # the sharded argmax's exchange (``kernels/peer_argmax.py``): (score, column) a row, and its
         # own call counts
@@ -270,15 +261,6 @@ class _FusedSlots:
             self.peer_products, slot, rows, cols, dtype
         )
 
-    def pushed(
-        self, slot: int, rows: int, cols: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's incoming, the peer's incoming) [rows, cols] in ``slot``: where the peer's
-        product arrives, and where this rank's goes."""
-        return self._view(self.incoming, slot, rows, cols, dtype), self._view(
-            self.peer_incoming, slot, rows, cols, dtype
-        )
-
     @staticmethod
     def _view(buffer: torch.Tensor, slot: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         at = slot * SLOT_BYTES
@@ -299,25 +281,14 @@ class PeerSum:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(sum + residual) * weight, sum + residual)``, the sum over the ranks (no
         residual: the first layer's norm of the embedding's lookups, ``(rms_norm(sum) * weight, sum)``)."""
-        from prefixserve import config
         from prefixserve.model.kernels.peer_norm import peer_add_rms_norm
 
         mine, slots = self.mine, self.slots
         if slots.size > 2:  # at most RANKS_MAX_ROWS rows (product_slot)
             return slots.ranks_norm(self.slot, mine, residual, weight, eps)
-        shape = (self.slot, mine.shape[0], mine.shape[1], mine.dtype)
-        push, mode, swap = None, config.peer_push_mode(), config.peer_signal_mode() == "swap"
-        # meeting by call count, a pull is as fast or faster at every size (docs/kernels.md §8)
-        if mode == "1" or (mode == "auto" and swap and mine.shape[0] <= PUSH_MAX_ROWS):
-            peer, push = slots.pushed(*shape)  # arrives in our memory
-        else:  # read from the peer's memory
-            _, peer = slots.views(*shape)
-        if swap:
-            flags, calls = (slots.flags, slots.peer_flags), None
-        else:
-            flags, calls = (slots.counts, slots.peer_counts), slots.calls
+        _, peer = slots.views(self.slot, mine.shape[0], mine.shape[1], mine.dtype)  # the peer's memory
         return peer_add_rms_norm(
-            mine, peer, residual, weight, eps, *flags, push, calls=calls, abort=slots.abort
+            mine, peer, residual, weight, eps, slots.counts, slots.peer_counts, slots.calls, abort=slots.abort
         )
 
 

@@ -9,28 +9,20 @@ to its own in the same pass that adds the residual and normalises: one kernel, o
 ranks compute the identical sum (``a + b`` is commutative in IEEE arithmetic, so the replicated
 residual streams never drift apart).
 
-Synchronisation: program ``i`` on each rank meets program ``i`` on the other once a call. By call
-count (``calls`` given, the engine's default): each program raises its own count of calls by one (one
-atomic, its answer shared by the program's warps), writes the count into the peer's int64 flag ``i``
-without waiting for an answer, and reads its own flag ``i`` (acquire) until the peer's count has
-reached its own. A pulled product is the kernel before's output, complete before this kernel began,
-so the count goes out relaxed; a pushed one's stores are ordered before it (release). Counts only
-grow, so graph replays need no reset. By swap (no ``calls``: int32 flags): it sets the peer's flag
-``i`` from 0 to 1 (release, system scope) and waits for its own flag ``i`` to go from 1 to 0
-(acquire); each compare-and-swap waits for the peer GPU's answer, and a rank cannot signal again
-before the peer consumed the last signal.
+Synchronisation: program ``i`` on each rank meets program ``i`` on the other once a call, by call
+count: each program raises its own count of calls by one (one atomic, its answer shared by the
+program's warps), writes the count into the peer's int64 flag ``i`` without waiting for an answer,
+and reads its own flag ``i`` (acquire) until the peer's count has reached its own. The peer's
+product is the kernel before's output, complete before this kernel began, so the count goes out
+relaxed. Counts only grow, so graph replays need no reset. (Meeting by compare-and-swap flags, and
+pushing each rank's product into the peer's memory before the signal, lost to this at every size
+and are gone: docs/kernels.md §3.)
 
 Why one barrier is enough: consecutive calls use different product buffers (slot 0 after attention,
 slot 1 after the MLP, slot 2 for the embedding's lookups before the first layer's norm: a forward
 is 2, 0, 1, 0, 1, ..., 0, 1). Before a rank writes slot s again (two or more calls later), its
 program ``i`` has met the peer's program ``i`` of a call in between, which started only after the
 peer's kernel that read slot s had finished (stream order).
-
-Push (``push`` given): each program first writes its rows of this rank's product into the peer's
-incoming buffer (NVLink stores, which do not wait for an answer as loads do), then signals; after the
-peer's signal it reads the peer's product from its own incoming buffer, in local memory. The same
-two-slot argument covers the incoming buffers: before a rank writes the peer's incoming slot s
-again, the peer's kernel that read it (two calls back) has finished.
 
 A rank whose peer died would wait for a signal that never comes, its stream stuck for the life of
 the process: every wait also reads a local abort flag, which rank 0 raises once it learns a worker
@@ -78,50 +70,32 @@ def wait_for_count(flag_ptr, call, abort_ptr):
 @triton.jit(do_not_specialize=["n_rows"])  # a step's rows (compile_watch)
 def _peer_add_rms_norm_kernel(
     mine_ptr,  # [T, N] this rank's product (model dtype)
-    peer_ptr,  # [T, N] the peer's product: in its memory (read over NVLink), or pushed into ours (PUSH)
-    push_ptr,  # [T, N] PUSH: the peer's incoming buffer, which this rank's product is written to
+    peer_ptr,  # [T, N] the peer's product, in its memory (read over NVLink)
     res_ptr,  # [T, N] the residual stream (read when HAS_RESIDUAL)
     w_ptr,  # [N]
     out_ptr,  # [T, N] normalised
     res_out_ptr,  # [T, N] the residual stream plus the sum
     my_flags_ptr,  # [MAX_PROGRAMS]: the peer's program i signals flag i here
     peer_flags_ptr,  # [MAX_PROGRAMS], in the peer's memory: this rank's program i signals flag i
-    calls_ptr,  # COUNT: [MAX_PROGRAMS] int64, this rank's own: the calls program i has made
+    calls_ptr,  # [MAX_PROGRAMS] int64, this rank's own: the calls program i has made
     abort_ptr,  # [1] int32, local: nonzero once the peer is gone (every wait gives up)
     n_rows,
     n_cols,
     stride,  # row stride of every [T, N] operand
     eps,
     BLOCK: tl.constexpr,
-    PUSH: tl.constexpr = False,
-    COUNT: tl.constexpr = False,  # meet by call count (int64 flags), without waiting for an answer
     HAS_RESIDUAL: tl.constexpr = True,  # False: the first norm, whose stream is the sum alone
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if PUSH:  # this program's rows of our product into the peer's incoming buffer, before the signal
-        for row in range(pid, n_rows, tl.num_programs(0)):
-            at = row * stride + cols
-            tl.store(push_ptr + at, tl.load(mine_ptr + at, mask=mask, other=0.0), mask=mask)
-        tl.debug_barrier()  # every thread's stores issued before the release below
-    # meet the peer's program pid: signal it, then wait for its signal
-    if COUNT:
-        # one atomic, its answer shared by the program's warps: a load and a store would let a late
-        # warp read the count an early one had already raised, and wait for a call not yet made
-        call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
-        if PUSH:  # this program's stores into the peer's memory are seen before its count
-            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="release", scope="sys")
-        else:  # the product is an earlier kernel's, complete before this one began: nothing to order
-            tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
-        wait_for_count(my_flags_ptr + pid, call, abort_ptr)
-    else:
-        gone = tl.full([], 0, tl.int32)
-        polls = tl.full([], 0, tl.int32)
-        while (tl.atomic_cas(peer_flags_ptr + pid, 0, 1, sem="release", scope="sys") != 0) & (gone == 0):
-            polls, gone = _polled(polls, gone, abort_ptr)
-        while (tl.atomic_cas(my_flags_ptr + pid, 1, 0, sem="acquire", scope="sys") != 1) & (gone == 0):
-            polls, gone = _polled(polls, gone, abort_ptr)
+    # meet the peer's program pid: signal it, then wait for its signal. One atomic, its answer shared
+    # by the program's warps: a load and a store would let a late warp read the count an early one
+    # had already raised, and wait for a call not yet made
+    call = tl.atomic_add(calls_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
+    # the product is an earlier kernel's, complete before this one began: nothing to order
+    tl.atomic_xchg(peer_flags_ptr + pid, call, sem="relaxed", scope="sys")
+    wait_for_count(my_flags_ptr + pid, call, abort_ptr)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, n_rows, tl.num_programs(0)):
         at = row * stride + cols  # T x N < 2**31: the buffer holds at most 16 MiB
@@ -157,38 +131,33 @@ def peer_add_rms_norm(
     residual: torch.Tensor | None,  # [T, N]; None: the stream is the sum alone (the embedding's)
     weight: torch.Tensor,  # [N]
     eps: float,
-    my_flags: torch.Tensor,  # [>= programs] int32 (swap), int64 (``calls`` given)
+    my_flags: torch.Tensor,  # [>= programs] int64: the peer's call counts arrive here
     peer_flags: torch.Tensor,  # the same, in the peer's memory
-    push: torch.Tensor | None = None,  # [T, N] the peer's incoming buffer (then ``peer`` is ours)
-    calls: torch.Tensor | None = None,  # [>= programs] int64: signal by call count (int64 flags)
+    calls: torch.Tensor,  # [>= programs] int64: this rank's own call counts
     num_warps: int | None = None,
     abort: torch.Tensor | None = None,  # [1] int32: set nonzero (``PeerAbort``), the waits give up
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(mine + peer + residual) * weight, mine + peer + residual)`` as new tensors (no
     residual: of ``mine + peer``); the peer must make the same call (its ``mine`` is this rank's
-    ``peer``, or with ``push``, is written into this rank's ``peer``) at the same point. Once
+    ``peer``) at the same point. Once
     ``abort`` is nonzero the call returns without waiting for the peer, its outputs meaningless (the
     caller has given up on the peer). Without ``abort`` (tests, probes) a zero is made."""
     tokens, n = mine.shape
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN}")
-    pushed_to = mine if push is None else push  # the kernel's push_ptr (unread without PUSH)
     stream = mine if residual is None else residual  # the kernel's res_ptr (unread without a residual)
-    for name, t in (("peer", peer), ("residual", stream), ("push", pushed_to)):
+    for name, t in (("peer", peer), ("residual", stream)):
         if t.shape != mine.shape or t.dtype != mine.dtype:
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must match {tuple(mine.shape)} {mine.dtype}")
-    if not all(t.is_contiguous() for t in (mine, peer, stream, pushed_to)):
+    if not all(t.is_contiguous() for t in (mine, peer, stream)):
         raise ValueError("peer_add_rms_norm needs contiguous rows")
     out = torch.empty_like(mine)
     res_out = torch.empty_like(mine)
     if tokens == 0:
         return out, res_out
-    programs = min(tokens, MAX_PROGRAMS, my_flags.numel(), peer_flags.numel())
-    flag_dtype = torch.int32 if calls is None else torch.int64  # swap flags, or call counts
-    if my_flags.dtype != flag_dtype or peer_flags.dtype != flag_dtype:
-        raise ValueError(f"flags must be {flag_dtype} here, got {my_flags.dtype} and {peer_flags.dtype}")
-    if calls is not None:
-        programs = min(programs, calls.numel())
+    programs = min(tokens, MAX_PROGRAMS, my_flags.numel(), peer_flags.numel(), calls.numel())
+    if my_flags.dtype != torch.int64 or peer_flags.dtype != torch.int64:
+        raise ValueError(f"flags must be torch.int64 here, got {my_flags.dtype} and {peer_flags.dtype}")
     if abort is None:
         abort = torch.zeros(1, dtype=torch.int32, device=mine.device)
     block = triton.next_power_of_2(n)
@@ -196,22 +165,19 @@ def peer_add_rms_norm(
         (programs,),
         mine,
         peer,
-        pushed_to,
         stream,
         weight,
         out,
         res_out,
         my_flags,
         peer_flags,
-        my_flags if calls is None else calls,  # unread without COUNT
+        calls,
         abort,
         tokens,
         n,
         n,
         eps,
         BLOCK=block,
-        PUSH=push is not None,
-        COUNT=calls is not None,
         HAS_RESIDUAL=residual is not None,
         num_warps=num_warps or min(16, max(1, block // 512)),
     )
