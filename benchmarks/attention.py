@@ -89,7 +89,7 @@ class Case:
         CUDA-graph path does (in a graph the fork costs no host time); the eager backend forks only
         from 512 stacked rows.
         """
-        from prefixserve.attention.kernels.triton_backend import (
+        from prefixserve.attention.triton_backend import (
             TritonBackend,
             TritonPagedBackend,
             build_layout,
@@ -121,7 +121,7 @@ class Case:
     def parts(self) -> dict[str, float]:
         """The shared path's launches (shared kernel, own kernel, merge; or mixed kernel, merge) each
         timed alone."""
-        from prefixserve.attention.kernels.triton_backend import TritonBackend
+        from prefixserve.attention.triton_backend import TritonBackend
 
         be = TritonBackend()
         be.overlap_min_rows = 0
@@ -256,8 +256,8 @@ OWN_VARIANTS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 3), (64, 2, 3))
 def tune_point(case: Case) -> list[dict[str, Any]]:
     from prefixserve.attention.kernels import paged_attention as pa
     from prefixserve.attention.kernels import shared_attention as sa
-    from prefixserve.attention.kernels.shared_plan import plan_shared_work
-    from prefixserve.attention.kernels.triton_backend import TritonBackend
+    from prefixserve.attention.planning.shared_plan import plan_shared_work
+    from prefixserve.attention.triton_backend import TritonBackend
 
     device, b, tokens = case.q.device, case.B, case.B
     TritonBackend().prepare(case.meta)

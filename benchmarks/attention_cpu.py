@@ -27,7 +27,7 @@ from prefixserve.attention.auto import AutoBackend
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.cascade import CascadeBackend, cascade_attention
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
-from prefixserve.attention.plan import make_plan, unshared_plan
+from prefixserve.attention.planning.plan import make_plan, unshared_plan
 from prefixserve.attention.reference import ReferenceBackend
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -52,14 +52,14 @@ from typing import Any
 import numpy as np
 import torch
 
-import prefixserve.attention.plan as plan_mod
+import prefixserve.attention.planning.plan as plan_mod
 import prefixserve.engine.engine_setup as engine_mod  # where the Engine loads its model
 import prefixserve.worker.model_runner as runner_mod
 from benchmarks.harness import run_info, write_results
 from benchmarks.harness.info import cpu_model
 from benchmarks.host_overhead_report import BLOCK, COMPONENTS, OWN, VOCAB, WARM, best_of, render
 from prefixserve.attention.graph import HeadShape
-from prefixserve.attention.kernels.triton_backend import TritonStep, build_layout
+from prefixserve.attention.triton_backend import TritonStep, build_layout
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
 from prefixserve.kv.layout import plain_layout
@@ -280,9 +280,9 @@ def _instrument(eng: Engine, rec: _Recorder) -> Callable[[], None]:
 
 
 def _step_plan_module() -> Any:
-    """``attention/kernels/step_plan.py`` where it exists and calls ``make_plan`` (older trees: None)."""
+    """``attention/planning/step_plan.py`` where it exists and calls ``make_plan`` (older trees: None)."""
     try:
-        import prefixserve.attention.kernels.step_plan as step_plan_mod
+        import prefixserve.attention.planning.step_plan as step_plan_mod
     except ImportError:
         return None
     return step_plan_mod if hasattr(step_plan_mod, "make_plan") else None

@@ -271,8 +271,8 @@ def counted(b: int, p: int, s: int) -> tuple[int, int]:
 
 def launch_fns(case: Case) -> dict[str, Callable[[], Any]]:
     """Each recorded launch of the shared path at this point, graphed alone (as ``time_launches``)."""
-    from prefixserve.attention.kernels import triton_backend as tb
-    from prefixserve.attention.kernels.step_launch import relaunch_layer
+    from prefixserve.attention import triton_backend as tb
+    from prefixserve.attention.step_launch import relaunch_layer
 
     be = tb.TritonBackend()
     be.overlap_min_rows = 0

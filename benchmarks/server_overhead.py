@@ -45,7 +45,7 @@ from benchmarks.harness.server import Clients, ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "server_overhead"
-ENGINE_THREAD = "ps-engine"  # openai.engine_thread.OS_THREAD_NAME
+ENGINE_THREAD = "ps-engine"  # serving.engine_thread.OS_THREAD_NAME
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The tokenizer's first ids only: the lm_head and the argmax over a 49152-token vocabulary cost more than
 # the rest of a tiny model's step on the CPU (the GPU's forward is asynchronous, the CPU's is not), so

@@ -247,7 +247,7 @@ def mixed_grid(args: argparse.Namespace) -> None:
     mixed kernel's own tile height is ``own_rows_for``'s (128 rows where own parts stay short and the
     prefix is under 64 times them).
     """
-    from prefixserve.attention.kernels import mixed_rule
+    from prefixserve.attention.planning import mixed_rule
 
     own = args.own if args.own != 64 else 512
     points = [(b, p) for b in args.batches for p in args.prefixes]

@@ -16,7 +16,6 @@ import pytest
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.entrypoints.openai.overload import HTTP_REFUSED, ArrivalGate
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.serving.admission import (
@@ -29,6 +28,7 @@ from prefixserve.serving.admission import (
     deadline_missed,
     queue_wait,
 )
+from prefixserve.serving.overload import HTTP_REFUSED, ArrivalGate
 
 
 class FakeClock:

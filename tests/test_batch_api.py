@@ -27,8 +27,8 @@ openai = pytest.importorskip("openai")
 
 from prefixserve.entrypoints.openai import batches as batches_module  # noqa: E402
 from prefixserve.entrypoints.openai.batch_settings import BatchSettings  # noqa: E402
-from prefixserve.entrypoints.openai.overload import OverloadSettings  # noqa: E402
 from prefixserve.entrypoints.openai.server import ServerThread, build_app  # noqa: E402
+from prefixserve.serving.overload import OverloadSettings  # noqa: E402
 
 ENDED = ("completed", "failed", "cancelled", "expired")
 

@@ -119,7 +119,7 @@ def test_a_row_that_always_aborts_does_not_run_forever(tiny_config_path: Path, t
 def test_engine_death_race_does_not_fail_rows(
     tiny_config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prefixserve.entrypoints.openai import engine_thread
+    from prefixserve.serving import engine_thread
 
     original = engine_thread.EngineLoop._refuse_queued
 

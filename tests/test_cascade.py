@@ -13,7 +13,7 @@ from prefixserve.attention.backend import make_backend
 from prefixserve.attention.cascade import CascadeBackend
 from prefixserve.attention.merge import merge_attention_states, merge_many, scatter_merge_
 from prefixserve.attention.metadata import build_metadata
-from prefixserve.attention.plan import make_plan
+from prefixserve.attention.planning.plan import make_plan
 from prefixserve.attention.reference import ReferenceBackend, attention_with_lse
 
 SETTINGS = settings(max_examples=40, deadline=None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixserve.attention.kernels.step_plan import to_device_packed
+from prefixserve.attention.planning.step_plan import to_device_packed
 from prefixserve.triton_support import compile_watch
 from tests.conftest import tiny_cascade_llm
 

@@ -14,7 +14,7 @@ from torch import nn
 from prefixserve.attention.auto import AutoBackend, CascadeCost, small_segments
 from prefixserve.attention.cascade import _all_rows_in_order, _block_run, attend_blocks, cascade_attention
 from prefixserve.attention.metadata import build_metadata
-from prefixserve.attention.plan import fold_segments, make_plan
+from prefixserve.attention.planning.plan import fold_segments, make_plan
 from prefixserve.attention.reference import ReferenceBackend
 from prefixserve.model import cpu_linear
 from tests.test_cascade import batches, make_inputs, rel_err, run_backend

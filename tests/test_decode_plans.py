@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve.attention.auto import AutoBackend
-from prefixserve.attention.decode_plans import DecodePlans
 from prefixserve.attention.graph import HeadShape
-from prefixserve.attention.kernels.graph_attention import shared_graph_step
-from prefixserve.attention.kernels.step_plan import host_plan
+from prefixserve.attention.graph_attention import shared_graph_step
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
-from prefixserve.attention.plan import SharedPlan, make_plan
+from prefixserve.attention.planning.decode_plans import DecodePlans
+from prefixserve.attention.planning.plan import SharedPlan, make_plan
+from prefixserve.attention.planning.step_plan import host_plan
 
 BS = 4
 SHAPE = HeadShape(8, 2, 16, torch.float32, torch.device("cpu"))

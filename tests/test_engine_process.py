@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve.config import EngineConfig
-from prefixserve.entrypoints.openai.engine_process import OutputDecoder, OutputEncoder
-from prefixserve.entrypoints.openai.server import ServerThread, build_app, wants_engine_process
+from prefixserve.entrypoints.openai.server import ServerThread, build_app
 from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.serving.engine_process import OutputDecoder, OutputEncoder, wants_engine_process
 
 _step = st.tuples(
     st.text(max_size=3),  # text appended
@@ -144,9 +144,9 @@ def test_counters_before_a_call_answer_cover_what_came_before(tiny_config_path: 
     async scheduling the aborted request's launch is still in flight, so the engine is not idle)."""
     import asyncio
 
-    from prefixserve.entrypoints.openai.engine_process import EngineProcess
-    from prefixserve.entrypoints.openai.engine_thread import StreamSink
     from prefixserve.sampling.params import SamplingParams
+    from prefixserve.serving.engine_process import EngineProcess
+    from prefixserve.serving.engine_thread import StreamSink
 
     config = EngineConfig(
         model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, async_scheduling=True
@@ -176,7 +176,7 @@ def test_commands_never_wait_on_a_child_that_reads_nothing() -> None:
     import pickle
     import queue
 
-    from prefixserve.entrypoints.openai.engine_process import EngineProcess
+    from prefixserve.serving.engine_process import EngineProcess
 
     reading = threading.Event()
     got: list[object] = []

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixserve.attention.kernels.step_plan import to_device_packed as int32_packed
+from prefixserve.attention.planning.step_plan import to_device_packed as int32_packed
 from prefixserve.host_copy import list_to_device, to_device, to_device_packed
 
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.attention.kernels import shared_plan
-from prefixserve.attention.kernels.step_plan import seg_rows_host
 from prefixserve.attention.metadata import build_metadata
-from prefixserve.attention.plan import make_plan
+from prefixserve.attention.planning import shared_plan
+from prefixserve.attention.planning.plan import make_plan
+from prefixserve.attention.planning.step_plan import seg_rows_host
 from prefixserve.engine.llm_engine import Engine
 from prefixserve.scheduler.stop import stop_possible, stop_reason
 from prefixserve.sequence import Request, SeqStatus, Sequence

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import prefixserve.attention.plan as plan_mod
+import prefixserve.attention.planning.plan as plan_mod
 from prefixserve.attention.metadata import AttentionMetadata, TableRows, build_metadata
-from prefixserve.attention.plan import SharedPlan, make_plan, unshared_plan
+from prefixserve.attention.planning.plan import SharedPlan, make_plan, unshared_plan
 
 TENSORS = SharedPlan.TENSOR_FIELDS
 

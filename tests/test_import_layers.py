@@ -1,9 +1,9 @@
 """Import layering: no import cycles inside a package, counting imports made inside functions too.
 
 ``tests/import_graph.py`` reads the imports; other packages can add themselves to ``PACKAGES``.
-Also: packages import only down the layers and never loop, the protocols import no web framework,
-the batch runner and the Ray ingress read bodies with the protocols (not the server's routes), and
-the engine core and the CLI import without the server's packages.
+Also: packages import only down the layers and never loop, the protocols and the serving layer
+import no web framework, the batch runner and the Ray ingress read bodies with the protocols (not the
+server's routes), and the engine core and the CLI import without the server's packages.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ import pytest
 from tests.import_graph import ROOT, find_circles, import_graph
 
 # package dirs (relative to the repo root) that must have no cycles
-PACKAGES = ["prefixserve/entrypoints", "prefixserve/protocols", "prefixserve/ray_scaleout"]
+PACKAGES = [
+    "prefixserve/entrypoints",
+    "prefixserve/protocols",
+    "prefixserve/ray_scaleout",
+    "prefixserve/serving",
+]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -31,12 +36,17 @@ def test_no_import_cycles(package: str) -> None:
 
 # The packages of prefixserve from the bottom up (docs/architecture.md): a module imports only from
 # its own layer or those below it. The model and the KV cache know nothing of requests, the
-# scheduler nothing of the engine. The protocols (what a request body means, what an answer looks
-# like) sit on the engine and below every entry path; the entry points (LLM, batch runner, the
-# HTTP server) on them; the Ray package above the entry points, since a Ray Serve replica serves the
-# single server's app and the Ray batch driver runs the batch runner's rows. The CLI dispatches to
-# every entry path, Ray's too, so it is the top with ``__main__``: a unit of its own here (a dotted
-# name is a module or sub-package placed apart from its package). "" is the package's own __init__.
+# scheduler nothing of the engine. The serving layer (the engine on a thread or in its own process,
+# admission, overload control, the server's upkeep) sits on the engine and below the protocols
+# (what a request body means, what an answer looks like): serving decides (refuse, drop, abort a
+# stalled stream) and the server says so in HTTP (its 429s are the protocols' APIErrors, built in
+# entrypoints/openai/overload_http.py), so serving needs nothing of bodies or answers; below them,
+# it cannot come to build an HTTP answer itself. The protocols sit below every entry path;
+# the entry points (LLM, batch runner, the HTTP server) on them; the Ray package above the entry
+# points, since a Ray Serve replica serves the single server's app and the Ray batch driver runs the
+# batch runner's rows. The CLI dispatches to every entry path, Ray's too, so it is the top with
+# ``__main__``: a unit of its own here (a dotted name is a module or sub-package placed apart from
+# its package). "" is the package's own __init__.
 LAYERS = (
     ("config", "triton_support", "detokenizer", "outputs", "pooling_params", "version", "host_copy"),
     ("attention", "sampling"),
@@ -115,11 +125,11 @@ def test_the_batch_runner_and_the_ray_package_import_protocols_not_the_server_ro
 WEB_FRAMEWORKS = ("fastapi", "starlette", "uvicorn")
 
 
-def test_protocols_never_import_a_web_framework() -> None:
+def _assert_no_web_framework(package: str, min_modules: int) -> None:
     """Read statically (function-level and ``TYPE_CHECKING`` imports too), and at run time: every
-    protocols module imports with FastAPI, starlette and uvicorn blocked."""
+    module of ``prefixserve.<package>`` imports with FastAPI, starlette and uvicorn blocked."""
     found = []
-    for path in sorted((ROOT / "prefixserve" / "protocols").rglob("*.py")):
+    for path in sorted((ROOT / "prefixserve" / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and not node.level:
@@ -137,8 +147,8 @@ def test_protocols_never_import_a_web_framework() -> None:
                     raise ImportError(f"blocked: {{name}}")
 
         sys.meta_path.insert(0, Block())
-        import prefixserve.protocols as protocols
-        modules = [m.name for m in pkgutil.walk_packages(protocols.__path__, "prefixserve.protocols.")]
+        package = importlib.import_module("prefixserve.{package}")
+        modules = [m.name for m in pkgutil.walk_packages(package.__path__, "prefixserve.{package}.")]
         for name in modules:
             importlib.import_module(name)
         print(len(modules), sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
@@ -147,7 +157,17 @@ def test_protocols_never_import_a_web_framework() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     count, loaded = result.stdout.strip().split(" ", 1)
-    assert int(count) > 10 and loaded == "[]"
+    assert int(count) >= min_modules and loaded == "[]"
+
+
+def test_protocols_never_import_a_web_framework() -> None:
+    _assert_no_web_framework("protocols", 11)
+
+
+def test_serving_never_imports_a_web_framework() -> None:
+    """The engine thread and process, admission and overload control run under the HTTP server and
+    the Ray replicas but know no web framework: what is HTTP stays in entrypoints/openai/."""
+    _assert_no_web_framework("serving", 8)
 
 
 def test_the_cycle_finder_sees_function_level_and_relative_imports(tmp_path: Path) -> None:

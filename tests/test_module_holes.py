@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from prefixserve.attention.auto import AutoBackend
 from prefixserve.attention.cascade import CascadeBackend
 from prefixserve.attention.metadata import build_metadata
-from prefixserve.attention.plan import make_plan
+from prefixserve.attention.planning.plan import make_plan
 from prefixserve.attention.reference import ReferenceBackend, attention_with_lse
 
 
@@ -141,7 +141,7 @@ def test_plan_keeps_partial_module_blocks_in_segments(batch) -> None:
 
 def test_plain_paged_backend_refuses_module_blocks() -> None:
     pytest.importorskip("triton")
-    from prefixserve.attention.kernels.triton_backend import TritonPagedBackend
+    from prefixserve.attention.triton_backend import TritonPagedBackend
 
     rows = np.zeros(8, dtype=np.int32)
     rows[1] = 3

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve.attention.metadata import build_metadata
-from prefixserve.attention.plan import SharedPlan, make_plan
+from prefixserve.attention.planning.plan import SharedPlan, make_plan
 
 BS = 4
 
@@ -224,7 +224,7 @@ def test_matches_slow_planner(batch) -> None:
 def test_gpu_rule_wants_tall_segments_and_enough_saved_reads() -> None:
     from prefixserve.attention.auto import gpu_cascade_pays_off
     from prefixserve.attention.metadata import build_metadata
-    from prefixserve.attention.plan import make_plan
+    from prefixserve.attention.planning.plan import make_plan
 
     def plan_for(holders: int, prefix_blocks: int, bs: int = 16):
         tables = [[*range(prefix_blocks), 10_000 + i] for i in range(holders)]

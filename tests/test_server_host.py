@@ -151,7 +151,7 @@ def test_a_stream_whose_reader_is_behind_gets_one_output_in_flight(tiny_config_p
     import time
 
     from prefixserve import LLM, SamplingParams
-    from prefixserve.entrypoints.openai.engine_thread import EngineLoop, StreamSink
+    from prefixserve.serving.engine_thread import EngineLoop, StreamSink
 
     llm = LLM(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, progress=False)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -115,9 +115,9 @@ def test_concurrent_streaming_clients(server: ServerThread) -> None:
 def test_one_completions_request_may_hold_many_prompts(tiny_config_path: Path) -> None:
     """Many questions on one document as one request (vLLM caps none): 300 prompts answer 300
     choices; past the cap, a 400 naming the prompt."""
-    from prefixserve.entrypoints.openai.overload import OverloadSettings
     from prefixserve.protocols.openai.request_models import MAX_PROMPTS
     from prefixserve.serving.admission import AdmissionLimits
+    from prefixserve.serving.overload import OverloadSettings
 
     config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=512, max_num_seqs=16)
     overload = OverloadSettings(AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=0))

@@ -31,10 +31,11 @@ import uvicorn
 
 from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.openai.metrics import PATH_STAGES
-from prefixserve.entrypoints.openai.overload import QUEUE_DELAY_HEADER, OverloadSettings, queue_deadline
+from prefixserve.entrypoints.openai.overload_http import QUEUE_DELAY_HEADER, queue_deadline
 from prefixserve.entrypoints.openai.server import GracefulServer, ServerThread, build_app, overload_settings
 from prefixserve.protocols.errors import APIError
 from prefixserve.serving.admission import AdmissionLimits
+from prefixserve.serving.overload import OverloadSettings
 from tests.conftest import TINY_CONFIG
 
 REFUSAL, FIRST_WRITE = "prefixserve_refusal_seconds", "prefixserve_first_write_seconds"

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
-from prefixserve.entrypoints.openai.overload import ArrivalGate
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.serving.admission import Admission, AdmissionLimits, QueueFull, QueueState
+from prefixserve.serving.overload import ArrivalGate
 from prefixserve.serving.slot_schedule import SlotSchedule, slot_wait
 
 

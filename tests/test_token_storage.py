@@ -126,7 +126,7 @@ def test_output_repr_and_assignment_show_lists() -> None:
 def test_engine_process_wire_carries_the_array(llm: LLM) -> None:
     """The server's engine process sends the prompt's array once (pickled compact); the server side's
     outputs share it and each makes its list when read."""
-    from prefixserve.entrypoints.openai.engine_process import OutputDecoder, OutputEncoder
+    from prefixserve.serving.engine_process import OutputDecoder, OutputEncoder
 
     engine = llm.engine
     engine.add_request(

@@ -21,10 +21,10 @@ from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.cli import build_parser
 from prefixserve.entrypoints.generation_config import sampling_defaults
 from prefixserve.entrypoints.openai.server import ServerThread, build_app
-from prefixserve.entrypoints.openai.stats_log import busy, log_stats, stats_line
 from prefixserve.entrypoints.serve_args import uvicorn_options
 from prefixserve.kv import cache as kv_cache
 from prefixserve.model.config import ModelConfig
+from prefixserve.serving.stats_log import busy, log_stats, stats_line
 
 GENERATION = {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 5, "do_sample": True, "eos_token_id": 2}
 

@@ -118,7 +118,7 @@ PART_OF = {
 
 def time_launches(launches: list, tensors: tuple[torch.Tensor, ...]) -> dict[str, float]:
     """Each recorded launch of a step (TritonBackend layout) replayed alone, graphed: ms per part."""
-    from prefixserve.attention.kernels.step_launch import relaunch_layer
+    from prefixserve.attention.step_launch import relaunch_layer
 
     parts: dict[str, float] = {}
     for launch, pos, _ in launches:

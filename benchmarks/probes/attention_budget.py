@@ -92,7 +92,7 @@ def measure(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.attention import Case
     from benchmarks.harness.timing import PART_OF, bench_ms, graphed
     from benchmarks.probes.launch_modes import call
-    from prefixserve.attention.kernels.step_launch import relaunch_layer
+    from prefixserve.attention.step_launch import relaunch_layer
 
     if variant == "no_reload":  # before the first compile: the kernel looks its loader up then
         from prefixserve.attention.kernels import shared_gluon

@@ -28,8 +28,8 @@ import torch
 from benchmarks.attention import HKV, HQ, Case
 from benchmarks.harness.info import run_info
 from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings, time_launches
-from prefixserve.attention.kernels import mixed_rule, shared_plan
-from prefixserve.attention.kernels.triton_backend import TritonBackend
+from prefixserve.attention.planning import mixed_rule, shared_plan
+from prefixserve.attention.triton_backend import TritonBackend
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
 WIDE_TILES_PAY = shared_plan.wide_tiles_pay

@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from prefixserve.attention.kernels.shared_attention import launch_shared, shared_segment_attention
-from prefixserve.attention.kernels.shared_plan import plan_shared_work
+from prefixserve.attention.planning.shared_plan import plan_shared_work
 
 KV_HEADS, GROUP, DIM, BS = 8, 4, 128, 16
 SHAPES = {  # name: list of (segments, tokens, holders)

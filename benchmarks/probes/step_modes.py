@@ -21,7 +21,7 @@ import os
 import time
 
 from benchmarks.decode_run import measure, shared_prompts
-from prefixserve.attention.kernels import mixed_rule
+from prefixserve.attention.planning import mixed_rule
 from prefixserve.model import fused
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for

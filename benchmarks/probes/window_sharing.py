@@ -1,7 +1,7 @@
 """Does a sliding layer's decode step gain from reading the shared segments inside its windows once?
 
-Backs ``attention/window_plan.py`` (segments cut to the blocks inside every holder's window, read once
-by the shared kernel, the rest walked per row). Runs the same shared-prefix decode twice in one
+Backs ``attention/planning/window_plan.py`` (segments cut to the blocks inside every holder's window,
+read once by the shared kernel, the rest walked per row). Runs the same shared-prefix decode twice in one
 process: as shipped, and with the window plans switched off (every row walks its whole window), and
 prints decode tok/s, the steps whose sliding layers had a window plan, and the plans' KV rows read
 against every row's window.
@@ -27,7 +27,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     args = ap.parse_args()
     from benchmarks.decode_run import measure, shared_prompts
-    from prefixserve.attention import window, window_plan
+    from prefixserve.attention import window
+    from prefixserve.attention.planning import window_plan
 
     made = window_plan.make_window_plan
     counts: Counter[str] = Counter()

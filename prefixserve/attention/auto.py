@@ -17,9 +17,9 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
 from prefixserve.attention.cascade import cascade_attention
-from prefixserve.attention.decode_plans import DecodePlans
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.plan import SharedPlan, fold_segments, make_plan, unshared_plan
+from prefixserve.attention.planning.decode_plans import DecodePlans
+from prefixserve.attention.planning.plan import SharedPlan, fold_segments, make_plan, unshared_plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +155,7 @@ class AutoBackend(AttentionBackend):
             return None
         if self._gpu is None:
             try:
-                from prefixserve.attention.kernels.triton_backend import TritonBackend
+                from prefixserve.attention.triton_backend import TritonBackend
 
                 self._gpu = TritonBackend()
             except ImportError:
@@ -180,7 +180,7 @@ class AutoBackend(AttentionBackend):
 
     def _prepare_gpu(self, gpu: Any, meta: AttentionMetadata) -> None:
         """Plan on the host, then install the shared plan or the plain paged step by the GPU cost rule."""
-        from prefixserve.attention.kernels.step_plan import host_plan
+        from prefixserve.attention.planning.step_plan import host_plan
 
         plan = self._folded(host_plan(meta), meta.block_size, self.gpu_cost.min_segment_saving)
         logical = meta.logical_kv_tokens()
@@ -203,8 +203,8 @@ class AutoBackend(AttentionBackend):
         """A decode step for a captured graph: shared segments or plain paged, by ``graph_cost``."""
         if self._gpu_backend(shape.device) is None:
             return None
-        from prefixserve.attention.kernels.graph_attention import paged_graph_step, shared_graph_step
-        from prefixserve.attention.kernels.step_plan import host_plan
+        from prefixserve.attention.graph_attention import paged_graph_step, shared_graph_step
+        from prefixserve.attention.planning.step_plan import host_plan
 
         saving = self.graph_cost.min_segment_saving
         plan = self.decode_plans.plan(meta, lambda m: self._folded(host_plan(m), m.block_size, saving))

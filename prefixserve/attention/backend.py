@@ -70,7 +70,7 @@ def _load_builtin_backends() -> None:
     # Importing a backend module registers it; optional ones may be missing (e.g. no Triton).
     import importlib
 
-    for module in ("reference", "cascade", "auto", "no_attention", "kernels.triton_backend"):
+    for module in ("reference", "cascade", "auto", "no_attention", "triton_backend"):
         try:
             importlib.import_module(f"prefixserve.attention.{module}")
         except ModuleNotFoundError as exc:

@@ -21,7 +21,7 @@ import torch
 from prefixserve.attention.backend import AttentionBackend, register_backend
 from prefixserve.attention.merge import merge_attention_states, scatter_merge_
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.plan import SharedPlan, make_plan
+from prefixserve.attention.planning.plan import SharedPlan, make_plan
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _MAX_SCORES = 1 << 24  # matmul path: score elements per KV chunk (64 MiB in fp32)

@@ -13,7 +13,7 @@ The pieces:
   * ``GraphAttention``: a backend bound to one key's buffers; the model calls its ``forward`` while the
     graph is captured, and ``load`` refills the buffers before each replay.
 ``NoAttentionGraph`` (the benchmark-only ceiling) lives here; the Triton ones live in
-``kernels/graph_attention.py``.
+``graph_attention.py``.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class AttentionMetadata:
     # ordinary one. A module's last block may be partly filled; its empty rows are holes in every table
     # holding it, which only the shared-segment path skips (the plan makes module blocks segments).
     module_rows: np.ndarray | None = None
-    # sliding-window layers' shared work of a decode step, per window (``window_plan.py``), made once
+    # sliding-window layers' shared work of a decode step, per window (``planning/window_plan.py``), made once
     window_plans: dict[int, Any] = field(default_factory=dict)
     # the freeing KV layout (``kv/layout.py``): each sliding group's view of the step (its pages'
     # tables and write slots), and each layer's group; a group's view links back to the step's

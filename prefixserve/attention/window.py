@@ -3,7 +3,7 @@
 Indices are cache indices, as causality is (``metadata.py``). A query reads at most ``window`` keys, so
 a sequence's blocks wholly behind its first query's window are never touched, whatever its length.
 In a decode step whose backend planned shared segments, the segments that lie wholly inside their
-holders' windows are read once for all of them (``window_plan.py``), as in a full layer; a segment
+holders' windows are read once for all of them (``planning/window_plan.py``), as in a full layer; a segment
 behind a window is skipped for that row, one across the window's start is masked by the row's walk.
 On CUDA the Triton kernels run it (``kernels/window_attention.py``); elsewhere, and for steps holding
 Prompt Cache module blocks (holes to skip), the torch path below does, one sequence at a time, fp32.
@@ -17,7 +17,7 @@ import torch
 
 from prefixserve.attention.merge import scatter_merge_
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.window_plan import WindowPlan, window_plan
+from prefixserve.attention.planning.window_plan import WindowPlan, window_plan
 
 
 def attend_layer(

@@ -6,7 +6,7 @@ module holds only requests and the order of a step."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,22 +19,36 @@ from prefixserve.promptcache.pml import is_pml_prompt
 from prefixserve.sampling.rules import RuleSet
 from prefixserve.worker.cuda_graph import DecodeGraphs
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from prefixserve.attention.backend import AttentionBackend
+    from prefixserve.config import EngineConfig
+    from prefixserve.engine.stats import EngineStats
+    from prefixserve.kv.block_pool import BlockPool
+    from prefixserve.kv.prefix_spill import PrefixSpill
+    from prefixserve.model.config import ModelConfig
+    from prefixserve.outputs import RequestOutput
+    from prefixserve.promptcache.store import PromptModules
+    from prefixserve.sequence import Request
+    from prefixserve.worker.model_runner import ModelRunner
+
 
 class EngineServices:
     """Mixed into ``Engine``: everything here reads the attributes ``EngineSetup._set_up`` sets."""
 
-    runner: Any
-    pool: Any
-    spill: Any
-    modules: Any
-    tokenizer: Any
-    stats: Any
+    runner: ModelRunner  # under tensor parallelism, its subclass ``TensorParallelRunner`` (rank 0)
+    pool: BlockPool
+    spill: PrefixSpill | None
+    modules: PromptModules
+    tokenizer: PreTrainedTokenizerBase
+    stats: EngineStats
     rules: RuleSet
-    model_config: Any
-    config: Any
+    model_config: ModelConfig
+    config: EngineConfig
     eos_ids: set[int]
-    _finished_outputs: list[Any]
-    requests: dict[str, Any]
+    _finished_outputs: list[RequestOutput]
+    requests: dict[str, Request]
 
     def shutdown(self) -> None:
         """Release the device side: under tensor parallelism, stop the worker processes."""
@@ -50,7 +64,7 @@ class EngineServices:
         return self.runner.kv
 
     @property
-    def backend(self) -> Any:
+    def backend(self) -> AttentionBackend:
         return self.runner.backend
 
     @property
@@ -100,7 +114,7 @@ class EngineServices:
         return self.modules.list_schemas()
 
     @property
-    def structured(self) -> Any:
+    def structured(self) -> Any:  # StructuredDecoding | None: the engine core imports no rule module
         """Structured decoding's engine-wide part (grammar cache, mask buffers, the fill's worker), as
         tests and probes inspect it; None before the first constrained request."""
         return structured_decoding(self.rules)

@@ -4,13 +4,18 @@ Prompt Cache's modules and host tier, the prefix cache's spill, pinned system pr
 the request and output rules (``request_rules``: the features the loop calls through one interface).
 
 ``Engine`` (``llm_engine``) inherits it, so the loop's module holds only requests and the order of a
-step; ``_set_up`` wires the scheduler's hooks to the loop's own methods (``_refuse``,
-``_fail_request``) and picks the step the loop runs (``_step_sync`` or ``_step_launch_ahead``).
+step; ``_set_up`` makes what the block manager's and the scheduler's hooks call before them and gives
+the hooks at their construction (``BlockManagerHooks``, ``SchedulerHooks``; nothing assigns a hook
+afterwards): the output rules and the prefix cache's host tier to the block manager, the Prompt
+Cache's holds, the loop's own ``_refuse`` and the speculator to the scheduler. The speculator needs
+the longest sequence, decided only once pinned system prompts hold their blocks: it drafts nothing
+until ``Speculator.set_max_model_len``. ``_set_up`` also picks the step the loop runs (``_step_sync``
+or ``_step_launch_ahead``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.gc_tuning import tune_gc
@@ -23,11 +28,17 @@ from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.prefix_spill import PrefixSpill
-from prefixserve.model.loader import load_model, load_tokenizer, resolve_model, with_chat_template
+from prefixserve.model.loader import (
+    ModelSource,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    with_chat_template,
+)
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.device_calls import prompt_modules
-from prefixserve.scheduler.block_tables import BlockManager
-from prefixserve.scheduler.scheduler import Scheduler
+from prefixserve.scheduler.block_tables import BlockManager, BlockManagerHooks
+from prefixserve.scheduler.scheduler import Scheduler, SchedulerHooks
 from prefixserve.scheduler.sliding_pages import SlidingPages
 from prefixserve.sequence import Request
 from prefixserve.worker.model_runner import ModelRunner, context_length
@@ -55,7 +66,7 @@ class EngineSetup:
             self.runner.shutdown()
             raise
 
-    def _set_up(self, config: EngineConfig, source: Any, tok_dir: Any) -> None:
+    def _set_up(self, config: EngineConfig, source: ModelSource, tok_dir: Path | None) -> None:
         """Everything past the model runner: pool, scheduler, Prompt Cache, pinned prompts, schemas."""
         self.model_config = self.runner.model.full_config
         self.tokenizer = with_chat_template(load_tokenizer(tok_dir), config.chat_template)
@@ -68,20 +79,39 @@ class EngineSetup:
         if layout.frees_sliding:  # the sliding layers' pages, given back behind the windows
             assert layout.window is not None
             sliding = SlidingPages(self.pool, layout.sliding_groups, layout.window)
-        self.blocks = BlockManager(self.pool, config.enable_prefix_caching, sliding)
-        self.max_model_len = min(context, self.blocks.max_tokens(num_blocks))
         # what reads a step's prompt rows before the sampling takes them (prompt logprobs, pooling);
         # the block manager asks them how far a prefix-cache hit may go (their kept per-block results)
         self.output_rules = output_rules(self.device, bs)
-        self.blocks.row_keepers = list(self.output_rules.rules)
+        self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
+        self.spill: PrefixSpill | None = None  # the prefix cache's host tier: the block manager restores
+        if config.spill_prefix_cache and config.enable_prefix_caching:
+            if not self.runner.kv.packs:
+                raise ValueError("spill_prefix_cache needs every layer's KV in one shape; this model's vary")
+            self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
+        block_hooks = BlockManagerHooks(
+            restore=self.spill.restore if self.spill is not None else None,
+            row_keepers=self.output_rules.rules,
+        )
+        self.blocks = BlockManager(self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks)
+        self.max_model_len = min(context, self.blocks.max_tokens(num_blocks))
+        self.requests: dict[str, Request] = {}
+        # requests whose recovery rows are still to compute: steps look at the batch only if any
+        self._to_recover: set[Request] = set()
+        holds = WaitingModuleHolds(self.modules, self.requests, self._to_recover, self._fail_request)
+        speculative = config.speculative
+        # drafts appended before each step is planned; none until max_model_len is set (below)
+        speculator = Speculator(speculative) if speculative is not None else None
+        scheduler_hooks = SchedulerHooks(
+            reclaim=holds.reclaim, ready=holds.ready, refuse=self._refuse, speculate=speculator
+        )
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.kv_admit_threshold,
             config.scheduling_policy,
+            hooks=scheduler_hooks,
         )
-        speculative = config.speculative
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
@@ -94,12 +124,9 @@ class EngineSetup:
         self.eos_ids = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._launched: LaunchedStep | None = None  # async: the step whose tokens are still on the device
         self.in_flight_tokens = InFlightTokens()  # placeholders of tokens still on the device
-        # requests whose recovery rows are still to compute: steps look at the batch only if any
-        self._to_recover: set[Request] = set()
         self._finished_outputs: list[RequestOutput] = []
         # what a request asks of its sampling beyond the sampler's params (grammars, min_tokens, bad
         # words, thinking budgets): admitted at intake, asked at each step (``sampling/rules.py``)
@@ -107,16 +134,6 @@ class EngineSetup:
         self.rules = request_rules(
             self.eos_ids, vocab, self.runner.device, config.max_num_seqs, config.reasoning_parser
         )
-        self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
-        holds = WaitingModuleHolds(self.modules, self.requests, self._to_recover, self._fail_request)
-        self.scheduler.reclaim, self.scheduler.ready = holds.reclaim, holds.ready
-        self.scheduler.refuse = self._refuse
-        self.spill: PrefixSpill | None = None
-        if config.spill_prefix_cache and config.enable_prefix_caching:
-            if not self.runner.kv.packs:
-                raise ValueError("spill_prefix_cache needs every layer's KV in one shape; this model's vary")
-            self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
-            self.blocks.restore = self.spill.restore
         self.system_prompt_kv: dict[str, SystemPromptKV] = {}
         self.input_processor = InputProcessor(
             self.runner, self.modules, self.system_prompt_kv, self.requests, vocab, bs, self.rules
@@ -128,8 +145,8 @@ class EngineSetup:
         self.max_model_len = min(self.max_model_len, self.blocks.max_tokens(unpinned))
         if self.max_model_len < 2:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
-        if speculative is not None:  # the scheduler's hook: drafts appended before each step is planned
-            self.scheduler.speculate = Speculator(speculative, self.max_model_len)
+        if speculator is not None:  # the scheduler's hook, complete: it drafts from now on
+            speculator.set_max_model_len(self.max_model_len)
         for text in config.schemas:
             self.register_schema(text)
         tune_gc()

@@ -78,14 +78,22 @@ def lookup(tokens: np.ndarray, longest: int, shortest: int, count: int) -> list[
 
 
 class Speculator:
-    """Proposes each step's drafts (the scheduler's ``speculate`` hook)."""
+    """Proposes each step's drafts (the scheduler's ``speculate`` hook, given to it at construction).
 
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
+    ``max_model_len``: the longest a sequence may grow. The engine makes the speculator before the
+    scheduler, when that length is not yet decided (pinned system prompts take blocks first, by steps
+    of the scheduler's), and completes it with ``set_max_model_len``: until then nothing is drafted."""
+
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int | None = None) -> None:
         self.spec = spec
         self.max_model_len = max_model_len
         self.drafted: dict[Sequence, int] = {}  # this step's speculated sequences -> their drafts
 
-    def _room(self, seq: Sequence) -> int:
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The engine's limit on a sequence's length, once decided: drafts are proposed from now on."""
+        self.max_model_len = max_model_len
+
+    def _room(self, seq: Sequence, max_model_len: int) -> int:
         """Drafts ``seq`` may take: it decodes, may be speculated, and all K + 1 tokens fit its limits."""
         req = seq.request
         p = req.params
@@ -100,7 +108,7 @@ class Speculator:
         size = len(seq.token_ids)
         if seq.num_computed_tokens != size - 1 or size <= req.num_prompt_tokens:
             return 0  # a prompt still computing, or no output yet
-        room = self.max_model_len - size - 1
+        room = max_model_len - size - 1
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - (size - req.num_prompt_tokens) - 1)
         return min(room, self.spec.num_speculative_tokens)
@@ -109,14 +117,16 @@ class Speculator:
         """Before the step is scheduled: append drafts to the running sequences that take them, while
         the step's token budget has room beside one token for each running sequence."""
         self.drafted = {}
-        spec = self.spec
+        spec, max_model_len = self.spec, self.max_model_len
+        if max_model_len is None:  # not yet set (the engine's set-up still pinning system prompts)
+            return
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
             return
         spare = budget - len(running)
         for seq in running:
             if spare <= 0:
                 break
-            room = min(self._room(seq), spare)
+            room = min(self._room(seq, max_model_len), spare)
             if room <= 0:
                 continue
             # a view of the ids, gone before they grow (an array exporting its buffer cannot resize)

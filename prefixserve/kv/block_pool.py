@@ -10,7 +10,7 @@ their slot is needed: eviction is LRU over free blocks.
 A long allocation (a prompt) gets consecutive block ids whenever the pool has a run of that many free
 blocks, evicting the cached ones in the run (``kv/placement.py`` picks the run and says what it costs
 LRU): a segment in consecutive blocks is one row range of the cache, which the GPU's shared-segment
-kernels read with whole-tile TMA copies (``attention/kernels/shared_plan.py``). Before, only runs of
+kernels read with whole-tile TMA copies (``attention/planning/shared_plan.py``). Before, only runs of
 uncached free blocks counted, and a pool full of cached blocks (any server after a few bursts) handed
 a new document scattered ids. ``free_space`` measures what is left (``kv/fragmentation.py``).
 """

@@ -2,7 +2,7 @@
 
 A shared segment in consecutive blocks is one row range of the cache, which the GPU's shared-segment
 kernels read with whole-tile TMA copies; one break sends the whole step to per-token pointer loads
-(``attention/kernels/shared_plan.py``). So contiguity is measured in runs:
+(``attention/planning/shared_plan.py``). So contiguity is measured in runs:
 
 - an allocation's **excess runs**: how many more runs of ids it got than the fewest the free space
   allowed (``min_runs``); the pool's placement keeps it at 0 for long allocations (``kv/placement.py``);

@@ -9,7 +9,7 @@ Pieces start on a block boundary. A piece whose length is not a multiple of the 
 the rest of its last block empty, and those rows are *holes* in every table that holds the block:
 requests put ``HOLE_TOKEN`` placeholders there, and ``module_rows`` tells the attention plan how many
 rows each module block holds, so it attends module blocks as segments that end where the rows do
-(``attention/plan.py``). Padding in storage costs under one block per piece and keeps each piece's
+(``attention/planning/plan.py``). Padding in storage costs under one block per piece and keeps each piece's
 KV in one place, where filling each request's boundary blocks would copy a block per piece per
 request and realigning a piece at other offsets would store it up to block-size times.
 

@@ -55,8 +55,8 @@ class EngineReplica:
         # FastAPI and uvicorn: only where a replica runs
         from prefixserve.entrypoints.openai.app import build_app
         from prefixserve.entrypoints.openai.batch_settings import BatchSettings
-        from prefixserve.entrypoints.openai.server import wants_engine_process
         from prefixserve.protocols.responses.store import ResponseStore
+        from prefixserve.serving.engine_process import wants_engine_process
 
         if switch_interval_ms is not None:
             sys.setswitchinterval(switch_interval_ms / 1e3)

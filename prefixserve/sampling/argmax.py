@@ -116,7 +116,7 @@ def kernel_argmax(
     """``logits.argmax(-1)`` by the two kernels, each row cut so that about ``programs`` run, each
     loading ``block`` logits at a time (on CUDA, or on the CPU under the Triton interpreter).
 
-    On CUDA the first call of a shape on a stream records both launches (``attention/kernels/launch.py``)
+    On CUDA the first call of a shape on a stream records both launches (``triton_support/launch.py``)
     with their chunk buffers; later calls relaunch them with the new logits and output (this runs
     eagerly once a step, beside the decode graphs), in that stream's order, so the buffers are free
     again by then. The records drop the logits and the output after each launch, so they keep no

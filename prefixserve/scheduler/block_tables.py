@@ -10,40 +10,81 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS, BlockPool, chain_digests
 from prefixserve.scheduler.sliding_pages import SlidingPages
-from prefixserve.sequence import Sequence
+from prefixserve.sequence import Request, Sequence
+
+
+class RowKeeper(Protocol):
+    """What keeps per-block results of prompt rows (prompt logprobs, mean pooling: the engine's
+    output rules, ``engine/output_rules.py``), as a prefix-cache hit asks it."""
+
+    def wants(self, req: Request) -> bool:
+        """Does ``req`` need every prompt row's result?"""
+
+    def known_blocks(self, seq: Sequence, digests: list[bytes]) -> int:
+        """How many of the leading blocks ``digests`` have their results kept."""
+
+    def seed(self, seq: Sequence, num_blocks: int) -> int:
+        """Take a hit of ``num_blocks`` blocks; returns the hit rows to compute again."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockManagerHooks:
+    """The engine's hooks, given at construction.
+
+    ``restore``: the host tier of the prefix cache (``kv/prefix_spill.py``), digests -> fresh blocks
+    holding their KV (held once); None: no host tier. ``row_keepers``: requests that need every
+    prompt row's result (prompt logprobs, mean pooling) hit only blocks whose results are kept: the
+    first keeper that ``wants(req)`` says how many (``known_blocks(seq, digests)``) and takes the hit
+    (``seed(seq, blocks)``, returning the hit rows to compute again); engine/block_store.py."""
+
+    restore: Callable[[Seq[bytes]], list[int]] | None = None
+    row_keepers: tuple[RowKeeper, ...] = ()
 
 
 class BlockManager:
     """``sliding``: the sliding layer groups' pages under the freeing KV layout (``kv/layout.py``),
     taken, shared, indexed and given back beside each sequence's blocks; None: every layer reads the
-    block table's pages."""
+    block table's pages. ``hooks``: the engine's (``BlockManagerHooks``), fixed for its life."""
 
     def __init__(
-        self, pool: BlockPool, enable_prefix_caching: bool = True, sliding: SlidingPages | None = None
+        self,
+        pool: BlockPool,
+        enable_prefix_caching: bool = True,
+        sliding: SlidingPages | None = None,
+        *,
+        hooks: BlockManagerHooks | None = None,
     ) -> None:
         self.pool = pool
         self.sliding = sliding
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # the host tier of the prefix cache: digests -> fresh blocks holding their KV (held once), or None
-        self.restore: Callable[[Seq[bytes]], list[int]] | None = None
-        self.restored_tokens = 0
-        # requests that need every prompt row's result (prompt logprobs, mean pooling) hit only blocks
-        # whose results are kept: the first keeper that ``wants(req)`` says how many
-        # (``known_blocks(seq, digests)``) and takes the hit (``seed(seq, blocks)``, returning the hit
-        # rows to compute again); engine/block_store.py
-        self.row_keepers: list[Any] = []
+        self._hooks = hooks if hooks is not None else BlockManagerHooks()
+        self.restored_tokens = 0  # prompt tokens the host tier (``hooks.restore``) gave back
         # numpy mirror of the block tables: row ``_rows[seq]`` holds ``seq.block_table``, 0 after it
         self._rows: dict[Sequence, int] = {}
         self._free_rows: list[int] = list(range(15, -1, -1))  # popped lowest first
         self._table = np.zeros((16, 64), dtype=np.int32)  # [rows, width], grown by doubling
         self._lens = np.zeros(16, dtype=np.int64)  # [rows] len(block_table) of each row's sequence
+
+    # the hooks, read-only: given at construction, never assigned afterwards
+    @property
+    def hooks(self) -> BlockManagerHooks:
+        return self._hooks
+
+    @property
+    def restore(self) -> Callable[[Seq[bytes]], list[int]] | None:
+        return self._hooks.restore
+
+    @property
+    def row_keepers(self) -> tuple[RowKeeper, ...]:
+        return self._hooks.row_keepers
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -98,8 +139,9 @@ class BlockManager:
         self.pool.touch(hits)
         if self.sliding is not None and hits:
             self.sliding.take_hit(seq, tail, len(hits))
-        if self.restore is not None and start + len(hits) < n:  # go on in host memory
-            more = self.restore(digests[start + len(hits) : n])
+        restore = self._hooks.restore
+        if restore is not None and start + len(hits) < n:  # go on in host memory
+            more = restore(digests[start + len(hits) : n])
             self.restored_tokens += len(more) * self.block_size
             hits = hits + more
         seq.block_table += hits
@@ -208,11 +250,11 @@ class BlockManager:
         keeper = self._keeper(seq)
         return keeper is not None and keeper.wants(holder.request)
 
-    def _keeper(self, seq: Sequence) -> Any:
+    def _keeper(self, seq: Sequence) -> RowKeeper | None:
         """The row keeper a prefix-cache hit of ``seq`` asks (none for a Prompt Cache prompt)."""
         if seq.request.modules is not None and seq.request.modules.blocks:
             return None
-        return next((k for k in self.row_keepers if k.wants(seq.request)), None)
+        return next((k for k in self._hooks.row_keepers if k.wants(seq.request)), None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the parent's blocks by reference (n samples share the prompt)."""

@@ -27,7 +27,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.groups import GroupJob, GroupState
@@ -60,7 +60,37 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
+class Speculate(Protocol):
+    """The scheduler's ``speculate`` hook (``engine/speculative.Speculator``)."""
+
+    def propose(self, running: list[Sequence], budget: int) -> None:
+        """Before the step is planned: append drafts to the running sequences that take them."""
+
+    def settle(self, out: SchedulerOutput) -> None:
+        """After it is planned: keep the drafts each chunk reaches (``out.drafts``), give back the rest."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerHooks:
+    """The engine's hooks, given at construction (None: the scheduler does without).
+
+    For blocks held outside every sequence (``engine/module_holds.py``): ``reclaim(head, own)`` frees
+    what it can when the scheduler is stuck behind ``head`` (``_unstick``; ``own``: what the head
+    itself may do without) and returns how many blocks that freed; ``ready(seq)``: may ``seq`` be
+    admitted now (False: not yet, the blocks it must hold first have no room; or it ended trying).
+    ``refuse(seq, why)``: end a head that can never start, saying why. ``speculate``: speculative
+    decoding (``engine/speculative.py``), whose ``propose(running, budget)`` appends drafts before
+    the step is planned and ``settle(out)`` keeps those its chunks reach."""
+
+    reclaim: Callable[[Sequence, bool], int] | None = None
+    ready: Callable[[Sequence], bool] | None = None
+    refuse: Callable[[Sequence, str], None] | None = None
+    speculate: Speculate | None = None
+
+
 class Scheduler:
+    """``hooks``: the engine's (``SchedulerHooks``), fixed for the scheduler's life."""
+
     def __init__(
         self,
         blocks: BlockManager,
@@ -68,8 +98,11 @@ class Scheduler:
         max_num_seqs: int,
         kv_admit_threshold: float | None = None,
         policy: str = "fcfs",
+        *,
+        hooks: SchedulerHooks | None = None,
     ) -> None:
         self.blocks = blocks
+        self._hooks = hooks if hooks is not None else SchedulerHooks()
         self.policy = queue_policy(policy)  # the waiting queue's order, and whom to preempt (policy.py)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -82,18 +115,27 @@ class Scheduler:
         self.num_preemptions = 0
         # digest of a prompt block -> the running sequence that will compute it
         self._in_flight = PromptsInFlight()
-        # The engine's hooks for blocks held outside every sequence (``engine/module_holds.py``).
-        # ``reclaim(head, own)``: frees what it can when the scheduler is stuck behind ``head``
-        # (``_unstick``; ``own``: what the head itself may do without) and returns how many blocks
-        # that freed; ``ready(seq)``: may ``seq`` be admitted now (False: not yet, the blocks it must
-        # hold first have no room; or it ended trying). ``refuse(seq, why)``: end a head that can
-        # never start, saying why.
-        self.reclaim: Callable[[Sequence, bool], int] | None = None
-        # speculative decoding (``engine/speculative.py``): ``propose(running, budget)`` appends
-        # drafts before the step is planned, ``settle(out)`` keeps those its chunks reach
-        self.speculate: Any = None
-        self.ready: Callable[[Sequence], bool] | None = None
-        self.refuse: Callable[[Sequence, str], None] | None = None
+
+    # the hooks, read-only: given at construction, never assigned afterwards
+    @property
+    def hooks(self) -> SchedulerHooks:
+        return self._hooks
+
+    @property
+    def reclaim(self) -> Callable[[Sequence, bool], int] | None:
+        return self._hooks.reclaim
+
+    @property
+    def ready(self) -> Callable[[Sequence], bool] | None:
+        return self._hooks.ready
+
+    @property
+    def refuse(self) -> Callable[[Sequence, str], None] | None:
+        return self._hooks.refuse
+
+    @property
+    def speculate(self) -> Speculate | None:
+        return self._hooks.speculate
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Is the first block this sequence would compute already being computed by another one?
@@ -233,8 +275,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        if self.speculate is not None:
-            self.speculate.propose(self.running, budget)
+        speculate = self._hooks.speculate
+        if speculate is not None:
+            speculate.propose(self.running, budget)
         # Running sequences, in order: running[:i] are scheduled. This loop runs once per sequence per
         # step (B times at batch B), so it reads attributes directly and keeps to one call each.
         running, scheduled, copies = self.running, out.scheduled, out.copies
@@ -282,16 +325,17 @@ class Scheduler:
         while self.groups and budget > 0 and self._room_for_more():
             self._start_group(self.groups.popleft())
             budget = self._admit(out, budget)
-        if self.speculate is not None:
-            self.speculate.settle(out)
+        if speculate is not None:
+            speculate.settle(out)
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in order while the token budget, the caps and the pool allow."""
         deferred: list[Sequence] = []
+        ready = self._hooks.ready
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            if self.ready is not None and not self.ready(seq):
+            if ready is not None and not ready(seq):
                 if seq.status is SeqStatus.FINISHED:  # ended trying (its request failed)
                     continue
                 self.waiting.appendleft(seq)
@@ -337,16 +381,17 @@ class Scheduler:
         for job in set(self._group_of.values()):
             freed = freed or bool(job.held)
             job.let_go(self.blocks.pool)
+        reclaim, refuse = self._hooks.reclaim, self._hooks.refuse
         for own in (False, True):
-            if self.reclaim is not None:
-                freed = self.reclaim(head, own) > 0 or freed
+            if reclaim is not None:
+                freed = reclaim(head, own) > 0 or freed
             if freed:
                 budget = self._admit(out, budget)
             if self.running or not self.waiting or self.waiting[0] is not head:
                 return budget
             freed = False
-        if self.refuse is not None:
-            self.refuse(head, self._why_stuck(head))
+        if refuse is not None:
+            refuse(head, self._why_stuck(head))
         return budget
 
     def _why_stuck(self, seq: Sequence) -> str:

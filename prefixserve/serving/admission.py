@@ -2,7 +2,7 @@
 
 An engine that queues every request lets the queue grow without bound under overload: every request
 then waits longer than its client will, and nobody is told. So the loop that drives a server's engine
-(``entrypoints/openai/engine_thread.py``, or the engine process) keeps an ``Admission`` beside the
+(``serving/engine_thread.py``, or the engine process) keeps an ``Admission`` beside the
 engine. It is the authoritative check: ``Engine.add_request(admit=...)`` asks it about each processed
 request before queueing it; past a bound it raises ``QueueFull`` (the server answers 429 with
 ``Retry-After``) and nothing is queued. Before each step, ``before_step`` drops the waiting requests
@@ -13,7 +13,7 @@ one (it queues everything by design), and nothing here runs inside ``Engine.step
 Arrival checks here run between engine steps, and a step with big prefills can take seconds: a request
 refused here hears so only then. So the loop publishes the queue (``state``: a ``QueueState``) after
 every step and every arrival decision, and the HTTP process refuses most requests itself, at once, from
-the latest one (``entrypoints/openai/overload.py``, ``ArrivalGate``); what passes it is still checked
+the latest one (``serving/overload.py``, ``ArrivalGate``); what passes it is still checked
 here, and this check is what makes the bounds exact.
 
 Bounds (``AdmissionLimits``; None: sized from the engine, 0: unbounded):

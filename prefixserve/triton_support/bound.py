@@ -4,7 +4,7 @@
 microseconds. An eager step (a prefill, a Prompt Cache first token) launches each dense kernel once
 a layer with the same grid, integers and strides; only the tensors change (the layer's weights, its
 activations, its KV cache). ``BoundKernel`` launches the first call of a signature through Triton
-and records it (``attention/kernels/launch.py``); later calls with the same signature swap their
+and records it (``triton_support/launch.py``); later calls with the same signature swap their
 tensors in and call the compiled kernel's launcher directly. Decode steps replay CUDA graphs and
 never get here after capture.
 

@@ -33,7 +33,8 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from prefixserve.attention.kernels import gluon_attend, mixed_gluon, mixed_rule, shared_gluon
+    from prefixserve.attention.kernels import gluon_attend, mixed_gluon, shared_gluon
+    from prefixserve.attention.planning import mixed_rule
 
     cache = torch.zeros(8, 16, 2, dim, dtype=dtype)
     desc = mangle_type(gluon_attend.gluon_descriptor(cache, 128))
@@ -84,7 +85,7 @@ def wgmma_serialized(ptx: str, ptxas: str) -> bool:
 def main(shapes: list[str]) -> None:
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from prefixserve.attention.kernels import _ptxas
+    from prefixserve.attention import _ptxas
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for shape in shapes:

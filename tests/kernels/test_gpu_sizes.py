@@ -7,8 +7,8 @@ import torch
 from _kernel_helpers import rel_err
 
 from prefixserve.attention.kernels.paged_attention import paged_attention_ref
-from prefixserve.attention.kernels.triton_backend import TritonBackend, TritonPagedBackend
 from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.triton_backend import TritonBackend, TritonPagedBackend
 
 pytestmark = pytest.mark.gpu
 

@@ -19,9 +19,9 @@ from _kernel_helpers import DEVICE, rel_err
 from prefixserve.attention.auto import AutoBackend
 from prefixserve.attention.graph import GraphAttention, HeadShape, capacity
 from prefixserve.attention.kernels import paged_attention
-from prefixserve.attention.kernels.triton_backend import TritonBackend, TritonPagedBackend
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.reference import ReferenceBackend
+from prefixserve.attention.triton_backend import TritonBackend, TritonPagedBackend
 from prefixserve.worker.cuda_graph import batch_buckets
 
 

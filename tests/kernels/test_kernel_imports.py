@@ -1,6 +1,7 @@
-"""Imports inside prefixserve/attention go one way: no cycle, and the kernel modules follow the layer
-order written in the kernels package docstring. Module-level and function-level imports both count
-(a function-level import is a cycle put off, not removed). Parses the source; imports nothing."""
+"""Imports inside prefixserve/attention go one way: no cycle, and the planning and kernel modules and the
+Triton backends follow the layer order written in the attention package docstring. Module-level and
+function-level imports both count (a function-level import is a cycle put off, not removed). Parses the
+source; imports nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ATTENTION = ROOT / "prefixserve" / "attention"
 KERNELS = ATTENTION / "kernels"
+PLANNING = ATTENTION / "planning"
 PACKAGE = "prefixserve.attention"
 
 
@@ -70,22 +72,36 @@ def test_no_import_cycle_in_the_attention_package() -> None:
 
 
 def test_kernel_modules_follow_the_documented_layer_order() -> None:
-    doc = ast.get_docstring(ast.parse((KERNELS / "__init__.py").read_text())) or ""
-    chain = re.search(r"_ptxas\s*<.*?triton_backend", doc, re.S)
-    assert chain, "the kernels package docstring must give the layer order"
+    doc = ast.get_docstring(ast.parse((ATTENTION / "__init__.py").read_text())) or ""
+    chain = re.search(r"planning\.plan\s*<.*?triton_backend", doc, re.S)
+    assert chain, "the attention package docstring must give the layer order"
     order = [name.strip() for name in chain.group(0).split("<")]
-    files = sorted(p.stem for p in KERNELS.glob("*.py") if p.stem != "__init__")
-    assert sorted(order) == files, "every kernel module appears in the layer order, once"
-    rank = {name: i for i, name in enumerate(order)}
+    files = [p for d in (KERNELS, PLANNING) for p in d.glob("*.py") if p.stem != "__init__"]
+    subpackages = sorted(f"{p.parent.name}.{p.stem}" for p in files)
+    named = sorted(n for n in order if n.split(".")[0] in ("kernels", "planning"))
+    assert named == subpackages, "every planning and kernel module appears in the layer order, once"
+    assert len(set(order)) == len(order), "a module appears in the layer order once"
+    missing = [n for n in order if not (ATTENTION / f"{n.replace('.', '/')}.py").is_file()]
+    assert not missing, f"the layer order names modules that do not exist: {missing}"
+    rank = {f"{PACKAGE}.{name}": i for i, name in enumerate(order)}
     graph = _graph()
     upward = []
-    for name in order:
-        for imported in graph[f"{PACKAGE}.kernels.{name}"]:
-            if imported.startswith(f"{PACKAGE}.kernels."):
-                target = imported.rsplit(".", 1)[1]
-                if rank[target] >= rank[name]:
-                    upward.append(f"{name} imports {target}")
+    for module, i in rank.items():
+        for imported in graph[module]:
+            if imported in rank and rank[imported] >= i:
+                upward.append(f"{module} imports {imported}")
     assert not upward, upward
+
+
+def test_kernel_modules_define_a_kernel() -> None:
+    """Files in kernels/ are kernels: each defines a ``@triton.jit`` / ``@gluon.jit`` function (host
+    planning lives in planning/, the backends' launch code in the attention package)."""
+    plain = [
+        p.name
+        for p in sorted(KERNELS.glob("*.py"))
+        if p.stem != "__init__" and not re.search(r"@(triton|gluon)\.jit\b", p.read_text())
+    ]
+    assert not plain, f"modules in kernels/ without a kernel: {plain}"
 
 
 def test_the_cycle_check_sees_function_level_imports(tmp_path: Path) -> None:

@@ -12,11 +12,13 @@ import pytest
 import torch
 from _kernel_helpers import rel_err
 
-from prefixserve.attention.kernels import _ptxas, mixed_gluon, mixed_rule, shared_gluon, tiles
-from prefixserve.attention.kernels.shared_plan import SharedWork
-from prefixserve.attention.kernels.triton_backend import TritonBackend
+from prefixserve.attention import _ptxas
+from prefixserve.attention.kernels import mixed_gluon, shared_gluon
 from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.planning import mixed_rule, tiles
+from prefixserve.attention.planning.shared_plan import SharedWork
 from prefixserve.attention.reference import ReferenceBackend
+from prefixserve.attention.triton_backend import TritonBackend
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -387,7 +389,7 @@ def test_captured_decode_graph_through_192_row_shared_tiles() -> None:
 def test_mixable_decode_steps_prefer_tall_shared_tiles() -> None:
     """At 256 stacked rows over a 4K prefix the shared kernel alone is faster on 64-row tiles, but a
     step that can run as one mixed launch takes 128-row ones (the mixed kernel needs them)."""
-    from prefixserve.attention.kernels.shared_plan import pick_shared_tiles
+    from prefixserve.attention.planning.shared_plan import pick_shared_tiles
 
     assert pick_shared_tiles(64, 4, max_tokens=4096, tma=True)[0] == 64
     assert pick_shared_tiles(64, 4, max_tokens=4096, tma=True, mixable=True)[0] == 128
@@ -398,7 +400,7 @@ def test_mixable_decode_steps_prefer_tall_shared_tiles() -> None:
 def test_the_planner_passes_mixable_to_the_tiles(monkeypatch) -> None:
     """``plan_shared_work(mixable=True)`` plans 128-row tiles at 256 stacked rows over a 4K segment
     when its blocks allow TMA tiles (the mixed kernel's condition); pointer loads keep 64 rows."""
-    from prefixserve.attention.kernels import shared_plan
+    from prefixserve.attention.planning import shared_plan
 
     monkeypatch.setattr(shared_plan, "tma_capable", lambda *a: True)
     blocks = np.arange(4096 // 16, dtype=np.int32)  # one segment in consecutive blocks
@@ -415,8 +417,8 @@ def test_wide_tiles_where_the_gluon_kernel_runs_a_step_that_does_not_mix(monkeyp
     mix, where padding to 192 rows costs at most 4% over 128 (2,048 stacked rows: 2,112 vs 2,048;
     1,024: 1,152 vs 1,024 keeps 128); never for a mixable step, a pointer-load one, fp32, or where
     the Gluon kernel does not run (``wide`` false: the Triton kernel takes powers of two only)."""
-    from prefixserve.attention.kernels import shared_plan
-    from prefixserve.attention.kernels.shared_plan import pick_shared_tiles, wide_tiles_pay
+    from prefixserve.attention.planning import shared_plan
+    from prefixserve.attention.planning.shared_plan import pick_shared_tiles, wide_tiles_pay
 
     assert wide_tiles_pay([2048]) and wide_tiles_pay([8192]) and wide_tiles_pay([192])
     assert not wide_tiles_pay([1024]) and not wide_tiles_pay([256]) and not wide_tiles_pay([128])

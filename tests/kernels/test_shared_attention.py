@@ -14,7 +14,7 @@ from prefixserve.attention.kernels.shared_attention import (
     shared_segment_attention,
     shared_segment_attention_ref,
 )
-from prefixserve.attention.kernels.shared_plan import own_heavy, plan_shared_work, step_size, wave_splits
+from prefixserve.attention.planning.shared_plan import own_heavy, plan_shared_work, step_size, wave_splits
 
 KV_HEADS = 2
 
@@ -81,7 +81,7 @@ def test_bf16_close_to_fp64() -> None:
 def test_tiles_fit_shared_memory(dtype: torch.dtype, dim: int, rows: int) -> None:
     """Every supported dtype / head_dim gets shared and paged tiles that fit the Hopper limit."""
     from prefixserve.attention.kernels.paged_attention import pick_block_m
-    from prefixserve.attention.kernels.tiles import SMEM_LIMIT_HOPPER, fit_tiles, tile_smem_bytes
+    from prefixserve.attention.planning.tiles import SMEM_LIMIT_HOPPER, fit_tiles, tile_smem_bytes
 
     elt = torch.empty(0, dtype=dtype).element_size()
     work = plan_shared_work([0, rows], [4096], 8, 4, torch.device("cpu"), head_dim=dim, dtype=dtype)

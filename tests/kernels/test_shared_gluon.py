@@ -13,14 +13,15 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE, compiled_for_hopper, rel_err
 
-from prefixserve.attention.kernels import _ptxas, mixed_gluon, shared_gluon
+from prefixserve.attention import _ptxas
+from prefixserve.attention.kernels import mixed_gluon, shared_gluon
 from prefixserve.attention.kernels.shared_attention import (
     shared_segment_attention,
     shared_segment_attention_ref,
 )
-from prefixserve.attention.kernels.triton_backend import TritonBackend
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.reference import ReferenceBackend
+from prefixserve.attention.triton_backend import TritonBackend
 
 needs_gluon = pytest.mark.skipif(not shared_gluon.GLUON, reason="this Triton has no Gluon")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -188,7 +189,7 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide) -> None:
     """96 sequences on a contiguous 2,048-token prefix (384 stacked rows: tall tiles, 192-row ones
     unless ``wide_tiles_pay`` is made to refuse them), own suffixes short enough that the step runs
     two kernels: the decode step launches the Gluon kernel, a later layer replays it, both exact."""
-    from prefixserve.attention.kernels import shared_plan
+    from prefixserve.attention.planning import shared_plan
 
     if not wide:
         monkeypatch.setattr(shared_plan, "wide_tiles_pay", lambda *a: False)

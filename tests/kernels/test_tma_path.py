@@ -17,10 +17,10 @@ from prefixserve.attention.kernels.shared_attention import (
     shared_segment_attention,
     shared_segment_attention_ref,
 )
-from prefixserve.attention.kernels.shared_plan import contiguous_first_rows, plan_shared_work
-from prefixserve.attention.kernels.triton_backend import TritonBackend
 from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.planning.shared_plan import contiguous_first_rows, plan_shared_work
 from prefixserve.attention.reference import ReferenceBackend
+from prefixserve.attention.triton_backend import TritonBackend
 
 KV_HEADS = 2
 I32 = {"dtype": torch.int32, "device": DEVICE}

@@ -10,9 +10,9 @@ from _kernel_helpers import DEVICE, paged_cache, rel_err
 
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.kernels import merge, paged_attention, shared_attention
-from prefixserve.attention.kernels.triton_backend import TritonBackend, TritonPagedBackend
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.reference import ReferenceBackend, attention_with_lse
+from prefixserve.attention.triton_backend import TritonBackend, TritonPagedBackend
 
 KV_HEADS = 2
 
@@ -128,7 +128,7 @@ def test_own_pack_rule_needs_an_own_heavy_step_and_enough_programs() -> None:
     the packed grid still gives every SM two programs (the CPU interpreter counts 4 SMs)."""
     from types import SimpleNamespace
 
-    from prefixserve.attention.kernels.step_plan import own_pack_rule
+    from prefixserve.attention.planning.step_plan import own_pack_rule
 
     def plan(batch: int, prefix: int, suffix: int) -> SimpleNamespace:
         starts = {"seg_row_start_host": [0, batch], "seg_block_start_host": [0, prefix // 16]}

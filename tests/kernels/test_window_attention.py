@@ -136,8 +136,8 @@ def test_decode_windows_share_the_segments_inside_them(window: int, backend_name
     levels: the segments wholly inside every holder's window are read once (the plan's KV rows fewer
     than the rows' windows), the others masked by each row's walk; both paths equal the oracle."""
     from prefixserve.attention.kernels.window_attention import window_shared_attention
+    from prefixserve.attention.planning.window_plan import window_plan
     from prefixserve.attention.window import window_attention
-    from prefixserve.attention.window_plan import window_plan
 
     own = [3, 17, 30, 9, 24, 1]
     q, k, v, tables, seq_lens, meta = _tree_case(11, torch.float32, own)
@@ -160,7 +160,7 @@ def test_decode_windows_share_the_segments_inside_them(window: int, backend_name
 
 def test_decode_window_sharing_bf16() -> None:
     from prefixserve.attention.kernels.window_attention import window_shared_attention
-    from prefixserve.attention.window_plan import window_plan
+    from prefixserve.attention.planning.window_plan import window_plan
 
     own = [40, 5, 33, 12, 2, 60]
     q, k, v, tables, seq_lens, meta = _tree_case(12, torch.bfloat16, own)
@@ -176,8 +176,8 @@ def test_a_long_prefix_is_cut_to_the_blocks_inside_every_window(window: int) -> 
     """One 8-block prefix that every row holds, far longer than the window: its last blocks (from the
     latest window start on) are read once, the rest walked or skipped per row; exact either way."""
     from prefixserve.attention.kernels.window_attention import window_shared_attention
+    from prefixserve.attention.planning.window_plan import window_plan
     from prefixserve.attention.window import window_attention
-    from prefixserve.attention.window_plan import window_plan
 
     own = [5, 9, 14, 20]
     query_lens = [1] * len(own)
@@ -239,7 +239,7 @@ def test_sliding_groups_share_one_recorded_plan_with_their_own_pages(contiguous:
     one recorded launch set, each group replaying it with its tables, segment blocks and work items,
     and every group's attention equals the oracle over the block table's KV."""
     from prefixserve.attention.kernels.window_attention import window_shared_attention
-    from prefixserve.attention.window_plan import window_plan
+    from prefixserve.attention.planning.window_plan import window_plan
 
     own, window, bs = [5, 9, 14, 20], 50, 16
     query_lens, seq_lens = [1] * len(own), [128 + n for n in own]

@@ -17,7 +17,7 @@ flight, and a warpgroup of its own for the own math, so that it never waits behi
 Programs without a shared ticket stream own KV only.
 
 The own tiles (tickets, loads, the transposed products) are ``mixed_own.py``'s; the rule that takes a
-step to this kernel is ``mixed_rule.py``'s.
+step to this kernel is ``planning/mixed_rule.py``'s.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from prefixserve.attention.kernels import _ptxas
+from prefixserve.attention import _ptxas
 from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
-from prefixserve.attention.kernels.mixed_rule import HEAVY_SHARED_N, OWN_M, SHARED_N, own_tiling
+from prefixserve.attention.planning.mixed_rule import HEAVY_SHARED_N, OWN_M, SHARED_N, own_tiling
 from prefixserve.triton_support.launch import Launch, record
 
 if GLUON:

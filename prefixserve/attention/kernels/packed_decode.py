@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from prefixserve.attention.kernels.attend import accumulate_pv, finish_rows, qk_scores, softmax_step
-from prefixserve.attention.kernels.tiles import (
+from prefixserve.attention.planning.tiles import (
     dot_precision,
     fit_tiles,
     interpreter_upcast,

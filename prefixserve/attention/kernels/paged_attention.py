@@ -20,7 +20,7 @@ import torch
 from prefixserve.attention.kernels.attend import attend_range, finish_rows
 from prefixserve.attention.kernels.merge import merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
-from prefixserve.attention.kernels.tiles import (
+from prefixserve.attention.planning.tiles import (
     LOG2E,
     check_cache,
     dot_precision,

@@ -5,7 +5,7 @@ non-causally (it lies wholly before each holder's first new token). For one KV h
 are ``holder rows x G`` query heads, so a tile is a dense ``[BLOCK_M, D] x [D, BLOCK_N]`` product on the
 tensor cores and the segment's KV is read once per M-tile instead of once per holder.
 
-The launch walks a flat work list (``shared_plan.py``: one item = segment, row range, KV token range,
+The launch walks a flat work list (``planning/shared_plan.py``: one item = segment, row range, KV token range,
 first output slot) with the M-tile index varying fastest, so tiles that read the same KV chunk run
 together and L2 absorbs the re-reads. Long segments with few rows are split along KV so every SM has
 work; each item writes an fp32 partial (o, lse) per row into a slot, and ``merge.py`` combines a row's
@@ -34,8 +34,8 @@ from prefixserve.attention.kernels.attend import (
     softmax_step,
 )
 from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
-from prefixserve.attention.kernels.shared_plan import WIDE_M, SharedWork, plan_shared_work
-from prefixserve.attention.kernels.tiles import (
+from prefixserve.attention.planning.shared_plan import WIDE_M, SharedWork, plan_shared_work
+from prefixserve.attention.planning.tiles import (
     LOG2E,
     check_cache,
     dot_precision,

@@ -1,6 +1,6 @@
 """Sliding-window attention over the paged cache: every row of a step (decode, prefill chunk, mixed) in
 one launch, each query reading only the keys its window covers; and a decode step's shared segments
-inside the windows read once (``window_plan.py``).
+inside the windows read once (``planning/window_plan.py``).
 
 One program owns (sequence, query tile, KV head), with the tile's rows packed as the paged kernel
 packs them (``BLOCK_M // G`` query tokens x the G query heads of one KV head, so each K/V tile is read
@@ -21,17 +21,17 @@ import torch
 
 from prefixserve.attention.kernels.attend import attend_range, finish_rows
 from prefixserve.attention.kernels.shared_attention import launch_shared
-from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, plan_shared_work
-from prefixserve.attention.kernels.step_launch import csr_merge, launch_split_path, replay_launches
-from prefixserve.attention.kernels.step_plan import to_device_packed
-from prefixserve.attention.kernels.tiles import (
+from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.planning.shared_plan import ITEM_FIELDS, plan_shared_work
+from prefixserve.attention.planning.step_plan import to_device_packed
+from prefixserve.attention.planning.tiles import (
     LOG2E,
     check_cache,
     dot_precision,
     interpreter_upcast,
     next_power_of_2,
 )
-from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.step_launch import csr_merge, launch_split_path, replay_launches
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 from prefixserve.triton_support.launch import Launch, record, relaunch
@@ -323,7 +323,7 @@ def _group_items(plan: object, work: object, block_size: int) -> list[tuple[np.n
     """Each sliding group's segment blocks and work items (the items name the first cache row of a
     contiguous segment, which is the group's own), or None where a group's segments break into runs
     where another's do not (its work list would differ: each group then plans alone)."""
-    from prefixserve.attention.kernels.shared_plan import contiguous_first_rows
+    from prefixserve.attention.planning.shared_plan import contiguous_first_rows
 
     items = work.items.numpy()
     firsts = [contiguous_first_rows(p.seg_blocks, p.seg_block_start, block_size) for p in plan.groups]

@@ -1,10 +1,10 @@
 """Answering one request: queue its engine work, then stream its outputs or collect its answer.
 
 Shared by every generating route (completions, chats, responses, messages): another API's answer to
-the chat it runs as comes in as ``stream`` and ``body`` makers. Under overload (``overload.py``) a
-request is refused 429 at arrival by ``ArrivalGate``, by the engine when it takes the request, or when
-it drops it from the queue; a stream's status and headers go out with its first output, so a
-streamed request dropped from the queue gets that 429 too.
+the chat it runs as comes in as ``stream`` and ``body`` makers. Under overload (``serving/overload.py``;
+its answers in ``overload_http.py``) a request is refused 429 at arrival by ``ArrivalGate``, by the
+engine when it takes the request, or when it drops it from the queue; a stream's status and headers
+go out with its first output, so a streamed request dropped from the queue gets that 429 too.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.input_processor import check_context
-from prefixserve.entrypoints.openai.engine_thread import EngineStopped, StreamSink
-from prefixserve.entrypoints.openai.overload import deadline_error, dropped, refusal, sse_response
-from prefixserve.entrypoints.openai.request_log import log_request
+from prefixserve.entrypoints.openai.overload_http import deadline_error, refusal, sse_response
 from prefixserve.entrypoints.openai.requests import ServerState
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
@@ -29,6 +27,9 @@ from prefixserve.protocols.errors import APIError, engine_failure, param_of
 from prefixserve.protocols.openai import format as fmt
 from prefixserve.protocols.openai.prepare import Prepared, prompt_ids, response_body, stream_state, truncated
 from prefixserve.serving.admission import QueueFull
+from prefixserve.serving.engine_thread import EngineStopped, StreamSink
+from prefixserve.serving.overload import dropped
+from prefixserve.serving.request_log import log_request
 
 # request.state keys (in the ASGI scope, read by the app's middleware when the response is written)
 ROUTE_START = "ps_route_start"  # time.monotonic() when the route began (the queue deadline's origin)
@@ -99,7 +100,7 @@ async def submit(
                 text, tokens = (text, tokens) if len(kept) == len(tokens) else (None, kept)  # text: all of it
             if text is not None and tokens is not None:
                 _check_fits(state, prep, tokens)
-            # refused here at once when the engine's last published queue says so (overload.py)
+            # refused here at once when the engine's last published queue says so (serving/overload.py)
             arrival = None if state.gate is None else state.gate.admit(_length(tokens), gate_deadline)
             await state.loop.add(
                 sub_id,
@@ -278,7 +279,7 @@ async def answer(
     body: Callable[[list[RequestOutput]], dict[str, Any]] | None = None,
 ) -> Response:
     """Queue a checked request and answer it: an SSE stream (from its first output on), or one JSON
-    body when all is done. ``deadline``: when it must have started (``overload.queue_deadline``);
+    body when all is done. ``deadline``: when it must have started (``overload_http.queue_deadline``);
     ``started``: when the route began; ``stream`` and ``body``: another API's answer to the chat
     ``prep`` (/v1/responses, /v1/messages), in place of the chat's."""
     sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()

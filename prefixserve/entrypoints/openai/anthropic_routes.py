@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.entrypoints.openai.answering import answer, route_start
-from prefixserve.entrypoints.openai.overload import queue_deadline
+from prefixserve.entrypoints.openai.overload_http import queue_deadline
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_json
 from prefixserve.protocols.anthropic.prepare import (
     COUNT_ROUTE,

@@ -36,16 +36,10 @@ from prefixserve.entrypoints.openai.beam_answers import answer_beams
 from prefixserve.entrypoints.openai.cache_routes import add_cache_routes
 from prefixserve.entrypoints.openai.cors import allow_origins
 from prefixserve.entrypoints.openai.embedding_routes import add_embedding_routes
-from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.entrypoints.openai.message_batches import add_message_batch_routes
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 from prefixserve.entrypoints.openai.model_routes import add_model_routes
-from prefixserve.entrypoints.openai.overload import (
-    ArrivalGate,
-    OverloadSettings,
-    StallWatch,
-    queue_deadline,
-)
+from prefixserve.entrypoints.openai.overload_http import queue_deadline
 from prefixserve.entrypoints.openai.requests import (
     MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
@@ -56,7 +50,6 @@ from prefixserve.entrypoints.openai.requests import (
 from prefixserve.entrypoints.openai.responses_background import BackgroundRuns
 from prefixserve.entrypoints.openai.responses_routes import add_responses_routes
 from prefixserve.entrypoints.openai.schema_routes import add_schema_routes
-from prefixserve.entrypoints.openai.stats_log import log_stats as stats_log
 from prefixserve.entrypoints.openai.tokenizer_routes import add_tokenizer_routes
 from prefixserve.protocols.anthropic.message_batches import MESSAGE_BATCHES_ROUTE
 from prefixserve.protocols.anthropic.prepare import COUNT_ROUTE, MESSAGES_ROUTE
@@ -68,7 +61,10 @@ from prefixserve.protocols.pooling.scoring import RERANK_ROUTES, SCORE_ROUTES
 from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE
 from prefixserve.protocols.responses.store import ResponseStore
 from prefixserve.protocols.vllm.tokenizer import TOKENIZER_ROUTES
+from prefixserve.serving.engine_thread import EngineLoop
 from prefixserve.serving.host_trim import IdleTrim, trim_when_idle
+from prefixserve.serving.overload import ArrivalGate, OverloadSettings, StallWatch
+from prefixserve.serving.stats_log import log_stats as stats_log
 from prefixserve.version import __version__
 
 log = logging.getLogger(__name__)
@@ -111,23 +107,23 @@ def build_app(
 ) -> FastAPI:
     """Load the engine now (errors surface before binding); its thread starts with the app's lifespan.
 
-    ``engine_process``: the engine runs in a child process (``engine_process.py``), not on a thread
+    ``engine_process``: the engine runs in a child process (``serving/engine_process.py``), not on a thread
     of this one; the app then holds only the tokenizer. ``overload``: the waiting queue's bounds,
     the queue deadline and the stream stall timeout (default: bounds sized from the engine, no
     deadline, 60 s). ``responses``: where /v1/responses keeps stored responses (default: 1,024).
     ``allowed_origins``: the browser origins that may call it (``cors.py``; None: none).
     ``batches``: where /v1/files and /v1/batches keep files and batches (default: a temporary
     folder removed at exit). ``log_stats``: a log line of the engine's throughput and load every
-    10 s while it works (``stats_log.py``; ``serve`` turns it on unless --disable-log-stats).
+    10 s while it works (``serving/stats_log.py``; ``serve`` turns it on unless --disable-log-stats).
     ``log_requests``: a log line per engine request, its prompt cut at ``max_log_len``
-    (``request_log.py``)."""
+    (``serving/request_log.py``)."""
     overload = overload or OverloadSettings()
     loop: EngineLoop
     if engine_process:
         if engine is not None:
             raise ValueError("engine_process takes a config, not an engine")
-        from prefixserve.entrypoints.openai.engine_process import EngineProcess
         from prefixserve.model.loader import tokenizer_for
+        from prefixserve.serving.engine_process import EngineProcess
 
         config = config or EngineConfig()
         loop = EngineProcess(config, limits=overload.limits)

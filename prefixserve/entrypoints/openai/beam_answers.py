@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai.answering import collect, stream_events, submit
-from prefixserve.entrypoints.openai.overload import sse_response
+from prefixserve.entrypoints.openai.overload_http import sse_response
 from prefixserve.entrypoints.openai.requests import ServerState
 from prefixserve.outputs import RequestOutput
 from prefixserve.protocols.errors import APIError, param_of

@@ -14,10 +14,10 @@ import operator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.entrypoints.openai.engine_thread import EngineStopped
 from prefixserve.entrypoints.openai.requests import ServerState, authorize
 from prefixserve.protocols.errors import APIError
 from prefixserve.protocols.vllm.cache_reset import RESET_ROUTE, reset_body
+from prefixserve.serving.engine_thread import EngineStopped
 
 
 def add_cache_routes(app: FastAPI, state: ServerState) -> None:

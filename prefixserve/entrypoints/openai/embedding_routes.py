@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from prefixserve.entrypoints.openai.answering import answer, route_start
-from prefixserve.entrypoints.openai.overload import queue_deadline
+from prefixserve.entrypoints.openai.overload_http import queue_deadline
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_named_json
 from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.protocols.pooling.scoring import RERANK_ROUTES, SCORE_ROUTES, prepare_rerank, prepare_score

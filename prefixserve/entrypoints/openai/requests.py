@@ -14,11 +14,11 @@ from typing import Any
 
 from fastapi import Request
 
-from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.protocols.errors import APIError
 from prefixserve.protocols.ids import REQUEST_ID
 from prefixserve.protocols.openai.prepare import OpenAIContext
 from prefixserve.protocols.openai.request_models import SchemaRequest, find_lone_surrogate, parse_request
+from prefixserve.serving.engine_thread import EngineLoop
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REQUEST_ID_HEADER = "x-request-id"  # a client's name for its request: echoed, and in the answer's id
@@ -35,12 +35,12 @@ class ServerState(OpenAIContext):
     eos_ids: frozenset[int]  # the tokens that end an output (the model's EOS and the tokenizer's)
     api_key: str | None
     max_body_bytes: int
-    max_queue_delay: float | None = None  # seconds a request may wait to start (overload.py)
+    max_queue_delay: float | None = None  # seconds a request may wait to start (serving/overload.py)
     stall_watch: Any = None  # overload.StallWatch: aborts streams whose client stopped reading
     gate: Any = None  # overload.ArrivalGate: refusals at arrival, decided in this process
     responses: Any = None  # responses.ResponseStore: what /v1/responses stored
     background: Any = None  # responses_background.BackgroundRuns: background responses running
-    log_requests: bool = False  # a log line per engine request (request_log.py, --enable-log-requests)
+    log_requests: bool = False  # a log line per engine request (serving/request_log, --enable-log-requests)
     max_log_len: int | None = None  # its prompt cut at this many characters / token ids (None: whole)
 
 

@@ -19,10 +19,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from prefixserve.entrypoints.openai.engine_thread import StreamSink
 from prefixserve.protocols.responses.items import input_items
 from prefixserve.protocols.responses.prepare import ResponseCall
 from prefixserve.protocols.responses.store import ACTIVE
+from prefixserve.serving.engine_thread import StreamSink
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.llm_engine import Engine
-from prefixserve.entrypoints.openai.engine_thread import EngineStopped
 from prefixserve.entrypoints.openai.requests import ServerState, authorize, read_schema_request
 from prefixserve.promptcache.pml import PMLError, parse_schema
 from prefixserve.protocols.errors import APIError
+from prefixserve.serving.engine_thread import EngineStopped
 
 
 def _schema_card(info: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP server: ``prefixserve serve`` and an in-process runner for tests and benchmarks.
 
-The pieces: ``engine_thread`` (the engine thread), ``metrics`` (Prometheus), ``app`` (the app and
-its routes), ``answering`` (one request's queueing, streaming and collecting); request models,
-errors, bodies and stream chunks are ``prefixserve/protocols/``'s. FastAPI and uvicorn are imported
+The pieces: ``metrics`` (Prometheus), ``app`` (the app and its routes), ``answering`` (one request's
+queueing, streaming and collecting); the engine thread or process, overload control and the
+server's logs are ``prefixserve/serving/``'s; request models, errors, bodies and stream chunks are
+``prefixserve/protocols/``'s. FastAPI and uvicorn are imported
 here, never by the engine core.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections; in-flight requests get
@@ -24,15 +25,15 @@ from typing import Any
 
 import uvicorn
 
-from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.args import engine_config_from_args
 from prefixserve.entrypoints.openai.app import MAX_BODY_BYTES, build_app
 from prefixserve.entrypoints.openai.batch_settings import BatchSettings
-from prefixserve.entrypoints.openai.engine_thread import EngineLoop
-from prefixserve.entrypoints.openai.overload import OverloadSettings
 from prefixserve.entrypoints.serve_args import uvicorn_options
 from prefixserve.protocols.responses.store import ResponseStore
 from prefixserve.serving.admission import AdmissionLimits
+from prefixserve.serving.engine_process import wants_engine_process
+from prefixserve.serving.engine_thread import EngineLoop
+from prefixserve.serving.overload import OverloadSettings
 
 __all__ = ["MAX_BODY_BYTES", "GracefulServer", "ServerThread", "build_app", "free_port", "serve"]
 
@@ -131,18 +132,6 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def wants_engine_process(choice: str, config: EngineConfig) -> bool:
-    """``--engine-process``: auto is on when the engine will run on a GPU (where the host is what the
-    HTTP loop slows down); a CPU engine needs the cores more than a GIL of its own."""
-    if choice != "auto":
-        return choice == "on"
-    if config.device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return config.device.startswith("cuda")
 
 
 def overload_settings(args: argparse.Namespace) -> OverloadSettings:

@@ -4,7 +4,7 @@ given, beside the own kernel, then the merge), the mixed path (one mixed launch,
 the replay of recorded launches with a later layer's tensors.
 
 A path launches through Triton's normal path once and returns ``Recorded`` launches; every later
-layer (eager) or a graph capture repeats them with ``replay_launches`` (kernels/launch.py: the
+layer (eager) or a graph capture repeats them with ``replay_launches`` (``triton_support/launch.py``: the
 compiled kernel's launcher called directly, the layer's q / K / V / output swapped in).
 """
 
@@ -18,7 +18,7 @@ import torch
 from prefixserve.triton_support.launch import relaunch
 
 if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
-    from prefixserve.attention.kernels.mixed_rule import MixedTiles
+    from prefixserve.attention.planning.mixed_rule import MixedTiles
 
 # argument positions that change from layer to layer: (q, k_cache, v_cache, output), -1 = none
 PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
@@ -85,7 +85,8 @@ def launch_mixed_path(
     """The mixed launch (a decode step's shared and own tiles, one own partial per row; own tiles of
     ``mixed.own_m`` rows, shared tiles of ``mixed.shared_n`` tokens), then the merge; the eager path
     and the decode graphs both launch it here."""
-    from prefixserve.attention.kernels import mixed_gluon, tiles
+    from prefixserve.attention.kernels import mixed_gluon
+    from prefixserve.attention.planning import tiles
 
     o_part, lse_part, own_slot0 = parts
     launch = mixed_gluon.launch_mixed(

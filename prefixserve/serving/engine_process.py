@@ -38,7 +38,10 @@ from typing import Any, TypeVar
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine.gc_tuning import GcPauses
-from prefixserve.entrypoints.openai.engine_thread import (
+from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.sampling.params import SamplingParams
+from prefixserve.serving.admission import Admission, AdmissionLimits
+from prefixserve.serving.engine_thread import (
     IDLE_WAIT_S,
     EngineLoop,
     EngineStopped,
@@ -52,9 +55,6 @@ from prefixserve.entrypoints.openai.engine_thread import (
     name_os_thread,
     serve_step,
 )
-from prefixserve.outputs import CompletionOutput, RequestOutput
-from prefixserve.sampling.params import SamplingParams
-from prefixserve.serving.admission import Admission, AdmissionLimits
 from prefixserve.serving.host_trim import IdleTrim
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,18 @@ T = TypeVar("T")
 
 READY_TIMEOUT_S = 1800.0  # loading a large model and capturing its graphs
 SNAPSHOT_EVERY_S = 0.1  # how often a busy child sends its metrics
+
+
+def wants_engine_process(choice: str, config: EngineConfig) -> bool:
+    """``--engine-process``: auto is on when the engine will run on a GPU (where the host is what the
+    HTTP loop slows down); a CPU engine needs the cores more than a GIL of its own."""
+    if choice != "auto":
+        return choice == "on"
+    if config.device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return config.device.startswith("cuda")
 
 
 # ---- outputs as deltas --------------------------------------------------------------------------
@@ -583,4 +595,4 @@ class EngineProcess(EngineLoop):
         self._deliver(failed)
 
 
-__all__ = ["EngineProcess", "OutputDecoder", "OutputEncoder"]
+__all__ = ["EngineProcess", "OutputDecoder", "OutputEncoder", "wants_engine_process"]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.plan import SharedPlan, host_lens, host_tables
+from prefixserve.attention.planning.plan import SharedPlan, host_lens, host_tables
 
 
 @dataclass(slots=True)

@@ -1,11 +1,12 @@
-"""The server's side of overload: refusals at arrival, queue deadlines, 429 with Retry-After, stalled
+"""A server's side of overload, below HTTP: refusals at arrival, queue deadlines, Retry-After, stalled
 streams.
 
 The queue's bounds, its drain rates and the dropping of requests that cannot start by their deadline
 live with the engine (``serving/admission.py``: one place that sees every arrival and every step, in
 either engine mode), and its check is the exact one. But it runs between engine steps, and a step
 with big prefills takes seconds, so a request refused there waits that long to hear so. This module
-turns the engine's decisions into HTTP, and takes most refusals off the engine's path:
+takes most refusals off the engine's path; ``entrypoints/openai/overload_http.py`` turns its decisions
+and the engine's into HTTP (429 bodies, the ``X-Max-Queue-Delay`` header, the watched SSE response):
 
 * ``ArrivalGate``, in the HTTP process, refuses a request at arrival, at once, from the queue the
   engine last published (``QueueState``: after every step and every arrival decision; the engine
@@ -15,17 +16,21 @@ turns the engine's decisions into HTTP, and takes most refusals off the engine's
   rates for the time since it was taken; requests sent since are behind it and have not started.
   What passes the gate goes to the engine, which decides exactly; both count their refusals in the
   same /metrics counters, by bound (the gate's also in ``requests_refused_http_total``);
-* a request's queue deadline: ``--max-queue-delay`` and the ``X-Max-Queue-Delay`` header (seconds,
-  the smaller wins), counted from when the request reached the route;
+* a request's queue deadline (``deadline_at``): ``--max-queue-delay`` and the request's own delay (the
+  ``X-Max-Queue-Delay`` header; seconds, the smaller wins), counted from when the request reached the
+  route;
 * ``QueueFull`` (from the gate or the engine) and a request dropped from the queue for its deadline
-  become 429 ``rate_limit_error`` with a ``Retry-After`` header (whole seconds: the time the queue now
-  takes to drain, from the engine's last state). 429 rather than 503: the server is up, this request
-  came when it was full, and clients (the openai SDK among them) retry a 429 after Retry-After;
+  (``dropped``) become 429 ``rate_limit_error`` with a ``Retry-After`` header (whole seconds: the time
+  the queue now takes to drain, from the engine's last state: ``queue_retry_after``). 429 rather than
+  503: the server is up, this request came when it was full, and clients (the openai SDK among them)
+  retry a 429 after Retry-After;
 * a stream whose client stops reading: the engine never waits for a reader (outputs are paced, the
   request keeps running), but it would run to ``max_tokens`` for a client that may be gone without
   closing its connection. ``StallWatch`` aborts a stream's requests once one of its writes has not
   been taken for ``--stream-stall-timeout`` seconds; their KV is freed at once, and a client that
   comes back reads what was sent, a final chunk with finish_reason "abort" and ``[DONE]``.
+
+No web framework here, and no HTTP error bodies (``prefixserve.protocols`` is above this layer).
 """
 
 from __future__ import annotations
@@ -35,17 +40,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
-from prometheus_client import Counter
-from starlette.types import Message, Send
-
-from prefixserve.entrypoints.openai.engine_thread import EngineLoop
 from prefixserve.outputs import RequestOutput
-from prefixserve.protocols.errors import APIError
 from prefixserve.serving.admission import (
     DEADLINE_REASON,
     AdmissionLimits,
@@ -56,11 +55,14 @@ from prefixserve.serving.admission import (
     retry_after_s,
     start_wait,
 )
+from prefixserve.serving.engine_thread import EngineLoop
 from prefixserve.serving.slot_schedule import slot_wait
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 log = logging.getLogger(__name__)
 
-QUEUE_DELAY_HEADER = "X-Max-Queue-Delay"
 STALL_S = 60.0  # default --stream-stall-timeout
 RETRY_AFTER_MAX_S = 60
 HTTP_REFUSED = "requests_refused_http_total"  # refusals at arrival decided here, not by the engine
@@ -84,24 +86,23 @@ class OverloadSettings:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
 
 
-def queue_deadline(
-    request: Request, max_queue_delay: float | None, arrival: float | None = None
+def deadline_at(
+    asked: str | None, max_queue_delay: float | None, arrival: float | None = None
 ) -> float | None:
-    """The ``time.monotonic()`` by which this request must have started: ``arrival`` (default now: the
-    route's start) plus the smaller of the server's ``max_queue_delay`` and the request's
-    ``X-Max-Queue-Delay`` header; None for neither."""
+    """The ``time.monotonic()`` by which a request must have started: ``arrival`` (default now: the
+    route's start) plus the smaller of the server's ``max_queue_delay`` and the request's own
+    ``asked`` delay (seconds, as the client wrote them; None: it asked none); None for neither.
+    ValueError when ``asked`` is not a number of seconds > 0."""
     arrival = time.monotonic() if arrival is None else arrival
-    raw = request.headers.get(QUEUE_DELAY_HEADER)
     delay = max_queue_delay
-    if raw is not None:
+    if asked is not None:
         try:
-            asked = float(raw)
+            seconds = float(asked)
         except ValueError:
-            asked = math.nan
-        if not (asked > 0 and math.isfinite(asked)):
-            message = f"header {QUEUE_DELAY_HEADER} must be a number of seconds > 0, got {raw[:40]!r}"
-            raise APIError(400, message, param=QUEUE_DELAY_HEADER, code="invalid_value")
-        delay = asked if delay is None else min(delay, asked)
+            seconds = math.nan
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"a queue delay must be a number of seconds > 0, got {asked[:40]!r}")
+        delay = seconds if delay is None else min(delay, seconds)
     return None if delay is None else arrival + delay
 
 
@@ -204,58 +205,25 @@ class ArrivalGate:
         raise QueueFull(f"{why}; retry after {retry} s", retry, bound)
 
 
-def refusal(exc: QueueFull) -> APIError:
-    """A request the queue refused at arrival, as a 429."""
-    code = "queue_timeout" if exc.bound == "deadline" else "queue_full"
-    return APIError(429, exc.message, code=code, headers={"Retry-After": str(exc.retry_after)})
-
-
 def dropped(out: RequestOutput) -> bool:
     """Was this request dropped from the queue for its deadline (before it ran)?"""
     return out.finished and any(c.finish_reason == DEADLINE_REASON for c in out.outputs)
 
 
-def deadline_error(loop: EngineLoop) -> APIError:
-    """A request dropped from the queue for its deadline, as a 429 with the engine's Retry-After."""
+def queue_retry_after(loop: EngineLoop) -> int:
+    """Whole seconds a request dropped from the queue for its deadline should wait before it comes
+    back: the engine's last estimate of the queue's drain time, 1 to ``RETRY_AFTER_MAX_S``."""
     retry = int(loop.snapshot.get("queue_retry_after_seconds", 1))
-    retry = max(1, min(RETRY_AFTER_MAX_S, retry))
-    message = (
-        "the request would not start by its queue deadline (dropped from the queue before it ran); "
-        f"retry after {retry} s"
-    )
-    return APIError(429, message, code="queue_timeout", headers={"Retry-After": str(retry)})
+    return max(1, min(RETRY_AFTER_MAX_S, retry))
 
 
-class WatchedStream(StreamingResponse):
-    """An SSE response that notes when its current write began, for ``StallWatch``."""
+class WatchedWrites(Protocol):
+    """A stream ``StallWatch`` watches: when its pending write began (None: none pending), the engine
+    requests it carries, and whether the watch has stalled it."""
 
-    def __init__(
-        self, body: AsyncIterator[str], ids: list[str], watch: StallWatch | None, headers: dict[str, str]
-    ) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=headers)
-        self.ids = ids
-        self.watch = watch
-        self.writing_since: float | None = None  # loop time the pending write began; None: none pending
-        self.stalled = False
-
-    async def stream_response(self, send: Send) -> None:
-        if self.watch is None:
-            await super().stream_response(send)
-            return
-        clock = asyncio.get_running_loop().time
-
-        async def timed(message: Message) -> None:
-            self.writing_since = clock()
-            try:
-                await send(message)  # waits while the client's socket takes nothing
-            finally:
-                self.writing_since = None
-
-        self.watch.add(self)
-        try:
-            await super().stream_response(timed)
-        finally:
-            self.watch.discard(self)
+    ids: list[str]
+    writing_since: float | None  # the event loop's time
+    stalled: bool
 
 
 class StallWatch:
@@ -266,15 +234,15 @@ class StallWatch:
 
     def __init__(self, loop: EngineLoop, stall_s: float, stalled: Counter) -> None:
         self.loop, self.stall_s, self.stalled = loop, stall_s, stalled
-        self._streams: set[WatchedStream] = set()
+        self._streams: set[WatchedWrites] = set()
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, stream: WatchedStream) -> None:
+    def add(self, stream: WatchedWrites) -> None:
         self._streams.add(stream)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
-    def discard(self, stream: WatchedStream) -> None:
+    def discard(self, stream: WatchedWrites) -> None:
         self._streams.discard(stream)
 
     async def _watch(self) -> None:
@@ -288,7 +256,7 @@ class StallWatch:
                 if since is not None and not stream.stalled and now - since >= self.stall_s:
                     self._abort(stream, now - since)
 
-    def _abort(self, stream: WatchedStream, waited: float) -> None:
+    def _abort(self, stream: WatchedWrites, waited: float) -> None:
         stream.stalled = True
         self.stalled.inc()
         log.warning("a stream's client took nothing for %.1f s: aborting %s", waited, ", ".join(stream.ids))
@@ -296,21 +264,15 @@ class StallWatch:
             self.loop.abort(rid, report=True)  # the KV goes now; the final output waits for the client
 
 
-def sse_response(body: AsyncIterator[str], ids: list[str], watch: StallWatch | None) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return WatchedStream(body, ids, watch, headers)
-
-
 __all__ = [
     "HTTP_REFUSED",
-    "QUEUE_DELAY_HEADER",
+    "RETRY_AFTER_MAX_S",
+    "STALL_S",
     "ArrivalGate",
     "OverloadSettings",
     "StallWatch",
-    "WatchedStream",
-    "deadline_error",
+    "WatchedWrites",
+    "deadline_at",
     "dropped",
-    "queue_deadline",
-    "refusal",
-    "sse_response",
+    "queue_retry_after",
 ]

@@ -56,7 +56,8 @@ class LatencyObserver(Protocol):
     def inter_token(self, seconds: float, count: int) -> None: ...
     def request_done(self, seconds: float) -> None: ...
     def path(self, stage: str, seconds: float) -> None:
-        """One stage of a request's way in or its first token's way out (``metrics.PATH_STAGES``)."""
+        """One stage of a request's way in or its first token's way out (the server's
+        ``metrics.PATH_STAGES``)."""
 
 
 class StreamSink(asyncio.Queue):

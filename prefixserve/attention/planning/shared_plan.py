@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from prefixserve.attention.kernels import shared_gluon
-from prefixserve.attention.kernels.tiles import (
+from prefixserve.attention.planning.tiles import (
     SMEM_LIMIT_HOPPER,
     fit_tiles,
     next_power_of_2,

@@ -19,7 +19,9 @@ from typing import Any, NamedTuple
 import torch
 
 from prefixserve import config
-from prefixserve.attention.kernels import _ptxas, shared_gluon, shared_plan
+from prefixserve.attention import _ptxas
+from prefixserve.attention.kernels import shared_gluon
+from prefixserve.attention.planning import shared_plan
 
 OWN_MAX_N = 32  # query heads of an own tile (padded to 8s: wgmma's N)
 OWN_M = 64  # rows of an own tile: one warpgroup's wgmma M

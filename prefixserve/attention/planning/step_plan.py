@@ -1,6 +1,6 @@
-"""Host work of a step on the Triton path, shared by the eager backend (``triton_backend.py``) and the
-decode graphs (``graph_attention.py``): the shared plan made on the host and moved to the device in one
-asynchronous copy, and the per-step rules (own pack, shared / own sizes).
+"""Host work of a step on the Triton path, shared by the eager backend (``attention/triton_backend.py``)
+and the decode graphs (``attention/graph_attention.py``): the shared plan made on the host and moved to
+the device in one asynchronous copy, and the per-step rules (own pack, shared / own sizes).
 
 Nothing here reads the device: the engine's metadata carries host copies of the block tables and
 lengths, and a blocking copy would wait for the step in flight.
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from prefixserve.attention.kernels.shared_plan import segment_tokens
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.plan import SharedPlan, make_plan
+from prefixserve.attention.planning.plan import SharedPlan, make_plan
+from prefixserve.attention.planning.shared_plan import segment_tokens
 from prefixserve.host_copy import to_device_packed as packed_on_device
 
 if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
-    from prefixserve.attention.kernels.mixed_rule import MixedTiles
+    from prefixserve.attention.planning.mixed_rule import MixedTiles
 
 
 def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -72,9 +72,9 @@ def own_pack_rule(plan: Any, num_seqs: int, shape: tuple[int, int, int, int], bl
     Packed (``decode_pack``) only on own-heavy steps (``own_heavy``) that still give every SM two
     programs: at B=16-64 packing left SMs idle (B=16, P=1K, S=512: 0.033 -> 0.055 ms; docs/kernels.md §2.1).
     """
-    from prefixserve.attention.kernels import tiles
     from prefixserve.attention.kernels.packed_decode import decode_pack
-    from prefixserve.attention.kernels.shared_plan import own_heavy
+    from prefixserve.attention.planning import tiles
+    from prefixserve.attention.planning.shared_plan import own_heavy
 
     q_heads, kv_heads, dim, elt = shape
     group = q_heads // kv_heads
@@ -112,8 +112,8 @@ def plan_step_work(
     ``memo`` keeps the work list, which depends on the segments alone, for later steps of a plan
     carried on (``SharedPlan.derived``); the caller must not change it (the eager path moves its
     items to the device, so it passes none)."""
-    from prefixserve.attention.kernels import mixed_rule
-    from prefixserve.attention.kernels.shared_plan import plan_work_for
+    from prefixserve.attention.planning import mixed_rule
+    from prefixserve.attention.planning.shared_plan import plan_work_for
 
     q_heads, kv_heads, dim = shape
     shared_row_tokens, own_tokens = step_sizes(plan, block_size)

@@ -16,11 +16,11 @@ work is kept to launches:
   * the first layer of a step builds the layout (work list, merge CSR, partial buffers: again one
     asynchronous copy, no device read) and launches through Triton's normal path, recording each
     launch; every later layer ``relaunch``es the recorded launches with its own q / K / V / output,
-    which skips Triton's per-call argument binding (kernels/launch.py);
+    which skips Triton's per-call argument binding (``triton_support/launch.py``);
   * the shared and own kernels run on one stream unless the shared work is large enough for a
     second stream's fork/join (two event waits per layer) to pay (``overlap_min_rows``).
 
-The host planning shared with the decode graphs is ``step_plan.py``'s, the launch paths and their
+The host planning shared with the decode graphs is ``planning/step_plan.py``'s, the launch paths and their
 replay ``step_launch.py``'s. This module imports without Triton so that the backends register; the
 kernels load on first use and raise ImportError with the fix when Triton is missing.
 """
@@ -34,8 +34,17 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
-from prefixserve.attention.decode_plans import DecodePlans
-from prefixserve.attention.kernels.step_launch import (
+from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.planning.decode_plans import DecodePlans
+from prefixserve.attention.planning.step_plan import (
+    host_plan,
+    own_pack_rule,
+    plan_step_work,
+    plan_to_device,
+    seg_rows_host,
+    to_device_packed,
+)
+from prefixserve.attention.step_launch import (
     MERGE,
     PAGED_OUT,
     PAGED_PART,
@@ -45,18 +54,9 @@ from prefixserve.attention.kernels.step_launch import (
     relaunch_layer,
     replay_launches,
 )
-from prefixserve.attention.kernels.step_plan import (
-    host_plan,
-    own_pack_rule,
-    plan_step_work,
-    plan_to_device,
-    seg_rows_host,
-    to_device_packed,
-)
-from prefixserve.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
-    from prefixserve.attention.kernels.mixed_rule import MixedTiles
+    from prefixserve.attention.planning.mixed_rule import MixedTiles
 
 
 @dataclass(slots=True)
@@ -100,7 +100,8 @@ def _seg_rows_on_host(plan: Any, meta: AttentionMetadata) -> np.ndarray:
 
 def _kernels() -> tuple[Any, Any, Any]:
     """The kernel modules (Triton: imported on first use), (paged, shared, mixed rule)."""
-    from prefixserve.attention.kernels import mixed_rule, paged_attention, shared_attention
+    from prefixserve.attention.kernels import paged_attention, shared_attention
+    from prefixserve.attention.planning import mixed_rule
 
     return paged_attention, shared_attention, mixed_rule
 
@@ -135,7 +136,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
         """A decode step for a captured graph: the plain paged kernel (``graph_attention.py``)."""
-        from prefixserve.attention.kernels.graph_attention import paged_graph_step
+        from prefixserve.attention.graph_attention import paged_graph_step
 
         _refuse_modules(meta, self.name)
         step = paged_graph_step(meta, shape, bucket)
@@ -236,7 +237,7 @@ class TritonBackend(TritonPagedBackend):
 
     def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
         """A decode step for a captured graph: shared segments when the batch has any, else paged."""
-        from prefixserve.attention.kernels.graph_attention import shared_graph_step
+        from prefixserve.attention.graph_attention import shared_graph_step
 
         plan = self.decode_plans.plan(meta, host_plan)
         if plan.num_segments == 0:

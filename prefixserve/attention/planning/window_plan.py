@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.plan import SharedPlan
+from prefixserve.attention.planning.plan import SharedPlan
 
 
 @dataclass(slots=True)

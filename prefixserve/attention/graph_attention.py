@@ -22,9 +22,12 @@ import numpy as np
 import torch
 
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity
-from prefixserve.attention.kernels import merge, mixed_rule, paged_attention, shared_attention
-from prefixserve.attention.kernels.shared_plan import ITEM_FIELDS, SharedWork
-from prefixserve.attention.kernels.step_launch import (
+from prefixserve.attention.kernels import merge, paged_attention, shared_attention
+from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.planning import mixed_rule
+from prefixserve.attention.planning.shared_plan import ITEM_FIELDS, SharedWork
+from prefixserve.attention.planning.step_plan import own_pack_rule, plan_step_work
+from prefixserve.attention.step_launch import (
     MERGE,
     PAGED_OUT,
     PAGED_PART,
@@ -33,8 +36,6 @@ from prefixserve.attention.kernels.step_launch import (
     launch_split_path,
     replay_launches,
 )
-from prefixserve.attention.kernels.step_plan import own_pack_rule, plan_step_work
-from prefixserve.attention.metadata import AttentionMetadata
 
 PAGED_BLOCK_N = 64
 MAX_SPLITS = 64
