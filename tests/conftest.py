@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY_CPUS = 2
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -44,6 +45,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # starts once and does not idle beside the other tests; each module keeps its own tests' order.
     on_ray = {item.module for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     items.sort(key=lambda item: getattr(item, "module", None) in on_ray)
+    # Under pytest-xdist's ``--dist loadgroup`` (the README's test command): a module is one work unit
+    # (its module-scoped fixtures made once), and all the Ray modules are one unit, on one worker, so
+    # two Ray clusters never run at once beside the other worker's tests
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            group = "ray" if getattr(item, "module", None) in on_ray else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
