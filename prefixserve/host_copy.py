@@ -12,6 +12,7 @@ the wait is for copies of steps long finished).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,24 +26,29 @@ class _Ring:
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor | None] = [None] * RING
-        self.events: list[torch.cuda.Event | None] = [None] * RING
+        self.events: list[torch.cuda.Event | None] = [None] * RING  # made once a slot, recorded again
         self.next = 0
         self.lock = threading.Lock()
 
-    def stage(self, array: np.ndarray) -> tuple[torch.Tensor, int]:
-        """A page-locked tensor holding ``array``'s values, and its ring slot (for its copy's event)."""
+    def take(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """``nbytes`` of page-locked memory free to write (the copy that last read it has run), and
+        their ring slot (``copied`` records the next copy's event there)."""
         i = self.next
         self.next = (i + 1) % RING
         done = self.events[i]
         if done is not None:
             done.synchronize()
         buf = self.buffers[i]
-        if buf is None or buf.numel() < array.nbytes:
-            size = max(array.nbytes, MIN_BYTES, 2 * (buf.numel() if buf is not None else 0))
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, MIN_BYTES, 2 * (buf.numel() if buf is not None else 0))
             buf = self.buffers[i] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        host = buf[: array.nbytes].view(_torch_dtype(array.dtype)).view(array.shape)
-        np.copyto(host.numpy(), array, casting="no")
-        return host, i
+        return buf[:nbytes], i
+
+    def copied(self, slot: int, device: torch.device) -> None:
+        done = self.events[slot]
+        if done is None:
+            done = self.events[slot] = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
 
 
 _RINGS: dict[int, _Ring] = {}
@@ -56,44 +62,67 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return found
 
 
+def _bytes_to_device(nbytes: int, fill: Callable[[np.ndarray], None], device: torch.device) -> torch.Tensor:
+    """``nbytes`` on ``device`` (uint8), written on the host by ``fill`` (given the bytes as a numpy
+    array) straight into the page-locked buffer the copy reads: one host copy, no wait."""
+    if torch.cuda.is_current_stream_capturing():  # no event waits inside a capture: a one-off buffer
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        fill(raw.numpy())
+        return raw.to(device, non_blocking=True)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ring = _RINGS.get(index)
+    if ring is None:
+        ring = _RINGS.setdefault(index, _Ring())
+    with ring.lock:
+        raw, slot = ring.take(nbytes)
+        fill(raw.numpy())
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        out.copy_(raw, non_blocking=True)
+        ring.copied(slot, device)
+    return out
+
+
 def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """``array`` on ``device``, asynchronously on CUDA (the host goes on at once); elsewhere a tensor
     over the array itself (no copy)."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.from_numpy(array).to(device)
-    array = np.ascontiguousarray(array)
-    if torch.cuda.is_current_stream_capturing():  # no event waits inside a capture: a one-off buffer
-        return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ring = _RINGS.get(index)
-    if ring is None:
-        ring = _RINGS.setdefault(index, _Ring())
-    with ring.lock:
-        host, slot = ring.stage(array)
-        out = torch.empty(array.shape, dtype=host.dtype, device=device)
-        out.copy_(host, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        ring.events[slot] = done
-    return out
+
+    def fill(raw: np.ndarray) -> None:
+        raw.view(array.dtype).reshape(array.shape)[...] = array
+
+    moved = _bytes_to_device(array.nbytes, fill, device)
+    return moved.view(_torch_dtype(array.dtype)).view(array.shape)
 
 
-def to_device_packed(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """Several host arrays on ``device`` in one copy, each in its own dtype and shape. Each starts
-    16-byte aligned in the copy: Triton specialises pointers on that, and a start that moved with the
-    sizes before it would compile a step's kernels again for each new alignment."""
+def to_device_packed(
+    arrays: list[np.ndarray], device: torch.device | str, dtype: np.dtype | type | None = None
+) -> list[torch.Tensor]:
+    """Several host arrays on ``device`` in one copy, each in its own shape and dtype (or all cast to
+    ``dtype``, in the same pass). Each starts 16-byte aligned in the copy: Triton specialises pointers
+    on that, and a start that moved with the sizes before it would compile a step's kernels again for
+    each new alignment."""
+    device = torch.device(device)
+    types = [np.dtype(dtype) if dtype is not None else a.dtype for a in arrays]
     offsets, end = [], 0
-    for a in arrays:
+    for a, t in zip(arrays, types, strict=True):
         offsets.append(end)
-        end += -(-a.nbytes // 16) * 16
-    flat = np.zeros(end, dtype=np.uint8)
-    for a, at in zip(arrays, offsets, strict=True):
-        flat[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    moved = to_device(flat, device)
+        end += -(-a.size * t.itemsize // 16) * 16
+
+    def fill(raw: np.ndarray) -> None:
+        for a, t, at in zip(arrays, types, offsets, strict=True):
+            raw[at : at + a.size * t.itemsize].view(t).reshape(a.shape)[...] = a
+
+    if device.type == "cuda":
+        moved = _bytes_to_device(end, fill, device)
+    else:
+        host = np.zeros(end, dtype=np.uint8)
+        fill(host)
+        moved = torch.from_numpy(host).to(device)
     return [
-        moved[at : at + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
-        for a, at in zip(arrays, offsets, strict=True)
+        moved[at : at + a.size * t.itemsize].view(_torch_dtype(t)).view(a.shape)
+        for a, t, at in zip(arrays, types, offsets, strict=True)
     ]
 
 

@@ -27,8 +27,7 @@ if TYPE_CHECKING:  # annotations only: mixed_rule imports the Gluon kernels
 def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Int host arrays on ``device`` as int32 (what the kernels take) in one asynchronous copy;
     returns 1-d views, in order."""
-    flat = [np.ascontiguousarray(np.ravel(a), dtype=np.int32) for a in arrays]
-    return packed_on_device(flat, device)
+    return packed_on_device([np.ravel(a) for a in arrays], device, np.int32)
 
 
 def host_plan(meta: AttentionMetadata) -> Any:
