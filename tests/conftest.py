@@ -45,9 +45,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # starts once and does not idle beside the other tests; each module keeps its own tests' order.
     on_ray = {item.module for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     items.sort(key=lambda item: getattr(item, "module", None) in on_ray)
-    # Under pytest-xdist's ``--dist loadgroup`` (the README's test command): a module is one work unit
-    # (its module-scoped fixtures made once), and all the Ray modules are one unit, on one worker, so
-    # two Ray clusters never run at once beside the other worker's tests
+    # The Ray modules carry the ``ray`` mark: the README's test command runs them in a pass of their
+    # own after the rest (killed-replica tests failed now and then beside another worker's tests)
+    for item in items:
+        if getattr(item, "module", None) in on_ray:
+            item.add_marker(pytest.mark.ray)
+    # Under pytest-xdist's ``--dist loadgroup`` (the README's first pass): a module is one work unit,
+    # its module-scoped fixtures made once
     if getattr(config.option, "loadgroup", False):
         for item in items:
             group = "ray" if getattr(item, "module", None) in on_ray else item.nodeid.split("::")[0]
