@@ -51,6 +51,8 @@ def test_greedy_tokens_equal_with_the_gpu_kernels(family) -> None:
         assert fast.engine.runner.kv.layout.frees_sliding is not keep
         for _ in range(2):  # the second round: the prefix from the cache
             assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want, keep
+        graphs = fast.engine.graphs  # decode steps replayed from graphs, sliding layers inside them
+        assert graphs is not None and graphs.captures >= 1, keep
         assert_pool_empty(fast)
     hf = hf.cuda()
     ids = prompts[0]["prompt_token_ids"]

@@ -55,6 +55,8 @@ class GraphStep:
     # the same step planned into the capacities of an already captured key, when they can hold it
     # (the returned step's key then equals that key): saves a capture when a batch shrinks a little
     refit: Callable[[tuple[Any, ...]], GraphStep] | None = None
+    # the freeing KV layout: each sliding group's KV write slots of the step's rows ([R, rows] int64)
+    group_slots: np.ndarray | None = None
 
 
 def capacity(n: int, minimum: int = 1) -> int:
@@ -142,6 +144,17 @@ class GraphAttention(AttentionBackend):
         raise NotImplementedError
 
 
+class WindowedGraphAttention(GraphAttention):
+    """A graph attention that also runs sliding-window layers (``window.attend_layer`` sends them to
+    ``window_forward``). In a graph's forward a sliding group's view of the step carries the group's
+    index as its ``plan`` (``worker/cuda_graph.py``)."""
+
+    def window_forward(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class NoAttentionGraph(GraphAttention):
     """The benchmark-only ceiling (attention skipped) under a graph: nothing to load."""
 
@@ -152,4 +165,11 @@ class NoAttentionGraph(GraphAttention):
         return q
 
 
-__all__ = ["GraphAttention", "GraphStep", "HeadShape", "NoAttentionGraph", "capacity"]
+__all__ = [
+    "GraphAttention",
+    "GraphStep",
+    "HeadShape",
+    "NoAttentionGraph",
+    "WindowedGraphAttention",
+    "capacity",
+]

@@ -70,7 +70,7 @@ class AttentionMetadata:
         device = self.block_tables.device
         assert self.query_lens_np is not None and self.seq_lens_np is not None
         q, s, bs = self.query_lens_np, self.seq_lens_np, self.block_size
-        slots = np.stack([_write_slots(t, q, s, bs, base) for t in tables])  # [R, T]
+        slots = np.stack([write_slots(t, q, s, bs, base) for t in tables])  # [R, T]
         tables_d, slots_d, base_d = to_device_packed([tables, slots, base.astype(np.int32)], device)
         n_blocks = -(-s // bs)
         self.group_metas = tuple(
@@ -203,7 +203,7 @@ def build_metadata(
         host_rows = block_tables
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(q, out=starts[1:])
-    slots = _write_slots(tables, q, s, block_size)
+    slots = write_slots(tables, q, s, block_size)
     host = [starts.astype(np.int32), s.astype(np.int32), tables, slots]
     if torch.device(device).type == "cuda":  # one copy for the four
         starts_d, seq_lens_d, tables_d, slots_d = to_device_packed(host, device)
@@ -225,7 +225,7 @@ def build_metadata(
     )
 
 
-def _write_slots(
+def write_slots(
     tables: np.ndarray, q: np.ndarray, s: np.ndarray, block_size: int, base: np.ndarray | None = None
 ) -> np.ndarray:
     """[T] int64 write slots of the new tokens: token j of sequence i sits at cache index

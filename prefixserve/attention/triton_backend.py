@@ -240,6 +240,7 @@ class TritonBackend(TritonPagedBackend):
         from prefixserve.attention.graph_attention import shared_graph_step
 
         plan = self.decode_plans.plan(meta, host_plan)
+        meta.plan = plan  # the host plan: sliding layers' window plans follow it (window_graph.py)
         if plan.num_segments == 0:
             return super().graph_step(meta, shape, bucket)
         step = shared_graph_step(meta, plan, shape, bucket)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from prefixserve.attention.graph import WindowedGraphAttention
 from prefixserve.attention.merge import scatter_merge_
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.window_plan import WindowPlan, window_plan
@@ -33,6 +34,8 @@ def attend_layer(
     longest sequence outgrows, attention within the window. A window that covers every sequence masks
     nothing, so the layer keeps the backend's shared-segment path, unless the layer reads a sliding
     group's pages (the backend's plan names the block table's)."""
+    if window is not None and isinstance(backend, WindowedGraphAttention):  # inside a decode graph
+        return backend.window_forward(q, k_cache, v_cache, meta, scale, window)
     if window is None or (window >= meta.max_seq_len and meta.full is None):
         return backend.forward(q, k_cache, v_cache, meta, scale)
     return window_attention(q, k_cache, v_cache, meta, scale, window)

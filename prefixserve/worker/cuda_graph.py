@@ -3,8 +3,9 @@
 An eager decode step of a 32-layer model is hundreds of kernel launches, and at small and middle batch
 sizes the host cannot issue them as fast as the GPU runs them. A captured graph issues the whole
 forward pass in one call. What changes from step to step enters through fixed device buffers:
-  * token ids, positions and KV write slots of the bucket's rows (``inputs``); padding rows write their
-    K/V to the cache's scratch slot and their outputs are ignored;
+  * token ids, positions and KV write slots of the bucket's rows (``inputs``; under the freeing KV
+    layout each sliding group's write slots too); padding rows write their K/V to the cache's scratch
+    slot and their outputs are ignored;
   * the attention's per-step plan (``GraphAttention.load``: block tables, segment work list, merge CSR).
 Graphs are captured lazily the first time a key is met (a warm-up forward, the capture, a replay),
 into one shared memory pool. Prefill and mixed steps, and batches above the largest bucket, run
@@ -16,7 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, HostStaging
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
+from prefixserve.model.config import SLIDING, ModelConfig
 from prefixserve.worker.graph_capture import capture_into
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,19 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 HOLD_STEPS = 32  # steps a shrunken batch keeps its larger bucket before its own graph is captured
+
+
+def graph_refusal(config: ModelConfig) -> str | None:
+    """Why this model's decode steps cannot run in a captured graph (None: they can). A graph holds
+    one attention shape and, with sliding layers, one window."""
+    n = config.num_hidden_layers
+    shapes = {config.layer_kv_shape(i) for i in range(n)}
+    if shapes != {(config.num_key_value_heads, config.head_dim)}:
+        return "its layers' KV heads or head sizes differ"
+    windows = {config.layer_spec(i).window for i in range(n) if config.layer_type(i) == SLIDING}
+    if len(windows) > 1:
+        return "its sliding layers' windows differ"
+    return None
 
 
 class GraphCaptureError(RuntimeError):
@@ -68,9 +83,12 @@ class DecodeGraphs:
         )
         self.buckets = batch_buckets(max_batch)
         cap = self.buckets[-1]
-        # rows: token ids, positions, KV write slots (int64: what embedding and index_copy_ take)
-        self.inputs = torch.zeros(3, cap, dtype=torch.long, device=self.device)
-        self._staging = HostStaging((3, cap), torch.long)
+        # rows: token ids, positions, KV write slots, each sliding group's write slots under the
+        # freeing layout (int64: what embedding and index_copy_ take)
+        self.layer_groups = kv.layout.group_of if kv.layout.frees_sliding else ()
+        rows = 3 + kv.layout.sliding_groups
+        self.inputs = torch.zeros(rows, cap, dtype=torch.long, device=self.device)
+        self._staging = HostStaging((rows, cap), torch.long)
         self.graphs: dict[tuple[Any, ...], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
@@ -127,8 +145,10 @@ class DecodeGraphs:
         pinned = self._staging.next()
         host = pinned.numpy()
         host[0, :rows], host[1, :rows], host[2, :rows] = ids, positions, slots
+        if step.group_slots is not None:
+            host[3:, :rows] = step.group_slots
         host[0, rows:bucket] = host[1, rows:bucket] = 0
-        host[2, rows:bucket] = self.kv.scratch_slot
+        host[2:, rows:bucket] = self.kv.scratch_slot
         self.inputs.copy_(pinned, non_blocking=True)
         if feed is not None:
             feed.apply(self.inputs[0])
@@ -164,6 +184,12 @@ class DecodeGraphs:
             seq_lens_host=[],
             block_tables_host=[],
         )
+        if self.layer_groups:  # each sliding group's view: its write slots, its index as the plan
+            views = (
+                replace(meta, slot_mapping=self.inputs[3 + g, :bucket], plan=g)
+                for g in range(len(self.inputs) - 3)
+            )
+            meta.group_metas, meta.layer_groups = tuple(views), self.layer_groups
         return self.model(self.inputs[0, :bucket], self.inputs[1, :bucket], self.kv.layers, meta, attention)
 
     def _capture(self, step: GraphStep, bucket: int) -> _Captured:
@@ -187,4 +213,4 @@ class DecodeGraphs:
         return entry
 
 
-__all__ = ["DecodeGraphs", "GraphCaptureError", "batch_buckets"]
+__all__ = ["DecodeGraphs", "GraphCaptureError", "batch_buckets", "graph_refusal"]

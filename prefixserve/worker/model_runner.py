@@ -29,6 +29,7 @@ import torch
 
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
+from prefixserve.attention.window_graph import window_graph_step
 from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
 from prefixserve.kv.cache import KVCache, blocks_for_budget
@@ -48,7 +49,7 @@ from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only
 from prefixserve.sampling.token_ban import TokenBan
 from prefixserve.worker import cpu_malloc
 from prefixserve.worker.argmax_graph import ArgmaxGraphs
-from prefixserve.worker.cuda_graph import DecodeGraphs, GraphCaptureError
+from prefixserve.worker.cuda_graph import DecodeGraphs, GraphCaptureError, graph_refusal
 from prefixserve.worker.piecewise_graph import PiecewiseGraphs
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class StepBatch:
     meta: AttentionMetadata
     graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
     batch_id: int = 0  # tensor parallelism: which of the workers' plans this is (``TensorParallelRunner``)
+    group_tables: tuple[np.ndarray, np.ndarray] | None = None  # the freeing layout's sliding pages
 
 
 @dataclass(slots=True)
@@ -154,10 +156,14 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None  # eager steps' dense work (prefills, mixed steps)
         if self.device.type == "cuda" and not config.enforce_eager:
-            # sliding-window layers attend between the pieces (window.py), not inside a decode graph
-            if not model.config.has_sliding_layers:
+            refusal = graph_refusal(model.config)
+            if refusal is None:
                 self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
+            else:  # decode steps run the piecewise graphs, attention between them
+                log.info("no decode CUDA graphs: %s", refusal)
             self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
+        # the sliding layers' window, which decode graphs attend within (window_graph.py)
+        self.window = model.config.sliding_window if model.config.has_sliding_layers else None
         self.argmax_graphs: ArgmaxGraphs | None = None  # the sharded argmax, under tensor parallelism
         if self.graphs is not None and self.shard.parallel:
             self.argmax_graphs = ArgmaxGraphs(self.model.compute_argmax, self.graphs.pool)
@@ -230,15 +236,18 @@ class ModelRunner:
             if bucket is not None:
                 meta = build_metadata(bs, query_lens, seq_lens, tables, "cpu", module_rows)  # host-only
                 step = self.backend.graph_step(meta, self.graphs.shape, bucket)
+                if step is None:
+                    log.info("attention backend %r has no CUDA-graph path: eager steps", self.backend.name)
+                    self.graphs = None
+                elif self.window is not None:  # None: this step runs eagerly
+                    step = window_graph_step(meta, step, self.graphs.shape, bucket, self.window, group_tables)
                 if step is not None:
-                    return StepBatch(positions, meta, step)
-                log.info("attention backend %r has no CUDA-graph path; running eagerly", self.backend.name)
-                self.graphs = None
+                    return StepBatch(positions, meta, step, group_tables=group_tables)
         meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
         if group_tables is not None:
             meta.with_groups(*group_tables, self.layout.group_of)
         self.backend.prepare(meta)
-        return StepBatch(positions, meta, None)
+        return StepBatch(positions, meta, None, group_tables=group_tables)
 
     # ---- launching -----------------------------------------------------------------------------
     def forward(
@@ -292,6 +301,8 @@ class ModelRunner:
                     self.device,
                     meta.module_rows,
                 )
+                if batch.group_tables is not None:
+                    batch.meta.with_groups(*batch.group_tables, self.layout.group_of)
                 self.backend.prepare(batch.meta)
         if self.pieces is not None and self.pieces.fits(len(ids)):
             return self.pieces.run(ids, batch.positions, batch.meta, self.backend, feed, before_layer), None

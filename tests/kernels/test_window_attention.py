@@ -268,4 +268,4 @@ def test_sliding_groups_share_one_recorded_plan_with_their_own_pages(contiguous:
             got = window_shared_attention(q, k, v, view, plans[g], 0.3, window)
             assert rel_err(got, ref) < 1e-5, (g, _round)
     (layout,) = plans[0].derived.values()  # one layout for the three groups
-    assert layout["groups"] is not None and len(layout["groups"]) == groups
+    assert layout.groups is not None and len(layout.groups) == groups

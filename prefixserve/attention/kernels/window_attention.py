@@ -15,14 +15,15 @@ kernel folds with the shared kernel's.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 import torch
 
 from prefixserve.attention.kernels.attend import attend_range, finish_rows
 from prefixserve.attention.kernels.shared_attention import launch_shared
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.attention.planning.shared_plan import ITEM_FIELDS, plan_shared_work
+from prefixserve.attention.planning.shared_plan import ITEM_FIELDS
 from prefixserve.attention.planning.step_plan import to_device_packed
 from prefixserve.attention.planning.tiles import (
     LOG2E,
@@ -31,6 +32,7 @@ from prefixserve.attention.planning.tiles import (
     interpreter_upcast,
     next_power_of_2,
 )
+from prefixserve.attention.planning.window_work import window_work
 from prefixserve.attention.step_launch import csr_merge, launch_split_path, replay_launches
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
@@ -134,11 +136,36 @@ def _window_kernel(
 _bound = BoundKernel(_window_kernel)  # every sliding layer of a step: Triton's launch cost paid once
 
 
+@dataclass(slots=True)
+class WalkInputs:
+    """What the window walk reads of a step besides q, K and V (the step's metadata eagerly, a decode
+    graph's buffers in one)."""
+
+    tables: torch.Tensor  # [S, K] int32: block ids (from column ``table_base[s]`` on, if given)
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S+1] int32
+    table_base: torch.Tensor | None  # [S] int32, or None: column c is block c
+    num_seqs: int
+    longest_query: int
+
+
+def walk_inputs(meta: AttentionMetadata) -> WalkInputs:
+    q_lens = meta.query_lens_np if meta.query_lens_np is not None else meta.query_lens_host
+    return WalkInputs(
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.table_base,
+        meta.num_seqs,
+        int(max(q_lens)),
+    )
+
+
 def _launch_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    walk: WalkInputs,
     scale: float,
     window: int,
     skip: tuple[torch.Tensor, torch.Tensor] | None,
@@ -147,18 +174,17 @@ def _launch_args(
     """The window kernel's grid, arguments and constexprs (q, k_cache, v_cache at 0-2, o at 3)."""
     q_heads, kv_heads, dim, block_size = check_cache(q, k_cache, v_cache)
     group = q_heads // kv_heads
-    q_lens = meta.query_lens_np if meta.query_lens_np is not None else meta.query_lens_host
-    longest = int(max(q_lens))
+    longest = walk.longest_query
     block_m = max(16, next_power_of_2(group * min(longest, max(1, 64 // group))))
     # K and V tiles of BLOCK_N x head_dim: wide heads (Gemma's 256) take half the keys a tile
     block_n = 32 if q.element_size() == 4 or dim > 128 else 64
     q_tiles = -(-longest // max(1, block_m // group))
     o, lse = out
-    tables = meta.block_tables
-    skip_lo, skip_hi = skip if skip is not None else (meta.seq_lens, meta.seq_lens)
-    base = meta.table_base if meta.table_base is not None else meta.seq_lens
+    tables = walk.tables
+    skip_lo, skip_hi = skip if skip is not None else (walk.seq_lens, walk.seq_lens)
+    base = walk.table_base if walk.table_base is not None else walk.seq_lens
     args = (
-        q, k_cache, v_cache, o, lse if lse is not None else o, tables, meta.seq_lens, meta.query_start_loc,
+        q, k_cache, v_cache, o, lse if lse is not None else o, tables, walk.seq_lens, walk.query_start_loc,
         skip_lo, skip_hi, base, scale * LOG2E, q_tiles, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
@@ -173,12 +199,21 @@ def _launch_args(
         "DOT_PREC": dot_precision(q.dtype),
         "UPCAST": interpreter_upcast(q.dtype),
         "SKIP": skip is not None,
-        "BASE": meta.table_base is not None,
+        "BASE": walk.table_base is not None,
         # two stages: 95 us against 112 us at three (a decode walk of Gemma-3-12B's shape, B=256,
         # H200; benchmarks/probes/window_tiles.py): the walks are short, a third buffer only waits
         "num_stages": 2,
     }
-    return (meta.num_seqs * q_tiles, kv_heads), args, kw
+    return (walk.num_seqs * q_tiles, kv_heads), args, kw
+
+
+def launch_walk(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, walk: WalkInputs, scale: float,
+    window: int, out: torch.Tensor,
+) -> Launch:  # fmt: skip
+    """Every row's walk over its whole window, straight into ``out``; recorded for relaunches."""
+    grid, args, kw = _launch_args(q, k_cache, v_cache, walk, scale, window, None, (out, None))
+    return record(_window_kernel, grid, args, kw, _window_kernel[grid](*args, **kw))
 
 
 def window_attention(
@@ -191,9 +226,74 @@ def window_attention(
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of every query row within its window (``attention/window.py`` says the rule)."""
     out = torch.empty_like(q)
-    grid, args, kw = _launch_args(q, k_cache, v_cache, meta, scale, window, None, (out, None))
+    grid, args, kw = _launch_args(q, k_cache, v_cache, walk_inputs(meta), scale, window, None, (out, None))
     _bound(grid, *args, **kw)
     return out
+
+
+@dataclass(slots=True)
+class WindowLaunches:
+    """A step's lists and partials on the device for one window plan, and the launches recorded over
+    them: the walk, the shared kernel and the merge (made by the step's first sliding layer, replayed
+    by the others; in a decode graph, made once per captured key). A walk alone (no kept segment)
+    has no lists or partials."""
+
+    slots_at: int  # walk slots before the shared kernel's: the merge's rows
+    segments: tuple[Any, ...] = ()  # (blocks, starts, rows, work); a group's blocks and work replace 0, 3
+    skip: tuple[torch.Tensor, torch.Tensor] | None = None  # [rows] int32 each
+    row_ptr: torch.Tensor | None = None
+    part_idx: torch.Tensor | None = None
+    o_part: torch.Tensor | None = None  # [slots_at + shared slots, Hq, D] fp32
+    lse_part: torch.Tensor | None = None
+    # per sliding group under the freeing KV layout: its "tables", "blocks", "items" and "work"
+    groups: list[dict[str, Any]] | None = None
+    launches: list[Any] = field(default_factory=list)
+    group_args: list[list[tuple[int, str]]] = field(default_factory=list)
+    signature: tuple[Any, ...] = ()
+
+
+GROUP_ARRAYS = ("tables", "blocks", "items")  # what differs between the sliding groups' launches
+SOLO = "solo"
+
+
+def launch_window_path(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, walk: WalkInputs, lay: WindowLaunches,
+    group: dict[str, Any] | None, scale: float, window: int, out: torch.Tensor,
+) -> None:  # fmt: skip
+    """Launch the walk (skipping each row's shared run), the shared kernel and the merge through
+    Triton's normal path, and record them in ``lay`` with where each holds a group's arrays."""
+    o_part, lse_part, at = lay.o_part, lay.lse_part, lay.slots_at
+    segments = lay.segments if group is None else (group["blocks"], *lay.segments[1:3], group["work"])
+    if group is not None:
+        walk = dataclasses.replace(walk, tables=group["tables"])
+
+    def walk_launch() -> Launch:
+        grid, args, kw = _launch_args(q, k_cache, v_cache, walk, scale, window, lay.skip, (o_part, lse_part))
+        return record(_window_kernel, grid, args, kw, _window_kernel[grid](*args, **kw))
+
+    def shared() -> Launch | None:
+        return launch_shared(q, k_cache, v_cache, *segments, scale, o_part[at:], lse_part[at:])
+
+    merge = csr_merge(o_part, lse_part, at, lay.row_ptr, lay.part_idx, out)
+    lay.launches = launch_split_path(shared, walk_launch, merge, None)
+    lay.group_args = []
+    if group is not None:  # where each launch holds this group's arrays: swapped per group later
+        mine = {id(group[name]): name for name in GROUP_ARRAYS if name in group}
+        lay.group_args = [
+            [(i, mine[id(a)]) for i, a in enumerate(launch.args) if id(a) in mine]
+            for launch, _, _ in lay.launches
+        ]
+
+
+def replay_window_path(lay: WindowLaunches, tensors: tuple[torch.Tensor, ...], group: dict | None) -> None:
+    """Replay the recorded launches with this layer's (q, K, V, out) and, for a sliding group, its
+    group's tables, segment blocks and work items."""
+    if group is None:
+        replay_launches(lay.launches, tensors, None)
+        return
+    for (launch, pos, _), swaps in zip(lay.launches, lay.group_args, strict=True):
+        mine = [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0]
+        relaunch(launch, mine + [(i, group[name]) for i, name in swaps])
 
 
 def window_shared_attention(
@@ -210,129 +310,64 @@ def window_shared_attention(
     LSE. The step's first sliding layer launches through Triton and records; the others relaunch the
     records with their own q, K, V and output (``step_launch.replay_launches``), as the full layers'
     shared path does."""
-    tokens, q_heads, dim = q.shape
+    _tokens, q_heads, dim = q.shape
     key = (q_heads, k_cache.shape[2], dim, q.dtype, q.device)
     lay = plan.derived.get(key)
     if lay is SOLO:  # the groups' work lists differ: each group plans alone
         key = (key, plan.group)
         lay = plan.derived.get(key)
     if lay is None:
-        lay = _layout(q, k_cache, plan)
-        if plan.groups and lay["groups"] is None:
+        lay = _layout(q, k_cache, plan, family=True)
+        if lay is None:
             plan.derived[key] = SOLO
             key = (key, plan.group)
+            lay = _layout(q, k_cache, plan, family=False)
         plan.derived[key] = lay
-    group = lay["groups"][plan.group] if lay["groups"] is not None else None
+    group = lay.groups[plan.group] if lay.groups is not None else None
     if group is not None:  # a sliding group under the freeing KV layout: its own pages' arrays
         group.setdefault("tables", meta.block_tables)
     out = torch.empty_like(q)
     sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), scale, window)
-    if lay.get("signature") == sig:
-        _replay(lay, (q, k_cache, v_cache, out), group)
+    if lay.signature == sig:
+        replay_window_path(lay, (q, k_cache, v_cache, out), group)
         return out
-    o_part, lse_part = lay["o_part"], lay["lse_part"]
-    segments = lay["segments"] if group is None else (group["blocks"], *lay["segments"][1:3], group["work"])
-
-    def walk() -> Launch:
-        grid, args, kw = _launch_args(
-            q, k_cache, v_cache, meta, scale, window, lay["skip"], (o_part, lse_part)
-        )
-        return record(_window_kernel, grid, args, kw, _window_kernel[grid](*args, **kw))
-
-    def shared() -> Launch | None:
-        return launch_shared(q, k_cache, v_cache, *segments, scale, o_part[tokens:], lse_part[tokens:])
-
-    merge = csr_merge(o_part, lse_part, tokens, lay["row_ptr"], lay["part_idx"], out)
-    lay["launches"] = launch_split_path(shared, walk, merge, None)
-    lay["signature"] = sig
-    if group is not None:  # where each launch holds this group's arrays: swapped per group later
-        mine = {id(group[name]): name for name in GROUP_ARRAYS}
-        lay["group_args"] = [
-            [(i, mine[id(a)]) for i, a in enumerate(launch.args) if id(a) in mine]
-            for launch, _, _ in lay["launches"]
-        ]
+    launch_window_path(q, k_cache, v_cache, walk_inputs(meta), lay, group, scale, window, out)
+    lay.signature = sig
     return out
 
 
-GROUP_ARRAYS = ("tables", "blocks", "items")  # what differs between the sliding groups' launches
-SOLO = "solo"
-
-
-def _replay(lay: dict, tensors: tuple[torch.Tensor, ...], group: dict | None) -> None:
-    """Replay the step's recorded launches with this layer's tensors and, for a sliding group, its
-    group's tables, segment blocks and work items."""
-    if group is None:
-        replay_launches(lay["launches"], tensors, None)
-        return
-    for (launch, pos, _), swaps in zip(lay["launches"], lay["group_args"], strict=True):
-        mine = [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0]
-        relaunch(launch, mine + [(i, group[name]) for i, name in swaps])
-
-
-def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object) -> dict[str, object]:
-    """A step's launch layout of one plan (made by its first sliding layer, used by every one): the
-    shared kernel's work list, the merge CSR (row t's walk in slot t, the shared kernel's slots after),
-    the partials' buffers, and every int array on the device in one asynchronous copy (a blocking copy
-    would wait for the step in flight, where launch-ahead has the host a step ahead)."""
+def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object, family: bool) -> WindowLaunches | None:
+    """A step's launch layout of one plan (made by its first sliding layer, used by every one), with
+    every int array on the device in one asynchronous copy (a blocking copy would wait for the step
+    in flight, where launch-ahead has the host a step ahead); None where ``family`` and the groups
+    must plan alone (``window_work``)."""
     tokens, q_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
-    work = plan_shared_work(
-        plan.seg_row_start,
-        plan.seg_num_tokens,
-        kv_heads,
-        q_heads // kv_heads,
-        q.device,
-        head_dim=dim,
-        dtype=q.dtype,
-        items_on_host=True,
-        seg_blocks=plan.seg_blocks,
-        seg_block_start=plan.seg_block_start,
-        block_size=k_cache.shape[1],
-    )
-    owner = plan.seg_rows[work.slot_row_index.numpy()].astype(np.int64)
-    parts = np.concatenate([np.arange(tokens), owner])
-    row_ptr = np.zeros(tokens + 1, dtype=np.int64)
-    np.cumsum(np.bincount(parts, minlength=tokens), out=row_ptr[1:])
-    host = [plan.seg_blocks, np.asarray(plan.seg_block_start), plan.seg_rows, plan.skip_lo, plan.skip_hi]
-    host += [work.items.numpy(), row_ptr, np.argsort(parts, kind="stable")]
-    family = _group_items(plan, work, k_cache.shape[1]) if plan.groups else None
-    for blocks_g, items_g in family or ():
+    made = window_work(plan, tokens, q_heads, kv_heads, dim, q.dtype, q.device, k_cache.shape[1], family)
+    if made is None:
+        return None
+    host = [made.seg_blocks, made.seg_block_start, made.seg_rows, made.skip_lo, made.skip_hi]
+    host += [made.items, made.row_ptr, made.part_idx]
+    for blocks_g, items_g in made.groups or ():
         host += [blocks_g, items_g]
     moved = to_device_packed(host, q.device)
-    blocks, block_start, rows, skip_lo, skip_hi, items, row_ptr_d, part_idx = moved[:8]
-    work = dataclasses.replace(work, items=items.view(-1, ITEM_FIELDS))
+    blocks, block_start, rows, skip_lo, skip_hi, items, row_ptr, part_idx = moved[:8]
+    work = dataclasses.replace(made.work, items=items.view(-1, ITEM_FIELDS))
     groups = None
-    if family is not None:
+    if made.groups is not None:
         groups = []
         for b, i in zip(moved[8::2], moved[9::2], strict=True):
             mine = dataclasses.replace(work, items=i.view(-1, ITEM_FIELDS))
             groups.append({"blocks": b, "items": mine.items, "work": mine})
+    slots = tokens + work.num_slots
     f32 = {"dtype": torch.float32, "device": q.device}
-    return {
-        "segments": (blocks, block_start, rows, work),
-        "skip": (skip_lo, skip_hi),
-        "row_ptr": row_ptr_d,
-        "part_idx": part_idx,
-        "o_part": torch.empty(tokens + work.num_slots, q_heads, dim, **f32),
-        "lse_part": torch.empty(tokens + work.num_slots, q_heads, **f32),
-        "groups": groups,
-    }
-
-
-def _group_items(plan: object, work: object, block_size: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """Each sliding group's segment blocks and work items (the items name the first cache row of a
-    contiguous segment, which is the group's own), or None where a group's segments break into runs
-    where another's do not (its work list would differ: each group then plans alone)."""
-    from prefixserve.attention.planning.shared_plan import contiguous_first_rows
-
-    items = work.items.numpy()
-    firsts = [contiguous_first_rows(p.seg_blocks, p.seg_block_start, block_size) for p in plan.groups]
-    if any(((f >= 0) != (firsts[0] >= 0)).any() for f in firsts):
-        return None
-    out = []
-    for p, first in zip(plan.groups, firsts, strict=True):
-        mine = items.copy()
-        row = first[mine[:, 0]]
-        mine[:, 6] = np.where((row >= 0) & (mine[:, 6] >= 0), row + mine[:, 3], -1)
-        out.append((p.seg_blocks, mine))
-    return out
+    return WindowLaunches(
+        segments=(blocks, block_start, rows, work),
+        skip=(skip_lo, skip_hi),
+        row_ptr=row_ptr,
+        part_idx=part_idx,
+        o_part=torch.empty(slots, q_heads, dim, **f32),
+        lse_part=torch.empty(slots, q_heads, **f32),
+        slots_at=tokens,
+        groups=groups,
+    )

@@ -80,7 +80,10 @@ def window_plan(meta: AttentionMetadata, window: int) -> WindowPlan | None:
     if meta.full is not None:  # a sliding group's view: the step's plan, on each group's pages
         base = window_plan(meta.full, window)
         views = meta.full.group_metas
-        plans = on_every_group(base, views) if base is not None else [None] * len(views)
+        if base is None:
+            plans: list[WindowPlan | None] = [None] * len(views)
+        else:
+            plans = on_every_group(base, [v.block_tables_np for v in views], views[0].table_base_np)
         for view, plan in zip(views, plans, strict=True):
             view.window_plans[window] = plan
         return meta.window_plans[window]
@@ -91,10 +94,11 @@ def window_plan(meta: AttentionMetadata, window: int) -> WindowPlan | None:
     return made
 
 
-def on_every_group(plan: WindowPlan, views: tuple[AttentionMetadata, ...]) -> list[WindowPlan]:
-    """``plan`` on each sliding group's pages (``on_pages``), linked as one family."""
+def on_every_group(plan: WindowPlan, tables: list[np.ndarray], base: np.ndarray | None) -> list[WindowPlan]:
+    """``plan`` on each sliding group's pages (``on_pages``: group g's ``tables[g]``, every group's
+    rows from block ``base[s]`` on), linked as one family."""
     derived: dict[Any, Any] = {}
-    plans = [on_pages(plan, v.block_tables_np, v.table_base_np) for v in views]
+    plans = [on_pages(plan, t, base) for t in tables]
     family = tuple(dataclasses.replace(p, group=g, derived=derived) for g, p in enumerate(plans))
     for p in family:
         p.groups = family
