@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--skip", type=int, default=896, help="keys of the shared run inside each window")
     ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--first", type=int, default=64, help="keys each row walks before the shared run")
     args = ap.parse_args()
     from benchmarks.harness.timing import bench_ms, measure_ceilings
     from prefixserve.attention.kernels import window_attention as wa
@@ -47,32 +48,34 @@ def main() -> None:
     meta = build_metadata(bs, [1] * b, [n] * b, tables, dev)
     q = torch.randn(b, 2 * kvh, d, device=dev, dtype=torch.bfloat16)
     lo = n - w
-    skip_lo = torch.full((b,), lo + 64, dtype=torch.int32, device=dev)  # the walk's part before the run
-    skip_hi = torch.full((b,), lo + 64 + args.skip, dtype=torch.int32, device=dev)
+    skip_lo = torch.full((b,), lo + args.first, dtype=torch.int32, device=dev)  # the walk before the run
+    skip_hi = torch.full((b,), lo + args.first + args.skip, dtype=torch.int32, device=dev)
     walked = w - args.skip  # keys each row walks
     kv_bytes = b * walked * kvh * d * 2 * 2
     o_part = torch.empty(b, 2 * kvh, d, device=dev, dtype=torch.float32)
     lse = torch.empty(b, 2 * kvh, device=dev, dtype=torch.float32)
-    grid, base_args, kw = wa._launch_args(q, k, v, meta, d**-0.5, w, (skip_lo, skip_hi), (o_part, lse))
+    walk = wa.walk_inputs(meta)
+    grid, base_args, kw = wa._launch_args(q, k, v, walk, d**-0.5, w, (skip_lo, skip_hi), (o_part, lse))
     wa._window_kernel[grid](*base_args, **kw)
     want = o_part.clone()
     shipped_us = bench_ms(lambda: wa._window_kernel[grid](*base_args, **kw)) * 1e3
     rows = []
-    for block_n, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3, 4)):
-        cfg = {**kw, "BLOCK_N": block_n}
+    for block_n, warps, stages, one_loop in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3, 4), (0, 1)):
+        cfg = {**kw, "BLOCK_N": block_n, "ONE_LOOP": bool(one_loop)}
         try:
             o_part.zero_()
             wa._window_kernel[grid](*base_args, **cfg, num_warps=warps, num_stages=stages)
             torch.cuda.synchronize()
         except Exception as e:  # out of shared memory / registers: not a candidate
-            rows.append({"BLOCK_N": block_n, "warps": warps, "stages": stages, "error": type(e).__name__})
+            rows.append({"BLOCK_N": block_n, "warps": warps, "stages": stages, "one_loop": one_loop,
+                         "error": type(e).__name__})  # fmt: skip
             continue
         ok = bool(torch.allclose(o_part, want, atol=2e-2, rtol=2e-2))
         ms = bench_ms(lambda: wa._window_kernel[grid](*base_args, **cfg, num_warps=warps, num_stages=stages))  # noqa: B023
         tbps = kv_bytes / (ms * 1e-3) / 1e12
         rows.append(
-            {"BLOCK_N": block_n, "warps": warps, "stages": stages, "us": ms * 1e3, "TBps": tbps,
-             "of_copy": tbps / copy_tbps, "matches": ok}
+            {"BLOCK_N": block_n, "warps": warps, "stages": stages, "one_loop": one_loop, "us": ms * 1e3,
+             "TBps": tbps, "of_copy": tbps / copy_tbps, "matches": ok}
         )  # fmt: skip
     shipped = {
         "BLOCK_N": kw["BLOCK_N"],
@@ -84,10 +87,10 @@ def main() -> None:
     dest.write_text(json.dumps(out, indent=1))
     good = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     print(f"copy {copy_tbps:.2f} TB/s; {kv_bytes / 1e6:.0f} MB walked per call; shipped {shipped}")
-    print("| BLOCK_N | warps | stages | us | TB/s | of copy | matches |")
-    for r in good[:12]:
-        print(f"| {r['BLOCK_N']} | {r['warps']} | {r['stages']} | {r['us']:.1f} | {r['TBps']:.2f} "
-              f"| {r['of_copy']:.2f} | {r['matches']} |")  # fmt: skip
+    print("| BLOCK_N | warps | stages | one loop | us | TB/s | of copy | matches |")
+    for r in good[:16]:
+        print(f"| {r['BLOCK_N']} | {r['warps']} | {r['stages']} | {r['one_loop']} | {r['us']:.1f} "
+              f"| {r['TBps']:.2f} | {r['of_copy']:.2f} | {r['matches']} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -79,34 +79,70 @@ def attend_range(
     ``STAGES`` overrides the kernel's pipelining depth for this loop (None: the kernel's): a loop of at
     most one tile gains nothing from it, and its buffers would take shared memory from the main loop.
     """
+    for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=STAGES):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, table_ptr, start, kv_hi, limit, qk_scale, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, MASKED, lower, WINDOWED,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_tile(
+    q, m_i, l_i, acc, k_base, v_base, table_ptr, start, kv_hi, limit, qk_scale, stride_kb, stride_kt,
+    stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr, lower, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    """One KV tile, tokens [start, start + BLOCK_N) less those at or past kv_hi (``attend_range``'s step)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=STAGES):
-        n = start + offs_n
-        if MASKED:
-            n_ok = n < kv_hi
-            blk = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        else:
-            blk = tl.load(table_ptr + n // BLOCK_SIZE).to(tl.int64)
-        within = (n % BLOCK_SIZE).to(tl.int64)
-        k_ptrs = k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :]
-        if MASKED:  # noqa: SIM108 (a constexpr branch: no masks compiled in)
-            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        s = qk_scores(q, k, DOT_PREC, UPCAST)
-        if MASKED:
-            visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
-            if WINDOWED:
-                visible = visible & (n[None, :] >= lower[:, None])
-            s = tl.where(visible, s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
-        v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]
-        if MASKED:  # noqa: SIM108
-            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
+    n = start + offs_n
+    if MASKED:
+        n_ok = n < kv_hi
+        blk = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table_ptr + n // BLOCK_SIZE).to(tl.int64)
+    within = (n % BLOCK_SIZE).to(tl.int64)
+    k_ptrs = k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :]
+    if MASKED:  # noqa: SIM108 (a constexpr branch: no masks compiled in)
+        k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = qk_scores(q, k, DOT_PREC, UPCAST)
+    if MASKED:
+        visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
+        if WINDOWED:
+            visible = visible & (n[None, :] >= lower[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+    v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]
+    if MASKED:  # noqa: SIM108
+        v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_two_runs(
+    q, m_i, l_i, acc, k_base, v_base, table_ptr, lo1, hi1, lo2, hi2, limit, lower, qk_scale, stride_kb,
+    stride_kt, stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Tokens [lo1, hi1) then [lo2, hi2) of a paged run in one pipelined loop (a sliding row's walk
+    around its shared run): two loops would drain the pipeline between them, where the first run is
+    a tile or two."""
+    tiles1 = tl.cdiv(tl.maximum(hi1 - lo1, 0), BLOCK_N)
+    tiles2 = tl.cdiv(tl.maximum(hi2 - lo2, 0), BLOCK_N)
+    for i in tl.range(0, tiles1 + tiles2):
+        first = i < tiles1
+        start = tl.where(first, lo1 + i * BLOCK_N, lo2 + (i - tiles1) * BLOCK_N)
+        end = tl.where(first, hi1, hi2)
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, table_ptr, start, end, limit, qk_scale, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, True, lower, True,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 

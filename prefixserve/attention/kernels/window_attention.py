@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.attention.kernels.attend import attend_range, finish_rows
+from prefixserve.attention.kernels.attend import attend_range, attend_two_runs, finish_rows
 from prefixserve.attention.kernels.shared_attention import launch_shared
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.shared_plan import ITEM_FIELDS
@@ -78,6 +78,7 @@ def _window_kernel(
     UPCAST: tl.constexpr,
     SKIP: tl.constexpr,
     BASE: tl.constexpr,
+    ONE_LOOP: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,17 +116,24 @@ def _window_kernel(
             skip_lo = tl.load(skip_lo_ptr + seq)
             skip_hi = tl.load(skip_hi_ptr + seq)
             first_stop = tl.where(skip_hi > skip_lo, tl.minimum(kv_hi, skip_lo), kv_hi)
-        m_i, l_i, acc = attend_range(
-            q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, hi, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST,
-            lower=lo, WINDOWED=True,
-        )  # fmt: skip
-        if SKIP:  # the keys after the run the shared segments cover
-            m_i, l_i, acc = attend_range(
-                q, m_i, l_i, acc, k_base, v_base, table, tl.maximum(first_stop, skip_hi), kv_hi, hi,
-                qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                DOT_PREC, UPCAST, lower=lo, WINDOWED=True,
+        if SKIP and ONE_LOOP:  # both sides of the run in one pipelined loop
+            m_i, l_i, acc = attend_two_runs(
+                q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, tl.maximum(first_stop, skip_hi),
+                kv_hi, hi, lo, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE,
+                HEAD_DIM, DOT_PREC, UPCAST,
             )  # fmt: skip
+        else:
+            m_i, l_i, acc = attend_range(
+                q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, hi, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST,
+                lower=lo, WINDOWED=True,
+            )  # fmt: skip
+            if SKIP:  # the keys after the run the shared segments cover
+                m_i, l_i, acc = attend_range(
+                    q, m_i, l_i, acc, k_base, v_base, table, tl.maximum(first_stop, skip_hi), kv_hi, hi,
+                    qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                    DOT_PREC, UPCAST, lower=lo, WINDOWED=True,
+                )  # fmt: skip
         o, lse = finish_rows(m_i, l_i, acc)
         o_rows = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
