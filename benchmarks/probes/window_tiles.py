@@ -61,17 +61,17 @@ def main() -> None:
     shipped_us = bench_ms(lambda: wa._window_kernel[grid](*base_args, **kw)) * 1e3
     rows = []
     for block_n, warps, stages, one_loop in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3, 4), (0, 1)):
-        cfg = {**kw, "BLOCK_N": block_n, "ONE_LOOP": bool(one_loop)}
+        cfg = {**kw, "BLOCK_N": block_n, "ONE_LOOP": bool(one_loop), "num_warps": warps, "num_stages": stages}
         try:
             o_part.zero_()
-            wa._window_kernel[grid](*base_args, **cfg, num_warps=warps, num_stages=stages)
+            wa._window_kernel[grid](*base_args, **cfg)
             torch.cuda.synchronize()
         except Exception as e:  # out of shared memory / registers: not a candidate
             rows.append({"BLOCK_N": block_n, "warps": warps, "stages": stages, "one_loop": one_loop,
-                         "error": type(e).__name__})  # fmt: skip
+                         "error": f"{type(e).__name__}: {e}"[:200]})  # fmt: skip
             continue
         ok = bool(torch.allclose(o_part, want, atol=2e-2, rtol=2e-2))
-        ms = bench_ms(lambda: wa._window_kernel[grid](*base_args, **cfg, num_warps=warps, num_stages=stages))  # noqa: B023
+        ms = bench_ms(lambda: wa._window_kernel[grid](*base_args, **cfg))  # noqa: B023
         tbps = kv_bytes / (ms * 1e-3) / 1e12
         rows.append(
             {"BLOCK_N": block_n, "warps": warps, "stages": stages, "one_loop": one_loop, "us": ms * 1e3,
