@@ -60,25 +60,27 @@ def main() -> None:
     want = o_part.clone()
     shipped_us = bench_ms(lambda: wa._window_kernel[grid](*base_args, **kw)) * 1e3
     rows = []
-    for block_n, warps, stages, one_loop in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3, 4), (0, 1)):
-        cfg = {**kw, "BLOCK_N": block_n, "ONE_LOOP": bool(one_loop), "num_warps": warps, "num_stages": stages}
+    for block_n, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3, 4)):
+        cfg = {**kw, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
         try:
             o_part.zero_()
             wa._window_kernel[grid](*base_args, **cfg)
             torch.cuda.synchronize()
         except Exception as e:  # out of shared memory / registers: not a candidate
-            rows.append({"BLOCK_N": block_n, "warps": warps, "stages": stages, "one_loop": one_loop,
+            rows.append({"BLOCK_N": block_n, "warps": warps, "stages": stages,
                          "error": f"{type(e).__name__}: {e}"[:200]})  # fmt: skip
             continue
         ok = bool(torch.allclose(o_part, want, atol=2e-2, rtol=2e-2))
         ms = bench_ms(lambda: wa._window_kernel[grid](*base_args, **cfg))  # noqa: B023
         tbps = kv_bytes / (ms * 1e-3) / 1e12
         rows.append(
-            {"BLOCK_N": block_n, "warps": warps, "stages": stages, "one_loop": one_loop, "us": ms * 1e3,
+            {"BLOCK_N": block_n, "warps": warps, "stages": stages, "us": ms * 1e3,
              "TBps": tbps, "of_copy": tbps / copy_tbps, "matches": ok}
         )  # fmt: skip
     shipped = {
         "BLOCK_N": kw["BLOCK_N"],
+        "warps": kw["num_warps"],
+        "stages": kw["num_stages"],
         "us": shipped_us,
         "of_copy": kv_bytes / (shipped_us * 1e-6) / 1e12 / copy_tbps,
     }
@@ -87,9 +89,9 @@ def main() -> None:
     dest.write_text(json.dumps(out, indent=1))
     good = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     print(f"copy {copy_tbps:.2f} TB/s; {kv_bytes / 1e6:.0f} MB walked per call; shipped {shipped}")
-    print("| BLOCK_N | warps | stages | one loop | us | TB/s | of copy | matches |")
+    print("| BLOCK_N | warps | stages | us | TB/s | of copy | matches |")
     for r in good[:16]:
-        print(f"| {r['BLOCK_N']} | {r['warps']} | {r['stages']} | {r['one_loop']} | {r['us']:.1f} "
+        print(f"| {r['BLOCK_N']} | {r['warps']} | {r['stages']} | {r['us']:.1f} "
               f"| {r['TBps']:.2f} | {r['of_copy']:.2f} | {r['matches']} |")  # fmt: skip
 
 

@@ -155,13 +155,17 @@ class WindowedGraphAttention(GraphAttention):
         raise NotImplementedError
 
 
-class NoAttentionGraph(GraphAttention):
-    """The benchmark-only ceiling (attention skipped) under a graph: nothing to load."""
+class NoAttentionGraph(WindowedGraphAttention):
+    """The benchmark-only ceiling (attention skipped, the sliding layers' too) under a graph: nothing
+    to load."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__({}, device)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return q
+
+    def window_forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int):
         return q
 
 

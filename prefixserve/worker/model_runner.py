@@ -239,7 +239,8 @@ class ModelRunner:
                 if step is None:
                     log.info("attention backend %r has no CUDA-graph path: eager steps", self.backend.name)
                     self.graphs = None
-                elif self.window is not None:  # None: this step runs eagerly
+                elif self.window is not None and step.key[0] != "none":  # (the ceiling skips them too)
+                    # the sliding layers' window work beside the full layers'; None: an eager step
                     step = window_graph_step(meta, step, self.graphs.shape, bucket, self.window, group_tables)
                 if step is not None:
                     return StepBatch(positions, meta, step, group_tables=group_tables)

@@ -78,7 +78,6 @@ def _window_kernel(
     UPCAST: tl.constexpr,
     SKIP: tl.constexpr,
     BASE: tl.constexpr,
-    ONE_LOOP: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -116,7 +115,7 @@ def _window_kernel(
             skip_lo = tl.load(skip_lo_ptr + seq)
             skip_hi = tl.load(skip_hi_ptr + seq)
             first_stop = tl.where(skip_hi > skip_lo, tl.minimum(kv_hi, skip_lo), kv_hi)
-        if SKIP and ONE_LOOP:  # both sides of the run in one pipelined loop
+        if SKIP:  # both sides of the shared run in one pipelined loop (7% faster than two loops)
             m_i, l_i, acc = attend_two_runs(
                 q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, tl.maximum(first_stop, skip_hi),
                 kv_hi, hi, lo, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE,
@@ -124,16 +123,10 @@ def _window_kernel(
             )  # fmt: skip
         else:
             m_i, l_i, acc = attend_range(
-                q, m_i, l_i, acc, k_base, v_base, table, kv_lo, first_stop, hi, qk_scale,
+                q, m_i, l_i, acc, k_base, v_base, table, kv_lo, kv_hi, hi, qk_scale,
                 stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST,
                 lower=lo, WINDOWED=True,
             )  # fmt: skip
-            if SKIP:  # the keys after the run the shared segments cover
-                m_i, l_i, acc = attend_range(
-                    q, m_i, l_i, acc, k_base, v_base, table, tl.maximum(first_stop, skip_hi), kv_hi, hi,
-                    qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                    DOT_PREC, UPCAST, lower=lo, WINDOWED=True,
-                )  # fmt: skip
         o, lse = finish_rows(m_i, l_i, acc)
         o_rows = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -186,6 +179,13 @@ def _launch_args(
     block_m = max(16, next_power_of_2(group * min(longest, max(1, 64 // group))))
     # K and V tiles of BLOCK_N x head_dim: wide heads (Gemma's 256) take half the keys a tile
     block_n = 32 if q.element_size() == 4 or dim > 128 else 64
+    warps, stages = 4, 2  # two stages: the walks are short, a third buffer only waits
+    if longest == 1 and dim > 128 and q.element_size() == 2:
+        # a decode walk of wide heads: 16-key tiles on two warps, three stages, 84 us against 100 us
+        # at 32 keys on four warps (Gemma-3-12B's sliding layer at B=256 beside a 16K shared prefix,
+        # H200; benchmarks/probes/window_tiles.py): four warps held 182 registers a thread, two
+        # programs an SM
+        block_n, warps, stages = 16, 2, 3
     q_tiles = -(-longest // max(1, block_m // group))
     o, lse = out
     tables = walk.tables
@@ -208,9 +208,8 @@ def _launch_args(
         "UPCAST": interpreter_upcast(q.dtype),
         "SKIP": skip is not None,
         "BASE": walk.table_base is not None,
-        # two stages: 95 us against 112 us at three (a decode walk of Gemma-3-12B's shape, B=256,
-        # H200; benchmarks/probes/window_tiles.py): the walks are short, a third buffer only waits
-        "num_stages": 2,
+        "num_warps": warps,
+        "num_stages": stages,
     }
     return (walk.num_seqs * q_tiles, kv_heads), args, kw
 
