@@ -237,9 +237,9 @@ def add_rms_norm(
 
     The add is done in the model dtype, the statistics in fp32 and the result cast back before the
     weight multiply, as HF's RMSNorm after its residual add. Partials are summed in fp32 and rounded
-    to the model dtype (the residual's, else the weight's) first, as a split-K matmul's own reduce
-    does. Two ranks' products (``PeerSum``) are summed over NVLink in the same kernel; without a
-    residual (the embedding's lookups) the second output is that sum, a new tensor.
+    to the model dtype first, as a split-K matmul's own reduce does. Two ranks' products
+    (``PeerSum``) are summed over NVLink in the same kernel; without a residual (the embedding's
+    lookups) the second output is that sum, a new tensor.
     """
     if isinstance(x, PeerSum):
         return x.add_rms_norm(residual, weight, eps)
@@ -249,9 +249,9 @@ def add_rms_norm(
         if x.shape[-1] <= rms_norm.MAX_HIDDEN:  # a row must fit one program's registers
             return rms_norm.add_rms_norm(x, weight, eps, residual)
     if x.dim() == 3:
-        if x.dtype != torch.float32:
-            raise ValueError(f"split-K partials must be fp32 ({x.dtype})")
-        x = x.sum(0).to(residual.dtype if residual is not None else weight.dtype)
+        if residual is None or x.dtype != torch.float32:
+            raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
+        x = x.sum(0).to(residual.dtype)
     if residual is not None:
         x = x + residual
     xf = x.float()

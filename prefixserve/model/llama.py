@@ -285,8 +285,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:  # the block outputs are normed before their residual adds
             attn = self.post_attention_layernorm(self.self_attn.output(out))
             x, residual = self.pre_feedforward_layernorm(attn, residual)
-            # one process: the down projection's split-K partials, which the norm sums (no reduce kernel)
-            mlp = self.post_feedforward_layernorm(self.mlp(x, partials=not self.mlp.shard.parallel))
+            mlp = self.post_feedforward_layernorm(self.mlp(x))
             if not self.whole_stream:
                 return mlp, residual
             stream = residual + mlp

@@ -9,8 +9,7 @@ so the two paths differ only in the order of the sum of squares.
 
 x may also come as a matmul's fp32 split-K partials [S, T, N] (``linear_partials``): the kernel sums
 them and rounds to the model dtype, as cuBLAS's split-K reduce kernel would, so the matmul needs no
-reduce kernel of its own. Without a residual (Gemma's norm of the MLP's output, before its residual
-add) the sum is rounded to the weight's dtype, the model's, and is the second output.
+reduce kernel of its own.
 """
 
 from __future__ import annotations
@@ -55,8 +54,6 @@ def _add_rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the model dtype's add
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-    elif SPLITS > 0:  # the partials' sum is the second output
-        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(dtype).to(tl.float32)
@@ -75,21 +72,21 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; without a residual, ``(rms_norm(x) * weight, x)``.
 
-    Given partials, x is their fp32 sum rounded to the model's dtype: the residual's, or without one
-    the weight's. Both outputs are new tensors (no input is written), so callers may hold on to their
-    inputs.
+    Given partials (always with the residual: they are a projection's output joining the stream),
+    x is their fp32 sum rounded to the residual's dtype, the model's. Both outputs are new tensors
+    (no input is written), so callers may hold on to their inputs.
     """
     splits = x.shape[0] if x.dim() == 3 else 0
     tokens, n = x.shape[-2:]
     if n > MAX_HIDDEN or x.stride(-1) != 1 or weight.stride(0) != 1:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN} with contiguous rows")
-    if splits and x.dtype != torch.float32:
-        raise ValueError(f"split-K partials must be fp32 ({x.dtype})")
+    if splits and (x.dtype != torch.float32 or residual is None):
+        raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
     if residual is not None and (residual.shape != x.shape[-2:] or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape[-2:])}")
-    dtype = residual.dtype if residual is not None else weight.dtype if splits else x.dtype
+    dtype = residual.dtype if residual is not None else x.dtype
     out = torch.empty((tokens, n), device=x.device, dtype=dtype)
-    res_out = torch.empty_like(out) if residual is not None or splits else x
+    res_out = torch.empty_like(out) if residual is not None else x
     if tokens == 0:
         return out, res_out
     block = triton.next_power_of_2(n)
@@ -119,10 +116,9 @@ def add_rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: HF's RMSNorm (fp32 statistics, cast back before the weight) after the add;
-    split-K partials summed in fp32 and rounded to the model dtype (the residual's, else the
-    weight's) first."""
+    split-K partials summed in fp32 and rounded to the model dtype (the residual's) first."""
     if x.dim() == 3:
-        x = x.sum(0).to(residual.dtype if residual is not None else weight.dtype)
+        x = x.sum(0).to(residual.dtype)
     if residual is not None:
         x = x + residual
     xf = x.float()
