@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     args = ap.parse_args()
     from benchmarks.decode_run import measure, shared_prompts
-    from prefixserve.attention import window
+    from prefixserve.attention import window, window_graph
     from prefixserve.attention.planning import window_plan
 
     made = window_plan.make_window_plan
@@ -41,7 +41,7 @@ def main() -> None:
             counts["window_kv_rows"] += int(sum(min(size, n) for n in meta.seq_lens_host))
         return out
 
-    window_plan.make_window_plan = counted
+    window_plan.make_window_plan = window_graph.make_window_plan = counted  # eager steps and graphs
     prompts = (
         shared_prompts(args.batch, args.prefix, args.own, seed=0),
         shared_prompts(args.batch, args.prefix, args.own, seed=1),
@@ -52,6 +52,7 @@ def main() -> None:
         counts.clear()
         if mode != "shipped":
             window.window_plan = lambda meta, size: None
+            window_graph.make_window_plan = lambda meta, plan, blocks, size: None
         got = measure(args.model, device, "auto", prompts, args.gen)
         rows.append((mode, got["tok_s"], got["host_overhead_frac"], dict(counts)))
     for mode, tok_s, host, seen in rows:

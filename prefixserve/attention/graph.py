@@ -64,6 +64,13 @@ def capacity(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+def floor_key(key: tuple[Any, ...], floor: tuple[Any, ...] | None, fixed: tuple[int, ...]) -> tuple[Any, ...]:
+    """``key`` with each capacity raised to ``floor``'s, if the two agree on the ``fixed`` fields."""
+    if floor is None or len(floor) != len(key) or any(key[i] != floor[i] for i in fixed):
+        return key
+    return tuple(k if i in fixed else max(k, f) for i, (k, f) in enumerate(zip(key, floor, strict=True)))
+
+
 class HostStaging:
     """Host buffers that asynchronous host-to-device copies read, used in turn.
 
@@ -176,4 +183,5 @@ __all__ = [
     "NoAttentionGraph",
     "WindowedGraphAttention",
     "capacity",
+    "floor_key",
 ]

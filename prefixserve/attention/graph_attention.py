@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity
+from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity, floor_key
 from prefixserve.attention.kernels import merge, paged_attention, shared_attention
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning import mixed_rule
@@ -50,13 +50,6 @@ def _splits(max_kv: int, programs: int, device: torch.device) -> int:
     return min(MAX_SPLITS, capacity(splits))
 
 
-def _floor(key: tuple[Any, ...], floor: tuple[Any, ...] | None, fixed: tuple[int, ...]) -> tuple[Any, ...]:
-    """``key`` with each capacity raised to ``floor``'s, if the two agree on the ``fixed`` fields."""
-    if floor is None or len(floor) != len(key) or any(key[i] != floor[i] for i in fixed):
-        return key
-    return tuple(k if i in fixed else max(k, f) for i, (k, f) in enumerate(zip(key, floor, strict=True)))
-
-
 def paged_graph_step(
     meta: AttentionMetadata, shape: HeadShape, bucket: int, floor: tuple[Any, ...] | None = None
 ) -> GraphStep:
@@ -66,7 +59,7 @@ def paged_graph_step(
         tables = meta.block_tables.cpu().numpy()
     width = capacity(tables.shape[1], MIN_TABLE_WIDTH)
     splits = _splits(max(meta.seq_lens_host, default=0), bucket * shape.kv_heads, shape.device)
-    key = _floor(("paged", bucket, width, splits), floor, (0, 1, 3))
+    key = floor_key(("paged", bucket, width, splits), floor, (0, 1, 3))
     arrays = {
         "tables": tables,
         "seq_lens": np.asarray(meta.seq_lens_host, dtype=np.int32),
@@ -112,7 +105,7 @@ def shared_graph_step(
         capacity(work.num_slots, 16),
         0,  # merge entries: known below, once the slot offset is
     )
-    key = _floor(needed, floor, (0, 1, 3, 4))
+    key = floor_key(needed, floor, (0, 1, 3, 4))
     slots_cap = key[9]
     batch = meta.num_seqs
     merge_key = ("merge", id(work), bucket, batch, own_splits, slots_cap)

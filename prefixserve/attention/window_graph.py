@@ -24,7 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, WindowedGraphAttention, capacity
+from prefixserve.attention.graph import (
+    GraphAttention,
+    GraphStep,
+    HeadShape,
+    WindowedGraphAttention,
+    capacity,
+    floor_key,
+)
 from prefixserve.attention.metadata import AttentionMetadata, write_slots
 from prefixserve.attention.planning.shared_plan import ITEM_FIELDS, SharedWork
 from prefixserve.attention.planning.window_plan import make_window_plan, on_every_group, step_segments
@@ -117,7 +124,7 @@ def window_graph_step(
         slots = np.stack([write_slots(t, q, s, bs, base) for t in tables])
 
     def step(full_step: GraphStep, floor: tuple[Any, ...] | None) -> GraphStep:
-        key = _floor(needed, floor)
+        key = floor_key(needed, floor, (0, 1, 2, 4))  # bucket, groups, tiles fixed
         return GraphStep(
             ("sliding", bucket, full_step.key, key),
             {**arrays, **{f"full.{k}": v for k, v in full_step.arrays.items()}},
@@ -128,14 +135,6 @@ def window_graph_step(
         )
 
     return step(full, None)
-
-
-def _floor(key: tuple[Any, ...], floor: tuple[Any, ...] | None) -> tuple[Any, ...]:
-    """``key`` with each capacity raised to ``floor``'s where bucket, groups and tiles agree."""
-    fixed = (0, 1, 2, 4)
-    if floor is None or any(key[i] != floor[i] for i in fixed):
-        return key
-    return tuple(k if i in fixed else max(k, f) for i, (k, f) in enumerate(zip(key, floor, strict=True)))
 
 
 class WindowGraph(GraphAttention):
