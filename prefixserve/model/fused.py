@@ -17,7 +17,6 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -228,21 +227,8 @@ def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return skinny_matmul.supported(x, weight) and skinny_matmul.skinny_config(rows, cols) is not None
 
 
-@dataclass(frozen=True, slots=True)
-class PendingNorm:
-    """A block's output whose own RMSNorm is still to apply (Gemma's sandwich norms): the next
-    ``add_rms_norm`` applies it before the residual add, in the same pass."""
-
-    x: torch.Tensor  # [T, N]
-    weight: torch.Tensor  # [N]
-    eps: float
-
-    def normed(self) -> torch.Tensor:
-        return add_rms_norm(self.x, self.weight, self.eps)[0]
-
-
 def add_rms_norm(
-    x: torch.Tensor | PeerSum | PendingNorm,  # [T, N], [S, T, N] fp32 split-K partials, the ranks' products
+    x: torch.Tensor | PeerSum,  # [T, N], [S, T, N] fp32 split-K partials, or the ranks' products
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
@@ -257,14 +243,6 @@ def add_rms_norm(
     """
     if isinstance(x, PeerSum):
         return x.add_rms_norm(residual, weight, eps)
-    if isinstance(x, PendingNorm):  # its norm first: in the same kernel where the Triton one runs
-        pending = x
-        if _use_triton(pending.x):
-            from prefixserve.model.kernels import rms_norm
-
-            if pending.x.shape[-1] <= rms_norm.MAX_HIDDEN:
-                return rms_norm.add_rms_norm(pending.x, weight, eps, residual, (pending.weight, pending.eps))
-        x = pending.normed()
     if _use_triton(x):
         from prefixserve.model.kernels import rms_norm
 
@@ -420,7 +398,6 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, gelu: bool = Fals
 
 __all__ = [
     "PeerSum",
-    "PendingNorm",
     "activation",
     "add_rms_norm",
     "apply_rope",

@@ -56,18 +56,14 @@ class RMSNorm(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | fused.PeerSum | fused.PendingNorm,  # [T, hidden], or what ``add_rms_norm`` takes
+        x: torch.Tensor | fused.PeerSum,  # [T, hidden], or what ``fused.add_rms_norm`` also takes
         residual: torch.Tensor | None = None,  # [T, hidden]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         normed, summed = self.with_stream(x, residual)
         return normed if residual is None else (normed, summed)
 
-    def pending(self, x: torch.Tensor) -> fused.PendingNorm:
-        """This norm of x, left for the next norm to apply in its own pass (``fused.PendingNorm``)."""
-        return fused.PendingNorm(x, self.weight, self.eps)
-
     def with_stream(
-        self, x: torch.Tensor | fused.PeerSum | fused.PendingNorm, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | fused.PeerSum, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``, with no residual ``(norm(x), x)``: the residual
         stream too, which a ``PeerSum`` x only has once summed."""
@@ -286,12 +282,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP. Gemma 4's
         layers return (the whole stream, None): the per-layer input and the scalar follow the add."""
-        if self.sandwich:  # the block outputs are normed before their residual adds, in the next norm
-            attn = self.post_attention_layernorm.pending(self.self_attn.output(out))
+        if self.sandwich:  # the block outputs are normed before their residual adds
+            attn = self.post_attention_layernorm(self.self_attn.output(out))
             x, residual = self.pre_feedforward_layernorm(attn, residual)
-            if not self.whole_stream:
-                return self.post_feedforward_layernorm.pending(self.mlp(x)), residual
             mlp = self.post_feedforward_layernorm(self.mlp(x))
+            if not self.whole_stream:
+                return mlp, residual
             stream = residual + mlp
             if hasattr(self, "per_layer_input_gate"):
                 stream = self._add_per_layer_input(stream, rope.per_layer)

@@ -70,32 +70,6 @@ def test_add_rms_norm_sums_split_k_partials(dtype: torch.dtype, splits: int) -> 
             add_rms_norm(bad, w, 1e-5, res if bad.dtype == torch.float16 else None)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_prenorm_is_two_norms_in_one_pass(dtype: torch.dtype, with_residual: bool) -> None:
-    """Gemma's sandwich: x normed by its own weight, then added and normed again, in one kernel; the
-    same values as the two calls it replaces (``fused.PendingNorm``), and as the reference."""
-    gen = torch.Generator().manual_seed(5)
-    x = (3 * torch.randn(7, 200, generator=gen)).to(DEVICE, dtype)
-    res = torch.randn(7, 200, generator=gen).to(DEVICE, dtype) if with_residual else None
-    w0 = (1 + 0.2 * torch.randn(200, generator=gen)).to(DEVICE, dtype)
-    w = (1 + 0.2 * torch.randn(200, generator=gen)).to(DEVICE, dtype)
-    out, summed = add_rms_norm(x, w, 1e-6, res, prenorm=(w0, 1e-5))
-    first = add_rms_norm(x, w0, 1e-5)[0]
-    two_out, two_summed = add_rms_norm(first, w, 1e-6, res)
-    torch.testing.assert_close(summed, two_summed, **_tol(dtype))
-    torch.testing.assert_close(out, two_out, **_tol(dtype))
-    ref, ref_summed = add_rms_norm_ref(x, w, 1e-6, res, prenorm=(w0, 1e-5))
-    torch.testing.assert_close(out, ref, **_tol(dtype))
-    torch.testing.assert_close(summed, ref_summed, **_tol(dtype))
-    pending = fused.PendingNorm(x, w0, 1e-5)  # the model's path, Triton or torch
-    for triton in (True, False):
-        with fused.triton_kernels(triton):
-            got, got_summed = fused.add_rms_norm(pending, w, 1e-6, res)
-        torch.testing.assert_close(got, ref, **_tol(dtype))
-        torch.testing.assert_close(got_summed, ref_summed, **_tol(dtype))
-
-
 def test_fused_add_rms_norm_sums_partials_on_the_torch_path() -> None:
     """The torch path of ``fused.add_rms_norm`` takes the same partials: the fp32 sum rounded to the
     residual's dtype (bf16 here) before the add."""

@@ -10,10 +10,6 @@ so the two paths differ only in the order of the sum of squares.
 x may also come as a matmul's fp32 split-K partials [S, T, N] (``linear_partials``): the kernel sums
 them and rounds to the model dtype, as cuBLAS's split-K reduce kernel would, so the matmul needs no
 reduce kernel of its own.
-
-With a prenorm weight, x is first normed by it (Gemma's sandwich norms: a block's output is normed
-before its residual add, and the stream then normed for the next block), rounded as two calls would
-round it, so one pass replaces two.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ def _add_rms_norm_kernel(
     x_ptr,  # [T, N], or [SPLITS, T, N] fp32 partials to sum first
     res_ptr,  # [T, N] (read when HAS_RESIDUAL)
     w_ptr,  # [N]
-    w0_ptr,  # [N] (PRENORM): x's own norm's weight, applied before the add
     out_ptr,  # [T, N]
     res_out_ptr,  # [T, N] (written when HAS_RESIDUAL)
     stride_split,
@@ -43,11 +38,9 @@ def _add_rms_norm_kernel(
     stride_ro,
     n_cols,
     eps,
-    eps0,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLITS: tl.constexpr,  # 0: x is [T, N] in the model dtype; else the number of fp32 partials
-    PRENORM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -57,16 +50,9 @@ def _add_rms_norm_kernel(
     for s in tl.static_range(1, SPLITS):  # fp32 partials: the matmul's split-K reduce, one rounding
         x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
     x = x.to(dtype)
-    if PRENORM:  # x's own norm first, rounded as the norm below rounds
-        pf = x.to(tl.float32)
-        prstd = tl.math.rsqrt(tl.sum(pf * pf, axis=0) / n_cols + eps0)
-        w0 = tl.load(w0_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        x = ((pf * prstd).to(dtype).to(tl.float32) * w0).to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the model dtype's add
-        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-    elif PRENORM:  # the normed x is the second output
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
@@ -83,10 +69,8 @@ def add_rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
-    prenorm: tuple[torch.Tensor, float] | None = None,  # x's own norm first: (weight, eps)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; without a residual, ``(rms_norm(x) * weight, x)``.
-    With ``prenorm``, x stands for ``rms_norm(x) * prenorm_weight`` in both (x of the model dtype).
 
     Given partials (always with the residual: they are a projection's output joining the stream),
     x is their fp32 sum rounded to the residual's dtype, the model's. Both outputs are new tensors
@@ -96,15 +80,13 @@ def add_rms_norm(
     tokens, n = x.shape[-2:]
     if n > MAX_HIDDEN or x.stride(-1) != 1 or weight.stride(0) != 1:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN} with contiguous rows")
-    if prenorm is not None and (splits or prenorm[0].stride(0) != 1):
-        raise ValueError("a prenorm takes x in the model dtype and a contiguous weight")
     if splits and (x.dtype != torch.float32 or residual is None):
         raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
     if residual is not None and (residual.shape != x.shape[-2:] or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape[-2:])}")
     dtype = residual.dtype if residual is not None else x.dtype
     out = torch.empty((tokens, n), device=x.device, dtype=dtype)
-    res_out = torch.empty_like(out) if residual is not None or prenorm is not None else x
+    res_out = torch.empty_like(out) if residual is not None else x
     if tokens == 0:
         return out, res_out
     block = triton.next_power_of_2(n)
@@ -113,7 +95,6 @@ def add_rms_norm(
         x,
         residual if residual is not None else x,
         weight,
-        prenorm[0] if prenorm is not None else weight,
         out,
         res_out,
         x.stride(0) if splits else 0,
@@ -123,30 +104,21 @@ def add_rms_norm(
         res_out.stride(0),
         n,
         eps,
-        prenorm[1] if prenorm is not None else eps,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         SPLITS=splits,
-        PRENORM=prenorm is not None,
         num_warps=min(16, max(1, block // 512)),
     )
     return out, res_out
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    prenorm: tuple[torch.Tensor, float] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: HF's RMSNorm (fp32 statistics, cast back before the weight) after the add;
-    split-K partials summed in fp32 and rounded to the model dtype (the residual's) first; a prenorm
-    is the same norm of x by its own weight, before the add."""
+    split-K partials summed in fp32 and rounded to the model dtype (the residual's) first."""
     if x.dim() == 3:
         x = x.sum(0).to(residual.dtype)
-    if prenorm is not None:
-        x = add_rms_norm_ref(x, *prenorm)[0]
     if residual is not None:
         x = x + residual
     xf = x.float()
