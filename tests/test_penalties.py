@@ -1,6 +1,6 @@
-"""Penalties, logit_bias and allowed_token_ids (sampling/penalties.py): the vectorized batch path equals
-a per-row plain reference; the device-kept counts are right under launch-ahead; each control does what
-its definition says."""
+"""Penalties, logit_bias and allowed_token_ids (sampling/penalties.py, three request rules' adjusts): the
+vectorized batch path equals a per-row plain reference; the device-kept counts are right under
+launch-ahead; each control does what its definition says."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.sampling.penalties import PenaltyState, process_logits
+from prefixserve.sampling.penalties import AllowedTokensRule, LogitBiasRule, PenaltiesRule
+from prefixserve.sampling.rules import RuleSet
 from tests.conftest import assert_pool_empty, tiny_cascade_llm
 
 
@@ -67,37 +68,57 @@ def test_batch_path_equals_per_row_reference(rows: list, seed: int) -> None:
     params = [SamplingParams(**kw) for kw, _, _ in rows]
     prompts = [prompt for _, prompt, _ in rows]
     outputs = [out for _, _, out in rows]
-    keys = [object() for _ in rows]
-    state = PenaltyState(torch.device("cpu"))
-    prompt_of = {k: (prompt, []) for k, prompt in zip(keys, prompts, strict=True)}
-    # every output token reaches the counts through ``record``, as sampled tokens do
+    seqs = [_Seq(prompt) for prompt in prompts]
+    penalties = PenaltiesRule()
+    rules = RuleSet([LogitBiasRule(), AllowedTokensRule(), penalties])
+
+    def processed(logits: torch.Tensor, live: list[int], tokens: list[int] | None) -> torch.Tensor:
+        out = logits.clone()
+        adjust = rules.adjust([seqs[i] for i in live], [params[i] for i in live])
+        if adjust is not None:
+            adjust.apply(out)
+            if tokens is not None:  # the sampled tokens, as the runner hands them over
+                adjust.sampled(torch.tensor(tokens))
+        return out
+
+    # every output token reaches the counts through ``sampled``, as sampled tokens do
     for step in range(max(map(len, outputs), default=0)):
         live = [i for i, out in enumerate(outputs) if step < len(out)]
-        logits = torch.randn(len(live), vocab, generator=g)
-        _, taken = process_logits(
-            logits, [params[i] for i in live], [keys[i] for i in live], state, prompt_of.__getitem__
-        )
-        if taken is not None:
-            state.record(taken, torch.tensor([outputs[i][step] for i in live]))
+        processed(torch.randn(len(live), vocab, generator=g), live, [outputs[i][step] for i in live])
     logits = torch.randn(len(rows), vocab, generator=g) * 5
-    got, _ = process_logits(logits, params, keys, state, prompt_of.__getitem__)
+    got = processed(logits, list(range(len(rows))), None)
     for r, p in enumerate(params):
         want = reference(logits[r], p, prompts[r], outputs[r] if p.needs_counts else [])
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-4)
-    state.release(lambda k: True)
-    assert len(state) == 0
+    for seq in seqs:
+        seq.is_finished = True
+    if penalties.state is not None:  # released once their sequences have ended
+        penalties.state.release(lambda k: k.is_finished)
+        assert len(penalties.state) == 0
+
+
+class _Seq:
+    """What the penalties read of a sequence: its prompt (outputs reach the counts as sampled)."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.token_ids, self.num_prompt_tokens, self.is_finished = list(prompt), len(prompt), False
 
 
 def _recording(llm: LLM) -> list[tuple[torch.Tensor, list[str]]]:
-    """Record every processed sampling's raw logits and which request each row is for."""
-    runner = llm.engine.runner
-    original, seen = runner._sample_processed, []
+    """Record every processed sampling's raw logits and which request each row is for (the rows the
+    rules' adjusts were asked for just before)."""
+    runner, rules = llm.engine.runner, llm.engine.rules
+    original, adjust, seen, last = runner._sample_processed, rules.adjust, [], []
 
-    def recording(logits, params, generators, seqs, ban=None):
-        seen.append((logits.clone(), [s.request.request_id for s in seqs]))
-        return original(logits, params, generators, seqs, ban)
+    def rows_of(rows, params):
+        last[:] = [s.request.request_id for s in rows]
+        return adjust(rows, params)
 
-    runner._sample_processed = recording
+    def recording(logits, params, generators, ban, adjusted):
+        seen.append((logits.clone(), list(last)))
+        return original(logits, params, generators, ban, adjusted)
+
+    rules.adjust, runner._sample_processed = rows_of, recording
     return seen
 
 
@@ -194,7 +215,7 @@ def test_plain_requests_take_the_untouched_path(tiny_config_path: Path) -> None:
     p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, presence_penalty=0.0, logit_bias={})
     llm.generate({"prompt_token_ids": list(range(5, 30))}, p)
     assert seen == []
-    assert llm.engine.runner.penalties is None
+    assert llm.engine.rules.find("penalties").state is None
 
 
 # ---- the default model, as the definitions say ------------------------------------------------

@@ -39,6 +39,7 @@ RULE_MODULES = (
     "prefixserve.sampling.min_tokens",
     "prefixserve.sampling.bad_words",
     "prefixserve.sampling.thinking_budget",
+    "prefixserve.sampling.penalties",
     "prefixserve.structured",
     "prefixserve.engine.pooling",
     "prefixserve.engine.prompt_logprobs",
@@ -81,6 +82,51 @@ def test_the_engine_core_imports_no_rule_module() -> None:
         rule_imports = sorted(n for n in _imports(path, "prefixserve.engine") if _is_rule_module(n))
         found += [f"{module} imports {name}" for name in rule_imports]
     assert found == [], "engine core modules import rule modules (register rules in request_rules.py)"
+
+
+def test_the_runner_imports_no_rule_module() -> None:
+    """The model runner applies the rules' mask, ban and adjusts it is handed (penalties included)."""
+    worker = ENGINE.parent / "worker"
+    found = [
+        f"{p.stem} imports {n}"
+        for p in sorted(worker.glob("*.py"))
+        for n in sorted(_imports(p, "prefixserve.worker"))
+        if _is_rule_module(n)
+    ]
+    assert found == []
+
+
+class _Adjusting(RequestRule):
+    def __init__(self, name: str, add: float | None) -> None:
+        self.name, self.add, self.seen = name, add, []
+
+    def adjust(self, rows, params):
+        return None if self.add is None else _Add(self)
+
+
+class _Add:
+    def __init__(self, rule: _Adjusting) -> None:
+        self.rule = rule
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.mul_(2).add_(self.rule.add)  # order shows: (x * 2 + a) * 2 + b
+
+    def sampled(self, tokens: torch.Tensor) -> None:
+        self.rule.seen.append(tokens.tolist())
+
+
+def test_adjusts_apply_in_the_rules_order_and_see_the_sampled_tokens() -> None:
+    a, b, none = _Adjusting("a", 1.0), _Adjusting("b", 3.0), _Adjusting("n", None)
+    rules = RuleSet([a, none, b])
+    samplers, _, params = _rows(2)
+    adjust = rules.adjust(samplers, params)
+    logits = torch.zeros(2, 4)
+    adjust.apply(logits)
+    assert logits.unique().tolist() == [5.0]  # (0 * 2 + 1) * 2 + 3
+    adjust.sampled(torch.tensor([1, 2]))
+    assert a.seen == b.seen == [[1, 2]] and none.seen == []
+    assert RuleSet([none]).adjust(samplers, params) is None and RuleSet([]).adjust(samplers, params) is None
+    assert RuleSet([a]).adjust(samplers, params).__class__ is _Add  # one rule's adjust as it is
 
 
 def test_the_registry_imports_every_rule_module() -> None:
@@ -264,6 +310,9 @@ def test_the_engines_rules_equal_the_old_chain() -> None:
         "min_tokens",
         "bad_words",
         "thinking_budget",
+        "logit_bias",
+        "allowed_token_ids",
+        "penalties",
     ]
     assert rules.find("structured_outputs").decoding is None  # xgrammar is not imported until asked
     min_p = SamplingParams(min_tokens=5, stop_token_ids=[9])

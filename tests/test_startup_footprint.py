@@ -111,6 +111,21 @@ def test_loading_a_checkpoint_imports_no_compiler(tmp_path: Path) -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_the_engine_imports_no_triton_kernel() -> None:
+    """A CPU engine never loads a Triton kernel module: the GPU paths import theirs when they run. (The
+    kernel tests set TRITON_INTERPRET before importing them; a kernel module imported earlier by an
+    engine module was compiled for no interpreter, and every kernel test on that worker failed.)"""
+    code = (
+        "import sys\n"
+        "import prefixserve.engine.llm_engine, prefixserve.worker.model_runner, prefixserve.model.llama\n"
+        "print(sorted(m for m in sys.modules if '.kernels' in m and m.startswith('prefixserve.attention')))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_pool_size_is_what_the_sequences_can_hold() -> None:
     assert kv_blocks_for_sequences(8192, 16, 1) == 512
     assert kv_blocks_for_sequences(8192, 16, 3) == 1536

@@ -5,7 +5,8 @@
     ``auto.py`` (cascade or per sequence, each step; Triton on CUDA), ``no_attention.py`` (a benchmark
     ceiling) and ``triton_backend.py`` ("triton", "triton_paged"); with what they share: the exact LSE
     merge in torch (``merge.py``), sliding-window layers (``window.py``), attention in captured decode
-    graphs (``graph.py``: the scheme; ``graph_attention.py``: the Triton kernels under it), a Triton
+    graphs (``graph.py``: the scheme; ``graph_attention.py``: the Triton kernels under it;
+    ``window_graph.py``: sliding layers inside them), a Triton
     step's launch paths and their replay (``step_launch.py``) and the ptxas that builds the mixed kernel
     (``_ptxas.py``). The Triton backends' host side stays here beside the other backends rather than in
     a package of its own: it runs a step (launches, replays, graph captures), so it is backend code,
@@ -22,7 +23,7 @@ checks it):
     < planning.tiles < kernels.attend < kernels.packed_decode < kernels.paged_attention
     < kernels.gluon_attend < kernels.shared_gluon < planning.shared_plan < kernels.shared_attention
     < planning.mixed_rule < kernels.mixed_own < kernels.mixed_gluon < planning.step_plan < step_launch
-    < kernels.window_attention < graph_attention < triton_backend
+    < planning.window_work < kernels.window_attention < graph_attention < triton_backend
 
 Planning and kernels interleave there: a kernel's wrapper takes its planner's work list
 (``shared_attention`` runs ``shared_plan``'s), and a planner asks a kernel whether it can run

@@ -249,12 +249,14 @@ class Engine(EngineSetup, EngineServices):
         return launched
 
     def _sample(self, launched: LaunchedStep) -> None:
-        """Issue a launched step's sampling under its rules' mask and ban (a grammar's token mask,
-        ``min_tokens``' stops, bad words, a thinking budget's forced end)."""
+        """Issue a launched step's sampling under its rules' mask, ban and adjusts (a grammar's token
+        mask, ``min_tokens``' stops, bad words, a thinking budget's forced end; logit bias, allowed
+        tokens, penalties)."""
         rows, params, generators = launched.sampling
         launched.sampling = None
         mask, ban = self.rules.restrict(launched.samplers, launched.indices, params)
-        self.runner.sample(launched.launch, rows, params, generators, launched.sampled_seqs, mask, ban)
+        adjust = self.rules.adjust(launched.sampled_seqs, params)
+        self.runner.sample(launched.launch, rows, params, generators, mask, ban, adjust)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:
         try:

@@ -19,6 +19,7 @@ from prefixserve.engine.pooling import Pooler
 from prefixserve.engine.prompt_logprobs import PromptLogprobs
 from prefixserve.sampling.bad_words import BadWordsRule
 from prefixserve.sampling.min_tokens import MinTokensRule
+from prefixserve.sampling.penalties import AllowedTokensRule, LogitBiasRule, PenaltiesRule
 from prefixserve.sampling.rules import RuleSet
 from prefixserve.sampling.thinking_budget import ThinkingBudgetRule
 from prefixserve.structured.rule import StructuredOutputsRule
@@ -33,7 +34,8 @@ def request_rules(
     max_num_seqs: int,
     reasoning_parser: str | None,
 ) -> RuleSet:
-    """Structured outputs, ``min_tokens``, ``bad_words``, ``thinking_token_budget``. ``eos_ids``: the
+    """Structured outputs, ``min_tokens``, ``bad_words``, ``thinking_token_budget``, ``logit_bias``,
+    ``allowed_token_ids`` and the penalties (their adjusts in that order). ``eos_ids``: the
     engine's set (``min_tokens`` bans them, grammars end on them); ``max_num_seqs`` sizes the masks'
     buffers."""
     return RuleSet(
@@ -42,6 +44,9 @@ def request_rules(
             MinTokensRule(eos_ids),
             BadWordsRule(),
             ThinkingBudgetRule(reasoning_parser),
+            LogitBiasRule(),
+            AllowedTokensRule(),
+            PenaltiesRule(),
         ]
     )
 

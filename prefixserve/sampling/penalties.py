@@ -9,11 +9,13 @@ the sequence's output so far,
     logits[t] /= rep if logits[t] > 0 else 1 / rep     where t is in the prompt or the output
     logits[t] -= frequency_penalty * c[t] + presence_penalty * (c[t] > 0)
 
-All of it runs on the device for the whole batch. The token counts are device state, one row per
-sequence (``PenaltyState``), updated from the sampled tokens on the device right behind each sampling:
-under launch-ahead a sequence's last token is still on the device (a placeholder on the host) when
-its next row is sampled, and stream order alone makes the counts include it. The host never reads a
-sampled token to keep the counts, and a row's prompt is read once, when its sequence first samples.
+All of it runs on the device for the whole batch, as three request rules' ``adjust`` hooks
+(``sampling/rules.py``), in that order: ``LogitBiasRule``, ``AllowedTokensRule``, ``PenaltiesRule``.
+The token counts are device state, one row per sequence (``PenaltyState``, the penalties rule's),
+updated from the sampled tokens on the device right behind each sampling: under launch-ahead a
+sequence's last token is still on the device (a placeholder on the host) when its next row is
+sampled, and stream order alone makes the counts include it. The host never reads a sampled token
+to keep the counts, and a row's prompt is read once, when its sequence first samples.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any, Protocol
 import torch
 
 from prefixserve.sampling.params import PROCESSES_LOGITS, SamplingParams, flags_of
+from prefixserve.sampling.rules import LogitsAdjust, RequestRule
 from prefixserve.sampling.small_tensors import small_tensor
-from prefixserve.sampling.token_ban import TokenBan
 
 PromptOf = Callable[[Hashable], tuple[Sequence[int], Sequence[int]]]  # key -> (prompt ids, output ids)
 
@@ -186,36 +188,89 @@ class PenaltyState:
             self.free.append(self.slots.pop(k))
 
 
-def process_logits(
-    logits: torch.Tensor,  # [R, V] fp32
-    params: list[SamplingParams],
-    keys: Sequence[Hashable],
-    state: PenaltyState,
-    prompt_of: PromptOf,
-    ban: TokenBan | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """The logits the choice is made from (a copy: the raw ones still give the logprobs) and what
-    ``PenaltyState.record`` needs afterwards. ``ban``: min_tokens' banned stops (``min_tokens.py``)."""
-    out = apply_logit_bias(logits.clone(), params)
-    apply_allowed_tokens(out, params)
-    if ban is not None:
-        ban.apply(out)
-    return out, state.apply(out, params, keys, prompt_of)
+class _Adjust:
+    """An adjust that changes the logits with ``change(logits, params)`` and keeps no state."""
+
+    def __init__(self, change: Callable[[torch.Tensor, list[SamplingParams]], Any], params: list) -> None:
+        self.change, self.params = change, params
+
+    def apply(self, logits: torch.Tensor) -> None:
+        self.change(logits, self.params)
+
+    def sampled(self, tokens: torch.Tensor) -> None:
+        pass
 
 
-def any_processing(params: list[SamplingParams]) -> bool:
-    """Whether any row changes its logits before the choice (false: the sampler's path is untouched)."""
+def _processes(params: Sequence[SamplingParams]) -> bool:
+    """Whether any row changes its logits before the choice (one flag test for a plain step)."""
     return bool(flags_of(params) & PROCESSES_LOGITS)
 
 
+class LogitBiasRule(RequestRule):
+    """``logit_bias``: each row's bias added to its logits."""
+
+    name = "logit_bias"
+
+    def adjust(self, rows: Sequence[Any], params: Sequence[SamplingParams]) -> LogitsAdjust | None:
+        if not _processes(params) or not any(p.logit_bias for p in params):
+            return None
+        return _Adjust(apply_logit_bias, list(params))
+
+
+class AllowedTokensRule(RequestRule):
+    """``allowed_token_ids``: every other token of the row at -inf."""
+
+    name = "allowed_token_ids"
+
+    def adjust(self, rows: Sequence[Any], params: Sequence[SamplingParams]) -> LogitsAdjust | None:
+        if not _processes(params) or all(p.allowed_token_ids is None for p in params):
+            return None
+        return _Adjust(apply_allowed_tokens, list(params))
+
+
+class PenaltiesRule(RequestRule):
+    """Presence, frequency and repetition penalties over the device's token counts (``state``, made
+    on the logits' device at the first penalized step)."""
+
+    name = "penalties"
+
+    def __init__(self) -> None:
+        self.state: PenaltyState | None = None
+
+    def adjust(self, rows: Sequence[Any], params: Sequence[SamplingParams]) -> LogitsAdjust | None:
+        if not _processes(params) or not any(p.needs_counts for p in params):
+            return None
+        return _Penalize(self, list(rows), list(params))
+
+
+class _Penalize:
+    """One step's penalties: applied to the rows that ask, their sampled tokens counted after."""
+
+    def __init__(self, rule: PenaltiesRule, rows: list[Any], params: list[SamplingParams]) -> None:
+        self.rule, self.rows, self.params = rule, rows, params
+        self.taken: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply(self, logits: torch.Tensor) -> None:
+        if self.rule.state is None:
+            self.rule.state = PenaltyState(logits.device)
+        state = self.rule.state
+        state.release(sequence_ended)
+        self.taken = state.apply(logits, self.params, self.rows, prompt_and_output)
+
+    def sampled(self, tokens: torch.Tensor) -> None:
+        if self.taken is not None and self.rule.state is not None:
+            self.rule.state.record(self.taken, tokens)
+
+
 __all__ = [
+    "AllowedTokensRule",
+    "LogitBiasRule",
     "Penalized",
+    "PenaltiesRule",
     "PenaltyState",
-    "any_processing",
     "apply_allowed_tokens",
     "apply_logit_bias",
     "apply_penalties",
-    "process_logits",
     "prompt_and_output",
     "sequence_ended",
 ]

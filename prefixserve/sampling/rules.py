@@ -16,6 +16,13 @@ once per request (intake) or once per step for all of the step's rows, never onc
 * ``ban(samplers, indices, params)``: a ``TokenBan`` for the step's rows (tokens they may not choose,
   or the one they must), or None. ``mask(...)``: a ``LogitsMask`` (``apply(logits)`` in place, e.g. a
   grammar's token bitmask), or None. The set joins them: one ban and one mask go to the sampler.
+* ``adjust(rows, params)``: a ``LogitsAdjust`` for the step's sample rows (``rows[i]``: the
+  sequence row i samples for, speculated rows included), or None: it changes, on the device, the copy
+  of the logits the choice is made from (the raw ones still give the logprobs: vLLM's raw
+  logprobs), and sees the step's sampled tokens on the device right after the choice
+  (``sampled``), so its device state needs no host token: ``logit_bias``, ``allowed_token_ids`` and
+  the penalties, whose token counts follow the sampled tokens in stream order even under
+  launch-ahead, where the host has only placeholders for them (``penalties.py``).
 * ``advance(samplers, indices, tokens, pending, then)``: the step's sampled tokens, as they are put in
   place (``pending``: the engine's in-flight tokens, which say whether a row's token is placed at
   all); ``then``: the samplers of the step launched after it whose sampling waits for these tokens
@@ -26,14 +33,8 @@ token ids, under ``params[i]``; ``params`` is a ``RowParams`` whose ``flags`` (`
 gate a rule's work with one test, so a step none of whose rows asks costs a rule one branch. Rows of
 speculated sequences follow the samplers' in ``params``; ``ban`` and ``mask`` see the samplers' only.
 
-Penalties, ``logit_bias`` and ``allowed_token_ids`` stay in the sampler (``penalties.process_logits``,
-called by the runner's sampling), not rules. The penalties' token counts are device state, updated
-from the sampled tokens on the device right behind each sampling: under launch-ahead the host never
-has the last token when the next row is sampled, so a host hook could keep them only by waiting for
-it (every penalized step would stop launching ahead). A bias adds a value, on the copy of the logits
-the choice is made from (the raw ones give the logprobs): neither a ban nor a mask says that, and a
-new kind of restriction would mean a second path through the runner's sampling for what is today
-one scatter gated by one flag (``PROCESSES_LOGITS``, which also picks the runner's fp32 path).
+The runner applies a step's adjusts, then its ban, to one copy of the logits (after the mask, which
+the raw logits take too); a step with neither keeps the sampler's untouched path.
 """
 
 from __future__ import annotations
@@ -75,6 +76,31 @@ class LogitsMask(Protocol):
     """A step's mask of the logits the choice is made from (rows it does not name are left alone)."""
 
     def apply(self, logits: torch.Tensor) -> None: ...
+
+
+class LogitsAdjust(Protocol):
+    """A step's change of the logits the choice is made from, on the device (see ``adjust``)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Change ``logits`` [rows, V] fp32 (the copy the choice is made from) in place."""
+
+    def sampled(self, tokens: torch.Tensor) -> None:
+        """The step's sampled tokens [rows] on the device, right after the choice."""
+
+
+@dataclass(slots=True)
+class Adjusts:
+    """Several rules' adjusts of one step, applied in the rules' order."""
+
+    parts: list[LogitsAdjust]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        for part in self.parts:
+            part.apply(logits)
+
+    def sampled(self, tokens: torch.Tensor) -> None:
+        for part in self.parts:
+            part.sampled(tokens)
 
 
 @dataclass(slots=True)
@@ -128,6 +154,10 @@ class RequestRule:
         """A mask of the step's logits, or None."""
         return None
 
+    def adjust(self, rows: Sequence[RuleSequence], params: Sequence[SamplingParams]) -> LogitsAdjust | None:
+        """A change of the step's logits on the device, or None (see the module's docstring)."""
+        return None
+
     def advance(
         self,
         samplers: Sequence[RuleSequence],
@@ -139,7 +169,7 @@ class RequestRule:
         """The step's tokens, before they are put in place (see the module's docstring)."""
 
 
-HOOKS = ("check", "admit", "waits", "ban", "mask", "advance")
+HOOKS = ("check", "admit", "waits", "ban", "mask", "adjust", "advance")
 
 
 class RuleSet:
@@ -154,7 +184,7 @@ class RuleSet:
         if not all(names) or len(set(names)) != len(names):
             raise ValueError(f"each request rule needs a name of its own; got {names}")
         # the rules that override each hook: a step calls no hook that would do nothing
-        self._checks, self._admits, self._waits, self._bans, self._masks, self._advances = (
+        self._checks, self._admits, self._waits, self._bans, self._masks, self._adjusts, self._advances = (
             tuple(rule for rule in self.rules if _overrides(rule, hook)) for hook in HOOKS
         )
 
@@ -195,6 +225,11 @@ class RuleSet:
             ban = joined(ban, rule.ban(samplers, indices, own))
         return mask, ban
 
+    def adjust(self, rows: Sequence[RuleSequence], params: list[SamplingParams]) -> LogitsAdjust | None:
+        """The step's adjusts, every rule's in order (None where no rule has any)."""
+        parts = [a for rule in self._adjusts if (a := rule.adjust(rows, params)) is not None]
+        return None if not parts else parts[0] if len(parts) == 1 else Adjusts(parts)
+
     def advance(
         self,
         samplers: Sequence[RuleSequence],
@@ -216,6 +251,8 @@ def _overrides(rule: Any, hook: str) -> bool:
 
 __all__ = [
     "HOOKS",
+    "Adjusts",
+    "LogitsAdjust",
     "LogitsMask",
     "Masks",
     "RequestRule",

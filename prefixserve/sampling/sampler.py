@@ -169,7 +169,7 @@ def sample_async(
 ) -> SampleFuture:
     """Launch the sampling of every row; nothing here waits for the device.
 
-    ``processed``: the logits after bias and penalties (``penalties.process_logits``), which the
+    ``processed``: the logits after the request rules' adjusts and ban (bias, penalties), which the
     choice is made from; logprobs are always those of the raw ``logits`` (vLLM's raw logprobs)."""
     raw, logits = logits, (logits if processed is None else processed)
     dev = logits.device

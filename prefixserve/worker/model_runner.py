@@ -29,7 +29,6 @@ import torch
 
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
-from prefixserve.attention.window_graph import window_graph_step
 from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
 from prefixserve.kv.cache import KVCache, blocks_for_budget
@@ -37,14 +36,7 @@ from prefixserve.kv.layout import kv_layout, plain_layout
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
-from prefixserve.sampling.penalties import (
-    Penalized,
-    PenaltyState,
-    any_processing,
-    process_logits,
-    prompt_and_output,
-    sequence_ended,
-)
+from prefixserve.sampling.rules import LogitsAdjust, LogitsMask
 from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only, sample_async, tokens_future
 from prefixserve.sampling.token_ban import TokenBan
 from prefixserve.worker import cpu_malloc
@@ -54,7 +46,6 @@ from prefixserve.worker.piecewise_graph import PiecewiseGraphs
 
 if TYPE_CHECKING:
     from prefixserve.kv.block_pool import BlockPool
-    from prefixserve.structured.bitmask import StepMask
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +159,6 @@ class ModelRunner:
         if self.graphs is not None and self.shard.parallel:
             self.argmax_graphs = ArgmaxGraphs(self.model.compute_argmax, self.graphs.pool)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.penalties: PenaltyState | None = None  # token counts of sequences with penalties
         # The device's own clock (CUDA): busy time of steps and the gaps between them, where the GPU
         # waited on the host; and the host's time spent waiting on the device (any device).
         self.timers: Counter[str] = Counter()
@@ -241,6 +231,9 @@ class ModelRunner:
                     self.graphs = None
                 elif self.window is not None and step.key[0] != "none":  # (the ceiling skips them too)
                     # the sliding layers' window work beside the full layers'; None: an eager step
+                    # (imported here: it loads the Triton kernels, which a CPU engine never needs)
+                    from prefixserve.attention.window_graph import window_graph_step
+
                     step = window_graph_step(meta, step, self.graphs.shape, bucket, self.window, group_tables)
                 if step is not None:
                     return StepBatch(positions, meta, step, group_tables=group_tables)
@@ -334,24 +327,23 @@ class ModelRunner:
         rows: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        seqs: list[Penalized] | None = None,
-        mask: StepMask | None = None,
+        mask: LogitsMask | None = None,
         ban: TokenBan | None = None,
+        adjust: LogitsAdjust | None = None,
     ) -> None:
         """Sample the hidden rows ``rows`` (none: nothing to sample), issued; then close the launch.
 
-        ``seqs``: the sequence each row samples for (they key the penalties' device state; needed
-        only when some row's parameters process its logits or ``ban`` is given). ``mask``: structured
-        outputs' token bitmask on the host and the sample rows it constrains
-        (``structured.bitmask.StepMask``), copied to the device and applied to the logits before
-        penalties and sampling. ``ban``: stops that rows under their ``min_tokens`` may not choose
-        (``sampling/min_tokens.py``), set to -inf in the logits the choice is made from.
+        The step's request rules (``sampling/rules.py``): ``mask`` (a grammar's token bitmask) applies
+        to the logits, ``adjust`` (logit bias, allowed tokens, penalties) then ``ban`` (stops under
+        ``min_tokens``, bad words, a thinking budget's forced end) to a copy of them that the choice
+        is made from; logprobs are the raw logits'. ``adjust`` sees the sampled tokens on the device.
 
         Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
         counts the time since the forward was issued as time spent on the device, not on the host.
         """
-        sharded = bool(rows) and ban is None and self.sharded_argmax(params, mask)
-        fp32 = bool(rows) and not sharded and (ban is not None or not argmax_only(params))
+        sharded = bool(rows) and ban is None and adjust is None and self.sharded_argmax(params, mask)
+        changed = ban is not None or adjust is not None  # a processed copy, in fp32
+        fp32 = bool(rows) and not sharded and (changed or not argmax_only(params))
         self._before_sampling(rows, sharded, fp32)
         if sharded:
             launch.future = tokens_future(self._argmax(launch, rows))
@@ -359,8 +351,8 @@ class ModelRunner:
             logits = self._logits(launch, rows, fp32=fp32)
             if mask is not None:
                 mask.apply(logits)
-            if seqs is not None and (ban is not None or any_processing(params)):
-                launch.future = self._sample_processed(logits, params, generators, seqs, ban)
+            if ban is not None or adjust is not None:
+                launch.future = self._sample_processed(logits, params, generators, ban, adjust)
             else:
                 launch.future = sample_async(logits, params, generators, self.default_generator)
         launch.hidden = None
@@ -379,19 +371,19 @@ class ModelRunner:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        seqs: list[Penalized],
-        ban: TokenBan | None = None,
+        ban: TokenBan | None,
+        adjust: LogitsAdjust | None,
     ) -> SampleFuture:
-        """Sampling after logit_bias, min_tokens' ban and penalties; the sampled tokens are counted on
-        the device."""
-        state = self.penalties
-        if state is None:
-            state = self.penalties = PenaltyState(self.device)
-        state.release(sequence_ended)
-        processed, taken = process_logits(logits, params, seqs, state, prompt_and_output, ban)
+        """Sampling from a copy of the logits with the rules' adjusts and ban applied (the raw ones
+        give the logprobs); the adjusts then see the sampled tokens on the device."""
+        processed = logits.clone()
+        if adjust is not None:
+            adjust.apply(processed)
+        if ban is not None:
+            ban.apply(processed)
         future = sample_async(logits, params, generators, self.default_generator, processed)
-        if taken is not None:
-            state.record(taken, future.device_tokens)
+        if adjust is not None:
+            adjust.sampled(future.device_tokens)
         return future
 
     def logits(self, launch: Launch, rows: list[int], fp32: bool = True) -> torch.Tensor:

@@ -47,11 +47,11 @@ from prefixserve.model.loader import ModelSource, load_model, model_config
 from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from prefixserve.model.peer_allreduce import peer_allreduce_for
 from prefixserve.sampling.params import SamplingParams
+from prefixserve.sampling.rules import LogitsAdjust, LogitsMask
 from prefixserve.worker.model_runner import Launch, ModelRunner, PrevTokenFeed, StepBatch, context_length
 
 if TYPE_CHECKING:
     from prefixserve.sampling.token_ban import TokenBan
-    from prefixserve.structured.bitmask import StepMask
 
 log = logging.getLogger(__name__)
 
@@ -356,13 +356,13 @@ class TensorParallelRunner(ModelRunner):
         rows: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        seqs: list[Any] | None = None,
-        mask: StepMask | None = None,
+        mask: LogitsMask | None = None,
         ban: TokenBan | None = None,
+        adjust: LogitsAdjust | None = None,
     ) -> None:
         """Only rank 0 samples; the workers compute their vocabulary columns for the logits' gather (or,
         greedy alone, their best column for the sharded argmax: ``_before_sampling``)."""
-        self.guard(super().sample, launch, rows, params, generators, seqs, mask, ban)
+        self.guard(super().sample, launch, rows, params, generators, mask, ban, adjust)
 
     def _before_sampling(self, rows: list[int], sharded: bool, fp32: bool) -> None:
         self._argmax_tokens = None  # set once the sharded argmax's tokens are issued (``_argmax``)
