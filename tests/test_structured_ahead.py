@@ -40,28 +40,25 @@ def _params() -> list[SamplingParams]:
 
 
 def _record_masks(llm: Any) -> dict[tuple[str, int], bytes]:
-    """Each masked row's words by (request id, output position), as the runner's sampling gets them."""
+    """Each masked row's words by (request id, output position), as the runner's sampling gets them
+    (each row's sequence: the rows the rules' adjusts were asked for just before)."""
     masks: dict[tuple[str, int], bytes] = {}
-    runner = llm.engine.runner
-    sample = runner.sample
+    runner, rules = llm.engine.runner, llm.engine.rules
+    sample, adjust, last = runner.sample, rules.adjust, []
 
-    def recording(
-        launch: Any,
-        rows: Any,
-        params: Any,
-        generators: Any,
-        seqs: Any = None,
-        mask: Any = None,
-        ban: Any = None,
-    ) -> None:
+    def rows_of(rows: Any, params: Any) -> Any:
+        last[:] = list(rows)
+        return adjust(rows, params)
+
+    def recording(launch: Any, rows: Any, params: Any, generators: Any, mask: Any = None, *rest: Any) -> None:
         if mask is not None:
             for r in mask.rows:
-                seq = seqs[r]
+                seq = last[r]
                 key = (f"{seq.request.request_id}/{seq.index}", len(seq.token_ids))
                 masks[key] = mask.bitmask[r].numpy().tobytes()
-        return sample(launch, rows, params, generators, seqs, mask, ban)
+        return sample(launch, rows, params, generators, mask, *rest)
 
-    runner.sample = recording
+    rules.adjust, runner.sample = rows_of, recording
     return masks
 
 
