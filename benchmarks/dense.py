@@ -173,9 +173,9 @@ def run(args: argparse.Namespace) -> None:
         # step without attention), and the bare matmuls are the yardstick every fraction divides by
         bare_runs = [bench_ms(graphed(bare_step(model, b, b)), 200, warmup=10)]
         eng = engine_decode(llm, b, args.prompt_len, args.gen)
-        # captured again after the engine: its graph captures empty PyTorch's cache, cuBLAS's split-K
-        # workspace with it, which a graph captured before them still reads (Gemma-3-12B's down
-        # projection, split-K at B=16, faulted when the first graph was replayed after the engine)
+        # captured again after the engine: Gemma-3-12B's graph captured before it faulted (illegal
+        # address) when replayed after the engine's own captures, Qwen3-8B's did not; most likely a
+        # cuBLAS split-K workspace that those captures released (torch.cuda.graph empties the cache)
         bare_graph = graphed(bare_step(model, b, b))
         bare_runs += [bench_ms(bare_graph, 200, warmup=10), bench_ms(bare_graph, 200, warmup=10)]
         bare = min(bare_runs)
