@@ -57,6 +57,8 @@ class GraphStep:
     refit: Callable[[tuple[Any, ...]], GraphStep] | None = None
     # the freeing KV layout: each sliding group's KV write slots of the step's rows ([R, rows] int64)
     group_slots: np.ndarray | None = None
+    # its attention runs the sliding layers too (``window_forward``): no window work to add to it
+    windowed: bool = False
 
 
 def capacity(n: int, minimum: int = 1) -> int:

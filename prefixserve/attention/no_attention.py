@@ -27,7 +27,7 @@ class NoAttentionBackend(AttentionBackend):
         from prefixserve.attention.graph import GraphStep, NoAttentionGraph
 
         self.prepare(meta)
-        return GraphStep(("none", bucket), {}, lambda: NoAttentionGraph(shape.device))
+        return GraphStep(("none", bucket), {}, lambda: NoAttentionGraph(shape.device), windowed=True)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return q

@@ -132,6 +132,7 @@ def window_graph_step(
             full_step.stats,
             lambda f: step(full_step.refit(f[2]) if full_step.refit else full_step, f[3]),
             group_slots=slots,
+            windowed=True,
         )
 
     return step(full, None)
@@ -199,8 +200,8 @@ class WindowGraph(GraphAttention):
         )
         if self.tiles is None:  # no kept segment: the walk writes the output
             launch = kernels.launch_walk(q, k_cache, v_cache, walk, scale, window, out)
-            lay = kernels.WindowLaunches(self.bucket, launches=[(launch, (0, 1, 2, 3), False)])
-            lay.group_args = [[(5, "tables")]]  # the walk's table: its group's
+            lay = kernels.WindowLaunches(self.bucket, launches=[(launch, kernels.WALK_OUT, False)])
+            lay.group_args = kernels.group_args(lay.launches, arrays)  # the walk's table: its group's
         else:
             f32 = {"dtype": torch.float32, "device": q.device}
             parts = self.bucket + self.slots

@@ -229,7 +229,7 @@ class ModelRunner:
                 if step is None:
                     log.info("attention backend %r has no CUDA-graph path: eager steps", self.backend.name)
                     self.graphs = None
-                elif self.window is not None and step.key[0] != "none":  # (the ceiling skips them too)
+                elif self.window is not None and not step.windowed:
                     # the sliding layers' window work beside the full layers'; None: an eager step
                     # (imported here: it loads the Triton kernels, which a CPU engine never needs)
                     from prefixserve.attention.window_graph import window_graph_step

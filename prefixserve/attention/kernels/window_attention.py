@@ -214,6 +214,9 @@ def _launch_args(
     return (walk.num_seqs * q_tiles, kv_heads), args, kw
 
 
+WALK_OUT = (0, 1, 2, 3)  # the walk's q, K, V and output argument positions (a layer's own)
+
+
 def launch_walk(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, walk: WalkInputs, scale: float,
     window: int, out: torch.Tensor,
@@ -283,13 +286,16 @@ def launch_window_path(
 
     merge = csr_merge(o_part, lse_part, at, lay.row_ptr, lay.part_idx, out)
     lay.launches = launch_split_path(shared, walk_launch, merge, None)
-    lay.group_args = []
-    if group is not None:  # where each launch holds this group's arrays: swapped per group later
-        mine = {id(group[name]): name for name in GROUP_ARRAYS if name in group}
-        lay.group_args = [
-            [(i, mine[id(a)]) for i, a in enumerate(launch.args) if id(a) in mine]
-            for launch, _, _ in lay.launches
-        ]
+    lay.group_args = group_args(lay.launches, group) if group is not None else []
+
+
+def group_args(launches: list[Any], group: dict[str, Any]) -> list[list[tuple[int, str]]]:
+    """Where each recorded launch holds ``group``'s arrays (by identity): the arguments a replay for
+    another sliding group swaps for its own."""
+    mine = {id(group[name]): name for name in GROUP_ARRAYS if name in group}
+    return [
+        [(i, mine[id(a)]) for i, a in enumerate(launch.args) if id(a) in mine] for launch, _, _ in launches
+    ]
 
 
 def replay_window_path(lay: WindowLaunches, tensors: tuple[torch.Tensor, ...], group: dict | None) -> None:
