@@ -51,6 +51,7 @@ class LayerSpec:
     shares_kv: bool = False  # reads layer ``kv_source``'s cache, writes none
     k_eq_v: bool = False  # no v_proj: V is the K projection (before K's norm and RoPE)
     intermediate_size: int = 0
+    moe: bool = False  # the MLP is a mixture of experts (``model/moe.py``), not the dense gated MLP
 
 
 def _rope_spec(theta: float, scaling: dict[str, Any] | None, dim: int = 0) -> RopeSpec:
@@ -103,6 +104,16 @@ class ModelConfig:
     hidden_size_per_layer_input: int = 0  # per-layer input embeddings' width (0: none)
     vocab_size_per_layer_input: int = 0
     layer_scalar: bool = False  # each layer's output stream times a learned scalar (a checkpoint tensor)
+    # ---- mixture of experts (``families/moe.py``; Qwen3-MoE, Mixtral) ----
+    num_experts: int = 0  # 0: every MLP is dense
+    num_experts_per_tok: int = 0  # k: experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's intermediate width
+    norm_topk_prob: bool = False  # the k chosen probabilities renormalised to sum to 1
+    # "softmax_topk": softmax over every expert, then the k largest (Qwen3-MoE, Mixtral);
+    # "topk_softmax": the k largest logits, then a softmax over them (gpt-oss)
+    router_rule: str = "softmax_topk"
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 (and not in mlp_only_layers)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -131,6 +142,7 @@ class ModelConfig:
                 f"hidden_act {self.hidden_act!r} is not supported; supported: {list(ACTIVATIONS)}"
             )
         self._check_per_layer()
+        self._check_experts()
         for spec in {self.layer_spec(i).rope for i in range(self.num_hidden_layers)}:
             scaling = spec.scaling_dict
             kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -177,6 +189,32 @@ class ModelConfig:
                 f"hidden_size_per_layer_input={self.hidden_size_per_layer_input} needs a "
                 f"vocab_size_per_layer_input >= 1 (got {self.vocab_size_per_layer_input})"
             )
+
+    def _check_experts(self) -> None:
+        """A mixture of experts that contradicts itself is refused, naming the field."""
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+        if self.router_rule not in ROUTER_RULES:
+            raise ValueError(f"router rule {self.router_rule!r} is not one of {list(ROUTER_RULES)}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if outside:
+            raise ValueError(
+                f"mlp_only_layers names layers {outside}; layers are 0..{self.num_hidden_layers - 1}"
+            )
+
+    def is_moe_layer(self, i: int) -> bool:
+        """HF's rule: experts on every ``decoder_sparse_step``-th layer, except ``mlp_only_layers``."""
+        return (
+            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -237,6 +275,7 @@ class ModelConfig:
             shares_kv=shares,
             k_eq_v=self.attention_k_eq_v and kind != SLIDING,
             intermediate_size=self.intermediate_size * wide,
+            moe=self.is_moe_layer(i),
         )
 
     @property
@@ -277,5 +316,7 @@ class ModelConfig:
 
 # RoPE scalings ``model/llama.rope_inv_freq`` computes (``proportional``: Gemma 4's global layers)
 ROPE_TYPES = ("default", "llama3", "linear", "proportional")
+# how a mixture of experts picks a token's experts (``router_rule``)
+ROUTER_RULES = ("softmax_topk", "topk_softmax")
 # what ``per_layer_config`` may set for a layer
 PER_LAYER_SIZES = ("head_dim", "num_key_value_heads")

@@ -420,3 +420,27 @@ __all__ = [
     "split_k_products",
     "triton_kernels",
 ]
+
+
+def moe(
+    x: torch.Tensor,  # [T, H]
+    logits: torch.Tensor,  # [T, E]: the router's
+    w_up: torch.Tensor,  # [E 2I, H]
+    w_down: torch.Tensor,  # [E H, I]
+    top_k: int,
+    rule: str,
+    norm: bool,
+    act: str,
+) -> torch.Tensor:  # [T, H]
+    """A mixture of experts' output: each token routed to its ``top_k`` experts (``rule``, ``norm``:
+    ``moe.route_ref``), their gated MLPs (``act``) weighted and summed. On CUDA the fused kernels
+    (``kernels/fused_moe.py``), else the reference loop over the experts touched (``moe.experts_ref``)."""
+    if _use_triton(x):
+        from prefixserve.model.kernels import fused_moe
+
+        weights, ids = fused_moe.route(logits, top_k, rule, norm)
+        return fused_moe.experts_forward(x, w_up, w_down, weights, ids, fused_moe.ACTIVATIONS[act])
+    from prefixserve.model.moe import experts_ref, route_ref
+
+    weights, ids = route_ref(logits, top_k, rule, norm)
+    return experts_ref(x, w_up, w_down, weights, ids, act)

@@ -36,6 +36,7 @@ from prefixserve.model.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from prefixserve.model.moe import MoE
 from prefixserve.model.parallel import Shard
 from prefixserve.model.peer_allreduce import ATTENTION_SLOT, MLP_SLOT
 from prefixserve.model.rotary import Rope, Ropes, RotaryEmbedding, distinct_ropes, rope_inv_freq
@@ -240,7 +241,7 @@ class DecoderLayer(nn.Module):
         self.spec, self.rope_index = spec, rope_index  # rope_index: which of the step's angles
         self.index = index
         self.self_attn = Attention(config, shard, spec)
-        self.mlp = MLP(config, shard, spec.intermediate_size)
+        self.mlp = MoE(config, shard) if spec.moe else MLP(config, shard, spec.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sandwich = config.sandwich_norms

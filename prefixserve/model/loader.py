@@ -21,10 +21,12 @@ import torch
 from prefixserve.config import cache_dir
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.families import checkpoint_name
 from prefixserve.model.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from prefixserve.model.llama import LlamaForCausalLM, RMSNorm
 from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.meta_init import allocate
+from prefixserve.model.moe import MoE
 from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -173,6 +175,7 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
     out: dict[str, list[Piece]] = {}
     for module_name, module in model.named_modules():
         prefix = module_name.rpartition(".")[0]
+        experts = module.expert_pieces(module_name) if isinstance(module, MoE) else {}
         for pname, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{pname}" if module_name else pname
             whole = tuple(param.shape)
@@ -190,6 +193,8 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
                         module.parts, module.part_rows().values(), strict=True
                     )
                 ]
+            elif isinstance(module, MoE):
+                out[name] = [Piece(n, rows, dim, a, b, full) for n, rows, dim, (a, b), full in experts[name]]
             elif isinstance(module, RowParallelLinear):
                 a, b = module.src
                 out[name] = [Piece(name, slice(None), 1, a, b, (whole[0], module.total_in))]
@@ -245,6 +250,8 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = language_model_name(stored)
+                if name is not None:
+                    name = checkpoint_name(model.config.architecture, name)
                 if name is None:  # a multimodal checkpoint's vision tower: text is served alone
                     continue
                 if name not in targets:

@@ -33,7 +33,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def step_reserve(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_seqs: int) -> int:
     """Memory a step takes beside weights and KV: the widest activations of ``max_tokens`` tokens
-    (residual, q/k/v, gate and up columns of this rank, their products), fp32 logits of ``max_seqs``
+    (residual, q/k/v, gate and up columns of this rank, their products; a mixture of experts' k
+    routed copies of each token), fp32 logits of ``max_seqs``
     rows with their softmax and the gathered copy, ``FRAGMENTATION`` more for the allocator's
     unusable free blocks, and a fixed part (``FIXED_RESERVE``)."""
     item = torch.tensor([], dtype=dtype).element_size()
@@ -42,6 +43,10 @@ def step_reserve(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_s
     inter = max(s.intermediate_size for s in specs)
     per_layer = 2 * config.num_hidden_layers * config.hidden_size_per_layer_input  # Gemma 4's inputs
     per_token = 4 * config.hidden_size + qkv + 3 * inter + per_layer
+    if config.num_experts:  # router logits, and per routed copy its activation and weighted output
+        per_token += 2 * config.num_experts + config.num_experts_per_tok * (
+            config.moe_intermediate_size + config.hidden_size
+        )
     logits = 3 * max_seqs * config.vocab_size * 4
     variable = max_tokens * per_token * item + logits
     return int(variable * (1 + FRAGMENTATION)) + FIXED_RESERVE

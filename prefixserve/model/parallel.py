@@ -75,6 +75,7 @@ class Shard:
             num_attention_heads=config.num_attention_heads // self.size,
             num_key_value_heads=stop - start,
             intermediate_size=config.intermediate_size // self.size,
+            moe_intermediate_size=config.moe_intermediate_size // self.size,
             per_layer_config=per_layer,
         )
 
@@ -141,6 +142,8 @@ def check_divisible(config: ModelConfig, size: int) -> None:
             )
     if inter % size:
         problems.append(f"intermediate_size={inter}")
+    if config.moe_intermediate_size % size:  # each expert's columns are split over the ranks
+        problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {', '.join(problems)}")
 

@@ -8,21 +8,34 @@ norms, sliding windows, the activation). Adding a family is a short module here 
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
-from prefixserve.model.families import gemma3, gemma4, llama, qwen3
+from prefixserve.model.families import gemma3, gemma4, llama, moe, qwen3
 
-# family name -> (module, HF architecture names, HF model_type names)
-FAMILIES: dict[str, tuple[ModuleType, tuple[str, ...], tuple[str, ...]]] = {
-    "llama": (llama, ("LlamaForCausalLM",), ("llama",)),
-    "mistral": (llama, ("MistralForCausalLM",), ("mistral",)),
-    "qwen2": (llama, ("Qwen2ForCausalLM",), ("qwen2",)),
-    "qwen3": (qwen3, ("Qwen3ForCausalLM",), ("qwen3",)),
+ConfigReader = Callable[[dict[str, Any], str], dict[str, Any]]
+
+# family name -> (what reads its config.json into ModelConfig's fields, HF architecture names, HF
+# model_type names)
+FAMILIES: dict[str, tuple[ConfigReader, tuple[str, ...], tuple[str, ...]]] = {
+    "llama": (llama.config_fields, ("LlamaForCausalLM",), ("llama",)),
+    "mistral": (llama.config_fields, ("MistralForCausalLM",), ("mistral",)),
+    "qwen2": (llama.config_fields, ("Qwen2ForCausalLM",), ("qwen2",)),
+    "qwen3": (qwen3.config_fields, ("Qwen3ForCausalLM",), ("qwen3",)),
     # the multimodal checkpoint (Gemma 3 4B-27B as published) serves its language model: text only
-    "gemma3": (gemma3, ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3")),
+    "gemma3": (
+        gemma3.config_fields,
+        ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        ("gemma3_text", "gemma3"),
+    ),
     # dense only (the MoE block is refused); the multimodal checkpoint serves its language model
-    "gemma4": (gemma4, ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4_text", "gemma4")),
+    "gemma4": (
+        gemma4.config_fields,
+        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        ("gemma4_text", "gemma4"),
+    ),
+    "qwen3_moe": (moe.qwen3_moe_fields, ("Qwen3MoeForCausalLM",), ("qwen3_moe",)),
+    "mixtral": (moe.mixtral_fields, ("MixtralForCausalLM",), ("mixtral",)),
 }
 
 
@@ -43,7 +56,7 @@ def family_of(raw: dict[str, Any]) -> str:
 def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """``ModelConfig``'s keyword arguments from an HF config dict, read by its family."""
     name = family_of(raw)
-    return FAMILIES[name][0].config_fields(raw, name)
+    return FAMILIES[name][0](raw, name)
 
 
 def write_config(config: Any) -> dict[str, Any]:  # a ModelConfig
@@ -60,3 +73,12 @@ def write_config(config: Any) -> dict[str, Any]:  # a ModelConfig
     if config.rope_by_layer_type:
         out["rope_parameters"] = dict(config.rope_by_layer_type)
     return out
+
+
+def checkpoint_name(family: str, name: str) -> str:
+    """A checkpoint tensor's name as the model names it: the family's own names mapped (Mixtral's
+    ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2`` are ``mlp.experts.{e}.gate_proj``/``up_proj``/
+    ``down_proj``), others as they are."""
+    if family == "mixtral":
+        return moe.mixtral_name(name)
+    return name

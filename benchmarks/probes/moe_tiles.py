@@ -1,0 +1,88 @@
+"""Probe: the fused MoE kernels' tiles at one model's MoE layer (default Qwen3-30B-A3B), per B: each
+candidate (BM, up BN, down BN, BK, warps, stages) checked against the default's output, then timed
+graphed; prints the fastest few per B beside the default and ``torch._grouped_mm``, JSON to --json.
+
+    PYTHONPATH=. python -m benchmarks.probes.moe_tiles [--model qwen3-30b-a3b] [--batches 1 64 256 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from benchmarks.harness.timing import bench_ms, graphed
+from benchmarks.moe import grouped_mm_moe
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.kernels import fused_moe
+from prefixserve.model.loader import resolve_model
+
+
+def candidates(block_m: int) -> list[tuple[int, ...]]:
+    out = []
+    for bm in sorted({block_m, max(16, block_m // 2), min(128, block_m * 2)}):
+        for bn_up, bn_down, bk, warps, stages in itertools.product(
+            (32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4)
+        ):
+            if bm * bn_up > 64 * 128 and warps == 4:
+                continue
+            if bm <= 32 and warps == 8:
+                continue
+            out.append((bm, bn_up, bn_down, bk, warps, stages))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
+    ap.add_argument("--limit", type=int, default=40, help="candidates per B, spread over the list")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
+    e, hidden, inter, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w_up = torch.randn(e * 2 * inter, hidden, device=dev, dtype=dtype, generator=gen) * hidden**-0.5
+    w_down = torch.randn(e * hidden, inter, device=dev, dtype=dtype, generator=gen) * inter**-0.5
+    router = torch.randn(e, hidden, device=dev, dtype=dtype, generator=gen) * hidden**-0.5
+    results = []
+    for b in args.batches:
+        x = torch.randn(b, hidden, device=dev, dtype=dtype, generator=gen)
+        weights, ids = fused_moe.route(x @ router.T, k, cfg.router_rule, cfg.norm_topk_prob)
+        default = fused_moe.tiles(b, k, e)
+        want = fused_moe.experts_forward(x, w_up, w_down, weights, ids)
+        base = bench_ms(graphed(lambda: grouped_mm_moe(x, w_up, w_down, weights, ids)), 100)  # noqa: B023
+        cands = candidates(default[0])
+        step = max(1, len(cands) // args.limit)
+        timed = []
+        for tile in [default, *cands[::step]]:
+            try:
+                got = fused_moe.experts_forward(x, w_up, w_down, weights, ids, tile=tile)
+                err = float((got.float() - want.float()).abs().max())
+                ms = bench_ms(
+                    graphed(
+                        lambda t=tile, a=(x, w_up, w_down, weights, ids): fused_moe.experts_forward(
+                            *a, tile=t
+                        )
+                    ),
+                    100,
+                )
+                timed.append({"B": b, "tile": tile, "ms": ms, "err": err, "default": tile == default})
+            except Exception as exc:  # a tile too large for shared memory
+                print(b, tile, repr(exc)[:100])
+        timed.sort(key=lambda r: r["ms"])
+        dflt = next(r for r in timed if r["default"])
+        print(f"B={b}: grouped_mm {base:.3f} ms, default {default} {dflt['ms']:.3f} ms")
+        for r in timed[:5]:
+            print(f"   {r['tile']} {r['ms']:.3f} ms err {r['err']:.3g}")
+        results.append({"B": b, "grouped_mm_ms": base, "timed": timed})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

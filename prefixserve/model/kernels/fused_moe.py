@@ -1,0 +1,457 @@
+"""The mixture-of-experts MLP on the GPU: route, group by expert, two grouped GEMMs, combine.
+
+A step's T tokens each go to k of E experts: N = T k assignments. Four kernels, all of fixed grid
+for a given T (CUDA-graph safe: no host sync, nothing sized by the routing):
+
+  * ``_route_kernel`` (one program per token): the router's softmax and top k (or top k, then a
+    softmax over them), ties to the lower expert index, the k weights renormalised where asked;
+  * ``_align_kernel`` (one program): the assignments grouped by expert into blocks of BM rows, each
+    expert's run padded to whole blocks: ``slots`` [NB BM] (the assignment in each row),
+    ``block_expert`` [NB] (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are
+    real). NB = min(N, ceil(N / BM) + E) blocks bound every routing;
+  * ``_expert_up_kernel`` (block x intermediate tile): each block's tokens gathered from x, times its
+    expert's gate and up rows, the activation in the epilogue: ``inter`` [N, I] by assignment;
+  * ``_expert_down_kernel`` (block x hidden tile): ``inter``'s rows times the expert's down
+    projection, times the assignment's routing weight: ``out_k`` [N, H];
+  * ``_combine_kernel``: each token's k rows summed in fp32.
+
+A block reads only its expert's weights, so a step reads the experts its tokens route to, each once
+per block (twice for an expert with more than BM tokens, L2 permitting). The assignment order inside
+an expert is the order of the tokens, so a token's result never depends on how the step was batched.
+docs/kernels.md ("Mixture of experts") has the measured choices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.model.kernels.silu_mul import silu_mul
+from prefixserve.triton_support import require_triton
+
+triton, tl = require_triton()
+
+SILU, GELU_TANH, SWIGLU_OAI = 0, 1, 2  # activations (``ACTIVATION``); SWIGLU_OAI: gpt-oss's clamped one
+ACTIVATIONS = {"silu": SILU, "gelu_pytorch_tanh": GELU_TANH, "swiglu_oai": SWIGLU_OAI}
+ROUTER_RULES = {"softmax_topk": 0, "topk_softmax": 1}
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E]
+    weights_ptr,  # [T, TOP_K] fp32
+    ids_ptr,  # [T, TOP_K] int32
+    n_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    KP: tl.constexpr,  # TOP_K rounded up to a power of two
+    EP: tl.constexpr,  # E rounded up to a power of two
+    RULE: tl.constexpr,  # 0: softmax then top k; 1: top k then softmax over them
+    NORM: tl.constexpr,  # renormalise the k weights (rule 0)
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    logits = tl.load(logits_ptr + t * stride_l + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
+    if RULE == 0:
+        p = tl.exp(logits - tl.max(logits, 0))
+        scores = p / tl.sum(p, 0)
+    else:
+        scores = logits
+    kk = tl.arange(0, KP)
+    real = kk < TOP_K
+    chosen = tl.full([KP], float("-inf"), dtype=tl.float32)
+    chosen_ids = tl.zeros([KP], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(scores, 0, tie_break_left=True)  # the lowest index among equal scores
+        value = tl.max(scores, 0)
+        chosen = tl.where(kk == j, value, chosen)
+        chosen_ids = tl.where(kk == j, best.to(tl.int32), chosen_ids)
+        scores = tl.where(e == best, float("-inf"), scores)
+    if RULE == 1:
+        p = tl.where(real, tl.exp(chosen - tl.max(chosen, 0)), 0.0)
+        chosen = p / tl.sum(p, 0)
+    elif NORM:
+        chosen = chosen / tl.sum(tl.where(real, chosen, 0.0), 0)
+    tl.store(weights_ptr + t * TOP_K + kk, chosen, mask=real)
+    tl.store(ids_ptr + t * TOP_K + kk, chosen_ids, mask=real)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,  # [N] int32: each assignment's expert
+    slots_ptr,  # [NB * BM] int32 out: the assignment in each row of each block
+    block_expert_ptr,  # [NB] int32 out: each block's expert, -1 past the last used block
+    block_rows_ptr,  # [NB] int32 out: real rows in each block
+    n_assign,
+    n_experts,
+    n_blocks,
+    BM: tl.constexpr,
+    EP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    experts = tl.arange(0, EP)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([EP], dtype=tl.int32)
+    for c in range(0, n_assign, CHUNK):
+        a = c + lane
+        ex = tl.load(ids_ptr + a, mask=a < n_assign, other=-1)
+        counts += tl.sum((ex[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BM - 1) // BM * BM
+    start = tl.cumsum(padded, 0) - padded  # each expert's first row
+    block_end = (start + padded) // BM  # one past each expert's last block
+    for b0 in range(0, n_blocks, CHUNK):
+        b = b0 + lane
+        holder = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)  # the expert holding block b
+        mine = experts[None, :] == holder[:, None]
+        rows = tl.sum(tl.where(mine, start + counts, 0), 1) - b * BM
+        used = holder < n_experts
+        tl.store(block_expert_ptr + b, tl.where(used, holder, -1), mask=b < n_blocks)
+        tl.store(block_rows_ptr + b, tl.where(used, tl.minimum(rows, BM), 0), mask=b < n_blocks)
+    running = start  # the next free row of each expert
+    for c in range(0, n_assign, CHUNK):
+        a = c + lane
+        valid = a < n_assign
+        ex = tl.load(ids_ptr + a, mask=valid, other=-1)
+        same = (ex[:, None] == ex[None, :]) & (lane[None, :] < lane[:, None])  # earlier, same expert
+        rank = tl.sum(same.to(tl.int32), 1)
+        onehot = ex[:, None] == experts[None, :]
+        base = tl.sum(tl.where(onehot, running[None, :], 0), 1)
+        tl.store(slots_ptr + base + rank, a, mask=valid)
+        running += tl.sum(onehot.to(tl.int32), 0)
+
+
+@triton.jit
+def _chunk_count_kernel(
+    ids_ptr,  # [N] int32
+    counts_ptr,  # [C, EP] int32 out: each chunk's assignments per expert
+    rank_ptr,  # [N] int32 out: each assignment's place among its chunk's of the same expert
+    n_assign,
+    EP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    c = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    a = c * CHUNK + lane
+    valid = a < n_assign
+    ex = tl.load(ids_ptr + a, mask=valid, other=-1)
+    same = (ex[:, None] == ex[None, :]) & (lane[None, :] < lane[:, None])
+    tl.store(rank_ptr + a, tl.sum(same.to(tl.int32), 1), mask=valid)
+    experts = tl.arange(0, EP)
+    tl.store(counts_ptr + c * EP + experts, tl.sum((ex[:, None] == experts[None, :]).to(tl.int32), 0))
+
+
+@triton.jit
+def _chunk_plan_kernel(
+    counts_ptr,  # [C, EP] int32 in; out: each chunk's first row for each expert
+    block_expert_ptr,
+    block_rows_ptr,
+    n_chunks,
+    n_experts,
+    n_blocks,
+    BM: tl.constexpr,
+    EP: tl.constexpr,
+    ROWS: tl.constexpr,  # chunks per pass
+):
+    experts = tl.arange(0, EP)
+    r = tl.arange(0, ROWS)
+    totals = tl.zeros([EP], dtype=tl.int32)
+    for c0 in range(0, n_chunks, ROWS):
+        c = c0 + r
+        tile = tl.load(counts_ptr + c[:, None] * EP + experts[None, :], mask=(c < n_chunks)[:, None], other=0)
+        totals += tl.sum(tile, 0)
+    padded = (totals + BM - 1) // BM * BM
+    start = tl.cumsum(padded, 0) - padded
+    running = start
+    for c0 in range(0, n_chunks, ROWS):
+        c = c0 + r
+        ok = (c < n_chunks)[:, None]
+        tile = tl.load(counts_ptr + c[:, None] * EP + experts[None, :], mask=ok, other=0)
+        first = running[None, :] + tl.cumsum(tile, 0) - tile  # exclusive, down the chunks
+        tl.debug_barrier()  # every thread's loads of this tile before any thread overwrites it
+        tl.store(counts_ptr + c[:, None] * EP + experts[None, :], first, mask=ok)
+        running += tl.sum(tile, 0)
+    block_end = (start + padded) // BM
+    for b0 in range(0, n_blocks, ROWS):
+        b = b0 + r
+        holder = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
+        mine = experts[None, :] == holder[:, None]
+        rows = tl.sum(tl.where(mine, start + totals, 0), 1) - b * BM
+        used = holder < n_experts
+        tl.store(block_expert_ptr + b, tl.where(used, holder, -1), mask=b < n_blocks)
+        tl.store(block_rows_ptr + b, tl.where(used, tl.minimum(rows, BM), 0), mask=b < n_blocks)
+
+
+@triton.jit
+def _chunk_scatter_kernel(
+    ids_ptr,
+    first_ptr,  # [C, EP]: each chunk's first row for each expert
+    rank_ptr,
+    slots_ptr,
+    n_assign,
+    EP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    c = tl.program_id(0)
+    a = c * CHUNK + tl.arange(0, CHUNK)
+    valid = a < n_assign
+    ex = tl.load(ids_ptr + a, mask=valid, other=0)
+    row = tl.load(first_ptr + c * EP + ex, mask=valid, other=0) + tl.load(rank_ptr + a, mask=valid, other=0)
+    tl.store(slots_ptr + row, a, mask=valid)
+
+
+@triton.jit
+def _act(gate, up, dtype: tl.constexpr, ACTIVATION: tl.constexpr, alpha, limit):
+    """The experts' activation of fp32 gate and up products (rounded as the unfused model rounds)."""
+    if ACTIVATION == 2:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+        g = tl.minimum(gate.to(dtype).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
+        return (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    return silu_mul(gate, up, dtype, ACTIVATION == 1)
+
+
+@triton.jit
+def _expert_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E * 2 I, H]: expert e's gate rows at e 2I, its up rows at e 2I + I
+    bias_ptr,  # [E * 2 I] (HAS_BIAS)
+    inter_ptr,  # [N, I] out
+    slots_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    hidden,
+    inter,
+    stride_x,
+    alpha,
+    limit,
+    TOP_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    n_rows = tl.load(block_rows_ptr + block)
+    r = tl.arange(0, BM)
+    real = r < n_rows
+    assign = tl.load(slots_ptr + block * BM + r, mask=real, other=0)
+    token = (assign // TOP_K).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < inter
+    gate_rows = (expert.to(tl.int64) * 2 * inter + n) * hidden
+    up_rows = gate_rows + inter * hidden
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, hidden, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < hidden
+        xs = tl.load(
+            x_ptr + token[:, None] * stride_x + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+        )
+        wmask = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(w_ptr + gate_rows[None, :] + k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_ptr + up_rows[None, :] + k[:, None], mask=wmask, other=0.0)
+        acc_g = tl.dot(xs, wg, acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(xs, wu, acc_u, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        cols = expert.to(tl.int64) * 2 * inter + n
+        acc_g += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + cols + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = inter_ptr.dtype.element_ty
+    out = _act(acc_g, acc_u, dtype, ACTIVATION, alpha, limit)
+    dest = inter_ptr + assign.to(tl.int64)[:, None] * inter + n[None, :]
+    tl.store(dest, out.to(dtype), mask=real[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expert_down_kernel(
+    inter_ptr,  # [N, I]
+    w_ptr,  # [E * H, I]
+    bias_ptr,  # [E * H] (HAS_BIAS)
+    weights_ptr,  # [N] fp32 routing weights
+    out_ptr,  # [N, H] out
+    slots_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    hidden,
+    inter,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    n_rows = tl.load(block_rows_ptr + block)
+    r = tl.arange(0, BM)
+    real = r < n_rows
+    assign = tl.load(slots_ptr + block * BM + r, mask=real, other=0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < hidden
+    w_rows = (expert.to(tl.int64) * hidden + n) * inter
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, inter, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < inter
+        a = tl.load(
+            inter_ptr + assign[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[
+            None, :
+        ]
+    acc = acc.to(dtype).to(tl.float32)  # the expert's output in the model dtype, as the unfused model
+    weight = tl.load(weights_ptr + assign, mask=real, other=0.0)
+    out = acc * weight[:, None]
+    tl.store(
+        out_ptr + assign[:, None] * hidden + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :]
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    parts_ptr,  # [T, K, H]
+    out_ptr,  # [T, H]
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(parts_ptr + (t * TOP_K + j) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def route(
+    logits: torch.Tensor, top_k: int, rule: str = "softmax_topk", norm: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k] fp32, ids [T, k] int32
+    """Each token's k experts and their weights (``moe.route_ref``'s semantics, one kernel)."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, weights, ids, experts, logits.stride(0),
+            TOP_K=top_k, KP=_pow2(top_k), EP=_pow2(experts), RULE=ROUTER_RULES[rule], NORM=norm,
+        )  # fmt: skip
+    return weights, ids
+
+
+Tile = tuple[int, int, int, int, int, int]  # BM, up BN, down BN, BK, warps, stages
+
+
+def tiles(tokens: int, top_k: int, experts: int) -> Tile:
+    """The tile by the mean tokens per expert: blocks only as tall as the experts' runs (a decode
+    step's expert holds a few rows); docs/kernels.md has the sweep that chose them."""
+    per_expert = tokens * top_k / experts
+    if per_expert <= 16:
+        return 16, 64, 64, 128, 4, 3
+    if per_expert <= 48:
+        return 32, 64, 64, 128, 4, 3
+    if per_expert <= 96:
+        return 64, 64, 128, 64, 4, 3
+    return 128, 128, 128, 64, 8, 3
+
+
+# up to this many assignments (a decode step's) one program groups them, in one launch; more are
+# grouped by chunks in three (counts and ranks, the plan, the scatter), spread over the GPU
+ALIGN_ONE_PROGRAM_MAX = 256
+CHUNK = 64
+
+
+def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, block_expert, block_rows) of the flat assignments ``ids`` [N] grouped by expert."""
+    n = ids.numel()
+    blocks = min(n, triton.cdiv(n, block_m) + experts)
+    slots = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    ep = _pow2(experts)
+    if n <= ALIGN_ONE_PROGRAM_MAX:
+        _align_kernel[(1,)](
+            ids, slots, block_expert, block_rows, n, experts, blocks,
+            BM=block_m, EP=ep, CHUNK=64 if experts > 64 else 128, num_warps=4,
+        )  # fmt: skip
+        return slots, block_expert, block_rows
+    chunks = triton.cdiv(n, CHUNK)
+    counts = torch.empty(chunks, ep, dtype=torch.int32, device=ids.device)
+    rank = torch.empty(n, dtype=torch.int32, device=ids.device)
+    _chunk_count_kernel[(chunks,)](ids, counts, rank, n, EP=ep, CHUNK=CHUNK, num_warps=4)
+    _chunk_plan_kernel[(1,)](
+        counts, block_expert, block_rows, chunks, experts, blocks, BM=block_m, EP=ep, ROWS=32, num_warps=8
+    )
+    _chunk_scatter_kernel[(chunks,)](ids, counts, rank, slots, n, EP=ep, CHUNK=CHUNK, num_warps=4)
+    return slots, block_expert, block_rows
+
+
+def experts_forward(
+    x: torch.Tensor,  # [T, H]
+    w_up: torch.Tensor,  # [E * 2 I, H]
+    w_down: torch.Tensor,  # [E * H, I]
+    weights: torch.Tensor,  # [T, k] fp32
+    ids: torch.Tensor,  # [T, k] int32
+    activation: int = SILU,
+    up_bias: torch.Tensor | None = None,  # [E * 2 I]
+    down_bias: torch.Tensor | None = None,  # [E * H]
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    tile: Tile | None = None,  # default: ``tiles``' choice
+) -> torch.Tensor:  # [T, H]
+    """The routed experts' weighted sum for each token (``experts_ref``'s arithmetic)."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = w_down.shape[1]
+    experts = w_down.shape[0] // hidden
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    n = tokens * top_k
+    block_m, bn_up, bn_down, block_k, warps, stages = tile or tiles(tokens, top_k, experts)
+    slots, block_expert, block_rows = align(ids.view(-1), experts, block_m)
+    blocks = block_expert.shape[0]
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32 (tests, CPU parity)
+    inter_out = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
+        x, w_up, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,
+        hidden, inter, x.stride(0), alpha, limit,
+        TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
+        HAS_BIAS=up_bias is not None, DOT_PREC=prec, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
+        inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
+        slots, block_expert, block_rows, hidden, inter,
+        BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](parts, out, hidden, TOP_K=top_k, BLOCK=1024)
+    return out
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "GELU_TANH",
+    "SILU",
+    "SWIGLU_OAI",
+    "Tile",
+    "align",
+    "experts_forward",
+    "route",
+    "tiles",
+]

@@ -1,0 +1,136 @@
+"""The mixture-of-experts MLP block: a router picks each token's k experts, their gated MLPs run on
+the token, and their outputs are summed with the router's weights.
+
+Weights: the router ``gate`` [E, H]; the experts' gate and up rows stacked as ``w_up`` [E 2I, H]
+(expert e's gate rows at e 2I, its up rows after them) and their down projections as ``w_down``
+[E H, I]: two-dimensional, so the loader fills each expert's rows from its own checkpoint tensors as
+it fills ``MergedLinear``'s (``expert_pieces``). Under tensor parallelism every expert's intermediate
+columns are split over the ranks (I is this rank's share) and the ranks' sums are added, as the
+dense MLP's are.
+
+On CUDA the Triton path runs it (``kernels/fused_moe.py``: graph-safe, reads only the experts the
+step routes to); elsewhere the reference below: a loop over the experts the step touches, in the
+unfused model's order and dtypes (HF's), which the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.model import fused
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.linear import Linear
+from prefixserve.model.parallel import Shard
+
+
+def route_ref(
+    logits: torch.Tensor, top_k: int, rule: str = "softmax_topk", norm: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k] fp32, ids [T, k] int64
+    """Each token's k experts, ties to the lower index (a stable sort), and their weights: a softmax
+    over every expert then the k largest, renormalised with ``norm`` (Qwen3-MoE, Mixtral); or
+    (``topk_softmax``, gpt-oss) the k largest logits, then a softmax over those."""
+    scores = logits.float()
+    if rule == "softmax_topk":
+        scores = torch.softmax(scores, dim=-1)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    chosen = scores.gather(1, order)
+    if rule == "topk_softmax":
+        chosen = torch.softmax(chosen, dim=-1)
+    elif norm:
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return chosen, order
+
+
+def activate(gate: torch.Tensor, up: torch.Tensor, act: str, alpha: float, limit: float) -> torch.Tensor:
+    """The experts' gated activation: SiLU or tanh-GELU times up, or gpt-oss's clamped SwiGLU."""
+    if act == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return (F.gelu(gate, approximate="tanh") if act == "gelu_pytorch_tanh" else F.silu(gate)) * up
+
+
+def experts_ref(
+    x: torch.Tensor,  # [T, H]
+    w_up: torch.Tensor,  # [E 2I, H]
+    w_down: torch.Tensor,  # [E H, I]
+    weights: torch.Tensor,  # [T, k] fp32
+    ids: torch.Tensor,  # [T, k]
+    act: str = "silu",
+    up_bias: torch.Tensor | None = None,  # [E 2I]
+    down_bias: torch.Tensor | None = None,  # [E H]
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:  # [T, H], x's dtype
+    """The reference: for each expert the step touches, in expert order, its tokens through its MLP,
+    weighted and added into the output (in x's dtype, as HF adds them)."""
+    hidden, inter = x.shape[1], w_down.shape[1]
+    experts = w_down.shape[0] // hidden
+    up_w, down_w = w_up.view(experts, 2 * inter, hidden), w_down.view(experts, hidden, inter)
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == expert)
+        gate_up = F.linear(
+            x[token], up_w[expert], None if up_bias is None else up_bias.view(experts, -1)[expert]
+        )
+        gate, up = gate_up.split(inter, dim=-1)
+        down = F.linear(activate(gate, up, act, alpha, limit), down_w[expert])
+        if down_bias is not None:
+            down = down + down_bias.view(experts, hidden)[expert]
+        out.index_add_(0, token, (down * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+class MoE(nn.Module):
+    """Router, experts and their weighted sum (the MLP of an MoE layer)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+        super().__init__()
+        self.shard = shard
+        self.top_k, self.rule, self.norm = (
+            config.num_experts_per_tok,
+            config.router_rule,
+            config.norm_topk_prob,
+        )
+        self.act = config.hidden_act
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.cols = shard.span(inter)  # this rank's intermediate columns of every expert
+        local = self.cols[1] - self.cols[0]
+        self.num_experts, self.inter_total = experts, inter
+        self.gate = Linear(hidden, experts, bias=False)  # replicated: every rank routes alike
+        self.w_up = nn.Parameter(torch.empty(experts * 2 * local, hidden))
+        self.w_down = nn.Parameter(torch.empty(experts * hidden, local))
+
+    def expert_pieces(
+        self, prefix: str
+    ) -> dict[str, list[tuple[str, slice, int, tuple[int, int], tuple[int, ...]]]]:
+        """{parameter name: [(checkpoint tensor, parameter rows, split dim, its span, its shape)]}: each
+        expert's ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (HF's names; a family with
+        others renames at load) into its rows of ``w_up`` / ``w_down``; ``prefix``: this module's name."""
+        hidden = self.w_down.shape[0] // self.num_experts
+        local, (a, b) = self.w_down.shape[1], self.cols
+        inter = self.inter_total
+        up, down = [], []
+        for e in range(self.num_experts):
+            name = f"{prefix}.experts.{e}"
+            row = e * 2 * local
+            up.append((f"{name}.gate_proj.weight", slice(row, row + local), 0, (a, b), (inter, hidden)))
+            up.append(
+                (f"{name}.up_proj.weight", slice(row + local, row + 2 * local), 0, (a, b), (inter, hidden))
+            )
+            down.append(
+                (f"{name}.down_proj.weight", slice(e * hidden, (e + 1) * hidden), 1, (a, b), (hidden, inter))
+            )
+        return {f"{prefix}.w_up": up, f"{prefix}.w_down": down}
+
+    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
+        """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
+        signature; the sum is always whole here)."""
+        logits = self.gate(x)
+        out = fused.moe(x, logits, self.w_up, self.w_down, self.top_k, self.rule, self.norm, self.act)
+        return self.shard.all_reduce(out)
+
+
+__all__ = ["MoE", "activate", "experts_ref", "route_ref"]

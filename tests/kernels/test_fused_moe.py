@@ -1,0 +1,113 @@
+"""The fused MoE kernels (``model/kernels/fused_moe.py``) against the reference (``model/moe.py``):
+routing with ties, the grouping by expert, and the experts' output on random shapes, with every
+token on one expert, with experts that get no token, and at each tile size's block height."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE
+
+from prefixserve.model.kernels import fused_moe
+from prefixserve.model.moe import experts_ref, route_ref
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("rule", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "norm"), [(5, 7, 3, True), (9, 128, 8, False), (3, 4, 1, True)]
+)
+def test_route_matches_the_reference(rule: str, tokens: int, experts: int, top_k: int, norm: bool) -> None:
+    gen = torch.Generator().manual_seed(tokens + experts)
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[0, :] = 0.25  # every expert tied: the k lowest indices
+    logits[1, 2::2] = 3.0  # ties at the top
+    weights, ids = fused_moe.route(logits.to(DEVICE), top_k, rule, norm)
+    want_w, want_ids = route_ref(logits, top_k, rule, norm)
+    assert ids.cpu().tolist() == want_ids.tolist()
+    torch.testing.assert_close(weights.cpu(), want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_groups_every_assignment_once_by_expert(block_m: int, chunked: bool, monkeypatch) -> None:
+    """The one-program kernel and the chunked kernels (many assignments) group alike."""
+    if chunked:
+        monkeypatch.setattr(fused_moe, "ALIGN_ONE_PROGRAM_MAX", 0)
+    gen = torch.Generator().manual_seed(block_m)
+    experts = 9
+    ids = torch.randint(0, experts, (150,), generator=gen)
+    ids[:40] = 4  # one expert with more than a block
+    ids = ids.to(torch.int32)
+    slots, block_expert, block_rows = fused_moe.align(ids.to(DEVICE), experts, block_m)
+    slots, block_expert, block_rows = slots.cpu(), block_expert.cpu(), block_rows.cpu()
+    seen = []
+    for b in range(block_expert.numel()):
+        e, rows = int(block_expert[b]), int(block_rows[b])
+        if e < 0:
+            assert rows == 0
+            continue
+        got = slots[b * block_m : b * block_m + rows].tolist()
+        assert all(int(ids[a]) == e for a in got)
+        seen += got
+    assert sorted(seen) == list(range(ids.numel()))
+    used = block_expert[block_expert >= 0].tolist()
+    assert used == sorted(used)  # blocks in expert order, each expert's tokens in token order
+    assert seen == sorted(seen, key=lambda a: (int(ids[a]), a))
+
+
+CASES = [  # tokens, experts, top_k, hidden, inter
+    (1, 8, 2, 64, 48),
+    (7, 5, 2, 40, 24),  # sizes off the tiles
+    (33, 16, 4, 64, 32),  # 8+ tokens per expert: 32-row blocks
+    (70, 6, 3, 32, 16),  # 35 per expert: 64-row blocks... and more than one block per expert
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "swiglu_oai"])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter"), CASES)
+def test_experts_match_the_reference(tokens, experts, top_k, hidden, inter, act, dtype) -> None:
+    gen = torch.Generator().manual_seed(tokens * 7 + experts)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = route_ref(torch.randn(tokens, experts, generator=gen), top_k, norm=True)
+    biased = act == "swiglu_oai"
+    up_bias = torch.randn(experts * 2 * inter, generator=gen) if biased else None
+    down_bias = torch.randn(experts * hidden, generator=gen) if biased else None
+    want = experts_ref(x.double(), w_up.double(), w_down.double(), weights.double(), ids, act,
+                       None if up_bias is None else up_bias.double(),
+                       None if down_bias is None else down_bias.double())  # fmt: skip
+    dev = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
+    got = fused_moe.experts_forward(
+        dev(x), dev(w_up), dev(w_down), weights.to(DEVICE), ids.to(DEVICE, torch.int32),
+        fused_moe.ACTIVATIONS[act], dev(up_bias), dev(down_bias),
+    )  # fmt: skip
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+def test_every_token_on_one_expert_and_experts_without_tokens() -> None:
+    gen = torch.Generator().manual_seed(5)
+    tokens, experts, hidden, inter = 40, 8, 32, 16
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * 0.2
+    w_down = torch.randn(experts * hidden, inter, generator=gen) * 0.2
+    for ids in (torch.full((tokens, 1), 6), torch.tensor([[1, 6]] * tokens)):
+        weights = torch.rand(tokens, ids.shape[1], generator=gen)
+        want = experts_ref(x, w_up, w_down, weights, ids)
+        got = fused_moe.experts_forward(
+            x.to(DEVICE), w_up.to(DEVICE), w_down.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE, torch.int32)
+        )
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_no_tokens() -> None:
+    x = torch.empty(0, 16, device=DEVICE)
+    out = fused_moe.experts_forward(
+        x, torch.ones(4 * 16, 16, device=DEVICE), torch.ones(4 * 16, 8, device=DEVICE),
+        torch.empty(0, 2, device=DEVICE), torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    assert out.shape == (0, 16)

@@ -1,0 +1,237 @@
+"""Mixture-of-experts families against HF transformers (issue 102): a tiny random Qwen3-MoE and Mixtral
+(more experts than are active; Qwen3-MoE with a dense layer among its MoE layers, Mixtral with a
+window shorter than the prompts) saved by ``save_pretrained`` load into prefixserve; last-token logits
+within 1e-4 of HF's in fp32, 32 greedy tokens equal to HF's ``generate``, and the same tokens with
+shared-segment attention on and off and on a prefix-cache repeat. The reference MoE path is checked
+against HF's own experts loop, ties included."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.loader import ModelSource, load_model
+from prefixserve.model.moe import experts_ref, route_ref
+from tests.conftest import assert_pool_empty
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 24
+VOCAB = 331
+SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 72,
+    "intermediate_size": 100,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "pad_token_id": 0,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    # 7 experts, 3 active, renormalised; layer 1 keeps a dense MLP
+    "qwen3_moe": {
+        "num_hidden_layers": 3,
+        "num_experts": 7,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 40,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
+    # Qwen3-MoE's other rule: the k weights as the softmax gives them, experts every second layer
+    "qwen3_moe_sparse_step": {
+        "num_hidden_layers": 4,
+        "num_experts": 5,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 36,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+    },
+    "mixtral": {
+        "num_hidden_layers": 2,
+        "num_local_experts": 6,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW,
+    },
+}
+ARCH = {"qwen3_moe_sparse_step": "qwen3_moe"}
+
+
+def tiny_checkpoint(name: str, directory: Path) -> Any:
+    config = transformers.AutoConfig.for_model(ARCH.get(name, name), **{**SIZES, **FAMILIES[name]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms of ones and a router of zeros would hide a misplaced weight
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + 1.0)
+            elif pname.endswith("gate.weight") or "router" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    name = request.param
+    directory = tmp_path_factory.mktemp(name)
+    return name, directory, tiny_checkpoint(name, directory)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+
+
+def _llm(directory: Path, **kw: Any) -> LLM:
+    args = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 160, "block_size": 8, "progress": False}
+    return LLM(model=str(directory), **{**args, **kw})
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)  # as HF's min_new_tokens: EOS masked
+
+
+def test_config_reads_the_experts(family) -> None:
+    name, directory, hf = family
+    config = ModelConfig.from_json(directory / "config.json")
+    moe = [config.layer_spec(i).moe for i in range(config.num_hidden_layers)]
+    if name == "qwen3_moe":
+        assert moe == [True, False, True] and config.norm_topk_prob and config.qk_norm
+    elif name == "qwen3_moe_sparse_step":
+        assert moe == [False, True, False, True] and not config.norm_topk_prob
+    else:
+        assert all(moe) and config.norm_topk_prob and config.has_sliding_layers
+    assert config.num_experts_per_tok == hf.config.num_experts_per_tok
+    assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config
+
+
+def test_logits_match_hf(family) -> None:
+    name, directory, hf = family
+    model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
+    from prefixserve.attention.backend import make_backend
+    from prefixserve.attention.metadata import build_metadata
+    from prefixserve.kv.cache import KVCache
+
+    bs = 8
+    for length in (9, 2 * WINDOW + 5):
+        ids = _prompt(length, length)
+        cache = KVCache(model.config, -(-length // bs) + 1, bs, torch.float32, torch.device("cpu"))
+        meta = build_metadata(bs, [length], [length], [list(range(-(-length // bs)))], "cpu")
+        backend = make_backend("cascade")
+        backend.prepare(meta)
+        hidden = model(torch.tensor(ids), torch.arange(length), cache.layers, meta, backend)
+        logits = model.compute_logits(hidden[-1:])
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1:]
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def _hf_generate(hf: Any, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_tokens_equal_hf_generate_and_sharing_changes_none(family) -> None:
+    """HF's greedy tokens; then 6 prompts behind a prefix of two windows: shared-segment attention and
+    the prefix cache on, off and on a repeat, all the same tokens."""
+    _, directory, hf = family
+    prompts = [_prompt(1, 10), _prompt(2, 2 * WINDOW + 3)]
+    llm = _llm(directory, attention="cascade")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_generate(hf, p) for p in prompts]
+    prefix = _prompt(5, 2 * WINDOW)
+    shared_prompts = [{"prompt_token_ids": prefix + _prompt(10 + i, 3 + 2 * i)} for i in range(6)]
+    plain = _llm(directory, attention="reference", enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in plain.generate(shared_prompts, GREEDY)]
+    first = llm.generate(shared_prompts, GREEDY)
+    again = llm.generate(shared_prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in first] == want
+    assert [o.outputs[0].token_ids for o in again] == want
+    metrics = llm.metrics()
+    assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
+    assert metrics["prefix_cache_hit_tokens_total"] > 0
+    assert_pool_empty(llm)
+    assert_pool_empty(plain)
+
+
+def test_the_reference_experts_are_hfs(family) -> None:
+    """``route_ref`` and ``experts_ref`` on a layer's weights give HF's MoE block's output, on random
+    tokens and on tokens all routed alike (identical rows)."""
+    name, directory, hf = family
+    model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
+    layer = next(i for i in range(len(model.model.layers)) if model.full_config.layer_spec(i).moe)
+    ours = model.model.layers[layer].mlp
+    block = hf.model.layers[layer].mlp if hasattr(hf.model.layers[layer], "mlp") else None
+    block = block if block is not None else hf.model.layers[layer].block_sparse_moe
+    gen = torch.Generator().manual_seed(3)
+    for x in (
+        torch.randn(13, SIZES["hidden_size"], generator=gen),
+        torch.randn(1, SIZES["hidden_size"], generator=gen).expand(5, -1),
+    ):
+        with torch.no_grad():
+            want = block(x[None])
+            want = want[0] if isinstance(want, tuple) else want
+            got = ours(x.contiguous())
+        torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_routing_ties_go_to_the_lower_expert() -> None:
+    logits = torch.tensor([[0.5, 2.0, 2.0, 2.0, -1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    weights, ids = route_ref(logits, 2, "softmax_topk", norm=True)
+    assert ids.tolist() == [[1, 2], [0, 1]]
+    torch.testing.assert_close(weights, torch.full((2, 2), 0.5))
+    weights, ids = route_ref(logits, 3, "topk_softmax")
+    assert ids.tolist() == [[1, 2, 3], [0, 1, 2]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+def test_experts_that_get_no_token_and_one_expert_for_all() -> None:
+    """The reference against a dense per-token computation: every token on expert 2 (the others get
+    none), and tokens spread over a few."""
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens = 5, 16, 12, 7
+    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen)
+    w_down = torch.randn(experts * hidden, inter, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    for ids in (torch.full((tokens, 2), 2), torch.randint(0, 3, (tokens, 2), generator=gen)):
+        weights = torch.rand(tokens, 2, generator=gen)
+        got = experts_ref(x, w_up, w_down, weights, ids)
+        want = torch.zeros(tokens, hidden)
+        for t in range(tokens):
+            for j in range(2):
+                e = int(ids[t, j])
+                gu = w_up.view(experts, 2 * inter, hidden)[e] @ x[t]
+                act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+                want[t] += weights[t, j] * (w_down.view(experts, hidden, inter)[e] @ act)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+BASE = {"architectures": ["Qwen3MoeForCausalLM"], **SIZES, "num_hidden_layers": 2, "moe_intermediate_size": 8}
+BAD_MOE = [
+    ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok=5 must be in 1..num_experts=4"),
+    (
+        {"num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [3]},
+        "mlp_only_layers names layers [3]",
+    ),
+    ({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+    ({"num_experts_per_tok": 2}, "needs num_experts"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_MOE)
+def test_moe_configs_that_contradict_themselves_are_refused(change, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf_dict({**BASE, **change})

@@ -1,0 +1,56 @@
+"""Mixture-of-experts families on a GPU: tiny random Qwen3-MoE and Mixtral checkpoints (power-of-two
+heads, as the Triton attention kernels take) in fp32 on CUDA, through the fused MoE kernels inside the
+decode graphs: greedy tokens equal HF's on the same device, and equal with the shared-segment kernels
+(prefix cache and repeat) and with the reference backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from tests.conftest import assert_pool_empty
+from tests.test_moe_families import FAMILIES, SIZES, _prompt
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    name = request.param
+    directory = tmp_path_factory.mktemp(name)
+    sizes = {**SIZES, **FAMILIES[name], "head_dim": 32, "num_attention_heads": 4}
+    config = transformers.AutoConfig.for_model(name, **sizes)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith("gate.weight"):
+                p.normal_()
+    hf.save_pretrained(str(directory), safe_serialization=True)
+    return name, directory, hf
+
+
+def test_greedy_tokens_equal_hf_and_with_sharing(family) -> None:
+    _, directory, hf = family
+    prefix = _prompt(5, 60)
+    prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 5 + 3 * i)} for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    args = {"model": str(directory), "dtype": "float32", "device": "cuda", "num_kv_blocks": 256}
+    args |= {"block_size": 16, "max_num_batched_tokens": 128, "progress": False}
+    plain = LLM(attention="reference", enable_prefix_caching=False, **args)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    fast = LLM(attention="triton", **args)
+    for _ in range(2):  # the second round: the prefix from the cache
+        assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want
+    assert fast.engine.graphs is not None and fast.engine.graphs.captures >= 1
+    assert_pool_empty(fast)
+    hf = hf.cuda()
+    ids = prompts[0]["prompt_token_ids"]
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+    assert out[0, len(ids) :].tolist() == want[0]
