@@ -456,7 +456,14 @@ BAD_GEMMA4 = [
         "per_layer_config[1] sets ['intermediate_size']",
     ),
     ({"per_layer_config": {"3": {"num_key_value_heads": 4}}}, "per_layer_config[3]: num_key_value_heads=4"),
-    ({"rope_parameters": {F: {"rope_type": "yarn", "factor": 2.0}}}, "unsupported rope_scaling type 'yarn'"),
+    (
+        {"rope_parameters": {F: {"rope_type": "longrope", "factor": 2.0}}},
+        "unsupported rope_scaling type 'longrope'",
+    ),
+    (
+        {"rope_parameters": {F: {"rope_type": "yarn", "factor": 2.0}}},
+        "YaRN needs original_max_position_embeddings",
+    ),
 ]
 
 

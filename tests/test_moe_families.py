@@ -62,6 +62,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "sliding_window": WINDOW,
     },
+    # sliding and full layers alternating, sinks, biases everywhere, YaRN, the clamped SwiGLU
+    "gpt_oss": {
+        "num_hidden_layers": 3,
+        "num_local_experts": 5,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,  # whole MXFP4 blocks of 32 (and hidden_size 96 below)
+        "hidden_size": 96,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 150000.0,
+            "truncate": False,
+        },
+    },
 }
 ARCH = {"qwen3_moe_sparse_step": "qwen3_moe"}
 
@@ -77,6 +96,8 @@ def tiny_checkpoint(name: str, directory: Path) -> Any:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + 1.0)
             elif pname.endswith("gate.weight") or "router" in pname:
                 p.copy_(torch.randn(p.shape, generator=gen))
+            elif pname.endswith(("bias", "sinks")):  # zeros at init: a bias or sink dropped would hide
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     model.save_pretrained(str(directory), safe_serialization=True)
     return model
 
@@ -109,6 +130,10 @@ def test_config_reads_the_experts(family) -> None:
         assert moe == [True, False, True] and config.norm_topk_prob and config.qk_norm
     elif name == "qwen3_moe_sparse_step":
         assert moe == [False, True, False, True] and not config.norm_topk_prob
+    elif name == "gpt_oss":
+        assert all(moe) and config.attention_sinks and config.router_rule == "topk_softmax"
+        assert config.layer_spec(0).window == WINDOW and config.layer_spec(1).window is None
+        assert config.layer_spec(0).rope.scaling_dict["rope_type"] == "yarn"
     else:
         assert all(moe) and config.norm_topk_prob and config.has_sliding_layers
     assert config.num_experts_per_tok == hf.config.num_experts_per_tok
@@ -177,10 +202,8 @@ def test_the_reference_experts_are_hfs(family) -> None:
     block = hf.model.layers[layer].mlp if hasattr(hf.model.layers[layer], "mlp") else None
     block = block if block is not None else hf.model.layers[layer].block_sparse_moe
     gen = torch.Generator().manual_seed(3)
-    for x in (
-        torch.randn(13, SIZES["hidden_size"], generator=gen),
-        torch.randn(1, SIZES["hidden_size"], generator=gen).expand(5, -1),
-    ):
+    width = hf.config.hidden_size
+    for x in (torch.randn(13, width, generator=gen), torch.randn(1, width, generator=gen).expand(5, -1)):
         with torch.no_grad():
             want = block(x[None])
             want = want[0] if isinstance(want, tuple) else want
@@ -235,3 +258,89 @@ BAD_MOE = [
 def test_moe_configs_that_contradict_themselves_are_refused(change, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig.from_hf_dict({**BASE, **change})
+
+
+def _e2m1(code: int) -> float:
+    """An E2M1 code's value from the format's definition: sign, two exponent bits (bias 1), one
+    mantissa bit; exponent 0 is subnormal (0 or 0.5)."""
+    sign = -1.0 if code & 0b1000 else 1.0
+    exponent, mantissa = (code >> 1) & 0b11, code & 1
+    if exponent == 0:
+        return sign * 0.5 * mantissa
+    return sign * 2.0 ** (exponent - 1) * (1 + 0.5 * mantissa)
+
+
+def test_mxfp4_dequantizes_by_the_format_definition() -> None:
+    from prefixserve.model import mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 4, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 135, (3, 4, 2), generator=gen, dtype=torch.uint8)
+    got = mxfp4.dequantize(blocks, scales)
+    assert got.shape == (3, 4, 64)
+    for idx in [(0, 0), (2, 3), (1, 2)]:
+        for g in range(2):
+            for j in range(32):
+                byte = int(blocks[idx][g, j // 2])
+                code = byte & 0x0F if j % 2 == 0 else byte >> 4  # the low nibble first
+                want = _e2m1(code) * 2.0 ** (int(scales[idx][g]) - 127)
+                assert float(got[idx][g * 32 + j]) == want
+    assert mxfp4.checkpoint_tensor(blocks, scales).shape == (3, 64, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        mxfp4.dequantize(blocks, scales[..., :1])
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads(tmp_path: Path) -> None:
+    """gpt-oss as published: each layer's experts as MXFP4 blocks and scales. The model loads them
+    dequantized and gives HF's logits for the same (dequantized) weights."""
+    from safetensors.torch import load_file, save_file
+
+    from prefixserve.model import mxfp4
+
+    hf = tiny_checkpoint("gpt_oss", tmp_path)
+    cfg = hf.config
+    gen = torch.Generator().manual_seed(4)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    e, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for proj, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+                pad = -(-cols // 32) * 32  # the packed width: whole blocks of 32
+                blocks = torch.randint(0, 256, (e, rows, pad // 32, 16), generator=gen, dtype=torch.uint8)
+                scales = torch.randint(122, 128, (e, rows, pad // 32), generator=gen, dtype=torch.uint8)
+                if pad != cols:
+                    pytest.skip("the tiny sizes must be whole MXFP4 blocks")
+                values = mxfp4.checkpoint_tensor(blocks, scales)  # [E, cols, rows]: HF's layout
+                getattr(layer.mlp.experts, proj).copy_(values)
+                name = f"model.layers.{i}.mlp.experts.{proj}"
+                del state[name]
+                state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model, _ = load_model(ModelSource("hf", tmp_path, "gpt-oss-mxfp4"), torch.float32, torch.device("cpu"))
+    from prefixserve.attention.backend import make_backend
+    from prefixserve.attention.metadata import build_metadata
+    from prefixserve.kv.cache import KVCache
+
+    ids = _prompt(3, 40)
+    cache = KVCache(model.config, 6, 8, torch.float32, torch.device("cpu"))
+    meta = build_metadata(8, [40], [40], [list(range(5))], "cpu")
+    backend = make_backend("cascade")
+    backend.prepare(meta)
+    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(40), cache.layers, meta, backend))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_experts_over_two_ranks_equal_one_process(name: str, tmp_path: Path) -> None:
+    """Tensor parallelism (gloo, 2 ranks): every expert's intermediate columns split over the ranks
+    (gpt-oss: its stacked tensors converted per rank, the down bias added once, sinks split by head)
+    gives the tokens of one process."""
+    tiny_checkpoint(name, tmp_path)
+    prefix = _prompt(5, 2 * WINDOW)
+    prompts = [{"prompt_token_ids": prefix + _prompt(10 + i, 3 + 2 * i)} for i in range(3)]
+    one = _llm(tmp_path).generate(prompts, GREEDY)
+    with _llm(tmp_path, tensor_parallel_size=2) as tp:  # its process group ends with it
+        two = tp.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
-from prefixserve.attention.cascade import cascade_attention
+from prefixserve.attention.cascade import cascade_attention, cascade_attention_lse
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.decode_plans import DecodePlans
 from prefixserve.attention.planning.plan import SharedPlan, fold_segments, make_plan, unshared_plan
@@ -224,3 +224,8 @@ class AutoBackend(AttentionBackend):
                 self._kv_bytes_per_token = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
             return self._gpu.forward(q, k_cache, v_cache, meta, scale)
         return cascade_attention(q, k_cache, v_cache, meta, meta.plan, scale)
+
+    def forward_with_lse(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if self._gpu is not None and q.device.type == "cuda":
+            return self._gpu.forward_with_lse(q, k_cache, v_cache, meta, scale)
+        return cascade_attention_lse(q, k_cache, v_cache, meta, meta.plan, scale)

@@ -18,6 +18,7 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    takes_sinks: ClassVar[bool] = False  # has ``forward_with_lse``: serves models with attention sinks
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Plan the step; the default plans nothing and reads every sequence's whole KV."""
@@ -43,6 +44,21 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, q_heads, head_dim], q's dtype
         ...
 
+    def forward_with_lse(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, q_heads, head_dim] fp32, lse [T, q_heads]
+        """``forward`` with each row's log-sum-exp, which attention sinks need (``attention/sinks.py``).
+        The torch backends have it; the Triton kernels do not take sinks yet."""
+        raise NotImplementedError(
+            f"attention sinks (gpt-oss) need attention='cascade' or 'reference'; the {self.name!r} backend "
+            "does not take them yet"
+        )
+
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
 
@@ -64,6 +80,20 @@ def make_backend(name: str) -> AttentionBackend:
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_REGISTRY)}")
     return _REGISTRY[name]()
+
+
+def backend_for_model(name: str, sinks: bool) -> AttentionBackend:
+    """The backend ``name`` for a model; with attention sinks (gpt-oss) ``auto`` is the torch cascade
+    path (the Triton kernels do not take sinks yet), and a backend without sinks is refused by name."""
+    if sinks and name == "auto":
+        name = "cascade"
+    backend = make_backend(name)
+    if sinks and not backend.takes_sinks:
+        takes = sorted(n for n, cls in _REGISTRY.items() if cls.takes_sinks)
+        raise ValueError(
+            f"attention={name!r} does not take attention sinks (gpt-oss); backends that do: {takes}"
+        )
+    return backend
 
 
 def _load_builtin_backends() -> None:

@@ -308,6 +308,18 @@ def cascade_attention(
     plan: SharedPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, q_heads, D], q's dtype
+    """``cascade_attention_lse``'s output in q's dtype."""
+    return cascade_attention_lse(q, k_cache, v_cache, meta, plan, scale)[0].to(q.dtype)
+
+
+def cascade_attention_lse(
+    q: torch.Tensor,  # [T, q_heads, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: SharedPlan,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, q_heads, D] fp32, lse [T, q_heads]
     """Own parts first, then fold in each shared segment by its LSE.
 
     Segments of the same length (whole blocks) are attended in one batched call: a long shared
@@ -337,7 +349,7 @@ def cascade_attention(
                 o_acc, lse_acc = merge_attention_states(o_acc, lse_acc, o, lse)
             else:
                 scatter_merge_(o_acc, lse_acc, rows, o, lse)
-    return o_acc.to(q.dtype)
+    return o_acc, lse_acc
 
 
 def _segments_attention(
@@ -376,6 +388,7 @@ class CascadeBackend(AttentionBackend):
     """Shared segments attended once per step with stacked queries; exact LSE merge with own parts."""
 
     name = "cascade"
+    takes_sinks = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         plan = make_plan(meta)
@@ -388,3 +401,7 @@ class CascadeBackend(AttentionBackend):
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         plan = meta.plan if isinstance(meta.plan, SharedPlan) else make_plan(meta)
         return cascade_attention(q, k_cache, v_cache, meta, plan, scale)
+
+    def forward_with_lse(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        plan = meta.plan if isinstance(meta.plan, SharedPlan) else make_plan(meta)
+        return cascade_attention_lse(q, k_cache, v_cache, meta, plan, scale)

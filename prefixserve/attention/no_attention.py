@@ -18,6 +18,7 @@ from prefixserve.attention.metadata import AttentionMetadata
 @register_backend
 class NoAttentionBackend(AttentionBackend):
     name = "none"
+    takes_sinks = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.stats["kv_tokens_read"] = 0.0
@@ -31,3 +32,7 @@ class NoAttentionBackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return q
+
+    def forward_with_lse(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """q as it is, at an LSE no sink changes (the ceiling of a model with sinks)."""
+        return q.float(), torch.full(q.shape[:2], float("inf"), device=q.device)

@@ -65,6 +65,7 @@ class ReferenceBackend(AttentionBackend):
     """
 
     name = "reference"
+    takes_sinks = True
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -90,3 +91,23 @@ class ReferenceBackend(AttentionBackend):
             out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
             start += q_len
         return out
+
+    def forward_with_lse(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """Per sequence through the einsum oracle, causal, holes of module blocks left out."""
+        o_out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        start = 0
+        for s, (q_len, s_len, table) in enumerate(
+            zip(meta.query_lens_host, meta.seq_lens_host, meta.block_tables_host, strict=True)
+        ):
+            k, v = gather_kv(k_cache, table, s_len), gather_kv(v_cache, table, s_len)
+            limits = causal_limits(s_len, q_len, q.device)
+            valid = meta.valid_kv(s)
+            if valid is not None:  # keys at holes dropped; each row's limit counts the kept keys
+                keep = valid.to(q.device)
+                limits = torch.cumsum(keep.long(), 0)[limits - 1]
+                k, v = k[keep], v[keep]
+            rows = slice(start, start + q_len)
+            o_out[rows], lse_out[rows] = attention_with_lse(q[rows], k, v, scale, limits)
+            start += q_len
+        return o_out, lse_out

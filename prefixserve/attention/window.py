@@ -29,16 +29,41 @@ def attend_layer(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,  # a sliding layer's window; None: a full layer
+    sinks: torch.Tensor | None = None,  # [q_heads]: gpt-oss's per-head sink logits
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """One layer's attention: the backend's ``forward``, or for a sliding layer whose window the step's
     longest sequence outgrows, attention within the window. A window that covers every sequence masks
     nothing, so the layer keeps the backend's shared-segment path, unless the layer reads a sliding
     group's pages (the backend's plan names the block table's)."""
+    if sinks is not None:
+        return attend_with_sinks(backend, q, k_cache, v_cache, meta, scale, window, sinks)
     if window is not None and isinstance(backend, WindowedGraphAttention):  # inside a decode graph
         return backend.window_forward(q, k_cache, v_cache, meta, scale, window)
     if window is None or (window >= meta.max_seq_len and meta.full is None):
         return backend.forward(q, k_cache, v_cache, meta, scale)
     return window_attention(q, k_cache, v_cache, meta, scale, window)
+
+
+def attend_with_sinks(
+    backend: Any,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor,  # [q_heads]
+) -> torch.Tensor:
+    """Attention with a sink per head: a logit beside the keys that takes its share of the softmax
+    and adds nothing, so ``o_sinks = o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)`` from
+    the attention's own output and log-sum-exp (the torch paths; ``forward_with_lse``)."""
+    if window is None or (window >= meta.max_seq_len and meta.full is None):
+        o, lse = backend.forward_with_lse(q, k_cache, v_cache, meta, scale)
+    else:
+        holes = meta.has_module_blocks()
+        plan = None if holes else window_plan(meta, window)
+        o, lse = window_attention_torch(q, k_cache, v_cache, meta, scale, window, plan, with_lse=True)
+    return (o.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(q.dtype)
 
 
 def window_attention(
@@ -68,7 +93,8 @@ def window_attention_torch(
     scale: float,
     window: int,
     plan: WindowPlan | None = None,
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> Any:  # [T, q_heads, D] in q's dtype; with_lse: (o fp32, lse [T, q_heads])
     """The reference: per sequence, the keys its queries' windows cover (less the run ``plan`` gives
     its segments), masked per row, fp32; then the plan's segments, merged by LSE."""
     t, q_heads, d = q.shape
@@ -113,4 +139,4 @@ def window_attention_torch(
             lse = torch.logsumexp(scores, dim=-1)  # [M, Hkv, G]
             o = torch.einsum("mhgn,nhd->mhgd", torch.exp(scores - lse[..., None]), v)
             scatter_merge_(o_acc, lse_acc, rows, o.reshape(-1, q_heads, d), lse.reshape(-1, q_heads))
-    return o_acc.to(q.dtype)
+    return (o_acc, lse_acc) if with_lse else o_acc.to(q.dtype)

@@ -19,7 +19,7 @@ from prefixserve.model.layer_types import FULL, LAYER_TYPES, SLIDING
 
 __all__ = ["FULL", "LAYER_TYPES", "SLIDING", "LayerSpec", "ModelConfig", "RopeSpec"]
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")  # swiglu_oai: gpt-oss's experts only
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +114,13 @@ class ModelConfig:
     router_rule: str = "softmax_topk"
     mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 (and not in mlp_only_layers)
+    router_bias: bool = False  # the router carries a bias (gpt-oss)
+    expert_bias: bool = False  # the experts' gate-up and down projections carry biases (gpt-oss)
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (hidden_act "swiglu_oai")
+    swiglu_limit: float = 7.0
+    # ---- gpt-oss's attention ----
+    attention_sinks: bool = False  # a learned logit per head beside the keys: softmax's extra term
+    o_proj_bias: bool = False  # o_proj carries a bias too (attention_bias covers q, k and v)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -148,6 +155,8 @@ class ModelConfig:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {list(ROPE_TYPES)}")
+            if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+                raise ValueError("YaRN needs original_max_position_embeddings in its rope_scaling")
             factor = float(scaling.get("partial_rotary_factor", 1.0))
             if not 0 < factor <= 1:
                 raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
@@ -193,6 +202,10 @@ class ModelConfig:
     def _check_experts(self) -> None:
         """A mixture of experts that contradicts itself is refused, naming the field."""
         if not self.num_experts:
+            if self.hidden_act == "swiglu_oai":
+                raise ValueError(
+                    "hidden_act 'swiglu_oai' is gpt-oss's experts' activation: it needs num_experts"
+                )
             return
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
@@ -200,6 +213,8 @@ class ModelConfig:
             )
         if self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+        if self.hidden_act == "swiglu_oai" and not all(map(self.is_moe_layer, range(self.num_hidden_layers))):
+            raise ValueError("hidden_act 'swiglu_oai' (gpt-oss's experts) needs every layer to be MoE")
         if self.router_rule not in ROUTER_RULES:
             raise ValueError(f"router rule {self.router_rule!r} is not one of {list(ROUTER_RULES)}")
         if self.decoder_sparse_step < 1:
@@ -314,8 +329,8 @@ class ModelConfig:
         return write_config(self)
 
 
-# RoPE scalings ``model/llama.rope_inv_freq`` computes (``proportional``: Gemma 4's global layers)
-ROPE_TYPES = ("default", "llama3", "linear", "proportional")
+# RoPE scalings ``model/rotary.rope_inv_freq`` computes (``proportional``: Gemma 4's global layers)
+ROPE_TYPES = ("default", "llama3", "linear", "proportional", "yarn")
 # how a mixture of experts picks a token's experts (``router_rule``)
 ROUTER_RULES = ("softmax_topk", "topk_softmax")
 # what ``per_layer_config`` may set for a layer

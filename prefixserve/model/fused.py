@@ -431,6 +431,10 @@ def moe(
     rule: str,
     norm: bool,
     act: str,
+    up_bias: torch.Tensor | None = None,  # [E 2I]
+    down_bias: torch.Tensor | None = None,  # [E H]
+    alpha: float = 1.702,  # gpt-oss's clamped SwiGLU (act "swiglu_oai")
+    limit: float = 7.0,
 ) -> torch.Tensor:  # [T, H]
     """A mixture of experts' output: each token routed to its ``top_k`` experts (``rule``, ``norm``:
     ``moe.route_ref``), their gated MLPs (``act``) weighted and summed. On CUDA the fused kernels
@@ -439,8 +443,11 @@ def moe(
         from prefixserve.model.kernels import fused_moe
 
         weights, ids = fused_moe.route(logits, top_k, rule, norm)
-        return fused_moe.experts_forward(x, w_up, w_down, weights, ids, fused_moe.ACTIVATIONS[act])
+        kind = fused_moe.ACTIVATIONS[act]
+        return fused_moe.experts_forward(
+            x, w_up, w_down, weights, ids, kind, up_bias, down_bias, alpha, limit
+        )
     from prefixserve.model.moe import experts_ref, route_ref
 
     weights, ids = route_ref(logits, top_k, rule, norm)
-    return experts_ref(x, w_up, w_down, weights, ids, act)
+    return experts_ref(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)

@@ -107,6 +107,10 @@ class Attention(nn.Module):
                 parts.append(("v_proj", (k0 * d, k1 * d), kv_total))
         self.qkv_proj = MergedLinear(hidden, parts, bias=bias)
         self.o_proj = RowParallelLinear(q_total, (q0 * d, q1 * d), hidden)
+        if config.o_proj_bias:  # added after the ranks' products are summed
+            self.o_bias = nn.Parameter(torch.empty(hidden))
+        self.head_span, self.total_heads = (q0, q1), config.num_attention_heads
+        self.sinks = nn.Parameter(torch.empty(q1 - q0)) if config.attention_sinks else None
 
     def _qkv(
         self,
@@ -181,8 +185,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Attention of q over this layer's cache, with this layer's scale and window."""
-        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window)
+        """Attention of q over this layer's cache, with this layer's scale, window and sinks."""
+        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window, self.sinks)
 
     def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
         """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention
@@ -195,6 +199,8 @@ class Attention(nn.Module):
         """o_proj of the attention output, the ranks' partial products summed (with ``for_norm``,
         maybe by the norm that follows: ``RowParallelLinear.reduced``'s ``ATTENTION_SLOT``)."""
         flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        if hasattr(self, "o_bias"):  # the sum, then the bias once
+            return self.o_proj.reduced(flat, self.shard) + self.o_bias
         return self.o_proj.reduced(flat, self.shard, slot=ATTENTION_SLOT if for_norm else None)
 
 

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from prefixserve.config import cache_dir
+from prefixserve.model import mxfp4
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.families import checkpoint_name
@@ -162,6 +164,9 @@ class Piece:
     start: int
     stop: int
     full: tuple[int, ...]
+    # the whole checkpoint tensor -> the parameter's rows, where a span cannot say it (gpt-oss's
+    # stacked experts: interleaved and transposed)
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
@@ -194,7 +199,12 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
                     )
                 ]
             elif isinstance(module, MoE):
-                out[name] = [Piece(n, rows, dim, a, b, full) for n, rows, dim, (a, b), full in experts[name]]
+                out[name] = [
+                    Piece(n, rows, dim, a, b, full, fn) for n, rows, dim, (a, b), full, fn in experts[name]
+                ]
+            elif pname == "sinks":  # gpt-oss: one per query head, this rank's heads
+                a, b = module.head_span
+                out[name] = [Piece(name, slice(None), 0, a, b, (module.total_heads,))]
             elif isinstance(module, RowParallelLinear):
                 a, b = module.src
                 out[name] = [Piece(name, slice(None), 1, a, b, (whole[0], module.total_in))]
@@ -212,6 +222,10 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
 def _read(piece: Piece, source: Any, target: torch.Tensor) -> None:
     """Copy the piece's span of ``source`` (a tensor, or a safetensors slice read lazily) into
     ``target`` (the parameter's rows); a span past the tensor's end leaves zeros."""
+    if piece.convert is not None:
+        with torch.no_grad():
+            target.copy_(piece.convert(source[:]))
+        return
     size = piece.full[piece.dim] if piece.full else 0
     stop = min(piece.stop, size)
     index = [slice(None)] * len(piece.full)
@@ -246,6 +260,7 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                 whole = tuple(params[param].shape)
                 targets[param] = [(param, Piece(param, slice(None), 0, 0, whole[0], whole))]
     seen: set[str] = set()
+    packed = mxfp4.Pairs()  # gpt-oss's MXFP4 blocks and scales, each tensor dequantized once both came
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -254,19 +269,26 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                     name = checkpoint_name(model.config.architecture, name)
                 if name is None:  # a multimodal checkpoint's vision tower: text is served alone
                     continue
+                if mxfp4.is_packed(name):
+                    done = packed.add(name, f.get_tensor(stored))
+                    if done is None:
+                        continue
+                    name, source = done
+                else:
+                    source = f.get_slice(stored)
                 if name not in targets:
                     if "rotary_emb" in name or _unused_kv_weight(name, model.full_config):
                         continue
                     raise ValueError(
                         f"{file}: unexpected weight {name!r} for a {model.config.architecture} model"
                     )
-                source = f.get_slice(stored)
-                shape = tuple(source.get_shape())
+                shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
                 for param, piece in targets[name]:
                     if shape != piece.full:
                         raise ValueError(f"{file}: {name} has shape {shape}, want {piece.full}")
                     _read(piece, source, params[param][piece.rows])
                 seen.add(name)
+    packed.check_complete(directory)
     missing = {
         name
         for name, plist in pieces.items()

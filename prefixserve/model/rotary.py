@@ -1,5 +1,5 @@
 """RoPE: the inverse frequencies of each scaling a family asks for (default, linear, llama3, Gemma 4's
-proportional), the per-step angles, and what a step hands every layer besides the residual stream."""
+proportional, YaRN), the per-step angles, and what a step hands every layer besides the residual stream."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def rope_inv_freq(config: ModelConfig, rope: RopeSpec | None = None) -> torch.Te
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "proportional":  # Gemma 4's global layers: the first pairs rotate, the rest do not
         return proportional_inv_freq(rope.theta, dim, scaling)
+    if kind == "yarn":
+        return yarn_inv_freq(rope.theta, dim, scaling, config.max_position_embeddings)
     steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
     inv_freq = 1.0 / (rope.theta ** (steps / dim))
     if kind == "llama3":
@@ -54,6 +56,56 @@ def proportional_inv_freq(theta: float, dim: int, scaling: dict) -> torch.Tensor
     return (inv_freq / float(scaling.get("factor", 1.0))).float()
 
 
+def _yarn_factor(scaling: dict, max_positions: int) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # DeepSeek-style: the ratio of the context lengths
+        factor = max_positions / float(scaling["original_max_position_embeddings"])
+    return float(factor)
+
+
+def yarn_inv_freq(theta: float, dim: int, scaling: dict, max_positions: int) -> torch.Tensor:  # [dim / 2]
+    """YaRN: each pair's frequency blended between the original (fast pairs, which turn many times
+    within the pretraining context: extrapolated) and divided by ``factor`` (slow pairs:
+    interpolated), along a linear ramp between the pairs that turn ``beta_fast`` and ``beta_slow``
+    times in ``original_max_position_embeddings`` (ends rounded out unless ``truncate`` is false).
+    fp32 as HF computes it; the cos/sin scale is ``rope_attention_factor``'s."""
+    factor = _yarn_factor(scaling, max_positions)
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def pair_turning(rotations: float) -> float:  # the pair index that turns ``rotations`` times
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
+def rope_attention_factor(config: ModelConfig, rope: RopeSpec) -> float:
+    """What cos and sin are scaled by: YaRN's ``attention_factor`` (0.1 ln(factor) + 1 unless given,
+    or the ``mscale`` ratio), 1 for every other RoPE."""
+    scaling = rope.scaling_dict
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, config.max_position_embeddings)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, D] fp32 each (``RotaryEmbedding.cos_sin``)
 
 
@@ -75,10 +127,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.spec = rope or config.layer_spec(0).rope
         self.register_buffer("inv_freq", rope_inv_freq(config, self.spec), persistent=False)
+        self.attention_factor = rope_attention_factor(config, self.spec)
 
     def cos_sin(self, positions: torch.Tensor) -> Rope:  # [T] -> cos, sin [T, D]
-        """The step's angles, computed once and shared by every layer."""
-        return fused.rope_cos_sin(positions, self.inv_freq)
+        """The step's angles, computed once and shared by every layer (scaled where YaRN asks)."""
+        cos, sin = fused.rope_cos_sin(positions, self.inv_freq)
+        if self.attention_factor != 1.0:
+            return cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
@@ -98,4 +154,13 @@ def distinct_ropes(config: ModelConfig) -> list[RopeSpec]:
     return out
 
 
-__all__ = ["Rope", "Ropes", "RotaryEmbedding", "distinct_ropes", "proportional_inv_freq", "rope_inv_freq"]
+__all__ = [
+    "Rope",
+    "Ropes",
+    "RotaryEmbedding",
+    "distinct_ropes",
+    "proportional_inv_freq",
+    "rope_attention_factor",
+    "rope_inv_freq",
+    "yarn_inv_freq",
+]

@@ -56,6 +56,8 @@ def graph_refusal(config: ModelConfig) -> str | None:
     windows = {config.layer_spec(i).window for i in range(n) if config.layer_type(i) == SLIDING}
     if len(windows) > 1:
         return "its sliding layers' windows differ"
+    if config.attention_sinks:
+        return "its attention sinks run on the torch attention paths"
     return None
 
 

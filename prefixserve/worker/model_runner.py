@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from prefixserve.attention.backend import make_backend
+from prefixserve.attention.backend import backend_for_model
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
@@ -143,7 +143,7 @@ class ModelRunner:
             model.full_config.num_key_value_heads,
             self.layout,
         )
-        self.backend = make_backend(config.attention)
+        self.backend = backend_for_model(config.attention, model.config.attention_sinks)
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None  # eager steps' dense work (prefills, mixed steps)
         if self.device.type == "cuda" and not config.enforce_eager:

@@ -65,10 +65,25 @@ CASES = [  # tokens, experts, top_k, hidden, inter
 ]
 
 
+GROUPINGS = {  # (DIRECT_MAX, ALIGN_ONE_PROGRAM_MAX): each case's grouping forced
+    "shipped": None,
+    "grouped_in_one_program": (0, 10**6),
+    "grouped_by_chunks": (0, 0),
+}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "swiglu_oai"])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter"), CASES)
-def test_experts_match_the_reference(tokens, experts, top_k, hidden, inter, act, dtype) -> None:
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_experts_match_the_reference(
+    tokens, experts, top_k, hidden, inter, act, dtype, grouping, monkeypatch
+) -> None:
+    """Each token's weighted sum of its experts, whichever way the step groups its assignments: one
+    block per assignment (a few), by one program, by chunks."""
+    if GROUPINGS[grouping] is not None:
+        monkeypatch.setattr(fused_moe, "DIRECT_MAX", GROUPINGS[grouping][0])
+        monkeypatch.setattr(fused_moe, "ALIGN_ONE_PROGRAM_MAX", GROUPINGS[grouping][1])
     gen = torch.Generator().manual_seed(tokens * 7 + experts)
     x = torch.randn(tokens, hidden, generator=gen)
     w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prefixserve.model.families import gemma3, gemma4, llama, moe, qwen3
+from prefixserve.model.families import gemma3, gemma4, gpt_oss, llama, moe, qwen3
 
 ConfigReader = Callable[[dict[str, Any], str], dict[str, Any]]
 
@@ -36,6 +36,7 @@ FAMILIES: dict[str, tuple[ConfigReader, tuple[str, ...], tuple[str, ...]]] = {
     ),
     "qwen3_moe": (moe.qwen3_moe_fields, ("Qwen3MoeForCausalLM",), ("qwen3_moe",)),
     "mixtral": (moe.mixtral_fields, ("MixtralForCausalLM",), ("mixtral",)),
+    "gpt_oss": (gpt_oss.config_fields, ("GptOssForCausalLM",), ("gpt_oss",)),
 }
 
 
@@ -81,4 +82,6 @@ def checkpoint_name(family: str, name: str) -> str:
     ``down_proj``), others as they are."""
     if family == "mixtral":
         return moe.mixtral_name(name)
+    if family == "gpt_oss":
+        return gpt_oss.checkpoint_name(name)
     return name

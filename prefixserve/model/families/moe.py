@@ -11,7 +11,7 @@ from typing import Any
 from prefixserve.model.families import llama, qwen3
 
 
-def _experts(raw: dict[str, Any], width_key: str) -> dict[str, Any]:
+def experts_fields(raw: dict[str, Any], width_key: str) -> dict[str, Any]:
     """The experts' count, k and width (transformers 5 writes ``num_local_experts`` for Qwen3-MoE's
     ``num_experts`` too)."""
     experts = raw.get("num_experts", raw.get("num_local_experts"))
@@ -27,7 +27,7 @@ def _experts(raw: dict[str, Any], width_key: str) -> dict[str, Any]:
 def qwen3_moe_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
     fields = qwen3.config_fields(raw, family)
     fields.update(
-        _experts(raw, "moe_intermediate_size"),
+        experts_fields(raw, "moe_intermediate_size"),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         mlp_only_layers=[int(i) for i in raw.get("mlp_only_layers") or []],
         decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
@@ -37,7 +37,7 @@ def qwen3_moe_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
 
 def mixtral_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
     fields = llama.config_fields(raw, "mistral")  # Mistral's attention (its window, if any)
-    fields.update(_experts(raw, "intermediate_size"), norm_topk_prob=True, architecture=family)
+    fields.update(experts_fields(raw, "intermediate_size"), norm_topk_prob=True, architecture=family)
     return fields
 
 

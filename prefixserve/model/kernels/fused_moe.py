@@ -10,7 +10,7 @@ for a given T (CUDA-graph safe: no host sync, nothing sized by the routing):
     ``block_expert`` [NB] (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are
     real). NB = min(N, ceil(N / BM) + E) blocks bound every routing;
   * ``_expert_up_kernel`` (block x intermediate tile): each block's tokens gathered from x, times its
-    expert's gate and up rows, the activation in the epilogue: ``inter`` [N, I] by assignment;
+    expert's gate and up rows, the activation in the epilogue: ``inter`` [NB BM, I] by block row;
   * ``_expert_down_kernel`` (block x hidden tile): ``inter``'s rows times the expert's down
     projection, times the assignment's routing weight: ``out_k`` [N, H];
   * ``_combine_kernel``: each token's k rows summed in fp32.
@@ -209,11 +209,23 @@ def _act(gate, up, dtype: tl.constexpr, ACTIVATION: tl.constexpr, alpha, limit):
 
 
 @triton.jit
+def _block_of(block, slots_ptr, block_expert_ptr, block_rows_ptr, BM: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, which of the BM rows are real, their assignments) of a block: from ``align``'s tables,
+    or with ``DIRECT`` block b is assignment b alone and ``block_expert_ptr`` the flat expert ids
+    (a step of a few assignments skips the grouping; two of them on one expert read it twice)."""
+    r = tl.arange(0, BM)
+    if DIRECT:
+        return tl.load(block_expert_ptr + block), r == 0, block + r * 0
+    real = r < tl.load(block_rows_ptr + block)
+    return tl.load(block_expert_ptr + block), real, tl.load(slots_ptr + block * BM + r, mask=real, other=0)
+
+
+@triton.jit
 def _expert_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E * 2 I, H]: expert e's gate rows at e 2I, its up rows at e 2I + I
     bias_ptr,  # [E * 2 I] (HAS_BIAS)
-    inter_ptr,  # [N, I] out
+    inter_ptr,  # [NB BM, I] out: by block row, so the down GEMM reads whole tiles
     slots_ptr,
     block_expert_ptr,
     block_rows_ptr,
@@ -229,15 +241,13 @@ def _expert_up_kernel(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, real, assign = _block_of(
+        tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
+    )
     if expert < 0:
         return
-    n_rows = tl.load(block_rows_ptr + block)
-    r = tl.arange(0, BM)
-    real = r < n_rows
-    assign = tl.load(slots_ptr + block * BM + r, mask=real, other=0)
     token = (assign // TOP_K).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < inter
@@ -262,13 +272,13 @@ def _expert_up_kernel(
         acc_u += tl.load(bias_ptr + cols + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = inter_ptr.dtype.element_ty
     out = _act(acc_g, acc_u, dtype, ACTIVATION, alpha, limit)
-    dest = inter_ptr + assign.to(tl.int64)[:, None] * inter + n[None, :]
-    tl.store(dest, out.to(dtype), mask=real[:, None] & n_ok[None, :])
+    row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    tl.store(inter_ptr + row[:, None] * inter + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _expert_down_kernel(
-    inter_ptr,  # [N, I]
+    inter_ptr,  # [NB BM, I]: the up GEMM's output, by block row
     w_ptr,  # [E * H, I]
     bias_ptr,  # [E * H] (HAS_BIAS)
     weights_ptr,  # [N] fp32 routing weights
@@ -283,24 +293,24 @@ def _expert_down_kernel(
     BK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, real, assign = _block_of(
+        tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
+    )
     if expert < 0:
         return
-    n_rows = tl.load(block_rows_ptr + block)
-    r = tl.arange(0, BM)
-    real = r < n_rows
-    assign = tl.load(slots_ptr + block * BM + r, mask=real, other=0).to(tl.int64)
+    assign = assign.to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < hidden
     w_rows = (expert.to(tl.int64) * hidden + n) * inter
+    row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, inter, BK):
         k = k0 + tl.arange(0, BK)
         k_ok = k < inter
         a = tl.load(
-            inter_ptr + assign[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+            inter_ptr + row[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
         )
         w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
@@ -373,6 +383,9 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
 # grouped by chunks in three (counts and ranks, the plan, the scatter), spread over the GPU
 ALIGN_ONE_PROGRAM_MAX = 256
 CHUNK = 64
+# up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
+# own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
+DIRECT_MAX = 16
 
 
 def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -423,22 +436,26 @@ def experts_forward(
         return out
     n = tokens * top_k
     block_m, bn_up, bn_down, block_k, warps, stages = tile or tiles(tokens, top_k, experts)
-    slots, block_expert, block_rows = align(ids.view(-1), experts, block_m)
+    direct = n <= DIRECT_MAX
+    if direct:  # one assignment a block: no grouping (``_block_of``)
+        slots = block_rows = block_expert = ids.view(-1)
+    else:
+        slots, block_expert, block_rows = align(ids.view(-1), experts, block_m)
     blocks = block_expert.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32 (tests, CPU parity)
-    inter_out = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    inter_out = torch.empty(blocks * block_m, inter, dtype=x.dtype, device=x.device)
     _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
         x, w_up, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,
         hidden, inter, x.stride(0), alpha, limit,
         TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
-        HAS_BIAS=up_bias is not None, DOT_PREC=prec, num_warps=warps, num_stages=stages,
+        HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
         slots, block_expert, block_rows, hidden, inter,
         BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
-        num_warps=warps, num_stages=stages,
+        DIRECT=direct, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](parts, out, hidden, TOP_K=top_k, BLOCK=1024)
     return out
