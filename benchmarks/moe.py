@@ -13,6 +13,9 @@ Parts (``--parts``), in one process:
             tokens touch in expectation, E (1 - (1 - k/E)^B), over the copy rate) and (its FLOPs over
             the GEMM rate); both rates measured in this run
   sharing   decode with a P-token shared prefix, sharing on and off (``benchmarks.decode_run``)
+  serve     ``prefixserve serve`` of each --serve-models model (a subprocess, as a user starts it):
+            a burst of --serve-batch concurrent completions (token-id prompts of --prompt-len, --gen
+            tokens each), after one untimed burst; generated tokens over the burst's wall time
 
     PYTHONPATH=. python -m benchmarks.moe run [--model qwen3-30b-a3b] [--parts kernels decode sharing]
         [--batches 1 64 256 1024] [--share-batches 256] [--prefix 16384] [--out docs/benchmarks]
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +184,59 @@ def sharing_part(model: str, batches: list[int], prefix: int, own: int, gen: int
     return rows
 
 
+def _burst(url: str, batch: int, prompt_len: int, gen: int, seed: int) -> tuple[float, int]:
+    """``batch`` concurrent /v1/completions requests; (wall seconds, completion tokens)."""
+    import json
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.harness.server import http_get
+
+    rng = random.Random(seed)
+    served = json.loads(http_get(url + "/v1/models")[1])["data"][0]["id"]
+
+    def one(i: int) -> int:
+        body = {"model": served, "prompt": [rng.randrange(100, 30000) for _ in range(prompt_len)]}
+        body |= {"max_tokens": gen, "temperature": 0, "ignore_eos": True}
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            return int(json.load(resp)["usage"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        tokens = sum(pool.map(one, range(batch)))
+    return time.perf_counter() - t0, tokens
+
+
+def serve_part(models: list[str], batch: int, prompt_len: int, gen: int, out: Path) -> list[dict[str, Any]]:
+    from types import SimpleNamespace
+
+    from benchmarks.harness.server import ServerProcess, serve_command
+
+    rows = []
+    for name in models:
+        opts = SimpleNamespace(
+            model=f"dummy:{name}", device="cuda", max_num_seqs=batch, num_kv_blocks=4096,
+            max_num_batched_tokens=8192, server_arg=[],
+        )  # fmt: skip
+        server = ServerProcess(serve_command(opts), out / f"serve_{name}.log", name)
+        row: dict[str, Any] = {"model": name, "B": batch}
+        try:
+            row["start_s"] = server.launch(timeout=600)
+            _burst(server.url, batch, prompt_len, gen, seed=1)  # untimed: compiles, graph captures
+            wall, tokens = _burst(server.url, batch, prompt_len, gen, seed=2)
+            row |= {"wall_s": wall, "completion_tokens": tokens, "tok_s": tokens / wall}
+        except Exception as exc:  # a model that does not serve: its reason in the table
+            row["error"] = repr(exc)[-300:]
+        finally:
+            server.terminate()
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> None:
     from benchmarks.harness.timing import measure_ceilings
 
@@ -201,6 +258,9 @@ def run(args: argparse.Namespace) -> None:
         write_json(out / f"{NAME}.json", result)
     if "sharing" in args.parts:
         result["sharing"] = sharing_part(model, args.share_batches, args.prefix, args.own, args.gen)
+        write_json(out / f"{NAME}.json", result)
+    if "serve" in args.parts:
+        result["serve"] = serve_part(args.serve_models, args.serve_batch, args.prompt_len, args.gen, out)
         write_json(out / f"{NAME}.json", result)
     report(result, out)
 
@@ -261,6 +321,21 @@ def report(result: dict[str, Any], out: Path) -> None:
                 f"| {r['B']} | {r['P']} | {r['auto_tok_s']:,.0f} | {r['sharing_off_tok_s']:,.0f} | "
                 f"{r['on_over_off']:.2f}x |"
             )
+    if result.get("serve"):
+        lines += [
+            "",
+            f"## `prefixserve serve`: a burst of {result['serve'][0]['B']} concurrent completions "
+            f"({s['prompt_len']}-token prompts, {s['gen']} tokens each)",
+            "",
+            "| model | start s | tok/s | note |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in result["serve"]:
+            note = r.get("error", "")
+            if r["model"].startswith("gpt-oss") and "error" not in r:
+                note = "attention sinks: the torch cascade path, no decode graphs"
+            tok = f"{r['tok_s']:,.0f}" if "tok_s" in r else "n/a"
+            lines.append(f"| {r['model']} | {r.get('start_s', 0):.0f} | {tok} | {note} |")
     write_json(out / f"{NAME}.json", result)
     write_text(out, f"{NAME}.md", lines)
     plt = pyplot()
@@ -289,7 +364,9 @@ def report(result: dict[str, Any], out: Path) -> None:
 
 def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--model", default="qwen3-30b-a3b")
-    r.add_argument("--parts", nargs="+", default=["kernels", "decode", "sharing"])
+    r.add_argument("--parts", nargs="+", default=["kernels", "decode", "sharing", "serve"])
+    r.add_argument("--serve-models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
+    r.add_argument("--serve-batch", type=int, default=64)
     r.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
     r.add_argument("--share-batches", type=int, nargs="+", default=[256])
     r.add_argument("--prefix", type=int, default=16384)
