@@ -471,10 +471,9 @@ class ModelRunner:
             try:
                 table = np.array([blocks], np.int32)
                 groups = np.repeat(table[None], self.layout.sliding_groups, 0)  # [0, 1, W] if plain
+                group_tables = (groups, np.zeros(1, np.int64)) if len(groups) else None  # from block 0 on
                 pos = list(range(tokens))
-                batch = self.prepare_batch(
-                    pos, [tokens], [tokens], table, group_tables=groups if len(groups) else None
-                )
+                batch = self.prepare_batch(pos, [tokens], [tokens], table, group_tables=group_tables)
                 launch = self.forward([0] * tokens, batch, [])
                 self.sample(launch, [], [], [])
                 self.wait(launch)
