@@ -216,6 +216,7 @@ def serve_part(models: list[str], batch: int, prompt_len: int, gen: int, out: Pa
     from benchmarks.harness.server import ServerProcess, serve_command
 
     rows = []
+    out.mkdir(parents=True, exist_ok=True)
     for name in models:
         opts = SimpleNamespace(
             model=f"dummy:{name}", device="cuda", max_num_seqs=batch, num_kv_blocks=4096,

@@ -18,7 +18,7 @@ import torch
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.loader import ModelSource, load_model
-from prefixserve.model.moe import experts_ref, route_ref
+from prefixserve.model.moe_reference import experts_ref, route_ref
 from tests.conftest import assert_pool_empty
 
 transformers = pytest.importorskip("transformers")
@@ -344,3 +344,95 @@ def test_experts_over_two_ranks_equal_one_process(name: str, tmp_path: Path) -> 
     with _llm(tmp_path, tensor_parallel_size=2) as tp:  # its process group ends with it
         two = tp.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+def test_a_qwen3_moe_gguf_reads_as_the_checkpoint(tmp_path: Path) -> None:
+    """A Qwen3-MoE GGUF as llama.cpp writes it (each layer's experts stacked, the router as
+    ``ffn_gate_inp``, a layer without experts among them) reads into the HF checkpoint's weights and
+    config, and the model built from it gives HF's logits."""
+    gguf = pytest.importorskip("gguf")
+    hf = tiny_checkpoint("qwen3_moe", tmp_path / "hf")
+    cfg = hf.config
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_weights_norm(cfg.norm_topk_prob)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v"}
+    names |= {
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "mlp.gate": "ffn_gate_inp",
+    }
+    names |= {"self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm"}
+    names |= {"post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up"}
+    names |= {"mlp.down_proj": "ffn_down"}
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    stacked: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if parts[1] != "layers":
+            top = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+            }
+            writer.add_tensor(top.get(name, "output.weight"), tensor.float().numpy())
+        elif parts[4] == "experts":  # model.layers.L.mlp.experts.E.gate_proj.weight
+            kind = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[
+                parts[6]
+            ]
+            stacked.setdefault(f"blk.{parts[2]}.{kind}.weight", []).append((int(parts[5]), tensor))
+        else:
+            writer.add_tensor(
+                f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}", tensor.float().numpy()
+            )
+    for name, per_expert in stacked.items():
+        writer.add_tensor(
+            name, torch.stack([t for _, t in sorted(per_expert, key=lambda p: p[0])]).float().numpy()
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from prefixserve.model.gguf_reader import iter_gguf_weights, load_gguf
+
+    reader, config = load_gguf(path)
+    assert (config.architecture, config.num_experts, config.mlp_only_layers) == ("qwen3_moe", 7, [1])
+    weights = dict(iter_gguf_weights(reader, config))
+    assert set(weights) == set(state)
+    for key, tensor in state.items():
+        assert torch.equal(weights[key], tensor.float()), key
+    from safetensors.torch import save_file  # what the conversion cache holds (``loader.convert_gguf``)
+
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    save_file(weights, str(converted / "model.safetensors"))
+    (converted / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    model, _ = load_model(ModelSource("hf", converted, "tiny"), torch.float32, torch.device("cpu"))
+    from prefixserve.attention.backend import make_backend
+    from prefixserve.attention.metadata import build_metadata
+    from prefixserve.kv.cache import KVCache
+
+    ids = _prompt(3, 20)
+    cache = KVCache(model.config, 4, 8, torch.float32, torch.device("cpu"))
+    meta = build_metadata(8, [20], [20], [[0, 1, 2]], "cpu")
+    backend = make_backend("reference")
+    backend.prepare(meta)
+    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(20), cache.layers, meta, backend))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)

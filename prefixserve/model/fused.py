@@ -447,7 +447,7 @@ def moe(
         return fused_moe.experts_forward(
             x, w_up, w_down, weights, ids, kind, up_bias, down_bias, alpha, limit
         )
-    from prefixserve.model.moe import experts_ref, route_ref
+    from prefixserve.model.moe_reference import experts_ref, route_ref
 
     weights, ids = route_ref(logits, top_k, rule, norm)
     return experts_ref(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)

@@ -1,5 +1,6 @@
-"""Read a GGUF file of a family the gguf package maps (Llama, Qwen2, Qwen3): config, dequantized
-weights (HF names) and tokenizer.
+"""Read a GGUF file of a family the gguf package maps (Llama, Qwen2, Qwen3, Qwen3-MoE): config,
+dequantized weights (HF names; a layer's stacked experts split into HF's per-expert tensors) and
+tokenizer.
 
 llama.cpp's converter permutes the rows of a Llama's q/k projections for its interleaved RoPE; we
 undo that so the weights work with the HF (rotate-half) RoPE our model uses, exactly as transformers
@@ -18,7 +19,8 @@ import torch
 
 from prefixserve.model.config import ModelConfig
 
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3")  # general.architecture values read (the family names)
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe")  # general.architecture values read
+FAMILY_OF = {"qwen3moe": "qwen3_moe"}  # where llama.cpp's architecture name is not the family's
 
 
 class GGUFError(ValueError):
@@ -50,10 +52,28 @@ def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    experts = int(_field(reader, f"{arch}.expert_count", 0))
+    moe = {}
+    if experts:  # Qwen3-MoE's experts (its converter writes norm_topk_prob as expert_weights_norm)
+        width = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+        moe = {
+            "num_experts": experts,
+            "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+            "moe_intermediate_size": width,
+            "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            # the file says which layers hold experts by their routers
+            "mlp_only_layers": [
+                i
+                for i in range(int(_field(reader, f"{arch}.block_count")))
+                if f"blk.{i}.ffn_gate_inp.weight" not in names
+            ],
+        }
     return ModelConfig(
         vocab_size=int(_field(reader, f"{arch}.vocab_size", len(vocab) if vocab else 0)),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=int(
+            _field(reader, f"{arch}.feed_forward_length", moe.get("moe_intermediate_size", 0))
+        ),
         num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
@@ -71,8 +91,9 @@ def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
-        architecture=arch,
+        architecture=FAMILY_OF.get(arch, arch),
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        **moe,
     )
 
 
@@ -88,7 +109,10 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # the router
 }
+# a layer's experts stacked [E, rows, cols]: split into HF's ``mlp.experts.{e}.*_proj``
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -119,6 +143,12 @@ def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, t
             arr = _unpermute(arr, config.num_attention_heads)
         elif permuted and (t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias")):
             arr = _unpermute(arr, config.num_key_value_heads)
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+            for e in range(arr.shape[0]):
+                name = f"model.layers.{parts[1]}.mlp.experts.{e}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+                yield name, torch.from_numpy(np.ascontiguousarray(arr[e]))
+            continue
         yield hf_name(t.name), torch.from_numpy(np.ascontiguousarray(arr))  # writable copy
 
 

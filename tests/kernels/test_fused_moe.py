@@ -9,7 +9,7 @@ import torch
 from _kernel_helpers import DEVICE
 
 from prefixserve.model.kernels import fused_moe
-from prefixserve.model.moe import experts_ref, route_ref
+from prefixserve.model.moe_reference import experts_ref, route_ref
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 

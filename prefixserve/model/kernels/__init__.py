@@ -17,7 +17,8 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
   * ranks_norm: the same at three to eight ranks for a few rows, every rank's product read (its
     row-end is peer_norm's);
   * embedding: a vocabulary shard's lookups written where the ranks' sum reads them;
-  * peer_argmax: at two ranks, the sharded argmax's exchange of each row's best column.
+  * peer_argmax: at two ranks, the sharded argmax's exchange of each row's best column;
+  * fused_moe: a mixture of experts' routing, grouping by expert, two grouped GEMMs and combine.
 
 The activation is one jit function (``silu_mul.silu_mul``) that the elementwise kernel and both
 matmul epilogues call; gate_up also takes the skinny kernel; ranks_norm takes peer_norm's waits

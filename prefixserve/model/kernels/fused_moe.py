@@ -383,6 +383,7 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
 # grouped by chunks in three (counts and ranks, the plan, the scatter), spread over the GPU
 ALIGN_ONE_PROGRAM_MAX = 256
 CHUNK = 64
+PLAN_ROWS = 128  # chunks (and blocks) the plan's one program takes a pass: 32 took 21 us at N = 8,192
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
@@ -407,7 +408,16 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, 
     rank = torch.empty(n, dtype=torch.int32, device=ids.device)
     _chunk_count_kernel[(chunks,)](ids, counts, rank, n, EP=ep, CHUNK=CHUNK, num_warps=4)
     _chunk_plan_kernel[(1,)](
-        counts, block_expert, block_rows, chunks, experts, blocks, BM=block_m, EP=ep, ROWS=32, num_warps=8
+        counts,
+        block_expert,
+        block_rows,
+        chunks,
+        experts,
+        blocks,
+        BM=block_m,
+        EP=ep,
+        ROWS=PLAN_ROWS,
+        num_warps=8,
     )
     _chunk_scatter_kernel[(chunks,)](ids, counts, rank, slots, n, EP=ep, CHUNK=CHUNK, num_warps=4)
     return slots, block_expert, block_rows
