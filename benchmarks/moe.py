@@ -334,7 +334,7 @@ def report(result: dict[str, Any], out: Path) -> None:
         for r in result["serve"]:
             note = r.get("error", "")
             if r["model"].startswith("gpt-oss") and "error" not in r:
-                note = "attention sinks: the torch cascade path, no decode graphs"
+                note = "attention sinks: attention launched eagerly (no whole-step decode graphs)"
             tok = f"{r['tok_s']:,.0f}" if "tok_s" in r else "n/a"
             lines.append(f"| {r['model']} | {r.get('start_s', 0):.0f} | {tok} | {note} |")
     write_json(out / f"{NAME}.json", result)

@@ -137,6 +137,7 @@ class AutoBackend(AttentionBackend):
     """
 
     name = "auto"
+    takes_sinks = True
     group_hint: int = 4
     cost: CascadeCost = CascadeCost()
     gpu_cost: GpuCascadeCost = GpuCascadeCost()

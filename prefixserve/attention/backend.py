@@ -52,12 +52,9 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, q_heads, head_dim] fp32, lse [T, q_heads]
-        """``forward`` with each row's log-sum-exp, which attention sinks need (``attention/sinks.py``).
-        The torch backends have it; the Triton kernels do not take sinks yet."""
-        raise NotImplementedError(
-            f"attention sinks (gpt-oss) need attention='cascade' or 'reference'; the {self.name!r} backend "
-            "does not take them yet"
-        )
+        """``forward`` with each row's log-sum-exp, which attention sinks need
+        (``window.attend_with_sinks``); a backend that has it sets ``takes_sinks``."""
+        raise NotImplementedError(f"the {self.name!r} backend does not return the attention's LSE")
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
@@ -83,10 +80,8 @@ def make_backend(name: str) -> AttentionBackend:
 
 
 def backend_for_model(name: str, sinks: bool) -> AttentionBackend:
-    """The backend ``name`` for a model; with attention sinks (gpt-oss) ``auto`` is the torch cascade
-    path (the Triton kernels do not take sinks yet), and a backend without sinks is refused by name."""
-    if sinks and name == "auto":
-        name = "cascade"
+    """The backend ``name`` for a model; one without attention sinks (``forward_with_lse``) is refused
+    by name for a model that has them (gpt-oss)."""
     backend = make_backend(name)
     if sinks and not backend.takes_sinks:
         takes = sorted(n for n, cls in _REGISTRY.items() if cls.takes_sinks)

@@ -34,14 +34,16 @@ def relaunch_layer(launch: Any, pos: tuple[int, int, int, int], tensors: tuple[t
     relaunch(launch, [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0])
 
 
-def csr_merge(o_part, lse_part, rows: int, row_ptr, part_idx, out) -> Callable[[list], Any]:
-    """The step's CSR merge of its partials into ``out``, as the ``launch_*_path`` functions take it:
-    called with a list, it launches and records its launch there."""
+def csr_merge(o_part, lse_part, rows: int, row_ptr, part_idx, out, out_lse=None) -> Callable[[list], Any]:
+    """The step's CSR merge of its partials into ``out`` (and each row's LSE into ``out_lse``, for
+    attention sinks), as the ``launch_*_path`` functions take it: called with a list, it launches and
+    records its launch there."""
     from prefixserve.attention.kernels import merge
 
     return lambda rec: merge.merge_partials(
-        o_part, lse_part, rows, row_ptr=row_ptr, part_idx=part_idx, out=out, want_lse=False, launches=rec
-    )
+        o_part, lse_part, rows, row_ptr=row_ptr, part_idx=part_idx, out=out, out_lse=out_lse,
+        want_lse=out_lse is not None, launches=rec,
+    )  # fmt: skip
 
 
 def launch_split_path(

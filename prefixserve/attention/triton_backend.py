@@ -73,6 +73,7 @@ class _Layout:
     part_idx: torch.Tensor | None = None  # [nnz] int32
     o_part: torch.Tensor | None = None  # [num_slots, Hq, D] fp32, reused by every layer
     lse_part: torch.Tensor | None = None  # [num_slots, Hq] fp32
+    out_lse: torch.Tensor | None = None  # [T, Hq] fp32: each row's LSE, kept for attention sinks
     # recorded on the step's first layer: (launch, its per-layer argument positions, on side stream)
     launches: list[tuple[Any, tuple[int, int, int, int], bool]] = field(default_factory=list)
     signature: tuple[Any, ...] = ()  # shapes / strides the recorded launches were specialised on
@@ -120,6 +121,7 @@ class TritonPagedBackend(AttentionBackend):
     """The paged kernel over every sequence's whole KV (no sharing): GQA-packed, split-KV."""
 
     name = "triton_paged"
+    takes_sinks = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -149,19 +151,31 @@ class TritonPagedBackend(AttentionBackend):
         return meta.plan
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._paged(q, k_cache, v_cache, meta, scale, False)[0]
+
+    def forward_with_lse(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """``forward`` and each row's LSE (attention sinks): the final merge writes it too, or with one
+        split the kernel's own LSE. The buffer is the step's: read it before the next layer runs."""
+        return self._paged(q, k_cache, v_cache, meta, scale, True)
+
+    def _paged(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, with_lse: bool):
         step = self._step(meta)
         out = torch.empty_like(q)
-        key = (q.shape[1], k_cache.shape[2], q.shape[2], "paged", str(q.dtype))
+        key = (q.shape[1], k_cache.shape[2], q.shape[2], "paged", str(q.dtype), with_lse)
         lay = step.layouts.get(key)
         sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
         if lay is not None and lay.signature == sig:
             for launch, pos, _ in lay.launches:
                 relaunch_layer(launch, pos, (q, k_cache, v_cache, out))
-            return out
-        step.layouts[key] = self._paged_first(q, k_cache, v_cache, meta, step, scale, out, sig)
-        return out
+            return out, lay.out_lse
+        lay = step.layouts[key] = self._paged_first(
+            q, k_cache, v_cache, meta, step, scale, out, sig, with_lse
+        )
+        return out, lay.out_lse
 
-    def _paged_first(self, q, k_cache, v_cache, meta, step: TritonStep, scale: float, out, sig) -> _Layout:
+    def _paged_first(
+        self, q, k_cache, v_cache, meta, step: TritonStep, scale: float, out, sig, with_lse: bool = False
+    ) -> _Layout:
         """Launch the plain paged path through Triton's normal path and record it for later layers."""
         from prefixserve.attention.kernels import merge
 
@@ -181,15 +195,18 @@ class TritonPagedBackend(AttentionBackend):
         if splits == 1:
             launch = paged.launch_paged(*args, step.max_query_len, 1, size, out, lse, 0, 0, block_n)
             lay.launches = [(launch, PAGED_OUT, False)] if launch is not None else []
+            lay.out_lse = lse if with_lse else None  # the kernel's own, the final one with one split
             return lay
         o_part = torch.empty(splits * tokens, q_heads, dim, dtype=torch.float32, device=q.device)
         launch = paged.launch_paged(
             *args, step.max_query_len, splits, size, o_part, lse, o_part.stride(0) * tokens, q_heads * tokens
         )
         rec: list[Any] = []
+        lay.out_lse = torch.empty(tokens, q_heads, dtype=torch.float32, device=q.device) if with_lse else None
         merge.merge_partials(
-            o_part, lse, tokens, num_parts=splits, part_stride=tokens, out=out, want_lse=False, launches=rec
-        )
+            o_part, lse, tokens, num_parts=splits, part_stride=tokens, out=out, out_lse=lay.out_lse,
+            want_lse=with_lse, launches=rec,
+        )  # fmt: skip
         lay.o_part, lay.lse_part = o_part, lse  # held: the recorded launches point at them
         if launch is not None:
             lay.launches = [(launch, PAGED_PART, False)] + [(m, MERGE, False) for m in rec]
@@ -248,26 +265,34 @@ class TritonBackend(TritonPagedBackend):
         return step
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._shared(q, k_cache, v_cache, meta, scale, False)[0]
+
+    def forward_with_lse(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return self._shared(q, k_cache, v_cache, meta, scale, True)
+
+    def _shared(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, with_lse: bool):
         step = self._step(meta)
         if step.shared is None:
-            return super().forward(q, k_cache, v_cache, meta, scale)
-        _tokens, q_heads, dim = q.shape
+            return self._paged(q, k_cache, v_cache, meta, scale, with_lse)
+        tokens, q_heads, dim = q.shape
         kv_heads = k_cache.shape[2]
-        key = (q_heads, kv_heads, dim, str(q.device), str(q.dtype))
+        key = (q_heads, kv_heads, dim, str(q.device), str(q.dtype), with_lse)
         side = self._side_stream(q.device, int(step.seg_rows_host.shape[0]) * (q_heads // kv_heads))
         lay = step.layouts.get(key)
         if lay is None:
             pack = self._pack(q_heads, kv_heads, meta, step, q)
             lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack, self.mixed)
+            if with_lse:
+                lay.out_lse = torch.empty(tokens, q_heads, dtype=torch.float32, device=q.device)
             step.layouts[key] = lay
         out = torch.empty_like(q)
         sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), q.device, scale)
         if lay.signature == sig and lay.launches:
             replay_launches(lay.launches, (q, k_cache, v_cache, out), side)
-            return out
+            return out, lay.out_lse
         lay.launches = self._shared_first(q, k_cache, v_cache, meta, step, lay, scale, out, side)
         lay.signature = sig
-        return out
+        return out, lay.out_lse
 
     def _pack(self, q_heads: int, kv_heads: int, meta: AttentionMetadata, step: TritonStep, q) -> int:
         """Decode sequences per own program (``packed_decode_program``): ``own_pack_rule``'s."""
@@ -293,7 +318,7 @@ class TritonBackend(TritonPagedBackend):
             scale,
         )
 
-        merge_into = csr_merge(lay.o_part, lay.lse_part, tokens, lay.row_ptr, lay.part_idx, out)
+        merge_into = csr_merge(lay.o_part, lay.lse_part, tokens, lay.row_ptr, lay.part_idx, out, lay.out_lse)
         if lay.mixed and mixed_rule.eligible(q, k_cache, v_cache, lay.work.block_m, lay.work.block_n):
             step_lists = (plan.seg_rows, lay.work.items, plan.own_block_tables, plan.own_seq_lens)
             parts = (lay.o_part, lay.lse_part, ns)

@@ -56,13 +56,12 @@ def attend_with_sinks(
 ) -> torch.Tensor:
     """Attention with a sink per head: a logit beside the keys that takes its share of the softmax
     and adds nothing, so ``o_sinks = o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)`` from
-    the attention's own output and log-sum-exp (the torch paths; ``forward_with_lse``)."""
+    the attention's own output and log-sum-exp (``forward_with_lse``: the torch backends', the Triton
+    ones' final merge or kernel; a sliding layer's walk and merge alike)."""
     if window is None or (window >= meta.max_seq_len and meta.full is None):
         o, lse = backend.forward_with_lse(q, k_cache, v_cache, meta, scale)
     else:
-        holes = meta.has_module_blocks()
-        plan = None if holes else window_plan(meta, window)
-        o, lse = window_attention_torch(q, k_cache, v_cache, meta, scale, window, plan, with_lse=True)
+        o, lse = window_attention(q, k_cache, v_cache, meta, scale, window, with_lse=True)
     return (o.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(q.dtype)
 
 
@@ -73,16 +72,17 @@ def window_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int,
-) -> torch.Tensor:  # [T, q_heads, D], q's dtype
+    with_lse: bool = False,
+) -> Any:  # [T, q_heads, D], q's dtype; with_lse: (o, lse [T, q_heads] fp32)
     holes = meta.has_module_blocks()
     plan = None if holes else window_plan(meta, window)
     if q.is_cuda and not holes:
         from prefixserve.attention.kernels import window_attention as kernels
 
         if plan is not None:
-            return kernels.window_shared_attention(q, k_cache, v_cache, meta, plan, scale, window)
-        return kernels.window_attention(q, k_cache, v_cache, meta, scale, window)
-    return window_attention_torch(q, k_cache, v_cache, meta, scale, window, plan)
+            return kernels.window_shared_attention(q, k_cache, v_cache, meta, plan, scale, window, with_lse)
+        return kernels.window_attention(q, k_cache, v_cache, meta, scale, window, with_lse)
+    return window_attention_torch(q, k_cache, v_cache, meta, scale, window, plan, with_lse)
 
 
 def window_attention_torch(

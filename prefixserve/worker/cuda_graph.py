@@ -57,7 +57,7 @@ def graph_refusal(config: ModelConfig) -> str | None:
     if len(windows) > 1:
         return "its sliding layers' windows differ"
     if config.attention_sinks:
-        return "its attention sinks run on the torch attention paths"
+        return "its attention sinks need the LSE, which the graphs' attention does not return"
     return None
 
 

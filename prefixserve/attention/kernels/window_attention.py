@@ -233,10 +233,21 @@ def window_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int,
-) -> torch.Tensor:  # [T, Hq, D]
-    """Attention of every query row within its window (``attention/window.py`` says the rule)."""
+    with_lse: bool = False,
+) -> Any:  # [T, Hq, D]; with_lse: (o [T, Hq, D] fp32, lse [T, Hq])
+    """Attention of every query row within its window (``attention/window.py`` says the rule); with
+    ``with_lse`` (attention sinks) the walk writes fp32 rows and their LSE, skipping nothing (an empty
+    skip run at each sequence's end)."""
+    walk = walk_inputs(meta)
+    if with_lse:
+        o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        skip = (walk.seq_lens, walk.seq_lens)
+        grid, args, kw = _launch_args(q, k_cache, v_cache, walk, scale, window, skip, (o, lse))
+        _window_kernel[grid](*args, **kw)
+        return o, lse
     out = torch.empty_like(q)
-    grid, args, kw = _launch_args(q, k_cache, v_cache, walk_inputs(meta), scale, window, None, (out, None))
+    grid, args, kw = _launch_args(q, k_cache, v_cache, walk, scale, window, None, (out, None))
     _bound(grid, *args, **kw)
     return out
 
@@ -255,6 +266,7 @@ class WindowLaunches:
     part_idx: torch.Tensor | None = None
     o_part: torch.Tensor | None = None  # [slots_at + shared slots, Hq, D] fp32
     lse_part: torch.Tensor | None = None
+    out_lse: torch.Tensor | None = None  # [T, Hq] fp32: each row's LSE (attention sinks)
     # per sliding group under the freeing KV layout: its "tables", "blocks", "items" and "work"
     groups: list[dict[str, Any]] | None = None
     launches: list[Any] = field(default_factory=list)
@@ -284,7 +296,7 @@ def launch_window_path(
     def shared() -> Launch | None:
         return launch_shared(q, k_cache, v_cache, *segments, scale, o_part[at:], lse_part[at:])
 
-    merge = csr_merge(o_part, lse_part, at, lay.row_ptr, lay.part_idx, out)
+    merge = csr_merge(o_part, lse_part, at, lay.row_ptr, lay.part_idx, out, lay.out_lse)
     lay.launches = launch_split_path(shared, walk_launch, merge, None)
     lay.group_args = group_args(lay.launches, group) if group is not None else []
 
@@ -317,14 +329,15 @@ def window_shared_attention(
     plan: object,  # window_plan.WindowPlan
     scale: float,
     window: int,
-) -> torch.Tensor:  # [T, Hq, D]
+    with_lse: bool = False,
+) -> Any:  # [T, Hq, D]; with_lse: (it, each row's LSE [T, Hq] fp32, the step's buffer)
     """A decode step of a sliding layer: the plan's segments once for their stacked rows (the shared
     kernel), each row's walk over the rest of its window (fp32 partials with their LSE), merged by
     LSE. The step's first sliding layer launches through Triton and records; the others relaunch the
     records with their own q, K, V and output (``step_launch.replay_launches``), as the full layers'
     shared path does."""
-    _tokens, q_heads, dim = q.shape
-    key = (q_heads, k_cache.shape[2], dim, q.dtype, q.device)
+    tokens, q_heads, dim = q.shape
+    key = (q_heads, k_cache.shape[2], dim, q.dtype, q.device, with_lse)
     lay = plan.derived.get(key)
     if lay is SOLO:  # the groups' work lists differ: each group plans alone
         key = (key, plan.group)
@@ -335,6 +348,8 @@ def window_shared_attention(
             plan.derived[key] = SOLO
             key = (key, plan.group)
             lay = _layout(q, k_cache, plan, family=False)
+        if with_lse:
+            lay.out_lse = torch.empty(tokens, q_heads, dtype=torch.float32, device=q.device)
         plan.derived[key] = lay
     group = lay.groups[plan.group] if lay.groups is not None else None
     if group is not None:  # a sliding group under the freeing KV layout: its own pages' arrays
@@ -343,10 +358,10 @@ def window_shared_attention(
     sig = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), scale, window)
     if lay.signature == sig:
         replay_window_path(lay, (q, k_cache, v_cache, out), group)
-        return out
-    launch_window_path(q, k_cache, v_cache, walk_inputs(meta), lay, group, scale, window, out)
-    lay.signature = sig
-    return out
+    else:
+        launch_window_path(q, k_cache, v_cache, walk_inputs(meta), lay, group, scale, window, out)
+        lay.signature = sig
+    return (out, lay.out_lse) if with_lse else out
 
 
 def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object, family: bool) -> WindowLaunches | None:
