@@ -191,25 +191,29 @@ def test_config_reads_the_layer_types(family) -> None:
         assert config.layer_spec(0).rope != config.layer_spec(config.num_hidden_layers - 1).rope
 
 
-def test_logits_match_hf(family) -> None:
-    name, directory, hf = family
-    model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
+def prefill_logits(model: Any, ids: list[int], backend_name: str = "cascade", bs: int = 8) -> torch.Tensor:
+    """Every position's logits of one prompt run as one prefill on ``backend_name`` (fp32, CPU)."""
     from prefixserve.attention.backend import make_backend
     from prefixserve.attention.metadata import build_metadata
     from prefixserve.kv.cache import KVCache
 
-    bs = 8
+    length = len(ids)
+    cache = KVCache(model.config, -(-length // bs) + 1, bs, torch.float32, torch.device("cpu"))
+    meta = build_metadata(bs, [length], [length], [list(range(-(-length // bs)))], "cpu")
+    backend = make_backend(backend_name)
+    backend.prepare(meta)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(length), cache.layers, meta, backend))
+
+
+def test_logits_match_hf(family) -> None:
+    name, directory, hf = family
+    model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
     for length in (9, 3 * WINDOW + 5):  # shorter than the window, and longer
         ids = _prompt(length, length)
-        cache = KVCache(model.config, -(-length // bs) + 1, bs, torch.float32, torch.device("cpu"))
-        meta = build_metadata(bs, [length], [length], [list(range(-(-length // bs)))], "cpu")
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1:]
         for backend_name in ("reference", "cascade"):
-            backend = make_backend(backend_name)
-            backend.prepare(meta)
-            hidden = model(torch.tensor(ids), torch.arange(length), cache.layers, meta, backend)
-            logits = model.compute_logits(hidden[-1:])
-            with torch.no_grad():
-                ref = hf(torch.tensor([ids])).logits[0, -1:]
+            logits = prefill_logits(model, ids, backend_name)[-1:]
             torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -283,11 +287,10 @@ def test_self_contradicting_configs_are_refused_by_name(
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def _write_qwen3_gguf(hf: Any, path: Path) -> None:
-    """The tiny checkpoint as llama.cpp writes a Qwen3 GGUF (f32 tensors, q and k as they are)."""
+def gguf_writer(cfg: Any, path: Path, arch: str) -> Any:
+    """A GGUF writer for ``arch`` with the sizes of the HF config ``cfg`` written, as llama.cpp does."""
     gguf = pytest.importorskip("gguf")
-    cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -299,6 +302,12 @@ def _write_qwen3_gguf(hf: Any, path: Path) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
+    return writer
+
+
+def _write_qwen3_gguf(hf: Any, path: Path) -> None:
+    """The tiny checkpoint as llama.cpp writes a Qwen3 GGUF (f32 tensors, q and k as they are)."""
+    writer = gguf_writer(hf.config, path, "qwen3")
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v"}
     names |= {"self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm"}
     names |= {"self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm"}

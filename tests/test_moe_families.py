@@ -1,9 +1,11 @@
-"""Mixture-of-experts families against HF transformers (issue 102): a tiny random Qwen3-MoE and Mixtral
-(more experts than are active; Qwen3-MoE with a dense layer among its MoE layers, Mixtral with a
-window shorter than the prompts) saved by ``save_pretrained`` load into prefixserve; last-token logits
-within 1e-4 of HF's in fp32, 32 greedy tokens equal to HF's ``generate``, and the same tokens with
-shared-segment attention on and off and on a prefix-cache repeat. The reference MoE path is checked
-against HF's own experts loop, ties included."""
+"""Mixture-of-experts families against HF transformers (issue 102): tiny random Qwen3-MoE, Mixtral and
+gpt-oss checkpoints (more experts than are active; Qwen3-MoE with a dense layer among its MoE layers;
+Mixtral and gpt-oss with windows shorter than the prompts, gpt-oss with sinks, biases and YaRN)
+saved by ``save_pretrained`` load into prefixserve; last-token logits within 1e-4 of HF's in fp32,
+32 greedy tokens equal to HF's ``generate``, and the same tokens with shared-segment attention on and
+off and on a prefix-cache repeat, and over two ranks. The reference MoE path is checked against HF's
+own experts block, ties included; gpt-oss's MXFP4 experts and a Qwen3-MoE GGUF load as the
+checkpoint."""
 
 from __future__ import annotations
 
@@ -15,28 +17,15 @@ from typing import Any
 import pytest
 import torch
 
-from prefixserve import LLM, SamplingParams
+from prefixserve import SamplingParams
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.loader import ModelSource, load_model
 from prefixserve.model.moe_reference import experts_ref, route_ref
 from tests.conftest import assert_pool_empty
+from tests.test_model_families import SIZES, WINDOW, _hf_generate, _llm, _prompt, gguf_writer, prefill_logits
 
 transformers = pytest.importorskip("transformers")
 
-WINDOW = 24
-VOCAB = 331
-SIZES = {
-    "vocab_size": VOCAB,
-    "hidden_size": 72,
-    "intermediate_size": 100,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
-    "pad_token_id": 0,
-}
 FAMILIES: dict[str, dict[str, Any]] = {
     # 7 experts, 3 active, renormalised; layer 1 keeps a dense MLP
     "qwen3_moe": {
@@ -109,16 +98,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return name, directory, tiny_checkpoint(name, directory)
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
-
-
-def _llm(directory: Path, **kw: Any) -> LLM:
-    args = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 160, "block_size": 8, "progress": False}
-    return LLM(model=str(directory), **{**args, **kw})
-
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)  # as HF's min_new_tokens: EOS masked
 
 
@@ -143,30 +122,11 @@ def test_config_reads_the_experts(family) -> None:
 def test_logits_match_hf(family) -> None:
     name, directory, hf = family
     model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
-    from prefixserve.attention.backend import make_backend
-    from prefixserve.attention.metadata import build_metadata
-    from prefixserve.kv.cache import KVCache
-
-    bs = 8
     for length in (9, 2 * WINDOW + 5):
         ids = _prompt(length, length)
-        cache = KVCache(model.config, -(-length // bs) + 1, bs, torch.float32, torch.device("cpu"))
-        meta = build_metadata(bs, [length], [length], [list(range(-(-length // bs)))], "cpu")
-        backend = make_backend("cascade")
-        backend.prepare(meta)
-        hidden = model(torch.tensor(ids), torch.arange(length), cache.layers, meta, backend)
-        logits = model.compute_logits(hidden[-1:])
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0, -1:]
-        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
-
-
-def _hf_generate(hf: Any, ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(ids) :].tolist()
+        torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_tokens_equal_hf_generate_and_sharing_changes_none(family) -> None:
@@ -317,16 +277,8 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads(tmp_path: Path) -> None:
                 state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
     save_file(state, str(tmp_path / "model.safetensors"))
     model, _ = load_model(ModelSource("hf", tmp_path, "gpt-oss-mxfp4"), torch.float32, torch.device("cpu"))
-    from prefixserve.attention.backend import make_backend
-    from prefixserve.attention.metadata import build_metadata
-    from prefixserve.kv.cache import KVCache
-
     ids = _prompt(3, 40)
-    cache = KVCache(model.config, 6, 8, torch.float32, torch.device("cpu"))
-    meta = build_metadata(8, [40], [40], [list(range(5))], "cpu")
-    backend = make_backend("cascade")
-    backend.prepare(meta)
-    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(40), cache.layers, meta, backend))
+    logits = prefill_logits(model, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
@@ -350,22 +302,10 @@ def test_a_qwen3_moe_gguf_reads_as_the_checkpoint(tmp_path: Path) -> None:
     """A Qwen3-MoE GGUF as llama.cpp writes it (each layer's experts stacked, the router as
     ``ffn_gate_inp``, a layer without experts among them) reads into the HF checkpoint's weights and
     config, and the model built from it gives HF's logits."""
-    gguf = pytest.importorskip("gguf")
     hf = tiny_checkpoint("qwen3_moe", tmp_path / "hf")
     cfg = hf.config
     path = tmp_path / "tiny-qwen3moe.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = gguf_writer(cfg, path, "qwen3moe")
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -423,16 +363,8 @@ def test_a_qwen3_moe_gguf_reads_as_the_checkpoint(tmp_path: Path) -> None:
     save_file(weights, str(converted / "model.safetensors"))
     (converted / "config.json").write_text(json.dumps(config.to_hf_dict()))
     model, _ = load_model(ModelSource("hf", converted, "tiny"), torch.float32, torch.device("cpu"))
-    from prefixserve.attention.backend import make_backend
-    from prefixserve.attention.metadata import build_metadata
-    from prefixserve.kv.cache import KVCache
-
     ids = _prompt(3, 20)
-    cache = KVCache(model.config, 4, 8, torch.float32, torch.device("cpu"))
-    meta = build_metadata(8, [20], [20], [[0, 1, 2]], "cpu")
-    backend = make_backend("reference")
-    backend.prepare(meta)
-    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(20), cache.layers, meta, backend))
+    logits = prefill_logits(model, ids, "reference")
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)

@@ -4,37 +4,13 @@ plans) and prefill rows, the Triton paths' LSE (the final merge's, or the kernel
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from _kernel_helpers import DEVICE, rel_err
-from test_window_attention import _case
+from test_window_attention import _case, _oracle
 
 from prefixserve.attention.backend import backend_for_model, make_backend
 from prefixserve.attention.window import attend_layer
-
-
-def _oracle(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window, sinks):
-    """Per sequence: the window's keys and one sink logit per head (no value), softmax, fp64."""
-    out, start = [], 0
-    for table, q_len, s_len in zip(tables, query_lens, seq_lens, strict=True):
-        k = k_cache[table].flatten(0, 1)[:s_len].double()
-        v = v_cache[table].flatten(0, 1)[:s_len].double()
-        qs = q[start : start + q_len].double()
-        group = qs.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("mhd,nhd->hmn", qs, k) * scale
-        i = torch.arange(s_len - q_len, s_len, device=q.device)[:, None]
-        j = torch.arange(s_len, device=q.device)[None, :]
-        visible = (j <= i) & (j > i - window) if window else j <= i
-        scores = scores.masked_fill(~visible, -math.inf)
-        sink = sinks.double()[:, None, None].expand(-1, q_len, 1)
-        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
-        out.append(torch.einsum("hmn,nhd->mhd", probs, v))
-        start += q_len
-    return torch.cat(out)
-
 
 CASES = {
     "decode_shared_prefix": ([1, 1, 1, 1], [70, 75, 69, 80], 4),

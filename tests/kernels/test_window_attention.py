@@ -17,8 +17,9 @@ from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.window import attend_layer, window_attention_torch
 
 
-def _oracle(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window):
-    """Dense fp64 attention per sequence with the window written out as a mask."""
+def _oracle(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window, sinks=None):
+    """Dense fp64 attention per sequence with the window written out as a mask; ``sinks`` [Hq]: a
+    logit per head beside the keys, with no value (gpt-oss)."""
     bs = k_cache.shape[1]
     out, start = [], 0
     for table, q_len, s_len in zip(tables, query_lens, seq_lens, strict=True):
@@ -32,7 +33,12 @@ def _oracle(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window):
         j = torch.arange(s_len, device=q.device)[None, :]
         visible = (j <= i) & (j > i - window) if window else j <= i
         scores = scores.masked_fill(~visible, -math.inf)
-        out.append(torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.double()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        out.append(torch.einsum("hmn,nhd->mhd", probs, v))
         start += q_len
         assert len(table) * bs >= s_len
     return torch.cat(out)
