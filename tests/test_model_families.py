@@ -453,7 +453,7 @@ GEMMA4_TINY = {
 }
 F, S = "full_attention", "sliding_attention"
 BAD_GEMMA4 = [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block=True"),
+    ({"enable_moe_block": True, "top_k_experts": 2}, "enable_moe_block=True needs num_experts >= 1"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all' is not supported"),
     ({"num_kv_shared_layers": 4}, "num_kv_shared_layers=4: at least one of the num_hidden_layers=4"),
     (  # the shared sliding layer has no sliding layer before it to read
@@ -478,7 +478,7 @@ BAD_GEMMA4 = [
 
 @pytest.mark.parametrize(("change", "message"), BAD_GEMMA4)
 def test_gemma4_configs_it_cannot_serve_are_refused_by_name(change, message, tmp_path: Path) -> None:
-    """Gemma 4's MoE block (a later issue), bidirectional attention and configs that contradict
+    """Gemma 4's bidirectional attention, an MoE block without experts and configs that contradict
     themselves are refused at load, naming the field."""
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig.from_hf_dict({**GEMMA4_TINY, **change})

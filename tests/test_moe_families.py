@@ -71,11 +71,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
     },
 }
-ARCH = {"qwen3_moe_sparse_step": "qwen3_moe"}
+# Gemma 4's experts beside its dense MLP, sliding and global layers
+FAMILIES["gemma4_moe"] = {
+    "num_hidden_layers": 3,
+    "enable_moe_block": True,
+    "num_experts": 5,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 24,
+    "hidden_size_per_layer_input": 0,
+    "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "global_head_dim": 16,
+}
+ARCH = {"qwen3_moe_sparse_step": "qwen3_moe", "gemma4_moe": "gemma4_text"}
 
 
-def tiny_checkpoint(name: str, directory: Path) -> Any:
-    config = transformers.AutoConfig.for_model(ARCH.get(name, name), **{**SIZES, **FAMILIES[name]})
+def tiny_checkpoint(name: str, directory: Path, **sizes: Any) -> Any:
+    """A random HF model of ``name`` (``FAMILIES``' settings over ``SIZES``, then ``sizes``), norms,
+    routers, biases and sinks drawn, saved into ``directory``; returns it (fp32, eval)."""
+    config = transformers.AutoConfig.for_model(ARCH.get(name, name), **{**SIZES, **FAMILIES[name], **sizes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     gen = torch.Generator().manual_seed(1)
@@ -87,6 +101,8 @@ def tiny_checkpoint(name: str, directory: Path) -> Any:
                 p.copy_(torch.randn(p.shape, generator=gen))
             elif pname.endswith(("bias", "sinks")):  # zeros at init: a bias or sink dropped would hide
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif pname.endswith(("router.scale", "per_expert_scale")):  # ones at init
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
     model.save_pretrained(str(directory), safe_serialization=True)
     return model
 
@@ -94,6 +110,8 @@ def tiny_checkpoint(name: str, directory: Path) -> Any:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
     name = request.param
+    if name.startswith("gemma4"):
+        pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
     directory = tmp_path_factory.mktemp(name)
     return name, directory, tiny_checkpoint(name, directory)
 
@@ -109,13 +127,16 @@ def test_config_reads_the_experts(family) -> None:
         assert moe == [True, False, True] and config.norm_topk_prob and config.qk_norm
     elif name == "qwen3_moe_sparse_step":
         assert moe == [False, True, False, True] and not config.norm_topk_prob
+    elif name == "gemma4_moe":
+        assert not any(moe) and config.moe_beside_mlp and config.num_experts_per_tok == 2
     elif name == "gpt_oss":
         assert all(moe) and config.attention_sinks and config.router_rule == "topk_softmax"
         assert config.layer_spec(0).window == WINDOW and config.layer_spec(1).window is None
         assert config.layer_spec(0).rope.scaling_dict["rope_type"] == "yarn"
     else:
         assert all(moe) and config.norm_topk_prob and config.has_sliding_layers
-    assert config.num_experts_per_tok == hf.config.num_experts_per_tok
+    hf_k = getattr(hf.config, "num_experts_per_tok", None) or hf.config.top_k_experts  # Gemma 4's name
+    assert config.num_experts_per_tok == hf_k
     assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config
 
 
@@ -157,10 +178,21 @@ def test_the_reference_experts_are_hfs(family) -> None:
     tokens and on tokens all routed alike (identical rows)."""
     name, directory, hf = family
     model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
-    layer = next(i for i in range(len(model.model.layers)) if model.full_config.layer_spec(i).moe)
-    ours = model.model.layers[layer].mlp
-    block = hf.model.layers[layer].mlp if hasattr(hf.model.layers[layer], "mlp") else None
-    block = block if block is not None else hf.model.layers[layer].block_sparse_moe
+    if name == "gemma4_moe":  # the experts beside the MLP: router and experts on the stream
+        mine, theirs = model.model.layers[0], hf.model.layers[0]
+
+        def ours(x: torch.Tensor) -> torch.Tensor:
+            return mine.experts(mine.pre_feedforward_layernorm_2(x), *mine.router(x))
+
+        def block(x: torch.Tensor) -> torch.Tensor:
+            _, weights, ids = theirs.router(x[0])
+            return theirs.experts(theirs.pre_feedforward_layernorm_2(x[0]), ids, weights)[None]
+
+    else:
+        layer = next(i for i in range(len(model.model.layers)) if model.full_config.layer_spec(i).moe)
+        ours = model.model.layers[layer].mlp
+        block = hf.model.layers[layer].mlp if hasattr(hf.model.layers[layer], "mlp") else None
+        block = block if block is not None else hf.model.layers[layer].block_sparse_moe
     gen = torch.Generator().manual_seed(3)
     width = hf.config.hidden_size
     for x in (torch.randn(13, width, generator=gen), torch.randn(1, width, generator=gen).expand(5, -1)):
@@ -284,7 +316,7 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads(tmp_path: Path) -> None:
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma4_moe"])
 def test_experts_over_two_ranks_equal_one_process(name: str, tmp_path: Path) -> None:
     """Tensor parallelism (gloo, 2 ranks): every expert's intermediate columns split over the ranks
     (gpt-oss: its stacked tensors converted per rank, the down bias added once, sinks split by head)

@@ -1,7 +1,8 @@
-"""Mixture-of-experts families on a GPU: tiny random Qwen3-MoE and Mixtral checkpoints (power-of-two
-heads, as the Triton attention kernels take) in fp32 on CUDA, through the fused MoE kernels inside the
-decode graphs: greedy tokens equal HF's on the same device, and equal with the shared-segment kernels
-(prefix cache and repeat) and with the reference backend."""
+"""Mixture-of-experts families on a GPU: tiny random Qwen3-MoE, Mixtral, gpt-oss and Gemma 4 MoE
+checkpoints (power-of-two heads, as the Triton attention kernels take) in fp32 on CUDA, through the
+fused MoE kernels (inside the decode graphs but for gpt-oss, whose sinks keep attention eager): greedy
+tokens equal HF's on the same device, and equal with the shared-segment kernels (prefix cache and
+repeat) and with the reference backend."""
 
 from __future__ import annotations
 
@@ -10,26 +11,22 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from tests.conftest import assert_pool_empty
-from tests.test_moe_families import FAMILIES, SIZES, _prompt
+from tests.test_moe_families import _prompt, tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss", "gemma4_moe"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     name = request.param
+    if name.startswith("gemma4"):
+        pytest.importorskip("transformers.models.gemma4", reason="this transformers has no Gemma 4")
     directory = tmp_path_factory.mktemp(name)
-    sizes = {**SIZES, **FAMILIES[name], "head_dim": 32, "num_attention_heads": 4}
-    config = transformers.AutoConfig.for_model(name, **sizes)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if pname.endswith("gate.weight") or "router" in pname or pname.endswith(("bias", "sinks")):
-                p.normal_()
-    hf.save_pretrained(str(directory), safe_serialization=True)
-    return name, directory, hf
+    sizes = {"head_dim": 32, "num_attention_heads": 4}
+    if name.startswith("gemma4"):
+        sizes["global_head_dim"] = 32
+    return name, directory, tiny_checkpoint(name, directory, **sizes)
 
 
 def test_greedy_tokens_equal_hf_and_with_sharing(family) -> None:

@@ -115,6 +115,7 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 (and not in mlp_only_layers)
     router_bias: bool = False  # the router carries a bias (gpt-oss)
+    moe_beside_mlp: bool = False  # Gemma 4: every layer's experts run beside its dense MLP (own router)
     expert_bias: bool = False  # the experts' gate-up and down projections carry biases (gpt-oss)
     swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (hidden_act "swiglu_oai")
     swiglu_limit: float = 7.0
@@ -226,10 +227,12 @@ class ModelConfig:
             )
 
     def is_moe_layer(self, i: int) -> bool:
-        """HF's rule: experts on every ``decoder_sparse_step``-th layer, except ``mlp_only_layers``."""
-        return (
-            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
-        )
+        """Is layer ``i``'s MLP a mixture of experts? HF's rule: experts on every
+        ``decoder_sparse_step``-th layer, except ``mlp_only_layers``; Gemma 4's experts run beside a
+        dense MLP instead (``moe_beside_mlp``)."""
+        if self.num_experts == 0 or self.moe_beside_mlp:
+            return False
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def kv_bytes_per_token(self) -> int:

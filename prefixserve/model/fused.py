@@ -422,32 +422,42 @@ __all__ = [
 ]
 
 
-def moe(
+def moe_route(
+    logits: torch.Tensor, top_k: int, rule: str, norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k] fp32, ids [T, k]
+    """Each token's ``top_k`` experts and weights by the family's ``rule`` (``moe_reference.route_ref``):
+    one kernel on CUDA (``kernels/fused_moe.py``), a stable sort elsewhere; ties to the lower index."""
+    if _use_triton(logits):
+        from prefixserve.model.kernels import fused_moe
+
+        return fused_moe.route(logits, top_k, rule, norm)
+    from prefixserve.model.moe_reference import route_ref
+
+    return route_ref(logits, top_k, rule, norm)
+
+
+def moe_experts(
     x: torch.Tensor,  # [T, H]
-    logits: torch.Tensor,  # [T, E]: the router's
     w_up: torch.Tensor,  # [E 2I, H]
     w_down: torch.Tensor,  # [E H, I]
-    top_k: int,
-    rule: str,
-    norm: bool,
+    weights: torch.Tensor,  # [T, k] fp32
+    ids: torch.Tensor,  # [T, k]
     act: str,
     up_bias: torch.Tensor | None = None,  # [E 2I]
     down_bias: torch.Tensor | None = None,  # [E H]
     alpha: float = 1.702,  # gpt-oss's clamped SwiGLU (act "swiglu_oai")
     limit: float = 7.0,
 ) -> torch.Tensor:  # [T, H]
-    """A mixture of experts' output: each token routed to its ``top_k`` experts (``rule``, ``norm``:
-    ``moe.route_ref``), their gated MLPs (``act``) weighted and summed. On CUDA the fused kernels
-    (``kernels/fused_moe.py``), else the reference loop over the experts touched (``moe.experts_ref``)."""
+    """The routed experts' gated MLPs (``act``), weighted and summed per token: on CUDA the fused
+    kernels (``kernels/fused_moe.py``), else the reference loop over the experts touched."""
     if _use_triton(x):
         from prefixserve.model.kernels import fused_moe
 
-        weights, ids = fused_moe.route(logits, top_k, rule, norm)
+        ids32 = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
         kind = fused_moe.ACTIVATIONS[act]
         return fused_moe.experts_forward(
-            x, w_up, w_down, weights, ids, kind, up_bias, down_bias, alpha, limit
+            x, w_up, w_down, weights, ids32, kind, up_bias, down_bias, alpha, limit
         )
-    from prefixserve.model.moe_reference import experts_ref, route_ref
+    from prefixserve.model.moe_reference import experts_ref
 
-    weights, ids = route_ref(logits, top_k, rule, norm)
     return experts_ref(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)

@@ -36,7 +36,7 @@ from prefixserve.model.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from prefixserve.model.moe import MoE
+from prefixserve.model.moe import GATE_UP_STACKED, Experts, Gemma4Router, MoE
 from prefixserve.model.parallel import Shard
 from prefixserve.model.peer_allreduce import ATTENTION_SLOT, MLP_SLOT
 from prefixserve.model.rotary import Rope, Ropes, RotaryEmbedding, distinct_ropes, rope_inv_freq
@@ -236,9 +236,11 @@ class DecoderLayer(nn.Module):
     normed too before its residual add: ``post_attention_layernorm`` then follows attention and
     ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` surround the MLP (HF's names).
 
-    Gemma 4 adds, after the MLP's residual add, the layer's per-layer input (``per_layer_input_gate``,
-    ``per_layer_projection``, ``post_per_layer_input_norm``: ``_add_per_layer_input``) and scales the
-    stream by ``layer_scalar``; such a layer hands the next the whole stream (residual None)."""
+    Gemma 4's MoE layers add experts beside the MLP (``router``, ``experts``, their norms: HF's
+    ``enable_moe_block``). Gemma 4 adds, after the MLP's residual add, the layer's per-layer input
+    (``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``:
+    ``_add_per_layer_input``) and scales the stream by ``layer_scalar``; such a layer hands the next
+    the whole stream (residual None)."""
 
     def __init__(
         self, config: ModelConfig, shard: Shard, spec: LayerSpec, rope_index: int = 0, index: int = 0
@@ -261,6 +263,16 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.layer_scalar:  # a checkpoint tensor of one element (HF's buffer)
             self.layer_scalar = nn.Parameter(torch.ones(1))
+        if config.moe_beside_mlp:  # Gemma 4's experts beside the dense MLP (HF's names)
+            self.shard = shard
+            self.router = Gemma4Router(config)
+            self.experts = Experts(config, shard, GATE_UP_STACKED)
+            for name in (
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+                "pre_feedforward_layernorm_2",
+            ):
+                setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.whole_stream = bool(width) or config.layer_scalar
 
     def forward(
@@ -292,7 +304,13 @@ class DecoderLayer(nn.Module):
         if self.sandwich:  # the block outputs are normed before their residual adds
             attn = self.post_attention_layernorm(self.self_attn.output(out))
             x, residual = self.pre_feedforward_layernorm(attn, residual)
-            mlp = self.post_feedforward_layernorm(self.mlp(x))
+            mlp = self.mlp(x)
+            if hasattr(self, "experts"):  # Gemma 4: the experts, on the stream, beside the MLP
+                routed = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
+                mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(
+                    self.shard.all_reduce(routed)
+                )
+            mlp = self.post_feedforward_layernorm(mlp)
             if not self.whole_stream:
                 return mlp, residual
             stream = residual + mlp

@@ -28,7 +28,7 @@ from prefixserve.model.linear import MergedLinear, ParallelLMHead, RowParallelLi
 from prefixserve.model.llama import LlamaForCausalLM, RMSNorm
 from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.meta_init import allocate
-from prefixserve.model.moe import MoE
+from prefixserve.model.moe import Experts
 from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -180,7 +180,7 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
     out: dict[str, list[Piece]] = {}
     for module_name, module in model.named_modules():
         prefix = module_name.rpartition(".")[0]
-        experts = module.expert_pieces(module_name) if isinstance(module, MoE) else {}
+        experts = module.checkpoint_pieces(module_name) if isinstance(module, Experts) else {}
         for pname, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{pname}" if module_name else pname
             whole = tuple(param.shape)
@@ -198,7 +198,7 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
                         module.parts, module.part_rows().values(), strict=True
                     )
                 ]
-            elif isinstance(module, MoE):
+            elif isinstance(module, Experts):
                 out[name] = [
                     Piece(n, rows, dim, a, b, full, fn) for n, rows, dim, (a, b), full, fn in experts[name]
                 ]

@@ -1,16 +1,19 @@
-"""The mixture-of-experts MLP block: a router picks each token's k experts, their gated MLPs run on
-the token, and their outputs are summed with the router's weights.
+"""Mixture-of-experts blocks: a router picks each token's k experts, their gated MLPs run on the
+token, and their outputs are summed with the router's weights.
 
-Weights: the router ``gate`` [E, H]; the experts' gate and up rows stacked as ``w_up`` [E 2I, H]
-(expert e's gate rows at e 2I, its up rows after them) and their down projections as ``w_down``
-[E H, I]: two-dimensional, so the loader fills each expert's rows from its own checkpoint tensors as
-it fills ``MergedLinear``'s (``expert_pieces``). Under tensor parallelism every expert's intermediate
-columns are split over the ranks (I is this rank's share) and the ranks' sums are added, as the
-dense MLP's are.
+``Experts`` holds the experts' weights: every expert's gate and up rows stacked as ``w_up`` [E 2I, H]
+(expert e's gate rows at e 2I, its up rows after them) and the down projections as ``w_down``
+[E H, I]: two-dimensional, so the loader fills each expert's rows from its checkpoint tensors as it
+fills ``MergedLinear``'s (``Experts.checkpoint_pieces``: HF's per-expert tensors, or a family's
+stacked ones through a conversion). Under tensor parallelism every expert's intermediate columns are
+split over the ranks (I is this rank's share) and the ranks' sums are added, as the dense MLP's are.
 
-On CUDA the Triton path runs it (``kernels/fused_moe.py``: graph-safe, reads only the experts the
-step routes to); elsewhere the reference (``moe_reference.py``): a loop over the experts the step
-touches, in the unfused model's order and dtypes (HF's), which the kernels are tested against.
+``MoE`` is the MLP of an MoE layer (Qwen3-MoE, Mixtral, gpt-oss): the router ``gate`` and the
+experts. Gemma 4's block runs beside its dense MLP with a router of its own (``Gemma4Router``).
+
+On CUDA the Triton path runs the experts (``kernels/fused_moe.py``: graph-safe, reads only the
+experts the step routes to); elsewhere the reference (``moe_reference.py``): a loop over the experts
+the step touches, in the unfused model's order and dtypes (HF's), which the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -26,10 +29,104 @@ from prefixserve.model.linear import Linear
 from prefixserve.model.parallel import Shard
 
 Pieces = dict[str, list[tuple[str, slice, int, tuple[int, int], tuple[int, ...], Any]]]
+PER_EXPERT, GATE_UP_INTERLEAVED, GATE_UP_STACKED = "per_expert", "interleaved", "stacked"
+
+
+class Experts(nn.Module):
+    """The experts' weights (this rank's intermediate columns) and their routed, weighted sum."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, layout: str = PER_EXPERT) -> None:
+        super().__init__()
+        self.shard, self.layout = shard, layout
+        self.act, self.alpha, self.limit = config.hidden_act, config.swiglu_alpha, config.swiglu_limit
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.cols = shard.span(inter)
+        local = self.cols[1] - self.cols[0]
+        self.num_experts, self.inter_total, self.hidden = experts, inter, hidden
+        self.w_up = nn.Parameter(torch.empty(experts * 2 * local, hidden))
+        self.w_down = nn.Parameter(torch.empty(experts * hidden, local))
+        if config.expert_bias:  # the down bias is added on rank 0 alone (the others hold zeros)
+            self.b_up = nn.Parameter(torch.empty(experts * 2 * local))
+            self.b_down = nn.Parameter(torch.empty(experts * hidden))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's experts ``ids`` [T, k] weighted by ``weights`` [T, k], this rank's columns
+        (the caller sums the ranks)."""
+        biases = (self.b_up, self.b_down) if hasattr(self, "b_up") else (None, None)
+        return fused.moe_experts(
+            x, self.w_up, self.w_down, weights, ids, self.act, *biases, self.alpha, self.limit
+        )
+
+    def checkpoint_pieces(self, prefix: str) -> Pieces:
+        """{parameter name: [(checkpoint tensor, parameter rows, split dim, its span, its shape,
+        convert)]}; ``prefix``: this module's name. ``PER_EXPERT``: HF's ``{e}.gate_proj`` /
+        ``up_proj`` / ``down_proj`` into each expert's rows; the stacked layouts whole, converted."""
+        if self.layout != PER_EXPERT:
+            return self._stacked_pieces(prefix)
+        e_count, hidden, inter = self.num_experts, self.hidden, self.inter_total
+        local, (a, b) = self.w_down.shape[1], self.cols
+        up, down = [], []
+        for e in range(e_count):
+            row = e * 2 * local
+            up.append(
+                (f"{prefix}.{e}.gate_proj.weight", slice(row, row + local), 0, (a, b), (inter, hidden), None)
+            )
+            up.append(
+                (
+                    f"{prefix}.{e}.up_proj.weight",
+                    slice(row + local, row + 2 * local),
+                    0,
+                    (a, b),
+                    (inter, hidden),
+                    None,
+                )
+            )
+            rows = slice(e * hidden, (e + 1) * hidden)
+            down.append((f"{prefix}.{e}.down_proj.weight", rows, 1, (a, b), (hidden, inter), None))
+        return {f"{prefix}.w_up": up, f"{prefix}.w_down": down}
+
+    def _stacked_pieces(self, prefix: str) -> Pieces:
+        """A layer's experts as one tensor each. ``GATE_UP_INTERLEAVED`` (gpt-oss): ``gate_up_proj``
+        [E, H, 2I] with gate and up columns interleaved, ``down_proj`` [E, I, H], biases
+        ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H]. ``GATE_UP_STACKED`` (Gemma 4):
+        ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows), ``down_proj`` [E, H, I]."""
+        e, inter, hidden = self.num_experts, self.inter_total, self.hidden
+        a, b = self.cols
+        first_rank = self.shard.rank == 0
+        whole = slice(None)
+        interleaved = self.layout == GATE_UP_INTERLEAVED
+
+        def up(t: torch.Tensor) -> torch.Tensor:  # -> [E (gate, up) I_rank, H]
+            if interleaved:  # [E, H, 2I]
+                return t.reshape(e, hidden, inter, 2).permute(0, 3, 2, 1)[:, :, a:b].reshape(-1, hidden)
+            return t.reshape(e, 2, inter, hidden)[:, :, a:b].reshape(-1, hidden)  # [E, 2I, H]
+
+        def up_bias(t: torch.Tensor) -> torch.Tensor:  # [E, 2I] interleaved -> [E (gate, up) I_rank]
+            return t.reshape(e, inter, 2).permute(0, 2, 1)[:, :, a:b].reshape(-1)
+
+        def down(t: torch.Tensor) -> torch.Tensor:  # -> [E H, I_rank]
+            t = t.transpose(1, 2) if interleaved else t  # gpt-oss's [E, I, H]
+            return t[:, :, a:b].reshape(e * hidden, b - a)
+
+        def down_bias(t: torch.Tensor) -> torch.Tensor:  # [E, H], on the first rank alone
+            return t.reshape(-1) if first_rank else torch.zeros_like(t).reshape(-1)
+
+        up_shape = (e, hidden, 2 * inter) if interleaved else (e, 2 * inter, hidden)
+        down_shape = (e, inter, hidden) if interleaved else (e, hidden, inter)
+        out: Pieces = {
+            f"{prefix}.w_up": [(f"{prefix}.gate_up_proj", whole, 0, (0, e), up_shape, up)],
+            f"{prefix}.w_down": [(f"{prefix}.down_proj", whole, 0, (0, e), down_shape, down)],
+        }
+        if hasattr(self, "b_up"):
+            out[f"{prefix}.b_up"] = [
+                (f"{prefix}.gate_up_proj_bias", whole, 0, (0, e), (e, 2 * inter), up_bias)
+            ]
+            out[f"{prefix}.b_down"] = [(f"{prefix}.down_proj_bias", whole, 0, (0, e), (e, hidden), down_bias)]
+        return out
 
 
 class MoE(nn.Module):
-    """Router, experts and their weighted sum (the MLP of an MoE layer)."""
+    """Router and experts: the MLP of an MoE layer."""
 
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
@@ -39,90 +136,39 @@ class MoE(nn.Module):
             config.router_rule,
             config.norm_topk_prob,
         )
-        self.act, self.alpha, self.limit = config.hidden_act, config.swiglu_alpha, config.swiglu_limit
-        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.cols = shard.span(inter)  # this rank's intermediate columns of every expert
-        local = self.cols[1] - self.cols[0]
-        self.num_experts, self.inter_total = experts, inter
-        self.stacked = config.architecture == "gpt_oss"  # the checkpoint stacks each layer's experts
-        self.gate = Linear(hidden, experts, bias=config.router_bias)  # replicated: every rank routes alike
-        self.w_up = nn.Parameter(torch.empty(experts * 2 * local, hidden))
-        self.w_down = nn.Parameter(torch.empty(experts * hidden, local))
-        if config.expert_bias:  # the down bias is added on rank 0 alone (the others hold zeros)
-            self.b_up = nn.Parameter(torch.empty(experts * 2 * local))
-            self.b_down = nn.Parameter(torch.empty(experts * hidden))
-
-    def expert_pieces(self, prefix: str) -> Pieces:
-        """{parameter name: [(checkpoint tensor, parameter rows, split dim, its span, its shape,
-        convert)]}: each expert's ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (HF's names;
-        a family with others renames at load) into its rows of ``w_up`` / ``w_down``; gpt-oss's stacked
-        tensors whole, through ``convert`` (``stacked_pieces``). ``prefix``: this module's name."""
-        if self.stacked:
-            return self.stacked_pieces(prefix)
-        hidden = self.w_down.shape[0] // self.num_experts
-        local, (a, b) = self.w_down.shape[1], self.cols
-        inter = self.inter_total
-        up, down = [], []
-        for e in range(self.num_experts):
-            name = f"{prefix}.experts.{e}"
-            row = e * 2 * local
-            up.append((f"{name}.gate_proj.weight", slice(row, row + local), 0, (a, b), (inter, hidden), None))
-            up.append(
-                (
-                    f"{name}.up_proj.weight",
-                    slice(row + local, row + 2 * local),
-                    0,
-                    (a, b),
-                    (inter, hidden),
-                    None,
-                )
-            )
-            rows = slice(e * hidden, (e + 1) * hidden)
-            down.append((f"{name}.down_proj.weight", rows, 1, (a, b), (hidden, inter), None))
-        return {f"{prefix}.w_up": up, f"{prefix}.w_down": down}
-
-    def stacked_pieces(self, prefix: str) -> Pieces:
-        """gpt-oss's experts as HF holds them: ``gate_up_proj`` [E, H, 2I] (gate and up columns
-        interleaved), ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias``
-        [E, H]; each converted whole into this rank's rows."""
-        e, inter = self.num_experts, self.inter_total
-        hidden = self.w_down.shape[0] // e
-        a, b = self.cols
-        first_rank = self.shard.rank == 0
-        name = f"{prefix}.experts"
-        whole = slice(None)
-
-        def up(t: torch.Tensor) -> torch.Tensor:  # [E, H, 2I] -> [E (gate, up) I_rank, H]
-            return t.reshape(e, hidden, inter, 2).permute(0, 3, 2, 1)[:, :, a:b].reshape(-1, hidden)
-
-        def up_bias(t: torch.Tensor) -> torch.Tensor:  # [E, 2I] -> [E (gate, up) I_rank]
-            return t.reshape(e, inter, 2).permute(0, 2, 1)[:, :, a:b].reshape(-1)
-
-        def down(t: torch.Tensor) -> torch.Tensor:  # [E, I, H] -> [E H, I_rank]
-            return t.transpose(1, 2)[:, :, a:b].reshape(e * hidden, b - a)
-
-        def down_bias(t: torch.Tensor) -> torch.Tensor:  # [E, H], on the first rank alone
-            return t.reshape(-1) if first_rank else torch.zeros_like(t).reshape(-1)
-
-        out: Pieces = {
-            f"{prefix}.w_up": [(f"{name}.gate_up_proj", whole, 0, (0, e), (e, hidden, 2 * inter), up)],
-            f"{prefix}.w_down": [(f"{name}.down_proj", whole, 0, (0, e), (e, inter, hidden), down)],
-        }
-        if hasattr(self, "b_up"):
-            out[f"{prefix}.b_up"] = [(f"{name}.gate_up_proj_bias", whole, 0, (0, e), (e, 2 * inter), up_bias)]
-            out[f"{prefix}.b_down"] = [(f"{name}.down_proj_bias", whole, 0, (0, e), (e, hidden), down_bias)]
-        return out
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # replicated
+        layout = GATE_UP_INTERLEAVED if config.architecture == "gpt_oss" else PER_EXPERT
+        self.experts = Experts(config, shard, layout)
 
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
         """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
         signature; the sum is always whole here)."""
-        logits = self.gate(x)
-        biases = (self.b_up, self.b_down) if hasattr(self, "b_up") else (None, None)
-        out = fused.moe(
-            x, logits, self.w_up, self.w_down, self.top_k, self.rule, self.norm, self.act,
-            *biases, self.alpha, self.limit,
-        )  # fmt: skip
-        return self.shard.all_reduce(out)
+        weights, ids = fused.moe_route(self.gate(x), self.top_k, self.rule, self.norm)
+        return self.shard.all_reduce(self.experts(x, weights, ids))
 
 
-__all__ = ["MoE"]
+class Gemma4Router(nn.Module):
+    """Gemma 4's router: the residual stream RMS-normed without a weight, times ``scale`` and
+    ``hidden ** -0.5``, projected to the experts; softmax, top k, renormalised, each weight times its
+    expert's ``per_expert_scale`` (HF's ``Gemma4TextRouter``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.proj = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.empty(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.empty(config.num_experts))
+        self.top_k, self.eps, self.hidden = (
+            config.num_experts_per_tok,
+            config.rms_norm_eps,
+            config.hidden_size,
+        )
+
+    def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, ids
+        x = stream.float()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(stream.dtype)
+        logits = self.proj(normed * self.scale * self.hidden**-0.5)
+        weights, ids = fused.moe_route(logits, self.top_k, "softmax_topk", True)
+        return weights * self.per_expert_scale.float()[ids.long()], ids
+
+
+__all__ = ["GATE_UP_INTERLEAVED", "GATE_UP_STACKED", "PER_EXPERT", "Experts", "Gemma4Router", "MoE"]

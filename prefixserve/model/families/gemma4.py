@@ -12,7 +12,10 @@ resolves it:
 - per-layer input embeddings (``hidden_size_per_layer_input``, on by default as in HF) and each
   layer's ``layer_scalar``.
 
-Refused, naming the field: the MoE block (``enable_moe_block``), bidirectional attention (``"all"``).
+- ``enable_moe_block``: each layer's experts beside its dense MLP, with a router of their own
+  (``moe.Gemma4Router``) and norms before and after (``moe_beside_mlp``).
+
+Refused, naming the field: bidirectional attention (``"all"``).
 """
 
 from __future__ import annotations
@@ -73,11 +76,6 @@ def _per_layer_config(raw: dict[str, Any], types: list[str]) -> dict[int, dict[s
 
 def config_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
     raw = language_config(raw)
-    if raw.get("enable_moe_block"):
-        raise ValueError(
-            "enable_moe_block=True (Gemma 4's mixture-of-experts block) is not supported yet: "
-            "prefixserve serves Gemma 4's dense models"
-        )
     if raw.get("use_bidirectional_attention") == "all":
         raise ValueError(
             "use_bidirectional_attention='all' is not supported: prefixserve serves causal models"
@@ -111,4 +109,14 @@ def config_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
         vocab_size_per_layer_input=int(raw.get("vocab_size_per_layer_input") or DEFAULT_PER_LAYER_VOCAB),
         layer_scalar=True,
     )
+    if raw.get("enable_moe_block") or raw.get("moe_beside_mlp"):  # HF's name, or ours written back
+        fields.update(
+            num_experts=int(raw.get("num_experts") or 0),
+            num_experts_per_tok=int(raw.get("top_k_experts") or raw.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+            norm_topk_prob=True,
+            moe_beside_mlp=True,
+        )
+        if not fields["num_experts"]:
+            raise ValueError("enable_moe_block=True needs num_experts >= 1")
     return fields
