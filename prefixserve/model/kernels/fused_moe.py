@@ -1,24 +1,26 @@
 """The mixture-of-experts MLP on the GPU: route, group by expert, two grouped GEMMs, combine.
 
-A step's T tokens each go to k of E experts: N = T k assignments. Four kernels, all of fixed grid
-for a given T (CUDA-graph safe: no host sync, nothing sized by the routing):
+A step's T tokens each go to k of E experts: N = T k assignments. The kernels have fixed grids for a
+given T (CUDA-graph safe: no host sync, nothing sized by the routing):
 
   * ``_route_kernel`` (one program per token): the router's softmax and top k (or top k, then a
     softmax over them), ties to the lower expert index, the k weights renormalised where asked;
-  * ``_align_kernel`` (one program): the assignments grouped by expert into blocks of BM rows, each
-    expert's run padded to whole blocks: ``slots`` [NB BM] (the assignment in each row),
-    ``block_expert`` [NB] (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are
-    real). NB = min(N, ceil(N / BM) + E) blocks bound every routing;
+  * the grouping (``align``): the assignments by expert into blocks of BM rows, each expert's run
+    padded to whole blocks: ``slots`` [NB BM] (the assignment in each row), ``block_expert`` [NB]
+    (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are real); NB = min(N,
+    ceil(N / BM) + E) blocks bound every routing. One program (``_align_kernel``) for a decode
+    step's few, chunks (``_chunk_count_kernel``, ``_chunk_plan_kernel``, ``_chunk_scatter_kernel``)
+    for more; none at all for N <= ``DIRECT_MAX`` (each assignment a block of its own);
   * ``_expert_up_kernel`` (block x intermediate tile): each block's tokens gathered from x, times its
     expert's gate and up rows, the activation in the epilogue: ``inter`` [NB BM, I] by block row;
   * ``_expert_down_kernel`` (block x hidden tile): ``inter``'s rows times the expert's down
-    projection, times the assignment's routing weight: ``out_k`` [N, H];
+    projection, times the assignment's routing weight: [N, H] by assignment;
   * ``_combine_kernel``: each token's k rows summed in fp32.
 
 A block reads only its expert's weights, so a step reads the experts its tokens route to, each once
 per block (twice for an expert with more than BM tokens, L2 permitting). The assignment order inside
-an expert is the order of the tokens, so a token's result never depends on how the step was batched.
-docs/kernels.md ("Mixture of experts") has the measured choices.
+an expert is the order of the tokens and nothing is summed by atomics, so a token's result never
+depends on how the step was batched. docs/kernels.md §9 has the measured choices.
 """
 
 from __future__ import annotations
