@@ -105,7 +105,7 @@ class Case:
             t0 = time.perf_counter()
             be.prepare(meta)
             if name == "triton" and meta.plan.shared is not None:
-                key = (self.hq, self.hkv, D, str(self.q.device), str(self.q.dtype))
+                key = (self.hq, self.hkv, D, str(self.q.device), str(self.q.dtype), False)  # no LSE kept
                 meta.plan.layouts[key] = build_layout(
                     meta, meta.plan, self.hq, self.hkv, D, self.q.device, self.q.dtype
                 )
