@@ -330,52 +330,70 @@ def test_experts_over_two_ranks_equal_one_process(name: str, tmp_path: Path) -> 
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
 
 
-def test_a_qwen3_moe_gguf_reads_as_the_checkpoint(tmp_path: Path) -> None:
-    """A Qwen3-MoE GGUF as llama.cpp writes it (each layer's experts stacked, the router as
-    ``ffn_gate_inp``, a layer without experts among them) reads into the HF checkpoint's weights and
-    config, and the model built from it gives HF's logits."""
-    hf = tiny_checkpoint("qwen3_moe", tmp_path / "hf")
+def _llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order for a Llama (its converter's permute: each head's rotate-half pairs
+    interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v"}
+GGUF_NAMES |= {
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "mlp.gate": "ffn_gate_inp",
+}
+GGUF_NAMES |= {
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+GGUF_NAMES |= {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+@pytest.mark.parametrize(("name", "arch"), [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, tmp_path: Path) -> None:
+    """An MoE GGUF as llama.cpp writes it (each layer's experts stacked, the router as
+    ``ffn_gate_inp``; Qwen3-MoE with a layer without experts, Mixtral as a Llama with experts, its q
+    and k rows permuted) reads into the HF checkpoint's weights and config, and the model built from
+    it gives HF's logits (prompts inside Mixtral's window: a GGUF names none)."""
+    from prefixserve.model.families.moe import mixtral_name
+
+    hf = tiny_checkpoint(name, tmp_path / "hf")
     cfg = hf.config
-    path = tmp_path / "tiny-qwen3moe.gguf"
-    writer = gguf_writer(cfg, path, "qwen3moe")
-    writer.add_expert_count(cfg.num_experts)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = gguf_writer(cfg, path, arch)
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_expert_weights_norm(cfg.norm_topk_prob)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v"}
-    names |= {
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "mlp.gate": "ffn_gate_inp",
-    }
-    names |= {"self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm"}
-    names |= {"post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up"}
-    names |= {"mlp.down_proj": "ffn_down"}
+    if name == "qwen3_moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
     from safetensors.torch import load_file
 
-    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    stacked: dict[str, list[torch.Tensor]] = {}
-    for name, tensor in state.items():
-        parts = name.split(".")
+    state = {mixtral_name(k): v for k, v in load_file(str(tmp_path / "hf" / "model.safetensors")).items()}
+    stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, tensor in state.items():
+        parts = key.split(".")
         if parts[1] != "layers":
             top = {
                 "model.embed_tokens.weight": "token_embd.weight",
                 "model.norm.weight": "output_norm.weight",
             }
-            writer.add_tensor(top.get(name, "output.weight"), tensor.float().numpy())
+            writer.add_tensor(top.get(key, "output.weight"), tensor.float().numpy())
         elif parts[4] == "experts":  # model.layers.L.mlp.experts.E.gate_proj.weight
-            kind = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[
-                parts[6]
-            ]
-            stacked.setdefault(f"blk.{parts[2]}.{kind}.weight", []).append((int(parts[5]), tensor))
-        else:
-            writer.add_tensor(
-                f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}", tensor.float().numpy()
+            stacked.setdefault(f"blk.{parts[2]}.{GGUF_EXPERTS[parts[6]]}.weight", []).append(
+                (int(parts[5]), tensor)
             )
-    for name, per_expert in stacked.items():
-        writer.add_tensor(
-            name, torch.stack([t for _, t in sorted(per_expert, key=lambda p: p[0])]).float().numpy()
-        )
+        else:
+            module = ".".join(parts[3:-1])
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
+                tensor = _llama_permute(tensor, heads)
+            writer.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}", tensor.float().numpy())
+    for gguf_name, per_expert in stacked.items():
+        ordered = [t for _, t in sorted(per_expert, key=lambda p: p[0])]
+        writer.add_tensor(gguf_name, torch.stack(ordered).float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -383,7 +401,8 @@ def test_a_qwen3_moe_gguf_reads_as_the_checkpoint(tmp_path: Path) -> None:
     from prefixserve.model.gguf_reader import iter_gguf_weights, load_gguf
 
     reader, config = load_gguf(path)
-    assert (config.architecture, config.num_experts, config.mlp_only_layers) == ("qwen3_moe", 7, [1])
+    dense = [1] if name == "qwen3_moe" else []
+    assert (config.architecture, config.num_experts, config.mlp_only_layers) == (name, experts, dense)
     weights = dict(iter_gguf_weights(reader, config))
     assert set(weights) == set(state)
     for key, tensor in state.items():

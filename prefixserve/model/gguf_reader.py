@@ -1,4 +1,4 @@
-"""Read a GGUF file of a family the gguf package maps (Llama, Qwen2, Qwen3, Qwen3-MoE): config,
+"""Read a GGUF file of a family the gguf package maps (Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE): config,
 dequantized weights (HF names; a layer's stacked experts split into HF's per-expert tensors) and
 tokenizer.
 
@@ -54,8 +54,12 @@ def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     experts = int(_field(reader, f"{arch}.expert_count", 0))
     moe = {}
-    if experts:  # Qwen3-MoE's experts (its converter writes norm_topk_prob as expert_weights_norm)
-        width = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    if experts:  # Qwen3-MoE's or Mixtral's (a llama with experts) experts
+        width = int(
+            _field(
+                reader, f"{arch}.expert_feed_forward_length", _field(reader, f"{arch}.feed_forward_length")
+            )
+        )
         moe = {
             "num_experts": experts,
             "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
@@ -91,7 +95,7 @@ def read_gguf_config(reader: Any, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
-        architecture=FAMILY_OF.get(arch, arch),
+        architecture="mixtral" if arch == "llama" and experts else FAMILY_OF.get(arch, arch),
         qk_norm="blk.0.attn_q_norm.weight" in names,
         **moe,
     )
@@ -138,7 +142,7 @@ def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, t
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
         arr = np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        permuted = config.architecture == "llama"  # llama.cpp permutes a Llama's q and k only
+        permuted = config.architecture in ("llama", "mixtral")  # llama.cpp permutes a Llama's q and k only
         if permuted and (t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias")):
             arr = _unpermute(arr, config.num_attention_heads)
         elif permuted and (t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias")):
