@@ -519,7 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve N engine replicas on Ray Serve behind a prefix-affinity router (pip install -e '.[ray]')",
     )
     s.add_argument(
-        "--replica-cpus", type=float, default=None, help="with --replicas: CPUs Ray reserves per replica (1)"
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="with --replicas: CPUs Ray reserves per replica (default: 1, or what fits beside the ingresses)",
     )
     s.add_argument(
         "--ingress-replicas",

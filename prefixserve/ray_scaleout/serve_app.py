@@ -22,6 +22,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.entrypoints.openai.cors import allow_origins, read_origins
 from prefixserve.protocols.errors import APIError
 from prefixserve.protocols.openai.prepare import OpenAIContext
+from prefixserve.ray_scaleout.placement import check_gpus, replica_cpu_share, wait_placed
 from prefixserve.ray_scaleout.router import RoutingPolicy
 from prefixserve.ray_scaleout.serve_ingress import IngressCore, ReplicaSet
 from prefixserve.ray_scaleout.serve_replica import EngineReplica
@@ -214,33 +215,38 @@ def run_replicas(
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": host, "port": port})
-    if ingress_replicas is None:
-        on_gpu = replica_resources(config, replica_cpus)["num_gpus"] > 0
-        ingress_replicas = default_ingress_replicas(replicas, on_gpu)
-    app = serve_app(
-        config,
-        replicas,
-        api_key=api_key,
-        policy=policy,
-        replica_cpus=replica_cpus,
-        overload=overload,
-        engine_process=engine_process,
-        ingress_replicas=ingress_replicas,
-        switch_interval_ms=switch_interval_ms,
-        max_stored_responses=max_stored_responses,
-        allowed_origins=allowed_origins,
-        batches=batches,
-    )
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    log.info(
-        "serving %d replicas of %s behind %d ingresses on http://%s:%d",
-        replicas,
-        config.model or "the default model",
-        ingress_replicas,
-        host,
-        port,
-    )
     try:
+        gpus = replica_resources(config, replica_cpus)["num_gpus"]
+        if ingress_replicas is None:
+            ingress_replicas = default_ingress_replicas(replicas, gpus > 0)
+        available = ray.available_resources()
+        replica_cpus = replica_cpu_share(replicas, ingress_replicas, replica_cpus, available.get("CPU", 0.0))
+        if gpus > 0:
+            check_gpus(replicas, gpus, available.get("GPU", 0.0))
+        app = serve_app(
+            config,
+            replicas,
+            api_key=api_key,
+            policy=policy,
+            replica_cpus=replica_cpus,
+            overload=overload,
+            engine_process=engine_process,
+            ingress_replicas=ingress_replicas,
+            switch_interval_ms=switch_interval_ms,
+            max_stored_responses=max_stored_responses,
+            allowed_origins=allowed_origins,
+            batches=batches,
+        )
+        _deploy(app)
+        log.info(
+            "serving %d replicas of %s (%.2f CPUs each) behind %d ingresses on http://%s:%d",
+            replicas,
+            config.model or "the default model",
+            replica_cpus,
+            ingress_replicas,
+            host,
+            port,
+        )
         while True:
             time.sleep(1.0)
     except KeyboardInterrupt:
@@ -248,6 +254,26 @@ def run_replicas(
     finally:
         serve.shutdown()
     return 0
+
+
+def _deploy(app: Any) -> None:
+    """``serve.run`` of the application, its wait for placement bounded (``placement.wait_placed``:
+    Ray Serve alone would wait forever for replicas it cannot place)."""
+    import threading
+
+    outcome: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+            outcome["error"] = None
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    threading.Thread(target=run, name="serve-deploy", daemon=True).start()
+    wait_placed(serve.status, APP_NAME, lambda: "error" in outcome)
+    if outcome["error"] is not None:
+        raise outcome["error"]
 
 
 __all__ = [
