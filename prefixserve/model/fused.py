@@ -8,7 +8,8 @@ model's (the same ops in the same order, so fp32 outputs are bit-identical to it
 ``triton_kernels(False)`` forces the torch path on CUDA too: tests and benchmarks compare the two.
 ``linear`` is a matmul: a decode step's few rows through the skinny kernel where it beat cuBLAS
 (Hopper), ``F.linear`` everywhere else; ``linear_silu_and_mul`` is the MLP's gate-up matmul with its
-activation, one kernel on Hopper where that beat the pair.
+activation, one kernel on Hopper where that beat the pair; ``moe_route`` / ``moe_experts`` a mixture
+of experts' routing and routed experts (``kernels/fused_moe.py`` on CUDA, ``moe_reference`` elsewhere).
 """
 
 from __future__ import annotations
@@ -396,32 +397,6 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, gelu: bool = Fals
     return silu_and_mul(linear(x, weight), gelu)
 
 
-__all__ = [
-    "PeerSum",
-    "activation",
-    "add_rms_norm",
-    "apply_rope",
-    "gate_up_kernels",
-    "linear",
-    "linear_partials",
-    "linear_silu_and_mul",
-    "qkv_partials",
-    "qkv_with_v",
-    "rope_cos_sin",
-    "rope_q",
-    "rope_qkv",
-    "shard_embedding",
-    "shard_lookup",
-    "silu_and_mul",
-    "skinny_matmuls",
-    "split_k_for",
-    "split_k_matmul",
-    "split_k_operands",
-    "split_k_products",
-    "triton_kernels",
-]
-
-
 def moe_route(
     logits: torch.Tensor, top_k: int, rule: str, norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k] fp32, ids [T, k]
@@ -461,3 +436,31 @@ def moe_experts(
     from prefixserve.model.moe_reference import experts_ref
 
     return experts_ref(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)
+
+
+__all__ = [
+    "PeerSum",
+    "activation",
+    "add_rms_norm",
+    "apply_rope",
+    "gate_up_kernels",
+    "linear",
+    "linear_partials",
+    "linear_silu_and_mul",
+    "moe_experts",
+    "moe_route",
+    "qkv_partials",
+    "qkv_with_v",
+    "rope_cos_sin",
+    "rope_q",
+    "rope_qkv",
+    "shard_embedding",
+    "shard_lookup",
+    "silu_and_mul",
+    "skinny_matmuls",
+    "split_k_for",
+    "split_k_matmul",
+    "split_k_operands",
+    "split_k_products",
+    "triton_kernels",
+]
