@@ -3,7 +3,8 @@ before the deployment, and the wait for placement bounded after it (``ray_scaleo
 
 The pure rules run anywhere; the last test starts ``prefixserve serve --replicas 2`` as a user does, on
 a Ray of this machine's CPUs (two on the CI machine: the 1-CPU default per replica and the ingress's
-0.1 would not fit), and expects it healthy within 60 s, and a share that cannot fit refused at once."""
+0.1 would not fit), and expects it healthy within 60 s, answering. A share that cannot fit is refused
+before anything is deployed (the first test's message; the CLI prints it and exits 2)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.ray
-def test_serve_replicas_on_this_machine_starts_or_says_why(tmp_path: Path) -> None:
+def test_serve_replicas_on_this_machine_starts(tmp_path: Path) -> None:
     pytest.importorskip("ray.serve")
     from tests.conftest import TINY_CONFIG
 
@@ -91,11 +92,6 @@ def test_serve_replicas_on_this_machine_starts_or_says_why(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     base = [sys.executable, "-m", "prefixserve", "serve", "--device", "cpu", "--model", f"dummy:{config}"]
     base += ["--host", "127.0.0.1", "--replicas", "2"]
-    refused = subprocess.run(
-        [*base, "--port", str(_free_port()), "--replica-cpus", "64"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert refused.returncode == 2 and "lower --replica-cpus" in refused.stderr, refused.stderr[-800:]
     port = _free_port()
     server = subprocess.Popen(
         [*base, "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
