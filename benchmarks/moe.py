@@ -94,20 +94,26 @@ def layer_row(
     return row
 
 
-def kernels_part(model: str, batches: list[int], copy_tbps: float) -> list[dict[str, Any]]:
-    from prefixserve.model.config import ModelConfig
-    from prefixserve.model.loader import resolve_model
-
-    cfg = ModelConfig.from_json(resolve_model(model).path)
+def layer_weights(cfg: Any) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One MoE layer's random bf16 weights on the GPU (seeded): (the generator, w_up, w_down, router)."""
     experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     w_up = torch.randn(experts * 2 * inter, hidden, device=dev, dtype=dtype, generator=gen) * hidden**-0.5
     w_down = torch.randn(experts * hidden, inter, device=dev, dtype=dtype, generator=gen) * inter**-0.5
     router = torch.randn(experts, hidden, device=dev, dtype=dtype, generator=gen) * hidden**-0.5
+    return gen, w_up, w_down, router
+
+
+def kernels_part(model: str, batches: list[int], copy_tbps: float) -> list[dict[str, Any]]:
+    from prefixserve.model.config import ModelConfig
+    from prefixserve.model.loader import resolve_model
+
+    cfg = ModelConfig.from_json(resolve_model(model).path)
+    gen, w_up, w_down, router = layer_weights(cfg)
     rows = []
     for b in batches:
-        x = torch.randn(b, hidden, device=dev, dtype=dtype, generator=gen)
+        x = torch.randn(b, cfg.hidden_size, device=w_up.device, dtype=w_up.dtype, generator=gen)
         rows.append(layer_row(x, router, w_up, w_down, cfg, copy_tbps))
         print(rows[-1], flush=True)
     return rows

@@ -14,7 +14,7 @@ import json
 import torch
 
 from benchmarks.harness.timing import bench_ms, graphed
-from benchmarks.moe import grouped_mm_moe
+from benchmarks.moe import grouped_mm_moe, layer_weights
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import fused_moe
 from prefixserve.model.loader import resolve_model
@@ -42,15 +42,11 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
-    e, hidden, inter, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    gen = torch.Generator(device=dev).manual_seed(0)
-    w_up = torch.randn(e * 2 * inter, hidden, device=dev, dtype=dtype, generator=gen) * hidden**-0.5
-    w_down = torch.randn(e * hidden, inter, device=dev, dtype=dtype, generator=gen) * inter**-0.5
-    router = torch.randn(e, hidden, device=dev, dtype=dtype, generator=gen) * hidden**-0.5
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    gen, w_up, w_down, router = layer_weights(cfg)
     results = []
     for b in args.batches:
-        x = torch.randn(b, hidden, device=dev, dtype=dtype, generator=gen)
+        x = torch.randn(b, cfg.hidden_size, device=w_up.device, dtype=w_up.dtype, generator=gen)
         weights, ids = fused_moe.route(x @ router.T, k, cfg.router_rule, cfg.norm_topk_prob)
         default = fused_moe.tiles(b, k, e)
         want = fused_moe.experts_forward(x, w_up, w_down, weights, ids)
