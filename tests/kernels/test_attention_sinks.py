@@ -26,7 +26,7 @@ def test_sinks_on_every_backend_match_the_oracle(name: str, case: str) -> None:
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
     backend = make_backend(name)
     backend.prepare(meta)
-    for window in (None, 10, 30, 200):
+    for window in (None, 10, 200):  # full; a window inside the shared prefix; one covering everything
         ref = _oracle(q, k, v, tables, query_lens, seq_lens, 0.2, window, sinks)
         for _ in range(2):  # the second layer replays the first one's recorded launches
             got = attend_layer(backend, q, k, v, meta, 0.2, window, sinks)
