@@ -39,9 +39,15 @@ def attend_layer(
         return attend_with_sinks(backend, q, k_cache, v_cache, meta, scale, window, sinks)
     if window is not None and isinstance(backend, WindowedGraphAttention):  # inside a decode graph
         return backend.window_forward(q, k_cache, v_cache, meta, scale, window)
-    if window is None or (window >= meta.max_seq_len and meta.full is None):
+    if covers_every_sequence(window, meta):
         return backend.forward(q, k_cache, v_cache, meta, scale)
     return window_attention(q, k_cache, v_cache, meta, scale, window)
+
+
+def covers_every_sequence(window: int | None, meta: AttentionMetadata) -> bool:
+    """Does the layer's window (None: a full layer) mask nothing this step, and read the block table's
+    pages (no sliding group's)? Then the backend's own path attends it."""
+    return window is None or (window >= meta.max_seq_len and meta.full is None)
 
 
 def attend_with_sinks(
@@ -58,7 +64,7 @@ def attend_with_sinks(
     and adds nothing, so ``o_sinks = o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)`` from
     the attention's own output and log-sum-exp (``forward_with_lse``: the torch backends', the Triton
     ones' final merge or kernel; a sliding layer's walk and merge alike)."""
-    if window is None or (window >= meta.max_seq_len and meta.full is None):
+    if covers_every_sequence(window, meta):
         o, lse = backend.forward_with_lse(q, k_cache, v_cache, meta, scale)
     else:
         o, lse = window_attention(q, k_cache, v_cache, meta, scale, window, with_lse=True)

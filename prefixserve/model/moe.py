@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.model import fused
@@ -164,8 +165,7 @@ class Gemma4Router(nn.Module):
         )
 
     def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, ids
-        x = stream.float()
-        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(stream.dtype)
+        normed = F.rms_norm(stream.float(), (self.hidden,), eps=self.eps).to(stream.dtype)
         logits = self.proj(normed * self.scale * self.hidden**-0.5)
         weights, ids = fused.moe_route(logits, self.top_k, "softmax_topk", True)
         return weights * self.per_expert_scale.float()[ids.long()], ids
