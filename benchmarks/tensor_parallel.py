@@ -342,10 +342,9 @@ def markdown(payload: dict) -> str:
         "NCCL, NVLink multicast off, decode steps under CUDA graphs (all-reduces captured). "
         "Written by `benchmarks/tensor_parallel.py`.",
         "",
-        f"## {payload['model']} at TP={tp}",
-        *_run_line(payload, "grid"),
-        "",
     ]
+    if payload["grid"] or payload["allreduce"]:  # a compare-only file (e.g. an MoE model) has neither
+        md += [f"## {payload['model']} at TP={tp}", *_run_line(payload, "grid"), ""]
     if payload["grid"]:
         md += [
             "| B | P | sharing on tok/s | sharing off tok/s | ceiling tok/s | on/off | on/ceiling | step ms "
@@ -353,7 +352,7 @@ def markdown(payload: dict) -> str:
             "| commit on / off / ceiling |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-    else:
+    elif payload["allreduce"]:
         md.append("No grid run here yet; the all-reduces of its decode steps:")
     for r in payload["grid"]:
         # a pool short of the batch recomputes requests (preemptions): such a row is not clean

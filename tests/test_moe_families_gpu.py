@@ -53,3 +53,21 @@ def test_greedy_tokens_equal_hf_and_with_sharing(family) -> None:
             pad_token_id=0,
         )  # fmt: skip
     assert out[0, len(ids) :].tolist() == want[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_equal_one(family) -> None:
+    """Tensor parallelism over 2 GPUs (NCCL and the peer all-reduce): each expert's intermediate columns
+    split over the ranks, the fused MoE kernels on each shard; greedy fp32 tokens equal one GPU's."""
+    name, directory, _ = family
+    prefix = _prompt(5, 60)
+    prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 5 + 3 * i)} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    args = {"model": str(directory), "dtype": "float32", "device": "cuda", "num_kv_blocks": 256}
+    args |= {"block_size": 16, "max_num_batched_tokens": 128, "progress": False}
+    one = LLM(**args)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    del one
+    with LLM(tensor_parallel_size=2, **args) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
+    assert got == want, name
