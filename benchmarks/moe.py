@@ -272,14 +272,23 @@ def run(args: argparse.Namespace) -> None:
     report(result, out)
 
 
+def _routing(result: dict[str, Any]) -> str:
+    """How the run's dummy routers chose experts (``PREFIXSERVE_DUMMY_ROUTING``; runs before the
+    switch routed by their random weights)."""
+    if result.get("dummy_routing") == "uniform":
+        return "uniform at random (`PREFIXSERVE_DUMMY_ROUTING=uniform`)"
+    return "by the random weights (a batch converges on a few experts)"
+
+
 def report(result: dict[str, Any], out: Path) -> None:
     s = result["settings"]
     lines = [
         f"# Mixture of experts: {s['model']} on one GPU",
         "",
         f"{result['device']}; torch {result['torch']}; commit {result['commit']}; {result['date']}; dummy "
-        f"weights, bf16. Ceilings measured in this run: copy {result['copy_TBps']:.2f} TB/s, GEMM "
-        f"{result['gemm_TFLOPs']:.0f} TFLOP/s. Written by `benchmarks/moe.py`.",
+        f"weights, bf16, routing: {_routing(result)}. Ceilings measured in this run: copy "
+        f"{result['copy_TBps']:.2f} TB/s, GEMM {result['gemm_TFLOPs']:.0f} TFLOP/s. Written by "
+        "`benchmarks/moe.py`.",
     ]
     if result.get("kernels"):
         lines += [

@@ -388,6 +388,7 @@ def markdown(payload: dict) -> str:
             f"## {payload['compare_model']}: TP=1 vs TP={tp} (sharing on)",
             *_run_line(payload, "compare"),
             "",
+            *_routing_lines(payload),
             f"TP={tp} NCCL: every all-reduce through NCCL (`--no-tp-peer-allreduce`); TP={tp}: the default, "
             "decode-sized all-reduces over NVLink peer memory (those before a norm fused with it: at TP=2 "
             "`kernels/peer_norm.py`, past two ranks up to 32 rows `kernels/ranks_norm.py`, in runs from "
@@ -421,6 +422,15 @@ def markdown(payload: dict) -> str:
         md += compare_power_lines(payload, [("tp1", "TP=1"), *variants])
         md += _repeat_lines(payload["compare"], tp)
     return "\n".join(md) + "\n"
+
+
+def _routing_lines(payload: dict) -> list[str]:
+    """For an MoE model: how its dummy routers chose experts (``PREFIXSERVE_DUMMY_ROUTING``)."""
+    cfg = model_config(payload["compare_model"])
+    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        return []
+    how = payload.get("dummy_routing", "weights")
+    return [f"Dummy MoE routing: {how} (`PREFIXSERVE_DUMMY_ROUTING`).", ""]
 
 
 def _repeat_lines(compare: list[dict], tp: int) -> list[str]:

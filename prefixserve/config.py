@@ -292,6 +292,16 @@ def cache_dir() -> Path:
     return Path(value)
 
 
+def dummy_routing() -> str:
+    """``PREFIXSERVE_DUMMY_ROUTING``: how a dummy model's MoE layers pick experts. "weights"
+    (default): its random router, as for a checkpoint; "uniform": each token's logits drawn uniformly
+    at random every step. Random weights make the residual streams of a batch converge over the layers,
+    so their routers send the batch to a few experts and a step reads far fewer expert weights than a
+    trained model's; "uniform" makes a dummy model's step read what a balanced router's would (the
+    benchmarks' setting; its outputs are noise). Checkpoints always route by their weights."""
+    return _env_choice("PREFIXSERVE_DUMMY_ROUTING", "weights", ("weights", "uniform"))
+
+
 def mixed_mode() -> str:
     """``PREFIXSERVE_MIXED``: whether a decode step runs its shared and own tiles as one mixed launch
     (mixed_gluon.py). "auto" (default): where ``mixed_rule.use_mixed`` predicts a gain; "1": every

@@ -419,3 +419,36 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, tmp_path: Pat
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PREFIXSERVE_DUMMY_ROUTING=uniform`` (the benchmarks' setting): a dummy MoE model's routers draw
+    each row's logits at random, so 16 equal rows spread over the experts as a balanced router's would
+    (a router by weights sends them all to the same k); a checkpoint loaded under it still routes by its
+    weights; a bad value is refused naming the variable."""
+    from prefixserve.model import fused
+    from prefixserve.model.moe import MoE
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 300}
+    config |= {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16}
+    config |= {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+    config |= {"num_experts": 64, "num_experts_per_tok": 4, "norm_topk_prob": True}
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(config))
+    rows = torch.randn(1, 32).expand(16, 32).contiguous()
+
+    def touched(model: Any) -> int:
+        mlp = model.model.layers[0].mlp
+        _, ids = fused.moe_route(mlp.simulate(mlp.gate(rows)), 4, mlp.rule, mlp.norm)
+        return int(torch.unique(ids).numel())
+
+    source = ModelSource("dummy", path, "dummy-moe")
+    assert touched(load_model(source, torch.float32, torch.device("cpu"), progress=False)[0]) == 4
+    monkeypatch.setenv("PREFIXSERVE_DUMMY_ROUTING", "uniform")
+    assert touched(load_model(source, torch.float32, torch.device("cpu"), progress=False)[0]) > 24
+    tiny_checkpoint("qwen3_moe", tmp_path / "hf")
+    hf_model, _ = load_model(ModelSource("hf", tmp_path / "hf", "tiny"), torch.float32, torch.device("cpu"))
+    assert all(m.simulate is MoE.simulate for m in hf_model.modules() if isinstance(m, MoE))
+    monkeypatch.setenv("PREFIXSERVE_DUMMY_ROUTING", "balanced")
+    with pytest.raises(ValueError, match="PREFIXSERVE_DUMMY_ROUTING"):
+        load_model(source, torch.float32, torch.device("cpu"), progress=False)

@@ -49,6 +49,7 @@ def run_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
         "torch": torch.__version__,
         "commit": git_commit(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "dummy_routing": os.environ.get("PREFIXSERVE_DUMMY_ROUTING", "weights"),  # MoE dummy models
     }
     for pkg in packages:
         try:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.config import cache_dir
+from prefixserve.config import cache_dir, dummy_routing
 from prefixserve.model import mxfp4
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
@@ -28,7 +28,7 @@ from prefixserve.model.linear import MergedLinear, ParallelLMHead, RowParallelLi
 from prefixserve.model.llama import LlamaForCausalLM, RMSNorm
 from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.meta_init import allocate
-from prefixserve.model.moe import Experts
+from prefixserve.model.moe import Experts, use_uniform_routing
 from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -397,6 +397,8 @@ def load_model(
         config = ModelConfig.from_json(source.path)
         model = _materialize(config, dtype, device, shard)
         _init_dummy(model, seed)
+        if dummy_routing() == "uniform":
+            use_uniform_routing(model)
         return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
     model = _materialize(config, torch.float32, device, shard)

@@ -126,8 +126,17 @@ class Experts(nn.Module):
         return out
 
 
+def _as_routed(logits: torch.Tensor) -> torch.Tensor:
+    """A router's logits as its weights give them. A dummy model under
+    ``PREFIXSERVE_DUMMY_ROUTING=uniform`` has each router's ``simulate`` replaced at load
+    (``use_uniform_routing``)."""
+    return logits
+
+
 class MoE(nn.Module):
     """Router and experts: the MLP of an MoE layer."""
+
+    simulate = staticmethod(_as_routed)
 
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
@@ -144,7 +153,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
         """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
         signature; the sum is always whole here)."""
-        weights, ids = fused.moe_route(self.gate(x), self.top_k, self.rule, self.norm)
+        weights, ids = fused.moe_route(self.simulate(self.gate(x)), self.top_k, self.rule, self.norm)
         return self.shard.all_reduce(self.experts(x, weights, ids))
 
 
@@ -152,6 +161,8 @@ class Gemma4Router(nn.Module):
     """Gemma 4's router: the residual stream RMS-normed without a weight, times ``scale`` and
     ``hidden ** -0.5``, projected to the experts; softmax, top k, renormalised, each weight times its
     expert's ``per_expert_scale`` (HF's ``Gemma4TextRouter``)."""
+
+    simulate = staticmethod(_as_routed)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -166,9 +177,33 @@ class Gemma4Router(nn.Module):
 
     def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, ids
         normed = F.rms_norm(stream.float(), (self.hidden,), eps=self.eps).to(stream.dtype)
-        logits = self.proj(normed * self.scale * self.hidden**-0.5)
+        logits = self.simulate(self.proj(normed * self.scale * self.hidden**-0.5))
         weights, ids = fused.moe_route(logits, self.top_k, "softmax_topk", True)
         return weights * self.per_expert_scale.float()[ids.long()], ids
 
 
-__all__ = ["GATE_UP_INTERLEAVED", "GATE_UP_STACKED", "PER_EXPERT", "Experts", "Gemma4Router", "MoE"]
+def uniform_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Router logits drawn uniformly at random (each token's experts a uniform draw): for dummy
+    weights, whose batches otherwise converge on a few experts. Graph-safe (torch's RNG under capture);
+    ranks draw apart, which changes what they sum but not what they read."""
+    return torch.rand_like(logits)
+
+
+def use_uniform_routing(model: nn.Module) -> int:
+    """Route every MoE layer of ``model`` by ``uniform_logits``; returns the layers changed."""
+    routers = [m for m in model.modules() if isinstance(m, (MoE, Gemma4Router))]
+    for m in routers:
+        m.simulate = uniform_logits
+    return len(routers)
+
+
+__all__ = [
+    "GATE_UP_INTERLEAVED",
+    "GATE_UP_STACKED",
+    "PER_EXPERT",
+    "Experts",
+    "Gemma4Router",
+    "MoE",
+    "uniform_logits",
+    "use_uniform_routing",
+]
