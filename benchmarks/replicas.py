@@ -110,6 +110,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="where replicas.{json,md,png} go (default docs/benchmarks)")
     p.add_argument("--merge", nargs="*", default=[], help="earlier replicas.json files whose configs to keep")
+    p.add_argument(
+        "--report",
+        type=Path,
+        help="a replicas.json: its sustained rates and ratios judged again from its points by the current "
+        "rules, its Markdown and plot written beside it (nothing measured)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes on the CPU, into a temp dir")
 
 
@@ -383,7 +389,12 @@ def markdown(payload: dict[str, Any]) -> str:
     lines += [
         "",
         f"Device: {info.get('device')} ({info.get('cpu_count')} CPUs); torch {info.get('torch')}, "
-        f"ray {info.get('ray')}; commit {info.get('commit')}; {info.get('date')}.",
+        f"ray {info.get('ray')}; commit {info.get('commit')}; {info.get('date')}."
+        + (
+            f" Sustained rates judged again from these points at {payload['judged']}."
+            if "judged" in payload
+            else ""
+        ),
         "",
         f"![served vs offered]({NAME}.png)",
     ]
@@ -409,11 +420,27 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def report(path: Path) -> int:
+    """Rewrite a result from its own points (the rules of ``serving_gpu.points`` as they are now)."""
+    payload = json.loads(path.read_text())
+    slo, backlog = payload["args"]["slo"], payload["args"]["backlog"]
+    for section in payload["configs"].values():
+        if section.get("points"):
+            section["sustained"] = sustainable([keep_up_view(p) for p in section["points"]], slo, backlog)
+    payload["ratios"] = ratios(payload["configs"])
+    payload["judged"] = run_info()["commit"]
+    write_results(NAME, payload, markdown(payload), path.parent)
+    plot(payload, path.parent / f"{NAME}.png")
+    return 0
+
+
 # ---- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_args(p)
     args = p.parse_args(argv)
+    if args.report:
+        return report(args.report)
     tmp = Path(tempfile.mkdtemp(prefix="replicas-"))
     if args.smoke:
         p.set_defaults(**SMOKE, device="cpu")

@@ -86,8 +86,10 @@ def over(point: dict[str, Any], slo: float, backlog_s: float) -> bool:
 
 def sustainable(points: list[dict[str, Any]], slo: float, backlog_s: float = float("inf")) -> dict[str, Any]:
     """The highest rate the server keeps up with (``over``): measured, and interpolated linearly between
-    the last point kept up with and the first not (on the normalised latency when that crossed the SLO,
-    else the measured rate). Points in rate order."""
+    the last point kept up with and the first not, on each measure that failed there (the served
+    fraction against ``SERVED_FRACTION``, the normalised latency against the SLO), the lowest crossing;
+    at the last rate kept up with where the first failure has no crossing (a timeout, a growing queue).
+    Points in rate order."""
     pts = sorted(points, key=lambda p: p["rate_req_s"])
     last_ok = None
     first_bad = None
@@ -105,11 +107,24 @@ def sustainable(points: list[dict[str, Any]], slo: float, backlog_s: float = flo
     if first_bad is None:
         out.update(interpolated=None, bound=f">= {last_ok['rate_req_s']:g} (never crossed)")
         return out
-    r0, n0 = last_ok["rate_req_s"], last_ok["norm_latency_mean"]
-    r1, n1 = first_bad["rate_req_s"], first_bad.get("norm_latency_mean", float("inf"))
-    if not math.isfinite(n1) or n1 <= n0 or n1 <= slo:
-        out["interpolated"] = r0
-    else:
-        out["interpolated"] = r0 + (slo - n0) * (r1 - r0) / (n1 - n0)
+    r0, r1 = last_ok["rate_req_s"], first_bad["rate_req_s"]
+    out["interpolated"] = _crossing(last_ok, first_bad, slo, backlog_s)
     out["bound"] = f"between {r0:g} and {r1:g}"
     return out
+
+
+def _crossing(ok: dict[str, Any], bad: dict[str, Any], slo: float, backlog_s: float) -> float:
+    """Where between a point kept up with and the next one not the first measure crossed its bound."""
+    r0, r1 = ok["rate_req_s"], bad["rate_req_s"]
+    if bad.get("timed_out") or not bad.get("backlog_growth_s", float("inf")) <= backlog_s:
+        return r0  # no measure to interpolate on
+    # each failed measure as (value where kept up, value where not, bound), rising past the bound
+    measures = [
+        (-ok["throughput_req_s"] / r0, -bad.get("throughput_req_s", 0.0) / r1, -SERVED_FRACTION),
+        (ok["norm_latency_mean"], bad.get("norm_latency_mean", float("inf")), slo),
+    ]
+    rates = [r1]
+    for v0, v1, bound in measures:
+        if v1 > bound:  # this measure failed at r1
+            rates.append(r0 + (bound - v0) * (r1 - r0) / (v1 - v0) if math.isfinite(v1) and v1 > v0 else r0)
+    return min(rates)
