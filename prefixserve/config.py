@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from prefixserve.scheduler.fair_share import check_weights
+from prefixserve.scheduler.policy import POLICIES
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -45,6 +48,9 @@ SPECULATIVE_KEYS = (
     "prompt_lookup_min",
     "disable_by_batch_size",
 )
+
+
+CACHE_SALT_SCOPES = ("prompt", "after-system")  # what a cache_salt covers (docs/guides/tenants.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,10 @@ class EngineConfig:
     # a chat request's own chat_template renders it (vLLM's --trust-request-chat-template); off: a
     # request that sends one is refused, as a template runs code-like logic chosen by the client
     trust_request_chat_template: bool = False
+    # what a request's cache_salt covers, where the request names no scope (--cache-salt-scope):
+    # "prompt" (vLLM's: the whole prompt) or "after-system" (the system messages, a registered
+    # application prompt are public: their blocks shared across salts; docs/guides/tenants.md)
+    cache_salt_scope: str = "prompt"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
@@ -123,6 +133,8 @@ class EngineConfig:
     # the waiting queue's order: "fcfs" (arrival), or "priority" (a request's priority, then arrival;
     # the least urgent running request is the one preempted); requests may set a priority only then
     scheduling_policy: str = "fcfs"
+    # under ``fair``: each tenant's share of the engine relative to the others' (default 1)
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     max_model_len: int | None = None  # None: the model's context length (capped by the pool)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps are captured and replayed on CUDA)
@@ -183,6 +195,9 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             known = ", ".join(REASONING_PARSERS)
             raise ValueError(f"reasoning_parser must be one of {known}, got {self.reasoning_parser!r}")
+        if self.cache_salt_scope not in CACHE_SALT_SCOPES:
+            known = ", ".join(CACHE_SALT_SCOPES)
+            raise ValueError(f"cache_salt_scope must be one of {known}, got {self.cache_salt_scope!r}")
         if self.chat_template is not None:
             self.chat_template = _template_text(self.chat_template)
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_name):
@@ -219,8 +234,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if not 0.0 < self.kv_admit_threshold <= 1.0:
             raise ValueError(f"kv_admit_threshold must be in (0, 1], got {self.kv_admit_threshold}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in POLICIES:
+            known = ", ".join(POLICIES)
+            raise ValueError(f"scheduling_policy must be one of {known}, got {self.scheduling_policy!r}")
+        self.tenant_weights = check_weights(self.tenant_weights)
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.stream_interval < 1:

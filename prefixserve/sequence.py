@@ -150,8 +150,12 @@ class Request:
     # nothing the engine decides may read that array after admission
     num_prompt_tokens: int = field(init=False)
     cache_salt: str | None = None
+    # with a salt: the prompt's first ``public_tokens`` are public, so the blocks wholly inside them are
+    # digested without it and shared across salts (``--cache-salt-scope``; 0: the salt covers all)
+    public_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # under the priority scheduling policy, a smaller value is served first
+    tenant: str | None = None  # whose share it draws on under the fair policy (scheduler/fair_share.py)
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_token_time: float | None = None

@@ -111,6 +111,7 @@ class EngineSetup:
             config.kv_admit_threshold,
             config.scheduling_policy,
             hooks=scheduler_hooks,
+            tenant_weights=config.tenant_weights,
         )
         self.async_scheduling = (
             config.async_scheduling

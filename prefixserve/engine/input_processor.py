@@ -96,6 +96,7 @@ class InputProcessor:
         module_recompute: str | None,
         tokenizer: Any,
         max_model_len: int,
+        public_tokens: int = 0,
     ) -> Request:
         """The checked request, with its first sequence; see ``Engine.add_request`` for the arguments.
 
@@ -120,6 +121,10 @@ class InputProcessor:
             raise ValueError("best_of > n cannot be streamed (the n best are known only at the end)")
         if module_recompute is not None:
             parse_recompute(module_recompute)  # a bad setting is refused whatever the prompt
+        if not isinstance(public_tokens, int) or isinstance(public_tokens, bool) or public_tokens < 0:
+            raise ValueError(f"public_tokens must be an integer >= 0, got {public_tokens!r}")
+        if public_tokens and cache_salt is None:
+            raise ValueError("public_tokens needs a cache_salt (without one every block is shared)")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None and prompt is not None and is_pml_prompt(prompt):
@@ -162,7 +167,9 @@ class InputProcessor:
         req = self._request(
             request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, None, max_model_len
         )
-        if system is not None and prompt_positions is None and cache_salt is None:
+        req.public_tokens = min(public_tokens, len(tokens))
+        public = cache_salt is None or req.public_tokens >= len(system.token_ids) if system else False
+        if system is not None and prompt_positions is None and public:
             # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
             req.sequences[0].block_digests = list(system.digests)
         self.rules.admit(req, tokenizer)

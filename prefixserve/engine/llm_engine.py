@@ -60,6 +60,8 @@ class Engine(EngineSetup, EngineServices):
         admit: Callable[[Request], None] | None = None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        public_tokens: int = 0,
+        tenant: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
 
@@ -71,14 +73,19 @@ class Engine(EngineSetup, EngineServices):
         before it is queued; what it raises refuses the request, and nothing is queued then.
         ``priority``: under the ``priority`` scheduling policy, a smaller value is served first.
         ``pooling``: an embedding request (``params`` None): its output's ``embedding``, no completion.
+        ``public_tokens``: with a ``cache_salt``, the prompt's first tokens (as run: an application's
+        pinned prompt counted) that are public; blocks wholly inside them are shared across salts.
+        ``tenant``: whose share the request draws on under the ``fair`` scheduling policy.
         """
         check_priority(priority, self.config.scheduling_policy)
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {type(tenant).__name__}")
         params = self.output_rules.prepare(params, pooling, prompt)  # an embedding's: one greedy token
         req = self.input_processor.process(  # the request rules check and admit it there
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
-            application, module_recompute, self.tokenizer, self.max_model_len,
+            application, module_recompute, self.tokenizer, self.max_model_len, public_tokens,
         )  # fmt: skip
-        req.priority = priority
+        req.priority, req.tenant = priority, tenant
         if admit is not None:
             try:
                 admit(req)

@@ -81,6 +81,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="render a chat with the chat_template its request sends (refused with a 400 otherwise)",
     )
     g.add_argument(
+        "--cache-salt-scope",
+        choices=("prompt", "after-system"),
+        default="prompt",
+        help="what a request's cache_salt covers where it names no scope: the whole prompt (vLLM's), or "
+        "all but the system messages and application prompt, whose blocks tenants then share",
+    )
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -89,10 +96,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--scheduling-policy",
-        choices=("fcfs", "priority"),
+        choices=("fcfs", "priority", "fair"),
         default="fcfs",
-        help="the waiting queue's order: fcfs (arrival), or priority (a request's priority field, "
-        "smaller first, then arrival)",
+        help="the waiting queue's order: fcfs (arrival), priority (a request's priority field, "
+        "smaller first, then arrival), or fair (tenants' virtual token counters; a tenant is the "
+        "request's user)",
+    )
+    g.add_argument(
+        "--tenant-weight",
+        action="append",
+        default=[],
+        metavar="TENANT=WEIGHT",
+        help="under --scheduling-policy fair: a tenant's share relative to the others' (default 1); "
+        "repeat for each tenant",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the automatic prefix cache off")
@@ -304,6 +320,20 @@ def _prefix_caching(args: argparse.Namespace) -> bool:
     return not args.no_prefix_caching and args.enable_prefix_caching is not False
 
 
+def _tenant_weights(given: list[str]) -> dict[str, float]:
+    """``--tenant-weight NAME=W`` options as a dict (EngineConfig checks the numbers)."""
+    out: dict[str, float] = {}
+    for item in given:
+        name, sep, weight = item.rpartition("=")
+        try:
+            out[name] = float(weight) if sep and name else float("nan")
+        except ValueError:
+            out[name] = float("nan")
+        if not sep or not name or out[name] != out[name]:
+            raise ValueError(f"--tenant-weight takes TENANT=WEIGHT (a positive number), got {item!r}")
+    return out
+
+
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     """The EngineConfig the engine options on the command line describe (validated by EngineConfig)."""
     from prefixserve.config import EngineConfig
@@ -334,10 +364,12 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
+        tenant_weights=_tenant_weights(args.tenant_weight),
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        cache_salt_scope=args.cache_salt_scope,
         max_model_len=args.max_model_len,
         enable_prefix_caching=_prefix_caching(args),
         generation_config=args.generation_config,

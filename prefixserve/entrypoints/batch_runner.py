@@ -211,6 +211,7 @@ def run_rows(
         aliases=engine.config.served_model_name[1:],
         reasoning_parser=engine.config.reasoning_parser,
         trust_request_chat_template=engine.config.trust_request_chat_template,
+        cache_salt_scope=engine.config.cache_salt_scope,
         hidden_size=engine.model_config.hidden_size,
         sampling_defaults=sampling_defaults(engine.config),
     )

@@ -30,7 +30,9 @@ from prefixserve.sampling.beam_search import (
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.scheduler.batch_queue import queue_groups
 
-Prompt = str | dict[str, Any]  # "text" or {"prompt": ..., "prompt_token_ids": ..., "cache_salt": ...}
+# "text" or {"prompt": ..., "prompt_token_ids": ..., "cache_salt": ..., "public_tokens": ...}: with a salt,
+# the prompt's first public_tokens are public (blocks wholly inside them shared across salts)
+Prompt = str | dict[str, Any]
 Message = dict[str, str]
 
 
@@ -458,6 +460,8 @@ class LLM:
                 prompt_token_ids=prompt.get("prompt_token_ids"),
                 prompt_positions=prompt.get("positions"),
                 cache_salt=prompt.get("cache_salt"),
+                public_tokens=prompt.get("public_tokens", 0),
+                tenant=prompt.get("tenant"),
                 stream=stream,
                 application=prompt.get("application", application),
                 queue=queue,

@@ -58,20 +58,24 @@ def chain_digests(
     positions: Sequence[int],
     salt: str | None,
     block_size: int,
+    public: int = 0,
 ) -> list[bytes]:
-    """``block_digest`` of each full ``block_size`` slice of the tokens, each chained to the one before.
+    """``block_digest`` of each full ``block_size`` slice of the tokens, each chained to the one before;
+    the first ``public`` blocks without the salt (public content shared across salts: a block after a
+    salted one is still its tenant's alone, since its digest chains the salted one's).
 
     One pass turns all the ids into bytes: hashing a long prompt block by block spent most of its
     time building two small arrays per block (a quarter of a server's engine thread in an 8K-token
     system prompt burst)."""
     ids, places = array("q", token_ids).tobytes(), array("q", positions).tobytes()
-    tail, link = _tail(salt), parent or b"root"
+    tail, public_tail, link = _tail(salt), _tail(None), parent or b"root"
     width = 8 * block_size  # bytes of one block's ids (int64)
     out: list[bytes] = []
     blake2b, join = hashlib.blake2b, b"".join  # _link inlined: this loop runs for every prompt block
     for lo in range(0, len(ids) - width + 1, width):
         hi = lo + width
-        link = blake2b(join((link, ids[lo:hi], b"|", places[lo:hi], tail)), digest_size=16).digest()
+        end = public_tail if len(out) < public else tail
+        link = blake2b(join((link, ids[lo:hi], b"|", places[lo:hi], end)), digest_size=16).digest()
         out.append(link)
     return out
 

@@ -118,8 +118,10 @@ def prompt_digests(
     block_size: int,
     positions: Sequence[int] | None = None,
     salt: str | None = None,
+    public: int = 0,
 ) -> list[bytes]:
-    """The digests an engine gives the full blocks of this prompt (``BlockManager.match_prefix``'s):
+    """The digests an engine gives the full blocks of this prompt (``BlockManager.match_prefix``'s;
+    ``public``: a salted prompt's public tokens, ``Request.public_tokens``):
     positions count from 0 unless given, and the last token is never a cache hit (its logits are
     computed), so only ``(len - 1) // block_size`` blocks are listed."""
     n = len(token_ids)
@@ -128,7 +130,7 @@ def prompt_digests(
     full = max(n - 1, 0) // block_size
     ids = token_ids[: full * block_size]
     places = positions[: full * block_size] if positions is not None else range(full * block_size)
-    return chain_digests(None, ids, places, salt, block_size)
+    return chain_digests(None, ids, places, salt, block_size, public // block_size)
 
 
 __all__ = [

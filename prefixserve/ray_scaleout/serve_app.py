@@ -71,6 +71,7 @@ class Ingress:
             system_prompts=dict(config.system_prompts),
             aliases=names[1:],
             trust_request_chat_template=config.trust_request_chat_template,
+            cache_salt_scope=config.cache_salt_scope,
         )
         handles = {f"replica-{i}": h for i, h in enumerate(replicas)}
         self.core = IngressCore(ReplicaSet(handles, policy), ctx, config.block_size)

@@ -38,7 +38,7 @@ from prefixserve.kv.cache_events import prompt_digests
 from prefixserve.protocols.anthropic.prepare import MESSAGES_ROUTE, prepare_message
 from prefixserve.protocols.errors import APIError
 from prefixserve.protocols.openai import format as fmt
-from prefixserve.protocols.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
+from prefixserve.protocols.openai.prepare import OpenAIContext, prepare, prompt_ids, public_tokens, truncated
 from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE, prepare_response
 from prefixserve.protocols.vllm.cache_reset import RESET_ROUTE, reset_body
@@ -194,8 +194,9 @@ class IngressCore:
         if ids is None:  # a Prompt Cache document, no tokenizer
             return [], session
         ids = self.ctx.engine_ids(truncated(prep, ids, None), prep.application)  # as the engine's intake
-        salt = getattr(prep.req, "cache_salt", None)
-        return prompt_digests(ids, self.block_size, salt=salt), session
+        salt = getattr(prep.req, "cache_salt", None)  # the replicas' keys follow the salt's scope
+        public = public_tokens(self.ctx, prep, ids)
+        return prompt_digests(ids, self.block_size, salt=salt, public=public), session
 
     async def forward(self, request: Request) -> Response:
         """Route and forward one request; relay the replica's answer (streamed as it comes)."""

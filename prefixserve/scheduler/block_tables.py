@@ -101,7 +101,9 @@ class BlockManager:
             lo, hi = done * self.block_size, num_full_blocks * self.block_size
             parent = digests[-1] if digests else None
             ids, places = seq.token_ids[lo:hi], seq.positions[lo:hi]
-            digests += chain_digests(parent, ids, places, seq.request.cache_salt, self.block_size)
+            req = seq.request
+            public = req.public_tokens // self.block_size - done  # blocks wholly public, from here on
+            digests += chain_digests(parent, ids, places, req.cache_salt, self.block_size, public)
         return digests
 
     def cacheable_blocks(self, seq: Sequence) -> int:

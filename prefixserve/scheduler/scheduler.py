@@ -100,10 +100,12 @@ class Scheduler:
         policy: str = "fcfs",
         *,
         hooks: SchedulerHooks | None = None,
+        tenant_weights: dict[str, float] | None = None,
     ) -> None:
         self.blocks = blocks
         self._hooks = hooks if hooks is not None else SchedulerHooks()
-        self.policy = queue_policy(policy)  # the waiting queue's order, and whom to preempt (policy.py)
+        # the waiting queue's order, whom to preempt, and under ``fair`` each tenant's counter (policy.py)
+        self.policy = queue_policy(policy, tenant_weights)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.kv_admit_threshold = kv_admit_threshold  # None: admit while blocks last
@@ -327,12 +329,14 @@ class Scheduler:
             budget = self._admit(out, budget)
         if speculate is not None:
             speculate.settle(out)
+        self.policy.charge(out.scheduled)
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in order while the token budget, the caps and the pool allow."""
         deferred: list[Sequence] = []
         ready = self._hooks.ready
+        self.policy.order(self.waiting)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if ready is not None and not ready(seq):

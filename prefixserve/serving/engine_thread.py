@@ -164,6 +164,8 @@ class EngineLoop:
         pooling: PoolingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        public_tokens: int = 0,
+        tenant: str | None = None,
         application: str | None = None,
         stream: bool = False,
         module_recompute: str | None = None,
@@ -197,6 +199,10 @@ class EngineLoop:
         )
         if pooling is not None:  # an embedding request (the engine makes its params)
             kwargs["pooling"] = pooling
+        if public_tokens:  # a salted prompt's public part (--cache-salt-scope)
+            kwargs["public_tokens"] = public_tokens
+        if tenant is not None:  # whose share it draws on (--scheduling-policy fair)
+            kwargs["tenant"] = tenant
         if not self._queue_add(
             (request_id, prompt, params, kwargs, _Stream(loop, sink, stream, handed=handed), accepted)
         ):

@@ -25,7 +25,14 @@ from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
 from prefixserve.protocols.errors import APIError, engine_failure, param_of
 from prefixserve.protocols.openai import format as fmt
-from prefixserve.protocols.openai.prepare import Prepared, prompt_ids, response_body, stream_state, truncated
+from prefixserve.protocols.openai.prepare import (
+    Prepared,
+    prompt_ids,
+    public_tokens,
+    response_body,
+    stream_state,
+    truncated,
+)
 from prefixserve.serving.admission import QueueFull
 from prefixserve.serving.engine_thread import EngineStopped, StreamSink
 from prefixserve.serving.overload import dropped
@@ -50,6 +57,14 @@ async def _tokenize(state: ServerState, prep: Prepared, text: str) -> list[int] 
         return await asyncio.to_thread(prompt_ids, state, prep, text)
     except Exception:
         return None
+
+
+def _public(state: ServerState, prep: Prepared, tokens: list[int] | None) -> int:
+    """A salted prompt's public tokens under its scope (``prepare.public_tokens``); 0 for a text the
+    engine tokenizes itself (a Prompt Cache document)."""
+    if tokens is None:
+        return 0
+    return public_tokens(state, prep, state.engine_ids(tokens, prep.application))
 
 
 def _length(tokens: list[int] | None) -> int | None:
@@ -110,6 +125,8 @@ async def submit(
                 pooling=prep.pooling,
                 prompt_token_ids=tokens,
                 cache_salt=req.cache_salt,
+                public_tokens=_public(state, prep, tokens),
+                tenant=getattr(req, "user", None),  # OpenAI's user, Anthropic's metadata.user_id
                 application=application,
                 module_recompute=req.module_recompute,
                 priority=req.priority,

@@ -158,6 +158,7 @@ def build_app(
         aliases=config.served_model_name[1:],
         reasoning_parser=config.reasoning_parser,
         trust_request_chat_template=config.trust_request_chat_template,
+        cache_salt_scope=config.cache_salt_scope,
         max_model_len=max_model_len,
         hidden_size=hidden_size,
         sampling_defaults=defaults,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+from prefixserve.config import CACHE_SALT_SCOPES
 from prefixserve.engine.prompt_tokens import behind_pinned, encode_prompt, keep_last
 from prefixserve.engine.system_prompts import opens_own_system, opens_with_pinned, render_system_prompt
 from prefixserve.outputs import RequestOutput
@@ -65,6 +66,7 @@ class OpenAIContext:
     aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name)
     reasoning_parser: str | None = None  # chats' <think> answered apart (reasoning.py)
     trust_request_chat_template: bool = False  # a chat's own chat_template renders it (vLLM's flag)
+    cache_salt_scope: str = "prompt"  # what a cache_salt covers where a request names no scope
     hidden_size: int | None = None  # the model's final hidden states: an embedding's dimensions
     # SamplingParams fields a request that leaves them unset takes (the model's generation config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +111,10 @@ class Prepared:
     thinking: Thinking | None = None  # a chat whose reasoning is answered apart (reasoning.py)
     pooling: PoolingParams | None = None  # /v1/embeddings: each prompt's embedding, no completion
     input_field: str | None = None  # the body's field holding the prompts, where not prompt / messages
+    # a salted request's public part (``public_tokens``): under the "after-system" scope, a chat's
+    # leading system messages rendered alone (the application's pinned prompt is public too)
+    salt_scope: str = "prompt"
+    public_text: str | None = None
 
     @property
     def prompt_field(self) -> str:
@@ -254,8 +260,9 @@ def prepare_completion(ctx: OpenAIContext, data: Any) -> Prepared:
     want = req.logprobs is not None
     rid = answer_id("cmpl", req.request_id)
     return Prepared(
-        False, rid, req, prompts, params, want, req.echo, no_completion, application=req.application
-    )
+        False, rid, req, prompts, params, want, req.echo, no_completion, application=req.application,
+        salt_scope=salt_scope(ctx, req),
+    )  # fmt: skip
 
 
 def check_template_fields(ctx: OpenAIContext, req: ChatCompletionRequest) -> None:
@@ -386,10 +393,69 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
         if params.structured_outputs is not None:  # the constraint holds for the answer, after the thought
             how = "opened" if thinking.opened else "optional"
             params.structured_outputs = replace(params.structured_outputs, after_thinking=how)
+    scope = salt_scope(ctx, req)
+    public = system_text(ctx, req, tools) if scope == "after-system" and application is None else None
     return Prepared(
         True, rid, req, [prompt], params, bool(req.logprobs), tools=calls, application=application,
-        echo_content=echo, thinking=thinking,
+        echo_content=echo, thinking=thinking, salt_scope=scope, public_text=public,
     )  # fmt: skip
+
+
+def salt_scope(ctx: OpenAIContext, req: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request's cache-salt scope (its own, else the server's); a 400 for an unknown one."""
+    scope = req.cache_salt_scope or ctx.cache_salt_scope
+    if scope not in CACHE_SALT_SCOPES:
+        known = ", ".join(CACHE_SALT_SCOPES)
+        message = f"cache_salt_scope must be one of {known}, got {scope!r}"
+        raise APIError(400, message, param="cache_salt_scope")
+    return scope
+
+
+def system_text(ctx: OpenAIContext, req: ChatCompletionRequest, tools: Tools | None) -> str | None:
+    """The chat's leading system (or developer) messages through the template alone, with what the
+    template writes beside them (the tools it renders itself): the text a salted chat's public part
+    is read from. None where the chat opens with no such message or the template refuses them alone."""
+    lead = []
+    for m in req.messages:
+        if m.role not in ("system", "developer"):
+            break
+        lead.append(m)
+    if not lead:
+        return None
+    native = tools is not None and template_knows_tools(ctx.tokenizer, req.chat_template)
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if req.chat_template is not None:
+        extra["chat_template"] = req.chat_template
+    if native:
+        extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
+    try:
+        messages = conversation(lead, tools, native)
+        text = ctx.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, **extra
+        )
+        return str(text)
+    except Exception:  # a template that needs a user turn: nothing is public
+        return None
+
+
+def public_tokens(ctx: OpenAIContext, prep: Prepared, ids: list[int]) -> int:
+    """How many of a salted prompt's ids, as the engine runs them (``engine_ids``), are public under
+    its scope: the application's pinned prompt in front, or the ids the chat shares with its system
+    messages rendered alone (a common prefix: text after them never counts). 0 under "prompt", for
+    an unsalted request (nothing to share apart), or where nothing public leads."""
+    if getattr(prep.req, "cache_salt", None) is None or prep.salt_scope != "after-system":
+        return 0
+    if prep.application is not None:
+        return len(ctx.engine_ids([], prep.application))
+    if prep.public_text is None:
+        return 0
+    head = encode_prompt(ctx.tokenizer, prep.public_text)
+    n = 0
+    for a, b in zip(head, ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:

@@ -83,6 +83,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extension
     # extensions
     cache_salt: str | None = None
+    cache_salt_scope: str | None = None  # "prompt" | "after-system"; None: the server's --cache-salt-scope
     application: str | None = None
     module_recompute: str | None = None  # Prompt Cache recovery: "none", "link:K", "blend:R"
     ignore_eos: bool = False
