@@ -130,6 +130,8 @@ class EngineConfig:
     # offline batches (BatchLLM memory-centric batching): group members are admitted while the KV pool
     # stays under this share of its blocks; online requests are admitted while blocks last
     kv_admit_threshold: float = 0.9
+    # the share of the KV pool that cache breakpoints (Anthropic's cache_control TTLs) may keep pinned
+    cache_control_fraction: float = 0.25
     # the waiting queue's order: "fcfs" (arrival), or "priority" (a request's priority, then arrival;
     # the least urgent running request is the one preempted); requests may set a priority only then
     scheduling_policy: str = "fcfs"
@@ -232,6 +234,8 @@ class EngineConfig:
             raise ValueError("override_generation_config must be a dict of sampling defaults")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if not 0.0 <= self.cache_control_fraction <= 1.0:
+            raise ValueError(f"cache_control_fraction must be in [0, 1], got {self.cache_control_fraction}")
         if not 0.0 < self.kv_admit_threshold <= 1.0:
             raise ValueError(f"kv_admit_threshold must be in (0, 1], got {self.kv_admit_threshold}")
         if self.scheduling_policy not in POLICIES:

@@ -154,6 +154,10 @@ class RequestOutput:
     prompt_logprob_ranks: list[int | None] | None = None
     # an embedding request's vector (``PoolingParams``): the pooled final hidden states, fp32
     embedding: list[float] | None = None
+    # prompt caching with TTLs (``engine/cache_pins.py``): prompt tokens this request wrote up to its
+    # honoured cache breakpoints, and whether its breakpoints were refused for the pinned-block budget
+    cache_written_tokens: int = 0
+    cache_pins_refused: bool = False
     _prompt_logprobs: PromptLogprobs | None = field(default=None, init=False, repr=False)  # on first read
 
     def __init__(
@@ -173,6 +177,8 @@ class RequestOutput:
         error: str | None = None,
         prompt_logprob_ranks: list[int | None] | None = None,
         embedding: list[float] | None = None,
+        cache_written_tokens: int = 0,
+        cache_pins_refused: bool = False,
     ) -> None:
         self.request_id, self.prompt, self._prompt_ids = request_id, prompt, prompt_token_ids
         self.outputs, self.finished = outputs, finished
@@ -183,6 +189,7 @@ class RequestOutput:
         self._prompt_logprobs: PromptLogprobs | None = None
         self.error, self.prompt_logprob_ranks = error, prompt_logprob_ranks
         self.embedding = embedding
+        self.cache_written_tokens, self.cache_pins_refused = cache_written_tokens, cache_pins_refused
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -242,6 +249,8 @@ class RequestOutput:
             self.error,
             self.prompt_logprob_ranks,
             self.embedding,
+            self.cache_written_tokens,
+            self.cache_pins_refused,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled as constructor arguments (an array stays compact)

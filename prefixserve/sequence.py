@@ -156,6 +156,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # under the priority scheduling policy, a smaller value is served first
     tenant: str | None = None  # whose share it draws on under the fair policy (scheduler/fair_share.py)
+    # cache breakpoints (engine/cache_pins.py): (prompt tokens, seconds) to hold the blocks up to each;
+    # refused at intake for the pinned-block budget; what it wrote up to them, set when it retires
+    cache_pins: list[tuple[int, float]] = field(default_factory=list)
+    cache_pins_refused: bool = False
+    cache_written_tokens: int = 0
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_token_time: float | None = None

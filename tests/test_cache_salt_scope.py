@@ -162,4 +162,7 @@ def test_replica_routing_keys_follow_the_scope(tiny_config_path: Path) -> None:
     key, _ = _run(core.routing_key("/v1/completions", json.dumps(body).encode(), {}))
     pinned = llm.engine.system_prompt_kv["rail"].digests
     assert key[: len(pinned)] == list(pinned) and len(key) > len(pinned)
+    # OpenAI's prompt_cache_key: the affinity key (before the user), so requests naming it share a replica
+    body = {"model": "default", "messages": messages, "prompt_cache_key": "ferry-app", "user": "u1"}
+    assert _run(core.routing_key("/v1/chat/completions", json.dumps(body).encode(), {}))[1] == "ferry-app"
     llm.shutdown()

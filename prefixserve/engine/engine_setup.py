@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefixserve.config import EngineConfig
+from prefixserve.engine.cache_pins import CachePins
 from prefixserve.engine.gc_tuning import tune_gc
 from prefixserve.engine.in_flight import InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
@@ -139,6 +140,7 @@ class EngineSetup:
         self.input_processor = InputProcessor(
             self.runner, self.modules, self.system_prompt_kv, self.requests, vocab, bs, self.rules
         )
+        self.cache_pins = CachePins(self.blocks, 0)  # its budget once the pinned prompts are known
         for name, text in config.system_prompts.items():
             self.pin_system_prompt(name, text)
         # A sequence must always fit in the blocks nobody pins, or it could preempt itself forever.
@@ -146,6 +148,10 @@ class EngineSetup:
         self.max_model_len = min(self.max_model_len, self.blocks.max_tokens(unpinned))
         if self.max_model_len < 2:
             raise ValueError("pinned system prompts leave no room in the KV pool; add blocks or pin less")
+        # cache breakpoints' pins (Anthropic's cache_control TTLs) within their share of the pool, never
+        # the room one sequence of max_model_len needs
+        room = unpinned - -(-self.max_model_len // bs)
+        self.cache_pins.budget = max(0, min(int(config.cache_control_fraction * self.pool.num_blocks), room))
         if speculator is not None:  # the scheduler's hook, complete: it drafts from now on
             speculator.set_max_model_len(self.max_model_len)
         for text in config.schemas:

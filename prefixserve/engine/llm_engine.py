@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from prefixserve.engine.cache_pins import check_pins
 from prefixserve.engine.engine_services import EngineServices
 from prefixserve.engine.engine_setup import EngineSetup
 from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep
@@ -62,6 +63,7 @@ class Engine(EngineSetup, EngineServices):
         pooling: PoolingParams | None = None,
         public_tokens: int = 0,
         tenant: str | None = None,
+        cache_pins: list[tuple[int, float]] | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the problem (nothing is queued then).
 
@@ -76,16 +78,20 @@ class Engine(EngineSetup, EngineServices):
         ``public_tokens``: with a ``cache_salt``, the prompt's first tokens (as run: an application's
         pinned prompt counted) that are public; blocks wholly inside them are shared across salts.
         ``tenant``: whose share the request draws on under the ``fair`` scheduling policy.
+        ``cache_pins``: (prompt tokens, seconds) breakpoints whose blocks are held for that long once
+        the request ends, within the pinned-block budget (``engine/cache_pins.py``).
         """
         check_priority(priority, self.config.scheduling_policy)
         if tenant is not None and not isinstance(tenant, str):
             raise ValueError(f"tenant must be a string, got {type(tenant).__name__}")
+        pins = check_pins(cache_pins) if cache_pins is not None else []
         params = self.output_rules.prepare(params, pooling, prompt)  # an embedding's: one greedy token
         req = self.input_processor.process(  # the request rules check and admit it there
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
             application, module_recompute, self.tokenizer, self.max_model_len, public_tokens,
         )  # fmt: skip
-        req.priority, req.tenant = priority, tenant
+        req.priority, req.tenant, req.cache_pins = priority, tenant, pins
+        self.cache_pins.admit(req)  # breakpoints past the pinned-block budget are not honoured
         if admit is not None:
             try:
                 admit(req)
@@ -411,6 +417,7 @@ class Engine(EngineSetup, EngineServices):
         if req.modules is not None and req.modules.blocks:  # the request's own hold on its modules
             self.modules.release(req.modules.blocks)
             req.modules.blocks = []
+        self.cache_pins.retire(req)  # its cache breakpoints' blocks held for their TTLs
         req.finish_time = time.monotonic()
         self.counters["requests_finished_total"] += 1
         return True

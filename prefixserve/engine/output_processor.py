@@ -98,6 +98,8 @@ def request_output(
         module_rows_private=held.private_rows if held else 0,
         metrics=times,
         error=req.error,
+        cache_written_tokens=req.cache_written_tokens,
+        cache_pins_refused=req.cache_pins_refused,
         **fields,
     )
 

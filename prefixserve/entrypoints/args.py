@@ -103,6 +103,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "request's user)",
     )
     g.add_argument(
+        "--cache-control-fraction",
+        type=float,
+        default=0.25,
+        help="the share of the KV pool that Anthropic cache_control breakpoints may keep pinned for "
+        "their TTLs; a request past it is answered, its breakpoints not honoured (a header says so)",
+    )
+    g.add_argument(
         "--tenant-weight",
         action="append",
         default=[],
@@ -365,6 +372,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         tenant_weights=_tenant_weights(args.tenant_weight),
+        cache_control_fraction=args.cache_control_fraction,
         served_model_name=tuple(args.served_model_name or ()),
         chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,

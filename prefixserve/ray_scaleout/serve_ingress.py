@@ -188,8 +188,10 @@ class IngressCore:
                 prep = prepare(self.ctx, path, data)
         except (ValueError, APIError, AttributeError, TypeError):
             return [], headers.get(SESSION_HEADER)
-        # the header, else the body's user (a chat's ``user``, Anthropic's ``metadata.user_id``)
-        session = headers.get(SESSION_HEADER) or getattr(prep.req, "user", None)
+        # the header, else OpenAI's prompt_cache_key, else the body's user (a chat's ``user``,
+        # Anthropic's ``metadata.user_id``): requests naming one go to one replica
+        key = getattr(prep.req, "prompt_cache_key", None)
+        session = headers.get(SESSION_HEADER) or key or getattr(prep.req, "user", None)
         ids = prompt_ids(self.ctx, prep, prep.prompts[0] if prep.prompts else "")
         if ids is None:  # a Prompt Cache document, no tokenizer
             return [], session

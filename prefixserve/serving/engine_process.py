@@ -119,6 +119,8 @@ class OutputEncoder:
             out.module_rows_private,
             out.error,
             out.embedding,
+            out.cache_written_tokens,
+            out.cache_pins_refused,
         )
         return out.request_id, out.finished, head, choices, counts, out.metrics
 
@@ -156,7 +158,7 @@ class OutputDecoder:
             outputs.append(CompletionOutput(index, acc[0], acc[1], finish, stop, acc[2], acc[3]))
         if finished:
             self._state.pop(rid, None)
-        cached, recomputed, shared, private, error, embedding = counts
+        cached, recomputed, shared, private, error, embedding, written, refused = counts
         lp, top, ranks = prompt_lp or (None, None, None)
         return RequestOutput(
             rid,
@@ -174,6 +176,8 @@ class OutputDecoder:
             error=error,
             prompt_logprob_ranks=ranks,
             embedding=embedding,
+            cache_written_tokens=written,
+            cache_pins_refused=refused,
         )
 
     def forget(self, request_id: str) -> None:

@@ -166,6 +166,7 @@ class EngineLoop:
         cache_salt: str | None = None,
         public_tokens: int = 0,
         tenant: str | None = None,
+        cache_pins: list[tuple[int, float]] | None = None,
         application: str | None = None,
         stream: bool = False,
         module_recompute: str | None = None,
@@ -203,6 +204,8 @@ class EngineLoop:
             kwargs["public_tokens"] = public_tokens
         if tenant is not None:  # whose share it draws on (--scheduling-policy fair)
             kwargs["tenant"] = tenant
+        if cache_pins:  # cache breakpoints held for their TTLs (engine/cache_pins.py)
+            kwargs["cache_pins"] = cache_pins
         if not self._queue_add(
             (request_id, prompt, params, kwargs, _Stream(loop, sink, stream, handed=handed), accepted)
         ):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -27,6 +27,7 @@ from prefixserve.protocols.errors import APIError, engine_failure, param_of
 from prefixserve.protocols.openai import format as fmt
 from prefixserve.protocols.openai.prepare import (
     Prepared,
+    pin_counts,
     prompt_ids,
     public_tokens,
     response_body,
@@ -59,12 +60,16 @@ async def _tokenize(state: ServerState, prep: Prepared, text: str) -> list[int] 
         return None
 
 
-def _public(state: ServerState, prep: Prepared, tokens: list[int] | None) -> int:
-    """A salted prompt's public tokens under its scope (``prepare.public_tokens``); 0 for a text the
-    engine tokenizes itself (a Prompt Cache document)."""
+def _prefix_counts(
+    state: ServerState, prep: Prepared, tokens: list[int] | None
+) -> tuple[int, list[tuple[int, float]] | None]:
+    """A prompt's public tokens under its salt's scope (``prepare.public_tokens``) and its cache
+    breakpoints' token counts (``prepare.pin_counts``), on a worker thread (they encode text); none for
+    a text the engine tokenizes itself (a Prompt Cache document)."""
     if tokens is None:
-        return 0
-    return public_tokens(state, prep, state.engine_ids(tokens, prep.application))
+        return 0, None
+    ids = state.engine_ids(tokens, prep.application)
+    return public_tokens(state, prep, ids), (pin_counts(state, prep, ids) if prep.pin_texts else None)
 
 
 def _length(tokens: list[int] | None) -> int | None:
@@ -115,6 +120,7 @@ async def submit(
                 text, tokens = (text, tokens) if len(kept) == len(tokens) else (None, kept)  # text: all of it
             if text is not None and tokens is not None:
                 _check_fits(state, prep, tokens)
+            public, pins = await asyncio.to_thread(_prefix_counts, state, prep, tokens)
             # refused here at once when the engine's last published queue says so (serving/overload.py)
             arrival = None if state.gate is None else state.gate.admit(_length(tokens), gate_deadline)
             await state.loop.add(
@@ -125,8 +131,9 @@ async def submit(
                 pooling=prep.pooling,
                 prompt_token_ids=tokens,
                 cache_salt=req.cache_salt,
-                public_tokens=_public(state, prep, tokens),
+                public_tokens=public,
                 tenant=getattr(req, "user", None),  # OpenAI's user, Anthropic's metadata.user_id
+                cache_pins=pins,
                 application=application,
                 module_recompute=req.module_recompute,
                 priority=req.priority,
@@ -311,8 +318,21 @@ async def answer(
         if first is None:
             return Response(status_code=499)
         s = stream_state(state, prep) if stream is None else stream()
-        return sse_response(stream_events(state, ids, sink, s, first), ids, state.stall_watch)
+        response = sse_response(stream_events(state, ids, sink, s, first), ids, state.stall_watch)
+        return _with_pin_notice(response, first.values())
     finals = await collect(state, request.is_disconnected, ids, sink)
     if finals is None:
         return Response(status_code=499)
-    return JSONResponse(response_body(state, prep, finals) if body is None else body(finals))
+    answer_body = response_body(state, prep, finals) if body is None else body(finals)
+    return _with_pin_notice(JSONResponse(answer_body), finals)
+
+
+PIN_NOTICE = "prefixserve-cache-control"  # the header saying a request's cache breakpoints were refused
+
+
+def _with_pin_notice(response: Response, outputs: Iterable[RequestOutput]) -> Response:
+    """The answer, with ``PIN_NOTICE`` where the pinned-block budget refused a cache breakpoint (the
+    request was answered; its prefixes stay in the cache as any other, by LRU)."""
+    if any(o.cache_pins_refused for o in outputs):
+        response.headers[PIN_NOTICE] = "not-honoured; pinned-block budget full (--cache-control-fraction)"
+    return response

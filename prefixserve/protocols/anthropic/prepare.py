@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.outputs import RequestOutput
+from prefixserve.protocols.anthropic.cache_control import prefix_texts
 from prefixserve.protocols.anthropic.request import (
     MessagesRequest,
     chat_request,
@@ -114,11 +115,14 @@ def stop_of(chat_reason: str | None, final: RequestOutput) -> tuple[str, str | N
 
 
 def message_usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    """Anthropic's usage: the prompt split into tokens read from the cache, tokens written to it up to
+    the honoured breakpoints (``engine/cache_pins.py``), and the rest."""
     prompt = sum(f.num_prompt_tokens for f in finals)
     cached = sum(f.num_cached_tokens for f in finals)
+    written = sum(f.cache_written_tokens for f in finals)
     return {
-        "input_tokens": prompt - cached,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": prompt - cached - written,
+        "cache_creation_input_tokens": written,
         "cache_read_input_tokens": cached,
         "output_tokens": sum(len(c.token_ids) for f in finals for c in f.outputs),
     }
@@ -189,8 +193,10 @@ def _parsed(ctx: OpenAIContext, data: Any, required: tuple[str, ...]) -> tuple[M
 
 
 def prepare_message(ctx: OpenAIContext, data: Any) -> MessageCall:
-    """Check a /v1/messages body; a 400 names the field in this API's words."""
+    """Check a /v1/messages body; a 400 names the field in this API's words. Its ``cache_control``
+    breakpoints' prefixes are rendered as the whole is (``cache_control.py``)."""
     req, prep = _parsed(ctx, data, ("messages", "max_tokens"))
+    prep.pin_texts = prefix_texts(data, lambda cut: _parsed(ctx, cut, ("messages",))[1].prompts[0])
     return MessageCall(ctx, req, prep)
 
 

@@ -6,11 +6,12 @@ messages: text joins, an assistant's ``tool_use`` blocks become its tool calls, 
 ``tool_result`` blocks become tool messages; a conversation that ends with the assistant's message
 is a prefill that the model goes on with (``continue_final_message``). ``tools`` (custom tools with
 an ``input_schema``) and ``tool_choice`` become chat tools; ``stop_sequences`` become ``stop``;
-``output_config.format`` becomes ``response_format``. ``cache_control`` is accepted and has nothing
-to switch on: the prefix cache serves every repeated prefix. The chat route then checks everything,
-and its errors are renamed to this API's fields (``renamed``). What the model cannot do (images,
-documents, server tools, MCP servers) is a 400 naming the field; ``thinking`` (which Claude's
-clients send unasked) is accepted and given to the template as ``enable_thinking``.
+``output_config.format`` becomes ``response_format``. ``cache_control`` breakpoints hold their
+prefixes' blocks for their TTLs (``cache_control.py``, ``engine/cache_pins.py``). The chat route
+then checks everything, and its errors are renamed to this API's fields (``renamed``). What the
+model cannot do (images, documents, server tools, MCP servers) is a 400 naming the field;
+``thinking`` (which Claude's clients send unasked) is accepted and given to the template as
+``enable_thinking``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class MessagesRequest(BaseModel):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     service_tier: str | None = None  # accepted: one tier here
-    cache_control: dict[str, Any] | None = None  # accepted: the prefix cache is always on
+    cache_control: dict[str, Any] | None = None  # a breakpoint after the last block (cache_control.py)
 
 
 def _bad(message: str, param: str) -> APIError:

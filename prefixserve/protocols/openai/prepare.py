@@ -115,6 +115,8 @@ class Prepared:
     # leading system messages rendered alone (the application's pinned prompt is public too)
     salt_scope: str = "prompt"
     public_text: str | None = None
+    # Anthropic's cache breakpoints: each one's prefix as rendered, and its seconds (``pin_counts``)
+    pin_texts: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def prompt_field(self) -> str:
@@ -449,7 +451,17 @@ def public_tokens(ctx: OpenAIContext, prep: Prepared, ids: list[int]) -> int:
         return len(ctx.engine_ids([], prep.application))
     if prep.public_text is None:
         return 0
-    head = encode_prompt(ctx.tokenizer, prep.public_text)
+    return shared_prefix(encode_prompt(ctx.tokenizer, prep.public_text), ids)
+
+
+def pin_counts(ctx: OpenAIContext, prep: Prepared, ids: list[int]) -> list[tuple[int, float]]:
+    """Each cache breakpoint as (the prompt tokens its prefix shares with ``ids``, as the engine runs
+    them; seconds)."""
+    return [(shared_prefix(encode_prompt(ctx.tokenizer, t), ids), ttl) for t, ttl in prep.pin_texts]
+
+
+def shared_prefix(head: list[int], ids: list[int]) -> int:
+    """How many leading ids ``head`` and ``ids`` have in common."""
     n = 0
     for a, b in zip(head, ids, strict=False):
         if a != b:

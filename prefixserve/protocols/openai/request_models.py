@@ -80,6 +80,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # OpenAI's: requests sharing it go to one replica (--replicas)
     repetition_penalty: float | None = None  # vLLM's extension
     # extensions
     cache_salt: str | None = None

@@ -24,6 +24,7 @@ CHAT_EXTENSIONS = (
     "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "include_stop_str_in_output",
     "cache_salt", "cache_salt_scope", "application", "module_recompute", "allowed_token_ids", "bad_words",
+    "prompt_cache_key",
     "skip_special_tokens", "chat_template_kwargs", "priority", "user", "truncate_prompt_tokens",
     "return_tokens_as_token_ids", "structured_outputs", "thinking_token_budget",
 )  # fmt: skip
