@@ -164,6 +164,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # when its first step was planned (its queue time ends)
     finish_time: float | None = None
     forked: bool = False  # the n > 1 samples have been split off sequence 0
     stream: bool = False  # report every step's progress, not only the final output

@@ -82,6 +82,8 @@ def request_output(
         )
     fields = rules.report(req, finished) if rules is not None else {}
     times = {"arrival_time": req.arrival_time}
+    if req.scheduled_time is not None:
+        times["scheduled_time"] = req.scheduled_time
     if req.first_token_time is not None:
         times["first_token_time"] = req.first_token_time
     if req.finish_time is not None:

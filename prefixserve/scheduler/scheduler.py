@@ -370,6 +370,8 @@ class Scheduler:
             out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
             if seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
+                if seq.request.scheduled_time is None:
+                    seq.request.scheduled_time = time.monotonic()
             budget -= n + extra
         self.waiting.extendleft(reversed(deferred))
         return budget

@@ -55,6 +55,11 @@ class LatencyObserver(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float, count: int) -> None: ...
     def request_done(self, seconds: float) -> None: ...
+    def tenant_done(
+        self, tenant: str | None, computed: int, cached: int, generated: int, queue_s: float
+    ) -> None:
+        """A finished request's tokens and queue time, by its tenant (the request's ``user``)."""
+
     def path(self, stage: str, seconds: float) -> None:
         """One stage of a request's way in or its first token's way out (the server's
         ``metrics.PATH_STAGES``)."""
@@ -94,6 +99,7 @@ class _Stream:
     last_time: float = 0.0
     request: Any = None  # the engine's Request (engine thread): paused while its reader is behind
     handed: float | None = None  # time.monotonic() when the route handed it over (None: not timed)
+    tenant: str | None = None  # the request's tenant, for the per-tenant counters
 
 
 _Item = tuple["asyncio.Queue[RequestOutput]", RequestOutput]
@@ -207,7 +213,14 @@ class EngineLoop:
         if cache_pins:  # cache breakpoints held for their TTLs (engine/cache_pins.py)
             kwargs["cache_pins"] = cache_pins
         if not self._queue_add(
-            (request_id, prompt, params, kwargs, _Stream(loop, sink, stream, handed=handed), accepted)
+            (
+                request_id,
+                prompt,
+                params,
+                kwargs,
+                _Stream(loop, sink, stream, handed=handed, tenant=tenant),
+                accepted,
+            )
         ):
             raise EngineStopped("the server is shutting down")
         try:
@@ -422,6 +435,10 @@ class EngineLoop:
             stream.tokens, stream.last_time = tokens, now
         if out.finished:
             obs.request_done(out.metrics.get("finish_time", now) - out.metrics.get("arrival_time", now))
+            times, cached = out.metrics, out.num_cached_tokens
+            queued = times.get("scheduled_time", now) - times.get("arrival_time", now)
+            generated = sum(len(c.token_ids) for c in out.outputs)
+            obs.tenant_done(stream.tenant, out.num_prompt_tokens - cached, cached, generated, queued)
 
 
 def add_or_refuse(

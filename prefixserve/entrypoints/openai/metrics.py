@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixserve.engine.gc_tuning import watch_gc
+from prefixserve.entrypoints.openai.tenant_metrics import TenantMetrics
 
 PREFIX = "prefixserve"
 
@@ -205,6 +206,8 @@ class ServerMetrics:
         with the engine's of the same name (the HTTP side's refusals at arrival)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(snapshot, local))
+        self.tenants = TenantMetrics(PREFIX)  # by the request's user, the heavy ones labelled
+        self.registry.register(self.tenants)
         self.http_requests = Counter(
             f"{PREFIX}_http_requests",
             "HTTP requests by route and status",
@@ -281,6 +284,11 @@ class ServerMetrics:
 
     def request_done(self, seconds: float) -> None:
         self.e2e.observe(max(0.0, seconds))
+
+    def tenant_done(
+        self, tenant: str | None, computed: int, cached: int, generated: int, queue_s: float
+    ) -> None:
+        self.tenants.done(tenant, computed, cached, generated, queue_s)
 
     def path(self, stage: str, seconds: float) -> None:
         """One stage of ``PATH_STAGES`` (any thread)."""
