@@ -43,7 +43,8 @@ def test_breakpoints_are_cut_where_their_blocks_end() -> None:
         "cache_control": marker,
     }
     got = cuts(data)
-    assert [ttl for _, ttl in got] == [300.0, 300.0, 3600.0, 300.0]
+    assert [ttl for _, (ttl, _) in got] == [300.0, 300.0, 3600.0, 300.0]
+    assert not any(shared for _, (_, shared) in got)
     tools, system, message, whole = (cut for cut, _ in got)
     assert tools["system"] == data["system"] and system["system"] == data["system"]  # after the system
     assert message["messages"] == [data["messages"][0]]
@@ -59,6 +60,13 @@ def test_breakpoints_are_cut_where_their_blocks_end() -> None:
                 }
             )
         assert exc.value.param == f"messages.0.content.0.cache_control.{field}"
+    with pytest.raises(APIError, match=r"cache_control\.shared must be a boolean"):
+        cuts(
+            {
+                "messages": [],
+                "system": [{"type": "text", "text": "s", "cache_control": {**marker, "shared": 1}}],
+            }
+        )
     five = {
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "x", "cache_control": marker}] * 5}
@@ -185,3 +193,30 @@ def test_a_refused_breakpoint_is_answered_with_a_header_saying_so(tiny_config_pa
         assert raw.headers["prefixserve-cache-control"].startswith("not-honoured")
         usage = raw.parse().usage
         assert usage.cache_creation_input_tokens == 0
+
+
+def test_a_breakpoint_marked_shared_makes_its_prefix_public_across_salts(tiny_server: Any) -> None:
+    """Two tenants' salted messages (``cache_salt`` passes through as on a chat) with one system
+    prompt: its breakpoint marked ``"shared": true`` lets the second tenant read the first's system
+    blocks (under the server's default scope, which shares nothing else); unmarked, nothing is read."""
+    import httpx
+
+    system = f"Desk {uuid.uuid4().hex}: you answer questions about the city's trams, politely. " * 6
+    rows = []
+    with httpx.Client(base_url=tiny_server.url, timeout=120) as http:
+        for shared in (False, True):
+            mark = {"type": "ephemeral", "shared": shared}
+            for tenant in ("t1", "t2"):
+                body = {
+                    "model": "default", "max_tokens": 2, "cache_salt": f"{tenant}-{shared}",
+                    "system": [{"type": "text", "text": system + str(shared), "cache_control": mark}],
+                    "messages": [{"role": "user", "content": "Does line 4 run at night?"}],
+                }  # fmt: skip
+                r = http.post("/v1/messages", json=body)
+                assert r.status_code == 200, r.text
+                rows.append(r.json()["usage"])
+    assert rows[1]["cache_read_input_tokens"] == 0  # unmarked: the salt covers the system prompt too
+    assert rows[3]["cache_read_input_tokens"] >= 64  # marked: the first tenant's system blocks
+    assert rows[3]["cache_read_input_tokens"] < rows[3]["cache_read_input_tokens"] + rows[3]["input_tokens"]
+    tiny_server.engine_loop.call(lambda e: e.cache_pins.clear()).result(10)
+    engine_checks.wait_server_pool_empty(tiny_server)

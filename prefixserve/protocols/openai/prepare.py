@@ -115,8 +115,9 @@ class Prepared:
     # leading system messages rendered alone (the application's pinned prompt is public too)
     salt_scope: str = "prompt"
     public_text: str | None = None
-    # Anthropic's cache breakpoints: each one's prefix as rendered, and its seconds (``pin_counts``)
-    pin_texts: list[tuple[str, float]] = field(default_factory=list)
+    # Anthropic's cache breakpoints: each one's prefix as rendered, its seconds, and whether it marks
+    # its prefix public (``pin_counts``, ``public_tokens``)
+    pin_texts: list[tuple[str, float, bool]] = field(default_factory=list)
 
     @property
     def prompt_field(self) -> str:
@@ -445,19 +446,23 @@ def public_tokens(ctx: OpenAIContext, prep: Prepared, ids: list[int]) -> int:
     its scope: the application's pinned prompt in front, or the ids the chat shares with its system
     messages rendered alone (a common prefix: text after them never counts). 0 under "prompt", for
     an unsalted request (nothing to share apart), or where nothing public leads."""
-    if getattr(prep.req, "cache_salt", None) is None or prep.salt_scope != "after-system":
+    if getattr(prep.req, "cache_salt", None) is None:
         return 0
+    marked = [t for t, _, shared in prep.pin_texts if shared]  # breakpoints marked public, any scope
+    public = max((shared_prefix(encode_prompt(ctx.tokenizer, t), ids) for t in marked), default=0)
+    if prep.salt_scope != "after-system":
+        return public
     if prep.application is not None:
-        return len(ctx.engine_ids([], prep.application))
+        return max(public, len(ctx.engine_ids([], prep.application)))
     if prep.public_text is None:
-        return 0
-    return shared_prefix(encode_prompt(ctx.tokenizer, prep.public_text), ids)
+        return public
+    return max(public, shared_prefix(encode_prompt(ctx.tokenizer, prep.public_text), ids))
 
 
 def pin_counts(ctx: OpenAIContext, prep: Prepared, ids: list[int]) -> list[tuple[int, float]]:
     """Each cache breakpoint as (the prompt tokens its prefix shares with ``ids``, as the engine runs
     them; seconds)."""
-    return [(shared_prefix(encode_prompt(ctx.tokenizer, t), ids), ttl) for t, ttl in prep.pin_texts]
+    return [(shared_prefix(encode_prompt(ctx.tokenizer, t), ids), ttl) for t, ttl, _ in prep.pin_texts]
 
 
 def shared_prefix(head: list[int], ids: list[int]) -> int:
