@@ -29,13 +29,20 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return name, directory, tiny_checkpoint(name, directory, **sizes)
 
 
-def test_greedy_tokens_equal_hf_and_with_sharing(family) -> None:
-    name, directory, hf = family
+def _run_setup(directory, count: int, tokens: int) -> tuple[list[dict], SamplingParams, dict]:
+    """``count`` prompts sharing a 60-token prefix, greedy params for ``tokens`` tokens, and the fp32
+    CUDA engine arguments of the checkpoint in ``directory``."""
     prefix = _prompt(5, 60)
-    prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 5 + 3 * i)} for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 5 + 3 * i)} for i in range(count)]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens)
     args = {"model": str(directory), "dtype": "float32", "device": "cuda", "num_kv_blocks": 256}
     args |= {"block_size": 16, "max_num_batched_tokens": 128, "progress": False}
+    return prompts, params, args
+
+
+def test_greedy_tokens_equal_hf_and_with_sharing(family) -> None:
+    name, directory, hf = family
+    prompts, params, args = _run_setup(directory, 8, 24)
     plain = LLM(attention="reference", enable_prefix_caching=False, **args)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     sinks = name == "gpt_oss"  # sinks: the Triton kernels' LSE, no decode graphs
@@ -60,11 +67,7 @@ def test_two_gpus_equal_one(family) -> None:
     """Tensor parallelism over 2 GPUs (NCCL and the peer all-reduce): each expert's intermediate columns
     split over the ranks, the fused MoE kernels on each shard; greedy fp32 tokens equal one GPU's."""
     name, directory, _ = family
-    prefix = _prompt(5, 60)
-    prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 5 + 3 * i)} for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
-    args = {"model": str(directory), "dtype": "float32", "device": "cuda", "num_kv_blocks": 256}
-    args |= {"block_size": 16, "max_num_batched_tokens": 128, "progress": False}
+    prompts, params, args = _run_setup(directory, 6, 16)
     one = LLM(**args)
     want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     del one
