@@ -166,3 +166,27 @@ def test_replica_routing_keys_follow_the_scope(tiny_config_path: Path) -> None:
     body = {"model": "default", "messages": messages, "prompt_cache_key": "ferry-app", "user": "u1"}
     assert _run(core.routing_key("/v1/chat/completions", json.dumps(body).encode(), {}))[1] == "ferry-app"
     llm.shutdown()
+
+
+def test_batch_rows_take_their_public_part(tiny_config_path: Path) -> None:
+    """Offline batch rows (``batch_runner.RequestSpec``) carry their public part to the engine: two
+    salted rows over one system prompt, the second (its own group: groups never cross salts) reads
+    the first's public blocks from the prefix cache."""
+    from prefixserve.config import EngineConfig
+    from prefixserve.engine import Engine
+    from prefixserve.entrypoints.batch_runner import RequestSpec, submit_grouped
+
+    engine = Engine(EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256))
+    system = [2000 + i for i in range(3 * BS + 2)]
+    specs = [
+        RequestSpec(f"r{k}", None, GREEDY, [*system, 70 + k, 80], f"s{k}", public_tokens=len(system))
+        for k in range(2)
+    ]
+    errors, _ = submit_grouped(engine, specs)
+    assert errors == [None, None]
+    cached = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                cached[out.request_id] = out.num_cached_tokens
+    assert sorted(cached.values()) == [0, 3 * BS]

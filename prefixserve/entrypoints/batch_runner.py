@@ -40,6 +40,7 @@ from prefixserve.protocols.openai.prepare import (
     Prepared,
     prepare,
     prompt_ids,
+    public_tokens,
     response_body,
     truncated,
 )
@@ -65,6 +66,8 @@ class RequestSpec:
     module_recompute: str | None = None  # Prompt Cache recovery, as the request's body sets it
     priority: int = 0  # the engine's priority policy's (refused under fcfs, as the server does)
     pooling: PoolingParams | None = None  # an embedding row's (``params`` are then the engine's)
+    public_tokens: int = 0  # with a salt: the prompt's public tokens under its scope (docs/guides/tenants.md)
+    tenant: str | None = None  # the row's user: its share under the fair policy
 
 
 def submit_grouped(
@@ -86,6 +89,8 @@ def submit_grouped(
                 priority=spec.priority,
                 queue=False,
                 pooling=spec.pooling,
+                public_tokens=spec.public_tokens,
+                tenant=spec.tenant,
             )
         except ValueError as exc:
             errors.append(exc)
@@ -223,6 +228,8 @@ def run_rows(
         for rid, prompt in zip(st.ids, st.prep.prompts, strict=True):
             text = prompt if isinstance(prompt, str) else None
             tokens = prompt_ids(ctx, st.prep, prompt)  # as the server encodes it (add_special_tokens)
+            ids = None if tokens is None else ctx.engine_ids(tokens, st.prep.application)
+            public = 0 if ids is None else public_tokens(ctx, st.prep, ids)
             specs.append(
                 RequestSpec(
                     rid,
@@ -234,6 +241,8 @@ def run_rows(
                     req.module_recompute,
                     req.priority,
                     st.prep.pooling,
+                    public,
+                    getattr(req, "user", None),
                 )
             )
     errors, _ = submit_grouped(engine, specs, grouping)
