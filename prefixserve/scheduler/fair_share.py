@@ -52,24 +52,35 @@ class FairShare:
     def __init__(self, weights: dict[str, float] | None = None) -> None:
         self.weights = check_weights(weights or {})
         self.counters: dict[str | None, float] = {}
+        self._tenants_waiting: set[str | None] = set()
+        self._stale = True
 
     def counter(self, tenant: str | None) -> float:
         return self.counters.get(tenant, 0.0)
 
     def enqueue(self, waiting: deque[Sequence], seq: Sequence) -> None:
-        """A new sequence: its tenant lifted to the least counter waiting if it had none waiting."""
+        """A new sequence: its tenant lifted to the least counter waiting if it had none waiting. The
+        queue is put in order before each admission (``order``), not at every arrival (a burst of N
+        arrivals would sort N times)."""
         tenant = _tenant(seq)
-        others = {_tenant(s) for s in waiting}
-        if tenant not in others and others:
-            least = min(self.counter(t) for t in others)
+        present = self._present(waiting)
+        if tenant not in present and present:
+            least = min(self.counter(t) for t in present)
             self.counters[tenant] = max(self.counter(tenant), least)
+        present.add(tenant)
         waiting.append(seq)
-        self.order(waiting)
 
     def requeue(self, waiting: deque[Sequence], seq: Sequence) -> None:
-        """A preempted sequence: back in its tenant's place, its counter as it stands."""
+        """A preempted sequence: back in the queue, its tenant's counter as it stands."""
+        self._present(waiting).add(_tenant(seq))
         waiting.append(seq)
-        self.order(waiting)
+
+    def _present(self, waiting: deque[Sequence]) -> set[str | None]:
+        """The tenants with sequences waiting: made again after each admission pass (``order``
+        marks it stale), then kept up by arrivals, so a burst costs one pass over the queue."""
+        if self._stale:
+            self._tenants_waiting, self._stale = {_tenant(s) for s in waiting}, False
+        return self._tenants_waiting
 
     def victim(self, running: Seq[Sequence]) -> Sequence:
         """The latest admitted sequence of the tenant with the largest counter."""
@@ -81,6 +92,7 @@ class FairShare:
             ranked = sorted(waiting, key=lambda s: (self.counter(_tenant(s)), s.request.arrival_time))
             waiting.clear()
             waiting.extend(ranked)
+        self._stale = True  # admissions follow: the waiting tenants are found again at the next arrival
 
     def charge(self, scheduled: Seq[Any]) -> None:
         """Count a planned step's tokens (``ScheduledSeq``: seq, num_tokens) against their tenants:
