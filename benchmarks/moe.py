@@ -273,10 +273,10 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _routing(result: dict[str, Any]) -> str:
-    """How the run's dummy routers chose experts (``PREFIXSERVE_DUMMY_ROUTING``; runs before the
-    switch routed by their random weights)."""
+    """How the run's dummy routers chose experts (``model/moe.uniform_logits`` since 29456de; runs
+    before routed by their random weights)."""
     if result.get("dummy_routing") == "uniform":
-        return "uniform at random (`PREFIXSERVE_DUMMY_ROUTING=uniform`)"
+        return "uniform at random (a dummy model's routers, `model/moe.py`)"
     return "by the random weights (a batch converges on a few experts)"
 
 

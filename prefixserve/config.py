@@ -7,15 +7,13 @@ sees its effect on the next call; a bad value raises ValueError naming the varia
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from prefixserve.scheduler.fair_share import check_weights
-from prefixserve.scheduler.policy import POLICIES
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,6 +49,20 @@ SPECULATIVE_KEYS = (
 
 
 CACHE_SALT_SCOPES = ("prompt", "after-system")  # what a cache_salt covers (docs/guides/tenants.md)
+POLICIES = ("fcfs", "priority", "fair")  # scheduling policies (scheduler/policy.py)
+
+
+def check_weights(weights: dict[str, float]) -> dict[str, float]:
+    """ValueError naming the tenant for a weight that is not a positive finite number (the ``fair``
+    policy's ``tenant_weights``)."""
+    out: dict[str, float] = {}
+    for name, w in weights.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tenant weight needs a tenant name, got {name!r}")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w <= 0:
+            raise ValueError(f"tenant {name!r}: weight must be a positive number, got {w!r}")
+        out[name] = float(w)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,16 +323,6 @@ def cache_dir() -> Path:
     if not value.strip():
         raise ValueError("PREFIXSERVE_CACHE is set but empty: give a directory, or unset it")
     return Path(value)
-
-
-def dummy_routing() -> str:
-    """``PREFIXSERVE_DUMMY_ROUTING``: how a dummy model's MoE layers pick experts. "weights"
-    (default): its random router, as for a checkpoint; "uniform": each token's logits drawn uniformly
-    at random every step. Random weights make the residual streams of a batch converge over the layers,
-    so their routers send the batch to a few experts and a step reads far fewer expert weights than a
-    trained model's; "uniform" makes a dummy model's step read what a balanced router's would (the
-    benchmarks' setting; its outputs are noise). Checkpoints always route by their weights."""
-    return _env_choice("PREFIXSERVE_DUMMY_ROUTING", "weights", ("weights", "uniform"))
 
 
 def mixed_mode() -> str:

@@ -35,6 +35,21 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY_CPUS = 2
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads (and
+    its engine and rank processes, through OMP_NUM_THREADS): two workers each running two OpenMP
+    threads on the 2-core CI machine spun against each other: the MoE and model-family modules took
+    347 CPU-seconds that way, 67 with one thread each."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if "PYTEST_XDIST_WORKER" not in os.environ or workers < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

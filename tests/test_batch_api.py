@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -351,7 +352,10 @@ def test_rows_in_flight_when_the_engine_dies_wait_for_a_restart(
 
 
 def test_batches_together_leave_the_queue_to_live_requests(tiny_config_path: Path, tmp_path: Path) -> None:
-    """Rows in flight are bounded over all batches: four batches at once do not fill the queue."""
+    """Rows in flight are bounded over all batches: four batches at once do not fill the queue.
+
+    The six live requests go at once, the queue's whole room beside the batches' rows (they wait
+    behind the running rows together, not one after another)."""
     with _server(tiny_config_path, tmp_path, engine={"max_num_seqs": 2}) as srv:
         client = _client(srv)
         model = client.models.list().data[0].id
@@ -361,9 +365,14 @@ def test_batches_together_leave_the_queue_to_live_requests(tiny_config_path: Pat
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(1.5)  # the rows planned and queued
-        for i in range(6):  # the default bound: 4 x max_num_seqs waiting; the batches hold 4 rows in all
-            out = client.completions.create(model=model, prompt=f"live {i}", max_tokens=2)
-            assert out.choices[0].finish_reason == "length"
+
+        def live(i: int) -> Any:
+            return client.completions.create(model=model, prompt=f"live {i}", max_tokens=2)
+
+        # the default bound: 4 x max_num_seqs = 8 waiting; the batches hold 4 rows in all (2 waiting)
+        with ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(live, range(6)))
+        assert [out.choices[0].finish_reason for out in outs] == ["length"] * 6
         for batch in made:
             with contextlib.suppress(openai.ConflictError):  # one may have ended meanwhile
                 client.batches.cancel(batch.id)

@@ -128,7 +128,8 @@ def test_replica_routing_keys_follow_the_scope(tiny_config_path: Path) -> None:
     prompt's digests in front. Each key is among the blocks the engine caches for that request."""
     import json
 
-    from prefixserve.protocols.openai.prepare import OpenAIContext, prepare, public_tokens
+    from prefixserve.protocols.openai.prepare import OpenAIContext, prepare
+    from prefixserve.protocols.openai.salt_scope import public_tokens
     from prefixserve.ray_scaleout.serve_ingress import IngressCore, ReplicaSet
     from tests.test_serve_ingress import FakeReplica, _run
 

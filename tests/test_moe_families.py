@@ -421,11 +421,10 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, tmp_path: Pat
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PREFIXSERVE_DUMMY_ROUTING=uniform`` (the benchmarks' setting): a dummy MoE model's routers draw
-    each row's logits at random, so 16 equal rows spread over the experts as a balanced router's would
-    (a router by weights sends them all to the same k); a checkpoint loaded under it still routes by its
-    weights; a bad value is refused naming the variable."""
+def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path) -> None:
+    """A dummy MoE model's routers draw each row's logits at random, so 16 equal rows spread over the
+    experts as a balanced router's would; a checkpoint routes by its weights (the 16 equal rows all go
+    to the same k experts)."""
     from prefixserve.model import fused
     from prefixserve.model.moe import MoE
 
@@ -435,20 +434,18 @@ def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path, monkeypatch: 
     config |= {"num_experts": 64, "num_experts_per_tok": 4, "norm_topk_prob": True}
     path = tmp_path / "moe.json"
     path.write_text(json.dumps(config))
-    rows = torch.randn(1, 32).expand(16, 32).contiguous()
 
     def touched(model: Any) -> int:
         mlp = model.model.layers[0].mlp
-        _, ids = fused.moe_route(mlp.simulate(mlp.gate(rows)), 4, mlp.rule, mlp.norm)
+        rows = torch.randn(1, mlp.gate.weight.shape[1]).expand(16, -1).contiguous()
+        _, ids = fused.moe_route(mlp.simulate(mlp.gate(rows)), mlp.top_k, mlp.rule, mlp.norm)
         return int(torch.unique(ids).numel())
 
-    source = ModelSource("dummy", path, "dummy-moe")
-    assert touched(load_model(source, torch.float32, torch.device("cpu"), progress=False)[0]) == 4
-    monkeypatch.setenv("PREFIXSERVE_DUMMY_ROUTING", "uniform")
-    assert touched(load_model(source, torch.float32, torch.device("cpu"), progress=False)[0]) > 24
+    dummy, _ = load_model(
+        ModelSource("dummy", path, "dummy-moe"), torch.float32, torch.device("cpu"), progress=False
+    )
+    assert touched(dummy) > 24  # 16 rows x 4 of 64 experts at random: 40 expected
     tiny_checkpoint("qwen3_moe", tmp_path / "hf")
     hf_model, _ = load_model(ModelSource("hf", tmp_path / "hf", "tiny"), torch.float32, torch.device("cpu"))
     assert all(m.simulate is MoE.simulate for m in hf_model.modules() if isinstance(m, MoE))
-    monkeypatch.setenv("PREFIXSERVE_DUMMY_ROUTING", "balanced")
-    with pytest.raises(ValueError, match="PREFIXSERVE_DUMMY_ROUTING"):
-        load_model(source, torch.float32, torch.device("cpu"), progress=False)
+    assert touched(hf_model) == hf_model.model.layers[0].mlp.top_k

@@ -9,7 +9,7 @@ from prefixserve.sequence import Sequence
 from tests.conftest import assert_pool_empty
 
 SYSTEM = " ".join(
-    f"Policy {i}: keep answers short, cite the rule number, and stay kind to user {i}." for i in range(75)
+    f"Policy {i}: keep answers short, cite the rule number, and stay kind to user {i}." for i in range(40)
 )
 FEW_SHOT = " ".join(f"Example {i}: {i} plus {i} is {2 * i}." for i in range(40))
 
@@ -47,8 +47,8 @@ def test_sixteen_requests_sharing_a_long_system_prompt(engines: dict[str, LLM]) 
         }
         for i in range(16)
     ]
-    assert len(prompts[0]["prompt_token_ids"]) > 1500
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert len(prompts[0]["prompt_token_ids"]) > 900  # 57 blocks shared
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)  # a prefill, two decode steps
     ref, _ = _run(engines["reference"], prompts, params)
     got, m = _run(engines["cascade"], prompts, params)
     assert got == ref

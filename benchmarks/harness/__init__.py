@@ -9,13 +9,6 @@ module imports only the standard library, torch and prefixserve (never a script)
 share them without import circles.
 """
 
-import os
-
-# Dummy MoE models route each token uniformly at random in every benchmark and the processes it starts
-# (servers, tensor-parallel workers): random weights alone send a batch to a few experts, so a step
-# would read far fewer expert weights than a trained model's (docs/architecture.md, switches).
-os.environ.setdefault("PREFIXSERVE_DUMMY_ROUTING", "uniform")
-
 from benchmarks.harness.info import run_info
 from benchmarks.harness.models import TINY, dummy_model
 from benchmarks.harness.output import (

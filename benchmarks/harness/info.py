@@ -49,7 +49,7 @@ def run_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
         "torch": torch.__version__,
         "commit": git_commit(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "dummy_routing": os.environ.get("PREFIXSERVE_DUMMY_ROUTING", "weights"),  # MoE dummy models
+        "dummy_routing": "uniform",  # dummy MoE models' routers draw at random (model/moe.py), since 29456de
     }
     for pkg in packages:
         try:

@@ -40,10 +40,10 @@ from prefixserve.protocols.openai.prepare import (
     Prepared,
     prepare,
     prompt_ids,
-    public_tokens,
     response_body,
     truncated,
 )
+from prefixserve.protocols.openai.salt_scope import public_tokens
 from prefixserve.protocols.pooling.embeddings import EmbeddingCall, prepare_embedding
 from prefixserve.protocols.pooling.scoring import ScoreCall, prepare_rerank, prepare_score
 from prefixserve.protocols.responses.prepare import ResponseCall, prepare_response

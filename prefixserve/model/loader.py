@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.config import cache_dir, dummy_routing
+from prefixserve.config import cache_dir
 from prefixserve.model import mxfp4
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
@@ -397,8 +397,7 @@ def load_model(
         config = ModelConfig.from_json(source.path)
         model = _materialize(config, dtype, device, shard)
         _init_dummy(model, seed)
-        if dummy_routing() == "uniform":
-            use_uniform_routing(model)
+        use_uniform_routing(model)  # random routers would send a whole batch to a few experts
         return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
     model = _materialize(config, torch.float32, device, shard)

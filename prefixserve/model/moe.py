@@ -127,9 +127,8 @@ class Experts(nn.Module):
 
 
 def _as_routed(logits: torch.Tensor) -> torch.Tensor:
-    """A router's logits as its weights give them. A dummy model under
-    ``PREFIXSERVE_DUMMY_ROUTING=uniform`` has each router's ``simulate`` replaced at load
-    (``use_uniform_routing``)."""
+    """A router's logits as its weights give them. A dummy model has each router's ``simulate``
+    replaced at load (``use_uniform_routing``)."""
     return logits
 
 
@@ -183,9 +182,12 @@ class Gemma4Router(nn.Module):
 
 
 def uniform_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Router logits drawn uniformly at random (each token's experts a uniform draw): for dummy
-    weights, whose batches otherwise converge on a few experts. Graph-safe (torch's RNG under capture);
-    ranks draw apart, which changes what they sum but not what they read."""
+    """Router logits drawn uniformly at random (each token's experts a uniform draw): a dummy model's
+    routing. With random weights a batch's residual streams converge over the layers and its routers
+    send it to a few experts (a deep layer sent 16 rows to 16 of 128, where a balanced router sends
+    them to 82), so a dummy step would read far fewer expert weights than a trained model's; drawn
+    at random, it reads what a balanced router's would. Graph-safe (torch's RNG under capture); ranks
+    draw apart, which changes what they sum but not what they read; outputs are noise either way."""
     return torch.rand_like(logits)
 
 

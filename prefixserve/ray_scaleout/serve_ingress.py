@@ -38,7 +38,8 @@ from prefixserve.kv.cache_events import prompt_digests
 from prefixserve.protocols.anthropic.prepare import MESSAGES_ROUTE, prepare_message
 from prefixserve.protocols.errors import APIError
 from prefixserve.protocols.openai import format as fmt
-from prefixserve.protocols.openai.prepare import OpenAIContext, prepare, prompt_ids, public_tokens, truncated
+from prefixserve.protocols.openai.prepare import OpenAIContext, prepare, prompt_ids, truncated
+from prefixserve.protocols.openai.salt_scope import public_tokens
 from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE, prepare_response
 from prefixserve.protocols.vllm.cache_reset import RESET_ROUTE, reset_body

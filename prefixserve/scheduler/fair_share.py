@@ -17,27 +17,15 @@ without one share the tenant ``None``.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from prefixserve.config import check_weights
 from prefixserve.sequence import Sequence
 
 PROMPT_WEIGHT = 1.0  # counter units per prompt token computed (a cache hit costs nothing)
 OUTPUT_WEIGHT = 2.0  # per generated token: a decode step's token costs more than a prefill token
-
-
-def check_weights(weights: dict[str, float]) -> dict[str, float]:
-    """ValueError naming the tenant for a weight that is not a positive finite number."""
-    out: dict[str, float] = {}
-    for name, w in weights.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a tenant weight needs a tenant name, got {name!r}")
-        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w <= 0:
-            raise ValueError(f"tenant {name!r}: weight must be a positive number, got {w!r}")
-        out[name] = float(w)
-    return out
 
 
 def _tenant(seq: Sequence) -> str | None:
@@ -106,4 +94,4 @@ class FairShare:
             self.counters[tenant] = self.counter(tenant) + cost / self.weights.get(tenant or "", 1.0)
 
 
-__all__ = ["OUTPUT_WEIGHT", "PROMPT_WEIGHT", "FairShare", "check_weights"]
+__all__ = ["OUTPUT_WEIGHT", "PROMPT_WEIGHT", "FairShare"]

@@ -17,10 +17,9 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from prefixserve.config import POLICIES
 from prefixserve.scheduler.fair_share import FairShare
 from prefixserve.sequence import Sequence
-
-POLICIES = ("fcfs", "priority", "fair")
 
 
 class FirstCome:

@@ -112,16 +112,9 @@ class OutputEncoder:
         ):  # whole, once the prompt is done
             lists = (out.prompt_token_logprobs, out.prompt_top_logprobs, out.prompt_logprob_ranks)
             head = (out.prompt, out.stored_prompt_token_ids, *lists)
-        counts = (
-            out.num_cached_tokens,
-            out.num_recomputed_tokens,
-            out.module_rows_shared,
-            out.module_rows_private,
-            out.error,
-            out.embedding,
-            out.cache_written_tokens,
-            out.cache_pins_refused,
-        )
+        counts = (out.num_cached_tokens, out.num_recomputed_tokens, out.module_rows_shared)
+        counts += (out.module_rows_private, out.error, out.embedding)
+        counts += (out.cache_written_tokens, out.cache_pins_refused)
         return out.request_id, out.finished, head, choices, counts, out.metrics
 
     def forget(self, request_id: str) -> None:
@@ -161,24 +154,10 @@ class OutputDecoder:
         cached, recomputed, shared, private, error, embedding, written, refused = counts
         lp, top, ranks = prompt_lp or (None, None, None)
         return RequestOutput(
-            rid,
-            prompt,
-            prompt_ids,
-            outputs,
-            finished,
-            cached,
-            recomputed,
-            shared,
-            private,
-            metrics,
-            lp,
-            top,
-            error=error,
-            prompt_logprob_ranks=ranks,
-            embedding=embedding,
-            cache_written_tokens=written,
-            cache_pins_refused=refused,
-        )
+            rid, prompt, prompt_ids, outputs, finished, cached, recomputed, shared, private, metrics,
+            lp, top, error=error, prompt_logprob_ranks=ranks, embedding=embedding,
+            cache_written_tokens=written, cache_pins_refused=refused,
+        )  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)

@@ -27,13 +27,12 @@ from prefixserve.protocols.errors import APIError, engine_failure, param_of
 from prefixserve.protocols.openai import format as fmt
 from prefixserve.protocols.openai.prepare import (
     Prepared,
-    pin_counts,
     prompt_ids,
-    public_tokens,
     response_body,
     stream_state,
     truncated,
 )
+from prefixserve.protocols.openai.salt_scope import pin_counts, public_tokens
 from prefixserve.serving.admission import QueueFull
 from prefixserve.serving.engine_thread import EngineStopped, StreamSink
 from prefixserve.serving.overload import dropped
