@@ -440,7 +440,8 @@ def test_gemma4_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
     prefix = _prompt(5, 2 * WINDOW)
     prompts = [{"prompt_token_ids": prefix + _prompt(10 + i, 3 + 2 * i)} for i in range(3)]
     one = _llm(tmp_path).generate(prompts, GREEDY)
-    two = _llm(tmp_path, tensor_parallel_size=2).generate(prompts, GREEDY)
+    with _llm(tmp_path, tensor_parallel_size=2) as tp:  # its process group ends with it
+        two = tp.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
 
 
