@@ -168,8 +168,9 @@ class InputProcessor:
             request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, None, max_model_len
         )
         req.public_tokens = min(public_tokens, len(tokens))
-        public = cache_salt is None or req.public_tokens >= len(system.token_ids) if system else False
-        if system is not None and prompt_positions is None and public:
+        # the pinned prompt's blocks are unsalted: this prompt's first ones where no salt covers them
+        unsalted = system is not None and (cache_salt is None or req.public_tokens >= len(system.token_ids))
+        if system is not None and prompt_positions is None and unsalted:
             # the pinned blocks' digests are this prompt's first ones: not hashed again (512 per 8K prompt)
             req.sequences[0].block_digests = list(system.digests)
         self.rules.admit(req, tokenizer)

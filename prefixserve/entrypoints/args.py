@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prefixserve.config import CACHE_SALT_SCOPES, POLICIES
+
 __all__ = [
     "add_engine_args",
     "add_sampling_args",
@@ -82,7 +84,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cache-salt-scope",
-        choices=("prompt", "after-system"),
+        choices=CACHE_SALT_SCOPES,
         default="prompt",
         help="what a request's cache_salt covers where it names no scope: the whole prompt (vLLM's), or "
         "all but the system messages and application prompt, whose blocks tenants then share",
@@ -96,7 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--scheduling-policy",
-        choices=("fcfs", "priority", "fair"),
+        choices=POLICIES,
         default="fcfs",
         help="the waiting queue's order: fcfs (arrival), priority (a request's priority field, "
         "smaller first, then arrival), or fair (tenants' virtual token counters; a tenant is the "

@@ -59,6 +59,13 @@ async def _tokenize(state: ServerState, prep: Prepared, text: str) -> list[int] 
         return None
 
 
+def _encodes(prep: Prepared) -> bool:
+    """Whether the request's public part or cache breakpoints need text encoded (a salted chat
+    under the after-system scope, an application's pinned prompt, Anthropic's breakpoints)."""
+    salted = getattr(prep.req, "cache_salt", None) is not None
+    return bool(prep.pin_texts) or (salted and prep.salt_scope == "after-system")
+
+
 def _prefix_counts(
     state: ServerState, prep: Prepared, tokens: list[int] | None
 ) -> tuple[int, list[tuple[int, float]] | None]:
@@ -119,7 +126,9 @@ async def submit(
                 text, tokens = (text, tokens) if len(kept) == len(tokens) else (None, kept)  # text: all of it
             if text is not None and tokens is not None:
                 _check_fits(state, prep, tokens)
-            public, pins = await asyncio.to_thread(_prefix_counts, state, prep, tokens)
+            public, pins = (0, None)
+            if tokens is not None and _encodes(prep):  # text to encode: off the event loop
+                public, pins = await asyncio.to_thread(_prefix_counts, state, prep, tokens)
             # refused here at once when the engine's last published queue says so (serving/overload.py)
             arrival = None if state.gate is None else state.gate.admit(_length(tokens), gate_deadline)
             await state.loop.add(

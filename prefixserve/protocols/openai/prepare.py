@@ -40,6 +40,7 @@ from prefixserve.protocols.openai.tools import (
     conversation,
     read_tools,
     template_knows_tools,
+    template_kwargs,
     tool_message,
 )
 from prefixserve.sampling.params import MAX_LOGPROBS, SamplingParams
@@ -328,17 +329,9 @@ def chat_prompt(
                 param="application",
             )
         return pml, None
-    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    extra = template_kwargs(req, tools, native)
     if req.continue_final_message:
         extra["continue_final_message"] = True
-    if req.documents is not None:
-        extra["documents"] = req.documents
-    if req.reasoning_effort is not None:
-        extra["reasoning_effort"] = req.reasoning_effort
-    if req.chat_template is not None:  # the request's own (--trust-request-chat-template)
-        extra["chat_template"] = req.chat_template
-    if native:  # the template renders the tools itself
-        extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
     try:
         text = ctx.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=req.add_generation_prompt, **extra
@@ -397,7 +390,8 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
             how = "opened" if thinking.opened else "optional"
             params.structured_outputs = replace(params.structured_outputs, after_thinking=how)
     scope = salt_scope(ctx, req)
-    public = system_text(ctx, req, tools) if scope == "after-system" and application is None else None
+    salted = req.cache_salt is not None and scope == "after-system" and application is None
+    public = system_text(ctx, req, tools) if salted else None
     return Prepared(
         True, rid, req, [prompt], params, bool(req.logprobs), tools=calls, application=application,
         echo_content=echo, thinking=thinking, salt_scope=scope, public_text=public,

@@ -15,7 +15,7 @@ from prefixserve.config import CACHE_SALT_SCOPES
 from prefixserve.engine.prompt_tokens import encode_prompt
 from prefixserve.protocols.errors import APIError
 from prefixserve.protocols.openai.request_models import ChatCompletionRequest, CompletionRequest
-from prefixserve.protocols.openai.tools import Tools, conversation, template_knows_tools
+from prefixserve.protocols.openai.tools import Tools, conversation, template_knows_tools, template_kwargs
 
 # ``ctx``: the route's ``prepare.OpenAIContext``; ``prep``: its ``prepare.Prepared`` (typed loosely:
 # prepare.py imports this module)
@@ -44,11 +44,7 @@ def system_text(ctx: OpenAIContext, req: ChatCompletionRequest, tools: Tools | N
     if not lead:
         return None
     native = tools is not None and template_knows_tools(ctx.tokenizer, req.chat_template)
-    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
-    if req.chat_template is not None:
-        extra["chat_template"] = req.chat_template
-    if native:
-        extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
+    extra = template_kwargs(req, tools, native)  # as the whole chat is rendered
     try:
         messages = conversation(lead, tools, native)
         text = ctx.tokenizer.apply_chat_template(

@@ -234,4 +234,29 @@ def tool_message(text: str, finish_reason: str | None, tools: Tools) -> tuple[di
     }, "tool_calls"
 
 
-__all__ = ["Tools", "conversation", "parse_calls", "read_tools", "template_knows_tools", "tool_message"]
+def template_kwargs(req: Any, tools: Tools | None, native: bool) -> dict[str, Any]:
+    """The keyword arguments a chat request gives ``apply_chat_template`` besides its messages: its
+    template variables, documents, reasoning effort and own template, and the tools where the
+    template writes them itself (``native``). ``continue_final_message`` is the caller's: it concerns
+    the last message only."""
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        extra["documents"] = req.documents
+    if req.reasoning_effort is not None:
+        extra["reasoning_effort"] = req.reasoning_effort
+    if req.chat_template is not None:  # the request's own (--trust-request-chat-template)
+        extra["chat_template"] = req.chat_template
+    if native and tools is not None:  # the template renders the tools itself
+        extra["tools"] = [{"type": "function", "function": f} for f in tools.functions.values()]
+    return extra
+
+
+__all__ = [
+    "Tools",
+    "conversation",
+    "parse_calls",
+    "read_tools",
+    "template_knows_tools",
+    "template_kwargs",
+    "tool_message",
+]
