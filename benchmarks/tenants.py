@@ -41,6 +41,19 @@ def _engine(args: argparse.Namespace, policy: str = "fcfs") -> Any:
     return Engine(config, progress=False)
 
 
+def _release(engine: Any) -> None:
+    """The engine's KV pool and graphs freed before the next engine sizes its own."""
+    import gc
+
+    import torch
+
+    engine.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _drive(engine: Any, arrivals: list[tuple[float, dict[str, Any]]], gen: int) -> dict[str, Any]:
     """Add each request at its arrival (seconds from the start) and step until all are done; each
     request's TTFT (arrival to first token) and the prompt tokens the engine computed."""
@@ -105,7 +118,7 @@ def salts_part(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": got["wall_s"],
         }
         print(scope, out[scope], flush=True)
-        del engine
+        _release(engine)
     out["computed_over_bound"] = out["after-system"]["prompt_tokens_computed"] / out["bound_tokens"]
     out["ttft_p50_x"] = out["prompt"]["ttft_p50_s"] / out["after-system"]["ttft_p50_s"]
     return out
@@ -145,7 +158,7 @@ def fair_part(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": got["wall_s"],
         }
         print(mode, out[mode], flush=True)
-        del engine
+        _release(engine)
     alone = out["alone"]["light_ttft_p99_s"]
     out["fair_over_alone"] = out["fair"]["light_ttft_p99_s"] / alone
     out["fcfs_over_alone"] = out["fcfs"]["light_ttft_p99_s"] / alone
@@ -163,13 +176,12 @@ def run(args: argparse.Namespace) -> None:
         args.device, args.out = "cpu", str(Path(tempfile.gettempdir()) / NAME)
         args.model = dummy_model(TINY, Path(tempfile.mkdtemp(prefix="tenants-")))
     result: dict[str, Any] = {**run_info(), "settings": {k: v for k, v in vars(args).items() if k != "mode"}}
-    if "salts" in args.parts:
-        result["salts"] = salts_part(args)
-    if "fair" in args.parts:
-        result["fair"] = fair_part(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report(result, out)
+    for part, measure in (("salts", salts_part), ("fair", fair_part)):
+        if part in args.parts:
+            result[part] = measure(args)
+            report(result, out)  # each part's results written as it ends
 
 
 def report(result: dict[str, Any], out: Path) -> None:
