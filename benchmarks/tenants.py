@@ -41,17 +41,23 @@ def _engine(args: argparse.Namespace, policy: str = "fcfs") -> Any:
     return Engine(config, progress=False)
 
 
-def _release(engine: Any) -> None:
-    """The engine's KV pool and graphs freed before the next engine sizes its own."""
+def _run_engine(args: argparse.Namespace, policy: str, arrivals: list, gen: int) -> dict[str, Any]:
+    """One fresh engine drives ``arrivals``; it is shut down and its KV pool and graphs freed before the
+    next engine sizes its own."""
     import gc
 
     import torch
 
-    engine.shutdown()
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    engine = _engine(args, policy)
+    try:
+        return _drive(engine, arrivals, gen)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            print(f"after the engine: {torch.cuda.memory_allocated() / 1e9:.2f} GB allocated", flush=True)
 
 
 def _drive(engine: Any, arrivals: list[tuple[float, dict[str, Any]]], gen: int) -> dict[str, Any]:
@@ -102,14 +108,13 @@ def salts_part(args: argparse.Namespace) -> dict[str, Any]:
         times.append(t)
     out: dict[str, Any] = {"bound_tokens": 1.1 * (args.system + args.tenants * args.private)}
     for scope in ("prompt", "after-system"):
-        engine = _engine(args)
         public = args.system if scope == "after-system" else 0
         arrivals = [
             (at, {"request_id": f"t{k}", "prompt_token_ids": [*system, *own], "cache_salt": f"tenant-{k}",
                   "public_tokens": public, "tenant": f"tenant-{k}"})
             for k, (at, own) in enumerate(zip(times, privates, strict=True))
         ]  # fmt: skip
-        got = _drive(engine, arrivals, args.gen)
+        got = _run_engine(args, "fcfs", arrivals, args.gen)
         ttfts = list(got["ttft"].values())
         out[scope] = {
             "prompt_tokens_computed": got["prompt_tokens_computed"],
@@ -118,7 +123,6 @@ def salts_part(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": got["wall_s"],
         }
         print(scope, out[scope], flush=True)
-        _release(engine)
     out["computed_over_bound"] = out["after-system"]["prompt_tokens_computed"] / out["bound_tokens"]
     out["ttft_p50_x"] = out["prompt"]["ttft_p50_s"] / out["after-system"]["ttft_p50_s"]
     return out
@@ -150,15 +154,13 @@ def fair_part(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for mode, policy, heavy in (("alone", "fcfs", False), ("fcfs", "fcfs", True), ("fair", "fair", True)):
-        engine = _engine(args, policy)
-        got = _drive(engine, arrivals(heavy), args.gen)
+        got = _run_engine(args, policy, arrivals(heavy), args.gen)
         out[mode] = {
             "light_ttft_p99_s": light_p99(got),
             "requests": len(got["ttft"]),
             "wall_s": got["wall_s"],
         }
         print(mode, out[mode], flush=True)
-        _release(engine)
     alone = out["alone"]["light_ttft_p99_s"]
     out["fair_over_alone"] = out["fair"]["light_ttft_p99_s"] / alone
     out["fcfs_over_alone"] = out["fcfs"]["light_ttft_p99_s"] / alone
