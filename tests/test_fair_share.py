@@ -67,9 +67,10 @@ def test_bad_weights_are_refused_naming_the_tenant(weights: dict) -> None:
 
 
 def _engine(tiny_config_path: Path, policy: str, **extra: object) -> Engine:
+    settings: dict = dict(num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
     config = EngineConfig(
-        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, max_num_seqs=4,
-        max_num_batched_tokens=64, scheduling_policy=policy, enable_prefix_caching=False, **extra,
+        model=f"dummy:{tiny_config_path}", device="cpu", scheduling_policy=policy,
+        enable_prefix_caching=False, **(settings | extra),
     )  # fmt: skip
     return Engine(config, progress=False)
 
@@ -140,3 +141,46 @@ def test_a_light_tenant_keeps_flowing_while_a_heavy_one_floods(tiny_config_path:
     assert max(fair_done["light"]) <= max(fair_done["heavy"]) / 4
     assert sorted(fcfs_done["light"])[0] >= max(fcfs_done["heavy"][:-3])
     assert engine_checks.blocks_in_use(fair) == 0
+
+
+def test_samples_of_one_request_are_admitted_together(tiny_config_path: Path) -> None:
+    """A sharing group is not split needlessly: tenant b's ``n=4`` request queued behind tenant a's
+    backlog starts its four samples in one step (they share the counter's order), and they share the
+    prompt's blocks; the texts are the greedy ones either way."""
+    engine = _engine(tiny_config_path, "fair", max_num_seqs=8)
+    for i in range(6):
+        engine.add_request(f"a-{i}", None, PARAMS, prompt_token_ids=_prompt("a", i), tenant="a")
+    group = SamplingParams(n=4, max_tokens=OUTPUT, temperature=1.0, seed=3, ignore_eos=True)
+    engine.add_request("b-0", None, group, prompt_token_ids=_prompt("b", 0), tenant="b")
+    started: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        engine.step()
+        for seq in engine.scheduler.running:
+            started.setdefault(f"{seq.request.request_id}/{seq.seq_id}", step)
+    samples = {k: v for k, v in started.items() if k.startswith("b-0/")}
+    assert len(samples) == 4 and len(set(samples.values())) == 1, samples
+    assert engine_checks.blocks_in_use(engine) == 0
+
+
+def test_each_api_key_is_a_tenant(tiny_config_path: Path) -> None:
+    """A server with two API keys counts each key's requests to its own tenant, whatever ``user`` the
+    body claims (a client cannot speak for another tenant); the key itself is not the name."""
+    import httpx
+
+    from prefixserve.entrypoints.openai.requests import key_tenant
+    from prefixserve.entrypoints.openai.server import ServerThread, build_app
+
+    engine = _engine(tiny_config_path, "fair")
+    app = build_app(engine=engine, api_key=["key-one", "key-two"])
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        for key in ("key-one", "key-two", "key-two"):
+            body = {"model": "default", "prompt": "hello tenants", "max_tokens": 2, "user": "mallory"}
+            r = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        assert http.post("/v1/completions", json=body, headers={"x-api-key": "other"}).status_code == 401
+    counters = engine.scheduler.policy.counters
+    one, two = key_tenant("key-one"), key_tenant("key-two")
+    assert set(counters) == {one, two} and counters[two] > counters[one] > 0
+    assert "key-one" not in one

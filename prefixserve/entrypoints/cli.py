@@ -421,7 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or x-api-key: KEY)")
+    s.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="require Authorization: Bearer KEY (or x-api-key: KEY); several keys: each one a tenant "
+        "(fair shares, per-tenant metrics)",
+    )
     s.add_argument(
         "--allowed-origins",
         nargs="+",

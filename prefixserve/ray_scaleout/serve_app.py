@@ -13,6 +13,7 @@ a single server never does.
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -137,7 +138,7 @@ def serve_app(
     config: EngineConfig | None = None,
     replicas: int = 2,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     policy: RoutingPolicy | None = None,
     replica_cpus: float | None = None,
     replica_gpus: float | None = None,
@@ -193,7 +194,7 @@ def run_replicas(
     replicas: int,
     host: str,
     port: int,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     replica_cpus: float | None = None,
     overload: Any = None,
     policy: RoutingPolicy | None = None,

@@ -23,7 +23,7 @@ import operator
 import os
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from prefixserve.config import EngineConfig
@@ -38,7 +38,7 @@ class EngineReplica:
     def __init__(
         self,
         config: EngineConfig,
-        api_key: str | None = None,
+        api_key: str | Sequence[str] | None = None,
         overload: Any = None,
         engine_process: str = "auto",
         switch_interval_ms: float | None = None,

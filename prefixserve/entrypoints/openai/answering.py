@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai.overload_http import deadline_error, refusal, sse_response
-from prefixserve.entrypoints.openai.requests import ServerState
+from prefixserve.entrypoints.openai.requests import ServerState, request_tenant
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError
 from prefixserve.protocols.errors import APIError, engine_failure, param_of
@@ -96,10 +96,12 @@ async def submit(
     deadline: float | None = None,
     started: float | None = None,
     progress: bool | None = None,
+    tenant: str | None = None,
 ) -> list[str]:
     """Queue one engine request per prompt; on a refusal, abort the ones already queued. ``started``:
     when the route began (the "intake" stage ends as each is handed to the engine); ``progress``:
-    outputs every step, not only the last (default: where the request streams)."""
+    outputs every step, not only the last (default: where the request streams); ``tenant``: the
+    request's (``request_tenant``), else the body's ``user``."""
     ids: list[str] = []
     req, params, prompt_field = prep.req, prep.params, prep.prompt_field
     application = prep.application
@@ -140,7 +142,7 @@ async def submit(
                 prompt_token_ids=tokens,
                 cache_salt=req.cache_salt,
                 public_tokens=public,
-                tenant=getattr(req, "user", None),  # OpenAI's user, Anthropic's metadata.user_id
+                tenant=tenant or getattr(req, "user", None),  # OpenAI's user, Anthropic's metadata.user_id
                 cache_pins=pins,
                 application=application,
                 module_recompute=req.module_recompute,
@@ -315,7 +317,7 @@ async def answer(
     ``started``: when the route began; ``stream`` and ``body``: another API's answer to the chat
     ``prep`` (/v1/responses, /v1/messages), in place of the chat's."""
     sink: asyncio.Queue[RequestOutput] = StreamSink() if prep.req.stream else asyncio.Queue()
-    ids = await submit(state, prep, sink, deadline, started)
+    ids = await submit(state, prep, sink, deadline, started, tenant=request_tenant(request, prep.req))
     if isinstance(sink, StreamSink):
         try:
             first = await first_outputs(state, request, ids, sink)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -94,7 +94,7 @@ def build_app(
     config: EngineConfig | None = None,
     *,
     engine: Engine | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     engine_process: bool = False,
     overload: OverloadSettings | None = None,
@@ -164,7 +164,7 @@ def build_app(
         sampling_defaults=defaults,
         eos_ids=eos_ids,
         tokenizer=tokenizer,
-        api_key=api_key,
+        api_key=api_key if api_key is None or isinstance(api_key, str) else tuple(api_key),
         system_prompts=system_prompts,
         max_body_bytes=max_body_bytes,
         max_queue_delay=overload.max_queue_delay,

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai.answering import collect, stream_events, submit
 from prefixserve.entrypoints.openai.overload_http import sse_response
-from prefixserve.entrypoints.openai.requests import ServerState
+from prefixserve.entrypoints.openai.requests import ServerState, request_tenant
 from prefixserve.outputs import RequestOutput
 from prefixserve.protocols.errors import APIError, param_of
 from prefixserve.protocols.openai.prepare import Prepared, prompt_ids, response_body, stream_state, truncated
@@ -144,8 +144,9 @@ async def _search(
         beams = replace(prep, prompts=[tokens for _, tokens in pending], params=step_params)
         sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = await submit(
-            state, beams, sink, deadline if first else None, started if first else None, progress=False
-        )
+            state, beams, sink, deadline if first else None, started if first else None, progress=False,
+            tenant=request_tenant(request, prep.req),
+        )  # fmt: skip
         finals = await collect(state, request.is_disconnected, ids, sink)
         if finals is None:
             return None

@@ -7,6 +7,7 @@ runner.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class ServerState(OpenAIContext):
     loop: EngineLoop
     max_model_len: int
     eos_ids: frozenset[int]  # the tokens that end an output (the model's EOS and the tokenizer's)
-    api_key: str | None
+    api_key: str | tuple[str, ...] | None  # several: each names a tenant (``key_tenant``)
     max_body_bytes: int
     max_queue_delay: float | None = None  # seconds a request may wait to start (serving/overload.py)
     stall_watch: Any = None  # overload.StallWatch: aborts streams whose client stopped reading
@@ -47,7 +48,8 @@ class ServerState(OpenAIContext):
 # ---- request reading ---------------------------------------------------------------------------
 def authorize(state: ServerState, request: Request) -> None:
     """The API key from ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY``
-    (Anthropic's)."""
+    (Anthropic's). Where the server has several keys, each one is a tenant (fair shares, per-tenant
+    metrics): the matched key's ``key_tenant`` is noted on the request (``request_tenant``)."""
     if state.api_key is None:
         return
     scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
@@ -58,9 +60,27 @@ def authorize(state: ServerState, request: Request) -> None:
     if not any(given):
         message = "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
         raise APIError(401, message, code="invalid_api_key")
-    key = state.api_key.encode()
-    if not any(secrets.compare_digest(token.encode(), key) for token in given if token):
-        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+    keys = (state.api_key,) if isinstance(state.api_key, str) else state.api_key
+    for key in keys:  # every key compared, in constant time each
+        if any(secrets.compare_digest(token.encode(), key.encode()) for token in given if token):
+            if len(keys) > 1:
+                setattr(request.state, TENANT, key_tenant(key))
+            return
+    raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+TENANT = "prefixserve_tenant"  # request.state's name for the tenant its API key names
+
+
+def key_tenant(key: str) -> str:
+    """A key's tenant name: a digest's first hex digits, so neither metrics nor logs show the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def request_tenant(request: Request, body: Any) -> str | None:
+    """The request's tenant: its API key's where the server has several (a client cannot speak for
+    another key's tenant), else the body's ``user`` (OpenAI's; Anthropic's ``metadata.user_id``)."""
+    return getattr(request.state, TENANT, None) or getattr(body, "user", None)
 
 
 async def read_text(state: ServerState, request: Request, limit: int | None = None) -> str:
