@@ -149,7 +149,8 @@ def build(wheel: Path, out: Path) -> Path:
         for plat in DEVICE_PLATFORMS:
             pip += ["--platform", plat]
         subprocess.run([*pip, "-d", str(out), TVM_FFI], check=True)
-    print(f"{len(files)} files, {total / 2**20:.1f} MiB unpacked; {tar_path}: {tar_path.stat().st_size / 2**20:.1f} MiB")
+    size = tar_path.stat().st_size / 2**20
+    print(f"{len(files)} files, {total / 2**20:.1f} MiB unpacked; {tar_path}: {size:.1f} MiB")
     return tar_path
 
 
