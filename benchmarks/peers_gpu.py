@@ -146,7 +146,9 @@ def measure(
             del fns[col]
         elif device.type == "cuda":
             try:
-                row[f"{col}_ms"] = bench_ms(graphed(fns[col][0]))
+                replay = graphed(fns[col][0])
+                row[f"{col}_graphed"] = replay is not fns[col][0]  # False: capture failed, timed eager
+                row[f"{col}_ms"] = bench_ms(replay)
             except Exception as exc:
                 row["errors"][col] = f"timing: {type(exc).__name__}: {exc}"[:2000]
     _derive(row, copy_tbps)
