@@ -83,40 +83,8 @@ class Case:
 
     # --- prefixserve -------------------------------------------------------------------------------
     def backend(self, name: str, overlap: bool = False) -> tuple[Any, float]:
-        """(forward closure, host plan ms) for a prefixserve backend.
-
-        ``overlap=True`` runs the shared kernel on a side stream at every batch size, as the engine's
-        CUDA-graph path does (in a graph the fork costs no host time); the eager backend forks only
-        from 512 stacked rows.
-        """
-        from prefixserve.attention.triton_backend import (
-            TritonBackend,
-            TritonPagedBackend,
-            build_layout,
-        )
-
-        cls = TritonBackend if name == "triton" else TritonPagedBackend
-        be = cls()
-        if overlap:
-            be.overlap_min_rows = 0
-        meta = dataclasses.replace(self.meta, plan=None, stats={})  # each backend its own plan
-        times = []
-        for _ in range(5):  # host plan: make_plan + work list + merge CSR + buffers (kernels excluded)
-            t0 = time.perf_counter()
-            be.prepare(meta)
-            if name == "triton" and meta.plan.shared is not None:
-                key = (self.hq, self.hkv, D, str(self.q.device), str(self.q.dtype), False)  # no LSE kept
-                meta.plan.layouts[key] = build_layout(
-                    meta, meta.plan, self.hq, self.hkv, D, self.q.device, self.q.dtype
-                )
-            _sync(self.q.device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        plan_ms = sorted(times)[len(times) // 2]
-        if name == "triton" and meta.plan.shared is not None:
-            meta.plan.layouts.clear()  # the backend's forward builds its own (stream, pack choices)
-        be.forward(self.q, self.k_cache, self.v_cache, meta, self.scale)  # compile
-        _sync(self.q.device)
-        return (lambda: be.forward(self.q, self.k_cache, self.v_cache, meta, self.scale)), plan_ms
+        """(forward closure, host plan ms) for a prefixserve backend (``backend_fn``)."""
+        return backend_fn(name, self.q, self.k_cache, self.v_cache, self.meta, self.scale, overlap)
 
     def parts(self) -> dict[str, float]:
         """The shared path's launches (shared kernel, own kernel, merge; or mixed kernel, merge) each
@@ -191,6 +159,50 @@ class Case:
             s = torch.einsum("bhgd,bnhd->bhgn", q, k) * self.scale
             outs.append(torch.einsum("bhgn,bnhd->bhgd", s.softmax(-1), v).reshape(hi - lo, self.hq, D))
         return torch.cat(outs)
+
+
+def backend_fn(
+    name: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: Any,
+    scale: float,
+    overlap: bool = False,
+) -> tuple[Any, float]:
+    """(forward closure, host plan ms) for the prefixserve backend ``name`` over one paged batch.
+
+    ``overlap=True`` runs the shared kernel on a side stream at every batch size, as the engine's
+    CUDA-graph path does (in a graph the fork costs no host time); the eager backend forks only
+    from 512 stacked rows. Shared by ``peers_gpu.py``.
+    """
+    from prefixserve.attention.triton_backend import (
+        TritonBackend,
+        TritonPagedBackend,
+        build_layout,
+    )
+
+    cls = TritonBackend if name == "triton" else TritonPagedBackend
+    be = cls()
+    if overlap:
+        be.overlap_min_rows = 0
+    meta = dataclasses.replace(meta, plan=None, stats={})  # each backend its own plan
+    hq, hkv, dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    times = []
+    for _ in range(5):  # host plan: make_plan + work list + merge CSR + buffers (kernels excluded)
+        t0 = time.perf_counter()
+        be.prepare(meta)
+        if name == "triton" and meta.plan.shared is not None:
+            key = (hq, hkv, dim, str(q.device), str(q.dtype), False)  # no LSE kept
+            meta.plan.layouts[key] = build_layout(meta, meta.plan, hq, hkv, dim, q.device, q.dtype)
+        _sync(q.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    plan_ms = sorted(times)[len(times) // 2]
+    if name == "triton" and meta.plan.shared is not None:
+        meta.plan.layouts.clear()  # the backend's forward builds its own (stream, pack choices)
+    be.forward(q, k_cache, v_cache, meta, scale)  # compile
+    _sync(q.device)
+    return (lambda: be.forward(q, k_cache, v_cache, meta, scale)), plan_ms
 
 
 def _sync(device: torch.device) -> None:
