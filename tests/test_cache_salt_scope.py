@@ -191,3 +191,44 @@ def test_batch_rows_take_their_public_part(tiny_config_path: Path) -> None:
             if out.finished:
                 cached[out.request_id] = out.num_cached_tokens
     assert sorted(cached.values()) == [0, 3 * BS]
+
+
+MODULES = """<schema name="shop">You answer for a bicycle shop. Its notes follow.
+<module name="chains">Chains wear; a worn chain skips on the smallest cogs and wears the cassette.</module>
+<module name="brakes">Rim brakes need pads with grooves; disc brakes need rotors free of oil.</module>
+<module name="order">Order <param name="part" len="6"/> for the customer.</module>
+</schema>"""
+ASK = " My chain skips on the smallest cogs and the brakes squeal, what should I look at first?" * 2
+SHOP = f'<prompt schema="shop"><chains/><brakes/><order part="a chain"/>{ASK}</prompt>'
+
+
+def test_a_schemas_modules_are_public_under_the_scope(tiny_config_path: Path) -> None:
+    """A salted PML prompt whose public tokens cover its module rows reads its schema's modules as
+    encoded at registration, unsalted, like every tenant (neither tenant encodes anything) while its
+    arguments and text stay its own; without them a salt encodes its own modules, as before. Greedy
+    tokens agree."""
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", dtype="float32", num_kv_blocks=256,
+        module_recompute="none", progress=False,
+    )  # fmt: skip
+    llm.register_schema(MODULES)
+
+    def run(salt: str, public: int) -> tuple[list[int], int, int]:
+        before = llm.metrics()["module_encodes_total"]
+        prompt = {"prompt": SHOP, "cache_salt": salt, "public_tokens": public}
+        out = llm.generate(prompt, GREEDY)[0]
+        encoded = llm.metrics()["module_encodes_total"] - before
+        return out.outputs[0].token_ids, encoded, out.num_cached_tokens
+
+    a, encoded_a, cached_a = run("tenant-a", 4096)
+    b, encoded_b, cached_b = run("tenant-b", 4096)
+    c, encoded_c, _ = run("tenant-c", 0)
+    again, _, cached_again = run("tenant-a", 4096)
+    assert encoded_a == encoded_b == 0 and encoded_c > 0  # the scope shares them; "prompt" does not
+    assert cached_b == cached_a  # the modules only: tenant-a's own blocks are not tenant-b's
+    assert cached_again >= cached_a + 2 * BS  # tenant-a's own blocks are its own to hit
+    assert a == b == c == again
+    held = llm.engine.modules
+    salts = {salt for (_, salt) in held.schemas["shop"].keys}
+    assert salts == {None, "tenant-c"}
+    assert not llm.engine.requests and llm.engine.pool.num_used == held.gpu_blocks

@@ -133,7 +133,8 @@ class InputProcessor:
             if params.prompt_logprobs is not None or truncate is not None:
                 what = "prompt_logprobs are" if truncate is None else "truncate_prompt_tokens is"
                 raise ValueError(f"{what} not available for PML (Prompt Cache) prompts")
-            mp = self.modules.prepare(prompt, cache_salt, module_recompute)  # held now, or at admission
+            # held now, or at admission; public_tokens covering the modules: the schema's pieces unsalted
+            mp = self.modules.prepare(prompt, cache_salt, module_recompute, public_tokens)
             try:
                 tokens, positions = mp.token_ids, mp.positions
                 req = self._request(

@@ -76,7 +76,9 @@ class Engine(EngineSetup, EngineServices):
         ``priority``: under the ``priority`` scheduling policy, a smaller value is served first.
         ``pooling``: an embedding request (``params`` None): its output's ``embedding``, no completion.
         ``public_tokens``: with a ``cache_salt``, the prompt's first tokens (as run: an application's
-        pinned prompt counted) that are public; blocks wholly inside them are shared across salts.
+        pinned prompt counted) that are public; blocks wholly inside them are shared across salts. A PML
+        prompt runs its module rows first: public tokens covering them all make the schema's pieces
+        public (``PromptModules.prepare``).
         ``tenant``: whose share the request draws on under the ``fair`` scheduling policy.
         ``cache_pins``: (prompt tokens, seconds) breakpoints whose blocks are held for that long once
         the request ends, within the pinned-block budget (``engine/cache_pins.py``).

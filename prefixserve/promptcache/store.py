@@ -183,16 +183,26 @@ class PromptModules(PieceTiers):
 
     # ---- requests -------------------------------------------------------------------------------
     def prepare(
-        self, text: str, cache_salt: str | None, recompute: Recompute | str | None = None
+        self,
+        text: str,
+        cache_salt: str | None,
+        recompute: Recompute | str | None = None,
+        public_tokens: int = 0,
     ) -> ModulePrompt:
         """A PML prompt's module blocks (made resident, one reference taken) and token layout.
 
         ``recompute`` (else the schema's setting, else the engine's) says which module rows are
-        computed again in this prompt's context, into private copies of their blocks."""
+        computed again in this prompt's context, into private copies of their blocks.
+        ``public_tokens``: with a salt, the prompt's first rows as run that are public (the salt's
+        scope, ``docs/guides/tenants.md``); where they cover every module row, the schema's pieces
+        (its own text, declared by whoever registered it) are keyed and digested without the salt,
+        so tenants share them; the arguments and the text after stay salted (the table's own blocks
+        are digested with the request's salt)."""
         setting = parse_recompute(recompute) if recompute is not None else None
         reg, assembled = self._assemble(text)
         setting = setting or reg.recompute or self.default_recompute
-        mp = self._place(reg, assembled, cache_salt, setting)
+        public = 0 < assembled.num_piece_tokens <= public_tokens
+        mp = self._place(reg, assembled, None if public else cache_salt, setting)
         self.counters["module_recomputed_tokens_total"] += mp.recomputed_tokens
         self.counters["module_rows_shared_total"] += mp.shared_rows
         self.counters["module_rows_private_total"] += mp.private_rows

@@ -22,7 +22,7 @@ from prefixserve.engine.input_processor import check_context
 from prefixserve.entrypoints.openai.overload_http import deadline_error, refusal, sse_response
 from prefixserve.entrypoints.openai.requests import ServerState, request_tenant
 from prefixserve.outputs import RequestOutput
-from prefixserve.promptcache.pml import PMLError
+from prefixserve.promptcache.pml import PMLError, is_pml_prompt
 from prefixserve.protocols.errors import APIError, engine_failure, param_of
 from prefixserve.protocols.openai import format as fmt
 from prefixserve.protocols.openai.prepare import (
@@ -78,6 +78,15 @@ def _prefix_counts(
     return public_tokens(state, prep, ids), (pin_counts(state, prep, ids) if prep.pin_texts else None)
 
 
+def public_modules(state: ServerState, prep: Prepared) -> int:
+    """A salted Prompt Cache prompt's public rows under the after-system scope: all it has (the context
+    holds every module row; the engine counts them), as its schema's text is declared by whoever
+    registered it; none under "prompt". Its arguments and text stay salted whatever this says."""
+    if getattr(prep.req, "cache_salt", None) is None or prep.salt_scope != "after-system":
+        return 0
+    return state.max_model_len
+
+
 def _length(tokens: list[int] | None) -> int | None:
     return None if tokens is None else len(tokens)
 
@@ -131,6 +140,8 @@ async def submit(
             public, pins = (0, None)
             if tokens is not None and _encodes(prep):  # text to encode: off the event loop
                 public, pins = await asyncio.to_thread(_prefix_counts, state, prep, tokens)
+            elif text is not None and tokens is None and _encodes(prep) and is_pml_prompt(text):
+                public = public_modules(state, prep)  # a Prompt Cache prompt: its schema's modules
             # refused here at once when the engine's last published queue says so (serving/overload.py)
             arrival = None if state.gate is None else state.gate.admit(_length(tokens), gate_deadline)
             await state.loop.add(
