@@ -28,9 +28,8 @@ from prefixserve.attention.planning import mixed_rule
 from prefixserve.attention.planning.shared_plan import ITEM_FIELDS, SharedWork
 from prefixserve.attention.planning.step_plan import own_pack_rule, plan_step_work
 from prefixserve.attention.step_launch import (
-    MERGE,
+    PAGED_MERGED,
     PAGED_OUT,
-    PAGED_PART,
     csr_merge,
     launch_mixed_path,
     launch_split_path,
@@ -205,6 +204,8 @@ class PagedGraph(_Recorded):
         self.o_part = (
             torch.empty(splits * bucket, shape.q_heads, shape.head_dim, **f32) if splits > 1 else None
         )
+        # the splits merged by the kernel's last program of each (row, KV head): its counts, the graph's
+        self.counts = torch.zeros(bucket * shape.kv_heads, dtype=torch.int32, device=shape.device)
 
     def first_launch(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> list:
         args = (
@@ -222,21 +223,10 @@ class PagedGraph(_Recorded):
             return [(launch, PAGED_OUT, False)]
         heads, dim = self.shape.q_heads, self.shape.head_dim
         b = self.bucket
-        launch = paged_attention.launch_paged(
-            *args, self.splits, 0, self.o_part, self.lse, b * heads * dim, b * heads, PAGED_BLOCK_N
-        )
-        rec: list[Any] = []
-        merge.merge_partials(
-            self.o_part,
-            self.lse,
-            b,
-            num_parts=self.splits,
-            part_stride=b,
-            out=out,
-            want_lse=False,
-            launches=rec,
-        )
-        return [(launch, PAGED_PART, False)] + [(m, MERGE, False) for m in rec]
+        parts = (self.splits, 0, self.o_part, self.lse, b * heads * dim, b * heads, PAGED_BLOCK_N)
+        merged = (out, None, self.counts)
+        launch = paged_attention.launch_paged(*args, *parts, merged=merged)
+        return [(launch, PAGED_MERGED, False)]
 
 
 class SharedGraph(_Recorded):

@@ -25,6 +25,8 @@ PAGED_OUT = (0, 1, 2, 6)  # paged kernel writing the final output (one split)
 PAGED_PART = (0, 1, 2, -1)  # paged kernel writing fp32 partials (step buffers)
 SHARED = (0, 1, 2, -1)  # the shared kernel, and the mixed kernel
 MERGE = (-1, -1, -1, 4)
+# a decode step's paged kernel merging its own splits (``paged_attention.MERGED_OUT``: its out_ptr)
+PAGED_MERGED = (0, 1, 2, 25)
 
 Recorded = tuple[Any, tuple[int, int, int, int], bool]  # (launch, per-layer argument positions, on side)
 
@@ -132,6 +134,7 @@ def replay_launches(launches: list[Recorded], tensors: tuple[torch.Tensor, ...],
 
 __all__ = [
     "MERGE",
+    "PAGED_MERGED",
     "PAGED_OUT",
     "PAGED_PART",
     "SHARED",

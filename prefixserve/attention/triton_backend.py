@@ -46,6 +46,7 @@ from prefixserve.attention.planning.step_plan import (
 )
 from prefixserve.attention.step_launch import (
     MERGE,
+    PAGED_MERGED,
     PAGED_OUT,
     PAGED_PART,
     csr_merge,
@@ -198,16 +199,21 @@ class TritonPagedBackend(AttentionBackend):
             lay.out_lse = lse if with_lse else None  # the kernel's own, the final one with one split
             return lay
         o_part = torch.empty(splits * tokens, q_heads, dim, dtype=torch.float32, device=q.device)
-        launch = paged.launch_paged(
-            *args, step.max_query_len, splits, size, o_part, lse, o_part.stride(0) * tokens, q_heads * tokens
-        )
-        rec: list[Any] = []
         lay.out_lse = torch.empty(tokens, q_heads, dtype=torch.float32, device=q.device) if with_lse else None
+        lay.o_part, lay.lse_part = o_part, lse  # held: the recorded launches point at them
+        parts = (splits, size, o_part, lse, o_part.stride(0) * tokens, q_heads * tokens)
+        counts = paged.merge_counts(q.device, meta.num_seqs * kv_heads) if step.max_query_len == 1 else None
+        if counts is not None:  # a decode step: its splits merged by the kernel's last program
+            merged = (out, lay.out_lse, counts)
+            launch = paged.launch_paged(*args, 1, *parts, merged=merged)
+            lay.launches = [(launch, PAGED_MERGED, False)] if launch is not None else []
+            return lay
+        launch = paged.launch_paged(*args, step.max_query_len, *parts)
+        rec: list[Any] = []
         merge.merge_partials(
             o_part, lse, tokens, num_parts=splits, part_stride=tokens, out=out, out_lse=lay.out_lse,
             want_lse=with_lse, launches=rec,
         )  # fmt: skip
-        lay.o_part, lay.lse_part = o_part, lse  # held: the recorded launches point at them
         if launch is not None:
             lay.launches = [(launch, PAGED_PART, False)] + [(m, MERGE, False) for m in rec]
         return lay

@@ -139,3 +139,27 @@ def test_packed_decode_gqa3() -> None:
     """The default model's grouping (9 query heads over 3 KV heads): 12 real rows of a 16-row tile."""
     err, lse_err = _run([1] * 5, [3, 40, 17, 0, 65], 3, 64, 16, pack=decode_pack(3, 1))
     assert err < 1e-5 and lse_err < 1e-4
+
+
+@pytest.mark.parametrize(("group", "splits"), [(3, 5), (4, 9), (1, 2)])
+def test_decode_splits_merged_by_the_last_program(group: int, splits: int) -> None:
+    """A decode step's splits merged inside the kernel (``merge_last``: the last program of each
+    sequence and KV head to finish) against the oracle, with GQA groups that are not powers of two,
+    sequences shorter than a split (empty splits: o = 0, lse = -inf parts) and an empty sequence; the
+    counts are back at zero after every call, so a second call (a graph replay) merges again."""
+    from prefixserve.attention.kernels.paged_attention import merge_counts
+
+    for seed in range(2):
+        err, lse_err = _run([1, 1, 1, 1], [3, 77, 0, 130], group, 64, 16, num_splits=splits, seed=seed)
+        assert err < 1e-5 and lse_err < 1e-4
+        assert int(merge_counts(torch.device(DEVICE), 4 * KV_HEADS).count_nonzero()) == 0
+
+
+def test_the_merged_launchs_output_position_is_its_out_ptr() -> None:
+    """Later layers relaunch a merged launch with their output at ``PAGED_MERGED``'s position."""
+    from prefixserve.attention.kernels import paged_attention as paged
+    from prefixserve.attention.step_launch import PAGED_MERGED
+
+    names = list(paged._paged_kernel.arg_names)
+    assert PAGED_MERGED[3] == paged.MERGED_OUT and names[paged.MERGED_OUT] == "out_ptr"
+    assert PAGED_MERGED[:3] == (names.index("q_ptr"), names.index("k_ptr"), names.index("v_ptr"))

@@ -35,6 +35,9 @@ from prefixserve.triton_support.launch import Launch
 
 triton, tl = require_triton()
 
+Merged = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]  # (out, out_lse, counts)
+MERGED_OUT = 25  # ``_paged_kernel``'s out_ptr: the output a merged launch writes (relaunched per layer)
+
 
 @triton.jit
 def paged_program(
@@ -169,6 +172,11 @@ def _paged_kernel(
     stride_oh,
     stride_ls,
     stride_lt,
+    out_ptr,  # MERGE: the final [T, Hq, D]
+    out_lse_ptr,  # MERGE and WANT_LSE: the final [T, Hq] fp32
+    count_ptr,  # MERGE: [S * Hkv] int32 zeros, each back at zero after its merge
+    stride_out_t,
+    stride_out_h,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -177,8 +185,12 @@ def _paged_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     ONE_TILE: tl.constexpr = False,  # q_tiles == 1 (every decode step)
+    MERGE: tl.constexpr = False,  # a decode step's splits merged by the last of them to finish
+    BLOCK_G: tl.constexpr = 16,  # MERGE: GROUP rounded up to a power of two
+    WANT_LSE: tl.constexpr = False,
 ):
-    """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s."""
+    """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s, and with
+    ``MERGE`` (decode steps: one query a sequence) the merge of the splits' partials (``merge_last``)."""
     if ONE_TILE:
         q_tiles = 1
     paged_program(
@@ -219,6 +231,88 @@ def _paged_kernel(
         DOT_PREC,
         UPCAST,
     )
+    if MERGE:
+        merge_last(
+            qsl_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, count_ptr,
+            stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_out_t, stride_out_h,
+            GROUP, BLOCK_G, HEAD_DIM, WANT_LSE,
+        )  # fmt: skip
+
+
+@triton.jit
+def merge_last(
+    qsl_ptr,
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    out_lse_ptr,
+    count_ptr,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    stride_out_t,
+    stride_out_h,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    WANT_LSE: tl.constexpr,
+):
+    """The last program of a (sequence, KV head) to finish merges its splits' partials into the output.
+
+    At B = 1 a decode step is one sequence's KV cut into dozens of splits, and the merge as a second
+    kernel cost about one launch and pass in a graph (docs/kernels.md, FlashInfer side by side). Each
+    program counts itself in ``count_ptr`` after its partials are written (a barrier, then an
+    acquire-release add); the one that finds every other counted reads the partials through L2 and
+    writes the final rows, then sets the count back to zero for the next step or replay. The partials
+    are summed in split order, as ``merge.py`` does."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    splits = tl.num_programs(2)
+    slot = count_ptr + seq * tl.num_programs(1) + kvh
+    tl.debug_barrier()  # every thread's partial stores issued before the count says so
+    done = tl.atomic_add(slot, 1, sem="acq_rel")
+    q_start = tl.load(qsl_ptr + seq)
+    if (done == splits - 1) & (tl.load(qsl_ptr + seq + 1) > q_start):
+        tok = q_start.to(tl.int64)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, HEAD_DIM)
+        g_ok = offs_g < GROUP
+        head = kvh * GROUP + offs_g
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for s in range(0, splits):
+            lse_s = tl.load(
+                lse_ptr + s * stride_ls + tok * stride_lt + head, mask=g_ok, other=float("-inf"),
+                cache_modifier=".cg",
+            )  # fmt: skip
+            m = tl.maximum(m, lse_s)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        denom = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for s in range(0, splits):
+            lse_s = tl.load(
+                lse_ptr + s * stride_ls + tok * stride_lt + head, mask=g_ok, other=float("-inf"),
+                cache_modifier=".cg",
+            )  # fmt: skip
+            w = tl.exp(lse_s - m_safe)
+            part = tl.load(
+                o_ptr + s * stride_os + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            acc += w[:, None] * part
+            denom += w
+        o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None],
+        )  # fmt: skip
+        if WANT_LSE:
+            lse = tl.where(denom > 0, m_safe + tl.log(denom), float("-inf"))
+            q_heads = tl.num_programs(1) * GROUP  # the final LSE is a contiguous [T, Hq]
+            tl.store(out_lse_ptr + tok * q_heads + head, lse, mask=g_ok)
+    if done == splits - 1:
+        tl.atomic_xchg(slot, 0)
 
 
 BALANCE_CHUNK = 1024  # a prefill step of few programs: no KV split longer than this (0: off)
@@ -300,8 +394,14 @@ def launch_paged(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pack: int = 1,
+    merged: Merged | None = None,
 ) -> Launch | None:
     """Launch the kernel; split k of row t goes to o_dst + k * split_stride_o (element strides).
+
+    ``merged`` = (out, out_lse or None, counts) on a decode step with splits: the splits' partials are
+    merged into ``out`` by the last program of each (sequence, KV head) (``merge_last``), with no
+    second kernel; ``counts`` is [S * Hkv] int32 zeros, left at zero. Its ``out`` is argument
+    ``MERGED_OUT`` of the launch (``step_launch.PAGED_MERGED``).
 
     ``pack > 1`` on a decode step (``max_query_len == 1``) runs ``pack`` sequences per program
     (``packed_decode_program``), each contributing ``block_n // pack`` tokens to a KV tile.
@@ -321,6 +421,8 @@ def launch_paged(
     stages = num_stages or 2  # measured on H200 (bf16): docs/kernels.md §2.1
     strides = _strides(q, k_cache, v_cache, block_tables, o_dst, lse_dst, split_stride_o, split_stride_lse)
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, o_dst, lse_dst, scale * LOG2E)
+    if merged is not None and (pack > 1 or out_not_rows(merged[0])):
+        raise ValueError("a merged launch takes pack 1 and an output with a contiguous head_dim")
     if pack > 1 and max_query_len == 1:
         splits = (num_splits, split_size)
         return launch_packed_decode(tensors, strides, *splits, pack, block_n, num_warps, stages)
@@ -329,6 +431,11 @@ def launch_paged(
     block_m, block_n, stages = fit_tiles(block_m, block_n, stages, dim, elt, limit)
     q_tiles = math.ceil(max_query_len / (block_m // group))
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
+    if merged is not None and (max_query_len != 1 or num_splits == 1):
+        raise ValueError("a merged launch is for a decode step's splits (one query a sequence, splits > 1)")
+    out, out_lse, counts = merged if merged is not None else (q, None, seq_lens)
+    if merged is not None and (counts.dtype != torch.int32 or counts.numel() < num_seqs * kv_heads):
+        raise ValueError(f"counts must be >= {num_seqs * kv_heads} int32 zeros")
     return launch_fitting(
         _paged_kernel,
         grid,
@@ -337,6 +444,11 @@ def launch_paged(
             q_tiles,
             split_size,
             *strides,
+            out,
+            out if out_lse is None else out_lse,
+            counts,
+            out.stride(0),
+            out.stride(1),
         ),
         GROUP=group,
         BLOCK_M=block_m,
@@ -346,6 +458,9 @@ def launch_paged(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype),
         ONE_TILE=q_tiles == 1,
+        MERGE=merged is not None,
+        BLOCK_G=triton.next_power_of_2(group),
+        WANT_LSE=out_lse is not None,
         num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
     )
@@ -392,9 +507,37 @@ def paged_attention(
     o_part = torch.empty(num_splits * tokens, q_heads, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(num_splits * tokens, q_heads, dtype=torch.float32, device=q.device)
     split_o, split_lse = o_part.stride(0) * tokens, q_heads * tokens
+    counts = (
+        merge_counts(q.device, seq_lens.shape[0] * kv_heads) if max_query_len == 1 and pack == 1 else None
+    )
+    if counts is not None:  # a decode step: the last split of each head merges (no second kernel)
+        merged = (out, lse, counts)
+        launch_paged(
+            *args, num_splits, split_size, o_part, lse_part, split_o, split_lse, block_n, merged=merged
+        )
+        return out, lse
     launch_paged(*args, num_splits, split_size, o_part, lse_part, split_o, split_lse, block_n, pack=pack)
     merge_partials(o_part, lse_part, tokens, num_parts=num_splits, part_stride=tokens, out=out, out_lse=lse)
     return out, lse
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counts(device: torch.device, n: int) -> torch.Tensor | None:
+    """A device's zeroed merge counts for ``n`` (sequence, KV head) pairs, kept between calls (each
+    merged launch leaves them at zero); None while a CUDA graph is captured and they would have to
+    grow (a graph keeps its own: ``graph_attention.PagedGraph``)."""
+    have = _COUNTS.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
+
+
+def out_not_rows(out: torch.Tensor) -> bool:
+    return out.dim() != 3 or out.stride(2) != 1
 
 
 def paged_attention_ref(
@@ -430,4 +573,4 @@ def paged_attention_ref(
     return out, lse
 
 
-__all__ = ["paged_attention", "paged_attention_ref"]
+__all__ = ["MERGED_OUT", "merge_counts", "paged_attention", "paged_attention_ref"]
