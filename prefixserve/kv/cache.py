@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from prefixserve.attention.kv_quant import FP8, scales_digest, with_scales, write_rows
 from prefixserve.kv.landing import Landing, block_runs, rows_contiguous, worth_layering
 from prefixserve.kv.layout import KVLayout, plain_layout
 from prefixserve.kv.transfer import Ready, copy_stream
@@ -39,6 +40,10 @@ class KVCache:
     rows always hold every head (``gather_rows`` joins the ranks', ``scatter_rows`` splits them), so
     host and disk entries do not depend on the rank count. Every rank makes the same calls. Packed
     rows (the host tier, Prompt Cache modules, disk) need the plain layout of one shape.
+
+    An e4m3 ``dtype`` (``kv_cache_dtype="fp8"``) adds ``scales`` [layers, 2, kv_heads] fp32 (this rank's
+    heads; 1 until ``set_scales``, which runs once, before any block is written) and each ``layers[i]``
+    carries its layer's (``attention/kv_quant.py``); packed rows hold the e4m3 bytes as they are.
     """
 
     def __init__(
@@ -66,7 +71,16 @@ class KVCache:
                 for h, d in layout.slot_shapes
             ]
         self.slots = slots
-        self.layers = [(slots[s][0], slots[s][1]) for s in layout.slot_of]
+        self.scales: torch.Tensor | None = None
+        self.inverse: torch.Tensor | None = None
+        if dtype == FP8:  # padded to the widest layer's heads (Gemma 4's layers differ)
+            heads = max(h for h, _ in layout.slot_shapes)
+            self.scales = torch.ones(len(layout.slot_of), 2, heads, device=device)
+            self.inverse = torch.ones_like(self.scales)
+        self.layers = [
+            with_scales((slots[s][0], slots[s][1]), *self._layer_scales(i, slots[s].shape[-2]))
+            for i, s in enumerate(layout.slot_of)
+        ]
         self.block_size = block_size
         self.num_blocks = num_blocks  # blocks the pool hands out (the scratch block is not one)
         self.scratch_slot = num_blocks * block_size
@@ -77,6 +91,27 @@ class KVCache:
         self.landing = (
             Landing(self._flat_view(), copy_stream(self.device), block_size) if self.packs else None
         )
+
+    def _layer_scales(self, layer: int, heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.scales is None or self.inverse is None:
+            return None, None
+        return self.scales[layer, :, :heads], self.inverse[layer, :, :heads]
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """Fix the e4m3 scales ([layers, 2, kv_heads], this rank's heads), before any block is written:
+        a block's scale never changes once it is written (its digest names the scales)."""
+        if self.scales is None or self.inverse is None:
+            raise ValueError("only an fp8 KV cache takes scales")
+        if scales.shape != self.scales.shape:
+            raise ValueError(f"scales {tuple(scales.shape)} != {tuple(self.scales.shape)}")
+        self.scales.copy_(scales)
+        self.inverse.copy_(1.0 / self.scales)
+
+    @property
+    def scheme(self) -> bytes:
+        """What block digests add for this cache's KV format: b"" for the model's dtype, else the e4m3
+        scheme and its scales (``kv_quant.scales_digest``; under tensor parallelism this rank's)."""
+        return scales_digest(self.scales)
 
     # ---- host rows landing layer by layer (kv/landing.py) ----------------------------------------
     def landing_hook(self) -> Callable[[int], None] | None:
@@ -236,7 +271,7 @@ class KVCache:
             dist.broadcast(src, src=0, group=self.shard.group)
             start, stop = self._rank_heads()[self.shard.rank]
             src = src[:, :, :, start:stop]
-        self._flat_view().index_copy_(2, slots, src)
+        write_rows(self._flat_view(), slots, src, dim=2)
 
     def scatter_rows_layered(self, blocks: list[int], packed: PackedKV) -> None:
         """``scatter_rows`` of host rows landing layer by layer behind the next forward (``kv/landing.py``):
