@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
-from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.kv_quant import kv_write, scales_of
+from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.window import attend_layer
 from prefixserve.model import fused
 from prefixserve.model.config import LayerSpec, ModelConfig

@@ -42,8 +42,8 @@ from prefixserve.sampling.sampler import SampleFuture, SampleResult, argmax_only
 from prefixserve.sampling.token_ban import TokenBan
 from prefixserve.worker import cpu_malloc
 from prefixserve.worker.argmax_graph import ArgmaxGraphs
-from prefixserve.worker.kv_calibration import calibrate_kv_scales
 from prefixserve.worker.cuda_graph import DecodeGraphs, GraphCaptureError, graph_refusal
+from prefixserve.worker.kv_calibration import calibrate_kv_scales
 from prefixserve.worker.piecewise_graph import PiecewiseGraphs
 
 if TYPE_CHECKING:
