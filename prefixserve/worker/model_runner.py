@@ -32,7 +32,7 @@ from prefixserve.attention.kv_quant import dequantize, scales_of
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
-from prefixserve.kv.cache import KVCache, blocks_for_budget
+from prefixserve.kv.cache import KVCache, blocks_for_budget, bytes_per_block
 from prefixserve.kv.layout import kv_layout, plain_layout
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
@@ -129,6 +129,9 @@ class ModelRunner:
         self.shard = model.shard  # this process's part of a tensor-parallel model (or all of it)
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype  # the model's, or e4m3 (kv_cache_dtype="fp8")
+        fp8_gpu = self.kv_dtype != self.dtype and self.device.type == "cuda"
+        if fp8_gpu and torch.cuda.get_device_capability(self.device) < (8, 9):  # Triton's e4m3 casts
+            raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or later")
         if self.device.type == "cpu":  # before sizing the pool: the packed copies take memory too
             cpu_linear.pack_linear_weights(model)
             cpu_malloc.keep_freed_memory()
@@ -148,6 +151,14 @@ class ModelRunner:
         )
         if self.kv.scales is not None:  # an e4m3 cache: its scales, fixed before any block is written
             calibrate_kv_scales(model, self.kv, self.dtype)
+        log.info(
+            "KV pool: %d blocks of %d tokens (%d tokens, %s, %.2f GiB)",
+            self.num_blocks,
+            bs,
+            self.num_blocks * bs,
+            str(self.kv_dtype).removeprefix("torch."),
+            self.num_blocks * bytes_per_block(model.config, bs, self.kv_dtype, self.layout) / (1 << 30),
+        )
         self.backend = backend_for_model(config.attention, model.config.attention_sinks)
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None  # eager steps' dense work (prefills, mixed steps)
