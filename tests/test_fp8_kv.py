@@ -134,3 +134,30 @@ def test_spilled_fp8_blocks_come_back_bit_for_bit(tiny_config_path) -> None:
             assert llm.metrics()["prefix_cache_host_hit_tokens_total"] > 0
             assert llm.engine.runner.kv.tensor.dtype == FP8
     assert outs[True] == outs[False]
+
+
+def test_checkpoint_kv_scales_replace_the_calibration(tmp_path) -> None:
+    """vLLM's ``k_scale`` / ``v_scale`` in an HF checkpoint (a scalar, or one per KV head) become the
+    cache's scales; with some layer's missing the calibration runs; a model-dtype cache ignores them."""
+    from safetensors.torch import load_file, save_file
+
+    from prefixserve.model.loader import ModelSource, load_model
+    from prefixserve.worker.kv_calibration import calibrate_kv_scales, checkpoint_scales
+    from tests.test_fused_model import _hf_dir
+
+    directory = _hf_dir("llama", tmp_path)  # 2 layers, 2 KV heads
+    (file,) = directory.glob("*.safetensors")
+    weights = load_file(str(file))
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor([0.25, 3.0])
+    weights["model.layers.1.self_attn.k_proj.k_scale"] = torch.tensor([2.0])  # the older name
+    save_file(weights, str(file), metadata={"format": "pt"})
+    model, _ = load_model(ModelSource("hf", directory, "llama"), torch.float32, torch.device("cpu"))
+    cache = KVCache(model.config, 4, 4, FP8, torch.device("cpu"))
+    assert checkpoint_scales(model, cache) is None  # layer 1 has no v_scale: calibrated
+    calibrate_kv_scales(model, cache, torch.float32)
+    assert torch.equal(cache.scales, torch.exp2(torch.log2(cache.scales).round()))  # the calibration's
+    model.checkpoint_kv_scales[(1, 1)] = torch.tensor([1.5])
+    calibrate_kv_scales(model, cache, torch.float32)
+    want = torch.tensor([[[0.5, 0.5], [0.25, 3.0]], [[2.0, 2.0], [1.5, 1.5]]])
+    assert torch.equal(cache.scales, want)

@@ -1,4 +1,5 @@
-"""The e4m3 KV cache's scales, chosen once at start (``kv_cache_dtype="fp8"``; attention/kv_quant.py).
+"""The e4m3 KV cache's scales, chosen once at start (``kv_cache_dtype="fp8"``; attention/kv_quant.py):
+a checkpoint's ``k_scale`` / ``v_scale`` where it has them, else a calibration.
 
 One forward of a fixed calibration prompt into a small cache of the model's dtype gives each layer's
 largest |K| and |V| per KV head; the scale maps twice that to e4m3's 448 (the margin leaves headroom
@@ -50,7 +51,27 @@ def kv_amax(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype, ids: torch.
     return amax
 
 
+def checkpoint_scales(model: torch.nn.Module, kv: KVCache) -> torch.Tensor | None:
+    """The checkpoint's ``k_scale`` / ``v_scale`` as ``kv.scales`` (this rank's heads; a scalar applies to
+    every head), or None unless the checkpoint has both for every layer (``loader._kv_scale``)."""
+    found: dict[tuple[int, int], torch.Tensor] = getattr(model, "checkpoint_kv_scales", {})
+    assert kv.scales is not None
+    layers, _, width = kv.scales.shape
+    if any((i, j) not in found for i in range(layers) for j in (0, 1)):
+        return None
+    start, stop = kv.shard.kv_head_span(kv.total_kv_heads)
+    out = torch.ones(layers, 2, width)
+    for (i, j), value in found.items():
+        if i < layers:
+            heads = kv.layers[i][0].shape[-2]
+            out[i, j, :heads] = value if value.numel() == 1 else value[start:stop][:heads]
+    return out.to(kv.scales.device)
+
+
 def calibrate_kv_scales(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype) -> None:
-    """Fix ``kv``'s e4m3 scales from the calibration prompt (before any block is written)."""
-    ids = calibration_ids(model.config.vocab_size)
-    kv.set_scales(pow2_scales(kv_amax(model, kv, dtype, ids), MARGIN))
+    """Fix ``kv``'s e4m3 scales (before any block is written): the checkpoint's where it has them for
+    every layer, else from the calibration prompt."""
+    scales = checkpoint_scales(model, kv)
+    if scales is None:
+        scales = pow2_scales(kv_amax(model, kv, dtype, calibration_ids(model.config.vocab_size)), MARGIN)
+    kv.set_scales(scales)
