@@ -161,3 +161,25 @@ def test_checkpoint_kv_scales_replace_the_calibration(tmp_path) -> None:
     calibrate_kv_scales(model, cache, torch.float32)
     want = torch.tensor([[[0.5, 0.5], [0.25, 3.0]], [[2.0, 2.0], [1.5, 1.5]]])
     assert torch.equal(cache.scales, want)
+
+
+def test_prompt_cache_module_files_hold_fp8_as_it_is(tiny_config_path, tmp_path) -> None:
+    """FP8 module KV goes to disk as e4m3 (a quarter of fp32's bytes) and comes back for a restarted
+    FP8 engine with the same outputs; a model-dtype engine on the same store never reads it."""
+    from prefixserve.kv.kvfile import parse_header
+    from tests.test_prompt_cache import GREEDY, PROMPTS, SCHEMA, tiny, token_ids
+
+    store = str(tmp_path / "modules")
+    first = tiny(tiny_config_path, module_store=store, kv_cache_dtype="fp8")
+    first.register_schema(SCHEMA)
+    want = token_ids(first.generate(PROMPTS, GREEDY))
+    files = sorted((tmp_path / "modules").glob("*.kv"))
+    assert files and all(parse_header(f.read_bytes()).dtype == FP8 for f in files)
+    second = tiny(tiny_config_path, module_store=store, kv_cache_dtype="fp8")
+    second.register_schema(SCHEMA)
+    assert second.metrics()["module_loads_disk_total"] == len(files)
+    assert token_ids(second.generate(PROMPTS, GREEDY)) == want
+    plain = tiny(tiny_config_path, module_store=store)
+    plain.register_schema(SCHEMA)
+    assert plain.metrics()["module_loads_disk_total"] == 0
+    assert plain.metrics()["module_encodes_total"] == len(files)
