@@ -69,12 +69,16 @@ def widen(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if is_fp8(t) else t
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as its bytes (a view), for copies, gathers and collectives, which need no value
+    and do not all take e4m3 (torch's CPU ``index_copy_``, NCCL before 2.19); others as they are."""
+    return t.view(torch.uint8) if is_fp8(t) else t
+
+
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, dim: int = 0) -> None:
     """``cache.index_copy_(dim, slots, rows)`` for any dtype: e4m3 moves as bytes (torch has no CPU
     ``index_copy_`` for it; a copy is bit for bit anyway)."""
-    if is_fp8(cache):
-        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
-    cache.index_copy_(dim, slots, rows)
+    as_bytes(cache).index_copy_(dim, slots, as_bytes(rows))
 
 
 def store_kv(cache: tuple, k: torch.Tensor, v: torch.Tensor, heads: int, head_dim: int) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from prefixserve.attention.kv_quant import FP8, scales_digest, with_scales, write_rows
+from prefixserve.attention.kv_quant import FP8, as_bytes, scales_digest, with_scales, write_rows
 from prefixserve.kv.landing import Landing, block_runs, rows_contiguous, worth_layering
 from prefixserve.kv.layout import KVLayout, plain_layout
 from prefixserve.kv.transfer import Ready, copy_stream
@@ -140,9 +140,10 @@ class KVCache:
             src = src.pin_memory().to(self.device, non_blocking=True)
             dst = dst.pin_memory().to(self.device, non_blocking=True)
         if self.tensor is not None:
-            self.tensor[:, :, dst] = self.tensor[:, :, src]
+            whole = as_bytes(self.tensor)  # e4m3 moves as bytes
+            whole[:, :, dst] = whole[:, :, src]
             return
-        for slot in self.slots:
+        for slot in map(as_bytes, self.slots):
             slot[:, dst] = slot[:, src]
 
     def _slots(self, blocks: list[int], rows: int) -> torch.Tensor:
@@ -191,13 +192,14 @@ class KVCache:
         """The first ``rows`` rows of ``blocks`` (every head) as a new tensor on the cache's device."""
         slots = self._slots(blocks, rows)
         self.settle(blocks)
-        packed = self._flat_view().index_select(2, slots)  # contiguous, exactly `rows` rows
+        flat = self._flat_view()
+        packed = as_bytes(flat).index_select(2, slots)  # contiguous, exactly `rows` rows (e4m3 as bytes)
         if self.shard.parallel:
             parts = [torch.empty_like(packed) for _ in range(self.shard.size)]
             dist.all_gather(parts, packed, group=self.shard.group)
             first = {span: i for i, span in reversed(list(enumerate(self._rank_heads())))}
             packed = torch.cat([parts[i] for _, i in sorted(first.items())], dim=3)
-        return packed
+        return packed.view(flat.dtype)
 
     def gather_rows(self, blocks: list[int], rows: int) -> PackedKV:
         """Copy the first ``rows`` KV rows held in ``blocks`` (in order) of every layer to a new host tensor.
@@ -268,7 +270,7 @@ class KVCache:
         src = copy_stream(self.device).to_device(packed)
         if self.shard.parallel:
             src = src.contiguous()  # maybe a row range of a larger host tensor (the host tier's)
-            dist.broadcast(src, src=0, group=self.shard.group)
+            dist.broadcast(as_bytes(src), src=0, group=self.shard.group)  # e4m3 as bytes
             start, stop = self._rank_heads()[self.shard.rank]
             src = src[:, :, :, start:stop]
         write_rows(self._flat_view(), slots, src, dim=2)
