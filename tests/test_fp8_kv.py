@@ -183,3 +183,29 @@ def test_prompt_cache_module_files_hold_fp8_as_it_is(tiny_config_path, tmp_path)
     plain.register_schema(SCHEMA)
     assert plain.metrics()["module_loads_disk_total"] == 0
     assert plain.metrics()["module_encodes_total"] == len(files)
+
+
+def test_fp8_under_tensor_parallelism(tiny_config_path) -> None:
+    """Two ranks, each calibrating its KV heads: greedy tokens as one process's, and packed FP8 rows
+    (every head: the ranks' joined as bytes) round-trip bit for bit."""
+    ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10]]
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kwargs = dict(
+        model=f"dummy:{tiny_config_path}",
+        device="cpu",
+        num_kv_blocks=128,
+        progress=False,
+        kv_cache_dtype="fp8",
+    )
+    single = LLM(**kwargs)
+    with LLM(tensor_parallel_size=2, **kwargs) as tp:
+        want = [o.outputs[0].token_ids for o in single.generate(prompts, greedy)]
+        assert [o.outputs[0].token_ids for o in tp.generate(prompts, greedy)] == want
+        blocks = tp.engine.pool.allocate(2), single.engine.pool.allocate(2)
+        packed = single.engine.kv.gather_rows(blocks[1], 20)
+        assert packed.dtype == FP8 and packed.shape[3] == 2
+        tp.engine.kv.scatter_rows(blocks[0], packed)
+        assert torch.equal(
+            tp.engine.kv.gather_rows(blocks[0], 20).view(torch.uint8), packed.view(torch.uint8)
+        )
