@@ -34,6 +34,17 @@ def test_setting_names_its_choices() -> None:
         EngineConfig(device="cpu", kv_cache_dtype="fp8_e5m2")
 
 
+def test_command_line_flag_reaches_the_config() -> None:
+    from prefixserve.entrypoints.args import engine_config_from_args
+    from prefixserve.entrypoints.cli import build_parser
+
+    for command in ("serve", "generate"):
+        args = build_parser().parse_args([command, "--kv-cache-dtype", "fp8"])
+        assert engine_config_from_args(args).kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+
+
 def test_e4m3_rounding_within_its_precision() -> None:
     """|x - s r(x / s)| <= 2^-4 |x| in e4m3's normal range (3 mantissa bits, round to nearest), and
     s 2^-10 below it; beyond 448 s the value saturates; power-of-two scales leave the rest exact."""
