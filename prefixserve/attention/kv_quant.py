@@ -20,12 +20,10 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
-FP8_REL_ERR = 2.0**-4  # e4m3 round-to-nearest: |x - q(x)| <= 2^-4 |x| inside the normal range
-FP8_MIN_NORMAL = 2.0**-6  # below it (subnormals) the error is absolute: <= 2^-10 (half of 2^-9)
-FP8_ABS_ERR = 2.0**-10
 
 
 def is_fp8(t: torch.Tensor) -> bool:
+    """Is ``t`` an e4m3 cache tensor (or rows of one)?"""
     return t.dtype == FP8
 
 

@@ -93,6 +93,7 @@ class KVCache:
         )
 
     def _layer_scales(self, layer: int, heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer``'s scales and inverses (views: ``set_scales`` reaches them), or Nones."""
         if self.scales is None or self.inverse is None:
             return None, None
         return self.scales[layer, :, :heads], self.inverse[layer, :, :heads]
