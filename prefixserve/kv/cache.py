@@ -245,7 +245,7 @@ class KVCache:
         layers, two, _, _, dim = self._flat_view().shape
         bs, n = self.block_size, len(blocks)
         packed = self._gathered(blocks, n * bs).view(layers, two, n, bs, self.total_kv_heads, dim)
-        return packed.permute(2, 0, 1, 3, 4, 5).contiguous()
+        return as_bytes(packed).permute(2, 0, 1, 3, 4, 5).contiguous().view(packed.dtype)  # e4m3 as bytes
 
     def scatter_rows(self, blocks: list[int], packed: PackedKV) -> None:
         """Write ``packed`` rows into ``blocks``, in order: the inverse of ``gather_rows``.
