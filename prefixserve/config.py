@@ -26,6 +26,10 @@ _DTYPES = {
 }
 
 
+# the KV cache's element type (vLLM's --kv-cache-dtype): auto, the model's dtype; fp8 (= fp8_e4m3), e4m3
+# with a scale per layer and KV head (attention/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names; one rule reads both (reasoning.py)
 
 
@@ -127,6 +131,7 @@ class EngineConfig:
     cache_salt_scope: str = "prompt"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype | fp8 (fp8_e4m3): half the bytes a token
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
     block_size: int = 16
     # None: what max_num_seqs sequences of max_model_len tokens hold, capped by kv_memory_fraction
@@ -218,6 +223,9 @@ class EngineConfig:
             raise ValueError(f"served_model_name takes non-empty names, got {self.served_model_name!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            known = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {known}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device {self.device!r} must be auto, cpu or cuda[:N]")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -285,6 +293,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's element type: the model's, or e4m3 with ``kv_cache_dtype`` fp8."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

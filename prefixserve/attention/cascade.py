@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
+from prefixserve.attention.kv_quant import widen
 from prefixserve.attention.merge import merge_attention_states, scatter_merge_
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.plan import SharedPlan, make_plan
@@ -147,8 +148,8 @@ def attend_blocks(
     for j0 in range(0, nblk, piece):
         part = tables[:, j0 : j0 + piece]  # [B, nb]
         n = part.shape[1] * bs
-        k = k_cache.index_select(0, part.flatten()).view(nrows, n, kv_heads, d)
-        v = v_cache.index_select(0, part.flatten()).view(nrows, n, kv_heads, d)
+        k = widen(k_cache.index_select(0, part.flatten()), q.dtype).view(nrows, n, kv_heads, d)
+        v = widen(v_cache.index_select(0, part.flatten()), q.dtype).view(nrows, n, kv_heads, d)
         mask = None if visible is None else visible[..., j0 * bs : j0 * bs + n]
         if num_keys is not None:
             valid = torch.arange(j0 * bs, j0 * bs + n, device=q.device)[None, :] < num_keys[:, None]  # [B, n]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from prefixserve.attention.graph import WindowedGraphAttention
+from prefixserve.attention.kv_quant import fold_query, unfold_output
 from prefixserve.attention.merge import scatter_merge_
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.window_plan import WindowPlan, window_plan
@@ -30,11 +31,33 @@ def attend_layer(
     scale: float,
     window: int | None = None,  # a sliding layer's window; None: a full layer
     sinks: torch.Tensor | None = None,  # [q_heads]: gpt-oss's per-head sink logits
+    kv_scales: torch.Tensor | None = None,  # [2, kv_heads] fp32: an e4m3 cache's K and V scales
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """One layer's attention: the backend's ``forward``, or for a sliding layer whose window the step's
     longest sequence outgrows, attention within the window. A window that covers every sequence masks
     nothing, so the layer keeps the backend's shared-segment path, unless the layer reads a sliding
-    group's pages (the backend's plan names the block table's)."""
+    group's pages (the backend's plan names the block table's).
+
+    Over an e4m3 cache with ``kv_scales``: q times K's scales before, the output times V's after
+    (``kv_quant.fold_query``), so every path reads the stored values as they are."""
+    if kv_scales is not None:
+        q = fold_query(q, kv_scales[0])
+        out = _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)
+        return unfold_output(out, kv_scales[1])
+    return _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)
+
+
+def _attend_layer(
+    backend: Any,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``attend_layer`` over the values the cache holds."""
     if sinks is not None:
         return attend_with_sinks(backend, q, k_cache, v_cache, meta, scale, window, sinks)
     if window is not None and isinstance(backend, WindowedGraphAttention):  # inside a decode graph

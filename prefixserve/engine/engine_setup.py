@@ -74,7 +74,7 @@ class EngineSetup:
         bs = config.block_size
         context = context_length(config, self.runner.model)
         num_blocks = self.runner.num_blocks
-        self.pool = BlockPool(num_blocks, bs)
+        self.pool = BlockPool(num_blocks, bs, self.runner.kv.scheme)  # digests name the KV format
         layout = self.runner.kv.layout
         sliding = None
         if layout.frees_sliding:  # the sliding layers' pages, given back behind the windows

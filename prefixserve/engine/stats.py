@@ -144,6 +144,7 @@ class EngineStats:
             num_running=len(engine.scheduler.running),
             num_waiting=len(engine.scheduler.waiting),
             kv_blocks_total=pool.num_blocks,
+            kv_pool_tokens=pool.num_blocks * pool.block_size,
             kv_blocks_used=pool.num_used,
             kv_blocks_free=pool.num_free,
             kv_blocks_cached=pool.num_cached,

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefixserve.config import CACHE_SALT_SCOPES, POLICIES
+from prefixserve.config import CACHE_SALT_SCOPES, KV_CACHE_DTYPES, POLICIES
 
 __all__ = [
     "add_engine_args",
@@ -31,6 +31,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="GGUF file, HF model directory, or dummy:CONFIG (default: SmolLM2-135M-Instruct)",
     )
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's element type: auto (the model's dtype) or fp8 (= fp8_e4m3: e4m3 with a "
+        "scale per layer and KV head, half the bytes a token, twice the tokens in the pool)",
+    )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton | triton_paged")
     g.add_argument("--block-size", type=int, default=16)
@@ -366,6 +373,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         model=_model(args),
         dtype=args.dtype,
         device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention=args.attention,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

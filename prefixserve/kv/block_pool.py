@@ -43,6 +43,15 @@ def block_digest(
     return _link(parent or b"root", ids, places, _tail(salt))
 
 
+def chain_root(kv_scheme: bytes) -> bytes | None:
+    """The parent of a chain's first block for a KV format (``KVCache.scheme``): None (``b"root"``) for
+    the model's dtype, so those digests are unchanged; for e4m3 a digest of the scheme and its scales,
+    so FP8 blocks never match model-dtype ones (nor FP8 ones under other scales)."""
+    if not kv_scheme:
+        return None
+    return hashlib.blake2b(b"root|" + kv_scheme, digest_size=16).digest()
+
+
 def _tail(salt: str | None) -> bytes:
     return b"|" + (salt or "").encode()
 
@@ -83,11 +92,14 @@ def chain_digests(
 class BlockPool:
     """Owns block ids 0..num_blocks-1: allocation, ref counts, prefix index, LRU eviction."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, kv_scheme: bytes = b"") -> None:
+        """``kv_scheme``: the KV format's bytes (``KVCache.scheme``), which every digest chain starts from
+        (``root``)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.root = chain_root(kv_scheme)  # a chain's first parent (None: b"root")
         self.ref_counts = [0] * num_blocks
         # Free blocks in eviction order (first = evicted first). Uncached blocks go to the front.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))

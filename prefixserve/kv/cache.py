@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from prefixserve.attention.kv_quant import FP8, as_bytes, scales_digest, with_scales, write_rows
 from prefixserve.kv.landing import Landing, block_runs, rows_contiguous, worth_layering
 from prefixserve.kv.layout import KVLayout, plain_layout
 from prefixserve.kv.transfer import Ready, copy_stream
@@ -39,6 +40,10 @@ class KVCache:
     rows always hold every head (``gather_rows`` joins the ranks', ``scatter_rows`` splits them), so
     host and disk entries do not depend on the rank count. Every rank makes the same calls. Packed
     rows (the host tier, Prompt Cache modules, disk) need the plain layout of one shape.
+
+    An e4m3 ``dtype`` (``kv_cache_dtype="fp8"``) adds ``scales`` [layers, 2, kv_heads] fp32 (this rank's
+    heads; 1 until ``set_scales``, which runs once, before any block is written) and each ``layers[i]``
+    carries its layer's (``attention/kv_quant.py``); packed rows hold the e4m3 bytes as they are.
     """
 
     def __init__(
@@ -66,7 +71,16 @@ class KVCache:
                 for h, d in layout.slot_shapes
             ]
         self.slots = slots
-        self.layers = [(slots[s][0], slots[s][1]) for s in layout.slot_of]
+        self.scales: torch.Tensor | None = None
+        self.inverse: torch.Tensor | None = None
+        if dtype == FP8:  # padded to the widest layer's heads (Gemma 4's layers differ)
+            heads = max(h for h, _ in layout.slot_shapes)
+            self.scales = torch.ones(len(layout.slot_of), 2, heads, device=device)
+            self.inverse = torch.ones_like(self.scales)
+        self.layers = [
+            with_scales((slots[s][0], slots[s][1]), *self._layer_scales(i, slots[s].shape[-2]))
+            for i, s in enumerate(layout.slot_of)
+        ]
         self.block_size = block_size
         self.num_blocks = num_blocks  # blocks the pool hands out (the scratch block is not one)
         self.scratch_slot = num_blocks * block_size
@@ -77,6 +91,28 @@ class KVCache:
         self.landing = (
             Landing(self._flat_view(), copy_stream(self.device), block_size) if self.packs else None
         )
+
+    def _layer_scales(self, layer: int, heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer``'s scales and inverses (views: ``set_scales`` reaches them), or Nones."""
+        if self.scales is None or self.inverse is None:
+            return None, None
+        return self.scales[layer, :, :heads], self.inverse[layer, :, :heads]
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """Fix the e4m3 scales ([layers, 2, kv_heads], this rank's heads), before any block is written:
+        a block's scale never changes once it is written (its digest names the scales)."""
+        if self.scales is None or self.inverse is None:
+            raise ValueError("only an fp8 KV cache takes scales")
+        if scales.shape != self.scales.shape:
+            raise ValueError(f"scales {tuple(scales.shape)} != {tuple(self.scales.shape)}")
+        self.scales.copy_(scales)
+        self.inverse.copy_(1.0 / self.scales)
+
+    @property
+    def scheme(self) -> bytes:
+        """What block digests add for this cache's KV format: b"" for the model's dtype, else the e4m3
+        scheme and its scales (``kv_quant.scales_digest``; under tensor parallelism this rank's)."""
+        return scales_digest(self.scales)
 
     # ---- host rows landing layer by layer (kv/landing.py) ----------------------------------------
     def landing_hook(self) -> Callable[[int], None] | None:
@@ -105,9 +141,10 @@ class KVCache:
             src = src.pin_memory().to(self.device, non_blocking=True)
             dst = dst.pin_memory().to(self.device, non_blocking=True)
         if self.tensor is not None:
-            self.tensor[:, :, dst] = self.tensor[:, :, src]
+            whole = as_bytes(self.tensor)  # e4m3 moves as bytes
+            whole[:, :, dst] = whole[:, :, src]
             return
-        for slot in self.slots:
+        for slot in map(as_bytes, self.slots):
             slot[:, dst] = slot[:, src]
 
     def _slots(self, blocks: list[int], rows: int) -> torch.Tensor:
@@ -156,13 +193,14 @@ class KVCache:
         """The first ``rows`` rows of ``blocks`` (every head) as a new tensor on the cache's device."""
         slots = self._slots(blocks, rows)
         self.settle(blocks)
-        packed = self._flat_view().index_select(2, slots)  # contiguous, exactly `rows` rows
+        flat = self._flat_view()
+        packed = as_bytes(flat).index_select(2, slots)  # contiguous, exactly `rows` rows (e4m3 as bytes)
         if self.shard.parallel:
             parts = [torch.empty_like(packed) for _ in range(self.shard.size)]
             dist.all_gather(parts, packed, group=self.shard.group)
             first = {span: i for i, span in reversed(list(enumerate(self._rank_heads())))}
             packed = torch.cat([parts[i] for _, i in sorted(first.items())], dim=3)
-        return packed
+        return packed.view(flat.dtype)
 
     def gather_rows(self, blocks: list[int], rows: int) -> PackedKV:
         """Copy the first ``rows`` KV rows held in ``blocks`` (in order) of every layer to a new host tensor.
@@ -207,7 +245,7 @@ class KVCache:
         layers, two, _, _, dim = self._flat_view().shape
         bs, n = self.block_size, len(blocks)
         packed = self._gathered(blocks, n * bs).view(layers, two, n, bs, self.total_kv_heads, dim)
-        return packed.permute(2, 0, 1, 3, 4, 5).contiguous()
+        return as_bytes(packed).permute(2, 0, 1, 3, 4, 5).contiguous().view(packed.dtype)  # e4m3 as bytes
 
     def scatter_rows(self, blocks: list[int], packed: PackedKV) -> None:
         """Write ``packed`` rows into ``blocks``, in order: the inverse of ``gather_rows``.
@@ -233,10 +271,10 @@ class KVCache:
         src = copy_stream(self.device).to_device(packed)
         if self.shard.parallel:
             src = src.contiguous()  # maybe a row range of a larger host tensor (the host tier's)
-            dist.broadcast(src, src=0, group=self.shard.group)
+            dist.broadcast(as_bytes(src), src=0, group=self.shard.group)  # e4m3 as bytes
             start, stop = self._rank_heads()[self.shard.rank]
             src = src[:, :, :, start:stop]
-        self._flat_view().index_copy_(2, slots, src)
+        write_rows(self._flat_view(), slots, src, dim=2)
 
     def scatter_rows_layered(self, blocks: list[int], packed: PackedKV) -> None:
         """``scatter_rows`` of host rows landing layer by layer behind the next forward (``kv/landing.py``):

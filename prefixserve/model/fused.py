@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from prefixserve.attention.kv_quant import store_kv
 from prefixserve.model.peer_allreduce import PeerSum
 
 # the A/B switches below, read on every call
@@ -33,7 +34,8 @@ _SWITCHES = {
     "staged_allreduce": True,
     "peer_norm": True,
 }
-KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot per token (int64)
+# k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
+KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @functools.cache
@@ -322,10 +324,8 @@ def rope_qkv(
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     v = v.view(tokens, num_kv_heads, head_dim)
-    if cache is not None:
-        k_cache, v_cache, slots = cache
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    if cache is not None:  # quantized to e4m3 with the layer's scales for an FP8 cache
+        store_kv(cache, k, v, num_kv_heads, head_dim)
     return q, k, v
 
 

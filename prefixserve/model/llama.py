@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
+from prefixserve.attention.kv_quant import kv_write, scales_of
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.window import attend_layer
 from prefixserve.model import fused
@@ -171,10 +172,9 @@ class Attention(nn.Module):
         write_kv: bool = True,
         rope: Rope | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_layer
         # With write_kv the new tokens' K/V go into their slots (in the RoPE kernel on CUDA);
         # attention then reads everything from the cache.
-        cache = (k_cache, v_cache, meta.slot_mapping) if write_kv and self.writes_kv else None
+        cache = kv_write(kv_layer, meta.slot_mapping) if write_kv and self.writes_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
         return self.output(self.attend(q, kv_layer, meta, backend))
 
@@ -186,7 +186,8 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Attention of q over this layer's cache, with this layer's scale, window and sinks."""
-        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window, self.sinks)
+        scales = scales_of(kv_layer)  # an e4m3 cache's (attention/kv_quant.py)
+        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window, self.sinks, scales)
 
     def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
         """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention
@@ -285,7 +286,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
         """One layer with every residual add fused into the next norm: the stream is h + residual."""
-        q, residual = self.before_attention(h, residual, rope, (*kv_layer, meta.slot_mapping))
+        q, residual = self.before_attention(h, residual, rope, kv_write(kv_layer, meta.slot_mapping))
         out = self.self_attn.attend(q, kv_layer, meta, backend)
         return self.after_attention(out, residual, rope)
 

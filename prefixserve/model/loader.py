@@ -279,6 +279,8 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                 if name not in targets:
                     if "rotary_emb" in name or _unused_kv_weight(name, model.full_config):
                         continue
+                    if _kv_scale(name, source, model):  # an FP8 KV cache's scale (vLLM's k_scale)
+                        continue
                     raise ValueError(
                         f"{file}: unexpected weight {name!r} for a {model.config.architecture} model"
                     )
@@ -309,6 +311,24 @@ def _unused_kv_weight(name: str, config: ModelConfig) -> bool:
     checkpoint may hold them (HF ignores them at load too)."""
     match = _KV_WEIGHT.match(name)
     return match is not None and config.kv_source(int(match.group(1))) != int(match.group(1))
+
+
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?([kv])_scale$")
+
+
+def _kv_scale(name: str, source: Any, model: LlamaForCausalLM) -> bool:
+    """Keep a checkpoint's FP8 KV scale (vLLM's ``k_scale`` / ``v_scale``: stored = x / scale, per layer,
+    a scalar or one per KV head) in ``model.checkpoint_kv_scales[(layer, 0 K | 1 V)]``: an FP8 KV cache
+    takes them in place of its calibration (``worker/kv_calibration.py``); a model-dtype one ignores them."""
+    match = _KV_SCALE.match(name)
+    if match is None:
+        return False
+    if not isinstance(source, torch.Tensor):  # a safetensors slice (a scalar has no [:])
+        source = source[:] if source.get_shape() else source[()]
+    value = source.float().reshape(-1)
+    found = model.__dict__.setdefault("checkpoint_kv_scales", {})
+    found[(int(match.group(1)), 0 if match.group(2) == "k" else 1)] = value
+    return True
 
 
 def _fold_norm_offset(model: LlamaForCausalLM) -> None:

@@ -349,6 +349,7 @@ class PromptModules(PieceTiers):
     def key_of(self, piece: Piece, salt: str | None) -> str:
         h = hashlib.blake2b(digest_size=20)
         h.update(f"{self.model_id}|{self.kv.slots[0].dtype}|{salt or ''}|".encode())
+        h.update(self.kv.scheme)  # an e4m3 cache's scales (nothing for the model's dtype)
         h.update(array("q", piece.token_ids).tobytes() + b"|" + array("q", piece.positions).tobytes())
         return h.hexdigest()
 

@@ -99,7 +99,7 @@ class BlockManager:
         done = len(digests)
         if done < num_full_blocks:
             lo, hi = done * self.block_size, num_full_blocks * self.block_size
-            parent = digests[-1] if digests else None
+            parent = digests[-1] if digests else self.pool.root  # the KV format's root
             ids, places = seq.token_ids[lo:hi], seq.positions[lo:hi]
             req = seq.request
             public = req.public_tokens // self.block_size - done  # blocks wholly public, from here on

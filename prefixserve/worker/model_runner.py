@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import backend_for_model
+from prefixserve.attention.kv_quant import dequantize, scales_of
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
-from prefixserve.kv.cache import KVCache, blocks_for_budget
+from prefixserve.kv.cache import KVCache, blocks_for_budget, bytes_per_block
 from prefixserve.kv.layout import kv_layout, plain_layout
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
@@ -42,6 +43,7 @@ from prefixserve.sampling.token_ban import TokenBan
 from prefixserve.worker import cpu_malloc
 from prefixserve.worker.argmax_graph import ArgmaxGraphs
 from prefixserve.worker.cuda_graph import DecodeGraphs, GraphCaptureError, graph_refusal
+from prefixserve.worker.kv_calibration import calibrate_kv_scales
 from prefixserve.worker.piecewise_graph import PiecewiseGraphs
 
 if TYPE_CHECKING:
@@ -126,6 +128,10 @@ class ModelRunner:
         self.model = model
         self.shard = model.shard  # this process's part of a tensor-parallel model (or all of it)
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.kv_dtype = config.kv_torch_dtype  # the model's, or e4m3 (kv_cache_dtype="fp8")
+        fp8_gpu = self.kv_dtype != self.dtype and self.device.type == "cuda"
+        if fp8_gpu and torch.cuda.get_device_capability(self.device) < (8, 9):  # Triton's e4m3 casts
+            raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or later")
         if self.device.type == "cpu":  # before sizing the pool: the packed copies take memory too
             cpu_linear.pack_linear_weights(model)
             cpu_malloc.keep_freed_memory()
@@ -137,11 +143,21 @@ class ModelRunner:
             model.config,
             self.num_blocks,
             bs,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             self.shard,
             model.full_config.num_key_value_heads,
             self.layout,
+        )
+        if self.kv.scales is not None:  # an e4m3 cache: its scales, fixed before any block is written
+            calibrate_kv_scales(model, self.kv, self.dtype)
+        log.info(
+            "KV pool: %d blocks of %d tokens (%d tokens, %s, %.2f GiB)",
+            self.num_blocks,
+            bs,
+            self.num_blocks * bs,
+            str(self.kv_dtype).removeprefix("torch."),
+            self.num_blocks * bytes_per_block(model.config, bs, self.kv_dtype, self.layout) / (1 << 30),
         )
         self.backend = backend_for_model(config.attention, model.config.attention_sinks)
         self.graphs: DecodeGraphs | None = None
@@ -185,7 +201,7 @@ class ModelRunner:
         blocks = blocks_for_budget(
             model.config,
             bs,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             config.memory_fraction,
             max_blocks=self.layout.pages_for(context, bs) * config.max_num_seqs,
@@ -313,12 +329,13 @@ class ModelRunner:
         self.kv.settle()
         ids_t, pos_t = _index(ids, self.device), _index(batch.positions, self.device)
         k, v = self.model.layer_kv(ids_t, pos_t, self.kv.layers, batch.meta, self.backend)  # [T, Hkv, D]
-        k_cache, v_cache = self.kv.layers[min(1, len(self.kv.layers) - 1)]
-        slots = batch.meta.slot_mapping
-        cached_k = k_cache.view(-1, *k.shape[1:]).index_select(0, slots)
-        cached_v = v_cache.view(-1, *v.shape[1:]).index_select(0, slots)
-        dev_k = (k.float() - cached_k.float()).pow(2).sum((1, 2))  # [T]
-        dev_v = (v.float() - cached_v.float()).pow(2).sum((1, 2))
+        layer = self.kv.layers[min(1, len(self.kv.layers) - 1)]
+        slots, scales = batch.meta.slot_mapping, scales_of(layer)
+        cached_k, cached_v = (c.view(-1, *k.shape[1:]).index_select(0, slots).float() for c in layer)
+        if scales is not None:  # an e4m3 cache's values
+            cached_k, cached_v = dequantize(cached_k, scales[0]), dequantize(cached_v, scales[1])
+        dev_k = (k.float() - cached_k).pow(2).sum((1, 2))  # [T]
+        dev_v = (v.float() - cached_v).pow(2).sum((1, 2))
         return self.shard.all_reduce(dev_k + dev_v).cpu().numpy()  # every rank's heads
 
     def sample(

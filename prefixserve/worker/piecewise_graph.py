@@ -30,6 +30,7 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.graph import HostStaging
+from prefixserve.attention.kv_quant import kv_write
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
 from prefixserve.worker.graph_capture import capture_into
@@ -160,7 +161,7 @@ class PiecewiseGraphs:
         return flat.view(-1)[: bucket * self.heads * d].view(bucket, self.heads, d)
 
     def _cache(self, layer: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (*self.kv.layers[layer], self.inputs[2 + self.groups[layer], :bucket])
+        return kv_write(self.kv.layers[layer], self.inputs[2 + self.groups[layer], :bucket])
 
     def _piece(self, entry: _Bucket, piece: int, bucket: int, rope: Ropes | None):
         """Run piece ``piece`` on the bucket's buffers (eagerly, or under capture); returns the RoPE

@@ -5,6 +5,9 @@ Scores are fp32, the softmax runs in base 2 with log2(e) folded into the scale, 
 in natural log; a row that sees no key gets o = 0 and lse = -inf (true -inf, guarded so that it never
 produces NaN). The paged kernel (``paged_attention.py``), the packed decode kernel
 (``packed_decode.py``) and the shared-segment kernel (``shared_attention.py``) are built from these.
+
+An e4m3 KV cache (``kv_quant.py``) is read as it is: each K / V tile is widened to q's dtype after its
+load (exact), its scales already folded into q and the output by the caller.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ def attend_tile(
         k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
+    k = k.to(q.dtype)  # an e4m3 cache's tile widened (exact); else a no-op
     s = qk_scores(q, k, DOT_PREC, UPCAST)
     if MASKED:
         visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
@@ -120,6 +124,7 @@ def attend_tile(
         v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
+    v = v.to(q.dtype)
     acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
 

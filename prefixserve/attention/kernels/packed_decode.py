@@ -119,7 +119,7 @@ def packed_decode_program(
             k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :],
             mask=n_ok[:, None],
             other=0.0,
-        )
+        ).to(q.dtype)  # e4m3: widened
         s = qk_scores(q, k, DOT_PREC, UPCAST)
         s = tl.where(same & n_ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
@@ -127,7 +127,7 @@ def packed_decode_program(
             v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :],
             mask=n_ok[:, None],
             other=0.0,
-        )
+        ).to(q.dtype)  # e4m3: widened
         acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     o, lse = finish_rows(m_i, l_i, acc)
     split64 = split.to(tl.int64)

@@ -68,9 +68,9 @@ def attend_rows_tma(
     """``attend_range(MASKED=False)`` over a contiguous run, each K / V tile one TMA load."""
     for start in range(kv_lo, kv_hi, BLOCK_N):
         row = row0 + (start - kv_lo)
-        k = k_desc.load([row, col])
+        k = k_desc.load([row, col]).to(q.dtype)  # e4m3: widened (fp8 caches take no TMA now)
         p, alpha, m_i, l_i = softmax_step(qk_scores(q, k, DOT_PREC, UPCAST), m_i, l_i, qk_scale)
-        v = v_desc.load([row, col])
+        v = v_desc.load([row, col]).to(q.dtype)
         acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
 
@@ -411,7 +411,8 @@ def launch_with_descriptors(
     later layer's caches on relaunch (which swaps args 1 and 2).
     """
     _, k_cache, v_cache = qkv
-    use_tma = tma and k_cache.is_contiguous() and v_cache.is_contiguous()
+    # an e4m3 cache takes the pointer loads (its TMA tiles are not tried yet)
+    use_tma = tma and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == qkv[0].dtype
 
     def args_for(tiles: dict[str, Any]) -> tuple[Any, ...]:
         descs = (kv_descriptor(k_cache, tiles["BLOCK_N"]), kv_descriptor(v_cache, tiles["BLOCK_N"]))

@@ -93,9 +93,14 @@ def next_power_of_2(n: int) -> int:
 
 
 def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """Validate q / cache dtypes, shapes and strides; return (Hq, Hkv, D, block_size)."""
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache, v_cache must share one of {_DTYPES}; got {q.dtype}/{k_cache.dtype}")
+    """Validate q / cache dtypes (the cache q's, or e4m3), shapes and strides; return (Hq, Hkv, D,
+    block_size)."""
+    kv_ok = k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
+    if q.dtype not in _DTYPES or not kv_ok:
+        raise TypeError(
+            f"q must be one of {_DTYPES} and k_cache, v_cache q's dtype or float8_e4m3fn (an FP8 KV "
+            f"cache); got {q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
+        )
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("q must be [T, Hq, D]; k_cache and v_cache [num_blocks, block_size, Hkv, D]")
     _, q_heads, dim = q.shape

@@ -90,6 +90,7 @@ _GAUGES = {
     ),
     "num_waiting": ("num_requests_waiting", "sequences waiting"),
     "kv_blocks_total": ("kv_blocks_total", "KV pool size in blocks"),
+    "kv_pool_tokens": ("kv_pool_tokens", "KV pool size in tokens (twice as many with --kv-cache-dtype fp8)"),
     "kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
     "kv_blocks_cached": ("kv_blocks_cached", "KV blocks in the prefix index"),
     "kv_free_runs": ("kv_free_runs", "runs of consecutive free KV block ids"),

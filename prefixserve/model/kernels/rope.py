@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from prefixserve.attention.kv_quant import store_kv
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -60,6 +61,8 @@ def _rotate_heads(
     norm_ptr,  # [HEAD_DIM] the heads' RMSNorm weight (used when NORM)
     eps,
     NORM: tl.constexpr,
+    cache_inv=1.0,  # [BLOCK_H, 1] fp32: each head's 1 / scale (FP8)
+    FP8: tl.constexpr = False,
 ):
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -81,8 +84,18 @@ def _rotate_heads(
     tl.store(dst_ptr + off + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
     if WRITE:
         c_off = h * stride_ch + d
-        tl.store(cache_ptr + c_off, o1.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(cache_ptr + c_off + half, o2.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + c_off, _to_cache(o1, dtype, cache_ptr, cache_inv, FP8), mask=mask)
+        tl.store(cache_ptr + c_off + half, _to_cache(o2, dtype, cache_ptr, cache_inv, FP8), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, dtype: tl.constexpr, cache_ptr, cache_inv, FP8: tl.constexpr):
+    """fp32 ``x`` as the cache stores it: rounded to the model's dtype, and for an e4m3 cache (FP8) then
+    times the head's inverse scale (exact: a power of two) and saturated at +-448, as
+    ``kv_quant.quantize`` does to the rounded value."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(dtype).to(tl.float32) * cache_inv, -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -110,6 +123,7 @@ def _rope_qkv_kernel(
     q_norm_ptr,  # [HEAD_DIM] (NORM)
     k_norm_ptr,
     eps,
+    inv_ptr,  # [2, NUM_KV] fp32: K's and V's 1 / scale per KV head (FP8)
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -119,6 +133,7 @@ def _rope_qkv_kernel(
     WRITE_KV: tl.constexpr,
     SPLITS: tl.constexpr,
     NORM: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -127,8 +142,14 @@ def _rope_qkv_kernel(
     sin = tl.load(sin_ptr + t * stride_sin + d, mask=d < half, other=0.0)[None, :]
     row = qkv_ptr + t * stride_t
     slot = 0
+    k_inv = 1.0
+    v_inv = 1.0
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
+        if FP8:
+            hk = tl.arange(0, BLOCK_KV)[:, None]
+            k_inv = tl.load(inv_ptr + hk, mask=hk < NUM_KV, other=1.0)
+            v_inv = tl.load(inv_ptr + NUM_KV + hk, mask=hk < NUM_KV, other=1.0)
     _rotate_heads(
         row,
         cos,
@@ -164,6 +185,8 @@ def _rope_qkv_kernel(
         k_norm_ptr,
         eps,
         NORM,
+        k_inv,
+        FP8,
     )
     if WRITE_KV or SPLITS > 0:  # v goes to the cache as it is (partials: summed, and to v too)
         h = tl.arange(0, BLOCK_KV)[:, None]
@@ -173,7 +196,7 @@ def _rope_qkv_kernel(
         v = _load_row_part(src, mask, stride_split, SPLITS, v_ptr.dtype.element_ty)
         if WRITE_KV:
             dst = v_cache_ptr + slot * stride_vs + h * stride_vh + dd
-            tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, _to_cache(v, v_ptr.dtype.element_ty, v_cache_ptr, v_inv, FP8), mask=mask)
         if SPLITS > 0:
             tl.store(v_ptr + t * stride_v + h * HEAD_DIM + dd, v.to(v_ptr.dtype.element_ty), mask=mask)
 
@@ -196,7 +219,8 @@ def rope_qkv(
     v [T, Hkv, D] (a view of qkv; from partials, their sum, new).
 
     With ``cache`` = (k_cache, v_cache, slots), each [.., block_size, Hkv, D] cache gets the token's
-    rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them.
+    rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them; an e4m3
+    cache gets them quantized with the scales ``cache`` carries (``kv_quant.store_kv``'s values).
     """
     width = (num_heads + 2 * num_kv_heads) * head_dim
     splits = qkv.shape[0] if qkv.dim() == 3 else 0  # 0: the product itself
@@ -217,8 +241,13 @@ def rope_qkv(
         v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(tokens, num_kv_heads, head_dim)
     if tokens == 0:
         return q, k, v
+    inverse = cos  # never read unless the cache is e4m3
     if cache is not None:
         k_cache, v_cache, slots = cache
+        if k_cache.dtype == torch.float8_e4m3fn:
+            inverse = getattr(cache, "inverse", None)
+            if inverse is None:
+                inverse = torch.ones(2, num_kv_heads, device=qkv.device)
         kc = k_cache.view(-1, num_kv_heads, head_dim)
         vc = v_cache.view(-1, num_kv_heads, head_dim)
         if kc.stride(2) != 1 or vc.stride(2) != 1 or slots.shape != (tokens,):
@@ -251,6 +280,7 @@ def rope_qkv(
         norms[0] if norms else cos,
         norms[1] if norms else cos,
         norms[2] if norms else 0.0,
+        inverse,
         NUM_Q=num_heads,
         NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -260,6 +290,7 @@ def rope_qkv(
         WRITE_KV=cache is not None,
         SPLITS=splits,
         NORM=norms is not None,
+        FP8=cache is not None and cache[0].dtype == torch.float8_e4m3fn,
         num_warps=4,
     )
     return q, k, v
@@ -288,9 +319,7 @@ def rope_qkv_ref(
     q, k = rotate(q, num_heads), rotate(k, num_kv_heads)
     v = v.view(tokens, num_kv_heads, head_dim)
     if cache is not None:
-        k_cache, v_cache, slots = cache
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        store_kv(cache, k, v, num_kv_heads, head_dim)
     return q, k, v
 
 

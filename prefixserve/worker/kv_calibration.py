@@ -1,0 +1,77 @@
+"""The e4m3 KV cache's scales, chosen once at start (``kv_cache_dtype="fp8"``; attention/kv_quant.py):
+a checkpoint's ``k_scale`` / ``v_scale`` where it has them, else a calibration.
+
+One forward of a fixed calibration prompt into a small cache of the model's dtype gives each layer's
+largest |K| and |V| per KV head; the scale maps twice that to e4m3's 448 (the margin leaves headroom
+for values the prompt did not show; larger ones saturate), rounded up to a power of two. Measured on
+SmolLM2-135M (tests/test_fp8_kv_model.py): next-token top-1 agreement with the model-dtype cache and
+the mean KL are in docs/kernels.md. The same prompt on every rank and every start: the scales, which
+block digests name, are the same from one start to the next, so disk and Prompt Cache entries stay valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.attention.backend import make_backend
+from prefixserve.attention.kv_quant import pow2_scales
+from prefixserve.attention.metadata import build_metadata
+from prefixserve.kv.cache import KVCache
+from prefixserve.kv.layout import plain_layout
+
+CALIBRATION_TOKENS = 256
+MARGIN = 2.0  # the scale covers twice the largest |K| / |V| the calibration prompt showed
+_SEED = 20260  # the calibration prompt's token ids: a fixed draw, the same everywhere
+
+
+def calibration_ids(vocab_size: int, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
+    """The calibration prompt: a fixed draw of ``tokens`` ids (no tokenizer is at hand here)."""
+    gen = torch.Generator().manual_seed(_SEED)
+    return torch.randint(0, vocab_size, (tokens,), generator=gen)
+
+
+@torch.inference_mode()
+def kv_amax(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+    """Largest |K| and |V| per layer and KV head ([layers, 2, heads], ``kv.scales``' shape) over ``ids``
+    at positions 0.., from one forward into a scratch cache of ``dtype``."""
+    config, bs, device = model.config, kv.block_size, kv.device
+    n = len(ids)
+    blocks = -(-n // bs)
+    scratch = KVCache(config, blocks, bs, dtype, device, kv.shard, kv.total_kv_heads, plain_layout(config))
+    meta = build_metadata(bs, [n], [n], [list(range(blocks))], device)
+    ids_d, pos = ids.to(device), torch.arange(n, device=device)
+    model(ids_d, pos, scratch.layers, meta, make_backend("reference"))
+    assert kv.scales is not None
+    amax = torch.zeros_like(kv.scales)
+    for i, (k_cache, v_cache) in enumerate(scratch.layers):
+        heads = k_cache.shape[-2]
+        for j, cache in enumerate((k_cache, v_cache)):
+            rows = cache.flatten(0, 1)[:n].float()  # [n, heads, D]
+            amax[i, j, :heads] = rows.abs().amax(dim=(0, 2))
+    return amax
+
+
+def checkpoint_scales(model: torch.nn.Module, kv: KVCache) -> torch.Tensor | None:
+    """The checkpoint's ``k_scale`` / ``v_scale`` as ``kv.scales`` (this rank's heads; a scalar applies to
+    every head), or None unless the checkpoint has both for every layer (``loader._kv_scale``)."""
+    found: dict[tuple[int, int], torch.Tensor] = getattr(model, "checkpoint_kv_scales", {})
+    assert kv.scales is not None
+    layers, _, width = kv.scales.shape
+    if any((i, j) not in found for i in range(layers) for j in (0, 1)):
+        return None
+    start, stop = kv.shard.kv_head_span(kv.total_kv_heads)
+    out = torch.ones(layers, 2, width)
+    for (i, j), value in found.items():
+        if i < layers:
+            heads = kv.layers[i][0].shape[-2]
+            out[i, j, :heads] = value if value.numel() == 1 else value[start:stop][:heads]
+    return out.to(kv.scales.device)
+
+
+def calibrate_kv_scales(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype) -> None:
+    """Fix ``kv``'s e4m3 scales (before any block is written): the checkpoint's where it has them for
+    every layer, else from the calibration prompt."""
+    scales = checkpoint_scales(model, kv)
+    if scales is None:
+        scales = pow2_scales(kv_amax(model, kv, dtype, calibration_ids(model.config.vocab_size)), MARGIN)
+    kv.set_scales(scales)

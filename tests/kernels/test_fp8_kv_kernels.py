@@ -1,0 +1,190 @@
+"""FP8 (e4m3) KV cache: every attention path over an e4m3 cache against fp64 attention, and the RoPE
+kernel's quantized store against the torch one (``attention/kv_quant.py``).
+
+Error bounds, from e4m3's precision. A stored element is ``s * r(x / s)`` with ``s`` a power of two per
+KV head and ``r`` round-to-nearest e4m3 (3 mantissa bits): in the normal range (|x / s| >= 2^-6)
+``|r(y) - y| <= 2^-4 |y|``, below it (subnormals, spacing 2^-9) ``|r(y) - y| <= 2^-10``. So each
+element's error is ``e(x) <= 2^-4 |x| + 2^-10 s`` (``elem_bound``). For one query row q:
+
+* a score moves by at most ``d_j = scale * sum_d |q_d| e(k_jd)``; with ``D = max_j d_j`` every
+  softmax weight changes by a factor within ``[e^-2D, e^2D]``, so the weighted sum of the true V moves
+  by at most ``(e^2D - 1) max_j |v_j|`` per dim;
+* the weights then meet the stored V: at most ``max_j e(v_jd)`` more.
+
+``o_bound`` is that sum per row, head and dim (plus 1e-5 |o| for fp32 arithmetic). Against attention
+over the dequantized cache itself (exactly what the kernels see) the paths must agree to fp32
+rounding (rel 1e-5): scales are folded into q and the output exactly (powers of two).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE, paged_cache, rel_err
+
+from prefixserve.attention.backend import make_backend
+from prefixserve.attention.kv_quant import FP8, dequantize, pow2_scales, quantize, with_scales
+from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.window import attend_layer
+from prefixserve.model.kernels.rope import rope_qkv, rope_qkv_ref
+
+
+def elem_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Largest e4m3 storage error of each element of ``x`` [..., H, D] (module docstring)."""
+    return 2.0**-4 * x.abs() + 2.0**-10 * scales.to(x.device)[:, None]
+
+
+def reference(q, k, v, tables, seq_lens, query_lens, scale, window=None):
+    """fp64 causal (optionally sliding-window) attention per sequence over [N, Hkv, D] rows gathered by
+    ``tables`` from caches [blocks, bs, Hkv, D]; returns o [T, Hq, D] and the rows' K, V, queries."""
+    bs, hkv = k.shape[1], k.shape[2]
+    outs, parts = [], []
+    start = 0
+    for table, s_len, q_len in zip(tables, seq_lens, query_lens, strict=True):
+        ks = k[table].flatten(0, 1)[:s_len].double()
+        vs = v[table].flatten(0, 1)[:s_len].double()
+        qs = q[start : start + q_len].double()
+        group = qs.shape[1] // hkv
+        kk, vv = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [N, Hq, D]
+        scores = torch.einsum("mhd,nhd->hmn", qs, kk) * scale
+        pos = torch.arange(s_len - q_len, s_len)[:, None]
+        keys = torch.arange(s_len)[None, :]
+        visible = keys <= pos
+        if window is not None:
+            visible &= keys > pos - window
+        scores = scores.masked_fill(~visible, -math.inf)
+        outs.append(torch.einsum("hmn,nhd->mhd", scores.softmax(-1), vv))
+        parts.append((qs, kk, vv, visible, scores.logsumexp(-1).T))
+        start += q_len
+    del bs
+    return torch.cat(outs), parts
+
+
+def o_bound(parts, k_err_of, v_err_of, scale):
+    """Per (row, head, dim) bound on |o_fp8 - o| from the module docstring's derivation."""
+    bounds = []
+    for qs, kk, vv, visible, _ in parts:
+        ke, ve = k_err_of(kk), v_err_of(vv)  # [N, Hq, D] element bounds
+        d = scale * torch.einsum("mhd,nhd->hmn", qs.abs(), ke)  # [Hq, M, N]
+        d = d.masked_fill(~visible, 0).amax(-1)  # [Hq, M]
+        seen = visible[:, :, None, None]  # [M, N, 1, 1]
+        vmax = (vv.abs()[None] * seen).amax(1)  # [M, Hq, D]: largest |v| a row sees, per dim
+        emax = (ve[None] * seen).amax(1)
+        bounds.append(torch.expm1(2 * d).T[..., None] * vmax + emax)
+    return torch.cat(bounds)
+
+
+def _case(bs: int, group: int, dim: int, query_lens: list[int], seed: int):
+    """A shared 3-block prefix, own tails, per-head magnitudes spread over 2^-3 .. 2^5, e4m3 caches."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv = 2
+    tables = [[4, 9, 2, 11, 12], [4, 9, 2, 13], [4, 9, 16], [20, 21]]
+    seq_lens = [4 * bs + 3, 3 * bs + bs - 1, 2 * bs + 5, bs + 7]
+    k, v, _ = paged_cache([40 * bs], bs, hkv, dim, torch.float32, gen)
+    mag = torch.tensor([2.0**-3, 2.0**5])[:, None]  # head 0 small, head 1 large
+    k, v = k * mag, v * mag.flip(0)
+    scales = torch.stack([pow2_scales(t.abs().amax((0, 1, 3))) for t in (k, v)])  # [2, Hkv]
+    k8, v8 = quantize(k, 1 / scales[0]), quantize(v, 1 / scales[1])
+    q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen)
+    meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
+    return q, k, v, k8, v8, scales, meta, tables, seq_lens
+
+
+def _dequantized(
+    k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dequantize(k8, scales[0]), dequantize(v8, scales[1])
+
+
+CASES = [
+    (16, 4, 64, [1, 1, 1, 1], 0),  # decode (packed / shared decode kernels)
+    (16, 1, 64, [3, 7, 2, 5], 1),  # prefill chunks over cached blocks
+    (32, 2, 32, [1, 4, 1, 2], 2),  # mixed
+]
+BACKENDS = ["reference", "cascade", "auto", "triton", "triton_paged"]
+
+
+@pytest.mark.parametrize(("bs", "group", "dim", "query_lens", "seed"), CASES)
+def test_fp8_paths_match_fp64(bs: int, group: int, dim: int, query_lens: list[int], seed: int) -> None:
+    q, k, v, k8, v8, scales, meta, tables, seq_lens = _case(bs, group, dim, query_lens, seed)
+    scale = dim**-0.5
+    exact, parts = reference(q, k, v, tables, seq_lens, query_lens, scale)
+    deq, _ = reference(q, *_dequantized(k8, v8, scales), tables, seq_lens, query_lens, scale)
+    bound = o_bound(parts, lambda x: elem_bound(x, scales[0].repeat_interleave(group)),
+                    lambda x: elem_bound(x, scales[1].repeat_interleave(group)), scale)  # fmt: skip
+    assert (deq - exact).abs().le(bound).all()  # the derivation holds for the rounding itself
+    for name in BACKENDS:
+        be = make_backend(name)
+        be.prepare(meta)
+        out = attend_layer(
+            be, q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), meta, scale, kv_scales=scales.to(DEVICE)
+        )
+        out = out.double().cpu()
+        assert rel_err(out, deq) < 1e-5, name
+        assert (out - exact).abs().le(bound + 1e-5 * exact.abs() + 1e-6).all(), name
+    make_backend("triton").prepare(meta)
+    assert meta.stats["shared_segments"] >= 1  # the prefix went through the shared-segment kernel
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_window_and_sinks_match_fp64(backend: str) -> None:
+    """A sliding window the longest sequence outgrows (the window path), then sinks (the LSE path)."""
+    q, _, _, k8, v8, scales, meta, tables, seq_lens = _case(16, 2, 64, [1, 3, 1, 2], 3)
+    scale, window, query_lens = 0.125, 20, [1, 3, 1, 2]
+    deq, _ = reference(q, *_dequantized(k8, v8, scales), tables, seq_lens, query_lens,
+                       scale, window)  # fmt: skip
+    be = make_backend(backend)
+    be.prepare(meta)
+    args = (q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), meta, scale)
+    out = attend_layer(be, *args, window=window, kv_scales=scales.to(DEVICE)).double().cpu()
+    assert rel_err(out, deq) < 1e-5
+    if backend == "reference":  # sinks: o * sigmoid(lse - sink), over the dequantized cache
+        sinks = torch.full((q.shape[1],), 0.5)
+        got = attend_layer(be, *args, sinks=sinks.to(DEVICE), kv_scales=scales.to(DEVICE)).double().cpu()
+        plain, parts = reference(q, *_dequantized(k8, v8, scales), tables, seq_lens,
+                                 query_lens, scale)  # fmt: skip
+        lse = torch.cat([p[-1] for p in parts])  # [T, Hq]
+        assert rel_err(got, plain * torch.sigmoid(lse - 0.5)[..., None]) < 1e-5
+
+
+def test_values_past_the_scale_saturate() -> None:
+    """|x / s| > 448 is stored as +-448, never inf or NaN; 0 stays 0."""
+    x = torch.tensor([[[1e9, -1e9, 0.0, 3.0]]])
+    got = quantize(x, torch.tensor([1.0])).float()
+    assert got.tolist() == [[[448.0, -448.0, 0.0, 3.0]]]
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 32), (3, 1, 24)])
+def test_rope_kernel_quantized_store_matches_torch(heads: int, kv_heads: int, dim: int) -> None:
+    """The RoPE kernel's e4m3 store equals ``kv_quant.quantize`` of the k and v it returns, bit for bit on
+    a GPU (k rounded to the model's dtype, times 1 / s, saturated, rounded to nearest e4m3: the same
+    steps); in the CPU interpreter, whose e4m3 cast is off by up to a binade, to within a factor 2."""
+    gen = torch.Generator().manual_seed(dim)
+    tokens = 6
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 40).to(DEVICE)
+    positions = torch.tensor([0, 5, 1, 1000, 77, 31000], device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = positions.double()[:, None] * inv_freq.to(DEVICE)[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    slots = torch.tensor([9, 0, 4, 17, 3, 12], device=DEVICE)
+    scales = torch.stack([torch.tensor([0.25, 4.0][:kv_heads]), torch.tensor([0.125, 1.0][:kv_heads])])
+    caches = [torch.zeros(3, 6, kv_heads, dim, device=DEVICE, dtype=FP8) for _ in range(4)]
+    got = with_scales((caches[0], caches[1], slots), scales.to(DEVICE))
+    ref = with_scales((caches[2], caches[3], slots), scales.to(DEVICE))
+    _, k, v = rope_qkv(qkv, cos, sin, heads, kv_heads, dim, got)
+    rope_qkv_ref(qkv, cos, sin, heads, kv_heads, dim, ref)
+    inverse = 1 / scales.to(DEVICE)
+    for cache, x, inv in ((caches[0], k, inverse[0]), (caches[1], v, inverse[1])):
+        stored = cache.view(-1, kv_heads, dim)[slots]
+        want = quantize(x, inv)  # the kernel's own k and v, quantized by torch
+        if DEVICE.type == "cuda":  # cvt.rn.satfinite: round to nearest even, as torch
+            assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8))
+        else:  # the interpreter's fp32 -> e4m3 cast drops a rounding carry (1.97 -> 1.0): scales checked
+            assert (stored.float() - want.float()).abs().le(0.5 * want.float().abs() + 2.0**-9).all()
+    if DEVICE.type == "cuda":  # against the torch RoPE (fp32 rotations may differ in a last bit)
+        for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert (a.float() - b.float()).abs().le(2.0**-3 * b.float().abs() + 2.0**-9).all()
+    assert caches[1].float().abs().max() == 448.0  # some values saturate

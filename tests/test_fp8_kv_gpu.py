@@ -1,0 +1,81 @@
+"""FP8 KV cache on a GPU: the compiled Triton paths (the RoPE kernel's e4m3 store, the paged, packed
+decode and shared-segment kernels, decode CUDA graphs, piecewise graphs) over an e4m3 cache give the
+FP8 reference path's greedy tokens, with prompts sharing a prefix. Skipped without CUDA.
+(tests/kernels/test_fp8_kv_kernels.py runs compiled on a GPU too: bounds against fp64, the store bit
+for bit.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.attention.backend import make_backend
+from prefixserve.attention.kv_quant import FP8, dequantize, pow2_scales, quantize
+from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.window import attend_layer
+from tests.conftest import assert_pool_empty
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _llm(config_path, attention: str, eager: bool, dtype: str = "float32") -> LLM:
+    return LLM(
+        f"dummy:{config_path}",
+        dtype=dtype,
+        device="cuda",
+        attention=attention,
+        enforce_eager=eager,
+        kv_cache_dtype="fp8",
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_batched_tokens=128,
+        progress=False,
+    )
+
+
+def test_fp8_greedy_equal_with_graphs_and_sharing(tiny_config_path) -> None:
+    prefix = [(7 * i + 3) % 4000 + 100 for i in range(70)]
+    prompts = [{"prompt_token_ids": [*prefix, 200 + i, 300 + 2 * i, 17 + i]} for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = _llm(tiny_config_path, "reference", eager=True)
+    assert plain.engine.runner.kv.tensor.dtype == FP8
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    for attention in ("triton", "auto"):
+        fast = _llm(tiny_config_path, attention, eager=False)
+        for _ in range(2):  # the second round: the prefix from the cache, shared
+            assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want, attention
+        assert fast.engine.graphs is not None and fast.engine.graphs.captures >= 1
+        m = fast.metrics()
+        assert m["attention_kv_tokens_read_total"] < m["attention_kv_tokens_logical_total"], attention
+        assert_pool_empty(fast)
+    # the same scales every start (digests name them): a second engine's equal the first's
+    assert torch.equal(plain.engine.runner.kv.scales, fast.engine.runner.kv.scales)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [5, 1, 9, 2]])
+def test_fp8_bf16_kernels_match_the_dequantized_reference(query_lens: list[int]) -> None:
+    """bf16 q over an e4m3 cache: the Triton backends against fp32 attention over the dequantized cache
+    (the kernels see exactly those values; bf16 q and P give ~2^-8 relative)."""
+    gen = torch.Generator().manual_seed(sum(query_lens))
+    bs, hkv, group, dim = 16, 2, 4, 128
+    tables = [[4, 9, 2, 11, 12], [4, 9, 2, 13], [4, 9, 16], [20, 21]]
+    seq_lens = [4 * bs + 3, 4 * bs - 1, 2 * bs + 5, bs + 7]
+    k = torch.randn(40, bs, hkv, dim, generator=gen) * 3
+    v = torch.randn(40, bs, hkv, dim, generator=gen)
+    scales = torch.stack([pow2_scales(t.abs().amax((0, 1, 3))) for t in (k, v)]).cuda()
+    k8, v8 = quantize(k.cuda(), 1 / scales[0]), quantize(v.cuda(), 1 / scales[1])
+    q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).cuda().bfloat16()
+    meta = build_metadata(bs, query_lens, seq_lens, tables, "cuda")
+    ref_be = make_backend("reference")
+    kd, vd = dequantize(k8, scales[0]), dequantize(v8, scales[1])
+    want = ref_be.forward(q.float(), kd, vd, meta, dim**-0.5)
+    for name in ("triton", "triton_paged", "auto"):
+        be = make_backend(name)
+        be.prepare(meta)
+        got = attend_layer(be, q, k8, v8, meta, dim**-0.5, kv_scales=scales).float()
+        err = float((got - want).norm() / want.norm())
+        assert err < 1e-2, (name, err)
