@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefixserve.config import CACHE_SALT_SCOPES, POLICIES
+from prefixserve.config import CACHE_SALT_SCOPES, POLICIES, QUANTIZATIONS
 
 __all__ = [
     "add_engine_args",
@@ -31,6 +31,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="GGUF file, HF model directory, or dummy:CONFIG (default: SmolLM2-135M-Instruct)",
     )
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the attention and MLP weights quantized to FP8 at load (per output channel); an FP8 "
+        "checkpoint loads as FP8 without it",
+    )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton | triton_paged")
     g.add_argument("--block-size", type=int, default=16)
@@ -365,6 +372,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     return EngineConfig(
         model=_model(args),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         attention=args.attention,
         block_size=args.block_size,
