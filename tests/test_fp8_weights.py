@@ -282,3 +282,21 @@ def test_default_model_accuracy_with_fp8_weights() -> None:
         print(f"{path}: top-1 agreement {agree:.3f}, mean KL {kl:.5f}")
         floor, ceiling = ACCURACY[path]
         assert agree >= floor and kl <= ceiling and math.isfinite(kl), (path, agree, kl)
+
+
+def test_engine_and_cli_take_the_flag(tiny_config_path: Path) -> None:
+    """``--quantization fp8`` reaches EngineConfig; an engine with it serves greedy tokens (CPU)."""
+    from prefixserve import LLM, SamplingParams
+    from prefixserve.entrypoints.args import engine_config_from_args
+    from prefixserve.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "--model", f"dummy:{tiny_config_path}", "--quantization", "fp8"]
+    )
+    assert engine_config_from_args(args).quantization == "fp8"
+    with LLM(
+        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, quantization="fp8", progress=False
+    ) as llm:
+        assert all(fp8.is_fp8(layer) for _, layer in fp8.quantized_layers(llm.engine.runner.model))
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
