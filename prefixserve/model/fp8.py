@@ -236,7 +236,12 @@ def scaled_mm(
 ) -> torch.Tensor:
     """W8A8 through ``torch._scaled_mm``: x's per-token scales [M, 1] and the weight's per-channel
     [1, N] applied in the epilogue. The second operand column-major: ``codes.t()`` of row-major codes."""
-    xq, sx = quantize_tokens(x, input_scale)
+    if _triton_takes(x) and x.stride(1) == 1:
+        from prefixserve.model.kernels import fp8_matmul
+
+        xq, sx = fp8_matmul.quantize_rows(x, input_scale)
+    else:
+        xq, sx = quantize_tokens(x, input_scale)
     y = torch._scaled_mm(xq, codes.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y + bias
 

@@ -60,3 +60,25 @@ def test_fp8_linear_into_a_buffer_view_and_tiles() -> None:
     assert tiles(65, 4096) == LARGE_TILE and tiles(1, 4096)[0] == 16 and tiles(40, 1024)[0] == 64
     assert not supported(x.float(), codes, scale)  # 16-bit x only
     assert not supported(x, codes, scale[:, :0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (3, 1500), (70, 2048)])
+def test_quantize_rows_kernel_matches_torch(dtype, m: int, k: int) -> None:
+    """The per-token activation quantization kernel gives ``fp8.quantize_tokens``' codes and scales
+    (dynamic, and a static scale); a zero row gets zeros."""
+    from prefixserve.model.kernels.fp8_matmul import quantize_rows
+
+    x = (torch.randn(m, k) * torch.logspace(-3, 3, m)[:, None]).to(DEVICE, dtype)
+    x[0] = 0
+    static = torch.tensor([0.05], device=DEVICE)
+    for s in (None, static):
+        codes, scale = quantize_rows(x, s)
+        want_codes, want_scale = fp8.quantize_tokens(x, s)
+        torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+        got, want = codes.float(), want_codes.float()
+        # equal but where the GPU's fp32 division rounds across a code boundary: one e4m3 step
+        off = (got - want).abs() > 2.0**-3 * want.abs() + 2.0**-9
+        if DEVICE.type == "cpu":  # the interpreter's cast to e4m3 drops the carry of a mantissa that
+            off &= want.abs().log2() != want.abs().log2().round()  # rounds up to a power of two
+        assert off.float().mean() < 1e-3 and (got[0] == 0).all()

@@ -21,7 +21,11 @@ from prefixserve.triton_support.bound import BoundKernel
 triton, tl = require_triton()
 
 BLOCK_K = 128  # = the block-scaled format's group of columns (GROUPED indexes scales by k0 // BLOCK_K)
+CHANNEL_BLOCK_K = 256  # per-channel scales: a step loads as many bytes as the bf16 kernel's 128 columns
 LARGE_TILE = (64, 128, 3)  # BLOCK_M, BLOCK_N, STAGES past MAX_ROWS (block-scaled prefill)
+SHARED_BYTES = 192 << 10  # the pipeline's stages kept under this (an H100/H200 SM has 228 KiB)
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # fp8.FP8_MAX: e4m3's largest finite value
+MIN_SCALE: tl.constexpr = tl.constexpr(1e-12)  # fp8.MIN_SCALE: an all-zero row's
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -101,13 +105,16 @@ def supported(
     )
 
 
-def tiles(m: int, n: int) -> tuple[int, int, int]:
+def tiles(m: int, n: int, block_k: int = BLOCK_K) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES): up to ``MAX_ROWS`` rows one program column holds them all and the
-    skinny kernel's bf16 tiles apply (halved bytes, same shapes); past it ``LARGE_TILE``."""
+    skinny kernel's bf16 tiles apply, with as many stages as ``SHARED_BYTES`` holds; past it
+    ``LARGE_TILE``."""
     if m > skinny_matmul.MAX_ROWS:
         return LARGE_TILE
     block_n, stages = skinny_matmul.skinny_config(m, n) or (32, 6)
-    return (16 if m <= 16 else (32 if m <= 32 else 64)), block_n, stages
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    per_stage = block_k * (2 * block_m + block_n)  # a 16-bit x tile and an e4m3 weight tile
+    return block_m, block_n, max(2, min(stages, SHARED_BYTES // per_stage))
 
 
 def fp8_linear(
@@ -131,15 +138,67 @@ def fp8_linear(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
-    block_m, block_n, stages = tiles(m, n)
+    grouped = scale.shape[1] > 1
+    block_k = BLOCK_K if grouped or m > skinny_matmul.MAX_ROWS else CHANNEL_BLOCK_K
+    block_m, block_n, stages = tiles(m, n, block_k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _fp8(
         grid, x, codes, scale, out, x if bias is None else bias, m, n, k,
         x.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GROUPED=scale.shape[1] > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, STAGES=stages, num_warps=4,
+        HAS_BIAS=bias is not None, GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, num_warps=4,
     )  # fmt: skip
     return out
 
 
-__all__ = ["BLOCK_K", "LARGE_TILE", "fp8_linear", "supported", "tiles"]
+@triton.jit(do_not_specialize=["M"])
+def _quantize_rows_kernel(
+    x_ptr,  # [M, K] 16-bit
+    q_ptr,  # [M, K] e4m3 (contiguous)
+    s_ptr,  # [M] fp32
+    static_ptr,  # [1] fp32: the checkpoint's input scale (STATIC), else x_ptr
+    M,
+    K,
+    stride_xm,
+    STATIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_xm
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * K + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+
+
+_quantize = BoundKernel(_quantize_rows_kernel)
+
+
+def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8.quantize_tokens`` in one kernel: each row of x read twice (its amax, then its codes),
+    the codes written once; torch's ops took six passes over a prefill's activations per product."""
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if static is None:
+        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    else:
+        scale = static.float().reshape(1, 1).expand(m, 1).contiguous()
+    if m:
+        _quantize(
+            (m,), x, codes, scale, x if static is None else static, m, k, x.stride(0),
+            STATIC=static is not None, BLOCK=1024, num_warps=4,
+        )  # fmt: skip
+    return codes, scale
+
+
+__all__ = ["BLOCK_K", "CHANNEL_BLOCK_K", "LARGE_TILE", "fp8_linear", "quantize_rows", "supported", "tiles"]
