@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.config import EngineConfig
-from prefixserve.model import fp8
+from prefixserve.model import fp8, linear
 from prefixserve.model.fp8_checkpoint import scheme_of
 from prefixserve.model.linear import MergedLinear, RowParallelLinear
 from prefixserve.model.loader import ModelSource, load_model, resolve_model
@@ -147,7 +147,7 @@ def test_published_formats_load_exactly(fmt: str, tmp_path: Path) -> None:
     quant, dense = ckpt.write(tmp_path, fmt)
     mq, _ = load_model(ModelSource("hf", quant, fmt), torch.float32, torch.device("cpu"))
     md, _ = load_model(ModelSource("hf", dense, fmt), torch.float32, torch.device("cpu"))
-    layers = fp8.quantized_layers(mq)
+    layers = linear.quantized_layers(mq)
     assert layers and all(fp8.is_fp8(layer) for _, layer in layers)
     for name, layer in layers:
         assert torch.equal(fp8.dequantize(layer.weight, layer.weight_scale), md.get_submodule(name).weight)
@@ -210,7 +210,7 @@ def test_dummy_model_quantized_on_meta_and_drawn_as_the_bf16_one(tiny_config_pat
     source = resolve_model(f"dummy:{tiny_config_path}")
     plain, _ = load_model(source, torch.float32, torch.device("cpu"))
     quant, _ = load_model(source, torch.float32, torch.device("cpu"), quantization="fp8")
-    for name, layer in fp8.quantized_layers(quant):
+    for name, layer in linear.quantized_layers(quant):
         codes, scale = fp8.quantize_rows(plain.get_submodule(name).weight)
         assert torch.equal(layer.weight.float(), codes.float()) and torch.equal(layer.weight_scale, scale)
     from prefixserve.model.config import ModelConfig
@@ -222,7 +222,7 @@ def test_dummy_model_quantized_on_meta_and_drawn_as_the_bf16_one(tiny_config_pat
             torch.bfloat16
         )
     bf16 = weight_bytes(big)
-    fp8.quantize_model(big)
+    linear.quantize_model(big)
     assert weight_bytes(big) < 0.55 * bf16 and weight_bytes(big) < 75 * GiB
 
 
@@ -297,6 +297,6 @@ def test_engine_and_cli_take_the_flag(tiny_config_path: Path) -> None:
     with LLM(
         model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, quantization="fp8", progress=False
     ) as llm:
-        assert all(fp8.is_fp8(layer) for _, layer in fp8.quantized_layers(llm.engine.runner.model))
+        assert all(fp8.is_fp8(layer) for _, layer in linear.quantized_layers(llm.engine.runner.model))
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import fp8
+from prefixserve.model import fp8, linear
 from prefixserve.model.linear import MergedLinear
 from tests import fp8_checkpoints as ckpt
 
@@ -116,7 +116,7 @@ def test_published_formats_generate_the_dequantized_models_tokens(fmt: str, tmp_
     dequantized weights' products), greedy tokens equal those of its dequantized bf16 model."""
     quant, dense = ckpt.write(tmp_path, fmt)
     with LLM(model=str(quant), device="cuda", num_kv_blocks=64, progress=False) as llm:
-        layers = fp8.quantized_layers(llm.engine.runner.model)
+        layers = linear.quantized_layers(llm.engine.runner.model)
         assert layers and all(fp8.is_fp8(layer) for _, layer in layers)
     assert _greedy(str(quant)) == _greedy(str(dense))
 

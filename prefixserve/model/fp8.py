@@ -18,7 +18,8 @@ The product, by rows M of x (``linear``):
 - CPU, or a GPU without FP8 (before sm_89): ``reference``, dequantize then matmul in fp32, with the
   activation quantization the GPU would apply at that M (so CPU tests see the GPU's numerics).
 
-The LM head, the embedding, routers and MoE experts stay in the model's dtype (``quantize_model``).
+The LM head, the embedding, routers and MoE experts stay in the model's dtype
+(``linear.quantize_model``).
 """
 
 from __future__ import annotations
@@ -140,25 +141,6 @@ def refill(layer: nn.Module, dense: torch.Tensor) -> None:
         layer.weight_scale.copy_(scale)
 
 
-def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers FP8 weights apply to: the attention and MLP projections (stacked q/k/v and gate/up,
-    o and down). Not the LM head or embedding (they decide the sampled token; a small share of a
-    large model's bytes), routers, Gemma 4's per-layer projections, nor MoE experts (not done)."""
-    from prefixserve.model.linear import MergedLinear, RowParallelLinear
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MergedLinear | RowParallelLinear)]
-
-
-def quantize_model(model: nn.Module) -> int:
-    """Quantize every layer of ``quantized_layers`` not FP8 already; returns how many."""
-    count = 0
-    for _, layer in quantized_layers(model):
-        if not is_fp8(layer):
-            quantize_layer(layer)
-            count += 1
-    return count
-
-
 def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` of an FP8 layer (the module docstring says which path at which M); ``out``:
     a [M, N] tensor to write into (a peer all-reduce buffer)."""
@@ -259,10 +241,8 @@ __all__ = [
     "is_fp8",
     "linear",
     "quantize_layer",
-    "quantize_model",
     "quantize_rows",
     "quantize_tokens",
-    "quantized_layers",
     "reference",
     "refill",
     "scaled_mm",

@@ -14,7 +14,7 @@ Formats read (``config.json``'s ``quantization_config``; the checkpoint's own wi
 
 Anything else is refused, naming it. Each FP8 tensor is dequantized into the fp32 model as it is
 read (the checks and the tensor-parallel cuts are the loader's, unchanged); the codes and their
-scales, as rows, are kept for the layers ``fp8.quantized_layers`` names and installed after the cast
+scales, as rows, are kept for the layers ``linear.quantized_layers`` names and installed after the cast
 to the model's dtype: codes are never re-rounded. Other FP8 tensors (an LM head, MoE experts) stay
 dequantized. Stacked layers with static input scales take their parts' largest (as vLLM does).
 """
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from prefixserve.config import QUANTIZATIONS
-from prefixserve.model import fp8
+from prefixserve.model import fp8, linear
 
 SUPPORTED = (
     "quant_method 'fp8' (per tensor, or weight_block_size [128, 128]) and 'compressed-tensors' "
@@ -143,8 +143,8 @@ class Fp8Checkpoint:
                         self.scales[name] = f.get_tensor(stored).float()
 
     def watch(self, model: nn.Module) -> None:
-        """Keep codes for the weights of ``fp8.quantized_layers``."""
-        self.keep = {f"{name}.weight" for name, _ in fp8.quantized_layers(model)}
+        """Keep codes for the weights of ``linear.quantized_layers``."""
+        self.keep = {f"{name}.weight" for name, _ in linear.quantized_layers(model)}
 
     def is_scale(self, name: str) -> bool:
         return self.from_checkpoint and name.endswith(_SCALE_SUFFIXES)
@@ -216,9 +216,9 @@ class Fp8Checkpoint:
         if self.scheme is None:
             return 0
         if not self.from_checkpoint:
-            return fp8.quantize_model(model)
+            return linear.quantize_model(model)
         act, count = self.scheme[0], 0
-        for name, layer in fp8.quantized_layers(model):
+        for name, layer in linear.quantized_layers(model):
             param = f"{name}.weight"
             if param not in self.codes:
                 continue  # published unquantized (a compressed-tensors ``ignore``)

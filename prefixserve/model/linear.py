@@ -130,4 +130,29 @@ class ParallelLMHead(Linear):
         super().__init__(hidden, self.src[1] - self.src[0], bias=False)
 
 
-__all__ = ["Linear", "MergedLinear", "ParallelLMHead", "RowParallelLinear", "VocabParallelEmbedding"]
+def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers FP8 weights apply to: the attention and MLP projections (stacked q/k/v and gate/up,
+    o and down). Not the LM head or embedding (they decide the sampled token; a small share of a
+    large model's bytes), routers, Gemma 4's per-layer projections, nor MoE experts (not done)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MergedLinear | RowParallelLinear)]
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Quantize every layer of ``quantized_layers`` not FP8 already; returns how many."""
+    count = 0
+    for _, layer in quantized_layers(model):
+        if not fp8.is_fp8(layer):
+            fp8.quantize_layer(layer)
+            count += 1
+    return count
+
+
+__all__ = [
+    "Linear",
+    "MergedLinear",
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "quantize_model",
+    "quantized_layers",
+]

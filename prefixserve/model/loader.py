@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from prefixserve.config import cache_dir
-from prefixserve.model import fp8, mxfp4
+from prefixserve.model import fp8, linear, mxfp4
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.families import checkpoint_name
@@ -144,13 +144,13 @@ def _materialize(
     fp8_layers: bool = False,
 ) -> LlamaForCausalLM:
     """Build the module (this rank's part of it) without default init (``meta_init``); weights are
-    filled in afterwards. ``fp8_layers``: its projections FP8 already (``fp8.quantize_model``), so
+    filled in afterwards. ``fp8_layers``: its projections FP8 already (``linear.quantize_model``), so
     the size checked is FP8's (dummy weights, drawn into them layer by layer)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
     model.to(dtype)
     if fp8_layers:
-        fp8.quantize_model(model)
+        linear.quantize_model(model)
     check_weights_fit(model, device, shard or Shard())  # before any byte is allocated
     allocate(model, device)  # tied embeddings stay tied
     model.reset_ropes(device)
