@@ -200,6 +200,8 @@ def test_other_schemes_are_refused_by_name(config: dict, named: str) -> None:
 
 def test_flag_choices() -> None:
     assert scheme_of(None, "fp8") == ("dynamic", False) and scheme_of(None, None) is None
+    gpt_oss = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    assert scheme_of(gpt_oss, None) is None and scheme_of(gpt_oss, "fp8") == ("dynamic", False)
     with pytest.raises(ValueError, match="quantization must be one of fp8"):
         EngineConfig(quantization="int8", device="cpu")
 

@@ -34,7 +34,8 @@ from prefixserve.model import fp8, linear
 
 SUPPORTED = (
     "quant_method 'fp8' (per tensor, or weight_block_size [128, 128]) and 'compressed-tensors' "
-    "float-quantized 8-bit float weights by channel, tensor or 128x128 block"
+    "float-quantized 8-bit float weights by channel, tensor or 128x128 block (and gpt-oss's 'mxfp4' "
+    "experts, dequantized)"
 )
 _SCALE_SUFFIXES = (
     ".weight_scale",
@@ -99,6 +100,8 @@ def scheme_of(
     if qc is None:
         return ("dynamic", False) if quantization == "fp8" else None
     method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: dequantized at load (``model/mxfp4.py``)
+        return ("dynamic", False) if quantization == "fp8" else None
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise _refuse(f"fp8 fmt {qc.get('fmt')!r}")
@@ -121,7 +124,9 @@ class Fp8Checkpoint:
             qc = raw.get("quantization_config") or raw.get("compression_config")
             qc = qc or (raw.get("text_config") or {}).get("quantization_config")
         self.scheme = scheme_of(qc, quantization)
-        self.from_checkpoint = qc is not None and self.scheme is not None
+        self.from_checkpoint = (
+            qc is not None and qc.get("quant_method") != "mxfp4" and self.scheme is not None
+        )
         self.scales: dict[str, torch.Tensor] = {}  # checkpoint name -> its scale tensor
         self.codes: dict[str, torch.Tensor] = {}  # parameter -> codes [N, K]
         self.row_scales: dict[str, torch.Tensor] = {}  # parameter -> scales [N, G]
