@@ -54,6 +54,7 @@ SPECULATIVE_KEYS = (
 
 CACHE_SALT_SCOPES = ("prompt", "after-system")  # what a cache_salt covers (docs/guides/tenants.md)
 POLICIES = ("fcfs", "priority", "fair")  # scheduling policies (scheduler/policy.py)
+QUANTIZATIONS = ("fp8",)  # weight quantizations at load (model/fp8.py)
 
 
 def check_weights(weights: dict[str, float]) -> dict[str, float]:
@@ -130,6 +131,9 @@ class EngineConfig:
     # application prompt are public: their blocks shared across salts; docs/guides/tenants.md)
     cache_salt_scope: str = "prompt"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # "fp8": the attention and MLP projections' weights quantized to FP8 at load (per output channel;
+    # model/fp8.py). None: as the checkpoint has them (an FP8 checkpoint loads as FP8 either way)
+    quantization: str | None = None
     device: str = "auto"  # auto: cuda if available, else cpu
     kv_cache_dtype: str = "auto"  # auto: the model's dtype | fp8 (fp8_e4m3): half the bytes a token
     attention: str = "auto"  # auto | reference | cascade | triton | triton_paged | none (benchmarks only)
@@ -221,6 +225,9 @@ class EngineConfig:
             self.chat_template = _template_text(self.chat_template)
         if any(not isinstance(n, str) or not n.strip() for n in self.served_model_name):
             raise ValueError(f"served_model_name takes non-empty names, got {self.served_model_name!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            known = ", ".join(QUANTIZATIONS)
+            raise ValueError(f"quantization must be one of {known} (or unset), got {self.quantization!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

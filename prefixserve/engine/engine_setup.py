@@ -59,7 +59,9 @@ class EngineSetup:
             self.runner = TensorParallelRunner(config, source, progress)
             tok_dir = self.runner.tokenizer_dir
         else:
-            model, tok_dir = load_model(source, self.dtype, self.device, config.seed, progress)
+            model, tok_dir = load_model(
+                source, self.dtype, self.device, config.seed, progress, quantization=config.quantization
+            )
             self.runner = ModelRunner(model, config, context_length(config, model))  # sizes the KV pool
         try:
             self._set_up(config, source, tok_dir)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefixserve.config import CACHE_SALT_SCOPES, KV_CACHE_DTYPES, POLICIES
+from prefixserve.config import CACHE_SALT_SCOPES, KV_CACHE_DTYPES, POLICIES, QUANTIZATIONS
 
 __all__ = [
     "add_engine_args",
@@ -37,6 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="the KV cache's element type: auto (the model's dtype) or fp8 (= fp8_e4m3: e4m3 with a "
         "scale per layer and KV head, half the bytes a token, twice the tokens in the pool)",
+    )
+    g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the attention and MLP weights quantized to FP8 at load (per output channel); an FP8 "
+        "checkpoint loads as FP8 without it",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--attention", default="auto", help="auto | reference | cascade | triton | triton_paged")
@@ -372,6 +379,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     return EngineConfig(
         model=_model(args),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
         attention=args.attention,

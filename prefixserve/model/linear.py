@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prefixserve.model import cpu_linear, fused
+from prefixserve.model import cpu_linear, fp8, fused
 from prefixserve.model.meta_init import LoadedLater
 from prefixserve.model.parallel import Shard
 from prefixserve.model.peer_allreduce import EMBEDDING_SLOT
@@ -17,9 +17,23 @@ class Linear(LoadedLater, nn.Linear):
     and on a GPU the skinny kernel for a decode step's few rows where it beats cuBLAS (``fused.linear``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == fp8.FP8:
+            return fp8.linear(self, x)
         if x.is_cuda:
             return fused.linear(x, self.weight, self.bias)
         return cpu_linear.linear(self, x)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the weight is FP8 codes (``model/fp8.py``): the fused paths that take a 16-bit
+        weight tensor (split-K partials, the gated gate-up kernel) then give way to ``forward``."""
+        return self.weight.dtype == fp8.FP8
+
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` without a bias, written into ``out`` [M, N] (a peer all-reduce buffer)."""
+        if self.fp8:
+            return fp8.linear(self, x, out=out)
+        return fused.linear_into(x, self.weight, out)
 
 
 class MergedLinear(Linear):
@@ -71,11 +85,11 @@ class RowParallelLinear(Linear):
             if slot is not None and fused.peer_norm_enabled():
                 pending = peer.product_slot(slot, x.shape[0], self.out_features, x.dtype)
                 if pending is not None:
-                    fused.linear_into(x, self.weight, pending.mine)
+                    self.into(x, pending.mine)
                     return pending
             staged = peer.staged(x.shape[0], self.out_features, x.dtype)
             if staged is not None:
-                fused.linear_into(x, self.weight, staged)
+                self.into(x, staged)
                 return peer.reduce_staged(staged)
         return shard.all_reduce(self(x))
 
@@ -116,4 +130,29 @@ class ParallelLMHead(Linear):
         super().__init__(hidden, self.src[1] - self.src[0], bias=False)
 
 
-__all__ = ["Linear", "MergedLinear", "ParallelLMHead", "RowParallelLinear", "VocabParallelEmbedding"]
+def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers FP8 weights apply to: the attention and MLP projections (stacked q/k/v and gate/up,
+    o and down). Not the LM head or embedding (they decide the sampled token; a small share of a
+    large model's bytes), routers, Gemma 4's per-layer projections, nor MoE experts (not done)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MergedLinear | RowParallelLinear)]
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Quantize every layer of ``quantized_layers`` not FP8 already; returns how many."""
+    count = 0
+    for _, layer in quantized_layers(model):
+        if not fp8.is_fp8(layer):
+            fp8.quantize_layer(layer)
+            count += 1
+    return count
+
+
+__all__ = [
+    "Linear",
+    "MergedLinear",
+    "ParallelLMHead",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "quantize_model",
+    "quantized_layers",
+]

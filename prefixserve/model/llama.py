@@ -131,7 +131,7 @@ class Attention(nn.Module):
         if self.gemma4:
             return self._gemma4_rotated(x, rope, cache)
         proj = self.qkv_proj
-        qkv = fused.qkv_partials(x, proj.weight, proj.bias) if x.is_cuda else proj(x)  # [(S,) T, W]
+        qkv = fused.qkv_partials(x, proj.weight, proj.bias) if x.is_cuda and not proj.fp8 else proj(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         return fused.rope_qkv(qkv, *rope, *shape, cache, x.dtype, norms)
@@ -223,11 +223,11 @@ class MLP(nn.Module):
         on the fused path (``product_slot``) the ranks' products unsummed (``PeerSum``, ``MLP_SLOT``)."""
         # [T, I] (this rank's columns: on a GPU without the [T, 2I] product), then the ranks' sums added
         gelu = self.act == "gelu_pytorch_tanh"
-        if x.is_cuda:
+        if x.is_cuda and not self.gate_up_proj.fp8:
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight, gelu)
         else:
             act = fused.silu_and_mul(self.gate_up_proj(x), gelu)
-        if partials and not self.shard.parallel and act.is_cuda:
+        if partials and not self.shard.parallel and act.is_cuda and not self.down_proj.fp8:
             return fused.linear_partials(act, self.down_proj.weight)
         return self.down_proj.reduced(act, self.shard, slot=MLP_SLOT if partials else None)
 

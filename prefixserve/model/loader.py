@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from prefixserve.config import cache_dir
-from prefixserve.model import mxfp4
+from prefixserve.model import fp8, linear, mxfp4
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.families import checkpoint_name
+from prefixserve.model.fp8_checkpoint import Fp8Checkpoint
 from prefixserve.model.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from prefixserve.model.llama import LlamaForCausalLM, RMSNorm
 from prefixserve.model.memory_fit import check_weights_fit
@@ -136,13 +137,21 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
 
 
 def _materialize(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard | None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard | None,
+    fp8_layers: bool = False,
 ) -> LlamaForCausalLM:
     """Build the module (this rank's part of it) without default init (``meta_init``); weights are
-    filled in afterwards."""
+    filled in afterwards. ``fp8_layers``: its projections FP8 already (``linear.quantize_model``), so
+    the size checked is FP8's (dummy weights, drawn into them layer by layer)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
-    check_weights_fit(model.to(dtype), device, shard or Shard())  # before any byte is allocated
+    model.to(dtype)
+    if fp8_layers:
+        linear.quantize_model(model)
+    check_weights_fit(model, device, shard or Shard())  # before any byte is allocated
     allocate(model, device)  # tied embeddings stay tied
     model.reset_ropes(device)
     return model
@@ -240,13 +249,25 @@ def _read(piece: Piece, source: Any, target: torch.Tensor) -> None:
             target.narrow(piece.dim, 0, stop - piece.start).copy_(part)
 
 
-def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
+def _model_name(model: LlamaForCausalLM, stored: str) -> str | None:
+    """A checkpoint tensor's name in this model, or None for one it does not serve (a vision tower)."""
+    name = language_model_name(stored)
+    return None if name is None else checkpoint_name(model.config.architecture, name)
+
+
+def _load_hf_weights(model: LlamaForCausalLM, directory: Path, fp8s: Fp8Checkpoint | None = None) -> None:
     """Copy an HF safetensors state dict into the model; q/k/v and gate/up go into their stacked rows.
 
     Only this rank's slices are read (safetensors reads a slice without the rest of the tensor).
     Checkpoints that already stack them (``qkv_proj``, ``gate_up_proj``) load as they are (one rank).
+    FP8 tensors are dequantized as read, their codes kept for ``fp8s.install`` (``fp8_checkpoint``).
     """
     from safetensors import safe_open
+
+    fp8s = fp8s or Fp8Checkpoint(None, None)
+    files = sorted(directory.glob("*.safetensors"))
+    fp8s.read_scales(files, lambda stored: _model_name(model, stored))
+    fp8s.watch(model)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     pieces = _pieces(model)
@@ -261,21 +282,21 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                 targets[param] = [(param, Piece(param, slice(None), 0, 0, whole[0], whole))]
     seen: set[str] = set()
     packed = mxfp4.Pairs()  # gpt-oss's MXFP4 blocks and scales, each tensor dequantized once both came
-    for file in sorted(directory.glob("*.safetensors")):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                name = language_model_name(stored)
-                if name is not None:
-                    name = checkpoint_name(model.config.architecture, name)
-                if name is None:  # a multimodal checkpoint's vision tower: text is served alone
+                name = _model_name(model, stored)
+                # a multimodal checkpoint's vision tower (text is served alone); FP8 scales (read)
+                if name is None or fp8s.is_scale(name):
                     continue
+                codes = None
                 if mxfp4.is_packed(name):
                     done = packed.add(name, f.get_tensor(stored))
                     if done is None:
                         continue
                     name, source = done
                 else:
-                    source = f.get_slice(stored)
+                    source, codes, scale = fp8s.source(name, f, stored)
                 if name not in targets:
                     if "rotary_emb" in name or _unused_kv_weight(name, model.full_config):
                         continue
@@ -289,6 +310,8 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path) -> None:
                     if shape != piece.full:
                         raise ValueError(f"{file}: {name} has shape {shape}, want {piece.full}")
                     _read(piece, source, params[param][piece.rows])
+                    if codes is not None:
+                        fp8s.keep_codes(param, tuple(params[param].shape), piece, codes, scale)
                 seen.add(name)
     packed.check_complete(directory)
     missing = {
@@ -380,11 +403,14 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     params = dict(model.named_parameters())
+    dense = next(p.dtype for p in params.values() if p.dtype != fp8.FP8)
     with torch.no_grad():
         for name, plist in _pieces(model).items():
             p = params.get(name)
             if p is None:  # a tied weight: drawn once, as the embedding
                 continue
+            if p.dtype == fp8.FP8:  # drawn as the unquantized model's, then quantized
+                layer, p = model.get_submodule(name.rpartition(".")[0]), torch.empty_like(p, dtype=dense)
             if name.endswith(("layernorm.weight", "norm.weight", "layer_scalar")):
                 p.fill_(1.0)
             elif name.endswith("bias"):
@@ -397,6 +423,8 @@ def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
                     else:
                         drawn = torch.empty(piece.full, dtype=p.dtype, device=device)
                         _read(piece, drawn.normal_(0.0, 0.02, generator=gen), target)
+                if params[name].dtype == fp8.FP8:
+                    fp8.refill(layer, p)
 
 
 def load_model(
@@ -406,23 +434,29 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     shard: Shard | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, Path | None]:
     """Load weights (``shard``: this rank's part only); returns the model and the directory holding
-    its tokenizer (None: a dummy model's, see ``load_tokenizer``)."""
+    its tokenizer (None: a dummy model's, see ``load_tokenizer``). ``quantization="fp8"``: FP8
+    projections (``model/fp8.py``); an FP8 checkpoint loads as FP8 without it."""
     if source.kind == "gguf":
         directory = convert_gguf(source.path, progress=progress)
     elif source.kind == "hf":
         directory = source.path
     else:
         config = ModelConfig.from_json(source.path)
-        model = _materialize(config, dtype, device, shard)
+        fp8s = Fp8Checkpoint(None, quantization)  # refuses a scheme not supported
+        model = _materialize(config, dtype, device, shard, fp8s.scheme is not None)
         _init_dummy(model, seed)
         use_uniform_routing(model)  # random routers would send a whole batch to a few experts
         return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
+    fp8s = Fp8Checkpoint(directory, quantization)
     model = _materialize(config, torch.float32, device, shard)
-    _load_hf_weights(model, directory)
-    return model.to(dtype).eval(), directory
+    _load_hf_weights(model, directory, fp8s)
+    model.to(dtype)
+    fp8s.install(model)  # after the cast: codes and scales stay as they are
+    return model.eval(), directory
 
 
 def model_config(source: ModelSource, progress: bool = True) -> ModelConfig:

@@ -226,7 +226,13 @@ class TensorParallelRunner(ModelRunner):
                 if self.health.dead is not None:  # a worker died before this was in place
                     self.health.give_up_waits()
             model, self.tokenizer_dir = load_model(
-                source, config.torch_dtype, rank_config(config, 0).torch_device, config.seed, progress, shard
+                source,
+                config.torch_dtype,
+                rank_config(config, 0).torch_device,
+                config.seed,
+                progress,
+                shard,
+                config.quantization,
             )
             self.guard(super().__init__, model, rank_config(config, 0), context_length(config, model))
             for rank, conn in enumerate(self.conns, start=1):

@@ -78,7 +78,9 @@ def serve(conn: Connection, rank: int) -> None:
     if config.torch_device.type == "cpu":  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     shard = init_rank(config, rank, size, init_file)
-    model, _ = load_model(source, config.torch_dtype, config.torch_device, config.seed, False, shard)
+    model, _ = load_model(
+        source, config.torch_dtype, config.torch_device, config.seed, False, shard, config.quantization
+    )
     runner = ModelRunner(model, config, context_length(config, model))
     conn.send(("ready",))
     launch: Launch | None = None

@@ -1,0 +1,204 @@
+"""``x @ W^T`` with W held as e4m3 codes and fp32 scales (W8A16): the skinny kernel's FP8 twin.
+
+At a decode step's few rows a linear layer is a read of its weight; FP8 codes halve it. Each program
+takes ``BLOCK_N`` output columns (and, past ``MAX_ROWS`` rows, ``BLOCK_M`` rows) over the whole of
+K, streams its code tile through a software pipeline, converts it to x's dtype in registers and
+multiplies on the tensor cores with fp32 accumulation. Per-channel scales [N, 1] multiply the sum
+once at the end; a block-scaled checkpoint's [N, K/128] scales multiply each 128-column step's
+product (``GROUPED``, BLOCK_K = 128 = the block's edge), so one kernel serves both at every M.
+K need not be a multiple of 128 (masked loads). The tiles are ``skinny_matmul.skinny_config``'s
+for bf16 at the same shapes (not yet swept for FP8: the lead's H200 run, ``benchmarks/fp8.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.model.kernels import skinny_matmul
+from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
+
+triton, tl = require_triton()
+
+BLOCK_K = 128  # = the block-scaled format's group of columns (GROUPED indexes scales by k0 // BLOCK_K)
+CHANNEL_BLOCK_K = 256  # per-channel scales: a step loads as many bytes as the bf16 kernel's 128 columns
+LARGE_TILE = (64, 128, 3)  # BLOCK_M, BLOCK_N, STAGES past MAX_ROWS (block-scaled prefill)
+SHARED_BYTES = 192 << 10  # the pipeline's stages kept under this (an H100/H200 SM has 228 KiB)
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # fp8.FP8_MAX: e4m3's largest finite value
+MIN_SCALE: tl.constexpr = tl.constexpr(1e-12)  # fp8.MIN_SCALE: an all-zero row's
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_kernel(
+    x_ptr,  # [M, K] bf16 / fp16
+    w_ptr,  # [N, K] e4m3
+    s_ptr,  # [N, G] fp32
+    out_ptr,  # [M, N]
+    bias_ptr,  # [N], or x_ptr when there is none
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,  # scales per 128-column group (G = ceil(K / 128)), else per row (G = 1)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_ok = (k0 + offs_k) < K
+        w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GROUPED:
+            s = tl.load(s_rows + k0 // BLOCK_K, mask=n_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(dtype))) * s[None, :]
+        else:
+            acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
+    if not GROUPED:
+        acc *= tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+_fp8 = BoundKernel(_fp8_kernel)
+
+
+def supported(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
+    """Whether ``fp8_linear`` takes this product: 2-D 16-bit x with unit column stride, e4m3 codes
+    [N, K] and fp32 scales [N, 1] or [N, ceil(K/128)] with unit inner strides, a contiguous bias of
+    N if any; on an sm_89+ GPU or the CPU interpreter (tests)."""
+    k = x.shape[-1]
+    return (
+        x.dim() == 2
+        and x.shape[0] > 0
+        and (not x.is_cuda or x.device == codes.device)
+        and (x.is_cuda or skinny_matmul.device_ok(x))
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and codes.dtype == torch.float8_e4m3fn
+        and scale.dtype == torch.float32
+        and x.stride(1) == 1
+        and codes.stride(1) == 1
+        and codes.shape[1] == k
+        and scale.dim() == 2
+        and scale.shape[0] == codes.shape[0]
+        and scale.shape[1] in (1, -(-k // BLOCK_K))
+        and scale.stride(1) == 1
+        and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.shape[0] == codes.shape[0]))
+    )
+
+
+def tiles(m: int, n: int, block_k: int = BLOCK_K) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, STAGES): up to ``MAX_ROWS`` rows one program column holds them all and the
+    skinny kernel's bf16 tiles apply, with as many stages as ``SHARED_BYTES`` holds; past it
+    ``LARGE_TILE``."""
+    if m > skinny_matmul.MAX_ROWS:
+        return LARGE_TILE
+    block_n, stages = skinny_matmul.skinny_config(m, n) or (32, 6)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    per_stage = block_k * (2 * block_m + block_n)  # a 16-bit x tile and an e4m3 weight tile
+    return block_m, block_n, max(2, min(stages, SHARED_BYTES // per_stage))
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ (codes * scale)^T + bias`` into a new [M, N] tensor of x's dtype (or ``out``), for
+    ``supported`` inputs."""
+    if not supported(x, codes, scale, bias):
+        raise ValueError(
+            f"fp8_linear takes 16-bit x [M, K] and e4m3 codes [N, K] with fp32 scales [N, 1] or "
+            f"[N, K/128]: x {tuple(x.shape)} {x.dtype}, codes {tuple(codes.shape)} {codes.dtype}, "
+            f"scales {tuple(scale.shape)} {scale.dtype}"
+        )
+    m, k = x.shape
+    n = codes.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
+    grouped = scale.shape[1] > 1
+    block_k = BLOCK_K if grouped or m > skinny_matmul.MAX_ROWS else CHANNEL_BLOCK_K
+    block_m, block_n, stages = tiles(m, n, block_k)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _fp8(
+        grid, x, codes, scale, out, x if bias is None else bias, m, n, k,
+        x.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantize_rows_kernel(
+    x_ptr,  # [M, K] 16-bit
+    q_ptr,  # [M, K] e4m3 (contiguous)
+    s_ptr,  # [M] fp32
+    static_ptr,  # [1] fp32: the checkpoint's input scale (STATIC), else x_ptr
+    M,
+    K,
+    stride_xm,
+    STATIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_xm
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * K + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+
+
+_quantize = BoundKernel(_quantize_rows_kernel)
+
+
+def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8.quantize_tokens`` in one kernel: each row of x read twice (its amax, then its codes),
+    the codes written once; torch's ops took six passes over a prefill's activations per product."""
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if static is None:
+        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    else:
+        scale = static.float().reshape(1, 1).expand(m, 1).contiguous()
+    if m:
+        _quantize(
+            (m,), x, codes, scale, x if static is None else static, m, k, x.stride(0),
+            STATIC=static is not None, BLOCK=1024, num_warps=4,
+        )  # fmt: skip
+    return codes, scale
+
+
+__all__ = ["BLOCK_K", "CHANNEL_BLOCK_K", "LARGE_TILE", "fp8_linear", "quantize_rows", "supported", "tiles"]

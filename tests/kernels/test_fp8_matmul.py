@@ -1,0 +1,84 @@
+"""The FP8 weight kernel (W8A16: e4m3 codes, fp32 scales per row or per row and 128-column group)
+against the dequantize-and-matmul reference (``fp8.reference``).
+
+Tiny sizes: on a CPU the Triton interpreter runs it in fp16 (its bf16 dot is wrong; the kernel path is
+the same); with a GPU the same tests run compiled, in bf16 too. Both sides use the same codes and
+scales, so the only difference is the output's rounding and the summation order: fp16's 2^-11
+relative (bf16's 2^-8), checked at 2e-3 (2e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE
+
+from prefixserve.model import fp8
+from prefixserve.model.kernels.fp8_matmul import LARGE_TILE, fp8_linear, supported, tiles
+
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def _operands(m: int, n: int, k: int, grouped: bool, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    if grouped:  # a block-scaled checkpoint's scales as rows: [N, ceil(K/128)]
+        scale = torch.rand(n, -(-k // 128), generator=gen) / 100 + 1e-3
+        codes = fp8.to_codes(w, scale)
+    else:
+        codes, scale = fp8.quantize_rows(w)
+    return x, codes.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(1, 40, 256), (5, 72, 200), (17, 100, 384), (64, 33, 128), (70, 130, 256)],  # the last: LARGE_TILE
+)
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_linear_matches_reference(dtype, m, n, k, grouped, with_bias) -> None:
+    """Masked rows, columns and K (200: not a multiple of 128), per-row and per-group scales, bias."""
+    x, codes, scale = _operands(m, n, k, grouped, dtype, m * n + k)
+    bias = torch.randn(n).to(DEVICE, dtype) if with_bias else None
+    assert supported(x, codes, scale, bias)
+    out = fp8_linear(x, codes, scale, bias)
+    ref = fp8.reference(x.float(), codes, scale, None if bias is None else bias.float())
+    assert out.shape == (m, n) and out.dtype == dtype
+    tol = 2e-3 if dtype == torch.float16 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_fp8_linear_into_a_buffer_view_and_tiles() -> None:
+    """``out``: a [M, N] view with a row stride of its own (a peer buffer); the tile rule."""
+    x, codes, scale = _operands(3, 48, 128, False, torch.float16, 0)
+    buf = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
+    written = fp8_linear(x, codes, scale, out=buf[:, :48])
+    torch.testing.assert_close(written.float(), fp8.reference(x.float(), codes, scale), rtol=2e-3, atol=2e-3)
+    assert buf[:, 48:].abs().sum() == 0
+    assert tiles(65, 4096) == LARGE_TILE and tiles(1, 4096)[0] == 16 and tiles(40, 1024)[0] == 64
+    assert not supported(x.float(), codes, scale)  # 16-bit x only
+    assert not supported(x, codes, scale[:, :0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (3, 1500), (70, 2048)])
+def test_quantize_rows_kernel_matches_torch(dtype, m: int, k: int) -> None:
+    """The per-token activation quantization kernel gives ``fp8.quantize_tokens``' codes and scales
+    (dynamic, and a static scale); a zero row gets zeros."""
+    from prefixserve.model.kernels.fp8_matmul import quantize_rows
+
+    x = (torch.randn(m, k) * torch.logspace(-3, 3, m)[:, None]).to(DEVICE, dtype)
+    x[0] = 0
+    static = torch.tensor([0.05], device=DEVICE)
+    for s in (None, static):
+        codes, scale = quantize_rows(x, s)
+        want_codes, want_scale = fp8.quantize_tokens(x, s)
+        torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+        got, want = codes.float(), want_codes.float()
+        # equal but where the GPU's fp32 division rounds across a code boundary: one e4m3 step
+        off = (got - want).abs() > 2.0**-3 * want.abs() + 2.0**-9
+        if DEVICE.type == "cpu":  # the interpreter's cast to e4m3 drops the carry of a mantissa that
+            off &= want.abs().log2() != want.abs().log2().round()  # rounds up to a power of two
+        assert off.float().mean() < 1e-3 and (got[0] == 0).all()

@@ -1,0 +1,128 @@
+"""FP8 weights on a GPU (sm_89+): the cuBLASLt W8A8 path (``torch._scaled_mm``) and the W8A16 Triton
+kernel against the dequantize-and-matmul reference, eager and replayed from a CUDA graph; each
+published checkpoint format (tiny checkpoints written from the formats' definitions,
+``tests/fp8_checkpoints.py``) loads and generates the greedy tokens of its dequantized bf16 model;
+a dummy model with ``quantization="fp8"`` runs under CUDA graphs. Skipped without CUDA.
+
+Tolerances: both sides multiply the same codes and scales (and, on the W8A8 path, the same
+per-token activation codes: ``fp8.quantize_tokens`` feeds both), so they differ by bf16's output
+rounding (2^-8 relative) and the summation order: 2e-2 of the output's largest value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.model import fp8, linear
+from prefixserve.model.linear import MergedLinear
+from tests import fp8_checkpoints as ckpt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a CUDA GPU with FP8 (sm_89+)",
+    ),
+]
+
+SHAPES = [(4096, 6144), (14336, 4096), (4096, 4096)]  # (K, N): Llama-3.1-8B's qkv, down, o
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    scale = float(ref.abs().max()) + 1e-6
+    err = float((out.float() - ref.float()).abs().max())
+    assert bool(torch.isfinite(out).all()) and err <= 2e-2 * scale, (err, scale)
+
+
+def _layer(k: int, n: int, grouped: bool = False, act: str = "dynamic", seed: int = 0) -> MergedLinear:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
+    layer = MergedLinear(k, [("a", (0, n), n)], bias=False).cuda().to(torch.bfloat16)
+    if grouped:
+        scale = (w.abs().view(n, -1, 128).amax(-1) / fp8.FP8_MAX).clamp(min=1e-12)
+        codes = fp8.to_codes(w, scale)
+    else:
+        codes, scale = fp8.quantize_rows(w)
+    static = (torch.tensor([8.0 / fp8.FP8_MAX], device="cuda")) if act == "static" else None
+    fp8.install(layer, codes, scale, act, static)
+    return layer
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    return torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 512, 8192])
+def test_each_path_equals_the_reference(k: int, n: int, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 64 rows the Triton kernel (x unquantized), past them cuBLASLt (x per token)."""
+    layer = _layer(k, n, seed=m)
+    calls = []
+    real = fp8.scaled_mm
+    monkeypatch.setattr(fp8, "scaled_mm", lambda *a: calls.append(1) or real(*a))
+    x = _x(m, k)
+    with torch.no_grad():
+        out = layer(x)
+    act = None if m <= fp8.MAX_ROWS else "dynamic"
+    assert bool(calls) == (act is not None)
+    _close(out, fp8.reference(x, layer.weight, layer.weight_scale, None, act))
+
+
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_block_scaled_and_static_layers(m: int) -> None:
+    """Block scales: the Triton kernel at every M; a static input scale on the cuBLASLt path."""
+    grouped = _layer(4096, 2048, grouped=True)
+    x = _x(m, 4096)
+    with torch.no_grad():
+        _close(grouped(x), fp8.reference(x, grouped.weight, grouped.weight_scale))
+        static = _layer(4096, 2048, act="static")
+        act = None if m <= fp8.MAX_ROWS else "static"
+        want = fp8.reference(x, static.weight, static.weight_scale, None, act, static.input_scale)
+        _close(static(x), want)
+
+
+@pytest.mark.parametrize("m", [4, 128])
+def test_replayed_from_a_cuda_graph(m: int) -> None:
+    layer = _layer(4096, 6144)
+    x = _x(m, 4096)
+    with torch.no_grad():
+        for _ in range(2):  # compile and warm outside the capture
+            layer(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        x.copy_(_x(m, 4096))
+        graph.replay()
+        eager = layer(x)
+    _close(out, eager)
+
+
+def _greedy(model: str, **kw) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": [3 + i, 17, 41 + 2 * i, 9, 100 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(
+        model=model, device="cuda", num_kv_blocks=128, max_num_batched_tokens=256, progress=False, **kw
+    ) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("fmt", ckpt.FORMATS)
+def test_published_formats_generate_the_dequantized_models_tokens(fmt: str, tmp_path: Path) -> None:
+    """Each format loads as FP8 (no flag) and, with short prompts and decode steps (W8A16: the
+    dequantized weights' products), greedy tokens equal those of its dequantized bf16 model."""
+    quant, dense = ckpt.write(tmp_path, fmt)
+    with LLM(model=str(quant), device="cuda", num_kv_blocks=64, progress=False) as llm:
+        layers = linear.quantized_layers(llm.engine.runner.model)
+        assert layers and all(fp8.is_fp8(layer) for _, layer in layers)
+    assert _greedy(str(quant)) == _greedy(str(dense))
+
+
+def test_dummy_model_with_the_flag_under_cuda_graphs(tiny_config_path: Path) -> None:
+    """quantization='fp8': the same tokens replayed from CUDA graphs as eager."""
+    model = f"dummy:{tiny_config_path}"
+    graphs = _greedy(model, quantization="fp8")
+    assert graphs == _greedy(model, quantization="fp8", enforce_eager=True)
