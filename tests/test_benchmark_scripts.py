@@ -31,6 +31,8 @@ LIBRARIES = {
     "overload_report",
     "tensor_parallel_power",
     "tensor_parallel_files",
+    "peers_gpu_batch",
+    "peers_gpu_fi",
 }
 
 
