@@ -82,7 +82,8 @@ def _case(bs: int, group: int, dim: int, query_lens: list[int], seed: int):
     hkv = 2
     tables = [[4, 9, 2, 11, 12], [4, 9, 2, 13], [4, 9, 16], [20, 21]]
     seq_lens = [4 * bs + 3, 3 * bs + bs - 1, 2 * bs + 5, bs + 7]
-    k, v, _ = paged_cache([40 * bs], bs, hkv, dim, torch.float32, gen)
+    # on the CPU (the fp64 oracle's side); each test moves what the kernels read to DEVICE
+    k, v, _ = paged_cache([40 * bs], bs, hkv, dim, torch.float32, gen, device=torch.device("cpu"))
     mag = torch.tensor([2.0**-3, 2.0**5])[:, None]  # head 0 small, head 1 large
     k, v = k * mag, v * mag.flip(0)
     scales = torch.stack([pow2_scales(t.abs().amax((0, 1, 3))) for t in (k, v)])  # [2, Hkv]
