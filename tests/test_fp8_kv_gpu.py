@@ -50,7 +50,8 @@ def test_fp8_greedy_equal_with_graphs_and_sharing(tiny_config_path) -> None:
             assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want, attention
         assert fast.engine.graphs is not None and fast.engine.graphs.captures >= 1
         m = fast.metrics()
-        assert m["attention_kv_tokens_read_total"] < m["attention_kv_tokens_logical_total"], attention
+        if attention == "triton":  # auto may keep this small prefix on the paged path (its cost rule)
+            assert m["attention_kv_tokens_read_total"] < m["attention_kv_tokens_logical_total"]
         assert_pool_empty(fast)
     # the same scales every start (digests name them): a second engine's equal the first's
     assert torch.equal(plain.engine.runner.kv.scales, fast.engine.runner.kv.scales)

@@ -112,13 +112,15 @@ def _greedy(model: str, **kw) -> list[list[int]]:
 
 @pytest.mark.parametrize("fmt", ckpt.FORMATS)
 def test_published_formats_generate_the_dequantized_models_tokens(fmt: str, tmp_path: Path) -> None:
-    """Each format loads as FP8 (no flag) and, with short prompts and decode steps (W8A16: the
-    dequantized weights' products), greedy tokens equal those of its dequantized bf16 model."""
+    """Each format loads as FP8 (no flag) and its greedy tokens equal those of its dequantized model,
+    both run in fp32 (short prompts and decode steps: the dequantized weights' products). In bf16 the
+    W8A16 kernel's rounding and cuBLAS's differ enough to flip a near tie of this random tiny model
+    after about 11 tokens (H200); the kernel is held to the dequantized product in ``test_fp8_matmul``."""
     quant, dense = ckpt.write(tmp_path, fmt)
     with LLM(model=str(quant), device="cuda", num_kv_blocks=64, progress=False) as llm:
         layers = linear.quantized_layers(llm.engine.runner.model)
         assert layers and all(fp8.is_fp8(layer) for _, layer in layers)
-    assert _greedy(str(quant)) == _greedy(str(dense))
+    assert _greedy(str(quant), dtype="float32") == _greedy(str(dense), dtype="float32")
 
 
 def test_dummy_model_with_the_flag_under_cuda_graphs(tiny_config_path: Path) -> None:
