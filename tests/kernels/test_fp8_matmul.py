@@ -82,3 +82,19 @@ def test_quantize_rows_kernel_matches_torch(dtype, m: int, k: int) -> None:
         if DEVICE.type == "cpu":  # the interpreter's cast to e4m3 drops the carry of a mantissa that
             off &= want.abs().log2() != want.abs().log2().round()  # rounds up to a power of two
         assert off.float().mean() < 1e-3 and (got[0] == 0).all()
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 40, 256), (17, 100, 384), (64, 33, 200)])
+def test_fp8_codes_of_x_match_the_w8a8_reference(m: int, n: int, k: int) -> None:
+    """``x_codes`` (W8A8: x's e4m3 codes and row scales from ``quantize_rows``, FP8 tensor-core
+    products) against the dequantize-both reference: the same codes on both sides, so only the
+    summation order and the output's rounding differ."""
+    from prefixserve.model.kernels.fp8_matmul import quantize_rows
+
+    x, codes, scale = _operands(m, n, k, False, torch.float16, m + n + k)
+    xq, sx = quantize_rows(x)
+    out = fp8_linear(x, codes, scale, x_codes=(xq, sx))
+    ref = (xq.float() * sx) @ fp8.dequantize(codes, scale).T
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="per-channel"):
+        fp8_linear(x, codes, scale.repeat(1, 2), x_codes=(xq, sx))

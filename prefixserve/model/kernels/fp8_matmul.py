@@ -35,6 +35,7 @@ def _fp8_kernel(
     s_ptr,  # [N, G] fp32
     out_ptr,  # [M, N]
     bias_ptr,  # [N], or x_ptr when there is none
+    sx_ptr,  # X_CODES: [M] fp32 per-row scales of x's e4m3 codes, else x_ptr
     M,
     N,
     K,
@@ -44,6 +45,7 @@ def _fp8_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr,  # scales per 128-column group (G = ceil(K / 128)), else per row (G = 1)
+    X_CODES: tl.constexpr,  # x is e4m3 codes with row scales (W8A8): FP8 tensor-core products, no cvt
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -63,13 +65,17 @@ def _fp8_kernel(
         k_ok = (k0 + offs_k) < K
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if GROUPED:
+        if X_CODES:
+            acc = tl.dot(x, tl.trans(w), acc)
+        elif GROUPED:
             s = tl.load(s_rows + k0 // BLOCK_K, mask=n_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w.to(dtype))) * s[None, :]
         else:
             acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
     if not GROUPED:
         acc *= tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
+    if X_CODES:
+        acc *= tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -123,9 +129,14 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ (codes * scale)^T + bias`` into a new [M, N] tensor of x's dtype (or ``out``), for
-    ``supported`` inputs."""
+    ``supported`` inputs. ``x_codes`` = (e4m3 codes [M, K], fp32 scales [M, 1]) of x
+    (``quantize_rows``): W8A8, the products on FP8 tensor cores from shared memory (per-channel weight
+    scales only); x then only names the output's dtype."""
+    if x_codes is not None and (scale.shape[1] != 1 or x_codes[0].shape != x.shape):
+        raise ValueError("x codes need per-channel weight scales and x's shape")
     if not supported(x, codes, scale, bias):
         raise ValueError(
             f"fp8_linear takes 16-bit x [M, K] and e4m3 codes [N, K] with fp32 scales [N, 1] or "
@@ -142,11 +153,12 @@ def fp8_linear(
     block_k = BLOCK_K if grouped or m > skinny_matmul.MAX_ROWS else CHANNEL_BLOCK_K
     block_m, block_n, stages = tiles(m, n, block_k)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
     _fp8(
-        grid, x, codes, scale, out, x if bias is None else bias, m, n, k,
-        x.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, num_warps=4,
+        grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
+        xin.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4,
     )  # fmt: skip
     return out
 
