@@ -36,10 +36,13 @@ def main() -> None:
         consts = common | {"GROUP": 2, "BLOCK_N": 32, "HEAD_DIM": 256, "SKIP": skip, "BASE": skip}
         compiled = compile_for_hopper(window_attention._window_kernel, types, consts)
         print(json.dumps({"kernel": "window", "skip": skip, "ok": bool(compiled.asm.get("cubin"))}))
-    types = ptrs | {"o_ptr": "*bf16", "lse_ptr": "*fp32"}
-    consts = common | {"GROUP": 4, "BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True}
-    compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
-    print(json.dumps({"kernel": "paged", "skip": False, "ok": bool(compiled.asm.get("cubin"))}))
+    types = ptrs | {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
+    types |= {"count_ptr": "*i32"}
+    for merge in (False, True):  # a decode step's splits merged by the last program (``merge_last``)
+        consts = common | {"GROUP": 4, "BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True}
+        consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge}
+        compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
+        print(json.dumps({"kernel": "paged", "skip": merge, "ok": bool(compiled.asm.get("cubin"))}))
 
 
 if __name__ == "__main__":
