@@ -9,12 +9,14 @@ keep them exact. The weight is ``codes * scale``.
 
 The product, by rows M of x (``linear``):
 
-- M > ``MAX_ROWS`` with per-channel scales, on sm_89+: W8A8 through cuBLASLt (``torch._scaled_mm``),
-  x quantized per token (amax / 448; a checkpoint's static ``input_scale`` where it has one), the
-  scales applied in the GEMM's epilogue: the tensor cores' FP8 rate, twice bf16's (prefill).
-- M <= ``MAX_ROWS`` (decode), and block-scaled weights at every M: W8A16 in the Triton kernel
-  (``kernels/fp8_matmul.py``), x unquantized, the codes converted to bf16 after they are loaded: a
-  decode step is a weight read, and the weight is half bf16's bytes.
+- Per-channel scales, x quantized per token (amax / 448; a checkpoint's static ``input_scale`` where
+  it has one), on sm_89+: W8A8. Past ``MAX_ROWS`` rows through cuBLASLt (``torch._scaled_mm``, the
+  scales in the GEMM's epilogue: the tensor cores' FP8 rate, twice bf16's: prefill); up to it (a
+  decode step) the Triton kernel on x's codes (``kernels/fp8_matmul.py``: FP8 tensor-core products
+  straight from shared memory), which beat both the weight-only form and cuBLASLt there
+  (``benchmarks/probes/fp8_gemm.py``, docs/kernels.md §10).
+- Block-scaled weights at every M, and weight-only checkpoints: W8A16 in the same kernel, x
+  unquantized, the codes converted to x's dtype after they are loaded.
 - CPU, or a GPU without FP8 (before sm_89): ``reference``, dequantize then matmul in fp32, with the
   activation quantization the GPU would apply at that M (so CPU tests see the GPU's numerics).
 
@@ -33,7 +35,7 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 GROUP = 128  # a block-scaled checkpoint's block edge (``weight_block_size`` [128, 128])
-MAX_ROWS = 64  # rows up to which the weight-only kernel runs (a decode step), as the skinny kernel's
+MAX_ROWS = 64  # rows up to which the Triton kernel runs (a decode step), as the skinny kernel's
 MIN_SCALE = 1e-12  # an all-zero row's scale: its codes are zeros whatever it is
 ACT_MODES = ("dynamic", "static", "none")  # per-token scales; a checkpoint's one scale; weight-only
 
@@ -147,16 +149,20 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     codes, scale, bias = layer.weight, layer.weight_scale, layer.bias
-    act = None if weight_only(layer, x2.shape[0]) else layer.act_quant
+    act = None if weight_only(layer) else layer.act_quant
     y = None
     if x2.is_cuda and fp8_gpu(x2.device):
-        if act is not None and scaled_mm_takes(x2, codes):
-            y = scaled_mm(x2, codes, scale, bias, layer.input_scale if act == "static" else None)
-        elif _triton_takes(x2):  # W8A16 (also where cuBLASLt does not take the shape or dtype)
-            from prefixserve.model.kernels import fp8_matmul
+        from prefixserve.model.kernels import fp8_matmul
 
-            if fp8_matmul.supported(x2, codes, scale, bias):
-                return fp8_matmul.fp8_linear(x2, codes, scale, bias, out=out).view(*lead, -1)
+        static = layer.input_scale if act == "static" else None
+        small = x2.shape[0] <= MAX_ROWS and _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
+        if act is not None and small:  # W8A8 on the Triton kernel: a decode step
+            xq = fp8_matmul.quantize_rows(x2, static)
+            return fp8_matmul.fp8_linear(x2, codes, scale, bias, out=out, x_codes=xq).view(*lead, -1)
+        if act is not None and scaled_mm_takes(x2, codes):
+            y = scaled_mm(x2, codes, scale, bias, static)
+        elif _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias):  # W8A16
+            return fp8_matmul.fp8_linear(x2, codes, scale, bias, out=out).view(*lead, -1)
     if y is None:
         y = reference(x2, codes, scale, bias, act, layer.input_scale)
     if out is not None:
@@ -164,10 +170,10 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
     return y.view(*lead, -1)
 
 
-def weight_only(layer: nn.Module, rows: int) -> bool:
-    """Whether a product of ``rows`` rows runs W8A16 (x unquantized): decode-sized, block-scaled
-    weights (no cuBLAS route for their scales here) or a weight-only checkpoint."""
-    return rows <= MAX_ROWS or layer.weight_scale.shape[1] > 1 or layer.act_quant == "none"
+def weight_only(layer: nn.Module) -> bool:
+    """Whether the layer's products run W8A16 (x unquantized): block-scaled weights (no FP8 tensor-core
+    route for their scales here) or a weight-only checkpoint."""
+    return layer.weight_scale.shape[1] > 1 or layer.act_quant == "none"
 
 
 def reference(

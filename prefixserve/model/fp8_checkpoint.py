@@ -222,7 +222,8 @@ class Fp8Checkpoint:
             return 0
         if not self.from_checkpoint:
             return linear.quantize_model(model)
-        act, count = self.scheme[0], 0
+        # block scales run weight-only here (no FP8 tensor-core route for them): their layers say so
+        act, count = ("none" if self.scheme[1] else self.scheme[0]), 0
         for name, layer in linear.quantized_layers(model):
             param = f"{name}.weight"
             if param not in self.codes:
