@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS, BlockPool, chain_digests
+from prefixserve.kv.state_slots import StateSlots
 from prefixserve.scheduler.sliding_pages import SlidingPages
 from prefixserve.sequence import Request, Sequence
 
@@ -51,7 +52,9 @@ class BlockManagerHooks:
 class BlockManager:
     """``sliding``: the sliding layer groups' pages under the freeing KV layout (``kv/layout.py``),
     taken, shared, indexed and given back beside each sequence's blocks; None: every layer reads the
-    block table's pages. ``hooks``: the engine's (``BlockManagerHooks``), fixed for its life."""
+    block table's pages. ``hooks``: the engine's (``BlockManagerHooks``), fixed for its life.
+    ``states``: a linear-attention hybrid's state slots, held beside each sequence's blocks (taken at
+    its first step, copied on a fork, given back when it is freed); None for other models."""
 
     def __init__(
         self,
@@ -60,8 +63,10 @@ class BlockManager:
         sliding: SlidingPages | None = None,
         *,
         hooks: BlockManagerHooks | None = None,
+        states: StateSlots | None = None,
     ) -> None:
         self.pool = pool
+        self.states = states
         self.sliding = sliding
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -268,10 +273,14 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         if self.sliding is not None:
             self.sliding.fork(parent, child)
+        if self.states is not None:
+            self.states.fork(parent, child)
 
     def free(self, seq: Sequence) -> None:
         if self.sliding is not None:
             self.sliding.free(seq)
+        if self.states is not None:  # preempted: it recomputes from token 0, from zero states
+            self.states.free(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
         row = self._rows.pop(seq, None)
