@@ -3,13 +3,12 @@ and Qwen3-Next checkpoints (Gated DeltaNet layers between gated, partially rotat
 layers; Qwen3-Next with a dense layer among its MoE layers, both MoEs with a shared expert) written by
 their config classes load into prefixserve; last-token logits within 1e-4 of HF's in fp32, 32 greedy
 tokens equal to HF's ``generate`` through the engine with chunked prefill; the same tokens with
-shared-segment attention on and off, on a repeat (no prefix-cache hit: the linear layers' states are
-not snapshotted yet), after preemption, and for every sample of n > 1 (the parent's states copied)."""
+shared-segment attention on and off, on prefix-cache hits (resumed from the linear layers' state
+snapshots), after preemption, and for every sample of n > 1 (the parent's states copied)."""
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -119,25 +118,27 @@ def next_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def test_sharing_repeats_preemption_and_samples_change_no_token(next_model: Path, caplog) -> None:
-    """4 prompts behind one prefix: the cascade backend and the reference, a repeat (prefix caching
-    asked for, and off: no hit, so no prompt shares the prefix's blocks yet), a pool so small that
-    sequences are preempted and recomputed; n=3 greedy samples each equal to the one greedy sequence
-    (each sample's states copied from the prompt's), seeded samples as the reference's."""
+def test_sharing_repeats_preemption_and_samples_change_no_token(next_model: Path) -> None:
+    """4 prompts behind one prefix of 70 tokens: the cascade backend with prefix caching (the prefix's
+    linear states snapshotted at token 64, its hits cut back there and resumed from the snapshot) and
+    the reference without, a repeat, a pool so small that sequences are preempted and recomputed; n=3
+    greedy samples each equal to the one greedy sequence (each sample's states copied from the
+    prompt's), seeded samples as the reference's."""
     directory = next_model
-    prefix = _prompt(5, 40)
+    prefix = _prompt(5, 70)
     prompts = [{"prompt_token_ids": prefix + _prompt(10 + i, 3 + 2 * i)} for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = _llm(directory, attention="reference", enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
-    with caplog.at_level(logging.INFO, logger="prefixserve.engine.hybrid"):
-        shared = _llm(directory, attention="cascade", max_num_batched_tokens=64)
-    assert "prefix caching is off" in caplog.text
-    for _ in range(2):
-        assert [o.outputs[0].token_ids for o in shared.generate(prompts, greedy)] == want
+    shared = _llm(directory, attention="cascade", max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in shared.generate(prompts, greedy)] == want
+    first = shared.metrics()["prefix_cache_hit_tokens_total"]
+    assert first == 3 * 64  # the prompts after the first resume at the snapshot (64 of 70 tokens)
+    assert [o.outputs[0].token_ids for o in shared.generate(prompts, greedy)] == want
     metrics = shared.metrics()
-    assert metrics["prefix_cache_hit_tokens_total"] == 0  # so no prompt shares another's blocks either
-    small = _llm(directory, num_kv_blocks=20)  # 4 x 8 blocks at the end: preempted on the way
+    assert metrics["prefix_cache_hit_tokens_total"] - first == 4 * 64  # a repeat: all from the snapshot
+    assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
+    small = _llm(directory, num_kv_blocks=20)  # 4 x 12 blocks at the end: preempted on the way
     assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy)] == want
     assert small.engine.scheduler.num_preemptions > 0
     group = SamplingParams(temperature=0.0, n=3, max_tokens=16, ignore_eos=True)
@@ -151,6 +152,26 @@ def test_sharing_repeats_preemption_and_samples_change_no_token(next_model: Path
         assert llm.engine.blocks.states.num_held == 0
 
 
+def test_a_hit_past_the_last_snapshot_resumes_from_it(next_model: Path) -> None:
+    """Snapshots every 64 tokens; a prompt whose cached blocks reach 120 tokens resumes at 64 when
+    the snapshot at 128 is not there, and at 128 once a longer prompt took it; tokens as computed whole."""
+    long = _prompt(7, 150)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = _llm(next_model, enable_prefix_caching=False)
+    llm = _llm(next_model)
+    for prompt in (long[:121], long[:125], long):
+        want = plain.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
+        before = llm.metrics()["prefix_cache_hit_tokens_total"]
+        assert llm.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids == want
+        hit = llm.metrics()["prefix_cache_hit_tokens_total"] - before
+        assert hit == {121: 0, 125: 64, 150: 64}[len(prompt)]
+    before = llm.metrics()["prefix_cache_hit_tokens_total"]
+    again = llm.generate([{"prompt_token_ids": long[:140]}], greedy)[0].outputs[0].token_ids
+    assert llm.metrics()["prefix_cache_hit_tokens_total"] - before == 128
+    assert again == plain.generate([{"prompt_token_ids": long[:140]}], greedy)[0].outputs[0].token_ids
+    assert_pool_empty(llm)
+
+
 def test_prompt_cache_schemas_are_refused(tmp_path: Path) -> None:
     tiny_checkpoint("qwen3_5_text", tmp_path)
     llm = _llm(tmp_path)
@@ -158,6 +179,25 @@ def test_prompt_cache_schemas_are_refused(tmp_path: Path) -> None:
         llm.engine.register_schema('<schema name="s"><module name="m">hello</module></schema>')
     with pytest.raises(ValueError, match="out of position"):
         _llm(tmp_path, schemas=['<schema name="s"><module name="m">hello</module></schema>'])
+
+
+def test_a_multimodal_qwen3_5_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """``Qwen3_5ForConditionalGeneration`` as published: ``text_config``, the language model's tensors
+    under ``model.language_model.``, the vision tower's (``model.visual.``) left at load; text logits
+    equal the text model's."""
+    text = {**SIZES, **LINEAR, **ROPE, **FAMILIES["qwen3_5_text"]}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 72}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    _randomize(hf)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    model, _ = load_model(ModelSource("hf", tmp_path, "qwen3.5-mm"), torch.float32, torch.device("cpu"))
+    assert model.config.architecture == "qwen3_5" and model.config.linear_layers == [0, 1, 3]
+    ids = _prompt(4, 30)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0, -1:]
+    torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)
 
 
 BAD = [

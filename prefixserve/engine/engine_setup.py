@@ -30,7 +30,7 @@ from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.prefix_spill import PrefixSpill
-from prefixserve.kv.state_slots import StateSlots
+from prefixserve.kv.state_slots import StateSlots, slot_counts
 from prefixserve.model.loader import (
     ModelSource,
     load_model,
@@ -97,7 +97,9 @@ class EngineSetup:
             restore=self.spill.restore if self.spill is not None else None,
             row_keepers=self.output_rules.rules,
         )
-        states = StateSlots(config.max_num_seqs) if self.model_config.is_hybrid else None
+        states = None
+        if self.model_config.is_hybrid:  # the runner's slots: the sequences', then the snapshots'
+            states = StateSlots(*slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs))
         self.blocks = BlockManager(
             self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks, states=states
         )

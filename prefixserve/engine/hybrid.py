@@ -3,8 +3,9 @@
 Its Gated DeltaNet layers hold a state per sequence (``kv/state_slots.py``), not KV rows per token,
 so what reuses KV rows computed elsewhere would hand those layers no state:
 
-- prefix-cache hits are off (until the states are snapshotted at block boundaries): every prompt
-  computes from token 0; said once in the log;
+- prefix-cache hits resume from the linear layers' state snapshots (``kv/state_slots.py``): a hit
+  is cut back to the last snapshot within it; the prefix cache's host tier is off (it holds KV rows,
+  no states);
 - launch-ahead is off: a forked sample's states are copied from its parent's slot between steps;
 - refused, naming why: Prompt Cache schemas (a module's rows cannot be reused out of position on a
   linear layer: its state depends on everything before it), speculative decoding (a rejected draft
@@ -40,10 +41,12 @@ def hybrid_config(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     changes: dict[str, object] = {}
     if config.enable_prefix_caching:
         log.info(
-            "prefix caching is off for this linear-attention hybrid: its linear layers' states are not "
-            "snapshotted at block boundaries yet, so every prompt is computed from its first token"
+            "linear-attention hybrid: prefix-cache hits resume from the linear layers' state snapshots "
+            "(every 64 tokens or block), recomputing from the last one within the hit"
         )
-        changes["enable_prefix_caching"] = False
+    if config.spill_prefix_cache:
+        log.info("the prefix cache's host tier is off for this linear-attention hybrid (it holds no states)")
+        changes["spill_prefix_cache"] = False
     if config.async_scheduling:
         log.info(
             "launch-ahead is off for this linear-attention hybrid (its samples copy states between steps)"

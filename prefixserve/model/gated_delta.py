@@ -38,10 +38,19 @@ class LinearStep:
     fresh: list[bool]  # the chunk begins at token 0: states start at zero
     states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     slots_t: torch.Tensor | None = None  # slots on the device
+    # per sequence: (rows into its chunk, slot) of the prefix snapshots its chunk takes (may be empty)
+    snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def decode(self) -> bool:
-        return self.starts[-1] == len(self.slots)
+        """One row per sequence and no snapshot: the batched path."""
+        return self.starts[-1] == len(self.slots) and not any(self.snapshots)
+
+    def cuts(self, s: int) -> list[tuple[int, int | None]]:
+        """Sequence ``s``'s chunk as (end row into it, the snapshot slot taken there or None)."""
+        n = self.starts[s + 1] - self.starts[s]
+        taken = self.snapshots[s] if self.snapshots else []
+        return [*taken, (n, None)] if not taken or taken[-1][0] != n else list(taken)
 
     @classmethod
     def scratch(cls, query_lens: list[int], seq_lens: list[int]) -> LinearStep:
@@ -184,6 +193,8 @@ class GatedDeltaNet(nn.Module):
             prev = conv_state[slot] if not step.fresh[s] else torch.zeros_like(conv_state[slot])
             window = torch.cat([prev, qkv[lo:hi].T.to(prev.dtype)], -1)  # [C, K - 1 + n]
             conv_state[slot] = window[:, -keep:]
+            for rows, snap in step.snapshots[s] if step.snapshots else ():
+                conv_state[snap] = window[:, rows : rows + keep]  # the inputs before row ``rows``
             out[lo:hi] = F.conv1d(window[None], self.conv1d.weight, groups=self.conv_dim)[0].T.to(qkv.dtype)
         return F.silu(out)
 
@@ -201,15 +212,22 @@ class GatedDeltaNet(nn.Module):
         if q.is_cuda:
             from prefixserve.model import gated_delta_fla
 
-            if gated_delta_fla.available():
+            if gated_delta_fla.available() and not any(step.snapshots):
                 return gated_delta_fla.run(q, k, v, g, beta, step.slots, step.starts, step.fresh, state)
         qf, kf = prepare_qk(q, k, v.shape[1])
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for s, slot in enumerate(step.slots):
-            lo, hi = step.starts[s], step.starts[s + 1]
-            start = torch.zeros_like(state[slot]) if step.fresh[s] else state[slot]
-            form = recurrent_ref if hi - lo == 1 else chunked
-            out[lo:hi], state[slot] = form(qf[lo:hi], kf[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], start)
+            lo = step.starts[s]
+            carry = torch.zeros_like(state[slot]) if step.fresh[s] else state[slot]
+            a = lo
+            for rows, snap in step.cuts(s):  # up to each snapshot, then to the chunk's end
+                b = lo + rows
+                form = recurrent_ref if b - a == 1 else chunked
+                out[a:b], carry = form(qf[a:b], kf[a:b], v[a:b], g[a:b], beta[a:b], carry)
+                if snap is not None:
+                    state[snap] = carry
+                a = b
+            state[slot] = carry
         return out
 
 

@@ -338,6 +338,9 @@ _VISION_PREFIXES = (
     "audio_tower.",
     "embed_vision.",
     "embed_audio.",
+    # Qwen3.5's vision tower
+    "model.visual.",
+    "visual.",
 )
 
 

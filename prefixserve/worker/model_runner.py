@@ -33,7 +33,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
 from prefixserve.kv.cache import KVCache, blocks_for_budget
 from prefixserve.kv.layout import kv_layout, plain_layout
-from prefixserve.kv.state_slots import StatePool, bytes_per_slot
+from prefixserve.kv.state_slots import StatePool, bytes_per_slot, slot_counts
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
@@ -134,9 +134,10 @@ class ModelRunner:
         self.block_size = bs = config.block_size
         # linear-attention hybrids: a state slot per running sequence (``kv/state_slots.py``)
         hybrid = model.config.is_hybrid
-        self.states = (
-            StatePool(model.config, config.max_num_seqs, self.dtype, self.device) if hybrid else None
-        )
+        self.states: StatePool | None = None
+        if hybrid:  # the sequences' slots, then the prefix snapshots'
+            seqs, snaps, _ = slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs)
+            self.states = StatePool(model.config, seqs + snaps, self.dtype, self.device)
         self.layout = kv_layout(model.config, config.frees_sliding_kv)
         pages = self._kv_pages(config.num_kv_blocks)
         self.num_blocks = pages or self._kv_blocks_that_fit(model, config, context)
@@ -225,6 +226,7 @@ class ModelRunner:
         group_tables: tuple[np.ndarray, np.ndarray] | None = None,
         state_slots: list[int] | None = None,
         state_copies: list[tuple[int, int]] | None = None,
+        state_snapshots: list[list[tuple[int, int]]] | None = None,
     ) -> StepBatch:
         """Host work of a step that needs no token values: metadata and the attention plan.
 
@@ -233,7 +235,8 @@ class ModelRunner:
         marks Prompt Cache module blocks (``AttentionMetadata.module_rows``); ``group_tables`` the
         sliding groups' pages under the freeing KV layout ([R, S, K] from block base[s] on, and base).
         ``state_slots``: a hybrid's sequences' state slots, ``state_copies`` the slot copies (forked
-        samples) to make before the step's forward.
+        samples, restored snapshots) to make before the step's forward, ``state_snapshots`` each
+        sequence's prefix snapshots to take (rows into its chunk, slot).
         """
         bs = self.block_size
         decode = len(positions) == len(query_lens)  # one token each
@@ -259,7 +262,7 @@ class ModelRunner:
         if self.states is not None:
             if state_slots is None:
                 raise ValueError("a linear-attention hybrid's step needs its sequences' state slots")
-            meta.linear = self.states.step(state_slots, query_lens, seq_lens)
+            meta.linear = self.states.step(state_slots, query_lens, seq_lens, state_snapshots)
         self.backend.prepare(meta)
         return StepBatch(positions, meta, None, group_tables=group_tables, state_copies=state_copies)
 
