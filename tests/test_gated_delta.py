@@ -81,3 +81,45 @@ def test_the_convolution_continues_across_chunks_and_decodes() -> None:
             parts.append(out[:1])
             torch.testing.assert_close(out[1:], whole[:1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
+
+
+def _fake_kernel(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """fla's varlen API over the PyTorch reference (B = 1, ``cu_seqlens``), for the plumbing on a CPU."""
+    assert output_final_state and use_qk_l2norm_in_kernel and q.shape[0] == 1
+    qf, kf = prepare_qk(q[0], k[0], v.shape[2])
+    out, finals = torch.empty(v[0].shape), []
+    for s in range(len(cu_seqlens) - 1):
+        a, b = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
+        out[a:b], final = recurrent_ref(
+            qf[a:b], kf[a:b], v[0, a:b], g[0, a:b], beta[0, a:b], initial_state[s]
+        )
+        finals.append(final)
+    return out[None], torch.stack(finals)
+
+
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_the_fla_plumbing_over_slots_and_snapshots(monkeypatch: pytest.MonkeyPatch, snapshots: bool) -> None:
+    """``gated_delta_fla.run`` with a stand-in kernel: each sequence from its slot (zeros when fresh),
+    its final state back in the slot; with snapshots, in rounds, each snapshot the state at its row."""
+    from prefixserve.model import gated_delta_fla
+
+    monkeypatch.setattr(gated_delta_fla, "_ops", lambda: (_fake_kernel, _fake_kernel))
+    lens, slots, fresh = [70, 1, 9], [5, 1, 3], [True, False, False]
+    q, k, v, g, beta, _ = _inputs(sum(lens), 2, 4, 8, 6, 3)
+    state = torch.randn(12, 4, 8, 6, generator=torch.Generator().manual_seed(4))
+    before = state.clone()
+    starts = [0, 70, 71, 80]
+    cuts = [[(30, 9), (64, 10), (70, None)], [(1, 11)], [(9, None)]] if snapshots else None
+    out = gated_delta_fla.run(q, k, v, g, beta, slots, starts, fresh, state, cuts)
+    qf, kf = prepare_qk(q, k, 4)
+    for s, slot in enumerate(slots):
+        a, b = starts[s], starts[s + 1]
+        start = torch.zeros_like(before[slot]) if fresh[s] else before[slot]
+        want, want_state = recurrent_ref(qf[a:b], kf[a:b], v[a:b], g[a:b], beta[a:b], start)
+        torch.testing.assert_close(out[a:b], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state[slot], want_state, rtol=1e-5, atol=1e-5)
+        for rows, snap in cuts[s] if cuts else []:
+            if snap is not None:
+                _, at = recurrent_ref(qf[a : a + rows], kf[a : a + rows], v[a : a + rows], g[a : a + rows],
+                                      beta[a : a + rows], start)  # fmt: skip
+                torch.testing.assert_close(state[snap], at, rtol=1e-5, atol=1e-5)

@@ -212,8 +212,9 @@ class GatedDeltaNet(nn.Module):
         if q.is_cuda:
             from prefixserve.model import gated_delta_fla
 
-            if gated_delta_fla.available() and not any(step.snapshots):
-                return gated_delta_fla.run(q, k, v, g, beta, step.slots, step.starts, step.fresh, state)
+            if gated_delta_fla.available():
+                cuts = [step.cuts(s) for s in range(len(step.slots))] if any(step.snapshots) else None
+                return gated_delta_fla.run(q, k, v, g, beta, step.slots, step.starts, step.fresh, state, cuts)
         qf, kf = prepare_qk(q, k, v.shape[1])
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for s, slot in enumerate(step.slots):
