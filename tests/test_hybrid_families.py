@@ -121,9 +121,9 @@ def next_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sharing_repeats_preemption_and_samples_change_no_token(next_model: Path) -> None:
     """4 prompts behind one prefix of 70 tokens: the cascade backend with prefix caching (the prefix's
     linear states snapshotted at token 64, its hits cut back there and resumed from the snapshot) and
-    the reference without, a repeat, a pool so small that sequences are preempted and recomputed; n=3
-    greedy samples each equal to the one greedy sequence (each sample's states copied from the
-    prompt's), seeded samples as the reference's."""
+    the reference without, a repeat, an offline batch (one prefix-sharing group), a pool so small that
+    sequences are preempted and recomputed; n=3 greedy samples each equal to the one greedy sequence
+    (each sample's states copied from the prompt's), seeded samples as the reference's."""
     directory = next_model
     prefix = _prompt(5, 70)
     prompts = [{"prompt_token_ids": prefix + _prompt(10 + i, 3 + 2 * i)} for i in range(4)]
@@ -138,6 +138,8 @@ def test_sharing_repeats_preemption_and_samples_change_no_token(next_model: Path
     metrics = shared.metrics()
     assert metrics["prefix_cache_hit_tokens_total"] - first == 4 * 64  # a repeat: all from the snapshot
     assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
+    batch = shared.generate(prompts, greedy, schedule="batch")  # one group: its prefix computed once
+    assert [o.outputs[0].token_ids for o in batch] == want
     small = _llm(directory, num_kv_blocks=20)  # 4 x 12 blocks at the end: preempted on the way
     assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy)] == want
     assert small.engine.scheduler.num_preemptions > 0
