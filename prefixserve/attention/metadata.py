@@ -58,6 +58,8 @@ class AttentionMetadata:
     full: AttentionMetadata | None = None
     table_base: torch.Tensor | None = None  # [S] int32 on the device; None: column c is block c
     table_base_np: np.ndarray | None = None  # [S] int64
+    # linear-attention hybrids: the step's state slots (``model/gated_delta.LinearStep``), else None
+    linear: Any = None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer ``layer`` reads its KV through: the step's, or its sliding group's."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from prefixserve.engine.hybrid import SCHEMA_REFUSAL
 from prefixserve.engine.request_rules import structured_decoding
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
 from prefixserve.engine.warmup import warm_decode_graphs, warm_mixed_steps
@@ -105,6 +106,8 @@ class EngineServices:
         module_recompute: str | None = None,
     ) -> str:
         """Register a PML schema (``PromptModules.add_schema``); returns its name."""
+        if self.model_config.is_hybrid:
+            raise ValueError(SCHEMA_REFUSAL)
         return self.modules.add_schema(text, encode, pin, replace, module_recompute)
 
     def unregister_schema(self, name: str) -> None:

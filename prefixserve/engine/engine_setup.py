@@ -20,6 +20,7 @@ from pathlib import Path
 from prefixserve.config import EngineConfig
 from prefixserve.engine.cache_pins import CachePins
 from prefixserve.engine.gc_tuning import tune_gc
+from prefixserve.engine.hybrid import hybrid_config
 from prefixserve.engine.in_flight import InFlightTokens, LaunchedStep
 from prefixserve.engine.input_processor import InputProcessor
 from prefixserve.engine.module_holds import WaitingModuleHolds
@@ -29,6 +30,7 @@ from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.prefix_spill import PrefixSpill
+from prefixserve.kv.state_slots import StateSlots, slot_counts
 from prefixserve.model.loader import (
     ModelSource,
     load_model,
@@ -64,6 +66,8 @@ class EngineSetup:
             )
             self.runner = ModelRunner(model, config, context_length(config, model))  # sizes the KV pool
         try:
+            # a linear-attention hybrid: no prefix-cache hits, no launch-ahead; refusals by name
+            self.config = config = hybrid_config(config, self.runner.model.full_config)
             self._set_up(config, source, tok_dir)
         except BaseException:  # tensor parallelism: no worker outlives a failed start
             self.runner.shutdown()
@@ -95,7 +99,12 @@ class EngineSetup:
             restore=self.spill.restore if self.spill is not None else None,
             row_keepers=self.output_rules.rules,
         )
-        self.blocks = BlockManager(self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks)
+        states = None
+        if self.model_config.is_hybrid:  # the runner's slots: the sequences', then the snapshots'
+            states = StateSlots(*slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs))
+        self.blocks = BlockManager(
+            self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks, states=states
+        )
         self.max_model_len = min(context, self.blocks.max_tokens(num_blocks))
         self.requests: dict[str, Request] = {}
         # requests whose recovery rows are still to compute: steps look at the batch only if any

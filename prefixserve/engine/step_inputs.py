@@ -106,9 +106,18 @@ def assemble_batch(
         pos = [p for seq, a, b in runs for p in seq.positions[a:b]] + pos
         query_lens = [b - a for _, a, b in runs] + query_lens
         seq_lens = [b for _, _, b in runs] + seq_lens
+    states = blocks.states  # a hybrid's state slots (no recovery runs or drafts: it takes neither)
+    slots = states.slots(seqs) if states is not None else None
+    copies = states.take_copies() if states is not None else None
+    snaps = None
+    if states is not None and states.snapshots:  # prefix snapshots its prompt chunks take
+        snaps = [
+            blocks.snapshot_rows(s.seq, s.seq.num_computed_tokens, s.num_tokens) for s in sched.scheduled
+        ]
     return runner.prepare_batch(
-        pos, query_lens, seq_lens, tables, module_rows, eager=bool(runs), group_tables=group_tables
-    )
+        pos, query_lens, seq_lens, tables, module_rows, eager=bool(runs), group_tables=group_tables,
+        state_slots=slots, state_copies=copies, state_snapshots=snaps,
+    )  # fmt: skip
 
 
 def gather_token_ids(

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.model.families import family_fields, write_config
-from prefixserve.model.layer_types import FULL, LAYER_TYPES, SLIDING
+from prefixserve.model.layer_types import FULL, LAYER_TYPES, LINEAR, SLIDING
 
-__all__ = ["FULL", "LAYER_TYPES", "SLIDING", "LayerSpec", "ModelConfig", "RopeSpec"]
+__all__ = ["FULL", "LAYER_TYPES", "LINEAR", "SLIDING", "LayerSpec", "ModelConfig", "RopeSpec"]
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")  # swiglu_oai: gpt-oss's experts only
 
@@ -122,6 +122,14 @@ class ModelConfig:
     # ---- gpt-oss's attention ----
     attention_sinks: bool = False  # a learned logit per head beside the keys: softmax's extra term
     o_proj_bias: bool = False  # o_proj carries a bias too (attention_bias covers q, k and v)
+    # ---- linear-attention hybrids (``families/qwen3_next.py``; Qwen3.5, Qwen3-Next) ----
+    attn_output_gate: bool = False  # q_proj doubled: attention output times sigmoid(gate) per head
+    shared_expert_intermediate_size: int = 0  # an MoE layer's shared expert (sigmoid-gated); 0: none
+    linear_num_key_heads: int = 0  # Gated DeltaNet layers (``LINEAR`` in layer_types)
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -151,6 +159,7 @@ class ModelConfig:
             )
         self._check_per_layer()
         self._check_experts()
+        self._check_linear()
         for spec in {self.layer_spec(i).rope for i in range(self.num_hidden_layers)}:
             scaling = spec.scaling_dict
             kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -226,6 +235,31 @@ class ModelConfig:
                 f"mlp_only_layers names layers {outside}; layers are 0..{self.num_hidden_layers - 1}"
             )
 
+    def _check_linear(self) -> None:
+        """Gated DeltaNet layers need their sizes and at least one attention layer (whose KV cache the
+        pool is sized by); a model of linear layers alone is refused."""
+        if LINEAR not in self.layer_types:
+            return
+        if all(kind == LINEAR for kind in self.layer_types):
+            raise ValueError("layer_types holds only linear_attention layers: at least one must attend")
+        kh, vh = self.linear_num_key_heads, self.linear_num_value_heads
+        if min(kh, vh, self.linear_key_head_dim, self.linear_value_head_dim) < 1 or vh % kh:
+            raise ValueError(
+                f"linear_attention layers need linear_num_key_heads={kh} dividing linear_num_value_heads="
+                f"{vh} and head dims >= 1 ({self.linear_key_head_dim}, {self.linear_value_head_dim})"
+            )
+        if self.linear_conv_kernel_dim < 2:
+            raise ValueError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2")
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The Gated DeltaNet layers (each holds a recurrent and a conv state per sequence)."""
+        return [i for i in range(self.num_hidden_layers) if self.layer_type(i) == LINEAR]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR in self.layer_types
+
     def is_moe_layer(self, i: int) -> bool:
         """Is layer ``i``'s MLP a mixture of experts? HF's rule: experts on every
         ``decoder_sparse_step``-th layer, except ``mlp_only_layers``; Gemma 4's experts run beside a
@@ -257,6 +291,8 @@ class ModelConfig:
         """The layer whose KV cache layer ``i`` reads: ``i`` itself, except for Gemma 4's last
         ``num_kv_shared_layers`` layers, which read the last earlier layer of their own type (HF's
         ``kv_sharing_modes``) and write no KV."""
+        if self.layer_type(i) == LINEAR:  # no KV: it is handed the first attention layer's, unread
+            return next(j for j in range(self.num_hidden_layers) if self.layer_type(j) != LINEAR)
         first_shared = self.num_hidden_layers - self.num_kv_shared_layers
         if i < first_shared:
             return i
@@ -270,7 +306,7 @@ class ModelConfig:
         )
 
     def layer_type(self, i: int) -> str:
-        """Layer ``i``'s attention type (FULL or SLIDING)."""
+        """Layer ``i``'s attention type (FULL, SLIDING or LINEAR)."""
         return self.layer_types[i] if self.layer_types else FULL
 
     def layer_spec(self, i: int) -> LayerSpec:
@@ -332,8 +368,9 @@ class ModelConfig:
         return write_config(self)
 
 
-# RoPE scalings ``model/rotary.rope_inv_freq`` computes (``proportional``: Gemma 4's global layers)
-ROPE_TYPES = ("default", "llama3", "linear", "proportional", "yarn")
+# RoPE scalings ``model/rotary.rope_inv_freq`` computes (``proportional``: Gemma 4's global layers;
+# ``partial``: Qwen3.5's and Qwen3-Next's first dims rotated, the head reordered at load)
+ROPE_TYPES = ("default", "llama3", "linear", "proportional", "yarn", "partial")
 # how a mixture of experts picks a token's experts (``router_rule``)
 ROUTER_RULES = ("softmax_topk", "topk_softmax")
 # what ``per_layer_config`` may set for a layer

@@ -2,4 +2,5 @@
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)
+LINEAR = "linear_attention"  # Gated DeltaNet (Qwen3.5, Qwen3-Next): a recurrent state, no KV cache
+LAYER_TYPES = (FULL, SLIDING, LINEAR)

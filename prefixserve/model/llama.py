@@ -29,7 +29,9 @@ from prefixserve.attention.kv_quant import kv_write, scales_of
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.window import attend_layer
 from prefixserve.model import fused
-from prefixserve.model.config import LayerSpec, ModelConfig
+from prefixserve.model.config import LINEAR, LayerSpec, ModelConfig
+from prefixserve.model.gated_attention import gated_attention_init, gated_output, gated_rotated
+from prefixserve.model.gated_delta import GatedDeltaNet, LinearStep
 from prefixserve.model.linear import (
     Linear,
     MergedLinear,
@@ -112,6 +114,9 @@ class Attention(nn.Module):
             self.o_bias = nn.Parameter(torch.empty(hidden))
         self.head_span, self.total_heads = (q0, q1), config.num_attention_heads
         self.sinks = nn.Parameter(torch.empty(q1 - q0)) if config.attention_sinks else None
+        self.gated = config.attn_output_gate  # Qwen3.5 / Qwen3-Next: ``gated_attention.py``
+        if self.gated:
+            gated_attention_init(self, config, shard, spec)
 
     def _qkv(
         self,
@@ -128,6 +133,8 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of ``x`` with RoPE applied (K/V written to ``cache`` if given). On a GPU the
         projection may come as split-K partials, which the RoPE kernel sums (``fused.qkv_partials``)."""
+        if self.gated:
+            return gated_rotated(self, x, rope, cache)
         if self.gemma4:
             return self._gemma4_rotated(x, rope, cache)
         proj = self.qkv_proj
@@ -199,6 +206,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor | fused.PeerSum:  # attention output [T, Hq, D] -> [T, hidden]
         """o_proj of the attention output, the ranks' partial products summed (with ``for_norm``,
         maybe by the norm that follows: ``RowParallelLinear.reduced``'s ``ATTENTION_SLOT``)."""
+        if self.gated:
+            out = gated_output(self, out)
         flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if hasattr(self, "o_bias"):  # the sum, then the bias once
             return self.o_proj.reduced(flat, self.shard) + self.o_bias
@@ -249,8 +258,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.spec, self.rope_index = spec, rope_index  # rope_index: which of the step's angles
         self.index = index
-        self.self_attn = Attention(config, shard, spec)
+        self.linear = spec.kind == LINEAR  # Gated DeltaNet in place of attention (``gated_delta.py``)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, index)
+        else:
+            self.self_attn = Attention(config, shard, spec)
         self.mlp = MoE(config, shard) if spec.moe else MLP(config, shard, spec.intermediate_size)
+        if spec.moe and config.shared_expert_intermediate_size:  # Qwen3-Next, Qwen3.5-MoE
+            self.mlp.shared_expert = MLP(config, shard, config.shared_expert_intermediate_size)
+            self.mlp.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sandwich = config.sandwich_norms
@@ -286,6 +302,11 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
         """One layer with every residual add fused into the next norm: the stream is h + residual."""
+        if self.linear:  # the step's state slots, not the KV cache
+            x, residual = self.input_layernorm.with_stream(h, residual)
+            step = meta.linear or LinearStep.scratch(meta.query_lens_host, meta.seq_lens_host)
+            x, residual = self.post_attention_layernorm(self.linear_attn(x, step), residual)
+            return self.mlp(x, partials=True), residual
         q, residual = self.before_attention(h, residual, rope, kv_write(kv_layer, meta.slot_mapping))
         out = self.self_attn.attend(q, kv_layer, meta, backend)
         return self.after_attention(out, residual, rope)

@@ -29,7 +29,7 @@ from prefixserve.model.linear import MergedLinear, ParallelLMHead, RowParallelLi
 from prefixserve.model.llama import LlamaForCausalLM, RMSNorm
 from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.meta_init import allocate
-from prefixserve.model.moe import Experts, use_uniform_routing
+from prefixserve.model.moe import use_uniform_routing
 from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -189,11 +189,16 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
     out: dict[str, list[Piece]] = {}
     for module_name, module in model.named_modules():
         prefix = module_name.rpartition(".")[0]
-        experts = module.checkpoint_pieces(module_name) if isinstance(module, Experts) else {}
+        # modules that say how their parameters come from checkpoint tensors (experts, hybrids' layers)
+        custom = module.checkpoint_pieces(module_name) if hasattr(module, "checkpoint_pieces") else {}
         for pname, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{pname}" if module_name else pname
             whole = tuple(param.shape)
-            if isinstance(module, MergedLinear):
+            if name in custom:
+                out[name] = [
+                    Piece(n, rows, dim, a, b, full, fn) for n, rows, dim, (a, b), full, fn in custom[name]
+                ]
+            elif isinstance(module, MergedLinear):
                 out[name] = [
                     Piece(
                         f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}",
@@ -206,10 +211,6 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
                     for (part, src, total), rows in zip(
                         module.parts, module.part_rows().values(), strict=True
                     )
-                ]
-            elif isinstance(module, Experts):
-                out[name] = [
-                    Piece(n, rows, dim, a, b, full, fn) for n, rows, dim, (a, b), full, fn in experts[name]
                 ]
             elif pname == "sinks":  # gpt-oss: one per query head, this rank's heads
                 a, b = module.head_span
@@ -380,6 +381,9 @@ _VISION_PREFIXES = (
     "audio_tower.",
     "embed_vision.",
     "embed_audio.",
+    # Qwen3.5's vision tower
+    "model.visual.",
+    "visual.",
 )
 
 

@@ -148,12 +148,19 @@ class MoE(nn.Module):
         self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # replicated
         layout = GATE_UP_INTERLEAVED if config.architecture == "gpt_oss" else PER_EXPERT
         self.experts = Experts(config, shard, layout)
+        # Qwen3-Next / Qwen3.5-MoE: a dense MLP beside the experts, times sigmoid(shared_expert_gate(x))
+        # (set by the decoder layer, which builds MLPs)
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
         """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
-        signature; the sum is always whole here)."""
+        signature; the sum is always whole here), plus the gated shared expert's output if any."""
         weights, ids = fused.moe_route(self.simulate(self.gate(x)), self.top_k, self.rule, self.norm)
-        return self.shard.all_reduce(self.experts(x, weights, ids))
+        out = self.shard.all_reduce(self.experts(x, weights, ids))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class Gemma4Router(nn.Module):

@@ -24,6 +24,8 @@ def rope_inv_freq(config: ModelConfig, rope: RopeSpec | None = None) -> torch.Te
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "proportional":  # Gemma 4's global layers: the first pairs rotate, the rest do not
         return proportional_inv_freq(rope.theta, dim, scaling)
+    if kind == "partial":  # Qwen3.5, Qwen3-Next: see ``partial_inv_freq``
+        return partial_inv_freq(rope.theta, dim, scaling)
     if kind == "yarn":
         return yarn_inv_freq(rope.theta, dim, scaling, config.max_position_embeddings)
     steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
@@ -54,6 +56,18 @@ def proportional_inv_freq(theta: float, dim: int, scaling: dict) -> torch.Tensor
     inv_freq = torch.zeros(dim // 2, dtype=torch.float64, device="cpu")
     inv_freq[:angles] = 1.0 / (theta ** (steps / dim))
     return (inv_freq / float(scaling.get("factor", 1.0))).float()
+
+
+def partial_inv_freq(theta: float, dim: int, scaling: dict) -> torch.Tensor:  # [dim / 2] fp32
+    """HF's ``partial_rotary_factor`` RoPE (Qwen3.5, Qwen3-Next): rotate-half over the first
+    ``r = dim * factor`` dims at ``theta ** (-2j / r)``, the other dims left. The loader reorders each
+    q and k head (``gated_attention.rope_order``) so that those pairs are the whole head's first
+    ``r / 2`` rotate-half pairs; the others turn at frequency 0. The same kernels then apply it."""
+    rotary = int(dim * float(scaling.get("partial_rotary_factor", 1.0)))
+    steps = torch.arange(0, rotary, 2, dtype=torch.float64, device="cpu")
+    inv_freq = torch.zeros(dim // 2, dtype=torch.float64, device="cpu")
+    inv_freq[: rotary // 2] = 1.0 / (theta ** (steps / rotary))
+    return inv_freq.float()
 
 
 def _yarn_factor(scaling: dict, max_positions: int) -> float:
@@ -159,6 +173,7 @@ __all__ = [
     "Ropes",
     "RotaryEmbedding",
     "distinct_ropes",
+    "partial_inv_freq",
     "proportional_inv_freq",
     "rope_attention_factor",
     "rope_inv_freq",

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS, BlockPool, chain_digests
+from prefixserve.kv.state_slots import StateSlots
 from prefixserve.scheduler.sliding_pages import SlidingPages
 from prefixserve.sequence import Request, Sequence
 
@@ -51,7 +52,9 @@ class BlockManagerHooks:
 class BlockManager:
     """``sliding``: the sliding layer groups' pages under the freeing KV layout (``kv/layout.py``),
     taken, shared, indexed and given back beside each sequence's blocks; None: every layer reads the
-    block table's pages. ``hooks``: the engine's (``BlockManagerHooks``), fixed for its life."""
+    block table's pages. ``hooks``: the engine's (``BlockManagerHooks``), fixed for its life.
+    ``states``: a linear-attention hybrid's state slots, held beside each sequence's blocks (taken at
+    its first step, copied on a fork, given back when it is freed); None for other models."""
 
     def __init__(
         self,
@@ -60,8 +63,10 @@ class BlockManager:
         sliding: SlidingPages | None = None,
         *,
         hooks: BlockManagerHooks | None = None,
+        states: StateSlots | None = None,
     ) -> None:
         self.pool = pool
+        self.states = states
         self.sliding = sliding
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -133,7 +138,11 @@ class BlockManager:
             # its hit rows may be computed again, earlier than the hit's window tail: no hit under
             # the freeing layout, whose tail pages are all a hit brings
             n = start if self.sliding is not None else keeper.known_blocks(seq, digests[:n])
+        if keeper is not None and self.states is not None:  # its hit rows recomputed: not from a state
+            n = start
         hits = self.pool.lookup(digests[start:n])
+        if self.states is not None:  # a hybrid resumes from its linear layers' last snapshot in the hit
+            hits = hits[: self.states.snapshot_prefix(digests, start + len(hits), self.block_size) - start]
         if self.sliding is not None:  # no module blocks here (they need the plain layout)
             usable, tail = self.sliding.usable_hit(digests, len(hits))
             hits = hits[:usable]
@@ -150,6 +159,8 @@ class BlockManager:
         self._mirror(seq, start, hits)
         seq.num_indexed_blocks = start + len(hits)
         seq.num_computed_tokens = (start + len(hits)) * self.block_size
+        if self.states is not None and hits:
+            self.states.restore(seq, digests[start + len(hits) - 1])
         if keeper is not None and hits:
             seq.num_computed_tokens -= keeper.seed(seq, len(hits))
         return seq.num_computed_tokens - (uncounted if modules else 0)
@@ -268,10 +279,30 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         if self.sliding is not None:
             self.sliding.fork(parent, child)
+        if self.states is not None:
+            self.states.fork(parent, child)
+
+    def snapshot_rows(self, seq: Sequence, computed: int, tokens: int) -> list[tuple[int, int]]:
+        """A hybrid's prefix snapshots that ``seq``'s chunk of ``tokens`` after ``computed`` takes:
+        (rows into the chunk, snapshot slot) at every ``every_tokens``-th token within the blocks a
+        hit may cover and not snapshotted yet."""
+        states = self.states
+        if states is None or not self.enable_prefix_caching or not states.snapshots:
+            return []
+        every, bs = states.every_tokens, self.block_size
+        last = min(computed + tokens, self.cacheable_blocks(seq) * bs)
+        out = []
+        for end in range((computed // every + 1) * every, last + 1, every):
+            slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1])
+            if slot is not None:
+                out.append((end - computed, slot))
+        return out
 
     def free(self, seq: Sequence) -> None:
         if self.sliding is not None:
             self.sliding.free(seq)
+        if self.states is not None:  # preempted: it recomputes from token 0, from zero states
+            self.states.free(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
         row = self._rows.pop(seq, None)

@@ -51,6 +51,8 @@ def graph_refusal(config: ModelConfig) -> str | None:
     """Why this model's decode steps cannot run in a captured graph (None: they can). A graph holds
     one attention shape and, with sliding layers, one window."""
     n = config.num_hidden_layers
+    if config.is_hybrid:
+        return "its linear-attention layers' per-sequence states are not captured yet (decode runs eagerly)"
     shapes = {config.layer_kv_shape(i) for i in range(n)}
     if shapes != {(config.num_key_value_heads, config.head_dim)}:
         return "its layers' KV heads or head sizes differ"

@@ -34,6 +34,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
 from prefixserve.kv.cache import KVCache, blocks_for_budget, bytes_per_block
 from prefixserve.kv.layout import kv_layout, plain_layout
+from prefixserve.kv.state_slots import StatePool, bytes_per_slot, slot_counts
 from prefixserve.model import cpu_linear
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
@@ -61,6 +62,7 @@ class StepBatch:
     graph_step: Any  # GraphStep when a captured CUDA graph runs it, else None (eager)
     batch_id: int = 0  # tensor parallelism: which of the workers' plans this is (``TensorParallelRunner``)
     group_tables: tuple[np.ndarray, np.ndarray] | None = None  # the freeing layout's sliding pages
+    state_copies: list[tuple[int, int]] | None = None  # hybrids: forked samples' state slots to copy
 
 
 @dataclass(slots=True)
@@ -136,6 +138,12 @@ class ModelRunner:
             cpu_linear.pack_linear_weights(model)
             cpu_malloc.keep_freed_memory()
         self.block_size = bs = config.block_size
+        # linear-attention hybrids: a state slot per running sequence (``kv/state_slots.py``)
+        hybrid = model.config.is_hybrid
+        self.states: StatePool | None = None
+        if hybrid:  # the sequences' slots, then the prefix snapshots'
+            seqs, snaps, _ = slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs)
+            self.states = StatePool(model.config, seqs + snaps, self.dtype, self.device)
         self.layout = kv_layout(model.config, config.frees_sliding_kv)
         pages = self._kv_pages(config.num_kv_blocks)
         self.num_blocks = pages or self._kv_blocks_that_fit(model, config, context)
@@ -168,7 +176,10 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
             else:  # decode steps run the piecewise graphs, attention between them
                 log.info("no decode CUDA graphs: %s", refusal)
-            self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
+            if hybrid:  # the linear layers' states are read and written per sequence, outside graphs
+                log.info("no piecewise CUDA graphs: a linear-attention hybrid runs eager steps")
+            else:
+                self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
         # the sliding layers' window, which decode graphs attend within (window_graph.py)
         self.window = model.config.sliding_window if model.config.has_sliding_layers else None
         self.argmax_graphs: ArgmaxGraphs | None = None  # the sharded argmax, under tensor parallelism
@@ -198,6 +209,8 @@ class ModelRunner:
         bs, tokens = self.block_size, config.max_num_batched_tokens
         seqs, gpu = config.max_num_seqs, self.device.type == "cuda"
         reserve = step_reserve(model.config, self.dtype, max(tokens, seqs), seqs) if gpu else 0
+        if self.states is not None:  # the hybrids' state slots come off the pool's budget
+            reserve += bytes_per_slot(model.config, self.dtype) * self.states.num_slots
         blocks = blocks_for_budget(
             model.config,
             bs,
@@ -227,6 +240,9 @@ class ModelRunner:
         module_rows: np.ndarray | None = None,
         eager: bool = False,
         group_tables: tuple[np.ndarray, np.ndarray] | None = None,
+        state_slots: list[int] | None = None,
+        state_copies: list[tuple[int, int]] | None = None,
+        state_snapshots: list[list[tuple[int, int]]] | None = None,
     ) -> StepBatch:
         """Host work of a step that needs no token values: metadata and the attention plan.
 
@@ -234,6 +250,9 @@ class ModelRunner:
         anything else gets device metadata and the backend's eager ``prepare``. ``module_rows``
         marks Prompt Cache module blocks (``AttentionMetadata.module_rows``); ``group_tables`` the
         sliding groups' pages under the freeing KV layout ([R, S, K] from block base[s] on, and base).
+        ``state_slots``: a hybrid's sequences' state slots, ``state_copies`` the slot copies (forked
+        samples, restored snapshots) to make before the step's forward, ``state_snapshots`` each
+        sequence's prefix snapshots to take (rows into its chunk, slot).
         """
         bs = self.block_size
         decode = len(positions) == len(query_lens)  # one token each
@@ -256,8 +275,12 @@ class ModelRunner:
         meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
         if group_tables is not None:
             meta.with_groups(*group_tables, self.layout.group_of)
+        if self.states is not None:
+            if state_slots is None:
+                raise ValueError("a linear-attention hybrid's step needs its sequences' state slots")
+            meta.linear = self.states.step(state_slots, query_lens, seq_lens, state_snapshots)
         self.backend.prepare(meta)
-        return StepBatch(positions, meta, None, group_tables=group_tables)
+        return StepBatch(positions, meta, None, group_tables=group_tables, state_copies=state_copies)
 
     # ---- launching -----------------------------------------------------------------------------
     def forward(
@@ -272,6 +295,8 @@ class ModelRunner:
         ``feed`` names the rows whose ids are tokens an earlier launch sampled (their ``ids`` entries
         are placeholders)."""
         self.kv.copy_blocks(copies)
+        if batch.state_copies:
+            self.states.copy(batch.state_copies)
         timing = self.device.type == "cuda"
         start = torch.cuda.Event(enable_timing=True) if timing else None
         if start is not None:

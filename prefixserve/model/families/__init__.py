@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prefixserve.model.families import gemma3, gemma4, gpt_oss, llama, moe, qwen3
+from prefixserve.model.families import gemma3, gemma4, gpt_oss, llama, moe, qwen3, qwen3_next
 
 ConfigReader = Callable[[dict[str, Any], str], dict[str, Any]]
 
@@ -37,6 +37,19 @@ FAMILIES: dict[str, tuple[ConfigReader, tuple[str, ...], tuple[str, ...]]] = {
     "qwen3_moe": (moe.qwen3_moe_fields, ("Qwen3MoeForCausalLM",), ("qwen3_moe",)),
     "mixtral": (moe.mixtral_fields, ("MixtralForCausalLM",), ("mixtral",)),
     "gpt_oss": (gpt_oss.config_fields, ("GptOssForCausalLM",), ("gpt_oss",)),
+    # linear-attention hybrids: Gated DeltaNet layers between full ones (the multimodal Qwen3.5
+    # checkpoints serve their language model)
+    "qwen3_next": (qwen3_next.config_fields, ("Qwen3NextForCausalLM",), ("qwen3_next",)),
+    "qwen3_5": (
+        qwen3_next.config_fields,
+        ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+        ("qwen3_5_text", "qwen3_5"),
+    ),
+    "qwen3_5_moe": (
+        qwen3_next.config_fields,
+        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        ("qwen3_5_moe_text", "qwen3_5_moe"),
+    ),
 }
 
 

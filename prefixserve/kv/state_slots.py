@@ -1,0 +1,174 @@
+"""State slots of linear-attention hybrids (Qwen3.5, Qwen3-Next): beside the KV blocks of the full
+layers, each running sequence holds one slot, which holds per Gated DeltaNet layer its recurrent
+state [Hv, Dk, Dv] (fp32) and its convolution's last inputs [C, K - 1].
+
+``StateSlots`` hands out slot ids on the host (the block manager takes one for a sequence at its
+first step and gives it back when it frees the sequence: finish, abort, preemption); a preempted
+sequence recomputes from token 0, and a chunk that starts at token 0 starts from zero states
+(``LinearStep.fresh``), so a slot is never cleared. A forked sample (n > 1) gets its parent's states
+copied into a slot of its own before its first step. ``StatePool`` holds the slots' tensors on the
+device; their bytes come off the KV pool's budget (``bytes_per_slot``).
+
+Prefix caching: the slots past the sequences' hold snapshots, the states after a prompt's first
+``b`` tokens at every ``every_tokens``-th token (a block boundary), keyed by the digest of the block
+ending there (which names the whole prefix). A prefix-cache hit of a hybrid is cut back to its last
+snapshot (``snapshot_prefix``) and the snapshot is copied into the sequence's slot before its first
+step (``restore``): the rest is recomputed from there. Snapshots are evicted least recently used.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.gated_delta import LinearStep
+
+
+class StateSlots:
+    """Slot ids of the sequences holding one (host side); copies queued for the next step."""
+
+    def __init__(self, num_slots: int, snapshots: int = 0, every_tokens: int = 64) -> None:
+        """``num_slots`` sequences; ``snapshots`` more slots for prefix snapshots (slot ids after
+        the sequences'), one every ``every_tokens`` prompt tokens (a multiple of the block size)."""
+        self.num_slots, self.every_tokens = num_slots, every_tokens
+        self._free = list(range(num_slots - 1, -1, -1))  # popped lowest first
+        self._of: dict[Hashable, int] = {}
+        self._copies: list[tuple[int, int]] = []
+        self._snap_free = list(range(num_slots + snapshots - 1, num_slots - 1, -1))
+        self._snaps: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recent first
+
+    def slot(self, seq: Hashable) -> int:
+        """``seq``'s slot, taken at its first step."""
+        slot = self._of.get(seq)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError(
+                    f"all {self.num_slots} linear-attention state slots are held: a hybrid model runs at "
+                    "most max_num_seqs sequences (samples included) at once"
+                )
+            slot = self._of[seq] = self._free.pop()
+        return slot
+
+    def slots(self, seqs: list[Hashable]) -> list[int]:
+        return [self.slot(s) for s in seqs]
+
+    def free(self, seq: Hashable) -> None:
+        slot = self._of.pop(seq, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._copies = [c for c in self._copies if c[1] != slot]  # a restore it will not take
+
+    # ---- prefix snapshots --------------------------------------------------------------------
+    @property
+    def snapshots(self) -> bool:
+        return bool(self._snap_free or self._snaps)
+
+    def snapshot_prefix(self, digests: Sequence[bytes], hit_blocks: int, block_size: int) -> int:
+        """The blocks of a hit of ``hit_blocks`` that a snapshot can resume after: the last boundary
+        at or before the hit's end with a snapshot, else 0."""
+        every = self.every_tokens // block_size
+        for blocks in range(hit_blocks // every * every, 0, -every):
+            if digests[blocks - 1] in self._snaps:
+                self._snaps.move_to_end(digests[blocks - 1])
+                return blocks
+        return 0
+
+    def restore(self, seq: Hashable, digest: bytes) -> None:
+        """Copy the snapshot of ``digest`` into ``seq``'s slot before its next step."""
+        self._copies.append((self._snaps[digest], self.slot(seq)))
+
+    def new_snapshot(self, digest: bytes) -> int | None:
+        """A slot to take the snapshot of ``digest`` in (None: one is held already), the least
+        recently used one given up if none is free."""
+        if digest in self._snaps:
+            self._snaps.move_to_end(digest)
+            return None
+        if self._snap_free:
+            slot = self._snap_free.pop()
+        elif self._snaps:
+            _, slot = self._snaps.popitem(last=False)
+        else:
+            return None
+        self._snaps[digest] = slot
+        return slot
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """The child's slot, the parent's states copied into it before the next step."""
+        self._copies.append((self.slot(parent), self.slot(child)))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    @property
+    def num_held(self) -> int:
+        return len(self._of)
+
+
+class StatePool:
+    """The slots' tensors: per linear layer (conv [N, C, K - 1] in the model's dtype, state
+    [N, Hv, Dk, Dv] fp32)."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        conv, state = state_shapes(config)
+        self.layers = {
+            i: (
+                torch.zeros((num_slots, *conv), dtype=dtype, device=device),
+                torch.zeros((num_slots, *state), dtype=torch.float32, device=device),
+            )
+            for i in config.linear_layers
+        }
+        self.num_slots = num_slots
+
+    def step(
+        self,
+        slots: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        snapshots: list[list[tuple[int, int]]] | None = None,
+    ) -> LinearStep:
+        """A step's view: each sequence's slot, its rows, whether it starts at token 0, and the
+        snapshots its chunk takes ((rows into the chunk, snapshot slot))."""
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        fresh = [s == q for q, s in zip(query_lens, seq_lens, strict=True)]
+        return LinearStep(slots, starts, fresh, self.layers, snapshots=snapshots or [])
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each ``src`` slot's states into ``dst`` (a forked sample's)."""
+        if not pairs:
+            return
+        src, dst = (list(x) for x in zip(*pairs, strict=True))
+        for conv, state in self.layers.values():
+            conv[dst] = conv[src]
+            state[dst] = state[src]
+
+
+def slot_counts(max_num_seqs: int, prefix_caching: bool, block_size: int) -> tuple[int, int, int]:
+    """(sequence slots, snapshot slots, tokens between snapshots): a slot per sequence, as many for
+    snapshots under prefix caching, one every 64 tokens (fla's chunk) or every block if larger."""
+    every = max(block_size, 64 // block_size * block_size)
+    return max_num_seqs, max_num_seqs if prefix_caching else 0, every
+
+
+def state_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv [C, K - 1], state [Hv, Dk, Dv]) of one slot of one linear layer."""
+    key = config.linear_num_key_heads * config.linear_key_head_dim
+    channels = 2 * key + config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (channels, config.linear_conv_kernel_dim - 1)
+    heads = config.linear_num_value_heads
+    return conv, (heads, config.linear_key_head_dim, config.linear_value_head_dim)
+
+
+def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes of one slot across the linear layers."""
+    (c, k), (h, dk, dv) = state_shapes(config)
+    per_layer = c * k * torch.tensor([], dtype=dtype).element_size() + h * dk * dv * 4
+    return per_layer * len(config.linear_layers)
+
+
+__all__ = ["StatePool", "StateSlots", "bytes_per_slot", "slot_counts", "state_shapes"]
