@@ -13,17 +13,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.kv.block_pool import BlockPool, chain_digests, chain_root
 from prefixserve.kv.cache import KVCache, bytes_per_block
 from prefixserve.kv.tiers import DiskTier, HostTier
-from prefixserve.model.config import ModelConfig
-
-TINY = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+from tests.test_kv_tiers import TINY
 
 
 def test_setting_names_its_choices() -> None:
@@ -122,29 +112,13 @@ def test_tiers_round_trip_fp8_rows_bit_for_bit(tmp_path) -> None:
 
 def test_spilled_fp8_blocks_come_back_bit_for_bit(tiny_config_path) -> None:
     """The prefix spill moves FP8 blocks to host memory and back: greedy outputs as without it."""
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    docs = [[1000 + 37 * d + i for i in range(40)] for d in range(4)]  # 10 blocks each: 4 do not fit
-    outs = {}
-    for spill in (False, True):
-        llm = LLM(
-            f"dummy:{tiny_config_path}",
-            dtype="float32",
-            device="cpu",
-            progress=False,
-            num_kv_blocks=24,
-            block_size=4,
-            spill_prefix_cache=spill,
-            kv_cache_dtype="fp8",
-        )
-        outs[spill] = [
-            llm.generate({"prompt_token_ids": [*doc, 7, 8, 9 + r + d]}, greedy)[0].outputs[0].token_ids
-            for r in range(2)
-            for d, doc in enumerate(docs)
-        ]
-        if spill:
-            assert llm.metrics()["prefix_cache_host_hit_tokens_total"] > 0
-            assert llm.engine.runner.kv.tensor.dtype == FP8
-    assert outs[True] == outs[False]
+    from tests.test_prefix_spill import run
+
+    _, want = run(tiny_config_path, spill=False, kv_cache_dtype="fp8")
+    llm, got = run(tiny_config_path, spill=True, kv_cache_dtype="fp8")
+    assert llm.metrics()["prefix_cache_host_hit_tokens_total"] > 0
+    assert llm.engine.runner.kv.tensor.dtype == FP8
+    assert got == want
 
 
 def test_checkpoint_kv_scales_replace_the_calibration(tmp_path) -> None:

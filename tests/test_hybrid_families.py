@@ -88,15 +88,9 @@ def test_config_reads_the_layers(family) -> None:
 
 
 def test_logits_match_hf(family) -> None:
-    name, directory, hf = family
-    model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
-    for length in (9, 75):  # one chunk of the rule (64), and two
-        ids = _prompt(length, length)
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0, -1:]
-        for backend_name in ("reference", "cascade"):
-            logits = prefill_logits(model, ids, backend_name)[-1:]
-            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    from tests.test_model_families import assert_logits_match_hf
+
+    assert_logits_match_hf(family, (9, 75))  # one chunk of the rule (64), and two
 
 
 def test_greedy_tokens_equal_hf_generate_in_chunks(family) -> None:

@@ -205,16 +205,22 @@ def prefill_logits(model: Any, ids: list[int], backend_name: str = "cascade", bs
     return model.compute_logits(model(torch.tensor(ids), torch.arange(length), cache.layers, meta, backend))
 
 
-def test_logits_match_hf(family) -> None:
+def assert_logits_match_hf(family, lengths: tuple[int, ...]) -> None:
+    """The family's last-token logits within 1e-4 of HF's in fp32, on two backends, for each length
+    of prompt (shared by the model tests of every part: ``tests/test_hybrid_families.py``)."""
     name, directory, hf = family
     model, _ = load_model(ModelSource("hf", directory, name), torch.float32, torch.device("cpu"))
-    for length in (9, 3 * WINDOW + 5):  # shorter than the window, and longer
+    for length in lengths:
         ids = _prompt(length, length)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0, -1:]
         for backend_name in ("reference", "cascade"):
             logits = prefill_logits(model, ids, backend_name)[-1:]
             torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_logits_match_hf(family) -> None:
+    assert_logits_match_hf(family, (9, 3 * WINDOW + 5))  # shorter than the window, and longer
 
 
 def _hf_generate(hf: Any, ids: list[int]) -> list[int]:

@@ -7,7 +7,9 @@ from prefixserve import LLM, SamplingParams
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def run(tiny_config_path, spill: bool):
+def run(tiny_config_path, spill: bool, **engine: object):
+    """Three rounds over four documents that the pool cannot hold together; ``engine``: more
+    EngineConfig fields (the FP8 KV cache's test)."""
     llm = LLM(
         f"dummy:{tiny_config_path}",
         dtype="float32",
@@ -16,6 +18,7 @@ def run(tiny_config_path, spill: bool):
         num_kv_blocks=24,
         block_size=4,
         spill_prefix_cache=spill,
+        **engine,
     )
     docs = [[1000 + 37 * d + i for i in range(40)] for d in range(4)]  # 10 blocks each: 4 do not fit
     outs = []
