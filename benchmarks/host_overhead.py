@@ -155,6 +155,8 @@ class _StubKV:
     scratch_slot = 0
     layout = plain_layout(_MODEL_CONFIG)  # every layer's KV, one group
     packs = True
+    scales = None  # a model-dtype cache (no FP8 scales)
+    scheme = b""  # its digests: the model dtype's (``KVCache.scheme``)
 
     def __init__(self, rec: _Recorder) -> None:
         self.rec = rec
