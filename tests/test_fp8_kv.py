@@ -123,7 +123,8 @@ def test_spilled_fp8_blocks_come_back_bit_for_bit(tiny_config_path) -> None:
 
 def test_checkpoint_kv_scales_replace_the_calibration(tmp_path) -> None:
     """vLLM's ``k_scale`` / ``v_scale`` in an HF checkpoint (a scalar, or one per KV head) become the
-    cache's scales; with some layer's missing the calibration runs; a model-dtype cache ignores them."""
+    cache's scales, rounded up to powers of two; with some layer's missing the calibration runs; a
+    model-dtype cache ignores them."""
     from safetensors.torch import load_file, save_file
 
     from prefixserve.model.loader import ModelSource, load_model
@@ -144,7 +145,8 @@ def test_checkpoint_kv_scales_replace_the_calibration(tmp_path) -> None:
     assert torch.equal(cache.scales, torch.exp2(torch.log2(cache.scales).round()))  # the calibration's
     model.checkpoint_kv_scales[(1, 1)] = torch.tensor([1.5])
     calibrate_kv_scales(model, cache, torch.float32)
-    want = torch.tensor([[[0.5, 0.5], [0.25, 3.0]], [[2.0, 2.0], [1.5, 1.5]]])
+    # rounded up to powers of two (folding them into bf16 q and outputs is exact): 3.0 -> 4, 1.5 -> 2
+    want = torch.tensor([[[0.5, 0.5], [0.25, 4.0]], [[2.0, 2.0], [2.0, 2.0]]])
     assert torch.equal(cache.scales, want)
 
 

@@ -211,3 +211,47 @@ def test_hybrid_configs_that_contradict_themselves_are_refused(change, message) 
     base["layer_types"] = ["linear_attention", "full_attention"]
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig.from_hf_dict({**base, **change})
+
+
+def test_samples_wait_for_their_slots_and_a_failed_step_leaves_no_snapshot(next_model: Path) -> None:
+    """A hybrid runs at most max_num_seqs sequences, forked samples included: a request's n samples
+    wait for slots instead of failing the batch (and n over max_num_seqs is refused at intake); a
+    step that fails mid-forward gives up the snapshots it was to write, so a later hit recomputes
+    instead of resuming from a half-written state."""
+    from prefixserve.model.gated_delta import GatedDeltaNet
+
+    llm = _llm(next_model, max_num_seqs=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("a", None, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                       prompt_token_ids=_prompt(1, 12))  # fmt: skip
+    engine.add_request("b", None, SamplingParams(temperature=0.0, n=3, max_tokens=4, ignore_eos=True),
+                       prompt_token_ids=_prompt(2, 12))  # fmt: skip
+    reasons = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                reasons[out.request_id] = {c.finish_reason for c in out.outputs}
+    assert reasons == {"a": {"length"}, "b": {"length"}}
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        llm.generate({"prompt_token_ids": _prompt(3, 8)}, SamplingParams(n=4, max_tokens=2))
+    x = {"prompt_token_ids": _prompt(4, 70)}
+    want = _llm(next_model, enable_prefix_caching=False).generate(x, greedy)[0].outputs[0].token_ids
+    one = _llm(next_model, max_num_seqs=1)
+    assert one.generate(x, greedy)[0].outputs[0].token_ids == want
+    one.generate({"prompt_token_ids": _prompt(5, 70)}, greedy)  # x's snapshot evicted (one slot)
+    forward, failing = GatedDeltaNet.forward, [True]
+
+    def fails_once(self, h, step):
+        if self.layer == 1 and failing[0] and step.snapshots and any(step.snapshots):
+            failing[0] = False
+            raise RuntimeError("a failure half way through the forward (as a CUDA OOM)")
+        return forward(self, h, step)
+
+    GatedDeltaNet.forward = fails_once
+    try:
+        assert one.generate(x, greedy)[0].outputs[0].finish_reason == "error"
+    finally:
+        GatedDeltaNet.forward = forward
+    assert one.generate(x, greedy)[0].outputs[0].token_ids == want
+    assert_pool_empty(one)

@@ -117,6 +117,12 @@ class InputProcessor:
             raise ValueError(
                 "truncate_prompt_tokens cannot be combined with an application or prompt_positions"
             )
+        slots = getattr(self.runner, "state_sequences", 0)  # a hybrid: one state slot a running sample
+        if slots and params.num_samples > slots:
+            raise ValueError(
+                f"n={params.num_samples} samples need as many running sequences, more than the "
+                f"{slots} (max_num_seqs) a linear-attention hybrid runs at once"
+            )
         if stream and params.num_samples > params.n:
             raise ValueError("best_of > n cannot be streamed (the n best are known only at the end)")
         if module_recompute is not None:

@@ -218,6 +218,7 @@ class Engine(EngineSetup, EngineServices):
 
     def _fail(self, sched: SchedulerOutput) -> None:
         give_back(sched.drafts)
+        self.blocks.step_failed()  # a hybrid's snapshots the step was to write: never restored
         for s in sched.scheduled:
             if s.seq.request.request_id in self.requests:
                 self._finish_request(s.seq.request, "error")

@@ -39,6 +39,7 @@ class StateSlots:
         self._copies: list[tuple[int, int]] = []
         self._snap_free = list(range(num_slots + snapshots - 1, num_slots - 1, -1))
         self._snaps: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recent first
+        self._fresh: list[bytes] = []  # snapshots the step being assembled or launched writes
 
     def slot(self, seq: Hashable) -> int:
         """``seq``'s slot, taken at its first step."""
@@ -93,14 +94,26 @@ class StateSlots:
         else:
             return None
         self._snaps[digest] = slot
+        self._fresh.append(digest)
         return slot
+
+    def forget_fresh(self) -> None:
+        """The last step failed: the snapshots it was to write are given up (a slot it half wrote
+        must never be restored), their slots free again."""
+        for digest in self._fresh:
+            slot = self._snaps.pop(digest, None)
+            if slot is not None:
+                self._snap_free.append(slot)
+        self._fresh = []
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """The child's slot, the parent's states copied into it before the next step."""
         self._copies.append((self.slot(parent), self.slot(child)))
 
     def take_copies(self) -> list[tuple[int, int]]:
-        copies, self._copies = self._copies, []
+        """The copies the next step makes first; called once a step, as it is assembled (the last
+        step launched by then, so its snapshots are written: no longer ``forget_fresh``'s)."""
+        copies, self._copies, self._fresh = self._copies, [], []
         return copies
 
     @property

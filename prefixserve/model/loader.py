@@ -287,8 +287,9 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path, fp8s: Fp8Checkpoi
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = _model_name(model, stored)
-                # a multimodal checkpoint's vision tower (text is served alone); FP8 scales (read)
-                if name is None or fp8s.is_scale(name):
+                # a multimodal checkpoint's vision tower (text is served alone); FP8 scales (read); an
+                # FP8 KV cache's k_scale / v_scale first (an FP8-weight checkpoint's names them too)
+                if name is None or (_KV_SCALE.match(name) is None and fp8s.is_scale(name)):
                     continue
                 codes = None
                 if mxfp4.is_packed(name):

@@ -24,6 +24,8 @@ def prompt_modules(
     model_id = str(getattr(source, "path", None) or source.name)
     if getattr(source, "kind", None) == "dummy":  # random weights: the seed is part of the KV
         model_id = f"{source.name}|seed={config.seed}"
+    if config.quantization is not None:  # FP8 weights compute other KV than the checkpoint's own
+        model_id += f"|weights={config.quantization}"
     device_calls = ModuleDeviceCalls(runner, config)
     device_calls.modules = PromptModules(
         pool,

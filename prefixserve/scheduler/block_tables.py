@@ -298,6 +298,11 @@ class BlockManager:
                 out.append((end - computed, slot))
         return out
 
+    def step_failed(self) -> None:
+        """A launch failed: a hybrid's snapshots that step was to write are given up."""
+        if self.states is not None:
+            self.states.forget_fresh()
+
     def free(self, seq: Sequence) -> None:
         if self.sliding is not None:
             self.sliding.free(seq)

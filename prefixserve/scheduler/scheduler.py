@@ -332,6 +332,18 @@ class Scheduler:
         self.policy.charge(out.scheduled)
         return out
 
+    def _slots_for(self, seq: Sequence) -> bool:
+        """A linear-attention hybrid holds a state slot per running sequence, max_num_seqs in all: a
+        sequence is admitted only where its request's samples still to fork (n > 1), and those of the
+        running requests, will find slots too."""
+
+        def to_fork(s: Sequence) -> int:
+            req = s.request
+            return req.params.num_samples - 1 if s.index == 0 and not req.forked else 0
+
+        pending = sum(to_fork(s) for s in self.running)
+        return len(self.running) + pending + 1 + to_fork(seq) <= self.max_num_seqs
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in order while the token budget, the caps and the pool allow."""
         deferred: list[Sequence] = []
@@ -339,6 +351,9 @@ class Scheduler:
         self.policy.order(self.waiting)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
+            if self.blocks.states is not None and not self._slots_for(seq):
+                self.waiting.appendleft(seq)
+                break
             if ready is not None and not ready(seq):
                 if seq.status is SeqStatus.FINISHED:  # ended trying (its request failed)
                     continue

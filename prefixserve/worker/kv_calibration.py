@@ -65,7 +65,9 @@ def checkpoint_scales(model: torch.nn.Module, kv: KVCache) -> torch.Tensor | Non
         if i < layers:
             heads = kv.layers[i][0].shape[-2]
             out[i, j, :heads] = value if value.numel() == 1 else value[start:stop][:heads]
-    return out.to(kv.scales.device)
+    # up to a power of two: folding a scale into bf16 q and outputs is then exact (a checkpoint's
+    # 0.0213 would be rounded there but not where the values were divided by it)
+    return torch.exp2(torch.ceil(torch.log2(out.clamp_min(1e-30)))).to(kv.scales.device)
 
 
 def calibrate_kv_scales(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype) -> None:

@@ -35,7 +35,8 @@ from prefixserve.host_copy import list_to_device
 from prefixserve.kv.cache import KVCache, blocks_for_budget, bytes_per_block
 from prefixserve.kv.layout import kv_layout, plain_layout
 from prefixserve.kv.state_slots import StatePool, bytes_per_slot, slot_counts
-from prefixserve.model import cpu_linear
+from prefixserve.model import cpu_linear, fp8
+from prefixserve.model.linear import quantized_layers
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
 from prefixserve.sampling.params import SamplingParams
 from prefixserve.sampling.rules import LogitsAdjust, LogitsMask
@@ -131,9 +132,14 @@ class ModelRunner:
         self.shard = model.shard  # this process's part of a tensor-parallel model (or all of it)
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype  # the model's, or e4m3 (kv_cache_dtype="fp8")
-        fp8_gpu = self.kv_dtype != self.dtype and self.device.type == "cuda"
-        if fp8_gpu and torch.cuda.get_device_capability(self.device) < (8, 9):  # Triton's e4m3 casts
+        old_gpu = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9)
+        if old_gpu and self.kv_dtype != self.dtype:  # Triton's e4m3 casts
             raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or later")
+        if old_gpu and any(fp8.is_fp8(layer) for _, layer in quantized_layers(model)):
+            raise ValueError(  # every product would dequantize its whole weight to fp32
+                "FP8 weights (--quantization fp8 or an FP8 checkpoint) need a GPU of compute capability 8.9 "
+                "or later"
+            )
         if self.device.type == "cpu":  # before sizing the pool: the packed copies take memory too
             cpu_linear.pack_linear_weights(model)
             cpu_malloc.keep_freed_memory()
@@ -141,9 +147,11 @@ class ModelRunner:
         # linear-attention hybrids: a state slot per running sequence (``kv/state_slots.py``)
         hybrid = model.config.is_hybrid
         self.states: StatePool | None = None
+        self.state_sequences = 0  # a hybrid: the sequences (samples included) its slots can run at once
         if hybrid:  # the sequences' slots, then the prefix snapshots'
             seqs, snaps, _ = slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs)
             self.states = StatePool(model.config, seqs + snaps, self.dtype, self.device)
+            self.state_sequences = seqs
         self.layout = kv_layout(model.config, config.frees_sliding_kv)
         pages = self._kv_pages(config.num_kv_blocks)
         self.num_blocks = pages or self._kv_blocks_that_fit(model, config, context)
@@ -209,7 +217,8 @@ class ModelRunner:
         bs, tokens = self.block_size, config.max_num_batched_tokens
         seqs, gpu = config.max_num_seqs, self.device.type == "cuda"
         reserve = step_reserve(model.config, self.dtype, max(tokens, seqs), seqs) if gpu else 0
-        if self.states is not None:  # the hybrids' state slots come off the pool's budget
+        if self.states is not None and not gpu:  # the hybrids' state slots come off the pool's budget
+            # (on a GPU they are allocated already: the free memory read below has them counted)
             reserve += bytes_per_slot(model.config, self.dtype) * self.states.num_slots
         blocks = blocks_for_budget(
             model.config,

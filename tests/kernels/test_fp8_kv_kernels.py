@@ -189,3 +189,30 @@ def test_rope_kernel_quantized_store_matches_torch(heads: int, kv_heads: int, di
         for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
             assert (a.float() - b.float()).abs().le(2.0**-3 * b.float().abs() + 2.0**-9).all()
     assert caches[1].float().abs().max() == 448.0  # some values saturate
+
+
+def test_rope_store_reads_a_layers_strided_scales() -> None:
+    """A layer with fewer KV heads than the cache's widest (Gemma 4's global layers) sees a strided
+    view of the [layers, 2, widest] scales; the RoPE kernel's e4m3 store must use each head's own V
+    scale there, as a contiguous copy of the same scales gives (the interpreter's cast loses a
+    rounding carry now and then, so the two are compared within e4m3's step, not bit for bit)."""
+    from prefixserve.attention.kv_quant import kv_write, with_scales
+    from prefixserve.model.kernels.rope import rope_qkv
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, hq, hkv, dim, widest = 3, 8, 4, 16, 16
+    scales = torch.ones(2, 2, widest)
+    scales[0, 0, :hkv], scales[0, 1, :hkv] = 0.5, 0.0625
+    inverse = 1 / scales
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=gen).to(DEVICE, torch.bfloat16)
+    cos, sin = torch.ones(tokens, dim, device=DEVICE), torch.zeros(tokens, dim, device=DEVICE)
+    slots = torch.arange(tokens, device=DEVICE)
+    stored = []
+    for view in ((scales[0, :, :hkv], inverse[0, :, :hkv]), (scales[0, :, :hkv].contiguous(), None)):
+        kc = torch.zeros(4, 4, hkv, dim, dtype=FP8, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        layer = with_scales((kc, vc), view[0].to(DEVICE), None if view[1] is None else view[1].to(DEVICE))
+        rope_qkv(qkv, cos, sin, hq, hkv, dim, kv_write(layer, slots))
+        stored.append(vc.float().flatten(0, 1)[:tokens])
+    strided, contiguous = stored
+    assert (strided - contiguous).abs().max() <= 2**-3 * contiguous.abs().max()

@@ -248,6 +248,9 @@ def rope_qkv(
             inverse = getattr(cache, "inverse", None)
             if inverse is None:
                 inverse = torch.ones(2, num_kv_heads, device=qkv.device)
+            # the kernel reads [2, heads] with a row stride of heads: a layer's view of the cache's
+            # [layers, 2, widest] scales is strided where its heads are fewer (Gemma 4's global layers)
+            inverse = inverse.contiguous()
         kc = k_cache.view(-1, num_kv_heads, head_dim)
         vc = v_cache.view(-1, num_kv_heads, head_dim)
         if kc.stride(2) != 1 or vc.stride(2) != 1 or slots.shape != (tokens,):
