@@ -155,14 +155,14 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
         from prefixserve.model.kernels import fp8_matmul
 
         static = layer.input_scale if act == "static" else None
-        small = x2.shape[0] <= MAX_ROWS and _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
-        if act is not None and small:  # W8A8 on the Triton kernel: a decode step
+        triton_ok = _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
+        if act is not None and triton_ok and x2.shape[0] <= MAX_ROWS:  # W8A8 on the Triton kernel
             xq = fp8_matmul.quantize_rows(x2, static)
-            return fp8_matmul.fp8_linear(x2, codes, scale, bias, out=out, x_codes=xq).view(*lead, -1)
+            return fp8_matmul.launch(x2, codes, scale, bias, out, xq).view(*lead, -1)
         if act is not None and scaled_mm_takes(x2, codes):
             y = scaled_mm(x2, codes, scale, bias, static)
-        elif _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias):  # W8A16
-            return fp8_matmul.fp8_linear(x2, codes, scale, bias, out=out).view(*lead, -1)
+        elif triton_ok:  # W8A16
+            return fp8_matmul.launch(x2, codes, scale, bias, out).view(*lead, -1)
     if y is None:
         y = reference(x2, codes, scale, bias, act, layer.input_scale)
     if out is not None:

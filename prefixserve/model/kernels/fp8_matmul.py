@@ -143,6 +143,19 @@ def fp8_linear(
             f"[N, K/128]: x {tuple(x.shape)} {x.dtype}, codes {tuple(codes.shape)} {codes.dtype}, "
             f"scales {tuple(scale.shape)} {scale.dtype}"
         )
+    return launch(x, codes, scale, bias, out, x_codes)
+
+
+def launch(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``fp8_linear`` for inputs its caller has found ``supported`` (``fp8.linear`` asks once a
+    product, not once to choose the path and again here)."""
     m, k = x.shape
     n = codes.shape[0]
     if out is None:
@@ -213,4 +226,13 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
     return codes, scale
 
 
-__all__ = ["BLOCK_K", "CHANNEL_BLOCK_K", "LARGE_TILE", "fp8_linear", "quantize_rows", "supported", "tiles"]
+__all__ = [
+    "BLOCK_K",
+    "CHANNEL_BLOCK_K",
+    "LARGE_TILE",
+    "fp8_linear",
+    "launch",
+    "quantize_rows",
+    "supported",
+    "tiles",
+]
