@@ -1,8 +1,7 @@
-"""FP8 weights against bf16 (issue 103, part 2): the engine's decode step and a long prefill, side by side.
+"""FP8 against bf16 (issue 103): the engine's decode step and a long prefill, side by side.
 
 For each mode (bf16 weights; ``quantization="fp8"``; with ``--kv-cache-dtype fp8`` also FP8 weights
-over an FP8 KV cache, where this build's EngineConfig has ``kv_cache_dtype``), one engine on the
-model (default dummy Llama-3.1-8B shapes):
+over an FP8 KV cache), one engine on the model (default dummy Llama-3.1-8B shapes):
   decode   the engine's decode step at B rows (``--batches``; B sequences of ``--prompt-len`` tokens
            decoding ``--gen`` together, under CUDA graphs as the engine runs them): wall ms per step
            and the GPU's busy ms per step (``benchmarks.dense.engine_decode``)
@@ -24,7 +23,6 @@ Usage (GPU, a few minutes on an H200):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 import time
@@ -39,21 +37,11 @@ BATCHES = (1, 64)
 TARGETS = {"decode_B1": 0.6, "decode_B64": 0.7, "prefill_speedup": 1.5}
 
 
-def _has_kv_dtype() -> bool:
-    """Whether this build's EngineConfig takes ``kv_cache_dtype`` (the FP8 KV cache, issue 103 part 1)."""
-    from prefixserve.config import EngineConfig
-
-    return any(f.name == "kv_cache_dtype" for f in dataclasses.fields(EngineConfig))
-
-
 def modes(kv_cache_dtype: str | None) -> dict[str, dict[str, Any]]:
     """Each mode's EngineConfig fields beside the common ones."""
     out: dict[str, dict[str, Any]] = {"bf16": {}, "fp8": {"quantization": "fp8"}}
     if kv_cache_dtype is not None:
-        if _has_kv_dtype():
-            out[f"fp8+kv-{kv_cache_dtype}"] = {"quantization": "fp8", "kv_cache_dtype": kv_cache_dtype}
-        else:
-            print(f"this build has no kv_cache_dtype: the fp8+kv-{kv_cache_dtype} mode is skipped")
+        out[f"fp8+kv-{kv_cache_dtype}"] = {"quantization": "fp8", "kv_cache_dtype": kv_cache_dtype}
     return out
 
 
@@ -183,11 +171,12 @@ SHARED_OWN = 64  # each request's own prompt tokens behind the shared prefix
 def shared_modes(kv: str) -> dict[str, dict[str, Any]]:
     """The long-shared-prefix modes: bf16, FP8 weights, FP8 weights over an FP8 KV cache, and the FP8
     KV cache over bf16 weights (the issue asks for the last beside the others)."""
-    out = {"bf16": {}, "fp8": {"quantization": "fp8"}}
-    if _has_kv_dtype():
-        out[f"fp8+kv-{kv}"] = {"quantization": "fp8", "kv_cache_dtype": kv}
-        out[f"kv-{kv}"] = {"kv_cache_dtype": kv}
-    return out
+    return {
+        "bf16": {},
+        "fp8": {"quantization": "fp8"},
+        f"fp8+kv-{kv}": {"quantization": "fp8", "kv_cache_dtype": kv},
+        f"kv-{kv}": {"kv_cache_dtype": kv},
+    }
 
 
 def shared_point(args: argparse.Namespace, batch: int, fields: dict[str, Any]) -> dict[str, Any]:
