@@ -88,6 +88,12 @@ class SchedulerHooks:
     speculate: Speculate | None = None
 
 
+def _to_fork(seq: Sequence) -> int:
+    """The samples ``seq``'s request will still fork from it (n > 1, before its prompt is done)."""
+    req = seq.request
+    return req.params.num_samples - 1 if seq.index == 0 and not req.forked else 0
+
+
 class Scheduler:
     """``hooks``: the engine's (``SchedulerHooks``), fixed for the scheduler's life."""
 
@@ -332,26 +338,18 @@ class Scheduler:
         self.policy.charge(out.scheduled)
         return out
 
-    def _slots_for(self, seq: Sequence) -> bool:
-        """A linear-attention hybrid holds a state slot per running sequence, max_num_seqs in all: a
-        sequence is admitted only where its request's samples still to fork (n > 1), and those of the
-        running requests, will find slots too."""
-
-        def to_fork(s: Sequence) -> int:
-            req = s.request
-            return req.params.num_samples - 1 if s.index == 0 and not req.forked else 0
-
-        pending = sum(to_fork(s) for s in self.running)
-        return len(self.running) + pending + 1 + to_fork(seq) <= self.max_num_seqs
-
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in order while the token budget, the caps and the pool allow."""
         deferred: list[Sequence] = []
         ready = self._hooks.ready
         self.policy.order(self.waiting)
+        # a linear-attention hybrid holds a state slot per running sequence, max_num_seqs in all: a
+        # sequence is admitted only where its request's samples still to fork (n > 1), and those of
+        # the running requests, will find slots too (counted once a call, then kept up)
+        forks = sum(_to_fork(s) for s in self.running) if self.blocks.states is not None else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            if self.blocks.states is not None and not self._slots_for(seq):
+            if forks is not None and len(self.running) + forks + 1 + _to_fork(seq) > self.max_num_seqs:
                 self.waiting.appendleft(seq)
                 break
             if ready is not None and not ready(seq):
@@ -380,6 +378,8 @@ class Scheduler:
                 break
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if forks is not None:
+                forks += _to_fork(seq)
             self._mark_in_flight(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
