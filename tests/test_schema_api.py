@@ -344,13 +344,15 @@ def test_engine_args_carry_schemas_and_module_tiers(tmp_path: Path) -> None:
 
 
 def test_salted_pml_prompts_share_the_modules_under_the_scope(http: httpx.Client, travel: str) -> None:
-    """Over HTTP, ``cache_salt_scope: "after-system"``: two tenants' salted PML prompts read the schema's
-    modules as registered (nothing encoded); under "prompt" a new salt encodes its own."""
+    """Over HTTP, ``cache_salt_scope: "after-system"``: a second tenant's salted PML prompt reads the
+    modules the first one read (unsalted: nothing encoded for it; the first may have encoded them again
+    where earlier tests' traffic had dropped them); under "prompt" a new salt encodes its own."""
     prompt = f'<prompt schema="{travel}"><tokyo/><paris/> Which city has sushi?</prompt>'
+    r = complete(http, prompt, cache_salt="scope-a", cache_salt_scope="after-system")
+    assert r.status_code == 200, r.text
     before = metric(http, "prefixserve_module_encodes_total")
-    for salt in ("scope-a", "scope-b"):
-        r = complete(http, prompt, cache_salt=salt, cache_salt_scope="after-system")
-        assert r.status_code == 200, r.text
+    r = complete(http, prompt, cache_salt="scope-b", cache_salt_scope="after-system")
+    assert r.status_code == 200, r.text
     assert metric(http, "prefixserve_module_encodes_total") == before
     assert complete(http, prompt, cache_salt="scope-c", cache_salt_scope="prompt").status_code == 200
     assert metric(http, "prefixserve_module_encodes_total") > before
