@@ -168,6 +168,25 @@ def test_a_hit_past_the_last_snapshot_resumes_from_it(next_model: Path) -> None:
     assert_pool_empty(llm)
 
 
+def test_a_chats_next_turn_resumes_after_the_reply(next_model: Path) -> None:
+    """Decode steps snapshot too (on the batched path): a chat's next turn (its prompt, the reply,
+    a new message) resumes at the reply's last 64-token boundary, as a full-attention model's cache
+    would hit up to its last block, and its tokens are as computed whole."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    plain = _llm(next_model, enable_prefix_caching=False)
+    llm = _llm(next_model)
+    chat = _prompt(11, 40)
+    for turn in range(3):
+        want = plain.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
+        before = llm.metrics()["prefix_cache_hit_tokens_total"]
+        got = llm.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
+        assert got == want
+        hit = llm.metrics()["prefix_cache_hit_tokens_total"] - before
+        assert hit == (0 if turn == 0 else (len(chat) - 10 - 1) // 64 * 64)  # the last reply's boundary
+        chat = chat + got + _prompt(20 + turn, 10)
+    assert_pool_empty(llm)
+
+
 def test_prompt_cache_schemas_are_refused(tmp_path: Path) -> None:
     tiny_checkpoint("qwen3_5_text", tmp_path)
     llm = _llm(tmp_path)
@@ -239,7 +258,8 @@ def test_samples_wait_for_their_slots_and_a_failed_step_leaves_no_snapshot(next_
     want = _llm(next_model, enable_prefix_caching=False).generate(x, greedy)[0].outputs[0].token_ids
     one = _llm(next_model, max_num_seqs=1)
     assert one.generate(x, greedy)[0].outputs[0].token_ids == want
-    one.generate({"prompt_token_ids": _prompt(5, 70)}, greedy)  # x's snapshot evicted (one slot)
+    for seed in (5, 6):  # x's snapshot evicted (two snapshot slots: twice max_num_seqs)
+        one.generate({"prompt_token_ids": _prompt(seed, 70)}, greedy)
     forward, failing = GatedDeltaNet.forward, [True]
 
     def fails_once(self, h, step):

@@ -30,7 +30,7 @@ from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.prefix_spill import PrefixSpill
-from prefixserve.kv.state_slots import StateSlots, slot_counts
+from prefixserve.kv.state_slots import StateSlots, snapshot_spacing
 from prefixserve.model.loader import (
     ModelSource,
     load_model,
@@ -101,7 +101,9 @@ class EngineSetup:
         )
         states = None
         if self.model_config.is_hybrid:  # the runner's slots: the sequences', then the snapshots'
-            states = StateSlots(*slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs))
+            snaps, every = self.runner.state_snapshots
+            spacing = snapshot_spacing(self.model_config, every, config.torch_dtype)
+            states = StateSlots(self.runner.state_sequences, snaps, every, spacing)
         self.blocks = BlockManager(
             self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks, states=states
         )

@@ -9,9 +9,11 @@ sequence recomputes from token 0, and a chunk that starts at token 0 starts from
 copied into a slot of its own before its first step. ``StatePool`` holds the slots' tensors on the
 device; their bytes come off the KV pool's budget (``bytes_per_slot``).
 
-Prefix caching: the slots past the sequences' hold snapshots, the states after a prompt's first
-``b`` tokens at every ``every_tokens``-th token (a block boundary), keyed by the digest of the block
-ending there (which names the whole prefix). A prefix-cache hit of a hybrid is cut back to its last
+Prefix caching: the slots past the sequences' hold snapshots, the states after a sequence's first
+``b`` tokens (prompt or generated) at some multiples of ``every_tokens`` (a block boundary), keyed by
+the digest of the block ending there (which names the whole prefix): the last one each step's chunk
+reaches (a decode step's too, so a chat's next turn resumes after the reply) and every ``spacing``
+tokens within a long chunk. A prefix-cache hit of a hybrid is cut back to its last
 snapshot (``snapshot_prefix``) and the snapshot is copied into the sequence's slot before its first
 step (``restore``): the rest is recomputed from there. Snapshots are evicted least recently used.
 """
@@ -24,22 +26,27 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.gated_delta import LinearStep
+from prefixserve.model.gated_delta import LinearStep, copy_slots
 
 
 class StateSlots:
     """Slot ids of the sequences holding one (host side); copies queued for the next step."""
 
-    def __init__(self, num_slots: int, snapshots: int = 0, every_tokens: int = 64) -> None:
+    def __init__(
+        self, num_slots: int, snapshots: int = 0, every_tokens: int = 64, spacing: int | None = None
+    ) -> None:
         """``num_slots`` sequences; ``snapshots`` more slots for prefix snapshots (slot ids after
-        the sequences'), one every ``every_tokens`` prompt tokens (a multiple of the block size)."""
+        the sequences'), at multiples of ``every_tokens`` (a multiple of the block size): every
+        ``spacing`` tokens (``snapshot_spacing``) and at the last one a step's chunk reaches."""
         self.num_slots, self.every_tokens = num_slots, every_tokens
+        self.spacing = spacing or every_tokens
         self._free = list(range(num_slots - 1, -1, -1))  # popped lowest first
         self._of: dict[Hashable, int] = {}
         self._copies: list[tuple[int, int]] = []
         self._snap_free = list(range(num_slots + snapshots - 1, num_slots - 1, -1))
         self._snaps: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recent first
         self._fresh: list[bytes] = []  # snapshots the step being assembled or launched writes
+        self._newest: dict[Hashable, bytes] = {}  # a running sequence's last snapshot off the spacing
 
     def slot(self, seq: Hashable) -> int:
         """``seq``'s slot, taken at its first step."""
@@ -57,6 +64,7 @@ class StateSlots:
         return [self.slot(s) for s in seqs]
 
     def free(self, seq: Hashable) -> None:
+        self._newest.pop(seq, None)  # its last snapshot stays: the next turn of a chat resumes there
         slot = self._of.pop(seq, None)
         if slot is not None:
             self._free.append(slot)
@@ -81,9 +89,15 @@ class StateSlots:
         """Copy the snapshot of ``digest`` into ``seq``'s slot before its next step."""
         self._copies.append((self._snaps[digest], self.slot(seq)))
 
-    def new_snapshot(self, digest: bytes) -> int | None:
+    def new_snapshot(self, digest: bytes, seq: Hashable = None, spaced: bool = True) -> int | None:
         """A slot to take the snapshot of ``digest`` in (None: one is held already), the least
-        recently used one given up if none is free."""
+        recently used one given up if none is free. One off the spacing (``spaced`` False: a chunk's
+        last boundary) supersedes ``seq``'s last such one, given up now: a later prompt that goes on
+        past it resumes from the newer, so a running sequence holds one such snapshot at a time."""
+        if not spaced and seq is not None:
+            older = self._newest.pop(seq, None)
+            if older is not None and older in self._snaps and older not in self._fresh:
+                self._snap_free.append(self._snaps.pop(older))
         if digest in self._snaps:
             self._snaps.move_to_end(digest)
             return None
@@ -95,6 +109,8 @@ class StateSlots:
             return None
         self._snaps[digest] = slot
         self._fresh.append(digest)
+        if not spaced and seq is not None:
+            self._newest[seq] = digest
         return slot
 
     def forget_fresh(self) -> None:
@@ -153,19 +169,48 @@ class StatePool:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each ``src`` slot's states into ``dst`` (a forked sample's)."""
-        if not pairs:
-            return
-        src, dst = (list(x) for x in zip(*pairs, strict=True))
-        for conv, state in self.layers.values():
-            conv[dst] = conv[src]
-            state[dst] = state[src]
+        if pairs:
+            copy_slots(pairs, *(t for layer in self.layers.values() for t in layer))
 
 
-def slot_counts(max_num_seqs: int, prefix_caching: bool, block_size: int) -> tuple[int, int, int]:
-    """(sequence slots, snapshot slots, tokens between snapshots): a slot per sequence, as many for
-    snapshots under prefix caching, one every 64 tokens (fla's chunk) or every block if larger."""
+def slot_counts(
+    max_num_seqs: int, prefix_caching: bool, block_size: int, snapshot_room: int | None = None
+) -> tuple[int, int, int]:
+    """(sequence slots, snapshot slots, tokens between snapshots): a slot per sequence; under prefix
+    caching twice as many for snapshots (a running sequence's newest and the one it resumed from),
+    at most ``snapshot_room``; snapshots at multiples of 64 tokens (fla's chunk) or of the block if
+    larger."""
     every = max(block_size, 64 // block_size * block_size)
-    return max_num_seqs, max_num_seqs if prefix_caching else 0, every
+    snapshots = 2 * max_num_seqs if prefix_caching else 0
+    if snapshot_room is not None:
+        snapshots = min(snapshots, snapshot_room)
+    return max_num_seqs, snapshots, every
+
+
+SNAPSHOT_MEMORY_FRACTION = 0.2  # of the GPU memory free after the weights: the most snapshots take
+
+
+def snapshot_room(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The snapshot slots that fit in ``SNAPSHOT_MEMORY_FRACTION`` of the device's free memory
+    (None on a CPU: as many as asked), so a large state (a Qwen3.5-27B slot is ~150 MB) leaves the
+    KV pool its room."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * SNAPSHOT_MEMORY_FRACTION) // bytes_per_slot(config, dtype)
+
+
+def snapshot_spacing(config: ModelConfig, every: int, dtype: torch.dtype) -> int:
+    """Tokens between the snapshots a long chunk takes besides its last: ``every`` times the power of
+    two that makes the full layers' KV rows of that many tokens about one snapshot's bytes, so the
+    snapshots along a cached prefix at most double its memory (vLLM sizes a hybrid's pages alike).
+    A snapshot at the chunk's end keeps multi-turn hits whole; a prefix shared out to a point between
+    two spaced snapshots resumes from the earlier one."""
+    full = config.num_hidden_layers - len(config.linear_layers)
+    size = torch.tensor([], dtype=dtype).element_size()
+    kv_token = max(1, 2 * config.num_key_value_heads * config.head_dim * size * full)
+    ratio = max(1, bytes_per_slot(config, dtype) // kv_token // every)
+    return every * (1 << (ratio.bit_length() - 1))
 
 
 def state_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -184,4 +229,12 @@ def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
     return per_layer * len(config.linear_layers)
 
 
-__all__ = ["StatePool", "StateSlots", "bytes_per_slot", "slot_counts", "state_shapes"]
+__all__ = [
+    "StatePool",
+    "StateSlots",
+    "bytes_per_slot",
+    "slot_counts",
+    "snapshot_room",
+    "snapshot_spacing",
+    "state_shapes",
+]

@@ -43,8 +43,14 @@ class LinearStep:
 
     @property
     def decode(self) -> bool:
-        """One row per sequence and no snapshot: the batched path."""
-        return self.starts[-1] == len(self.slots) and not any(self.snapshots)
+        """One row per sequence: the batched path (a snapshot it takes is its slot's final states)."""
+        return self.starts[-1] == len(self.slots)
+
+    def end_snapshots(self) -> list[tuple[int, int]]:
+        """(slot, snapshot slot) of a decode step's snapshots: each taken after its sequence's row."""
+        return [
+            (slot, snap) for slot, taken in zip(self.slots, self.snapshots, strict=True) for _, snap in taken
+        ]
 
     def cuts(self, s: int) -> list[tuple[int, int | None]]:
         """Sequence ``s``'s chunk as (end row into it, the snapshot slot taken there or None)."""
@@ -170,6 +176,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = self._rule(q, k, v, g, beta, step, state)  # [T, Hv, Dv]
+        if step.decode and any(step.snapshots):
+            copy_slots(step.end_snapshots(), conv_state, state)
         out = self.norm(out.to(x.dtype), z.reshape(tokens, p.vh, p.dv))
         return self.out_proj(out.reshape(tokens, self.value_dim))
 
@@ -213,7 +221,8 @@ class GatedDeltaNet(nn.Module):
             from prefixserve.model import gated_delta_fla
 
             if gated_delta_fla.available():
-                cuts = [step.cuts(s) for s in range(len(step.slots))] if any(step.snapshots) else None
+                chunked_cuts = any(step.snapshots) and not step.decode
+                cuts = [step.cuts(s) for s in range(len(step.slots))] if chunked_cuts else None
                 return gated_delta_fla.run(q, k, v, g, beta, step.slots, step.starts, step.fresh, state, cuts)
         qf, kf = prepare_qk(q, k, v.shape[1])
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -232,10 +241,17 @@ class GatedDeltaNet(nn.Module):
         return out
 
 
+def copy_slots(pairs: list[tuple[int, int]], *tensors: torch.Tensor) -> None:
+    """Each ``src`` slot's rows of ``tensors`` copied into ``dst``."""
+    src, dst = (list(x) for x in zip(*pairs, strict=True))
+    for t in tensors:
+        t[dst] = t[src]
+
+
 def _slots(step: LinearStep, device: torch.device) -> torch.Tensor:
     if step.slots_t is None or step.slots_t.device != device:
         step.slots_t = torch.tensor(step.slots, dtype=torch.long, device=device)
     return step.slots_t
 
 
-__all__ = ["QWEN3_5", "QWEN3_NEXT", "GatedDeltaNet", "GatedRMSNorm", "InProj", "LinearStep"]
+__all__ = ["QWEN3_5", "QWEN3_NEXT", "GatedDeltaNet", "GatedRMSNorm", "InProj", "LinearStep", "copy_slots"]

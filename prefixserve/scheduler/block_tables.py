@@ -284,16 +284,19 @@ class BlockManager:
 
     def snapshot_rows(self, seq: Sequence, computed: int, tokens: int) -> list[tuple[int, int]]:
         """A hybrid's prefix snapshots that ``seq``'s chunk of ``tokens`` after ``computed`` takes:
-        (rows into the chunk, snapshot slot) at every ``every_tokens``-th token within the blocks a
-        hit may cover and not snapshotted yet."""
+        (rows into the chunk, snapshot slot) at the chunk's last multiple of ``every_tokens`` and at
+        the multiples of ``spacing`` before it, those not snapshotted yet."""
         states = self.states
         if states is None or not self.enable_prefix_caching or not states.snapshots:
             return []
         every, bs = states.every_tokens, self.block_size
-        last = min(computed + tokens, self.cacheable_blocks(seq) * bs)
+        last = (computed + tokens) // every * every
         out = []
         for end in range((computed // every + 1) * every, last + 1, every):
-            slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1])
+            spaced = end % states.spacing == 0
+            if end != last and not spaced:
+                continue
+            slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1], seq, spaced)
             if slot is not None:
                 out.append((end - computed, slot))
         return out

@@ -34,7 +34,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
 from prefixserve.kv.cache import KVCache, blocks_for_budget, bytes_per_block
 from prefixserve.kv.layout import kv_layout, plain_layout
-from prefixserve.kv.state_slots import StatePool, bytes_per_slot, slot_counts
+from prefixserve.kv.state_slots import StatePool, bytes_per_slot, slot_counts, snapshot_room
 from prefixserve.model import cpu_linear, fp8
 from prefixserve.model.linear import quantized_layers
 from prefixserve.model.memory_fit import check_kv_fits, step_reserve
@@ -148,10 +148,12 @@ class ModelRunner:
         hybrid = model.config.is_hybrid
         self.states: StatePool | None = None
         self.state_sequences = 0  # a hybrid: the sequences (samples included) its slots can run at once
+        self.state_snapshots = (0, 0)  # a hybrid: its snapshot slots, and tokens between snapshots
         if hybrid:  # the sequences' slots, then the prefix snapshots'
-            seqs, snaps, _ = slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs)
+            room = snapshot_room(model.config, self.dtype, self.device)
+            seqs, snaps, every = slot_counts(config.max_num_seqs, config.enable_prefix_caching, bs, room)
             self.states = StatePool(model.config, seqs + snaps, self.dtype, self.device)
-            self.state_sequences = seqs
+            self.state_sequences, self.state_snapshots = seqs, (snaps, every)
         self.layout = kv_layout(model.config, config.frees_sliding_kv)
         pages = self._kv_pages(config.num_kv_blocks)
         self.num_blocks = pages or self._kv_blocks_that_fit(model, config, context)

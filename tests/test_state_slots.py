@@ -1,0 +1,46 @@
+"""The host side of a hybrid's state slots: snapshot counts and spacing, least-recently-used
+eviction, and a running sequence's chunk-end snapshot superseding its last one."""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.kv.state_slots import StateSlots, bytes_per_slot, slot_counts, snapshot_spacing
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.loader import CONFIG_DIR
+
+
+def test_slot_counts_and_the_memory_cap() -> None:
+    assert slot_counts(8, True, 16) == (8, 16, 64)
+    assert slot_counts(8, False, 16) == (8, 0, 64)
+    assert slot_counts(8, True, 16, snapshot_room=5) == (8, 5, 64)
+    assert slot_counts(8, True, 128) == (8, 16, 128)  # a block past 64 tokens: every block
+
+
+def test_spacing_matches_a_snapshot_to_the_kv_of_as_many_tokens() -> None:
+    """Qwen3.5-27B: a ~154 MB slot against 64 KB of KV a token (16 full layers): 2,048 tokens (a power
+    of two times 64 at or under the ~2,350 that balance)."""
+    config = ModelConfig.from_json(CONFIG_DIR / "qwen3.5-27b.json")
+    slot = bytes_per_slot(config, torch.bfloat16)
+    kv_token = 2 * 4 * 256 * 2 * 16
+    spacing = snapshot_spacing(config, 64, torch.bfloat16)
+    assert spacing == 2048 and spacing * kv_token <= slot < 2 * spacing * kv_token
+
+
+def test_eviction_and_supersession() -> None:
+    slots = StateSlots(2, snapshots=3, every_tokens=64, spacing=256)
+    first = slots.new_snapshot(b"a", "s1", spaced=True)
+    assert first == 2 and slots.new_snapshot(b"a") is None  # held already
+    slots.take_copies()  # the step that writes it launched
+    b = slots.new_snapshot(b"b", "s1", spaced=False)
+    slots.take_copies()
+    c = slots.new_snapshot(b"c", "s1", spaced=False)  # supersedes b: its slot given back at once
+    assert c == b and b"b" not in slots._snaps and b"a" in slots._snaps
+    slots.take_copies()
+    slots.free("s1")  # its last one (c) stays for the chat's next turn
+    assert b"c" in slots._snaps
+    slots.new_snapshot(b"d", "s2", spaced=True)
+    slots.new_snapshot(b"e", "s2", spaced=True)  # no slot free: the least recently used (a) goes
+    assert set(slots._snaps) == {b"c", b"d", b"e"}
+    digests = [b"x", b"c"]  # a hit of 8 blocks of 16 tokens resumes at c, its boundary at 128 tokens
+    assert slots.snapshot_prefix(digests * 4, 8, 16) == 8
