@@ -68,24 +68,18 @@ def full_twin(model: str, folder: Path) -> str:
 
 
 def _llm(args: argparse.Namespace, model: str, **engine: Any) -> Any:
+    """A fresh engine, the memory of any engine before it given back first (callers drop theirs)."""
     from prefixserve import LLM
 
+    gc.collect()
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
     return LLM(
         model=model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
         max_num_batched_tokens=args.max_batched_tokens, progress=False, **engine,
     )  # fmt: skip
-
-
-def _close(llm: Any) -> None:
-    llm.shutdown()
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -120,7 +114,8 @@ def chats_part(args: argparse.Namespace) -> dict[str, Any]:
             "hit_tokens": sum(hits),
             "prompt_tokens": sum(prompt_tokens),
         }
-        _close(llm)
+        llm.shutdown()
+        del llm, outs
         print(f"chats {label}: {sum(hits):,} of {sum(prompt_tokens):,} prompt tokens hit")
     result["hybrid_over_full"] = result["hybrid"]["hit_tokens"] / max(1, result["full"]["hit_tokens"])
     return result
@@ -144,7 +139,7 @@ def ttft_part(args: argparse.Namespace) -> dict[str, Any]:
     before = llm.metrics()["prefix_cache_hit_tokens_total"]
     cached = [first_token_s(prefix + _tokens(rng, args.own)) for _ in range(args.repeats)]
     hits = (llm.metrics()["prefix_cache_hit_tokens_total"] - before) / args.repeats
-    _close(llm)
+    llm.shutdown()
     result = {
         "whole_s": whole,
         "cached_s": statistics.median(cached),

@@ -110,7 +110,12 @@ def test_the_fla_plumbing_over_slots_and_snapshots(monkeypatch: pytest.MonkeyPat
     before = state.clone()
     starts = [0, 70, 71, 80]
     cuts = [[(30, 9), (64, 10), (70, None)], [(1, 11)], [(9, None)]] if snapshots else None
-    out = gated_delta_fla.run(q, k, v, g, beta, slots, starts, fresh, state, cuts)
+    if cuts is not None:
+        out = gated_delta_fla.run_cut(q, k, v, g, beta, slots, starts, fresh, state, cuts)
+    else:
+        out = gated_delta_fla.run(
+            q, k, v, g, beta, gated_delta_fla.lists_on(q.device, slots, starts, fresh), state
+        )
     qf, kf = prepare_qk(q, k, 4)
     for s, slot in enumerate(slots):
         a, b = starts[s], starts[s + 1]

@@ -41,7 +41,9 @@ def test_fla_forms_equal_the_reference(lens: list[int]) -> None:
     for n in lens:
         starts.append(starts[-1] + n)
     before = state.clone()
-    out = gated_delta_fla.run(q, k, v, g, beta, slots, starts, fresh, state)
+    out = gated_delta_fla.run(
+        q, k, v, g, beta, gated_delta_fla.lists_on(q.device, slots, starts, fresh), state
+    )
     qf, kf = prepare_qk(q, k, vh)
     for s, slot in enumerate(slots):
         a, b = starts[s], starts[s + 1]

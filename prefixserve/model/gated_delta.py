@@ -37,7 +37,8 @@ class LinearStep:
     starts: list[int]  # [S + 1] query rows: sequence s owns starts[s]:starts[s + 1]
     fresh: list[bool]  # the chunk begins at token 0: states start at zero
     states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    slots_t: torch.Tensor | None = None  # slots on the device
+    # (slots, starts, fresh or None where none is) on the device, made once a step for every layer
+    on_device: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     # per sequence: (rows into its chunk, slot) of the prefix snapshots its chunk takes (may be empty)
     snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
 
@@ -57,6 +58,15 @@ class LinearStep:
         n = self.starts[s + 1] - self.starts[s]
         taken = self.snapshots[s] if self.snapshots else []
         return [*taken, (n, None)] if not taken or taken[-1][0] != n else list(taken)
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(slots, starts, fresh or None) on ``device``: copied once a step, not once a layer."""
+        if self.on_device is None or self.on_device[0].device != device:
+            slots = torch.tensor(self.slots, dtype=torch.long).to(device, non_blocking=True)
+            starts = torch.tensor(self.starts, dtype=torch.long).to(device, non_blocking=True)
+            fresh = torch.tensor(self.fresh).to(device, non_blocking=True) if any(self.fresh) else None
+            self.on_device = (slots, starts, fresh)
+        return self.on_device
 
     @classmethod
     def scratch(cls, query_lens: list[int], seq_lens: list[int]) -> LinearStep:
@@ -187,10 +197,9 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]  # [C, K]
         keep = self.kernel - 1
         if step.decode:  # every sequence one row: all at once
-            slots = _slots(step, qkv.device)
+            slots, _, fresh = step.tensors(qkv.device)
             prev = conv_state.index_select(0, slots)  # [S, C, K - 1]
-            fresh = torch.tensor(step.fresh, device=qkv.device)
-            if any(step.fresh):
+            if fresh is not None:
                 prev = prev.masked_fill(fresh[:, None, None], 0.0)
             window = torch.cat([prev, qkv[:, :, None].to(prev.dtype)], -1)  # [S, C, K]
             conv_state.index_copy_(0, slots, window[:, :, 1:])
@@ -223,7 +232,11 @@ class GatedDeltaNet(nn.Module):
             if gated_delta_fla.available():
                 chunked_cuts = any(step.snapshots) and not step.decode
                 cuts = [step.cuts(s) for s in range(len(step.slots))] if chunked_cuts else None
-                return gated_delta_fla.run(q, k, v, g, beta, step.slots, step.starts, step.fresh, state, cuts)
+                if cuts is not None:
+                    return gated_delta_fla.run_cut(
+                        q, k, v, g, beta, step.slots, step.starts, step.fresh, state, cuts
+                    )
+                return gated_delta_fla.run(q, k, v, g, beta, step.tensors(q.device), state)
         qf, kf = prepare_qk(q, k, v.shape[1])
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for s, slot in enumerate(step.slots):
@@ -246,12 +259,6 @@ def copy_slots(pairs: list[tuple[int, int]], *tensors: torch.Tensor) -> None:
     src, dst = (list(x) for x in zip(*pairs, strict=True))
     for t in tensors:
         t[dst] = t[src]
-
-
-def _slots(step: LinearStep, device: torch.device) -> torch.Tensor:
-    if step.slots_t is None or step.slots_t.device != device:
-        step.slots_t = torch.tensor(step.slots, dtype=torch.long, device=device)
-    return step.slots_t
 
 
 __all__ = ["QWEN3_5", "QWEN3_NEXT", "GatedDeltaNet", "GatedRMSNorm", "InProj", "LinearStep", "copy_slots"]

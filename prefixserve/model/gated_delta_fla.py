@@ -35,22 +35,16 @@ def run(
     v: torch.Tensor,  # [T, Hv, Dv]
     g: torch.Tensor,  # [T, Hv] fp32
     beta: torch.Tensor,  # [T, Hv]
-    slots: list[int],  # each sequence's slot
-    starts: list[int],  # [S + 1] its query rows
-    fresh: list[bool],  # starts at token 0: zero states
+    on_device: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],  # slots, starts [S + 1], fresh
     state: torch.Tensor,  # [N, Hv, Dk, Dv] fp32: the layer's slots
-    cuts: list[list[tuple[int, int | None]]] | None = None,  # per sequence (end row into its chunk, slot)
 ) -> torch.Tensor:  # [T, Hv, Dv]
-    if cuts is not None:
-        return _rounds(q, k, v, g, beta, slots, starts, fresh, state, cuts)
+    """Each sequence's rows from its slot's state (zeros where fresh), the final states written back."""
     chunk, recurrent = _ops()
-    index = torch.tensor(slots, dtype=torch.long).to(q.device, non_blocking=True)
+    index, cu, zero = on_device
     start = state.index_select(0, index)
-    if any(fresh):
-        zero = torch.tensor(fresh).to(q.device, non_blocking=True)
+    if zero is not None:
         start = start.masked_fill(zero[:, None, None, None], 0.0)
-    cu = torch.tensor(starts, dtype=torch.long).to(q.device, non_blocking=True)
-    form = recurrent if starts[-1] == len(slots) else chunk  # one token each: decode
+    form = recurrent if q.shape[0] == index.shape[0] else chunk  # one token each: decode
     out, final = form(
         q[None], k[None], v[None], g=g[None], beta=beta[None].to(q.dtype), initial_state=start,
         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
@@ -59,7 +53,16 @@ def run(
     return out[0]
 
 
-def _rounds(
+def lists_on(device: torch.device, slots: list[int], starts: list[int], fresh: list[bool]) -> tuple:
+    """``run``'s tensors (slots, starts, fresh or None) from host lists."""
+    return (
+        torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(starts, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(fresh).to(device, non_blocking=True) if any(fresh) else None,
+    )
+
+
+def run_cut(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -71,7 +74,8 @@ def _rounds(
     state: torch.Tensor,
     cuts: list[list[tuple[int, int | None]]],
 ) -> torch.Tensor:
-    """``run`` with snapshots: every sequence's pieces in rounds (see the module's doc)."""
+    """``run`` with the chunks cut at snapshots: every sequence's pieces in rounds (see the module's
+    doc)."""
     pieces = []  # per sequence: [(first row, end row, snapshot slot or None)]
     for s, seq_cuts in enumerate(cuts):
         a, mine = starts[s], []
@@ -96,7 +100,9 @@ def _rounds(
         which = torch.tensor(active, dtype=torch.long).to(device, non_blocking=True)
         carry_view = carry.index_select(0, which)  # the active sequences' states, as slots 0..A-1
         ids, keep = list(range(len(active))), [False] * len(active)
-        sub = run(q[rows], k[rows], v[rows], g[rows], beta[rows], ids, bounds, keep, carry_view)
+        sub = run(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], lists_on(device, ids, bounds, keep), carry_view
+        )
         out[rows] = sub.to(out.dtype)
         carry.index_copy_(0, which, carry_view)
         for i, (_, _, snap) in enumerate(spans):
@@ -106,4 +112,4 @@ def _rounds(
     return out
 
 
-__all__ = ["available", "run"]
+__all__ = ["available", "lists_on", "run", "run_cut"]
