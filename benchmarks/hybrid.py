@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
 import tempfile
@@ -186,6 +187,11 @@ def samples_part(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.decode_run import MODES, measure
 
+    gc.collect()  # the parts before: their engines' memory given back
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
     rng = random.Random(2)
     prompts = tuple(
         [{"prompt_token_ids": array("q", _tokens(rng, args.prefix + args.own))}] for _ in range(2)
@@ -217,11 +223,18 @@ def run(args: argparse.Namespace) -> None:
             setattr(args, k, v)
         args.device, args.out = "cpu", str(Path(tempfile.gettempdir()) / NAME)
         args.model = dummy_model(TINY_QWEN3_5, Path(tempfile.mkdtemp(prefix="hybrid-")))
-    result: dict[str, Any] = {**run_info(), "settings": {k: v for k, v in vars(args).items() if k != "mode"}}
+    settings = {k: v for k, v in vars(args).items() if k not in ("mode", "add_to")}
+    result: dict[str, Any] = {**run_info(("fla-core",)), "settings": settings}
+    if args.add_to:  # an earlier run's parts kept, each with the run it came from
+        result = json.loads(Path(args.add_to).read_text())
+        for part in PARTS:  # parts of a run from before parts named their run
+            if part in result and "run" not in result[part]:
+                result[part]["run"] = {"commit": result["commit"], "date": result["date"]}
+                result[part]["settings"] = result["settings"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for part in args.parts:
-        result[part] = PARTS[part](args)
+        result[part] = {**PARTS[part](args), "run": run_info(("fla-core",)), "settings": settings}
         report(result, out)  # each part's results written as it ends
 
 
@@ -236,6 +249,7 @@ def report(result: dict[str, Any], out: Path) -> None:
     ]
     if result.get("chats"):
         r = result["chats"]
+        s = {**result["settings"], **r.get("settings", {})}
         lines += [
             "",
             f"## Multi-turn chats: {s['chats']} conversations x {s['turns']} turns ({s['user']} new tokens "
@@ -253,6 +267,7 @@ def report(result: dict[str, Any], out: Path) -> None:
         ]
     if result.get("ttft"):
         r = result["ttft"]
+        s = {**result["settings"], **r.get("settings", {})}
         lines += [
             "",
             f"## First token with a cached {s['prefix']:,}-token prefix ({s['own']} tokens after it)",
@@ -267,15 +282,17 @@ def report(result: dict[str, Any], out: Path) -> None:
         ]
     if result.get("samples"):
         r = result["samples"]
+        s = {**result["settings"], **r.get("settings", {})}
         b = r["bound"]
         lines += [
             "",
             f"## {s['samples']} samples of one {s['prefix']:,}-token prompt, {s['gen']} tokens each",
             "",
-            "| sharing | decode tok/s | KV read saving | preemptions |",
-            "| --- | ---: | ---: | ---: |",
+            "| sharing | decode tok/s | KV read saving | host ms a step | GPU idle | preemptions |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
             *[
                 f"| {label} | {r[m]['tok_s']:,.0f} | {r[m]['kv_read_saving_x']:.1f}x "
+                f"| {r[m]['host_ms_per_step']:.1f} | {r[m]['host_overhead_frac']:.0%} "
                 f"| {r[m]['preemptions']} |"
                 for m, label in (("auto", "on"), ("sharing_off", "off"))
             ],
@@ -285,6 +302,13 @@ def report(result: dict[str, Any], out: Path) -> None:
             f"{b['states_gb']:.1f} GB (read and written), the full layers' KV {b['kv_off_gb']:.1f} GB "
             f"off and {b['kv_on_gb']:.1f} GB on.",
         ]
+    runs = [
+        f"{p}: {result[p]['run']['commit']}, {result[p]['run']['date']}"
+        for p in PARTS
+        if "run" in result.get(p, {})
+    ]
+    if runs:
+        lines += ["", "Parts run at: " + "; ".join(runs) + "."]
     write_results(NAME, result, "\n".join(lines) + "\n", out)
     plt = pyplot()
     if plt is None or not result.get("chats"):
@@ -317,6 +341,7 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--samples", type=int, default=64)
     r.add_argument("--gen", type=int, default=64, help="samples: tokens each sample decodes")
     r.add_argument("--max-batched-tokens", type=int, default=8192)
+    r.add_argument("--add-to", help="an earlier run's JSON: its parts kept beside the ones run now")
 
 
 if __name__ == "__main__":
