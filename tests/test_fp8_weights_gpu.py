@@ -121,8 +121,24 @@ def test_published_formats_generate_the_dequantized_models_tokens(fmt: str, tmp_
         layers = linear.quantized_layers(llm.engine.runner.model)
         assert layers and all(fp8.is_fp8(layer) for _, layer in layers)
         w8a8 = any(not fp8.weight_only(layer) for _, layer in layers)
-    want = _greedy(str(quant), "cpu", dtype="float32") if w8a8 else _greedy(str(dense), dtype="float32")
-    assert _greedy(str(quant), dtype="float32") == want
+    if not w8a8:
+        assert _greedy(str(quant), dtype="float32") == _greedy(str(dense), dtype="float32")
+        return
+    # FP8 tensor cores accumulate with fewer mantissa bits than fp32: near ties of this random model
+    # may flip later tokens, so the first step is held to the CPU's within FP8's accumulation error
+    got, want = _first_step(str(quant), "cuda"), _first_step(str(quant), "cpu")
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g[1] - w[1]) < 2e-2, (g, w)
+
+
+def _first_step(model: str, device: str) -> list[tuple[int, float]]:
+    """Each prompt's first greedy token and its logprob, in fp32."""
+    prompts = [{"prompt_token_ids": [3 + i, 17, 41 + 2 * i, 9, 100 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    with LLM(model=model, device=device, dtype="float32", num_kv_blocks=64, progress=False) as llm:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    return [(c.token_ids[0], c.token_logprobs[0]) for c in outs]
 
 
 def test_dummy_model_with_the_flag_under_cuda_graphs(tiny_config_path: Path) -> None:
