@@ -118,14 +118,6 @@ def context_length(config: EngineConfig, model: torch.nn.Module) -> int:
     return config.max_model_len or model.config.max_position_embeddings
 
 
-def eager_gpu_bound(backend: object) -> None:
-    """A hybrid's eager decode keeps the GPU busy (its linear layers' state reads: 3% idle at 64
-    samples of Qwen3.5-27B on an H200, docs/benchmarks/hybrid.md), so the shared path's extra
-    launches cost no step time there: the auto backend weighs it as under graphs."""
-    if hasattr(backend, "graph_cost"):
-        backend.gpu_cost = backend.graph_cost
-
-
 class ModelRunner:
     """Owns the model, the KV cache tensors, the attention backend and the decode graphs."""
 
@@ -196,7 +188,6 @@ class ModelRunner:
                 log.info("no decode CUDA graphs: %s", refusal)
             if hybrid:  # the linear layers' states are read and written per sequence, outside graphs
                 log.info("no piecewise CUDA graphs: a linear-attention hybrid runs eager steps")
-                eager_gpu_bound(self.backend)
             else:
                 self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
         # the sliding layers' window, which decode graphs attend within (window_graph.py)
