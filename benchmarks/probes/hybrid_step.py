@@ -22,13 +22,16 @@ def profile(model: str, attention: str, samples: int, prefix: int, steps: int, t
     torch.cuda.empty_cache()
     rng = random.Random(0)
     prompt = {"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(prefix)]}
+    chunk = 8192
     llm = LLM(model=model, device="cuda", dtype="bfloat16", attention=attention, max_num_seqs=samples,
-              progress=False)  # fmt: skip
+              max_num_batched_tokens=chunk, progress=False)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(n=samples, temperature=1.0, max_tokens=steps + 8, ignore_eos=True)
     engine.add_request("r", None, params, prompt_token_ids=prompt["prompt_token_ids"])
-    for _ in range(6):  # prefill, the forks, a few decode steps: compiled and warm
+    for _ in range(-(-prefix // chunk) + 4):  # the prefill's chunks, the forks, decode steps: warm
         engine.step()
+    decoding = [s for s in engine.scheduler.running if s.num_tokens > s.num_prompt_tokens + 1]
+    assert len(decoding) == samples, f"{len(decoding)} of {samples} samples decoding"
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -53,7 +56,7 @@ def main() -> None:
     ap.add_argument("--model", default="dummy:qwen3.5-27b")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--prefix", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
