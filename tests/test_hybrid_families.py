@@ -187,6 +187,32 @@ def test_a_chats_next_turn_resumes_after_the_reply(next_model: Path) -> None:
     assert_pool_empty(llm)
 
 
+def test_snapshots_spill_to_host_memory_and_come_back(next_model: Path) -> None:
+    """With the prefix cache's host tier on and a pool and snapshot slots too small to keep a
+    prompt's blocks and snapshots, both go to host memory as other prompts evict them; the prompt's
+    repeat resumes from there (its KV blocks and the snapshot at token 128 restored) with the tokens
+    computed whole; a prefix-cache reset drops the host snapshots too."""
+    long = _prompt(7, 150)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = _llm(next_model, enable_prefix_caching=False).generate({"prompt_token_ids": long}, greedy)
+    llm = _llm(next_model, spill_prefix_cache=True, max_num_seqs=1, num_kv_blocks=24)
+    assert (
+        llm.generate({"prompt_token_ids": long}, greedy)[0].outputs[0].token_ids
+        == want[0].outputs[0].token_ids
+    )
+    for seed in (8, 9, 10):  # each takes 20 of the 24 blocks and both snapshot slots
+        llm.generate({"prompt_token_ids": _prompt(seed, 150)}, greedy)
+    spill = llm.engine.blocks.states.spill
+    assert spill is not None and spill.spilled >= 2
+    before = llm.metrics()["prefix_cache_hit_tokens_total"]
+    again = llm.generate({"prompt_token_ids": long}, greedy)[0].outputs[0].token_ids
+    assert again == want[0].outputs[0].token_ids
+    assert llm.metrics()["prefix_cache_hit_tokens_total"] - before == 128
+    assert spill.restored == 1 and llm.engine.blocks.restored_tokens >= 128
+    assert_pool_empty(llm)
+    assert llm.engine.reset_prefix_cache() and len(spill._held) == 0
+
+
 def test_prompt_cache_schemas_are_refused(tmp_path: Path) -> None:
     tiny_checkpoint("qwen3_5_text", tmp_path)
     llm = _llm(tmp_path)

@@ -139,6 +139,9 @@ class EngineServices:
         request was in the engine (else call it again once they have finished)."""
         gpu = self.pool.forget_unheld()
         host = self.spill.forget() if self.spill is not None else 0
+        states = self.blocks.states
+        if states is not None and states.spill is not None:  # a hybrid's snapshots in host memory
+            states.spill.forget()
         self.stats.counters["prefix_cache_resets_total"] += 1
         self.stats.counters["prefix_cache_reset_blocks_total"] += gpu + host
         return not self.requests

@@ -30,6 +30,7 @@ from prefixserve.engine.stats import EngineStats
 from prefixserve.engine.system_prompts import SystemPromptKV
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.prefix_spill import PrefixSpill
+from prefixserve.kv.snapshot_spill import SnapshotSpill
 from prefixserve.kv.state_slots import StateSlots, snapshot_spacing
 from prefixserve.model.loader import (
     ModelSource,
@@ -92,18 +93,22 @@ class EngineSetup:
         self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
         self.spill: PrefixSpill | None = None  # the prefix cache's host tier: the block manager restores
         if config.spill_prefix_cache and config.enable_prefix_caching:
-            if not self.runner.kv.packs:
+            if not self.runner.kv.spills:
                 raise ValueError("spill_prefix_cache needs every layer's KV in one shape; this model's vary")
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
         block_hooks = BlockManagerHooks(
             restore=self.spill.restore if self.spill is not None else None,
+            host_blocks=self.spill.available if self.spill is not None else None,
             row_keepers=self.output_rules.rules,
         )
         states = None
         if self.model_config.is_hybrid:  # the runner's slots: the sequences', then the snapshots'
             snaps, every = self.runner.state_snapshots
             spacing = snapshot_spacing(self.model_config, every, config.torch_dtype)
-            states = StateSlots(self.runner.state_sequences, snaps, every, spacing)
+            spill = None  # with the prefix cache's host tier, evicted snapshots go to host memory too
+            if self.spill is not None and self.runner.states is not None:
+                spill = SnapshotSpill(self.runner.states.layers, config.module_host_bytes)
+            states = StateSlots(self.runner.state_sequences, snaps, every, spacing, spill)
         self.blocks = BlockManager(
             self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks, states=states
         )

@@ -4,8 +4,8 @@ Its Gated DeltaNet layers hold a state per sequence (``kv/state_slots.py``), not
 so what reuses KV rows computed elsewhere would hand those layers no state:
 
 - prefix-cache hits resume from the linear layers' state snapshots (``kv/state_slots.py``): a hit
-  is cut back to the last snapshot within it; the prefix cache's host tier is off (it holds KV rows,
-  no states);
+  is cut back to the last snapshot within it; with the prefix cache's host tier on, evicted snapshots
+  go to host memory beside the KV blocks (``kv/snapshot_spill.py``);
 - launch-ahead is off: a forked sample's states are copied from its parent's slot between steps;
 - refused, naming why: Prompt Cache schemas (a module's rows cannot be reused out of position on a
   linear layer: its state depends on everything before it), speculative decoding (a rejected draft
@@ -44,9 +44,6 @@ def hybrid_config(config: EngineConfig, model: ModelConfig) -> EngineConfig:
             "linear-attention hybrid: prefix-cache hits resume from the linear layers' state snapshots "
             "(every 64 tokens or block), recomputing from the last one within the hit"
         )
-    if config.spill_prefix_cache:
-        log.info("the prefix cache's host tier is off for this linear-attention hybrid (it holds no states)")
-        changes["spill_prefix_cache"] = False
     if config.async_scheduling:
         log.info(
             "launch-ahead is off for this linear-attention hybrid (its samples copy states between steps)"

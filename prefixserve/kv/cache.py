@@ -87,9 +87,12 @@ class KVCache:
         self.shard = shard or Shard()
         self.total_kv_heads = total_kv_heads or config.num_key_value_heads
         self.device = torch.device(device)
-        self.packs = layout.is_plain and self.tensor is not None  # host tier, modules, KV files
+        self.packs = layout.is_plain and self.tensor is not None  # modules, KV files
+        # the prefix cache's host tier moves whole blocks of every slot: one tensor and no freed pages
+        # do (a hybrid's linear layers, or a layer reading another's KV, own no slot)
+        self.spills = self.tensor is not None and layout.uniform and not layout.frees_sliding
         self.landing = (
-            Landing(self._flat_view(), copy_stream(self.device), block_size) if self.packs else None
+            Landing(self._flat_view(), copy_stream(self.device), block_size) if self.spills else None
         )
 
     def _layer_scales(self, layer: int, heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -175,7 +178,7 @@ class KVCache:
 
     def _flat_view(self) -> torch.Tensor:
         """The cache as ``[layers, 2, all slots, kv_heads, head_dim]`` (a view: writes reach the cache)."""
-        if not self.packs or self.tensor is None:
+        if not self.spills or self.tensor is None:
             raise ValueError(
                 "this model's KV layout holds no packed rows (its sliding layers free blocks, or its "
                 "layers' KV shapes differ): the host tier, Prompt Cache modules and KV files need "

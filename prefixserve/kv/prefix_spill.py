@@ -94,14 +94,18 @@ class PrefixSpill:
             self._slot_of[key] = slot
         self.spilled_blocks += len(evicted)
 
+    def available(self, digests: Sequence[bytes]) -> int:
+        """How many of the leading ``digests`` ``restore`` would give back now."""
+        count = 0
+        for digest in digests[: self.pool.num_free]:
+            if _key(digest) not in self.host:
+                break
+            count += 1
+        return count
+
     def restore(self, digests: Sequence[bytes]) -> list[int]:
         """The leading ``digests`` found in host memory, copied into fresh indexed blocks (held once)."""
-        keys = []
-        for digest in digests[: self.pool.num_free]:
-            key = _key(digest)
-            if key not in self.host:
-                break
-            keys.append(key)
+        keys = [_key(digest) for digest in digests[: self.available(digests)]]
         if not keys:
             return []
         parts = []

@@ -15,7 +15,8 @@ the digest of the block ending there (which names the whole prefix): the last on
 reaches (a decode step's too, so a chat's next turn resumes after the reply) and every ``spacing``
 tokens within a long chunk. A prefix-cache hit of a hybrid is cut back to its last
 snapshot (``snapshot_prefix``) and the snapshot is copied into the sequence's slot before its first
-step (``restore``): the rest is recomputed from there. Snapshots are evicted least recently used.
+step (``restore``): the rest is recomputed from there. Snapshots are evicted least recently used,
+into host memory where the prefix cache's host tier is on (``kv/snapshot_spill.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from prefixserve.kv.snapshot_spill import SnapshotSpill
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.gated_delta import LinearStep, copy_slots
 
@@ -33,13 +35,20 @@ class StateSlots:
     """Slot ids of the sequences holding one (host side); copies queued for the next step."""
 
     def __init__(
-        self, num_slots: int, snapshots: int = 0, every_tokens: int = 64, spacing: int | None = None
+        self,
+        num_slots: int,
+        snapshots: int = 0,
+        every_tokens: int = 64,
+        spacing: int | None = None,
+        spill: SnapshotSpill | None = None,
     ) -> None:
         """``num_slots`` sequences; ``snapshots`` more slots for prefix snapshots (slot ids after
         the sequences'), at multiples of ``every_tokens`` (a multiple of the block size): every
-        ``spacing`` tokens (``snapshot_spacing``) and at the last one a step's chunk reaches."""
+        ``spacing`` tokens (``snapshot_spacing``) and at the last one a step's chunk reaches.
+        ``spill``: the host memory evicted snapshots go to (the prefix cache's host tier is on)."""
         self.num_slots, self.every_tokens = num_slots, every_tokens
         self.spacing = spacing or every_tokens
+        self.spill = spill
         self._free = list(range(num_slots - 1, -1, -1))  # popped lowest first
         self._of: dict[Hashable, int] = {}
         self._copies: list[tuple[int, int]] = []
@@ -80,14 +89,22 @@ class StateSlots:
         at or before the hit's end with a snapshot, else 0."""
         every = self.every_tokens // block_size
         for blocks in range(hit_blocks // every * every, 0, -every):
-            if digests[blocks - 1] in self._snaps:
-                self._snaps.move_to_end(digests[blocks - 1])
+            digest = digests[blocks - 1]
+            if digest in self._snaps:
+                self._snaps.move_to_end(digest)
+                return blocks
+            if self.spill is not None and digest in self.spill:
                 return blocks
         return 0
 
     def restore(self, seq: Hashable, digest: bytes) -> None:
-        """Copy the snapshot of ``digest`` into ``seq``'s slot before its next step."""
-        self._copies.append((self._snaps[digest], self.slot(seq)))
+        """Copy the snapshot of ``digest`` into ``seq``'s slot before its next step: queued from a
+        device slot, or from host memory now (no step is in flight: hybrids have no launch-ahead)."""
+        if digest in self._snaps:
+            self._copies.append((self._snaps[digest], self.slot(seq)))
+        else:
+            assert self.spill is not None, "a snapshot neither on the device nor in host memory"
+            self.spill.restore(digest, self.slot(seq))
 
     def new_snapshot(self, digest: bytes, seq: Hashable = None, spaced: bool = True) -> int | None:
         """A slot to take the snapshot of ``digest`` in (None: one is held already), the least
@@ -104,7 +121,9 @@ class StateSlots:
         if self._snap_free:
             slot = self._snap_free.pop()
         elif self._snaps:
-            _, slot = self._snaps.popitem(last=False)
+            victim, slot = self._snaps.popitem(last=False)
+            if self.spill is not None:  # before the step that overwrites its slot is launched
+                self.spill.save(victim, slot)
         else:
             return None
         self._snaps[digest] = slot

@@ -40,13 +40,17 @@ class BlockManagerHooks:
     """The engine's hooks, given at construction.
 
     ``restore``: the host tier of the prefix cache (``kv/prefix_spill.py``), digests -> fresh blocks
-    holding their KV (held once); None: no host tier. ``row_keepers``: requests that need every
-    prompt row's result (prompt logprobs, mean pooling) hit only blocks whose results are kept: the
-    first keeper that ``wants(req)`` says how many (``known_blocks(seq, digests)``) and takes the hit
-    (``seed(seq, blocks)``, returning the hit rows to compute again); engine/block_store.py."""
+    holding their KV (held once); None: no host tier; ``host_blocks`` counts what it would restore.
+    ``row_keepers``: requests that need every prompt row's result (prompt logprobs, mean pooling) hit
+    only blocks whose results are kept: the first keeper that ``wants(req)`` says how many
+    (``known_blocks(seq, digests)``) and takes the hit (``seed(seq, blocks)``, returning the hit rows
+    to compute again); engine/block_store.py."""
 
     restore: Callable[[Seq[bytes]], list[int]] | None = None
     row_keepers: tuple[RowKeeper, ...] = ()
+    # with ``restore``: how many of the leading digests ``restore`` would give back now (a hybrid's
+    # hit is cut to a snapshot before anything is restored)
+    host_blocks: Callable[[Seq[bytes]], int] | None = None
 
 
 class BlockManager:
@@ -141,8 +145,14 @@ class BlockManager:
         if keeper is not None and self.states is not None:  # its hit rows recomputed: not from a state
             n = start
         hits = self.pool.lookup(digests[start:n])
+        restore = self._hooks.restore
         if self.states is not None:  # a hybrid resumes from its linear layers' last snapshot in the hit
-            hits = hits[: self.states.snapshot_prefix(digests, start + len(hits), self.block_size) - start]
+            reach = start + len(hits)
+            if restore is not None:  # and the hit may go on in host memory
+                assert self._hooks.host_blocks is not None
+                reach += self._hooks.host_blocks(digests[reach:n])
+            cut = max(start, self.states.snapshot_prefix(digests, reach, self.block_size))
+            hits, n = hits[: cut - start], min(n, cut)
         if self.sliding is not None:  # no module blocks here (they need the plain layout)
             usable, tail = self.sliding.usable_hit(digests, len(hits))
             hits = hits[:usable]
@@ -150,9 +160,11 @@ class BlockManager:
         self.pool.touch(hits)
         if self.sliding is not None and hits:
             self.sliding.take_hit(seq, tail, len(hits))
-        restore = self._hooks.restore
         if restore is not None and start + len(hits) < n:  # go on in host memory
             more = restore(digests[start + len(hits) : n])
+            if self.states is not None and start + len(hits) + len(more) < n:  # short of the snapshot
+                self.pool.release(hits + more)  # (host_blocks counts as restore takes: not met in practice)
+                hits, more = [], []
             self.restored_tokens += len(more) * self.block_size
             hits = hits + more
         seq.block_table += hits
