@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefixserve import SamplingParams
+from prefixserve import LLM, SamplingParams
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.loader import ModelSource, load_model
 from tests.conftest import assert_pool_empty
@@ -211,6 +211,37 @@ def test_snapshots_spill_to_host_memory_and_come_back(next_model: Path) -> None:
     assert spill.restored == 1 and llm.engine.blocks.restored_tokens >= 128
     assert_pool_empty(llm)
     assert llm.engine.reset_prefix_cache() and len(spill._held) == 0
+
+
+TINY_HYBRID = {  # dummy weights, SmolLM2's vocabulary: the default model's tokenizer and chat template
+    "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False, "eos_token_id": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}  # fmt: skip
+
+
+@pytest.mark.usefixtures("default_tokenizer")
+def test_a_pinned_system_prompts_snapshot_is_never_evicted(tmp_path: Path) -> None:
+    """A pinned system prompt's linear-layer snapshot is held with its blocks: after other prompts
+    cycle every evictable snapshot slot, a chat opening with the pinned prompt still resumes from it,
+    its tokens as computed whole."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_HYBRID))
+    system = "You are the travel desk's assistant. " * 12  # over 64 tokens as the template renders it
+    args = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128, "block_size": 8, "progress": False}
+    llm = LLM(f"dummy:{path}", system_prompts={"desk": system}, max_num_seqs=1, **args)
+    plain = LLM(f"dummy:{path}", enable_prefix_caching=False, **args)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for seed in (3, 4, 5):  # each takes snapshots at tokens 64 and 128: the unpinned slot cycles
+        llm.generate({"prompt_token_ids": _prompt(seed, 150)}, greedy)
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "Where to?"}]
+    before = llm.metrics()["prefix_cache_hit_tokens_total"]
+    got = llm.chat(chat, greedy, application="desk")[0].outputs[0].token_ids
+    assert llm.metrics()["prefix_cache_hit_tokens_total"] - before >= 64
+    assert got == plain.chat(chat, greedy)[0].outputs[0].token_ids
 
 
 def test_prompt_cache_schemas_are_refused(tmp_path: Path) -> None:

@@ -44,3 +44,16 @@ def test_eviction_and_supersession() -> None:
     assert set(slots._snaps) == {b"c", b"d", b"e"}
     digests = [b"x", b"c"]  # a hit of 8 blocks of 16 tokens resumes at c, its boundary at 128 tokens
     assert slots.snapshot_prefix(digests * 4, 8, 16) == 8
+
+
+def test_a_pinned_snapshot_leaves_the_eviction_order() -> None:
+    slots = StateSlots(1, snapshots=2, every_tokens=64)
+    slots.new_snapshot(b"p")
+    slots.take_copies()
+    assert slots.pin([b"x", b"p"]) == 1
+    for digest in (b"a", b"b", b"c"):  # only the other slot cycles
+        slots.new_snapshot(digest)
+        slots.take_copies()
+    assert slots.snapshot_prefix([b"p"] * 4, 4, 16) == 4 and slots.new_snapshot(b"p") is None
+    slots.restore("s", b"p")
+    assert slots.take_copies() == [(1, 0)]  # the pinned slot (after the one sequence slot) copied in

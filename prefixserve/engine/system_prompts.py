@@ -87,6 +87,8 @@ def pin_system_prompt(engine: Any, name: str, text: str) -> SystemPromptKV:
         raise RuntimeError(f"pinning {name!r}: {len(digests) - len(blocks)} blocks were evicted at once")
     engine.pool.acquire(blocks)
     blocks += engine.blocks.hold_sliding_tail(digests)  # the sliding pages a hit of it needs
+    if engine.blocks.states is not None:  # a hybrid resumes a hit from its linear layers' snapshots
+        engine.blocks.states.pin(digests)
     engine.stats.restore(saved, engine.runner)
     held = SystemPromptKV(name, tokens, blocks, list(digests))
     engine.system_prompt_kv[name] = held

@@ -56,6 +56,7 @@ class StateSlots:
         self._snaps: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recent first
         self._fresh: list[bytes] = []  # snapshots the step being assembled or launched writes
         self._newest: dict[Hashable, bytes] = {}  # a running sequence's last snapshot off the spacing
+        self._pinned: dict[bytes, int] = {}  # digest -> slot: a pinned system prompt's, never evicted
 
     def slot(self, seq: Hashable) -> int:
         """``seq``'s slot, taken at its first step."""
@@ -84,12 +85,26 @@ class StateSlots:
     def snapshots(self) -> bool:
         return bool(self._snap_free or self._snaps)
 
+    def pin(self, digests: Sequence[bytes]) -> int:
+        """Hold the snapshots taken at any of ``digests`` (a pinned system prompt's blocks) for good:
+        out of the least-recently-used order, so a hit on the pinned prompt always resumes. Returns
+        how many were pinned."""
+        count = 0
+        for digest in digests:
+            slot = self._snaps.pop(digest, None)
+            if slot is not None:
+                self._pinned[digest] = slot
+                count += 1
+        return count
+
     def snapshot_prefix(self, digests: Sequence[bytes], hit_blocks: int, block_size: int) -> int:
         """The blocks of a hit of ``hit_blocks`` that a snapshot can resume after: the last boundary
         at or before the hit's end with a snapshot, else 0."""
         every = self.every_tokens // block_size
         for blocks in range(hit_blocks // every * every, 0, -every):
             digest = digests[blocks - 1]
+            if digest in self._pinned:
+                return blocks
             if digest in self._snaps:
                 self._snaps.move_to_end(digest)
                 return blocks
@@ -100,8 +115,11 @@ class StateSlots:
     def restore(self, seq: Hashable, digest: bytes) -> None:
         """Copy the snapshot of ``digest`` into ``seq``'s slot before its next step: queued from a
         device slot, or from host memory now (no step is in flight: hybrids have no launch-ahead)."""
-        if digest in self._snaps:
-            self._copies.append((self._snaps[digest], self.slot(seq)))
+        held = self._snaps.get(digest)
+        if held is None:
+            held = self._pinned.get(digest)
+        if held is not None:
+            self._copies.append((held, self.slot(seq)))
         else:
             assert self.spill is not None, "a snapshot neither on the device nor in host memory"
             self.spill.restore(digest, self.slot(seq))
@@ -115,6 +133,8 @@ class StateSlots:
             older = self._newest.pop(seq, None)
             if older is not None and older in self._snaps and older not in self._fresh:
                 self._snap_free.append(self._snaps.pop(older))
+        if digest in self._pinned:
+            return None
         if digest in self._snaps:
             self._snaps.move_to_end(digest)
             return None
