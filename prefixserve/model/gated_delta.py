@@ -9,8 +9,9 @@ the step hands every layer its ``LinearStep`` (through ``AttentionMetadata.linea
 each sequence's slot and whether it starts fresh (its chunk begins at token 0: zero states). A
 chunked prefill continues from the slot; decode reads and writes it a token at a time.
 
-On CUDA with ``fla-core`` installed the rule runs on its Triton kernels (chunked for a prefill, fused
-recurrent for decode: ``gated_delta_fla``); elsewhere the PyTorch forms here, one sequence at a time.
+On CUDA a decode step runs this project's in-place kernel over the slots
+(``kernels/gated_delta_decode.py``), and a step with a prefill fla-core's chunked kernel where it is
+installed (``gated_delta_fla``); elsewhere the PyTorch forms here, one sequence at a time.
 """
 
 from __future__ import annotations
@@ -226,6 +227,11 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,
     ) -> torch.Tensor:
         """The gated delta rule over each sequence's rows from its slot's state, written back."""
+        if q.is_cuda and step.decode:  # one token each: in place over the slots
+            from prefixserve.model.kernels import gated_delta_decode
+
+            slots, _, fresh = step.tensors(q.device)
+            return gated_delta_decode.decode(q, k, v, g, beta, slots, fresh, state)
         if q.is_cuda:
             from prefixserve.model import gated_delta_fla
 

@@ -1,7 +1,8 @@
 """The gated delta rule on ``fla-core``'s Triton kernels (an optional, GPU-only dependency: imported
 on first use). A step's sequences go as one variable-length batch (``cu_seqlens``): the chunked
-kernel when any sequence brings more than one token, the fused recurrent one for a decode step; each
-starts from its slot's state (zeros when fresh) and its final state is written back to the slot.
+kernel when any sequence brings more than one token, the fused recurrent one when each brings one
+(the engine's decode steps run ``kernels/gated_delta_decode.py`` instead, in place over the slots);
+each starts from its slot's state (zeros when fresh) and its final state is written back to the slot.
 
 A step that takes prefix snapshots (``cuts``: each sequence's chunk cut at the snapshot rows) runs in
 rounds: round r is every sequence's r-th piece in one call, from the state the round before left,
