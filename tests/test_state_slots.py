@@ -37,6 +37,10 @@ def test_eviction_and_supersession() -> None:
     c = slots.new_snapshot(b"c", "s1", spaced=False)  # supersedes b: its slot given back at once
     assert c == b and b"b" not in slots._snaps and b"a" in slots._snaps
     slots.take_copies()
+    slots.new_snapshot(b"o", "s1", spaced=False, output=True)  # in its output: c (its prompt's) stays
+    slots.take_copies()
+    assert b"c" in slots._snaps and b"o" in slots._snaps
+    slots._snap_free.append(slots._snaps.pop(b"o"))  # (as if evicted: room for the rest of the test)
     slots.free("s1")  # its last one (c) stays for the chat's next turn
     assert b"c" in slots._snaps
     slots.new_snapshot(b"d", "s2", spaced=True)
@@ -57,3 +61,13 @@ def test_a_pinned_snapshot_leaves_the_eviction_order() -> None:
     assert slots.snapshot_prefix([b"p"] * 4, 4, 16) == 4 and slots.new_snapshot(b"p") is None
     slots.restore("s", b"p")
     assert slots.take_copies() == [(1, 0)]  # the pinned slot (after the one sequence slot) copied in
+
+
+def test_a_step_never_evicts_a_snapshot_it_writes_itself() -> None:
+    """Three snapshots in one step over two slots: the third finds no slot (each slot has one
+    writer), where evicting the step's own first one would give one slot two writers."""
+    slots = StateSlots(1, snapshots=2, every_tokens=64)
+    taken = [slots.new_snapshot(d) for d in (b"a", b"b", b"c")]
+    assert taken == [1, 2, None]
+    slots.take_copies()  # launched: the next step may evict them
+    assert slots.new_snapshot(b"d") == 1 and b"a" not in slots._snaps

@@ -95,6 +95,8 @@ class EngineSetup:
         if config.spill_prefix_cache and config.enable_prefix_caching:
             if not self.runner.kv.spills:
                 raise ValueError("spill_prefix_cache needs every layer's KV in one shape; this model's vary")
+            if self.model_config.is_hybrid:  # half the host tier's budget for its snapshots
+                self.modules.host.capacity_bytes = config.module_host_bytes // 2
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
         block_hooks = BlockManagerHooks(
             restore=self.spill.restore if self.spill is not None else None,
@@ -107,7 +109,8 @@ class EngineSetup:
             spacing = snapshot_spacing(self.model_config, every, config.torch_dtype)
             spill = None  # with the prefix cache's host tier, evicted snapshots go to host memory too
             if self.spill is not None and self.runner.states is not None:
-                spill = SnapshotSpill(self.runner.states.layers, config.module_host_bytes)
+                room = config.module_host_bytes - self.modules.host.capacity_bytes
+                spill = SnapshotSpill(self.runner.states.layers, room)
             states = StateSlots(self.runner.state_sequences, snaps, every, spacing, spill)
         self.blocks = BlockManager(
             self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks, states=states

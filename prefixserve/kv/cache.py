@@ -91,8 +91,8 @@ class KVCache:
         # the prefix cache's host tier moves whole blocks of every slot: one tensor and no freed pages
         # do (a hybrid's linear layers, or a layer reading another's KV, own no slot)
         self.spills = self.tensor is not None and layout.uniform and not layout.frees_sliding
-        self.landing = (
-            Landing(self._flat_view(), copy_stream(self.device), block_size) if self.spills else None
+        self.landing = (  # layer-by-layer copies index its events by layer: one slot a layer
+            Landing(self._flat_view(), copy_stream(self.device), block_size) if self.packs else None
         )
 
     def _layer_scales(self, layer: int, heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

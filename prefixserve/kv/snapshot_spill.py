@@ -7,8 +7,10 @@ states at a boundary within the hit (``kv/state_slots.py``). So the snapshots th
 last snapshot is there copies it straight into the sequence's state slot.
 
 Host memory: a ``SlabPool`` of one slot per snapshot (the slot's every linear layer, convolution
-inputs then fp32 state, packed as bytes), pinned on CUDA, grown as snapshots arrive and kept; at most
-``capacity_bytes`` of them, the oldest given up first. Every copy runs on the current stream in the
+inputs then fp32 state, packed as bytes), pinned and allocated at start on CUDA (a pinned allocation
+per eviction would stall the step assembling it), grown as snapshots arrive on a CPU; at most
+``capacity_bytes`` of them (half the host tier's budget, ``module_host_bytes``: the KV blocks take
+the other half), the oldest given up first. Every copy runs on the current stream in the
 order the engine issues it: a snapshot's copy out is issued as the step that will overwrite its
 device slot is assembled, before that step's forward; a copy in before the forward of the step that
 resumes from it (hybrids run without launch-ahead, so no step is in flight then). The host never
@@ -41,7 +43,8 @@ class SnapshotSpill:
         self.slot_bytes = max(at, ALIGN)
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
         capacity = capacity_bytes // self.slot_bytes
-        self.slots = SlabPool((self.slot_bytes,), torch.uint8, capacity, pin=device.type == "cuda")
+        cuda = device.type == "cuda"  # pinned slabs made at start: one per eviction stalls the step
+        self.slots = SlabPool((self.slot_bytes,), torch.uint8, capacity, pin=cuda, prealloc=cuda)
         self._held: OrderedDict[bytes, int] = OrderedDict()  # digest -> host slot, oldest first
         self.spilled = self.restored = 0
 

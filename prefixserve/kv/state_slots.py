@@ -21,6 +21,7 @@ into host memory where the prefix cache's host tier is on (``kv/snapshot_spill.p
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -29,6 +30,8 @@ import torch
 from prefixserve.kv.snapshot_spill import SnapshotSpill
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.gated_delta import LinearStep, copy_slots
+
+log = logging.getLogger(__name__)
 
 
 class StateSlots:
@@ -55,8 +58,10 @@ class StateSlots:
         self._snap_free = list(range(num_slots + snapshots - 1, num_slots - 1, -1))
         self._snaps: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recent first
         self._fresh: list[bytes] = []  # snapshots the step being assembled or launched writes
-        self._newest: dict[Hashable, bytes] = {}  # a running sequence's last snapshot off the spacing
+        # a running sequence's last snapshot off the spacing, in its prompt and in its output
+        self._newest: dict[tuple[Hashable, bool], bytes] = {}
         self._pinned: dict[bytes, int] = {}  # digest -> slot: a pinned system prompt's, never evicted
+        self.max_pinned = snapshots // 2
 
     def slot(self, seq: Hashable) -> int:
         """``seq``'s slot, taken at its first step."""
@@ -74,7 +79,8 @@ class StateSlots:
         return [self.slot(s) for s in seqs]
 
     def free(self, seq: Hashable) -> None:
-        self._newest.pop(seq, None)  # its last snapshot stays: the next turn of a chat resumes there
+        for output in (False, True):  # its last ones stay: a repeat or the chat's next turn resumes there
+            self._newest.pop((seq, output), None)
         slot = self._of.pop(seq, None)
         if slot is not None:
             self._free.append(slot)
@@ -87,10 +93,16 @@ class StateSlots:
 
     def pin(self, digests: Sequence[bytes]) -> int:
         """Hold the snapshots taken at any of ``digests`` (a pinned system prompt's blocks) for good:
-        out of the least-recently-used order, so a hit on the pinned prompt always resumes. Returns
-        how many were pinned."""
+        out of the least-recently-used order, so a hit on the pinned prompt always resumes; at most
+        half the snapshot slots (``max_pinned``), so the other prompts keep theirs. Returns how many
+        were pinned."""
         count = 0
         for digest in digests:
+            if len(self._pinned) >= self.max_pinned:
+                log.warning(
+                    "a pinned prompt's snapshot is left evictable: half the snapshot slots are pinned"
+                )
+                break
             slot = self._snaps.pop(digest, None)
             if slot is not None:
                 self._pinned[digest] = slot
@@ -124,13 +136,17 @@ class StateSlots:
             assert self.spill is not None, "a snapshot neither on the device nor in host memory"
             self.spill.restore(digest, self.slot(seq))
 
-    def new_snapshot(self, digest: bytes, seq: Hashable = None, spaced: bool = True) -> int | None:
+    def new_snapshot(
+        self, digest: bytes, seq: Hashable = None, spaced: bool = True, output: bool = False
+    ) -> int | None:
         """A slot to take the snapshot of ``digest`` in (None: one is held already), the least
         recently used one given up if none is free. One off the spacing (``spaced`` False: a chunk's
-        last boundary) supersedes ``seq``'s last such one, given up now: a later prompt that goes on
-        past it resumes from the newer, so a running sequence holds one such snapshot at a time."""
+        last boundary) supersedes ``seq``'s last such one of the same part (``output``: taken past
+        its prompt), given up now: a later prompt that goes on past it resumes from the newer. So a
+        running sequence holds one such snapshot in its prompt (where a repeat of the prompt
+        resumes) and one in its output (where a chat's next turn does)."""
         if not spaced and seq is not None:
-            older = self._newest.pop(seq, None)
+            older = self._newest.pop((seq, output), None)
             if older is not None and older in self._snaps and older not in self._fresh:
                 self._snap_free.append(self._snaps.pop(older))
         if digest in self._pinned:
@@ -140,16 +156,18 @@ class StateSlots:
             return None
         if self._snap_free:
             slot = self._snap_free.pop()
-        elif self._snaps:
-            victim, slot = self._snaps.popitem(last=False)
+        else:  # the least recently used one this step does not write itself (else two writers)
+            fresh = set(self._fresh)
+            victim = next((d for d in self._snaps if d not in fresh), None)
+            if victim is None:
+                return None
+            slot = self._snaps.pop(victim)
             if self.spill is not None:  # before the step that overwrites its slot is launched
                 self.spill.save(victim, slot)
-        else:
-            return None
         self._snaps[digest] = slot
         self._fresh.append(digest)
         if not spaced and seq is not None:
-            self._newest[seq] = digest
+            self._newest[(seq, output)] = digest
         return slot
 
     def forget_fresh(self) -> None:

@@ -162,9 +162,14 @@ class BlockManager:
             self.sliding.take_hit(seq, tail, len(hits))
         if restore is not None and start + len(hits) < n:  # go on in host memory
             more = restore(digests[start + len(hits) : n])
-            if self.states is not None and start + len(hits) + len(more) < n:  # short of the snapshot
-                self.pool.release(hits + more)  # (host_blocks counts as restore takes: not met in practice)
-                hits, more = [], []
+            if self.states is not None and start + len(hits) + len(more) < n:
+                # fewer came back than counted (acquiring the device hits took free blocks): cut
+                # again to the last snapshot within what is held, the rest given back
+                held = hits + more
+                keep = max(start, self.states.snapshot_prefix(digests, start + len(held), self.block_size))
+                self.pool.release(held[keep - start :])
+                more = held[len(hits) : keep - start]
+                hits = held[: min(len(hits), keep - start)]
             self.restored_tokens += len(more) * self.block_size
             hits = hits + more
         seq.block_table += hits
@@ -308,7 +313,8 @@ class BlockManager:
             spaced = end % states.spacing == 0
             if end != last and not spaced:
                 continue
-            slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1], seq, spaced)
+            output = end > seq.num_prompt_tokens
+            slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1], seq, spaced, output)
             if slot is not None:
                 out.append((end - computed, slot))
         return out
