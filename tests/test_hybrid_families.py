@@ -223,6 +223,30 @@ TINY_HYBRID = {  # dummy weights, SmolLM2's vocabulary: the default model's toke
 }  # fmt: skip
 
 
+def test_a_batch_groups_members_resume_at_its_prefix(
+    next_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An offline batch group's leader snapshots its linear layers at the group prefix's end (its last
+    64-token boundary) as well as at its own prompt's, so the members resume there, not from the
+    spaced snapshots (forced here to every 1,024 tokens, as a real shape's); tokens as computed whole."""
+    from prefixserve.engine import engine_setup
+
+    monkeypatch.setattr(engine_setup, "snapshot_spacing", lambda *a: 1024)
+    prefix = _prompt(5, 100)  # its boundary at 64; each prompt's own at 128
+    prompts = [{"prompt_token_ids": prefix + _prompt(30 + i, 40)} for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids
+        for o in _llm(next_model, enable_prefix_caching=False).generate(prompts, greedy)
+    ]
+    llm = _llm(next_model)
+    assert llm.engine.blocks.states.spacing == 1024
+    outs = llm.generate(prompts, greedy, schedule="batch")
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.metrics()["prefix_cache_hit_tokens_total"] == 3 * 64  # the members, from the mark
+    assert_pool_empty(llm)
+
+
 @pytest.mark.usefixtures("default_tokenizer")
 def test_a_pinned_system_prompts_snapshot_is_never_evicted(tmp_path: Path) -> None:
     """A pinned system prompt's linear-layer snapshot is held with its blocks: after other prompts

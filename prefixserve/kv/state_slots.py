@@ -62,6 +62,7 @@ class StateSlots:
         self._newest: dict[tuple[Hashable, bool], bytes] = {}
         self._pinned: dict[bytes, int] = {}  # digest -> slot: a pinned system prompt's, never evicted
         self.max_pinned = snapshots // 2
+        self._marks: dict[Hashable, list[int]] = {}  # a running sequence's points others leave it at
 
     def slot(self, seq: Hashable) -> int:
         """``seq``'s slot, taken at its first step."""
@@ -78,7 +79,16 @@ class StateSlots:
     def slots(self, seqs: list[Hashable]) -> list[int]:
         return [self.slot(s) for s in seqs]
 
+    def mark(self, seq: Hashable, tokens: int) -> None:
+        """Snapshot ``seq`` at the last boundary within its first ``tokens`` too, as at the spacing:
+        other prompts share that much of it (a batch group's prefix, which its leader computes)."""
+        self._marks.setdefault(seq, []).append(tokens)
+
+    def marks(self, seq: Hashable) -> list[int]:
+        return self._marks.get(seq, [])
+
     def free(self, seq: Hashable) -> None:
+        self._marks.pop(seq, None)
         for output in (False, True):  # its last ones stay: a repeat or the chat's next turn resumes there
             self._newest.pop((seq, output), None)
         slot = self._of.pop(seq, None)

@@ -301,16 +301,21 @@ class BlockManager:
 
     def snapshot_rows(self, seq: Sequence, computed: int, tokens: int) -> list[tuple[int, int]]:
         """A hybrid's prefix snapshots that ``seq``'s chunk of ``tokens`` after ``computed`` takes:
-        (rows into the chunk, snapshot slot) at the chunk's last multiple of ``every_tokens`` and at
-        the multiples of ``spacing`` before it, those not snapshotted yet."""
+        (rows into the chunk, snapshot slot) at the chunk's last multiple of ``every_tokens``, at
+        the multiples of ``spacing`` before it, and at the last multiple before each point where
+        other prompts are known to leave this one (``StateSlots.mark``: a batch group's prefix; the
+        end of a salted prompt's public part), those not snapshotted yet."""
         states = self.states
         if states is None or not self.enable_prefix_caching or not states.snapshots:
             return []
         every, bs = states.every_tokens, self.block_size
         last = (computed + tokens) // every * every
+        marked = {m // every * every for m in states.marks(seq)}
+        if seq.request.public_tokens:
+            marked.add(seq.request.public_tokens // every * every)
         out = []
         for end in range((computed // every + 1) * every, last + 1, every):
-            spaced = end % states.spacing == 0
+            spaced = end % states.spacing == 0 or end in marked
             if end != last and not spaced:
                 continue
             output = end > seq.num_prompt_tokens

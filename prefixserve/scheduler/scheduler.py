@@ -451,8 +451,15 @@ class Scheduler:
         admit = job.start(self.blocks.block_size)
         if job.state is GroupState.PREFIX:
             self._prefix_groups.append(job)
+            self._mark_prefix(job)
         for seq in admit:
             self.policy.enqueue(self.waiting, seq)
+
+    def _mark_prefix(self, job: GroupJob) -> None:
+        """A hybrid's group leader snapshots its linear layers' states at the group prefix's end too,
+        where the other members' hits resume (``StateSlots.mark``)."""
+        if self.blocks.states is not None and job.leader is not None:
+            self.blocks.states.mark(job.leader, job.prefix_len)
 
     def _advance_groups(self) -> None:
         """Hold each group prefix that is now fully cached and release the group's other members.
@@ -471,4 +478,5 @@ class Scheduler:
                 for seq in released:
                     self.policy.enqueue(self.waiting, seq)
             elif job.leader.status is SeqStatus.FINISHED and job.next_leader() is not None:
+                self._mark_prefix(job)
                 self.policy.enqueue(self.waiting, job.leader)
