@@ -95,6 +95,10 @@ class BlockManager:
     def row_keepers(self) -> tuple[RowKeeper, ...]:
         return self._hooks.row_keepers
 
+    @property
+    def host_blocks(self) -> Callable[[Seq[bytes]], int] | None:
+        return self._hooks.host_blocks
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -149,8 +153,8 @@ class BlockManager:
         if self.states is not None:  # a hybrid resumes from its linear layers' last snapshot in the hit
             reach = start + len(hits)
             if restore is not None:  # and the hit may go on in host memory
-                assert self._hooks.host_blocks is not None
-                reach += self._hooks.host_blocks(digests[reach:n])
+                assert self.host_blocks is not None
+                reach += self.host_blocks(digests[reach:n])
             cut = max(start, self.states.snapshot_prefix(digests, reach, self.block_size))
             hits, n = hits[: cut - start], min(n, cut)
         if self.sliding is not None:  # no module blocks here (they need the plain layout)
