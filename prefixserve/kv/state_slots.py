@@ -12,8 +12,10 @@ device; their bytes come off the KV pool's budget (``bytes_per_slot``).
 Prefix caching: the slots past the sequences' hold snapshots, the states after a sequence's first
 ``b`` tokens (prompt or generated) at some multiples of ``every_tokens`` (a block boundary), keyed by
 the digest of the block ending there (which names the whole prefix): the last one each step's chunk
-reaches (a decode step's too, so a chat's next turn resumes after the reply) and every ``spacing``
-tokens within a long chunk. A prefix-cache hit of a hybrid is cut back to its last
+reaches (a decode step's too, so a chat's next turn resumes after the reply), every ``spacing``
+tokens within a long chunk, and before each point other prompts are known to leave the sequence at
+(``mark``: a batch group's prefix). A pinned system prompt's snapshots are held for good (``pin``).
+A prefix-cache hit of a hybrid is cut back to its last
 snapshot (``snapshot_prefix``) and the snapshot is copied into the sequence's slot before its first
 step (``restore``): the rest is recomputed from there. Snapshots are evicted least recently used,
 into host memory where the prefix cache's host tier is on (``kv/snapshot_spill.py``).
