@@ -268,6 +268,37 @@ def test_a_pinned_system_prompts_snapshot_is_never_evicted(tmp_path: Path) -> No
     assert got == plain.chat(chat, greedy)[0].outputs[0].token_ids
 
 
+def test_launched_ahead_the_tokens_samples_and_hits_are_the_same(next_model: Path) -> None:
+    """With launch-ahead (a step launched before the tokens of the one in flight are known): a chat's
+    turns resume after each reply (the output's snapshots named once their tokens are known), n = 3
+    greedy samples each equal the one greedy sequence and seeded ones the reference's (each sample
+    from the prompt's end states in the first sample's slot, though the parent decodes a step ahead)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    plain = _llm(next_model, enable_prefix_caching=False, async_scheduling=False)
+    ahead = _llm(next_model, async_scheduling=True)
+    assert ahead.engine.config.async_scheduling
+    chat = _prompt(11, 40)
+    for turn in range(3):
+        want = plain.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
+        before = ahead.metrics()["prefix_cache_hit_tokens_total"]
+        got = ahead.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
+        assert got == want
+        hit = ahead.metrics()["prefix_cache_hit_tokens_total"] - before
+        assert hit == (0 if turn == 0 else (len(chat) - 10 - 1) // 64 * 64)
+        chat = chat + got + _prompt(20 + turn, 10)
+    prompts = [{"prompt_token_ids": _prompt(40 + i, 30 + 37 * i)} for i in range(2)]
+    one = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, one)]
+    group = SamplingParams(temperature=0.0, n=3, max_tokens=16, ignore_eos=True)
+    outs = ahead.generate(prompts, group)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[w] * 3 for w in want]
+    seeded = SamplingParams(temperature=0.8, n=3, seed=3, max_tokens=12, ignore_eos=True)
+    samples = [[c.token_ids for c in o.outputs] for o in ahead.generate(prompts, seeded)]
+    assert samples == [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, seeded)]
+    assert_pool_empty(ahead)
+    assert ahead.engine.blocks.states.num_held == 0
+
+
 def test_prompt_cache_schemas_are_refused(tmp_path: Path) -> None:
     tiny_checkpoint("qwen3_5_text", tmp_path)
     llm = _llm(tmp_path)

@@ -69,5 +69,26 @@ def test_a_step_never_evicts_a_snapshot_it_writes_itself() -> None:
     slots = StateSlots(1, snapshots=2, every_tokens=64)
     taken = [slots.new_snapshot(d) for d in (b"a", b"b", b"c")]
     assert taken == [1, 2, None]
-    slots.take_copies()  # launched: the next step may evict them
+    slots.take_copies()  # launched: the next step may still run beside it (launch-ahead)
+    assert slots.new_snapshot(b"d") is None
+    slots.take_copies()  # two steps on: written
     assert slots.new_snapshot(b"d") == 1 and b"a" not in slots._snaps
+
+
+def test_output_snapshots_are_named_once_their_tokens_are_known() -> None:
+    """Launched ahead, a step feeds a token still on the device: a snapshot in the output is
+    reserved then and registered under its block's digest once the tokens are known; one whose
+    sequence ends first is given back; one whose digest another holds already is given back."""
+    slots = StateSlots(1, snapshots=3, every_tokens=64)
+    first = slots.reserve("s", 128, spaced=False)
+    assert first is not None and slots.reserve("s", 128, spaced=False) is None
+    slots.resolve("s", 64, lambda end: b"x")  # not yet known that far
+    assert slots._snaps == {}
+    slots.resolve("s", 128, lambda end: {128: b"d128"}[end])
+    assert slots._snaps == {b"d128": first}
+    again = slots.reserve("t", 128, spaced=False)
+    slots.resolve("t", 192, lambda end: b"d128")  # the same states: its slot back
+    assert slots._snaps == {b"d128": first} and again in slots._snap_free
+    slots.reserve("u", 64, spaced=False)
+    slots.free("u")
+    assert len(slots._snap_free) == 2 and not slots._pending

@@ -6,7 +6,6 @@ so what reuses KV rows computed elsewhere would hand those layers no state:
 - prefix-cache hits resume from the linear layers' state snapshots (``kv/state_slots.py``): a hit
   is cut back to the last snapshot within it; with the prefix cache's host tier on, evicted snapshots
   go to host memory beside the KV blocks (``kv/snapshot_spill.py``);
-- launch-ahead is off: a forked sample's states are copied from its parent's slot between steps;
 - refused, naming why: Prompt Cache schemas (a module's rows cannot be reused out of position on a
   linear layer: its state depends on everything before it), speculative decoding (a rejected draft
   would have to roll the states back) and tensor parallelism.
@@ -14,7 +13,6 @@ so what reuses KV rows computed elsewhere would hand those layers no state:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from prefixserve.config import EngineConfig
@@ -38,18 +36,12 @@ def hybrid_config(config: EngineConfig, model: ModelConfig) -> EngineConfig:
         raise ValueError("speculative decoding is not supported on a linear-attention hybrid model")
     if config.tensor_parallel_size > 1:
         raise ValueError("tensor parallelism is not supported on a linear-attention hybrid model yet")
-    changes: dict[str, object] = {}
     if config.enable_prefix_caching:
         log.info(
-            "linear-attention hybrid: prefix-cache hits resume from the linear layers' state snapshots "
-            "(every 64 tokens or block), recomputing from the last one within the hit"
+            "linear-attention hybrid: prefix-cache hits resume from the linear layers' state snapshots, "
+            "recomputing from the last one within the hit"
         )
-    if config.async_scheduling:
-        log.info(
-            "launch-ahead is off for this linear-attention hybrid (its samples copy states between steps)"
-        )
-        changes["async_scheduling"] = False
-    return dataclasses.replace(config, **changes) if changes else config
+    return config
 
 
 __all__ = ["SCHEMA_REFUSAL", "hybrid_config"]

@@ -110,7 +110,7 @@ def assemble_batch(
     slots = states.slots(seqs) if states is not None else None
     copies = states.take_copies() if states is not None else None
     snaps = None
-    if states is not None and states.snapshots:  # prefix snapshots its prompt chunks take
+    if states is not None and states.snapshots:  # prefix snapshots its chunks take
         snaps = [
             blocks.snapshot_rows(s.seq, s.seq.num_computed_tokens, s.num_tokens) for s in sched.scheduled
         ]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -59,7 +59,12 @@ class StateSlots:
         self._copies: list[tuple[int, int]] = []
         self._snap_free = list(range(num_slots + snapshots - 1, num_slots - 1, -1))
         self._snaps: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recent first
-        self._fresh: list[bytes] = []  # snapshots the step being assembled or launched writes
+        self._fresh: list[bytes] = []  # snapshots the step being assembled writes
+        self._fresh_before: list[bytes] = []  # and the step before it (launched ahead: maybe in flight)
+        # snapshots in a sequence's output, taken before its tokens there are known (launched ahead,
+        # a step feeds a token still on the device): (seq, tokens) -> (slot, spaced), given their
+        # digest once the tokens are known (``resolve``)
+        self._pending: dict[tuple[Hashable, int], tuple[int, bool]] = {}
         # a running sequence's last snapshot off the spacing, in its prompt and in its output
         self._newest: dict[tuple[Hashable, bool], bytes] = {}
         self._pinned: dict[bytes, int] = {}  # digest -> slot: a pinned system prompt's, never evicted
@@ -91,6 +96,8 @@ class StateSlots:
 
     def free(self, seq: Hashable) -> None:
         self._marks.pop(seq, None)
+        for key in [k for k in self._pending if k[0] == seq]:  # never given a digest: no snapshot
+            self._snap_free.append(self._pending.pop(key)[0])
         for output in (False, True):  # its last ones stay: a repeat or the chat's next turn resumes there
             self._newest.pop((seq, output), None)
         slot = self._of.pop(seq, None)
@@ -166,39 +173,76 @@ class StateSlots:
         if digest in self._snaps:
             self._snaps.move_to_end(digest)
             return None
-        if self._snap_free:
-            slot = self._snap_free.pop()
-        else:  # the least recently used one this step does not write itself (else two writers)
-            fresh = set(self._fresh)
-            victim = next((d for d in self._snaps if d not in fresh), None)
-            if victim is None:
-                return None
-            slot = self._snaps.pop(victim)
-            if self.spill is not None:  # before the step that overwrites its slot is launched
-                self.spill.save(victim, slot)
+        slot = self._take_slot()
+        if slot is None:
+            return None
         self._snaps[digest] = slot
         self._fresh.append(digest)
         if not spaced and seq is not None:
             self._newest[(seq, output)] = digest
         return slot
 
+    def _take_slot(self) -> int | None:
+        """A free snapshot slot, else the least recently used snapshot's that no step in flight
+        writes (else two writers), spilled first where a host tier is on; None if none."""
+        if self._snap_free:
+            return self._snap_free.pop()
+        writing = set(self._fresh) | set(self._fresh_before)
+        victim = next((d for d in self._snaps if d not in writing), None)
+        if victim is None:
+            return None
+        slot = self._snaps.pop(victim)
+        if self.spill is not None:  # before the step that overwrites its slot is launched
+            self.spill.save(victim, slot)
+        return slot
+
+    def reserve(self, seq: Hashable, tokens: int, spaced: bool) -> int | None:
+        """A slot for ``seq``'s snapshot after its first ``tokens`` (in its output), taken by the
+        step being assembled before those tokens are all known; ``resolve`` names it."""
+        if (seq, tokens) in self._pending:
+            return None
+        slot = self._take_slot()
+        if slot is not None:
+            self._pending[(seq, tokens)] = (slot, spaced)
+        return slot
+
+    def resolve(self, seq: Hashable, known: int, digest_at: Callable[[int], bytes]) -> None:
+        """``seq``'s reserved snapshots within its first ``known`` tokens (computed and known)
+        registered under the digest of the block ending at each (``digest_at(tokens)``)."""
+        for key in sorted(k for k in self._pending if k[0] == seq and k[1] <= known):
+            slot, spaced = self._pending.pop(key)
+            digest = digest_at(key[1])
+            if digest in self._snaps or digest in self._pinned:  # another sequence's, the same states
+                self._snap_free.append(slot)
+                continue
+            if not spaced:  # supersedes its last one in its output
+                older = self._newest.pop((seq, True), None)
+                if older is not None and older in self._snaps:
+                    self._snap_free.append(self._snaps.pop(older))
+                self._newest[(seq, True)] = digest
+            self._snaps[digest] = slot
+
     def forget_fresh(self) -> None:
-        """The last step failed: the snapshots it was to write are given up (a slot it half wrote
-        must never be restored), their slots free again."""
-        for digest in self._fresh:
+        """A step failed: the snapshots it and the step launched beside it were to write are given
+        up (a slot half written must never be restored), their slots free again. (Reserved ones go
+        with their sequences, which the failure frees.)"""
+        for digest in self._fresh + self._fresh_before:
             slot = self._snaps.pop(digest, None)
             if slot is not None:
                 self._snap_free.append(slot)
-        self._fresh = []
+        self._fresh, self._fresh_before = [], []
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
-        """The child's slot, the parent's states copied into it before the next step."""
+        """The child's slot, the parent's states copied into it before the next step. A sample is
+        split off as the step that ends the prompt is launched, so the copy runs after that step
+        and before the parent's next: launched ahead or not, it takes the prompt's end states."""
         self._copies.append((self.slot(parent), self.slot(child)))
 
     def take_copies(self) -> list[tuple[int, int]]:
-        """The copies the next step makes first; called once a step, as it is assembled (the last
-        step launched by then, so its snapshots are written: no longer ``forget_fresh``'s)."""
-        copies, self._copies, self._fresh = self._copies, [], []
+        """The copies the next step makes first; called once a step, as it is assembled (the step
+        before it is launched by then; it and this step's are ``forget_fresh``'s until the next)."""
+        copies, self._copies = self._copies, []
+        self._fresh_before, self._fresh = self._fresh, []
         return copies
 
     @property

@@ -248,6 +248,9 @@ class BlockManager:
 
     def _index(self, seq: Sequence, computed: int) -> None:
         full = computed // self.block_size
+        if self.states is not None:  # a hybrid's snapshots in its output, now that their tokens are known
+            bs = self.block_size
+            self.states.resolve(seq, full * bs, lambda end: self._digests(seq, end // bs)[end // bs - 1])
         start = seq.num_indexed_blocks
         if full <= start:
             return  # no block filled up since the last call (most decode steps)
@@ -308,7 +311,9 @@ class BlockManager:
         (rows into the chunk, snapshot slot) at the chunk's last multiple of ``every_tokens``, at
         the multiples of ``spacing`` before it, and at the last multiple before each point where
         other prompts are known to leave this one (``StateSlots.mark``: a batch group's prefix; the
-        end of a salted prompt's public part), those not snapshotted yet."""
+        end of a salted prompt's public part), those not snapshotted yet. One in the output is
+        reserved and named once its tokens are known (launched ahead, a step feeds a token still on
+        the device): ``StateSlots.resolve``, from ``_index``."""
         states = self.states
         if states is None or not self.enable_prefix_caching or not states.snapshots:
             return []
@@ -322,8 +327,10 @@ class BlockManager:
             spaced = end % states.spacing == 0 or end in marked
             if end != last and not spaced:
                 continue
-            output = end > seq.num_prompt_tokens
-            slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1], seq, spaced, output)
+            if end > seq.num_prompt_tokens:  # its tokens may still be on the device (launch-ahead)
+                slot = states.reserve(seq, end, spaced)
+            else:
+                slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1], seq, spaced)
             if slot is not None:
                 out.append((end - computed, slot))
         return out
