@@ -40,6 +40,9 @@ def counting_positions(n: int) -> TokenArray:
     return _counting[:n]
 
 
+PLACEHOLDER_TOKEN = -1  # a sequence's in-flight token until the device returns it (never a real id)
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

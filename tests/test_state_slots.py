@@ -92,3 +92,27 @@ def test_output_snapshots_are_named_once_their_tokens_are_known() -> None:
     slots.reserve("u", 64, spaced=False)
     slots.free("u")
     assert len(slots._snap_free) == 2 and not slots._pending
+
+
+def test_a_freed_slot_a_samples_copy_reads_is_kept_back_until_the_copy() -> None:
+    """A parent preempted just after its samples were split off: its slot, which their queued copies
+    read, goes back only once those copies are taken (else a host restore into it would run first)."""
+    slots = StateSlots(3, snapshots=0)
+    parent = slots.slot("p")
+    slots.fork("p", "c")
+    slots.free("p")
+    assert slots.slot("new") != parent
+    assert slots.take_copies() == [(parent, slots.slot("c"))]
+    slots.free("new")
+    assert parent in slots._free
+
+
+def test_a_resolved_snapshot_is_not_evicted_while_its_writer_may_run() -> None:
+    slots = StateSlots(1, snapshots=1, every_tokens=64)
+    slots.take_copies()
+    slots.reserve("s", 64, spaced=True)
+    slots.resolve("s", 64, lambda end: b"d")
+    assert slots.new_snapshot(b"e") is None  # b"d"'s writer may still run
+    slots.take_copies()
+    slots.take_copies()
+    assert slots.new_snapshot(b"e") is not None and b"d" not in slots._snaps

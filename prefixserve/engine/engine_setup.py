@@ -67,7 +67,7 @@ class EngineSetup:
             )
             self.runner = ModelRunner(model, config, context_length(config, model))  # sizes the KV pool
         try:
-            # a linear-attention hybrid: no prefix-cache hits, no launch-ahead; refusals by name
+            # a linear-attention hybrid: what it cannot run is refused by name
             self.config = config = hybrid_config(config, self.runner.model.full_config)
             self._set_up(config, source, tok_dir)
         except BaseException:  # tensor parallelism: no worker outlives a failed start

@@ -19,10 +19,8 @@ from prefixserve.sampling.params import RowParams, SamplingParams
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from prefixserve.scheduler.stop import ends_by_length
-from prefixserve.sequence import Request, Sequence
+from prefixserve.sequence import PLACEHOLDER_TOKEN, Request, Sequence
 from prefixserve.worker.model_runner import Launch
-
-PLACEHOLDER_TOKEN = -1  # a sequence's in-flight token until the device returns it (never a real id)
 
 
 @dataclass(slots=True)

@@ -12,9 +12,9 @@ per eviction would stall the step assembling it), grown as snapshots arrive on a
 ``capacity_bytes`` of them (half the host tier's budget, ``module_host_bytes``: the KV blocks take
 the other half), the oldest given up first. Every copy runs on the current stream in the
 order the engine issues it: a snapshot's copy out is issued as the step that will overwrite its
-device slot is assembled, before that step's forward; a copy in before the forward of the step that
-resumes from it (hybrids run without launch-ahead, so no step is in flight then). The host never
-reads the memory, so no event is waited on.
+device slot is assembled, before that step's forward (and after any step still in flight, launched
+ahead); a copy in before the forward of the step that resumes from it. The host never reads the
+memory, so no event is waited on.
 """
 
 from __future__ import annotations

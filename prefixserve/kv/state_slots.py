@@ -57,6 +57,7 @@ class StateSlots:
         self._free = list(range(num_slots - 1, -1, -1))  # popped lowest first
         self._of: dict[Hashable, int] = {}
         self._copies: list[tuple[int, int]] = []
+        self._held_back: list[int] = []  # freed slots a queued copy still reads
         self._snap_free = list(range(num_slots + snapshots - 1, num_slots - 1, -1))
         self._snaps: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recent first
         self._fresh: list[bytes] = []  # snapshots the step being assembled writes
@@ -102,8 +103,11 @@ class StateSlots:
             self._newest.pop((seq, output), None)
         slot = self._of.pop(seq, None)
         if slot is not None:
-            self._free.append(slot)
             self._copies = [c for c in self._copies if c[1] != slot]  # a restore it will not take
+            if any(c[0] == slot for c in self._copies):  # a sample's copy reads it first: kept back
+                self._held_back.append(slot)
+            else:
+                self._free.append(slot)
 
     # ---- prefix snapshots --------------------------------------------------------------------
     @property
@@ -145,7 +149,8 @@ class StateSlots:
 
     def restore(self, seq: Hashable, digest: bytes) -> None:
         """Copy the snapshot of ``digest`` into ``seq``'s slot before its next step: queued from a
-        device slot, or from host memory now (no step is in flight: hybrids have no launch-ahead)."""
+        device slot, or from host memory now, on the one stream (after any step in flight, whose
+        sequences' slots are not ``seq``'s, and before the next)."""
         held = self._snaps.get(digest)
         if held is None:
             held = self._pinned.get(digest)
@@ -209,6 +214,8 @@ class StateSlots:
     def resolve(self, seq: Hashable, known: int, digest_at: Callable[[int], bytes]) -> None:
         """``seq``'s reserved snapshots within its first ``known`` tokens (computed and known)
         registered under the digest of the block ending at each (``digest_at(tokens)``)."""
+        if not self._pending:
+            return
         for key in sorted(k for k in self._pending if k[0] == seq and k[1] <= known):
             slot, spaced = self._pending.pop(key)
             digest = digest_at(key[1])
@@ -221,6 +228,7 @@ class StateSlots:
                     self._snap_free.append(self._snaps.pop(older))
                 self._newest[(seq, True)] = digest
             self._snaps[digest] = slot
+            self._fresh.append(digest)  # its writer, launched with the step being assembled, may run
 
     def forget_fresh(self) -> None:
         """A step failed: the snapshots it and the step launched beside it were to write are given
@@ -243,6 +251,8 @@ class StateSlots:
         before it is launched by then; it and this step's are ``forget_fresh``'s until the next)."""
         copies, self._copies = self._copies, []
         self._fresh_before, self._fresh = self._fresh, []
+        self._free += self._held_back  # the copies reading them run first in the next step
+        self._held_back = []
         return copies
 
     @property

@@ -18,7 +18,7 @@ import numpy as np
 from prefixserve.kv.block_pool import CONTIGUOUS_MIN_BLOCKS, BlockPool, chain_digests
 from prefixserve.kv.state_slots import StateSlots
 from prefixserve.scheduler.sliding_pages import SlidingPages
-from prefixserve.sequence import Request, Sequence
+from prefixserve.sequence import PLACEHOLDER_TOKEN, Request, Sequence
 
 
 class RowKeeper(Protocol):
@@ -311,9 +311,9 @@ class BlockManager:
         (rows into the chunk, snapshot slot) at the chunk's last multiple of ``every_tokens``, at
         the multiples of ``spacing`` before it, and at the last multiple before each point where
         other prompts are known to leave this one (``StateSlots.mark``: a batch group's prefix; the
-        end of a salted prompt's public part), those not snapshotted yet. One in the output is
-        reserved and named once its tokens are known (launched ahead, a step feeds a token still on
-        the device): ``StateSlots.resolve``, from ``_index``."""
+        end of a salted prompt's public part), those not snapshotted yet. One whose last token is
+        still on the device (launched ahead, a step feeds it before it arrives) is reserved and named
+        once it is known: ``StateSlots.resolve``, from ``_index``."""
         states = self.states
         if states is None or not self.enable_prefix_caching or not states.snapshots:
             return []
@@ -327,10 +327,11 @@ class BlockManager:
             spaced = end % states.spacing == 0 or end in marked
             if end != last and not spaced:
                 continue
-            if end > seq.num_prompt_tokens:  # its tokens may still be on the device (launch-ahead)
+            if seq.token_ids[end - 1] == PLACEHOLDER_TOKEN:  # still on the device (launch-ahead)
                 slot = states.reserve(seq, end, spaced)
             else:
-                slot = states.new_snapshot(self._digests(seq, end // bs)[end // bs - 1], seq, spaced)
+                digest = self._digests(seq, end // bs)[end // bs - 1]
+                slot = states.new_snapshot(digest, seq, spaced, end > seq.num_prompt_tokens)
             if slot is not None:
                 out.append((end - computed, slot))
         return out
