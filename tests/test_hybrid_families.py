@@ -172,9 +172,15 @@ def test_a_chats_next_turn_resumes_after_the_reply(next_model: Path) -> None:
     """Decode steps snapshot too (on the batched path): a chat's next turn (its prompt, the reply,
     a new message) resumes at the reply's last 64-token boundary, as a full-attention model's cache
     would hit up to its last block, and its tokens are as computed whole."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    plain = _llm(next_model, enable_prefix_caching=False)
     llm = _llm(next_model)
+    _chat_turns(_llm(next_model, enable_prefix_caching=False), llm)
+    assert_pool_empty(llm)
+
+
+def _chat_turns(plain: LLM, llm: LLM) -> None:
+    """Three turns of one chat (a 100-token reply, then 10 new tokens): ``llm``'s tokens equal
+    ``plain``'s, and each later turn hits up to the last reply's 64-token boundary."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     chat = _prompt(11, 40)
     for turn in range(3):
         want = plain.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
@@ -184,7 +190,6 @@ def test_a_chats_next_turn_resumes_after_the_reply(next_model: Path) -> None:
         hit = llm.metrics()["prefix_cache_hit_tokens_total"] - before
         assert hit == (0 if turn == 0 else (len(chat) - 10 - 1) // 64 * 64)  # the last reply's boundary
         chat = chat + got + _prompt(20 + turn, 10)
-    assert_pool_empty(llm)
 
 
 def test_snapshots_spill_to_host_memory_and_come_back(next_model: Path) -> None:
@@ -271,21 +276,12 @@ def test_a_pinned_system_prompts_snapshot_is_never_evicted(tmp_path: Path) -> No
 def test_launched_ahead_the_tokens_samples_and_hits_are_the_same(next_model: Path) -> None:
     """With launch-ahead (a step launched before the tokens of the one in flight are known): a chat's
     turns resume after each reply (the output's snapshots named once their tokens are known), n = 3
-    greedy samples each equal the one greedy sequence and seeded ones the reference's (each sample
-    from the prompt's end states in the first sample's slot, though the parent decodes a step ahead)."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    greedy samples each equal the one greedy sequence and seeded ones the reference's (each sample's
+    copy of the prompt's end states runs before the parent's next step, launched ahead or not)."""
     plain = _llm(next_model, enable_prefix_caching=False, async_scheduling=False)
     ahead = _llm(next_model, async_scheduling=True)
     assert ahead.engine.config.async_scheduling
-    chat = _prompt(11, 40)
-    for turn in range(3):
-        want = plain.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
-        before = ahead.metrics()["prefix_cache_hit_tokens_total"]
-        got = ahead.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
-        assert got == want
-        hit = ahead.metrics()["prefix_cache_hit_tokens_total"] - before
-        assert hit == (0 if turn == 0 else (len(chat) - 10 - 1) // 64 * 64)
-        chat = chat + got + _prompt(20 + turn, 10)
+    _chat_turns(plain, ahead)
     prompts = [{"prompt_token_ids": _prompt(40 + i, 30 + 37 * i)} for i in range(2)]
     one = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, one)]

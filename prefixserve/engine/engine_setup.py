@@ -92,11 +92,11 @@ class EngineSetup:
         self.output_rules = output_rules(self.device, bs)
         self.modules = prompt_modules(self.runner, config, self.pool, self.tokenizer, source)
         self.spill: PrefixSpill | None = None  # the prefix cache's host tier: the block manager restores
+        snapshot_host_bytes = config.module_host_bytes // 2 if self.model_config.is_hybrid else 0
         if config.spill_prefix_cache and config.enable_prefix_caching:
             if not self.runner.kv.spills:
                 raise ValueError("spill_prefix_cache needs every layer's KV in one shape; this model's vary")
-            if self.model_config.is_hybrid:  # half the host tier's budget for its snapshots
-                self.modules.host.capacity_bytes = config.module_host_bytes // 2
+            self.modules.host.capacity_bytes -= snapshot_host_bytes  # a hybrid's snapshots take half
             self.spill = PrefixSpill(self.pool, self.runner.kv, self.modules.host)
         block_hooks = BlockManagerHooks(
             restore=self.spill.restore if self.spill is not None else None,
@@ -109,8 +109,7 @@ class EngineSetup:
             spacing = snapshot_spacing(self.model_config, every, config.torch_dtype)
             spill = None  # with the prefix cache's host tier, evicted snapshots go to host memory too
             if self.spill is not None and self.runner.states is not None:
-                room = config.module_host_bytes - self.modules.host.capacity_bytes
-                spill = SnapshotSpill(self.runner.states.layers, room)
+                spill = SnapshotSpill(self.runner.states.layers, snapshot_host_bytes)
             states = StateSlots(self.runner.state_sequences, snaps, every, spacing, spill)
         self.blocks = BlockManager(
             self.pool, config.enable_prefix_caching, sliding, hooks=block_hooks, states=states

@@ -236,9 +236,8 @@ class GatedDeltaNet(nn.Module):
             from prefixserve.model import gated_delta_fla
 
             if gated_delta_fla.available():
-                chunked_cuts = any(step.snapshots) and not step.decode
-                cuts = [step.cuts(s) for s in range(len(step.slots))] if chunked_cuts else None
-                if cuts is not None:
+                if any(step.snapshots):  # cut at their rows
+                    cuts = [step.cuts(s) for s in range(len(step.slots))]
                     return gated_delta_fla.run_cut(
                         q, k, v, g, beta, step.slots, step.starts, step.fresh, state, cuts
                     )
