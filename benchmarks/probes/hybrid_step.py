@@ -1,6 +1,7 @@
-"""Where a linear-attention hybrid's eager decode step spends the GPU's time: ``--samples`` samples of
-one ``--prefix``-token prompt (dummy weights), a few decode steps under ``torch.profiler`` with the
-shared path (``auto``) and without (``triton_paged``), the kernels that took the most CUDA time.
+"""Where a linear-attention hybrid's decode step spends the GPU's time: ``--samples`` samples of one
+``--prefix``-token prompt (dummy weights), a few decode steps timed (wall), then under
+``torch.profiler``, with the shared path (``auto``) and without (``triton_paged``), the kernels that
+took the most CUDA time.
 
     PYTHONPATH=. python -m benchmarks.probes.hybrid_step [--model dummy:qwen3.5-27b] [--json F]
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -26,13 +28,18 @@ def profile(model: str, attention: str, samples: int, prefix: int, steps: int, t
     llm = LLM(model=model, device="cuda", dtype="bfloat16", attention=attention, max_num_seqs=samples,
               max_num_batched_tokens=chunk, progress=False)  # fmt: skip
     engine = llm.engine
-    params = SamplingParams(n=samples, temperature=1.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=2 * steps + 8, ignore_eos=True)
     engine.add_request("r", None, params, prompt_token_ids=prompt["prompt_token_ids"])
     for _ in range(-(-prefix // chunk) + 4):  # the prefill's chunks, the forks, decode steps: warm
         engine.step()
     decoding = [s for s in engine.scheduler.running if s.num_tokens > s.num_prompt_tokens + 1]
     assert len(decoding) == samples, f"{len(decoding)} of {samples} samples decoding"
     torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):  # wall time a step, the profiler off: host-bound where above the GPU's
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1e3 / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -48,7 +55,8 @@ def profile(model: str, attention: str, samples: int, prefix: int, steps: int, t
                 {"kernel": e.key[:90], "ms_a_step": cuda_us / 1e3 / steps, "calls_a_step": e.count / steps}
             )
     rows.sort(key=lambda r: -r["ms_a_step"])
-    return {"attention": attention, "gpu_ms_a_step": sum(r["ms_a_step"] for r in rows), "top": rows[:top]}
+    gpu_ms = sum(r["ms_a_step"] for r in rows)
+    return {"attention": attention, "wall_ms_a_step": wall_ms, "gpu_ms_a_step": gpu_ms, "top": rows[:top]}
 
 
 def main() -> None:
@@ -68,7 +76,8 @@ def main() -> None:
     for attention in ("auto", "triton_paged"):
         run = profile(args.model, attention, args.samples, args.prefix, args.steps, args.top)
         result["runs"].append(run)
-        lines += ["", f"## {attention}: {run['gpu_ms_a_step']:.1f} GPU ms a step", "",
+        took = f"{run['gpu_ms_a_step']:.1f} GPU ms, {run['wall_ms_a_step']:.1f} wall ms a step"
+        lines += ["", f"## {attention}: {took}", "",
                   "| kernel | ms a step | calls a step |", "| --- | ---: | ---: |"]  # fmt: skip
         lines += [f"| `{r['kernel']}` | {r['ms_a_step']:.2f} | {r['calls_a_step']:.0f} |" for r in run["top"]]
     write_or_print(args.json, result, "\n".join(lines) + "\n")
