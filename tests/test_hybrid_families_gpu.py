@@ -13,7 +13,7 @@ import torch
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.gated_delta_ref import prepare_qk, recurrent_ref
 from tests.conftest import assert_pool_empty
-from tests.test_hybrid_families import FAMILIES, tiny_checkpoint
+from tests.test_hybrid_families import FAMILIES, _chat_turns, tiny_checkpoint
 from tests.test_model_families import _prompt
 
 pytestmark = pytest.mark.gpu
@@ -94,6 +94,30 @@ def test_greedy_tokens_equal_hf_on_cuda(family) -> None:
         assert out[0, len(ids) :].tolist() == w
     for llm in (plain, fast, small):
         assert_pool_empty(llm)
+
+
+def test_decode_graphs_give_the_eager_steps_tokens(tmp_path) -> None:
+    """Decode under CUDA graphs (the state slots in the graphs' input rows, shared-prefix attention in
+    the graph, launched ahead) gives the eager steps' tokens: greedy behind a shared prefix, seeded
+    samples n=3 (each sample's states copied before its first graphed step), and a chat's later turns
+    resumed from the snapshots its replies' graphed steps took."""
+    tiny_checkpoint("qwen3_next", tmp_path)
+    args = {"model": str(tmp_path), "dtype": "float32", "device": "cuda", "block_size": 16}
+    args |= {"attention": "triton", "num_kv_blocks": 256, "progress": False}
+    eager = LLM(enforce_eager=True, **args)
+    graphed = LLM(**args)
+    prefix = _prompt(5, 80)
+    prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 5 + 3 * i)} for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, n=3, seed=3, max_tokens=12, ignore_eos=True)
+    for params in (greedy, seeded):
+        want = [[c.token_ids for c in o.outputs] for o in eager.generate(prompts, params)]
+        assert [[c.token_ids for c in o.outputs] for o in graphed.generate(prompts, params)] == want
+    _chat_turns(eager, graphed)
+    assert graphed.engine.runner.graphs.captures > 0 and eager.engine.runner.graphs is None
+    for llm in (eager, graphed):
+        assert_pool_empty(llm)
+        assert llm.engine.blocks.states.num_held == 0
 
 
 def test_a_dummy_hybrid_runs_in_bf16() -> None:

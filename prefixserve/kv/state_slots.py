@@ -262,18 +262,20 @@ class StateSlots:
 
 class StatePool:
     """The slots' tensors: per linear layer (conv [N, C, K - 1] in the model's dtype, state
-    [N, Hv, Dk, Dv] fp32)."""
+    [N, Hv, Dk, Dv] fp32). One slot past the ``num_slots`` asked for is scratch, which no sequence
+    holds: a graphed decode step's padding rows, and its capture's warm-up, write there."""
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         conv, state = state_shapes(config)
+        self.scratch_slot = num_slots
+        self.num_slots = num_slots + 1  # allocated, the scratch slot included
         self.layers = {
             i: (
-                torch.zeros((num_slots, *conv), dtype=dtype, device=device),
-                torch.zeros((num_slots, *state), dtype=torch.float32, device=device),
+                torch.zeros((self.num_slots, *conv), dtype=dtype, device=device),
+                torch.zeros((self.num_slots, *state), dtype=torch.float32, device=device),
             )
             for i in config.linear_layers
         }
-        self.num_slots = num_slots
 
     def step(
         self,

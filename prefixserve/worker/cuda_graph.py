@@ -6,7 +6,8 @@ forward pass in one call. What changes from step to step enters through fixed de
   * token ids, positions and KV write slots of the bucket's rows (``inputs``; under the freeing KV
     layout each sliding group's write slots too); padding rows write their K/V to the cache's scratch
     slot and their outputs are ignored;
-  * the attention's per-step plan (``GraphAttention.load``: block tables, segment work list, merge CSR).
+  * the attention's per-step plan (``GraphAttention.load``: block tables, segment work list, merge CSR);
+  * a linear-attention hybrid's state slots and fresh flags (``linear_graph.py``).
 Graphs are captured lazily the first time a key is met (a warm-up forward, the capture, a replay),
 into one shared memory pool. Prefill and mixed steps, and batches above the largest bucket, run
 eagerly. ``EngineConfig.enforce_eager`` turns all of this off.
@@ -27,7 +28,10 @@ from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, Ho
 from prefixserve.attention.kv_quant import plan_dtype
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
+from prefixserve.kv.state_slots import StatePool
 from prefixserve.model.config import SLIDING, ModelConfig
+from prefixserve.model.gated_delta import LinearStep
+from prefixserve.worker import linear_graph
 from prefixserve.worker.graph_capture import capture_into
 
 log = logging.getLogger(__name__)
@@ -51,9 +55,8 @@ def graph_refusal(config: ModelConfig) -> str | None:
     """Why this model's decode steps cannot run in a captured graph (None: they can). A graph holds
     one attention shape and, with sliding layers, one window."""
     n = config.num_hidden_layers
-    if config.is_hybrid:
-        return "its linear-attention layers' per-sequence states are not captured yet (decode runs eagerly)"
-    shapes = {config.layer_kv_shape(i) for i in range(n)}
+    linear = set(config.linear_layers)  # a hybrid's linear layers hold no KV
+    shapes = {config.layer_kv_shape(i) for i in range(n) if i not in linear}
     if shapes != {(config.num_key_value_heads, config.head_dim)}:
         return "its layers' KV heads or head sizes differ"
     windows = {config.layer_spec(i).window for i in range(n) if config.layer_type(i) == SLIDING}
@@ -78,7 +81,9 @@ class _Captured:
 class DecodeGraphs:
     """Captures and replays decode forwards; the model runner calls ``bucket_for`` then ``run``."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv: KVCache, max_batch: int, states: StatePool | None = None
+    ) -> None:
         cfg = model.config
         param = next(model.parameters())
         self.model, self.kv = model, kv
@@ -90,10 +95,14 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         cap = self.buckets[-1]
         # rows: token ids, positions, KV write slots, each sliding group's write slots under the
-        # freeing layout (int64: what embedding and index_copy_ take)
+        # freeing layout, a hybrid's state slots and fresh flags (int64: what embedding and
+        # index_copy_ take)
         self.layer_groups = kv.layout.group_of if kv.layout.frees_sliding else ()
-        rows = 3 + kv.layout.sliding_groups
+        self.sliding_groups = kv.layout.sliding_groups
+        rows = 3 + self.sliding_groups + (linear_graph.ROWS if states is not None else 0)
         self.inputs = torch.zeros(rows, cap, dtype=torch.long, device=self.device)
+        first = rows - linear_graph.ROWS
+        self.linear = None if states is None else linear_graph.LinearGraphRows(states, self.inputs, first)
         self._staging = HostStaging((rows, cap), torch.long)
         self.graphs: dict[tuple[Any, ...], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -139,22 +148,33 @@ class DecodeGraphs:
         self._current = bucket
 
     def run(
-        self, ids: list[int], positions: list[int], slots: np.ndarray, step: GraphStep, feed: Any = None
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: np.ndarray,
+        step: GraphStep,
+        feed: Any = None,
+        linear: LinearStep | None = None,
     ) -> torch.Tensor:
         """One decode forward for ``len(ids)`` rows through the graph of ``step.key``: the graph's whole
         output buffer [bucket, hidden], whose first ``len(ids)`` rows are the step's (the rest padding).
 
         ``feed`` (a ``model_runner.PrevTokenFeed``) overwrites rows of ids with tokens still on the
-        device."""
+        device; ``linear``: a hybrid's state slots of the step (``AttentionMetadata.linear``)."""
         rows, bucket = len(ids), step.key[1]
         self._ran(rows, bucket)
         pinned = self._staging.next()
         host = pinned.numpy()
         host[0, :rows], host[1, :rows], host[2, :rows] = ids, positions, slots
+        groups = slice(3, 3 + self.sliding_groups)
         if step.group_slots is not None:
-            host[3:, :rows] = step.group_slots
+            host[groups, :rows] = step.group_slots
         host[0, rows:bucket] = host[1, rows:bucket] = 0
-        host[2:, rows:bucket] = self.kv.scratch_slot
+        host[2, rows:bucket] = host[groups, rows:bucket] = self.kv.scratch_slot
+        if self.linear is not None:
+            if linear is None:
+                raise ValueError("a linear-attention hybrid's graphed step needs its state slots")
+            self.linear.fill(host, linear, bucket)
         self.inputs.copy_(pinned, non_blocking=True)
         if feed is not None:
             feed.apply(self.inputs[0])
@@ -166,6 +186,8 @@ class DecodeGraphs:
         else:
             entry.attention.load(step.arrays)
         entry.graph.replay()
+        if self.linear is not None:
+            self.linear.after_replay(linear)
         return entry.hidden
 
     def _refit(self, step: GraphStep) -> tuple[GraphStep, _Captured | None]:
@@ -193,9 +215,11 @@ class DecodeGraphs:
         if self.layer_groups:  # each sliding group's view: its write slots, its index as the plan
             views = (
                 replace(meta, slot_mapping=self.inputs[3 + g, :bucket], plan=g)
-                for g in range(len(self.inputs) - 3)
+                for g in range(self.sliding_groups)
             )
             meta.group_metas, meta.layer_groups = tuple(views), self.layer_groups
+        if self.linear is not None:
+            meta.linear = self.linear.step(bucket)
         return self.model(self.inputs[0, :bucket], self.inputs[1, :bucket], self.kv.layers, meta, attention)
 
     def _capture(self, step: GraphStep, bucket: int) -> _Captured:
@@ -203,7 +227,11 @@ class DecodeGraphs:
         started = time.perf_counter()
         attention = step.build()
         attention.load(step.arrays)
-        self._forward(bucket, attention)  # eager warm-up: Triton compiles outside the capture
+        if self.linear is not None:  # states move in place: the warm-up's on the scratch slot
+            with self.linear.on_scratch():
+                self._forward(bucket, attention)
+        else:
+            self._forward(bucket, attention)  # eager warm-up: Triton compiles outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:

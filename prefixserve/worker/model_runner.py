@@ -183,11 +183,11 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             refusal = graph_refusal(model.config)
             if refusal is None:
-                self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs)
+                self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs, self.states)
             else:  # decode steps run the piecewise graphs, attention between them
                 log.info("no decode CUDA graphs: %s", refusal)
-            if hybrid:  # the linear layers' states are read and written per sequence, outside graphs
-                log.info("no piecewise CUDA graphs: a linear-attention hybrid runs eager steps")
+            if hybrid:  # a chunk's linear layers run per sequence (fla's varlen kernels): not captured
+                log.info("no piecewise CUDA graphs: a linear-attention hybrid runs prefills eagerly")
             else:
                 self.pieces = PiecewiseGraphs(self.model, self.kv, config.max_num_batched_tokens)
         # the sliding layers' window, which decode graphs attend within (window_graph.py)
@@ -267,6 +267,11 @@ class ModelRunner:
         """
         bs = self.block_size
         decode = len(positions) == len(query_lens)  # one token each
+        linear = None
+        if self.states is not None:
+            if state_slots is None:
+                raise ValueError("a linear-attention hybrid's step needs its sequences' state slots")
+            linear = self.states.step(state_slots, query_lens, seq_lens, state_snapshots)
         if self.graphs is not None and decode and not eager:
             bucket = self.graphs.bucket_for(len(positions))
             if bucket is not None:
@@ -282,14 +287,14 @@ class ModelRunner:
 
                     step = window_graph_step(meta, step, self.graphs.shape, bucket, self.window, group_tables)
                 if step is not None:
-                    return StepBatch(positions, meta, step, group_tables=group_tables)
+                    meta.linear = linear
+                    return StepBatch(
+                        positions, meta, step, group_tables=group_tables, state_copies=state_copies
+                    )
         meta = build_metadata(bs, query_lens, seq_lens, tables, self.device, module_rows)
         if group_tables is not None:
             meta.with_groups(*group_tables, self.layout.group_of)
-        if self.states is not None:
-            if state_slots is None:
-                raise ValueError("a linear-attention hybrid's step needs its sequences' state slots")
-            meta.linear = self.states.step(state_slots, query_lens, seq_lens, state_snapshots)
+        meta.linear = linear
         self.backend.prepare(meta)
         return StepBatch(positions, meta, None, group_tables=group_tables, state_copies=state_copies)
 
@@ -330,15 +335,15 @@ class ModelRunner:
         if batch.graph_step is not None:
             if before_layer is not None:
                 self.kv.settle()
+            meta = batch.meta
             try:
                 out = self.graphs.run(
-                    ids, batch.positions, batch.meta.slot_mapping.numpy(), batch.graph_step, feed
+                    ids, batch.positions, meta.slot_mapping.numpy(), batch.graph_step, feed, meta.linear
                 )
                 return out[: len(ids)], out
             except GraphCaptureError:  # this step reruns eagerly (its KV writes are idempotent)
                 log.exception("CUDA graphs are off from now on")
                 self.graphs = None
-                meta = batch.meta
                 batch.meta = build_metadata(
                     meta.block_size,
                     meta.query_lens_host,
@@ -349,6 +354,7 @@ class ModelRunner:
                 )
                 if batch.group_tables is not None:
                     batch.meta.with_groups(*batch.group_tables, self.layout.group_of)
+                batch.meta.linear = meta.linear
                 self.backend.prepare(batch.meta)
         if self.pieces is not None and self.pieces.fits(len(ids)):
             return self.pieces.run(ids, batch.positions, batch.meta, self.backend, feed, before_layer), None
