@@ -15,7 +15,8 @@ Formats read (``config.json``'s ``quantization_config``; the checkpoint's own wi
 Anything else is refused, naming it. Each FP8 tensor is dequantized into the fp32 model as it is
 read (the checks and the tensor-parallel cuts are the loader's, unchanged); the codes and their
 scales, as rows, are kept for the layers ``linear.quantized_layers`` names and installed after the cast
-to the model's dtype: codes are never re-rounded. Other FP8 tensors (an LM head, MoE experts) stay
+to the model's dtype: codes are never re-rounded, except where the loader reorders a layer's rows
+(``keep_codes``). Other FP8 tensors (an LM head, MoE experts) stay
 dequantized. Stacked layers with static input scales take their parts' largest (as vLLM does).
 """
 
@@ -133,6 +134,8 @@ class Fp8Checkpoint:
         self.input_scales: dict[str, torch.Tensor] = {}  # parameter -> the largest static scale
         self.filled: dict[str, int] = {}  # parameter -> rows written
         self.keep: set[str] = set()  # the parameters whose codes are kept
+        # parameters a part of which the loader reorders (``Piece.convert``): quantized again
+        self.requantize: set[str] = set()
 
     def read_scales(self, files: list[Path], rename: Callable[[str], str | None]) -> None:
         """Every scale tensor of the checkpoint, read before the weights (any file, any order)."""
@@ -186,8 +189,16 @@ class Fp8Checkpoint:
     def keep_codes(
         self, param: str, shape: tuple[int, ...], piece: Any, codes: torch.Tensor, scale: torch.Tensor
     ) -> None:
-        """The piece's codes and row scales into the parameter's (``piece``: ``loader.Piece``)."""
-        if param not in self.keep:
+        """The piece's codes and row scales into the parameter's (``piece``: ``loader.Piece``). A piece
+        the loader reorders (Qwen3.5's gated q/k/v, Qwen3-Next's regrouped input projection) moves
+        rows across its 128-row scale blocks: its parameter's codes are dropped, and the layer is
+        quantized again per channel from the dequantized values at ``install``."""
+        if param not in self.keep or param in self.requantize:
+            return
+        if piece.convert is not None:
+            self.requantize.add(param)
+            for held in (self.codes, self.row_scales, self.filled, self.input_scales):
+                held.pop(param, None)
             return
         whole = self.codes.setdefault(param, torch.zeros(shape, dtype=fp8.FP8))
         index = [slice(None)] * 2
@@ -226,6 +237,10 @@ class Fp8Checkpoint:
         act, count = ("none" if self.scheme[1] else self.scheme[0]), 0
         for name, layer in linear.quantized_layers(model):
             param = f"{name}.weight"
+            if param in self.requantize:
+                fp8.quantize_layer(layer)
+                count += 1
+                continue
             if param not in self.codes:
                 continue  # published unquantized (a compressed-tensors ``ignore``)
             if self.filled[param] != layer.weight.shape[0]:

@@ -15,7 +15,7 @@ import torch
 
 from prefixserve.model import fused
 from prefixserve.model.config import LayerSpec, ModelConfig
-from prefixserve.model.linear import Linear
+from prefixserve.model.linear import Projection
 from prefixserve.model.parallel import Shard
 from prefixserve.model.rotary import Rope
 
@@ -30,7 +30,7 @@ def rope_order(dim: int, rotary: int) -> torch.Tensor:
     return torch.tensor([i for part in parts for i in part], device="cpu")  # not the meta device
 
 
-class GatedQKV(Linear):
+class GatedQKV(Projection):
     """q, k, v and the output gate as one matmul: rows [q | k | v | gate], q and k heads in
     ``rope_order``; from HF's q_proj (each head's q rows, then its gate rows), k_proj, v_proj."""
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.gated_delta_ref import chunked, prepare_qk, recurrent_ref
-from prefixserve.model.linear import Linear
+from prefixserve.model.linear import Projection
 
 QWEN3_5, QWEN3_NEXT = "qwen3_5", "qwen3_next"  # how a checkpoint stores the input projection
 
@@ -81,7 +81,7 @@ class LinearStep:
         return cls(list(range(len(query_lens))), starts, [True] * len(query_lens))
 
 
-class InProj(Linear):
+class InProj(Projection):
     """The input projection as one matmul: rows [q | k | v | z | b | a] (q, k of Hk * Dk; v, z of
     Hv * Dv; b, a of Hv). Qwen3.5 stores ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
     ``in_proj_a``; Qwen3-Next ``in_proj_qkvz`` and ``in_proj_ba`` grouped by key head, regrouped at
@@ -167,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(p.vh))
         self.dt_bias = nn.Parameter(torch.empty(p.vh))
         self.norm = GatedRMSNorm(p.dv, config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = Projection(self.value_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, step: LinearStep) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         p = self.in_proj

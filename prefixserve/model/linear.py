@@ -36,6 +36,12 @@ class Linear(LoadedLater, nn.Linear):
         return fused.linear_into(x, self.weight, out)
 
 
+class Projection(Linear):
+    """A layer's projection that is neither stacked from checkpoint parts by rows nor row-parallel, to
+    which FP8 weights apply too (``quantized_layers``): a linear-attention layer's input and output
+    projections, the gated attention's q/k/v/gate. Unsharded (hybrids refuse tensor parallelism)."""
+
+
 class MergedLinear(Linear):
     """Several projections of the same input as one matmul, their weights stacked by rows.
 
@@ -132,9 +138,11 @@ class ParallelLMHead(Linear):
 
 def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers FP8 weights apply to: the attention and MLP projections (stacked q/k/v and gate/up,
-    o and down). Not the LM head or embedding (they decide the sampled token; a small share of a
-    large model's bytes), routers, Gemma 4's per-layer projections, nor MoE experts (not done)."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MergedLinear | RowParallelLinear)]
+    o and down, a hybrid's ``Projection`` layers). Not the LM head or embedding (they decide the
+    sampled token; a small share of a large model's bytes), routers, Gemma 4's per-layer projections,
+    nor MoE experts (not done)."""
+    kinds = MergedLinear | RowParallelLinear | Projection
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)]
 
 
 def quantize_model(model: nn.Module) -> int:
@@ -151,6 +159,7 @@ __all__ = [
     "Linear",
     "MergedLinear",
     "ParallelLMHead",
+    "Projection",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "quantize_model",
