@@ -98,14 +98,16 @@ def test_greedy_tokens_equal_hf_on_cuda(family) -> None:
         assert_pool_empty(llm)
 
 
-def test_decode_graphs_give_the_eager_steps_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_decode_graphs_give_the_eager_steps_tokens(tmp_path, quantization) -> None:
     """Decode under CUDA graphs (the state slots in the graphs' input rows, shared-prefix attention in
     the graph, launched ahead) gives the eager steps' tokens: greedy behind a shared prefix, seeded
     samples n=3 (each sample's states copied before its first graphed step), and a chat's later turns
-    resumed from the snapshots its replies' graphed steps took."""
+    resumed from the snapshots its replies' graphed steps took; with FP8 weights too (every projection,
+    the linear layers' own included)."""
     tiny_checkpoint("qwen3_next", tmp_path)
     args = {"model": str(tmp_path), "dtype": "float32", "device": "cuda", "block_size": 16}
-    args |= {"attention": "triton", "num_kv_blocks": 256, "progress": False}
+    args |= {"attention": "triton", "num_kv_blocks": 256, "progress": False, "quantization": quantization}
     eager = LLM(enforce_eager=True, **args)
     graphed = LLM(**args)
     prefix = _prompt(5, 80)

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 
-def profile(model: str, attention: str, samples: int, prefix: int, steps: int, top: int) -> dict:
+def profile(
+    model: str, attention: str, samples: int, prefix: int, steps: int, top: int, quantization: str | None
+) -> dict:
     from prefixserve import LLM, SamplingParams
 
     gc.collect()
@@ -26,7 +28,7 @@ def profile(model: str, attention: str, samples: int, prefix: int, steps: int, t
     prompt = {"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(prefix)]}
     chunk = 8192
     llm = LLM(model=model, device="cuda", dtype="bfloat16", attention=attention, max_num_seqs=samples,
-              max_num_batched_tokens=chunk, progress=False)  # fmt: skip
+              max_num_batched_tokens=chunk, quantization=quantization, progress=False)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(n=samples, temperature=1.0, max_tokens=2 * steps + 8, ignore_eos=True)
     engine.add_request("r", None, params, prompt_token_ids=prompt["prompt_token_ids"])
@@ -66,15 +68,21 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 weights")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from benchmarks.harness import run_info
     from benchmarks.harness.output import write_or_print
 
     result = {**run_info(("fla-core",)), "settings": {k: str(v) for k, v in vars(args).items()}, "runs": []}
-    lines = [f"# Hybrid decode step by kernel ({args.model}, {args.samples} samples of {args.prefix} tokens)"]
+    weights = "FP8 weights" if args.quantization else "bf16"
+    lines = [
+        f"# Hybrid decode step by kernel ({args.model}, {weights}, {args.samples} samples of {args.prefix} tokens)"
+    ]
     for attention in ("auto", "triton_paged"):
-        run = profile(args.model, attention, args.samples, args.prefix, args.steps, args.top)
+        run = profile(
+            args.model, attention, args.samples, args.prefix, args.steps, args.top, args.quantization
+        )
         result["runs"].append(run)
         took = f"{run['gpu_ms_a_step']:.1f} GPU ms, {run['wall_ms_a_step']:.1f} wall ms a step"
         lines += ["", f"## {attention}: {took}", "",
