@@ -76,9 +76,8 @@ def main() -> None:
 
     result = {**run_info(("fla-core",)), "settings": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     weights = "FP8 weights" if args.quantization else "bf16"
-    lines = [
-        f"# Hybrid decode step by kernel ({args.model}, {weights}, {args.samples} samples of {args.prefix} tokens)"
-    ]
+    shape = f"{args.model}, {weights}, {args.samples} samples of {args.prefix} tokens"
+    lines = [f"# Hybrid decode step by kernel ({shape})"]
     for attention in ("auto", "triton_paged"):
         run = profile(
             args.model, attention, args.samples, args.prefix, args.steps, args.top, args.quantization
