@@ -227,7 +227,9 @@ class DecodeGraphs:
         started = time.perf_counter()
         attention = step.build()
         attention.load(step.arrays)
-        if self.linear is not None:  # states move in place: the warm-up's on the scratch slot
+        # A hybrid's states move in place, so its warm-up runs on the scratch slot; its full layers
+        # then write wrong K/V into the step's own rows, which the replay writes again before a read
+        if self.linear is not None:
             with self.linear.on_scratch():
                 self._forward(bucket, attention)
         else:

@@ -15,8 +15,9 @@ layers' K/V writes land in the step's own rows, which the replay writes again be
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,20 @@ from prefixserve.kv.state_slots import StatePool
 from prefixserve.model.gated_delta import LinearStep
 
 ROWS = 2  # the inputs' rows a hybrid adds: slots, fresh flags (0 / 1)
+
+
+class LengthOnly(Sequence[int]):
+    """A captured step's host list of slots or fresh flags: its length is known, its items are not
+    (they change with every replay), so reading one fails instead of reading a placeholder."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        raise TypeError("a captured step's slots and fresh flags are on the device only")
 
 
 class LinearGraphRows:
@@ -47,11 +62,10 @@ class LinearGraphRows:
     def step(self, bucket: int) -> LinearStep:
         """The layers' view of a captured step: every row one token, its tensors the input rows."""
         slots, fresh = self.rows[0, :bucket], self.rows[1, :bucket] != 0
-        padding = [self.states.scratch_slot] * bucket  # host lists: only their lengths are read
         return LinearStep(
-            padding,
+            LengthOnly(bucket),  # the replays' slots and flags are the rows': the host has none
             list(range(bucket + 1)),
-            [False] * bucket,
+            LengthOnly(bucket),
             self.states.layers,
             on_device=(slots, self._starts[: bucket + 1], fresh),
         )
