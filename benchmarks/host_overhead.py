@@ -193,7 +193,13 @@ class _StubGraphs:
         return fits[0] if fits else None
 
     def run(
-        self, ids: list[int], positions: list[int], slots: np.ndarray, step: Any, feed: Any = None
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: np.ndarray,
+        step: Any,
+        feed: Any = None,
+        linear: Any = None,  # a hybrid's state slots: the stub model has none
     ) -> torch.Tensor:
         rows, bucket = len(ids), step.key[1]
         host = self._host_np
