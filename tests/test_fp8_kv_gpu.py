@@ -11,7 +11,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.attention.backend import make_backend
-from prefixserve.attention.kv_quant import FP8, dequantize, pow2_scales, quantize
+from prefixserve.attention.kv_quant import FP8, dequantize, pow2_scales, quantize, rotate
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.window import attend_layer
 from tests.conftest import assert_pool_empty
@@ -73,7 +73,7 @@ def test_fp8_bf16_kernels_match_the_dequantized_reference(query_lens: list[int])
     meta = build_metadata(bs, query_lens, seq_lens, tables, "cuda")
     ref_be = make_backend("reference")
     kd, vd = dequantize(k8, scales[0]), dequantize(v8, scales[1])
-    want = ref_be.forward(q.float(), kd, vd, meta, dim**-0.5)
+    want = ref_be.forward(rotate(q.float()), kd, vd, meta, dim**-0.5)  # K is read as stored: rotated
     for name in ("triton", "triton_paged", "auto"):
         be = make_backend(name)
         be.prepare(meta)

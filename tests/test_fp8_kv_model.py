@@ -76,12 +76,13 @@ def _logits(model, ids: list[int], dtype: torch.dtype, scales: torch.Tensor | No
 
 
 def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
-    """Mean KL(p_fp32 || p_fp8) <= 0.02 (issue 103) and top-1 agreement >= 95% over every prompt position.
+    """Mean KL(p_fp32 || p_fp8) <= 0.02 and top-1 agreement >= 96.5% over every prompt position (issue
+    103 asks >= 97%: measured here 97.8% over 268 positions, KL 0.0038; the floor leaves two flips
+    of room for another CPU's rounding).
 
-    Issue 103 asks for >= 97% top-1; measured here (268 positions) 95-96.5% and over 494 positions (these
-    texts and three more) 96.6%, mean KL 0.006: the flips sit at near ties (top-2 margins <= 0.45
-    nats), nearly all from K's rounding (V alone in e4m3: 99.2%, KL 0.0008); neither the scales'
-    margin (1, 2, 4, or 1.0 flat) nor subtracting K's mean moves it. docs/kernels.md has the numbers.
+    Before K was stored rotated (``kv_quant.rotate``) it was 95-96.5%: the flips sat at near ties,
+    nearly all from K's rounding (V alone in e4m3: 99.2%), and neither the scales' margin nor
+    subtracting K's mean moved it. docs/kernels.md has the numbers.
     """
     model, prompts, scales = model_and_ids
     agree, kls = [], []
@@ -93,7 +94,7 @@ def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
     agree_t, kl = torch.cat(agree).float(), torch.cat(kls)
     print(f"positions {agree_t.numel()}: top-1 agreement {agree_t.mean():.4f}, mean KL {kl.mean():.5f}")
     assert agree_t.numel() >= 200
-    assert agree_t.mean() >= 0.95
+    assert agree_t.mean() >= 0.965
     assert kl.mean() <= 0.02
 
 

@@ -7,6 +7,14 @@ V (``scales`` [2, Hkv]), fixed for the engine's life, so a written block never c
 Scales are powers of two (``pow2_scales``): dividing by one and multiplying back are exact, so the
 only error is e4m3's rounding.
 
+K is stored rotated: each head's k (after RoPE) times the normalized Hadamard matrix of the head size
+(``hadamard``, orthonormal, where the head size is a power of two), and q is rotated the same way
+before attention, so ``(q H) . (k H) = q . k``. The rotation spreads a head's few large channels over
+all of them; e4m3's rounding error of a dot product, ``sum q_i k_i d_i``, is then no longer carried by
+the channels where q and k are both large. On SmolLM2-135M it took next-token top-1 agreement with the
+model-dtype cache from 95.2% to 97.4% over 608 positions (mean KL 0.0061 -> 0.0042; docs/kernels.md).
+V is stored as it is (rotating V changed nothing measurable: its error is averaged by the softmax).
+
 Attention never dequantizes the cache: ``q . (s_k k) = (s_k q) . k`` and ``sum p (s_v v) = s_v sum p v``,
 so ``attend_layer`` multiplies q by the K scale of its KV head before any backend runs, and the output
 by the V scale after (``fold_query`` / ``unfold_output``, exact with power-of-two scales); the kernels
@@ -48,6 +56,31 @@ def with_scales(parts: tuple, scales: torch.Tensor | None, inverse: torch.Tensor
 def scales_of(parts: tuple) -> torch.Tensor | None:
     """The FP8 scales ``parts`` carries, or None."""
     return getattr(parts, "scales", None)
+
+
+_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def hadamard(head_dim: int, device: torch.device) -> torch.Tensor | None:
+    """The normalized Hadamard matrix [D, D] fp32 that rotates K in an e4m3 cache (Sylvester's
+    construction, so D must be a power of two; None otherwise: K is then stored unrotated)."""
+    if head_dim & (head_dim - 1):
+        return None
+    key = (head_dim, torch.device(device))
+    h = _HADAMARD.get(key)
+    if h is None:
+        h = torch.ones(1, 1)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        h = _HADAMARD[key] = (h / head_dim**0.5).to(key[1])
+    return h
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., D] (q, or k before it is stored e4m3) times ``hadamard(D)``, computed in fp32, in
+    ``x``'s dtype; ``x`` itself where D is not a power of two."""
+    h = hadamard(x.shape[-1], x.device)
+    return x if h is None else (x.float() @ h).to(x.dtype)
 
 
 def quantize(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -94,7 +127,7 @@ def store_kv(cache: tuple, k: torch.Tensor, v: torch.Tensor, heads: int, head_di
         inverse = getattr(cache, "inverse", None)
         if inverse is None:
             inverse = torch.ones(2, heads, device=k.device)
-        k, v = quantize(k, inverse[0]), quantize(v, inverse[1])
+        k, v = quantize(rotate(k), inverse[0]), quantize(v, inverse[1])
     write_rows(k_cache.view(-1, heads, head_dim), slots, k)
     write_rows(v_cache.view(-1, heads, head_dim), slots, v)
 
@@ -122,11 +155,11 @@ def pow2_scales(amax: torch.Tensor, margin: float = 2.0) -> torch.Tensor:
 
 def scales_digest(scales: torch.Tensor | None) -> bytes:
     """Bytes naming the KV scheme in block digests: empty for a model-dtype cache (digests unchanged),
-    else "fp8-e4m3" and the scales' bytes, so FP8 blocks never match model-dtype ones nor FP8 blocks
-    under other scales."""
+    else "fp8-e4m3", K's rotation and the scales' bytes, so FP8 blocks never match model-dtype ones
+    nor FP8 blocks under other scales or stored before K was rotated."""
     if scales is None:
         return b""
-    return b"kv:fp8-e4m3:" + scales.detach().float().cpu().contiguous().numpy().tobytes()
+    return b"kv:fp8-e4m3:hadamard-k:" + scales.detach().float().cpu().contiguous().numpy().tobytes()
 
 
 def kv_write(kv_layer: tuple, slots: torch.Tensor) -> tuple:

@@ -1,5 +1,6 @@
 """The e4m3 KV cache's scales, chosen once at start (``kv_cache_dtype="fp8"``; attention/kv_quant.py):
-a checkpoint's ``k_scale`` / ``v_scale`` where it has them, else a calibration.
+K's from a calibration (K is stored rotated), V's a checkpoint's ``v_scale`` where it has them, else
+the calibration's.
 
 One forward of a fixed calibration prompt into a small cache of the model's dtype gives each layer's
 largest |K| and |V| per KV head; the scale maps twice that to e4m3's 448 (the margin leaves headroom
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.backend import make_backend
-from prefixserve.attention.kv_quant import pow2_scales
+from prefixserve.attention.kv_quant import pow2_scales, rotate
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.layout import plain_layout
@@ -47,6 +48,8 @@ def kv_amax(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype, ids: torch.
         heads = k_cache.shape[-2]
         for j, cache in enumerate((k_cache, v_cache)):
             rows = cache.flatten(0, 1)[:n].float()  # [n, heads, D]
+            if j == 0:  # K as the e4m3 cache stores it: rotated
+                rows = rotate(rows)
             amax[i, j, :heads] = rows.abs().amax(dim=(0, 2))
     return amax
 
@@ -71,9 +74,12 @@ def checkpoint_scales(model: torch.nn.Module, kv: KVCache) -> torch.Tensor | Non
 
 
 def calibrate_kv_scales(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype) -> None:
-    """Fix ``kv``'s e4m3 scales (before any block is written): the checkpoint's where it has them for
-    every layer, else from the calibration prompt."""
-    scales = checkpoint_scales(model, kv)
-    if scales is None:
-        scales = pow2_scales(kv_amax(model, kv, dtype, calibration_ids(model.config.vocab_size)), MARGIN)
+    """Fix ``kv``'s e4m3 scales (before any block is written): V's the checkpoint's where it has them
+    for every layer, else from the calibration prompt; K's from the calibration prompt always (the
+    cache stores K rotated, ``kv_quant.rotate``, whose range a checkpoint's ``k_scale`` does not
+    describe)."""
+    scales = pow2_scales(kv_amax(model, kv, dtype, calibration_ids(model.config.vocab_size)), MARGIN)
+    published = checkpoint_scales(model, kv)
+    if published is not None:
+        scales[:, 1] = published[:, 1]
     kv.set_scales(scales)

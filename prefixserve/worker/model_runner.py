@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import backend_for_model
-from prefixserve.attention.kv_quant import dequantize, scales_of
+from prefixserve.attention.kv_quant import dequantize, rotate, scales_of
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.config import EngineConfig
 from prefixserve.host_copy import list_to_device
@@ -374,8 +374,9 @@ class ModelRunner:
         layer = self.kv.layers[min(1, len(self.kv.layers) - 1)]
         slots, scales = batch.meta.slot_mapping, scales_of(layer)
         cached_k, cached_v = (c.view(-1, *k.shape[1:]).index_select(0, slots).float() for c in layer)
-        if scales is not None:  # an e4m3 cache's values
+        if scales is not None:  # an e4m3 cache's values, K rotated (``kv_quant.rotate``)
             cached_k, cached_v = dequantize(cached_k, scales[0]), dequantize(cached_v, scales[1])
+            k = rotate(k)
         dev_k = (k.float() - cached_k).pow(2).sum((1, 2))  # [T]
         dev_v = (v.float() - cached_v).pow(2).sum((1, 2))
         return self.shard.all_reduce(dev_k + dev_v).cpu().numpy()  # every rank's heads

@@ -25,7 +25,15 @@ import torch
 from _kernel_helpers import DEVICE, paged_cache, rel_err
 
 from prefixserve.attention.backend import make_backend
-from prefixserve.attention.kv_quant import FP8, dequantize, pow2_scales, quantize, with_scales
+from prefixserve.attention.kv_quant import (
+    FP8,
+    dequantize,
+    hadamard,
+    pow2_scales,
+    quantize,
+    rotate,
+    with_scales,
+)
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.attention.window import attend_layer
 from prefixserve.model.kernels.rope import rope_qkv, rope_qkv_ref
@@ -86,11 +94,18 @@ def _case(bs: int, group: int, dim: int, query_lens: list[int], seed: int):
     k, v, _ = paged_cache([40 * bs], bs, hkv, dim, torch.float32, gen, device=torch.device("cpu"))
     mag = torch.tensor([2.0**-3, 2.0**5])[:, None]  # head 0 small, head 1 large
     k, v = k * mag, v * mag.flip(0)
+    k = rotate(k)  # K as an e4m3 cache stores it (attend_layer turns q with it)
     scales = torch.stack([pow2_scales(t.abs().amax((0, 1, 3))) for t in (k, v)])  # [2, Hkv]
     k8, v8 = quantize(k, 1 / scales[0]), quantize(v, 1 / scales[1])
     q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen)
     meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
     return q, k, v, k8, v8, scales, meta, tables, seq_lens
+
+
+def _turned(q: torch.Tensor) -> torch.Tensor:
+    """q rotated as ``attend_layer`` rotates it over an e4m3 cache (whose K ``_case`` stores rotated),
+    in fp64: the oracle's scores are then q . k."""
+    return q.double() @ hadamard(q.shape[-1], q.device).double()
 
 
 def _dequantized(
@@ -111,8 +126,8 @@ BACKENDS = ["reference", "cascade", "auto", "triton", "triton_paged"]
 def test_fp8_paths_match_fp64(bs: int, group: int, dim: int, query_lens: list[int], seed: int) -> None:
     q, k, v, k8, v8, scales, meta, tables, seq_lens = _case(bs, group, dim, query_lens, seed)
     scale = dim**-0.5
-    exact, parts = reference(q, k, v, tables, seq_lens, query_lens, scale)
-    deq, _ = reference(q, *_dequantized(k8, v8, scales), tables, seq_lens, query_lens, scale)
+    exact, parts = reference(_turned(q), k, v, tables, seq_lens, query_lens, scale)
+    deq, _ = reference(_turned(q), *_dequantized(k8, v8, scales), tables, seq_lens, query_lens, scale)
     bound = o_bound(parts, lambda x: elem_bound(x, scales[0].repeat_interleave(group)),
                     lambda x: elem_bound(x, scales[1].repeat_interleave(group)), scale)  # fmt: skip
     assert (deq - exact).abs().le(bound).all()  # the derivation holds for the rounding itself
@@ -134,7 +149,7 @@ def test_fp8_window_and_sinks_match_fp64(backend: str) -> None:
     """A sliding window the longest sequence outgrows (the window path), then sinks (the LSE path)."""
     q, _, _, k8, v8, scales, meta, tables, seq_lens = _case(16, 2, 64, [1, 3, 1, 2], 3)
     scale, window, query_lens = 0.125, 20, [1, 3, 1, 2]
-    deq, _ = reference(q, *_dequantized(k8, v8, scales), tables, seq_lens, query_lens,
+    deq, _ = reference(_turned(q), *_dequantized(k8, v8, scales), tables, seq_lens, query_lens,
                        scale, window)  # fmt: skip
     be = make_backend(backend)
     be.prepare(meta)
@@ -144,7 +159,7 @@ def test_fp8_window_and_sinks_match_fp64(backend: str) -> None:
     if backend == "reference":  # sinks: o * sigmoid(lse - sink), over the dequantized cache
         sinks = torch.full((q.shape[1],), 0.5)
         got = attend_layer(be, *args, sinks=sinks.to(DEVICE), kv_scales=scales.to(DEVICE)).double().cpu()
-        plain, parts = reference(q, *_dequantized(k8, v8, scales), tables, seq_lens,
+        plain, parts = reference(_turned(q), *_dequantized(k8, v8, scales), tables, seq_lens,
                                  query_lens, scale)  # fmt: skip
         lse = torch.cat([p[-1] for p in parts])  # [T, Hq]
         assert rel_err(got, plain * torch.sigmoid(lse - 0.5)[..., None]) < 1e-5
