@@ -40,16 +40,17 @@ def _load(directory: Path, quantization: str | None = None):
     return model
 
 
-def _block_fp8(source: Path, root: Path) -> tuple[Path, Path]:
-    """``source``'s projections (experts' and routers' aside) as block FP8, and the same model with
-    the stored values dequantized: (the FP8 checkpoint, its dequantized twin)."""
+def _block_fp8(source: Path, root: Path, unquantized: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """``source``'s projections (experts' and routers' aside, and those named in ``unquantized``) as
+    block FP8, and the same model with the stored values dequantized: (the FP8 checkpoint, its
+    dequantized twin)."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(source / "model.safetensors"))
     quant, dense = {}, {}
     for name, t in tensors.items():
         leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if t.dim() == 2 and leaf in PROJECTIONS and ".experts." not in name:
+        if t.dim() == 2 and leaf in PROJECTIONS and leaf not in unquantized and ".experts." not in name:
             parts = ckpt._quantize("fp8-block", t.float())
             dense[name] = ckpt.dequantized("fp8-block", parts)
             base = name.removesuffix(".weight")
@@ -97,16 +98,23 @@ def test_quantization_fp8_covers_the_hybrid_projections(family: str, tmp_path: P
     assert llm.engine.runner.model.get_submodule(next(iter(layers))).weight.dtype == fp8.FP8
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
-def test_a_block_fp8_hybrid_checkpoint_loads(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "unquantized"),
+    [("qwen3_5_text", ()), ("qwen3_next", ()), ("qwen3_5_text", ("in_proj_b", "in_proj_a"))],
+)
+def test_a_block_fp8_hybrid_checkpoint_loads(
+    family: str, unquantized: tuple[str, ...], tmp_path: Path
+) -> None:
+    """The last case publishes the input projection's b and a rows unquantized (as vLLM builds them):
+    the stacked layer is quantized whole from the loaded values, not refused."""
     from tests.test_hybrid_families import tiny_checkpoint
 
     tiny_checkpoint(family, tmp_path / "source")
-    quant, dense = _block_fp8(tmp_path / "source", tmp_path)
+    quant, dense = _block_fp8(tmp_path / "source", tmp_path, unquantized)
     mq, md = _load(quant), _load(dense)
     layers = dict(linear.quantized_layers(mq))
-    assert layers and all(fp8.is_fp8(m) for m in layers.values())
-    reordered = {GatedQKV} | ({InProj} if family == "qwen3_next" else set())
+    assert layers and all(fp8.is_fp8(m) and fp8.weight_only(m) for m in layers.values())  # block scales
+    reordered = {GatedQKV} | ({InProj} if family == "qwen3_next" or unquantized else set())
     for name, layer in layers.items():
         got, want = fp8.dequantize(layer.weight, layer.weight_scale), md.get_submodule(name).weight
         if type(layer) in reordered:  # quantized again per channel from the stored values

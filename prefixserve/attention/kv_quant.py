@@ -76,11 +76,12 @@ def hadamard(head_dim: int, device: torch.device) -> torch.Tensor | None:
     return h
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` [..., D] (q, or k before it is stored e4m3) times ``hadamard(D)``, computed in fp32, in
-    ``x``'s dtype; ``x`` itself where D is not a power of two."""
+    ``dtype`` (default ``x``'s); ``x`` itself where D is not a power of two. The matrix is made at a
+    head size's first call, which the KV calibration and every graph's warm-up make before a capture."""
     h = hadamard(x.shape[-1], x.device)
-    return x if h is None else (x.float() @ h).to(x.dtype)
+    return x if h is None else (x.float() @ h).to(dtype or x.dtype)
 
 
 def quantize(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ def store_kv(cache: tuple, k: torch.Tensor, v: torch.Tensor, heads: int, head_di
         inverse = getattr(cache, "inverse", None)
         if inverse is None:
             inverse = torch.ones(2, heads, device=k.device)
-        k, v = quantize(rotate(k), inverse[0]), quantize(v, inverse[1])
+        k, v = quantize(rotate(k, torch.float32), inverse[0]), quantize(v, inverse[1])  # rounded once
     write_rows(k_cache.view(-1, heads, head_dim), slots, k)
     write_rows(v_cache.view(-1, heads, head_dim), slots, v)
 

@@ -237,13 +237,20 @@ class Fp8Checkpoint:
         act, count = ("none" if self.scheme[1] else self.scheme[0]), 0
         for name, layer in linear.quantized_layers(model):
             param = f"{name}.weight"
-            if param in self.requantize:
-                fp8.quantize_layer(layer)
+            # a hybrid's projection with some parts published unquantized (a Qwen3.5 input
+            # projection's b and a rows): quantized whole from the loaded values, as a reordered one
+            partial = param in self.codes and self.filled[param] != layer.weight.shape[0]
+            if param in self.requantize or (partial and isinstance(layer, linear.Projection)):
+                with torch.no_grad():
+                    codes, scale = fp8.quantize_rows(layer.weight)
+                fp8.install(layer, codes, scale, "dynamic" if act == "static" else act)  # no input scale
+                for held in (self.codes, self.row_scales):
+                    held.pop(param, None)
                 count += 1
                 continue
             if param not in self.codes:
                 continue  # published unquantized (a compressed-tensors ``ignore``)
-            if self.filled[param] != layer.weight.shape[0]:
+            if partial:
                 raise ValueError(f"{param}: only some of its stacked parts are FP8 in the checkpoint")
             device = layer.weight.device
             static = self.input_scales.get(param) if act == "static" else None

@@ -344,7 +344,8 @@ _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)
 def _kv_scale(name: str, source: Any, model: LlamaForCausalLM) -> bool:
     """Keep a checkpoint's FP8 KV scale (vLLM's ``k_scale`` / ``v_scale``: stored = x / scale, per layer,
     a scalar or one per KV head) in ``model.checkpoint_kv_scales[(layer, 0 K | 1 V)]``: an FP8 KV cache
-    takes them in place of its calibration (``worker/kv_calibration.py``); a model-dtype one ignores them."""
+    takes V's in place of its calibration, and calibrates K's always (it stores K rotated:
+    ``worker/kv_calibration.py``); a model-dtype one ignores them."""
     match = _KV_SCALE.match(name)
     if match is None:
         return False

@@ -220,7 +220,9 @@ def rope_qkv(
 
     With ``cache`` = (k_cache, v_cache, slots), each [.., block_size, Hkv, D] cache gets the token's
     rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them; an e4m3
-    cache gets them quantized with the scales ``cache`` carries (``kv_quant.store_kv``'s values).
+    cache gets them quantized with the scales ``cache`` carries, K not turned: the engine turns K
+    before an e4m3 store (``kv_quant.rotate``), so ``fused.rope_qkv`` stores those through
+    ``kv_quant.store_kv`` and this store waits for the turn to move into the kernel.
     """
     width = (num_heads + 2 * num_kv_heads) * head_dim
     splits = qkv.shape[0] if qkv.dim() == 3 else 0  # 0: the product itself
