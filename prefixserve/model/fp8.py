@@ -127,12 +127,13 @@ def install(
     layer.__dict__.pop("_packed_weight", None)  # a oneDNN copy of the old weight (cpu_linear)
 
 
-def quantize_layer(layer: nn.Module) -> None:
-    """Quantize a layer's current weight per output channel (``quantization="fp8"``); works on the
-    meta device, so the model's size is checked at FP8 before any byte is allocated."""
+def quantize_layer(layer: nn.Module, act: str = "dynamic") -> None:
+    """Quantize a layer's current weight per output channel (``quantization="fp8"``; ``act`` as
+    ``install``'s); works on the meta device, so the model's size is checked at FP8 before any byte
+    is allocated."""
     with torch.no_grad():
         codes, scale = quantize_rows(layer.weight)
-    install(layer, codes, scale)
+    install(layer, codes, scale, act)
 
 
 def refill(layer: nn.Module, dense: torch.Tensor) -> None:

@@ -241,9 +241,7 @@ class Fp8Checkpoint:
             # projection's b and a rows): quantized whole from the loaded values, as a reordered one
             partial = param in self.codes and self.filled[param] != layer.weight.shape[0]
             if param in self.requantize or (partial and isinstance(layer, linear.Projection)):
-                with torch.no_grad():
-                    codes, scale = fp8.quantize_rows(layer.weight)
-                fp8.install(layer, codes, scale, "dynamic" if act == "static" else act)  # no input scale
+                fp8.quantize_layer(layer, "dynamic" if act == "static" else act)  # no input scale
                 for held in (self.codes, self.row_scales):
                     held.pop(param, None)
                 count += 1

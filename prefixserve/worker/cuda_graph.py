@@ -55,8 +55,7 @@ def graph_refusal(config: ModelConfig) -> str | None:
     """Why this model's decode steps cannot run in a captured graph (None: they can). A graph holds
     one attention shape and, with sliding layers, one window."""
     n = config.num_hidden_layers
-    linear = set(config.linear_layers)  # a hybrid's linear layers hold no KV
-    shapes = {config.layer_kv_shape(i) for i in range(n) if i not in linear}
+    shapes = {config.layer_kv_shape(i) for i in range(n)}
     if shapes != {(config.num_key_value_heads, config.head_dim)}:
         return "its layers' KV heads or head sizes differ"
     windows = {config.layer_spec(i).window for i in range(n) if config.layer_type(i) == SLIDING}
