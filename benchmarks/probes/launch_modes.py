@@ -2,19 +2,21 @@
 
 Modes: two kernels (shared Gluon kernel on a side stream beside the own kernel, then the merge; the
 shared tiles as the planner picks them, 192 rows where ``shared_plan.wide_tiles_pay``), the same on
-128-row tiles (``two_kernels128``), and the mixed kernel with 64- or 128-row own tiles. Each call is
-timed as a CUDA graph replay (``benchmarks.harness.timing.bench_ms``: median, L2 flushed), and with
-``--sustained S`` also back to back for S seconds with the board's power (``benchmarks.power``: at the
-power cap a call's energy is what sets a decode step's time); the two-kernel call's launches are also
-timed alone (shared kernel, own kernel, merge). ``--heads 32/4`` sets query / KV heads (default the
-8B's 32/8; 32/4 is the 70B's TP=2 shard). T* as in attention.py, from ceilings measured in the run.
-Points are BxPxS (sequences, shared prefix tokens, own tokens each). The phased kernel this probe
-was first written for (shared tickets, then own ones, in one launch) is in git history at a891d3d
-(docs/kernels.md §4).
+128-row tiles (``two_kernels128``) or with the Triton shared kernel (``two_kernels_triton``), and the
+mixed kernel with 64- or 128-row own tiles. Each call is timed as a CUDA graph replay
+(``benchmarks.harness.timing.bench_ms``: median, L2 flushed), and with ``--sustained S`` also back to
+back for S seconds with the board's power (``benchmarks.power``: at the power cap a call's energy is
+what sets a decode step's time); the two-kernel call's launches are also timed alone (shared kernel,
+own kernel, merge). ``--heads 32/4`` sets query / KV heads (default the 8B's 32/8; 32/4 is the 70B's
+TP=2 shard). T* as in attention.py, from ceilings measured in the run. Points are BxPxS (sequences,
+shared prefix tokens, own tokens each). ``--kv-dtype fp8``: the caches in e4m3, as an FP8 KV cache
+holds them (the mixed kernel then runs two kernels). The phased kernel this probe was first written
+for (shared tickets, then own ones, in one launch) is in git history at a891d3d (docs/kernels.md §4).
 
 PYTHONPATH=. python -m benchmarks.probes.launch_modes --points 64x16384x128 64x65536x128
 PYTHONPATH=. python -m benchmarks.probes.launch_modes --heads 32/4 --points 256x16384x128 \
     --modes mixed64 two_kernels two_kernels128 --sustained 2
+PYTHONPATH=. python -m benchmarks.probes.launch_modes --kv-dtype fp8 --modes two_kernels two_kernels_triton
 """
 
 from __future__ import annotations
@@ -28,24 +30,28 @@ import torch
 from benchmarks.attention import HKV, HQ, Case
 from benchmarks.harness.info import run_info
 from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings, time_launches
+from prefixserve.attention.kernels import shared_gluon
 from prefixserve.attention.planning import mixed_rule, shared_plan
 from prefixserve.attention.triton_backend import TritonBackend
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
 WIDE_TILES_PAY = shared_plan.wide_tiles_pay
-MODES = {  # (mixed launch, own rows forced, 192-row shared tiles allowed)
-    "two_kernels": (False, None, True),
-    "two_kernels128": (False, None, False),
-    "mixed64": (True, 64, True),
-    "mixed128": (True, 128, True),
+GLUON = shared_gluon.GLUON
+MODES = {  # (mixed launch, own rows forced, 192-row shared tiles allowed, the Gluon shared kernel)
+    "two_kernels": (False, None, True, True),
+    "two_kernels128": (False, None, False, True),
+    "two_kernels_triton": (False, None, False, False),
+    "mixed64": (True, 64, True, True),
+    "mixed128": (True, 128, True, True),
 }
 
 
 def call(case: Case, mode: str):
     """The whole attention call of ``case`` under ``mode``, graphed; and its layout."""
-    mixed, own_m, wide = MODES[mode]
+    mixed, own_m, wide, gluon = MODES[mode]
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
     shared_plan.wide_tiles_pay = WIDE_TILES_PAY if wide else (lambda *a: False)
+    shared_gluon.GLUON = GLUON and gluon
     be = TritonBackend()
     be.mixed = mixed
     be.overlap_min_rows = 0  # the shared kernel on a side stream, as in the decode graphs
@@ -64,6 +70,12 @@ def main() -> None:
     ap.add_argument("--heads", default=f"{HQ}/{HKV}", help="query / KV heads, e.g. 32/4")
     ap.add_argument("--sustained", type=float, default=0.0, help="also S seconds back to back, with power")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--kv-dtype",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="fp8: the caches in e4m3 (an FP8 KV cache)",
+    )
     args = ap.parse_args()
     heads = tuple(int(x) for x in args.heads.split("/"))
     dev = torch.device("cuda")
@@ -78,6 +90,8 @@ def main() -> None:
     for point in args.points:
         b, p, s = (int(x) for x in point.split("x"))
         case = Case(b, p, s, dev, heads=heads)
+        if args.kv_dtype == "fp8":  # the same values rounded to e4m3 (randn lies well inside its range)
+            case.k_cache, case.v_cache = (c.to(torch.float8_e4m3fn) for c in (case.k_cache, case.v_cache))
         bytes_ms, flops_ms = case.roofline(copy_tbps, gemm_tflops)
         row = {"B": b, "P": p, "S": s, "t_star_us": 1e3 * max(bytes_ms, flops_ms), "own_bytes_us": 0.0}
         ref = None

@@ -36,12 +36,18 @@ class HeadShape:
     q_heads: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # q's
     device: torch.device
+    kv_dtype: torch.dtype | None = None  # the cache's, where it is not q's (e4m3: an FP8 KV cache)
 
     @property
     def group(self) -> int:
         return self.q_heads // self.kv_heads
+
+    @property
+    def mixable(self) -> bool:
+        """Whether a step may run as one mixed launch: its own tiles take caches of q's dtype only."""
+        return self.kv_dtype in (None, self.dtype)
 
 
 @dataclass(slots=True)

@@ -101,13 +101,6 @@ def widen(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if is_fp8(t) else t
 
 
-def plan_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the Triton backends plan a step's tiles for: q's; over an e4m3 cache fp32, so that no
-    plan picks the Gluon shared or mixed kernels (caches of q's dtype only) or their 192-row tiles,
-    and the tiles fit the plain Triton kernels whatever q's dtype (fitted for 4-byte elements)."""
-    return q_dtype if kv_dtype == q_dtype else torch.float32
-
-
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """An e4m3 tensor as its bytes (a view), for copies, gathers and collectives, which need no value
     and do not all take e4m3 (torch's CPU ``index_copy_``, NCCL before 2.19); others as they are."""

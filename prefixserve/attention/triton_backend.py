@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from prefixserve.attention.backend import AttentionBackend, register_backend
-from prefixserve.attention.kv_quant import plan_dtype
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.decode_plans import DecodePlans
 from prefixserve.attention.planning.step_plan import (
@@ -288,8 +287,8 @@ class TritonBackend(TritonPagedBackend):
         lay = step.layouts.get(key)
         if lay is None:
             pack = self._pack(q_heads, kv_heads, meta, step, q)
-            planned = plan_dtype(q.dtype, k_cache.dtype)  # fp32 over e4m3: no Gluon tiles
-            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, planned, pack, self.mixed)
+            mixed = self.mixed if k_cache.dtype == q.dtype else False  # the mixed kernel takes no e4m3
+            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack, mixed)
             if with_lse:
                 lay.out_lse = torch.empty(tokens, q_heads, dtype=torch.float32, device=q.device)
             step.layouts[key] = lay

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, HostStaging
-from prefixserve.attention.kv_quant import plan_dtype
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.state_slots import StatePool
@@ -87,9 +86,13 @@ class DecodeGraphs:
         param = next(model.parameters())
         self.model, self.kv = model, kv
         self.device = param.device
-        planned = plan_dtype(param.dtype, kv.slots[0].dtype)  # fp32 over an e4m3 cache: no Gluon tiles
         self.shape = HeadShape(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, planned, self.device
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            param.dtype,
+            self.device,
+            kv.slots[0].dtype,
         )
         self.buckets = batch_buckets(max_batch)
         cap = self.buckets[-1]

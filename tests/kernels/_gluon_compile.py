@@ -5,8 +5,8 @@ Triton is imported, and under it Triton's own library functions (``gl.max``...) 
 interpreter, which the real compiler refuses.
 
 Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, shared192: the shared kernel
-with 192-row tiles, mixed, mixed128: the mixed kernel with 128-row own tiles, or mixedheavy: with
-128-token shared tiles; DTYPE bf16 or fp16)
+with 192-row tiles, sharedfp8 / shared192fp8: either over an e4m3 cache, mixed, mixed128: the mixed
+kernel with 128-row own tiles, or mixedheavy: with 128-token shared tiles; DTYPE bf16 or fp16)
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ SETMAXNREG = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"  # register counts t
 def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: str = "shared"):
     """triton.compile of the shipped configuration of the shared (or the mixed) kernel for sm_90."""
     own_m = 128 if kernel_name == "mixed128" else 64
-    block_m = 192 if kernel_name == "shared192" else 128
+    block_m = 192 if kernel_name.startswith("shared192") else 128
+    fp8 = kernel_name.endswith("fp8")
     shared_n = 128 if kernel_name == "mixedheavy" else 64
-    kernel_name = "mixed" if kernel_name.startswith("mixed") else kernel_name
+    kernel_name = "mixed" if kernel_name.startswith("mixed") else "shared"
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -36,10 +37,11 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     from prefixserve.attention.kernels import gluon_attend, mixed_gluon, shared_gluon
     from prefixserve.attention.planning import mixed_rule
 
-    cache = torch.zeros(8, 16, 2, dim, dtype=dtype)
+    cache = torch.zeros(8, 16, 2, dim, dtype=torch.float8_e4m3fn if fp8 else dtype)
     desc = mangle_type(gluon_attend.gluon_descriptor(cache, 128))
     elt = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    types = {"q_ptr": elt, "k_ptr": elt, "v_ptr": elt, "k_desc": desc, "v_desc": desc}
+    kv_elt = "*fp8e4nv" if fp8 else elt
+    types = {"q_ptr": elt, "k_ptr": kv_elt, "v_ptr": kv_elt, "k_desc": desc, "v_desc": desc}
     types |= {"seg_rows_ptr": "*i32", "items_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
     types["qk_scale"] = "fp32"
     consts = {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": 128, "HEAD_DIM": dim, "STAGES": 3}

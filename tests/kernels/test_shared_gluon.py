@@ -20,6 +20,7 @@ from prefixserve.attention.kernels.shared_attention import (
     shared_segment_attention_ref,
 )
 from prefixserve.attention.metadata import build_metadata
+from prefixserve.attention.planning import mixed_rule
 from prefixserve.attention.reference import ReferenceBackend
 from prefixserve.attention.triton_backend import TritonBackend
 
@@ -38,6 +39,8 @@ def test_kernel_compiles_for_sm90() -> None:
     shapes = [
         "shared:4:128:bf16",
         "shared192:8:128:bf16",
+        "sharedfp8:4:128:bf16",  # over an e4m3 cache: Q K^T on FP8 tensor cores, V widened to fp16
+        "shared192fp8:8:64:fp16",
         "mixed:16:128:bf16",
         "mixed128:4:128:bf16",
         "mixedheavy:8:64:fp16",
@@ -55,6 +58,8 @@ def test_kernel_compiles_for_sm90() -> None:
         regs = {
             "shared": {"24", "240"},
             "shared192": {"24", "160"},
+            "sharedfp8": {"24", "240"},
+            "shared192fp8": {"24", "160"},
         }.get(kernel, {"24", str(mixed_gluon.SHARED_REGS), str(mixed_gluon.OWN_REGS)})
         assert regs <= set(r["setmaxnreg"]), r
         assert r["cubin_bytes"] > 0
@@ -73,6 +78,10 @@ def test_eligibility_rule() -> None:
         assert not shared_gluon.eligible(qc, kc, kc, 64, 128)  # short tiles stay on the Triton kernel
         assert not shared_gluon.eligible(qc.float(), kc.float(), kc.float(), 128, 128)
         assert not shared_gluon.eligible(qc[..., :96], kc[..., :96], kc[..., :96], 128, 128)
+        k8 = kc.to(torch.float8_e4m3fn)
+        assert shared_gluon.eligible(qc, k8, k8, 128, 128)  # an FP8 KV cache under 16-bit q
+        assert not shared_gluon.eligible(qc, k8, kc, 128, 128)
+        assert not mixed_rule.eligible(qc, k8, k8, 128, 128)  # the mixed kernel's own tiles take no e4m3
 
 
 class _Counter:
@@ -184,8 +193,8 @@ def test_running_max_that_keeps_growing(monkeypatch, group, dim, lengths, rows) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
-@pytest.mark.parametrize("wide", [True, False])
-def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide) -> None:
+@pytest.mark.parametrize(("wide", "kv_dtype"), [(True, None), (False, None), (True, torch.float8_e4m3fn)])
+def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide, kv_dtype) -> None:
     """96 sequences on a contiguous 2,048-token prefix (384 stacked rows: tall tiles, 192-row ones
     unless ``wide_tiles_pay`` is made to refuse them), own suffixes short enough that the step runs
     two kernels: the decode step launches the Gluon kernel, a later layer replays it, both exact."""
@@ -209,6 +218,8 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide) -> None:
         seq_lens.append(prefix + o + 1)
     meta = build_metadata(bs, [1] * batch, seq_lens, tables, "cuda")
     q = torch.randn(batch, hq, dim, generator=gen).cuda().bfloat16()
+    if kv_dtype is not None:  # an FP8 KV cache: q rounded to e4m3 in the shared part
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
     counter = _Counter(monkeypatch)
     be = TritonBackend()
     be.prepare(meta)
@@ -218,5 +229,56 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide) -> None:
     assert counter.calls >= 1
     lay = next(iter(meta.plan.layouts.values()))
     assert not lay.mixed and lay.work.block_m == (192 if wide else 128)
-    assert rel_err(out, ref) < 1e-2
+    assert rel_err(out, ref) < (1e-2 if kv_dtype is None else 3e-2), rel_err(out, ref)
     assert rel_err(again, out) < 1e-6
+
+
+def _e4m3_rows(q: torch.Tensor) -> torch.Tensor:
+    """q as the Gluon kernel reads it over an e4m3 cache: each (token, head) row scaled to e4m3's range
+    (largest |x| to 448), rounded to e4m3 and scaled back (fp32)."""
+    qf = q.float()
+    row = qf.abs().amax(-1, keepdim=True) * (1.0 / 448.0)
+    row = torch.where(row > 0, row, torch.ones_like(row))
+    return (qf / row).clamp(-448, 448).to(torch.float8_e4m3fn).float() * row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("group", "dim", "lengths", "rows", "split"),
+    [
+        (4, 128, [4096], [96], False),
+        (4, 128, [1000, 48, 2100], [40, 33, 70], False),  # ragged tails, a segment under one tile
+        (8, 64, [777, 1536], [17, 50], True),
+        (8, 128, [2048], [40], False),  # the last tile's last warpgroup has no rows
+    ],
+)
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_gluon_over_an_e4m3_cache(monkeypatch, dtype, group, dim, lengths, rows, split, block_m) -> None:
+    """An FP8 KV cache: Q K^T on FP8 tensor cores with q rounded per row to e4m3, V widened to fp16 for
+    P V. Against fp64 attention with q rounded the same way (``_e4m3_rows``) the kernel holds the error
+    of the Triton kernel (bf16 q, e4m3 K/V widened) against exact fp64; against exact q it differs by q's
+    rounding alone (e4m3: 2^-4 relative an element at most)."""
+    q, k, v, seg = _segments(lengths, rows, group, dim, dtype, seed=group * dim + len(lengths))
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    kw = {"block_m": 128}
+    if split:
+        kw |= {"min_chunk": 128, "target_programs": 4096}
+    counter = _Counter(monkeypatch)
+    o_g, lse_g = shared_segment_attention(q, k8, v8, *seg, 0.09, **(kw | {"block_m": block_m}))
+    assert counter.calls == 1
+    monkeypatch.setattr(shared_gluon, "GLUON", False)  # the Triton kernel (pointer loads of e4m3)
+    o_t, _ = shared_segment_attention(q, k8, v8, *seg, 0.09, **kw)
+    assert counter.calls == 1
+    kf, vf = k8.float(), v8.float()
+    exact_o, exact_lse = shared_segment_attention_ref(q, kf, vf, *seg, 0.09, torch.float64)
+    ref_o, ref_lse = shared_segment_attention_ref(_e4m3_rows(q), kf, vf, *seg, 0.09, torch.float64)
+    assert torch.isfinite(o_g).all()
+    assert rel_err(o_g, ref_o) <= 1.5 * rel_err(o_t, exact_o) + 1e-3, (
+        rel_err(o_g, ref_o),
+        rel_err(o_t, exact_o),
+    )
+    assert float((lse_g.double() - ref_lse).abs().max()) < 2e-2
+    assert rel_err(o_g, exact_o) < 0.05  # q's rounding: measured ~0.01-0.02 on these random rows
+    assert float((lse_g.double() - exact_lse).abs().max()) < 0.25

@@ -35,6 +35,7 @@ if GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from prefixserve.attention.kernels.gluon_attend import (
+        _fp8_query,
         _item_range,
         _load_partition,
         _run_ticket,
@@ -61,6 +62,7 @@ if GLUON:
             q_smem,
             k_bufs,
             v_bufs,
+            v_stage,
             k_ready,
             v_ready,
             kv_empty,
@@ -83,19 +85,26 @@ if GLUON:
         num_warps: gl.constexpr = gl.num_warps()
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         q_part = q_smem.slice(m_off, PART_M)
+        KV_FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
+        if KV_FP8:  # this warpgroup's own fp16 tile that each e4m3 V tile is widened into
+            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_stage.index(m_off // PART_M))
+        else:
+            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_bufs)
         c = 0
         for t in range(first, end, step):
             base, row_lo, row_hi, kv_len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
             kvh = t // num_items
             q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
-            q_part.store(_ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld))
+            q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld)
+            if KV_FP8:  # e4m3 rows, a scale each, for Q K^T on FP8 tensor cores
+                q, qk = _fp8_query(q, qk_scale)
+            else:
+                qk = qk_scale
+            q_part.store(q)
             fence_async_shared()  # generic stores before the wgmma's async reads
-            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
             ticket = (base, row_lo, row_hi, kv_len, n_tiles, kvh)
             out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
-            _run_ticket(
-                q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
-            )
+            _run_ticket(q_part, ring, c, ticket, out, qk, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP)
             c += n_tiles
 
     @gluon.jit(do_not_specialize=["num_items"])  # a step's work list length (compile_watch)
@@ -132,16 +141,26 @@ if GLUON:
         end, step = first + 1, 1
         # shared-memory shapes are powers of two: 192 query rows sit in a 256-row buffer
         Q_ROWS: gl.constexpr = 256 if BLOCK_M == 192 else BLOCK_M
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [Q_ROWS, HEAD_DIM], q_ptr.dtype.element_ty
-        )
-        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [Q_ROWS, HEAD_DIM], q_layout)
+        PART_M: gl.constexpr = 64  # rows of each consumer warpgroup: one wgmma's M
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
+        if k_desc.dtype == gl.float8e4nv:
+            # an e4m3 cache: q as e4m3 codes (Q K^T on FP8 tensor cores), and a V stage of fp16 per
+            # consumer warpgroup (``gluon_attend._attend_tiles``)
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], gl.float8e4nv)
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, HEAD_DIM], q_layout)
+            stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
+            stages: gl.constexpr = [BLOCK_M // PART_M, BLOCK_N, HEAD_DIM]
+            v_stage = gl.allocate_shared_memory(gl.float16, stages, stage_layout)
+        else:
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [Q_ROWS, HEAD_DIM], q_ptr.dtype.element_ty
+            )
+            q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [Q_ROWS, HEAD_DIM], q_layout)
+            v_stage = v_bufs
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        PART_M: gl.constexpr = 64  # rows of each consumer warpgroup: one wgmma's M
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -154,6 +173,7 @@ if GLUON:
             q_smem,
             k_bufs,
             v_bufs,
+            v_stage,
             k_ready,
             v_ready,
             kv_empty,
@@ -251,10 +271,12 @@ def eligible(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
 ) -> bool:
     """True when the Gluon kernel runs this TMA work list: ``eligible_for`` q, the caches of q's
-    dtype and contiguous (descriptors), 128-row tiles (two 64-row consumer warpgroups)."""
+    dtype or e4m3 (an FP8 KV cache) and contiguous (descriptors), 128- or 192-row tiles (two or three
+    64-row consumer warpgroups)."""
     return (
         eligible_for(q.device, q.dtype, q.shape[-1])
-        and k_cache.dtype == q.dtype == v_cache.dtype
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
         and block_m in (128, 192)
         and block_n in (64, 128)
         and k_cache.is_contiguous()

@@ -22,7 +22,6 @@ import torch
 
 from prefixserve.attention.kernels.attend import attend_range, attend_two_runs, finish_rows
 from prefixserve.attention.kernels.shared_attention import launch_shared
-from prefixserve.attention.kv_quant import plan_dtype
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.shared_plan import ITEM_FIELDS
 from prefixserve.attention.planning.step_plan import to_device_packed
@@ -372,8 +371,7 @@ def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object, family: bool) 
     must plan alone (``window_work``)."""
     tokens, q_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
-    planned = plan_dtype(q.dtype, k_cache.dtype)  # fp32 over e4m3: no Gluon tiles
-    made = window_work(plan, tokens, q_heads, kv_heads, dim, planned, q.device, k_cache.shape[1], family)
+    made = window_work(plan, tokens, q_heads, kv_heads, dim, q.dtype, q.device, k_cache.shape[1], family)
     if made is None:
         return None
     host = [made.seg_blocks, made.seg_block_start, made.seg_rows, made.skip_lo, made.skip_hi]

@@ -129,10 +129,12 @@ class MixedTiles(NamedTuple):
 def eligible(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
 ) -> bool:
-    """True when the mixed kernel can run a decode step: the shared Gluon kernel's conditions and an
-    own tiling (``own_tiling``)."""
-    return shared_gluon.eligible(q, k_cache, v_cache, block_m, block_n) and bool(
-        own_tiling(q.shape[1], k_cache.shape[2], k_cache.shape[1])[0]
+    """True when the mixed kernel can run a decode step: the shared Gluon kernel's conditions, the caches
+    of q's dtype (its own tiles take no e4m3) and an own tiling (``own_tiling``)."""
+    return (
+        k_cache.dtype == q.dtype
+        and shared_gluon.eligible(q, k_cache, v_cache, block_m, block_n)
+        and bool(own_tiling(q.shape[1], k_cache.shape[2], k_cache.shape[1])[0])
     )
 
 
