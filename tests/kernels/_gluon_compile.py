@@ -61,8 +61,16 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         kernel = shared_gluon.shared_gluon_kernel
         maxnreg = shared_gluon.MAXNREG if block_m == 128 else shared_gluon.MAXNREG_WIDE
         consts |= {"OVERLAP": block_m == 128, "CONSUMER_REGS": shared_gluon.CONSUMER_REGS[block_m]}
+        consts["WIDEN_STAGES"] = 0
         if block_m == 192:
             consts["STAGES"] = 2  # shared_plan.SHARED_WIDE_TMA
+        if fp8:  # as launch_shared_gluon sets them over an e4m3 cache
+            block_n, stages = shared_gluon.FP8_TILES[block_m]
+            desc = mangle_type(gluon_attend.gluon_descriptor(cache, block_n))
+            types |= {"k_desc": desc, "v_desc": desc}
+            consts |= {"BLOCK_N": block_n, "STAGES": stages, "WIDEN_STAGES": shared_gluon.FP8_LANDING_SLOTS}
+            consts["CONSUMER_REGS"] = shared_gluon.FP8_CONSUMER_REGS[block_m]
+            maxnreg = shared_gluon.FP8_MAXNREG[block_m]
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     src = GluonASTSource(
         fn=kernel,

@@ -23,7 +23,6 @@ try:  # Gluon ships with Triton >= 3.5; the engine runs without it (pointer / tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -37,9 +36,8 @@ except ImportError:  # pragma: no cover - older Triton
 
 LOG2E = 1.4426950408889634
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if GLUON else {}
-# what a cache may hold: q's dtype, or e4m3 (an FP8 KV cache: QK^T on FP8 tensor cores, ``_attend_tiles``)
+# what a cache may hold: q's dtype, or e4m3 (an FP8 KV cache, widened in shared memory: shared_gluon.py)
 GL_CACHE_DTYPES = GL_DTYPES | {torch.float8_e4m3fn: gl.float8e4nv} if GLUON else {}
-E4M3_MAX = gl.constexpr(448.0) if GLUON else 448.0  # e4m3's largest finite value
 
 
 def gluon_descriptor(cache: torch.Tensor, block_n: int) -> Any:
@@ -109,31 +107,13 @@ if GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _widen_tile(src, dst, ROWS: gl.constexpr):
-        """``dst`` = the e4m3 tile ``src`` in dst's dtype (exact), ROWS rows at a time through registers,
-        fenced for the wgmma that reads it: the P V product's B operand, which FP8 wgmma cannot take
-        as stored (it wants V's tokens contiguous)."""
-        COLS: gl.constexpr = src.shape[1] // 16  # threads across a row, 16 bytes each
-        TILE_ROWS: gl.constexpr = src.shape[0]
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [gl.num_warps(), 1], [1, 0])
-        for r in gl.static_range(0, TILE_ROWS, ROWS):
-            dst.slice(r, ROWS).store(src.slice(r, ROWS).load(layout).to(dst.dtype))
-        fence_async_shared()
-
-    @gluon.jit
-    def _fp8_query(q, qk_scale):
-        """A tile of query rows as e4m3 codes, each row scaled to e4m3's range, and each row's scores'
-        multiplier (its scale x ``qk_scale``): the A operand of QK^T on FP8 tensor cores."""
-        qf = q.to(gl.float32)
-        amax = gl.max(gl.abs(qf), 1)
-        row = gl.where(amax > 0.0, amax * (1.0 / E4M3_MAX), 1.0)
-        codes = gl.minimum(gl.maximum(qf / gl.expand_dims(row, 1), -E4M3_MAX), E4M3_MAX)
-        return codes.to(gl.float8e4nv), row * qk_scale
-
-    @gluon.jit
     def _attend_tiles(
         q_smem,
-        ring,  # (K tiles, V tiles, k_ready, v_ready, kv_empty, V stage): see ``_run_ticket``
+        k_bufs,
+        v_bufs,
+        k_ready,
+        v_ready,
+        kv_empty,
         c0,
         n_tiles,
         kv_len,
@@ -146,29 +126,16 @@ if GLUON:
     ):
         # a Gluon kernel body: one ticket's tile loop (wgmma, softmax, ring barriers), kept in one piece
         """S = Q K^T, online softmax, O += P V over one ticket's tiles for this partition's rows, the
-        ticket's first tile being the program's c0-th through the ring: (m, l, O).
-
-        Over an e4m3 cache (``KV_FP8``) q holds e4m3 codes and ``qk_scale`` is a scale per row
-        (``_fp8_query``): Q K^T runs on FP8 tensor cores straight from the ring; each V tile is widened
-        into the warpgroup's V stage (fp16), its ring slot freed at once, and P V runs in fp16."""
-        k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_stage = ring
-        KV_FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
-        K_STEP: gl.constexpr = 32 if KV_FP8 else 16  # one wgmma's K: 32 bytes of each operand's row
+        ticket's first tile being the program's c0-th through the ring: (m, l, O)."""
         num_warps: gl.constexpr = gl.num_warps()
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, K_STEP]
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        dtype: gl.constexpr = v_stage.dtype  # P's and V's in the P V product
-        if KV_FP8:
-            rows_scale = gl.expand_dims(gl.convert_layout(qk_scale, gl.SliceLayout(1, s_layout)), 1)
-            qk = 1.0
-        else:
-            rows_scale = 1.0
-            qk = qk_scale
+        dtype: gl.constexpr = q_smem.dtype
         m_i = gl.full([PART_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([PART_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -182,8 +149,8 @@ if GLUON:
                 s = warpgroup_mma(
                     q_smem, k_bufs.index(c0 % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
-                s = warpgroup_mma_wait(0, deps=(s,)) * rows_scale
-                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, 0, kv_len, qk, BLOCK_N, s_layout)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, 0, kv_len, qk_scale, BLOCK_N, s_layout)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
             for i in range(1, n_tiles):
                 prev = (c0 + i - 1) % STAGES
@@ -193,31 +160,19 @@ if GLUON:
                     q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
                 mbarrier.wait(v_ready.index(prev), ((c0 + i - 1) // STAGES) & 1)
-                if KV_FP8:
-                    _widen_tile(v_bufs.index(prev), v_stage, 32)
-                    mbarrier.arrive(kv_empty.index(prev), count=1)
-                    acc_tok = warpgroup_mma(p16, v_stage, acc, is_async=True)
-                else:
-                    acc_tok = warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok,)) * rows_scale
-                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk, BLOCK_N, s_layout)
+                acc_tok = warpgroup_mma(p16, v_bufs.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok,))
+                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk_scale, BLOCK_N, s_layout)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                if not KV_FP8:
-                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             if n_tiles > 0:
-                last = (c0 + n_tiles - 1) % STAGES
-                mbarrier.wait(v_ready.index(last), ((c0 + n_tiles - 1) // STAGES) & 1)
-                if KV_FP8:
-                    _widen_tile(v_bufs.index(last), v_stage, 32)
-                    mbarrier.arrive(kv_empty.index(last), count=1)
-                    acc = warpgroup_mma(p16, v_stage, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                else:
-                    acc = warpgroup_mma(p16, v_bufs.index(last), acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(kv_empty.index(last), count=1)
+                last = c0 + n_tiles - 1
+                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_bufs.index(last % STAGES), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
         else:
             for i in range(n_tiles):
                 slot = (c0 + i) % STAGES
@@ -226,20 +181,14 @@ if GLUON:
                 s = warpgroup_mma(
                     q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
                 )
-                s = warpgroup_mma_wait(0, deps=(s,)) * rows_scale
-                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk, BLOCK_N, s_layout)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, i, kv_len, qk_scale, BLOCK_N, s_layout)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.wait(v_ready.index(slot), phase)
-                if KV_FP8:
-                    _widen_tile(v_bufs.index(slot), v_stage, 32)
-                    mbarrier.arrive(kv_empty.index(slot), count=1)
-                    acc = warpgroup_mma(p16, v_stage, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                else:
-                    acc = warpgroup_mma(p16, v_bufs.index(slot), acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(kv_empty.index(slot), count=1)
+                acc = warpgroup_mma(p16, v_bufs.index(slot), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(slot), count=1)
         return m_i, l_i, acc
 
     @gluon.jit
@@ -296,8 +245,7 @@ if GLUON:
     @gluon.jit
     def _run_ticket(
         q,  # the warpgroup's query rows: shared memory or registers (wgmma's A)
-        ring,  # (K tiles, V tiles, k_ready, v_ready, kv_empty, V stage: the V tiles themselves, or over
-        # an e4m3 cache the warpgroup's fp16 tile that each V tile is widened into)
+        ring,  # (K tiles, V tiles, k_ready, v_ready, kv_empty)
         c0,  # the ticket's first tile is the program's c0-th through the ring
         ticket,  # (item fields base, row_lo, row_hi, kv_len, tiles, KV head)
         out,  # (o, lse, strides of o's slots and heads, lse's slots)
@@ -312,7 +260,7 @@ if GLUON:
         """One ticket for one warpgroup: its rows attend the ticket's tiles and land in its partial slots.
         A warpgroup whose rows all lie past the ticket's (a segment's last tile, short of the tile's
         height) only frees each slot once loaded: no products, no softmax, no stores."""
-        k_bufs, k_ready, v_ready, kv_empty = ring[0], ring[2], ring[3], ring[4]
+        k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
         base, row_lo, row_hi, kv_len, n_tiles, kvh = ticket
         o_ptr, lse_ptr, stride_op, stride_oh, stride_lp = out
         PART_M: gl.constexpr = 64  # a consumer warpgroup's query rows: one wgmma's M
@@ -322,7 +270,11 @@ if GLUON:
             return
         m_i, l_i, acc = _attend_tiles(
             q,
-            ring,
+            k_bufs,
+            v_bufs,
+            k_ready,
+            v_ready,
+            kv_empty,
             c0,
             n_tiles,
             kv_len,

@@ -72,7 +72,7 @@ if GLUON:
     @gluon.jit
     def _shared_consumer(
         m_off: gl.constexpr,  # this warpgroup's rows of the shared tiles: m_off .. m_off + BLOCK_M / 2
-        ring,  # (K tiles, V tiles, k_ready, v_ready, empty, V tiles again): the shared ring
+        ring,  # (K tiles, V tiles, k_ready, v_ready, empty): the shared ring
         walk,  # (items, num_items, kv_heads, first ticket, end, step)
         ptrs,  # (q, seg_rows, o, lse, qk_scale, strides...)
         GROUP: gl.constexpr,
@@ -189,7 +189,7 @@ if GLUON:
             mbarrier.init(own_ready.index(i), count=1)
             mbarrier.init(own_empty.index(i), count=1)
         fence_async_shared()  # the barrier inits before any async use
-        shared_ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_bufs)  # V read where it lands
+        shared_ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
         own_ring = (ko_bufs, vo_bufs, own_ready, own_empty)
         t_end = num_items * kv_heads
         t_step = n_programs

@@ -35,12 +35,15 @@ if GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from prefixserve.attention.kernels.gluon_attend import (
-        _fp8_query,
         _item_range,
         _load_partition,
         _run_ticket,
         _ticket_query,
     )
+
+# An e4m3 cache's widening warpgroup: its registers a thread, and the rows it converts at a time
+WIDEN_REGS = gl.constexpr(40) if GLUON else 40
+WIDEN_ROWS = gl.constexpr(16) if GLUON else 16
 
 if GLUON:
 
@@ -62,7 +65,6 @@ if GLUON:
             q_smem,
             k_bufs,
             v_bufs,
-            v_stage,
             k_ready,
             v_ready,
             kv_empty,
@@ -85,27 +87,65 @@ if GLUON:
         num_warps: gl.constexpr = gl.num_warps()
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         q_part = q_smem.slice(m_off, PART_M)
-        KV_FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
-        if KV_FP8:  # this warpgroup's own fp16 tile that each e4m3 V tile is widened into
-            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_stage.index(m_off // PART_M))
-        else:
-            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty, v_bufs)
         c = 0
         for t in range(first, end, step):
             base, row_lo, row_hi, kv_len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
             kvh = t // num_items
             q_rows = (q_ptr, seg_rows_ptr, row_lo, row_hi, kvh, stride_qt, stride_qh)
-            q = _ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld)
-            if KV_FP8:  # e4m3 rows, a scale each, for Q K^T on FP8 tensor cores
-                q, qk = _fp8_query(q, qk_scale)
-            else:
-                qk = qk_scale
-            q_part.store(q)
+            q_part.store(_ticket_query(q_rows, m_off, GROUP, BLOCK_M, PART_M, HEAD_DIM, ld))
             fence_async_shared()  # generic stores before the wgmma's async reads
+            ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
             ticket = (base, row_lo, row_hi, kv_len, n_tiles, kvh)
             out = (o_ptr, lse_ptr, stride_op, stride_oh, stride_lp)
-            _run_ticket(q_part, ring, c, ticket, out, qk, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP)
+            _run_ticket(
+                q_part, ring, c, ticket, out, qk_scale, m_off, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, OVERLAP
+            )
             c += n_tiles
+
+    @gluon.jit
+    def _widen_partition(
+        src,  # (e4m3 K tiles, e4m3 V tiles, k_ready, v_ready, empty): the ring the loader fills
+        dst,  # (K tiles, V tiles, k_ready, v_ready, empty) in q's dtype: the ring the consumers read
+        items_ptr,
+        num_items,
+        first,
+        end,
+        step,
+        BLOCK_N: gl.constexpr,
+    ):
+        """An FP8 KV cache's widening warpgroup: each e4m3 K and V tile the loader lands is converted to
+        q's dtype (exact: e4m3 fits bf16 and fp16) into the consumers' ring, once for all of them, so
+        the consumers run as over a cache of q's dtype."""
+        k8, v8, k8_ready, v8_ready, k8_empty = src
+        k16, v16, k16_ready, v16_ready, k16_empty = dst
+        S8: gl.constexpr = k8.shape[0]
+        S16: gl.constexpr = k16.shape[0]
+        TILE_N: gl.constexpr = k8.shape[1]  # (partition arguments lose constexpr: shapes keep it)
+        DIM: gl.constexpr = k8.shape[2]
+        COLS: gl.constexpr = DIM // 16  # threads across a row, 16 bytes each
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [gl.num_warps(), 1], [1, 0])
+        c = 0
+        for t in range(first, end, step):
+            _base, _lo, _hi, _len, n_tiles = _item_range(items_ptr, t, num_items, BLOCK_N)
+            for _i in range(n_tiles):
+                s8, s16 = c % S8, c % S16
+                mbarrier.wait(k16_empty.index(s16), ((c // S16) & 1) ^ 1)  # a fresh barrier passes phase 1
+                mbarrier.wait(k8_ready.index(s8), (c // S8) & 1)
+                for r in gl.static_range(0, TILE_N, WIDEN_ROWS):
+                    tile = k8.index(s8).slice(r, WIDEN_ROWS).load(layout)
+                    k16.index(s16).slice(r, WIDEN_ROWS).store(tile.to(k16.dtype))
+                fence_async_shared()  # generic stores before the wgmma's async reads
+                gl.thread_barrier()  # every thread's rows before the one arrival
+                mbarrier.arrive(k16_ready.index(s16), count=1)
+                mbarrier.wait(v8_ready.index(s8), (c // S8) & 1)
+                for r in gl.static_range(0, TILE_N, WIDEN_ROWS):
+                    tile = v8.index(s8).slice(r, WIDEN_ROWS).load(layout)
+                    v16.index(s16).slice(r, WIDEN_ROWS).store(tile.to(v16.dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(v16_ready.index(s16), count=1)
+                mbarrier.arrive(k8_empty.index(s8), count=1)  # the loader may refill the e4m3 slot
+                c += 1
 
     @gluon.jit(do_not_specialize=["num_items"])  # a step's work list length (compile_watch)
     def shared_gluon_kernel(
@@ -133,38 +173,45 @@ if GLUON:
         STAGES: gl.constexpr,
         OVERLAP: gl.constexpr,  # QK(j+1) before softmax(j) in each consumer warpgroup
         CONSUMER_REGS: gl.constexpr,  # registers a consumer thread
+        WIDEN_STAGES: gl.constexpr = 0,  # an e4m3 cache: slots of the ring its tiles land in
     ):
         # a Gluon kernel body: shared memory, barriers and the partitions' wiring, kept in one piece
         """Grid (work items, KV heads): one ticket (item, head) per program. A ticket's rows x GROUP
-        heads attend its KV range and land in its partial slots."""
+        heads attend its KV range and land in its partial slots. Over an e4m3 cache (``WIDEN_STAGES``
+        > 0) the loader fills a ring of e4m3 tiles and a widening warpgroup (``_widen_partition``)
+        converts each into the consumers' ring in q's dtype."""
         first = gl.program_id(0) + gl.program_id(1) * num_items
         end, step = first + 1, 1
         # shared-memory shapes are powers of two: 192 query rows sit in a 256-row buffer
         Q_ROWS: gl.constexpr = 256 if BLOCK_M == 192 else BLOCK_M
-        PART_M: gl.constexpr = 64  # rows of each consumer warpgroup: one wgmma's M
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
-        if k_desc.dtype == gl.float8e4nv:
-            # an e4m3 cache: q as e4m3 codes (Q K^T on FP8 tensor cores), and a V stage of fp16 per
-            # consumer warpgroup (``gluon_attend._attend_tiles``)
-            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], gl.float8e4nv)
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, HEAD_DIM], q_layout)
-            stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
-            stages: gl.constexpr = [BLOCK_M // PART_M, BLOCK_N, HEAD_DIM]
-            v_stage = gl.allocate_shared_memory(gl.float16, stages, stage_layout)
-        else:
-            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-                [Q_ROWS, HEAD_DIM], q_ptr.dtype.element_ty
-            )
-            q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [Q_ROWS, HEAD_DIM], q_layout)
-            v_stage = v_bufs
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [Q_ROWS, HEAD_DIM], q_layout)
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        PART_M: gl.constexpr = 64  # rows of each consumer warpgroup: one wgmma's M
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=BLOCK_M // PART_M)  # every consumer frees the slot
+        if WIDEN_STAGES > 0:
+            k8_bufs = gl.allocate_shared_memory(
+                k_desc.dtype, [WIDEN_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout
+            )
+            v8_bufs = gl.allocate_shared_memory(
+                v_desc.dtype, [WIDEN_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout
+            )
+            k8_ready = gl.allocate_shared_memory(gl.int64, [WIDEN_STAGES, 1], mbarrier.MBarrierLayout())
+            v8_ready = gl.allocate_shared_memory(gl.int64, [WIDEN_STAGES, 1], mbarrier.MBarrierLayout())
+            kv8_empty = gl.allocate_shared_memory(gl.int64, [WIDEN_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(WIDEN_STAGES):
+                mbarrier.init(k8_ready.index(i), count=1)
+                mbarrier.init(v8_ready.index(i), count=1)
+                mbarrier.init(kv8_empty.index(i), count=1)  # the widening warpgroup frees the slot
         fence_async_shared()  # the barrier inits before any async use
         # two (or, on 192-row tiles, three) consumer warpgroups, each its own partition (one's softmax
         # beside the others' products), and the loader warp
@@ -173,7 +220,6 @@ if GLUON:
             q_smem,
             k_bufs,
             v_bufs,
-            v_stage,
             k_ready,
             v_ready,
             kv_empty,
@@ -193,24 +239,37 @@ if GLUON:
             stride_oh,
             stride_lp,
         )
-        loads = (
-            k_desc,
-            v_desc,
-            k_bufs,
-            v_bufs,
-            k_ready,
-            v_ready,
-            kv_empty,
-            items_ptr,
-            num_items,
-            first,
-            end,
-            step,
-            BLOCK_N,
-            HEAD_DIM,
-            STAGES,
-        )
-        if BLOCK_M == 3 * PART_M:
+        ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+        if WIDEN_STAGES > 0:
+            land = (k8_bufs, v8_bufs, k8_ready, v8_ready, kv8_empty)
+            loads = (k_desc, v_desc, k8_bufs, v8_bufs, k8_ready, v8_ready, kv8_empty)
+            loads += (items_ptr, num_items, first, end, step, BLOCK_N, HEAD_DIM, WIDEN_STAGES)
+            widen = (land, ring, items_ptr, num_items, first, end, step, BLOCK_N)
+        else:
+            loads = (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+            loads += (items_ptr, num_items, first, end, step, BLOCK_N, HEAD_DIM, STAGES)
+        if BLOCK_M == 3 * PART_M and WIDEN_STAGES > 0:
+            gl.warp_specialize(
+                [
+                    (
+                        _consumer_partition,
+                        (0, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (
+                        _consumer_partition,
+                        (PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (
+                        _consumer_partition,
+                        (2 * PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (_widen_partition, widen),
+                    (_load_partition, loads),
+                ],
+                [4, 4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, WIDEN_REGS, 24],
+            )
+        elif BLOCK_M == 3 * PART_M:
             gl.warp_specialize(
                 [
                     (
@@ -229,6 +288,23 @@ if GLUON:
                 ],
                 [4, 4, 1],
                 [CONSUMER_REGS, CONSUMER_REGS, 24],
+            )
+        elif WIDEN_STAGES > 0:
+            gl.warp_specialize(
+                [
+                    (
+                        _consumer_partition,
+                        (0, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (
+                        _consumer_partition,
+                        (PART_M, shared, GROUP, BLOCK_M, PART_M, BLOCK_N, HEAD_DIM, STAGES, OVERLAP),
+                    ),
+                    (_widen_partition, widen),
+                    (_load_partition, loads),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, WIDEN_REGS, 24],
             )
         else:
             gl.warp_specialize(
@@ -256,6 +332,14 @@ MAXNREG = 168
 # and ptxas serialised the wgmmas), so these tiles run without it
 MAXNREG_WIDE = 128
 CONSUMER_REGS = {128: 240, 192: 160}
+# Over an e4m3 cache a widening warpgroup joins (WIDEN_REGS): at launch 16 warps (128-row tiles) or 20
+# (192) share the file, then 2 x 128 x 224 (or 3 x 128 x 144) + 128 x 40 + 128 x 24 <= 65,536. Shared
+# memory holds q, the consumers' ring in q's dtype and a 2-slot ring of e4m3 tiles: (K/V tile tokens,
+# consumer ring slots) by tile rows, within 227 KB
+FP8_MAXNREG = {128: 128, 192: 96}
+FP8_CONSUMER_REGS = {128: 224, 192: 144}
+FP8_TILES = {128: (128, 2), 192: (64, 3)}
+FP8_LANDING_SLOTS = 2
 
 
 def eligible_for(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -271,8 +355,8 @@ def eligible(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
 ) -> bool:
     """True when the Gluon kernel runs this TMA work list: ``eligible_for`` q, the caches of q's
-    dtype or e4m3 (an FP8 KV cache) and contiguous (descriptors), 128- or 192-row tiles (two or three
-    64-row consumer warpgroups)."""
+    dtype or e4m3 (an FP8 KV cache, widened in shared memory) and contiguous (descriptors), 128- or
+    192-row tiles (two or three 64-row consumer warpgroups)."""
     return (
         eligible_for(q.device, q.dtype, q.shape[-1])
         and k_cache.dtype == v_cache.dtype
@@ -301,10 +385,14 @@ def launch_shared_gluon(
 
     Returns the recorded launch: args 0-2 are q, k_cache, v_cache and 3-4 their descriptors, remade
     from a later layer's caches on relaunch, as for the Triton kernel. The defaults are the shipped
-    configuration (docs/kernels.md §2.3).
+    configuration (docs/kernels.md §2.3). Over an e4m3 cache the tiles and ring slots are
+    ``FP8_TILES``'s for the tile rows, whatever was asked (the work items are token ranges).
     """
     q_heads, dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        block_n, stages = FP8_TILES[block_m]
     args = (
         q,
         k_cache,
@@ -331,9 +419,10 @@ def launch_shared_gluon(
         HEAD_DIM=dim,
         STAGES=stages,
         OVERLAP=block_m == 128,
-        CONSUMER_REGS=CONSUMER_REGS[block_m],
+        CONSUMER_REGS=(FP8_CONSUMER_REGS if fp8 else CONSUMER_REGS)[block_m],
+        WIDEN_STAGES=FP8_LANDING_SLOTS if fp8 else 0,
         num_warps=4,  # the default partition: one consumer warpgroup
-        maxnreg=MAXNREG if block_m == 128 else MAXNREG_WIDE,
+        maxnreg=FP8_MAXNREG[block_m] if fp8 else (MAXNREG if block_m == 128 else MAXNREG_WIDE),
     )
     grid = (items.shape[0], kv_heads)
     compiled = shared_gluon_kernel[grid](*args, **kw)
