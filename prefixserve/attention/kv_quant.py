@@ -134,6 +134,18 @@ def fold_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     )
 
 
+def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """``fold_query(rotate(q), k_scale)``: q as attention over an e4m3 cache takes it. On a GPU one
+    Triton launch (``kernels/turn.py``) where torch's takes several (an fp32 matmul, casts, the fold),
+    which a small decode step pays per layer."""
+    dim = q.shape[-1]
+    if q.is_cuda and hadamard(dim, q.device) is not None and 16 <= dim <= 512:
+        from prefixserve.attention.kernels.turn import turn_query as kernel
+
+        return kernel(q, k_scale)
+    return fold_query(rotate(q), k_scale)
+
+
 def unfold_output(o: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
     """An attention output over e4m3 V [T, Hq, D] times its KV head's V scale."""
     return fold_query(o, v_scale)

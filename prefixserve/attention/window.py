@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from prefixserve.attention.graph import WindowedGraphAttention
-from prefixserve.attention.kv_quant import fold_query, rotate, unfold_output
+from prefixserve.attention.kv_quant import turn_query, unfold_output
 from prefixserve.attention.merge import scatter_merge_
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.window_plan import WindowPlan, window_plan
@@ -39,9 +39,9 @@ def attend_layer(
     group's pages (the backend's plan names the block table's).
 
     Over an e4m3 cache with ``kv_scales``: q times K's scales before, the output times V's after
-    (``kv_quant.fold_query``), so every path reads the stored values as they are."""
+    (``kv_quant.turn_query``), so every path reads the stored values as they are."""
     if kv_scales is not None:  # K is stored rotated: q turns with it (``kv_quant.rotate``)
-        q = fold_query(rotate(q), kv_scales[0])
+        q = turn_query(q, kv_scales[0])
         out = _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)
         return unfold_output(out, kv_scales[1])
     return _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from prefixserve.attention.kv_quant import is_fp8, store_kv
+from prefixserve.attention.kv_quant import store_kv
 from prefixserve.model.peer_allreduce import PeerSum
 
 # the A/B switches below, read on every call
@@ -310,10 +310,6 @@ def rope_qkv(
     if _use_triton(qkv):
         from prefixserve.model.kernels.rope import rope_qkv as kernel
 
-        if cache is not None and is_fp8(cache[0]):  # K rotated before it is stored: after the kernel
-            q, k, v = kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, None, dtype, norms)
-            store_kv(cache, k, v, num_kv_heads, head_dim)
-            return q, k, v
         return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, dtype, norms)
     if qkv.dim() == 3:
         if dtype is None:

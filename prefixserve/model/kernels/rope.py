@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.attention.kv_quant import store_kv
+from prefixserve.attention.kernels.turn import turn_halves
+from prefixserve.attention.kv_quant import hadamard, store_kv
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -63,6 +64,7 @@ def _rotate_heads(
     NORM: tl.constexpr,
     cache_inv=1.0,  # [BLOCK_H, 1] fp32: each head's 1 / scale (FP8)
     FP8: tl.constexpr = False,
+    TURN: tl.constexpr = False,  # FP8: stored turned (``kv_quant.rotate``; BLOCK_H >= 16)
 ):
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -84,8 +86,19 @@ def _rotate_heads(
     tl.store(dst_ptr + off + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
     if WRITE:
         c_off = h * stride_ch + d
-        tl.store(cache_ptr + c_off, _to_cache(o1, dtype, cache_ptr, cache_inv, FP8), mask=mask)
-        tl.store(cache_ptr + c_off + half, _to_cache(o2, dtype, cache_ptr, cache_inv, FP8), mask=mask)
+        if TURN:  # as store_kv: the rounded values turned in fp32, then quantized once
+            y1, y2 = turn_halves(o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32), HALF_BLOCK)
+            tl.store(cache_ptr + c_off, _quantize(y1, cache_ptr, cache_inv), mask=mask)
+            tl.store(cache_ptr + c_off + half, _quantize(y2, cache_ptr, cache_inv), mask=mask)
+        else:
+            tl.store(cache_ptr + c_off, _to_cache(o1, dtype, cache_ptr, cache_inv, FP8), mask=mask)
+            tl.store(cache_ptr + c_off + half, _to_cache(o2, dtype, cache_ptr, cache_inv, FP8), mask=mask)
+
+
+@triton.jit
+def _quantize(x, cache_ptr, cache_inv):
+    """fp32 ``x`` as e4m3: times the head's inverse scale, saturated at +-448 (``kv_quant.quantize``)."""
+    return tl.minimum(tl.maximum(x * cache_inv, -448.0), 448.0).to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -134,6 +147,7 @@ def _rope_qkv_kernel(
     SPLITS: tl.constexpr,
     NORM: tl.constexpr = False,
     FP8: tl.constexpr = False,
+    TURN: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -187,6 +201,7 @@ def _rope_qkv_kernel(
         NORM,
         k_inv,
         FP8,
+        TURN,
     )
     if WRITE_KV or SPLITS > 0:  # v goes to the cache as it is (partials: summed, and to v too)
         h = tl.arange(0, BLOCK_KV)[:, None]
@@ -220,9 +235,9 @@ def rope_qkv(
 
     With ``cache`` = (k_cache, v_cache, slots), each [.., block_size, Hkv, D] cache gets the token's
     rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them; an e4m3
-    cache gets them quantized with the scales ``cache`` carries, K not turned: the engine turns K
-    before an e4m3 store (``kv_quant.rotate``), so ``fused.rope_qkv`` stores those through
-    ``kv_quant.store_kv`` and this store waits for the turn to move into the kernel.
+    cache gets them quantized with the scales ``cache`` carries, K turned first where the head size
+    is a power of two (``kv_quant.rotate``; ``kernels/turn.py``), as ``kv_quant.store_kv`` stores
+    them. k itself is returned unturned.
     """
     width = (num_heads + 2 * num_kv_heads) * head_dim
     splits = qkv.shape[0] if qkv.dim() == 3 else 0  # 0: the product itself
@@ -244,6 +259,8 @@ def rope_qkv(
     if tokens == 0:
         return q, k, v
     inverse = cos  # never read unless the cache is e4m3
+    fp8 = cache is not None and cache[0].dtype == torch.float8_e4m3fn
+    turn = fp8 and hadamard(head_dim, qkv.device) is not None and 16 <= head_dim <= 512
     if cache is not None:
         k_cache, v_cache, slots = cache
         if k_cache.dtype == torch.float8_e4m3fn:
@@ -290,12 +307,14 @@ def rope_qkv(
         NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_Q=triton.next_power_of_2(num_heads),
-        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        # the turn's products take 16 rows at least
+        BLOCK_KV=max(16 if turn else 1, triton.next_power_of_2(num_kv_heads)),
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
         WRITE_KV=cache is not None,
         SPLITS=splits,
         NORM=norms is not None,
-        FP8=cache is not None and cache[0].dtype == torch.float8_e4m3fn,
+        FP8=fp8,
+        TURN=turn,
         num_warps=4,
     )
     return q, k, v

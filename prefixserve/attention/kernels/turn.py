@@ -1,0 +1,100 @@
+"""The Hadamard turn of an FP8 KV cache (``kv_quant.rotate``) inside Triton kernels.
+
+K is stored in e4m3 turned by the normalized Hadamard matrix H of the head size, and q is turned the
+same way before attention, so that ``(q H) . (k H) = q . k``. In torch that is an fp32 matmul per
+tensor and a few more launches for the fold of K's scale: per layer of a small decode step those
+launches cost more than the products. Here a head's turn happens where its values already sit in
+registers: the RoPE kernel's e4m3 store of k (``model/kernels/rope.py``) and one launch for q with the
+fold (``turn_query``).
+
+Sylvester's H_D is [[H, H], [H, -H]] over H = H_{D/2}, so [x1, x2] H_D = [(x1 + x2) H, (x1 - x2) H]:
+a head held as its two halves (as the RoPE kernel holds it) takes one add, one subtract and two
+products with H_{D/2}, whose +-1 entries (-1)^popcount(i & j) are made from indices, never loaded.
+The products run in fp32 (``ieee``): the sums differ from torch's fp32 matmul only in their order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.triton_support import require_triton
+
+triton, tl = require_triton()
+
+
+@triton.jit
+def _sylvester(HALF: tl.constexpr):
+    """H_{HALF} [HALF, HALF] fp32: +-1 at (i, j) by the parity of popcount(i & j) (HALF <= 256)."""
+    i = tl.arange(0, HALF)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    v = i & j
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+
+
+@triton.jit
+def turn_halves(x1, x2, HALF: tl.constexpr):
+    """A head's halves [rows, HALF] fp32 (rows >= 16, for the products) times the normalized
+    Hadamard matrix of size 2 HALF: the turned halves, fp32."""
+    h = _sylvester(HALF)
+    norm = 1.0 / tl.sqrt(2.0 * HALF)
+    y1 = tl.dot(x1 + x2, h, input_precision="ieee") * norm
+    y2 = tl.dot(x1 - x2, h, input_precision="ieee") * norm
+    return y1, y2
+
+
+@triton.jit
+def _turn_query_kernel(
+    q_ptr,  # [T, Hq, D]
+    out_ptr,  # [T, Hq, D] contiguous
+    scale_ptr,  # [Hkv] fp32: K's scale per KV head
+    stride_t,
+    stride_h,
+    NUM_Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < NUM_Q
+    src = q_ptr + t * stride_t + h * stride_h + d
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1, y2 = turn_halves(x1, x2, HALF)
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    scale = tl.load(scale_ptr + h // GROUP, mask=mask, other=1.0)
+    dst = out_ptr + t * NUM_Q * 2 * HALF + h * 2 * HALF + d
+    # rounded to q's dtype as torch's turn, then the fold (exact: a power of two)
+    tl.store(dst, (y1.to(dtype).to(tl.float32) * scale).to(dtype), mask=mask)
+    tl.store(dst + HALF, (y2.to(dtype).to(tl.float32) * scale).to(dtype), mask=mask)
+
+
+def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D] (D a power of two, 16..512) turned by the normalized Hadamard matrix and times its
+    KV head's K scale: ``fold_query(rotate(q), k_scale)`` in one launch."""
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    _turn_query_kernel[(tokens,)](
+        q,
+        out,
+        k_scale,
+        q.stride(0),
+        q.stride(1),
+        NUM_Q=heads,
+        GROUP=heads // k_scale.numel(),
+        HALF=dim // 2,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        num_warps=4,
+    )
+    return out
+
+
+__all__ = ["turn_halves", "turn_query"]
