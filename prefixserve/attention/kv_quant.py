@@ -138,11 +138,11 @@ def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     """``fold_query(rotate(q), k_scale)``: q as attention over an e4m3 cache takes it. On a GPU one
     Triton launch (``kernels/turn.py``) where torch's takes several (an fp32 matmul, casts, the fold),
     which a small decode step pays per layer."""
-    dim = q.shape[-1]
-    if q.is_cuda and hadamard(dim, q.device) is not None and 16 <= dim <= 512:
-        from prefixserve.attention.kernels.turn import turn_query as kernel
+    if q.is_cuda:
+        from prefixserve.attention.kernels import turn
 
-        return kernel(q, k_scale)
+        if turn.turns(q.shape[-1]):
+            return turn.turn_query(q, k_scale)
     return fold_query(rotate(q), k_scale)
 
 

@@ -73,8 +73,14 @@ def _turn_query_kernel(
     tl.store(dst + HALF, (y2.to(dtype).to(tl.float32) * scale).to(dtype), mask=mask)
 
 
+def turns(head_dim: int) -> bool:
+    """Whether these kernels turn a head of this size: a power of two (Sylvester's construction) whose
+    halves make products of at least 16 (Triton's smallest ``tl.dot``), up to 512."""
+    return head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 512
+
+
 def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
-    """q [T, Hq, D] (D a power of two, 16..512) turned by the normalized Hadamard matrix and times its
+    """q [T, Hq, D] (``turns(D)``) turned by the normalized Hadamard matrix and times its
     KV head's K scale: ``fold_query(rotate(q), k_scale)`` in one launch."""
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
@@ -97,4 +103,4 @@ def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["turn_halves", "turn_query"]
+__all__ = ["turn_halves", "turn_query", "turns"]
