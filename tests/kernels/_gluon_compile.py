@@ -61,7 +61,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         kernel = shared_gluon.shared_gluon_kernel
         maxnreg = shared_gluon.MAXNREG if block_m == 128 else shared_gluon.MAXNREG_WIDE
         consts |= {"OVERLAP": block_m == 128, "CONSUMER_REGS": shared_gluon.CONSUMER_REGS[block_m]}
-        consts["WIDEN_STAGES"] = 0
+        consts |= {"WIDEN_STAGES": 0, "WIDEN_REGS": 0}
         if block_m == 192:
             consts["STAGES"] = 2  # shared_plan.SHARED_WIDE_TMA
         if fp8:  # as launch_shared_gluon sets them over an e4m3 cache
@@ -70,6 +70,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
             types |= {"k_desc": desc, "v_desc": desc}
             consts |= {"BLOCK_N": block_n, "STAGES": stages, "WIDEN_STAGES": shared_gluon.FP8_LANDING_SLOTS}
             consts["CONSUMER_REGS"] = shared_gluon.FP8_CONSUMER_REGS[block_m]
+            consts["WIDEN_REGS"] = shared_gluon.FP8_WIDEN_REGS[block_m]
             maxnreg = shared_gluon.FP8_MAXNREG[block_m]
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     src = GluonASTSource(

@@ -58,8 +58,16 @@ def test_kernel_compiles_for_sm90() -> None:
         regs = {
             "shared": {"24", "240"},
             "shared192": {"24", "160"},
-            "sharedfp8": {"24", str(int(shared_gluon.WIDEN_REGS)), "224"},
-            "shared192fp8": {"24", str(int(shared_gluon.WIDEN_REGS)), "144"},
+            "sharedfp8": {
+                "24",
+                str(shared_gluon.FP8_WIDEN_REGS[128]),
+                str(shared_gluon.FP8_CONSUMER_REGS[128]),
+            },
+            "shared192fp8": {
+                "24",
+                str(shared_gluon.FP8_WIDEN_REGS[192]),
+                str(shared_gluon.FP8_CONSUMER_REGS[192]),
+            },
         }.get(kernel, {"24", str(mixed_gluon.SHARED_REGS), str(mixed_gluon.OWN_REGS)})
         assert regs <= set(r["setmaxnreg"]), r
         assert r["cubin_bytes"] > 0

@@ -41,10 +41,6 @@ if GLUON:
         _ticket_query,
     )
 
-# An e4m3 cache's widening warpgroup: its registers a thread, and the rows it converts at a time
-WIDEN_REGS = gl.constexpr(40) if GLUON else 40
-WIDEN_ROWS = gl.constexpr(16) if GLUON else 16
-
 if GLUON:
 
     @gluon.jit
@@ -121,6 +117,11 @@ if GLUON:
         S8: gl.constexpr = k8.shape[0]
         S16: gl.constexpr = k16.shape[0]
         TILE_N: gl.constexpr = k8.shape[1]  # (partition arguments lose constexpr: shapes keep it)
+        # rows at a time: the conversion waits on each shared-memory load, so the more rows a thread
+        # has in flight, the faster (8 / 16 / 32 / 64 of a 128-token tile: 421 / 280 / 254 / 234 us a
+        # B=256, P=16K call; docs/kernels.md §2.13), as registers allow: half of a 128-token tile
+        # (128-row tiles), 16 of a 64-token one (192-row tiles: more spilled, and the wgmmas serialised)
+        WIDEN_ROWS: gl.constexpr = 64 if TILE_N == 128 else 16
         DIM: gl.constexpr = k8.shape[2]
         COLS: gl.constexpr = DIM // 16  # threads across a row, 16 bytes each
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COLS, COLS], [gl.num_warps(), 1], [1, 0])
@@ -174,6 +175,7 @@ if GLUON:
         OVERLAP: gl.constexpr,  # QK(j+1) before softmax(j) in each consumer warpgroup
         CONSUMER_REGS: gl.constexpr,  # registers a consumer thread
         WIDEN_STAGES: gl.constexpr = 0,  # an e4m3 cache: slots of the ring its tiles land in
+        WIDEN_REGS: gl.constexpr = 0,  # and its widening warpgroup's registers a thread
     ):
         # a Gluon kernel body: shared memory, barriers and the partitions' wiring, kept in one piece
         """Grid (work items, KV heads): one ticket (item, head) per program. A ticket's rows x GROUP
@@ -332,12 +334,13 @@ MAXNREG = 168
 # and ptxas serialised the wgmmas), so these tiles run without it
 MAXNREG_WIDE = 128
 CONSUMER_REGS = {128: 240, 192: 160}
-# Over an e4m3 cache a widening warpgroup joins (WIDEN_REGS): at launch 16 warps (128-row tiles) or 20
-# (192) share the file, then 2 x 128 x 224 (or 3 x 128 x 144) + 128 x 40 + 128 x 24 <= 65,536. Shared
-# memory holds q, the consumers' ring in q's dtype and a 2-slot ring of e4m3 tiles: (K/V tile tokens,
-# consumer ring slots) by tile rows, within 227 KB
+# Over an e4m3 cache a widening warpgroup joins (FP8_WIDEN_REGS): at launch 16 warps (128-row tiles)
+# or 20 (192) share the file, then 2 x 128 x 200 + 128 x 88 (or 3 x 128 x 144 + 128 x 40) + 128 x 24
+# <= 65,536. Shared memory holds q, the consumers' ring in q's dtype and a 2-slot ring of e4m3 tiles:
+# (K/V tile tokens, consumer ring slots) by tile rows, within 227 KB
 FP8_MAXNREG = {128: 128, 192: 96}
-FP8_CONSUMER_REGS = {128: 224, 192: 144}
+FP8_CONSUMER_REGS = {128: 200, 192: 144}
+FP8_WIDEN_REGS = {128: 88, 192: 40}
 FP8_TILES = {128: (128, 2), 192: (64, 3)}
 FP8_LANDING_SLOTS = 2
 
@@ -421,6 +424,7 @@ def launch_shared_gluon(
         OVERLAP=block_m == 128,
         CONSUMER_REGS=(FP8_CONSUMER_REGS if fp8 else CONSUMER_REGS)[block_m],
         WIDEN_STAGES=FP8_LANDING_SLOTS if fp8 else 0,
+        WIDEN_REGS=FP8_WIDEN_REGS[block_m] if fp8 else 0,
         num_warps=4,  # the default partition: one consumer warpgroup
         maxnreg=FP8_MAXNREG[block_m] if fp8 else (MAXNREG if block_m == 128 else MAXNREG_WIDE),
     )
