@@ -44,11 +44,6 @@ class HeadShape:
     def group(self) -> int:
         return self.q_heads // self.kv_heads
 
-    @property
-    def mixable(self) -> bool:
-        """Whether a step may run as one mixed launch: its own tiles take caches of q's dtype only."""
-        return self.kv_dtype in (None, self.dtype)
-
 
 @dataclass(slots=True)
 class GraphStep:

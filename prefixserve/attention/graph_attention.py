@@ -82,8 +82,9 @@ def shared_graph_step(
     heads = (shape.q_heads, kv_heads, shape.head_dim)
     # mixed: the mixed launch's tiles (mixed_rule.MixedTiles), None: two kernels
     memo = plan.derived  # kept while the plan is carried on to later steps (``DecodePlans``)
-    step_rows = (1, meta.num_seqs, None if shape.mixable else "0", memo)
-    work, mixed = plan_step_work(plan, blocks, bs, heads, shape.device, shape.dtype, *step_rows)
+    step_rows = (1, meta.num_seqs, None, memo)
+    kv = shape.kv_dtype
+    work, mixed = plan_step_work(plan, blocks, bs, heads, shape.device, shape.dtype, *step_rows, kv_dtype=kv)
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute

@@ -287,8 +287,8 @@ class TritonBackend(TritonPagedBackend):
         lay = step.layouts.get(key)
         if lay is None:
             pack = self._pack(q_heads, kv_heads, meta, step, q)
-            mixed = self.mixed if k_cache.dtype == q.dtype else False  # the mixed kernel takes no e4m3
-            lay = build_layout(meta, step, q_heads, kv_heads, dim, q.device, q.dtype, pack, mixed)
+            shape = (q_heads, kv_heads, dim, q.device, q.dtype)
+            lay = build_layout(meta, step, *shape, pack, self.mixed, k_cache.dtype)
             if with_lse:
                 lay.out_lse = torch.empty(tokens, q_heads, dtype=torch.float32, device=q.device)
             step.layouts[key] = lay
@@ -357,13 +357,15 @@ def build_layout(
     dtype: torch.dtype,
     pack: int = 1,
     mixed: bool | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> _Layout:
     """Host work, once per step, head shape and dtype: shared work list, own splits, merge CSR, buffers.
 
     Everything is computed from host lists (no device read), and the work list and merge CSR reach
     the device in one asynchronous copy. The dtype is part of the layout because the shared tiles are
     fitted to shared memory by element size (fp32 needs narrower tiles than bf16). ``pack``: decode
-    sequences per own-kernel program; ``mixed``: one mixed launch where eligible (None: ``use_mixed``'s rule).
+    sequences per own-kernel program; ``mixed``: one mixed launch where eligible (None: ``use_mixed``'s rule);
+    ``kv_dtype``: the cache's (an e4m3 one never mixes, ``plan_step_work``).
     """
     from prefixserve.attention.kernels import merge as merge_mod
 
@@ -384,7 +386,9 @@ def build_layout(
     mode = None if mixed is None else ("1" if mixed else "0")
     shape, step_rows = (q_heads, kv_heads, dim), (step.max_query_len, meta.num_seqs, mode)
     # mixed: the mixed launch's tiles (mixed_rule.MixedTiles), None: two kernels
-    work, mixed = plan_step_work(plan, seg_blocks, meta.block_size, shape, device, dtype, *step_rows)
+    work, mixed = plan_step_work(
+        plan, seg_blocks, meta.block_size, shape, device, dtype, *step_rows, kv_dtype=kv_dtype
+    )
     ns = work.num_slots
     if mixed:  # the mixed kernel writes one own partial per row: one split (the paged kernel's too,
         # should a layer's caches not take the mixed kernel)

@@ -415,8 +415,9 @@ def test_the_planner_passes_mixable_to_the_tiles(monkeypatch) -> None:
 def test_wide_tiles_where_the_gluon_kernel_runs_a_step_that_does_not_mix(monkeypatch) -> None:
     """192-row tiles (the Gluon kernel's three consumer warpgroups) for tall TMA steps that will not
     mix, where padding to 192 rows costs at most 4% over 128 (2,048 stacked rows: 2,112 vs 2,048;
-    1,024: 1,152 vs 1,024 keeps 128); never for a mixable step, a pointer-load one, fp32, or where
-    the Gluon kernel does not run (``wide`` false: the Triton kernel takes powers of two only)."""
+    1,024: 1,152 vs 1,024 keeps 128); never for a mixable step, a pointer-load one, fp32, an e4m3
+    cache, or where the Gluon kernel does not run (``wide`` false: the Triton kernel takes powers of
+    two only)."""
     from prefixserve.attention.planning import shared_plan
     from prefixserve.attention.planning.shared_plan import pick_shared_tiles, wide_tiles_pay
 
@@ -442,5 +443,9 @@ def test_wide_tiles_where_the_gluon_kernel_runs_a_step_that_does_not_mix(monkeyp
     assert int(rows.max()) == 24 and int(rows.sum()) == 256 * work.splits[0]
     plan = shared_plan.plan_shared_work
     assert plan([0, 128], [16384], 4, 8, torch.device("cpu"), **kw).block_m == 128  # 1,024 rows: padding
+    # over an e4m3 cache the Gluon kernel widens its tiles, and 192-row tiles lose (docs/kernels.md §2.13)
+    e4m3 = {"kv_dtype": torch.float8_e4m3fn}
+    assert plan([0, 256], [16384], 4, 8, torch.device("cpu"), **kw, **e4m3).block_m == 128
+    assert plan([0, 256], [16384], 4, 8, torch.device("cpu"), **kw, kv_dtype=torch.bfloat16).block_m == 192
     monkeypatch.setattr(shared_plan.shared_gluon, "eligible_for", lambda *a: False)
     assert plan([0, 256], [16384], 4, 8, torch.device("cpu"), **kw).block_m == 128

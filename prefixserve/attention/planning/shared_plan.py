@@ -200,6 +200,7 @@ def plan_shared_work(
     seg_block_start: list[int] | None = None,
     block_size: int = 0,
     mixable: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> SharedWork:
     """Cut every segment into M-tiles x KV splits so that about two waves of programs fill the SMs.
 
@@ -208,7 +209,9 @@ def plan_shared_work(
     per-step tensors into one asynchronous copy (a plain ``.to(device)`` blocks the host).
     With the segments' blocks (``seg_blocks``, ``seg_block_start``, ``block_size``; host values) the
     work list notes contiguous segments, and the TMA path is taken when all of them are. ``mixable``:
-    the step may run as one mixed launch on tall tiles (``pick_shared_tiles``).
+    the step may run as one mixed launch on tall tiles (``pick_shared_tiles``). ``kv_dtype``: the
+    cache's where it is not ``dtype`` (e4m3: the Gluon kernel widens its tiles, and there 192-row
+    tiles lose to 128-row ones, docs/kernels.md §2.13).
     """
     rows = [b - a for a, b in itertools.pairwise(seg_row_start)]
     first_rows = np.full(len(rows), -1, dtype=np.int64)
@@ -233,6 +236,7 @@ def plan_shared_work(
         tma,
         tma and mixable,
         tma
+        and kv_dtype in (None, dtype)
         and shared_gluon.eligible_for(device, dtype, head_dim)
         and wide_tiles_pay([r * group for r in rows], seg_num_tokens),
     )
@@ -336,11 +340,12 @@ def plan_work_for(
     head_dim: int,
     dtype: torch.dtype,
     mixable: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> SharedWork:
     """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
 
     ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path);
-    ``mixable``: ``mixed_rule.may_mix`` for the step.
+    ``mixable``: ``mixed_rule.may_mix`` for the step; ``kv_dtype``: the cache's, if not ``dtype``.
     """
     bstart = plan.seg_block_start_host
     return plan_shared_work(
@@ -356,6 +361,7 @@ def plan_work_for(
         seg_block_start=bstart,
         block_size=block_size,
         mixable=mixable,
+        kv_dtype=kv_dtype,
     )
 
 

@@ -103,10 +103,13 @@ def plan_step_work(
     num_seqs: int,
     mode: str | None = None,  # PREFIXSERVE_MIXED's values; None: the switch
     memo: dict[tuple[Any, ...], Any] | None = None,
+    kv_dtype: torch.dtype | None = None,  # the cache's, where it is not ``dtype`` (e4m3)
 ) -> tuple[Any, MixedTiles | None]:
     """A shared step's work list and its mixed launch's tiles (``mixed_rule.MixedTiles``; None: two
     kernels), as the eager backend and the decode graphs both plan them: the mixed rule is asked
     before the work list (a step that may mix prefers tall tiles) and after it (the tiles it got).
+    Over a cache of another dtype (e4m3) a step never mixes (the mixed kernel's own tiles take the
+    cache's dtype only) and takes no 192-row tiles (``plan_shared_work``).
 
     ``memo`` keeps the work list, which depends on the segments alone, for later steps of a plan
     carried on (``SharedPlan.derived``); the caller must not change it (the eager path moves its
@@ -118,15 +121,17 @@ def plan_step_work(
     shared_row_tokens, own_tokens = step_sizes(plan, block_size)
     sizes = (max_query_len, shared_row_tokens, own_tokens, num_seqs, mode)
     rule = {"block_size": block_size, "segments": plan.num_segments}
-    mixable = mixed_rule.may_mix(device, dtype, shape, *sizes, **rule)
+    own_dtype = kv_dtype in (None, dtype)
+    mixable = own_dtype and mixed_rule.may_mix(device, dtype, shape, *sizes, **rule)
     group = q_heads // kv_heads
-    key = ("work", block_size, shape, str(device), dtype, mixable)
+    key = ("work", block_size, shape, str(device), dtype, kv_dtype, mixable)
     work = None if memo is None else memo.get(key)
     if work is None:
-        work = plan_work_for(plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable)
+        args = (plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable, kv_dtype)
+        work = plan_work_for(*args)
         if memo is not None:
             memo[key] = work
-    return work, mixed_rule.mixed_rows(device, dtype, shape, work, *sizes, **rule)
+    return work, mixed_rule.mixed_rows(device, dtype, shape, work, *sizes, **rule) if own_dtype else None
 
 
 __all__ = [
