@@ -19,8 +19,8 @@ Imports between planning, kernels and the Triton backends go one way, down this 
 imports only modules before it; function-level imports included; tests/kernels/test_kernel_imports.py
 checks it):
 
-    planning.plan < planning.decode_plans < planning.window_plan < _ptxas < kernels.merge
-    < planning.tiles < kernels.attend < kernels.packed_decode < kernels.paged_attention
+    planning.plan < planning.decode_plans < planning.window_plan < _ptxas < kernels.turn
+    < kernels.merge < planning.tiles < kernels.attend < kernels.packed_decode < kernels.paged_attention
     < kernels.gluon_attend < kernels.shared_gluon < planning.shared_plan < kernels.shared_attention
     < planning.mixed_rule < kernels.mixed_own < kernels.mixed_gluon < planning.step_plan < step_launch
     < planning.window_work < kernels.window_attention < graph_attention < triton_backend

@@ -17,7 +17,8 @@ the same reason.
   * mixed_own: the mixed kernel's own tiles;  mixed_gluon: the mixed kernel (shared and own tiles in
     one launch; ``planning/mixed_rule.py`` says when);
   * window_attention: a sliding-window layer's attention (each row within its window; a decode step's
-    segments inside the windows through the shared kernel).
+    segments inside the windows through the shared kernel);
+  * turn: an FP8 KV cache's Hadamard turn of a head (the RoPE kernel's K store; q and its fold).
 
 Imports go one way, down the order the ``prefixserve.attention`` docstring gives
 (tests/kernels/test_kernel_imports.py checks it).
