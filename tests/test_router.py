@@ -174,6 +174,29 @@ def test_prompt_digests_are_the_engines_own(tiny_config_path: Path) -> None:
     assert not set(prompt_digests(ids, BS)) & set(llm.engine.pool.cached_digests())  # salt counts
     with pytest.raises(ValueError, match="positions"):
         prompt_digests(ids, BS, positions=[0, 1])
+    assert enable_cache_events(llm.engine.pool).drain().root is None  # a model-dtype pool: b"root"
+
+
+def test_an_fp8_pools_digests_are_predicted_from_the_root_its_events_carry(tiny_config_path: Path) -> None:
+    """An FP8 KV cache chains its digests from a root naming its scheme and scales, so a router that
+    predicts with the model-dtype root finds none of its blocks; the root comes with every drain."""
+    llm = LLM(
+        model=f"dummy:{tiny_config_path}",
+        device="cpu",
+        block_size=BS,
+        num_kv_blocks=64,
+        kv_cache_dtype="fp8",
+        progress=False,
+    )
+    log = enable_cache_events(llm.engine.pool)
+    assert log.drain().root == llm.engine.pool.root is not None
+    ids = list(range(200, 223))
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1))
+    events = log.drain()
+    assert events.root == llm.engine.pool.root
+    digests = prompt_digests(ids, BS, root=events.root)
+    assert len(digests) == 5 and set(digests) <= set(events.added)
+    assert not set(prompt_digests(ids, BS)) & set(llm.engine.pool.cached_digests())
 
 
 # ---- the index against real engines ------------------------------------------------------------------

@@ -308,3 +308,20 @@ def test_store_tags_are_names() -> None:
 
     with pytest.raises(ValueError, match="tag"):
         ResponseStore(tag="a_b")
+
+
+def test_the_ingress_predicts_digests_from_the_replicas_chain_root() -> None:
+    """Replicas with an FP8 cache tell their chain root with their events; the ingress predicts a
+    prompt's digests from it (none before a replica answered, or with a model-dtype cache)."""
+    a, b = FakeReplica(), FakeReplica()
+    replicas = ReplicaSet({"a": a, "b": b})
+    assert replicas.chain_root() is None
+    a.answers = [("i1", CacheEvents(added=[b"x"], reset=True, root=b"fp8-root"))]
+    b.answers = [("i1", CacheEvents(added=[], reset=True, root=b"fp8-root"))]
+    _run(replicas.poll("a"))
+    _run(replicas.poll("b"))
+    assert replicas.chain_root() == b"fp8-root"
+    plain = ReplicaSet({"a": FakeReplica()})
+    plain.handles["a"].answers = [("i1", CacheEvents(reset=True))]
+    _run(plain.poll("a"))
+    assert plain.chain_root() is None

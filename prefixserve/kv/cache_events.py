@@ -34,6 +34,9 @@ class CacheEvents:
     added: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
     reset: bool = False
+    # the pool's chain root (``block_pool.chain_root``: None for a model-dtype cache; an FP8 cache's
+    # names its scheme), so a router predicts the digests this pool gives a prompt (``prompt_digests``)
+    root: bytes | None = None
 
 
 class CacheEventLog:
@@ -45,10 +48,13 @@ class CacheEventLog:
     router that stopped polling holds nothing back, and it resyncs with a snapshot when it returns.
     """
 
-    def __init__(self, snapshot: Callable[[], Iterable[bytes]], limit: int = DEFAULT_LIMIT) -> None:
+    def __init__(
+        self, snapshot: Callable[[], Iterable[bytes]], limit: int = DEFAULT_LIMIT, root: bytes | None = None
+    ) -> None:
         if limit < 1:
             raise ValueError(f"cache event limit must be >= 1, got {limit}")
         self._snapshot = snapshot
+        self.root = root  # the pool's chain root, told with every drain
         self.limit = limit
         self._log: list[tuple[bool, bytes]] = []
         self._base = 0
@@ -95,20 +101,22 @@ class CacheEventLog:
         self._cursors[consumer] = end
         if at is None or full:
             self._trim()
-            return CacheEvents(added=list(self._snapshot()), reset=True)
+            return CacheEvents(added=list(self._snapshot()), reset=True, root=self.root)
         last: dict[bytes, bool] = {}
         for added, digest in self._log[at - self._base :]:
             last[digest] = added
         self._trim()
         return CacheEvents(
-            added=[d for d, a in last.items() if a], removed=[d for d, a in last.items() if not a]
+            added=[d for d, a in last.items() if a],
+            removed=[d for d, a in last.items() if not a],
+            root=self.root,
         )
 
 
 def enable_cache_events(pool: BlockPool, limit: int = DEFAULT_LIMIT) -> CacheEventLog:
     """Start logging ``pool``'s prefix-index changes (once; later calls return the same log)."""
     if pool.cache_events is None:
-        pool.cache_events = CacheEventLog(pool.cached_digests, limit)
+        pool.cache_events = CacheEventLog(pool.cached_digests, limit, pool.root)
     log: CacheEventLog = pool.cache_events
     return log
 
@@ -119,9 +127,11 @@ def prompt_digests(
     positions: Sequence[int] | None = None,
     salt: str | None = None,
     public: int = 0,
+    root: bytes | None = None,
 ) -> list[bytes]:
     """The digests an engine gives the full blocks of this prompt (``BlockManager.match_prefix``'s;
-    ``public``: a salted prompt's public tokens, ``Request.public_tokens``):
+    ``public``: a salted prompt's public tokens, ``Request.public_tokens``; ``root``: its pool's chain
+    root, ``CacheEvents.root``):
     positions count from 0 unless given, and the last token is never a cache hit (its logits are
     computed), so only ``(len - 1) // block_size`` blocks are listed."""
     n = len(token_ids)
@@ -130,7 +140,7 @@ def prompt_digests(
     full = max(n - 1, 0) // block_size
     ids = token_ids[: full * block_size]
     places = positions[: full * block_size] if positions is not None else range(full * block_size)
-    return chain_digests(None, ids, places, salt, block_size, public // block_size)
+    return chain_digests(root, ids, places, salt, block_size, public // block_size)
 
 
 __all__ = [

@@ -73,6 +73,7 @@ class ReplicaSet:
         self.router = Router(policy)
         self.loads = dict.fromkeys(handles, 0)
         self.healthy: set[str] = set()  # a replica joins once a poll answered
+        self.roots: dict[str, bytes | None] = {}  # each replica's chain root (CacheEvents.root)
         self._incarnation: dict[str, str] = {}
         self._need_full = set(handles)  # the next poll asks for a snapshot
         self._poller: asyncio.Task[None] | None = None
@@ -131,6 +132,7 @@ class ReplicaSet:
             self.router.forget_replica(name)  # a new process: nothing it held before is there
             self._incarnation[name] = incarnation
         self.router.index.apply(name, events)
+        self.roots[name] = events.root
         self._need_full.discard(name)
         if name not in self.healthy:
             log.info("replica %s is serving", name)
@@ -145,6 +147,14 @@ class ReplicaSet:
         self._need_full.add(name)
 
     # ---- routing ---------------------------------------------------------------------------------
+    def chain_root(self) -> bytes | None:
+        """The chain root the serving replicas give a prompt's blocks (``prompt_digests``'s ``root``):
+        None for a model-dtype cache; an FP8 cache's names its scheme and scales, the same on every
+        replica of one deployment (the calibration is deterministic). Replicas that disagree (a
+        deployment being replaced) are routed by the first one's, in name order."""
+        roots = [self.roots.get(name) for name in sorted(self.healthy)]
+        return roots[0] if roots else None
+
     def choose(self, digests: Sequence[bytes], session: str | None) -> str:
         loads = {name: self.loads[name] for name in self.healthy}
         if not loads:
@@ -199,7 +209,8 @@ class IngressCore:
         ids = self.ctx.engine_ids(truncated(prep, ids, None), prep.application)  # as the engine's intake
         salt = getattr(prep.req, "cache_salt", None)  # the replicas' keys follow the salt's scope
         public = public_tokens(self.ctx, prep, ids)
-        return prompt_digests(ids, self.block_size, salt=salt, public=public), session
+        root = self.replicas.chain_root()  # an FP8 cache's digests chain from its scheme
+        return prompt_digests(ids, self.block_size, salt=salt, public=public, root=root), session
 
     async def forward(self, request: Request) -> Response:
         """Route and forward one request; relay the replica's answer (streamed as it comes)."""
