@@ -145,10 +145,16 @@ def _materialize(
 ) -> LlamaForCausalLM:
     """Build the module (this rank's part of it) without default init (``meta_init``); weights are
     filled in afterwards. ``fp8_layers``: its projections FP8 already (``linear.quantize_model``), so
-    the size checked is FP8's (dummy weights, drawn into them layer by layer)."""
+    the size checked is FP8's (dummy weights, drawn into them layer by layer). A model whose norms
+    scale by (1 + w) keeps them in fp32 until ``_fold_norm_offset`` (then one rounding to ``dtype``,
+    as the checkpoint's w + 1 computed exactly would take)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
     model.to(dtype)
+    if config.norm_weight_offset:
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.float()
     if fp8_layers:
         linear.quantize_model(model)
     check_weights_fit(model, device, shard or Shard())  # before any byte is allocated
@@ -359,7 +365,7 @@ def _kv_scale(name: str, source: Any, model: LlamaForCausalLM) -> bool:
 
 def _fold_norm_offset(model: LlamaForCausalLM) -> None:
     """Gemma's norms scale by (1 + w): store 1 + w, so every norm is the plain kernel's ``w * x``.
-    Done on the fp32 weights, before the cast to the model's dtype."""
+    Done on fp32 norm weights (``_materialize`` keeps them so), before the cast to the model's dtype."""
     offset = model.config.norm_weight_offset
     if offset:
         with torch.no_grad():
@@ -458,9 +464,11 @@ def load_model(
         return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
     fp8s = Fp8Checkpoint(directory, quantization)
-    model = _materialize(config, torch.float32, device, shard)
+    # in the model's dtype from the start: each weight rounds once as it is copied in, as a cast of
+    # fp32 weights would round it, and the device never holds the model at 4 bytes a weight
+    model = _materialize(config, dtype, device, shard)
     _load_hf_weights(model, directory, fp8s)
-    model.to(dtype)
+    model.to(dtype)  # Gemma's norms, kept in fp32 for the (1 + w) fold
     fp8s.install(model)  # after the cast: codes and scales stay as they are
     return model.eval(), directory
 
