@@ -175,8 +175,9 @@ def test_prompt_cache_module_files_hold_fp8_as_it_is(tiny_config_path, tmp_path)
 
 
 def test_fp8_under_tensor_parallelism(tiny_config_path) -> None:
-    """Two ranks, each calibrating its KV heads: greedy tokens as one process's, and packed FP8 rows
-    (every head: the ranks' joined as bytes) round-trip bit for bit."""
+    """Two ranks, each calibrating its KV heads: greedy tokens as one process's, packed FP8 rows
+    (every head: the ranks' joined as bytes) round-trip bit for bit, and the scheme names every
+    rank's scales joined, as one process's names them (digests alike whatever the rank count)."""
     ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10]]
     prompts = [{"prompt_token_ids": p} for p in ids]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -194,7 +195,35 @@ def test_fp8_under_tensor_parallelism(tiny_config_path) -> None:
         blocks = tp.engine.pool.allocate(2), single.engine.pool.allocate(2)
         packed = single.engine.kv.gather_rows(blocks[1], 20)
         assert packed.dtype == FP8 and packed.shape[3] == 2
+        assert tp.engine.kv.scheme == single.engine.kv.scheme
+        assert tp.engine.pool.root == single.engine.pool.root is not None
         tp.engine.kv.scatter_rows(blocks[0], packed)
         assert torch.equal(
             tp.engine.kv.gather_rows(blocks[0], 20).view(torch.uint8), packed.view(torch.uint8)
         )
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_joined_scales_name_each_kv_head_once(tiny_config_path, size: int) -> None:
+    """``KVCache.join_scales``: each rank's span of the KV heads in head order; with more ranks than
+    KV heads (4 ranks, 2 heads: each head on two ranks) every head is taken once."""
+    from prefixserve.model.config import ModelConfig
+    from prefixserve.model.parallel import Shard
+
+    config = ModelConfig.from_json(tiny_config_path)
+    total = config.num_key_value_heads
+    per_rank, caches = [], []
+    for rank in range(size):
+        shard = Shard(rank=rank, size=size)
+        kv = KVCache(shard.local_config(config), 4, 16, FP8, torch.device("cpu"), shard, total)
+        start, stop = shard.kv_head_span(total)
+        heads = torch.arange(start, stop, dtype=torch.float32)
+        scales = torch.exp2(heads)[None, None, :].expand_as(kv.scales).clone()
+        kv.set_scales(scales)
+        per_rank.append(scales)
+        caches.append(kv)
+    for kv in caches:
+        kv.join_scales(per_rank)
+        want = torch.exp2(torch.arange(total, dtype=torch.float32)).expand(*kv.scales.shape[:2], total)
+        assert torch.equal(kv.model_scales, want)
+    assert len({kv.scheme for kv in caches}) == 1

@@ -73,6 +73,9 @@ class KVCache:
         self.slots = slots
         self.scales: torch.Tensor | None = None
         self.inverse: torch.Tensor | None = None
+        # every rank's scales joined in head order (tensor parallelism; ``join_scales``): what the
+        # scheme names, so that blocks hash alike whatever the rank count
+        self.model_scales: torch.Tensor | None = None
         if dtype == FP8:  # padded to the widest layer's heads (Gemma 4's layers differ)
             heads = max(h for h, _ in layout.slot_shapes)
             self.scales = torch.ones(len(layout.slot_of), 2, heads, device=device)
@@ -110,12 +113,29 @@ class KVCache:
             raise ValueError(f"scales {tuple(scales.shape)} != {tuple(self.scales.shape)}")
         self.scales.copy_(scales)
         self.inverse.copy_(1.0 / self.scales)
+        self.model_scales = self.scales
+
+    def join_scales(self, per_rank: list[torch.Tensor]) -> None:
+        """Every rank's scales (``per_rank[r]``: rank r's ``scales``, gathered) as the model's, in head
+        order, for ``scheme``: a rank's span of the KV heads (``Shard.kv_head_span``) takes its columns;
+        heads replicated across ranks are taken once. Layers with their own head counts (Gemma 4's
+        global layers) keep this rank's scales named alone."""
+        widths = {h for h, _ in self.layout.slot_shapes}
+        if len(per_rank) == 1 or len(widths) != 1:
+            return
+        total = self.total_kv_heads
+        joined = torch.empty(*self.scales.shape[:2], total, device=self.scales.device)
+        for rank, scales in enumerate(per_rank):
+            start, stop = type(self.shard)(rank=rank, size=len(per_rank)).kv_head_span(total)
+            joined[:, :, start:stop] = scales[:, :, : stop - start].to(joined.device)
+        self.model_scales = joined
 
     @property
     def scheme(self) -> bytes:
         """What block digests add for this cache's KV format: b"" for the model's dtype, else the e4m3
-        scheme and its scales (``kv_quant.scales_digest``; under tensor parallelism this rank's)."""
-        return scales_digest(self.scales)
+        scheme and the model's scales (``kv_quant.scales_digest``; under tensor parallelism every
+        rank's joined, ``join_scales``, so a block's digest does not depend on the rank count)."""
+        return scales_digest(self.model_scales)
 
     # ---- host rows landing layer by layer (kv/landing.py) ----------------------------------------
     def landing_hook(self) -> Callable[[int], None] | None:

@@ -13,6 +13,7 @@ block digests name, are the same from one start to the next, so disk and Prompt 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.kv_quant import pow2_scales, rotate
@@ -83,3 +84,7 @@ def calibrate_kv_scales(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype)
     if published is not None:
         scales[:, 1] = published[:, 1]
     kv.set_scales(scales)
+    if kv.shard.size > 1:  # the scheme names every rank's scales (``KVCache.join_scales``)
+        per_rank = [torch.empty_like(scales) for _ in range(kv.shard.size)]
+        dist.all_gather(per_rank, scales.contiguous(), group=kv.shard.group)
+        kv.join_scales(per_rank)
