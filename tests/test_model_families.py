@@ -542,3 +542,19 @@ def test_a_gemma3_checkpoint_is_served_over_http(family) -> None:
     assert answers[1].json()["choices"][0]["text"] == offline[0].outputs[0].text
     cached = (answers[1].json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert cached >= len(ids) // 8 * 8 - 8  # the repeat's whole blocks, but the last row, from the cache
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3"])
+def test_bf16_loads_match_the_fp32_loads_rounded_once(name: str, tmp_path: Path) -> None:
+    """A checkpoint loads straight into the model's dtype: every weight equals the fp32 load's rounded
+    once to bf16 (Gemma 3's (1 + w) norms folded in fp32 first), and a dummy model of the same
+    config (whose norms are drawn, not folded) loads in bf16 and generates."""
+    tiny_checkpoint(name, tmp_path)
+    wide, narrow = (_llm(tmp_path, dtype=d).engine.model for d in ("float32", "bfloat16"))
+    narrow_params = dict(narrow.named_parameters())
+    for pname, p in wide.named_parameters():
+        assert torch.equal(narrow_params[pname], p.to(torch.bfloat16)), pname
+    dummy = LLM(model=f"dummy:{tmp_path / 'config.json'}", dtype="bfloat16", device="cpu", progress=False)
+    assert {p.dtype for p in dummy.engine.model.parameters()} == {torch.bfloat16}
+    out = dummy.generate([{"prompt_token_ids": _prompt(5, 12)}], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 3

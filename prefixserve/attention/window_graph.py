@@ -83,7 +83,7 @@ def window_graph_step(
         if groups is not None:
             plan = on_every_group(plan, list(tables), base)[0]
         heads = (shape.q_heads, shape.kv_heads, shape.head_dim, shape.dtype, shape.device)
-        made = window_work(plan, bucket, *heads, meta.block_size)
+        made = window_work(plan, bucket, *heads, meta.block_size, kv_dtype=shape.kv_dtype)
         if made is None:
             return None
     num_groups = tables.shape[0]

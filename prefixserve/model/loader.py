@@ -142,16 +142,17 @@ def _materialize(
     device: torch.device,
     shard: Shard | None,
     fp8_layers: bool = False,
+    fp32_norms: bool = False,
 ) -> LlamaForCausalLM:
     """Build the module (this rank's part of it) without default init (``meta_init``); weights are
     filled in afterwards. ``fp8_layers``: its projections FP8 already (``linear.quantize_model``), so
-    the size checked is FP8's (dummy weights, drawn into them layer by layer). A model whose norms
-    scale by (1 + w) keeps them in fp32 until ``_fold_norm_offset`` (then one rounding to ``dtype``,
-    as the checkpoint's w + 1 computed exactly would take)."""
+    the size checked is FP8's (dummy weights, drawn into them layer by layer). ``fp32_norms``: the
+    norms in fp32, for a checkpoint's (1 + w) to be folded exactly (``_fold_norm_offset``) before the
+    caller's cast to ``dtype``."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
     model.to(dtype)
-    if config.norm_weight_offset:
+    if fp32_norms:
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.float()
@@ -466,7 +467,7 @@ def load_model(
     fp8s = Fp8Checkpoint(directory, quantization)
     # in the model's dtype from the start: each weight rounds once as it is copied in, as a cast of
     # fp32 weights would round it, and the device never holds the model at 4 bytes a weight
-    model = _materialize(config, dtype, device, shard)
+    model = _materialize(config, dtype, device, shard, fp32_norms=bool(config.norm_weight_offset))
     _load_hf_weights(model, directory, fp8s)
     model.to(dtype)  # Gemma's norms, kept in fp32 for the (1 + w) fold
     fp8s.install(model)  # after the cast: codes and scales stay as they are

@@ -261,3 +261,11 @@ def test_turn_query_kernel_matches_torch(heads: int, kv_heads: int, dim: int) ->
     want = fold_query(rotate(q), k_scale).float()
     assert got.shape == want.shape
     assert (got - want).abs().le(2.0**-7 * want.abs() + 1e-6).all()
+
+
+def test_head_sizes_the_kernels_turn() -> None:
+    """Powers of two from 32 (the halves' products take 16 rows and columns at least) to 256 (at 512
+    the fp32 H_256 needs more shared memory than an H100 has): others turn in torch."""
+    from prefixserve.attention.kernels.turn import turns
+
+    assert [d for d in (16, 24, 32, 64, 96, 128, 256, 512) if turns(d)] == [32, 64, 128, 256]

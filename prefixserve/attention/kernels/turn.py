@@ -24,7 +24,8 @@ triton, tl = require_triton()
 
 @triton.jit
 def _sylvester(HALF: tl.constexpr):
-    """H_{HALF} [HALF, HALF] fp32: +-1 at (i, j) by the parity of popcount(i & j) (HALF <= 256)."""
+    """H_{HALF} [HALF, HALF] fp32: +-1 at (i, j) by the parity of popcount(i & j) (the folds cover
+    HALF <= 256)."""
     i = tl.arange(0, HALF)[:, None]
     j = tl.arange(0, HALF)[None, :]
     v = i & j
@@ -36,8 +37,8 @@ def _sylvester(HALF: tl.constexpr):
 
 @triton.jit
 def turn_halves(x1, x2, HALF: tl.constexpr):
-    """A head's halves [rows, HALF] fp32 (rows >= 16, for the products) times the normalized
-    Hadamard matrix of size 2 HALF: the turned halves, fp32."""
+    """A head's halves [rows, HALF] fp32 (rows >= 16, for the products; HALF <= 128, ``turns``) times
+    the normalized Hadamard matrix of size 2 HALF: the turned halves, fp32."""
     h = _sylvester(HALF)
     norm = 1.0 / tl.sqrt(2.0 * HALF)
     y1 = tl.dot(x1 + x2, h, input_precision="ieee") * norm
@@ -75,8 +76,10 @@ def _turn_query_kernel(
 
 def turns(head_dim: int) -> bool:
     """Whether these kernels turn a head of this size: a power of two (Sylvester's construction) whose
-    halves make products of at least 16 (Triton's smallest ``tl.dot``), up to 512."""
-    return head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 512
+    halves make products of at least 16 (Triton's smallest ``tl.dot``), up to 256: at 512 the fp32
+    H_256 and its products need 272 KiB of shared memory, past an H100's 227 (Gemma 4's global layers
+    turn in torch)."""
+    return head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 256
 
 
 def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:

@@ -371,7 +371,8 @@ def _layout(q: torch.Tensor, k_cache: torch.Tensor, plan: object, family: bool) 
     must plan alone (``window_work``)."""
     tokens, q_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
-    made = window_work(plan, tokens, q_heads, kv_heads, dim, q.dtype, q.device, k_cache.shape[1], family)
+    heads = (q_heads, kv_heads, dim, q.dtype, q.device)
+    made = window_work(plan, tokens, *heads, k_cache.shape[1], family, k_cache.dtype)
     if made is None:
         return None
     host = [made.seg_blocks, made.seg_block_start, made.seg_rows, made.skip_lo, made.skip_hi]

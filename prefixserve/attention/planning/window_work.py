@@ -41,11 +41,11 @@ class WindowWork:
 
 def window_work(
     plan: WindowPlan, slots_at: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-    device: torch.device, block_size: int, family: bool = True,
+    device: torch.device, block_size: int, family: bool = True, kv_dtype: torch.dtype | None = None,
 ) -> WindowWork | None:  # fmt: skip
     """``plan``'s work with walk slots ``[0, slots_at)``, with ``family`` each sliding group's too; None
     where the groups' segments break into runs differently (their work lists would differ: each
-    group then plans alone, ``family=False``)."""
+    group then plans alone, ``family=False``). ``kv_dtype``: the cache's, where not ``dtype``."""
     work = plan_shared_work(
         plan.seg_row_start,
         plan.seg_num_tokens,
@@ -58,6 +58,7 @@ def window_work(
         seg_blocks=plan.seg_blocks,
         seg_block_start=plan.seg_block_start,
         block_size=block_size,
+        kv_dtype=kv_dtype,
     )
     owner = plan.seg_rows[work.slot_row_index.numpy()].astype(np.int64)
     parts = np.concatenate([np.arange(slots_at), owner])  # the row of each slot
