@@ -80,6 +80,7 @@ class KVCache:
             heads = max(h for h, _ in layout.slot_shapes)
             self.scales = torch.ones(len(layout.slot_of), 2, heads, device=device)
             self.inverse = torch.ones_like(self.scales)
+            self.model_scales = self.scales  # this rank's until ``join_scales``
         self.layers = [
             with_scales((slots[s][0], slots[s][1]), *self._layer_scales(i, slots[s].shape[-2]))
             for i, s in enumerate(layout.slot_of)
