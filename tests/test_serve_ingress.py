@@ -312,16 +312,18 @@ def test_store_tags_are_names() -> None:
 
 def test_the_ingress_predicts_digests_from_the_replicas_chain_root() -> None:
     """Replicas with an FP8 cache tell their chain root with their events; the ingress predicts a
-    prompt's digests from it (none before a replica answered, or with a model-dtype cache)."""
+    prompt's digests from each replica's (none before a replica answered, or with a model-dtype
+    cache), and where roots differ (a rollout changing the KV format) each replica is matched
+    against its own chain."""
     a, b = FakeReplica(), FakeReplica()
     replicas = ReplicaSet({"a": a, "b": b})
-    assert replicas.chain_root() is None
-    a.answers = [("i1", CacheEvents(added=[b"x"], reset=True, root=b"fp8-root"))]
-    b.answers = [("i1", CacheEvents(added=[], reset=True, root=b"fp8-root"))]
+    assert replicas.chain_roots() == {}
+    a.answers = [("i1", CacheEvents(added=[b"a1", b"a2"], reset=True, root=b"fp8"))]
+    b.answers = [("i1", CacheEvents(added=[b"b1"], reset=True, root=None))]
     _run(replicas.poll("a"))
     _run(replicas.poll("b"))
-    assert replicas.chain_root() == b"fp8-root"
-    plain = ReplicaSet({"a": FakeReplica()})
-    plain.handles["a"].answers = [("i1", CacheEvents(reset=True))]
-    _run(plain.poll("a"))
-    assert plain.chain_root() is None
+    assert replicas.chain_roots() == {"a": b"fp8", "b": None}
+    # each replica's own digests of the prompt: a holds two blocks of its chain, b one of its own
+    assert replicas.choose({"a": [b"a1", b"a2"], "b": [b"b1", b"b9"]}, None) == "a"
+    assert replicas.choose({"a": [b"a9"], "b": [b"b1"]}, None) == "b"
+    assert replicas.choose([b"b1"], None) == "b"  # one list: every replica against it

@@ -71,6 +71,10 @@ class PrefixIndex:
         return depth
 
 
+# a prompt's block digests, or each replica's where their chain roots differ (KV formats: an FP8
+# cache's digests chain from its scheme, ``block_pool.chain_root``)
+Digests = Sequence[bytes] | Mapping[str, Sequence[bytes]]
+
 ROUTINGS = ("prefix", "round_robin")
 
 
@@ -109,8 +113,9 @@ class Router:
         self._routed = 0  # requests routed so far
         self._last: dict[str, int] = {}  # replica -> the request number it took last
 
-    def choose(self, digests: Sequence[bytes], loads: Mapping[str, int], session: str | None = None) -> str:
-        """The replica for a request whose prompt has these block digests.
+    def choose(self, digests: Digests, loads: Mapping[str, int], session: str | None = None) -> str:
+        """The replica for a request whose prompt has these block digests (or each replica's, where
+        the replicas' chain roots differ).
 
         ``loads``: outstanding requests of each healthy replica (only these are candidates).
         """
@@ -134,9 +139,12 @@ class Router:
                 self._sessions.popitem(last=False)
         return chosen
 
-    def _by_prefix(self, digests: Sequence[bytes], loads: Mapping[str, int]) -> str:
+    def _by_prefix(self, digests: Digests, loads: Mapping[str, int]) -> str:
         least = min(loads.values())
-        depth = self.index.match(digests, loads)
+        if isinstance(digests, Mapping):  # each replica's own chain
+            depth = {r: self.index.match(digests.get(r, []), [r])[r] for r in loads}
+        else:
+            depth = self.index.match(digests, loads)
         # most cached blocks first, then least load, then the one routed to least recently (misses at
         # equal load take turns, so distinct prefixes spread over the caches), then the name
         last = self._last
@@ -155,4 +163,4 @@ class Router:
             del self._sessions[session]
 
 
-__all__ = ["MAX_SESSIONS", "ROUTINGS", "PrefixIndex", "Router", "RoutingPolicy"]
+__all__ = ["MAX_SESSIONS", "ROUTINGS", "Digests", "PrefixIndex", "Router", "RoutingPolicy"]

@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -43,7 +43,7 @@ from prefixserve.protocols.openai.salt_scope import public_tokens
 from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE, prepare_response
 from prefixserve.protocols.vllm.cache_reset import RESET_ROUTE, reset_body
-from prefixserve.ray_scaleout.router import Router, RoutingPolicy
+from prefixserve.ray_scaleout.router import Digests, Router, RoutingPolicy
 from prefixserve.ray_scaleout.serve_metrics import merge_replica_metrics
 from prefixserve.ray_scaleout.serve_objects import LISTED, merged_list, named_owner
 
@@ -147,21 +147,22 @@ class ReplicaSet:
         self._need_full.add(name)
 
     # ---- routing ---------------------------------------------------------------------------------
-    def chain_root(self) -> bytes | None:
-        """The chain root the serving replicas give a prompt's blocks (``prompt_digests``'s ``root``):
+    def chain_roots(self) -> dict[str, bytes | None]:
+        """The chain root each serving replica gives a prompt's blocks (``prompt_digests``'s ``root``):
         None for a model-dtype cache; an FP8 cache's names its scheme and scales, the same on every
-        replica of one deployment (the calibration is deterministic). Replicas that disagree (a
-        deployment being replaced) are routed by the first one's, in name order."""
-        roots = [self.roots.get(name) for name in sorted(self.healthy)]
-        return roots[0] if roots else None
+        replica of one deployment (the calibration is deterministic), but not across a rollout that
+        changes the KV format."""
+        return {name: self.roots.get(name) for name in sorted(self.healthy)}
 
-    def choose(self, digests: Sequence[bytes], session: str | None) -> str:
+    def choose(self, digests: Digests, session: str | None) -> str:
+        """``digests``: the prompt's block digests, or each replica's where their chain roots differ."""
         loads = {name: self.loads[name] for name in self.healthy}
         if not loads:
             raise APIError(503, "no engine replica is serving now; retry shortly")
         name = self.router.choose(digests, loads, session)
         self.routed.labels(name).inc()
-        held = self.router.index.match(digests, [name])[name]
+        mine = digests.get(name, []) if isinstance(digests, Mapping) else digests
+        held = self.router.index.match(mine, [name])[name]
         if held:
             self.hit_blocks.labels(name).inc(held)
         return name
@@ -178,7 +179,7 @@ class IngressCore:
     def __init__(self, replicas: ReplicaSet, ctx: OpenAIContext, block_size: int) -> None:
         self.replicas, self.ctx, self.block_size = replicas, ctx, block_size
 
-    async def routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
+    async def routing_key(self, path: str, body: bytes, headers: Any) -> tuple[Digests, str | None]:
         """(the block digests of the request's first prompt, its session); ([], ...) when the body
         is not a valid request: the replica then answers the error itself.
 
@@ -186,7 +187,7 @@ class IngressCore:
         milliseconds for a long prompt, and the event loop meanwhile relays every stream's tokens."""
         return await asyncio.to_thread(self._routing_key, path, body, headers)
 
-    def _routing_key(self, path: str, body: bytes, headers: Any) -> tuple[list[bytes], str | None]:
+    def _routing_key(self, path: str, body: bytes, headers: Any) -> tuple[Digests, str | None]:
         try:
             data = json.loads(body)
             if path == RESPONSES_ROUTE:  # the chat it runs as (a stored conversation goes to its owner)
@@ -209,8 +210,15 @@ class IngressCore:
         ids = self.ctx.engine_ids(truncated(prep, ids, None), prep.application)  # as the engine's intake
         salt = getattr(prep.req, "cache_salt", None)  # the replicas' keys follow the salt's scope
         public = public_tokens(self.ctx, prep, ids)
-        root = self.replicas.chain_root()  # an FP8 cache's digests chain from its scheme
-        return prompt_digests(ids, self.block_size, salt=salt, public=public, root=root), session
+        # an FP8 cache's digests chain from its scheme: each replica's root, hashed once a root
+        roots = self.replicas.chain_roots()
+        by_root = {
+            root: prompt_digests(ids, self.block_size, salt=salt, public=public, root=root)
+            for root in set(roots.values()) or {None}
+        }
+        if len(by_root) == 1:
+            return next(iter(by_root.values())), session
+        return {name: by_root[root] for name, root in roots.items()}, session
 
     async def forward(self, request: Request) -> Response:
         """Route and forward one request; relay the replica's answer (streamed as it comes)."""
