@@ -61,10 +61,16 @@ def scales_of(parts: tuple) -> torch.Tensor | None:
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+def stores_turned(head_dim: int) -> bool:
+    """Whether an e4m3 cache stores K turned at this head size: a power of two (Sylvester's
+    construction of the Hadamard matrix); other heads are stored as they are."""
+    return head_dim > 0 and head_dim & (head_dim - 1) == 0
+
+
 def hadamard(head_dim: int, device: torch.device) -> torch.Tensor | None:
-    """The normalized Hadamard matrix [D, D] fp32 that rotates K in an e4m3 cache (Sylvester's
-    construction, so D must be a power of two; None otherwise: K is then stored unrotated)."""
-    if head_dim & (head_dim - 1):
+    """The normalized Hadamard matrix [D, D] fp32 that rotates K in an e4m3 cache (None where
+    ``stores_turned`` is not: K is then stored unrotated)."""
+    if not stores_turned(head_dim):
         return None
     key = (head_dim, torch.device(device))
     h = _HADAMARD.get(key)

@@ -75,6 +75,12 @@ class PrefixIndex:
 # cache's digests chain from its scheme, ``block_pool.chain_root``)
 Digests = Sequence[bytes] | Mapping[str, Sequence[bytes]]
 
+
+def replica_digests(digests: Digests, replica: str) -> Sequence[bytes]:
+    """The digests ``replica`` gives the prompt: its own where they come per replica."""
+    return digests.get(replica, []) if isinstance(digests, Mapping) else digests
+
+
 ROUTINGS = ("prefix", "round_robin")
 
 
@@ -142,7 +148,7 @@ class Router:
     def _by_prefix(self, digests: Digests, loads: Mapping[str, int]) -> str:
         least = min(loads.values())
         if isinstance(digests, Mapping):  # each replica's own chain
-            depth = {r: self.index.match(digests.get(r, []), [r])[r] for r in loads}
+            depth = {r: self.index.match(replica_digests(digests, r), [r])[r] for r in loads}
         else:
             depth = self.index.match(digests, loads)
         # most cached blocks first, then least load, then the one routed to least recently (misses at
@@ -163,4 +169,12 @@ class Router:
             del self._sessions[session]
 
 
-__all__ = ["MAX_SESSIONS", "ROUTINGS", "Digests", "PrefixIndex", "Router", "RoutingPolicy"]
+__all__ = [
+    "MAX_SESSIONS",
+    "ROUTINGS",
+    "Digests",
+    "PrefixIndex",
+    "Router",
+    "RoutingPolicy",
+    "replica_digests",
+]

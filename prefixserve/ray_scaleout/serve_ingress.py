@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -43,7 +43,7 @@ from prefixserve.protocols.openai.salt_scope import public_tokens
 from prefixserve.protocols.pooling.embeddings import EMBEDDINGS_ROUTE, prepare_embedding
 from prefixserve.protocols.responses.prepare import RESPONSES_ROUTE, prepare_response
 from prefixserve.protocols.vllm.cache_reset import RESET_ROUTE, reset_body
-from prefixserve.ray_scaleout.router import Digests, Router, RoutingPolicy
+from prefixserve.ray_scaleout.router import Digests, Router, RoutingPolicy, replica_digests
 from prefixserve.ray_scaleout.serve_metrics import merge_replica_metrics
 from prefixserve.ray_scaleout.serve_objects import LISTED, merged_list, named_owner
 
@@ -161,8 +161,7 @@ class ReplicaSet:
             raise APIError(503, "no engine replica is serving now; retry shortly")
         name = self.router.choose(digests, loads, session)
         self.routed.labels(name).inc()
-        mine = digests.get(name, []) if isinstance(digests, Mapping) else digests
-        held = self.router.index.match(mine, [name])[name]
+        held = self.router.index.match(replica_digests(digests, name), [name])[name]
         if held:
             self.hit_blocks.labels(name).inc(held)
         return name

@@ -79,7 +79,7 @@ def turns(head_dim: int) -> bool:
     halves make products of at least 16 (Triton's smallest ``tl.dot``), up to 256: at 512 the fp32
     H_256 and its products need 272 KiB of shared memory, past an H100's 227 (Gemma 4's global layers
     turn in torch)."""
-    return head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 256
+    return head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 256  # (kv_quant imports this module)
 
 
 def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:

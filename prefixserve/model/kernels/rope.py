@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.kernels.turn import turn_halves, turns
-from prefixserve.attention.kv_quant import hadamard, store_kv
+from prefixserve.attention.kv_quant import store_kv, stores_turned
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -260,7 +260,7 @@ def rope_qkv(
         return q, k, v
     inverse = cos  # never read unless the cache is e4m3
     fp8 = cache is not None and cache[0].dtype == torch.float8_e4m3fn
-    if fp8 and hadamard(head_dim, qkv.device) is not None and not turns(head_dim):
+    if fp8 and stores_turned(head_dim) and not turns(head_dim):
         # K is stored turned, but not by this kernel at this head size: the torch store turns it
         q, k, v = rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim, None, dtype, norms)
         store_kv(cache, k, v, num_kv_heads, head_dim)
