@@ -54,8 +54,15 @@ TARGET_COLUMNS = {  # kind -> (ours, what the target compares it with)
 }
 
 
-def points(quick: bool, smoke: bool, layouts: list[str]) -> list[dict[str, Any]]:
-    """Every point's (kind, layout, fanouts, lengths): the full grid, the quick one or the CPU smoke's."""
+def points(
+    quick: bool,
+    smoke: bool,
+    layouts: list[str],
+    kinds: list[str] | None = None,
+    batches: list[int] | None = None,
+) -> list[dict[str, Any]]:
+    """Every point's (kind, layout, fanouts, lengths): the full grid, the quick one or the CPU smoke's;
+    ``kinds`` / ``batches``: only those kinds / batch sizes (the last fanout) of it."""
     if smoke:
         return [
             {"kind": "plain", "layout": "smoke", "fanouts": [3], "lengths": [40]},
@@ -74,7 +81,8 @@ def points(quick: bool, smoke: bool, layouts: list[str]) -> list[dict[str, Any]]
             for r, p in grid["tree"]
         ]
         out += [{"kind": "plain", "layout": lay, "fanouts": [b], "lengths": [c]} for b, c in grid["plain"]]
-    return out
+    kept = [p for p in out if kinds is None or p["kind"] in kinds]
+    return [p for p in kept if batches is None or p["fanouts"][-1] in batches]
 
 
 def make_batch(pt: dict[str, Any], device: torch.device) -> Batch:
@@ -198,13 +206,20 @@ def run(args: argparse.Namespace) -> None:
         "flashinfer": getattr(fi, "__version__", None),
         "flashinfer_error": fi_error,
         "copy_TBps": copy_tbps,
-        "settings": {"quick": args.quick, "smoke": args.smoke, "layouts": args.layouts, "page_size": 16},
+        "settings": {
+            "quick": args.quick,
+            "smoke": args.smoke,
+            "layouts": args.layouts,
+            "kinds": args.kinds,
+            "batches": args.batches,
+            "page_size": 16,
+        },
         "complete": False,
         "rows": [],
     }
     cols = Columns(fi, fi_error)
     start = time.perf_counter()
-    for pt in points(args.quick, args.smoke, args.layouts):
+    for pt in points(args.quick, args.smoke, args.layouts, args.kinds, args.batches):
         where = {"kind": pt["kind"], "layout": pt["layout"], "fanouts": pt["fanouts"]}
         if time.perf_counter() - start > args.budget_s:
             result["rows"].append({**where, "error": f"skipped: past the {args.budget_s} s budget"})
@@ -303,6 +318,8 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--smoke", action="store_true", help="CPU: our side only, tiny points, fp32 references")
     r.add_argument("--fi-dir", default=".fi", help="the slim FlashInfer from peers_gpu_wheel.py build")
     r.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    r.add_argument("--kinds", nargs="+", choices=list(TARGET_COLUMNS), help="only these kinds of point")
+    r.add_argument("--batches", nargs="+", type=int, help="only points of these batch sizes (last fanout)")
     r.add_argument("--budget-s", type=float, default=420.0, help="start no point after this many seconds")
 
 

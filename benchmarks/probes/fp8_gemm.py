@@ -8,7 +8,11 @@ W8A16 kernel (``fp8_linear``: e4m3 codes converted in registers), the same kerne
 path's FP8 output checked against the dequantized product first. Beside each: the weight bytes over
 the copy rate measured in the run.
 
-    PYTHONPATH=. python -m benchmarks.probes.fp8_gemm [--out DIR]
+``--prefill``: the same four products at a prefill's 8,192 rows, where the FP8 GEMM is compute-bound:
+cuBLAS bf16 against ``torch._scaled_mm`` with and without fast accumulation, each with and without
+the per-token quantization of x (``quantize_rows``, timed alone too), in TFLOP/s.
+
+    PYTHONPATH=. python -m benchmarks.probes.fp8_gemm [--prefill] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,10 +39,68 @@ def copy_rate() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
+PREFILL_ROWS = 8192
+
+
+def prefill_rows() -> list[dict]:
+    """Each product at ``PREFILL_ROWS`` rows: us and TFLOP/s a path, errors against the dequantized
+    product (x rounded to e4m3 as the path does)."""
+    rows = []
+    m = PREFILL_ROWS
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        codes, scale = fp8.quantize_rows(w)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq, sx = quantize_rows(x)
+        wt, sw = codes.t(), scale.view(1, -1)
+
+        def mm(fast: bool, xq=xq, sx=sx, wt=wt, sw=sw) -> torch.Tensor:
+            return torch._scaled_mm(
+                xq, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=fast
+            )
+
+        def quantized_mm(fast: bool, x=x, wt=wt, sw=sw) -> torch.Tensor:
+            q, s_ = quantize_rows(x)
+            return torch._scaled_mm(
+                q, wt, scale_a=s_, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=fast
+            )
+
+        paths = {
+            "bf16_cublas": lambda x=x, w=w: F.linear(x, w),
+            "quantize_rows": lambda x=x: quantize_rows(x),
+            "scaled_mm": lambda: mm(False),
+            "scaled_mm_fast": lambda: mm(True),
+            "quantize_scaled_mm": lambda: quantized_mm(False),
+            "quantize_scaled_mm_fast": lambda: quantized_mm(True),
+        }
+        ref = (xq.float() * sx) @ fp8.dequantize(codes, scale).T
+        row = {"layer": name, "M": m, "N": n, "K": k}
+        for path, fn in paths.items():
+            if path.startswith("scaled_mm"):
+                got = fn().float()
+                row[path + "_err"] = float((got - ref).norm() / ref.norm())
+                row[path + "_max_err"] = float(((got - ref).abs() / ref.abs().clamp_min(1e-2)).max())
+            us = 1e3 * bench_ms(graphed(fn))
+            row[path + "_us"] = us
+            if path != "quantize_rows":
+                row[path + "_TFLOPs"] = 2 * m * n * k / (us * 1e-6) / 1e12
+        rows.append(row)
+        cells = " ".join(f"{p}={row[p + '_us']:.0f}" for p in paths)
+        errs = f"fast err {row['scaled_mm_fast_err']:.2e} vs {row['scaled_mm_err']:.2e}"
+        print(f"{name} M={m}: {cells} us; {errs}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/fp8_gemm")
+    ap.add_argument("--prefill", action="store_true", help="the products at 8,192 rows (prefill)")
     args = ap.parse_args()
+    if args.prefill:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fp8_gemm_prefill.json").write_text(json.dumps({"rows": prefill_rows()}, indent=1))
+        return
     rate = copy_rate()
     rows = []
     for name, (n, k) in SHAPES.items():

@@ -141,16 +141,21 @@ def test_packed_decode_gqa3() -> None:
     assert err < 1e-5 and lse_err < 1e-4
 
 
-@pytest.mark.parametrize(("group", "splits"), [(3, 5), (4, 9), (1, 2)])
-def test_decode_splits_merged_by_the_last_program(group: int, splits: int) -> None:
+@pytest.mark.parametrize(
+    ("group", "splits", "longest"), [(3, 5, 130), (4, 9, 130), (1, 2, 130), (4, 37, 1500), (8, 40, 2600)]
+)
+def test_decode_splits_merged_by_the_last_program(group: int, splits: int, longest: int) -> None:
     """A decode step's splits merged inside the kernel (``merge_last``: the last program of each
     sequence and KV head to finish) against the oracle, with GQA groups that are not powers of two,
     sequences shorter than a split (empty splits: o = 0, lse = -inf parts) and an empty sequence; the
-    counts are back at zero after every call, so a second call (a graph replay) merges again."""
+    counts are back at zero after every call, so a second call (a graph replay) merges again. The
+    merge loads its partials ``MERGE_CELLS // group`` splits at a time: the long cases fill splits
+    past the first such chunk (a split holds at least 64 tokens)."""
     from prefixserve.attention.kernels.paged_attention import merge_counts
 
     for seed in range(2):
-        err, lse_err = _run([1, 1, 1, 1], [3, 77, 0, 130], group, 64, 16, num_splits=splits, seed=seed)
+        lens = [3, 77, 0, longest]
+        err, lse_err = _run([1, 1, 1, 1], lens, group, 64, 16, num_splits=splits, seed=seed)
         assert err < 1e-5 and lse_err < 1e-4
         assert int(merge_counts(torch.device(DEVICE), 4 * KV_HEADS).count_nonzero()) == 0
 
