@@ -37,7 +37,7 @@ from prefixserve.attention.step_launch import (
 )
 
 PAGED_BLOCK_N = 64
-MAX_SPLITS = paged_attention.MERGE_SPLITS.value
+MAX_SPLITS = 64
 # Block-table columns a graph holds at least (1,024 tokens at block size 16): a decode grows its own
 # part by one token a step, and a wider table from the start saves re-captures on the way.
 MIN_TABLE_WIDTH = 64

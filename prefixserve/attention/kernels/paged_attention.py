@@ -239,12 +239,6 @@ def _paged_kernel(
         )  # fmt: skip
 
 
-# the most splits a merged launch takes (``choose_split`` and the graphs cap at it)
-MERGE_SPLITS: tl.constexpr = tl.constexpr(64)
-# (split, head) pairs of partials a merging program loads at once (GROUP <= 64): [cells, HEAD_DIM]
-MERGE_CELLS: tl.constexpr = tl.constexpr(64)
-
-
 @triton.jit
 def merge_last(
     qsl_ptr,
@@ -271,11 +265,8 @@ def merge_last(
     kernel cost about one launch and pass in a graph (docs/kernels.md, FlashInfer side by side). Each
     program counts itself in ``count_ptr`` after its partials are written (a barrier, then an
     acquire-release add); the one that finds every other counted reads the partials through L2 and
-    writes the final rows, then sets the count back to zero for the next step or replay.
-
-    The reads are tiles, not a walk: every split's LSE in one load ([MERGE_SPLITS, BLOCK_G]), then
-    the partials ``MERGE_CELLS // BLOCK_G`` splits a load. A walk of one split a load waited for L2
-    twice per split, 128 waits at 64 splits, each a few hundred cycles."""
+    writes the final rows, then sets the count back to zero for the next step or replay. The partials
+    are summed in split order, as ``merge.py`` does."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     splits = tl.num_programs(2)
@@ -289,30 +280,28 @@ def merge_last(
         offs_d = tl.arange(0, HEAD_DIM)
         g_ok = offs_g < GROUP
         head = kvh * GROUP + offs_g
-        lse_rows = lse_ptr + tok * stride_lt + head[None, :]
-        offs_s = tl.arange(0, MERGE_SPLITS)
-        every = (offs_s < splits)[:, None] & g_ok[None, :]
-        lse_all = tl.load(
-            lse_rows + offs_s[:, None] * stride_ls, mask=every, other=float("-inf"), cache_modifier=".cg"
-        )  # [MERGE_SPLITS, BLOCK_G]
-        m = tl.max(lse_all, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        denom = tl.sum(tl.exp(lse_all - m_safe[None, :]), 0)
-        CHUNK: tl.constexpr = MERGE_CELLS // BLOCK_G
-        offs_c = tl.arange(0, CHUNK)
-        o_rows = o_ptr + tok * stride_ot + head[None, :, None] * stride_oh + offs_d[None, None, :]
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for s0 in range(0, splits, CHUNK):
-            s = s0 + offs_c
-            ok = (s < splits)[:, None] & g_ok[None, :]
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for s in range(0, splits):
             lse_s = tl.load(
-                lse_rows + s[:, None] * stride_ls, mask=ok, other=float("-inf"), cache_modifier=".cg"
+                lse_ptr + s * stride_ls + tok * stride_lt + head, mask=g_ok, other=float("-inf"),
+                cache_modifier=".cg",
             )  # fmt: skip
-            w = tl.exp(lse_s - m_safe[None, :])  # [CHUNK, BLOCK_G]; exp(-inf) = 0 drops empty splits
+            m = tl.maximum(m, lse_s)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        denom = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for s in range(0, splits):
+            lse_s = tl.load(
+                lse_ptr + s * stride_ls + tok * stride_lt + head, mask=g_ok, other=float("-inf"),
+                cache_modifier=".cg",
+            )  # fmt: skip
+            w = tl.exp(lse_s - m_safe)
             part = tl.load(
-                o_rows + s[:, None, None] * stride_os, mask=ok[:, :, None], other=0.0, cache_modifier=".cg"
-            )  # [CHUNK, BLOCK_G, HEAD_DIM]
-            acc += tl.sum(w[:, :, None] * part, 0)
+                o_ptr + s * stride_os + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            acc += w[:, None] * part
+            denom += w
         o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(
             out_ptr + tok * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
@@ -350,7 +339,7 @@ def choose_split(
     want = max(1, math.ceil(2 * sms / max(1, base_programs)))
     if prefill and BALANCE_CHUNK and base_programs <= 4 * sms:
         want = max(want, math.ceil(max_kv / BALANCE_CHUNK))
-    splits = max(1, min(want, math.ceil(max_kv / min_chunk), MERGE_SPLITS.value))
+    splits = max(1, min(want, math.ceil(max_kv / min_chunk), 64))
     split_size = math.ceil(math.ceil(max_kv / splits) / block_n) * block_n
     return math.ceil(max_kv / split_size), split_size
 
@@ -444,8 +433,6 @@ def launch_paged(
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
     if merged is not None and (max_query_len != 1 or num_splits == 1):
         raise ValueError("a merged launch is for a decode step's splits (one query a sequence, splits > 1)")
-    if merged is not None and num_splits > MERGE_SPLITS.value:
-        raise ValueError(f"a merged launch takes at most {MERGE_SPLITS.value} splits, not {num_splits}")
     out, out_lse, counts = merged if merged is not None else (q, None, seq_lens)
     if merged is not None and (counts.dtype != torch.int32 or counts.numel() < num_seqs * kv_heads):
         raise ValueError(f"counts must be >= {num_seqs * kv_heads} int32 zeros")
