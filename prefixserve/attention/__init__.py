@@ -6,7 +6,8 @@
     ceiling) and ``triton_backend.py`` ("triton", "triton_paged"); with what they share: the exact LSE
     merge in torch (``merge.py``), sliding-window layers (``window.py``), attention in captured decode
     graphs (``graph.py``: the scheme; ``graph_attention.py``: the Triton kernels under it;
-    ``window_graph.py``: sliding layers inside them), a Triton
+    ``window_graph.py``: sliding layers inside them), long prefills through torch's fused attention
+    (``dense_prefill.py``: cuDNN's or FlashAttention-2's kernel behind SDPA), a Triton
     step's launch paths and their replay (``step_launch.py``) and the ptxas that builds the mixed kernel
     (``_ptxas.py``). The Triton backends' host side stays here beside the other backends rather than in
     a package of its own: it runs a step (launches, replays, graph captures), so it is backend code,

@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from prefixserve.attention import dense_prefill
 from prefixserve.attention.backend import AttentionBackend, register_backend
+from prefixserve.attention.dense_prefill import DenseSequence
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.decode_plans import DecodePlans
 from prefixserve.attention.planning.step_plan import (
@@ -90,6 +92,7 @@ class TritonStep:
     max_seq_len: int = 0
     seg_rows_host: np.ndarray | None = None  # [R] query row of each segment row (no device read)
     seg_blocks_host: np.ndarray | None = None  # the segments' block ids (contiguity: the TMA path)
+    dense: tuple[DenseSequence, ...] | None = None  # a few long prefills: SDPA (``dense_prefill.py``)
 
 
 def _seg_rows_on_host(plan: Any, meta: AttentionMetadata) -> np.ndarray:
@@ -135,6 +138,7 @@ class TritonPagedBackend(AttentionBackend):
             shared=None,
             max_query_len=max(meta.query_lens_host, default=1),
             max_seq_len=max(meta.seq_lens_host, default=0),
+            dense=dense_prefill.plan(meta),
         )
 
     def graph_step(self, meta: AttentionMetadata, shape: Any, bucket: int) -> Any:
@@ -161,6 +165,10 @@ class TritonPagedBackend(AttentionBackend):
 
     def _paged(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, with_lse: bool):
         step = self._step(meta)
+        if step.dense is not None and not with_lse:
+            out = dense_prefill.run(q, k_cache, v_cache, meta, step.dense, scale)
+            if out is not None:
+                return out, None
         out = torch.empty_like(q)
         key = (q.shape[1], k_cache.shape[2], q.shape[2], "paged", str(q.dtype), with_lse)
         lay = step.layouts.get(key)

@@ -224,14 +224,20 @@ def scaled_mm(
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """W8A8 through ``torch._scaled_mm``: x's per-token scales [M, 1] and the weight's per-channel
-    [1, N] applied in the epilogue. The second operand column-major: ``codes.t()`` of row-major codes."""
+    [1, N] applied in the epilogue. The second operand column-major: ``codes.t()`` of row-major codes.
+
+    Fast accumulation (the tensor cores' own accumulator, no periodic promotion to fp32), as vLLM's
+    Hopper FP8 kernels run: 2-13% faster at prefill's 8,192 rows, its relative error 2-3e-3 against
+    the exact product, a tenth of x's own e4m3 rounding (docs/kernels.md §10)."""
     if _triton_takes(x) and x.stride(1) == 1:
         from prefixserve.model.kernels import fp8_matmul
 
         xq, sx = fp8_matmul.quantize_rows(x, input_scale)
     else:
         xq, sx = quantize_tokens(x, input_scale)
-    y = torch._scaled_mm(xq, codes.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    y = torch._scaled_mm(
+        xq, codes.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=True
+    )
     return y if bias is None else y + bias
 
 

@@ -1,0 +1,138 @@
+"""Long prefills through torch's fused attention: cuDNN's kernel (or FlashAttention-2's) behind SDPA.
+
+A prefill of thousands of tokens is compute-bound, and there our Triton paged kernel is far from the
+tensor cores' rate: one 8,192-token causal prefill at the Llama-3.1-8B heads runs at 241 TFLOP/s
+on an H200, FlashAttention-2 (torch's flash backend) at 317 and cuDNN's at 614 (docs/kernels.md
+§2.14). A step takes this path when it is a few long prefills and nothing else: every sequence has
+at least ``MIN_ROWS`` query rows, at most ``MAX_SEQS`` of them, full attention over a cache of q's
+dtype, no LSE asked (attention sinks). Each sequence's KV is gathered from its blocks into
+contiguous rows (one copy of its K and V: about 1% of the attention's time at 8K), then one SDPA
+call: causal from the top left when the sequence has no earlier context, from the bottom right
+(FlashAttention-2's alignment, ``causal_lower_right``) when it has (a chunk after a prefix-cache hit
+or an earlier chunk). Decode, mixed and shared-segment steps never come here: the one idea (shared
+segments read once) lives in our kernels.
+
+On a GPU only cuDNN's and FlashAttention-2's kernels are allowed (never the math fallback, which
+would hold every head's score matrix); where neither takes the shape (a head of 512, say) the step
+falls back to the paged kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixserve.attention.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+MIN_ROWS = 1024  # query rows of every sequence in the step (below: the paged kernel, measured)
+MAX_SEQS = 8  # sequences in the step (one SDPA call each: many short ones are the paged kernel's)
+
+
+@dataclass(frozen=True, slots=True)
+class DenseSequence:
+    """One sequence of a dense prefill step."""
+
+    index: int  # its row in the block tables
+    row: int  # its first query row in the step
+    q_len: int
+    seq_len: int  # KV tokens, this step's included
+
+
+def plan(meta: AttentionMetadata) -> tuple[DenseSequence, ...] | None:
+    """The step's sequences when it takes the dense path (host values only), else None."""
+    q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    if not q_lens or len(q_lens) > MAX_SEQS or min(q_lens) < MIN_ROWS:
+        return None
+    if meta.table_base is not None or meta.module_rows is not None:  # a sliding group's view; modules
+        return None
+    rows, seqs = 0, []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        seqs.append(DenseSequence(i, rows, q_len, seq_len))
+        rows += q_len
+    return tuple(seqs)
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this layer's shapes go through SDPA: 16-bit q, a cache of q's dtype, heads <= 256."""
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and k_cache.dtype == q.dtype
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and q.shape[1] % k_cache.shape[2] == 0
+    )
+
+
+_REFUSED: set[tuple] = set()  # (head_dim, dtype, q_heads, kv_heads) SDPA had no kernel for, this process
+
+
+def run(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seqs: tuple[DenseSequence, ...],
+    scale: float,
+) -> torch.Tensor | None:
+    """``attend`` into a new tensor where this layer's shapes go through SDPA on a GPU, else None (the
+    caller's kernel runs): shapes it refused once are not tried again."""
+    shape = (q.shape[-1], q.dtype, q.shape[1], k_cache.shape[2])
+    if not q.is_cuda or shape in _REFUSED or not takes(q, k_cache):
+        return None
+    try:
+        return attend(q, k_cache, v_cache, meta, seqs, scale, torch.empty_like(q))
+    except RuntimeError as exc:  # no SDPA kernel for this shape here
+        _REFUSED.add(shape)
+        log.warning("long prefills of heads %s stay on the paged kernel: SDPA refused them (%s)", shape, exc)
+        return None
+
+
+def _backends(device: torch.device) -> list:
+    from torch.nn.attention import SDPBackend
+
+    if device.type == "cuda":
+        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    return [SDPBackend.MATH]  # the CPU tests' path: the same gathers and masks, exact math
+
+
+def gather_kv(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A sequence's first ``seq_len`` tokens of ``cache`` [blocks, block_size, Hkv, D] through its
+    block-table row, as [Hkv, seq_len, D] (a view of one gathered copy)."""
+    block_size = cache.shape[1]
+    blocks = table[: -(-seq_len // block_size)].long()
+    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+
+
+def attend(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seqs: tuple[DenseSequence, ...],
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its KV into ``out`` (see the module)."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    with sdpa_kernel(_backends(q.device), set_priority=True):
+        for s in seqs:
+            qs = q[s.row : s.row + s.q_len].transpose(0, 1)[None]  # [1, Hq, Lq, D]
+            k = gather_kv(k_cache, meta.block_tables[s.index], s.seq_len)[None]
+            v = gather_kv(v_cache, meta.block_tables[s.index], s.seq_len)[None]
+            if s.q_len == s.seq_len:
+                o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = causal_lower_right(s.q_len, s.seq_len)
+                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[s.row : s.row + s.q_len] = o[0].transpose(0, 1)
+    return out
+
+
+__all__ = ["MAX_SEQS", "MIN_ROWS", "DenseSequence", "attend", "gather_kv", "plan", "run", "takes"]
