@@ -99,8 +99,10 @@ def test_replayed_from_a_cuda_graph(m: int) -> None:
     _close(out, eager)
 
 
-def _greedy(model: str, device: str = "cuda", **kw) -> list[list[int]]:
-    prompts = [{"prompt_token_ids": [3 + i, 17, 41 + 2 * i, 9, 100 + i]} for i in range(4)]
+def _greedy(model: str, device: str = "cuda", prompt_len: int = 5, **kw) -> list[list[int]]:
+    prompts = [
+        {"prompt_token_ids": [3 + i, 17, 41 + 2 * i, 9, 100 + i] * (prompt_len // 5)} for i in range(4)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     with LLM(
         model=model, device=device, num_kv_blocks=128, max_num_batched_tokens=256, progress=False, **kw
@@ -146,3 +148,15 @@ def test_dummy_model_with_the_flag_under_cuda_graphs(tiny_config_path: Path) -> 
     model = f"dummy:{tiny_config_path}"
     graphs = _greedy(model, quantization="fp8")
     assert graphs == _greedy(model, quantization="fp8", enforce_eager=True)
+
+
+def test_codes_made_by_the_norms_change_no_token(
+    tiny_config_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RMSNorm and SiLU-and-mul hand the FP8 products their inputs' codes (``fp8.attach_rows``): the
+    same codes the products made themselves, so the same greedy tokens as with every product
+    quantizing its own input, prefill (cuBLASLt) and decode (the Triton kernel, under graphs)."""
+    model = f"dummy:{tiny_config_path}"
+    handed = _greedy(model, prompt_len=40, quantization="fp8")  # a prefill of 160 rows: cuBLASLt
+    monkeypatch.setattr(fp8, "takes_rows", lambda layer: False)
+    assert handed == _greedy(model, prompt_len=40, quantization="fp8")

@@ -1,16 +1,18 @@
 """Long prefills through torch's fused attention: cuDNN's kernel (or FlashAttention-2's) behind SDPA.
 
 A prefill of thousands of tokens is compute-bound, and there our Triton paged kernel is far from the
-tensor cores' rate: one 8,192-token causal prefill at the Llama-3.1-8B heads runs at 241 TFLOP/s
-on an H200, FlashAttention-2 (torch's flash backend) at 317 and cuDNN's at 614 (docs/kernels.md
-§2.14). A step takes this path when it is a few long prefills and nothing else: every sequence has
-at least ``MIN_ROWS`` query rows, at most ``MAX_SEQS`` of them, full attention over a cache of q's
-dtype, no LSE asked (attention sinks). Each sequence's KV is gathered from its blocks into
-contiguous rows (one copy of its K and V: about 1% of the attention's time at 8K), then one SDPA
-call: causal from the top left when the sequence has no earlier context, from the bottom right
-(FlashAttention-2's alignment, ``causal_lower_right``) when it has (a chunk after a prefix-cache hit
-or an earlier chunk). Decode, mixed and shared-segment steps never come here: the one idea (shared
-segments read once) lives in our kernels.
+tensor cores' rate: one 8,192-token causal prefill at the Llama-3.1-8B heads runs at 239 TFLOP/s on
+an H200 through it and at 534 through this path (cuDNN's kernel: 614 alone; docs/kernels.md §2.14).
+A step takes this path when it is a few long prefills and nothing else: at most ``MAX_SEQS``
+sequences, each with at least ``MIN_ROWS`` query rows and at least ``MIN_WORK`` query-key-head
+products (below it cuDNN's per-call cost loses: one 2,048-token prefill of 32 heads took 1.40x our
+kernel's time, of 64 heads 0.75x), full attention, no LSE asked (attention sinks). Each sequence's KV
+is gathered from its blocks into contiguous rows (one copy of its K and V, widened to q's dtype from
+an FP8 cache exactly as the paged kernel widens its tiles), then one SDPA call: causal from the top
+left when the sequence has no earlier context, from the bottom right (FlashAttention-2's alignment,
+``causal_lower_right``) when it has (a chunk after a prefix-cache hit or an earlier chunk). Decode,
+mixed and shared-segment steps never come here: the one idea (shared segments read once) lives in
+our kernels.
 
 On a GPU only cuDNN's and FlashAttention-2's kernels are allowed (never the math fallback, which
 would hold every head's score matrix); where neither takes the shape (a head of 512, say) the step
@@ -29,7 +31,8 @@ from prefixserve.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-MIN_ROWS = 1024  # query rows of every sequence in the step (below: the paged kernel, measured)
+MIN_ROWS = 1024  # query rows of every sequence in the step (below: the paged kernel)
+MIN_WORK = 2048 * 2048 * 64  # query rows x KV tokens x query heads of every sequence (H200, measured)
 MAX_SEQS = 8  # sequences in the step (one SDPA call each: many short ones are the paged kernel's)
 
 
@@ -58,10 +61,10 @@ def plan(meta: AttentionMetadata) -> tuple[DenseSequence, ...] | None:
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this layer's shapes go through SDPA: 16-bit q, a cache of q's dtype, heads <= 256."""
+    """Whether this layer's shapes go through SDPA: 16-bit q, a cache of q's dtype or e4m3, heads <= 256."""
     return (
         q.dtype in (torch.bfloat16, torch.float16)
-        and k_cache.dtype == q.dtype
+        and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
         and q.shape[-1] <= 256
         and q.shape[-1] % 8 == 0
         and q.shape[1] % k_cache.shape[2] == 0
@@ -84,6 +87,8 @@ def run(
     shape = (q.shape[-1], q.dtype, q.shape[1], k_cache.shape[2])
     if not q.is_cuda or shape in _REFUSED or not takes(q, k_cache):
         return None
+    if min(s.q_len * s.seq_len for s in seqs) * q.shape[1] < MIN_WORK:
+        return None
     try:
         return attend(q, k_cache, v_cache, meta, seqs, scale, torch.empty_like(q))
     except RuntimeError as exc:  # no SDPA kernel for this shape here
@@ -100,12 +105,13 @@ def _backends(device: torch.device) -> list:
     return [SDPBackend.MATH]  # the CPU tests' path: the same gathers and masks, exact math
 
 
-def gather_kv(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, table: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
     """A sequence's first ``seq_len`` tokens of ``cache`` [blocks, block_size, Hkv, D] through its
-    block-table row, as [Hkv, seq_len, D] (a view of one gathered copy)."""
+    block-table row, as [Hkv, seq_len, D] in ``dtype`` (a view of one gathered copy; an e4m3 cache's
+    codes widened, exact, their scales left to the caller as the paged kernel leaves them)."""
     block_size = cache.shape[1]
     blocks = table[: -(-seq_len // block_size)].long()
-    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)
 
 
 def attend(
@@ -124,8 +130,8 @@ def attend(
     with sdpa_kernel(_backends(q.device), set_priority=True):
         for s in seqs:
             qs = q[s.row : s.row + s.q_len].transpose(0, 1)[None]  # [1, Hq, Lq, D]
-            k = gather_kv(k_cache, meta.block_tables[s.index], s.seq_len)[None]
-            v = gather_kv(v_cache, meta.block_tables[s.index], s.seq_len)[None]
+            k = gather_kv(k_cache, meta.block_tables[s.index], s.seq_len, q.dtype)[None]
+            v = gather_kv(v_cache, meta.block_tables[s.index], s.seq_len, q.dtype)[None]
             if s.q_len == s.seq_len:
                 o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
@@ -135,4 +141,4 @@ def attend(
     return out
 
 
-__all__ = ["MAX_SEQS", "MIN_ROWS", "DenseSequence", "attend", "gather_kv", "plan", "run", "takes"]
+__all__ = ["MAX_SEQS", "MIN_ROWS", "MIN_WORK", "DenseSequence", "attend", "gather_kv", "plan", "run", "takes"]

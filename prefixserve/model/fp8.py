@@ -20,6 +20,10 @@ The product, by rows M of x (``linear``):
 - CPU, or a GPU without FP8 (before sm_89): ``reference``, dequantize then matmul in fp32, with the
   activation quantization the GPU would apply at that M (so CPU tests see the GPU's numerics).
 
+An input quantized per token may arrive with its codes already made: the RMSNorm or SiLU-and-mul
+kernel before the product emits them beside its 16-bit output (``takes_rows`` says when the model
+asks), one pass over the row fewer (``rows_of``).
+
 The LM head, the embedding, routers and MoE experts stay in the model's dtype
 (``linear.quantize_model``).
 """
@@ -95,6 +99,28 @@ def quantize_tokens(x: torch.Tensor, static: torch.Tensor | None = None) -> tupl
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+ROWS_ATTR = "fp8_rows"  # a 16-bit activation's (e4m3 codes [M, K], fp32 scales [M, 1]), set by its producer
+
+
+def takes_rows(layer: nn.Module) -> bool:
+    """Whether ``layer``'s products quantize their input per token with amax / 448 (W8A8 over
+    per-channel weight scales): then its producer may hand it the codes (``attach_rows``)."""
+    return is_fp8(layer) and layer.act_quant == "dynamic" and layer.weight_scale.shape[1] == 1
+
+
+def attach_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] carrying its per-token e4m3 codes and scales (equal to ``quantize_tokens(x)``),
+    which ``linear`` takes instead of quantizing x again. Only this tensor object carries them: a
+    view or any op's result is a new tensor without them."""
+    setattr(x, ROWS_ATTR, (codes, scales))
+    return x
+
+
+def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The codes and scales ``attach_rows`` gave x, or None."""
+    return getattr(x, ROWS_ATTR, None)
+
+
 def is_fp8(layer: nn.Module) -> bool:
     """Whether a linear layer holds FP8 codes (``install`` made it so)."""
     w = getattr(layer, "weight", None)
@@ -156,12 +182,13 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
         from prefixserve.model.kernels import fp8_matmul
 
         static = layer.input_scale if act == "static" else None
+        rows = rows_of(x) if act == "dynamic" else None  # made by the kernel before, amax / 448
         triton_ok = _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
         if act is not None and triton_ok and x2.shape[0] <= MAX_ROWS:  # W8A8 on the Triton kernel
-            xq = fp8_matmul.quantize_rows(x2, static)
+            xq = rows or fp8_matmul.quantize_rows(x2, static)
             return fp8_matmul.launch(x2, codes, scale, bias, out, xq).view(*lead, -1)
         if act is not None and scaled_mm_takes(x2, codes):
-            y = scaled_mm(x2, codes, scale, bias, static)
+            y = scaled_mm(x2, codes, scale, bias, static, rows)
         elif triton_ok:  # W8A16
             return fp8_matmul.launch(x2, codes, scale, bias, out).view(*lead, -1)
     if y is None:
@@ -222,6 +249,7 @@ def scaled_mm(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """W8A8 through ``torch._scaled_mm``: x's per-token scales [M, 1] and the weight's per-channel
     [1, N] applied in the epilogue. The second operand column-major: ``codes.t()`` of row-major codes.
@@ -229,7 +257,9 @@ def scaled_mm(
     Fast accumulation (the tensor cores' own accumulator, no periodic promotion to fp32), as vLLM's
     Hopper FP8 kernels run: 2-13% faster at prefill's 8,192 rows, its relative error 2-3e-3 against
     the exact product, a tenth of x's own e4m3 rounding (docs/kernels.md §10)."""
-    if _triton_takes(x) and x.stride(1) == 1:
+    if rows is not None:  # x's codes, made by the kernel before (``attach_rows``)
+        xq, sx = rows
+    elif _triton_takes(x) and x.stride(1) == 1:
         from prefixserve.model.kernels import fp8_matmul
 
         xq, sx = fp8_matmul.quantize_rows(x, input_scale)
@@ -247,6 +277,8 @@ __all__ = [
     "FP8_MAX",
     "GROUP",
     "MAX_ROWS",
+    "ROWS_ATTR",
+    "attach_rows",
     "dequantize",
     "expand_scale",
     "fp8_gpu",
@@ -258,8 +290,10 @@ __all__ = [
     "quantize_tokens",
     "reference",
     "refill",
+    "rows_of",
     "scaled_mm",
     "scaled_mm_takes",
+    "takes_rows",
     "to_codes",
     "weight_only",
 ]

@@ -235,8 +235,11 @@ def add_rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``.
+    ``quantize``: an FP8 projection that quantizes per token reads the first next; on the kernel's
+    path it carries its e4m3 codes (``fp8.attach_rows``), made in the same pass.
 
     The add is done in the model dtype, the statistics in fp32 and the result cast back before the
     weight multiply, as HF's RMSNorm after its residual add. Partials are summed in fp32 and rounded
@@ -250,7 +253,12 @@ def add_rms_norm(
         from prefixserve.model.kernels import rms_norm
 
         if x.shape[-1] <= rms_norm.MAX_HIDDEN:  # a row must fit one program's registers
-            return rms_norm.add_rms_norm(x, weight, eps, residual)
+            if not quantize:
+                return rms_norm.add_rms_norm(x, weight, eps, residual)
+            from prefixserve.model import fp8
+
+            out, summed, codes, scales = rms_norm.add_rms_norm(x, weight, eps, residual, quantize=True)
+            return fp8.attach_rows(out, codes, scales), summed
     if x.dim() == 3:
         if residual is None or x.dtype != torch.float32:
             raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
@@ -372,13 +380,18 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh") if act == "gelu_pytorch_tanh" else F.silu(x)
 
 
-def silu_and_mul(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:  # [T, 2 I] -> [T, I]
-    """``silu(gate) * up`` of the fused gate-up projection's two halves (``gelu``: the tanh GELU's,
-    Gemma's ``gelu_pytorch_tanh``)."""
+def silu_and_mul(x: torch.Tensor, gelu: bool = False, quantize: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate-up projection's two halves [T, 2 I] -> [T, I] (``gelu``:
+    the tanh GELU's, Gemma's ``gelu_pytorch_tanh``). ``quantize``: as ``add_rms_norm``'s (an FP8 down
+    projection next)."""
     if _use_triton(x):
-        from prefixserve.model.kernels.silu_mul import silu_and_mul as kernel
+        from prefixserve.model.kernels import silu_mul
 
-        return kernel(x, gelu)
+        if not quantize:
+            return silu_mul.silu_and_mul(x, gelu)
+        from prefixserve.model import fp8
+
+        return fp8.attach_rows(*silu_mul.silu_and_mul_quantize(x, gelu))
     gate, up = x.chunk(2, dim=-1)
     return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 

@@ -28,7 +28,7 @@ from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.kv_quant import kv_write, scales_of
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.window import attend_layer
-from prefixserve.model import fused
+from prefixserve.model import fp8, fused
 from prefixserve.model.config import LINEAR, LayerSpec, ModelConfig
 from prefixserve.model.gated_attention import gated_attention_init, gated_output, gated_rotated
 from prefixserve.model.gated_delta import GatedDeltaNet, LinearStep
@@ -62,16 +62,18 @@ class RMSNorm(nn.Module):
         self,
         x: torch.Tensor | fused.PeerSum,  # [T, hidden], or what ``fused.add_rms_norm`` also takes
         residual: torch.Tensor | None = None,  # [T, hidden]
+        quantize: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        normed, summed = self.with_stream(x, residual)
+        normed, summed = self.with_stream(x, residual, quantize)
         return normed if residual is None else (normed, summed)
 
     def with_stream(
-        self, x: torch.Tensor | fused.PeerSum, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | fused.PeerSum, residual: torch.Tensor | None = None, quantize: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``, with no residual ``(norm(x), x)``: the residual
-        stream too, which a ``PeerSum`` x only has once summed."""
-        return fused.add_rms_norm(x, self.weight, self.eps, residual)
+        stream too, which a ``PeerSum`` x only has once summed. ``quantize``: an FP8 projection that
+        quantizes per token reads the norm (``fused.add_rms_norm``)."""
+        return fused.add_rms_norm(x, self.weight, self.eps, residual, quantize)
 
 
 class Attention(nn.Module):
@@ -117,6 +119,12 @@ class Attention(nn.Module):
         self.gated = config.attn_output_gate  # Qwen3.5 / Qwen3-Next: ``gated_attention.py``
         if self.gated:
             gated_attention_init(self, config, shard, spec)
+
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the norm before may hand the q/k/v product its input's FP8 codes: the plain
+        projection (not Gemma 4's nor the gated attention's edge) over FP8 per-token W8A8."""
+        return not (self.gated or self.gemma4) and fp8.takes_rows(self.qkv_proj)
 
     def _qkv(
         self,
@@ -226,6 +234,11 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, parts, bias=False)
         self.down_proj = RowParallelLinear(inter, cols, config.hidden_size)
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the norm before may hand the gate-up product its input's FP8 codes (``fp8.takes_rows``)."""
+        return fp8.takes_rows(self.gate_up_proj)
+
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor | fused.PeerSum:  # [T, hidden]
         """The MLP's output; with ``partials`` (for a norm next: ``fused.add_rms_norm`` takes them)
         maybe the down projection's fp32 split-K partials [S, T, hidden] instead (one process), or
@@ -235,7 +248,7 @@ class MLP(nn.Module):
         if x.is_cuda and not self.gate_up_proj.fp8:
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight, gelu)
         else:
-            act = fused.silu_and_mul(self.gate_up_proj(x), gelu)
+            act = fused.silu_and_mul(self.gate_up_proj(x), gelu, fp8.takes_rows(self.down_proj))
         if partials and not self.shard.parallel and act.is_cuda and not self.down_proj.fp8:
             return fused.linear_partials(act, self.down_proj.weight)
         return self.down_proj.reduced(act, self.shard, slot=MLP_SLOT if partials else None)
@@ -315,7 +328,7 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: Ropes, cache: fused.KVWrite
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, residual stream): the input norm, then q/k/v with RoPE, K/V written to ``cache``."""
-        x, residual = self.input_layernorm.with_stream(h, residual)
+        x, residual = self.input_layernorm.with_stream(h, residual, self.self_attn.takes_rows)
         return self.self_attn.query(x, rope[self.rope_index], cache), residual
 
     def after_attention(
@@ -341,7 +354,9 @@ class DecoderLayer(nn.Module):
             if hasattr(self, "layer_scalar"):
                 stream = stream * self.layer_scalar
             return stream, None
-        x, residual = self.post_attention_layernorm(self.self_attn.output(out, for_norm=True), residual)
+        quantize = isinstance(self.mlp, MLP) and self.mlp.takes_rows
+        attn = self.self_attn.output(out, for_norm=True)
+        x, residual = self.post_attention_layernorm(attn, residual, quantize)
         return self.mlp(x, partials=True), residual  # the next norm sums split-K partials or ranks
 
     def _add_per_layer_input(

@@ -53,6 +53,15 @@ def test_dense_attention_equals_the_oracle(q_lens, seq_lens, heads, dim) -> None
     assert rel_err(out, _reference(q, k, v, meta, scale)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_an_fp8_cache_is_widened_as_the_paged_kernel_widens_it() -> None:
+    """e4m3 K/V gathered and widened to q's dtype (exact): the same attention as over the widened cache."""
+    q, k, v, meta = _step([21], [45], 4, 2, 64, torch.float32, seed=5)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    seqs = (dense_prefill.DenseSequence(0, 0, 21, 45),)
+    out = dense_prefill.attend(q, k8, v8, meta, seqs, 0.125, torch.empty_like(q))
+    assert rel_err(out, _reference(q, k8.float(), v8.float(), meta, 0.125)) < 1e-5
+
+
 def test_which_steps_take_the_dense_path(monkeypatch) -> None:
     monkeypatch.setattr(dense_prefill, "MIN_ROWS", 8)
     monkeypatch.setattr(dense_prefill, "MAX_SEQS", 2)
@@ -68,7 +77,7 @@ def test_dense_path_takes_only_shapes_sdpa_runs() -> None:
     q = torch.empty(4, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(2, BS, 2, 128, dtype=torch.bfloat16)
     assert dense_prefill.takes(q, k)
-    assert not dense_prefill.takes(q, k.to(torch.float8_e4m3fn))  # an FP8 cache: the paged kernel
+    assert dense_prefill.takes(q, k.to(torch.float8_e4m3fn))  # an FP8 cache: widened as gathered
     assert not dense_prefill.takes(q.float(), k.float())
     wide = torch.empty(4, 8, 512, dtype=torch.bfloat16)  # Gemma 4's global heads
     assert not dense_prefill.takes(wide, torch.empty(2, BS, 2, 512, dtype=torch.bfloat16))
@@ -79,7 +88,7 @@ def test_dense_path_takes_only_shapes_sdpa_runs() -> None:
 def test_backend_runs_long_prefills_through_sdpa(backend: str) -> None:
     from prefixserve.attention.backend import make_backend
 
-    q_lens, seq_lens = [1100, 1500], [1100, 2000]
+    q_lens, seq_lens = [2100, 2500], [2100, 3000]
     q, k, v, meta = _step(q_lens, seq_lens, 32, 8, 128, torch.bfloat16, seed=3)
     be = make_backend(backend)
     be.prepare(meta)

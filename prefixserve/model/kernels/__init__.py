@@ -18,7 +18,10 @@ One kernel per module, with its launcher and its torch reference (the oracle of 
     row-end is peer_norm's);
   * embedding: a vocabulary shard's lookups written where the ranks' sum reads them;
   * peer_argmax: at two ranks, the sharded argmax's exchange of each row's best column;
-  * fused_moe: a mixture of experts' routing, grouping by expert, two grouped GEMMs and combine.
+  * fused_moe: a mixture of experts' routing, grouping by expert, two grouped GEMMs and combine;
+  * fp8_matmul: a linear layer over FP8 (e4m3) weights at a decode step's rows, and the per-token
+    quantization of its input, whose rule (``e4m3``) RMSNorm and SiLU-and-mul also apply when an
+    FP8 projection follows them.
 
 The activation is one jit function (``silu_mul.silu_mul``) that the elementwise kernel and both
 matmul epilogues call; gate_up also takes the skinny kernel; ranks_norm takes peer_norm's waits

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.model.kernels import skinny_matmul
+from prefixserve.model.kernels.e4m3 import row_scale, to_codes
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -24,8 +25,6 @@ BLOCK_K = 128  # = the block-scaled format's group of columns (GROUPED indexes s
 CHANNEL_BLOCK_K = 256  # per-channel scales: a step loads as many bytes as the bf16 kernel's 128 columns
 LARGE_TILE = (64, 128, 3)  # BLOCK_M, BLOCK_N, STAGES past MAX_ROWS (block-scaled prefill)
 SHARED_BYTES = 192 << 10  # the pipeline's stages kept under this (an H100/H200 SM has 228 KiB)
-FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # fp8.FP8_MAX: e4m3's largest finite value
-MIN_SCALE: tl.constexpr = tl.constexpr(1e-12)  # fp8.MIN_SCALE: an all-zero row's
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -198,12 +197,12 @@ def _quantize_rows_kernel(
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        scale = row_scale(tl.max(amax, axis=0))
         tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row * K + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+        q = to_codes(x, scale, q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row * K + k0 + offs, q, mask=k0 + offs < K)
 
 
 _quantize = BoundKernel(_quantize_rows_kernel)

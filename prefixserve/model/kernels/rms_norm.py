@@ -10,12 +10,18 @@ so the two paths differ only in the order of the sum of squares.
 x may also come as a matmul's fp32 split-K partials [S, T, N] (``linear_partials``): the kernel sums
 them and rounds to the model dtype, as cuBLAS's split-K reduce kernel would, so the matmul needs no
 reduce kernel of its own.
+
+``quantize``: the normed rows also as e4m3 codes with one fp32 scale a row (amax / 448 of the stored
+16-bit row, ``e4m3.py``'s rule: exactly ``fp8_matmul.quantize_rows`` of the output), for an FP8
+projection next that quantizes its input per token; the row is already in registers, so that
+kernel's two reads go.
 """
 
 from __future__ import annotations
 
 import torch
 
+from prefixserve.model.kernels.e4m3 import row_scale, to_codes
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -31,6 +37,8 @@ def _add_rms_norm_kernel(
     w_ptr,  # [N]
     out_ptr,  # [T, N]
     res_out_ptr,  # [T, N] (written when HAS_RESIDUAL)
+    codes_ptr,  # QUANT: [T, N] e4m3, contiguous
+    scales_ptr,  # QUANT: [T] fp32
     stride_split,
     stride_x,
     stride_r,
@@ -41,6 +49,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLITS: tl.constexpr,  # 0: x is [T, N] in the model dtype; else the number of fp32 partials
+    QUANT: tl.constexpr = False,  # the output's e4m3 codes and row scale too
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -58,7 +67,13 @@ def _add_rms_norm_kernel(
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (normed * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if QUANT:  # fp8_matmul's quantize_rows of the stored row, op for op
+        yf = y.to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(yf), axis=0))
+        tl.store(scales_ptr + row, scale)
+        tl.store(codes_ptr + row * n_cols + cols, to_codes(yf, scale, codes_ptr.dtype.element_ty), mask=mask)
 
 
 _bound = BoundKernel(_add_rms_norm_kernel)  # launched by shape, so a step pays Triton's bind once
@@ -69,8 +84,10 @@ def add_rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual) * weight, x + residual)``; without a residual, ``(rms_norm(x) * weight, x)``.
+    quantize: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``(rms_norm(x + residual) * weight, x + residual)``; without a residual, ``(rms_norm(x) * weight, x)``;
+    with ``quantize`` also the first's e4m3 codes [T, N] and fp32 row scales [T, 1] (see the module).
 
     Given partials (always with the residual: they are a projection's output joining the stream),
     x is their fp32 sum rounded to the residual's dtype, the model's. Both outputs are new tensors
@@ -87,8 +104,11 @@ def add_rms_norm(
     dtype = residual.dtype if residual is not None else x.dtype
     out = torch.empty((tokens, n), device=x.device, dtype=dtype)
     res_out = torch.empty_like(out) if residual is not None else x
+    codes = torch.empty(tokens, n, dtype=torch.float8_e4m3fn, device=x.device) if quantize else out
+    scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device) if quantize else out
+    done = (out, res_out, codes, scales) if quantize else (out, res_out)
     if tokens == 0:
-        return out, res_out
+        return done
     block = triton.next_power_of_2(n)
     _bound(
         (tokens,),
@@ -97,6 +117,8 @@ def add_rms_norm(
         weight,
         out,
         res_out,
+        codes,
+        scales,
         x.stride(0) if splits else 0,
         x.stride(-2),
         residual.stride(0) if residual is not None else 0,
@@ -107,9 +129,10 @@ def add_rms_norm(
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         SPLITS=splits,
+        QUANT=quantize,
         num_warps=min(16, max(1, block // 512)),
     )
-    return out, res_out
+    return done
 
 
 def add_rms_norm_ref(

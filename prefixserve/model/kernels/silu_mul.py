@@ -4,6 +4,11 @@ GELU-and-mul (Gemma's ``gelu_pytorch_tanh``), the same kernel with the other act
 The torch path is an activation over the gate half and a multiply by the up half: two kernels, and
 the activation's output makes a round trip through memory. The rounding follows it: the activation
 is rounded to the model dtype before the multiply.
+
+``silu_and_mul_quantize``: the product also as e4m3 codes with one fp32 scale a row, for an FP8 down
+projection that quantizes its input per token: one program a row computes the product once for its
+amax and again for its codes (the row's inputs come back from L2), where the quantize kernel after
+it read the whole product twice more from memory.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from prefixserve.model.kernels.e4m3 import row_scale, to_codes
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -71,10 +77,67 @@ def silu_and_mul(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:  # [T, 2 
     return out
 
 
+@triton.jit
+def _silu_and_mul_quantize_kernel(
+    x_ptr,  # [T, 2 I]: gate | up
+    out_ptr,  # [T, I] the model dtype
+    codes_ptr,  # [T, I] e4m3, contiguous
+    scales_ptr,  # [T] fp32
+    stride_x,
+    stride_o,
+    n_cols,  # I
+    BLOCK: tl.constexpr,
+    GELU: tl.constexpr = False,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    dtype = out_ptr.dtype.element_ty
+    gate_row, up_row = x_ptr + row * stride_x, x_ptr + row * stride_x + n_cols
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        mask = c0 + offs < n_cols
+        gate = tl.load(gate_row + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_row + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+        act = silu_mul(gate, up, dtype, GELU).to(dtype)
+        tl.store(out_ptr + row * stride_o + c0 + offs, act, mask=mask)
+        amax = tl.maximum(amax, tl.abs(act.to(tl.float32)))
+    scale = row_scale(tl.max(amax, axis=0))
+    tl.store(scales_ptr + row, scale)
+    for c0 in range(0, n_cols, BLOCK):
+        mask = c0 + offs < n_cols
+        gate = tl.load(gate_row + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_row + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+        act = silu_mul(gate, up, dtype, GELU).to(dtype).to(tl.float32)
+        codes = to_codes(act, scale, codes_ptr.dtype.element_ty)
+        tl.store(codes_ptr + row * n_cols + c0 + offs, codes, mask=mask)
+
+
+_bound_quantize = BoundKernel(_silu_and_mul_quantize_kernel)
+
+
+def silu_and_mul_quantize(
+    x: torch.Tensor, gelu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, 2 I] -> [T, I], its codes, scales [T, 1]
+    """``silu_and_mul`` and its e4m3 codes with fp32 row scales (``fp8_matmul.quantize_rows`` of it)."""
+    tokens, width = x.shape
+    if width % 2 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, 2 I] with contiguous rows")
+    n = width // 2
+    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+    codes = torch.empty(tokens, n, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
+    if tokens:
+        _bound_quantize(
+            (tokens,), x, out, codes, scales, x.stride(0), out.stride(0), n, BLOCK=BLOCK, GELU=gelu,
+            num_warps=4,
+        )  # fmt: skip
+    return out, codes, scales
+
+
 def silu_and_mul_ref(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     """Torch reference: what the unfused MLP computed from its two projections."""
     gate, up = x.chunk(2, dim=-1)
     return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_mul"]
+__all__ = ["silu_and_mul", "silu_and_mul_quantize", "silu_and_mul_ref", "silu_mul"]
