@@ -45,7 +45,9 @@ def test_rms_norm_codes_of_split_k_partials() -> None:
     _same_codes(codes, scales, out)
 
 
-@pytest.mark.parametrize(("tokens", "inter"), [(1, 64), (4, 1500), (2, 2048)])
+@pytest.mark.parametrize(
+    ("tokens", "inter"), [(1, 64), (4, 1500), (2, 2048), (2, 17000)]
+)  # 17000: two passes
 @pytest.mark.parametrize("gelu", [False, True])
 def test_silu_and_mul_codes_equal_the_quantize_kernels(tokens: int, inter: int, gelu: bool) -> None:
     gen = torch.Generator().manual_seed(tokens * inter)

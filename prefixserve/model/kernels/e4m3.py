@@ -28,4 +28,18 @@ def to_codes(x, scale, codes_dtype: tl.constexpr):
     return tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX).to(codes_dtype)
 
 
-__all__ = ["FP8_MAX", "MIN_SCALE", "row_scale", "to_codes"]
+ROW_MAX = 16384  # a row up to this long is held whole in one program's registers (one read)
+
+
+def row_launch(n: int) -> tuple[int, bool, int]:
+    """(BLOCK, WHOLE, num_warps) of a kernel that quantizes rows of ``n`` values, one program a row:
+    up to ``ROW_MAX`` the whole row in registers, read once (a decode step's few rows are then one
+    short wave: a program walking 1,024 values at a time twice, latency after latency, took most of
+    the quantization's time at one row); past it 1,024 values a step, the row read twice."""
+    if n <= ROW_MAX:
+        block = triton.next_power_of_2(n)
+        return block, True, min(16, max(4, block // 512))
+    return 1024, False, 4
+
+
+__all__ = ["FP8_MAX", "MIN_SCALE", "ROW_MAX", "row_launch", "row_scale", "to_codes"]

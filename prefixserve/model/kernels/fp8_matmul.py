@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.model.kernels import skinny_matmul
-from prefixserve.model.kernels.e4m3 import row_scale, to_codes
+from prefixserve.model.kernels.e4m3 import row_launch, row_scale, to_codes
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -186,10 +186,20 @@ def _quantize_rows_kernel(
     stride_xm,
     STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
+    WHOLE: tl.constexpr = False,  # BLOCK >= K: the row held in registers, read once
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
+    if WHOLE:
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            scale = row_scale(tl.max(tl.abs(x), axis=0))
+            tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * K + offs, to_codes(x, scale, q_ptr.dtype.element_ty), mask=offs < K)
+        return
     if STATIC:
         scale = tl.load(static_ptr)
     else:
@@ -209,8 +219,9 @@ _quantize = BoundKernel(_quantize_rows_kernel)
 
 
 def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8.quantize_tokens`` in one kernel: each row of x read twice (its amax, then its codes),
-    the codes written once; torch's ops took six passes over a prefill's activations per product."""
+    """``fp8.quantize_tokens`` in one kernel: each row of x read once (held whole, ``e4m3.row_launch``)
+    or twice (its amax, then its codes), the codes written once; torch's ops took six passes over a
+    prefill's activations per product."""
     m, k = x.shape
     codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     if static is None:
@@ -218,9 +229,10 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
     else:
         scale = static.float().reshape(1, 1).expand(m, 1).contiguous()
     if m:
+        block, whole, warps = row_launch(k)
         _quantize(
             (m,), x, codes, scale, x if static is None else static, m, k, x.stride(0),
-            STATIC=static is not None, BLOCK=1024, num_warps=4,
+            STATIC=static is not None, BLOCK=block, WHOLE=whole, num_warps=warps,
         )  # fmt: skip
     return codes, scale
 

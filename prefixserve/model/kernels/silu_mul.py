@@ -6,9 +6,9 @@ the activation's output makes a round trip through memory. The rounding follows 
 is rounded to the model dtype before the multiply.
 
 ``silu_and_mul_quantize``: the product also as e4m3 codes with one fp32 scale a row, for an FP8 down
-projection that quantizes its input per token: one program a row computes the product once for its
-amax and again for its codes (the row's inputs come back from L2), where the quantize kernel after
-it read the whole product twice more from memory.
+projection that quantizes its input per token: one program a row holds the row's product whole
+(``e4m3.row_launch``; past 16K columns it computes it twice, for its amax and for its codes, the
+inputs coming back from L2), where the quantize kernel after it read the product again.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model.kernels.e4m3 import row_scale, to_codes
+from prefixserve.model.kernels.e4m3 import row_launch, row_scale, to_codes
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -88,11 +88,23 @@ def _silu_and_mul_quantize_kernel(
     n_cols,  # I
     BLOCK: tl.constexpr,
     GELU: tl.constexpr = False,
+    WHOLE: tl.constexpr = False,  # BLOCK >= I: the row held in registers, its inputs read once
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     dtype = out_ptr.dtype.element_ty
     gate_row, up_row = x_ptr + row * stride_x, x_ptr + row * stride_x + n_cols
+    if WHOLE:
+        mask = offs < n_cols
+        gate = tl.load(gate_row + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_row + offs, mask=mask, other=0.0).to(tl.float32)
+        act = silu_mul(gate, up, dtype, GELU).to(dtype)
+        tl.store(out_ptr + row * stride_o + offs, act, mask=mask)
+        act = act.to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(act), axis=0))
+        tl.store(scales_ptr + row, scale)
+        tl.store(codes_ptr + row * n_cols + offs, to_codes(act, scale, codes_ptr.dtype.element_ty), mask=mask)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK):
         mask = c0 + offs < n_cols
@@ -127,9 +139,10 @@ def silu_and_mul_quantize(
     codes = torch.empty(tokens, n, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens:
+        block, whole, warps = row_launch(n)
         _bound_quantize(
-            (tokens,), x, out, codes, scales, x.stride(0), out.stride(0), n, BLOCK=BLOCK, GELU=gelu,
-            num_warps=4,
+            (tokens,), x, out, codes, scales, x.stride(0), out.stride(0), n, BLOCK=block, GELU=gelu,
+            WHOLE=whole, num_warps=warps,
         )  # fmt: skip
     return out, codes, scales
 
