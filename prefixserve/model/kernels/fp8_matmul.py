@@ -191,14 +191,14 @@ def _quantize_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
-    if WHOLE:
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+    if WHOLE:  # names of their own: the compiler reads a name set here and in the loops as carried
+        whole = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         if STATIC:
-            scale = tl.load(static_ptr)
+            row_s = tl.load(static_ptr)
         else:
-            scale = row_scale(tl.max(tl.abs(x), axis=0))
-            tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + row * K + offs, to_codes(x, scale, q_ptr.dtype.element_ty), mask=offs < K)
+            row_s = row_scale(tl.max(tl.abs(whole), axis=0))
+            tl.store(s_ptr + row, row_s)
+        tl.store(q_ptr + row * K + offs, to_codes(whole, row_s, q_ptr.dtype.element_ty), mask=offs < K)
         return
     if STATIC:
         scale = tl.load(static_ptr)

@@ -94,16 +94,19 @@ def _silu_and_mul_quantize_kernel(
     offs = tl.arange(0, BLOCK)
     dtype = out_ptr.dtype.element_ty
     gate_row, up_row = x_ptr + row * stride_x, x_ptr + row * stride_x + n_cols
-    if WHOLE:
-        mask = offs < n_cols
-        gate = tl.load(gate_row + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(up_row + offs, mask=mask, other=0.0).to(tl.float32)
-        act = silu_mul(gate, up, dtype, GELU).to(dtype)
-        tl.store(out_ptr + row * stride_o + offs, act, mask=mask)
-        act = act.to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(act), axis=0))
-        tl.store(scales_ptr + row, scale)
-        tl.store(codes_ptr + row * n_cols + offs, to_codes(act, scale, codes_ptr.dtype.element_ty), mask=mask)
+    if WHOLE:  # names of their own: the compiler reads a name set here and in the loops as carried
+        in_row = offs < n_cols
+        whole = silu_mul(
+            tl.load(gate_row + offs, mask=in_row, other=0.0).to(tl.float32),
+            tl.load(up_row + offs, mask=in_row, other=0.0).to(tl.float32),
+            dtype,
+            GELU,
+        ).to(dtype)
+        tl.store(out_ptr + row * stride_o + offs, whole, mask=in_row)
+        row_s = row_scale(tl.max(tl.abs(whole.to(tl.float32)), axis=0))
+        tl.store(scales_ptr + row, row_s)
+        row_codes = to_codes(whole.to(tl.float32), row_s, codes_ptr.dtype.element_ty)
+        tl.store(codes_ptr + row * n_cols + offs, row_codes, mask=in_row)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK):
