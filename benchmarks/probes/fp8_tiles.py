@@ -1,0 +1,101 @@
+"""Probe: the FP8 decode kernel's tiles (W8A8: x's e4m3 codes, per-channel weight scales) at the 8B
+layers' products, swept on a GPU: columns a program (BLOCK_N), columns of K a step (BLOCK_K) and
+loads in flight (STAGES), beside the tiles the engine picks (``fp8_matmul.tiles``). Each product
+checked against the dequantized reference first; graph replays with L2 flushed, us; the sum over a
+layer's four products for the best tile of each against the engine's.
+
+    PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness.timing import bench_ms, graphed
+from benchmarks.probes.fp8_gemm import SHAPES
+from prefixserve.model import fp8
+from prefixserve.model.kernels import fp8_matmul
+
+BLOCK_N = (16, 32, 64, 128)
+BLOCK_K = (256, 512)
+STAGES = (4, 6, 8)
+
+
+def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int):
+    """One launch of the FP8 kernel with these tiles (BLOCK_M as the engine's for x's rows)."""
+    m, k = x.shape
+    n = codes.shape[0]
+    block_m = fp8_matmul.tiles(m, n, block_k)[0]
+    grid = (-(-n // block_n), -(-m // block_m))
+
+    def run() -> torch.Tensor:
+        fp8_matmul._fp8(
+            grid, xq[0], codes, scale, out, x, xq[1], m, n, k, xq[0].stride(0), codes.stride(0),
+            scale.stride(0), out.stride(0), HAS_BIAS=False, GROUPED=False, X_CODES=True,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--rep-ms", type=int, default=25)
+    ap.add_argument("--out", default="/tmp/fp8_tiles")
+    args = ap.parse_args()
+    started, rows = time.perf_counter(), []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        codes, scale = fp8.quantize_rows(w)
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq = fp8_matmul.quantize_rows(x)
+            ref = (xq[0].float() * xq[1]) @ fp8.dequantize(codes, scale).T
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            engine = 1e3 * bench_ms(
+                graphed(lambda x=x, c=codes, s=scale, q=xq: fp8_matmul.launch(x, c, s, None, None, q)),
+                args.rep_ms,
+            )
+            row = {"layer": name, "M": m, "N": n, "K": k, "engine_us": engine, "tiles": {}}
+            for bn, bk, st in itertools.product(BLOCK_N, BLOCK_K, STAGES):
+                if bk * (bn + 64) * st > fp8_matmul.SHARED_BYTES:
+                    continue
+                run = call(x, xq, codes, scale, out, bn, bk, st)
+                err = float((run().float() - ref).norm() / ref.norm())
+                if err > 1e-2:
+                    row["tiles"][f"{bn}x{bk}x{st}"] = {"error": err}
+                    continue
+                row["tiles"][f"{bn}x{bk}x{st}"] = {"us": 1e3 * bench_ms(graphed(run), args.rep_ms)}
+            timed = {t: v["us"] for t, v in row["tiles"].items() if "us" in v}
+            row["best"] = min(timed, key=timed.get)
+            row["best_us"] = timed[row["best"]]
+            rows.append(row)
+            print(
+                f"{name} M={m}: engine {engine:.1f} us, best {row['best']} {row['best_us']:.1f} us",
+                flush=True,
+            )
+    summary = {}
+    for m in args.rows:
+        mine = [r for r in rows if r["M"] == m]
+        summary[m] = {
+            "engine_us": sum(r["engine_us"] for r in mine),
+            "best_us": sum(r["best_us"] for r in mine),
+        }
+        sums = summary[m]
+        print(f"M={m}: a layer's products, engine {sums['engine_us']:.1f} us, best {sums['best_us']:.1f} us")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"rows": rows, "summary": summary, "wall_s": time.perf_counter() - started}
+    (out / "fp8_tiles.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
