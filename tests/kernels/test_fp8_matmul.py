@@ -84,7 +84,7 @@ def test_quantize_rows_kernel_matches_torch(dtype, m: int, k: int) -> None:
         assert off.float().mean() < 1e-3 and (got[0] == 0).all()
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 40, 256), (17, 100, 384), (64, 33, 200)])
+@pytest.mark.parametrize("m, n, k", [(1, 40, 256), (17, 100, 384), (64, 33, 200), (2, 40, 8200)])  # LONG_K
 def test_fp8_codes_of_x_match_the_w8a8_reference(m: int, n: int, k: int) -> None:
     """``x_codes`` (W8A8: x's e4m3 codes and row scales from ``quantize_rows``, FP8 tensor-core
     products) against the dequantize-both reference: the same codes on both sides, so only the

@@ -7,7 +7,10 @@ multiplies on the tensor cores with fp32 accumulation. Per-channel scales [N, 1]
 once at the end; a block-scaled checkpoint's [N, K/128] scales multiply each 128-column step's
 product (``GROUPED``, BLOCK_K = 128 = the block's edge), so one kernel serves both at every M.
 K need not be a multiple of 128 (masked loads). The tiles are ``skinny_matmul.skinny_config``'s
-for bf16 at the same shapes (not yet swept for FP8: the lead's H200 run, ``benchmarks/fp8.py``).
+for bf16 at the same shapes; swept for FP8 on an H200 (``benchmarks/probes/fp8_tiles.py``), they
+were within 2% of the best at one row and 8% at 64, where a long K (the down product's 14,336)
+took 8 loads in flight over 4-6 (28 us against 35 at 64 rows: ``LONG_K_STAGES``), and more stages
+slowed the shorter products.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ BLOCK_K = 128  # = the block-scaled format's group of columns (GROUPED indexes s
 CHANNEL_BLOCK_K = 256  # per-channel scales: a step loads as many bytes as the bf16 kernel's 128 columns
 LARGE_TILE = (64, 128, 3)  # BLOCK_M, BLOCK_N, STAGES past MAX_ROWS (block-scaled prefill)
 SHARED_BYTES = 192 << 10  # the pipeline's stages kept under this (an H100/H200 SM has 228 KiB)
+LONG_K, LONG_K_STAGES = 8192, 8  # W8A8 over K >= LONG_K: this many stages (fp8_tiles.py, H200)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -164,6 +168,8 @@ def launch(
     grouped = scale.shape[1] > 1
     block_k = BLOCK_K if grouped or m > skinny_matmul.MAX_ROWS else CHANNEL_BLOCK_K
     block_m, block_n, stages = tiles(m, n, block_k)
+    if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
+        stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
     _fp8(
