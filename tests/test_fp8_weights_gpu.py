@@ -157,6 +157,9 @@ def test_codes_made_by_the_norms_change_no_token(
     same codes the products made themselves, so the same greedy tokens as with every product
     quantizing its own input, prefill (cuBLASLt) and decode (the Triton kernel, under graphs)."""
     model = f"dummy:{tiny_config_path}"
+    found, rows_of = [], fp8.rows_of
+    monkeypatch.setattr(fp8, "rows_of", lambda x: found.append(rows_of(x) is not None) or rows_of(x))
     handed = _greedy(model, prompt_len=40, quantization="fp8")  # a prefill of 160 rows: cuBLASLt
+    assert any(found) and not all(found)  # codes handed to q/k/v, gate-up and down; o quantizes its own
     monkeypatch.setattr(fp8, "takes_rows", lambda layer: False)
     assert handed == _greedy(model, prompt_len=40, quantization="fp8")

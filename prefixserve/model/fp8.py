@@ -185,7 +185,7 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
         rows = rows_of(x) if act == "dynamic" else None  # made by the kernel before, amax / 448
         triton_ok = _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
         if act is not None and triton_ok and x2.shape[0] <= MAX_ROWS:  # W8A8 on the Triton kernel
-            xq = rows or fp8_matmul.quantize_rows(x2, static)
+            xq = rows if rows is not None else fp8_matmul.quantize_rows(x2, static)
             return fp8_matmul.launch(x2, codes, scale, bias, out, xq).view(*lead, -1)
         if act is not None and scaled_mm_takes(x2, codes):
             y = scaled_mm(x2, codes, scale, bias, static, rows)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from prefixserve.attention import dense_prefill
 from prefixserve.attention.backend import backend_for_model
 from prefixserve.attention.kv_quant import dequantize, rotate, scales_of
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
@@ -219,6 +220,8 @@ class ModelRunner:
         bs, tokens = self.block_size, config.max_num_batched_tokens
         seqs, gpu = config.max_num_seqs, self.device.type == "cuda"
         reserve = step_reserve(model.config, self.dtype, max(tokens, seqs), seqs) if gpu else 0
+        if gpu:  # a long prefill's KV gathered for SDPA (attention/dense_prefill.py)
+            reserve += dense_prefill.gather_bytes(model.config, self.dtype, context)
         if self.states is not None and not gpu:  # the hybrids' state slots come off the pool's budget
             # (on a GPU they are allocated already: the free memory read below has them counted)
             reserve += bytes_per_slot(model.config, self.dtype) * self.states.num_slots

@@ -85,15 +85,37 @@ def test_dense_path_takes_only_shapes_sdpa_runs() -> None:
     assert not dense_prefill.takes(wide, torch.empty(2, BS, 2, 512, dtype=torch.bfloat16))
 
 
+def test_steps_the_dense_path_leaves_to_the_paged_kernel(monkeypatch) -> None:
+    """A sliding group's view, a step over Prompt Cache module blocks, a context past MAX_CONTEXT."""
+    import numpy as np
+
+    monkeypatch.setattr(dense_prefill, "MIN_ROWS", 8)
+    meta = build_metadata(BS, [9], [9], [[0]], DEVICE)
+    assert dense_prefill.plan(meta) is not None
+    meta.table_base = torch.zeros(1, dtype=torch.int32)
+    assert dense_prefill.plan(meta) is None
+    modules = build_metadata(BS, [9], [9], [[1]], DEVICE)
+    modules.module_rows = np.array([0, 16])  # block 1 is a module's
+    assert dense_prefill.plan(modules) is None
+    modules.module_rows = np.array([0, 0])  # Prompt Cache on, no module block in this step
+    assert dense_prefill.plan(modules) is not None
+    monkeypatch.setattr(dense_prefill, "MAX_CONTEXT", 8)
+    assert dense_prefill.plan(build_metadata(BS, [9], [9], [[0]], DEVICE)) is None
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the backend sends steps to SDPA on a GPU only")
 @pytest.mark.parametrize("backend", ["triton_paged", "triton"])
-def test_backend_runs_long_prefills_through_sdpa(backend: str) -> None:
+def test_backend_runs_long_prefills_through_sdpa(backend: str, monkeypatch) -> None:
+    """Above ``MIN_WORK`` (64 query heads) the backend's output is SDPA's: ``attend`` ran."""
     from prefixserve.attention.backend import make_backend
 
+    ran = []
+    attend = dense_prefill.attend
+    monkeypatch.setattr(dense_prefill, "attend", lambda *a: ran.append(1) or attend(*a))
     q_lens, seq_lens = [2100, 2500], [2100, 3000]
-    q, k, v, meta = _step(q_lens, seq_lens, 32, 8, 128, torch.bfloat16, seed=3)
+    q, k, v, meta = _step(q_lens, seq_lens, 64, 8, 128, torch.bfloat16, seed=3)
     be = make_backend(backend)
     be.prepare(meta)
     assert meta.plan.dense is not None
     out = be.forward(q, k, v, meta, 0.088)
-    assert rel_err(out, _reference(q, k, v, meta, 0.088)) < 1e-2
+    assert ran and rel_err(out, _reference(q, k, v, meta, 0.088)) < 1e-2
