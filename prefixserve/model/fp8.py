@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixserve.model.fp8_rows import ROWS_ATTR, attach_rows, rows_of
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 GROUP = 128  # a block-scaled checkpoint's block edge (``weight_block_size`` [128, 128])
@@ -99,26 +101,10 @@ def quantize_tokens(x: torch.Tensor, static: torch.Tensor | None = None) -> tupl
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-ROWS_ATTR = "fp8_rows"  # a 16-bit activation's (e4m3 codes [M, K], fp32 scales [M, 1]), set by its producer
-
-
 def takes_rows(layer: nn.Module) -> bool:
     """Whether ``layer``'s products quantize their input per token with amax / 448 (W8A8 over
     per-channel weight scales): then its producer may hand it the codes (``attach_rows``)."""
     return is_fp8(layer) and layer.act_quant == "dynamic" and layer.weight_scale.shape[1] == 1
-
-
-def attach_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x`` [M, K] carrying its per-token e4m3 codes and scales (equal to ``quantize_tokens(x)``),
-    which ``linear`` takes instead of quantizing x again. Only this tensor object carries them: a
-    view or any op's result is a new tensor without them."""
-    setattr(x, ROWS_ATTR, (codes, scales))
-    return x
-
-
-def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The codes and scales ``attach_rows`` gave x, or None."""
-    return getattr(x, ROWS_ATTR, None)
 
 
 def is_fp8(layer: nn.Module) -> bool:

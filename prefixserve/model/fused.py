@@ -239,7 +239,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``.
     ``quantize``: an FP8 projection that quantizes per token reads the first next; on the kernel's
-    path it carries its e4m3 codes (``fp8.attach_rows``), made in the same pass.
+    path it carries its e4m3 codes (``fp8_rows.attach_rows``), made in the same pass.
 
     The add is done in the model dtype, the statistics in fp32 and the result cast back before the
     weight multiply, as HF's RMSNorm after its residual add. Partials are summed in fp32 and rounded
@@ -255,10 +255,10 @@ def add_rms_norm(
         if x.shape[-1] <= rms_norm.MAX_HIDDEN:  # a row must fit one program's registers
             if not quantize:
                 return rms_norm.add_rms_norm(x, weight, eps, residual)
-            from prefixserve.model import fp8
+            from prefixserve.model.fp8_rows import attach_rows
 
             out, summed, codes, scales = rms_norm.add_rms_norm(x, weight, eps, residual, quantize=True)
-            return fp8.attach_rows(out, codes, scales), summed
+            return attach_rows(out, codes, scales), summed
     if x.dim() == 3:
         if residual is None or x.dtype != torch.float32:
             raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
@@ -389,9 +389,9 @@ def silu_and_mul(x: torch.Tensor, gelu: bool = False, quantize: bool = False) ->
 
         if not quantize:
             return silu_mul.silu_and_mul(x, gelu)
-        from prefixserve.model import fp8
+        from prefixserve.model.fp8_rows import attach_rows
 
-        return fp8.attach_rows(*silu_mul.silu_and_mul_quantize(x, gelu))
+        return attach_rows(*silu_mul.silu_and_mul_quantize(x, gelu))
     gate, up = x.chunk(2, dim=-1)
     return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
