@@ -171,6 +171,66 @@ def test_published_formats_load_exactly(fmt: str, tmp_path: Path) -> None:
     assert agree >= 0.9, agree
 
 
+@pytest.mark.parametrize("fmt", [*ckpt.FORMATS, "--quantization fp8"])
+def test_fp8_layers_are_fp8_before_a_byte_is_allocated(fmt: str, tmp_path: Path, monkeypatch) -> None:
+    """A published checkpoint's FP8 layers, and with ``--quantization fp8`` an unquantized one's, are
+    FP8 on the meta device when the model's size is checked and allocated (``plan_direct``): the device
+    never holds them at the model dtype's bytes (a 70B FP8 checkpoint's 131 GiB). Their codes are then
+    written as read, equal to the codes installed the old way (``test_published_formats_load_exactly``)."""
+    from prefixserve.model import loader
+
+    sized = []
+    check = loader.check_weights_fit
+    monkeypatch.setattr(
+        loader,
+        "check_weights_fit",
+        lambda model, *a: (
+            sized.append([fp8.is_fp8(m) for _, m in linear.quantized_layers(model)]) or check(model, *a)
+        ),
+    )
+    quant, dense = ckpt.write(tmp_path, ckpt.FORMATS[0] if fmt.startswith("--") else fmt)
+    source, flag = (dense, "fp8") if fmt.startswith("--") else (quant, None)
+    model, _ = load_model(
+        ModelSource("hf", source, fmt), torch.bfloat16, torch.device("cpu"), quantization=flag
+    )
+    assert sized and all(sized[0])
+    layers = linear.quantized_layers(model)
+    assert all(fp8.is_fp8(layer) and layer.weight_scale.dtype == torch.float32 for _, layer in layers)
+    if flag:  # quantized per piece as read: the codes of the whole layer quantized at once
+        plain, _ = load_model(ModelSource("hf", dense, fmt), torch.bfloat16, torch.device("cpu"))
+        for name, layer in layers:
+            codes, scale = fp8.quantize_rows(plain.get_submodule(name).weight)
+            assert torch.equal(layer.weight.view(torch.uint8), codes.view(torch.uint8))
+            assert torch.equal(layer.weight_scale, scale)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-tensor-static", "ct-channel-dynamic"])
+def test_fp8_checkpoint_shards_are_the_whole_models_slices(fmt: str, tmp_path: Path) -> None:
+    """Under tensor parallelism each rank's FP8 layers, written piece by piece as read, dequantize to
+    its slice of the whole model's: q/k/v and gate-up by rows, o and down by columns with their rows'
+    scales whole (block scales: the tiny model's 384 columns in two would cut a 128-column block, which
+    is refused by name, as before)."""
+    from prefixserve.model.parallel import Shard
+
+    quant, _ = ckpt.write(tmp_path, fmt)
+    whole, _ = load_model(ModelSource("hf", quant, fmt), torch.float32, torch.device("cpu"))
+    ranks = [
+        load_model(ModelSource("hf", quant, fmt), torch.float32, torch.device("cpu"), shard=Shard(r, 2))[0]
+        for r in range(2)
+    ]
+    for name, layer in linear.quantized_layers(whole):
+        full = fp8.dequantize(layer.weight, layer.weight_scale)
+        parts = [
+            fp8.dequantize(r.get_submodule(name).weight, r.get_submodule(name).weight_scale) for r in ranks
+        ]
+        if name.endswith(("o_proj", "down_proj")):
+            assert torch.equal(torch.cat(parts, dim=1), full), name
+        elif name.endswith("gate_up_proj"):
+            half = full.shape[0] // 2
+            assert torch.equal(torch.cat([p[: half // 2] for p in parts]), full[:half]), name
+            assert torch.equal(torch.cat([p[half // 2 :] for p in parts]), full[half:]), name
+
+
 @pytest.mark.parametrize(
     ("config", "named"),
     [

@@ -12,11 +12,16 @@ Formats read (``config.json``'s ``quantization_config``; the checkpoint's own wi
   scale) or ``block`` [128, 128]; input activations none (weight-only), ``dynamic`` per token, or
   static (``input_scale``).
 
-Anything else is refused, naming it. Each FP8 tensor is dequantized into the fp32 model as it is
-read (the checks and the tensor-parallel cuts are the loader's, unchanged); the codes and their
-scales, as rows, are kept for the layers ``linear.quantized_layers`` names and installed after the cast
-to the model's dtype: codes are never re-rounded, except where the loader reorders a layer's rows
-(``keep_codes``). Other FP8 tensors (an LM head, MoE experts) stay
+Anything else is refused, naming it. The layers ``linear.quantized_layers`` names are FP8 from the
+meta device on wherever they can be (``plan_direct``): a checkpoint's layer whose parts are all stored
+e4m3 and read in place gets its codes and row scales written as each part is read (``write_direct``;
+the tensor-parallel cuts are the loader's, unchanged), and with ``quantization="fp8"`` every such
+layer gets each part quantized per row as it is read. So the device never holds those layers at the
+model dtype's 2 bytes a weight: a 70B FP8 checkpoint, or a 70B bf16 one quantized at load, fits one
+H200. A layer the loader reorders (Qwen3.5's gated q/k/v) or publishes only partly in FP8 loads as
+before: dequantized into the model as read, its codes and scales kept (``keep_codes``) and installed
+after the cast to the model's dtype (``install``), or quantized again per channel where its rows
+moved. Codes are never re-rounded otherwise. Other FP8 tensors (an LM head, MoE experts) stay
 dequantized. Stacked layers with static input scales take their parts' largest (as vLLM does).
 """
 
@@ -136,6 +141,8 @@ class Fp8Checkpoint:
         self.keep: set[str] = set()  # the parameters whose codes are kept
         # parameters a part of which the loader reorders (``Piece.convert``): quantized again
         self.requantize: set[str] = set()
+        # weights FP8 from materialization on (``plan_direct``): each piece written as it is read
+        self.direct: set[str] = set()
 
     def read_scales(self, files: list[Path], rename: Callable[[str], str | None]) -> None:
         """Every scale tensor of the checkpoint, read before the weights (any file, any order)."""
@@ -204,16 +211,7 @@ class Fp8Checkpoint:
         index = [slice(None)] * 2
         index[piece.dim] = slice(piece.start, piece.stop)
         whole[piece.rows].copy_(codes[tuple(index)])
-        if piece.dim == 0:
-            part = scale[piece.start : piece.stop]
-        elif scale.shape[1] == 1:  # a row-parallel shard's columns: the rows' scales as they are
-            part = scale
-        elif piece.start % fp8.GROUP:
-            raise ValueError(
-                f"{piece.name}: a shard from column {piece.start} cuts its 128-column scale blocks"
-            )
-        else:
-            part = scale[:, piece.start // fp8.GROUP : -(-piece.stop // fp8.GROUP)]
+        part = _scale_part(piece, scale)
         rows = self.row_scales.setdefault(param, torch.empty(shape[0], part.shape[1]))
         if rows.shape[1] != part.shape[1]:
             raise ValueError(
@@ -221,10 +219,82 @@ class Fp8Checkpoint:
             )
         rows[piece.rows] = part
         self.filled[param] = self.filled.get(param, 0) + whole[piece.rows].shape[0]
+        self._note_input_scale(param, piece)
+
+    def _note_input_scale(self, param: str, piece: Any) -> None:
+        """A stacked layer's static input scale: the largest of its parts' (each part's codes hold)."""
         static = self.scales.get(piece.name.removesuffix(".weight") + ".input_scale")
         if static is not None:
             before = self.input_scales.get(param)
             self.input_scales[param] = static if before is None else torch.maximum(before, static)
+
+    def plan_direct(
+        self, model: nn.Module, files: list[Path], rename: Callable[[str], str | None], pieces: dict
+    ) -> None:
+        """Make FP8 on the meta device, before a byte is allocated, the quantized layers whose codes
+        can be written as they are read (``write_direct``), so that the device never holds them at
+        the model dtype's 2 bytes a weight: with ``quantization="fp8"`` every one (a row's scale needs
+        that row alone, so each piece is quantized as read); from an FP8 checkpoint each whose parts
+        are all stored e4m3 and read in place (no ``Piece.convert``). The others load as before:
+        dense, their codes installed after (``install``). ``pieces``: ``loader._pieces(model)``."""
+        if self.scheme is None:
+            return
+        quantized = {f"{name}.weight": layer for name, layer in linear.quantized_layers(model)}
+        if self.from_checkpoint:
+            stored = _stored_dtypes(files, rename)
+            self.direct = {
+                param
+                for param in quantized
+                if pieces.get(param)
+                and all(p.convert is None and stored.get(p.name) == "F8_E4M3" for p in pieces[param])
+            }
+        else:
+            self.direct = set(quantized)
+        act, block = self._act(), self.scheme[1]
+        for param in self.direct:
+            layer = quantized[param]
+            n, k = layer.weight.shape
+            meta = torch.device("meta")
+            static = torch.empty(1, device=meta) if act == "static" else None
+            groups = -(-k // fp8.GROUP) if block else 1
+            codes = torch.empty(n, k, dtype=fp8.FP8, device=meta)
+            fp8.install(layer, codes, torch.empty(n, groups, device=meta), act, static)
+
+    def write_direct(
+        self,
+        layer: nn.Module,
+        param: str,
+        piece: Any,
+        codes: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        values: Callable[[], torch.Tensor],
+        dtype: torch.dtype,
+    ) -> None:
+        """A piece of a ``direct`` layer into its FP8 rows and their scales: a checkpoint's codes as
+        they are, or (``quantization="fp8"``) ``values()``, the piece's values, rounded to ``dtype``
+        as the dense model would hold them and quantized per row on the layer's device."""
+        device = layer.weight.device
+        with torch.no_grad():
+            if codes is None:
+                row_codes, row_scales = fp8.quantize_rows(values().to(device, dtype))
+            else:
+                index = [slice(None)] * 2
+                index[piece.dim] = slice(piece.start, piece.stop)
+                row_codes, row_scales = codes[tuple(index)], _scale_part(piece, scale)
+                self._note_input_scale(param, piece)
+            if row_scales.shape[1] != layer.weight_scale.shape[1]:
+                raise ValueError(
+                    f"{piece.name}: FP8 scales of {row_scales.shape[1]} columns a row where the scheme "
+                    f"{self.scheme} has {layer.weight_scale.shape[1]}"
+                )
+            layer.weight[piece.rows].copy_(row_codes)
+            layer.weight_scale[piece.rows] = row_scales.to(device)
+
+    def _act(self) -> str:
+        """The layers' activation mode: block scales run weight-only here (no FP8 tensor-core route
+        for them)."""
+        assert self.scheme is not None
+        return "none" if self.scheme[1] else self.scheme[0]
 
     def install(self, model: nn.Module) -> int:
         """Give the layers their FP8 weights (after the cast to the model's dtype); returns how many.
@@ -233,10 +303,14 @@ class Fp8Checkpoint:
             return 0
         if not self.from_checkpoint:
             return linear.quantize_model(model)
-        # block scales run weight-only here (no FP8 tensor-core route for them): their layers say so
-        act, count = ("none" if self.scheme[1] else self.scheme[0]), 0
+        act, count = self._act(), 0
         for name, layer in linear.quantized_layers(model):
             param = f"{name}.weight"
+            if param in self.direct:  # FP8 since materialization, its codes written as read
+                if act == "static":
+                    layer.input_scale.copy_(self.input_scales[param].reshape(1))
+                count += 1
+                continue
             # a hybrid's projection with some parts published unquantized (a Qwen3.5 input
             # projection's b and a rows): quantized whole from the loaded values, as a reordered one
             partial = param in self.codes and self.filled[param] != layer.weight.shape[0]
@@ -261,6 +335,34 @@ class Fp8Checkpoint:
             )
             count += 1
         return count
+
+
+def _scale_part(piece: Any, scale: torch.Tensor) -> torch.Tensor:
+    """The row scales [rows, G] of a piece (``loader.Piece``) of a weight whose rows' scales are
+    ``scale`` [N, G]: its rows' (a stacked part), all rows' (a row-parallel shard's columns under
+    per-channel scales), or its 128-column blocks' (block scales; a cut inside a block is refused)."""
+    if piece.dim == 0:
+        return scale[piece.start : piece.stop]
+    if scale.shape[1] == 1:  # a row-parallel shard's columns: the rows' scales as they are
+        return scale
+    if piece.start % fp8.GROUP:
+        raise ValueError(f"{piece.name}: a shard from column {piece.start} cuts its 128-column scale blocks")
+    return scale[:, piece.start // fp8.GROUP : -(-piece.stop // fp8.GROUP)]
+
+
+def _stored_dtypes(files: list[Path], rename: Callable[[str], str | None]) -> dict[str, str]:
+    """Each checkpoint tensor's stored dtype ("F8_E4M3", "BF16", ...) by its name in the model (read
+    from the files' headers only)."""
+    from safetensors import safe_open
+
+    out: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = rename(stored)
+                if name is not None:
+                    out[name] = f.get_slice(stored).get_dtype()
+    return out
 
 
 __all__ = ["SUPPORTED", "Fp8Checkpoint", "scheme_of"]

@@ -6,6 +6,7 @@ safetensors + the tokenizer in HF format) into a cache directory, so later loads
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -143,12 +144,14 @@ def _materialize(
     shard: Shard | None,
     fp8_layers: bool = False,
     fp32_norms: bool = False,
+    prepare: Callable[[LlamaForCausalLM], None] | None = None,
 ) -> LlamaForCausalLM:
     """Build the module (this rank's part of it) without default init (``meta_init``); weights are
     filled in afterwards. ``fp8_layers``: its projections FP8 already (``linear.quantize_model``), so
     the size checked is FP8's (dummy weights, drawn into them layer by layer). ``fp32_norms``: the
     norms in fp32, for a checkpoint's (1 + w) to be folded exactly (``_fold_norm_offset``) before the
-    caller's cast to ``dtype``."""
+    caller's cast to ``dtype``. ``prepare``: run on the meta model before its size is checked (an FP8
+    checkpoint's layers made FP8 there: ``Fp8Checkpoint.plan_direct``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
     model.to(dtype)
@@ -158,6 +161,8 @@ def _materialize(
                 module.float()
     if fp8_layers:
         linear.quantize_model(model)
+    if prepare is not None:
+        prepare(model)
     check_weights_fit(model, device, shard or Shard())  # before any byte is allocated
     allocate(model, device)  # tied embeddings stay tied
     model.reset_ropes(device)
@@ -236,21 +241,25 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
     return out
 
 
-def _read(piece: Piece, source: Any, target: torch.Tensor) -> None:
-    """Copy the piece's span of ``source`` (a tensor, or a safetensors slice read lazily) into
-    ``target`` (the parameter's rows); a span past the tensor's end leaves zeros."""
+def _piece_values(piece: Piece, source: Any) -> torch.Tensor:
+    """The piece's span of ``source`` (a tensor, or a safetensors slice read lazily), converted where
+    the piece says (``Piece.convert``)."""
     if piece.convert is not None:
-        with torch.no_grad():
-            target.copy_(piece.convert(source[:]))
-        return
-    size = piece.full[piece.dim] if piece.full else 0
-    stop = min(piece.stop, size)
+        return piece.convert(source[:])
     index = [slice(None)] * len(piece.full)
     if piece.full:
-        index[piece.dim] = slice(piece.start, stop)
-    part = source[tuple(index)]
+        index[piece.dim] = slice(piece.start, min(piece.stop, piece.full[piece.dim]))
+    return source[tuple(index)]
+
+
+def _read(piece: Piece, source: Any, target: torch.Tensor) -> None:
+    """Copy the piece's span of ``source`` into ``target`` (the parameter's rows); a span past the
+    tensor's end leaves zeros."""
+    part = _piece_values(piece, source)
+    size = piece.full[piece.dim] if piece.full else 0
+    stop = min(piece.stop, size)
     with torch.no_grad():
-        if stop == piece.stop:
+        if piece.convert is not None or stop == piece.stop:
             target.copy_(part)
         else:
             target.zero_()
@@ -276,6 +285,7 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path, fp8s: Fp8Checkpoi
     files = sorted(directory.glob("*.safetensors"))
     fp8s.read_scales(files, lambda stored: _model_name(model, stored))
     fp8s.watch(model)
+    dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     pieces = _pieces(model)
@@ -318,6 +328,11 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path, fp8s: Fp8Checkpoi
                 for param, piece in targets[name]:
                     if shape != piece.full:
                         raise ValueError(f"{file}: {name} has shape {shape}, want {piece.full}")
+                    if param in fp8s.direct:  # FP8 from the start: codes written as read
+                        layer = model.get_submodule(param.rpartition(".")[0])
+                        values = functools.partial(_piece_values, piece, source)
+                        fp8s.write_direct(layer, param, piece, codes, scale, values, dtype)
+                        continue
                     _read(piece, source, params[param][piece.rows])
                     if codes is not None:
                         fp8s.keep_codes(param, tuple(params[param].shape), piece, codes, scale)
@@ -465,11 +480,17 @@ def load_model(
         return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
     fp8s = Fp8Checkpoint(directory, quantization)
+    files = sorted(directory.glob("*.safetensors"))
+
+    def fp8_from_the_start(meta: LlamaForCausalLM) -> None:  # FP8 layers sized and allocated as FP8
+        fp8s.plan_direct(meta, files, lambda stored: _model_name(meta, stored), _pieces(meta))
+
     # in the model's dtype from the start: each weight rounds once as it is copied in, as a cast of
     # fp32 weights would round it, and the device never holds the model at 4 bytes a weight
-    model = _materialize(config, dtype, device, shard, fp32_norms=bool(config.norm_weight_offset))
+    norms = bool(config.norm_weight_offset)
+    model = _materialize(config, dtype, device, shard, fp32_norms=norms, prepare=fp8_from_the_start)
     _load_hf_weights(model, directory, fp8s)
-    model.to(dtype)  # Gemma's norms, kept in fp32 for the (1 + w) fold
+    fp8.cast_dense(model, dtype)  # Gemma's norms, kept in fp32 for the (1 + w) fold; FP8 layers as they are
     fp8s.install(model)  # after the cast: codes and scales stay as they are
     return model.eval(), directory
 
