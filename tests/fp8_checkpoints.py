@@ -110,8 +110,8 @@ def dequantized(fmt: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return codes * scale
 
 
-def write(root: Path, fmt: str, seed: int = 0) -> tuple[Path, Path]:
-    """(the FP8 checkpoint's directory, the dequantized one's)."""
+def write(root: Path, fmt: str, seed: int = 0, kv_heads: int = 2) -> tuple[Path, Path]:
+    """(the FP8 checkpoint's directory, the dequantized one's); ``kv_heads``: the model's KV heads."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
@@ -119,8 +119,8 @@ def write(root: Path, fmt: str, seed: int = 0) -> tuple[Path, Path]:
     d = h // CONFIG["num_attention_heads"]
     shapes = {
         "self_attn.q_proj": (h, h),
-        "self_attn.k_proj": (2 * d, h),
-        "self_attn.v_proj": (2 * d, h),
+        "self_attn.k_proj": (kv_heads * d, h),
+        "self_attn.v_proj": (kv_heads * d, h),
         "self_attn.o_proj": (h, h),
         "mlp.gate_proj": (i, h),
         "mlp.up_proj": (i, h),
@@ -150,7 +150,7 @@ def write(root: Path, fmt: str, seed: int = 0) -> tuple[Path, Path]:
     ):
         directory = root / name
         directory.mkdir(parents=True, exist_ok=True)
-        config = dict(CONFIG, **({"quantization_config": qc} if qc else {}))
+        config = dict(CONFIG, num_key_value_heads=kv_heads, **({"quantization_config": qc} if qc else {}))
         (directory / "config.json").write_text(json.dumps(config))
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / "model.safetensors"))
         out.append(directory)

@@ -204,31 +204,52 @@ def test_fp8_layers_are_fp8_before_a_byte_is_allocated(fmt: str, tmp_path: Path,
             assert torch.equal(layer.weight_scale, scale)
 
 
+def test_a_bf16_load_keeps_the_rope_tables_in_fp32(tmp_path: Path) -> None:
+    """The cast to the model's dtype after loading leaves RoPE's inverse frequencies in fp32: in bf16
+    they moved a position's angles by radians at 8K tokens (HF keeps them fp32 too)."""
+    _, dense = ckpt.write(tmp_path, ckpt.FORMATS[0])
+    model, _ = load_model(ModelSource("hf", dense, "dense"), torch.bfloat16, torch.device("cpu"))
+    assert model.model.norm.weight.dtype == torch.bfloat16
+    assert all(rotary.inv_freq.dtype == torch.float32 for rotary in model.ropes)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # 1: each rank holds the one KV head (replicated)
 @pytest.mark.parametrize("fmt", ["fp8-tensor-static", "ct-channel-dynamic"])
-def test_fp8_checkpoint_shards_are_the_whole_models_slices(fmt: str, tmp_path: Path) -> None:
+def test_fp8_checkpoint_shards_are_the_whole_models_slices(fmt: str, kv_heads: int, tmp_path: Path) -> None:
     """Under tensor parallelism each rank's FP8 layers, written piece by piece as read, dequantize to
-    its slice of the whole model's: q/k/v and gate-up by rows, o and down by columns with their rows'
-    scales whole (block scales: the tiny model's 384 columns in two would cut a 128-column block, which
-    is refused by name, as before)."""
+    its slice of the whole model's (itself held to the dequantized checkpoint by
+    ``test_published_formats_load_exactly``): q rows and each rank's KV heads' rows of q/k/v, gate-up
+    by rows, o and down by columns with their rows' scales whole (block scales: the tiny model's 384
+    columns in two would cut a 128-column block, which is refused by name, as before)."""
     from prefixserve.model.parallel import Shard
 
-    quant, _ = ckpt.write(tmp_path, fmt)
-    whole, _ = load_model(ModelSource("hf", quant, fmt), torch.float32, torch.device("cpu"))
-    ranks = [
-        load_model(ModelSource("hf", quant, fmt), torch.float32, torch.device("cpu"), shard=Shard(r, 2))[0]
-        for r in range(2)
-    ]
+    quant, _ = ckpt.write(tmp_path, fmt, kv_heads=kv_heads)
+    source = ModelSource("hf", quant, fmt)
+    whole, _ = load_model(source, torch.float32, torch.device("cpu"))
+    ranks = [load_model(source, torch.float32, torch.device("cpu"), shard=Shard(r, 2))[0] for r in range(2)]
+    cfg = whole.config
+    d = cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * d, kv_heads * d
     for name, layer in linear.quantized_layers(whole):
         full = fp8.dequantize(layer.weight, layer.weight_scale)
-        parts = [
-            fp8.dequantize(r.get_submodule(name).weight, r.get_submodule(name).weight_scale) for r in ranks
-        ]
+        mods = [r.get_submodule(name) for r in ranks]
+        parts = [fp8.dequantize(m.weight, m.weight_scale) for m in mods]
         if name.endswith(("o_proj", "down_proj")):
             assert torch.equal(torch.cat(parts, dim=1), full), name
         elif name.endswith("gate_up_proj"):
             half = full.shape[0] // 2
             assert torch.equal(torch.cat([p[: half // 2] for p in parts]), full[:half]), name
             assert torch.equal(torch.cat([p[half // 2 :] for p in parts]), full[half:]), name
+        else:
+            assert name.endswith("qkv_proj"), name
+            assert torch.equal(torch.cat([p[: q_rows // 2] for p in parts]), full[:q_rows]), name
+            for r, p in enumerate(parts):
+                k0, k1 = Shard(r, 2).kv_head_span(kv_heads)
+                local = (k1 - k0) * d
+                k = full[q_rows + k0 * d : q_rows + k1 * d]
+                v = full[q_rows + kv_rows + k0 * d : q_rows + kv_rows + k1 * d]
+                assert torch.equal(p[q_rows // 2 : q_rows // 2 + local], k), name
+                assert torch.equal(p[q_rows // 2 + local :], v), name
 
 
 @pytest.mark.parametrize(

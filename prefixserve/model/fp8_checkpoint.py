@@ -182,8 +182,11 @@ class Fp8Checkpoint:
             f"FP8 weight {name} {list(shape)}: scales {list(s.shape)} are none of [1], [N, 1], {blocks}"
         )
 
-    def source(self, name: str, f: Any, stored: str) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
-        """What the loader reads ``stored`` from: (slice or tensor, FP8 codes or None, their row scales)."""
+    def source(
+        self, name: str, f: Any, stored: str, dense: bool = True
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """What the loader reads ``stored`` from: (slice or tensor, FP8 codes or None, their row
+        scales); an FP8 tensor is dequantized only where ``dense`` (some part of it loads dense)."""
         view = f.get_slice(stored)
         if not view.get_dtype().startswith("F8"):
             return view, None, None
@@ -191,7 +194,7 @@ class Fp8Checkpoint:
             raise _refuse(f"{stored}: {view.get_dtype()} tensor without an FP8 quantization_config")
         codes = f.get_tensor(stored)
         scale = self.row_scale(name, tuple(codes.shape))
-        return fp8.dequantize(codes, scale), codes, scale
+        return (fp8.dequantize(codes, scale) if dense else codes), codes, scale
 
     def keep_codes(
         self, param: str, shape: tuple[int, ...], piece: Any, codes: torch.Tensor, scale: torch.Tensor
@@ -287,8 +290,21 @@ class Fp8Checkpoint:
                     f"{piece.name}: FP8 scales of {row_scales.shape[1]} columns a row where the scheme "
                     f"{self.scheme} has {layer.weight_scale.shape[1]}"
                 )
-            layer.weight[piece.rows].copy_(row_codes)
+            rows = layer.weight[piece.rows]
+            rows.copy_(row_codes)
             layer.weight_scale[piece.rows] = row_scales.to(device)
+        self.filled[param] = self.filled.get(param, 0) + rows.shape[0]  # every row once: ``install``
+
+    def _finish_direct(self, param: str, layer: nn.Module, act: str) -> None:
+        """Check that a direct layer's every row was read; give it its static input scale."""
+        rows, read = layer.weight.shape[0], self.filled.get(param, 0)
+        if read != rows:
+            raise ValueError(f"{param}: {read} of its {rows} rows were in the checkpoint")
+        if act == "static":
+            static = self.input_scales.get(param)
+            if static is None:
+                raise ValueError(f"{param}: static activation quantization needs its input_scale")
+            layer.input_scale.copy_(static.reshape(1))
 
     def _act(self) -> str:
         """The layers' activation mode: block scales run weight-only here (no FP8 tensor-core route
@@ -307,8 +323,7 @@ class Fp8Checkpoint:
         for name, layer in linear.quantized_layers(model):
             param = f"{name}.weight"
             if param in self.direct:  # FP8 since materialization, its codes written as read
-                if act == "static":
-                    layer.input_scale.copy_(self.input_scales[param].reshape(1))
+                self._finish_direct(param, layer, act)
                 count += 1
                 continue
             # a hybrid's projection with some parts published unquantized (a Qwen3.5 input

@@ -272,12 +272,16 @@ def _model_name(model: LlamaForCausalLM, stored: str) -> str | None:
     return None if name is None else checkpoint_name(model.config.architecture, name)
 
 
-def _load_hf_weights(model: LlamaForCausalLM, directory: Path, fp8s: Fp8Checkpoint | None = None) -> None:
+def _load_hf_weights(
+    model: LlamaForCausalLM, directory: Path, dtype: torch.dtype, fp8s: Fp8Checkpoint | None = None
+) -> None:
     """Copy an HF safetensors state dict into the model; q/k/v and gate/up go into their stacked rows.
 
     Only this rank's slices are read (safetensors reads a slice without the rest of the tensor).
     Checkpoints that already stack them (``qkv_proj``, ``gate_up_proj``) load as they are (one rank).
-    FP8 tensors are dequantized as read, their codes kept for ``fp8s.install`` (``fp8_checkpoint``).
+    FP8 tensors are dequantized as read, their codes kept for ``fp8s.install`` (``fp8_checkpoint``),
+    or written as read into a layer FP8 from the start (``fp8s.direct``; ``dtype``: the model's, to
+    which ``--quantization fp8`` rounds a part before quantizing it, as the dense model holds it).
     """
     from safetensors import safe_open
 
@@ -285,7 +289,6 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path, fp8s: Fp8Checkpoi
     files = sorted(directory.glob("*.safetensors"))
     fp8s.read_scales(files, lambda stored: _model_name(model, stored))
     fp8s.watch(model)
-    dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     pieces = _pieces(model)
@@ -315,7 +318,8 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path, fp8s: Fp8Checkpoi
                         continue
                     name, source = done
                 else:
-                    source, codes, scale = fp8s.source(name, f, stored)
+                    dense = any(param not in fp8s.direct for param, _ in targets.get(name, ()))
+                    source, codes, scale = fp8s.source(name, f, stored, dense)
                 if name not in targets:
                     if "rotary_emb" in name or _unused_kv_weight(name, model.full_config):
                         continue
@@ -489,8 +493,9 @@ def load_model(
     # fp32 weights would round it, and the device never holds the model at 4 bytes a weight
     norms = bool(config.norm_weight_offset)
     model = _materialize(config, dtype, device, shard, fp32_norms=norms, prepare=fp8_from_the_start)
-    _load_hf_weights(model, directory, fp8s)
+    _load_hf_weights(model, directory, dtype, fp8s)
     fp8.cast_dense(model, dtype)  # Gemma's norms, kept in fp32 for the (1 + w) fold; FP8 layers as they are
+    model.reset_ropes(device)  # the RoPE tables in fp32 again (bf16 moved angles by radians at 8K)
     fp8s.install(model)  # after the cast: codes and scales stay as they are
     return model.eval(), directory
 
