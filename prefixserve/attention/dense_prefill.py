@@ -26,16 +26,13 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from prefixserve.attention.kv_quant import as_bytes
 from prefixserve.attention.metadata import AttentionMetadata
-
-if TYPE_CHECKING:
-    from prefixserve.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +80,9 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 _REFUSED: set[tuple] = set()  # layer shapes SDPA had no kernel for, this process (``run``'s key)
 
 
-def gather_bytes(config: ModelConfig, dtype: torch.dtype, context: int) -> int:
-    """The most a dense step's gathered K/V copy of one sequence holds at once: ``context`` tokens
+def gather_bytes(config: Any, dtype: torch.dtype, context: int) -> int:
+    """The most a dense step's gathered K/V copy of one sequence holds at once (``config``: the
+    model's ``ModelConfig``; attention sits below the model package): ``context`` tokens
     (at most ``MAX_CONTEXT``) of the widest layer's KV heads, K and V in ``dtype`` and one e4m3
     intermediate (an FP8 cache): what a GPU's step reserve adds for this path."""
     item = torch.tensor([], dtype=dtype).element_size()
