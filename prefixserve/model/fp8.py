@@ -139,20 +139,6 @@ def install(
     layer.__dict__.pop("_packed_weight", None)  # a oneDNN copy of the old weight (cpu_linear)
 
 
-def cast_dense(model: nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)`` for every floating tensor but an FP8 layer's (its codes and fp32 scales)."""
-    with torch.no_grad():
-        for module in model.modules():
-            if is_fp8(module):
-                continue
-            for p in module.parameters(recurse=False):
-                if p.is_floating_point() and p.dtype != dtype:
-                    p.data = p.data.to(dtype)
-            for name, b in module.named_buffers(recurse=False):
-                if b.is_floating_point() and b.dtype != dtype:
-                    module._buffers[name] = b.to(dtype)
-
-
 def quantize_layer(layer: nn.Module, act: str = "dynamic") -> None:
     """Quantize a layer's current weight per output channel (``quantization="fp8"``; ``act`` as
     ``install``'s); works on the meta device, so the model's size is checked at FP8 before any byte
@@ -279,7 +265,6 @@ __all__ = [
     "MAX_ROWS",
     "ROWS_ATTR",
     "attach_rows",
-    "cast_dense",
     "dequantize",
     "expand_scale",
     "fp8_gpu",

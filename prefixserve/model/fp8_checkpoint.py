@@ -211,9 +211,7 @@ class Fp8Checkpoint:
                 held.pop(param, None)
             return
         whole = self.codes.setdefault(param, torch.zeros(shape, dtype=fp8.FP8))
-        index = [slice(None)] * 2
-        index[piece.dim] = slice(piece.start, piece.stop)
-        whole[piece.rows].copy_(codes[tuple(index)])
+        whole[piece.rows].copy_(_piece_codes(piece, codes))
         part = _scale_part(piece, scale)
         rows = self.row_scales.setdefault(param, torch.empty(shape[0], part.shape[1]))
         if rows.shape[1] != part.shape[1]:
@@ -281,9 +279,7 @@ class Fp8Checkpoint:
             if codes is None:
                 row_codes, row_scales = fp8.quantize_rows(values().to(device, dtype))
             else:
-                index = [slice(None)] * 2
-                index[piece.dim] = slice(piece.start, piece.stop)
-                row_codes, row_scales = codes[tuple(index)], _scale_part(piece, scale)
+                row_codes, row_scales = _piece_codes(piece, codes), _scale_part(piece, scale)
                 self._note_input_scale(param, piece)
             if row_scales.shape[1] != layer.weight_scale.shape[1]:
                 raise ValueError(
@@ -317,14 +313,16 @@ class Fp8Checkpoint:
         A checkpoint's layers get its codes; ``quantization="fp8"`` quantizes them all."""
         if self.scheme is None:
             return 0
-        if not self.from_checkpoint:
-            return linear.quantize_model(model)
         act, count = self._act(), 0
         for name, layer in linear.quantized_layers(model):
-            param = f"{name}.weight"
-            if param in self.direct:  # FP8 since materialization, its codes written as read
-                self._finish_direct(param, layer, act)
+            if f"{name}.weight" in self.direct:  # FP8 since materialization, its codes written as read
+                self._finish_direct(f"{name}.weight", layer, act)
                 count += 1
+        if not self.from_checkpoint:
+            return count + linear.quantize_model(model)
+        for name, layer in linear.quantized_layers(model):
+            param = f"{name}.weight"
+            if param in self.direct:
                 continue
             # a hybrid's projection with some parts published unquantized (a Qwen3.5 input
             # projection's b and a rows): quantized whole from the loaded values, as a reordered one
@@ -350,6 +348,13 @@ class Fp8Checkpoint:
             )
             count += 1
         return count
+
+
+def _piece_codes(piece: Any, codes: torch.Tensor) -> torch.Tensor:
+    """The codes [N, K] a piece (``loader.Piece``) takes: its rows or its shard's columns."""
+    index = [slice(None)] * 2
+    index[piece.dim] = slice(piece.start, piece.stop)
+    return codes[tuple(index)]
 
 
 def _scale_part(piece: Any, scale: torch.Tensor) -> torch.Tensor:

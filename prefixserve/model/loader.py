@@ -156,9 +156,7 @@ def _materialize(
         model = LlamaForCausalLM(config, shard)
     model.to(dtype)
     if fp32_norms:
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.float()
+        _norms_to(model, torch.float32)
     if fp8_layers:
         linear.quantize_model(model)
     if prepare is not None:
@@ -239,6 +237,13 @@ def _pieces(model: LlamaForCausalLM) -> dict[str, list[Piece]]:
             else:
                 out[name] = [Piece(name, slice(None), 0, 0, whole[0] if whole else 0, whole)]
     return out
+
+
+def _norms_to(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Every RMSNorm of the model in ``dtype`` (the rest is built in the model's dtype)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.to(dtype)
 
 
 def _piece_values(piece: Piece, source: Any) -> torch.Tensor:
@@ -494,8 +499,8 @@ def load_model(
     norms = bool(config.norm_weight_offset)
     model = _materialize(config, dtype, device, shard, fp32_norms=norms, prepare=fp8_from_the_start)
     _load_hf_weights(model, directory, dtype, fp8s)
-    fp8.cast_dense(model, dtype)  # Gemma's norms, kept in fp32 for the (1 + w) fold; FP8 layers as they are
-    model.reset_ropes(device)  # the RoPE tables in fp32 again (bf16 moved angles by radians at 8K)
+    if norms:  # Gemma's norms, kept in fp32 for the (1 + w) fold: the one part not in the model's dtype
+        _norms_to(model, dtype)  # (a whole-model cast rounded RoPE's fp32 tables and FP8 layers too)
     fp8s.install(model)  # after the cast: codes and scales stay as they are
     return model.eval(), directory
 

@@ -63,13 +63,17 @@ def _silu_and_mul_kernel(
 _bound = BoundKernel(_silu_and_mul_kernel)  # launched by shape, so a step pays Triton's bind once
 
 
-def silu_and_mul(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:  # [T, 2 I] -> [T, I]
-    """``silu(x[:, :I]) * x[:, I:]`` (``gelu``: the tanh GELU's) into a new contiguous tensor."""
+def _product(x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(T, I, the new [T, I] output) of a gate-up product x [T, 2 I] with contiguous rows."""
     tokens, width = x.shape
     if width % 2 or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} must be [T, 2 I] with contiguous rows")
-    n = width // 2
-    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+    return tokens, width // 2, torch.empty(tokens, width // 2, dtype=x.dtype, device=x.device)
+
+
+def silu_and_mul(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    """``silu(x[:, :I]) * x[:, I:]`` (``gelu``: the tanh GELU's) into a new contiguous tensor."""
+    tokens, n, out = _product(x)
     if tokens == 0:
         return out
     grid = (tokens, triton.cdiv(n, BLOCK))
@@ -103,9 +107,10 @@ def _silu_and_mul_quantize_kernel(
             GELU,
         ).to(dtype)
         tl.store(out_ptr + row * stride_o + offs, whole, mask=in_row)
-        row_s = row_scale(tl.max(tl.abs(whole.to(tl.float32)), axis=0))
+        whole32 = whole.to(tl.float32)
+        row_s = row_scale(tl.max(tl.abs(whole32), axis=0))
         tl.store(scales_ptr + row, row_s)
-        row_codes = to_codes(whole.to(tl.float32), row_s, codes_ptr.dtype.element_ty)
+        row_codes = to_codes(whole32, row_s, codes_ptr.dtype.element_ty)
         tl.store(codes_ptr + row * n_cols + offs, row_codes, mask=in_row)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -134,11 +139,7 @@ def silu_and_mul_quantize(
     x: torch.Tensor, gelu: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, 2 I] -> [T, I], its codes, scales [T, 1]
     """``silu_and_mul`` and its e4m3 codes with fp32 row scales (``fp8_matmul.quantize_rows`` of it)."""
-    tokens, width = x.shape
-    if width % 2 or x.stride(1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} must be [T, 2 I] with contiguous rows")
-    n = width // 2
-    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+    tokens, n, out = _product(x)
     codes = torch.empty(tokens, n, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens:
