@@ -236,33 +236,45 @@ def add_rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
     quantize: bool = False,
+    pre: tuple[torch.Tensor, float] | None = None,  # a norm of x first: (weight, eps)
+    dtype: torch.dtype | None = None,  # what partials without a residual are rounded to
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``; with no residual, ``(rms_norm(x) * weight, x)``.
     ``quantize``: an FP8 projection that quantizes per token reads the first next; on the kernel's
-    path it carries its e4m3 codes (``fp8_rows.attach_rows``), made in the same pass.
+    path it carries its e4m3 codes (``fp8_rows.attach_rows``), made in the same pass. ``pre``:
+    Gemma's sandwich, x normed by its own weight before the add (one kernel for the two norms).
 
     The add is done in the model dtype, the statistics in fp32 and the result cast back before the
     weight multiply, as HF's RMSNorm after its residual add. Partials are summed in fp32 and rounded
-    to the model dtype first, as a split-K matmul's own reduce does. Two ranks' products
-    (``PeerSum``) are summed over NVLink in the same kernel; without a residual (the embedding's
-    lookups) the second output is that sum, a new tensor.
+    to the model dtype first (the residual's, else ``dtype``), as a split-K matmul's own reduce does.
+    Two ranks' products (``PeerSum``) are summed over NVLink in the same kernel; without a residual
+    (the embedding's lookups) the second output is that sum, a new tensor.
     """
     if isinstance(x, PeerSum):
+        if pre is not None:
+            raise ValueError("a norm before the add takes the ranks' sum, not their products")
         return x.add_rms_norm(residual, weight, eps)
     if _use_triton(x):
         from prefixserve.model.kernels import rms_norm
 
         if x.shape[-1] <= rms_norm.MAX_HIDDEN:  # a row must fit one program's registers
             if not quantize:
-                return rms_norm.add_rms_norm(x, weight, eps, residual)
+                return rms_norm.add_rms_norm(x, weight, eps, residual, pre=pre, dtype=dtype)
             from prefixserve.model.fp8_rows import attach_rows
 
-            out, summed, codes, scales = rms_norm.add_rms_norm(x, weight, eps, residual, quantize=True)
+            out, summed, codes, scales = rms_norm.add_rms_norm(
+                x, weight, eps, residual, quantize=True, pre=pre, dtype=dtype
+            )
             return attach_rows(out, codes, scales), summed
     if x.dim() == 3:
-        if residual is None or x.dtype != torch.float32:
-            raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
-        x = x.sum(0).to(residual.dtype)
+        dtype = residual.dtype if residual is not None else dtype
+        if x.dtype != torch.float32 or dtype is None:
+            raise ValueError(
+                f"split-K partials must be fp32 ({x.dtype}) and come with the residual or a dtype"
+            )
+        x = x.sum(0).to(dtype)
+    if pre is not None:
+        x = add_rms_norm(x, *pre)[0]
     if residual is not None:
         x = x + residual
     xf = x.float()

@@ -63,9 +63,17 @@ class RMSNorm(nn.Module):
         x: torch.Tensor | fused.PeerSum,  # [T, hidden], or what ``fused.add_rms_norm`` also takes
         residual: torch.Tensor | None = None,  # [T, hidden]
         quantize: bool = False,
+        dtype: torch.dtype | None = None,  # split-K partials without a residual: the model's dtype
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        normed, summed = self.with_stream(x, residual, quantize)
+        normed, summed = fused.add_rms_norm(x, self.weight, self.eps, residual, quantize, dtype=dtype)
         return normed if residual is None else (normed, summed)
+
+    def after(
+        self, first: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(first(x) + residual), first(x) + residual)``: a block's output normed before it
+        joins the stream, then the next block's input norm (Gemma's sandwich), one kernel on CUDA."""
+        return fused.add_rms_norm(x, self.weight, self.eps, residual, pre=(first.weight, first.eps))
 
     def with_stream(
         self, x: torch.Tensor | fused.PeerSum, residual: torch.Tensor | None = None, quantize: bool = False
@@ -337,15 +345,18 @@ class DecoderLayer(nn.Module):
         """(MLP output, residual stream before it): o_proj, the post-attention norm, the MLP. Gemma 4's
         layers return (the whole stream, None): the per-layer input and the scalar follow the add."""
         if self.sandwich:  # the block outputs are normed before their residual adds
-            attn = self.post_attention_layernorm(self.self_attn.output(out))
-            x, residual = self.pre_feedforward_layernorm(attn, residual)
-            mlp = self.mlp(x)
+            # the attention's norm and the MLP's input norm in one kernel
+            x, residual = self.pre_feedforward_layernorm.after(
+                self.post_attention_layernorm, self.self_attn.output(out), residual
+            )
             if hasattr(self, "experts"):  # Gemma 4: the experts, on the stream, beside the MLP
                 routed = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
-                mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(
+                mlp = self.post_feedforward_layernorm_1(self.mlp(x)) + self.post_feedforward_layernorm_2(
                     self.shard.all_reduce(routed)
                 )
-            mlp = self.post_feedforward_layernorm(mlp)
+            else:  # the down projection's split-K partials (or the ranks' products) summed by its norm
+                mlp = self.mlp(x, partials=True)
+            mlp = self.post_feedforward_layernorm(mlp, dtype=residual.dtype)
             if not self.whole_stream:
                 return mlp, residual
             stream = residual + mlp

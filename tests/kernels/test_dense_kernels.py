@@ -65,9 +65,37 @@ def test_add_rms_norm_sums_split_k_partials(dtype: torch.dtype, splits: int) -> 
     ref, ref_summed = add_rms_norm_ref(parts, w, 1e-5, res)
     torch.testing.assert_close(summed, ref_summed, **_tol(dtype))
     torch.testing.assert_close(out, ref, **_tol(dtype))
-    for bad in (parts.to(torch.float16), parts):  # 16-bit partials; partials without the residual
+    for bad in (parts.to(torch.float16), parts):  # 16-bit partials; partials without a residual or dtype
         with pytest.raises(ValueError, match="fp32"):
             add_rms_norm(bad, w, 1e-5, res if bad.dtype == torch.float16 else None)
+    # without a residual, given the dtype to round the sum to (a down projection into Gemma's norm)
+    alone, stream = add_rms_norm(parts, w, 1e-5, dtype=dtype)
+    assert alone.dtype == stream.dtype == dtype
+    torch.testing.assert_close(stream, parts.double().sum(0).to(dtype), **_tol(dtype))
+    torch.testing.assert_close(alone, add_rms_norm_ref(parts, w, 1e-5, dtype=dtype)[0], **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, splits", [(64, 0), (48, 0), (48, 3)])
+def test_sandwich_norm_is_the_two_norms(dtype: torch.dtype, hidden: int, splits: int) -> None:
+    """``pre``: Gemma's block output normed by its own weight, added to the stream and normed again,
+    in one kernel: bit for bit the two kernels it replaces, and the reference within rounding."""
+    gen = torch.Generator().manual_seed(hidden + splits)
+    shape = (splits, 5, hidden) if splits else (5, hidden)
+    x = torch.randn(*shape, generator=gen).to(DEVICE, torch.float32 if splits else dtype)
+    res = torch.randn(5, hidden, generator=gen).to(DEVICE, dtype)
+    w0, w = ((1 + 0.3 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    out, stream = add_rms_norm(x, w, 1e-6, res, pre=(w0, 1e-5))
+    first = add_rms_norm(x, w0, 1e-5, dtype=dtype)[0]
+    two_out, two_stream = add_rms_norm(first, w, 1e-6, res)
+    assert torch.equal(out, two_out) and torch.equal(stream, two_stream)
+    ref, ref_stream = add_rms_norm_ref(x, w, 1e-6, res, pre=(w0, 1e-5), dtype=dtype)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    torch.testing.assert_close(stream, ref_stream, **_tol(dtype))
+    with fused.triton_kernels(False):  # the torch path: the same two norms
+        torch_out, torch_stream = fused.add_rms_norm(x, w, 1e-6, res, pre=(w0, 1e-5), dtype=dtype)
+    torch.testing.assert_close(torch_out, ref, **_tol(dtype))
+    torch.testing.assert_close(torch_stream, ref_stream, **_tol(dtype))
 
 
 def test_fused_add_rms_norm_sums_partials_on_the_torch_path() -> None:
@@ -79,7 +107,7 @@ def test_fused_add_rms_norm_sums_partials_on_the_torch_path() -> None:
     w = (torch.rand(32, generator=gen) + 0.5).bfloat16()
     with fused.triton_kernels(False):
         out, summed = fused.add_rms_norm(parts.to(DEVICE), w.to(DEVICE), 1e-5, res.to(DEVICE))
-        with pytest.raises(ValueError, match="residual"):
+        with pytest.raises(ValueError, match="residual or a dtype"):
             fused.add_rms_norm(parts.to(DEVICE), w.to(DEVICE), 1e-5)
     x = parts.sum(0).bfloat16()
     assert torch.equal(summed.cpu(), x + res)

@@ -11,6 +11,11 @@ x may also come as a matmul's fp32 split-K partials [S, T, N] (``linear_partials
 them and rounds to the model dtype, as cuBLAS's split-K reduce kernel would, so the matmul needs no
 reduce kernel of its own.
 
+``pre``: Gemma's sandwich, where a block's output is normed (its own weight) before the residual
+add and the next norm: ``norm(norm(x) * w0 + residual) * w``, both norms in one pass, rounded as the
+two kernels would round them. Partials may then come without a residual (a down projection's, into
+Gemma's post-MLP norm): their sum rounded to ``dtype``.
+
 ``quantize``: the normed rows also as e4m3 codes with one fp32 scale a row (amax / 448 of the stored
 16-bit row, ``e4m3.py``'s rule: exactly ``fp8_matmul.quantize_rows`` of the output), for an FP8
 projection next that quantizes its input per token; the row is already in registers, so that
@@ -35,8 +40,9 @@ def _add_rms_norm_kernel(
     x_ptr,  # [T, N], or [SPLITS, T, N] fp32 partials to sum first
     res_ptr,  # [T, N] (read when HAS_RESIDUAL)
     w_ptr,  # [N]
+    pre_w_ptr,  # [N]: PRE's weight
     out_ptr,  # [T, N]
-    res_out_ptr,  # [T, N] (written when HAS_RESIDUAL)
+    res_out_ptr,  # [T, N] (written when STREAM)
     codes_ptr,  # QUANT: [T, N] e4m3, contiguous
     scales_ptr,  # QUANT: [T] fp32
     stride_split,
@@ -46,10 +52,13 @@ def _add_rms_norm_kernel(
     stride_ro,
     n_cols,
     eps,
+    pre_eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLITS: tl.constexpr,  # 0: x is [T, N] in the model dtype; else the number of fp32 partials
     QUANT: tl.constexpr = False,  # the output's e4m3 codes and row scale too
+    PRE: tl.constexpr = False,  # x normed with pre_w first (a sandwich norm)
+    STREAM: tl.constexpr = True,  # the stream (x + residual, or a new x) stored to res_out
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -59,9 +68,15 @@ def _add_rms_norm_kernel(
     for s in tl.static_range(1, SPLITS):  # fp32 partials: the matmul's split-K reduce, one rounding
         x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
     x = x.to(dtype)
+    if PRE:  # the block output's own norm, rounded as its own kernel would store it
+        pf = x.to(tl.float32)
+        prstd = tl.math.rsqrt(tl.sum(pf * pf, axis=0) / n_cols + pre_eps)
+        pw = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = ((pf * prstd).to(dtype).to(tl.float32) * pw).to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the model dtype's add
+    if STREAM:
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
@@ -85,25 +100,34 @@ def add_rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
     quantize: bool = False,
+    pre: tuple[torch.Tensor, float] | None = None,  # (weight, eps) of a norm of x first
+    dtype: torch.dtype | None = None,  # the model's: partials without a residual are rounded to it
 ) -> tuple[torch.Tensor, ...]:
     """``(rms_norm(x + residual) * weight, x + residual)``; without a residual, ``(rms_norm(x) * weight, x)``;
-    with ``quantize`` also the first's e4m3 codes [T, N] and fp32 row scales [T, 1] (see the module).
+    with ``quantize`` also the first's e4m3 codes [T, N] and fp32 row scales [T, 1] (see the module);
+    with ``pre``, x is first ``rms_norm(x) * pre[0]`` (the second output then holds that plus the
+    residual, or that alone).
 
-    Given partials (always with the residual: they are a projection's output joining the stream),
-    x is their fp32 sum rounded to the residual's dtype, the model's. Both outputs are new tensors
-    (no input is written), so callers may hold on to their inputs.
+    Given partials, x is their fp32 sum rounded to the residual's dtype (the model's), or without a
+    residual to ``dtype``. Both outputs are new tensors (no input is written), so callers may hold on
+    to their inputs.
     """
     splits = x.shape[0] if x.dim() == 3 else 0
     tokens, n = x.shape[-2:]
     if n > MAX_HIDDEN or x.stride(-1) != 1 or weight.stride(0) != 1:
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN} with contiguous rows")
-    if splits and (x.dtype != torch.float32 or residual is None):
-        raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual")
+    if residual is not None:
+        dtype = residual.dtype
+    if splits and (x.dtype != torch.float32 or dtype is None):
+        raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual or a dtype")
     if residual is not None and (residual.shape != x.shape[-2:] or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape[-2:])}")
-    dtype = residual.dtype if residual is not None else x.dtype
+    if pre is not None and pre[0].stride(0) != 1:
+        raise ValueError("the first norm's weight must be contiguous")
+    dtype = dtype or x.dtype
     out = torch.empty((tokens, n), device=x.device, dtype=dtype)
-    res_out = torch.empty_like(out) if residual is not None else x
+    # the second output: the stream (x + residual), or x itself where the kernel leaves it unchanged
+    res_out = torch.empty_like(out) if residual is not None or splits or pre is not None else x
     codes = torch.empty(tokens, n, dtype=torch.float8_e4m3fn, device=x.device) if quantize else out
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device) if quantize else out
     done = (out, res_out, codes, scales) if quantize else (out, res_out)
@@ -115,6 +139,7 @@ def add_rms_norm(
         x,
         residual if residual is not None else x,
         weight,
+        pre[0] if pre is not None else weight,
         out,
         res_out,
         codes,
@@ -126,22 +151,33 @@ def add_rms_norm(
         res_out.stride(0),
         n,
         eps,
+        pre[1] if pre is not None else eps,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         SPLITS=splits,
         QUANT=quantize,
+        PRE=pre is not None,
+        STREAM=res_out is not x,
         num_warps=min(16, max(1, block // 512)),
     )
     return done
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    pre: tuple[torch.Tensor, float] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: HF's RMSNorm (fp32 statistics, cast back before the weight) after the add;
-    split-K partials summed in fp32 and rounded to the model dtype (the residual's) first."""
+    split-K partials summed in fp32 and rounded to the model dtype (the residual's, else ``dtype``)
+    first; ``pre``: x normed by its own weight before the add."""
     if x.dim() == 3:
-        x = x.sum(0).to(residual.dtype)
+        x = x.sum(0).to(residual.dtype if residual is not None else dtype)
+    if pre is not None:
+        x = add_rms_norm_ref(x, *pre)[0]
     if residual is not None:
         x = x + residual
     xf = x.float()
