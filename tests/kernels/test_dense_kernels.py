@@ -79,7 +79,8 @@ def test_add_rms_norm_sums_split_k_partials(dtype: torch.dtype, splits: int) -> 
 @pytest.mark.parametrize("hidden, splits", [(64, 0), (48, 0), (48, 3)])
 def test_sandwich_norm_is_the_two_norms(dtype: torch.dtype, hidden: int, splits: int) -> None:
     """``pre``: Gemma's block output normed by its own weight, added to the stream and normed again,
-    in one kernel: bit for bit the two kernels it replaces, and the reference within rounding."""
+    in one kernel: the two kernels it replaces (bit for bit in the interpreter; compiled, the two
+    programs' fp32 sums may contract differently: within rounding) and the reference."""
     gen = torch.Generator().manual_seed(hidden + splits)
     shape = (splits, 5, hidden) if splits else (5, hidden)
     x = torch.randn(*shape, generator=gen).to(DEVICE, torch.float32 if splits else dtype)
@@ -88,7 +89,10 @@ def test_sandwich_norm_is_the_two_norms(dtype: torch.dtype, hidden: int, splits:
     out, stream = add_rms_norm(x, w, 1e-6, res, pre=(w0, 1e-5))
     first = add_rms_norm(x, w0, 1e-5, dtype=dtype)[0]
     two_out, two_stream = add_rms_norm(first, w, 1e-6, res)
-    assert torch.equal(out, two_out) and torch.equal(stream, two_stream)
+    if DEVICE.type == "cpu":
+        assert torch.equal(out, two_out) and torch.equal(stream, two_stream)
+    torch.testing.assert_close(out, two_out, **_tol(dtype))
+    torch.testing.assert_close(stream, two_stream, **_tol(dtype))
     ref, ref_stream = add_rms_norm_ref(x, w, 1e-6, res, pre=(w0, 1e-5), dtype=dtype)
     torch.testing.assert_close(out, ref, **_tol(dtype))
     torch.testing.assert_close(stream, ref_stream, **_tol(dtype))
