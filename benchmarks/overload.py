@@ -111,6 +111,7 @@ COUNTERS = {
     "gc_pause_le_1s": "http_gc_pause_seconds_bucket_le_1s",
     "graph_captures": "cuda_graph_captures_total",
     "graph_capture_s": "cuda_graph_capture_seconds_total",
+    "graph_misses": "cuda_graph_misses_total",
     "compiles": "kernel_compiles_serving_total",
     "compile_s": "kernel_compile_serving_seconds_total",
     "steps": "steps_total",

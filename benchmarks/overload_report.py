@@ -44,6 +44,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "bound": f">= {GOODPUT_MIN}",
         "ok": ratio is not None and ratio >= GOODPUT_MIN,
     }
+    # issue 105: nothing captured or compiled once the server is ready, in any window
+    stalls = [(s.get("server") or {}) for s in w.values()]
+    if stalls and all("graph_captures" in v for v in stalls):
+        after = sum(v["graph_captures"] + v.get("compiles", 0) for v in stalls)
+        targets["no_stall_after_ready"] = {"value": after, "bound": "== 0", "ok": after == 0}
     warnings = []
     for label, s in w.items():
         if s.get("client_lag_max_s", 0.0) > CLIENT_LAG_MAX_S:
@@ -180,18 +185,20 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
         "",
         "| window | refused: queue requests | queue tokens | deadline estimate | of them in HTTP "
         "| dropped for deadline | aborted | preemptions | 5xx | engine TTFT mean s | loop lag mean ms "
-        "| graph captures (s) | kernel compiles (s) | slow steps (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| graph captures (s) | graph misses | kernel compiles (s) | slow steps (s) |",
+        "| --- " + "| ---: " * 14 + "|",
     ]
     rows = []
     for x in shown:
         v = x["server"]
         in_http = f"{v['refused_http']:.0f}" if "refused_http" in v else "-"  # runs before it was counted
+        misses = f"{v['graph_misses']:.0f}" if "graph_misses" in v else "-"
         lines.append(
             f"| {x['label']} | {v['refused_queue_requests']:.0f} | {v['refused_queue_tokens']:.0f} "
             f"| {v['refused_deadline']:.0f} | {in_http} | {v['dropped_deadline']:.0f} | {v['aborted']:.0f} "
             f"| {v['preemptions']:.0f} | {v['http_5xx']:.0f} | {_mean(v, 'server_ttft', 1.0, '.2f')} "
             f"| {_mean(v, 'loop_lag', 1e3, '.1f')} | {_count_s(v, 'graph_captures', 'graph_capture_s')} "
+            f"| {misses} "
             f"| {_count_s(v, 'compiles', 'compile_s')} | {_count_s(v, 'slow_steps', 'slow_step_host_s')} |"
         )
         rows.append(

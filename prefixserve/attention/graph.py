@@ -29,9 +29,67 @@ from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
 
 
+class Scratch:
+    """fp32 partial buffers that every decode graph of one engine takes views of.
+
+    Graphs replay one at a time on one stream and merge their partials within their own replay, so
+    one buffer serves them all; with capacities fixed per bucket (``Ceilings``) a graph's partials
+    would otherwise be hundreds of MB each. A need larger than the buffer allocates a larger one (at
+    least twice): graphs captured on the old one keep it alive through their views.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def take(self, rows: int, tail: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A [rows, *tail] fp32 view of the shared buffer of that row shape."""
+        key = (tail, str(device))
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[0] < rows:
+            size = max(rows, 2 * buffer.shape[0] if buffer is not None else rows)
+            buffer = self._buffers[key] = torch.empty((size, *tail), dtype=torch.float32, device=device)
+        return buffer[:rows]
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    """Capacities of a decode graph's buffers fixed by the engine's limits, not by any step's sharing
+    structure: every step of a bucket then plans into the same capacities, so its graph keys do not
+    grow as sequences lengthen or the structure moves (a key first met while serving means a
+    capture, which stalls every running stream). A step past a ceiling keeps its own, larger key."""
+
+    table_width: int  # block-table columns of the longest sequence (max_model_len / block_size)
+    pool_blocks: int  # blocks in the KV pool: the most a step's segments can hold
+
+    # Every step copies its graph's whole buffers to the device: block tables past 1 MB (at 256
+    # rows, 1,024 columns: 16K tokens at 16 a block; a bucket of 64 rows or fewer holds 64K tokens or
+    # more) or segments of more than 2,048 blocks are left to grow with the steps that need them
+    TABLE_BYTES = 1 << 20
+    MAX_BLOCKS = 2048
+    ROWS_PER_HOLDER = 4  # segment rows a bucket's row is counted for (nesting depth)
+    SLOTS_PER_ROW = 16  # shared partial slots a row is given (KV splits of its segments)
+    ITEMS_PER_ROW = 8  # shared work items a row is given
+
+    def width(self, bucket: int, minimum: int) -> int:
+        """Block-table columns of ``bucket`` rows."""
+        return capacity(min(self.table_width, self.TABLE_BYTES // (4 * bucket)), minimum)
+
+    def shared(self, bucket: int) -> tuple[int, int, int, int, int]:
+        """(items, segments, segment blocks, segment rows, slots) for ``bucket`` rows."""
+        blocks = min(self.pool_blocks, bucket * self.table_width, self.MAX_BLOCKS)
+        return (
+            capacity(max(64, self.ITEMS_PER_ROW * bucket)),
+            capacity(bucket, 4),
+            capacity(blocks, 16),
+            capacity(self.ROWS_PER_HOLDER * bucket, 16),
+            capacity(max(64, self.SLOTS_PER_ROW * bucket)),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class HeadShape:
-    """The attention shape of a model, which graph plans depend on (tiles, work list, buffers)."""
+    """The attention shape of a model, which graph plans depend on (tiles, work list, buffers), and
+    what the engine's graphs share: the capacities they are planned to and their partials' buffers."""
 
     q_heads: int
     kv_heads: int
@@ -39,10 +97,18 @@ class HeadShape:
     dtype: torch.dtype  # q's
     device: torch.device
     kv_dtype: torch.dtype | None = None  # the cache's, where it is not q's (e4m3: an FP8 KV cache)
+    ceilings: Ceilings | None = None  # None: capacities follow each step (tests, probes)
+    scratch: Scratch | None = field(default=None, compare=False, hash=False)  # None: each graph its own
 
     @property
     def group(self) -> int:
         return self.q_heads // self.kv_heads
+
+    def partials(self, rows: int, tail: tuple[int, ...]) -> torch.Tensor:
+        """A graph's fp32 partials [rows, *tail]: a view of the shared scratch, or its own buffer."""
+        if self.scratch is None:
+            return torch.empty((rows, *tail), dtype=torch.float32, device=self.device)
+        return self.scratch.take(rows, tail, self.device)
 
 
 @dataclass(slots=True)
@@ -180,10 +246,12 @@ class NoAttentionGraph(WindowedGraphAttention):
 
 
 __all__ = [
+    "Ceilings",
     "GraphAttention",
     "GraphStep",
     "HeadShape",
     "NoAttentionGraph",
+    "Scratch",
     "WindowedGraphAttention",
     "capacity",
     "floor_key",

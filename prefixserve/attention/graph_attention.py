@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity, floor_key
+from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, capacity
 from prefixserve.attention.kernels import merge, paged_attention, shared_attention
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning import mixed_rule
@@ -57,8 +57,12 @@ def paged_graph_step(
     if tables is None:
         tables = meta.block_tables.cpu().numpy()
     width = capacity(tables.shape[1], MIN_TABLE_WIDTH)
+    if shape.ceilings is not None:
+        width = max(width, shape.ceilings.width(bucket, MIN_TABLE_WIDTH))
     splits = _splits(max(meta.seq_lens_host, default=0), bucket * shape.kv_heads, shape.device)
-    key = floor_key(("paged", bucket, width, splits), floor, (0, 1, 3))
+    key = ("paged", bucket, width, splits)
+    if floor is not None and floor[:2] == key[:2] and floor[2] >= width:
+        key = floor  # any split count serves: each row's KV is cut into the graph's splits by its length
     arrays = {
         "tables": tables,
         "seq_lens": np.asarray(meta.seq_lens_host, dtype=np.int32),
@@ -92,28 +96,28 @@ def shared_graph_step(
     own_splits = _splits(int(own_lens.max(initial=0)), -(-bucket // pack) * kv_heads, shape.device)
     if mixed:  # the mixed kernel writes one own partial per row
         own_splits = 1
-    needed = (
-        "shared",
-        bucket,
-        width,
-        own_splits,
-        (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed),
+    caps = (
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
         capacity(plan.seg_blocks.numel(), 16),
         capacity(seg_rows.size, 16),
         capacity(work.num_slots, 16),
-        0,  # merge entries: known below, once the slot offset is
     )
-    key = floor_key(needed, floor, (0, 1, 3, 4))
-    slots_cap = key[9]
+    if shape.ceilings is not None:  # the bucket's capacities, whatever the structure
+        width = max(width, shape.ceilings.width(bucket, MIN_TABLE_WIDTH))
+        caps = tuple(max(c, ceiling) for c, ceiling in zip(caps, shape.ceilings.shared(bucket), strict=True))
+    tiles = (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed)
+    needed = ("shared", bucket, width, own_splits, tiles, *caps, 0)  # merge entries: known below
+    key = _shared_floor(needed, floor)
+    own_splits, slots_cap = key[3], key[9]
     batch = meta.num_seqs
     merge_key = ("merge", id(work), bucket, batch, own_splits, slots_cap)
     if merge_key not in memo:
         memo[merge_key] = _merge_index(seg_rows[work.slot_row_index.numpy()], work.num_slots, *merge_key[2:])
     row_ptr, part_idx = memo[merge_key]
     seg_blocks = plan.seg_blocks.numpy()
-    nnz = capacity(part_idx.size, 16)
+    # the merge entries: every slot and every row's own splits, so that the bucket's count is fixed too
+    nnz = capacity(max(part_idx.size, slots_cap + own_splits * bucket if shape.ceilings else 0), 16)
     if floor is not None and key[:10] == floor[:10]:
         nnz = max(nnz, floor[10])
     key = (*key[:10], nnz)
@@ -141,6 +145,20 @@ def shared_graph_step(
         stats,
         lambda f: shared_graph_step(meta, plan, shape, bucket, f),
     )
+
+
+def _shared_floor(needed: tuple[Any, ...], floor: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """``needed`` planned into a captured shared key ``floor`` where it can be: the same bucket and
+    work tiles (the work list is cut for them), capacities raised to the floor's; the floor's own
+    splits and own pack taken whatever they are (each row's own KV is cut into the graph's splits by
+    its length, and the pack only groups rows per program). Else ``needed`` unchanged."""
+    if floor is None or len(floor) != len(needed) or floor[:2] != needed[:2]:
+        return needed
+    tiles, floor_tiles = needed[4], floor[4]
+    if tiles[:4] != floor_tiles[:4] or tiles[5] != floor_tiles[5]:
+        return needed
+    caps = tuple(max(k, f) for k, f in zip(needed[5:], floor[5:], strict=True))
+    return (*needed[:2], max(needed[2], floor[2]), floor[3], floor_tiles, *caps)
 
 
 def _merge_index(
@@ -200,11 +218,8 @@ class PagedGraph(_Recorded):
         }
         super().__init__(fields, shape)
         self.bucket, self.splits = bucket, splits
-        f32 = {"dtype": torch.float32, "device": shape.device}
-        self.lse = torch.empty(splits * bucket, shape.q_heads, **f32)
-        self.o_part = (
-            torch.empty(splits * bucket, shape.q_heads, shape.head_dim, **f32) if splits > 1 else None
-        )
+        self.lse = torch.empty(splits * bucket, shape.q_heads, dtype=torch.float32, device=shape.device)
+        self.o_part = shape.partials(splits * bucket, (shape.q_heads, shape.head_dim)) if splits > 1 else None
         # the splits merged by the kernel's last program of each (row, KV head): its counts, the graph's
         self.counts = torch.zeros(bucket * shape.kv_heads, dtype=torch.int32, device=shape.device)
 
@@ -251,9 +266,8 @@ class SharedGraph(_Recorded):
         self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
         self.block_m, self.block_n, self.stages, self.tma, self.pack, self.mixed = tiles
         parts = slots + own_splits * bucket
-        f32 = {"dtype": torch.float32, "device": shape.device}
-        self.o_part = torch.empty(parts, shape.q_heads, shape.head_dim, **f32)
-        self.lse_part = torch.empty(parts, shape.q_heads, **f32)
+        self.o_part = shape.partials(parts, (shape.q_heads, shape.head_dim))
+        self.lse_part = shape.partials(parts, (shape.q_heads,))
 
     def first_launch(self, q, k_cache, v_cache, scale: float, out: torch.Tensor) -> list:
         work = SharedWork(

@@ -72,17 +72,21 @@ class EngineServices:
     def graphs(self) -> DecodeGraphs | None:
         return self.runner.graphs
 
-    def capture_graphs(self, progress: bool = False) -> int:
+    def capture_graphs(self, progress: bool = False, seal: bool = False) -> int:
         """Capture now the graphs serving meets first; returns how many were captured.
 
         A server calls this before it says ready: captured lazily, each new size of prefill or
         mixed step, and each decode batch bucket, stalls every running stream for a warm-up forward
         and its captures. Dense pieces: one synthetic prefill per eager-step size over blocks taken
         from the pool and given back; decode graphs: ``warmup.warm_decode_graphs``; then the kernels
-        of eager steps that prefill behind one and two shared segments (``warmup.warm_mixed_steps``)."""
+        of eager steps that prefill behind one and two shared segments (``warmup.warm_mixed_steps``).
+        ``seal`` (a server): no decode graph is captured after this; a step whose key none serves
+        runs eagerly (``DecodeGraphs.seal``)."""
         pieces = self.runner.capture_pieces(self.pool)
         captured = pieces + warm_decode_graphs(self, progress) + warm_mixed_steps(self, progress)
         self.stats.compiles.serving()  # a compile from now on stalls live streams: each is logged
+        if seal and self.graphs is not None:
+            self.graphs.seal()
         return captured
 
     # ---- pinned system prompts (RelayAttention) ------------------------------------------------

@@ -140,6 +140,7 @@ class EngineStats:
         out["cuda_graph_capture_seconds_total"] = (graphs.capture_s if graphs else 0.0) + (
             pieces.capture_s if pieces else 0.0
         )
+        out["cuda_graph_misses_total"] = graphs.misses if graphs else 0
         out.update(
             num_running=len(engine.scheduler.running),
             num_waiting=len(engine.scheduler.waiting),

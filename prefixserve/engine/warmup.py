@@ -16,6 +16,8 @@ import random
 import time
 from typing import Any
 
+import numpy as np
+
 from prefixserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -24,17 +26,24 @@ DECODE_STEPS = 3  # tokens each synthetic request generates: the first decode st
 OWN_TOKENS = 8  # each synthetic prompt's tokens after the shared prefix
 
 
+LONG_PREFIX = 4096  # tokens of a synthetic long shared prefix: its steps take other tiles (tall, mixed)
+
+
 def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
-    """Run a decode batch of every graph bucket, plain and behind a shared prefix; returns captures."""
+    """Capture every plain paged key (``capture_paged_keys``), then run a decode batch of every graph
+    bucket, plain and behind shared prefixes (pinned system prompts, or a short synthetic one, and a
+    long one); returns captures."""
     graphs = engine.graphs
     if graphs is None:  # a CPU, or enforce_eager: nothing is captured
         return 0
     before, started = graphs.captures, time.perf_counter()
+    capture_paged_keys(engine.runner, engine.max_model_len)
     rng = random.Random(0)
     vocab = engine.runner.model.full_config.vocab_size
     prefixes = [list(held.token_ids) for held in engine.system_prompt_kv.values()]
     if not prefixes:
         prefixes = [_tokens(rng, vocab, 4 * engine.config.block_size)]
+    prefixes.append(_tokens(rng, vocab, min(LONG_PREFIX, engine.max_model_len // 2)))
     prefixes = [p for p in prefixes if len(p) + OWN_TOKENS + DECODE_STEPS < engine.max_model_len]
     runs = [(bucket, prefix) for bucket in graphs.buckets for prefix in (None, *prefixes)]
     saved = engine.stats.save(engine.runner)
@@ -47,6 +56,36 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
     captured = graphs.captures - before
     log.info("captured %d decode graphs in %.1f s", captured, time.perf_counter() - started)
     return captured
+
+
+def capture_paged_keys(runner: Any, context: int) -> int:
+    """Capture the plain paged graph of every bucket at every split count its sequences' lengths can
+    choose (lengths 16 to ``context`` tokens, by powers of two): the start-up capture plan of
+    unshared decode steps, so that no length met while serving needs a capture. Each is a synthetic
+    step of rows that read nothing (lengths 0 after planning) and write their K/V to the cache's
+    scratch slot. Models whose decode steps carry more than the paged attention (sliding windows,
+    linear-attention state) are left to the warm-up batches."""
+    graphs = runner.graphs
+    if graphs is None or runner.window is not None or graphs.linear is not None:
+        return 0
+    from prefixserve.attention.metadata import build_metadata
+
+    before, bs, blocks = graphs.captures, runner.block_size, runner.kv.num_blocks
+    scratch = runner.kv.scratch_slot
+    for bucket in graphs.buckets:
+        length = 16
+        while length <= context:
+            cols = -(-length // bs)
+            rows = np.arange(bucket)[:, None] + bucket * np.arange(cols)[None, :]
+            tables = (rows % blocks).astype(np.int32)  # each row's own first block: nothing shared
+            meta = build_metadata(bs, [1] * bucket, [length] * bucket, tables, "cpu")
+            step = runner.backend.graph_step(meta, graphs.shape, bucket)
+            if step is not None and step.key[0] == "paged" and step.key not in graphs.graphs:
+                step.arrays["seq_lens"] = np.zeros(bucket, dtype=np.int32)  # nothing read
+                graphs.run([0] * bucket, [0] * bucket, np.full(bucket, scratch), step)
+            length *= 2
+    graphs.reset_hold()
+    return graphs.captures - before
 
 
 MIXED_OWN_TOKENS = (48, 200, 700)  # own prompt lengths of the mixed warm-up's arrivals (prefill sizes)
@@ -126,4 +165,4 @@ def _progress(runs: list[Any], shown: bool, desc: str = "capturing decode graphs
     return tqdm(runs, desc=desc, unit="batch")
 
 
-__all__ = ["warm_decode_graphs", "warm_mixed_steps"]
+__all__ = ["capture_paged_keys", "warm_decode_graphs", "warm_mixed_steps"]

@@ -198,7 +198,7 @@ def _serve_engine(config: EngineConfig, conn: Any, limits: AdmissionLimits | Non
 
         engine = Engine(config, progress=False)
         started = time.perf_counter()
-        if captured := engine.capture_graphs(progress=True):
+        if captured := engine.capture_graphs(progress=True, seal=True):
             log.info("captured %d graphs in %.1f s before serving", captured, time.perf_counter() - started)
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))

@@ -8,9 +8,14 @@ forward pass in one call. What changes from step to step enters through fixed de
     slot and their outputs are ignored;
   * the attention's per-step plan (``GraphAttention.load``: block tables, segment work list, merge CSR);
   * a linear-attention hybrid's state slots and fresh flags (``linear_graph.py``).
-Graphs are captured lazily the first time a key is met (a warm-up forward, the capture, a replay),
-into one shared memory pool. Prefill and mixed steps, and batches above the largest bucket, run
-eagerly. ``EngineConfig.enforce_eager`` turns all of this off.
+Graphs are captured the first time a key is met (a warm-up forward, the capture, a replay), into
+one shared memory pool; a step whose key is not captured runs in a captured graph of its bucket
+whose capacities hold it where there is one (``_refit``). A key's capacities are the bucket's
+(``graph.Ceilings``), not the step's, so a bucket's keys differ only in the kernels' tiles and split
+counts. Once a server is ready (``seal``, after its start-up capture plan) nothing more is captured:
+a capture stalls every running stream, so a step with a key never met runs eagerly instead, and the
+key is logged as a defect of the plan (``misses``). Prefill and mixed steps, and batches above the
+largest bucket, run eagerly. ``EngineConfig.enforce_eager`` turns all of this off.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, HostStaging
+from prefixserve.attention.graph import Ceilings, GraphAttention, GraphStep, HeadShape, HostStaging, Scratch
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.state_slots import StatePool
@@ -80,12 +85,18 @@ class DecodeGraphs:
     """Captures and replays decode forwards; the model runner calls ``bucket_for`` then ``run``."""
 
     def __init__(
-        self, model: torch.nn.Module, kv: KVCache, max_batch: int, states: StatePool | None = None
+        self,
+        model: torch.nn.Module,
+        kv: KVCache,
+        max_batch: int,
+        states: StatePool | None = None,
+        context: int = 0,  # the longest sequence (tokens): the block tables' ceiling
     ) -> None:
         cfg = model.config
         param = next(model.parameters())
         self.model, self.kv = model, kv
         self.device = param.device
+        ceilings = Ceilings(-(-max(context, 1) // kv.block_size), kv.num_blocks)
         self.shape = HeadShape(
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -93,6 +104,8 @@ class DecodeGraphs:
             param.dtype,
             self.device,
             kv.slots[0].dtype,
+            ceilings,
+            Scratch(),
         )
         self.buckets = batch_buckets(max_batch)
         cap = self.buckets[-1]
@@ -110,6 +123,9 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.capture_s = 0.0  # host seconds spent capturing: every running stream stalls meanwhile
+        self.sealed = False  # a server is ready: no more captures (``seal``)
+        self.misses = 0  # steps run eagerly after the seal for want of a captured graph
+        self.missed: set[tuple[Any, ...]] = set()  # their keys (each logged once)
         self._current: int | None = None  # the bucket of the last decode step
         self._held = 0  # consecutive steps run in a bucket above the batch's own
 
@@ -135,6 +151,29 @@ class DecodeGraphs:
         current = self._current
         held = current is not None and batch <= current < 4 * batch and exact < current
         return current if held and self._held < HOLD_STEPS else exact
+
+    def seal(self) -> None:
+        """From now on nothing is captured: ``fit`` sends a step no captured graph serves to eager."""
+        self.sealed = True
+
+    def fit(self, step: GraphStep) -> GraphStep | None:
+        """``step`` as a captured graph runs it: its own key, or planned into a captured key of its
+        bucket that holds it (``_refit``); before the seal, ``step`` as it is (``run`` captures it);
+        after it, None (the step runs eagerly) and the key is counted and logged as a miss."""
+        if step.key in self.graphs:
+            return step
+        fitted, entry = self._refit(step)
+        if entry is not None or not self.sealed:
+            return fitted
+        self.misses += 1
+        if step.key not in self.missed:
+            self.missed.add(step.key)
+            log.warning(
+                "decode graph key %s first met after the server was ready: run eagerly, not captured "
+                "(a capture would stall every stream; the start-up plan missed it)",
+                step.key,
+            )
+        return None
 
     def reset_hold(self) -> None:
         """Forget the bucket in use (after start-up batches: the next batch takes its own)."""
@@ -184,6 +223,8 @@ class DecodeGraphs:
         if entry is None:
             step, entry = self._refit(step)
         if entry is None:
+            if self.sealed:  # ``fit`` sends such steps to eager: a capture here is a defect
+                log.error("capturing decode graph %s after the server was ready", step.key)
             entry = self._capture(step, bucket)
         else:
             entry.attention.load(step.arrays)
@@ -193,14 +234,19 @@ class DecodeGraphs:
         return entry.hidden
 
     def _refit(self, step: GraphStep) -> tuple[GraphStep, _Captured | None]:
-        """A captured graph of the same kind and bucket whose capacities hold this step, newest first."""
+        """A captured graph of the same kind and bucket whose capacities hold this step: of those,
+        the one whose split count (key field 3: the paged kernel's, or the own part's) is nearest the
+        step's own choice, newest first among equals."""
         if step.refit is None:
             return step, None
-        for key in reversed(list(self.graphs)):
-            if key[:2] == step.key[:2]:
-                fitted = step.refit(key)
-                if fitted.key == key:
-                    return fitted, self.graphs[key]
+        same = [key for key in reversed(list(self.graphs)) if key[:2] == step.key[:2]]
+        want = step.key[3] if len(step.key) > 3 and isinstance(step.key[3], int) else None
+        if want is not None:
+            same.sort(key=lambda k: abs(k[3] - want) if isinstance(k[3], int) else 1 << 30)
+        for key in same:
+            fitted = step.refit(key)
+            if fitted.key == key:
+                return fitted, self.graphs[key]
         return step, None
 
     def _forward(self, bucket: int, attention: GraphAttention) -> torch.Tensor:

@@ -184,7 +184,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             refusal = graph_refusal(model.config)
             if refusal is None:
-                self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs, self.states)
+                context = context_length(config, model)
+                self.graphs = DecodeGraphs(self.model, self.kv, config.max_num_seqs, self.states, context)
             else:  # decode steps run the piecewise graphs, attention between them
                 log.info("no decode CUDA graphs: %s", refusal)
             if hybrid:  # a chunk's linear layers run per sequence (fla's varlen kernels): not captured
@@ -289,6 +290,8 @@ class ModelRunner:
                     from prefixserve.attention.window_graph import window_graph_step
 
                     step = window_graph_step(meta, step, self.graphs.shape, bucket, self.window, group_tables)
+                if step is not None:
+                    step = self.graphs.fit(step)  # None: after the seal, a key no graph serves
                 if step is not None:
                     meta.linear = linear
                     return StepBatch(

@@ -205,3 +205,77 @@ def test_shrinking_batches_keep_their_bucket_for_a_while() -> None:
         assert step(100) == 256
     assert step(100) == 128  # a batch that stays small gets its own graph
     assert step(2000) is None
+
+
+def test_ceilings_fix_a_buckets_capacities_whatever_the_structure() -> None:
+    """With the engine's ceilings, every step of a bucket plans into the same capacities: its keys
+    differ only in split counts and tiles, however many sequences share and however long they grow."""
+    from prefixserve.attention.graph import Ceilings, Scratch
+
+    kv_heads, dim, bucket = 2, 64, 16
+    shape = HeadShape(8, kv_heads, dim, torch.float32, DEVICE, None, Ceilings(64, 400), Scratch())
+    keys = set()
+    for seed, (batch, shared, prefix) in enumerate(
+        [(16, 16, 3), (12, 5, 1), (9, 9, 6), (16, 2, 2), (11, 8, 4), (14, 14, 5)]
+    ):
+        steps = _Steps(seed, 16, batch, shared, prefix, kv_heads, dim)
+        for _ in range(3):
+            keys.add(TritonBackend().graph_step(steps.meta(), shape, bucket).key)
+            steps.advance()
+    capacities = {(k[0], k[2], *k[5:]) for k in keys}
+    assert len(capacities) == 1, capacities
+    ((kind, width, *caps),) = capacities
+    assert kind == "shared" and width == 64 and tuple(caps[:5]) == Ceilings(64, 400).shared(bucket)
+    plain = {
+        TritonPagedBackend().graph_step(_Steps(s, 16, 9, 0, 0, kv_heads, dim).meta(), shape, bucket).key
+        for s in range(3)
+    }
+    assert {k[2] for k in plain} == {64}
+
+
+def test_a_step_refits_into_a_key_of_other_own_splits_and_pack() -> None:
+    """A captured shared key of the same tiles serves a step whose own part chose another split
+    count or pack: the step is planned into the key's (its merge CSR with them), and the replay
+    matches the reference."""
+    kv_heads, dim, bucket = 2, 64, 8
+    shape = HeadShape(8, kv_heads, dim, torch.float32, DEVICE)
+    steps = _Steps(7, 16, 6, 6, 2, kv_heads, dim)
+    step = TritonBackend().graph_step(steps.meta(), shape, bucket)
+    key = step.key
+    other_tiles = (*key[4][:4], 2 if key[4][4] == 1 else 1, key[4][5])
+    other = (*key[:3], key[3] * 4, other_tiles, *(2 * c for c in key[5:]))
+    fitted = step.refit(other)
+    assert fitted.key == other
+    attn = fitted.build()
+    attn.load(fitted.arrays)
+    q = torch.randn(6, 8, dim, generator=steps.gen).to(DEVICE)
+    ref = ReferenceBackend().forward(q, steps.k, steps.v, steps.meta(), 0.1)
+    assert rel_err(_run(attn, q, bucket, steps, 0.1), ref) < 1e-5
+    block_m = key[4][0]  # other work tiles: the work list was cut for them, no refit
+    taller = (*key[:4], (block_m * 2, *key[4][1:]), *key[5:])
+    assert step.refit(taller).key != taller
+
+
+def test_after_the_seal_a_key_no_graph_serves_runs_eagerly() -> None:
+    """``DecodeGraphs.fit``: a captured key replays; a step a captured key holds is planned into it;
+    any other is captured before the seal and sent to eager after it, counted and logged once."""
+    from prefixserve.attention.graph import GraphStep
+    from prefixserve.worker.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.graphs, graphs.sealed, graphs.misses, graphs.missed = {}, False, 0, set()
+    captured = ("paged", 4, 64, 2)
+    graphs.graphs[captured] = object()
+
+    def step(key, refit=None):
+        return GraphStep(key, {}, lambda: None, refit=refit)
+
+    assert graphs.fit(step(captured)).key == captured
+    wider = lambda f: step(f if f[:2] == ("paged", 4) else ("paged", 4, 64, 8))  # noqa: E731
+    assert graphs.fit(step(("paged", 4, 64, 8), wider)).key == captured  # any split count serves
+    new = step(("paged", 8, 64, 1))
+    assert graphs.fit(new) is new  # before the seal: run() captures it
+    graphs.seal()
+    assert graphs.fit(new) is None and graphs.fit(new) is None
+    assert graphs.misses == 2 and graphs.missed == {new.key}
+    assert graphs.fit(step(captured)).key == captured

@@ -137,7 +137,7 @@ def build_app(
         engine = engine or Engine(config or EngineConfig(), progress=False)
         started = time.perf_counter()
         # now, not as stalls of the first requests of each size and batch
-        if captured := engine.capture_graphs(progress=True):
+        if captured := engine.capture_graphs(progress=True, seal=True):
             took = time.perf_counter() - started
             log.info("captured %d graphs in %.1f s before serving", captured, took)
         loop = EngineLoop(engine, limits=overload.limits)

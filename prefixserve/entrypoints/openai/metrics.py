@@ -55,6 +55,7 @@ _COUNTERS = {
     "gpu_idle_seconds_total": "device time between consecutive steps (CUDA): the GPU waiting on the host",
     "cuda_graph_captures_total": "CUDA graphs captured (decode batches, dense pieces of eager steps)",
     "cuda_graph_capture_seconds_total": "host time spent capturing CUDA graphs (the running streams wait)",
+    "cuda_graph_misses_total": "decode steps run eagerly after ready: no captured graph held them",
     "kernel_compiles_total": "Triton kernels compiled in the engine's process (start-up included)",
     "kernel_compile_seconds_total": "host time those compiles took",
     "kernel_compiles_serving_total": "Triton kernels compiled after start-up (each stalls every stream)",
