@@ -74,11 +74,14 @@ def capture_paged_keys(runner: Any, context: int) -> int:
     scratch = runner.kv.scratch_slot
     for bucket in graphs.buckets:
         length = 16
-        while length <= context:
+        while length <= context and -(-length // bs) + bucket <= blocks:
+            # the key follows the longest row: row 0 that long, the others one block, none shared
             cols = -(-length // bs)
-            rows = np.arange(bucket)[:, None] + bucket * np.arange(cols)[None, :]
-            tables = (rows % blocks).astype(np.int32)  # each row's own first block: nothing shared
-            meta = build_metadata(bs, [1] * bucket, [length] * bucket, tables, "cpu")
+            tables = np.zeros((bucket, cols), dtype=np.int32)
+            tables[0] = np.arange(cols)
+            tables[1:, 0] = cols + np.arange(bucket - 1)
+            lengths = [length] + [1] * (bucket - 1)
+            meta = build_metadata(bs, [1] * bucket, lengths, tables, "cpu")
             step = runner.backend.graph_step(meta, graphs.shape, bucket)
             if step is not None and step.key[0] == "paged" and step.key not in graphs.graphs:
                 step.arrays["seq_lens"] = np.zeros(bucket, dtype=np.int32)  # nothing read
