@@ -455,6 +455,7 @@ def run(args: argparse.Namespace) -> None:
             "captured the dense pieces",
             "while serving in",
             "from the queue for its deadline",
+            "first met after the server was ready",
         )
         lines = server.log_path.read_text(errors="replace").splitlines()
         result["server_stalls"] = [line[:240] for line in lines if any(m in line for m in marks)][-120:]
