@@ -460,7 +460,7 @@ def run(args: argparse.Namespace) -> None:
         lines = server.log_path.read_text(errors="replace").splitlines()
         result["server_stalls"] = [line[:240] for line in lines if any(m in line for m in marks)][-120:]
         # each kernel compiled while serving, with the specialisation that was new (its full line)
-        result["serve_compiles"] = [line[:700] for line in lines if "while serving in" in line][-60:]
+        result["serve_compiles"] = [line[:2400] for line in lines if "while serving in" in line][-60:]
     result["wall_s"] = time.monotonic() - t0
     report(result, out_dir)
 

@@ -44,8 +44,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "bound": f">= {GOODPUT_MIN}",
         "ok": ratio is not None and ratio >= GOODPUT_MIN,
     }
-    # issue 105: nothing captured or compiled once the server is ready, in any window
-    stalls = [(s.get("server") or {}) for s in w.values()]
+    # issue 105: nothing captured or compiled once the server is ready, in any window (warm-up ones too)
+    ladder = (result.get("ladder") or {}).get("points", [])
+    served = [result.get("warm"), result.get("warm_overload"), *ladder]
+    stalls = [(s.get("server") or {}) for s in [*served, *w.values()] if s]
     if stalls and all("graph_captures" in v for v in stalls):
         after = sum(v["graph_captures"] + v.get("compiles", 0) for v in stalls)
         targets["no_stall_after_ready"] = {"value": after, "bound": "== 0", "ok": after == 0}

@@ -189,3 +189,42 @@ def test_run_ranks_fails_at_once_when_a_rank_dies() -> None:
     with pytest.raises(RuntimeError, match="rank 1 exit code 1"):
         run_ranks(_second_rank_fails, size=2, timeout=120)
     assert time.monotonic() - started < 60
+
+
+def test_bpe_tokenizer_has_the_configs_vocabulary_and_runs_the_structured_benchmark(tmp_path: Path) -> None:
+    """``benchmarks/harness/big_tokenizer.py``: a byte-level BPE of exactly the dummy config's
+    vocabulary (Llama 3's 256 specials on top), the same bytes from the same seed, loaded beside the
+    config as a dummy model's own tokenizer; the structured-outputs benchmark runs on it end to end
+    (tiny model, 2,048 entries: the corpus scales with the size, a second or two to build)."""
+    from benchmarks import structured
+    from benchmarks.harness import TINY
+    from benchmarks.harness.big_tokenizer import SPECIALS, bpe_model, tokenizer_dir, tokenizer_info
+    from prefixserve.model.loader import load_tokenizer
+
+    model = bpe_model(TINY | {"vocab_size": 2048}, "tiny", root=tmp_path / "a")
+    path = Path(model.partition(":")[2])
+    tok = load_tokenizer(path.parent)
+    config = json.loads(path.read_text())
+    assert len(tok) == 2048 and config["vocab_size"] == 2048
+    assert config["bos_token_id"] == tok.bos_token_id == 2048 - SPECIALS
+    assert tok.eos_token_id in config["eos_token_id"]
+    text = '{"records": [{"name": "Ann", "score": 42, "active": true}]}'
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    again = tokenizer_dir(2048, root=tmp_path / "b", log=False)
+    assert (
+        tokenizer_info(again)["tokenizer_json_sha256"] == tokenizer_info(path.parent)["tokenizer_json_sha256"]
+    )
+
+    out = tmp_path / "result"
+    structured.main(
+        ["--model", "tiny", "--vocab", "2048", "--tokenizer-cache", str(tmp_path / "a"), "--batch", "2",
+         "--tokens", "4", "--name", str(out)]
+    )  # fmt: skip
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["tokenizer"]["entries"] == 2048 and result["tokenizer"]["seed"] == 0
+    assert all(c["invalid"] == 0 for c in result["check"].values())
+    assert "2,048 entries" in out.with_suffix(".md").read_text()

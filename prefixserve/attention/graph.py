@@ -126,6 +126,9 @@ class GraphStep:
     group_slots: np.ndarray | None = None
     # its attention runs the sliding layers too (``window_forward``): no window work to add to it
     windowed: bool = False
+    # the same step planned without TMA tile loads, where its segments took them: a graph that any
+    # step of its tiles can run, contiguous segments or not (None: the step has no such twin)
+    plain: Callable[[], GraphStep] | None = None
 
 
 def capacity(n: int, minimum: int = 1) -> int:

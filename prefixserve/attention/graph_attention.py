@@ -76,9 +76,15 @@ def paged_graph_step(
 
 
 def shared_graph_step(
-    meta: AttentionMetadata, plan: Any, shape: HeadShape, bucket: int, floor: tuple[Any, ...] | None = None
+    meta: AttentionMetadata,
+    plan: Any,
+    shape: HeadShape,
+    bucket: int,
+    floor: tuple[Any, ...] | None = None,
+    tma: bool = True,
 ) -> GraphStep:
-    """Shared segments once (holders' rows stacked), own parts paged, one CSR merge; ``plan`` on the host."""
+    """Shared segments once (holders' rows stacked), own parts paged, one CSR merge; ``plan`` on the host.
+    ``tma=False``: pointer loads even where the segments are contiguous (the step's ``plain`` twin)."""
     kv_heads = shape.kv_heads
     blocks, bs = plan.seg_blocks.numpy(), meta.block_size
     own_tables = plan.own_block_tables.numpy()
@@ -88,7 +94,8 @@ def shared_graph_step(
     memo = plan.derived  # kept while the plan is carried on to later steps (``DecodePlans``)
     step_rows = (1, meta.num_seqs, None, memo)
     kv = shape.kv_dtype
-    work, mixed = plan_step_work(plan, blocks, bs, heads, shape.device, shape.dtype, *step_rows, kv_dtype=kv)
+    args = (plan, blocks, bs, heads, shape.device, shape.dtype, *step_rows)
+    work, mixed = plan_step_work(*args, kv_dtype=kv, tma=tma)
     elt = torch.empty(0, dtype=shape.dtype).element_size()
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
@@ -143,7 +150,8 @@ def shared_graph_step(
         arrays,
         lambda: SharedGraph(key, shape),
         stats,
-        lambda f: shared_graph_step(meta, plan, shape, bucket, f),
+        lambda f: shared_graph_step(meta, plan, shape, bucket, f, tma),
+        plain=(lambda: shared_graph_step(meta, plan, shape, bucket, None, False)) if work.tma else None,
     )
 
 

@@ -14,7 +14,9 @@ whose capacities hold it where there is one (``_refit``). A key's capacities are
 (``graph.Ceilings``), not the step's, so a bucket's keys differ only in the kernels' tiles and split
 counts. Once a server is ready (``seal``, after its start-up capture plan) nothing more is captured:
 a capture stalls every running stream, so a step with a key never met runs eagerly instead, and the
-key is logged as a defect of the plan (``misses``). Prefill and mixed steps, and batches above the
+key is logged as a defect of the plan (``misses``). A step whose segments took TMA tile loads (their
+blocks consecutive) is captured with its pointer-load twin (``GraphStep.plain``), which serves the
+same steps over blocks that a busy pool scattered. Prefill and mixed steps, and batches above the
 largest bucket, run eagerly. ``EngineConfig.enforce_eager`` turns all of this off.
 """
 
@@ -165,6 +167,13 @@ class DecodeGraphs:
         fitted, entry = self._refit(step)
         if entry is not None or not self.sealed:
             return fitted
+        if step.plain is not None:  # its segments' pointer-load twin, which the plan captured
+            plain = step.plain()
+            if plain.key in self.graphs:
+                return plain
+            fitted, entry = self._refit(plain)
+            if entry is not None:
+                return fitted
         self.misses += 1
         if step.key not in self.missed:
             self.missed.add(step.key)
@@ -225,6 +234,10 @@ class DecodeGraphs:
         if entry is None:
             if self.sealed:  # ``fit`` sends such steps to eager: a capture here is a defect
                 log.error("capturing decode graph %s after the server was ready", step.key)
+            if step.plain is not None:  # its pointer-load twin too, for steps over scattered blocks
+                plain = step.plain()
+                if plain.key not in self.graphs and self._refit(plain)[1] is None:
+                    self._capture(plain, bucket)
             entry = self._capture(step, bucket)
         else:
             entry.attention.load(step.arrays)

@@ -279,3 +279,9 @@ def test_after_the_seal_a_key_no_graph_serves_runs_eagerly() -> None:
     assert graphs.fit(new) is None and graphs.fit(new) is None
     assert graphs.misses == 2 and graphs.missed == {new.key}
     assert graphs.fit(step(captured)).key == captured
+    # a step over contiguous blocks (TMA tiles) whose pointer-load twin the plan captured
+    twin = ("shared", 4, 64, 1, (64, 64, 2, False, 1, None), 16)
+    graphs.graphs[twin] = object()
+    contiguous = GraphStep(("shared", 4, 64, 1, (64, 64, 3, True, 1, None), 16), {}, lambda: None)
+    contiguous.plain = lambda: step(twin)
+    assert graphs.fit(contiguous).key == twin and graphs.misses == 2

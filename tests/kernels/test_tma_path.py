@@ -155,3 +155,10 @@ def test_graph_step_takes_the_tma_path() -> None:
     out = attn.forward(torch.cat([q, pad]), k, v, None, 0.1)[:3]
     ref = ReferenceBackend().forward(q, k, v, meta, 0.1)
     assert rel_err(out, ref) < 1.5e-2
+    # its pointer-load twin: the same step without TMA tiles (what scattered blocks take), the same
+    # attention, and a key the graph of scattered steps shares
+    plain = step.plain()
+    assert plain.key[4][3] is False and plain.key[:2] == step.key[:2] and plain.plain is None
+    twin = plain.build()
+    twin.load(plain.arrays)
+    assert rel_err(twin.forward(torch.cat([q, pad]), k, v, None, 0.1)[:3], ref) < 1.5e-2

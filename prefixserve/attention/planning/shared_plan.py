@@ -332,7 +332,7 @@ def segment_tokens(plan: Any, block_size: int) -> list[int]:
 
 def plan_work_for(
     plan: Any,
-    seg_blocks: np.ndarray,
+    seg_blocks: np.ndarray | None,
     block_size: int,
     kv_heads: int,
     group: int,
@@ -344,7 +344,8 @@ def plan_work_for(
 ) -> SharedWork:
     """``plan_shared_work`` for a SharedPlan's segments (whole blocks), its work list left on the host.
 
-    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path);
+    ``seg_blocks`` is the plan's block ids on the host (their contiguity picks the TMA path; None:
+    pointer loads);
     ``mixable``: ``mixed_rule.may_mix`` for the step; ``kv_dtype``: the cache's, if not ``dtype``.
     """
     bstart = plan.seg_block_start_host

@@ -104,6 +104,7 @@ def plan_step_work(
     mode: str | None = None,  # PREFIXSERVE_MIXED's values; None: the switch
     memo: dict[tuple[Any, ...], Any] | None = None,
     kv_dtype: torch.dtype | None = None,  # the cache's, where it is not ``dtype`` (e4m3)
+    tma: bool = True,  # False: pointer loads even over contiguous segments (a graph's plain twin)
 ) -> tuple[Any, MixedTiles | None]:
     """A shared step's work list and its mixed launch's tiles (``mixed_rule.MixedTiles``; None: two
     kernels), as the eager backend and the decode graphs both plan them: the mixed rule is asked
@@ -124,10 +125,11 @@ def plan_step_work(
     own_dtype = kv_dtype in (None, dtype)
     mixable = own_dtype and mixed_rule.may_mix(device, dtype, shape, *sizes, **rule)
     group = q_heads // kv_heads
-    key = ("work", block_size, shape, str(device), dtype, kv_dtype, mixable)
+    key = ("work", block_size, shape, str(device), dtype, kv_dtype, mixable, tma)
     work = None if memo is None else memo.get(key)
     if work is None:
-        args = (plan, seg_blocks, block_size, kv_heads, group, device, dim, dtype, mixable, kv_dtype)
+        blocks = seg_blocks if tma else None  # without the blocks no segment counts as contiguous
+        args = (plan, blocks, block_size, kv_heads, group, device, dim, dtype, mixable, kv_dtype)
         work = plan_work_for(*args)
         if memo is not None:
             memo[key] = work
