@@ -20,6 +20,9 @@ class _FakeGraphs:
     def reset_hold(self) -> None:
         self.resets += 1
 
+    def hold(self, bucket: int) -> None:
+        pass
+
 
 def test_every_bucket_decodes_plain_and_shared_and_nothing_is_left(
     tiny_config_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -102,3 +105,13 @@ def test_mixed_steps_prefill_behind_one_and_two_shared_segments_and_leave_nothin
         assert after[key] == before[key], key
     assert after["kv_blocks_used"] == before["kv_blocks_used"]
     llm.shutdown()
+
+
+def test_held_rows_reach_each_tile_height_a_bucket_runs() -> None:
+    """A bucket runs batches of more than a quarter of its rows (a shrinking batch keeps it); the
+    start-up plan takes the largest count at each shared tile height (16, 64, 128 stacked rows)."""
+    assert warmup.held_rows(1, 4) == [1]
+    assert warmup.held_rows(8, 4) == [4, 8]  # 4 rows x 4 heads: 16-row tiles; 8: 64-row ones
+    assert warmup.held_rows(96, 4) == [64, 96]  # 64 x 4 = 256 stacked rows: the last 64-row tiles
+    assert warmup.held_rows(256, 4) == [256]  # 64 rows would not keep it
+    assert warmup.held_rows(16, 1) == [16] and warmup.held_rows(512, 8) == [512]

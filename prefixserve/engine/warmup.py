@@ -32,7 +32,7 @@ LONG_PREFIX = 4096  # tokens of a synthetic long shared prefix: its steps take o
 def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
     """Capture every plain paged key (``capture_paged_keys``), then run a decode batch of every graph
     bucket, plain and behind shared prefixes (pinned system prompts, or a short synthetic one, and a
-    long one); returns captures."""
+    long one) at each tile height its rows choose (``held_rows``); returns captures."""
     graphs = engine.graphs
     if graphs is None:  # a CPU, or enforce_eager: nothing is captured
         return 0
@@ -45,17 +45,29 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
         prefixes = [_tokens(rng, vocab, 4 * engine.config.block_size)]
     prefixes.append(_tokens(rng, vocab, min(LONG_PREFIX, engine.max_model_len // 2)))
     prefixes = [p for p in prefixes if len(p) + OWN_TOKENS + DECODE_STEPS < engine.max_model_len]
-    runs = [(bucket, prefix) for bucket in graphs.buckets for prefix in (None, *prefixes)]
+    config = engine.model_config
+    group = config.num_attention_heads // config.num_key_value_heads
+    runs = [(bucket, bucket, None) for bucket in graphs.buckets]
+    runs += [(b, rows, p) for b in graphs.buckets for rows in held_rows(b, group) for p in prefixes]
     saved = engine.stats.save(engine.runner)
     try:
-        for bucket, prefix in _progress(runs, progress):
-            _decode_batch(engine, bucket, prefix or [], rng, vocab)
+        for bucket, rows, prefix in _progress(runs, progress):
+            _decode_batch(engine, rows, prefix or [], rng, vocab, bucket)
     finally:
         engine.stats.restore(saved, engine.runner)
         graphs.reset_hold()  # the first real batch picks its own bucket
     captured = graphs.captures - before
     log.info("captured %d decode graphs in %.1f s", captured, time.perf_counter() - started)
     return captured
+
+
+def held_rows(bucket: int, group: int) -> list[int]:
+    """Row counts whose decode steps a bucket runs (its own, and fewer rows that keep it while a batch
+    shrinks: ``DecodeGraphs.bucket_for``, more than a quarter of it) at each height of shared tile
+    they choose (``pick_shared_tiles``: 16 rows for at most 16 stacked query rows, 64 for at most 256,
+    else 128): the largest count of each, as the work tiles are part of a graph's key."""
+    picks = {min(bucket, 16 // group), min(bucket, 256 // group), bucket}
+    return sorted(r for r in picks if r >= 1 and 4 * r > bucket)
 
 
 def capture_paged_keys(runner: Any, context: int) -> int:
@@ -143,13 +155,18 @@ def _add(engine: Any, tag: str, prompts: list[list[int]], max_tokens: int) -> li
     return ids
 
 
-def _decode_batch(engine: Any, rows: int, prefix: list[int], rng: random.Random, vocab: int) -> None:
+def _decode_batch(
+    engine: Any, rows: int, prefix: list[int], rng: random.Random, vocab: int, bucket: int | None = None
+) -> None:
+    """``rows`` synthetic requests behind ``prefix`` to the end, their decode steps in ``bucket``."""
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
     ids = [f"__warmup__{rows}_{len(prefix)}_{i}" for i in range(rows)]
     for request_id in ids:
         prompt = prefix + _tokens(rng, vocab, OWN_TOKENS)
         engine.add_request(request_id, params=params, prompt_token_ids=prompt)
     while any(request_id in engine.requests for request_id in ids):
+        if bucket is not None and bucket > rows:
+            engine.graphs.hold(bucket)
         engine.step()
 
 
@@ -168,4 +185,4 @@ def _progress(runs: list[Any], shown: bool, desc: str = "capturing decode graphs
     return tqdm(runs, desc=desc, unit="batch")
 
 
-__all__ = ["capture_paged_keys", "warm_decode_graphs", "warm_mixed_steps"]
+__all__ = ["capture_paged_keys", "held_rows", "warm_decode_graphs", "warm_mixed_steps"]

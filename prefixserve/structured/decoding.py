@@ -18,8 +18,9 @@ waits to take it back while the engine's thread runs Python: up to a switch inte
 default) a call. So the worker makes two calls a step, the accept and the fill, and none a row: which
 matchers have ended is kept here (a matcher ends by accepting a stop token, so only such a token's
 row asks xgrammar), and the accept's per-row answers, which xgrammar's wrapper reads back a call a
-row, are not read (``benchmarks/probes/structured_fill.py --gil``: beside a thread busy in Python,
-the 64-row job took 218 ms with the ~190 per-row calls, 11 ms without, 0.3 ms alone).
+row, are not read (``benchmarks/probes/structured_fill.py --gil``, 2-core CPU: beside a thread busy
+in Python, the 64-row job took 150-230 ms with the ~190 calls a row it made before, 11-16 ms with
+two, 0.3-0.8 ms alone; at the server's 0.5 ms switch interval 10-22 ms and 1.6-2.0 ms).
 """
 
 from __future__ import annotations

@@ -184,6 +184,11 @@ class DecodeGraphs:
             )
         return None
 
+    def hold(self, bucket: int) -> None:
+        """Run the next step in ``bucket`` if it holds the batch (as a shrinking batch keeps its bucket):
+        the start-up plan's steps of fewer rows than their bucket."""
+        self._current, self._held = bucket, 0
+
     def reset_hold(self) -> None:
         """Forget the bucket in use (after start-up batches: the next batch takes its own)."""
         self._current, self._held = None, 0
