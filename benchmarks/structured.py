@@ -15,16 +15,31 @@ should have blocked fails the check; the rows' tokens must also be the same in e
 
     python -m benchmarks.structured [--device cpu|cuda] [--batch 64] [--tokens 64] [--repeats 1]
 
-Writes docs/benchmarks/structured_{cpu,gpu}.{json,md,png}.
+A dummy model borrows the default model's tokenizer (SmolLM2's, 49,152 entries), a third of a Llama-3
+8B's vocabulary, and the host's share of a step (the fill, xgrammar's per-token tables) grows with it.
+``--bpe-tokenizer`` gives the dummy model a byte-level BPE tokenizer of exactly its config's
+``vocab_size`` (``benchmarks/harness/big_tokenizer.py``: Llama 3's layout and special tokens, trained
+offline on a seeded synthetic corpus, about a minute for 128K entries and cached after), and
+``--vocab N`` sets that size; ``--model tiny`` is a 2-layer dummy for a CPU run of the whole path:
+
+    python -m benchmarks.structured --device cuda --model dummy:llama-3.1-8b --bpe-tokenizer
+    python -m benchmarks.structured --model tiny --vocab 128256 --batch 8 --tokens 16   (CPU check)
+
+(``--tokenizer-cache .whl/bpe``: the tokenizer built into an ignored folder of the tree, so a run on
+another machine that gets the folder finds it built.)
+
+Writes docs/benchmarks/structured_{cpu,gpu}.{json,md,png}; the tokenizer (kind, entries) is in both.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RESULTS, bar_chart, run_info, write_results
+from benchmarks.harness import RESULTS, TINY, bar_chart, dummy_model, run_info, write_results
 from prefixserve import LLM, SamplingParams, StructuredOutputs
 
 RECORD = {
@@ -78,11 +93,43 @@ def _invalid_rows(llm: LLM, spec: StructuredOutputs, rows: list[list[int]]) -> i
     return bad
 
 
+def model_and_tokenizer(args: argparse.Namespace) -> tuple[str | None, dict[str, Any] | None]:
+    """The model name to load and, with ``--bpe-tokenizer`` / ``--vocab``, the BPE tokenizer's record
+    (its folder holds the dummy config beside it)."""
+    from benchmarks.harness.big_tokenizer import bpe_model, tokenizer_info
+    from benchmarks.harness.models import model_config
+
+    bpe = args.bpe_tokenizer or args.vocab is not None
+    if args.model == "tiny":
+        config, stem = dict(TINY), "tiny"
+    elif bpe:
+        name = args.model or "dummy:llama-3.1-8b"
+        if not name.startswith("dummy"):
+            raise SystemExit(
+                "--bpe-tokenizer / --vocab give a dummy model its tokenizer: --model dummy:CONFIG"
+            )
+        from prefixserve.model.loader import resolve_model
+
+        config, stem = model_config(name), resolve_model(name).path.stem
+    else:
+        return args.model, None
+    if not bpe:
+        return dummy_model(config, Path(tempfile.mkdtemp())), None
+    if args.vocab is not None:
+        config["vocab_size"] = args.vocab
+    root = Path(args.tokenizer_cache) if args.tokenizer_cache else None
+    model = bpe_model(config, f"{stem}-v{config['vocab_size']}", seed=args.tokenizer_seed, root=root)
+    return model, {"kind": "byte-level BPE (benchmarks/harness/big_tokenizer.py)"} | tokenizer_info(
+        Path(model.partition(":")[2]).parent
+    )
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
+    model, bpe = model_and_tokenizer(args)
     # no prefix cache: each timed run prefills its prompts alike, whichever mode ran before it
     llm = LLM(
-        model=args.model,
+        model=model,
         dtype=dtype,
         device=args.device,
         max_num_seqs=max(args.batch, 8),
@@ -133,9 +180,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ratio = best["json_schema"]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"]
     compact = best["json_schema_compact"]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"]
     target = 0.85 if args.device == "cpu" else 0.90
+    tok = llm.engine.tokenizer
+    tokenizer = {
+        "kind": Path(getattr(tok, "name_or_path", "") or type(tok).__name__).name,  # the folder it came from
+        "entries": len(tok),
+        "vocab_size": llm.engine.model_config.vocab_size,
+    } | (bpe or {})
     return {
-        "info": run_info(("xgrammar", "transformers")),
-        "settings": vars(args) | {"dtype": dtype, "launch_ahead": llm.engine.launch_ahead},
+        "info": run_info(("xgrammar", "transformers", "tokenizers")),
+        "settings": vars(args) | {"dtype": dtype, "launch_ahead": llm.engine.launch_ahead, "loaded": model},
+        "tokenizer": tokenizer,
         "grammar_compile_s": compile_s,
         "results": best,
         "ratio": ratio,
@@ -146,13 +200,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _command(s: dict[str, Any]) -> str:
+    extra = f" --model {s['model']}" if s.get("model") else ""
+    extra += " --bpe-tokenizer" if s.get("bpe_tokenizer") else ""
+    extra += f" --vocab {s['vocab']}" if s.get("vocab") is not None else ""
+    run = f"python -m benchmarks.structured --device {s['device']} --batch {s['batch']}"
+    return f"{run} --tokens {s['tokens']}{extra}"
+
+
+def _tokenizer_line(t: dict[str, Any] | None) -> str:
+    if t is None:  # a result from before the tokenizer was recorded
+        return "Tokenizer: not recorded."
+    line = f"Tokenizer: {t['kind']}, {t['entries']:,} entries (model vocabulary {t['vocab_size']:,})"
+    if "seed" in t:
+        line += f", seed {t['seed']}, built in {t['build_s']:.0f} s"
+        line += f", tokenizer.json sha256 {t['tokenizer_json_sha256'][:12]}"
+    return line + "."
+
+
 def markdown(result: dict[str, Any], name: str) -> str:
     s, info, r = result["settings"], result["info"], result["results"]
     lines = [
         f"# Structured outputs: JSON-schema decoding vs unconstrained ({s['device']})",
         "",
-        f"`python -m benchmarks.structured --device {s['device']} --batch {s['batch']} "
-        f"--tokens {s['tokens']}`: "
+        _tokenizer_line(result.get("tokenizer")),
+        "",
+        f"`{_command(s)}`: "
         f"{s['batch']} chat requests, {s['tokens']} generated tokens each, temperature {s['temperature']}, "
         f"{s['model'] or 'default model'} in {s['dtype']}, "
         f"launch-ahead {'on' if s['launch_ahead'] else 'off'}. The schema "
@@ -206,7 +279,25 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument(
-        "--model", default=None, help="default: SmolLM2-135M-Instruct (a dummy config needs a tokenizer)"
+        "--model",
+        default=None,
+        help="default: SmolLM2-135M-Instruct; dummy:CONFIG (SmolLM2's tokenizer unless --bpe-tokenizer); "
+        "tiny: a 2-layer dummy (benchmarks/harness/models.py TINY)",
+    )
+    ap.add_argument(
+        "--bpe-tokenizer",
+        action="store_true",
+        help="a byte-level BPE tokenizer of the dummy config's vocab_size, built offline and cached "
+        "(benchmarks/harness/big_tokenizer.py); without --model: dummy:llama-3.1-8b (128,256 entries)",
+    )
+    ap.add_argument(
+        "--vocab", type=int, default=None, help="the dummy config's vocab_size (implies --bpe-tokenizer)"
+    )
+    ap.add_argument("--tokenizer-seed", type=int, default=0, help="the BPE tokenizer's corpus seed")
+    ap.add_argument(
+        "--tokenizer-cache",
+        default=None,
+        help="where BPE tokenizers are kept (default PREFIXSERVE_CACHE/bench-tokenizers)",
     )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)

@@ -13,8 +13,11 @@ so the forward is cheap and the host's share shows. Prints:
   sampling of step t+1 issued (hidden while the forward of t+1 runs), and from that sampling issued
   to the forward of t+2 issued (the GPU idles for it, less the sampling's own time).
 
+``--vocab N``: the tiny dummy's vocabulary N with a byte-level BPE tokenizer of N entries
+(``benchmarks/harness/big_tokenizer.py``; 128256: a Llama-3 8B's) in place of the default model's.
+
 PYTHONPATH=. python -m benchmarks.probes.structured_step [--batch 64] [--tokens 64] [--steps 40]
-    [--device cuda --model dummy:DIR]   (on a GPU: the gaps are then real idle time of the device)
+    [--vocab 128256] [--device cuda --model dummy:DIR]   (on a GPU: the gaps are real idle time then)
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ from benchmarks.harness import TINY
 from benchmarks.structured import SCHEMA, _conversations
 
 
-def _llm(batch: int, device: str, model: str | None) -> Any:
+def _llm(batch: int, device: str, model: str | None, vocab: int | None = None) -> Any:
     from prefixserve import LLM
 
+    if model is None and vocab is not None:
+        from benchmarks.harness.big_tokenizer import bpe_model
+
+        model = bpe_model(TINY | {"vocab_size": vocab}, f"tiny-v{vocab}")
     if model is None:
         path = Path(tempfile.mkdtemp()) / "config.json"
         path.write_text(json.dumps(TINY))
@@ -81,7 +88,7 @@ def pieces(llm: Any, walks: list[list[int]], repeat: int) -> dict[str, list[floa
             for i in live:
                 loop[i].accept_token(walks[i][j])
             t3 = time.perf_counter()
-            xgr.BatchGrammarMatcher.batch_accept_token([batch[i] for i in live], [walks[i][j] for i in live])
+            sd._accept([batch[i] for i in live], [walks[i][j] for i in live])  # one call, as the engine
             t4 = time.perf_counter()
             out["fill"].append(t1 - t0)
             out["apply (CPU kernel)"].append(t2 - t1)
@@ -184,10 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="replays of the walks for the pieces")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--model", default=None, help="default: a tiny dummy model (a dummy needs a tokenizer)")
+    ap.add_argument(
+        "--vocab", type=int, default=None, help="the tiny dummy's vocabulary, with a BPE tokenizer"
+    )
     args = ap.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(1)  # the engine's thread and the fill's share the host
-    llm = _llm(args.batch, args.device, args.model)
+    llm = _llm(args.batch, args.device, args.model, args.vocab)
     from prefixserve import SamplingParams, StructuredOutputs
 
     spec = StructuredOutputs(json=SCHEMA)
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     outs = llm.chat(_conversations(args.batch), params)  # warm-up, and the rows' walks
     walks = [list(o.outputs[0].token_ids) for o in outs]
     where = args.model or "tiny dummy model"
+    where += f", tokenizer of {len(llm.engine.tokenizer):,} entries"
     print(f"B={args.batch}, {args.tokens} tokens, {where} launched ahead on {args.device}; ms a step")
     print("\npieces (median over the walks' steps)")
     for name, values in pieces(llm, walks, args.repeat).items():
