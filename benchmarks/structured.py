@@ -139,11 +139,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     convs = _conversations(args.batch)
     modes = {
         "unconstrained": SamplingParams(
-            temperature=args.temperature, seed=0, max_tokens=args.tokens, ignore_eos=True
+            temperature=args.temperature, seed=0, max_tokens=args.tokens, ignore_eos=True,
+            detokenize=args.detokenize,
         ),
         "json_schema": SamplingParams(
             temperature=args.temperature, seed=0, max_tokens=args.tokens,
-            structured_outputs=StructuredOutputs(json=SCHEMA),
+            structured_outputs=StructuredOutputs(json=SCHEMA), detokenize=args.detokenize,
         ),
         # no free whitespace between tokens (vLLM's disable_any_whitespace): a model that wanders into
         # runs of spaces (random weights do) puts every row in states whose masks xgrammar cannot
@@ -151,6 +152,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "json_schema_compact": SamplingParams(
             temperature=args.temperature, seed=0, max_tokens=args.tokens,
             structured_outputs=StructuredOutputs(json=SCHEMA, disable_any_whitespace=True),
+            detokenize=args.detokenize,
         ),
     }  # fmt: skip
     t0 = time.perf_counter()
@@ -204,6 +206,7 @@ def _command(s: dict[str, Any]) -> str:
     extra = f" --model {s['model']}" if s.get("model") else ""
     extra += " --bpe-tokenizer" if s.get("bpe_tokenizer") else ""
     extra += f" --vocab {s['vocab']}" if s.get("vocab") is not None else ""
+    extra += " --no-detokenize" if s.get("detokenize") is False else ""
     run = f"python -m benchmarks.structured --device {s['device']} --batch {s['batch']}"
     return f"{run} --tokens {s['tokens']}{extra}"
 
@@ -303,6 +306,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--no-detokenize",
+        dest="detokenize",
+        action="store_false",
+        help="every mode's tokens without their text (random weights' unconstrained tokens are byte "
+        "fragments of a byte-level BPE, whose incremental decoding then costs more than the grammar)",
+    )
     ap.add_argument("--name", default=None, help="result file name (default structured_cpu / structured_gpu)")
     args = ap.parse_args(argv)
     name = args.name or ("structured_cpu" if args.device == "cpu" else "structured_gpu")
