@@ -103,6 +103,31 @@ def capture_paged_keys(runner: Any, context: int) -> int:
     return graphs.captures - before
 
 
+def warm_argmax(runner: Any, rows: int) -> None:
+    """Compile now the greedy argmax kernel for every row count a step samples (1 to ``rows``), over
+    the model's dtype and fp32 logits: Triton specialises it on each count's chunk sizes, and an
+    overload run met two such variants in its first burst (0.1-0.2 s each, every stream waiting).
+    A single process only (a tensor-parallel rank's shard compiles in its own process)."""
+    if runner.device.type != "cuda" or runner.shard.parallel:
+        return
+    import torch
+
+    from prefixserve.sampling.argmax import argmax_rows
+
+    vocab = runner.model.full_config.vocab_size
+    dtype = next(runner.model.parameters()).dtype
+    for kind in dict.fromkeys((dtype, torch.float32)):
+        try:
+            logits = torch.zeros(rows, vocab, dtype=kind, device=runner.device)
+        except torch.OutOfMemoryError:  # the step reserve holds the real ones; these are extra
+            log.info("no argmax warm-up in %s: no room for %d x %d logits", kind, rows, vocab)
+            continue
+        for n in range(1, rows + 1):
+            argmax_rows(logits[:n])
+        torch.cuda.synchronize(runner.device)
+        del logits
+
+
 MIXED_OWN_TOKENS = (48, 200, 700)  # own prompt lengths of the mixed warm-up's arrivals (prefill sizes)
 MIXED_DECODING = 24  # requests decoding while the arrivals prefill
 MIXED_ARRIVALS = 12  # arrivals behind each of the two prefixes
@@ -185,4 +210,4 @@ def _progress(runs: list[Any], shown: bool, desc: str = "capturing decode graphs
     return tqdm(runs, desc=desc, unit="batch")
 
 
-__all__ = ["capture_paged_keys", "held_rows", "warm_decode_graphs", "warm_mixed_steps"]
+__all__ = ["capture_paged_keys", "held_rows", "warm_argmax", "warm_decode_graphs", "warm_mixed_steps"]
