@@ -49,6 +49,11 @@ def _splits(max_kv: int, programs: int, device: torch.device) -> int:
     return min(MAX_SPLITS, capacity(splits))
 
 
+def own_split_limit(context: int, bucket: int, pack: int, shape: HeadShape) -> int:
+    """The most own-part splits a shared step of ``bucket`` rows chooses (rows of ``context`` tokens)."""
+    return _splits(context, -(-bucket // pack) * shape.kv_heads, shape.device)
+
+
 def paged_graph_step(
     meta: AttentionMetadata, shape: HeadShape, bucket: int, floor: tuple[Any, ...] | None = None
 ) -> GraphStep:
@@ -326,4 +331,4 @@ class SharedGraph(_Recorded):
         )
 
 
-__all__ = ["PagedGraph", "SharedGraph", "paged_graph_step", "shared_graph_step"]
+__all__ = ["PagedGraph", "SharedGraph", "own_split_limit", "paged_graph_step", "shared_graph_step"]

@@ -13,7 +13,7 @@ import torch
 from prefixserve.engine.hybrid import SCHEMA_REFUSAL
 from prefixserve.engine.request_rules import structured_decoding
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
-from prefixserve.engine.warmup import warm_argmax, warm_decode_graphs, warm_mixed_steps
+from prefixserve.engine.warmup import plan_covers, warm_argmax, warm_decode_graphs, warm_mixed_steps
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.cache_events import DEFAULT_CONSUMER, CacheEvents, enable_cache_events
 from prefixserve.promptcache.pml import is_pml_prompt
@@ -82,12 +82,12 @@ class EngineServices:
         of eager steps that prefill behind one and two shared segments (``warmup.warm_mixed_steps``)
         and the greedy argmax of every row count (``warmup.warm_argmax``).
         ``seal`` (a server): no decode graph is captured after this; a step whose key none serves
-        runs eagerly (``DecodeGraphs.seal``)."""
+        runs eagerly (``DecodeGraphs.seal``), where the plan covers the keys (``warmup.plan_covers``)."""
         pieces = self.runner.capture_pieces(self.pool)
         captured = pieces + warm_decode_graphs(self, progress) + warm_mixed_steps(self, progress)
         warm_argmax(self.runner, self.config.max_num_seqs)
         self.stats.compiles.serving()  # a compile from now on stalls live streams: each is logged
-        if seal and self.graphs is not None:
+        if seal and plan_covers(self.runner):  # else graphs are still captured when first met
             self.graphs.seal()
         return captured
 

@@ -37,7 +37,7 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
     if graphs is None:  # a CPU, or enforce_eager: nothing is captured
         return 0
     before, started = graphs.captures, time.perf_counter()
-    capture_paged_keys(engine.runner, engine.max_model_len)
+    _planned(capture_paged_keys, engine)
     rng = random.Random(0)
     vocab = engine.runner.model.full_config.vocab_size
     prefixes = [list(held.token_ids) for held in engine.system_prompt_kv.values()]
@@ -48,7 +48,10 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
     config = engine.model_config
     group = config.num_attention_heads // config.num_key_value_heads
     runs = [(bucket, bucket, None) for bucket in graphs.buckets]
-    runs += [(b, rows, p) for b in graphs.buckets for rows in held_rows(b, group) for p in prefixes]
+    if plan_covers(engine.runner):  # rows held in a larger bucket: ranks would hold them apart
+        runs += [(b, rows, p) for b in graphs.buckets for rows in held_rows(b, group) for p in prefixes]
+    else:
+        runs += [(b, b, p) for b in graphs.buckets for p in prefixes]
     saved = engine.stats.save(engine.runner)
     try:
         for bucket, rows, prefix in _progress(runs, progress):
@@ -56,6 +59,7 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
     finally:
         engine.stats.restore(saved, engine.runner)
         graphs.reset_hold()  # the first real batch picks its own bucket
+    _planned(capture_split_variants, engine)
     captured = graphs.captures - before
     log.info("captured %d decode graphs in %.1f s", captured, time.perf_counter() - started)
     return captured
@@ -70,37 +74,87 @@ def held_rows(bucket: int, group: int) -> list[int]:
     return sorted(r for r in picks if r >= 1 and 4 * r > bucket)
 
 
-def capture_paged_keys(runner: Any, context: int) -> int:
-    """Capture the plain paged graph of every bucket at every split count its sequences' lengths can
-    choose (lengths 16 to ``context`` tokens, by powers of two): the start-up capture plan of
-    unshared decode steps, so that no length met while serving needs a capture. Each is a synthetic
-    step of rows that read nothing (lengths 0 after planning) and write their K/V to the cache's
-    scratch slot. Models whose decode steps carry more than the paged attention (sliding windows,
-    linear-attention state) are left to the warm-up batches."""
+def _planned(part: Any, engine: Any) -> None:
+    """Run a synthetic part of the start-up plan; one that fails leaves the plan incomplete (logged):
+    the server then captures the keys it meets, as before there was a plan, rather than not start."""
+    try:
+        part(engine.runner, engine.max_model_len)
+    except Exception:
+        log.exception("the start-up capture plan failed in %s: graphs are captured when met", part.__name__)
+        engine.graphs.plan_failed = True
+
+
+def plan_covers(runner: Any) -> bool:
+    """Whether the start-up plan covers every decode key this engine can meet, so that a server may
+    seal its graphs: plain and shared keys of a full-attention model in one process. A sliding
+    model's window work, a hybrid's state rows and a tensor-parallel worker's own planning are not
+    enumerated: those graphs are still captured when first met."""
     graphs = runner.graphs
-    if graphs is None or runner.window is not None or graphs.linear is not None:
+    if graphs is None or graphs.plan_failed:
+        return False
+    return not runner.shard.parallel and runner.window is None and graphs.linear is None
+
+
+def capture_paged_keys(runner: Any, context: int) -> int:
+    """Capture the plain paged graph of every bucket at every split count and table width its
+    sequences' lengths can choose (16 tokens to ``context``, by powers of two, and ``context``): the
+    start-up plan of unshared decode steps. Each is a synthetic step whose rows read nothing (lengths
+    0) and write their K/V to the cache's scratch slot."""
+    if not plan_covers(runner):
         return 0
     from prefixserve.attention.metadata import build_metadata
 
+    graphs = runner.graphs
     before, bs, blocks = graphs.captures, runner.block_size, runner.kv.num_blocks
-    scratch = runner.kv.scratch_slot
+    lengths = sorted({*(1 << k for k in range(4, max(4, context.bit_length()))), context})
     for bucket in graphs.buckets:
-        length = 16
-        while length <= context and -(-length // bs) + bucket <= blocks:
-            # the key follows the longest row: row 0 that long, the others one block, none shared
+        for length in lengths:
             cols = -(-length // bs)
+            if length > context or cols + bucket > blocks:
+                break
+            # the key follows the longest row: row 0 that long, the others one block, none shared
             tables = np.zeros((bucket, cols), dtype=np.int32)
             tables[0] = np.arange(cols)
             tables[1:, 0] = cols + np.arange(bucket - 1)
-            lengths = [length] + [1] * (bucket - 1)
-            meta = build_metadata(bs, [1] * bucket, lengths, tables, "cpu")
+            meta = build_metadata(bs, [1] * bucket, [length] + [1] * (bucket - 1), tables, "cpu")
             step = runner.backend.graph_step(meta, graphs.shape, bucket)
-            if step is not None and step.key[0] == "paged" and step.key not in graphs.graphs:
+            if step is not None and step.key[0] == "paged" and not graphs.serves(step):
                 step.arrays["seq_lens"] = np.zeros(bucket, dtype=np.int32)  # nothing read
-                graphs.run([0] * bucket, [0] * bucket, np.full(bucket, scratch), step)
-            length *= 2
+                _capture_empty(runner, step, bucket)
     graphs.reset_hold()
     return graphs.captures - before
+
+
+def capture_split_variants(runner: Any, context: int) -> int:
+    """Each captured shared key again at every own-part split count its bucket can choose (up to what
+    rows of ``context`` tokens would take): the warm-up batches' own parts are a few tokens, so they
+    meet one count only. Each variant is a synthetic step that reads nothing (no work items, own
+    lengths 0). Mixed keys write one own partial a row: they have no variants."""
+    if not plan_covers(runner):
+        return 0
+    from prefixserve.attention.graph import GraphStep, capacity
+    from prefixserve.attention.graph_attention import SharedGraph, own_split_limit
+
+    graphs = runner.graphs
+    before, shape = graphs.captures, graphs.shape
+    for key in [k for k in list(graphs.graphs) if k[0] == "shared" and k[4][5] is None]:
+        bucket, pack, slots = key[1], key[4][4], key[9]
+        top = own_split_limit(context, bucket, pack, shape)
+        for count in (1 << k for k in range(top.bit_length())):
+            # merge entries as a step plans them: every slot and every row's own splits
+            variant = (*key[:3], count, key[4], *key[5:10], capacity(slots + count * bucket, 16))
+            if variant in graphs.graphs:
+                continue
+            arrays = {"qsl": np.arange(bucket + 1, dtype=np.int32)}  # no items, no own lengths
+            step = GraphStep(variant, arrays, lambda v=variant: SharedGraph(v, shape))
+            _capture_empty(runner, step, bucket)
+    return graphs.captures - before
+
+
+def _capture_empty(runner: Any, step: Any, bucket: int) -> None:
+    """Capture ``step`` (a synthetic one that reads nothing) with every row's K/V to the scratch slot."""
+    scratch = runner.kv.scratch_slot
+    runner.graphs.run([0] * bucket, [0] * bucket, np.full(bucket, scratch), step)
 
 
 def warm_argmax(runner: Any, rows: int) -> None:
@@ -210,4 +264,12 @@ def _progress(runs: list[Any], shown: bool, desc: str = "capturing decode graphs
     return tqdm(runs, desc=desc, unit="batch")
 
 
-__all__ = ["capture_paged_keys", "held_rows", "warm_argmax", "warm_decode_graphs", "warm_mixed_steps"]
+__all__ = [
+    "capture_paged_keys",
+    "capture_split_variants",
+    "held_rows",
+    "plan_covers",
+    "warm_argmax",
+    "warm_decode_graphs",
+    "warm_mixed_steps",
+]

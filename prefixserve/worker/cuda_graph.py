@@ -126,6 +126,7 @@ class DecodeGraphs:
         self.captures = 0
         self.capture_s = 0.0  # host seconds spent capturing: every running stream stalls meanwhile
         self.sealed = False  # a server is ready: no more captures (``seal``)
+        self.plan_failed = False  # a synthetic part of the start-up plan failed: never sealed
         self.misses = 0  # steps run eagerly after the seal for want of a captured graph
         self.missed: set[tuple[Any, ...]] = set()  # their keys (each logged once)
         self._current: int | None = None  # the bucket of the last decode step
@@ -160,21 +161,25 @@ class DecodeGraphs:
 
     def fit(self, step: GraphStep) -> GraphStep | None:
         """``step`` as a captured graph runs it: its own key, or planned into a captured key of its
-        bucket that holds it (``_refit``); before the seal, ``step`` as it is (``run`` captures it);
-        after it, None (the step runs eagerly) and the key is counted and logged as a miss."""
+        bucket that holds it at its own split count (``_refit``); before the seal, else ``step`` as it
+        is (``run`` captures it). After the seal, failing those: a captured key of another split count
+        (the nearest, at least half the step's), then its pointer-load twin's keys; else None (the step
+        runs eagerly), counted and logged as a miss, and a held bucket let go (its own bucket may
+        have the graph)."""
         if step.key in self.graphs:
             return step
         fitted, entry = self._refit(step)
         if entry is not None or not self.sealed:
             return fitted
-        if step.plain is not None:  # its segments' pointer-load twin, which the plan captured
-            plain = step.plain()
-            if plain.key in self.graphs:
-                return plain
-            fitted, entry = self._refit(plain)
+        candidates = [step] if step.plain is None else [step, step.plain()]
+        for candidate in candidates:
+            if candidate.key in self.graphs:
+                return candidate
+            fitted, entry = self._refit(candidate, any_split=True)
             if entry is not None:
                 return fitted
         self.misses += 1
+        self.reset_hold()
         if step.key not in self.missed:
             self.missed.add(step.key)
             log.warning(
@@ -183,6 +188,10 @@ class DecodeGraphs:
                 step.key,
             )
         return None
+
+    def serves(self, step: GraphStep) -> bool:
+        """Whether a captured graph runs ``step`` at its own split count (its key, or a refit)."""
+        return step.key in self.graphs or self._refit(step)[1] is not None
 
     def hold(self, bucket: int) -> None:
         """Run the next step in ``bucket`` if it holds the batch (as a shrinking batch keeps its bucket):
@@ -251,16 +260,22 @@ class DecodeGraphs:
             self.linear.after_replay(linear)
         return entry.hidden
 
-    def _refit(self, step: GraphStep) -> tuple[GraphStep, _Captured | None]:
-        """A captured graph of the same kind and bucket whose capacities hold this step: of those,
-        the one whose split count (key field 3: the paged kernel's, or the own part's) is nearest the
-        step's own choice, newest first among equals."""
+    def _refit(self, step: GraphStep, any_split: bool = False) -> tuple[GraphStep, _Captured | None]:
+        """A captured graph of the same kind and bucket whose capacities hold this step, at the step's
+        split count (key field 3: the paged kernel's, or the own part's), newest first. ``any_split``:
+        at another count too (any count is correct: each row's KV is cut into the graph's splits by
+        its length), the nearest first and never below half the step's (fewer programs than that
+        would read a long row slower than an eager step)."""
         if step.refit is None:
             return step, None
         same = [key for key in reversed(list(self.graphs)) if key[:2] == step.key[:2]]
         want = step.key[3] if len(step.key) > 3 and isinstance(step.key[3], int) else None
         if want is not None:
-            same.sort(key=lambda k: abs(k[3] - want) if isinstance(k[3], int) else 1 << 30)
+            splits = [(key, key[3]) for key in same if isinstance(key[3], int)]
+            if any_split:
+                same = [key for key, k in sorted(splits, key=lambda p: abs(p[1] - want)) if 2 * k >= want]
+            else:
+                same = [key for key, k in splits if k == want]
         for key in same:
             fitted = step.refit(key)
             if fitted.key == key:

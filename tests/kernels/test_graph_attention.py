@@ -257,31 +257,37 @@ def test_a_step_refits_into_a_key_of_other_own_splits_and_pack() -> None:
 
 
 def test_after_the_seal_a_key_no_graph_serves_runs_eagerly() -> None:
-    """``DecodeGraphs.fit``: a captured key replays; a step a captured key holds is planned into it;
-    any other is captured before the seal and sent to eager after it, counted and logged once."""
+    """``DecodeGraphs.fit``: a captured key replays; before the seal a step of another split count is
+    captured (a refit keeps the split count: every count the start-up plan meets gets its graph);
+    after it, a step runs in a graph of another count (the nearest, at least half its own), else
+    eagerly, counted, logged once, and a held bucket let go."""
     from prefixserve.attention.graph import GraphStep
     from prefixserve.worker.cuda_graph import DecodeGraphs
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.graphs, graphs.sealed, graphs.misses, graphs.missed = {}, False, 0, set()
+    graphs._current, graphs._held = 6, 3
     captured = ("paged", 4, 64, 2)
     graphs.graphs[captured] = object()
 
-    def step(key, refit=None):
-        return GraphStep(key, {}, lambda: None, refit=refit)
+    def step(key):  # a paged step: any floor of its kind, bucket and width takes the floor's splits
+        return GraphStep(key, {}, lambda: None, refit=lambda f: step(f if f[:3] == key[:3] else key))
 
     assert graphs.fit(step(captured)).key == captured
-    wider = lambda f: step(f if f[:2] == ("paged", 4) else ("paged", 4, 64, 8))  # noqa: E731
-    assert graphs.fit(step(("paged", 4, 64, 8), wider)).key == captured  # any split count serves
+    assert graphs.fit(step(("paged", 4, 64, 3))).key == ("paged", 4, 64, 3)  # captured by run()
+    assert graphs.serves(step(captured)) and not graphs.serves(step(("paged", 4, 64, 3)))
     new = step(("paged", 8, 64, 1))
-    assert graphs.fit(new) is new  # before the seal: run() captures it
+    assert graphs.fit(new) is new
     graphs.seal()
-    assert graphs.fit(new) is None and graphs.fit(new) is None
-    assert graphs.misses == 2 and graphs.missed == {new.key}
+    assert graphs.fit(step(("paged", 4, 64, 3))).key == captured  # 2 splits: at least half of 3
+    assert graphs.fit(new) is None and graphs.fit(step(("paged", 4, 64, 8))) is None  # 2 < 8 / 2
+    assert graphs.fit(new) is None
+    assert graphs.misses == 3 and graphs.missed == {new.key, ("paged", 4, 64, 8)}
+    assert graphs._current is None  # the held bucket let go
     assert graphs.fit(step(captured)).key == captured
     # a step over contiguous blocks (TMA tiles) whose pointer-load twin the plan captured
     twin = ("shared", 4, 64, 1, (64, 64, 2, False, 1, None), 16)
     graphs.graphs[twin] = object()
     contiguous = GraphStep(("shared", 4, 64, 1, (64, 64, 3, True, 1, None), 16), {}, lambda: None)
     contiguous.plain = lambda: step(twin)
-    assert graphs.fit(contiguous).key == twin and graphs.misses == 2
+    assert graphs.fit(contiguous).key == twin and graphs.misses == 3
