@@ -7,8 +7,12 @@ sees its effect on the next call; a bad value raises ValueError naming the varia
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,6 +347,24 @@ def cache_dir() -> Path:
     if not value.strip():
         raise ValueError("PREFIXSERVE_CACHE is set but empty: give a directory, or unset it")
     return Path(value)
+
+
+@contextlib.contextmanager
+def cache_entry(out: Path) -> Iterator[Path]:
+    """A folder to build ``out`` in: made beside it, renamed to it when the block ends (dropped if
+    another process finished ``out`` first), removed if the block fails. A reader that finds ``out``
+    finds it whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def mixed_mode() -> str:

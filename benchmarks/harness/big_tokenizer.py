@@ -24,8 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -329,7 +327,7 @@ def _key(vocab_size: int, seed: int) -> str:
 def tokenizer_dir(vocab_size: int, seed: int = 0, root: Path | None = None, log: bool = True) -> Path:
     """The HF tokenizer folder of ``build(vocab_size, seed)``: built on the first call (atomically:
     a folder made aside and renamed), found on later ones."""
-    from prefixserve.config import cache_dir
+    from prefixserve.config import cache_dir, cache_entry
 
     root = root or cache_dir() / "bench-tokenizers"
     out = root / _key(vocab_size, seed)
@@ -341,8 +339,7 @@ def tokenizer_dir(vocab_size: int, seed: int = 0, root: Path | None = None, log:
         print(f"building a {vocab_size:,}-entry BPE tokenizer (seed {seed}) into {out} ...", flush=True)
     core = build(vocab_size, seed)
     seconds = time.perf_counter() - t0
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
-    try:
+    with cache_entry(out) as tmp:
         tmp.chmod(0o755)
         core.save(str(tmp / "tokenizer.json"))
         # written by hand, not by transformers' save_pretrained: the class name transformers 4 and 5 both
@@ -355,13 +352,6 @@ def tokenizer_dir(vocab_size: int, seed: int = 0, root: Path | None = None, log:
         meta = {"vocab_size": vocab_size, "seed": seed, "version": VERSION, "build_s": round(seconds, 1),
                 "tokenizer_json_sha256": digest}  # fmt: skip
         (tmp / "built.json").write_text(json.dumps(meta, indent=1))
-        if out.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if log:
         print(f"built in {seconds:.1f} s", flush=True)
     return out

@@ -11,8 +11,6 @@ import hashlib
 import importlib.util
 import json
 import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.config import cache_dir
+from prefixserve.config import cache_dir, cache_entry
 from prefixserve.model import fp8, linear, mxfp4
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
@@ -113,9 +111,7 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
     from prefixserve.model.gguf_reader import iter_gguf_weights, load_gguf
 
     reader, config = load_gguf(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with cache_entry(out) as tmp:
         weights = {}
         bar = tqdm(total=len(reader.tensors), desc=f"converting {path.name}", disable=not progress)
         for name, tensor in iter_gguf_weights(reader, config):
@@ -127,13 +123,6 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer.save_pretrained(str(tmp))
         (tmp / "complete.json").write_text(json.dumps({"source": str(path)}))
-        if out.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
