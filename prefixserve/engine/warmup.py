@@ -37,7 +37,6 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
     if graphs is None:  # a CPU, or enforce_eager: nothing is captured
         return 0
     before, started = graphs.captures, time.perf_counter()
-    _planned(capture_paged_keys, engine)
     rng = random.Random(0)
     vocab = engine.runner.model.full_config.vocab_size
     prefixes = [list(held.token_ids) for held in engine.system_prompt_kv.values()]
@@ -52,14 +51,15 @@ def warm_decode_graphs(engine: Any, progress: bool = True) -> int:
         runs += [(b, rows, p) for b in graphs.buckets for rows in held_rows(b, group) for p in prefixes]
     else:
         runs += [(b, b, p) for b in graphs.buckets for p in prefixes]
-    saved = engine.stats.save(engine.runner)
+    saved = engine.stats.save(engine.runner)  # the synthetic steps and plans leave no trace
     try:
+        _planned(capture_paged_keys, engine)
         for bucket, rows, prefix in _progress(runs, progress):
             _decode_batch(engine, rows, prefix or [], rng, vocab, bucket)
+        _planned(capture_split_variants, engine)
     finally:
         engine.stats.restore(saved, engine.runner)
         graphs.reset_hold()  # the first real batch picks its own bucket
-    _planned(capture_split_variants, engine)
     captured = graphs.captures - before
     log.info("captured %d decode graphs in %.1f s", captured, time.perf_counter() - started)
     return captured
