@@ -262,13 +262,16 @@ class DecodeGraphs:
 
     def _refit(self, step: GraphStep, any_split: bool = False) -> tuple[GraphStep, _Captured | None]:
         """A captured graph of the same kind and bucket whose capacities hold this step, at the step's
-        split count (key field 3: the paged kernel's, or the own part's), newest first. ``any_split``:
+        split count (key field 3: the paged kernel's, or the own part's), the narrowest block tables
+        first, then the newest. ``any_split``:
         at another count too (any count is correct: each row's KV is cut into the graph's splits by
         its length), the nearest first and never below half the step's (fewer programs than that
         would read a long row slower than an eager step)."""
         if step.refit is None:
             return step, None
         same = [key for key in reversed(list(self.graphs)) if key[:2] == step.key[:2]]
+        # the narrowest tables first (a step copies its graph's whole buffers), newest among equals
+        same.sort(key=lambda k: k[2] if len(k) > 2 and isinstance(k[2], int) else 0)
         want = step.key[3] if len(step.key) > 3 and isinstance(step.key[3], int) else None
         if want is not None:
             splits = [(key, key[3]) for key in same if isinstance(key[3], int)]
