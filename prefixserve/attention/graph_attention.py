@@ -49,9 +49,10 @@ def _splits(max_kv: int, programs: int, device: torch.device) -> int:
     return min(MAX_SPLITS, capacity(splits))
 
 
-def own_split_limit(context: int, bucket: int, pack: int, shape: HeadShape) -> int:
-    """The most own-part splits a shared step of ``bucket`` rows chooses (rows of ``context`` tokens)."""
-    return _splits(context, -(-bucket // pack) * shape.kv_heads, shape.device)
+def own_splits_for(own_len: int, bucket: int, pack: int, shape: HeadShape) -> int:
+    """The own-part KV splits of a shared step of ``bucket`` rows (``pack`` a program) whose longest
+    own part is ``own_len`` tokens."""
+    return _splits(own_len, -(-bucket // pack) * shape.kv_heads, shape.device)
 
 
 def paged_graph_step(
@@ -105,7 +106,7 @@ def shared_graph_step(
     pack = 1 if mixed else own_pack_rule(plan, bucket, (*heads, elt), bs, shape.device)
     seg_rows = plan.seg_rows.numpy().astype(np.int64)  # a host plan: already the rows, no recompute
     own_lens = np.asarray(plan.own_seq_lens_host, dtype=np.int32)
-    own_splits = _splits(int(own_lens.max(initial=0)), -(-bucket // pack) * kv_heads, shape.device)
+    own_splits = own_splits_for(int(own_lens.max(initial=0)), bucket, pack, shape)
     if mixed:  # the mixed kernel writes one own partial per row
         own_splits = 1
     caps = (
@@ -331,4 +332,4 @@ class SharedGraph(_Recorded):
         )
 
 
-__all__ = ["PagedGraph", "SharedGraph", "own_split_limit", "paged_graph_step", "shared_graph_step"]
+__all__ = ["PagedGraph", "SharedGraph", "own_splits_for", "paged_graph_step", "shared_graph_step"]

@@ -133,13 +133,13 @@ def capture_split_variants(runner: Any, context: int) -> int:
     if not plan_covers(runner):
         return 0
     from prefixserve.attention.graph import GraphStep, capacity
-    from prefixserve.attention.graph_attention import SharedGraph, own_split_limit
+    from prefixserve.attention.graph_attention import SharedGraph, own_splits_for
 
     graphs = runner.graphs
     before, shape = graphs.captures, graphs.shape
     for key in [k for k in list(graphs.graphs) if k[0] == "shared" and k[4][5] is None]:
         bucket, pack, slots = key[1], key[4][4], key[9]
-        top = own_split_limit(context, bucket, pack, shape)
+        top = own_splits_for(context, bucket, pack, shape)  # rows as long as the context
         for count in (1 << k for k in range(top.bit_length())):
             # merge entries as a step plans them: every slot and every row's own splits
             variant = (*key[:3], count, key[4], *key[5:10], capacity(slots + count * bucket, 16))

@@ -168,9 +168,8 @@ class DecodeGraphs:
         have the graph)."""
         if step.key in self.graphs:
             return step
-        fitted, entry = self._refit(step)
-        if entry is not None or not self.sealed:
-            return fitted
+        if not self.sealed:
+            return self._refit(step)[0]
         candidates = [step] if step.plain is None else [step, step.plain()]
         for candidate in candidates:
             if candidate.key in self.graphs:
@@ -250,7 +249,7 @@ class DecodeGraphs:
                 log.error("capturing decode graph %s after the server was ready", step.key)
             if step.plain is not None:  # its pointer-load twin too, for steps over scattered blocks
                 plain = step.plain()
-                if plain.key not in self.graphs and self._refit(plain)[1] is None:
+                if not self.serves(plain):
                     self._capture(plain, bucket)
             entry = self._capture(step, bucket)
         else:

@@ -59,6 +59,15 @@ def _run(attn: GraphAttention, q: torch.Tensor, bucket: int, steps: _Steps, scal
     return attn.forward(torch.cat([q, pad]), steps.k, steps.v, None, scale)[: q.shape[0]]
 
 
+def _fitted_error(fitted, steps: _Steps, bucket: int) -> float:
+    """The relative error of a refitted step's graph attention (8 query heads) against the reference."""
+    attn = fitted.build()
+    attn.load(fitted.arrays)
+    q = torch.randn(len(steps.lens), 8, steps.k.shape[-1], generator=steps.gen).to(DEVICE)
+    ref = ReferenceBackend().forward(q, steps.k, steps.v, steps.meta(), 0.1)
+    return rel_err(_run(attn, q, bucket, steps, 0.1), ref)
+
+
 @pytest.mark.parametrize(
     ("backend", "group", "dim", "batch", "bucket", "shared"),
     [
@@ -175,11 +184,7 @@ def test_a_smaller_step_refits_into_a_captured_keys_capacities() -> None:
     assert step.key != key and step.key[:5] == key[:5]
     fitted = step.refit(key)
     assert fitted.key == key
-    attn = fitted.build()
-    attn.load(fitted.arrays)
-    q = torch.randn(5, 8, dim, generator=small.gen).to(DEVICE)
-    ref = ReferenceBackend().forward(q, small.k, small.v, small.meta(), 0.1)
-    assert rel_err(_run(attn, q, 32, small, 0.1), ref) < 1e-5
+    assert _fitted_error(fitted, small, 32) < 1e-5
     paged = TritonPagedBackend().graph_step(small.meta(), shape, 32)
     wide = ("paged", 32, paged.key[2] * 2, paged.key[3])
     assert paged.refit(wide).key == wide
@@ -246,11 +251,7 @@ def test_a_step_refits_into_a_key_of_other_own_splits_and_pack() -> None:
     other = (*key[:3], key[3] * 4, other_tiles, *(2 * c for c in key[5:]))
     fitted = step.refit(other)
     assert fitted.key == other
-    attn = fitted.build()
-    attn.load(fitted.arrays)
-    q = torch.randn(6, 8, dim, generator=steps.gen).to(DEVICE)
-    ref = ReferenceBackend().forward(q, steps.k, steps.v, steps.meta(), 0.1)
-    assert rel_err(_run(attn, q, bucket, steps, 0.1), ref) < 1e-5
+    assert _fitted_error(fitted, steps, bucket) < 1e-5
     block_m = key[4][0]  # other work tiles: the work list was cut for them, no refit
     taller = (*key[:4], (block_m * 2, *key[4][1:]), *key[5:])
     assert step.refit(taller).key != taller
