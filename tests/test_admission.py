@@ -24,11 +24,10 @@ from prefixserve.serving.admission import (
     AdmissionLimits,
     QueueFull,
     QueueState,
-    StartLateness,
-    deadline_missed,
     queue_wait,
 )
 from prefixserve.serving.overload import HTTP_REFUSED, ArrivalGate
+from prefixserve.serving.wait_error import StartLateness, deadline_missed
 
 
 class FakeClock:
@@ -404,6 +403,52 @@ def test_slack_refuses_what_the_estimate_alone_would_admit() -> None:
     assert late.value.bound == "deadline"
 
 
+def test_lateness_ratio_scales_with_the_estimate() -> None:
+    """A start 1 s late on a 2 s estimate makes a 4 s estimate 2 s late, not 1 s: the ratio is the
+    largest actual / estimated wait, over estimates long enough to say so."""
+    late = StartLateness()
+    for _ in range(StartLateness.MIN_SAMPLES):
+        late.add(0.3, 0.1)  # short estimates: a step's latency, no ratio sample
+    assert late.slack() == pytest.approx(0.3) and late.ratio() == 1.0
+    for i in range(StartLateness.MIN_SAMPLES):
+        late.add(1.0 if i == 7 else -0.2, 2.0)  # one 1.5x start, the rest early (ratio 1)
+    assert late.ratio() == pytest.approx(1.5) and late.slack() == pytest.approx(1.0)
+    for _ in range(StartLateness.WINDOW):  # the window moves on
+        late.add(0.1, 1.0)
+    assert late.ratio() == pytest.approx(1.1) and late.slack() == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("wait", "left", "slack", "ratio", "admitted"),
+    [
+        (2.0, 3.0, 1.0, 1.0, True),  # the absolute slack alone fits exactly
+        (2.0, 3.0, 1.0, 1.45, True),  # 2.9 s scaled
+        (2.1, 3.0, 0.9, 1.45, False),  # 3.0 s with the slack, 3.05 s scaled: the H200's drops
+        (0.2, 3.0, 1.0, 10.0, True),  # a short wait: the slack dominates, the ratio fits
+        (1.0, 3.0, 0.0, 3.5, False),  # the ratio alone
+    ],
+)
+def test_deadline_check_allows_for_both_errors(
+    wait: float, left: float, slack: float, ratio: float, admitted: bool
+) -> None:
+    why = deadline_missed(wait, left, slack, ratio)
+    assert (why is None) == admitted
+    if not admitted and wait * ratio > wait + slack:
+        assert f"{ratio:.2f}x the estimate" in why
+
+
+def test_http_gate_applies_the_published_ratio() -> None:
+    clock = FakeClock()
+    base = dict(taken=clock.now, max_requests=None, max_tokens=None)
+    loop = SimpleNamespace(queue_state=published(**base))
+    gate = ArrivalGate(loop, clock=clock)  # type: ignore[arg-type]
+    assert gate.admit(10, clock.now + 4.1) == 1  # 3 s ahead fits 3/4 of 4.1 s
+    loop.queue_state = published(**base, decided=1, slack=0.5, ratio=1.4)
+    with pytest.raises(QueueFull) as late:  # 3 s + 0.5 s fits, 3 s x 1.4 does not
+        gate.admit(10, clock.now + 4.1)
+    assert late.value.bound == "deadline" and "1.40x the estimate" in str(late.value)
+
+
 def test_the_engine_publishes_the_lateness_of_its_starts(engine: Engine) -> None:
     """Requests admitted with an estimate and started later than it make the slack the engine publishes
     and applies to its own arrival check."""
@@ -416,6 +461,7 @@ def test_the_engine_publishes_the_lateness_of_its_starts(engine: Engine) -> None
         step(engine, adm)
     slack = adm.state().slack
     assert slack > 1.0 and adm.metrics()["queue_wait_slack_seconds"] == slack
+    assert adm.metrics()["queue_wait_slack_ratio"] == adm.state().ratio >= 1.0
     assert adm.counters["queue_starts_estimated_total"] == 60
     wait = adm.queue_wait_estimate()
     with pytest.raises(QueueFull) as refused:  # an empty queue, but less time left than the slack

@@ -50,13 +50,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prefixserve.sequence import Request, SeqStatus
 from prefixserve.serving.slot_schedule import SlotSchedule, slot_wait
+from prefixserve.serving.wait_error import DEADLINE_MARGIN, StartLateness, deadline_missed
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,6 @@ RATE_WINDOW_S = 1.0  # the drain rates are sampled over this much time with a no
 RATE_SMOOTHING = 0.3  # weight of the newest sample in the drain rates' moving averages
 SHARE_SMOOTHING = 0.1  # weight of each new prompt in the share of prompt tokens left to compute
 RETRY_AFTER_MAX_S = 60  # Retry-After never says more than this
-DEADLINE_MARGIN = (
-    0.75  # a request is admitted if its estimated queue wait is within this share of its time left
-)
 
 COUNTERS = (
     "requests_refused_queue_requests_total",
@@ -119,53 +116,6 @@ def start_wait(
     return max(slot, queue_wait(0, tokens, None, token_rate))
 
 
-def deadline_missed(wait: float, left: float, slack: float = 0.0) -> str | None:
-    """Why a request that would wait ``wait`` s with ``left`` s to its queue deadline is refused at
-    arrival, or None if it is not: the estimate must fit ``DEADLINE_MARGIN`` of the time left, and
-    with ``slack`` (how much later than estimated recent requests started, ``StartLateness``) added,
-    the time left itself."""
-    if left > 0 and wait <= DEADLINE_MARGIN * left and wait + slack <= left:
-        return None
-    spread = f", allowing {slack:.1f} s for the estimate's recent error" if slack > 0 else ""
-    return (
-        f"the request would wait about {wait:.1f} s in the queue, past its queue deadline "
-        f"({max(left, 0.0):.1f} s left{spread})"
-    )
-
-
-class StartLateness:
-    """How much later than estimated the recent queued requests started: the slack an arrival's
-    estimate needs so that what is admitted starts before its deadline.
-
-    The slot schedule is right on average, but a stretch of slow steps starts a run of requests late
-    together: admitted near the margin, those ran into their queue deadline and were dropped after
-    waiting it out (a refusal, but not one at once). The largest lateness of the last ``WINDOW``
-    starts is the slack both the engine's check and the HTTP gate add to the estimate
-    (``deadline_missed``); a request dropped for its deadline adds how late it already was (it never
-    starts, and leaving it out would hide exactly the tail that matters). A high quantile instead of
-    the largest (the 99.5th) still let 1% of the refusals at 2x overload come as drops after waiting
-    (docs/benchmarks/overload.md)."""
-
-    WINDOW = 512  # ~10 s of starts at an 8B model's overload rates on one H100
-    MIN_SAMPLES = 32  # fewer starts say nothing yet: no slack
-
-    def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=self.WINDOW)
-        self._slack = 0.0
-        self._stale = False
-
-    def add(self, late: float) -> None:
-        """A start ``late`` s after its estimate (negative: early, kept as 0)."""
-        self.samples.append(max(0.0, late))
-        self._stale = True
-
-    def slack(self) -> float:
-        if self._stale:
-            self._stale = False
-            self._slack = max(self.samples) if len(self.samples) >= self.MIN_SAMPLES else 0.0
-        return self._slack
-
-
 def retry_after_s(wait: float) -> int:
     """Whole seconds for Retry-After from a queue wait, in [1, ``RETRY_AFTER_MAX_S``]."""
     return RETRY_AFTER_MAX_S if math.isinf(wait) else max(1, min(RETRY_AFTER_MAX_S, math.ceil(wait)))
@@ -188,6 +138,7 @@ class QueueState(NamedTuple):
     free_slots: int = 0  # batch slots free when it was taken
     free_at: tuple[float, ...] = ()  # when the running sequences free theirs (``SlotSchedule``)
     slack: float = 0.0  # seconds added to a wait estimate at arrival (``StartLateness``)
+    ratio: float = 1.0  # the factor on a wait estimate at arrival (``StartLateness``)
     # a request with a priority of its own was admitted: the queue's order is not arrival's, so a
     # wait estimate over the whole queue says nothing of one request's (the engine's books decide)
     priorities: bool = False
@@ -325,7 +276,8 @@ class Admission:
                 behind = [w for w in self._waiting.values() if w.req.priority > req.priority]
             ahead_tokens = self.waiting_tokens - sum(w.tokens for w in behind)
             estimate = self._wait(waiting - len(behind), ahead_tokens, now)
-            missed = deadline_missed(estimate, deadline - now, self.lateness.slack())
+            late = self.lateness
+            missed = deadline_missed(estimate, deadline - now, late.slack(), late.ratio())
             if missed is not None:
                 self._refuse("deadline", missed)
         self._priorities = self._priorities or req.priority != 0
@@ -418,7 +370,7 @@ class Admission:
             self._forget(rid, w)
             waited = self.clock() - w.admitted
             if w.estimate is not None and not math.isinf(w.estimate):  # at least this late
-                self.lateness.add(waited - w.estimate)
+                self.lateness.add(waited - w.estimate, w.estimate)
             log.info(
                 "dropped %s from the queue for its deadline after %.2f s: %d waited ahead of it at "
                 "admission, estimated wait %s s (slack now %.2f s); %d still ahead",
@@ -437,7 +389,7 @@ class Admission:
         c["queue_starts_estimated_total"] += 1
         c["queue_wait_estimated_seconds_total"] += w.estimate
         c["queue_wait_actual_seconds_total"] += actual
-        self.lateness.add(actual - w.estimate)
+        self.lateness.add(actual - w.estimate, w.estimate)
         if actual - w.estimate > LATE_SHARE * (w.deadline - w.admitted):
             c["queue_starts_late_total"] += 1
 
@@ -535,6 +487,7 @@ class Admission:
             slots.free_slots,
             slots.free_at,
             self.lateness.slack(),
+            self.lateness.ratio(),
             self._priorities,
         )
 
@@ -547,6 +500,7 @@ class Admission:
             "queue_wait_estimate_seconds": wait if not math.isinf(wait) else float(RETRY_AFTER_MAX_S),
             "queue_retry_after_seconds": self.retry_after(),
             "queue_wait_slack_seconds": self.lateness.slack(),
+            "queue_wait_slack_ratio": self.lateness.ratio(),
             "queue_drain_requests_per_second": self.rate or 0.0,
             "queue_drain_prompt_tokens_per_second": self.token_rate or 0.0,
             "max_waiting_requests": self.max_requests or 0,

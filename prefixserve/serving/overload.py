@@ -50,13 +50,13 @@ from prefixserve.serving.admission import (
     AdmissionLimits,
     QueueFull,
     QueueState,
-    deadline_missed,
     refused_counter,
     retry_after_s,
     start_wait,
 )
 from prefixserve.serving.engine_thread import EngineLoop
 from prefixserve.serving.slot_schedule import slot_wait
+from prefixserve.serving.wait_error import deadline_missed
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -165,7 +165,7 @@ class ArrivalGate:
                 )
             # where priorities order the queue, the requests ahead of this one are the engine's to count
             judged = deadline is not None and not state.priorities
-            missed = deadline_missed(wait, deadline - now, state.slack) if judged else None
+            missed = deadline_missed(wait, deadline - now, state.slack, state.ratio) if judged else None
             if missed is not None:
                 self._refuse("deadline", missed, wait)
             if not reserve:

@@ -114,6 +114,10 @@ _GAUGES = {
         "queue_wait_slack_seconds",
         "seconds added to a wait estimate at arrival: how much later than estimated recent requests started",
     ),
+    "queue_wait_slack_ratio": (
+        "queue_wait_slack_ratio",
+        "factor on a wait estimate at arrival: the largest recent actual / estimated wait",
+    ),
     "queue_drain_requests_per_second": (
         "queue_drain_requests_per_second",
         "requests started per second while the queue was not empty (smoothed)",
