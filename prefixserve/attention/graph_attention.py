@@ -118,7 +118,10 @@ def shared_graph_step(
     )
     if shape.ceilings is not None:  # the bucket's capacities, whatever the structure
         width = max(width, shape.ceilings.width(bucket, MIN_TABLE_WIDTH))
-        caps = tuple(max(c, ceiling) for c, ceiling in zip(caps, shape.ceilings.shared(bucket), strict=True))
+        ceilings = shape.ceilings.shared(bucket)
+        if not mixed:  # a grid of one program per item: padding items are programs, so the list
+            ceilings = (caps[0], *ceilings[1:])  # follows the step (the mixed kernel reads a count)
+        caps = tuple(max(c, ceiling) for c, ceiling in zip(caps, ceilings, strict=True))
     tiles = (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed)
     needed = ("shared", bucket, width, own_splits, tiles, *caps, 0)  # merge entries: known below
     key = _shared_floor(needed, floor)
@@ -139,6 +142,7 @@ def shared_graph_step(
         "seg_block_start": np.asarray(plan.seg_block_start_host, dtype=np.int32),
         "seg_rows": seg_rows.astype(np.int32),
         "items": work.items.numpy(),
+        "count": np.asarray([work.items.shape[0]], dtype=np.int32),
         "own_tables": own_tables,
         "own_seq_lens": own_lens,
         "qsl": np.arange(bucket + 1, dtype=np.int32),
@@ -270,6 +274,7 @@ class SharedGraph(_Recorded):
             "seg_block_start": ((segs + 1,), False),
             "seg_rows": ((rows,), False),
             "items": ((items, ITEM_FIELDS), True),  # zero items are no-ops
+            "count": ((1,), False),  # items in use: the mixed kernel walks only those
             "own_tables": ((bucket, own_width), False),
             "own_seq_lens": ((bucket,), True),
             "qsl": ((bucket + 1,), False),
@@ -323,7 +328,8 @@ class SharedGraph(_Recorded):
             # padding rows: own length 0, a zero partial each
             step_lists = tuple(self.buffer(n) for n in ("seg_rows", "items", "own_tables", "own_seq_lens"))
             parts = (self.o_part, self.lse_part, s)
-            return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, self.mixed)
+            mixed, count = self.mixed, self.buffer("count")
+            return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, mixed, count)
         return launch_split_path(
             lambda: shared_attention.launch_shared(*shared_args),
             lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),

@@ -85,10 +85,12 @@ def launch_mixed_path(
     parts: tuple[torch.Tensor, torch.Tensor, int],  # (o_part, lse_part, first own slot)
     merge: Callable[[list], Any],
     mixed: MixedTiles,
+    count: torch.Tensor | None = None,
 ) -> list[Recorded]:
     """The mixed launch (a decode step's shared and own tiles, one own partial per row; own tiles of
     ``mixed.own_m`` rows, shared tiles of ``mixed.shared_n`` tokens), then the merge; the eager path
-    and the decode graphs both launch it here."""
+    and the decode graphs both launch it here. ``count``: the work items in use, on the device (a
+    graph's list is a capacity)."""
     from prefixserve.attention.kernels import mixed_gluon
     from prefixserve.attention.planning import tiles
 
@@ -105,6 +107,7 @@ def launch_mixed_path(
         programs=tiles.num_sms(q.device),
         own_m=mixed.own_m,
         shared_n=mixed.shared_n,
+        count=count,
     )
     rec: list[Any] = []
     merge(rec)

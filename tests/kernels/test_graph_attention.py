@@ -227,15 +227,47 @@ def test_ceilings_fix_a_buckets_capacities_whatever_the_structure() -> None:
         for _ in range(3):
             keys.add(TritonBackend().graph_step(steps.meta(), shape, bucket).key)
             steps.advance()
-    capacities = {(k[0], k[2], *k[5:]) for k in keys}
+    # two kernels (the CPU's path): the work list follows the step (a program per item), the rest fixed
+    capacities = {(k[0], k[2], *k[6:]) for k in keys}
     assert len(capacities) == 1, capacities
     ((kind, width, *caps),) = capacities
-    assert kind == "shared" and width == 64 and tuple(caps[:5]) == Ceilings(64, 400).shared(bucket)
+    assert kind == "shared" and width == 64 and tuple(caps[:4]) == Ceilings(64, 400).shared(bucket)[1:]
+    assert all(k[5] < Ceilings(64, 400).shared(bucket)[0] for k in keys)
     plain = {
         TritonPagedBackend().graph_step(_Steps(s, 16, 9, 0, 0, kv_heads, dim).meta(), shape, bucket).key
         for s in range(3)
     }
     assert {k[2] for k in plain} == {64}
+
+
+def test_mixed_keys_take_the_item_ceiling_and_carry_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed launch walks only the items a step uses (their count loaded on the device), so its key
+    takes the bucket's ceiling of work items whatever the structure; every step's arrays carry the
+    count of its items, padding excluded."""
+    from prefixserve.attention import graph_attention
+    from prefixserve.attention.graph import Ceilings, Scratch
+    from prefixserve.attention.planning.mixed_rule import MixedTiles
+
+    plan_work = graph_attention.plan_step_work
+
+    def mixed_plan(*args, **kw):
+        work, _ = plan_work(*args, **kw)
+        return work, MixedTiles(64, 64)
+
+    kv_heads, dim, bucket = 2, 64, 16
+    shape = HeadShape(8, kv_heads, dim, torch.float32, DEVICE, None, Ceilings(64, 400), Scratch())
+    ceiling = Ceilings(64, 400).shared(bucket)
+    for mixed in (False, True):
+        if mixed:
+            monkeypatch.setattr(graph_attention, "plan_step_work", mixed_plan)
+        for seed, (batch, shared, prefix) in enumerate([(16, 16, 3), (12, 5, 1), (9, 9, 6)]):
+            step = TritonBackend().graph_step(
+                _Steps(seed, 16, batch, shared, prefix, kv_heads, dim).meta(), shape, bucket
+            )
+            items = step.arrays["items"]
+            assert step.arrays["count"].tolist() == [items.shape[0]] and items.shape[0] < ceiling[0]
+            assert (step.key[4][5] is not None) == mixed
+            assert (step.key[5] == ceiling[0]) == mixed  # two kernels: the list follows the step
 
 
 def test_a_step_refits_into_a_key_of_other_own_splits_and_pack() -> None:
