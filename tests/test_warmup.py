@@ -115,3 +115,46 @@ def test_held_rows_reach_each_tile_height_a_bucket_runs() -> None:
     assert warmup.held_rows(96, 4) == [64, 96]  # 64 x 4 = 256 stacked rows: the last 64-row tiles
     assert warmup.held_rows(256, 4) == [256]  # 64 rows would not keep it
     assert warmup.held_rows(16, 1) == [16] and warmup.held_rows(512, 8) == [512]
+
+
+def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``capture_split_variants``: each captured two-kernel shared key at every own split count, with
+    its own work list and with the bucket's ceiling of items (a step of any structure then has a graph
+    after the seal); mixed keys (at the ceiling already, one own partial a row) get none."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from prefixserve.attention.graph import Ceilings, HeadShape, Scratch
+    from prefixserve.engine import warmup
+    from prefixserve.worker.cuda_graph import DecodeGraphs
+
+    # one KV head, two rows: few programs, so long rows split (the CPU counts 4 SMs)
+    shape = HeadShape(4, 1, 128, torch.bfloat16, torch.device("cpu"), None, Ceilings(256, 16000), Scratch())
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.graphs, graphs.shape, graphs.plan_failed, graphs.linear, graphs.captures = (
+        {},
+        shape,
+        False,
+        None,
+        0,
+    )
+    two = ("shared", 2, 256, 1, (16, 64, 2, False, 1, None), 16, 4, 16, 16, 64, 80)
+    mixed = ("shared", 2, 256, 1, (16, 64, 3, True, 1, (64, 64)), 64, 4, 16, 16, 64, 80)
+    graphs.graphs = dict.fromkeys((two, mixed))
+    runner = SimpleNamespace(graphs=graphs, shard=SimpleNamespace(parallel=False), window=None)
+
+    def capture(runner, step, bucket) -> None:
+        graphs.graphs[step.key] = None
+        graphs.captures += 1
+
+    monkeypatch.setattr(warmup, "_capture_empty", capture)
+    assert warmup.capture_split_variants(runner, 4096) == len(graphs.graphs) - 2
+    variants = [k for k in graphs.graphs if k[4] == two[4] and k != two]
+    ceiling = shape.ceilings.shared(2)[0]
+    counts = {k[3] for k in variants}
+    assert len(counts) > 1 and ceiling > 16
+    assert {(c, i) for c in counts | {1} for i in (16, ceiling)} == {(k[3], k[5]) for k in [*variants, two]}
+    assert not [k for k in graphs.graphs if k[4] == mixed[4] and k != mixed]

@@ -126,10 +126,13 @@ def capture_paged_keys(runner: Any, context: int) -> int:
 
 
 def capture_split_variants(runner: Any, context: int) -> int:
-    """Each captured shared key again at every own-part split count its bucket can choose (up to what
-    rows of ``context`` tokens would take): the warm-up batches' own parts are a few tokens, so they
-    meet one count only. Each variant is a synthetic step that reads nothing (no work items, own
-    lengths 0). Mixed keys write one own partial a row: they have no variants."""
+    """Each captured two-kernel shared key again at every own-part split count its bucket can choose
+    (up to what rows of ``context`` tokens would take), and each of those again with the bucket's
+    ceiling of work items: the warm-up batches' own parts are a few tokens, so they meet one count
+    only, and their structures few item counts (a two-kernel key's work list follows its step, since
+    each item is a program; the ceiling's graph serves a step of any structure, at the cost of its
+    padding programs). Each variant is a synthetic step that reads nothing (no work items, own
+    lengths 0). Mixed keys take the ceiling already and write one own partial a row: no variants."""
     if not plan_covers(runner):
         return 0
     from prefixserve.attention.graph import GraphStep, capacity
@@ -140,14 +143,17 @@ def capture_split_variants(runner: Any, context: int) -> int:
     for key in [k for k in list(graphs.graphs) if k[0] == "shared" and k[4][5] is None]:
         bucket, pack, slots = key[1], key[4][4], key[9]
         top = own_splits_for(context, bucket, pack, shape)  # rows as long as the context
-        for count in (1 << k for k in range(top.bit_length())):
-            # merge entries as a step plans them: every slot and every row's own splits
-            variant = (*key[:3], count, key[4], *key[5:10], capacity(slots + count * bucket, 16))
-            if variant in graphs.graphs:
-                continue
-            arrays = {"qsl": np.arange(bucket + 1, dtype=np.int32)}  # no items, no own lengths
-            step = GraphStep(variant, arrays, lambda v=variant: SharedGraph(v, shape))
-            _capture_empty(runner, step, bucket)
+        ceiling = shape.ceilings.shared(bucket)[0] if shape.ceilings is not None else key[5]
+        for items in dict.fromkeys((key[5], max(key[5], ceiling))):
+            for count in (1 << k for k in range(top.bit_length())):
+                # merge entries as a step plans them: every slot and every row's own splits
+                nnz = capacity(slots + count * bucket, 16)
+                variant = (*key[:3], count, key[4], items, *key[6:10], nnz)
+                if variant in graphs.graphs:
+                    continue
+                arrays = {"qsl": np.arange(bucket + 1, dtype=np.int32)}  # no items, no own lengths
+                step = GraphStep(variant, arrays, lambda v=variant: SharedGraph(v, shape))
+                _capture_empty(runner, step, bucket)
     return graphs.captures - before
 
 

@@ -83,6 +83,14 @@ class _Captured:
     hidden: torch.Tensor  # [bucket, hidden] output of the replays
 
 
+def _footprint(key: tuple[Any, ...]) -> tuple[int, int]:
+    """A captured key's (block-table width, work-item capacity) for ``_refit``'s order (0 where a kind
+    has none)."""
+    width = key[2] if len(key) > 2 and isinstance(key[2], int) else 0
+    items = key[5] if key[0] == "shared" and len(key) > 5 and isinstance(key[5], int) else 0
+    return width, items
+
+
 class DecodeGraphs:
     """Captures and replays decode forwards; the model runner calls ``bucket_for`` then ``run``."""
 
@@ -269,8 +277,9 @@ class DecodeGraphs:
         if step.refit is None:
             return step, None
         same = [key for key in reversed(list(self.graphs)) if key[:2] == step.key[:2]]
-        # the narrowest tables first (a step copies its graph's whole buffers), newest among equals
-        same.sort(key=lambda k: k[2] if len(k) > 2 and isinstance(k[2], int) else 0)
+        # the narrowest tables first (a step copies its graph's whole buffers), then the shortest work
+        # list (a two-kernel graph runs a program per item, padding included), newest among equals
+        same.sort(key=_footprint)
         want = step.key[3] if len(step.key) > 3 and isinstance(step.key[3], int) else None
         if want is not None:
             splits = [(key, key[3]) for key in same if isinstance(key[3], int)]

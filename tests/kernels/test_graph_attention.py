@@ -324,3 +324,41 @@ def test_after_the_seal_a_key_no_graph_serves_runs_eagerly() -> None:
     contiguous = GraphStep(("shared", 4, 64, 1, (64, 64, 3, True, 1, None), 16), {}, lambda: None)
     contiguous.plain = lambda: step(twin)
     assert graphs.fit(contiguous).key == twin and graphs.misses == 3
+
+
+def test_a_two_kernel_step_past_a_captured_work_list_takes_the_ceiling_variant() -> None:
+    """Two-kernel keys' work lists follow their steps, so the start-up plan also captures each with
+    the bucket's ceiling of items (``warmup.capture_split_variants``): after the seal a step with more
+    items than the warm-up's runs in that variant (and matches the reference), while a step that fits
+    the shorter list keeps it (``_refit`` orders by table width, then items)."""
+    from prefixserve.attention.graph import Ceilings, Scratch
+    from prefixserve.worker.cuda_graph import DecodeGraphs
+
+    kv_heads, dim, bucket = 2, 64, 64
+    shape = HeadShape(8, kv_heads, dim, torch.float32, DEVICE, None, Ceilings(64, 400), Scratch())
+
+    def paired(seed: int, pairs: int) -> _Steps:
+        """Rows whose first ``2 pairs`` share 2 blocks by pairs: ``pairs`` segments, 16-row tiles."""
+        steps = _Steps(seed, 16, bucket, 0, 0, kv_heads, dim)
+        spare = steps.k.shape[0]
+        grow = torch.randn(2 * pairs, *steps.k.shape[1:], generator=steps.gen).to(DEVICE)
+        steps.k, steps.v = torch.cat([steps.k, grow]), torch.cat([steps.v, grow.flip(-1)])
+        for i in range(2 * pairs):
+            steps.tables[i] = [spare + i // 2 * 2, spare + i // 2 * 2 + 1, *steps.tables[i]]
+            steps.lens[i] += 32
+        return steps
+
+    small, large = paired(0, 4), paired(1, bucket // 2)
+    tight = TritonBackend().graph_step(small.meta(), shape, bucket).key
+    step = TritonBackend().graph_step(large.meta(), shape, bucket)
+    assert tight[4][5] is None and step.key[5] > tight[5]  # two kernels; the large one needs more items
+    ceiling = (*tight[:5], shape.ceilings.shared(bucket)[0], *tight[6:])
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.graphs, graphs.sealed, graphs.misses, graphs.missed = {}, False, 0, set()
+    graphs._current, graphs._held = None, 0
+    graphs.graphs[tight] = graphs.graphs[ceiling] = object()
+    graphs.seal()
+    fitted = graphs.fit(step)
+    assert fitted is not None and fitted.key[:6] == ceiling[:6] and graphs.misses == 0
+    assert _fitted_error(fitted, large, bucket) < 1e-5
+    assert graphs.fit(TritonBackend().graph_step(small.meta(), shape, bucket)).key == tight
