@@ -14,8 +14,10 @@ ids contribute to the full decode, and both are handled:
 * A multi-byte UTF-8 character split over several byte-level tokens decodes as U+FFFD until its last
   byte arrives. A trailing run of U+FFFD is therefore held back in ``pending`` (not yet in ``text``); it
   is emitted once a later character settles it (then it is either the real character, or a U+FFFD that
-  stays because the bytes were invalid). The window is only ever cut at a point where its text did not
-  end in U+FFFD, where byte-level decoding is in a clean state.
+  stays because the bytes were invalid). The window is cut at a point where its text did not end in
+  U+FFFD, where byte-level decoding is in a clean state; or, in a run of byte fragments that never
+  settles, where decoding the two sides apart gives the same text as together (``_settle_run``): the
+  invalid bytes' U+FFFD before that cut are final, and are settled into ``text``.
 * Decoders that treat the first token specially (SentencePiece drops the leading space of the text)
   are handled as vLLM does: the window keeps the tokens since the previous settled point in front of
   the new ones as context (never a context that decodes to nothing), and only the characters past the
@@ -73,9 +75,10 @@ class IncrementalDetokenizer:
     """One sequence's output text, fed token ids as they are generated.
 
     ``add(ids)`` returns the text the ids settled (a delta; deltas concatenate to ``text``). ``text`` is
-    the settled text, which never ends in an incomplete character; ``pending`` is the unsettled tail
-    (U+FFFD characters); ``full_text`` (= ``text + pending``) is what ``tokenizer.decode`` of all ids
-    gives, including a final incomplete character when generation ends on one.
+    the settled text, which never ends in an incomplete character (it may end in the U+FFFD of
+    invalid bytes); ``pending`` is the unsettled tail (U+FFFD characters); ``full_text`` (= ``text +
+    pending``) is what ``tokenizer.decode`` of all ids gives, including a final incomplete character
+    when generation ends on one.
     """
 
     __slots__ = (
@@ -130,7 +133,9 @@ class IncrementalDetokenizer:
             self._len += len(delta)
             self._emitted = end
         self.pending = text[self._emitted :]
-        if not self.pending:  # a settled point: the text ends in a whole character, decoding is clean
+        if self.pending and len(window) > 2 * WINDOW:  # a long run that never settles: byte fragments
+            delta += self._settle_run(text)
+        elif not self.pending:  # a settled point: the text ends in a whole character, decoding is clean
             if len(window) > WINDOW and self._mark > 0:
                 # Keep the ids since the previous settled point as context for what comes next, if they
                 # make text: context that decodes to "" (special tokens, a lone SentencePiece space the
@@ -141,6 +146,31 @@ class IncrementalDetokenizer:
                     self._emitted = len(context)
             self._mark = len(window)
         return delta
+
+    def _settle_run(self, text: str) -> str:
+        """Cut a window whose text has ended in U+FFFD since its last settled point (tokens of byte
+        fragments that never complete a character), so that a step does not decode the whole run.
+
+        Of a trailing run of U+FFFD only the last can still change (the bytes of an incomplete
+        character); the others are invalid bytes, final. The window is cut before the latest token
+        where decoding the two sides apart gives the text decoding them together does: then no open
+        character spans the cut (if the token after it continued one, apart its byte would be a U+FFFD
+        of its own, or the character would be missing), and the text before the cut is final: it
+        is settled (returned), U+FFFD included, and the window keeps the ids after the cut."""
+        window = self._window
+        for cut in range(len(window) - 1, self._mark, -1):
+            head = self._decode(window[:cut])
+            if len(head) < self._emitted or head + self._decode(window[cut:]) != text:
+                continue
+            delta = head[self._emitted :]
+            if delta:
+                self._pieces.append(delta)
+                self._len += len(delta)
+            del window[:cut]
+            self._emitted = self._mark = 0
+            self.pending = text[len(head) :]
+            return delta
+        return ""
 
     # ---- reading -------------------------------------------------------------------------------
     @property
