@@ -52,6 +52,17 @@ WINDOW = 8
 PROMPT_CONTEXT = 5  # prompt ids an output's text is decoded after (vLLM's initial detokenization offset)
 
 
+def cuts_runs(tokenizer: Any) -> bool:
+    """Whether a run of ids whose text never settles may be cut where decoding its two sides apart
+    gives the same text (``IncrementalDetokenizer._settle_run``): a Rust tokenizer whose decoder
+    turns each token's bytes into text independently of how the ids are grouped, apart from the
+    open character at the end (byte-level BPE). Not with byte fallback (SentencePiece's ``<0xXX>``
+    pieces): a run of them that is invalid anywhere decodes to U+FFFD throughout, so text that two
+    sides gave apart can change as the run grows; nor where the decoder cannot be seen."""
+    decoder = getattr(getattr(tokenizer, "_tokenizer", None), "decoder", None)
+    return decoder is not None and "ByteFallback" not in repr(decoder)
+
+
 def make_decode(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
     """``ids -> tokenizer.decode(ids, skip_special_tokens=...)``, as cheaply as it can be had exactly.
 
@@ -82,6 +93,7 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
+        "_cuts_runs",
         "_decode",
         "_emitted",
         "_len",
@@ -95,6 +107,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self._decode = make_decode(tokenizer, skip_special_tokens)
+        self._cuts_runs = cuts_runs(tokenizer)  # whether a never-settling run may be cut (``_settle_run``)
         self._window: list[int] = []  # the trailing ids being decoded (context + unsettled + new)
         self._emitted = 0  # characters of the window's text already in ``text``
         self._mark = 0  # window index of the last settled point: where the window can be cut
@@ -133,7 +146,7 @@ class IncrementalDetokenizer:
             self._len += len(delta)
             self._emitted = end
         self.pending = text[self._emitted :]
-        if self.pending and len(window) > 2 * WINDOW:  # a long run that never settles: byte fragments
+        if self.pending and len(window) > 2 * WINDOW and self._cuts_runs:  # a run that never settles
             delta += self._settle_run(text)
         elif not self.pending:  # a settled point: the text ends in a whole character, decoding is clean
             if len(window) > WINDOW and self._mark > 0:
@@ -158,9 +171,14 @@ class IncrementalDetokenizer:
         of its own, or the character would be missing), and the text before the cut is final: it
         is settled (returned), U+FFFD included, and the window keeps the ids after the cut."""
         window = self._window
-        for cut in range(len(window) - 1, self._mark, -1):
+        # the latest cuts first, a bounded number of them an ``add`` (ids that decode to nothing, such
+        # as skipped special tokens, would otherwise make every ``add`` try the whole window)
+        for cut in range(len(window) - 1, max(self._mark, len(window) - 1 - 2 * WINDOW), -1):
+            tail = self._decode(window[cut:])
+            if not tail:  # no byte after the cut yet: nothing proves an open character ended there
+                continue
             head = self._decode(window[:cut])
-            if len(head) < self._emitted or head + self._decode(window[cut:]) != text:
+            if len(head) < self._emitted or head + tail != text:
                 continue
             delta = head[self._emitted :]
             if delta:

@@ -212,6 +212,36 @@ def test_a_run_of_byte_fragments_keeps_the_window_small(tok: Any) -> None:
     assert d.text == d.full_text == tok.decode([*ids, *tok.encode(" ok", add_special_tokens=False)])
 
 
+def test_a_run_is_not_cut_where_nothing_follows_an_open_character(tok: Any) -> None:
+    """A cut needs a byte after it: ids that decode to nothing (a skipped special token) after an open
+    lead byte prove nothing, and bytes after them still complete the character."""
+    byte_id = _byte_ids(tok)
+    ids = [byte_id[0x80]] * 15 + [byte_id[0xE2], 0, byte_id[0x82], byte_id[0xAC]]
+    _check_feed(tok, ids, [1])
+    _check_feed(tok, ids, [17, 1])
+    assert tok.decode(ids, skip_special_tokens=True).endswith("\ufffd€")
+
+
+def test_byte_fallback_runs_are_never_cut() -> None:
+    """SentencePiece's byte fallback turns a run of ``<0xXX>`` pieces that is invalid anywhere into
+    U+FFFD throughout, so a long run keeps its whole window: the text stays exact."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from prefixserve.detokenizer import cuts_runs
+
+    pieces = ["<unk>", "▁", "▁hello", *(f"<0x{b:02X}>" for b in range(256))]
+    t = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    sp = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+    assert not cuts_runs(sp) and cuts_runs(load_tokenizer(convert_gguf(default_gguf_path(), progress=False)))
+    ids = [3 + 0x80] * 16 + [3 + b for b in "€".encode()]
+    assert sp.decode(ids) == "\ufffd" * 19  # the whole run, the euro's bytes included
+    _check_feed(sp, ids, [1])
+
+
 def test_text_from(tok: Any) -> None:
     d = IncrementalDetokenizer(tok)
     for piece in ["ab", "cd", "ef", "gh"]:

@@ -199,7 +199,8 @@ class GraphAttention(AttentionBackend):
 
         The copy is asynchronous; mirrors are used in turn (``HostStaging``), each rewritten only
         after the engine waited for the step whose copy read it. A mirror holds the arrays of the
-        step that last used it: every field is rewritten, since that step may have had another plan.
+        step that last used it: every field in ``arrays`` is rewritten (that step may have had another
+        plan); a field a step does not give keeps what the mirror held (zeros in a new graph).
         """
         host = self.staging.next()
         host_np = host.numpy()
