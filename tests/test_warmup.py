@@ -134,6 +134,7 @@ def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
     # one KV head, two rows: few programs, so long rows split (the CPU counts 4 SMs)
     shape = HeadShape(4, 1, 128, torch.bfloat16, torch.device("cpu"), None, Ceilings(256, 16000), Scratch())
     graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._fits, graphs._fits_over = {}, 0
     graphs.graphs, graphs.shape, graphs.plan_failed, graphs.linear, graphs.captures = (
         {},
         shape,

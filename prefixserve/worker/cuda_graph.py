@@ -139,6 +139,10 @@ class DecodeGraphs:
         self.missed: set[tuple[Any, ...]] = set()  # their keys (each logged once)
         self._current: int | None = None  # the bucket of the last decode step
         self._held = 0  # consecutive steps run in a bucket above the batch's own
+        # ``_refit``'s choice for a step key (and whether any split count was allowed), kept while the
+        # captured keys stay as they were: a search replans the step for each candidate key
+        self._fits: dict[tuple[Any, bool], tuple[Any, ...]] = {}
+        self._fits_over = 0  # how many graphs ``_fits`` was chosen among
 
     def release(self) -> None:
         """Free every captured graph now, even where something still holds this object: a graph
@@ -270,12 +274,21 @@ class DecodeGraphs:
     def _refit(self, step: GraphStep, any_split: bool = False) -> tuple[GraphStep, _Captured | None]:
         """A captured graph of the same kind and bucket whose capacities hold this step, at the step's
         split count (key field 3: the paged kernel's, or the own part's), the narrowest block tables
-        first, then the newest. ``any_split``:
+        first, then the shortest work list, then the newest; the choice for a step key is tried
+        first on later steps until a graph is added. ``any_split``:
         at another count too (any count is correct: each row's KV is cut into the graph's splits by
         its length), the nearest first and never below half the step's (fewer programs than that
         would read a long row slower than an eager step)."""
         if step.refit is None:
             return step, None
+        if self._fits_over != len(self.graphs):  # a capture (or a release) since: choose afresh
+            self._fits.clear()
+            self._fits_over = len(self.graphs)
+        chosen = self._fits.get((step.key, any_split))
+        if chosen is not None:
+            fitted = step.refit(chosen)
+            if fitted.key == chosen:
+                return fitted, self.graphs[chosen]
         same = [key for key in reversed(list(self.graphs)) if key[:2] == step.key[:2]]
         # the narrowest tables first (a step copies its graph's whole buffers), then the shortest work
         # list (a two-kernel graph runs a program per item, padding included), newest among equals
@@ -290,6 +303,7 @@ class DecodeGraphs:
         for key in same:
             fitted = step.refit(key)
             if fitted.key == key:
+                self._fits[step.key, any_split] = key
                 return fitted, self.graphs[key]
         return step, None
 

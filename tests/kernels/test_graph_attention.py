@@ -194,6 +194,7 @@ def test_shrinking_batches_keep_their_bucket_for_a_while() -> None:
     from prefixserve.worker.cuda_graph import HOLD_STEPS, DecodeGraphs
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._fits, graphs._fits_over = {}, 0
     graphs.buckets, graphs._current, graphs._held = batch_buckets(1024), None, 0
 
     def step(batch: int) -> int | None:  # what a decode step does: choose (maybe twice), then run
@@ -298,6 +299,7 @@ def test_after_the_seal_a_key_no_graph_serves_runs_eagerly() -> None:
     from prefixserve.worker.cuda_graph import DecodeGraphs
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._fits, graphs._fits_over = {}, 0
     graphs.graphs, graphs.sealed, graphs.misses, graphs.missed = {}, False, 0, set()
     graphs._current, graphs._held = 6, 3
     captured = ("paged", 4, 64, 2)
@@ -354,6 +356,7 @@ def test_a_two_kernel_step_past_a_captured_work_list_takes_the_ceiling_variant()
     assert tight[4][5] is None and step.key[5] > tight[5]  # two kernels; the large one needs more items
     ceiling = (*tight[:5], shape.ceilings.shared(bucket)[0], *tight[6:])
     graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._fits, graphs._fits_over = {}, 0
     graphs.graphs, graphs.sealed, graphs.misses, graphs.missed = {}, False, 0, set()
     graphs._current, graphs._held = None, 0
     graphs.graphs[tight] = graphs.graphs[ceiling] = object()
@@ -362,3 +365,32 @@ def test_a_two_kernel_step_past_a_captured_work_list_takes_the_ceiling_variant()
     assert fitted is not None and fitted.key[:6] == ceiling[:6] and graphs.misses == 0
     assert _fitted_error(fitted, large, bucket) < 1e-5
     assert graphs.fit(TritonBackend().graph_step(small.meta(), shape, bucket)).key == tight
+
+
+def test_a_refit_choice_is_kept_until_the_captured_keys_change() -> None:
+    """``_refit`` searches the captured keys once a step key (a search replans the step per candidate)
+    and tries its choice first after that, choosing afresh once a graph is added."""
+    from prefixserve.attention.graph import GraphStep
+    from prefixserve.worker.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._fits, graphs._fits_over = {}, 0
+    graphs.graphs = dict.fromkeys([("paged", 4, 64, 2), ("paged", 4, 128, 2), ("paged", 8, 64, 2)])
+    tried = []
+
+    def step(key):  # a paged step: any key of its kind and bucket at least as wide holds it
+        def refit(f):
+            tried.append(f)
+            return step(f if f[:2] == key[:2] and f[2] >= key[2] else key)
+
+        return GraphStep(key, {}, lambda: None, refit=refit)
+
+    assert graphs._refit(step(("paged", 4, 100, 2)))[0].key == ("paged", 4, 128, 2)
+    assert tried == [("paged", 4, 64, 2), ("paged", 4, 128, 2)]  # the narrowest first
+    tried.clear()
+    assert graphs._refit(step(("paged", 4, 100, 2)))[0].key == ("paged", 4, 128, 2)
+    assert tried == [("paged", 4, 128, 2)]  # the choice, tried first
+    assert graphs._refit(step(("paged", 4, 32, 2)))[0].key == ("paged", 4, 64, 2)
+    graphs.graphs[("paged", 4, 96, 2)] = None  # a narrower one that holds 32 columns is no better...
+    graphs.graphs[("paged", 4, 33, 2)] = None  # ...but this one is: chosen once the keys changed
+    assert graphs._refit(step(("paged", 4, 32, 2)))[0].key == ("paged", 4, 33, 2)
