@@ -27,7 +27,7 @@ from prefixserve.serving.admission import (
     queue_wait,
 )
 from prefixserve.serving.overload import HTTP_REFUSED, ArrivalGate
-from prefixserve.serving.wait_error import StartLateness, deadline_missed
+from prefixserve.serving.wait_error import DEADLINE_MARGIN, StartLateness, deadline_missed
 
 
 class FakeClock:
@@ -267,7 +267,7 @@ def test_a_long_prompt_in_the_queue_refuses_what_a_request_count_would_admit(eng
     add(engine, adm, "short", ids(41_500, 8), max_tokens=1)
     add(engine, adm, "long", ids(42_000, 400), max_tokens=1)
     adm.rate, adm.token_rate = 10.0, 80.0  # as measured (test_the_drain_rate_...): 8-token prompts
-    assert 2 / adm.rate < 0.75 * 2.0  # by requests alone, a 2 s deadline would be admitted
+    assert 2 / adm.rate < DEADLINE_MARGIN * 2.0  # by requests alone, a 2 s deadline would be admitted
     assert adm.queue_wait_estimate() == pytest.approx(408 / 80.0)  # the long prompt's prefill: 5.1 s
     with pytest.raises(QueueFull) as refused:
         add(engine, adm, "late", ids(43_000, 8), max_tokens=1, deadline=clock.now + 2.0)
@@ -285,7 +285,7 @@ def test_a_waiting_request_that_cannot_start_in_time_is_dropped_before_its_deadl
     add(engine, adm, "w1", ids(45_100, 8), max_tokens=1)
     adm.rate = 2.0  # as if measured: the 2 ahead of x take 1 s
     deadline = clock.now + 3.0
-    add(engine, adm, "x", ids(46_000, 8), max_tokens=1, deadline=deadline)  # 1 s fits 3/4 of 3 s
+    add(engine, adm, "x", ids(46_000, 8), max_tokens=1, deadline=deadline)  # 1 s fits 0.6 of 3 s
     add(engine, adm, "y", ids(46_500, 8), max_tokens=1, deadline=clock.now + 30.0)
     clock.now += 0.5
     adm.before_step()  # x: 2.5 s left, starts in ~1 s
@@ -347,12 +347,12 @@ def test_the_gate_refuses_at_arrival_from_the_published_queue_and_what_was_sent_
     # deadlines: 3 + 1 sent requests at 1/s = 4 s; the tokens, (990 + 5) / 100 = 9.95 s, are slower
     loop.queue_state = published(decided=4, taken=clock.now)  # 3 requests, 300 tokens: 3 s
     with pytest.raises(QueueFull) as late:
-        gate.admit(10, clock.now + 3.9)  # 3 s > 3/4 of 3.9 s
+        gate.admit(10, clock.now + 3.9)  # 3 s > 0.6 of 3.9 s
     assert late.value.bound == "deadline" and late.value.retry_after == 3
     with pytest.raises(QueueFull):  # the same, before the prompt is tokenized
         gate.check(clock.now + 3.9)
-    gate.check(clock.now + 4.1)  # passes, and sends nothing: the next number is still 5
-    assert gate.admit(10, clock.now + 4.1) == 5  # 3 s fits 3/4 of 4.1 s
+    gate.check(clock.now + 5.1)  # passes, and sends nothing: the next number is still 5
+    assert gate.admit(10, clock.now + 5.1) == 5  # 3 s fits 0.6 of 5.1 s
     with pytest.raises(QueueFull):
         gate.admit(10, clock.now - 0.1)  # no time left
     loop.queue_state = published(decided=5, taken=clock.now, waiting=1, waiting_tokens=1000, max_tokens=None)
@@ -389,17 +389,18 @@ def test_start_lateness_is_the_largest_recent_late_start() -> None:
 
 
 def test_slack_refuses_what_the_estimate_alone_would_admit() -> None:
-    assert deadline_missed(2.0, 3.0) is None  # 2 s fits 3/4 of 3 s
-    why = deadline_missed(2.0, 3.0, slack=1.2)
-    assert why is not None and "allowing 1.2 s" in why
-    assert deadline_missed(2.0, 3.0, slack=1.0) is None
+    assert deadline_missed(1.75, 3.0) is None  # 1.75 s fits 0.6 of 3 s
+    assert deadline_missed(1.9, 3.0) is not None  # the margin alone
+    why = deadline_missed(1.75, 3.0, slack=1.3)
+    assert why is not None and "allowing 1.3 s" in why
+    assert deadline_missed(1.75, 3.0, slack=1.25) is None
     clock = FakeClock()
     loop = SimpleNamespace(queue_state=published(taken=clock.now, max_requests=None, max_tokens=None))
     gate = ArrivalGate(loop, clock=clock)  # type: ignore[arg-type]
-    assert gate.admit(10, clock.now + 4.1) == 1  # 3 s ahead fits 3/4 of 4.1 s
-    loop.queue_state = published(taken=clock.now, decided=1, max_requests=None, max_tokens=None, slack=1.5)
-    with pytest.raises(QueueFull) as late:  # 3 s + 1.5 s of recent lateness > 4.1 s
-        gate.admit(10, clock.now + 4.1)
+    assert gate.admit(10, clock.now + 5.1) == 1  # 3 s ahead fits 0.6 of 5.1 s
+    loop.queue_state = published(taken=clock.now, decided=1, max_requests=None, max_tokens=None, slack=2.5)
+    with pytest.raises(QueueFull) as late:  # 3 s + 2.5 s of recent lateness > 5.1 s
+        gate.admit(10, clock.now + 5.1)
     assert late.value.bound == "deadline"
 
 
@@ -421,9 +422,10 @@ def test_lateness_ratio_scales_with_the_estimate() -> None:
 @pytest.mark.parametrize(
     ("wait", "left", "slack", "ratio", "admitted"),
     [
-        (2.0, 3.0, 1.0, 1.0, True),  # the absolute slack alone fits exactly
-        (2.0, 3.0, 1.0, 1.45, True),  # 2.9 s scaled
-        (2.1, 3.0, 0.9, 1.45, False),  # 3.0 s with the slack, 3.05 s scaled: the H200's drops
+        (1.75, 3.0, 1.25, 1.0, True),  # the absolute slack alone fits exactly
+        (1.75, 3.0, 1.0, 1.6, True),  # 2.8 s scaled
+        (1.75, 3.0, 1.0, 1.75, False),  # 3.06 s scaled
+        (2.1, 3.0, 0.0, 1.0, False),  # the margin: the H200's drops (1.9-2.2 s estimates, ~1.5x late)
         (0.2, 3.0, 1.0, 10.0, True),  # a short wait: the slack dominates, the ratio fits
         (1.0, 3.0, 0.0, 3.5, False),  # the ratio alone
     ],
@@ -442,11 +444,11 @@ def test_http_gate_applies_the_published_ratio() -> None:
     base = dict(taken=clock.now, max_requests=None, max_tokens=None)
     loop = SimpleNamespace(queue_state=published(**base))
     gate = ArrivalGate(loop, clock=clock)  # type: ignore[arg-type]
-    assert gate.admit(10, clock.now + 4.1) == 1  # 3 s ahead fits 3/4 of 4.1 s
-    loop.queue_state = published(**base, decided=1, slack=0.5, ratio=1.4)
-    with pytest.raises(QueueFull) as late:  # 3 s + 0.5 s fits, 3 s x 1.4 does not
-        gate.admit(10, clock.now + 4.1)
-    assert late.value.bound == "deadline" and "1.40x the estimate" in str(late.value)
+    assert gate.admit(10, clock.now + 5.1) == 1  # 3 s ahead fits 0.6 of 5.1 s
+    loop.queue_state = published(**base, decided=1, slack=0.5, ratio=1.8)
+    with pytest.raises(QueueFull) as late:  # 3 s + 0.5 s fits, 3 s x 1.8 does not
+        gate.admit(10, clock.now + 5.1)
+    assert late.value.bound == "deadline" and "1.80x the estimate" in str(late.value)
 
 
 def test_the_engine_publishes_the_lateness_of_its_starts(engine: Engine) -> None:

@@ -149,10 +149,10 @@ def test_a_full_batch_refuses_at_arrival_what_cannot_get_a_slot_in_time(engine: 
     with pytest.raises(QueueFull) as late:
         add(engine, adm, "hurried", 300, max_tokens=4, deadline=clock.now + 0.5)
     assert late.value.bound == "deadline"
-    add(engine, adm, "next", 400, max_tokens=4, deadline=clock.now + 1.5)  # gets short's slot
+    add(engine, adm, "next", 400, max_tokens=4, deadline=clock.now + 1.5)  # gets short's slot (0.7 s)
     with pytest.raises(QueueFull):  # behind "next": it waits for long's slot, ~3.7 s
         add(engine, adm, "after", 500, max_tokens=4, deadline=clock.now + 3.0)
-    add(engine, adm, "patient", 600, max_tokens=4, deadline=clock.now + 6.0)
+    add(engine, adm, "patient", 600, max_tokens=4, deadline=clock.now + 6.5)  # 3.7 s fits 0.6 of it
     finished: list[str] = []
     for _ in range(100):
         if not engine.has_unfinished():
@@ -179,7 +179,7 @@ def test_the_gate_reads_the_published_schedule() -> None:
     )  # fmt: skip
     with pytest.raises(QueueFull):  # one waiting takes the slot at 100.5; this one's is at 102.0
         gate.admit(10, clock.now + 2.0)
-    assert gate.admit(10, clock.now + 3.0) == 1  # 2 s fits 3/4 of 3 s
+    assert gate.admit(10, clock.now + 3.4) == 1  # 2 s fits 0.6 of 3.4 s
     clock.now = 101.0  # the one sent is not decided: it takes 102.0, the next one 104.0
     with pytest.raises(QueueFull) as late:
         gate.admit(10, clock.now + 3.0)
