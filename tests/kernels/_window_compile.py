@@ -40,7 +40,7 @@ def main() -> None:
     types |= {"count_ptr": "*i32"}
     for merge in (False, True):  # a decode step's splits merged by the last program (``merge_last``)
         consts = common | {"GROUP": 4, "BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True}
-        consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge}
+        consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge, "MERGE_UNROLL": 4}
         compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
         print(json.dumps({"kernel": "paged", "skip": merge, "ok": bool(compiled.asm.get("cubin"))}))
 

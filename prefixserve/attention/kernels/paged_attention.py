@@ -188,6 +188,7 @@ def _paged_kernel(
     MERGE: tl.constexpr = False,  # a decode step's splits merged by the last of them to finish
     BLOCK_G: tl.constexpr = 16,  # MERGE: GROUP rounded up to a power of two
     WANT_LSE: tl.constexpr = False,
+    MERGE_UNROLL: tl.constexpr = 4,  # MERGE: splits a merge turn loads together
 ):
     """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s, and with
     ``MERGE`` (decode steps: one query a sequence) the merge of the splits' partials (``merge_last``)."""
@@ -235,7 +236,7 @@ def _paged_kernel(
         merge_last(
             qsl_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, count_ptr,
             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_out_t, stride_out_h,
-            GROUP, BLOCK_G, HEAD_DIM, WANT_LSE,
+            GROUP, BLOCK_G, HEAD_DIM, WANT_LSE, MERGE_UNROLL,
         )  # fmt: skip
 
 
@@ -258,6 +259,7 @@ def merge_last(
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WANT_LSE: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """The last program of a (sequence, KV head) to finish merges its splits' partials into the output.
 
@@ -265,8 +267,13 @@ def merge_last(
     kernel cost about one launch and pass in a graph (docs/kernels.md, FlashInfer side by side). Each
     program counts itself in ``count_ptr`` after its partials are written (a barrier, then an
     acquire-release add); the one that finds every other counted reads the partials through L2 and
-    writes the final rows, then sets the count back to zero for the next step or replay. The partials
-    are summed in split order, as ``merge.py`` does."""
+    writes the final rows, then sets the count back to zero for the next step or replay.
+
+    One pass with a running max, in split order, as ``merge.py``'s kernel: a split's LSE and partial
+    are loaded together, ``UNROLL`` splits a turn (independent loads the compiler issues together), so
+    the tail that runs after the slowest split waits for L2 about splits / UNROLL times, not twice a
+    split (a max pass, then a sum pass). Wider turns hold more partials in registers, which are the
+    whole kernel's: every split program pays them in occupancy (docs/kernels.md §6)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     splits = tl.num_programs(2)
@@ -281,39 +288,43 @@ def merge_last(
         g_ok = offs_g < GROUP
         head = kvh * GROUP + offs_g
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for s in range(0, splits):
-            lse_s = tl.load(
-                lse_ptr + s * stride_ls + tok * stride_lt + head, mask=g_ok, other=float("-inf"),
-                cache_modifier=".cg",
-            )  # fmt: skip
-            m = tl.maximum(m, lse_s)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
         denom = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for s in range(0, splits):
-            lse_s = tl.load(
-                lse_ptr + s * stride_ls + tok * stride_lt + head, mask=g_ok, other=float("-inf"),
-                cache_modifier=".cg",
-            )  # fmt: skip
-            w = tl.exp(lse_s - m_safe)
-            part = tl.load(
-                o_ptr + s * stride_os + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                mask=g_ok[:, None], other=0.0, cache_modifier=".cg",
-            )  # fmt: skip
-            acc += w[:, None] * part
-            denom += w
+        for s0 in range(0, splits, UNROLL):
+            for j in tl.static_range(UNROLL):
+                s = s0 + j
+                ok = g_ok & (s < splits)
+                lse_s = tl.load(
+                    lse_ptr + s * stride_ls + tok * stride_lt + head, mask=ok, other=float("-inf"),
+                    cache_modifier=".cg",
+                )  # fmt: skip
+                part = tl.load(
+                    o_ptr + s * stride_os + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                    mask=ok[:, None], other=0.0, cache_modifier=".cg",
+                )  # fmt: skip
+                m_new = tl.maximum(m, lse_s)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part yet: alpha and w stay 0
+                alpha = tl.exp2((m - m_use) * 1.4426950408889634)
+                w = tl.exp2((lse_s - m_use) * 1.4426950408889634)  # exp2(-inf) = 0: empty parts add 0
+                acc = acc * alpha[:, None] + part * w[:, None]
+                denom = denom * alpha + w
+                m = m_new
         o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(
             out_ptr + tok * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None],
         )  # fmt: skip
         if WANT_LSE:
-            lse = tl.where(denom > 0, m_safe + tl.log(denom), float("-inf"))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            lse = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
             q_heads = tl.num_programs(1) * GROUP  # the final LSE is a contiguous [T, Hq]
             tl.store(out_lse_ptr + tok * q_heads + head, lse, mask=g_ok)
     if done == splits - 1:
         tl.atomic_xchg(slot, 0)
 
+
+# splits a merge turn loads together (``merge_last``); measured on an H200 at B=1: docs/kernels.md §6
+MERGE_UNROLL = 4
 
 BALANCE_CHUNK = 1024  # a prefill step of few programs: no KV split longer than this (0: off)
 
@@ -461,6 +472,7 @@ def launch_paged(
         MERGE=merged is not None,
         BLOCK_G=triton.next_power_of_2(group),
         WANT_LSE=out_lse is not None,
+        MERGE_UNROLL=MERGE_UNROLL,
         num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
     )
