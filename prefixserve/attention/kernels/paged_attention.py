@@ -188,7 +188,7 @@ def _paged_kernel(
     MERGE: tl.constexpr = False,  # a decode step's splits merged by the last of them to finish
     BLOCK_G: tl.constexpr = 16,  # MERGE: GROUP rounded up to a power of two
     WANT_LSE: tl.constexpr = False,
-    MERGE_UNROLL: tl.constexpr = 4,  # MERGE: splits a merge turn loads together
+    MERGE_UNROLL: tl.constexpr = 8,  # MERGE: splits a merge turn loads together
 ):
     """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s, and with
     ``MERGE`` (decode steps: one query a sequence) the merge of the splits' partials (``merge_last``)."""
@@ -324,7 +324,7 @@ def merge_last(
 
 
 # splits a merge turn loads together (``merge_last``); measured on an H200 at B=1: docs/kernels.md §6
-MERGE_UNROLL = 4
+MERGE_UNROLL = 8
 
 BALANCE_CHUNK = 1024  # a prefill step of few programs: no KV split longer than this (0: off)
 
