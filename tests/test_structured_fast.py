@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -242,3 +243,48 @@ def test_step_bitmasks_apply_each_step_its_own_mask(device: str) -> None:
         gots.append(got)
     for want, got in zip(wants, gots, strict=True):
         assert torch.equal(want, got.cpu())
+
+
+def test_a_step_fills_on_one_thread_up_to_the_fanout_rows_and_on_the_threads_past_them(tokenizer) -> None:
+    """``FillThreads``: the same mask either way, one thread up to ``FANOUT_ROWS`` rows (threads cost
+    more than a short fill), the threads past them; rows in different states."""
+    from prefixserve.structured.decoding import FillThreads
+
+    vocab = len(tokenizer)
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    compiled = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(
+        xgr.Grammar.from_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    )
+    rows = FillThreads.FANOUT_ROWS + 3
+    rng, probe = random.Random(0), xgr.allocate_token_bitmask(1, vocab)
+    matchers = []
+    for r in range(rows):  # row r has taken r % 7 tokens
+        m = xgr.GrammarMatcher(compiled)
+        for _ in range(r % 7):
+            m.fill_next_token_bitmask(probe)
+            allowed = [t for t in _allowed(probe[0], vocab) if t != tokenizer.eos_token_id]
+            if not allowed:  # the object closed: only the stop token is left
+                break
+            assert m.accept_token(rng.choice(allowed))
+        matchers.append(m)
+    fills = FillThreads(xgr, 4)
+    used = []
+    for name in ("one", "many"):
+        batch = getattr(fills, name)
+        real = batch.batch_fill_next_token_bitmask
+        spy = lambda *a, n=name, f=real: (used.append(n), f(*a))  # noqa: E731
+        setattr(fills, name, SimpleNamespace(batch_fill_next_token_bitmask=spy))
+    masks = []
+    for count in (FillThreads.FANOUT_ROWS, rows):
+        mask = xgr.allocate_token_bitmask(rows, vocab)
+        fills.fill(matchers[:count], mask, list(range(count)))
+        masks.append(mask)
+    assert used == ["one", "many"]
+    assert torch.equal(masks[0][: FillThreads.FANOUT_ROWS], masks[1][: FillThreads.FANOUT_ROWS])
+    for r in (0, 5, rows - 1):  # each row's mask is its own matcher's
+        matchers[r].fill_next_token_bitmask(probe)
+        assert torch.equal(masks[1][r], probe[0])
+    single = FillThreads(xgr, 1)
+    assert single.many is single.one  # one thread asked for: no second matcher

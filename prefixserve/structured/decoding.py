@@ -53,15 +53,13 @@ class StructuredDecoding:
     ) -> None:
         import xgrammar as xgr
 
-        # with bounded repeats folded (``repeats``) a row's fill takes ~10-20 us: threads pay off on a
-        # big host only, and on a 2-core one they fight the engine's own thread
-        # (``benchmarks/probes/structured_fill.py``)
         if threads is None:
             threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         self.grammars = GrammarCache(tokenizer, vocab_size, sorted(eos_ids), max(2, threads))
         self.words = -(-vocab_size // 32)
         self.masks = StepBitmasks(self.words, device, rows)  # ``rows``: the most sample rows a step has
-        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        # a step's fill on one thread unless that would take long (``FillThreads``)
+        self._fills = FillThreads(xgr, threads)
         self._matcher_cls = _matcher_class(xgr)
         self._accept = _batch_accept(xgr)
         self._stops = frozenset(eos_ids)  # the grammars' stop tokens (``GrammarCache``)
@@ -144,7 +142,7 @@ class StructuredDecoding:
             return None
         rows = [i for i, _ in live]
         mask = self.masks.host(n)
-        self._batch.batch_fill_next_token_bitmask([m for _, m in live], mask, rows)
+        self._fills.fill([m for _, m in live], mask, rows)
         return StepMask(mask, rows, self.masks)
 
     def _accept_and_fill(
@@ -178,6 +176,30 @@ class StructuredDecoding:
         return mask
 
 
+class FillThreads:
+    """Which of xgrammar's batch matchers fills a step's mask: one thread, or ``threads``.
+
+    With bounded repeats folded (``repeats``) a row's fill takes ~3-7 us (SmolLM2's 49K entries and a
+    128K BPE alike), so a 64-row step is ~0.3-0.4 ms on one thread, and handing it to more threads
+    cost more than it saved: 2 threads took 0.46 against 0.31 ms for 64 rows (0.51 against 0.42 with
+    the 128K BPE; 2-core CPU, ``benchmarks/probes/structured_fill.py``), and the 135M shape on an
+    H200's 16-core host decoded at 0.79x unconstrained with one fill thread against 0.48-0.70x with 8
+    (one run each, docs/guides/serving.md). Threads can pay off only where a step's fill is long: past
+    ``FANOUT_ROWS`` rows (~1 ms on one thread). A row count, not a timed fill: the worker's wall time
+    includes waiting for the GIL after xgrammar's call, which is the engine thread's, not the fill's."""
+
+    FANOUT_ROWS = 128  # a step filling more rows than this goes to the threads
+
+    def __init__(self, xgr: Any, threads: int) -> None:
+        self.one = xgr.BatchGrammarMatcher(max_threads=1)
+        self.many = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self.one
+
+    def fill(self, matchers: list[Any], mask: torch.Tensor, rows: list[int]) -> None:
+        """Fill ``rows`` of ``mask`` from ``matchers`` (one a row), on one thread or many."""
+        batch = self.many if len(rows) > self.FANOUT_ROWS else self.one
+        batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+
+
 def _matcher_class(xgr: Any) -> Any:
     """xgrammar's ``GrammarMatcher`` that keeps whether it ended in Python (``ended``: asking
     xgrammar is a call, and so a GIL round trip, a row)."""
@@ -203,4 +225,4 @@ def _batch_accept(xgr: Any) -> Any:
     return accept
 
 
-__all__ = ["MATCHERS", "StructuredDecoding"]
+__all__ = ["MATCHERS", "FillThreads", "StructuredDecoding"]
