@@ -258,7 +258,7 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
 
     def fill() -> None:  # with the accept (one call) that moves the matchers along the walks
         ms, j, live = advance()
-        sd._batch.batch_fill_next_token_bitmask([ms[i] for i in live], mask, live)
+        sd._fills.many.batch_fill_next_token_bitmask([ms[i] for i in live], mask, live)
         sd._accept([ms[i] for i in live], [walks[i][j] for i in live])
 
     def accept_wrapper() -> None:
@@ -275,7 +275,7 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
         going = [i for i in live if not ms[i].is_terminated()]
         xgr.BatchGrammarMatcher.batch_accept_token([ms[i] for i in going], [walks[i][j] for i in going])
         going = [i for i in live if not ms[i].is_terminated()]
-        sd._batch.batch_fill_next_token_bitmask([ms[i] for i in going], mask, going)
+        sd._fills.many.batch_fill_next_token_bitmask([ms[i] for i in going], mask, going)
 
     def alone(fn: Any) -> float:
         at["step"] = 0
@@ -354,7 +354,7 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
     big = xgr.allocate_token_bitmask(len(many), vocab)
     firsts = [walks[i % rows][0] for i in range(len(many))]
     long_calls = {
-        "batch_fill_next_token_bitmask": lambda: sd._batch.batch_fill_next_token_bitmask(many, big),
+        "batch_fill_next_token_bitmask": lambda: sd._fills.many.batch_fill_next_token_bitmask(many, big),
         "batch_accept_token (one call)": lambda: sd._accept(many, firsts),
     }
     print(f"GIL 3: one long call ({len(many)} rows) on a thread; the main thread's longest stall meanwhile")

@@ -81,7 +81,7 @@ def pieces(llm: Any, walks: list[list[int]], repeat: int) -> dict[str, list[floa
                 break
             mask = masks.host(len(walks))
             t0 = time.perf_counter()
-            sd._batch.batch_fill_next_token_bitmask([batch[i] for i in live], mask, live)
+            sd._fills.fill([batch[i] for i in live], mask, live)  # as the engine fills
             t1 = time.perf_counter()
             masks.apply(logits, mask, live)
             t2 = time.perf_counter()
