@@ -144,6 +144,13 @@ def test_the_queue_bound_refuses_with_429_counts_it_and_the_engine_keeps_serving
 def test_a_request_past_its_queue_deadline_is_refused_with_429_before_it_runs(
     server: ServerThread, http: httpx.Client
 ) -> None:
+    # one long stream hung up early first, as the tests before this one leave it: a sequence that ended
+    # short of its max_tokens caps how long the slot schedule expects the next blocker to run, so the
+    # requests below are admitted on a short estimate and dropped at their deadline (without it, the
+    # blocker's 16,000 tokens refuse them at arrival: run alone, this test failed)
+    with http.stream("POST", "/v1/completions", json=BLOCKER) as early:
+        next(early.iter_lines())
+    wait_pool_empty(server)
     dropped = metric(http, "prefixserve_requests_dropped_deadline_total")
     with blocker(http):
         wait_metric_above(http, "prefixserve_generation_tokens_total")  # a snapshot after its prefill
