@@ -13,6 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import Engine
@@ -27,7 +29,7 @@ from prefixserve.serving.admission import (
     queue_wait,
 )
 from prefixserve.serving.overload import HTTP_REFUSED, ArrivalGate
-from prefixserve.serving.wait_error import DEADLINE_MARGIN, StartLateness, deadline_missed
+from prefixserve.serving.wait_error import DEADLINE_MARGIN, StartLateness, WindowMax, deadline_missed
 
 
 class FakeClock:
@@ -470,3 +472,12 @@ def test_the_engine_publishes_the_lateness_of_its_starts(engine: Engine) -> None
         add(engine, adm, "tight", ids(20_000, 8), max_tokens=1, deadline=clock.now + slack / 2 + wait)
     assert "recent error" in str(refused.value)
     assert_pool_empty(engine)
+
+
+@given(st.lists(st.floats(0, 10), max_size=60), st.integers(1, 8))
+def test_window_max_is_the_largest_of_the_last_values(values: list[float], size: int) -> None:
+    window = WindowMax(size)
+    for i, v in enumerate(values):
+        window.append(v)
+        last = values[max(0, i + 1 - size) : i + 1]
+        assert list(window) == last and window.max() == max(last)

@@ -5,6 +5,7 @@ started, and the arrival check that allows for it (``serving/admission.py`` in t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 # admitted if the estimated queue wait is within this share of the time left: a floor under the
 # measured error below, which learns only from starts it has seen (an H200 run at 2x overload had one
@@ -32,6 +33,38 @@ def deadline_missed(wait: float, left: float, slack: float = 0.0, ratio: float =
     )
 
 
+class WindowMax:
+    """The last ``size`` values appended and their largest, kept as they come: a deque of the values
+    that can still be a window's largest (each larger than every later one), so ``max`` is the head
+    and an append costs O(1) amortised, where ``max()`` over the window cost ~80 us at 2,048 values,
+    once an engine step that started a request."""
+
+    def __init__(self, size: int) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self._tops: deque[tuple[int, float]] = deque()  # (append number, value), values decreasing
+        self._appended = 0
+
+    def append(self, value: float) -> None:
+        at, size, tops = self._appended, self.values.maxlen or 0, self._tops
+        self._appended += 1
+        while tops and tops[-1][1] <= value:
+            tops.pop()
+        tops.append((at, value))
+        if tops[0][0] <= at - size:  # one value leaves the window an append: at most the head
+            tops.popleft()
+        self.values.append(value)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self.values)
+
+    def max(self) -> float:
+        """The window's largest value (it must not be empty)."""
+        return self._tops[0][1]
+
+
 class StartLateness:
     """How much later than estimated the recent queued requests started: the slack an arrival's
     estimate needs so that what is admitted starts before its deadline.
@@ -57,8 +90,8 @@ class StartLateness:
     RATIO_MIN_ESTIMATE = 0.5  # seconds: shorter estimates add no ratio sample
 
     def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=self.WINDOW)
-        self.ratios: deque[float] = deque(maxlen=self.WINDOW)
+        self.samples = WindowMax(self.WINDOW)
+        self.ratios = WindowMax(self.WINDOW)
         self._slack = 0.0
         self._ratio = 1.0
         self._stale = False
@@ -74,8 +107,8 @@ class StartLateness:
     def _update(self) -> None:
         if self._stale:
             self._stale = False
-            self._slack = max(self.samples) if len(self.samples) >= self.MIN_SAMPLES else 0.0
-            self._ratio = max(self.ratios) if len(self.ratios) >= self.MIN_SAMPLES else 1.0
+            self._slack = self.samples.max() if len(self.samples) >= self.MIN_SAMPLES else 0.0
+            self._ratio = self.ratios.max() if len(self.ratios) >= self.MIN_SAMPLES else 1.0
 
     def slack(self) -> float:
         """Seconds added to an estimate: the largest recent lateness."""
@@ -88,4 +121,4 @@ class StartLateness:
         return self._ratio
 
 
-__all__ = ["DEADLINE_MARGIN", "StartLateness", "deadline_missed"]
+__all__ = ["DEADLINE_MARGIN", "StartLateness", "WindowMax", "deadline_missed"]
