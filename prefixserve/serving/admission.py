@@ -366,18 +366,16 @@ class Admission:
                 ahead_tokens += w.tokens
         for rid, w in done:
             self._forget(rid, w)
-        waits = []
-        for rid, w, _ in expired:
+        for rid, w, before in expired:
             self._forget(rid, w)
-            waits.append(self.clock() - w.admitted)
+            waited = self.clock() - w.admitted
             if w.estimate is not None and not math.isinf(w.estimate):  # at least this late
-                self.lateness.add(waits[-1] - w.estimate, w.estimate)
-        slack = self.lateness.slack() if expired else 0.0  # one max over the window for all drops
-        for (rid, w, before), waited in zip(expired, waits, strict=True):
+                self.lateness.add(waited - w.estimate, w.estimate)
             log.info(
                 "dropped %s from the queue for its deadline after %.2f s: %d waited ahead of it at "
                 "admission, estimated wait %s s (slack now %.2f s); %d still ahead",
-                rid, waited, w.ahead, "-" if w.estimate is None else f"{w.estimate:.2f}", slack, before,
+                rid, waited, w.ahead,
+                "-" if w.estimate is None else f"{w.estimate:.2f}", self.lateness.slack(), before,
             )  # fmt: skip
             self.engine.abort(rid, report=True, reason=DEADLINE_REASON)
             self.counters["requests_dropped_deadline_total"] += 1
