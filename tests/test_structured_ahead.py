@@ -1,7 +1,8 @@
-"""Structured decoding launched ahead: the accept and the mask's fill on the worker thread, the masked
-sampling issued just ahead of the next forward. Every mask equals the synchronous engine's, row by
-row, and so do the outputs; the worker's job is taken by its own step only, its errors fail that
-step's requests, and a sampling that fails also fails the batch assembled behind it.
+"""Structured decoding launched ahead: the accept and the mask's fill sent to the matcher process, the
+masked sampling issued just ahead of the next forward. Every mask equals the synchronous engine's, row
+by row, and so do the outputs; a fill sent ahead is taken by its own step only, an error in the
+matcher process fails that step's requests, and a sampling that fails also fails the batch assembled
+behind it; the process ends with the engine.
 """
 
 from __future__ import annotations
@@ -62,9 +63,14 @@ def _record_masks(llm: Any) -> dict[tuple[str, int], bytes]:
     return masks
 
 
+def ahead_fills(llm: Any) -> int:
+    """How many steps' fills the engine sent with the tokens of the step before (``advance(then=)``)."""
+    return llm.engine.structured.fills_ahead
+
+
 def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path) -> None:
     prompts = [f"prompt number {i}: answer" for i in range(12)]
-    runs = {}
+    runs, sent_ahead = {}, []
     for ahead in (False, True):
         llm = tiny_cascade_llm(tiny_config_path, async_scheduling=ahead)
         masks = _record_masks(llm)
@@ -72,14 +78,14 @@ def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path) 
         texts = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
         runs[ahead] = (texts, masks)
         assert_pool_empty(llm)
-        worker = llm.engine.structured._worker
-        assert (worker is not None) is ahead  # launched ahead, the fills ran on the worker
+        sent_ahead.append(ahead_fills(llm))
     (sync_texts, sync_masks), (ahead_texts, ahead_masks) = runs[False], runs[True]
     assert ahead_texts == sync_texts
     assert len(sync_masks) > 100
     assert ahead_masks.keys() == sync_masks.keys()
     assert all(ahead_masks[k] == sync_masks[k] for k in sync_masks)
     assert any(reason == "stop" for rows in sync_texts for _, reason in rows)
+    assert sent_ahead[0] == 0 and sent_ahead[1] > 10  # launched ahead, the fills went with the tokens
 
 
 def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(tiny_config_path: Path) -> None:
@@ -118,18 +124,18 @@ def test_worker_job_is_taken_by_its_own_step_only(tiny_config_path: Path) -> Non
     assert sd.bitmask(samplers) is None
 
 
-def test_a_failed_worker_job_fails_its_step_and_the_batch_behind(tiny_config_path: Path) -> None:
+def test_an_error_in_the_matcher_process_fails_its_step_and_the_batch_behind(tiny_config_path: Path) -> None:
     llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
     sd = llm.engine._structured()
-    fill, failures = sd._accept_and_fill, []
+    step, failures = sd.matchers.step, []
 
-    def failing(*args: Any) -> Any:
-        if not failures:
+    def failing(accepts: Any, fill: Any) -> None:
+        if fill is not None and not failures:  # a key the child never made: its fill answers an error
             failures.append(1)
-            raise RuntimeError("fill failed")
-        return fill(*args)
+            accepts = ([*accepts[0], -1], [*accepts[1], 0])
+        step(accepts, fill)
 
-    sd._accept_and_fill = failing
+    sd.matchers.step = failing
     params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SPECS[0])
     outs = llm.generate([f"q{i}" for i in range(3)], params)
     assert failures and all(o.outputs[0].finish_reason == "error" for o in outs)
@@ -137,3 +143,12 @@ def test_a_failed_worker_job_fails_its_step_and_the_batch_behind(tiny_config_pat
     (out,) = llm.generate(["again"], SamplingParams(max_tokens=12, structured_outputs=SPECS[1]))
     assert out.outputs[0].finish_reason in ("stop", "length")
     assert_pool_empty(llm)
+
+
+def test_the_matcher_process_ends_with_the_engine(tiny_config_path: Path) -> None:
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=SPECS[1]))
+    child = llm.engine.structured.matchers._child
+    assert child.poll() is None
+    llm.shutdown()
+    assert child.wait(timeout=10) == 0

@@ -127,7 +127,7 @@ def _per_step(
 ) -> dict[str, dict[str, float]]:
     """Per grammar: the B-row fill a step (first thread count), its rows, and the accept a row (a call a
     row; one batched call), seconds."""
-    from prefixserve.structured.decoding import _batch_accept
+    from prefixserve.structured.matcher_process import _batch_accept
 
     accept = _batch_accept(xgr)  # one call, as the engine makes it (xgrammar's wrapper: a call a row more)
     rows, steps = len(walks), max(len(w) for w in walks)
@@ -241,10 +241,13 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
     import sys
     import threading
 
-    from prefixserve.structured.decoding import StructuredDecoding
+    from prefixserve.structured.grammars import GrammarCache
+    from prefixserve.structured.matcher_process import Matchers
 
     rows, steps, vocab = len(walks), max(map(len, walks)), len(tok)
-    sd = StructuredDecoding(tok, vocab, {tok.eos_token_id}, threads=1, rows=rows)
+    info = GrammarCache(tok, vocab, [tok.eos_token_id]).info.serialize_json()
+    sd = Matchers(info, vocab, threads=1)  # what the matcher process holds
+    one = sd.chunks.batches[0]  # a chunk's batch matcher
     mask = xgr.allocate_token_bitmask(rows, vocab)
     at: dict[str, Any] = {"step": 0, "matchers": []}
 
@@ -258,7 +261,7 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
 
     def fill() -> None:  # with the accept (one call) that moves the matchers along the walks
         ms, j, live = advance()
-        sd._fills.many.batch_fill_next_token_bitmask([ms[i] for i in live], mask, live)
+        one.batch_fill_next_token_bitmask([ms[i] for i in live], mask, live)
         sd._accept([ms[i] for i in live], [walks[i][j] for i in live])
 
     def accept_wrapper() -> None:
@@ -267,15 +270,16 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
 
     def job_now() -> None:
         ms, j, live = advance()
-        sd._accept_live([ms[i] for i in live], [walks[i][j] for i in live])
-        sd._fill(rows, [(i, ms[i]) for i in live])
+        sd.accept([ms[i] for i in live], [walks[i][j] for i in live])
+        going = [i for i in live if not ms[i].ended]
+        one.batch_fill_next_token_bitmask([ms[i] for i in going], mask, going)
 
     def job_before() -> None:
         ms, j, live = advance()
         going = [i for i in live if not ms[i].is_terminated()]
         xgr.BatchGrammarMatcher.batch_accept_token([ms[i] for i in going], [walks[i][j] for i in going])
         going = [i for i in live if not ms[i].is_terminated()]
-        sd._fills.many.batch_fill_next_token_bitmask([ms[i] for i in going], mask, going)
+        one.batch_fill_next_token_bitmask([ms[i] for i in going], mask, going)
 
     def alone(fn: Any) -> float:
         at["step"] = 0
@@ -354,7 +358,7 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
     big = xgr.allocate_token_bitmask(len(many), vocab)
     firsts = [walks[i % rows][0] for i in range(len(many))]
     long_calls = {
-        "batch_fill_next_token_bitmask": lambda: sd._fills.many.batch_fill_next_token_bitmask(many, big),
+        "batch_fill_next_token_bitmask": lambda: one.batch_fill_next_token_bitmask(many, big),
         "batch_accept_token (one call)": lambda: sd._accept(many, firsts),
     }
     print(f"GIL 3: one long call ({len(many)} rows) on a thread; the main thread's longest stall meanwhile")

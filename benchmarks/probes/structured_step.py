@@ -65,11 +65,13 @@ def pieces(llm: Any, walks: list[list[int]], repeat: int) -> dict[str, list[floa
 
     from prefixserve.sampling.structured_outputs import StructuredOutputs
     from prefixserve.structured.bitmask import StepBitmasks
+    from prefixserve.structured.matcher_process import _batch_accept
 
     sd = llm.engine._structured()
     compiled = sd.grammars.get(StructuredOutputs(json=SCHEMA))
     vocab = llm.engine.model_config.vocab_size
     masks = StepBitmasks(sd.words, "cpu", len(walks))
+    one, accept = xgr.BatchGrammarMatcher(max_threads=1), _batch_accept(xgr)  # as the matcher process calls
     logits = torch.randn(len(walks), vocab)
     out: dict[str, list[float]] = defaultdict(list)
     for _ in range(repeat):
@@ -81,14 +83,14 @@ def pieces(llm: Any, walks: list[list[int]], repeat: int) -> dict[str, list[floa
                 break
             mask = masks.host(len(walks))
             t0 = time.perf_counter()
-            sd._fills.fill([batch[i] for i in live], mask, live)  # as the engine fills
+            one.batch_fill_next_token_bitmask([batch[i] for i in live], mask, live)  # one chunk's fill
             t1 = time.perf_counter()
             masks.apply(logits, mask, live)
             t2 = time.perf_counter()
             for i in live:
                 loop[i].accept_token(walks[i][j])
             t3 = time.perf_counter()
-            sd._accept([batch[i] for i in live], [walks[i][j] for i in live])  # one call, as the engine
+            accept([batch[i] for i in live], [walks[i][j] for i in live])  # one call, as the engine
             t4 = time.perf_counter()
             out["fill"].append(t1 - t0)
             out["apply (CPU kernel)"].append(t2 - t1)
@@ -110,9 +112,10 @@ class StepClock:
         for name in ("forward", "sample", "wait"):
             setattr(runner, name, self._timed(getattr(runner, name), name))
         self.structured = engine._structured()
-        for name in ("advance", "bitmask", "_join", "_accept_and_fill"):
-            if hasattr(self.structured, name):  # (``_accept_and_fill`` runs on the worker thread)
-                setattr(self.structured, name, self._structured(getattr(self.structured, name), name))
+        for name in ("advance", "bitmask"):
+            setattr(self.structured, name, self._structured(getattr(self.structured, name), name))
+        matchers = self.structured.matchers  # the answer of the matcher process: waited for in bitmask
+        matchers.rows = self._structured(matchers.rows, "rows")
 
     def _structured(self, fn: Any, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -132,6 +135,7 @@ class StepClock:
             out = fn(*args, **kwargs)
             t1 = time.perf_counter()
             self.t["runner"] += t1 - t0
+            self.t[name] += t1 - t0
             self.t["runner cpu"] += time.thread_time() - c0
             if name == "wait":
                 self._tokens_at = t1
@@ -170,16 +174,18 @@ def engine_steps(llm: Any, batch: int, tokens: int, steps: int, constrained: boo
             continue
         rows["step"].append(total)
         rows["runner (forward, sample, wait)"].append(clock.t["runner"])
+        for name in ("forward", "sample", "wait"):
+            rows[f"  runner: {name}"].append(clock.t[name])
         rows["engine host (the rest)"].append(total - clock.t["runner"])
         rows["  its CPU time (engine thread)"].append(cpu - clock.t["runner cpu"])
         rows["  structured: advance (accept)"].append(clock.t["advance"])
         rows["  structured: bitmask (fill/join)"].append(clock.t["bitmask"])
-        rows["  structured: waiting on the worker"].append(clock.t["_join"])
-        rows["  worker: accept + fill"].append(clock.t["_accept_and_fill"])
+        rows["  structured: waiting on the matcher process"].append(clock.t["rows"])
     for key in ("forward", "sample", "wait"):  # undo the wrapping
         vars(engine.runner).pop(key, None)
-    for key in ("advance", "bitmask", "_join", "_accept_and_fill"):
+    for key in ("advance", "bitmask"):
         vars(clock.structured).pop(key, None)
+    vars(clock.structured.matchers).pop("rows", None)
     return {"rows": rows, "gap_fill": clock.gap_fill[3:], "gap_launch": clock.gap_launch[3:]}
 
 

@@ -52,8 +52,12 @@ class EngineServices:
     requests: dict[str, Request]
 
     def shutdown(self) -> None:
-        """Release the device side: under tensor parallelism, stop the worker processes."""
+        """Release the device side: under tensor parallelism, stop the worker processes; end the
+        structured decoding's matcher process."""
         self.runner.shutdown()
+        structured = structured_decoding(self.rules)
+        if structured is not None:
+            structured.close()
 
     # ---- the device side, as callers and tests inspect it --------------------------------------
     @property

@@ -183,8 +183,9 @@ class Engine(EngineSetup, EngineServices):
             self.in_flight_tokens.drop_surely_finished(sched, self.max_model_len)
         batch, failed = self._assemble_or_fail(sched)
         if prev is not None and prev.sampling is not None:
-            # grammar rows: the mask was filled on a thread since the tokens ahead of it arrived; the
-            # sampling goes out just before this forward, which reads its tokens on the device
+            # grammar rows: the mask was filled in the matcher process since the tokens ahead of it
+            # arrived; the sampling goes out just before this forward, which reads its tokens on the
+            # device (after this step's assembly: the fill's accept and fill take most of a step)
             prev = self._sample_or_fail(prev)
             if prev is None and batch is not None:  # assembled with rows of the requests that failed
                 self._fail(sched)

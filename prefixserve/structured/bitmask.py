@@ -6,29 +6,30 @@ here in place: disallowed logits become -inf, so neither greedy nor any sampling
 ``apply_bitmask_reference`` is the plain-PyTorch oracle.
 
 ``StepBitmasks`` holds the buffers every constrained step goes through, made once: a constrained
-step on a GPU waits for this host work, so none of it allocates. The host fills one of two pinned
-slots in turn (the other may still be copying to the device: a launched-ahead step's copy is only
-queued), the filled rows go to the device in one ``non_blocking`` copy, and the mask is applied
-there with a few torch kernels (``apply_rows``: no per-step tensor on the host, nothing compiled).
+step on a GPU waits for this host work, so none of it allocates. The matcher process
+(``matcher_process``) fills one of two host slots in turn (the other may still be copying to the
+device: a launched-ahead step's copy is only queued); the slots are a shared-memory file both
+processes map (``SharedSlots``), pinned on a GPU. The filled rows go to the device in one
+``non_blocking`` copy, and the mask is applied there (``apply_token_mask``: no
+per-step tensor on the host; one kernel on a GPU, ``sampling/token_mask.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
-_BITS: dict[torch.device, torch.Tensor] = {}
+from prefixserve.sampling.token_mask import apply_token_mask, blocked_tokens
 
 
 def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool [rows, vocab] from the packed int32 bitmask (on its device)."""
-    shifts = _SHIFTS.get(bitmask.device)
-    if shifts is None:
-        shifts = _SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    return ~blocked_tokens(bitmask, vocab)
 
 
 def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -37,28 +38,6 @@ def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: l
     for r in rows:
         allowed = _allowed(bitmask[r : r + 1].to(logits.device), vocab)[0]
         logits[r].masked_fill_(~allowed, float("-inf"))
-
-
-def _blocked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bool [rows, vocab], True where the token is not allowed (two kernels: and, compare)."""
-    bits = _BITS.get(bitmask.device)
-    if bits is None:  # 1 << i as int32 words (bit 31 is the sign bit)
-        values = [(1 << i) - (1 << 32 if i == 31 else 0) for i in range(32)]
-        bits = _BITS[bitmask.device] = torch.tensor(values, dtype=torch.int32, device=bitmask.device)
-    return ((bitmask.unsqueeze(-1) & bits) == 0).view(bitmask.shape[0], bitmask.shape[1] * 32)[:, :vocab]
-
-
-@torch.inference_mode()  # the logits are inference tensors: updating them in place needs the mode
-def apply_rows(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None) -> None:
-    """``apply_bitmask_reference`` with the rows given as a device tensor (None: every row), the bitmask
-    already on the logits' device: only device work, none of it waiting for the host."""
-    vocab = logits.shape[-1]
-    if index is None:
-        logits.masked_fill_(_blocked(bitmask[: logits.shape[0]], vocab), float("-inf"))
-        return
-    picked = logits.index_select(0, index)
-    picked.masked_fill_(_blocked(bitmask.index_select(0, index), vocab), float("-inf"))
-    logits.index_copy_(0, index, picked)
 
 
 def _every_row(rows: list[int], n: int) -> bool:
@@ -81,31 +60,85 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         )
         return
     index = None if _every_row(rows, logits.shape[0]) else torch.tensor(rows, device=logits.device)
-    apply_rows(logits, bitmask.to(logits.device, non_blocking=True), index)
+    apply_token_mask(logits, bitmask.to(logits.device, non_blocking=True), index)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class SharedSlots:
+    """Two host slots, int32 [2, rows, words], in a file mapped shared by the engine's process and the
+    matcher process (in /dev/shm where there is one). The file's name is removed once the child has it
+    mapped (``mapped``) or this is collected; the mapping lives as long as its tensors."""
+
+    def __init__(self, rows: int, words: int) -> None:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="prefixserve-mask-", dir=shm)
+        try:
+            os.ftruncate(fd, 2 * rows * words * 4)
+        finally:
+            os.close(fd)
+        self.path, self.rows, self.words = path, rows, words
+        self.tensor = self.open(self.describe())
+        self.mapped = weakref.finalize(self, _remove, path)  # call it: the name goes now (once)
+
+    def describe(self) -> tuple[str, int, int]:
+        """What ``open`` needs in another process."""
+        return self.path, self.rows, self.words
+
+    @staticmethod
+    def open(described: tuple[str, int, int]) -> torch.Tensor:
+        path, rows, words = described
+        flat = torch.from_file(path, shared=True, size=2 * rows * words, dtype=torch.int32)
+        return flat.view(2, rows, words)
+
+
+def _pin(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory in place for async copies to the GPU (a mapping torch did not allocate)."""
+    return torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) == 0
 
 
 class StepBitmasks:
     """A step's bitmask buffers, made once for ``rows`` sample rows (regrown if a step has more): two
-    host slots used in turn, pinned on a GPU, and there the device copy of the mask and of its rows."""
+    host slots used in turn (``SharedSlots``), pinned on a GPU, and there the device copy of the mask
+    and of its rows."""
 
     def __init__(self, words: int, device: torch.device | str, rows: int = 64) -> None:
         self.words, self.device = words, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.slot = 0
         self.rows = 0
+        self.shared: SharedSlots | None = None
+        self._pinned = False
         self._grow(max(1, rows))
 
     def _grow(self, rows: int) -> None:
         if self.rows:
             self.wait()  # the old slots' copies read them until they finish
-        self.rows, pin = rows, self.cuda
-        self._host = [torch.empty(rows, self.words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            self.close()
+        self.rows = rows
+        self.shared = SharedSlots(rows, self.words)
+        pin = self.cuda
+        self._pinned = pin and _pin(self.shared.tensor)
+        # where the shared slots cannot be pinned, a slot's copy goes through a pinned buffer of its own
+        staged = 2 if pin and not self._pinned else 0
+        self._staging = [
+            torch.empty(rows, self.words, dtype=torch.int32, pin_memory=True) for _ in range(staged)
+        ]
         self._index = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         if self.cuda:
             self._dev = torch.empty(rows, self.words, dtype=torch.int32, device=self.device)
             self._dev_index = torch.empty(rows, dtype=torch.int64, device=self.device)
             self._copied = [torch.cuda.Event(), torch.cuda.Event()]
             self._pending = [False, False]
+
+    def close(self) -> None:
+        """Unpin the shared slots (before their mapping can go)."""
+        if self._pinned and self.shared is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.shared.tensor.data_ptr())
+            self._pinned = False
 
     def wait(self) -> None:
         """Until no copy reads a host slot."""
@@ -124,9 +157,8 @@ class StepBitmasks:
         if self.cuda and self._pending[self.slot]:
             self._copied[self.slot].synchronize()  # two steps back: long done unless the device lags
             self._pending[self.slot] = False
-        return self._host[self.slot][:n]
+        return self.shared.tensor[self.slot][:n]
 
-    @torch.inference_mode()
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Rows ``rows`` of ``logits`` masked by the same rows of ``bitmask`` (``host``'s last slot)."""
         if not rows:
@@ -135,6 +167,8 @@ class StepBitmasks:
             apply_bitmask(logits, bitmask, rows)
             return
         n, s = bitmask.shape[0], self.slot
+        if self._staging:  # the slot's buffer is free: ``host`` waited for its last copy
+            bitmask = self._staging[s][:n].copy_(bitmask)
         dev = self._dev[:n]
         dev.copy_(bitmask, non_blocking=True)
         index = None
@@ -145,7 +179,7 @@ class StepBitmasks:
             index.copy_(staged, non_blocking=True)
         self._copied[s].record()
         self._pending[s] = True
-        apply_rows(logits, dev, index)
+        apply_token_mask(logits, dev, index)
 
 
 @dataclass(slots=True)
@@ -160,4 +194,10 @@ class StepMask:
         self.buffers.apply(logits, self.bitmask, self.rows)
 
 
-__all__ = ["StepBitmasks", "StepMask", "apply_bitmask", "apply_bitmask_reference", "apply_rows"]
+__all__ = [
+    "SharedSlots",
+    "StepBitmasks",
+    "StepMask",
+    "apply_bitmask",
+    "apply_bitmask_reference",
+]

@@ -175,11 +175,18 @@ def check(spec: StructuredOutputs) -> None:
 class GrammarCache:
     """One engine's compiler: its tokenizer's info, built once, and each distinct spec compiled once."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int = 2) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None, threads: int = 2
+    ) -> None:
+        """``tokenizer``: a Hugging Face tokenizer, or xgrammar's ``TokenizerInfo`` of one (the matcher
+        process gets the engine's that way)."""
         xgr = _xgrammar()
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
-        )
+        info = tokenizer
+        if not isinstance(tokenizer, xgr.TokenizerInfo):
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+            )
+        self.info = info
         self.vocab_size = vocab_size  # the model's: its logits may be wider than the tokenizer's vocabulary
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads)
         self._compiled: OrderedDict[tuple[str, str, bool, str | None], Any] = OrderedDict()

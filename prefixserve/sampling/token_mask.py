@@ -1,0 +1,117 @@
+"""A packed token bitmask applied to a step's logits in one kernel (a grammar's mask, before sampling).
+
+The bitmask is xgrammar's int32 [rows, ceil(vocab / 32)], bit ``t % 32`` of word ``t // 32`` set where
+token ``t`` is allowed; disallowed logits become -inf in place. In torch that is an unpacking into
+[rows, words, 32], a compare and a masked fill (and, for some rows only, an index select and copy):
+four to six launches on the host's critical path of a constrained step, whose sampling waits for its
+mask. Here one program unpacks a block of words and stores -inf at the blocked tokens only; some rows
+are picked by a device index. The launch is recorded once per shape and stream and relaunched
+(``triton_support/launch.py``): a few microseconds of host time. The torch form is the fallback (CPU,
+no Triton) and the tests' second opinion.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from prefixserve.triton_support.launch import Launch, record, relaunch
+
+BLOCK_WORDS = 64  # mask words a program unpacks (2,048 tokens)
+MAX_RECORDED = 64
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_RECORDED: dict[tuple, Launch] = {}
+
+
+@functools.cache
+def _kernel():
+    from prefixserve.triton_support import require_triton
+
+    triton, tl = require_triton()
+
+    @triton.jit
+    def apply_token_mask(
+        logits_ptr, mask_ptr, index_ptr, stride_l, stride_m, vocab,
+        HAS_INDEX: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):  # fmt: skip
+        if HAS_INDEX:
+            row = tl.load(index_ptr + tl.program_id(0)).to(tl.int64)
+        else:
+            row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1)
+        bit = tl.arange(0, 32)
+        tok = offs[:, None] * 32 + bit[None, :]
+        blocked = ((words[:, None] >> bit[None, :]) & 1) == 0  # arithmetic shift: bit 31 too
+        tl.store(logits_ptr + row * stride_l + tok, float("-inf"), mask=blocked & (tok < vocab))
+
+    return triton, apply_token_mask
+
+
+def blocked_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab], True where the token is not allowed (torch: unpack, compare)."""
+    shifts = _SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    return (bits == 0).view(bitmask.shape[0], bitmask.shape[1] * 32)[:, :vocab]
+
+
+@torch.inference_mode()  # the logits are inference tensors: updating them in place needs the mode
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None) -> None:
+    """Rows ``index`` (a device int64 tensor; None: every row of ``logits``) of ``logits`` keep only
+    the tokens the same rows of ``bitmask`` allow; both on the same device, nothing waits for the host."""
+    from prefixserve.triton_support import triton_available
+
+    if logits.is_cuda and logits.stride(1) == 1 and bitmask.stride(1) == 1 and triton_available():
+        kernel_token_mask(logits, bitmask, index)
+        return
+    vocab = logits.shape[-1]
+    if index is None:
+        logits.masked_fill_(blocked_tokens(bitmask[: logits.shape[0]], vocab), float("-inf"))
+        return
+    picked = logits.index_select(0, index)
+    picked.masked_fill_(blocked_tokens(bitmask.index_select(0, index), vocab), float("-inf"))
+    logits.index_copy_(0, index, picked)
+
+
+def kernel_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None) -> None:
+    """``apply_token_mask`` by the kernel (on CUDA, or on the CPU under the Triton interpreter); the
+    rows' last dimension contiguous."""
+    rows = logits.shape[0] if index is None else index.shape[0]
+    if rows == 0:
+        return
+    vocab = logits.shape[1]
+    words = bitmask.shape[1]
+    stream = torch.cuda.current_stream(logits.device).cuda_stream if logits.is_cuda else 0
+    has_index = index is not None
+    key = (
+        rows,
+        vocab,
+        words,
+        logits.stride(0),
+        bitmask.stride(0),
+        logits.dtype,
+        logits.device,
+        stream,
+        has_index,
+    )
+    # no index: the kernel never reads it, any aligned device tensor stands in
+    index_arg = index if has_index else bitmask
+    recorded = _RECORDED.get(key)
+    if recorded is not None:
+        relaunch(recorded, [(0, logits), (1, bitmask), (2, index_arg)])
+    else:
+        triton, kernel = _kernel()
+        grid = (rows, triton.cdiv(words, BLOCK_WORDS))
+        args = (logits, bitmask, index_arg, logits.stride(0), bitmask.stride(0), vocab)
+        kw = {"HAS_INDEX": has_index, "BLOCK_W": BLOCK_WORDS, "num_warps": 4}
+        compiled = kernel[grid](*args, **kw)
+        if len(_RECORDED) >= MAX_RECORDED:
+            _RECORDED.clear()
+        recorded = _RECORDED[key] = record(kernel, grid, args, kw, compiled)
+    recorded.args[0] = recorded.args[1] = recorded.args[2] = None  # keep no step's tensors alive
+
+
+__all__ = ["apply_token_mask", "blocked_tokens", "kernel_token_mask"]

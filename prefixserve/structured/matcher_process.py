@@ -1,0 +1,289 @@
+"""The grammar matchers in a process of their own: each step's accept and mask fill off the engine's GIL.
+
+xgrammar drops the GIL inside each call, but a thread that called it must take the GIL back between
+calls, and the engine's thread holds it while it runs Python: beside an engine thread busy assembling
+steps, a worker thread's two calls a step waited for the GIL longer than they ran (a small model's
+step is mostly host work). So every matcher lives in a child process (``serve``) that owns its GIL:
+the engine's process sends a step's accepted tokens and the rows to fill, one small message, and goes
+on; the child accepts, fills the rows straight into the step's host slot (a shared-memory file,
+``bitmask.SharedSlots``) and answers with the rows it filled. Nothing of the mask crosses the pipe.
+
+The engine's side (``MatcherProcess``) names each matcher by an integer key; a matcher is made in the
+child when its key is first sent with its spec, and dropped when the engine's handle to it
+(``MatcherHandle``, in the request's rule state) is collected. The child compiles each spec it is
+sent (``GrammarCache``, the same rules as the engine's own, which checks specs at intake); the spec is
+sent at intake, so the compile overlaps the prefill. Messages keep their order: at most one step's
+answer is awaited at a time, and an error of a step with no answer waiting is reported with the next.
+
+The child is started with ``subprocess`` (``python -m prefixserve.structured.matcher_process FD``),
+not ``multiprocessing``: a spawned child would run the user's main module again, which breaks a
+script that makes an ``LLM`` at its top level. It exits when its end of the socket closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixserve.sampling.structured_outputs import StructuredOutputs
+
+_KEYS = itertools.count(1)
+
+
+class MatcherHandle:
+    """The engine's name for one sequence's matcher; collecting it drops the matcher in the child."""
+
+    __slots__ = ("__weakref__", "key")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+class MatcherProcess:
+    """The engine's end: starts the child, sends it specs and steps, reads each step's filled rows."""
+
+    def __init__(self, tokenizer_info_json: str, vocab_size: int, threads: int) -> None:
+        ours, theirs = socket.socketpair()
+        root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of prefixserve
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "prefixserve.structured.matcher_process", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self.close = weakref.finalize(self, _end, self._conn, self._child)  # also when collected
+        self._sending = threading.Lock()  # specs come from the intake's thread, steps from the engine's
+        self._made: list[tuple[int, StructuredOutputs]] = []  # matchers to make before the next step
+        self._dropped: deque[int] = deque()  # keys of collected handles (their finalizers, any thread)
+        self._awaited = False  # a step's answer is due
+        self._slots: Any = None  # the host slots the child was last sent
+        self._send(("setup", tokenizer_info_json, vocab_size, threads))
+
+    def compile(self, spec: StructuredOutputs) -> None:
+        """Have the child compile ``spec`` now (no answer): its first step then finds it compiled."""
+        self._send(("spec", spec))
+
+    def matcher(self, spec: StructuredOutputs) -> MatcherHandle:
+        """A new matcher of ``spec``, made in the child with the next step."""
+        handle = MatcherHandle(next(_KEYS))
+        self._made.append((handle.key, spec))
+        weakref.finalize(handle, self._dropped.append, handle.key)
+        return handle
+
+    def step(
+        self,
+        accepts: tuple[list[int], list[int]],
+        fill: tuple[Any, int, int, list[tuple[int, int]]] | None,
+    ) -> None:
+        """Send a step: ``accepts`` (keys, tokens) taken in order, then with ``fill`` = (slots, slot,
+        rows n, [(row, key)]) those rows of ``slots[slot][:n]`` filled; its answer is ``rows()``."""
+        self._answer()  # the last answer first: one at a time
+        made, self._made = self._made, []
+        dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
+        shared = None
+        if fill is not None and fill[0] is not self._slots:
+            self._slots, shared = fill[0], fill[0].describe()
+        job = None if fill is None else (shared, *fill[1:])
+        self._send(("step", made, dropped, accepts, job))
+        self._awaited = job is not None
+
+    def rows(self) -> list[int]:
+        """The rows the last step's fill filled (matchers that ended are left out)."""
+        if not self._awaited:
+            raise RuntimeError("no step's fill was sent")
+        return self._answer()
+
+    def _answer(self) -> list[int]:
+        if not self._awaited:
+            return []
+        self._awaited = False
+        try:
+            kind, value = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._child.poll()
+            raise RuntimeError(f"structured decoding's matcher process exited ({code})") from None
+        if kind == "error":
+            self._slots = None  # sent again with the next fill, whatever the child got to
+            raise RuntimeError(f"structured decoding failed in its matcher process: {value}")
+        if self._slots is not None:
+            self._slots.mapped()  # the child has the slots' file open: its name can go
+        return value
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._sending:
+            try:
+                self._conn.send(message)
+            except OSError:
+                code = self._child.poll()
+                raise RuntimeError(f"structured decoding's matcher process exited ({code})") from None
+
+
+def _end(conn: Connection, child: subprocess.Popen) -> None:
+    """End the child (it exits when the socket closes) and wait for it."""
+    conn.close()
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+
+
+def _matcher_class(xgr: Any) -> Any:
+    """xgrammar's ``GrammarMatcher`` that keeps whether it ended (asking xgrammar is a call a row)."""
+
+    class Matcher(xgr.GrammarMatcher):
+        ended = False  # set by ``Matchers.accept`` once ``is_terminated`` says so
+
+    return Matcher
+
+
+def _batch_accept(xgr: Any) -> Any:
+    """``batch_accept_token`` as one call into xgrammar: its Python wrapper reads the answers back a
+    call a row, and they are not needed here; xgrammar's own wrapper where its internals differ."""
+    core = getattr(getattr(xgr, "matcher", None), "_core", None)
+    raw = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
+    if raw is None:
+        return xgr.BatchGrammarMatcher.batch_accept_token
+
+    def accept(matchers: list[Any], tokens: list[int]) -> None:
+        raw([m._handle for m in matchers], tokens, False)
+
+    return accept
+
+
+class Chunks:
+    """A step's rows cut into chunks run on threads: each chunk's accept, then its fill (xgrammar drops
+    the GIL in both, and the chunks touch disjoint matchers and mask rows).
+
+    One row's accept and fill take ~3-4 us each (SmolLM2's 49K entries and a 128K BPE alike, bounded
+    repeats folded: ``repeats``), so 64 rows are ~0.4 ms on one thread, most of a small model's step.
+    In the engine's process threads made it worse (they waited for the engine thread's GIL); here the
+    process is the matchers' own. A chunk has at least ``CHUNK_ROWS`` rows: a thread's hand-off costs
+    about what a few rows do."""
+
+    CHUNK_ROWS = 16
+
+    def __init__(self, xgr: Any, threads: int) -> None:
+        self.threads = max(1, threads)
+        self.batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self.threads)]
+        self.pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+
+    def cut(self, rows: list[Any]) -> list[list[Any]]:
+        """``rows`` in order, in at most ``threads`` chunks of at least ``CHUNK_ROWS`` (one if fewer)."""
+        k = max(1, min(self.threads, len(rows) // self.CHUNK_ROWS))
+        size = max(1, -(-len(rows) // k))
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def run(self, work: Any, rows: list[Any]) -> list[int]:
+        """``work(chunk, batch)`` for each chunk (the first on this thread); their results joined."""
+        chunks = self.cut(rows)
+        pairs = zip(chunks[1:], self.batches[1:], strict=False)  # cut makes at most ``threads`` chunks
+        jobs = [self.pool.submit(work, c, b) for c, b in pairs] if self.pool else []
+        out = work(chunks[0], self.batches[0]) if chunks else []
+        for job in jobs:
+            out += job.result()
+        return out
+
+
+class Matchers:
+    """The child's state: the grammar cache, the matchers by key, the slots a step fills."""
+
+    def __init__(self, tokenizer_info_json: str, vocab_size: int, threads: int) -> None:
+        import xgrammar as xgr
+
+        from prefixserve.structured.grammars import GrammarCache
+
+        info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+        self.grammars = GrammarCache(info, vocab_size, threads=max(2, threads))
+        self.chunks = Chunks(xgr, threads)
+        self.by_key: dict[int, Any] = {}
+        self.slots: torch.Tensor | None = None
+        self._matcher_cls = _matcher_class(xgr)
+        self._accept = _batch_accept(xgr)
+        self._stops = frozenset(info.stop_token_ids)
+
+    def step(self, made: list, dropped: list[int], accepts: tuple, job: tuple | None) -> list[int] | None:
+        """Make and drop matchers, take the accepted tokens; with ``job`` = (slots, slot, n, [(row,
+        key)]) also fill those rows of ``slots[slot][:n]``: the rows filled (ended matchers left out)."""
+        if job is not None and job[0] is not None:
+            from prefixserve.structured.bitmask import SharedSlots
+
+            self.slots = SharedSlots.open(job[0])
+        for key in dropped:
+            self.by_key.pop(key, None)
+        for key, spec in made:
+            self.by_key[key] = self._matcher_cls(self.grammars.get(spec))
+        tokens = dict(zip(*accepts, strict=True))
+        filled = {key for _, key in job[3]} if job is not None else set()
+        rest = [k for k in accepts[0] if k not in filled]  # accepted, not filled: now, on this thread
+        self.accept([self.by_key[k] for k in rest], [tokens[k] for k in rest])
+        if job is None:
+            return None
+        _, slot, n, rows = job
+        mask = self.slots[slot][:n]
+
+        def work(chunk: list[tuple[int, int]], batch: Any) -> list[int]:
+            matchers = [self.by_key[key] for _, key in chunk]
+            took = [(m, tokens[key]) for (_, key), m in zip(chunk, matchers, strict=True) if key in tokens]
+            self.accept([m for m, _ in took], [t for _, t in took])
+            live = [(row, m) for (row, _), m in zip(chunk, matchers, strict=True) if not m.ended]
+            if live:
+                batch.batch_fill_next_token_bitmask([m for _, m in live], mask, [row for row, _ in live])
+            return [row for row, _ in live]
+
+        return self.chunks.run(work, rows)
+
+    def accept(self, matchers: list[Any], tokens: list[int]) -> None:
+        """Matchers that have not ended take their tokens (one call); one that took a stop token is
+        asked whether it ended (the only call a row, once in a sequence's life)."""
+        live = [k for k, m in enumerate(matchers) if not m.ended]
+        if not live:
+            return
+        self._accept([matchers[k] for k in live], [tokens[k] for k in live])
+        for k in live:
+            if tokens[k] in self._stops and matchers[k].is_terminated():
+                matchers[k].ended = True
+
+
+def serve(conn: Connection) -> None:
+    """The child's loop: a step with a fill is answered ("rows", filled rows) or ("error", why)."""
+    _, info, vocab_size, threads = conn.recv()
+    matchers = Matchers(info, vocab_size, threads)
+    failed: str | None = None  # an error of a step with no answer due: reported with the next answer
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the engine's end closed
+            return
+        if message[0] == "spec":  # checked at intake; an error here comes back when a matcher is made
+            with contextlib.suppress(Exception):
+                matchers.grammars.get(message[1])
+            continue
+        answer = message[4] is not None
+        try:
+            rows = matchers.step(*message[1:])
+        except Exception as exc:  # the step's requests fail, the engine goes on
+            failed = failed or f"{type(exc).__name__}: {exc}"
+        if answer:
+            try:
+                conn.send(("error", failed) if failed else ("rows", rows))
+            except OSError:
+                return
+            failed = None
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])))
