@@ -246,35 +246,46 @@ def test_step_bitmasks_apply_each_step_its_own_mask(device: str) -> None:
         assert torch.equal(want, got.cpu())
 
 
-def test_the_matcher_process_steps_in_chunks_on_threads_as_on_one(tokenizer) -> None:
-    """``matcher_process.Matchers``: a step's rows cut into chunks on threads (each chunk's accept, then
-    its fill) give the masks, the rows filled and the ended matchers of one thread, step after step;
-    rows accepted but not filled advance too; chunks are never shorter than ``CHUNK_ROWS``."""
-    from prefixserve.structured.bitmask import SharedSlots
-    from prefixserve.structured.matcher_process import Chunks, Matchers
+def test_a_step_fills_on_one_thread_up_to_the_fanout_rows_and_on_the_threads_past_them(tokenizer) -> None:
+    """``FillThreads``: the same mask either way, one thread up to ``FANOUT_ROWS`` rows (threads cost
+    more than a short fill), the threads past them; rows in different states."""
+    from prefixserve.structured.matcher_process import FillThreads
 
     vocab = len(tokenizer)
-    info = GrammarCache(tokenizer, vocab, [tokenizer.eos_token_id]).info.serialize_json()
-    spec = StructuredOutputs(json=SCHEMA)
-    rows = 4 * Chunks.CHUNK_ROWS + 3
-    runs = []
-    for threads in (1, 4):
-        matchers, slots = Matchers(info, vocab, threads), SharedSlots(rows, -(-vocab // 32))
-        rng, accepts, run = random.Random(0), ([], []), []
-        for step in range(8):
-            filled = [(r, r) for r in range(rows) if r % 9 != step % 9]  # one row accepted, not filled
-            job = (slots.describe() if step == 0 else None, step % 2, rows, filled)
-            made = [(r, spec) for r in range(rows)] if step == 0 else []
-            got = matchers.step(made, [], accepts, job)
-            mask = slots.tensor[step % 2][:rows].clone()
-            run.append((got, mask, sorted(k for k, m in matchers.by_key.items() if m.ended)))
-            picks = [rng.choice(_allowed(mask[r], vocab)) for r in got]
-            accepts = (got, picks)
-        runs.append(run)
-    for (got1, mask1, ended1), (got4, mask4, ended4) in zip(*runs, strict=True):
-        assert got1 == got4 and ended1 == ended4
-        assert torch.equal(mask1[got1], mask4[got4])
-    chunks = Chunks(SimpleNamespace(BatchGrammarMatcher=lambda max_threads: None), 4)
-    assert [len(c) for c in chunks.cut(list(range(rows)))] == [17, 17, 17, 16]
-    assert [len(c) for c in chunks.cut(list(range(Chunks.CHUNK_ROWS * 2 - 1)))] == [31]
-    assert chunks.cut([]) == []
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    compiled = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(
+        xgr.Grammar.from_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    )
+    rows = FillThreads.FANOUT_ROWS + 3
+    rng, probe = random.Random(0), xgr.allocate_token_bitmask(1, vocab)
+    matchers = []
+    for r in range(rows):  # row r has taken r % 7 tokens
+        m = xgr.GrammarMatcher(compiled)
+        for _ in range(r % 7):
+            m.fill_next_token_bitmask(probe)
+            allowed = [t for t in _allowed(probe[0], vocab) if t != tokenizer.eos_token_id]
+            if not allowed:  # the object closed: only the stop token is left
+                break
+            assert m.accept_token(rng.choice(allowed))
+        matchers.append(m)
+    fills = FillThreads(xgr, 4)
+    used = []
+    for name in ("one", "many"):
+        batch = getattr(fills, name)
+        real = batch.batch_fill_next_token_bitmask
+        spy = lambda *a, n=name, f=real: (used.append(n), f(*a))  # noqa: E731
+        setattr(fills, name, SimpleNamespace(batch_fill_next_token_bitmask=spy))
+    masks = []
+    for count in (FillThreads.FANOUT_ROWS, rows):
+        mask = xgr.allocate_token_bitmask(rows, vocab)
+        fills.fill(matchers[:count], mask, list(range(count)))
+        masks.append(mask)
+    assert used == ["one", "many"]
+    assert torch.equal(masks[0][: FillThreads.FANOUT_ROWS], masks[1][: FillThreads.FANOUT_ROWS])
+    for r in (0, 5, rows - 1):  # each row's mask is its own matcher's
+        matchers[r].fill_next_token_bitmask(probe)
+        assert torch.equal(masks[1][r], probe[0])
+    single = FillThreads(xgr, 1)
+    assert single.many is single.one  # one thread asked for: no second matcher

@@ -247,7 +247,7 @@ def _gil(xgr: Any, compiled: Any, walks: list[list[int]], tok: Any, seconds: flo
     rows, steps, vocab = len(walks), max(map(len, walks)), len(tok)
     info = GrammarCache(tok, vocab, [tok.eos_token_id]).info.serialize_json()
     sd = Matchers(info, vocab, threads=1)  # what the matcher process holds
-    one = sd.chunks.batches[0]  # a chunk's batch matcher
+    one = sd.fills.one  # the one-thread batch matcher
     mask = xgr.allocate_token_bitmask(rows, vocab)
     at: dict[str, Any] = {"step": 0, "matchers": []}
 

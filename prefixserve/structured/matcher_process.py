@@ -31,7 +31,6 @@ import sys
 import threading
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -164,38 +163,26 @@ def _batch_accept(xgr: Any) -> Any:
     return accept
 
 
-class Chunks:
-    """A step's rows cut into chunks run on threads: each chunk's accept, then its fill (xgrammar drops
-    the GIL in both, and the chunks touch disjoint matchers and mask rows).
+class FillThreads:
+    """Which of xgrammar's batch matchers fills a step's mask: one thread, or ``threads``.
 
-    One row's accept and fill take ~3-4 us each (SmolLM2's 49K entries and a 128K BPE alike, bounded
-    repeats folded: ``repeats``), so 64 rows are ~0.4 ms on one thread, most of a small model's step.
-    In the engine's process threads made it worse (they waited for the engine thread's GIL); here the
-    process is the matchers' own. A chunk has at least ``CHUNK_ROWS`` rows: a thread's hand-off costs
-    about what a few rows do."""
+    One row's fill takes ~3-4 us (SmolLM2's 49K entries and a 128K BPE alike, bounded repeats folded:
+    ``repeats``), so a 64-row step is ~0.2-0.4 ms on one thread. Cutting a step's rows into chunks on
+    Python threads here made the child's step slower on an H200's 16-core host (0.11 -> 0.35 ms waited
+    for a 64-row step of the 135M shape: the threads take this process's GIL in turn between
+    xgrammar's calls); xgrammar's own threads in one call have no such hand-off, and pay off only
+    where a step's fill is long: past ``FANOUT_ROWS`` rows (~1 ms on one thread)."""
 
-    CHUNK_ROWS = 16
+    FANOUT_ROWS = 128  # a step filling more rows than this goes to xgrammar's threads
 
     def __init__(self, xgr: Any, threads: int) -> None:
-        self.threads = max(1, threads)
-        self.batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self.threads)]
-        self.pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+        self.one = xgr.BatchGrammarMatcher(max_threads=1)
+        self.many = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self.one
 
-    def cut(self, rows: list[Any]) -> list[list[Any]]:
-        """``rows`` in order, in at most ``threads`` chunks of at least ``CHUNK_ROWS`` (one if fewer)."""
-        k = max(1, min(self.threads, len(rows) // self.CHUNK_ROWS))
-        size = max(1, -(-len(rows) // k))
-        return [rows[i : i + size] for i in range(0, len(rows), size)]
-
-    def run(self, work: Any, rows: list[Any]) -> list[int]:
-        """``work(chunk, batch)`` for each chunk (the first on this thread); their results joined."""
-        chunks = self.cut(rows)
-        pairs = zip(chunks[1:], self.batches[1:], strict=False)  # cut makes at most ``threads`` chunks
-        jobs = [self.pool.submit(work, c, b) for c, b in pairs] if self.pool else []
-        out = work(chunks[0], self.batches[0]) if chunks else []
-        for job in jobs:
-            out += job.result()
-        return out
+    def fill(self, matchers: list[Any], mask: torch.Tensor, rows: list[int]) -> None:
+        """Fill ``rows`` of ``mask`` from ``matchers`` (one a row), on one thread or many."""
+        batch = self.many if len(rows) > self.FANOUT_ROWS else self.one
+        batch.batch_fill_next_token_bitmask(matchers, mask, rows)
 
 
 class Matchers:
@@ -208,7 +195,7 @@ class Matchers:
 
         info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
         self.grammars = GrammarCache(info, vocab_size, threads=max(2, threads))
-        self.chunks = Chunks(xgr, threads)
+        self.fills = FillThreads(xgr, threads)
         self.by_key: dict[int, Any] = {}
         self.slots: torch.Tensor | None = None
         self._matcher_cls = _matcher_class(xgr)
@@ -226,25 +213,15 @@ class Matchers:
             self.by_key.pop(key, None)
         for key, spec in made:
             self.by_key[key] = self._matcher_cls(self.grammars.get(spec))
-        tokens = dict(zip(*accepts, strict=True))
-        filled = {key for _, key in job[3]} if job is not None else set()
-        rest = [k for k in accepts[0] if k not in filled]  # accepted, not filled: now, on this thread
-        self.accept([self.by_key[k] for k in rest], [tokens[k] for k in rest])
+        self.accept([self.by_key[k] for k in accepts[0]], accepts[1])
         if job is None:
             return None
         _, slot, n, rows = job
-        mask = self.slots[slot][:n]
-
-        def work(chunk: list[tuple[int, int]], batch: Any) -> list[int]:
-            matchers = [self.by_key[key] for _, key in chunk]
-            took = [(m, tokens[key]) for (_, key), m in zip(chunk, matchers, strict=True) if key in tokens]
-            self.accept([m for m, _ in took], [t for _, t in took])
-            live = [(row, m) for (row, _), m in zip(chunk, matchers, strict=True) if not m.ended]
-            if live:
-                batch.batch_fill_next_token_bitmask([m for _, m in live], mask, [row for row, _ in live])
-            return [row for row, _ in live]
-
-        return self.chunks.run(work, rows)
+        live = [(row, self.by_key[key]) for row, key in rows]
+        live = [(row, m) for row, m in live if not m.ended]
+        if live:
+            self.fills.fill([m for _, m in live], self.slots[slot][:n], [row for row, _ in live])
+        return [row for row, _ in live]
 
     def accept(self, matchers: list[Any], tokens: list[int]) -> None:
         """Matchers that have not ended take their tokens (one call); one that took a stop token is
