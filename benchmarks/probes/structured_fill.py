@@ -56,13 +56,16 @@ def _walks_model(batch: int, tokens: int, compact: bool) -> list[tuple[str, list
     return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
 
 
-def _tokenizer(vocab: int) -> tuple[Any, str]:
-    """The default model's tokenizer (0) or a byte-level BPE of ``vocab`` entries, and its label."""
+def _tokenizer(vocab: int, directory: str | None = None) -> tuple[Any, str]:
+    """The default model's tokenizer (0; or the one in ``directory``) or a byte-level BPE of ``vocab``
+    entries, and its label."""
+    from pathlib import Path
+
     from prefixserve.model.loader import load_tokenizer
 
     if not vocab:
-        tok = load_tokenizer(None)
-        return tok, f"default model's ({len(tok):,})"
+        tok = load_tokenizer(Path(directory) if directory else None)
+        return tok, f"{directory or 'default model'}'s ({len(tok):,})"
     from benchmarks.harness.big_tokenizer import tokenizer_dir
 
     return load_tokenizer(tokenizer_dir(vocab)), f"BPE ({vocab:,})"
@@ -382,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
         "--vocab", type=int, nargs="+", default=[0], help="tokenizers: 0 the default model's, N a BPE of N"
     )
     ap.add_argument(
+        "--tokenizer", default=None, help="a tokenizer's directory in place of the default model's"
+    )
+    ap.add_argument(
         "--gil", type=float, default=0.0, help="seconds a GIL run (free whitespace, folded; 0: none)"
     )
     args = ap.parse_args(argv)
@@ -392,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     texts: dict[bool, list[tuple[str, list[int]]]] = {}
     summary = []
     for size in args.vocab:
-        tok, label = _tokenizer(size)
+        tok, label = _tokenizer(size, args.tokenizer)
         vocab = len(tok)
         t0 = time.perf_counter()
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[tok.eos_token_id])

@@ -128,7 +128,7 @@ class EngineServices:
 
     @property
     def structured(self) -> Any:  # StructuredDecoding | None: the engine core imports no rule module
-        """Structured decoding's engine-wide part (grammar cache, mask buffers, the fill's worker), as
+        """Structured decoding's engine-wide part (grammar cache, mask buffers, the matcher process), as
         tests and probes inspect it; None before the first constrained request."""
         return structured_decoding(self.rules)
 

@@ -345,7 +345,7 @@ class Engine(EngineSetup, EngineServices):
 
         The request rules take the tokens first (grammar matchers); ``then``: ``launched_after``'s
         samplers where its sampling waits for these tokens, so a rule may start its work (a grammar
-        mask's fill, on structured decoding's thread) to overlap all that follows here.
+        mask's fill, in structured decoding's matcher process) to overlap all that follows here.
         """
         after = launched_after
         then = after.samplers if after is not None and after.sampling is not None else None
