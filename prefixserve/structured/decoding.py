@@ -34,7 +34,6 @@ from prefixserve.structured.grammars import GrammarCache
 from prefixserve.structured.matcher_process import MatcherProcess
 
 MATCHERS = "structured_outputs"  # the rule's name; Request.rules[MATCHERS]: sample index -> matcher handle
-SPIN_SECONDS = 0.002  # a GPU engine's matcher process polls this long for the next step before sleeping
 
 
 class StructuredDecoding:
@@ -55,8 +54,7 @@ class StructuredDecoding:
         self.grammars = GrammarCache(tokenizer, vocab_size, sorted(eos_ids), max(2, threads))
         self.words = -(-vocab_size // 32)
         self.masks = StepBitmasks(self.words, device, rows)  # ``rows``: the most sample rows a step has
-        spin = SPIN_SECONDS if self.masks.cuda else 0.0
-        self.matchers = MatcherProcess(self.grammars.info.serialize_json(), vocab_size, threads, spin)
+        self.matchers = MatcherProcess(self.grammars.info.serialize_json(), vocab_size, threads)
         # a step whose fill was sent ahead: its samplers and its host slot
         self._job: tuple[list[Sequence], torch.Tensor | None] | None = None
         self._filled: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None  # rows last filled

@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection
@@ -55,10 +54,7 @@ class MatcherHandle:
 class MatcherProcess:
     """The engine's end: starts the child, sends it specs and steps, reads each step's filled rows."""
 
-    def __init__(self, tokenizer_info_json: str, vocab_size: int, threads: int, spin: float = 0.0) -> None:
-        """``spin``: seconds the child polls for the next step after each message before it sleeps
-        (a GPU engine's steps come every few milliseconds, and waking a sleeping process costs
-        ~30-50 us of the step's critical path; 0 on a CPU engine, whose cores the engine needs)."""
+    def __init__(self, tokenizer_info_json: str, vocab_size: int, threads: int) -> None:
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of prefixserve
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -74,7 +70,7 @@ class MatcherProcess:
         self._dropped: deque[int] = deque()  # keys of collected handles (their finalizers, any thread)
         self._awaited = False  # a step's answer is due
         self._slots: Any = None  # the host slots the child was last sent
-        self._send(("setup", tokenizer_info_json, vocab_size, threads, spin))
+        self._send(("setup", tokenizer_info_json, vocab_size, threads))
 
     def compile(self, spec: StructuredOutputs) -> None:
         """Have the child compile ``spec`` now (no answer): its first step then finds it compiled."""
@@ -168,19 +164,23 @@ def _batch_accept(xgr: Any) -> Any:
 
 
 class FillThreads:
-    """Which of xgrammar's batch matchers fills a step's mask: one thread, or ``threads``.
+    """Which of xgrammar's batch matchers fills a step's mask: one thread, or up to ``MAX_THREADS``.
 
-    One row's fill takes ~3-4 us (SmolLM2's 49K entries and a 128K BPE alike, bounded repeats folded:
-    ``repeats``), so a 64-row step is ~0.2-0.4 ms on one thread. Cutting a step's rows into chunks on
-    Python threads here made the child's step slower on an H200's 16-core host (0.11 -> 0.35 ms waited
-    for a 64-row step of the 135M shape: the threads take this process's GIL in turn between
-    xgrammar's calls); xgrammar's own threads in one call have no such hand-off, and pay off only
-    where a step's fill is long: past ``FANOUT_ROWS`` rows (~1 ms on one thread)."""
+    One row's fill takes ~2-4 us (SmolLM2's 49K entries and a 128K BPE alike, bounded repeats folded:
+    ``repeats``), so a 64-row step is ~0.1-0.25 ms on one thread. xgrammar's threads cost more than
+    they save on short fills: on an H200's 16-core host (``benchmarks/probes/structured_fill.py
+    --walk random --threads 1 2 4 8``, SmolLM2's tokenizer, folded JSON schema) 64 rows took 0.11 ms on
+    one thread against 0.27 / 0.28 / 0.40 on 2 / 4 / 8, and 256 rows 0.87 against 0.80 / 0.68 / 1.05.
+    So a step's fill runs on one thread up to ``FANOUT_ROWS`` rows, on at most 4 past them. Cutting a
+    step's rows into chunks on Python threads made the child's step slower too (the engine thread's
+    wait for a 64-row step 0.11 -> 0.35 ms: the threads take this process's GIL in turn)."""
 
+    MAX_THREADS = 4
     FANOUT_ROWS = 128  # a step filling more rows than this goes to xgrammar's threads
 
     def __init__(self, xgr: Any, threads: int) -> None:
         self.one = xgr.BatchGrammarMatcher(max_threads=1)
+        threads = min(threads, self.MAX_THREADS)
         self.many = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self.one
 
     def fill(self, matchers: list[Any], mask: torch.Tensor, rows: list[int]) -> None:
@@ -241,15 +241,11 @@ class Matchers:
 
 def serve(conn: Connection) -> None:
     """The child's loop: a step with a fill is answered ("rows", filled rows) or ("error", why)."""
-    _, info, vocab_size, threads, spin = conn.recv()
+    _, info, vocab_size, threads = conn.recv()
     matchers = Matchers(info, vocab_size, threads)
     failed: str | None = None  # an error of a step with no answer due: reported with the next answer
     while True:
         try:
-            if spin and not conn.poll(0):  # the next step is likely within ``spin``: no sleep, no wake
-                deadline = time.perf_counter() + spin
-                while not conn.poll(0) and time.perf_counter() < deadline:
-                    pass
             message = conn.recv()
         except (EOFError, OSError):  # the engine's end closed
             return
