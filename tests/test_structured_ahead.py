@@ -152,3 +152,22 @@ def test_the_matcher_process_ends_with_the_engine(tiny_config_path: Path) -> Non
     assert child.poll() is None
     llm.shutdown()
     assert child.wait(timeout=10) == 0
+
+
+def test_a_matcher_process_started_ahead_is_used_and_an_unused_one_ends(tiny_config_path: Path) -> None:
+    """A GPU engine starts its matcher process with the engine (``StructuredOutputsRule``): the first
+    constrained request sets that one up; one never used ends with the engine all the same."""
+    from prefixserve.engine.request_rules import STRUCTURED
+    from prefixserve.structured.matcher_process import MatcherProcess
+
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    rule = llm.engine.rules.find(STRUCTURED)
+    ahead = rule._matchers = MatcherProcess()  # what a GPU engine's rule does at construction
+    (out,) = llm.generate(["x"], SamplingParams(max_tokens=6, structured_outputs=SPECS[1]))
+    assert llm.engine.structured.matchers is ahead and rule._matchers is None
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    unused_llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    unused = unused_llm.engine.rules.find(STRUCTURED)._matchers = MatcherProcess()
+    for engine_llm, child in ((llm, ahead._child), (unused_llm, unused._child)):
+        engine_llm.shutdown()
+        assert child.wait(timeout=30) == 0

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixserve.engine.hybrid import SCHEMA_REFUSAL
-from prefixserve.engine.request_rules import structured_decoding
+from prefixserve.engine.request_rules import close_structured, structured_decoding
 from prefixserve.engine.system_prompts import SystemPromptKV, pin_system_prompt, render_system_prompt
 from prefixserve.engine.warmup import plan_covers, warm_argmax, warm_decode_graphs, warm_mixed_steps
 from prefixserve.kv.cache import KVCache
@@ -55,9 +55,7 @@ class EngineServices:
         """Release the device side: under tensor parallelism, stop the worker processes; end the
         structured decoding's matcher process."""
         self.runner.shutdown()
-        structured = structured_decoding(self.rules)
-        if structured is not None:
-            structured.close()
+        close_structured(self.rules)
 
     # ---- the device side, as callers and tests inspect it --------------------------------------
     @property

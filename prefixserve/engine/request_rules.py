@@ -63,4 +63,10 @@ def structured_decoding(rules: RuleSet, tokenizer: Any | None = None) -> Any:
     return rule.decoding if tokenizer is None else rule.set_up(tokenizer)
 
 
-__all__ = ["STRUCTURED", "output_rules", "request_rules", "structured_decoding"]
+def close_structured(rules: RuleSet) -> None:
+    """End structured decoding's matcher process (started with a GPU engine, or at the first request)."""
+    rule: StructuredOutputsRule = rules.find(STRUCTURED)
+    rule.close()
+
+
+__all__ = ["STRUCTURED", "close_structured", "output_rules", "request_rules", "structured_decoding"]

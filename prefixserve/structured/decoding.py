@@ -48,13 +48,16 @@ class StructuredDecoding:
         threads: int | None = None,
         device: torch.device | str = "cpu",
         rows: int = 64,
+        matchers: MatcherProcess | None = None,
     ) -> None:
+        """``matchers``: a matcher process started ahead (else one is started now)."""
         if threads is None:
             threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         self.grammars = GrammarCache(tokenizer, vocab_size, sorted(eos_ids), max(2, threads))
         self.words = -(-vocab_size // 32)
         self.masks = StepBitmasks(self.words, device, rows)  # ``rows``: the most sample rows a step has
-        self.matchers = MatcherProcess(self.grammars.info.serialize_json(), vocab_size, threads)
+        self.matchers = matchers if matchers is not None else MatcherProcess()
+        self.matchers.setup(self.grammars.info.serialize_json(), vocab_size, threads)
         # a step whose fill was sent ahead: its samplers and its host slot
         self._job: tuple[list[Sequence], torch.Tensor | None] | None = None
         self._filled: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None  # rows last filled

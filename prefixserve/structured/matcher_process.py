@@ -54,7 +54,10 @@ class MatcherHandle:
 class MatcherProcess:
     """The engine's end: starts the child, sends it specs and steps, reads each step's filled rows."""
 
-    def __init__(self, tokenizer_info_json: str, vocab_size: int, threads: int) -> None:
+    def __init__(self) -> None:
+        """Start the child: it imports xgrammar (seconds: torch and transformers with it) and waits for
+        ``setup``; a GPU engine starts it with the engine (``rule.py``), so its first constrained
+        request does not wait for that."""
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of prefixserve
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -70,6 +73,9 @@ class MatcherProcess:
         self._dropped: deque[int] = deque()  # keys of collected handles (their finalizers, any thread)
         self._awaited = False  # a step's answer is due
         self._slots: Any = None  # the host slots the child was last sent
+
+    def setup(self, tokenizer_info_json: str, vocab_size: int, threads: int) -> None:
+        """The tokenizer (xgrammar's ``TokenizerInfo``, serialized), the vocabulary, the fill's threads."""
         self._send(("setup", tokenizer_info_json, vocab_size, threads))
 
     def compile(self, spec: StructuredOutputs) -> None:
@@ -241,7 +247,12 @@ class Matchers:
 
 def serve(conn: Connection) -> None:
     """The child's loop: a step with a fill is answered ("rows", filled rows) or ("error", why)."""
-    _, info, vocab_size, threads = conn.recv()
+    import xgrammar  # noqa: F401 (imported before the set-up arrives: the slow part of starting)
+
+    try:
+        _, info, vocab_size, threads = conn.recv()
+    except (EOFError, OSError):  # started ahead, never used
+        return
     matchers = Matchers(info, vocab_size, threads)
     failed: str | None = None  # an error of a step with no answer due: reported with the next answer
     while True:
