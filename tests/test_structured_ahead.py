@@ -171,3 +171,81 @@ def test_a_matcher_process_started_ahead_is_used_and_an_unused_one_ends(tiny_con
     for engine_llm, child in ((llm, ahead._child), (unused_llm, unused._child)):
         engine_llm.shutdown()
         assert child.wait(timeout=30) == 0
+
+
+def _valid(llm: Any, outs: list[Any], spec: StructuredOutputs) -> bool:
+    """Every output's tokens accepted by a matcher of ``spec``'s grammar, replayed here."""
+    compiled = llm.engine.structured.grammars.get(spec)
+    for o in outs:
+        matcher = xgr.GrammarMatcher(compiled)
+        if not all(matcher.accept_token(t) for t in o.outputs[0].token_ids):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_grammars_hold_after_a_failed_step_that_followed_a_good_one(
+    tiny_config_path: Path, ahead: bool
+) -> None:
+    """A step that fails in the matcher process after earlier ones succeeded (the slots already
+    mapped there) fails its requests only: later requests are still masked by their grammar."""
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=ahead)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, structured_outputs=SPECS[1])
+    assert _valid(llm, llm.generate(["warm", "up"], params), SPECS[1])
+    sd = llm.engine.structured
+    step, failures = sd.matchers.step, []
+
+    def failing(accepts: Any, fill: Any) -> None:
+        if fill is not None and not failures:
+            failures.append(1)
+            accepts = ([*accepts[0], -1], [*accepts[1], 0])
+        step(accepts, fill)
+
+    sd.matchers.step = failing
+    (failed,) = llm.generate(["fails"], params)
+    assert failures and failed.outputs[0].finish_reason == "error"
+    outs = llm.generate([f"again {i}" for i in range(6)], params)
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+    assert _valid(llm, outs, SPECS[1])
+    assert_pool_empty(llm)
+
+
+def test_a_matcher_process_that_dies_fails_its_step_and_is_replaced(tiny_config_path: Path) -> None:
+    import os
+    import signal
+
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SPECS[1])
+    llm.generate(["warm"], params)
+    sd = llm.engine.structured
+    first = sd.matchers._child
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    outs = llm.generate(["a", "b"], params)  # the step that meets the dead child fails
+    assert all(o.outputs[0].finish_reason == "error" for o in outs)
+    outs = llm.generate(["c", "d"], params)  # a new child serves the next ones
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs) and _valid(llm, outs, SPECS[1])
+    assert sd.matchers._child is not first and sd.matchers._child.poll() is None
+    (plain,) = llm.generate(["e"], SamplingParams(max_tokens=4))
+    assert plain.outputs[0].finish_reason == "length"
+    assert_pool_empty(llm)
+    llm.shutdown()
+
+
+def test_the_child_makes_before_it_drops_and_compiles_beside_its_steps(tiny_config_path: Path) -> None:
+    """``Matchers`` (the child's state) on its own: a key made and dropped in one step is not held
+    after it; a spec sent to compile is compiled on the thread and taken by the matcher made of it; a
+    key not held fails the step after the others took their tokens."""
+    from prefixserve.structured.matcher_process import Matchers
+
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=False)
+    tok = llm.get_tokenizer()
+    sd = llm.engine._structured()
+    matchers = Matchers(sd.grammars.info.serialize_json(), len(tok), 1)
+    matchers.compile(SPECS[0])
+    matchers.step([(1, SPECS[0]), (2, SPECS[1])], [2], ([], []), None)
+    assert set(matchers.by_key) == {1} and not matchers._compiling
+    bracket = tok.convert_tokens_to_ids("[")
+    with pytest.raises(KeyError, match="not held"):
+        matchers.step([], [], ([1, 99], [bracket, 5]), None)
+    assert not matchers.by_key[1].accept_token(bracket)  # it took the first "[": a second is refused

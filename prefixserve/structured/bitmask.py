@@ -8,17 +8,15 @@ here in place: disallowed logits become -inf, so neither greedy nor any sampling
 ``StepBitmasks`` holds the buffers every constrained step goes through, made once: a constrained
 step on a GPU waits for this host work, so none of it allocates. The matcher process
 (``matcher_process``) fills one of two host slots in turn (the other may still be copying to the
-device: a launched-ahead step's copy is only queued); the slots are a shared-memory file both
-processes map (``SharedSlots``), pinned on a GPU. The filled rows go to the device in one
+device: a launched-ahead step's copy is only queued); the slots are an anonymous shared-memory file
+both processes map (``SharedSlots``), pinned on a GPU. The filled rows go to the device in one
 ``non_blocking`` copy, and the mask is applied there (``apply_token_mask``: no
 per-step tensor on the host; one kernel on a GPU, ``sampling/token_mask.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 import weakref
 from dataclasses import dataclass
 
@@ -63,41 +61,44 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     apply_token_mask(logits, bitmask.to(logits.device, non_blocking=True), index)
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
 class SharedSlots:
-    """Two host slots, int32 [2, rows, words], in a file mapped shared by the engine's process and the
-    matcher process (in /dev/shm where there is one). The file's name is removed once the child has it
-    mapped (``mapped``) or this is collected; the mapping lives as long as its tensors."""
+    """Two host slots, int32 [2, rows, words], in an anonymous shared-memory file (``memfd_create``)
+    mapped by the engine's process and the matcher process: it has no name to leak, and the child gets
+    its descriptor over their socket (``matcher_process``). Closed when collected; the mappings live
+    as long as their tensors."""
 
     def __init__(self, rows: int, words: int) -> None:
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="prefixserve-mask-", dir=shm)
-        try:
-            os.ftruncate(fd, 2 * rows * words * 4)
-        finally:
-            os.close(fd)
-        self.path, self.rows, self.words = path, rows, words
-        self.tensor = self.open(self.describe())
-        self.mapped = weakref.finalize(self, _remove, path)  # call it: the name goes now (once)
+        self.fd = os.memfd_create("prefixserve-mask")
+        os.ftruncate(self.fd, 2 * rows * words * 4)
+        self.rows, self.words = rows, words
+        self.tensor = self.open(self.fd, rows, words, close=False)
+        weakref.finalize(self, os.close, self.fd)
 
-    def describe(self) -> tuple[str, int, int]:
-        """What ``open`` needs in another process."""
-        return self.path, self.rows, self.words
+    def describe(self) -> tuple[int, int]:
+        """What ``open`` needs besides the descriptor."""
+        return self.rows, self.words
 
     @staticmethod
-    def open(described: tuple[str, int, int]) -> torch.Tensor:
-        path, rows, words = described
-        flat = torch.from_file(path, shared=True, size=2 * rows * words, dtype=torch.int32)
+    def open(fd: int, rows: int, words: int, close: bool = True) -> torch.Tensor:
+        """Map the slots of descriptor ``fd`` (a descriptor received from the engine: closed after)."""
+        try:
+            flat = torch.from_file(
+                f"/proc/self/fd/{fd}", shared=True, size=2 * rows * words, dtype=torch.int32
+            )
+        finally:
+            if close:
+                os.close(fd)
         return flat.view(2, rows, words)
 
 
 def _pin(t: torch.Tensor) -> bool:
-    """Page-lock ``t``'s memory in place for async copies to the GPU (a mapping torch did not allocate)."""
-    return torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) == 0
+    """Page-lock ``t``'s memory in place for async copies to the GPU (a mapping torch did not allocate);
+    a refusal (a memlock limit) is cleared from CUDA's last error, so no later launch check sees it."""
+    cudart = torch.cuda.cudart()
+    if cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) == 0:
+        return True
+    cudart.cudaGetLastError()
+    return False
 
 
 class StepBitmasks:

@@ -195,25 +195,38 @@ class GrammarCache:
 
     def get(self, spec: StructuredOutputs) -> Any:
         """The compiled grammar of ``spec`` (``xgrammar.CompiledGrammar``); ValueError if it is bad."""
+        compiled = self.cached(spec)
+        if compiled is None:
+            compiled = self.put(spec, self.compile(spec))
+        return compiled
+
+    def cached(self, spec: StructuredOutputs) -> Any | None:
+        """``spec``'s compiled grammar if it is in the cache (counted as a hit), else None."""
         key = spec.key()
         compiled = self._compiled.get(key)
         if compiled is not None:
             self.hits += 1
             self._compiled.move_to_end(key)
-            return compiled
+        return compiled
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """Compile ``spec`` without touching the cache (safe on another thread); ValueError if bad."""
         check(spec)  # the clear message for a bad spec
         try:
             try:
-                compiled = self.compiler.compile_grammar(folded(parse(spec)))
+                return self.compiler.compile_grammar(folded(parse(spec)))
             except Exception as exc:
                 if not _names_tokens(spec, exc) or spec.after_thinking is not None:
                     raise
                 # a tag naming tokens by their text: resolved by the compiler, which has the tokenizer
-                compiled = self.compiler.compile_structural_tag(spec.structural_tag)
+                return self.compiler.compile_structural_tag(spec.structural_tag)
         except Exception as exc:
             raise ValueError(f"structured_outputs.{spec.kind}: cannot compile: {_clean(exc)}") from None
+
+    def put(self, spec: StructuredOutputs, compiled: Any) -> Any:
+        """Cache ``compiled`` as ``spec``'s grammar (a miss); returns it."""
         self.misses += 1
-        self._compiled[key] = compiled
+        self._compiled[spec.key()] = compiled
         if len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
         return compiled

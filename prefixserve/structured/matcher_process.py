@@ -5,15 +5,17 @@ calls, and the engine's thread holds it while it runs Python: beside an engine t
 steps, a worker thread's two calls a step waited for the GIL longer than they ran (a small model's
 step is mostly host work). So every matcher lives in a child process (``serve``) that owns its GIL:
 the engine's process sends a step's accepted tokens and the rows to fill, one small message, and goes
-on; the child accepts, fills the rows straight into the step's host slot (a shared-memory file,
-``bitmask.SharedSlots``) and answers with the rows it filled. Nothing of the mask crosses the pipe.
+on; the child accepts, fills the rows straight into the step's host slot (an anonymous shared-memory
+file whose descriptor it was sent, ``bitmask.SharedSlots``) and answers with the rows it filled.
+Nothing of the mask crosses the socket.
 
 The engine's side (``MatcherProcess``) names each matcher by an integer key; a matcher is made in the
 child when its key is first sent with its spec, and dropped when the engine's handle to it
 (``MatcherHandle``, in the request's rule state) is collected. The child compiles each spec it is
-sent (``GrammarCache``, the same rules as the engine's own, which checks specs at intake); the spec is
-sent at intake, so the compile overlaps the prefill. Messages keep their order: at most one step's
-answer is awaited at a time, and an error of a step with no answer waiting is reported with the next.
+sent (``GrammarCache``, the same rules as the engine's own, which checks specs at intake) on a thread
+of its own: the spec is sent at intake, so the compile overlaps the prefill, and the steps of other
+requests are answered meanwhile. Messages keep their order: at most one step's answer is awaited at
+a time, and an error of a step with no answer waiting is reported with the next.
 
 The child is started with ``subprocess`` (``python -m prefixserve.structured.matcher_process FD``),
 not ``multiprocessing``: a spawned child would run the user's main module again, which breaks a
@@ -22,7 +24,6 @@ script that makes an ``LLM`` at its top level. It exits when its end of the sock
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import socket
@@ -31,9 +32,11 @@ import sys
 import threading
 import weakref
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -52,34 +55,49 @@ class MatcherHandle:
 
 
 class MatcherProcess:
-    """The engine's end: starts the child, sends it specs and steps, reads each step's filled rows."""
+    """The engine's end: starts the child, sends it specs and steps, reads each step's filled rows.
+
+    A child that dies or does not answer within ``ANSWER_SECONDS`` fails the step waiting on it (its
+    requests end with an error) and is replaced at the next message: requests whose matchers it held
+    fail at their next step, later ones are served by the new child."""
+
+    ANSWER_SECONDS = 60.0
 
     def __init__(self) -> None:
         """Start the child: it imports xgrammar (seconds: torch and transformers with it) and waits for
         ``setup``; a GPU engine starts it with the engine (``rule.py``), so its first constrained
         request does not wait for that."""
+        self._sending = threading.Lock()  # specs come from the intake's thread, steps from the engine's
+        self._made: list[tuple[int, StructuredOutputs]] = []  # matchers to make before the next step
+        self._dropped: deque[int] = deque()  # keys of collected handles (their finalizers, any thread)
+        self._setup: tuple[Any, ...] | None = None
+        self._start()
+
+    def _start(self) -> None:
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of prefixserve
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self._child = subprocess.Popen(
             [sys.executable, "-m", "prefixserve.structured.matcher_process", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True,  # a terminal's Ctrl-C is the engine's to handle, not the child's
         )  # fmt: skip
         theirs.close()
-        self._conn = Connection(ours.detach())
+        self._conn: Connection | None = Connection(ours.detach())
         self.close = weakref.finalize(self, _end, self._conn, self._child)  # also when collected
-        self._sending = threading.Lock()  # specs come from the intake's thread, steps from the engine's
-        self._made: list[tuple[int, StructuredOutputs]] = []  # matchers to make before the next step
-        self._dropped: deque[int] = deque()  # keys of collected handles (their finalizers, any thread)
         self._awaited = False  # a step's answer is due
         self._slots: Any = None  # the host slots the child was last sent
+        if self._setup is not None:  # a replacement: the set-up again (keys of the last one are unknown)
+            self._conn.send(self._setup)  # (inside ``_send``'s lock)
 
     def setup(self, tokenizer_info_json: str, vocab_size: int, threads: int) -> None:
         """The tokenizer (xgrammar's ``TokenizerInfo``, serialized), the vocabulary, the fill's threads."""
-        self._send(("setup", tokenizer_info_json, vocab_size, threads))
+        self._setup = ("setup", tokenizer_info_json, vocab_size, threads)
+        self._send(self._setup)
 
     def compile(self, spec: StructuredOutputs) -> None:
-        """Have the child compile ``spec`` now (no answer): its first step then finds it compiled."""
+        """Have the child compile ``spec`` now, beside its steps (no answer): a matcher made of it
+        later waits for that compile only if it has not ended."""
         self._send(("spec", spec))
 
     def matcher(self, spec: StructuredOutputs) -> MatcherHandle:
@@ -99,11 +117,13 @@ class MatcherProcess:
         self._answer()  # the last answer first: one at a time
         made, self._made = self._made, []
         dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
-        shared = None
-        if fill is not None and fill[0] is not self._slots:
-            self._slots, shared = fill[0], fill[0].describe()
-        job = None if fill is None else (shared, *fill[1:])
-        self._send(("step", made, dropped, accepts, job))
+        slots = None
+        if fill is not None and (fill[0] is not self._slots or self._conn is None):
+            slots = fill[0]
+        job = None if fill is None else (None if slots is None else slots.describe(), *fill[1:])
+        self._send(("step", made, dropped, accepts, job), slots)
+        if slots is not None:
+            self._slots = slots
         self._awaited = job is not None
 
     def rows(self) -> list[int]:
@@ -117,33 +137,42 @@ class MatcherProcess:
             return []
         self._awaited = False
         try:
+            if not self._conn.poll(self.ANSWER_SECONDS):
+                self._lose(f"no answer in {self.ANSWER_SECONDS:.0f} s")
             kind, value = self._conn.recv()
         except (EOFError, OSError):
-            code = self._child.poll()
-            raise RuntimeError(f"structured decoding's matcher process exited ({code})") from None
+            self._lose(f"exited ({self._child.poll()})")
         if kind == "error":
-            self._slots = None  # sent again with the next fill, whatever the child got to
             raise RuntimeError(f"structured decoding failed in its matcher process: {value}")
-        if self._slots is not None:
-            self._slots.mapped()  # the child has the slots' file open: its name can go
         return value
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: tuple[Any, ...], slots: Any = None) -> None:
+        """Send ``message`` (with ``slots``' file descriptor after it); a child lost before is replaced."""
         with self._sending:
+            if self._conn is None:
+                self._start()
             try:
                 self._conn.send(message)
+                if slots is not None:
+                    send_handle(self._conn, slots.fd, self._child.pid)
             except OSError:
-                code = self._child.poll()
-                raise RuntimeError(f"structured decoding's matcher process exited ({code})") from None
+                self._lose(f"exited ({self._child.poll()})")
+
+    def _lose(self, why: str) -> NoReturn:
+        """End the child (replaced at the next message) and fail the step that met it."""
+        self.close()
+        self._conn, self._awaited, self._slots = None, False, None
+        raise RuntimeError(f"structured decoding's matcher process {why}; it is restarted")
 
 
 def _end(conn: Connection, child: subprocess.Popen) -> None:
-    """End the child (it exits when the socket closes) and wait for it."""
+    """End the child (it exits when the socket closes; killed if it does not) and wait for it."""
     conn.close()
     try:
         child.wait(timeout=10)
     except subprocess.TimeoutExpired:
         child.kill()
+        child.wait()
 
 
 def _matcher_class(xgr: Any) -> Any:
@@ -208,22 +237,40 @@ class Matchers:
         self.fills = FillThreads(xgr, threads)
         self.by_key: dict[int, Any] = {}
         self.slots: torch.Tensor | None = None
+        self._compiling: dict[tuple, Future] = {}  # specs compiled on a thread, beside the steps
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-compile")
         self._matcher_cls = _matcher_class(xgr)
         self._accept = _batch_accept(xgr)
         self._stops = frozenset(info.stop_token_ids)
 
+    def compile(self, spec: StructuredOutputs) -> None:
+        """Start compiling ``spec`` on the compile thread (the steps go on), unless it is cached."""
+        key = spec.key()
+        if key not in self._compiling and self.grammars.cached(spec) is None:
+            self._compiling[key] = self._compiler.submit(self.grammars.compile, spec)
+
+    def grammar(self, spec: StructuredOutputs) -> Any:
+        """``spec``'s compiled grammar: cached, its compile on the thread waited for, or compiled now."""
+        future = self._compiling.pop(spec.key(), None)
+        if future is not None:
+            return self.grammars.put(spec, future.result())
+        return self.grammars.get(spec)
+
     def step(self, made: list, dropped: list[int], accepts: tuple, job: tuple | None) -> list[int] | None:
         """Make and drop matchers, take the accepted tokens; with ``job`` = (slots, slot, n, [(row,
-        key)]) also fill those rows of ``slots[slot][:n]``: the rows filled (ended matchers left out)."""
-        if job is not None and job[0] is not None:
-            from prefixserve.structured.bitmask import SharedSlots
-
-            self.slots = SharedSlots.open(job[0])
+        key)]) also fill those rows of ``slots[slot][:n]``: the rows filled (ended matchers left out).
+        A key this process does not hold (a replaced process's) fails the step after the others took
+        their tokens."""
+        for key, spec in made:  # made before dropped: a key in both (a request failed at once) goes
+            self.by_key[key] = self._matcher_cls(self.grammar(spec))
         for key in dropped:
             self.by_key.pop(key, None)
-        for key, spec in made:
-            self.by_key[key] = self._matcher_cls(self.grammars.get(spec))
-        self.accept([self.by_key[k] for k in accepts[0]], accepts[1])
+        held = [(self.by_key.get(k), t) for k, t in zip(*accepts, strict=True)]
+        self.accept([m for m, _ in held if m is not None], [t for m, t in held if m is not None])
+        unknown = [k for (m, _), k in zip(held, accepts[0], strict=True) if m is None]
+        unknown += [key for _, key in job[3] if key not in self.by_key] if job is not None else []
+        if unknown:
+            raise KeyError(f"matchers {unknown[:8]} are not held here")
         if job is None:
             return None
         _, slot, n, rows = job
@@ -249,6 +296,8 @@ def serve(conn: Connection) -> None:
     """The child's loop: a step with a fill is answered ("rows", filled rows) or ("error", why)."""
     import xgrammar  # noqa: F401 (imported before the set-up arrives: the slow part of starting)
 
+    from prefixserve.structured.bitmask import SharedSlots
+
     try:
         _, info, vocab_size, threads = conn.recv()
     except (EOFError, OSError):  # started ahead, never used
@@ -258,11 +307,12 @@ def serve(conn: Connection) -> None:
     while True:
         try:
             message = conn.recv()
+            if message[0] == "step" and message[4] is not None and message[4][0] is not None:
+                matchers.slots = SharedSlots.open(recv_handle(conn), *message[4][0])  # the fd follows
         except (EOFError, OSError):  # the engine's end closed
             return
         if message[0] == "spec":  # checked at intake; an error here comes back when a matcher is made
-            with contextlib.suppress(Exception):
-                matchers.grammars.get(message[1])
+            matchers.compile(message[1])
             continue
         answer = message[4] is not None
         try:
