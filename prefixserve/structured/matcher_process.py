@@ -24,6 +24,7 @@ script that makes an ``LLM`` at its top level. It exits when its end of the sock
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import socket
@@ -294,14 +295,17 @@ class Matchers:
 
 def serve(conn: Connection) -> None:
     """The child's loop: a step with a fill is answered ("rows", filled rows) or ("error", why)."""
-    import xgrammar  # noqa: F401 (imported before the set-up arrives: the slow part of starting)
-
     from prefixserve.structured.bitmask import SharedSlots
 
+    # xgrammar (seconds: torch and transformers with it) imported on a thread from the start, while this
+    # one reads the set-up at once: the engine's send of it (megabytes) never waits for the import
+    importer = threading.Thread(target=importlib.import_module, args=("xgrammar",), daemon=True)
+    importer.start()
     try:
         _, info, vocab_size, threads = conn.recv()
     except (EOFError, OSError):  # started ahead, never used
         return
+    importer.join()
     matchers = Matchers(info, vocab_size, threads)
     failed: str | None = None  # an error of a step with no answer due: reported with the next answer
     while True:
