@@ -289,3 +289,21 @@ def test_a_step_fills_on_one_thread_up_to_the_fanout_rows_and_on_the_threads_pas
         assert torch.equal(masks[1][r], probe[0])
     single = FillThreads(xgr, 1)
     assert single.many is single.one  # one thread asked for: no second matcher
+
+
+@pytest.mark.parametrize("memfd", [True, False])
+def test_shared_slots_are_one_memory_through_their_descriptor(monkeypatch, memfd: bool) -> None:
+    """``SharedSlots``: what one mapping writes, another mapping of its descriptor (the matcher
+    process's) reads, with ``memfd_create`` or without it (an unlinked temporary file)."""
+    import os
+
+    from prefixserve.structured.bitmask import SharedSlots
+
+    if not memfd:
+        monkeypatch.delattr(os, "memfd_create", raising=False)
+    slots = SharedSlots(3, 5)
+    other = SharedSlots.open(os.dup(slots.fd), *slots.describe())
+    slots.tensor[1, 2] = torch.arange(5, dtype=torch.int32)
+    assert torch.equal(other[1, 2], torch.arange(5, dtype=torch.int32)) and other.shape == (2, 3, 5)
+    other[0, 0, 0] = 7
+    assert int(slots.tensor[0, 0, 0]) == 7

@@ -17,6 +17,7 @@ per-step tensor on the host; one kernel on a GPU, ``sampling/token_mask.py``).
 from __future__ import annotations
 
 import os
+import tempfile
 import weakref
 from dataclasses import dataclass
 
@@ -61,14 +62,29 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     apply_token_mask(logits, bitmask.to(logits.device, non_blocking=True), index)
 
 
+def _anonymous_file() -> int:
+    """A descriptor of a file with no name: ``memfd_create`` (Linux), else a temporary file unlinked
+    at once (macOS)."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("prefixserve-mask")
+    fd, path = tempfile.mkstemp(prefix="prefixserve-mask-")
+    os.unlink(path)
+    return fd
+
+
+def _fd_path(fd: int) -> str:
+    """A path that opens what descriptor ``fd`` holds (``torch.from_file`` takes a path)."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
 class SharedSlots:
-    """Two host slots, int32 [2, rows, words], in an anonymous shared-memory file (``memfd_create``)
+    """Two host slots, int32 [2, rows, words], in an anonymous shared-memory file (``_anonymous_file``)
     mapped by the engine's process and the matcher process: it has no name to leak, and the child gets
     its descriptor over their socket (``matcher_process``). Closed when collected; the mappings live
     as long as their tensors."""
 
     def __init__(self, rows: int, words: int) -> None:
-        self.fd = os.memfd_create("prefixserve-mask")
+        self.fd = _anonymous_file()
         os.ftruncate(self.fd, 2 * rows * words * 4)
         self.rows, self.words = rows, words
         self.tensor = self.open(self.fd, rows, words, close=False)
@@ -82,9 +98,7 @@ class SharedSlots:
     def open(fd: int, rows: int, words: int, close: bool = True) -> torch.Tensor:
         """Map the slots of descriptor ``fd`` (a descriptor received from the engine: closed after)."""
         try:
-            flat = torch.from_file(
-                f"/proc/self/fd/{fd}", shared=True, size=2 * rows * words, dtype=torch.int32
-            )
+            flat = torch.from_file(_fd_path(fd), shared=True, size=2 * rows * words, dtype=torch.int32)
         finally:
             if close:
                 os.close(fd)
