@@ -66,9 +66,8 @@ class StructuredDecoding:
     def admit(self, spec: StructuredOutputs) -> None:
         """Compile ``spec`` now (or find it compiled): a bad one raises ValueError before queueing;
         the matcher process compiles its own meanwhile."""
-        fresh = self.grammars.misses
-        self.grammars.get(spec)
-        if self.grammars.misses != fresh:
+        if self.grammars.cached(spec) is None:
+            self.grammars.put(spec, self.grammars.compile(spec))
             self.matchers.compile(spec)
 
     @staticmethod

@@ -269,14 +269,14 @@ class Matchers:
         held = [(self.by_key.get(k), t) for k, t in zip(*accepts, strict=True)]
         self.accept([m for m, _ in held if m is not None], [t for m, t in held if m is not None])
         unknown = [k for (m, _), k in zip(held, accepts[0], strict=True) if m is None]
-        unknown += [key for _, key in job[3] if key not in self.by_key] if job is not None else []
+        filled = [(row, key, self.by_key.get(key)) for row, key in job[3]] if job is not None else []
+        unknown += [key for _, key, m in filled if m is None]
         if unknown:
             raise KeyError(f"matchers {unknown[:8]} are not held here")
         if job is None:
             return None
-        _, slot, n, rows = job
-        live = [(row, self.by_key[key]) for row, key in rows]
-        live = [(row, m) for row, m in live if not m.ended]
+        _, slot, n, _ = job
+        live = [(row, m) for row, _, m in filled if not m.ended]
         if live:
             self.fills.fill([m for _, m in live], self.slots[slot][:n], [row for row, _ in live])
         return [row for row, _ in live]
