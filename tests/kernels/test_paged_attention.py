@@ -167,3 +167,33 @@ def test_the_merged_launchs_output_position_is_its_out_ptr() -> None:
     names = list(paged._paged_kernel.arg_names)
     assert PAGED_MERGED[3] == paged.MERGED_OUT and names[paged.MERGED_OUT] == "out_ptr"
     assert PAGED_MERGED[:3] == (names.index("q_ptr"), names.index("k_ptr"), names.index("v_ptr"))
+
+
+@pytest.mark.parametrize("ahead", [0, 256])
+@pytest.mark.parametrize(
+    ("splits", "longest", "block_size"),
+    [(5, 130, 16), (2, 300, 16), (9, 1500, 16), (3, 200, 32), (None, 200, 16)],
+)
+def test_block_ids_read_ahead_or_per_tile(
+    monkeypatch: pytest.MonkeyPatch, ahead: int, splits: int | None, longest: int, block_size: int
+) -> None:
+    """Each program's block ids read in one load before its walk (``attend_range_ahead``, where the
+    run's blocks fit ``PAGES_AHEAD``) or a tile at a time: decode splits, merged or not, and prefill
+    chunks, against the oracle."""
+    from prefixserve.attention.kernels import paged_attention as paged
+
+    monkeypatch.setattr(paged, "PAGES_AHEAD", ahead)
+    err, lse_err = _run([1, 1, 1, 1], [3, 77, 0, longest], 4, 64, block_size, num_splits=splits)
+    assert err < 1e-5 and lse_err < 1e-4
+    err, lse_err = _run([3, 1, 5], [40, longest, 130], 4, 64, block_size, num_splits=splits)
+    assert err < 1e-5 and lse_err < 1e-4
+
+
+def test_walk_pages_bounds_the_blocks_a_program_spans() -> None:
+    from prefixserve.attention.kernels.paged_attention import walk_pages
+
+    assert walk_pages(512, 32, 1024, 16, 64, 256) == 32  # a B=1 16K decode's splits
+    assert walk_pages(0, 32, 1024, 16, 64, 256) == 32  # sized per sequence: the table's width bounds it
+    assert walk_pages(96, 4, 64, 32, 16, 256) == 4  # runs may start inside a 32-token block
+    assert walk_pages(0, 1, 8192, 16, 64, 256) == 0  # a whole long table: each tile loads its own
+    assert walk_pages(512, 32, 1024, 16, 64, 0) == 0

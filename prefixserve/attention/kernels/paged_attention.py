@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from prefixserve.attention.kernels.attend import attend_range, finish_rows
+from prefixserve.attention.kernels.attend import attend_range, attend_range_ahead, finish_rows
 from prefixserve.attention.kernels.merge import merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
 from prefixserve.attention.planning.tiles import (
@@ -77,6 +77,7 @@ def paged_program(
     BLOCK_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    PAGES_AHEAD: tl.constexpr = 0,  # > 0: a split's block ids (at most this many) read before its walk
 ):
     # a Triton kernel body: one program's query tile over its KV split, kept in one piece
     """One program of the paged kernel: (sequence query tile, KV head, KV split) -> o, lse rows."""
@@ -110,28 +111,19 @@ def paged_program(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        m_i, l_i, acc = attend_range(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_ptr + kvh * stride_kh,
-            v_ptr + kvh * stride_vh,
-            bt_ptr + seq.to(tl.int64) * stride_bt,
-            kv_lo,
-            kv_hi,
-            limit,
-            qk_scale,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            BLOCK_N,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            DOT_PREC,
-            UPCAST,
-        )
+        k_base, v_base = k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh
+        table = bt_ptr + seq.to(tl.int64) * stride_bt
+        if PAGES_AHEAD > 0:
+            m_i, l_i, acc = attend_range_ahead(
+                q, m_i, l_i, acc, k_base, v_base, table, kv_lo, kv_hi, limit, qk_scale, stride_kb,
+                stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST,
+                PAGES_AHEAD,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc = attend_range(
+                q, m_i, l_i, acc, k_base, v_base, table, kv_lo, kv_hi, limit, qk_scale, stride_kb,
+                stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST,
+            )  # fmt: skip
         o, lse = finish_rows(m_i, l_i, acc)
         split64 = split.to(tl.int64)
         o_rows = o_ptr + split64 * stride_os + tok[:, None] * stride_ot + head[:, None] * stride_oh
@@ -189,6 +181,7 @@ def _paged_kernel(
     BLOCK_G: tl.constexpr = 16,  # MERGE: GROUP rounded up to a power of two
     WANT_LSE: tl.constexpr = False,
     MERGE_UNROLL: tl.constexpr = 8,  # MERGE: splits a merge turn loads together
+    PAGES_AHEAD: tl.constexpr = 0,
 ):
     """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s, and with
     ``MERGE`` (decode steps: one query a sequence) the merge of the splits' partials (``merge_last``)."""
@@ -231,6 +224,7 @@ def _paged_kernel(
         BLOCK_SIZE,
         DOT_PREC,
         UPCAST,
+        PAGES_AHEAD,
     )
     if MERGE:
         merge_last(
@@ -325,6 +319,9 @@ def merge_last(
 
 # splits a merge turn loads together (``merge_last``); measured on an H200 at B=1: docs/kernels.md §6
 MERGE_UNROLL = 8
+# the most block ids a program reads before its walk (``attend_range_ahead``; 0: each tile loads its own),
+# and the pipeline depth that walk runs at: measured on an H200 at B=1, docs/kernels.md §6
+PAGES_AHEAD, AHEAD_STAGES = 256, 3
 
 BALANCE_CHUNK = 1024  # a prefill step of few programs: no KV split longer than this (0: off)
 
@@ -353,6 +350,20 @@ def choose_split(
     splits = max(1, min(want, math.ceil(max_kv / min_chunk), 64))
     split_size = math.ceil(math.ceil(max_kv / splits) / block_n) * block_n
     return math.ceil(max_kv / split_size), split_size
+
+
+def walk_pages(
+    split_size: int, num_splits: int, width: int, block_size: int, block_n: int, limit: int
+) -> int:
+    """Block ids a program of the paged kernel reads before its walk (a power of two covering the
+    blocks its KV run can span), or 0 where that is more than ``limit``: then each tile loads its own.
+    ``split_size`` 0 (a graph's splits sized per sequence) bounds the run by the table's width."""
+    if limit <= 0:
+        return 0
+    run = split_size or math.ceil(math.ceil(width * block_size / max(num_splits, 1)) / block_n) * block_n
+    mid_block = block_n % block_size != 0  # runs start at multiples of block_n: maybe inside a block
+    pages = triton.next_power_of_2(math.ceil(run / block_size) + mid_block)
+    return pages if pages <= limit else 0
 
 
 def pick_block_m(rows_per_seq: int, group: int) -> int:
@@ -406,6 +417,7 @@ def launch_paged(
     num_stages: int | None = None,
     pack: int = 1,
     merged: Merged | None = None,
+    pages_ahead: int | None = None,
 ) -> Launch | None:
     """Launch the kernel; split k of row t goes to o_dst + k * split_stride_o (element strides).
 
@@ -429,7 +441,9 @@ def launch_paged(
     if num_seqs == 0 or q.shape[0] == 0:
         return None
     group = q_heads // kv_heads
-    stages = num_stages or 2  # measured on H200 (bf16): docs/kernels.md §2.1
+    limit_pages = 0 if pack > 1 else PAGES_AHEAD if pages_ahead is None else pages_ahead
+    ahead = walk_pages(split_size, num_splits, block_tables.shape[1], block_size, block_n, limit_pages)
+    stages = num_stages or (AHEAD_STAGES if ahead else 2)  # measured on H200 (bf16): docs/kernels.md §2.1
     strides = _strides(q, k_cache, v_cache, block_tables, o_dst, lse_dst, split_stride_o, split_stride_lse)
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, o_dst, lse_dst, scale * LOG2E)
     if merged is not None and (pack > 1 or out_not_rows(merged[0])):
@@ -473,6 +487,7 @@ def launch_paged(
         BLOCK_G=triton.next_power_of_2(group),
         WANT_LSE=out_lse is not None,
         MERGE_UNROLL=MERGE_UNROLL,
+        PAGES_AHEAD=ahead,
         num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
     )
