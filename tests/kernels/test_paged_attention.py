@@ -177,9 +177,9 @@ def test_the_merged_launchs_output_position_is_its_out_ptr() -> None:
 def test_block_ids_read_ahead_or_per_tile(
     monkeypatch: pytest.MonkeyPatch, ahead: int, splits: int | None, longest: int, block_size: int
 ) -> None:
-    """Each program's block ids read in one load before its walk (``attend_range_ahead``, where the
-    run's blocks fit ``PAGES_AHEAD``) or a tile at a time: decode splits, merged or not, and prefill
-    chunks, against the oracle."""
+    """Each program's block ids read in one load before its walk (``attend_range_ahead``: a decode
+    step's splits whose runs' blocks fit ``PAGES_AHEAD``) or a tile at a time, against the oracle;
+    with prefill chunks beside (a tile at a time)."""
     from prefixserve.attention.kernels import paged_attention as paged
 
     monkeypatch.setattr(paged, "PAGES_AHEAD", ahead)

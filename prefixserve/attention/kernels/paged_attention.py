@@ -428,6 +428,8 @@ def launch_paged(
 
     ``pack > 1`` on a decode step (``max_query_len == 1``) runs ``pack`` sequences per program
     (``packed_decode_program``), each contributing ``block_n // pack`` tokens to a KV tile.
+    ``pages_ahead``: the most block ids a decode split's program reads before its walk (None:
+    ``PAGES_AHEAD``; 0: a tile at a time).
     Returns the recorded launch (None when there was nothing to do): args 0-2 are q, k_cache,
     v_cache and 6-7 o_dst, lse_dst, for ``relaunch``.
     """
@@ -441,7 +443,10 @@ def launch_paged(
     if num_seqs == 0 or q.shape[0] == 0:
         return None
     group = q_heads // kv_heads
-    limit_pages = 0 if pack > 1 else PAGES_AHEAD if pages_ahead is None else pages_ahead
+    # a decode step's splits only: few programs, each a long walk (one split a sequence at B=64 took
+    # 1.23x its time with the ids ahead at 4K: 3 stages cost occupancy where programs are many)
+    reads_ahead = pack == 1 and max_query_len == 1 and num_splits > 1
+    limit_pages = (PAGES_AHEAD if pages_ahead is None else pages_ahead) if reads_ahead else 0
     ahead = walk_pages(split_size, num_splits, block_tables.shape[1], block_size, block_n, limit_pages)
     stages = num_stages or (AHEAD_STAGES if ahead else 2)  # measured on H200 (bf16): docs/kernels.md §2.1
     strides = _strides(q, k_cache, v_cache, block_tables, o_dst, lse_dst, split_stride_o, split_stride_lse)
