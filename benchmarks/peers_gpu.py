@@ -85,9 +85,17 @@ def points(
     return [p for p in kept if batches is None or p["fanouts"][-1] in batches]
 
 
-def make_batch(pt: dict[str, Any], device: torch.device) -> Batch:
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # vLLM's --kv-cache-dtype names
+
+
+def make_batch(pt: dict[str, Any], device: torch.device, kv_cache_dtype: str = "auto") -> Batch:
     heads = SMOKE_HEADS if pt["layout"] == "smoke" else LAYOUTS[pt["layout"]]
-    return build(pt["kind"], pt["fanouts"], pt["lengths"], heads, device)
+    return build(pt["kind"], pt["fanouts"], pt["lengths"], heads, device, kv_dtype=KV_DTYPES[kv_cache_dtype])
+
+
+def result_name(kv_cache_dtype: str) -> str:
+    """The results' file stem: ``peers_gpu``, or ``peers_gpu_fp8`` over an FP8 cache."""
+    return NAME if kv_cache_dtype == "auto" else f"{NAME}_{kv_cache_dtype}"
 
 
 class Columns:
@@ -115,13 +123,17 @@ class Columns:
 
 
 def measure(
-    pt: dict[str, Any], cols: Columns, device: torch.device, copy_tbps: float | None
+    pt: dict[str, Any],
+    cols: Columns,
+    device: torch.device,
+    copy_tbps: float | None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """One point: build, check agreement, time (on a GPU), per-column errors recorded, not raised."""
     from benchmarks.harness.timing import bench_ms, graphed
 
     t0 = time.perf_counter()
-    batch = make_batch(pt, device)
+    batch = make_batch(pt, device, kv_cache_dtype)
     row: dict[str, Any] = {**batch.info, "layout": pt["layout"], "bytes": batch.min_bytes(), "errors": {}}
     fns: dict[str, Any] = {}
     for col, make in cols.builders(batch).items():
@@ -213,6 +225,8 @@ def run(args: argparse.Namespace) -> None:
             "kinds": args.kinds,
             "batches": args.batches,
             "page_size": 16,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "name": result_name(args.kv_cache_dtype),
         },
         "complete": False,
         "rows": [],
@@ -225,18 +239,18 @@ def run(args: argparse.Namespace) -> None:
             result["rows"].append({**where, "error": f"skipped: past the {args.budget_s} s budget"})
             continue
         try:
-            row = measure(pt, cols, device, copy_tbps)
+            row = measure(pt, cols, device, copy_tbps, args.kv_cache_dtype)
         except Exception as exc:  # keep the rest of the grid; the row says what failed
             traceback.print_exc()
             row = {**where, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         result["rows"].append(row)
         print(_line(row), flush=True)
-        write_json(out / f"{NAME}.json", result)  # a cut-short run keeps what it measured
+        write_json(out / f"{result_name(args.kv_cache_dtype)}.json", result)  # a cut-short run keeps it
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result["complete"] = True
     result["wall_s"] = round(time.perf_counter() - start, 1)
-    write_json(out / f"{NAME}.json", result)
+    write_json(out / f"{result_name(args.kv_cache_dtype)}.json", result)
     report(result, out)
 
 
@@ -253,11 +267,14 @@ def _line(row: dict[str, Any]) -> str:
 
 def report(result: dict[str, Any], out: Path) -> None:
     """The Markdown table (one row a point) and a plot of our time / theirs."""
+    kv = result["settings"].get("kv_cache_dtype", "auto")
+    name = result["settings"].get("name", NAME)
+    kv_text = "bf16 queries, an FP8 (e4m3) KV cache" if kv == "fp8" else "bf16"
     lines = [
-        "# prefixserve vs FlashInfer: decode attention, one GPU",
+        "# prefixserve vs FlashInfer: decode attention, one GPU" + (", FP8 KV cache" if kv == "fp8" else ""),
         "",
         f"{result['device']}; torch {result['torch']}; triton {result.get('triton')}; flashinfer "
-        f"{result.get('flashinfer')}; commit {result['commit']}; {result['date']}; bf16, page size 16; "
+        f"{result.get('flashinfer')}; commit {result['commit']}; {result['date']}; {kv_text}, page size 16; "
         f"copy rate {cell(result.get('copy_TBps'), '.2f')} TB/s. Written by `benchmarks/peers_gpu.py`"
         + ("" if result.get("complete") else " (incomplete run)")
         + ".",
@@ -291,11 +308,11 @@ def report(result: dict[str, Any], out: Path) -> None:
             f"| {cell(r.get(f'{mine}_TBps'), '.2f')} | {cell(r.get('ours_over_theirs'), '.3f')} "
             f"| {cell(r.get('ours_over_fi_decode'), '.3f')} | {met} | {cell(worst, '.1e')} | {errs} |"
         )
-    write_text(out, f"{NAME}.md", lines)
-    _plot(result, out)
+    write_text(out, f"{name}.md", lines)
+    _plot(result, out, name)
 
 
-def _plot(result: dict[str, Any], out: Path) -> None:
+def _plot(result: dict[str, Any], out: Path, name: str) -> None:
     rows = [r for r in result["rows"] if r.get("ours_over_theirs")]
     plt = pyplot()
     if plt is None or not rows:
@@ -309,7 +326,7 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
     ax.set_ylabel("our time / FlashInfer's")
     fig.tight_layout()
-    fig.savefig(out / f"{NAME}.png", dpi=120)
+    fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
 
 
@@ -321,6 +338,10 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--kinds", nargs="+", choices=list(TARGET_COLUMNS), help="only these kinds of point")
     r.add_argument("--batches", nargs="+", type=int, help="only points of these batch sizes (last fanout)")
     r.add_argument("--budget-s", type=float, default=420.0, help="start no point after this many seconds")
+    r.add_argument(
+        "--kv-cache-dtype", choices=list(KV_DTYPES), default="auto",
+        help="fp8: both sides over an e4m3 KV cache (results in peers_gpu_fp8.*)",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -63,8 +63,8 @@ class Batch:
     def min_bytes(self) -> int:
         """KV read once (each shared node once, every own part) + q read + o written."""
         hq, hkv, d = self.heads
-        item = self.k_cache.element_size()
-        return self.unique_tokens * hkv * d * 2 * item + 2 * self.batch * hq * d * item
+        kv_item, q_item = self.k_cache.element_size(), self.q.element_size()
+        return self.unique_tokens * hkv * d * 2 * kv_item + 2 * self.batch * hq * d * q_item
 
 
 def _node_lengths(fanouts: list[int], lengths: list[Any], gen: torch.Generator) -> list[np.ndarray]:
@@ -89,9 +89,12 @@ def build(
     device: torch.device | str,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> Batch:
     """A point's tree: the shared levels' pages consecutive (a prompt's blocks from a fresh pool), the
-    leaves' pages scattered over the rest of the pool (allocated a decode step at a time)."""
+    leaves' pages scattered over the rest of the pool (allocated a decode step at a time).
+    ``kv_dtype`` torch.float8_e4m3fn: the caches hold the values' e4m3 roundings (unit scales: an
+    FP8 cache's scales are folded into q and the output outside the kernels, both sides alike)."""
     from prefixserve.attention.metadata import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
@@ -119,7 +122,8 @@ def build(
     hq, hkv, d = heads
     dev_gen = torch.Generator(device=device).manual_seed(seed)  # up to 64 GiB of KV: drawn in place
     k_cache, v_cache = (
-        torch.randn(total, BS, hkv, d, device=device, dtype=dtype, generator=dev_gen) for _ in "kv"
+        torch.randn(total, BS, hkv, d, device=device, dtype=dtype, generator=dev_gen).to(kv_dtype or dtype)
+        for _ in "kv"
     )
     q = torch.randn(b, hq, d, device=device, dtype=dtype, generator=dev_gen)
     meta = build_metadata(BS, [1] * b, seq_lens, table_arr, device)
@@ -127,6 +131,7 @@ def build(
     levels = [_csr(np.arange(0, b + 1, spans[lv]), node_pages[lv], lens[lv]) for lv in range(len(lens))]
     unique = int(sum(ln.sum() for ln in lens))
     info = {"kind": kind, "B": b, "fanouts": fanouts, "lengths": [str(x) for x in lengths]}
+    info["kv_dtype"] = str(k_cache.dtype).removeprefix("torch.")
     info |= {"heads": list(heads), "kv_tokens": int(sum(seq_lens)), "unique_kv_tokens": unique}
     return Batch(kind, heads, k_cache, v_cache, q, meta, whole, levels, unique, info)
 
