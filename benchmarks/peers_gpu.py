@@ -267,8 +267,8 @@ def _line(row: dict[str, Any]) -> str:
 
 def report(result: dict[str, Any], out: Path) -> None:
     """The Markdown table (one row a point) and a plot of our time / theirs."""
-    kv = result["settings"].get("kv_cache_dtype", "auto")
-    name = result["settings"].get("name", NAME)
+    settings = result.get("settings", {})
+    kv, name = settings.get("kv_cache_dtype", "auto"), settings.get("name", NAME)
     kv_text = "bf16 queries, an FP8 (e4m3) KV cache" if kv == "fp8" else "bf16"
     lines = [
         "# prefixserve vs FlashInfer: decode attention, one GPU" + (", FP8 KV cache" if kv == "fp8" else ""),
