@@ -17,6 +17,22 @@ from prefixserve.triton_support import require_triton
 triton, tl = require_triton()
 
 
+FP16_MAX = 65504.0
+
+
+@triton.jit
+def widened_q(q, k_ptr):
+    """q in the dtype an e4m3 cache's tiles are widened to: fp16 where q is bf16 (e4m3 -> fp16 is one
+    instruction for two values on sm_89+, e4m3 -> bf16 several, and decode over an FP8 cache was
+    bound by them: docs/kernels.md §2.13), q's own dtype otherwise. bf16 -> fp16 is exact for
+    normal values in fp16's range (fp16 has the longer mantissa); larger ones are clamped to it,
+    values under 2^-14 keep fewer bits (a product's terms that small do not move an fp32 sum)."""
+    if k_ptr.dtype.element_ty == tl.float8e4nv:  # noqa: SIM102 (compile-time branches, one a dtype)
+        if q.dtype == tl.bfloat16:
+            q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    return q
+
+
 @triton.jit
 def softmax_step(s, m_i, l_i, qk_scale):
     """One online-softmax update from unscaled fp32 scores s: (p, alpha, new max, new sum).

@@ -13,7 +13,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from prefixserve.attention.kernels.attend import accumulate_pv, finish_rows, qk_scores, softmax_step
+from prefixserve.attention.kernels.attend import (
+    accumulate_pv,
+    finish_rows,
+    qk_scores,
+    softmax_step,
+    widened_q,
+)
 from prefixserve.attention.planning.tiles import (
     dot_precision,
     fit_tiles,
@@ -92,6 +98,7 @@ def packed_decode_program(
         mask=row_ok[:, None],
         other=0.0,
     )
+    q = widened_q(q, k_ptr)
     # columns: CHUNK-token slices of each packed sequence's KV split
     seq_n = pid * PACK + offs_n // CHUNK
     live_n = seq_n < num_seqs

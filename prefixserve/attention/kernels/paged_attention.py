@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from prefixserve.attention.kernels.attend import attend_range, attend_range_ahead, finish_rows
+from prefixserve.attention.kernels.attend import attend_range, attend_range_ahead, finish_rows, widened_q
 from prefixserve.attention.kernels.merge import merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
 from prefixserve.attention.planning.tiles import (
@@ -100,6 +100,7 @@ def paged_program(
             mask=row_ok[:, None],
             other=0.0,
         )
+        q = widened_q(q, k_ptr)
         limit = ctx + qi + 1
         # split_size == 0 sizes the splits per sequence from its own length (no host scalar): what a
         # captured CUDA graph needs, since the graph keeps its launch arguments while lengths grow

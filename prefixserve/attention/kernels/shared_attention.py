@@ -32,6 +32,7 @@ from prefixserve.attention.kernels.attend import (
     finish_rows,
     qk_scores,
     softmax_step,
+    widened_q,
 )
 from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
 from prefixserve.attention.planning.shared_plan import WIDE_M, SharedWork, plan_shared_work
@@ -133,6 +134,7 @@ def shared_program(
             mask=row_ok[:, None],
             other=0.0,
         )
+        q = widened_q(q, k_ptr)
         limit = tl.zeros([BLOCK_M], tl.int32) + kv_hi  # non-causal: every row sees the whole range
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

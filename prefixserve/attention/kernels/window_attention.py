@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.attention.kernels.attend import attend_range, attend_two_runs, finish_rows
+from prefixserve.attention.kernels.attend import attend_range, attend_two_runs, finish_rows, widened_q
 from prefixserve.attention.kernels.shared_attention import launch_shared
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning.shared_plan import ITEM_FIELDS
@@ -98,6 +98,7 @@ def _window_kernel(
             mask=row_ok[:, None],
             other=0.0,
         )
+        q = widened_q(q, k_ptr)
         hi = ctx + qi + 1  # [BLOCK_M]: row m sees keys lo[m] <= n < hi[m]
         lo = hi - window
         kv_hi = ctx + tl.minimum(q0 + BLOCK_M // GROUP, q_len)
