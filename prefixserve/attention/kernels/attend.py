@@ -17,9 +17,6 @@ from prefixserve.triton_support import require_triton
 triton, tl = require_triton()
 
 
-FP16_MAX = 65504.0
-
-
 @triton.jit
 def widened_q(q, k_ptr):
     """q in the dtype an e4m3 cache's tiles are widened to: fp16 where q is bf16 (e4m3 -> fp16 is one
@@ -29,7 +26,7 @@ def widened_q(q, k_ptr):
     values under 2^-14 keep fewer bits (a product's terms that small do not move an fp32 sum)."""
     if k_ptr.dtype.element_ty == tl.float8e4nv:  # noqa: SIM102 (compile-time branches, one a dtype)
         if q.dtype == tl.bfloat16:
-            q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # fp16's largest
     return q
 
 
