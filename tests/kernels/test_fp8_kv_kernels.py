@@ -269,3 +269,28 @@ def test_head_sizes_the_kernels_turn() -> None:
     from prefixserve.attention.kernels.turn import turns
 
     assert [d for d in (16, 24, 32, 64, 96, 128, 256, 512) if turns(d)] == [32, 64, 128, 256]
+
+
+def test_bf16_queries_over_an_e4m3_cache_widen_to_fp16() -> None:
+    """bf16 q over an e4m3 cache runs the products in fp16 (``attend.widened_q``): the paged kernel,
+    its decode splits and the packed decode kernel against fp64 attention over the same codes, within
+    bf16 q's own rounding; a q element past fp16's range is clamped, never inf or NaN."""
+    from prefixserve.attention.kernels.paged_attention import paged_attention
+
+    gen = torch.Generator().manual_seed(3)
+    lens, dim, group, bs = [40, 333, 130, 77], 64, 4, 16
+    k, v, tables = paged_cache(lens, bs, 2, dim, torch.float32, gen)
+    k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), 2 * group, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    scale = 1 / math.sqrt(dim)
+    ref, _ = reference(q, k.float(), v.float(), tables, lens, [1] * len(lens), scale)
+    for splits, pack in ((1, 1), (4, 1), (None, 2)):
+        o, _ = paged_attention(q, k, v, bt, sl, qsl, scale, 1, num_splits=splits, pack=pack)
+        assert o.dtype == torch.bfloat16 and rel_err(o, ref) < 1e-2, (splits, pack)
+    q[0, 0, 0] = 3e5  # past fp16's 65504
+    o, _ = paged_attention(q, k, v, bt, sl, qsl, scale, 1, num_splits=4)
+    assert torch.isfinite(o.float()).all()
