@@ -1,4 +1,4 @@
-"""Probe: the paged decode's in-kernel merge at B=1 and 16 (``paged_attention.merge_last``) by turn width
+"""Probe: the paged decode's in-kernel merge at B=1 and 16 (``merge.merge_last``) by turn width
 (``MERGE_UNROLL``: splits whose partials a turn loads together) and by the split choice's waves of
 programs (``choose_split`` aims at 2), beside FlashInfer's batch decode. Each variant runs
 ``benchmarks/peers_gpu.py run --kinds plain`` in a process of its own, in the order given (interleave

@@ -38,11 +38,17 @@ def main() -> None:
         print(json.dumps({"kernel": "window", "skip": skip, "ok": bool(compiled.asm.get("cubin"))}))
     types = ptrs | {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
     types |= {"count_ptr": "*i32"}
-    for merge in (False, True):  # a decode step's splits merged by the last program (``merge_last``)
+    for merge in (False, True):  # a decode step's splits merged by the last program (``merge_last``),
+        # their block ids read ahead of the walk (``attend_range_ahead``, tl.gather)
         consts = common | {"GROUP": 4, "BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True}
         consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge, "MERGE_UNROLL": 4}
+        consts |= {"PAGES_AHEAD": 32 if merge else 0}
         compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
         print(json.dumps({"kernel": "paged", "skip": merge, "ok": bool(compiled.asm.get("cubin"))}))
+    # over an e4m3 cache: bf16 q widened to fp16 (``attend.widened_q``), the merged form
+    types |= {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
+    compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
+    print(json.dumps({"kernel": "paged_e4m3", "skip": True, "ok": bool(compiled.asm.get("cubin"))}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A decode step's KV splits merged inside the paged kernel (``paged_attention.merge_last``), on the
+"""A decode step's KV splits merged inside the paged kernel (``merge.merge_last``), on the
 two paths that relaunch it for every later layer: the eager backend's recorded launches and a decode
 graph's. Two layers (other q, K and V, the same step) through each, both against the reference: a
 relaunch that wrote its output anywhere but the layer's own would fail the second."""

@@ -203,7 +203,8 @@ def test_a_long_prefix_is_cut_to_the_blocks_inside_every_window(window: int) -> 
 def test_window_and_paged_kernels_compile_for_hopper() -> None:
     """The real compiler (sm_90, no GPU needed) takes the window kernel in both forms at Gemma's
     256-wide heads and the paged kernel, whose shared walk (``attend_range``) gained the window bound,
-    with and without its decode merge (``merge_last``: "skip" marks the merged form here)."""
+    with and without its decode merge (``merge_last``: "skip" marks the merged form here, which
+    reads its block ids ahead of the walk)."""
     from _kernel_helpers import compiled_for_hopper
 
     results = compiled_for_hopper("_window_compile.py")
@@ -212,6 +213,7 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
         ("window", True),
         ("paged", False),
         ("paged", True),
+        ("paged_e4m3", True),
     ]
     assert all(r["ok"] for r in results)
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from prefixserve.attention.kernels.attend import attend_range, attend_range_ahead, finish_rows, widened_q
-from prefixserve.attention.kernels.merge import merge_partials
+from prefixserve.attention.kernels.merge import merge_last, merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
 from prefixserve.attention.planning.tiles import (
     LOG2E,
@@ -233,89 +233,6 @@ def _paged_kernel(
             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_out_t, stride_out_h,
             GROUP, BLOCK_G, HEAD_DIM, WANT_LSE, MERGE_UNROLL,
         )  # fmt: skip
-
-
-@triton.jit
-def merge_last(
-    qsl_ptr,
-    o_ptr,
-    lse_ptr,
-    out_ptr,
-    out_lse_ptr,
-    count_ptr,
-    stride_os,
-    stride_ot,
-    stride_oh,
-    stride_ls,
-    stride_lt,
-    stride_out_t,
-    stride_out_h,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    WANT_LSE: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    """The last program of a (sequence, KV head) to finish merges its splits' partials into the output.
-
-    At B = 1 a decode step is one sequence's KV cut into dozens of splits, and the merge as a second
-    kernel cost about one launch and pass in a graph (docs/kernels.md, FlashInfer side by side). Each
-    program counts itself in ``count_ptr`` after its partials are written (a barrier, then an
-    acquire-release add); the one that finds every other counted reads the partials through L2 and
-    writes the final rows, then sets the count back to zero for the next step or replay.
-
-    One pass with a running max, in split order, as ``merge.py``'s kernel: a split's LSE and partial
-    are loaded together, ``UNROLL`` splits a turn (independent loads the compiler issues together), so
-    the tail that runs after the slowest split waits for L2 about splits / UNROLL times, not twice a
-    split (a max pass, then a sum pass). Wider turns hold more partials in registers, which are the
-    whole kernel's: every split program pays them in occupancy (docs/kernels.md §6)."""
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    splits = tl.num_programs(2)
-    slot = count_ptr + seq * tl.num_programs(1) + kvh
-    tl.debug_barrier()  # every thread's partial stores issued before the count says so
-    done = tl.atomic_add(slot, 1, sem="acq_rel")
-    q_start = tl.load(qsl_ptr + seq)
-    if (done == splits - 1) & (tl.load(qsl_ptr + seq + 1) > q_start):
-        tok = q_start.to(tl.int64)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, HEAD_DIM)
-        g_ok = offs_g < GROUP
-        head = kvh * GROUP + offs_g
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        denom = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for s0 in range(0, splits, UNROLL):
-            for j in tl.static_range(UNROLL):
-                s = s0 + j
-                ok = g_ok & (s < splits)
-                lse_s = tl.load(
-                    lse_ptr + s * stride_ls + tok * stride_lt + head, mask=ok, other=float("-inf"),
-                    cache_modifier=".cg",
-                )  # fmt: skip
-                part = tl.load(
-                    o_ptr + s * stride_os + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                    mask=ok[:, None], other=0.0, cache_modifier=".cg",
-                )  # fmt: skip
-                m_new = tl.maximum(m, lse_s)
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part yet: alpha and w stay 0
-                alpha = tl.exp2((m - m_use) * 1.4426950408889634)
-                w = tl.exp2((lse_s - m_use) * 1.4426950408889634)  # exp2(-inf) = 0: empty parts add 0
-                acc = acc * alpha[:, None] + part * w[:, None]
-                denom = denom * alpha + w
-                m = m_new
-        o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(
-            out_ptr + tok * stride_out_t + head[:, None] * stride_out_h + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None],
-        )  # fmt: skip
-        if WANT_LSE:
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            lse = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
-            q_heads = tl.num_programs(1) * GROUP  # the final LSE is a contiguous [T, Hq]
-            tl.store(out_lse_ptr + tok * q_heads + head, lse, mask=g_ok)
-    if done == splits - 1:
-        tl.atomic_xchg(slot, 0)
 
 
 # splits a merge turn loads together (``merge_last``); measured on an H200 at B=1: docs/kernels.md §6
