@@ -169,31 +169,118 @@ def test_the_merged_launchs_output_position_is_its_out_ptr() -> None:
     assert PAGED_MERGED[:3] == (names.index("q_ptr"), names.index("k_ptr"), names.index("v_ptr"))
 
 
+def _spy_ahead(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``PAGES_AHEAD`` of every paged launch from now on (0: a tile's ids loaded with the tile)."""
+    from prefixserve.attention.kernels import paged_attention as paged
+
+    seen: list[int] = []
+    real = paged.launch_fitting
+    monkeypatch.setattr(
+        paged, "launch_fitting", lambda *a, **kw: seen.append(kw["PAGES_AHEAD"]) or real(*a, **kw)
+    )
+    return seen
+
+
 @pytest.mark.parametrize("ahead", [0, 256])
 @pytest.mark.parametrize(
     ("splits", "longest", "block_size"),
-    [(5, 130, 16), (2, 300, 16), (9, 1500, 16), (3, 200, 32), (None, 200, 16)],
+    [(5, 130, 16), (2, 300, 16), (9, 1500, 16), (3, 200, 32), (7, 200, 64)],
 )
 def test_block_ids_read_ahead_or_per_tile(
-    monkeypatch: pytest.MonkeyPatch, ahead: int, splits: int | None, longest: int, block_size: int
+    monkeypatch: pytest.MonkeyPatch, ahead: int, splits: int, longest: int, block_size: int
 ) -> None:
     """Each program's block ids read in one load before its walk (``attend_range_ahead``: a decode
     step's splits whose runs' blocks fit ``PAGES_AHEAD``) or a tile at a time, against the oracle;
-    with prefill chunks beside (a tile at a time)."""
+    prefill chunks beside, a tile at a time."""
     from prefixserve.attention.kernels import paged_attention as paged
 
     monkeypatch.setattr(paged, "PAGES_AHEAD", ahead)
+    seen = _spy_ahead(monkeypatch)
     err, lse_err = _run([1, 1, 1, 1], [3, 77, 0, longest], 4, 64, block_size, num_splits=splits)
     assert err < 1e-5 and lse_err < 1e-4
+    assert (seen[-1] > 0) == (ahead > 0)
     err, lse_err = _run([3, 1, 5], [40, longest, 130], 4, 64, block_size, num_splits=splits)
     assert err < 1e-5 and lse_err < 1e-4
+    assert seen[-1] == 0
+
+
+def _graph_decode(lens: list[int], bs: int, width: int, splits: int, kv_dtype: torch.dtype | None = None):
+    """A graph's decode launch (``split_size`` 0: each sequence's splits sized in the kernel) and the
+    merge, fp32 (or bf16 q over an e4m3 cache); (output, oracle)."""
+    from prefixserve.attention.kernels import paged_attention as paged
+    from prefixserve.attention.kernels.merge import merge_partials
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if kv_dtype is None else torch.bfloat16
+    k, v, tables = paged_cache(lens, bs, 2, 64, torch.float32, gen)
+    k, v = (k.to(kv_dtype), v.to(kv_dtype)) if kv_dtype is not None else (k, v)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), 6, 64, generator=gen).to(DEVICE, dtype)
+    t, h = q.shape[:2]
+    o = torch.full((splits * t, h, 64), math.nan, device=DEVICE)
+    lse = torch.full((splits * t, h), math.nan, device=DEVICE)
+    paged.launch_paged(q, k, v, bt, sl, qsl, 0.1, 1, splits, 0, o, lse, t * h * 64, t * h, 64)
+    out, _ = merge_partials(o, lse, t, num_parts=splits, part_stride=t)
+    ref, _ = paged_attention_ref(q.float(), k.float(), v.float(), bt, sl, qsl, 0.1, torch.float64)
+    return out, ref
+
+
+@pytest.mark.parametrize(("fitted_n", "block_size"), [(64, 16), (16, 16), (64, 64), (16, 64), (16, 128)])
+def test_graph_decode_reads_ids_ahead_when_the_tiles_narrow(
+    monkeypatch: pytest.MonkeyPatch, fitted_n: int, block_size: int
+) -> None:
+    """Splits sized in the kernel start at multiples of the tile width the launch ends up with, which
+    ``fit_tiles`` may narrow after the ids' count was chosen: inside a block then (a 64-token block
+    read from a 16-token tile's start missed a block before ``walk_pages`` counted one more)."""
+    from prefixserve.attention.kernels import paged_attention as paged
+
+    monkeypatch.setattr(paged, "fit_tiles", lambda m, n, s, *a: (m, min(n, fitted_n), s))
+    seen = _spy_ahead(monkeypatch)
+    width = 8
+    out, ref = _graph_decode(
+        [width * block_size - 2 * fitted_n, 0, 1, width * block_size // 2 + 3], block_size, width, 2
+    )
+    assert rel_err(out, ref) < 1e-5 and seen[-1] > 0
+
+
+def test_an_e4m3_caches_splits_read_ahead_equal_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 q over an e4m3 cache, decode splits: the ids read ahead give the per-tile walk's output bit
+    for bit (the same tiles in the same order)."""
+    from prefixserve.attention.kernels import paged_attention as paged
+
+    lens = [500, 3, 0, 257]
+    ahead, ref = _graph_decode(lens, 32, 16, 4, torch.float8_e4m3fn)
+    monkeypatch.setattr(paged, "PAGES_AHEAD", 0)
+    per_tile, _ = _graph_decode(lens, 32, 16, 4, torch.float8_e4m3fn)
+    assert torch.equal(ahead, per_tile) and rel_err(ahead, ref) < 1e-2
 
 
 def test_walk_pages_bounds_the_blocks_a_program_spans() -> None:
+    """Against the kernel's own runs (``paged_program``: [split * size, + size) cut at the sequence's
+    end; size the given split size, or each sequence's even share rounded up to the launch's tile
+    width, which may be narrower than the width asked for), over block sizes, tiles, splits and
+    table widths."""
     from prefixserve.attention.kernels.paged_attention import walk_pages
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
 
     assert walk_pages(512, 32, 1024, 16, 64, 256) == 32  # a B=1 16K decode's splits
     assert walk_pages(0, 32, 1024, 16, 64, 256) == 32  # sized per sequence: the table's width bounds it
-    assert walk_pages(96, 4, 64, 32, 16, 256) == 4  # runs may start inside a 32-token block
     assert walk_pages(0, 1, 8192, 16, 64, 256) == 0  # a whole long table: each tile loads its own
     assert walk_pages(512, 32, 1024, 16, 64, 0) == 0
+    for bs in (8, 16, 32, 64, 128):
+        for asked in (16, 64, 128):
+            for tile in [n for n in (16, 32, 64, 128) if n <= asked]:
+                for splits in (2, 3, 5, 33):
+                    for width in (1, 3, 8, 17):
+                        for seq_len in range(0, width * bs + 1, max(1, bs // 2)):
+                            for given in (0, cdiv(cdiv(max(seq_len, 1), splits), asked) * asked, 30):
+                                size = given or cdiv(cdiv(seq_len, splits), tile) * tile
+                                pages = walk_pages(given, splits, width, bs, asked, 1 << 30)
+                                for k in range(splits):
+                                    lo, hi = k * size, min(k * size + size, seq_len)
+                                    if hi > lo:
+                                        assert (hi - 1) // bs - lo // bs + 1 <= pages, (bs, asked, tile, k)

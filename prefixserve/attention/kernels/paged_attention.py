@@ -22,6 +22,7 @@ from prefixserve.attention.kernels.merge import merge_last, merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
 from prefixserve.attention.planning.tiles import (
     LOG2E,
+    MIN_BLOCK_N,
     check_cache,
     dot_precision,
     fit_tiles,
@@ -275,12 +276,20 @@ def walk_pages(
 ) -> int:
     """Block ids a program of the paged kernel reads before its walk (a power of two covering the
     blocks its KV run can span), or 0 where that is more than ``limit``: then each tile loads its own.
-    ``split_size`` 0 (a graph's splits sized per sequence) bounds the run by the table's width."""
+
+    A run starts at a multiple of its length: ``split_size``, or, where that is 0 (a graph's splits
+    sized per sequence in the kernel), a multiple of the tile width the launch ends up with, which
+    ``fit_tiles`` or the out-of-resources retry may narrow below ``block_n`` down to ``MIN_BLOCK_N``
+    (a narrower tile only shortens the run, bounded here by the table's width, but may start it
+    inside a block: one block more)."""
     if limit <= 0:
         return 0
-    run = split_size or math.ceil(math.ceil(width * block_size / max(num_splits, 1)) / block_n) * block_n
-    mid_block = block_n % block_size != 0  # runs start at multiples of block_n: maybe inside a block
-    pages = triton.next_power_of_2(math.ceil(run / block_size) + mid_block)
+    if split_size:
+        run, aligned = split_size, split_size % block_size == 0
+    else:
+        run = math.ceil(math.ceil(width * block_size / max(num_splits, 1)) / block_n) * block_n
+        aligned = MIN_BLOCK_N % block_size == 0
+    pages = triton.next_power_of_2(math.ceil(run / block_size) + (not aligned))
     return pages if pages <= limit else 0
 
 

@@ -60,6 +60,9 @@ def tile_smem_bytes(block_m: int, block_n: int, dim: int, elt: int, stages: int)
     return stages * 2 * block_n * dim * elt + q_rows * dim * elt
 
 
+MIN_BLOCK_N = 16  # the narrowest KV tile ``fit_tiles`` and ``launch_fitting`` narrow a launch to
+
+
 def fit_tiles(
     block_m: int, block_n: int, stages: int, dim: int, elt: int, limit: int = SMEM_LIMIT_HOPPER
 ) -> tuple[int, int, int]:
@@ -76,7 +79,7 @@ def fit_tiles(
             block_n //= 2
         elif block_m > 64:
             block_m //= 2
-        elif block_n > 16:
+        elif block_n > MIN_BLOCK_N:
             block_n //= 2
         elif stages > 1:
             stages -= 1
@@ -157,7 +160,7 @@ def launch_fitting(
         except _out_of_resources():
             if kw["num_stages"] > 1:
                 kw["num_stages"] -= 1
-            elif kw["BLOCK_N"] > 16:
+            elif kw["BLOCK_N"] > MIN_BLOCK_N:
                 kw["BLOCK_N"] //= 2
             else:
                 raise
