@@ -1,5 +1,6 @@
-"""Probe: our merged paged decode at B=1 over a long context beside FlashInfer's batch decode, by launch
-variant (split count, tile width, warps, pipeline stages, block ids read ahead of their tiles), each
+"""Probe: our merged paged decode at B=1 (``--batch``: B sequences) over a long context beside FlashInfer's
+batch decode, over a bf16 or (``--kv-cache-dtype fp8``) an e4m3 cache, by launch variant (split count,
+tile width, warps, pipeline stages, block ids read ahead of their tiles, packed sequences), each
 checked against the default launch's output and timed under CUDA graphs with L2 flushed; the variants
 run in turn, ``--rounds`` times (runs of one build move by about 1 us at 16K). ``profile`` runs the
 default launch and FlashInfer's two decode kernels a few times, eagerly, for Nsight Compute.
@@ -11,7 +12,7 @@ default launch and FlashInfer's two decode kernels a few times, eagerly, for Nsi
 A variant is named by its changes from the default: ``s48`` splits, ``n128`` tile width, ``w8`` warps,
 ``st3`` stages, ``a256`` a split's block ids (up to 256) read before its walk
 (``paged_attention.launch_paged(pages_ahead=)``, 3 stages unless named; ``a0``: each tile loads its
-own, as before).
+own, as before), ``p4`` four sequences a program (the packed decode kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.peers_gpu import LAYOUTS
+from benchmarks.peers_gpu import KV_DTYPES, LAYOUTS
 from benchmarks.peers_gpu_batch import build, ours
 
 VARIANTS = ["base", "a0", "a256st2", "a256st4", "n128", "a0n128", "s48", "a0s48"]
@@ -34,37 +35,53 @@ VARIANTS = ["base", "a0", "a256st2", "a256st4", "n128", "a0n128", "s48", "a0s48"
 
 def parse(name: str) -> dict[str, int]:
     """A variant name's launch changes (``base``: none)."""
-    keys = {"s": "splits", "n": "block_n", "w": "warps", "st": "stages", "a": "pages_ahead"}
-    return {keys[k]: int(v) for k, v in re.findall(r"(st|s|n|w|a)(\d+)", name)}
+    keys = {"s": "splits", "n": "block_n", "w": "warps", "st": "stages", "a": "pages_ahead", "p": "pack"}
+    return {keys[k]: int(v) for k, v in re.findall(r"(st|s|n|w|a|p)(\d+)", name)}
 
 
 def merged_call(batch: Any, ctx: int, change: dict[str, int]) -> Any:
-    """The decode's split kernel with its in-kernel merge, as ``paged_attention`` launches it, with
-    ``change`` applied to its launch."""
+    """The decode step's paged kernel as ``paged_attention`` launches it (its splits merged in the
+    kernel; one split: straight into the output), with ``change`` applied to its launch (``pack``:
+    the packed decode kernel, its splits merged by the merge kernel)."""
+    from prefixserve.attention.kernels.merge import merge_partials
     from prefixserve.attention.kernels.paged_attention import choose_split, launch_paged, merge_counts
 
     q, m = batch.q, batch.meta
-    kv_heads = batch.heads[1]
+    kv_heads, pack = batch.heads[1], change.get("pack", 1)
     block_n = change.get("block_n", 64)
-    splits, size = choose_split(ctx, kv_heads, q.device, block_n)
+    splits, size = choose_split(ctx, math.ceil(q.shape[0] / pack) * kv_heads, q.device, block_n)
     if "splits" in change:
         size = math.ceil(math.ceil(ctx / change["splits"]) / block_n) * block_n
         splits = math.ceil(ctx / size)
     o_part = torch.empty(splits, *q.shape, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(splits, *q.shape[:2], dtype=torch.float32, device=q.device)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    counts = merge_counts(q.device, kv_heads)
+    counts = merge_counts(q.device, q.shape[0] * kv_heads)
     args = (q, batch.k_cache, batch.v_cache, m.block_tables, m.seq_lens, m.query_start_loc, batch.scale, 1)
+    tiles = {
+        "num_warps": change.get("warps"), "num_stages": change.get("stages"),
+        "pages_ahead": change.get("pages_ahead"), "pack": pack,
+    }  # fmt: skip
 
     def run() -> torch.Tensor:
-        launch_paged(
-            *args, splits, size, o_part[0], lse_part[0], o_part[0].numel(), lse_part[0].numel(), block_n,
-            num_warps=change.get("warps"), num_stages=change.get("stages"), merged=(out, lse, counts),
-            pages_ahead=change.get("pages_ahead"),
-        )  # fmt: skip
+        if splits == 1:
+            launch_paged(*args, 1, size, out, lse, 0, 0, block_n, **tiles)
+        elif pack > 1:
+            launch_paged(*args, splits, size, o_part[0], lse_part[0], o_part[0].numel(), lse_part[0].numel(),
+                         block_n, **tiles)  # fmt: skip
+            t = q.shape[0]
+            merge_partials(o_part.view(-1, *q.shape[1:]), lse_part.view(-1, q.shape[1]), t, num_parts=splits,
+                           part_stride=t, out=out, out_lse=lse)  # fmt: skip
+        else:
+            launch_paged(*args, splits, size, o_part[0], lse_part[0], o_part[0].numel(), lse_part[0].numel(),
+                         block_n, merged=(out, lse, counts), **tiles)  # fmt: skip
         return out
 
     return run, splits
+
+
+def kv_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    return KV_DTYPES[args.kv_cache_dtype]
 
 
 def fi_column(fi_dir: str, batch: Any, tensor_cores: bool) -> Any:
@@ -87,10 +104,12 @@ def sweep(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     for layout in args.layouts:
         for ctx in args.contexts:
-            batch = build("plain", [1], [ctx], LAYOUTS[layout], "cuda")
+            batch = build(
+                "plain", [args.batch], [ctx], LAYOUTS[layout], "cuda", kv_dtype=KV_DTYPES[args.kv_cache_dtype]
+            )
             m = batch.meta
             call = (batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.seq_lens, m.query_start_loc)
-            ref = paged_attention(*call, batch.scale, 1, max_seq_len=ctx)[0].float()
+            ref = paged_attention(*call, batch.scale, 1, max_seq_len=ctx, pack=1)[0].float()
             fns: dict[str, Any] = {}
             for name in args.variants:
                 try:
@@ -150,7 +169,9 @@ def profile(args: argparse.Namespace) -> None:
     """Each kernel a few times, eagerly, for a profiler wrapped around this process."""
     for layout in args.layouts:
         for ctx in args.contexts:
-            batch = build("plain", [1], [ctx], LAYOUTS[layout], "cuda")
+            batch = build(
+                "plain", [args.batch], [ctx], LAYOUTS[layout], "cuda", kv_dtype=KV_DTYPES[args.kv_cache_dtype]
+            )
             cols = {
                 "ours": merged_call(batch, ctx, {})[0],
                 "fi_decode": fi_column(args.fi_dir, batch, False),
@@ -170,6 +191,8 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=["8b", "70b"], choices=list(LAYOUTS))
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="sequences of the plain decode point")
+    ap.add_argument("--kv-cache-dtype", choices=list(KV_DTYPES), default="auto", help="fp8: an e4m3 cache")
     ap.add_argument("--fi-dir", default=".fi")
     ap.add_argument("--out", default="/tmp/b1_decode")
     args = ap.parse_args()
