@@ -5,8 +5,8 @@ token ``t`` is allowed; disallowed logits become -inf in place. In torch that is
 [rows, words, 32], a compare and a masked fill (and, for some rows only, an index select and copy):
 four to six launches on the host's critical path of a constrained step, whose sampling waits for its
 mask. Here one program unpacks a block of words and stores -inf at the blocked tokens only; some rows
-are picked by a device index. The launch is recorded once per shape and stream and relaunched
-(``triton_support/launch.py``): a few microseconds of host time. The torch form is the fallback (CPU,
+are picked by a device index. The launch is recorded once per shape and relaunched
+(``triton_support/bound.py``): a few microseconds of host time. The torch form is the fallback (CPU,
 no Triton) and the tests' second opinion.
 """
 
@@ -16,17 +16,16 @@ import functools
 
 import torch
 
-from prefixserve.triton_support.launch import Launch, record, relaunch
-
 BLOCK_WORDS = 64  # mask words a program unpacks (2,048 tokens)
-MAX_RECORDED = 64
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
-_RECORDED: dict[tuple, Launch] = {}
 
 
 @functools.cache
 def _kernel():
+    """(triton, the kernel bound for relaunches: ``triton_support.bound``), made at the first use (the
+    engine imports no Triton kernel until a step needs one)."""
     from prefixserve.triton_support import require_triton
+    from prefixserve.triton_support.bound import BoundKernel
 
     triton, tl = require_triton()
 
@@ -46,7 +45,7 @@ def _kernel():
         blocked = ((words[:, None] >> bit[None, :]) & 1) == 0  # arithmetic shift: bit 31 too
         tl.store(logits_ptr + row * stride_l + tok, float("-inf"), mask=blocked & (tok < vocab))
 
-    return triton, apply_token_mask
+    return triton, BoundKernel(apply_token_mask)
 
 
 def blocked_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -82,36 +81,13 @@ def kernel_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.
     rows = logits.shape[0] if index is None else index.shape[0]
     if rows == 0:
         return
-    vocab = logits.shape[1]
+    triton, kernel = _kernel()
     words = bitmask.shape[1]
-    stream = torch.cuda.current_stream(logits.device).cuda_stream if logits.is_cuda else 0
-    has_index = index is not None
-    key = (
-        rows,
-        vocab,
-        words,
-        logits.stride(0),
-        bitmask.stride(0),
-        logits.dtype,
-        logits.device,
-        stream,
-        has_index,
-    )
-    # no index: the kernel never reads it, any aligned device tensor stands in
-    index_arg = index if has_index else bitmask
-    recorded = _RECORDED.get(key)
-    if recorded is not None:
-        relaunch(recorded, [(0, logits), (1, bitmask), (2, index_arg)])
-    else:
-        triton, kernel = _kernel()
-        grid = (rows, triton.cdiv(words, BLOCK_WORDS))
-        args = (logits, bitmask, index_arg, logits.stride(0), bitmask.stride(0), vocab)
-        kw = {"HAS_INDEX": has_index, "BLOCK_W": BLOCK_WORDS, "num_warps": 4}
-        compiled = kernel[grid](*args, **kw)
-        if len(_RECORDED) >= MAX_RECORDED:
-            _RECORDED.clear()
-        recorded = _RECORDED[key] = record(kernel, grid, args, kw, compiled)
-    recorded.args[0] = recorded.args[1] = recorded.args[2] = None  # keep no step's tensors alive
+    index_arg = index if index is not None else bitmask  # no index: never read, any aligned tensor
+    kernel(
+        (rows, triton.cdiv(words, BLOCK_WORDS)), logits, bitmask, index_arg, logits.stride(0),
+        bitmask.stride(0), logits.shape[1], HAS_INDEX=index is not None, BLOCK_W=BLOCK_WORDS, num_warps=4,
+    )  # fmt: skip
 
 
 __all__ = ["apply_token_mask", "blocked_tokens", "kernel_token_mask"]
