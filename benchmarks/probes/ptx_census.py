@@ -21,10 +21,7 @@ OPS = ("cp.async", "ldmatrix", "ld.shared", "st.shared", "prmt", "cvt.rn.f16x2.e
 def compile_paged(kv: str, stages: int, ahead: int) -> Any:
     """``_paged_kernel`` (decode: one query tile, GQA 4, 128-wide heads, 64-token tiles of 16-token
     blocks) compiled for sm_90 over a ``kv`` cache (``*bf16`` or ``*fp8e4nv``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from benchmarks.harness.sm90 import compile_for_sm90
     from prefixserve.attention.kernels.paged_attention import _paged_kernel as kernel
 
     consts = {"BLOCK_M": 16, "BLOCK_SIZE": 16, "DOT_PREC": "tf32", "UPCAST": False, "GROUP": 4}
@@ -33,19 +30,9 @@ def compile_paged(kv: str, stages: int, ahead: int) -> Any:
     types = {"q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "bt_ptr": "*i32", "seq_lens_ptr": "*i32"}
     types |= {"qsl_ptr": "*i32", "qk_scale": "fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32"}
     types |= {"out_ptr": "*bf16", "out_lse_ptr": "*fp32", "count_ptr": "*i32"}
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    aligned = [n for n in names if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n != "stride_bt"}
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(c),): v for c, v in consts.items()},
-        attrs=attrs,
-    )
-    return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages}
-    )
+    aligned = [n for n in kernel.arg_names if n not in consts and n != "stride_bt"]
+    aligned = [n for n in aligned if n.endswith("_ptr") or n.startswith("stride")]
+    return compile_for_sm90(kernel, types, consts, aligned, num_stages=stages)
 
 
 def census(ptx: str) -> dict[str, int]:

@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
+from benchmarks.harness.sm90 import compile_for_sm90
 from prefixserve.model.kernels import ranks_norm
 
 SIGNATURE = {
@@ -32,18 +29,13 @@ SIGNATURE = {
     "stride": "i32",
     "eps": "fp32",
 }
-ALIGNED = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11)  # argument positions with 16-byte divisibility
+ALIGNED = [n for n in SIGNATURE if n not in ("n_rows", "eps")]  # arguments with 16-byte divisibility
 
 for ranks in (3, 4):
     for block, warps in ((4096, 8), (8192, 16)):
         consts = {"RANK": 1, "RANKS": ranks, "BLOCK": block, "HAS_RESIDUAL": True}
-        src = ASTSource(
-            fn=ranks_norm._ranks_add_rms_norm_kernel,
-            signature={**SIGNATURE, **dict.fromkeys(consts, "constexpr")},
-            constexprs=consts,
-            attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED},
-        )
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+        kernel = ranks_norm._ranks_add_rms_norm_kernel
+        ptx = compile_for_sm90(kernel, SIGNATURE, consts, ALIGNED, num_warps=warps).asm["ptx"]
         counts = {
             "v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
             "b16_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b16\s", ptx)),

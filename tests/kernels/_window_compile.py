@@ -11,17 +11,9 @@ import json
 
 
 def compile_for_hopper(kernel, types: dict[str, str], consts: dict[str, object]):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from benchmarks.harness.sm90 import compile_for_sm90
 
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
-    src = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()},
-    )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_for_sm90(kernel, types, consts)
 
 
 def main() -> None:
