@@ -191,6 +191,33 @@ def test_run_ranks_fails_at_once_when_a_rank_dies() -> None:
     assert time.monotonic() - started < 60
 
 
+class _ExitsAt:
+    """A stand-in process whose exit code appears ``after`` seconds from now."""
+
+    def __init__(self, code: int | None, after: float) -> None:
+        import time
+
+        self.code, self.at = code, time.monotonic() + after
+
+    @property
+    def exitcode(self) -> int | None:
+        import time
+
+        return self.code if time.monotonic() >= self.at else None
+
+
+def test_run_ranks_names_the_rank_that_failed_when_a_peer_is_seen_dying_first() -> None:
+    """The peer aborted by a lost connection (SIGABRT) can be reaped before the rank that raised; the
+    report waits briefly so that both are named (CI once saw only rank 0's -6)."""
+    import queue as queue_module
+
+    from benchmarks.harness.ranks import _answers
+
+    procs = [_ExitsAt(-6, 0.0), _ExitsAt(1, 0.5)]
+    with pytest.raises(RuntimeError, match="rank 0 exit code -6, rank 1 exit code 1"):
+        _answers(queue_module.Queue(), procs, timeout=30)
+
+
 def test_bpe_tokenizer_has_the_configs_vocabulary_and_runs_the_structured_benchmark(tmp_path: Path) -> None:
     """``benchmarks/harness/big_tokenizer.py``: a byte-level BPE of exactly the dummy config's
     vocabulary (Llama 3's 256 specials on top), the same bytes from the same seed, loaded beside the

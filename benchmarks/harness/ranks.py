@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+EXIT_GRACE_S = 5.0
+
 
 def join_group(rank: int, size: int, init: str, backend: str = "nccl") -> None:
     """This process joins the group as ``rank`` (NCCL: on ``cuda:rank``, NVLink multicast off)."""
@@ -71,6 +73,8 @@ def _answers(queue: Any, procs: list[Any], timeout: float) -> dict[int, Any]:
             pass
         exited = [r for r, p in enumerate(procs) if r not in answers and p.exitcode not in (None, 0)]
         if exited:  # a rank may have answered and then failed: its answer is in the queue by now
+            _settle(procs, EXIT_GRACE_S)
+            exited = [r for r, p in enumerate(procs) if r not in answers and p.exitcode not in (None, 0)]
             answers.update(_drain(queue))
         dead = [r for r in exited if r not in answers]
         if dead:
@@ -80,6 +84,14 @@ def _answers(queue: Any, procs: list[Any], timeout: float) -> dict[int, Any]:
             missing = sorted(set(range(len(procs))) - set(answers))
             raise TimeoutError(f"ranks {missing} gave no answer in {timeout:.0f} s")
     return answers
+
+
+def _settle(procs: list[Any], grace: float) -> None:
+    """Wait up to ``grace`` for every rank to exit: when one rank dies, a peer in a collective with it
+    often aborts too, and may be seen exiting first; the report must name the rank that failed."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+        time.sleep(0.05)
 
 
 def _drain(queue: Any) -> dict[int, Any]:
