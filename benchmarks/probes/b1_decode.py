@@ -12,7 +12,8 @@ default launch and FlashInfer's two decode kernels a few times, eagerly, for Nsi
 A variant is named by its changes from the default: ``s48`` splits, ``n128`` tile width, ``w8`` warps,
 ``st3`` stages, ``a256`` a split's block ids (up to 256) read before its walk
 (``paged_attention.launch_paged(pages_ahead=)``, 3 stages unless named; ``a0``: each tile loads its
-own, as before), ``p4`` four sequences a program (the packed decode kernel).
+own, as before), ``p4`` four sequences a program (the packed decode kernel). ``--widening cast``: the
+whole run with e4m3 tiles widened by Triton's own cast instead of the kernels' inline PTX.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from benchmarks.peers_gpu import KV_DTYPES, LAYOUTS
 from benchmarks.peers_gpu_batch import build, ours
+from benchmarks.probes.ptx_census import choose_widening
 
 VARIANTS = ["base", "a0", "a256st2", "a256st4", "n128", "a0n128", "s48", "a0s48"]
 
@@ -145,14 +147,18 @@ def sweep(args: argparse.Namespace) -> None:
                 rows.append(row)
             del batch, fns
             torch.cuda.empty_cache()
-            write(args.out, rows, [r for r in rows if r["layout"] == layout and r["ctx"] == ctx])
+            new = [r for r in rows if r["layout"] == layout and r["ctx"] == ctx]
+            settings = {"batch": args.batch, "kv": args.kv_cache_dtype, "widening": args.widening}
+            write(args.out, settings, rows, new)
 
 
-def write(out_dir: str, rows: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
-    """Every row so far to the JSON, the newest point's rows printed as a table."""
+def write(out_dir: str, settings: dict[str, Any], rows: list[Any], new: list[dict[str, Any]]) -> None:
+    """Every row so far to the JSON (with the run's settings), the newest point's rows printed as a
+    table."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "b1_decode.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}))
+    record = {"device": torch.cuda.get_device_name(), **settings, "rows": rows}
+    (out / "b1_decode.json").write_text(json.dumps(record))
     print("| layout | ctx | variant | splits | us | runs | / FlashInfer best | max err |")
     print("| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |")
     for r in new:
@@ -195,7 +201,14 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=list(KV_DTYPES), default="auto", help="fp8: an e4m3 cache")
     ap.add_argument("--fi-dir", default=".fi")
     ap.add_argument("--out", default="/tmp/b1_decode")
+    ap.add_argument(
+        "--widening",
+        choices=("opaque", "cast"),
+        default="opaque",
+        help="e4m3 tiles widened by the kernels' inline PTX (attend.widened_kv) or Triton's own cast",
+    )
     args = ap.parse_args()
+    choose_widening(args.widening)
     (sweep if args.mode == "sweep" else profile)(args)
 
 

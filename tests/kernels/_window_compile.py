@@ -1,6 +1,7 @@
-"""Compile the window kernel (both forms) and the paged kernel for sm_90 without a GPU; one JSON line
-each. A separate process, as ``_gluon_compile.py`` says why (no ``TRITON_INTERPRET``): the real
-compiler checks what the interpreter lets through (``attend_range``'s window bound, its keyword call).
+"""Compile the window kernel (both forms), the paged kernel and the packed decode kernel for sm_90 without
+a GPU; one JSON line each (with the decode kernels' ``ldmatrix`` count). A separate process, as
+``_gluon_compile.py`` says why (no ``TRITON_INTERPRET``): the real compiler checks what the interpreter
+lets through (``attend_range``'s window bound, its keyword call).
 
 Usage: python _window_compile.py
 """
@@ -17,6 +18,7 @@ def compile_for_hopper(kernel, types: dict[str, str], consts: dict[str, object])
 
 
 def main() -> None:
+    from benchmarks.probes.ptx_census import census, compile_packed
     from prefixserve.attention.kernels import paged_attention, window_attention
 
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32"}
@@ -36,11 +38,41 @@ def main() -> None:
         consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge, "MERGE_UNROLL": 4}
         consts |= {"PAGES_AHEAD": 32 if merge else 0}
         compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
-        print(json.dumps({"kernel": "paged", "skip": merge, "ok": bool(compiled.asm.get("cubin"))}))
-    # over an e4m3 cache: bf16 q widened to fp16 (``attend.widened_q``), the merged form
+        ldmatrix = census(compiled.asm["ptx"])["ldmatrix"]
+        print(
+            json.dumps(
+                {
+                    "kernel": "paged",
+                    "skip": merge,
+                    "ok": bool(compiled.asm.get("cubin")),
+                    "ldmatrix": ldmatrix,
+                }
+            )
+        )
+    # over an e4m3 cache: bf16 q widened to fp16 (``attend.widened_q``), the merged form, and the tiles
+    # widened once (``attend.widened_kv``): their operands read by ldmatrix as a bf16 cache's are
     types |= {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
     compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
-    print(json.dumps({"kernel": "paged_e4m3", "skip": True, "ok": bool(compiled.asm.get("cubin"))}))
+    ldmatrix = census(compiled.asm["ptx"])["ldmatrix"]
+    print(
+        json.dumps(
+            {
+                "kernel": "paged_e4m3",
+                "skip": True,
+                "ok": bool(compiled.asm.get("cubin")),
+                "ldmatrix": ldmatrix,
+            }
+        )
+    )
+    for kv in ("*bf16", "*fp8e4nv"):  # the packed decode kernel (several sequences a query tile)
+        compiled = compile_packed(kv, 2)
+        ldmatrix = census(compiled.asm["ptx"])["ldmatrix"]
+        name = "packed" if kv == "*bf16" else "packed_e4m3"
+        print(
+            json.dumps(
+                {"kernel": name, "skip": False, "ok": bool(compiled.asm.get("cubin")), "ldmatrix": ldmatrix}
+            )
+        )
 
 
 if __name__ == "__main__":

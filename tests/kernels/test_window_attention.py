@@ -204,7 +204,8 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
     """The real compiler (sm_90, no GPU needed) takes the window kernel in both forms at Gemma's
     256-wide heads and the paged kernel, whose shared walk (``attend_range``) gained the window bound,
     with and without its decode merge (``merge_last``: "skip" marks the merged form here, which
-    reads its block ids ahead of the walk)."""
+    reads its block ids ahead of the walk), and the paged and packed decode kernels over e4m3 read
+    their operands from shared memory as over bf16."""
     from _kernel_helpers import compiled_for_hopper
 
     results = compiled_for_hopper("_window_compile.py")
@@ -214,8 +215,15 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
         ("paged", False),
         ("paged", True),
         ("paged_e4m3", True),
+        ("packed", False),
+        ("packed_e4m3", False),
     ]
     assert all(r["ok"] for r in results)
+    ldmatrix = {(r["kernel"], r["skip"]): r.get("ldmatrix") for r in results}
+    # e4m3 tiles widened once and staged as fp16 (attend.widened_kv), not staged as bytes and
+    # rebuilt into operands by scalar shared loads (Triton's own cast: 4 ldmatrix against 28)
+    assert ldmatrix["paged_e4m3", True] == ldmatrix["paged", True] > 0
+    assert ldmatrix["packed_e4m3", False] == ldmatrix["packed", False] > 0
 
 
 @pytest.mark.parametrize("case", CASES[:4])

@@ -12,9 +12,24 @@ load (exact), its scales already folded into q and the output by the caller.
 
 from __future__ import annotations
 
+import os
+
 from prefixserve.triton_support import require_triton
 
 triton, tl = require_triton()
+
+# Whether Triton's CPU interpreter runs these kernels (it cannot run inline PTX). Read when this module
+# loads, as Triton reads it when it decorates the kernels below.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# e4m3 tiles widened by inline PTX that Triton keeps where it is (see ``widened_kv``); a probe sets it
+# False, before the first launch in its process, to time Triton's own cast beside it.
+OPAQUE_WIDENING = tl.constexpr(True)
+
+# cvt.rn.f16x2.e4m3x2 widens two codes (a .b16) to two fp16 values (a .b32), the low byte to the low
+# half: four codes in a register come out as two registers, in order.
+E4M3X4_TO_F16X4 = tl.constexpr(
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
 
 
 @triton.jit
@@ -28,6 +43,23 @@ def widened_q(q, k_ptr):
         if q.dtype == tl.bfloat16:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # fp16's largest
     return q
+
+
+@triton.jit
+def widened_kv(x, dtype):
+    """A K / V tile in q's ``dtype`` (``widened_q``'s): an e4m3 tile widened (exact), else a no-op.
+
+    Triton moves its own e4m3 cast past the tile's staging in shared memory (that halves the staged
+    bytes), so every MMA operand is then built from scalar ``ld.shared`` (sm_90 has no ``ldmatrix``
+    for 8-bit transposed operands) and widened again at each use. The same widening as inline PTX
+    with side effects cannot be moved: the tile is widened once in registers, staged as fp16 and read
+    by ``ldmatrix`` like a bf16 cache's (``benchmarks/probes/ptx_census.py``; docs/kernels.md §2.13)."""
+    if x.dtype == tl.float8e4nv and dtype == tl.float16 and OPAQUE_WIDENING and not INTERPRETED:
+        codes = x.to(tl.uint8, bitcast=True)
+        return tl.inline_asm_elementwise(
+            E4M3X4_TO_F16X4, "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4
+        )
+    return x.to(dtype)
 
 
 @triton.jit
@@ -162,7 +194,7 @@ def attend_blocks(
         k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    k = k.to(q.dtype)  # an e4m3 cache's tile widened (exact); else a no-op
+    k = widened_kv(k, q.dtype)
     s = qk_scores(q, k, DOT_PREC, UPCAST)
     if MASKED:
         visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
@@ -175,7 +207,7 @@ def attend_blocks(
         v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    v = v.to(q.dtype)
+    v = widened_kv(v, q.dtype)
     acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
 

@@ -18,6 +18,7 @@ from prefixserve.attention.kernels.attend import (
     finish_rows,
     qk_scores,
     softmax_step,
+    widened_kv,
     widened_q,
 )
 from prefixserve.attention.planning.tiles import (
@@ -122,19 +123,13 @@ def packed_decode_program(
         n_ok = n < hi_n
         blk = tl.load(table_n + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         within = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        ).to(q.dtype)  # e4m3: widened
+        k_ptrs = k_base + blk[:, None] * stride_kb + within[:, None] * stride_kt + offs_d[None, :]
+        k = widened_kv(tl.load(k_ptrs, mask=n_ok[:, None], other=0.0), q.dtype)
         s = qk_scores(q, k, DOT_PREC, UPCAST)
         s = tl.where(same & n_ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
-        v = tl.load(
-            v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :],
-            mask=n_ok[:, None],
-            other=0.0,
-        ).to(q.dtype)  # e4m3: widened
+        v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]
+        v = widened_kv(tl.load(v_ptrs, mask=n_ok[:, None], other=0.0), q.dtype)
         acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     o, lse = finish_rows(m_i, l_i, acc)
     split64 = split.to(tl.int64)

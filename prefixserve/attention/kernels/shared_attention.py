@@ -32,6 +32,7 @@ from prefixserve.attention.kernels.attend import (
     finish_rows,
     qk_scores,
     softmax_step,
+    widened_kv,
     widened_q,
 )
 from prefixserve.attention.kernels.merge import csr_by_row, merge_partials
@@ -69,9 +70,9 @@ def attend_rows_tma(
     """``attend_range(MASKED=False)`` over a contiguous run, each K / V tile one TMA load."""
     for start in range(kv_lo, kv_hi, BLOCK_N):
         row = row0 + (start - kv_lo)
-        k = k_desc.load([row, col]).to(q.dtype)  # e4m3: widened (fp8 caches take no TMA now)
+        k = widened_kv(k_desc.load([row, col]), q.dtype)  # (fp8 caches take no TMA now)
         p, alpha, m_i, l_i = softmax_step(qk_scores(q, k, DOT_PREC, UPCAST), m_i, l_i, qk_scale)
-        v = v_desc.load([row, col]).to(q.dtype)
+        v = widened_kv(v_desc.load([row, col]), q.dtype)
         acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
 
