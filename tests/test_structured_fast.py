@@ -307,3 +307,34 @@ def test_shared_slots_are_one_memory_through_their_descriptor(monkeypatch, memfd
     assert torch.equal(other[1, 2], torch.arange(5, dtype=torch.int32)) and other.shape == (2, 3, 5)
     other[0, 0, 0] = 7
     assert int(slots.tensor[0, 0, 0]) == 7
+
+
+def test_a_step_with_the_last_fills_samplers_reuses_its_rows_less_those_finished() -> None:
+    """``StructuredDecoding._rows``: the constrained samplers' (row, sequence, key), a matcher made at a
+    sequence's first; the same samplers again (most decode steps) give the same rows without a pass
+    over their requests, less sequences finished since; other samplers are looked at afresh."""
+    from prefixserve.sequence import SeqStatus
+    from prefixserve.structured.decoding import MATCHERS, StructuredDecoding
+
+    spec = StructuredOutputs(regex="[ab]+")
+    made: list[int] = []
+
+    def matcher(_spec: StructuredOutputs) -> SimpleNamespace:
+        made.append(len(made) + 100)
+        return SimpleNamespace(key=made[-1])
+
+    def seq(constrained: bool) -> SimpleNamespace:
+        params = SimpleNamespace(structured_outputs=spec if constrained else None)
+        request = SimpleNamespace(params=params, rules={MATCHERS: {}} if constrained else {})
+        return SimpleNamespace(request=request, index=0, status=SeqStatus.RUNNING, is_finished=False)
+
+    state = SimpleNamespace(matchers=SimpleNamespace(matcher=matcher), _last_rows=None)
+    samplers = [seq(True), seq(False), seq(True), seq(True)]
+    first = StructuredDecoding._rows(state, samplers)
+    assert [(i, k) for i, _, k in first] == [(0, 100), (2, 101), (3, 102)]
+    samplers[2].request.rules[MATCHERS].clear()  # a pass over the requests would make a new matcher
+    samplers[3].is_finished = True
+    again = StructuredDecoding._rows(state, list(samplers))  # the same sequences, in a new list
+    assert [(i, k) for i, _, k in again] == [(0, 100), (2, 101)] and made == [100, 101, 102]
+    fresh = StructuredDecoding._rows(state, samplers[:3])  # other samplers: each request looked at
+    assert [(i, k) for i, _, k in fresh] == [(0, 100), (2, 103)]
