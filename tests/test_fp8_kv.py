@@ -174,6 +174,25 @@ def test_prompt_cache_module_files_hold_fp8_as_it_is(tiny_config_path, tmp_path)
     assert plain.metrics()["module_encodes_total"] == len(files)
 
 
+def test_fp8_module_files_of_another_model_dtype_are_not_read(tiny_config_path, tmp_path) -> None:
+    """An fp32 and a bf16 engine calibrate the same power-of-two scales and both store e4m3, but their
+    codes differ (the KV was computed in another dtype): the scheme, and so a module's key and a
+    block's digest, names the model's dtype, so the bf16 engine encodes its modules itself."""
+    from tests.test_prompt_cache import GREEDY, PROMPTS, SCHEMA, tiny
+
+    store = str(tmp_path / "modules")
+    fp32 = tiny(tiny_config_path, module_store=store, kv_cache_dtype="fp8")
+    fp32.register_schema(SCHEMA)
+    fp32.generate(PROMPTS, GREEDY)
+    files = sorted((tmp_path / "modules").glob("*.kv"))
+    bf16 = tiny(tiny_config_path, module_store=store, kv_cache_dtype="fp8", dtype="bfloat16")
+    bf16.register_schema(SCHEMA)
+    kv32, kv16 = fp32.engine.runner.kv, bf16.engine.runner.kv
+    assert torch.equal(kv32.model_scales, kv16.model_scales) and kv32.scheme != kv16.scheme
+    assert bf16.metrics()["module_loads_disk_total"] == 0
+    assert bf16.metrics()["module_encodes_total"] == len(files)
+
+
 def test_fp8_under_tensor_parallelism(tiny_config_path) -> None:
     """Two ranks, each calibrating its KV heads: greedy tokens as one process's, packed FP8 rows
     (every head: the ranks' joined as bytes) round-trip bit for bit, and the scheme names every
@@ -227,3 +246,29 @@ def test_joined_scales_name_each_kv_head_once(tiny_config_path, size: int) -> No
         want = torch.exp2(torch.arange(total, dtype=torch.float32)).expand(*kv.scales.shape[:2], total)
         assert torch.equal(kv.model_scales, want)
     assert len({kv.scheme for kv in caches}) == 1
+
+
+def test_kv_shared_layers_read_with_the_scales_their_cache_was_written_with(tmp_path) -> None:
+    """Gemma 4's KV-shared layers read an earlier layer's cache: with a checkpoint ``v_scale`` for every
+    layer (as vLLM writes them), a reader's own must not replace the writer's, or its V codes come back
+    scaled by another factor (64x here)."""
+    from safetensors.torch import load_file, save_file
+
+    from prefixserve.model.config import ModelConfig
+    from tests.test_model_families import _llm, tiny_checkpoint
+
+    tiny_checkpoint("gemma4_shared", tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    weights = load_file(str(file))
+    prefix = next(k for k in weights if ".layers.0." in k).split("layers.0.")[0]
+    config = ModelConfig.from_json(tmp_path / "config.json")
+    readers = [i for i in range(config.num_hidden_layers) if config.kv_source(i) != i]
+    assert readers
+    for i in range(config.num_hidden_layers):
+        weights[f"{prefix}layers.{i}.self_attn.k_scale"] = torch.tensor(1.0)
+        weights[f"{prefix}layers.{i}.self_attn.v_scale"] = torch.tensor(16.0 if i in readers else 0.25)
+    save_file(weights, str(file), metadata={"format": "pt"})
+    kv = _llm(tmp_path, kv_cache_dtype="fp8").engine.runner.kv
+    for i in readers:
+        assert torch.equal(scales_of(kv.layers[i]), scales_of(kv.layers[config.kv_source(i)]))
+    assert all(float(scales_of(kv.layers[i])[1].max()) == 0.25 for i in range(config.num_hidden_layers))

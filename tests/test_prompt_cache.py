@@ -36,7 +36,8 @@ PROMPTS = [
 def tiny(tiny_config_path, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("module_recompute", "none")  # Prompt Cache as the paper has it (recovery: its own tests)
-    return LLM(f"dummy:{tiny_config_path}", dtype="float32", device="cpu", progress=False, **kw)
+    kw.setdefault("dtype", "float32")
+    return LLM(f"dummy:{tiny_config_path}", device="cpu", progress=False, **kw)
 
 
 def assert_only_modules_held(llm: LLM) -> None:

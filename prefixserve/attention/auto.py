@@ -210,7 +210,8 @@ class AutoBackend(AttentionBackend):
         saving = self.graph_cost.min_segment_saving
         plan = self.decode_plans.plan(meta, lambda m: self._folded(host_plan(m), m.block_size, saving))
         meta.plan = plan  # the host plan: sliding layers' window plans follow it (window_graph.py)
-        kv_bytes = 2 * shape.kv_heads * shape.head_dim * torch.empty(0, dtype=shape.dtype).element_size()
+        cache_dtype = shape.kv_dtype or shape.dtype  # an e4m3 cache's tokens are half bf16's bytes
+        kv_bytes = 2 * shape.kv_heads * shape.head_dim * torch.empty(0, dtype=cache_dtype).element_size()
         logical = meta.logical_kv_tokens()
         if plan.has_holes or gpu_cascade_pays_off(plan, logical, kv_bytes, self.graph_cost, shape.group):
             step = shared_graph_step(meta, plan, shape, bucket)

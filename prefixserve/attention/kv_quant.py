@@ -165,13 +165,16 @@ def pow2_scales(amax: torch.Tensor, margin: float = 2.0) -> torch.Tensor:
     return torch.where(amax > 1e-30, scales, torch.ones_like(scales))
 
 
-def scales_digest(scales: torch.Tensor | None) -> bytes:
+def scales_digest(scales: torch.Tensor | None, model_dtype: torch.dtype | None = None) -> bytes:
     """Bytes naming the KV scheme in block digests: empty for a model-dtype cache (digests unchanged),
-    else "fp8-e4m3", K's rotation and the scales' bytes, so FP8 blocks never match model-dtype ones
-    nor FP8 blocks under other scales or stored before K was rotated."""
+    else "fp8-e4m3", K's rotation, the dtype the model computed the KV in and the scales' bytes, so
+    FP8 blocks never match model-dtype ones, nor FP8 blocks under other scales, stored before K was
+    rotated, or computed by the model in another dtype."""
     if scales is None:
         return b""
-    return b"kv:fp8-e4m3:hadamard-k:" + scales.detach().float().cpu().contiguous().numpy().tobytes()
+    computed = f"{model_dtype}:".encode() if model_dtype is not None else b""
+    values = scales.detach().float().cpu().contiguous().numpy().tobytes()
+    return b"kv:fp8-e4m3:hadamard-k:" + computed + values
 
 
 def kv_write(kv_layer: tuple, slots: torch.Tensor) -> tuple:

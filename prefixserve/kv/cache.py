@@ -76,6 +76,7 @@ class KVCache:
         # every rank's scales joined in head order (tensor parallelism; ``join_scales``): what the
         # scheme names, so that blocks hash alike whatever the rank count
         self.model_scales: torch.Tensor | None = None
+        self.model_dtype: torch.dtype | None = None  # what an e4m3 cache's codes were computed in
         if dtype == FP8:  # padded to the widest layer's heads (Gemma 4's layers differ)
             heads = max(h for h, _ in layout.slot_shapes)
             self.scales = torch.ones(len(layout.slot_of), 2, heads, device=device)
@@ -105,9 +106,11 @@ class KVCache:
             return None, None
         return self.scales[layer, :, :heads], self.inverse[layer, :, :heads]
 
-    def set_scales(self, scales: torch.Tensor) -> None:
+    def set_scales(self, scales: torch.Tensor, model_dtype: torch.dtype | None = None) -> None:
         """Fix the e4m3 scales ([layers, 2, kv_heads], this rank's heads), before any block is written:
-        a block's scale never changes once it is written (its digest names the scales)."""
+        a block's scale never changes once it is written (its digest names the scales). ``model_dtype``:
+        the dtype the model computes the KV in, which the scheme names too (an fp32 and a bf16 engine
+        calibrate alike and store e4m3 alike, but not the same codes)."""
         if self.scales is None or self.inverse is None:
             raise ValueError("only an fp8 KV cache takes scales")
         if scales.shape != self.scales.shape:
@@ -115,6 +118,7 @@ class KVCache:
         self.scales.copy_(scales)
         self.inverse.copy_(1.0 / self.scales)
         self.model_scales = self.scales
+        self.model_dtype = model_dtype
 
     def join_scales(self, per_rank: list[torch.Tensor]) -> None:
         """Every rank's scales (``per_rank[r]``: rank r's ``scales``, gathered) as the model's, in head
@@ -136,7 +140,7 @@ class KVCache:
         """What block digests add for this cache's KV format: b"" for the model's dtype, else the e4m3
         scheme and the model's scales (``kv_quant.scales_digest``; under tensor parallelism every
         rank's joined, ``join_scales``, so a block's digest does not depend on the rank count)."""
-        return scales_digest(self.model_scales)
+        return scales_digest(self.model_scales, self.model_dtype)
 
     # ---- host rows landing layer by layer (kv/landing.py) ----------------------------------------
     def landing_hook(self) -> Callable[[int], None] | None:

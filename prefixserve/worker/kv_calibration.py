@@ -20,6 +20,7 @@ from prefixserve.attention.kv_quant import pow2_scales, rotate
 from prefixserve.attention.metadata import build_metadata
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.layout import plain_layout
+from prefixserve.model.config import ModelConfig
 
 CALIBRATION_TOKENS = 256
 MARGIN = 2.0  # the scale covers twice the largest |K| / |V| the calibration prompt showed
@@ -74,6 +75,18 @@ def checkpoint_scales(model: torch.nn.Module, kv: KVCache) -> torch.Tensor | Non
     return torch.exp2(torch.ceil(torch.log2(out.clamp_min(1e-30)))).to(kv.scales.device)
 
 
+def as_written(scales: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """``scales`` with each layer that reads another's cache (Gemma 4's KV-shared layers; a hybrid's
+    linear layers, handed one they never read) taking that layer's: the codes it reads were written
+    under the writer's scales, whatever a checkpoint publishes for the reader."""
+    out = scales.clone()
+    for i in range(out.shape[0]):
+        source = config.kv_source(i)
+        if source != i:
+            out[i] = scales[source]
+    return out
+
+
 def calibrate_kv_scales(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype) -> None:
     """Fix ``kv``'s e4m3 scales (before any block is written): V's the checkpoint's where it has them
     for every layer, else from the calibration prompt; K's from the calibration prompt always (the
@@ -83,7 +96,7 @@ def calibrate_kv_scales(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype)
     published = checkpoint_scales(model, kv)
     if published is not None:
         scales[:, 1] = published[:, 1]
-    kv.set_scales(scales)
+    kv.set_scales(as_written(scales, model.config), model_dtype=dtype)
     if kv.shard.size > 1:  # the scheme names every rank's scales (``KVCache.join_scales``)
         per_rank = [torch.empty_like(scales) for _ in range(kv.shard.size)]
         dist.all_gather(per_rank, scales.contiguous(), group=kv.shard.group)
