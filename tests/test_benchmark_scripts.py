@@ -213,7 +213,7 @@ def test_run_ranks_names_the_rank_that_failed_when_a_peer_is_seen_dying_first() 
 
     from benchmarks.harness.ranks import _answers
 
-    procs = [_ExitsAt(-6, 0.0), _ExitsAt(1, 0.5)]
+    procs = [_ExitsAt(-6, 0.0), _ExitsAt(1, 1.5)]  # after the first look at exit codes (1 s in)
     with pytest.raises(RuntimeError, match="rank 0 exit code -6, rank 1 exit code 1"):
         _answers(queue_module.Queue(), procs, timeout=30)
 

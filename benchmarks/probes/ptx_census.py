@@ -19,17 +19,18 @@ from typing import Any
 
 from benchmarks.harness.sm90 import compile_for_sm90
 
-OPS = (
-    "cp.async",
-    "ldmatrix",
-    "ld.shared",
-    "st.shared",
-    "prmt",
-    "cvt.rn.f16x2.e4m3x2",
-    "mma",
-    "wgmma",
-    "bar.sync",
-)
+# a column's instructions by prefix; ``cp.async`` counts the copies only (not their commit / wait groups)
+OPS = {
+    "cp.async": ("cp.async.ca", "cp.async.cg", "cp.async.bulk"),
+    "ldmatrix": ("ldmatrix",),
+    "ld.shared": ("ld.shared",),
+    "st.shared": ("st.shared",),
+    "prmt": ("prmt",),
+    "cvt.rn.f16x2.e4m3x2": ("cvt.rn.f16x2.e4m3x2",),
+    "mma": ("mma",),
+    "wgmma": ("wgmma",),
+    "bar.sync": ("bar.sync",),
+}
 
 
 def _aligned(kernel: Any, consts: dict[str, object], unaligned: tuple[str, ...] = ()) -> list[str]:
@@ -97,8 +98,8 @@ def census(ptx: str) -> dict[str, int]:
         for statement in re.split(r"[;{}]", line):  # inline PTX puts several on a line
             m = re.match(r"\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", statement)
             if m:
-                for op in OPS:
-                    if m.group(1).startswith(op):
+                for op, prefixes in OPS.items():
+                    if m.group(1).startswith(prefixes):
                         counts[op] += 1
     return counts
 

@@ -271,9 +271,9 @@ def test_walk_pages_bounds_the_blocks_a_program_spans() -> None:
     assert walk_pages(0, 32, 1024, 16, 64, 256) == 32  # sized per sequence: the table's width bounds it
     assert walk_pages(0, 1, 8192, 16, 64, 256) == 0  # a whole long table: each tile loads its own
     assert walk_pages(512, 32, 1024, 16, 64, 0) == 0
-    for bs in (8, 16, 32, 64, 128):
-        for asked in (16, 64, 128):
-            for tile in [n for n in (16, 32, 64, 128) if n <= asked]:
+    for bs in (8, 12, 16, 32, 64, 128):
+        for asked in (4, 16, 64, 128):  # a tile asked narrower than MIN_BLOCK_N runs as asked
+            for tile in [n for n in (16, 32, 64, 128) if n <= asked] or [asked]:
                 for splits in (2, 3, 5, 33):
                     for width in (1, 3, 8, 17):
                         for seq_len in range(0, width * bs + 1, max(1, bs // 2)):

@@ -281,14 +281,14 @@ def walk_pages(
     sized per sequence in the kernel), a multiple of the tile width the launch ends up with, which
     ``fit_tiles`` or the out-of-resources retry may narrow below ``block_n`` down to ``MIN_BLOCK_N``
     (a narrower tile only shortens the run, bounded here by the table's width, but may start it
-    inside a block: one block more)."""
+    inside a block: one block more), or ``block_n`` itself where a caller asks for one narrower."""
     if limit <= 0:
         return 0
     if split_size:
         run, aligned = split_size, split_size % block_size == 0
     else:
         run = math.ceil(math.ceil(width * block_size / max(num_splits, 1)) / block_n) * block_n
-        aligned = MIN_BLOCK_N % block_size == 0
+        aligned = min(block_n, MIN_BLOCK_N) % block_size == 0  # the narrowest tile it may run
     pages = triton.next_power_of_2(math.ceil(run / block_size) + (not aligned))
     return pages if pages <= limit else 0
 
