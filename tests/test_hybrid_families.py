@@ -383,3 +383,22 @@ def test_samples_wait_for_their_slots_and_a_failed_step_leaves_no_snapshot(next_
         GatedDeltaNet.forward = forward
     assert one.generate(x, greedy)[0].outputs[0].token_ids == want
     assert_pool_empty(one)
+
+
+def test_a_checkpoints_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
+    """Published Qwen3-Next and Qwen3.5 checkpoints carry a draft head (``mtp.*``), which HF skips at
+    load; so does the engine (it runs no draft head), and the model is HF's."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny_checkpoint("qwen3_next", tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    weights = load_file(str(file))
+    hidden = hf.config.hidden_size
+    weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
+    weights["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.randn(8, hidden)
+    save_file(weights, str(file), metadata={"format": "pt"})
+    model, _ = load_model(ModelSource("hf", tmp_path, "mtp"), torch.float32, torch.device("cpu"))
+    ids = _prompt(9, 9)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1:]
+    torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)

@@ -351,12 +351,16 @@ GGUF_NAMES |= {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_p
 GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
-@pytest.mark.parametrize(("name", "arch"), [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
-def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "arch", "stacked"),
+    [("qwen3_moe", "qwen3moe", True), ("mixtral", "llama", True), ("mixtral", "llama", False)],
+)
+def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, stacked: bool, tmp_path: Path) -> None:
     """An MoE GGUF as llama.cpp writes it (each layer's experts stacked, the router as
     ``ffn_gate_inp``; Qwen3-MoE with a layer without experts, Mixtral as a Llama with experts, its q
-    and k rows permuted) reads into the HF checkpoint's weights and config, and the model built from
-    it gives HF's logits (prompts inside Mixtral's window: a GGUF names none)."""
+    and k rows permuted; and as it wrote Mixtral before it stacked them, ``blk.L.ffn_gate.E``) reads
+    into the HF checkpoint's weights and config, and the model built from it gives HF's logits
+    (prompts inside Mixtral's window: a GGUF names none)."""
     from prefixserve.model.families.moe import mixtral_name
 
     hf = tiny_checkpoint(name, tmp_path / "hf")
@@ -372,7 +376,7 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, tmp_path: Pat
     from safetensors.torch import load_file
 
     state = {mixtral_name(k): v for k, v in load_file(str(tmp_path / "hf" / "model.safetensors")).items()}
-    stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    by_expert: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for key, tensor in state.items():
         parts = key.split(".")
         if parts[1] != "layers":
@@ -381,8 +385,11 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, tmp_path: Pat
                 "model.norm.weight": "output_norm.weight",
             }
             writer.add_tensor(top.get(key, "output.weight"), tensor.float().numpy())
+        elif parts[4] == "experts" and not stacked:  # one tensor an expert: blk.L.ffn_gate.E.weight
+            gguf_name = f"blk.{parts[2]}.{GGUF_NAMES['mlp.' + parts[6]]}.{parts[5]}.weight"
+            writer.add_tensor(gguf_name, tensor.float().numpy())
         elif parts[4] == "experts":  # model.layers.L.mlp.experts.E.gate_proj.weight
-            stacked.setdefault(f"blk.{parts[2]}.{GGUF_EXPERTS[parts[6]]}.weight", []).append(
+            by_expert.setdefault(f"blk.{parts[2]}.{GGUF_EXPERTS[parts[6]]}.weight", []).append(
                 (int(parts[5]), tensor)
             )
         else:
@@ -391,7 +398,7 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, tmp_path: Pat
                 heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
                 tensor = _llama_permute(tensor, heads)
             writer.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}", tensor.float().numpy())
-    for gguf_name, per_expert in stacked.items():
+    for gguf_name, per_expert in by_expert.items():
         ordered = [t for _, t in sorted(per_expert, key=lambda p: p[0])]
         writer.add_tensor(gguf_name, torch.stack(ordered).float().numpy())
     writer.write_header_to_file()
@@ -449,3 +456,43 @@ def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path) -> None:
     hf_model, _ = load_model(ModelSource("hf", tmp_path / "hf", "tiny"), torch.float32, torch.device("cpu"))
     assert all(m.simulate is MoE.simulate for m in hf_model.modules() if isinstance(m, MoE))
     assert touched(hf_model) == hf_model.model.layers[0].mlp.top_k
+
+
+def test_experts_stored_as_one_stacked_tensor_load_as_the_per_expert_ones(tmp_path: Path) -> None:
+    """Published Qwen3.5-MoE checkpoints (and transformers 5's own experts) hold a layer's experts as
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up) and ``down_proj`` [E, H, I]; the same
+    model saved either way gives HF's logits."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny_checkpoint("qwen3_moe", tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    weights = load_file(str(file))
+    experts = FAMILIES["qwen3_moe"]["num_experts"]
+    for layer in (0, 2):  # layer 1 keeps a dense MLP
+        p = f"model.layers.{layer}.mlp.experts"
+        gate = torch.stack([weights.pop(f"{p}.{e}.gate_proj.weight") for e in range(experts)])
+        up = torch.stack([weights.pop(f"{p}.{e}.up_proj.weight") for e in range(experts)])
+        weights[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1).contiguous()
+        weights[f"{p}.down_proj"] = torch.stack(
+            [weights.pop(f"{p}.{e}.down_proj.weight") for e in range(experts)]
+        ).contiguous()
+    save_file(weights, str(file), metadata={"format": "pt"})
+    model, _ = load_model(ModelSource("hf", tmp_path, "stacked"), torch.float32, torch.device("cpu"))
+    ids = _prompt(9, 9)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1:]
+    torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3)])
+def test_mxfp4_checkpoint_tensors_dequantize_an_expert_at_a_time_as_whole(lead: tuple[int, ...]) -> None:
+    """``mxfp4.checkpoint_tensor`` works an expert at a time (host memory): the same values and layout
+    as the whole tensor dequantized and its last two dims swapped."""
+    from prefixserve.model import mxfp4
+
+    gen = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (*lead, 5, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 140, (*lead, 5, 4), dtype=torch.uint8, generator=gen)
+    got = mxfp4.checkpoint_tensor(blocks, scales)
+    assert got.is_contiguous()
+    assert torch.equal(got, mxfp4.dequantize(blocks, scales).transpose(-2, -1))

@@ -117,6 +117,8 @@ _LAYER_NAMES = {
 }
 # a layer's experts stacked [E, rows, cols]: split into HF's ``mlp.experts.{e}.*_proj``
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# files written before llama.cpp stacked them (2023's Mixtral GGUFs): a tensor an expert, ``blk.L.ffn_gate.E``
+_EXPERT_PARTS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -152,6 +154,10 @@ def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, t
             for e in range(arr.shape[0]):
                 name = f"model.layers.{parts[1]}.mlp.experts.{e}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}"
                 yield name, torch.from_numpy(np.ascontiguousarray(arr[e]))
+            continue
+        if parts[0] == "blk" and len(parts) == 5 and parts[2] in _EXPERT_PARTS and parts[3].isdigit():
+            name = f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_EXPERT_PARTS[parts[2]]}.{parts[4]}"
+            yield name, torch.from_numpy(np.ascontiguousarray(arr))
             continue
         yield hf_name(t.name), torch.from_numpy(np.ascontiguousarray(arr))  # writable copy
 

@@ -266,6 +266,22 @@ def _model_name(model: LlamaForCausalLM, stored: str) -> str | None:
     return None if name is None else checkpoint_name(model.config.architecture, name)
 
 
+def _follow_checkpoint(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Modules whose checkpoint layout varies (``follow_checkpoint``: experts stored one tensor each,
+    or as one stacked tensor) take the one these files hold."""
+    from safetensors import safe_open
+
+    followers = [(n, m) for n, m in model.named_modules() if hasattr(m, "follow_checkpoint")]
+    if not followers:
+        return
+    stored: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            stored.update(n for n in map(functools.partial(_model_name, model), f.keys()) if n is not None)
+    for name, module in followers:
+        module.follow_checkpoint(name, stored)
+
+
 def _load_hf_weights(
     model: LlamaForCausalLM, directory: Path, dtype: torch.dtype, fp8s: Fp8Checkpoint | None = None
 ) -> None:
@@ -285,6 +301,7 @@ def _load_hf_weights(
     fp8s.watch(model)
 
     params = dict(model.named_parameters(remove_duplicate=False))
+    _follow_checkpoint(model, files)
     pieces = _pieces(model)
     targets: dict[str, list[tuple[str, Piece]]] = {}
     for param, plist in pieces.items():
@@ -406,12 +423,15 @@ _VISION_PREFIXES = (
     # Qwen3.5's vision tower
     "model.visual.",
     "visual.",
+    # Qwen3-Next's and Qwen3.5's multi-token-prediction layers (a draft head; HF skips them too)
+    "mtp.",
 )
 
 
 def language_model_name(stored: str) -> str | None:
     """A checkpoint tensor's name in the language model (a multimodal checkpoint's prefix taken off),
-    or None for the vision (and Gemma 4's audio) tower and its projector."""
+    or None for the vision (and Gemma 4's audio) tower and its projector, and for a draft head
+    (multi-token prediction) the engine does not run."""
     if stored.startswith(_VISION_PREFIXES):
         return None
     for prefix, replacement in _LANGUAGE_PREFIXES:

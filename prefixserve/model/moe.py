@@ -58,6 +58,13 @@ class Experts(nn.Module):
             x, self.w_up, self.w_down, weights, ids, self.act, *biases, self.alpha, self.limit
         )
 
+    def follow_checkpoint(self, prefix: str, stored: set[str]) -> None:
+        """Read HF's per-expert tensors as one stacked tensor each where the checkpoint has them so
+        (``{prefix}.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]: transformers 5's own experts, as
+        published Qwen3.5-MoE checkpoints store them); ``stored``: the checkpoint's names, as the model's."""
+        if self.layout == PER_EXPERT and f"{prefix}.gate_up_proj" in stored:
+            self.layout = GATE_UP_STACKED
+
     def checkpoint_pieces(self, prefix: str) -> Pieces:
         """{parameter name: [(checkpoint tensor, parameter rows, split dim, its span, its shape,
         convert)]}; ``prefix``: this module's name. ``PER_EXPERT``: HF's ``{e}.gate_proj`` /

@@ -64,6 +64,9 @@ def _route_kernel(
     chosen_ids = tl.zeros([KP], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.argmax(scores, 0, tie_break_left=True)  # the lowest index among equal scores
+        # a NaN row (overflowed logits) compares false everywhere and may pick a padding lane: keep
+        # the id an expert's, so the grouping and the products never index past the last one
+        best = tl.minimum(best, n_experts - 1)
         value = tl.max(scores, 0)
         chosen = tl.where(kk == j, value, chosen)
         chosen_ids = tl.where(kk == j, best.to(tl.int32), chosen_ids)
