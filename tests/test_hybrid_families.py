@@ -390,6 +390,8 @@ def test_a_checkpoints_multi_token_prediction_layers_are_skipped(tmp_path: Path)
     load; so does the engine (it runs no draft head), and the model is HF's."""
     from safetensors.torch import load_file, save_file
 
+    from tests.test_model_families import assert_logits_match_hf
+
     hf = tiny_checkpoint("qwen3_next", tmp_path)
     (file,) = tmp_path.glob("*.safetensors")
     weights = load_file(str(file))
@@ -397,8 +399,4 @@ def test_a_checkpoints_multi_token_prediction_layers_are_skipped(tmp_path: Path)
     weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
     weights["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.randn(8, hidden)
     save_file(weights, str(file), metadata={"format": "pt"})
-    model, _ = load_model(ModelSource("hf", tmp_path, "mtp"), torch.float32, torch.device("cpu"))
-    ids = _prompt(9, 9)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0, -1:]
-    torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(("mtp", tmp_path, hf), (9,))

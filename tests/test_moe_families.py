@@ -464,6 +464,8 @@ def test_experts_stored_as_one_stacked_tensor_load_as_the_per_expert_ones(tmp_pa
     model saved either way gives HF's logits."""
     from safetensors.torch import load_file, save_file
 
+    from tests.test_model_families import assert_logits_match_hf
+
     hf = tiny_checkpoint("qwen3_moe", tmp_path)
     (file,) = tmp_path.glob("*.safetensors")
     weights = load_file(str(file))
@@ -477,11 +479,7 @@ def test_experts_stored_as_one_stacked_tensor_load_as_the_per_expert_ones(tmp_pa
             [weights.pop(f"{p}.{e}.down_proj.weight") for e in range(experts)]
         ).contiguous()
     save_file(weights, str(file), metadata={"format": "pt"})
-    model, _ = load_model(ModelSource("hf", tmp_path, "stacked"), torch.float32, torch.device("cpu"))
-    ids = _prompt(9, 9)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0, -1:]
-    torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)
+    assert_logits_match_hf(("stacked", tmp_path, hf), (9,))
 
 
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3)])

@@ -17,8 +17,16 @@ def compile_for_hopper(kernel, types: dict[str, str], consts: dict[str, object])
     return compile_for_sm90(kernel, types, consts)
 
 
+def emit(kernel: str, skip: bool, compiled) -> None:
+    """One JSON line: the kernel's form, whether it compiled to a cubin, its ``ldmatrix`` count."""
+    from benchmarks.probes.ptx_census import census
+
+    record = {"kernel": kernel, "skip": skip, "ok": bool(compiled.asm.get("cubin"))}
+    print(json.dumps(record | {"ldmatrix": census(compiled.asm["ptx"])["ldmatrix"]}))
+
+
 def main() -> None:
-    from benchmarks.probes.ptx_census import census, compile_packed
+    from benchmarks.probes.ptx_census import compile_packed
     from prefixserve.attention.kernels import paged_attention, window_attention
 
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32"}
@@ -28,8 +36,7 @@ def main() -> None:
     for skip in (False, True):  # with a table base (a sliding group's) where skipping, without else
         types = ptrs | {"o_ptr": "*fp32" if skip else "*bf16", "lse_ptr": "*fp32"}
         consts = common | {"GROUP": 2, "BLOCK_N": 32, "HEAD_DIM": 256, "SKIP": skip, "BASE": skip}
-        compiled = compile_for_hopper(window_attention._window_kernel, types, consts)
-        print(json.dumps({"kernel": "window", "skip": skip, "ok": bool(compiled.asm.get("cubin"))}))
+        emit("window", skip, compile_for_hopper(window_attention._window_kernel, types, consts))
     types = ptrs | {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
     types |= {"count_ptr": "*i32"}
     for merge in (False, True):  # a decode step's splits merged by the last program (``merge_last``),
@@ -37,42 +44,13 @@ def main() -> None:
         consts = common | {"GROUP": 4, "BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True}
         consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge, "MERGE_UNROLL": 4}
         consts |= {"PAGES_AHEAD": 32 if merge else 0}
-        compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
-        ldmatrix = census(compiled.asm["ptx"])["ldmatrix"]
-        print(
-            json.dumps(
-                {
-                    "kernel": "paged",
-                    "skip": merge,
-                    "ok": bool(compiled.asm.get("cubin")),
-                    "ldmatrix": ldmatrix,
-                }
-            )
-        )
+        emit("paged", merge, compile_for_hopper(paged_attention._paged_kernel, types, consts))
     # over an e4m3 cache: bf16 q widened to fp16 (``attend.widened_q``), the merged form, and the tiles
     # widened once (``attend.widened_kv``): their operands read by ldmatrix as a bf16 cache's are
     types |= {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
-    compiled = compile_for_hopper(paged_attention._paged_kernel, types, consts)
-    ldmatrix = census(compiled.asm["ptx"])["ldmatrix"]
-    print(
-        json.dumps(
-            {
-                "kernel": "paged_e4m3",
-                "skip": True,
-                "ok": bool(compiled.asm.get("cubin")),
-                "ldmatrix": ldmatrix,
-            }
-        )
-    )
+    emit("paged_e4m3", True, compile_for_hopper(paged_attention._paged_kernel, types, consts))
     for kv in ("*bf16", "*fp8e4nv"):  # the packed decode kernel (several sequences a query tile)
-        compiled = compile_packed(kv, 2)
-        ldmatrix = census(compiled.asm["ptx"])["ldmatrix"]
-        name = "packed" if kv == "*bf16" else "packed_e4m3"
-        print(
-            json.dumps(
-                {"kernel": name, "skip": False, "ok": bool(compiled.asm.get("cubin")), "ldmatrix": ldmatrix}
-            )
-        )
+        emit("packed" if kv == "*bf16" else "packed_e4m3", False, compile_packed(kv, 2))
 
 
 if __name__ == "__main__":
