@@ -272,3 +272,26 @@ def test_kv_shared_layers_read_with_the_scales_their_cache_was_written_with(tmp_
     for i in readers:
         assert torch.equal(scales_of(kv.layers[i]), scales_of(kv.layers[config.kv_source(i)]))
     assert all(float(scales_of(kv.layers[i])[1].max()) == 0.25 for i in range(config.num_hidden_layers))
+
+
+def test_a_hybrids_checkpoint_v_scales_on_its_attention_layers_are_used(tmp_path) -> None:
+    """A linear-attention hybrid's checkpoint has KV scales for the layers that write KV only; they are
+    used (the linear layers, which read none, take a writer's), not dropped for the calibration's."""
+    from safetensors.torch import load_file, save_file
+
+    from prefixserve.model.config import ModelConfig
+    from tests.test_hybrid_families import tiny_checkpoint
+    from tests.test_model_families import _llm
+
+    tiny_checkpoint("qwen3_next", tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    weights = load_file(str(file))
+    config = ModelConfig.from_json(tmp_path / "config.json")
+    writers = [i for i in range(config.num_hidden_layers) if config.kv_source(i) == i]
+    assert 0 < len(writers) < config.num_hidden_layers
+    for i in writers:
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(1.0)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(3.0)  # rounded up: 4
+    save_file(weights, str(file), metadata={"format": "pt"})
+    kv = _llm(tmp_path, kv_cache_dtype="fp8").engine.runner.kv
+    assert all(torch.all(scales_of(kv.layers[i])[1] == 4.0) for i in writers)
