@@ -96,3 +96,14 @@ def test_token_id_check_fast_path_agrees_with_the_exact_one() -> None:
     ]
     for ids, valid in cases:
         assert valid_token_ids(list(ids), vocab) is valid, ids
+
+
+def test_sample_seeds_differ_for_seeds_pythons_hash_folds_together() -> None:
+    """A sample's generator seed is a digest of (seed, index): seeds equal modulo 2**61 - 1 (Python's
+    int hash) draw apart, the same pair always alike, every value a valid 63-bit seed."""
+    from prefixserve.engine.input_processor import sample_seed
+
+    assert hash((2**64 - 1, 0)) == hash((7, 0))  # what the old rule keyed on
+    assert sample_seed(2**64 - 1, 0) != sample_seed(7, 0)
+    assert sample_seed(7, 0) == sample_seed(7, 0) != sample_seed(7, 1)
+    assert all(0 <= sample_seed(s, i) < 2**63 for s in (-(2**70), -1, 0, 2**70) for i in range(3))

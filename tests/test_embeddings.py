@@ -181,6 +181,11 @@ def test_server_embeddings_through_the_openai_client(tiny_openai, tiny_server) -
         tiny_openai.embeddings.create(model="other", input="x")
     # the server still serves after the refusals
     assert len(tiny_openai.embeddings.create(model="default", input="still here").data) == 1
+    context = tiny_openai.models.list().data[0].max_model_len  # an embedding may fill it, not pass it
+    full = tiny_openai.embeddings.create(model="default", input=[[5] * context])
+    assert full.usage.prompt_tokens == context
+    with pytest.raises(openai.BadRequestError):
+        tiny_openai.embeddings.create(model="default", input=[[5] * (context + 1)])
 
 
 def test_mean_requests_wait_for_sums_not_just_cached_blocks(tiny_config_path: Path) -> None:
@@ -314,3 +319,24 @@ def test_chat_messages_embed_as_their_rendered_chat(tiny_server, default_tokeniz
         assert chat.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
     bad = httpx.post(url, json={"messages": "not a list"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_embedding_may_fill_the_whole_context(tiny_config_path: Path, async_scheduling: bool) -> None:
+    """An embedding generates nothing, so its prompt may be as long as the context (vLLM's rule); one
+    token longer is refused. The same prompt embeds as in an engine with room to spare."""
+
+    def llm(context: int) -> LLM:
+        return LLM(
+            f"dummy:{tiny_config_path}", dtype="float32", device="cpu", num_kv_blocks=64, progress=False,
+            max_model_len=context, async_scheduling=async_scheduling,
+        )  # fmt: skip
+
+    full = {"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(48)]}
+    tight, roomy = llm(48), llm(96)
+    (got,) = tight.embed([full])
+    (want,) = roomy.embed([full])
+    torch.testing.assert_close(torch.tensor(got.outputs.embedding), torch.tensor(want.outputs.embedding))
+    with pytest.raises(ValueError, match="over the context length of 48"):
+        tight.embed([{"prompt_token_ids": full["prompt_token_ids"] + [5]}])
+    assert_pool_empty(tight)

@@ -345,11 +345,14 @@ def test_a_responses_message_has_its_own_logprobs(ctx: OpenAIContext, text: str,
     assert "".join(lp["token"] for lp in streamed) == said
 
 
-def test_reasoning_chunks_carry_their_own_logprobs(ctx: OpenAIContext) -> None:
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["plain", "tools"])
+@pytest.mark.parametrize("text", ["<think>Check the map.</think>It is sunny.", "<think>Check the map"])
+def test_reasoning_chunks_carry_their_own_logprobs(ctx: OpenAIContext, tools: Any, text: str) -> None:
     """Streamed, each reasoning chunk carries its own tokens' logprobs (vLLM's), the answer's chunks
-    the rest; together they are the non-streamed answer's."""
-    text = "<think>Check the map.</think>It is sunny."
-    body = {"messages": ASK, "logprobs": True, "top_logprobs": 1}
+    the rest; together they are the non-streamed answer's, once each (with tools the answer is held
+    until it is known not to be a call: it must not send the reasoning's again, nor where the output
+    ends while thinking)."""
+    body = {"messages": ASK, "logprobs": True, "top_logprobs": 1} | ({"tools": tools} if tools else {})
 
     whole = response_body(ctx, prepare_chat(ctx, body), [_output(text, "stop", logprobs=True)])["choices"][0]
     chunks = _streamed_with_logprobs(stream_state(ctx, prepare_chat(ctx, {**body, "stream": True})), text, 3)

@@ -371,6 +371,10 @@ def test_error_params_name_the_field(http: httpx.Client) -> None:
         http.post("/v1/completions", json={"prompt": "x", "model": "m"}), 404, "does not exist"
     )
     assert (err["param"], err["code"]) == ("model", "model_not_found")
+    # a limit sent as max_completion_tokens that the context cannot hold is named as it was sent
+    body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens=")
+    assert err["param"] == "max_completion_tokens" and "max_tokens=" not in err["message"]
 
 
 def test_body_too_large_routes_and_methods(http: httpx.Client) -> None:

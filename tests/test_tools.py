@@ -322,3 +322,14 @@ def test_a_responses_structured_outputs_constrains_it(ctx: OpenAIContext) -> Non
         ctx, {"input": "Pick", "structured_outputs": {"choice": ["a", "b"]}}, ResponseStore()
     )
     assert call.prep.params.structured_outputs is not None
+
+
+def test_a_chat_stream_that_fails_ends_with_the_error_then_done(ctx: OpenAIContext) -> None:
+    """An engine failure mid-stream is sent as an error event and the stream still ends with
+    ``[DONE]``, as vLLM's streams end (SSE clients wait for it)."""
+    state = stream_state(ctx, prepare(ctx, "/v1/chat/completions", {"messages": ASK, "stream": True}))
+    error = APIError(500, "the engine failed while running this request", code="engine_error")
+    event = state.error_event(error.body())
+    assert event.endswith("data: [DONE]\n\n")
+    (body,) = [json.loads(ln[6:]) for ln in event.split("\n") if ln.startswith("data: {")]
+    assert body["error"]["code"] == "engine_error"

@@ -10,6 +10,7 @@ are known (``RuleSet.admit``); this module names none of them.
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from collections.abc import Iterable
 from typing import Any
@@ -43,10 +44,27 @@ def valid_token_ids(tokens: list[int], vocab: int) -> bool:
     return all((type(t) is int or isinstance(t, numbers.Integral)) and 0 <= t < vocab for t in tokens)
 
 
-def check_context(num_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of a request's sample ``index``: a digest of both, so that no two (seed,
+    index) pairs meet (Python's ``hash`` of ints folds them modulo 2**61 - 1: seed 2**64 - 1 drew
+    what seed 7 did)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def check_context(
+    num_tokens: int, max_tokens: int | None, max_model_len: int, generates: bool = True
+) -> None:
     """Refuse a prompt (or a ``max_tokens``) the context cannot hold: a ValueError naming the numbers.
     The server asks it before its overload gate too, so a request that can never run is a 400 and
-    not a 429 to retry."""
+    not a 429 to retry. A request that generates nothing (an embedding: ``generates`` False) may fill
+    the whole context, as vLLM's may; its one internal token is never run."""
+    if not generates:
+        if num_tokens > max_model_len:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens, over the context length of {max_model_len}"
+            )
+        return
     if num_tokens >= max_model_len:
         raise ValueError(
             f"the prompt has {num_tokens} tokens, over the context length of {max_model_len} "
@@ -97,6 +115,7 @@ class InputProcessor:
         tokenizer: Any,
         max_model_len: int,
         public_tokens: int = 0,
+        pooled: bool = False,
     ) -> Request:
         """The checked request, with its first sequence; see ``Engine.add_request`` for the arguments.
 
@@ -144,8 +163,9 @@ class InputProcessor:
             try:
                 tokens, positions = mp.token_ids, mp.positions
                 req = self._request(
-                    request_id, prompt, params, tokens, positions, cache_salt, stream, mp, max_model_len
-                )
+                    request_id, prompt, params, tokens, positions, cache_salt, stream, mp, max_model_len,
+                    pooled,
+                )  # fmt: skip
                 self.rules.admit(req, tokenizer)
                 return req
             except BaseException:
@@ -172,8 +192,9 @@ class InputProcessor:
                     raise ValueError("prompt_positions cannot be combined with an application prefix")
                 tokens = behind_pinned(system.token_ids, tokens, tokenizer)
         req = self._request(
-            request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, None, max_model_len
-        )
+            request_id, prompt, params, tokens, prompt_positions, cache_salt, stream, None, max_model_len,
+            pooled,
+        )  # fmt: skip
         req.public_tokens = min(public_tokens, len(tokens))
         # the pinned prompt's blocks are unsalted: this prompt's first ones where no salt covers them
         unsalted = system is not None and (cache_salt is None or req.public_tokens >= len(system.token_ids))
@@ -194,8 +215,10 @@ class InputProcessor:
         stream: bool,
         modules: ModulePrompt | None,
         max_model_len: int,
+        pooled: bool = False,
     ) -> Request:
-        """Check a prompt's tokens against the model and the context, then make the request."""
+        """Check a prompt's tokens against the model and the context, then make the request
+        (``pooled``: an embedding's, which generates nothing)."""
         if not tokens:
             raise ValueError("the prompt is empty")
         vocab = self.vocab_size
@@ -206,7 +229,7 @@ class InputProcessor:
             check = tokens
         if not valid_token_ids(check, vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), as integers")
-        check_context(len(tokens), params.max_tokens, max_model_len)
+        check_context(len(tokens), params.max_tokens, max_model_len, generates=not pooled)
         if prompt_positions is None:
             positions = counting_positions(len(tokens))
         else:
@@ -239,7 +262,7 @@ class InputProcessor:
         seq.block_digests = list(req.modules.digests) if req.modules is not None else []
         self._next_seq_id += 1
         if req.params.seed is not None and samples:
-            seed = hash((req.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+            seed = sample_seed(req.params.seed, index)
             seq.generator = self.runner.make_generator(seed)
         req.sequences.append(seq)
         return seq

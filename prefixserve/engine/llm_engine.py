@@ -91,6 +91,7 @@ class Engine(EngineSetup, EngineServices):
         req = self.input_processor.process(  # the request rules check and admit it there
             request_id, prompt, params, prompt_token_ids, prompt_positions, cache_salt, stream,
             application, module_recompute, self.tokenizer, self.max_model_len, public_tokens,
+            pooled=pooling is not None,
         )  # fmt: skip
         req.priority, req.tenant, req.cache_pins = priority, tenant, pins
         self.cache_pins.admit(req)  # breakpoints past the pinned-block budget are not honoured

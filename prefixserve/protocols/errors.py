@@ -36,6 +36,16 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def as_sent(error: APIError, req: Any) -> APIError:
+    """``error`` about ``max_tokens`` named as ``req`` sent its limit: a chat request that gave
+    ``max_completion_tokens`` is told about that field, not one it never sent."""
+    if getattr(req, "max_completion_tokens", None) is None or "max_tokens" not in error.message:
+        return error
+    message = error.message.replace("max_tokens", "max_completion_tokens")
+    param = "max_completion_tokens" if error.param == "max_tokens" else error.param
+    return APIError(error.status, message, param=param, code=error.code, headers=error.headers)
+
+
 def engine_failure(outputs: Iterable[RequestOutput]) -> APIError | None:
     """The error for outputs that finished with "error", or None. Where the engine said why, the
     request can never run here (it needs more of the KV pool than can ever be free): a 400 naming

@@ -23,7 +23,7 @@ from prefixserve.entrypoints.openai.overload_http import deadline_error, refusal
 from prefixserve.entrypoints.openai.requests import ServerState, request_tenant
 from prefixserve.outputs import RequestOutput
 from prefixserve.promptcache.pml import PMLError, is_pml_prompt
-from prefixserve.protocols.errors import APIError, engine_failure, param_of
+from prefixserve.protocols.errors import APIError, as_sent, engine_failure, param_of
 from prefixserve.protocols.openai import format as fmt
 from prefixserve.protocols.openai.prepare import (
     Prepared,
@@ -95,7 +95,7 @@ def _check_fits(state: ServerState, prep: Prepared, tokens: list[int]) -> None:
     """ValueError (a 400) for a prompt, or a max_tokens, that no context holds, as the engine's
     intake would refuse it: counted with the application's pinned prompt in front."""
     ids = state.engine_ids(tokens, prep.application)
-    check_context(len(ids), prep.params.max_tokens, state.max_model_len)
+    check_context(len(ids), prep.params.max_tokens, state.max_model_len, generates=prep.pooling is None)
 
 
 async def submit(
@@ -178,7 +178,7 @@ async def submit(
         for sub_id in ids:
             state.loop.abort(sub_id)
         param, code = param_of(str(exc), prompt_field)
-        raise APIError(400, str(exc), param=param, code=code) from None
+        raise as_sent(APIError(400, str(exc), param=param, code=code), prep.req) from None
     except EngineStopped as exc:
         for sub_id in ids:
             state.loop.abort(sub_id)

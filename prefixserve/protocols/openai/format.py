@@ -288,8 +288,9 @@ class StreamState:
         return [self.usage_chunk(finals), DONE] if self.include_usage else [DONE]
 
     def error_event(self, error: dict[str, Any]) -> str:
-        """An error body (``APIError.body()``) sent in place of the rest of the stream."""
-        return sse(error)
+        """An error body (``APIError.body()``) sent in place of the rest of the stream, then ``[DONE]``
+        (as vLLM ends it: SSE clients wait for it)."""
+        return sse(error) + DONE
 
     def role_chunks(self) -> list[str]:
         """Chat streams open each choice with the assistant role."""

@@ -17,7 +17,7 @@ from prefixserve.outputs import RequestOutput
 from prefixserve.pooling_params import PoolingParams
 from prefixserve.promptcache.chat import chat_prompt as chat_as_pml
 from prefixserve.promptcache.pml import PMLError, is_pml_prompt
-from prefixserve.protocols.errors import APIError, param_of
+from prefixserve.protocols.errors import APIError, as_sent, param_of
 from prefixserve.protocols.ids import answer_id
 from prefixserve.protocols.openai import format as fmt
 from prefixserve.protocols.openai.reasoning import ReasoningSplit, Thinking, reasoning_kind, with_reasoning
@@ -372,11 +372,7 @@ def prepare_chat(ctx: OpenAIContext, data: Any) -> Prepared:
             ctx.sampling_defaults,
         )
     except APIError as exc:  # the limit came as max_completion_tokens: the error names that field
-        if req.max_completion_tokens is None or "max_tokens" not in exc.message:
-            raise
-        message = exc.message.replace("max_tokens", "max_completion_tokens")
-        param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
-        raise APIError(400, message, param=param, code=exc.code) from None
+        raise as_sent(exc, req) from None
     prompt, application = chat_prompt(ctx, req, tools)
     rid = answer_id("chatcmpl", req.request_id)
     last = req.messages[-1]

@@ -74,15 +74,16 @@ class ToolStreamState(fmt.StreamState):
         return upto
 
     def _finish_held(self, index: int, c: Any) -> list[str]:
-        self.choices.setdefault(index, fmt._Choice()).done = True
+        state = self.choices.setdefault(index, fmt._Choice())
+        state.done = True
         message, reason = tool_message(c.text, c.finish_reason, self.tools)
         calls = message.get("tool_calls")
         if not calls:
-            lp = (
-                fmt.chat_logprobs(c, 0, len(c.token_logprobs or ()), self.token_text)
-                if self.want_logprobs
-                else None
-            )
+            lp = None
+            if self.want_logprobs:  # those not sent yet (a reasoning parser streamed its tokens')
+                end = len(c.token_logprobs or ())
+                lp = fmt.chat_logprobs(c, state.tokens, end, self.token_text)
+                state.tokens = end
             choice = {"index": index, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": reason}
             return [self.chunk([choice])]
         return self._calls(index, c, message, reason, message.get("content"))

@@ -227,11 +227,14 @@ def tool_message(text: str, finish_reason: str | None, tools: Tools) -> tuple[di
     # object, not in tags, has none; the stream sends the same (tool_stream.py)
     at = text.find(CALL_TAG) if tools.choice == "auto" else -1
     content = text[:at] if at > 0 else ""
+    # a named function's call ends as the output ended ("stop"), as OpenAI's and vLLM's do; only auto
+    # and required calls end with "tool_calls"
+    reason = finish_reason if tools.choice == "named" else "tool_calls"
     return {
         "role": "assistant",
         "content": content if content.strip() else None,
         "tool_calls": calls,
-    }, "tool_calls"
+    }, reason
 
 
 def template_kwargs(req: Any, tools: Tools | None, native: bool) -> dict[str, Any]:
