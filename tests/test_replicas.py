@@ -185,7 +185,8 @@ def test_a_killed_replica_fails_its_stream_the_rest_is_served_and_it_comes_back(
         victim = r.headers[REPLICA_HEADER]
         os.kill(rc.replica_info(victim)["pid"], signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
-    assert rest and "error" in json.loads(rest[-1][6:]), rest[-3:]  # an error event ends the stream
+    # an error event ends the stream, then [DONE] as every completion stream ends
+    assert rest[-1:] == ["data: [DONE]"] and "error" in json.loads(rest[-2][6:]), rest[-3:]
     others = {rc.complete(endpoint, f"Other request {i}")[0] for i in range(3)}
     assert victim not in others  # served by the replica that lives
     rc.wait_healthy(endpoint, 2)  # Ray Serve restarted it

@@ -88,7 +88,8 @@ def _fails_and_comes_back(endpoint: str, kill: str) -> None:
         before = rc.replica_info(victim)
         os.kill(before[kill], signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
-    assert rest and "error" in json.loads(rest[-1][6:]), rest[-3:]  # an error event ends the stream
+    # an error event ends the stream, then [DONE] as every completion stream ends
+    assert rest[-1:] == ["data: [DONE]"] and "error" in json.loads(rest[-2][6:]), rest[-3:]
     deadline = time.monotonic() + 30
     while not (rc.process_gone(before["pid"]) and rc.process_gone(before["engine_pid"])):
         assert time.monotonic() < deadline, f"{victim}'s processes outlived it: {before}"

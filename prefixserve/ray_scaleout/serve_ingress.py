@@ -302,6 +302,8 @@ class IngressCore:
                 log.warning("replica %s failed mid-stream: %s", name, exc)
                 error = APIError(500, f"engine replica {name} failed mid-stream", code="engine_error")
                 yield fmt.sse(error.body()).encode()
+                if request.url.path.endswith("completions"):  # a chat / completion stream ends with it
+                    yield fmt.DONE.encode()
             finally:
                 release()
                 with contextlib.suppress(Exception):
