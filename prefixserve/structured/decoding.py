@@ -61,9 +61,10 @@ class StructuredDecoding:
         self.matchers.setup(self.grammars.info.serialize_json(), vocab_size, threads)
         # a step whose fill was sent ahead: its samplers and its host slot
         self._job: tuple[list[Sequence], torch.Tensor | None] | None = None
-        self._filled: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None  # rows last filled
         self.fills_ahead = 0  # steps whose fill went with the tokens before them (launched ahead)
-        self._last_rows: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None  # ``_rows``'
+        # the samplers of the last fill and their (row, sequence, key) rows: what the step's tokens
+        # advance (``advance``), and the next step's rows where its samplers are the same (``_rows``)
+        self._last_rows: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None
 
     def admit(self, spec: StructuredOutputs) -> None:
         """Compile ``spec`` now (or find it compiled): a bad one raises ValueError before queueing;
@@ -92,7 +93,8 @@ class StructuredDecoding:
         """
         self._job = None  # a job not taken by its step is dropped (its answer is read first)
         keys, accepted = [], []
-        filled = self._filled[1] if self._filled is not None and self._filled[0] is samplers else None
+        last = self._last_rows
+        filled = last[1] if last is not None and last[0] is samplers else None
         if filled is None:  # rows not filled through here: each sampler's handle, if it has one
             filled = []
             for i, seq in enumerate(samplers):
@@ -104,7 +106,6 @@ class StructuredDecoding:
             if waiting and waiting[0][0] == indices[i] and not seq.is_finished:
                 keys.append(key)
                 accepted.append(tokens[i])
-        self._filled = None
         if then is not None:
             self._job = (then, self._send_fill(then, (keys, accepted)))
             self.fills_ahead += self._job[1] is not None
@@ -117,7 +118,6 @@ class StructuredDecoding:
         """Send ``accepts`` and the fill of each constrained sampler still running (a matcher is made
         at its first); the host slot the child fills (None: no row to fill, only ``accepts`` sent)."""
         rows = self._rows(samplers)
-        self._filled = (samplers, rows)  # what the step's tokens advance (``advance``)
         if not rows:
             if accepts[0]:
                 self.matchers.step(accepts, None)
