@@ -102,12 +102,14 @@ def forced(tools: Tools | None) -> bool:
     return tools is not None and tools.choice in ("named", "required")
 
 
-def stop_of(chat_reason: str | None, final: RequestOutput) -> tuple[str, str | None]:
-    """(``stop_reason``, ``stop_sequence``) from the chat's finish reason and the engine's output."""
-    if chat_reason == "tool_calls":
-        return "tool_use", None
+def stop_of(chat_reason: str | None, final: RequestOutput, called: bool) -> tuple[str, str | None]:
+    """(``stop_reason``, ``stop_sequence``) from the chat's finish reason, whether the answer holds a
+    whole call (``called``: a named function's ends as the output did, "stop", where Anthropic's
+    ends "tool_use" as any call does) and the engine's output."""
     if chat_reason == "length":
         return "max_tokens", None
+    if called or chat_reason == "tool_calls":
+        return "tool_use", None
     stopped_by = final.outputs[0].stop_reason
     if isinstance(stopped_by, str):
         return "stop_sequence", stopped_by
@@ -171,7 +173,8 @@ class MessageCall:
         content += [tool_use_block(call) for call in message.get("tool_calls") or ()]
         body = self.skeleton(message_usage(finals))
         body["content"] = content
-        body["stop_reason"], body["stop_sequence"] = stop_of(reason, finals[0])
+        called = bool(message.get("tool_calls"))
+        body["stop_reason"], body["stop_sequence"] = stop_of(reason, finals[0], called)
         return body
 
 

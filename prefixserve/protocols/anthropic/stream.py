@@ -47,6 +47,7 @@ class MessageEvents:
     open_kind: str | None = None  # "text" or "tool_use": the block still open
     arguments: str = ""  # the open tool_use block's arguments so far (sent whole when it closes)
     reason: str | None = None  # the chat's finish reason
+    called: bool = False  # a tool_use block was opened (a call)
 
     def opening(self) -> list[str]:
         return []  # message_start goes with the first output (``before``), which has the usage
@@ -81,6 +82,7 @@ class MessageEvents:
         for piece in delta.get("tool_calls") or ():
             fn = piece.get("function") or {}
             if "id" in piece:
+                self.called = True
                 block = {"type": "tool_use", "id": piece["id"], "name": fn["name"], "input": {}}
                 out += self._close() + self._open(block, "tool_use")
             elif self.open_kind == "tool_use":
@@ -109,7 +111,7 @@ class MessageEvents:
         return [*out, event("content_block_stop", {"index": self.blocks - 1})]
 
     def closing(self, finals: list[RequestOutput]) -> list[str]:
-        reason, sequence = stop_of(self.reason, finals[0])
+        reason, sequence = stop_of(self.reason, finals[0], self.called)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         return [
             *self._close(),
