@@ -10,10 +10,12 @@ default launch and FlashInfer's two decode kernels a few times, eagerly, for Nsi
         python -m benchmarks.probes.b1_decode profile
 
 A variant is named by its changes from the default: ``s48`` splits, ``n128`` tile width, ``w8`` warps,
-``st3`` stages, ``a256`` a split's block ids (up to 256) read before its walk
-(``paged_attention.launch_paged(pages_ahead=)``, 3 stages unless named; ``a0``: each tile loads its
-own, as before), ``p4`` four sequences a program (the packed decode kernel). ``--widening cast``: the
-whole run with e4m3 tiles widened by Triton's own cast instead of the kernels' inline PTX.
+``st3`` stages, ``r128`` registers a thread at most (ptxas), ``a256`` a split's block ids (up to
+256) read before its walk (``paged_attention.launch_paged(pages_ahead=)``, 3 stages unless named;
+``a0``: each tile loads its own, as before), ``p4`` four sequences a program (the packed decode
+kernel). ``--widening cast``: the whole run with e4m3 tiles widened by Triton's own cast instead of
+the kernels' inline PTX; ``--fetch pipeline``: loaded through Triton's software pipeline instead of
+into registers a tile ahead.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from benchmarks.peers_gpu import KV_DTYPES, LAYOUTS
 from benchmarks.peers_gpu_batch import build, ours
-from benchmarks.probes.ptx_census import choose_widening
+from benchmarks.probes.ptx_census import choose_fetch, choose_widening
 
 VARIANTS = ["base", "a0", "a256st2", "a256st4", "n128", "a0n128", "s48", "a0s48"]
 
@@ -38,7 +40,8 @@ VARIANTS = ["base", "a0", "a256st2", "a256st4", "n128", "a0n128", "s48", "a0s48"
 def parse(name: str) -> dict[str, int]:
     """A variant name's launch changes (``base``: none)."""
     keys = {"s": "splits", "n": "block_n", "w": "warps", "st": "stages", "a": "pages_ahead", "p": "pack"}
-    return {keys[k]: int(v) for k, v in re.findall(r"(st|s|n|w|a|p)(\d+)", name)}
+    keys["r"] = "max_registers"
+    return {keys[k]: int(v) for k, v in re.findall(r"(st|s|n|w|a|p|r)(\d+)", name)}
 
 
 def merged_call(batch: Any, ctx: int, change: dict[str, int]) -> Any:
@@ -62,7 +65,7 @@ def merged_call(batch: Any, ctx: int, change: dict[str, int]) -> Any:
     args = (q, batch.k_cache, batch.v_cache, m.block_tables, m.seq_lens, m.query_start_loc, batch.scale, 1)
     tiles = {
         "num_warps": change.get("warps"), "num_stages": change.get("stages"),
-        "pages_ahead": change.get("pages_ahead"), "pack": pack,
+        "pages_ahead": change.get("pages_ahead"), "pack": pack, "max_registers": change.get("max_registers"),
     }  # fmt: skip
 
     def run() -> torch.Tensor:
@@ -149,6 +152,7 @@ def sweep(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
             new = [r for r in rows if r["layout"] == layout and r["ctx"] == ctx]
             settings = {"batch": args.batch, "kv": args.kv_cache_dtype, "widening": args.widening}
+            settings["fetch"] = args.fetch
             write(args.out, settings, rows, new)
 
 
@@ -207,8 +211,15 @@ def main() -> None:
         default="opaque",
         help="e4m3 tiles widened by the kernels' inline PTX (attend.widened_kv) or Triton's own cast",
     )
+    ap.add_argument(
+        "--fetch",
+        choices=("registers", "pipeline"),
+        default="registers",
+        help="e4m3 tiles loaded into registers a tile ahead (attend.attend_range_fetched) or by the pipeline",
+    )
     args = ap.parse_args()
     choose_widening(args.widening)
+    choose_fetch(args.fetch)
     (sweep if args.mode == "sweep" else profile)(args)
 
 

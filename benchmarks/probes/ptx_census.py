@@ -91,6 +91,16 @@ def choose_widening(widening: str) -> None:
         attend.OPAQUE_WIDENING = attend.tl.constexpr(False)
 
 
+def choose_fetch(fetch: str) -> None:
+    """``pipeline``: this process's kernels read e4m3 tiles through Triton's software pipeline (shared
+    memory) instead of into registers a tile ahead (``attend.attend_range_fetched``); before the first
+    compile, as ``choose_widening``."""
+    if fetch == "pipeline":
+        from prefixserve.attention.kernels import attend
+
+        attend.FETCH_E4M3_AHEAD = attend.tl.constexpr(False)
+
+
 def census(ptx: str) -> dict[str, int]:
     """How many instructions of each of ``OPS`` the PTX holds (predicated ones too)."""
     counts = dict.fromkeys(OPS, 0)
@@ -114,9 +124,16 @@ def main() -> None:
         default="opaque",
         help="e4m3 tiles widened by the kernels' inline PTX (attend.widened_kv) or by Triton's own cast",
     )
+    ap.add_argument(
+        "--fetch",
+        choices=("registers", "pipeline"),
+        default="registers",
+        help="e4m3 tiles loaded into registers a tile ahead or through Triton's pipeline",
+    )
     args = ap.parse_args()
     choose_widening(args.widening)
-    print(f"e4m3 widening: {args.widening}")
+    choose_fetch(args.fetch)
+    print(f"e4m3 widening: {args.widening}, fetch: {args.fetch}")
     print("| kernel | KV | stages | ids ahead | shared KB | " + " | ".join(OPS) + " |")
     print("| --- | --- | ---: | ---: | ---: |" + " ---: |" * len(OPS))
     for kv in ("*bf16", "*fp8e4nv"):

@@ -18,11 +18,13 @@ def compile_for_hopper(kernel, types: dict[str, str], consts: dict[str, object])
 
 
 def emit(kernel: str, skip: bool, compiled) -> None:
-    """One JSON line: the kernel's form, whether it compiled to a cubin, its ``ldmatrix`` count."""
+    """One JSON line: the kernel's form, whether it compiled to a cubin, its ``ldmatrix`` and
+    ``cp.async`` counts."""
     from benchmarks.probes.ptx_census import census
 
     record = {"kernel": kernel, "skip": skip, "ok": bool(compiled.asm.get("cubin"))}
-    print(json.dumps(record | {"ldmatrix": census(compiled.asm["ptx"])["ldmatrix"]}))
+    counts = census(compiled.asm["ptx"])
+    print(json.dumps(record | {"ldmatrix": counts["ldmatrix"], "cp_async": counts["cp.async"]}))
 
 
 def main() -> None:
@@ -45,8 +47,9 @@ def main() -> None:
         consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge, "MERGE_UNROLL": 4}
         consts |= {"PAGES_AHEAD": 32 if merge else 0}
         emit("paged", merge, compile_for_hopper(paged_attention._paged_kernel, types, consts))
-    # over an e4m3 cache: bf16 q widened to fp16 (``attend.widened_q``), the merged form, and the tiles
-    # widened once (``attend.widened_kv``): their operands read by ldmatrix as a bf16 cache's are
+    # over an e4m3 cache: bf16 q widened to fp16 (``attend.widened_q``), the merged form, its tiles
+    # loaded into registers a tile ahead and widened once (``attend.attend_range_fetched``): their
+    # operands read by ldmatrix as a bf16 cache's are
     types |= {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
     emit("paged_e4m3", True, compile_for_hopper(paged_attention._paged_kernel, types, consts))
     for kv in ("*bf16", "*fp8e4nv"):  # the packed decode kernel (several sequences a query tile)

@@ -57,8 +57,8 @@ def reference(q, k, v, tables, seq_lens, query_lens, scale, window=None):
         group = qs.shape[1] // hkv
         kk, vv = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [N, Hq, D]
         scores = torch.einsum("mhd,nhd->hmn", qs, kk) * scale
-        pos = torch.arange(s_len - q_len, s_len)[:, None]
-        keys = torch.arange(s_len)[None, :]
+        pos = torch.arange(s_len - q_len, s_len, device=qs.device)[:, None]
+        keys = torch.arange(s_len, device=qs.device)[None, :]
         visible = keys <= pos
         if window is not None:
             visible &= keys > pos - window

@@ -205,7 +205,8 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
     256-wide heads and the paged kernel, whose shared walk (``attend_range``) gained the window bound,
     with and without its decode merge (``merge_last``: "skip" marks the merged form here, which
     reads its block ids ahead of the walk), and the paged and packed decode kernels over e4m3 read
-    their operands from shared memory as over bf16."""
+    their operands from shared memory as over bf16 (the paged one's tiles fetched into registers, not
+    copied in by the pipeline)."""
     from _kernel_helpers import compiled_for_hopper
 
     results = compiled_for_hopper("_window_compile.py")
@@ -220,10 +221,14 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
     ]
     assert all(r["ok"] for r in results)
     ldmatrix = {(r["kernel"], r["skip"]): r.get("ldmatrix") for r in results}
+    copies = {(r["kernel"], r["skip"]): r.get("cp_async") for r in results}
     # e4m3 tiles widened once and staged as fp16 (attend.widened_kv), not staged as bytes and
-    # rebuilt into operands by scalar shared loads (Triton's own cast: 4 ldmatrix against 28)
+    # rebuilt into operands by scalar shared loads (Triton's own cast: 4 ldmatrix against 28); where
+    # fetched a tile ahead (attend.widened_words), not behind a join Triton reads as 8-bit loads
+    # (ld.shared.v2: 8 ldmatrix)
     assert ldmatrix["paged_e4m3", True] == ldmatrix["paged", True] > 0
     assert ldmatrix["packed_e4m3", False] == ldmatrix["packed", False] > 0
+    assert copies["paged_e4m3", True] == 0 < copies["packed_e4m3", False]  # packed: still pipelined
 
 
 @pytest.mark.parametrize("case", CASES[:4])

@@ -25,10 +25,20 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 # False, before the first launch in its process, to time Triton's own cast beside it.
 OPAQUE_WIDENING = tl.constexpr(True)
 
+# e4m3 tiles loaded into registers a tile ahead of their use (``attend_range_fetched``) rather than by
+# the software pipeline through shared memory; a probe sets it False to time the pipeline beside it.
+FETCH_E4M3_AHEAD = tl.constexpr(True)
+
 # cvt.rn.f16x2.e4m3x2 widens two codes (a .b16) to two fp16 values (a .b32), the low byte to the low
 # half: four codes in a register come out as two registers, in order.
 E4M3X4_TO_F16X4 = tl.constexpr(
     "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
+
+# The same, each fp16 value its own .b16 output (``widened_words``: a word of four codes in, four out).
+E4M3X4_TO_F16_EACH = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 p, q; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 p, lo; "
+    "cvt.rn.f16x2.e4m3x2 q, hi; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }"
 )
 
 
@@ -127,11 +137,115 @@ def attend_range(
     ``STAGES`` overrides the kernel's pipelining depth for this loop (None: the kernel's): a loop of at
     most one tile gains nothing from it, and its buffers would take shared memory from the main loop.
     """
+    if MASKED and fetches_ahead(q, k_base):
+        return attend_range_fetched(
+            q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower, WINDOWED,
+        )  # fmt: skip
     for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=STAGES):
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, k_base, v_base, table_ptr, start, kv_hi, limit, qk_scale, stride_kb, stride_kt,
             stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, MASKED, lower, WINDOWED,
         )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def fetches_ahead(q, k_base):
+    """Whether a walk over this cache loads its tiles into registers a tile ahead: a decode tile (16
+    rows; measured there only) over an e4m3 cache. Triton's pipeline stages a tile's codes in shared
+    memory, reads them back to widen them and stages them again for the MMA; that shared-memory
+    traffic, not DRAM, bounded decode over an FP8 cache (docs/kernels.md §2.13)."""
+    return FETCH_E4M3_AHEAD and q.shape[0] <= 16 and k_base.dtype.element_ty == tl.float8e4nv
+
+
+@triton.jit
+def tile_ids(table_ptr, ids, page0, n, kv_hi, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr):
+    """Block ids (int64) of tokens n: loaded from the table, or (PAGES > 0) picked out of ``ids``, the
+    run's PAGES ids from block ``page0`` on (``attend_range_ahead``)."""
+    if PAGES > 0:
+        page = tl.minimum(n // BLOCK_SIZE - page0, PAGES - 1)  # past kv_hi: clamped, and masked later
+        return tl.gather(ids, page, 0).to(tl.int64)
+    return tl.load(table_ptr + n // BLOCK_SIZE, mask=n < kv_hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def fetch_kv_words(
+    k_base, v_base, blk, n, kv_hi, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The e4m3 K and V tiles of tokens n (blocks ``blk``) as int32 words of four codes each, zeros at
+    or past kv_hi. Words, not bytes: a tile of bytes carried from one loop turn to the next is a
+    register per byte after LLVM, repacked by hundreds of ``prmt`` before its widening."""
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    n_ok = (n < kv_hi)[:, None]
+    within = (n % BLOCK_SIZE).to(tl.int64)
+    k_words = k_base.to(tl.pointer_type(tl.int32))
+    v_words = v_base.to(tl.pointer_type(tl.int32))
+    k_ptrs = k_words + blk[:, None] * (stride_kb // 4) + within[:, None] * (stride_kt // 4) + offs_w[None, :]
+    v_ptrs = v_words + blk[:, None] * (stride_vb // 4) + within[:, None] * (stride_vt // 4) + offs_w[None, :]
+    return tl.load(k_ptrs, mask=n_ok, other=0), tl.load(v_ptrs, mask=n_ok, other=0)
+
+
+@triton.jit
+def e4m3_code(words, shift: tl.constexpr):
+    """The fp16 value of the code ``shift`` bits up each word (the interpreter's widening)."""
+    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def widened_words(words, dtype):
+    """[N, W] int32 words of e4m3 codes (``fetch_kv_words``) -> the [N, 4W] tile in ``dtype``, each
+    word's codes in memory order (low byte first)."""
+    if INTERPRETED:
+        a, b = e4m3_code(words, 0), e4m3_code(words, 8)
+        c, d = e4m3_code(words, 16), e4m3_code(words, 24)
+    else:
+        a, b, c, d = tl.inline_asm_elementwise(
+            E4M3X4_TO_F16_EACH, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4, is_pure=False, pack=1
+        )
+    x = tl.join(tl.join(a, c), tl.join(b, d))  # [N, W, 2, 2]: [w, i, j] is code 2 * i + j of word w
+    x = tl.reshape(x, (words.shape[0], words.shape[1] * 4))
+    if not INTERPRETED:
+        # Triton halves an MMA operand's assumed load width for each join it finds behind it (wider
+        # register fragments, read by ld.shared.v2 instead of ldmatrix): an opaque copy hides the joins
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
+    return x.to(dtype)
+
+
+@triton.jit
+def attend_range_fetched(
+    q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
+    stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PAGES: tl.constexpr, lower, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    """``attend_range`` (masked) with each tile's K / V codes loaded into registers while the tile
+    before it is computed, and its block ids a tile earlier still; no software pipeline (its stages
+    would put the codes through shared memory). ``PAGES``: as ``attend_range_ahead``'s."""
+    page0 = kv_lo // BLOCK_SIZE
+    ids = page0  # unused where PAGES == 0
+    if PAGES > 0:
+        offs_p = tl.arange(0, PAGES)
+        ids = tl.load(table_ptr + page0 + offs_p, mask=(page0 + offs_p) * BLOCK_SIZE < kv_hi, other=0)
+    n = kv_lo + tl.arange(0, BLOCK_N)
+    k, v = fetch_kv_words(
+        k_base, v_base, tile_ids(table_ptr, ids, page0, n, kv_hi, BLOCK_SIZE, PAGES), n, kv_hi, stride_kb,
+        stride_kt, stride_vb, stride_vt, BLOCK_SIZE, HEAD_DIM,
+    )  # fmt: skip
+    blk_next = tile_ids(table_ptr, ids, page0, n + BLOCK_N, kv_hi, BLOCK_SIZE, PAGES)
+    for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=1):
+        n = start + tl.arange(0, BLOCK_N)
+        k_next, v_next = fetch_kv_words(
+            k_base, v_base, blk_next, n + BLOCK_N, kv_hi, stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_SIZE, HEAD_DIM,
+        )  # fmt: skip
+        blk_next = tile_ids(table_ptr, ids, page0, n + 2 * BLOCK_N, kv_hi, BLOCK_SIZE, PAGES)
+        p, alpha, m_i, l_i = tile_softmax(
+            q, widened_words(k, q.dtype), m_i, l_i, n, kv_hi, limit, qk_scale, DOT_PREC, UPCAST, True, lower,
+            WINDOWED,
+        )  # fmt: skip
+        acc = accumulate_pv(acc, alpha, p, widened_words(v, q.dtype), DOT_PREC, UPCAST)
+        k, v = k_next, v_next
     return m_i, l_i, acc
 
 
@@ -145,14 +259,19 @@ def attend_range_ahead(
     (the caller's bound: PAGES >= the blocks [kv_lo, kv_hi) spans). Each tile picks its ids out of
     registers, so its K / V loads wait on no table load of their own and the software pipeline can
     issue them further ahead (a B=1 decode's splits walk hundreds of tokens: docs/kernels.md §6)."""
+    if fetches_ahead(q, k_base):
+        return attend_range_fetched(
+            q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, PAGES, limit, False,
+        )  # fmt: skip
     page0 = kv_lo // BLOCK_SIZE
     offs_p = tl.arange(0, PAGES)
     ids = tl.load(table_ptr + page0 + offs_p, mask=(page0 + offs_p) * BLOCK_SIZE < kv_hi, other=0)
     offs_n = tl.arange(0, BLOCK_N)
     for start in tl.range(kv_lo, kv_hi, BLOCK_N):
         n = start + offs_n
-        page = tl.minimum(n // BLOCK_SIZE - page0, PAGES - 1)  # past kv_hi: clamped, and masked below
-        blk = tl.gather(ids, page, 0).to(tl.int64)  # 6% faster than a compare-and-sum pick (H200, 4K)
+        # a gather: 6% faster than a compare-and-sum pick (H200, 4K)
+        blk = tile_ids(table_ptr, ids, page0, n, kv_hi, BLOCK_SIZE, PAGES)
         m_i, l_i, acc = attend_blocks(
             q, m_i, l_i, acc, k_base, v_base, blk, n, kv_hi, limit, qk_scale, stride_kb, stride_kt,
             stride_vb, stride_vt, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, True, limit, False,
@@ -194,14 +313,10 @@ def attend_blocks(
         k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    k = widened_kv(k, q.dtype)
-    s = qk_scores(q, k, DOT_PREC, UPCAST)
-    if MASKED:
-        visible = (n[None, :] < limit[:, None]) & n_ok[None, :]
-        if WINDOWED:
-            visible = visible & (n[None, :] >= lower[:, None])
-        s = tl.where(visible, s, float("-inf"))
-    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+    p, alpha, m_i, l_i = tile_softmax(
+        q, widened_kv(k, q.dtype), m_i, l_i, n, kv_hi, limit, qk_scale, DOT_PREC, UPCAST, MASKED, lower,
+        WINDOWED,
+    )  # fmt: skip
     v_ptrs = v_base + blk[:, None] * stride_vb + within[:, None] * stride_vt + offs_d[None, :]
     if MASKED:  # noqa: SIM108
         v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
@@ -210,6 +325,22 @@ def attend_blocks(
     v = widened_kv(v, q.dtype)
     acc = accumulate_pv(acc, alpha, p, v, DOT_PREC, UPCAST)
     return m_i, l_i, acc
+
+
+@triton.jit
+def tile_softmax(
+    q, k, m_i, l_i, n, kv_hi, limit, qk_scale, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr, lower, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    """A tile's scores against its widened keys k, masked where MASKED (tokens n at or past kv_hi or
+    ``limit``, or before ``lower`` where WINDOWED), and their online-softmax step."""
+    s = qk_scores(q, k, DOT_PREC, UPCAST)
+    if MASKED:
+        visible = (n[None, :] < limit[:, None]) & (n[None, :] < kv_hi)
+        if WINDOWED:
+            visible = visible & (n[None, :] >= lower[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    return softmax_step(s, m_i, l_i, qk_scale)
 
 
 @triton.jit
