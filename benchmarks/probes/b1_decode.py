@@ -15,7 +15,7 @@ A variant is named by its changes from the default: ``s48`` splits, ``n128`` til
 ``a0``: each tile loads its own, as before), ``p4`` four sequences a program (the packed decode
 kernel). ``--widening cast``: the whole run with e4m3 tiles widened by Triton's own cast instead of
 the kernels' inline PTX; ``--fetch pipeline``: loaded through Triton's software pipeline instead of
-into registers a tile ahead.
+into registers a tile ahead; ``--walks 4``: a fetched program's tiles cut into four walks, one a warp.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.peers_gpu import KV_DTYPES, LAYOUTS
 from benchmarks.peers_gpu_batch import build, ours
-from benchmarks.probes.ptx_census import choose_fetch, choose_widening
+from benchmarks.probes.ptx_census import choose_fetch, choose_walks, choose_widening
 
 VARIANTS = ["base", "a0", "a256st2", "a256st4", "n128", "a0n128", "s48", "a0s48"]
 
@@ -152,7 +152,7 @@ def sweep(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
             new = [r for r in rows if r["layout"] == layout and r["ctx"] == ctx]
             settings = {"batch": args.batch, "kv": args.kv_cache_dtype, "widening": args.widening}
-            settings["fetch"] = args.fetch
+            settings["fetch"], settings["walks"] = args.fetch, args.walks
             write(args.out, settings, rows, new)
 
 
@@ -217,9 +217,11 @@ def main() -> None:
         default="registers",
         help="e4m3 tiles loaded into registers a tile ahead (attend.attend_range_fetched) or by the pipeline",
     )
+    ap.add_argument("--walks", type=int, default=1, help="runs a fetched e4m3 program's tiles are cut into")
     args = ap.parse_args()
     choose_widening(args.widening)
     choose_fetch(args.fetch)
+    choose_walks(args.walks)
     (sweep if args.mode == "sweep" else profile)(args)
 
 

@@ -91,6 +91,14 @@ def choose_widening(widening: str) -> None:
         attend.OPAQUE_WIDENING = attend.tl.constexpr(False)
 
 
+def choose_walks(walks: int) -> None:
+    """This process's fetched e4m3 walks cut into ``walks`` runs a program (``attend.E4M3_WALKS``),
+    before the first compile."""
+    from prefixserve.attention.kernels import attend
+
+    attend.E4M3_WALKS = attend.tl.constexpr(walks)
+
+
 def choose_fetch(fetch: str) -> None:
     """``pipeline``: this process's kernels read e4m3 tiles through Triton's software pipeline (shared
     memory) instead of into registers a tile ahead (``attend.attend_range_fetched``); before the first

@@ -246,15 +246,16 @@ def test_graph_decode_reads_ids_ahead_when_the_tiles_narrow(
 
 
 def test_an_e4m3_caches_splits_read_ahead_equal_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 q over an e4m3 cache, decode splits: the ids read ahead give the per-tile walk's output bit
-    for bit (the same tiles in the same order)."""
+    """bf16 q over an e4m3 cache, decode splits: the ids read ahead give the per-tile walk's attention.
+    Not bit for bit: a tile at a time, a program's tiles are cut into walks (``attend.E4M3_WALKS``),
+    each with its own running max, so P rounds to fp16 differently."""
     from prefixserve.attention.kernels import paged_attention as paged
 
     lens = [500, 3, 0, 257]
     ahead, ref = _graph_decode(lens, 32, 16, 4, torch.float8_e4m3fn)
     monkeypatch.setattr(paged, "PAGES_AHEAD", 0)
     per_tile, _ = _graph_decode(lens, 32, 16, 4, torch.float8_e4m3fn)
-    assert torch.equal(ahead, per_tile) and rel_err(ahead, ref) < 1e-2
+    assert rel_err(ahead, per_tile) < 5e-3 and rel_err(ahead, ref) < 1e-2 and rel_err(per_tile, ref) < 1e-2
 
 
 def test_walk_pages_bounds_the_blocks_a_program_spans() -> None:

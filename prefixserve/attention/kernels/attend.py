@@ -28,6 +28,10 @@ OPAQUE_WIDENING = tl.constexpr(True)
 # e4m3 tiles loaded into registers a tile ahead of their use (``attend_range_fetched``) rather than by
 # the software pipeline through shared memory; a probe sets it False to time the pipeline beside it.
 FETCH_E4M3_AHEAD = tl.constexpr(True)
+# Independent walks a fetched e4m3 program cuts its tiles into, one a warp (``attend_range_walks``),
+# where it walks a tile's ids at a time (a split's walk with its ids ahead keeps one: measured slower
+# cut, docs/kernels.md §2.13); 1: one walk over whole tiles. A probe sets it.
+E4M3_WALKS = tl.constexpr(4)
 
 # cvt.rn.f16x2.e4m3x2 widens two codes (a .b16) to two fp16 values (a .b32), the low byte to the low
 # half: four codes in a register come out as two registers, in order.
@@ -222,6 +226,11 @@ def attend_range_fetched(
     """``attend_range`` (masked) with each tile's K / V codes loaded into registers while the tile
     before it is computed, and its block ids a tile earlier still; no software pipeline (its stages
     would put the codes through shared memory). ``PAGES``: as ``attend_range_ahead``'s."""
+    if E4M3_WALKS > 1 and PAGES == 0 and BLOCK_N // E4M3_WALKS >= 16:  # a product's tokens: >= 16
+        return attend_range_walks(
+            q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, UPCAST, PAGES, lower, WINDOWED, E4M3_WALKS,
+        )  # fmt: skip
     page0 = kv_lo // BLOCK_SIZE
     ids = page0  # unused where PAGES == 0
     if PAGES > 0:
@@ -247,6 +256,106 @@ def attend_range_fetched(
         acc = accumulate_pv(acc, alpha, p, widened_words(v, q.dtype), DOT_PREC, UPCAST)
         k, v = k_next, v_next
     return m_i, l_i, acc
+
+
+@triton.jit
+def fetch_walk_words(
+    k_base, v_base, table_ptr, ids, page0, n, kv_hi, stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGES: tl.constexpr, WALKS: tl.constexpr,
+):  # fmt: skip
+    """``fetch_kv_words`` for a tile's tokens n [BLOCK_N] cut into WALKS runs: [WALKS, BLOCK_N / WALKS,
+    HEAD_DIM / 4] words each of K and V."""
+    sub: tl.constexpr = n.shape[0] // WALKS
+    blk = tl.reshape(tile_ids(table_ptr, ids, page0, n, kv_hi, BLOCK_SIZE, PAGES), (WALKS, sub))
+    n2 = tl.reshape(n, (WALKS, sub))
+    offs_w = tl.arange(0, HEAD_DIM // 4)[None, None, :]
+    ok = (n2 < kv_hi)[:, :, None]
+    within = (n2 % BLOCK_SIZE).to(tl.int64)[:, :, None]
+    blk = blk[:, :, None]
+    k_ptrs = k_base.to(tl.pointer_type(tl.int32)) + blk * (stride_kb // 4) + within * (stride_kt // 4)
+    v_ptrs = v_base.to(tl.pointer_type(tl.int32)) + blk * (stride_vb // 4) + within * (stride_vt // 4)
+    return tl.load(k_ptrs + offs_w, mask=ok, other=0), tl.load(v_ptrs + offs_w, mask=ok, other=0)
+
+
+@triton.jit
+def widened_walk_words(words, dtype):
+    """``widened_words`` for [WALKS, N, W] words: [WALKS, N, 4W] in ``dtype``."""
+    if INTERPRETED:
+        a, b = e4m3_code(words, 0), e4m3_code(words, 8)
+        c, d = e4m3_code(words, 16), e4m3_code(words, 24)
+    else:
+        a, b, c, d = tl.inline_asm_elementwise(
+            E4M3X4_TO_F16_EACH, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4, is_pure=False, pack=1
+        )
+    x = tl.join(tl.join(a, c), tl.join(b, d))
+    x = tl.reshape(x, (words.shape[0], words.shape[1], words.shape[2] * 4))
+    if not INTERPRETED:  # as in widened_words
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
+    return x.to(dtype)
+
+
+@triton.jit
+def attend_range_walks(
+    q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
+    stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, PAGES: tl.constexpr, lower, WINDOWED: tl.constexpr, WALKS: tl.constexpr,
+):  # fmt: skip
+    """``attend_range_fetched`` with each tile cut into WALKS runs of BLOCK_N / WALKS tokens, each run
+    the next stretch of its own walk: batched products over the walks put one a warp, so a row's
+    softmax is reduced within a warp and P stays in its registers, and the walks' (m, l, acc) are
+    merged once at the end (with the incoming state)."""
+    sub: tl.constexpr = BLOCK_N // WALKS
+    page0 = kv_lo // BLOCK_SIZE
+    ids = page0  # unused where PAGES == 0
+    if PAGES > 0:
+        offs_p = tl.arange(0, PAGES)
+        ids = tl.load(table_ptr + page0 + offs_p, mask=(page0 + offs_p) * BLOCK_SIZE < kv_hi, other=0)
+    rows: tl.constexpr = q.shape[0]
+    q3 = tl.broadcast_to(q[None, :, :], (WALKS, rows, HEAD_DIM))
+    m3 = tl.full((WALKS, rows), float("-inf"), tl.float32)
+    l3 = tl.zeros((WALKS, rows), tl.float32)
+    acc3 = tl.zeros((WALKS, rows, HEAD_DIM), tl.float32)
+    n = kv_lo + tl.arange(0, BLOCK_N)
+    k, v = fetch_walk_words(
+        k_base, v_base, table_ptr, ids, page0, n, kv_hi, stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_SIZE, HEAD_DIM, PAGES, WALKS,
+    )  # fmt: skip
+    for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=1):
+        n = start + tl.arange(0, BLOCK_N)
+        k_next, v_next = fetch_walk_words(
+            k_base, v_base, table_ptr, ids, page0, n + BLOCK_N, kv_hi, stride_kb, stride_kt, stride_vb,
+            stride_vt, BLOCK_SIZE, HEAD_DIM, PAGES, WALKS,
+        )  # fmt: skip
+        kw = widened_walk_words(k, q.dtype)
+        if UPCAST:
+            s = tl.dot(q3.to(tl.float32), tl.permute(kw.to(tl.float32), (0, 2, 1)), input_precision="ieee")
+        else:
+            s = tl.dot(q3, tl.permute(kw, (0, 2, 1)))
+        n3 = tl.reshape(n, (WALKS, sub))[:, None, :]
+        visible = (n3 < limit[None, :, None]) & (n3 < kv_hi)
+        if WINDOWED:
+            visible = visible & (n3 >= lower[None, :, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m3, tl.max(s, 2) * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m3 - m_safe)
+        p = tl.exp2(s * qk_scale - m_safe[:, :, None])
+        l3 = l3 * alpha + tl.sum(p, 2)
+        m3 = m_new
+        vw = widened_walk_words(v, q.dtype)
+        acc3 = acc3 * alpha[:, :, None]
+        if UPCAST:
+            acc3 = tl.dot(p.to(vw.dtype).to(tl.float32), vw.to(tl.float32), acc3, input_precision="ieee")
+        else:
+            acc3 = tl.dot(p.to(vw.dtype), vw, acc3)
+        k, v = k_next, v_next
+    m_all = tl.maximum(tl.max(m3, 0), m_i)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w3 = tl.exp2(m3 - m_safe[None, :])
+    w_in = tl.exp2(m_i - m_safe)
+    l_i = l_i * w_in + tl.sum(l3 * w3, 0)
+    acc = acc * w_in[:, None] + tl.sum(acc3 * w3[:, :, None], 0)
+    return m_all, l_i, acc
 
 
 @triton.jit

@@ -17,7 +17,6 @@ import math
 
 import torch
 
-from prefixserve.attention.kernels import attend
 from prefixserve.attention.kernels.attend import attend_range, attend_range_ahead, finish_rows, widened_q
 from prefixserve.attention.kernels.merge import merge_last, merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
@@ -424,24 +423,8 @@ def launch_paged(
         PAGES_AHEAD=ahead,
         num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
-        **register_cap(k_cache, max_registers, ahead or block_m > 16),
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
-
-
-# ptxas's cap on a thread's registers where an e4m3 walk holds its next tile in registers
-# (``attend.attend_range_fetched``): 157 uncapped, 3 programs an SM on an H200, and B=64's 512 programs
-# took 1.3 waves; capped, 4 an SM (B=64 at 4K: 281 -> 226 us; docs/kernels.md §2.13). A split's walk
-# with its block ids ahead measured the same either way and is left uncapped.
-E4M3_FETCH_REGISTERS = 128
-
-
-def register_cap(k_cache: torch.Tensor, max_registers: int | None, uncapped: bool) -> dict[str, int]:
-    """The launch's ``maxnreg`` option: the caller's, else ``E4M3_FETCH_REGISTERS`` for a compiled
-    e4m3 decode walk a tile at a time (not ``uncapped``: ids ahead, or prefill tiles), else none."""
-    if max_registers is None and not uncapped and k_cache.dtype == torch.float8_e4m3fn:
-        fetched = attend.FETCH_E4M3_AHEAD and not attend.INTERPRETED
-        max_registers = E4M3_FETCH_REGISTERS if fetched else None
-    return {"maxnreg": max_registers} if max_registers else {}
 
 
 def paged_attention(
