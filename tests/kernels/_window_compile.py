@@ -52,6 +52,9 @@ def main() -> None:
     # operands read by ldmatrix as a bf16 cache's are
     types |= {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
     emit("paged_e4m3", True, compile_for_hopper(paged_attention._paged_kernel, types, consts))
+    # a tile's ids at a time (no merge): the tiles cut into a walk a warp (``attend.attend_range_walks``)
+    consts |= {"MERGE": False, "WANT_LSE": False, "PAGES_AHEAD": 0}
+    emit("paged_e4m3", False, compile_for_hopper(paged_attention._paged_kernel, types, consts))
     for kv in ("*bf16", "*fp8e4nv"):  # the packed decode kernel (several sequences a query tile)
         emit("packed" if kv == "*bf16" else "packed_e4m3", False, compile_packed(kv, 2))
 

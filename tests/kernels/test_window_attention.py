@@ -216,6 +216,7 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
         ("paged", False),
         ("paged", True),
         ("paged_e4m3", True),
+        ("paged_e4m3", False),
         ("packed", False),
         ("packed_e4m3", False),
     ]
@@ -229,6 +230,7 @@ def test_window_and_paged_kernels_compile_for_hopper() -> None:
     assert ldmatrix["paged_e4m3", True] == ldmatrix["paged", True] > 0
     assert ldmatrix["packed_e4m3", False] == ldmatrix["packed", False] > 0
     assert copies["paged_e4m3", True] == 0 < copies["packed_e4m3", False]  # packed: still pipelined
+    assert copies["paged_e4m3", False] == 0 < ldmatrix["paged_e4m3", False]  # cut into walks
 
 
 @pytest.mark.parametrize("case", CASES[:4])
