@@ -70,6 +70,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, grown as tokens arrive
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    num_preemptions: int = 0  # times sent back to the queue with its blocks freed (``Scheduler._preempt``)
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ import pytest
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine import PLACEHOLDER_TOKEN
+from prefixserve.sequence import Request
 from tests.conftest import assert_pool_empty, tiny_cascade_llm
 
 
@@ -199,3 +200,97 @@ def test_launch_ahead_indexes_generated_blocks_by_their_real_tokens(tiny_config_
         results.append((out, again.outputs[0].token_ids))
         assert_pool_empty(llm)
     assert results[0] == results[1]
+
+
+def _run_with_a_failing_sampling(tiny_config_path, launch_ahead: bool, monkeypatch) -> tuple[dict, Request]:
+    """Requests a and b run together; the sampling of the batch launched by the third ``step`` fails
+    (in launch-ahead that sampling waits for the tokens ahead of it, as a grammar's does, so it fails
+    at the fourth ``step``, after that step admitted c); c arrives right after the third ``step``.
+    Returns each request's finish reason and tokens, and c."""
+    llm = _llm(tiny_config_path, launch_ahead)
+    engine, runner = llm.engine, llm.engine.runner
+    forward, sample, launches = runner.forward, runner.sample, []
+
+    def counted_forward(*args, **kwargs):
+        launches.append(forward(*args, **kwargs))
+        return launches[-1]
+
+    def failing_sample(launch, *args, **kwargs):
+        if len(launches) >= 3 and launch is launches[2]:
+            raise RuntimeError("injected: sampling failed")
+        return sample(launch, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", counted_forward)
+    monkeypatch.setattr(runner, "sample", failing_sample)
+    monkeypatch.setattr(engine.rules, "waits", lambda samplers, indices, params: True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompt_token_ids=list(range(5, 15)), params=params)
+    engine.add_request("b", prompt_token_ids=list(range(50, 62)), params=params)
+    outs = engine.step() + engine.step() + engine.step()
+    c = engine.add_request("c", prompt_token_ids=list(range(100, 120)), params=params)
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert len(launches) >= 3
+    assert_pool_empty(llm)
+    assert not engine.in_flight_tokens.pending and engine._launched is None
+    finals = {o.request_id: (o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs if o.finished}
+    assert engine.metrics()["preemptions_total"] == 0  # nothing was short of blocks
+    return finals, c
+
+
+def test_a_failed_deferred_sampling_fails_the_same_requests_as_sync(tiny_config_path, monkeypatch) -> None:
+    """Launch-ahead: the sampling of the step in flight fails after the next step was planned; only the
+    failed step's requests fail (as in sync mode), the next step's newcomer goes back to the queue."""
+    sync, sync_c = _run_with_a_failing_sampling(tiny_config_path, False, monkeypatch)
+    monkeypatch.undo()
+    ahead, ahead_c = _run_with_a_failing_sampling(tiny_config_path, True, monkeypatch)
+    assert {r for r, (why, _) in sync.items() if why == "error"} == {"a", "b"}
+    assert {r for r, (why, _) in ahead.items() if why == "error"} == {"a", "b"}
+    assert sync["c"][0] == ahead["c"][0] == "length" and len(ahead["c"][1]) == 8
+    assert ahead["c"] == sync["c"]
+    # launch-ahead had admitted c to the step that never went out: it was put back in the queue
+    assert (sync_c.sequences[0].num_preemptions, ahead_c.sequences[0].num_preemptions) == (0, 1)
+
+
+def test_generate_leaves_no_step_in_flight(tiny_config_path) -> None:
+    """A request that stops on a token (not by length) has its next step launched already; generate
+    (and stream) completes that step before it returns: nothing in flight, every block back in the pool."""
+    llm = _llm(tiny_config_path, True)
+    engine = llm.engine
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    stop = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[tokens[4]])
+    out = llm.generate(prompt, stop)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(tokens[4]) + 1]
+    assert engine._launched is None and not engine.has_unfinished()
+    assert not engine.in_flight_tokens.pending
+    assert_pool_empty(llm)
+    assert list(llm.stream(prompt, stop))[-1].outputs[0].token_ids == out.token_ids  # the same for stream
+    assert engine._launched is None and not engine.has_unfinished()
+    assert_pool_empty(llm)
+
+
+def test_step_host_seconds_stay_within_the_steps(tiny_config_path, monkeypatch) -> None:
+    """Launch-ahead on a CPU, with samplings that wait a step and a caller busy between steps: the
+    host part of the steps is never negative and never more than their wall time."""
+    import time
+
+    llm = _llm(tiny_config_path, True)
+    engine = llm.engine
+    monkeypatch.setattr(engine.rules, "waits", lambda samplers, indices, params: True)
+    for i in range(3):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"r{i}", prompt_token_ids=[5 + i] * 20, params=params)
+    before = engine.metrics()
+    wall = time.perf_counter()
+    while engine.has_unfinished():
+        at = engine.metrics()["step_host_seconds_total"]
+        engine.step()
+        assert engine.metrics()["step_host_seconds_total"] >= at  # no step's host part is negative
+        time.sleep(0.02)  # the caller's own work between steps (a server's outputs, new requests)
+    wall = time.perf_counter() - wall
+    after = engine.metrics()
+    host = after["step_host_seconds_total"] - before["step_host_seconds_total"]
+    steps = after["step_seconds_total"] - before["step_seconds_total"]
+    assert 0 < host <= steps <= wall

@@ -144,7 +144,8 @@ class RefScheduler(Scheduler):
             self.running.append(seq)
             self._mark_in_flight(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
-            out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
+            if not seq.num_preemptions:  # hits of first admissions only (``Scheduler._admit``)
+                out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
             if seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
             budget -= n

@@ -145,3 +145,22 @@ def test_an_n_request_aborted_before_its_prompt_ends_reports_n_samples(tiny_conf
     assert sorted(c.index for c in out.outputs) == [0, 1, 2]
     assert all(c.finish_reason == "abort" and c.token_ids == [] and c.text == "" for c in out.outputs)
     assert_pool_empty(llm)
+
+
+def test_a_preempted_sequence_finding_its_own_blocks_is_no_prefix_cache_hit(tiny_config_path: Path) -> None:
+    """``prefix_cache_hit_tokens_total`` counts prompt tokens found in the cache at a sequence's first
+    admission (vLLM's ``prefix_cache_hits``): prompts that share nothing hit nothing, however often
+    their sequences are preempted and take their own blocks back. A repeat then hits its full blocks."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    small = _tiny(tiny_config_path, num_kv_blocks=14, block_size=16, max_num_batched_tokens=64)
+    prompts = _prompts(8)  # no two share a first token
+    small.generate(prompts, params)
+    m = small.metrics()
+    assert m["preemptions_total"] > 0
+    assert m["prefix_cache_hit_tokens_total"] == 0
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    small.generate(prompts[7], one)
+    before = small.metrics()["prefix_cache_hit_tokens_total"]
+    again = small.generate(prompts[7], one)[0]  # 83 tokens: 5 full blocks, cached by the one before
+    assert small.metrics()["prefix_cache_hit_tokens_total"] - before == again.num_cached_tokens == 80
+    assert_pool_empty(small)

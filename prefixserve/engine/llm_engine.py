@@ -163,6 +163,22 @@ class Engine(EngineSetup, EngineServices):
         self.stats.time_step(time.perf_counter() - started, self.runner.waited - waited)
         return outputs
 
+    def drain(self) -> list[RequestOutput]:
+        """Complete the step launched ahead, if one is still in flight, without planning another: a
+        sequence that stopped on the token before it had a row launched, whose tokens nobody would
+        read. The offline API calls it before it returns, so nothing is left on the device or pending.
+        Returns the outputs that step brings (none where its requests all finished before)."""
+        if self._launched is None:
+            return []
+        started, waited = time.perf_counter(), self.runner.waited
+        outputs, self._finished_outputs = self._finished_outputs, []
+        self._step_mode(SchedulerOutput(), outputs)  # nothing planned: it only completes that step
+        self.runner.idle()
+        outputs += self._finished_outputs
+        self._finished_outputs = []
+        self.stats.time_step(time.perf_counter() - started, self.runner.waited - waited)
+        return outputs
+
     def _step_sync(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
         """Launch the batch and wait for its tokens."""
         batch, failed = self._assemble_or_fail(sched)
@@ -189,7 +205,7 @@ class Engine(EngineSetup, EngineServices):
             # device (after this step's assembly: the fill's accept and fill take most of a step)
             prev = self._sample_or_fail(prev)
             if prev is None and batch is not None:  # assembled with rows of the requests that failed
-                self._fail(sched)
+                self._put_back(sched)
                 batch = None
         if batch is None:  # nothing to launch ahead of it: wait for its tokens now
             if prev is not None:
@@ -224,6 +240,15 @@ class Engine(EngineSetup, EngineServices):
         for s in sched.scheduled:
             if s.seq.request.request_id in self.requests:
                 self._finish_request(s.seq.request, "error")
+
+    def _put_back(self, sched: SchedulerOutput) -> None:
+        """Launch-ahead: the sampling of the step in flight failed after this step was planned and
+        assembled, with rows fed from that step's tokens. Its requests failed (``_sample_or_fail``),
+        as in sync mode; nothing of this step goes out, and its other sequences (admitted now, or not
+        in the failed step) go back to the queue's front, their blocks freed (``Scheduler.put_back``)."""
+        give_back(sched.drafts)
+        self.blocks.step_failed()  # a hybrid's snapshots the step was to write: never restored
+        self.scheduler.put_back([s.seq for s in sched.scheduled])  # not for lack of blocks: no preemption
 
     def _launch_or_fail(
         self, sched: SchedulerOutput, batch: StepBatch, ahead_of: LaunchedStep | None = None

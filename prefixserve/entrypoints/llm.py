@@ -393,6 +393,7 @@ class LLM:
         finally:
             if request_id in self.engine.requests:
                 self.engine.abort(request_id, report=False)
+            self.engine.drain()  # a step launched ahead of its last token: completed, nothing in flight
 
     # ---- internals -----------------------------------------------------------------------------
     def _params_per_prompt(
@@ -486,4 +487,5 @@ class LLM:
                         bar.update(1)
                 if not self.engine.scheduler.has_work() and len(finished) < count:
                     raise RuntimeError("engine stopped with requests unfinished")  # a bug guard
+        self.engine.drain()  # a step launched ahead of the last tokens: completed, nothing in flight
         return finished

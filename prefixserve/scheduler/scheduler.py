@@ -51,7 +51,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
-    cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache by this step's admissions
+    # prompt tokens found in the prefix cache by this step's first admissions (``Scheduler._admit``)
+    cache_hit_tokens: int = 0
     # speculated sequences -> the drafts at the end of their token ids this step verifies
     drafts: dict[Sequence, int] = field(default_factory=dict)
 
@@ -271,11 +272,22 @@ class Scheduler:
             if generated:
                 counters["generation_tokens_total"] += generated
 
+    def put_back(self, seqs: list[Sequence]) -> None:
+        """Running sequences planned for a step that never went out (launch-ahead: the sampling of the
+        step ahead of it failed after it was planned) go back to the queue's front, in their order, as
+        preempted ones: their blocks (and whatever the plan reserved or copied for them) are freed, and
+        admitted again they recompute. Those no longer running (failed meanwhile) are left alone."""
+        out = SchedulerOutput()
+        for seq in reversed(seqs):  # each goes to the front: the first planned ends up first
+            if seq.status is SeqStatus.RUNNING:
+                self._preempt(seq, out)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
         self._in_flight.forget(seq)
         seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
         self.policy.requeue(self.waiting, seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
@@ -339,7 +351,14 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting sequences in order while the token budget, the caps and the pool allow."""
+        """Admit waiting sequences in order while the token budget, the caps and the pool allow.
+
+        ``out.cache_hit_tokens`` (the ``prefix_cache_hit_tokens_total`` metric) counts the prompt
+        tokens a sequence finds in the prefix cache at its first admission only, as vLLM's
+        ``prefix_cache_hits`` counts a request's hits only while it was never preempted: a preempted
+        sequence admitted again mostly takes back the blocks it computed itself, which saved it no
+        prompt work, and its prompt was counted already.
+        """
         deferred: list[Sequence] = []
         ready = self._hooks.ready
         self.policy.order(self.waiting)
@@ -382,7 +401,8 @@ class Scheduler:
                 forks += _to_fork(seq)
             self._mark_in_flight(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
-            out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
+            if not seq.num_preemptions:  # its first admission (see the docstring)
+                out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
             if seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
                 if seq.request.scheduled_time is None:

@@ -92,7 +92,6 @@ class Launch:
 
     hidden: torch.Tensor | None  # [tokens, hidden] until ``sample`` has taken its rows
     decode: bool  # every sequence computed one token
-    issued: float  # perf_counter when the forward was issued (CPU: the device work runs inline)
     start: torch.cuda.Event | None = None  # timing events around the step's device work (CUDA)
     done: torch.cuda.Event | None = None
     future: SampleFuture | None = None
@@ -316,6 +315,7 @@ class ModelRunner:
 
         ``feed`` names the rows whose ids are tokens an earlier launch sampled (their ``ids`` entries
         are placeholders)."""
+        issued = time.perf_counter()
         self.kv.copy_blocks(copies)
         if batch.state_copies:
             self.states.copy(batch.state_copies)
@@ -323,10 +323,11 @@ class ModelRunner:
         start = torch.cuda.Event(enable_timing=True) if timing else None
         if start is not None:
             start.record()
-        issued = time.perf_counter()
         hidden, graph_hidden = self._forward(ids, batch, feed)
+        if start is None:  # the device work ran inline: the host waited for it (see ``sample``)
+            self.waited += time.perf_counter() - issued
         decode = len(ids) == len(batch.meta.query_lens_host)
-        return Launch(hidden, decode, issued, start, graph_hidden=graph_hidden)
+        return Launch(hidden, decode, start, graph_hidden=graph_hidden)
 
     def _forward(
         self, ids: list[int], batch: StepBatch, feed: PrevTokenFeed | None = None
@@ -404,9 +405,13 @@ class ModelRunner:
         ``min_tokens``, bad words, a thinking budget's forced end) to a copy of them that the choice
         is made from; logprobs are the raw logits'. ``adjust`` sees the sampled tokens on the device.
 
-        Closing records the step's end event (CUDA), or on a CPU, where the device work ran inline,
-        counts the time since the forward was issued as time spent on the device, not on the host.
+        Closing records the step's end event (CUDA). On a CPU the device work runs inline: the time
+        of this call, as that of ``forward``, is counted as time waited on the device, not spent on
+        the host. Only the calls themselves: a sampling issued a step after its forward (launch-ahead,
+        ``Engine._sample``) must not count the host's work between them, nor the time between steps,
+        which would make a step's host part (``step_host_seconds_total``) negative.
         """
+        issued = time.perf_counter()
         sharded = bool(rows) and ban is None and adjust is None and self.sharded_argmax(params, mask)
         changed = ban is not None or adjust is not None  # a processed copy, in fp32
         fp32 = bool(rows) and not sharded and (changed or not argmax_only(params))
@@ -426,7 +431,7 @@ class ModelRunner:
             launch.done = torch.cuda.Event(enable_timing=True)
             launch.done.record()
         else:
-            self.waited += time.perf_counter() - launch.issued
+            self.waited += time.perf_counter() - issued
 
     def _before_sampling(self, rows: list[int], sharded: bool, fp32: bool) -> None:
         """A hook before the sampling's device work: the tensor-parallel runner tells its workers

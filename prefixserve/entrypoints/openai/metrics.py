@@ -42,7 +42,7 @@ _COUNTERS = {
     "generation_tokens_total": "tokens generated",
     "spec_decode_draft_tokens_total": "draft tokens speculative decoding proposed and checked",
     "spec_decode_accepted_tokens_total": "of them, drafts kept (each a token a step did not have to decode)",
-    "prefix_cache_hit_tokens_total": "prompt tokens served from the prefix cache",
+    "prefix_cache_hit_tokens_total": "prompt tokens served from the prefix cache (first admissions only)",
     "attention_kv_tokens_read_total": "KV rows read by attention (shared segments read once)",
     "attention_kv_tokens_logical_total": "KV rows a per-sequence attention would read",
     "preemptions_total": "sequences preempted for lack of KV blocks",
