@@ -141,7 +141,7 @@ def attend_range(
     ``STAGES`` overrides the kernel's pipelining depth for this loop (None: the kernel's): a loop of at
     most one tile gains nothing from it, and its buffers would take shared memory from the main loop.
     """
-    if MASKED and fetches_ahead(q, k_base):
+    if MASKED and STAGES is None and fetches_ahead(q, k_base):  # a caller's STAGES: its short tail
         return attend_range_fetched(
             q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
             stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower, WINDOWED,

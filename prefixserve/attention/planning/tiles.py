@@ -116,6 +116,10 @@ def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
         raise ValueError("q, k_cache and v_cache need a contiguous head_dim")
     if q.device != k_cache.device or q.device != v_cache.device:
         raise ValueError("q and the caches must be on one device")
+    if k_cache.dtype == torch.float8_e4m3fn and any(  # read as int32 words (attend.fetch_kv_words)
+        t.stride(i) % 4 or t.data_ptr() % 4 for t in (k_cache, v_cache) for i in range(3)
+    ):
+        raise ValueError("an e4m3 cache needs strides and a start that are multiples of 4 bytes")
     return q_heads, kv_heads, dim, block_size
 
 
