@@ -200,7 +200,7 @@ def e4m3_code(words, shift: tl.constexpr):
 @triton.jit
 def widened_words(words, dtype):
     """[N, W] int32 words of e4m3 codes (``fetch_kv_words``) -> the [N, 4W] tile in ``dtype``, each
-    word's codes in memory order (low byte first)."""
+    word's codes in memory order (low byte first); [WALKS, N, W] -> [WALKS, N, 4W] likewise."""
     if INTERPRETED:
         a, b = e4m3_code(words, 0), e4m3_code(words, 8)
         c, d = e4m3_code(words, 16), e4m3_code(words, 24)
@@ -208,8 +208,11 @@ def widened_words(words, dtype):
         a, b, c, d = tl.inline_asm_elementwise(
             E4M3X4_TO_F16_EACH, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4, is_pure=False, pack=1
         )
-    x = tl.join(tl.join(a, c), tl.join(b, d))  # [N, W, 2, 2]: [w, i, j] is code 2 * i + j of word w
-    x = tl.reshape(x, (words.shape[0], words.shape[1] * 4))
+    x = tl.join(tl.join(a, c), tl.join(b, d))  # [..., W, 2, 2]: [w, i, j] is code 2 * i + j of word w
+    if len(words.shape) == 3:
+        x = tl.reshape(x, (words.shape[0], words.shape[1], words.shape[2] * 4))
+    else:
+        x = tl.reshape(x, (words.shape[0], words.shape[1] * 4))
     if not INTERPRETED:
         # Triton halves an MMA operand's assumed load width for each join it finds behind it (wider
         # register fragments, read by ld.shared.v2 instead of ldmatrix): an opaque copy hides the joins
@@ -278,23 +281,6 @@ def fetch_walk_words(
 
 
 @triton.jit
-def widened_walk_words(words, dtype):
-    """``widened_words`` for [WALKS, N, W] words: [WALKS, N, 4W] in ``dtype``."""
-    if INTERPRETED:
-        a, b = e4m3_code(words, 0), e4m3_code(words, 8)
-        c, d = e4m3_code(words, 16), e4m3_code(words, 24)
-    else:
-        a, b, c, d = tl.inline_asm_elementwise(
-            E4M3X4_TO_F16_EACH, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4, is_pure=False, pack=1
-        )
-    x = tl.join(tl.join(a, c), tl.join(b, d))
-    x = tl.reshape(x, (words.shape[0], words.shape[1], words.shape[2] * 4))
-    if not INTERPRETED:  # as in widened_words
-        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
-    return x.to(dtype)
-
-
-@triton.jit
 def attend_range_walks(
     q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
     stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -326,7 +312,7 @@ def attend_range_walks(
             k_base, v_base, table_ptr, ids, page0, n + BLOCK_N, kv_hi, stride_kb, stride_kt, stride_vb,
             stride_vt, BLOCK_SIZE, HEAD_DIM, PAGES, WALKS,
         )  # fmt: skip
-        kw = widened_walk_words(k, q.dtype)
+        kw = widened_words(k, q.dtype)
         if UPCAST:
             s = tl.dot(q3.to(tl.float32), tl.permute(kw.to(tl.float32), (0, 2, 1)), input_precision="ieee")
         else:
@@ -342,7 +328,7 @@ def attend_range_walks(
         p = tl.exp2(s * qk_scale - m_safe[:, :, None])
         l3 = l3 * alpha + tl.sum(p, 2)
         m3 = m_new
-        vw = widened_walk_words(v, q.dtype)
+        vw = widened_words(v, q.dtype)
         acc3 = acc3 * alpha[:, :, None]
         if UPCAST:
             acc3 = tl.dot(p.to(vw.dtype).to(tl.float32), vw.to(tl.float32), acc3, input_precision="ieee")
