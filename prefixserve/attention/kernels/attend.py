@@ -229,10 +229,12 @@ def attend_range_fetched(
     """``attend_range`` (masked) with each tile's K / V codes loaded into registers while the tile
     before it is computed, and its block ids a tile earlier still; no software pipeline (its stages
     would put the codes through shared memory). ``PAGES``: as ``attend_range_ahead``'s."""
-    if E4M3_WALKS > 1 and PAGES == 0 and BLOCK_N // E4M3_WALKS >= 16:  # a product's tokens: >= 16
+    # a product's tokens 16 at least; a warp's [16, 256] accumulator would spill (255 registers)
+    if E4M3_WALKS > 1 and PAGES == 0 and BLOCK_N // E4M3_WALKS >= 16 and HEAD_DIM <= 128:
         return attend_range_walks(
             q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, UPCAST, PAGES, lower, WINDOWED, E4M3_WALKS,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, PAGES, lower, WINDOWED,
+            E4M3_WALKS,
         )  # fmt: skip
     page0 = kv_lo // BLOCK_SIZE
     ids = page0  # unused where PAGES == 0
@@ -284,7 +286,8 @@ def fetch_walk_words(
 def attend_range_walks(
     q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
     stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, PAGES: tl.constexpr, lower, WINDOWED: tl.constexpr, WALKS: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PAGES: tl.constexpr, lower, WINDOWED: tl.constexpr,
+    WALKS: tl.constexpr,
 ):  # fmt: skip
     """``attend_range_fetched`` with each tile cut into WALKS runs of BLOCK_N / WALKS tokens, each run
     the next stretch of its own walk: batched products over the walks put one a warp, so a row's
@@ -316,7 +319,7 @@ def attend_range_walks(
         if UPCAST:
             s = tl.dot(q3.to(tl.float32), tl.permute(kw.to(tl.float32), (0, 2, 1)), input_precision="ieee")
         else:
-            s = tl.dot(q3, tl.permute(kw, (0, 2, 1)))
+            s = tl.dot(q3, tl.permute(kw, (0, 2, 1)), input_precision=DOT_PREC)
         n3 = tl.reshape(n, (WALKS, sub))[:, None, :]
         visible = (n3 < limit[None, :, None]) & (n3 < kv_hi)
         if WINDOWED:
@@ -333,7 +336,7 @@ def attend_range_walks(
         if UPCAST:
             acc3 = tl.dot(p.to(vw.dtype).to(tl.float32), vw.to(tl.float32), acc3, input_precision="ieee")
         else:
-            acc3 = tl.dot(p.to(vw.dtype), vw, acc3)
+            acc3 = tl.dot(p.to(vw.dtype), vw, acc3, input_precision=DOT_PREC)
         k, v = k_next, v_next
     m_all = tl.maximum(tl.max(m3, 0), m_i)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)

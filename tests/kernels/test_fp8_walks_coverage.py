@@ -1,0 +1,95 @@
+"""e4m3 walks cut into ``attend.E4M3_WALKS`` runs (``attend.attend_range_walks``) in shapes no other
+CPU test reaches: GQA 8 and 16 (16-row tiles of 8 / 16 heads, ``pick_block_m``), 128-wide heads over
+64-key tiles (256-wide ones keep one walk: ``attend.attend_range_fetched``), query tiles of several
+rows (a verify / short prefill step), the window kernel's walk at GQA 8 and 128-wide heads, and runs
+of several tiles whose last tile is masked. Against fp64 attention over the same codes: the products
+take fp16 operands (bf16 q widened exactly, P rounded to fp16): 1e-3 relative for fp16 outputs; bf16
+outputs add their own rounding (1.1-1.7e-3 alone, about twice that through the CPU interpreter's
+bf16 store), so 6e-3; the LSE (fp32) to 1e-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_helpers import DEVICE, paged_cache, rel_err
+from test_fp8_kv_kernels import reference
+
+from prefixserve.attention.metadata import build_metadata
+
+TOL = {torch.float16: 1e-3, torch.bfloat16: 6e-3}
+
+
+def _e4m3_cache(lens, bs, hkv, dim, gen):
+    k, v, tables = paged_cache(lens, bs, hkv, dim, torch.float32, gen)
+    k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    return k, v, tables, bt
+
+
+@pytest.mark.parametrize(
+    ("group", "dim", "query_lens", "dtype"),
+    [
+        (8, 128, [1, 1, 1, 1], torch.bfloat16),  # GQA 8 decode: a 16-row tile, 8 of them padding
+        (8, 256, [1, 1, 1, 1], torch.bfloat16),  # 256-wide heads (Gemma's global layers): one walk
+        (16, 64, [1, 1, 1, 1], torch.float16),  # GQA 16: 16 heads of one query
+        (8, 64, [2, 1, 2, 1], torch.bfloat16),  # 2 queries x 8 heads a tile: causal limits per row
+        (4, 128, [4, 3, 1, 2], torch.float16),  # 4 queries x 4 heads
+    ],
+)
+def test_fp8_paged_walks_match_fp64(group: int, dim: int, query_lens: list[int], dtype: torch.dtype) -> None:
+    from prefixserve.attention.kernels import attend
+    from prefixserve.attention.kernels.paged_attention import paged_attention, pick_block_m
+
+    block_n = 64  # paged_attention's
+    assert pick_block_m(max(query_lens) * group, group) == 16  # attend.fetches_ahead: <= 16 rows
+    assert attend.E4M3_WALKS > 1 and block_n // attend.E4M3_WALKS >= 16  # cut into walks (dim <= 128)
+    gen = torch.Generator().manual_seed(group * dim + sum(query_lens))
+    bs, hkv = 16, 2
+    # one key; under a tile; a tile and a walk and a bit; three tiles and a masked fourth
+    lens = [max(n, m) for n, m in zip([1, 37, 64 + 16 + 5, 3 * 64 + 29], query_lens, strict=True)]
+    k, v, tables, bt = _e4m3_cache(lens, bs, hkv, dim, gen)
+    q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).to(DEVICE, dtype)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    scale = dim**-0.5
+    o, lse = paged_attention(q, k, v, bt, sl, qsl, scale, max(query_lens), num_splits=1, block_n=block_n)
+    ref, parts = reference(q.cpu().float(), k.cpu().float(), v.cpu().float(), tables, lens, query_lens, scale)
+    assert o.dtype == dtype and rel_err(o.cpu(), ref) < TOL[dtype]
+    lse_ref = torch.cat([p[-1] for p in parts])
+    assert (lse.cpu().double() - lse_ref).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "window", "dtype"),
+    [
+        ([1, 1, 1, 1], 45, torch.float16),
+        ([2, 1, 1, 2], 100, torch.bfloat16),
+        ([1, 1, 1, 1], 150, torch.bfloat16),
+    ],
+)
+def test_fp8_window_walks_gqa8_match_fp64(query_lens: list[int], window: int, dtype: torch.dtype) -> None:
+    """The window kernel's walk (WINDOWED, lower bound per row) at GQA 8 and 128-wide heads: 64-key
+    tiles cut into walks; windows starting inside a walk, and a window longer than a sequence."""
+    from prefixserve.attention.kernels.window_attention import window_attention as window_kernel
+
+    gen = torch.Generator().manual_seed(window)
+    bs, hkv, group, dim, seq_lens = 16, 2, 8, 128, [70, 33, 190, 141]
+    k, v, tables, _ = _e4m3_cache(seq_lens, bs, hkv, dim, gen)
+    q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).to(DEVICE, dtype)
+    meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
+    scale = dim**-0.5
+    ref, _ = reference(q.cpu().float(), k.cpu().float(), v.cpu().float(), tables, seq_lens, query_lens,
+                       scale, window)  # fmt: skip
+    out = window_kernel(q, k, v, meta, scale, window)
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+
+
+def test_fp32_queries_cut_into_walks_keep_exact_products() -> None:
+    """fp32 q over an e4m3 cache (the 1e-5 path: ``tiles.dot_precision`` "ieee") cut into walks, compiled
+    for sm_90: the walks' batched products must take DOT_PREC, not Triton's tf32 default, which the
+    CPU interpreter never applies (its products are exact whatever the precision asked)."""
+    from _kernel_helpers import compiled_for_hopper
+
+    (record,) = compiled_for_hopper("_walks_compile.py")
+    assert record["walks"] and record["tf32_mma"] == 0, record
