@@ -144,9 +144,10 @@ class RefScheduler(Scheduler):
             self.running.append(seq)
             self._mark_in_flight(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
-            if not seq.num_preemptions:  # hits of first admissions only (``Scheduler._admit``)
+            first = not seq.num_preemptions  # hits of first admissions only (``Scheduler._admit``)
+            if first:
                 out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
-            if seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
+            if first and seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
             budget -= n
         self.waiting.extendleft(reversed(deferred))

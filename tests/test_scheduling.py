@@ -154,10 +154,11 @@ def test_a_preempted_sequence_finding_its_own_blocks_is_no_prefix_cache_hit(tiny
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     small = _tiny(tiny_config_path, num_kv_blocks=14, block_size=16, max_num_batched_tokens=64)
     prompts = _prompts(8)  # no two share a first token
-    small.generate(prompts, params)
+    outs = small.generate(prompts, params)
     m = small.metrics()
     assert m["preemptions_total"] > 0
     assert m["prefix_cache_hit_tokens_total"] == 0
+    assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)  # set at the first admission too
     one = SamplingParams(temperature=0.0, max_tokens=1)
     small.generate(prompts[7], one)
     before = small.metrics()["prefix_cache_hit_tokens_total"]

@@ -401,9 +401,10 @@ class Scheduler:
                 forks += _to_fork(seq)
             self._mark_in_flight(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
-            if not seq.num_preemptions:  # its first admission (see the docstring)
+            first = not seq.num_preemptions  # its first admission (see the docstring)
+            if first:
                 out.cache_hit_tokens += min(hit, seq.num_prompt_tokens)
-            if seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
+            if first and seq.request.first_token_time is None and seq.index == 0 and not seq.request.forked:
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, hit)
                 if seq.request.scheduled_time is None:
                     seq.request.scheduled_time = time.monotonic()
