@@ -38,6 +38,21 @@ def paged_cache(
     return k, v, tables
 
 
+def padded_table(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """The tables as one [S, width] int32 block table (zeros past a table's end; width: the longest)."""
+    width = max(len(t) for t in tables) if width is None else width
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+
+
+def e4m3_cache(
+    seq_lens: list[int], block_size: int, kv_heads: int, dim: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor]:
+    """``paged_cache``'s K / V as e4m3 codes (of N(0, 1) values: no NaN code), their tables and the
+    padded block table."""
+    k, v, tables = paged_cache(seq_lens, block_size, kv_heads, dim, torch.float32, gen)
+    return k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), tables, padded_table(tables)
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative L2 error; NaN (an unwritten, poisoned row) fails every comparison."""
     x, ref = x.double(), ref.double()

@@ -6,19 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE, paged_cache, rel_err
-from test_fp8_kv_kernels import reference  # (appended to that module: drop this import)
+from _kernel_helpers import DEVICE, e4m3_cache, rel_err
+from test_fp8_kv_kernels import reference
 
 from prefixserve.attention.metadata import build_metadata
-
-
-def _e4m3_cache(lens, bs, hkv, dim, gen):
-    """e4m3 K / V caches (codes of N(0, 1) values: no NaN code) and their padded int32 block table."""
-    k, v, tables = paged_cache(lens, bs, hkv, dim, torch.float32, gen)
-    k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    return k, v, tables, bt
 
 
 @pytest.mark.parametrize("ahead", [None, 0])
@@ -41,7 +32,7 @@ def test_fp8_decode_splits_match_fp64(bs, block_n, dim, split_size, splits, ahea
 
     gen = torch.Generator().manual_seed(dim + bs)
     lens, hkv, group = [1, 9, 37, 100, 130], 2, 4
-    k, v, tables, bt = _e4m3_cache(lens, bs, hkv, dim, gen)
+    k, v, tables, bt = e4m3_cache(lens, bs, hkv, dim, gen)
     n, hq = len(lens), hkv * group
     q = torch.randn(n, hq, dim, generator=gen).to(DEVICE)
     scale = dim**-0.5
@@ -84,7 +75,7 @@ def test_fp8_window_kernel_matches_fp64(query_lens, window: int, dim: int, dtype
 
     gen = torch.Generator().manual_seed(dim + window)
     bs, hkv, group, seq_lens = 16, 2, 2, [70, 33, 90, 41]
-    k, v, tables, _ = _e4m3_cache(seq_lens, bs, hkv, dim, gen)
+    k, v, tables, _ = e4m3_cache(seq_lens, bs, hkv, dim, gen)
     q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).to(DEVICE, dtype)
     meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
     scale = dim**-0.5

@@ -22,7 +22,7 @@ import math
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE, paged_cache, rel_err
+from _kernel_helpers import DEVICE, padded_table, paged_cache, rel_err
 
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.kv_quant import (
@@ -281,8 +281,7 @@ def test_bf16_queries_over_an_e4m3_cache_widen_to_fp16() -> None:
     lens, dim, group, bs = [40, 333, 130, 77], 64, 4, 16
     k, v, tables = paged_cache(lens, bs, 2, dim, torch.float32, gen)
     k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    bt = padded_table(tables)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), 2 * group, dim, generator=gen).to(DEVICE, torch.bfloat16)

@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE, paged_cache, rel_err
+from _kernel_helpers import DEVICE, e4m3_cache, rel_err
 from test_fp8_kv_kernels import reference
 
 from prefixserve.attention.metadata import build_metadata
 
 TOL = {torch.float16: 1e-3, torch.bfloat16: 6e-3}
-
-
-def _e4m3_cache(lens, bs, hkv, dim, gen):
-    k, v, tables = paged_cache(lens, bs, hkv, dim, torch.float32, gen)
-    k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    return k, v, tables, bt
 
 
 @pytest.mark.parametrize(
@@ -48,7 +40,7 @@ def test_fp8_paged_walks_match_fp64(group: int, dim: int, query_lens: list[int],
     bs, hkv = 16, 2
     # one key; under a tile; a tile and a walk and a bit; three tiles and a masked fourth
     lens = [max(n, m) for n, m in zip([1, 37, 64 + 16 + 5, 3 * 64 + 29], query_lens, strict=True)]
-    k, v, tables, bt = _e4m3_cache(lens, bs, hkv, dim, gen)
+    k, v, tables, bt = e4m3_cache(lens, bs, hkv, dim, gen)
     q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).to(DEVICE, dtype)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
@@ -75,7 +67,7 @@ def test_fp8_window_walks_gqa8_match_fp64(query_lens: list[int], window: int, dt
 
     gen = torch.Generator().manual_seed(window)
     bs, hkv, group, dim, seq_lens = 16, 2, 8, 128, [70, 33, 190, 141]
-    k, v, tables, _ = _e4m3_cache(seq_lens, bs, hkv, dim, gen)
+    k, v, tables, _ = e4m3_cache(seq_lens, bs, hkv, dim, gen)
     q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).to(DEVICE, dtype)
     meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
     scale = dim**-0.5

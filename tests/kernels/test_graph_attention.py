@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from _kernel_helpers import DEVICE, rel_err
+from _kernel_helpers import DEVICE, padded_table, rel_err
 
 from prefixserve.attention.auto import AutoBackend
 from prefixserve.attention.graph import GraphAttention, HeadShape, capacity
@@ -120,8 +120,7 @@ def test_paged_kernel_splits_each_sequence_by_its_own_length() -> None:
     for n in lens:
         tables.append(perm[at : at + max(1, math.ceil(n / bs))])
         at += max(1, math.ceil(n / bs))
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    bt = padded_table(tables)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), kv_heads * group, dim, generator=gen).to(DEVICE)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE, paged_cache, rel_err
+from _kernel_helpers import DEVICE, padded_table, paged_cache, rel_err
 
 from prefixserve.attention.kernels.packed_decode import decode_pack
 from prefixserve.attention.kernels.paged_attention import paged_attention, paged_attention_ref
@@ -27,8 +27,7 @@ def _run(
 ) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(seed)
     k, v, tables = paged_cache(seq_lens, block_size, KV_HEADS, dim, dtype, gen)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    bt = padded_table(tables)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(query_lens), KV_HEADS * group, dim, generator=gen).to(DEVICE, dtype)
@@ -119,8 +118,7 @@ def test_packed_decode_bf16_equals_unpacked() -> None:
     gen = torch.Generator().manual_seed(5)
     seq_lens = [40, 9, 77, 64, 3]
     k, v, tables = paged_cache(seq_lens, 16, KV_HEADS, 128, torch.bfloat16, gen)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    bt = padded_table(tables)
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(seq_lens), KV_HEADS * 4, 128, generator=gen).to(DEVICE, torch.bfloat16)
@@ -214,7 +212,7 @@ def _graph_decode(lens: list[int], bs: int, width: int, splits: int, kv_dtype: t
     dtype = torch.float32 if kv_dtype is None else torch.bfloat16
     k, v, tables = paged_cache(lens, bs, 2, 64, torch.float32, gen)
     k, v = (k.to(kv_dtype), v.to(kv_dtype)) if kv_dtype is not None else (k, v)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    bt = padded_table(tables, width)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), 6, 64, generator=gen).to(DEVICE, dtype)
