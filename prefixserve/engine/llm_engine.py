@@ -155,13 +155,7 @@ class Engine(EngineSetup, EngineServices):
         started, waited = time.perf_counter(), self.runner.waited
         sched = self.scheduler.schedule()
         self.stats.count_schedule(sched, self.pool)
-        outputs, self._finished_outputs = self._finished_outputs, []
-        if not self._step_mode(sched, outputs):
-            self.runner.idle()  # an idle engine is not a GPU waiting on the host
-        outputs += self._finished_outputs
-        self._finished_outputs = []
-        self.stats.time_step(time.perf_counter() - started, self.runner.waited - waited)
-        return outputs
+        return self._run_step(sched, started, waited)
 
     def drain(self) -> list[RequestOutput]:
         """Complete the step launched ahead, if one is still in flight, without planning another: a
@@ -170,10 +164,13 @@ class Engine(EngineSetup, EngineServices):
         Returns the outputs that step brings (none where its requests all finished before)."""
         if self._launched is None:
             return []
-        started, waited = time.perf_counter(), self.runner.waited
+        return self._run_step(SchedulerOutput(), time.perf_counter(), self.runner.waited)
+
+    def _run_step(self, sched: SchedulerOutput, started: float, waited: float) -> list[RequestOutput]:
+        """The step's batch through the mode's launch (an empty plan only completes the step in flight)."""
         outputs, self._finished_outputs = self._finished_outputs, []
-        self._step_mode(SchedulerOutput(), outputs)  # nothing planned: it only completes that step
-        self.runner.idle()
+        if not self._step_mode(sched, outputs):
+            self.runner.idle()  # an idle engine is not a GPU waiting on the host
         outputs += self._finished_outputs
         self._finished_outputs = []
         self.stats.time_step(time.perf_counter() - started, self.runner.waited - waited)
