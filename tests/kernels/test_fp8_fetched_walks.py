@@ -57,24 +57,32 @@ def test_fp8_decode_splits_match_fp64(bs, block_n, dim, split_size, splits, ahea
     assert not counts.any()
 
 
+SEQ_LENS, LONG_SEQ_LENS = [70, 33, 90, 41], [70, 33, 190, 141]
+
+
 @pytest.mark.parametrize(
-    ("query_lens", "window", "dim", "dtype"),
+    ("query_lens", "window", "group", "dim", "seq_lens", "dtype", "tol"),
     [
-        ([1, 1, 1, 1], 5, 64, torch.float32),  # decode rows, windows starting inside blocks and tiles
-        ([1, 3, 1, 2], 20, 64, torch.float32),  # decode and prefill rows in 16-row tiles
-        ([2, 1, 4, 1], 37, 32, torch.float32),
-        ([1, 1, 1, 1], 20, 256, torch.bfloat16),  # 256-wide heads: the 16-key decode tiles on two warps
-        ([1, 1, 1, 1], 45, 64, torch.float16),  # 64-key tiles: cut into walks (attend.attend_range_walks)
-        ([1, 2, 1, 3], 100, 64, torch.float16),
+        ([1, 1, 1, 1], 5, 2, 64, SEQ_LENS, torch.float32, 1e-5),  # decode rows, windows inside blocks, tiles
+        ([1, 3, 1, 2], 20, 2, 64, SEQ_LENS, torch.float32, 1e-5),  # decode and prefill rows in 16-row tiles
+        ([2, 1, 4, 1], 37, 2, 32, SEQ_LENS, torch.float32, 1e-5),
+        ([1, 1, 1, 1], 20, 2, 256, SEQ_LENS, torch.bfloat16, 1e-2),  # 256-wide heads: 16-key tiles, 2 warps
+        ([1, 1, 1, 1], 45, 2, 64, SEQ_LENS, torch.float16, 1e-2),  # 64-key tiles: cut into walks
+        ([1, 2, 1, 3], 100, 2, 64, SEQ_LENS, torch.float16, 1e-2),
+        # GQA 8, 128-wide heads: 64-key tiles cut into walks; windows starting inside a walk, and one
+        # longer than a sequence (bf16 outputs: tolerances as test_fp8_walks_coverage.py's)
+        ([1, 1, 1, 1], 45, 8, 128, LONG_SEQ_LENS, torch.float16, 1e-3),
+        ([2, 1, 1, 2], 100, 8, 128, LONG_SEQ_LENS, torch.bfloat16, 6e-3),
+        ([1, 1, 1, 1], 150, 8, 128, LONG_SEQ_LENS, torch.bfloat16, 6e-3),
     ],
 )
-def test_fp8_window_kernel_matches_fp64(query_lens, window: int, dim: int, dtype: torch.dtype) -> None:
+def test_fp8_window_kernel_matches_fp64(query_lens, window, group, dim, seq_lens, dtype, tol) -> None:
     """The window kernel's walk over an e4m3 cache (``attend_range`` WINDOWED, fetched a tile ahead),
     called directly: on the CPU ``attend_layer`` takes the torch path and never launches it."""
     from prefixserve.attention.kernels.window_attention import window_attention as window_kernel
 
-    gen = torch.Generator().manual_seed(dim + window)
-    bs, hkv, group, seq_lens = 16, 2, 2, [70, 33, 90, 41]
+    gen = torch.Generator().manual_seed(window if group == 8 else dim + window)
+    bs, hkv = 16, 2
     k, v, tables, _ = e4m3_cache(seq_lens, bs, hkv, dim, gen)
     q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).to(DEVICE, dtype)
     meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
@@ -82,7 +90,7 @@ def test_fp8_window_kernel_matches_fp64(query_lens, window: int, dim: int, dtype
     ref, _ = reference(q.cpu().float(), k.cpu().float(), v.cpu().float(), tables, seq_lens, query_lens,
                        scale, window)  # fmt: skip
     out = window_kernel(q, k, v, meta, scale, window)
-    assert rel_err(out.cpu(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(out.cpu(), ref) < tol
 
 
 def test_an_e4m3_cache_off_four_byte_strides_is_refused() -> None:

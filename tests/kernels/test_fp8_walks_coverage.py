@@ -1,8 +1,8 @@
 """e4m3 walks cut into ``attend.E4M3_WALKS`` runs (``attend.attend_range_walks``) in shapes no other
 CPU test reaches: GQA 8 and 16 (16-row tiles of 8 / 16 heads, ``pick_block_m``), 128-wide heads over
 64-key tiles (256-wide ones keep one walk: ``attend.attend_range_fetched``), query tiles of several
-rows (a verify / short prefill step), the window kernel's walk at GQA 8 and 128-wide heads, and runs
-of several tiles whose last tile is masked. Against fp64 attention over the same codes: the products
+rows (a verify / short prefill step), and runs of several tiles whose last tile is masked (the window
+kernel's walks: test_fp8_fetched_walks.py). Against fp64 attention over the same codes: the products
 take fp16 operands (bf16 q widened exactly, P rounded to fp16): 1e-3 relative for fp16 outputs; bf16
 outputs add their own rounding (1.1-1.7e-3 alone, about twice that through the CPU interpreter's
 bf16 store), so 6e-3; the LSE (fp32) to 1e-3."""
@@ -13,8 +13,6 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE, e4m3_cache, rel_err
 from test_fp8_kv_kernels import reference
-
-from prefixserve.attention.metadata import build_metadata
 
 TOL = {torch.float16: 1e-3, torch.bfloat16: 6e-3}
 
@@ -50,31 +48,6 @@ def test_fp8_paged_walks_match_fp64(group: int, dim: int, query_lens: list[int],
     assert o.dtype == dtype and rel_err(o.cpu(), ref) < TOL[dtype]
     lse_ref = torch.cat([p[-1] for p in parts])
     assert (lse.cpu().double() - lse_ref).abs().max() < 1e-3
-
-
-@pytest.mark.parametrize(
-    ("query_lens", "window", "dtype"),
-    [
-        ([1, 1, 1, 1], 45, torch.float16),
-        ([2, 1, 1, 2], 100, torch.bfloat16),
-        ([1, 1, 1, 1], 150, torch.bfloat16),
-    ],
-)
-def test_fp8_window_walks_gqa8_match_fp64(query_lens: list[int], window: int, dtype: torch.dtype) -> None:
-    """The window kernel's walk (WINDOWED, lower bound per row) at GQA 8 and 128-wide heads: 64-key
-    tiles cut into walks; windows starting inside a walk, and a window longer than a sequence."""
-    from prefixserve.attention.kernels.window_attention import window_attention as window_kernel
-
-    gen = torch.Generator().manual_seed(window)
-    bs, hkv, group, dim, seq_lens = 16, 2, 8, 128, [70, 33, 190, 141]
-    k, v, tables, _ = e4m3_cache(seq_lens, bs, hkv, dim, gen)
-    q = torch.randn(sum(query_lens), hkv * group, dim, generator=gen).to(DEVICE, dtype)
-    meta = build_metadata(bs, query_lens, seq_lens, tables, DEVICE)
-    scale = dim**-0.5
-    ref, _ = reference(q.cpu().float(), k.cpu().float(), v.cpu().float(), tables, seq_lens, query_lens,
-                       scale, window)  # fmt: skip
-    out = window_kernel(q, k, v, meta, scale, window)
-    assert rel_err(out.cpu(), ref) < TOL[dtype]
 
 
 def test_fp32_queries_cut_into_walks_keep_exact_products() -> None:
