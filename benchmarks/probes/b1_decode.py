@@ -10,8 +10,9 @@ default launch and FlashInfer's two decode kernels a few times, eagerly, for Nsi
         python -m benchmarks.probes.b1_decode profile
 
 A variant is named by its changes from the default: ``s48`` splits, ``n128`` tile width, ``w8`` warps,
-``st3`` stages, ``r128`` registers a thread at most (ptxas), ``a256`` a split's block ids (up to
-256) read before its walk (``paged_attention.launch_paged(pages_ahead=)``, 3 stages unless named;
+``st3`` stages, ``r128`` registers a thread at most (ptxas), ``k4`` an e4m3 walk cut into 4 walks
+(``k1``: one; default: the launcher's rule, ``paged_attention.e4m3_walks``), ``a256`` a split's block
+ids (up to 256) read before its walk (``paged_attention.launch_paged(pages_ahead=)``, 3 stages unless named;
 ``a0``: each tile loads its own, as before), ``p4`` four sequences a program (the packed decode
 kernel). ``--widening cast``: the whole run with e4m3 tiles widened by Triton's own cast instead of
 the kernels' inline PTX; ``--fetch pipeline``: loaded through Triton's software pipeline instead of
@@ -40,8 +41,8 @@ VARIANTS = ["base", "a0", "a256st2", "a256st4", "n128", "a0n128", "s48", "a0s48"
 def parse(name: str) -> dict[str, int]:
     """A variant name's launch changes (``base``: none)."""
     keys = {"s": "splits", "n": "block_n", "w": "warps", "st": "stages", "a": "pages_ahead", "p": "pack"}
-    keys["r"] = "max_registers"
-    return {keys[k]: int(v) for k, v in re.findall(r"(st|s|n|w|a|p|r)(\d+)", name)}
+    keys |= {"r": "max_registers", "k": "walks"}
+    return {keys[k]: int(v) for k, v in re.findall(r"(st|s|n|w|a|p|r|k)(\d+)", name)}
 
 
 def merged_call(batch: Any, ctx: int, change: dict[str, int]) -> Any:
@@ -66,6 +67,7 @@ def merged_call(batch: Any, ctx: int, change: dict[str, int]) -> Any:
     tiles = {
         "num_warps": change.get("warps"), "num_stages": change.get("stages"),
         "pages_ahead": change.get("pages_ahead"), "pack": pack, "max_registers": change.get("max_registers"),
+        "walks": change.get("walks"),
     }  # fmt: skip
 
     def run() -> torch.Tensor:
@@ -217,7 +219,9 @@ def main() -> None:
         default="registers",
         help="e4m3 tiles loaded into registers a tile ahead (attend.attend_range_fetched) or by the pipeline",
     )
-    ap.add_argument("--walks", type=int, default=1, help="runs a fetched e4m3 program's tiles are cut into")
+    ap.add_argument(
+        "--walks", type=int, default=4, help="the runs attend.E4M3_WALKS cuts a long e4m3 walk into"
+    )
     args = ap.parse_args()
     choose_widening(args.widening)
     choose_fetch(args.fetch)

@@ -46,7 +46,7 @@ def compile_paged(kv: str, stages: int, ahead: int) -> Any:
 
     consts = {"BLOCK_M": 16, "BLOCK_SIZE": 16, "DOT_PREC": "tf32", "UPCAST": False, "GROUP": 4}
     consts |= {"BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True, "MERGE": False, "BLOCK_G": 4}
-    consts |= {"WANT_LSE": False, "MERGE_UNROLL": 8, "PAGES_AHEAD": ahead}
+    consts |= {"WANT_LSE": False, "MERGE_UNROLL": 8, "PAGES_AHEAD": ahead, "WALKS": 0}  # 0: E4M3_WALKS
     types = {"q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "bt_ptr": "*i32", "seq_lens_ptr": "*i32"}
     types |= {"qsl_ptr": "*i32", "qk_scale": "fp32", "o_ptr": "*bf16", "lse_ptr": "*fp32"}
     types |= {"out_ptr": "*bf16", "out_lse_ptr": "*fp32", "count_ptr": "*i32"}

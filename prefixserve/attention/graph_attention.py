@@ -43,16 +43,18 @@ MAX_SPLITS = 64
 MIN_TABLE_WIDTH = 64
 
 
-def _splits(max_kv: int, programs: int, device: torch.device) -> int:
+def _splits(max_kv: int, programs: int, shape: HeadShape) -> int:
     """KV splits for ``programs`` (sequence, KV head) programs: a power of two, so keys stay few."""
-    splits, _ = paged_attention.choose_split(max_kv, programs, device, PAGED_BLOCK_N)
+    splits, _ = paged_attention.choose_split(
+        max_kv, programs, shape.device, PAGED_BLOCK_N, kv_dtype=shape.kv_dtype
+    )
     return min(MAX_SPLITS, capacity(splits))
 
 
 def own_splits_for(own_len: int, bucket: int, pack: int, shape: HeadShape) -> int:
     """The own-part KV splits of a shared step of ``bucket`` rows (``pack`` a program) whose longest
     own part is ``own_len`` tokens."""
-    return _splits(own_len, -(-bucket // pack) * shape.kv_heads, shape.device)
+    return _splits(own_len, -(-bucket // pack) * shape.kv_heads, shape)
 
 
 def paged_graph_step(
@@ -65,7 +67,7 @@ def paged_graph_step(
     width = capacity(tables.shape[1], MIN_TABLE_WIDTH)
     if shape.ceilings is not None:
         width = max(width, shape.ceilings.width(bucket, MIN_TABLE_WIDTH))
-    splits = _splits(max(meta.seq_lens_host, default=0), bucket * shape.kv_heads, shape.device)
+    splits = _splits(max(meta.seq_lens_host, default=0), bucket * shape.kv_heads, shape)
     key = ("paged", bucket, width, splits)
     if floor is not None and floor[:2] == key[:2] and floor[2] >= width:
         key = floor  # any split count serves: each row's KV is cut into the graph's splits by its length

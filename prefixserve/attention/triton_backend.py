@@ -196,7 +196,7 @@ class TritonPagedBackend(AttentionBackend):
         block_m = paged.pick_block_m(step.max_query_len * group, group)
         base = meta.num_seqs * -(-step.max_query_len // (block_m // group)) * kv_heads
         splits, size = paged.choose_split(
-            step.max_seq_len, base, q.device, block_n, prefill=step.max_query_len > 1
+            step.max_seq_len, base, q.device, block_n, prefill=step.max_query_len > 1, kv_dtype=k_cache.dtype
         )
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
         lay = _Layout(own_splits=splits, own_split_size=size, signature=sig)
@@ -386,7 +386,7 @@ def build_layout(
     q_tiles = -(-step.max_query_len // (block_m // group))
     own_programs = -(-meta.num_seqs // pack) * kv_heads if pack > 1 else meta.num_seqs * q_tiles * kv_heads
     own_splits, own_split_size = paged.choose_split(
-        max(plan.own_seq_lens_host, default=0), own_programs, device, block_n
+        max(plan.own_seq_lens_host, default=0), own_programs, device, block_n, kv_dtype=kv_dtype
     )
     seg_blocks = step.seg_blocks_host
     if seg_blocks is None:  # a step planned elsewhere (e.g. benchmarks): read the blocks back once

@@ -19,7 +19,7 @@ def main() -> None:
     kernel = paged_attention._paged_kernel
     consts = {"GROUP": 4, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 64, "BLOCK_SIZE": 16, "DOT_PREC": "ieee"}
     consts |= {"UPCAST": False, "ONE_TILE": True, "MERGE": False, "BLOCK_G": 4, "WANT_LSE": False}
-    consts |= {"MERGE_UNROLL": 8, "PAGES_AHEAD": 0}
+    consts |= {"MERGE_UNROLL": 8, "PAGES_AHEAD": 0, "WALKS": 4}
     types = {"q_ptr": "*fp32", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32"}
     types |= {"seq_lens_ptr": "*i32"}
     types |= {"qsl_ptr": "*i32", "qk_scale": "fp32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*fp32"}

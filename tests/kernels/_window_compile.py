@@ -45,7 +45,7 @@ def main() -> None:
         # their block ids read ahead of the walk (``attend_range_ahead``, tl.gather)
         consts = common | {"GROUP": 4, "BLOCK_N": 64, "HEAD_DIM": 128, "ONE_TILE": True}
         consts |= {"MERGE": merge, "BLOCK_G": 4, "WANT_LSE": merge, "MERGE_UNROLL": 4}
-        consts |= {"PAGES_AHEAD": 32 if merge else 0}
+        consts |= {"PAGES_AHEAD": 32 if merge else 0, "WALKS": 1}
         emit("paged", merge, compile_for_hopper(paged_attention._paged_kernel, types, consts))
     # over an e4m3 cache: bf16 q widened to fp16 (``attend.widened_q``), the merged form, its tiles
     # loaded into registers a tile ahead and widened once (``attend.attend_range_fetched``): their
@@ -53,7 +53,7 @@ def main() -> None:
     types |= {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
     emit("paged_e4m3", True, compile_for_hopper(paged_attention._paged_kernel, types, consts))
     # a tile's ids at a time (no merge): the tiles cut into a walk a warp (``attend.attend_range_walks``)
-    consts |= {"MERGE": False, "WANT_LSE": False, "PAGES_AHEAD": 0}
+    consts |= {"MERGE": False, "WANT_LSE": False, "PAGES_AHEAD": 0, "WALKS": 4}
     emit("paged_e4m3", False, compile_for_hopper(paged_attention._paged_kernel, types, consts))
     for kv in ("*bf16", "*fp8e4nv"):  # the packed decode kernel (several sequences a query tile)
         emit("packed" if kv == "*bf16" else "packed_e4m3", False, compile_packed(kv, 2))

@@ -1,11 +1,11 @@
 """e4m3 walks cut into ``attend.E4M3_WALKS`` runs (``attend.attend_range_walks``) in shapes no other
 CPU test reaches: GQA 8 and 16 (16-row tiles of 8 / 16 heads, ``pick_block_m``), 128-wide heads over
 64-key tiles (256-wide ones keep one walk: ``attend.attend_range_fetched``), query tiles of several
-rows (a verify / short prefill step), and runs of several tiles whose last tile is masked (the window
-kernel's walks: test_fp8_fetched_walks.py). Against fp64 attention over the same codes: the products
-take fp16 operands (bf16 q widened exactly, P rounded to fp16): 1e-3 relative for fp16 outputs; bf16
-outputs add their own rounding (1.1-1.7e-3 alone, about twice that through the CPU interpreter's
-bf16 store), so 6e-3; the LSE (fp32) to 1e-3."""
+rows (a verify / short prefill step), each also as one walk (the launcher's pick for short runs), and
+runs of several tiles whose last tile is masked (the window kernel's walks: test_fp8_fetched_walks.py).
+Against fp64 attention over the same codes: the products take fp16 operands (bf16 q widened exactly,
+P rounded to fp16): 1e-3 relative for fp16 outputs; bf16 outputs add their own rounding (1.1-1.7e-3
+alone, about twice that through the CPU interpreter's bf16 store), so 6e-3; the LSE (fp32) to 1e-3."""
 
 from __future__ import annotations
 
@@ -27,9 +27,21 @@ TOL = {torch.float16: 1e-3, torch.bfloat16: 6e-3}
         (4, 128, [4, 3, 1, 2], torch.float16),  # 4 queries x 4 heads
     ],
 )
-def test_fp8_paged_walks_match_fp64(group: int, dim: int, query_lens: list[int], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("cut", [True, False], ids=["cut", "one-walk"])
+def test_fp8_paged_walks_match_fp64(
+    group: int,
+    dim: int,
+    query_lens: list[int],
+    dtype: torch.dtype,
+    cut: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from prefixserve.attention.kernels import attend
+    from prefixserve.attention.kernels import paged_attention as pa
     from prefixserve.attention.kernels.paged_attention import paged_attention, pick_block_m
+
+    # these runs are short: the launcher cuts a walk only past E4M3_WALK_MIN_RUN tokens
+    monkeypatch.setattr(pa, "E4M3_WALK_MIN_RUN", 0 if cut else 1 << 30)
 
     block_n = 64  # paged_attention's
     assert pick_block_m(max(query_lens) * group, group) == 16  # attend.fetches_ahead: <= 16 rows
@@ -58,3 +70,29 @@ def test_fp32_queries_cut_into_walks_keep_exact_products() -> None:
 
     (record,) = compiled_for_hopper("_walks_compile.py")
     assert record["walks"] and record["tf32_mma"] == 0, record
+
+
+def test_the_launcher_cuts_long_walks_of_one_split_or_one_wave() -> None:
+    """``e4m3_walks``: a program walking at least ``E4M3_WALK_MIN_RUN`` tokens is cut into E4M3_WALKS
+    walks where its grid is one split a sequence or one wave of cut walks (2 an SM); shorter runs and
+    a grid of splits past one wave keep one walk (measured slower cut: docs/kernels.md §2.13). A decode
+    step over an e4m3 cache gets that one wave where its splits stay long (``choose_split``)."""
+    from prefixserve.attention.kernels import attend
+    from prefixserve.attention.kernels.paged_attention import E4M3_WALK_MIN_RUN as RUN
+    from prefixserve.attention.kernels.paged_attention import choose_split, e4m3_walks
+
+    cut, sms = attend.E4M3_WALKS.value, 132
+    assert cut > 1
+    assert e4m3_walks(1, RUN, 4096, sms) == cut  # B=512: one split a sequence, many waves
+    assert e4m3_walks(1, RUN - 64, 4096, sms) == 1  # a short walk
+    assert e4m3_walks(4, RUN, 512, sms) == 1  # B=16's 4 splits: two waves
+    assert e4m3_walks(2, 2 * RUN, 256, sms) == cut  # 2 splits: one wave
+    gpu = torch.device("meta")  # 4 SMs (``num_sms`` off a GPU): 8 cut walks a wave
+    e4m3 = torch.float8_e4m3fn
+    assert choose_split(4 * RUN, 2, gpu, 64, kv_dtype=e4m3) == (4, RUN)  # 2 sequences' KV heads
+    assert choose_split(4 * RUN, 2, gpu, 64)[0] == 4  # the model dtype: ~2 waves of one-walk programs
+    assert choose_split(4 * RUN, 3, gpu, 64, kv_dtype=e4m3) == (2, 2 * RUN)
+    assert choose_split(RUN, 2, gpu, 64, kv_dtype=e4m3) == choose_split(RUN, 2, gpu, 64)  # too short
+    assert choose_split(4 * RUN, 2, gpu, 64, prefill=True, kv_dtype=e4m3) == choose_split(
+        4 * RUN, 2, gpu, 64, prefill=True
+    )

@@ -29,8 +29,9 @@ OPAQUE_WIDENING = tl.constexpr(True)
 # the software pipeline through shared memory; a probe sets it False to time the pipeline beside it.
 FETCH_E4M3_AHEAD = tl.constexpr(True)
 # Independent walks a fetched e4m3 program cuts its tiles into, one a warp (``attend_range_walks``),
-# where it walks a tile's ids at a time (a split's walk with its ids ahead keeps one: measured slower
-# cut, docs/kernels.md §2.13); 1: one walk over whole tiles. A probe sets it.
+# where its caller leaves the count to this module (``WALKS=0``) and it walks a tile's ids at a time
+# (a split's walk with its ids ahead keeps one: measured slower cut, docs/kernels.md §2.13); 1: one
+# walk over whole tiles. A probe sets it. The paged kernel's launcher picks per launch (``e4m3_walks``).
 E4M3_WALKS = tl.constexpr(4)
 
 # cvt.rn.f16x2.e4m3x2 widens two codes (a .b16) to two fp16 values (a .b32), the low byte to the low
@@ -133,6 +134,7 @@ def attend_range(
     STAGES: tl.constexpr = None,
     lower=None,  # [BLOCK_M] int32 with WINDOWED: row m sees tokens n >= lower[m] too (a sliding window)
     WINDOWED: tl.constexpr = False,
+    WALKS: tl.constexpr = 0,  # a fetched e4m3 walk's runs (``attend_range_walks``); 0: E4M3_WALKS
 ):
     """Online softmax of a query tile over KV tokens [kv_lo, kv_hi) of a paged run (shared by kernels).
 
@@ -142,9 +144,15 @@ def attend_range(
     most one tile gains nothing from it, and its buffers would take shared memory from the main loop.
     """
     if MASKED and STAGES is None and fetches_ahead(q, k_base):  # a caller's STAGES: its short tail
+        if WALKS == 0:
+            return attend_range_fetched(
+                q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb,
+                stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower,
+                WINDOWED, E4M3_WALKS,
+            )  # fmt: skip
         return attend_range_fetched(
             q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower, WINDOWED,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower, WINDOWED, WALKS,
         )  # fmt: skip
     for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=STAGES):
         m_i, l_i, acc = attend_tile(
@@ -225,16 +233,18 @@ def attend_range_fetched(
     q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
     stride_vb, stride_vt, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PAGES: tl.constexpr, lower, WINDOWED: tl.constexpr,
+    WALKS: tl.constexpr,
 ):  # fmt: skip
     """``attend_range`` (masked) with each tile's K / V codes loaded into registers while the tile
     before it is computed, and its block ids a tile earlier still; no software pipeline (its stages
-    would put the codes through shared memory). ``PAGES``: as ``attend_range_ahead``'s."""
+    would put the codes through shared memory). ``PAGES``: as ``attend_range_ahead``'s; ``WALKS`` > 1:
+    ``attend_range_walks`` where it applies."""
     # a product's tokens 16 at least; a warp's [16, 256] accumulator would spill (255 registers)
-    if E4M3_WALKS > 1 and PAGES == 0 and BLOCK_N // E4M3_WALKS >= 16 and HEAD_DIM <= 128:
+    if WALKS > 1 and PAGES == 0 and BLOCK_N // WALKS >= 16 and HEAD_DIM <= 128:
         return attend_range_walks(
             q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
             stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, PAGES, lower, WINDOWED,
-            E4M3_WALKS,
+            WALKS,
         )  # fmt: skip
     page0 = kv_lo // BLOCK_SIZE
     ids = page0  # unused where PAGES == 0
@@ -360,7 +370,7 @@ def attend_range_ahead(
     if fetches_ahead(q, k_base):
         return attend_range_fetched(
             q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, PAGES, limit, False,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, PAGES, limit, False, 1,
         )  # fmt: skip
     page0 = kv_lo // BLOCK_SIZE
     offs_p = tl.arange(0, PAGES)

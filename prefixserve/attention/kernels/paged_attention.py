@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from prefixserve.attention.kernels import attend
 from prefixserve.attention.kernels.attend import attend_range, attend_range_ahead, finish_rows, widened_q
 from prefixserve.attention.kernels.merge import merge_last, merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
@@ -79,6 +80,7 @@ def paged_program(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     PAGES_AHEAD: tl.constexpr = 0,  # > 0: a split's block ids (at most this many) read before its walk
+    WALKS: tl.constexpr = 0,  # an e4m3 decode walk's runs (``e4m3_walks``); 0: ``attend.E4M3_WALKS``
 ):
     # a Triton kernel body: one program's query tile over its KV split, kept in one piece
     """One program of the paged kernel: (sequence query tile, KV head, KV split) -> o, lse rows."""
@@ -124,7 +126,7 @@ def paged_program(
         else:
             m_i, l_i, acc = attend_range(
                 q, m_i, l_i, acc, k_base, v_base, table, kv_lo, kv_hi, limit, qk_scale, stride_kb,
-                stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST,
+                stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, WALKS=WALKS,
             )  # fmt: skip
         o, lse = finish_rows(m_i, l_i, acc)
         split64 = split.to(tl.int64)
@@ -184,6 +186,7 @@ def _paged_kernel(
     WANT_LSE: tl.constexpr = False,
     MERGE_UNROLL: tl.constexpr = 8,  # MERGE: splits a merge turn loads together
     PAGES_AHEAD: tl.constexpr = 0,
+    WALKS: tl.constexpr = 0,
 ):
     """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s, and with
     ``MERGE`` (decode steps: one query a sequence) the merge of the splits' partials (``merge_last``)."""
@@ -227,6 +230,7 @@ def _paged_kernel(
         DOT_PREC,
         UPCAST,
         PAGES_AHEAD,
+        WALKS,
     )
     if MERGE:
         merge_last(
@@ -252,8 +256,11 @@ def choose_split(
     block_n: int,
     min_chunk: int = 256,
     prefill: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[int, int]:
-    """(num_splits, split_size): enough KV splits that ~2 waves of programs cover the SMs.
+    """(num_splits, split_size): enough KV splits that ~2 waves of programs cover the SMs; a decode
+    step over an e4m3 cache (``kv_dtype``) whose splits can be cut into walks: one wave of those
+    (``e4m3_wave_splits``).
 
     ``prefill``: the step's sequences have many query rows, so a program's time is its KV length, and
     with few programs (a Prompt Cache first token recomputing the heads of ten modules: 320) the
@@ -263,6 +270,11 @@ def choose_split(
     if max_kv <= 0:
         return 1, block_n
     sms = num_sms(device)
+    if kv_dtype == torch.float8_e4m3fn and not prefill:
+        cut = e4m3_wave_splits(max_kv, base_programs, sms)
+        if cut:
+            split_size = math.ceil(math.ceil(max_kv / cut) / block_n) * block_n
+            return math.ceil(max_kv / split_size), split_size
     want = max(1, math.ceil(2 * sms / max(1, base_programs)))
     if prefill and BALANCE_CHUNK and base_programs <= 4 * sms:
         want = max(want, math.ceil(max_kv / BALANCE_CHUNK))
@@ -346,6 +358,7 @@ def launch_paged(
     merged: Merged | None = None,
     pages_ahead: int | None = None,
     max_registers: int | None = None,
+    walks: int | None = None,
 ) -> Launch | None:
     """Launch the kernel; split k of row t goes to o_dst + k * split_stride_o (element strides).
 
@@ -357,7 +370,8 @@ def launch_paged(
     ``pack > 1`` on a decode step (``max_query_len == 1``) runs ``pack`` sequences per program
     (``packed_decode_program``), each contributing ``block_n // pack`` tokens to a KV tile.
     ``pages_ahead``: the most block ids a decode split's program reads before its walk (None:
-    ``PAGES_AHEAD``; 0: a tile at a time). ``max_registers``: ptxas's cap a thread (probes).
+    ``PAGES_AHEAD``; 0: a tile at a time). ``max_registers``: ptxas's cap a thread, and ``walks``: the
+    runs an e4m3 decode walk is cut into (probes; None: ``e4m3_walks``, ``register_cap``).
     Returns the recorded launch (None when there was nothing to do): args 0-2 are q, k_cache,
     v_cache and 6-7 o_dst, lse_dst, for ``relaunch``.
     """
@@ -389,6 +403,8 @@ def launch_paged(
     block_m, block_n, stages = fit_tiles(block_m, block_n, stages, dim, elt, limit)
     q_tiles = math.ceil(max_query_len / (block_m // group))
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
+    run = split_size or block_tables.shape[1] * block_size // num_splits
+    walks = e4m3_walks(num_splits, run, math.prod(grid), num_sms(q.device)) if walks is None else walks
     if merged is not None and (max_query_len != 1 or num_splits == 1):
         raise ValueError("a merged launch is for a decode step's splits (one query a sequence, splits > 1)")
     out, out_lse, counts = merged if merged is not None else (q, None, seq_lens)
@@ -421,10 +437,54 @@ def launch_paged(
         WANT_LSE=out_lse is not None,
         MERGE_UNROLL=MERGE_UNROLL,
         PAGES_AHEAD=ahead,
+        WALKS=walks,
         num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
-        **({"maxnreg": max_registers} if max_registers else {}),
+        **register_cap(k_cache, max_registers, bool(ahead) or block_m > 16 or walks > 1),
     )
+
+
+# A program cuts its e4m3 decode walk into ``attend.E4M3_WALKS`` walks (a warp each) only where it walks
+# at least this many tokens, and its grid is one split a sequence or fits one wave of them (2 programs
+# an SM: 211 registers). On an H200 (8B heads) the cut walks took 0.92-0.97x the one walk's time from
+# B=64 at 4K-16K, but 1.13-1.22x at 1K; at B=16, 16K: 4 splits 289 us cut, 228 one walk (4 programs
+# an SM, ``E4M3_FETCH_REGISTERS``), 2 splits cut 216 (docs/kernels.md §2.13).
+E4M3_WALK_MIN_RUN = 4096
+E4M3_WALK_PROGRAMS_PER_SM = 2
+
+
+def e4m3_walks(num_splits: int, run: int, programs: int, sms: int) -> int:
+    """The runs a launch's e4m3 decode walk is cut into: ``attend.E4M3_WALKS`` where a program walks
+    at least ``E4M3_WALK_MIN_RUN`` tokens (``run``: the split's length, or the table's over the splits
+    where they are sized in the kernel) and its grid of ``programs`` is one split a sequence or one wave
+    of cut walks, else 1. Only fetched e4m3 walks without ids ahead read it."""
+    one_wave = programs <= E4M3_WALK_PROGRAMS_PER_SM * sms
+    cut = run >= E4M3_WALK_MIN_RUN and (num_splits == 1 or one_wave)
+    return attend.E4M3_WALKS.value if cut else 1
+
+
+def e4m3_wave_splits(max_kv: int, base_programs: int, sms: int) -> int:
+    """KV splits that make a decode step's e4m3 walks one wave of cut walks (``e4m3_walks``), or 0 where
+    that leaves a split shorter than ``E4M3_WALK_MIN_RUN`` (or none: a grid past one wave unsplit)."""
+    splits = E4M3_WALK_PROGRAMS_PER_SM * sms // max(1, base_programs)
+    return splits if splits >= 1 and max_kv / splits >= E4M3_WALK_MIN_RUN else 0
+
+
+# ptxas's cap on a thread's registers where an e4m3 walk holds its next tile in registers
+# (``attend.attend_range_fetched``, one walk): 157 uncapped, 3 programs an SM on an H200, and B=64's
+# 512 programs took 1.3 waves; capped, 4 an SM (B=64 at 4K: 281 -> 226 us; docs/kernels.md §2.13). A
+# split's walk with its block ids ahead measured the same either way and is left uncapped, as are
+# the cut walks (211 registers, 2 an SM).
+E4M3_FETCH_REGISTERS = 128
+
+
+def register_cap(k_cache: torch.Tensor, max_registers: int | None, uncapped: bool) -> dict[str, int]:
+    """The launch's ``maxnreg`` option: the caller's, else ``E4M3_FETCH_REGISTERS`` for a compiled
+    e4m3 decode walk a tile at a time (not ``uncapped``: ids ahead, prefill tiles, cut walks), else none."""
+    if max_registers is None and not uncapped and k_cache.dtype == torch.float8_e4m3fn:
+        fetched = attend.FETCH_E4M3_AHEAD and not attend.INTERPRETED
+        max_registers = E4M3_FETCH_REGISTERS if fetched else None
+    return {"maxnreg": max_registers} if max_registers else {}
 
 
 def paged_attention(
@@ -457,7 +517,9 @@ def paged_attention(
     if pack > 1 and max_query_len == 1:
         base = math.ceil(seq_lens.shape[0] / pack) * kv_heads
     if num_splits is None:
-        num_splits, split_size = choose_split(max_seq_len, base, q.device, block_n, prefill=max_query_len > 1)
+        num_splits, split_size = choose_split(
+            max_seq_len, base, q.device, block_n, prefill=max_query_len > 1, kv_dtype=k_cache.dtype
+        )
     else:
         split_size = math.ceil(math.ceil(max(max_seq_len, 1) / num_splits) / block_n) * block_n
         num_splits = max(1, math.ceil(max_seq_len / split_size))
