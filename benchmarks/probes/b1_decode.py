@@ -55,7 +55,8 @@ def merged_call(batch: Any, ctx: int, change: dict[str, int]) -> Any:
     q, m = batch.q, batch.meta
     kv_heads, pack = batch.heads[1], change.get("pack", 1)
     block_n = change.get("block_n", 64)
-    splits, size = choose_split(ctx, math.ceil(q.shape[0] / pack) * kv_heads, q.device, block_n)
+    programs = math.ceil(q.shape[0] / pack) * kv_heads
+    splits, size = choose_split(ctx, programs, q.device, block_n, kv_dtype=batch.k_cache.dtype)
     if "splits" in change:
         size = math.ceil(math.ceil(ctx / change["splits"]) / block_n) * block_n
         splits = math.ceil(ctx / size)
