@@ -403,8 +403,10 @@ def launch_paged(
     block_m, block_n, stages = fit_tiles(block_m, block_n, stages, dim, elt, limit)
     q_tiles = math.ceil(max_query_len / (block_m // group))
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
-    run = split_size or block_tables.shape[1] * block_size // num_splits
-    walks = e4m3_walks(num_splits, run, math.prod(grid), num_sms(q.device)) if walks is None else walks
+    if walks is None:  # one value wherever it is not read: no compiled variant more
+        run = split_size or block_tables.shape[1] * block_size // num_splits
+        fetched = k_cache.dtype == torch.float8_e4m3fn and block_m <= 16 and not ahead
+        walks = e4m3_walks(num_splits, run, math.prod(grid), num_sms(q.device)) if fetched else 1
     if merged is not None and (max_query_len != 1 or num_splits == 1):
         raise ValueError("a merged launch is for a decode step's splits (one query a sequence, splits > 1)")
     out, out_lse, counts = merged if merged is not None else (q, None, seq_lens)
