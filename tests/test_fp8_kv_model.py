@@ -98,13 +98,22 @@ def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
     assert kl.mean() <= 0.02
 
 
+# logprob gap (nats) between the top two under which two attention paths over an FP8 cache may pick
+# differently: e4m3's own noise (next-token flips over the fp32 cache sat at margins of 0.02-0.44)
+NEAR_TIE = 0.05
+
+
 def test_fp8_greedy_same_with_and_without_sharing() -> None:
     """Prompts sharing a long prefix: shared-segment attention (auto, prefix caching) and per-sequence
-    attention (reference, no prefix caching) give the same greedy tokens over the FP8 cache."""
+    attention (reference, no prefix caching) give the same greedy tokens over the FP8 cache, up to a
+    near tie. Each layer's K / V are rounded to e4m3 as they are written, so two attention paths whose
+    sums run in other orders (1e-4 apart in logprobs over an fp32 cache) write codes a step apart
+    where a value sits on a rounding boundary, and the difference grows to e4m3's own (about 5e-3 in
+    logprobs here): a token may flip only where the per-sequence run's top two are that close."""
     _need_default_model()
     prefix = TEXTS[0]
     prompts = [prefix + q for q in (" In short,", " The key point is", " Gutenberg was", " Books became")]
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = []
     for attention, caching in (("auto", True), ("reference", False)):
         llm = LLM(
@@ -116,9 +125,19 @@ def test_fp8_greedy_same_with_and_without_sharing() -> None:
             progress=False,
         )
         llm.generate(prompts[:1], greedy)  # the prefix cached: the others share its blocks
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+        outs.append([o.outputs[0] for o in llm.generate(prompts, greedy)])
         if caching:  # the prefix's blocks held by all four, read once for them
             m = llm.metrics()
             assert m["prefix_cache_hit_tokens_total"] > 0
             assert m["attention_kv_tokens_read_total"] < m["attention_kv_tokens_logical_total"]
-    assert outs[0] == outs[1]
+    flips = 0
+    for shared, alone in zip(*outs, strict=True):
+        same = [a == b for a, b in zip(shared.token_ids, alone.token_ids, strict=True)] + [False]
+        first = same.index(False)
+        if first == len(alone.token_ids):
+            continue
+        flips += 1
+        top = sorted(alone.logprobs[first].values(), key=lambda lp: -lp.logprob)
+        assert top[0].logprob - top[1].logprob < NEAR_TIE, (first, top)  # a flip only at a near tie
+        assert shared.token_ids[first] in alone.logprobs[first]  # to the runner-up
+    assert flips <= 1, outs

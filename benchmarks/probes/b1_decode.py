@@ -11,7 +11,7 @@ default launch and FlashInfer's two decode kernels a few times, eagerly, for Nsi
 
 A variant is named by its changes from the default: ``s48`` splits, ``n128`` tile width, ``w8`` warps,
 ``st3`` stages, ``r128`` registers a thread at most (ptxas), ``k4`` an e4m3 walk cut into 4 walks
-(``k1``: one; default: the launcher's rule, ``paged_attention.e4m3_walks``), ``a256`` a split's block
+(``k1``: one; default: the launcher's rule, ``e4m3_walks.e4m3_walks``), ``a256`` a split's block
 ids (up to 256) read before its walk (``paged_attention.launch_paged(pages_ahead=)``, 3 stages unless named;
 ``a0``: each tile loads its own, as before), ``p4`` four sequences a program (the packed decode
 kernel). ``--widening cast``: the whole run with e4m3 tiles widened by Triton's own cast instead of
