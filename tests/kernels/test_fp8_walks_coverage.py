@@ -36,8 +36,9 @@ def test_fp8_paged_walks_match_fp64(
     cut: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from prefixserve.attention.kernels import attend, e4m3_walks
+    from prefixserve.attention.kernels import attend
     from prefixserve.attention.kernels.paged_attention import paged_attention, pick_block_m
+    from prefixserve.attention.planning import e4m3_walks
 
     # these runs are short: the launcher cuts a walk only past E4M3_WALK_MIN_RUN tokens
     monkeypatch.setattr(e4m3_walks, "E4M3_WALK_MIN_RUN", 0 if cut else 1 << 30)
@@ -77,9 +78,9 @@ def test_the_launcher_cuts_long_walks_of_one_split_or_one_wave() -> None:
     a grid of splits past one wave keep one walk (measured slower cut: docs/kernels.md §2.13). A decode
     step over an e4m3 cache gets that one wave where its splits stay long (``choose_split``)."""
     from prefixserve.attention.kernels import attend
-    from prefixserve.attention.kernels.e4m3_walks import E4M3_WALK_MIN_RUN as RUN
-    from prefixserve.attention.kernels.e4m3_walks import e4m3_walks
     from prefixserve.attention.kernels.paged_attention import choose_split
+    from prefixserve.attention.planning.e4m3_walks import E4M3_WALK_MIN_RUN as RUN
+    from prefixserve.attention.planning.e4m3_walks import e4m3_walks
 
     cut, sms = attend.E4M3_WALKS.value, 132
     assert cut > 1

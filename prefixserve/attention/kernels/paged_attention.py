@@ -18,9 +18,9 @@ import math
 import torch
 
 from prefixserve.attention.kernels.attend import attend_range, attend_range_ahead, finish_rows, widened_q
-from prefixserve.attention.kernels.e4m3_walks import e4m3_walks, e4m3_wave_splits, register_cap
 from prefixserve.attention.kernels.merge import merge_last, merge_partials
 from prefixserve.attention.kernels.packed_decode import launch_packed_decode
+from prefixserve.attention.planning.e4m3_walks import e4m3_walks, e4m3_wave_splits, register_cap
 from prefixserve.attention.planning.tiles import (
     LOG2E,
     MIN_BLOCK_N,
