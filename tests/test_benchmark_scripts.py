@@ -255,3 +255,35 @@ def test_bpe_tokenizer_has_the_configs_vocabulary_and_runs_the_structured_benchm
     assert result["tokenizer"]["entries"] == 2048 and result["tokenizer"]["seed"] == 0
     assert all(c["invalid"] == 0 for c in result["check"].values())
     assert "2,048 entries" in out.with_suffix(".md").read_text()
+
+
+def test_source_trees_name_the_code_as_it_is_not_as_the_stale_head_says(tmp_path: Path) -> None:
+    """``run_info``'s ``source_trees``: each source folder's git tree id as the files are now, the
+    id ``git rev-parse COMMIT:folder`` gives for a commit holding them, whatever HEAD says (the device
+    machine's copy keeps a stale .git); a result written elsewhere does not change it."""
+    from benchmarks.harness.info import SOURCE_DIRS, source_trees
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True)
+        return run.stdout.strip()
+
+    git("init", "-q")
+    for name in SOURCE_DIRS:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.py").write_text(f"# {name}\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    first = source_trees(tmp_path)
+    assert first == {name: git("rev-parse", f"HEAD:{name}")[:12] for name in SOURCE_DIRS}
+    (tmp_path / "results.json").write_text("{}")  # written by a run: not code
+    assert source_trees(tmp_path) == first
+    (tmp_path / SOURCE_DIRS[0] / "a.py").write_text("# changed, uncommitted\n")
+    (tmp_path / SOURCE_DIRS[0] / "b.py").write_text("# new, untracked\n")
+    changed = source_trees(tmp_path)
+    assert changed is not None and changed[SOURCE_DIRS[0]] != first[SOURCE_DIRS[0]]
+    assert changed[SOURCE_DIRS[1]] == first[SOURCE_DIRS[1]]
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    assert changed[SOURCE_DIRS[0]] == git("rev-parse", f"HEAD:{SOURCE_DIRS[0]}")[:12]
+    assert git("status", "--porcelain") == ""  # the checkout's own index was not touched
+    assert source_trees(tmp_path / "nowhere") is None

@@ -6,6 +6,7 @@ import datetime as dt
 import os
 import platform
 import subprocess
+import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,28 @@ def git_commit() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+SOURCE_DIRS = ("prefixserve", "benchmarks")  # the code a result depends on (not the docs it writes)
+
+
+def source_trees(root: Path | None = None) -> dict[str, str] | None:
+    """The git tree id of each of ``SOURCE_DIRS`` as the files are now (tracked and unignored ones),
+    12 hex digits: ``git rev-parse COMMIT:prefixserve`` gives the same id for a commit holding that
+    code. Unlike the commit it holds where .git is stale (the device machine's copy keeps the
+    session's first), and results written under docs/ do not change it. None without git."""
+    root = root or Path(__file__).resolve().parents[2]
+    try:
+        with tempfile.TemporaryDirectory() as scratch:  # a private index: the checkout's is untouched
+            env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+            git = {"env": env, "cwd": root, "capture_output": True, "text": True, "check": True}
+            subprocess.run(["git", "add", "-A", "--", *SOURCE_DIRS], **git)
+            return {
+                name: subprocess.run(["git", "write-tree", f"--prefix={name}/"], **git).stdout.strip()[:12]
+                for name in SOURCE_DIRS
+            }
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def run_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
     """Device, CPU count, Python and torch versions, commit and UTC date; plus each of ``packages``'
     installed version (None where missing)."""
@@ -48,6 +71,7 @@ def run_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "commit": git_commit(),
+        "source_trees": source_trees(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "dummy_routing": "uniform",  # dummy MoE models' routers draw at random (model/moe.py), since 29456de
     }
