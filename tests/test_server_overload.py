@@ -75,20 +75,17 @@ def metric(http: httpx.Client, name: str) -> float:
     raise AssertionError(f"metric {name} not found")
 
 
-def wait_metric(http: httpx.Client, name: str, value: float, timeout: float = 20.0) -> None:
-    """The engine's counters reach /metrics after its step (or, in its own process, its next send)."""
-    deadline = time.monotonic() + timeout
-    while metric(http, name) != value and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(http, name) == value, name
-
-
-def wait_until(done: Any, timeout: float = 20.0) -> None:
-    """Counters that reach /metrics after the engine's step: poll ``done()`` until it holds."""
+def wait_until(done: Any, timeout: float = 20.0, what: str = "") -> None:
+    """The engine's counters reach /metrics after its step (or, in its own process, its next send):
+    poll ``done()`` until it holds."""
     deadline = time.monotonic() + timeout
     while not done() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert done()
+    assert done(), what
+
+
+def wait_metric(http: httpx.Client, name: str, value: float, timeout: float = 20.0) -> None:
+    wait_until(lambda: metric(http, name) == value, timeout, name)
 
 
 def wait_metric_above(http: httpx.Client, name: str, timeout: float = 20.0) -> None:

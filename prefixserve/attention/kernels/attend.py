@@ -144,15 +144,10 @@ def attend_range(
     most one tile gains nothing from it, and its buffers would take shared memory from the main loop.
     """
     if MASKED and STAGES is None and fetches_ahead(q, k_base):  # a caller's STAGES: its short tail
-        if WALKS == 0:
-            return attend_range_fetched(
-                q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb,
-                stride_kt, stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower,
-                WINDOWED, E4M3_WALKS,
-            )  # fmt: skip
+        walks: tl.constexpr = E4M3_WALKS if WALKS == 0 else WALKS
         return attend_range_fetched(
             q, m_i, l_i, acc, k_base, v_base, table_ptr, kv_lo, kv_hi, limit, qk_scale, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower, WINDOWED, WALKS,
+            stride_vb, stride_vt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PREC, UPCAST, 0, lower, WINDOWED, walks,
         )  # fmt: skip
     for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=STAGES):
         m_i, l_i, acc = attend_tile(

@@ -270,15 +270,13 @@ def choose_split(
     if max_kv <= 0:
         return 1, block_n
     sms = num_sms(device)
-    if kv_dtype == torch.float8_e4m3fn and not prefill:
-        cut = e4m3_wave_splits(max_kv, base_programs, sms)
-        if cut:
-            split_size = math.ceil(math.ceil(max_kv / cut) / block_n) * block_n
-            return math.ceil(max_kv / split_size), split_size
-    want = max(1, math.ceil(2 * sms / max(1, base_programs)))
-    if prefill and BALANCE_CHUNK and base_programs <= 4 * sms:
-        want = max(want, math.ceil(max_kv / BALANCE_CHUNK))
-    splits = max(1, min(want, math.ceil(max_kv / min_chunk), 64))
+    e4m3_decode = kv_dtype == torch.float8_e4m3fn and not prefill
+    splits = e4m3_wave_splits(max_kv, base_programs, sms) if e4m3_decode else 0
+    if not splits:
+        want = max(1, math.ceil(2 * sms / max(1, base_programs)))
+        if prefill and BALANCE_CHUNK and base_programs <= 4 * sms:
+            want = max(want, math.ceil(max_kv / BALANCE_CHUNK))
+        splits = max(1, min(want, math.ceil(max_kv / min_chunk), 64))
     split_size = math.ceil(math.ceil(max_kv / splits) / block_n) * block_n
     return math.ceil(max_kv / split_size), split_size
 
@@ -403,9 +401,11 @@ def launch_paged(
     block_m, block_n, stages = fit_tiles(block_m, block_n, stages, dim, elt, limit)
     q_tiles = math.ceil(max_query_len / (block_m // group))
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
-    if walks is None:  # one value wherever it is not read: no compiled variant more
+    # an e4m3 decode walk a tile's ids at a time: the only launch that reads ``walks`` (elsewhere one
+    # value, so no compiled variant more) or takes the register cap
+    fetched = k_cache.dtype == torch.float8_e4m3fn and block_m <= 16 and not ahead
+    if walks is None:
         run = split_size or block_tables.shape[1] * block_size // num_splits
-        fetched = k_cache.dtype == torch.float8_e4m3fn and block_m <= 16 and not ahead
         walks = e4m3_walks(num_splits, run, math.prod(grid), num_sms(q.device)) if fetched else 1
     if merged is not None and (max_query_len != 1 or num_splits == 1):
         raise ValueError("a merged launch is for a decode step's splits (one query a sequence, splits > 1)")
@@ -442,7 +442,7 @@ def launch_paged(
         WALKS=walks,
         num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
-        **register_cap(k_cache, max_registers, bool(ahead) or block_m > 16 or walks > 1),
+        **register_cap(max_registers, one_walk=fetched and walks == 1),
     )
 
 

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from prefixserve.attention.kernels import attend
 
 # A program cuts its e4m3 decode walk into ``attend.E4M3_WALKS`` walks (a warp each) only where it walks
@@ -42,10 +40,10 @@ def e4m3_wave_splits(max_kv: int, base_programs: int, sms: int) -> int:
 E4M3_FETCH_REGISTERS = 128
 
 
-def register_cap(k_cache: torch.Tensor, max_registers: int | None, uncapped: bool) -> dict[str, int]:
+def register_cap(max_registers: int | None, one_walk: bool) -> dict[str, int]:
     """The launch's ``maxnreg`` option: the caller's, else ``E4M3_FETCH_REGISTERS`` for a compiled
-    e4m3 decode walk a tile at a time (not ``uncapped``: ids ahead, prefill tiles, cut walks), else none."""
-    if max_registers is None and not uncapped and k_cache.dtype == torch.float8_e4m3fn:
-        fetched = attend.FETCH_E4M3_AHEAD and not attend.INTERPRETED
-        max_registers = E4M3_FETCH_REGISTERS if fetched else None
+    e4m3 decode walk a tile's ids at a time in one walk (``one_walk``; not ids ahead, prefill tiles or
+    cut walks), else none."""
+    if max_registers is None and one_walk and attend.FETCH_E4M3_AHEAD and not attend.INTERPRETED:
+        max_registers = E4M3_FETCH_REGISTERS
     return {"maxnreg": max_registers} if max_registers else {}
