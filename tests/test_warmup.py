@@ -117,22 +117,27 @@ def test_held_rows_reach_each_tile_height_a_bucket_runs() -> None:
     assert warmup.held_rows(16, 1) == [16] and warmup.held_rows(512, 8) == [512]
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "e4m3"])
 def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, kv_dtype: str | None
 ) -> None:
-    """``capture_split_variants``: each captured two-kernel shared key at every own split count, with
-    its own work list and with the bucket's ceiling of items (a step of any structure then has a graph
-    after the seal); mixed keys (at the ceiling already, one own partial a row) get none."""
+    """``capture_split_variants``: each captured two-kernel shared key at every own split count and
+    e4m3 walk form a step's own parts can choose (every own length up to the context: checked here
+    one block at a time), with its own work list and with the bucket's ceiling of items (a step of
+    any structure then has a graph after the seal); mixed keys (at the ceiling already, one own
+    partial a row) get none."""
     from types import SimpleNamespace
 
     import torch
 
     from prefixserve.attention.graph import Ceilings, HeadShape, Scratch
+    from prefixserve.attention.graph_attention import own_splits_for, walks_for
     from prefixserve.engine import warmup
     from prefixserve.worker.cuda_graph import DecodeGraphs
 
     # one KV head, two rows: few programs, so long rows split (the CPU counts 4 SMs)
-    shape = HeadShape(4, 1, 128, torch.bfloat16, torch.device("cpu"), None, Ceilings(256, 16000), Scratch())
+    kv = torch.float8_e4m3fn if kv_dtype else None
+    shape = HeadShape(4, 1, 128, torch.bfloat16, torch.device("cpu"), kv, Ceilings(256, 16000), Scratch())
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs._fits, graphs._fits_over = {}, 0
     graphs.graphs, graphs.shape, graphs.plan_failed, graphs.linear, graphs.captures = (
@@ -142,20 +147,26 @@ def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
         None,
         0,
     )
-    two = ("shared", 2, 256, 1, (16, 64, 2, False, 1, None), 16, 4, 16, 16, 64, 80)
-    mixed = ("shared", 2, 256, 1, (16, 64, 3, True, 1, (64, 64)), 64, 4, 16, 16, 64, 80)
+    two = ("shared", 2, 256, 1, (16, 64, 2, False, 1, None, 1), 16, 4, 16, 16, 64, 80)
+    mixed = ("shared", 2, 256, 1, (16, 64, 3, True, 1, (64, 64), 1), 64, 4, 16, 16, 64, 80)
     graphs.graphs = dict.fromkeys((two, mixed))
-    runner = SimpleNamespace(graphs=graphs, shard=SimpleNamespace(parallel=False), window=None)
+    runner = SimpleNamespace(graphs=graphs, shard=SimpleNamespace(parallel=False), window=None, block_size=16)
 
     def capture(runner, step, bucket) -> None:
         graphs.graphs[step.key] = None
         graphs.captures += 1
 
     monkeypatch.setattr(warmup, "_capture_empty", capture)
-    assert warmup.capture_split_variants(runner, 4096) == len(graphs.graphs) - 2
-    variants = [k for k in graphs.graphs if k[4] == two[4] and k != two]
+    context = 16384
+    assert warmup.capture_split_variants(runner, context) == len(graphs.graphs) - 2
+    variants = [k for k in graphs.graphs if k[4][:6] == two[4][:6] and k != two]
     ceiling = shape.ceilings.shared(2)[0]
-    counts = {k[3] for k in variants}
-    assert len(counts) > 1 and ceiling > 16
-    assert {(c, i) for c in counts | {1} for i in (16, ceiling)} == {(k[3], k[5]) for k in [*variants, two]}
-    assert not [k for k in graphs.graphs if k[4] == mixed[4] and k != mixed]
+    choices = {(k[3], k[4][6]) for k in [*variants, two]}
+    assert len({c for c, _ in choices}) > 1 and ceiling > 16
+    assert {(c, i) for c, _ in choices for i in (16, ceiling)} <= {(k[3], k[5]) for k in [*variants, two]}
+    for own in range(1, context + 1, 16):  # every own length's choice has its graph
+        splits = own_splits_for(own, 2, 1, shape)
+        assert (splits, walks_for(own, splits, 2, shape)) in choices, own
+    forms = {w for _, w in choices}
+    assert forms == ({1, 4} if kv_dtype else {1})  # one fetched walk, cut walks
+    assert not [k for k in graphs.graphs if k[4][:6] == mixed[4][:6] and k != mixed]

@@ -25,8 +25,10 @@ from prefixserve.attention.graph import GraphAttention, GraphStep, HeadShape, ca
 from prefixserve.attention.kernels import merge, paged_attention, shared_attention
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.planning import mixed_rule
+from prefixserve.attention.planning.e4m3_walks import e4m3_walks
 from prefixserve.attention.planning.shared_plan import ITEM_FIELDS, SharedWork
 from prefixserve.attention.planning.step_plan import own_pack_rule, plan_step_work
+from prefixserve.attention.planning.tiles import num_sms
 from prefixserve.attention.step_launch import (
     PAGED_MERGED,
     PAGED_OUT,
@@ -57,6 +59,39 @@ def own_splits_for(own_len: int, bucket: int, pack: int, shape: HeadShape) -> in
     return _splits(own_len, -(-bucket // pack) * shape.kv_heads, shape)
 
 
+def walks_for(max_kv: int, splits: int, rows: int, shape: HeadShape) -> int:
+    """The e4m3 walk form (``e4m3_walks``) of a graph's paged launch over ``rows`` rows in ``splits``
+    splits, for a step whose longest row holds ``max_kv`` tokens: part of the key, since the graph's
+    tables are the bucket's, far wider than most steps' walks (a launch would size its walk by them).
+    1 over any other cache, so those keys stay one a split count."""
+    if shape.kv_dtype != torch.float8_e4m3fn:
+        return 1
+    run = -(-max(max_kv, 1) // splits)
+    return e4m3_walks(splits, run, rows * shape.kv_heads * splits, num_sms(shape.device))
+
+
+def paged_choices(bucket: int, context: int, block: int, shape: HeadShape) -> dict[tuple[int, int], int]:
+    """Each (split count, walk form) a plain step of ``bucket`` rows can take, with the least longest
+    row (a multiple of ``block`` up to ``context``) that takes it: what the start-up plan captures."""
+    seen: dict[tuple[int, int], int] = {}
+    for kv in range(block, context + block, block):
+        kv = min(kv, context)
+        splits = _splits(kv, bucket * shape.kv_heads, shape)
+        seen.setdefault((splits, walks_for(kv, splits, bucket, shape)), kv)
+    return seen
+
+
+def own_choices(bucket: int, pack: int, context: int, block: int, shape: HeadShape) -> set[tuple[int, int]]:
+    """Each (own split count, own walk form) a two-kernel shared step of ``bucket`` rows (``pack`` a
+    program) can take, own parts up to ``context`` tokens."""
+    seen = set()
+    for kv in range(block, context + block, block):
+        kv = min(kv, context)
+        splits = own_splits_for(kv, bucket, pack, shape)
+        seen.add((splits, walks_for(kv, splits, bucket, shape) if pack == 1 else 1))
+    return seen
+
+
 def paged_graph_step(
     meta: AttentionMetadata, shape: HeadShape, bucket: int, floor: tuple[Any, ...] | None = None
 ) -> GraphStep:
@@ -67,10 +102,11 @@ def paged_graph_step(
     width = capacity(tables.shape[1], MIN_TABLE_WIDTH)
     if shape.ceilings is not None:
         width = max(width, shape.ceilings.width(bucket, MIN_TABLE_WIDTH))
-    splits = _splits(max(meta.seq_lens_host, default=0), bucket * shape.kv_heads, shape)
-    key = ("paged", bucket, width, splits)
+    max_kv = max(meta.seq_lens_host, default=0)
+    splits = _splits(max_kv, bucket * shape.kv_heads, shape)
+    key = ("paged", bucket, width, splits, walks_for(max_kv, splits, bucket, shape))
     if floor is not None and floor[:2] == key[:2] and floor[2] >= width:
-        key = floor  # any split count serves: each row's KV is cut into the graph's splits by its length
+        key = floor  # any split count or walk form serves: each row's KV is cut into the graph's splits
     arrays = {
         "tables": tables,
         "seq_lens": np.asarray(meta.seq_lens_host, dtype=np.int32),
@@ -111,6 +147,10 @@ def shared_graph_step(
     own_splits = own_splits_for(int(own_lens.max(initial=0)), bucket, pack, shape)
     if mixed:  # the mixed kernel writes one own partial per row
         own_splits = 1
+    # the own walk's e4m3 form: the packed and mixed kernels walk otherwise
+    own_walks = (
+        walks_for(int(own_lens.max(initial=0)), own_splits, bucket, shape) if pack == 1 and not mixed else 1
+    )
     caps = (
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
@@ -124,7 +164,7 @@ def shared_graph_step(
         if not mixed:  # a grid of one program per item: padding items are programs, so the list
             ceilings = (caps[0], *ceilings[1:])  # follows the step (the mixed kernel reads a count)
         caps = tuple(max(c, ceiling) for c, ceiling in zip(caps, ceilings, strict=True))
-    tiles = (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed)
+    tiles = (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed, own_walks)
     needed = ("shared", bucket, width, own_splits, tiles, *caps, 0)  # merge entries: known below
     key = _shared_floor(needed, floor)
     own_splits, slots_cap = key[3], key[9]
@@ -171,7 +211,8 @@ def _shared_floor(needed: tuple[Any, ...], floor: tuple[Any, ...] | None) -> tup
     """``needed`` planned into a captured shared key ``floor`` where it can be: the same bucket and
     work tiles (the work list is cut for them), capacities raised to the floor's; the floor's own
     splits and own pack taken whatever they are (each row's own KV is cut into the graph's splits by
-    its length, and the pack only groups rows per program). Else ``needed`` unchanged."""
+    its length, the pack only groups rows per program, and the own walk's form only moves its speed).
+    Else ``needed`` unchanged."""
     if floor is None or len(floor) != len(needed) or floor[:2] != needed[:2]:
         return needed
     tiles, floor_tiles = needed[4], floor[4]
@@ -230,7 +271,7 @@ class PagedGraph(_Recorded):
     """The plain paged kernel over a bucket of rows, with a fixed split count (and a merge if > 1)."""
 
     def __init__(self, key: tuple[Any, ...], shape: HeadShape) -> None:
-        _, bucket, width, splits = key
+        _, bucket, width, splits, self.walks = key
         fields = {
             "tables": ((bucket, width), False),
             "seq_lens": ((bucket,), True),  # padding rows: length 0, nothing read
@@ -255,13 +296,15 @@ class PagedGraph(_Recorded):
             1,
         )
         if self.o_part is None:
-            launch = paged_attention.launch_paged(*args, 1, 0, out, self.lse, 0, 0, PAGED_BLOCK_N)
+            launch = paged_attention.launch_paged(
+                *args, 1, 0, out, self.lse, 0, 0, PAGED_BLOCK_N, walks=self.walks
+            )
             return [(launch, PAGED_OUT, False)]
         heads, dim = self.shape.q_heads, self.shape.head_dim
         b = self.bucket
         parts = (self.splits, 0, self.o_part, self.lse, b * heads * dim, b * heads, PAGED_BLOCK_N)
         merged = (out, None, self.counts)
-        launch = paged_attention.launch_paged(*args, *parts, merged=merged)
+        launch = paged_attention.launch_paged(*args, *parts, merged=merged, walks=self.walks)
         return [(launch, PAGED_MERGED, False)]
 
 
@@ -285,7 +328,7 @@ class SharedGraph(_Recorded):
         }
         super().__init__(fields, shape)
         self.bucket, self.own_splits, self.slots = bucket, own_splits, slots
-        self.block_m, self.block_n, self.stages, self.tma, self.pack, self.mixed = tiles
+        self.block_m, self.block_n, self.stages, self.tma, self.pack, self.mixed, self.own_walks = tiles
         parts = slots + own_splits * bucket
         self.o_part = shape.partials(parts, (shape.q_heads, shape.head_dim))
         self.lse_part = shape.partials(parts, (shape.q_heads,))
@@ -334,10 +377,19 @@ class SharedGraph(_Recorded):
             return launch_mixed_path(q, k_cache, v_cache, scale, step_lists, parts, merge_into, mixed, count)
         return launch_split_path(
             lambda: shared_attention.launch_shared(*shared_args),
-            lambda: paged_attention.launch_paged(*own_args, PAGED_BLOCK_N, pack=self.pack),
+            lambda: paged_attention.launch_paged(
+                *own_args, PAGED_BLOCK_N, pack=self.pack, walks=self.own_walks
+            ),
             merge_into,
             self.side_stream(),
         )
 
 
-__all__ = ["PagedGraph", "SharedGraph", "own_splits_for", "paged_graph_step", "shared_graph_step"]
+__all__ = [
+    "PagedGraph",
+    "SharedGraph",
+    "own_splits_for",
+    "paged_graph_step",
+    "shared_graph_step",
+    "walks_for",
+]

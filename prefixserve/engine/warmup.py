@@ -96,18 +96,21 @@ def plan_covers(runner: Any) -> bool:
 
 
 def capture_paged_keys(runner: Any, context: int) -> int:
-    """Capture the plain paged graph of every bucket at every split count and table width its
-    sequences' lengths can choose (16 tokens to ``context``, by powers of two, and ``context``): the
-    start-up plan of unshared decode steps. Each is a synthetic step whose rows read nothing (lengths
-    0) and write their K/V to the cache's scratch slot."""
+    """Capture the plain paged graph of every bucket at every split count, e4m3 walk form and table
+    width its sequences' lengths can choose (16 tokens to ``context``, by powers of two, and
+    ``context``; the least length of each split count and walk form): the start-up plan of unshared
+    decode steps. Each is a synthetic step whose rows read nothing (lengths 0) and write their K/V to
+    the cache's scratch slot."""
     if not plan_covers(runner):
         return 0
+    from prefixserve.attention.graph_attention import paged_choices
     from prefixserve.attention.metadata import build_metadata
 
     graphs = runner.graphs
     before, bs, blocks = graphs.captures, runner.block_size, runner.kv.num_blocks
-    lengths = sorted({*(1 << k for k in range(4, max(4, context.bit_length()))), context})
+    powers = {*(1 << k for k in range(4, max(4, context.bit_length()))), context}
     for bucket in graphs.buckets:
+        lengths = sorted(powers | set(paged_choices(bucket, context, bs, graphs.shape).values()))
         for length in lengths:
             cols = -(-length // bs)
             if length > context or cols + bucket > blocks:
@@ -126,29 +129,31 @@ def capture_paged_keys(runner: Any, context: int) -> int:
 
 
 def capture_split_variants(runner: Any, context: int) -> int:
-    """Each captured two-kernel shared key again at every own-part split count its bucket can choose
-    (up to what rows of ``context`` tokens would take), and each of those again with the bucket's
-    ceiling of work items: the warm-up batches' own parts are a few tokens, so they meet one count
-    only, and their structures few item counts (a two-kernel key's work list follows its step, since
-    each item is a program; the ceiling's graph serves a step of any structure, at the cost of its
-    padding programs). Each variant is a synthetic step that reads nothing (no work items, own
-    lengths 0). Mixed keys take the ceiling already and write one own partial a row: no variants."""
+    """Each captured two-kernel shared key again at every own-part split count and e4m3 walk form its
+    bucket can choose (own parts up to ``context`` tokens, ``own_choices``), and each of those again
+    with the bucket's ceiling of work items: the warm-up batches' own parts are a few tokens, so they
+    meet one count only, and their structures few item counts (a two-kernel key's work list follows
+    its step, since each item is a program; the ceiling's graph serves a step of any structure, at the
+    cost of its padding programs). Each variant is a synthetic step that reads nothing (no work items,
+    own lengths 0). Mixed keys take the ceiling already and write one own partial a row: no variants."""
     if not plan_covers(runner):
         return 0
     from prefixserve.attention.graph import GraphStep, capacity
-    from prefixserve.attention.graph_attention import SharedGraph, own_splits_for
+    from prefixserve.attention.graph_attention import SharedGraph, own_choices
 
     graphs = runner.graphs
     before, shape = graphs.captures, graphs.shape
+    choices: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (bucket, pack) -> its choices
     for key in [k for k in list(graphs.graphs) if k[0] == "shared" and k[4][5] is None]:
         bucket, pack, slots = key[1], key[4][4], key[9]
-        top = own_splits_for(context, bucket, pack, shape)  # rows as long as the context
+        if (bucket, pack) not in choices:
+            choices[bucket, pack] = sorted(own_choices(bucket, pack, context, runner.block_size, shape))
         ceiling = shape.ceilings.shared(bucket)[0] if shape.ceilings is not None else key[5]
         for items in dict.fromkeys((key[5], max(key[5], ceiling))):
-            for count in (1 << k for k in range(top.bit_length())):
+            for count, walks in choices[bucket, pack]:
                 # merge entries as a step plans them: every slot and every row's own splits
                 nnz = capacity(slots + count * bucket, 16)
-                variant = (*key[:3], count, key[4], items, *key[6:10], nnz)
+                variant = (*key[:3], count, (*key[4][:6], walks), items, *key[6:10], nnz)
                 if variant in graphs.graphs:
                     continue
                 arrays = {"qsl": np.arange(bucket + 1, dtype=np.int32)}  # no items, no own lengths

@@ -31,7 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.graph import Ceilings, GraphAttention, GraphStep, HeadShape, HostStaging, Scratch
+from prefixserve.attention.graph import (
+    Ceilings,
+    GraphAttention,
+    GraphStep,
+    HeadShape,
+    HostStaging,
+    Scratch,
+    walk_choice,
+)
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
 from prefixserve.kv.state_slots import StatePool
@@ -273,7 +281,7 @@ class DecodeGraphs:
 
     def _refit(self, step: GraphStep, any_split: bool = False) -> tuple[GraphStep, _Captured | None]:
         """A captured graph of the same kind and bucket whose capacities hold this step, at the step's
-        split count (key field 3: the paged kernel's, or the own part's), the narrowest block tables
+        split count and e4m3 walk form (``graph.walk_choice``), the narrowest block tables
         first, then the shortest work list, then the newest; the choice for a step key is tried
         first on later steps until a graph is added. ``any_split``:
         at another count too (any count is correct: each row's KV is cut into the graph's splits by
@@ -296,10 +304,11 @@ class DecodeGraphs:
         want = step.key[3] if len(step.key) > 3 and isinstance(step.key[3], int) else None
         if want is not None:
             splits = [(key, key[3]) for key in same if isinstance(key[3], int)]
-            if any_split:
+            if any_split:  # any split count and e4m3 walk form serve
                 same = [key for key, k in sorted(splits, key=lambda p: abs(p[1] - want)) if 2 * k >= want]
-            else:
-                same = [key for key, k in splits if k == want]
+            else:  # the step's own split count and walk form
+                choice = walk_choice(step.key)
+                same = [key for key, k in splits if k == want and walk_choice(key) == choice]
         for key in same:
             fitted = step.refit(key)
             if fitted.key == key:

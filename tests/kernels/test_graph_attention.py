@@ -185,7 +185,7 @@ def test_a_smaller_step_refits_into_a_captured_keys_capacities() -> None:
     assert fitted.key == key
     assert _fitted_error(fitted, small, 32) < 1e-5
     paged = TritonPagedBackend().graph_step(small.meta(), shape, 32)
-    wide = ("paged", 32, paged.key[2] * 2, paged.key[3])
+    wide = ("paged", 32, paged.key[2] * 2, *paged.key[3:])
     assert paged.refit(wide).key == wide
 
 
@@ -279,7 +279,7 @@ def test_a_step_refits_into_a_key_of_other_own_splits_and_pack() -> None:
     steps = _Steps(7, 16, 6, 6, 2, kv_heads, dim)
     step = TritonBackend().graph_step(steps.meta(), shape, bucket)
     key = step.key
-    other_tiles = (*key[4][:4], 2 if key[4][4] == 1 else 1, key[4][5])
+    other_tiles = (*key[4][:4], 2 if key[4][4] == 1 else 1, *key[4][5:])
     other = (*key[:3], key[3] * 4, other_tiles, *(2 * c for c in key[5:]))
     fitted = step.refit(other)
     assert fitted.key == other
@@ -301,28 +301,28 @@ def test_after_the_seal_a_key_no_graph_serves_runs_eagerly() -> None:
     graphs._fits, graphs._fits_over = {}, 0
     graphs.graphs, graphs.sealed, graphs.misses, graphs.missed = {}, False, 0, set()
     graphs._current, graphs._held = 6, 3
-    captured = ("paged", 4, 64, 2)
+    captured = ("paged", 4, 64, 2, 1)
     graphs.graphs[captured] = object()
 
     def step(key):  # a paged step: any floor of its kind, bucket and width takes the floor's splits
         return GraphStep(key, {}, lambda: None, refit=lambda f: step(f if f[:3] == key[:3] else key))
 
     assert graphs.fit(step(captured)).key == captured
-    assert graphs.fit(step(("paged", 4, 64, 3))).key == ("paged", 4, 64, 3)  # captured by run()
-    assert graphs.serves(step(captured)) and not graphs.serves(step(("paged", 4, 64, 3)))
-    new = step(("paged", 8, 64, 1))
+    assert graphs.fit(step(("paged", 4, 64, 3, 1))).key == ("paged", 4, 64, 3, 1)  # captured by run()
+    assert graphs.serves(step(captured)) and not graphs.serves(step(("paged", 4, 64, 3, 1)))
+    new = step(("paged", 8, 64, 1, 1))
     assert graphs.fit(new) is new
     graphs.seal()
-    assert graphs.fit(step(("paged", 4, 64, 3))).key == captured  # 2 splits: at least half of 3
-    assert graphs.fit(new) is None and graphs.fit(step(("paged", 4, 64, 8))) is None  # 2 < 8 / 2
+    assert graphs.fit(step(("paged", 4, 64, 3, 1))).key == captured  # 2 splits: at least half of 3
+    assert graphs.fit(new) is None and graphs.fit(step(("paged", 4, 64, 8, 1))) is None  # 2 < 8 / 2
     assert graphs.fit(new) is None
-    assert graphs.misses == 3 and graphs.missed == {new.key, ("paged", 4, 64, 8)}
+    assert graphs.misses == 3 and graphs.missed == {new.key, ("paged", 4, 64, 8, 1)}
     assert graphs._current is None  # the held bucket let go
     assert graphs.fit(step(captured)).key == captured
     # a step over contiguous blocks (TMA tiles) whose pointer-load twin the plan captured
-    twin = ("shared", 4, 64, 1, (64, 64, 2, False, 1, None), 16)
+    twin = ("shared", 4, 64, 1, (64, 64, 2, False, 1, None, 1), 16)
     graphs.graphs[twin] = object()
-    contiguous = GraphStep(("shared", 4, 64, 1, (64, 64, 3, True, 1, None), 16), {}, lambda: None)
+    contiguous = GraphStep(("shared", 4, 64, 1, (64, 64, 3, True, 1, None, 1), 16), {}, lambda: None)
     contiguous.plain = lambda: step(twin)
     assert graphs.fit(contiguous).key == twin and graphs.misses == 3
 
@@ -374,7 +374,7 @@ def test_a_refit_choice_is_kept_until_the_captured_keys_change() -> None:
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs._fits, graphs._fits_over = {}, 0
-    graphs.graphs = dict.fromkeys([("paged", 4, 64, 2), ("paged", 4, 128, 2), ("paged", 8, 64, 2)])
+    graphs.graphs = dict.fromkeys([("paged", 4, 64, 2, 1), ("paged", 4, 128, 2, 1), ("paged", 8, 64, 2, 1)])
     tried = []
 
     def step(key):  # a paged step: any key of its kind and bucket at least as wide holds it
@@ -384,12 +384,50 @@ def test_a_refit_choice_is_kept_until_the_captured_keys_change() -> None:
 
         return GraphStep(key, {}, lambda: None, refit=refit)
 
-    assert graphs._refit(step(("paged", 4, 100, 2)))[0].key == ("paged", 4, 128, 2)
-    assert tried == [("paged", 4, 64, 2), ("paged", 4, 128, 2)]  # the narrowest first
+    assert graphs._refit(step(("paged", 4, 100, 2, 1)))[0].key == ("paged", 4, 128, 2, 1)
+    assert tried == [("paged", 4, 64, 2, 1), ("paged", 4, 128, 2, 1)]  # the narrowest first
     tried.clear()
-    assert graphs._refit(step(("paged", 4, 100, 2)))[0].key == ("paged", 4, 128, 2)
-    assert tried == [("paged", 4, 128, 2)]  # the choice, tried first
-    assert graphs._refit(step(("paged", 4, 32, 2)))[0].key == ("paged", 4, 64, 2)
-    graphs.graphs[("paged", 4, 96, 2)] = None  # a narrower one that holds 32 columns is no better...
-    graphs.graphs[("paged", 4, 33, 2)] = None  # ...but this one is: chosen once the keys changed
-    assert graphs._refit(step(("paged", 4, 32, 2)))[0].key == ("paged", 4, 33, 2)
+    assert graphs._refit(step(("paged", 4, 100, 2, 1)))[0].key == ("paged", 4, 128, 2, 1)
+    assert tried == [("paged", 4, 128, 2, 1)]  # the choice, tried first
+    assert graphs._refit(step(("paged", 4, 32, 2, 1)))[0].key == ("paged", 4, 64, 2, 1)
+    graphs.graphs[("paged", 4, 96, 2, 1)] = None  # a narrower one that holds 32 columns is no better...
+    graphs.graphs[("paged", 4, 33, 2, 1)] = None  # ...but this one is: chosen once the keys changed
+    assert graphs._refit(step(("paged", 4, 32, 2, 1)))[0].key == ("paged", 4, 33, 2, 1)
+
+
+def test_an_e4m3_graph_key_takes_the_walk_form_of_its_steps_rows_not_of_its_tables() -> None:
+    """A decode graph's block tables are its bucket's (``Ceilings``: 1,024 columns at 256 rows, 16K
+    tokens), so a launch sizing its e4m3 walk by them cut short walks into 4 (``e4m3_walks``): the own
+    parts behind a shared prefix and short plain decodes ran 1.1-2x slower (H200). The key now holds
+    the form its step's longest row asks for (``walks_for``); a refit before the seal keeps it, after
+    the seal any form serves; bf16 caches keep one form."""
+    from prefixserve.attention.graph import Ceilings, GraphStep
+    from prefixserve.attention.graph_attention import paged_graph_step, walks_for
+    from prefixserve.attention.planning.e4m3_walks import E4M3_WALK_MIN_RUN
+    from prefixserve.worker.cuda_graph import DecodeGraphs
+
+    bucket, bs = 256, 16
+    e4m3 = HeadShape(32, 8, 128, torch.bfloat16, DEVICE, torch.float8_e4m3fn, Ceilings(8192, 10**6))
+    bf16 = HeadShape(32, 8, 128, torch.bfloat16, DEVICE, None, Ceilings(8192, 10**6))
+
+    def key(shape: HeadShape, longest: int) -> tuple:
+        lens = [longest] + [1] * (bucket - 1)
+        tables = np.zeros((bucket, -(-longest // bs)), dtype=np.int32)
+        return paged_graph_step(build_metadata(bs, [1] * bucket, lens, tables, "cpu"), shape, bucket).key
+
+    short, long = key(e4m3, 128), key(e4m3, 4 * E4M3_WALK_MIN_RUN)
+    assert short[2] == long[2] == e4m3.ceilings.width(bucket, 64)  # the same tables, the bucket's
+    assert short[3] == long[3] == 1 and short[4] == 1 and long[4] > 1  # one walk; cut walks
+    assert short[4] == walks_for(128, 1, bucket, e4m3)
+    assert key(bf16, 128)[4] == key(bf16, 4 * E4M3_WALK_MIN_RUN)[4] == 1
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._fits, graphs._fits_over = {}, 0
+    graphs.graphs, graphs.sealed, graphs.misses, graphs.missed = {long: object()}, False, 0, set()
+    graphs._current, graphs._held = None, 0
+
+    def step(k):  # any floor of its kind, bucket and width serves (as paged_graph_step's refit)
+        return GraphStep(k, {}, lambda: None, refit=lambda f: step(f if f[:3] == k[:3] else k))
+
+    assert graphs.fit(step(short)).key == short  # before the seal: captured in its own form
+    graphs.seal()
+    assert graphs.fit(step(short)).key == long and graphs.misses == 0  # after: the captured one serves

@@ -80,7 +80,7 @@ def paged_program(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     PAGES_AHEAD: tl.constexpr = 0,  # > 0: a split's block ids (at most this many) read before its walk
-    WALKS: tl.constexpr = 0,  # an e4m3 decode walk's runs (``e4m3_walks``); 0: ``attend.E4M3_WALKS``
+    WALKS: tl.constexpr = 0,  # an e4m3 decode walk's form (``e4m3_walks``); 0: ``attend.E4M3_WALKS``
 ):
     # a Triton kernel body: one program's query tile over its KV split, kept in one piece
     """One program of the paged kernel: (sequence query tile, KV head, KV split) -> o, lse rows."""
@@ -369,7 +369,9 @@ def launch_paged(
     (``packed_decode_program``), each contributing ``block_n // pack`` tokens to a KV tile.
     ``pages_ahead``: the most block ids a decode split's program reads before its walk (None:
     ``PAGES_AHEAD``; 0: a tile at a time). ``max_registers``: ptxas's cap a thread, and ``walks``: the
-    runs an e4m3 decode walk is cut into (probes; None: ``e4m3_walks``, ``register_cap``).
+    form of an e4m3 decode walk, as ``e4m3_walks`` gives it (a decode graph's key holds it, probes set
+    it; None: ``e4m3_walks`` of the table's width over the splits), read only where a walk takes a
+    tile's ids at a time.
     Returns the recorded launch (None when there was nothing to do): args 0-2 are q, k_cache,
     v_cache and 6-7 o_dst, lse_dst, for ``relaunch``.
     """
@@ -404,9 +406,11 @@ def launch_paged(
     # an e4m3 decode walk a tile's ids at a time: the only launch that reads ``walks`` (elsewhere one
     # value, so no compiled variant more) or takes the register cap
     fetched = k_cache.dtype == torch.float8_e4m3fn and block_m <= 16 and not ahead
-    if walks is None:
+    if not fetched:
+        walks = 1
+    elif walks is None:
         run = split_size or block_tables.shape[1] * block_size // num_splits
-        walks = e4m3_walks(num_splits, run, math.prod(grid), num_sms(q.device)) if fetched else 1
+        walks = e4m3_walks(num_splits, run, math.prod(grid), num_sms(q.device))
     if merged is not None and (max_query_len != 1 or num_splits == 1):
         raise ValueError("a merged launch is for a decode step's splits (one query a sequence, splits > 1)")
     out, out_lse, counts = merged if merged is not None else (q, None, seq_lens)

@@ -1,6 +1,8 @@
 """Which form an e4m3 decode walk of the paged kernel takes, chosen per launch on the host: cut into
 ``attend.E4M3_WALKS`` walks (``attend.attend_range_walks``) or one walk capped in registers
-(``attend.attend_range_fetched``), and the KV splits that suit the cut form (docs/kernels.md §2.13)."""
+(``attend.attend_range_fetched``), and the KV splits that suit the cut form (docs/kernels.md §2.13).
+A decode graph keeps the form in its key (``graph_attention.walks_for``): its block tables are the
+bucket's, far wider than most steps' walks."""
 
 from __future__ import annotations
 
