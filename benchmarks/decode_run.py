@@ -130,7 +130,7 @@ def measure(
         # captured shared-path graphs whose segments were contiguous (TMA loads) / all shared ones
         "graphs_tma": sum(bool(k[4][3]) for k in _shared_keys(engine)),
         "graphs_shared": len(_shared_keys(engine)),
-        "graphs_mixed": sum(bool(k[4][-1]) for k in _shared_keys(engine)),  # on the mixed kernel
+        "graphs_mixed": sum(k[4][5] is not None for k in _shared_keys(engine)),  # on the mixed kernel
         "kv_blocks_used_peak": after["kv_blocks_used_peak"],
         "kv_blocks_total": after["kv_blocks_total"],
         # a pool too small for the batch shows here: requests preempted (recomputed later) in the run

@@ -117,9 +117,16 @@ def test_held_rows_reach_each_tile_height_a_bucket_runs() -> None:
     assert warmup.held_rows(16, 1) == [16] and warmup.held_rows(512, 8) == [512]
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "e4m3"])
+@pytest.mark.parametrize(
+    ("kv_dtype", "kv_heads", "bucket", "forms"),
+    [
+        (None, 1, 2, {1}),  # one KV head, two rows: few programs, so long rows split (the CPU: 4 SMs)
+        ("e4m3", 1, 2, {1}),  # split walks read their block ids ahead: one walk
+        ("e4m3", 8, 64, {1, 4}),  # one split a row: short walks once, long ones cut into 4
+    ],
+)
 def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
-    monkeypatch: pytest.MonkeyPatch, kv_dtype: str | None
+    monkeypatch: pytest.MonkeyPatch, kv_dtype: str | None, kv_heads: int, bucket: int, forms: set[int]
 ) -> None:
     """``capture_split_variants``: each captured two-kernel shared key at every own split count and
     e4m3 walk form a step's own parts can choose (every own length up to the context: checked here
@@ -135,9 +142,10 @@ def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
     from prefixserve.engine import warmup
     from prefixserve.worker.cuda_graph import DecodeGraphs
 
-    # one KV head, two rows: few programs, so long rows split (the CPU counts 4 SMs)
     kv = torch.float8_e4m3fn if kv_dtype else None
-    shape = HeadShape(4, 1, 128, torch.bfloat16, torch.device("cpu"), kv, Ceilings(256, 16000), Scratch())
+    shape = HeadShape(
+        4 * kv_heads, kv_heads, 128, torch.bfloat16, torch.device("cpu"), kv, Ceilings(256, 16000), Scratch()
+    )
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs._fits, graphs._fits_over = {}, 0
     graphs.graphs, graphs.shape, graphs.plan_failed, graphs.linear, graphs.captures = (
@@ -147,8 +155,8 @@ def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
         None,
         0,
     )
-    two = ("shared", 2, 256, 1, (16, 64, 2, False, 1, None, 1), 16, 4, 16, 16, 64, 80)
-    mixed = ("shared", 2, 256, 1, (16, 64, 3, True, 1, (64, 64), 1), 64, 4, 16, 16, 64, 80)
+    two = ("shared", bucket, 256, 1, (16, 64, 2, False, 1, None, 1), 16, 4, 16, 16, 64, 80)
+    mixed = ("shared", bucket, 256, 1, (16, 64, 3, True, 1, (64, 64), 1), 64, 4, 16, 16, 64, 80)
     graphs.graphs = dict.fromkeys((two, mixed))
     runner = SimpleNamespace(graphs=graphs, shard=SimpleNamespace(parallel=False), window=None, block_size=16)
 
@@ -160,13 +168,13 @@ def test_split_variants_cover_each_two_kernel_key_at_the_item_ceiling(
     context = 16384
     assert warmup.capture_split_variants(runner, context) == len(graphs.graphs) - 2
     variants = [k for k in graphs.graphs if k[4][:6] == two[4][:6] and k != two]
-    ceiling = shape.ceilings.shared(2)[0]
-    choices = {(k[3], k[4][6]) for k in [*variants, two]}
-    assert len({c for c, _ in choices}) > 1 and ceiling > 16
-    assert {(c, i) for c, _ in choices for i in (16, ceiling)} <= {(k[3], k[5]) for k in [*variants, two]}
+    ceiling = shape.ceilings.shared(bucket)[0]
+    choices = {(k[3], k[5]) for k in [*variants, two]}
+    picks = {(k[3], k[4][6]) for k in [*variants, two]}
+    assert ceiling > 16 and {(c, i) for c, _ in picks for i in (16, ceiling)} <= choices
     for own in range(1, context + 1, 16):  # every own length's choice has its graph
-        splits = own_splits_for(own, 2, 1, shape)
-        assert (splits, walks_for(own, splits, 2, shape)) in choices, own
-    forms = {w for _, w in choices}
-    assert forms == ({1, 4} if kv_dtype else {1})  # one fetched walk, cut walks
+        splits = own_splits_for(own, bucket, 1, shape)
+        assert (splits, walks_for(own, splits, bucket, shape, two[2], 16)) in picks, own
+    assert len({c for c, _ in picks}) > 1 or bucket > 2  # long own parts split where programs are few
+    assert {w for _, w in picks} == forms
     assert not [k for k in graphs.graphs if k[4][:6] == mixed[4][:6] and k != mixed]

@@ -10,8 +10,8 @@ on any later step (``attention/graph.py`` explains the scheme):
     the merge CSR (refilled each step) can name any slot;
   * a step that ``use_mixed`` takes runs the shared and own tiles as one mixed launch
     (``mixed_gluon.py``), which writes one own partial per row (the step's one own split), then the merge.
-The key of a step (``GraphStep.key``) holds every value a graph bakes in: bucket, capacities, tiles
-and split counts. Capacities are powers of two, so a growing batch re-captures rarely.
+The key of a step (``GraphStep.key``) holds every value a graph bakes in: bucket, capacities, tiles,
+split counts and, over an e4m3 cache, the paged launch's walk form (``walks_for``). Capacities are powers of two, so a growing batch re-captures rarely.
 """
 
 from __future__ import annotations
@@ -59,15 +59,28 @@ def own_splits_for(own_len: int, bucket: int, pack: int, shape: HeadShape) -> in
     return _splits(own_len, -(-bucket // pack) * shape.kv_heads, shape)
 
 
-def walks_for(max_kv: int, splits: int, rows: int, shape: HeadShape) -> int:
-    """The e4m3 walk form (``e4m3_walks``) of a graph's paged launch over ``rows`` rows in ``splits``
-    splits, for a step whose longest row holds ``max_kv`` tokens: part of the key, since the graph's
-    tables are the bucket's, far wider than most steps' walks (a launch would size its walk by them).
-    1 over any other cache, so those keys stay one a split count."""
-    if shape.kv_dtype != torch.float8_e4m3fn:
+def walks_for(max_kv: int, splits: int, rows: int, shape: HeadShape, width: int, block_size: int) -> int:
+    """The e4m3 walk form (``e4m3_walks``) of a graph's paged decode launch over ``rows`` rows in
+    ``splits`` splits of ``width``-column tables, for a step whose longest row holds ``max_kv``
+    tokens: part of the key, since the graph's tables are the bucket's, far wider than most steps'
+    walks (a launch would size its walk by them). 1 where the launch walks otherwise (not e4m3, a
+    GQA group past 16 rows, block ids read ahead: ``launch_paged``), so those keys stay one a count."""
+    if shape.kv_dtype != torch.float8_e4m3fn or paged_attention.pick_block_m(shape.group, shape.group) > 16:
         return 1
-    run = -(-max(max_kv, 1) // splits)
+    limit = paged_attention.PAGES_AHEAD if splits > 1 else 0
+    if paged_attention.walk_pages(0, splits, width, block_size, PAGED_BLOCK_N, limit):
+        return 1
+    split = -(-max(max_kv, 1) // splits)
+    run = -(-split // PAGED_BLOCK_N) * PAGED_BLOCK_N  # the kernel's split length (a tile multiple)
     return e4m3_walks(splits, run, rows * shape.kv_heads * splits, num_sms(shape.device))
+
+
+def _table_width(cols: int, bucket: int, shape: HeadShape) -> int:
+    """Block-table columns of a graph of ``bucket`` rows whose step's tables have ``cols``."""
+    width = capacity(cols, MIN_TABLE_WIDTH)
+    if shape.ceilings is not None:
+        width = max(width, shape.ceilings.width(bucket, MIN_TABLE_WIDTH))
+    return width
 
 
 def paged_choices(bucket: int, context: int, block: int, shape: HeadShape) -> dict[tuple[int, int], int]:
@@ -77,18 +90,21 @@ def paged_choices(bucket: int, context: int, block: int, shape: HeadShape) -> di
     for kv in range(block, context + block, block):
         kv = min(kv, context)
         splits = _splits(kv, bucket * shape.kv_heads, shape)
-        seen.setdefault((splits, walks_for(kv, splits, bucket, shape)), kv)
+        width = _table_width(-(-kv // block), bucket, shape)
+        seen.setdefault((splits, walks_for(kv, splits, bucket, shape, width, block)), kv)
     return seen
 
 
-def own_choices(bucket: int, pack: int, context: int, block: int, shape: HeadShape) -> set[tuple[int, int]]:
+def own_choices(
+    bucket: int, pack: int, context: int, block: int, shape: HeadShape, width: int
+) -> set[tuple[int, int]]:
     """Each (own split count, own walk form) a two-kernel shared step of ``bucket`` rows (``pack`` a
-    program) can take, own parts up to ``context`` tokens."""
+    program, own tables ``width`` columns) can take, own parts up to ``context`` tokens."""
     seen = set()
     for kv in range(block, context + block, block):
         kv = min(kv, context)
         splits = own_splits_for(kv, bucket, pack, shape)
-        seen.add((splits, walks_for(kv, splits, bucket, shape) if pack == 1 else 1))
+        seen.add((splits, walks_for(kv, splits, bucket, shape, width, block) if pack == 1 else 1))
     return seen
 
 
@@ -99,12 +115,10 @@ def paged_graph_step(
     tables = meta.block_tables_np
     if tables is None:
         tables = meta.block_tables.cpu().numpy()
-    width = capacity(tables.shape[1], MIN_TABLE_WIDTH)
-    if shape.ceilings is not None:
-        width = max(width, shape.ceilings.width(bucket, MIN_TABLE_WIDTH))
+    width = _table_width(tables.shape[1], bucket, shape)
     max_kv = max(meta.seq_lens_host, default=0)
     splits = _splits(max_kv, bucket * shape.kv_heads, shape)
-    key = ("paged", bucket, width, splits, walks_for(max_kv, splits, bucket, shape))
+    key = ("paged", bucket, width, splits, walks_for(max_kv, splits, bucket, shape, width, meta.block_size))
     if floor is not None and floor[:2] == key[:2] and floor[2] >= width:
         key = floor  # any split count or walk form serves: each row's KV is cut into the graph's splits
     arrays = {
@@ -147,10 +161,6 @@ def shared_graph_step(
     own_splits = own_splits_for(int(own_lens.max(initial=0)), bucket, pack, shape)
     if mixed:  # the mixed kernel writes one own partial per row
         own_splits = 1
-    # the own walk's e4m3 form: the packed and mixed kernels walk otherwise
-    own_walks = (
-        walks_for(int(own_lens.max(initial=0)), own_splits, bucket, shape) if pack == 1 and not mixed else 1
-    )
     caps = (
         capacity(work.items.shape[0], 16),
         capacity(plan.num_segments, 4),
@@ -164,6 +174,9 @@ def shared_graph_step(
         if not mixed:  # a grid of one program per item: padding items are programs, so the list
             ceilings = (caps[0], *ceilings[1:])  # follows the step (the mixed kernel reads a count)
         caps = tuple(max(c, ceiling) for c, ceiling in zip(caps, ceilings, strict=True))
+    own_walks = 1  # the own walk's e4m3 form: the packed and mixed kernels walk otherwise
+    if pack == 1 and not mixed:
+        own_walks = walks_for(int(own_lens.max(initial=0)), own_splits, bucket, shape, width, bs)
     tiles = (work.block_m, work.block_n, work.num_stages, work.tma, pack, mixed, own_walks)
     needed = ("shared", bucket, width, own_splits, tiles, *caps, 0)  # merge entries: known below
     key = _shared_floor(needed, floor)

@@ -143,14 +143,15 @@ def capture_split_variants(runner: Any, context: int) -> int:
 
     graphs = runner.graphs
     before, shape = graphs.captures, graphs.shape
-    choices: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (bucket, pack) -> its choices
+    choices: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # (bucket, pack, width) -> its choices
     for key in [k for k in list(graphs.graphs) if k[0] == "shared" and k[4][5] is None]:
         bucket, pack, slots = key[1], key[4][4], key[9]
-        if (bucket, pack) not in choices:
-            choices[bucket, pack] = sorted(own_choices(bucket, pack, context, runner.block_size, shape))
+        if (bucket, pack, key[2]) not in choices:
+            own = own_choices(bucket, pack, context, runner.block_size, shape, key[2])
+            choices[bucket, pack, key[2]] = sorted(own)
         ceiling = shape.ceilings.shared(bucket)[0] if shape.ceilings is not None else key[5]
         for items in dict.fromkeys((key[5], max(key[5], ceiling))):
-            for count, walks in choices[bucket, pack]:
+            for count, walks in choices[bucket, pack, key[2]]:
                 # merge entries as a step plans them: every slot and every row's own splits
                 nnz = capacity(slots + count * bucket, 16)
                 variant = (*key[:3], count, (*key[4][:6], walks), items, *key[6:10], nnz)

@@ -418,7 +418,7 @@ def test_an_e4m3_graph_key_takes_the_walk_form_of_its_steps_rows_not_of_its_tabl
     short, long = key(e4m3, 128), key(e4m3, 4 * E4M3_WALK_MIN_RUN)
     assert short[2] == long[2] == e4m3.ceilings.width(bucket, 64)  # the same tables, the bucket's
     assert short[3] == long[3] == 1 and short[4] == 1 and long[4] > 1  # one walk; cut walks
-    assert short[4] == walks_for(128, 1, bucket, e4m3)
+    assert short[4] == walks_for(128, 1, bucket, e4m3, short[2], bs)
     assert key(bf16, 128)[4] == key(bf16, 4 * E4M3_WALK_MIN_RUN)[4] == 1
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs._fits, graphs._fits_over = {}, 0

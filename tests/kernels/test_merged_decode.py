@@ -63,7 +63,7 @@ def test_graph_relaunches_the_merged_kernel_per_layer(group: int) -> None:
     shape = HeadShape(KV_HEADS * group, KV_HEADS, DIM, torch.float32, torch.device(DEVICE))
     bucket = len(LENS)
     step = paged_graph_step(meta, shape, bucket)
-    key = (*step.key[:3], 4)  # four splits whatever this machine's SM count chose
+    key = (*step.key[:3], 4, step.key[4])  # four splits whatever this machine's SM count chose
     attn = PagedGraph(key, shape)
     attn.load(step.arrays)
     for q, k, v in layers:

@@ -365,8 +365,8 @@ def test_captured_decode_graph_through_the_mixed_kernel(monkeypatch, shared_n) -
     q, k, v, meta = _decode_batch(groups, 16, 32, 8, 128, torch.bfloat16, seed=5)
 
     def check_key(key) -> None:
-        assert key[0] == "shared" and key[4][-1] and key[3] == 1  # mixed: one own partial
-        assert shared_n is None or key[4][-1] == (64, shared_n)
+        assert key[0] == "shared" and key[4][5] and key[3] == 1  # mixed: one own partial
+        assert shared_n is None or key[4][5] == (64, shared_n)
 
     prefixes = [1024] * 100 + [2048] * 60
     _captured_step_replays(q, k, v, meta, prefixes, 256, (0, 37), check_key)  # 96 padding rows
@@ -381,7 +381,7 @@ def test_captured_decode_graph_through_192_row_shared_tiles() -> None:
     q, k, v, meta = _decode_batch([(4096, 256, 40)], 16, 32, 4, 128, torch.bfloat16, seed=9)
 
     def check_key(key) -> None:
-        assert key[0] == "shared" and key[4][0] == 192 and not key[4][-1]
+        assert key[0] == "shared" and key[4][0] == 192 and not key[4][5]
 
     _captured_step_replays(q, k, v, meta, [4096] * 256, 320, (0, 17), check_key)  # 64 padding rows
 
