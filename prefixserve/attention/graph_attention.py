@@ -11,7 +11,8 @@ on any later step (``attention/graph.py`` explains the scheme):
   * a step that ``use_mixed`` takes runs the shared and own tiles as one mixed launch
     (``mixed_gluon.py``), which writes one own partial per row (the step's one own split), then the merge.
 The key of a step (``GraphStep.key``) holds every value a graph bakes in: bucket, capacities, tiles,
-split counts and, over an e4m3 cache, the paged launch's walk form (``walks_for``). Capacities are powers of two, so a growing batch re-captures rarely.
+split counts and, over an e4m3 cache, the paged launch's walk form (``walks_for``). Capacities are
+powers of two, so a growing batch re-captures rarely.
 """
 
 from __future__ import annotations

@@ -68,12 +68,18 @@ def _top_with(top: list[tuple[int, float]], token: int, logprob: float, token_te
     return entry
 
 
+def token_bytes(token_text: TokenText, token_id: int) -> list[int]:
+    """Chat logprobs' ``bytes`` of a token: its own bytes where ``token_text`` knows them (``raw``: a
+    token holding part of a character, whose text alone is U+FFFD), else its text's UTF-8."""
+    raw = getattr(token_text, "raw", None)
+    return list(raw(token_id) if raw is not None else token_text(token_id).encode("utf-8", "replace"))
+
+
 def chat_logprobs(c: CompletionOutput, start: int, end: int, token_text: TokenText) -> dict[str, Any]:
     """Chat shape: one entry per token with its bytes and its top alternatives."""
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
-        text = token_text(tid)
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": token_text(tid), "logprob": _lp(lp), "bytes": token_bytes(token_text, tid)}
 
     content = []
     lps = c.token_logprobs or []

@@ -34,6 +34,7 @@ from prefixserve.protocols.openai.request_models import (
 from prefixserve.protocols.openai.salt_scope import salt_scope, system_text
 from prefixserve.protocols.openai.structured import structured_outputs
 from prefixserve.protocols.openai.text_tokens import TextTokens
+from prefixserve.protocols.openai.token_names import TokenNames
 from prefixserve.protocols.openai.tool_stream import ToolStreamState
 from prefixserve.protocols.openai.tools import (
     Tools,
@@ -71,14 +72,14 @@ class OpenAIContext:
     hidden_size: int | None = None  # the model's final hidden states: an embedding's dimensions
     # SamplingParams fields a request that leaves them unset takes (the model's generation config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    _token_text: dict[int, str] = field(default_factory=dict)
     _pinned: dict[str, list[int]] = field(default_factory=dict)  # application -> its pinned prompt's ids
+    token_names: TokenNames = field(init=False)  # a token's text (logprobs' ``token``) and its bytes
+
+    def __post_init__(self) -> None:
+        self.token_names = TokenNames(self.tokenizer)
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
+        return self.token_names(token_id)
 
     def engine_ids(self, ids: list[int], application: str | None) -> list[int]:
         """A prompt's ids as the engine's intake makes them: the application's pinned prompt first."""
@@ -402,7 +403,7 @@ def prepare(ctx: OpenAIContext, url: str, data: Any) -> Prepared:
 def token_text(ctx: OpenAIContext, prep: Prepared) -> fmt.TokenText:
     """How the request's logprobs name a token: its text, or with vLLM's ``return_tokens_as_token_ids``
     ``token_id:<id>`` (a token whose text is not valid UTF-8 on its own stays identifiable)."""
-    return token_id_text if prep.req.return_tokens_as_token_ids else ctx.token_text
+    return token_id_text if prep.req.return_tokens_as_token_ids else ctx.token_names
 
 
 def token_id_text(token_id: int) -> str:
