@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from prefixserve.attention.kv_quant import store_kv
 from prefixserve.model.peer_allreduce import PeerSum
+from prefixserve.triton_support import triton_available
 
 # the A/B switches below, read on every call
 _SWITCHES = {
@@ -38,15 +39,8 @@ _SWITCHES = {
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@functools.cache
-def _have_triton() -> bool:
-    from prefixserve.triton_support import triton_available
-
-    return triton_available()
-
-
 def _use_triton(x: torch.Tensor) -> bool:
-    return _SWITCHES["triton"] and x.is_cuda and _have_triton()
+    return _SWITCHES["triton"] and x.is_cuda and triton_available()
 
 
 @contextmanager
@@ -187,7 +181,7 @@ def staged_allreduce(x: torch.Tensor) -> bool:
 def peer_norm_enabled() -> bool:
     """Whether a two-rank all-reduce followed by a residual add and an RMSNorm runs as one kernel
     (``kernels/peer_norm.py``) rather than the two-shot all-reduce and ``add_rms_norm``."""
-    return _SWITCHES["peer_norm"] and _have_triton()
+    return _SWITCHES["peer_norm"] and triton_available()
 
 
 def shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ another's kernels for it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any
@@ -15,8 +16,10 @@ from typing import Any
 __all__ = ["require_triton", "triton_available"]
 
 
+@functools.cache
 def triton_available() -> bool:
-    """True when Triton can be imported (a GPU is still needed unless TRITON_INTERPRET=1)."""
+    """True when Triton can be imported (a GPU is still needed unless TRITON_INTERPRET=1). Asked once a
+    process: every decode step's sampling asks it, and ``import_module`` took ~10-20 us a call."""
     try:
         importlib.import_module("triton")
     except ImportError:
