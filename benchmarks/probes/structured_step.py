@@ -8,8 +8,9 @@ so the forward is cheap and the host's share shows. Prints:
   (what the scheduler did) and in one ``batch_accept_token``; the B-row mask fill; the mask applied
   to B x vocab fp32 logits on the CPU (on a GPU this is a few queued kernels instead);
 - whole engine steps, unconstrained and constrained: the step, the runner's forward and sampling
-  (the device's work on a CPU), the rest (the engine's host work), the structured calls on the
-  engine's thread, and the two gaps a GPU would see: from the tokens of step t on the host to the
+  (the device's work on a CPU; the sampling's logits, mask, mask kernel launch and draw apart), the
+  rest (the engine's host work), the structured calls on the engine's thread, the rules' mask and
+  the placing of the tokens, and the two gaps a GPU would see: from the tokens of step t on the host to the
   sampling of step t+1 issued (hidden while the forward of t+1 runs), and from that sampling issued
   to the forward of t+2 issued (the GPU idles for it, less the sampling's own time).
 
@@ -116,6 +117,34 @@ class StepClock:
             setattr(self.structured, name, self._structured(getattr(self.structured, name), name))
         matchers = self.structured.matchers  # the answer of the matcher process: waited for in bitmask
         matchers.rows = self._structured(matchers.rows, "rows")
+        # parts of the sampling and of placing the tokens, each timed where it is looked up
+        import prefixserve.structured.bitmask as bitmask_mod
+        import prefixserve.worker.model_runner as runner_mod
+
+        self._modules: list[tuple[Any, str, Any]] = []  # (module, name, original): put back by ``undo``
+        for module, name, label in (
+            (runner_mod, "sample_async", "sample_async"),
+            (bitmask_mod, "apply_token_mask", "mask kernel launch"),
+        ):
+            self._modules.append((module, name, getattr(module, name)))
+            setattr(module, name, self._structured(getattr(module, name), label))
+        self._objects: list[tuple[Any, str]] = [
+            (runner.model, "compute_logits"),
+            (self.structured.masks, "apply"),
+        ]
+        self._objects += [(engine.rules, "restrict"), (engine, "_place_and_report")]
+        for obj, name in self._objects:
+            setattr(obj, name, self._structured(getattr(obj, name), name))
+
+    def undo(self) -> None:
+        """Put every wrapped function back."""
+        for module, name, original in self._modules:
+            setattr(module, name, original)
+        for obj, name in [*self._objects, *((self.engine.runner, n) for n in ("forward", "sample", "wait"))]:
+            vars(obj).pop(name, None)
+        for name in ("advance", "bitmask"):
+            vars(self.structured).pop(name, None)
+        vars(self.structured.matchers).pop("rows", None)
 
     def _structured(self, fn: Any, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -181,11 +210,11 @@ def engine_steps(llm: Any, batch: int, tokens: int, steps: int, constrained: boo
         rows["  structured: advance (accept)"].append(clock.t["advance"])
         rows["  structured: bitmask (fill/join)"].append(clock.t["bitmask"])
         rows["  structured: waiting on the matcher process"].append(clock.t["rows"])
-    for key in ("forward", "sample", "wait"):  # undo the wrapping
-        vars(engine.runner).pop(key, None)
-    for key in ("advance", "bitmask"):
-        vars(clock.structured).pop(key, None)
-    vars(clock.structured.matchers).pop("rows", None)
+        for name in ("compute_logits", "apply", "mask kernel launch", "sample_async"):  # in the sample
+            rows[f"  sample: {name}"].append(clock.t[name])
+        rows["  rules: restrict (the mask)"].append(clock.t["restrict"])
+        rows["  placing the tokens and reporting"].append(clock.t["_place_and_report"])
+    clock.undo()
     return {"rows": rows, "gap_fill": clock.gap_fill[3:], "gap_launch": clock.gap_launch[3:]}
 
 
