@@ -10,29 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.probes.fp8_products_accuracy import TEXTS as PROBE_TEXTS
+from benchmarks.probes.fp8_products_accuracy import default_model_fp8
+from benchmarks.probes.fp8_products_accuracy import logits as chunked_logits
 from prefixserve import LLM, SamplingParams
-from prefixserve.attention.backend import make_backend
-from prefixserve.attention.metadata import build_metadata
-from prefixserve.kv.cache import KVCache
-from prefixserve.worker.kv_calibration import calibrate_kv_scales
 
-TEXTS = [
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden press adapted from those used for wine. "
-    "Within fifty years presses operated in more than two hundred cities across Europe, and the price "
-    "of books fell so far that ordinary merchants could own a small library. Historians still argue "
-    "about how much the press changed religion, science and politics, but few doubt that it made the "
-    "exchange of ideas faster than ever before.",
-    "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < "
-    "len(right):\n        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n"
-    "        else:\n            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n"
-    "    result.extend(right[j:])\n    return result\n",
-    "User: What should I pack for a three-day hiking trip in the mountains in early autumn?\nAssistant: "
-    "Bring layers: a warm fleece, a waterproof jacket and a hat, since nights can drop below freezing. "
-    "Pack enough food and water, a map, a headlamp, a first-aid kit and sturdy boots that are broken in.",
-]
-CHUNK = 32
-BLOCK = 16
+TEXTS = PROBE_TEXTS[:3]  # prose, code, chat: 268 positions
 
 
 def _need_default_model() -> None:
@@ -47,32 +30,8 @@ def _need_default_model() -> None:
 @pytest.fixture(scope="module")
 def model_and_ids():
     _need_default_model()
-    from prefixserve.model import cpu_linear
-    from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
-
-    model, tok_dir = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
-    cpu_linear.pack_linear_weights(model)  # the engine's CPU matmuls (what ModelRunner does)
-    tok = load_tokenizer(tok_dir)
-    calibrated = KVCache(model.config, 1, BLOCK, torch.float8_e4m3fn, torch.device("cpu"))
-    calibrate_kv_scales(model, calibrated, torch.float32)  # once: the engine's start-up scales
-    return model, [tok.encode(t) for t in TEXTS], calibrated.scales
-
-
-@torch.inference_mode()
-def _logits(model, ids: list[int], dtype: torch.dtype, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token logits at every position of ``ids``, in CHUNK-token steps over a cache of ``dtype``
-    (e4m3: with ``scales``)."""
-    blocks = -(-len(ids) // BLOCK)
-    cache = KVCache(model.config, blocks, BLOCK, dtype, torch.device("cpu"))
-    if scales is not None:
-        cache.set_scales(scales)
-    backend, table, out = make_backend("reference"), list(range(blocks)), []
-    for lo in range(0, len(ids), CHUNK):
-        hi = min(lo + CHUNK, len(ids))
-        meta = build_metadata(BLOCK, [hi - lo], [hi], [table[: -(-hi // BLOCK)]], "cpu")
-        hidden = model(torch.tensor(ids[lo:hi]), torch.arange(lo, hi), cache.layers, meta, backend)
-        out.append(model.compute_logits(hidden))
-    return torch.cat(out)
+    model, tok, scales = default_model_fp8()  # the engine's start-up scales
+    return model, [tok.encode(t) for t in TEXTS], scales
 
 
 def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
@@ -87,8 +46,8 @@ def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
     model, prompts, scales = model_and_ids
     agree, kls = [], []
     for ids in prompts:
-        ref = _logits(model, ids, torch.float32).log_softmax(-1)
-        got = _logits(model, ids, torch.float8_e4m3fn, scales).log_softmax(-1)
+        ref = chunked_logits(model, ids, torch.float32).log_softmax(-1)
+        got = chunked_logits(model, ids, torch.float8_e4m3fn, scales).log_softmax(-1)
         agree.append(ref.argmax(-1) == got.argmax(-1))
         kls.append((ref.exp() * (ref - got)).sum(-1))
     agree_t, kl = torch.cat(agree).float(), torch.cat(kls)

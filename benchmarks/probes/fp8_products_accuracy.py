@@ -21,6 +21,7 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +116,7 @@ MODES = {
 
 
 @torch.inference_mode()
-def logits(model, ids: list[int], dtype: torch.dtype, scales: torch.Tensor | None) -> torch.Tensor:
+def logits(model, ids: list[int], dtype: torch.dtype, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token logits at every position, in CHUNK-token steps over a cache of ``dtype``."""
     from prefixserve.attention.backend import make_backend
     from prefixserve.attention.metadata import build_metadata
@@ -134,11 +135,9 @@ def logits(model, ids: list[int], dtype: torch.dtype, scales: torch.Tensor | Non
     return torch.cat(out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default="docs/benchmarks/fp8_products_accuracy.json")
-    args = ap.parse_args()
-    from prefixserve.attention import reference
+def default_model_fp8() -> tuple[Any, Any, torch.Tensor]:
+    """The default model in fp32 on the CPU (its linear weights packed, as the engine runs them), its
+    tokenizer, and the e4m3 cache's K / V scales the engine's start-up calibration gives it."""
     from prefixserve.kv.cache import KVCache
     from prefixserve.model import cpu_linear
     from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
@@ -146,9 +145,18 @@ def main() -> None:
 
     model, tok_dir = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
     cpu_linear.pack_linear_weights(model)
-    tok = load_tokenizer(tok_dir)
     calibrated = KVCache(model.config, 1, BLOCK, torch.float8_e4m3fn, torch.device("cpu"))
     calibrate_kv_scales(model, calibrated, torch.float32)
+    return model, load_tokenizer(tok_dir), calibrated.scales
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="docs/benchmarks/fp8_products_accuracy.json")
+    args = ap.parse_args()
+    from prefixserve.attention import reference
+
+    model, tok, scales = default_model_fp8()
     prompts = [tok.encode(t) for t in TEXTS]
     refs = [logits(model, ids, torch.float32, None).log_softmax(-1) for ids in prompts]
     exact_sdpa = reference.F.scaled_dot_product_attention
@@ -158,7 +166,7 @@ def main() -> None:
             reference.F = _FunctionalWithSdpa(rounded_sdpa(round_q, round_p))
             agree, kls = [], []
             for ids, ref in zip(prompts, refs, strict=True):
-                got = logits(model, ids, torch.float8_e4m3fn, calibrated.scales).log_softmax(-1)
+                got = logits(model, ids, torch.float8_e4m3fn, scales).log_softmax(-1)
                 agree.append(ref.argmax(-1) == got.argmax(-1))
                 kls.append((ref.exp() * (ref - got)).sum(-1))
             a, kl = torch.cat(agree).float(), torch.cat(kls)
