@@ -136,14 +136,14 @@ def capacity(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def walk_choice(key: tuple[Any, ...]) -> tuple[int, int] | None:
-    """A paged or shared key's (split count, e4m3 walk form) of its paged launch: any serves a step
-    (its rows' KV is cut by length), so a refit before the seal keeps the step's own, and after it
-    takes the nearest (``DecodeGraphs._refit``). None for other kinds."""
+def walk_form(key: tuple[Any, ...]) -> int | None:
+    """A paged or shared key's e4m3 walk form of its paged launch: any serves a step (only its speed
+    moves), so a refit before the seal keeps the step's own, and after it takes any
+    (``DecodeGraphs._refit``). None for other kinds."""
     if key[0] == "paged":
-        return key[3], key[4]
+        return key[4]
     if key[0] == "shared":
-        return key[3], key[4][6]
+        return key[4][6]
     return None
 
 
@@ -270,5 +270,5 @@ __all__ = [
     "WindowedGraphAttention",
     "capacity",
     "floor_key",
-    "walk_choice",
+    "walk_form",
 ]

@@ -66,10 +66,9 @@ def walks_for(max_kv: int, splits: int, rows: int, shape: HeadShape, width: int,
     tokens: part of the key, since the graph's tables are the bucket's, far wider than most steps'
     walks (a launch would size its walk by them). 1 where the launch walks otherwise (not e4m3, a
     GQA group past 16 rows, block ids read ahead: ``launch_paged``), so those keys stay one a count."""
-    if shape.kv_dtype != torch.float8_e4m3fn or paged_attention.pick_block_m(shape.group, shape.group) > 16:
-        return 1
-    limit = paged_attention.PAGES_AHEAD if splits > 1 else 0
-    if paged_attention.walk_pages(0, splits, width, block_size, PAGED_BLOCK_N, limit):
+    ahead = paged_attention.decode_ids_ahead(0, splits, width, block_size, PAGED_BLOCK_N)
+    block_m = paged_attention.pick_block_m(shape.group, shape.group)  # a decode row's query tile
+    if not paged_attention.fetches_tiles(shape.kv_dtype or shape.dtype, block_m, ahead):
         return 1
     split = -(-max(max_kv, 1) // splits)
     run = -(-split // PAGED_BLOCK_N) * PAGED_BLOCK_N  # the kernel's split length (a tile multiple)
@@ -84,12 +83,16 @@ def _table_width(cols: int, bucket: int, shape: HeadShape) -> int:
     return width
 
 
+def _block_lengths(context: int, block: int) -> list[int]:
+    """Every multiple of ``block`` up to ``context``, and ``context``: the longest rows a step can have."""
+    return [min(kv, context) for kv in range(block, context + block, block)]
+
+
 def paged_choices(bucket: int, context: int, block: int, shape: HeadShape) -> dict[tuple[int, int], int]:
     """Each (split count, walk form) a plain step of ``bucket`` rows can take, with the least longest
     row (a multiple of ``block`` up to ``context``) that takes it: what the start-up plan captures."""
     seen: dict[tuple[int, int], int] = {}
-    for kv in range(block, context + block, block):
-        kv = min(kv, context)
+    for kv in _block_lengths(context, block):
         splits = _splits(kv, bucket * shape.kv_heads, shape)
         width = _table_width(-(-kv // block), bucket, shape)
         seen.setdefault((splits, walks_for(kv, splits, bucket, shape, width, block)), kv)
@@ -102,8 +105,7 @@ def own_choices(
     """Each (own split count, own walk form) a two-kernel shared step of ``bucket`` rows (``pack`` a
     program, own tables ``width`` columns) can take, own parts up to ``context`` tokens."""
     seen = set()
-    for kv in range(block, context + block, block):
-        kv = min(kv, context)
+    for kv in _block_lengths(context, block):
         splits = own_splits_for(kv, bucket, pack, shape)
         seen.add((splits, walks_for(kv, splits, bucket, shape, width, block) if pack == 1 else 1))
     return seen

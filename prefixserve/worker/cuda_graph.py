@@ -38,7 +38,7 @@ from prefixserve.attention.graph import (
     HeadShape,
     HostStaging,
     Scratch,
-    walk_choice,
+    walk_form,
 )
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.kv.cache import KVCache
@@ -281,7 +281,7 @@ class DecodeGraphs:
 
     def _refit(self, step: GraphStep, any_split: bool = False) -> tuple[GraphStep, _Captured | None]:
         """A captured graph of the same kind and bucket whose capacities hold this step, at the step's
-        split count and e4m3 walk form (``graph.walk_choice``), the narrowest block tables
+        split count and e4m3 walk form (``graph.walk_form``), the narrowest block tables
         first, then the shortest work list, then the newest; the choice for a step key is tried
         first on later steps until a graph is added. ``any_split``:
         at another count too (any count is correct: each row's KV is cut into the graph's splits by
@@ -307,8 +307,8 @@ class DecodeGraphs:
             if any_split:  # any split count and e4m3 walk form serve
                 same = [key for key, k in sorted(splits, key=lambda p: abs(p[1] - want)) if 2 * k >= want]
             else:  # the step's own split count and walk form
-                choice = walk_choice(step.key)
-                same = [key for key, k in splits if k == want and walk_choice(key) == choice]
+                form = walk_form(step.key)
+                same = [key for key, k in splits if k == want and walk_form(key) == form]
         for key in same:
             fitted = step.refit(key)
             if fitted.key == key:

@@ -303,6 +303,28 @@ def walk_pages(
     return pages if pages <= limit else 0
 
 
+def decode_ids_ahead(
+    split_size: int,
+    num_splits: int,
+    width: int,
+    block_size: int,
+    block_n: int,
+    pages_ahead: int | None = None,
+) -> int:
+    """Block ids a decode launch's programs read before their walks (``walk_pages``): a decode step's
+    splits only, few programs each walking long (one split a sequence at B=64 took 1.23x its time with
+    the ids ahead at 4K: 3 stages cost occupancy where programs are many). ``pages_ahead``: the most
+    (None: ``PAGES_AHEAD``)."""
+    limit = (PAGES_AHEAD if pages_ahead is None else pages_ahead) if num_splits > 1 else 0
+    return walk_pages(split_size, num_splits, width, block_size, block_n, limit)
+
+
+def fetches_tiles(kv_dtype: torch.dtype, block_m: int, ahead: int) -> bool:
+    """Whether a launch's walk takes a tile's ids at a time over an e4m3 cache, fetching each next
+    tile into registers: the only walk that reads the ``WALKS`` form or takes the register cap."""
+    return kv_dtype == torch.float8_e4m3fn and block_m <= 16 and not ahead
+
+
 def pick_block_m(rows_per_seq: int, group: int) -> int:
     """16 rows for decode (GQA group padded), 64 for prefill chunks."""
     base = 16 if rows_per_seq <= 16 else 64
@@ -385,11 +407,11 @@ def launch_paged(
     if num_seqs == 0 or q.shape[0] == 0:
         return None
     group = q_heads // kv_heads
-    # a decode step's splits only: few programs, each a long walk (one split a sequence at B=64 took
-    # 1.23x its time with the ids ahead at 4K: 3 stages cost occupancy where programs are many)
-    reads_ahead = pack == 1 and max_query_len == 1 and num_splits > 1
-    limit_pages = (PAGES_AHEAD if pages_ahead is None else pages_ahead) if reads_ahead else 0
-    ahead = walk_pages(split_size, num_splits, block_tables.shape[1], block_size, block_n, limit_pages)
+    ahead = 0
+    if pack == 1 and max_query_len == 1:
+        ahead = decode_ids_ahead(
+            split_size, num_splits, block_tables.shape[1], block_size, block_n, pages_ahead
+        )
     stages = num_stages or (AHEAD_STAGES if ahead else 2)  # measured on H200 (bf16): docs/kernels.md §2.1
     strides = _strides(q, k_cache, v_cache, block_tables, o_dst, lse_dst, split_stride_o, split_stride_lse)
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, o_dst, lse_dst, scale * LOG2E)
@@ -405,7 +427,7 @@ def launch_paged(
     grid = (num_seqs * q_tiles, kv_heads, num_splits)
     # an e4m3 decode walk a tile's ids at a time: the only launch that reads ``walks`` (elsewhere one
     # value, so no compiled variant more) or takes the register cap
-    fetched = k_cache.dtype == torch.float8_e4m3fn and block_m <= 16 and not ahead
+    fetched = fetches_tiles(k_cache.dtype, block_m, ahead)
     if not fetched:
         walks = 1
     elif walks is None:

@@ -78,9 +78,6 @@ class OpenAIContext:
     def __post_init__(self) -> None:
         self.token_names = TokenNames(self.tokenizer)
 
-    def token_text(self, token_id: int) -> str:
-        return self.token_names(token_id)
-
     def engine_ids(self, ids: list[int], application: str | None) -> list[int]:
         """A prompt's ids as the engine's intake makes them: the application's pinned prompt first."""
         if application is None or application not in self.system_prompts:
