@@ -66,9 +66,11 @@ def walks_for(max_kv: int, splits: int, rows: int, shape: HeadShape, width: int,
     tokens: part of the key, since the graph's tables are the bucket's, far wider than most steps'
     walks (a launch would size its walk by them). 1 where the launch walks otherwise (not e4m3, a
     GQA group past 16 rows, block ids read ahead: ``launch_paged``), so those keys stay one a count."""
+    if shape.kv_dtype != torch.float8_e4m3fn:  # every step asks: the common case first
+        return 1
     ahead = paged_attention.decode_ids_ahead(0, splits, width, block_size, PAGED_BLOCK_N)
     block_m = paged_attention.pick_block_m(shape.group, shape.group)  # a decode row's query tile
-    if not paged_attention.fetches_tiles(shape.kv_dtype or shape.dtype, block_m, ahead):
+    if not paged_attention.fetches_tiles(shape.kv_dtype, block_m, ahead):
         return 1
     split = -(-max(max_kv, 1) // splits)
     run = -(-split // PAGED_BLOCK_N) * PAGED_BLOCK_N  # the kernel's split length (a tile multiple)
