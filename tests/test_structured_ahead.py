@@ -68,11 +68,20 @@ def ahead_fills(llm: Any) -> int:
     return llm.engine.structured.fills_ahead
 
 
-def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path) -> None:
+def busy_device(llm: Any) -> None:
+    """The runner reports its device busy at every sampling launched ahead: the tokens are taken after
+    the next forward went out (a GPU-bound step's order), not at once (a host-bound step's)."""
+    llm.engine.runner.device_idle = lambda: False
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path, idle: bool) -> None:
     prompts = [f"prompt number {i}: answer" for i in range(12)]
     runs, sent_ahead = {}, []
     for ahead in (False, True):
         llm = tiny_cascade_llm(tiny_config_path, async_scheduling=ahead)
+        if not idle:
+            busy_device(llm)
         masks = _record_masks(llm)
         outs = llm.generate(prompts, _params())
         texts = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
@@ -88,10 +97,17 @@ def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path) 
     assert sent_ahead[0] == 0 and sent_ahead[1] > 10  # launched ahead, the fills went with the tokens
 
 
-def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(tiny_config_path: Path) -> None:
-    """Launched ahead, a constrained step's sampling is followed by the next forward with no wait for
-    tokens between them: the device has the next forward queued while the host fills the next mask."""
+@pytest.mark.parametrize("idle", [True, False])
+def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(
+    tiny_config_path: Path, idle: bool
+) -> None:
+    """Launched ahead, a constrained step's sampling is followed by the next forward. A device busy
+    with the forward before keeps it queued (no wait between them) while the host fills the next mask;
+    an idle one (a host-bound step) has the sampling's tokens back at once, so the host waits for them
+    first and the next mask is filled while the forward is issued."""
     llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    if not idle:
+        busy_device(llm)
     calls: list[str] = []
     runner = llm.engine.runner
     for name in ("forward", "sample", "wait"):
@@ -102,9 +118,11 @@ def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(tiny_confi
     llm.generate([f"p{i}" for i in range(4)], params)
     trace = "".join(c[0] for c in calls)  # forward, sample, wait
     # the first step is sampled at once (nothing ahead of it); then each step: the sampling of the
-    # step ahead, this step's forward, the wait for the tokens ahead (which fills the next mask)
+    # step ahead, this step's forward, the wait for the tokens ahead (which fills the next mask); on an
+    # idle device that wait comes before the forward
     steps = (len(trace) - 6) // 3
-    assert steps > 10 and trace == "fs" + "fw" + "sfw" * steps + "sw"
+    each = "swf" if idle else "sfw"
+    assert steps > 10 and trace == "fs" + "fw" + each * steps + "sw"
 
 
 def test_worker_job_is_taken_by_its_own_step_only(tiny_config_path: Path) -> None:

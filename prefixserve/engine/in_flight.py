@@ -16,6 +16,7 @@ import torch
 
 from prefixserve.engine.speculative import Verified
 from prefixserve.sampling.params import RowParams, SamplingParams
+from prefixserve.sampling.sampler import SampleResult
 from prefixserve.scheduler.block_tables import BlockManager
 from prefixserve.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from prefixserve.scheduler.stop import ends_by_length
@@ -36,6 +37,10 @@ class LaunchedStep:
     sampling: tuple[list[int], list[SamplingParams], list[torch.Generator | None]] | None = None
     verified: list[Verified] = field(default_factory=list)  # speculated sequences (rows after the samplers')
     row_seqs: list[Sequence] = field(default_factory=list)  # the sequence of each speculated row
+    # its tokens, where they were waited for as soon as its sampling went out and the rules took them
+    # then (``Engine._take_tokens``); ``taken`` says so, since a step may sample nothing (None)
+    result: SampleResult | None = None
+    taken: bool = False
 
     @property
     def sampled_seqs(self) -> list[Sequence]:

@@ -299,8 +299,14 @@ class Engine(EngineSetup, EngineServices):
         self.runner.sample(launched.launch, rows, params, generators, mask, ban, adjust)
 
     def _sample_or_fail(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """Issue the sampling of a step launched ahead, whose rules waited for the tokens before it.
+        Where the device had run all it was given (a host-bound step), its tokens follow in
+        microseconds: they are waited for now (``_take_tokens``), before the next forward is issued."""
         try:
+            idle = self.runner.device_idle()
             self._sample(launched)
+            if idle:
+                self._take_tokens(launched)
             return launched
         except WorkerDiedError:
             raise
@@ -310,6 +316,18 @@ class Engine(EngineSetup, EngineServices):
                 if self.requests.get(req.request_id) is req:
                     self._finish_request(req, "error")
             return None
+
+    def _take_tokens(self, launched: LaunchedStep) -> None:
+        """Wait for a step's tokens now and give them to the rules, with the step's samplers as the
+        guess of the next step's (most decode steps sample the same sequences): a grammar's next mask is
+        then filled in the matcher process while the host issues the next forward, places these tokens
+        and plans the step after, instead of only during the last two. A device still busy with the
+        forward before would be left idle while the host waits, so a GPU-bound step does not come here."""
+        launched.result, launched.taken = self.runner.wait(launched.launch), True
+        if launched.result is not None:
+            pending = self.in_flight_tokens.pending
+            tokens = launched.result.tokens
+            self.rules.advance(launched.samplers, launched.indices, tokens, pending, launched.samplers)
 
     def _complete_or_fail(
         self, launched: LaunchedStep, launched_after: LaunchedStep | None = None
@@ -344,7 +362,7 @@ class Engine(EngineSetup, EngineServices):
         self, launched: LaunchedStep, launched_after: LaunchedStep | None = None
     ) -> list[RequestOutput]:
         """Wait for the step's tokens and place them; outputs of requests that finished or stream."""
-        result = self.runner.wait(launched.launch)
+        result = launched.result if launched.taken else self.runner.wait(launched.launch)
         if result is not None:
             self._place_tokens(launched, result, launched_after)
         outputs: list[RequestOutput] = []
@@ -373,7 +391,8 @@ class Engine(EngineSetup, EngineServices):
         after = launched_after
         then = after.samplers if after is not None and after.sampling is not None else None
         pending = self.in_flight_tokens.pending
-        self.rules.advance(launched.samplers, launched.indices, result.tokens, pending, then)
+        if not launched.taken:  # else the rules took them as they arrived (``_take_tokens``)
+            self.rules.advance(launched.samplers, launched.indices, result.tokens, pending, then)
         self.scheduler.update_from_output(
             launched.samplers, launched.indices, result, pending,
             self.eos_ids, self.max_model_len, self.tokenizer, self.counters, self.launch_ahead,

@@ -27,6 +27,9 @@ once per request (intake) or once per step for all of the step's rows, never onc
   place (``pending``: the engine's in-flight tokens, which say whether a row's token is placed at
   all); ``then``: the samplers of the step launched after it whose sampling waits for these tokens
   (launch-ahead), so a rule may start that step's work now (structured decoding fills its mask).
+  Tokens taken as soon as their sampling went out (a host-bound step, ``Engine._take_tokens``) come
+  before the next step is planned, with ``samplers`` itself as ``then``: a guess, which a rule checks
+  against the step that comes.
 
 Row conventions, as the engine hands them: ``samplers[i]`` samples the token at ``indices[i]`` of its
 token ids, under ``params[i]``; ``params`` is a ``RowParams`` whose ``flags`` (``params.param_flags``)

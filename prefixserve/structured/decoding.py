@@ -16,7 +16,11 @@ Launched ahead, the tokens of step t arrive while the forward of step t+1 runs, 
 sampling waits for its mask. ``advance`` given step t+1's samplers sends the accept and that mask's
 fill at once: the engine's thread places the tokens, reports, schedules and assembles step t+2
 meanwhile, then ``bitmask`` reads which rows the child filled and the sampling of t+1 goes out just
-ahead of the forward of t+2, so the GPU is not left idle by the fill. Without launch-ahead the accept
+ahead of the forward of t+2, so the GPU is not left idle by the fill. On a host-bound step the engine
+takes step t's tokens as soon as its sampling is out, before it issues the forward of t+1
+(``Engine._take_tokens``): the samplers of t+1 are not known yet, so the fill is sent for step t's
+own, the guess that holds for most decode steps; ``bitmask`` takes it for a step whose samplers are
+the same sequences in the same order, and fills anew for any other. Without launch-ahead the accept
 is sent alone and the fill is asked for when the step samples.
 """
 
@@ -88,8 +92,8 @@ class StructuredDecoding:
     ) -> None:
         """Each constrained sampler's matcher takes its token, where ``Scheduler.update_from_output``
         will put it in place (so before that call: the same test on ``pending``); with ``then``, the
-        samplers of a step launched ahead whose sampling waits, their mask's fill is sent with it,
-        taken by ``bitmask(then)``.
+        samplers of a step launched ahead whose sampling waits (or the guess of them, ``samplers``
+        itself), their mask's fill is sent with it, taken by ``bitmask`` for the same sequences.
         """
         self._job = None  # a job not taken by its step is dropped (its answer is read first)
         keys, accepted = [], []
@@ -132,7 +136,7 @@ class StructuredDecoding:
         first. A step whose samplers are the last fill's, in order (most decode steps), reuses its rows:
         a Python pass over every sampler's request is most of this call's time at 64 rows."""
         last = self._last_rows
-        if last is not None and len(last[0]) == len(samplers) and all(map(operator.is_, last[0], samplers)):
+        if last is not None and _same(last[0], samplers):
             rows = [row for row in last[1] if not row[1].is_finished]
         else:
             rows = []
@@ -156,8 +160,10 @@ class StructuredDecoding:
         their token is dropped.
         """
         job, self._job = self._job, None
-        if job is None or job[0] is not samplers:
+        if job is None or not _same(job[0], samplers):
             job = (samplers, self._send_fill(samplers, ([], [])))
+        elif job[0] is not samplers and self._last_rows is not None and self._last_rows[0] is job[0]:
+            self._last_rows = (samplers, self._last_rows[1])  # the guess was right: its rows are these
         if job[1] is None:  # no constrained row
             return None
         rows = [r for r in self.matchers.rows() if not samplers[r].is_finished]
@@ -167,6 +173,11 @@ class StructuredDecoding:
         """End the matcher process; unpin the host slots."""
         self.matchers.close()
         self.masks.close()
+
+
+def _same(a: list[Sequence], b: list[Sequence]) -> bool:
+    """The same sequences in the same order (a step's samplers against a fill's)."""
+    return a is b or (len(a) == len(b) and all(map(operator.is_, a, b)))
 
 
 __all__ = ["MATCHERS", "StructuredDecoding"]

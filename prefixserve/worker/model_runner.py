@@ -523,6 +523,10 @@ class ModelRunner:
             self._last_done, self._last_decode = launch.done, launch.decode
         return result
 
+    def device_idle(self) -> bool:
+        """Has the device run everything issued to it? (A CPU runs its work inline: always.)"""
+        return self.device.type != "cuda" or torch.cuda.current_stream(self.device).query()
+
     def idle(self) -> None:
         """No step this time: the next step's gap is not the GPU waiting on the host."""
         self._last_done = None
