@@ -291,6 +291,33 @@ def test_a_step_fills_on_one_thread_up_to_the_fanout_rows_and_on_the_threads_pas
     assert single.many is single.one  # one thread asked for: no second matcher
 
 
+def test_a_slow_fill_sends_the_next_to_the_threads_until_one_is_quick(monkeypatch) -> None:
+    """``FillThreads`` times each fill (a fake clock here, advanced by the fake fills): a step whose
+    fill took longer than ``SLOW_SECONDS`` (rows in a costly grammar state, which lasts some tokens)
+    sends the next step's to xgrammar's threads; a quick one there brings the next back to one."""
+    from prefixserve.structured import matcher_process
+    from prefixserve.structured.matcher_process import FillThreads
+
+    now = [0.0]
+    monkeypatch.setattr(matcher_process, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    fills = FillThreads(SimpleNamespace(BatchGrammarMatcher=lambda max_threads: None), 4)
+    used, costs = [], []
+
+    def fill(name: str) -> SimpleNamespace:
+        def run(*_: object) -> None:
+            used.append(name)
+            now[0] += costs.pop(0)
+
+        return SimpleNamespace(batch_fill_next_token_bitmask=run)
+
+    fills.one, fills.many = fill("one"), fill("many")
+    slow, quick = 2 * FillThreads.SLOW_SECONDS, FillThreads.SLOW_SECONDS / 4
+    costs[:] = [quick, slow, slow, quick, quick]
+    for _ in range(5):
+        fills.fill([], None, [0])
+    assert used == ["one", "one", "many", "many", "one"]
+
+
 @pytest.mark.parametrize("memfd", [True, False])
 def test_shared_slots_are_one_memory_through_their_descriptor(monkeypatch, memfd: bool) -> None:
     """``SharedSlots``: what one mapping writes, another mapping of its descriptor (the matcher

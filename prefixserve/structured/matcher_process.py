@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -202,27 +203,36 @@ def _batch_accept(xgr: Any) -> Any:
 class FillThreads:
     """Which of xgrammar's batch matchers fills a step's mask: one thread, or up to ``MAX_THREADS``.
 
-    One row's fill takes ~2-4 us (SmolLM2's 49K entries and a 128K BPE alike, bounded repeats folded:
-    ``repeats``), so a 64-row step is ~0.1-0.25 ms on one thread. xgrammar's threads cost more than
-    they save on short fills: on an H200's 16-core host (``benchmarks/probes/structured_fill.py
-    --walk random --threads 1 2 4 8``, SmolLM2's tokenizer, folded JSON schema) 64 rows took 0.11 ms on
-    one thread against 0.27 / 0.28 / 0.40 on 2 / 4 / 8, and 256 rows 0.87 against 0.80 / 0.68 / 1.05.
-    So a step's fill runs on one thread up to ``FANOUT_ROWS`` rows, on at most 4 past them. Cutting a
-    step's rows into chunks on Python threads made the child's step slower too (the engine thread's
-    wait for a 64-row step 0.11 -> 0.35 ms: the threads take this process's GIL in turn)."""
+    One row's fill takes ~2-4 us in most grammar states (SmolLM2's 49K entries and a 128K BPE alike,
+    bounded repeats folded: ``repeats``), so a 64-row step is ~0.1-0.25 ms on one thread, and there
+    xgrammar's threads cost more than they save: on an H200's 16-core host
+    (``benchmarks/probes/structured_fill.py --walk random --threads 1 2 4 8``, SmolLM2's tokenizer,
+    folded JSON schema) 64 rows took 0.11 ms on one thread against 0.27 / 0.28 / 0.40 on 2 / 4 / 8,
+    and 256 rows 0.87 against 0.80 / 0.68 / 1.05. But rows inside a run of free whitespace or a
+    bounded string cost 20-70 us each, and a batch whose rows sit there together (a batch of similar
+    requests) fills in 1-3.5 ms on one thread, longer than the engine's step that hides it. Such
+    states last several tokens, so the fill is timed: a step whose fill was slow (``SLOW_SECONDS``,
+    on either path) sends the next one to the threads, and a fill past ``FANOUT_ROWS`` rows always
+    goes there. Cutting a step's rows into chunks on Python threads made the child's step slower
+    (the engine thread's wait for a 64-row step 0.11 -> 0.35 ms: the threads take this process's GIL
+    in turn)."""
 
     MAX_THREADS = 4
     FANOUT_ROWS = 128  # a step filling more rows than this goes to xgrammar's threads
+    SLOW_SECONDS = 4e-4  # a fill that took longer than this: the next goes to the threads
 
     def __init__(self, xgr: Any, threads: int) -> None:
         self.one = xgr.BatchGrammarMatcher(max_threads=1)
         threads = min(threads, self.MAX_THREADS)
         self.many = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self.one
+        self.slow = False  # the last fill took longer than ``SLOW_SECONDS``
 
     def fill(self, matchers: list[Any], mask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``rows`` of ``mask`` from ``matchers`` (one a row), on one thread or many."""
-        batch = self.many if len(rows) > self.FANOUT_ROWS else self.one
+        batch = self.many if self.slow or len(rows) > self.FANOUT_ROWS else self.one
+        started = time.perf_counter()
         batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+        self.slow = time.perf_counter() - started > self.SLOW_SECONDS
 
 
 class Matchers:
