@@ -98,7 +98,7 @@ class StructuredDecoding:
         self._job = None  # a job not taken by its step is dropped (its answer is read first)
         keys, accepted = [], []
         last = self._last_rows
-        filled = last[1] if last is not None and last[0] is samplers else None
+        filled = last[1] if last is not None and _same(last[0], samplers) else None
         if filled is None:  # rows not filled through here: each sampler's handle, if it has one
             filled = []
             for i, seq in enumerate(samplers):
@@ -162,8 +162,6 @@ class StructuredDecoding:
         job, self._job = self._job, None
         if job is None or not _same(job[0], samplers):
             job = (samplers, self._send_fill(samplers, ([], [])))
-        elif job[0] is not samplers and self._last_rows is not None and self._last_rows[0] is job[0]:
-            self._last_rows = (samplers, self._last_rows[1])  # the guess was right: its rows are these
         if job[1] is None:  # no constrained row
             return None
         rows = [r for r in self.matchers.rows() if not samplers[r].is_finished]
