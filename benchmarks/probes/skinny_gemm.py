@@ -9,6 +9,7 @@ first sweep (2026-11-25, H100) also tried BLOCK_K 256 and split K (2-8 slices, s
 kernel): never better by more than 1%.
 
 PYTHONPATH=. python -m benchmarks.probes.skinny_gemm --rows 1 16 64 [--tp 2]
+``--shapes moe_qkv moe_o moe_router moe_lm_head``: Qwen3-30B-A3B's dense products.
 (``--tp N``: one rank's shard of each shape: N-th of the columns of qkv, gate-up and lm_head, of the
 inputs of o and down)
 """
@@ -33,11 +34,17 @@ SHAPES = {
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+MOE_SHAPES = {  # Qwen3-30B-A3B's dense products (--family moe): 2048-wide rows, a 128-expert router
+    "moe_qkv": (5120, 2048),
+    "moe_o": (2048, 4096),
+    "moe_router": (128, 2048),
+    "moe_lm_head": (151936, 2048),
+}
 
 
 def configs():
     """(BLOCK_N, STAGES) pairs that fit shared memory at 64 rows."""
-    for bn, stages in itertools.product((32, 64, 128), (3, 4, 6, 8)):
+    for bn, stages in itertools.product((16, 32, 64, 128), (3, 4, 6, 8, 12)):
         if (bn + 64) * skinny_matmul.BLOCK_K * 2 * stages <= 200 * 1024:
             yield bn, stages
 
@@ -45,7 +52,7 @@ def configs():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=[*SHAPES, *MOE_SHAPES])
     ap.add_argument("--json", default=None)
     ap.add_argument("--tp", type=int, default=1, help="time one tensor-parallel rank's shard of each shape")
     args = ap.parse_args()
@@ -54,7 +61,7 @@ def main() -> None:
     print(f"copy {copy_tbps:.2f} TB/s")
     rows = []
     for name in args.shapes:
-        n, k = SHAPES[name]
+        n, k = {**SHAPES, **MOE_SHAPES}[name]
         n, k = (n // args.tp, k) if name in COLUMN_PARALLEL else (n, k // args.tp)
         ws = cold_weights(n, k)
         floor_ms = n * k * 2 / (copy_tbps * 1e9)

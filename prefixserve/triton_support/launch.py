@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 # keywords of ``kernel[grid](...)`` that are compile options, not kernel parameters
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "launch_pdl")
 
 
 @dataclass(slots=True)

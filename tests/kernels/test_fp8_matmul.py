@@ -98,3 +98,43 @@ def test_fp8_codes_of_x_match_the_w8a8_reference(m: int, n: int, k: int) -> None
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="per-channel"):
         fp8_linear(x, codes, scale.repeat(1, 2), x_codes=(xq, sx))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_pdl_chain_in_a_graph_equals_the_chain_without(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graphed chain of the kernels launched as dependents (norm with codes, W8A8 products,
+    SiLU-and-mul with codes, the quantize kernel, the bf16 skinny product) gives the same bits with
+    programmatic dependent launch on and off: each kernel's wait orders it after the one before."""
+    from prefixserve.model.kernels import fp8_matmul, rms_norm, silu_mul, skinny_matmul
+
+    gen = torch.Generator().manual_seed(m)
+    hidden, inter = 256, 512
+    w_up = fp8.quantize_rows(torch.randn(2 * inter, hidden, generator=gen).to(DEVICE, torch.bfloat16))
+    w_down = fp8.quantize_rows(torch.randn(hidden, inter, generator=gen).to(DEVICE, torch.bfloat16))
+    w_o = (torch.randn(hidden, hidden, generator=gen) / 16).to(DEVICE, torch.bfloat16)
+    norm = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(m, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        resid = torch.zeros_like(t)
+        for _ in range(3):
+            h, resid, codes, scales = rms_norm.add_rms_norm(t, norm, 1e-5, resid, quantize=True)
+            act, codes, scales = silu_mul.silu_and_mul_quantize(
+                fp8_matmul.launch(h, *w_up, None, None, (codes, scales))
+            )
+            y = fp8_matmul.launch(act, *w_down, None, None, (codes, scales))
+            t = skinny_matmul.skinny_linear(y, w_o)
+            t = fp8_matmul.launch(t, *w_up, None, None, fp8_matmul.quantize_rows(t))[:, :hidden]
+        return t + resid
+
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PREFIXSERVE_PDL", flag)
+        chain(x)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs[flag] = chain(x)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(outs["0"], outs["1"])

@@ -19,8 +19,9 @@ import torch
 
 from prefixserve.model.kernels import skinny_matmul
 from prefixserve.model.kernels.e4m3 import row_launch, row_scale, to_codes
-from prefixserve.triton_support import require_triton
+from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.bound import BoundKernel
+from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -53,12 +54,15 @@ def _fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    if PDL:
+        wait()
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
@@ -75,6 +79,8 @@ def _fp8_kernel(
             acc += tl.dot(x, tl.trans(w.to(dtype))) * s[None, :]
         else:
             acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
+    if PDL:
+        launch_dependents()
     if not GROUPED:
         acc *= tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
     if X_CODES:
@@ -172,11 +178,13 @@ def launch(
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
+    dependent = pdl.enabled(x.device)
     _fp8(
         grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=dependent, num_warps=4,
+        **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip
     return out
 
@@ -193,7 +201,11 @@ def _quantize_rows_kernel(
     STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
     WHOLE: tl.constexpr = False,  # BLOCK >= K: the row held in registers, read once
+    PDL: tl.constexpr = False,  # launched as a dependent: the next product may start at once
 ):
+    if PDL:
+        launch_dependents()
+        wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
@@ -236,9 +248,11 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
         scale = static.float().reshape(1, 1).expand(m, 1).contiguous()
     if m:
         block, whole, warps = row_launch(k)
+        dependent = pdl.enabled(x.device)
         _quantize(
             (m,), x, codes, scale, x if static is None else static, m, k, x.stride(0),
-            STATIC=static is not None, BLOCK=block, WHOLE=whole, num_warps=warps,
+            STATIC=static is not None, BLOCK=block, WHOLE=whole, PDL=dependent, num_warps=warps,
+            **({"launch_pdl": True} if dependent else {}),
         )  # fmt: skip
     return codes, scale
 

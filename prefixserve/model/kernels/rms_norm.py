@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 
 from prefixserve.model.kernels.e4m3 import row_scale, to_codes
-from prefixserve.triton_support import require_triton
+from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.bound import BoundKernel
+from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -59,7 +60,11 @@ def _add_rms_norm_kernel(
     QUANT: tl.constexpr = False,  # the output's e4m3 codes and row scale too
     PRE: tl.constexpr = False,  # x normed with pre_w first (a sandwich norm)
     STREAM: tl.constexpr = True,  # the stream (x + residual, or a new x) stored to res_out
+    PDL: tl.constexpr = False,  # launched as a dependent: the product after may start at once
 ):
+    if PDL:
+        launch_dependents()
+        wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -134,6 +139,7 @@ def add_rms_norm(
     if tokens == 0:
         return done
     block = triton.next_power_of_2(n)
+    dependent = pdl.enabled(x.device)
     _bound(
         (tokens,),
         x,
@@ -158,7 +164,9 @@ def add_rms_norm(
         QUANT=quantize,
         PRE=pre is not None,
         STREAM=res_out is not x,
+        PDL=dependent,
         num_warps=min(16, max(1, block // 512)),
+        **({"launch_pdl": True} if dependent else {}),
     )
     return done
 

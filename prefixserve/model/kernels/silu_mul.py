@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.kernels.e4m3 import row_launch, row_scale, to_codes
-from prefixserve.triton_support import require_triton
+from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.bound import BoundKernel
+from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -93,7 +94,11 @@ def _silu_and_mul_quantize_kernel(
     BLOCK: tl.constexpr,
     GELU: tl.constexpr = False,
     WHOLE: tl.constexpr = False,  # BLOCK >= I: the row held in registers, its inputs read once
+    PDL: tl.constexpr = False,  # launched as a dependent: the product after may start at once
 ):
+    if PDL:
+        launch_dependents()
+        wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     dtype = out_ptr.dtype.element_ty
@@ -144,9 +149,10 @@ def silu_and_mul_quantize(
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens:
         block, whole, warps = row_launch(n)
+        dependent = pdl.enabled(x.device)
         _bound_quantize(
             (tokens,), x, out, codes, scales, x.stride(0), out.stride(0), n, BLOCK=block, GELU=gelu,
-            WHOLE=whole, num_warps=warps,
+            WHOLE=whole, PDL=dependent, num_warps=warps, **({"launch_pdl": True} if dependent else {}),
         )  # fmt: skip
     return out, codes, scales
 

@@ -19,8 +19,9 @@ import os
 import torch
 
 from prefixserve.model.kernels.silu_mul import silu_mul
-from prefixserve.triton_support import require_triton
+from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.bound import BoundKernel
+from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -47,12 +48,15 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     GELU: tl.constexpr = False,  # GATED with the tanh GELU instead of SiLU (Gemma)
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    if PDL:
+        wait()
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = w_rows + N * stride_wn  # GATED: the up half's rows, N below the gate's
@@ -66,6 +70,8 @@ def _skinny_kernel(
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    if PDL:
+        launch_dependents()
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -209,11 +215,13 @@ def _launch(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
+    dependent = pdl.enabled(x.device)
     _skinny(
         (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        STAGES=stages, GELU=gelu, num_warps=4,
+        STAGES=stages, GELU=gelu, PDL=dependent, num_warps=4,
+        **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip
     return out
 

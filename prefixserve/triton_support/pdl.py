@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL): a kernel's programs start before the kernel it depends on ends.
+
+A decode step at a few rows is a chain of one-wave kernels: each product pays its launch and its first
+loads' latency after the kernel before has drained. Launched as that kernel's dependent
+(``launch_pdl=True``), a kernel's programs are placed on the SMs while the kernel before still runs
+and block in ``wait`` (``griddepcontrol.wait``: the kernel before has finished and its writes are
+visible) before they read or write anything; the kernel before lets them start with
+``launch_dependents`` (the norms and quantizers at once, a product after its main loop). The wait
+orders every access after the writes before it, so a chain's results do not change (tested bit for
+bit); only the launch gaps shrink (``docs/kernels.md`` §10).
+
+``enabled`` says whether a launch may ask for it: a Hopper or newer GPU (the ``griddepcontrol``
+instructions and the launch attribute), not the CPU interpreter, and ``PREFIXSERVE_PDL`` not "0".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from prefixserve.triton_support import require_triton
+
+triton, tl = require_triton()
+_gdc = importlib.import_module("triton.language.extra.cuda")
+wait = _gdc.gdc_wait  # griddepcontrol.wait: the kernel before has finished, its writes visible
+launch_dependents = _gdc.gdc_launch_dependents  # griddepcontrol.launch_dependents
+
+
+@functools.cache
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` may use PDL (see the module's docstring)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("PREFIXSERVE_PDL", "1") == "0":
+        return False
+    return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+__all__ = ["enabled", "launch_dependents", "wait"]
