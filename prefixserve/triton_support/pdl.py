@@ -43,4 +43,9 @@ def enabled(device: torch.device) -> bool:
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["enabled", "launch_dependents", "wait"]
+def launch_options(dependent: bool) -> dict[str, bool]:
+    """The launch keywords of a kernel launched as a dependent (``dependent``), else none."""
+    return {"launch_pdl": True} if dependent else {}
+
+
+__all__ = ["enabled", "launch_dependents", "launch_options", "wait"]

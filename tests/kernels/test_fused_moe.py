@@ -130,3 +130,31 @@ def test_no_tokens() -> None:
         torch.empty(0, 2, device=DEVICE), torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
     )  # fmt: skip
     assert out.shape == (0, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_pdl_routing_and_experts_in_a_graph_equal_them_without(tokens: int, monkeypatch) -> None:
+    """Routing and the experts' kernels graphed with programmatic dependent launch on give the bits
+    they give with it off (each waits for the kernel before; ``triton_support.pdl``)."""
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter, experts, top_k = 256, 128, 16, 4
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
+    w_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) / 16).to(DEVICE, torch.bfloat16)
+    w_down = (torch.randn(experts * hidden, inter, generator=gen) / 16).to(DEVICE, torch.bfloat16)
+
+    def layer() -> torch.Tensor:
+        weights, ids = fused_moe.route(logits, top_k, "softmax_topk", True)
+        return fused_moe.experts_forward(x, w_up, w_down, weights, ids)
+
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PREFIXSERVE_PDL", flag)
+        layer()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs[flag] = layer()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(outs["0"], outs["1"])

@@ -184,7 +184,7 @@ def launch(
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=dependent, num_warps=4,
-        **({"launch_pdl": True} if dependent else {}),
+        **pdl.launch_options(dependent),
     )  # fmt: skip
     return out
 
@@ -252,7 +252,7 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
         _quantize(
             (m,), x, codes, scale, x if static is None else static, m, k, x.stride(0),
             STATIC=static is not None, BLOCK=block, WHOLE=whole, PDL=dependent, num_warps=warps,
-            **({"launch_pdl": True} if dependent else {}),
+            **pdl.launch_options(dependent),
         )  # fmt: skip
     return codes, scale
 

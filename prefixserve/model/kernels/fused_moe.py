@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from prefixserve.model.kernels.silu_mul import silu_mul
-from prefixserve.triton_support import require_triton
+from prefixserve.triton_support import pdl, require_triton
+from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -49,7 +50,11 @@ def _route_kernel(
     EP: tl.constexpr,  # E rounded up to a power of two
     RULE: tl.constexpr,  # 0: softmax then top k; 1: top k then softmax over them
     NORM: tl.constexpr,  # renormalise the k weights (rule 0)
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
+    if PDL:
+        launch_dependents()
+        wait()
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     logits = tl.load(logits_ptr + t * stride_l + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
@@ -247,7 +252,10 @@ def _expert_up_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
+    if PDL:
+        wait()
     expert, real, assign = _block_of(
         tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
     )
@@ -271,6 +279,8 @@ def _expert_up_kernel(
         wu = tl.load(w_ptr + up_rows[None, :] + k[:, None], mask=wmask, other=0.0)
         acc_g = tl.dot(xs, wg, acc_g, input_precision=DOT_PREC)
         acc_u = tl.dot(xs, wu, acc_u, input_precision=DOT_PREC)
+    if PDL:
+        launch_dependents()
     if HAS_BIAS:
         cols = expert.to(tl.int64) * 2 * inter + n
         acc_g += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -299,7 +309,10 @@ def _expert_down_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
+    if PDL:
+        wait()
     expert, real, assign = _block_of(
         tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
     )
@@ -319,6 +332,8 @@ def _expert_down_kernel(
         )
         w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    if PDL:
+        launch_dependents()
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[
@@ -339,7 +354,11 @@ def _combine_kernel(
     hidden,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
+    if PDL:
+        launch_dependents()
+        wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -361,9 +380,11 @@ def route(
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
+        dependent = pdl.enabled(logits.device)
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
             TOP_K=top_k, KP=_pow2(top_k), EP=_pow2(experts), RULE=ROUTER_RULES[rule], NORM=norm,
+            PDL=dependent, **pdl.launch_options(dependent),
         )  # fmt: skip
     return weights, ids
 
@@ -458,21 +479,25 @@ def experts_forward(
         slots, block_expert, block_rows = align(ids.view(-1), experts, block_m)
     blocks = block_expert.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32 (tests, CPU parity)
+    dependent = pdl.enabled(x.device)
+    chained = {"PDL": dependent, **pdl.launch_options(dependent)}
     inter_out = torch.empty(blocks * block_m, inter, dtype=x.dtype, device=x.device)
     _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
         x, w_up, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,
         hidden, inter, x.stride(0), alpha, limit,
         TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
         HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
+        **chained,
     )  # fmt: skip
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
         slots, block_expert, block_rows, hidden, inter,
         BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
-        DIRECT=direct, num_warps=warps, num_stages=stages,
+        DIRECT=direct, num_warps=warps, num_stages=stages, **chained,
     )  # fmt: skip
-    _combine_kernel[(tokens, triton.cdiv(hidden, 1024))](parts, out, hidden, TOP_K=top_k, BLOCK=1024)
+    grid = (tokens, triton.cdiv(hidden, 1024))
+    _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
     return out
 
 

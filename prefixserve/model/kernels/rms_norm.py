@@ -166,7 +166,7 @@ def add_rms_norm(
         STREAM=res_out is not x,
         PDL=dependent,
         num_warps=min(16, max(1, block // 512)),
-        **({"launch_pdl": True} if dependent else {}),
+        **pdl.launch_options(dependent),
     )
     return done
 

@@ -152,7 +152,7 @@ def silu_and_mul_quantize(
         dependent = pdl.enabled(x.device)
         _bound_quantize(
             (tokens,), x, out, codes, scales, x.stride(0), out.stride(0), n, BLOCK=block, GELU=gelu,
-            WHOLE=whole, PDL=dependent, num_warps=warps, **({"launch_pdl": True} if dependent else {}),
+            WHOLE=whole, PDL=dependent, num_warps=warps, **pdl.launch_options(dependent),
         )  # fmt: skip
     return out, codes, scales
 

@@ -221,7 +221,7 @@ def _launch(
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         STAGES=stages, GELU=gelu, PDL=dependent, num_warps=4,
-        **({"launch_pdl": True} if dependent else {}),
+        **pdl.launch_options(dependent),
     )  # fmt: skip
     return out
 
