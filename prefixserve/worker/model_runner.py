@@ -203,6 +203,8 @@ class ModelRunner:
         self.waited = 0.0
         self._last_done: torch.cuda.Event | None = None
         self._last_decode = False
+        # the stream the engine's steps run on, kept: ``current_stream`` builds a new object each call
+        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _kv_pages(self, blocks: int | None) -> int | None:
         """Pool pages with the memory of ``blocks`` blocks of every layer (``num_kv_blocks``: a freeing
@@ -525,7 +527,7 @@ class ModelRunner:
 
     def device_idle(self) -> bool:
         """Has the device run everything issued to it? (A CPU runs its work inline: always.)"""
-        return self.device.type != "cuda" or torch.cuda.current_stream(self.device).query()
+        return self._stream is None or self._stream.query()
 
     def idle(self) -> None:
         """No step this time: the next step's gap is not the GPU waiting on the host."""
