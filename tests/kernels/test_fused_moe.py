@@ -123,6 +123,35 @@ def test_every_token_on_one_expert_and_experts_without_tokens() -> None:
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_direct_step_gives_a_token_the_bits_of_a_batched_step(tokens: int, act: str) -> None:
+    """A decode step of one or two tokens (DIRECT: the down products and the combine in one kernel)
+    gives each token what it gets inside a larger batched step (grouped, down kernel, combine): the
+    same products, roundings and order, so the same bits on a GPU."""
+    gen = torch.Generator().manual_seed(tokens)
+    experts, top_k, hidden, inter, batch = 16, 8, 96, 64, 24
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x = torch.randn(batch, hidden, generator=gen).to(DEVICE, dtype)
+    w_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
+    w_down = (torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
+    biased = act == "swiglu_oai"
+    up_bias = torch.randn(experts * 2 * inter, generator=gen).to(DEVICE, dtype) if biased else None
+    down_bias = torch.randn(experts * hidden, generator=gen).to(DEVICE, dtype) if biased else None
+    weights, ids = route_ref(torch.randn(batch, experts, generator=gen), top_k, norm=True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE, torch.int32)
+    kind = fused_moe.ACTIVATIONS[act]
+    assert tokens * top_k <= fused_moe.DIRECT_MAX < batch * top_k
+    alone = fused_moe.experts_forward(
+        x[:tokens], w_up, w_down, weights[:tokens], ids[:tokens], kind, up_bias, down_bias
+    )
+    batched = fused_moe.experts_forward(x, w_up, w_down, weights, ids, kind, up_bias, down_bias)
+    if DEVICE.type == "cuda":
+        assert torch.equal(alone, batched[:tokens])
+    else:  # the interpreter's products are NumPy matmuls of other shapes: their order may differ
+        torch.testing.assert_close(alone, batched[:tokens], rtol=1e-6, atol=1e-6)
+
+
 def test_no_tokens() -> None:
     x = torch.empty(0, 16, device=DEVICE)
     out = fused_moe.experts_forward(
