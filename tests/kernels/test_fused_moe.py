@@ -126,9 +126,9 @@ def test_every_token_on_one_expert_and_experts_without_tokens() -> None:
 @pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
 def test_direct_step_gives_a_token_the_bits_of_a_batched_step(tokens: int, act: str) -> None:
-    """A decode step of one or two tokens (DIRECT: the down products and the combine in one kernel)
-    gives each token what it gets inside a larger batched step (grouped, down kernel, combine): the
-    same products, roundings and order, so the same bits on a GPU."""
+    """A decode step of one or two tokens (DIRECT: one block per assignment, no grouping) gives each
+    token what it gets inside a larger batched step (grouped): the same products, roundings and
+    order, so the same bits on a GPU."""
     gen = torch.Generator().manual_seed(tokens)
     experts, top_k, hidden, inter, batch = 16, 8, 96, 64, 24
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32

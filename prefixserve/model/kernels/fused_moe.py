@@ -15,11 +15,7 @@ given T (CUDA-graph safe: no host sync, nothing sized by the routing):
     expert's gate and up rows, the activation in the epilogue: ``inter`` [NB BM, I] by block row;
   * ``_expert_down_kernel`` (block x hidden tile): ``inter``'s rows times the expert's down
     projection, times the assignment's routing weight: [N, H] by assignment;
-  * ``_combine_kernel``: each token's k rows summed in fp32;
-  * with ``DIRECT`` (a decode step of one or two tokens) ``_down_sum_kernel`` (token x hidden tile)
-    in place of the last two: each of the token's k assignments in slot order times its expert's
-    down projection, rounded and weighted as the down kernel does, summed as the combine does: the
-    same bits, one launch fewer.
+  * ``_combine_kernel``: each token's k rows summed in fp32.
 
 A block reads only its expert's weights, so a step reads the experts its tokens route to, each once
 per block (twice for an expert with more than BM tokens, L2 permitting). The assignment order inside
@@ -352,57 +348,6 @@ def _expert_down_kernel(
 
 
 @triton.jit
-def _down_sum_kernel(
-    inter_ptr,  # [N BM, I]: the up GEMM's output, assignment a at row a BM (DIRECT)
-    w_ptr,  # [E * H, I]
-    bias_ptr,  # [E * H] (HAS_BIAS)
-    weights_ptr,  # [N] fp32 routing weights
-    ids_ptr,  # [N] int32 experts, assignment t k + j for token t's j-th
-    out_ptr,  # [T, H] out
-    hidden,
-    inter,
-    TOP_K: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
-):
-    """``_expert_down_kernel`` then ``_combine_kernel`` for one token's hidden tile: each product
-    over BM rows of which the first is real (as a DIRECT block's), so each expert's output has the
-    down kernel's bits; rounded, weighted, rounded and summed in fp32 in slot order as they are."""
-    if PDL:
-        wait()
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = n < hidden
-    first = tl.arange(0, BM) == 0
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        assign = t * TOP_K + j
-        expert = tl.load(ids_ptr + assign).to(tl.int64)
-        w_rows = (expert * hidden + n) * inter
-        rows = inter_ptr + (assign * BM + tl.arange(0, BM))[:, None] * inter
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, inter, BK):
-            k = k0 + tl.arange(0, BK)
-            k_ok = k < inter
-            a = tl.load(rows + k[None, :], mask=first[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + expert * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc = acc.to(dtype).to(tl.float32)
-        total += (acc * tl.load(weights_ptr + assign)).to(dtype).to(tl.float32)
-    if PDL:
-        launch_dependents()
-    out = out_ptr + t * hidden + n[None, :] + tl.arange(0, BM)[:, None] * 0
-    tl.store(out, total.to(dtype), mask=first[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def _combine_kernel(
     parts_ptr,  # [T, K, H]
     out_ptr,  # [T, H]
@@ -468,7 +413,6 @@ PLAN_ROWS = 128  # chunks (and blocks) the plan's one program takes a pass: 32 t
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
-DIRECT_DOWN_BN = 16  # hidden columns a program of ``_down_sum_kernel``: 128 programs at H = 2,048
 
 
 def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -545,14 +489,6 @@ def experts_forward(
         HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
         **chained,
     )  # fmt: skip
-    if direct:  # the down products and the combine in one kernel, a program a token's hidden tile
-        _down_sum_kernel[(tokens, triton.cdiv(hidden, DIRECT_DOWN_BN))](
-            inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1),
-            block_expert, out, hidden, inter,
-            TOP_K=top_k, BM=block_m, BN=DIRECT_DOWN_BN, BK=min(block_k, 64),
-            HAS_BIAS=down_bias is not None, DOT_PREC=prec, num_warps=4, num_stages=stages, **chained,
-        )  # fmt: skip
-        return out
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
