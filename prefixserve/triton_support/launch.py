@@ -17,6 +17,8 @@ normal launch, which is always correct.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,14 +67,22 @@ def record(
     return Launch(kernel, grid3, full, len(args), order, options, compiled if fast else None)
 
 
+@functools.cache
+def _knobs() -> Any:
+    """Triton's ``knobs`` module, imported once (every relaunch asks for its hooks), or None."""
+    try:
+        return importlib.import_module("triton.knobs")
+    except ImportError:  # pragma: no cover
+        return None
+
+
 def _hooked() -> bool:
     """True when a launch hook (a profiler's) is installed: then take Triton's path, which calls it.
 
     Triton 3.6 keeps the hooks as ``HookChain`` objects that are never None; an empty chain is no hook.
     """
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - older Triton: always take the normal path
+    knobs = _knobs()
+    if knobs is None:  # pragma: no cover - older Triton: always take the normal path
         return True
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.triton_support import require_triton
+from prefixserve.triton_support.bound import BoundKernel
 
 triton, tl = require_triton()
 
@@ -74,6 +75,9 @@ def _turn_query_kernel(
     tl.store(dst + HALF, (y2.to(dtype).to(tl.float32) * scale).to(dtype), mask=mask)
 
 
+_turn = BoundKernel(_turn_query_kernel)  # a prefill's eager attention launches it every layer
+
+
 def turns(head_dim: int) -> bool:
     """Whether these kernels turn a head of this size: a power of two (Sylvester's construction) whose
     halves make products of at least 16 (Triton's smallest ``tl.dot``), up to 256: at 512 the fp32
@@ -91,7 +95,8 @@ def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    _turn_query_kernel[(tokens,)](
+    _turn(
+        (tokens,),
         q,
         out,
         k_scale,
