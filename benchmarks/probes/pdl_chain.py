@@ -5,7 +5,7 @@ A layer of the Llama-3.1-8B shape without its attention (the attention output st
 (the skinny kernels where they are faster, else cuBLAS, as the engine) and with FP8 weights (W8A8:
 the norm and SiLU kernels hand over the codes, the attention output quantized by its own kernel).
 ``--layers`` layers, each with its own weights (8 GB of FP8, 15 GB of bf16 at 32: no layer in L2
-when it comes round), captured in one CUDA graph with PDL off and on (``PREFIXSERVE_PDL``), each chain's
+when it comes round), captured in one CUDA graph with PDL off and on (``pdl.ENABLED``), each chain's
 output checked equal bit for bit. (A first form also asked L2 for the first bytes of each product's
 weight rows before its wait: 4, 16 and 32 MB a product took 83.5-105.4 us a layer at one FP8 row
 against 86.2 without, and slowed bf16; not kept.) Per layer us
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -30,9 +29,10 @@ from benchmarks.harness import run_info
 from benchmarks.harness.timing import measure_ceilings
 from prefixserve.model import fp8
 from prefixserve.model.kernels import fp8_matmul, rms_norm, silu_mul, skinny_matmul
+from prefixserve.triton_support import pdl
 
 HIDDEN, QKV, INTER = 4096, 6144, 14336
-VARIANTS = {"off": "0", "pdl": "1"}  # PREFIXSERVE_PDL
+VARIANTS = {"off": False, "pdl": True}  # pdl.ENABLED
 
 
 def bf16_layer(m: int) -> dict[str, torch.Tensor]:
@@ -147,7 +147,7 @@ def main() -> None:
             for dtype, fn, layers in (("bf16", chain_bf16, bf16_layers), ("fp8", chain_fp8, fp8_layers)):
                 graphs, outs = {}, {}
                 for name, flag in VARIANTS.items():
-                    os.environ["PREFIXSERVE_PDL"] = flag
+                    pdl.ENABLED = flag
                     graphs[name], outs[name] = capture(lambda t, f=fn, lay=layers: f(lay, t), x)
                 same = {n: bool(torch.equal(outs[n], outs["off"])) for n in outs}
                 times: dict[str, list[float]] = {n: [] for n in graphs}
@@ -172,7 +172,7 @@ def main() -> None:
                 del graphs, outs
                 torch.cuda.empty_cache()
     finally:
-        os.environ.pop("PREFIXSERVE_PDL", None)
+        pdl.ENABLED = True
     print("\nrows dtype  bytes-us  " + "  ".join(f"{n:>10}" for n in VARIANTS))
     for r in rows:
         cells = "  ".join(f"{r['layer_us'][n]:10.1f}" for n in VARIANTS)

@@ -10,7 +10,9 @@ orders every access after the writes before it, so a chain's results do not chan
 bit); only the launch gaps shrink (``docs/kernels.md`` §10).
 
 ``enabled`` says whether a launch may ask for it: a Hopper or newer GPU (the ``griddepcontrol``
-instructions and the launch attribute), not the CPU interpreter, and ``PREFIXSERVE_PDL`` not "0".
+instructions and the launch attribute), not the CPU interpreter, and ``ENABLED`` (a module switch:
+tests and ``benchmarks/probes/pdl_chain.py`` turn it off to compare; decided, so no environment
+variable, ``docs/kernels.md`` §3).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ triton, tl = require_triton()
 _gdc = importlib.import_module("triton.language.extra.cuda")
 wait = _gdc.gdc_wait  # griddepcontrol.wait: the kernel before has finished, its writes visible
 launch_dependents = _gdc.gdc_launch_dependents  # griddepcontrol.launch_dependents
+ENABLED = True
 
 
 @functools.cache
@@ -36,9 +39,7 @@ def _device_ok(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether launches on ``device`` may use PDL (see the module's docstring)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get("PREFIXSERVE_PDL", "1") == "0":
+    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -48,4 +49,4 @@ def launch_options(dependent: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if dependent else {}
 
 
-__all__ = ["enabled", "launch_dependents", "launch_options", "wait"]
+__all__ = ["ENABLED", "enabled", "launch_dependents", "launch_options", "wait"]

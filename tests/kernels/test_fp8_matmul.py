@@ -129,12 +129,14 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(m: int, monkeypatch: pyte
         return t + resid
 
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("PREFIXSERVE_PDL", flag)
+    from prefixserve.triton_support import pdl
+
+    for flag in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", flag)
         chain(x)  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs[flag] = chain(x)
         graph.replay()
         torch.cuda.synchronize()
-    assert torch.equal(outs["0"], outs["1"])
+    assert torch.equal(outs[False], outs[True])

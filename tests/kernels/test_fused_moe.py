@@ -178,12 +178,14 @@ def test_pdl_routing_and_experts_in_a_graph_equal_them_without(tokens: int, monk
         return fused_moe.experts_forward(x, w_up, w_down, weights, ids)
 
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("PREFIXSERVE_PDL", flag)
+    from prefixserve.triton_support import pdl
+
+    for flag in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", flag)
         layer()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs[flag] = layer()
         graph.replay()
         torch.cuda.synchronize()
-    assert torch.equal(outs["0"], outs["1"])
+    assert torch.equal(outs[False], outs[True])
