@@ -340,7 +340,7 @@ def test_triton_dense_path_replays_in_a_cuda_graph(tmp_path: Path) -> None:
     embed = model.model.embed_tokens
     with torch.inference_mode():
         h = embed(ids)
-        rope = model.rotary.cos_sin(positions)
+        rope = model.cos_sin(positions)  # the step's Ropes, as the model's forward hands every layer
         layer = model.model.layers[0]
         eager = layer(h, None, rope, cache.layers[0], meta, _NoAttention())
         graph = torch.cuda.CUDAGraph()
