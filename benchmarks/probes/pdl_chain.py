@@ -35,7 +35,7 @@ HIDDEN, QKV, INTER = 4096, 6144, 14336
 VARIANTS = {"off": False, "pdl": True}  # pdl.ENABLED
 
 
-def bf16_layer(m: int) -> dict[str, torch.Tensor]:
+def bf16_layer() -> dict[str, torch.Tensor]:
     """One layer's bf16 weights (qkv, o, stacked gate-up, down) and norm weights."""
     dev = "cuda"
 
@@ -134,13 +134,13 @@ def main() -> None:
     args = ap.parse_args()
     started = time.perf_counter()
     copy_tbps, gemm_tflops = measure_ceilings(torch.device("cuda"))
-    bf16_layers = [bf16_layer(0) for _ in range(args.layers)]
+    bf16_layers = [bf16_layer() for _ in range(args.layers)]
     fp8_layers = [fp8_layer(lw) for lw in bf16_layers]
     bytes_layer = {
         "bf16": 2 * HIDDEN * (QKV + HIDDEN + 3 * INTER),
         "fp8": HIDDEN * (QKV + HIDDEN + 3 * INTER),
     }
-    rows = []
+    rows, was = [], pdl.ENABLED
     try:
         for m in args.rows:
             x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -172,7 +172,7 @@ def main() -> None:
                 del graphs, outs
                 torch.cuda.empty_cache()
     finally:
-        pdl.ENABLED = True
+        pdl.ENABLED = was
     print("\nrows dtype  bytes-us  " + "  ".join(f"{n:>10}" for n in VARIANTS))
     for r in rows:
         cells = "  ".join(f"{r['layer_us'][n]:10.1f}" for n in VARIANTS)

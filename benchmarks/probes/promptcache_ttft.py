@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="/tmp/promptcache_ttft")
     args = ap.parse_args()
+    if args.trials < 1:
+        ap.error("--trials must be at least 1")
     settings = argparse.Namespace(
         model=args.model, device=args.device, kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=None,
         max_num_batched_tokens=8192,
@@ -109,7 +111,7 @@ def main() -> None:
     profiles: dict[str, Any] = {}
     for trial in range(args.trials + 2):
         pml, plain, _ = prompts_for(rng, texts, count, QUESTION)
-        llm.generate(pml.replace(QUESTION, " Warm" + QUESTION), _one())
+        llm.generate(pml.replace(QUESTION, " Warm" + QUESTION), _one_token())
         last = trial == args.trials + 1
         if last:
             profiles["gpu_host"] = host_profile(llm, pml.replace(QUESTION, " A" + QUESTION), args.top)
@@ -157,7 +159,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _one() -> Any:
+def _one_token() -> Any:  # a request's first token only
     from prefixserve import SamplingParams
 
     return SamplingParams(max_tokens=1)

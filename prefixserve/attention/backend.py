@@ -42,7 +42,8 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, q_heads, head_dim], q's dtype
-        ...
+        """The layer's attention output: a new tensor the caller owns (over an e4m3 cache it is scaled
+        in place, ``kv_quant.unfold_output``), never a buffer the backend reads again."""
 
     def forward_with_lse(
         self,

@@ -38,7 +38,7 @@ class Launch:
     args: list[Any]  # every kernel parameter, constexprs included, in signature order
     num_positional: int  # the first ones are passed positionally on the slow path
     keywords: list[str]  # names of the rest (the constexprs), in the order they sit in ``args``
-    options: dict[str, Any]  # num_warps, num_stages, maxnreg
+    options: dict[str, Any]  # num_warps, num_stages, maxnreg, launch_pdl
     compiled: Any  # triton CompiledKernel, or None when the fast path is not available
     # (dst, src, make): args[dst] is made from args[src] (a TMA descriptor of a layer's KV cache), so
     # a swap of args[src] remakes it

@@ -25,7 +25,7 @@ import torch
 
 from prefixserve.triton_support import require_triton
 
-triton, tl = require_triton()
+require_triton()  # the install check and the interpreter's fixes
 _gdc = importlib.import_module("triton.language.extra.cuda")
 wait = _gdc.gdc_wait  # griddepcontrol.wait: the kernel before has finished, its writes visible
 launch_dependents = _gdc.gdc_launch_dependents  # griddepcontrol.launch_dependents
@@ -40,7 +40,7 @@ def _device_ok(index: int) -> bool:
 def enabled(device: torch.device) -> bool:
     """Whether launches on ``device`` may use PDL (see the module's docstring)."""
     if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
+        return False  # (the cheap tests first: every chained launch asks)
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 

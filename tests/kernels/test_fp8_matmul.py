@@ -107,6 +107,7 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(m: int, monkeypatch: pyte
     SiLU-and-mul with codes, the quantize kernel, the bf16 skinny product) gives the same bits with
     programmatic dependent launch on and off: each kernel's wait orders it after the one before."""
     from prefixserve.model.kernels import fp8_matmul, rms_norm, silu_mul, skinny_matmul
+    from prefixserve.triton_support import pdl
 
     gen = torch.Generator().manual_seed(m)
     hidden, inter = 256, 512
@@ -128,15 +129,19 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(m: int, monkeypatch: pyte
             t = fp8_matmul.launch(t, *w_up, None, None, fp8_matmul.quantize_rows(t))[:, :hidden]
         return t + resid
 
-    outs = {}
-    from prefixserve.triton_support import pdl
-
+    outs, graphs = {}, {}
     for flag in (False, True):
         monkeypatch.setattr(pdl, "ENABLED", flag)
         chain(x)  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        graphs[flag] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[flag]):
             outs[flag] = chain(x)
-        graph.replay()
+    for _ in range(4):  # new inputs each round: a read before a wait would show as a difference
+        x.copy_(torch.randn(m, hidden, generator=gen).to(DEVICE, torch.bfloat16))
+        for flag in (False, True):
+            graphs[flag].replay()
         torch.cuda.synchronize()
-    assert torch.equal(outs[False], outs[True])
+        assert torch.equal(outs[False], outs[True])
+    # the bound launches relaunched inside the captures kept the launch attribute
+    chained = [launch for launch in fp8_matmul._fp8.launches.values() if launch.options.get("launch_pdl")]
+    assert chained and all(launch.compiled.metadata.launch_pdl for launch in chained)

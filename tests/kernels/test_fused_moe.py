@@ -163,9 +163,13 @@ def test_no_tokens() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_pdl_routing_and_experts_in_a_graph_equal_them_without(tokens: int, monkeypatch) -> None:
+def test_pdl_routing_and_experts_in_a_graph_equal_them_without(
+    tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Routing and the experts' kernels graphed with programmatic dependent launch on give the bits
     they give with it off (each waits for the kernel before; ``triton_support.pdl``)."""
+    from prefixserve.triton_support import pdl
+
     gen = torch.Generator().manual_seed(tokens)
     hidden, inter, experts, top_k = 256, 128, 16, 4
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, torch.bfloat16)
@@ -178,8 +182,6 @@ def test_pdl_routing_and_experts_in_a_graph_equal_them_without(tokens: int, monk
         return fused_moe.experts_forward(x, w_up, w_down, weights, ids)
 
     outs = {}
-    from prefixserve.triton_support import pdl
-
     for flag in (False, True):
         monkeypatch.setattr(pdl, "ENABLED", flag)
         layer()  # compiles outside the capture
