@@ -49,4 +49,11 @@ def launch_options(dependent: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if dependent else {}
 
 
-__all__ = ["ENABLED", "enabled", "launch_dependents", "launch_options", "wait"]
+def chained(device: torch.device) -> dict[str, bool]:
+    """A chained kernel's launch keywords on ``device``: its ``PDL`` constexpr and, when true, the
+    launch attribute, taken together so the compiled variant and the launch never disagree."""
+    dependent = enabled(device)
+    return {"PDL": dependent, **launch_options(dependent)}
+
+
+__all__ = ["ENABLED", "chained", "enabled", "launch_dependents", "launch_options", "wait"]

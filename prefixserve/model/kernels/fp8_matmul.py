@@ -178,13 +178,11 @@ def launch(
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
-    dependent = pdl.enabled(x.device)
     _fp8(
         grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=dependent, num_warps=4,
-        **pdl.launch_options(dependent),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
@@ -248,11 +246,10 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
         scale = static.float().reshape(1, 1).expand(m, 1).contiguous()
     if m:
         block, whole, warps = row_launch(k)
-        dependent = pdl.enabled(x.device)
         _quantize(
             (m,), x, codes, scale, x if static is None else static, m, k, x.stride(0),
-            STATIC=static is not None, BLOCK=block, WHOLE=whole, PDL=dependent, num_warps=warps,
-            **pdl.launch_options(dependent),
+            STATIC=static is not None, BLOCK=block, WHOLE=whole, num_warps=warps,
+            **pdl.chained(x.device),
         )  # fmt: skip
     return codes, scale
 

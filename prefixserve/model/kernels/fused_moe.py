@@ -380,11 +380,10 @@ def route(
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
-        dependent = pdl.enabled(logits.device)
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
             TOP_K=top_k, KP=_pow2(top_k), EP=_pow2(experts), RULE=ROUTER_RULES[rule], NORM=norm,
-            PDL=dependent, **pdl.launch_options(dependent),
+            **pdl.chained(logits.device),
         )  # fmt: skip
     return weights, ids
 
@@ -479,8 +478,7 @@ def experts_forward(
         slots, block_expert, block_rows = align(ids.view(-1), experts, block_m)
     blocks = block_expert.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32 (tests, CPU parity)
-    dependent = pdl.enabled(x.device)
-    chained = {"PDL": dependent, **pdl.launch_options(dependent)}
+    chained = pdl.chained(x.device)
     inter_out = torch.empty(blocks * block_m, inter, dtype=x.dtype, device=x.device)
     _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
         x, w_up, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,

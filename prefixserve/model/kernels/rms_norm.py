@@ -139,7 +139,6 @@ def add_rms_norm(
     if tokens == 0:
         return done
     block = triton.next_power_of_2(n)
-    dependent = pdl.enabled(x.device)
     _bound(
         (tokens,),
         x,
@@ -164,9 +163,8 @@ def add_rms_norm(
         QUANT=quantize,
         PRE=pre is not None,
         STREAM=res_out is not x,
-        PDL=dependent,
         num_warps=min(16, max(1, block // 512)),
-        **pdl.launch_options(dependent),
+        **pdl.chained(x.device),
     )
     return done
 

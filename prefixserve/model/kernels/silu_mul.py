@@ -149,10 +149,9 @@ def silu_and_mul_quantize(
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens:
         block, whole, warps = row_launch(n)
-        dependent = pdl.enabled(x.device)
         _bound_quantize(
             (tokens,), x, out, codes, scales, x.stride(0), out.stride(0), n, BLOCK=block, GELU=gelu,
-            WHOLE=whole, PDL=dependent, num_warps=warps, **pdl.launch_options(dependent),
+            WHOLE=whole, num_warps=warps, **pdl.chained(x.device),
         )  # fmt: skip
     return out, codes, scales
 

@@ -215,13 +215,11 @@ def _launch(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
-    dependent = pdl.enabled(x.device)
     _skinny(
         (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        STAGES=stages, GELU=gelu, PDL=dependent, num_warps=4,
-        **pdl.launch_options(dependent),
+        STAGES=stages, GELU=gelu, num_warps=4, **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
