@@ -85,20 +85,53 @@ def measure(
     max_batched: int = 16384,
     **engine: object,  # more EngineConfig fields (keep_sliding_kv=True: every layer's KV kept)
 ) -> dict:
-    prompts, warm = prompts
-    llm = LLM(
+    """One engine made for ``prompts`` (``decode_engine``), its timed run (``timed_decode``), and the
+    engine shut down."""
+    llm = decode_engine(
+        model, device, attention, len(prompts[0]) * n, eager, tp, peer_allreduce, max_batched, **engine
+    )
+    return timed_decode(llm, device, prompts, gen, n, shutdown=True)
+
+
+def decode_engine(
+    model: str,
+    device: str,
+    attention: str,
+    max_seqs: int,
+    eager: bool = False,
+    tp: int = 1,
+    peer_allreduce: bool = True,
+    max_batched: int = 16384,
+    **engine: object,
+) -> LLM:
+    """The engine ``timed_decode`` runs on: ``model`` in bf16 (fp32 on a CPU) for ``max_seqs`` rows."""
+    return LLM(
         tensor_parallel_size=tp,
         tp_peer_allreduce=peer_allreduce,
         model=model,
         dtype="bfloat16" if device == "cuda" else "float32",
         device=device,
         attention=attention,
-        max_num_seqs=len(prompts) * n,
+        max_num_seqs=max_seqs,
         max_num_batched_tokens=max_batched,
         enforce_eager=eager,
         progress=False,
         **engine,
     )
+
+
+def timed_decode(
+    llm: LLM,
+    device: str,
+    prompts: tuple[list[dict], list[dict]],  # (measured, warm-up): same lengths, other tokens
+    gen: int,
+    n: int = 1,
+    shutdown: bool = False,
+) -> dict:
+    """A warm-up run of ``prompts[1]``, then the timed run of ``prompts[0]``: decode tok/s and what the
+    run needed. ``shutdown``: the engine goes after (else the caller runs more on it: an engine that
+    loads in tens of seconds serves a grid of runs)."""
+    prompts, warm = prompts
     # Warm-up: the same batch shape and lengths with other tokens, so kernels compile and the decode
     # graphs of this run are captured before the clock starts. As long as the timed run: its graph keys
     # change as the own parts grow (capacities, the kernel choice), and a key first met in the timed
@@ -154,7 +187,8 @@ def measure(
         kv_pool = engine.kv.tensor.numel() * engine.kv.tensor.element_size()
         peak = torch.cuda.max_memory_allocated() - kv_pool + after["kv_blocks_used_peak"] * kv_block_bytes
         result["memory_needed_gb"] = peak / 1e9
-    llm.shutdown()  # tensor parallelism: the workers and the process group go now, not at exit
+    if shutdown:
+        llm.shutdown()  # tensor parallelism: the workers and the process group go now, not at exit
     del llm, outs, engine
     gc.collect()
     if device == "cuda":

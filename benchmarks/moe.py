@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -190,57 +189,14 @@ def sharing_part(model: str, batches: list[int], prefix: int, own: int, gen: int
     return rows
 
 
-def _burst(url: str, batch: int, prompt_len: int, gen: int, seed: int) -> tuple[float, int]:
-    """``batch`` concurrent /v1/completions requests; (wall seconds, completion tokens)."""
-    import json
-    import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
-
-    from benchmarks.harness.server import http_get
-
-    rng = random.Random(seed)
-    served = json.loads(http_get(url + "/v1/models")[1])["data"][0]["id"]
-
-    def one(i: int) -> int:
-        body = {"model": served, "prompt": [rng.randrange(100, 30000) for _ in range(prompt_len)]}
-        body |= {"max_tokens": gen, "temperature": 0, "ignore_eos": True}
-        req = urllib.request.Request(
-            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            return int(json.load(resp)["usage"]["completion_tokens"])
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(batch) as pool:
-        tokens = sum(pool.map(one, range(batch)))
-    return time.perf_counter() - t0, tokens
-
-
 def serve_part(models: list[str], batch: int, prompt_len: int, gen: int, out: Path) -> list[dict[str, Any]]:
-    from types import SimpleNamespace
-
-    from benchmarks.harness.server import ServerProcess, serve_command
+    """Each family served by ``prefixserve serve``: start seconds and a burst's tokens/s."""
+    from benchmarks.harness.burst import served_burst
 
     rows = []
-    out.mkdir(parents=True, exist_ok=True)
     for name in models:
-        opts = SimpleNamespace(
-            model=f"dummy:{name}", device="cuda", max_num_seqs=batch, num_kv_blocks=4096,
-            max_num_batched_tokens=8192, server_arg=[],
-        )  # fmt: skip
-        server = ServerProcess(serve_command(opts), out / f"serve_{name}.log", name)
-        row: dict[str, Any] = {"model": name, "B": batch}
-        try:
-            row["start_s"] = server.launch(timeout=600)
-            _burst(server.url, batch, prompt_len, gen, seed=1)  # untimed: compiles, graph captures
-            wall, tokens = _burst(server.url, batch, prompt_len, gen, seed=2)
-            row |= {"wall_s": wall, "completion_tokens": tokens, "tok_s": tokens / wall}
-        except Exception as exc:  # a model that does not serve: its reason in the table
-            row["error"] = repr(exc)[-300:]
-        finally:
-            server.terminate()
-        rows.append(row)
-        print(row, flush=True)
+        row = served_burst(f"dummy:{name}", batch, prompt_len, gen, out / f"serve_{name}.log")
+        rows.append({**row, "model": name})
     return rows
 
 
