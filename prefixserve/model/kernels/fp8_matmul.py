@@ -55,12 +55,21 @@ def _fp8_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
+    SPLIT: tl.constexpr = False,  # program_id(2) takes K_SLICE columns of K: fp32 partials [S, M, N]
+    K_SLICE=0,
+    stride_os=0,
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    k_lo = 0
+    k_hi = K
+    if SPLIT:
+        k_lo = tl.program_id(2) * K_SLICE
+        k_hi = k_lo + K_SLICE
+        out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     if PDL:
         wait()
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
@@ -68,7 +77,7 @@ def _fp8_kernel(
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < K
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -155,6 +164,33 @@ def fp8_linear(
     return launch(x, codes, scale, bias, out, x_codes)
 
 
+def block_k_for(m: int, grouped: bool) -> int:
+    """The columns of K a pipeline stage loads: a block-scaled format's group, and past
+    ``MAX_ROWS`` rows the large tile's; else ``CHANNEL_BLOCK_K``."""
+    return BLOCK_K if grouped or m > skinny_matmul.MAX_ROWS else CHANNEL_BLOCK_K
+
+
+def fp8_partials(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    splits: int,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """fp32 partials [splits, M, N] of ``fp8_linear``'s product (scales applied, no bias) over equal
+    slices of K, each a multiple of the stage's columns (``block_k_for``): as
+    ``skinny_matmul.skinny_partials``, the next kernel sums them."""
+    m, k = x.shape
+    block_k = block_k_for(m, scale.shape[1] > 1)
+    if not supported(x, codes, scale) or splits < 1 or k % (splits * block_k):
+        raise ValueError(
+            f"fp8_partials takes supported inputs with K a multiple of {splits} x {block_k}: x "
+            f"{tuple(x.shape)}, codes {tuple(codes.shape)}, scales {tuple(scale.shape)}"
+        )
+    out = torch.empty(splits, m, codes.shape[0], dtype=torch.float32, device=x.device)
+    return launch(x, codes, scale, None, out, x_codes, splits)
+
+
 def launch(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -162,27 +198,34 @@ def launch(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    splits: int = 1,
 ) -> torch.Tensor:
     """``fp8_linear`` for inputs its caller has found ``supported`` (``fp8.linear`` asks once a
-    product, not once to choose the path and again here)."""
+    product, not once to choose the path and again here); ``splits`` > 1: ``out`` is fp32 partials
+    [splits, M, N] (``fp8_partials``)."""
     m, k = x.shape
     n = codes.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+    elif splits == 1 and (
+        out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device
+    ):
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
     grouped = scale.shape[1] > 1
-    block_k = BLOCK_K if grouped or m > skinny_matmul.MAX_ROWS else CHANNEL_BLOCK_K
+    block_k = block_k_for(m, grouped)
     block_m, block_n, stages = tiles(m, n, block_k)
     if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    split = {}
+    if splits > 1:
+        grid, split = (*grid, splits), {"SPLIT": True, "K_SLICE": k // splits, "stride_os": out.stride(0)}
     xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
     _fp8(
         grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
-        xin.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
+        xin.stride(0), codes.stride(0), scale.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **pdl.chained(x.device),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **split, **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
@@ -258,7 +301,9 @@ __all__ = [
     "BLOCK_K",
     "CHANNEL_BLOCK_K",
     "LARGE_TILE",
+    "block_k_for",
     "fp8_linear",
+    "fp8_partials",
     "launch",
     "quantize_rows",
     "supported",

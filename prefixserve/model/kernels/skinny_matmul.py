@@ -49,12 +49,21 @@ def _skinny_kernel(
     STAGES: tl.constexpr,
     GELU: tl.constexpr = False,  # GATED with the tanh GELU instead of SiLU (Gemma)
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
+    SPLIT: tl.constexpr = False,  # program_id(1) takes K_SLICE columns of K: fp32 partials [S, M, N]
+    K_SLICE=0,
+    stride_os=0,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    k_lo = 0
+    k_hi = K
+    if SPLIT:
+        k_lo = tl.program_id(1) * K_SLICE
+        k_hi = k_lo + K_SLICE
+        out_ptr += tl.program_id(1).to(tl.int64) * stride_os
     if PDL:
         wait()
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
@@ -62,7 +71,7 @@ def _skinny_kernel(
     up_rows = w_rows + N * stride_wn  # GATED: the up half's rows, N below the gate's
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
         if GATED:
             w_up = tl.load(up_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
@@ -198,6 +207,24 @@ def gated(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int], gelu: 
     return _launch(x, weight, None, config, gated=True, gelu=gelu)
 
 
+def skinny_partials(
+    x: torch.Tensor, weight: torch.Tensor, splits: int, config: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """fp32 partials [splits, M, N] of ``x @ weight.T`` over equal slices of K, for ``supported``
+    inputs with K a multiple of ``splits * BLOCK_K`` (no bias): the product's programs times
+    ``splits``, where too few column tiles would leave SMs idle; the next kernel sums them (an
+    add-RMSNorm, the RoPE kernel: ``fused.add_rms_norm``, ``fused.rope_qkv``)."""
+    m, k = x.shape
+    if not supported(x, weight) or splits < 1 or k % (splits * BLOCK_K):
+        raise ValueError(
+            f"skinny_partials takes supported inputs with K a multiple of {splits} x {BLOCK_K}: x "
+            f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    out = torch.empty(splits, m, weight.shape[0], dtype=torch.float32, device=x.device)
+    config = config or skinny_config(m, weight.shape[0]) or (32, 6)
+    return _launch(x, weight, None, config, out=out, splits=splits)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -206,6 +233,7 @@ def _launch(
     gated: bool = False,
     out: torch.Tensor | None = None,
     gelu: bool = False,
+    splits: int = 1,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -213,13 +241,17 @@ def _launch(
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+    elif splits == 1 and (
+        out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device
+    ):
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
+    split = {"SPLIT": True, "K_SLICE": k // splits, "stride_os": out.stride(0)} if splits > 1 else {}
+    grid = (triton.cdiv(n, block_n),) if splits == 1 else (triton.cdiv(n, block_n), splits)
     _skinny(
-        (triton.cdiv(n, block_n),), x, weight, out, x if bias is None else bias, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
+        grid, x, weight, out, x if bias is None else bias, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        STAGES=stages, GELU=gelu, num_warps=4, **pdl.chained(x.device),
+        STAGES=stages, GELU=gelu, num_warps=4, **split, **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
@@ -235,5 +267,6 @@ __all__ = [
     "skinny_config",
     "skinny_gated",
     "skinny_linear",
+    "skinny_partials",
     "supported",
 ]

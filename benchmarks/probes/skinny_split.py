@@ -1,0 +1,132 @@
+"""Do the decode products read their weights faster as split-K partials that the next norm sums?
+
+At 1-64 rows a product's programs are its column tiles: Qwen3-30B-A3B's o projection (2,048 columns)
+is 64 programs of 32 on 132 SMs, Llama-3.1-8B's qkv 192 (1.5 waves). Cutting K into S slices
+(``skinny_partials``, ``fp8_partials``: program (tile, slice) writes fp32 partials [S, M, N]) gives
+S times the programs; an add-RMSNorm sums the planes (``fused.add_rms_norm`` takes [S, T, N]), so
+no reduce kernel is added. Each form is timed as a CUDA graph over weight copies that do not fit L2
+(``benchmarks.harness.timing``), the product alone and paired with the add-RMSNorm, bf16 and FP8
+(W8A8, x's codes given) at the shapes named; the error is the pair's norm output against fp64.
+
+PYTHONPATH=. python -m benchmarks.probes.skinny_split [--rows 1 64] [--shapes moe_o 8b_down ...]
+    [--splits 2 4 8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.harness.timing import graph_ms
+from prefixserve.model import fp8, fused
+from prefixserve.model.kernels import fp8_matmul, skinny_matmul
+from prefixserve.model.kernels.rms_norm import add_rms_norm_ref
+
+EPS = 1e-5
+# name: (N, K, FP8 weights)
+SHAPES = {
+    "moe_qkv": (5120, 2048, False),
+    "moe_o": (2048, 4096, False),
+    "8b_qkv": (6144, 4096, False),
+    "8b_o": (4096, 4096, False),
+    "8b_down": (4096, 14336, False),
+    "8b_qkv_fp8": (6144, 4096, True),
+    "8b_o_fp8": (4096, 4096, True),
+    "8b_down_fp8": (4096, 14336, True),
+}
+
+
+def _weights(n: int, k: int, fp8_weights: bool, budget: int = 256 << 20) -> list:
+    """Enough copies of one random weight to fill ``budget`` bytes (each out of L2 when it comes
+    round again): bf16 tensors, or (codes, scales) pairs."""
+    size = n * k * (1 if fp8_weights else 2)
+    out = []
+    for _ in range(max(2, -(-budget // size))):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        out.append(fp8.quantize_rows(w) if fp8_weights else w)
+    return out
+
+
+def _product(x, x_codes, w, splits: int) -> torch.Tensor:
+    if isinstance(w, tuple):
+        if splits == 1:
+            return fp8_matmul.launch(x, w[0], w[1], x_codes=x_codes)
+        return fp8_matmul.fp8_partials(x, w[0], w[1], splits, x_codes=x_codes)
+    if splits == 1:
+        return skinny_matmul.skinny_linear(x, w)
+    return skinny_matmul.skinny_partials(x, w, splits)
+
+
+def point(name: str, rows: int, splits: list[int]) -> dict:
+    n, k, is_fp8 = SHAPES[name]
+    ws = _weights(n, k, is_fp8)
+    dev = torch.device("cuda")
+    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    x_codes = fp8_matmul.quantize_rows(x) if is_fp8 else None
+    res = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
+    nw = torch.rand(n, device=dev, dtype=torch.bfloat16) + 0.5
+    w0 = ws[0]
+    xs = x.double() if x_codes is None else x_codes[0].double() * x_codes[1].double()
+    wd = fp8.dequantize(*w0).double() if is_fp8 else w0.double()
+    ref = add_rms_norm_ref(xs @ wd.T, nw.double(), EPS, res.double())[0]
+    block = fp8_matmul.block_k_for(rows, False) if is_fp8 else skinny_matmul.BLOCK_K
+    row: dict = {
+        "shape": name,
+        "N": n,
+        "K": k,
+        "fp8": is_fp8,
+        "rows": rows,
+        "bytes": n * k * (1 if is_fp8 else 2),
+    }
+    for s in [1, *splits]:
+        if k % (s * block):
+            continue
+
+        def pair(i: int, s=s):
+            return fused.add_rms_norm(_product(x, x_codes, ws[i], s), nw, EPS, res)
+
+        got = pair(0)[0]
+        row[f"s{s}_err"] = float((got.double() - ref).abs().max() / ref.abs().max())
+        row[f"s{s}_us"] = 1e3 * graph_ms(lambda i, s=s: _product(x, x_codes, ws[i], s), len(ws))
+        row[f"s{s}_pair_us"] = 1e3 * graph_ms(pair, len(ws))
+    ws.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--splits", type=int, nargs="+", default=[2, 3, 4, 7, 8])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from benchmarks.harness.timing import measure_ceilings
+
+    copy_tbps, _ = measure_ceilings(torch.device("cuda"))
+    rows = []
+    for name in args.shapes:
+        for m in args.rows:
+            r = point(name, m, args.splits)
+            r["bytes_us"] = r["bytes"] / (copy_tbps * 1e6)
+            rows.append(r)
+            forms = sorted(
+                {key.split("_")[0] for key in r if key.startswith("s") and key.endswith("_pair_us")}
+            )
+            best = min(forms, key=lambda f: r[f"{f}_pair_us"])
+            print(
+                f"{name:>12} {m:3d} rows (bytes {r['bytes_us']:5.1f} us): "
+                + ", ".join(f"{f} {r[f + '_us']:5.1f}/{r[f + '_pair_us']:5.1f}" for f in forms)
+                + f"  best {best} {r['s1_pair_us'] / r[best + '_pair_us']:.2f}x (err {r[best + '_err']:.1e})",
+                flush=True,
+            )
+    payload = {"copy_TBps": copy_tbps, "device": torch.cuda.get_device_name(), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
