@@ -329,6 +329,34 @@ def test_split_k_qkv_projection_matches_one_matmul_on_gpu(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_decode_partials_match_one_product_on_gpu(quantization: str | None, tmp_path: Path) -> None:
+    """The decode rule's split-K partials (``fused.decode_partials``: the skinny kernel's at N <=
+    2,048, FP8 W8A8's at a few rows) from the o and down products of a model whose K are whole
+    slices: the next norms sum them, and the outputs match the one-product path (and, bf16, the
+    unfused model)."""
+    _skip_without_split_k()
+    cfg = dict(TINY_CONFIG, vocab_size=512, hidden_size=512, intermediate_size=1024, num_attention_heads=8)
+    path = tmp_path / "tiny512.json"
+    path.write_text(json.dumps(cfg))
+    source = ModelSource("dummy", path, "tiny")
+    model, _ = load_model(source, torch.bfloat16, torch.device("cuda"), quantization=quantization)
+    layer = model.model.layers[0]
+    x = torch.randn(5, 512, device="cuda").bfloat16()
+    assert fused.decode_partials(x, layer.self_attn.o_proj).shape == (2, 5, 512)
+    assert layer.mlp(x, partials=True).shape == (2, 5, 512)
+    if quantization is None:
+        _assert_split_k_matches_one_matmul(model)
+        return
+    with fused.split_k_products(True):
+        split_outs = _run_both(model, "cuda")
+    with fused.split_k_products(False):
+        plain_outs = _run_both(model, "cuda")
+    for (got, _), (plain, _) in zip(split_outs, plain_outs, strict=True):
+        assert ((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-2
+
+
+@pytest.mark.gpu
 def test_triton_dense_path_replays_in_a_cuda_graph(tmp_path: Path) -> None:
     """A decode forward captured in a CUDA graph (as the engine's decode graphs do) replays exactly."""
     model = _tiny(True, torch.bfloat16, "cuda", tmp_path)

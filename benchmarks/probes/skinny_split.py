@@ -8,8 +8,13 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 (``benchmarks.harness.timing``), the product alone and paired with the add-RMSNorm, bf16 and FP8
 (W8A8, x's codes given) at the shapes named; the error is the pair's norm output against fp64.
 
+``--engine-ab MODEL ...`` times whole decode steps (``benchmarks.dense.engine_decode``, CUDA graphs,
+128-token prompts, 64 generated) with the engine's decode rule (``fused.decode_partials``) off and on,
+a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
+(``quantization="fp8"``).
+
 PYTHONPATH=. python -m benchmarks.probes.skinny_split [--rows 1 64] [--shapes moe_o 8b_down ...]
-    [--splits 2 4 8] [--out FILE]
+    [--splits 2 4 8] [--out FILE] [--engine-ab dummy:llama-3.1-8b+fp8 ... --rounds 2 --batches 1 64]
 """
 
 from __future__ import annotations
@@ -96,12 +101,46 @@ def point(name: str, rows: int, splits: list[int]) -> dict:
     return row
 
 
+def engine_ab(models: list[str], batches: list[int], rounds: int) -> list[dict]:
+    """Whole decode steps with the decode split rule off and on (a fresh engine each, in turn)."""
+    from benchmarks.dense import _collect, engine_decode
+    from prefixserve import LLM
+
+    rows = []
+    for spec in models:
+        name, _, quant = spec.partition("+")
+        for r in range(rounds):
+            for split in (False, True) if r % 2 == 0 else (True, False):
+                with fused.split_k_products(split):
+                    llm = LLM(
+                        model=name, quantization=quant or None, dtype="bfloat16", device="cuda",
+                        max_num_seqs=max(batches), max_num_batched_tokens=8192, progress=False,
+                    )  # fmt: skip
+                    for b in batches:
+                        got = engine_decode(llm, b, 128, 64)
+                        rows.append({"model": spec, "round": r, "split": split, "B": b, **got})
+                        print(rows[-1], flush=True)
+                    llm.shutdown()
+                    del llm
+                    _collect()
+    for spec in models:
+        for b in batches:
+            mine = [x for x in rows if x["model"] == spec and x["B"] == b]
+            off = min(x["ms"] for x in mine if not x["split"])
+            on = min(x["ms"] for x in mine if x["split"])
+            print(f"{spec:>28} B={b:3d}: off {off:.3f} ms, on {on:.3f} ms ({off / on:.3f}x)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--splits", type=int, nargs="+", default=[2, 3, 4, 7, 8])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--engine-ab", nargs="*", default=[])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     args = ap.parse_args()
     from benchmarks.harness.timing import measure_ceilings
 
@@ -123,6 +162,8 @@ def main() -> None:
                 flush=True,
             )
     payload = {"copy_TBps": copy_tbps, "device": torch.cuda.get_device_name(), "rows": rows}
+    if args.engine_ab:
+        payload["engine_ab"] = engine_ab(args.engine_ab, args.batches, args.rounds)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)

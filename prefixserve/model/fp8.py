@@ -184,6 +184,25 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
     return y.view(*lead, -1)
 
 
+def partials(layer: nn.Module, x: torch.Tensor, splits: int) -> torch.Tensor | None:
+    """fp32 split-K partials [splits, M, N] of ``linear(layer, x)`` on its W8A8 Triton path (a decode
+    step's rows, per-channel weights, x quantized per token or by its static scale, no bias), for a
+    kernel next that sums them (``fused.decode_partials``); None where that path does not take it."""
+    from prefixserve.model.kernels import fp8_matmul
+
+    codes, scale = layer.weight, layer.weight_scale
+    if weight_only(layer) or layer.bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
+        return None
+    if (x.is_cuda and not fp8_gpu(x.device)) or not fp8_matmul.supported(x, codes, scale):
+        return None
+    if x.shape[1] % (splits * fp8_matmul.block_k_for(x.shape[0], False)):
+        return None
+    static = layer.input_scale if layer.act_quant == "static" else None
+    rows = rows_of(x) if layer.act_quant == "dynamic" else None  # made by the kernel before
+    xq = rows if rows is not None else fp8_matmul.quantize_rows(x, static)
+    return fp8_matmul.fp8_partials(x, codes, scale, splits, xq)
+
+
 def weight_only(layer: nn.Module) -> bool:
     """Whether the layer's products run W8A16 (x unquantized): block-scaled weights (no FP8 tensor-core
     route for their scales here) or a weight-only checkpoint."""
@@ -271,6 +290,7 @@ __all__ = [
     "install",
     "is_fp8",
     "linear",
+    "partials",
     "quantize_layer",
     "quantize_rows",
     "quantize_tokens",

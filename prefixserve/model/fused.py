@@ -150,6 +150,41 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return split_k_matmul(x, weight, splits) if splits else linear(x, weight)
 
 
+# A decode step's products (1-64 rows, the skinny and FP8 kernels) whose output goes to the next
+# norm, cut into K slices whose fp32 partials that norm sums: each program is a (column tile, slice),
+# where one column tile a program leaves SMs idle (``benchmarks/probes/skinny_split.py``, H200, the
+# product then the add-RMSNorm, 2 slices against one): bf16 up to ``DECODE_SPLIT_MAX_N`` columns
+# (Qwen3-30B-A3B's o, 64 tiles); FP8 W8A8 up to ``DECODE_SPLIT_FP8_ROWS`` rows, and past them the
+# products of K <= ``DECODE_SPLIT_FP8_MAX_K`` into at most as many columns (the 8B's o).
+DECODE_SPLITS = 2
+DECODE_SPLIT_MAX_N = 2048
+DECODE_SPLIT_FP8_ROWS = 16
+DECODE_SPLIT_FP8_MAX_K = 4096
+
+
+def decode_partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
+    """fp32 split-K partials [S, T, N] of ``layer(x)`` (a replicated, bias-free projection) where the
+    decode rule above takes the product, for ``add_rms_norm`` to sum; None: run the product whole."""
+    from prefixserve.model import fp8
+    from prefixserve.model.kernels import skinny_matmul
+
+    rows, k = x.shape
+    if not (_SWITCHES["split_k"] and _use_triton(x) and rows <= skinny_matmul.MAX_ROWS):
+        return None
+    if getattr(layer, "bias", None) is not None or not skinny_matmul.hopper(x.device):
+        return None
+    n = layer.weight.shape[0]
+    if layer.weight.dtype == fp8.FP8:
+        if rows <= DECODE_SPLIT_FP8_ROWS or (k <= DECODE_SPLIT_FP8_MAX_K and n <= DECODE_SPLIT_FP8_MAX_K):
+            return fp8.partials(layer, x, DECODE_SPLITS)
+        return None
+    if n > DECODE_SPLIT_MAX_N or not skinny_matmul.supported(x, layer.weight):
+        return None
+    if k % (DECODE_SPLITS * skinny_matmul.BLOCK_K):
+        return None
+    return skinny_matmul.skinny_partials(x, layer.weight, DECODE_SPLITS)
+
+
 def qkv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The qkv projection ``linear(x, weight, bias)`` [T, W], or where ``QKV_SPLIT_K_ROWS`` says so
     (a shard's few columns, no bias) its fp32 split-K partials [S, T, W], which ``rope_qkv`` sums:
@@ -462,6 +497,7 @@ __all__ = [
     "activation",
     "add_rms_norm",
     "apply_rope",
+    "decode_partials",
     "gate_up_kernels",
     "linear",
     "linear_partials",

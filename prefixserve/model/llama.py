@@ -227,6 +227,10 @@ class Attention(nn.Module):
         flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if hasattr(self, "o_bias"):  # the sum, then the bias once
             return self.o_proj.reduced(flat, self.shard) + self.o_bias
+        if for_norm and not self.shard.parallel and flat.is_cuda:  # the norm may sum split-K partials
+            parts = fused.decode_partials(flat, self.o_proj)
+            if parts is not None:
+                return parts
         return self.o_proj.reduced(flat, self.shard, slot=ATTENTION_SLOT if for_norm else None)
 
 
@@ -257,8 +261,12 @@ class MLP(nn.Module):
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight, gelu)
         else:
             act = fused.silu_and_mul(self.gate_up_proj(x), gelu, fp8.takes_rows(self.down_proj))
-        if partials and not self.shard.parallel and act.is_cuda and not self.down_proj.fp8:
-            return fused.linear_partials(act, self.down_proj.weight)
+        if partials and not self.shard.parallel and act.is_cuda:
+            parts = fused.decode_partials(act, self.down_proj)
+            if parts is not None:
+                return parts
+            if not self.down_proj.fp8:
+                return fused.linear_partials(act, self.down_proj.weight)
         return self.down_proj.reduced(act, self.shard, slot=MLP_SLOT if partials else None)
 
 
