@@ -90,7 +90,14 @@ def measure(
     llm = decode_engine(
         model, device, attention, len(prompts[0]) * n, eager, tp, peer_allreduce, max_batched, **engine
     )
-    return timed_decode(llm, device, prompts, gen, n, shutdown=True)
+    result = timed_decode(llm, device, prompts, gen, n, shutdown=True)
+    # the engine's memory goes back now, not when this frame ends: the next engine of the caller's
+    # sizes its KV pool from the memory free at its start (allocator caches count as used)
+    del llm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def decode_engine(
