@@ -5,8 +5,10 @@ could do while the weight arrives. cuBLAS's kernels for these shapes read Llama-
 projections at 66-79% of the copy rate on an H100 (docs/kernels.md §7). Here each program takes
 ``BLOCK_N`` output columns over the whole of K, streams its weight tile through a software pipeline
 (``STAGES`` loads in flight) and multiplies it by the rows of x (small, from L2) on the tensor cores,
-fp32 accumulation. Splitting K over programs (with a second kernel to sum the parts) measured no
-faster at any shape, so there is none. ``skinny_config`` picks the tiles, from a sweep on the H100;
+fp32 accumulation. Splitting K with a second kernel to sum the parts measured no faster at any
+shape; where the next kernel is a norm that sums fp32 partials, ``skinny_partials`` hands it K
+slices instead (``fused.decode_partials``: narrow products, whose few column tiles leave SMs idle).
+``skinny_config`` picks the tiles, from a sweep on the H100;
 other GPUs keep cuBLAS (the tiles are Hopper's: 128 x 128-column tiles four deep need more shared
 memory than an sm_86 / sm_89 SM has, and nothing was measured there).
 """
