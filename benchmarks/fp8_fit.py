@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {
         **run_info(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("mode", "out")},
-        "bf16_weights_GiB": _bf16_GiB(args.model),
+        "bf16_weights_GiB": bf16_GiB(args.model),
         "grids": [],
         "serve": None,
     }
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
     save()
 
 
-def _bf16_GiB(model: str) -> float:
+def bf16_GiB(model: str) -> float:
     """The model's weights in bf16, counted on the meta device (what one GPU would have to hold)."""
     from prefixserve.model.config import ModelConfig
     from prefixserve.model.llama import LlamaForCausalLM

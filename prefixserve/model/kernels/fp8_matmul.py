@@ -64,11 +64,8 @@ def _fp8_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    k_lo = 0
-    k_hi = K
+    k_lo, k_hi = skinny_matmul.k_range(K, K_SLICE, tl.program_id(2), SPLIT)
     if SPLIT:
-        k_lo = tl.program_id(2) * K_SLICE
-        k_hi = k_lo + K_SLICE
         out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     if PDL:
         wait()

@@ -31,6 +31,15 @@ MAX_ROWS = 64  # rows of x this kernel takes; more rows make a matmul compute-bo
 BLOCK_K = 128  # K must be a multiple (every projection of the supported models is)
 
 
+@triton.jit
+def k_range(K, K_SLICE, slice_id, SPLIT: tl.constexpr):
+    """(first, end) of the K columns a program sums: all of K, or with ``SPLIT`` its slice's
+    ``K_SLICE`` (split-K partials, one plane a slice)."""
+    if SPLIT:
+        return slice_id * K_SLICE, slice_id * K_SLICE + K_SLICE
+    return 0, K
+
+
 @triton.jit(do_not_specialize=["M"])  # a step's rows: one compile for all (compile_watch)
 def _skinny_kernel(
     x_ptr,  # [M, K]
@@ -60,11 +69,8 @@ def _skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    k_lo = 0
-    k_hi = K
+    k_lo, k_hi = k_range(K, K_SLICE, tl.program_id(1), SPLIT)
     if SPLIT:
-        k_lo = tl.program_id(1) * K_SLICE
-        k_hi = k_lo + K_SLICE
         out_ptr += tl.program_id(1).to(tl.int64) * stride_os
     if PDL:
         wait()
