@@ -336,12 +336,15 @@ def test_split_k_qkv_projection_matches_one_matmul_on_gpu(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_decode_partials_match_one_product_on_gpu(quantization: str | None, tmp_path: Path) -> None:
+def test_decode_partials_match_one_product_on_gpu(
+    quantization: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The decode rule's split-K partials (``fused.decode_partials``: the skinny kernel's at N <=
-    2,048, FP8 W8A8's at a few rows) from the o and down products of a model whose K are whole
-    slices: the next norms sum them, and the outputs match the one-product path (and, bf16, the
-    unfused model)."""
+    2,048, FP8 W8A8's at a few rows; any K here) from the o and down products of a model whose K are
+    whole slices: the next norms sum them, and the outputs match the one-product path (and, bf16,
+    the unfused model)."""
     _skip_without_split_k()
+    monkeypatch.setattr(fused, "DECODE_SPLIT_MIN_K", 0)
     cfg = dict(TINY_CONFIG, vocab_size=512, hidden_size=512, intermediate_size=1024, num_attention_heads=8)
     path = tmp_path / "tiny512.json"
     path.write_text(json.dumps(cfg))

@@ -155,8 +155,10 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # where one column tile a program leaves SMs idle (``benchmarks/probes/skinny_split.py``, H200, the
 # product then the add-RMSNorm, 2 slices against one): bf16 up to ``DECODE_SPLIT_MAX_N`` columns
 # (Qwen3-30B-A3B's o, 64 tiles); FP8 W8A8 up to ``DECODE_SPLIT_FP8_ROWS`` rows, and past them the
-# products of K <= ``DECODE_SPLIT_FP8_MAX_K`` into at most as many columns (the 8B's o).
+# products of K <= ``DECODE_SPLIT_FP8_MAX_K`` into at most as many columns (the 8B's o). K at least
+# ``DECODE_SPLIT_MIN_K`` (the products measured: 4,096 and 14,336; a short K's programs are short).
 DECODE_SPLITS = 2
+DECODE_SPLIT_MIN_K = 4096
 DECODE_SPLIT_MAX_N = 2048
 DECODE_SPLIT_FP8_ROWS = 16
 DECODE_SPLIT_FP8_MAX_K = 4096
@@ -170,6 +172,8 @@ def decode_partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | N
 
     rows, k = x.shape
     if not (_SWITCHES["split_k"] and _use_triton(x) and rows <= skinny_matmul.MAX_ROWS):
+        return None
+    if k < DECODE_SPLIT_MIN_K:
         return None
     if getattr(layer, "bias", None) is not None or not skinny_matmul.hopper(x.device):
         return None
