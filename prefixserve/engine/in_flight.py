@@ -24,6 +24,13 @@ from prefixserve.sequence import PLACEHOLDER_TOKEN, Request, Sequence
 from prefixserve.worker.model_runner import Launch
 
 
+@dataclass(frozen=True, slots=True)
+class TakenTokens:
+    """A step's tokens waited for early: its sampling's result (None: the step sampled nothing)."""
+
+    result: SampleResult | None
+
+
 @dataclass(slots=True)
 class LaunchedStep:
     """A launched step: its sampled tokens are on their way from the device."""
@@ -38,9 +45,8 @@ class LaunchedStep:
     verified: list[Verified] = field(default_factory=list)  # speculated sequences (rows after the samplers')
     row_seqs: list[Sequence] = field(default_factory=list)  # the sequence of each speculated row
     # its tokens, where they were waited for as soon as its sampling went out and the rules took them
-    # then (``Engine._take_tokens``); ``taken`` says so, since a step may sample nothing (None)
-    result: SampleResult | None = None
-    taken: bool = False
+    # then (``Engine._take_tokens``); None: not yet
+    taken: TakenTokens | None = None
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
@@ -187,4 +193,11 @@ class InFlightTokens:
             sched.scheduled = keep
 
 
-__all__ = ["PLACEHOLDER_TOKEN", "HiddenToken", "InFlightTokens", "LaunchedStep", "PendingToken"]
+__all__ = [
+    "PLACEHOLDER_TOKEN",
+    "HiddenToken",
+    "InFlightTokens",
+    "LaunchedStep",
+    "PendingToken",
+    "TakenTokens",
+]

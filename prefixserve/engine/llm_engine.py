@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from prefixserve.engine.cache_pins import check_pins
 from prefixserve.engine.engine_services import EngineServices
 from prefixserve.engine.engine_setup import EngineSetup
-from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep
+from prefixserve.engine.in_flight import PLACEHOLDER_TOKEN, LaunchedStep, TakenTokens
 from prefixserve.engine.output_processor import request_output
 from prefixserve.engine.speculative import give_back, place_verified
 from prefixserve.engine.step_inputs import assemble_batch, gather_token_ids, take_recompute_ids
@@ -323,10 +323,10 @@ class Engine(EngineSetup, EngineServices):
         then filled in the matcher process while the host issues the next forward, places these tokens
         and plans the step after, instead of only during the last two. A device still busy with the
         forward before would be left idle while the host waits, so a GPU-bound step does not come here."""
-        launched.result, launched.taken = self.runner.wait(launched.launch), True
-        if launched.result is not None:
+        launched.taken = TakenTokens(self.runner.wait(launched.launch))
+        if launched.taken.result is not None:
             pending = self.in_flight_tokens.pending
-            tokens = launched.result.tokens
+            tokens = launched.taken.result.tokens
             self.rules.advance(launched.samplers, launched.indices, tokens, pending, launched.samplers)
 
     def _complete_or_fail(
@@ -362,7 +362,8 @@ class Engine(EngineSetup, EngineServices):
         self, launched: LaunchedStep, launched_after: LaunchedStep | None = None
     ) -> list[RequestOutput]:
         """Wait for the step's tokens and place them; outputs of requests that finished or stream."""
-        result = launched.result if launched.taken else self.runner.wait(launched.launch)
+        taken = launched.taken
+        result = taken.result if taken is not None else self.runner.wait(launched.launch)
         if result is not None:
             self._place_tokens(launched, result, launched_after)
         outputs: list[RequestOutput] = []
@@ -391,7 +392,7 @@ class Engine(EngineSetup, EngineServices):
         after = launched_after
         then = after.samplers if after is not None and after.sampling is not None else None
         pending = self.in_flight_tokens.pending
-        if not launched.taken:  # else the rules took them as they arrived (``_take_tokens``)
+        if launched.taken is None:  # else the rules took them as they arrived (``_take_tokens``)
             self.rules.advance(launched.samplers, launched.indices, result.tokens, pending, then)
         self.scheduler.update_from_output(
             launched.samplers, launched.indices, result, pending,
