@@ -136,8 +136,9 @@ def timed_decode(
     shutdown: bool = False,
 ) -> dict:
     """A warm-up run of ``prompts[1]``, then the timed run of ``prompts[0]``: decode tok/s and what the
-    run needed. ``shutdown``: the engine goes after (else the caller runs more on it: an engine that
-    loads in tens of seconds serves a grid of runs)."""
+    timed run needed (the KV pool's peak is reset before it; the device's peak memory and
+    ``graphs_captured`` count the engine's life). ``shutdown``: the engine goes after (else the
+    caller runs more on it: an engine that loads in tens of seconds serves a grid of runs)."""
     prompts, warm = prompts
     # Warm-up: the same batch shape and lengths with other tokens, so kernels compile and the decode
     # graphs of this run are captured before the clock starts. As long as the timed run: its graph keys
@@ -146,6 +147,9 @@ def timed_decode(
     llm.generate(
         warm, SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, max_tokens=gen, ignore_eos=True)
     )
+    # the pool's high-water mark from here: an engine that served runs before this one (a grid's)
+    # would report theirs (the warm-up's is the same shape's)
+    llm.engine.stats.kv_peak = 0
     before = llm.metrics()
     params = SamplingParams(n=n, temperature=0.0 if n == 1 else 1.0, seed=0, max_tokens=gen, ignore_eos=True)
     pauses = GCPauses()

@@ -89,11 +89,11 @@ def measure_mode(args: argparse.Namespace, fields: dict[str, Any]) -> dict[str, 
 def fit_part(model: str) -> dict[str, Any]:
     """``model`` with FP8 weights on this one GPU: weights, KV blocks, and 16 greedy tokens."""
     from benchmarks.dense import _collect
-    from benchmarks.fp8_fit import bf16_GiB
+    from benchmarks.harness.models import bf16_weights_GiB
     from prefixserve import LLM, SamplingParams
     from prefixserve.model.memory_fit import GiB, weight_bytes
 
-    out: dict[str, Any] = {"model": model, "bf16_weights_GiB": bf16_GiB(model)}
+    out: dict[str, Any] = {"model": model, "bf16_weights_GiB": bf16_weights_GiB(model)}
     try:
         t0 = time.perf_counter()
         llm = LLM(model=model, quantization="fp8", device="cuda", max_num_seqs=8, progress=False)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import RESULTS, TINY, dummy_model, pyplot, run_info, run_or_report, write_text
+from benchmarks.harness.models import bf16_weights_GiB
 from benchmarks.harness.output import write_json
 
 NAME = "fp8_fit"
@@ -57,6 +58,7 @@ def grid_part(
     """Every (B, P) point with sharing on and off, one engine a sharing mode, into ``out`` (saved after
     each point: a run cut short keeps what it measured)."""
     from benchmarks.decode_run import decode_engine, shared_prompts, timed_decode
+    from benchmarks.dense import _collect
     from prefixserve.model.memory_fit import GiB, weight_bytes
 
     device = "cpu" if args.smoke else "cuda"
@@ -100,19 +102,13 @@ def grid_part(
             save()
         llm.shutdown()
         del llm
-        _collect(device)
+        _collect()
 
 
 def _pool(args: argparse.Namespace) -> dict[str, Any]:
+    """The KV pool's size: a smoke run's small fixed one (the CPU's memory is the host's), else sized
+    from the free memory."""
     return {"num_kv_blocks": 512} if args.smoke else {}
-
-
-def _collect(device: str) -> None:
-    import gc
-
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace) -> None:
@@ -129,7 +125,7 @@ def run(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {
         **run_info(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("mode", "out")},
-        "bf16_weights_GiB": bf16_GiB(args.model),
+        "bf16_weights_GiB": bf16_weights_GiB(args.model),
         "grids": [],
         "serve": None,
     }
@@ -151,18 +147,6 @@ def run(args: argparse.Namespace) -> None:
             server_args=("--quantization", "fp8"),
         )  # fmt: skip
     save()
-
-
-def bf16_GiB(model: str) -> float:
-    """The model's weights in bf16, counted on the meta device (what one GPU would have to hold)."""
-    from prefixserve.model.config import ModelConfig
-    from prefixserve.model.llama import LlamaForCausalLM
-    from prefixserve.model.loader import resolve_model
-    from prefixserve.model.memory_fit import GiB, weight_bytes
-
-    with torch.device("meta"):
-        meta = LlamaForCausalLM(ModelConfig.from_json(resolve_model(model).path)).to(torch.bfloat16)
-    return weight_bytes(meta) / GiB
 
 
 def report(result: dict[str, Any], out_dir: Path) -> None:
@@ -188,9 +172,8 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
             f"B requests behind one P-token prefix, {s['own']} own tokens each, {s['gen']} generated; "
             "decode tokens/s (first token to last), CUDA graphs; sharing off reads the prefix for every row.",
             "",
-            "| B | P | sharing on tok/s | step ms | sharing off tok/s | step ms | on / off | KV blocks used "
-            "(on / off) | preemptions |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| B | P | sharing on tok/s | step ms | sharing off tok/s | step ms | on / off | preemptions |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in grid["points"]:
             lines.append("| " + " | ".join(_point_cells(r)) + " |")
@@ -218,8 +201,7 @@ def _point_cells(r: dict[str, Any]) -> list[str]:
         m = r.get(sharing)
         cells += [f"{m['tok_s']:,.0f}", f"{m['step_ms']:.1f}"] if m else ["-", "-"]
     cells.append(f"{r['on_over_off']:.2f}x" if "on_over_off" in r else "-")
-    used = [f"{r[m]['kv_blocks_used_peak']:,}" if m in r else "-" for m in SHARING]
-    cells += [" / ".join(used), str(sum(r[m]["preemptions"] for m in SHARING if m in r))]
+    cells.append(str(sum(r[m]["preemptions"] for m in SHARING if m in r)))
     return cells
 
 
@@ -234,7 +216,8 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     width = 0.8 / len(bars)
     for i, (weights, sharing) in enumerate(bars):
         grid = next(g for g in result["grids"] if g["weights"] == weights)
-        values = [r[sharing]["tok_s"] if sharing in r else 0.0 for r in grid["points"]]
+        got = {(r["B"], r["P"]): r[sharing]["tok_s"] for r in grid["points"] if sharing in r}
+        values = [got.get(point, 0.0) for point in points]  # a run cut short: its points not yet measured
         ax.bar(
             [j + i * width for j in range(len(points))], values, width, label=f"{weights}, sharing {sharing}"
         )

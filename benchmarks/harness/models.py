@@ -44,3 +44,17 @@ def model_config(name: str) -> dict[str, Any]:
     from prefixserve.model.loader import resolve_model
 
     return dict(json.loads(resolve_model(name).path.read_text()))
+
+
+def bf16_weights_GiB(model: str) -> float:
+    """The model's weights in bf16, counted on the meta device (what one GPU would have to hold)."""
+    import torch
+
+    from prefixserve.model.config import ModelConfig
+    from prefixserve.model.llama import LlamaForCausalLM
+    from prefixserve.model.loader import resolve_model
+    from prefixserve.model.memory_fit import GiB, weight_bytes
+
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(ModelConfig.from_json(resolve_model(model).path)).to(torch.bfloat16)
+    return weight_bytes(meta) / GiB

@@ -155,13 +155,13 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # where one column tile a program leaves SMs idle (``benchmarks/probes/skinny_split.py``, H200, the
 # product then the add-RMSNorm, 2 slices against one): bf16 up to ``DECODE_SPLIT_MAX_N`` columns
 # (Qwen3-30B-A3B's o, 64 tiles); FP8 W8A8 up to ``DECODE_SPLIT_FP8_ROWS`` rows, and past them the
-# products of K <= ``DECODE_SPLIT_FP8_MAX_K`` into at most as many columns (the 8B's o). K at least
+# products of K and N at most ``DECODE_SPLIT_FP8_MAX_SIDE`` (the 8B's o). K at least
 # ``DECODE_SPLIT_MIN_K`` (the products measured: 4,096 and 14,336; a short K's programs are short).
 DECODE_SPLITS = 2
 DECODE_SPLIT_MIN_K = 4096
 DECODE_SPLIT_MAX_N = 2048
 DECODE_SPLIT_FP8_ROWS = 16
-DECODE_SPLIT_FP8_MAX_K = 4096
+DECODE_SPLIT_FP8_MAX_SIDE = 4096
 
 
 def decode_partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
@@ -179,7 +179,7 @@ def decode_partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | N
         return None
     n = layer.weight.shape[0]
     if layer.weight.dtype == fp8.FP8:
-        if rows <= DECODE_SPLIT_FP8_ROWS or (k <= DECODE_SPLIT_FP8_MAX_K and n <= DECODE_SPLIT_FP8_MAX_K):
+        if rows <= DECODE_SPLIT_FP8_ROWS or max(k, n) <= DECODE_SPLIT_FP8_MAX_SIDE:
             return fp8.partials(layer, x, DECODE_SPLITS)
         return None
     if n > DECODE_SPLIT_MAX_N or not skinny_matmul.supported(x, layer.weight):

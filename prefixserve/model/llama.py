@@ -219,9 +219,11 @@ class Attention(nn.Module):
 
     def output(
         self, out: torch.Tensor, for_norm: bool = False
-    ) -> torch.Tensor | fused.PeerSum:  # attention output [T, Hq, D] -> [T, hidden]
+    ) -> torch.Tensor | fused.PeerSum:  # attention output [T, Hq, D] -> [T, hidden] (or [S, T, hidden])
         """o_proj of the attention output, the ranks' partial products summed (with ``for_norm``,
-        maybe by the norm that follows: ``RowParallelLinear.reduced``'s ``ATTENTION_SLOT``)."""
+        maybe by the norm that follows: ``RowParallelLinear.reduced``'s ``ATTENTION_SLOT``). With
+        ``for_norm`` in one process it may be fp32 split-K partials [S, T, hidden] that norm sums
+        (``fused.decode_partials``)."""
         if self.gated:
             out = gated_output(self, out)
         flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -53,8 +53,66 @@ def test_fp8_partials_sum_to_the_product(m: int, n: int, k: int, splits: int, fo
     x_codes = quantize_rows(x) if form == "w8a8" else None
     parts = fp8_partials(x, codes, scale, splits, x_codes=x_codes)
     assert parts.shape == (splits, m, n) and parts.dtype == torch.float32
-    xs = x.float() if x_codes is None else x_codes[0].float() * x_codes[1]
-    want = xs.double() @ fp8.dequantize(codes, scale).double().T
-    torch.testing.assert_close(parts.sum(0).double(), want, rtol=2e-3, atol=2e-3)
+    xs = (x.float() if x_codes is None else x_codes[0].float() * x_codes[1]).double()
+    wd = fp8.dequantize(codes, scale).double()
+    width = k // splits
+    for s in range(splits):  # each plane its own slice: a kernel summing all K in one would fail here
+        cols = slice(s * width, (s + 1) * width)
+        torch.testing.assert_close(parts[s].double(), xs[:, cols] @ wd[:, cols].T, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(parts.sum(0).double(), xs @ wd.T, rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="multiple of"):
         fp8_partials(x, codes, scale, 7)
+
+
+class _Recorder:
+    """Stands in for a module's bound kernel: keeps each call's (grid, args, kw), then launches."""
+
+    def __init__(self, bound) -> None:
+        self.bound, self.calls = bound, []
+
+    def __call__(self, grid, *args, **kw) -> None:
+        self.calls.append((grid, args, kw))
+        self.bound(grid, *args, **kw)
+
+
+def test_every_launch_of_the_products_keeps_the_fast_relaunch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch.record`` keeps a launch for the fast path only when every argument past the
+    positional ones comes by keyword: the split arguments must be passed on unsplit launches too,
+    or every eager product of a few rows pays Triton's whole launch."""
+    from types import SimpleNamespace
+
+    from prefixserve.model.kernels import fp8_matmul, skinny_matmul
+    from prefixserve.triton_support.launch import record
+
+    skinny, fp8_bound = _Recorder(skinny_matmul._skinny), _Recorder(fp8_matmul._fp8)
+    monkeypatch.setattr(skinny_matmul, "_skinny", skinny)
+    monkeypatch.setattr(fp8_matmul, "_fp8", fp8_bound)
+    x = torch.randn(2, 512).to(DEVICE, torch.float16)
+    w = torch.randn(8, 512).to(DEVICE, torch.float16)
+    skinny_matmul.skinny_linear(x, w)
+    skinny_matmul.skinny_partials(x, w, 2)
+    codes, scale = (t.to(DEVICE) for t in fp8.quantize_rows(torch.randn(8, 512)))
+    fp8_matmul.fp8_linear(x, codes, scale)
+    fp8_partials(x, codes, scale, 2, x_codes=quantize_rows(x))
+    fake = SimpleNamespace(run=None, packed_metadata=None)
+    for recorder, kernel in ((skinny, skinny_matmul._skinny_kernel), (fp8_bound, fp8_matmul._fp8_kernel)):
+        assert len(recorder.calls) == 2
+        for grid, args, kw in recorder.calls:
+            assert record(kernel, grid, args, kw, fake).compiled is fake, kw
+
+
+def test_split_launches_refuse_a_bias_and_a_wrong_out() -> None:
+    from prefixserve.model.kernels import fp8_matmul, skinny_matmul
+
+    x = torch.randn(2, 512).to(DEVICE, torch.float16)
+    w = torch.randn(8, 512).to(DEVICE, torch.float16)
+    parts = torch.empty(2, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="no bias"):
+        skinny_matmul._launch(x, w, torch.zeros(8).to(DEVICE, torch.float16), (32, 2), out=parts, splits=2)
+    with pytest.raises(ValueError, match="contiguous fp32 out"):
+        skinny_matmul._launch(x, w, None, (32, 2), out=None, splits=2)
+    codes, scale = (t.to(DEVICE) for t in fp8.quantize_rows(torch.randn(8, 512)))
+    with pytest.raises(ValueError, match="contiguous fp32 out"):
+        fp8_matmul.launch(x, codes, scale, None, parts[:1], splits=2)
+    with pytest.raises(ValueError, match="per-channel"):
+        fp8_partials(x, codes, scale.repeat(1, 4), 2, x_codes=quantize_rows(x))

@@ -178,6 +178,8 @@ def fp8_partials(
     slices of K, each a multiple of the stage's columns (``block_k_for``): as
     ``skinny_matmul.skinny_partials``, the next kernel sums them."""
     m, k = x.shape
+    if x_codes is not None and (scale.shape[1] != 1 or x_codes[0].shape != x.shape):
+        raise ValueError("x codes need per-channel weight scales and x's shape")
     block_k = block_k_for(m, scale.shape[1] > 1)
     if not supported(x, codes, scale) or splits < 1 or k % (splits * block_k):
         raise ValueError(
@@ -202,11 +204,11 @@ def launch(
     [splits, M, N] (``fp8_partials``)."""
     m, k = x.shape
     n = codes.shape[0]
-    if out is None:
+    if splits > 1:
+        skinny_matmul.check_partials(out, splits, m, n, x.device, bias is None)
+    elif out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif splits == 1 and (
-        out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device
-    ):
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
     grouped = scale.shape[1] > 1
     block_k = block_k_for(m, grouped)
@@ -214,9 +216,10 @@ def launch(
     if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    split = {}
+    # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
+    split = {"SPLIT": splits > 1, "K_SLICE": k // splits, "stride_os": out.stride(0) if splits > 1 else 0}
     if splits > 1:
-        grid, split = (*grid, splits), {"SPLIT": True, "K_SLICE": k // splits, "stride_os": out.stride(0)}
+        grid = (*grid, splits)
     xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
     _fp8(
         grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,

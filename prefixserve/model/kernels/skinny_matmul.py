@@ -220,8 +220,8 @@ def skinny_partials(
 ) -> torch.Tensor:
     """fp32 partials [splits, M, N] of ``x @ weight.T`` over equal slices of K, for ``supported``
     inputs with K a multiple of ``splits * BLOCK_K`` (no bias): the product's programs times
-    ``splits``, where too few column tiles would leave SMs idle; the next kernel sums them (an
-    add-RMSNorm, the RoPE kernel: ``fused.add_rms_norm``, ``fused.rope_qkv``)."""
+    ``splits``, where too few column tiles would leave SMs idle; the next kernel, an add-RMSNorm,
+    sums them (``fused.decode_partials``, ``fused.add_rms_norm``)."""
     m, k = x.shape
     if not supported(x, weight) or splits < 1 or k % (splits * BLOCK_K):
         raise ValueError(
@@ -231,6 +231,20 @@ def skinny_partials(
     out = torch.empty(splits, m, weight.shape[0], dtype=torch.float32, device=x.device)
     config = config or skinny_config(m, weight.shape[0]) or (32, 6)
     return _launch(x, weight, None, config, out=out, splits=splits)
+
+
+def check_partials(
+    out: torch.Tensor | None, splits: int, m: int, n: int, device: torch.device, plain: bool
+) -> None:
+    """A split launch writes fp32 planes [splits, m, n] into ``out``, each plane a slice's product:
+    a bias or an activation (``plain`` False) would be applied to every plane."""
+    if not plain:
+        raise ValueError("split-K partials take no bias and no activation: the next kernel sums the planes")
+    if out is None or out.shape != (splits, m, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        got = None if out is None else (tuple(out.shape), out.dtype)
+        raise ValueError(f"split-K partials need a contiguous fp32 out of [{splits}, {m}, {n}]: {got}")
+    if out.device != device:
+        raise ValueError(f"out on {out.device}, x on {device}")
 
 
 def _launch(
@@ -247,13 +261,14 @@ def _launch(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n, stages = config
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    if out is None:
+    if splits > 1:
+        check_partials(out, splits, m, n, x.device, bias is None and not gated)
+    elif out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif splits == 1 and (
-        out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device
-    ):
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
-    split = {"SPLIT": True, "K_SLICE": k // splits, "stride_os": out.stride(0)} if splits > 1 else {}
+    # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
+    split = {"SPLIT": splits > 1, "K_SLICE": k // splits, "stride_os": out.stride(0) if splits > 1 else 0}
     grid = (triton.cdiv(n, block_n),) if splits == 1 else (triton.cdiv(n, block_n), splits)
     _skinny(
         grid, x, weight, out, x if bias is None else bias, m, n, k,
@@ -267,6 +282,7 @@ def _launch(
 __all__ = [
     "MAX_ROWS",
     "MIN_GATED_COLUMNS",
+    "check_partials",
     "device_ok",
     "gated",
     "gated_config",
