@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.metadata import AttentionMetadata, build_metadata
 from prefixserve.kv.cache import KVCache
-from prefixserve.model import fused
+from prefixserve.model import decode_split, fused
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import LlamaForCausalLM
 from prefixserve.model.loader import ModelSource, load_model
@@ -339,12 +339,12 @@ def test_split_k_qkv_projection_matches_one_matmul_on_gpu(
 def test_decode_partials_match_one_product_on_gpu(
     quantization: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The decode rule's split-K partials (``fused.decode_partials``: the skinny kernel's at N <=
+    """The decode rule's split-K partials (``decode_split.partials``: the skinny kernel's at N <=
     2,048, FP8 W8A8's at a few rows; any K here) from the o and down products of a model whose K are
     whole slices: the next norms sum them, and the outputs match the one-product path (and, bf16,
     the unfused model)."""
     _skip_without_split_k()
-    monkeypatch.setattr(fused, "DECODE_SPLIT_MIN_K", 0)
+    monkeypatch.setattr(decode_split, "MIN_K", 0)
     cfg = dict(TINY_CONFIG, vocab_size=512, hidden_size=512, intermediate_size=1024, num_attention_heads=8)
     path = tmp_path / "tiny512.json"
     path.write_text(json.dumps(cfg))
@@ -352,7 +352,7 @@ def test_decode_partials_match_one_product_on_gpu(
     model, _ = load_model(source, torch.bfloat16, torch.device("cuda"), quantization=quantization)
     layer = model.model.layers[0]
     x = torch.randn(5, 512, device="cuda").bfloat16()
-    assert fused.decode_partials(x, layer.self_attn.o_proj).shape == (2, 5, 512)
+    assert decode_split.partials(x, layer.self_attn.o_proj).shape == (2, 5, 512)
     assert layer.mlp(x, partials=True).shape == (2, 5, 512)
     if quantization is None:
         _assert_split_k_matches_one_matmul(model)

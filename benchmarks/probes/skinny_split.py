@@ -9,7 +9,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 (W8A8, x's codes given) at the shapes named; the error is the pair's norm output against fp64.
 
 ``--engine-ab MODEL ...`` times whole decode steps (``benchmarks.dense.engine_decode``, CUDA graphs,
-128-token prompts, 64 generated) with the engine's decode rule (``fused.decode_partials``) off and on,
+128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on,
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 

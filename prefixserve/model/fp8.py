@@ -187,7 +187,7 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
 def partials(layer: nn.Module, x: torch.Tensor, splits: int) -> torch.Tensor | None:
     """fp32 split-K partials [splits, M, N] of ``linear(layer, x)`` on its W8A8 Triton path (a decode
     step's rows, per-channel weights, x quantized per token or by its static scale, no bias), for a
-    kernel next that sums them (``fused.decode_partials``); None where that path does not take it."""
+    kernel next that sums them (``decode_split.partials``); None where that path does not take it."""
     from prefixserve.model.kernels import fp8_matmul
 
     codes, scale = layer.weight, layer.weight_scale

@@ -43,6 +43,12 @@ def _use_triton(x: torch.Tensor) -> bool:
     return _SWITCHES["triton"] and x.is_cuda and triton_available()
 
 
+def split_k_taken(x: torch.Tensor) -> bool:
+    """Whether a product of ``x`` may hand the next kernel split-K partials: the switch on
+    (``split_k_products``) and x on the Triton path."""
+    return _SWITCHES["split_k"] and _use_triton(x)
+
+
 @contextmanager
 def _switched(name: str, enabled: bool) -> Iterator[None]:
     before, _SWITCHES[name] = _SWITCHES[name], enabled
@@ -148,45 +154,6 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     split K, which reduces its partials in a kernel of its own)."""
     splits = split_k_for(x, weight)
     return split_k_matmul(x, weight, splits) if splits else linear(x, weight)
-
-
-# A decode step's products (1-64 rows, the skinny and FP8 kernels) whose output goes to the next
-# norm, cut into K slices whose fp32 partials that norm sums: each program is a (column tile, slice),
-# where one column tile a program leaves SMs idle (``benchmarks/probes/skinny_split.py``, H200, the
-# product then the add-RMSNorm, 2 slices against one): bf16 up to ``DECODE_SPLIT_MAX_N`` columns
-# (Qwen3-30B-A3B's o, 64 tiles); FP8 W8A8 up to ``DECODE_SPLIT_FP8_ROWS`` rows, and past them the
-# products of K and N at most ``DECODE_SPLIT_FP8_MAX_SIDE`` (the 8B's o). K at least
-# ``DECODE_SPLIT_MIN_K`` (the products measured: 4,096 and 14,336; a short K's programs are short).
-DECODE_SPLITS = 2
-DECODE_SPLIT_MIN_K = 4096
-DECODE_SPLIT_MAX_N = 2048
-DECODE_SPLIT_FP8_ROWS = 16
-DECODE_SPLIT_FP8_MAX_SIDE = 4096
-
-
-def decode_partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
-    """fp32 split-K partials [S, T, N] of ``layer(x)`` (a replicated, bias-free projection) where the
-    decode rule above takes the product, for ``add_rms_norm`` to sum; None: run the product whole."""
-    from prefixserve.model import fp8
-    from prefixserve.model.kernels import skinny_matmul
-
-    rows, k = x.shape
-    if not (_SWITCHES["split_k"] and _use_triton(x) and rows <= skinny_matmul.MAX_ROWS):
-        return None
-    if k < DECODE_SPLIT_MIN_K:
-        return None
-    if getattr(layer, "bias", None) is not None or not skinny_matmul.hopper(x.device):
-        return None
-    n = layer.weight.shape[0]
-    if layer.weight.dtype == fp8.FP8:
-        if rows <= DECODE_SPLIT_FP8_ROWS or max(k, n) <= DECODE_SPLIT_FP8_MAX_SIDE:
-            return fp8.partials(layer, x, DECODE_SPLITS)
-        return None
-    if n > DECODE_SPLIT_MAX_N or not skinny_matmul.supported(x, layer.weight):
-        return None
-    if k % (DECODE_SPLITS * skinny_matmul.BLOCK_K):
-        return None
-    return skinny_matmul.skinny_partials(x, layer.weight, DECODE_SPLITS)
 
 
 def qkv_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -501,7 +468,6 @@ __all__ = [
     "activation",
     "add_rms_norm",
     "apply_rope",
-    "decode_partials",
     "gate_up_kernels",
     "linear",
     "linear_partials",
@@ -521,5 +487,6 @@ __all__ = [
     "split_k_matmul",
     "split_k_operands",
     "split_k_products",
+    "split_k_taken",
     "triton_kernels",
 ]

@@ -28,7 +28,7 @@ from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.kv_quant import kv_write, scales_of
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.window import attend_layer
-from prefixserve.model import fp8, fused
+from prefixserve.model import decode_split, fp8, fused
 from prefixserve.model.config import LINEAR, LayerSpec, ModelConfig
 from prefixserve.model.gated_attention import gated_attention_init, gated_output, gated_rotated
 from prefixserve.model.gated_delta import GatedDeltaNet, LinearStep
@@ -223,14 +223,14 @@ class Attention(nn.Module):
         """o_proj of the attention output, the ranks' partial products summed (with ``for_norm``,
         maybe by the norm that follows: ``RowParallelLinear.reduced``'s ``ATTENTION_SLOT``). With
         ``for_norm`` in one process it may be fp32 split-K partials [S, T, hidden] that norm sums
-        (``fused.decode_partials``)."""
+        (``decode_split.partials``)."""
         if self.gated:
             out = gated_output(self, out)
         flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if hasattr(self, "o_bias"):  # the sum, then the bias once
             return self.o_proj.reduced(flat, self.shard) + self.o_bias
         if for_norm and not self.shard.parallel and flat.is_cuda:  # the norm may sum split-K partials
-            parts = fused.decode_partials(flat, self.o_proj)
+            parts = decode_split.partials(flat, self.o_proj)
             if parts is not None:
                 return parts
         return self.o_proj.reduced(flat, self.shard, slot=ATTENTION_SLOT if for_norm else None)
@@ -264,7 +264,7 @@ class MLP(nn.Module):
         else:
             act = fused.silu_and_mul(self.gate_up_proj(x), gelu, fp8.takes_rows(self.down_proj))
         if partials and not self.shard.parallel and act.is_cuda:
-            parts = fused.decode_partials(act, self.down_proj)
+            parts = decode_split.partials(act, self.down_proj)
             if parts is not None:
                 return parts
             if not self.down_proj.fp8:

@@ -7,7 +7,7 @@ projections at 66-79% of the copy rate on an H100 (docs/kernels.md §7). Here ea
 (``STAGES`` loads in flight) and multiplies it by the rows of x (small, from L2) on the tensor cores,
 fp32 accumulation. Splitting K with a second kernel to sum the parts measured no faster at any
 shape; where the next kernel is a norm that sums fp32 partials, ``skinny_partials`` hands it K
-slices instead (``fused.decode_partials``: narrow products, whose few column tiles leave SMs idle).
+slices instead (``decode_split.partials``: narrow products, whose few column tiles leave SMs idle).
 ``skinny_config`` picks the tiles, from a sweep on the H100;
 other GPUs keep cuBLAS (the tiles are Hopper's: 128 x 128-column tiles four deep need more shared
 memory than an sm_86 / sm_89 SM has, and nothing was measured there).
@@ -221,7 +221,7 @@ def skinny_partials(
     """fp32 partials [splits, M, N] of ``x @ weight.T`` over equal slices of K, for ``supported``
     inputs with K a multiple of ``splits * BLOCK_K`` (no bias): the product's programs times
     ``splits``, where too few column tiles would leave SMs idle; the next kernel, an add-RMSNorm,
-    sums them (``fused.decode_partials``, ``fused.add_rms_norm``)."""
+    sums them (``decode_split.partials``, ``fused.add_rms_norm``)."""
     m, k = x.shape
     if not supported(x, weight) or splits < 1 or k % (splits * BLOCK_K):
         raise ValueError(

@@ -1,0 +1,46 @@
+"""Which decode products hand the next norm split-K partials instead of their product.
+
+A decode step's products (1-64 rows, the skinny and FP8 kernels) whose output goes to the next norm
+can be cut into K slices whose fp32 partials that norm sums (``fused.add_rms_norm`` takes [S, T, N]):
+each program is then a (column tile, slice), where one column tile a program leaves SMs idle
+(``benchmarks/probes/skinny_split.py``, H200, the product then the add-RMSNorm, 2 slices against one;
+docs/kernels.md §7): bf16 up to ``MAX_N`` columns (Qwen3-30B-A3B's o, 64 tiles); FP8 W8A8 up to
+``FP8_ROWS`` rows, and past them the products of K and N at most ``FP8_MAX_SIDE`` (the 8B's o). K at
+least ``MIN_K`` (the products measured: 4,096 and 14,336; a short K's programs are short). Its own
+module: the rule needs both the fused path's switches and the FP8 layers, which import the former.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.model import fp8, fused
+
+SPLITS = 2
+MIN_K = 4096
+MAX_N = 2048
+FP8_ROWS = 16
+FP8_MAX_SIDE = 4096
+
+
+def partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
+    """fp32 split-K partials [S, T, N] of ``layer(x)`` (a replicated, bias-free projection) where the
+    rule above takes the product, for the norm after it to sum; None: run the product whole."""
+    from prefixserve.model.kernels import skinny_matmul
+
+    rows, k = x.shape
+    if not (fused.split_k_taken(x) and rows <= skinny_matmul.MAX_ROWS) or k < MIN_K:
+        return None
+    if getattr(layer, "bias", None) is not None or not skinny_matmul.hopper(x.device):
+        return None
+    n = layer.weight.shape[0]
+    if layer.weight.dtype == fp8.FP8:
+        if rows <= FP8_ROWS or max(k, n) <= FP8_MAX_SIDE:
+            return fp8.partials(layer, x, SPLITS)
+        return None
+    if n > MAX_N or not skinny_matmul.supported(x, layer.weight) or k % (SPLITS * skinny_matmul.BLOCK_K):
+        return None
+    return skinny_matmul.skinny_partials(x, layer.weight, SPLITS)
+
+
+__all__ = ["FP8_MAX_SIDE", "FP8_ROWS", "MAX_N", "MIN_K", "SPLITS", "partials"]
