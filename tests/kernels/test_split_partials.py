@@ -116,3 +116,52 @@ def test_split_launches_refuse_a_bias_and_a_wrong_out() -> None:
         fp8_matmul.launch(x, codes, scale, None, parts[:1], splits=2)
     with pytest.raises(ValueError, match="per-channel"):
         fp8_partials(x, codes, scale.repeat(1, 4), 2, x_codes=quantize_rows(x))
+
+
+def test_the_decode_rule_takes_the_products_it_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode_split.partials`` at small stand-ins for its thresholds (the interpreter's sizes): a
+    narrow bf16 product and an FP8 one at a few rows come back as 2 planes summing to the product;
+    wider, shorter-K, biased, many-row FP8 and too-many-row products come back None (one product)."""
+    from types import SimpleNamespace
+
+    from prefixserve.model import decode_split, fused
+    from prefixserve.model.kernels import skinny_matmul
+
+    monkeypatch.setattr(fused, "split_k_taken", lambda x: True)  # CUDA-only switches: the rule alone
+    monkeypatch.setattr(skinny_matmul, "hopper", lambda device: True)
+    monkeypatch.setattr(decode_split, "MIN_K", 512)
+    monkeypatch.setattr(decode_split, "MAX_N", 64)
+    monkeypatch.setattr(decode_split, "FP8_ROWS", 4)
+    monkeypatch.setattr(decode_split, "FP8_MAX_SIDE", 512)
+
+    def dense(n: int, k: int, bias: bool = False) -> SimpleNamespace:
+        w = (torch.randn(n, k) / k**0.5).to(DEVICE, torch.float16)
+        return SimpleNamespace(weight=w, bias=torch.zeros(n).to(DEVICE, torch.float16) if bias else None)
+
+    def quantized(n: int, k: int) -> SimpleNamespace:
+        codes, scale = fp8.quantize_rows(torch.randn(n, k) / k**0.5)
+        return SimpleNamespace(
+            weight=codes.to(DEVICE),
+            weight_scale=scale.to(DEVICE),
+            bias=None,
+            act_quant="dynamic",
+            input_scale=None,
+        )
+
+    def x(rows: int, k: int) -> torch.Tensor:
+        return torch.randn(rows, k).to(DEVICE, torch.float16)
+
+    layer = dense(64, 512)
+    inp = x(3, 512)
+    parts = decode_split.partials(inp, layer)
+    assert parts.shape == (2, 3, 64)
+    torch.testing.assert_close(
+        parts.sum(0).double(), inp.double() @ layer.weight.double().T, rtol=1e-3, atol=1e-3
+    )
+    assert decode_split.partials(x(3, 512), dense(96, 512)) is None  # wider than MAX_N
+    assert decode_split.partials(x(3, 256), dense(64, 256)) is None  # K under MIN_K
+    assert decode_split.partials(x(3, 512), dense(64, 512, bias=True)) is None
+    assert decode_split.partials(x(65, 512), dense(64, 512)) is None  # past the decode kernels' rows
+    assert decode_split.partials(x(3, 512), quantized(128, 512)).shape == (2, 3, 128)  # FP8, a few rows
+    assert decode_split.partials(x(8, 512), quantized(128, 512)).shape == (2, 8, 128)  # both sides small
+    assert decode_split.partials(x(8, 1024), quantized(128, 1024)) is None  # more rows, K too long
