@@ -25,7 +25,7 @@ import json
 import torch
 
 from benchmarks.harness import run_info
-from benchmarks.harness.timing import graph_ms
+from benchmarks.harness.timing import cold_weights, graph_ms
 from prefixserve.model import fp8, fused
 from prefixserve.model.kernels import fp8_matmul, skinny_matmul
 from prefixserve.model.kernels.rms_norm import add_rms_norm_ref
@@ -46,14 +46,10 @@ SHAPES = {
 
 
 def _weights(n: int, k: int, fp8_weights: bool, budget: int = 256 << 20) -> list:
-    """Enough copies of one random weight to fill ``budget`` bytes (each out of L2 when it comes
-    round again): bf16 tensors, or (codes, scales) pairs."""
-    size = n * k * (1 if fp8_weights else 2)
-    out = []
-    for _ in range(max(2, -(-budget // size))):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        out.append(fp8.quantize_rows(w) if fp8_weights else w)
-    return out
+    """Copies of a random weight filling ``budget`` bytes (``timing.cold_weights``: each out of L2
+    when it comes round again): bf16 tensors, or their (codes, scales) at half the bytes a copy."""
+    ws = cold_weights(n, k, 1 / k**0.5, budget=2 * budget if fp8_weights else budget)
+    return [fp8.quantize_rows(w) for w in ws] if fp8_weights else ws
 
 
 def _product(x, x_codes, w, splits: int) -> torch.Tensor:
