@@ -79,18 +79,13 @@ def measure(
     prompts: tuple[list[dict], list[dict]],  # (measured, warm-up): same lengths, other tokens
     gen: int,
     n: int = 1,
-    eager: bool = False,
-    tp: int = 1,
-    peer_allreduce: bool = True,
-    max_batched: int = 16384,
-    **engine: object,  # more EngineConfig fields (keep_sliding_kv=True: every layer's KV kept)
+    **engine: object,  # ``decode_engine``'s options (eager, tp, peer_allreduce, max_batched) and more
 ) -> dict:
     """One engine made for ``prompts`` (``decode_engine``), its timed run (``timed_decode``), and the
     engine shut down."""
-    llm = decode_engine(
-        model, device, attention, len(prompts[0]) * n, eager, tp, peer_allreduce, max_batched, **engine
-    )
-    result = timed_decode(llm, device, prompts, gen, n, shutdown=True)
+    llm = decode_engine(model, device, attention, len(prompts[0]) * n, **engine)
+    result = timed_decode(llm, device, prompts, gen, n)
+    llm.shutdown()  # tensor parallelism: the workers and the process group go now, not at exit
     # the engine's memory goes back now, not when this frame ends: the next engine of the caller's
     # sizes its KV pool from the memory free at its start (allocator caches count as used)
     del llm
@@ -133,12 +128,11 @@ def timed_decode(
     prompts: tuple[list[dict], list[dict]],  # (measured, warm-up): same lengths, other tokens
     gen: int,
     n: int = 1,
-    shutdown: bool = False,
 ) -> dict:
     """A warm-up run of ``prompts[1]``, then the timed run of ``prompts[0]``: decode tok/s and what the
     timed run needed (the KV pool's peak is reset before it; the device's peak memory and
-    ``graphs_captured`` count the engine's life). ``shutdown``: the engine goes after (else the
-    caller runs more on it: an engine that loads in tens of seconds serves a grid of runs)."""
+    ``graphs_captured`` count the engine's life). The engine stays: its caller may run more on it
+    (an engine that loads in tens of seconds serves a grid of runs) and shuts it down."""
     prompts, warm = prompts
     # Warm-up: the same batch shape and lengths with other tokens, so kernels compile and the decode
     # graphs of this run are captured before the clock starts. As long as the timed run: its graph keys
@@ -198,10 +192,4 @@ def timed_decode(
         kv_pool = engine.kv.tensor.numel() * engine.kv.tensor.element_size()
         peak = torch.cuda.max_memory_allocated() - kv_pool + after["kv_blocks_used_peak"] * kv_block_bytes
         result["memory_needed_gb"] = peak / 1e9
-    if shutdown:
-        llm.shutdown()  # tensor parallelism: the workers and the process group go now, not at exit
-    del llm, outs, engine
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return result
