@@ -163,3 +163,36 @@ def test_codes_made_by_the_norms_change_no_token(
     assert any(found) and not all(found)  # codes handed to q/k/v, gate-up and down; o quantizes its own
     monkeypatch.setattr(fp8, "takes_rows", lambda layer: False)
     assert handed == _greedy(model, prompt_len=40, quantization="fp8")
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_fused_gate_up_equals_the_product_then_silu_and_mul(m: int) -> None:
+    """The FP8 gate-up product with SiLU-and-mul in its epilogue (``fp8.gated``, Llama-3.1-8B's
+    shape) against the product then the SiLU-and-mul kernel: the same codes in, rounded alike; the
+    codes it hands the down product equal the quantize kernel's of its output."""
+    from prefixserve.model import fused
+    from prefixserve.model.kernels import fp8_matmul
+
+    layer = _layer(4096, 2 * 14336)
+    x = _x(m, 4096)
+    got = fp8.gated(layer, x, quantize=True)
+    assert got is not None and got.shape == (m, 14336)
+    with fused.gate_up_kernels(False):
+        assert fp8.gated(layer, x) is None
+    want = fused.silu_and_mul(fp8.linear(layer, x))
+    _close(got, want)
+    codes, scales = fp8.rows_of(got)
+    want_codes, want_scales = fp8_matmul.quantize_rows(got)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+
+
+def test_fused_gate_up_changes_no_token(tiny_config_path: Path) -> None:
+    """A dummy model with ``quantization="fp8"``: the same greedy tokens with the gate-up's activation
+    fused (decode steps under graphs) as with the product then SiLU-and-mul."""
+    from prefixserve.model import fused
+
+    model = f"dummy:{tiny_config_path}"
+    fused_tokens = _greedy(model, quantization="fp8")
+    with fused.gate_up_kernels(False):
+        assert fused_tokens == _greedy(model, quantization="fp8")

@@ -9,7 +9,8 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 (W8A8, x's codes given) at the shapes named; the error is the pair's norm output against fp64.
 
 ``--engine-ab MODEL ...`` times whole decode steps (``benchmarks.dense.engine_decode``, CUDA graphs,
-128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on,
+128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on
+(``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -99,8 +100,12 @@ def point(name: str, rows: int, splits: list[int]) -> dict:
     return row
 
 
-def engine_ab(models: list[str], batches: list[int], rounds: int) -> list[dict]:
-    """Whole decode steps with the decode split rule off and on (a fresh engine each, in turn)."""
+SWITCHES = {"split_k": fused.split_k_products, "gate_up": fused.gate_up_kernels}  # --switch: what A/B turns
+
+
+def engine_ab(models: list[str], batches: list[int], rounds: int, switch: str = "split_k") -> list[dict]:
+    """Whole decode steps with ``switch`` off and on (the decode split rule, or the gate-up product's
+    fused activation: ``SWITCHES``), a fresh engine each, in turn."""
     from benchmarks.dense import _collect, engine_decode
     from prefixserve import LLM
 
@@ -108,15 +113,15 @@ def engine_ab(models: list[str], batches: list[int], rounds: int) -> list[dict]:
     for spec in models:
         name, _, quant = spec.partition("+")
         for r in range(rounds):
-            for split in (False, True) if r % 2 == 0 else (True, False):
-                with fused.split_k_products(split):
+            for on in (False, True) if r % 2 == 0 else (True, False):
+                with SWITCHES[switch](on):
                     llm = LLM(
                         model=name, quantization=quant or None, dtype="bfloat16", device="cuda",
                         max_num_seqs=max(batches), max_num_batched_tokens=8192, progress=False,
                     )  # fmt: skip
                     for b in batches:
                         got = engine_decode(llm, b, 128, 64)
-                        rows.append({"model": spec, "round": r, "split": split, "B": b, **got})
+                        rows.append({"model": spec, "round": r, "switch": switch, "on": on, "B": b, **got})
                         print(rows[-1], flush=True)
                     llm.shutdown()
                     del llm
@@ -124,8 +129,8 @@ def engine_ab(models: list[str], batches: list[int], rounds: int) -> list[dict]:
     for spec in models:
         for b in batches:
             mine = [x for x in rows if x["model"] == spec and x["B"] == b]
-            off = min(x["ms"] for x in mine if not x["split"])
-            on = min(x["ms"] for x in mine if x["split"])
+            off = min(x["ms"] for x in mine if not x["on"])
+            on = min(x["ms"] for x in mine if x["on"])
             print(f"{spec:>28} B={b:3d}: off {off:.3f} ms, on {on:.3f} ms ({off / on:.3f}x)", flush=True)
     return rows
 
@@ -139,6 +144,7 @@ def main() -> None:
     ap.add_argument("--engine-ab", nargs="*", default=[])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="split_k", help="what --engine-ab turns")
     args = ap.parse_args()
     from benchmarks.harness.timing import measure_ceilings
 
@@ -161,7 +167,7 @@ def main() -> None:
             )
     payload = {**run_info(), "copy_TBps": copy_tbps, "rows": rows}
     if args.engine_ab:
-        payload["engine_ab"] = engine_ab(args.engine_ab, args.batches, args.rounds)
+        payload["engine_ab"] = engine_ab(args.engine_ab, args.batches, args.rounds, args.switch)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)

@@ -1,4 +1,4 @@
-"""Where a tensor-parallel decode step's time goes: rank 0's kernels per decode step, by kind.
+"""Where a decode step's time goes (tensor-parallel or one GPU): rank 0's kernels per step, by kind.
 
 One engine per process (only a process's first tensor-parallel engine gets the peer all-reduce), the
 8B-shaped dummy model, B requests sharing a P-token prefix, decode steps under CUDA graphs as served.
@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--cuda-only", action="store_true", help="record GPU activity alone (less host overhead)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep-sliding-kv", action="store_true", help="every layer's KV kept (kv/layout.py)")
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"], help="FP8 weights (issue 103)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
 
     llm = LLM(
@@ -114,6 +116,8 @@ def main() -> None:
         max_num_batched_tokens=args.max_batched_tokens,
         progress=False,
         keep_sliding_kv=args.keep_sliding_kv,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
     llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=1), params)  # warm: graphs, compiles
@@ -140,6 +144,8 @@ def main() -> None:
         "keep_sliding_kv": args.keep_sliding_kv,
         "batch": args.batch,
         "prefix": args.prefix,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "commit": git_commit(),

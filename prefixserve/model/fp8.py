@@ -203,6 +203,31 @@ def partials(layer: nn.Module, x: torch.Tensor, splits: int) -> torch.Tensor | N
     return fp8_matmul.fp8_partials(x, codes, scale, splits, xq)
 
 
+def gated(
+    layer: nn.Module, x: torch.Tensor, gelu: bool = False, quantize: bool = False
+) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a fused gate-up FP8 layer's product in one kernel (``fp8_matmul.fp8_gated``,
+    its activation in the epilogue: the [M, 2I] product and the SiLU-and-mul kernel go) on the W8A8
+    Triton path (a decode step's rows on a GPU, per-channel weights, x quantized per token, no bias);
+    ``quantize``: its per-token codes attached for an FP8 product next (``attach_rows``). None where
+    that path does not take it, or the fused gate-up kernels are switched off (``fused.gate_up_kernels``)."""
+    from prefixserve.model import fused
+
+    codes, scale = layer.weight, layer.weight_scale
+    if not takes_rows(layer) or layer.bias is not None or not fused.gate_up_taken(x):
+        return None
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not fp8_gpu(x.device):
+        return None
+    from prefixserve.model.kernels import fp8_matmul
+
+    if not _triton_takes(x) or not fp8_matmul.supported(x, codes, scale):
+        return None
+    rows = rows_of(x)  # made by the norm before, amax / 448
+    xq = rows if rows is not None else fp8_matmul.quantize_rows(x)
+    act = fp8_matmul.fp8_gated(x, codes, scale, xq, gelu)
+    return attach_rows(act, *fp8_matmul.quantize_rows(act)) if quantize else act
+
+
 def weight_only(layer: nn.Module) -> bool:
     """Whether the layer's products run W8A16 (x unquantized): block-scaled weights (no FP8 tensor-core
     route for their scales here) or a weight-only checkpoint."""

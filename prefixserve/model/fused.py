@@ -49,6 +49,12 @@ def split_k_taken(x: torch.Tensor) -> bool:
     return _SWITCHES["split_k"] and _use_triton(x)
 
 
+def gate_up_taken(x: torch.Tensor) -> bool:
+    """Whether a decode step's gate-up product of ``x`` may run with its activation fused (an FP8
+    layer's ``fp8.gated``): the switch on (``gate_up_kernels``) and x on the Triton path."""
+    return _SWITCHES["gate_up"] and _use_triton(x)
+
+
 @contextmanager
 def _switched(name: str, enabled: bool) -> Iterator[None]:
     before, _SWITCHES[name] = _SWITCHES[name], enabled

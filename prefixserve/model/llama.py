@@ -261,8 +261,11 @@ class MLP(nn.Module):
         gelu = self.act == "gelu_pytorch_tanh"
         if x.is_cuda and not self.gate_up_proj.fp8:
             act = fused.linear_silu_and_mul(x, self.gate_up_proj.weight, gelu)
-        else:
-            act = fused.silu_and_mul(self.gate_up_proj(x), gelu, fp8.takes_rows(self.down_proj))
+        else:  # FP8 weights: one kernel at a decode step's rows, else the product then SiLU-and-mul
+            quantize = fp8.takes_rows(self.down_proj)
+            act = fp8.gated(self.gate_up_proj, x, gelu, quantize)
+            if act is None:
+                act = fused.silu_and_mul(self.gate_up_proj(x), gelu, quantize)
         if partials and not self.shard.parallel and act.is_cuda:
             parts = decode_split.partials(act, self.down_proj)
             if parts is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _kernel_helpers import DEVICE
 
 from prefixserve.model import fp8
@@ -98,6 +99,37 @@ def test_fp8_codes_of_x_match_the_w8a8_reference(m: int, n: int, k: int) -> None
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="per-channel"):
         fp8_linear(x, codes, scale.repeat(1, 2), x_codes=(xq, sx))
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 40, 256), (5, 33, 200), (17, 64, 384), (64, 48, 8200)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_fp8_gated_matches_the_unfused_pair(m: int, n: int, k: int, gelu: bool) -> None:
+    """The fused gate-up form (``fp8_gated``: [2n, K] codes, the activation in the epilogue) against
+    the unfused pair (``fp8_linear``, then the activation and the multiply rounded as the SiLU-and-mul
+    kernel rounds them), and against the fp32 product of the same codes (FP8 tensor cores sum with
+    fewer bits than fp32: 1e-2 of the largest value); masked rows, columns and K; W8A16 (no x codes)
+    too."""
+    from prefixserve.model.kernels.fp8_matmul import fp8_gated, quantize_rows
+
+    x, codes, scale = _operands(m, 2 * n, k, False, torch.float16, 7 * m + n + k)
+    xq, sx = quantize_rows(x)
+
+    def activation(product: torch.Tensor) -> torch.Tensor:  # [M, 2n] in x's dtype -> fp32 [M, n]
+        gate = product[:, :n].float()
+        act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+        return act.to(x.dtype).float() * product[:, n:].float()
+
+    for x_codes, xf in (((xq, sx), xq.float() * sx), (None, x.float())):
+        out = fp8_gated(x, codes, scale, x_codes, gelu=gelu)
+        assert out.shape == (m, n) and out.dtype == x.dtype
+        pair = activation(fp8_linear(x, codes, scale, x_codes=x_codes))
+        torch.testing.assert_close(out.float(), pair, rtol=4e-3, atol=4e-3)
+        ref = activation((xf @ fp8.dequantize(codes, scale).T).to(x.dtype))
+        assert float((out.float() - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
+    with pytest.raises(ValueError, match="per-channel"):
+        fp8_gated(x, codes, scale.repeat(1, 2), (xq, sx))
+    with pytest.raises(ValueError, match="even row count"):
+        fp8_gated(x, codes[1:], scale[1:], (xq, sx))
 
 
 @pytest.mark.gpu

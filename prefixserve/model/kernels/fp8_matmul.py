@@ -19,6 +19,7 @@ import torch
 
 from prefixserve.model.kernels import skinny_matmul
 from prefixserve.model.kernels.e4m3 import row_launch, row_scale, to_codes
+from prefixserve.model.kernels.silu_mul import silu_mul
 from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.bound import BoundKernel
 from prefixserve.triton_support.pdl import launch_dependents, wait
@@ -58,6 +59,8 @@ def _fp8_kernel(
     SPLIT: tl.constexpr = False,  # program_id(2) takes K_SLICE columns of K: fp32 partials [S, M, N]
     K_SLICE=0,
     stride_os=0,
+    GATED: tl.constexpr = False,  # out = silu(x W[:N]^T) * (x W[N:2N]^T): the fused gate-up (per-channel)
+    GELU: tl.constexpr = False,  # GATED with the tanh GELU instead of SiLU (Gemma)
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,12 +75,20 @@ def _fp8_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    up_rows = w_rows + N * stride_wn  # GATED: the up half's rows, N below the gate's
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < K
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            w_up = tl.load(up_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED and X_CODES:
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        elif GATED:
+            acc_up = tl.dot(x, tl.trans(w_up.to(dtype)), acc_up)
         if X_CODES:
             acc = tl.dot(x, tl.trans(w), acc)
         elif GROUPED:
@@ -93,6 +104,11 @@ def _fp8_kernel(
         acc *= tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # the up half scaled as the gate's (per-channel weights, no bias), then the activation
+        acc_up *= tl.load(s_rows + N * stride_sn, mask=n_ok, other=0.0)[None, :]
+        if X_CODES:
+            acc_up *= tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+        acc = silu_mul(acc, acc_up, out_ptr.dtype.element_ty, GELU)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -190,6 +206,27 @@ def fp8_partials(
     return launch(x, codes, scale, None, out, x_codes, splits)
 
 
+def fp8_gated(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gelu: bool = False,
+) -> torch.Tensor:
+    """``silu(x Wg^T) * (x Wu^T)`` of a fused gate-up layer held as e4m3 codes [2n, K] with per-channel
+    scales [2n, 1] (``gelu``: the tanh GELU's), into a new [M, n] tensor of x's dtype: one kernel,
+    the [M, 2n] product never written, rounded as the unfused pair (``fp8_linear``, then SiLU-and-mul)
+    rounds. ``x_codes``: W8A8, as ``fp8_linear``'s."""
+    if scale.shape[1] != 1 or codes.shape[0] % 2 or not supported(x, codes, scale):
+        raise ValueError(
+            f"fp8_gated takes supported inputs with per-channel scales and an even row count: x "
+            f"{tuple(x.shape)}, codes {tuple(codes.shape)}, scales {tuple(scale.shape)}"
+        )
+    if x_codes is not None and x_codes[0].shape != x.shape:
+        raise ValueError("x codes need x's shape")
+    return launch(x, codes, scale, x_codes=x_codes, gated=True, gelu=gelu)
+
+
 def launch(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -198,23 +235,28 @@ def launch(
     out: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
     splits: int = 1,
+    gated: bool = False,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """``fp8_linear`` for inputs its caller has found ``supported`` (``fp8.linear`` asks once a
     product, not once to choose the path and again here); ``splits`` > 1: ``out`` is fp32 partials
-    [splits, M, N] (``fp8_partials``)."""
+    [splits, M, N] (``fp8_partials``); ``gated``: ``fp8_gated``'s product (codes [2N, K])."""
     m, k = x.shape
-    n = codes.shape[0]
+    rows = codes.shape[0]  # weight rows a launch streams: both halves of a gated one
+    n = rows // 2 if gated else rows
     if splits > 1:
-        skinny_matmul.check_partials(out, splits, m, n, x.device, bias is None)
+        skinny_matmul.check_partials(out, splits, m, n, x.device, bias is None and not gated)
     elif out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with unit column stride on {x.device}")
     grouped = scale.shape[1] > 1
     block_k = block_k_for(m, grouped)
-    block_m, block_n, stages = tiles(m, n, block_k)
+    block_m, block_n, stages = tiles(m, rows, block_k)
     if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
+    if gated:  # a program streams the unfused product's rows a tile: half of them gate, half up
+        block_n //= 2
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
     split = {"SPLIT": splits > 1, "K_SLICE": k // splits, "stride_os": out.stride(0) if splits > 1 else 0}
@@ -225,7 +267,8 @@ def launch(
         grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **split, **pdl.chained(x.device),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **split, GATED=gated, GELU=gelu,
+        **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
@@ -302,6 +345,7 @@ __all__ = [
     "CHANNEL_BLOCK_K",
     "LARGE_TILE",
     "block_k_for",
+    "fp8_gated",
     "fp8_linear",
     "fp8_partials",
     "launch",
