@@ -213,9 +213,9 @@ def gated(
     that path does not take it, or the fused gate-up kernels are switched off (``fused.gate_up_kernels``)."""
     from prefixserve.model import fused
 
-    codes, scale = layer.weight, layer.weight_scale
     if not takes_rows(layer) or layer.bias is not None or not fused.gate_up_taken(x):
         return None
+    codes, scale = layer.weight, layer.weight_scale
     if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not fp8_gpu(x.device):
         return None
     from prefixserve.model.kernels import fp8_matmul
