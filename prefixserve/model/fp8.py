@@ -168,12 +168,11 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
         from prefixserve.model.kernels import fp8_matmul
 
         static = layer.input_scale if act == "static" else None
-        rows = rows_of(x) if act == "dynamic" else None  # made by the kernel before, amax / 448
         triton_ok = _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
         if act is not None and triton_ok and x2.shape[0] <= MAX_ROWS:  # W8A8 on the Triton kernel
-            xq = rows if rows is not None else fp8_matmul.quantize_rows(x2, static)
-            return fp8_matmul.launch(x2, codes, scale, bias, out, xq).view(*lead, -1)
+            return fp8_matmul.launch(x2, codes, scale, bias, out, _x_codes(layer, x, x2)).view(*lead, -1)
         if act is not None and scaled_mm_takes(x2, codes):
+            rows = rows_of(x) if act == "dynamic" else None  # made by the kernel before, amax / 448
             y = scaled_mm(x2, codes, scale, bias, static, rows)
         elif triton_ok:  # W8A16
             return fp8_matmul.launch(x2, codes, scale, bias, out).view(*lead, -1)
@@ -197,10 +196,7 @@ def partials(layer: nn.Module, x: torch.Tensor, splits: int) -> torch.Tensor | N
         return None
     if x.shape[1] % (splits * fp8_matmul.block_k_for(x.shape[0], False)):
         return None
-    static = layer.input_scale if layer.act_quant == "static" else None
-    rows = rows_of(x) if layer.act_quant == "dynamic" else None  # made by the kernel before
-    xq = rows if rows is not None else fp8_matmul.quantize_rows(x, static)
-    return fp8_matmul.fp8_partials(x, codes, scale, splits, xq)
+    return fp8_matmul.fp8_partials(x, codes, scale, splits, _x_codes(layer, x))
 
 
 def gated(
@@ -222,10 +218,23 @@ def gated(
 
     if not _triton_takes(x) or not fp8_matmul.supported(x, codes, scale):
         return None
-    rows = rows_of(x)  # made by the norm before, amax / 448
-    xq = rows if rows is not None else fp8_matmul.quantize_rows(x)
-    act = fp8_matmul.fp8_gated(x, codes, scale, xq, gelu)
+    act = fp8_matmul.fp8_gated(x, codes, scale, _x_codes(layer, x), gelu)
     return attach_rows(act, *fp8_matmul.quantize_rows(act)) if quantize else act
+
+
+def _x_codes(
+    layer: nn.Module, x: torch.Tensor, flat: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's e4m3 codes and row scales for a W8A8 product of ``layer``: those the kernel before made
+    (``attach_rows``: per token, amax / 448), else the quantize kernel's over ``flat`` (x as [M, K],
+    by default x itself), per token or by the layer's static input scale."""
+    made = rows_of(x) if layer.act_quant == "dynamic" else None
+    if made is not None:
+        return made
+    from prefixserve.model.kernels import fp8_matmul
+
+    static = layer.input_scale if layer.act_quant == "static" else None
+    return fp8_matmul.quantize_rows(x if flat is None else flat, static)
 
 
 def weight_only(layer: nn.Module) -> bool:
