@@ -10,8 +10,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 
 ``--engine-ab MODEL ...`` times whole decode steps (``benchmarks.dense.engine_decode``, CUDA graphs,
 128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on
-(``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``;
-``--switch pdl_attention``: RoPE and the paged kernel launched as dependents, ``pdl.ATTENTION``),
+(``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -22,9 +21,7 @@ PYTHONPATH=. python -m benchmarks.probes.skinny_split [--rows 1 64] [--shapes mo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Iterator
 
 import torch
 
@@ -33,7 +30,6 @@ from benchmarks.harness.timing import cold_weights, graph_ms
 from prefixserve.model import fp8, fused
 from prefixserve.model.kernels import fp8_matmul, skinny_matmul
 from prefixserve.model.kernels.rms_norm import add_rms_norm_ref
-from prefixserve.triton_support import pdl
 
 EPS = 1e-5
 # name: (N, K, FP8 weights)
@@ -104,21 +100,7 @@ def point(name: str, rows: int, splits: list[int]) -> dict:
     return row
 
 
-@contextlib.contextmanager
-def attention_pdl(enabled: bool) -> Iterator[None]:
-    """RoPE and the paged kernel launched as dependents (``pdl.ATTENTION``) or not, in the block."""
-    before, pdl.ATTENTION = pdl.ATTENTION, enabled
-    try:
-        yield
-    finally:
-        pdl.ATTENTION = before
-
-
-SWITCHES = {  # --switch: what --engine-ab turns
-    "split_k": fused.split_k_products,
-    "gate_up": fused.gate_up_kernels,
-    "pdl_attention": attention_pdl,
-}
+SWITCHES = {"split_k": fused.split_k_products, "gate_up": fused.gate_up_kernels}  # --switch: what A/B turns
 
 
 def engine_ab(models: list[str], batches: list[int], rounds: int, switch: str = "split_k") -> list[dict]:

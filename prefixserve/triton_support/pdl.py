@@ -30,7 +30,6 @@ _gdc = importlib.import_module("triton.language.extra.cuda")
 wait = _gdc.gdc_wait  # griddepcontrol.wait: the kernel before has finished, its writes visible
 launch_dependents = _gdc.gdc_launch_dependents  # griddepcontrol.launch_dependents
 ENABLED = True
-ATTENTION = True  # the attention chain's kernels (RoPE and the KV store, the paged kernel) as dependents too
 
 
 @functools.cache
@@ -57,19 +56,4 @@ def chained(device: torch.device) -> dict[str, bool]:
     return {"PDL": dependent, **launch_options(dependent)}
 
 
-def attention_chained(device: torch.device) -> dict[str, bool]:
-    """``chained`` for the attention chain's kernels, which ``ATTENTION`` (an A/B switch:
-    ``benchmarks/probes/skinny_split.py --switch pdl_attention``) can take out alone."""
-    return chained(device) if ATTENTION else {"PDL": False}
-
-
-__all__ = [
-    "ATTENTION",
-    "ENABLED",
-    "attention_chained",
-    "chained",
-    "enabled",
-    "launch_dependents",
-    "launch_options",
-    "wait",
-]
+__all__ = ["ENABLED", "chained", "enabled", "launch_dependents", "launch_options", "wait"]

@@ -32,9 +32,8 @@ from prefixserve.attention.planning.tiles import (
     num_sms,
     smem_limit,
 )
-from prefixserve.triton_support import pdl, require_triton
+from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.launch import Launch
-from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -188,13 +187,9 @@ def _paged_kernel(
     MERGE_UNROLL: tl.constexpr = 8,  # MERGE: splits a merge turn loads together
     PAGES_AHEAD: tl.constexpr = 0,
     WALKS: tl.constexpr = 0,
-    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``): all after the wait
 ):
     """Grid (sequences x query tiles, KV heads, KV splits); arguments as ``paged_program``'s, and with
     ``MERGE`` (decode steps: one query a sequence) the merge of the splits' partials (``merge_last``)."""
-    if PDL:
-        wait()
-        launch_dependents()
     if ONE_TILE:
         q_tiles = 1
     paged_program(
@@ -471,7 +466,6 @@ def launch_paged(
         MERGE_UNROLL=MERGE_UNROLL,
         PAGES_AHEAD=ahead,
         WALKS=walks,
-        **pdl.attention_chained(q.device),
         num_warps=num_warps or 4,  # measured on H200: docs/kernels.md §2.1
         num_stages=stages,
         **register_cap(max_registers, one_walk=fetched and walks == 1),

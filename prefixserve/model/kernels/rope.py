@@ -26,9 +26,8 @@ import torch
 
 from prefixserve.attention.kernels.turn import turn_halves, turns
 from prefixserve.attention.kv_quant import store_kv, stores_turned
-from prefixserve.triton_support import pdl, require_triton
+from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
-from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -149,12 +148,8 @@ def _rope_qkv_kernel(
     NORM: tl.constexpr = False,
     FP8: tl.constexpr = False,
     TURN: tl.constexpr = False,
-    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``): all after the wait
 ):
     t = tl.program_id(0).to(tl.int64)
-    if PDL:
-        wait()
-        launch_dependents()
     half: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF_BLOCK)
     cos = tl.load(cos_ptr + t * stride_cos + d, mask=d < half, other=0.0)[None, :]
@@ -326,7 +321,6 @@ def rope_qkv(
         FP8=fp8,
         TURN=turn,
         num_warps=4,
-        **pdl.attention_chained(qkv.device),
     )
     return q, k, v
 
