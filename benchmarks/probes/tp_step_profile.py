@@ -26,12 +26,12 @@ from prefixserve import LLM, SamplingParams
 
 KINDS = (  # first match wins: (kind, substrings of a kernel's name, lower case)
     ("allreduce", ("allreduce", "all_reduce", "nccl", "two_shot", "symm", "barrier", "peer_add")),
-    ("attention", ("attn", "attention", "cascade", "merge", "flash", "shared_", "own_", "decode_")),
-    ("matmul", ("gemm", "nvjet", "sm90_xmma", "cutlass", "matmul", "gate_up", "skinny")),
+    ("attention", ("attn", "attention", "cascade", "merge", "flash", "shared_", "own_", "decode_", "paged")),
+    ("matmul", ("gemm", "nvjet", "sm90_xmma", "cutlass", "matmul", "gate_up", "skinny", "_fp8_kernel")),
     ("norm", ("rms", "norm")),
     ("sampling", ("argmax", "softmax", "sample", "topk", "sort", "penalt")),
     ("copy", ("copy", "memcpy", "memset", "cat", "index")),
-    ("elementwise", ("elementwise", "silu", "rotary", "rope", "mul", "add", "fill")),
+    ("elementwise", ("elementwise", "silu", "rotary", "rope", "mul", "add", "fill", "quantize")),
 )
 
 
