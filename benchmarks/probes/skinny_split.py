@@ -10,7 +10,8 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 
 ``--engine-ab MODEL ...`` times whole decode steps (``benchmarks.dense.engine_decode``, CUDA graphs,
 128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on
-(``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``),
+(``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``;
+``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -100,7 +101,11 @@ def point(name: str, rows: int, splits: list[int]) -> dict:
     return row
 
 
-SWITCHES = {"split_k": fused.split_k_products, "gate_up": fused.gate_up_kernels}  # --switch: what A/B turns
+SWITCHES = {  # --switch: what --engine-ab turns
+    "split_k": fused.split_k_products,
+    "gate_up": fused.gate_up_kernels,
+    "moe_route": fused.moe_routing_in_experts,
+}
 
 
 def engine_ab(models: list[str], batches: list[int], rounds: int, switch: str = "split_k") -> list[dict]:

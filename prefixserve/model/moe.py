@@ -53,10 +53,17 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token's experts ``ids`` [T, k] weighted by ``weights`` [T, k], this rank's columns
         (the caller sums the ranks)."""
+        return fused.moe_experts(x, self.w_up, self.w_down, weights, ids, *self._rest())
+
+    def routed(self, x: torch.Tensor, logits: torch.Tensor, route: tuple[int, str, bool]) -> torch.Tensor:
+        """``forward`` with the tokens' experts and weights from the router's ``logits`` by ``route``
+        (top k, rule, norm: ``fused.moe_route``'s), routed inside the experts' kernels where they can."""
+        return fused.moe_routed_experts(x, logits, route, self.w_up, self.w_down, *self._rest())
+
+    def _rest(self) -> tuple:
+        """The arguments of ``fused.moe_experts`` after the ids: activation, biases, SwiGLU's constants."""
         biases = (self.b_up, self.b_down) if hasattr(self, "b_up") else (None, None)
-        return fused.moe_experts(
-            x, self.w_up, self.w_down, weights, ids, self.act, *biases, self.alpha, self.limit
-        )
+        return self.act, *biases, self.alpha, self.limit
 
     def follow_checkpoint(self, prefix: str, stored: set[str]) -> None:
         """Read HF's per-expert tensors as one stacked tensor each where the checkpoint has them so
@@ -163,8 +170,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
         """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
         signature; the sum is always whole here), plus the gated shared expert's output if any."""
-        weights, ids = fused.moe_route(self.simulate(self.gate(x)), self.top_k, self.rule, self.norm)
-        out = self.shard.all_reduce(self.experts(x, weights, ids))
+        route = (self.top_k, self.rule, self.norm)
+        out = self.shard.all_reduce(self.experts.routed(x, self.simulate(self.gate(x)), route))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

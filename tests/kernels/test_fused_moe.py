@@ -152,6 +152,43 @@ def test_direct_step_gives_a_token_the_bits_of_a_batched_step(tokens: int, act: 
         torch.testing.assert_close(alone, batched[:tokens], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "rule", "norm", "act"),
+    [
+        (1, 128, 8, "softmax_topk", True, "silu"),  # Qwen3-30B-A3B's routing
+        (2, 128, 8, "softmax_topk", False, "silu"),
+        (1, 32, 4, "topk_softmax", False, "swiglu_oai"),  # gpt-oss's
+        (2, 7, 3, "softmax_topk", True, "gelu_pytorch_tanh"),
+    ],
+)
+def test_routing_in_the_up_kernel_gives_the_route_kernels_bits(
+    tokens: int, experts: int, top_k: int, rule: str, norm: bool, act: str
+) -> None:
+    """A direct step routed in the up kernel's prologue (``routed_forward``) against the route kernel
+    then ``experts_forward``: the same experts, weights and outputs, bit for bit; tied logits take
+    the lower index in both."""
+    gen = torch.Generator().manual_seed(tokens * experts + top_k)
+    hidden, inter = 96, 64
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[0, 1::2] = 2.0  # ties at the top
+    logits = logits.to(DEVICE, dtype)
+    w_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
+    w_down = (torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
+    biased = act == "swiglu_oai"
+    up_bias = torch.randn(experts * 2 * inter, generator=gen).to(DEVICE, dtype) if biased else None
+    down_bias = torch.randn(experts * hidden, generator=gen).to(DEVICE, dtype) if biased else None
+    kind = fused_moe.ACTIVATIONS[act]
+    weights, ids = fused_moe.route(logits, top_k, rule, norm)
+    want = fused_moe.experts_forward(x, w_up, w_down, weights, ids, kind, up_bias, down_bias)
+    got = fused_moe.routed_forward(x, logits, top_k, rule, norm, w_up, w_down, kind, up_bias, down_bias)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="direct step"):
+        many = torch.zeros(fused_moe.DIRECT_MAX, experts, device=DEVICE, dtype=dtype)
+        fused_moe.routed_forward(x.new_zeros(len(many), hidden), many, top_k, rule, norm, w_up, w_down)
+
+
 def test_no_tokens() -> None:
     x = torch.empty(0, 16, device=DEVICE)
     out = fused_moe.experts_forward(
@@ -179,7 +216,10 @@ def test_pdl_routing_and_experts_in_a_graph_equal_them_without(
 
     def layer() -> torch.Tensor:
         weights, ids = fused_moe.route(logits, top_k, "softmax_topk", True)
-        return fused_moe.experts_forward(x, w_up, w_down, weights, ids)
+        out = fused_moe.experts_forward(x, w_up, w_down, weights, ids)
+        if tokens * top_k > fused_moe.DIRECT_MAX:
+            return out
+        return out + fused_moe.routed_forward(x, logits, top_k, "softmax_topk", True, w_up, w_down)
 
     outs = {}
     for flag in (False, True):

@@ -39,25 +39,20 @@ ROUTER_RULES = {"softmax_topk": 0, "topk_softmax": 1}
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,  # [T, E]
-    weights_ptr,  # [T, TOP_K] fp32
-    ids_ptr,  # [T, TOP_K] int32
+def _top_k(
+    row_ptr,  # one token's [E] router logits
     n_experts,
-    stride_l,
     TOP_K: tl.constexpr,
-    KP: tl.constexpr,  # TOP_K rounded up to a power of two
-    EP: tl.constexpr,  # E rounded up to a power of two
-    RULE: tl.constexpr,  # 0: softmax then top k; 1: top k then softmax over them
-    NORM: tl.constexpr,  # renormalise the k weights (rule 0)
-    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
+    KP: tl.constexpr,
+    EP: tl.constexpr,
+    RULE: tl.constexpr,
+    NORM: tl.constexpr,
 ):
-    if PDL:
-        launch_dependents()
-        wait()
-    t = tl.program_id(0).to(tl.int64)
+    """A token's k experts (int32 [KP]) and weights (fp32 [KP]; lanes past TOP_K padding) by ``RULE``:
+    the router's softmax then the k largest, renormalised with ``NORM`` (0), or the k largest logits
+    then a softmax over them (1); ties to the lower index."""
     e = tl.arange(0, EP)
-    logits = tl.load(logits_ptr + t * stride_l + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
+    logits = tl.load(row_ptr + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
     if RULE == 0:
         p = tl.exp(logits - tl.max(logits, 0))
         scores = p / tl.sum(p, 0)
@@ -81,8 +76,31 @@ def _route_kernel(
         chosen = p / tl.sum(p, 0)
     elif NORM:
         chosen = chosen / tl.sum(tl.where(real, chosen, 0.0), 0)
-    tl.store(weights_ptr + t * TOP_K + kk, chosen, mask=real)
-    tl.store(ids_ptr + t * TOP_K + kk, chosen_ids, mask=real)
+    return chosen, chosen_ids
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E]
+    weights_ptr,  # [T, TOP_K] fp32
+    ids_ptr,  # [T, TOP_K] int32
+    n_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    KP: tl.constexpr,  # TOP_K rounded up to a power of two
+    EP: tl.constexpr,  # E rounded up to a power of two
+    RULE: tl.constexpr,  # 0: softmax then top k; 1: top k then softmax over them
+    NORM: tl.constexpr,  # renormalise the k weights (rule 0)
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
+):
+    if PDL:
+        launch_dependents()
+        wait()
+    t = tl.program_id(0).to(tl.int64)
+    chosen, chosen_ids = _top_k(logits_ptr + t * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM)
+    kk = tl.arange(0, KP)
+    tl.store(weights_ptr + t * TOP_K + kk, chosen, mask=kk < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + kk, chosen_ids, mask=kk < TOP_K)
 
 
 @triton.jit
@@ -253,12 +271,34 @@ def _expert_up_kernel(
     DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
+    ROUTE: tl.constexpr = False,  # DIRECT, routed here: ``_top_k`` of the token's logits (``routed_forward``)
+    logits_ptr=None,  # ROUTE: [T, E] router logits
+    weights_ptr=None,  # ROUTE: [N] fp32, each assignment's weight written (for the down kernel)
+    n_experts=0,
+    stride_l=0,
+    KP: tl.constexpr = 1,
+    EP: tl.constexpr = 1,
+    RULE: tl.constexpr = 0,
+    NORM: tl.constexpr = False,
 ):
     if PDL:
         wait()
-    expert, real, assign = _block_of(
-        tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
-    )
+    if ROUTE:  # block b is assignment b: token b // TOP_K's (b % TOP_K)-th expert
+        b = tl.program_id(0)
+        chosen, chosen_ids = _top_k(
+            logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM
+        )
+        pick = tl.arange(0, KP) == b % TOP_K
+        expert = tl.sum(tl.where(pick, chosen_ids, 0), 0)
+        if tl.program_id(1) == 0:  # the down kernel reads them (``block_expert_ptr``: the flat ids)
+            tl.store(block_expert_ptr + b, expert)
+            tl.store(weights_ptr + b, tl.sum(tl.where(pick, chosen, 0.0), 0))
+        real = tl.arange(0, BM) == 0
+        assign = b + tl.arange(0, BM) * 0
+    else:
+        expert, real, assign = _block_of(
+            tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
+        )
     if expert < 0:
         return
     token = (assign // TOP_K).to(tl.int64)
@@ -462,6 +502,49 @@ def experts_forward(
     tile: Tile | None = None,  # default: ``tiles``' choice
 ) -> torch.Tensor:  # [T, H]
     """The routed experts' weighted sum for each token (``experts_ref``'s arithmetic)."""
+    return _experts(x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, tile)
+
+
+def routed_forward(
+    x: torch.Tensor,  # [T, H]
+    logits: torch.Tensor,  # [T, E] router logits
+    top_k: int,
+    rule: str,
+    norm: bool,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: int = SILU,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:  # [T, H]
+    """``experts_forward(x, ..., *route(logits, top_k, rule, norm))`` for a direct step (T k <=
+    ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up kernel's prologue:
+    each program takes its token's k experts from the logits (``_top_k``, the route kernel's own),
+    so the route kernel's launch goes; the same bits."""
+    tokens, experts = logits.shape
+    n = tokens * top_k
+    if n > DIRECT_MAX or x.shape[0] != tokens:
+        raise ValueError(f"routed_forward takes a direct step (T k <= {DIRECT_MAX}): T={tokens}, k={top_k}")
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    route_args = {
+        "ROUTE": True, "logits_ptr": logits, "weights_ptr": weights, "n_experts": experts,
+        "stride_l": logits.stride(0), "KP": _pow2(top_k), "EP": _pow2(experts), "RULE": ROUTER_RULES[rule],
+        "NORM": norm,
+    }  # fmt: skip
+    return _experts(
+        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args
+    )
+
+
+def _experts(
+    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    activation: int, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, alpha: float,
+    limit: float, tile: Tile | None,
+    route_args: dict | None = None,  # the up kernel routes (``routed_forward``): ids and weights its output
+) -> torch.Tensor:  # fmt: skip
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = w_down.shape[1]
@@ -485,7 +568,7 @@ def experts_forward(
         hidden, inter, x.stride(0), alpha, limit,
         TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
         HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
-        **chained,
+        **chained, **(route_args or {}),
     )  # fmt: skip
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
@@ -508,5 +591,6 @@ __all__ = [
     "align",
     "experts_forward",
     "route",
+    "routed_forward",
     "tiles",
 ]
