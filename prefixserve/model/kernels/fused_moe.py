@@ -4,7 +4,8 @@ A step's T tokens each go to k of E experts: N = T k assignments. The kernels ha
 given T (CUDA-graph safe: no host sync, nothing sized by the routing):
 
   * ``_route_kernel`` (one program per token): the router's softmax and top k (or top k, then a
-    softmax over them), ties to the lower expert index, the k weights renormalised where asked;
+    softmax over them), ties to the lower expert index, the k weights renormalised where asked (a
+    direct step, below, routes in the up kernel instead: ``routed_forward``);
   * the grouping (``align``): the assignments by expert into blocks of BM rows, each expert's run
     padded to whole blocks: ``slots`` [NB BM] (the assignment in each row), ``block_expert`` [NB]
     (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are real); NB = min(N,
