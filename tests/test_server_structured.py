@@ -60,11 +60,10 @@ class Person(BaseModel):
     likes_cats: bool
 
 
-TOPICS = [
+TOPICS = [  # asked at once: a batch of constrained rows (12: the CI machine's time)
     "a pirate", "a chef from Lyon", "a retired astronaut", "a teenage chess champion", "a beekeeper",
-    "a jazz drummer", "a lighthouse keeper", "a software engineer", "a marathon runner", "a librarian",
-    "a volcano researcher", "a circus juggler", "a farmer in Kenya", "a medieval knight", "a painter",
-    "a taxi driver in Tokyo", "a deep-sea diver", "a kindergarten teacher", "a robot", "a grandmother",
+    "a jazz drummer", "a lighthouse keeper", "a software engineer", "a volcano researcher",
+    "a farmer in Kenya", "a taxi driver in Tokyo", "a robot",
 ]  # fmt: skip
 
 
