@@ -4,7 +4,10 @@ loads in flight (STAGES), beside the tiles the engine picks (``fp8_matmul.tiles`
 checked against the dequantized reference first; graph replays with L2 flushed, us; the sum over a
 layer's four products for the best tile of each against the engine's.
 
-    PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--out DIR]
+``--gated``: the gate-up product's fused form (``fp8_matmul.fp8_gated``: [2 I, K] codes, SiLU-and-mul
+in the epilogue) at the 8B shape instead, BLOCK_N counting each half's columns, with 4 or 8 warps.
+
+    PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--gated] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ BLOCK_K = (256, 512)
 STAGES = (4, 6, 8)
 
 
-def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int):
+def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gated=False, warps=4):
     """One launch of the FP8 kernel with these tiles (BLOCK_M as the engine's for x's rows)."""
     m, k = x.shape
-    n = codes.shape[0]
+    n = out.shape[1]
     block_m = fp8_matmul.tiles(m, n, block_k)[0]
     grid = (-(-n // block_n), -(-m // block_m))
 
@@ -38,11 +41,49 @@ def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int):
         fp8_matmul._fp8(
             grid, xq[0], codes, scale, out, x, xq[1], m, n, k, xq[0].stride(0), codes.stride(0),
             scale.stride(0), out.stride(0), HAS_BIAS=False, GROUPED=False, X_CODES=True,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps, GATED=gated,
         )  # fmt: skip
         return out
 
     return run
+
+
+def gated_sweep(rows: list[int], rep_ms: int) -> list[dict]:
+    """The fused gate-up form's tiles at the 8B shape (I = 14,336, K = 4,096) against the engine's."""
+    from prefixserve.model.kernels.silu_mul import silu_and_mul_ref
+
+    inter, k = 14336, 4096
+    w = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    codes, scale = fp8.quantize_rows(w)
+    found = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq = fp8_matmul.quantize_rows(x)
+        ref = silu_and_mul_ref((xq[0].float() * xq[1]) @ fp8.dequantize(codes, scale).T)
+        out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
+        engine = 1e3 * bench_ms(graphed(lambda x=x, q=xq: fp8_matmul.fp8_gated(x, codes, scale, q)), rep_ms)
+        row = {"layer": "gate_up_gated", "M": m, "N": inter, "K": k, "engine_us": engine, "tiles": {}}
+        for bn, bk, st, warps in itertools.product((16, 32, 64), (256,), (2, 3, 4, 6), (4, 8)):
+            block_m = fp8_matmul.tiles(m, inter, bk)[0]
+            if bk * (block_m + 2 * bn) * st > fp8_matmul.SHARED_BYTES:
+                continue
+            run = call(x, xq, codes, scale, out, bn, bk, st, gated=True, warps=warps)
+            err = float((run().float() - ref).norm() / ref.norm())
+            key = f"{bn}x{bk}x{st}w{warps}"
+            if err > 2e-2:
+                row["tiles"][key] = {"error": err}
+                continue
+            row["tiles"][key] = {"us": 1e3 * bench_ms(graphed(run), rep_ms)}
+        timed = {t: v["us"] for t, v in row["tiles"].items() if "us" in v}
+        row["best"] = min(timed, key=timed.get)
+        row["best_us"] = timed[row["best"]]
+        top = sorted(timed, key=timed.get)[:4]
+        print(
+            f"gated M={m}: engine {engine:.1f} us; best " + ", ".join(f"{t} {timed[t]:.1f}" for t in top),
+            flush=True,
+        )
+        found.append(row)
+    return found
 
 
 def main() -> None:
@@ -50,8 +91,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--out", default="/tmp/fp8_tiles")
+    ap.add_argument("--gated", action="store_true", help="the fused gate-up form alone")
     args = ap.parse_args()
     started, rows = time.perf_counter(), []
+    if args.gated:
+        rows = gated_sweep(args.rows, args.rep_ms)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"rows": rows, "wall_s": time.perf_counter() - started}
+        (out / "fp8_tiles_gated.json").write_text(json.dumps(result, indent=1))
+        return
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         codes, scale = fp8.quantize_rows(w)
