@@ -50,21 +50,6 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-# the longest modules of the first pass, seconds on the 2-core machine (2026-12-01): an order, not a rule
-LONG_MODULES = {
-    "tests/test_speculative.py": 140, "tests/test_tensor_parallel.py": 96,
-    "tests/test_structured_ahead.py": 88, "tests/kernels/test_paged_attention.py": 70,
-    "tests/test_server_structured.py": 65,
-    "tests/test_batch_api.py": 62, "tests/kernels/test_window_graph.py": 49, "tests/test_hf_parity.py": 49,
-    "tests/test_model_families.py": 48, "tests/test_embeddings.py": 45, "tests/test_sharing_e2e.py": 44,
-    "tests/test_beam_search.py": 42, "tests/test_structured.py": 38, "tests/test_engine_stateful.py": 33,
-}  # fmt: skip
-
-
-def _weight(item: pytest.Item) -> int:
-    return LONG_MODULES.get(item.nodeid.split("::")[0], 0)
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -74,9 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The modules on the session's one Ray (``ray_cluster``) run last, one after another, so that it
     # starts once and does not idle beside the other tests; each module keeps its own tests' order.
     on_ray = {item.module for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
-    # and the longest modules first: pytest-xdist hands a worker the next module as it frees, so a long
-    # one left for the end kept the other worker idle (42 s of a 990 s run, CI's 2-core machine)
-    items.sort(key=lambda item: (getattr(item, "module", None) in on_ray, -_weight(item)))
+    items.sort(key=lambda item: getattr(item, "module", None) in on_ray)
     # The Ray modules carry the ``ray`` mark: the README's test command runs them in a pass of their
     # own after the rest (killed-replica tests failed now and then beside another worker's tests)
     for item in items:
