@@ -216,7 +216,7 @@ def gated(
         return None
     from prefixserve.model.kernels import fp8_matmul
 
-    if not _triton_takes(x) or not fp8_matmul.supported(x, codes, scale):
+    if not fp8_matmul.supported(x, codes, scale):  # (16-bit x: ``gate_up_taken`` said Triton)
         return None
     act = fp8_matmul.fp8_gated(x, codes, scale, _x_codes(layer, x), gelu)
     return attach_rows(act, *fp8_matmul.quantize_rows(act)) if quantize else act

@@ -453,20 +453,27 @@ def moe_routed_experts(
     x: torch.Tensor,  # [T, H]
     logits: torch.Tensor,  # [T, E] the router's
     route: tuple[int, str, bool],  # top k, rule, norm (``moe_route``'s)
-    *experts: torch.Tensor | str | float | None,  # ``moe_experts``' from w_up on
+    w_up: torch.Tensor,  # [E 2I, H]
+    w_down: torch.Tensor,  # [E H, I]
+    act: str,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:  # [T, H]
-    """``moe_experts(x, *experts)`` weighted by ``moe_route(logits, *route)``: on CUDA, a decode step
-    of one or two tokens (``fused_moe.DIRECT_MAX`` assignments) routes inside the up kernel
+    """``moe_experts`` weighted by ``moe_route(logits, *route)``: on CUDA, a decode step of one or
+    two tokens (``fused_moe.DIRECT_MAX`` assignments) routes inside the up kernel
     (``fused_moe.routed_forward``: one launch fewer, the same bits)."""
     if _SWITCHES["moe_route_in_up"] and _use_triton(x):
         from prefixserve.model.kernels import fused_moe
 
         if x.shape[0] * route[0] <= fused_moe.DIRECT_MAX:
-            w_up, w_down, act, *rest = experts
+            kind = fused_moe.ACTIVATIONS[act]
             return fused_moe.routed_forward(
-                x, logits, *route, w_up, w_down, fused_moe.ACTIVATIONS[act], *rest
+                x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit
             )
-    return moe_experts(x, experts[0], experts[1], *moe_route(logits, *route), *experts[2:])
+    weights, ids = moe_route(logits, *route)
+    return moe_experts(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)
 
 
 def moe_experts(

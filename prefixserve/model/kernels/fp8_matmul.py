@@ -157,6 +157,12 @@ def tiles(m: int, n: int, block_k: int = BLOCK_K) -> tuple[int, int, int]:
     return block_m, block_n, max(2, min(stages, SHARED_BYTES // per_stage))
 
 
+def _check_x_codes(x: torch.Tensor, scale: torch.Tensor, x_codes: tuple | None) -> None:
+    """W8A8's x codes (``quantize_rows``) must match x and come with per-channel weight scales."""
+    if x_codes is not None and (scale.shape[1] != 1 or x_codes[0].shape != x.shape):
+        raise ValueError("x codes need per-channel weight scales and x's shape")
+
+
 def fp8_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -169,8 +175,7 @@ def fp8_linear(
     ``supported`` inputs. ``x_codes`` = (e4m3 codes [M, K], fp32 scales [M, 1]) of x
     (``quantize_rows``): W8A8, the products on FP8 tensor cores from shared memory (per-channel weight
     scales only); x then only names the output's dtype."""
-    if x_codes is not None and (scale.shape[1] != 1 or x_codes[0].shape != x.shape):
-        raise ValueError("x codes need per-channel weight scales and x's shape")
+    _check_x_codes(x, scale, x_codes)
     if not supported(x, codes, scale, bias):
         raise ValueError(
             f"fp8_linear takes 16-bit x [M, K] and e4m3 codes [N, K] with fp32 scales [N, 1] or "
@@ -197,8 +202,7 @@ def fp8_partials(
     slices of K, each a multiple of the stage's columns (``block_k_for``): as
     ``skinny_matmul.skinny_partials``, the next kernel sums them."""
     m, k = x.shape
-    if x_codes is not None and (scale.shape[1] != 1 or x_codes[0].shape != x.shape):
-        raise ValueError("x codes need per-channel weight scales and x's shape")
+    _check_x_codes(x, scale, x_codes)
     block_k = block_k_for(m, scale.shape[1] > 1)
     if not supported(x, codes, scale) or splits < 1 or k % (splits * block_k):
         raise ValueError(
@@ -225,8 +229,7 @@ def fp8_gated(
             f"fp8_gated takes supported inputs with per-channel scales and an even row count: x "
             f"{tuple(x.shape)}, codes {tuple(codes.shape)}, scales {tuple(scale.shape)}"
         )
-    if x_codes is not None and x_codes[0].shape != x.shape:
-        raise ValueError("x codes need x's shape")
+    _check_x_codes(x, scale, x_codes)
     return launch(x, codes, scale, x_codes=x_codes, gated=True, gelu=gelu)
 
 

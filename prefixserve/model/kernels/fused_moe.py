@@ -413,6 +413,11 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _rule_constexprs(top_k: int, experts: int, rule: str, norm: bool) -> dict:
+    """``_top_k``'s constexprs (the route kernel's, and the up kernel's where it routes)."""
+    return {"KP": _pow2(top_k), "EP": _pow2(experts), "RULE": ROUTER_RULES[rule], "NORM": norm}
+
+
 def route(
     logits: torch.Tensor, top_k: int, rule: str = "softmax_topk", norm: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k] fp32, ids [T, k] int32
@@ -422,9 +427,8 @@ def route(
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](
-            logits, weights, ids, experts, logits.stride(0),
-            TOP_K=top_k, KP=_pow2(top_k), EP=_pow2(experts), RULE=ROUTER_RULES[rule], NORM=norm,
-            **pdl.chained(logits.device),
+            logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+            **_rule_constexprs(top_k, experts, rule, norm), **pdl.chained(logits.device),
         )  # fmt: skip
     return weights, ids
 
@@ -532,8 +536,7 @@ def routed_forward(
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
     route_args = {
         "ROUTE": True, "logits_ptr": logits, "weights_ptr": weights, "n_experts": experts,
-        "stride_l": logits.stride(0), "KP": _pow2(top_k), "EP": _pow2(experts), "RULE": ROUTER_RULES[rule],
-        "NORM": norm,
+        "stride_l": logits.stride(0), **_rule_constexprs(top_k, experts, rule, norm),
     }  # fmt: skip
     return _experts(
         x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args
