@@ -130,7 +130,9 @@ def test_responses_go_on_where_they_are_stored(endpoint: str) -> None:
         assert then.headers[REPLICA_HEADER] == owner and then.parse().previous_response_id == rid
         rid = then.parse().id
     streamed = list(
-        client.responses.create(model="default", input="Hi", previous_response_id=rid, stream=True)
+        client.responses.create(
+            model="default", input="Hi", previous_response_id=rid, stream=True, max_output_tokens=3
+        )
     )
     assert streamed[-1].response.id.startswith(f"resp_{owner}_")
     got = httpx.get(f"{endpoint}/v1/responses/{rid}", timeout=60)

@@ -108,6 +108,7 @@ def measure_ceilings(device: torch.device) -> tuple[float, float]:
 # which part of the call a recorded launch is, by its kernel's name
 PART_OF = {
     "shared_gluon_kernel": "shared",
+    "shared_fp8mma_kernel": "shared",
     "mixed_gluon_kernel": "mixed",
     "_shared_kernel": "shared",
     "_paged_kernel": "own",

@@ -10,8 +10,10 @@ what sets a decode step's time); the two-kernel call's launches are also timed a
 own kernel, merge). ``--heads 32/4`` sets query / KV heads (default the 8B's 32/8; 32/4 is the 70B's
 TP=2 shard). T* as in attention.py, from ceilings measured in the run. Points are BxPxS (sequences,
 shared prefix tokens, own tokens each). ``--kv-dtype fp8``: the caches in e4m3, as an FP8 KV cache
-holds them (the mixed kernel then runs two kernels). The phased kernel this probe was first written
-for (shared tickets, then own ones, in one launch) is in git history at a891d3d (docs/kernels.md §4).
+holds them (the mixed kernel then runs two kernels); modes ``two_kernels_fp8mma1`` / ``2`` run the
+shared part's products on FP8 tensor cores, q in one or two e4m3 terms (``shared_gluon_fp8``). The
+phased kernel this probe was first written for (shared tickets, then own ones, in one launch) is in
+git history at a891d3d (docs/kernels.md §4).
 
 PYTHONPATH=. python -m benchmarks.probes.launch_modes --points 64x16384x128 64x65536x128
 PYTHONPATH=. python -m benchmarks.probes.launch_modes --heads 32/4 --points 256x16384x128 \
@@ -30,25 +32,29 @@ import torch
 from benchmarks.attention import HKV, HQ, Case
 from benchmarks.harness.info import run_info
 from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings, time_launches
-from prefixserve.attention.kernels import shared_gluon
+from prefixserve.attention.kernels import shared_gluon, shared_gluon_fp8
 from prefixserve.attention.planning import mixed_rule, shared_plan
 from prefixserve.attention.triton_backend import TritonBackend
 
 OWN_ROWS_FOR = mixed_rule.own_rows_for
 WIDE_TILES_PAY = shared_plan.wide_tiles_pay
 GLUON = shared_gluon.GLUON
-MODES = {  # (mixed launch, own rows forced, 192-row shared tiles allowed, the Gluon shared kernel)
-    "two_kernels": (False, None, True, True),
-    "two_kernels128": (False, None, False, True),
-    "two_kernels_triton": (False, None, False, False),
-    "mixed64": (True, 64, True, True),
-    "mixed128": (True, 128, True, True),
+# (mixed launch, own rows forced, 192-row shared tiles allowed, the Gluon shared kernel, q's e4m3 terms
+# for the FP8 tensor-core shared kernel over an e4m3 cache, 0: not taken)
+MODES = {
+    "two_kernels": (False, None, True, True, 0),
+    "two_kernels128": (False, None, False, True, 0),
+    "two_kernels_triton": (False, None, False, False, 0),
+    "two_kernels_fp8mma1": (False, None, False, True, 1),
+    "two_kernels_fp8mma2": (False, None, False, True, 2),
+    "mixed64": (True, 64, True, True, 0),
+    "mixed128": (True, 128, True, True, 0),
 }
 
 
 def call(case: Case, mode: str):
     """The whole attention call of ``case`` under ``mode``, graphed; and its layout."""
-    mixed, own_m, wide, gluon = MODES[mode]
+    mixed, own_m, wide, gluon, q_terms = MODES[mode]
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
     shared_plan.wide_tiles_pay = WIDE_TILES_PAY if wide else (lambda *a: False)
     shared_gluon.GLUON = GLUON and gluon
@@ -56,10 +62,11 @@ def call(case: Case, mode: str):
     be.mixed = mixed
     be.overlap_min_rows = 0  # the shared kernel on a side stream, as in the decode graphs
     meta = dataclasses.replace(case.meta, plan=None, stats={})
-    be.prepare(meta)
-    out = be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
-    lay = next(iter(meta.plan.layouts.values()))
-    fn = graphed(lambda: be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale))
+    with shared_gluon_fp8.products(q_terms):  # the launches are recorded under it, then replayed
+        be.prepare(meta)
+        out = be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
+        lay = next(iter(meta.plan.layouts.values()))
+        fn = graphed(lambda: be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale))
     return fn, lay, out
 
 
@@ -107,9 +114,11 @@ def main() -> None:
                 st = power.sustained(fn, sampler, args.sustained)
                 row[f"{mode}_sustained"] = 1e3 * st["ms"]
                 row[f"{mode}_mJ"] = st["ms"] * (st["power_w"] or float("nan"))
-            if mode == "two_kernels":
+            if mode.startswith("two_kernels"):
                 tensors = (case.q, case.k_cache, case.v_cache, torch.empty_like(case.q))
-                row |= {f"part_{k}": 1e3 * v for k, v in time_launches(lay.launches, tensors).items()}
+                parts = time_launches(lay.launches, tensors).items()
+                prefix = "part_" if mode == "two_kernels" else f"{mode}_part_"
+                row |= {f"{prefix}{k}": 1e3 * v for k, v in parts}
         row["own_bytes_us"] = 1e6 * b * s * case.hkv * 128 * 2 * 2 / (copy_tbps * 1e12)
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

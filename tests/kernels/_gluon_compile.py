@@ -5,7 +5,8 @@ Triton is imported, and under it Triton's own library functions (``gl.max``...) 
 interpreter, which the real compiler refuses.
 
 Usage: python _gluon_compile.py KERNEL:GROUP:DIM:DTYPE [...]   (KERNEL shared, shared192: the shared kernel
-with 192-row tiles, sharedfp8 / shared192fp8: either over an e4m3 cache, mixed, mixed128: the mixed
+with 192-row tiles, sharedfp8 / shared192fp8: either over an e4m3 cache, sharedfp8mma: the kernel
+whose products run on FP8 tensor cores (shared_gluon_fp8), mixed, mixed128: the mixed
 kernel with 128-row own tiles, or mixedheavy: with 128-token shared tiles; DTYPE bf16 or fp16)
 """
 
@@ -28,13 +29,15 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
     block_m = 192 if kernel_name.startswith("shared192") else 128
     fp8 = kernel_name.endswith("fp8")
     shared_n = 128 if kernel_name == "mixedheavy" else 64
+    fp8mma = kernel_name == "sharedfp8mma"
+    fp8 = fp8 or fp8mma
     kernel_name = "mixed" if kernel_name.startswith("mixed") else "shared"
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from prefixserve.attention.kernels import gluon_attend, mixed_gluon, shared_gluon
+    from prefixserve.attention.kernels import gluon_attend, mixed_gluon, shared_gluon, shared_gluon_fp8
     from prefixserve.attention.planning import mixed_rule
 
     cache = torch.zeros(8, 16, 2, dim, dtype=torch.float8_e4m3fn if fp8 else dtype)
@@ -57,6 +60,13 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         consts |= {"OWN_STAGES": own_stages, "OWN_M": own_m, "PTXAS": mixed_gluon.PTXAS_BUILD}
         consts |= {"BLOCK_SIZE": 16, "OWN_ROWS": rows, "HT": ht}
         maxnreg = mixed_gluon.MAXNREG
+    elif fp8mma:  # the products on FP8 tensor cores: as shared_gluon_fp8.launch sets it
+        kernel = shared_gluon_fp8.shared_fp8mma_kernel
+        f8 = shared_gluon_fp8
+        consts |= {"BLOCK_N": f8.BLOCK_N, "STAGES": f8.STAGES, "VT_STAGES": f8.VT_STAGES}
+        consts |= {"CONSUMER_REGS": f8.CONSUMER_REGS, "TRANSPOSE_REGS": f8.TRANSPOSE_REGS, "Q_TERMS": 2}
+        del consts["BLOCK_M"]
+        maxnreg = f8.MAXNREG
     else:
         kernel = shared_gluon.shared_gluon_kernel
         maxnreg = shared_gluon.MAXNREG if block_m == 128 else shared_gluon.MAXNREG_WIDE

@@ -14,7 +14,7 @@ import torch
 from _kernel_helpers import DEVICE, compiled_for_hopper, rel_err
 
 from prefixserve.attention import _ptxas
-from prefixserve.attention.kernels import mixed_gluon, shared_gluon
+from prefixserve.attention.kernels import mixed_gluon, shared_gluon, shared_gluon_fp8
 from prefixserve.attention.kernels.shared_attention import (
     shared_segment_attention,
     shared_segment_attention_ref,
@@ -41,6 +41,7 @@ def test_kernel_compiles_for_sm90() -> None:
         "shared192:8:128:bf16",
         "sharedfp8:4:128:bf16",  # over an e4m3 cache: a widening warpgroup joins
         "shared192fp8:8:64:fp16",
+        "sharedfp8mma:4:128:bf16",  # its products on FP8 tensor cores: a transposing warpgroup joins
         "mixed:16:128:bf16",
         "mixed128:4:128:bf16",
         "mixedheavy:8:64:fp16",
@@ -62,6 +63,11 @@ def test_kernel_compiles_for_sm90() -> None:
                 "24",
                 str(shared_gluon.FP8_WIDEN_REGS[128]),
                 str(shared_gluon.FP8_CONSUMER_REGS[128]),
+            },
+            "sharedfp8mma": {
+                "24",
+                str(shared_gluon_fp8.TRANSPOSE_REGS),
+                str(shared_gluon_fp8.CONSUMER_REGS),
             },
             "shared192fp8": {
                 "24",

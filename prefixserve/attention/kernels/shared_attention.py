@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixserve.attention.kernels import shared_gluon
+from prefixserve.attention.kernels import shared_gluon, shared_gluon_fp8
 from prefixserve.attention.kernels.attend import (
     accumulate_pv,
     attend_range,
@@ -364,6 +364,10 @@ def launch_shared(
         o_part.stride(1),
         lse_part.stride(0),
     )
+    q_terms = shared_gluon_fp8.taken(q, k_cache, v_cache, work.block_m) if work.tma else 0
+    if q_terms:  # an e4m3 cache, its products on FP8 tensor cores (docs/kernels.md §2.13)
+        args = (q, k_cache, v_cache, seg_rows, work.items, o_part, lse_part, scale)
+        return shared_gluon_fp8.launch(*args, q_terms=q_terms)
     if work.tma and shared_gluon.eligible(q, k_cache, v_cache, work.block_m, work.block_n):
         # Hopper, tall tiles: the warp-specialised Gluon kernel (1.2-1.4x this one alone;
         # docs/kernels.md §2.3)
