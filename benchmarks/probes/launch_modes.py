@@ -10,8 +10,8 @@ what sets a decode step's time); the two-kernel call's launches are also timed a
 own kernel, merge). ``--heads 32/4`` sets query / KV heads (default the 8B's 32/8; 32/4 is the 70B's
 TP=2 shard). T* as in attention.py, from ceilings measured in the run. Points are BxPxS (sequences,
 shared prefix tokens, own tokens each). ``--kv-dtype fp8``: the caches in e4m3, as an FP8 KV cache
-holds them (the mixed kernel then runs two kernels); modes ``two_kernels_fp8mma1`` / ``2`` run the
-shared part's products on FP8 tensor cores, q in one or two e4m3 terms (``shared_gluon_fp8``). The
+holds them (the mixed kernel then runs two kernels); mode ``two_kernels_fp8mma`` runs the
+shared part's products on FP8 tensor cores (``shared_gluon_fp8``). The
 phased kernel this probe was first written for (shared tickets, then own ones, in one launch) is in
 git history at a891d3d (docs/kernels.md §4).
 
@@ -39,22 +39,21 @@ from prefixserve.attention.triton_backend import TritonBackend
 OWN_ROWS_FOR = mixed_rule.own_rows_for
 WIDE_TILES_PAY = shared_plan.wide_tiles_pay
 GLUON = shared_gluon.GLUON
-# (mixed launch, own rows forced, 192-row shared tiles allowed, the Gluon shared kernel, q's e4m3 terms
-# for the FP8 tensor-core shared kernel over an e4m3 cache, 0: not taken)
+# (mixed launch, own rows forced, 192-row shared tiles allowed, the Gluon shared kernel, the shared
+# part's products on FP8 tensor cores over an e4m3 cache)
 MODES = {
-    "two_kernels": (False, None, True, True, 0),
-    "two_kernels128": (False, None, False, True, 0),
-    "two_kernels_triton": (False, None, False, False, 0),
-    "two_kernels_fp8mma1": (False, None, False, True, 1),
-    "two_kernels_fp8mma2": (False, None, False, True, 2),
-    "mixed64": (True, 64, True, True, 0),
-    "mixed128": (True, 128, True, True, 0),
+    "two_kernels": (False, None, True, True, False),
+    "two_kernels128": (False, None, False, True, False),
+    "two_kernels_triton": (False, None, False, False, False),
+    "two_kernels_fp8mma": (False, None, False, True, True),
+    "mixed64": (True, 64, True, True, False),
+    "mixed128": (True, 128, True, True, False),
 }
 
 
 def call(case: Case, mode: str):
     """The whole attention call of ``case`` under ``mode``, graphed; and its layout."""
-    mixed, own_m, wide, gluon, q_terms = MODES[mode]
+    mixed, own_m, wide, gluon, fp8_products = MODES[mode]
     mixed_rule.own_rows_for = (lambda *a: own_m) if own_m else OWN_ROWS_FOR
     shared_plan.wide_tiles_pay = WIDE_TILES_PAY if wide else (lambda *a: False)
     shared_gluon.GLUON = GLUON and gluon
@@ -62,7 +61,7 @@ def call(case: Case, mode: str):
     be.mixed = mixed
     be.overlap_min_rows = 0  # the shared kernel on a side stream, as in the decode graphs
     meta = dataclasses.replace(case.meta, plan=None, stats={})
-    with shared_gluon_fp8.products(q_terms):  # the launches are recorded under it, then replayed
+    with shared_gluon_fp8.products(fp8_products):  # the launches are recorded under it, then replayed
         be.prepare(meta)
         out = be.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
         lay = next(iter(meta.plan.layouts.values()))

@@ -22,10 +22,10 @@ checks it):
 
     planning.plan < planning.decode_plans < planning.window_plan < _ptxas < kernels.turn
     < kernels.merge < planning.tiles < kernels.attend < planning.e4m3_walks < kernels.packed_decode
-    < kernels.paged_attention < kernels.gluon_attend < kernels.shared_gluon < planning.shared_plan
-    < kernels.shared_attention < planning.mixed_rule < kernels.mixed_own < kernels.mixed_gluon
-    < planning.step_plan < step_launch < planning.window_work < kernels.window_attention
-    < graph_attention < triton_backend
+    < kernels.paged_attention < kernels.gluon_attend < kernels.shared_gluon < kernels.shared_gluon_fp8
+    < planning.shared_plan < kernels.shared_attention < planning.mixed_rule < kernels.mixed_own
+    < kernels.mixed_gluon < planning.step_plan < step_launch < planning.window_work
+    < kernels.window_attention < graph_attention < triton_backend
 
 Planning and kernels interleave there: a kernel's wrapper takes its planner's work list
 (``shared_attention`` runs ``shared_plan``'s), and a planner asks a kernel whether it can run

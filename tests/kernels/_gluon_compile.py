@@ -64,7 +64,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         kernel = shared_gluon_fp8.shared_fp8mma_kernel
         f8 = shared_gluon_fp8
         consts |= {"BLOCK_N": f8.BLOCK_N, "STAGES": f8.STAGES, "VT_STAGES": f8.VT_STAGES}
-        consts |= {"CONSUMER_REGS": f8.CONSUMER_REGS, "TRANSPOSE_REGS": f8.TRANSPOSE_REGS, "Q_TERMS": 2}
+        consts |= {"CONSUMER_REGS": f8.CONSUMER_REGS, "TRANSPOSE_REGS": f8.TRANSPOSE_REGS}
         del consts["BLOCK_M"]
         maxnreg = f8.MAXNREG
     else:

@@ -112,6 +112,37 @@ class _Counter:
         monkeypatch.setattr(shared_gluon, "launch_shared_gluon", counted)
 
 
+# (GQA group, head size, segment lengths, rows holding each, KV split) of the Gluon kernels' GPU tests
+SEGMENT_CASES = [
+    (4, 128, [4096], [96], False),
+    (4, 128, [1000, 48, 2100], [40, 33, 70], False),  # ragged tails, a segment under one tile
+    (8, 64, [777, 1536], [17, 50], True),
+    (8, 128, [2048], [40], False),  # the last tile's last warpgroup has no rows
+]
+
+
+def prefix_decode_step(kv_dtype: torch.dtype):
+    """A decode step of 96 sequences on a contiguous 2,048-token prefix (GQA 4, d 128), own suffixes
+    of 1-89 tokens on shuffled blocks, the cache in ``kv_dtype``: (q, k, v, metadata) on the GPU."""
+    gen = torch.Generator().manual_seed(11)
+    batch, prefix, bs, hq, hkv, dim = 96, 2048, 16, 16, 4, 128
+    own = torch.randint(1, 90, (batch,), generator=gen).tolist()
+    n_prefix = prefix // bs
+    need = n_prefix + sum(-(-(o + 1) // bs) for o in own) + 1
+    k = torch.randn(need, bs, hkv, dim, generator=gen).cuda().bfloat16().to(kv_dtype)
+    v = torch.randn(need, bs, hkv, dim, generator=gen).cuda().bfloat16().to(kv_dtype)
+    perm = (n_prefix + torch.randperm(need - n_prefix, generator=gen)).tolist()
+    tables, seq_lens, at = [], [], 0
+    for o in own:
+        n = -(-(o + 1) // bs)
+        tables.append(list(range(n_prefix)) + perm[at : at + n])
+        at += n
+        seq_lens.append(prefix + o + 1)
+    meta = build_metadata(bs, [1] * batch, seq_lens, tables, "cuda")
+    q = torch.randn(batch, hq, dim, generator=gen).cuda().bfloat16()
+    return q, k, v, meta
+
+
 def _segments(lengths: list[int], rows: list[int], group: int, dim: int, dtype: torch.dtype, seed: int):
     """Contiguous segments of ``lengths`` tokens (any length: ragged last tiles), each held by ``rows``."""
     gen = torch.Generator().manual_seed(seed)
@@ -223,24 +254,8 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide, kv_dtype) 
 
     if not wide:
         monkeypatch.setattr(shared_plan, "wide_tiles_pay", lambda *a: False)
-    gen = torch.Generator().manual_seed(11)
-    batch, prefix, bs, hq, hkv, dim = 96, 2048, 16, 16, 4, 128
-    own = torch.randint(1, 90, (batch,), generator=gen).tolist()
-    n_prefix = prefix // bs
-    need = n_prefix + sum(-(-(o + 1) // bs) for o in own) + 1
-    k = torch.randn(need, bs, hkv, dim, generator=gen).cuda().bfloat16()
-    v = torch.randn(need, bs, hkv, dim, generator=gen).cuda().bfloat16()
-    perm = (n_prefix + torch.randperm(need - n_prefix, generator=gen)).tolist()
-    tables, seq_lens, at = [], [], 0
-    for o in own:
-        n = -(-(o + 1) // bs)
-        tables.append(list(range(n_prefix)) + perm[at : at + n])
-        at += n
-        seq_lens.append(prefix + o + 1)
-    meta = build_metadata(bs, [1] * batch, seq_lens, tables, "cuda")
-    q = torch.randn(batch, hq, dim, generator=gen).cuda().bfloat16()
-    if kv_dtype is not None:  # an FP8 KV cache (the widening warpgroup)
-        k, v = k.to(kv_dtype), v.to(kv_dtype)
+    q, k, v, meta = prefix_decode_step(kv_dtype or torch.bfloat16)  # e4m3: the widening warpgroup
+    dim = q.shape[-1]
     counter = _Counter(monkeypatch)
     be = TritonBackend()
     be.prepare(meta)
@@ -258,15 +273,7 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide, kv_dtype) 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and shared_gluon.GLUON), reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    ("group", "dim", "lengths", "rows", "split"),
-    [
-        (4, 128, [4096], [96], False),
-        (4, 128, [1000, 48, 2100], [40, 33, 70], False),  # ragged tails, a segment under one tile
-        (8, 64, [777, 1536], [17, 50], True),
-        (8, 128, [2048], [40], False),  # the last tile's last warpgroup has no rows
-    ],
-)
+@pytest.mark.parametrize(("group", "dim", "lengths", "rows", "split"), SEGMENT_CASES)
 @pytest.mark.parametrize("block_m", [128, 192])
 def test_gluon_over_an_e4m3_cache(monkeypatch, dtype, group, dim, lengths, rows, split, block_m) -> None:
     """An FP8 KV cache: the widening warpgroup converts each e4m3 tile to q's dtype (exact), so the

@@ -14,6 +14,7 @@ the same reason.
   * packed_decode, paged_attention: the paged kernels (several decode sequences a program; any step);
   * shared_attention: the Triton shared-segment kernel (``planning/shared_plan.py``'s work list);
   * gluon_attend: Gluon blocks of the Hopper ring pipeline;  shared_gluon: the Gluon shared kernel;
+  * shared_gluon_fp8: the Gluon shared kernel's products on FP8 tensor cores (an e4m3 cache);
   * mixed_own: the mixed kernel's own tiles;  mixed_gluon: the mixed kernel (shared and own tiles in
     one launch; ``planning/mixed_rule.py`` says when);
   * window_attention: a sliding-window layer's attention (each row within its window; a decode step's

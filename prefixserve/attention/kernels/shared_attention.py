@@ -364,10 +364,9 @@ def launch_shared(
         o_part.stride(1),
         lse_part.stride(0),
     )
-    q_terms = shared_gluon_fp8.taken(q, k_cache, v_cache, work.block_m) if work.tma else 0
-    if q_terms:  # an e4m3 cache, its products on FP8 tensor cores (docs/kernels.md §2.13)
-        args = (q, k_cache, v_cache, seg_rows, work.items, o_part, lse_part, scale)
-        return shared_gluon_fp8.launch(*args, q_terms=q_terms)
+    if work.tma and shared_gluon_fp8.taken(q, k_cache, v_cache, work.block_m):
+        # an e4m3 cache, its products on FP8 tensor cores (docs/kernels.md §2.13)
+        return shared_gluon_fp8.launch(q, k_cache, v_cache, seg_rows, work.items, o_part, lse_part, scale)
     if work.tma and shared_gluon.eligible(q, k_cache, v_cache, work.block_m, work.block_n):
         # Hopper, tall tiles: the warp-specialised Gluon kernel (1.2-1.4x this one alone;
         # docs/kernels.md §2.3)

@@ -24,6 +24,8 @@ consumer partitions and the ring.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
@@ -396,25 +398,7 @@ def launch_shared_gluon(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8:
         block_n, stages = FP8_TILES[block_m]
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        gluon_descriptor(k_cache, block_n),
-        gluon_descriptor(v_cache, block_n),
-        seg_rows,
-        items,
-        o_part,
-        lse_part,
-        scale * LOG2E,
-        items.shape[0],
-        kv_heads,
-        q.stride(0),
-        q.stride(1),
-        o_part.stride(0),
-        o_part.stride(1),
-        lse_part.stride(0),
-    )
+    args = ticket_args((q, k_cache, v_cache), seg_rows, items, (o_part, lse_part), scale, block_n)
     kw = dict(
         GROUP=q_heads // kv_heads,
         BLOCK_M=block_m,
@@ -428,12 +412,36 @@ def launch_shared_gluon(
         num_warps=4,  # the default partition: one consumer warpgroup
         maxnreg=FP8_MAXNREG[block_m] if fp8 else (MAXNREG if block_m == 128 else MAXNREG_WIDE),
     )
-    grid = (items.shape[0], kv_heads)
-    compiled = shared_gluon_kernel[grid](*args, **kw)
-    launch = record(shared_gluon_kernel, grid, args, kw, compiled)
+    return launch_recorded(shared_gluon_kernel, (items.shape[0], kv_heads), args, kw, block_n)
+
+
+def ticket_args(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    seg_rows: torch.Tensor,
+    items: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    block_n: int,
+) -> tuple:
+    """The positional arguments of a Gluon shared kernel (this one, ``shared_gluon_fp8``'s): q and the
+    caches, their descriptors of ``block_n``-token tiles, the work list, the partial slots (o, lse),
+    the scale in log2 units and the strides."""
+    q, k_cache, v_cache = qkv
+    o_part, lse_part = partials
+    descs = (gluon_descriptor(k_cache, block_n), gluon_descriptor(v_cache, block_n))
+    sizes = (scale * LOG2E, items.shape[0], k_cache.shape[2])
+    strides = (q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), lse_part.stride(0))
+    return (*qkv, *descs, seg_rows, items, o_part, lse_part, *sizes, *strides)
+
+
+def launch_recorded(kernel: Any, grid: tuple[int, int], args: tuple, kw: dict, block_n: int) -> Launch:
+    """Launch ``kernel`` and record it so that a relaunch for another layer's caches (args 1-2) remakes
+    their descriptors (args 3-4)."""
+    compiled = kernel[grid](*args, **kw)
+    launch = record(kernel, grid, args, kw, compiled)
     remake = lambda c: gluon_descriptor(c, block_n)  # noqa: E731
     launch.derived = [(3, 1, remake), (4, 2, remake)]
     return launch
 
 
-__all__ = ["GLUON", "eligible", "eligible_for", "launch_shared_gluon"]
+__all__ = ["GLUON", "eligible", "eligible_for", "launch_recorded", "launch_shared_gluon", "ticket_args"]
