@@ -49,7 +49,9 @@ def _chat(llm: LLM, prompts: list[str]) -> list[list[int]]:
 
 
 def test_single_requests_match_hf(default_llm: LLM, hf_greedy: list[list[int]]) -> None:
-    for prompt, expected in zip(PROMPTS, hf_greedy, strict=True):
+    """Every other prompt alone (the batched test below runs all of them together: 3 s a prompt on
+    the CPU, so the single requests take half)."""
+    for prompt, expected in list(zip(PROMPTS, hf_greedy, strict=True))[::2]:
         assert _chat(default_llm, [prompt])[0] == expected, prompt
     assert_pool_empty(default_llm)
 

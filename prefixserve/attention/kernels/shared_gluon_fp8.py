@@ -15,12 +15,11 @@ products run on e4m3 operands at twice the bf16 tensor-core rate (FA3's FP8 forw
 
 The loader warp, tickets, query gathering and row stores are ``gluon_attend``'s. One tile height:
 128 rows (two consumer warpgroups, each with the in-warpgroup overlap). Its error against fp64 is
-e4m3's rounding of q and P (tests/kernels/test_shared_fp8mma.py); on the default model that costs no
-top-1 agreement and mean KL 0.0069 against 0.0041, within issue 103's bounds (docs/kernels.md
-§2.13). The engine takes it only when switched on (``products``): its run inside the engine's
-graphs is still to be checked on a GPU. q as two e4m3 terms (the second the first's residual: no
-accuracy cost at all) returned wrong rows when its two products were chained into one accumulator,
-and is not built.
+e4m3's rounding of q and P (tests/kernels/test_shared_fp8mma.py), which on the default model stays
+within issue 103's accuracy bounds (docs/kernels.md §2.13). The engine takes it only when switched
+on (``products``): its run inside the engine's graphs is still to be checked on a GPU. q as two e4m3
+terms (the second the first's residual, which the default model does not notice at all) returned
+wrong rows when its two products were chained into one accumulator, and is not built.
 """
 
 from __future__ import annotations
