@@ -162,8 +162,34 @@ def default_llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
-def hf_gguf_model() -> torch.nn.Module:
-    """HF transformers' model of the default GGUF in fp32: a reference forward independent of ours."""
+def hf_gguf_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """HF transformers' model of the default GGUF in fp32: a reference forward independent of ours.
+
+    Under pytest-xdist the first worker to need it saves HF's converted weights and config in the
+    run's shared temporary folder and the other loads those (3 s instead of HF's GGUF load again)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _hf_from_gguf()
+    from filelock import FileLock
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shared = tmp_path_factory.getbasetemp().parent  # one folder per run, every worker's parent
+    config_path, state_path = shared / "hf_gguf_config.json", shared / "hf_gguf_state.pt"
+    with FileLock(str(shared / "hf_gguf.lock")):
+        if state_path.is_file():
+            config = AutoConfig.for_model(**json.loads(config_path.read_text()))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(torch.load(state_path))
+            return model.eval()
+        model = _hf_from_gguf()
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the GGUF's: the saved weights are plain fp32
+        config_path.write_text(json.dumps(config, default=str))
+        torch.save(model.state_dict(), state_path)
+        return model
+
+
+def _hf_from_gguf() -> torch.nn.Module:
+    """HF's own load of the default GGUF (its converter and dequantizer), in fp32."""
     from transformers import AutoModelForCausalLM
 
     from prefixserve.model.loader import default_gguf_path

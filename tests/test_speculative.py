@@ -214,24 +214,25 @@ def test_an_abort_between_steps_leaves_no_draft_behind(tmp_path: Path) -> None:
 
 def test_sampled_outputs_keep_the_models_distribution(pair: tuple[LLM, LLM]) -> None:
     """At temperature 1, how often the first j tokens copy the text (the drafts' path) with speculation
-    is the model's probability of those j tokens, within sampling noise (200 seeded samples).
+    is the model's probability of those j tokens, within sampling noise (120 seeded samples).
 
     The probability is exact: the product of the greedy tokens' probabilities, read from the plain
     engine's logprobs (they match its own samples' frequencies), so only one side carries noise. Each
-    j = 3..6 may be off by 3 standard errors, sqrt(p (1 - p) / 200): at most 1.1% of correct engines
+    j = 3..6 may be off by 3 standard errors, sqrt(p (1 - p) / 120): at most 1.1% of correct engines
     fail (0.27% each, four comparisons). A rule that kept every draft would raise j >= 3 from about 7%
-    to about 22% (measured), 8 standard errors away."""
+    to about 22% (measured), 6 standard errors away. (Each sample verifies its drafts on the CPU:
+    about 0.13 s a sample.)"""
     kw = dict(dtype="float32", device="cpu", attention="cascade", num_kv_blocks=4096, progress=False)
     kw.update(max_num_seqs=512, max_num_batched_tokens=16384)
     spec = LLM(**kw, speculative_config=SPEC)
     greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
     copy = pair[0].chat(CHATS[0], greedy)[0].outputs[0]
     want = np.exp(np.cumsum([lp[t].logprob for t, lp in zip(copy.token_ids, copy.logprobs, strict=True)]))
-    count = 200
+    count = 120
     params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s) for s in range(count)]
     outs = [o.outputs[0].token_ids for o in spec.chat([CHATS[0]] * count, params)]
     got = np.array([sum(o[:j] == copy.token_ids[:j] for o in outs) / count for j in range(1, 7)])
-    assert spec.metrics()["spec_decode_accepted_tokens_total"] > 50  # the drafts did run
+    assert spec.metrics()["spec_decode_accepted_tokens_total"] > count // 6  # the drafts did run (42 here)
     errors = np.abs(got - want) / np.sqrt(want * (1 - want) / count)  # in standard errors
     assert (errors[2:] < 3).all(), (want, got)
     assert_pool_empty(spec)
