@@ -53,7 +53,7 @@ def compile_for_hopper(group: int, dim: int, dtype: torch.dtype, kernel_name: st
         desc = mangle_type(gluon_attend.gluon_descriptor(cache, shared_n))
         own = mangle_type(mixed_gluon.own_descriptor(cache, own_m))
         types |= {"k_desc": desc, "v_desc": desc, "ko_desc": own, "vo_desc": own}
-        types |= {"own_tables_ptr": "*i32", "own_lens_ptr": "*i32"}
+        types |= {"own_tables_ptr": "*i32", "own_lens_ptr": "*i32", "count_ptr": "*i32"}
         ht, rows = mixed_rule.own_tiling(group * 8, 8, 16, own_m)  # 8 KV heads, as the 8B models
         shared_stages, own_stages = mixed_gluon.ring_stages(own_m, shared_n)
         consts |= {"BLOCK_N": shared_n, "STAGES": shared_stages}

@@ -35,12 +35,13 @@ def test_kernel_compiles_for_sm90() -> None:
     4 / 8 / 16 (16: own tiles of N = 32), d 128 / 64 and bf16 / fp16: the shared kernel (128- and
     192-row tiles) and the mixed kernel (mixed_gluon.py; 64- and 128-row own tiles, the shared-heavy
     form); the mixed kernel's cubin by ptxas >= 12.9 where Triton has one (``_ptxas``). One shape a
-    variant and dtype: each compile costs CI seconds on the CPU."""
+    variant and dtype: each compile costs CI seconds on the CPU. Over an e4m3 cache the variants the
+    engine runs: 128-row tiles widened, or on FP8 tensor cores (the planner never gives an e4m3 step
+    192-row tiles, docs/kernels.md §2.13)."""
     shapes = [
         "shared:4:128:bf16",
         "shared192:8:128:bf16",
         "sharedfp8:4:128:bf16",  # over an e4m3 cache: a widening warpgroup joins
-        "shared192fp8:8:64:fp16",
         "sharedfp8mma:4:128:bf16",  # its products on FP8 tensor cores: a transposing warpgroup joins
         "mixed:16:128:bf16",
         "mixed128:4:128:bf16",
@@ -68,11 +69,6 @@ def test_kernel_compiles_for_sm90() -> None:
                 "24",
                 str(shared_gluon_fp8.TRANSPOSE_REGS),
                 str(shared_gluon_fp8.CONSUMER_REGS),
-            },
-            "shared192fp8": {
-                "24",
-                str(shared_gluon.FP8_WIDEN_REGS[192]),
-                str(shared_gluon.FP8_CONSUMER_REGS[192]),
             },
         }.get(kernel, {"24", str(mixed_gluon.SHARED_REGS), str(mixed_gluon.OWN_REGS)})
         assert regs <= set(r["setmaxnreg"]), r
