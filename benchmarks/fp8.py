@@ -7,8 +7,11 @@ over an FP8 KV cache), one engine on the model (default dummy Llama-3.1-8B shape
            and the GPU's busy ms per step (``benchmarks.dense.engine_decode``)
   prefill  one sequence's prefill step of ``--prefill-tokens`` tokens: GPU busy and wall ms, tokens/s
   memory   the weights' GiB and the KV pool's blocks (the pool grows by what the weights give back)
-``--fit-model dummy:llama-3.1-70b``: that model loaded with FP8 weights on this one GPU, its weight
-GiB (bf16's counted on the meta device) and KV blocks, and a short greedy generation.
+``--shared-batches B ...``: decode tok/s of B requests behind one ``--shared-prefix``-token prefix,
+sharing on, per mode (``shared_modes``: each FP8-KV mode also with the shared part's products on FP8
+tensor cores, ``fp8-products``). ``--fit-model dummy:llama-3.1-70b``: that model loaded with FP8
+weights on this one GPU, its weight GiB (bf16's counted on the meta device) and KV blocks, and a
+short greedy generation.
 
 Targets (issue 103): decode B=1 <= 0.6x bf16's time, B=64 <= 0.7x; 8K-token prefill >= 1.5x bf16's
 tokens/s; the 70B shape fits one H200 with FP8 weights.
