@@ -80,3 +80,88 @@ def test_fp8_bf16_kernels_match_the_dequantized_reference(query_lens: list[int])
         got = attend_layer(be, q, k8, v8, meta, dim**-0.5, kv_scales=scales).float()
         err = float((got - want).norm() / want.norm())
         assert err < 1e-2, (name, err)
+
+
+# d 128 and GQA 4 (the FP8 tensor-core shared kernel's shapes), small elsewhere
+PRODUCTS_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
+
+
+def _products_run(config_path, prompts, on: bool) -> tuple[list, dict]:
+    """Greedy outputs (tokens, their top-5 logprobs) of an e4m3-cache engine under decode graphs with
+    the shared part's products on FP8 tensor cores switched ``on`` or off, and its metrics. The
+    second round is measured: the prefix comes from the cache and is shared."""
+    from prefixserve.attention.kernels import shared_gluon_fp8
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    with shared_gluon_fp8.products(on):
+        llm = LLM(
+            f"dummy:{config_path}",
+            dtype="bfloat16",
+            device="cuda",
+            kv_cache_dtype="fp8",
+            num_kv_blocks=1024,
+            max_num_seqs=128,
+            max_num_batched_tokens=4096,
+            progress=False,
+        )
+        llm.generate(prompts, params)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert llm.engine.graphs is not None and llm.engine.graphs.captures >= 1
+        metrics = llm.metrics()
+        assert_pool_empty(llm)
+        llm.shutdown()
+    return [(o.token_ids, o.top_logprobs) for o in outs], metrics
+
+
+def test_fp8_products_in_the_engine_under_graphs(tmp_path, monkeypatch) -> None:
+    """96 requests behind a 1,536-token prefix over an e4m3 cache, decode graphs: with the shared
+    part's products on FP8 tensor cores the kernel is launched, and each decode step's top logprobs
+    stay within e4m3's rounding of the widened (exact-product) engine's where the tokens before agree."""
+    import json
+
+    from prefixserve.attention.kernels import shared_gluon_fp8
+
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16, device="cuda")
+    k8 = torch.zeros(2, 16, 1, 128, dtype=FP8, device="cuda")
+    if not shared_gluon_fp8.eligible(q, k8, k8, 128):
+        pytest.skip("needs a Hopper GPU and Gluon")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PRODUCTS_CONFIG))
+    prefix = [(7 * i + 3) % 4000 + 50 for i in range(1536)]
+    prompts = [{"prompt_token_ids": [*prefix, 60 + i, 900 + 3 * i]} for i in range(96)]
+    calls: list[int] = []
+    original = shared_gluon_fp8.launch
+    monkeypatch.setattr(shared_gluon_fp8, "launch", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    exact, _ = _products_run(path, prompts, on=False)
+    assert not calls
+    fp8, metrics = _products_run(path, prompts, on=True)
+    assert calls
+    assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
+    worst, compared, same = 0.0, 0, 0
+    for (want_ids, want_top), (got_ids, got_top) in zip(exact, fp8, strict=True):
+        same += want_ids == got_ids
+        for step in range(len(want_ids)):
+            if want_ids[:step] != got_ids[:step]:
+                break
+            theirs, ours = dict(want_top[step]), dict(got_top[step])
+            for token in theirs.keys() & ours.keys():
+                worst = max(worst, abs(theirs[token] - ours[token]))
+                compared += 1
+    print(f"fp8 products: {same}/{len(exact)} greedy rows equal, worst top-5 logprob gap {worst:.4f}")
+    assert compared >= 5 * len(exact)
+    assert worst < 0.1
+    assert same >= len(exact) // 2
