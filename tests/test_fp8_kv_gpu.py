@@ -112,6 +112,7 @@ def _products_run(config_path, prompts, on: bool) -> tuple[list, dict]:
             f"dummy:{config_path}",
             dtype="bfloat16",
             device="cuda",
+            attention="triton",  # auto keeps a prefix this short on the paged path (its cost rule)
             kv_cache_dtype="fp8",
             num_kv_blocks=1024,
             max_num_seqs=128,
@@ -128,12 +129,16 @@ def _products_run(config_path, prompts, on: bool) -> tuple[list, dict]:
 
 
 def test_fp8_products_in_the_engine_under_graphs(tmp_path, monkeypatch) -> None:
-    """96 requests behind a 1,536-token prefix over an e4m3 cache, decode graphs: with the shared
-    part's products on FP8 tensor cores the kernel is launched, and each decode step's top logprobs
-    stay within e4m3's rounding of the widened (exact-product) engine's where the tokens before agree."""
+    """96 requests behind a 1,536-token prefix over an e4m3 cache, decode graphs, the shared and own
+    parts as two kernels (a prefix this short would run as one mixed launch, which widens e4m3): with
+    the shared part's products on FP8 tensor cores the kernel is launched, and each decode step's top
+    logprobs stay within e4m3's rounding of the widened (exact-product) engine's where the tokens
+    before agree."""
     import json
 
     from prefixserve.attention.kernels import shared_gluon_fp8
+
+    monkeypatch.setenv("PREFIXSERVE_MIXED", "0")
 
     q = torch.zeros(1, 4, 128, dtype=torch.bfloat16, device="cuda")
     k8 = torch.zeros(2, 16, 1, 128, dtype=FP8, device="cuda")
