@@ -145,7 +145,8 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
 
 
 def test_greedy_equals_one_process_with_sharing_off(default_llm: LLM) -> None:
-    expected = token_ids(default_llm, PROMPTS)
+    prompts = PROMPTS[1:4]  # two holders of the shared prefix and a loner: the CI machine's time
+    expected = token_ids(default_llm, prompts)
     with LLM(
         dtype="float32",
         device="cpu",
@@ -155,7 +156,7 @@ def test_greedy_equals_one_process_with_sharing_off(default_llm: LLM) -> None:
         tensor_parallel_size=3,
         progress=False,
     ) as off:
-        assert token_ids(off, PROMPTS) == expected
+        assert token_ids(off, prompts) == expected
 
 
 def test_replicated_kv_head_and_block_copies(one_kv_head: Path) -> None:

@@ -62,14 +62,28 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.is_meta:  # shapes only (the size check before allocation)
         return to_codes(wf, base), base
     steps = 2.0 ** (torch.arange(SCALE_STEPS, device=w.device) / SCALE_STEPS)
-    errors = torch.stack(
-        [
-            ((wf / (base * a)).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * (base * a) - wf).square().sum(1)
-            for a in steps
-        ]
+    # on a CPU a few hundred rows at a time, so the candidates' temporaries stay in cache (the
+    # default model's load: 1.5x faster); on a GPU the whole matrix, one launch per operation
+    chunk = SEARCH_ROWS_CPU if wf.device.type == "cpu" else wf.shape[0]
+    errors = torch.cat(
+        [_scale_errors(wf[r : r + chunk], base[r : r + chunk], steps) for r in range(0, wf.shape[0], chunk)],
+        dim=1,
     )  # [steps, N]
     scale = base * steps[errors.argmin(0)].view(-1, 1)
     return to_codes(wf, scale), scale
+
+
+SEARCH_ROWS_CPU = 256
+
+
+def _scale_errors(wf: torch.Tensor, base: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[steps, rows]: each candidate scale's squared error of the rows' e4m3 codes."""
+    errors = torch.empty(steps.numel(), wf.shape[0], device=wf.device)
+    for i, a in enumerate(steps):
+        scale = base * a
+        rounded = (wf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float()
+        errors[i] = rounded.mul_(scale).sub_(wf).square_().sum(1)
+    return errors
 
 
 def to_codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
