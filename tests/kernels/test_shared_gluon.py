@@ -198,7 +198,8 @@ def _gluon_against_triton(monkeypatch, case: tuple, split: bool, block_m: int) -
     if split:
         kw |= {"min_chunk": 128, "target_programs": 4096}
     counter = _Counter(monkeypatch)
-    o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, **(kw | {"block_m": block_m}))
+    with shared_gluon_fp8.products(False):  # over e4m3 the widening kernel (on: test_shared_fp8mma.py)
+        o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, **(kw | {"block_m": block_m}))
     assert counter.calls == 1
     monkeypatch.setattr(shared_gluon, "GLUON", False)  # the Triton kernel
     o_t, lse_t = shared_segment_attention(q, k, v, *seg, 0.09, **kw)
@@ -208,7 +209,12 @@ def _gluon_against_triton(monkeypatch, case: tuple, split: bool, block_m: int) -
     # o can differ where the two compilers round a P element to 16 bits differently (its exponent
     # computed with or without a fused multiply-add), so o is held to the Triton kernel's own error
     assert float((lse_g - lse_t).abs().max()) < 1e-5
-    assert rel_err(o_g, ref_o) <= 1.1 * rel_err(o_t, ref_o) + 1e-4, (rel_err(o_g, ref_o), rel_err(o_t, ref_o))
+    bound = 1.1 * rel_err(o_t, ref_o) + 1e-4
+    if k.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16:
+        # the Triton kernel widens e4m3 to fp16 for bf16 q (``attend.widened_q``), the Gluon kernel to
+        # bf16: it is held to bf16's rounding of P instead (1.4e-3 measured, H200)
+        bound = 2.0**-8
+    assert rel_err(o_g, ref_o) <= bound, (rel_err(o_g, ref_o), rel_err(o_t, ref_o))
     assert float((lse_g.double() - ref_lse).abs().max()) < 2e-2
 
 
@@ -253,10 +259,11 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide, kv_dtype) 
     q, k, v, meta = prefix_decode_step(kv_dtype or torch.bfloat16)  # e4m3: the widening warpgroup
     dim = q.shape[-1]
     counter = _Counter(monkeypatch)
-    be = TritonBackend()
-    be.prepare(meta)
-    out = be.forward(q, k, v, meta, dim**-0.5)
-    again = be.forward(q, k, v, meta, dim**-0.5)  # a later layer: the recorded launch, replayed
+    with shared_gluon_fp8.products(False):  # over e4m3 the widening kernel (on: test_shared_fp8mma.py)
+        be = TritonBackend()
+        be.prepare(meta)
+        out = be.forward(q, k, v, meta, dim**-0.5)
+        again = be.forward(q, k, v, meta, dim**-0.5)  # a later layer: the recorded launch, replayed
     ref = ReferenceBackend().forward(q, k, v, meta, dim**-0.5)
     assert counter.calls >= 1
     lay = next(iter(meta.plan.layouts.values()))
