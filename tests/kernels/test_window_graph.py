@@ -93,7 +93,7 @@ def test_window_graph_matches_the_oracle_across_changing_steps(
     be = backend()
     graphs: dict[tuple, GraphAttention] = {}
     reused = 0
-    for _ in range(4):
+    for _ in range(3):
         meta = steps.meta()
         full = be.graph_step(meta, shape, bucket)
         step = window_graph_step(meta, full, shape, bucket, window, steps.group_tables(window))
@@ -125,7 +125,7 @@ def test_window_graph_matches_the_oracle_across_changing_steps(
                 ]
                 assert step.group_slots[g].tolist() == want
         steps.advance()
-    assert reused >= 2  # one key's buffers served later steps
+    assert reused >= 1  # one key's buffers served a later step
 
 
 def test_module_blocks_leave_the_step_eager() -> None:
