@@ -136,25 +136,21 @@ def test_fp8_products_in_the_engine_under_graphs(tmp_path, monkeypatch) -> None:
     before agree."""
     import json
 
-    from prefixserve.attention.kernels import shared_gluon_fp8
+    from prefixserve.attention.kernels import shared_gluon, shared_gluon_fp8
+    from tests.kernels._kernel_helpers import CountedCalls
 
     monkeypatch.setenv("PREFIXSERVE_MIXED", "0")
-
-    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16, device="cuda")
-    k8 = torch.zeros(2, 16, 1, 128, dtype=FP8, device="cuda")
-    if not shared_gluon_fp8.eligible(q, k8, k8, 128):
+    if not shared_gluon.eligible_for("cuda", torch.bfloat16, 128):
         pytest.skip("needs a Hopper GPU and Gluon")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(PRODUCTS_CONFIG))
     prefix = [(7 * i + 3) % 4000 + 50 for i in range(1536)]
     prompts = [{"prompt_token_ids": [*prefix, 60 + i, 900 + 3 * i]} for i in range(96)]
-    calls: list[int] = []
-    original = shared_gluon_fp8.launch
-    monkeypatch.setattr(shared_gluon_fp8, "launch", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    counter = CountedCalls(monkeypatch, shared_gluon_fp8, "launch")
     exact, _ = _products_run(path, prompts, on=False)
-    assert not calls
+    assert not counter.calls
     fp8, metrics = _products_run(path, prompts, on=True)
-    assert calls
+    assert counter.calls
     assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
     worst, compared, same = 0.0, 0, 0
     for (want_ids, want_top), (got_ids, got_top) in zip(exact, fp8, strict=True):

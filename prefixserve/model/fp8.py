@@ -47,6 +47,7 @@ ACT_MODES = ("dynamic", "static", "none")  # per-token scales; a checkpoint's on
 
 
 SCALE_STEPS = 16  # candidate scales a row tries, over one octave above amax / 448
+SEARCH_ROWS_CPU = 256  # rows whose candidates a CPU tries at once (``quantize_rows``)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +72,6 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )  # [steps, N]
     scale = base * steps[errors.argmin(0)].view(-1, 1)
     return to_codes(wf, scale), scale
-
-
-SEARCH_ROWS_CPU = 256
 
 
 def _scale_errors(wf: torch.Tensor, base: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -82,3 +83,18 @@ def compiled_for_hopper(script: str, *args: str, **env: str) -> list[dict]:
         pytest.skip(run.stderr[-500:])  # pragma: no cover
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+class CountedCalls:
+    """Wraps ``module.name`` (a kernel's launcher) for the test, counting its calls: which kernel a
+    step took."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str) -> None:
+        self.calls = 0
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)

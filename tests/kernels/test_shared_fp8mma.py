@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_helpers import rel_err
+from _kernel_helpers import CountedCalls, rel_err
 from test_shared_gluon import HOPPER, SEGMENT_CASES, _segments, prefix_decode_step
 
 from prefixserve.attention.kernels import shared_gluon_fp8
@@ -60,17 +60,10 @@ def test_fp8_products_against_fp64(dtype, group, dim, lengths, rows, split) -> N
     q, k, v, seg = _segments(lengths, rows, group, dim, dtype, seed=group * dim + len(lengths))
     k8, v8 = k.to(E4M3), v.to(E4M3)
     kw = {"block_m": 128} | ({"min_chunk": 128, "target_programs": 4096} if split else {})
-    calls = []
-    original = shared_gluon_fp8.launch
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
     with pytest.MonkeyPatch.context() as mp, shared_gluon_fp8.products(True):
-        mp.setattr(shared_gluon_fp8, "launch", counted)
+        counter = CountedCalls(mp, shared_gluon_fp8, "launch")
         o, lse = shared_segment_attention(q, k8, v8, *seg, 0.09, **kw)
-    assert calls == [1]
+    assert counter.calls == 1
     q_hat = rounded_query(q).to(q.device)
     ref_o, ref_lse = shared_segment_attention_ref(q_hat, k8.float(), v8.float(), *seg, 0.09, torch.float64)
     assert torch.isfinite(o).all()
@@ -89,15 +82,13 @@ def test_engine_decode_step_takes_the_fp8_kernel(monkeypatch) -> None:
     e4m3's error of the reference backend: q's and P's rounding, 0.035 of the output measured (H200)."""
     q, k, v, meta = prefix_decode_step(E4M3)
     dim = q.shape[-1]
-    calls = []
-    original = shared_gluon_fp8.launch
-    monkeypatch.setattr(shared_gluon_fp8, "launch", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    counter = CountedCalls(monkeypatch, shared_gluon_fp8, "launch")
     with shared_gluon_fp8.products(True):
         be = TritonBackend()
         be.prepare(meta)
         out = be.forward(q, k, v, meta, dim**-0.5)
         again = be.forward(q, k, v, meta, dim**-0.5)  # a later layer: the recorded launch, replayed
     ref = ReferenceBackend().forward(q, k, v, meta, dim**-0.5)
-    assert calls
+    assert counter.calls
     assert rel_err(out, ref) < 0.05
     assert rel_err(again, out) < 1e-6

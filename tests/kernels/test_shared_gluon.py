@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _kernel_helpers import DEVICE, compiled_for_hopper, rel_err
+from _kernel_helpers import DEVICE, CountedCalls, compiled_for_hopper, rel_err
 
 from prefixserve.attention import _ptxas
 from prefixserve.attention.kernels import mixed_gluon, shared_gluon, shared_gluon_fp8
@@ -94,18 +94,9 @@ def test_eligibility_rule() -> None:
         assert not mixed_rule.eligible(qc, k8, k8, 128, 128)  # the mixed kernel's own tiles take no e4m3
 
 
-class _Counter:
-    """Wraps ``launch_shared_gluon`` to count the launches that took the Gluon kernel."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        original = shared_gluon.launch_shared_gluon
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(shared_gluon, "launch_shared_gluon", counted)
+def _counter(monkeypatch: pytest.MonkeyPatch) -> CountedCalls:
+    """The launches that took the Gluon kernel."""
+    return CountedCalls(monkeypatch, shared_gluon, "launch_shared_gluon")
 
 
 # (GQA group, head size, segment lengths, rows holding each, KV split) of the Gluon kernels' GPU tests
@@ -197,7 +188,7 @@ def _gluon_against_triton(monkeypatch, case: tuple, split: bool, block_m: int) -
     kw = {"block_m": 128}
     if split:
         kw |= {"min_chunk": 128, "target_programs": 4096}
-    counter = _Counter(monkeypatch)
+    counter = _counter(monkeypatch)
     with shared_gluon_fp8.products(False):  # over e4m3 the widening kernel (on: test_shared_fp8mma.py)
         o_g, lse_g = shared_segment_attention(q, k, v, *seg, 0.09, **(kw | {"block_m": block_m}))
     assert counter.calls == 1
@@ -258,7 +249,7 @@ def test_engine_decode_step_takes_the_gluon_kernel(monkeypatch, wide, kv_dtype) 
         monkeypatch.setattr(shared_plan, "wide_tiles_pay", lambda *a: False)
     q, k, v, meta = prefix_decode_step(kv_dtype or torch.bfloat16)  # e4m3: the widening warpgroup
     dim = q.shape[-1]
-    counter = _Counter(monkeypatch)
+    counter = _counter(monkeypatch)
     with shared_gluon_fp8.products(False):  # over e4m3 the widening kernel (on: test_shared_fp8mma.py)
         be = TritonBackend()
         be.prepare(meta)
