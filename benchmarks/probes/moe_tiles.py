@@ -2,7 +2,8 @@
 candidate (BM, up BN, down BN, BK, warps, stages) checked against the default's output, then timed
 graphed; prints the fastest few per B beside the default and ``torch._grouped_mm``, JSON to --json.
 
-    PYTHONPATH=. python -m benchmarks.probes.moe_tiles [--model qwen3-30b-a3b] [--batches 1 64 256 1024]
+    PYTHONPATH=. python -m benchmarks.probes.moe_tiles [--model qwen3-30b-a3b] \
+        [--batches 1 64 256 1024] [--narrow]
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ from prefixserve.model.kernels import fused_moe
 from prefixserve.model.loader import resolve_model
 
 
-def candidates(block_m: int) -> list[tuple[int, ...]]:
+def candidates(block_m: int, narrow: bool = False) -> list[tuple[int, ...]]:
+    """Tiles around ``block_m``; ``narrow`` adds 16- and 32-column tiles and deeper pipelines (a
+    decode step's few blocks: more, smaller programs to fill the SMs)."""
     out = []
-    for bm in sorted({block_m, max(16, block_m // 2), min(128, block_m * 2)}):
+    bn_ups, bn_downs, stage_counts = (32, 64, 128), (64, 128), (3, 4)
+    if narrow:
+        bn_ups, bn_downs, stage_counts = (16, 32, 64), (16, 32, 64), (3, 4, 6)
+    bms = {block_m} if narrow else {block_m, max(16, block_m // 2), min(128, block_m * 2)}
+    for bm in sorted(bms):
         for bn_up, bn_down, bk, warps, stages in itertools.product(
-            (32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4)
+            bn_ups, bn_downs, (64, 128), (4, 8), stage_counts
         ):
             if bm * bn_up > 64 * 128 and warps == 4:
                 continue
@@ -39,6 +46,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
     ap.add_argument("--limit", type=int, default=40, help="candidates per B, spread over the list")
+    ap.add_argument("--narrow", action="store_true", help="16- and 32-column tiles, deeper pipelines")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
@@ -51,7 +59,7 @@ def main() -> None:
         default = fused_moe.tiles(b, k, e)
         want = fused_moe.experts_forward(x, w_up, w_down, weights, ids)
         base = bench_ms(graphed(lambda: grouped_mm_moe(x, w_up, w_down, weights, ids)), 100)  # noqa: B023
-        cands = candidates(default[0])
+        cands = candidates(default[0], args.narrow)
         step = max(1, len(cands) // args.limit)
         timed = []
         for tile in [default, *cands[::step]]:

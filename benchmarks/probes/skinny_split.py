@@ -11,7 +11,8 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 ``--engine-ab MODEL ...`` times whole decode steps (``benchmarks.dense.engine_decode``, CUDA graphs,
 128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on
 (``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``;
-``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``),
+``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
+``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -37,6 +38,7 @@ EPS = 1e-5
 SHAPES = {
     "moe_qkv": (5120, 2048, False),
     "moe_o": (2048, 4096, False),
+    "moe_router": (128, 2048, False),  # its partials would be summed where the logits are read
     "8b_qkv": (6144, 4096, False),
     "8b_o": (4096, 4096, False),
     "8b_down": (4096, 14336, False),
@@ -105,6 +107,7 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "split_k": fused.split_k_products,
     "gate_up": fused.gate_up_kernels,
     "moe_route": fused.moe_routing_in_experts,
+    "router_split": fused.router_split_k,
 }
 
 

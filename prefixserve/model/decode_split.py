@@ -6,8 +6,10 @@ each program is then a (column tile, slice), where one column tile a program lea
 (``benchmarks/probes/skinny_split.py``, H200, the product then the add-RMSNorm, 2 slices against one;
 docs/kernels.md §7): bf16 up to ``MAX_N`` columns (Qwen3-30B-A3B's o, 64 tiles); FP8 W8A8 up to
 ``FP8_ROWS`` rows, and past them the products of K and N at most ``FP8_MAX_SIDE`` (the 8B's o). K at
-least ``MIN_K`` (the products measured: 4,096 and 14,336; a short K's programs are short). Its own
-module: the rule needs both the fused path's switches and the FP8 layers, which import the former.
+least ``MIN_K`` (the products measured: 4,096 and 14,336; a short K's programs are short). A
+direct MoE step's router (``router_partials``) in ``ROUTER_SPLITS`` slices, which the up kernel
+sums where it routes (``fused_moe.routed_forward``). Its own module: the rule needs both the fused
+path's switches and the FP8 layers, which import the former.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ MIN_K = 4096
 MAX_N = 2048
 FP8_ROWS = 16
 FP8_MAX_SIDE = 4096
+ROUTER_SPLITS = 8  # Qwen3-30B-A3B's router at 1-2 rows: 5.0 -> 2.3 us (skinny_split.py, H200)
 
 
 def partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
@@ -43,4 +46,30 @@ def partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
     return skinny_matmul.skinny_partials(x, layer.weight, SPLITS)
 
 
-__all__ = ["FP8_MAX_SIDE", "FP8_ROWS", "MAX_N", "MIN_K", "SPLITS", "partials"]
+def router_partials(x: torch.Tensor, gate: torch.nn.Module, top_k: int) -> torch.Tensor | None:
+    """fp32 split-K partials [S, T, E] of a direct MoE step's router ``gate(x)`` (T k at most
+    ``fused_moe.DIRECT_MAX``, routed inside the up kernel, which sums them): its few columns are
+    otherwise a few programs, each reading a long slice of the weight. None: run the router whole
+    (a bias, a larger step, or a product the skinny kernel does not take)."""
+    from prefixserve.model.kernels import fused_moe, skinny_matmul
+
+    rows, k = x.shape
+    if not (fused.router_split_taken(x) and rows * top_k <= fused_moe.DIRECT_MAX) or gate.bias is not None:
+        return None
+    if not skinny_matmul.hopper(x.device) or k % (ROUTER_SPLITS * skinny_matmul.BLOCK_K):
+        return None
+    if not skinny_matmul.supported(x, gate.weight):
+        return None
+    return skinny_matmul.skinny_partials(x, gate.weight, ROUTER_SPLITS)
+
+
+__all__ = [
+    "FP8_MAX_SIDE",
+    "FP8_ROWS",
+    "MAX_N",
+    "MIN_K",
+    "ROUTER_SPLITS",
+    "SPLITS",
+    "partials",
+    "router_partials",
+]

@@ -32,6 +32,7 @@ _SWITCHES = {
     "skinny": True,
     "gate_up": True,
     "moe_route_in_up": True,
+    "router_split": True,
     "split_k": True,
     "staged_allreduce": True,
     "peer_norm": True,
@@ -48,6 +49,13 @@ def split_k_taken(x: torch.Tensor) -> bool:
     """Whether a product of ``x`` may hand the next kernel split-K partials: the switch on
     (``split_k_products``) and x on the Triton path."""
     return _SWITCHES["split_k"] and _use_triton(x)
+
+
+def router_split_taken(x: torch.Tensor) -> bool:
+    """Whether a direct MoE step of ``x`` routes in the up kernel and may hand it the router's
+    split-K partials: the switches on (``moe_routing_in_experts``, ``router_split_k``,
+    ``split_k_products``) and x on the Triton path."""
+    return _SWITCHES["moe_route_in_up"] and _SWITCHES["router_split"] and split_k_taken(x)
 
 
 def gate_up_taken(x: torch.Tensor) -> bool:
@@ -86,6 +94,12 @@ def moe_routing_in_experts(enabled: bool) -> contextlib.AbstractContextManager[N
     """Within the block, a direct MoE step (one or two tokens) routes in the up kernel's prologue
     (True) or in the route kernel before it (False): A/B runs."""
     return _switched("moe_route_in_up", enabled)
+
+
+def router_split_k(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Within the block, a direct MoE step's router hands the up kernel split-K partials (True) or
+    runs whole (False): A/B runs."""
+    return _switched("router_split", enabled)
 
 
 def peer_norms(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -449,9 +463,18 @@ def moe_route(
     return route_ref(logits, top_k, rule, norm)
 
 
+def summed_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Split-K partials [S, T, N] summed in order in fp32 and rounded to ``dtype``: as the kernels
+    that take them sum them."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total.to(dtype)
+
+
 def moe_routed_experts(
     x: torch.Tensor,  # [T, H]
-    logits: torch.Tensor,  # [T, E] the router's
+    logits: torch.Tensor,  # [T, E] the router's, or its split-K partials [S, T, E] (``decode_split``)
     route: tuple[int, str, bool],  # top k, rule, norm (``moe_route``'s)
     w_up: torch.Tensor,  # [E 2I, H]
     w_down: torch.Tensor,  # [E H, I]
@@ -472,6 +495,8 @@ def moe_routed_experts(
             return fused_moe.routed_forward(
                 x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit
             )
+    if logits.dim() == 3:
+        logits = summed_partials(logits, x.dtype)
     weights, ids = moe_route(logits, *route)
     return moe_experts(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)
 
@@ -521,6 +546,8 @@ __all__ = [
     "rope_cos_sin",
     "rope_q",
     "rope_qkv",
+    "router_split_k",
+    "router_split_taken",
     "shard_embedding",
     "shard_lookup",
     "silu_and_mul",
@@ -530,5 +557,6 @@ __all__ = [
     "split_k_operands",
     "split_k_products",
     "split_k_taken",
+    "summed_partials",
     "triton_kernels",
 ]

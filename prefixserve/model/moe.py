@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.model import fused
+from prefixserve.model import decode_split, fused
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.linear import Linear
 from prefixserve.model.parallel import Shard
@@ -171,7 +171,9 @@ class MoE(nn.Module):
         """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
         signature; the sum is always whole here), plus the gated shared expert's output if any."""
         route = (self.top_k, self.rule, self.norm)
-        out = self.shard.all_reduce(self.experts.routed(x, self.simulate(self.gate(x)), route))
+        logits = decode_split.router_partials(x, self.gate, self.top_k)
+        logits = self.gate(x) if logits is None else logits
+        out = self.shard.all_reduce(self.experts.routed(x, self.simulate(logits), route))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -208,7 +210,9 @@ def uniform_logits(logits: torch.Tensor) -> torch.Tensor:
     send it to a few experts (a deep layer sent 16 rows to 16 of 128, where a balanced router sends
     them to 82), so a dummy step would read far fewer expert weights than a trained model's; drawn
     at random, it reads what a balanced router's would. Graph-safe (torch's RNG under capture); ranks
-    draw apart, which changes what they sum but not what they read; outputs are noise either way."""
+    draw apart, which changes what they sum but not what they read; outputs are noise either way.
+    Given a direct step's split-K partials (``decode_split.router_partials``) each plane is drawn: their
+    sums are still independent and alike across the experts, so the k chosen are a uniform draw."""
     return torch.rand_like(logits)
 
 

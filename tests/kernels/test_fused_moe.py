@@ -189,6 +189,32 @@ def test_routing_in_the_up_kernel_gives_the_route_kernels_bits(
         fused_moe.routed_forward(x.new_zeros(len(many), hidden), many, top_k, rule, norm, w_up, w_down)
 
 
+@pytest.mark.parametrize(("tokens", "experts", "splits"), [(1, 128, 8), (2, 7, 3)])
+def test_router_partials_summed_in_the_up_kernel(tokens: int, experts: int, splits: int) -> None:
+    """A direct step handed the router's split-K partials [S, T, E] (``decode_split.router_partials``)
+    routes as it does given their in-order fp32 sum rounded to x's dtype (``fused.summed_partials``):
+    the same bits; and ``fused.moe_routed_experts`` sums them where the up kernel does not route."""
+    from prefixserve.model import fused
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    hidden, inter, top_k = 64, 32, min(8, experts - 1)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    parts = torch.randn(splits, tokens, experts, generator=gen).to(DEVICE)
+    w_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
+    w_down = (torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
+    summed = fused.summed_partials(parts, dtype)
+    want = fused_moe.routed_forward(x, summed, top_k, "softmax_topk", True, w_up, w_down)
+    got = fused_moe.routed_forward(x, parts, top_k, "softmax_topk", True, w_up, w_down)
+    assert torch.equal(got, want)
+    with fused.moe_routing_in_experts(False):  # the route kernel (or the CPU's sort) after the sum
+        route = (top_k, "softmax_topk", True)
+        alone = fused.moe_routed_experts(x, parts, route, w_up, w_down, "silu")
+        torch.testing.assert_close(alone, fused.moe_routed_experts(x, summed, route, w_up, w_down, "silu"))
+    with pytest.raises(ValueError, match="fp32"):
+        fused_moe.routed_forward(x, parts.to(dtype).half(), top_k, "softmax_topk", True, w_up, w_down)
+
+
 def test_no_tokens() -> None:
     x = torch.empty(0, 16, device=DEVICE)
     out = fused_moe.experts_forward(

@@ -48,12 +48,22 @@ def _top_k(
     EP: tl.constexpr,
     RULE: tl.constexpr,
     NORM: tl.constexpr,
+    SPLITS: tl.constexpr = 0,  # row_ptr is the first of SPLITS fp32 partials, split_stride apart
+    split_stride=0,
+    ROUND: tl.constexpr = tl.float32,  # SPLITS: their sum rounded to this (the router's dtype)
 ):
     """A token's k experts (int32 [KP]) and weights (fp32 [KP]; lanes past TOP_K padding) by ``RULE``:
     the router's softmax then the k largest, renormalised with ``NORM`` (0), or the k largest logits
-    then a softmax over them (1); ties to the lower index."""
+    then a softmax over them (1); ties to the lower index. With ``SPLITS`` the logits are the sum of
+    the router product's split-K partials in order, rounded as the unsplit product rounds."""
     e = tl.arange(0, EP)
-    logits = tl.load(row_ptr + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
+    if SPLITS:
+        total = tl.load(row_ptr + e, mask=e < n_experts, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            total += tl.load(row_ptr + s * split_stride + e, mask=e < n_experts, other=0.0)
+        logits = tl.where(e < n_experts, total.to(ROUND).to(tl.float32), float("-inf"))
+    else:
+        logits = tl.load(row_ptr + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
     if RULE == 0:
         p = tl.exp(logits - tl.max(logits, 0))
         scores = p / tl.sum(p, 0)
@@ -281,14 +291,17 @@ def _expert_up_kernel(
     EP: tl.constexpr = 1,
     RULE: tl.constexpr = 0,
     NORM: tl.constexpr = False,
+    LOGIT_SPLITS: tl.constexpr = 0,  # ROUTE: logits_ptr holds the router's fp32 split-K partials
+    stride_split=0,
 ):
     if PDL:
         wait()
     if ROUTE:  # block b is assignment b: token b // TOP_K's (b % TOP_K)-th expert
         b = tl.program_id(0)
         chosen, chosen_ids = _top_k(
-            logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM
-        )
+            logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM,
+            LOGIT_SPLITS, stride_split, x_ptr.dtype.element_ty,
+        )  # fmt: skip
         pick = tl.arange(0, KP) == b % TOP_K
         expert = tl.sum(tl.where(pick, chosen_ids, 0), 0)
         if tl.program_id(1) == 0:  # the down kernel reads them (``block_expert_ptr``: the flat ids)
@@ -440,6 +453,8 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     """The tile by the mean tokens per expert: blocks only as tall as the experts' runs (a decode
     step's expert holds a few rows); docs/kernels.md has the sweep that chose them."""
     per_expert = tokens * top_k / experts
+    if tokens * top_k <= DIRECT_MAX:  # a block an assignment: four loads in flight (moe_tiles.py --narrow)
+        return 16, 64, 64, 128, 4, 4
     if per_expert <= 16:
         return 16, 64, 64, 128, 4, 3
     if per_expert <= 48:
@@ -512,7 +527,7 @@ def experts_forward(
 
 def routed_forward(
     x: torch.Tensor,  # [T, H]
-    logits: torch.Tensor,  # [T, E] router logits
+    logits: torch.Tensor,  # [T, E] router logits, or the router product's fp32 split-K partials [S, T, E]
     top_k: int,
     rule: str,
     norm: bool,
@@ -527,16 +542,21 @@ def routed_forward(
     """``experts_forward(x, ..., *route(logits, top_k, rule, norm))`` for a direct step (T k <=
     ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up kernel's prologue:
     each program takes its token's k experts from the logits (``_top_k``, the route kernel's own),
-    so the route kernel's launch goes; the same bits."""
-    tokens, experts = logits.shape
+    so the route kernel's launch goes; the same bits. Partials (``decode_split.router_partials``) are
+    summed there, in order, and rounded to x's dtype, as the unsplit product would round them."""
+    tokens, experts = logits.shape[-2:]
     n = tokens * top_k
     if n > DIRECT_MAX or x.shape[0] != tokens:
         raise ValueError(f"routed_forward takes a direct step (T k <= {DIRECT_MAX}): T={tokens}, k={top_k}")
+    split = logits.dim() == 3
+    if split and (logits.dtype != torch.float32 or logits.stride(-1) != 1):
+        raise ValueError(f"router partials must be fp32 [S, T, E] with unit inner stride: {logits.dtype}")
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
     route_args = {
         "ROUTE": True, "logits_ptr": logits, "weights_ptr": weights, "n_experts": experts,
-        "stride_l": logits.stride(0), **_rule_constexprs(top_k, experts, rule, norm),
+        "stride_l": logits.stride(-2), **_rule_constexprs(top_k, experts, rule, norm),
+        "LOGIT_SPLITS": logits.shape[0] if split else 0, "stride_split": logits.stride(0) if split else 0,
     }  # fmt: skip
     return _experts(
         x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args
