@@ -12,8 +12,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on
 (``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``;
 ``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
-``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
-``--switch moe_rows``: an MoE layer's k expert rows summed by the next norm, ``fused.moe_rows_taken``),
+``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -109,7 +108,6 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "gate_up": fused.gate_up_kernels,
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
-    "moe_rows": fused.moe_rows_to_norm,
 }
 
 

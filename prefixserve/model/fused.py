@@ -33,7 +33,6 @@ _SWITCHES = {
     "gate_up": True,
     "moe_route_in_up": True,
     "router_split": True,
-    "moe_rows_to_norm": True,
     "split_k": True,
     "staged_allreduce": True,
     "peer_norm": True,
@@ -95,18 +94,6 @@ def moe_routing_in_experts(enabled: bool) -> contextlib.AbstractContextManager[N
     """Within the block, a direct MoE step (one or two tokens) routes in the up kernel's prologue
     (True) or in the route kernel before it (False): A/B runs."""
     return _switched("moe_route_in_up", enabled)
-
-
-def moe_rows_taken(x: torch.Tensor) -> bool:
-    """Whether an MoE block of ``x`` may leave its tokens' k weighted expert rows for the next norm
-    to sum (``moe_rows_to_norm``), where the combine kernel summed them: the switch on, Triton's path."""
-    return _SWITCHES["moe_rows_to_norm"] and _use_triton(x)
-
-
-def moe_rows_to_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, an MoE layer hands its k expert rows to the next add-RMSNorm (True) or sums
-    them in the combine kernel first (False): A/B runs."""
-    return _switched("moe_rows_to_norm", enabled)
 
 
 def router_split_k(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -308,11 +295,11 @@ def add_rms_norm(
             return attach_rows(out, codes, scales), summed
     if x.dim() == 3:
         dtype = residual.dtype if residual is not None else dtype
-        if x.dtype not in (torch.float32, dtype) or dtype is None:
+        if x.dtype != torch.float32 or dtype is None:
             raise ValueError(
-                f"partials must be fp32 or the model's dtype ({x.dtype}), with the residual or a dtype"
+                f"split-K partials must be fp32 ({x.dtype}) and come with the residual or a dtype"
             )
-        x = x.float().sum(0).to(dtype)
+        x = x.sum(0).to(dtype)
     if pre is not None:
         x = add_rms_norm(x, *pre)[0]
     if residual is not None:
@@ -496,24 +483,22 @@ def moe_routed_experts(
     down_bias: torch.Tensor | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
-    summed: bool = True,
-) -> torch.Tensor:  # [T, H]; not ``summed``, on CUDA: the k weighted expert rows [k, T, H]
+) -> torch.Tensor:  # [T, H]
     """``moe_experts`` weighted by ``moe_route(logits, *route)``: on CUDA, a decode step of one or
     two tokens (``fused_moe.DIRECT_MAX`` assignments) routes inside the up kernel
-    (``fused_moe.routed_forward``: one launch fewer, the same bits). Not ``summed`` (a norm next,
-    ``moe_rows_taken``): the fused path leaves each token's k rows for that norm to sum."""
+    (``fused_moe.routed_forward``: one launch fewer, the same bits)."""
     if _SWITCHES["moe_route_in_up"] and _use_triton(x):
         from prefixserve.model.kernels import fused_moe
 
         if x.shape[0] * route[0] <= fused_moe.DIRECT_MAX:
             kind = fused_moe.ACTIVATIONS[act]
             return fused_moe.routed_forward(
-                x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit, summed
+                x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit
             )
     if logits.dim() == 3:
         logits = summed_partials(logits, x.dtype)
     weights, ids = moe_route(logits, *route)
-    return moe_experts(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit, summed)
+    return moe_experts(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)
 
 
 def moe_experts(
@@ -527,18 +512,16 @@ def moe_experts(
     down_bias: torch.Tensor | None = None,  # [E H]
     alpha: float = 1.702,  # gpt-oss's clamped SwiGLU (act "swiglu_oai")
     limit: float = 7.0,
-    summed: bool = True,
-) -> torch.Tensor:  # [T, H]; not ``summed``, on CUDA: the k weighted expert rows [k, T, H]
+) -> torch.Tensor:  # [T, H]
     """The routed experts' gated MLPs (``act``), weighted and summed per token: on CUDA the fused
-    kernels (``kernels/fused_moe.py``; not ``summed``: their rows, for the next norm to sum), else
-    the reference loop over the experts touched."""
+    kernels (``kernels/fused_moe.py``), else the reference loop over the experts touched."""
     if _use_triton(x):
         from prefixserve.model.kernels import fused_moe
 
         ids32 = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
         kind = fused_moe.ACTIVATIONS[act]
         return fused_moe.experts_forward(
-            x, w_up, w_down, weights, ids32, kind, up_bias, down_bias, alpha, limit, summed=summed
+            x, w_up, w_down, weights, ids32, kind, up_bias, down_bias, alpha, limit
         )
     from prefixserve.model.moe_reference import experts_ref
 
@@ -558,8 +541,6 @@ __all__ = [
     "moe_route",
     "moe_routed_experts",
     "moe_routing_in_experts",
-    "moe_rows_taken",
-    "moe_rows_to_norm",
     "qkv_partials",
     "qkv_with_v",
     "rope_cos_sin",

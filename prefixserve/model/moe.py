@@ -55,13 +55,10 @@ class Experts(nn.Module):
         (the caller sums the ranks)."""
         return fused.moe_experts(x, self.w_up, self.w_down, weights, ids, *self._rest())
 
-    def routed(
-        self, x: torch.Tensor, logits: torch.Tensor, route: tuple[int, str, bool], summed: bool = True
-    ) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, logits: torch.Tensor, route: tuple[int, str, bool]) -> torch.Tensor:
         """``forward`` with the tokens' experts and weights from the router's ``logits`` by ``route``
-        (top k, rule, norm: ``fused.moe_route``'s), routed inside the experts' kernels where they can;
-        not ``summed``: on CUDA the k weighted rows [k, T, H] (``fused.moe_routed_experts``)."""
-        return fused.moe_routed_experts(x, logits, route, self.w_up, self.w_down, *self._rest(), summed)
+        (top k, rule, norm: ``fused.moe_route``'s), routed inside the experts' kernels where they can."""
+        return fused.moe_routed_experts(x, logits, route, self.w_up, self.w_down, *self._rest())
 
     def _rest(self) -> tuple:
         """The arguments of ``fused.moe_experts`` after the ids: activation, biases, SwiGLU's constants."""
@@ -171,18 +168,12 @@ class MoE(nn.Module):
         self.shared_expert_gate: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
-        """The routed experts' weighted sum, summed over the ranks, plus the gated shared expert's
-        output if any. ``partials`` (a norm next, as the dense MLP's): in one process without a shared
-        expert, on CUDA, each token's k weighted expert rows [k, T, hidden], which that norm sums as
-        the combine kernel would (``fused.moe_rows_taken``)."""
+        """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
+        signature; the sum is always whole here), plus the gated shared expert's output if any."""
         route = (self.top_k, self.rule, self.norm)
         logits = decode_split.router_partials(x, self.gate, self.top_k)
         logits = self.gate(x) if logits is None else logits
-        rows = partials and self.shared_expert is None and not self.shard.parallel and fused.moe_rows_taken(x)
-        out = self.experts.routed(x, self.simulate(logits), route, summed=not rows)
-        if rows:
-            return out
-        out = self.shard.all_reduce(out)
+        out = self.shard.all_reduce(self.experts.routed(x, self.simulate(logits), route))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -215,41 +215,6 @@ def test_router_partials_summed_in_the_up_kernel(tokens: int, experts: int, spli
         fused_moe.routed_forward(x, parts.to(dtype).half(), top_k, "softmax_topk", True, w_up, w_down)
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_expert_rows_summed_by_the_next_norm(tokens: int, dtype: torch.dtype) -> None:
-    """Unsummed (``summed=False``), a step's k weighted expert rows [k, T, H] go to the add-RMSNorm
-    after the layer, which sums them in fp32 in slot order and rounds once, as the combine kernel
-    does: its outputs equal the norm of the combined rows, bit for bit (a direct step and a grouped
-    one); ``fused.moe_routed_experts`` leaves them so on this path."""
-    from prefixserve.model import fused
-    from prefixserve.model.kernels.rms_norm import add_rms_norm
-
-    gen = torch.Generator().manual_seed(tokens)
-    hidden, inter, experts, top_k = 64, 32, 6, 2
-    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
-    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE, dtype)
-    w_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
-    w_down = (torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
-    residual = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
-    norm_w = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE, dtype)
-    weights, ids = fused_moe.route(logits, top_k, "softmax_topk", True)
-    whole = fused_moe.experts_forward(x, w_up, w_down, weights, ids)
-    rows = fused_moe.experts_forward(x, w_up, w_down, weights, ids, summed=False)
-    assert rows.shape == (top_k, tokens, hidden)
-    want = add_rms_norm(whole, norm_w, 1e-6, residual)
-    got = add_rms_norm(rows, norm_w, 1e-6, residual)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    with pytest.raises(ValueError, match="partials must be fp32 or the model's dtype"):
-        add_rms_norm(rows.to(torch.float16), norm_w, 1e-6, residual)
-    if DEVICE.type == "cuda":
-        route = (top_k, "softmax_topk", True)
-        unsummed = fused.moe_routed_experts(x, logits, route, w_up, w_down, "silu", summed=False)
-        torch.testing.assert_close(add_rms_norm(unsummed, norm_w, 1e-6, residual)[0], want[0])
-    empty = fused_moe.experts_forward(x[:0], w_up, w_down, weights[:0], ids[:0], summed=False)
-    assert empty.shape == (top_k, 0, hidden)
-
-
 def test_no_tokens() -> None:
     x = torch.empty(0, 16, device=DEVICE)
     out = fused_moe.experts_forward(

@@ -520,14 +520,9 @@ def experts_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     tile: Tile | None = None,  # default: ``tiles``' choice
-    summed: bool = True,
-) -> torch.Tensor:  # [T, H], or unsummed [k, T, H]
-    """The routed experts' weighted sum for each token (``experts_ref``'s arithmetic); not ``summed``:
-    each token's k weighted expert rows [k, T, H] (a view), for an add-RMSNorm to sum as the combine
-    kernel would (``rms_norm.add_rms_norm``), one launch fewer."""
-    return _experts(
-        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, tile, summed=summed
-    )
+) -> torch.Tensor:  # [T, H]
+    """The routed experts' weighted sum for each token (``experts_ref``'s arithmetic)."""
+    return _experts(x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, tile)
 
 
 def routed_forward(
@@ -543,7 +538,6 @@ def routed_forward(
     down_bias: torch.Tensor | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
-    summed: bool = True,  # False: [k, T, H] (``experts_forward``'s)
 ) -> torch.Tensor:  # [T, H]
     """``experts_forward(x, ..., *route(logits, top_k, rule, norm))`` for a direct step (T k <=
     ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up kernel's prologue:
@@ -565,7 +559,7 @@ def routed_forward(
         "LOGIT_SPLITS": logits.shape[0] if split else 0, "stride_split": logits.stride(0) if split else 0,
     }  # fmt: skip
     return _experts(
-        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args, summed
+        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args
     )
 
 
@@ -574,7 +568,6 @@ def _experts(
     activation: int, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, alpha: float,
     limit: float, tile: Tile | None,
     route_args: dict | None = None,  # the up kernel routes (``routed_forward``): ids and weights its output
-    summed: bool = True,  # False: the rows [k, T, H] the combine kernel would sum
 ) -> torch.Tensor:  # fmt: skip
     tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -582,7 +575,7 @@ def _experts(
     experts = w_down.shape[0] // hidden
     out = torch.empty_like(x)
     if tokens == 0:
-        return out if summed else out.new_empty(top_k, 0, hidden)
+        return out
     n = tokens * top_k
     block_m, bn_up, bn_down, block_k, warps, stages = tile or tiles(tokens, top_k, experts)
     direct = n <= DIRECT_MAX
@@ -608,8 +601,6 @@ def _experts(
         BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
         DIRECT=direct, num_warps=warps, num_stages=stages, **chained,
     )  # fmt: skip
-    if not summed:
-        return parts.view(tokens, top_k, hidden).transpose(0, 1)
     grid = (tokens, triton.cdiv(hidden, 1024))
     _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
     return out

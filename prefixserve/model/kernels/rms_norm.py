@@ -9,8 +9,7 @@ so the two paths differ only in the order of the sum of squares.
 
 x may also come as a matmul's fp32 split-K partials [S, T, N] (``linear_partials``): the kernel sums
 them and rounds to the model dtype, as cuBLAS's split-K reduce kernel would, so the matmul needs no
-reduce kernel of its own. Or as an MoE step's k weighted expert rows [k, T, N] in the model dtype
-(``fused_moe``'s, unsummed): summed in fp32 in order and rounded once, as its combine kernel would.
+reduce kernel of its own.
 
 ``pre``: Gemma's sandwich, where a block's output is normed (its own weight) before the residual
 add and the next norm: ``norm(norm(x) * w0 + residual) * w``, both norms in one pass, rounded as the
@@ -71,10 +70,8 @@ def _add_rms_norm_kernel(
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty  # the model dtype
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if SPLITS:  # partials summed in fp32 (a matmul's split-K reduce, an MoE's combine), one rounding
-        x = x.to(tl.float32)
-    for s in tl.static_range(1, SPLITS):
-        x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):  # fp32 partials: the matmul's split-K reduce, one rounding
+        x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
     x = x.to(dtype)
     if PRE:  # the block output's own norm, rounded as its own kernel would store it
         pf = x.to(tl.float32)
@@ -126,10 +123,8 @@ def add_rms_norm(
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN} with contiguous rows")
     if residual is not None:
         dtype = residual.dtype
-    if splits and (x.dtype not in (torch.float32, dtype) or dtype is None):
-        raise ValueError(
-            f"partials must be fp32 or the model's dtype ({x.dtype}) and come with the residual or a dtype"
-        )
+    if splits and (x.dtype != torch.float32 or dtype is None):
+        raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual or a dtype")
     if residual is not None and (residual.shape != x.shape[-2:] or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape[-2:])}")
     if pre is not None and pre[0].stride(0) != 1:
