@@ -247,17 +247,19 @@ def test_rows_refused_for_a_full_queue_wait_and_run(tiny_config_path: Path, tmp_
     with srv:
         client = _client(srv)
         model = client.models.list().data[0].id
+        # rows sent at once: the queue takes one, the others are refused and try again after
+        # Retry-After (1 s), about one a try
         lines = [
             _line(
                 f"q{i}",
                 "/v1/completions",
                 {"model": model, "prompt": f"w {i}", "max_tokens": 8, "ignore_eos": True},
             )
-            for i in range(24)
+            for i in range(4)
         ]
         batch = _run(client, lines, "/v1/completions")
         assert batch.status == "completed"
-        assert batch.request_counts.completed == 24 and batch.error_file_id is None
+        assert batch.request_counts.completed == 4 and batch.error_file_id is None
         metrics = httpx.get(f"{srv.url}/metrics").text
         refused = re.search(r'prefixserve_requests_refused_total\{reason="queue_requests"\} (\S+)', metrics)
         assert refused is not None and float(refused.group(1)) > 0  # rows were refused, and ran later
@@ -359,7 +361,7 @@ def test_batches_together_leave_the_queue_to_live_requests(tiny_config_path: Pat
     with _server(tiny_config_path, tmp_path, engine={"max_num_seqs": 2}) as srv:
         client = _client(srv)
         model = client.models.list().data[0].id
-        made = [_create(client, _long_rows(model, 8, 400, tag)) for tag in "abcd"]
+        made = [_create(client, _long_rows(model, 8, 100, tag)) for tag in "abcd"]  # 1,600 steps of rows
         deadline = time.monotonic() + 30
         while sum(client.batches.retrieve(b.id).status == "in_progress" for b in made) < 4:
             assert time.monotonic() < deadline

@@ -20,16 +20,20 @@ from prefixserve import LLM
 from prefixserve.sampling.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
 from tests.conftest import assert_pool_empty
 
-Model = Callable[[list[int]], torch.Tensor]  # token ids -> log-softmax of the next token (float64)
+# token id sequences -> the log-softmax of each one's next token (float64)
+Model = Callable[[list[list[int]]], list[torch.Tensor]]
 
 
 def synthetic_model(vocab: int, seed: int) -> Model:
     """A deterministic random next-token distribution for every token sequence."""
 
-    def logprobs(tokens: list[int]) -> torch.Tensor:
+    def one(tokens: list[int]) -> torch.Tensor:
         digest = hashlib.sha256(f"{seed}:{tokens}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
         return (torch.randn(vocab, generator=gen, dtype=torch.float64) * 2).log_softmax(-1)
+
+    def logprobs(batch: list[list[int]]) -> list[torch.Tensor]:
+        return [one(tokens) for tokens in batch]
 
     return logprobs
 
@@ -53,8 +57,8 @@ def reference_search(
     completed: list[tuple[list[int], float]] = []
     for _ in range(max_tokens):
         grown = []
-        for tokens, cum in beams:
-            for token, lp in top(model(tokens), 2 * width):
+        for (tokens, cum), logp in zip(beams, model([tokens for tokens, _ in beams]), strict=True):
+            for token, lp in top(logp, 2 * width):
                 child = ([*tokens, token], cum + lp)
                 (completed if token in stops else grown).append(child)
         grown.sort(key=lambda b: score(*b), reverse=True)
@@ -68,7 +72,8 @@ def run_search(model: Model, prompts: list[list[int]], params: BeamSearchParams,
     search = BeamSearch(prompts, params, eos, [params.max_tokens or 1] * len(prompts))
     steps = 0
     while not search.done:
-        search.advance([top(model(tokens), 2 * params.beam_width) for _, tokens in search.pending()])
+        logps = model([tokens for _, tokens in search.pending()])
+        search.advance([top(logp, 2 * params.beam_width) for logp in logps])
         steps += 1
     return search.results()
 
@@ -127,9 +132,12 @@ PROMPTS = ["The capital of France is", "Question: What is 2 + 2?\nAnswer:"]
 
 
 def hf_model_fn(model: torch.nn.Module) -> Model:
-    def logprobs(tokens: list[int]) -> torch.Tensor:
+    """HF's forward of whole sequences: a search round's beams (all of one length) in one batch, no
+    padding."""
+
+    def logprobs(batch: list[list[int]]) -> list[torch.Tensor]:
         with torch.no_grad():
-            return model(torch.tensor([tokens])).logits[0, -1].double().log_softmax(-1)
+            return list(model(torch.tensor(batch)).logits[:, -1].double().log_softmax(-1))
 
     return logprobs
 

@@ -27,9 +27,7 @@ FEW_SHOT = (
 CHOICES = [" Madrid", " Lisbon", " Berlin", " Barcelona and Valencia"]
 
 
-@pytest.fixture(scope="module")
-def hf_model(hf_gguf_model: torch.nn.Module) -> torch.nn.Module:
-    return hf_gguf_model
+HFRows = list[tuple[torch.Tensor, torch.Tensor]]  # ``hf_logprobs`` of each few-shot prompt
 
 
 def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +35,14 @@ def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, t
     with torch.no_grad():
         logp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0], logp[:-1]
+
+
+@pytest.fixture(scope="module")
+def hf_rows(hf_gguf_model: torch.nn.Module, chunked_llm: LLM) -> HFRows:
+    """``hf_logprobs`` of each few-shot prompt (``FEW_SHOT`` and a choice), one forward each for the
+    module."""
+    tok = chunked_llm.get_tokenizer()
+    return [hf_logprobs(hf_gguf_model, tok.encode(FEW_SHOT + c, add_special_tokens=False)) for c in CHOICES]
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +58,15 @@ def chunked_llm() -> LLM:
     )
 
 
-def test_prompt_logprobs_equal_a_direct_fp32_forward(chunked_llm: LLM, hf_model: torch.nn.Module) -> None:
+def test_prompt_logprobs_equal_a_direct_fp32_forward(chunked_llm: LLM, hf_rows: HFRows) -> None:
     tok = chunked_llm.get_tokenizer()
     prompts = [FEW_SHOT + c for c in CHOICES]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
     outs = chunked_llm.generate(prompts, params)
     worst = 0.0
-    for out in outs:
+    for out, (want, rows) in zip(outs, hf_rows, strict=True):
         ids = out.prompt_token_ids
         assert ids == tok.encode(out.prompt, add_special_tokens=False)
-        want, rows = hf_logprobs(hf_model, ids)
         got = out.prompt_token_logprobs
         assert got[0] is None and out.prompt_top_logprobs[0] == []
         assert len(got) == len(ids)
@@ -118,7 +123,7 @@ def client(server: ServerThread) -> openai.OpenAI:
 
 
 def test_echo_returns_every_prompt_token_logprob(
-    client: openai.OpenAI, hf_model: torch.nn.Module, chunked_llm: LLM
+    client: openai.OpenAI, hf_rows: HFRows, chunked_llm: LLM
 ) -> None:
     """lm-eval's request: token-id prompts, max_tokens 1, logprobs 1, echo; and max_tokens 0."""
     tok = chunked_llm.get_tokenizer()
@@ -128,14 +133,14 @@ def test_echo_returns_every_prompt_token_logprob(
             model="default", prompt=id_prompts, max_tokens=max_tokens, logprobs=1, echo=True, temperature=0
         )
         assert res.usage.prompt_tokens_details.cached_tokens > 0  # the shared few-shot context
-        for choice, ids in zip(sorted(res.choices, key=lambda c: c.index), id_prompts, strict=True):
+        choices = sorted(res.choices, key=lambda c: c.index)
+        for choice, ids, (want, _) in zip(choices, id_prompts, hf_rows, strict=True):
             lp = choice.logprobs
             n = len(ids) + max_tokens
             assert (
                 len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
             )
             assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-            want, _ = hf_logprobs(hf_model, ids)
             assert (torch.tensor(lp.token_logprobs[1 : len(ids)]) - want).abs().max().item() < 1e-4
             assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
             assert choice.text.startswith(tok.decode(ids))
@@ -151,12 +156,13 @@ def test_echo_returns_every_prompt_token_logprob(
 
 def test_penalties_and_bias_over_http(client: openai.OpenAI, chunked_llm: LLM) -> None:
     prompt = "The capital of France is"
-    base = client.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    # the greedy first token, then banned by a -100 bias: two tokens each show it
+    base = client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0, logprobs=0)
     first = chunked_llm.get_tokenizer().encode(base.choices[0].logprobs.tokens[0], add_special_tokens=False)[
         0
     ]
     banned = client.completions.create(
-        model="default", prompt=prompt, max_tokens=8, temperature=0, logit_bias={str(first): -100}, logprobs=0
+        model="default", prompt=prompt, max_tokens=2, temperature=0, logit_bias={str(first): -100}, logprobs=0
     )
     assert base.choices[0].logprobs.tokens[0] not in banned.choices[0].logprobs.tokens[:1]
     forced = client.chat.completions.create(
@@ -172,14 +178,14 @@ def test_penalties_and_bias_over_http(client: openai.OpenAI, chunked_llm: LLM) -
     rep = client.completions.create(
         model="default",
         prompt="la la la la la la la la",
-        max_tokens=24,
+        max_tokens=8,
         temperature=0,
         frequency_penalty=1.0,
         presence_penalty=0.5,
         extra_body={"repetition_penalty": 1.2},
     )
     plain = client.completions.create(
-        model="default", prompt="la la la la la la la la", max_tokens=24, temperature=0
+        model="default", prompt="la la la la la la la la", max_tokens=8, temperature=0
     )
     assert rep.choices[0].text != plain.choices[0].text
     best = client.completions.create(

@@ -5,6 +5,7 @@ computed once; the server's answers through the official ``openai`` client, and 
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +22,25 @@ DOC = (
 PASSAGES = [DOC + q for q in ("Who keeps the blocks?", "What is shared?", "Why is it fast?")] + ["Hello."]
 
 
-def hf_embedding(model: torch.nn.Module, ids: list[int], pooling: str) -> torch.Tensor:
-    """The reference: HF's final (normed) hidden states of the whole prompt, pooled and normalized."""
-    with torch.no_grad():
-        hidden = model.model(torch.tensor([ids])).last_hidden_state[0].double()
-    vector = hidden[-1] if pooling == "last" else hidden.mean(0)
-    return torch.nn.functional.normalize(vector, dim=0)
+HFEmbedding = Callable[[list[int], str], torch.Tensor]  # (prompt ids, pooling) -> the reference
+
+
+@pytest.fixture(scope="module")
+def hf_embedding(hf_gguf_model: torch.nn.Module) -> HFEmbedding:
+    """The reference: HF's final (normed) hidden states of the whole prompt, pooled and normalized.
+    Each prompt's forward is made once for the module: the tests embed the same passages again, and
+    pooled both ways."""
+    states: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def embed(ids: list[int], pooling: str) -> torch.Tensor:
+        if tuple(ids) not in states:
+            with torch.no_grad():
+                states[tuple(ids)] = hf_gguf_model.model(torch.tensor([ids])).last_hidden_state[0].double()
+        hidden = states[tuple(ids)]
+        vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+        return torch.nn.functional.normalize(vector, dim=0)
+
+    return embed
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +54,7 @@ def chunked_llm() -> LLM:
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_embeddings_equal_a_direct_fp32_forward(
-    chunked_llm: LLM, hf_gguf_model: torch.nn.Module, pooling: str
+    chunked_llm: LLM, hf_embedding: HFEmbedding, pooling: str
 ) -> None:
     params = PoolingParams(pooling=pooling)
     first = chunked_llm.embed(PASSAGES, params)
@@ -49,7 +63,7 @@ def test_embeddings_equal_a_direct_fp32_forward(
         assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 16 * 16, out.num_cached_tokens
     for out in first + again:
         ids = out.prompt_token_ids
-        want = hf_embedding(hf_gguf_model, ids, pooling)
+        want = hf_embedding(ids, pooling)
         got = torch.tensor(out.outputs.embedding, dtype=torch.float64)
         assert got.shape == want.shape
         assert (got - want).abs().max().item() < 2e-5, (pooling, out.num_cached_tokens)
@@ -63,18 +77,16 @@ def test_requests_sharing_a_prefix_compute_it_once(chunked_llm: LLM) -> None:
     assert sum(c > 0 for c in cached) >= 5, cached  # one computes the document, the rest wait and share
 
 
-def test_unnormalized_and_truncated(chunked_llm: LLM, hf_gguf_model: torch.nn.Module) -> None:
+def test_unnormalized_and_truncated(chunked_llm: LLM, hf_embedding: HFEmbedding) -> None:
     raw = chunked_llm.embed(PASSAGES[0], PoolingParams(normalize=False))[0]
     assert abs(torch.tensor(raw.outputs.embedding).norm().item() - 1.0) > 1e-3
     cut = chunked_llm.embed(PASSAGES[0], PoolingParams(pooling="mean", truncate_prompt_tokens=9))[0]
     assert len(cut.prompt_token_ids) == 9
-    want = hf_embedding(hf_gguf_model, cut.prompt_token_ids, "mean")
+    want = hf_embedding(cut.prompt_token_ids, "mean")
     assert (torch.tensor(cut.outputs.embedding, dtype=torch.float64) - want).abs().max().item() < 2e-5
 
 
-def test_llm_score_is_the_cosine_of_the_hf_embeddings(
-    chunked_llm: LLM, hf_gguf_model: torch.nn.Module
-) -> None:
+def test_llm_score_is_the_cosine_of_the_hf_embeddings(chunked_llm: LLM, hf_embedding: HFEmbedding) -> None:
     """vLLM's ``LLM.score``: one text against many, and pair by pair; each score the cosine of the two
     reference embeddings."""
     query = "Who keeps the blocks of keys and values?"
@@ -89,7 +101,7 @@ def test_llm_score_is_the_cosine_of_the_hf_embeddings(
         for out, a, b in zip(outs, first, second, strict=True):
             ids_a, ids_b = tok.encode(a), tok.encode(b)
             assert out.prompt_token_ids == ids_a + ids_b and out.finished
-            want = hf_embedding(hf_gguf_model, ids_a, pooling) @ hf_embedding(hf_gguf_model, ids_b, pooling)
+            want = hf_embedding(ids_a, pooling) @ hf_embedding(ids_b, pooling)
             assert abs(out.outputs.score - want.item()) < 1e-5, (out.outputs.score, want.item())
     assert (
         abs(

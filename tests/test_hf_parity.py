@@ -19,7 +19,7 @@ PROMPTS = [
     "Why is the sky blue?",
     "Summarise the plot of Romeo and Juliet in two sentences.",
 ]
-MAX_TOKENS = 32
+MAX_TOKENS = 16  # past the prefill chunks of the batched test: its steps mix prefill and decode
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def _chat(llm: LLM, prompts: list[str]) -> list[list[int]]:
 
 
 def test_single_requests_match_hf(default_llm: LLM, hf_greedy: list[list[int]]) -> None:
-    """Every other prompt alone (the batched test below runs all of them together: 3 s a prompt on
+    """Every other prompt alone (the batched test below runs all of them together: 1.5 s a prompt on
     the CPU, so the single requests take half)."""
     for prompt, expected in list(zip(PROMPTS, hf_greedy, strict=True))[::2]:
         assert _chat(default_llm, [prompt])[0] == expected, prompt

@@ -9,6 +9,7 @@ snapshots), after preemption, and for every sample of n > 1 (the parent's states
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,24 +169,45 @@ def test_a_hit_past_the_last_snapshot_resumes_from_it(next_model: Path) -> None:
     assert_pool_empty(llm)
 
 
-def test_a_chats_next_turn_resumes_after_the_reply(next_model: Path) -> None:
+CHAT_REPLY = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+Replies = Callable[[list[int]], list[int]]  # a chat's prompt ids -> the plain engine's reply
+
+
+@pytest.fixture(scope="module")
+def chat_replies(next_model: Path) -> Replies:
+    """The plain engine's (no prefix cache, no launch-ahead) reply to a chat (``CHAT_REPLY``), each
+    made once for the module: both chat tests take the same turns."""
+    plain = _llm(next_model, enable_prefix_caching=False, async_scheduling=False)
+    replies: dict[tuple[int, ...], list[int]] = {}
+
+    def reply(chat: list[int]) -> list[int]:
+        if tuple(chat) not in replies:
+            replies[tuple(chat)] = (
+                plain.generate([{"prompt_token_ids": chat}], CHAT_REPLY)[0].outputs[0].token_ids
+            )
+        return replies[tuple(chat)]
+
+    return reply
+
+
+def test_a_chats_next_turn_resumes_after_the_reply(next_model: Path, chat_replies: Replies) -> None:
     """Decode steps snapshot too (on the batched path): a chat's next turn (its prompt, the reply,
     a new message) resumes at the reply's last 64-token boundary, as a full-attention model's cache
     would hit up to its last block, and its tokens are as computed whole."""
     llm = _llm(next_model)
-    _chat_turns(_llm(next_model, enable_prefix_caching=False), llm)
+    _chat_turns(chat_replies, llm)
     assert_pool_empty(llm)
 
 
-def _chat_turns(plain: LLM, llm: LLM) -> None:
-    """Three turns of one chat (a 100-token reply, then 10 new tokens): ``llm``'s tokens equal
-    ``plain``'s, and each later turn hits up to the last reply's 64-token boundary."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+def _chat_turns(plain_reply: Replies, llm: LLM) -> None:
+    """Three turns of one chat (a 100-token reply, then 10 new tokens): ``llm``'s tokens equal the
+    plain engine's (``chat_replies``), and each later turn hits up to the last reply's 64-token
+    boundary."""
     chat = _prompt(11, 40)
     for turn in range(3):
-        want = plain.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
+        want = plain_reply(chat)
         before = llm.metrics()["prefix_cache_hit_tokens_total"]
-        got = llm.generate([{"prompt_token_ids": chat}], greedy)[0].outputs[0].token_ids
+        got = llm.generate([{"prompt_token_ids": chat}], CHAT_REPLY)[0].outputs[0].token_ids
         assert got == want
         hit = llm.metrics()["prefix_cache_hit_tokens_total"] - before
         assert hit == (0 if turn == 0 else (len(chat) - 10 - 1) // 64 * 64)  # the last reply's boundary
@@ -273,7 +295,9 @@ def test_a_pinned_system_prompts_snapshot_is_never_evicted(tmp_path: Path) -> No
     assert got == plain.chat(chat, greedy)[0].outputs[0].token_ids
 
 
-def test_launched_ahead_the_tokens_samples_and_hits_are_the_same(next_model: Path) -> None:
+def test_launched_ahead_the_tokens_samples_and_hits_are_the_same(
+    next_model: Path, chat_replies: Replies
+) -> None:
     """With launch-ahead (a step launched before the tokens of the one in flight are known): a chat's
     turns resume after each reply (the output's snapshots named once their tokens are known), n = 3
     greedy samples each equal the one greedy sequence and seeded ones the reference's (each sample's
@@ -281,7 +305,7 @@ def test_launched_ahead_the_tokens_samples_and_hits_are_the_same(next_model: Pat
     plain = _llm(next_model, enable_prefix_caching=False, async_scheduling=False)
     ahead = _llm(next_model, async_scheduling=True)
     assert ahead.engine.config.async_scheduling
-    _chat_turns(plain, ahead)
+    _chat_turns(chat_replies, ahead)
     prompts = [{"prompt_token_ids": _prompt(40 + i, 30 + 37 * i)} for i in range(2)]
     one = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, one)]

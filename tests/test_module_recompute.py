@@ -120,7 +120,7 @@ def test_recomputing_every_row_equals_full_prefill_on_the_default_model(default_
         '<module name="c"> Clara is a doctor. Boris is a pilot.</module></schema>'
     )
     llm.register_schema(schema)
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
     questions = (
         '<prompt schema="town"><c/><b/><a/> Question: on which street does Anna live? Answer:</prompt>',
         '<prompt schema="town"><b/><c/> Question: what is the job of Boris? Answer:</prompt>',

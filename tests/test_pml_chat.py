@@ -256,9 +256,15 @@ DOC_CHAT = [
 ]
 
 
+@pytest.fixture(scope="module")
+def chat_llm() -> LLM:
+    """The default model for the end-to-end tests, one engine: each registers a schema of its own."""
+    return LLM(dtype="float32", device="cpu", num_kv_blocks=256, progress=False)
+
+
 @pytest.mark.slow
-def test_plain_prefix_chat_schema_gives_llm_chats_greedy_tokens(default_llm: LLM) -> None:
-    llm = LLM(dtype="float32", device="cpu", num_kv_blocks=256, progress=False)
+def test_plain_prefix_chat_schema_gives_llm_chats_greedy_tokens(default_llm: LLM, chat_llm: LLM) -> None:
+    llm = chat_llm
     llm.register_schema(DOC_SCHEMA)
     params = SamplingParams(max_tokens=12, temperature=0.0)
     question = {"role": "user", "content": "When does the museum close?"}
@@ -277,8 +283,8 @@ def test_plain_prefix_chat_schema_gives_llm_chats_greedy_tokens(default_llm: LLM
 
 
 @pytest.mark.slow
-def test_chat_shaped_schema_answers_with_text_and_reuses_modules() -> None:
-    llm = LLM(dtype="float32", device="cpu", num_kv_blocks=256, progress=False)
+def test_chat_shaped_schema_answers_with_text_and_reuses_modules(chat_llm: LLM) -> None:
+    llm = chat_llm
     llm.register_schema(TRAVEL)
     params = SamplingParams(max_tokens=6, temperature=0.0, n=2, seed=1)
     first = llm.generate(TRAVEL_PROMPT, params)[0]

@@ -1,7 +1,7 @@
 """Structured outputs and tools over HTTP: the official ``openai`` client against a live server running
 the default model (SmolLM2-135M-Instruct) with async scheduling (steps launched ahead).
 
-``parse()`` with a pydantic model returns a parsed object for 20 varied prompts; JSON mode, a regex, a
+``parse()`` with a pydantic model returns a parsed object for 8 varied prompts; JSON mode, a regex, a
 choice and an EBNF grammar are matched, on chat and completions, through every field name clients send;
 ``tool_choice="required"`` and a named function return calls whose arguments validate against the
 function's schema, streamed or not; bad specs and unknown tools are 400s naming the field, and the
@@ -92,58 +92,46 @@ def test_parse_returns_the_pydantic_object_every_time(client: openai.OpenAI, ser
 
 
 def test_json_mode_regex_choice_and_grammar(client: openai.OpenAI, http: httpx.Client) -> None:
-    messages = [{"role": "user", "content": "Describe a red bicycle as a JSON object with two keys."}]
-    reply = client.chat.completions.create(
-        model="default",
-        messages=messages,
-        response_format={"type": "json_object"},
-        max_tokens=300,
-        temperature=0,
-    )
-    assert reply.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    """Every kind of constraint, through each field name clients send; the requests go at once (rows
+    of every kind in the same steps: the steps of one at a time took 17 s on the CI machine)."""
+    jobs: dict[str, Any] = {}
+
+    def chat(name: str, content: str, **kw: Any) -> None:
+        messages = [{"role": "user", "content": content}]
+        jobs[name] = lambda: client.chat.completions.create(model="default", messages=messages, **kw)
+
+    def complete(name: str, prompt: str, **kw: Any) -> None:
+        jobs[name] = lambda: client.completions.create(model="default", prompt=prompt, **kw)
+
+    describe = "Describe a red bicycle as a JSON object with two keys."
+    chat("json_object", describe, response_format={"type": "json_object"}, max_tokens=300, temperature=0)
 
     phone = r"\(\d{3}\) \d{3}-\d{4}"
-    ask = [{"role": "user", "content": "Give me a phone number."}]
-    for extra in ({"structured_outputs": {"regex": phone}}, {"guided_regex": phone}):
-        reply = client.chat.completions.create(model="default", messages=ask, max_tokens=40, extra_body=extra)
-        assert re.fullmatch(phone, reply.choices[0].message.content), reply.choices[0].message.content
-    done = client.completions.create(
-        model="default", prompt="Call me at", max_tokens=40, extra_body={"guided_regex": phone}
-    )
-    assert re.fullmatch(phone, done.choices[0].text)
+    for i, extra in enumerate(({"structured_outputs": {"regex": phone}}, {"guided_regex": phone})):
+        chat(f"phone {i}", "Give me a phone number.", max_tokens=40, extra_body=extra)
+    complete("phone completion", "Call me at", max_tokens=40, extra_body={"guided_regex": phone})
 
     choices = ["positive", "negative", "neutral"]
-    ask = [{"role": "user", "content": "Sentiment of: 'I love this bike!'"}]
-    for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
-        reply = client.chat.completions.create(
-            model="default", messages=ask, max_tokens=10, n=3, extra_body=extra
-        )
-        assert all(c.message.content in choices for c in reply.choices)
+    for i, extra in enumerate(({"structured_outputs": {"choice": choices}}, {"guided_choice": choices})):
+        chat(f"choice {i}", "Sentiment of: 'I love this bike!'", max_tokens=10, n=3, extra_body=extra)
 
     tagged = {"type": "structural_tag", "format": {"type": "tag", "begin": "<n>", "end": "</n>",
               "content": {"type": "regex", "pattern": "[0-9]{2,4}"}}}  # fmt: skip
-    for extra in (
-        {"response_format": tagged},
-        {"structured_outputs": {"structural_tag": json.dumps(tagged)}},
+    for i, extra in enumerate(
+        ({"response_format": tagged}, {"structured_outputs": {"structural_tag": json.dumps(tagged)}})
     ):
-        done = client.completions.create(model="default", prompt="Tag:", max_tokens=20, extra_body=extra)
-        assert re.fullmatch(r"<n>[0-9]{2,4}</n>", done.choices[0].text), done.choices[0].text
+        complete(f"tagged {i}", "Tag:", max_tokens=20, extra_body=extra)
 
     # a tag naming a token by its text: compiled with the tokenizer, as vLLM compiles it
     by_text = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "const_string", "value": "Answer:"}, {"type": "token", "token": "<|im_end|>"}]}}  # fmt: skip
-    done = client.completions.create(
-        model="default", prompt="Q:", max_tokens=6, extra_body={"response_format": by_text}
-    )
-    assert done.choices[0].text == "Answer:"  # the token is special: skipped in the text
+    complete("by_text", "Q:", max_tokens=6, extra_body={"response_format": by_text})
 
     grammar = 'root ::= "SELECT " column " FROM " table\n'
     grammar += 'column ::= "name" | "age" | "*"\ntable ::= "users" | "bikes"'
     sql = r"SELECT (name|age|\*) FROM (users|bikes)"
-    for extra in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar}):
-        done = client.completions.create(model="default", prompt="SQL:", max_tokens=20, extra_body=extra)
-        assert re.fullmatch(sql, done.choices[0].text), done.choices[0].text
+    for i, extra in enumerate(({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar})):
+        complete(f"grammar {i}", "SQL:", max_tokens=20, extra_body=extra)
 
     schema = {
         "type": "object",
@@ -158,8 +146,29 @@ def test_json_mode_regex_choice_and_grammar(client: openai.OpenAI, http: httpx.C
             "json_schema": {"name": "n", "schema": schema, "strict": True},
         },
     }
-    done = http.post("/v1/completions", json=body).json()
-    jsonschema.validate(json.loads(done["choices"][0]["text"]), schema)
+    jobs["json_schema"] = lambda: http.post("/v1/completions", json=body).json()
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        running = {name: pool.submit(job) for name, job in jobs.items()}
+        replies = {name: future.result() for name, future in running.items()}
+
+    reply = replies["json_object"]
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    for i in range(2):
+        reply = replies[f"phone {i}"]
+        assert re.fullmatch(phone, reply.choices[0].message.content), reply.choices[0].message.content
+    assert re.fullmatch(phone, replies["phone completion"].choices[0].text)
+    for i in range(2):
+        assert all(c.message.content in choices for c in replies[f"choice {i}"].choices)
+    for i in range(2):
+        done = replies[f"tagged {i}"]
+        assert re.fullmatch(r"<n>[0-9]{2,4}</n>", done.choices[0].text), done.choices[0].text
+    assert replies["by_text"].choices[0].text == "Answer:"  # the token is special: skipped in the text
+    for i in range(2):
+        done = replies[f"grammar {i}"]
+        assert re.fullmatch(sql, done.choices[0].text), done.choices[0].text
+    jsonschema.validate(json.loads(replies["json_schema"]["choices"][0]["text"]), schema)
 
 
 WEATHER = {
@@ -215,7 +224,10 @@ def test_forced_tool_calls_validate_streamed_or_not(
 ) -> None:
     kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
               max_tokens=150, temperature=0)  # fmt: skip
-    reply = client.chat.completions.create(**kw)
+    with ThreadPoolExecutor(1) as pool:  # the same request streamed, at once: their steps shared
+        streaming = pool.submit(_streamed_calls, client, **kw)
+        reply = client.chat.completions.create(**kw)
+        streamed, finish = streaming.result()
     choice = reply.choices[0]
     # OpenAI (and vLLM) end a named function's call with "stop", required calls with "tool_calls"
     want = "stop" if isinstance(tool_choice, dict) else "tool_calls"
@@ -225,7 +237,6 @@ def test_forced_tool_calls_validate_streamed_or_not(
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
-    streamed, finish = _streamed_calls(client, **kw)
     assert finish == want
     assert [(c["name"], c["arguments"]) for c in streamed] == [(call.function.name, call.function.arguments)]
     assert streamed[0]["id"].startswith("call_")
@@ -251,33 +262,23 @@ def test_tool_results_come_back_and_auto_answers(client: openai.OpenAI, server: 
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny, 24 C"}'},
     ]  # fmt: skip
-    for tool_choice in ("auto", "none"):
-        reply = client.chat.completions.create(
-            model="default",
-            messages=history,
-            tools=TOOLS,
-            tool_choice=tool_choice,
-            max_tokens=40,
-            temperature=0,
-        )
+    kw = dict(model="default", messages=history, tools=TOOLS, max_tokens=40, temperature=0)
+
+    def streamed(tool_choice: str) -> str:
+        chunks = client.chat.completions.create(**kw, tool_choice=tool_choice, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    choices = ("auto", "none")
+    with ThreadPoolExecutor(2 * len(choices)) as pool:  # all at once, their steps shared
+        replies = [pool.submit(client.chat.completions.create, **kw, tool_choice=c) for c in choices]
+        streams = [pool.submit(streamed, c) for c in choices]
+        answers = [(r.result(), s.result()) for r, s in zip(replies, streams, strict=True)]
+    for reply, text in answers:
         choice = reply.choices[0]
         assert choice.finish_reason in ("stop", "length", "tool_calls")
         assert choice.message.content or choice.message.tool_calls
-        streamed = "".join(
-            c.choices[0].delta.content or ""
-            for c in client.chat.completions.create(
-                model="default",
-                messages=history,
-                tools=TOOLS,
-                tool_choice=tool_choice,
-                max_tokens=40,
-                temperature=0,
-                stream=True,
-            )
-            if c.choices
-        )
         if choice.message.content is not None:
-            assert streamed == choice.message.content
+            assert text == choice.message.content
     pool_empty(server)
 
 

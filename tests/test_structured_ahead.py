@@ -3,16 +3,22 @@ masked sampling issued just ahead of the next forward. Every mask equals the syn
 by row, and so do the outputs; a fill sent ahead is taken by its own step only, an error in the
 matcher process fails that step's requests, and a sampling that fails also fails the batch assembled
 behind it; the process ends with the engine.
+
+The tests share one synchronous engine and one launched ahead (``llms``): each engine's first
+constrained request starts its matcher process, seconds of imports and set-up. Each test leaves them
+idle, their pools empty and their methods as it found them (``monkeypatch``); the tests that end an
+engine make their own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefixserve import SamplingParams
+from prefixserve import LLM, SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 from tests.conftest import assert_pool_empty, tiny_cascade_llm
 
@@ -40,10 +46,19 @@ def _params() -> list[SamplingParams]:
     return out
 
 
-def _record_masks(llm: Any) -> dict[tuple[str, int], bytes]:
-    """Each masked row's words by (request id, output position), as the runner's sampling gets them
-    (each row's sequence: the rows the rules' adjusts were asked for just before)."""
-    masks: dict[tuple[str, int], bytes] = {}
+@pytest.fixture(scope="module")
+def llms(tiny_config_path: Path) -> Iterator[dict[bool, LLM]]:
+    """The tiny model's cascade engines by ``async_scheduling``: synchronous and launched ahead."""
+    engines = {ahead: tiny_cascade_llm(tiny_config_path, async_scheduling=ahead) for ahead in (False, True)}
+    yield engines
+    for llm in engines.values():
+        llm.shutdown()
+
+
+def _record_masks(llm: Any, monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, int, int], bytes]:
+    """Each masked row's words by (request id, sample, output position), as the runner's sampling
+    gets them (each row's sequence: the rows the rules' adjusts were asked for just before)."""
+    masks: dict[tuple[str, int, int], bytes] = {}
     runner, rules = llm.engine.runner, llm.engine.rules
     sample, adjust, last = runner.sample, rules.adjust, []
 
@@ -55,39 +70,46 @@ def _record_masks(llm: Any) -> dict[tuple[str, int], bytes]:
         if mask is not None:
             for r in mask.rows:
                 seq = last[r]
-                key = (f"{seq.request.request_id}/{seq.index}", len(seq.token_ids))
+                key = (seq.request.request_id, seq.index, len(seq.token_ids))
                 masks[key] = mask.bitmask[r].numpy().tobytes()
         return sample(launch, rows, params, generators, mask, *rest)
 
-    rules.adjust, runner.sample = rows_of, recording
+    monkeypatch.setattr(rules, "adjust", rows_of)
+    monkeypatch.setattr(runner, "sample", recording)
     return masks
 
 
 def ahead_fills(llm: Any) -> int:
-    """How many steps' fills the engine sent with the tokens of the step before (``advance(then=)``)."""
-    return llm.engine.structured.fills_ahead
+    """How many steps' fills the engine sent with the tokens of the step before (``advance(then=)``);
+    none before its first constrained request (structured decoding is set up then)."""
+    structured = llm.engine.structured
+    return 0 if structured is None else structured.fills_ahead
 
 
-def busy_device(llm: Any) -> None:
+def busy_device(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner reports its device busy at every sampling launched ahead: the tokens are taken after
     the next forward went out (a GPU-bound step's order), not at once (a host-bound step's)."""
-    llm.engine.runner.device_idle = lambda: False
+    monkeypatch.setattr(llm.engine.runner, "device_idle", lambda: False)
 
 
 @pytest.mark.parametrize("idle", [True, False])
-def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path, idle: bool) -> None:
+def test_masks_and_outputs_equal_the_synchronous_engine(
+    llms: dict[bool, LLM], idle: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prompts = [f"prompt number {i}: answer" for i in range(12)]
     runs, sent_ahead = {}, []
     for ahead in (False, True):
-        llm = tiny_cascade_llm(tiny_config_path, async_scheduling=ahead)
+        llm = llms[ahead]
         if not idle:
-            busy_device(llm)
-        masks = _record_masks(llm)
+            busy_device(llm, monkeypatch)
+        masks = _record_masks(llm, monkeypatch)
+        fills = ahead_fills(llm)
         outs = llm.generate(prompts, _params())
         texts = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
-        runs[ahead] = (texts, masks)
+        order = {o.request_id: i for i, o in enumerate(outs)}  # the engines' request ids differ
+        runs[ahead] = (texts, {(order[rid], *rest): words for (rid, *rest), words in masks.items()})
         assert_pool_empty(llm)
-        sent_ahead.append(ahead_fills(llm))
+        sent_ahead.append(ahead_fills(llm) - fills)
     (sync_texts, sync_masks), (ahead_texts, ahead_masks) = runs[False], runs[True]
     assert ahead_texts == sync_texts
     assert len(sync_masks) > 100
@@ -99,20 +121,22 @@ def test_masks_and_outputs_equal_the_synchronous_engine(tiny_config_path: Path, 
 
 @pytest.mark.parametrize("idle", [True, False])
 def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(
-    tiny_config_path: Path, idle: bool
+    llms: dict[bool, LLM], idle: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Launched ahead, a constrained step's sampling is followed by the next forward. A device busy
     with the forward before keeps it queued (no wait between them) while the host fills the next mask;
     an idle one (a host-bound step) has the sampling's tokens back at once, so the host waits for them
     first and the next mask is filled while the forward is issued."""
-    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    llm = llms[True]
     if not idle:
-        busy_device(llm)
+        busy_device(llm, monkeypatch)
     calls: list[str] = []
     runner = llm.engine.runner
     for name in ("forward", "sample", "wait"):
         fn = getattr(runner, name)
-        setattr(runner, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
+        monkeypatch.setattr(
+            runner, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1]
+        )
     spec = StructuredOutputs(json={"type": "array", "items": RECORD, "minItems": 8})
     params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=spec)
     llm.generate([f"p{i}" for i in range(4)], params)
@@ -125,25 +149,34 @@ def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(
     assert steps > 10 and trace == "fs" + "fw" + each * steps + "sw"
 
 
-def test_worker_job_is_taken_by_its_own_step_only(tiny_config_path: Path) -> None:
-    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+def test_worker_job_is_taken_by_its_own_step_only(llms: dict[bool, LLM]) -> None:
+    llm = llms[True]
     engine = llm.engine
     sd = engine._structured()
     llm.generate(["warm"], SamplingParams(max_tokens=4, structured_outputs=SPECS[1]))
     req = engine.add_request("a", "x", SamplingParams(max_tokens=8, structured_outputs=SPECS[1]))
     seq = req.sequences[0]
-    samplers = [seq]
-    sd.advance([], [], [], {}, then=samplers)  # a job for `samplers`: its mask filled on the worker
-    assert sd._job is not None and sd._job[0] is samplers
-    other = sd.bitmask([seq])  # another step's list: filled now, the job joined and dropped
-    assert sd._job is None and other is not None and other.rows == [0]
-    sd.advance([], [], [], {}, then=samplers)
-    seq.status = type(seq.status).FINISHED  # finished while the worker filled: left unmasked
-    assert sd.bitmask(samplers) is None
+    status = seq.status
+    try:
+        samplers = [seq]
+        sd.advance([], [], [], {}, then=samplers)  # a job for `samplers`: its mask filled on the worker
+        assert sd._job is not None and sd._job[0] is samplers
+        other = sd.bitmask([seq])  # another step's list: filled now, the job joined and dropped
+        assert sd._job is None and other is not None and other.rows == [0]
+        sd.advance([], [], [], {}, then=samplers)
+        seq.status = type(seq.status).FINISHED  # finished while the worker filled: left unmasked
+        assert sd.bitmask(samplers) is None
+    finally:  # the shared engine as it was: the request never stepped goes
+        seq.status = status
+        engine.abort("a", report=False)
+    assert sd._job is None
+    assert_pool_empty(llm)
 
 
-def test_an_error_in_the_matcher_process_fails_its_step_and_the_batch_behind(tiny_config_path: Path) -> None:
-    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+def test_an_error_in_the_matcher_process_fails_its_step_and_the_batch_behind(
+    llms: dict[bool, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = llms[True]
     sd = llm.engine._structured()
     step, failures = sd.matchers.step, []
 
@@ -153,7 +186,7 @@ def test_an_error_in_the_matcher_process_fails_its_step_and_the_batch_behind(tin
             accepts = ([*accepts[0], -1], [*accepts[1], 0])
         step(accepts, fill)
 
-    sd.matchers.step = failing
+    monkeypatch.setattr(sd.matchers, "step", failing)
     params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SPECS[0])
     outs = llm.generate([f"q{i}" for i in range(3)], params)
     assert failures and all(o.outputs[0].finish_reason == "error" for o in outs)
@@ -203,11 +236,11 @@ def _valid(llm: Any, outs: list[Any], spec: StructuredOutputs) -> bool:
 
 @pytest.mark.parametrize("ahead", [False, True])
 def test_grammars_hold_after_a_failed_step_that_followed_a_good_one(
-    tiny_config_path: Path, ahead: bool
+    llms: dict[bool, LLM], ahead: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step that fails in the matcher process after earlier ones succeeded (the slots already
     mapped there) fails its requests only: later requests are still masked by their grammar."""
-    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=ahead)
+    llm = llms[ahead]
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, structured_outputs=SPECS[1])
     assert _valid(llm, llm.generate(["warm", "up"], params), SPECS[1])
     sd = llm.engine.structured
@@ -219,7 +252,7 @@ def test_grammars_hold_after_a_failed_step_that_followed_a_good_one(
             accepts = ([*accepts[0], -1], [*accepts[1], 0])
         step(accepts, fill)
 
-    sd.matchers.step = failing
+    monkeypatch.setattr(sd.matchers, "step", failing)
     (failed,) = llm.generate(["fails"], params)
     assert failures and failed.outputs[0].finish_reason == "error"
     outs = llm.generate([f"again {i}" for i in range(6)], params)
@@ -228,11 +261,11 @@ def test_grammars_hold_after_a_failed_step_that_followed_a_good_one(
     assert_pool_empty(llm)
 
 
-def test_a_matcher_process_that_dies_fails_its_step_and_is_replaced(tiny_config_path: Path) -> None:
+def test_a_matcher_process_that_dies_fails_its_step_and_is_replaced(llms: dict[bool, LLM]) -> None:
     import os
     import signal
 
-    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    llm = llms[True]
     params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SPECS[1])
     llm.generate(["warm"], params)
     sd = llm.engine.structured
@@ -247,16 +280,15 @@ def test_a_matcher_process_that_dies_fails_its_step_and_is_replaced(tiny_config_
     (plain,) = llm.generate(["e"], SamplingParams(max_tokens=4))
     assert plain.outputs[0].finish_reason == "length"
     assert_pool_empty(llm)
-    llm.shutdown()
 
 
-def test_the_child_makes_before_it_drops_and_compiles_beside_its_steps(tiny_config_path: Path) -> None:
+def test_the_child_makes_before_it_drops_and_compiles_beside_its_steps(llms: dict[bool, LLM]) -> None:
     """``Matchers`` (the child's state) on its own: a key made and dropped in one step is not held
     after it; a spec sent to compile is compiled on the thread and taken by the matcher made of it; a
     key not held fails the step after the others took their tokens."""
     from prefixserve.structured.matcher_process import Matchers
 
-    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=False)
+    llm = llms[False]
     tok = llm.get_tokenizer()
     sd = llm.engine._structured()
     matchers = Matchers(sd.grammars.info.serialize_json(), len(tok), 1)

@@ -2,8 +2,9 @@
 
 The default model has 9 query heads and 3 KV heads: 3 ranks hold 3 and 1 each, with a third of the
 MLP columns and of the vocabulary. A tiny dummy model with 1 KV head over 2 ranks covers KV heads
-replicated across ranks. Greedy outputs must equal the single-process engine's, with sharing on
-and off; a killed worker must fail the engine at once with an error naming it.
+replicated across ranks, one with 3 KV heads sharing off over 3 ranks. Greedy outputs must equal the
+single-process engine's, with sharing on and off; a killed worker must fail the engine at once with
+an error naming it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,6 +29,9 @@ from prefixserve.model.parallel import Shard, WorkerDiedError, check_divisible
 from tests.conftest import TINY_CONFIG, assert_pool_empty
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+# the default model's outputs over 3 ranks: 4 tokens (a prefill's and 3 decodes'), each decode step
+# meets the ranks in 60 all-reduces (0.6 s a step on the 2-core CI machine)
+SHORT = SamplingParams(max_tokens=4, temperature=0.0)
 SHARED = "You are a careful assistant for a bicycle shop. Answer briefly and politely. " * 6
 PROMPTS = [SHARED + q for q in ("How do I fix a flat tyre?", "What is a derailleur?", "Which saddle?")]
 PROMPTS += ["The capital of France is", "1, 2, 3, 4,"]
@@ -38,7 +43,17 @@ PML = '<prompt schema="shop"><policy/><hours/> When can I collect a repair left 
 
 
 def token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, SHORT)]
+
+
+@pytest.fixture(scope="module")
+def three_kv_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with 6 query heads and 3 KV heads: 3 ranks hold 2 and 1 each."""
+    heads = {"num_attention_heads": 6, "num_key_value_heads": 3}
+    cfg = dict(TINY_CONFIG, hidden_size=96, intermediate_size=192, **heads)
+    path = tmp_path_factory.mktemp("three_kv") / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +135,7 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
     moved to host memory (gathered from every rank) and back (scattered): all as one process gives.
     One engine per process: torch.distributed has one default group."""
     expected = token_ids(default_llm, PROMPTS)
-    params = SamplingParams(max_tokens=8, temperature=0.0)
+    params = SHORT
     prompts = {mode: [{"prompt": PML, "module_recompute": mode}] for mode in ("none", "link:8")}
     default_llm.register_schema(SCHEMA)  # the one-process outputs over the schema's modules
     try:
@@ -144,66 +159,84 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
         assert_pool_empty(tp)
 
 
-def test_greedy_equals_one_process_with_sharing_off(default_llm: LLM) -> None:
-    prompts = PROMPTS[1:4]  # two holders of the shared prefix and a loner: the CI machine's time
-    expected = token_ids(default_llm, prompts)
-    with LLM(
-        dtype="float32",
-        device="cpu",
-        attention="reference",
-        enable_prefix_caching=False,
-        num_kv_blocks=512,
-        tensor_parallel_size=3,
-        progress=False,
-    ) as off:
-        assert token_ids(off, prompts) == expected
+def test_greedy_equals_one_process_with_sharing_off(three_kv_heads: Path) -> None:
+    """Prefix caching off and the reference attention over 3 ranks of the tiny model with 3 KV heads
+    (the default model's ranks are far slower to start and to step on the CI machine's 2 cores):
+    10 tokens each, as one process gives them."""
+    prompts = PROMPTS[1:4]  # two holders of the shared prefix and a loner
+    kwargs = dict(model=f"dummy:{three_kv_heads}", device="cpu", num_kv_blocks=512, progress=False)
+    kwargs.update(attention="reference", enable_prefix_caching=False)
+    expected = [list(o.outputs[0].token_ids) for o in LLM(**kwargs).generate(prompts, GREEDY)]
+    with LLM(tensor_parallel_size=3, **kwargs) as off:
+        assert [list(o.outputs[0].token_ids) for o in off.generate(prompts, GREEDY)] == expected
 
 
-def test_replicated_kv_head_and_block_copies(one_kv_head: Path) -> None:
-    """1 KV head over 2 ranks (each holds it), n=3 samples sharing blocks (copy-on-write), and the
-    gathered rows equal one process's."""
-    ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10]]
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    seeded = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7)
-    kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
-    single = LLM(**kwargs)
-    with LLM(tensor_parallel_size=2, **kwargs) as tp:
+class TestOneKVHeadOverTwoRanks:
+    """One engine over 2 ranks (launched ahead) and one single process of the 1-KV-head model, shared
+    by these tests (each leaves both idle and their pools empty): a worker's start is ~4 CPU-seconds.
+    Their class scope ends them before the module's later tests start engines of their own (a process
+    has one default group)."""
+
+    @pytest.fixture(scope="class")
+    def single(self, one_kv_head: Path) -> LLM:
+        return LLM(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
+
+    @pytest.fixture(scope="class")
+    def tp(self, one_kv_head: Path) -> Iterator[LLM]:
+        kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
+        with LLM(tensor_parallel_size=2, async_scheduling=True, **kwargs) as tp:
+            yield tp
+
+    def test_replicated_kv_head_and_block_copies(self, single: LLM, tp: LLM) -> None:
+        """1 KV head over 2 ranks (each holds it), n=3 samples sharing blocks (copy-on-write), and the
+        gathered rows equal one process's."""
+        ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10]]
+        prompts = [{"prompt_token_ids": p} for p in ids]
+        seeded = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7)
         for params in (GREEDY, seeded):
             want = [[list(c.token_ids) for c in o.outputs] for o in single.generate(prompts, params)]
             got = [[list(c.token_ids) for c in o.outputs] for o in tp.generate(prompts, params)]
             assert got == want
         blocks = tp.engine.pool.allocate(2), single.engine.pool.allocate(2)
-        packed = single.engine.kv.gather_rows(blocks[1], 20)
-        tp.engine.kv.scatter_rows(blocks[0], packed)
-        assert torch.equal(tp.engine.kv.gather_rows(blocks[0], 20), packed)
-        assert packed.shape[3] == 1  # every head of the model (here one)
+        try:
+            packed = single.engine.kv.gather_rows(blocks[1], 20)
+            tp.engine.kv.scatter_rows(blocks[0], packed)
+            assert torch.equal(tp.engine.kv.gather_rows(blocks[0], 20), packed)
+            assert packed.shape[3] == 1  # every head of the model (here one)
+        finally:
+            tp.engine.pool.release(blocks[0])
+            single.engine.pool.release(blocks[1])
+        assert_pool_empty(tp)
 
-
-def test_launch_ahead_equals_one_synchronous_process(
-    one_kv_head: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``async_scheduling`` over 2 ranks: each step is launched before the host has the tokens of the
-    step ahead, and the workers take them from rank 0's broadcast, or, after the sharded argmax (greedy),
-    from their own argmax with no broadcast. Greedy, seeded n=3 and stop-token outputs equal one
-    synchronous process's; the rows really were fed, and broadcast only where sampled."""
-    ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10], [400, 401]]
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    seeded = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7)
-    kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
-    single = LLM(async_scheduling=False, **kwargs)
-    expected = {}
-    for name, params in (("greedy", GREEDY), ("seeded", seeded)):
-        expected[name] = [[list(c.token_ids) for c in o.outputs] for o in single.generate(prompts, params)]
-    stop_at = expected["greedy"][0][0][4]
-    stopped = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])
-    expected["stop"] = [[list(c.token_ids) for c in o.outputs] for o in single.generate(prompts, stopped)]
-    with LLM(tensor_parallel_size=2, async_scheduling=True, **kwargs) as tp:
+    def test_launch_ahead_equals_one_synchronous_process(
+        self, single: LLM, tp: LLM, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``async_scheduling`` over 2 ranks: each step is launched before the host has the tokens of the
+        step ahead, and the workers take them from rank 0's broadcast, or, after the sharded argmax
+        (greedy), from their own argmax with no broadcast. Greedy, seeded n=3 and stop-token outputs
+        equal one synchronous process's; the rows really were fed, and broadcast only where sampled."""
+        ids = [[5, 17, 300, 42, 7, 99, 1000, 3] * 5, [8, 9, 10], [400, 401]]
+        prompts = [{"prompt_token_ids": p} for p in ids]
+        seeded = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7)
+        assert not single.engine.launch_ahead
+        expected = {}
+        for name, params in (("greedy", GREEDY), ("seeded", seeded)):
+            outs = single.generate(prompts, params)
+            expected[name] = [[list(c.token_ids) for c in o.outputs] for o in outs]
+        stop_at = expected["greedy"][0][0][4]
+        stopped = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])
+        outs = single.generate(prompts, stopped)
+        expected["stop"] = [[list(c.token_ids) for c in o.outputs] for o in outs]
         assert tp.engine.launch_ahead
         fed: list[bool] = []
         broadcasts: list[int] = []
         forward = tp.engine.runner.forward
-        tp.engine.runner.forward = lambda ids, batch, copies, feed=None: (  # type: ignore[method-assign]
-            fed.append(feed is not None) or forward(ids, batch, copies, feed)
+        monkeypatch.setattr(
+            tp.engine.runner,
+            "forward",
+            lambda ids, batch, copies, feed=None: (
+                fed.append(feed is not None) or forward(ids, batch, copies, feed)
+            ),
         )
         broadcast = torch.distributed.broadcast
         monkeypatch.setattr(
@@ -218,28 +251,26 @@ def test_launch_ahead_equals_one_synchronous_process(
             assert len(broadcasts) == (0 if params.temperature == 0.0 else sum(fed)), name
         assert_pool_empty(tp)
 
-
-def test_min_tokens_ban_equals_one_process(one_kv_head: Path) -> None:
-    """Stops banned under min_tokens, and allowed_token_ids (on rank 0's gathered logits, so never the
-    sharded argmax) over 2 ranks, launched ahead: the tokens one process gives, greedy and seeded."""
-    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 300, 42], [8, 9, 10])]
-    kwargs = dict(model=f"dummy:{one_kv_head}", device="cpu", num_kv_blocks=128, progress=False)
-    skew = {999: 50.0, 2: 40.0}  # the stop id, then EOS, far ahead of every other token
-    cases = [
-        SamplingParams(
-            max_tokens=10, temperature=t, seed=7, min_tokens=6, stop_token_ids=[999], logit_bias=skew
-        )
-        for t in (0.0, 1.0)
-    ]
-    allowed = [3, 77, 999, 2]  # allowed_token_ids: the same mask, on the same gathered logits
-    cases += [
-        SamplingParams(max_tokens=8, temperature=t, seed=5, allowed_token_ids=allowed) for t in (0.0, 1.0)
-    ]
-    single = LLM(**kwargs)
-    want = [[list(c.token_ids) for o in single.generate(prompts, p) for c in o.outputs] for p in cases]
-    assert all(len(ids) == 7 and ids[-1] == 999 and 2 not in ids for w in want[:2] for ids in w)
-    assert all(set(ids) <= set(allowed) for w in want[2:] for ids in w)
-    with LLM(tensor_parallel_size=2, async_scheduling=True, **kwargs) as tp:
+    def test_min_tokens_ban_equals_one_process(self, single: LLM, tp: LLM) -> None:
+        """Stops banned under min_tokens, and allowed_token_ids (on rank 0's gathered logits, so never
+        the sharded argmax) over 2 ranks, launched ahead: the tokens one process gives, greedy and
+        seeded."""
+        prompts = [{"prompt_token_ids": p} for p in ([5, 17, 300, 42], [8, 9, 10])]
+        skew = {999: 50.0, 2: 40.0}  # the stop id, then EOS, far ahead of every other token
+        cases = [
+            SamplingParams(
+                max_tokens=10, temperature=t, seed=7, min_tokens=6, stop_token_ids=[999], logit_bias=skew
+            )
+            for t in (0.0, 1.0)
+        ]
+        allowed = [3, 77, 999, 2]  # allowed_token_ids: the same mask, on the same gathered logits
+        cases += [
+            SamplingParams(max_tokens=8, temperature=t, seed=5, allowed_token_ids=allowed) for t in (0.0, 1.0)
+        ]
+        want = [[list(c.token_ids) for o in single.generate(prompts, p) for c in o.outputs] for p in cases]
+        assert all(len(ids) == 7 and ids[-1] == 999 and 2 not in ids for w in want[:2] for ids in w)
+        assert all(set(ids) <= set(allowed) for w in want[2:] for ids in w)
+        assert tp.engine.launch_ahead
         got = [[list(c.token_ids) for o in tp.generate(prompts, p) for c in o.outputs] for p in cases]
         assert got == want
         assert_pool_empty(tp)
@@ -261,21 +292,12 @@ def test_killed_worker_fails_the_engine_fast(tiny_config_path: Path) -> None:
     assert all(p.poll() is not None for p in llm.engine.runner.procs)
 
 
-def test_a_dead_worker_lets_the_other_workers_go(tmp_path: Path) -> None:
-    """Over 3 ranks, worker 1 killed: worker 2 ends with the failed request, not with the server."""
-    heads = {"num_attention_heads": 6, "num_key_value_heads": 3}  # 3 ranks: 2 heads, 1 KV head each
-    cfg = dict(TINY_CONFIG, hidden_size=96, intermediate_size=192, **heads)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    config = EngineConfig(model=f"dummy:{path}", device="cpu", num_kv_blocks=128, tensor_parallel_size=3)
-    server_survives_a_dead_worker(config)
-
-
-def test_server_on_top_and_a_dead_worker(tiny_config_path: Path) -> None:
-    """The HTTP server runs unchanged over 2 ranks; when a worker dies, requests fail and /health says
-    503 instead of the server hanging."""
+def test_a_dead_worker_lets_the_other_workers_go(three_kv_heads: Path) -> None:
+    """The HTTP server runs unchanged over 3 ranks; when worker 1 dies, requests fail and /health says
+    503 instead of the server hanging, and worker 2 ends with the failed request, not with the server.
+    (A server over 2 ranks takes the same path, minus the worker left to end.)"""
     config = EngineConfig(
-        model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=128, tensor_parallel_size=2
+        model=f"dummy:{three_kv_heads}", device="cpu", num_kv_blocks=128, tensor_parallel_size=3
     )
     server_survives_a_dead_worker(config)
 

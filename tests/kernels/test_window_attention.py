@@ -76,8 +76,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize(
+    ("case", "group"),
+    # decode rows (one query a sequence) take every group alike, so one group a case; a prefill
+    # chunk's tiles hold BLOCK_M // group queries, so every group for each of those
+    [(CASES[0], 1), (CASES[1], 3), (CASES[2], 4)] + [(case, g) for case in CASES[3:] for g in (1, 3, 4)],
+)
 def test_window_kernel_and_torch_path_match_the_oracle(case, group: int) -> None:
     query_lens, seq_lens, shared, window = case
     q, k, v, tables, meta = _case(7, query_lens, seq_lens, shared, group, 32, 16, torch.float32)
@@ -287,10 +291,11 @@ def test_sliding_groups_share_one_recorded_plan_with_their_own_pages(contiguous:
     meta.with_groups(pages, base, tuple(range(groups + 1)))
     plans = [window_plan(meta.for_layer(g + 1), window) for g in range(groups)]
     assert all(p is not None and p.groups and p.derived is plans[0].derived for p in plans)
-    for _round in range(2):  # the first call records, the rest replay with their group's arrays
-        for g in range(groups):
-            view = meta.for_layer(g + 1)
-            got = window_shared_attention(q, k, v, view, plans[g], 0.3, window)
-            assert rel_err(got, ref) < 1e-5, (g, _round)
+    # the first call records, the rest replay with their group's arrays: each group once, then the
+    # first again (its own arrays back after the others')
+    for call, g in enumerate([*range(groups), 0]):
+        view = meta.for_layer(g + 1)
+        got = window_shared_attention(q, k, v, view, plans[g], 0.3, window)
+        assert rel_err(got, ref) < 1e-5, (g, call)
     (layout,) = plans[0].derived.values()  # one layout for the three groups
     assert layout.groups is not None and len(layout.groups) == groups
