@@ -3,9 +3,9 @@
 A step's T tokens each go to k of E experts: N = T k assignments. The kernels have fixed grids for a
 given T (CUDA-graph safe: no host sync, nothing sized by the routing):
 
-  * ``_route_kernel`` (one program per token): the router's softmax and top k (or top k, then a
-    softmax over them), ties to the lower expert index, the k weights renormalised where asked (a
-    direct step, below, routes in the up kernel instead: ``routed_forward``);
+  * the routing (``moe_route.route``, one program per token): the router's softmax and top k (or
+    top k, then a softmax over them), ties to the lower expert index, the k weights renormalised
+    where asked (a direct step, below, routes in the up kernel instead: ``routed_forward``);
   * the grouping (``align``): the assignments by expert into blocks of BM rows, each expert's run
     padded to whole blocks: ``slots`` [NB BM] (the assignment in each row), ``block_expert`` [NB]
     (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are real); NB = min(N,
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from prefixserve.model.kernels.moe_route import pow2, route, rule_constexprs, top_k_of
 from prefixserve.model.kernels.silu_mul import silu_mul
 from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.pdl import launch_dependents, wait
@@ -36,82 +37,6 @@ triton, tl = require_triton()
 
 SILU, GELU_TANH, SWIGLU_OAI = 0, 1, 2  # activations (``ACTIVATION``); SWIGLU_OAI: gpt-oss's clamped one
 ACTIVATIONS = {"silu": SILU, "gelu_pytorch_tanh": GELU_TANH, "swiglu_oai": SWIGLU_OAI}
-ROUTER_RULES = {"softmax_topk": 0, "topk_softmax": 1}
-
-
-@triton.jit
-def _top_k(
-    row_ptr,  # one token's [E] router logits
-    n_experts,
-    TOP_K: tl.constexpr,
-    KP: tl.constexpr,
-    EP: tl.constexpr,
-    RULE: tl.constexpr,
-    NORM: tl.constexpr,
-    SPLITS: tl.constexpr = 0,  # row_ptr is the first of SPLITS fp32 partials, split_stride apart
-    split_stride=0,
-    ROUND: tl.constexpr = tl.float32,  # SPLITS: their sum rounded to this (the router's dtype)
-):
-    """A token's k experts (int32 [KP]) and weights (fp32 [KP]; lanes past TOP_K padding) by ``RULE``:
-    the router's softmax then the k largest, renormalised with ``NORM`` (0), or the k largest logits
-    then a softmax over them (1); ties to the lower index. With ``SPLITS`` the logits are the sum of
-    the router product's split-K partials in order, rounded as the unsplit product rounds."""
-    e = tl.arange(0, EP)
-    if SPLITS:
-        total = tl.load(row_ptr + e, mask=e < n_experts, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            total += tl.load(row_ptr + s * split_stride + e, mask=e < n_experts, other=0.0)
-        logits = tl.where(e < n_experts, total.to(ROUND).to(tl.float32), float("-inf"))
-    else:
-        logits = tl.load(row_ptr + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
-    if RULE == 0:
-        p = tl.exp(logits - tl.max(logits, 0))
-        scores = p / tl.sum(p, 0)
-    else:
-        scores = logits
-    kk = tl.arange(0, KP)
-    real = kk < TOP_K
-    chosen = tl.full([KP], float("-inf"), dtype=tl.float32)
-    chosen_ids = tl.zeros([KP], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(scores, 0, tie_break_left=True)  # the lowest index among equal scores
-        # a NaN row (overflowed logits) compares false everywhere and may pick a padding lane: keep
-        # the id an expert's, so the grouping and the products never index past the last one
-        best = tl.minimum(best, n_experts - 1)
-        value = tl.max(scores, 0)
-        chosen = tl.where(kk == j, value, chosen)
-        chosen_ids = tl.where(kk == j, best.to(tl.int32), chosen_ids)
-        scores = tl.where(e == best, float("-inf"), scores)
-    if RULE == 1:
-        p = tl.where(real, tl.exp(chosen - tl.max(chosen, 0)), 0.0)
-        chosen = p / tl.sum(p, 0)
-    elif NORM:
-        chosen = chosen / tl.sum(tl.where(real, chosen, 0.0), 0)
-    return chosen, chosen_ids
-
-
-@triton.jit
-def _route_kernel(
-    logits_ptr,  # [T, E]
-    weights_ptr,  # [T, TOP_K] fp32
-    ids_ptr,  # [T, TOP_K] int32
-    n_experts,
-    stride_l,
-    TOP_K: tl.constexpr,
-    KP: tl.constexpr,  # TOP_K rounded up to a power of two
-    EP: tl.constexpr,  # E rounded up to a power of two
-    RULE: tl.constexpr,  # 0: softmax then top k; 1: top k then softmax over them
-    NORM: tl.constexpr,  # renormalise the k weights (rule 0)
-    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
-):
-    if PDL:
-        launch_dependents()
-        wait()
-    t = tl.program_id(0).to(tl.int64)
-    chosen, chosen_ids = _top_k(logits_ptr + t * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM)
-    kk = tl.arange(0, KP)
-    tl.store(weights_ptr + t * TOP_K + kk, chosen, mask=kk < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + kk, chosen_ids, mask=kk < TOP_K)
 
 
 @triton.jit
@@ -298,7 +223,7 @@ def _expert_up_kernel(
         wait()
     if ROUTE:  # block b is assignment b: token b // TOP_K's (b % TOP_K)-th expert
         b = tl.program_id(0)
-        chosen, chosen_ids = _top_k(
+        chosen, chosen_ids = top_k_of(
             logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM,
             LOGIT_SPLITS, stride_split, x_ptr.dtype.element_ty,
         )  # fmt: skip
@@ -422,30 +347,6 @@ def _combine_kernel(
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _rule_constexprs(top_k: int, experts: int, rule: str, norm: bool) -> dict:
-    """``_top_k``'s constexprs (the route kernel's, and the up kernel's where it routes)."""
-    return {"KP": _pow2(top_k), "EP": _pow2(experts), "RULE": ROUTER_RULES[rule], "NORM": norm}
-
-
-def route(
-    logits: torch.Tensor, top_k: int, rule: str = "softmax_topk", norm: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k] fp32, ids [T, k] int32
-    """Each token's k experts and their weights (``moe.route_ref``'s semantics, one kernel)."""
-    tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
-    if tokens:
-        _route_kernel[(tokens,)](
-            logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
-            **_rule_constexprs(top_k, experts, rule, norm), **pdl.chained(logits.device),
-        )  # fmt: skip
-    return weights, ids
-
-
 Tile = tuple[int, int, int, int, int, int]  # BM, up BN, down BN, BK, warps, stages
 
 
@@ -481,7 +382,7 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, 
     slots = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    ep = _pow2(experts)
+    ep = pow2(experts)
     if n <= ALIGN_ONE_PROGRAM_MAX:
         _align_kernel[(1,)](
             ids, slots, block_expert, block_rows, n, experts, blocks,
@@ -541,7 +442,7 @@ def routed_forward(
 ) -> torch.Tensor:  # [T, H]
     """``experts_forward(x, ..., *route(logits, top_k, rule, norm))`` for a direct step (T k <=
     ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up kernel's prologue:
-    each program takes its token's k experts from the logits (``_top_k``, the route kernel's own),
+    each program takes its token's k experts from the logits (``moe_route.top_k_of``, the route kernel's own),
     so the route kernel's launch goes; the same bits. Partials (``decode_split.router_partials``) are
     summed there, in order, and rounded to x's dtype, as the unsplit product would round them."""
     tokens, experts = logits.shape[-2:]
@@ -555,7 +456,7 @@ def routed_forward(
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
     route_args = {
         "ROUTE": True, "logits_ptr": logits, "weights_ptr": weights, "n_experts": experts,
-        "stride_l": logits.stride(-2), **_rule_constexprs(top_k, experts, rule, norm),
+        "stride_l": logits.stride(-2), **rule_constexprs(top_k, experts, rule, norm),
         "LOGIT_SPLITS": logits.shape[0] if split else 0, "stride_split": logits.stride(0) if split else 0,
     }  # fmt: skip
     return _experts(
