@@ -6,8 +6,8 @@ behind it; the process ends with the engine.
 
 The tests share one synchronous engine and one launched ahead (``llms``): each engine's first
 constrained request starts its matcher process, seconds of imports and set-up. Each test leaves them
-idle, their pools empty and their methods as it found them (``monkeypatch``); the tests that end an
-engine make their own.
+idle, their pools empty and their methods as it found them (``monkeypatch``); a test that ends one
+takes it out of ``llms`` (a later test makes another), one that needs a new engine makes its own.
 """
 
 from __future__ import annotations
@@ -46,10 +46,22 @@ def _params() -> list[SamplingParams]:
     return out
 
 
+class Engines(dict[bool, LLM]):
+    """The tiny model's cascade engines by ``async_scheduling`` (synchronous, launched ahead), each
+    made at its first use."""
+
+    def __init__(self, config_path: Path) -> None:
+        super().__init__()
+        self.config_path = config_path
+
+    def __missing__(self, ahead: bool) -> LLM:
+        llm = self[ahead] = tiny_cascade_llm(self.config_path, async_scheduling=ahead)
+        return llm
+
+
 @pytest.fixture(scope="module")
-def llms(tiny_config_path: Path) -> Iterator[dict[bool, LLM]]:
-    """The tiny model's cascade engines by ``async_scheduling``: synchronous and launched ahead."""
-    engines = {ahead: tiny_cascade_llm(tiny_config_path, async_scheduling=ahead) for ahead in (False, True)}
+def llms(tiny_config_path: Path) -> Iterator[Engines]:
+    engines = Engines(tiny_config_path)
     yield engines
     for llm in engines.values():
         llm.shutdown()
@@ -94,7 +106,7 @@ def busy_device(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("idle", [True, False])
 def test_masks_and_outputs_equal_the_synchronous_engine(
-    llms: dict[bool, LLM], idle: bool, monkeypatch: pytest.MonkeyPatch
+    llms: Engines, idle: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompts = [f"prompt number {i}: answer" for i in range(12)]
     runs, sent_ahead = {}, []
@@ -121,7 +133,7 @@ def test_masks_and_outputs_equal_the_synchronous_engine(
 
 @pytest.mark.parametrize("idle", [True, False])
 def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(
-    llms: dict[bool, LLM], idle: bool, monkeypatch: pytest.MonkeyPatch
+    llms: Engines, idle: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Launched ahead, a constrained step's sampling is followed by the next forward. A device busy
     with the forward before keeps it queued (no wait between them) while the host fills the next mask;
@@ -149,7 +161,7 @@ def test_constrained_sampling_goes_out_just_ahead_of_the_next_forward(
     assert steps > 10 and trace == "fs" + "fw" + each * steps + "sw"
 
 
-def test_worker_job_is_taken_by_its_own_step_only(llms: dict[bool, LLM]) -> None:
+def test_worker_job_is_taken_by_its_own_step_only(llms: Engines) -> None:
     llm = llms[True]
     engine = llm.engine
     sd = engine._structured()
@@ -174,7 +186,7 @@ def test_worker_job_is_taken_by_its_own_step_only(llms: dict[bool, LLM]) -> None
 
 
 def test_an_error_in_the_matcher_process_fails_its_step_and_the_batch_behind(
-    llms: dict[bool, LLM], monkeypatch: pytest.MonkeyPatch
+    llms: Engines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     llm = llms[True]
     sd = llm.engine._structured()
@@ -194,15 +206,6 @@ def test_an_error_in_the_matcher_process_fails_its_step_and_the_batch_behind(
     (out,) = llm.generate(["again"], SamplingParams(max_tokens=12, structured_outputs=SPECS[1]))
     assert out.outputs[0].finish_reason in ("stop", "length")
     assert_pool_empty(llm)
-
-
-def test_the_matcher_process_ends_with_the_engine(tiny_config_path: Path) -> None:
-    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
-    llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=SPECS[1]))
-    child = llm.engine.structured.matchers._child
-    assert child.poll() is None
-    llm.shutdown()
-    assert child.wait(timeout=10) == 0
 
 
 def test_a_matcher_process_started_ahead_is_used_and_an_unused_one_ends(tiny_config_path: Path) -> None:
@@ -236,7 +239,7 @@ def _valid(llm: Any, outs: list[Any], spec: StructuredOutputs) -> bool:
 
 @pytest.mark.parametrize("ahead", [False, True])
 def test_grammars_hold_after_a_failed_step_that_followed_a_good_one(
-    llms: dict[bool, LLM], ahead: bool, monkeypatch: pytest.MonkeyPatch
+    llms: Engines, ahead: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step that fails in the matcher process after earlier ones succeeded (the slots already
     mapped there) fails its requests only: later requests are still masked by their grammar."""
@@ -261,7 +264,7 @@ def test_grammars_hold_after_a_failed_step_that_followed_a_good_one(
     assert_pool_empty(llm)
 
 
-def test_a_matcher_process_that_dies_fails_its_step_and_is_replaced(llms: dict[bool, LLM]) -> None:
+def test_a_matcher_process_that_dies_fails_its_step_and_is_replaced(llms: Engines) -> None:
     import os
     import signal
 
@@ -282,7 +285,7 @@ def test_a_matcher_process_that_dies_fails_its_step_and_is_replaced(llms: dict[b
     assert_pool_empty(llm)
 
 
-def test_the_child_makes_before_it_drops_and_compiles_beside_its_steps(llms: dict[bool, LLM]) -> None:
+def test_the_child_makes_before_it_drops_and_compiles_beside_its_steps(llms: Engines) -> None:
     """``Matchers`` (the child's state) on its own: a key made and dropped in one step is not held
     after it; a spec sent to compile is compiled on the thread and taken by the matcher made of it; a
     key not held fails the step after the others took their tokens."""
@@ -299,3 +302,13 @@ def test_the_child_makes_before_it_drops_and_compiles_beside_its_steps(llms: dic
     with pytest.raises(KeyError, match="not held"):
         matchers.step([], [], ([1, 99], [bracket, 5]), None)
     assert not matchers.by_key[1].accept_token(bracket)  # it took the first "[": a second is refused
+
+
+def test_the_matcher_process_ends_with_the_engine(llms: Engines) -> None:
+    llm = llms[True]  # the shared engine launched ahead (made now if no test made it), ended here:
+    del llms[True]  # a later test makes another
+    llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=SPECS[1]))
+    child = llm.engine.structured.matchers._child
+    assert child.poll() is None
+    llm.shutdown()
+    assert child.wait(timeout=10) == 0

@@ -135,7 +135,7 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
     moved to host memory (gathered from every rank) and back (scattered): all as one process gives.
     One engine per process: torch.distributed has one default group."""
     expected = token_ids(default_llm, PROMPTS)
-    params = SHORT
+    params = SamplingParams(max_tokens=2, temperature=0.0)  # a prefill's token and a decode's, over modules
     prompts = {mode: [{"prompt": PML, "module_recompute": mode}] for mode in ("none", "link:8")}
     default_llm.register_schema(SCHEMA)  # the one-process outputs over the schema's modules
     try:
@@ -331,15 +331,39 @@ def server_survives_a_dead_worker(config: EngineConfig) -> None:
     assert all(p.poll() is not None for p in procs)
 
 
-def test_a_failed_start_leaves_no_worker_or_group(tiny_config_path: Path) -> None:
+def test_a_failed_start_leaves_no_worker_or_group_and_shutdown_frees_held_graphs(
+    tiny_config_path: Path,
+) -> None:
+    """A start that fails leaves no worker and no process group: a later engine starts as if nothing
+    happened. That engine's shutdown then resets every graph it captured (decode, pieces, the sharded
+    argmax) before leaving the group, even one that a caller holds a reference to: NCCL's abort waits
+    while a captured graph still uses the communicator. (One engine for both: a start is ~4
+    CPU-seconds.)"""
     import torch.distributed as dist
 
+    from prefixserve.worker.argmax_graph import ArgmaxGraphs
+
+    class Graph:
+        resets = 0
+
+        def reset(self) -> None:
+            Graph.resets += 1
+
+    held = ArgmaxGraphs(lambda h: h, (0, 0))
+    held.graphs[(1, (4, 8))] = (Graph(), torch.zeros(4))  # type: ignore[assignment]
+    held.graphs[(2, (8, 8))] = (Graph(), torch.zeros(8))  # type: ignore[assignment]
     cfg = dict(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, progress=False)
     with pytest.raises(ValueError, match="malformed XML"):
         LLM(tensor_parallel_size=2, schemas=["<schema name='broken'><module"], **cfg)
     assert not dist.is_initialized()
-    with LLM(tensor_parallel_size=2, **cfg) as llm:  # a later engine starts as if nothing happened
+    llm = LLM(tensor_parallel_size=2, **cfg)
+    try:
         assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)[0].outputs[0].token_ids
+        llm.engine.runner.argmax_graphs = held
+    finally:
+        llm.shutdown()
+    assert Graph.resets == 2 and not held.graphs
+    assert llm.engine.runner.argmax_graphs is None
 
 
 def test_peer_allreduce_is_on_by_default_and_cuda_only() -> None:
@@ -360,29 +384,6 @@ def test_peer_allreduce_is_on_by_default_and_cuda_only() -> None:
     assert peer_allreduce_for(None, torch.device("cpu"), "x") is None  # type: ignore[arg-type]
     x = torch.ones(4)
     assert Shard().all_reduce(x) is x and Shard().peer is None
-
-
-def test_shutdown_frees_captured_graphs_a_caller_still_holds(tiny_config_path: Path) -> None:
-    """NCCL's abort waits while a captured graph still uses the communicator, so shutdown resets every
-    graph it captured (decode, pieces, the sharded argmax) before leaving the group, even one that a
-    caller holds a reference to."""
-    from prefixserve.worker.argmax_graph import ArgmaxGraphs
-
-    class Graph:
-        resets = 0
-
-        def reset(self) -> None:
-            Graph.resets += 1
-
-    cfg = dict(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=64, progress=False)
-    llm = LLM(tensor_parallel_size=2, **cfg)
-    held = ArgmaxGraphs(lambda h: h, (0, 0))
-    held.graphs[(1, (4, 8))] = (Graph(), torch.zeros(4))  # type: ignore[assignment]
-    held.graphs[(2, (8, 8))] = (Graph(), torch.zeros(8))  # type: ignore[assignment]
-    llm.engine.runner.argmax_graphs = held
-    llm.shutdown()
-    assert Graph.resets == 2 and not held.graphs
-    assert llm.engine.runner.argmax_graphs is None
 
 
 def _exited(pid: int) -> bool:
