@@ -66,7 +66,7 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(
         started = threading.Event()
 
         def stream() -> None:
-            body = {"prompt": "ride", "max_tokens": 100, "ignore_eos": True, "stream": True}
+            body = {"prompt": "ride", "max_tokens": 300, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
                 for line in response.iter_lines():
                     if line:

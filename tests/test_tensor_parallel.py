@@ -135,7 +135,7 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
     moved to host memory (gathered from every rank) and back (scattered): all as one process gives.
     One engine per process: torch.distributed has one default group."""
     expected = token_ids(default_llm, PROMPTS)
-    params = SamplingParams(max_tokens=2, temperature=0.0)  # a prefill's token and a decode's, over modules
+    params = SHORT
     prompts = {mode: [{"prompt": PML, "module_recompute": mode}] for mode in ("none", "link:8")}
     default_llm.register_schema(SCHEMA)  # the one-process outputs over the schema's modules
     try:
