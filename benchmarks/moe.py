@@ -229,10 +229,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _routing(result: dict[str, Any]) -> str:
-    """How the run's dummy routers chose experts (``model/moe.uniform_logits`` since 29456de; runs
-    before routed by their random weights)."""
+    """How the run's dummy routers chose experts: uniform draws made at load (``model/dummy_routing``);
+    drawn each step (``torch.rand_like``) from 29456de; before, by their random weights."""
+    if result.get("dummy_routing") == "uniform_table":
+        return "uniform at random, drawn at load (a dummy model's routers, `model/dummy_routing.py`)"
     if result.get("dummy_routing") == "uniform":
-        return "uniform at random (a dummy model's routers, `model/moe.py`)"
+        return "uniform at random, drawn each step (a dummy model's routers)"
     return "by the random weights (a batch converges on a few experts)"
 
 

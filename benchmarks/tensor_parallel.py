@@ -425,7 +425,7 @@ def markdown(payload: dict) -> str:
 
 
 def _routing_lines(payload: dict) -> list[str]:
-    """For an MoE model: how its dummy routers chose experts (``model/moe.uniform_logits``)."""
+    """For an MoE model: how its dummy routers chose experts (``model/dummy_routing.py``)."""
     try:
         cfg = model_config(payload["compare_model"])
     except (FileNotFoundError, ValueError):  # a model this machine does not have: nothing to say
@@ -433,7 +433,7 @@ def _routing_lines(payload: dict) -> list[str]:
     if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
         return []
     how = payload.get("dummy_routing", "weights")
-    return [f"Dummy MoE routing: {how} (a dummy model's routers, `model/moe.py`).", ""]
+    return [f"Dummy MoE routing: {how} (a dummy model's routers, `model/dummy_routing.py`).", ""]
 
 
 def _repeat_lines(compare: list[dict], tp: int) -> list[str]:

@@ -431,6 +431,47 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, stacked: bool
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
+def _dummy_moe(tmp_path: Path, layers: int) -> Any:
+    """A dummy (random-weight) Qwen3-MoE model of ``layers`` layers, 64 experts, 4 active, on the CPU."""
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 300}
+    config |= {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16}
+    config |= {
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+    }
+    config |= {"num_experts": 64, "num_experts_per_tok": 4, "norm_topk_prob": True}
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(config))
+    model, _ = load_model(
+        ModelSource("dummy", path, "dummy-moe"), torch.float32, torch.device("cpu"), progress=False
+    )
+    return model
+
+
+def test_dummy_routing_reads_draws_made_at_load(tmp_path: Path) -> None:
+    """A dummy model's routers read their draws from one table made at load (views: a decode step
+    runs no draw kernel): each layer its own rows, the same rows each call, the router product's
+    split-K partials shaped as given; a step larger than the table draws afresh."""
+    from prefixserve.model import dummy_routing
+    from prefixserve.model.moe import MoE
+
+    model = _dummy_moe(tmp_path, layers=3)
+    first, second = [m for m in model.modules() if isinstance(m, MoE)][:2]
+    logits = torch.zeros(5, 64)
+    a, b = first.simulate(logits), second.simulate(logits)
+    assert a.shape == logits.shape and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert not torch.equal(a, b) and torch.equal(a, first.simulate(logits))
+    assert torch.equal(a[1:], b[:-1])  # layer i reads rows i .. i + T of one table
+    assert float(a.min()) >= 0.0 and float(a.max()) < 1.0
+    parts = first.simulate(torch.zeros(8, 2, 64))
+    assert parts.shape == (8, 2, 64) and parts.dtype == torch.float32
+    big = torch.zeros(dummy_routing.TABLE_ROWS + 1, 64)
+    fresh = first.simulate(big)
+    assert fresh.shape == big.shape and fresh.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+
+
 def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path) -> None:
     """A dummy MoE model's routers draw each row's logits at random, so 16 equal rows spread over the
     experts as a balanced router's would; a checkpoint routes by its weights (the 16 equal rows all go
@@ -438,12 +479,7 @@ def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path) -> None:
     from prefixserve.model import fused
     from prefixserve.model.moe import MoE
 
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 300}
-    config |= {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16}
-    config |= {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
-    config |= {"num_experts": 64, "num_experts_per_tok": 4, "norm_topk_prob": True}
-    path = tmp_path / "moe.json"
-    path.write_text(json.dumps(config))
+    dummy = _dummy_moe(tmp_path, layers=1)
 
     def touched(model: Any) -> int:
         mlp = model.model.layers[0].mlp
@@ -451,9 +487,6 @@ def test_uniform_routing_is_for_dummy_weights_only(tmp_path: Path) -> None:
         _, ids = fused.moe_route(mlp.simulate(mlp.gate(rows)), mlp.top_k, mlp.rule, mlp.norm)
         return int(torch.unique(ids).numel())
 
-    dummy, _ = load_model(
-        ModelSource("dummy", path, "dummy-moe"), torch.float32, torch.device("cpu"), progress=False
-    )
     assert touched(dummy) > 24  # 16 rows x 4 of 64 experts at random: 40 expected
     tiny_checkpoint("qwen3_moe", tmp_path / "hf")
     hf_model, _ = load_model(ModelSource("hf", tmp_path / "hf", "tiny"), torch.float32, torch.device("cpu"))

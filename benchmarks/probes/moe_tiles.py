@@ -3,7 +3,11 @@ candidate (BM, up BN, down BN, BK, warps, stages) checked against the default's 
 graphed; prints the fastest few per B beside the default and ``torch._grouped_mm``, JSON to --json.
 
     PYTHONPATH=. python -m benchmarks.probes.moe_tiles [--model qwen3-30b-a3b] \
-        [--batches 1 64 256 1024] [--narrow]
+        [--batches 1 64 256 1024] [--narrow | --direct]
+
+``--direct``: a direct step's tiles (T k <= ``fused_moe.DIRECT_MAX``) over four copies of the layer's
+weights, each routed apart (L2 holds none of a copy's experts when it comes round, as in a model's
+step), with programs owning column spans that are not powers of two (grids sized to the SMs).
 """
 
 from __future__ import annotations
@@ -41,15 +45,68 @@ def candidates(block_m: int, narrow: bool = False) -> list[tuple[int, ...]]:
     return out
 
 
+def direct_candidates() -> list[tuple[int, ...]]:
+    """A direct step's tiles: up / down column spans (48, 96: not powers of two) by stages."""
+    spans_up, spans_down = (32, 48, 64, 96, 128), (32, 64, 96, 128)
+    return [(16, u, d, 128, 4, st) for u, d, st in itertools.product(spans_up, spans_down, (3, 4, 5))]
+
+
+def direct_sweep(cfg, batches: list[int], copies: int = 4) -> list[dict]:
+    """Each direct tile checked against the default's output, then timed over ``copies`` copies of
+    the weights (``graph_ms``), each copy's tokens routed to their own experts."""
+    from benchmarks.harness.timing import graph_ms
+
+    e, k, hidden = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    layers = [layer_weights(cfg) for _ in range(copies)]
+    gen = layers[0][0]
+    results = []
+    for b in batches:
+        if b * k > fused_moe.DIRECT_MAX:
+            continue
+        x = torch.randn(b, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        routes = [fused_moe.route(torch.randn(b, e, device="cuda", generator=gen), k, "softmax_topk", True)
+                  for _ in range(copies)]  # fmt: skip
+
+        def run(i: int, tile: tuple[int, ...] | None) -> torch.Tensor:
+            _, w_up, w_down, _ = layers[i]
+            return fused_moe.experts_forward(x, w_up, w_down, *routes[i], tile=tile)  # noqa: B023
+
+        default = fused_moe.tiles(b, k, e)
+        want = run(0, None)
+        timed = []
+        for tile in [default, *direct_candidates()]:
+            try:
+                err = float((run(0, tile).float() - want.float()).abs().max())
+                ms = graph_ms(lambda i, t=tile: run(i, t), copies, reps=50)
+            except Exception as exc:  # a tile too large for shared memory
+                print(b, tile, repr(exc)[:100])
+                continue
+            timed.append({"B": b, "tile": tile, "ms": ms, "err": err, "default": tile == default})
+        timed.sort(key=lambda r: r["ms"])
+        dflt = next(r for r in timed if r["default"])
+        print(f"B={b} direct: default {default} {dflt['ms'] * 1e3:.1f} us a layer")
+        for r in timed[:8]:
+            print(f"   {r['tile']} {r['ms'] * 1e3:.1f} us err {r['err']:.3g}")
+        results.append({"B": b, "copies": copies, "timed": timed})
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
     ap.add_argument("--limit", type=int, default=40, help="candidates per B, spread over the list")
     ap.add_argument("--narrow", action="store_true", help="16- and 32-column tiles, deeper pipelines")
+    ap.add_argument("--direct", action="store_true", help="a direct step's tiles over weight copies")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
+    if args.direct:
+        results = direct_sweep(cfg, args.batches)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     gen, w_up, w_down, router = layer_weights(cfg)
     results = []

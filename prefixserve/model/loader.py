@@ -22,13 +22,13 @@ from prefixserve.config import cache_dir, cache_entry
 from prefixserve.model import fp8, linear, mxfp4
 from prefixserve.model.byte_tokenizer import byte_tokenizer
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.dummy_routing import use_uniform_routing
 from prefixserve.model.families import checkpoint_name
 from prefixserve.model.fp8_checkpoint import Fp8Checkpoint
 from prefixserve.model.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from prefixserve.model.llama import LlamaForCausalLM, RMSNorm
 from prefixserve.model.memory_fit import check_weights_fit
 from prefixserve.model.meta_init import allocate
-from prefixserve.model.moe import use_uniform_routing
 from prefixserve.model.parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -494,7 +494,7 @@ def load_model(
         fp8s = Fp8Checkpoint(None, quantization)  # refuses a scheme not supported
         model = _materialize(config, dtype, device, shard, fp8s.scheme is not None)
         _init_dummy(model, seed)
-        use_uniform_routing(model)  # random routers would send a whole batch to a few experts
+        use_uniform_routing(model, seed)  # random routers would send a whole batch to a few experts
         return model.eval(), _dummy_tokenizer_dir(source)
     config = ModelConfig.from_json(directory / "config.json")
     fp8s = Fp8Checkpoint(directory, quantization)

@@ -142,7 +142,7 @@ class Experts(nn.Module):
 
 def _as_routed(logits: torch.Tensor) -> torch.Tensor:
     """A router's logits as its weights give them. A dummy model has each router's ``simulate``
-    replaced at load (``use_uniform_routing``)."""
+    replaced at load (``dummy_routing.use_uniform_routing``)."""
     return logits
 
 
@@ -204,26 +204,6 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale.float()[ids.long()], ids
 
 
-def uniform_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Router logits drawn uniformly at random (each token's experts a uniform draw): a dummy model's
-    routing. With random weights a batch's residual streams converge over the layers and its routers
-    send it to a few experts (a deep layer sent 16 rows to 16 of 128, where a balanced router sends
-    them to 82), so a dummy step would read far fewer expert weights than a trained model's; drawn
-    at random, it reads what a balanced router's would. Graph-safe (torch's RNG under capture); ranks
-    draw apart, which changes what they sum but not what they read; outputs are noise either way.
-    Given a direct step's split-K partials (``decode_split.router_partials``) each plane is drawn: their
-    sums are still independent and alike across the experts, so the k chosen are a uniform draw."""
-    return torch.rand_like(logits)
-
-
-def use_uniform_routing(model: nn.Module) -> int:
-    """Route every MoE layer of ``model`` by ``uniform_logits``; returns the layers changed."""
-    routers = [m for m in model.modules() if isinstance(m, (MoE, Gemma4Router))]
-    for m in routers:
-        m.simulate = uniform_logits
-    return len(routers)
-
-
 __all__ = [
     "GATE_UP_INTERLEAVED",
     "GATE_UP_STACKED",
@@ -231,6 +211,4 @@ __all__ = [
     "Experts",
     "Gemma4Router",
     "MoE",
-    "uniform_logits",
-    "use_uniform_routing",
 ]
