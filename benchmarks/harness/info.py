@@ -73,7 +73,7 @@ def run_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
         "commit": git_commit(),
         "source_trees": source_trees(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "dummy_routing": "uniform_table",  # dummy MoE routers: uniform draws made at load (model/dummy_routing.py)
+        "dummy_routing": "uniform_table",  # dummy MoE routers: draws made at load (model/dummy_routing.py)
     }
     for pkg in packages:
         try:
