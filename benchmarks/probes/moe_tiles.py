@@ -7,7 +7,8 @@ graphed; prints the fastest few per B beside the default and ``torch._grouped_mm
 
 ``--direct``: a direct step's tiles (T k <= ``fused_moe.DIRECT_MAX``) over four copies of the layer's
 weights, each routed apart (L2 holds none of a copy's experts when it comes round, as in a model's
-step), with programs owning column spans that are not powers of two (grids sized to the SMs).
+step). At e743384 its candidates included programs owning 48 or 96 columns of a wider tile (grids
+sized to the SMs): no faster (docs/kernels.md §4), and the kernels went back to powers of two.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def candidates(block_m: int, narrow: bool = False) -> list[tuple[int, ...]]:
 
 
 def direct_candidates() -> list[tuple[int, ...]]:
-    """A direct step's tiles: up / down column spans (48, 96: not powers of two) by stages."""
-    spans_up, spans_down = (32, 48, 64, 96, 128), (32, 64, 96, 128)
+    """A direct step's tiles: up / down columns a program by stages."""
+    spans_up, spans_down = (16, 32, 64, 128), (16, 32, 64, 128)
     return [(16, u, d, 128, 4, st) for u, d, st in itertools.product(spans_up, spans_down, (3, 4, 5))]
 
 

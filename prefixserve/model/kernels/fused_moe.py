@@ -185,19 +185,6 @@ def _block_of(block, slots_ptr, block_expert_ptr, block_rows_ptr, BM: tl.constex
 
 
 @triton.jit
-def _columns(BN: tl.constexpr, SPAN: tl.constexpr, width):
-    """This program's output columns in a BN-wide tile and which are its own: SPAN of them from
-    ``program_id(1) * SPAN`` (SPAN 0: all BN), so a grid can be sized to the SMs by a width that is
-    not a power of two (a one-token step's 8 experts x 768 / 48 = 128 programs)."""
-    lane = tl.arange(0, BN)
-    if SPAN == 0:
-        n = tl.program_id(1) * BN + lane
-        return n, n < width
-    n = tl.program_id(1) * SPAN + lane
-    return n, (n < width) & (lane < SPAN)
-
-
-@triton.jit
 def _expert_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E * 2 I, H]: expert e's gate rows at e 2I, its up rows at e 2I + I
@@ -213,7 +200,7 @@ def _expert_up_kernel(
     limit,
     TOP_K: tl.constexpr,
     BM: tl.constexpr,
-    BN: tl.constexpr,  # the tile's columns (a power of two)
+    BN: tl.constexpr,
     BK: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -231,7 +218,6 @@ def _expert_up_kernel(
     NORM: tl.constexpr = False,
     LOGIT_SPLITS: tl.constexpr = 0,  # ROUTE: logits_ptr holds the router's fp32 split-K partials
     stride_split=0,
-    SPAN: tl.constexpr = 0,  # columns a program owns, <= BN (0: BN): a grid sized to the SMs
 ):
     if PDL:
         wait()
@@ -255,7 +241,8 @@ def _expert_up_kernel(
     if expert < 0:
         return
     token = (assign // TOP_K).to(tl.int64)
-    n, n_ok = _columns(BN, SPAN, inter)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < inter
     gate_rows = (expert.to(tl.int64) * 2 * inter + n) * hidden
     up_rows = gate_rows + inter * hidden
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
@@ -302,7 +289,6 @@ def _expert_down_kernel(
     DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
-    SPAN: tl.constexpr = 0,  # columns a program owns, <= BN (0: BN)
 ):
     if PDL:
         wait()
@@ -312,7 +298,8 @@ def _expert_down_kernel(
     if expert < 0:
         return
     assign = assign.to(tl.int64)
-    n, n_ok = _columns(BN, SPAN, hidden)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < hidden
     w_rows = (expert.to(tl.int64) * hidden + n) * inter
     row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -477,13 +464,6 @@ def routed_forward(
     )
 
 
-def _span(columns: int) -> dict:
-    """The BN / SPAN constexprs of a program owning ``columns`` (``_columns``): a tile of the next
-    power of two where ``columns`` is not one."""
-    tile = pow2(columns)
-    return {"BN": tile, "SPAN": 0 if tile == columns else columns}
-
-
 def _experts(
     x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     activation: int, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, alpha: float,
@@ -511,7 +491,7 @@ def _experts(
     _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
         x, w_up, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,
         hidden, inter, x.stride(0), alpha, limit,
-        TOP_K=top_k, BM=block_m, **_span(bn_up), BK=block_k, ACTIVATION=activation,
+        TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
         HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
         **chained, **(route_args or {}),
     )  # fmt: skip
@@ -519,7 +499,7 @@ def _experts(
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
         slots, block_expert, block_rows, hidden, inter,
-        BM=block_m, **_span(bn_down), BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
+        BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
         DIRECT=direct, num_warps=warps, num_stages=stages, **chained,
     )  # fmt: skip
     grid = (tokens, triton.cdiv(hidden, 1024))
