@@ -48,20 +48,19 @@ def top_k_of(
         scores = p / tl.sum(p, 0)
     else:
         scores = logits
-    # each expert's rank: how many score higher, or as high at a lower index (ties to the lower
-    # index); one [EP, EP] count in place of k rounds of argmax and max (two reductions each)
-    other = tl.arange(0, EP)
-    above = (scores[None, :] > scores[:, None]) | (
-        (scores[None, :] == scores[:, None]) & (other[None, :] < e[:, None])
-    )
-    rank = tl.sum(above.to(tl.int32), 1)
     kk = tl.arange(0, KP)
     real = kk < TOP_K
-    hit = (rank[None, :] == kk[:, None]) & real[:, None]  # [KP, EP]: slot j holds the rank-j expert
-    chosen = tl.where(real, tl.sum(tl.where(hit, scores[None, :], 0.0), 1), float("-inf"))
-    # a NaN row (overflowed logits) compares false everywhere, so several experts share a rank:
-    # keep the id an expert's, so the grouping and the products never index past the last one
-    chosen_ids = tl.minimum(tl.sum(tl.where(hit, e[None, :], 0), 1), n_experts - 1).to(tl.int32)
+    chosen = tl.full([KP], float("-inf"), dtype=tl.float32)
+    chosen_ids = tl.zeros([KP], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(scores, 0, tie_break_left=True)  # the lowest index among equal scores
+        # a NaN row (overflowed logits) compares false everywhere and may pick a padding lane: keep
+        # the id an expert's, so the grouping and the products never index past the last one
+        best = tl.minimum(best, n_experts - 1)
+        value = tl.max(scores, 0)
+        chosen = tl.where(kk == j, value, chosen)
+        chosen_ids = tl.where(kk == j, best.to(tl.int32), chosen_ids)
+        scores = tl.where(e == best, float("-inf"), scores)
     if RULE == 1:
         p = tl.where(real, tl.exp(chosen - tl.max(chosen, 0)), 0.0)
         chosen = p / tl.sum(p, 0)
