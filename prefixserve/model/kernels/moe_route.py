@@ -53,11 +53,11 @@ def top_k_of(
     chosen = tl.full([KP], float("-inf"), dtype=tl.float32)
     chosen_ids = tl.zeros([KP], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(scores, 0, tie_break_left=True)  # the lowest index among equal scores
+        # the value and its index in one reduction, the lowest index among equal scores
+        value, best = tl.max(scores, 0, return_indices=True, return_indices_tie_break_left=True)
         # a NaN row (overflowed logits) compares false everywhere and may pick a padding lane: keep
         # the id an expert's, so the grouping and the products never index past the last one
         best = tl.minimum(best, n_experts - 1)
-        value = tl.max(scores, 0)
         chosen = tl.where(kk == j, value, chosen)
         chosen_ids = tl.where(kk == j, best.to(tl.int32), chosen_ids)
         scores = tl.where(e == best, float("-inf"), scores)
