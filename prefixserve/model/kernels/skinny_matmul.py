@@ -101,14 +101,20 @@ def _skinny_kernel(
 _skinny = BoundKernel(_skinny_kernel)
 
 
-def skinny_config(m: int, n: int) -> tuple[int, int] | None:
+SHORT_ROWS = 2048  # K at most this: 64 columns a program at a mid-width N (``skinny_config``)
+
+
+def skinny_config(m: int, n: int, k: int = 0) -> tuple[int, int] | None:
     """(BLOCK_N, STAGES) for an [m, K] x [K, n] product, or None where cuBLAS was faster: the H100
     sweep at Llama-3.1-8B's shapes (``benchmarks/probes/skinny_gemm.py``, docs/kernels.md §7). 32
     columns a program and six loads in flight; 64 (m <= 16) or 128 columns for the wide gate-up and
     lm_head. Over 16 rows, a mid-width N (the fused qkv: 192 programs of 32 columns, one a program's
-    SM at that height) ran 4% slower than cuBLAS."""
+    SM at that height) ran 4% slower than cuBLAS. Rows of ``k`` <= 2048 (given) at a mid-width N
+    (Qwen3-30B-A3B's qkv, 5120 x 2048) take 64 columns: a 32-column program reads only 128 KB."""
     if n >= 16384:
         return (64, 6) if m <= 16 else (128, 4)
+    if m <= 16 and n > 4096 and 0 < k <= SHORT_ROWS:
+        return 64, 6
     if m <= 16 or n <= 4096:
         return 32, 6
     return None
@@ -178,7 +184,7 @@ def skinny_linear(
             f"and a contiguous bias of N, on a Hopper GPU: x {tuple(x.shape)} {x.dtype}, weight "
             f"{tuple(weight.shape)} {weight.dtype}"
         )
-    config = config or skinny_config(x.shape[0], weight.shape[0]) or (32, 6)
+    config = config or skinny_config(x.shape[0], *weight.shape) or (32, 6)
     return _launch(x, weight, bias, config, out=out)
 
 
@@ -190,7 +196,7 @@ def linear_if_faster(
     ``out``: a [M, N] tensor with unit column stride to write into (a peer all-reduce buffer)."""
     if not supported(x, weight, bias):
         return None
-    config = skinny_config(x.shape[0], weight.shape[0])
+    config = skinny_config(x.shape[0], *weight.shape)
     return None if config is None else _launch(x, weight, bias, config, out=out)
 
 
