@@ -427,6 +427,12 @@ def test_skinny_linear_refuses_what_it_does_not_take() -> None:
     assert skinny_matmul.skinny_config(64, 4096) == (32, 6)
     assert skinny_matmul.skinny_config(64, 28672) == (128, 4)
     assert skinny_matmul.skinny_config(1, 128256) == (64, 6)
+    # short rows at a mid width (Qwen3-30B-A3B's qkv, 5120 x 2048): 64 columns up to 16 rows
+    assert skinny_matmul.skinny_config(1, 5120, 2048) == (64, 6)
+    assert skinny_matmul.skinny_config(16, 5120, 2048) == (64, 6)
+    assert skinny_matmul.skinny_config(64, 5120, 2048) is None
+    assert skinny_matmul.skinny_config(1, 6144, 4096) == (32, 6)  # the 8B's qkv keeps 32
+    assert skinny_matmul.skinny_config(1, 4096, 2048) == (32, 6)
     # with no tiles of its own where the rule says cuBLAS, the kernel still computes (32, 6)
     x64 = torch.randn(64, 256, dtype=torch.float16, device=DEVICE)
     w64 = torch.randn(6144, 256, dtype=torch.float16, device=DEVICE) / 16
