@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -46,6 +47,32 @@ def candidates(block_m: int, narrow: bool = False) -> list[tuple[int, ...]]:
     return out
 
 
+def sweep(
+    b: int, tiles: list[tuple[int, ...]], default: tuple[int, ...], run: Callable, time_ms: Callable
+) -> list[dict]:
+    """Each tile's output against the default's (``run(tile)``: the layer's output; ``time_ms(tile)``),
+    fastest first; a tile too large for shared memory is printed and left out."""
+    want = run(None)
+    timed = []
+    for tile in [default, *tiles]:
+        try:
+            err = float((run(tile).float() - want.float()).abs().max())
+            ms = time_ms(tile)
+        except Exception as exc:  # a tile too large for shared memory
+            print(b, tile, repr(exc)[:100])
+            continue
+        timed.append({"B": b, "tile": tile, "ms": ms, "err": err, "default": tile == default})
+    return sorted(timed, key=lambda r: r["ms"])
+
+
+def show(title: str, timed: list[dict], top: int) -> None:
+    """The default's time beside the fastest ``top`` tiles, in us."""
+    dflt = next(r for r in timed if r["default"])
+    print(f"{title}: default {dflt['tile']} {dflt['ms'] * 1e3:.1f} us")
+    for r in timed[:top]:
+        print(f"   {r['tile']} {r['ms'] * 1e3:.1f} us err {r['err']:.3g}")
+
+
 def direct_candidates() -> list[tuple[int, ...]]:
     """A direct step's tiles: up / down columns a program by stages."""
     spans_up, spans_down = (16, 32, 64, 128), (16, 32, 64, 128)
@@ -72,23 +99,36 @@ def direct_sweep(cfg, batches: list[int], copies: int = 4) -> list[dict]:
             _, w_up, w_down, _ = layers[i]
             return fused_moe.experts_forward(x, w_up, w_down, *routes[i], tile=tile)  # noqa: B023
 
-        default = fused_moe.tiles(b, k, e)
-        want = run(0, None)
-        timed = []
-        for tile in [default, *direct_candidates()]:
-            try:
-                err = float((run(0, tile).float() - want.float()).abs().max())
-                ms = graph_ms(lambda i, t=tile: run(i, t), copies, reps=50)
-            except Exception as exc:  # a tile too large for shared memory
-                print(b, tile, repr(exc)[:100])
-                continue
-            timed.append({"B": b, "tile": tile, "ms": ms, "err": err, "default": tile == default})
-        timed.sort(key=lambda r: r["ms"])
-        dflt = next(r for r in timed if r["default"])
-        print(f"B={b} direct: default {default} {dflt['ms'] * 1e3:.1f} us a layer")
-        for r in timed[:8]:
-            print(f"   {r['tile']} {r['ms'] * 1e3:.1f} us err {r['err']:.3g}")
+        timed = sweep(
+            b, direct_candidates(), fused_moe.tiles(b, k, e), lambda t: run(0, t),
+            lambda t: graph_ms(lambda i: run(i, t), copies, reps=50),
+        )  # fmt: skip
+        show(f"B={b} direct, a layer", timed, 8)
         results.append({"B": b, "copies": copies, "timed": timed})
+    return results
+
+
+def grid_sweep(cfg, args: argparse.Namespace) -> list[dict]:
+    """Each B's candidate tiles on one layer's weights, graphed, beside ``torch._grouped_mm``."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    gen, w_up, w_down, router = layer_weights(cfg)
+    results = []
+    for b in args.batches:
+        x = torch.randn(b, cfg.hidden_size, device=w_up.device, dtype=w_up.dtype, generator=gen)
+        weights, ids = fused_moe.route(x @ router.T, k, cfg.router_rule, cfg.norm_topk_prob)
+        args_b = (x, w_up, w_down, weights, ids)
+        base = bench_ms(graphed(lambda: grouped_mm_moe(*args_b)), 100)  # noqa: B023
+        cands = candidates(fused_moe.tiles(b, k, e)[0], args.narrow)
+
+        def run(tile: tuple[int, ...] | None) -> torch.Tensor:
+            return fused_moe.experts_forward(*args_b, tile=tile)  # noqa: B023
+
+        timed = sweep(
+            b, cands[:: max(1, len(cands) // args.limit)], fused_moe.tiles(b, k, e), run,
+            lambda t: bench_ms(graphed(lambda: run(t)), 100),
+        )  # fmt: skip
+        show(f"B={b}: grouped_mm {base * 1e3:.1f} us", timed, 5)
+        results.append({"B": b, "grouped_mm_ms": base, "timed": timed})
     return results
 
 
@@ -102,45 +142,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
-    if args.direct:
-        results = direct_sweep(cfg, args.batches)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-        return
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    gen, w_up, w_down, router = layer_weights(cfg)
-    results = []
-    for b in args.batches:
-        x = torch.randn(b, cfg.hidden_size, device=w_up.device, dtype=w_up.dtype, generator=gen)
-        weights, ids = fused_moe.route(x @ router.T, k, cfg.router_rule, cfg.norm_topk_prob)
-        default = fused_moe.tiles(b, k, e)
-        want = fused_moe.experts_forward(x, w_up, w_down, weights, ids)
-        base = bench_ms(graphed(lambda: grouped_mm_moe(x, w_up, w_down, weights, ids)), 100)  # noqa: B023
-        cands = candidates(default[0], args.narrow)
-        step = max(1, len(cands) // args.limit)
-        timed = []
-        for tile in [default, *cands[::step]]:
-            try:
-                got = fused_moe.experts_forward(x, w_up, w_down, weights, ids, tile=tile)
-                err = float((got.float() - want.float()).abs().max())
-                ms = bench_ms(
-                    graphed(
-                        lambda t=tile, a=(x, w_up, w_down, weights, ids): fused_moe.experts_forward(
-                            *a, tile=t
-                        )
-                    ),
-                    100,
-                )
-                timed.append({"B": b, "tile": tile, "ms": ms, "err": err, "default": tile == default})
-            except Exception as exc:  # a tile too large for shared memory
-                print(b, tile, repr(exc)[:100])
-        timed.sort(key=lambda r: r["ms"])
-        dflt = next(r for r in timed if r["default"])
-        print(f"B={b}: grouped_mm {base:.3f} ms, default {default} {dflt['ms']:.3f} ms")
-        for r in timed[:5]:
-            print(f"   {r['tile']} {r['ms']:.3f} ms err {r['err']:.3g}")
-        results.append({"B": b, "grouped_mm_ms": base, "timed": timed})
+    results = direct_sweep(cfg, args.batches) if args.direct else grid_sweep(cfg, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
