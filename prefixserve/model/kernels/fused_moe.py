@@ -499,7 +499,7 @@ def _experts(
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
         slots, block_expert, block_rows, hidden, inter,
-        BM=block_m, BN=bn_down, BK=block_k if direct else min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
+        BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
         DIRECT=direct, num_warps=warps, num_stages=stages, **chained,
     )  # fmt: skip
     grid = (tokens, triton.cdiv(hidden, 1024))
