@@ -32,13 +32,15 @@ from prefixserve.entrypoints.openai.server import ServerThread, build_app  # noq
 from prefixserve.serving.overload import OverloadSettings  # noqa: E402
 
 ENDED = ("completed", "failed", "cancelled", "expired")
+RESUMED_ROWS = 6  # the batch a restarted server resumes
+BROKEN_ROWS = 3  # the batch's concurrency in the tests that break a step: every row in flight
 
 
-def _server(config_path: Path, files_dir: Path, **kwargs: Any) -> ServerThread:
+def _server(config_path: Path, files_dir: Path, grace_s: float = 2.0, **kwargs: Any) -> ServerThread:
     engine = {"num_kv_blocks": 512, "max_num_seqs": 16, **kwargs.pop("engine", {})}
     config = EngineConfig(model=f"dummy:{config_path}", device="cpu", dtype="float32", **engine)
     batches = BatchSettings(str(files_dir), **kwargs.pop("batches", {}))
-    return ServerThread(build_app(config, batches=batches, **kwargs))
+    return ServerThread(build_app(config, batches=batches, **kwargs), grace_s=grace_s)
 
 
 def _client(srv: ServerThread) -> Any:
@@ -267,10 +269,14 @@ def test_rows_refused_for_a_full_queue_wait_and_run(tiny_config_path: Path, tmp_
 
 
 def test_a_restarted_server_resumes_without_answering_twice(tiny_config_path: Path, tmp_path: Path) -> None:
-    with _server(tiny_config_path, tmp_path, batches={"concurrency": 1}) as srv:
+    """Six rows, two at a time: the server stops once two are answered, the restarted one answers
+    the rest (more rows would only repeat the same resumed path). Its grace period (0.5 s) is
+    shorter than a row (200 steps), so the rows running when it stops are aborted, not finished
+    meanwhile."""
+    with _server(tiny_config_path, tmp_path, grace_s=0.5, batches={"concurrency": 2}) as srv:
         client = _client(srv)
         model = client.models.list().data[0].id
-        batch = _create(client, _long_rows(model, 12, 200, "s"))
+        batch = _create(client, _long_rows(model, RESUMED_ROWS, 200, "s"))
         deadline = time.monotonic() + 60
         while client.batches.retrieve(batch.id).request_counts.completed < 2:
             assert time.monotonic() < deadline
@@ -284,13 +290,13 @@ def test_a_restarted_server_resumes_without_answering_twice(tiny_config_path: Pa
         reader.start()
     reader.join(30)
     record = json.loads((tmp_path / "batches" / batch.id / "batch.json").read_text())
-    assert record["status"] == "in_progress" and 2 <= record["request_counts"]["completed"] < 12
+    assert record["status"] == "in_progress" and 2 <= record["request_counts"]["completed"] < RESUMED_ROWS
     with _server(tiny_config_path, tmp_path) as srv:
         client = _client(srv)
         done = _wait(client, batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 12
+        assert done.status == "completed" and done.request_counts.completed == RESUMED_ROWS
         rows = _rows(client, done.output_file_id)
-        assert set(rows) == {f"s{i}" for i in range(12)}
+        assert set(rows) == {f"s{i}" for i in range(RESUMED_ROWS)}
         for row in rows.values():  # every answer whole: none cut short by the shutdown's abort
             body = row["response"]["body"]
             assert (
@@ -312,9 +318,13 @@ def _break_steps(engine: Any, error: BaseException, times: int) -> None:
     engine.step = failing
 
 
-def _running_then_broken(srv: ServerThread, client: Any, error: BaseException) -> Any:
-    """A batch of 6 long rows, its first rows running, then one engine step raising ``error``."""
-    batch = _create(client, _long_rows(client.models.list().data[0].id, 6, 150))
+def _running_then_broken(
+    srv: ServerThread, client: Any, error: BaseException, rows: int = BROKEN_ROWS
+) -> Any:
+    """A batch of ``rows`` long rows, running, then one engine step raising ``error`` (on an engine
+    thread, more rows than run at once would only add steps: the rows not yet started run as any
+    other)."""
+    batch = _create(client, _long_rows(client.models.list().data[0].id, rows, 150))
     deadline = time.monotonic() + 60
     while client.batches.retrieve(batch.id).status != "in_progress":
         assert time.monotonic() < deadline
@@ -331,7 +341,7 @@ def test_rows_a_failed_step_aborted_run_again(tiny_config_path: Path, tmp_path: 
         client = _client(srv)
         batch = _running_then_broken(srv, client, RuntimeError("a failed step"))
         done = _wait(client, batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 6
+        assert done.status == "completed" and done.request_counts.completed == BROKEN_ROWS
         for row in _rows(client, done.output_file_id).values():
             assert row["response"]["body"]["choices"][0]["finish_reason"] == "length"
 
@@ -350,7 +360,7 @@ def test_rows_in_flight_when_the_engine_dies_wait_for_a_restart(
     assert not (tmp_path / "batches" / batch.id / "errors.jsonl").read_text()  # no row failed for it
     with _server(tiny_config_path, tmp_path) as srv:
         done = _wait(_client(srv), batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 6
+        assert done.status == "completed" and done.request_counts.completed == BROKEN_ROWS
 
 
 def test_batches_together_leave_the_queue_to_live_requests(tiny_config_path: Path, tmp_path: Path) -> None:
@@ -361,7 +371,7 @@ def test_batches_together_leave_the_queue_to_live_requests(tiny_config_path: Pat
     with _server(tiny_config_path, tmp_path, engine={"max_num_seqs": 2}) as srv:
         client = _client(srv)
         model = client.models.list().data[0].id
-        made = [_create(client, _long_rows(model, 8, 100, tag)) for tag in "abcd"]  # 1,600 steps of rows
+        made = [_create(client, _long_rows(model, 8, 50, tag)) for tag in "abcd"]  # 800 steps of rows
         deadline = time.monotonic() + 30
         while sum(client.batches.retrieve(b.id).status == "in_progress" for b in made) < 4:
             assert time.monotonic() < deadline
@@ -387,7 +397,7 @@ def test_a_batch_resumed_while_cancelling_counts_its_whole_lines(
 ) -> None:
     with _server(tiny_config_path, tmp_path, batches={"concurrency": 1}) as srv:
         client = _client(srv)
-        batch = _create(client, _long_rows(client.models.list().data[0].id, 12, 100))
+        batch = _create(client, _long_rows(client.models.list().data[0].id, 12, 50))
         deadline = time.monotonic() + 60
         while client.batches.retrieve(batch.id).request_counts.completed < 2:
             assert time.monotonic() < deadline

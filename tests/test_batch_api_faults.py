@@ -169,7 +169,9 @@ def test_engine_death_in_its_own_process_leaves_rows_for_the_restart(
     """The engine process says it is dying before its requests hear they failed: the batch's rows in
     flight wait for a restart, none is written as an error."""
     with _server(tiny_config_path, tmp_path, engine_process=True, batches={"concurrency": 3}) as srv:
-        batch = _running_then_broken(srv, _client(srv), WorkerDiedError("gone"))
+        # six rows: the break goes to the engine process through its pipe (the first call there
+        # imports the test module, seconds on a loaded machine) while three more rows keep it busy
+        batch = _running_then_broken(srv, _client(srv), WorkerDiedError("gone"), rows=6)
         deadline = time.monotonic() + 30
         while srv.engine_loop.alive and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -84,23 +84,28 @@ def _run(args: list[str], out: Path, kill_at_line: int | None = None) -> int | N
     return None
 
 
+ROWS = 40  # and the bad line: the two kills land within the first 24 rows (plus a step's worth)
+
+
 def test_kill_at_random_points_then_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    """Killed twice, each time a random number of rows (1 to 12) past where the last run stopped,
+    then resumed: 40 rows leave room after both kills (more rows only add steps to the runs)."""
     src, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    _write_input(src, 80)
+    _write_input(src, ROWS)
     args = [str(src), "--model", _tiny(tmp_path), "--no-progress", "--max-num-seqs", "8"]
     assert _run(args, ref) == 0
     rng = random.Random(1)
     done = []
     for _ in range(2):  # each run is killed a random number of rows past where the last one stopped
-        _run(args, out, kill_at_line=_lines(out) + rng.randint(1, 25))
+        _run(args, out, kill_at_line=_lines(out) + rng.randint(1, 12))
         done.append(_lines(out))
         for line in out.read_text().splitlines()[:-1]:
             json.loads(line)  # every line but a torn tail is whole
-    assert 0 < done[0] < done[-1] < 81  # the kills landed mid-run
+    assert 0 < done[0] < done[-1] < ROWS + 1  # the kills landed mid-run
     assert _run(args, out) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     keys = [r["custom_id"] if r["error"] is None else r["error"]["message"].split(":")[0] for r in rows]
-    assert len(keys) == len(set(keys)) == 81  # every row exactly once, the bad line included
+    assert len(keys) == len(set(keys)) == ROWS + 1  # every row exactly once, the bad line included
     want = {r["custom_id"]: r for r in map(json.loads, ref.read_text().splitlines()) if r["error"] is None}
     got = {r["custom_id"]: r for r in rows if r["error"] is None}
     assert got.keys() == want.keys()

@@ -91,10 +91,13 @@ def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_chat_streams_a_reply_and_exits_on_eof(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_config_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The loop (stream, /reset, EOF) on the tiny model: the command, not the model, is under test
+    (the generate test above runs the default model)."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\n/reset\nAnd again?\n"))
-    stdout = _run(capsys, "chat", "--max-tokens", "6", "--num-kv-blocks", "128")
+    model = f"dummy:{tiny_config_path}"
+    stdout = _run(capsys, "chat", "--max-tokens", "6", "--num-kv-blocks", "128", "--model", model)
     assert stdout.count("bot> ") == 2
     replies = [line.split("bot> ", 1)[1] for line in stdout.splitlines() if "bot> " in line]
     assert all(r.strip() for r in replies)

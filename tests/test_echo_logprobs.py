@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -122,6 +124,14 @@ def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    """One client for the module's raw requests (``httpx.post`` makes a client, its TLS context with
+    it, each call: ~60 ms of CPU)."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
 def test_echo_returns_every_prompt_token_logprob(
     client: openai.OpenAI, hf_rows: HFRows, chunked_llm: LLM
 ) -> None:
@@ -155,52 +165,66 @@ def test_echo_returns_every_prompt_token_logprob(
 
 
 def test_penalties_and_bias_over_http(client: openai.OpenAI, chunked_llm: LLM) -> None:
+    """The requests that do not wait for another's answer go at once (their steps shared)."""
     prompt = "The capital of France is"
-    # the greedy first token, then banned by a -100 bias: two tokens each show it
-    base = client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0, logprobs=0)
-    first = chunked_llm.get_tokenizer().encode(base.choices[0].logprobs.tokens[0], add_special_tokens=False)[
-        0
-    ]
-    banned = client.completions.create(
-        model="default", prompt=prompt, max_tokens=2, temperature=0, logit_bias={str(first): -100}, logprobs=0
-    )
+
+    def base_then_banned() -> tuple[Any, Any]:
+        # the greedy first token, then banned by a -100 bias: two tokens each show it
+        base = client.completions.create(
+            model="default", prompt=prompt, max_tokens=2, temperature=0, logprobs=0
+        )
+        first = chunked_llm.get_tokenizer().encode(
+            base.choices[0].logprobs.tokens[0], add_special_tokens=False
+        )[0]
+        banned = client.completions.create(
+            model="default", prompt=prompt, max_tokens=2, temperature=0, logit_bias={str(first): -100},
+            logprobs=0,
+        )  # fmt: skip
+        return base, banned
+
+    create = client.completions.create
+    with ThreadPoolExecutor(5) as pool:
+        chain = pool.submit(base_then_banned)
+        forced_ = pool.submit(
+            client.chat.completions.create,
+            model="default",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=1.0,
+            seed=1,
+            logit_bias={"1234": 100},
+        )
+        rep_ = pool.submit(
+            create,
+            model="default",
+            prompt="la la la la la la la la",
+            max_tokens=8,
+            temperature=0,
+            frequency_penalty=1.0,
+            presence_penalty=0.5,
+            extra_body={"repetition_penalty": 1.2},
+        )
+        plain_ = pool.submit(
+            create, model="default", prompt="la la la la la la la la", max_tokens=8, temperature=0
+        )
+        best_ = pool.submit(
+            create, model="default", prompt=prompt, max_tokens=6, n=2, best_of=4, temperature=1.0, seed=2
+        )
+        (base, banned), forced, rep, plain, best = (f.result() for f in (chain, forced_, rep_, plain_, best_))
     assert base.choices[0].logprobs.tokens[0] not in banned.choices[0].logprobs.tokens[:1]
-    forced = client.chat.completions.create(
-        model="default",
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=5,
-        temperature=1.0,
-        seed=1,
-        logit_bias={"1234": 100},
-    )
     want = chunked_llm.get_tokenizer().decode([1234] * 5)
     assert forced.choices[0].message.content == want
-    rep = client.completions.create(
-        model="default",
-        prompt="la la la la la la la la",
-        max_tokens=8,
-        temperature=0,
-        frequency_penalty=1.0,
-        presence_penalty=0.5,
-        extra_body={"repetition_penalty": 1.2},
-    )
-    plain = client.completions.create(
-        model="default", prompt="la la la la la la la la", max_tokens=8, temperature=0
-    )
     assert rep.choices[0].text != plain.choices[0].text
-    best = client.completions.create(
-        model="default", prompt=prompt, max_tokens=6, n=2, best_of=4, temperature=1.0, seed=2
-    )
     assert sorted(c.index for c in best.choices) == [0, 1]
 
 
-def test_echo_streams_as_it_answers_whole(server: ServerThread) -> None:
+def test_echo_streams_as_it_answers_whole(http: httpx.Client) -> None:
     """vLLM streams echo: each choice's first chunk leads with its prompt's text (and logprobs, the
     first token's null), so the chunks join to the non-streamed choice, logprobs and all."""
     body = {"prompt": [FEW_SHOT, "The sky is"], "max_tokens": 4, "echo": True, "logprobs": 2, "n": 2,
             "temperature": 0}  # fmt: skip
-    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"]
-    r = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    whole = http.post("/v1/completions", json=body).json()["choices"]
+    r = http.post("/v1/completions", json={**body, "stream": True})
     joined: dict[int, dict] = {}
     for line in r.text.splitlines():
         if not line.startswith("data: {"):
@@ -217,43 +241,57 @@ def test_echo_streams_as_it_answers_whole(server: ServerThread) -> None:
         assert joined[c["index"]] == {k: c[k] for k in ("text", "logprobs", "finish_reason")}
 
 
-@pytest.mark.parametrize(
-    ("body", "field"),
-    [
-        ({"presence_penalty": 2.5}, "presence_penalty"),
-        ({"frequency_penalty": -2.01}, "frequency_penalty"),
-        ({"repetition_penalty": 0}, "repetition_penalty"),
-        ({"logit_bias": {"5": 150}}, "logit_bias"),
-        ({"logit_bias": {"abc": 1}}, "logit_bias"),
-        ({"logit_bias": {"4900000": 1}}, "logit_bias"),
-        ({"n": 3, "best_of": 2, "temperature": 1.0}, "best_of"),
-        ({"best_of": 3, "stream": True, "temperature": 1.0}, "best_of"),
-        ({"echo": True, "stream": True, "max_tokens": 0}, "stream"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"logprobs": 21, "echo": True}, "logprobs"),
-    ],
-)
-def test_bad_values_are_400_naming_the_field(server: ServerThread, body: dict, field: str) -> None:
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body}, timeout=60)
+BAD_VALUES = [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"5": 150}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"4900000": 1}}, "logit_bias"),
+    ({"n": 3, "best_of": 2, "temperature": 1.0}, "best_of"),
+    ({"best_of": 3, "stream": True, "temperature": 1.0}, "best_of"),
+    ({"echo": True, "stream": True, "max_tokens": 0}, "stream"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": 21, "echo": True}, "logprobs"),
+]
+
+
+def _bad_then_ok(http: httpx.Client, body: dict[str, Any]) -> tuple[httpx.Response, httpx.Response]:
+    """A bad value's answer, then a good request's after it (the server keeps serving)."""
+    bad = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body})
+    return bad, http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+
+
+@pytest.fixture(scope="module")
+def bad_value_answers(http: httpx.Client) -> dict[str, Future[tuple[httpx.Response, httpx.Response]]]:
+    """Each case's two answers, the cases sent at once: the good requests' steps shared."""
+    with ThreadPoolExecutor(len(BAD_VALUES)) as pool:
+        return {json.dumps(body): pool.submit(_bad_then_ok, http, body) for body, _ in BAD_VALUES}
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_VALUES)
+def test_bad_values_are_400_naming_the_field(
+    bad_value_answers: dict[str, Future[tuple[httpx.Response, httpx.Response]]], body: dict, field: str
+) -> None:
+    r, ok = bad_value_answers[json.dumps(body)].result()
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.json()
-    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
-def test_tokenize_detokenize_and_tokenizer_info(server: ServerThread, chunked_llm: LLM) -> None:
+def test_tokenize_detokenize_and_tokenizer_info(http: httpx.Client, chunked_llm: LLM) -> None:
     """vLLM's shapes; lm-eval's remote tokenizer reads eos_token and chat_template."""
     tok = chunked_llm.get_tokenizer()
     text = "Question: What is the capital of Spain?"
-    r = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60)
+    r = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == tok.encode(text, add_special_tokens=False)
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0 and body["token_strs"] is None
-    strs = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=60)
+    strs = http.post("/tokenize", json={"prompt": text, "return_token_strs": True})
     assert strs.json()["token_strs"] == tok.convert_ids_to_tokens(strs.json()["tokens"])
     chat = [{"role": "user", "content": "Hi"}]
-    r = httpx.post(f"{server.url}/tokenize", json={"messages": chat}, timeout=60)
+    r = http.post("/tokenize", json={"messages": chat})
     rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert r.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
     # messages are rendered as the chat route renders them: developer turns, tool turns, tools
@@ -263,14 +301,14 @@ def test_tokenize_detokenize_and_tokenizer_info(server: ServerThread, chunked_ll
         {"messages": [*chat, {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
         {"messages": chat, "tools": tools},
     ):
-        counted = httpx.post(f"{server.url}/tokenize", json=extra, timeout=60).json()["count"]
-        asked = httpx.post(f"{server.url}/v1/chat/completions", json={**extra, "max_tokens": 1}, timeout=60)
+        counted = http.post("/tokenize", json=extra).json()["count"]
+        asked = http.post("/v1/chat/completions", json={**extra, "max_tokens": 1})
         assert counted == asked.json()["usage"]["prompt_tokens"], extra
-    other = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "model": "other"}, timeout=60)
+    other = http.post("/tokenize", json={"prompt": text, "model": "other"})
     assert other.status_code == 404
-    back = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]}, timeout=60)
+    back = http.post("/detokenize", json={"tokens": body["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": text}
-    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    info = http.get("/tokenizer_info").json()
     assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
     for path, bad, field in [
         ("/tokenize", {"add_special_tokens": False}, "prompt"),
@@ -278,5 +316,5 @@ def test_tokenize_detokenize_and_tokenizer_info(server: ServerThread, chunked_ll
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
     ]:
-        r = httpx.post(f"{server.url}{path}", json=bad, timeout=60)
+        r = http.post(path, json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import engine_checks
@@ -98,61 +99,29 @@ def test_auto_runs_the_engine_apart_only_on_a_gpu() -> None:
     assert wants_engine_process("off", Config(device="cuda")) is False
 
 
-def test_a_dead_engine_process_fails_its_requests_and_the_health_check(tiny_config_path: Path) -> None:
-    config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256)
-    with ServerThread(build_app(config, engine_process=True)) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
-        assert httpx.get(f"{srv.url}/health").status_code == 200
-        ended: list[object] = []
-
-        def long_stream() -> None:
-            try:
-                stream = client.completions.create(
-                    model="default",
-                    prompt=[1, 2, 3],
-                    max_tokens=2000,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                ended.append([c.choices[0].finish_reason for c in stream if c.choices][-1])
-            except Exception as exc:  # the stream may also break off
-                ended.append(exc)
-
-        reader = threading.Thread(target=long_stream)
-        reader.start()
-        deadline = time.monotonic() + 60
-        while srv.engine_loop.snapshot.get("generation_tokens_total", 0) < 5:
-            assert time.monotonic() < deadline and not ended, ended
-            time.sleep(0.05)
-        srv.engine_loop._process.kill()
-        reader.join(60)
-        assert not reader.is_alive()
-        assert ended and isinstance(ended[0], openai.APIError), ended  # the stream's error event
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{srv.url}/health").status_code != 503 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(f"{srv.url}/health").status_code == 503
-        try:
-            client.completions.create(model="default", prompt=[1, 2], max_tokens=2)
-            raise AssertionError("a dead engine took a request")
-        except openai.APIStatusError as exc:
-            assert exc.status_code == 503 and "engine process is not running" in str(exc)
-
-
-def test_counters_before_a_call_answer_cover_what_came_before(tiny_config_path: Path) -> None:
-    """An abort, then a call: the call's answer comes after counters that include the abort (with
-    async scheduling the aborted request's launch is still in flight, so the engine is not idle)."""
-    import asyncio
-
-    from prefixserve.sampling.params import SamplingParams
-    from prefixserve.serving.engine_process import EngineProcess
-    from prefixserve.serving.engine_thread import StreamSink
-
+@pytest.fixture(scope="module")
+def server(tiny_config_path: Path) -> Iterator[ServerThread]:
+    """A server of the tiny model with its engine in a process of its own (async scheduling on), for
+    the module's two tests of a live engine process: one process start (~5 CPU-seconds) for both.
+    The second kills it."""
     config = EngineConfig(
         model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=256, async_scheduling=True
     )
-    loop = EngineProcess(config)
-    loop.start()
+    with ServerThread(build_app(config, engine_process=True)) as srv:
+        yield srv
+
+
+def test_counters_before_a_call_answer_cover_what_came_before(server: ServerThread) -> None:
+    """An abort, then a call: the call's answer comes after counters that include the abort (with
+    async scheduling the aborted request's launch is still in flight, so the engine is not idle).
+    Sent from this thread's own event loop, as a process of its own would be (each stream is
+    answered on the loop it was added from); the server is idle meanwhile."""
+    import asyncio
+
+    from prefixserve.sampling.params import SamplingParams
+    from prefixserve.serving.engine_thread import StreamSink
+
+    loop = server.engine_loop
 
     async def run() -> None:
         sink = StreamSink()
@@ -163,10 +132,49 @@ def test_counters_before_a_call_answer_cover_what_came_before(tiny_config_path: 
         await loop.run(engine_checks.blocks_in_use)
         assert loop.snapshot["requests_aborted_total"] == 1
 
+    asyncio.run(run())
+
+
+def test_a_dead_engine_process_fails_its_requests_and_the_health_check(server: ServerThread) -> None:
+    """Last of the module's tests on ``server``: it kills its engine process mid-stream."""
+    srv = server
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    ended: list[object] = []
+
+    def long_stream() -> None:
+        try:
+            stream = client.completions.create(
+                model="default",
+                prompt=[1, 2, 3],
+                max_tokens=2000,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            ended.append([c.choices[0].finish_reason for c in stream if c.choices][-1])
+        except Exception as exc:  # the stream may also break off
+            ended.append(exc)
+
+    before = srv.engine_loop.snapshot.get("generation_tokens_total", 0)  # the test before's tokens
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while srv.engine_loop.snapshot.get("generation_tokens_total", 0) < before + 5:
+        assert time.monotonic() < deadline and not ended, ended
+        time.sleep(0.05)
+    srv.engine_loop._process.kill()
+    reader.join(60)
+    assert not reader.is_alive()
+    assert ended and isinstance(ended[0], openai.APIError), ended  # the stream's error event
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{srv.url}/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{srv.url}/health").status_code == 503
     try:
-        asyncio.run(run())
-    finally:
-        loop.stop()
+        client.completions.create(model="default", prompt=[1, 2], max_tokens=2)
+        raise AssertionError("a dead engine took a request")
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503 and "engine process is not running" in str(exc)
 
 
 def test_commands_never_wait_on_a_child_that_reads_nothing() -> None:

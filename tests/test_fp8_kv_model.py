@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from benchmarks.probes.fp8_products_accuracy import TEXTS as PROBE_TEXTS
-from benchmarks.probes.fp8_products_accuracy import default_model_fp8
 from benchmarks.probes.fp8_products_accuracy import logits as chunked_logits
 from prefixserve import LLM, SamplingParams
 
@@ -28,13 +27,23 @@ def _need_default_model() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_and_ids():
+def fp8_llm() -> LLM:
+    """The default model over an e4m3 cache, shared-segment attention and prefix caching on: the greedy
+    test's engine, whose model (fp32, linear weights packed) and start-up K / V scales the agreement
+    test runs too (the probe's ``default_model_fp8`` loads, packs and calibrates the very same: the
+    same agreement and KL to the last digit, for 4 CPU-seconds more)."""
     _need_default_model()
-    model, tok, scales = default_model_fp8()  # the engine's start-up scales
-    return model, [tok.encode(t) for t in TEXTS], scales
+    return LLM(
+        device="cpu",
+        attention="auto",
+        enable_prefix_caching=True,
+        kv_cache_dtype="fp8",
+        num_kv_blocks=256,
+        progress=False,
+    )
 
 
-def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
+def test_fp8_kv_next_token_agreement(fp8_llm: LLM) -> None:
     """Mean KL(p_fp32 || p_fp8) <= 0.02 and top-1 agreement >= 96.5% over every prompt position (issue
     103 asks >= 97%: measured here 97.8% over 268 positions, KL 0.0038; the floor leaves two flips
     of room for another CPU's rounding).
@@ -43,7 +52,8 @@ def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
     nearly all from K's rounding (V alone in e4m3: 99.2%), and neither the scales' margin nor
     subtracting K's mean moved it. docs/kernels.md has the numbers.
     """
-    model, prompts, scales = model_and_ids
+    model, scales = fp8_llm.engine.runner.model, fp8_llm.engine.runner.kv.scales
+    prompts = [fp8_llm.get_tokenizer().encode(t) for t in TEXTS]
     agree, kls = [], []
     for ids in prompts:
         ref = chunked_logits(model, ids, torch.float32).log_softmax(-1)
@@ -62,7 +72,7 @@ def test_fp8_kv_next_token_agreement(model_and_ids) -> None:
 NEAR_TIE = 0.05
 
 
-def test_fp8_greedy_same_with_and_without_sharing() -> None:
+def test_fp8_greedy_same_with_and_without_sharing(fp8_llm: LLM) -> None:
     """Prompts sharing a long prefix: shared-segment attention (auto, prefix caching) and per-sequence
     attention (reference, no prefix caching) give the same greedy tokens over the FP8 cache, up to a
     near tie. Each layer's K / V are rounded to e4m3 as they are written, so two attention paths whose
@@ -74,16 +84,17 @@ def test_fp8_greedy_same_with_and_without_sharing() -> None:
     prompts = [prefix + q for q in (" In short,", " The key point is", " Gutenberg was", " Books became")]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = []
-    for attention, caching in (("auto", True), ("reference", False)):
-        llm = LLM(
-            device="cpu",
-            attention=attention,
-            enable_prefix_caching=caching,
-            kv_cache_dtype="fp8",
-            num_kv_blocks=256,
-            progress=False,
-        )
-        llm.generate(prompts[:1], greedy)  # the prefix cached: the others share its blocks
+    per_sequence = LLM(
+        device="cpu",
+        attention="reference",
+        enable_prefix_caching=False,
+        kv_cache_dtype="fp8",
+        num_kv_blocks=256,
+        progress=False,
+    )
+    for llm, caching in ((fp8_llm, True), (per_sequence, False)):
+        if caching:  # the prefix cached: the others share its blocks (uncached, a first run adds nothing)
+            llm.generate(prompts[:1], greedy)
         outs.append([o.outputs[0] for o in llm.generate(prompts, greedy)])
         if caching:  # the prefix's blocks held by all four, read once for them
             m = llm.metrics()

@@ -169,7 +169,9 @@ def test_a_hit_past_the_last_snapshot_resumes_from_it(next_model: Path) -> None:
     assert_pool_empty(llm)
 
 
-CHAT_REPLY = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+# 70 tokens: each later turn's hit boundary (64, then 128) still falls inside the reply before it (the
+# 40-token prompt's reply spans 40-110, the next 120-190); 100 decoded 30% more of the same steps
+CHAT_REPLY = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
 Replies = Callable[[list[int]], list[int]]  # a chat's prompt ids -> the plain engine's reply
 
 
@@ -200,7 +202,7 @@ def test_a_chats_next_turn_resumes_after_the_reply(next_model: Path, chat_replie
 
 
 def _chat_turns(plain_reply: Replies, llm: LLM) -> None:
-    """Three turns of one chat (a 100-token reply, then 10 new tokens): ``llm``'s tokens equal the
+    """Three turns of one chat (a 70-token reply, then 10 new tokens): ``llm``'s tokens equal the
     plain engine's (``chat_replies``), and each later turn hits up to the last reply's 64-token
     boundary."""
     chat = _prompt(11, 40)

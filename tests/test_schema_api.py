@@ -1,9 +1,10 @@
 """Prompt Cache over HTTP and the command line: ``/v1/schemas``, PML prompts in completions, the
 ``prefixserve schema`` command and the ``--schema`` engine options.
 
-One live server on the default model (CPU, fp32, the reference attention: the same numerics as the
-``default_llm`` fixture, so a PML prompt's greedy output over HTTP equals ``LLM.generate``'s). The
-tests run in order: register, use, remove.
+One live server on the tiny dummy model (CPU, fp32, the reference attention) and an ``LLM`` of the
+same on an engine of its own (``llm``), so a PML prompt's greedy output over HTTP equals
+``LLM.generate``'s: the routes are under test, not the model (the default model's steps made this
+module ~25 CPU-seconds; the tiny one's, a few). The tests run in order: register, use, remove.
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ PROMPT = (
 MAX_TOKENS = 4  # each answer's first tokens: two paths' greedy outputs compared over them
 
 
+ENGINE = {"dtype": "float32", "device": "cpu", "attention": "reference", "num_kv_blocks": 512}
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    config = EngineConfig(dtype="float32", device="cpu", attention="reference", num_kv_blocks=512)
+def server(tiny_config_path: Path) -> Iterator[ServerThread]:
+    config = EngineConfig(model=f"dummy:{tiny_config_path}", **ENGINE)
     with ServerThread(build_app(config, api_key=API_KEY)) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_config_path: Path) -> LLM:
+    """The server's model and options on an engine of its own."""
+    return LLM(model=f"dummy:{tiny_config_path}", progress=False, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +141,7 @@ def test_schema_routes_need_the_api_key(server: ServerThread) -> None:
 
 # ---- PML prompts in completions -----------------------------------------------------------------
 def test_pml_completion_reuses_modules_and_equals_llm_generate(
-    http: httpx.Client, travel: str, default_llm: LLM
+    http: httpx.Client, travel: str, llm: LLM
 ) -> None:
     first, second = complete(http, PROMPT, logprobs=0), complete(http, PROMPT, logprobs=0)
     assert first.status_code == 200, first.text
@@ -142,12 +152,12 @@ def test_pml_completion_reuses_modules_and_equals_llm_generate(
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < usage["prompt_tokens"]
 
-    default_llm.register_schema(SCHEMA)  # the same schema on an engine of its own
+    llm.register_schema(SCHEMA)  # the same schema on an engine of its own
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        want = default_llm.generate(PROMPT, params)[0]
+        want = llm.generate(PROMPT, params)[0]
     finally:
-        default_llm.unregister_schema("travel")
+        llm.unregister_schema("travel")
     assert a["choices"][0]["text"] == want.outputs[0].text
     assert a["choices"][0]["finish_reason"] == want.outputs[0].finish_reason
     assert usage["prompt_tokens"] == len(want.prompt_token_ids)

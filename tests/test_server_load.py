@@ -75,10 +75,13 @@ async def _one(
 
 
 async def _client(url: str, client: int) -> list[tuple[int, dict[str, Any] | None]]:
+    """One client's 2 to 5 turns, one after another (~110 requests over the 32 clients: more turns
+    repeat the same path). ``verify=False``: plain HTTP, and no TLS context to build (~40 ms of CPU a
+    client)."""
     rng = random.Random(client)
     results = []
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-        for turn in range(rng.randint(2, 8)):
+    async with httpx.AsyncClient(base_url=url, timeout=120, verify=False) as http:
+        for turn in range(rng.randint(2, 5)):
             hang_up = client % 4 == 3 and turn == 1
             results.append(await _one(http, rng, client, turn, hang_up))
     return results
@@ -113,8 +116,9 @@ def test_concurrent_streaming_clients(server: ServerThread) -> None:
 
 
 def test_one_completions_request_may_hold_many_prompts(tiny_config_path: Path) -> None:
-    """Many questions on one document as one request (vLLM caps none): 300 prompts answer 300
-    choices; past the cap, a 400 naming the prompt."""
+    """Many questions on one document as one request (vLLM caps none): 150 prompts (past the 64
+    prompts and 128 choices once capped, ~10 times the running rows) answer 150 choices; past the
+    cap, a 400 naming the prompt."""
     from prefixserve.protocols.openai.request_models import MAX_PROMPTS
     from prefixserve.serving.admission import AdmissionLimits
     from prefixserve.serving.overload import OverloadSettings
@@ -122,13 +126,13 @@ def test_one_completions_request_may_hold_many_prompts(tiny_config_path: Path) -
     config = EngineConfig(model=f"dummy:{tiny_config_path}", device="cpu", num_kv_blocks=512, max_num_seqs=16)
     overload = OverloadSettings(AdmissionLimits(max_waiting_requests=0, max_waiting_tokens=0))
     document = list(range(5, 69))
-    prompts = [[*document, 100 + q] for q in range(300)]
+    prompts = [[*document, 100 + q] for q in range(150)]
     app = build_app(config, overload=overload)
-    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as h:
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=120, verify=False) as h:
         got = h.post("/v1/completions", json={"prompt": prompts, "max_tokens": 2})
         assert got.status_code == 200, got.text
         body = got.json()
-        assert [c["index"] for c in body["choices"]] == list(range(300))
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 299 * 64  # the document once
+        assert [c["index"] for c in body["choices"]] == list(range(150))
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 149 * 64  # the document once
         over = h.post("/v1/completions", json={"prompt": [[5, 6]] * (MAX_PROMPTS + 1), "max_tokens": 1})
         assert over.status_code == 400 and over.json()["error"]["param"] == "prompt"

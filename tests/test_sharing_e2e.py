@@ -59,7 +59,8 @@ def test_sixteen_requests_sharing_a_long_system_prompt(engines: dict[str, LLM]) 
 
 def test_n_samples_decode_over_one_shared_prompt(engines: dict[str, LLM]) -> None:
     prompt = "Write a one-line slogan for a bakery. " + FEW_SHOT
-    params = SamplingParams(n=8, temperature=0.8, seed=11, max_tokens=8, ignore_eos=True)
+    # a prefill and three decode steps over the shared prompt (8 tokens: 4 more such steps, 1.5x the time)
+    params = SamplingParams(n=8, temperature=0.8, seed=11, max_tokens=4, ignore_eos=True)
     ref, _ = _run(engines["reference"], [prompt], params)
     got, m = _run(engines["cascade"], [prompt], params)
     assert got == ref and len(got[0]) == 8
@@ -73,7 +74,7 @@ def test_two_level_tree_few_shot_then_problems_then_samples(engines: dict[str, L
         for p in range(4)
     ]
     prompts = [FEW_SHOT + problem for problem in problems]
-    params = SamplingParams(n=4, temperature=0.0, max_tokens=5, ignore_eos=True)
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=3, ignore_eos=True)  # a prefill, two decodes
     ref, _ = _run(engines["reference"], prompts, params)
     got, m = _run(engines["cascade"], prompts, params)
     assert got == ref

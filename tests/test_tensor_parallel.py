@@ -22,6 +22,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
+from prefixserve.engine import Engine
 from prefixserve.entrypoints.openai.server import ServerThread, build_app
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.loader import load_model, resolve_model
@@ -136,7 +137,7 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
     One engine per process: torch.distributed has one default group."""
     expected = token_ids(default_llm, PROMPTS)
     params = SHORT
-    prompts = {mode: [{"prompt": PML, "module_recompute": mode}] for mode in ("none", "link:8")}
+    prompts = {mode: {"prompt": PML, "module_recompute": mode} for mode in ("none", "link:8")}
     default_llm.register_schema(SCHEMA)  # the one-process outputs over the schema's modules
     try:
         wants = {mode: default_llm.generate(p, params)[0].outputs[0].token_ids for mode, p in prompts.items()}
@@ -149,26 +150,44 @@ def test_greedy_equals_one_process_with_sharing_on(default_llm: LLM) -> None:
         with pytest.raises(RuntimeError, match="already has one"):
             LLM(dtype="float32", device="cpu", tensor_parallel_size=3, progress=False)
         tp.engine.register_schema(SCHEMA)
-        for mode, prompt in prompts.items():
-            want = wants[mode]
-            assert tp.generate(prompt, params)[0].outputs[0].token_ids == want, mode
-            tp.engine.modules.move_out()  # every module to host memory, from 3 ranks
-            assert tp.generate(prompt, params)[0].outputs[0].token_ids == want, mode
+        # both modes in one batch (a step over 3 ranks costs about the same for two rows as for one): from
+        # the ranks' pools, then every module moved to host memory from the 3 ranks and back
+        both, want = list(prompts.values()), [wants[mode] for mode in prompts]
+        assert [o.outputs[0].token_ids for o in tp.generate(both, params)] == want
+        tp.engine.modules.move_out()
+        assert [o.outputs[0].token_ids for o in tp.generate(both, params)] == want
         assert tp.metrics()["module_loads_host_total"] >= 2
         tp.engine.modules.move_out()  # the store's own blocks: then none is held
         assert_pool_empty(tp)
 
 
-def test_greedy_equals_one_process_with_sharing_off(three_kv_heads: Path) -> None:
-    """Prefix caching off and the reference attention over 3 ranks of the tiny model with 3 KV heads
-    (the default model's ranks are far slower to start and to step on the CI machine's 2 cores):
-    10 tokens each, as one process gives them."""
-    prompts = PROMPTS[1:4]  # two holders of the shared prefix and a loner
-    kwargs = dict(model=f"dummy:{three_kv_heads}", device="cpu", num_kv_blocks=512, progress=False)
-    kwargs.update(attention="reference", enable_prefix_caching=False)
-    expected = [list(o.outputs[0].token_ids) for o in LLM(**kwargs).generate(prompts, GREEDY)]
-    with LLM(tensor_parallel_size=3, **kwargs) as off:
+class TestThreeKVHeadsOverThreeRanks:
+    """One engine over 3 ranks of the tiny model with 3 KV heads (prefix caching off, the reference
+    attention), for the greedy test and then the dead-worker test, which kills its worker 1: an
+    engine's ranks are ~7 CPU-seconds to start. Class scope: it ends before the module's later tests
+    start engines of their own (a process has one default group)."""
+
+    @pytest.fixture(scope="class")
+    def off(self, three_kv_heads: Path) -> Iterator[LLM]:
+        kwargs = dict(model=f"dummy:{three_kv_heads}", device="cpu", num_kv_blocks=512, progress=False)
+        with LLM(tensor_parallel_size=3, attention="reference", enable_prefix_caching=False, **kwargs) as off:
+            yield off
+
+    def test_greedy_equals_one_process_with_sharing_off(self, three_kv_heads: Path, off: LLM) -> None:
+        """Prefix caching off and the reference attention over 3 ranks of the tiny model with 3 KV
+        heads (the default model's ranks are far slower to start and to step on the CI machine's 2
+        cores): 10 tokens each, as one process gives them."""
+        prompts = PROMPTS[1:4]  # two holders of the shared prefix and a loner
+        kwargs = dict(model=f"dummy:{three_kv_heads}", device="cpu", num_kv_blocks=512, progress=False)
+        kwargs.update(attention="reference", enable_prefix_caching=False)
+        expected = [list(o.outputs[0].token_ids) for o in LLM(**kwargs).generate(prompts, GREEDY)]
         assert [list(o.outputs[0].token_ids) for o in off.generate(prompts, GREEDY)] == expected
+
+    def test_a_dead_worker_lets_the_other_workers_go(self, off: LLM) -> None:
+        """The HTTP server runs unchanged over 3 ranks; when worker 1 dies, requests fail and /health
+        says 503 instead of the server hanging, and worker 2 ends with the failed request, not with
+        the server. (A server over 2 ranks takes the same path, minus the worker left to end.)"""
+        server_survives_a_dead_worker(engine=off.engine)
 
 
 class TestOneKVHeadOverTwoRanks:
@@ -292,20 +311,13 @@ def test_killed_worker_fails_the_engine_fast(tiny_config_path: Path) -> None:
     assert all(p.poll() is not None for p in llm.engine.runner.procs)
 
 
-def test_a_dead_worker_lets_the_other_workers_go(three_kv_heads: Path) -> None:
-    """The HTTP server runs unchanged over 3 ranks; when worker 1 dies, requests fail and /health says
-    503 instead of the server hanging, and worker 2 ends with the failed request, not with the server.
-    (A server over 2 ranks takes the same path, minus the worker left to end.)"""
-    config = EngineConfig(
-        model=f"dummy:{three_kv_heads}", device="cpu", num_kv_blocks=128, tensor_parallel_size=3
-    )
-    server_survives_a_dead_worker(config)
-
-
-def server_survives_a_dead_worker(config: EngineConfig) -> None:
-    """Serve one request over the ranks, kill worker 1: the next request fails, /health goes 503 and
-    the other workers end while the server is still up."""
-    with ServerThread(build_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+def server_survives_a_dead_worker(config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+    """Serve one request over the ranks of ``config``'s engine (or of ``engine``), kill worker 1: the
+    next request fails, /health goes 503 and the other workers end while the server is still up."""
+    with (
+        ServerThread(build_app(config, engine=engine)) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as http,
+    ):
         body = {"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 5, "temperature": 0}
         first = http.post("/v1/completions", json=body)
         assert first.status_code == 200, first.text
