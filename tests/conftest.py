@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import os
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +78,97 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+def _ray_init() -> None:
+    """The session's local Ray: 2 CPUs, this checkout importable in its workers."""
+    import ray
+
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+
+
+def _serve_start() -> str:
+    """Ray Serve's HTTP proxy on the session's Ray; its URL."""
+    from ray import serve
+
+    from prefixserve.entrypoints.openai.server import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+class _EarlyRay(threading.Thread):
+    """The session's Ray and Serve, started while pytest collects (``pytest_sessionstart``). The thread
+    lives until Ray is shut down: Ray's own processes get SIGKILL when the thread that started them
+    ends (``PR_SET_PDEATHSIG``)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="early-ray", daemon=True)
+        self.url: str | None = None  # Serve's
+        self.error: BaseException | None = None
+        self.up = threading.Event()  # both started (or one raised: ``error``)
+        self.down = threading.Event()  # Ray is shut down: the thread may end
+        self.used = False  # taken by ``ray_cluster``, which then shuts it down
+
+    def run(self) -> None:
+        try:
+            _ray_init()
+            self.url = _serve_start()
+        except BaseException as exc:  # raised by ray_cluster in the main thread
+            self.error = exc
+        finally:
+            self.up.set()
+        self.down.wait()
+
+    def result(self) -> None:
+        self.up.wait()
+        if self.error is not None:
+            raise self.error
+
+    def shut_down(self) -> None:
+        import ray
+
+        self.up.wait()
+        ray.shutdown()
+        self.down.set()
+
+
+_early_ray: _EarlyRay | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In the pass of the Ray modules alone (the README's ``-m ray``), the session's Ray and Serve
+    start on a thread while pytest collects: collecting takes ~20 s of one core on the 2-core CI
+    machine, their start (~15 s, mostly their own processes importing) the other, idle one."""
+    global _early_ray
+    config = session.config
+    xdist = "PYTEST_XDIST_WORKER" in os.environ or getattr(config.option, "numprocesses", None)
+    if config.getoption("markexpr", "") != "ray" or xdist or importlib.util.find_spec("ray.serve") is None:
+        return
+    with warnings.catch_warnings():  # Ray's import-time deprecations, before pytest captures any
+        warnings.simplefilter("ignore")
+        import ray  # noqa: F401  (imported here, not by both threads at once)
+        from ray import serve  # noqa: F401
+
+        import prefixserve.entrypoints.openai.server  # noqa: F401
+
+    _early_ray = _EarlyRay()
+    _early_ray.start()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The first test starts once Ray and Serve are up: none of their start overlaps a test's own
+    (``test_replica_placement`` gives a CLI's start 60 s)."""
+    if _early_ray is not None:
+        _early_ray.up.wait()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An early Ray that no test took (none selected, or collection failed) ends with the session."""
+    if _early_ray is not None and not _early_ray.used:
+        _early_ray.shut_down()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
     """One local Ray (2 CPUs) for every module that needs one: starting it takes ~10 s on 2 cores.
@@ -82,12 +176,18 @@ def ray_cluster() -> Iterator[Any]:
     Each module leaves it as it found it: its actors, Serve apps and Ray Data pools end with it
     (``wait_ray_idle`` checks that all CPUs are free again)."""
     ray = pytest.importorskip("ray")
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    if _early_ray is None:
+        _ray_init()
+    else:
+        _early_ray.used = True
+        _early_ray.result()
     try:
         yield ray
     finally:
-        ray.shutdown()
+        if _early_ray is None:
+            ray.shutdown()
+        else:
+            _early_ray.shut_down()
 
 
 @pytest.fixture(scope="session")
@@ -95,12 +195,9 @@ def ray_serve(ray_cluster: Any) -> Iterator[str]:
     """Ray Serve's HTTP proxy on the session's Ray, started once; its URL. Each module runs its own
     application there and deletes it (``replica_checks.app_on_serve``)."""
     serve = pytest.importorskip("ray.serve")
-    from prefixserve.entrypoints.openai.server import free_port
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = _early_ray.url if _early_ray is not None else None
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url or _serve_start()
     finally:
         serve.shutdown()
 

@@ -56,7 +56,7 @@ def wait_healthy(url: str, replicas: int, timeout: float = 120.0) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)
     raise AssertionError(f"not all {replicas} replicas healthy within {timeout} s")
 
 

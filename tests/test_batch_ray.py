@@ -78,10 +78,12 @@ def test_ray_data_map_batches(local_ray, tiny_config_path: Path) -> None:
     prompts = [head + q for q in ("sky?", "grass?", "snow?", "coal?")]
     ds = ray.data.from_items([{"prompt": p} for p in prompts])
     engine = {"model": f"dummy:{tiny_config_path}", "dtype": "float32", "device": "cpu", "num_kv_blocks": 256}
+    # one actor takes both batches of two (its engine reused for the second): a second actor would only
+    # repeat the first's start (a Ray worker importing the engine: ~5 s of the 2-core CI machine)
     out = ds.map_batches(
         PrefixserveProcessor,
         fn_constructor_kwargs={"max_tokens": 4, **engine},
-        concurrency=2,
+        concurrency=1,
         batch_size=2,
     ).take_all()
     assert sorted(r["prompt"] for r in out) == sorted(prompts)
