@@ -33,10 +33,15 @@ def fp8_llm() -> LLM:
     test runs too (the probe's ``default_model_fp8`` loads, packs and calibrates the very same: the
     same agreement and KL to the last digit, for 4 CPU-seconds more)."""
     _need_default_model()
+    return _fp8_cache_llm(attention="auto", enable_prefix_caching=True)
+
+
+def _fp8_cache_llm(attention: str, enable_prefix_caching: bool) -> LLM:
+    """The default model on the CPU over an e4m3 cache of 256 blocks."""
     return LLM(
         device="cpu",
-        attention="auto",
-        enable_prefix_caching=True,
+        attention=attention,
+        enable_prefix_caching=enable_prefix_caching,
         kv_cache_dtype="fp8",
         num_kv_blocks=256,
         progress=False,
@@ -84,14 +89,7 @@ def test_fp8_greedy_same_with_and_without_sharing(fp8_llm: LLM) -> None:
     prompts = [prefix + q for q in (" In short,", " The key point is", " Gutenberg was", " Books became")]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = []
-    per_sequence = LLM(
-        device="cpu",
-        attention="reference",
-        enable_prefix_caching=False,
-        kv_cache_dtype="fp8",
-        num_kv_blocks=256,
-        progress=False,
-    )
+    per_sequence = _fp8_cache_llm(attention="reference", enable_prefix_caching=False)
     for llm, caching in ((fp8_llm, True), (per_sequence, False)):
         if caching:  # the prefix cached: the others share its blocks (uncached, a first run adds nothing)
             llm.generate(prompts[:1], greedy)
