@@ -125,6 +125,9 @@ def model_and_tokenizer(args: argparse.Namespace) -> tuple[str | None, dict[str,
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from prefixserve.structured import decoding
+
+    decoding.GATED = not args.host_gate
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     model, bpe = model_and_tokenizer(args)
     # no prefix cache: each timed run prefills its prompts alike, whichever mode ran before it
@@ -193,7 +196,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     } | (bpe or {})
     return {
         "info": run_info(("xgrammar", "transformers", "tokenizers")),
-        "settings": vars(args) | {"dtype": dtype, "launch_ahead": llm.engine.launch_ahead, "loaded": model},
+        "settings": vars(args)
+        | {"dtype": dtype, "launch_ahead": llm.engine.launch_ahead, "loaded": model}
+        | {"gated": llm.engine.structured.gated},
         "tokenizer": tokenizer,
         "grammar_compile_s": compile_s,
         "results": best,
@@ -210,6 +215,7 @@ def _command(s: dict[str, Any]) -> str:
     extra += " --bpe-tokenizer" if s.get("bpe_tokenizer") else ""
     extra += f" --vocab {s['vocab']}" if s.get("vocab") is not None else ""
     extra += " --no-detokenize" if s.get("detokenize") is False else ""
+    extra += " --host-gate" if s.get("host_gate") else ""
     run = f"python -m benchmarks.structured --device {s['device']} --batch {s['batch']}"
     return f"{run} --tokens {s['tokens']}{extra}"
 
@@ -234,7 +240,8 @@ def markdown(result: dict[str, Any], name: str) -> str:
         f"`{_command(s)}`: "
         f"{s['batch']} chat requests, {s['tokens']} generated tokens each, temperature {s['temperature']}, "
         f"{s['model'] or 'default model'} in {s['dtype']}, "
-        f"launch-ahead {'on' if s['launch_ahead'] else 'off'}. The schema "
+        f"launch-ahead {'on' if s['launch_ahead'] else 'off'}, "
+        f"the {'device' if s.get('gated') else 'host'} waits for each grammar fill. The schema "
         "(an array of at least 64 records: a string of at most 16 characters, an integer in [0, 100], a "
         "boolean) keeps every row constrained to the token cap. Best of "
         f"{s['repeats']} after an untimed run of each mode.",
@@ -316,6 +323,12 @@ def main(argv: list[str] | None = None) -> None:
         help="every mode's tokens without their text (with the BPE tokenizer on an H200, a dummy 8B's "
         "unconstrained run took 4x longer with its text than without, measured while the warm-up ran on "
         "8 rows: likely the batch's first captures, not the text)",
+    )
+    ap.add_argument(
+        "--host-gate",
+        action="store_true",
+        help="the host waits for each step's grammar fill and copies the mask (structured/decoding.py "
+        "GATED off), instead of the device waiting for it (structured/gate.py): the A/B of that change",
     )
     ap.add_argument("--name", default=None, help="result file name (default structured_cpu / structured_gpu)")
     args = ap.parse_args(argv)

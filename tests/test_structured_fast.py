@@ -321,7 +321,8 @@ def test_a_slow_fill_sends_the_next_to_the_threads_until_one_is_quick(monkeypatc
 @pytest.mark.parametrize("memfd", [True, False])
 def test_shared_slots_are_one_memory_through_their_descriptor(monkeypatch, memfd: bool) -> None:
     """``SharedSlots``: what one mapping writes, another mapping of its descriptor (the matcher
-    process's) reads, with ``memfd_create`` or without it (an unlinked temporary file)."""
+    process's) reads, slots and fill flags, with ``memfd_create`` or without it (an unlinked
+    temporary file)."""
     import os
 
     from prefixserve.structured.bitmask import SharedSlots
@@ -329,11 +330,13 @@ def test_shared_slots_are_one_memory_through_their_descriptor(monkeypatch, memfd
     if not memfd:
         monkeypatch.delattr(os, "memfd_create", raising=False)
     slots = SharedSlots(3, 5)
-    other = SharedSlots.open(os.dup(slots.fd), *slots.describe())
+    other, flags = SharedSlots.open(os.dup(slots.fd), *slots.describe())
     slots.tensor[1, 2] = torch.arange(5, dtype=torch.int32)
     assert torch.equal(other[1, 2], torch.arange(5, dtype=torch.int32)) and other.shape == (2, 3, 5)
     other[0, 0, 0] = 7
     assert int(slots.tensor[0, 0, 0]) == 7
+    flags[1] = 2**40 + 3  # past the slots, 64 bits wide
+    assert int(slots.flags[1]) == 2**40 + 3 and int(slots.flags[0]) == 0 and int(slots.tensor[1, 2, 4]) == 4
 
 
 def test_a_step_with_the_last_fills_samplers_reuses_its_rows_less_those_finished() -> None:

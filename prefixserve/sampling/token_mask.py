@@ -32,14 +32,18 @@ def _kernel():
     @triton.jit
     def apply_token_mask(
         logits_ptr, mask_ptr, index_ptr, stride_l, stride_m, vocab,
-        HAS_INDEX: tl.constexpr, BLOCK_W: tl.constexpr,
+        HAS_INDEX: tl.constexpr, BLOCK_W: tl.constexpr, VOLATILE: tl.constexpr,
     ):  # fmt: skip
         if HAS_INDEX:
             row = tl.load(index_ptr + tl.program_id(0)).to(tl.int64)
         else:
             row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1)
+        if VOLATILE:  # pinned host memory another process writes: fetched again, never a cached line
+            words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1,
+                            cache_modifier=".cv")  # fmt: skip
+        else:
+            words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1)
         bit = tl.arange(0, 32)
         tok = offs[:, None] * 32 + bit[None, :]
         blocked = ((words[:, None] >> bit[None, :]) & 1) == 0  # arithmetic shift: bit 31 too
@@ -75,9 +79,12 @@ def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.T
     logits.index_copy_(0, index, picked)
 
 
-def kernel_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None) -> None:
+def kernel_token_mask(
+    logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None, volatile: bool = False
+) -> None:
     """``apply_token_mask`` by the kernel (on CUDA, or on the CPU under the Triton interpreter); the
-    rows' last dimension contiguous."""
+    rows' last dimension contiguous. ``volatile``: ``bitmask`` is pinned host memory that another
+    process fills (``structured/gate.py``), read afresh."""
     rows = logits.shape[0] if index is None else index.shape[0]
     if rows == 0:
         return
@@ -86,7 +93,8 @@ def kernel_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.
     index_arg = index if index is not None else bitmask  # no index: never read, any aligned tensor
     kernel(
         (rows, triton.cdiv(words, BLOCK_WORDS)), logits, bitmask, index_arg, logits.stride(0),
-        bitmask.stride(0), logits.shape[1], HAS_INDEX=index is not None, BLOCK_W=BLOCK_WORDS, num_warps=4,
+        bitmask.stride(0), logits.shape[1], HAS_INDEX=index is not None, BLOCK_W=BLOCK_WORDS,
+        VOLATILE=volatile, num_warps=4,
     )  # fmt: skip
 
 

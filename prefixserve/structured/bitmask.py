@@ -20,10 +20,14 @@ import os
 import tempfile
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixserve.sampling.token_mask import apply_token_mask, blocked_tokens
+
+if TYPE_CHECKING:
+    from prefixserve.structured.gate import FillGate
 
 
 def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -77,17 +81,21 @@ def _fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
 
 
+FLAG_WORDS = 4  # int32 words after the slots: each slot's fill flag, an int64 (``SharedSlots.flags``)
+
+
 class SharedSlots:
     """Two host slots, int32 [2, rows, words], in an anonymous shared-memory file (``_anonymous_file``)
     mapped by the engine's process and the matcher process: it has no name to leak, and the child gets
-    its descriptor over their socket (``matcher_process``). Closed when collected; the mappings live
-    as long as their tensors."""
+    its descriptor over their socket (``matcher_process``). After the slots, each slot's fill flag
+    (int64 [2]): the child writes a gated fill's number there once its rows are written, and a GPU
+    waits for it (``gate.py``). Closed when collected; the mappings live as long as their tensors."""
 
     def __init__(self, rows: int, words: int) -> None:
         self.fd = _anonymous_file()
-        os.ftruncate(self.fd, 2 * rows * words * 4)
+        os.ftruncate(self.fd, (2 * rows * words + FLAG_WORDS) * 4)
         self.rows, self.words = rows, words
-        self.tensor = self.open(self.fd, rows, words, close=False)
+        self.tensor, self.flags = self.open(self.fd, rows, words, close=False)
         weakref.finalize(self, os.close, self.fd)
 
     def describe(self) -> tuple[int, int]:
@@ -95,21 +103,24 @@ class SharedSlots:
         return self.rows, self.words
 
     @staticmethod
-    def open(fd: int, rows: int, words: int, close: bool = True) -> torch.Tensor:
-        """Map the slots of descriptor ``fd`` (a descriptor received from the engine: closed after)."""
+    def open(fd: int, rows: int, words: int, close: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map the slots of descriptor ``fd`` (a descriptor received from the engine: closed after):
+        the slots, int32 [2, rows, words], and their fill flags, int64 [2]."""
+        size = 2 * rows * words
         try:
-            flat = torch.from_file(_fd_path(fd), shared=True, size=2 * rows * words, dtype=torch.int32)
+            flat = torch.from_file(_fd_path(fd), shared=True, size=size + FLAG_WORDS, dtype=torch.int32)
         finally:
             if close:
                 os.close(fd)
-        return flat.view(2, rows, words)
+        return flat[:size].view(2, rows, words), flat[size:].view(torch.int64)
 
 
 def _pin(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s memory in place for async copies to the GPU (a mapping torch did not allocate);
     a refusal (a memlock limit) is cleared from CUDA's last error, so no later launch check sees it."""
     cudart = torch.cuda.cudart()
-    if cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) == 0:
+    size = t.untyped_storage().nbytes()  # the whole mapping: the slots and their flags
+    if cudart.cudaHostRegister(t.data_ptr(), size, 0) == 0:
         return True
     cudart.cudaGetLastError()
     return False
@@ -173,6 +184,20 @@ class StepBitmasks:
             self._copied[self.slot].synchronize()  # two steps back: long done unless the device lags
             self._pending[self.slot] = False
         return self.shared.tensor[self.slot][:n]
+
+    @property
+    def device_readable(self) -> bool:
+        """Can a GPU kernel read the host slots where they are (pinned in place on a GPU)?"""
+        return self.cuda and self._pinned
+
+    def read(self, logits: torch.Tensor, slot: int, number: int, rows: int, gate: FillGate) -> None:
+        """Mask the first ``rows`` rows of ``logits`` by slot ``slot`` once the device sees gated fill
+        ``number`` in it (``gate.py``); the slot is not given out again until that read is done."""
+        shared = self.shared
+        gate.apply(logits, shared.tensor, shared.flags, slot, number, rows)
+        if self.cuda:
+            self._copied[slot].record()
+            self._pending[slot] = True
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Rows ``rows`` of ``logits`` masked by the same rows of ``bitmask`` (``host``'s last slot)."""

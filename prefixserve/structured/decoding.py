@@ -22,12 +22,23 @@ takes step t's tokens as soon as its sampling is out, before it issues the forwa
 own, the guess that holds for most decode steps; ``bitmask`` takes it for a step whose samplers are
 the same sequences in the same order, and fills anew for any other. Without launch-ahead the accept
 is sent alone and the fill is asked for when the step samples.
+
+On a GPU whose kernels can read the pinned host slots, all of that waiting moves to the device
+(``gate.py``): the step's sampling is issued with its forward, and its mask kernel waits on the
+device for the fill's flag. ``gated_mask`` reserves the step's slot and fill number; the fill is sent
+at once where no constrained row waits for a token still on the device, else with the accepts of the
+step ahead (``advance``, which the engine calls next: launch-ahead keeps one step in flight). The
+engine's thread then never waits for the child; ``advance`` checks, as each gated step's tokens
+arrive, that its wait saw its own fill.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,10 +46,34 @@ import torch
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 from prefixserve.sequence import Sequence
 from prefixserve.structured.bitmask import StepBitmasks, StepMask
+from prefixserve.structured.gate import FillGate
 from prefixserve.structured.grammars import GrammarCache
 from prefixserve.structured.matcher_process import MatcherProcess
 
 MATCHERS = "structured_outputs"  # the rule's name; Request.rules[MATCHERS]: sample index -> matcher handle
+GATED = True  # the device waits for a step's fill where it can (``gate.py``); tests and A/B runs: False
+
+
+@dataclass(slots=True)
+class GatedFill:
+    """A gated step's fill: its samplers, their constrained rows, the slot and the fill's number."""
+
+    samplers: list[Sequence]
+    rows: list[tuple[int, Sequence, int]]
+    slot: int
+    number: int
+
+
+@dataclass(slots=True)
+class GatedMask:
+    """A gated step's mask (a ``LogitsMask``): applied on the device once its fill's flag is set."""
+
+    fill: GatedFill
+    decoding: StructuredDecoding
+
+    def apply(self, logits: torch.Tensor) -> None:
+        d, f = self.decoding, self.fill
+        d.masks.read(logits, f.slot, f.number, len(f.samplers), d.gate)
 
 
 class StructuredDecoding:
@@ -69,6 +104,16 @@ class StructuredDecoding:
         # the samplers of the last fill and their (row, sequence, key) rows: what the step's tokens
         # advance (``advance``), and the next step's rows where its samplers are the same (``_rows``)
         self._last_rows: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None
+        gated = GATED and self.masks.device_readable
+        self.gate = FillGate(self.masks.device) if gated else None  # None: the host waits (``bitmask``)
+        self._numbers = itertools.count(1)
+        self._deferred: GatedFill | None = None  # reserved; its fill goes with the next accepts
+        self._issued: deque[GatedFill] = deque()  # gated steps whose tokens have not come back
+
+    @property
+    def gated(self) -> bool:
+        """Does the device wait for each step's fill (``gate.py``), so no sampling waits on the host?"""
+        return self.gate is not None
 
     def admit(self, spec: StructuredOutputs) -> None:
         """Compile ``spec`` now (or find it compiled): a bad one raises ValueError before queueing;
@@ -96,6 +141,33 @@ class StructuredDecoding:
         itself), their mask's fill is sent with it, taken by ``bitmask`` for the same sequences.
         """
         self._job = None  # a job not taken by its step is dropped (its answer is read first)
+        keys, accepted = self._accepts(samplers, indices, tokens, pending)
+        if self.gate is not None:
+            deferred, self._deferred = self._deferred, None
+            if deferred is not None:  # the step launched after this one waits for it on the device
+                try:
+                    self._send_gated(deferred, (keys, accepted))
+                except Exception:
+                    self._deferred = deferred  # sent again (to a new child) by the next call: never lost
+                    raise
+            elif keys:
+                self.matchers.step((keys, accepted), None)
+            self._check_gated(samplers)
+            return
+        if then is not None:
+            self._job = (then, self._send_fill(then, (keys, accepted)))
+            self.fills_ahead += self._job[1] is not None
+        elif keys:
+            self.matchers.step((keys, accepted), None)
+
+    def _accepts(
+        self,
+        samplers: list[Sequence],
+        indices: list[int],
+        tokens: list[int],
+        pending: dict[Sequence, list[Any]],
+    ) -> tuple[list[int], list[int]]:
+        """(matcher keys, tokens) of the constrained samplers whose token is put in place now."""
         keys, accepted = [], []
         last = self._last_rows
         filled = last[1] if last is not None and _same(last[0], samplers) else None
@@ -110,11 +182,49 @@ class StructuredDecoding:
             if waiting and waiting[0][0] == indices[i] and not seq.is_finished:
                 keys.append(key)
                 accepted.append(tokens[i])
-        if then is not None:
-            self._job = (then, self._send_fill(then, (keys, accepted)))
-            self.fills_ahead += self._job[1] is not None
-        elif keys:
-            self.matchers.step((keys, accepted), None)
+        return keys, accepted
+
+    def gated_mask(self, samplers: list[Sequence], indices: list[int]) -> GatedMask | None:
+        """The step's mask, waited for on the device (``gated``): its slot and fill number reserved,
+        the fill sent now where no constrained row's token before it is still in flight, else with
+        the next ``advance`` (the step ahead's tokens). None: no row is constrained."""
+        self._flush()
+        rows = self._rows(samplers)
+        if not rows:
+            return None
+        self.masks.host(len(samplers))  # the next slot: its last read is done
+        fill = GatedFill(samplers, rows, self.masks.slot, next(self._numbers))
+        if any(seq.token_ids[indices[i] - 1] < 0 for i, seq, _ in rows):  # a placeholder before it
+            self._deferred = fill
+            self.fills_ahead += 1
+        else:
+            self._send_gated(fill, ([], []))
+        self._issued.append(fill)
+        return GatedMask(fill, self)
+
+    def _flush(self) -> None:
+        """Send a reserved fill whose accepts never came (the step ahead failed before its tokens were
+        placed): the device must not wait out the gate's timeout; that step's requests have failed."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._send_gated(deferred, ([], []))
+
+    def _send_gated(self, fill: GatedFill, accepts: tuple[list[int], list[int]]) -> None:
+        rows = [(i, key) for i, seq, key in fill.rows if not seq.is_finished]
+        self.matchers.step(accepts, (self.masks.shared, fill.slot, len(fill.samplers), rows), fill.number)
+
+    def _check_gated(self, samplers: list[Sequence]) -> None:
+        """The tokens of ``samplers``' step arrived: if a gated fill was theirs, did its wait see it?
+        Fills before it belonged to steps whose tokens never came (they failed)."""
+        issued = self._issued
+        while len(issued) > 8:  # fills of failed steps, whose tokens never came
+            issued.popleft()
+        for k, fill in enumerate(issued):
+            if fill.samplers is samplers:
+                for _ in range(k + 1):
+                    issued.popleft()
+                self.gate.check(fill.slot, fill.number)
+                return
 
     def _send_fill(
         self, samplers: list[Sequence], accepts: tuple[list[int], list[int]]
@@ -160,6 +270,8 @@ class StructuredDecoding:
         their token is dropped.
         """
         job, self._job = self._job, None
+        if self.gate is not None:
+            raise RuntimeError("a gated engine's masks come from gated_mask")
         if job is None or not _same(job[0], samplers):
             job = (samplers, self._send_fill(samplers, ([], [])))
         if job[1] is None:  # no constrained row

@@ -113,20 +113,24 @@ class MatcherProcess:
         self,
         accepts: tuple[list[int], list[int]],
         fill: tuple[Any, int, int, list[tuple[int, int]]] | None,
+        number: int | None = None,
     ) -> None:
         """Send a step: ``accepts`` (keys, tokens) taken in order, then with ``fill`` = (slots, slot,
-        rows n, [(row, key)]) those rows of ``slots[slot][:n]`` filled; its answer is ``rows()``."""
+        rows n, [(row, key)]) those rows of ``slots[slot][:n]`` filled; its answer is ``rows()``.
+        With ``number`` the fill is gated (``gate.py``): no answer; the child fills the slot's other
+        rows of the n with every token allowed and then writes ``number`` to the slot's flag
+        (``-number`` if the step failed)."""
         self._answer()  # the last answer first: one at a time
         made, self._made = self._made, []
         dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
         slots = None
         if fill is not None and (fill[0] is not self._slots or self._conn is None):
             slots = fill[0]
-        job = None if fill is None else (None if slots is None else slots.describe(), *fill[1:])
+        job = None if fill is None else (None if slots is None else slots.describe(), *fill[1:], number)
         self._send(("step", made, dropped, accepts, job), slots)
         if slots is not None:
             self._slots = slots
-        self._awaited = job is not None
+        self._awaited = job is not None and number is None
 
     def rows(self) -> list[int]:
         """The rows the last step's fill filled (matchers that ended are left out)."""
@@ -248,6 +252,8 @@ class Matchers:
         self.fills = FillThreads(xgr, threads)
         self.by_key: dict[int, Any] = {}
         self.slots: torch.Tensor | None = None
+        self.flags: torch.Tensor | None = None  # each slot's fill flag (``SharedSlots.flags``)
+        self._fence = threading.Lock()
         self._compiling: dict[tuple, Future] = {}  # specs compiled on a thread, beside the steps
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-compile")
         self._matcher_cls = _matcher_class(xgr)
@@ -285,11 +291,25 @@ class Matchers:
             raise KeyError(f"matchers {unknown[:8]} are not held here")
         if job is None:
             return None
-        _, slot, n, _ = job
+        _, slot, n, _, number = job
         live = [(row, m) for row, _, m in filled if not m.ended]
         if live:
             self.fills.fill([m for _, m in live], self.slots[slot][:n], [row for row, _ in live])
+        if number is not None:  # gated: the device masks all n rows, so the others allow every token
+            others = sorted(set(range(n)).difference(row for row, _ in live))
+            if others:
+                self.slots[slot][others] = -1
         return [row for row, _ in live]
+
+    def release(self, job: tuple | None, failed: bool) -> None:
+        """A gated fill's flag: its number once its rows are written (``-number``: the step failed).
+        The lock's acquire and release are full barriers where stores may pass each other (Arm); x86
+        keeps the order of stores anyway."""
+        if job is None or job[4] is None or self.flags is None:
+            return
+        with self._fence:
+            pass
+        self.flags[job[1]] = -job[4] if failed else job[4]
 
     def accept(self, matchers: list[Any], tokens: list[int]) -> None:
         """Matchers that have not ended take their tokens (one call); one that took a stop token is
@@ -322,17 +342,24 @@ def serve(conn: Connection) -> None:
         try:
             message = conn.recv()
             if message[0] == "step" and message[4] is not None and message[4][0] is not None:
-                matchers.slots = SharedSlots.open(recv_handle(conn), *message[4][0])  # the fd follows
+                slots = SharedSlots.open(recv_handle(conn), *message[4][0])  # the fd follows
+                matchers.slots, matchers.flags = slots
         except (EOFError, OSError):  # the engine's end closed
             return
         if message[0] == "spec":  # checked at intake; an error here comes back when a matcher is made
             matchers.compile(message[1])
             continue
-        answer = message[4] is not None
+        job = message[4]
+        answer = job is not None and job[4] is None
         try:
             rows = matchers.step(*message[1:])
+            matchers.release(job, failed=False)
         except Exception as exc:  # the step's requests fail, the engine goes on
             failed = failed or f"{type(exc).__name__}: {exc}"
+            if job is not None and job[4] is not None:  # gated: no answer carries it
+                print(f"prefixserve matcher process: {failed}", file=sys.stderr, flush=True)
+                matchers.release(job, failed=True)
+                failed = None
         if answer:
             try:
                 conn.send(("error", failed) if failed else ("rows", rows))

@@ -23,6 +23,7 @@ from prefixserve.structured.matcher_process import MatcherProcess
 if TYPE_CHECKING:
     from prefixserve.sequence import Sequence as EngineSequence
     from prefixserve.structured.bitmask import StepMask
+    from prefixserve.structured.decoding import GatedMask
 
 
 class StructuredOutputsRule(RequestRule):
@@ -68,13 +69,18 @@ class StructuredOutputsRule(RequestRule):
     def waits(
         self, samplers: Sequence[EngineSequence], indices: Sequence[int], params: Sequence[SamplingParams]
     ) -> bool:
-        """A grammar row's mask needs every token before the one it samples."""
-        return self.decoding is not None and self.decoding.constrained(samplers)
+        """A grammar row's mask needs every token before the one it samples: on the host, unless the
+        device waits for it (``StructuredDecoding.gated``)."""
+        d = self.decoding
+        return d is not None and not d.gated and d.constrained(samplers)
 
     def mask(
         self, samplers: Sequence[EngineSequence], indices: Sequence[int], params: Sequence[SamplingParams]
-    ) -> StepMask | None:
-        return self.decoding.bitmask(samplers) if self.decoding is not None else None
+    ) -> StepMask | GatedMask | None:
+        d = self.decoding
+        if d is None:
+            return None
+        return d.gated_mask(samplers, indices) if d.gated else d.bitmask(samplers)
 
     def advance(
         self,

@@ -57,3 +57,15 @@ def test_kernel_token_mask_strided_rows() -> None:
     kernel_token_mask(view, mask.to(DEVICE), None)
     assert torch.equal(view.cpu(), want)
     assert torch.all(wide[:, 3000:] == 5.0)  # nothing past a row's vocabulary written
+
+
+def test_kernel_token_mask_reads_host_memory_afresh() -> None:
+    """``volatile``: the mask read with ``.cv`` loads (pinned host memory another process fills, on a
+    GPU; the same result)."""
+    logits, mask = _case(4, 3000, 1, 11, torch.float32)
+    want = logits.clone()
+    apply_bitmask_reference(want, mask, [0, 1, 2, 3])
+    got = logits.clone().to(DEVICE)
+    source = mask.pin_memory() if DEVICE.type == "cuda" else mask
+    kernel_token_mask(got, source, None, volatile=True)
+    assert torch.equal(got.cpu(), want)

@@ -1,0 +1,86 @@
+"""A grammar step's mask waited for by the GPU, not by the engine's thread (launch-ahead on CUDA).
+
+A constrained row's mask needs the token before it. Launched ahead, that token is still on the device
+when the step is issued, so the engine used to issue the step's sampling a step later: it waited for
+the matcher process's fill, copied the mask, then sampled, all on its own thread, where a small
+model's step is host work end to end. Here the sampling is issued with the forward, as for
+unconstrained rows, behind a one-program kernel that spins (``wait_for_fill``) until the step's fill
+flag in the shared slots (``bitmask.SharedSlots.flags``) holds the fill's number; the matcher process
+writes it once the rows are in the slot (``-number`` when the fill failed). The mask kernel then reads
+the slot straight from pinned host memory (``cache_modifier=".cv"``: fetched again, never a stale
+line). The engine's thread only sends the accepted tokens and the fill (``decoding.py``); nothing on
+it waits for the child.
+
+The wait is bounded (``TIMEOUT_SECONDS`` at least, counted in spins): a fill that never comes (a bug) releases the device with
+the slot as it is, and the kernel's record of the flag it saw (``seen``) tells the engine, which fails
+the step's constrained requests (``FillGate.check``) instead of serving tokens no mask checked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from prefixserve.sampling.token_mask import kernel_token_mask
+
+TIMEOUT_SECONDS = 60.0  # as ``MatcherProcess.ANSWER_SECONDS``: a new spec's compile can take seconds
+SPIN_SECONDS = 1e-6  # a spin's read of host memory over PCIe takes about this, or longer
+
+
+@functools.cache
+def _kernel():
+    """(triton, the wait kernel bound for relaunches), made at the first gated step."""
+    from prefixserve.triton_support import require_triton
+    from prefixserve.triton_support.bound import BoundKernel
+
+    triton, tl = require_triton()
+
+    @triton.jit
+    def wait_for_fill(seen_dev_ptr, flag_ptr, expect_ptr, seen_ptr, max_spins):
+        expect = tl.load(expect_ptr, volatile=True)
+        flag = tl.load(flag_ptr, volatile=True)
+        spins = 0
+        while (flag != expect) & (flag != -expect) & (spins < max_spins):
+            flag = tl.load(flag_ptr, volatile=True)
+            spins += 1
+        tl.store(seen_ptr, flag)
+        tl.store(seen_dev_ptr, flag)
+
+    return triton, BoundKernel(wait_for_fill)
+
+
+class FillGate:
+    """The engine's side of the gate: per slot, the fill number a step waits for and the flag its wait
+    saw, in pinned host memory (the kernel reads one and writes the other)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        pin = device.type == "cuda"  # (the CPU: the kernel under Triton's interpreter, in tests)
+        self.expect = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self.seen = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self._seen_dev = torch.zeros(2, dtype=torch.int64, device=device)
+        self.max_spins = int(TIMEOUT_SECONDS / SPIN_SECONDS)  # at least the timeout: a spin takes longer
+
+    def apply(self, logits: torch.Tensor, slots: torch.Tensor, flags: torch.Tensor, slot: int, number: int,
+              rows: int) -> None:  # fmt: skip
+        """Mask the first ``rows`` rows of ``logits`` by ``slots[slot]`` once ``flags[slot]`` says fill
+        ``number`` is in it (issued; the device waits, the host does not)."""
+        self.expect[slot] = number  # the slot's last step has sampled: its tokens came before this one's fill
+        self.seen[slot] = 0
+        _, wait = _kernel()
+        wait((1,), self._seen_dev[slot : slot + 1], flags[slot : slot + 1], self.expect[slot : slot + 1],
+             self.seen[slot : slot + 1], self.max_spins, num_warps=1)  # fmt: skip
+        kernel_token_mask(logits[:rows], slots[slot][:rows], None, volatile=True)
+
+    def check(self, slot: int, number: int) -> None:
+        """After the step's tokens arrived: raise if its wait did not see fill ``number`` (a failed or
+        late fill: the step's masks are not its own)."""
+        seen = int(self.seen[slot])
+        if seen == number:
+            return
+        why = "failed in the matcher process" if seen == -number else "did not come in time"
+        raise RuntimeError(f"structured decoding: a step's grammar mask {why}; its requests fail")
+
+
+__all__ = ["TIMEOUT_SECONDS", "FillGate"]

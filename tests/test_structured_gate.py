@@ -1,0 +1,167 @@
+"""Gated grammar masks (``structured/gate.py``): the device, not the engine's thread, waits for a step's
+fill. On the CPU the device's wait is played by ``HostGate`` (the kernel's loop on the host), over
+the real matcher process and shared slots: a fill whose rows wait for no token in flight is sent at
+once; one behind a placeholder waits for the step ahead's accepts, which carry it; a reservation whose
+accepts never come is sent by the next; the child writes every other row of the n as all allowed and
+then the fill's number, or its negation when the step fails, which ``check`` turns into an error.
+The masks equal a matcher's of the same tokens. The kernel itself: ``test_structured_gpu.py``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefixserve import SamplingParams
+from prefixserve.sampling.structured_outputs import StructuredOutputs
+from prefixserve.sampling.token_mask import apply_token_mask
+from prefixserve.sequence import PLACEHOLDER_TOKEN
+from prefixserve.structured import bitmask, decoding
+from prefixserve.structured.gate import FillGate
+from tests.conftest import tiny_cascade_llm
+
+xgr = pytest.importorskip("xgrammar")
+
+SPEC = StructuredOutputs(regex=r"[0-9]{2,4}-[ab]{3}")
+
+
+class HostGate:
+    """``FillGate`` with the kernel's wait on the host: spin on the slot's flag, then mask."""
+
+    def __init__(self, device: Any) -> None:
+        self.seen = [0, 0]
+        self.applied = 0
+
+    def apply(self, logits: Any, slots: Any, flags: Any, slot: int, number: int, rows: int) -> None:
+        deadline = time.monotonic() + 30
+        while int(flags[slot]) not in (number, -number) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        self.seen[slot] = int(flags[slot])
+        apply_token_mask(logits[:rows], slots[slot][:rows].clone(), None)
+        self.applied += 1
+
+    check = FillGate.check
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_config_path: Path) -> Iterator[Any]:
+    llm = tiny_cascade_llm(tiny_config_path, async_scheduling=True)
+    yield llm.engine
+    llm.shutdown()
+
+
+@pytest.fixture
+def gated(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[decoding.StructuredDecoding]:
+    monkeypatch.setattr(bitmask.StepBitmasks, "device_readable", property(lambda self: True))
+    monkeypatch.setattr(decoding, "FillGate", HostGate)
+    eos = set(engine.eos_ids)
+    sd = decoding.StructuredDecoding(engine.tokenizer, engine.model_config.vocab_size, eos, rows=4)
+    sd.admit(SPEC)
+    assert sd.gated
+    yield sd
+    sd.close()
+
+
+def _seqs(engine: Any, n: int, spec: StructuredOutputs | None = SPEC) -> list[Any]:
+    params = SamplingParams(max_tokens=8, structured_outputs=spec)
+    reqs = [engine.add_request(f"g{time.monotonic_ns()}-{i}", "x", params, queue=False) for i in range(n)]
+    return [r.sequences[0] for r in reqs]
+
+
+def _allowed(sd: decoding.StructuredDecoding, tokens: list[int]) -> torch.Tensor:
+    """bool [vocab]: what a fresh matcher of SPEC allows after ``tokens``."""
+    matcher = xgr.GrammarMatcher(sd.grammars.get(SPEC))
+    for t in tokens:
+        assert matcher.accept_token(t)
+    mask = xgr.allocate_token_bitmask(1, sd.grammars.info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    vocab = sd.grammars.info.vocab_size
+    return ~bitmask.blocked_tokens(mask, vocab)[0]
+
+
+def _masked(sd: decoding.StructuredDecoding, mask: Any, rows: int) -> torch.Tensor:
+    logits = torch.zeros(rows, sd.words * 32)
+    mask.apply(logits)
+    return logits != float("-inf")
+
+
+def test_a_fill_needing_no_token_in_flight_is_sent_at_once(gated: Any, engine: Any) -> None:
+    seqs = _seqs(engine, 1) + _seqs(engine, 1, spec=None)  # a constrained row and a free one
+    indices = [len(s.token_ids) for s in seqs]
+    mask = gated.gated_mask(seqs, indices)
+    assert mask is not None and gated._deferred is None
+    got = _masked(gated, mask, 2)
+    vocab = gated.grammars.info.vocab_size
+    assert torch.equal(got[0, :vocab], _allowed(gated, []))
+    assert got[1].all()  # the free row: every token allowed
+    gated.advance(seqs, indices, [0, 0], {})  # its tokens (not placed: nothing pending) come back
+    assert not gated._issued
+
+
+def test_a_fill_behind_a_placeholder_goes_with_the_accepts_ahead(gated: Any, engine: Any) -> None:
+    (seq,) = _seqs(engine, 1)
+    samplers = [seq]
+    digit = gated.grammars.info.decoded_vocab.index(b"7")
+    first = len(seq.token_ids)
+    seq.token_ids.append(PLACEHOLDER_TOKEN)  # the step ahead's token, still on the device
+    mask = gated.gated_mask(samplers, [first + 1])
+    assert gated._deferred is mask.fill
+    time.sleep(0.05)
+    assert int(gated.masks.shared.flags[mask.fill.slot]) != mask.fill.number  # not sent yet
+    pending = {seq: [(first, None, 0)]}
+    gated.advance([seq], [first], [digit], pending)  # the step ahead's (its own list): accepts + fill
+    assert gated._deferred is None
+    got = _masked(gated, mask, 1)
+    assert torch.equal(got[0, : gated.grammars.info.vocab_size], _allowed(gated, [digit]))
+    seq.token_ids[first] = digit
+    gated.advance(samplers, [first + 1], [digit], {})  # this step's tokens: its wait saw its fill
+    assert not gated._issued
+
+
+def test_a_reservation_whose_accepts_never_came_is_sent_by_the_next(gated: Any, engine: Any) -> None:
+    (seq,) = _seqs(engine, 1)
+    first = len(seq.token_ids)
+    seq.token_ids.append(PLACEHOLDER_TOKEN)
+    stale = gated.gated_mask([seq], [first + 1])
+    assert gated._deferred is stale.fill
+    fresh = gated.gated_mask(_seqs(engine, 1), [first])  # the step ahead failed: no advance came
+    assert gated._deferred is None
+    _masked(gated, stale, 1)  # released: the device is not left waiting
+    _masked(gated, fresh, 1)
+    assert int(gated.masks.shared.flags[stale.fill.slot]) == stale.fill.number
+
+
+def test_a_failed_fill_is_flagged_and_fails_its_step(gated: Any, engine: Any) -> None:
+    seqs = _seqs(engine, 1)
+    indices = [len(seqs[0].token_ids)]
+    step = gated.matchers.step
+
+    def unknown_key(accepts: Any, fill: Any, number: Any = None) -> None:
+        slots, slot, n, rows = fill
+        step(accepts, (slots, slot, n, [(r, -1) for r, _ in rows]), number)
+
+    gated.matchers.step = unknown_key
+    try:
+        mask = gated.gated_mask(seqs, indices)
+    finally:
+        del gated.matchers.step
+    _masked(gated, mask, 1)
+    assert int(gated.masks.shared.flags[mask.fill.slot]) == -mask.fill.number
+    with pytest.raises(RuntimeError, match="failed in the matcher process"):
+        gated.advance(seqs, indices, [0], {})
+    # the child goes on: the next step's fill is flagged with its own number
+    mask = gated.gated_mask(seqs, indices)
+    _masked(gated, mask, 1)
+    gated.advance(seqs, indices, [0], {})
+
+
+def test_a_wait_that_saw_another_number_fails(gated: Any) -> None:
+    gate = HostGate(None)
+    gate.seen = [5, 0]
+    gate.check(0, 5)
+    with pytest.raises(RuntimeError, match="did not come in time"):
+        gate.check(0, 6)
