@@ -33,14 +33,14 @@ class HostGate:
     """``FillGate`` with the kernel's wait on the host: spin on the slot's flag, then mask."""
 
     def __init__(self, device: Any) -> None:
-        self.seen = [0, 0]
+        self._seen_np = [0, 0]
         self.applied = 0
 
     def apply(self, logits: Any, slots: Any, flags: Any, slot: int, number: int, rows: int) -> None:
         deadline = time.monotonic() + 30
         while int(flags[slot]) not in (number, -number) and time.monotonic() < deadline:
             time.sleep(1e-4)
-        self.seen[slot] = int(flags[slot])
+        self._seen_np[slot] = int(flags[slot])
         apply_token_mask(logits[:rows], slots[slot][:rows].clone(), None)
         self.applied += 1
 
@@ -161,7 +161,7 @@ def test_a_failed_fill_is_flagged_and_fails_its_step(gated: Any, engine: Any) ->
 
 def test_a_wait_that_saw_another_number_fails(gated: Any) -> None:
     gate = HostGate(None)
-    gate.seen = [5, 0]
+    gate._seen_np = [5, 0]
     gate.check(0, 5)
     with pytest.raises(RuntimeError, match="did not come in time"):
         gate.check(0, 6)

@@ -113,7 +113,7 @@ class StepClock:
         for name in ("forward", "sample", "wait"):
             setattr(runner, name, self._timed(getattr(runner, name), name))
         self.structured = engine._structured()
-        for name in ("advance", "bitmask"):
+        for name in ("advance", "bitmask", "gated_mask"):
             setattr(self.structured, name, self._structured(getattr(self.structured, name), name))
         matchers = self.structured.matchers  # the answer of the matcher process: waited for in bitmask
         matchers.rows = self._structured(matchers.rows, "rows")
@@ -131,6 +131,7 @@ class StepClock:
         self._objects: list[tuple[Any, str]] = [
             (runner.model, "compute_logits"),
             (self.structured.masks, "apply"),
+            (self.structured.masks, "read"),  # a gated step's mask (structured/gate.py)
         ]
         self._objects += [(engine.rules, "restrict"), (engine, "_place_and_report")]
         for obj, name in self._objects:
@@ -142,7 +143,7 @@ class StepClock:
             setattr(module, name, original)
         for obj, name in [*self._objects, *((self.engine.runner, n) for n in ("forward", "sample", "wait"))]:
             vars(obj).pop(name, None)
-        for name in ("advance", "bitmask"):
+        for name in ("advance", "bitmask", "gated_mask"):
             vars(self.structured).pop(name, None)
         vars(self.structured.matchers).pop("rows", None)
 
@@ -209,8 +210,9 @@ def engine_steps(llm: Any, batch: int, tokens: int, steps: int, constrained: boo
         rows["  its CPU time (engine thread)"].append(cpu - clock.t["runner cpu"])
         rows["  structured: advance (accept)"].append(clock.t["advance"])
         rows["  structured: bitmask (fill/join)"].append(clock.t["bitmask"])
+        rows["  structured: gated_mask (reserve)"].append(clock.t["gated_mask"])
         rows["  structured: waiting on the matcher process"].append(clock.t["rows"])
-        for name in ("compute_logits", "apply", "mask kernel launch", "sample_async"):  # in the sample
+        for name in ("compute_logits", "apply", "read", "mask kernel launch", "sample_async"):  # sampling
             rows[f"  sample: {name}"].append(clock.t[name])
         rows["  rules: restrict (the mask)"].append(clock.t["restrict"])
         rows["  placing the tokens and reporting"].append(clock.t["_place_and_report"])
@@ -229,7 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--vocab", type=int, default=None, help="the tiny dummy's vocabulary, with a BPE tokenizer"
     )
+    ap.add_argument("--host-gate", action="store_true", help="the host waits for each fill (GATED off)")
     args = ap.parse_args(argv)
+    from prefixserve.structured import decoding
+
+    decoding.GATED = not args.host_gate
     if args.device == "cpu":
         torch.set_num_threads(1)  # the engine's thread and the fill's share the host
     llm = _llm(args.batch, args.device, args.model, args.vocab)

@@ -11,9 +11,10 @@ the slot straight from pinned host memory (``cache_modifier=".cv"``: fetched aga
 line). The engine's thread only sends the accepted tokens and the fill (``decoding.py``); nothing on
 it waits for the child.
 
-The wait is bounded (``TIMEOUT_SECONDS`` at least, counted in spins): a fill that never comes (a bug) releases the device with
-the slot as it is, and the kernel's record of the flag it saw (``seen``) tells the engine, which fails
-the step's constrained requests (``FillGate.check``) instead of serving tokens no mask checked.
+The wait is bounded (``TIMEOUT_SECONDS`` at least, counted in spins): a fill that never comes (a bug)
+releases the device with the slot as it is, and the kernel's record of the flag it saw (``seen``)
+tells the engine, which fails the step's constrained requests (``FillGate.check``) instead of serving
+tokens no mask checked.
 """
 
 from __future__ import annotations
@@ -61,22 +62,28 @@ class FillGate:
         self.seen = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
         self._seen_dev = torch.zeros(2, dtype=torch.int64, device=device)
         self.max_spins = int(TIMEOUT_SECONDS / SPIN_SECONDS)  # at least the timeout: a spin takes longer
+        # per slot, the wait's tensors, and numpy views of the host words (a write without torch's
+        # indexing: this is on the engine's thread every constrained step)
+        self._args = [
+            (self._seen_dev[s : s + 1], self.expect[s : s + 1], self.seen[s : s + 1]) for s in range(2)
+        ]
+        self._expect_np, self._seen_np = self.expect.numpy(), self.seen.numpy()
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, flags: torch.Tensor, slot: int, number: int,
               rows: int) -> None:  # fmt: skip
         """Mask the first ``rows`` rows of ``logits`` by ``slots[slot]`` once ``flags[slot]`` says fill
         ``number`` is in it (issued; the device waits, the host does not)."""
-        self.expect[slot] = number  # the slot's last step has sampled: its tokens came before this one's fill
-        self.seen[slot] = 0
+        self._expect_np[slot] = number  # the slot's last step has sampled: its tokens came before this fill
+        self._seen_np[slot] = 0
         _, wait = _kernel()
-        wait((1,), self._seen_dev[slot : slot + 1], flags[slot : slot + 1], self.expect[slot : slot + 1],
-             self.seen[slot : slot + 1], self.max_spins, num_warps=1)  # fmt: skip
+        seen_dev, expect, seen = self._args[slot]
+        wait((1,), seen_dev, flags[slot : slot + 1], expect, seen, self.max_spins, num_warps=1)
         kernel_token_mask(logits[:rows], slots[slot][:rows], None, volatile=True)
 
     def check(self, slot: int, number: int) -> None:
         """After the step's tokens arrived: raise if its wait did not see fill ``number`` (a failed or
         late fill: the step's masks are not its own)."""
-        seen = int(self.seen[slot])
+        seen = int(self._seen_np[slot])
         if seen == number:
             return
         why = "failed in the matcher process" if seen == -number else "did not come in time"

@@ -38,6 +38,8 @@ def test_the_gate_waits_for_the_fill_flag_written_later(slots) -> None:
     want = slots.logits.clone()
     apply_bitmask_reference(want, slots.tensor[1], [0, 1, 2])
     gate = FillGate(DEVICE)
+    slots.flags[1] = 6
+    gate.apply(slots.logits.to(DEVICE), slots.tensor, slots.flags, 1, 6, 3)  # compiled now, not below
     logits = slots.logits.to(DEVICE)
     writer = threading.Timer(0.3, lambda: slots.flags.__setitem__(1, 7))
     writer.start()
