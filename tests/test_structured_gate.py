@@ -34,6 +34,7 @@ class HostGate:
 
     def __init__(self, device: Any) -> None:
         self._seen_np = [0, 0]
+        self._spins = [0, 0]
         self.applied = 0
 
     def apply(self, logits: Any, slots: Any, flags: Any, slot: int, number: int, rows: int) -> None:

@@ -36,7 +36,8 @@ def _run(config_path, staged: bool, monkeypatch, gated: bool = True) -> list[tup
     params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SPEC)
     outs = llm.generate([f"the code of item {i} is" for i in range(24)], params)
     sd = llm.engine.structured
-    assert sd.masks._pinned is not staged and sd.fills_ahead > 10
+    assert sd.masks._pinned is not staged
+    assert sd.fills_ahead > 10, sd.fills_ahead
     assert sd.gated is (gated and not staged)
     for o in outs:  # every token allowed by the grammar, replayed on a matcher here
         matcher = xgr.GrammarMatcher(sd.grammars.get(SPEC))

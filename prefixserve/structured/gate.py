@@ -11,7 +11,7 @@ the slot straight from pinned host memory (``cache_modifier=".cv"``: fetched aga
 line). The engine's thread only sends the accepted tokens and the fill (``decoding.py``); nothing on
 it waits for the child.
 
-The wait is bounded (``TIMEOUT_SECONDS`` at least, counted in spins): a fill that never comes (a bug)
+The wait is bounded (``TIMEOUT_SECONDS`` by the GPU's clock): a fill that never comes (a bug)
 releases the device with the slot as it is, and the kernel's record of the flag it saw (``seen``)
 tells the engine, which fails the step's constrained requests (``FillGate.check``) instead of serving
 tokens no mask checked.
@@ -20,33 +20,43 @@ tokens no mask checked.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from prefixserve.sampling.token_mask import kernel_token_mask
 
 TIMEOUT_SECONDS = 60.0  # as ``MatcherProcess.ANSWER_SECONDS``: a new spec's compile can take seconds
-SPIN_SECONDS = 1e-6  # a spin's read of host memory over PCIe takes about this, or longer
+INTERPRETER_SPIN_SECONDS = 1e-6  # the interpreter's bound counts spins (no clock there), each at least this
 
 
 @functools.cache
 def _kernel():
     """(triton, the wait kernel bound for relaunches), made at the first gated step."""
+    import importlib
+
     from prefixserve.triton_support import require_triton
     from prefixserve.triton_support.bound import BoundKernel
 
     triton, tl = require_triton()
+    clock = importlib.import_module("triton.language.extra.cuda").globaltimer  # ns, the GPU's own
 
     @triton.jit
-    def wait_for_fill(seen_dev_ptr, flag_ptr, expect_ptr, seen_ptr, max_spins):
+    def wait_for_fill(spins_ptr, flag_ptr, expect_ptr, seen_ptr, limit, TIMED: tl.constexpr):
         expect = tl.load(expect_ptr, volatile=True)
         flag = tl.load(flag_ptr, volatile=True)
         spins = 0
-        while (flag != expect) & (flag != -expect) & (spins < max_spins):
-            flag = tl.load(flag_ptr, volatile=True)
-            spins += 1
+        if TIMED:  # ``limit`` in ns of the GPU's clock
+            start = clock()
+            while (flag != expect) & (flag != -expect) & (clock() - start < limit):
+                flag = tl.load(flag_ptr, volatile=True)
+                spins += 1
+        else:  # ``limit`` in spins
+            while (flag != expect) & (flag != -expect) & (spins < limit):
+                flag = tl.load(flag_ptr, volatile=True)
+                spins += 1
         tl.store(seen_ptr, flag)
-        tl.store(seen_dev_ptr, flag)
+        tl.store(spins_ptr, spins)  # how long it waited (an error's message says)
 
     return triton, BoundKernel(wait_for_fill)
 
@@ -60,14 +70,19 @@ class FillGate:
         pin = device.type == "cuda"  # (the CPU: the kernel under Triton's interpreter, in tests)
         self.expect = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
         self.seen = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
-        self._seen_dev = torch.zeros(2, dtype=torch.int64, device=device)
-        self.max_spins = int(TIMEOUT_SECONDS / SPIN_SECONDS)  # at least the timeout: a spin takes longer
+        self._spins = torch.zeros(2, dtype=torch.int64, device=device)
+        self.timed = pin and os.environ.get("TRITON_INTERPRET") != "1"
+        self.set_timeout(TIMEOUT_SECONDS)
         # per slot, the wait's tensors, and numpy views of the host words (a write without torch's
         # indexing: this is on the engine's thread every constrained step)
         self._args = [
-            (self._seen_dev[s : s + 1], self.expect[s : s + 1], self.seen[s : s + 1]) for s in range(2)
+            (self._spins[s : s + 1], self.expect[s : s + 1], self.seen[s : s + 1]) for s in range(2)
         ]
         self._expect_np, self._seen_np = self.expect.numpy(), self.seen.numpy()
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long a step's wait may last before it gives up (``check`` then fails the step)."""
+        self.limit = int(seconds * 1e9) if self.timed else max(1, int(seconds / INTERPRETER_SPIN_SECONDS))
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, flags: torch.Tensor, slot: int, number: int,
               rows: int) -> None:  # fmt: skip
@@ -76,8 +91,8 @@ class FillGate:
         self._expect_np[slot] = number  # the slot's last step has sampled: its tokens came before this fill
         self._seen_np[slot] = 0
         _, wait = _kernel()
-        seen_dev, expect, seen = self._args[slot]
-        wait((1,), seen_dev, flags[slot : slot + 1], expect, seen, self.max_spins, num_warps=1)
+        spins, expect, seen = self._args[slot]
+        wait((1,), spins, flags[slot : slot + 1], expect, seen, self.limit, TIMED=self.timed, num_warps=1)
         kernel_token_mask(logits[:rows], slots[slot][:rows], None, volatile=True)
 
     def check(self, slot: int, number: int) -> None:
@@ -87,7 +102,11 @@ class FillGate:
         if seen == number:
             return
         why = "failed in the matcher process" if seen == -number else "did not come in time"
-        raise RuntimeError(f"structured decoding: a step's grammar mask {why}; its requests fail")
+        spins = int(self._spins[slot])
+        raise RuntimeError(
+            f"structured decoding: a step's grammar mask {why} (fill {number} in slot {slot}: the wait saw "
+            f"{seen} after {spins} spins); its requests fail"
+        )
 
 
 __all__ = ["TIMEOUT_SECONDS", "FillGate"]

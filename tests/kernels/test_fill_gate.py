@@ -56,7 +56,7 @@ def test_the_gate_waits_for_the_fill_flag_written_later(slots) -> None:
 
 def test_a_wait_out_of_spins_or_on_a_failed_fill_is_reported(slots) -> None:
     gate = FillGate(DEVICE)
-    gate.max_spins = 1000
+    gate.set_timeout(0.001)
     logits = slots.logits.to(DEVICE)
     gate.apply(logits, slots.tensor, slots.flags, 1, 9, 3)
     if DEVICE.type == "cuda":
