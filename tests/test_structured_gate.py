@@ -1,10 +1,10 @@
 """Gated grammar masks (``structured/gate.py``): the device, not the engine's thread, waits for a step's
 fill. On the CPU the device's wait is played by ``HostGate`` (the kernel's loop on the host), over
-the real matcher process and shared slots: a fill whose rows wait for no token in flight is sent at
-once; one behind a placeholder waits for the step ahead's accepts, which carry it; a reservation whose
-accepts never come is sent by the next; the child writes every other row of the n as all allowed and
-then the fill's number, or its negation when the step fails, which ``check`` turns into an error.
-The masks equal a matcher's of the same tokens. The kernel itself: ``test_structured_gpu.py``."""
+the real matcher process and shared slots: a fill sent with the accepts of the step ahead is the one
+its step's mask waits for; a step whose samplers differ from the guess, or that had none sent ahead,
+sends its own when its sampling is issued; the child writes every other row of the n as all allowed
+and then the fill's number, or its negation when the step fails, which ``check`` turns into an error.
+The masks equal a matcher's of the same tokens. The kernel itself: ``tests/kernels/test_fill_gate.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import torch
 from prefixserve import SamplingParams
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 from prefixserve.sampling.token_mask import apply_token_mask
-from prefixserve.sequence import PLACEHOLDER_TOKEN
 from prefixserve.structured import bitmask, decoding
 from prefixserve.structured.gate import FillGate
 from tests.conftest import tiny_cascade_llm
@@ -90,50 +89,47 @@ def _masked(sd: decoding.StructuredDecoding, mask: Any, rows: int) -> torch.Tens
     return logits != float("-inf")
 
 
-def test_a_fill_needing_no_token_in_flight_is_sent_at_once(gated: Any, engine: Any) -> None:
+def test_a_step_with_no_fill_ahead_sends_its_own(gated: Any, engine: Any) -> None:
     seqs = _seqs(engine, 1) + _seqs(engine, 1, spec=None)  # a constrained row and a free one
-    indices = [len(s.token_ids) for s in seqs]
-    mask = gated.gated_mask(seqs, indices)
-    assert mask is not None and gated._deferred is None
+    mask = gated.gated_mask(seqs)
+    assert mask is not None and mask.fill.number == 1
     got = _masked(gated, mask, 2)
     vocab = gated.grammars.info.vocab_size
     assert torch.equal(got[0, :vocab], _allowed(gated, []))
     assert got[1].all()  # the free row: every token allowed
-    gated.advance(seqs, indices, [0, 0], {})  # its tokens (not placed: nothing pending) come back
-    assert not gated._issued
+    gated.advance(seqs, [len(s.token_ids) for s in seqs], [0, 0], {})  # its tokens (none placed) come back
+    assert not gated._issued and gated.gated_mask(_seqs(engine, 1, spec=None)) is None
 
 
-def test_a_fill_behind_a_placeholder_goes_with_the_accepts_ahead(gated: Any, engine: Any) -> None:
+def test_a_fill_sent_with_the_tokens_ahead_is_its_steps(gated: Any, engine: Any) -> None:
     (seq,) = _seqs(engine, 1)
-    samplers = [seq]
     digit = gated.grammars.info.decoded_vocab.index(b"7")
     first = len(seq.token_ids)
-    seq.token_ids.append(PLACEHOLDER_TOKEN)  # the step ahead's token, still on the device
-    mask = gated.gated_mask(samplers, [first + 1])
-    assert gated._deferred is mask.fill
-    time.sleep(0.05)
-    assert int(gated.masks.shared.flags[mask.fill.slot]) != mask.fill.number  # not sent yet
-    pending = {seq: [(first, None, 0)]}
-    gated.advance([seq], [first], [digit], pending)  # the step ahead's (its own list): accepts + fill
-    assert gated._deferred is None
+    seq.token_ids.append(-1)  # the step ahead's placeholder
+    nxt = [seq]  # the next step's samplers, whose sampling waits for the step ahead's tokens
+    gated.advance([seq], [first], [digit], {seq: [(first, None, 0)]}, then=nxt)
+    ahead = gated._ahead
+    assert ahead is not None and gated.fills_ahead == 1
+    mask = gated.gated_mask([seq])  # the same sequences in another list: the fill sent ahead
+    assert mask.fill is ahead
     got = _masked(gated, mask, 1)
     assert torch.equal(got[0, : gated.grammars.info.vocab_size], _allowed(gated, [digit]))
-    seq.token_ids[first] = digit
-    gated.advance(samplers, [first + 1], [digit], {})  # this step's tokens: its wait saw its fill
+    gated.advance([seq], [first + 1], [digit], {})  # a list of its own: not that step's tokens
+    assert len(gated._issued) == 1
+    gated.advance(mask.fill.samplers, [first + 1], [digit], {})  # that step's: its wait saw its fill
     assert not gated._issued
 
 
-def test_a_reservation_whose_accepts_never_came_is_sent_by_the_next(gated: Any, engine: Any) -> None:
-    (seq,) = _seqs(engine, 1)
-    first = len(seq.token_ids)
-    seq.token_ids.append(PLACEHOLDER_TOKEN)
-    stale = gated.gated_mask([seq], [first + 1])
-    assert gated._deferred is stale.fill
-    fresh = gated.gated_mask(_seqs(engine, 1), [first])  # the step ahead failed: no advance came
-    assert gated._deferred is None
-    _masked(gated, stale, 1)  # released: the device is not left waiting
-    _masked(gated, fresh, 1)
-    assert int(gated.masks.shared.flags[stale.fill.slot]) == stale.fill.number
+def test_a_guess_that_missed_is_sent_again_for_the_step(gated: Any, engine: Any) -> None:
+    a, b = _seqs(engine, 2)
+    gated.advance([], [], [], {}, then=[a])  # the guess: the same samplers as before
+    guess = gated._ahead
+    mask = gated.gated_mask([a, b])  # the step came with another sampler
+    assert mask.fill is not guess and mask.fill.number == guess.number + 1
+    assert mask.fill.slot != guess.slot
+    got = _masked(gated, mask, 2)
+    vocab = gated.grammars.info.vocab_size
+    assert torch.equal(got[:, :vocab], _allowed(gated, []).expand(2, vocab))
 
 
 def test_a_failed_fill_is_flagged_and_fails_its_step(gated: Any, engine: Any) -> None:
@@ -147,7 +143,7 @@ def test_a_failed_fill_is_flagged_and_fails_its_step(gated: Any, engine: Any) ->
 
     gated.matchers.step = unknown_key
     try:
-        mask = gated.gated_mask(seqs, indices)
+        mask = gated.gated_mask(seqs)
     finally:
         del gated.matchers.step
     _masked(gated, mask, 1)
@@ -155,9 +151,10 @@ def test_a_failed_fill_is_flagged_and_fails_its_step(gated: Any, engine: Any) ->
     with pytest.raises(RuntimeError, match="failed in the matcher process"):
         gated.advance(seqs, indices, [0], {})
     # the child goes on: the next step's fill is flagged with its own number
-    mask = gated.gated_mask(seqs, indices)
+    mask = gated.gated_mask(seqs)
     _masked(gated, mask, 1)
     gated.advance(seqs, indices, [0], {})
+    assert int(gated.masks.shared.flags[mask.fill.slot]) == mask.fill.number
 
 
 def test_a_wait_that_saw_another_number_fails(gated: Any) -> None:

@@ -339,19 +339,10 @@ class Engine(EngineSetup, EngineServices):
         except Exception:  # e.g. a device error surfacing at the sync: fail that step's requests
             log.exception("engine step failed; failing the requests in this batch")
             give_back({v.seq: v.num_drafts for v in launched.verified})
-            self._no_tokens()
             for req in launched.touched:
                 if self.requests.get(req.request_id) is req:
                     self._finish_request(req, "error")
             return []
-
-    def _no_tokens(self) -> None:
-        """A step failed before its tokens were placed: the rules still hear that it brought none, so
-        work that waits on them goes out (a grammar's fill the next step's device work waits for)."""
-        try:
-            self.rules.advance([], [], [], self.in_flight_tokens.pending)
-        except Exception:
-            log.exception("request rules failed after a failed step")
 
     def _complete(
         self, launched: LaunchedStep, launched_after: LaunchedStep | None = None

@@ -23,13 +23,13 @@ own, the guess that holds for most decode steps; ``bitmask`` takes it for a step
 the same sequences in the same order, and fills anew for any other. Without launch-ahead the accept
 is sent alone and the fill is asked for when the step samples.
 
-On a GPU whose kernels can read the pinned host slots, all of that waiting moves to the device
-(``gate.py``): the step's sampling is issued with its forward, and its mask kernel waits on the
-device for the fill's flag. ``gated_mask`` reserves the step's slot and fill number; the fill is sent
-at once where no constrained row waits for a token still on the device, else with the accepts of the
-step ahead (``advance``, which the engine calls next: launch-ahead keeps one step in flight). The
-engine's thread then never waits for the child; ``advance`` checks, as each gated step's tokens
-arrive, that its wait saw its own fill.
+On a GPU whose kernels can read the pinned host slots, the engine's thread never waits for the
+child (``gate.py``): the fill goes out as above, with a slot and a number of its own, and the step's
+sampling, issued as before once the tokens ahead of it are placed, waits for it on the device (a
+kernel spinning on the slot's flag) instead of the host waiting for the answer and copying the mask.
+A fill is always sent before the sampling that waits for it is issued, so no wait of the host for
+the device (a graph's capture, an allocation) can hold up the fill the device waits for. ``advance``
+checks, as each gated step's tokens arrive, that its wait saw its own fill.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class GatedMask:
     """A gated step's mask (a ``LogitsMask``): applied on the device once its fill's flag is set."""
 
     fill: GatedFill
-    decoding: StructuredDecoding
+    decoding: StructuredDecoding  # (its masks and gate)
 
     def apply(self, logits: torch.Tensor) -> None:
         d, f = self.decoding, self.fill
@@ -107,7 +107,7 @@ class StructuredDecoding:
         gated = GATED and self.masks.device_readable
         self.gate = FillGate(self.masks.device) if gated else None  # None: the host waits (``bitmask``)
         self._numbers = itertools.count(1)
-        self._deferred: GatedFill | None = None  # reserved; its fill goes with the next accepts
+        self._ahead: GatedFill | None = None  # a gated fill sent with the tokens before its step
         self._issued: deque[GatedFill] = deque()  # gated steps whose tokens have not come back
 
     @property
@@ -143,13 +143,10 @@ class StructuredDecoding:
         self._job = None  # a job not taken by its step is dropped (its answer is read first)
         keys, accepted = self._accepts(samplers, indices, tokens, pending)
         if self.gate is not None:
-            deferred, self._deferred = self._deferred, None
-            if deferred is not None:  # the step launched after this one waits for it on the device
-                try:
-                    self._send_gated(deferred, (keys, accepted))
-                except Exception:
-                    self._deferred = deferred  # sent again (to a new child) by the next call: never lost
-                    raise
+            self._ahead = None
+            if then is not None:  # (``accepts`` alone where ``then`` has no constrained row)
+                self._ahead = self._send_gated(then, (keys, accepted))
+                self.fills_ahead += self._ahead is not None
             elif keys:
                 self.matchers.step((keys, accepted), None)
             self._check_gated(samplers)
@@ -184,34 +181,32 @@ class StructuredDecoding:
                 accepted.append(tokens[i])
         return keys, accepted
 
-    def gated_mask(self, samplers: list[Sequence], indices: list[int]) -> GatedMask | None:
-        """The step's mask, waited for on the device (``gated``): its slot and fill number reserved,
-        the fill sent now where no constrained row's token before it is still in flight, else with
-        the next ``advance`` (the step ahead's tokens). None: no row is constrained."""
-        self._flush()
-        rows = self._rows(samplers)
-        if not rows:
-            return None
-        self.masks.host(len(samplers))  # the next slot: its last read is done
-        fill = GatedFill(samplers, rows, self.masks.slot, next(self._numbers))
-        if any(seq.token_ids[indices[i] - 1] < 0 for i, seq, _ in rows):  # a placeholder before it
-            self._deferred = fill
-            self.fills_ahead += 1
-        else:
-            self._send_gated(fill, ([], []))
+    def gated_mask(self, samplers: list[Sequence]) -> GatedMask | None:
+        """The step's mask, waited for on the device (``gated``): the fill sent ahead with the tokens
+        before it, for the same sequences, else sent now (every token before the step's is placed by
+        then). None: no row is constrained."""
+        fill, self._ahead = self._ahead, None
+        if fill is None or not _same(fill.samplers, samplers):
+            fill = self._send_gated(samplers, ([], []))
+            if fill is None:
+                return None
+        fill.samplers = samplers  # its step's own list: ``_check_gated`` finds it by identity
         self._issued.append(fill)
         return GatedMask(fill, self)
 
-    def _flush(self) -> None:
-        """Send a reserved fill whose accepts never came (the step ahead failed before its tokens were
-        placed): the device must not wait out the gate's timeout; that step's requests have failed."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._send_gated(deferred, ([], []))
-
-    def _send_gated(self, fill: GatedFill, accepts: tuple[list[int], list[int]]) -> None:
-        rows = [(i, key) for i, seq, key in fill.rows if not seq.is_finished]
-        self.matchers.step(accepts, (self.masks.shared, fill.slot, len(fill.samplers), rows), fill.number)
+    def _send_gated(self, samplers: list[Sequence], accepts: tuple[list[int], list[int]]) -> GatedFill | None:
+        """Send ``accepts`` and a gated fill of ``samplers``' constrained rows into the next slot (once
+        its last read is done) under a new number; None (``accepts`` sent alone): no constrained row."""
+        rows = self._rows(samplers)
+        if not rows:
+            if accepts[0]:
+                self.matchers.step(accepts, None)
+            return None
+        self.masks.host(len(samplers))
+        fill = GatedFill(samplers, rows, self.masks.slot, next(self._numbers))
+        job = (self.masks.shared, fill.slot, len(samplers), [(i, key) for i, _, key in rows])
+        self.matchers.step(accepts, job, fill.number)
+        return fill
 
     def _check_gated(self, samplers: list[Sequence]) -> None:
         """The tokens of ``samplers``' step arrived: if a gated fill was theirs, did its wait see it?

@@ -69,10 +69,9 @@ class StructuredOutputsRule(RequestRule):
     def waits(
         self, samplers: Sequence[EngineSequence], indices: Sequence[int], params: Sequence[SamplingParams]
     ) -> bool:
-        """A grammar row's mask needs every token before the one it samples: on the host, unless the
-        device waits for it (``StructuredDecoding.gated``)."""
-        d = self.decoding
-        return d is not None and not d.gated and d.constrained(samplers)
+        """A grammar row's mask needs every token before the one it samples (sent to the matcher
+        process before the sampling is issued, even where the device waits for the fill)."""
+        return self.decoding is not None and self.decoding.constrained(samplers)
 
     def mask(
         self, samplers: Sequence[EngineSequence], indices: Sequence[int], params: Sequence[SamplingParams]
@@ -80,7 +79,7 @@ class StructuredOutputsRule(RequestRule):
         d = self.decoding
         if d is None:
             return None
-        return d.gated_mask(samplers, indices) if d.gated else d.bitmask(samplers)
+        return d.gated_mask(samplers) if d.gated else d.bitmask(samplers)
 
     def advance(
         self,
