@@ -139,6 +139,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=False,
         progress=False,
     )
+    if args.no_early_take:
+        llm.engine.runner.device_idle = lambda: False
     convs = _conversations(args.batch)
     modes = {
         "unconstrained": SamplingParams(
@@ -216,6 +218,7 @@ def _command(s: dict[str, Any]) -> str:
     extra += f" --vocab {s['vocab']}" if s.get("vocab") is not None else ""
     extra += " --no-detokenize" if s.get("detokenize") is False else ""
     extra += " --host-gate" if s.get("host_gate") else ""
+    extra += " --no-early-take" if s.get("no_early_take") else ""
     run = f"python -m benchmarks.structured --device {s['device']} --batch {s['batch']}"
     return f"{run} --tokens {s['tokens']}{extra}"
 
@@ -329,6 +332,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the host waits for each step's grammar fill and copies the mask (structured/decoding.py "
         "GATED off), instead of the device waiting for it (structured/gate.py): the A/B of that change",
+    )
+    ap.add_argument(
+        "--no-early-take",
+        action="store_true",
+        help="the engine never waits for a grammar step's tokens as soon as its sampling is out (the "
+        "runner reports its device busy): the A/B of Engine._take_tokens",
     )
     ap.add_argument("--name", default=None, help="result file name (default structured_cpu / structured_gpu)")
     args = ap.parse_args(argv)

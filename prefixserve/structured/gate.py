@@ -1,15 +1,15 @@
 """A grammar step's mask waited for by the GPU, not by the engine's thread (launch-ahead on CUDA).
 
-A constrained row's mask needs the token before it. Launched ahead, that token is still on the device
-when the step is issued, so the engine used to issue the step's sampling a step later: it waited for
-the matcher process's fill, copied the mask, then sampled, all on its own thread, where a small
-model's step is host work end to end. Here the sampling is issued with the forward, as for
-unconstrained rows, behind a one-program kernel that spins (``wait_for_fill``) until the step's fill
-flag in the shared slots (``bitmask.SharedSlots.flags``) holds the fill's number; the matcher process
-writes it once the rows are in the slot (``-number`` when the fill failed). The mask kernel then reads
-the slot straight from pinned host memory (``cache_modifier=".cv"``: fetched again, never a stale
-line). The engine's thread only sends the accepted tokens and the fill (``decoding.py``); nothing on
-it waits for the child.
+A constrained row's mask needs the token before it, so a step launched ahead issues its sampling once
+the tokens ahead of it are placed and the matcher process has been sent the fill. The engine's thread
+then waited for the child's answer and copied the mask before it issued the sampling: on a small
+model, whose step is host work end to end, that wait was most of what a constrained step cost. Here
+the sampling goes out at once, behind a one-program kernel that spins (``wait_for_fill``, volatile
+loads of host memory) until the step's fill flag in the shared slots (``bitmask.SharedSlots.flags``)
+holds the fill's number; the matcher process writes it once the rows are in the slot (``-number``
+when the fill failed). The mask kernel then reads the slot straight from pinned host memory
+(``cache_modifier=".cv"``: fetched afresh). Every fill is sent before the sampling that waits for it
+is issued (``decoding.py``), so no host wait on the device can hold it up.
 
 The wait is bounded (``TIMEOUT_SECONDS`` by the GPU's clock): a fill that never comes (a bug)
 releases the device with the slot as it is, and the kernel's record of the flag it saw (``seen``)
