@@ -81,7 +81,7 @@ def _fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
 
 
-FLAG_WORDS = 4  # int32 words after the slots: each slot's fill flag, an int64 (``SharedSlots.flags``)
+FLAG_WORDS = 8  # int32 words after the slots: each slot's fill flag, an int64 16 bytes apart (``flags``)
 
 
 class SharedSlots:
@@ -93,7 +93,7 @@ class SharedSlots:
 
     def __init__(self, rows: int, words: int) -> None:
         self.fd = _anonymous_file()
-        os.ftruncate(self.fd, (2 * rows * words + FLAG_WORDS) * 4)
+        os.ftruncate(self.fd, (_flags_at(rows, words) + FLAG_WORDS) * 4)
         self.rows, self.words = rows, words
         self.tensor, self.flags = self.open(self.fd, rows, words, close=False)
         weakref.finalize(self, os.close, self.fd)
@@ -105,14 +105,20 @@ class SharedSlots:
     @staticmethod
     def open(fd: int, rows: int, words: int, close: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Map the slots of descriptor ``fd`` (a descriptor received from the engine: closed after):
-        the slots, int32 [2, rows, words], and their fill flags, int64 [2]."""
-        size = 2 * rows * words
+        the slots, int32 [2, rows, words], and their fill flags, int64 [2], each 16-byte aligned (a
+        kernel launch with an unaligned pointer takes Triton's slow path, ``triton_support/bound.py``)."""
+        at = _flags_at(rows, words)
         try:
-            flat = torch.from_file(_fd_path(fd), shared=True, size=size + FLAG_WORDS, dtype=torch.int32)
+            flat = torch.from_file(_fd_path(fd), shared=True, size=at + FLAG_WORDS, dtype=torch.int32)
         finally:
             if close:
                 os.close(fd)
-        return flat[:size].view(2, rows, words), flat[size:].view(torch.int64)
+        return flat[: 2 * rows * words].view(2, rows, words), flat[at:].view(torch.int64)[::2]
+
+
+def _flags_at(rows: int, words: int) -> int:
+    """Where the flags start, in int32 words: after the slots, on a 16-byte boundary."""
+    return -(-2 * rows * words // 4) * 4
 
 
 def _pin(t: torch.Tensor) -> bool:

@@ -68,9 +68,10 @@ class FillGate:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         pin = device.type == "cuda"  # (the CPU: the kernel under Triton's interpreter, in tests)
-        self.expect = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
-        self.seen = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
-        self._spins = torch.zeros(2, dtype=torch.int64, device=device)
+        # per slot, at 16-byte steps (an unaligned pointer's launch takes Triton's slow path)
+        self.expect = torch.zeros(4, dtype=torch.int64, pin_memory=pin)[::2]
+        self.seen = torch.zeros(4, dtype=torch.int64, pin_memory=pin)[::2]
+        self._spins = torch.zeros(4, dtype=torch.int64, device=device)[::2]
         self.timed = pin and os.environ.get("TRITON_INTERPRET") != "1"
         self.set_timeout(TIMEOUT_SECONDS)
         # per slot, the wait's tensors, and numpy views of the host words (a write without torch's
