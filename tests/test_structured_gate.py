@@ -8,6 +8,8 @@ The masks equal a matcher's of the same tokens. The kernel itself: ``tests/kerne
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,12 +34,13 @@ class HostGate:
     """``FillGate`` with the kernel's wait on the host: spin on the slot's flag, then mask."""
 
     def __init__(self, device: Any) -> None:
+        self.timeout = 30.0
         self._seen_np = [0, 0]
         self._spins = [0, 0]
         self.applied = 0
 
     def apply(self, logits: Any, slots: Any, flags: Any, slot: int, number: int, rows: int) -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.timeout
         while int(flags[slot]) not in (number, -number) and time.monotonic() < deadline:
             time.sleep(1e-4)
         self._seen_np[slot] = int(flags[slot])
@@ -161,5 +164,54 @@ def test_a_wait_that_saw_another_number_fails(gated: Any) -> None:
     gate = HostGate(None)
     gate._seen_np = [5, 0]
     gate.check(0, 5)
-    with pytest.raises(RuntimeError, match="did not come in time"):
+    with pytest.raises(TimeoutError, match="did not come in time"):
         gate.check(0, 6)
+
+
+def test_an_error_of_accepts_before_fails_the_next_gated_fill(gated: Any, engine: Any) -> None:
+    """An accept the child could not take (no answer was due) fails the next gated fill: that fill's
+    matchers may be off."""
+    (seq,) = _seqs(engine, 1)
+    gated.matchers.step(([-5], [1]), None)  # a key the child never made
+    mask = gated.gated_mask([seq])
+    _masked(gated, mask, 1)
+    assert int(gated.masks.shared.flags[mask.fill.slot]) == -mask.fill.number
+    with pytest.raises(RuntimeError, match="failed in the matcher process"):
+        gated.advance(mask.fill.samplers, [len(seq.token_ids)], [0], {})
+
+
+def test_a_child_that_dies_releases_the_fill_the_device_waits_for(gated: Any, engine: Any) -> None:
+    (seq,) = _seqs(engine, 1)
+    child = gated.matchers._child
+    os.kill(child.pid, signal.SIGSTOP)
+    mask = gated.gated_mask([seq])  # in the socket; the child never takes it
+    os.kill(child.pid, signal.SIGKILL)
+    started = time.monotonic()
+    _masked(gated, mask, 1)
+    assert time.monotonic() - started < 10  # released by the child's end, not the wait's bound
+    assert int(gated.masks.shared.flags[mask.fill.slot]) == -mask.fill.number
+    with pytest.raises(RuntimeError, match="failed in the matcher process"):
+        gated.advance(mask.fill.samplers, [len(seq.token_ids)], [0], {})
+    with pytest.raises(RuntimeError, match="restarted"):  # the next send meets the dead child
+        gated.gated_mask(_seqs(engine, 1))
+    (fresh,) = _seqs(engine, 1)
+    mask = gated.gated_mask([fresh])  # a new child serves it
+    got = _masked(gated, mask, 1)
+    assert torch.equal(got[0, : gated.grammars.info.vocab_size], _allowed(gated, []))
+
+
+def test_a_hung_child_is_replaced_when_a_wait_runs_out(gated: Any, engine: Any) -> None:
+    (seq,) = _seqs(engine, 1)
+    child = gated.matchers._child
+    gated.gate.timeout = 0.5
+    os.kill(child.pid, signal.SIGSTOP)
+    mask = gated.gated_mask([seq])
+    _masked(gated, mask, 1)
+    with pytest.raises(RuntimeError, match="did not come in time"):
+        gated.advance(mask.fill.samplers, [len(seq.token_ids)], [0], {})
+    assert child.wait(timeout=10) is not None and gated.matchers._conn is None  # killed, replaced next
+    gated.gate.timeout = 30.0
+    (fresh,) = _seqs(engine, 1)
+    mask = gated.gated_mask([fresh])
+    got = _masked(gated, mask, 1)
+    assert torch.equal(got[0, : gated.grammars.info.vocab_size], _allowed(gated, []))

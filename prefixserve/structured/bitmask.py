@@ -173,7 +173,7 @@ class StepBitmasks:
             self._pinned = False
 
     def wait(self) -> None:
-        """Until no copy reads a host slot."""
+        """Until no copy or mask kernel reads a host slot."""
         if self.cuda:
             for s in (0, 1):
                 if self._pending[s]:
@@ -181,7 +181,8 @@ class StepBitmasks:
                     self._pending[s] = False
 
     def host(self, n: int) -> torch.Tensor:
-        """The next slot's first ``n`` rows (int32 [n, words]) to fill: no copy reads it any more.
+        """The next slot's first ``n`` rows (int32 [n, words]) to fill: no copy or mask kernel reads
+        it any more.
         Rows not filled hold an older step's words; ``apply`` reads only the rows it is given."""
         if n > self.rows:
             self._grow(max(n, 2 * self.rows))

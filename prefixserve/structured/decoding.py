@@ -2,10 +2,11 @@
 
 Its request rule (``rule.StructuredOutputsRule``) calls ``admit`` when a constrained request arrives
 (compiling its grammar, or refusing it), ``advance`` as a step's tokens arrive (each sequence's
-matcher takes the token put in place), and ``bitmask`` when a step's sampling is issued. A request's
-matchers are its rule state (``Request.rules[MATCHERS]``: sample index -> matcher handle); one is
-made at the sequence's first sampled token, so the n samples of a request (split off at the end of
-the prompt) each get their own, and a preempted sequence keeps its own across the recompute.
+matcher takes the token put in place), and ``bitmask`` (``gated_mask`` where the device waits) when
+a step's sampling is issued. A request's matchers are its rule state (``Request.rules[MATCHERS]``:
+sample index -> matcher handle); one is made at the sequence's first sampled token, so the n samples
+of a request (split off at the end of the prompt) each get their own, and a preempted sequence keeps
+its own across the recompute.
 
 The matchers live in a process of their own (``matcher_process``): xgrammar's calls drop the GIL,
 but a thread of this process that made them waited for the GIL between calls while the engine's
@@ -37,6 +38,7 @@ from __future__ import annotations
 import itertools
 import operator
 import os
+import platform
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +50,8 @@ from prefixserve.sequence import Sequence
 from prefixserve.structured.bitmask import StepBitmasks, StepMask
 from prefixserve.structured.gate import FillGate
 from prefixserve.structured.grammars import GrammarCache
-from prefixserve.structured.matcher_process import MatcherProcess
+from prefixserve.structured.matcher_process import MatcherProcess, release_waits
+from prefixserve.triton_support import triton_available
 
 MATCHERS = "structured_outputs"  # the rule's name; Request.rules[MATCHERS]: sample index -> matcher handle
 GATED = True  # the device waits for a step's fill where it can (``gate.py``); tests and A/B runs: False
@@ -56,10 +59,9 @@ GATED = True  # the device waits for a step's fill where it can (``gate.py``); t
 
 @dataclass(slots=True)
 class GatedFill:
-    """A gated step's fill: its samplers, their constrained rows, the slot and the fill's number."""
+    """A gated step's fill: its samplers, the slot and the fill's number."""
 
     samplers: list[Sequence]
-    rows: list[tuple[int, Sequence, int]]
     slot: int
     number: int
 
@@ -100,11 +102,13 @@ class StructuredDecoding:
         self.matchers.setup(self.grammars.info.serialize_json(), vocab_size, threads)
         # a step whose fill was sent ahead: its samplers and its host slot
         self._job: tuple[list[Sequence], torch.Tensor | None] | None = None
-        self.fills_ahead = 0  # steps whose fill went with the tokens before them (launched ahead)
+        self.fills_ahead = (
+            0  # fills sent with the tokens before their step (launched ahead; a guess may miss)
+        )
         # the samplers of the last fill and their (row, sequence, key) rows: what the step's tokens
         # advance (``advance``), and the next step's rows where its samplers are the same (``_rows``)
         self._last_rows: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None
-        gated = GATED and self.masks.device_readable
+        gated = GATED and self.masks.device_readable and triton_available() and _stores_in_order()
         self.gate = FillGate(self.masks.device) if gated else None  # None: the host waits (``bitmask``)
         self._numbers = itertools.count(1)
         self._ahead: GatedFill | None = None  # a gated fill sent with the tokens before its step
@@ -112,8 +116,9 @@ class StructuredDecoding:
 
     @property
     def gated(self) -> bool:
-        """Does the device wait for each step's fill (``gate.py``), so no sampling waits on the host?"""
-        return self.gate is not None
+        """Does the device wait for each step's fill (``gate.py``), so no sampling waits on the host?
+        (Not after slots regrown for a larger step could not be pinned: the host's wait again.)"""
+        return self.gate is not None and self.masks.device_readable
 
     def admit(self, spec: StructuredOutputs) -> None:
         """Compile ``spec`` now (or find it compiled): a bad one raises ValueError before queueing;
@@ -138,11 +143,12 @@ class StructuredDecoding:
         """Each constrained sampler's matcher takes its token, where ``Scheduler.update_from_output``
         will put it in place (so before that call: the same test on ``pending``); with ``then``, the
         samplers of a step launched ahead whose sampling waits (or the guess of them, ``samplers``
-        itself), their mask's fill is sent with it, taken by ``bitmask`` for the same sequences.
+        itself), their mask's fill is sent with it, taken by ``bitmask`` (``gated_mask``) for the same
+        sequences.
         """
         self._job = None  # a job not taken by its step is dropped (its answer is read first)
         keys, accepted = self._accepts(samplers, indices, tokens, pending)
-        if self.gate is not None:
+        if self.gated:
             self._ahead = None
             if then is not None:  # (``accepts`` alone where ``then`` has no constrained row)
                 self._ahead = self._send_gated(then, (keys, accepted))
@@ -203,7 +209,9 @@ class StructuredDecoding:
                 self.matchers.step(accepts, None)
             return None
         self.masks.host(len(samplers))
-        fill = GatedFill(samplers, rows, self.masks.slot, next(self._numbers))
+        if not self.masks.device_readable:  # regrown, not pinned: this step fails, the next is the host's
+            raise RuntimeError("structured decoding's mask slots grew and could not be pinned")
+        fill = GatedFill(samplers, self.masks.slot, next(self._numbers))
         job = (self.masks.shared, fill.slot, len(samplers), [(i, key) for i, _, key in rows])
         self.matchers.step(accepts, job, fill.number)
         return fill
@@ -218,7 +226,11 @@ class StructuredDecoding:
             if fill.samplers is samplers:
                 for _ in range(k + 1):
                     issued.popleft()
-                self.gate.check(fill.slot, fill.number)
+                try:
+                    self.gate.check(fill.slot, fill.number)
+                except TimeoutError as exc:  # a hung (or dead) child: replaced, its other waits released
+                    self.matchers.lose(str(exc))
+                    raise RuntimeError(str(exc)) from None
                 return
 
     def _send_fill(
@@ -265,8 +277,6 @@ class StructuredDecoding:
         their token is dropped.
         """
         job, self._job = self._job, None
-        if self.gate is not None:
-            raise RuntimeError("a gated engine's masks come from gated_mask")
         if job is None or not _same(job[0], samplers):
             job = (samplers, self._send_fill(samplers, ([], [])))
         if job[1] is None:  # no constrained row
@@ -275,9 +285,18 @@ class StructuredDecoding:
         return StepMask(job[1], rows, self.masks) if rows else None
 
     def close(self) -> None:
-        """End the matcher process; unpin the host slots."""
+        """End the matcher process; unpin the host slots once no kernel reads them (a device still
+        waiting for a fill is released first)."""
         self.matchers.close()
+        release_waits(self.matchers._gated)
+        self.masks.wait()
         self.masks.close()
+
+
+def _stores_in_order() -> bool:
+    """Does this host make a process's stores visible in program order (x86), so the matcher process's
+    flag is never seen before its rows (Python has no store barrier for the others)?"""
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
 def _same(a: list[Sequence], b: list[Sequence]) -> bool:

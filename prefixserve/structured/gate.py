@@ -1,20 +1,21 @@
-"""A grammar step's mask waited for by the GPU, not by the engine's thread (launch-ahead on CUDA).
+"""A grammar step's mask waited for by the GPU, not by the engine's thread (on an x86 host's GPU).
 
 A constrained row's mask needs the token before it, so a step launched ahead issues its sampling once
 the tokens ahead of it are placed and the matcher process has been sent the fill. The engine's thread
 then waited for the child's answer and copied the mask before it issued the sampling: on a small
 model, whose step is host work end to end, that wait was most of what a constrained step cost. Here
-the sampling goes out at once, behind a one-program kernel that spins (``wait_for_fill``, volatile
-loads of host memory) until the step's fill flag in the shared slots (``bitmask.SharedSlots.flags``)
-holds the fill's number; the matcher process writes it once the rows are in the slot (``-number``
-when the fill failed). The mask kernel then reads the slot straight from pinned host memory
-(``cache_modifier=".cv"``: fetched afresh). Every fill is sent before the sampling that waits for it
-is issued (``decoding.py``), so no host wait on the device can hold it up.
+the sampling is issued without waiting for the answer, behind a one-program kernel that spins
+(``wait_for_fill``, volatile loads of host memory) until the step's fill flag in the shared slots
+(``bitmask.SharedSlots.flags``) holds the fill's number; the matcher process writes it once the rows
+are in the slot (``-number`` when the fill failed). The mask kernel then reads the slot straight from
+pinned host memory (``cache_modifier=".cv"``: fetched afresh). Every fill is sent before the sampling
+that waits for it is issued (``decoding.py``), so no host wait on the device can hold it up.
 
-The wait is bounded (``TIMEOUT_SECONDS`` by the GPU's clock): a fill that never comes (a bug)
+The wait is bounded (``TIMEOUT_SECONDS`` by the GPU's clock): a fill that never comes (a hung child)
 releases the device with the slot as it is, and the kernel's record of the flag it saw (``seen``)
-tells the engine, which fails the step's constrained requests (``FillGate.check``) instead of serving
-tokens no mask checked.
+tells the engine (``FillGate.check``), which fails the step's requests instead of serving tokens no
+mask checked and replaces the child. A child that ends releases the fills it held at once
+(``matcher_process.release_waits``).
 """
 
 from __future__ import annotations
@@ -97,14 +98,14 @@ class FillGate:
         kernel_token_mask(logits[:rows], slots[slot][:rows], None, volatile=True)
 
     def check(self, slot: int, number: int) -> None:
-        """After the step's tokens arrived: raise if its wait did not see fill ``number`` (a failed or
-        late fill: the step's masks are not its own)."""
+        """After the step's tokens arrived: raise if its wait did not see fill ``number`` (RuntimeError:
+        the fill failed; TimeoutError: it did not come within the bound), the step's masks not its own."""
         seen = int(self._seen_np[slot])
         if seen == number:
             return
         why = "failed in the matcher process" if seen == -number else "did not come in time"
         spins = int(self._spins[slot])
-        raise RuntimeError(
+        raise (RuntimeError if seen == -number else TimeoutError)(
             f"structured decoding: a step's grammar mask {why} (fill {number} in slot {slot}: the wait saw "
             f"{seen} after {spins} spins); its requests fail"
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import os
 import socket
 import subprocess
@@ -45,6 +46,7 @@ import torch
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 
 _KEYS = itertools.count(1)
+log = logging.getLogger(__name__)
 
 
 class MatcherHandle:
@@ -89,6 +91,12 @@ class MatcherProcess:
         self.close = weakref.finalize(self, _end, self._conn, self._child)  # also when collected
         self._awaited = False  # a step's answer is due
         self._slots: Any = None  # the host slots the child was last sent
+        # slot -> (slots, number) of the last gated fill sent to this child: a device may wait for
+        # it, so a child that ends (or is ended) releases it with ``-number`` (``release_waits``)
+        self._gated: dict[int, tuple[Any, int]] = {}
+        threading.Thread(
+            target=_watch, args=(self._child, self._gated), daemon=True, name="prefixserve-matchers-watch"
+        ).start()
         if self._setup is not None:  # a replacement: the set-up again (keys of the last one are unknown)
             self._conn.send(self._setup)  # (inside ``_send``'s lock)
 
@@ -116,7 +124,8 @@ class MatcherProcess:
         number: int | None = None,
     ) -> None:
         """Send a step: ``accepts`` (keys, tokens) taken in order, then with ``fill`` = (slots, slot,
-        rows n, [(row, key)]) those rows of ``slots[slot][:n]`` filled; its answer is ``rows()``.
+        rows n, [(row, key)]) those rows of ``slots[slot][:n]`` filled (the child gets them as the job
+        (slots' shape or None, slot, n, rows, number)); its answer is ``rows()``.
         With ``number`` the fill is gated (``gate.py``): no answer; the child fills the slot's other
         rows of the n with every token allowed and then writes ``number`` to the slot's flag
         (``-number`` if the step failed)."""
@@ -127,10 +136,21 @@ class MatcherProcess:
         if fill is not None and (fill[0] is not self._slots or self._conn is None):
             slots = fill[0]
         job = None if fill is None else (None if slots is None else slots.describe(), *fill[1:], number)
+        if number is not None:
+            self._gated[fill[1]] = (fill[0], number)
         self._send(("step", made, dropped, accepts, job), slots)
         if slots is not None:
             self._slots = slots
         self._awaited = job is not None and number is None
+
+    def lose(self, why: str) -> None:
+        """End a child that failed a gated fill in time (hung or dead): killed, its device waits
+        released, replaced at the next message."""
+        log.warning("structured decoding's matcher process %s; it is restarted", why)
+        self._child.kill()
+        self.close()
+        release_waits(self._gated)
+        self._conn, self._awaited, self._slots = None, False, None
 
     def rows(self) -> list[int]:
         """The rows the last step's fill filled (matchers that ended are left out)."""
@@ -167,8 +187,24 @@ class MatcherProcess:
     def _lose(self, why: str) -> NoReturn:
         """End the child (replaced at the next message) and fail the step that met it."""
         self.close()
+        release_waits(self._gated)
         self._conn, self._awaited, self._slots = None, False, None
         raise RuntimeError(f"structured decoding's matcher process {why}; it is restarted")
+
+
+def release_waits(gated: dict[int, tuple[Any, int]]) -> None:
+    """Write ``-number`` to each slot whose last gated fill's flag is not written: a device waiting for
+    it goes on at once, and the step fails (``gate.FillGate.check``) instead of waiting out its bound."""
+    for slot, (slots, number) in list(gated.items()):
+        if int(slots.flags[slot]) != number:
+            slots.flags[slot] = -number
+
+
+def _watch(child: subprocess.Popen, gated: dict[int, tuple[Any, int]]) -> None:
+    """When the child ends, for whatever reason, release the gated fills it held (its own dict: a
+    replacement's fills are another's)."""
+    child.wait()
+    release_waits(gated)
 
 
 def _end(conn: Connection, child: subprocess.Popen) -> None:
@@ -253,7 +289,6 @@ class Matchers:
         self.by_key: dict[int, Any] = {}
         self.slots: torch.Tensor | None = None
         self.flags: torch.Tensor | None = None  # each slot's fill flag (``SharedSlots.flags``)
-        self._fence = threading.Lock()
         self._compiling: dict[tuple, Future] = {}  # specs compiled on a thread, beside the steps
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-compile")
         self._matcher_cls = _matcher_class(xgr)
@@ -275,7 +310,8 @@ class Matchers:
 
     def step(self, made: list, dropped: list[int], accepts: tuple, job: tuple | None) -> list[int] | None:
         """Make and drop matchers, take the accepted tokens; with ``job`` = (slots, slot, n, [(row,
-        key)]) also fill those rows of ``slots[slot][:n]``: the rows filled (ended matchers left out).
+        key)], number) also fill those rows of ``slots[slot][:n]``: the rows filled (ended matchers left
+        out); a gated job (``number``) also sets the n rows' others to allow every token.
         A key this process does not hold (a replaced process's) fails the step after the others took
         their tokens."""
         for key, spec in made:  # made before dropped: a key in both (a request failed at once) goes
@@ -303,12 +339,10 @@ class Matchers:
 
     def release(self, job: tuple | None, failed: bool) -> None:
         """A gated fill's flag: its number once its rows are written (``-number``: the step failed).
-        The lock's acquire and release are full barriers where stores may pass each other (Arm); x86
-        keeps the order of stores anyway."""
+        x86 makes stores visible in program order, so the rows are there when the flag is; gating is
+        on only on x86 hosts (``decoding.py``: Python has no store barrier for the others)."""
         if job is None or job[4] is None or self.flags is None:
             return
-        with self._fence:
-            pass
         self.flags[job[1]] = -job[4] if failed else job[4]
 
     def accept(self, matchers: list[Any], tokens: list[int]) -> None:
@@ -324,7 +358,8 @@ class Matchers:
 
 
 def serve(conn: Connection) -> None:
-    """The child's loop: a step with a fill is answered ("rows", filled rows) or ("error", why)."""
+    """The child's loop: a step with a fill is answered ("rows", filled rows) or ("error", why); a
+    gated fill is answered by its flag alone (an error of a step before it fails it)."""
     from prefixserve.structured.bitmask import SharedSlots
 
     # xgrammar (seconds: torch and transformers with it) imported on a thread from the start, while this
@@ -337,7 +372,8 @@ def serve(conn: Connection) -> None:
         return
     importer.join()
     matchers = Matchers(info, vocab_size, threads)
-    failed: str | None = None  # an error of a step with no answer due: reported with the next answer
+    failed: str | None = None  # an error of a step with no answer due: reported with the next answer or
+    # gated fill
     while True:
         try:
             message = conn.recv()
@@ -350,16 +386,19 @@ def serve(conn: Connection) -> None:
             matchers.compile(message[1])
             continue
         job = message[4]
-        answer = job is not None and job[4] is None
+        gated = job is not None and job[4] is not None
         try:
             rows = matchers.step(*message[1:])
+            if gated and failed:  # an earlier step's accepts failed: this fill's matchers may be off
+                raise RuntimeError(failed)
             matchers.release(job, failed=False)
         except Exception as exc:  # the step's requests fail, the engine goes on
             failed = failed or f"{type(exc).__name__}: {exc}"
-            if job is not None and job[4] is not None:  # gated: no answer carries it
+            if gated:  # no answer carries it: the flag says it, the log says why
                 print(f"prefixserve matcher process: {failed}", file=sys.stderr, flush=True)
                 matchers.release(job, failed=True)
                 failed = None
+        answer = job is not None and not gated
         if answer:
             try:
                 conn.send(("error", failed) if failed else ("rows", rows))
