@@ -50,7 +50,7 @@ from prefixserve.sequence import Sequence
 from prefixserve.structured.bitmask import StepBitmasks, StepMask
 from prefixserve.structured.gate import FillGate
 from prefixserve.structured.grammars import GrammarCache
-from prefixserve.structured.matcher_process import MatcherProcess, release_waits
+from prefixserve.structured.matcher_process import MatcherProcess
 from prefixserve.triton_support import triton_available
 
 MATCHERS = "structured_outputs"  # the rule's name; Request.rules[MATCHERS]: sample index -> matcher handle
@@ -102,9 +102,7 @@ class StructuredDecoding:
         self.matchers.setup(self.grammars.info.serialize_json(), vocab_size, threads)
         # a step whose fill was sent ahead: its samplers and its host slot
         self._job: tuple[list[Sequence], torch.Tensor | None] | None = None
-        self.fills_ahead = (
-            0  # fills sent with the tokens before their step (launched ahead; a guess may miss)
-        )
+        self.fills_ahead = 0  # fills sent with the tokens before their step (a guess may miss)
         # the samplers of the last fill and their (row, sequence, key) rows: what the step's tokens
         # advance (``advance``), and the next step's rows where its samplers are the same (``_rows``)
         self._last_rows: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None
@@ -201,18 +199,13 @@ class StructuredDecoding:
         return GatedMask(fill, self)
 
     def _send_gated(self, samplers: list[Sequence], accepts: tuple[list[int], list[int]]) -> GatedFill | None:
-        """Send ``accepts`` and a gated fill of ``samplers``' constrained rows into the next slot (once
-        its last read is done) under a new number; None (``accepts`` sent alone): no constrained row."""
-        rows = self._rows(samplers)
-        if not rows:
-            if accepts[0]:
-                self.matchers.step(accepts, None)
+        """``_send_fill``, gated: the fill under a new number, answered by the slot's flag alone."""
+        job = self._next_fill(samplers, accepts)
+        if job is None:
             return None
-        self.masks.host(len(samplers))
         if not self.masks.device_readable:  # regrown, not pinned: this step fails, the next is the host's
             raise RuntimeError("structured decoding's mask slots grew and could not be pinned")
         fill = GatedFill(samplers, self.masks.slot, next(self._numbers))
-        job = (self.masks.shared, fill.slot, len(samplers), [(i, key) for i, _, key in rows])
         self.matchers.step(accepts, job, fill.number)
         return fill
 
@@ -238,15 +231,24 @@ class StructuredDecoding:
     ) -> torch.Tensor | None:
         """Send ``accepts`` and the fill of each constrained sampler still running (a matcher is made
         at its first); the host slot the child fills (None: no row to fill, only ``accepts`` sent)."""
+        job = self._next_fill(samplers, accepts)
+        if job is None:
+            return None
+        self.matchers.step(accepts, job)
+        return self.masks.shared.tensor[job[1]][: job[2]]
+
+    def _next_fill(
+        self, samplers: list[Sequence], accepts: tuple[list[int], list[int]]
+    ) -> tuple[Any, int, int, list[tuple[int, int]]] | None:
+        """The fill of ``samplers``' constrained rows, (slots, slot, n, [(row, key)]), in the next slot
+        (once its last read is done); None, with ``accepts`` sent alone: no constrained row."""
         rows = self._rows(samplers)
         if not rows:
             if accepts[0]:
                 self.matchers.step(accepts, None)
             return None
-        mask = self.masks.host(len(samplers))
-        fill = [(i, key) for i, _, key in rows]
-        self.matchers.step(accepts, (self.masks.shared, self.masks.slot, len(samplers), fill))
-        return mask
+        self.masks.host(len(samplers))
+        return self.masks.shared, self.masks.slot, len(samplers), [(i, key) for i, _, key in rows]
 
     def _rows(self, samplers: list[Sequence]) -> list[tuple[int, Sequence, int]]:
         """(row, sequence, matcher key) of each constrained sampler still running, a matcher made at its
@@ -284,11 +286,16 @@ class StructuredDecoding:
         rows = [r for r in self.matchers.rows() if not samplers[r].is_finished]
         return StepMask(job[1], rows, self.masks) if rows else None
 
+    def mask(self, samplers: list[Sequence]) -> StepMask | GatedMask | None:
+        """The step's mask: waited for on the device where it can (``gated_mask``), else on the host
+        (``bitmask``)."""
+        return self.gated_mask(samplers) if self.gated else self.bitmask(samplers)
+
     def close(self) -> None:
         """End the matcher process; unpin the host slots once no kernel reads them (a device still
         waiting for a fill is released first)."""
         self.matchers.close()
-        release_waits(self.matchers._gated)
+        self.matchers.release_waits()
         self.masks.wait()
         self.masks.close()
 

@@ -148,6 +148,14 @@ class MatcherProcess:
         released, replaced at the next message."""
         log.warning("structured decoding's matcher process %s; it is restarted", why)
         self._child.kill()
+        self._drop()
+
+    def release_waits(self) -> None:
+        """Release a device waiting for a gated fill this child will not write (``release_waits``)."""
+        release_waits(self._gated)
+
+    def _drop(self) -> None:
+        """End the child; its gated fills released; a new one is started at the next message."""
         self.close()
         release_waits(self._gated)
         self._conn, self._awaited, self._slots = None, False, None
@@ -186,9 +194,7 @@ class MatcherProcess:
 
     def _lose(self, why: str) -> NoReturn:
         """End the child (replaced at the next message) and fail the step that met it."""
-        self.close()
-        release_waits(self._gated)
-        self._conn, self._awaited, self._slots = None, False, None
+        self._drop()
         raise RuntimeError(f"structured decoding's matcher process {why}; it is restarted")
 
 
@@ -372,8 +378,7 @@ def serve(conn: Connection) -> None:
         return
     importer.join()
     matchers = Matchers(info, vocab_size, threads)
-    failed: str | None = None  # an error of a step with no answer due: reported with the next answer or
-    # gated fill
+    failed: str | None = None  # an error of a step with no answer due: reported with the next answer
     while True:
         try:
             message = conn.recv()

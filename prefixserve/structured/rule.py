@@ -76,10 +76,7 @@ class StructuredOutputsRule(RequestRule):
     def mask(
         self, samplers: Sequence[EngineSequence], indices: Sequence[int], params: Sequence[SamplingParams]
     ) -> StepMask | GatedMask | None:
-        d = self.decoding
-        if d is None:
-            return None
-        return d.gated_mask(samplers) if d.gated else d.bitmask(samplers)
+        return self.decoding.mask(samplers) if self.decoding is not None else None
 
     def advance(
         self,
