@@ -34,6 +34,7 @@ Writes docs/benchmarks/structured_{cpu,gpu}.{json,md,png}; the tokenizer (kind, 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -53,6 +54,7 @@ RECORD = {
     "required": ["name", "score", "active"],
     "additionalProperties": False,
 }
+UNFUSED = "json_schema_three_launches"  # --ab-gated-argmax's mode: the schema, its choice in three launches
 SCHEMA = {
     "type": "object",
     "properties": {"records": {"type": "array", "items": RECORD, "minItems": 64}},
@@ -73,10 +75,21 @@ def _conversations(batch: int) -> list[list[dict[str, str]]]:
     ]
 
 
-def _run(llm: LLM, convs: list[Any], params: SamplingParams) -> tuple[float, list[list[int]]]:
-    t0 = time.perf_counter()
-    outs = llm.chat(convs, params)
-    elapsed = time.perf_counter() - t0
+def _run(llm: LLM, convs: list[Any], params: SamplingParams, mode: str = "") -> tuple[float, list[list[int]]]:
+    """One timed run (no GC pass left pending from the last); ``UNFUSED``: the gated greedy choice in
+    three launches."""
+    from prefixserve.structured import decoding
+
+    gc.collect()
+    choose = decoding.GatedMask.choose
+    if mode == UNFUSED:
+        decoding.GatedMask.choose = None  # the runner finds no ``choose``: mask kernel, then argmax
+    try:
+        t0 = time.perf_counter()
+        outs = llm.chat(convs, params)
+        elapsed = time.perf_counter() - t0
+    finally:
+        decoding.GatedMask.choose = choose
     return elapsed, [list(c.token_ids) for o in outs for c in o.outputs]
 
 
@@ -129,6 +142,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from prefixserve.structured import decoding
 
     decoding.GATED = not args.host_gate
+    if args.no_gated_argmax:  # the runner finds no ``choose``: the mask kernel, then the argmax
+        decoding.GatedMask.choose = None  # (the process's last use of it)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     model, bpe = model_and_tokenizer(args)
     # no prefix cache: each timed run prefills its prompts alike, whichever mode ran before it
@@ -161,14 +176,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             detokenize=args.detokenize,
         ),
     }  # fmt: skip
+    if args.ab_gated_argmax:  # the same requests, chosen as --no-gated-argmax chooses (see _run)
+        modes[UNFUSED] = modes["json_schema"]
     t0 = time.perf_counter()
     llm.engine._structured().admit(modes["json_schema"].structured_outputs)
     compile_s = time.perf_counter() - t0
     # untimed: warm-up at the timed batch (graphs captured and kernels compiled for its shapes; a
     # warm-up of 8 rows left them to the first timed mode, unconstrained: 0.66 s against 0.19 s for
     # the same run on an H200), grammar cached
-    for params in modes.values():
-        _run(llm, convs, params)
+    for name, params in modes.items():
+        _run(llm, convs, params, name)
     best: dict[str, dict[str, float]] = {}
     check: dict[str, dict[str, int]] = {}
     first: dict[str, list[list[int]]] = {}
@@ -176,7 +193,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.repeats):
         rounds.append({})
         for name, params in modes.items():
-            elapsed, rows = _run(llm, convs, params)
+            elapsed, rows = _run(llm, convs, params, name)
             tokens = sum(map(len, rows))
             rate = rounds[-1][name] = tokens / elapsed
             if name not in best or rate > best[name]["tokens_per_s"]:
@@ -195,6 +212,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # within each round, its modes run back to back, and the median of those beside the best-of ratio
     paired = sorted(r["json_schema"] / r["unconstrained"] for r in rounds)
     compact = best["json_schema_compact"]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"]
+    unfused = {}
+    if UNFUSED in best:  # the in-process A/B of the gated argmax: each round's fused / unfused
+        pairs = sorted(r["json_schema"] / r[UNFUSED] for r in rounds)
+        unfused = {
+            "ratio_unfused": best[UNFUSED]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"],
+            "fused_over_unfused_rounds": pairs,
+            "fused_over_unfused_median": statistics.median(pairs),
+        }
     target = 0.85 if args.device == "cpu" else 0.90
     tok = llm.engine.tokenizer
     tokenizer = {
@@ -217,7 +242,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "target": target,
         "meets_target": ratio >= target,
         "check": check,
-    }
+    } | unfused
 
 
 def _command(s: dict[str, Any]) -> str:
@@ -227,8 +252,18 @@ def _command(s: dict[str, Any]) -> str:
     extra += " --no-detokenize" if s.get("detokenize") is False else ""
     extra += " --host-gate" if s.get("host_gate") else ""
     extra += " --no-early-take" if s.get("no_early_take") else ""
+    extra += " --no-gated-argmax" if s.get("no_gated_argmax") else ""
     run = f"python -m benchmarks.structured --device {s['device']} --batch {s['batch']}"
     return f"{run} --tokens {s['tokens']}{extra}"
+
+
+def _choice(s: dict[str, Any]) -> str:
+    """How a gated greedy step chooses (results before the flagged argmax name none)."""
+    if not s.get("gated") or s.get("temperature") != 0.0 or "no_gated_argmax" not in s:
+        return ""
+    if s["no_gated_argmax"]:
+        return " (then the mask kernel, then the argmax)"
+    return " (the wait, the mask and the argmax in one launch)"
 
 
 def _tokenizer_line(t: dict[str, Any] | None) -> str:
@@ -248,7 +283,16 @@ def _rounds_line(result: dict[str, Any]) -> str:
         return ""
     spread = ", ".join(f"{r:.3f}" for r in rounds)
     median = result["ratio_median_of_rounds"]
-    return f"Within each round (the modes back to back): median **{median:.3f}** ({spread}). "
+    line = f"Within each round (the modes back to back): median **{median:.3f}** ({spread}). "
+    pairs = result.get("fused_over_unfused_rounds")
+    if pairs:
+        each = ", ".join(f"{p:.3f}" for p in pairs)
+        line += (
+            f"The gated argmax in one launch / in three ({UNFUSED}, best-of ratio "
+            f"{result['ratio_unfused']:.3f}), round by round: median "
+            f"**{result['fused_over_unfused_median']:.3f}** ({each}). "
+        )
+    return line
 
 
 def markdown(result: dict[str, Any], name: str) -> str:
@@ -262,7 +306,8 @@ def markdown(result: dict[str, Any], name: str) -> str:
         f"{s['batch']} chat requests, {s['tokens']} generated tokens each, temperature {s['temperature']}, "
         f"{s['model'] or 'default model'} in {s['dtype']}, "
         f"launch-ahead {'on' if s['launch_ahead'] else 'off'}, "
-        f"the {'device' if s.get('gated') else 'host'} waits for each grammar fill. The schema "
+        f"the {'device' if s.get('gated') else 'host'} waits for each grammar fill"
+        f"{_choice(s)}. The schema "
         "(an array of at least 64 records: a string of at most 16 characters, an integer in [0, 100], a "
         "boolean) keeps every row constrained to the token cap. Best of "
         f"{s['repeats']} after an untimed run of each mode.",
@@ -358,6 +403,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the engine never waits for a grammar step's tokens as soon as its sampling is out (the "
         "runner reports its device busy): the A/B of Engine._take_tokens",
+    )
+    ap.add_argument(
+        "--no-gated-argmax",
+        action="store_true",
+        help="a gated greedy step waits, masks and chooses in three launches (wait, mask, argmax), not "
+        "in the flagged argmax's one (structured/gate.py FillGate.argmax): the A/B of that change",
+    )
+    ap.add_argument(
+        "--ab-gated-argmax",
+        action="store_true",
+        help=f"also run the JSON schema as --no-gated-argmax runs it ({UNFUSED}), in each round beside the "
+        "other modes: the A/B of the gated argmax within one process",
     )
     ap.add_argument("--name", default=None, help="result file name (default structured_cpu / structured_gpu)")
     args = ap.parse_args(argv)

@@ -36,6 +36,7 @@ class HostGate:
     def __init__(self, device: Any) -> None:
         self.timeout = 30.0
         self._seen_np = [0, 0]
+        self._late_np = [0, 0]  # (the flagged argmax's: a program that masked without the verdict)
         self._spins = [0, 0]
         self.applied = 0
 
@@ -46,6 +47,10 @@ class HostGate:
         self._seen_np[slot] = int(flags[slot])
         apply_token_mask(logits[:rows], slots[slot][:rows].clone(), None)
         self.applied += 1
+
+    def argmax(self, logits: Any, slots: Any, flags: Any, slot: int, number: int, rows: int) -> Any:
+        self.apply(logits, slots, flags, slot, number, rows)
+        return logits.argmax(-1)
 
     check = FillGate.check
 
@@ -102,6 +107,25 @@ def test_a_step_with_no_fill_ahead_sends_its_own(gated: Any, engine: Any) -> Non
     assert got[1].all()  # the free row: every token allowed
     gated.advance(seqs, [len(s.token_ids) for s in seqs], [0, 0], {})  # its tokens (none placed) come back
     assert not gated._issued and gated.gated_mask(_seqs(engine, 1, spec=None)) is None
+
+
+def test_a_greedy_step_is_chosen_by_its_gated_mask(gated: Any, engine: Any) -> None:
+    """Greedy rows alone, nothing processed: the runner takes the mask's own choice (on a GPU the wait,
+    the mask and the argmax in one launch), the argmax of the masked logits; else the mask applies."""
+    seqs = _seqs(engine, 1) + _seqs(engine, 1, spec=None)
+    mask = gated.gated_mask(seqs)
+    logits = torch.randn(2, gated.words * 32)
+    want = logits.clone()
+    mask.apply(want)
+    runner, greedy = engine.runner, [SamplingParams(temperature=0.0)] * 2
+    chosen = runner._choose(logits.clone(), greedy, [None, None], mask, None, None, fp32=False)
+    assert chosen.result().tokens == want.argmax(-1).tolist()
+    assert gated.gate.applied == 2  # the choice waited for the fill, as the mask did
+    sampled = [SamplingParams(temperature=1.0, seed=3)] * 2
+    processed = logits.clone()
+    runner._choose(processed, sampled, [None, None], mask, None, None, fp32=True).result()
+    assert torch.equal(processed, want) and gated.gate.applied == 3  # the mask applied, then sampled
+    gated.advance(seqs, [len(s.token_ids) for s in seqs], [0, 0], {})
 
 
 def test_a_fill_sent_with_the_tokens_ahead_is_its_steps(gated: Any, engine: Any) -> None:

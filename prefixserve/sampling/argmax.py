@@ -11,6 +11,7 @@ maximum, and the first NaN where a row has one (torch takes NaN as the largest v
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -26,65 +27,18 @@ NO_INDEX = 2**31 - 1  # "none here" for a chunk's first NaN; vocabularies stay f
 
 @functools.cache
 def _kernels():
-    from prefixserve.triton_support import require_triton
+    """(triton, chunk_argmax, pick_rows, flagged_chunk_argmax), imported at the first use (the engine
+    imports no Triton kernel until a step needs one)."""
+    from prefixserve.sampling import argmax_kernels as k
 
-    triton, tl = require_triton()
-
-    @triton.jit
-    def chunk_argmax(
-        x_ptr,
-        stride_x,
-        vocab,
-        chunk,
-        max_ptr,
-        idx_ptr,
-        nan_ptr,
-        splits,
-        BLOCK: tl.constexpr,
-        NONE: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        part = tl.program_id(1)
-        lo = part * chunk
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.full([BLOCK], NONE, tl.int32)
-        first_nan = tl.full([BLOCK], NONE, tl.int32)
-        base = x_ptr + row.to(tl.int64) * stride_x
-        for start in range(lo, tl.minimum(lo + chunk, vocab), BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            v = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-            nan = v != v
-            first_nan = tl.where(nan & (first_nan == NONE), idx, first_nan)
-            better = v > best  # strict: each lane keeps the first index of its maximum
-            best_i = tl.where(better | ((best_i == NONE) & (idx < vocab)), idx, best_i)
-            best = tl.where(better, v, best)
-        top = tl.max(best, 0)
-        top_i = tl.min(tl.where(best == top, best_i, NONE), 0)
-        out = row * splits + part
-        tl.store(max_ptr + out, top)
-        tl.store(idx_ptr + out, top_i)
-        tl.store(nan_ptr + out, tl.min(first_nan, 0))
-
-    @triton.jit
-    def pick_rows(max_ptr, idx_ptr, nan_ptr, out_ptr, splits, SPLITS: tl.constexpr, NONE: tl.constexpr):
-        row = tl.program_id(0)
-        parts = tl.arange(0, SPLITS)
-        ok = parts < splits
-        m = tl.load(max_ptr + row * splits + parts, mask=ok, other=float("-inf"))
-        i = tl.load(idx_ptr + row * splits + parts, mask=ok, other=NONE)
-        n = tl.min(tl.load(nan_ptr + row * splits + parts, mask=ok, other=NONE), 0)
-        top = tl.max(m, 0)
-        winner = tl.min(tl.where(m == top, i, NONE), 0)
-        tl.store(out_ptr + row, tl.where(n < NONE, n, winner).to(tl.int64))
-
-    return triton, chunk_argmax, pick_rows
+    return k.triton, k.chunk_argmax, k.pick_rows, k.flagged_chunk_argmax
 
 
 _RECORDED: dict[tuple, tuple[Launch, Launch]] = {}  # shape key -> the two launches of its first call
 
 
 @functools.cache
-def _programs_wanted(device_index: int) -> int:
+def programs_wanted(device_index: int) -> int:
     """Programs that keep every SM streaming."""
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -106,15 +60,39 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
         and triton_available()
         and logits.device.index == torch.cuda.current_device()  # where the launches go
     ):
-        return kernel_argmax(logits, _programs_wanted(logits.device.index))
+        return kernel_argmax(logits, programs_wanted(logits.device.index))
     return logits.argmax(-1)
 
 
+@dataclass(slots=True)
+class FlaggedMask:
+    """A token bitmask that another process writes into pinned host memory, and the flag it sets
+    after (``structured/gate.py``): ``kernel_argmax`` waits on the device for the flag to hold
+    ``number``, then chooses rows ``< rows`` among the tokens their words allow."""
+
+    words: torch.Tensor  # int32 [>= rows, ceil(vocab / 32)], pinned host, rows contiguous
+    rows: int  # rows masked; the rest (speculated rows) are not
+    flag: torch.Tensor  # int64 [1], pinned host: the fill's number once its rows are written
+    number: int  # below 2**31 (the kernel takes it as a 32-bit integer)
+    seen: torch.Tensor  # int64 [1], pinned host: the flag the wait saw
+    late: torch.Tensor  # int64 [1], pinned host: set where a program masked without the verdict
+    spins: torch.Tensor  # int64 [1], device: how long the wait spun
+    go: torch.Tensor  # int64 [1], device: the waiting program's verdict for the others
+    limit: int  # the wait's bound: ns of the GPU's clock where ``timed``, else spins
+    timed: bool
+
+
 def kernel_argmax(
-    logits: torch.Tensor, programs: int, block: int = BLOCK, warps: int = WARPS
+    logits: torch.Tensor,
+    programs: int,
+    block: int = BLOCK,
+    warps: int = WARPS,
+    flagged: FlaggedMask | None = None,
 ) -> torch.Tensor:  # [R, V] -> [R] int64
     """``logits.argmax(-1)`` by the two kernels, each row cut so that about ``programs`` run, each
     loading ``block`` logits at a time (on CUDA, or on the CPU under the Triton interpreter).
+    ``flagged``: the argmax of the logits its bitmask allows, once its flag is set (one launch where
+    a wait, the mask and the argmax were three).
 
     On CUDA the first call of a shape on a stream records both launches (``triton_support/launch.py``)
     with their chunk buffers; later calls relaunch them with the new logits and output (this runs
@@ -122,21 +100,26 @@ def kernel_argmax(
     again by then. The records drop the logits and the output after each launch, so they keep no
     step's tensors alive."""
     rows, vocab = logits.shape
-    if rows == 0 or vocab == 0 or vocab >= NO_INDEX:
+    if flagged is None and (rows == 0 or vocab == 0 or vocab >= NO_INDEX):
         return logits.argmax(-1)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     dev = logits.device
     out = torch.empty(rows, dtype=torch.int64, device=dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream if logits.is_cuda else 0
+    stream = torch._C._cuda_getCurrentRawStream(dev.index) if logits.is_cuda else 0
     key = (rows, vocab, logits.stride(0), logits.dtype, dev, stream, programs, block, warps)
+    if flagged is not None:
+        key += (flagged.words.stride(0), flagged.rows, flagged.limit, flagged.timed)
     recorded = _RECORDED.get(key)
     if recorded is not None:
-        relaunch(recorded[0], [(0, logits)])
-        relaunch(recorded[1], [(3, out)])
+        first, second = recorded
+        if flagged is not None:
+            first.args[_NUMBER] = flagged.number
+        relaunch(first, [(0, logits), *_flagged_tensors(flagged)])
+        relaunch(second, [(3, out)])
         _forget(recorded)
         return out
-    triton, chunk_argmax, pick_rows = _kernels()
+    triton, chunk_argmax, pick_rows, flagged_chunk_argmax = _kernels()
     splits = splits_for(rows, vocab, programs, block)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, chunk)  # no empty chunks
@@ -145,6 +128,12 @@ def kernel_argmax(
     part_nan = torch.empty(rows * splits, dtype=torch.int32, device=dev)
     first = (logits, logits.stride(0), vocab, chunk, part_max, part_idx, part_nan, splits)
     first_kw = {"BLOCK": block, "NONE": NO_INDEX, "num_warps": warps}
+    if flagged is not None:
+        chunk_argmax = flagged_chunk_argmax
+        f = flagged
+        first += (f.words, f.words.stride(0), f.rows, f.flag, f.number, f.limit)
+        first += (f.seen, f.late, f.spins, f.go)
+        first_kw["TIMED"] = f.timed
     second = (part_max, part_idx, part_nan, out, splits)
     second_kw = {"SPLITS": triton.next_power_of_2(splits), "NONE": NO_INDEX, "num_warps": 1}
     first_ck = chunk_argmax[(rows, splits)](*first, **first_kw)
@@ -160,10 +149,26 @@ def kernel_argmax(
     return out
 
 
+_NUMBER = 12  # the flagged chunk kernel's ``number``: set in its record before each relaunch
+_FLAGGED = (8, 11, 14, 15, 16, 17)  # its tensors after the logits: words, flag, seen, late, spins, go
+
+
+def _flagged_tensors(flagged: FlaggedMask | None) -> list[tuple[int, torch.Tensor]]:
+    if flagged is None:
+        return []
+    f = flagged
+    return list(zip(_FLAGGED, (f.words, f.flag, f.seen, f.late, f.spins, f.go), strict=True))
+
+
 def _forget(recorded: tuple[Launch, Launch]) -> None:
-    """Drop a call's logits and output from its records (the next call swaps its own in)."""
-    recorded[0].args[0] = None
-    recorded[1].args[3] = None
+    """Drop a call's tensors from its records (the next call swaps its own in): the logits, the
+    output, and a flagged call's host words and flags."""
+    first, second = recorded
+    first.args[0] = None
+    if len(first.args) > _FLAGGED[-1] and isinstance(first.args[_FLAGGED[0]], torch.Tensor):
+        for i in _FLAGGED:
+            first.args[i] = None
+    second.args[3] = None
 
 
-__all__ = ["argmax_rows", "kernel_argmax", "splits_for"]
+__all__ = ["FlaggedMask", "argmax_rows", "kernel_argmax", "programs_wanted", "splits_for"]

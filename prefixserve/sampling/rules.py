@@ -44,12 +44,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from prefixserve.sampling.params import SamplingParams, leading_rows
 from prefixserve.sampling.token_ban import TokenBan, joined
+
+if TYPE_CHECKING:
+    from prefixserve.sampling.sampler import SampleFuture
 
 
 class RuleRequest(Protocol):
@@ -79,6 +82,14 @@ class LogitsMask(Protocol):
     """A step's mask of the logits the choice is made from (rows it does not name are left alone)."""
 
     def apply(self, logits: torch.Tensor) -> None: ...
+
+
+class ChoosingMask(LogitsMask, Protocol):
+    """A mask that can also make a step's greedy choice itself, where every row is greedy and nothing
+    else processes the logits (a grammar's mask waited for on the device: the wait, the mask and the
+    argmax in one launch, ``structured/gate.py``). The runner looks for ``choose``."""
+
+    def choose(self, logits: torch.Tensor) -> SampleFuture: ...
 
 
 class LogitsAdjust(Protocol):
@@ -255,6 +266,7 @@ def _overrides(rule: Any, hook: str) -> bool:
 __all__ = [
     "HOOKS",
     "Adjusts",
+    "ChoosingMask",
     "LogitsAdjust",
     "LogitsMask",
     "Masks",

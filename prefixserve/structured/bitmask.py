@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from prefixserve.sampling.sampler import SampleFuture, tokens_future
 from prefixserve.sampling.token_mask import apply_token_mask, blocked_tokens
 
 if TYPE_CHECKING:
@@ -184,13 +185,19 @@ class StepBitmasks:
         """The next slot's first ``n`` rows (int32 [n, words]) to fill: no copy or mask kernel reads
         it any more.
         Rows not filled hold an older step's words; ``apply`` reads only the rows it is given."""
+        slot = self.reserve(n)  # first: it may grow the slots
+        return self.shared.tensor[slot][:n]
+
+    def reserve(self, n: int) -> int:
+        """The next slot, for a fill of ``n`` rows, once no copy or mask kernel reads it (``host``
+        without the view: a gated fill is read by the device from the slot's index alone)."""
         if n > self.rows:
             self._grow(max(n, 2 * self.rows))
         self.slot ^= 1
         if self.cuda and self._pending[self.slot]:
             self._copied[self.slot].synchronize()  # two steps back: long done unless the device lags
             self._pending[self.slot] = False
-        return self.shared.tensor[self.slot][:n]
+        return self.slot
 
     @property
     def device_readable(self) -> bool:
@@ -205,6 +212,16 @@ class StepBitmasks:
         if self.cuda:
             self._copied[slot].record()
             self._pending[slot] = True
+
+    def choose(self, logits: torch.Tensor, slot: int, number: int, rows: int, gate: FillGate) -> SampleFuture:
+        """``read`` and the greedy choice in one launch (``FillGate.argmax``): each row's token, on its
+        way to the host; the slot is not given out again until the tokens are."""
+        shared = self.shared
+        future = tokens_future(gate.argmax(logits, shared.tensor, shared.flags, slot, number, rows))
+        if self.cuda:
+            self._copied[slot] = future.event  # (an event of its own would cost a record a step)
+            self._pending[slot] = True
+        return future
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Rows ``rows`` of ``logits`` masked by the same rows of ``bitmask`` (``host``'s last slot)."""

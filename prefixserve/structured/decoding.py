@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from prefixserve.sampling.sampler import SampleFuture
 from prefixserve.sampling.structured_outputs import StructuredOutputs
 from prefixserve.sequence import Sequence
 from prefixserve.structured.bitmask import StepBitmasks, StepMask
@@ -76,6 +77,11 @@ class GatedMask:
     def apply(self, logits: torch.Tensor) -> None:
         d, f = self.decoding, self.fill
         d.masks.read(logits, f.slot, f.number, len(f.samplers), d.gate)
+
+    def choose(self, logits: torch.Tensor) -> SampleFuture:
+        """Greedy rows alone (``rules.ChoosingMask``): the mask and the argmax in one launch."""
+        d, f = self.decoding, self.fill
+        return d.masks.choose(logits, f.slot, f.number, len(f.samplers), d.gate)
 
 
 class StructuredDecoding:
@@ -247,8 +253,8 @@ class StructuredDecoding:
             if accepts[0]:
                 self.matchers.step(accepts, None)
             return None
-        self.masks.host(len(samplers))
-        return self.masks.shared, self.masks.slot, len(samplers), [(i, key) for i, _, key in rows]
+        slot = self.masks.reserve(len(samplers))
+        return self.masks.shared, slot, len(samplers), [(i, key) for i, _, key in rows]
 
     def _rows(self, samplers: list[Sequence]) -> list[tuple[int, Sequence, int]]:
         """(row, sequence, matcher key) of each constrained sampler still running, a matcher made at its

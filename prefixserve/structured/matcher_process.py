@@ -28,6 +28,7 @@ import importlib
 import itertools
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -91,6 +92,7 @@ class MatcherProcess:
         self.close = weakref.finalize(self, _end, self._conn, self._child)  # also when collected
         self._awaited = False  # a step's answer is due
         self._slots: Any = None  # the host slots the child was last sent
+        self._rows: list[tuple[int, int]] | None = None  # the (row, key)s of the last fill it was sent
         # slot -> (slots, number) of the last gated fill sent to this child: a device may wait for
         # it, so a child that ends (or is ended) releases it with ``-number`` (``release_waits``)
         self._gated: dict[int, tuple[Any, int]] = {}
@@ -135,7 +137,13 @@ class MatcherProcess:
         slots = None
         if fill is not None and (fill[0] is not self._slots or self._conn is None):
             slots = fill[0]
-        job = None if fill is None else (None if slots is None else slots.describe(), *fill[1:], number)
+        job = None
+        if fill is not None:
+            if self._conn is None:
+                self._rows = None  # a replacement has none
+            rows = None if fill[3] == self._rows else fill[3]  # None: the last fill's (most steps)
+            self._rows = fill[3]
+            job = (None if slots is None else slots.describe(), fill[1], fill[2], rows, number)
         if number is not None:
             self._gated[fill[1]] = (fill[0], number)
         self._send(("step", made, dropped, accepts, job), slots)
@@ -186,7 +194,9 @@ class MatcherProcess:
             if self._conn is None:
                 self._start()
             try:
-                self._conn.send(message)
+                # plain pickle (the child's ``recv`` is ``pickle.loads``): ``Connection.send``'s
+                # pickler copies its reducer table each call, a share of a constrained step's send
+                self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
                 if slots is not None:
                     send_handle(self._conn, slots.fd, self._child.pid)
             except OSError:
@@ -294,6 +304,7 @@ class Matchers:
         self.fills = FillThreads(xgr, threads)
         self.by_key: dict[int, Any] = {}
         self.slots: torch.Tensor | None = None
+        self.rows: list[tuple[int, int]] = []  # the last fill's (row, key)s: a job's None repeats them
         self.flags: torch.Tensor | None = None  # each slot's fill flag (``SharedSlots.flags``)
         self._compiling: dict[tuple, Future] = {}  # specs compiled on a thread, beside the steps
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-compile")
@@ -316,8 +327,9 @@ class Matchers:
 
     def step(self, made: list, dropped: list[int], accepts: tuple, job: tuple | None) -> list[int] | None:
         """Make and drop matchers, take the accepted tokens; with ``job`` = (slots, slot, n, [(row,
-        key)], number) also fill those rows of ``slots[slot][:n]``: the rows filled (ended matchers left
-        out); a gated job (``number``) also sets the n rows' others to allow every token.
+        key)] or None for the last job's, number) also fill those rows of ``slots[slot][:n]``: the rows
+        filled (ended matchers left out); a gated job (``number``) also sets the n rows' others to allow
+        every token.
         A key this process does not hold (a replaced process's) fails the step after the others took
         their tokens."""
         for key, spec in made:  # made before dropped: a key in both (a request failed at once) goes
@@ -327,7 +339,9 @@ class Matchers:
         held = [(self.by_key.get(k), t) for k, t in zip(*accepts, strict=True)]
         self.accept([m for m, _ in held if m is not None], [t for m, t in held if m is not None])
         unknown = [k for (m, _), k in zip(held, accepts[0], strict=True) if m is None]
-        filled = [(row, key, self.by_key.get(key)) for row, key in job[3]] if job is not None else []
+        if job is not None and job[3] is not None:
+            self.rows = job[3]
+        filled = [(row, key, self.by_key.get(key)) for row, key in self.rows] if job is not None else []
         unknown += [key for _, key, m in filled if m is None]
         if unknown:
             raise KeyError(f"matchers {unknown[:8]} are not held here")

@@ -422,18 +422,33 @@ class ModelRunner:
             launch.future = tokens_future(self._argmax(launch, rows))
         elif rows:
             logits = self._logits(launch, rows, fp32=fp32)
-            if mask is not None:
-                mask.apply(logits)
-            if ban is not None or adjust is not None:
-                launch.future = self._sample_processed(logits, params, generators, ban, adjust)
-            else:
-                launch.future = sample_async(logits, params, generators, self.default_generator)
+            launch.future = self._choose(logits, params, generators, mask, ban, adjust, fp32)
         launch.hidden = None
         if launch.start is not None:
             launch.done = torch.cuda.Event(enable_timing=True)
             launch.done.record()
         else:
             self.waited += time.perf_counter() - issued
+
+    def _choose(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        mask: LogitsMask | None,
+        ban: TokenBan | None,
+        adjust: LogitsAdjust | None,
+        fp32: bool,
+    ) -> SampleFuture:
+        """The tokens of ``sample``'s logits under the step's rules (issued)."""
+        choose = None if fp32 else getattr(mask, "choose", None)  # ``rules.ChoosingMask``
+        if choose is not None:  # greedy rows alone, nothing processed: the mask makes the choice
+            return choose(logits)
+        if mask is not None:
+            mask.apply(logits)
+        if ban is not None or adjust is not None:
+            return self._sample_processed(logits, params, generators, ban, adjust)
+        return sample_async(logits, params, generators, self.default_generator)
 
     def _before_sampling(self, rows: list[int], sharded: bool, fp32: bool) -> None:
         """A hook before the sampling's device work: the tensor-parallel runner tells its workers

@@ -69,3 +69,80 @@ def test_a_wait_out_of_spins_or_on_a_failed_fill_is_reported(slots) -> None:
         torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="failed in the matcher process"):
         gate.check(0, 4)
+
+
+@pytest.mark.parametrize(
+    "rows, masked, vocab, dtype",
+    [
+        (3, 3, 5000, torch.float32),
+        (5, 2, 2100, torch.bfloat16),
+        (1, 1, 1024, torch.float16),
+        (4, 4, 3333, torch.float32),
+    ],
+)
+def test_the_flagged_argmax_is_the_masked_argmax(
+    rows: int, masked: int, vocab: int, dtype: torch.dtype
+) -> None:
+    """One launch (and its pick) for greedy rows: rows ``< masked`` choose among the tokens their words
+    allow (ties to the first, a NaN where one is allowed), the rest (speculated rows) among all,
+    exactly as the mask kernel then ``argmax`` (the engine's other path) choose."""
+    shared = bitmask.SharedSlots(rows, -(-vocab // 32))
+    pinned = DEVICE.type == "cuda" and bitmask._pin(shared.tensor)
+    try:
+        gen = torch.Generator().manual_seed(rows * vocab)
+        words = torch.randint(-(2**31), 2**31 - 1, shared.tensor[0].shape, generator=gen, dtype=torch.int32)
+        shared.tensor[0] = words
+        logits = torch.randn(rows, vocab, generator=gen).round(decimals=1).to(dtype)  # ties
+        logits[0, 7], logits[-1, vocab - 3] = float("nan"), float("nan")  # one maybe blocked, one not
+        want = logits.float().clone()
+        apply_bitmask_reference(want, words, list(range(masked)))
+        gate = FillGate(DEVICE)
+        shared.flags[0] = 11
+        for number in (11, 11):  # recorded, then relaunched
+            got = gate.argmax(logits.to(DEVICE), shared.tensor, shared.flags, 0, number, masked)
+            gate.check(0, number)
+            assert torch.equal(got.cpu(), want.argmax(-1))
+    finally:
+        if pinned:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(shared.tensor.data_ptr())
+
+
+def test_the_flagged_argmax_waits_for_the_flag_and_reports_a_failed_or_late_fill(slots) -> None:
+    want = slots.logits.clone()
+    apply_bitmask_reference(want, slots.tensor[1], [0, 1, 2])
+    gate = FillGate(DEVICE)
+    logits = slots.logits.to(DEVICE)
+    slots.flags[1] = 1
+    gate.argmax(logits, slots.tensor, slots.flags, 1, 1, 3)  # compiled now, not below
+    writer = threading.Timer(0.3, lambda: slots.flags.__setitem__(1, 2))
+    writer.start()
+    got = gate.argmax(logits, slots.tensor, slots.flags, 1, 2, 3)
+    if DEVICE.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        assert not done.query()  # the device waits for the flag
+        done.synchronize()
+    writer.join()
+    gate.check(1, 2)
+    assert torch.equal(got.cpu(), want.argmax(-1))
+    slots.flags[1] = -3
+    gate.argmax(logits, slots.tensor, slots.flags, 1, 3, 3)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="failed in the matcher process"):
+        gate.check(1, 3)
+    gate.set_timeout(0.001)
+    gate.argmax(logits, slots.tensor, slots.flags, 1, 4, 3)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(TimeoutError, match="did not come in time"):
+        gate.check(1, 4)
+    slots.flags[1] = 5
+    gate.argmax(logits, slots.tensor, slots.flags, 1, 5, 3)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    gate.check(1, 5)
+    gate.late[1] = 1  # a program that masked before program 0's verdict: the step is not trusted
+    with pytest.raises(TimeoutError, match="did not come in time"):
+        gate.check(1, 5)
