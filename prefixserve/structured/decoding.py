@@ -112,6 +112,7 @@ class StructuredDecoding:
         # the samplers of the last fill and their (row, sequence, key) rows: what the step's tokens
         # advance (``advance``), and the next step's rows where its samplers are the same (``_rows``)
         self._last_rows: tuple[list[Sequence], list[tuple[int, Sequence, int]]] | None = None
+        self._pairs: tuple[list[Any], list[tuple[int, int]]] | None = None  # those rows' (row, key)s
         gated = GATED and self.masks.device_readable and triton_available() and _stores_in_order()
         self.gate = FillGate(self.masks.device) if gated else None  # None: the host waits (``bitmask``)
         self._numbers = itertools.count(1)
@@ -254,7 +255,10 @@ class StructuredDecoding:
                 self.matchers.step(accepts, None)
             return None
         slot = self.masks.reserve(len(samplers))
-        return self.masks.shared, slot, len(samplers), [(i, key) for i, _, key in rows]
+        pairs = self._pairs
+        if pairs is None or pairs[0] is not rows:  # (rows unchanged: the same list, sent as "the last")
+            pairs = self._pairs = rows, [(i, key) for i, _, key in rows]
+        return self.masks.shared, slot, len(samplers), pairs[1]
 
     def _rows(self, samplers: list[Sequence]) -> list[tuple[int, Sequence, int]]:
         """(row, sequence, matcher key) of each constrained sampler still running, a matcher made at its
@@ -262,7 +266,9 @@ class StructuredDecoding:
         a Python pass over every sampler's request is most of this call's time at 64 rows."""
         last = self._last_rows
         if last is not None and _same(last[0], samplers):
-            rows = [row for row in last[1] if not row[1].is_finished]
+            rows = last[1]
+            if any(row[1].is_finished for row in rows):  # (most steps: none, and the list is kept)
+                rows = [row for row in rows if not row[1].is_finished]
         else:
             rows = []
             for i, seq in enumerate(samplers):

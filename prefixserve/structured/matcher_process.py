@@ -141,7 +141,8 @@ class MatcherProcess:
         if fill is not None:
             if self._conn is None:
                 self._rows = None  # a replacement has none
-            rows = None if fill[3] == self._rows else fill[3]  # None: the last fill's (most steps)
+            same = fill[3] is self._rows or fill[3] == self._rows
+            rows = None if same else fill[3]  # None: the last fill's (most steps)
             self._rows = fill[3]
             job = (None if slots is None else slots.describe(), fill[1], fill[2], rows, number)
         if number is not None:
