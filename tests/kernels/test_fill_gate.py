@@ -5,7 +5,10 @@ failed fill), is reported by ``check``. On a CPU the kernels run in the Triton i
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,22 +19,45 @@ from prefixserve.structured.bitmask import apply_bitmask_reference
 from prefixserve.structured.gate import FillGate
 
 
-@pytest.fixture
-def slots():
-    """Shared slots of 3 rows over a 5,000-token vocabulary, slot 1 random; pinned on a GPU."""
-    vocab, rows = 5000, 3
+@contextlib.contextmanager
+def _shared_slots(rows: int, vocab: int) -> Iterator[bitmask.SharedSlots]:
+    """Shared slots of ``rows`` rows over ``vocab`` tokens, slot 1 random; pinned on a GPU."""
     shared = bitmask.SharedSlots(rows, -(-vocab // 32))
     pinned = DEVICE.type == "cuda" and bitmask._pin(shared.tensor)
     assert pinned or DEVICE.type == "cpu"
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(rows * vocab)
     shared.tensor[1] = torch.randint(
         -(2**31), 2**31 - 1, shared.tensor[1].shape, generator=gen, dtype=torch.int32
     )
     shared.logits = torch.randn(rows, vocab, generator=gen)
-    yield shared
-    if pinned:
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaHostUnregister(shared.tensor.data_ptr())
+    try:
+        yield shared
+    finally:
+        if pinned:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(shared.tensor.data_ptr())
+
+
+@pytest.fixture
+def slots() -> Iterator[bitmask.SharedSlots]:
+    with _shared_slots(3, 5000) as shared:
+        yield shared
+
+
+def _waits_for_the_flag(
+    slots: bitmask.SharedSlots, slot: int, number: int, issue: Callable[[], object]
+) -> Any:
+    """``issue()`` while the flag is not set yet (written 0.3 s later): on a GPU the device waits."""
+    writer = threading.Timer(0.3, lambda: slots.flags.__setitem__(slot, number))
+    writer.start()
+    out = issue()
+    if DEVICE.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        assert not done.query()  # the device waits for the flag
+        done.synchronize()
+    writer.join()
+    return out
 
 
 def test_the_gate_waits_for_the_fill_flag_written_later(slots) -> None:
@@ -41,15 +67,7 @@ def test_the_gate_waits_for_the_fill_flag_written_later(slots) -> None:
     slots.flags[1] = 6
     gate.apply(slots.logits.to(DEVICE), slots.tensor, slots.flags, 1, 6, 3)  # compiled now, not below
     logits = slots.logits.to(DEVICE)
-    writer = threading.Timer(0.3, lambda: slots.flags.__setitem__(1, 7))
-    writer.start()
-    gate.apply(logits, slots.tensor, slots.flags, 1, 7, 3)
-    if DEVICE.type == "cuda":
-        done = torch.cuda.Event()
-        done.record()
-        assert not done.query()  # the device waits for the flag
-        done.synchronize()
-    writer.join()
+    _waits_for_the_flag(slots, 1, 7, lambda: gate.apply(logits, slots.tensor, slots.flags, 1, 7, 3))
     gate.check(1, 7)
     assert torch.equal(logits.cpu(), want)
 
@@ -86,9 +104,7 @@ def test_the_flagged_argmax_is_the_masked_argmax(
     """One launch (and its pick) for greedy rows: rows ``< masked`` choose among the tokens their words
     allow (ties to the first, a NaN where one is allowed), the rest (speculated rows) among all,
     exactly as the mask kernel then ``argmax`` (the engine's other path) choose."""
-    shared = bitmask.SharedSlots(rows, -(-vocab // 32))
-    pinned = DEVICE.type == "cuda" and bitmask._pin(shared.tensor)
-    try:
+    with _shared_slots(rows, vocab) as shared:
         gen = torch.Generator().manual_seed(rows * vocab)
         words = torch.randint(-(2**31), 2**31 - 1, shared.tensor[0].shape, generator=gen, dtype=torch.int32)
         shared.tensor[0] = words
@@ -102,10 +118,6 @@ def test_the_flagged_argmax_is_the_masked_argmax(
             got = gate.argmax(logits.to(DEVICE), shared.tensor, shared.flags, 0, number, masked)
             gate.check(0, number)
             assert torch.equal(got.cpu(), want.argmax(-1))
-    finally:
-        if pinned:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(shared.tensor.data_ptr())
 
 
 def test_the_flagged_argmax_waits_for_the_flag_and_reports_a_failed_or_late_fill(slots) -> None:
@@ -115,15 +127,7 @@ def test_the_flagged_argmax_waits_for_the_flag_and_reports_a_failed_or_late_fill
     logits = slots.logits.to(DEVICE)
     slots.flags[1] = 1
     gate.argmax(logits, slots.tensor, slots.flags, 1, 1, 3)  # compiled now, not below
-    writer = threading.Timer(0.3, lambda: slots.flags.__setitem__(1, 2))
-    writer.start()
-    got = gate.argmax(logits, slots.tensor, slots.flags, 1, 2, 3)
-    if DEVICE.type == "cuda":
-        done = torch.cuda.Event()
-        done.record()
-        assert not done.query()  # the device waits for the flag
-        done.synchronize()
-    writer.join()
+    got = _waits_for_the_flag(slots, 1, 2, lambda: gate.argmax(logits, slots.tensor, slots.flags, 1, 2, 3))
     gate.check(1, 2)
     assert torch.equal(got.cpu(), want.argmax(-1))
     slots.flags[1] = -3
