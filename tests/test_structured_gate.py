@@ -128,6 +128,19 @@ def test_a_greedy_step_is_chosen_by_its_gated_mask(gated: Any, engine: Any) -> N
     gated.advance(seqs, [len(s.token_ids) for s in seqs], [0, 0], {})
 
 
+def test_fill_numbers_wrap_below_two_to_the_31(gated: Any, engine: Any) -> None:
+    """The flagged argmax takes a fill's number as a 32-bit argument: after 2**31 - 1 it is 1 again."""
+    seqs = _seqs(engine, 1)
+    gated._number = decoding.NUMBERS - 1
+    numbers = []
+    for _ in range(2):
+        mask = gated.gated_mask(seqs)
+        numbers.append(mask.fill.number)
+        _masked(gated, mask, 1)
+        gated.advance(mask.fill.samplers, [len(seqs[0].token_ids)], [0], {})
+    assert numbers == [decoding.NUMBERS, 1]
+
+
 def test_a_fill_sent_with_the_tokens_ahead_is_its_steps(gated: Any, engine: Any) -> None:
     (seq,) = _seqs(engine, 1)
     digit = gated.grammars.info.decoded_vocab.index(b"7")

@@ -35,7 +35,6 @@ checks, as each gated step's tokens arrive, that its wait saw its own fill.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import os
 import platform
@@ -55,6 +54,7 @@ from prefixserve.structured.matcher_process import MatcherProcess
 from prefixserve.triton_support import triton_available
 
 MATCHERS = "structured_outputs"  # the rule's name; Request.rules[MATCHERS]: sample index -> matcher handle
+NUMBERS = 2**31 - 1  # gated fills are numbered 1 .. NUMBERS, then from 1 again
 GATED = True  # the device waits for a step's fill where it can (``gate.py``); tests and A/B runs: False
 
 
@@ -115,7 +115,7 @@ class StructuredDecoding:
         self._pairs: tuple[list[Any], list[tuple[int, int]]] | None = None  # those rows' (row, key)s
         gated = GATED and self.masks.device_readable and triton_available() and _stores_in_order()
         self.gate = FillGate(self.masks.device) if gated else None  # None: the host waits (``bitmask``)
-        self._numbers = itertools.count(1)
+        self._number = 0  # the last gated fill's number (``_next_number``)
         self._ahead: GatedFill | None = None  # a gated fill sent with the tokens before its step
         self._issued: deque[GatedFill] = deque()  # gated steps whose tokens have not come back
 
@@ -212,9 +212,16 @@ class StructuredDecoding:
             return None
         if not self.masks.device_readable:  # regrown, not pinned: this step fails, the next is the host's
             raise RuntimeError("structured decoding's mask slots grew and could not be pinned")
-        fill = GatedFill(samplers, self.masks.slot, next(self._numbers))
+        fill = GatedFill(samplers, self.masks.slot, self._next_number())
         self.matchers.step(accepts, job, fill.number)
         return fill
+
+    def _next_number(self) -> int:
+        """A gated fill's number: 1 .. 2**31 - 1, then 1 again (the flagged argmax takes it as a 32-bit
+        kernel argument; a slot's flag is rewritten every other fill, so a number met again after
+        2**31 fills is never a stale flag's)."""
+        self._number = self._number % NUMBERS + 1
+        return self._number
 
     def _check_gated(self, samplers: list[Sequence]) -> None:
         """The tokens of ``samplers``' step arrived: if a gated fill was theirs, did its wait see it?
