@@ -109,6 +109,10 @@ def kernel_argmax(
     stream = torch._C._cuda_getCurrentRawStream(dev.index) if logits.is_cuda else 0
     key = (rows, vocab, logits.stride(0), logits.dtype, dev, stream, programs, block, warps)
     if flagged is not None:
+        if block % 32:
+            raise ValueError(
+                f"a flagged argmax reads 32-token mask words: block {block} is not a multiple of 32"
+            )
         key += (flagged.words.stride(0), flagged.rows, flagged.limit, flagged.timed)
     recorded = _RECORDED.get(key)
     if recorded is not None:

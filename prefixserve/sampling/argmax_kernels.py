@@ -78,7 +78,7 @@ def flagged_chunk_argmax(
         tl.store(spins_ptr, spins)
         tl.store(go_ptr, tl.where(flag == number, number, -number))
     elif masked:  # program 0 runs first (the lowest block index); bounded all the same
-        go, _ = wait_for_word(go_ptr, number, 2 * limit, TIMED)
+        go, _ = wait_for_word(go_ptr, number, limit.to(tl.int64) * 2, TIMED)  # (an i32 limit would wrap)
         if (go != number) & (go != -number):
             tl.store(late_ptr, 1)  # masked by a slot whose fill it never saw: ``check`` fails it
     WORDS: tl.constexpr = BLOCK // 32
@@ -94,8 +94,9 @@ def flagged_chunk_argmax(
         word = start // 32 + w
         idx = word[:, None] * 32 + bit[None, :]
         v = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        allowed = tl.load(words_row + word, mask=masked & (word * 32 < vocab), other=-1,
-                          cache_modifier=".cv")  # fmt: skip
+        # volatile (``ld.volatile``): host memory another process writes, fetched afresh (Triton 3.6
+        # drops a ``.cv`` cache modifier from the PTX)
+        allowed = tl.load(words_row + word, mask=masked & (word * 32 < vocab), other=-1, volatile=True)
         v = tl.where(((allowed[:, None] >> bit[None, :]) & 1) == 0, float("-inf"), v)
         best, best_i, first_nan = take(v, idx, best, best_i, first_nan, vocab, NONE)
     store_chunk(best, best_i, first_nan, row * splits + part, max_ptr, idx_ptr, nan_ptr, NONE)

@@ -40,8 +40,8 @@ def _kernel():
             row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         if VOLATILE:  # pinned host memory another process writes: fetched again, never a cached line
-            words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1,
-                            cache_modifier=".cv")  # fmt: skip
+            # (``ld.volatile``: Triton 3.6 drops a ``.cv`` cache modifier from the PTX)
+            words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1, volatile=True)
         else:
             words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1)
         bit = tl.arange(0, 32)

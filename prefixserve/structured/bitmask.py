@@ -164,7 +164,8 @@ class StepBitmasks:
         if self.cuda:
             self._dev = torch.empty(rows, self.words, dtype=torch.int32, device=self.device)
             self._dev_index = torch.empty(rows, dtype=torch.int64, device=self.device)
-            self._copied = [torch.cuda.Event(), torch.cuda.Event()]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]  # the slots' own (``_reading``)
+            self._copied = list(self._events)  # what each slot's last read is done at
             self._pending = [False, False]
 
     def close(self) -> None:
@@ -210,8 +211,14 @@ class StepBitmasks:
         shared = self.shared
         gate.apply(logits, shared.tensor, shared.flags, slot, number, rows)
         if self.cuda:
-            self._copied[slot].record()
-            self._pending[slot] = True
+            self._reading(slot)
+
+    def _reading(self, slot: int) -> None:
+        """A read of ``slot`` was just issued: done at the slot's own event, recorded now (never a
+        tokens future's event that ``choose`` lent it)."""
+        event = self._copied[slot] = self._events[slot]
+        event.record()
+        self._pending[slot] = True
 
     def choose(self, logits: torch.Tensor, slot: int, number: int, rows: int, gate: FillGate) -> SampleFuture:
         """``read`` and the greedy choice in one launch (``FillGate.argmax``): each row's token, on its
@@ -241,8 +248,7 @@ class StepBitmasks:
             staged.numpy()[:] = rows
             index = self._dev_index[: len(rows)]
             index.copy_(staged, non_blocking=True)
-        self._copied[s].record()
-        self._pending[s] = True
+        self._reading(s)
         apply_token_mask(logits, dev, index)
 
 

@@ -8,7 +8,7 @@ the sampling is issued without waiting for the answer, behind a one-program kern
 (``wait_for_fill``, volatile loads of host memory) until the step's fill flag in the shared slots
 (``bitmask.SharedSlots.flags``) holds the fill's number; the matcher process writes it once the rows
 are in the slot (``-number`` when the fill failed). The mask kernel then reads the slot straight from
-pinned host memory (``cache_modifier=".cv"``: fetched afresh). Every fill is sent before the sampling
+pinned host memory (volatile loads: fetched afresh). Every fill is sent before the sampling
 that waits for it is issued (``decoding.py``), so no host wait on the device can hold it up.
 
 The wait is bounded (``TIMEOUT_SECONDS`` by the GPU's clock): a fill that never comes (a hung child)

@@ -143,11 +143,14 @@ class MatcherProcess:
                 self._rows = None  # a replacement has none
             same = fill[3] is self._rows or fill[3] == self._rows
             rows = None if same else fill[3]  # None: the last fill's (most steps)
-            self._rows = fill[3]
             job = (None if slots is None else slots.describe(), fill[1], fill[2], rows, number)
         if number is not None:
             self._gated[fill[1]] = (fill[0], number)
+        if fill is not None:
+            self._rows = None  # unknown until the message is out (a send that fails sends all next)
         self._send(("step", made, dropped, accepts, job), slots)
+        if fill is not None:
+            self._rows = fill[3]
         if slots is not None:
             self._slots = slots
         self._awaited = job is not None and number is None
@@ -333,6 +336,8 @@ class Matchers:
         every token.
         A key this process does not hold (a replaced process's) fails the step after the others took
         their tokens."""
+        if job is not None and job[3] is not None:  # first: the engine counts them sent whatever fails
+            self.rows = job[3]
         for key, spec in made:  # made before dropped: a key in both (a request failed at once) goes
             self.by_key[key] = self._matcher_cls(self.grammar(spec))
         for key in dropped:
@@ -340,8 +345,6 @@ class Matchers:
         held = [(self.by_key.get(k), t) for k, t in zip(*accepts, strict=True)]
         self.accept([m for m, _ in held if m is not None], [t for m, t in held if m is not None])
         unknown = [k for (m, _), k in zip(held, accepts[0], strict=True) if m is None]
-        if job is not None and job[3] is not None:
-            self.rows = job[3]
         filled = [(row, key, self.by_key.get(key)) for row, key in self.rows] if job is not None else []
         unknown += [key for _, key, m in filled if m is None]
         if unknown:

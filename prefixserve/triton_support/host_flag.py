@@ -1,9 +1,10 @@
 """A kernel's wait for a word of pinned host memory that another process writes (a grammar fill's flag).
 
 Both kernels that wait for a grammar's fill (``wait_for_fill`` here, for ``structured/gate.py``, and
-the flagged argmax of ``sampling/argmax_kernels.py``) spin the same way: volatile loads (a ``.cv``
-load inside a loop was hoisted out of it and never saw the host's write), bounded by the GPU's own
-clock (``globaltimer``, ns), or under the interpreter, which has no clock, by a count of spins.
+the flagged argmax of ``sampling/argmax_kernels.py``) spin the same way: volatile loads (Triton 3.6
+drops a ``.cv`` modifier; such a load was hoisted out of the loop and never saw the host's write),
+bounded by the GPU's own clock (``globaltimer``, ns), or under the interpreter, which has no clock,
+by a count of spins.
 Imported at a kernel's first use (it imports Triton).
 """
 

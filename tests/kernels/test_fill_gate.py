@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE
+from _kernel_helpers import DEVICE, compiled_for_hopper
 
 from prefixserve.structured import bitmask
 from prefixserve.structured.bitmask import apply_bitmask_reference
@@ -150,3 +150,12 @@ def test_the_flagged_argmax_waits_for_the_flag_and_reports_a_failed_or_late_fill
     gate.late[1] = 1  # a program that masked before program 0's verdict: the step is not trusted
     with pytest.raises(TimeoutError, match="did not come in time"):
         gate.check(1, 5)
+
+
+def test_the_slot_words_are_volatile_loads_in_the_ptx() -> None:
+    """Both kernels that read a slot from pinned host memory fetch its words afresh (``ld.volatile``):
+    Triton 3.6 drops a ``.cv`` cache modifier, which left the words plain loads."""
+    results = compiled_for_hopper("_host_words_compile.py")
+    assert [r["kernel"] for r in results] == ["flagged_chunk_argmax", "apply_token_mask"]
+    for r in results:
+        assert r["volatile_words"] > 0 and r["plain_words"] == 0, r
