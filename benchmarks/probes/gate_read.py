@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         "StepBitmasks.read (all of it)": read,
         "FillGate.apply (wait, mask)": apply,
         "wait kernel launch": wait_alone,
-        "mask kernel launch": lambda: kernel_token_mask(logits, words_of_slot, None, volatile=True),
+        "mask kernel launch": lambda: kernel_token_mask(logits, words_of_slot, None),
         "views (flag, slot rows, logits rows)": lambda: (
             shared.flags[slot : slot + 1], shared.tensor[slot][:rows], logits[:rows]
         ),

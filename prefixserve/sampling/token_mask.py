@@ -32,18 +32,17 @@ def _kernel():
     @triton.jit
     def apply_token_mask(
         logits_ptr, mask_ptr, index_ptr, stride_l, stride_m, vocab,
-        HAS_INDEX: tl.constexpr, BLOCK_W: tl.constexpr, VOLATILE: tl.constexpr,
+        HAS_INDEX: tl.constexpr, BLOCK_W: tl.constexpr,
     ):  # fmt: skip
         if HAS_INDEX:
             row = tl.load(index_ptr + tl.program_id(0)).to(tl.int64)
         else:
             row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        if VOLATILE:  # pinned host memory another process writes: fetched again, never a cached line
-            # (``ld.volatile``: Triton 3.6 drops a ``.cv`` cache modifier from the PTX)
-            words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1, volatile=True)
-        else:
-            words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1)
+        # (a gated step's mask is pinned host memory another process fills, read after the wait
+        # kernel: plain loads too; volatile ones, a 32-bit PCIe read each, cost a small model's step
+        # 0.8 ms, docs/kernels.md §2.15)
+        words = tl.load(mask_ptr + row * stride_m + offs, mask=offs * 32 < vocab, other=-1)
         bit = tl.arange(0, 32)
         tok = offs[:, None] * 32 + bit[None, :]
         blocked = ((words[:, None] >> bit[None, :]) & 1) == 0  # arithmetic shift: bit 31 too
@@ -79,12 +78,9 @@ def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.T
     logits.index_copy_(0, index, picked)
 
 
-def kernel_token_mask(
-    logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None, volatile: bool = False
-) -> None:
+def kernel_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None) -> None:
     """``apply_token_mask`` by the kernel (on CUDA, or on the CPU under the Triton interpreter); the
-    rows' last dimension contiguous. ``volatile``: ``bitmask`` is pinned host memory that another
-    process fills (``structured/gate.py``), read afresh."""
+    rows' last dimension contiguous. ``bitmask`` may be pinned host memory (``structured/gate.py``)."""
     rows = logits.shape[0] if index is None else index.shape[0]
     if rows == 0:
         return
@@ -94,7 +90,7 @@ def kernel_token_mask(
     kernel(
         (rows, triton.cdiv(words, BLOCK_WORDS)), logits, bitmask, index_arg, logits.stride(0),
         bitmask.stride(0), logits.shape[1], HAS_INDEX=index is not None, BLOCK_W=BLOCK_WORDS,
-        VOLATILE=volatile, num_warps=4,
+        num_warps=4,
     )  # fmt: skip
 
 

@@ -8,8 +8,9 @@ the sampling is issued without waiting for the answer, behind a one-program kern
 (``wait_for_fill``, volatile loads of host memory) until the step's fill flag in the shared slots
 (``bitmask.SharedSlots.flags``) holds the fill's number; the matcher process writes it once the rows
 are in the slot (``-number`` when the fill failed). The mask kernel then reads the slot straight from
-pinned host memory (volatile loads: fetched afresh). Every fill is sent before the sampling
-that waits for it is issued (``decoding.py``), so no host wait on the device can hold it up.
+pinned host memory, once its wait is done (a kernel boundary orders the loads). Every fill is sent
+before the sampling that waits for it is issued (``decoding.py``), so no host wait on the device can
+hold it up.
 
 The wait is bounded (``TIMEOUT_SECONDS`` by the GPU's clock): a fill that never comes (a hung child)
 releases the device with the slot as it is, and the kernel's record of the flag it saw (``seen``)
@@ -83,7 +84,7 @@ class FillGate:
         spins, expect, seen = self._args[slot]
         wait = _kernel()
         wait((1,), spins, flags[slot : slot + 1], expect, seen, self.limit, TIMED=self.timed, num_warps=1)
-        kernel_token_mask(logits[:rows], slots[slot][:rows], None, volatile=True)
+        kernel_token_mask(logits[:rows], slots[slot][:rows], None)
 
     def argmax(self, logits: torch.Tensor, slots: torch.Tensor, flags: torch.Tensor, slot: int, number: int,
                rows: int) -> torch.Tensor:  # fmt: skip

@@ -59,13 +59,12 @@ def test_kernel_token_mask_strided_rows() -> None:
     assert torch.all(wide[:, 3000:] == 5.0)  # nothing past a row's vocabulary written
 
 
-def test_kernel_token_mask_reads_host_memory_afresh() -> None:
-    """``volatile``: the mask read with ``.cv`` loads (pinned host memory another process fills, on a
-    GPU; the same result)."""
+def test_kernel_token_mask_reads_pinned_host_memory() -> None:
+    """The mask read straight from pinned host memory (a gated step's slot, on a GPU): the same result."""
     logits, mask = _case(4, 3000, 1, 11, torch.float32)
     want = logits.clone()
     apply_bitmask_reference(want, mask, [0, 1, 2, 3])
     got = logits.clone().to(DEVICE)
     source = mask.pin_memory() if DEVICE.type == "cuda" else mask
-    kernel_token_mask(got, source, None, volatile=True)
+    kernel_token_mask(got, source, None)
     assert torch.equal(got.cpu(), want)
