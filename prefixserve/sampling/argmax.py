@@ -169,7 +169,7 @@ def _forget(recorded: tuple[Launch, Launch]) -> None:
     output, and a flagged call's host words and flags."""
     first, second = recorded
     first.args[0] = None
-    if len(first.args) > _FLAGGED[-1] and isinstance(first.args[_FLAGGED[0]], torch.Tensor):
+    if len(first.args) > _FLAGGED[-1]:  # (a plain record's arguments end before them)
         for i in _FLAGGED:
             first.args[i] = None
     second.args[3] = None

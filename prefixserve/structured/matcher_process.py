@@ -134,20 +134,15 @@ class MatcherProcess:
         self._answer()  # the last answer first: one at a time
         made, self._made = self._made, []
         dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
-        slots = None
-        if fill is not None and (fill[0] is not self._slots or self._conn is None):
-            slots = fill[0]
-        job = None
+        slots = job = None
         if fill is not None:
-            if self._conn is None:
-                self._rows = None  # a replacement has none
-            same = fill[3] is self._rows or fill[3] == self._rows
-            rows = None if same else fill[3]  # None: the last fill's (most steps)
+            fresh = self._conn is None  # a replacement is sent the slots and the rows anew
+            slots = fill[0] if fresh or fill[0] is not self._slots else None
+            held, self._rows = (None if fresh else self._rows), None  # unknown until the message is out
+            rows = None if fill[3] is held or fill[3] == held else fill[3]  # None: the last fill's
             job = (None if slots is None else slots.describe(), fill[1], fill[2], rows, number)
         if number is not None:
             self._gated[fill[1]] = (fill[0], number)
-        if fill is not None:
-            self._rows = None  # unknown until the message is out (a send that fails sends all next)
         self._send(("step", made, dropped, accepts, job), slots)
         if fill is not None:
             self._rows = fill[3]
