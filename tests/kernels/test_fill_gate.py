@@ -44,6 +44,14 @@ def slots() -> Iterator[bitmask.SharedSlots]:
         yield shared
 
 
+def _checked(gate: FillGate, issue: Callable[[], Any], slot: int, number: int) -> None:
+    """``issue()`` a wait for fill ``number`` in ``slot``, let the device finish, then ``check`` it."""
+    issue()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    gate.check(slot, number)
+
+
 def _waits_for_the_flag(
     slots: bitmask.SharedSlots, slot: int, number: int, issue: Callable[[], object]
 ) -> Any:
@@ -76,17 +84,11 @@ def test_a_wait_out_of_spins_or_on_a_failed_fill_is_reported(slots) -> None:
     gate = FillGate(DEVICE)
     gate.set_timeout(0.001)
     logits = slots.logits.to(DEVICE)
-    gate.apply(logits, slots.tensor, slots.flags, 1, 9, 3)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
     with pytest.raises(TimeoutError, match="did not come in time"):
-        gate.check(1, 9)
+        _checked(gate, lambda: gate.apply(logits, slots.tensor, slots.flags, 1, 9, 3), 1, 9)
     slots.flags[0] = -4
-    gate.apply(logits, slots.tensor, slots.flags, 0, 4, 3)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="failed in the matcher process"):
-        gate.check(0, 4)
+        _checked(gate, lambda: gate.apply(logits, slots.tensor, slots.flags, 0, 4, 3), 0, 4)
 
 
 @pytest.mark.parametrize(
@@ -131,22 +133,13 @@ def test_the_flagged_argmax_waits_for_the_flag_and_reports_a_failed_or_late_fill
     gate.check(1, 2)
     assert torch.equal(got.cpu(), want.argmax(-1))
     slots.flags[1] = -3
-    gate.argmax(logits, slots.tensor, slots.flags, 1, 3, 3)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="failed in the matcher process"):
-        gate.check(1, 3)
+        _checked(gate, lambda: gate.argmax(logits, slots.tensor, slots.flags, 1, 3, 3), 1, 3)
     gate.set_timeout(0.001)
-    gate.argmax(logits, slots.tensor, slots.flags, 1, 4, 3)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
     with pytest.raises(TimeoutError, match="did not come in time"):
-        gate.check(1, 4)
+        _checked(gate, lambda: gate.argmax(logits, slots.tensor, slots.flags, 1, 4, 3), 1, 4)
     slots.flags[1] = 5
-    gate.argmax(logits, slots.tensor, slots.flags, 1, 5, 3)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    gate.check(1, 5)
+    _checked(gate, lambda: gate.argmax(logits, slots.tensor, slots.flags, 1, 5, 3), 1, 5)
     gate.late[1] = 1  # a program that masked before program 0's verdict: the step is not trusted
     with pytest.raises(TimeoutError, match="did not come in time"):
         gate.check(1, 5)
