@@ -108,43 +108,6 @@ def test_experts_match_the_reference(
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
 
 
-TMA_CASES = [  # tokens, experts, top_k, hidden, inter, tile
-    (33, 16, 4, 64, 32, None),  # the shipped tile with TMA loads
-    (20, 4, 2, 64, 48, None),  # inter off the 64-column tile: a tile reads the next rows, masked
-    (70, 6, 3, 40, 16, (32, 32, 32, 64, 4, 2)),  # K off the K step: TMA's zeros past the row
-    (96, 5, 4, 64, 96, (64, 64, 128, 32, 4, 3)),  # 64-row blocks, several a expert, the last expert's rows
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tile"), TMA_CASES)
-def test_tma_loads_match_pointer_loads_and_the_reference(
-    tokens, experts, top_k, hidden, inter, tile, dtype
-) -> None:
-    """The expert GEMMs with their weights (and the down GEMM's rows) loaded through TMA descriptors
-    against the reference, and against the same tile's pointer loads: the same products in the same
-    order, so the same bits on a GPU."""
-    gen = torch.Generator().manual_seed(tokens + inter)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5
-    w_down = torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5
-    weights, ids = route_ref(torch.randn(tokens, experts, generator=gen), top_k, norm=True)
-    ids[0] = torch.arange(experts - top_k, experts)  # the last expert: its tiles meet the tensor's end
-    want = experts_ref(x.double(), w_up.double(), w_down.double(), weights.double(), ids)
-    dev = lambda t: t.to(DEVICE, dtype)  # noqa: E731
-    args = (dev(x), dev(w_up), dev(w_down), weights.to(DEVICE), ids.to(DEVICE, torch.int32))
-    pointer = fused_moe.Tile(*tile) if tile else fused_moe.tiles(tokens, top_k, experts)
-    assert tokens * top_k > fused_moe.DIRECT_MAX and fused_moe.tma_ok(*args[:3])
-    got = fused_moe.experts_forward(*args, tile=pointer._replace(tma=True))
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
-    plain = fused_moe.experts_forward(*args, tile=pointer)
-    if DEVICE.type == "cuda":
-        assert torch.equal(got, plain)
-    else:
-        torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-6)
-
-
 def test_every_token_on_one_expert_and_experts_without_tokens() -> None:
     gen = torch.Generator().manual_seed(5)
     tokens, experts, hidden, inter = 40, 8, 32, 16

@@ -26,10 +26,6 @@ depends on how the step was batched. docs/kernels.md §9 has the measured choice
 
 from __future__ import annotations
 
-import functools
-import os
-from typing import NamedTuple
-
 import torch
 
 from prefixserve.model.kernels.moe_route import pow2, route, rule_constexprs, top_k_of
@@ -189,21 +185,9 @@ def _block_of(block, slots_ptr, block_expert_ptr, block_rows_ptr, BM: tl.constex
 
 
 @triton.jit
-def _w_tile(w, row0, rows, k0, k, ok, TMA: tl.constexpr):
-    """A [BK, BN] tile of a weight stored [rows, K]: columns ``row0`` + BN through a TMA descriptor
-    (rows past the tile's owner are read and masked at the store; past K and the tensor, zeros),
-    or ``rows`` (element offsets of each row) by pointer loads masked with ``ok``."""
-    if TMA:
-        tile = w.load([row0, k0]).T
-    else:
-        tile = tl.load(w + rows[None, :] + k[:, None], mask=ok, other=0.0)
-    return tile
-
-
-@triton.jit
 def _expert_up_kernel(
     x_ptr,  # [T, H]
-    w_ptr,  # [E * 2 I, H]: expert e's gate rows at e 2I, its up rows at e 2I + I (TMA: its descriptor)
+    w_ptr,  # [E * 2 I, H]: expert e's gate rows at e 2I, its up rows at e 2I + I
     bias_ptr,  # [E * 2 I] (HAS_BIAS)
     inter_ptr,  # [NB BM, I] out: by block row, so the down GEMM reads whole tiles
     slots_ptr,
@@ -234,7 +218,6 @@ def _expert_up_kernel(
     NORM: tl.constexpr = False,
     LOGIT_SPLITS: tl.constexpr = 0,  # ROUTE: logits_ptr holds the router's fp32 split-K partials
     stride_split=0,
-    TMA: tl.constexpr = False,  # w_ptr is a TMA descriptor with [BN, BK] tiles
 ):
     if PDL:
         wait()
@@ -260,7 +243,6 @@ def _expert_up_kernel(
     token = (assign // TOP_K).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < inter
-    gate_row0 = expert * 2 * inter + tl.program_id(1) * BN  # the descriptor's coordinates are 32-bit
     gate_rows = (expert.to(tl.int64) * 2 * inter + n) * hidden
     up_rows = gate_rows + inter * hidden
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
@@ -272,8 +254,8 @@ def _expert_up_kernel(
             x_ptr + token[:, None] * stride_x + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
         )
         wmask = k_ok[:, None] & n_ok[None, :]
-        wg = _w_tile(w_ptr, gate_row0, gate_rows, k0, k, wmask, TMA)
-        wu = _w_tile(w_ptr, gate_row0 + inter, up_rows, k0, k, wmask, TMA)
+        wg = tl.load(w_ptr + gate_rows[None, :] + k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_ptr + up_rows[None, :] + k[:, None], mask=wmask, other=0.0)
         acc_g = tl.dot(xs, wg, acc_g, input_precision=DOT_PREC)
         acc_u = tl.dot(xs, wu, acc_u, input_precision=DOT_PREC)
     if PDL:
@@ -290,8 +272,8 @@ def _expert_up_kernel(
 
 @triton.jit
 def _expert_down_kernel(
-    inter_ptr,  # [NB BM, I]: the up GEMM's output, by block row (TMA: its descriptor, [BM, BK] tiles)
-    w_ptr,  # [E * H, I] (TMA: its descriptor, [BN, BK] tiles)
+    inter_ptr,  # [NB BM, I]: the up GEMM's output, by block row
+    w_ptr,  # [E * H, I]
     bias_ptr,  # [E * H] (HAS_BIAS)
     weights_ptr,  # [N] fp32 routing weights
     out_ptr,  # [N, H] out
@@ -307,7 +289,6 @@ def _expert_down_kernel(
     DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
-    TMA: tl.constexpr = False,  # inter_ptr and w_ptr are TMA descriptors
 ):
     if PDL:
         wait()
@@ -319,20 +300,16 @@ def _expert_down_kernel(
     assign = assign.to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < hidden
-    w_row0 = expert * hidden + tl.program_id(1) * BN
     w_rows = (expert.to(tl.int64) * hidden + n) * inter
     row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, inter, BK):
         k = k0 + tl.arange(0, BK)
         k_ok = k < inter
-        if TMA:  # the block's rows past its real ones hold whatever was there: masked at the store
-            a = inter_ptr.load([tl.program_id(0) * BM, k0])
-        else:
-            a = tl.load(
-                inter_ptr + row[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
-            )
-        w = _w_tile(w_ptr, w_row0, w_rows, k0, k, k_ok[:, None] & n_ok[None, :], TMA)
+        a = tl.load(
+            inter_ptr + row[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     if PDL:
         launch_dependents()
@@ -370,17 +347,7 @@ def _combine_kernel(
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-class Tile(NamedTuple):
-    """A launch of the two expert GEMMs: block rows, each kernel's columns a program, the K step,
-    warps, pipeline stages, and whether the weights (and the down GEMM's rows) load through TMA."""
-
-    bm: int
-    bn_up: int
-    bn_down: int
-    bk: int
-    warps: int
-    stages: int
-    tma: bool = False
+Tile = tuple[int, int, int, int, int, int]  # BM, up BN, down BN, BK, warps, stages
 
 
 def tiles(tokens: int, top_k: int, experts: int) -> Tile:
@@ -388,51 +355,14 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     step's expert holds a few rows); docs/kernels.md has the sweep that chose them."""
     per_expert = tokens * top_k / experts
     if tokens * top_k <= DIRECT_MAX:  # a block an assignment: four loads in flight (moe_tiles.py --narrow)
-        return Tile(16, 64, 64, 128, 4, 4)
+        return 16, 64, 64, 128, 4, 4
     if per_expert <= 16:
-        return Tile(16, 64, 64, 128, 4, 3)
+        return 16, 64, 64, 128, 4, 3
     if per_expert <= 48:
-        return Tile(32, 64, 64, 128, 4, 3)
+        return 32, 64, 64, 128, 4, 3
     if per_expert <= 96:
-        return Tile(64, 64, 128, 64, 4, 3)
-    return Tile(128, 128, 128, 64, 8, 3)
-
-
-@functools.cache
-def _have_descriptors() -> bool:
-    """Host-side TMA descriptors (Triton 3.4 and later)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:  # pragma: no cover - older Triton
-        return False
-    return True
-
-
-def tma_ok(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether the expert GEMMs can load through TMA: weights of x's dtype with 16-byte aligned bases
-    and rows, on a Hopper or later GPU (or the interpreter, for the tests)."""
-    if x.is_cuda:
-        device = torch.cuda.get_device_capability(x.device)[0] >= 9
-    else:
-        device = os.environ.get("TRITON_INTERPRET") == "1"
-    return (
-        device
-        and _have_descriptors()
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and all(
-            w.dtype == x.dtype
-            and w.is_contiguous()
-            and w.data_ptr() % 16 == 0
-            and w.shape[1] * w.element_size() % 16 == 0
-            for w in (w_up, w_down)
-        )
-    )
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block)
+        return 64, 64, 128, 64, 4, 3
+    return 128, 128, 128, 64, 8, 3
 
 
 # up to this many assignments (a decode step's) one program groups them, in one launch; more are
@@ -548,9 +478,8 @@ def _experts(
     if tokens == 0:
         return out
     n = tokens * top_k
-    block_m, bn_up, bn_down, block_k, warps, stages, tma = Tile(*(tile or tiles(tokens, top_k, experts)))
+    block_m, bn_up, bn_down, block_k, warps, stages = tile or tiles(tokens, top_k, experts)
     direct = n <= DIRECT_MAX
-    tma = tma and not direct and tma_ok(x, w_up, w_down)
     if direct:  # one assignment a block: no grouping (``_block_of``)
         slots = block_rows = block_expert = ids.view(-1)
     else:
@@ -559,23 +488,19 @@ def _experts(
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32 (tests, CPU parity)
     chained = pdl.chained(x.device)
     inter_out = torch.empty(blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    down_k = min(block_k, 64)
-    up_w = _descriptor(w_up, [bn_up, block_k]) if tma else w_up
-    down_a = _descriptor(inter_out, [block_m, down_k]) if tma else inter_out
-    down_w = _descriptor(w_down, [bn_down, down_k]) if tma else w_down
     _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
-        x, up_w, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,
+        x, w_up, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,
         hidden, inter, x.stride(0), alpha, limit,
         TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
         HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
-        TMA=tma, **chained, **(route_args or {}),
+        **chained, **(route_args or {}),
     )  # fmt: skip
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
-        down_a, down_w, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
+        inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
         slots, block_expert, block_rows, hidden, inter,
-        BM=block_m, BN=bn_down, BK=down_k, HAS_BIAS=down_bias is not None, DOT_PREC=prec,
-        DIRECT=direct, num_warps=warps, num_stages=stages, TMA=tma, **chained,
+        BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
+        DIRECT=direct, num_warps=warps, num_stages=stages, **chained,
     )  # fmt: skip
     grid = (tokens, triton.cdiv(hidden, 1024))
     _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
@@ -593,5 +518,4 @@ __all__ = [
     "route",
     "routed_forward",
     "tiles",
-    "tma_ok",
 ]
