@@ -5,6 +5,9 @@ graphed; prints the fastest few per B beside the default and ``torch._grouped_mm
     PYTHONPATH=. python -m benchmarks.probes.moe_tiles [--model qwen3-30b-a3b] \
         [--batches 1 64 256 1024] [--narrow | --direct]
 
+``--swap``: the candidates run the products transposed (``fused_moe.Tile.swap``), over 16- to
+64-row blocks; the default tile is timed both ways.
+
 ``--direct``: a direct step's tiles (T k <= ``fused_moe.DIRECT_MAX``) over four copies of the layer's
 weights, each routed apart (L2 holds none of a copy's experts when it comes round, as in a model's
 step). At e743384 its candidates included programs owning 48 or 96 columns of a wider tile (grids
@@ -45,6 +48,14 @@ def candidates(block_m: int, narrow: bool = False) -> list[tuple[int, ...]]:
                 continue
             out.append((bm, bn_up, bn_down, bk, warps, stages))
     return out
+
+
+def swap_candidates(default: fused_moe.Tile) -> list[fused_moe.Tile]:
+    """The default transposed, then transposed tiles of 16-64 rows by columns, K step and stages."""
+    grid = itertools.product((16, 32, 64), (64, 128), (64, 128), (64, 128), (3, 4))
+    return [default._replace(swap=True)] + [
+        fused_moe.Tile(bm, u, d, k, 4, st, True) for bm, u, d, k, st in grid
+    ]
 
 
 def sweep(
@@ -118,13 +129,14 @@ def grid_sweep(cfg, args: argparse.Namespace) -> list[dict]:
         weights, ids = fused_moe.route(x @ router.T, k, cfg.router_rule, cfg.norm_topk_prob)
         args_b = (x, w_up, w_down, weights, ids)
         base = bench_ms(graphed(lambda: grouped_mm_moe(*args_b)), 100)  # noqa: B023
-        cands = candidates(fused_moe.tiles(b, k, e)[0], args.narrow)
+        default = fused_moe.tiles(b, k, e)
+        cands = swap_candidates(default) if args.swap else candidates(default.bm, args.narrow)
 
         def run(tile: tuple[int, ...] | None) -> torch.Tensor:
             return fused_moe.experts_forward(*args_b, tile=tile)  # noqa: B023
 
         timed = sweep(
-            b, cands[:: max(1, len(cands) // args.limit)], fused_moe.tiles(b, k, e), run,
+            b, cands[:: max(1, len(cands) // args.limit)], default, run,
             lambda t: bench_ms(graphed(lambda: run(t)), 100),
         )  # fmt: skip
         show(f"B={b}: grouped_mm {base * 1e3:.1f} us", timed, 5)
@@ -139,6 +151,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=40, help="candidates per B, spread over the list")
     ap.add_argument("--narrow", action="store_true", help="16- and 32-column tiles, deeper pipelines")
     ap.add_argument("--direct", action="store_true", help="a direct step's tiles over weight copies")
+    ap.add_argument("--swap", action="store_true", help="transposed products (Tile.swap)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)

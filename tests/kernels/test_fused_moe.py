@@ -108,6 +108,43 @@ def test_experts_match_the_reference(
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
 
 
+SWAP_CASES = [  # tokens, experts, top_k, hidden, inter, tile (BM, up BN, down BN, BK, warps, stages)
+    (1, 8, 2, 64, 48, (16, 64, 64, 128, 4, 4)),  # a direct step; inter off the 64-column tile
+    (33, 16, 4, 64, 32, (16, 64, 64, 128, 4, 3)),
+    (70, 6, 3, 40, 16, (32, 32, 64, 64, 4, 2)),  # K off the K step
+    (96, 5, 4, 64, 96, (64, 64, 128, 64, 4, 3)),  # several 64-row blocks an expert
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tile"), SWAP_CASES)
+def test_transposed_products_match_the_reference(
+    tokens, experts, top_k, hidden, inter, tile, act, dtype
+) -> None:
+    """The expert GEMMs run transposed (``Tile.swap``: the weight's columns on the tensor core's wide
+    side) against the reference and against the same tile untransposed."""
+    gen = torch.Generator().manual_seed(tokens + inter)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = route_ref(torch.randn(tokens, experts, generator=gen), top_k, norm=True)
+    biased = act == "swiglu_oai"
+    up_bias = torch.randn(experts * 2 * inter, generator=gen) if biased else None
+    down_bias = torch.randn(experts * hidden, generator=gen) if biased else None
+    want = experts_ref(x.double(), w_up.double(), w_down.double(), weights.double(), ids, act,
+                       None if up_bias is None else up_bias.double(),
+                       None if down_bias is None else down_bias.double())  # fmt: skip
+    dev = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
+    args = (dev(x), dev(w_up), dev(w_down), weights.to(DEVICE), ids.to(DEVICE, torch.int32))
+    rest = (fused_moe.ACTIVATIONS[act], dev(up_bias), dev(down_bias))
+    got = fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile, swap=True))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+    plain = fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile))
+    torch.testing.assert_close(got, plain, rtol=tol / 4, atol=tol / 4)
+
+
 def test_every_token_on_one_expert_and_experts_without_tokens() -> None:
     gen = torch.Generator().manual_seed(5)
     tokens, experts, hidden, inter = 40, 8, 32, 16

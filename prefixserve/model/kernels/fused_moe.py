@@ -26,6 +26,8 @@ depends on how the step was batched. docs/kernels.md §9 has the measured choice
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from prefixserve.model.kernels.moe_route import pow2, route, rule_constexprs, top_k_of
@@ -185,6 +187,18 @@ def _block_of(block, slots_ptr, block_expert_ptr, block_rows_ptr, BM: tl.constex
 
 
 @triton.jit
+def _product(rows, w, acc, DOT_PREC: tl.constexpr, SWAP: tl.constexpr):
+    """``acc`` + ``rows`` [BM, BK] @ ``w`` [BK, BN]; with ``SWAP`` the transposed product into ``acc``
+    [BN, BM]: the weight's columns fill the tensor core's 64-row side and the block's few tokens its
+    narrow side (Hopper's wgmma needs 64 rows; BM = 16 or 32 takes the older, slower mma)."""
+    if SWAP:
+        out = tl.dot(tl.trans(w), tl.trans(rows), acc, input_precision=DOT_PREC)
+    else:
+        out = tl.dot(rows, w, acc, input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit
 def _expert_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E * 2 I, H]: expert e's gate rows at e 2I, its up rows at e 2I + I
@@ -218,6 +232,7 @@ def _expert_up_kernel(
     NORM: tl.constexpr = False,
     LOGIT_SPLITS: tl.constexpr = 0,  # ROUTE: logits_ptr holds the router's fp32 split-K partials
     stride_split=0,
+    SWAP: tl.constexpr = False,  # the products transposed (``_product``)
 ):
     if PDL:
         wait()
@@ -245,8 +260,8 @@ def _expert_up_kernel(
     n_ok = n < inter
     gate_rows = (expert.to(tl.int64) * 2 * inter + n) * hidden
     up_rows = gate_rows + inter * hidden
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_g = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
     for k0 in range(0, hidden, BK):
         k = k0 + tl.arange(0, BK)
         k_ok = k < hidden
@@ -256,10 +271,13 @@ def _expert_up_kernel(
         wmask = k_ok[:, None] & n_ok[None, :]
         wg = tl.load(w_ptr + gate_rows[None, :] + k[:, None], mask=wmask, other=0.0)
         wu = tl.load(w_ptr + up_rows[None, :] + k[:, None], mask=wmask, other=0.0)
-        acc_g = tl.dot(xs, wg, acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(xs, wu, acc_u, input_precision=DOT_PREC)
+        acc_g = _product(xs, wg, acc_g, DOT_PREC, SWAP)
+        acc_u = _product(xs, wu, acc_u, DOT_PREC, SWAP)
     if PDL:
         launch_dependents()
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     if HAS_BIAS:
         cols = expert.to(tl.int64) * 2 * inter + n
         acc_g += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -289,6 +307,7 @@ def _expert_down_kernel(
     DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
+    SWAP: tl.constexpr = False,  # the product transposed (``_product``)
 ):
     if PDL:
         wait()
@@ -302,7 +321,7 @@ def _expert_down_kernel(
     n_ok = n < hidden
     w_rows = (expert.to(tl.int64) * hidden + n) * inter
     row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
     for k0 in range(0, inter, BK):
         k = k0 + tl.arange(0, BK)
         k_ok = k < inter
@@ -310,9 +329,11 @@ def _expert_down_kernel(
             inter_ptr + row[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
         )
         w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        acc = _product(a, w, acc, DOT_PREC, SWAP)
     if PDL:
         launch_dependents()
+    if SWAP:
+        acc = tl.trans(acc)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[
@@ -347,7 +368,17 @@ def _combine_kernel(
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-Tile = tuple[int, int, int, int, int, int]  # BM, up BN, down BN, BK, warps, stages
+class Tile(NamedTuple):
+    """A launch of the two expert GEMMs: block rows, each kernel's columns a program, the K step,
+    warps, pipeline stages, and whether the products run transposed (``_product``)."""
+
+    bm: int
+    bn_up: int
+    bn_down: int
+    bk: int
+    warps: int
+    stages: int
+    swap: bool = False
 
 
 def tiles(tokens: int, top_k: int, experts: int) -> Tile:
@@ -355,14 +386,14 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     step's expert holds a few rows); docs/kernels.md has the sweep that chose them."""
     per_expert = tokens * top_k / experts
     if tokens * top_k <= DIRECT_MAX:  # a block an assignment: four loads in flight (moe_tiles.py --narrow)
-        return 16, 64, 64, 128, 4, 4
+        return Tile(16, 64, 64, 128, 4, 4)
     if per_expert <= 16:
-        return 16, 64, 64, 128, 4, 3
+        return Tile(16, 64, 64, 128, 4, 3)
     if per_expert <= 48:
-        return 32, 64, 64, 128, 4, 3
+        return Tile(32, 64, 64, 128, 4, 3)
     if per_expert <= 96:
-        return 64, 64, 128, 64, 4, 3
-    return 128, 128, 128, 64, 8, 3
+        return Tile(64, 64, 128, 64, 4, 3)
+    return Tile(128, 128, 128, 64, 8, 3)
 
 
 # up to this many assignments (a decode step's) one program groups them, in one launch; more are
@@ -478,7 +509,7 @@ def _experts(
     if tokens == 0:
         return out
     n = tokens * top_k
-    block_m, bn_up, bn_down, block_k, warps, stages = tile or tiles(tokens, top_k, experts)
+    block_m, bn_up, bn_down, block_k, warps, stages, swap = Tile(*(tile or tiles(tokens, top_k, experts)))
     direct = n <= DIRECT_MAX
     if direct:  # one assignment a block: no grouping (``_block_of``)
         slots = block_rows = block_expert = ids.view(-1)
@@ -493,14 +524,14 @@ def _experts(
         hidden, inter, x.stride(0), alpha, limit,
         TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
         HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
-        **chained, **(route_args or {}),
+        SWAP=swap, **chained, **(route_args or {}),
     )  # fmt: skip
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
         slots, block_expert, block_rows, hidden, inter,
         BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
-        DIRECT=direct, num_warps=warps, num_stages=stages, **chained,
+        DIRECT=direct, num_warps=warps, num_stages=stages, SWAP=swap, **chained,
     )  # fmt: skip
     grid = (tokens, triton.cdiv(hidden, 1024))
     _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
