@@ -386,11 +386,11 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     step's expert holds a few rows); docs/kernels.md has the sweep that chose them."""
     per_expert = tokens * top_k / experts
     if tokens * top_k <= DIRECT_MAX:  # a block an assignment: four loads in flight (moe_tiles.py --narrow)
-        return Tile(16, 64, 64, 128, 4, 4)
-    if per_expert <= 16:
-        return Tile(16, 64, 64, 128, 4, 3)
-    if per_expert <= 48:
-        return Tile(32, 64, 64, 128, 4, 3)
+        return Tile(16, 64, 64, 128, 4, 4, swap=True)
+    if per_expert <= 8:
+        return Tile(16, 64, 64, 128, 4, 3, swap=True)
+    if per_expert <= 48:  # transposed, 32-row blocks take wgmma: 7% off B = 256 (16 an expert)
+        return Tile(32, 64, 64, 64, 4, 3, swap=True)
     if per_expert <= 96:
         return Tile(64, 64, 128, 64, 4, 3)
     return Tile(128, 128, 128, 64, 8, 3)
