@@ -7,21 +7,15 @@ layer's four products for the best tile of each against the engine's.
 ``--gated``: the gate-up product's fused form (``fp8_matmul.fp8_gated``: [2 I, K] codes, SiLU-and-mul
 in the epilogue) at the 8B shape instead, BLOCK_N counting each half's columns, with 4 or 8 warps.
 
-``--swap``: the products transposed (``SWAP``: the weight's columns on wgmma's 64-row side, x's
-rows on its narrow side, e4m3 from shared memory) over 64-256 columns a program, beside the engine
-with and without its own transposed launches (``fp8_matmul.SWAP_MAX_ROWS``).
-
-    PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--gated] [--swap] [--out DIR]
+    PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--gated] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,11 +28,9 @@ from prefixserve.model.kernels import fp8_matmul
 BLOCK_N = (16, 32, 64, 128)
 BLOCK_K = (256, 512)
 STAGES = (4, 6, 8)
-SWAP_BLOCK_N = (64, 128, 256)  # wgmma's 64-row side: narrower tiles fall back to the widened mma
-SWAP_STAGES = (2, 3, 4, 6)
 
 
-def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gated=False, warps=4, swap=False):
+def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gated=False, warps=4):
     """One launch of the FP8 kernel with these tiles (BLOCK_M as the engine's for x's rows)."""
     m, k = x.shape
     n = out.shape[1]
@@ -50,24 +42,13 @@ def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gate
             grid, xq[0], codes, scale, out, x, xq[1], m, n, k, xq[0].stride(0), codes.stride(0),
             scale.stride(0), out.stride(0), HAS_BIAS=False, GROUPED=False, X_CODES=True,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps, GATED=gated,
-            SWAP=swap,
         )  # fmt: skip
         return out
 
     return run
 
 
-@contextlib.contextmanager
-def unswapped() -> Iterator[None]:
-    """The engine's launches as before the transposed products (``SWAP_MAX_ROWS`` = 0)."""
-    before, fp8_matmul.SWAP_MAX_ROWS = fp8_matmul.SWAP_MAX_ROWS, 0
-    try:
-        yield
-    finally:
-        fp8_matmul.SWAP_MAX_ROWS = before
-
-
-def gated_sweep(rows: list[int], rep_ms: int, swap: bool = False) -> list[dict]:
+def gated_sweep(rows: list[int], rep_ms: int) -> list[dict]:
     """The fused gate-up form's tiles at the 8B shape (I = 14,336, K = 4,096) against the engine's."""
     from prefixserve.model.kernels.silu_mul import silu_and_mul_ref
 
@@ -82,20 +63,13 @@ def gated_sweep(rows: list[int], rep_ms: int, swap: bool = False) -> list[dict]:
         out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
         engine = 1e3 * bench_ms(graphed(lambda x=x, q=xq: fp8_matmul.fp8_gated(x, codes, scale, q)), rep_ms)
         row = {"layer": "gate_up_gated", "M": m, "N": inter, "K": k, "engine_us": engine, "tiles": {}}
-        with unswapped():
-            row["engine_unswapped_us"] = 1e3 * bench_ms(
-                graphed(lambda x=x, q=xq: fp8_matmul.fp8_gated(x, codes, scale, q)), rep_ms
-            )
-        grid = itertools.product((16, 32, 64), (256,), (2, 3, 4, 6), (4, 8), (False,))
-        if swap:
-            grid = itertools.product((64, 128), (256,), (2, 3, 4), (4,), (True,))
-        for bn, bk, st, warps, sw in grid:
+        for bn, bk, st, warps in itertools.product((16, 32, 64), (256,), (2, 3, 4, 6), (4, 8)):
             block_m = fp8_matmul.tiles(m, inter, bk)[0]
             if bk * (block_m + 2 * bn) * st > fp8_matmul.SHARED_BYTES:
                 continue
-            run = call(x, xq, codes, scale, out, bn, bk, st, gated=True, warps=warps, swap=sw)
+            run = call(x, xq, codes, scale, out, bn, bk, st, gated=True, warps=warps)
             err = float((run().float() - ref).norm() / ref.norm())
-            key = f"{bn}x{bk}x{st}w{warps}" + ("swap" if sw else "")
+            key = f"{bn}x{bk}x{st}w{warps}"
             if err > 2e-2:
                 row["tiles"][key] = {"error": err}
                 continue
@@ -105,8 +79,7 @@ def gated_sweep(rows: list[int], rep_ms: int, swap: bool = False) -> list[dict]:
         row["best_us"] = timed[row["best"]]
         top = sorted(timed, key=timed.get)[:4]
         print(
-            f"gated M={m}: engine {engine:.1f} us (unswapped {row['engine_unswapped_us']:.1f}); best "
-            + ", ".join(f"{t} {timed[t]:.1f}" for t in top),
+            f"gated M={m}: engine {engine:.1f} us; best " + ", ".join(f"{t} {timed[t]:.1f}" for t in top),
             flush=True,
         )
         found.append(row)
@@ -119,16 +92,14 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--out", default="/tmp/fp8_tiles")
     ap.add_argument("--gated", action="store_true", help="the fused gate-up form alone")
-    ap.add_argument("--swap", action="store_true", help="transposed products (SWAP) over 64-256 columns")
     args = ap.parse_args()
     started, rows = time.perf_counter(), []
     if args.gated:
-        rows = gated_sweep(args.rows, args.rep_ms, args.swap)
+        rows = gated_sweep(args.rows, args.rep_ms)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result = {"rows": rows, "wall_s": time.perf_counter() - started}
-        name = "fp8_tiles_gated_swap.json" if args.swap else "fp8_tiles_gated.json"
-        (out / name).write_text(json.dumps(result, indent=1))
+        (out / "fp8_tiles_gated.json").write_text(json.dumps(result, indent=1))
         return
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -143,35 +114,21 @@ def main() -> None:
                 args.rep_ms,
             )
             row = {"layer": name, "M": m, "N": n, "K": k, "engine_us": engine, "tiles": {}}
-            with unswapped():
-                row["engine_unswapped_us"] = 1e3 * bench_ms(
-                    graphed(lambda x=x, c=codes, s=scale, q=xq: fp8_matmul.launch(x, c, s, None, None, q)),
-                    args.rep_ms,
-                )
-            grid = itertools.product(BLOCK_N, BLOCK_K, STAGES, (False,))
-            if args.swap:
-                grid = itertools.product(SWAP_BLOCK_N, BLOCK_K, SWAP_STAGES, (True,))
-            for bn, bk, st, sw in grid:
+            for bn, bk, st in itertools.product(BLOCK_N, BLOCK_K, STAGES):
                 if bk * (bn + 64) * st > fp8_matmul.SHARED_BYTES:
                     continue
-                key = f"{bn}x{bk}x{st}" + ("swap" if sw else "")
-                run = call(x, xq, codes, scale, out, bn, bk, st, swap=sw)
-                try:
-                    err = float((run().float() - ref).norm() / ref.norm())
-                except Exception as exc:  # a tile past the SM's shared memory
-                    row["tiles"][key] = {"error": repr(exc)[:100]}
-                    continue
+                run = call(x, xq, codes, scale, out, bn, bk, st)
+                err = float((run().float() - ref).norm() / ref.norm())
                 if err > 1e-2:
-                    row["tiles"][key] = {"error": err}
+                    row["tiles"][f"{bn}x{bk}x{st}"] = {"error": err}
                     continue
-                row["tiles"][key] = {"us": 1e3 * bench_ms(graphed(run), args.rep_ms)}
+                row["tiles"][f"{bn}x{bk}x{st}"] = {"us": 1e3 * bench_ms(graphed(run), args.rep_ms)}
             timed = {t: v["us"] for t, v in row["tiles"].items() if "us" in v}
             row["best"] = min(timed, key=timed.get)
             row["best_us"] = timed[row["best"]]
             rows.append(row)
             print(
-                f"{name} M={m}: engine {engine:.1f} us (unswapped {row['engine_unswapped_us']:.1f}), "
-                f"best {row['best']} {row['best_us']:.1f} us",
+                f"{name} M={m}: engine {engine:.1f} us, best {row['best']} {row['best_us']:.1f} us",
                 flush=True,
             )
     summary = {}
@@ -179,20 +136,14 @@ def main() -> None:
         mine = [r for r in rows if r["M"] == m]
         summary[m] = {
             "engine_us": sum(r["engine_us"] for r in mine),
-            "engine_unswapped_us": sum(r["engine_unswapped_us"] for r in mine),
             "best_us": sum(r["best_us"] for r in mine),
         }
         sums = summary[m]
-        print(
-            f"M={m}: a layer's products, engine {sums['engine_us']:.1f} us "
-            f"(unswapped {sums['engine_unswapped_us']:.1f}), best {sums['best_us']:.1f} us"
-        )
+        print(f"M={m}: a layer's products, engine {sums['engine_us']:.1f} us, best {sums['best_us']:.1f} us")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"rows": rows, "summary": summary, "wall_s": time.perf_counter() - started}
-    (out / ("fp8_tiles_swap.json" if args.swap else "fp8_tiles.json")).write_text(
-        json.dumps(result, indent=1)
-    )
+    (out / "fp8_tiles.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

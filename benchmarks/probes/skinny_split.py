@@ -12,8 +12,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on
 (``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``;
 ``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
-``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
-``--switch fp8_swap``: W8A8 products of up to ``fp8_matmul.SWAP_MAX_ROWS`` rows transposed),
+``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -24,9 +23,7 @@ PYTHONPATH=. python -m benchmarks.probes.skinny_split [--rows 1 64] [--shapes mo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Iterator
 
 import torch
 
@@ -106,23 +103,11 @@ def point(name: str, rows: int, splits: list[int]) -> dict:
     return row
 
 
-@contextlib.contextmanager
-def fp8_transposed(enabled: bool) -> Iterator[None]:
-    """W8A8 products of a few rows transposed (True, the engine's rule) or never (False)."""
-    before = fp8_matmul.SWAP_MAX_ROWS
-    fp8_matmul.SWAP_MAX_ROWS = before if enabled else 0
-    try:
-        yield
-    finally:
-        fp8_matmul.SWAP_MAX_ROWS = before
-
-
 SWITCHES = {  # --switch: what --engine-ab turns
     "split_k": fused.split_k_products,
     "gate_up": fused.gate_up_kernels,
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
-    "fp8_swap": fp8_transposed,
 }
 
 

@@ -101,27 +101,6 @@ def test_fp8_codes_of_x_match_the_w8a8_reference(m: int, n: int, k: int) -> None
         fp8_linear(x, codes, scale.repeat(1, 2), x_codes=(xq, sx))
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 200, 512), (7, 64, 300), (16, 130, 256), (32, 256, 8200)])
-def test_transposed_w8a8_products_match_untransposed(m: int, n: int, k: int, monkeypatch) -> None:
-    """Up to ``SWAP_MAX_ROWS`` rows W8A8 runs transposed (the weight's columns on wgmma's 64-row
-    side: e4m3 tensor-core products on Hopper, where the untransposed 16- and 32-row tiles widen both
-    tiles to fp16): the same codes, so against the untransposed launch and the fp32 product of the
-    codes only the summation differs; 64-column tiles, masked columns and K, a long K."""
-    from prefixserve.model.kernels import fp8_matmul
-
-    x, codes, scale = _operands(m, n, k, False, torch.float16, 3 * m + n + k)
-    xq, sx = fp8_matmul.quantize_rows(x)
-    tile = (16 if m <= 16 else 32, 64, 3)
-    monkeypatch.setattr(fp8_matmul, "tiles", lambda *args: tile)
-    assert m <= fp8_matmul.SWAP_MAX_ROWS
-    got = fp8_linear(x, codes, scale, x_codes=(xq, sx))
-    monkeypatch.setattr(fp8_matmul, "SWAP_MAX_ROWS", 0)
-    plain = fp8_linear(x, codes, scale, x_codes=(xq, sx))
-    torch.testing.assert_close(got.float(), plain.float(), rtol=2e-3, atol=2e-3)
-    ref = (xq.float() * sx) @ fp8.dequantize(codes, scale).T
-    torch.testing.assert_close(got.float(), ref, rtol=2e-3, atol=2e-3)
-
-
 # the last: 64 rows over four 256-column steps of K, the last masked (a gated launch takes
 # GATED_TILES' stages at any K, past LONG_K too)
 @pytest.mark.parametrize("m, n, k", [(1, 40, 256), (5, 33, 200), (17, 64, 384), (64, 48, 1000)])

@@ -34,17 +34,6 @@ LONG_K, LONG_K_STAGES = 8192, 8  # W8A8 over K >= LONG_K: this many stages (fp8_
 # the gated form's (BLOCK_N of each half, STAGES) up to 16 rows and past them (fp8_tiles.py --gated, H200:
 # the 8B gate-up at 1 / 64 rows 41.5 / 43.9 us against 44.7 / 45.9 with the unfused product's tiles)
 GATED_TILES = ((64, 3), (64, 2))
-# W8A8 up to this many rows runs transposed (``_mma``): a block of 16 or 32 rows as the product's rows
-# takes Hopper's older mma, which has no e4m3 form there: both tiles were widened to fp16 in registers
-SWAP_MAX_ROWS = 32
-
-
-@triton.jit
-def _mma(x, w, acc, SWAP: tl.constexpr):
-    """``acc`` + ``x`` [BM, BK] @ ``w``^T, ``w`` [BN, BK]; with ``SWAP`` into ``acc`` [BN, BM] as
-    ``w`` @ ``x``^T: the weight's columns on wgmma's 64-row side, x's few rows on its narrow side,
-    both e4m3 tiles read by the tensor cores from shared memory as loaded (K-major)."""
-    return tl.dot(w, tl.trans(x), acc) if SWAP else tl.dot(x, tl.trans(w), acc)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -75,7 +64,6 @@ def _fp8_kernel(
     stride_os=0,
     GATED: tl.constexpr = False,  # out = silu(x W[:N]^T) * (x W[N:2N]^T): the fused gate-up (per-channel)
     GELU: tl.constexpr = False,  # GATED with the tanh GELU instead of SiLU (Gemma)
-    SWAP: tl.constexpr = False,  # X_CODES: the products transposed (``_mma``)
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,8 +80,8 @@ def _fp8_kernel(
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
     up_rows = w_rows + N * stride_wn  # GATED: the up half's rows, N below the gate's
     dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < K
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -101,11 +89,11 @@ def _fp8_kernel(
             w_up = tl.load(up_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if GATED and X_CODES:
-            acc_up = _mma(x, w_up, acc_up, SWAP)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         elif GATED:
             acc_up = tl.dot(x, tl.trans(w_up.to(dtype)), acc_up)
         if X_CODES:
-            acc = _mma(x, w, acc, SWAP)
+            acc = tl.dot(x, tl.trans(w), acc)
         elif GROUPED:
             s = tl.load(s_rows + k0 // BLOCK_K, mask=n_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w.to(dtype))) * s[None, :]
@@ -113,9 +101,6 @@ def _fp8_kernel(
             acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
     if PDL:
         launch_dependents()
-    if SWAP:
-        acc = tl.trans(acc)
-        acc_up = tl.trans(acc_up)
     if not GROUPED:
         acc *= tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
     if X_CODES:
@@ -289,7 +274,7 @@ def launch(
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **split, GATED=gated, GELU=gelu,
-        SWAP=x_codes is not None and m <= SWAP_MAX_ROWS, **pdl.chained(x.device),
+        **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
