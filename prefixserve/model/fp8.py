@@ -12,8 +12,9 @@ The product, by rows M of x (``linear``):
 - Per-channel scales, x quantized per token (amax / 448; a checkpoint's static ``input_scale`` where
   it has one), on sm_89+: W8A8. Past ``MAX_ROWS`` rows through cuBLASLt (``torch._scaled_mm``, the
   scales in the GEMM's epilogue: the tensor cores' FP8 rate, twice bf16's: prefill); up to it (a
-  decode step) the Triton kernel on x's codes (``kernels/fp8_matmul.py``: FP8 tensor-core products
-  straight from shared memory), which beat both the weight-only form and cuBLASLt there
+  decode step) the Triton kernel on x's codes (``kernels/fp8_matmul.py``: e4m3 wgmma products at
+  33-64 rows; at 1-32 Triton 3.6 widens both tiles to fp16 for the older mma), which beat both the
+  weight-only form and cuBLASLt there
   (``benchmarks/probes/fp8_gemm.py``, docs/kernels.md §10).
 - Block-scaled weights at every M, and weight-only checkpoints: W8A16 in the same kernel, x
   unquantized, the codes converted to x's dtype after they are loaded.

@@ -53,7 +53,7 @@ def _fp8_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr,  # scales per 128-column group (G = ceil(K / 128)), else per row (G = 1)
-    X_CODES: tl.constexpr,  # x is e4m3 codes with row scales (W8A8): FP8 tensor-core products, no cvt
+    X_CODES: tl.constexpr,  # x is e4m3 codes with row scales (W8A8): e4m3 wgmma from 64 rows a block
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -173,8 +173,9 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x @ (codes * scale)^T + bias`` into a new [M, N] tensor of x's dtype (or ``out``), for
     ``supported`` inputs. ``x_codes`` = (e4m3 codes [M, K], fp32 scales [M, 1]) of x
-    (``quantize_rows``): W8A8, the products on FP8 tensor cores from shared memory (per-channel weight
-    scales only); x then only names the output's dtype."""
+    (``quantize_rows``): W8A8 (per-channel weight scales only; x then only names the output's
+    dtype): e4m3 wgmma products for a 64-row block, fp16 mma with both tiles widened below it
+    (docs/kernels.md §10)."""
     _check_x_codes(x, scale, x_codes)
     if not supported(x, codes, scale, bias):
         raise ValueError(
