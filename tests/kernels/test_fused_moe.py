@@ -77,6 +77,20 @@ GROUPED_ACTS = [("shipped", act) for act in ("silu", "gelu_pytorch_tanh", "swigl
 GROUPED_ACTS += [(grouping, "silu") for grouping in GROUPINGS if grouping != "shipped"]
 
 
+def _layer(seed: int, tokens: int, experts: int, top_k: int, hidden: int, inter: int, act: str) -> tuple:
+    """Random (x, w_up, w_down, weights, ids, up_bias, down_bias) on the CPU in fp32; biases for
+    gpt-oss's activation only."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = route_ref(torch.randn(tokens, experts, generator=gen), top_k, norm=True)
+    biased = act == "swiglu_oai"
+    up_bias = torch.randn(experts * 2 * inter, generator=gen) if biased else None
+    down_bias = torch.randn(experts * hidden, generator=gen) if biased else None
+    return x, w_up, w_down, weights, ids, up_bias, down_bias
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter"), CASES)
 @pytest.mark.parametrize(("grouping", "act"), GROUPED_ACTS)
@@ -88,14 +102,9 @@ def test_experts_match_the_reference(
     if GROUPINGS[grouping] is not None:
         monkeypatch.setattr(fused_moe, "DIRECT_MAX", GROUPINGS[grouping][0])
         monkeypatch.setattr(fused_moe, "ALIGN_ONE_PROGRAM_MAX", GROUPINGS[grouping][1])
-    gen = torch.Generator().manual_seed(tokens * 7 + experts)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5
-    w_down = torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5
-    weights, ids = route_ref(torch.randn(tokens, experts, generator=gen), top_k, norm=True)
-    biased = act == "swiglu_oai"
-    up_bias = torch.randn(experts * 2 * inter, generator=gen) if biased else None
-    down_bias = torch.randn(experts * hidden, generator=gen) if biased else None
+    x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
+        tokens * 7 + experts, tokens, experts, top_k, hidden, inter, act
+    )
     want = experts_ref(x.double(), w_up.double(), w_down.double(), weights.double(), ids, act,
                        None if up_bias is None else up_bias.double(),
                        None if down_bias is None else down_bias.double())  # fmt: skip
@@ -124,14 +133,9 @@ def test_transposed_products_match_the_reference(
 ) -> None:
     """The expert GEMMs run transposed (``Tile.swap``: the weight's columns on the tensor core's wide
     side) against the reference and against the same tile untransposed."""
-    gen = torch.Generator().manual_seed(tokens + inter)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w_up = torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5
-    w_down = torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5
-    weights, ids = route_ref(torch.randn(tokens, experts, generator=gen), top_k, norm=True)
-    biased = act == "swiglu_oai"
-    up_bias = torch.randn(experts * 2 * inter, generator=gen) if biased else None
-    down_bias = torch.randn(experts * hidden, generator=gen) if biased else None
+    x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
+        tokens + inter, tokens, experts, top_k, hidden, inter, act
+    )
     dev = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
     exact = lambda t: None if t is None else dev(t).double().cpu()  # noqa: E731  # the inputs as the kernels see them
     want = experts_ref(
