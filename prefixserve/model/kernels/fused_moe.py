@@ -381,19 +381,24 @@ class Tile(NamedTuple):
     swap: bool = False
 
 
+# by the mean tokens per expert (docs/kernels.md §9 has the sweeps that chose them): a direct step's
+# block an assignment with four loads in flight; blocks of 16 and 32 rows transposed onto wgmma
+DIRECT_TILE = Tile(16, 64, 64, 128, 4, 4, swap=True)
+TILES = (  # (most tokens an expert, tile)
+    (8, Tile(16, 64, 64, 128, 4, 3, swap=True)),
+    (48, Tile(32, 64, 64, 64, 4, 3, swap=True)),  # one block an expert at 16 tokens each
+    (96, Tile(64, 64, 128, 64, 4, 3)),
+)
+WIDEST_TILE = Tile(128, 128, 128, 64, 8, 3)
+
+
 def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     """The tile by the mean tokens per expert: blocks only as tall as the experts' runs (a decode
-    step's expert holds a few rows); docs/kernels.md has the sweep that chose them."""
+    step's expert holds a few rows)."""
+    if tokens * top_k <= DIRECT_MAX:
+        return DIRECT_TILE
     per_expert = tokens * top_k / experts
-    if tokens * top_k <= DIRECT_MAX:  # a block an assignment: four loads in flight (moe_tiles.py --narrow)
-        return Tile(16, 64, 64, 128, 4, 4, swap=True)
-    if per_expert <= 8:
-        return Tile(16, 64, 64, 128, 4, 3, swap=True)
-    if per_expert <= 48:  # transposed, 32-row blocks take wgmma: 7% off B = 256 (16 an expert)
-        return Tile(32, 64, 64, 64, 4, 3, swap=True)
-    if per_expert <= 96:
-        return Tile(64, 64, 128, 64, 4, 3)
-    return Tile(128, 128, 128, 64, 8, 3)
+    return next((tile for most, tile in TILES if per_expert <= most), WIDEST_TILE)
 
 
 # up to this many assignments (a decode step's) one program groups them, in one launch; more are
@@ -509,7 +514,8 @@ def _experts(
     if tokens == 0:
         return out
     n = tokens * top_k
-    block_m, bn_up, bn_down, block_k, warps, stages, swap = Tile(*(tile or tiles(tokens, top_k, experts)))
+    tile = Tile(*tile) if tile else tiles(tokens, top_k, experts)  # (a probe's plain tuple too)
+    block_m, bn_up, bn_down, block_k, warps, stages, swap = tile
     direct = n <= DIRECT_MAX
     if direct:  # one assignment a block: no grouping (``_block_of``)
         slots = block_rows = block_expert = ids.view(-1)
