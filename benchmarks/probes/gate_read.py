@@ -14,13 +14,15 @@ PYTHONPATH=. python -m benchmarks.probes.gate_read [--rows 64] [--vocab 49152] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+from benchmarks.harness.output import write_json
 
 
 def _median_us(fn: Callable[[], object], calls: int) -> float:
@@ -96,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         meta = {"rows": rows, "vocab": args.vocab, "device": torch.cuda.get_device_name(),
                 "commit": os.environ.get("PREFIXSERVE_COMMIT"), "torch": torch.__version__}  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump({"settings": meta, "host_us": result}, f, indent=1)
+        write_json(Path(args.out), {"settings": meta, "host_us": result}, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,16 @@ PYTHONPATH=. python -m benchmarks.probes.structured_timeline --model dummy:DIR [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.harness.output import write_json
 from benchmarks.structured import SCHEMA, _conversations
 
 
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         for kname, k in run["kernels"].items():
             print(f"  {k['count']:5d} x {k['median_us']:7.1f} us = {k['total_ms']:7.2f} ms  {kname}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(Path(args.out), result, indent=1)
 
 
 if __name__ == "__main__":
