@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.triton_support.launch import Launch, record, relaunch
+from prefixserve.triton_support.launch import Launch, raw_stream, record, relaunch
 
 BLOCK = 1024  # logits a program loads at once
 WARPS = 4
@@ -106,7 +106,7 @@ def kernel_argmax(
         logits = logits.contiguous()
     dev = logits.device
     out = torch.empty(rows, dtype=torch.int64, device=dev)
-    stream = torch._C._cuda_getCurrentRawStream(dev.index) if logits.is_cuda else 0
+    stream = raw_stream(dev.index) if logits.is_cuda else 0
     key = (rows, vocab, logits.stride(0), logits.dtype, dev, stream, programs, block, warps)
     if flagged is not None:
         if block % 32:

@@ -88,7 +88,7 @@ def _hooked() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
-def _raw_stream(device_index: int) -> int:
+def raw_stream(device_index: int) -> int:
     """The current CUDA stream's handle: the call Triton's own launcher makes (``current_stream(device)``
     builds a device object and a Stream a call, ~10 us of a relaunch's host time)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -110,7 +110,7 @@ def relaunch(launch: Launch, swaps: Sequence[tuple[int, torch.Tensor]]) -> None:
             args[dst] = make(args[src])
     if fast and not _hooked():
         g = launch.grid
-        stream = _raw_stream(args[0].get_device())
+        stream = raw_stream(args[0].get_device())
         ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args)
         return
     n = launch.num_positional
@@ -118,4 +118,4 @@ def relaunch(launch: Launch, swaps: Sequence[tuple[int, torch.Tensor]]) -> None:
     launch.kernel[launch.grid](*args[:n], **kw, **launch.options)
 
 
-__all__ = ["Launch", "record", "relaunch"]
+__all__ = ["Launch", "raw_stream", "record", "relaunch"]
