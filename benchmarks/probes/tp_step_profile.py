@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--keep-sliding-kv", action="store_true", help="every layer's KV kept (kv/layout.py)")
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"], help="FP8 weights (issue 103)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--attention", default="auto", help="'none': the ceiling step without attention")
     args = ap.parse_args()
 
     llm = LLM(
@@ -118,6 +119,7 @@ def main() -> None:
         keep_sliding_kv=args.keep_sliding_kv,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention=args.attention,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
     llm.generate(shared_prompts(args.batch, args.prefix, args.own, seed=1), params)  # warm: graphs, compiles
@@ -146,6 +148,7 @@ def main() -> None:
         "prefix": args.prefix,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "attention": args.attention,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "commit": git_commit(),

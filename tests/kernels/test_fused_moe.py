@@ -29,32 +29,43 @@ def test_route_matches_the_reference(rule: str, tokens: int, experts: int, top_k
     torch.testing.assert_close(weights.cpu(), want_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("chunked", [False, True])
+def _grouping_ref(ids: list[int], experts: int, block_m: int) -> tuple[list[list[int]], list[int]]:
+    """Each used block's assignments and expert, as ``align`` lays them out: experts in order, each
+    expert's assignments in order, its run padded to whole blocks."""
+    rows, owners = [], []
+    for e in range(experts):
+        mine = [a for a, x in enumerate(ids) if x == e]
+        for b in range(0, len(mine), block_m):
+            rows.append(mine[b : b + block_m])
+            owners.append(e)
+    return rows, owners
+
+
+@pytest.mark.parametrize("span", [None, 32])  # None: the shipped passes; 32: many passes
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_align_groups_every_assignment_once_by_expert(block_m: int, chunked: bool, monkeypatch) -> None:
-    """The one-program kernel and the chunked kernels (many assignments) group alike."""
-    if chunked:
-        monkeypatch.setattr(fused_moe, "ALIGN_ONE_PROGRAM_MAX", 0)
+@pytest.mark.parametrize("case", ["random", "one_expert", "few_experts"])
+def test_align_groups_every_assignment_once_by_expert(block_m: int, span, case: str, monkeypatch) -> None:
+    """Every assignment once, by expert then in order; unused blocks marked; whatever the passes."""
+    if span:
+        monkeypatch.setattr(fused_moe, "GROUP_SPANS", (span, span))
     gen = torch.Generator().manual_seed(block_m)
     experts = 9
     ids = torch.randint(0, experts, (150,), generator=gen)
     ids[:40] = 4  # one expert with more than a block
-    ids = ids.to(torch.int32)
-    slots, block_expert, block_rows = fused_moe.align(ids.to(DEVICE), experts, block_m)
+    if case == "one_expert":
+        ids[:] = experts - 1
+    elif case == "few_experts":  # most experts get no token
+        ids = ids % 2 * 6
+    slots, block_expert, block_rows = fused_moe.align(ids.to(DEVICE, torch.int32), experts, block_m)
     slots, block_expert, block_rows = slots.cpu(), block_expert.cpu(), block_rows.cpu()
-    seen = []
-    for b in range(block_expert.numel()):
-        e, rows = int(block_expert[b]), int(block_rows[b])
-        if e < 0:
-            assert rows == 0
-            continue
-        got = slots[b * block_m : b * block_m + rows].tolist()
-        assert all(int(ids[a]) == e for a in got)
-        seen += got
-    assert sorted(seen) == list(range(ids.numel()))
-    used = block_expert[block_expert >= 0].tolist()
-    assert used == sorted(used)  # blocks in expert order, each expert's tokens in token order
-    assert seen == sorted(seen, key=lambda a: (int(ids[a]), a))
+    want_rows, want_owners = _grouping_ref(ids.tolist(), experts, block_m)
+    used = len(want_owners)
+    assert block_expert[:used].tolist() == want_owners
+    assert block_rows[:used].tolist() == [len(r) for r in want_rows]
+    assert block_expert[used:].tolist() == [-1] * (block_expert.numel() - used)
+    assert block_rows[used:].tolist() == [0] * (block_expert.numel() - used)
+    for b, rows in enumerate(want_rows):
+        assert slots[b * block_m : b * block_m + len(rows)].tolist() == rows
 
 
 CASES = [  # tokens, experts, top_k, hidden, inter
@@ -65,10 +76,10 @@ CASES = [  # tokens, experts, top_k, hidden, inter
 ]
 
 
-GROUPINGS = {  # (DIRECT_MAX, ALIGN_ONE_PROGRAM_MAX): each case's grouping forced
+GROUPINGS = {  # (DIRECT_MAX, GROUP_SPANS): each case's grouping forced
     "shipped": None,
-    "grouped_in_one_program": (0, 10**6),
-    "grouped_by_chunks": (0, 0),
+    "grouped": (0, fused_moe.GROUP_SPANS),
+    "grouped_in_passes": (0, (16, 16)),
 }
 
 
@@ -98,10 +109,10 @@ def test_experts_match_the_reference(
     tokens, experts, top_k, hidden, inter, act, dtype, grouping, monkeypatch
 ) -> None:
     """Each token's weighted sum of its experts, whichever way the step groups its assignments: one
-    block per assignment (a few), by one program, by chunks."""
+    block per assignment (a few), grouped by expert in one pass or in several."""
     if GROUPINGS[grouping] is not None:
         monkeypatch.setattr(fused_moe, "DIRECT_MAX", GROUPINGS[grouping][0])
-        monkeypatch.setattr(fused_moe, "ALIGN_ONE_PROGRAM_MAX", GROUPINGS[grouping][1])
+        monkeypatch.setattr(fused_moe, "GROUP_SPANS", GROUPINGS[grouping][1])
     x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
         tokens * 7 + experts, tokens, experts, top_k, hidden, inter, act
     )

@@ -9,9 +9,8 @@ given T (CUDA-graph safe: no host sync, nothing sized by the routing):
   * the grouping (``align``): the assignments by expert into blocks of BM rows, each expert's run
     padded to whole blocks: ``slots`` [NB BM] (the assignment in each row), ``block_expert`` [NB]
     (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are real); NB = min(N,
-    ceil(N / BM) + E) blocks bound every routing. One program (``_align_kernel``) for a decode
-    step's few, chunks (``_chunk_count_kernel``, ``_chunk_plan_kernel``, ``_chunk_scatter_kernel``)
-    for more; none at all for N <= ``DIRECT_MAX`` (each assignment a block of its own);
+    ceil(N / BM) + E) blocks bound every routing. One launch, a program an expert
+    (``_group_kernel``); none at all for N <= ``DIRECT_MAX`` (each assignment a block of its own);
   * ``_expert_up_kernel`` (block x intermediate tile): each block's tokens gathered from x, times its
     expert's gate and up rows, the activation in the epilogue: ``inter`` [NB BM, I] by block row;
   * ``_expert_down_kernel`` (block x hidden tile): ``inter``'s rows times the expert's down
@@ -42,126 +41,51 @@ ACTIVATIONS = {"silu": SILU, "gelu_pytorch_tanh": GELU_TANH, "swiglu_oai": SWIGL
 
 
 @triton.jit
-def _align_kernel(
+def _group_kernel(
     ids_ptr,  # [N] int32: each assignment's expert
     slots_ptr,  # [NB * BM] int32 out: the assignment in each row of each block
     block_expert_ptr,  # [NB] int32 out: each block's expert, -1 past the last used block
     block_rows_ptr,  # [NB] int32 out: real rows in each block
     n_assign,
-    n_experts,
     n_blocks,
     BM: tl.constexpr,
     EP: tl.constexpr,
-    CHUNK: tl.constexpr,
+    SPAN: tl.constexpr,  # assignments a pass
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
+    """Program e: every expert's count (a histogram of all the ids), so its first row; then its own
+    assignments in order into its rows, and its blocks' entries. Program 0 also marks the unused blocks."""
+    if PDL:
+        launch_dependents()
+        wait()
+    e = tl.program_id(0)
     experts = tl.arange(0, EP)
-    lane = tl.arange(0, CHUNK)
-    counts = tl.zeros([EP], dtype=tl.int32)
-    for c in range(0, n_assign, CHUNK):
-        a = c + lane
-        ex = tl.load(ids_ptr + a, mask=a < n_assign, other=-1)
-        counts += tl.sum((ex[:, None] == experts[None, :]).to(tl.int32), 0)
-    padded = (counts + BM - 1) // BM * BM
-    start = tl.cumsum(padded, 0) - padded  # each expert's first row
-    block_end = (start + padded) // BM  # one past each expert's last block
-    for b0 in range(0, n_blocks, CHUNK):
-        b = b0 + lane
-        holder = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)  # the expert holding block b
-        mine = experts[None, :] == holder[:, None]
-        rows = tl.sum(tl.where(mine, start + counts, 0), 1) - b * BM
-        used = holder < n_experts
-        tl.store(block_expert_ptr + b, tl.where(used, holder, -1), mask=b < n_blocks)
-        tl.store(block_rows_ptr + b, tl.where(used, tl.minimum(rows, BM), 0), mask=b < n_blocks)
-    running = start  # the next free row of each expert
-    for c in range(0, n_assign, CHUNK):
+    lane = tl.arange(0, SPAN)
+    totals = tl.zeros([EP], dtype=tl.int32)
+    for c in range(0, n_assign, SPAN):
         a = c + lane
         valid = a < n_assign
-        ex = tl.load(ids_ptr + a, mask=valid, other=-1)
-        same = (ex[:, None] == ex[None, :]) & (lane[None, :] < lane[:, None])  # earlier, same expert
-        rank = tl.sum(same.to(tl.int32), 1)
-        onehot = ex[:, None] == experts[None, :]
-        base = tl.sum(tl.where(onehot, running[None, :], 0), 1)
-        tl.store(slots_ptr + base + rank, a, mask=valid)
-        running += tl.sum(onehot.to(tl.int32), 0)
-
-
-@triton.jit
-def _chunk_count_kernel(
-    ids_ptr,  # [N] int32
-    counts_ptr,  # [C, EP] int32 out: each chunk's assignments per expert
-    rank_ptr,  # [N] int32 out: each assignment's place among its chunk's of the same expert
-    n_assign,
-    EP: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    c = tl.program_id(0)
-    lane = tl.arange(0, CHUNK)
-    a = c * CHUNK + lane
-    valid = a < n_assign
-    ex = tl.load(ids_ptr + a, mask=valid, other=-1)
-    same = (ex[:, None] == ex[None, :]) & (lane[None, :] < lane[:, None])
-    tl.store(rank_ptr + a, tl.sum(same.to(tl.int32), 1), mask=valid)
-    experts = tl.arange(0, EP)
-    tl.store(counts_ptr + c * EP + experts, tl.sum((ex[:, None] == experts[None, :]).to(tl.int32), 0))
-
-
-@triton.jit
-def _chunk_plan_kernel(
-    counts_ptr,  # [C, EP] int32 in; out: each chunk's first row for each expert
-    block_expert_ptr,
-    block_rows_ptr,
-    n_chunks,
-    n_experts,
-    n_blocks,
-    BM: tl.constexpr,
-    EP: tl.constexpr,
-    ROWS: tl.constexpr,  # chunks per pass
-):
-    experts = tl.arange(0, EP)
-    r = tl.arange(0, ROWS)
-    totals = tl.zeros([EP], dtype=tl.int32)
-    for c0 in range(0, n_chunks, ROWS):
-        c = c0 + r
-        tile = tl.load(counts_ptr + c[:, None] * EP + experts[None, :], mask=(c < n_chunks)[:, None], other=0)
-        totals += tl.sum(tile, 0)
+        totals += tl.histogram(tl.load(ids_ptr + a, mask=valid, other=0), EP, mask=valid)
     padded = (totals + BM - 1) // BM * BM
-    start = tl.cumsum(padded, 0) - padded
+    start = tl.sum(tl.where(experts < e, padded, 0), 0)  # this expert's first row
+    count = tl.sum(tl.where(experts == e, totals, 0), 0)
     running = start
-    for c0 in range(0, n_chunks, ROWS):
-        c = c0 + r
-        ok = (c < n_chunks)[:, None]
-        tile = tl.load(counts_ptr + c[:, None] * EP + experts[None, :], mask=ok, other=0)
-        first = running[None, :] + tl.cumsum(tile, 0) - tile  # exclusive, down the chunks
-        tl.debug_barrier()  # every thread's loads of this tile before any thread overwrites it
-        tl.store(counts_ptr + c[:, None] * EP + experts[None, :], first, mask=ok)
-        running += tl.sum(tile, 0)
-    block_end = (start + padded) // BM
-    for b0 in range(0, n_blocks, ROWS):
-        b = b0 + r
-        holder = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
-        mine = experts[None, :] == holder[:, None]
-        rows = tl.sum(tl.where(mine, start + totals, 0), 1) - b * BM
-        used = holder < n_experts
-        tl.store(block_expert_ptr + b, tl.where(used, holder, -1), mask=b < n_blocks)
-        tl.store(block_rows_ptr + b, tl.where(used, tl.minimum(rows, BM), 0), mask=b < n_blocks)
-
-
-@triton.jit
-def _chunk_scatter_kernel(
-    ids_ptr,
-    first_ptr,  # [C, EP]: each chunk's first row for each expert
-    rank_ptr,
-    slots_ptr,
-    n_assign,
-    EP: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    c = tl.program_id(0)
-    a = c * CHUNK + tl.arange(0, CHUNK)
-    valid = a < n_assign
-    ex = tl.load(ids_ptr + a, mask=valid, other=0)
-    row = tl.load(first_ptr + c * EP + ex, mask=valid, other=0) + tl.load(rank_ptr + a, mask=valid, other=0)
-    tl.store(slots_ptr + row, a, mask=valid)
+    for c in range(0, n_assign, SPAN):
+        a = c + lane
+        hit = tl.load(ids_ptr + a, mask=a < n_assign, other=-1) == e
+        tl.store(slots_ptr + running + tl.cumsum(hit.to(tl.int32), 0) - 1, a, mask=hit)
+        running += tl.sum(hit.to(tl.int32), 0)
+    i = tl.arange(0, BLOCK_SPAN)
+    for r0 in range(0, count, BLOCK_SPAN * BM):
+        b = r0 // BM + i  # this expert's b-th block
+        ok = b * BM < count
+        tl.store(block_expert_ptr + start // BM + b, e + b * 0, mask=ok)
+        tl.store(block_rows_ptr + start // BM + b, tl.minimum(count - b * BM, BM), mask=ok)
+    if e == 0:
+        for b0 in range(tl.sum(padded, 0) // BM, n_blocks, BLOCK_SPAN):
+            b = b0 + i
+            tl.store(block_expert_ptr + b, b * 0 - 1, mask=b < n_blocks)
+            tl.store(block_rows_ptr + b, b * 0, mask=b < n_blocks)
 
 
 @triton.jit
@@ -401,47 +325,27 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     return next((tile for most, tile in TILES if per_expert <= most), WIDEST_TILE)
 
 
-# up to this many assignments (a decode step's) one program groups them, in one launch; more are
-# grouped by chunks in three (counts and ranks, the plan, the scatter), spread over the GPU
-ALIGN_ONE_PROGRAM_MAX = 256
-CHUNK = 64
-PLAN_ROWS = 128  # chunks (and blocks) the plan's one program takes a pass: 32 took 21 us at N = 8,192
+BLOCK_SPAN: tl.constexpr = 64  # block entries a store in ``_group_kernel``
+GROUP_SPANS = (1024, 8192)  # the grouping's assignments a pass: at least, at most (more: several passes)
+GROUP_WARPS = 8
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
 
 
 def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slots, block_expert, block_rows) of the flat assignments ``ids`` [N] grouped by expert."""
+    """(slots, block_expert, block_rows) of the flat assignments ``ids`` [N] grouped by expert: one
+    launch, a program an expert (``_group_kernel``)."""
     n = ids.numel()
     blocks = min(n, triton.cdiv(n, block_m) + experts)
     slots = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    ep = pow2(experts)
-    if n <= ALIGN_ONE_PROGRAM_MAX:
-        _align_kernel[(1,)](
-            ids, slots, block_expert, block_rows, n, experts, blocks,
-            BM=block_m, EP=ep, CHUNK=64 if experts > 64 else 128, num_warps=4,
-        )  # fmt: skip
-        return slots, block_expert, block_rows
-    chunks = triton.cdiv(n, CHUNK)
-    counts = torch.empty(chunks, ep, dtype=torch.int32, device=ids.device)
-    rank = torch.empty(n, dtype=torch.int32, device=ids.device)
-    _chunk_count_kernel[(chunks,)](ids, counts, rank, n, EP=ep, CHUNK=CHUNK, num_warps=4)
-    _chunk_plan_kernel[(1,)](
-        counts,
-        block_expert,
-        block_rows,
-        chunks,
-        experts,
-        blocks,
-        BM=block_m,
-        EP=ep,
-        ROWS=PLAN_ROWS,
-        num_warps=8,
-    )
-    _chunk_scatter_kernel[(chunks,)](ids, counts, rank, slots, n, EP=ep, CHUNK=CHUNK, num_warps=4)
+    span = min(max(pow2(n), GROUP_SPANS[0]), GROUP_SPANS[1])
+    _group_kernel[(experts,)](
+        ids, slots, block_expert, block_rows, n, blocks, BM=block_m, EP=pow2(experts), SPAN=span,
+        num_warps=GROUP_WARPS, **pdl.chained(ids.device),
+    )  # fmt: skip
     return slots, block_expert, block_rows
 
 
