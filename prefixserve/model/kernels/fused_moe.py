@@ -325,7 +325,7 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     return next((tile for most, tile in TILES if per_expert <= most), WIDEST_TILE)
 
 
-BLOCK_SPAN: tl.constexpr = 64  # block entries a store in ``_group_kernel``
+BLOCK_SPAN = tl.constexpr(64)  # block entries a store in ``_group_kernel``
 GROUP_SPANS = (1024, 8192)  # the grouping's assignments a pass: at least, at most (more: several passes)
 GROUP_WARPS = 8
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
