@@ -35,16 +35,16 @@ def _module(path: str) -> ModuleType:
 
 def _time(mod: ModuleType, routings: list[torch.Tensor], experts: int, block_m: int) -> float:
     """Microseconds a grouping, each of ``routings`` grouped once a replay."""
-    return 1e3 * graph_ms(lambda i: mod.align(routings[i], experts, block_m), len(routings)) / len(routings)
+    return 1e3 * graph_ms(lambda i: mod.align(routings[i], experts, block_m), len(routings))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b")
-    ap.add_argument("--batches", type=int, nargs="+", default=[4, 16, 32, 64, 256, 1024, 2048])
+    ap.add_argument("--batches", type=int, nargs="+", default=[4, 16, 32, 64, 256, 1024, 2048, 8192])
     ap.add_argument("--baseline", default=None, help="another tree's fused_moe.py, timed beside")
-    ap.add_argument("--spans", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--spans", type=int, nargs="+", default=[1024, 8192, 16384])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)

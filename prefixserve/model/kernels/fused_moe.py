@@ -327,7 +327,7 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
 
 BLOCK_SPAN = tl.constexpr(64)  # block entries a store in ``_group_kernel``
 GROUP_SPANS = (1024, 8192)  # the grouping's assignments a pass: at least, at most (more: several passes)
-GROUP_WARPS = 8
+GROUP_WARPS = 4
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
