@@ -8,9 +8,6 @@ graphed; prints the fastest few per B beside the default and ``torch._grouped_mm
 ``--swap``: the candidates run the products transposed (``fused_moe.Tile.swap``), over 16- to
 64-row blocks; the default tile is timed both ways.
 
-``--apart``: the up kernel's tile varied with the down kernel's pinned, then the down kernel's own
-(columns, K step, warps, stages: ``Tile.down_*``) with the up's pinned.
-
 ``--direct``: a direct step's tiles (T k <= ``fused_moe.DIRECT_MAX``) over four copies of the layer's
 weights, each routed apart (L2 holds none of a copy's experts when it comes round, as in a model's
 step). At e743384 its candidates included programs owning 48 or 96 columns of a wider tile (grids
@@ -59,27 +56,6 @@ def swap_candidates(default: fused_moe.Tile) -> list[fused_moe.Tile]:
     return [default._replace(swap=True)] + [
         fused_moe.Tile(bm, u, d, k, 4, st, True) for bm, u, d, k, st in grid
     ]
-
-
-def apart_candidates(default: fused_moe.Tile) -> list[fused_moe.Tile]:
-    """The up kernel's columns, K step, warps and stages varied with the down kernel's pinned to the
-    default's, then the down kernel's (columns, its own K step, warps, stages) with the up's pinned."""
-    pinned = default._replace(
-        down_bk=default.down_bk or min(default.bk, 64),
-        down_warps=default.down_warps or default.warps,
-        down_stages=default.down_stages or default.stages,
-    )
-    up = [
-        pinned._replace(bn_up=n, bk=k, warps=w, stages=st)
-        for n, k, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4, 5))
-        if not (default.bm * n > 64 * 128 and w == 4)
-    ]
-    down = [
-        pinned._replace(bn_down=n, down_bk=k, down_warps=w, down_stages=st)
-        for n, k, w, st in itertools.product((64, 128, 256), (64, 128), (4, 8), (2, 3, 4, 5))
-        if not (default.bm * n > 64 * 128 and w == 4)
-    ]
-    return up + down
 
 
 def sweep(
@@ -154,10 +130,7 @@ def grid_sweep(cfg, args: argparse.Namespace) -> list[dict]:
         args_b = (x, w_up, w_down, weights, ids)
         base = bench_ms(graphed(lambda: grouped_mm_moe(*args_b)), 100)  # noqa: B023
         default = fused_moe.tiles(b, k, e)
-        if args.apart:
-            cands = apart_candidates(default)
-        else:
-            cands = swap_candidates(default) if args.swap else candidates(default.bm, args.narrow)
+        cands = swap_candidates(default) if args.swap else candidates(default.bm, args.narrow)
 
         def run(tile: tuple[int, ...] | None) -> torch.Tensor:
             return fused_moe.experts_forward(*args_b, tile=tile)  # noqa: B023
@@ -179,7 +152,6 @@ def main() -> None:
     ap.add_argument("--narrow", action="store_true", help="16- and 32-column tiles, deeper pipelines")
     ap.add_argument("--direct", action="store_true", help="a direct step's tiles over weight copies")
     ap.add_argument("--swap", action="store_true", help="transposed products (Tile.swap)")
-    ap.add_argument("--apart", action="store_true", help="the up and the down kernel's tiles varied apart")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)

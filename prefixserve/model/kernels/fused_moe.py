@@ -303,9 +303,6 @@ class Tile(NamedTuple):
     warps: int
     stages: int
     swap: bool = False
-    down_bk: int = 0  # the down kernel's own K step (0: the up's, at most 64), warps and stages (0: the up's)
-    down_warps: int = 0
-    down_stages: int = 0
 
 
 # by the mean tokens per expert (docs/kernels.md §9 has the sweeps that chose them): a direct step's
@@ -422,7 +419,7 @@ def _experts(
         return out
     n = tokens * top_k
     tile = Tile(*tile) if tile else tiles(tokens, top_k, experts)  # (a probe's plain tuple too)
-    block_m, bn_up, bn_down, block_k, warps, stages, swap, down_bk, down_warps, down_stages = tile
+    block_m, bn_up, bn_down, block_k, warps, stages, swap = tile
     direct = n <= DIRECT_MAX
     if direct:  # one assignment a block: no grouping (``_block_of``)
         slots = block_rows = block_expert = ids.view(-1)
@@ -443,8 +440,8 @@ def _experts(
     _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
         slots, block_expert, block_rows, hidden, inter,
-        BM=block_m, BN=bn_down, BK=down_bk or min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
-        DIRECT=direct, num_warps=down_warps or warps, num_stages=down_stages or stages, SWAP=swap, **chained,
+        BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
+        DIRECT=direct, num_warps=warps, num_stages=stages, SWAP=swap, **chained,
     )  # fmt: skip
     grid = (tokens, triton.cdiv(hidden, 1024))
     _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
