@@ -1,6 +1,7 @@
-"""Probe: the MoE grouping (``fused_moe.align``: assignments by expert into blocks) alone, graphed
+"""Probe: the MoE grouping (``moe_grouping.align``: assignments by expert into blocks) alone, graphed
 as a step runs it (48 layers back to back, each its own routing), per B; the shipped passes and warps
-against other settings, and against another tree's ``fused_moe.py`` (``--baseline``) in the same run.
+against other settings, and against another tree's grouping (``--baseline``: a file with an
+``align``) in the same run.
 
     PYTHONPATH=. python -m benchmarks.probes.moe_grouping [--baseline OLD/fused_moe.py] [--json F]
 """
@@ -20,7 +21,7 @@ from benchmarks.harness.info import git_commit
 from benchmarks.harness.output import write_json
 from benchmarks.harness.timing import graph_ms
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.kernels import fused_moe
+from prefixserve.model.kernels import fused_moe, moe_grouping
 from prefixserve.model.loader import resolve_model
 
 LAYERS = 48  # routings a graph: a step's MoE layers
@@ -50,7 +51,7 @@ def main() -> None:
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
     experts, k = cfg.num_experts, cfg.num_experts_per_tok
     baseline = _module(args.baseline) if args.baseline else None
-    shipped = (fused_moe.GROUP_SPANS, fused_moe.GROUP_WARPS)
+    shipped = (moe_grouping.GROUP_SPANS, moe_grouping.GROUP_WARPS)
     rows = []
     for b in args.batches:
         block_m = fused_moe.tiles(b, k, experts).bm
@@ -60,9 +61,9 @@ def main() -> None:
         if baseline is not None:
             row["baseline_us"] = _time(baseline, routings, experts, block_m)
         for span, warps in itertools.product(args.spans, args.warps):
-            fused_moe.GROUP_SPANS, fused_moe.GROUP_WARPS = (span, span), warps
+            moe_grouping.GROUP_SPANS, moe_grouping.GROUP_WARPS = (span, span), warps
             row[f"span{span}_w{warps}_us"] = _time(fused_moe, routings, experts, block_m)
-        fused_moe.GROUP_SPANS, fused_moe.GROUP_WARPS = shipped
+        moe_grouping.GROUP_SPANS, moe_grouping.GROUP_WARPS = shipped
         row["shipped_us"] = _time(fused_moe, routings, experts, block_m)
         rows.append(row)
         print(row, flush=True)

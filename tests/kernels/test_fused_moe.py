@@ -8,7 +8,7 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE
 
-from prefixserve.model.kernels import fused_moe
+from prefixserve.model.kernels import fused_moe, moe_grouping
 from prefixserve.model.moe_reference import experts_ref, route_ref
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -47,7 +47,7 @@ def _grouping_ref(ids: list[int], experts: int, block_m: int) -> tuple[list[list
 def test_align_groups_every_assignment_once_by_expert(block_m: int, span, case: str, monkeypatch) -> None:
     """Every assignment once, by expert then in order; unused blocks marked; whatever the passes."""
     if span:
-        monkeypatch.setattr(fused_moe, "GROUP_SPANS", (span, span))
+        monkeypatch.setattr(moe_grouping, "GROUP_SPANS", (span, span))
     gen = torch.Generator().manual_seed(block_m)
     experts = 9
     ids = torch.randint(0, experts, (150,), generator=gen)
@@ -56,10 +56,11 @@ def test_align_groups_every_assignment_once_by_expert(block_m: int, span, case: 
         ids[:] = experts - 1
     elif case == "few_experts":  # most experts get no token
         ids = ids % 2 * 6
-    slots, block_expert, block_rows = fused_moe.align(ids.to(DEVICE, torch.int32), experts, block_m)
-    slots, block_expert, block_rows = slots.cpu(), block_expert.cpu(), block_rows.cpu()
+    grouped = fused_moe.align(ids.to(DEVICE, torch.int32), experts, block_m)
+    slots, block_expert, block_rows, _ = (t.cpu() for t in grouped)
     want_rows, want_owners = _grouping_ref(ids.tolist(), experts, block_m)
     used = len(want_owners)
+    assert grouped.used.tolist() == [used]
     assert block_expert[:used].tolist() == want_owners
     assert block_rows[:used].tolist() == [len(r) for r in want_rows]
     assert block_expert[used:].tolist() == [-1] * (block_expert.numel() - used)
@@ -78,7 +79,7 @@ CASES = [  # tokens, experts, top_k, hidden, inter
 
 GROUPINGS = {  # (DIRECT_MAX, GROUP_SPANS): each case's grouping forced
     "shipped": None,
-    "grouped": (0, fused_moe.GROUP_SPANS),
+    "grouped": (0, moe_grouping.GROUP_SPANS),
     "grouped_in_passes": (0, (16, 16)),
 }
 
@@ -112,7 +113,7 @@ def test_experts_match_the_reference(
     block per assignment (a few), grouped by expert in one pass or in several."""
     if GROUPINGS[grouping] is not None:
         monkeypatch.setattr(fused_moe, "DIRECT_MAX", GROUPINGS[grouping][0])
-        monkeypatch.setattr(fused_moe, "GROUP_SPANS", GROUPINGS[grouping][1])
+        monkeypatch.setattr(moe_grouping, "GROUP_SPANS", GROUPINGS[grouping][1])
     x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
         tokens * 7 + experts, tokens, experts, top_k, hidden, inter, act
     )
@@ -136,6 +137,30 @@ SWAP_CASES = [  # tokens, experts, top_k, hidden, inter, tile (BM, up BN, down B
 ]
 
 
+def _tile_case(tokens, experts, top_k, hidden, inter, act, dtype) -> tuple[tuple, tuple, torch.Tensor]:
+    """(the experts' tensors on the device, the activation and biases, the fp64 reference of the
+    inputs as the kernels see them) of a random layer."""
+    x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
+        tokens + inter, tokens, experts, top_k, hidden, inter, act
+    )
+    dev = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
+    exact = lambda t: None if t is None else dev(t).double().cpu()  # noqa: E731
+    want = experts_ref(
+        exact(x), exact(w_up), exact(w_down), weights.double(), ids, act, exact(up_bias), exact(down_bias)
+    )
+    args = (dev(x), dev(w_up), dev(w_down), weights.to(DEVICE), ids.to(DEVICE, torch.int32))
+    return args, (fused_moe.ACTIVATIONS[act], dev(up_bias), dev(down_bias)), want
+
+
+def _same_sums(got: torch.Tensor, other: torch.Tensor) -> None:
+    """The same fp32 sums in the same K order: the same bits on a GPU (H200), the interpreter's
+    rounding aside on the CPU."""
+    if DEVICE.type == "cuda":
+        assert torch.equal(got, other)
+    else:
+        torch.testing.assert_close(got, other, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tile"), SWAP_CASES)
@@ -144,24 +169,26 @@ def test_transposed_products_match_the_reference(
 ) -> None:
     """The expert GEMMs run transposed (``Tile.swap``: the weight's columns on the tensor core's wide
     side) against the reference and against the same tile untransposed."""
-    x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
-        tokens + inter, tokens, experts, top_k, hidden, inter, act
-    )
-    dev = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
-    exact = lambda t: None if t is None else dev(t).double().cpu()  # noqa: E731  # the inputs as the kernels see them
-    want = experts_ref(
-        exact(x), exact(w_up), exact(w_down), weights.double(), ids, act, exact(up_bias), exact(down_bias)
-    )
-    args = (dev(x), dev(w_up), dev(w_down), weights.to(DEVICE), ids.to(DEVICE, torch.int32))
-    rest = (fused_moe.ACTIVATIONS[act], dev(up_bias), dev(down_bias))
+    args, rest, want = _tile_case(tokens, experts, top_k, hidden, inter, act, dtype)
     got = fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile, swap=True))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
-    plain = fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile))
-    if DEVICE.type == "cuda":  # the same fp32 sums in the same K order (H200: the same bits)
-        assert torch.equal(got, plain)
-    else:
-        torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-6)
+    _same_sums(got, fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tile"), SWAP_CASES[1:])
+def test_persistent_programs_match_a_program_a_tile(
+    tokens, experts, top_k, hidden, inter, tile, swap, dtype
+) -> None:
+    """Programs walking the used blocks' tiles (``Tile.persistent``; fewer programs than tiles on
+    the interpreter's four SMs) against the reference and against a program a tile."""
+    args, rest, want = _tile_case(tokens, experts, top_k, hidden, inter, "swiglu_oai", dtype)
+    got = fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile, swap=swap, persistent=True))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+    _same_sums(got, fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile, swap=swap)))
 
 
 def test_every_token_on_one_expert_and_experts_without_tokens() -> None:

@@ -6,16 +6,18 @@ given T (CUDA-graph safe: no host sync, nothing sized by the routing):
   * the routing (``moe_route.route``, one program per token): the router's softmax and top k (or
     top k, then a softmax over them), ties to the lower expert index, the k weights renormalised
     where asked (a direct step, below, routes in the up kernel instead: ``routed_forward``);
-  * the grouping (``align``): the assignments by expert into blocks of BM rows, each expert's run
-    padded to whole blocks: ``slots`` [NB BM] (the assignment in each row), ``block_expert`` [NB]
-    (-1: unused) and ``block_rows`` [NB] (how many of the block's rows are real); NB = min(N,
-    ceil(N / BM) + E) blocks bound every routing. One launch, a program an expert
-    (``_group_kernel``); none at all for N <= ``DIRECT_MAX`` (each assignment a block of its own);
+  * the grouping (``moe_grouping.align``): the assignments by expert into blocks of BM rows, each
+    expert's run padded to whole blocks; none at all for N <= ``DIRECT_MAX`` (each assignment a
+    block of its own);
   * ``_expert_up_kernel`` (block x intermediate tile): each block's tokens gathered from x, times its
     expert's gate and up rows, the activation in the epilogue: ``inter`` [NB BM, I] by block row;
   * ``_expert_down_kernel`` (block x hidden tile): ``inter``'s rows times the expert's down
     projection, times the assignment's routing weight: [N, H] by assignment;
   * ``_combine_kernel``: each token's k rows summed in fp32.
+
+The two GEMMs run a program a (block, column tile), or with a ``persistent`` tile (64-row blocks)
+``PERSISTENT_PER_SM`` programs an SM that walk the used blocks' tiles (``_persistent_up_kernel``,
+``_persistent_down_kernel``): the same tiles and the same sums, so the same bits.
 
 A block reads only its expert's weights, so a step reads the experts its tokens route to, each once
 per block (twice for an expert with more than BM tokens, L2 permitting). The assignment order inside
@@ -29,7 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from prefixserve.model.kernels.moe_route import pow2, route, rule_constexprs, top_k_of
+from prefixserve.attention.planning.tiles import num_sms
+from prefixserve.model.kernels.moe_grouping import align
+from prefixserve.model.kernels.moe_route import route, rule_constexprs, top_k_of
 from prefixserve.model.kernels.silu_mul import silu_mul
 from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.pdl import launch_dependents, wait
@@ -38,54 +42,6 @@ triton, tl = require_triton()
 
 SILU, GELU_TANH, SWIGLU_OAI = 0, 1, 2  # activations (``ACTIVATION``); SWIGLU_OAI: gpt-oss's clamped one
 ACTIVATIONS = {"silu": SILU, "gelu_pytorch_tanh": GELU_TANH, "swiglu_oai": SWIGLU_OAI}
-
-
-@triton.jit
-def _group_kernel(
-    ids_ptr,  # [N] int32: each assignment's expert
-    slots_ptr,  # [NB * BM] int32 out: the assignment in each row of each block
-    block_expert_ptr,  # [NB] int32 out: each block's expert, -1 past the last used block
-    block_rows_ptr,  # [NB] int32 out: real rows in each block
-    n_assign,
-    n_blocks,
-    BM: tl.constexpr,
-    EP: tl.constexpr,
-    SPAN: tl.constexpr,  # assignments a pass
-    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
-):
-    """Program e: every expert's count (a histogram of all the ids), so its first row; then its own
-    assignments in order into its rows, and its blocks' entries. Program 0 also marks the unused blocks."""
-    if PDL:
-        launch_dependents()
-        wait()
-    e = tl.program_id(0)
-    experts = tl.arange(0, EP)
-    lane = tl.arange(0, SPAN)
-    totals = tl.zeros([EP], dtype=tl.int32)
-    for c in range(0, n_assign, SPAN):
-        a = c + lane
-        valid = a < n_assign
-        totals += tl.histogram(tl.load(ids_ptr + a, mask=valid, other=0), EP, mask=valid)
-    padded = (totals + BM - 1) // BM * BM
-    start = tl.sum(tl.where(experts < e, padded, 0), 0)  # this expert's first row
-    count = tl.sum(tl.where(experts == e, totals, 0), 0)
-    running = start
-    for c in range(0, n_assign, SPAN):
-        a = c + lane
-        hit = tl.load(ids_ptr + a, mask=a < n_assign, other=-1) == e
-        tl.store(slots_ptr + running + tl.cumsum(hit.to(tl.int32), 0) - 1, a, mask=hit)
-        running += tl.sum(hit.to(tl.int32), 0)
-    i = tl.arange(0, BLOCK_SPAN)
-    for r0 in range(0, count, BLOCK_SPAN * BM):
-        b = r0 // BM + i  # this expert's b-th block
-        ok = b * BM < count
-        tl.store(block_expert_ptr + start // BM + b, e + b * 0, mask=ok)
-        tl.store(block_rows_ptr + start // BM + b, tl.minimum(count - b * BM, BM), mask=ok)
-    if e == 0:
-        for b0 in range(tl.sum(padded, 0) // BM, n_blocks, BLOCK_SPAN):
-            b = b0 + i
-            tl.store(block_expert_ptr + b, b * 0 - 1, mask=b < n_blocks)
-            tl.store(block_rows_ptr + b, b * 0, mask=b < n_blocks)
 
 
 @triton.jit
@@ -120,6 +76,87 @@ def _product(rows, w, acc, DOT_PREC: tl.constexpr, SWAP: tl.constexpr):
     else:
         out = tl.dot(rows, w, acc, input_precision=DOT_PREC)
     return out
+
+
+@triton.jit
+def _up_tile(
+    x_ptr, w_ptr, bias_ptr, inter_ptr, expert, real, assign, block, col, hidden, inter, stride_x, alpha,
+    limit, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr,
+    SIGNAL: tl.constexpr,
+):  # fmt: skip
+    """One block's tokens gathered from x, times its expert's gate and up rows of column tile ``col``,
+    the activation, written by block row; ``SIGNAL``: let the dependent launch after the products."""
+    token = (assign // TOP_K).to(tl.int64)
+    n = col * BN + tl.arange(0, BN)
+    n_ok = n < inter
+    gate_rows = (expert.to(tl.int64) * 2 * inter + n) * hidden
+    up_rows = gate_rows + inter * hidden
+    acc_g = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
+    for k0 in range(0, hidden, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < hidden
+        xs = tl.load(
+            x_ptr + token[:, None] * stride_x + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+        )
+        wmask = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(w_ptr + gate_rows[None, :] + k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_ptr + up_rows[None, :] + k[:, None], mask=wmask, other=0.0)
+        acc_g = _product(xs, wg, acc_g, DOT_PREC, SWAP)
+        acc_u = _product(xs, wu, acc_u, DOT_PREC, SWAP)
+    if SIGNAL:
+        launch_dependents()
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    if HAS_BIAS:
+        cols = expert.to(tl.int64) * 2 * inter + n
+        acc_g += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + cols + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = inter_ptr.dtype.element_ty
+    out = _act(acc_g, acc_u, dtype, ACTIVATION, alpha, limit)
+    row = block.to(tl.int64) * BM + tl.arange(0, BM)
+    tl.store(inter_ptr + row[:, None] * inter + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_tile(
+    inter_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, expert, real, assign, block, col, hidden, inter,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    SWAP: tl.constexpr, SIGNAL: tl.constexpr,
+):  # fmt: skip
+    """One block's rows of ``inter`` times its expert's down projection (hidden tile ``col``), the
+    expert's output rounded to the model dtype, times the routing weight, written by assignment."""
+    assign = assign.to(tl.int64)
+    n = col * BN + tl.arange(0, BN)
+    n_ok = n < hidden
+    w_rows = (expert.to(tl.int64) * hidden + n) * inter
+    row = block.to(tl.int64) * BM + tl.arange(0, BM)
+    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
+    for k0 in range(0, inter, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < inter
+        a = tl.load(
+            inter_ptr + row[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _product(a, w, acc, DOT_PREC, SWAP)
+    if SIGNAL:
+        launch_dependents()
+    if SWAP:
+        acc = tl.trans(acc)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[
+            None, :
+        ]
+    acc = acc.to(dtype).to(tl.float32)  # the expert's output in the model dtype, as the unfused model
+    weight = tl.load(weights_ptr + assign, mask=real, other=0.0)
+    out = acc * weight[:, None]
+    tl.store(
+        out_ptr + assign[:, None] * hidden + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :]
+    )
 
 
 @triton.jit
@@ -158,6 +195,7 @@ def _expert_up_kernel(
     stride_split=0,
     SWAP: tl.constexpr = False,  # the products transposed (``_product``)
 ):
+    """A program a (block, column tile)."""
     if PDL:
         wait()
     if ROUTE:  # block b is assignment b: token b // TOP_K's (b % TOP_K)-th expert
@@ -179,37 +217,10 @@ def _expert_up_kernel(
         )
     if expert < 0:
         return
-    token = (assign // TOP_K).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = n < inter
-    gate_rows = (expert.to(tl.int64) * 2 * inter + n) * hidden
-    up_rows = gate_rows + inter * hidden
-    acc_g = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
-    for k0 in range(0, hidden, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < hidden
-        xs = tl.load(
-            x_ptr + token[:, None] * stride_x + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
-        )
-        wmask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(w_ptr + gate_rows[None, :] + k[:, None], mask=wmask, other=0.0)
-        wu = tl.load(w_ptr + up_rows[None, :] + k[:, None], mask=wmask, other=0.0)
-        acc_g = _product(xs, wg, acc_g, DOT_PREC, SWAP)
-        acc_u = _product(xs, wu, acc_u, DOT_PREC, SWAP)
-    if PDL:
-        launch_dependents()
-    if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
-    if HAS_BIAS:
-        cols = expert.to(tl.int64) * 2 * inter + n
-        acc_g += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(bias_ptr + cols + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = inter_ptr.dtype.element_ty
-    out = _act(acc_g, acc_u, dtype, ACTIVATION, alpha, limit)
-    row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    tl.store(inter_ptr + row[:, None] * inter + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :])
+    _up_tile(
+        x_ptr, w_ptr, bias_ptr, inter_ptr, expert, real, assign, tl.program_id(0), tl.program_id(1), hidden,
+        inter, stride_x, alpha, limit, TOP_K, BM, BN, BK, ACTIVATION, HAS_BIAS, DOT_PREC, SWAP, PDL,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -233,6 +244,7 @@ def _expert_down_kernel(
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
     SWAP: tl.constexpr = False,  # the product transposed (``_product``)
 ):
+    """A program a (block, hidden tile)."""
     if PDL:
         wait()
     expert, real, assign = _block_of(
@@ -240,35 +252,57 @@ def _expert_down_kernel(
     )
     if expert < 0:
         return
-    assign = assign.to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = n < hidden
-    w_rows = (expert.to(tl.int64) * hidden + n) * inter
-    row = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
-    for k0 in range(0, inter, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < inter
-        a = tl.load(
-            inter_ptr + row[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
-        )
-        w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _product(a, w, acc, DOT_PREC, SWAP)
+    _down_tile(
+        inter_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, expert, real, assign, tl.program_id(0),
+        tl.program_id(1), hidden, inter, BM, BN, BK, HAS_BIAS, DOT_PREC, SWAP, PDL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _persistent_up_kernel(
+    x_ptr, w_ptr, bias_ptr, inter_ptr, slots_ptr, block_expert_ptr, block_rows_ptr, used_ptr, hidden, inter,
+    stride_x, alpha, limit,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr = False,
+    SWAP: tl.constexpr = False,
+):  # fmt: skip
+    """``_expert_up_kernel``'s tiles of the ``used`` blocks (``moe_grouping``), a block's column tiles
+    one after another, each of ``PROGRAMS`` programs taking every PROGRAMS-th tile: no program for an
+    unused block, and a program's next loads start while the SM still holds its other programs."""
+    if PDL:
+        wait()
+    cols = tl.cdiv(inter, BN)
+    for tile in range(tl.program_id(0), tl.load(used_ptr) * cols, PROGRAMS):
+        block = tile // cols
+        expert, real, assign = _block_of(block, slots_ptr, block_expert_ptr, block_rows_ptr, BM, False)
+        _up_tile(
+            x_ptr, w_ptr, bias_ptr, inter_ptr, expert, real, assign, block, tile % cols, hidden, inter,
+            stride_x, alpha, limit, TOP_K, BM, BN, BK, ACTIVATION, HAS_BIAS, DOT_PREC, SWAP, False,
+        )  # fmt: skip
     if PDL:
         launch_dependents()
-    if SWAP:
-        acc = tl.trans(acc)
-    dtype = out_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert.to(tl.int64) * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[
-            None, :
-        ]
-    acc = acc.to(dtype).to(tl.float32)  # the expert's output in the model dtype, as the unfused model
-    weight = tl.load(weights_ptr + assign, mask=real, other=0.0)
-    out = acc * weight[:, None]
-    tl.store(
-        out_ptr + assign[:, None] * hidden + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :]
-    )
+
+
+@triton.jit
+def _persistent_down_kernel(
+    inter_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, slots_ptr, block_expert_ptr, block_rows_ptr, used_ptr,
+    hidden, inter,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    PROGRAMS: tl.constexpr, PDL: tl.constexpr = False, SWAP: tl.constexpr = False,
+):  # fmt: skip
+    """``_expert_down_kernel``'s tiles of the ``used`` blocks, as ``_persistent_up_kernel`` walks them."""
+    if PDL:
+        wait()
+    cols = tl.cdiv(hidden, BN)
+    for tile in range(tl.program_id(0), tl.load(used_ptr) * cols, PROGRAMS):
+        block = tile // cols
+        expert, real, assign = _block_of(block, slots_ptr, block_expert_ptr, block_rows_ptr, BM, False)
+        _down_tile(
+            inter_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, expert, real, assign, block, tile % cols,
+            hidden, inter, BM, BN, BK, HAS_BIAS, DOT_PREC, SWAP, False,
+        )  # fmt: skip
+    if PDL:
+        launch_dependents()
 
 
 @triton.jit
@@ -303,6 +337,7 @@ class Tile(NamedTuple):
     warps: int
     stages: int
     swap: bool = False
+    persistent: bool = False  # grouped: ``PERSISTENT_PER_SM`` programs an SM walk the used blocks' tiles
 
 
 # by the mean tokens per expert (docs/kernels.md §9 has the sweeps that chose them): a direct step's
@@ -311,7 +346,7 @@ DIRECT_TILE = Tile(16, 64, 64, 128, 4, 4, swap=True)
 TILES = (  # (most tokens an expert, tile)
     (8, Tile(16, 64, 64, 128, 4, 3, swap=True)),
     (48, Tile(32, 64, 64, 64, 4, 3, swap=True)),  # one block an expert at 16 tokens each
-    (96, Tile(64, 64, 128, 64, 4, 3)),
+    (96, Tile(64, 64, 128, 64, 4, 3, persistent=True)),
 )
 WIDEST_TILE = Tile(128, 128, 128, 64, 8, 3)
 
@@ -325,28 +360,10 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     return next((tile for most, tile in TILES if per_expert <= most), WIDEST_TILE)
 
 
-BLOCK_SPAN = tl.constexpr(64)  # block entries a store in ``_group_kernel``
-GROUP_SPANS = (1024, 8192)  # the grouping's assignments a pass: at least, at most (more: several passes)
-GROUP_WARPS = 4
+PERSISTENT_PER_SM = 3  # a persistent tile's programs an SM (three 64-row tiles fit its shared memory)
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
-
-
-def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slots, block_expert, block_rows) of the flat assignments ``ids`` [N] grouped by expert: one
-    launch, a program an expert (``_group_kernel``)."""
-    n = ids.numel()
-    blocks = min(n, triton.cdiv(n, block_m) + experts)
-    slots = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    block_rows = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    span = min(max(pow2(n), GROUP_SPANS[0]), GROUP_SPANS[1])
-    _group_kernel[(experts,)](
-        ids, slots, block_expert, block_rows, n, blocks, BM=block_m, EP=pow2(experts), SPAN=span,
-        num_warps=GROUP_WARPS, **pdl.chained(ids.device),
-    )  # fmt: skip
-    return slots, block_expert, block_rows
 
 
 def experts_forward(
@@ -419,32 +436,45 @@ def _experts(
         return out
     n = tokens * top_k
     tile = Tile(*tile) if tile else tiles(tokens, top_k, experts)  # (a probe's plain tuple too)
-    block_m, bn_up, bn_down, block_k, warps, stages, swap = tile
+    block_m, bn_up, bn_down, block_k, warps, stages, swap, persistent = tile
     direct = n <= DIRECT_MAX
     if direct:  # one assignment a block: no grouping (``_block_of``)
         slots = block_rows = block_expert = ids.view(-1)
     else:
-        slots, block_expert, block_rows = align(ids.view(-1), experts, block_m)
+        slots, block_expert, block_rows, used = align(ids.view(-1), experts, block_m)
     blocks = block_expert.shape[0]
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models multiply in fp32 (tests, CPU parity)
-    chained = pdl.chained(x.device)
     inter_out = torch.empty(blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
-        x, w_up, up_bias if up_bias is not None else w_up, inter_out, slots, block_expert, block_rows,
-        hidden, inter, x.stride(0), alpha, limit,
-        TOP_K=top_k, BM=block_m, BN=bn_up, BK=block_k, ACTIVATION=activation,
-        HAS_BIAS=up_bias is not None, DOT_PREC=prec, DIRECT=direct, num_warps=warps, num_stages=stages,
-        SWAP=swap, **chained, **(route_args or {}),
-    )  # fmt: skip
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-    _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
-        inter_out, w_down, down_bias if down_bias is not None else w_down, weights.view(-1), parts,
-        slots, block_expert, block_rows, hidden, inter,
-        BM=block_m, BN=bn_down, BK=min(block_k, 64), HAS_BIAS=down_bias is not None, DOT_PREC=prec,
-        DIRECT=direct, num_warps=warps, num_stages=stages, SWAP=swap, **chained,
-    )  # fmt: skip
+    up_bias_or_w = up_bias if up_bias is not None else w_up
+    down_bias_or_w = down_bias if down_bias is not None else w_down
+    launch = {
+        "num_warps": warps, "num_stages": stages, "SWAP": swap, **pdl.chained(x.device),
+        "DOT_PREC": "ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models in fp32 (tests, CPU parity)
+    }  # fmt: skip
+    up = {"TOP_K": top_k, "BM": block_m, "BN": bn_up, "BK": block_k, "ACTIVATION": activation,
+          "HAS_BIAS": up_bias is not None, **launch}  # fmt: skip
+    down = {"BM": block_m, "BN": bn_down, "BK": min(block_k, 64), "HAS_BIAS": down_bias is not None, **launch}
+    if persistent and not direct:
+        programs = PERSISTENT_PER_SM * num_sms(x.device)
+        _persistent_up_kernel[(programs,)](
+            x, w_up, up_bias_or_w, inter_out, slots, block_expert, block_rows, used, hidden, inter,
+            x.stride(0), alpha, limit, PROGRAMS=programs, **up,
+        )  # fmt: skip
+        _persistent_down_kernel[(programs,)](
+            inter_out, w_down, down_bias_or_w, weights.view(-1), parts, slots, block_expert, block_rows, used,
+            hidden, inter, PROGRAMS=programs, **down,
+        )  # fmt: skip
+    else:
+        _expert_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
+            x, w_up, up_bias_or_w, inter_out, slots, block_expert, block_rows, hidden, inter, x.stride(0),
+            alpha, limit, DIRECT=direct, **up, **(route_args or {}),
+        )  # fmt: skip
+        _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
+            inter_out, w_down, down_bias_or_w, weights.view(-1), parts, slots, block_expert, block_rows,
+            hidden, inter, DIRECT=direct, **down,
+        )  # fmt: skip
     grid = (tokens, triton.cdiv(hidden, 1024))
-    _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
+    _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **pdl.chained(x.device))
     return out
 
 
