@@ -8,6 +8,9 @@ graphed; prints the fastest few per B beside the default and ``torch._grouped_mm
 ``--swap``: the candidates run the products transposed (``fused_moe.Tile.swap``), over 16- to
 64-row blocks; the default tile is timed both ways.
 
+``--persistent``: each candidate twice, a program a tile and ``Tile.persistent`` (programs walking
+the used blocks' tiles).
+
 ``--direct``: a direct step's tiles (T k <= ``fused_moe.DIRECT_MAX``) over four copies of the layer's
 weights, each routed apart (L2 holds none of a copy's experts when it comes round, as in a model's
 step). At e743384 its candidates included programs owning 48 or 96 columns of a wider tile (grids
@@ -131,6 +134,9 @@ def grid_sweep(cfg, args: argparse.Namespace) -> list[dict]:
         base = bench_ms(graphed(lambda: grouped_mm_moe(*args_b)), 100)  # noqa: B023
         default = fused_moe.tiles(b, k, e)
         cands = swap_candidates(default) if args.swap else candidates(default.bm, args.narrow)
+        if args.persistent:  # each candidate both ways: a program a tile, and programs walking the tiles
+            plain = [fused_moe.Tile(*c)._replace(persistent=False) for c in cands]
+            cands = [t for c in plain for t in (c, c._replace(persistent=True))]
 
         def run(tile: tuple[int, ...] | None) -> torch.Tensor:
             return fused_moe.experts_forward(*args_b, tile=tile)  # noqa: B023
@@ -152,6 +158,7 @@ def main() -> None:
     ap.add_argument("--narrow", action="store_true", help="16- and 32-column tiles, deeper pipelines")
     ap.add_argument("--direct", action="store_true", help="a direct step's tiles over weight copies")
     ap.add_argument("--swap", action="store_true", help="transposed products (Tile.swap)")
+    ap.add_argument("--persistent", action="store_true", help="each tile also as persistent programs")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
