@@ -56,7 +56,10 @@ def test_align_groups_every_assignment_once_by_expert(block_m: int, span, case: 
         ids[:] = experts - 1
     elif case == "few_experts":  # most experts get no token
         ids = ids % 2 * 6
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7))  # unwritten: visible
     grouped = fused_moe.align(ids.to(DEVICE, torch.int32), experts, block_m)
+    monkeypatch.setattr(torch, "empty", empty)
     slots, block_expert, block_rows, _ = (t.cpu() for t in grouped)
     want_rows, want_owners = _grouping_ref(ids.tolist(), experts, block_m)
     used = len(want_owners)
@@ -176,9 +179,12 @@ def test_transposed_products_match_the_reference(
     _same_sums(got, fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile)))
 
 
+PERSISTENT_CASES = [*SWAP_CASES[1:], (200, 4, 2, 64, 96, (64, 32, 32, 64, 4, 3))]  # 20-30 tiles, 12 programs
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tile"), SWAP_CASES[1:])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "tile"), PERSISTENT_CASES)
 def test_persistent_programs_match_a_program_a_tile(
     tokens, experts, top_k, hidden, inter, tile, swap, dtype
 ) -> None:
@@ -308,12 +314,13 @@ def test_no_tokens() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 64, 256])  # direct; 32-row blocks; persistent 64-row blocks
 def test_pdl_routing_and_experts_in_a_graph_equal_them_without(
     tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Routing and the experts' kernels graphed with programmatic dependent launch on give the bits
-    they give with it off (each waits for the kernel before; ``triton_support.pdl``)."""
+    they give with it off (each waits for the kernel before, the persistent kernels for the used
+    block count the grouping writes; ``triton_support.pdl``)."""
     from prefixserve.triton_support import pdl
 
     gen = torch.Generator().manual_seed(tokens)
