@@ -447,8 +447,9 @@ def _experts(
     parts = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     up_bias_or_w = up_bias if up_bias is not None else w_up
     down_bias_or_w = down_bias if down_bias is not None else w_down
+    chained = pdl.chained(x.device)
     launch = {
-        "num_warps": warps, "num_stages": stages, "SWAP": swap, **pdl.chained(x.device),
+        "num_warps": warps, "num_stages": stages, "SWAP": swap, **chained,
         "DOT_PREC": "ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models in fp32 (tests, CPU parity)
     }  # fmt: skip
     up = {"TOP_K": top_k, "BM": block_m, "BN": bn_up, "BK": block_k, "ACTIVATION": activation,
@@ -474,7 +475,7 @@ def _experts(
             hidden, inter, DIRECT=direct, **down,
         )  # fmt: skip
     grid = (tokens, triton.cdiv(hidden, 1024))
-    _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **pdl.chained(x.device))
+    _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
     return out
 
 
