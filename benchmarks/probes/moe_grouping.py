@@ -62,9 +62,9 @@ def main() -> None:
             row["baseline_us"] = _time(baseline, routings, experts, block_m)
         for span, warps in itertools.product(args.spans, args.warps):
             moe_grouping.GROUP_SPANS, moe_grouping.GROUP_WARPS = (span, span), warps
-            row[f"span{span}_w{warps}_us"] = _time(fused_moe, routings, experts, block_m)
+            row[f"span{span}_w{warps}_us"] = _time(moe_grouping, routings, experts, block_m)
         moe_grouping.GROUP_SPANS, moe_grouping.GROUP_WARPS = shipped
-        row["shipped_us"] = _time(fused_moe, routings, experts, block_m)
+        row["shipped_us"] = _time(moe_grouping, routings, experts, block_m)
         rows.append(row)
         print(row, flush=True)
     result = {
