@@ -347,3 +347,39 @@ def test_pdl_routing_and_experts_in_a_graph_equal_them_without(
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(outs[False], outs[True])
+
+
+GLUON_CASES = [  # tokens, experts, top_k, hidden, inter: 64-row blocks, more tiles than SMs
+    (2048, 16, 2, 1024, 512),
+    (1024, 8, 1, 512, 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["uniform", "one expert", "most experts empty"])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "swiglu_oai"])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter"), GLUON_CASES)
+def test_gluon_expert_gemms_give_the_triton_kernels_bits(
+    tokens, experts, top_k, hidden, inter, act, routing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warp-specialised Hopper GEMMs (``moe_gluon``) against the fp64 reference and, bit for
+    bit, against the persistent Triton kernels of the same 64-row tile."""
+    from prefixserve.model.kernels import moe_gluon
+
+    tile = fused_moe.Tile(64, 64, 128, 64, 4, 3, persistent=True)
+    args, rest, _ = _tile_case(tokens, experts, top_k, hidden, inter, act, torch.bfloat16)
+    if not moe_gluon.eligible(args[0], args[1], args[2], tile.bm):
+        pytest.skip("the Gluon expert GEMMs need a Hopper GPU")
+    x, w_up, w_down, weights, ids = args
+    if routing != "uniform":  # every token on expert 3 (with k > 1: and on the ones after it)
+        ids = (3 + torch.arange(top_k, device=ids.device, dtype=ids.dtype)).expand(tokens, top_k)
+        if routing == "most experts empty":
+            ids = ids + (torch.arange(tokens, device=ids.device)[:, None] % 2).to(ids.dtype) * top_k
+        ids = ids.contiguous()
+    exact = lambda t: None if t is None else t.double().cpu()  # noqa: E731
+    want = experts_ref(exact(x), exact(w_up), exact(w_down), weights.double().cpu(), ids.cpu(), act,
+                       exact(rest[1]), exact(rest[2]))  # fmt: skip
+    got = fused_moe.experts_forward(x, w_up, w_down, weights, ids, *rest, tile=tile)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(moe_gluon, "ENABLED", False)
+    assert torch.equal(got, fused_moe.experts_forward(x, w_up, w_down, weights, ids, *rest, tile=tile))
