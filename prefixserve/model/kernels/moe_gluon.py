@@ -45,7 +45,7 @@ BM = 64  # block rows: one consumer warpgroup's wgmma M
 BK = 64  # the K step, as the Triton kernels' 64-row tile
 BN_UP = 64  # the up kernel's intermediate columns a tile (two accumulators: gate and up)
 BN_DOWN = 128  # the down kernel's hidden columns a tile
-STAGES = 8  # ring slots: 24 KB each at these tiles (x / inter 8 KB + weights 16 KB)
+STAGES = 8  # slots, two rings of four (one a consumer): 24 KB each at these tiles
 LOADER_WARPS_UP = 4  # the up kernel's loader: a warpgroup issues the gathered rows' cp.async
 MAXNREG = 168  # registers a thread at launch: maxnreg x 12 warps x 32 threads <= 65,536
 CONSUMER_REGS = 232
@@ -100,6 +100,13 @@ if GLUON:
         return act * up
 
     @gluon.jit
+    def _slot(ring, c, HALF: gl.constexpr):
+        """(slot, phase) of the c-th load through consumer ``ring``'s half of the slots. Each consumer
+        has a ring of its own: a phase wait tells only the last two phases apart, and a consumer that
+        skips the other's tiles would run phases ahead of a shared ring's barriers."""
+        return ring * HALF + c % HALF, (c // HALF) & 1
+
+    @gluon.jit
     def _block_rows(block, slots_ptr, block_rows_ptr, BM: gl.constexpr, layout: gl.constexpr):
         """(which of the block's BM rows are real, their assignments), in ``layout``."""
         r = gl.arange(0, BM, layout=layout)
@@ -116,11 +123,10 @@ if GLUON:
         BM: gl.constexpr = x_bufs.shape[1]
         BK: gl.constexpr = x_bufs.shape[2]
         BN: gl.constexpr = g_bufs.shape[1]
-        RING: gl.constexpr = x_bufs.shape[0]
+        HALF: gl.constexpr = x_bufs.shape[0] // 2
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [gl.num_warps(), 1], [1, 0])
         cols = inter // BN
         steps = w_desc.shape[1] // BK
-        c = 0
         for tile in range(gl.program_id(0), gl.load(used_ptr) * cols, PROGRAMS):
             block = tile // cols
             expert = gl.load(block_expert_ptr + block)
@@ -128,9 +134,10 @@ if GLUON:
             rows = x_ptr + gl.expand_dims((assign // TOP_K).to(gl.int64) * stride_x, 1)
             k_cols = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, ld)), 0)
             gate_row = expert * 2 * inter + (tile % cols) * BN
+            i = (tile - gl.program_id(0)) // PROGRAMS  # the program's i-th tile: to ring i % 2
             for k in range(steps):
-                s = c % RING
-                mbarrier.wait(empty.index(s), ((c // RING) & 1) ^ 1)  # a fresh barrier passes phase 1
+                s, phase = _slot(i % 2, (i // 2) * steps + k, HALF)
+                mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier passes phase 1
                 mbarrier.expect(w_ready.index(s), 2 * w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(w_desc, [gate_row, k * BK], w_ready.index(s), g_bufs.index(s))
                 tma.async_copy_global_to_shared(
@@ -140,7 +147,6 @@ if GLUON:
                     x_bufs.index(s), rows + k * BK + k_cols, mask=gl.expand_dims(real, 1)
                 )
                 async_copy.mbarrier_arrive(x_ready.index(s), increment_count=False)
-                c += 1
 
     @gluon.jit
     def _up_consumer(which, shared, PROGRAMS: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -151,7 +157,7 @@ if GLUON:
         BM: gl.constexpr = x_bufs.shape[1]
         BN: gl.constexpr = g_bufs.shape[1]
         BK: gl.constexpr = x_bufs.shape[2]
-        RING: gl.constexpr = x_bufs.shape[0]
+        HALF: gl.constexpr = x_bufs.shape[0] // 2
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 16]
         )
@@ -159,14 +165,12 @@ if GLUON:
         cols = inter // BN
         steps = hidden // BK
         zero = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-        i = which
         for tile in range(gl.program_id(0) + which * PROGRAMS, gl.load(used_ptr) * cols, 2 * PROGRAMS):
-            c0 = i * steps
+            t = (tile - gl.program_id(0)) // (2 * PROGRAMS)  # this consumer's t-th tile
             acc_g = zero
             acc_u = zero
             for k in range(steps):
-                s = (c0 + k) % RING
-                phase = ((c0 + k) // RING) & 1
+                s, phase = _slot(which, t * steps + k, HALF)
                 mbarrier.wait(x_ready.index(s), phase)
                 mbarrier.wait(w_ready.index(s), phase)
                 fence_async_shared()  # the gathered rows (cp.async: generic proxy) before wgmma reads them
@@ -174,9 +178,9 @@ if GLUON:
                 acc_u = warpgroup_mma(x_bufs.index(s), u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
                 acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))  # the step before's pair is done
                 if k > 0:
-                    mbarrier.arrive(empty.index((c0 + k - 1) % RING), count=1)
+                    mbarrier.arrive(empty.index(_slot(which, t * steps + k - 1, HALF)[0]), count=1)
             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty.index((c0 + steps - 1) % RING), count=1)
+            mbarrier.arrive(empty.index(_slot(which, t * steps + steps - 1, HALF)[0]), count=1)
             block = tile // cols
             n = (tile % cols) * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             if HAS_BIAS:
@@ -189,7 +193,6 @@ if GLUON:
             row = block.to(gl.int64) * BM + r
             ptrs = inter_ptr + gl.expand_dims(row * inter, 1) + gl.expand_dims(n, 0)
             gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(real, 1))
-            i += 2
 
     @gluon.jit
     def expert_up_kernel(
@@ -239,20 +242,19 @@ if GLUON:
         BM: gl.constexpr = a_bufs.shape[1]
         BK: gl.constexpr = a_bufs.shape[2]
         BN: gl.constexpr = w_bufs.shape[1]
-        RING: gl.constexpr = a_bufs.shape[0]
+        HALF: gl.constexpr = a_bufs.shape[0] // 2
         cols = hidden // BN
         steps = a_desc.shape[1] // BK
-        c = 0
         for tile in range(gl.program_id(0), gl.load(used_ptr) * cols, PROGRAMS):
             block = tile // cols
             w_row = gl.load(block_expert_ptr + block) * hidden + (tile % cols) * BN
+            i = (tile - gl.program_id(0)) // PROGRAMS  # the program's i-th tile: to ring i % 2
             for k in range(steps):
-                s = c % RING
-                mbarrier.wait(empty.index(s), ((c // RING) & 1) ^ 1)
+                s, phase = _slot(i % 2, (i // 2) * steps + k, HALF)
+                mbarrier.wait(empty.index(s), phase ^ 1)
                 mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [block * BM, k * BK], ready.index(s), a_bufs.index(s))
                 tma.async_copy_global_to_shared(w_desc, [w_row, k * BK], ready.index(s), w_bufs.index(s))
-                c += 1
 
     @gluon.jit
     def _down_consumer(which, shared, PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -263,7 +265,7 @@ if GLUON:
         BM: gl.constexpr = a_bufs.shape[1]
         BN: gl.constexpr = w_bufs.shape[1]
         BK: gl.constexpr = a_bufs.shape[2]
-        RING: gl.constexpr = a_bufs.shape[0]
+        HALF: gl.constexpr = a_bufs.shape[0] // 2
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 16]
         )
@@ -271,19 +273,18 @@ if GLUON:
         cols = hidden // BN
         steps = inter // BK
         zero = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-        i = which
         for tile in range(gl.program_id(0) + which * PROGRAMS, gl.load(used_ptr) * cols, 2 * PROGRAMS):
-            c0 = i * steps
+            t = (tile - gl.program_id(0)) // (2 * PROGRAMS)
             acc = zero
             for k in range(steps):
-                s = (c0 + k) % RING
-                mbarrier.wait(ready.index(s), ((c0 + k) // RING) & 1)
+                s, phase = _slot(which, t * steps + k, HALF)
+                mbarrier.wait(ready.index(s), phase)
                 acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc,))  # the step before's product is done
                 if k > 0:
-                    mbarrier.arrive(empty.index((c0 + k - 1) % RING), count=1)
+                    mbarrier.arrive(empty.index(_slot(which, t * steps + k - 1, HALF)[0]), count=1)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((c0 + steps - 1) % RING), count=1)
+            mbarrier.arrive(empty.index(_slot(which, t * steps + steps - 1, HALF)[0]), count=1)
             block = tile // cols
             n = (tile % cols) * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             if HAS_BIAS:
@@ -296,7 +297,6 @@ if GLUON:
             out = acc * gl.expand_dims(weight, 1)
             ptrs = out_ptr + gl.expand_dims(assign * hidden, 1) + gl.expand_dims(n, 0)
             gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(real, 1))
-            i += 2
 
     @gluon.jit
     def expert_down_kernel(
