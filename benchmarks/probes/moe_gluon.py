@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,18 +67,8 @@ def check(cfg, gen: torch.Generator, w_up: torch.Tensor, w_down: torch.Tensor, b
         acts = ((fused_moe.SILU, False), (fused_moe.GELU_TANH, False), (fused_moe.SWIGLU_OAI, True))
         for act, biases in acts:
             extra = {"up_bias": up_bias, "down_bias": down_bias} if biases else {}
-            plain, fast = _both(
-                lambda: fused_moe.experts_forward(
-                    x,
-                    w_up,
-                    w_down,
-                    weights,
-                    ids,
-                    activation=act,
-                    tile=TILE,
-                    **extra,  # noqa: B023
-                )
-            )
+            args = (x, w_up, w_down, weights, ids)
+            plain, fast = _both(partial(fused_moe.experts_forward, *args, activation=act, tile=TILE, **extra))
             rows.append({"B": b, "routing": routing, "activation": act, "biases": biases,
                          "equal": bool(torch.equal(plain, fast)),
                          "max_abs_diff": float((plain.float() - fast.float()).abs().max())})  # fmt: skip
@@ -88,11 +79,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--batches", type=int, nargs="+", default=[512, 1024, 1536, 2048])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["64,128,8", "128,128,4", "64,256,4", "64,128,4"],
+        help="Gluon tiles timed: BN_UP,BN_DOWN,STAGES (the first is the shipped one)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     gen, w_up, w_down, _ = layer_weights(cfg)
+    shipped = (moe_gluon.BN_UP, moe_gluon.BN_DOWN, moe_gluon.STAGES)
     checks, timed = [], []
     for b in args.batches:
         checks += check(cfg, gen, w_up, w_down, b)
@@ -101,12 +99,20 @@ def main() -> None:
         logits = torch.rand(b, e, device="cuda", generator=gen)
         weights, ids = fused_moe.route(logits, k, "softmax_topk", True)
         row: dict = {"B": b, "tokens_an_expert": b * k / e}
-        for name, on in (("triton", False), ("gluon", True)):
-            moe_gluon.ENABLED = on
-            replay = graphed(lambda: fused_moe.experts_forward(x, w_up, w_down, weights, ids, tile=TILE))  # noqa: B023
+        run = lambda: fused_moe.experts_forward(x, w_up, w_down, weights, ids, tile=TILE)  # noqa: B023, E731
+        for name, variant in (("triton", None), *((f"gluon_{v}", v) for v in args.variants)):
+            moe_gluon.ENABLED = variant is not None
+            if variant:
+                moe_gluon.BN_UP, moe_gluon.BN_DOWN, moe_gluon.STAGES = map(int, variant.split(","))
+            out = run()
+            replay = graphed(run)
             row[f"{name}_us"] = 1e3 * bench_ms(replay, 200)
             row[f"{name}_kernels_us"] = _kernel_us(replay)
+            row[f"{name}_equal"] = bool(torch.equal(out, row.setdefault("_want", out)))
+        del row["_want"]
         moe_gluon.ENABLED = True
+        moe_gluon.BN_UP, moe_gluon.BN_DOWN, moe_gluon.STAGES = shipped
+        row["gluon_us"] = row[f"gluon_{args.variants[0]}_us"]
         row["speedup"] = row["triton_us"] / row["gluon_us"]
         timed.append(row)
         print(row, flush=True)
@@ -120,10 +126,13 @@ def main() -> None:
     if args.json:
         write_json(Path(args.json), payload)
     print(f"all equal: {all(c['equal'] for c in checks)} ({len(checks)} checks)")
-    print("| B | tokens an expert | Triton us | Gluon us | speed-up |")
+    print("| B | tokens an expert | Triton us | " + " | ".join(f"Gluon {v} us" for v in args.variants) + " |")
     for r in timed:
-        print(f"| {r['B']} | {r['tokens_an_expert']:.0f} | {r['triton_us']:.1f} | {r['gluon_us']:.1f} | "
-              f"{r['speedup']:.3f}x |")  # fmt: skip
+        cells = " | ".join(f"{r[f'gluon_{v}_us']:.1f}{'' if r[f'gluon_{v}_equal'] else ' (differs)'}"
+                           for v in args.variants)  # fmt: skip
+        print(f"| {r['B']} | {r['tokens_an_expert']:.0f} | {r['triton_us']:.1f} | {cells} |")
+    for r in timed:
+        print(r["B"], {n: v for n, v in r.items() if n.endswith("kernels_us")})
 
 
 if __name__ == "__main__":

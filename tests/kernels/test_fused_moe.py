@@ -380,6 +380,7 @@ def test_gluon_expert_gemms_give_the_triton_kernels_bits(
     want = experts_ref(exact(x), exact(w_up), exact(w_down), weights.double().cpu(), ids.cpu(), act,
                        exact(rest[1]), exact(rest[2]))  # fmt: skip
     got = fused_moe.experts_forward(x, w_up, w_down, weights, ids, *rest, tile=tile)
-    torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2)
+    err = (got.double().cpu() - want).norm() / want.norm()  # bf16 rounding of x, weights and inter
+    assert err < 1e-2, err
     monkeypatch.setattr(moe_gluon, "ENABLED", False)
     assert torch.equal(got, fused_moe.experts_forward(x, w_up, w_down, weights, ids, *rest, tile=tile))

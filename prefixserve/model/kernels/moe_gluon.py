@@ -9,9 +9,10 @@ SM splits the work the way the shared attention kernel does (``attention/kernels
     shared-memory slots, across tile boundaries: the weights' rows by TMA, and (up) the block's
     tokens gathered from x by ``cp.async`` (Hopper's TMA cannot gather rows), or (down) the block's
     rows of ``inter`` by TMA;
-  * two consumer warpgroups take the program's tiles in turn (even, odd), each waiting on the ring
-    and running the wgmma products, so one's epilogue (the activation, or the routing weight and the
-    scattered store) runs beside the other's products.
+  * two consumer warpgroups take the program's tiles in turn (even, odd), each from a ring of its
+    own; the loader interleaves a pair of tiles' K steps, so both consumers' products run at once and
+    one's epilogue (the activation, or the routing weight and the scattered store) runs beside the
+    other's products.
 
 The tiles, their order, the K step and every product are those of the Triton kernels (the tiles of a
 block's columns one after another, K in ``BK`` steps), so the sums and the outputs are the same bits
@@ -48,8 +49,8 @@ BN_DOWN = 128  # the down kernel's hidden columns a tile
 STAGES = 8  # slots, two rings of four (one a consumer): 24 KB each at these tiles
 LOADER_WARPS_UP = 4  # the up kernel's loader: a warpgroup issues the gathered rows' cp.async
 MAXNREG = 168  # registers a thread at launch: maxnreg x 12 warps x 32 threads <= 65,536
-CONSUMER_REGS = 232
-LOADER_REGS = 40
+CONSUMER_REGS = 224
+LOADER_REGS = 56
 
 
 def eligible(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, block_m: int) -> bool:
@@ -114,39 +115,59 @@ if GLUON:
         return real, gl.load(slots_ptr + block * BM + r, mask=real, other=0)
 
     @gluon.jit
+    def _up_rows(tile, cols, x_ptr, stride_x, slots_ptr, block_expert_ptr, block_rows_ptr, inter,
+                 TOP_K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, ld: gl.constexpr):  # fmt: skip
+        """A tile's gathered x rows (pointers, real) and its expert's first gate row."""
+        block = tile // cols
+        real, assign = _block_rows(block, slots_ptr, block_rows_ptr, BM, gl.SliceLayout(1, ld))
+        rows = x_ptr + gl.expand_dims((assign // TOP_K).to(gl.int64) * stride_x, 1)
+        return (
+            rows,
+            gl.expand_dims(real, 1),
+            gl.load(block_expert_ptr + block) * 2 * inter + (tile % cols) * BN,
+        )
+
+    @gluon.jit
+    def _up_step(ring, c, k, tile_rows, inter, w_desc, x_bufs, g_bufs, u_bufs, x_ready, w_ready, empty,
+                 ld: gl.constexpr):  # fmt: skip
+        """One K step of a tile into slot ``_slot(ring, c)``: gate and up rows by TMA, x's rows by
+        cp.async (each loader thread's copies arrive on ``x_ready`` when they land)."""
+        rows, real, gate_row = tile_rows
+        BK: gl.constexpr = x_bufs.shape[2]
+        s, phase = _slot(ring, c, x_bufs.shape[0] // 2)
+        mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(w_ready.index(s), 2 * w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [gate_row, k * BK], w_ready.index(s), g_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [gate_row + inter, k * BK], w_ready.index(s), u_bufs.index(s))
+        k_cols = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, ld)), 0)
+        async_copy.async_copy_global_to_shared(x_bufs.index(s), rows + k * BK + k_cols, mask=real)
+        async_copy.mbarrier_arrive(x_ready.index(s), increment_count=False)
+
+    @gluon.jit
     def _up_loader(loads, PROGRAMS: gl.constexpr, TOP_K: gl.constexpr):
-        """Every tile's K steps into the ring: the expert's gate and up rows by TMA, the block's tokens
-        gathered from x by cp.async (each thread's copies arrive on ``x_ready`` when they land).
+        """The program's tiles in pairs, the pair's K steps interleaved: tile 2p to the first
+        consumer's ring, 2p + 1 to the second's, so both consumers' products run at once.
         (Constexprs reach a partition as its own arguments: inside a tuple they turn into values.)"""
         x_ptr, stride_x, w_desc, x_bufs, g_bufs, u_bufs, x_ready, w_ready, empty, slots_ptr = loads[:10]
         block_expert_ptr, block_rows_ptr, used_ptr, inter = loads[10:]
         BM: gl.constexpr = x_bufs.shape[1]
         BK: gl.constexpr = x_bufs.shape[2]
         BN: gl.constexpr = g_bufs.shape[1]
-        HALF: gl.constexpr = x_bufs.shape[0] // 2
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [gl.num_warps(), 1], [1, 0])
         cols = inter // BN
         steps = w_desc.shape[1] // BK
-        for tile in range(gl.program_id(0), gl.load(used_ptr) * cols, PROGRAMS):
-            block = tile // cols
-            expert = gl.load(block_expert_ptr + block)
-            real, assign = _block_rows(block, slots_ptr, block_rows_ptr, BM, gl.SliceLayout(1, ld))
-            rows = x_ptr + gl.expand_dims((assign // TOP_K).to(gl.int64) * stride_x, 1)
-            k_cols = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, ld)), 0)
-            gate_row = expert * 2 * inter + (tile % cols) * BN
-            i = (tile - gl.program_id(0)) // PROGRAMS  # the program's i-th tile: to ring i % 2
+        total = gl.load(used_ptr) * cols
+        ring = (w_desc, x_bufs, g_bufs, u_bufs, x_ready, w_ready, empty)
+        gather = (x_ptr, stride_x, slots_ptr, block_expert_ptr, block_rows_ptr, inter)
+        for first in range(gl.program_id(0), total, 2 * PROGRAMS):
+            second = first + PROGRAMS
+            rows_a = _up_rows(first, cols, *gather, TOP_K, BM, BN, ld)
+            rows_b = _up_rows(gl.minimum(second, total - 1), cols, *gather, TOP_K, BM, BN, ld)
+            c0 = (first - gl.program_id(0)) // (2 * PROGRAMS) * steps
             for k in range(steps):
-                s, phase = _slot(i % 2, (i // 2) * steps + k, HALF)
-                mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier passes phase 1
-                mbarrier.expect(w_ready.index(s), 2 * w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [gate_row, k * BK], w_ready.index(s), g_bufs.index(s))
-                tma.async_copy_global_to_shared(
-                    w_desc, [gate_row + inter, k * BK], w_ready.index(s), u_bufs.index(s)
-                )
-                async_copy.async_copy_global_to_shared(
-                    x_bufs.index(s), rows + k * BK + k_cols, mask=gl.expand_dims(real, 1)
-                )
-                async_copy.mbarrier_arrive(x_ready.index(s), increment_count=False)
+                _up_step(0, c0 + k, k, rows_a, inter, *ring, ld)
+                if second < total:
+                    _up_step(1, c0 + k, k, rows_b, inter, *ring, ld)
 
     @gluon.jit
     def _up_consumer(which, shared, PROGRAMS: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -235,26 +256,38 @@ if GLUON:
         )
 
     @gluon.jit
-    def _down_loader(loads, PROGRAMS: gl.constexpr):
-        """Every tile's K steps into the ring by TMA: the block's rows of ``inter`` and the expert's
-        down rows of the tile's hidden columns."""
-        a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_expert_ptr, used_ptr, hidden = loads
+    def _down_step(ring, c, k, block, w_row, a_desc, w_desc, a_bufs, w_bufs, ready, empty):
+        """One K step of a tile into slot ``_slot(ring, c)`` by TMA: the block's rows of ``inter`` and
+        the expert's down rows of the tile's hidden columns."""
         BM: gl.constexpr = a_bufs.shape[1]
         BK: gl.constexpr = a_bufs.shape[2]
+        s, phase = _slot(ring, c, a_bufs.shape[0] // 2)
+        mbarrier.wait(empty.index(s), phase ^ 1)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [block * BM, k * BK], ready.index(s), a_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [w_row, k * BK], ready.index(s), w_bufs.index(s))
+
+    @gluon.jit
+    def _down_loader(loads, PROGRAMS: gl.constexpr):
+        """The program's tiles in pairs, the pair's K steps interleaved (as ``_up_loader``)."""
+        a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_expert_ptr, used_ptr, hidden = loads
+        BK: gl.constexpr = a_bufs.shape[2]
         BN: gl.constexpr = w_bufs.shape[1]
-        HALF: gl.constexpr = a_bufs.shape[0] // 2
         cols = hidden // BN
         steps = a_desc.shape[1] // BK
-        for tile in range(gl.program_id(0), gl.load(used_ptr) * cols, PROGRAMS):
-            block = tile // cols
-            w_row = gl.load(block_expert_ptr + block) * hidden + (tile % cols) * BN
-            i = (tile - gl.program_id(0)) // PROGRAMS  # the program's i-th tile: to ring i % 2
+        total = gl.load(used_ptr) * cols
+        ring = (a_desc, w_desc, a_bufs, w_bufs, ready, empty)
+        for first in range(gl.program_id(0), total, 2 * PROGRAMS):
+            second = gl.minimum(first + PROGRAMS, total - 1)
+            block_a = first // cols
+            block_b = second // cols
+            w_row_a = gl.load(block_expert_ptr + block_a) * hidden + (first % cols) * BN
+            w_row_b = gl.load(block_expert_ptr + block_b) * hidden + (second % cols) * BN
+            c0 = (first - gl.program_id(0)) // (2 * PROGRAMS) * steps
             for k in range(steps):
-                s, phase = _slot(i % 2, (i // 2) * steps + k, HALF)
-                mbarrier.wait(empty.index(s), phase ^ 1)
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [block * BM, k * BK], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc, [w_row, k * BK], ready.index(s), w_bufs.index(s))
+                _down_step(0, c0 + k, k, block_a, w_row_a, *ring)
+                if first + PROGRAMS < total:
+                    _down_step(1, c0 + k, k, block_b, w_row_b, *ring)
 
     @gluon.jit
     def _down_consumer(which, shared, PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr):
