@@ -17,8 +17,7 @@ given T (CUDA-graph safe: no host sync, nothing sized by the routing):
 
 The two GEMMs run a program a (block, column tile), or with a ``persistent`` tile (64-row blocks)
 ``PERSISTENT_PER_SM`` programs an SM that walk the used blocks' tiles (``_persistent_up_kernel``,
-``_persistent_down_kernel``), on Hopper warp-specialised (``moe_gluon``): the same tiles and the
-same sums, so the same bits.
+``_persistent_down_kernel``): the same tiles and the same sums, so the same bits.
 
 A block reads only its expert's weights, so a step reads the experts its tokens route to, each once
 per block (twice for an expert with more than BM tokens, L2 permitting). The assignment order inside
@@ -33,7 +32,6 @@ from typing import NamedTuple
 import torch
 
 from prefixserve.attention.planning.tiles import num_sms
-from prefixserve.model.kernels import moe_gluon
 from prefixserve.model.kernels.moe_grouping import align
 from prefixserve.model.kernels.moe_route import route, rule_constexprs, top_k_of
 from prefixserve.model.kernels.silu_mul import silu_mul
@@ -457,12 +455,7 @@ def _experts(
     up = {"TOP_K": top_k, "BM": block_m, "BN": bn_up, "BK": block_k, "ACTIVATION": activation,
           "HAS_BIAS": up_bias is not None, **launch}  # fmt: skip
     down = {"BM": block_m, "BN": bn_down, "BK": min(block_k, 64), "HAS_BIAS": down_bias is not None, **launch}
-    if persistent and not direct and moe_gluon.eligible(x, w_up, w_down, block_m):
-        grouping = (slots, block_expert, block_rows, used)
-        dependent = chained["PDL"]
-        moe_gluon.expert_up(x, w_up, up_bias, inter_out, grouping, top_k, activation, alpha, limit, dependent)
-        moe_gluon.expert_down(inter_out, w_down, down_bias, weights.view(-1), parts, grouping, dependent)
-    elif persistent and not direct:
+    if persistent and not direct:
         programs = PERSISTENT_PER_SM * num_sms(x.device)
         _persistent_up_kernel[(programs,)](
             x, w_up, up_bias_or_w, inter_out, slots, block_expert, block_rows, used, hidden, inter,
