@@ -7,6 +7,7 @@ flushed), each output checked against the shipped launch's; JSON to ``$OUT/per_s
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -23,6 +24,7 @@ LAUNCHES = ((3, 3, 4), (2, 3, 4), (4, 2, 4), (4, 3, 4), (5, 2, 4), (2, 4, 4), (3
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     cfg = ModelConfig.from_json(resolve_model("dummy:qwen3-30b-a3b").path)
     gen, w_up, w_down, _ = layer_weights(cfg)
     rows = []
