@@ -2,6 +2,11 @@
 expert GEMMs, the combine), from the CUDA profiler over eager calls, at one model's shape per B.
 
     PYTHONPATH=. python -m benchmarks.probes.moe_parts [--model qwen3-30b-a3b] [--batches 1 16 64 256 1024]
+
+``--eager N`` only runs each layer N times, no profiler (CUPTI is Nsight Compute's then):
+
+    ncu --clock-control none -k regex:expert --launch-skip 4 --launch-count 2 \
+        python -m benchmarks.probes.moe_parts --batches 1024 --eager 6
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
     ap.add_argument("--json")
+    ap.add_argument("--eager", type=int, default=0, help="run each layer N times, unprofiled (ncu)")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
     e, hidden, inter, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
@@ -38,9 +44,11 @@ def main() -> None:
             weights, ids = fused_moe.route(x @ router.T, k, cfg.router_rule, cfg.norm_topk_prob)  # noqa: B023
             return fused_moe.experts_forward(x, w_up, w_down, weights, ids)  # noqa: B023
 
-        for _ in range(3):
+        for _ in range(args.eager or 3):
             layer()
         torch.cuda.synchronize()
+        if args.eager:
+            continue
         reps = 20
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):

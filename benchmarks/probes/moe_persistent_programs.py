@@ -1,4 +1,4 @@
-"""Probe: the persistent 64-row expert tile's programs an SM (``fused_moe.PERSISTENT_PER_SM``) by
+"""Probe: the persistent 64-row expert tile's programs an SM (``fused_moe.Tile.per_sm``) by
 pipeline stages and warps, one Qwen3-30B-A3B MoE layer at B = 1,024 and 1,536 (graphed, L2
 flushed), each output checked against the shipped launch's; JSON to ``$OUT/per_sm.json``.
 
@@ -32,11 +32,10 @@ def main() -> None:
         x = torch.randn(b, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
         logits = torch.rand(b, cfg.num_experts, device="cuda", generator=gen)
         weights, ids = fused_moe.route(logits, 8, "softmax_topk", True)
-        base = fused_moe.tiles(b, 8, cfg.num_experts)
+        base = fused_moe.TILES[-1][1]  # the 64-row persistent tile
         want = fused_moe.experts_forward(x, w_up, w_down, weights, ids, tile=base)
         for per_sm, stages, warps in LAUNCHES:
-            fused_moe.PERSISTENT_PER_SM = per_sm
-            tile = base._replace(stages=stages, warps=warps)
+            tile = base._replace(stages=stages, warps=warps, per_sm=per_sm)
 
             def run(tile: fused_moe.Tile = tile) -> torch.Tensor:
                 return fused_moe.experts_forward(x, w_up, w_down, weights, ids, tile=tile)  # noqa: B023

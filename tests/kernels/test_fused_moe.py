@@ -179,7 +179,11 @@ def test_transposed_products_match_the_reference(
     _same_sums(got, fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile)))
 
 
-PERSISTENT_CASES = [*SWAP_CASES[1:], (200, 4, 2, 64, 96, (64, 32, 32, 64, 4, 3))]  # 20-30 tiles, 12 programs
+PERSISTENT_CASES = [
+    *SWAP_CASES[1:],
+    (200, 4, 2, 64, 96, (64, 32, 32, 64, 4, 3)),  # 20-30 tiles, 12 programs
+    (280, 2, 2, 32, 48, (128, 32, 32, 64, 4, 3)),  # 128-row blocks: two full and one part an expert
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -195,6 +199,19 @@ def test_persistent_programs_match_a_program_a_tile(
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
     _same_sums(got, fused_moe.experts_forward(*args, *rest, tile=fused_moe.Tile(*tile, swap=swap)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_taller_blocks_give_the_same_sums(dtype) -> None:
+    """128-row blocks (``WIDEST_TILE``'s) against 64-row ones over the same routing: each output is
+    the same fp32 sum in the same K order, so a token's bits do not depend on which tile its step's
+    size chose."""
+    args, rest, want = _tile_case(280, 2, 2, 32, 48, "swiglu_oai", dtype)
+    tall = fused_moe.Tile(128, 32, 32, 64, 4, 3, persistent=True, per_sm=2)
+    got = fused_moe.experts_forward(*args, *rest, tile=tall)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+    _same_sums(got, fused_moe.experts_forward(*args, *rest, tile=tall._replace(bm=64, per_sm=3)))
 
 
 def test_every_token_on_one_expert_and_experts_without_tokens() -> None:

@@ -15,8 +15,8 @@ given T (CUDA-graph safe: no host sync, nothing sized by the routing):
     projection, times the assignment's routing weight: [N, H] by assignment;
   * ``_combine_kernel``: each token's k rows summed in fp32.
 
-The two GEMMs run a program a (block, column tile), or with a ``persistent`` tile (64-row blocks)
-``PERSISTENT_PER_SM`` programs an SM that walk the used blocks' tiles (``_persistent_up_kernel``,
+The two GEMMs run a program a (block, column tile), or with a ``persistent`` tile (64- and 128-row
+blocks) ``Tile.per_sm`` programs an SM that walk the used blocks' tiles (``_persistent_up_kernel``,
 ``_persistent_down_kernel``): the same tiles and the same sums, so the same bits.
 
 A block reads only its expert's weights, so a step reads the experts its tokens route to, each once
@@ -337,18 +337,21 @@ class Tile(NamedTuple):
     warps: int
     stages: int
     swap: bool = False
-    persistent: bool = False  # grouped: ``PERSISTENT_PER_SM`` programs an SM walk the used blocks' tiles
+    persistent: bool = False  # grouped: ``per_sm`` programs an SM walk the used blocks' tiles
+    per_sm: int = 3  # persistent: programs an SM (as many as its shared memory holds at bf16)
 
 
 # by the mean tokens per expert (docs/kernels.md §9 has the sweeps that chose them): a direct step's
-# block an assignment with four loads in flight; blocks of 16 and 32 rows transposed onto wgmma
+# block an assignment with four loads in flight; blocks of 16 and 32 rows transposed onto wgmma; then
+# persistent programs over 64-row blocks (three an SM) and 128-row ones (two: 96 KB of stages each),
+# where an expert's one block reads its weights once, not once a block from both halves of the L2
 DIRECT_TILE = Tile(16, 64, 64, 128, 4, 4, swap=True)
 TILES = (  # (most tokens an expert, tile)
     (8, Tile(16, 64, 64, 128, 4, 3, swap=True)),
-    (48, Tile(32, 64, 64, 64, 4, 3, swap=True)),  # one block an expert at 16 tokens each
-    (96, Tile(64, 64, 128, 64, 4, 3, persistent=True)),
+    (24, Tile(32, 64, 64, 64, 4, 3, swap=True)),  # one block an expert at 16 tokens each
+    (64, Tile(64, 64, 128, 64, 4, 3, persistent=True)),
 )
-WIDEST_TILE = Tile(128, 128, 128, 64, 8, 3)
+WIDEST_TILE = Tile(128, 64, 128, 64, 4, 3, persistent=True, per_sm=2)
 
 
 def tiles(tokens: int, top_k: int, experts: int) -> Tile:
@@ -360,7 +363,6 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     return next((tile for most, tile in TILES if per_expert <= most), WIDEST_TILE)
 
 
-PERSISTENT_PER_SM = 3  # a persistent tile's programs an SM (three 64-row tiles fit its shared memory)
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
@@ -436,7 +438,7 @@ def _experts(
         return out
     n = tokens * top_k
     tile = Tile(*tile) if tile else tiles(tokens, top_k, experts)  # (a probe's plain tuple too)
-    block_m, bn_up, bn_down, block_k, warps, stages, swap, persistent = tile
+    block_m, bn_up, bn_down, block_k, warps, stages, swap, persistent, per_sm = tile
     direct = n <= DIRECT_MAX
     if direct:  # one assignment a block: no grouping (``_block_of``)
         slots = block_rows = block_expert = ids.view(-1)
@@ -456,7 +458,7 @@ def _experts(
           "HAS_BIAS": up_bias is not None, **launch}  # fmt: skip
     down = {"BM": block_m, "BN": bn_down, "BK": min(block_k, 64), "HAS_BIAS": down_bias is not None, **launch}
     if persistent and not direct:
-        programs = PERSISTENT_PER_SM * num_sms(x.device)
+        programs = per_sm * num_sms(x.device)
         _persistent_up_kernel[(programs,)](
             x, w_up, up_bias_or_w, inter_out, slots, block_expert, block_rows, used, hidden, inter,
             x.stride(0), alpha, limit, PROGRAMS=programs, **up,
