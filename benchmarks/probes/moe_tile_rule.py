@@ -24,10 +24,10 @@ from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import fused_moe
 from prefixserve.model.loader import resolve_model
 
-CANDIDATES = {
-    "rows32_swap": fused_moe.Tile(32, 64, 64, 64, 4, 3, swap=True),
-    "rows64_persistent": fused_moe.Tile(64, 64, 128, 64, 4, 3, persistent=True, per_sm=3),
-    "rows128_persistent": fused_moe.Tile(128, 64, 128, 64, 4, 3, persistent=True, per_sm=2),
+CANDIDATES = {  # the rule's own tiles, and the widest tile before it (a program a tile)
+    "rows32_swap": fused_moe.TILES[1][1],
+    "rows64_persistent": fused_moe.TILES[2][1],
+    "rows128_persistent": fused_moe.WIDEST_TILE,
     "rows128_a_program_a_tile": fused_moe.Tile(128, 128, 128, 64, 8, 3),
 }
 BATCHES = [256, 384, 512, 768, 1024, 1280, 1536, 2048, 4096, 8192]
