@@ -111,9 +111,16 @@ def engine_decode(llm: Any, batch: int, prompt_len: int, gen: int) -> dict[str, 
     first = max(o.metrics["first_token_time"] for o in outs)
     last = max(o.metrics["finish_time"] for o in outs)
     busy = after["decode_gpu_busy_seconds_total"] - before["decode_gpu_busy_seconds_total"]
+    idle = after["decode_gpu_idle_seconds_total"] - before["decode_gpu_idle_seconds_total"]
     # the prefill is one step (max_num_batched_tokens holds it), so the window is gen - 1 decode
-    # steps of all B rows; the decode GPU counters skip the first (it follows the prefill)
-    return {"ms": 1e3 * (last - first) / (gen - 1), "gpu_ms": 1e3 * busy / max(1, gen - 2)}
+    # steps of all B rows; the decode GPU counters skip the first (it follows the prefill). The GPU's
+    # idle time between decode steps says how much of ms - gpu_ms the host kept it waiting in steps.
+    steps = max(1, gen - 2)
+    return {
+        "ms": 1e3 * (last - first) / (gen - 1),
+        "gpu_ms": 1e3 * busy / steps,
+        "gpu_idle_ms": 1e3 * idle / steps,
+    }
 
 
 def engine_prefill(llm: Any, tokens: int, reps: int = 5) -> dict[str, float]:

@@ -74,3 +74,22 @@ def test_two_gpus_equal_one(family) -> None:
     with LLM(tensor_parallel_size=2, **args) as two:
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
     assert got == want, name
+
+
+def test_parts_summed_by_the_norm_give_the_combined_logprobs(family) -> None:
+    """Each MoE layer handing its k weighted expert outputs to the next norm (``fused.moe_parts_to_norm``,
+    on by default) gives the tokens and logprobs that the combine kernel gives, to the bit, through
+    prefill, graphed decode and the prefix cache."""
+    from prefixserve.model import fused
+
+    _, directory, _ = family
+    prompts, params, args = _run_setup(directory, 6, 16)
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=2)
+    runs = {}
+    for on in (False, True):
+        with fused.moe_parts_to_norm(on):
+            llm = LLM(attention="triton", **args)
+            outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+            runs[on] = [(o.token_ids, o.token_logprobs, o.top_logprobs) for o in outs]
+            llm.shutdown()
+    assert runs[True] == runs[False]

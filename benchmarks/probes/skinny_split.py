@@ -12,7 +12,9 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 128-token prompts, 64 generated) with the engine's decode rule (``decode_split.partials``) off and on
 (``--switch gate_up``: the FP8 gate-up product's fused SiLU-and-mul instead, ``fp8.gated``;
 ``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
-``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``),
+``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
+``--switch moe_parts``: each MoE layer's expert outputs summed by the next norm, not a combine kernel,
+``fused.moe_parts_to_norm``; ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -108,12 +110,21 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "gate_up": fused.gate_up_kernels,
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
+    "moe_parts": fused.moe_parts_to_norm,
 }
 
 
-def engine_ab(models: list[str], batches: list[int], rounds: int, switch: str = "split_k") -> list[dict]:
+def engine_ab(
+    models: list[str],
+    batches: list[int],
+    rounds: int,
+    switch: str = "split_k",
+    attention: str = "auto",
+    prompt_len: int = 128,
+) -> list[dict]:
     """Whole decode steps with ``switch`` off and on (the decode split rule, or the gate-up product's
-    fused activation: ``SWITCHES``), a fresh engine each, in turn."""
+    fused activation: ``SWITCHES``), a fresh engine each, in turn; ``attention`` "none": the steps
+    without attention (``benchmarks/moe.py``'s ceiling)."""
     from benchmarks.dense import _collect, engine_decode
     from prefixserve import LLM
 
@@ -125,10 +136,11 @@ def engine_ab(models: list[str], batches: list[int], rounds: int, switch: str = 
                 with SWITCHES[switch](on):
                     llm = LLM(
                         model=name, quantization=quant or None, dtype="bfloat16", device="cuda",
-                        max_num_seqs=max(batches), max_num_batched_tokens=8192, progress=False,
+                        max_num_seqs=max(batches), attention=attention, progress=False,
+                        max_num_batched_tokens=max(8192, max(batches) * prompt_len),
                     )  # fmt: skip
                     for b in batches:
-                        got = engine_decode(llm, b, 128, 64)
+                        got = engine_decode(llm, b, prompt_len, 64)
                         rows.append({"model": spec, "round": r, "switch": switch, "on": on, "B": b, **got})
                         print(rows[-1], flush=True)
                     llm.shutdown()
@@ -139,7 +151,13 @@ def engine_ab(models: list[str], batches: list[int], rounds: int, switch: str = 
             mine = [x for x in rows if x["model"] == spec and x["B"] == b]
             off = min(x["ms"] for x in mine if not x["on"])
             on = min(x["ms"] for x in mine if x["on"])
-            print(f"{spec:>28} B={b:3d}: off {off:.3f} ms, on {on:.3f} ms ({off / on:.3f}x)", flush=True)
+            off_gpu = min(x["gpu_ms"] for x in mine if not x["on"])
+            on_gpu = min(x["gpu_ms"] for x in mine if x["on"])
+            print(
+                f"{spec:>28} B={b:4d}: off {off:.3f} ms (GPU {off_gpu:.3f}), on {on:.3f} ms "
+                f"(GPU {on_gpu:.3f}) ({off / on:.3f}x, GPU {off_gpu / on_gpu:.3f}x)",
+                flush=True,
+            )
     return rows
 
 
@@ -153,6 +171,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="split_k", help="what --engine-ab turns")
+    ap.add_argument("--attention", default="auto", help="--engine-ab's backend ('none': the ceiling's steps)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="--engine-ab's prompt tokens")
     args = ap.parse_args()
     from benchmarks.harness.timing import measure_ceilings
 
@@ -175,7 +195,9 @@ def main() -> None:
             )
     payload = {**run_info(), "copy_TBps": copy_tbps, "rows": rows}
     if args.engine_ab:
-        payload["engine_ab"] = engine_ab(args.engine_ab, args.batches, args.rounds, args.switch)
+        payload["engine_ab"] = engine_ab(
+            args.engine_ab, args.batches, args.rounds, args.switch, args.attention, args.prompt_len
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)

@@ -36,6 +36,7 @@ _SWITCHES = {
     "split_k": True,
     "staged_allreduce": True,
     "peer_norm": True,
+    "moe_parts": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -100,6 +101,12 @@ def router_split_k(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, a direct MoE step's router hands the up kernel split-K partials (True) or
     runs whole (False): A/B runs."""
     return _switched("router_split", enabled)
+
+
+def moe_parts_to_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Within the block, a mixture of experts followed by a norm hands it each token's k weighted
+    expert outputs to sum (True) or sums them in its combine kernel first (False): A/B runs."""
+    return _switched("moe_parts", enabled)
 
 
 def peer_norms(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -258,7 +265,8 @@ def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def add_rms_norm(
-    x: torch.Tensor | PeerSum,  # [T, N], [S, T, N] fp32 split-K partials, or the ranks' products
+    x: torch.Tensor
+    | PeerSum,  # [T, N], [S, T, N] partials (fp32 split-K, or MoE parts), or the ranks' products
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
@@ -295,11 +303,8 @@ def add_rms_norm(
             return attach_rows(out, codes, scales), summed
     if x.dim() == 3:
         dtype = residual.dtype if residual is not None else dtype
-        if x.dtype != torch.float32 or dtype is None:
-            raise ValueError(
-                f"split-K partials must be fp32 ({x.dtype}) and come with the residual or a dtype"
-            )
-        x = x.sum(0).to(dtype)
+        check_partials_dtype(x, dtype)
+        x = summed_partials(x, dtype)
     if pre is not None:
         x = add_rms_norm(x, *pre)[0]
     if residual is not None:
@@ -463,12 +468,21 @@ def moe_route(
     return route_ref(logits, top_k, rule, norm)
 
 
+def check_partials_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> None:
+    """Partials [S, T, N] for a norm to sum: fp32 or the model's ``dtype`` (the residual's, else the
+    one named), which must be known."""
+    if dtype is None or x.dtype not in (torch.float32, dtype):
+        raise ValueError(
+            f"partials must be fp32 or the model's dtype ({x.dtype}) and come with the residual or a dtype"
+        )
+
+
 def summed_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Split-K partials [S, T, N] summed in order in fp32 and rounded to ``dtype``: as the kernels
-    that take them sum them."""
-    total = partials[0].clone()
+    """Partials [S, T, N] (fp32 split-K ones, or parts in the model dtype) summed in order in fp32 and
+    rounded to ``dtype``: as the kernels that take them sum them."""
+    total = partials[0].to(torch.float32, copy=True)
     for part in partials[1:]:
-        total += part
+        total += part.float()
     return total.to(dtype)
 
 
@@ -483,22 +497,24 @@ def moe_routed_experts(
     down_bias: torch.Tensor | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
-) -> torch.Tensor:  # [T, H]
+    parts: bool = False,
+) -> torch.Tensor:  # [T, H], or [k, T, H] parts
     """``moe_experts`` weighted by ``moe_route(logits, *route)``: on CUDA, a decode step of one or
     two tokens (``fused_moe.DIRECT_MAX`` assignments) routes inside the up kernel
-    (``fused_moe.routed_forward``: one launch fewer, the same bits)."""
+    (``fused_moe.routed_forward``: one launch fewer, the same bits). ``parts``: as ``moe_experts``'."""
     if _SWITCHES["moe_route_in_up"] and _use_triton(x):
         from prefixserve.model.kernels import fused_moe
 
         if x.shape[0] * route[0] <= fused_moe.DIRECT_MAX:
             kind = fused_moe.ACTIVATIONS[act]
             return fused_moe.routed_forward(
-                x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit
-            )
+                x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit,
+                summed=not (parts and _SWITCHES["moe_parts"]),
+            )  # fmt: skip
     if logits.dim() == 3:
         logits = summed_partials(logits, x.dtype)
     weights, ids = moe_route(logits, *route)
-    return moe_experts(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)
+    return moe_experts(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit, parts)
 
 
 def moe_experts(
@@ -512,17 +528,21 @@ def moe_experts(
     down_bias: torch.Tensor | None = None,  # [E H]
     alpha: float = 1.702,  # gpt-oss's clamped SwiGLU (act "swiglu_oai")
     limit: float = 7.0,
-) -> torch.Tensor:  # [T, H]
+    parts: bool = False,
+) -> torch.Tensor:  # [T, H], or [k, T, H] parts
     """The routed experts' gated MLPs (``act``), weighted and summed per token: on CUDA the fused
-    kernels (``kernels/fused_moe.py``), else the reference loop over the experts touched."""
+    kernels (``kernels/fused_moe.py``), else the reference loop over the experts touched. ``parts``
+    (for an ``add_rms_norm`` next, which sums them alike): on the fused kernels, each token's k
+    weighted outputs unsummed, [k, T, H] (``fused_moe.hand_parts``: no combine launch)."""
     if _use_triton(x):
         from prefixserve.model.kernels import fused_moe
 
         ids32 = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
         kind = fused_moe.ACTIVATIONS[act]
         return fused_moe.experts_forward(
-            x, w_up, w_down, weights, ids32, kind, up_bias, down_bias, alpha, limit
-        )
+            x, w_up, w_down, weights, ids32, kind, up_bias, down_bias, alpha, limit,
+            summed=not (parts and _SWITCHES["moe_parts"]),
+        )  # fmt: skip
     from prefixserve.model.moe_reference import experts_ref
 
     return experts_ref(x, w_up, w_down, weights, ids, act, up_bias, down_bias, alpha, limit)
@@ -533,11 +553,13 @@ __all__ = [
     "activation",
     "add_rms_norm",
     "apply_rope",
+    "check_partials_dtype",
     "gate_up_kernels",
     "linear",
     "linear_partials",
     "linear_silu_and_mul",
     "moe_experts",
+    "moe_parts_to_norm",
     "moe_route",
     "moe_routed_experts",
     "moe_routing_in_experts",

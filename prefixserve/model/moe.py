@@ -55,10 +55,14 @@ class Experts(nn.Module):
         (the caller sums the ranks)."""
         return fused.moe_experts(x, self.w_up, self.w_down, weights, ids, *self._rest())
 
-    def routed(self, x: torch.Tensor, logits: torch.Tensor, route: tuple[int, str, bool]) -> torch.Tensor:
+    def routed(
+        self, x: torch.Tensor, logits: torch.Tensor, route: tuple[int, str, bool], parts: bool = False
+    ) -> torch.Tensor:
         """``forward`` with the tokens' experts and weights from the router's ``logits`` by ``route``
-        (top k, rule, norm: ``fused.moe_route``'s), routed inside the experts' kernels where they can."""
-        return fused.moe_routed_experts(x, logits, route, self.w_up, self.w_down, *self._rest())
+        (top k, rule, norm: ``fused.moe_route``'s), routed inside the experts' kernels where they can;
+        ``parts``: maybe each token's k weighted outputs [k, T, H] for a norm to sum
+        (``fused.moe_experts``)."""
+        return fused.moe_routed_experts(x, logits, route, self.w_up, self.w_down, *self._rest(), parts)
 
     def _rest(self) -> tuple:
         """The arguments of ``fused.moe_experts`` after the ids: activation, biases, SwiGLU's constants."""
@@ -168,12 +172,18 @@ class MoE(nn.Module):
         self.shared_expert_gate: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:  # [T, hidden]
-        """The routed experts' weighted sum, summed over the ranks (``partials``: the dense MLP's
-        signature; the sum is always whole here), plus the gated shared expert's output if any."""
+        """The routed experts' weighted sum, summed over the ranks, plus the gated shared expert's
+        output if any. ``partials`` (a norm next, which sums them: the dense MLP's signature): on one
+        process without a shared expert, maybe each token's k weighted expert outputs [k, T, hidden]
+        unsummed (``fused.moe_experts``), so no combine kernel runs."""
         route = (self.top_k, self.rule, self.norm)
         logits = decode_split.router_partials(x, self.gate, self.top_k)
         logits = self.gate(x) if logits is None else logits
-        out = self.shard.all_reduce(self.experts.routed(x, self.simulate(logits), route))
+        parts = partials and not self.shard.parallel and self.shared_expert is None
+        routed = self.experts.routed(x, self.simulate(logits), route, parts)
+        if routed.dim() == 3:
+            return routed
+        out = self.shard.all_reduce(routed)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -65,9 +65,10 @@ def test_add_rms_norm_sums_split_k_partials(dtype: torch.dtype, splits: int) -> 
     ref, ref_summed = add_rms_norm_ref(parts, w, 1e-5, res)
     torch.testing.assert_close(summed, ref_summed, **_tol(dtype))
     torch.testing.assert_close(out, ref, **_tol(dtype))
-    for bad in (parts.to(torch.float16), parts):  # 16-bit partials; partials without a residual or dtype
-        with pytest.raises(ValueError, match="fp32"):
-            add_rms_norm(bad, w, 1e-5, res if bad.dtype == torch.float16 else None)
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16  # neither fp32 nor the model's
+    for bad, residual in ((parts.to(other), res), (parts, None)):  # and partials without a residual or dtype
+        with pytest.raises(ValueError, match="fp32 or the model's dtype"):
+            add_rms_norm(bad, w, 1e-5, residual)
     # without a residual, given the dtype to round the sum to (a down projection into Gemma's norm)
     alone, stream = add_rms_norm(parts, w, 1e-5, dtype=dtype)
     assert alone.dtype == stream.dtype == dtype

@@ -321,6 +321,47 @@ def test_router_partials_summed_in_the_up_kernel(tokens: int, experts: int, spli
         fused_moe.routed_forward(x, parts.to(dtype).half(), top_k, "softmax_topk", True, w_up, w_down)
 
 
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (2, 7, 3), (40, 9, 4)])
+def test_parts_summed_by_the_norm_give_the_combined_bits(tokens: int, experts: int, top_k: int) -> None:
+    """A layer's weighted expert outputs handed to the add-RMSNorm unsummed (``summed=False``: a
+    [k, T, H] view, no combine kernel) give the outputs the combined layer gives it, bit for bit: the
+    norm sums a token's k rows in fp32 in slot order and rounds once, as the combine kernel does. The
+    first two cases are direct steps, the third grouped. ``fused.moe_routed_experts`` hands them only
+    when asked and switched on; the torch path sums them alike."""
+    from prefixserve.model import fused
+    from prefixserve.model.kernels.rms_norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(tokens * experts + top_k)
+    hidden, inter = 96, 64
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE, dtype)
+    w_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
+    w_down = (torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    norm_w = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE, dtype)
+    weights, ids = fused_moe.route(logits, top_k, "softmax_topk", True)
+    whole = fused_moe.experts_forward(x, w_up, w_down, weights, ids)
+    parts = fused_moe.experts_forward(x, w_up, w_down, weights, ids, summed=False)
+    assert parts.shape == (top_k, tokens, hidden)
+    combined = add_rms_norm(whole, norm_w, 1e-5, residual)
+    for got, want in zip(add_rms_norm(parts, norm_w, 1e-5, residual), combined, strict=True):
+        assert torch.equal(got, want)
+    route = (top_k, "softmax_topk", True)
+    handed = fused.moe_routed_experts(x, logits, route, w_up, w_down, "silu", parts=True)
+    if DEVICE.type == "cuda":  # the kernels' path (the CPU's reference loop sums them itself)
+        assert handed.shape == (top_k, tokens, hidden)
+        assert torch.equal(add_rms_norm(handed, norm_w, 1e-5, residual)[0], combined[0])
+    with fused.moe_parts_to_norm(False):
+        assert fused.moe_routed_experts(x, logits, route, w_up, w_down, "silu", parts=True).shape == x.shape
+    with fused.triton_kernels(False):  # the torch path: the same in-order fp32 sum, then HF's norm
+        torch_out, torch_stream = fused.add_rms_norm(parts, norm_w, 1e-5, residual)
+    assert torch.equal(torch_stream, combined[1])
+    torch.testing.assert_close(torch_out, combined[0])
+    with pytest.raises(ValueError, match="model's dtype"):  # neither fp32 nor the residual's dtype
+        add_rms_norm(parts.half(), norm_w, 1e-5, residual)
+
+
 def test_no_tokens() -> None:
     x = torch.empty(0, 16, device=DEVICE)
     out = fused_moe.experts_forward(

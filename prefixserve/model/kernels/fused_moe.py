@@ -13,7 +13,8 @@ given T (CUDA-graph safe: no host sync, nothing sized by the routing):
     expert's gate and up rows, the activation in the epilogue: ``inter`` [NB BM, I] by block row;
   * ``_expert_down_kernel`` (block x hidden tile): ``inter``'s rows times the expert's down
     projection, times the assignment's routing weight: [N, H] by assignment;
-  * ``_combine_kernel``: each token's k rows summed in fp32.
+  * ``_combine_kernel``: each token's k rows summed in fp32; or, where an add-RMSNorm comes next,
+    none: the rows go to it as partials (``hand_parts``), and it sums them alike.
 
 The two GEMMs run a program a (block, column tile), or with a ``persistent`` tile (64- and 128-row
 blocks) ``Tile.per_sm`` programs an SM that walk the used blocks' tiles (``_persistent_up_kernel``,
@@ -380,9 +381,13 @@ def experts_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     tile: Tile | None = None,  # default: ``tiles``' choice
-) -> torch.Tensor:  # [T, H]
-    """The routed experts' weighted sum for each token (``experts_ref``'s arithmetic)."""
-    return _experts(x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, tile)
+    summed: bool = True,
+) -> torch.Tensor:  # [T, H], or [k, T, H] parts
+    """The routed experts' weighted sum for each token (``experts_ref``'s arithmetic); ``summed``
+    False: each token's k weighted expert outputs instead, as a [k, T, H] view (``hand_parts``)."""
+    return _experts(
+        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, tile, summed=summed
+    )
 
 
 def routed_forward(
@@ -398,8 +403,9 @@ def routed_forward(
     down_bias: torch.Tensor | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
-) -> torch.Tensor:  # [T, H]
-    """``experts_forward(x, ..., *route(logits, top_k, rule, norm))`` for a direct step (T k <=
+    summed: bool = True,
+) -> torch.Tensor:  # [T, H], or [k, T, H] parts
+    """``experts_forward(x, ..., *route(logits, top_k, rule, norm), summed=summed)`` for a direct step (T k <=
     ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up kernel's prologue:
     each program takes its token's k experts from the logits (``moe_route.top_k_of``, the route kernel's own),
     so the route kernel's launch goes; the same bits. Partials (``decode_split.router_partials``) are
@@ -419,7 +425,7 @@ def routed_forward(
         "LOGIT_SPLITS": logits.shape[0] if split else 0, "stride_split": logits.stride(0) if split else 0,
     }  # fmt: skip
     return _experts(
-        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args
+        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args, summed
     )
 
 
@@ -428,14 +434,14 @@ def _experts(
     activation: int, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, alpha: float,
     limit: float, tile: Tile | None,
     route_args: dict | None = None,  # the up kernel routes (``routed_forward``): ids and weights its output
+    summed: bool = True,  # False: the parts, unsummed (``hand_parts``)
 ) -> torch.Tensor:  # fmt: skip
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = w_down.shape[1]
     experts = w_down.shape[0] // hidden
-    out = torch.empty_like(x)
     if tokens == 0:
-        return out
+        return torch.empty_like(x) if summed else x.new_empty(top_k, 0, hidden)
     n = tokens * top_k
     tile = Tile(*tile) if tile else tiles(tokens, top_k, experts)  # (a probe's plain tuple too)
     block_m, bn_up, bn_down, block_k, warps, stages, swap, persistent, per_sm = tile
@@ -476,9 +482,19 @@ def _experts(
             inter_out, w_down, down_bias_or_w, weights.view(-1), parts, slots, block_expert, block_rows,
             hidden, inter, DIRECT=direct, **down,
         )  # fmt: skip
+    if not summed:
+        return hand_parts(parts, tokens, top_k)
+    out = torch.empty_like(x)
     grid = (tokens, triton.cdiv(hidden, 1024))
     _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
     return out
+
+
+def hand_parts(parts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """The down kernel's weighted rows [T k, H] (token-major, slot order) as a [k, T, H] view: the
+    partials an add-RMSNorm sums in fp32 in slot order (``fused.add_rms_norm``), as the combine
+    kernel sums them, so a layer followed by a norm needs no combine launch (the same bits)."""
+    return parts.view(tokens, top_k, -1).transpose(0, 1)
 
 
 __all__ = [
@@ -489,6 +505,7 @@ __all__ = [
     "Tile",
     "align",
     "experts_forward",
+    "hand_parts",
     "route",
     "routed_forward",
     "tiles",

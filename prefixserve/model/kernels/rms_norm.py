@@ -9,7 +9,9 @@ so the two paths differ only in the order of the sum of squares.
 
 x may also come as a matmul's fp32 split-K partials [S, T, N] (``linear_partials``): the kernel sums
 them and rounds to the model dtype, as cuBLAS's split-K reduce kernel would, so the matmul needs no
-reduce kernel of its own.
+reduce kernel of its own. Parts in the model dtype are summed so too (in fp32, in order): a mixture of
+experts' weighted expert outputs ([k, T, N], a strided view of its [T, k, N] rows,
+``fused_moe.experts_forward(summed=False)``), which its combine kernel would have summed alike.
 
 ``pre``: Gemma's sandwich, where a block's output is normed (its own weight) before the residual
 add and the next norm: ``norm(norm(x) * w0 + residual) * w``, both norms in one pass, rounded as the
@@ -38,7 +40,7 @@ MAX_HIDDEN = 16384  # one row per program, in registers
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr,  # [T, N], or [SPLITS, T, N] fp32 partials to sum first
+    x_ptr,  # [T, N], or [SPLITS, T, N] partials (fp32, or the model dtype) to sum first
     res_ptr,  # [T, N] (read when HAS_RESIDUAL)
     w_ptr,  # [N]
     pre_w_ptr,  # [N]: PRE's weight
@@ -56,7 +58,7 @@ def _add_rms_norm_kernel(
     pre_eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    SPLITS: tl.constexpr,  # 0: x is [T, N] in the model dtype; else the number of fp32 partials
+    SPLITS: tl.constexpr,  # 0: x is [T, N] in the model dtype; else the number of partials
     QUANT: tl.constexpr = False,  # the output's e4m3 codes and row scale too
     PRE: tl.constexpr = False,  # x normed with pre_w first (a sandwich norm)
     STREAM: tl.constexpr = True,  # the stream (x + residual, or a new x) stored to res_out
@@ -70,8 +72,10 @@ def _add_rms_norm_kernel(
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty  # the model dtype
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):  # fp32 partials: the matmul's split-K reduce, one rounding
-        x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
+    if SPLITS:  # partials: the matmul's split-K reduce (or the experts' combine) in fp32, one rounding
+        x = x.to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     x = x.to(dtype)
     if PRE:  # the block output's own norm, rounded as its own kernel would store it
         pf = x.to(tl.float32)
@@ -100,7 +104,7 @@ _bound = BoundKernel(_add_rms_norm_kernel)  # launched by shape, so a step pays 
 
 
 def add_rms_norm(
-    x: torch.Tensor,  # [T, N], or [S, T, N] fp32 split-K partials
+    x: torch.Tensor,  # [T, N], or [S, T, N] partials: fp32 split-K ones, or parts in the model dtype
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
@@ -113,9 +117,9 @@ def add_rms_norm(
     with ``pre``, x is first ``rms_norm(x) * pre[0]`` (the second output then holds that plus the
     residual, or that alone).
 
-    Given partials, x is their fp32 sum rounded to the residual's dtype (the model's), or without a
-    residual to ``dtype``. Both outputs are new tensors (no input is written), so callers may hold on
-    to their inputs.
+    Given partials (fp32, or the model dtype), x is their fp32 sum in order rounded to the residual's
+    dtype (the model's), or without a residual to ``dtype``. Both outputs are new tensors (no input
+    is written), so callers may hold on to their inputs.
     """
     splits = x.shape[0] if x.dim() == 3 else 0
     tokens, n = x.shape[-2:]
@@ -123,8 +127,10 @@ def add_rms_norm(
         raise ValueError(f"hidden {n} must be <= {MAX_HIDDEN} with contiguous rows")
     if residual is not None:
         dtype = residual.dtype
-    if splits and (x.dtype != torch.float32 or dtype is None):
-        raise ValueError(f"split-K partials must be fp32 ({x.dtype}) and come with the residual or a dtype")
+    if splits:
+        from prefixserve.model.fused import check_partials_dtype
+
+        check_partials_dtype(x, dtype)
     if residual is not None and (residual.shape != x.shape[-2:] or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape[-2:])}")
     if pre is not None and pre[0].stride(0) != 1:
@@ -178,10 +184,10 @@ def add_rms_norm_ref(
     dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: HF's RMSNorm (fp32 statistics, cast back before the weight) after the add;
-    split-K partials summed in fp32 and rounded to the model dtype (the residual's, else ``dtype``)
-    first; ``pre``: x normed by its own weight before the add."""
+    partials summed in fp32 and rounded to the model dtype (the residual's, else ``dtype``) first;
+    ``pre``: x normed by its own weight before the add."""
     if x.dim() == 3:
-        x = x.sum(0).to(residual.dtype if residual is not None else dtype)
+        x = x.float().sum(0).to(residual.dtype if residual is not None else dtype)
     if pre is not None:
         x = add_rms_norm_ref(x, *pre)[0]
     if residual is not None:
