@@ -37,7 +37,6 @@ _SWITCHES = {
     "staged_allreduce": True,
     "peer_norm": True,
     "moe_parts": True,
-    "router_route": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -108,12 +107,6 @@ def moe_parts_to_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, a mixture of experts followed by a norm hands it each token's k weighted
     expert outputs to sum (True) or sums them in its combine kernel first (False): A/B runs."""
     return _switched("moe_parts", enabled)
-
-
-def moe_router_in_route(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, a grouped MoE decode step runs its router's product and its routing in one
-    kernel (True) or as cuBLAS's product then the route kernel (False): A/B runs."""
-    return _switched("router_route", enabled)
 
 
 def peer_norms(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -493,28 +486,6 @@ def summed_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return total.to(dtype)
 
 
-def moe_router_route(
-    x: torch.Tensor,  # [T, H]
-    weight: torch.Tensor,  # [E, H] the router's
-    bias: torch.Tensor | None,
-    route: tuple[int, str, bool],  # top k, rule, norm (``moe_route``'s)
-    table: torch.Tensor | None = None,  # [T, E] logits to route by instead (a dummy model's draws)
-) -> tuple[torch.Tensor, torch.Tensor] | None:  # weights [T, k] fp32, ids [T, k] int32
-    """A grouped decode step's routing from x: the router's product and ``moe_route``'s rule in one
-    kernel (``moe_route.router_route``) on CUDA, for more tokens than a direct step (which routes in
-    the up kernel) and at most ``ROUTER_ROUTE_MAX``; None where it is not taken (the product, then
-    ``moe_route``)."""
-    if not (_SWITCHES["router_route"] and _use_triton(x)) or weight.dtype != x.dtype:
-        return None
-    from prefixserve.model.kernels import fused_moe, moe_route
-
-    rows = x.shape[0]
-    if rows * route[0] <= fused_moe.DIRECT_MAX or rows > moe_route.ROUTER_ROUTE_MAX:
-        return None
-    weights, ids, _ = moe_route.router_route(x, weight, bias, *route, table=table)
-    return weights, ids
-
-
 def moe_routed_experts(
     x: torch.Tensor,  # [T, H]
     logits: torch.Tensor,  # [T, E] the router's, or its split-K partials [S, T, E] (``decode_split``)
@@ -591,8 +562,6 @@ __all__ = [
     "moe_parts_to_norm",
     "moe_route",
     "moe_routed_experts",
-    "moe_router_in_route",
-    "moe_router_route",
     "moe_routing_in_experts",
     "qkv_partials",
     "qkv_with_v",

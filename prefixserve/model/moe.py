@@ -50,12 +50,10 @@ class Experts(nn.Module):
             self.b_up = nn.Parameter(torch.empty(experts * 2 * local))
             self.b_down = nn.Parameter(torch.empty(experts * hidden))
 
-    def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, parts: bool = False
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token's experts ``ids`` [T, k] weighted by ``weights`` [T, k], this rank's columns
-        (the caller sums the ranks); ``parts``: as ``routed``'s."""
-        return fused.moe_experts(x, self.w_up, self.w_down, weights, ids, *self._rest(), parts)
+        (the caller sums the ranks)."""
+        return fused.moe_experts(x, self.w_up, self.w_down, weights, ids, *self._rest())
 
     def routed(
         self, x: torch.Tensor, logits: torch.Tensor, route: tuple[int, str, bool], parts: bool = False
@@ -179,27 +177,16 @@ class MoE(nn.Module):
         process without a shared expert, maybe each token's k weighted expert outputs [k, T, hidden]
         unsummed (``fused.moe_experts``), so no combine kernel runs."""
         route = (self.top_k, self.rule, self.norm)
+        logits = decode_split.router_partials(x, self.gate, self.top_k)
+        logits = self.gate(x) if logits is None else logits
         parts = partials and not self.shard.parallel and self.shared_expert is None
-        picked = fused.moe_router_route(x, self.gate.weight, self.gate.bias, route, self._table(x))
-        if picked is not None:  # a grouped decode step: the router's product and the routing in one kernel
-            routed = self.experts(x, *picked, parts)
-        else:
-            logits = decode_split.router_partials(x, self.gate, self.top_k)
-            logits = self.gate(x) if logits is None else logits
-            routed = self.experts.routed(x, self.simulate(logits), route, parts)
+        routed = self.experts.routed(x, self.simulate(logits), route, parts)
         if routed.dim() == 3:
             return routed
         out = self.shard.all_reduce(routed)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-    def _table(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The logits a dummy model routes ``x``'s tokens by in place of its router's (``simulate``,
-        ``dummy_routing``), for a kernel that computes the product itself; None for a real model."""
-        if self.simulate is _as_routed:
-            return None
-        return self.simulate(x.new_empty(x.shape[0], self.gate.weight.shape[0]))
 
 
 class Gemma4Router(nn.Module):

@@ -29,53 +29,6 @@ def test_route_matches_the_reference(rule: str, tokens: int, experts: int, top_k
     torch.testing.assert_close(weights.cpu(), want_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("tokens", "experts", "top_k", "rule", "norm", "bias"),
-    [
-        (20, 128, 8, "softmax_topk", True, False),  # Qwen3-30B-A3B's routing, two blocks of tokens
-        (5, 32, 4, "topk_softmax", False, True),  # gpt-oss's, with the router's bias
-        (17, 8, 2, "softmax_topk", False, False),  # Mixtral's: fewer experts than the product's side
-        (3, 7, 3, "softmax_topk", True, False),
-    ],
-)
-def test_router_and_routing_in_one_kernel(
-    tokens: int, experts: int, top_k: int, rule: str, norm: bool, bias: bool
-) -> None:
-    """``router_route``: the router's product and the routing in one kernel, against ``F.linear``
-    then ``route_ref``: the same experts (ties to the lower index), weights and logits within
-    rounding; routed by a table where given (a dummy model's), the product still written; and a
-    token's routing the same bits whichever tokens share its step (on a GPU, where the kernels'
-    sums have one order)."""
-    from prefixserve.model.kernels.moe_route import router_route
-
-    gen = torch.Generator().manual_seed(tokens * experts)
-    hidden = 192
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
-    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
-    b = torch.randn(experts, generator=gen).to(DEVICE, dtype) if bias else None
-    weights, ids, logits = router_route(x, weight, b, top_k, rule, norm)
-    want_logits = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
-    torch.testing.assert_close(
-        logits.float(), want_logits, **({"rtol": 1e-2, "atol": 1e-2} if dtype != torch.float32 else {})
-    )
-    want_w, want_ids = route_ref(logits.cpu(), top_k, rule, norm)  # the routing of the product it wrote
-    assert ids.cpu().tolist() == want_ids.tolist()
-    torch.testing.assert_close(weights.cpu(), want_w, rtol=1e-5, atol=1e-6)
-    table = torch.randn(tokens, experts, generator=gen).to(DEVICE, dtype)
-    table[0, 1::2] = 1.5  # ties at the top
-    t_weights, t_ids, t_logits = router_route(x, weight, b, top_k, rule, norm, table=table)
-    want_w, want_ids = route_ref(table.cpu(), top_k, rule, norm)
-    assert t_ids.cpu().tolist() == want_ids.tolist()
-    torch.testing.assert_close(t_weights.cpu(), want_w, rtol=1e-5, atol=1e-6)
-    assert torch.equal(t_logits, logits)
-    if DEVICE.type == "cuda":
-        few = router_route(x[:2].contiguous(), weight, b, top_k, rule, norm)
-        assert torch.equal(few[0], weights[:2]) and torch.equal(few[1], ids[:2])
-    with pytest.raises(ValueError, match="table"):
-        router_route(x, weight, b, top_k, rule, norm, table=table[:, :-1])
-
-
 def _grouping_ref(ids: list[int], experts: int, block_m: int) -> tuple[list[list[int]], list[int]]:
     """Each used block's assignments and expert, as ``align`` lays them out: experts in order, each
     expert's assignments in order, its run padded to whole blocks."""
