@@ -160,8 +160,17 @@ def decode_part(
     for b in batches:
         got = engine_decode(llm, b, prompt_len, gen)
         roof = roofline_ms(cfg, b, copy_tbps, gemm_tflops)
-        row = {"B": b, "step_ms": got["ms"], "gpu_ms": got["gpu_ms"], **roof}
+        row = {
+            "B": b,
+            "step_ms": got["ms"],
+            "gpu_ms": got["gpu_ms"],
+            "gpu_idle_ms": got["gpu_idle_ms"],
+            **roof,
+        }
         row["of_roofline"] = roof["roofline_ms"] / got["ms"]
+        # the step's period on the GPU's clock (busy, plus any wait for the host between steps): the
+        # wall window also holds the run's end, where all B requests finish at once
+        row["of_roofline_gpu"] = roof["roofline_ms"] / (got["gpu_ms"] + got["gpu_idle_ms"])
         rows.append(row)
         print(row, flush=True)
     del llm
@@ -274,13 +283,20 @@ def report(result: dict[str, Any], out: Path) -> None:
             f"## Decode step, attention off (the ceiling), CUDA graphs ({s['prompt_len']}-token prompts, "
             f"{s['gen']} generated)",
             "",
-            "| B | step ms | GPU busy ms | weights read GB | bytes ms | FLOPs ms | roofline / step |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "Step ms is the wall window from the first decode step to the last request's end over the "
+            "steps; it also holds the run's end, where all B requests finish at once. GPU busy and idle "
+            "are a step's on the GPU's clock (idle: waiting for the host between decode steps).",
+            "",
+            "| B | step ms | GPU busy ms | GPU idle ms | weights read GB | bytes ms | FLOPs ms "
+            "| roofline / step | roofline / GPU step |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in result["decode"]:
+            idle = f"{r['gpu_idle_ms']:.3f}" if "gpu_idle_ms" in r else "n/a"
+            gpu_step = f"{r['of_roofline_gpu']:.2f}" if "of_roofline_gpu" in r else "n/a"
             lines.append(
-                f"| {r['B']} | {r['step_ms']:.3f} | {r['gpu_ms']:.3f} | {r['weight_GB']:.2f} | "
-                f"{r['bytes_ms']:.3f} | {r['flops_ms']:.3f} | {r['of_roofline']:.2f} |"
+                f"| {r['B']} | {r['step_ms']:.3f} | {r['gpu_ms']:.3f} | {idle} | {r['weight_GB']:.2f} | "
+                f"{r['bytes_ms']:.3f} | {r['flops_ms']:.3f} | {r['of_roofline']:.2f} | {gpu_step} |"
             )
     if result.get("sharing"):
         lines += [
