@@ -19,15 +19,6 @@ ROUTER_RULES = {"softmax_topk": 0, "topk_softmax": 1}
 
 
 @triton.jit
-def _total(values, axis: tl.constexpr):
-    """A sum of non-negative fp32 terms rounded to fp32 from an fp64 one. In fp64 any order of up to
-    2^20 terms lands within 2^-33 (relative) of the exact sum, so the fp32 result does not depend on
-    the reduction tree a kernel's warps give it (the route kernel's one warp, the up kernel's
-    prologue's four) unless the exact sum lies that close to an fp32 rounding midpoint."""
-    return tl.sum(values.to(tl.float64), axis).to(tl.float32)
-
-
-@triton.jit
 def top_k_of(
     row_ptr,  # one token's [E] router logits
     n_experts,
@@ -54,7 +45,7 @@ def top_k_of(
         logits = tl.load(row_ptr + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
     if RULE == 0:
         p = tl.exp(logits - tl.max(logits, 0))
-        scores = p / _total(p, 0)
+        scores = p / tl.sum(p, 0)
     else:
         scores = logits
     kk = tl.arange(0, KP)
@@ -72,9 +63,9 @@ def top_k_of(
         scores = tl.where(e == best, float("-inf"), scores)
     if RULE == 1:
         p = tl.where(real, tl.exp(chosen - tl.max(chosen, 0)), 0.0)
-        chosen = p / _total(p, 0)
+        chosen = p / tl.sum(p, 0)
     elif NORM:
-        chosen = chosen / _total(tl.where(real, chosen, 0.0), 0)
+        chosen = chosen / tl.sum(tl.where(real, chosen, 0.0), 0)
     return chosen, chosen_ids
 
 
@@ -111,9 +102,6 @@ def rule_constexprs(top_k: int, experts: int, rule: str, norm: bool) -> dict:
     return {"KP": pow2(top_k), "EP": pow2(experts), "RULE": ROUTER_RULES[rule], "NORM": norm}
 
 
-ROUTE_WARPS = 1  # a token's program: its reductions within one warp (shuffles), not across four
-
-
 def route(
     logits: torch.Tensor, top_k: int, rule: str = "softmax_topk", norm: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k] fp32, ids [T, k] int32
@@ -124,8 +112,7 @@ def route(
     if tokens:
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
-            **rule_constexprs(top_k, experts, rule, norm), num_warps=ROUTE_WARPS,
-            **pdl.chained(logits.device),
+            **rule_constexprs(top_k, experts, rule, norm), **pdl.chained(logits.device),
         )  # fmt: skip
     return weights, ids
 
