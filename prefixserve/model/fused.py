@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.attention.kv_quant import store_kv
+from prefixserve.model.partial_sums import check_partials_dtype, summed_partials
 from prefixserve.model.peer_allreduce import PeerSum
 from prefixserve.triton_support import triton_available
 
@@ -466,24 +467,6 @@ def moe_route(
     from prefixserve.model.moe_reference import route_ref
 
     return route_ref(logits, top_k, rule, norm)
-
-
-def check_partials_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> None:
-    """Partials [S, T, N] for a norm to sum: fp32 or the model's ``dtype`` (the residual's, else the
-    one named), which must be known."""
-    if dtype is None or x.dtype not in (torch.float32, dtype):
-        raise ValueError(
-            f"partials must be fp32 or the model's dtype ({x.dtype}) and come with the residual or a dtype"
-        )
-
-
-def summed_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Partials [S, T, N] (fp32 split-K ones, or parts in the model dtype) summed in order in fp32 and
-    rounded to ``dtype``: as the kernels that take them sum them."""
-    total = partials[0].to(torch.float32, copy=True)
-    for part in partials[1:]:
-        total += part.float()
-    return total.to(dtype)
 
 
 def moe_routed_experts(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.model.kernels.e4m3 import row_scale, to_codes
+from prefixserve.model.partial_sums import check_partials_dtype
 from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.bound import BoundKernel
 from prefixserve.triton_support.pdl import launch_dependents, wait
@@ -128,8 +129,6 @@ def add_rms_norm(
     if residual is not None:
         dtype = residual.dtype
     if splits:
-        from prefixserve.model.fused import check_partials_dtype
-
         check_partials_dtype(x, dtype)
     if residual is not None and (residual.shape != x.shape[-2:] or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape[-2:])}")
