@@ -266,8 +266,7 @@ def skinny_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def add_rms_norm(
-    x: torch.Tensor
-    | PeerSum,  # [T, N], [S, T, N] partials (fp32 split-K, or MoE parts), or the ranks' products
+    x: torch.Tensor | PeerSum,  # [T, N], [S, T, N] partials (``partial_sums``), or the ranks' products
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]

@@ -405,11 +405,12 @@ def routed_forward(
     limit: float = 7.0,
     summed: bool = True,
 ) -> torch.Tensor:  # [T, H], or [k, T, H] parts
-    """``experts_forward(x, ..., *route(logits, top_k, rule, norm), summed=summed)`` for a direct step (T k <=
-    ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up kernel's prologue:
-    each program takes its token's k experts from the logits (``moe_route.top_k_of``, the route kernel's own),
-    so the route kernel's launch goes; the same bits. Partials (``decode_split.router_partials``) are
-    summed there, in order, and rounded to x's dtype, as the unsplit product would round them."""
+    """``experts_forward(x, ..., *route(logits, top_k, rule, norm), summed=summed)`` for a direct
+    step (T k <= ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up
+    kernel's prologue: each program takes its token's k experts from the logits
+    (``moe_route.top_k_of``, the route kernel's own), so the route kernel's launch goes; the same
+    bits. Partials (``decode_split.router_partials``) are summed there, in order, and rounded to x's
+    dtype, as the unsplit product would round them."""
     tokens, experts = logits.shape[-2:]
     n = tokens * top_k
     if n > DIRECT_MAX or x.shape[0] != tokens:
