@@ -468,6 +468,12 @@ def moe_route(
     return route_ref(logits, top_k, rule, norm)
 
 
+def _hands_parts(parts: bool) -> bool:
+    """Whether the fused MoE kernels leave a token's k rows for the norm next (asked for and switched
+    on: ``moe_parts_to_norm``) rather than combine them."""
+    return parts and _SWITCHES["moe_parts"]
+
+
 def moe_routed_experts(
     x: torch.Tensor,  # [T, H]
     logits: torch.Tensor,  # [T, E] the router's, or its split-K partials [S, T, E] (``decode_split``)
@@ -491,7 +497,7 @@ def moe_routed_experts(
             kind = fused_moe.ACTIVATIONS[act]
             return fused_moe.routed_forward(
                 x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit,
-                summed=not (parts and _SWITCHES["moe_parts"]),
+                summed=not _hands_parts(parts),
             )  # fmt: skip
     if logits.dim() == 3:
         logits = summed_partials(logits, x.dtype)
@@ -523,7 +529,7 @@ def moe_experts(
         kind = fused_moe.ACTIVATIONS[act]
         return fused_moe.experts_forward(
             x, w_up, w_down, weights, ids32, kind, up_bias, down_bias, alpha, limit,
-            summed=not (parts and _SWITCHES["moe_parts"]),
+            summed=not _hands_parts(parts),
         )  # fmt: skip
     from prefixserve.model.moe_reference import experts_ref
 
@@ -535,7 +541,6 @@ __all__ = [
     "activation",
     "add_rms_norm",
     "apply_rope",
-    "check_partials_dtype",
     "gate_up_kernels",
     "linear",
     "linear_partials",
