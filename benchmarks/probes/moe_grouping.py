@@ -54,15 +54,21 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--batches", type=int, nargs="+", default=[4, 16, 32, 64, 256, 1024, 2048, 8192])
     ap.add_argument("--baseline", default=None, help="another tree's file with an align, timed beside")
-    ap.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512], help="GROUP_CHUNK values")
-    ap.add_argument("--one-chunk-max", type=int, nargs="+", default=[512], help="ONE_CHUNK_MAX values")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[128], help="GROUP_CHUNK values")
+    ap.add_argument(
+        "--expert-programs-max",
+        type=int,
+        nargs="+",
+        default=[1024],
+        help="EXPERT_PROGRAMS_MAX values (powers of 2)",
+    )
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
     experts, k = cfg.num_experts, cfg.num_experts_per_tok
     baseline = _module(args.baseline) if args.baseline else None
-    shipped = (moe_grouping.GROUP_CHUNK, moe_grouping.ONE_CHUNK_MAX, moe_grouping.GROUP_WARPS)
+    shipped = (moe_grouping.GROUP_CHUNK, moe_grouping.EXPERT_PROGRAMS_MAX, moe_grouping.GROUP_WARPS)
     rows = []
     for b in args.batches:
         block_m = fused_moe.tiles(b, k, experts).bm
@@ -72,10 +78,10 @@ def main() -> None:
         if baseline is not None:
             row["baseline_us"] = _time(baseline, routings, experts, block_m)
             row["baseline_same_tables"] = _same(baseline, moe_grouping, routings[0], experts, block_m)
-        for setting in itertools.product(args.chunks, args.one_chunk_max, args.warps):
-            moe_grouping.GROUP_CHUNK, moe_grouping.ONE_CHUNK_MAX, moe_grouping.GROUP_WARPS = setting
-            row["chunk{}_one{}_w{}_us".format(*setting)] = _time(moe_grouping, routings, experts, block_m)
-        moe_grouping.GROUP_CHUNK, moe_grouping.ONE_CHUNK_MAX, moe_grouping.GROUP_WARPS = shipped
+        for setting in itertools.product(args.chunks, args.expert_programs_max, args.warps):
+            moe_grouping.GROUP_CHUNK, moe_grouping.EXPERT_PROGRAMS_MAX, moe_grouping.GROUP_WARPS = setting
+            row["chunk{}_experts{}_w{}_us".format(*setting)] = _time(moe_grouping, routings, experts, block_m)
+        moe_grouping.GROUP_CHUNK, moe_grouping.EXPERT_PROGRAMS_MAX, moe_grouping.GROUP_WARPS = shipped
         row["shipped_us"] = _time(moe_grouping, routings, experts, block_m)
         rows.append(row)
         print(row, flush=True)

@@ -41,14 +41,15 @@ def _grouping_ref(ids: list[int], experts: int, block_m: int) -> tuple[list[list
     return rows, owners
 
 
-@pytest.mark.parametrize("chunk", [None, 16, 64])  # None: the shipped chunks (here one); 16, 64: several
+@pytest.mark.parametrize("chunk", [None, 16, 64])  # None: shipped (a program an expert here); 16, 64: chunks
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("case", ["random", "one_expert", "few_experts"])
 def test_align_groups_every_assignment_once_by_expert(block_m: int, chunk, case: str, monkeypatch) -> None:
-    """Every assignment once, by expert then in order; unused blocks marked; whatever the chunks."""
+    """Every assignment once, by expert then in order; unused blocks marked; a program an expert or
+    in chunks."""
     if chunk:
         monkeypatch.setattr(moe_grouping, "GROUP_CHUNK", chunk)
-        monkeypatch.setattr(moe_grouping, "ONE_CHUNK_MAX", 0)
+        monkeypatch.setattr(moe_grouping, "EXPERT_PROGRAMS_MAX", 0)
     gen = torch.Generator().manual_seed(block_m)
     experts = 9
     ids = torch.randint(0, experts, (150,), generator=gen)
@@ -81,9 +82,9 @@ CASES = [  # tokens, experts, top_k, hidden, inter
 ]
 
 
-GROUPINGS = {  # (DIRECT_MAX, GROUP_CHUNK, ONE_CHUNK_MAX): each case's grouping forced
+GROUPINGS = {  # (DIRECT_MAX, GROUP_CHUNK, EXPERT_PROGRAMS_MAX): each case's grouping forced
     "shipped": None,
-    "grouped": (0, moe_grouping.GROUP_CHUNK, moe_grouping.ONE_CHUNK_MAX),
+    "grouped": (0, moe_grouping.GROUP_CHUNK, moe_grouping.EXPERT_PROGRAMS_MAX),
     "grouped_in_chunks": (0, 16, 0),
 }
 
@@ -118,7 +119,7 @@ def test_experts_match_the_reference(
     if GROUPINGS[grouping] is not None:
         monkeypatch.setattr(fused_moe, "DIRECT_MAX", GROUPINGS[grouping][0])
         monkeypatch.setattr(moe_grouping, "GROUP_CHUNK", GROUPINGS[grouping][1])
-        monkeypatch.setattr(moe_grouping, "ONE_CHUNK_MAX", GROUPINGS[grouping][2])
+        monkeypatch.setattr(moe_grouping, "EXPERT_PROGRAMS_MAX", GROUPINGS[grouping][2])
     x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
         tokens * 7 + experts, tokens, experts, top_k, hidden, inter, act
     )

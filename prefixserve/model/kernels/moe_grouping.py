@@ -7,13 +7,14 @@ never depends on how the step was batched): ``slots`` [NB BM] (the assignment in
 ``used`` [1] (the blocks in use, which the persistent expert kernels walk); NB = min(N, ceil(N / BM)
 + E) blocks bound every routing.
 
-Fixed grids over chunks of the assignments (CUDA-graph safe, no atomics): each chunk's histogram of
-experts (``_count_kernel``), then each chunk placed (``_place_kernel``): from all the chunks'
-histograms a program knows every expert's first row and how many of its assignments earlier chunks
-hold; it sorts its own chunk by (expert, assignment), so each expert's assignments in the chunk are
-consecutive and in order, and writes each to its row. Each program also writes a slice of the block
-table. A step of a few assignments is one chunk, counted by the placing program: one launch.
-docs/kernels.md §9 has the measured choices.
+Fixed grids, no atomics (CUDA-graph safe). Up to ``EXPERT_PROGRAMS_MAX`` assignments, one launch
+of a program an expert (``_group_kernel``): each histograms all the ids, so knows its first row, and
+walks them in order for its own. Past that, two launches over chunks of the assignments: each chunk's
+histogram of experts (``_count_kernel``), then each chunk placed (``_place_kernel``): from all the
+chunks' histograms a program knows every expert's first row and how many of its assignments earlier
+chunks hold; it sorts its own chunk by (expert, assignment), so each expert's assignments in the
+chunk are consecutive and in order, and writes each to its row, and a slice of the block table.
+Both give the same tables. docs/kernels.md §9 has the measured choices.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _count_kernel(
 @triton.jit
 def _place_kernel(
     ids_ptr,  # [N] int32
-    counts_ptr,  # [chunks, EP] int32: ``_count_kernel``'s (unread with ``COUNT``)
+    counts_ptr,  # [chunks, EP] int32: ``_count_kernel``'s
     slots_ptr,  # [NB * BM] int32 out: the assignment in each row of each block
     block_expert_ptr,  # [NB] int32 out: each block's expert, -1 past the last used block
     block_rows_ptr,  # [NB] int32 out: real rows in each block
@@ -64,7 +65,6 @@ def _place_kernel(
     CHUNK: tl.constexpr,
     CP: tl.constexpr,  # chunks rounded up to a power of two
     BPP: tl.constexpr,  # block-table entries a program
-    COUNT: tl.constexpr,  # one chunk, counted here: no ``_count_kernel`` before
     PDL: tl.constexpr = False,
 ):
     """Program c: chunk c's assignments into their rows, and entries [c BPP, (c + 1) BPP) of the block
@@ -77,17 +77,12 @@ def _place_kernel(
     a = c * CHUNK + lane
     valid = a < n_assign
     ids = tl.load(ids_ptr + a, mask=valid, other=0)
-    if COUNT:
-        totals = tl.histogram(ids, EP, mask=valid)
-        own = totals
-        before = totals * 0
-    else:
-        g = tl.arange(0, CP)
-        experts = tl.arange(0, EP)
-        table = tl.load(counts_ptr + g[:, None] * EP + experts[None, :], mask=g[:, None] < n_chunks, other=0)
-        totals = tl.sum(table, 0)
-        before = tl.sum(tl.where((g < c)[:, None], table, 0), 0)  # each expert's in earlier chunks
-        own = tl.sum(tl.where((g == c)[:, None], table, 0), 0)
+    g = tl.arange(0, CP)
+    experts = tl.arange(0, EP)
+    table = tl.load(counts_ptr + g[:, None] * EP + experts[None, :], mask=g[:, None] < n_chunks, other=0)
+    totals = tl.sum(table, 0)
+    before = tl.sum(tl.where((g < c)[:, None], table, 0), 0)  # each expert's assignments in earlier chunks
+    own = tl.sum(tl.where((g == c)[:, None], table, 0), 0)
     padded = (totals + BM - 1) // BM * BM
     ends = tl.cumsum(padded, 0)
     starts = ends - padded  # each expert's first row
@@ -112,9 +107,60 @@ def _place_kernel(
         tl.store(used_ptr, tl.sum(padded, 0) // BM)
 
 
+@triton.jit
+def _group_kernel(
+    ids_ptr,  # [N] int32: each assignment's expert
+    slots_ptr,  # [NB * BM] int32 out: the assignment in each row of each block
+    block_expert_ptr,  # [NB] int32 out: each block's expert, -1 past the last used block
+    block_rows_ptr,  # [NB] int32 out: real rows in each block
+    used_ptr,  # [1] int32 out: the blocks in use (the first ``used``)
+    n_assign,
+    n_blocks,
+    BM: tl.constexpr,
+    EP: tl.constexpr,
+    SPAN: tl.constexpr,  # assignments a pass
+    PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
+):
+    """Program e: every expert's count (a histogram of all the ids), so its first row; then its own
+    assignments in order into its rows, and its blocks' entries. Program 0 also marks the unused blocks."""
+    if PDL:
+        launch_dependents()
+        wait()
+    e = tl.program_id(0)
+    experts = tl.arange(0, EP)
+    lane = tl.arange(0, SPAN)
+    totals = tl.zeros([EP], dtype=tl.int32)
+    for c in range(0, n_assign, SPAN):
+        a = c + lane
+        valid = a < n_assign
+        totals += tl.histogram(tl.load(ids_ptr + a, mask=valid, other=0), EP, mask=valid)
+    padded = (totals + BM - 1) // BM * BM
+    start = tl.sum(tl.where(experts < e, padded, 0), 0)  # this expert's first row
+    count = tl.sum(tl.where(experts == e, totals, 0), 0)
+    running = start
+    for c in range(0, n_assign, SPAN):
+        a = c + lane
+        hit = tl.load(ids_ptr + a, mask=a < n_assign, other=-1) == e
+        tl.store(slots_ptr + running + tl.cumsum(hit.to(tl.int32), 0) - 1, a, mask=hit)
+        running += tl.sum(hit.to(tl.int32), 0)
+    i = tl.arange(0, BLOCK_SPAN)
+    for r0 in range(0, count, BLOCK_SPAN * BM):
+        b = r0 // BM + i  # this expert's b-th block
+        ok = b * BM < count
+        tl.store(block_expert_ptr + start // BM + b, e + b * 0, mask=ok)
+        tl.store(block_rows_ptr + start // BM + b, tl.minimum(count - b * BM, BM), mask=ok)
+    if e == 0:
+        tl.store(used_ptr, tl.sum(padded, 0) // BM)
+        for b0 in range(tl.sum(padded, 0) // BM, n_blocks, BLOCK_SPAN):
+            b = b0 + i
+            tl.store(block_expert_ptr + b, b * 0 - 1, mask=b < n_blocks)
+            tl.store(block_rows_ptr + b, b * 0, mask=b < n_blocks)
+
+
+BLOCK_SPAN = tl.constexpr(64)  # block entries a store in ``_group_kernel``
+EXPERT_PROGRAMS_MAX = 1024  # up to this many assignments, ``_group_kernel`` (one pass of them)
 GROUP_CHUNK = 128  # assignments a program, at least (more where that would take more than MAX_CHUNKS)
 MAX_CHUNKS = 64
-ONE_CHUNK_MAX = 512  # up to this many assignments one program counts and places them all: one launch
 GROUP_WARPS = 4
 
 
@@ -136,19 +182,23 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> Grouping:
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     block_rows = torch.empty(blocks, dtype=torch.int32, device=device)
     used = torch.empty(1, dtype=torch.int32, device=device)
-    one = n <= ONE_CHUNK_MAX
-    chunk = pow2(n) if one else max(GROUP_CHUNK, pow2(triton.cdiv(n, MAX_CHUNKS)))
-    chunks = triton.cdiv(n, chunk)
     ep = pow2(experts)
+    if n <= EXPERT_PROGRAMS_MAX:
+        _group_kernel[(experts,)](
+            ids, slots, block_expert, block_rows, used, n, blocks, BM=block_m, EP=ep,
+            SPAN=EXPERT_PROGRAMS_MAX, num_warps=GROUP_WARPS, **pdl.chained(device),
+        )  # fmt: skip
+        return Grouping(slots, block_expert, block_rows, used)
+    chunk = max(GROUP_CHUNK, pow2(triton.cdiv(n, MAX_CHUNKS)))
+    chunks = triton.cdiv(n, chunk)
     launch = {"EP": ep, "CHUNK": chunk, "num_warps": GROUP_WARPS, **pdl.chained(device)}
-    counts = used if one else torch.empty(chunks, ep, dtype=torch.int32, device=device)
-    if not one:
-        _count_kernel[(chunks,)](ids, counts, n, **launch)
+    counts = torch.empty(chunks, ep, dtype=torch.int32, device=device)
+    _count_kernel[(chunks,)](ids, counts, n, **launch)
     _place_kernel[(chunks,)](
         ids, counts, slots, block_expert, block_rows, used, n, chunks, blocks, BM=block_m, CP=pow2(chunks),
-        BPP=pow2(triton.cdiv(blocks, chunks)), COUNT=one, **launch,
+        BPP=pow2(triton.cdiv(blocks, chunks)), **launch,
     )  # fmt: skip
     return Grouping(slots, block_expert, block_rows, used)
 
 
-__all__ = ["GROUP_CHUNK", "GROUP_WARPS", "MAX_CHUNKS", "ONE_CHUNK_MAX", "Grouping", "align"]
+__all__ = ["EXPERT_PROGRAMS_MAX", "GROUP_CHUNK", "GROUP_WARPS", "MAX_CHUNKS", "Grouping", "align"]
