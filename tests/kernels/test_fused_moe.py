@@ -115,7 +115,7 @@ def test_experts_match_the_reference(
     tokens, experts, top_k, hidden, inter, act, dtype, grouping, monkeypatch
 ) -> None:
     """Each token's weighted sum of its experts, whichever way the step groups its assignments: one
-    block per assignment (a few), grouped by expert in one chunk or in several."""
+    block per assignment (a few), grouped by expert by a program an expert or in chunks."""
     if GROUPINGS[grouping] is not None:
         monkeypatch.setattr(fused_moe, "DIRECT_MAX", GROUPINGS[grouping][0])
         monkeypatch.setattr(moe_grouping, "GROUP_CHUNK", GROUPINGS[grouping][1])

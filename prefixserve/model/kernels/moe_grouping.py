@@ -118,7 +118,7 @@ def _group_kernel(
     n_blocks,
     BM: tl.constexpr,
     EP: tl.constexpr,
-    SPAN: tl.constexpr,  # assignments a pass
+    SPAN: tl.constexpr,  # N or more: every assignment in one load
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
 ):
     """Program e: every expert's count (a histogram of all the ids), so its first row; then its own
@@ -128,21 +128,15 @@ def _group_kernel(
         wait()
     e = tl.program_id(0)
     experts = tl.arange(0, EP)
-    lane = tl.arange(0, SPAN)
-    totals = tl.zeros([EP], dtype=tl.int32)
-    for c in range(0, n_assign, SPAN):
-        a = c + lane
-        valid = a < n_assign
-        totals += tl.histogram(tl.load(ids_ptr + a, mask=valid, other=0), EP, mask=valid)
+    a = tl.arange(0, SPAN)
+    valid = a < n_assign
+    ids = tl.load(ids_ptr + a, mask=valid, other=0)
+    totals = tl.histogram(ids, EP, mask=valid)
     padded = (totals + BM - 1) // BM * BM
     start = tl.sum(tl.where(experts < e, padded, 0), 0)  # this expert's first row
     count = tl.sum(tl.where(experts == e, totals, 0), 0)
-    running = start
-    for c in range(0, n_assign, SPAN):
-        a = c + lane
-        hit = tl.load(ids_ptr + a, mask=a < n_assign, other=-1) == e
-        tl.store(slots_ptr + running + tl.cumsum(hit.to(tl.int32), 0) - 1, a, mask=hit)
-        running += tl.sum(hit.to(tl.int32), 0)
+    hit = (ids == e) & valid
+    tl.store(slots_ptr + start + tl.cumsum(hit.to(tl.int32), 0) - 1, a, mask=hit)
     i = tl.arange(0, BLOCK_SPAN)
     for r0 in range(0, count, BLOCK_SPAN * BM):
         b = r0 // BM + i  # this expert's b-th block
@@ -158,7 +152,7 @@ def _group_kernel(
 
 
 BLOCK_SPAN = tl.constexpr(64)  # block entries a store in ``_group_kernel``
-EXPERT_PROGRAMS_MAX = 1024  # up to this many assignments, ``_group_kernel`` (one pass of them)
+EXPERT_PROGRAMS_MAX = 1024  # up to this many assignments, ``_group_kernel`` (all in one load)
 GROUP_CHUNK = 128  # assignments a program, at least (more where that would take more than MAX_CHUNKS)
 MAX_CHUNKS = 64
 GROUP_WARPS = 4
