@@ -14,10 +14,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 ``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
 ``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
 ``--switch moe_parts``: each MoE layer's expert outputs summed by the next norm, not a combine kernel,
-``fused.moe_parts_to_norm``; ``--switch moe_down_registers`` / ``moe_down_l2``: a routed direct
-step's down kernel started early, ``fused_moe.DOWN_EARLY``; ``--switch weights_early``: the skinny
-and FP8 products' first 512 columns of K read before their wait; ``--attention none --prompt-len 64``:
-``benchmarks/moe.py``'s ceiling),
+``fused.moe_parts_to_norm``; ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -35,7 +32,7 @@ import torch
 from benchmarks.harness import run_info
 from benchmarks.harness.timing import cold_weights, graph_ms
 from prefixserve.model import fp8, fused
-from prefixserve.model.kernels import fp8_matmul, fused_moe, skinny_matmul
+from prefixserve.model.kernels import fp8_matmul, skinny_matmul
 from prefixserve.model.kernels.rms_norm import add_rms_norm_ref
 
 EPS = 1e-5
@@ -114,9 +111,6 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
     "moe_parts": fused.moe_parts_to_norm,
-    "moe_down_registers": lambda on: fused_moe.early_down("registers" if on else "none"),
-    "moe_down_l2": lambda on: fused_moe.early_down("l2" if on else "none"),
-    "weights_early": lambda on: skinny_matmul.weights_early(512 if on else 0),
 }
 
 

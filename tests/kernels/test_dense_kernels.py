@@ -361,41 +361,6 @@ def test_skinny_linear_matches_reference(dtype, m, n, k, config, with_bias) -> N
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("first", [128, 256, 1024])
-@pytest.mark.parametrize("m, n, k", [(1, 72, 768), (5, 40, 1024), (33, 64, 256)])
-def test_weights_read_before_the_wait_give_the_same_bits(first: int, m: int, n: int, k: int) -> None:
-    """The skinny kernel's plain, gated and split-K forms with each program's first K columns of
-    weight loaded before its PDL wait (``skinny_matmul.weights_early``: one product over them, then
-    the pipeline) against the plain pipeline: the same K-ordered sums, so the same bits on a GPU;
-    ``first`` past a slice's K is cut to the power of two below it."""
-    from prefixserve.model.kernels import skinny_matmul
-
-    dtype = SKINNY_DTYPES[-1]
-    gen = torch.Generator().manual_seed(m + n + k)
-    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-    w = (torch.randn(2 * n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
-
-    def forms() -> list[torch.Tensor]:
-        return [
-            skinny_matmul.skinny_linear(x, w, config=(32, 3)),
-            skinny_matmul.skinny_gated(x, w, config=(32, 3)),
-            skinny_matmul.skinny_partials(x, w, 2, config=(64, 3)),
-        ]
-
-    want = forms()
-    with skinny_matmul.weights_early(first):
-        got = forms()
-    for a, b in zip(got, want, strict=True):
-        if DEVICE.type == "cuda":
-            assert torch.equal(a, b)
-        else:  # the interpreter's products are NumPy matmuls of other shapes: their order may differ
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
-    assert skinny_matmul.first_columns(k, m) == 0
-    with skinny_matmul.weights_early(first):
-        cut = 1 << (min(first, k).bit_length() - 1) if m <= 16 else 0  # a power of two; short blocks
-        assert skinny_matmul.first_columns(96, m) == 0 and skinny_matmul.first_columns(k, m) == cut
-
-
 def test_skinny_linear_strided_rows() -> None:
     """x and the weight with rows further apart than K (views of wider tensors) and x of one row
     repeated (row stride 0): the kernel follows the row strides."""

@@ -134,36 +134,6 @@ def test_fp8_gated_matches_the_unfused_pair(m: int, n: int, k: int, gelu: bool) 
         fp8_gated(x, codes[1:], scale[1:], (xq, sx))
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 40, 512), (16, 64, 1000), (64, 48, 768)])
-def test_codes_read_before_the_wait_give_the_same_bits(m: int, n: int, k: int) -> None:
-    """W8A8, W8A16, gated and split-K products with each program's first K columns of codes loaded
-    before its PDL wait (``skinny_matmul.weights_early``) against the plain pipeline: the same bits
-    on a GPU; masked K; block-scaled weights keep the plain loop (their scale changes a step)."""
-    from prefixserve.model.kernels import skinny_matmul
-    from prefixserve.model.kernels.fp8_matmul import fp8_gated, fp8_partials, quantize_rows
-
-    dtype = DTYPES[-1]
-    x, codes, scale = _operands(m, 2 * n, k, False, dtype, 3 * m + k)
-    xq, sx = quantize_rows(x)
-    _, g_codes, g_scale = _operands(m, n, k, True, dtype, 5 * m + k)
-
-    def forms() -> list[torch.Tensor]:
-        out = [fp8_linear(x, codes, scale), fp8_linear(x, codes, scale, x_codes=(xq, sx))]
-        out += [fp8_gated(x, codes, scale, (xq, sx)), fp8_linear(x, g_codes, g_scale)]
-        if k % 512 == 0:
-            out.append(fp8_partials(x, codes, scale, 2, (xq, sx)))
-        return out
-
-    want = forms()
-    with skinny_matmul.weights_early(512):
-        got = forms()
-    for a, b in zip(got, want, strict=True):
-        if DEVICE.type == "cuda":
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64])
 def test_pdl_chain_in_a_graph_equals_the_chain_without(m: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -324,49 +324,6 @@ def test_router_partials_summed_in_the_up_kernel(tokens: int, experts: int, spli
         fused_moe.routed_forward(x, parts.to(dtype).half(), top_k, "softmax_topk", True, w_up, w_down)
 
 
-EARLY_FORMS = ["registers"] + (["l2"] if DEVICE.type == "cuda" else [])  # "l2": inline PTX, a GPU's
-
-
-@pytest.mark.parametrize("form", EARLY_FORMS)
-@pytest.mark.parametrize("first_rows", [16, 64, 256])
-@pytest.mark.parametrize(
-    ("tokens", "experts", "top_k", "inter", "splits", "act"),
-    [
-        (1, 128, 8, 320, 8, "silu"),  # Qwen3-30B-A3B's routing; I past a 256-row K slice
-        (2, 7, 3, 200, 0, "swiglu_oai"),  # an I off the slices, two tokens, biases
-        (1, 16, 4, 48, 3, "gelu_pytorch_tanh"),  # I under one 64-row K step
-    ],
-)
-def test_down_weights_read_early_give_the_same_bits(
-    form: str, first_rows: int, tokens: int, experts: int, top_k: int, inter: int, splits: int, act: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """A routed direct step whose down kernel starts early (``fused_moe.DOWN_EARLY``): routing and
-    loading its first K rows before its wait ("registers"), or its weights asked of L2 by the up
-    kernel ("l2"), against the plain launch: the same experts, products and sums in the same K order,
-    so the same bits on a GPU (the interpreter's products are NumPy matmuls of other shapes)."""
-    monkeypatch.setattr(fused_moe, "FIRST_ROWS", first_rows)
-    gen = torch.Generator().manual_seed(tokens * inter + experts)
-    hidden = 128
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
-    shape = (splits, tokens, experts) if splits else (tokens, experts)
-    logits = torch.randn(*shape, generator=gen).to(DEVICE, torch.float32 if splits else dtype)
-    w_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, dtype)
-    w_down = (torch.randn(experts * hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, dtype)
-    biased = act == "swiglu_oai"
-    up_bias = torch.randn(experts * 2 * inter, generator=gen).to(DEVICE, dtype) if biased else None
-    down_bias = torch.randn(experts * hidden, generator=gen).to(DEVICE, dtype) if biased else None
-    kind = fused_moe.ACTIVATIONS[act]
-    args = (x, logits, top_k, "softmax_topk", True, w_up, w_down, kind, up_bias, down_bias)
-    want = fused_moe.routed_forward(*args, down_early="none")
-    got = fused_moe.routed_forward(*args, down_early=form)
-    if DEVICE.type == "cuda":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-
-
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (2, 7, 3), (40, 9, 4)])
 def test_parts_summed_by_the_norm_give_the_combined_bits(tokens: int, experts: int, top_k: int) -> None:
     """A layer's weighted expert outputs handed to the add-RMSNorm unsummed (``summed=False``: a

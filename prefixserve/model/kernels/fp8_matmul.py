@@ -64,7 +64,6 @@ def _fp8_kernel(
     stride_os=0,
     GATED: tl.constexpr = False,  # out = silu(x W[:N]^T) * (x W[N:2N]^T): the fused gate-up (per-channel)
     GELU: tl.constexpr = False,  # GATED with the tanh GELU instead of SiLU (Gemma)
-    FIRST: tl.constexpr = 0,  # PDL, not GROUPED: the codes' first FIRST columns of K loaded before the wait
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,6 +73,8 @@ def _fp8_kernel(
     k_lo, k_hi = skinny_matmul.k_range(K, K_SLICE, tl.program_id(2), SPLIT)
     if SPLIT:
         out_ptr += tl.program_id(2).to(tl.int64) * stride_os
+    if PDL:
+        wait()
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
@@ -81,24 +82,7 @@ def _fp8_kernel(
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if FIRST:  # the codes do not depend on the kernel before: read while it runs
-        k_first = k_lo + tl.arange(0, FIRST)
-        first_ok = n_ok[:, None] & (k_first < K)[None, :]
-        w_first = tl.load(w_rows + k_first[None, :], mask=first_ok, other=0.0)
-        if GATED:
-            up_first = tl.load(up_rows + k_first[None, :], mask=first_ok, other=0.0)
-    if PDL:
-        wait()
-    if FIRST:  # one product over FIRST columns: the same K-ordered sum as FIRST / BLOCK_K of them
-        x_first = tl.load(x_rows + k_first[None, :], mask=m_ok[:, None] & (k_first < K)[None, :], other=0.0)
-        if not X_CODES:
-            w_first = w_first.to(dtype)
-            if GATED:
-                up_first = up_first.to(dtype)
-        acc = tl.dot(x_first, tl.trans(w_first), acc)
-        if GATED:
-            acc_up = tl.dot(x_first, tl.trans(up_first), acc_up)
-    for k0 in tl.range(k_lo + FIRST, k_hi, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < K
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if GATED:
@@ -286,13 +270,12 @@ def launch(
     if splits > 1:
         grid = (*grid, splits)
     xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
-    chained = pdl.chained(x.device)
     _fp8(
         grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **split, GATED=gated, GELU=gelu,
-        **chained, FIRST=0 if grouped else skinny_matmul.first_columns(k // splits, m, block_k),
+        **pdl.chained(x.device),
     )  # fmt: skip
     return out
 

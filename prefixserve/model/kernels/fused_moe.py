@@ -28,8 +28,6 @@ depends on how the step was batched. docs/kernels.md §9 has the measured choice
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -127,24 +125,17 @@ def _up_tile(
 def _down_tile(
     inter_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, expert, real, assign, block, col, hidden, inter,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-    SWAP: tl.constexpr, SIGNAL: tl.constexpr, w_first=None, FIRST: tl.constexpr = 0,
+    SWAP: tl.constexpr, SIGNAL: tl.constexpr,
 ):  # fmt: skip
     """One block's rows of ``inter`` times its expert's down projection (hidden tile ``col``), the
-    expert's output rounded to the model dtype, times the routing weight, written by assignment.
-    ``w_first``: the weight's first ``FIRST`` K rows of this tile, already loaded (``_down_rows``);
-    one product over them is the same K-ordered sum as FIRST / BK products (the same bits)."""
+    expert's output rounded to the model dtype, times the routing weight, written by assignment."""
     assign = assign.to(tl.int64)
     n = col * BN + tl.arange(0, BN)
     n_ok = n < hidden
+    w_rows = (expert.to(tl.int64) * hidden + n) * inter
     row = block.to(tl.int64) * BM + tl.arange(0, BM)
     acc = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
-    if FIRST:
-        kf = tl.arange(0, FIRST)
-        a_mask = real[:, None] & (kf < inter)[None, :]
-        a_first = tl.load(inter_ptr + row[:, None] * inter + kf[None, :], mask=a_mask, other=0.0)
-        acc = _product(a_first, w_first, acc, DOT_PREC, SWAP)
-    w_rows = (expert.to(tl.int64) * hidden + n) * inter
-    for k0 in range(FIRST, inter, BK):
+    for k0 in range(0, inter, BK):
         k = k0 + tl.arange(0, BK)
         k_ok = k < inter
         a = tl.load(
@@ -167,34 +158,6 @@ def _down_tile(
     tl.store(
         out_ptr + assign[:, None] * hidden + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :]
     )
-
-
-@triton.jit
-def _down_rows(w_ptr, expert, col, hidden, inter, BN: tl.constexpr, FIRST: tl.constexpr):
-    """The first ``FIRST`` K rows [FIRST, BN] of an expert's down projection's hidden tile ``col``."""
-    n = col * BN + tl.arange(0, BN)
-    k = tl.arange(0, FIRST)
-    rows = (expert.to(tl.int64) * hidden + n) * inter
-    mask = (k < inter)[:, None] & (n < hidden)[None, :]
-    return tl.load(w_ptr + rows[None, :] + k[:, None], mask=mask, other=0.0)
-
-
-@triton.jit
-def _ask_l2(w_ptr, expert, span, part, parts, PIECES: tl.constexpr = 128):
-    """Ask L2 (``cp.async.bulk.prefetch.L2``: no registers, nothing waits on it) for the ``part``-th
-    of ``parts`` slices of an expert's ``span`` contiguous elements of ``w_ptr``, in PIECES requests."""
-    size: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    share = tl.cdiv(span, parts)
-    piece = tl.cdiv(tl.cdiv(share, PIECES), 16) * 16  # elements: 16-byte aligned starts
-    start = part.to(tl.int64) * share + tl.arange(0, PIECES).to(tl.int64) * piece
-    end = tl.minimum(part.to(tl.int64) * share + share, span)
-    count = tl.maximum(tl.minimum(end - start, piece), 0)
-    nbytes = ((count * size) // 16 * 16).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0;"
-        " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [w_ptr + expert.to(tl.int64) * span + start, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -232,14 +195,10 @@ def _expert_up_kernel(
     LOGIT_SPLITS: tl.constexpr = 0,  # ROUTE: logits_ptr holds the router's fp32 split-K partials
     stride_split=0,
     SWAP: tl.constexpr = False,  # the products transposed (``_product``)
-    DOWN_EARLY: tl.constexpr = 0,  # ROUTE: 1 ask L2 for the down weights; 2 let the down kernel start now
-    w_down_ptr=None,  # DOWN_EARLY 1: [E * H, I]
 ):
     """A program a (block, column tile)."""
     if PDL:
         wait()
-        if DOWN_EARLY == 2:  # after the wait: the router's output is complete for the down kernel
-            launch_dependents()
     if ROUTE:  # block b is assignment b: token b // TOP_K's (b % TOP_K)-th expert
         b = tl.program_id(0)
         chosen, chosen_ids = top_k_of(
@@ -259,12 +218,9 @@ def _expert_up_kernel(
         )
     if expert < 0:
         return
-    if DOWN_EARLY == 1:
-        _ask_l2(w_down_ptr, expert, hidden * inter, tl.program_id(1), tl.num_programs(1))
     _up_tile(
         x_ptr, w_ptr, bias_ptr, inter_ptr, expert, real, assign, tl.program_id(0), tl.program_id(1), hidden,
-        inter, stride_x, alpha, limit, TOP_K, BM, BN, BK, ACTIVATION, HAS_BIAS, DOT_PREC, SWAP,
-        PDL and DOWN_EARLY != 2,
+        inter, stride_x, alpha, limit, TOP_K, BM, BN, BK, ACTIVATION, HAS_BIAS, DOT_PREC, SWAP, PDL,
     )  # fmt: skip
 
 
@@ -288,45 +244,18 @@ def _expert_down_kernel(
     DIRECT: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
     SWAP: tl.constexpr = False,  # the product transposed (``_product``)
-    FIRST: tl.constexpr = 0,  # a routed direct step: this many K rows of the weight loaded before the wait
-    logits_ptr=None,  # FIRST: the router's logits or partials, as the up kernel's ROUTE reads them
-    n_experts=0,
-    stride_l=0,
-    TOP_K: tl.constexpr = 1,
-    KP: tl.constexpr = 1,
-    EP: tl.constexpr = 1,
-    RULE: tl.constexpr = 0,
-    NORM: tl.constexpr = False,
-    LOGIT_SPLITS: tl.constexpr = 0,
-    stride_split=0,
 ):
-    """A program a (block, hidden tile). With ``FIRST`` (the up kernel launched it after its own wait,
-    ``DOWN_EARLY`` 2) it routes as the up kernel did, from the router's output, and loads its first
-    K rows of weights while the up kernel still runs; only then waits for the up kernel's rows."""
-    w_first = None
-    if FIRST:
-        b = tl.program_id(0)
-        _, chosen_ids = top_k_of(
-            logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM,
-            LOGIT_SPLITS, stride_split, out_ptr.dtype.element_ty,
-        )  # fmt: skip
-        expert = tl.sum(tl.where(tl.arange(0, KP) == b % TOP_K, chosen_ids, 0), 0)
-        real = tl.arange(0, BM) == 0
-        assign = b + tl.arange(0, BM) * 0
-        w_first = _down_rows(w_ptr, expert, tl.program_id(1), hidden, inter, BN, FIRST)
-        if PDL:
-            wait()
-    else:
-        if PDL:
-            wait()
-        expert, real, assign = _block_of(
-            tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
-        )
+    """A program a (block, hidden tile)."""
+    if PDL:
+        wait()
+    expert, real, assign = _block_of(
+        tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
+    )
     if expert < 0:
         return
     _down_tile(
         inter_ptr, w_ptr, bias_ptr, weights_ptr, out_ptr, expert, real, assign, tl.program_id(0),
-        tl.program_id(1), hidden, inter, BM, BN, BK, HAS_BIAS, DOT_PREC, SWAP, PDL, w_first, FIRST,
+        tl.program_id(1), hidden, inter, BM, BN, BK, HAS_BIAS, DOT_PREC, SWAP, PDL,
     )  # fmt: skip
 
 
@@ -435,37 +364,6 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
     return next((tile for most, tile in TILES if per_expert <= most), WIDEST_TILE)
 
 
-# what a routed direct step's down kernel does while the up kernel runs: nothing ("none"), or its
-# weights asked of L2 by the up kernel's programs ("l2"), or its programs launched once the up kernel's
-# have waited, routing and loading their first ``FIRST_ROWS`` K rows before their own wait ("registers")
-DOWN_EARLY = {"none": 0, "l2": 1, "registers": 2}
-down_early_choice = "none"  # on a GPU with programmatic dependent launch (an A/B probe sets it)
-FIRST_ROWS = 256
-
-
-def down_early_default(device: torch.device) -> str:
-    """``down_early_choice`` where kernels launch as dependents (the early forms need the launch
-    order: L2 requests are inline PTX, and the down kernel's early loads read the router's output
-    before its wait); "none" elsewhere."""
-    return down_early_choice if pdl.enabled(device) else "none"
-
-
-@contextmanager
-def early_down(form: str) -> Iterator[None]:
-    """Within the block, routed direct steps' down kernels start by ``form`` (A/B runs)."""
-    global down_early_choice
-    before, down_early_choice = down_early_choice, form
-    try:
-        yield
-    finally:
-        down_early_choice = before
-
-
-def _first_rows(inter: int) -> int:
-    """K rows a down program loads before its wait: a power of two (a product's K), at least 16."""
-    return max(16, min(FIRST_ROWS, 1 << max(inter - 1, 0).bit_length()))
-
-
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
@@ -506,7 +404,6 @@ def routed_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     summed: bool = True,
-    down_early: str | None = None,  # ``DOWN_EARLY``'s key; None: ``down_early_default``
 ) -> torch.Tensor:  # [T, H], or [k, T, H] parts
     """``experts_forward(x, ..., *route(logits, top_k, rule, norm), summed=summed)`` for a direct
     step (T k <= ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up
@@ -528,11 +425,6 @@ def routed_forward(
         "stride_l": logits.stride(-2), **rule_constexprs(top_k, experts, rule, norm),
         "LOGIT_SPLITS": logits.shape[0] if split else 0, "stride_split": logits.stride(0) if split else 0,
     }  # fmt: skip
-    early = DOWN_EARLY[down_early or down_early_default(x.device)]
-    if early == 1:
-        route_args |= {"DOWN_EARLY": 1, "w_down_ptr": w_down}
-    elif early == 2:
-        route_args["DOWN_EARLY"] = 2
     return _experts(
         x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args, summed
     )
@@ -589,7 +481,7 @@ def _experts(
         )  # fmt: skip
         _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
             inter_out, w_down, down_bias_or_w, weights.view(-1), parts, slots, block_expert, block_rows,
-            hidden, inter, DIRECT=direct, **down, **_early_down(route_args, top_k, inter),
+            hidden, inter, DIRECT=direct, **down,
         )  # fmt: skip
     if not summed:
         return hand_parts(parts, tokens, top_k)
@@ -597,15 +489,6 @@ def _experts(
     grid = (tokens, triton.cdiv(hidden, 1024))
     _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
     return out
-
-
-def _early_down(route_args: dict | None, top_k: int, inter: int) -> dict:
-    """The down kernel's arguments for routing and loading its first K rows before its wait (a
-    routed direct step with ``DOWN_EARLY`` 2): the up kernel's routing arguments, less its outputs."""
-    if not route_args or route_args.get("DOWN_EARLY") != 2:
-        return {}
-    keep = ("logits_ptr", "n_experts", "stride_l", "KP", "EP", "RULE", "NORM", "LOGIT_SPLITS", "stride_split")
-    return {"FIRST": _first_rows(inter), "TOP_K": top_k, **{k: route_args[k] for k in keep}}
 
 
 def hand_parts(parts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
@@ -617,13 +500,11 @@ def hand_parts(parts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
 
 __all__ = [
     "ACTIVATIONS",
-    "DOWN_EARLY",
     "GELU_TANH",
     "SILU",
     "SWIGLU_OAI",
     "Tile",
     "align",
-    "early_down",
     "experts_forward",
     "hand_parts",
     "route",

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -65,7 +63,6 @@ def _skinny_kernel(
     SPLIT: tl.constexpr = False,  # program_id(1) takes K_SLICE columns of K: fp32 partials [S, M, N]
     K_SLICE=0,
     stride_os=0,
-    FIRST: tl.constexpr = 0,  # PDL: the weight's first FIRST columns of K loaded before the wait
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,24 +72,14 @@ def _skinny_kernel(
     k_lo, k_hi = k_range(K, K_SLICE, tl.program_id(1), SPLIT)
     if SPLIT:
         out_ptr += tl.program_id(1).to(tl.int64) * stride_os
+    if PDL:
+        wait()
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = w_rows + N * stride_wn  # GATED: the up half's rows, N below the gate's
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if FIRST:  # the weight does not depend on the kernel before: read while it runs
-        k_first = k_lo + tl.arange(0, FIRST)
-        w_first = tl.load(w_rows + k_first[None, :], mask=n_ok[:, None], other=0.0)
-        if GATED:
-            up_first = tl.load(up_rows + k_first[None, :], mask=n_ok[:, None], other=0.0)
-    if PDL:
-        wait()
-    if FIRST:  # one product over FIRST columns: the same K-ordered sum as FIRST / BLOCK_K of them
-        x_first = tl.load(x_rows + k_first[None, :], mask=m_ok[:, None], other=0.0)
-        acc = tl.dot(x_first, tl.trans(w_first), acc)
-        if GATED:
-            acc_up = tl.dot(x_first, tl.trans(up_first), acc_up)
-    for k0 in tl.range(k_lo + FIRST, k_hi, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
         if GATED:
             w_up = tl.load(up_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
@@ -112,37 +99,6 @@ def _skinny_kernel(
 
 
 _skinny = BoundKernel(_skinny_kernel)
-
-
-# K columns of each program's weight read before its PDL wait, while the kernel before still runs
-# (``first_columns``); 0: none (an A/B probe sets it: ``weights_early``)
-FIRST_COLUMNS = 0
-
-
-FIRST_MAX_ROWS = 16  # taller blocks' first columns of x would not fit beside their stages (sm_90)
-
-
-def first_columns(k_slice: int, rows: int, block_k: int = BLOCK_K) -> int:
-    """``FIRST_COLUMNS`` capped at a program's K: a power of two of at least ``block_k`` (a stage's
-    columns), or 0; none past ``FIRST_MAX_ROWS`` rows. (A launch that is not a dependent gains
-    nothing from it, and loses nothing.)"""
-    if not FIRST_COLUMNS or k_slice < block_k or rows > FIRST_MAX_ROWS:
-        return 0
-    first = block_k
-    while first * 2 <= min(FIRST_COLUMNS, k_slice):
-        first *= 2
-    return first
-
-
-@contextmanager
-def weights_early(columns: int) -> Iterator[None]:
-    """Within the block, products read their first ``columns`` of K before their wait (A/B runs)."""
-    global FIRST_COLUMNS
-    before, FIRST_COLUMNS = FIRST_COLUMNS, columns
-    try:
-        yield
-    finally:
-        FIRST_COLUMNS = before
 
 
 SHORT_ROWS = 2048  # K at most this: 64 columns a program at a mid-width N (``skinny_config``)
@@ -320,13 +276,11 @@ def _launch(
     # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
     split = {"SPLIT": splits > 1, "K_SLICE": k // splits, "stride_os": out.stride(0) if splits > 1 else 0}
     grid = (triton.cdiv(n, block_n),) if splits == 1 else (triton.cdiv(n, block_n), splits)
-    chained = pdl.chained(x.device)
     _skinny(
         grid, x, weight, out, x if bias is None else bias, m, n, k,
         x.stride(0), weight.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        STAGES=stages, GELU=gelu, num_warps=4, **split, **chained,
-        FIRST=first_columns(k // splits, m),
+        STAGES=stages, GELU=gelu, num_warps=4, **split, **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
@@ -336,7 +290,6 @@ __all__ = [
     "MIN_GATED_COLUMNS",
     "check_partials",
     "device_ok",
-    "first_columns",
     "gated",
     "gated_config",
     "hopper",
@@ -346,5 +299,4 @@ __all__ = [
     "skinny_linear",
     "skinny_partials",
     "supported",
-    "weights_early",
 ]
