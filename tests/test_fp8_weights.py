@@ -317,8 +317,10 @@ def test_dummy_model_quantized_on_meta_and_drawn_as_the_bf16_one(tiny_config_pat
 # (top-1 agreement floor, mean KL ceiling) on the text below, FP8 model against the unquantized one
 # (fp32). Issue 103 asks >= 0.97 and <= 0.02: the KL is met by FP8 weights (W8A16: 0.0145 measured);
 # top-1 is not (0.935 here; 0.935-0.98 over prose, chat and code), nor either by W8A8 prefill, whose
-# per-token e4m3 activations double the noise on this 135M model (0.91, 0.028). These floors hold
-# what was measured (docs/kernels.md, "FP8 weights").
+# per-token e4m3 activations double the noise on this 135M model (0.925, 0.029). e4m3's 3 mantissa
+# bits cannot reach 0.97 here whatever the scales (benchmarks/probes/fp8_mantissa_floor.py: ideal
+# 3-bit rounding 0.955 weights alone, 0.895 with the inputs). These floors hold what was measured
+# (docs/kernels.md §10, "Accuracy").
 ACCURACY = {"W8A8": (0.90, 0.035), "W8A16 (weight-only)": (0.93, 0.02)}
 
 
