@@ -33,7 +33,6 @@ _SWITCHES = {
     "skinny": True,
     "gate_up": True,
     "moe_route_in_up": True,
-    "moe_route_in_down": False,
     "router_split": True,
     "split_k": True,
     "staged_allreduce": True,
@@ -97,12 +96,6 @@ def moe_routing_in_experts(enabled: bool) -> contextlib.AbstractContextManager[N
     """Within the block, a direct MoE step (one or two tokens) routes in the up kernel's prologue
     (True) or in the route kernel before it (False): A/B runs."""
     return _switched("moe_route_in_up", enabled)
-
-
-def moe_routing_in_down(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, a direct MoE step routed in the up kernel routes in the down kernel too,
-    before its wait (True), or the down kernel reads the up kernel's ids (False): A/B runs."""
-    return _switched("moe_route_in_down", enabled)
 
 
 def router_split_k(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -504,7 +497,7 @@ def moe_routed_experts(
             kind = fused_moe.ACTIVATIONS[act]
             return fused_moe.routed_forward(
                 x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit,
-                summed=not _hands_parts(parts), down_routes=_SWITCHES["moe_route_in_down"],
+                summed=not _hands_parts(parts),
             )  # fmt: skip
     if logits.dim() == 3:
         logits = summed_partials(logits, x.dtype)
@@ -556,7 +549,6 @@ __all__ = [
     "moe_parts_to_norm",
     "moe_route",
     "moe_routed_experts",
-    "moe_routing_in_down",
     "moe_routing_in_experts",
     "qkv_partials",
     "qkv_with_v",

@@ -273,10 +273,9 @@ def test_direct_step_gives_a_token_the_bits_of_a_batched_step(tokens: int, act: 
 def test_routing_in_the_up_kernel_gives_the_route_kernels_bits(
     tokens: int, experts: int, top_k: int, rule: str, norm: bool, act: str
 ) -> None:
-    """A direct step routed in the up kernel's prologue (``routed_forward``; its down kernel reading
-    the up kernel's ids or routing alike before its wait) against the route kernel then
-    ``experts_forward``: the same experts, weights and outputs, bit for bit; tied logits take the
-    lower index in both."""
+    """A direct step routed in the up kernel's prologue (``routed_forward``) against the route kernel
+    then ``experts_forward``: the same experts, weights and outputs, bit for bit; tied logits take
+    the lower index in both."""
     gen = torch.Generator().manual_seed(tokens * experts + top_k)
     hidden, inter = 96, 64
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -292,11 +291,8 @@ def test_routing_in_the_up_kernel_gives_the_route_kernels_bits(
     kind = fused_moe.ACTIVATIONS[act]
     weights, ids = fused_moe.route(logits, top_k, rule, norm)
     want = fused_moe.experts_forward(x, w_up, w_down, weights, ids, kind, up_bias, down_bias)
-    for down_routes in (False, True):  # the down kernel reads the up kernel's ids, or routes alike
-        got = fused_moe.routed_forward(
-            x, logits, top_k, rule, norm, w_up, w_down, kind, up_bias, down_bias, down_routes=down_routes
-        )
-        assert torch.equal(got, want)
+    got = fused_moe.routed_forward(x, logits, top_k, rule, norm, w_up, w_down, kind, up_bias, down_bias)
+    assert torch.equal(got, want)
     with pytest.raises(ValueError, match="direct step"):
         many = torch.zeros(fused_moe.DIRECT_MAX, experts, device=DEVICE, dtype=dtype)
         fused_moe.routed_forward(x.new_zeros(len(many), hidden), many, top_k, rule, norm, w_up, w_down)
@@ -319,8 +315,6 @@ def test_router_partials_summed_in_the_up_kernel(tokens: int, experts: int, spli
     summed = fused.summed_partials(parts, dtype)
     want = fused_moe.routed_forward(x, summed, top_k, "softmax_topk", True, w_up, w_down)
     got = fused_moe.routed_forward(x, parts, top_k, "softmax_topk", True, w_up, w_down)
-    assert torch.equal(got, want)
-    got = fused_moe.routed_forward(x, parts, top_k, "softmax_topk", True, w_up, w_down, down_routes=True)
     assert torch.equal(got, want)
     with fused.moe_routing_in_experts(False):  # the route kernel (or the CPU's sort) after the sum
         route = (top_k, "softmax_topk", True)

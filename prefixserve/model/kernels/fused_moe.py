@@ -244,36 +244,13 @@ def _expert_down_kernel(
     DIRECT: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a dependent (``triton_support.pdl``)
     SWAP: tl.constexpr = False,  # the product transposed (``_product``)
-    ROUTE: tl.constexpr = False,  # DIRECT, routed: the expert from the router's output, as the up kernel's
-    logits_ptr=None,
-    n_experts=0,
-    stride_l=0,
-    TOP_K: tl.constexpr = 1,
-    KP: tl.constexpr = 1,
-    EP: tl.constexpr = 1,
-    RULE: tl.constexpr = 0,
-    NORM: tl.constexpr = False,
-    LOGIT_SPLITS: tl.constexpr = 0,
-    stride_split=0,
 ):
-    """A program a (block, hidden tile). With ``ROUTE`` it takes its expert before its wait, from
-    the router's output (complete: the up kernel releases this launch after its own wait), so its
-    first weight loads follow the wait at once instead of a read of the up kernel's ids."""
-    if ROUTE:
-        b = tl.program_id(0)
-        _, chosen_ids = top_k_of(
-            logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM,
-            LOGIT_SPLITS, stride_split, out_ptr.dtype.element_ty,
-        )  # fmt: skip
-        expert = tl.sum(tl.where(tl.arange(0, KP) == b % TOP_K, chosen_ids, 0), 0)
-        real = tl.arange(0, BM) == 0
-        assign = b + tl.arange(0, BM) * 0
+    """A program a (block, hidden tile)."""
     if PDL:
         wait()
-    if not ROUTE:
-        expert, real, assign = _block_of(
-            tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
-        )
+    expert, real, assign = _block_of(
+        tl.program_id(0), slots_ptr, block_expert_ptr, block_rows_ptr, BM, DIRECT
+    )
     if expert < 0:
         return
     _down_tile(
@@ -427,7 +404,6 @@ def routed_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     summed: bool = True,
-    down_routes: bool = False,  # the down kernel routes too, before its wait (``_expert_down_kernel``)
 ) -> torch.Tensor:  # [T, H], or [k, T, H] parts
     """``experts_forward(x, ..., *route(logits, top_k, rule, norm), summed=summed)`` for a direct
     step (T k <= ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up
@@ -450,9 +426,8 @@ def routed_forward(
         "LOGIT_SPLITS": logits.shape[0] if split else 0, "stride_split": logits.stride(0) if split else 0,
     }  # fmt: skip
     return _experts(
-        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args, summed,
-        down_routes,
-    )  # fmt: skip
+        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args, summed
+    )
 
 
 def _experts(
@@ -461,7 +436,6 @@ def _experts(
     limit: float, tile: Tile | None,
     route_args: dict | None = None,  # the up kernel routes (``routed_forward``): ids and weights its output
     summed: bool = True,  # False: the parts, unsummed (``hand_parts``)
-    down_routes: bool = False,  # with route_args: the down kernel routes as well (``routed_forward``)
 ) -> torch.Tensor:  # fmt: skip
     tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -507,7 +481,7 @@ def _experts(
         )  # fmt: skip
         _expert_down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
             inter_out, w_down, down_bias_or_w, weights.view(-1), parts, slots, block_expert, block_rows,
-            hidden, inter, DIRECT=direct, **down, **(_down_route(route_args, top_k) if down_routes else {}),
+            hidden, inter, DIRECT=direct, **down,
         )  # fmt: skip
     if not summed:
         return hand_parts(parts, tokens, top_k)
@@ -515,14 +489,6 @@ def _experts(
     grid = (tokens, triton.cdiv(hidden, 1024))
     _combine_kernel[grid](parts, out, hidden, TOP_K=top_k, BLOCK=1024, **chained)
     return out
-
-
-def _down_route(route_args: dict | None, top_k: int) -> dict:
-    """The down kernel's routing arguments: the up kernel's (``routed_forward``), less its outputs."""
-    if not route_args:
-        return {}
-    keep = ("logits_ptr", "n_experts", "stride_l", "KP", "EP", "RULE", "NORM", "LOGIT_SPLITS", "stride_split")
-    return {"ROUTE": True, "TOP_K": top_k, **{k: route_args[k] for k in keep}}
 
 
 def hand_parts(parts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
