@@ -238,3 +238,64 @@ def test_gpu_rule_wants_tall_segments_and_enough_saved_reads() -> None:
     assert not gpu_cascade_pays_off(narrow, logical, kv_bytes_per_token=4096)
     short, logical = plan_for(256, 2)  # too little KV saved to pay for the extra launches
     assert not gpu_cascade_pays_off(short, logical, kv_bytes_per_token=4096)
+
+
+# ---------------------------------------------------------------- a prefill's own context as a segment
+
+
+def test_context_segment_takes_a_prefill_own_context_blocks() -> None:
+    """The prefill's whole blocks before its first query token that no other sequence holds become a
+    segment held by it alone; the prefix two sequences hold stays theirs, and the block holding the
+    first query token stays in the own part (causal there)."""
+    from prefixserve.attention.planning.context_segments import ContextRule, with_context_segments
+
+    tables = [[0, 1, 2, 3, 4, 5], [0, 1, 9]]
+    seq_lens, query_lens = [full(6, 3), full(3)], [5, 1]  # row 0's queries start in block 4
+    meta = build_metadata(BS, query_lens, seq_lens, tables, "cpu")
+    base = make_plan(meta)
+    assert segments(base) == {(0, 1): [0, 1]}
+    plan = with_context_segments(base, meta, ContextRule(min_rows=2, min_tokens=2 * BS))
+    assert segments(plan) == {(0, 1): [0, 1], (2, 3): [0]}
+    assert plan.context_segments == 1
+    assert own_tables(plan) == [[4, 5], [9]]
+    assert plan.own_seq_lens_host == [seq_lens[0] - 4 * BS, seq_lens[1] - 2 * BS]
+    assert plan.kv_tokens_read == base.kv_tokens_read
+    rows = plan.seg_rows.tolist()[plan.seg_row_start_host[1] : plan.seg_row_start_host[2]]
+    assert rows == [0, 1, 2, 3, 4] and plan.seg_num_tokens_host[1] == 2 * BS
+    # too few rows, or too short a context: the plan as it was
+    assert with_context_segments(base, meta, ContextRule(min_rows=6, min_tokens=BS)) is base
+    assert with_context_segments(base, meta, ContextRule(min_rows=1, min_tokens=3 * BS)) is base
+
+
+@settings(max_examples=200, deadline=None)
+@given(sharing_batches(), st.integers(1, 4), st.integers(1, 3))
+def test_context_segments_keep_every_key_once(batch, min_rows: int, min_blocks: int) -> None:
+    """Every sequence still attends each of its keys exactly once (segments it holds + own part); a
+    new segment is one qualifying sequence's own whole context, its rows that sequence's rows."""
+    from collections import Counter
+
+    from prefixserve.attention.planning.context_segments import ContextRule, with_context_segments
+
+    tables, seq_lens, query_lens = batch
+    meta = build_metadata(BS, query_lens, seq_lens, tables, "cpu")
+    base = make_plan(meta)
+    plan = with_context_segments(base, meta, ContextRule(min_rows=min_rows, min_tokens=min_blocks * BS))
+    segs = plan.seg_blocks.tolist()
+    starts = plan.seg_block_start_host
+    own = own_tables(plan)
+    for s, table in enumerate(tables):
+        held = [b for g, hs in enumerate(plan.seg_holders_host) if s in hs for b in segs[starts[g] : starts[g + 1]]]
+        assert Counter(held + own[s]) == Counter(table)
+        tail = -(-seq_lens[s] // BS) - (seq_lens[s] - query_lens[s]) // BS
+        assert own[s][len(own[s]) - tail :] == table[len(table) - tail :]  # the query blocks stay own, last
+    assert plan.kv_tokens_read == base.kv_tokens_read
+    new = range(base.num_segments, plan.num_segments)
+    assert plan.context_segments == len(new)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    for g in new:
+        (s,) = plan.seg_holders_host[g]
+        assert query_lens[s] >= min_rows and plan.seg_num_tokens_host[g] >= min_blocks * BS
+        rows = plan.seg_rows.tolist()[plan.seg_row_start_host[g] : plan.seg_row_start_host[g + 1]]
+        assert rows == list(range(qsl[s], qsl[s + 1]))

@@ -2,11 +2,13 @@
 
 The workload of ``benchmarks/promptcache.py``'s TTFT section at one length: a PML prompt importing
 ``--length`` / ``--module-tokens`` modules of the schema plus the 168-token question, one token
-generated. For the GPU tier and the host tier (modules moved out first), ``--trials`` requests after
-an untimed one: the wall time, the GPU's busy time (the engine's ``gpu_busy_seconds_total``), and
-for one more request of each tier the host's profile (cProfile, top functions by own time and by
-cumulative time) and the device's (torch.profiler: kernel time by name, the sum of kernel time and
-the launches). So the first token's wall splits into the device's work and what the host adds.
+generated (``--context-segments off``: the question's attention over its modules on the paged kernel,
+not as a one-holder segment). For the GPU tier and the host tier (modules moved out first),
+``--trials`` requests after an untimed one: the wall time, the GPU's busy time (the engine's
+``gpu_busy_seconds_total``), and for one more request of each tier the host's profile (cProfile,
+top functions by own time and by cumulative time) and the device's (torch.profiler: kernel time
+by name, the sum of kernel time and the launches). So the first token's wall splits into the
+device's work and what the host adds.
 
     PYTHONPATH=. python -m benchmarks.probes.promptcache_ttft [--kv-cache-dtype fp8] [--out DIR]
 """
@@ -93,9 +95,18 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="/tmp/promptcache_ttft")
+    ap.add_argument(
+        "--context-segments", choices=("on", "off"), default="on",
+        help="off: the question's attention over its modules on the paged kernel "
+        "(TritonBackend.context_rule = None), for an A/B against the shipped rule",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.trials < 1:
         ap.error("--trials must be at least 1")
+    if args.context_segments == "off":
+        from prefixserve.attention.triton_backend import TritonBackend
+
+        TritonBackend.context_rule = None
     settings = argparse.Namespace(
         model=args.model, device=args.device, kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=None,
         max_num_batched_tokens=8192,

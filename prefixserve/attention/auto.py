@@ -186,8 +186,12 @@ class AutoBackend(AttentionBackend):
         plan = self._folded(host_plan(meta), meta.block_size, self.gpu_cost.min_segment_saving)
         logical = meta.logical_kv_tokens()
         kv_bytes = self._kv_bytes_per_token or self.gpu_cost.kv_bytes_per_token
-        if plan.has_holes or gpu_cascade_pays_off(plan, logical, kv_bytes, self.gpu_cost, self.group_hint):
-            gpu.install(meta, plan)
+        pays = plan.has_holes or gpu_cascade_pays_off(plan, logical, kv_bytes, self.gpu_cost, self.group_hint)
+        context = gpu.takes_context(meta)
+        if context and not pays:  # every segment back in its holders' own parts, then the context's
+            plan = fold_segments(plan, np.ones(plan.num_segments, dtype=bool), meta.block_size)
+        if pays or context:
+            gpu.install(meta, gpu.with_context(plan, meta) if context else plan)
             return
         meta.plan = gpu._paged_step(meta)
         meta.stats["cascade"] = 0.0

@@ -37,6 +37,7 @@ from prefixserve.attention import dense_prefill
 from prefixserve.attention.backend import AttentionBackend, register_backend
 from prefixserve.attention.dense_prefill import DenseSequence
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.planning.context_segments import ContextRule, with_context_segments
 from prefixserve.attention.planning.decode_plans import DecodePlans
 from prefixserve.attention.planning.step_plan import (
     host_plan,
@@ -250,14 +251,32 @@ class TritonBackend(TritonPagedBackend):
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
+    # prefills whose cached context goes to the shared kernels as a one-holder segment
+    # (``planning/context_segments.py``); None: every own part on the paged kernel
+    context_rule: ContextRule | None = ContextRule()
+
     def prepare(self, meta: AttentionMetadata) -> None:
-        self.install(meta, host_plan(meta))
+        plan = host_plan(meta)
+        self.install(meta, self.with_context(plan, meta) if self.takes_context(meta) else plan)
+
+    def takes_context(self, meta: AttentionMetadata) -> bool:
+        """Does some prefill of this step attend its cached context as a one-holder segment? Not a
+        step of long prefills that SDPA takes (``dense_prefill.plan``), nor a decode step."""
+        rule = self.context_rule
+        if rule is None or meta.is_decode_only or not rule.sequences(meta).any():
+            return False
+        return dense_prefill.plan(meta) is None
+
+    def with_context(self, plan: Any, meta: AttentionMetadata) -> Any:
+        """A host plan with the qualifying prefills' own context blocks as one-holder segments."""
+        return with_context_segments(plan, meta, self.context_rule) if self.context_rule else plan
 
     def install(self, meta: AttentionMetadata, plan: Any) -> None:
         """Make ``plan`` (a host SharedPlan from ``host_plan``) this step's plan, and report its stats."""
         meta.stats["kv_tokens_read"] = float(plan.kv_tokens_read)
         meta.stats["kv_tokens_logical"] = float(meta.logical_kv_tokens())
         meta.stats["shared_segments"] = float(plan.num_segments)
+        meta.stats["context_segments"] = float(plan.context_segments)
         meta.stats["cascade"] = 1.0 if plan.num_segments else 0.0
         step = self._paged_step(meta)
         if plan.num_segments > 0:

@@ -170,3 +170,22 @@ def test_module_holes_match_reference(block_size: int, group: int, query_lens: l
         be.prepare(meta)
         out = be.forward(q, k, v, meta, 0.1)
         assert rel_err(out, ref) < 1e-5, be.name
+
+
+@pytest.mark.parametrize(("group", "query_lens"), [(4, [5, 1, 9, 2]), (1, [3, 7, 2, 5])])
+def test_context_segments_match_reference(group: int, query_lens: list[int]) -> None:
+    """Prefills' own cached context as one-holder segments (``context_segments.py``), beside a prefix
+    three sequences share: the same attention as the reference, the plan's new segments counted."""
+    from prefixserve.attention.planning.context_segments import ContextRule
+
+    q, k, v, meta = _batch(16, group, 64, query_lens, seed=4)
+    ref = ReferenceBackend().forward(q, k, v, meta, 0.1)
+    be = TritonBackend()
+    be.context_rule = ContextRule(min_rows=2, min_tokens=16)
+    be.prepare(meta)
+    assert meta.stats["context_segments"] >= 1
+    assert rel_err(be.forward(q, k, v, meta, 0.1), ref) < 1e-5
+    be.context_rule = None  # off: the plan of the shared prefix alone
+    meta.plan = None
+    be.prepare(meta)
+    assert meta.stats["context_segments"] == 0

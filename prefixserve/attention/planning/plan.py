@@ -55,6 +55,8 @@ class SharedPlan:
     seg_num_tokens_host: list[int] = field(default_factory=list)  # [G] KV rows of each segment
     # a segment ends in a partly filled Prompt Cache module block: only the segment path is exact
     has_holes: bool = False
+    # segments of one holder that hold a prefill's own cached context (``context_segments.py``), last
+    context_segments: int = 0
     # values computed from the segments alone (a graphed step's shared work list and merge index),
     # kept with the plan while ``DecodePlans`` carries it on to later steps
     derived: dict[tuple[Any, ...], Any] = field(default_factory=dict)

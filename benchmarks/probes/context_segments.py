@@ -1,0 +1,154 @@
+"""Whether a prefill's query rows over its cached context run faster as a one-holder segment on the
+shared kernels (``attention/planning/context_segments.py``) than on the paged kernel (or SDPA, for
+the long prefills it takes), and from which query rows and context tokens.
+
+One layer's attention call of one sequence (Q query rows behind C cached tokens, the 8B's heads by
+default), the step planned each way and timed alone (L2 flushed between calls), the outputs checked
+against each other and, where the scores fit, against an fp32 reference. ``--kv-dtype fp8`` stores the
+cache in e4m3; ``--scattered`` gives the context blocks in a shuffled order (no TMA).
+
+PYTHONPATH=. python -m benchmarks.probes.context_segments [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROWS = (8, 16, 32, 64, 168, 512, 1024, 2048)
+CONTEXTS = (512, 1024, 2048, 5120, 16384)
+BLOCK = 16
+
+
+def case(
+    q_len: int, context: int, heads: tuple[int, int], kv_dtype: torch.dtype, scattered: bool, seed: int = 0
+):
+    """(q, k_cache, v_cache, meta) for one sequence of ``q_len`` rows behind ``context`` tokens."""
+    from prefixserve.attention.metadata import build_metadata
+
+    hq, hkv = heads
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    seq_len = context + q_len
+    n_blocks = -(-seq_len // BLOCK)
+    shape = (n_blocks + 1, BLOCK, hkv, 128)
+    k = (torch.randn(shape, device="cuda", generator=gen) * 0.5).to(kv_dtype)
+    v = torch.randn(shape, device="cuda", generator=gen).to(kv_dtype)
+    blocks = torch.arange(1, n_blocks + 1)
+    if scattered:
+        ctx_blocks = context // BLOCK
+        blocks[:ctx_blocks] = blocks[:ctx_blocks][torch.randperm(ctx_blocks)]
+    meta = build_metadata(BLOCK, [q_len], [seq_len], [blocks.tolist()], "cuda")
+    q = torch.randn(q_len, hq, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return q, k, v, meta
+
+
+def planned(q, k, v, meta, scale: float, context: bool) -> tuple[Any, Any]:
+    """A TritonBackend with the step planned one way, and the per-layer call."""
+    from prefixserve.attention.planning.context_segments import ContextRule
+    from prefixserve.attention.planning.step_plan import host_plan
+    from prefixserve.attention.triton_backend import TritonBackend
+
+    meta.plan, meta.stats = None, {}
+    be = TritonBackend()
+    if context:
+        be.context_rule = ContextRule(min_rows=1, min_tokens=BLOCK)
+        be.install(meta, be.with_context(host_plan(meta), meta))
+    else:
+        be.context_rule = None
+        be.prepare(meta)
+    return be, lambda: be.forward(q, k, v, meta, scale)
+
+
+def reference(q, k, v, meta, scale: float) -> torch.Tensor | None:
+    """fp32 attention of the one sequence (causal from its context on), where the scores fit."""
+    q_len, hq = q.shape[:2]
+    seq_len = meta.seq_lens_host[0]
+    if q_len * hq * seq_len > 400_000_000:
+        return None
+    table = torch.as_tensor(meta.block_tables_host[0], device="cuda").long()
+    kk = k.index_select(0, table).flatten(0, 1)[:seq_len].float()  # [N, Hkv, D]
+    vv = v.index_select(0, table).flatten(0, 1)[:seq_len].float()
+    group = hq // k.shape[2]
+    kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,nhd->hqn", q.float(), kk) * scale
+    pos = torch.arange(seq_len - q_len, seq_len, device="cuda")[:, None]
+    s = s.masked_fill(torch.arange(seq_len, device="cuda")[None, :] > pos, float("-inf"))
+    return torch.einsum("hqn,nhd->qhd", torch.softmax(s, -1), vv)
+
+
+def measure(q_len: int, context: int, heads, kv_dtype, scattered: bool) -> dict[str, Any]:
+    from benchmarks.harness.timing import bench_ms
+
+    q, k, v, meta = case(q_len, context, heads, kv_dtype, scattered)
+    scale = 1 / math.sqrt(128)
+    row: dict[str, Any] = {"rows": q_len, "context": context}
+    outs = {}
+    for name, ctx in (("paged", False), ("context", True)):
+        t0 = time.perf_counter()
+        _, call = planned(q, k, v, meta, scale, ctx)
+        row[f"{name}_plan_us"] = (time.perf_counter() - t0) * 1e6
+        outs[name] = call()
+        row[f"{name}_path"] = (
+            "sdpa"
+            if meta.plan.dense is not None and meta.plan.shared is None
+            else ("segments" if meta.plan.shared is not None else "paged")
+        )
+        row[f"{name}_us"] = bench_ms(call) * 1e3
+    flops = 4 * q_len * heads[0] * 128 * (context + (q_len + 1) / 2)
+    for name in ("paged", "context"):
+        row[f"{name}_tflops"] = flops / row[f"{name}_us"] / 1e6
+    row["speedup"] = row["paged_us"] / row["context_us"]
+    diff = (outs["context"].float() - outs["paged"].float()).abs().max().item()
+    row["max_abs_diff"] = diff
+    ref = reference(q, k, v, meta, scale)
+    if ref is not None:
+        for name in ("paged", "context"):
+            row[f"{name}_err"] = (outs[name].float() - ref).abs().max().item()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    ap.add_argument("--heads", default="32/8", help="query / KV heads (head size 128)")
+    ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
+    ap.add_argument("--scattered", action="store_true", help="context blocks in a shuffled order")
+    ap.add_argument("--out", default=None, help="directory for context_segments.json")
+    args = ap.parse_args()
+    from benchmarks.harness.info import run_info
+
+    heads = tuple(int(x) for x in args.heads.split("/"))
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+    rows = []
+    for q_len in args.rows:
+        for context in args.contexts:
+            r = measure(q_len, context, heads, kv_dtype, args.scattered)
+            rows.append(r)
+            shown = {k: round(x, 3) if isinstance(x, float) else x for k, x in r.items()}
+            print(json.dumps(shown), flush=True)
+    payload = {**run_info(), "heads": args.heads, "kv_dtype": args.kv_dtype, "scattered": args.scattered}
+    payload["rows"] = rows
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"context_segments_{args.kv_dtype}{'_scattered' if args.scattered else ''}.json"
+        (out / name).write_text(json.dumps(payload, indent=1))
+    head = ("rows", "context", "paged us", "path", "context us", "speed-up", "TFLOP/s")
+    print("\n{:>5} {:>7} {:>9} {:>8} {:>10} {:>8} {:>12}".format(*head))
+    for r in rows:
+        print(
+            f"{r['rows']:>5} {r['context']:>7} {r['paged_us']:>9.1f} {r['paged_path']:>8} "
+            f"{r['context_us']:>10.1f} "
+            f"{r['speedup']:>7.2f}x {r['paged_tflops']:>5.0f}/{r['context_tflops']:<5.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
