@@ -149,7 +149,8 @@ def main() -> None:
     for r in rows:
         graph = (r["paged_graph_us"] or 0, r["context_graph_us"] or 0, r.get("graph_speedup", 0))
         print(
-            f"{r['rows']:>5} {r['context']:>7} {r['paged_path']:>6} {r['paged_us']:>6.1f}/{r['context_us']:<6.1f} "
+            f"{r['rows']:>5} {r['context']:>7} {r['paged_path']:>6} "
+            f"{r['paged_us']:>6.1f}/{r['context_us']:<6.1f} "
             f"{r['speedup']:>7.2f}x {graph[0]:>6.1f}/{graph[1]:<6.1f} {graph[2]:>7.2f}x "
             f"{r['paged_tflops']:>4.0f}/{r['context_tflops']:<4.0f}"
         )
