@@ -117,6 +117,49 @@ def measure(q_len: int, context: int, heads, kv_dtype, scattered: bool) -> dict[
     return row
 
 
+def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """First-token times of whole requests on the dummy model: a document of C tokens prefilled once
+    (prefix cache), then requests of that document plus R new tokens, the rule off / on alternating
+    in one engine (``TritonBackend.context_rule`` switched between requests: None, or every prefill
+    behind a whole block), median of the trials."""
+    import random
+    import statistics
+
+    from benchmarks.promptcache_workload import ttft
+    from prefixserve import LLM
+    from prefixserve.attention.planning.context_segments import ContextRule
+    from prefixserve.attention.triton_backend import TritonBackend
+
+    extra: dict[str, Any] = {"kv_memory_fraction": 0.6, "max_num_batched_tokens": 8192}
+    if args.kv_dtype == "fp8":
+        extra["kv_cache_dtype"] = "fp8"
+    llm = LLM(args.model, device="cuda", progress=False, **extra)
+    rng = random.Random(0)
+    shipped = TritonBackend.context_rule
+    rows = []
+    for context in args.contexts:
+        doc = [rng.randrange(1000, 30000) for _ in range(context)]
+        ttft(llm, {"prompt_token_ids": doc})  # the document's blocks into the prefix cache
+        for q_len in args.rows:
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            for trial in range(args.trials + 1):
+                for mode in ("off", "on"):
+                    TritonBackend.context_rule = None if mode == "off" else ContextRule(1, BLOCK)
+                    question = [rng.randrange(1000, 30000) for _ in range(q_len)]
+                    took = ttft(llm, {"prompt_token_ids": doc + question}) * 1e3
+                    if trial:
+                        times[mode].append(took)
+            TritonBackend.context_rule = shipped
+            off, on = statistics.median(times["off"]), statistics.median(times["on"])
+            row = {"rows": q_len, "context": context, "off_ms": off, "on_ms": on, "speedup": off / on}
+            print(
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
@@ -125,8 +168,28 @@ def main() -> None:
     ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--scattered", action="store_true", help="context blocks in a shuffled order")
     ap.add_argument("--out", default=None, help="directory for context_segments.json")
+    ap.add_argument(
+        "--engine", action="store_true",
+        help="first-token times of whole requests (a cached document, then document + R tokens) instead",
+    )  # fmt: skip
+    ap.add_argument("--model", default="dummy:llama-3.1-8b", help="--engine's model")
+    ap.add_argument("--trials", type=int, default=3, help="--engine's timed requests a point and mode")
     args = ap.parse_args()
     from benchmarks.harness.info import run_info
+
+    if args.engine:
+        rows = engine_ttft(args)
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            payload = {**run_info(), "model": args.model, "kv_dtype": args.kv_dtype, "rows": rows}
+            (out / f"context_segments_engine_{args.kv_dtype}.json").write_text(json.dumps(payload, indent=1))
+        print(f"\n{'rows':>5} {'context':>7} {'off ms':>8} {'on ms':>8} {'speed-up':>8}")
+        for r in rows:
+            print(
+                f"{r['rows']:>5} {r['context']:>7} {r['off_ms']:>8.2f} {r['on_ms']:>8.2f} {r['speedup']:>7.2f}x"
+            )
+        return
 
     heads = tuple(int(x) for x in args.heads.split("/"))
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
