@@ -186,9 +186,8 @@ def main() -> None:
             (out / f"context_segments_engine_{args.kv_dtype}.json").write_text(json.dumps(payload, indent=1))
         print(f"\n{'rows':>5} {'context':>7} {'off ms':>8} {'on ms':>8} {'speed-up':>8}")
         for r in rows:
-            print(
-                f"{r['rows']:>5} {r['context']:>7} {r['off_ms']:>8.2f} {r['on_ms']:>8.2f} {r['speedup']:>7.2f}x"
-            )
+            times = f"{r['off_ms']:>8.2f} {r['on_ms']:>8.2f}"
+            print(f"{r['rows']:>5} {r['context']:>7} {times} {r['speedup']:>7.2f}x")
         return
 
     heads = tuple(int(x) for x in args.heads.split("/"))
