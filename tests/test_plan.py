@@ -254,7 +254,7 @@ def test_context_segment_takes_a_prefill_own_context_blocks() -> None:
     meta = build_metadata(BS, query_lens, seq_lens, tables, "cpu")
     base = make_plan(meta)
     assert segments(base) == {(0, 1): [0, 1]}
-    plan = with_context_segments(base, meta, ContextRule(min_rows=2, min_tokens=2 * BS))
+    plan = with_context_segments(base, meta, ContextRule(2, 2 * BS, min_work=0, min_run=BS))
     assert segments(plan) == {(0, 1): [0, 1], (2, 3): [0]}
     assert plan.context_segments == 1
     assert own_tables(plan) == [[4, 5], [9]]
@@ -263,8 +263,24 @@ def test_context_segment_takes_a_prefill_own_context_blocks() -> None:
     rows = plan.seg_rows.tolist()[plan.seg_row_start_host[1] : plan.seg_row_start_host[2]]
     assert rows == [0, 1, 2, 3, 4] and plan.seg_num_tokens_host[1] == 2 * BS
     # too few rows, or too short a context: the plan as it was
-    assert with_context_segments(base, meta, ContextRule(min_rows=6, min_tokens=BS)) is base
-    assert with_context_segments(base, meta, ContextRule(min_rows=1, min_tokens=3 * BS)) is base
+    assert with_context_segments(base, meta, ContextRule(6, BS, min_work=0, min_run=BS)) is base
+    assert with_context_segments(base, meta, ContextRule(1, 3 * BS, min_work=0, min_run=BS)) is base
+    assert with_context_segments(base, meta, ContextRule(1, BS, min_work=5 * 2 * BS + 1, min_run=BS)) is base
+
+
+def test_context_segments_one_per_run_of_consecutive_blocks() -> None:
+    """A context lying in two runs of the cache is two segments (each read by TMA); a run shorter
+    than ``min_run`` keeps the whole context on the paged kernel."""
+    from prefixserve.attention.planning.context_segments import ContextRule, with_context_segments
+
+    tables = [[7, 8, 2, 3, 4, 20]]
+    meta = build_metadata(BS, [3], [full(6, 3)], tables, "cpu")
+    base = make_plan(meta)
+    plan = with_context_segments(base, meta, ContextRule(1, BS, min_work=0, min_run=2 * BS))
+    assert segments(plan) == {(7, 8): [0], (2, 3, 4): [0]}
+    assert plan.seg_row_start_host == [0, 3, 6] and plan.context_segments == 2
+    assert own_tables(plan) == [[20]]
+    assert with_context_segments(base, meta, ContextRule(1, BS, min_work=0, min_run=3 * BS)) is base
 
 
 @settings(max_examples=200, deadline=None)
@@ -279,12 +295,13 @@ def test_context_segments_keep_every_key_once(batch, min_rows: int, min_blocks: 
     tables, seq_lens, query_lens = batch
     meta = build_metadata(BS, query_lens, seq_lens, tables, "cpu")
     base = make_plan(meta)
-    plan = with_context_segments(base, meta, ContextRule(min_rows=min_rows, min_tokens=min_blocks * BS))
+    plan = with_context_segments(base, meta, ContextRule(min_rows, min_blocks * BS, min_work=0, min_run=BS))
     segs = plan.seg_blocks.tolist()
     starts = plan.seg_block_start_host
     own = own_tables(plan)
     for s, table in enumerate(tables):
-        held = [b for g, hs in enumerate(plan.seg_holders_host) if s in hs for b in segs[starts[g] : starts[g + 1]]]
+        mine = [g for g, hs in enumerate(plan.seg_holders_host) if s in hs]
+        held = [b for g in mine for b in segs[starts[g] : starts[g + 1]]]
         assert Counter(held + own[s]) == Counter(table)
         tail = -(-seq_lens[s] // BS) - (seq_lens[s] - query_lens[s]) // BS
         assert own[s][len(own[s]) - tail :] == table[len(table) - tail :]  # the query blocks stay own, last
@@ -296,6 +313,11 @@ def test_context_segments_keep_every_key_once(batch, min_rows: int, min_blocks: 
         qsl.append(qsl[-1] + q)
     for g in new:
         (s,) = plan.seg_holders_host[g]
-        assert query_lens[s] >= min_rows and plan.seg_num_tokens_host[g] >= min_blocks * BS
+        assert query_lens[s] >= min_rows
+        blocks = segs[starts[g] : starts[g + 1]]
+        assert blocks == list(range(blocks[0], blocks[0] + len(blocks)))  # one run of the cache
         rows = plan.seg_rows.tolist()[plan.seg_row_start_host[g] : plan.seg_row_start_host[g + 1]]
         assert rows == list(range(qsl[s], qsl[s + 1]))
+    for s in {plan.seg_holders_host[g][0] for g in new}:  # a sequence's runs: its whole context
+        context = sum(plan.seg_num_tokens_host[g] for g in new if plan.seg_holders_host[g] == [s])
+        assert context >= min_blocks * BS

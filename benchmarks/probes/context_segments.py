@@ -57,7 +57,7 @@ def planned(q, k, v, meta, scale: float, context: bool) -> tuple[Any, Any]:
     meta.plan, meta.stats = None, {}
     be = TritonBackend()
     if context:
-        be.context_rule = ContextRule(min_rows=1, min_tokens=BLOCK)
+        be.context_rule = ContextRule(1, BLOCK, min_work=0, min_run=BLOCK)
         be.install(meta, be.with_context(host_plan(meta), meta))
     else:
         be.context_rule = None
@@ -136,6 +136,7 @@ def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
     llm = LLM(args.model, device="cuda", progress=False, **extra)
     rng = random.Random(0)
     shipped = TritonBackend.context_rule
+    every = ContextRule(1, BLOCK, min_work=0, min_run=BLOCK)
     rows = []
     for context in args.contexts:
         doc = [rng.randrange(1000, 30000) for _ in range(context)]
@@ -144,7 +145,7 @@ def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
             times: dict[str, list[float]] = {"off": [], "on": []}
             for trial in range(args.trials + 1):
                 for mode in ("off", "on"):
-                    TritonBackend.context_rule = None if mode == "off" else ContextRule(1, BLOCK)
+                    TritonBackend.context_rule = None if mode == "off" else every
                     question = [rng.randrange(1000, 30000) for _ in range(q_len)]
                     took = ttft(llm, {"prompt_token_ids": doc + question}) * 1e3
                     if trial:

@@ -181,7 +181,7 @@ def test_context_segments_match_reference(group: int, query_lens: list[int]) -> 
     q, k, v, meta = _batch(16, group, 64, query_lens, seed=4)
     ref = ReferenceBackend().forward(q, k, v, meta, 0.1)
     be = TritonBackend()
-    be.context_rule = ContextRule(min_rows=2, min_tokens=16)
+    be.context_rule = ContextRule(2, 16, min_work=0, min_run=16)
     be.prepare(meta)
     assert meta.stats["context_segments"] >= 1
     assert rel_err(be.forward(q, k, v, meta, 0.1), ref) < 1e-5

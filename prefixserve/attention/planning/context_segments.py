@@ -10,7 +10,9 @@ shape, many stacked rows over one run of blocks, read by TMA on Hopper. So where
 it pays, the whole blocks that lie before the sequence's first query token and are still in its own
 part (no other sequence of the step holds them) become a segment whose one holder is the sequence;
 the rest of its own part (the block holding its first query token and after) stays on the paged
-kernel, causal as before, and the LSE merge joins the two as it joins any segment's partials.
+kernel, causal as before, and the LSE merge joins the two as it joins any segment's partials. The
+context is cut into runs of consecutive cache blocks, a segment each, so that every one is read by TMA
+(a document prefilled at once lies in one run; Prompt Cache modules in one run each).
 
 This is a pass over a finished plan (``make_plan``, after any folding), so segments of several holders
 are planned exactly as before; only own parts change. Attention over a set of keys does not depend on
@@ -29,38 +31,57 @@ from prefixserve.attention.planning.plan import SharedPlan, _ranges, _to_i32, ho
 
 @dataclass(frozen=True, slots=True)
 class ContextRule:
-    """Which sequences of a step take their own cached context as a one-holder segment."""
+    """Which sequences of a step take their own cached context as one-holder segments."""
 
-    # query rows of the sequence in this step: fewer rows than this fill too little of a tall tile
-    min_rows: int = 16
-    # whole blocks of context before the first query token, in tokens: below it the paged kernel's
-    # one pass is as fast as a second kernel and a merge
-    min_tokens: int = 1024
+    min_rows: int = 32  # query rows of the sequence in this step
+    min_tokens: int = 2048  # context tokens in whole blocks before the first query token
+    min_work: int = 512 * 1024  # query rows x those context tokens
+    # tokens of every run of consecutive cache blocks in that context: each run is a segment of its
+    # own, so the shared kernels read it by TMA; a context cut finer stays on the paged kernel
+    min_run: int = 512
 
     def sequences(self, meta: AttentionMetadata) -> np.ndarray:
-        """[S] bool: the sequences whose own context qualifies (block counts only; the plan says
-        which of those blocks are still in the own part)."""
+        """[S] bool: the sequences whose rows and context qualify (block counts only; the plan says
+        which of those blocks are still in the own part, ``with_context_segments`` how they lie)."""
         seq_lens, query_lens = host_lens(meta)
-        context = (seq_lens - query_lens) // meta.block_size * meta.block_size
-        return (query_lens >= self.min_rows) & (context >= self.min_tokens)
+        return self.takes(query_lens, (seq_lens - query_lens) // meta.block_size * meta.block_size)
+
+    def takes(self, rows: np.ndarray, context: np.ndarray) -> np.ndarray:
+        return (rows >= self.min_rows) & (context >= self.min_tokens) & (rows * context >= self.min_work)
+
+
+def _runs(own: np.ndarray, seqs: np.ndarray, moved: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the first ``moved[i]`` own blocks of each sequence ``seqs[i]``, concatenated; the length of each
+    run of consecutive block ids among them; the index i each run belongs to)."""
+    blocks = own[np.repeat(seqs, moved), _ranges(np.zeros(len(seqs), dtype=np.int64), moved)]
+    owner = np.repeat(np.arange(len(seqs)), moved)
+    starts = np.ones(len(blocks), dtype=bool)
+    starts[1:] = (blocks[1:] != blocks[:-1] + 1) | (owner[1:] != owner[:-1])
+    return blocks, np.diff(np.append(np.flatnonzero(starts), len(blocks))), owner[starts]
 
 
 def with_context_segments(plan: SharedPlan, meta: AttentionMetadata, rule: ContextRule) -> SharedPlan:
-    """``plan`` with each qualifying sequence's own whole context blocks moved into a new segment held
-    by it alone (appended after the plan's segments); ``plan`` itself when no sequence qualifies."""
+    """``plan`` with each qualifying sequence's own whole context blocks moved into segments held by
+    it alone, one a run of consecutive cache blocks (appended after the plan's segments); ``plan``
+    itself when no sequence qualifies."""
     bs = meta.block_size
     seq_lens, query_lens = host_lens(meta)
     own_len = np.asarray(plan.own_seq_lens_host, dtype=np.int64)  # [S]
     tail = -(-seq_lens // bs) - (seq_lens - query_lens) // bs  # [S] blocks from the first query token on
     own_n = -(-own_len // bs)  # [S]
     lone = own_n - tail  # [S] own blocks wholly before the first query token (listed first)
-    take = rule.sequences(meta) & (lone * bs >= rule.min_tokens)
+    take = rule.takes(query_lens, lone * bs)
+    if not take.any():
+        return plan
+    own = plan.own_block_tables.cpu().numpy().astype(np.int64)
+    seqs = np.flatnonzero(take)
+    _, run_len, run_owner = _runs(own, seqs, lone[seqs])
+    take[seqs[run_owner[run_len * bs < rule.min_run]]] = False
     if not take.any():
         return plan
     seqs = np.flatnonzero(take)
-    moved = lone[seqs]  # [N] blocks each new segment takes
-    own = plan.own_block_tables.cpu().numpy().astype(np.int64)
-    new_blocks = own[np.repeat(seqs, moved), _ranges(np.zeros(len(seqs), dtype=np.int64), moved)]
+    new_blocks, run_len, run_owner = _runs(own, seqs, lone[seqs])
+    run_seq = seqs[run_owner]  # [R] the sequence holding each new segment
     shift = np.where(take, lone, 0)  # [S] columns each own row loses
     keep_n = own_n - shift
     tables = np.zeros((len(own_len), max(int(keep_n.max()), 1)), dtype=np.int64)
@@ -71,14 +92,14 @@ def with_context_segments(plan: SharedPlan, meta: AttentionMetadata, rule: Conte
 
     qsl = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=qsl[1:])
-    new_rows = _ranges(qsl[seqs], query_lens[seqs])
+    new_rows = _ranges(qsl[run_seq], query_lens[run_seq])
     blk_start = np.asarray(plan.seg_block_start_host, dtype=np.int64)
     row_start = np.asarray(plan.seg_row_start_host, dtype=np.int64)
     seg_blocks = np.concatenate([plan.seg_blocks.cpu().numpy().astype(np.int64), new_blocks])
     seg_rows = np.concatenate([plan.seg_rows.cpu().numpy().astype(np.int64), new_rows])
-    blk_start = np.concatenate([blk_start, blk_start[-1] + np.cumsum(moved)])
-    row_start = np.concatenate([row_start, row_start[-1] + np.cumsum(query_lens[seqs])])
-    seg_tokens = [*plan.seg_num_tokens_host, *(moved * bs).tolist()]
+    blk_start = np.concatenate([blk_start, blk_start[-1] + np.cumsum(run_len)])
+    row_start = np.concatenate([row_start, row_start[-1] + np.cumsum(query_lens[run_seq])])
+    seg_tokens = [*plan.seg_num_tokens_host, *(run_len * bs).tolist()]
     device = plan.own_block_tables.device
     return SharedPlan(
         seg_blocks=_to_i32(seg_blocks, device),
@@ -88,14 +109,14 @@ def with_context_segments(plan: SharedPlan, meta: AttentionMetadata, rule: Conte
         seg_row_start=_to_i32(row_start, device),
         own_block_tables=_to_i32(tables, device),
         own_seq_lens=_to_i32(new_own_len, device),
-        seg_holders_host=[*plan.seg_holders_host, *([int(s)] for s in seqs)],
+        seg_holders_host=[*plan.seg_holders_host, *([int(s)] for s in run_seq)],
         own_seq_lens_host=new_own_len.tolist(),
         kv_tokens_read=plan.kv_tokens_read,
         seg_block_start_host=blk_start.tolist(),
         seg_row_start_host=row_start.tolist(),
         seg_num_tokens_host=seg_tokens,
         has_holes=plan.has_holes,
-        context_segments=plan.context_segments + len(seqs),
+        context_segments=plan.context_segments + len(run_seq),
     )
 
 
