@@ -120,8 +120,8 @@ def measure(q_len: int, context: int, heads, kv_dtype, scattered: bool) -> dict[
 def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
     """First-token times of whole requests on the dummy model: a document of C tokens prefilled once
     (prefix cache), then requests of that document plus R new tokens, the rule off / on alternating
-    in one engine (``TritonBackend.context_rule`` switched between requests: None, or every prefill
-    behind a whole block), median of the trials."""
+    in one engine (``TritonBackend.context_rule`` switched between requests: None, or ``--rule``'s),
+    median of the trials."""
     import random
     import statistics
 
@@ -136,7 +136,7 @@ def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
     llm = LLM(args.model, device="cuda", progress=False, **extra)
     rng = random.Random(0)
     shipped = TritonBackend.context_rule
-    every = ContextRule(1, BLOCK, min_work=0, min_run=BLOCK)
+    on_rule = shipped if args.rule == "shipped" else ContextRule(1, BLOCK, min_work=0, min_run=BLOCK)
     rows = []
     for context in args.contexts:
         doc = [rng.randrange(1000, 30000) for _ in range(context)]
@@ -145,7 +145,7 @@ def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
             times: dict[str, list[float]] = {"off": [], "on": []}
             for trial in range(args.trials + 1):
                 for mode in ("off", "on"):
-                    TritonBackend.context_rule = None if mode == "off" else every
+                    TritonBackend.context_rule = None if mode == "off" else on_rule
                     question = [rng.randrange(1000, 30000) for _ in range(q_len)]
                     took = ttft(llm, {"prompt_token_ids": doc + question}) * 1e3
                     if trial:
@@ -175,6 +175,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--model", default="dummy:llama-3.1-8b", help="--engine's model")
     ap.add_argument("--trials", type=int, default=3, help="--engine's timed requests a point and mode")
+    ap.add_argument(
+        "--rule", choices=("every", "shipped"), default="every",
+        help="--engine's 'on': every prefill behind a whole block, or the shipped ContextRule",
+    )  # fmt: skip
     args = ap.parse_args()
     from benchmarks.harness.info import run_info
 
@@ -183,8 +187,10 @@ def main() -> None:
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            payload = {**run_info(), "model": args.model, "kv_dtype": args.kv_dtype, "rows": rows}
-            (out / f"context_segments_engine_{args.kv_dtype}.json").write_text(json.dumps(payload, indent=1))
+            payload = {**run_info(), "model": args.model, "kv_dtype": args.kv_dtype, "rule": args.rule}
+            payload["rows"] = rows
+            name = f"context_segments_engine_{args.kv_dtype}_{args.rule}.json"
+            (out / name).write_text(json.dumps(payload, indent=1))
         print(f"\n{'rows':>5} {'context':>7} {'off ms':>8} {'on ms':>8} {'speed-up':>8}")
         for r in rows:
             times = f"{r['off_ms']:>8.2f} {r['on_ms']:>8.2f}"

@@ -33,9 +33,13 @@ from prefixserve.attention.planning.plan import SharedPlan, _ranges, _to_i32, ho
 class ContextRule:
     """Which sequences of a step take their own cached context as one-holder segments."""
 
-    min_rows: int = 32  # query rows of the sequence in this step
-    min_tokens: int = 2048  # context tokens in whole blocks before the first query token
-    min_work: int = 512 * 1024  # query rows x those context tokens
+    # The defaults are where whole requests measured faster (first token of a document of C cached
+    # tokens plus R new ones, the 8B shape on an H200, bf16 and e4m3 caches; docs/kernels.md §2.16):
+    # R = 512 over 5K-16K tokens 1.08-1.51x; R = 32-168, or 512 over 2K, lost 0.54-0.97x (the eager
+    # prefill's per-layer launches of three kernels cost more host time than the products save).
+    min_rows: int = 512  # query rows of the sequence in this step
+    min_tokens: int = 4096  # context tokens in whole blocks before the first query token
+    min_work: int = 0  # query rows x those context tokens
     # tokens of every run of consecutive cache blocks in that context: each run is a segment of its
     # own, so the shared kernels read it by TMA; a context cut finer stays on the paged kernel
     min_run: int = 512
