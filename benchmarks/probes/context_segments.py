@@ -117,6 +117,45 @@ def measure(q_len: int, context: int, heads, kv_dtype, scattered: bool) -> dict[
     return row
 
 
+def host_cost(args: argparse.Namespace) -> None:
+    """Host time of a prefill step's attention as the eager engine launches it: prepare, then one
+    forward a layer over ``--layers`` caches in turn, each way; then each way's cProfile, top calls."""
+    import cProfile
+    import pstats
+
+    for q_len in args.rows:
+        for context in args.contexts:
+            q, k, v, meta = case(q_len, context, (32, 8), _dtype(args), args.scattered)
+            caches = [(k.clone(), v.clone()) for _ in range(args.layers)]
+            for ctx in (False, True):
+                for rep in range(4):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    prof = cProfile.Profile() if rep == 3 else None
+                    if prof:
+                        prof.enable()
+                    be, _ = planned(q, k, v, meta, 1 / math.sqrt(128), ctx)
+                    t1 = time.perf_counter()
+                    for kc, vc in caches:
+                        be.forward(q, kc, vc, meta, 1 / math.sqrt(128))
+                    t2 = time.perf_counter()
+                    if prof:
+                        prof.disable()
+                    torch.cuda.synchronize()
+                    t3 = time.perf_counter()
+                    print(
+                        f"rows {q_len} context {context} {'segments' if ctx else 'paged'} rep {rep}: "
+                        f"prepare {(t1 - t0) * 1e3:.3f} ms, layers {(t2 - t1) * 1e6 / len(caches):.1f} us "
+                        f"each on the host, {(t3 - t1) * 1e3:.3f} ms to the end"
+                    )
+                    if prof:
+                        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+
+
 def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
     """First-token times of whole requests on the dummy model: a document of C tokens prefilled once
     (prefix cache), then requests of that document plus R new tokens, the rule off / on alternating
@@ -179,8 +218,14 @@ def main() -> None:
         "--rule", choices=("every", "shipped"), default="every",
         help="--engine's 'on': every prefill behind a whole block, or the shipped ContextRule",
     )  # fmt: skip
+    ap.add_argument("--host", action="store_true", help="the eager launches' host time a layer instead")
+    ap.add_argument("--layers", type=int, default=32, help="--host's layers (caches) a step")
     args = ap.parse_args()
     from benchmarks.harness.info import run_info
+
+    if args.host:
+        host_cost(args)
+        return
 
     if args.engine:
         rows = engine_ttft(args)
