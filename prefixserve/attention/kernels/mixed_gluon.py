@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from prefixserve.attention import _ptxas
-from prefixserve.attention.kernels.gluon_attend import GL_DTYPES, GLUON, LOG2E, gluon_descriptor
+from prefixserve.attention.kernels.gluon_attend import GLUON, LOG2E, gluon_descriptor, tile_layout
 from prefixserve.attention.planning.mixed_rule import HEAVY_SHARED_N, OWN_M, SHARED_N, own_tiling
 from prefixserve.triton_support.launch import Launch, record
 
@@ -241,8 +241,7 @@ def own_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     """TMA descriptor over a cache's rows with one cache block per box, in the ring's smem layout."""
     num_blocks, block_size, kv_heads, dim = cache.shape
     rows = cache.view(num_blocks * block_size, kv_heads * dim)
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], GL_DTYPES[cache.dtype])
-    return TensorDescriptor.from_tensor(rows, [block_size, dim], layout)
+    return TensorDescriptor.from_tensor(rows, [block_size, dim], tile_layout(block_n, dim, cache.dtype))
 
 
 def ring_stages(own_m: int, shared_n: int = SHARED_N) -> tuple[int, int]:
