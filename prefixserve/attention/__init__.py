@@ -20,8 +20,8 @@ Imports between planning, kernels and the Triton backends go one way, down this 
 imports only modules before it; function-level imports included; tests/kernels/test_kernel_imports.py
 checks it):
 
-    planning.plan < planning.decode_plans < planning.window_plan < _ptxas < kernels.turn
-    < kernels.merge < planning.tiles < kernels.attend < planning.e4m3_walks < kernels.packed_decode
+    planning.plan < planning.context_segments < planning.decode_plans < planning.window_plan < _ptxas
+    < kernels.turn < kernels.merge < planning.tiles < kernels.attend < planning.e4m3_walks < kernels.packed_decode
     < kernels.paged_attention < kernels.gluon_attend < kernels.shared_gluon < kernels.shared_gluon_fp8
     < planning.shared_plan < kernels.shared_attention < planning.mixed_rule < kernels.mixed_own
     < kernels.mixed_gluon < planning.step_plan < step_launch < planning.window_work

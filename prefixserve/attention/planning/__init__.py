@@ -6,6 +6,8 @@ at import); the kernels (``attention/kernels/``) take its results as launch argu
 
   * plan: the shared-segment plan (``SharedPlan``, ``make_plan``): which KV runs several sequences of
     a step hold, and each sequence's own part; what every sharing backend (cascade, auto, triton) runs;
+  * context_segments: a prefill's own cached context as segments of one holder, where the shared
+    kernels' tall tiles beat the paged kernel (``ContextRule``, ``with_context_segments``);
   * decode_plans: plans carried from one decode step to the next instead of made again (``DecodePlans``);
   * window_plan: a sliding-window layer's shared work in a decode step (the segments' parts inside their
     holders' windows);
