@@ -21,10 +21,10 @@ imports only modules before it; function-level imports included; tests/kernels/t
 checks it):
 
     planning.plan < planning.context_segments < planning.decode_plans < planning.window_plan < _ptxas
-    < kernels.turn < kernels.merge < planning.tiles < kernels.attend < planning.e4m3_walks < kernels.packed_decode
-    < kernels.paged_attention < kernels.gluon_attend < kernels.shared_gluon < kernels.shared_gluon_fp8
-    < planning.shared_plan < kernels.shared_attention < planning.mixed_rule < kernels.mixed_own
-    < kernels.mixed_gluon < planning.step_plan < step_launch < planning.window_work
+    < kernels.turn < kernels.merge < planning.tiles < kernels.attend < planning.e4m3_walks
+    < kernels.packed_decode < kernels.paged_attention < kernels.gluon_attend < kernels.shared_gluon
+    < kernels.shared_gluon_fp8 < planning.shared_plan < kernels.shared_attention < planning.mixed_rule
+    < kernels.mixed_own < kernels.mixed_gluon < planning.step_plan < step_launch < planning.window_work
     < kernels.window_attention < graph_attention < triton_backend
 
 Planning and kernels interleave there: a kernel's wrapper takes its planner's work list
