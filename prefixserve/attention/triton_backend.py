@@ -268,8 +268,9 @@ class TritonBackend(TritonPagedBackend):
         return dense_prefill.plan(meta) is None
 
     def with_context(self, plan: Any, meta: AttentionMetadata) -> Any:
-        """A host plan with the qualifying prefills' own context blocks as one-holder segments."""
-        return with_context_segments(plan, meta, self.context_rule) if self.context_rule else plan
+        """A host plan with the qualifying prefills' own context blocks as one-holder segments (call
+        where ``takes_context``)."""
+        return with_context_segments(plan, meta, self.context_rule)
 
     def install(self, meta: AttentionMetadata, plan: Any) -> None:
         """Make ``plan`` (a host SharedPlan from ``host_plan``) this step's plan, and report its stats."""

@@ -54,14 +54,19 @@ class ContextRule:
         return (rows >= self.min_rows) & (context >= self.min_tokens) & (rows * context >= self.min_work)
 
 
-def _runs(own: np.ndarray, seqs: np.ndarray, moved: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(the first ``moved[i]`` own blocks of each sequence ``seqs[i]``, concatenated; the length of each
-    run of consecutive block ids among them; the index i each run belongs to)."""
+def _runs(own: np.ndarray, seqs: np.ndarray, moved: np.ndarray, min_blocks: int):
+    """The first ``moved[i]`` own blocks of each sequence ``seqs[i]``, cut into runs of consecutive
+    block ids, less every sequence with a run shorter than ``min_blocks``: (their blocks, concatenated;
+    each run's length; the sequence holding each run; whether each of ``seqs`` is kept)."""
     blocks = own[np.repeat(seqs, moved), _ranges(np.zeros(len(seqs), dtype=np.int64), moved)]
     owner = np.repeat(np.arange(len(seqs)), moved)
     starts = np.ones(len(blocks), dtype=bool)
     starts[1:] = (blocks[1:] != blocks[:-1] + 1) | (owner[1:] != owner[:-1])
-    return blocks, np.diff(np.append(np.flatnonzero(starts), len(blocks))), owner[starts]
+    run_len = np.diff(np.append(np.flatnonzero(starts), len(blocks)))
+    run_owner = owner[starts]
+    kept = np.ones(len(seqs), dtype=bool)
+    kept[run_owner[run_len < min_blocks]] = False
+    return blocks[kept[owner]], run_len[kept[run_owner]], seqs[run_owner[kept[run_owner]]], kept
 
 
 def with_context_segments(plan: SharedPlan, meta: AttentionMetadata, rule: ContextRule) -> SharedPlan:
@@ -79,13 +84,10 @@ def with_context_segments(plan: SharedPlan, meta: AttentionMetadata, rule: Conte
         return plan
     own = plan.own_block_tables.cpu().numpy().astype(np.int64)
     seqs = np.flatnonzero(take)
-    _, run_len, run_owner = _runs(own, seqs, lone[seqs])
-    take[seqs[run_owner[run_len * bs < rule.min_run]]] = False
-    if not take.any():
+    new_blocks, run_len, run_seq, kept = _runs(own, seqs, lone[seqs], -(-rule.min_run // bs))
+    if not kept.any():
         return plan
-    seqs = np.flatnonzero(take)
-    new_blocks, run_len, run_owner = _runs(own, seqs, lone[seqs])
-    run_seq = seqs[run_owner]  # [R] the sequence holding each new segment
+    take[seqs[~kept]] = False  # run_seq: [R] the sequence holding each new segment
     shift = np.where(take, lone, 0)  # [S] columns each own row loses
     keep_n = own_n - shift
     tables = np.zeros((len(own_len), max(int(keep_n.max()), 1)), dtype=np.int64)
