@@ -211,12 +211,17 @@ def test_packed_linear_keeps_autograd_on_the_plain_path() -> None:
 
 @pytest.mark.parametrize("causal_bytes", [0, 64 << 20])  # 0: every chunk takes the masked path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_prefill_chunks_causal_own_part_equal_reference(causal_bytes, dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("op_groups", [True, False], ids=["op-groups-heads", "kv-expanded"])
+def test_prefill_chunks_causal_own_part_equal_reference(causal_bytes, dtype, op_groups, monkeypatch) -> None:
     """Prefill chunks whose own part is just the chunk (a fresh prompt after cached blocks), longer
-    than the chunk (a later chunk), in consecutive and scattered blocks, beside decode rows."""
+    than the chunk (a later chunk), in consecutive and scattered blocks, beside decode rows; the
+    flash op grouping the query heads itself, and K and V expanded to them as where it cannot."""
     import prefixserve.attention.cascade as cascade
 
+    if op_groups and not cascade._flash_takes_gqa():
+        pytest.skip("this torch's CPU flash op does not group query heads")
     monkeypatch.setattr(cascade, "_CAUSAL_BYTES", causal_bytes)
+    monkeypatch.setattr(cascade, "_flash_takes_gqa", lambda: op_groups)
     bs = 4
     tables = [
         [0, 1, 2, 3, 4, 5, 6],  # shared 0-2, then consecutive own blocks, chunk = own part

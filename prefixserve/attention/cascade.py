@@ -15,6 +15,8 @@ scattering rows, and a prefill chunk's own part uses the op's causal rule instea
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -258,10 +260,31 @@ def own_attention(
 _CAUSAL_BYTES = 64 << 20  # the causal own path's K and V, expanded to every query head, at most this
 
 
+@functools.cache
+def _flash_takes_gqa() -> bool:
+    """Does the CPU flash op attend several query heads to one KV head itself (head h to KV head
+    h // group, as ``repeat_interleave`` lays them out)? Checked once against the expanded call on
+    tiny inputs: where it does, K and V are never copied to every query head (docs/architecture.md,
+    Backends, has the time it saved)."""
+    if _CPU_FLASH is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 3, 4, generator=gen) for heads in (4, 2, 2))
+    try:
+        o, _ = _CPU_FLASH(q, k, v, is_causal=True, scale=0.5)
+    except RuntimeError:
+        return False
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    return bool(torch.equal(o, _CPU_FLASH(q, k, v, is_causal=True, scale=0.5)[0]))
+
+
 def _causal_fits(q: torch.Tensor, own_len: int, k_cache: torch.Tensor) -> bool:
-    """Can a prefill chunk's own part take ``_own_causal`` (CPU flash op, bounded expanded K/V)?"""
-    expanded = own_len * q.shape[1] * q.shape[2] * max(4, k_cache.element_size())
-    return _CPU_FLASH is not None and q.device.type == "cpu" and expanded <= _CAUSAL_BYTES
+    """Can a prefill chunk's own part take ``_own_causal`` (CPU flash op, bounded fp32 K/V copies:
+    at the KV heads, or expanded to the query heads where the op cannot group them itself)?"""
+    if _CPU_FLASH is None or q.device.type != "cpu":
+        return False
+    heads = k_cache.shape[2] if _flash_takes_gqa() else q.shape[1]
+    return own_len * heads * q.shape[2] * max(4, k_cache.element_size()) <= _CAUSAL_BYTES
 
 
 def _own_causal(
@@ -277,7 +300,8 @@ def _own_causal(
 
     With stacked heads the causal rule needs an explicit [rows * group, N] mask, which at a
     1.5K-token prompt cost more to build and apply than the attention (and the op cannot skip the
-    masked half); here K and V are expanded to the query heads instead (at most ``_CAUSAL_BYTES``).
+    masked half); here the op groups the query heads itself (``_flash_takes_gqa``), or K and V are
+    expanded to the query heads where it cannot (at most ``_CAUSAL_BYTES`` either way).
     Only the own part's valid rows are read, so the slots past its end are never touched.
     """
     q_len, q_heads, _ = q.shape
@@ -289,9 +313,9 @@ def _own_causal(
     else:
         k = k_cache.index_select(0, table).flatten(0, 1)[:own_len]  # [own_len, kv_heads, D]
         v = v_cache.index_select(0, table).flatten(0, 1)[:own_len]
-    group = q_heads // kv_heads
+    group = 1 if _flash_takes_gqa() else q_heads // kv_heads
     qh = q.transpose(0, 1)[None].float()  # [1, q_heads, q_len, D]
-    kh = k.transpose(0, 1)[None].float().repeat_interleave(group, dim=1)  # [1, q_heads, own_len, D]
+    kh = k.transpose(0, 1)[None].float().repeat_interleave(group, dim=1)  # [1, kv_heads * group, own_len, D]
     vh = v.transpose(0, 1)[None].float().repeat_interleave(group, dim=1)
     ctx = own_len - q_len
     o, lse = _CPU_FLASH(qh, kh[:, :, ctx:], vh[:, :, ctx:], is_causal=True, scale=scale)
