@@ -246,6 +246,10 @@ BAD_MOE = [
     ),
     ({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 0}, "decoder_sparse_step=0"),
     ({"num_experts_per_tok": 2}, "needs num_experts"),
+    (
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": None},
+        "needs moe_intermediate_size",
+    ),
 ]
 
 
@@ -253,6 +257,29 @@ BAD_MOE = [
 def test_moe_configs_that_contradict_themselves_are_refused(change, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig.from_hf_dict({**BASE, **change})
+
+
+@pytest.mark.parametrize("written", ["window", "nothing"])
+def test_a_gpt_oss_config_without_layer_types_alternates_as_hfs(written: str, tmp_path: Path) -> None:
+    """``GptOssConfig`` fills in alternating layers, sliding first, and a window of 128 when the file
+    names none: a config.json without them reads the same, and (with the window written) gives HF's
+    logits past the window."""
+    hf = tiny_checkpoint("gpt_oss", tmp_path)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    del raw["layer_types"]
+    if written == "nothing":
+        del raw["sliding_window"]
+    path.write_text(json.dumps(raw))
+    config = ModelConfig.from_json(path)
+    window = WINDOW if written == "window" else 128
+    assert [config.layer_spec(i).window for i in range(3)] == [window, None, window]
+    if written == "window":
+        model, _ = load_model(ModelSource("hf", tmp_path, "gpt_oss"), torch.float32, torch.device("cpu"))
+        ids = _prompt(7, 2 * WINDOW + 5)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1:]
+        torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)
 
 
 def _e2m1(code: int) -> float:

@@ -10,13 +10,18 @@ from typing import Any
 from prefixserve.model.families.base import base_fields, layer_types
 from prefixserve.model.families.moe import experts_fields
 
+WINDOW = 128  # GptOssConfig's sliding_window when a config leaves it out
+
 
 def config_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """A config without ``layer_types`` alternates as ``GptOssConfig`` fills it in (sliding first):
+    read as all full, such a model attended past its windows and its logits left HF's."""
     fields = base_fields(raw, family)
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window", WINDOW)
+    alternating = None if window is None else [i % 2 == 0 for i in range(int(raw["num_hidden_layers"]))]
     fields.update(
         experts_fields(raw, "intermediate_size"),
-        layer_types=layer_types(raw, None),
+        layer_types=layer_types(raw, alternating),
         sliding_window=None if window is None else int(window),
         attention_bias=bool(raw.get("attention_bias", True)),
         o_proj_bias=bool(raw.get("attention_bias", True)),

@@ -17,6 +17,8 @@ def experts_fields(raw: dict[str, Any], width_key: str) -> dict[str, Any]:
     experts = raw.get("num_experts", raw.get("num_local_experts"))
     if experts is None:
         raise ValueError("a mixture-of-experts config needs num_experts (or num_local_experts)")
+    if raw.get(width_key) is None:
+        raise ValueError(f"a mixture-of-experts config needs {width_key} (each expert's width)")
     return {
         "num_experts": int(experts),
         "num_experts_per_tok": int(raw.get("num_experts_per_tok", 0)),
