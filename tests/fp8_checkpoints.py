@@ -10,6 +10,11 @@ same model dequantized (fp32): the FP8 tests (CPU and GPU) load both and compare
   [N, 1]), input activations dynamic per token.
 - ``ct-tensor-static``: compressed-tensors, weights by tensor, input activations static by tensor.
 - ``ct-channel-weight-only``: compressed-tensors, weights by channel, no activation quantization.
+- ``fp8-tensor-dynamic``: {quant_method: fp8} per tensor, activations dynamic.
+- ``ct-channel-static``, ``ct-tensor-dynamic``: the other pairings of weight and activation scales.
+- ``ct-block``: compressed-tensors weights by ``block`` (``block_structure`` [128, 128]): one
+  ``weight_scale`` a block, [ceil(N/128), ceil(K/128)], activations dynamic.
+- ``ct-naive``: compressed-tensors' ``naive-quantized`` format, weights by channel, dynamic.
 
 Each has ``ignore: ["lm_head"]`` (compressed-tensors) / an unquantized LM head, as published.
 """
@@ -27,6 +32,11 @@ FORMATS = (
     "ct-channel-dynamic",
     "ct-tensor-static",
     "ct-channel-weight-only",
+    "fp8-tensor-dynamic",
+    "ct-channel-static",
+    "ct-tensor-dynamic",
+    "ct-block",
+    "ct-naive",
 )
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -48,19 +58,21 @@ PROJECTIONS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 FP8, MAX, BLOCK = torch.float8_e4m3fn, 448.0, 128
 
 
-def _ct_config(weights: str, acts: str | None) -> dict:
+def _ct_config(weights: str, acts: str | None, form: str = "float-quantized") -> dict:
     group = {
         "targets": ["Linear"],
         "weights": {"num_bits": 8, "type": "float", "strategy": weights, "symmetric": True, "dynamic": False},
         "input_activations": None,
     }
+    if weights == "block":
+        group["weights"]["block_structure"] = [BLOCK, BLOCK]
     if acts == "dynamic":
         group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
     elif acts == "static":
         group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
     return {
         "quant_method": "compressed-tensors",
-        "format": "float-quantized",
+        "format": form,
         "config_groups": {"group_0": group},
         "ignore": ["lm_head"],
     }
@@ -77,21 +89,27 @@ QUANT_CONFIGS = {
     "ct-channel-dynamic": _ct_config("channel", "dynamic"),
     "ct-tensor-static": _ct_config("tensor", "static"),
     "ct-channel-weight-only": _ct_config("channel", None),
+    "fp8-tensor-dynamic": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "ct-channel-static": _ct_config("channel", "static"),
+    "ct-tensor-dynamic": _ct_config("tensor", "dynamic"),
+    "ct-block": _ct_config("block", "dynamic"),
+    "ct-naive": _ct_config("channel", "dynamic", form="naive-quantized"),
 }
+BLOCK_SCALED = {"fp8-block": "weight_scale_inv", "ct-block": "weight_scale"}  # the scale's name
 
 
 def _quantize(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     """The format's tensors for one weight w [N, K] (codes under ``weight``), its definition's way."""
     n, k = w.shape
-    if fmt == "fp8-block":
+    if fmt in BLOCK_SCALED:
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
         padded = torch.zeros(nb * BLOCK, kb * BLOCK)
         padded[:n, :k] = w
         amax = padded.abs().view(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3))
-        scale = amax / MAX  # [nb, kb]: weight_scale_inv
+        scale = amax / MAX  # [nb, kb]
         full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
-        return {"weight": (w / full).clamp(-MAX, MAX).to(FP8), "weight_scale_inv": scale}
-    if "channel" in fmt:
+        return {"weight": (w / full).clamp(-MAX, MAX).to(FP8), BLOCK_SCALED[fmt]: scale}
+    if "channel" in fmt or fmt == "ct-naive":
         scale = w.abs().amax(dim=1, keepdim=True) / MAX  # [N, 1]
         return {"weight": (w / scale).clamp(-MAX, MAX).to(FP8), "weight_scale": scale}
     scale = w.abs().amax() / MAX  # one per tensor
@@ -103,7 +121,7 @@ def dequantized(fmt: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     codes = tensors["weight"].float()
     scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
     n, k = codes.shape
-    if fmt == "fp8-block":
+    if fmt in BLOCK_SCALED:
         scale = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
     elif scale.numel() == 1:
         scale = scale.reshape(1, 1)

@@ -50,9 +50,24 @@ def test_e4m3_rounding_within_its_precision() -> None:
     assert torch.isfinite(quantize(torch.full((1, 1, 2), float("inf")), torch.ones(1)).float()).all()
 
 
-def test_fp8_pool_holds_twice_the_tokens() -> None:
-    """The same bytes hold twice the blocks: a block is half the bytes of a bf16 one."""
+@pytest.mark.parametrize("knob", ["kv_memory_fraction", "gpu_memory_utilization"])
+def test_fp8_pool_holds_twice_the_tokens(tiny_config_path, knob: str) -> None:
+    """The same bytes hold twice the blocks: a block is half the bytes of a bf16 one, so an engine
+    sized by a share of memory (on a CPU, of its RAM, which does not move between the two) has twice
+    the blocks over e4m3 and reports twice the pool's tokens."""
+    from prefixserve.kv.cache import available_memory
+
     assert 2 * bytes_per_block(TINY, 16, FP8) == bytes_per_block(TINY, 16, torch.bfloat16)
+    model = f"dummy:{tiny_config_path}"
+    share = 300 * bytes_per_block(TINY, 16, torch.bfloat16) / available_memory(torch.device("cpu"))
+    pools = []
+    for kv_dtype in ("auto", "fp8"):
+        sizing = {"dtype": "bfloat16", "kv_cache_dtype": kv_dtype, knob: share}
+        llm = LLM(model, device="cpu", progress=False, **sizing)
+        pools.append((llm.engine.runner.num_blocks, llm.metrics()["kv_pool_tokens"]))
+    (plain, plain_tokens), (fp8, fp8_tokens) = pools
+    assert plain >= 100 and fp8 in (2 * plain, 2 * plain + 1)
+    assert fp8_tokens / plain_tokens == fp8 / plain
 
 
 def test_cache_scales_travel_with_the_layers() -> None:
@@ -125,7 +140,7 @@ def test_checkpoint_kv_scales_replace_the_calibration(tmp_path) -> None:
     """vLLM's ``v_scale`` in an HF checkpoint (a scalar, or one per KV head) becomes the cache's V
     scales, rounded up to powers of two; with some layer's missing the calibration runs; K's scales
     are always the calibration's (the cache stores K rotated, which a ``k_scale`` does not describe);
-    a model-dtype cache ignores them."""
+    a model-dtype cache ignores them; a checkpoint with V's alone has them taken."""
     from safetensors.torch import load_file, save_file
 
     from prefixserve.model.loader import ModelSource, load_model
@@ -150,6 +165,36 @@ def test_checkpoint_kv_scales_replace_the_calibration(tmp_path) -> None:
     # rounded up to powers of two (folding them into bf16 q and outputs is exact): 3.0 -> 4, 1.5 -> 2
     assert torch.equal(cache.scales[:, 1], torch.tensor([[0.25, 4.0], [2.0, 2.0]]))
     assert torch.equal(cache.scales[:, 0], calibrated[:, 0])
+    for layer in (0, 1):  # a checkpoint that publishes V's scales alone: they are taken
+        del model.checkpoint_kv_scales[(layer, 0)]
+    calibrate_kv_scales(model, cache, torch.float32)
+    assert torch.equal(cache.scales[:, 1], torch.tensor([[0.25, 4.0], [2.0, 2.0]]))
+    assert torch.equal(cache.scales[:, 0], calibrated[:, 0])
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel-dynamic", "fp8-block"])
+def test_an_fp8_weight_checkpoints_v_scales_are_read(fmt: str, tmp_path) -> None:
+    """A published FP8-weight checkpoint that carries ``k_scale`` / ``v_scale`` beside its weights'
+    scales (as vLLM's FP8 checkpoints with an FP8 KV cache do): V's reach the cache, rounded up to a
+    power of two, and the weights still load as FP8."""
+    from safetensors.torch import load_file, save_file
+
+    from prefixserve.model import fp8, linear
+    from prefixserve.model.loader import ModelSource, load_model
+    from prefixserve.worker.kv_calibration import calibrate_kv_scales
+    from tests import fp8_checkpoints as ckpt
+
+    quant, _ = ckpt.write(tmp_path, fmt)
+    weights = load_file(str(quant / "model.safetensors"))
+    for layer in range(ckpt.CONFIG["num_hidden_layers"]):
+        weights[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.5)
+        weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(3.0)
+    save_file(weights, str(quant / "model.safetensors"))
+    model, _ = load_model(ModelSource("hf", quant, fmt), torch.float32, torch.device("cpu"))
+    assert all(fp8.is_fp8(layer) for _, layer in linear.quantized_layers(model))
+    cache = KVCache(model.config, 4, 4, FP8, torch.device("cpu"))
+    calibrate_kv_scales(model, cache, torch.float32)
+    assert torch.equal(cache.scales[:, 1], torch.full_like(cache.scales[:, 1], 4.0))
 
 
 def test_prompt_cache_module_files_hold_fp8_as_it_is(tiny_config_path, tmp_path) -> None:

@@ -16,7 +16,9 @@ fp32 accumulation adds ~K 2^-24 relative (negligible; a 1e-6 slack covers it).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -63,10 +65,18 @@ def _layer(w: torch.Tensor, bias: torch.Tensor | None = None) -> MergedLinear:
 
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_per_channel_weights_within_e4m3_bounds(m: int, k: int, n: int) -> None:
-    """Codes within half an ulp of w / s; the layer's product within the W8A8 bound (per-token x) at
-    every M, with a bias; the same layer made weight-only within the W8A16 bound."""
+    """A scale a row, each row's largest code near e4m3's largest; codes within half an ulp of w / s;
+    the layer's product within the W8A8 bound at every M, with a bias, one row of x 100,000x the others
+    (a scale a token: one scale for all of x pushes the small rows into e4m3's subnormals, past the
+    bound); the same layer made weight-only within the W8A16 bound."""
     x, w = _random(m, k, n, seed=m + k)
+    x[0] *= 1e5
     codes, scale = fp8.quantize_rows(w)
+    assert scale.shape == (n, 1)
+    largest = codes.float().abs().amax(1)
+    assert (
+        (largest > fp8.FP8_MAX / 2) & (largest <= fp8.FP8_MAX)
+    ).all()  # rows of unlike scale, each its own
     err = (fp8.dequantize(codes, scale) - w).abs()
     assert (err <= HALF_ULP * w.abs() + SUBNORMAL * scale + 1e-9).all()
     bias = torch.randn(n)
@@ -284,6 +294,28 @@ def test_other_schemes_are_refused_by_name(config: dict, named: str) -> None:
     assert named in str(info.value) and "compressed-tensors" in str(info.value)
 
 
+@pytest.mark.parametrize("fault", ["e5m2 codes", "no quantization_config"])
+def test_fp8_tensors_the_config_does_not_explain_are_refused_by_name(fault: str, tmp_path: Path) -> None:
+    """e5m2 codes under an FP8 config, or e4m3 codes with none: each refused naming the tensor and
+    what is wrong with it, not read as something else."""
+    from safetensors.torch import load_file, save_file
+
+    quant, _ = ckpt.write(tmp_path, "ct-channel-dynamic")
+    if fault == "e5m2 codes":
+        weights = load_file(str(quant / "model.safetensors"))
+        name = "model.layers.0.self_attn.q_proj.weight"
+        weights[name] = weights[name].float().to(torch.float8_e5m2)
+        save_file(weights, str(quant / "model.safetensors"))
+        named = f"{name}: F8_E5M2 codes"
+    else:
+        config = json.loads((quant / "config.json").read_text())
+        del config["quantization_config"]
+        (quant / "config.json").write_text(json.dumps(config))
+        named = "F8_E4M3 tensor without an FP8 quantization_config"
+    with pytest.raises(ValueError, match=re.escape(named)):
+        load_model(ModelSource("hf", quant, "llama"), torch.float32, torch.device("cpu"))
+
+
 def test_flag_choices() -> None:
     assert scheme_of(None, "fp8") == ("dynamic", False) and scheme_of(None, None) is None
     gpt_oss = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
@@ -319,16 +351,31 @@ def test_dummy_model_quantized_on_meta_and_drawn_as_the_bf16_one(tiny_config_pat
 # top-1 is not (0.935 here; 0.935-0.98 over prose, chat and code), nor either by W8A8 prefill, whose
 # per-token e4m3 activations double the noise on this 135M model (0.925, 0.029). e4m3's 3 mantissa
 # bits cannot reach 0.97 here whatever the scales (benchmarks/probes/fp8_mantissa_floor.py: ideal
-# 3-bit rounding 0.955 weights alone, 0.895 with the inputs). These floors hold what was measured
-# (docs/kernels.md §10, "Accuracy").
-ACCURACY = {"W8A8": (0.90, 0.035), "W8A16 (weight-only)": (0.93, 0.02)}
+# 3-bit rounding 0.955 weights alone, 0.895 with the inputs). Over an FP8 cache too, K and V add
+# their rounding (0.885, 0.034; the cache alone over fp32 weights: 0.978, test_fp8_kv_model.py).
+# These floors hold what was measured (docs/kernels.md §10, "Accuracy").
+ACCURACY = {"W8A8": (0.90, 0.035), "W8A16 (weight-only)": (0.93, 0.02), "W8A8 + FP8 KV": (0.86, 0.045)}
+
+
+def _over_fp8_cache(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Next-token logits of ``ids`` in chunks over an e4m3 cache with the scales the engine's start-up
+    calibration gives ``model``: every position past the first chunk reads e4m3 K / V."""
+    from benchmarks.probes.fp8_products_accuracy import BLOCK
+    from benchmarks.probes.fp8_products_accuracy import logits as chunked_logits
+    from prefixserve.kv.cache import KVCache
+    from prefixserve.worker.kv_calibration import calibrate_kv_scales
+
+    calibrated = KVCache(model.config, 1, BLOCK, torch.float8_e4m3fn, torch.device("cpu"))
+    calibrate_kv_scales(model, calibrated, torch.float32)
+    return chunked_logits(model, ids, torch.float8_e4m3fn, calibrated.scales)
 
 
 def test_default_model_accuracy_with_fp8_weights() -> None:
     """SmolLM2-135M (the default GGUF): next-token top-1 agreement and mean KL over 200 prompt
     positions, FP8 against the unquantized model: as ``--quantization fp8`` runs (W8A8, per-token
-    activations, prefill and decode alike) and its layers made weight-only (W8A16, as a weight-only
-    checkpoint runs); ``ACCURACY`` says the bounds."""
+    activations, prefill and decode alike), its layers made weight-only (W8A16, as a weight-only
+    checkpoint runs), and W8A8 over an FP8 KV cache (both, as ``--quantization fp8 --kv-cache-dtype
+    fp8`` runs); ``ACCURACY`` says the bounds."""
     pytest.importorskip("gguf")
     try:
         source = resolve_model(None)
@@ -348,6 +395,9 @@ def test_default_model_accuracy_with_fp8_weights() -> None:
         for _, layer in linear.quantized_layers(quant):
             layer.act_quant = "none"
         results["W8A16 (weight-only)"] = prefill_logits(quant, ids)[:200]
+        for _, layer in linear.quantized_layers(quant):
+            layer.act_quant = "dynamic"
+        results["W8A8 + FP8 KV"] = _over_fp8_cache(quant, ids)[:200]
     p = F.log_softmax(want.float(), -1)
     for path, got in results.items():
         q = F.log_softmax(got.float(), -1)
@@ -374,3 +424,39 @@ def test_engine_and_cli_take_the_flag(tiny_config_path: Path) -> None:
         assert all(fp8.is_fp8(layer) for _, layer in linear.quantized_layers(llm.engine.runner.model))
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("fp8_parts", ["kv", "weights", "both"])
+def test_fp8_greedy_identical_with_sharing_on_and_off(fp8_parts: str, tmp_path: Path) -> None:
+    """Prompts behind a shared prefix, over an FP8 cache, FP8 weights (a published W8A8 checkpoint)
+    or both: shared-segment attention over the prefix cache and per-sequence attention without it
+    give the same greedy tokens. The test checkpoint's wide logit gaps leave no near tie for the
+    paths' other summation orders to flip (the default model's can: ``test_fp8_kv_model.py``)."""
+    from prefixserve import LLM, SamplingParams
+    from tests.conftest import assert_pool_empty
+
+    quant, dense = ckpt.write(tmp_path, "ct-channel-dynamic")
+    model = str(dense if fp8_parts == "kv" else quant)
+    kv_dtype = "auto" if fp8_parts == "weights" else "fp8"
+    gen = torch.Generator().manual_seed(2)
+    vocab = ckpt.CONFIG["vocab_size"]
+    prefix = torch.randint(1, vocab, (40,), generator=gen).tolist()
+    prompts = [
+        {"prompt_token_ids": prefix + torch.randint(1, vocab, (3 + i,), generator=gen).tolist()}
+        for i in range(4)
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for attention, caching in (("cascade", True), ("reference", False)):
+        with LLM(
+            model, device="cpu", num_kv_blocks=96, kv_cache_dtype=kv_dtype, attention=attention,
+            enable_prefix_caching=caching, progress=False,
+        ) as llm:  # fmt: skip
+            if caching:  # the prefix cached first: the four then hold its blocks and read them once
+                llm.generate(prompts[:1], greedy)
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+            metrics = llm.metrics()
+            assert_pool_empty(llm)
+        if caching:
+            assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
+    assert tokens[0] == tokens[1]

@@ -63,6 +63,12 @@ def test_step_reserve_and_kv_refusal() -> None:
     assert step_reserve(local, torch.bfloat16, 16384, 256) >= (2.86 + 0.95) * GiB + FIXED_RESERVE
     check_kv_fits(128, 16, 2048, GPU)
     with pytest.raises(
-        ValueError, match=r"room for 100 KV blocks \(1600 tokens\).*max_num_batched_tokens=2048"
+        ValueError,
+        match=r"room for 100 KV blocks \(1600 tokens\).*max_num_batched_tokens=2048: use more GPUs",
     ):
         check_kv_fits(100, 16, 2048, GPU)
+    with pytest.raises(
+        ValueError, match=r"max_num_batched_tokens=2048: use a higher kv_memory_fraction"
+    ) as cpu:
+        check_kv_fits(100, 16, 2048, torch.device("cpu"))  # no GPUs to add
+    assert "GPUs" not in str(cpu.value)

@@ -36,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=KV_CACHE_DTYPES,
         help="the KV cache's element type: auto (the model's dtype) or fp8 (= fp8_e4m3: e4m3 with a "
-        "scale per layer and KV head, half the bytes a token, twice the tokens in the pool)",
+        "scale per layer and KV head: a byte an element, so the pool holds twice the tokens of a bf16 "
+        "cache, four times an fp32 one's)",
     )
     g.add_argument(
         "--quantization",

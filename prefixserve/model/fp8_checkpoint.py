@@ -190,8 +190,10 @@ class Fp8Checkpoint:
         view = f.get_slice(stored)
         if not view.get_dtype().startswith("F8"):
             return view, None, None
-        if self.scheme is None or view.get_dtype() != "F8_E4M3":
-            raise _refuse(f"{stored}: {view.get_dtype()} tensor without an FP8 quantization_config")
+        if view.get_dtype() != "F8_E4M3":
+            raise _refuse(f"{stored}: {view.get_dtype()} codes (FP8 weights must be e4m3: F8_E4M3)")
+        if self.scheme is None:
+            raise _refuse(f"{stored}: an F8_E4M3 tensor without an FP8 quantization_config")
         codes = f.get_tensor(stored)
         scale = self.row_scale(name, tuple(codes.shape))
         return (fp8.dequantize(codes, scale) if dense else codes), codes, scale

@@ -82,10 +82,11 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device, shard: Shard
 def check_kv_fits(num_blocks: int, block_size: int, max_tokens: int, device: torch.device) -> None:
     """Refuse a KV pool that cannot hold one step's worth of tokens (``max_num_batched_tokens``)."""
     if num_blocks * block_size < max_tokens:
+        more = "more GPUs (tensor_parallel_size), " if device.type == "cuda" else ""
         raise ValueError(
             f"after the weights, {device} has room for {num_blocks} KV blocks ({num_blocks * block_size} "
-            f"tokens), fewer than one step's max_num_batched_tokens={max_tokens}: use more GPUs "
-            f"(tensor_parallel_size), a higher kv_memory_fraction, or a smaller max_num_batched_tokens"
+            f"tokens), fewer than one step's max_num_batched_tokens={max_tokens}: use {more}a higher "
+            f"kv_memory_fraction, kv_cache_dtype='fp8', or a smaller max_num_batched_tokens"
         )
 
 

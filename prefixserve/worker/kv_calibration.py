@@ -58,14 +58,15 @@ def kv_amax(model: torch.nn.Module, kv: KVCache, dtype: torch.dtype, ids: torch.
 
 def checkpoint_scales(model: torch.nn.Module, kv: KVCache) -> torch.Tensor | None:
     """The checkpoint's ``k_scale`` / ``v_scale`` as ``kv.scales`` (this rank's heads; a scalar applies to
-    every head), or None unless the checkpoint has both for every layer that writes KV (a hybrid's
-    linear layers and Gemma 4's KV-shared ones take their writer's: ``as_written``;
-    ``loader._kv_scale``)."""
+    every head; 1 where it has none), or None unless it has a ``v_scale`` for every layer that writes
+    KV, the only one ``calibrate_kv_scales`` takes (a hybrid's linear layers and Gemma 4's KV-shared
+    ones take their writer's: ``as_written``; ``loader._kv_scale``). Requiring ``k_scale`` too
+    dropped the ``v_scale`` of a checkpoint that publishes V's alone."""
     found: dict[tuple[int, int], torch.Tensor] = getattr(model, "checkpoint_kv_scales", {})
     assert kv.scales is not None
     layers, _, width = kv.scales.shape
     writers = [i for i in range(layers) if model.config.kv_source(i) == i]  # the others take theirs
-    if any((i, j) not in found for i in writers for j in (0, 1)):
+    if any((i, 1) not in found for i in writers):
         return None
     start, stop = kv.shard.kv_head_span(kv.total_kv_heads)
     out = torch.ones(layers, 2, width)
