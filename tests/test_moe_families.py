@@ -5,7 +5,9 @@ saved by ``save_pretrained`` load into prefixserve; last-token logits within 1e-
 32 greedy tokens equal to HF's ``generate``, and the same tokens (24 behind a shared prefix) with
 shared-segment attention on and off and on a prefix-cache repeat, and over two ranks. The reference
 MoE path is checked against HF's own experts block, ties included; gpt-oss's MXFP4 experts and a
-Qwen3-MoE GGUF load as the checkpoint."""
+Qwen3-MoE GGUF (F32 and Q8_0 experts) load as the checkpoint, damaged MXFP4 scales are refused by
+name. BatchLLM's schedule and Prompt Cache modules give a plain engine's tokens; the shipped
+real-shape configs count the published parameters; each rank holds half of every expert."""
 
 from __future__ import annotations
 
@@ -176,6 +178,51 @@ def test_greedy_tokens_equal_hf_generate_and_sharing_changes_none(family) -> Non
     assert_pool_empty(plain)
 
 
+PML_SCHEMA = """<schema name="facts">You answer from the facts below.
+<module name="alpha">Alpha is the first letter of the Greek alphabet; it is used a lot.</module>
+<module name="beta">Beta is the second letter; it comes after alpha and before gamma.</module>
+</schema>"""
+PML_PROMPTS = [
+    '<prompt schema="facts"><alpha/><beta/> Which is first?</prompt>',
+    '<prompt schema="facts"><beta/> Say it.</prompt>',
+]
+SHORT_GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+
+
+def _tokens(outs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_batch_schedule_and_prompt_cache_give_the_reference_tokens(family) -> None:
+    """BatchLLM's offline schedule over prompts behind a shared prefix, and PML prompts reading a
+    schema's modules (every layer's KV kept: modules need one shape), give a plain engine's tokens."""
+    _, directory, _ = family
+    plain = _llm(
+        directory,
+        attention="reference",
+        enable_prefix_caching=False,
+        keep_sliding_kv=True,
+        module_recompute="none",
+    )
+    prefix = _prompt(5, 2 * WINDOW)
+    prompts = [{"prompt_token_ids": prefix + _prompt(20 + i, 3 + 2 * i)} for i in range(3)]
+    batch = _llm(directory, attention="cascade")
+    want = _tokens(plain.generate(prompts, SHORT_GREEDY))
+    assert _tokens(batch.generate(prompts, SHORT_GREEDY, schedule="batch")) == want
+    metrics = batch.metrics()
+    assert metrics["attention_kv_tokens_read_total"] < metrics["attention_kv_tokens_logical_total"]
+    cached = _llm(directory, attention="cascade", keep_sliding_kv=True, module_recompute="none")
+    for llm in (plain, cached):
+        llm.register_schema(PML_SCHEMA)
+    want = _tokens(plain.generate(PML_PROMPTS, SHORT_GREEDY))
+    assert _tokens(cached.generate(PML_PROMPTS, SHORT_GREEDY)) == want
+    assert cached.metrics()["shared_segments_total"] > 0
+    for llm in (plain, cached):
+        llm.unregister_schema("facts")
+    for llm in (plain, batch, cached):
+        assert_pool_empty(llm)
+
+
 def test_the_reference_experts_are_hfs(family) -> None:
     """``route_ref`` and ``experts_ref`` on a layer's weights give HF's MoE block's output, on random
     tokens and on tokens all routed alike (identical rows)."""
@@ -282,6 +329,39 @@ def test_a_gpt_oss_config_without_layer_types_alternates_as_hfs(written: str, tm
         torch.testing.assert_close(prefill_logits(model, ids)[-1:], ref, rtol=1e-4, atol=1e-4)
 
 
+# shipped dummy config: experts, active, router rule, renormalised, parameters as published
+REAL_SIZES = {
+    "qwen3-30b-a3b": (128, 8, "softmax_topk", True, 30.53e9),
+    "gpt-oss-20b": (32, 4, "topk_softmax", False, 20.91e9),
+    "mixtral-8x7b": (8, 2, "softmax_topk", True, 46.70e9),
+}
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("name", list(REAL_SIZES))
+def test_the_shipped_moe_configs_are_the_published_models(name: str) -> None:
+    """``dummy:NAME`` at real shapes: its experts and router, gpt-oss's alternating window of 128
+    and YaRN, and the parameters of the model built from it (meta device) within 1% of the count
+    published."""
+    from prefixserve.model.llama import LlamaForCausalLM
+    from prefixserve.model.loader import resolve_model
+    from prefixserve.model.parallel import Shard
+
+    experts, active, rule, norm, published = REAL_SIZES[name]
+    source = resolve_model(f"dummy:{name}")
+    config = ModelConfig.from_json(source.path)
+    assert source.kind == "dummy" and config.num_experts == experts
+    assert (config.num_experts_per_tok, config.router_rule, config.norm_topk_prob) == (active, rule, norm)
+    if name == "gpt-oss-20b":
+        specs = [config.layer_spec(i) for i in range(config.num_hidden_layers)]
+        assert [spec.window for spec in specs] == [128, None] * (config.num_hidden_layers // 2)
+        assert all(spec.rope.scaling_dict.items() >= GPT_OSS_YARN.items() for spec in specs)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, Shard())
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - published) < 0.01 * published, f"{count / 1e9:.2f}B parameters"
+
+
 def _e2m1(code: int) -> float:
     """An E2M1 code's value from the format's definition: sign, two exponent bits (bias 1), one
     mantissa bit; exponent 0 is subnormal (0 or 0.5)."""
@@ -310,19 +390,27 @@ def test_mxfp4_dequantizes_by_the_format_definition() -> None:
     assert mxfp4.checkpoint_tensor(blocks, scales).shape == (3, 64, 4)
     with pytest.raises(ValueError, match="do not match"):
         mxfp4.dequantize(blocks, scales[..., :1])
+    scales[1, 2, 0] = 0xFF  # E8M0's NaN: that block's 32 values, no other
+    got = mxfp4.dequantize(blocks, scales)
+    assert got[1, 2, :32].isnan().all() and int(got.isnan().sum()) == 32
+    pairs = mxfp4.Pairs()  # as the loader meets them: refused, the tensor named
+    assert pairs.add("layers.0.experts.down_proj_blocks", blocks) is None
+    refusal = re.escape("layers.0.experts.down_proj_scales holds scale 0xFF (NaN in the MX format)")
+    with pytest.raises(ValueError, match=refusal):
+        pairs.add("layers.0.experts.down_proj_scales", scales)
 
 
-def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads(tmp_path: Path) -> None:
-    """gpt-oss as published: each layer's experts as MXFP4 blocks and scales. The model loads them
-    dequantized and gives HF's logits for the same (dequantized) weights."""
+def _mxfp4_checkpoint(directory: Path) -> Any:
+    """A tiny gpt-oss saved as published: each layer's experts as MXFP4 blocks and scales; returns the
+    HF model holding the same (dequantized) weights."""
     from safetensors.torch import load_file, save_file
 
     from prefixserve.model import mxfp4
 
-    hf = tiny_checkpoint("gpt_oss", tmp_path)
+    hf = tiny_checkpoint("gpt_oss", directory)
     cfg = hf.config
     gen = torch.Generator().manual_seed(4)
-    state = load_file(str(tmp_path / "model.safetensors"))
+    state = load_file(str(directory / "model.safetensors"))
     e, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     with torch.no_grad():
         for i, layer in enumerate(hf.model.layers):
@@ -337,13 +425,37 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads(tmp_path: Path) -> None:
                 name = f"model.layers.{i}.mlp.experts.{proj}"
                 del state[name]
                 state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
-    save_file(state, str(tmp_path / "model.safetensors"))
+    save_file(state, str(directory / "model.safetensors"))
+    return hf
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads(tmp_path: Path) -> None:
+    """gpt-oss as published: each layer's experts as MXFP4 blocks and scales. The model loads them
+    dequantized and gives HF's logits for the same (dequantized) weights."""
+    hf = _mxfp4_checkpoint(tmp_path)
     model, _ = load_model(ModelSource("hf", tmp_path, "gpt-oss-mxfp4"), torch.float32, torch.device("cpu"))
     ids = _prompt(3, 40)
     logits = prefill_logits(model, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_mxfp4_scales_of_the_wrong_shape_are_refused_by_name(tmp_path: Path) -> None:
+    """One group too many in one ``_scales`` tensor: a ValueError naming it and both shapes, not a
+    reshape's error."""
+    from safetensors.torch import load_file, save_file
+
+    _mxfp4_checkpoint(tmp_path)
+    file = tmp_path / "model.safetensors"
+    state = load_file(str(file))
+    name = "model.layers.1.mlp.experts.down_proj"
+    blocks, scales = state[f"{name}_blocks"], state[f"{name}_scales"]
+    state[f"{name}_scales"] = wrong = torch.cat([scales, scales[..., :1]], dim=-1)
+    save_file(state, str(file))
+    with pytest.raises(ValueError, match=re.escape(f"{name}_scales {tuple(wrong.shape)}")) as refused:
+        load_model(ModelSource("hf", tmp_path, "gpt-oss-mxfp4"), torch.float32, torch.device("cpu"))
+    assert str(tuple(blocks.shape)) in str(refused.value)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma4_moe"])
@@ -358,6 +470,32 @@ def test_experts_over_two_ranks_equal_one_process(name: str, tmp_path: Path) -> 
     with _llm(tmp_path, tensor_parallel_size=2) as tp:  # its process group ends with it
         two = tp.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+def test_each_rank_holds_its_half_of_every_experts_columns(family) -> None:
+    """Two ranks without their processes (meta device): each holds I / 2 columns of every expert, its
+    own half; a moe_intermediate_size the ranks do not divide is refused, named."""
+    from dataclasses import replace
+
+    from prefixserve.model.llama import LlamaForCausalLM
+    from prefixserve.model.moe import Experts
+    from prefixserve.model.parallel import Shard, check_divisible
+
+    _, directory, _ = family
+    config = ModelConfig.from_json(directory / "config.json")
+    inter, hidden, count = config.moe_intermediate_size, config.hidden_size, config.num_experts
+    half = inter // 2
+    for rank in (0, 1):
+        assert Shard(rank, 2).local_config(config).moe_intermediate_size == half
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, Shard(rank, 2))
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
+        assert experts and all(m.cols == (rank * half, (rank + 1) * half) for m in experts)
+        assert all(m.w_up.shape == (count * 2 * half, hidden) for m in experts)
+        assert all(m.w_down.shape == (count * hidden, half) for m in experts)
+    odd = replace(config, moe_intermediate_size=inter + 1)
+    with pytest.raises(ValueError, match=re.escape(f"divide the model's moe_intermediate_size={inter + 1}")):
+        check_divisible(odd, 2)
 
 
 def _llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -379,21 +517,51 @@ GGUF_NAMES |= {
 }
 GGUF_NAMES |= {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+Q8_0_SIZES = {"hidden_size": 96, "moe_intermediate_size": 64}  # experts' rows of whole Q8_0 blocks (32)
+
+
+def _write_stacked_experts(
+    writer: Any, by_expert: dict[str, list[tuple[int, str, torch.Tensor]]], quant: str
+) -> dict[str, torch.Tensor]:
+    """Each layer's experts stacked, as llama.cpp writes them, in ``quant`` (F32 or Q8_0); returns
+    each expert's values as a reader must give them back: ``gguf``'s own dequantization of the bytes."""
+    gguf = pytest.importorskip("gguf")
+    kind = gguf.GGMLQuantizationType[quant]
+    given_back: dict[str, torch.Tensor] = {}
+    for gguf_name, per_expert in by_expert.items():
+        ordered = sorted(per_expert, key=lambda p: p[0])
+        stacked = torch.stack([t for _, _, t in ordered]).float().numpy()
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, stacked)
+            continue
+        packed = gguf.quants.quantize(stacked, kind)
+        writer.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=kind)
+        values = torch.from_numpy(gguf.quants.dequantize(packed, kind).reshape(stacked.shape))
+        given_back |= {key: values[i] for i, (_, key, _) in enumerate(ordered)}
+    return given_back
 
 
 @pytest.mark.parametrize(
-    ("name", "arch", "stacked"),
-    [("qwen3_moe", "qwen3moe", True), ("mixtral", "llama", True), ("mixtral", "llama", False)],
+    ("name", "arch", "stacked", "quant"),
+    [
+        ("qwen3_moe", "qwen3moe", True, "F32"),
+        ("mixtral", "llama", True, "F32"),
+        ("mixtral", "llama", False, "F32"),
+        ("qwen3_moe", "qwen3moe", True, "Q8_0"),
+    ],
 )
-def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, stacked: bool, tmp_path: Path) -> None:
+def test_an_moe_gguf_reads_as_the_checkpoint(
+    name: str, arch: str, stacked: bool, quant: str, tmp_path: Path
+) -> None:
     """An MoE GGUF as llama.cpp writes it (each layer's experts stacked, the router as
     ``ffn_gate_inp``; Qwen3-MoE with a layer without experts, Mixtral as a Llama with experts, its q
     and k rows permuted; and as it wrote Mixtral before it stacked them, ``blk.L.ffn_gate.E``) reads
     into the HF checkpoint's weights and config, and the model built from it gives HF's logits
-    (prompts inside Mixtral's window: a GGUF names none)."""
+    (prompts inside Mixtral's window: a GGUF names none). Experts in Q8_0: the reader gives gguf's
+    dequantized values exactly."""
     from prefixserve.model.families.moe import mixtral_name
 
-    hf = tiny_checkpoint(name, tmp_path / "hf")
+    hf = tiny_checkpoint(name, tmp_path / "hf", **(Q8_0_SIZES if quant == "Q8_0" else {}))
     cfg = hf.config
     path = tmp_path / f"tiny-{arch}.gguf"
     writer = gguf_writer(cfg, path, arch)
@@ -406,7 +574,7 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, stacked: bool
     from safetensors.torch import load_file
 
     state = {mixtral_name(k): v for k, v in load_file(str(tmp_path / "hf" / "model.safetensors")).items()}
-    by_expert: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    by_expert: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     for key, tensor in state.items():
         parts = key.split(".")
         if parts[1] != "layers":
@@ -420,7 +588,7 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, stacked: bool
             writer.add_tensor(gguf_name, tensor.float().numpy())
         elif parts[4] == "experts":  # model.layers.L.mlp.experts.E.gate_proj.weight
             by_expert.setdefault(f"blk.{parts[2]}.{GGUF_EXPERTS[parts[6]]}.weight", []).append(
-                (int(parts[5]), tensor)
+                (int(parts[5]), key, tensor)
             )
         else:
             module = ".".join(parts[3:-1])
@@ -428,9 +596,7 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, stacked: bool
                 heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
                 tensor = _llama_permute(tensor, heads)
             writer.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}", tensor.float().numpy())
-    for gguf_name, per_expert in by_expert.items():
-        ordered = [t for _, t in sorted(per_expert, key=lambda p: p[0])]
-        writer.add_tensor(gguf_name, torch.stack(ordered).float().numpy())
+    state |= _write_stacked_experts(writer, by_expert, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -444,6 +610,9 @@ def test_an_moe_gguf_reads_as_the_checkpoint(name: str, arch: str, stacked: bool
     assert set(weights) == set(state)
     for key, tensor in state.items():
         assert torch.equal(weights[key], tensor.float()), key
+    if quant != "F32":  # its logits are Q8_0's, not HF's
+        assert {t.tensor_type.name for t in reader.tensors if "_exps" in t.name} == {quant}
+        return
     from safetensors.torch import save_file  # what the conversion cache holds (``loader.convert_gguf``)
 
     converted = tmp_path / "converted"
