@@ -257,7 +257,7 @@ def test_stacked_checkpoints_load_and_missing_parts_are_named(tmp_path: Path) ->
     weights = load_file(str(hf_dir / "model.safetensors"))
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, str(hf_dir / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing weights \['model.layers.1.self_attn.qkv_proj.weight'\]"):
+    with pytest.raises(ValueError, match=r"missing weights \['model.layers.1.self_attn.k_proj.weight'\]"):
         load_model(ModelSource("hf", hf_dir, "broken"), torch.float32, torch.device("cpu"))
 
 

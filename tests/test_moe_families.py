@@ -441,6 +441,21 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads(tmp_path: Path) -> None:
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_a_missing_expert_is_named_as_the_checkpoint_names_it(tmp_path: Path) -> None:
+    """One expert's up projection left out: the error names that tensor, not the stacked parameter
+    it fills."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_checkpoint("qwen3_moe", tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=re.escape("missing weights ['model.layers.0.mlp.experts.3.up_proj.weight']")
+    ):
+        load_model(ModelSource("hf", tmp_path, "qwen3_moe"), torch.float32, torch.device("cpu"))
+
+
 def test_mxfp4_scales_of_the_wrong_shape_are_refused_by_name(tmp_path: Path) -> None:
     """One group too many in one ``_scales`` tensor: a ValueError naming it and both shapes, not a
     reshape's error."""

@@ -353,10 +353,13 @@ def _load_hf_weights(
                         fp8s.keep_codes(param, tuple(params[param].shape), piece, codes, scale)
                 seen.add(name)
     packed.check_complete(directory)
+    # named as the checkpoint names them (an expert's ``up_proj``, not the stacked ``experts.w_up``)
     missing = {
-        name
+        piece.name
         for name, plist in pieces.items()
-        if name not in seen and not all(piece.name in seen for piece in plist)
+        if name not in seen
+        for piece in plist
+        if piece.name not in seen
     }
     if model.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
