@@ -315,8 +315,9 @@ def _own_causal(
         v = v_cache.index_select(0, table).flatten(0, 1)[:own_len]
     group = 1 if _flash_takes_gqa() else q_heads // kv_heads
     qh = q.transpose(0, 1)[None].float()  # [1, q_heads, q_len, D]
-    kh = k.transpose(0, 1)[None].float().repeat_interleave(group, dim=1)  # [1, kv_heads * group, own_len, D]
-    vh = v.transpose(0, 1)[None].float().repeat_interleave(group, dim=1)
+    kh, vh = k.transpose(0, 1)[None].float(), v.transpose(0, 1)[None].float()  # [1, kv_heads, own_len, D]
+    if group > 1:  # to the query heads (a repeat of 1 would copy them for nothing)
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
     ctx = own_len - q_len
     o, lse = _CPU_FLASH(qh, kh[:, :, ctx:], vh[:, :, ctx:], is_causal=True, scale=scale)
     if ctx > 0:
