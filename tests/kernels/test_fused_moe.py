@@ -1,12 +1,15 @@
 """The fused MoE kernels (``model/kernels/fused_moe.py``) against the reference (``model/moe.py``):
-routing with ties, the grouping by expert, and the experts' output on random shapes, with every
-token on one expert, with experts that get no token, and at each tile size's block height."""
+routing with ties, the grouping by expert, and the experts' output on random shapes (fixed cases and
+ones hypothesis draws), with every token on one expert, with experts that get no token, and at each
+tile size's block height."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from _kernel_helpers import DEVICE
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixserve.model.kernels import fused_moe, moe_grouping
 from prefixserve.model.moe_reference import experts_ref, route_ref
@@ -133,6 +136,34 @@ def test_experts_match_the_reference(
     )  # fmt: skip
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    tokens=st.integers(1, 80),
+    experts=st.integers(1, 12),
+    top_k=st.integers(1, 4),
+    hidden=st.integers(2, 96),
+    inter=st.integers(2, 64),
+    act=st.sampled_from(["silu", "gelu_pytorch_tanh", "swiglu_oai"]),
+)
+def test_experts_match_the_reference_on_random_shapes(tokens, experts, top_k, hidden, inter, act) -> None:
+    """The shipped grouping on shapes drawn at random (a step of 1-80 tokens, 1-12 experts, k up to
+    4 of them, widths of 2-96), fp32: every drawn case within the fixed cases' tolerance."""
+    top_k = min(top_k, experts)
+    x, w_up, w_down, weights, ids, up_bias, down_bias = _layer(
+        tokens + 13 * experts + hidden, tokens, experts, top_k, hidden, inter, act
+    )
+    wide = lambda t: None if t is None else t.double()  # noqa: E731
+    want = experts_ref(
+        wide(x), wide(w_up), wide(w_down), wide(weights), ids, act, wide(up_bias), wide(down_bias)
+    )
+    dev = lambda t: None if t is None else t.to(DEVICE, torch.float32)  # noqa: E731
+    got = fused_moe.experts_forward(
+        dev(x), dev(w_up), dev(w_down), weights.to(DEVICE), ids.to(DEVICE, torch.int32),
+        fused_moe.ACTIVATIONS[act], dev(up_bias), dev(down_bias),
+    )  # fmt: skip
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 SWAP_CASES = [  # tokens, experts, top_k, hidden, inter, tile (BM, up BN, down BN, BK, warps, stages)
