@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixserve.config import EngineConfig
 from prefixserve.model import fp8, linear
@@ -69,14 +71,23 @@ def test_per_channel_weights_within_e4m3_bounds(m: int, k: int, n: int) -> None:
     the layer's product within the W8A8 bound at every M, with a bias, one row of x 100,000x the others
     (a scale a token: one scale for all of x pushes the small rows into e4m3's subnormals, past the
     bound); the same layer made weight-only within the W8A16 bound."""
+    _check_per_channel(m, k, n)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 160), k=st.integers(1, 600), n=st.integers(1, 200))
+def test_per_channel_weights_within_e4m3_bounds_on_random_shapes(m: int, k: int, n: int) -> None:
+    """The same checks on shapes hypothesis draws: decode rows to prefill chunks, any K and N."""
+    _check_per_channel(m, k, n)
+
+
+def _check_per_channel(m: int, k: int, n: int) -> None:
     x, w = _random(m, k, n, seed=m + k)
     x[0] *= 1e5
     codes, scale = fp8.quantize_rows(w)
     assert scale.shape == (n, 1)
-    largest = codes.float().abs().amax(1)
-    assert (
-        (largest > fp8.FP8_MAX / 2) & (largest <= fp8.FP8_MAX)
-    ).all()  # rows of unlike scale, each its own
+    largest = codes.float().abs().amax(1)  # rows of unlike scale, each its own
+    assert ((largest > fp8.FP8_MAX / 2) & (largest <= fp8.FP8_MAX)).all()
     err = (fp8.dequantize(codes, scale) - w).abs()
     assert (err <= HALF_ULP * w.abs() + SUBNORMAL * scale + 1e-9).all()
     bias = torch.randn(n)
