@@ -23,6 +23,8 @@ import math
 import pytest
 import torch
 from _kernel_helpers import DEVICE, padded_table, paged_cache, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixserve.attention.backend import make_backend
 from prefixserve.attention.kv_quant import (
@@ -124,6 +126,28 @@ BACKENDS = ["reference", "cascade", "auto", "triton", "triton_paged"]
 
 @pytest.mark.parametrize(("bs", "group", "dim", "query_lens", "seed"), CASES)
 def test_fp8_paths_match_fp64(bs: int, group: int, dim: int, query_lens: list[int], seed: int) -> None:
+    _check_paths(bs, group, dim, query_lens, seed)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    bs=st.sampled_from([16, 32]),
+    group=st.sampled_from([1, 2, 3, 4]),
+    dim=st.sampled_from([32, 64, 128]),
+    query_lens=st.lists(st.integers(1, 9), min_size=4, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_fp8_paths_match_fp64_on_random_steps(
+    bs: int, group: int, dim: int, query_lens: list[int], seed: int
+) -> None:
+    """Every backend over e4m3 caches on steps hypothesis draws: block size, GQA group, head size,
+    each sequence's new tokens (decode, prefill chunks over cached blocks, mixed) and the values."""
+    _check_paths(bs, group, dim, query_lens, seed)
+
+
+def _check_paths(bs: int, group: int, dim: int, query_lens: list[int], seed: int) -> None:
+    """Each backend's output within the e4m3 bound of the fp64 attention over the unrounded cache,
+    and equal to the attention over the dequantized cache; the prefix on the shared-segment kernel."""
     q, k, v, k8, v8, scales, meta, tables, seq_lens = _case(bs, group, dim, query_lens, seed)
     scale = dim**-0.5
     exact, parts = reference(_turned(q), k, v, tables, seq_lens, query_lens, scale)
