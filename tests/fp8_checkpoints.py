@@ -14,7 +14,7 @@ same model dequantized (fp32): the FP8 tests (CPU and GPU) load both and compare
 - ``ct-channel-static``, ``ct-tensor-dynamic``: the other pairings of weight and activation scales.
 - ``ct-block``: compressed-tensors weights by ``block`` (``block_structure`` [128, 128]): one
   ``weight_scale`` a block, [ceil(N/128), ceil(K/128)], activations dynamic.
-- ``ct-naive``: compressed-tensors' ``naive-quantized`` format, weights by channel, dynamic.
+- ``ct-naive-channel-dynamic``: compressed-tensors' ``naive-quantized`` format, weights by channel, dynamic.
 
 Each has ``ignore: ["lm_head"]`` (compressed-tensors) / an unquantized LM head, as published.
 """
@@ -36,7 +36,7 @@ FORMATS = (
     "ct-channel-static",
     "ct-tensor-dynamic",
     "ct-block",
-    "ct-naive",
+    "ct-naive-channel-dynamic",
 )
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -93,7 +93,7 @@ QUANT_CONFIGS = {
     "ct-channel-static": _ct_config("channel", "static"),
     "ct-tensor-dynamic": _ct_config("tensor", "dynamic"),
     "ct-block": _ct_config("block", "dynamic"),
-    "ct-naive": _ct_config("channel", "dynamic", form="naive-quantized"),
+    "ct-naive-channel-dynamic": _ct_config("channel", "dynamic", form="naive-quantized"),
 }
 BLOCK_SCALED = {"fp8-block": "weight_scale_inv", "ct-block": "weight_scale"}  # the scale's name
 
@@ -109,7 +109,7 @@ def _quantize(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         scale = amax / MAX  # [nb, kb]
         full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
         return {"weight": (w / full).clamp(-MAX, MAX).to(FP8), BLOCK_SCALED[fmt]: scale}
-    if "channel" in fmt or fmt == "ct-naive":
+    if "channel" in fmt:
         scale = w.abs().amax(dim=1, keepdim=True) / MAX  # [N, 1]
         return {"weight": (w / scale).clamp(-MAX, MAX).to(FP8), "weight_scale": scale}
     scale = w.abs().amax() / MAX  # one per tensor

@@ -371,14 +371,10 @@ ACCURACY = {"W8A8": (0.90, 0.035), "W8A16 (weight-only)": (0.93, 0.02), "W8A8 + 
 def _over_fp8_cache(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """Next-token logits of ``ids`` in chunks over an e4m3 cache with the scales the engine's start-up
     calibration gives ``model``: every position past the first chunk reads e4m3 K / V."""
-    from benchmarks.probes.fp8_products_accuracy import BLOCK
+    from benchmarks.probes.fp8_products_accuracy import calibrated_scales
     from benchmarks.probes.fp8_products_accuracy import logits as chunked_logits
-    from prefixserve.kv.cache import KVCache
-    from prefixserve.worker.kv_calibration import calibrate_kv_scales
 
-    calibrated = KVCache(model.config, 1, BLOCK, torch.float8_e4m3fn, torch.device("cpu"))
-    calibrate_kv_scales(model, calibrated, torch.float32)
-    return chunked_logits(model, ids, torch.float8_e4m3fn, calibrated.scales)
+    return chunked_logits(model, ids, torch.float8_e4m3fn, calibrated_scales(model))
 
 
 def test_default_model_accuracy_with_fp8_weights() -> None:

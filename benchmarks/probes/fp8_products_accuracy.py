@@ -148,16 +148,22 @@ def logits(model, ids: list[int], dtype: torch.dtype, scales: torch.Tensor | Non
 def default_model_fp8() -> tuple[Any, Any, torch.Tensor]:
     """The default model in fp32 on the CPU (its linear weights packed, as the engine runs them), its
     tokenizer, and the e4m3 cache's K / V scales the engine's start-up calibration gives it."""
-    from prefixserve.kv.cache import KVCache
     from prefixserve.model import cpu_linear
     from prefixserve.model.loader import load_model, load_tokenizer, resolve_model
-    from prefixserve.worker.kv_calibration import calibrate_kv_scales
 
     model, tok_dir = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
     cpu_linear.pack_linear_weights(model)
+    return model, load_tokenizer(tok_dir), calibrated_scales(model)
+
+
+def calibrated_scales(model) -> torch.Tensor:
+    """The e4m3 cache's K / V scales the engine's start-up calibration gives ``model`` (fp32, CPU)."""
+    from prefixserve.kv.cache import KVCache
+    from prefixserve.worker.kv_calibration import calibrate_kv_scales
+
     calibrated = KVCache(model.config, 1, BLOCK, torch.float8_e4m3fn, torch.device("cpu"))
     calibrate_kv_scales(model, calibrated, torch.float32)
-    return model, load_tokenizer(tok_dir), calibrated.scales
+    return calibrated.scales
 
 
 def main() -> None:
