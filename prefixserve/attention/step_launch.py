@@ -31,9 +31,25 @@ PAGED_MERGED = (0, 1, 2, 25)
 Recorded = tuple[Any, tuple[int, int, int, int], bool]  # (launch, per-layer argument positions, on side)
 
 
-def relaunch_layer(launch: Any, pos: tuple[int, int, int, int], tensors: tuple[torch.Tensor, ...]) -> None:
-    """Relaunch a recorded launch with this layer's tensors at ``pos`` (-1: that one stays)."""
-    relaunch(launch, [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0])
+def relaunch_layer(
+    launch: Any, pos: tuple[int, int, int, int], tensors: tuple[torch.Tensor, ...], stream: Any = None
+) -> None:
+    """Relaunch a recorded launch with this layer's tensors at ``pos`` (-1: that one stays), on
+    ``stream`` (None: the current one)."""
+    relaunch(launch, [(i, t) for i, t in zip(pos, tensors, strict=True) if i >= 0], stream)
+
+
+_FORK_EVENTS: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # side stream handle -> (fork, join)
+
+
+def _fork_events(side: Any) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Two events kept for a side stream's fork and join: ``wait_stream`` makes a new event a call, and
+    with ``torch.cuda.stream``'s switch and back that was most of a layer's host time on the eager
+    shared path (docs/kernels.md §2.16). An event is recorded again only after its wait is issued."""
+    events = _FORK_EVENTS.get(side.cuda_stream)
+    if events is None:
+        events = _FORK_EVENTS[side.cuda_stream] = (torch.cuda.Event(), torch.cuda.Event())
+    return events
 
 
 def csr_merge(o_part, lse_part, rows: int, row_ptr, part_idx, out, out_lse=None) -> Callable[[list], Any]:
@@ -124,13 +140,15 @@ def replay_launches(launches: list[Recorded], tensors: tuple[torch.Tensor, ...],
     for launch, pos, on_side in launches:
         if on_side and side is not None:
             main = torch.cuda.current_stream(tensors[0].device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                relaunch_layer(launch, pos, tensors)
+            fork, join = _fork_events(side)
+            fork.record(main)
+            side.wait_event(fork)
+            relaunch_layer(launch, pos, tensors, side)
             forked = True
             continue
         if forked and pos is MERGE:
-            main.wait_stream(side)
+            join.record(side)
+            main.wait_event(join)
             forked = False
         relaunch_layer(launch, pos, tensors)
 

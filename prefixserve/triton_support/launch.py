@@ -94,8 +94,10 @@ def raw_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
-def relaunch(launch: Launch, swaps: Sequence[tuple[int, torch.Tensor]]) -> None:
-    """Launch again with ``args[i] = tensor`` for each swap; fast when the recorded kernel allows it."""
+def relaunch(launch: Launch, swaps: Sequence[tuple[int, torch.Tensor]], stream: Any = None) -> None:
+    """Launch again with ``args[i] = tensor`` for each swap; fast when the recorded kernel allows it.
+    ``stream``: a ``torch.cuda.Stream`` to launch on instead of the current one (the fast path takes
+    its handle; the normal path makes it current for the call)."""
     args = launch.args
     ck = launch.compiled
     fast = ck is not None
@@ -110,12 +112,16 @@ def relaunch(launch: Launch, swaps: Sequence[tuple[int, torch.Tensor]]) -> None:
             args[dst] = make(args[src])
     if fast and not _hooked():
         g = launch.grid
-        stream = raw_stream(args[0].get_device())
-        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args)
+        handle = raw_stream(args[0].get_device()) if stream is None else stream.cuda_stream
+        ck.run(g[0], g[1], g[2], handle, ck.function, ck.packed_metadata, None, None, None, *args)
         return
     n = launch.num_positional
     kw = dict(zip(launch.keywords, args[n:], strict=True))
-    launch.kernel[launch.grid](*args[:n], **kw, **launch.options)
+    if stream is None:
+        launch.kernel[launch.grid](*args[:n], **kw, **launch.options)
+        return
+    with torch.cuda.stream(stream):
+        launch.kernel[launch.grid](*args[:n], **kw, **launch.options)
 
 
 __all__ = ["Launch", "raw_stream", "record", "relaunch"]
