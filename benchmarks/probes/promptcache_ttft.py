@@ -96,17 +96,20 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="/tmp/promptcache_ttft")
     ap.add_argument(
-        "--context-segments", choices=("on", "off"), default="on",
-        help="off: the question's attention over its modules on the paged kernel "
-        "(TritonBackend.context_rule = None), for an A/B against the shipped rule",
+        "--context-segments", choices=("on", "off", "every"), default="on",
+        help="on: the shipped ContextRule; off: the question's attention over its modules on the "
+        "paged kernel (TritonBackend.context_rule = None); every: each module run a one-holder "
+        "segment whatever its size, for an A/B against the shipped rule",
     )  # fmt: skip
     args = ap.parse_args()
     if args.trials < 1:
         ap.error("--trials must be at least 1")
-    if args.context_segments == "off":
+    if args.context_segments != "on":
+        from prefixserve.attention.planning.context_segments import ContextRule
         from prefixserve.attention.triton_backend import TritonBackend
 
-        TritonBackend.context_rule = None
+        every = ContextRule(1, 16, min_work=0, min_run=16)
+        TritonBackend.context_rule = None if args.context_segments == "off" else every
     settings = argparse.Namespace(
         model=args.model, device=args.device, kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=None,
         max_num_batched_tokens=8192,
