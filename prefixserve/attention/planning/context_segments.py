@@ -35,11 +35,11 @@ class ContextRule:
 
     # The defaults are where whole requests measured faster (first token of a document of C cached
     # tokens plus R new ones, the 8B shape on an H200, bf16 and e4m3 caches; docs/kernels.md §2.16):
-    # R x C from 512 x 5K on 1.08-1.51x; 512 x 4K 0.93x, R = 32-168 0.54-0.97x (the eager prefill's
-    # per-layer launches of three kernels cost more host time than the products save).
-    min_rows: int = 512  # query rows of the sequence in this step
+    # every R x C of 2M or more, 64-512 rows over 4K-32K tokens, 1.04-1.64x; from 1M to 2M 0.91-1.07x,
+    # below 1M 0.76-1.02x (the eager prefill's three launches a layer cost more than the products save).
+    min_rows: int = 64  # query rows of the sequence in this step
     min_tokens: int = 4096  # context tokens in whole blocks before the first query token
-    min_work: int = 2_500_000  # query rows x those context tokens
+    min_work: int = 2_000_000  # query rows x those context tokens
     # tokens of every run of consecutive cache blocks in that context: each run is a segment of its
     # own, so the shared kernels read it by TMA; a context cut finer stays on the paged kernel
     min_run: int = 512
