@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -209,7 +210,7 @@ class InputProcessor:
         request_id: str,
         prompt: str | None,
         params: SamplingParams,
-        tokens: list[int],
+        tokens: list[int] | TokenArray,
         prompt_positions: Iterable[int] | None,
         cache_salt: str | None,
         stream: bool,
@@ -222,16 +223,15 @@ class InputProcessor:
         if not tokens:
             raise ValueError("the prompt is empty")
         vocab = self.vocab_size
-        if modules is not None:  # module rows (and holes' placeholders) came from the store: own ones only
-            tokens = list(tokens) if modules.holes else tokens
-            check = tokens[modules.module_slots :]
-        else:
-            check = tokens
+        # a PML prompt's module rows (and holes' placeholders) came from the store: own ones only
+        check = tokens[modules.module_slots :] if modules is not None else tokens
         if not valid_token_ids(check, vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), as integers")
         check_context(len(tokens), params.max_tokens, max_model_len, generates=not pooled)
         if prompt_positions is None:
             positions = counting_positions(len(tokens))
+        elif isinstance(prompt_positions, array) and prompt_positions.typecode == "q":
+            positions = token_array(prompt_positions)  # a copy at C speed (a PML prompt's, from the store)
         else:
             try:
                 positions = token_array(int_list(prompt_positions, "prompt_positions"))

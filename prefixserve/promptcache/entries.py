@@ -3,6 +3,7 @@ ready for a request, and the one error a request may wait out (``NoRoom``)."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from prefixserve.promptcache.assemble import Piece
@@ -27,6 +28,9 @@ class ModuleEntry:
     names: set[tuple[str, str]] = field(default_factory=set)  # (schema, piece) naming it
     blocks: list[int] | None = None  # GPU tier: blocks the store holds one reference on
     keep_on_gpu: bool = False  # registered with pin=True: never leaves the GPU tier
+    # (ids, positions) as a request's table rows: HOLE_TOKEN and the last position again over the
+    # last block's empty rows; ``array("q")``s made once (``PromptModules._slots``), copied per request
+    slots: tuple[array, array] | None = None
 
     @property
     def rows(self) -> int:
@@ -37,8 +41,8 @@ class ModuleEntry:
 class ModulePrompt:
     """A PML prompt made ready for a request: the module blocks it holds and its token layout."""
 
-    token_ids: list[int]  # module slots (HOLE_TOKEN at holes), then the own tokens
-    positions: list[int]
+    token_ids: array  # array("q"): module slots (HOLE_TOKEN at holes), then the own tokens
+    positions: array  # array("q")
     blocks: list[int]  # the leading module blocks, in table order (one reference held for the request)
     digests: list[bytes]  # stand-in digests of those blocks, so own blocks chain from all the pieces
     module_tokens: int  # real tokens reused from pieces

@@ -202,9 +202,10 @@ class PieceTiers:
         """Drop one reference on module blocks (a request ending, or the GPU tier letting go); a block
         nobody holds any more is unmarked: a plain free block again."""
         self.pool.release(blocks)
-        for b in blocks:
-            if self.pool.ref_counts[b] == 0 and self.module_rows[b]:
-                self.module_rows[b] = 0
+        counts, rows = self.pool.ref_counts, self.module_rows
+        for b in [b for b in blocks if counts[b] == 0]:  # most are still held (by the store)
+            if rows[b]:
+                rows[b] = 0
                 self.num_marked -= 1
 
     @property

@@ -376,11 +376,13 @@ def _imports(elem: Element, schema: Schema, parent: str | None, out: list[Import
         raise PMLError(f"<{elem.tag}> is not a module of <{parent}> in schema {schema.name!r}", line, column)
     if (elem.text or "").strip() and not len(elem):
         raise PMLError(f"an import of <{elem.tag}> holds text; put free text outside it", line, column)
-    params = {p.name for p in _params(module)}
-    for key in _attrs(elem):
-        if key not in params:
-            raise PMLError(f"module {elem.tag!r} has no parameter {key!r}", line, column)
-    out.append(Import(elem.tag, _attrs(elem), line, column))
+    args = _attrs(elem)
+    if args:  # an import without arguments (the usual one) needs no walk over the module's nodes
+        params = {p.name for p in _params(module)}
+        for key in args:
+            if key not in params:
+                raise PMLError(f"module {elem.tag!r} has no parameter {key!r}", line, column)
+    out.append(Import(elem.tag, args, line, column))
     for child in elem:
         _imports(child, schema, elem.tag, out)
         if (child.tail or "").strip():

@@ -232,9 +232,7 @@ class PromptModules(PieceTiers):
                 raise PMLError("the prompt is empty")
             last = pieces.pop()
             own_ids, own_pos = list(last.token_ids), list(last.positions)
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
+        tokens, positions = array("q"), array("q")  # the arrays a sequence keeps (never re-typed)
         blocks: list[int] = []
         entries = [self._entry(reg, piece, salt) for piece in pieces]
         try:
@@ -247,18 +245,21 @@ class PromptModules(PieceTiers):
         starts: list[int] = []  # each piece's first row in the table
         for entry in entries:
             starts.append(len(tokens))
-            pad = -entry.rows % bs
-            tokens += entry.token_ids + [HOLE_TOKEN] * pad
-            positions += entry.positions + [entry.positions[-1]] * pad
+            ids, pos = self._slots(entry)
+            tokens += ids  # a copy at C speed: ~5K module rows took ~0.4 ms element by element
+            positions += pos
             if held:
                 assert entry.blocks is not None
                 blocks += entry.blocks
-            holes += pad
+            holes += len(ids) - entry.rows
             self.entries.move_to_end(entry.key)
         module_tokens = sum(e.rows for e in entries)
+        module_slots = len(tokens)
+        tokens.fromlist(own_ids)
+        positions.fromlist(own_pos)
         mp = ModulePrompt(
-            tokens + own_ids,
-            positions + own_pos,
+            tokens,
+            positions,
             blocks,
             [],
             module_tokens,
@@ -267,7 +268,7 @@ class PromptModules(PieceTiers):
             piece_rows=[e.rows for e in entries],
             keys=[e.key for e in entries],
             let_go=not held,
-            module_slots=len(tokens),
+            module_slots=module_slots,
         )
         if recompute.kind != "none" and len(entries) > 1:
             if not held:  # as under memory pressure (``_recover``): plain Prompt Cache, not a wait
@@ -282,6 +283,16 @@ class PromptModules(PieceTiers):
             mp.recompute = NONE  # nothing recomputed: the plain Prompt Cache KV
         mp.digests = self._stand_ins(entries, mp.recompute, salt)
         return mp
+
+    def _slots(self, entry: ModuleEntry) -> tuple[array, array]:
+        """A piece's rows in a request's table: its ids and positions, then over the empty rows of its
+        last block ``HOLE_TOKEN`` and its last position again (made once per entry)."""
+        slots = entry.slots
+        if slots is None:
+            pad = -entry.rows % self.block_size
+            ids = array("q", entry.token_ids + [HOLE_TOKEN] * pad)
+            slots = entry.slots = (ids, array("q", entry.positions + [entry.positions[-1]] * pad))
+        return slots
 
     def _stand_ins(self, entries: list[ModuleEntry], recompute: Recompute, salt: str | None) -> list[bytes]:
         """The stand-in digests of a table's module blocks (each piece's key and block count)."""
