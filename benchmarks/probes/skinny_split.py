@@ -14,9 +14,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 ``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
 ``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
 ``--switch moe_parts``: each MoE layer's expert outputs summed by the next norm, not a combine kernel,
-``fused.moe_parts_to_norm``; ``--switch rope_turn --kv-cache-dtype fp8``: q over the e4m3 cache turned
-in the RoPE kernel, not by a launch of its own, ``fused.rope_turns_query``; ``--attention none
---prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
+``fused.moe_parts_to_norm``; ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -113,7 +111,6 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
     "moe_parts": fused.moe_parts_to_norm,
-    "rope_turn": fused.rope_turns_query,
 }
 
 
@@ -124,7 +121,6 @@ def engine_ab(
     switch: str = "split_k",
     attention: str = "auto",
     prompt_len: int = 128,
-    kv_cache_dtype: str = "auto",
 ) -> list[dict]:
     """Whole decode steps with ``switch`` off and on (the decode split rule, or the gate-up product's
     fused activation: ``SWITCHES``), a fresh engine each, in turn; ``attention`` "none": the steps
@@ -142,7 +138,6 @@ def engine_ab(
                         model=name, quantization=quant or None, dtype="bfloat16", device="cuda",
                         max_num_seqs=max(batches), attention=attention, progress=False,
                         max_num_batched_tokens=max(8192, max(batches) * prompt_len),
-                        kv_cache_dtype=kv_cache_dtype,
                     )  # fmt: skip
                     for b in batches:
                         got = engine_decode(llm, b, prompt_len, 64)
@@ -178,7 +173,6 @@ def main() -> None:
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="split_k", help="what --engine-ab turns")
     ap.add_argument("--attention", default="auto", help="--engine-ab's backend ('none': the ceiling's steps)")
     ap.add_argument("--prompt-len", type=int, default=128, help="--engine-ab's prompt tokens")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="--engine-ab's KV cache ('fp8': e4m3)")
     args = ap.parse_args()
     from benchmarks.harness.timing import measure_ceilings
 
@@ -202,9 +196,8 @@ def main() -> None:
     payload = {**run_info(), "copy_TBps": copy_tbps, "rows": rows}
     if args.engine_ab:
         payload["engine_ab"] = engine_ab(
-            args.engine_ab, args.batches, args.rounds, args.switch, args.attention, args.prompt_len,
-            args.kv_cache_dtype,
-        )  # fmt: skip
+            args.engine_ab, args.batches, args.rounds, args.switch, args.attention, args.prompt_len
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)

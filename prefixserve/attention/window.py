@@ -32,17 +32,16 @@ def attend_layer(
     window: int | None = None,  # a sliding layer's window; None: a full layer
     sinks: torch.Tensor | None = None,  # [q_heads]: gpt-oss's per-head sink logits
     kv_scales: torch.Tensor | None = None,  # [2, kv_heads] fp32: an e4m3 cache's K and V scales
-    q_turned: bool = False,  # q already as that cache takes it (the RoPE kernel's ``turn_q``)
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """One layer's attention: the backend's ``forward``, or for a sliding layer whose window the step's
     longest sequence outgrows, attention within the window. A window that covers every sequence masks
     nothing, so the layer keeps the backend's shared-segment path, unless the layer reads a sliding
     group's pages (the backend's plan names the block table's).
 
-    Over an e4m3 cache with ``kv_scales``: q times K's scales before (unless ``q_turned``), the output
-    times V's after (``kv_quant.turn_query``), so every path reads the stored values as they are."""
+    Over an e4m3 cache with ``kv_scales``: q times K's scales before, the output times V's after
+    (``kv_quant.turn_query``), so every path reads the stored values as they are."""
     if kv_scales is not None:  # K is stored rotated: q turns with it (``kv_quant.rotate``)
-        q = q if q_turned else turn_query(q, kv_scales[0])
+        q = turn_query(q, kv_scales[0])
         out = _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)
         return unfold_output(out, kv_scales[1])
     return _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)

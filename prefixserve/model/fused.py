@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from prefixserve.attention.kv_quant import scales_of, store_kv, turn_query
+from prefixserve.attention.kv_quant import store_kv
 from prefixserve.model.partial_sums import check_partials_dtype, summed_partials
 from prefixserve.model.peer_allreduce import PeerSum
 from prefixserve.triton_support import triton_available
@@ -38,7 +38,6 @@ _SWITCHES = {
     "staged_allreduce": True,
     "peer_norm": True,
     "moe_parts": True,
-    "rope_turn": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -85,19 +84,6 @@ def skinny_matmuls(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, a decode step's linear layers take the skinny kernel where its rule says
     (True) or cuBLAS always (False): A/B runs of that kernel alone."""
     return _switched("skinny", enabled)
-
-
-def rope_turn_taken() -> bool:
-    """Whether q over an e4m3 cache is turned in the RoPE step (``rope_qkv``'s ``turn_q``) rather than
-    by attention (``rope_turns_query``)."""
-    return _SWITCHES["rope_turn"]
-
-
-def rope_turns_query(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, q over an e4m3 cache is turned and folded in the RoPE kernel (True) or by its
-    own launch before attention (False): A/B runs. Read when a layer writes its K/V and when it
-    attends, so an engine keeps one setting from its start."""
-    return _switched("rope_turn", enabled)
 
 
 def gate_up_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -367,19 +353,16 @@ def rope_qkv(
     cache: KVWrite | None = None,
     dtype: torch.dtype | None = None,
     norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    turn_q: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused projection into q [T, Hq, D] and k [T, Hkv, D] (RoPE applied, contiguous) and
     v [T, Hkv, D]; with ``cache``, also write k and v into their cache slots. ``qkv`` may be the
     projection's fp32 split-K partials [S, T, W] (``qkv_partials``), with ``dtype`` the model's:
     their sum rounded to it is the projection. ``norms`` (q's and k's RMSNorm weights over a head's
-    dims, eps): QK-norm before RoPE (Qwen3, Gemma 3), in the same kernel on CUDA. ``turn_q`` (an e4m3
-    ``cache`` carrying its scales): q as attention over that cache takes it (``kv_quant.turn_query``),
-    on CUDA in the same kernel."""
+    dims, eps): QK-norm before RoPE (Qwen3, Gemma 3), in the same kernel on CUDA."""
     if _use_triton(qkv):
         from prefixserve.model.kernels.rope import rope_qkv as kernel
 
-        return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, dtype, norms, turn_q)
+        return kernel(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, dtype, norms)
     if qkv.dim() == 3:
         if dtype is None:
             raise ValueError("split-K partials need the model's dtype")
@@ -395,11 +378,6 @@ def rope_qkv(
     v = v.view(tokens, num_kv_heads, head_dim)
     if cache is not None:  # quantized to e4m3 with the layer's scales for an FP8 cache
         store_kv(cache, k, v, num_kv_heads, head_dim)
-    if turn_q:
-        scales = scales_of(cache) if cache is not None else None
-        if scales is None:
-            raise ValueError("turn_q needs an e4m3 cache carrying its scales")
-        q = turn_query(q, scales[0])
     return q, k, v
 
 
@@ -577,8 +555,6 @@ __all__ = [
     "rope_cos_sin",
     "rope_q",
     "rope_qkv",
-    "rope_turn_taken",
-    "rope_turns_query",
     "router_split_k",
     "router_split_taken",
     "shard_embedding",

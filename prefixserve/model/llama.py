@@ -157,15 +157,7 @@ class Attention(nn.Module):
         qkv = fused.qkv_partials(x, proj.weight, proj.bias) if x.is_cuda and not proj.fp8 else proj(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
-        return fused.rope_qkv(qkv, *rope, *shape, cache, x.dtype, norms, self.query_turned(cache))
-
-    def query_turned(self, kv: tuple | None) -> bool:
-        """Whether q written with K/V into ``kv`` (a layer's cache or a write into it) comes out of the
-        RoPE step as attention over an e4m3 cache takes it (``fused.rope_qkv``'s ``turn_q``: the turn
-        and the K scale's fold in the RoPE kernel, one launch fewer a layer), so ``attend`` does not
-        turn it again: the plain projection's path over a cache that carries scales."""
-        plain = not (self.gated or self.gemma4) and fused.rope_turn_taken()
-        return plain and kv is not None and scales_of(kv) is not None
+        return fused.rope_qkv(qkv, *rope, *shape, cache, x.dtype, norms)
 
     def _gemma4_rotated(
         self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite | None
@@ -207,7 +199,7 @@ class Attention(nn.Module):
         # attention then reads everything from the cache.
         cache = kv_write(kv_layer, meta.slot_mapping) if write_kv and self.writes_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
-        return self.output(self.attend(q, kv_layer, meta, backend, self.query_turned(cache)))
+        return self.output(self.attend(q, kv_layer, meta, backend))
 
     def attend(
         self,
@@ -215,18 +207,14 @@ class Attention(nn.Module):
         kv_layer: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        q_turned: bool = False,  # q from ``query`` into this cache: ``query_turned(kv_layer)``
     ) -> torch.Tensor:  # [T, Hq, D]
         """Attention of q over this layer's cache, with this layer's scale, window and sinks."""
         scales = scales_of(kv_layer)  # an e4m3 cache's (attention/kv_quant.py)
-        return attend_layer(
-            backend, q, *kv_layer, meta, self.scale, self.window, self.sinks, scales, q_turned
-        )
+        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window, self.sinks, scales)
 
     def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
         """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention
-        (a KV-shared layer writes none: ``_gemma4_rotated`` leaves its cache alone); turned for an e4m3
-        cache where ``query_turned(cache)``."""
+        (a KV-shared layer writes none: ``_gemma4_rotated`` leaves its cache alone)."""
         return self._rotated(x, rope, cache)[0]
 
     def output(
@@ -354,7 +342,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.post_attention_layernorm(self.linear_attn(x, step), residual)
             return self.mlp(x, partials=True), residual
         q, residual = self.before_attention(h, residual, rope, kv_write(kv_layer, meta.slot_mapping))
-        out = self.self_attn.attend(q, kv_layer, meta, backend, self.self_attn.query_turned(kv_layer))
+        out = self.self_attn.attend(q, kv_layer, meta, backend)
         return self.after_attention(out, residual, rope)
 
     def before_attention(

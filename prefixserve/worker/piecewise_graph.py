@@ -150,9 +150,9 @@ class PiecewiseGraphs:
     def _attend(
         self, entry: _Bucket, layer: int, tokens: int, meta: AttentionMetadata, backend: AttentionBackend
     ) -> None:
-        attn, kv = self.model.model.layers[layer].self_attn, self.kv.layers[layer]
-        q = self._view(entry.q, layer)[:tokens]  # the piece's ``query``, written into this cache
-        out = attn.attend(q, kv, meta.for_layer(layer), backend, attn.query_turned(kv))
+        out = self.model.model.layers[layer].self_attn.attend(
+            self._view(entry.q, layer)[:tokens], self.kv.layers[layer], meta.for_layer(layer), backend
+        )
         self._view(entry.out, layer)[:tokens].copy_(out.reshape(tokens, self.heads, self.head_dims[layer]))
 
     def _view(self, flat: torch.Tensor, layer: int) -> torch.Tensor:

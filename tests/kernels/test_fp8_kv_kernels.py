@@ -270,56 +270,6 @@ def test_rope_store_reads_a_layers_strided_scales() -> None:
     assert (strided - contiguous).abs().max() <= 2**-3 * contiguous.abs().max()
 
 
-@pytest.mark.parametrize(
-    "heads, kv_heads, dim", [(4, 2, 32), (8, 2, 64), (3, 1, 128), (3, 1, 24), (2, 2, 16)]
-)
-def test_rope_kernel_turns_q_as_turn_query(heads: int, kv_heads: int, dim: int) -> None:
-    """``turn_q``: the RoPE kernel's q is ``turn_query`` of the q it returns otherwise (turned and
-    folded in the kernel where it turns K; head sizes 24 and 16 fold after it), with the same cache
-    written; the torch path (``fused.rope_qkv``) gives the same. Without an e4m3 cache carrying its
-    scales, ``turn_q`` is refused."""
-    from prefixserve.attention.kv_quant import turn_query
-    from prefixserve.model import fused
-
-    gen = torch.Generator().manual_seed(heads * dim + kv_heads)
-    tokens = 5
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 6).to(DEVICE, torch.bfloat16)
-    positions = torch.tensor([0, 5, 1, 1000, 31000], device=DEVICE)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    emb = positions.double()[:, None] * inv_freq.to(DEVICE)[None, :]
-    cos, sin = torch.cat([emb, emb], -1).cos().float(), torch.cat([emb, emb], -1).sin().float()
-    slots = torch.tensor([9, 0, 4, 17, 3], device=DEVICE)
-    scales = torch.stack([torch.tensor([0.25, 4.0][:kv_heads]), torch.tensor([0.125, 1.0][:kv_heads])]).to(
-        DEVICE
-    )
-    caches = [
-        [torch.zeros(3, 6, kv_heads, dim, device=DEVICE, dtype=FP8) for _ in range(2)] for _ in range(2)
-    ]
-    plain, _, _ = rope_qkv(qkv, cos, sin, heads, kv_heads, dim, with_scales((*caches[0], slots), scales))
-    got, _, _ = rope_qkv(
-        qkv, cos, sin, heads, kv_heads, dim, with_scales((*caches[1], slots), scales), turn_q=True
-    )
-    want = turn_query(plain, scales[0])
-    for a, b in zip(caches[0], caches[1], strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert got.shape == want.shape
-    tol = 2.0**-7 * want.float().abs() + 1e-6  # a bf16 step: the turn's fp32 sums in another order
-    assert (got.float() - want.float()).abs().le(tol).all()
-    if DEVICE.type == "cpu":  # the torch path: the same ops as attention's own turn, bit for bit
-        plain_cache, turn_cache = ([torch.zeros_like(c) for c in caches[0]] for _ in range(2))
-        plain = fused.rope_qkv(
-            qkv, cos, sin, heads, kv_heads, dim, with_scales((*plain_cache, slots), scales)
-        )[0]
-        with_turn = fused.rope_qkv(
-            qkv, cos, sin, heads, kv_heads, dim, with_scales((*turn_cache, slots), scales), turn_q=True
-        )[0]
-        assert torch.equal(with_turn, turn_query(plain, scales[0]))
-    with pytest.raises(ValueError, match="turn_q"):
-        rope_qkv(qkv, cos, sin, heads, kv_heads, dim, None, turn_q=True)
-    with pytest.raises(ValueError, match="turn_q"):
-        fused.rope_qkv(qkv.cpu(), cos.cpu(), sin.cpu(), heads, kv_heads, dim, None, turn_q=True)
-
-
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (3, 1, 128), (32, 8, 32)])
 def test_turn_query_kernel_matches_torch(heads: int, kv_heads: int, dim: int) -> None:
     """``kernels/turn.py``'s one launch equals ``fold_query(rotate(q), k_scale)`` (torch's fp32 matmul,

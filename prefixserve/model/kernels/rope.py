@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.kernels.turn import turn_halves, turns
-from prefixserve.attention.kv_quant import scales_of, store_kv, stores_turned, turn_query
+from prefixserve.attention.kv_quant import store_kv, stores_turned
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -65,8 +65,6 @@ def _rotate_heads(
     cache_inv=1.0,  # [BLOCK_H, 1] fp32: each head's 1 / scale (FP8)
     FP8: tl.constexpr = False,
     TURN: tl.constexpr = False,  # FP8: stored turned (``kv_quant.rotate``; BLOCK_H >= 16)
-    q_scale=1.0,  # [BLOCK_H, 1] fp32: each q head's K scale (TURN_Q)
-    TURN_Q: tl.constexpr = False,  # q written turned and folded, as ``turn.turn_query`` (BLOCK_H >= 16)
 ):
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -84,13 +82,8 @@ def _rotate_heads(
         x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
-    if TURN_Q:  # as turn_query of the stored q: the rounded values turned, rounded, times the scale
-        y1, y2 = turn_halves(o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32), HALF_BLOCK)
-        tl.store(dst_ptr + off, (y1.to(dtype).to(tl.float32) * q_scale).to(dtype), mask=mask)
-        tl.store(dst_ptr + off + half, (y2.to(dtype).to(tl.float32) * q_scale).to(dtype), mask=mask)
-    else:
-        tl.store(dst_ptr + off, o1.to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst_ptr + off + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + off, o1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + off + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
     if WRITE:
         c_off = h * stride_ch + d
         if TURN:  # as store_kv: the rounded values turned in fp32, then quantized once
@@ -144,7 +137,6 @@ def _rope_qkv_kernel(
     k_norm_ptr,
     eps,
     inv_ptr,  # [2, NUM_KV] fp32: K's and V's 1 / scale per KV head (FP8)
-    scale_ptr,  # [NUM_KV] fp32: K's scale per KV head (TURN_Q)
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -156,7 +148,6 @@ def _rope_qkv_kernel(
     NORM: tl.constexpr = False,
     FP8: tl.constexpr = False,
     TURN: tl.constexpr = False,
-    TURN_Q: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -173,10 +164,6 @@ def _rope_qkv_kernel(
             hk = tl.arange(0, BLOCK_KV)[:, None]
             k_inv = tl.load(inv_ptr + hk, mask=hk < NUM_KV, other=1.0)
             v_inv = tl.load(inv_ptr + NUM_KV + hk, mask=hk < NUM_KV, other=1.0)
-    q_scale = 1.0
-    if TURN_Q:
-        hq = tl.arange(0, BLOCK_Q)[:, None]
-        q_scale = tl.load(scale_ptr + hq // (NUM_Q // NUM_KV), mask=hq < NUM_Q, other=1.0)
     _rotate_heads(
         row,
         cos,
@@ -194,11 +181,6 @@ def _rope_qkv_kernel(
         q_norm_ptr,
         eps,
         NORM,
-        1.0,
-        False,
-        False,
-        q_scale,
-        TURN_Q,
     )
     _rotate_heads(
         row + NUM_Q * HEAD_DIM,
@@ -247,14 +229,9 @@ def rope_qkv(
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k_cache, v_cache, slots
     dtype: torch.dtype | None = None,  # of q, k and v; partials need it (the model's dtype)
     norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # QK-norm: q's and k's weights, eps
-    turn_q: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, Hq, D] and k [T, Hkv, D] (new, contiguous, QK-normed if ``norms``, RoPE applied) and
     v [T, Hkv, D] (a view of qkv; from partials, their sum, new).
-
-    ``turn_q`` (an e4m3 ``cache`` carrying its scales): q comes out as attention over that cache takes
-    it, ``kv_quant.turn_query`` of it, turned and folded in this kernel where it turns K (one launch
-    fewer a layer), else by ``turn_query`` after it.
 
     With ``cache`` = (k_cache, v_cache, slots), each [.., block_size, Hkv, D] cache gets the token's
     rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them; an e4m3
@@ -283,16 +260,12 @@ def rope_qkv(
         return q, k, v
     inverse = cos  # never read unless the cache is e4m3
     fp8 = cache is not None and cache[0].dtype == torch.float8_e4m3fn
-    k_scale = scales_of(cache)[0] if turn_q and fp8 and scales_of(cache) is not None else None
-    if turn_q and k_scale is None:
-        raise ValueError("turn_q needs an e4m3 cache carrying its scales")
     if fp8 and stores_turned(head_dim) and not turns(head_dim):
         # K is stored turned, but not by this kernel at this head size: the torch store turns it
         q, k, v = rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim, None, dtype, norms)
         store_kv(cache, k, v, num_kv_heads, head_dim)
-        return (q if k_scale is None else turn_query(q, k_scale)), k, v
+        return q, k, v
     turn = fp8 and turns(head_dim)
-    turn_here = k_scale is not None and turn  # else (a head size stored as it is) turn_query folds q
     if cache is not None:
         k_cache, v_cache, slots = cache
         if k_cache.dtype == torch.float8_e4m3fn:
@@ -335,11 +308,10 @@ def rope_qkv(
         norms[1] if norms else cos,
         norms[2] if norms else 0.0,
         inverse,
-        k_scale.contiguous() if turn_here else cos,
         NUM_Q=num_heads,
         NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_Q=max(16 if turn_here else 1, triton.next_power_of_2(num_heads)),
+        BLOCK_Q=triton.next_power_of_2(num_heads),
         # the turn's products take 16 rows at least
         BLOCK_KV=max(16 if turn else 1, triton.next_power_of_2(num_kv_heads)),
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
@@ -348,10 +320,9 @@ def rope_qkv(
         NORM=norms is not None,
         FP8=fp8,
         TURN=turn,
-        TURN_Q=turn_here,
         num_warps=4,
     )
-    return (turn_query(q, k_scale) if k_scale is not None and not turn_here else q), k, v
+    return q, k, v
 
 
 def rope_qkv_ref(
