@@ -48,16 +48,23 @@ def case(
     return q, k, v, meta
 
 
+def every_rule() -> Any:
+    """A ``ContextRule`` that takes every prefill behind a whole block, in runs of any length: the
+    forced 'on' of the A/B runs (this probe's and ``promptcache_ttft.py --context-segments every``)."""
+    from prefixserve.attention.planning.context_segments import ContextRule
+
+    return ContextRule(1, BLOCK, min_work=0, min_run=BLOCK)
+
+
 def planned(q, k, v, meta, scale: float, context: bool) -> tuple[Any, Any]:
     """A TritonBackend with the step planned one way, and the per-layer call."""
-    from prefixserve.attention.planning.context_segments import ContextRule
     from prefixserve.attention.planning.step_plan import host_plan
     from prefixserve.attention.triton_backend import TritonBackend
 
     meta.plan, meta.stats = None, {}
     be = TritonBackend()
     if context:
-        be.context_rule = ContextRule(1, BLOCK, min_work=0, min_run=BLOCK)
+        be.context_rule = every_rule()
         be.install(meta, be.with_context(host_plan(meta), meta))
     else:
         be.context_rule = None
@@ -166,7 +173,6 @@ def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from benchmarks.promptcache_workload import ttft
     from prefixserve import LLM
-    from prefixserve.attention.planning.context_segments import ContextRule
     from prefixserve.attention.triton_backend import TritonBackend
 
     extra: dict[str, Any] = {"kv_memory_fraction": 0.6, "max_num_batched_tokens": 8192}
@@ -175,7 +181,7 @@ def engine_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
     llm = LLM(args.model, device="cuda", progress=False, **extra)
     rng = random.Random(0)
     shipped = TritonBackend.context_rule
-    on_rule = shipped if args.rule == "shipped" else ContextRule(1, BLOCK, min_work=0, min_run=BLOCK)
+    on_rule = shipped if args.rule == "shipped" else every_rule()
     rows = []
     for context in args.contexts:
         doc = [rng.randrange(1000, 30000) for _ in range(context)]

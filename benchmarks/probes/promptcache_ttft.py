@@ -105,11 +105,10 @@ def main() -> None:
     if args.trials < 1:
         ap.error("--trials must be at least 1")
     if args.context_segments != "on":
-        from prefixserve.attention.planning.context_segments import ContextRule
+        from benchmarks.probes.context_segments import every_rule
         from prefixserve.attention.triton_backend import TritonBackend
 
-        every = ContextRule(1, 16, min_work=0, min_run=16)
-        TritonBackend.context_rule = None if args.context_segments == "off" else every
+        TritonBackend.context_rule = None if args.context_segments == "off" else every_rule()
     settings = argparse.Namespace(
         model=args.model, device=args.device, kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=None,
         max_num_batched_tokens=8192,

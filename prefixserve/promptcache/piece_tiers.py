@@ -203,8 +203,8 @@ class PieceTiers:
         nobody holds any more is unmarked: a plain free block again."""
         self.pool.release(blocks)
         counts, rows = self.pool.ref_counts, self.module_rows
-        for b in [b for b in blocks if counts[b] == 0]:  # most are still held (by the store)
-            if rows[b]:
+        for b in blocks:  # most are still held (by the store)
+            if counts[b] == 0 and rows[b]:
                 rows[b] = 0
                 self.num_marked -= 1
 
