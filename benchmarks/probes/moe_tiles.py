@@ -15,8 +15,6 @@ the used blocks' tiles).
 weights, each routed apart (L2 holds none of a copy's experts when it comes round, as in a model's
 step). At e743384 its candidates included programs owning 48 or 96 columns of a wider tile (grids
 sized to the SMs): no faster (docs/kernels.md §4), and the kernels went back to powers of two.
-``--direct --one-pass``: the one-pass kernel's tiles (``moe_direct``: (BN of I, BK, BH, warps,
-stages)) against the up and down kernels' default, each one-pass output checked against theirs.
 """
 
 from __future__ import annotations
@@ -95,19 +93,9 @@ def direct_candidates() -> list[tuple[int, ...]]:
     return [(16, u, d, 128, 4, st) for u, d, st in itertools.product(spans_up, spans_down, (3, 4, 5))]
 
 
-def one_pass_candidates() -> list[tuple[int, ...]]:
-    """The one-pass kernel's tiles (``fused_moe.ONE_PASS_TILE``): (BN of I, BK, BH, warps, stages)."""
-    grid = itertools.product((32, 64, 128), (128,), (64, 128, 256), (4,), (3, 4))
-    return [t for t in grid if t[0] * t[1] * 2 * 2 * t[4] <= 160 << 10] + [
-        (64, 64, 128, 4, 4),
-        (64, 64, 128, 4, 6),
-    ]
-
-
-def direct_sweep(cfg, batches: list[int], copies: int = 4, one_pass: bool = False) -> list[dict]:
+def direct_sweep(cfg, batches: list[int], copies: int = 4) -> list[dict]:
     """Each direct tile checked against the default's output, then timed over ``copies`` copies of
-    the weights (``graph_ms``), each copy's tokens routed to their own experts; ``one_pass``: the
-    one-pass kernel's tiles (``moe_direct``) against the up and down kernels' default."""
+    the weights (``graph_ms``), each copy's tokens routed to their own experts."""
     from benchmarks.harness.timing import graph_ms
 
     e, k, hidden = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
@@ -123,14 +111,11 @@ def direct_sweep(cfg, batches: list[int], copies: int = 4, one_pass: bool = Fals
 
         def run(i: int, tile: tuple[int, ...] | None) -> torch.Tensor:
             _, w_up, w_down, _ = layers[i]
-            if one_pass and tile is not None and len(tile) == 5:
-                fused_moe.ONE_PASS_TILE = tile
-                return fused_moe.experts_forward(x, w_up, w_down, *routes[i])  # noqa: B023
-            return fused_moe.experts_forward(x, w_up, w_down, *routes[i], tile=tile, one_pass=False)  # noqa: B023
+            return fused_moe.experts_forward(x, w_up, w_down, *routes[i], tile=tile)  # noqa: B023
 
         timed = sweep(
-            b, one_pass_candidates() if one_pass else direct_candidates(), fused_moe.tiles(b, k, e),
-            lambda t: run(0, t), lambda t: graph_ms(lambda i: run(i, t), copies, reps=50),
+            b, direct_candidates(), fused_moe.tiles(b, k, e), lambda t: run(0, t),
+            lambda t: graph_ms(lambda i: run(i, t), copies, reps=50),
         )  # fmt: skip
         show(f"B={b} direct, a layer", timed, 8)
         results.append({"B": b, "copies": copies, "timed": timed})
@@ -172,15 +157,12 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=40, help="candidates per B, spread over the list")
     ap.add_argument("--narrow", action="store_true", help="16- and 32-column tiles, deeper pipelines")
     ap.add_argument("--direct", action="store_true", help="a direct step's tiles over weight copies")
-    ap.add_argument("--one-pass", action="store_true", help="with --direct: the one-pass kernel's tiles")
     ap.add_argument("--swap", action="store_true", help="transposed products (Tile.swap)")
     ap.add_argument("--persistent", action="store_true", help="each tile also as persistent programs")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = ModelConfig.from_json(resolve_model(f"dummy:{args.model}").path)
-    results = (
-        direct_sweep(cfg, args.batches, one_pass=args.one_pass) if args.direct else grid_sweep(cfg, args)
-    )
+    results = direct_sweep(cfg, args.batches) if args.direct else grid_sweep(cfg, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -16,9 +16,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 ``--switch moe_parts``: each MoE layer's expert outputs summed by the next norm, not a combine kernel,
 ``fused.moe_parts_to_norm``; ``--switch down_on_load``: the FP8 down product making its input's codes
 as it loads it, from the fused gate-up's amax partials, not the quantize kernel's,
-``fused.down_codes_on_load``; ``--switch moe_one_pass``: a direct MoE step's experts in one kernel,
-``moe_direct``, not the up and down kernels, ``fused.moe_one_pass``;
-``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
+``fused.down_codes_on_load``; ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -115,7 +113,6 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
     "moe_parts": fused.moe_parts_to_norm,
-    "moe_one_pass": fused.moe_one_pass,
     "down_on_load": fused.down_codes_on_load,
 }
 

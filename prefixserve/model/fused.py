@@ -38,7 +38,6 @@ _SWITCHES = {
     "staged_allreduce": True,
     "peer_norm": True,
     "moe_parts": True,
-    "moe_one_pass": True,
     "down_codes_on_load": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
@@ -123,12 +122,6 @@ def moe_parts_to_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, a mixture of experts followed by a norm hands it each token's k weighted
     expert outputs to sum (True) or sums them in its combine kernel first (False): A/B runs."""
     return _switched("moe_parts", enabled)
-
-
-def moe_one_pass(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, a direct MoE step (one or two tokens) runs its experts in one kernel
-    (``moe_direct``, True) or as the up and down kernels (False): A/B runs."""
-    return _switched("moe_one_pass", enabled)
 
 
 def peer_norms(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -518,7 +511,7 @@ def moe_routed_experts(
             kind = fused_moe.ACTIVATIONS[act]
             return fused_moe.routed_forward(
                 x, logits, *route, w_up, w_down, kind, up_bias, down_bias, alpha, limit,
-                summed=not _hands_parts(parts), one_pass=_SWITCHES["moe_one_pass"],
+                summed=not _hands_parts(parts),
             )  # fmt: skip
     if logits.dim() == 3:
         logits = summed_partials(logits, x.dtype)
@@ -550,7 +543,7 @@ def moe_experts(
         kind = fused_moe.ACTIVATIONS[act]
         return fused_moe.experts_forward(
             x, w_up, w_down, weights, ids32, kind, up_bias, down_bias, alpha, limit,
-            summed=not _hands_parts(parts), one_pass=_SWITCHES["moe_one_pass"],
+            summed=not _hands_parts(parts),
         )  # fmt: skip
     from prefixserve.model.moe_reference import experts_ref
 
@@ -569,7 +562,6 @@ __all__ = [
     "linear_partials",
     "linear_silu_and_mul",
     "moe_experts",
-    "moe_one_pass",
     "moe_parts_to_norm",
     "moe_route",
     "moe_routed_experts",

@@ -283,46 +283,13 @@ def test_direct_step_gives_a_token_the_bits_of_a_batched_step(tokens: int, act: 
     kind = fused_moe.ACTIVATIONS[act]
     assert tokens * top_k <= fused_moe.DIRECT_MAX < batch * top_k
     alone = fused_moe.experts_forward(
-        x[:tokens], w_up, w_down, weights[:tokens], ids[:tokens], kind, up_bias, down_bias, one_pass=False
+        x[:tokens], w_up, w_down, weights[:tokens], ids[:tokens], kind, up_bias, down_bias
     )
     batched = fused_moe.experts_forward(x, w_up, w_down, weights, ids, kind, up_bias, down_bias)
     if DEVICE.type == "cuda":
         assert torch.equal(alone, batched[:tokens])
     else:  # the interpreter's products are NumPy matmuls of other shapes: their order may differ
         torch.testing.assert_close(alone, batched[:tokens], rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    ("tokens", "experts", "top_k", "hidden", "inter", "act"),
-    [
-        (1, 16, 8, 96, 64, "silu"),
-        (2, 16, 8, 200, 72, "swiglu_oai"),  # inter off the 64-column tile, hidden off the down step
-        (4, 32, 4, 64, 130, "gelu_pytorch_tanh"),  # three tiles of I, one barely started
-        (1, 4, 4, 32, 16, "silu"),  # every expert once
-    ],
-)
-def test_one_pass_direct_step_matches_the_reference_and_two_kernels(
-    tokens: int, experts: int, top_k: int, hidden: int, inter: int, act: str
-) -> None:
-    """A direct step in one kernel (``moe_direct``: each program's up tile times the down columns it
-    meets, the last of an assignment's programs summing their partials) against the fp64 reference
-    and the up and down kernels (its down product summed in tiles, so close, not the same bits); the
-    same bits twice, routed in the kernel or not, and the counters back at zero."""
-    from prefixserve.model.kernels import moe_direct
-
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    args, rest, want = _tile_case(tokens, experts, top_k, hidden, inter, act, dtype)
-    assert tokens * top_k <= fused_moe.DIRECT_MAX
-    got = fused_moe.experts_forward(*args, *rest)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
-    two = fused_moe.experts_forward(*args, *rest, one_pass=False)
-    torch.testing.assert_close(got, two, rtol=tol / 4, atol=tol / 4)
-    assert torch.equal(got, fused_moe.experts_forward(*args, *rest))
-    parts = fused_moe.experts_forward(*args, *rest, summed=False)
-    assert parts.shape == (top_k, tokens, hidden)
-    torch.testing.assert_close(parts.float().sum(0), got.float(), rtol=tol, atol=tol)
-    assert not moe_direct._counters(DEVICE).any()
 
 
 @pytest.mark.parametrize(

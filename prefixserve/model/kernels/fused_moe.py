@@ -33,10 +33,9 @@ from typing import NamedTuple
 import torch
 
 from prefixserve.attention.planning.tiles import num_sms
-from prefixserve.model.kernels import moe_direct
-from prefixserve.model.kernels.expert_tiles import product, up_values
 from prefixserve.model.kernels.moe_grouping import align
-from prefixserve.model.kernels.moe_route import route, routed_assignment, rule_constexprs
+from prefixserve.model.kernels.moe_route import route, rule_constexprs, top_k_of
+from prefixserve.model.kernels.silu_mul import silu_mul
 from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.pdl import launch_dependents, wait
 
@@ -44,6 +43,16 @@ triton, tl = require_triton()
 
 SILU, GELU_TANH, SWIGLU_OAI = 0, 1, 2  # activations (``ACTIVATION``); SWIGLU_OAI: gpt-oss's clamped one
 ACTIVATIONS = {"silu": SILU, "gelu_pytorch_tanh": GELU_TANH, "swiglu_oai": SWIGLU_OAI}
+
+
+@triton.jit
+def _act(gate, up, dtype: tl.constexpr, ACTIVATION: tl.constexpr, alpha, limit):
+    """The experts' activation of fp32 gate and up products (rounded as the unfused model rounds)."""
+    if ACTIVATION == 2:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+        g = tl.minimum(gate.to(dtype).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
+        return (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    return silu_mul(gate, up, dtype, ACTIVATION == 1)
 
 
 @triton.jit
@@ -59,18 +68,55 @@ def _block_of(block, slots_ptr, block_expert_ptr, block_rows_ptr, BM: tl.constex
 
 
 @triton.jit
+def _product(rows, w, acc, DOT_PREC: tl.constexpr, SWAP: tl.constexpr):
+    """``acc`` + ``rows`` [BM, BK] @ ``w`` [BK, BN]; with ``SWAP`` the transposed product into ``acc``
+    [BN, BM]: the weight's columns fill the tensor core's 64-row side and the block's few tokens its
+    narrow side (Hopper's wgmma needs 64 rows; BM = 16 or 32 takes the older, slower mma)."""
+    if SWAP:
+        out = tl.dot(tl.trans(w), tl.trans(rows), acc, input_precision=DOT_PREC)
+    else:
+        out = tl.dot(rows, w, acc, input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit
 def _up_tile(
     x_ptr, w_ptr, bias_ptr, inter_ptr, expert, real, assign, block, col, hidden, inter, stride_x, alpha,
     limit, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr,
     SIGNAL: tl.constexpr,
 ):  # fmt: skip
-    """``up_values`` of a block's column tile, written by block row."""
+    """One block's tokens gathered from x, times its expert's gate and up rows of column tile ``col``,
+    the activation, written by block row; ``SIGNAL``: let the dependent launch after the products."""
+    token = (assign // TOP_K).to(tl.int64)
+    n = col * BN + tl.arange(0, BN)
+    n_ok = n < inter
+    gate_rows = (expert.to(tl.int64) * 2 * inter + n) * hidden
+    up_rows = gate_rows + inter * hidden
+    acc_g = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM] if SWAP else [BM, BN], dtype=tl.float32)
+    for k0 in range(0, hidden, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < hidden
+        xs = tl.load(
+            x_ptr + token[:, None] * stride_x + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+        )
+        wmask = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(w_ptr + gate_rows[None, :] + k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_ptr + up_rows[None, :] + k[:, None], mask=wmask, other=0.0)
+        acc_g = _product(xs, wg, acc_g, DOT_PREC, SWAP)
+        acc_u = _product(xs, wu, acc_u, DOT_PREC, SWAP)
+    if SIGNAL:
+        launch_dependents()
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    if HAS_BIAS:
+        cols = expert.to(tl.int64) * 2 * inter + n
+        acc_g += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + cols + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = inter_ptr.dtype.element_ty
-    out, n, n_ok = up_values(
-        x_ptr, w_ptr, bias_ptr, expert, real, assign, col, hidden, inter, stride_x, alpha, limit, TOP_K,
-        BM, BN, BK, ACTIVATION, HAS_BIAS, DOT_PREC, SWAP, SIGNAL, dtype,
-    )  # fmt: skip
+    out = _act(acc_g, acc_u, dtype, ACTIVATION, alpha, limit)
     row = block.to(tl.int64) * BM + tl.arange(0, BM)
     tl.store(inter_ptr + row[:, None] * inter + n[None, :], out.to(dtype), mask=real[:, None] & n_ok[None, :])
 
@@ -96,7 +142,7 @@ def _down_tile(
             inter_ptr + row[:, None] * inter + k[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
         )
         w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = product(a, w, acc, DOT_PREC, SWAP)
+        acc = _product(a, w, acc, DOT_PREC, SWAP)
     if SIGNAL:
         launch_dependents()
     if SWAP:
@@ -155,10 +201,15 @@ def _expert_up_kernel(
         wait()
     if ROUTE:  # block b is assignment b: token b // TOP_K's (b % TOP_K)-th expert
         b = tl.program_id(0)
-        expert, _ = routed_assignment(
-            logits_ptr, b, n_experts, stride_l, TOP_K, KP, EP, RULE, NORM, LOGIT_SPLITS, stride_split,
-            x_ptr.dtype.element_ty, block_expert_ptr, weights_ptr,
+        chosen, chosen_ids = top_k_of(
+            logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM,
+            LOGIT_SPLITS, stride_split, x_ptr.dtype.element_ty,
         )  # fmt: skip
+        pick = tl.arange(0, KP) == b % TOP_K
+        expert = tl.sum(tl.where(pick, chosen_ids, 0), 0)
+        if tl.program_id(1) == 0:  # the down kernel reads them (``block_expert_ptr``: the flat ids)
+            tl.store(block_expert_ptr + b, expert)
+            tl.store(weights_ptr + b, tl.sum(tl.where(pick, chosen, 0.0), 0))
         real = tl.arange(0, BM) == 0
         assign = b + tl.arange(0, BM) * 0
     else:
@@ -316,8 +367,6 @@ def tiles(tokens: int, top_k: int, experts: int) -> Tile:
 # up to this many assignments (a decode step of one or two tokens at k = 8) each is a block of its
 # own and nothing is grouped: the grouping's launch is saved, and distinct experts are the rule
 DIRECT_MAX = 16
-# a direct step's one-pass kernel (``moe_direct.one_pass``): (BN of I, BK, BH of the down loop, warps, stages)
-ONE_PASS_TILE = (64, 128, 128, 4, 3)
 
 
 def experts_forward(
@@ -333,26 +382,11 @@ def experts_forward(
     limit: float = 7.0,
     tile: Tile | None = None,  # default: ``tiles``' choice
     summed: bool = True,
-    one_pass: bool = True,
 ) -> torch.Tensor:  # [T, H], or [k, T, H] parts
     """The routed experts' weighted sum for each token (``experts_ref``'s arithmetic); ``summed``
-    False: each token's k weighted expert outputs instead, as a [k, T, H] view (``hand_parts``);
-    ``one_pass``: a direct step (T k <= ``DIRECT_MAX``) in one kernel (``moe_direct``), else the up
-    and down kernels (a batched step's bits)."""
+    False: each token's k weighted expert outputs instead, as a [k, T, H] view (``hand_parts``)."""
     return _experts(
-        x,
-        w_up,
-        w_down,
-        weights,
-        ids,
-        activation,
-        up_bias,
-        down_bias,
-        alpha,
-        limit,
-        tile,
-        summed=summed,
-        one_pass=one_pass,
+        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, tile, summed=summed
     )
 
 
@@ -370,11 +404,10 @@ def routed_forward(
     alpha: float = 1.702,
     limit: float = 7.0,
     summed: bool = True,
-    one_pass: bool = True,
 ) -> torch.Tensor:  # [T, H], or [k, T, H] parts
-    """``experts_forward(x, ..., *route(logits, top_k, rule, norm), ...)`` for a direct step (T k <=
-    ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up kernel's (or the
-    one-pass kernel's) prologue: each program takes its token's k experts from the logits
+    """``experts_forward(x, ..., *route(logits, top_k, rule, norm), summed=summed)`` for a direct
+    step (T k <= ``DIRECT_MAX``: a decode step of one or two tokens) with the routing in the up
+    kernel's prologue: each program takes its token's k experts from the logits
     (``moe_route.top_k_of``, the route kernel's own), so the route kernel's launch goes; the same
     bits. Partials (``decode_split.router_partials``) are summed there, in order, and rounded to x's
     dtype, as the unsplit product would round them."""
@@ -393,20 +426,7 @@ def routed_forward(
         "LOGIT_SPLITS": logits.shape[0] if split else 0, "stride_split": logits.stride(0) if split else 0,
     }  # fmt: skip
     return _experts(
-        x,
-        w_up,
-        w_down,
-        weights,
-        ids,
-        activation,
-        up_bias,
-        down_bias,
-        alpha,
-        limit,
-        None,
-        route_args,
-        summed,
-        one_pass,
+        x, w_up, w_down, weights, ids, activation, up_bias, down_bias, alpha, limit, None, route_args, summed
     )
 
 
@@ -416,7 +436,6 @@ def _experts(
     limit: float, tile: Tile | None,
     route_args: dict | None = None,  # the up kernel routes (``routed_forward``): ids and weights its output
     summed: bool = True,  # False: the parts, unsummed (``hand_parts``)
-    one_pass: bool = True,  # a direct step in one kernel (``moe_direct``)
 ) -> torch.Tensor:  # fmt: skip
     tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -445,12 +464,7 @@ def _experts(
     up = {"TOP_K": top_k, "BM": block_m, "BN": bn_up, "BK": block_k, "ACTIVATION": activation,
           "HAS_BIAS": up_bias is not None, **launch}  # fmt: skip
     down = {"BM": block_m, "BN": bn_down, "BK": min(block_k, 64), "HAS_BIAS": down_bias is not None, **launch}
-    if direct and one_pass:
-        moe_direct.one_pass(
-            x, w_up, w_down, weights.view(-1), ids.view(-1), parts, activation, up_bias, down_bias, alpha,
-            limit, ONE_PASS_TILE, route_args,
-        )  # fmt: skip
-    elif persistent and not direct:
+    if persistent and not direct:
         programs = per_sm * num_sms(x.device)
         _persistent_up_kernel[(programs,)](
             x, w_up, up_bias_or_w, inter_out, slots, block_expert, block_rows, used, hidden, inter,

@@ -70,27 +70,6 @@ def top_k_of(
 
 
 @triton.jit
-def routed_assignment(
-    logits_ptr, b, n_experts, stride_l, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-    RULE: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr, split_stride, ROUND: tl.constexpr,
-    ids_ptr, weights_ptr,
-):  # fmt: skip
-    """Assignment ``b``'s (expert, weight): token b // TOP_K's (b % TOP_K)-th choice by ``top_k_of``;
-    the programs of the first column tile (``program_id(1)`` 0) write both for the kernels after."""
-    chosen, chosen_ids = top_k_of(
-        logits_ptr + (b // TOP_K).to(tl.int64) * stride_l, n_experts, TOP_K, KP, EP, RULE, NORM, SPLITS,
-        split_stride, ROUND,
-    )  # fmt: skip
-    pick = tl.arange(0, KP) == b % TOP_K
-    expert = tl.sum(tl.where(pick, chosen_ids, 0), 0)
-    weight = tl.sum(tl.where(pick, chosen, 0.0), 0)
-    if tl.program_id(1) == 0:
-        tl.store(ids_ptr + b, expert)
-        tl.store(weights_ptr + b, weight)
-    return expert, weight
-
-
-@triton.jit
 def _route_kernel(
     logits_ptr,  # [T, E]
     weights_ptr,  # [T, TOP_K] fp32
@@ -138,4 +117,4 @@ def route(
     return weights, ids
 
 
-__all__ = ["ROUTER_RULES", "pow2", "route", "routed_assignment", "rule_constexprs", "top_k_of"]
+__all__ = ["ROUTER_RULES", "pow2", "route", "rule_constexprs", "top_k_of"]
