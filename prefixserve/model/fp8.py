@@ -23,9 +23,7 @@ The product, by rows M of x (``linear``):
 
 An input quantized per token may arrive with its codes already made: the RMSNorm or SiLU-and-mul
 kernel before the product emits them beside its 16-bit output (``takes_rows`` says when the model
-asks), one pass over the row fewer (``rows_of``). After the fused gate-up kernel (``gated``) the
-down product's input carries only its rows' amax partials (``amax_of``): the W8A8 kernel makes the
-codes as it loads the tiles, and the quantize kernel between them goes (``fused.down_codes_on_load``).
+asks), one pass over the row fewer (``rows_of``).
 
 The LM head, the embedding, routers and MoE experts stay in the model's dtype
 (``linear.quantize_model``).
@@ -39,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.model.fp8_rows import ROWS_ATTR, amax_of, attach_amax, attach_rows, rows_of
+from prefixserve.model.fp8_rows import ROWS_ATTR, attach_rows, rows_of
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -179,14 +177,13 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
     codes, scale, bias = layer.weight, layer.weight_scale, layer.bias
     act = None if weight_only(layer) else layer.act_quant
     y = None
-    if _fp8_device(x2):
+    if x2.is_cuda and fp8_gpu(x2.device):
         from prefixserve.model.kernels import fp8_matmul
 
         static = layer.input_scale if act == "static" else None
         triton_ok = _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
         if act is not None and triton_ok and x2.shape[0] <= MAX_ROWS:  # W8A8 on the Triton kernel
-            x_codes, x_amax = _x_input(layer, x, x2)
-            return fp8_matmul.launch(x2, codes, scale, bias, out, x_codes, x_amax=x_amax).view(*lead, -1)
+            return fp8_matmul.launch(x2, codes, scale, bias, out, _x_codes(layer, x, x2)).view(*lead, -1)
         if act is not None and scaled_mm_takes(x2, codes):
             rows = rows_of(x) if act == "dynamic" else None  # made by the kernel before, amax / 448
             y = scaled_mm(x2, codes, scale, bias, static, rows)
@@ -212,8 +209,7 @@ def partials(layer: nn.Module, x: torch.Tensor, splits: int) -> torch.Tensor | N
         return None
     if x.shape[1] % (splits * fp8_matmul.block_k_for(x.shape[0], False)):
         return None
-    x_codes, x_amax = _x_input(layer, x)
-    return fp8_matmul.fp8_partials(x, codes, scale, splits, x_codes, x_amax)
+    return fp8_matmul.fp8_partials(x, codes, scale, splits, _x_codes(layer, x))
 
 
 def gated(
@@ -222,39 +218,21 @@ def gated(
     """``silu(gate) * up`` of a fused gate-up FP8 layer's product in one kernel (``fp8_matmul.fp8_gated``,
     its activation in the epilogue: the [M, 2I] product and the SiLU-and-mul kernel go) on the W8A8
     Triton path (a decode step's rows on a GPU, per-channel weights, x quantized per token, no bias);
-    ``quantize``: its per-token codes attached for an FP8 product next (``attach_rows``), or where
-    ``fused.down_codes_taken`` says so its rows' amax partials, written by the same kernel, from which
-    that product makes the same codes on load (``attach_amax``: no quantize kernel). None where that
-    path does not take it, or the fused gate-up kernels are switched off (``fused.gate_up_kernels``)."""
+    ``quantize``: its per-token codes attached for an FP8 product next (``attach_rows``). None where
+    that path does not take it, or the fused gate-up kernels are switched off (``fused.gate_up_kernels``)."""
     from prefixserve.model import fused
 
     if not takes_rows(layer) or layer.bias is not None or not fused.gate_up_taken(x):
         return None
     codes, scale = layer.weight, layer.weight_scale
-    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not _fp8_device(x):
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not fp8_gpu(x.device):
         return None
     from prefixserve.model.kernels import fp8_matmul
 
     if not fp8_matmul.supported(x, codes, scale):  # (16-bit x: ``gate_up_taken`` said Triton)
         return None
-    x_codes = _x_codes(layer, x)
-    if quantize and fused.down_codes_taken(x):
-        amax = fp8_matmul.amax_partials(x.shape[0], codes.shape[0] // 2, x.device)
-        return attach_amax(fp8_matmul.fp8_gated(x, codes, scale, x_codes, gelu, amax), amax)
-    act = fp8_matmul.fp8_gated(x, codes, scale, x_codes, gelu)
+    act = fp8_matmul.fp8_gated(x, codes, scale, _x_codes(layer, x), gelu)
     return attach_rows(act, *fp8_matmul.quantize_rows(act)) if quantize else act
-
-
-def _x_input(
-    layer: nn.Module, x: torch.Tensor, flat: torch.Tensor | None = None
-) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
-    """(x codes, x amax partials) for the W8A8 Triton kernel: the partials the kernel before attached
-    (``attach_amax``; per token, amax / 448, so only for a dynamic layer), the kernel then making
-    the codes as it loads x; else ``_x_codes``' codes."""
-    amax = amax_of(x) if layer.act_quant == "dynamic" else None
-    if amax is not None and amax.shape[1] == (x if flat is None else flat).shape[0]:
-        return None, amax
-    return _x_codes(layer, x, flat), None
 
 
 def _x_codes(
@@ -306,11 +284,6 @@ def fp8_gpu(device: torch.device) -> bool:
     return _capability(index) >= (8, 9)
 
 
-def _fp8_device(x: torch.Tensor) -> bool:
-    """Whether x is on a GPU that multiplies FP8 (the GPU paths; the CPU takes ``reference``)."""
-    return x.is_cuda and fp8_gpu(x.device)
-
-
 def _triton_takes(x: torch.Tensor) -> bool:
     from prefixserve.model import fused
 
@@ -357,8 +330,6 @@ __all__ = [
     "GROUP",
     "MAX_ROWS",
     "ROWS_ATTR",
-    "amax_of",
-    "attach_amax",
     "attach_rows",
     "dequantize",
     "expand_scale",

@@ -38,7 +38,6 @@ _SWITCHES = {
     "staged_allreduce": True,
     "peer_norm": True,
     "moe_parts": True,
-    "down_codes_on_load": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -67,13 +66,6 @@ def gate_up_taken(x: torch.Tensor) -> bool:
     return _SWITCHES["gate_up"] and _use_triton(x)
 
 
-def down_codes_taken(x: torch.Tensor) -> bool:
-    """Whether the fused FP8 gate-up product of ``x`` hands the down product its output's amax
-    partials (its kernel makes the codes on load) in place of the quantize kernel's codes: the
-    switch on (``down_codes_on_load``) and x on the Triton path."""
-    return _SWITCHES["down_codes_on_load"] and _use_triton(x)
-
-
 @contextmanager
 def _switched(name: str, enabled: bool) -> Iterator[None]:
     before, _SWITCHES[name] = _SWITCHES[name], enabled
@@ -98,12 +90,6 @@ def gate_up_kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, the MLP's gate-up projection and SiLU-and-mul run as one kernel where its
     rule says (True) or as the matmul then the SiLU-and-mul kernel (False): A/B runs."""
     return _switched("gate_up", enabled)
-
-
-def down_codes_on_load(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, an FP8 down product after the fused gate-up makes its input's codes as it
-    loads it, from the gate-up's amax partials (True), or takes the quantize kernel's (False): A/B."""
-    return _switched("down_codes_on_load", enabled)
 
 
 def moe_routing_in_experts(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -555,8 +541,6 @@ __all__ = [
     "activation",
     "add_rms_norm",
     "apply_rope",
-    "down_codes_on_load",
-    "down_codes_taken",
     "gate_up_kernels",
     "linear",
     "linear_partials",

@@ -11,12 +11,6 @@ for bf16 at the same shapes; swept for FP8 on an H200 (``benchmarks/probes/fp8_t
 were within 2% of the best at one row and 8% at 64, where a long K (the down product's 14,336)
 took 8 loads in flight over 4-6 (28 us against 35 at 64 rows: ``LONG_K_STAGES``), and more stages
 slowed the shorter products.
-
-The gated form may also write each (column tile, row)'s max |value| of its rounded output
-(``AMAX_OUT``); a W8A8 product next takes those partials and the 16-bit output (``X_AMAX``): each
-program reduces its rows' partials to the row scale and makes the codes of each x tile it loads by
-the quantize kernel's arithmetic (``e4m3``), so the codes, and the product, are the same bit for
-bit and the quantize kernel between the two goes (docs/kernels.md §10).
 """
 
 from __future__ import annotations
@@ -50,7 +44,6 @@ def _fp8_kernel(
     out_ptr,  # [M, N]
     bias_ptr,  # [N], or x_ptr when there is none
     sx_ptr,  # X_CODES: [M] fp32 per-row scales of x's e4m3 codes, else x_ptr
-    amax_ptr,  # AMAX_OUT: [cdiv(N, BLOCK_N), M] fp32 written; X_AMAX: [P, M] fp32 read; else x_ptr
     M,
     N,
     K,
@@ -71,10 +64,6 @@ def _fp8_kernel(
     stride_os=0,
     GATED: tl.constexpr = False,  # out = silu(x W[:N]^T) * (x W[N:2N]^T): the fused gate-up (per-channel)
     GELU: tl.constexpr = False,  # GATED with the tanh GELU instead of SiLU (Gemma)
-    AMAX_OUT: tl.constexpr = False,  # each (column tile, row)'s max |out| as rounded, at amax_ptr
-    X_AMAX: tl.constexpr = False,  # x 16-bit, its row amax the max of P partials: codes made on load
-    P=0,
-    BLOCK_P: tl.constexpr = 1,
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,19 +74,7 @@ def _fp8_kernel(
     if SPLIT:
         out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     if PDL:
-        wait()  # (before the amax partials too: the producer's output, as x)
-    if X_AMAX:  # x's row scales as ``quantize_rows`` makes them: the same amax, the same rule
-        offs_p = tl.arange(0, BLOCK_P)
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for p0 in range(0, P, BLOCK_P):
-            p_ok = (p0 + offs_p) < P
-            part = tl.load(
-                amax_ptr + (p0 + offs_p)[:, None] * M + offs_m[None, :],
-                mask=p_ok[:, None] & m_ok[None, :],
-                other=0.0,
-            )
-            amax = tl.maximum(amax, tl.max(part, axis=0))
-        x_scale = row_scale(amax)
+        wait()
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
@@ -111,13 +88,11 @@ def _fp8_kernel(
         if GATED:
             w_up = tl.load(up_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if X_AMAX:  # the quantize kernel's arithmetic on the same values: the same codes
-            x = to_codes(x.to(tl.float32), x_scale[:, None], w_ptr.dtype.element_ty)
         if GATED and X_CODES:
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         elif GATED:
             acc_up = tl.dot(x, tl.trans(w_up.to(dtype)), acc_up)
-        if X_CODES or X_AMAX:
+        if X_CODES:
             acc = tl.dot(x, tl.trans(w), acc)
         elif GROUPED:
             s = tl.load(s_rows + k0 // BLOCK_K, mask=n_ok, other=0.0)
@@ -130,8 +105,6 @@ def _fp8_kernel(
         acc *= tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
     if X_CODES:
         acc *= tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
-    if X_AMAX:
-        acc *= x_scale[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:  # the up half scaled as the gate's (per-channel weights, no bias), then the activation
@@ -139,12 +112,8 @@ def _fp8_kernel(
         if X_CODES:
             acc_up *= tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
         acc = silu_mul(acc, acc_up, out_ptr.dtype.element_ty, GELU)
-    y = acc.to(out_ptr.dtype.element_ty)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, y, mask=m_ok[:, None] & n_ok[None, :])
-    if AMAX_OUT:  # the values the quantize kernel would read back: the output as rounded
-        tile_max = tl.max(tl.where(n_ok[None, :], tl.abs(y.to(tl.float32)), 0.0), axis=1)
-        tl.store(amax_ptr + tl.program_id(0) * M + offs_m, tile_max, mask=m_ok)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 _fp8 = BoundKernel(_fp8_kernel)
@@ -188,21 +157,10 @@ def tiles(m: int, n: int, block_k: int = BLOCK_K) -> tuple[int, int, int]:
     return block_m, block_n, max(2, min(stages, SHARED_BYTES // per_stage))
 
 
-def _check_x_codes(
-    x: torch.Tensor, scale: torch.Tensor, x_codes: tuple | None, x_amax: torch.Tensor | None = None
-) -> None:
-    """W8A8's x codes (``quantize_rows``) must match x and come with per-channel weight scales; x's
-    amax partials (``x_amax``) likewise, fp32 [P, M] contiguous, and not beside codes."""
+def _check_x_codes(x: torch.Tensor, scale: torch.Tensor, x_codes: tuple | None) -> None:
+    """W8A8's x codes (``quantize_rows``) must match x and come with per-channel weight scales."""
     if x_codes is not None and (scale.shape[1] != 1 or x_codes[0].shape != x.shape):
         raise ValueError("x codes need per-channel weight scales and x's shape")
-    if x_amax is None:
-        return
-    if x_codes is not None or scale.shape[1] != 1:
-        raise ValueError("x amax partials need per-channel weight scales and no x codes")
-    if x_amax.dim() != 2 or x_amax.shape[1] != x.shape[0] or x_amax.dtype != torch.float32:
-        raise ValueError(f"x amax partials must be fp32 [P, {x.shape[0]}], got {tuple(x_amax.shape)}")
-    if not x_amax.is_contiguous() or x_amax.shape[0] < 1 or x_amax.device != x.device:
-        raise ValueError("x amax partials must be contiguous, at least one a row, on x's device")
 
 
 def fp8_linear(
@@ -212,23 +170,20 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ (codes * scale)^T + bias`` into a new [M, N] tensor of x's dtype (or ``out``), for
     ``supported`` inputs. ``x_codes`` = (e4m3 codes [M, K], fp32 scales [M, 1]) of x
     (``quantize_rows``): W8A8 (per-channel weight scales only; x then only names the output's
     dtype): e4m3 wgmma products for a 64-row block, fp16 mma with both tiles widened below it
-    (docs/kernels.md §10). ``x_amax``: W8A8 with x's codes made as its tiles are loaded, from fp32
-    partials [P, M] whose max over P is each row's amax (``fp8_gated``'s ``amax``): the same codes
-    and product as ``x_codes=quantize_rows(x)``, bit for bit, without the quantize kernel."""
-    _check_x_codes(x, scale, x_codes, x_amax)
+    (docs/kernels.md §10)."""
+    _check_x_codes(x, scale, x_codes)
     if not supported(x, codes, scale, bias):
         raise ValueError(
             f"fp8_linear takes 16-bit x [M, K] and e4m3 codes [N, K] with fp32 scales [N, 1] or "
             f"[N, K/128]: x {tuple(x.shape)} {x.dtype}, codes {tuple(codes.shape)} {codes.dtype}, "
             f"scales {tuple(scale.shape)} {scale.dtype}"
         )
-    return launch(x, codes, scale, bias, out, x_codes, x_amax=x_amax)
+    return launch(x, codes, scale, bias, out, x_codes)
 
 
 def block_k_for(m: int, grouped: bool) -> int:
@@ -243,14 +198,12 @@ def fp8_partials(
     scale: torch.Tensor,
     splits: int,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 partials [splits, M, N] of ``fp8_linear``'s product (scales applied, no bias) over equal
     slices of K, each a multiple of the stage's columns (``block_k_for``): as
-    ``skinny_matmul.skinny_partials``, the next kernel sums them. ``x_codes``, ``x_amax``: as
-    ``fp8_linear``'s (each slice's program reduces the whole row's amax partials)."""
+    ``skinny_matmul.skinny_partials``, the next kernel sums them."""
     m, k = x.shape
-    _check_x_codes(x, scale, x_codes, x_amax)
+    _check_x_codes(x, scale, x_codes)
     block_k = block_k_for(m, scale.shape[1] > 1)
     if not supported(x, codes, scale) or splits < 1 or k % (splits * block_k):
         raise ValueError(
@@ -258,7 +211,7 @@ def fp8_partials(
             f"{tuple(x.shape)}, codes {tuple(codes.shape)}, scales {tuple(scale.shape)}"
         )
     out = torch.empty(splits, m, codes.shape[0], dtype=torch.float32, device=x.device)
-    return launch(x, codes, scale, None, out, x_codes, splits, x_amax=x_amax)
+    return launch(x, codes, scale, None, out, x_codes, splits)
 
 
 def fp8_gated(
@@ -267,27 +220,18 @@ def fp8_gated(
     scale: torch.Tensor,
     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
     gelu: bool = False,
-    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``silu(x Wg^T) * (x Wu^T)`` of a fused gate-up layer held as e4m3 codes [2n, K] with per-channel
     scales [2n, 1] (``gelu``: the tanh GELU's), into a new [M, n] tensor of x's dtype: one kernel,
     the [M, 2n] product never written, rounded as the unfused pair (``fp8_linear``, then SiLU-and-mul)
-    rounds. ``x_codes``: W8A8, as ``fp8_linear``'s. ``amax`` (``amax_partials``' buffer): filled
-    with each (column tile, row)'s max |value| of the output as rounded, so a W8A8 product next
-    makes the output's codes as it loads it (``x_amax``) and the quantize kernel goes."""
+    rounds. ``x_codes``: W8A8, as ``fp8_linear``'s."""
     if scale.shape[1] != 1 or codes.shape[0] % 2 or not supported(x, codes, scale):
         raise ValueError(
             f"fp8_gated takes supported inputs with per-channel scales and an even row count: x "
             f"{tuple(x.shape)}, codes {tuple(codes.shape)}, scales {tuple(scale.shape)}"
         )
     _check_x_codes(x, scale, x_codes)
-    return launch(x, codes, scale, x_codes=x_codes, gated=True, gelu=gelu, amax_out=amax)
-
-
-def amax_partials(m: int, n: int, device: torch.device) -> torch.Tensor:
-    """An empty fp32 [tiles, m] for ``fp8_gated``'s ``amax`` at m rows and n output columns: one
-    partial per column tile (``GATED_TILES``) and row, written without atomics."""
-    return torch.empty(triton.cdiv(n, GATED_TILES[m > 16][0]), m, dtype=torch.float32, device=device)
+    return launch(x, codes, scale, x_codes=x_codes, gated=True, gelu=gelu)
 
 
 def launch(
@@ -300,13 +244,10 @@ def launch(
     splits: int = 1,
     gated: bool = False,
     gelu: bool = False,
-    x_amax: torch.Tensor | None = None,
-    amax_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fp8_linear`` for inputs its caller has found ``supported`` (``fp8.linear`` asks once a
     product, not once to choose the path and again here); ``splits`` > 1: ``out`` is fp32 partials
-    [splits, M, N] (``fp8_partials``); ``gated``: ``fp8_gated``'s product (codes [2N, K]);
-    ``x_amax``: ``fp8_linear``'s; ``amax_out``: ``fp8_gated``'s ``amax``."""
+    [splits, M, N] (``fp8_partials``); ``gated``: ``fp8_gated``'s product (codes [2N, K])."""
     m, k = x.shape
     rows = codes.shape[0]  # weight rows a launch streams: both halves of a gated one
     n = rows // 2 if gated else rows
@@ -319,33 +260,21 @@ def launch(
     grouped = scale.shape[1] > 1
     block_k = block_k_for(m, grouped)
     block_m, block_n, stages = tiles(m, rows, block_k)
-    x_bytes = 1 if x_codes is not None else 2  # x_amax: x's 16-bit tile is what a stage holds
-    w8a8 = x_codes is not None or x_amax is not None
-    if w8a8 and k >= LONG_K and block_k * (x_bytes * block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
+    if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     if gated:  # a program streams both halves' rows of its columns
         block_n, stages = GATED_TILES[m > 16]
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    if (gated and x_amax is not None) or (amax_out is not None and not gated):
-        raise ValueError("amax partials are written by a gated launch and read by a plain one")
-    if amax_out is not None and (
-        amax_out.shape != (grid[0], m) or amax_out.dtype != torch.float32 or not amax_out.is_contiguous()
-    ):
-        raise ValueError(f"amax_out must be contiguous fp32 [{grid[0]}, {m}] (``amax_partials``)")
     # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
     split = {"SPLIT": splits > 1, "K_SLICE": k // splits, "stride_os": out.stride(0) if splits > 1 else 0}
     if splits > 1:
         grid = (*grid, splits)
     xin, sx = (x, x) if x_codes is None else (x_codes[0], x_codes[1])
-    amax = x_amax if x_amax is not None else (amax_out if amax_out is not None else x)
-    parts = 0 if x_amax is None else x_amax.shape[0]  # a program reduces them BLOCK_P at a time
-    block_p = 1 if x_amax is None else min(triton.next_power_of_2(parts), max(1, 4096 // block_m))
     _fp8(
-        grid, xin, codes, scale, out, x if bias is None else bias, sx, amax, m, n, k,
+        grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **split, GATED=gated, GELU=gelu,
-        AMAX_OUT=amax_out is not None, X_AMAX=x_amax is not None, P=parts, BLOCK_P=block_p,
         **pdl.chained(x.device),
     )  # fmt: skip
     return out
@@ -422,7 +351,6 @@ __all__ = [
     "BLOCK_K",
     "CHANNEL_BLOCK_K",
     "LARGE_TILE",
-    "amax_partials",
     "block_k_for",
     "fp8_gated",
     "fp8_linear",
