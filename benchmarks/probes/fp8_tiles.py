@@ -6,7 +6,7 @@ layer's four products for the best tile of each against the engine's.
 
 ``--gated``: the gate-up product's fused form (``fp8_matmul.fp8_gated``: [2 I, K] codes, SiLU-and-mul
 in the epilogue) at the 8B shape instead, BLOCK_N counting each half's columns, with 4 or 8 warps;
-``--gated --walk``: the persistent walk's tiles instead (``fp8_walk``: one program an SM over
+``--gated --walk``: the persistent walk's tiles instead (``fp8_gated_walk``: one program an SM over
 narrow tiles), each output compared with the engine's bit for bit.
 
     PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--gated [--walk]] [--out DIR]
@@ -51,9 +51,9 @@ def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gate
 
 
 def walk_sweep(x, xq, codes, scale, want: torch.Tensor, rep_ms: int) -> dict:
-    """The persistent walk's tiles (``fp8_walk``: columns a half, K step, stages, warps), each
+    """The persistent walk's tiles (``fp8_gated_walk``: columns a half, K step, stages, warps), each
     output compared with the per-tile kernel's bit for bit."""
-    from prefixserve.model.kernels.fp8_walk import gated_walk
+    from prefixserve.model.kernels.fp8_gated_walk import gated_walk
 
     found = {}
     for bn, bk, st, warps in itertools.product((16, 32), (128, 256), (4, 6, 8), (4,)):

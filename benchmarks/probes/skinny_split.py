@@ -15,8 +15,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 ``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
 ``--switch moe_parts``: each MoE layer's expert outputs summed by the next norm, not a combine kernel,
 ``fused.moe_parts_to_norm``; ``--switch gate_up_walk``: the FP8 fused gate-up product as one
-program an SM walking narrow tiles, ``fp8_walk``, not a program a tile, ``fused.gate_up_walks``
-(``--switch product_walk``: the unsplit W8A8 products alike, ``fused.product_walks``);
+program an SM walking narrow tiles, ``fp8_gated_walk``, not a program a tile, ``fused.gate_up_walks``;
 ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
@@ -115,7 +114,6 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "router_split": fused.router_split_k,
     "moe_parts": fused.moe_parts_to_norm,
     "gate_up_walk": fused.gate_up_walks,
-    "product_walk": fused.product_walks,
 }
 
 

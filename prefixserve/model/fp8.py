@@ -183,12 +183,7 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
         static = layer.input_scale if act == "static" else None
         triton_ok = _triton_takes(x2) and fp8_matmul.supported(x2, codes, scale, bias)
         if act is not None and triton_ok and x2.shape[0] <= MAX_ROWS:  # W8A8 on the Triton kernel
-            x_codes = _x_codes(layer, x, x2)
-            if out is None and bias is None and scale.shape[1] == 1 and _walk_taken():
-                from prefixserve.model.kernels.fp8_walk import walk
-
-                return walk(x2, codes, scale, x_codes).view(*lead, -1)
-            return fp8_matmul.launch(x2, codes, scale, bias, out, x_codes).view(*lead, -1)
+            return fp8_matmul.launch(x2, codes, scale, bias, out, _x_codes(layer, x, x2)).view(*lead, -1)
         if act is not None and scaled_mm_takes(x2, codes):
             rows = rows_of(x) if act == "dynamic" else None  # made by the kernel before, amax / 448
             y = scaled_mm(x2, codes, scale, bias, static, rows)
@@ -199,13 +194,6 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
     if out is not None:
         return out.copy_(y)
     return y.view(*lead, -1)
-
-
-def _walk_taken() -> bool:
-    """Whether unsplit W8A8 decode products walk narrow tiles (``fused.product_walks``)."""
-    from prefixserve.model import fused
-
-    return fused.walk_taken("product")
 
 
 def partials(layer: nn.Module, x: torch.Tensor, splits: int) -> torch.Tensor | None:
@@ -243,8 +231,8 @@ def gated(
 
     if not fp8_matmul.supported(x, codes, scale):  # (16-bit x: ``gate_up_taken`` said Triton)
         return None
-    if fused.walk_taken("gate_up"):  # one program an SM over narrow tiles: the same bits
-        from prefixserve.model.kernels.fp8_walk import gated_walk
+    if fused.gate_up_walk_taken():  # one program an SM over narrow tiles: the same bits
+        from prefixserve.model.kernels.fp8_gated_walk import gated_walk
 
         act = gated_walk(x, codes, scale, _x_codes(layer, x), gelu)
     else:

@@ -39,7 +39,6 @@ _SWITCHES = {
     "peer_norm": True,
     "moe_parts": True,
     "gate_up_walk": True,
-    "product_walk": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -68,23 +67,16 @@ def gate_up_taken(x: torch.Tensor) -> bool:
     return _SWITCHES["gate_up"] and _use_triton(x)
 
 
-def walk_taken(product: str) -> bool:
-    """Whether an FP8 decode product ("gate_up": the fused gate-up; "product": an unsplit W8A8 one)
-    runs as persistent programs walking narrow tiles (``fp8_walk``): ``gate_up_walks``,
-    ``product_walks``."""
-    return _SWITCHES[f"{product}_walk"]
+def gate_up_walk_taken() -> bool:
+    """Whether an FP8 fused gate-up product runs as persistent programs walking narrow tiles
+    (``fp8_gated_walk``) rather than a program a tile (``gate_up_walks``)."""
+    return _SWITCHES["gate_up_walk"]
 
 
 def gate_up_walks(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Within the block, FP8 fused gate-up products walk narrow tiles (True) or run a program a
     64-column tile (False): A/B runs."""
     return _switched("gate_up_walk", enabled)
-
-
-def product_walks(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, unsplit FP8 W8A8 decode products walk narrow tiles (True) or run a
-    program a tile (False): A/B runs."""
-    return _switched("product_walk", enabled)
 
 
 @contextmanager
@@ -563,6 +555,7 @@ __all__ = [
     "add_rms_norm",
     "apply_rope",
     "gate_up_kernels",
+    "gate_up_walk_taken",
     "gate_up_walks",
     "linear",
     "linear_partials",
@@ -572,7 +565,6 @@ __all__ = [
     "moe_route",
     "moe_routed_experts",
     "moe_routing_in_experts",
-    "product_walks",
     "qkv_partials",
     "qkv_with_v",
     "rope_cos_sin",
@@ -591,5 +583,4 @@ __all__ = [
     "split_k_taken",
     "summed_partials",
     "triton_kernels",
-    "walk_taken",
 ]

@@ -1,13 +1,12 @@
-"""FP8 W8A8 products of a decode step's rows as persistent programs walking narrow tiles.
+"""The FP8 fused gate-up product of a decode step's rows as persistent programs walking narrow tiles.
 
-``fp8_matmul`` runs a program a column tile: the 8B shape's fused gate-up (I = 14,336 columns a half,
-64 a program) is 224 programs on 132 SMs and its qkv (6,144 columns, 32 a program) 192, so some SMs
-stream two programs' weights and others one, and the step waits for the busiest. Here one program an
-SM walks every PROGRAMS-th tile of ``BLOCK_N`` columns (16: the gate-up's 896 tiles, six or seven a
-program), its loop flattened over (tile, K step) so the software pipeline keeps loading across a
-tile's end, where the epilogue (the scales, for the gate-up the activation rounded as the unfused pair
-rounds, the store) runs under a branch: Triton's persistent matmul pattern. Each output is the same
-fp32 sum in the same K order as the per-tile kernel's.
+``fp8_matmul.fp8_gated`` runs a program a 64-column tile of each half: the 8B shape's I = 14,336
+columns are 224 programs on 132 SMs, so some SMs stream two programs' weights and others one, and
+the step waits for the busiest. Here one program an SM walks every PROGRAMS-th tile of ``BLOCK_N``
+columns (16 a half: 896 tiles, six or seven a program), its loop flattened over (tile, K step) so the
+software pipeline keeps loading across a tile's end, where the epilogue (the scales, the activation
+rounded as the unfused pair rounds, the store) runs under a branch: Triton's persistent matmul
+pattern. Each output is the same fp32 sum in the same K order as the per-tile kernel's.
 """
 
 from __future__ import annotations
@@ -24,15 +23,14 @@ triton, tl = require_triton()
 # (BLOCK_N of each half, BLOCK_K, STAGES, warps) up to 16 rows and past them
 # (``benchmarks/probes/fp8_tiles.py --gated --walk``)
 WALK_TILES = ((16, 256, 6, 4), (16, 256, 4, 4))
-PRODUCT_WALK_TILES = ((16, 256, 6, 4), (16, 256, 6, 4))  # a plain product's: the per-tile kernel's K step
 
 
 @triton.jit(do_not_specialize=["M"])
-def _walk_kernel(
+def _gated_walk_kernel(
     x_ptr,  # [M, K] e4m3 codes of x
     sx_ptr,  # [M] fp32 row scales of x
-    w_ptr,  # [N, K] e4m3, or GATED [2N, K]: the gate rows, then the up rows
-    s_ptr,  # [N or 2N, 1] fp32 per-channel scales
+    w_ptr,  # [2N, K] e4m3: the gate rows, then the up rows
+    s_ptr,  # [2N, 1] fp32 per-channel scales
     out_ptr,  # [M, N]
     M,
     N,
@@ -46,7 +44,6 @@ def _walk_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PROGRAMS: tl.constexpr,
-    GATED: tl.constexpr = True,  # silu(x Wg^T) * (x Wu^T) (``fp8_matmul.fp8_gated``), else x W^T
     GELU: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
@@ -75,23 +72,20 @@ def _walk_kernel(
         k_ok = (k0 + offs_k) < K
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
         w = tl.load(w_rows, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATED:
-            w_up = tl.load(w_rows + N * stride_wn, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w_up = tl.load(w_rows + N * stride_wn, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(
             x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :],
             mask=m_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        if GATED:
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         acc = tl.dot(x, tl.trans(w), acc)
         if ki == k_steps - 1:
             s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
             sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
-            out = acc * tl.load(s_rows, mask=n_ok, other=0.0)[None, :] * sx
-            if GATED:
-                up = acc_up * tl.load(s_rows + N * stride_sn, mask=n_ok, other=0.0)[None, :] * sx
-                out = silu_mul(out, up, dtype, GELU)
+            gate = acc * tl.load(s_rows, mask=n_ok, other=0.0)[None, :] * sx
+            up = acc_up * tl.load(s_rows + N * stride_sn, mask=n_ok, other=0.0)[None, :] * sx
+            out = silu_mul(gate, up, dtype, GELU)
             tl.store(
                 out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                 out.to(dtype),
@@ -103,44 +97,28 @@ def _walk_kernel(
         launch_dependents()
 
 
-def walk(
+def gated_walk(
     x: torch.Tensor,  # [M, K] 16-bit (its shape and dtype; the product reads its codes)
-    codes: torch.Tensor,  # [N, K] e4m3, or gated [2N, K]
-    scale: torch.Tensor,  # [N or 2N, 1] fp32
+    codes: torch.Tensor,  # [2N, K] e4m3
+    scale: torch.Tensor,  # [2N, 1] fp32
     x_codes: tuple[torch.Tensor, torch.Tensor],  # x's e4m3 codes [M, K] and row scales [M]
-    gated: bool = False,
     gelu: bool = False,
-    tile: tuple[int, ...] | None = None,  # (BLOCK_N, BLOCK_K, STAGES[, warps]); default by rows
+    tile: tuple[int, ...] | None = None,  # (BLOCK_N, BLOCK_K, STAGES[, warps]); default ``WALK_TILES``
 ) -> torch.Tensor:
-    """``fp8_matmul.fp8_linear``'s W8A8 output (per-channel weights, x's codes, no bias), or with
-    ``gated`` ``fp8_gated``'s, one program an SM."""
+    """``fp8_matmul.fp8_gated``'s W8A8 output (per-channel weights, x's codes), one program an SM."""
     m, k = x.shape
-    n = codes.shape[0] // 2 if gated else codes.shape[0]
-    block_n, block_k, stages, warps = (*(tile or (WALK_TILES if gated else PRODUCT_WALK_TILES)[m > 16]), 4)[
-        :4
-    ]
+    n = codes.shape[0] // 2
+    block_n, block_k, stages, warps = (*(tile or WALK_TILES[m > 16]), 4)[:4]
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     programs = min(num_sms(x.device), triton.cdiv(n, block_n) * triton.cdiv(m, block_m))
     xq, sx = x_codes
-    _walk_kernel[(programs,)](
+    _gated_walk_kernel[(programs,)](
         xq, sx, codes, scale, out, m, n, k, xq.stride(0), codes.stride(0), scale.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PROGRAMS=programs, GATED=gated,
-        GELU=gelu, num_warps=warps, **pdl.chained(x.device),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PROGRAMS=programs, GELU=gelu,
+        num_warps=warps, **pdl.chained(x.device),
     )  # fmt: skip
     return out
 
 
-def gated_walk(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    x_codes: tuple[torch.Tensor, torch.Tensor],
-    gelu: bool = False,
-    tile: tuple[int, ...] | None = None,
-) -> torch.Tensor:
-    """``walk`` of a fused gate-up layer: ``fp8_matmul.fp8_gated``'s output."""
-    return walk(x, codes, scale, x_codes, True, gelu, tile)
-
-
-__all__ = ["PRODUCT_WALK_TILES", "WALK_TILES", "gated_walk", "walk"]
+__all__ = ["WALK_TILES", "gated_walk"]
