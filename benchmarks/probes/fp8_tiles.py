@@ -5,11 +5,9 @@ checked against the dequantized reference first; graph replays with L2 flushed, 
 layer's four products for the best tile of each against the engine's.
 
 ``--gated``: the gate-up product's fused form (``fp8_matmul.fp8_gated``: [2 I, K] codes, SiLU-and-mul
-in the epilogue) at the 8B shape instead, BLOCK_N counting each half's columns, with 4 or 8 warps;
-``--gated --walk``: the persistent walk's tiles instead (``fp8_gated_walk``: one program an SM over
-narrow tiles), each output compared with the engine's bit for bit.
+in the epilogue) at the 8B shape instead, BLOCK_N counting each half's columns, with 4 or 8 warps.
 
-    PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--gated [--walk]] [--out DIR]
+    PYTHONPATH=. python -m benchmarks.probes.fp8_tiles [--rows 1 64] [--gated] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,33 +48,8 @@ def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gate
     return run
 
 
-def walk_sweep(x, xq, codes, scale, want: torch.Tensor, rep_ms: int) -> dict:
-    """The persistent walk's tiles (``fp8_gated_walk``: columns a half, K step, stages, warps), each
-    output compared with the per-tile kernel's bit for bit."""
-    from prefixserve.model.kernels.fp8_gated_walk import gated_walk
-
-    found = {}
-    for bn, bk, st, warps in itertools.product((16, 32), (128, 256), (4, 6, 8), (4,)):
-        block_m = fp8_matmul.tiles(x.shape[0], codes.shape[0] // 2, bk)[0]
-        if bk * (block_m + 2 * bn) * st > fp8_matmul.SHARED_BYTES:
-            continue
-
-        def run(t=(bn, bk, st, warps)) -> torch.Tensor:
-            return gated_walk(x, codes, scale, xq, tile=t)
-
-        same = bool(torch.equal(run(), want))
-        found[f"{bn}x{bk}x{st}w{warps}"] = {"us": 1e3 * bench_ms(graphed(run), rep_ms), "same_bits": same}
-    top = sorted(found, key=lambda t: found[t]["us"])[:4]
-    print(
-        f"walk M={x.shape[0]}: "
-        + ", ".join(f"{t} {found[t]['us']:.1f} ({found[t]['same_bits']})" for t in top)
-    )
-    return found
-
-
-def gated_sweep(rows: list[int], rep_ms: int, walk: bool = False) -> list[dict]:
-    """The fused gate-up form's tiles at the 8B shape (I = 14,336, K = 4,096) against the engine's;
-    ``walk``: the persistent walk's too (``walk_sweep``)."""
+def gated_sweep(rows: list[int], rep_ms: int) -> list[dict]:
+    """The fused gate-up form's tiles at the 8B shape (I = 14,336, K = 4,096) against the engine's."""
     from prefixserve.model.kernels.silu_mul import silu_and_mul_ref
 
     inter, k = 14336, 4096
@@ -90,8 +63,7 @@ def gated_sweep(rows: list[int], rep_ms: int, walk: bool = False) -> list[dict]:
         out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
         engine = 1e3 * bench_ms(graphed(lambda x=x, q=xq: fp8_matmul.fp8_gated(x, codes, scale, q)), rep_ms)
         row = {"layer": "gate_up_gated", "M": m, "N": inter, "K": k, "engine_us": engine, "tiles": {}}
-        grid = itertools.product((16, 32, 64), (256,), (2, 3, 4, 6), (4, 8))
-        for bn, bk, st, warps in [] if walk else grid:  # with --walk the engine's tile stands for them
+        for bn, bk, st, warps in itertools.product((16, 32, 64), (256,), (2, 3, 4, 6), (4, 8)):
             block_m = fp8_matmul.tiles(m, inter, bk)[0]
             if bk * (block_m + 2 * bn) * st > fp8_matmul.SHARED_BYTES:
                 continue
@@ -102,9 +74,7 @@ def gated_sweep(rows: list[int], rep_ms: int, walk: bool = False) -> list[dict]:
                 row["tiles"][key] = {"error": err}
                 continue
             row["tiles"][key] = {"us": 1e3 * bench_ms(graphed(run), rep_ms)}
-        if walk:
-            row["walk"] = walk_sweep(x, xq, codes, scale, fp8_matmul.fp8_gated(x, codes, scale, xq), rep_ms)
-        timed = {t: v["us"] for t, v in row["tiles"].items() if "us" in v} or {"engine": engine}
+        timed = {t: v["us"] for t, v in row["tiles"].items() if "us" in v}
         row["best"] = min(timed, key=timed.get)
         row["best_us"] = timed[row["best"]]
         top = sorted(timed, key=timed.get)[:4]
@@ -122,11 +92,10 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=25)
     ap.add_argument("--out", default="/tmp/fp8_tiles")
     ap.add_argument("--gated", action="store_true", help="the fused gate-up form alone")
-    ap.add_argument("--walk", action="store_true", help="with --gated: the persistent walk's tiles too")
     args = ap.parse_args()
     started, rows = time.perf_counter(), []
     if args.gated:
-        rows = gated_sweep(args.rows, args.rep_ms, args.walk)
+        rows = gated_sweep(args.rows, args.rep_ms)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result = {"rows": rows, "wall_s": time.perf_counter() - started}
@@ -154,7 +123,7 @@ def main() -> None:
                     row["tiles"][f"{bn}x{bk}x{st}"] = {"error": err}
                     continue
                 row["tiles"][f"{bn}x{bk}x{st}"] = {"us": 1e3 * bench_ms(graphed(run), args.rep_ms)}
-            timed = {t: v["us"] for t, v in row["tiles"].items() if "us" in v} or {"engine": engine}
+            timed = {t: v["us"] for t, v in row["tiles"].items() if "us" in v}
             row["best"] = min(timed, key=timed.get)
             row["best_us"] = timed[row["best"]]
             rows.append(row)

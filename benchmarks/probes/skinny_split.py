@@ -14,9 +14,7 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 ``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
 ``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
 ``--switch moe_parts``: each MoE layer's expert outputs summed by the next norm, not a combine kernel,
-``fused.moe_parts_to_norm``; ``--switch gate_up_walk``: the FP8 fused gate-up product as one
-program an SM walking narrow tiles, ``fp8_gated_walk``, not a program a tile, ``fused.gate_up_walks``;
-``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
+``fused.moe_parts_to_norm``; ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
 (``quantization="fp8"``).
 
@@ -113,7 +111,6 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
     "moe_parts": fused.moe_parts_to_norm,
-    "gate_up_walk": fused.gate_up_walks,
 }
 
 

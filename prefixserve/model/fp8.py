@@ -231,12 +231,7 @@ def gated(
 
     if not fp8_matmul.supported(x, codes, scale):  # (16-bit x: ``gate_up_taken`` said Triton)
         return None
-    if fused.gate_up_walk_taken():  # one program an SM over narrow tiles: the same bits
-        from prefixserve.model.kernels.fp8_gated_walk import gated_walk
-
-        act = gated_walk(x, codes, scale, _x_codes(layer, x), gelu)
-    else:
-        act = fp8_matmul.fp8_gated(x, codes, scale, _x_codes(layer, x), gelu)
+    act = fp8_matmul.fp8_gated(x, codes, scale, _x_codes(layer, x), gelu)
     return attach_rows(act, *fp8_matmul.quantize_rows(act)) if quantize else act
 
 

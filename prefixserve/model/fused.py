@@ -38,7 +38,6 @@ _SWITCHES = {
     "staged_allreduce": True,
     "peer_norm": True,
     "moe_parts": True,
-    "gate_up_walk": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -65,18 +64,6 @@ def gate_up_taken(x: torch.Tensor) -> bool:
     """Whether a decode step's gate-up product of ``x`` may run with its activation fused (an FP8
     layer's ``fp8.gated``): the switch on (``gate_up_kernels``) and x on the Triton path."""
     return _SWITCHES["gate_up"] and _use_triton(x)
-
-
-def gate_up_walk_taken() -> bool:
-    """Whether an FP8 fused gate-up product runs as persistent programs walking narrow tiles
-    (``fp8_gated_walk``) rather than a program a tile (``gate_up_walks``)."""
-    return _SWITCHES["gate_up_walk"]
-
-
-def gate_up_walks(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Within the block, FP8 fused gate-up products walk narrow tiles (True) or run a program a
-    64-column tile (False): A/B runs."""
-    return _switched("gate_up_walk", enabled)
 
 
 @contextmanager
@@ -555,8 +542,6 @@ __all__ = [
     "add_rms_norm",
     "apply_rope",
     "gate_up_kernels",
-    "gate_up_walk_taken",
-    "gate_up_walks",
     "linear",
     "linear_partials",
     "linear_silu_and_mul",

@@ -134,36 +134,6 @@ def test_fp8_gated_matches_the_unfused_pair(m: int, n: int, k: int, gelu: bool) 
         fp8_gated(x, codes[1:], scale[1:], (xq, sx))
 
 
-@pytest.mark.parametrize(
-    "m, n, k, tile",
-    [
-        (1, 40, 256, (16, 256, 6)),
-        (5, 33, 200, (16, 128, 3)),
-        (17, 64, 384, (32, 256, 2)),
-        (64, 48, 1000, (16, 256, 4)),
-        (3, 100, 512, (16, 256, 3)),  # seven tiles over four programs
-    ],
-)
-@pytest.mark.parametrize("gelu", [False, True])
-def test_gated_walk_equals_the_gated_kernel(m: int, n: int, k: int, tile: tuple, gelu: bool) -> None:
-    """Persistent programs walking narrow gate-up tiles (``fp8_gated_walk``: the loop flattened over
-    tiles and K steps, fewer programs than tiles on the interpreter's SMs) give ``fp8_gated``'s
-    output: the same sums in the same K order (bit for bit on a GPU); masked rows, columns and K."""
-    from prefixserve.model.kernels.fp8_gated_walk import gated_walk
-    from prefixserve.model.kernels.fp8_matmul import fp8_gated, quantize_rows
-
-    dtypes = DTYPES if tile[1] == 256 else DTYPES[:1]
-    for dtype in dtypes:
-        x, codes, scale = _operands(m, 2 * n, k, False, dtype, 3 * m + n + k)
-        x_codes = quantize_rows(x)
-        want = fp8_gated(x, codes, scale, x_codes, gelu=gelu)
-        got = gated_walk(x, codes, scale, x_codes, gelu=gelu, tile=tile)
-        if DEVICE.type == "cuda":
-            assert torch.equal(got, want)
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64])
 def test_pdl_chain_in_a_graph_equals_the_chain_without(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
