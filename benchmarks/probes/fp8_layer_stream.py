@@ -1,0 +1,94 @@
+"""Probe: a decode layer's FP8 products one after another against one stream over the same weights.
+
+A persistent layer kernel (``docs/kernels.md`` §10) would stream a layer's weights without each
+product's ramp and drain. Short of the data dependences between the products, its ceiling is one
+W8A8 product over the layer's K = 4,096 weights stacked (qkv, o and gate-up as one [N, 4,096]
+weight) beside the down product. Llama-3.1-8B shape, M in {1, 64}, each form a CUDA graph replayed
+with L2 flushed (``bench_ms``), us:
+
+  * ``chain``: the engine's four products in one graph (qkv; o and, at one row, down in two K
+    slices; the fused gate-up), launched as dependents as in a decode step;
+  * ``stacked``: one product over the stacked weight, then down as the chain runs it;
+  * ``bytes``: the layer's FP8 weight bytes over the copy rate measured in the run.
+
+    PYTHONPATH=. python -m benchmarks.probes.fp8_layer_stream [--rows 1 64] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.harness.info import run_info
+from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings
+from prefixserve.model import fp8
+from prefixserve.model.kernels.fp8_matmul import fp8_gated, fp8_linear, fp8_partials, quantize_rows
+
+HIDDEN, QKV, INTER = 4096, 6144, 14336
+
+
+def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8.quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
+
+
+def point(m: int, copy_tbps: float) -> dict:
+    """The three forms at ``m`` rows."""
+    qkv, o, gate_up, down = (_weights(QKV, HIDDEN), _weights(HIDDEN, HIDDEN), _weights(2 * INTER, HIDDEN),
+                             _weights(HIDDEN, INTER))  # fmt: skip
+    stacked = tuple(torch.cat(parts) for parts in zip(qkv, o, gate_up, strict=True))
+    x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    xi = torch.randn(m, INTER, device="cuda", dtype=torch.bfloat16)
+    xq, xiq = quantize_rows(x), quantize_rows(xi)
+    split = m == 1  # the engine's decode partials: o and down in two K slices at one row, o alone past it
+
+    def down_product() -> torch.Tensor:
+        return fp8_partials(xi, *down, 2, xiq) if split else fp8_linear(xi, *down, x_codes=xiq)
+
+    def chain() -> None:
+        fp8_linear(x, *qkv, x_codes=xq)
+        fp8_partials(x, *o, 2, xq)
+        fp8_gated(x, *gate_up, xq)
+        down_product()
+
+    def one_stream() -> None:
+        fp8_linear(x, *stacked, x_codes=xq)
+        down_product()
+
+    weight_bytes = sum(w.numel() for w, _ in (qkv, o, gate_up, down))
+    row = {
+        "M": m,
+        "chain_us": 1e3 * bench_ms(graphed(chain)),
+        "stacked_us": 1e3 * bench_ms(graphed(one_stream)),
+        "bytes_us": weight_bytes / (copy_tbps * 1e6),
+        "parts_us": {
+            "qkv": 1e3 * bench_ms(graphed(lambda: fp8_linear(x, *qkv, x_codes=xq))),
+            "o": 1e3 * bench_ms(graphed(lambda: fp8_partials(x, *o, 2, xq))),
+            "gate_up": 1e3 * bench_ms(graphed(lambda: fp8_gated(x, *gate_up, xq))),
+            "down": 1e3 * bench_ms(graphed(down_product)),
+            "stacked_k4096": 1e3 * bench_ms(graphed(lambda: fp8_linear(x, *stacked, x_codes=xq))),
+        },
+    }
+    print(
+        f"M={m}: chain {row['chain_us']:.1f} us, one stream + down {row['stacked_us']:.1f}, bytes "
+        f"{row['bytes_us']:.1f}; parts " + ", ".join(f"{k} {v:.1f}" for k, v in row["parts_us"].items()),
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    copy_tbps, _ = measure_ceilings(torch.device("cuda"))
+    rows = [point(m, copy_tbps) for m in args.rows]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**run_info(), "copy_TBps": copy_tbps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
