@@ -11,7 +11,12 @@ with L2 flushed (``bench_ms``), us:
   * ``stacked``: one product over the stacked weight, then down as the chain runs it;
   * ``bytes``: the layer's FP8 weight bytes over the copy rate measured in the run.
 
-    PYTHONPATH=. python -m benchmarks.probes.fp8_layer_stream [--rows 1 64] [--out FILE]
+``--layouts``: how fast a program-a-tile kernel can only read such a weight (159 MB of e4m3, its
+tiles summed so the loads stay), in the row-major layout the products read (a [32, 256] tile a
+step: 32 segments of 256 bytes, a row apart) against the same bytes laid out tile by tile (each
+step's 8 KB contiguous), TB/s.
+
+    PYTHONPATH=. python -m benchmarks.probes.fp8_layer_stream [--rows 1 64] [--layouts] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from benchmarks.harness.info import run_info
 from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings
 from prefixserve.model import fp8
 from prefixserve.model.kernels.fp8_matmul import fp8_gated, fp8_linear, fp8_partials, quantize_rows
+from prefixserve.triton_support import require_triton
+
+triton, tl = require_triton()
 
 HIDDEN, QKV, INTER = 4096, 6144, 14336
 
@@ -78,16 +86,57 @@ def point(m: int, copy_tbps: float) -> dict:
     return row
 
 
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, K, stride_wn, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr,
+                 STAGES: tl.constexpr):  # fmt: skip
+    """Program n reads rows [n BN, n BN + BN) over all of K, a [BN, BK] tile a step, and sums them."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, BN)
+    c = tl.arange(0, BK)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    steps = K // BK
+    for s in tl.range(0, steps, num_stages=STAGES):
+        if TILED:  # [N / BN, K / BK, BN, BK]: a step's tile is one contiguous block
+            ptr = w_ptr + (pid * steps + s) * (BN * BK) + r[:, None] * BK + c[None, :]
+        else:
+            ptr = w_ptr + (pid * BN + r)[:, None] * stride_wn + s * BK + c[None, :]
+        acc += tl.load(ptr).to(tl.float32)
+    tl.store(out_ptr + pid * BN + r, tl.sum(acc, 1))
+
+
+def layouts(copy_tbps: float) -> list[dict]:
+    """Read rates of the row-major and the tile-by-tile layouts (``--layouts``)."""
+    n, k = QKV + HIDDEN + 2 * INTER, HIDDEN
+    w = torch.randint(0, 100, (n, k), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)  # no NaN
+    rows = []
+    for bn, bk, stages in ((32, 256, 6), (16, 256, 6), (64, 256, 4), (32, 512, 4)):
+        tiled = w.view(n // bn, bn, k // bk, bk).transpose(1, 2).contiguous()
+        out = torch.empty(n, device="cuda", dtype=torch.float32)
+        for name, src in (("row_major", w), ("tiled", tiled)):
+
+            def run(src=src, out=out, t=name == "tiled", tile=(bn, bk, stages)) -> None:
+                grid = (n // tile[0],)
+                _read_kernel[grid](src, out, k, k, BN=tile[0], BK=tile[1], TILED=t, STAGES=tile[2])
+
+            us = 1e3 * bench_ms(graphed(run))
+            rows.append({"tile": [bn, bk, stages], "layout": name, "us": us, "TBps": n * k / us / 1e6})
+            print(f"read {bn}x{bk}x{stages} {name}: {us:.1f} us, {n * k / us / 1e6:.2f} TB/s "
+                  f"(copy rate {copy_tbps:.2f})", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--layouts", action="store_true", help="read rates of two weight layouts too")
     args = ap.parse_args()
     copy_tbps, _ = measure_ceilings(torch.device("cuda"))
     rows = [point(m, copy_tbps) for m in args.rows]
+    reads = layouts(copy_tbps) if args.layouts else []
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({**run_info(), "copy_TBps": copy_tbps, "rows": rows}, f, indent=1)
+            json.dump({**run_info(), "copy_TBps": copy_tbps, "rows": rows, "layouts": reads}, f, indent=1)
 
 
 if __name__ == "__main__":
