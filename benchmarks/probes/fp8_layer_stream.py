@@ -14,7 +14,7 @@ with L2 flushed (``bench_ms``), us:
 ``--layouts``: how fast a program-a-tile kernel can only read such a weight (159 MB of e4m3, its
 tiles summed so the loads stay), in the row-major layout the products read (a [32, 256] tile a
 step: 32 segments of 256 bytes, a row apart) against the same bytes laid out tile by tile (each
-step's 8 KB contiguous), TB/s.
+step's 8 KB contiguous), and torch's sum over 2 GiB (a read-only stream), TB/s.
 
     PYTHONPATH=. python -m benchmarks.probes.fp8_layer_stream [--rows 1 64] [--layouts] [--out FILE]
 """
@@ -106,9 +106,12 @@ def _read_kernel(w_ptr, out_ptr, K, stride_wn, BN: tl.constexpr, BK: tl.constexp
 
 def layouts(copy_tbps: float) -> list[dict]:
     """Read rates of the row-major and the tile-by-tile layouts (``--layouts``)."""
+    big = torch.ones(1 << 29, device="cuda", dtype=torch.float32)  # 2 GiB: torch's reduction, read only
+    rows = [{"layout": "torch_sum_2GiB", "TBps": big.numel() * 4 / (bench_ms(big.sum) * 1e9)}]
+    print(f"read torch.sum over 2 GiB: {rows[0]['TBps']:.2f} TB/s", flush=True)
+    del big
     n, k = QKV + HIDDEN + 2 * INTER, HIDDEN
     w = torch.randint(0, 100, (n, k), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)  # no NaN
-    rows = []
     for bn, bk, stages in ((32, 256, 6), (16, 256, 6), (64, 256, 4), (32, 512, 4)):
         tiled = w.view(n // bn, bn, k // bk, bk).transpose(1, 2).contiguous()
         out = torch.empty(n, device="cuda", dtype=torch.float32)
