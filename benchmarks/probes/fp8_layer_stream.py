@@ -14,9 +14,11 @@ with L2 flushed (``bench_ms``), us:
 ``--layouts``: how fast a program-a-tile kernel can only read such a weight (159 MB of e4m3, its
 tiles summed so the loads stay), in the row-major layout the products read (a [32, 256] tile a
 step: 32 segments of 256 bytes, a row apart) against the same bytes laid out tile by tile (each
-step's 8 KB contiguous), and torch's sum over 2 GiB (a read-only stream), TB/s.
+step's 8 KB contiguous), and torch's sum over 2 GiB (a read-only stream), TB/s. ``--sizes``: the
+bare read over 16 MB to 2 GiB and a line through its times (a launch's fixed cost, the rate it
+tends to).
 
-    PYTHONPATH=. python -m benchmarks.probes.fp8_layer_stream [--rows 1 64] [--layouts] [--out FILE]
+    PYTHONPATH=. python -m benchmarks.probes.fp8_layer_stream [--rows 1 64] [--layouts] [--sizes] [--out FILE]
 """
 
 from __future__ import annotations
@@ -128,15 +130,40 @@ def layouts(copy_tbps: float) -> list[dict]:
     return rows
 
 
+def sizes(copy_tbps: float) -> list[dict]:
+    """The bare read (32 x 512 tiles, 4 stages) over 16 MB to 2 GiB of e4m3 (``--sizes``): a launch's
+    fixed cost and the rate it tends to, from a least-squares line through time against bytes."""
+    k, rows = HIDDEN, []
+    for mb in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        n = (mb << 20) // k // 32 * 32
+        w = torch.randint(0, 100, (n, k), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)
+        out = torch.empty(n, device="cuda", dtype=torch.float32)
+
+        def run(w=w, out=out, n=n) -> None:
+            _read_kernel[(n // 32,)](w, out, k, k, BN=32, BK=512, TILED=False, STAGES=4)
+
+        us = 1e3 * bench_ms(graphed(run))
+        rows.append({"MB": n * k / 1e6, "us": us, "TBps": n * k / us / 1e6})
+        print(f"read {n * k / 1e6:8.1f} MB: {us:8.1f} us, {n * k / us / 1e6:.2f} TB/s", flush=True)
+        del w, out
+    x = torch.tensor([r["MB"] for r in rows], dtype=torch.float64)
+    y = torch.tensor([r["us"] for r in rows], dtype=torch.float64)
+    slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    fixed = float(y.mean() - slope * x.mean())
+    print(f"fit: {fixed:.1f} us a launch + bytes at {1 / slope:.2f} TB/s (copy rate {copy_tbps:.2f})")
+    return [*rows, {"fixed_us": fixed, "TBps_asymptote": 1 / slope}]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--out", default=None)
     ap.add_argument("--layouts", action="store_true", help="read rates of two weight layouts too")
+    ap.add_argument("--sizes", action="store_true", help="the bare read over 16 MB to 2 GiB, and a fit")
     args = ap.parse_args()
     copy_tbps, _ = measure_ceilings(torch.device("cuda"))
     rows = [point(m, copy_tbps) for m in args.rows]
-    reads = layouts(copy_tbps) if args.layouts else []
+    reads = (layouts(copy_tbps) if args.layouts else []) + (sizes(copy_tbps) if args.sizes else [])
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**run_info(), "copy_TBps": copy_tbps, "rows": rows, "layouts": reads}, f, indent=1)
