@@ -106,6 +106,22 @@ def _read_kernel(w_ptr, out_ptr, K, stride_wn, BN: tl.constexpr, BK: tl.constexp
     tl.store(out_ptr + pid * BN + r, tl.sum(acc, 1))
 
 
+def _codes(n: int, k: int) -> torch.Tensor:
+    """Random e4m3 codes [n, k] without NaN (bit patterns 0-99)."""
+    return torch.randint(0, 100, (n, k), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)
+
+
+def _read_us(src: torch.Tensor, n: int, k: int, tile: tuple[int, int, int], tiled: bool = False) -> float:
+    """us of the bare read of ``n`` x ``k`` codes in [BN, BK] tiles with ``tile``'s stages, graphed."""
+    bn, bk, stages = tile
+    out = torch.empty(n, device="cuda", dtype=torch.float32)
+
+    def run() -> None:
+        _read_kernel[(n // bn,)](src, out, k, k, BN=bn, BK=bk, TILED=tiled, STAGES=stages)
+
+    return 1e3 * bench_ms(graphed(run))
+
+
 def layouts(copy_tbps: float) -> list[dict]:
     """Read rates of the row-major and the tile-by-tile layouts (``--layouts``)."""
     big = torch.ones(1 << 29, device="cuda", dtype=torch.float32)  # 2 GiB: torch's reduction, read only
@@ -113,17 +129,11 @@ def layouts(copy_tbps: float) -> list[dict]:
     print(f"read torch.sum over 2 GiB: {rows[0]['TBps']:.2f} TB/s", flush=True)
     del big
     n, k = QKV + HIDDEN + 2 * INTER, HIDDEN
-    w = torch.randint(0, 100, (n, k), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)  # no NaN
+    w = _codes(n, k)
     for bn, bk, stages in ((32, 256, 6), (16, 256, 6), (64, 256, 4), (32, 512, 4)):
         tiled = w.view(n // bn, bn, k // bk, bk).transpose(1, 2).contiguous()
-        out = torch.empty(n, device="cuda", dtype=torch.float32)
         for name, src in (("row_major", w), ("tiled", tiled)):
-
-            def run(src=src, out=out, t=name == "tiled", tile=(bn, bk, stages)) -> None:
-                grid = (n // tile[0],)
-                _read_kernel[grid](src, out, k, k, BN=tile[0], BK=tile[1], TILED=t, STAGES=tile[2])
-
-            us = 1e3 * bench_ms(graphed(run))
+            us = _read_us(src, n, k, (bn, bk, stages), name == "tiled")
             rows.append({"tile": [bn, bk, stages], "layout": name, "us": us, "TBps": n * k / us / 1e6})
             print(f"read {bn}x{bk}x{stages} {name}: {us:.1f} us, {n * k / us / 1e6:.2f} TB/s "
                   f"(copy rate {copy_tbps:.2f})", flush=True)  # fmt: skip
@@ -136,16 +146,9 @@ def sizes(copy_tbps: float) -> list[dict]:
     k, rows = HIDDEN, []
     for mb in (16, 32, 64, 128, 256, 512, 1024, 2048):
         n = (mb << 20) // k // 32 * 32
-        w = torch.randint(0, 100, (n, k), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)
-        out = torch.empty(n, device="cuda", dtype=torch.float32)
-
-        def run(w=w, out=out, n=n) -> None:
-            _read_kernel[(n // 32,)](w, out, k, k, BN=32, BK=512, TILED=False, STAGES=4)
-
-        us = 1e3 * bench_ms(graphed(run))
+        us = _read_us(_codes(n, k), n, k, (32, 512, 4))
         rows.append({"MB": n * k / 1e6, "us": us, "TBps": n * k / us / 1e6})
         print(f"read {n * k / 1e6:8.1f} MB: {us:8.1f} us, {n * k / us / 1e6:.2f} TB/s", flush=True)
-        del w, out
     x = torch.tensor([r["MB"] for r in rows], dtype=torch.float64)
     y = torch.tensor([r["us"] for r in rows], dtype=torch.float64)
     slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
