@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -67,22 +68,29 @@ def point(m: int, copy_tbps: float) -> dict:
         down_product()
 
     weight_bytes = sum(w.numel() for w, _ in (qkv, o, gate_up, down))
+    parts = {
+        "qkv": graphed(lambda: fp8_linear(x, *qkv, x_codes=xq)),
+        "o": graphed(lambda: fp8_partials(x, *o, 2, xq)),
+        "gate_up": graphed(lambda: fp8_gated(x, *gate_up, xq)),
+        "down": graphed(down_product),
+        "stacked_k4096": graphed(lambda: fp8_linear(x, *stacked, x_codes=xq)),
+    }
     row = {
         "M": m,
         "chain_us": 1e3 * bench_ms(graphed(chain)),
+        "chain_clean_us": clean_flush_us(graphed(chain)),
         "stacked_us": 1e3 * bench_ms(graphed(one_stream)),
         "bytes_us": weight_bytes / (copy_tbps * 1e6),
-        "parts_us": {
-            "qkv": 1e3 * bench_ms(graphed(lambda: fp8_linear(x, *qkv, x_codes=xq))),
-            "o": 1e3 * bench_ms(graphed(lambda: fp8_partials(x, *o, 2, xq))),
-            "gate_up": 1e3 * bench_ms(graphed(lambda: fp8_gated(x, *gate_up, xq))),
-            "down": 1e3 * bench_ms(graphed(down_product)),
-            "stacked_k4096": 1e3 * bench_ms(graphed(lambda: fp8_linear(x, *stacked, x_codes=xq))),
-        },
+        "parts_us": {name: 1e3 * bench_ms(run) for name, run in parts.items()},
+        "parts_clean_us": {name: clean_flush_us(run) for name, run in parts.items()},
     }
     print(
-        f"M={m}: chain {row['chain_us']:.1f} us, one stream + down {row['stacked_us']:.1f}, bytes "
-        f"{row['bytes_us']:.1f}; parts " + ", ".join(f"{k} {v:.1f}" for k, v in row["parts_us"].items()),
+        f"M={m}: chain {row['chain_us']:.1f} us (after a clean flush {row['chain_clean_us']:.1f}), "
+        f"one stream + down {row['stacked_us']:.1f}, bytes "
+        f"{row['bytes_us']:.1f}; parts "
+        + ", ".join(f"{k} {v:.1f}" for k, v in row["parts_us"].items())
+        + "; after clean flushes "
+        + ", ".join(f"{k} {v:.1f}" for k, v in row["parts_clean_us"].items()),
         flush=True,
     )
     return row
@@ -140,21 +148,63 @@ def layouts(copy_tbps: float) -> list[dict]:
     return rows
 
 
+def clean_flush_us(fn: Callable[[], object], reps: int = 200) -> float:
+    """Median us of ``fn`` after L2 is flushed by a read of 256 MB (clean lines), where ``bench_ms``
+    flushes by writing 256 MB, leaving L2 full of dirty lines that ``fn``'s first reads write back."""
+    flush = torch.empty(1 << 26, device="cuda", dtype=torch.int32)
+    sink = torch.empty((), device="cuda", dtype=torch.int64)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(5):
+        fn()
+    for start, end in zip(starts, ends, strict=True):
+        torch.sum(flush, out=sink)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return 1e3 * float(torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]).median())
+
+
+def _size_point(n: int, k: int) -> dict:
+    """The bare read of ``n`` x ``k`` codes after each flush, and torch's int32 sum of them, us."""
+    codes = _codes(n, k)
+    out = torch.empty(n, device="cuda", dtype=torch.float32)
+    sink = torch.empty((), device="cuda", dtype=torch.int64)
+    words = codes.view(torch.int32)
+
+    def read() -> None:
+        _read_kernel[(n // 32,)](codes, out, k, k, BN=32, BK=512, TILED=False, STAGES=4)
+
+    mb = n * k / 1e6
+    row = {"MB": mb, "us": _read_us(codes, n, k, (32, 512, 4)), "clean_us": clean_flush_us(graphed(read)),
+           "torch_sum_clean_us": clean_flush_us(graphed(lambda: torch.sum(words, out=sink)))}  # fmt: skip
+    print(f"read {mb:8.1f} MB: {row['us']:8.1f} us ({mb / row['us']:.2f} TB/s); after a clean flush "
+          f"{row['clean_us']:8.1f} us ({mb / row['clean_us']:.2f}); torch's sum after one "
+          f"{row['torch_sum_clean_us']:8.1f} us ({mb / row['torch_sum_clean_us']:.2f})",
+          flush=True)  # fmt: skip
+    return row
+
+
 def sizes(copy_tbps: float) -> list[dict]:
     """The bare read (32 x 512 tiles, 4 stages) over 16 MB to 2 GiB of e4m3 (``--sizes``): a launch's
-    fixed cost and the rate it tends to, from a least-squares line through time against bytes."""
-    k, rows = HIDDEN, []
-    for mb in (16, 32, 64, 128, 256, 512, 1024, 2048):
-        n = (mb << 20) // k // 32 * 32
-        us = _read_us(_codes(n, k), n, k, (32, 512, 4))
-        rows.append({"MB": n * k / 1e6, "us": us, "TBps": n * k / us / 1e6})
-        print(f"read {n * k / 1e6:8.1f} MB: {us:8.1f} us, {n * k / us / 1e6:.2f} TB/s", flush=True)
+    fixed cost and the rate it tends to, from a least-squares line through time against bytes; each
+    size also after a clean flush, and torch's int32 sum of the same bytes after one."""
+    k = HIDDEN
+    sizes_mb = (16, 32, 64, 128, 159, 256, 512, 1024, 2048)
+    rows = [_size_point((mb << 20) // k // 32 * 32, k) for mb in sizes_mb]
     x = torch.tensor([r["MB"] for r in rows], dtype=torch.float64)
     y = torch.tensor([r["us"] for r in rows], dtype=torch.float64)
     slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
     fixed = float(y.mean() - slope * x.mean())
     print(f"fit: {fixed:.1f} us a launch + bytes at {1 / slope:.2f} TB/s (copy rate {copy_tbps:.2f})")
-    return [*rows, {"fixed_us": fixed, "TBps_asymptote": 1 / slope}]
+    fits = {"fixed_us": fixed, "TBps_asymptote": 1 / slope}
+    for key in ("clean_us", "torch_sum_clean_us"):
+        y = torch.tensor([r[key] for r in rows], dtype=torch.float64)
+        slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        fits[key] = {"fixed_us": float(y.mean() - slope * x.mean()), "TBps_asymptote": 1 / slope}
+        print(f"fit {key}: {fits[key]['fixed_us']:.1f} us + bytes at {1 / slope:.2f} TB/s")
+    return [*rows, fits]
 
 
 def main() -> None:
