@@ -158,7 +158,7 @@ def clean_flush_us(fn: Callable[[], object], reps: int = 200) -> float:
     for _ in range(5):
         fn()
     for start, end in zip(starts, ends, strict=True):
-        torch.sum(flush, out=sink)
+        torch.sum(flush, 0, out=sink)
         start.record()
         fn()
         end.record()
@@ -178,7 +178,7 @@ def _size_point(n: int, k: int) -> dict:
 
     mb = n * k / 1e6
     row = {"MB": mb, "us": _read_us(codes, n, k, (32, 512, 4)), "clean_us": clean_flush_us(graphed(read)),
-           "torch_sum_clean_us": clean_flush_us(graphed(lambda: torch.sum(words, out=sink)))}  # fmt: skip
+           "torch_sum_clean_us": clean_flush_us(graphed(lambda: torch.sum(words.view(-1), 0, out=sink)))}  # fmt: skip
     print(f"read {mb:8.1f} MB: {row['us']:8.1f} us ({mb / row['us']:.2f} TB/s); after a clean flush "
           f"{row['clean_us']:8.1f} us ({mb / row['clean_us']:.2f}); torch's sum after one "
           f"{row['torch_sum_clean_us']:8.1f} us ({mb / row['torch_sum_clean_us']:.2f})",
