@@ -1,6 +1,7 @@
 """Probe: one decode-sized product of the 8B shape's layers in bf16 and in FP8, per path, on a GPU.
 
-For M in {1, 16, 64} rows and Llama-3.1-8B's fused qkv, o, gate-up and down shapes: cuBLAS bf16
+For M in {1, 16, 64} rows (``--rows``: others, such as cuBLASLt's range past 64) and Llama-3.1-8B's
+fused qkv, o, gate-up and down shapes: cuBLAS bf16
 (``F.linear``), the engine's bf16 path (``fused.linear``: the skinny kernel where it won), the FP8
 W8A16 kernel (``fp8_linear``: e4m3 codes converted in registers), the same kernel on x's e4m3 codes
 (W8A8: ``quantize_rows`` then FP8 tensor-core products, no conversion) and cuBLASLt's
@@ -95,6 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/fp8_gemm")
     ap.add_argument("--prefill", action="store_true", help="the products at 8,192 rows (prefill)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64], help="M of the decode products")
     args = ap.parse_args()
     if args.prefill:
         out = Path(args.out)
@@ -106,7 +108,7 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         codes, scale = fp8.quantize_rows(w)
-        for m in (1, 16, 64):
+        for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             paths = {
                 "bf16_cublas": lambda x=x, w=w: F.linear(x, w),
