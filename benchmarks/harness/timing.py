@@ -17,6 +17,27 @@ def bench_ms(fn: Callable[[], Any], rep_ms: int = 60, warmup: int = 15) -> float
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep_ms, return_mode="median"))
 
 
+def bench_clean_us(fn: Callable[[], Any], reps: int = 200) -> float:
+    """Median us of ``fn`` with L2 flushed before each repeat by a read of 256 MB (clean lines).
+    ``bench_ms`` flushes by writing 256 MB: L2 is left full of dirty lines that ``fn``'s first reads
+    must write back, about 6 us more for a kernel that streams its bytes once (H200, kernels.md §10);
+    a decode step's kernels find L2 holding the layer before's weights, clean."""
+    flush = torch.empty(1 << 26, device="cuda", dtype=torch.int32)
+    sink = torch.empty((), device="cuda", dtype=torch.int64)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(5):
+        fn()
+    for start, end in zip(starts, ends, strict=True):
+        torch.sum(flush, 0, out=sink)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
+    return 1e3 * float(times.median())
+
+
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """Capture fn in a CUDA graph (decode steps run under graphs); its replay, or fn if capture fails."""
     try:

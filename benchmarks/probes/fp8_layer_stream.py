@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 
 import torch
 
 from benchmarks.harness.info import run_info
-from benchmarks.harness.timing import bench_ms, graphed, measure_ceilings
+from benchmarks.harness.timing import bench_clean_us, bench_ms, graphed, measure_ceilings
 from prefixserve.model import fp8
 from prefixserve.model.kernels.fp8_matmul import fp8_gated, fp8_linear, fp8_partials, quantize_rows
 from prefixserve.triton_support import require_triton
@@ -78,11 +77,11 @@ def point(m: int, copy_tbps: float) -> dict:
     row = {
         "M": m,
         "chain_us": 1e3 * bench_ms(graphed(chain)),
-        "chain_clean_us": clean_flush_us(graphed(chain)),
+        "chain_clean_us": bench_clean_us(graphed(chain)),
         "stacked_us": 1e3 * bench_ms(graphed(one_stream)),
         "bytes_us": weight_bytes / (copy_tbps * 1e6),
         "parts_us": {name: 1e3 * bench_ms(run) for name, run in parts.items()},
-        "parts_clean_us": {name: clean_flush_us(run) for name, run in parts.items()},
+        "parts_clean_us": {name: bench_clean_us(run) for name, run in parts.items()},
     }
     print(
         f"M={m}: chain {row['chain_us']:.1f} us (after a clean flush {row['chain_clean_us']:.1f}), "
@@ -148,24 +147,6 @@ def layouts(copy_tbps: float) -> list[dict]:
     return rows
 
 
-def clean_flush_us(fn: Callable[[], object], reps: int = 200) -> float:
-    """Median us of ``fn`` after L2 is flushed by a read of 256 MB (clean lines), where ``bench_ms``
-    flushes by writing 256 MB, leaving L2 full of dirty lines that ``fn``'s first reads write back."""
-    flush = torch.empty(1 << 26, device="cuda", dtype=torch.int32)
-    sink = torch.empty((), device="cuda", dtype=torch.int64)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for _ in range(5):
-        fn()
-    for start, end in zip(starts, ends, strict=True):
-        torch.sum(flush, 0, out=sink)
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return 1e3 * float(torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]).median())
-
-
 def _size_point(n: int, k: int) -> dict:
     """The bare read of ``n`` x ``k`` codes after each flush, and torch's int32 sum of them, us."""
     codes = _codes(n, k)
@@ -177,8 +158,9 @@ def _size_point(n: int, k: int) -> dict:
         _read_kernel[(n // 32,)](codes, out, k, k, BN=32, BK=512, TILED=False, STAGES=4)
 
     mb = n * k / 1e6
-    row = {"MB": mb, "us": _read_us(codes, n, k, (32, 512, 4)), "clean_us": clean_flush_us(graphed(read)),
-           "torch_sum_clean_us": clean_flush_us(graphed(lambda: torch.sum(words.view(-1), 0, out=sink)))}  # fmt: skip
+    flat = words.view(-1)
+    row = {"MB": mb, "us": _read_us(codes, n, k, (32, 512, 4)), "clean_us": bench_clean_us(graphed(read)),
+           "torch_sum_clean_us": bench_clean_us(graphed(lambda: torch.sum(flat, 0, out=sink)))}  # fmt: skip
     print(f"read {mb:8.1f} MB: {row['us']:8.1f} us ({mb / row['us']:.2f} TB/s); after a clean flush "
           f"{row['clean_us']:8.1f} us ({mb / row['clean_us']:.2f}); torch's sum after one "
           f"{row['torch_sum_clean_us']:8.1f} us ({mb / row['torch_sum_clean_us']:.2f})",
