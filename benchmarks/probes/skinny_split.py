@@ -111,6 +111,7 @@ SWITCHES = {  # --switch: what --engine-ab turns
     "moe_route": fused.moe_routing_in_experts,
     "router_split": fused.router_split_k,
     "moe_parts": fused.moe_parts_to_norm,
+    "fp8_mid": fused.fp8_mid_products,
 }
 
 

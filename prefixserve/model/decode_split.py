@@ -5,7 +5,9 @@ can be cut into K slices whose fp32 partials that norm sums (``fused.add_rms_nor
 each program is then a (column tile, slice), where one column tile a program leaves SMs idle
 (``benchmarks/probes/skinny_split.py``, H200, the product then the add-RMSNorm, 2 slices against one;
 docs/kernels.md §7): bf16 up to ``MAX_N`` columns (Qwen3-30B-A3B's o, 64 tiles); FP8 W8A8 up to
-``FP8_ROWS`` rows, and past them the products of K and N at most ``FP8_MAX_SIDE`` (the 8B's o). K at
+``FP8_ROWS`` rows, and past them the products of K and N at most ``FP8_MAX_SIDE`` (the 8B's o); past
+64 rows, up to ``fp8_matmul.MID_ROWS``, FP8 W8A8 in ``MID_SPLITS`` slices on the Triton kernel's
+``MID_TILE``, where cuBLASLt's one GEMM leaves SMs idle (``benchmarks/probes/fp8_mid_rows.py``). K at
 least ``MIN_K`` (the products measured: 4,096 and 14,336; a short K's programs are short). A
 direct MoE step's router (``router_partials``) in ``ROUTER_SPLITS`` slices, which the up kernel
 sums where it routes (``fused_moe.routed_forward``). Its own module: the rule needs both the fused
@@ -23,25 +25,30 @@ MIN_K = 4096
 MAX_N = 2048
 FP8_ROWS = 16
 FP8_MAX_SIDE = 4096
+MID_SPLITS = 2  # FP8 W8A8 past 64 rows up to ``fp8_matmul.MID_ROWS`` (``fp8_mid_rows.py``, H200)
 ROUTER_SPLITS = 8  # Qwen3-30B-A3B's router at 1-2 rows: 5.0 -> 2.3 us (skinny_split.py, H200)
 
 
 def partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
     """fp32 split-K partials [S, T, N] of ``layer(x)`` (a replicated, bias-free projection) where the
     rule above takes the product, for the norm after it to sum; None: run the product whole."""
-    from prefixserve.model.kernels import skinny_matmul
+    from prefixserve.model.kernels import fp8_matmul, skinny_matmul
 
     rows, k = x.shape
-    if not (fused.split_k_taken(x) and rows <= skinny_matmul.MAX_ROWS) or k < MIN_K:
+    if not fused.split_k_taken(x) or k < MIN_K:
         return None
     if getattr(layer, "bias", None) is not None or not skinny_matmul.hopper(x.device):
         return None
     n = layer.weight.shape[0]
     if layer.weight.dtype == fp8.FP8:
-        if rows <= FP8_ROWS or max(k, n) <= FP8_MAX_SIDE:
+        if rows <= FP8_ROWS or (rows <= skinny_matmul.MAX_ROWS and max(k, n) <= FP8_MAX_SIDE):
             return fp8.partials(layer, x, SPLITS)
+        if skinny_matmul.MAX_ROWS < rows <= fp8_matmul.MID_ROWS and fused.fp8_mid_taken():
+            return fp8.partials(layer, x, MID_SPLITS)
         return None
-    if n > MAX_N or not skinny_matmul.supported(x, layer.weight) or k % (SPLITS * skinny_matmul.BLOCK_K):
+    if rows > skinny_matmul.MAX_ROWS or n > MAX_N or not skinny_matmul.supported(x, layer.weight):
+        return None
+    if k % (SPLITS * skinny_matmul.BLOCK_K):
         return None
     return skinny_matmul.skinny_partials(x, layer.weight, SPLITS)
 
@@ -67,6 +74,7 @@ __all__ = [
     "FP8_MAX_SIDE",
     "FP8_ROWS",
     "MAX_N",
+    "MID_SPLITS",
     "MIN_K",
     "ROUTER_SPLITS",
     "SPLITS",

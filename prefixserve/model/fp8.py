@@ -198,12 +198,15 @@ def linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -
 
 def partials(layer: nn.Module, x: torch.Tensor, splits: int) -> torch.Tensor | None:
     """fp32 split-K partials [splits, M, N] of ``linear(layer, x)`` on its W8A8 Triton path (a decode
-    step's rows, per-channel weights, x quantized per token or by its static scale, no bias), for a
-    kernel next that sums them (``decode_split.partials``); None where that path does not take it."""
+    step's rows, up to ``fp8_matmul.MID_ROWS`` where ``decode_split`` asks past ``MAX_ROWS``;
+    per-channel weights, x quantized per token or by its static scale, no bias), for a kernel next
+    that sums them (``decode_split.partials``); None where that path does not take it."""
     from prefixserve.model.kernels import fp8_matmul
 
     codes, scale = layer.weight, layer.weight_scale
-    if weight_only(layer) or layer.bias is not None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
+    if weight_only(layer) or layer.bias is not None or x.dim() != 2:
+        return None
+    if not 0 < x.shape[0] <= fp8_matmul.MID_ROWS:
         return None
     if (x.is_cuda and not fp8_gpu(x.device)) or not fp8_matmul.supported(x, codes, scale):
         return None

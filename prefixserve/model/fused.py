@@ -38,6 +38,7 @@ _SWITCHES = {
     "staged_allreduce": True,
     "peer_norm": True,
     "moe_parts": True,
+    "fp8_mid": True,
 }
 # k_cache, v_cache, slot per token (int64); an FP8 cache's carries its scales (kv_quant.with_scales)
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -58,6 +59,18 @@ def router_split_taken(x: torch.Tensor) -> bool:
     split-K partials: the switches on (``moe_routing_in_experts``, ``router_split_k``,
     ``split_k_products``) and x on the Triton path."""
     return _SWITCHES["moe_route_in_up"] and _SWITCHES["router_split"] and split_k_taken(x)
+
+
+def fp8_mid_taken() -> bool:
+    """Whether FP8 W8A8 products past 64 rows (up to ``fp8_matmul.MID_ROWS``) before a norm run on
+    the Triton kernel in K slices (``decode_split``): the switch (``fp8_mid_products``)."""
+    return _SWITCHES["fp8_mid"]
+
+
+def fp8_mid_products(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Within the block, FP8 products past 64 rows before a norm may run in K slices on the Triton
+    kernel (True) or as cuBLASLt's one GEMM (False): A/B runs."""
+    return _switched("fp8_mid", enabled)
 
 
 def gate_up_taken(x: torch.Tensor) -> bool:

@@ -38,7 +38,9 @@ def test_skinny_partials_refuse_a_k_the_slices_do_not_divide() -> None:
         skinny_partials(x, w, 2)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "splits"), [(1, 40, 512, 2), (17, 100, 1536, 3), (64, 33, 1024, 2)])
+@pytest.mark.parametrize(  # 96 rows: past the decode tiles, W8A8 on ``MID_TILE``
+    ("m", "n", "k", "splits"), [(1, 40, 512, 2), (17, 100, 1536, 3), (64, 33, 1024, 2), (96, 136, 1024, 2)]
+)
 @pytest.mark.parametrize("form", ["w8a16", "w8a8", "grouped"])
 def test_fp8_partials_sum_to_the_product(m: int, n: int, k: int, splits: int, form: str) -> None:
     gen = torch.Generator().manual_seed(m * n + k)
@@ -165,3 +167,17 @@ def test_the_decode_rule_takes_the_products_it_names(monkeypatch: pytest.MonkeyP
     assert decode_split.partials(x(3, 512), quantized(128, 512)).shape == (2, 3, 128)  # FP8, a few rows
     assert decode_split.partials(x(8, 512), quantized(128, 512)).shape == (2, 8, 128)  # both sides small
     assert decode_split.partials(x(8, 1024), quantized(128, 1024)) is None  # more rows, K too long
+    # past the decode kernels' 64 rows up to MID_ROWS: FP8 W8A8 in MID_SPLITS planes, unless switched off
+    from prefixserve.model.kernels import fp8_matmul
+
+    monkeypatch.setattr(fp8_matmul, "MID_ROWS", 80)
+    inp, layer = x(72, 1024), quantized(128, 1024)
+    parts = decode_split.partials(inp, layer)
+    assert parts.shape == (decode_split.MID_SPLITS, 72, 128)
+    codes, scales = quantize_rows(inp)  # the kernel's codes (the interpreter's e4m3 cast is not torch's)
+    want = (codes.double() * scales.double()) @ fp8.dequantize(layer.weight, layer.weight_scale).double().T
+    torch.testing.assert_close(parts.sum(0).double(), want, rtol=1e-3, atol=1e-3)
+    assert decode_split.partials(x(81, 1024), quantized(128, 1024)) is None  # past MID_ROWS: cuBLASLt
+    assert decode_split.partials(x(72, 1024), dense(64, 1024)) is None  # bf16 past 64 rows: not here
+    with fused.fp8_mid_products(False):
+        assert decode_split.partials(inp, layer) is None

@@ -34,6 +34,11 @@ LONG_K, LONG_K_STAGES = 8192, 8  # W8A8 over K >= LONG_K: this many stages (fp8_
 # the gated form's (BLOCK_N of each half, STAGES) up to 16 rows and past them (fp8_tiles.py --gated, H200:
 # the 8B gate-up at 1 / 64 rows 41.5 / 43.9 us against 44.7 / 45.9 with the unfused product's tiles)
 GATED_TILES = ((64, 3), (64, 2))
+# W8A8 with per-channel weights past MAX_ROWS up to MID_ROWS rows (a batched decode step, where the
+# products run in K slices for the norm after them: ``decode_split``): (BLOCK_M, BLOCK_N, BLOCK_K,
+# STAGES, warps), from ``benchmarks/probes/fp8_mid_rows.py`` (H200)
+MID_ROWS = 320
+MID_TILE = (64, 128, 128, 3, 4)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -262,8 +267,11 @@ def launch(
     block_m, block_n, stages = tiles(m, rows, block_k)
     if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
+    warps = 4
     if gated:  # a program streams both halves' rows of its columns
         block_n, stages = GATED_TILES[m > 16]
+    elif x_codes is not None and not grouped and skinny_matmul.MAX_ROWS < m <= MID_ROWS:
+        block_m, block_n, block_k, stages, warps = MID_TILE
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
     split = {"SPLIT": splits > 1, "K_SLICE": k // splits, "stride_os": out.stride(0) if splits > 1 else 0}
@@ -274,7 +282,7 @@ def launch(
         grid, xin, codes, scale, out, x if bias is None else bias, sx, m, n, k,
         xin.stride(0), codes.stride(0), scale.stride(0), out.stride(-2),
         HAS_BIAS=bias is not None, GROUPED=grouped, X_CODES=x_codes is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4, **split, GATED=gated, GELU=gelu,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps, **split, GATED=gated, GELU=gelu,
         **pdl.chained(x.device),
     )  # fmt: skip
     return out
