@@ -14,9 +14,11 @@ no reduce kernel is added. Each form is timed as a CUDA graph over weight copies
 ``--switch moe_route``: a direct MoE step's routing inside the up kernel, ``fused_moe.routed_forward``;
 ``--switch router_split``: that step's router in K slices, ``decode_split.router_partials``;
 ``--switch moe_parts``: each MoE layer's expert outputs summed by the next norm, not a combine kernel,
-``fused.moe_parts_to_norm``; ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
+``fused.moe_parts_to_norm``; ``--switch fp8_mid``: FP8 products past 64 rows in K slices on the Triton
+kernel, ``fused.fp8_mid_products``; ``--attention none --prompt-len 64``: ``benchmarks/moe.py``'s ceiling),
 a fresh engine each, in turn for ``--rounds``; MODEL ``dummy:NAME`` or ``dummy:NAME+fp8``
-(``quantization="fp8"``).
+(``quantization="fp8"``). ``--patch MODULE:NAME=VALUE``: set a module constant (a Python literal) for
+the whole run first, such as a tile the product sweep preferred.
 
 PYTHONPATH=. python -m benchmarks.probes.skinny_split [--rows 1 64] [--shapes moe_o 8b_down ...]
     [--splits 2 4 8] [--out FILE] [--engine-ab dummy:llama-3.1-8b+fp8 ... --rounds 2 --batches 1 64]
@@ -162,6 +164,20 @@ def engine_ab(
     return rows
 
 
+def patch(spec: str) -> str:
+    """Set ``MODULE:NAME=VALUE`` (VALUE a Python literal) and return the spec, for the result file."""
+    import ast
+    import importlib
+
+    target, _, value = spec.partition("=")
+    module, _, name = target.partition(":")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        raise SystemExit(f"--patch: {module} has no {name}")
+    setattr(mod, name, ast.literal_eval(value))
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
@@ -174,7 +190,9 @@ def main() -> None:
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="split_k", help="what --engine-ab turns")
     ap.add_argument("--attention", default="auto", help="--engine-ab's backend ('none': the ceiling's steps)")
     ap.add_argument("--prompt-len", type=int, default=128, help="--engine-ab's prompt tokens")
+    ap.add_argument("--patch", nargs="*", default=[], help="MODULE:NAME=VALUE constants set first")
     args = ap.parse_args()
+    patches = [patch(spec) for spec in args.patch]
     from benchmarks.harness.timing import measure_ceilings
 
     copy_tbps, _ = measure_ceilings(torch.device("cuda"))
@@ -194,7 +212,7 @@ def main() -> None:
                 + f"  best {best} {r['s1_pair_us'] / r[best + '_pair_us']:.2f}x (err {r[best + '_err']:.1e})",
                 flush=True,
             )
-    payload = {**run_info(), "copy_TBps": copy_tbps, "rows": rows}
+    payload = {**run_info(), "copy_TBps": copy_tbps, "rows": rows, "patches": patches}
     if args.engine_ab:
         payload["engine_ab"] = engine_ab(
             args.engine_ab, args.batches, args.rounds, args.switch, args.attention, args.prompt_len

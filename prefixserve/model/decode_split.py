@@ -26,6 +26,7 @@ MAX_N = 2048
 FP8_ROWS = 16
 FP8_MAX_SIDE = 4096
 MID_SPLITS = 2  # FP8 W8A8 past 64 rows up to ``fp8_matmul.MID_ROWS`` (``fp8_mid_rows.py``, H200)
+MID_QKV_SPLITS = 0  # the same for an FP8 qkv product, summed by the RoPE kernel; 0: one product
 ROUTER_SPLITS = 8  # Qwen3-30B-A3B's router at 1-2 rows: 5.0 -> 2.3 us (skinny_split.py, H200)
 
 
@@ -53,6 +54,21 @@ def partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
     return skinny_matmul.skinny_partials(x, layer.weight, SPLITS)
 
 
+def fp8_qkv(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """An FP8 qkv projection of ``x``: past 64 rows up to ``fp8_matmul.MID_ROWS`` its fp32 split-K
+    partials in ``MID_QKV_SPLITS`` slices, which the RoPE kernel sums (``fused.rope_qkv``), where
+    that is set; else the product."""
+    from prefixserve.model.kernels import fp8_matmul, skinny_matmul
+
+    rows = x.shape[0]
+    taken = MID_QKV_SPLITS and fused.split_k_taken(x) and fused.fp8_mid_taken()
+    if taken and skinny_matmul.hopper(x.device) and skinny_matmul.MAX_ROWS < rows <= fp8_matmul.MID_ROWS:
+        parts = fp8.partials(layer, x, MID_QKV_SPLITS)
+        if parts is not None:
+            return parts
+    return layer(x)
+
+
 def router_partials(x: torch.Tensor, gate: torch.nn.Module, top_k: int) -> torch.Tensor | None:
     """fp32 split-K partials [S, T, E] of a direct MoE step's router ``gate(x)`` (T k at most
     ``fused_moe.DIRECT_MAX``, routed inside the up kernel, which sums them): its few columns are
@@ -74,10 +90,12 @@ __all__ = [
     "FP8_MAX_SIDE",
     "FP8_ROWS",
     "MAX_N",
+    "MID_QKV_SPLITS",
     "MID_SPLITS",
     "MIN_K",
     "ROUTER_SPLITS",
     "SPLITS",
+    "fp8_qkv",
     "partials",
     "router_partials",
 ]

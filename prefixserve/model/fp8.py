@@ -227,10 +227,13 @@ def gated(
 
     if not takes_rows(layer) or layer.bias is not None or not fused.gate_up_taken(x):
         return None
-    codes, scale = layer.weight, layer.weight_scale
-    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not fp8_gpu(x.device):
-        return None
     from prefixserve.model.kernels import fp8_matmul
+
+    codes, scale = layer.weight, layer.weight_scale
+    rows = x.shape[0] if x.dim() == 2 else 0
+    mid = fp8_matmul.MID_GATED_TILE is not None and fused.fp8_mid_taken()
+    if not 0 < rows <= (fp8_matmul.MID_ROWS if mid else MAX_ROWS) or not fp8_gpu(x.device):
+        return None
 
     if not fp8_matmul.supported(x, codes, scale):  # (16-bit x: ``gate_up_taken`` said Triton)
         return None

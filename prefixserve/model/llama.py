@@ -154,7 +154,10 @@ class Attention(nn.Module):
         if self.gemma4:
             return self._gemma4_rotated(x, rope, cache)
         proj = self.qkv_proj
-        qkv = fused.qkv_partials(x, proj.weight, proj.bias) if x.is_cuda and not proj.fp8 else proj(x)
+        if x.is_cuda:  # maybe split-K partials: the RoPE kernel sums them
+            qkv = decode_split.fp8_qkv(x, proj) if proj.fp8 else fused.qkv_partials(x, proj.weight, proj.bias)
+        else:
+            qkv = proj(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         return fused.rope_qkv(qkv, *rope, *shape, cache, x.dtype, norms)

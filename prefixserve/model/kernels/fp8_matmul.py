@@ -39,6 +39,7 @@ GATED_TILES = ((64, 3), (64, 2))
 # STAGES, warps), from ``benchmarks/probes/fp8_mid_rows.py`` (H200)
 MID_ROWS = 320
 MID_TILE = (64, 128, 128, 3, 4)
+MID_GATED_TILE: tuple[int, int, int, int, int] | None = None  # the gated form's there; None: cuBLASLt
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -268,7 +269,9 @@ def launch(
     if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     warps = 4
-    if gated:  # a program streams both halves' rows of its columns
+    if gated and m > skinny_matmul.MAX_ROWS and MID_GATED_TILE is not None:
+        block_m, block_n, block_k, stages, warps = MID_GATED_TILE
+    elif gated:  # a program streams both halves' rows of its columns
         block_n, stages = GATED_TILES[m > 16]
     elif x_codes is not None and not grouped and skinny_matmul.MAX_ROWS < m <= MID_ROWS:
         block_m, block_n, block_k, stages, warps = MID_TILE
