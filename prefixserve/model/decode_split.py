@@ -26,7 +26,7 @@ MAX_N = 2048
 FP8_ROWS = 16
 FP8_MAX_SIDE = 4096
 MID_SPLITS = 2  # FP8 W8A8 past 64 rows up to ``fp8_matmul.MID_ROWS`` (``fp8_mid_rows.py``, H200)
-MID_QKV_SPLITS = 0  # the same for an FP8 qkv product, summed by the RoPE kernel; 0: one product
+MID_QKV_SPLITS = 2  # the same for an FP8 qkv product, summed by the RoPE kernel; 0: one product
 ROUTER_SPLITS = 8  # Qwen3-30B-A3B's router at 1-2 rows: 5.0 -> 2.3 us (skinny_split.py, H200)
 
 

@@ -176,7 +176,7 @@ def test_the_decode_rule_takes_the_products_it_names(monkeypatch: pytest.MonkeyP
     assert parts.shape == (decode_split.MID_SPLITS, 72, 128)
     codes, scales = quantize_rows(inp)  # the kernel's codes (the interpreter's e4m3 cast is not torch's)
     want = (codes.double() * scales.double()) @ fp8.dequantize(layer.weight, layer.weight_scale).double().T
-    torch.testing.assert_close(parts.sum(0).double(), want, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(parts.sum(0).double(), want, rtol=2e-3, atol=2e-3)
     assert decode_split.partials(x(81, 1024), quantized(128, 1024)) is None  # past MID_ROWS: cuBLASLt
     assert decode_split.partials(x(72, 1024), dense(64, 1024)) is None  # bf16 past 64 rows: not here
     with fused.fp8_mid_products(False):

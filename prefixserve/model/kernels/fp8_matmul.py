@@ -37,9 +37,15 @@ GATED_TILES = ((64, 3), (64, 2))
 # W8A8 with per-channel weights past MAX_ROWS up to MID_ROWS rows (a batched decode step, where the
 # products run in K slices for the norm after them: ``decode_split``): (BLOCK_M, BLOCK_N, BLOCK_K,
 # STAGES, warps), from ``benchmarks/probes/fp8_mid_rows.py`` (H200)
-MID_ROWS = 320
-MID_TILE = (64, 128, 128, 3, 4)
-MID_GATED_TILE: tuple[int, int, int, int, int] | None = None  # the gated form's there; None: cuBLASLt
+MID_ROWS = 128
+MID_TILE = (128, 128, 128, 4, 8)
+MID_GATED_TILE: tuple[int, int, int, int, int] | None = (
+    128,
+    128,
+    128,
+    4,
+    8,
+)  # the gated form's; None: cuBLASLt
 
 
 @triton.jit(do_not_specialize=["M"])
