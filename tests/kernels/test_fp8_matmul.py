@@ -101,9 +101,11 @@ def test_fp8_codes_of_x_match_the_w8a8_reference(m: int, n: int, k: int) -> None
         fp8_linear(x, codes, scale.repeat(1, 2), x_codes=(xq, sx))
 
 
-# the last: 64 rows over four 256-column steps of K, the last masked (a gated launch takes
-# GATED_TILES' stages at any K, past LONG_K too)
-@pytest.mark.parametrize("m, n, k", [(1, 40, 256), (5, 33, 200), (17, 64, 384), (64, 48, 1000)])
+# 64 rows over four 256-column steps of K, the last masked (a gated launch takes GATED_TILES' stages
+# at any K, past LONG_K too); 96 rows: past the decode tiles, on MID_GATED_TILE
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 40, 256), (5, 33, 200), (17, 64, 384), (64, 48, 1000), (96, 72, 640)]
+)
 @pytest.mark.parametrize("gelu", [False, True])
 def test_fp8_gated_matches_the_unfused_pair(m: int, n: int, k: int, gelu: bool) -> None:
     """The fused gate-up form (``fp8_gated``: [2n, K] codes, the activation in the epilogue) against
