@@ -275,11 +275,14 @@ def launch(
     if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     warps = 4
-    if gated and m > skinny_matmul.MAX_ROWS and MID_GATED_TILE is not None:
+    mid = (
+        x_codes is not None and not grouped and skinny_matmul.MAX_ROWS < m <= MID_ROWS
+    )  # W8A8's e4m3 x tiles
+    if gated and mid and MID_GATED_TILE is not None:
         block_m, block_n, block_k, stages, warps = MID_GATED_TILE
     elif gated:  # a program streams both halves' rows of its columns
         block_n, stages = GATED_TILES[m > 16]
-    elif x_codes is not None and not grouped and skinny_matmul.MAX_ROWS < m <= MID_ROWS:
+    elif mid and not gated:
         block_m, block_n, block_k, stages, warps = MID_TILE
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
