@@ -275,9 +275,8 @@ def launch(
     if x_codes is not None and k >= LONG_K and block_k * (block_m + block_n) * LONG_K_STAGES <= SHARED_BYTES:
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     warps = 4
-    mid = (
-        x_codes is not None and not grouped and skinny_matmul.MAX_ROWS < m <= MID_ROWS
-    )  # W8A8's e4m3 x tiles
+    # W8A8 past the decode tiles: its x tiles are e4m3 codes, so the mid tiles fit shared memory
+    mid = x_codes is not None and not grouped and skinny_matmul.MAX_ROWS < m <= MID_ROWS
     if gated and mid and MID_GATED_TILE is not None:
         block_m, block_n, block_k, stages, warps = MID_GATED_TILE
     elif gated:  # a program streams both halves' rows of its columns
