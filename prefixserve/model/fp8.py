@@ -11,7 +11,9 @@ The product, by rows M of x (``linear``):
 
 - Per-channel scales, x quantized per token (amax / 448; a checkpoint's static ``input_scale`` where
   it has one), on sm_89+: W8A8. Past ``MAX_ROWS`` rows through cuBLASLt (``torch._scaled_mm``, the
-  scales in the GEMM's epilogue: the tensor cores' FP8 rate, twice bf16's: prefill); up to it (a
+  scales in the GEMM's epilogue: the tensor cores' FP8 rate, twice bf16's: prefill), except up to
+  ``fp8_matmul.MID_ROWS`` (a batched decode step) the products ``decode_split`` cuts into K slices
+  and the gated gate-up (``gated``), on the Triton kernel's ``MID_TILE``; up to it (a
   decode step) the Triton kernel on x's codes (``kernels/fp8_matmul.py``: e4m3 wgmma products at
   33-64 rows; at 1-32 Triton 3.6 widens both tiles to fp16 for the older mma), which beat both the
   weight-only form and cuBLASLt there
@@ -220,7 +222,8 @@ def gated(
 ) -> torch.Tensor | None:
     """``silu(gate) * up`` of a fused gate-up FP8 layer's product in one kernel (``fp8_matmul.fp8_gated``,
     its activation in the epilogue: the [M, 2I] product and the SiLU-and-mul kernel go) on the W8A8
-    Triton path (a decode step's rows on a GPU, per-channel weights, x quantized per token, no bias);
+    Triton path (a decode step's rows on a GPU, up to ``fp8_matmul.MID_ROWS`` with ``MID_GATED_TILE``;
+    per-channel weights, x quantized per token, no bias);
     ``quantize``: its per-token codes attached for an FP8 product next (``attach_rows``). None where
     that path does not take it, or the fused gate-up kernels are switched off (``fused.gate_up_kernels``)."""
     from prefixserve.model import fused
