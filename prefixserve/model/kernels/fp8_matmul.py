@@ -36,16 +36,12 @@ LONG_K, LONG_K_STAGES = 8192, 8  # W8A8 over K >= LONG_K: this many stages (fp8_
 GATED_TILES = ((64, 3), (64, 2))
 # W8A8 with per-channel weights past MAX_ROWS up to MID_ROWS rows (a batched decode step, where the
 # products run in K slices for the norm after them: ``decode_split``): (BLOCK_M, BLOCK_N, BLOCK_K,
-# STAGES, warps), from ``benchmarks/probes/fp8_mid_rows.py`` (H200)
+# STAGES, warps), from ``benchmarks/probes/fp8_mid_rows.py`` (H200). BLOCK_K is ``block_k_for``'s
+# past MAX_ROWS (BLOCK_K), which ``fp8_partials`` cuts K's slices by; the gated form's the same
+# (None: such a gate-up runs on cuBLASLt, then SiLU-and-mul)
 MID_ROWS = 128
-MID_TILE = (128, 128, 128, 4, 8)
-MID_GATED_TILE: tuple[int, int, int, int, int] | None = (
-    128,
-    128,
-    128,
-    4,
-    8,
-)  # the gated form's; None: cuBLASLt
+MID_TILE = (128, 128, BLOCK_K, 4, 8)
+MID_GATED_TILE: tuple[int, int, int, int, int] | None = (128, 128, BLOCK_K, 4, 8)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -281,7 +277,7 @@ def launch(
         block_m, block_n, block_k, stages, warps = MID_GATED_TILE
     elif gated:  # a program streams both halves' rows of its columns
         block_n, stages = GATED_TILES[m > 16]
-    elif mid and not gated:
+    elif mid:
         block_m, block_n, block_k, stages, warps = MID_TILE
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     # every argument by keyword, the split ones too: a bound launch is kept only so (``launch.record``)
