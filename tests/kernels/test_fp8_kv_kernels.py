@@ -243,6 +243,33 @@ def test_rope_kernel_quantized_store_matches_torch(heads: int, kv_heads: int, di
     assert caches[1].float().abs().max() == 448.0  # some values saturate
 
 
+def test_rope_kernel_stores_the_sum_of_split_k_partials() -> None:
+    """An FP8 qkv product past 64 rows comes as fp32 split-K partials (``decode_split.fp8_qkv``): the
+    RoPE kernel's e4m3 store of their sum equals its store of the summed product rounded to the
+    model's dtype, bit for bit, and so do q, k and v."""
+    heads, kv_heads, dim, tokens = 4, 2, 32, 5
+    gen = torch.Generator().manual_seed(3)
+    parts = (torch.randn(2, tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 20).to(DEVICE)
+    positions = torch.tensor([0, 7, 1, 300, 31], device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = positions.double()[:, None] * inv_freq.to(DEVICE)[None, :]
+    cos, sin = torch.cat([freqs, freqs], -1).cos().float(), torch.cat([freqs, freqs], -1).sin().float()
+    slots = torch.tensor([9, 0, 4, 11, 3], device=DEVICE)
+    scales = torch.tensor([[0.25, 4.0], [0.125, 1.0]]).to(DEVICE)
+    stores = []
+    for qkv in (parts, parts.sum(0).to(torch.float16)):
+        caches = [torch.zeros(3, 6, kv_heads, dim, device=DEVICE, dtype=FP8) for _ in range(2)]
+        out = rope_qkv(
+            qkv, cos, sin, heads, kv_heads, dim, with_scales((*caches, slots), scales), torch.float16
+        )
+        stores.append((out, caches))
+    (split_out, split_caches), (whole_out, whole_caches) = stores
+    for got, want in zip(split_out, whole_out, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(split_caches, whole_caches, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_rope_store_reads_a_layers_strided_scales() -> None:
     """A layer with fewer KV heads than the cache's widest (Gemma 4's global layers) sees a strided
     view of the [layers, 2, widest] scales; the RoPE kernel's e4m3 store must use each head's own V
