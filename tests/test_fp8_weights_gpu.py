@@ -165,7 +165,7 @@ def test_codes_made_by_the_norms_change_no_token(
     assert handed == _greedy(model, prompt_len=40, quantization="fp8")
 
 
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 16, 64, 128])
 def test_fused_gate_up_equals_the_product_then_silu_and_mul(m: int) -> None:
     """The FP8 gate-up product with SiLU-and-mul in its epilogue (``fp8.gated``, Llama-3.1-8B's
     shape) against the product then the SiLU-and-mul kernel: the same codes in, rounded alike; the
@@ -185,6 +185,23 @@ def test_fused_gate_up_equals_the_product_then_silu_and_mul(m: int) -> None:
     want_codes, want_scales = fp8_matmul.quantize_rows(got)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("m", [96, 128])
+@pytest.mark.parametrize(("k", "n"), [(4096, 4096), (14336, 4096), (4096, 6144)])
+def test_mid_row_partials_sum_to_the_product(k: int, n: int, m: int) -> None:
+    """Past 64 rows up to ``MID_ROWS`` the 8B's o, down and qkv products come as the Triton kernel's
+    split-K partials (``decode_split``), whose sum is cuBLASLt's product of the same codes; with the
+    switch off, the product whole."""
+    from prefixserve.model import decode_split, fused
+
+    layer, x = _layer(k, n, seed=m + k), _x(m, k)
+    want = fp8.linear(layer, x)
+    parts = decode_split.fp8_qkv(x, layer) if n == 6144 else decode_split.partials(x, layer)
+    assert parts.dim() == 3 and parts.dtype == torch.float32
+    _close(parts.sum(0), want)
+    with fused.fp8_mid_products(False):
+        assert decode_split.fp8_qkv(x, layer).dim() == 2 and decode_split.partials(x, layer) is None
 
 
 def test_fused_gate_up_changes_no_token(tiny_config_path: Path) -> None:

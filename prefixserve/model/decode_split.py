@@ -55,13 +55,13 @@ def partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
 
 
 def fp8_qkv(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """An FP8 qkv projection of ``x``: past 64 rows up to ``fp8_matmul.MID_ROWS`` its fp32 split-K
-    partials in ``MID_QKV_SPLITS`` slices, which the RoPE kernel sums (``fused.rope_qkv``), where
-    that is set; else the product."""
+    """An FP8 qkv projection of ``x``: past 64 rows up to ``fp8_matmul.MID_ROWS``, K at least
+    ``MIN_K``, its fp32 split-K partials in ``MID_QKV_SPLITS`` slices, which the RoPE kernel sums
+    (``fused.rope_qkv``), where that is set; else the product."""
     from prefixserve.model.kernels import fp8_matmul, skinny_matmul
 
-    rows = x.shape[0]
-    taken = MID_QKV_SPLITS and fused.split_k_taken(x) and fused.fp8_mid_taken()
+    rows, k = x.shape
+    taken = MID_QKV_SPLITS and k >= MIN_K and fused.split_k_taken(x) and fused.fp8_mid_taken()
     if taken and skinny_matmul.hopper(x.device) and skinny_matmul.MAX_ROWS < rows <= fp8_matmul.MID_ROWS:
         parts = fp8.partials(layer, x, MID_QKV_SPLITS)
         if parts is not None:
