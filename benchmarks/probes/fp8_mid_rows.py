@@ -22,6 +22,7 @@ import torch
 from benchmarks.harness.info import run_info
 from benchmarks.harness.timing import bench_clean_us, graphed, measure_ceilings
 from benchmarks.probes.fp8_gemm import SHAPES
+from benchmarks.probes.fp8_tiles import call
 from prefixserve.model import fp8, fused
 from prefixserve.model.kernels import fp8_matmul
 
@@ -42,20 +43,7 @@ SPLITS = (1, 2, 4)
 def _launch(x, xq, codes, scale, out, tile, splits: int, gated: bool = False):
     """One Triton W8A8 launch with these tiles over ``splits`` K slices (out [S, M, N] fp32 past 1)."""
     bm, bn, bk, stages, warps = tile
-    m, k = x.shape
-    n = out.shape[-1]
-    grid = (-(-n // bn), -(-m // bm), splits)
-    split = {"SPLIT": splits > 1, "K_SLICE": k // splits, "stride_os": out.stride(0) if splits > 1 else 0}
-
-    def run() -> torch.Tensor:
-        fp8_matmul._fp8(
-            grid, xq[0], codes, scale, out, x, xq[1], m, n, k, xq[0].stride(0), codes.stride(0),
-            scale.stride(0), out.stride(-2), HAS_BIAS=False, GROUPED=False, X_CODES=True, BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps, GATED=gated, **split,
-        )  # fmt: skip
-        return out
-
-    return run
+    return call(x, xq, codes, scale, out, bn, bk, stages, gated, warps, block_m=bm, splits=splits)
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> float:

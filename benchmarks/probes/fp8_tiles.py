@@ -30,18 +30,22 @@ BLOCK_K = (256, 512)
 STAGES = (4, 6, 8)
 
 
-def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gated=False, warps=4):
-    """One launch of the FP8 kernel with these tiles (BLOCK_M as the engine's for x's rows)."""
+def call(x, xq, codes, scale, out, block_n: int, block_k: int, stages: int, gated=False, warps=4,
+         block_m: int | None = None, splits: int = 1):  # fmt: skip
+    """One launch of the FP8 kernel with these tiles (BLOCK_M as the engine's for x's rows unless
+    given); ``splits`` > 1: over that many K slices into fp32 partials ``out`` [S, M, N]."""
     m, k = x.shape
-    n = out.shape[1]
-    block_m = fp8_matmul.tiles(m, n, block_k)[0]
-    grid = (-(-n // block_n), -(-m // block_m))
+    n = out.shape[-1]
+    block_m = block_m or fp8_matmul.tiles(m, n, block_k)[0]
+    grid = (-(-n // block_n), -(-m // block_m), splits)
+    split = {"SPLIT": True, "K_SLICE": k // splits, "stride_os": out.stride(0)} if splits > 1 else {}
 
     def run() -> torch.Tensor:
         fp8_matmul._fp8(
             grid, xq[0], codes, scale, out, x, xq[1], m, n, k, xq[0].stride(0), codes.stride(0),
-            scale.stride(0), out.stride(0), HAS_BIAS=False, GROUPED=False, X_CODES=True,
+            scale.stride(0), out.stride(-2), HAS_BIAS=False, GROUPED=False, X_CODES=True,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps, GATED=gated,
+            **split,
         )  # fmt: skip
         return out
 
