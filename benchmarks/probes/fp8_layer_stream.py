@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -118,15 +119,28 @@ def _codes(n: int, k: int) -> torch.Tensor:
     return torch.randint(0, 100, (n, k), device="cuda", dtype=torch.int8).view(torch.float8_e4m3fn)
 
 
-def _read_us(src: torch.Tensor, n: int, k: int, tile: tuple[int, int, int], tiled: bool = False) -> float:
-    """us of the bare read of ``n`` x ``k`` codes in [BN, BK] tiles with ``tile``'s stages, graphed."""
+def _reader(
+    src: torch.Tensor, n: int, k: int, tile: tuple[int, int, int], tiled: bool = False
+) -> Callable[[], object]:
+    """The graphed bare read of ``n`` x ``k`` codes in [BN, BK] tiles with ``tile``'s stages."""
     bn, bk, stages = tile
     out = torch.empty(n, device="cuda", dtype=torch.float32)
 
     def run() -> None:
         _read_kernel[(n // bn,)](src, out, k, k, BN=bn, BK=bk, TILED=tiled, STAGES=stages)
 
-    return 1e3 * bench_ms(graphed(run))
+    return graphed(run)
+
+
+def _read_us(src: torch.Tensor, n: int, k: int, tile: tuple[int, int, int], tiled: bool = False) -> float:
+    """us of the bare read (``_reader``), L2 flushed by ``bench_ms``."""
+    return 1e3 * bench_ms(_reader(src, n, k, tile, tiled))
+
+
+def _line(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y against x."""
+    slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    return float(y.mean() - slope * x.mean()), slope
 
 
 def layouts(copy_tbps: float) -> list[dict]:
@@ -150,16 +164,12 @@ def layouts(copy_tbps: float) -> list[dict]:
 def _size_point(n: int, k: int) -> dict:
     """The bare read of ``n`` x ``k`` codes after each flush, and torch's int32 sum of them, us."""
     codes = _codes(n, k)
-    out = torch.empty(n, device="cuda", dtype=torch.float32)
     sink = torch.empty((), device="cuda", dtype=torch.int64)
     words = codes.view(torch.int32)
-
-    def read() -> None:
-        _read_kernel[(n // 32,)](codes, out, k, k, BN=32, BK=512, TILED=False, STAGES=4)
-
     mb = n * k / 1e6
     flat = words.view(-1)
-    row = {"MB": mb, "us": _read_us(codes, n, k, (32, 512, 4)), "clean_us": bench_clean_us(graphed(read)),
+    clean = bench_clean_us(_reader(codes, n, k, (32, 512, 4)))
+    row = {"MB": mb, "us": _read_us(codes, n, k, (32, 512, 4)), "clean_us": clean,
            "torch_sum_clean_us": bench_clean_us(graphed(lambda: torch.sum(flat, 0, out=sink)))}  # fmt: skip
     print(f"read {mb:8.1f} MB: {row['us']:8.1f} us ({mb / row['us']:.2f} TB/s); after a clean flush "
           f"{row['clean_us']:8.1f} us ({mb / row['clean_us']:.2f}); torch's sum after one "
@@ -176,16 +186,17 @@ def sizes(copy_tbps: float) -> list[dict]:
     sizes_mb = (16, 32, 64, 128, 159, 256, 512, 1024, 2048)
     rows = [_size_point((mb << 20) // k // 32 * 32, k) for mb in sizes_mb]
     x = torch.tensor([r["MB"] for r in rows], dtype=torch.float64)
-    y = torch.tensor([r["us"] for r in rows], dtype=torch.float64)
-    slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-    fixed = float(y.mean() - slope * x.mean())
-    print(f"fit: {fixed:.1f} us a launch + bytes at {1 / slope:.2f} TB/s (copy rate {copy_tbps:.2f})")
-    fits = {"fixed_us": fixed, "TBps_asymptote": 1 / slope}
-    for key in ("clean_us", "torch_sum_clean_us"):
-        y = torch.tensor([r[key] for r in rows], dtype=torch.float64)
-        slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-        fits[key] = {"fixed_us": float(y.mean() - slope * x.mean()), "TBps_asymptote": 1 / slope}
-        print(f"fit {key}: {fits[key]['fixed_us']:.1f} us + bytes at {1 / slope:.2f} TB/s")
+    fits: dict = {}
+    for key in ("us", "clean_us", "torch_sum_clean_us"):
+        fixed, slope = _line(x, torch.tensor([r[key] for r in rows], dtype=torch.float64))
+        fit = {"fixed_us": fixed, "TBps_asymptote": 1 / slope}
+        if key == "us":  # do_bench's fit at the top, as the result files have it
+            fits.update(fit)
+        else:
+            fits[key] = fit
+        print(
+            f"fit {key}: {fixed:.1f} us a launch + bytes at {1 / slope:.2f} TB/s (copy rate {copy_tbps:.2f})"
+        )
     return [*rows, fits]
 
 
