@@ -44,7 +44,7 @@ def partials(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | None:
     if layer.weight.dtype == fp8.FP8:
         if rows <= FP8_ROWS or (rows <= skinny_matmul.MAX_ROWS and max(k, n) <= FP8_MAX_SIDE):
             return fp8.partials(layer, x, SPLITS)
-        if skinny_matmul.MAX_ROWS < rows <= fp8_matmul.MID_ROWS and fused.fp8_mid_taken():
+        if fp8_matmul.mid_rows(rows) and fused.fp8_mid_taken():
             return fp8.partials(layer, x, MID_SPLITS)
         return None
     if rows > skinny_matmul.MAX_ROWS or n > MAX_N or not skinny_matmul.supported(x, layer.weight):
@@ -62,7 +62,7 @@ def fp8_qkv(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
 
     rows, k = x.shape
     taken = MID_QKV_SPLITS and k >= MIN_K and fused.split_k_taken(x) and fused.fp8_mid_taken()
-    if taken and skinny_matmul.hopper(x.device) and skinny_matmul.MAX_ROWS < rows <= fp8_matmul.MID_ROWS:
+    if taken and skinny_matmul.hopper(x.device) and fp8_matmul.mid_rows(rows):
         parts = fp8.partials(layer, x, MID_QKV_SPLITS)
         if parts is not None:
             return parts

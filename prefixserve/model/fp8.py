@@ -234,8 +234,8 @@ def gated(
 
     codes, scale = layer.weight, layer.weight_scale
     rows = x.shape[0] if x.dim() == 2 else 0
-    mid = fp8_matmul.MID_GATED_TILE is not None and fused.fp8_mid_taken()
-    if not 0 < rows <= (fp8_matmul.MID_ROWS if mid else MAX_ROWS) or not fp8_gpu(x.device):
+    mid = fp8_matmul.mid_rows(rows) and fp8_matmul.MID_GATED_TILE is not None and fused.fp8_mid_taken()
+    if not (0 < rows <= MAX_ROWS or mid) or not fp8_gpu(x.device):
         return None
 
     if not fp8_matmul.supported(x, codes, scale):  # (16-bit x: ``gate_up_taken`` said Triton)

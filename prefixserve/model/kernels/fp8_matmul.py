@@ -44,6 +44,11 @@ MID_TILE = (128, 128, BLOCK_K, 4, 8)
 MID_GATED_TILE: tuple[int, int, int, int, int] | None = (128, 128, BLOCK_K, 4, 8)
 
 
+def mid_rows(m: int) -> bool:
+    """Whether ``m`` rows are past the decode tiles and up to ``MID_ROWS``: the mid tiles' range."""
+    return skinny_matmul.MAX_ROWS < m <= MID_ROWS
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_kernel(
     x_ptr,  # [M, K] bf16 / fp16
@@ -272,7 +277,7 @@ def launch(
         stages = LONG_K_STAGES  # x's codes are a byte a value: 8 stages of 256 columns fit
     warps = 4
     # W8A8 past the decode tiles: its x tiles are e4m3 codes, so the mid tiles fit shared memory
-    mid = x_codes is not None and not grouped and skinny_matmul.MAX_ROWS < m <= MID_ROWS
+    mid = x_codes is not None and not grouped and mid_rows(m)
     if gated and mid and MID_GATED_TILE is not None:
         block_m, block_n, block_k, stages, warps = MID_GATED_TILE
     elif gated:  # a program streams both halves' rows of its columns
@@ -366,11 +371,15 @@ __all__ = [
     "BLOCK_K",
     "CHANNEL_BLOCK_K",
     "LARGE_TILE",
+    "MID_GATED_TILE",
+    "MID_ROWS",
+    "MID_TILE",
     "block_k_for",
     "fp8_gated",
     "fp8_linear",
     "fp8_partials",
     "launch",
+    "mid_rows",
     "quantize_rows",
     "supported",
     "tiles",
