@@ -159,6 +159,10 @@ def unfold_output(o: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
     every layer. The product is computed in fp32 and rounded: exact for power-of-two scales, as
     ``fold_query``'s."""
     t, hq, d = o.shape
+    if o.is_cuda and o.is_contiguous():  # one chained Triton launch (``kernels/turn.py``)
+        from prefixserve.attention.kernels import turn
+
+        return turn.unfold_output(o, v_scale)
     o.view(t, v_scale.numel(), hq // v_scale.numel(), d).mul_(v_scale[:, None, None])
     return o
 

@@ -32,6 +32,7 @@ def attend_layer(
     window: int | None = None,  # a sliding layer's window; None: a full layer
     sinks: torch.Tensor | None = None,  # [q_heads]: gpt-oss's per-head sink logits
     kv_scales: torch.Tensor | None = None,  # [2, kv_heads] fp32: an e4m3 cache's K and V scales
+    q_turned: bool = False,  # q already turned and times K's scales (``fused.rope_qkv``'s)
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """One layer's attention: the backend's ``forward``, or for a sliding layer whose window the step's
     longest sequence outgrows, attention within the window. A window that covers every sequence masks
@@ -39,9 +40,10 @@ def attend_layer(
     group's pages (the backend's plan names the block table's).
 
     Over an e4m3 cache with ``kv_scales``: q times K's scales before, the output times V's after
-    (``kv_quant.turn_query``), so every path reads the stored values as they are."""
+    (``kv_quant.turn_query``, unless ``q_turned``: the RoPE kernel that wrote the layer's K turned q
+    too), so every path reads the stored values as they are."""
     if kv_scales is not None:  # K is stored rotated: q turns with it (``kv_quant.rotate``)
-        q = turn_query(q, kv_scales[0])
+        q = q if q_turned else turn_query(q, kv_scales[0])
         out = _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)
         return unfold_output(out, kv_scales[1])
     return _attend_layer(backend, q, k_cache, v_cache, meta, scale, window, sinks)

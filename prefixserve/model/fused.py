@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from prefixserve.attention.kv_quant import store_kv
+from prefixserve.attention.kv_quant import scales_of, store_kv, turn_query
 from prefixserve.model.partial_sums import check_partials_dtype, summed_partials
 from prefixserve.model.peer_allreduce import PeerSum
 from prefixserve.triton_support import triton_available
@@ -368,7 +368,8 @@ def rope_qkv(
     norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused projection into q [T, Hq, D] and k [T, Hkv, D] (RoPE applied, contiguous) and
-    v [T, Hkv, D]; with ``cache``, also write k and v into their cache slots. ``qkv`` may be the
+    v [T, Hkv, D]; with ``cache``, also write k and v into their cache slots (an e4m3 cache with its
+    scales: q then comes as attention over it takes it, ``kv_quant.turn_query``). ``qkv`` may be the
     projection's fp32 split-K partials [S, T, W] (``qkv_partials``), with ``dtype`` the model's:
     their sum rounded to it is the projection. ``norms`` (q's and k's RMSNorm weights over a head's
     dims, eps): QK-norm before RoPE (Qwen3, Gemma 3), in the same kernel on CUDA."""
@@ -391,6 +392,8 @@ def rope_qkv(
     v = v.view(tokens, num_kv_heads, head_dim)
     if cache is not None:  # quantized to e4m3 with the layer's scales for an FP8 cache
         store_kv(cache, k, v, num_kv_heads, head_dim)
+        if scales_of(cache) is not None:  # q as attention over that cache takes it (as the kernel's)
+            q = turn_query(q, scales_of(cache)[0])
     return q, k, v
 
 

@@ -202,18 +202,21 @@ class Attention(nn.Module):
         # attention then reads everything from the cache.
         cache = kv_write(kv_layer, meta.slot_mapping) if write_kv and self.writes_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
-        return self.output(self.attend(q, kv_layer, meta, backend))
+        return self.output(self.attend(q, kv_layer, meta, backend, cache is not None))
 
     def attend(
         self,
         q: torch.Tensor,
-        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        kv_layer: tuple,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        queried: bool = False,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Attention of q over this layer's cache, with this layer's scale, window and sinks."""
+        """Attention of q over this layer's cache, with this layer's scale, window and sinks. ``queried``:
+        q is ``query``'s over this cache, which an e4m3 one's RoPE kernel turned where it wrote K."""
         scales = scales_of(kv_layer)  # an e4m3 cache's (attention/kv_quant.py)
-        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window, self.sinks, scales)
+        turned = queried and self.writes_kv and scales is not None
+        return attend_layer(backend, q, *kv_layer, meta, self.scale, self.window, self.sinks, scales, turned)
 
     def query(self, x: torch.Tensor, rope: Rope, cache: fused.KVWrite) -> torch.Tensor:
         """q [T, Hq, D] of the tokens ``x``, their K/V written to the cache: the work before attention
@@ -345,7 +348,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.post_attention_layernorm(self.linear_attn(x, step), residual)
             return self.mlp(x, partials=True), residual
         q, residual = self.before_attention(h, residual, rope, kv_write(kv_layer, meta.slot_mapping))
-        out = self.self_attn.attend(q, kv_layer, meta, backend)
+        out = self.self_attn.attend(q, kv_layer, meta, backend, queried=True)
         return self.after_attention(out, residual, rope)
 
     def before_attention(

@@ -63,3 +63,26 @@ def _interpreter_compat() -> None:
 
     patched._prefixserve_compat = True  # type: ignore[attr-defined]
     interp._patch_lang_tensor = patched
+    _interpreter_bf16_dot(interp)
+
+
+def _interpreter_bf16_dot(interp: Any) -> None:
+    """Let the interpreter's ``tl.dot`` take bf16 operands: it holds bf16 as its raw 16 bits and would
+    multiply those as integers (it widens only e4m3); here they are widened to fp32 first (exact)."""
+    builder = getattr(interp, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or getattr(original, "_prefixserve_compat", False):
+        return
+    import numpy as np
+
+    def widened(handle: Any) -> Any:
+        if handle.dtype.scalar.name != "bf16":
+            return handle
+        bits = np.ascontiguousarray(handle.data).view(np.uint16).astype(np.uint32) << 16
+        return interp.TensorHandle(bits.view(np.float32), interp.tl.float32)
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        return original(self, widened(a), widened(b), d, *args)
+
+    create_dot._prefixserve_compat = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot

@@ -297,6 +297,34 @@ def test_rope_store_reads_a_layers_strided_scales() -> None:
     assert (strided - contiguous).abs().max() <= 2**-3 * contiguous.abs().max()
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (32, 8, 128), (6, 2, 24), (4, 2, 16)])
+def test_rope_kernel_hands_q_turned_for_its_e4m3_cache(heads: int, kv_heads: int, dim: int) -> None:
+    """Writing an e4m3 cache that carries its scales, the RoPE kernel returns q as attention over that
+    cache takes it: ``kv_quant.turn_query`` of the q it returns for a model-dtype cache, bit for bit
+    (``kernels/turn.py``'s roundings in its code where it turns K: 64 and 128; torch's turn and fold
+    at 16, whose K the torch store turns; the fold alone at 24, whose K is stored as it is); the
+    stored K and V are those of the same call without the scales' turn of q."""
+    from prefixserve.attention.kernels import turn
+    from prefixserve.attention.kv_quant import turn_query
+
+    gen = torch.Generator().manual_seed(heads + dim)
+    tokens = 5
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(DEVICE, torch.bfloat16)
+    positions = torch.tensor([0, 3, 17, 400, 9], device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = positions.double()[:, None] * inv_freq.to(DEVICE)[None, :]
+    cos, sin = torch.cat([freqs, freqs], -1).cos().float(), torch.cat([freqs, freqs], -1).sin().float()
+    slots = torch.tensor([4, 0, 9, 2, 7], device=DEVICE)
+    scales = (2.0 ** torch.randint(-3, 3, (2, kv_heads), generator=gen)).to(DEVICE)
+    caches = [torch.zeros(2, 6, kv_heads, dim, device=DEVICE, dtype=FP8) for _ in range(4)]
+    turned, k, v = rope_qkv(qkv, cos, sin, heads, kv_heads, dim, with_scales((*caches[:2], slots), scales))
+    plain, k_plain, v_plain = rope_qkv(qkv, cos, sin, heads, kv_heads, dim, (*caches[2:], slots))
+    # the kernel's own turn where the RoPE kernel turns (the interpreter rounds to bf16 its own way)
+    assert torch.equal(turned, (turn.turn_query if turn.turns(dim) else turn_query)(plain, scales[0]))
+    assert torch.equal(k, k_plain) and torch.equal(v, v_plain)
+    assert not torch.equal(turned, plain)
+
+
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (3, 1, 128), (32, 8, 32)])
 def test_turn_query_kernel_matches_torch(heads: int, kv_heads: int, dim: int) -> None:
     """``kernels/turn.py``'s one launch equals ``fold_query(rotate(q), k_scale)`` (torch's fp32 matmul,
@@ -312,6 +340,20 @@ def test_turn_query_kernel_matches_torch(heads: int, kv_heads: int, dim: int) ->
     want = fold_query(rotate(q), k_scale).float()
     assert got.shape == want.shape
     assert (got - want).abs().le(2.0**-7 * want.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (6, 3, 24), (32, 8, 128)])
+def test_unfold_kernel_matches_torch(heads: int, kv_heads: int, dim: int) -> None:
+    """``kernels/turn.py``'s in-place V-scale product equals torch's (``kv_quant.unfold_output``'s CPU
+    form) bit for bit: the product in fp32 rounded to the output's dtype."""
+    from prefixserve.attention.kernels.turn import unfold_output
+
+    gen = torch.Generator().manual_seed(heads * dim)
+    o = (torch.randn(5, heads, dim, generator=gen) * 3).to(DEVICE, torch.bfloat16)
+    v_scale = (2.0 ** torch.randint(-3, 4, (kv_heads,), generator=gen)).to(DEVICE)
+    want = o.float().view(5, kv_heads, heads // kv_heads, dim) * v_scale[:, None, None].float()
+    got = unfold_output(o.clone(), v_scale)
+    assert torch.equal(got, want.view(5, heads, dim).to(torch.bfloat16))
 
 
 def test_head_sizes_the_kernels_turn() -> None:

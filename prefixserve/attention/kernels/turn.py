@@ -10,15 +10,21 @@ fold (``turn_query``).
 Sylvester's H_D is [[H, H], [H, -H]] over H = H_{D/2}, so [x1, x2] H_D = [(x1 + x2) H, (x1 - x2) H]:
 a head held as its two halves (as the RoPE kernel holds it) takes one add, one subtract and two
 products with H_{D/2}, whose +-1 entries (-1)^popcount(i & j) are made from indices, never loaded.
-The products run in fp32 (``ieee``): the sums differ from torch's fp32 matmul only in their order.
+A head of 16-bit values (what both kernels turn: k and q rounded to the model's dtype) multiplies H
+on the tensor cores: each half's product with H in the 16-bit dtype is exact (H's entries are +-1),
+summed in fp32, and the two halves' products added after, so ``[x1 H + x2 H, x1 H - x2 H]``; fp32
+heads take ``ieee`` products of the sum and difference. Either way the sums differ from torch's fp32
+matmul only in their order. On the 8B shape's decode step the fp32 form on CUDA cores cost a
+one-token launch about 4 us a layer (docs/kernels.md §2.13).
 """
 
 from __future__ import annotations
 
 import torch
 
-from prefixserve.triton_support import require_triton
+from prefixserve.triton_support import pdl, require_triton
 from prefixserve.triton_support.bound import BoundKernel
+from prefixserve.triton_support.pdl import launch_dependents, wait
 
 triton, tl = require_triton()
 
@@ -37,11 +43,17 @@ def _sylvester(HALF: tl.constexpr):
 
 
 @triton.jit
-def turn_halves(x1, x2, HALF: tl.constexpr):
+def turn_halves(x1, x2, HALF: tl.constexpr, DTYPE: tl.constexpr):
     """A head's halves [rows, HALF] fp32 (rows >= 16, for the products; HALF <= 128, ``turns``) times
-    the normalized Hadamard matrix of size 2 HALF: the turned halves, fp32."""
+    the normalized Hadamard matrix of size 2 HALF: the turned halves, fp32. ``DTYPE``: the dtype
+    whose values x holds (16-bit: products on the tensor cores, exact; see the module)."""
     h = _sylvester(HALF)
     norm = 1.0 / tl.sqrt(2.0 * HALF)
+    if DTYPE.primitive_bitwidth == 16:
+        h16 = h.to(DTYPE)
+        a = tl.dot(x1.to(DTYPE), h16)
+        b = tl.dot(x2.to(DTYPE), h16)
+        return (a + b) * norm, (a - b) * norm
     y1 = tl.dot(x1 + x2, h, input_precision="ieee") * norm
     y2 = tl.dot(x1 - x2, h, input_precision="ieee") * norm
     return y1, y2
@@ -66,8 +78,8 @@ def _turn_query_kernel(
     src = q_ptr + t * stride_t + h * stride_h + d
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1, y2 = turn_halves(x1, x2, HALF)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
+    y1, y2 = turn_halves(x1, x2, HALF, q_ptr.dtype.element_ty)
     scale = tl.load(scale_ptr + h // GROUP, mask=mask, other=1.0)
     dst = out_ptr + t * NUM_Q * 2 * HALF + h * 2 * HALF + d
     # rounded to q's dtype as torch's turn, then the fold (exact: a power of two)
@@ -76,6 +88,46 @@ def _turn_query_kernel(
 
 
 _turn = BoundKernel(_turn_query_kernel)  # a prefill's eager attention launches it every layer
+
+
+@triton.jit
+def _unfold_kernel(
+    o_ptr,  # [T, Hq, D] contiguous: scaled in place
+    scale_ptr,  # [Hkv] fp32: V's scale per KV head
+    NUM_Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a dependent: the product after may start at once
+):
+    if PDL:
+        launch_dependents()
+        wait()
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_Q) & (d < HEAD_DIM)
+    row = o_ptr + tl.program_id(0).to(tl.int64) * NUM_Q * HEAD_DIM + h * HEAD_DIM + d
+    o = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + h // GROUP, mask=h < NUM_Q, other=1.0)
+    tl.store(row, (o * scale).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+_unfold = BoundKernel(_unfold_kernel)
+
+
+def unfold_output(o: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """``kv_quant.unfold_output`` (o [T, Hq, D] contiguous times its KV head's V scale, in place, in
+    fp32 and rounded) in one launch chained to the kernels around it (``pdl``): torch's product cannot
+    let the next product's programs start early, and a one-token step paid it 3.6 us a layer."""
+    tokens, heads, dim = o.shape
+    if tokens:
+        _unfold(
+            (tokens,), o, v_scale.contiguous(), NUM_Q=heads, GROUP=heads // v_scale.numel(), HEAD_DIM=dim,
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+            **pdl.chained(o.device),
+        )  # fmt: skip
+    return o
 
 
 def turns(head_dim: int) -> bool:
@@ -111,4 +163,4 @@ def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["turn_halves", "turn_query", "turns"]
+__all__ = ["turn_halves", "turn_query", "turns", "unfold_output"]

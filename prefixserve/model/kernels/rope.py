@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.kernels.turn import turn_halves, turns
-from prefixserve.attention.kv_quant import store_kv, stores_turned
+from prefixserve.attention.kv_quant import scales_of, store_kv, stores_turned, turn_query
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
 
@@ -65,6 +65,8 @@ def _rotate_heads(
     cache_inv=1.0,  # [BLOCK_H, 1] fp32: each head's 1 / scale (FP8)
     FP8: tl.constexpr = False,
     TURN: tl.constexpr = False,  # FP8: stored turned (``kv_quant.rotate``; BLOCK_H >= 16)
+    fold=1.0,  # [BLOCK_H, 1] fp32: each q head's K scale (TURN_Q)
+    TURN_Q: tl.constexpr = False,  # q written turned and folded, as ``turn_query`` (BLOCK_H >= 16)
 ):
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -82,12 +84,16 @@ def _rotate_heads(
         x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
+    if TURN_Q:  # the rounded q turned, rounded again, times the K scale (exact): ``turn_query``'s steps
+        y1, y2 = turn_halves(o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32), HALF_BLOCK, dtype)
+        o1 = y1.to(dtype).to(tl.float32) * fold
+        o2 = y2.to(dtype).to(tl.float32) * fold
     tl.store(dst_ptr + off, o1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst_ptr + off + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
     if WRITE:
         c_off = h * stride_ch + d
         if TURN:  # as store_kv: the rounded values turned in fp32, then quantized once
-            y1, y2 = turn_halves(o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32), HALF_BLOCK)
+            y1, y2 = turn_halves(o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32), HALF_BLOCK, dtype)
             tl.store(cache_ptr + c_off, _quantize(y1, cache_ptr, cache_inv), mask=mask)
             tl.store(cache_ptr + c_off + half, _quantize(y2, cache_ptr, cache_inv), mask=mask)
         else:
@@ -137,6 +143,7 @@ def _rope_qkv_kernel(
     k_norm_ptr,
     eps,
     inv_ptr,  # [2, NUM_KV] fp32: K's and V's 1 / scale per KV head (FP8)
+    k_scale_ptr,  # [NUM_KV] fp32: K's scale per KV head (TURN)
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -148,6 +155,7 @@ def _rope_qkv_kernel(
     NORM: tl.constexpr = False,
     FP8: tl.constexpr = False,
     TURN: tl.constexpr = False,
+    TURN_Q: tl.constexpr = False,  # q written as attention over the e4m3 cache takes it (``turn_query``)
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -158,6 +166,10 @@ def _rope_qkv_kernel(
     slot = 0
     k_inv = 1.0
     v_inv = 1.0
+    fold = 1.0
+    if TURN_Q:  # q turned and folded with its KV head's K scale (GQA: NUM_Q / NUM_KV heads a KV head)
+        hq = tl.arange(0, BLOCK_Q)[:, None]
+        fold = tl.load(k_scale_ptr + hq // (NUM_Q // NUM_KV), mask=hq < NUM_Q, other=1.0)
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if FP8:
@@ -181,6 +193,8 @@ def _rope_qkv_kernel(
         q_norm_ptr,
         eps,
         NORM,
+        fold=fold,
+        TURN_Q=TURN_Q,
     )
     _rotate_heads(
         row + NUM_Q * HEAD_DIM,
@@ -237,7 +251,9 @@ def rope_qkv(
     rotated k and its v at row ``slots[t]`` (int64), as ``index_copy_`` would write them; an e4m3
     cache gets them quantized with the scales ``cache`` carries, K turned first where the head size
     is a power of two (``kv_quant.rotate``; ``kernels/turn.py``), as ``kv_quant.store_kv`` stores
-    them. k itself is returned unturned.
+    them. k itself is returned unturned; q, when the e4m3 cache carries its scales, comes turned and
+    times its KV head's K scale (``kv_quant.turn_query``: what attention over that cache takes), in
+    this kernel where it turns K.
     """
     width = (num_heads + 2 * num_kv_heads) * head_dim
     splits = qkv.shape[0] if qkv.dim() == 3 else 0  # 0: the product itself
@@ -260,12 +276,14 @@ def rope_qkv(
         return q, k, v
     inverse = cos  # never read unless the cache is e4m3
     fp8 = cache is not None and cache[0].dtype == torch.float8_e4m3fn
+    scales = scales_of(cache) if fp8 else None
     if fp8 and stores_turned(head_dim) and not turns(head_dim):
         # K is stored turned, but not by this kernel at this head size: the torch store turns it
         q, k, v = rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim, None, dtype, norms)
         store_kv(cache, k, v, num_kv_heads, head_dim)
-        return q, k, v
+        return (q if scales is None else turn_query(q, scales[0])), k, v
     turn = fp8 and turns(head_dim)
+    turn_q = turn and scales is not None
     if cache is not None:
         k_cache, v_cache, slots = cache
         if k_cache.dtype == torch.float8_e4m3fn:
@@ -308,11 +326,12 @@ def rope_qkv(
         norms[1] if norms else cos,
         norms[2] if norms else 0.0,
         inverse,
+        scales[0].contiguous() if turn_q else cos,
         NUM_Q=num_heads,
         NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_Q=triton.next_power_of_2(num_heads),
         # the turn's products take 16 rows at least
+        BLOCK_Q=max(16 if turn_q else 1, triton.next_power_of_2(num_heads)),
         BLOCK_KV=max(16 if turn else 1, triton.next_power_of_2(num_kv_heads)),
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
         WRITE_KV=cache is not None,
@@ -320,8 +339,11 @@ def rope_qkv(
         NORM=norms is not None,
         FP8=fp8,
         TURN=turn,
+        TURN_Q=turn_q,
         num_warps=4,
     )
+    if scales is not None and not turn_q:  # K stored as it is (no power of two): q's fold alone
+        q = turn_query(q, scales[0])
     return q, k, v
 
 
