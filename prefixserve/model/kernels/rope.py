@@ -156,6 +156,7 @@ def _rope_qkv_kernel(
     FP8: tl.constexpr = False,
     TURN: tl.constexpr = False,
     TURN_Q: tl.constexpr = False,  # q written as attention over the e4m3 cache takes it (``turn_query``)
+    APART: tl.constexpr = 0,  # 1: grid (T, 2), q in one program, k and v in another
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -163,60 +164,53 @@ def _rope_qkv_kernel(
     cos = tl.load(cos_ptr + t * stride_cos + d, mask=d < half, other=0.0)[None, :]
     sin = tl.load(sin_ptr + t * stride_sin + d, mask=d < half, other=0.0)[None, :]
     row = qkv_ptr + t * stride_t
-    slot = 0
-    k_inv = 1.0
-    v_inv = 1.0
+    # APART 1: q in program (t, 0), k and v in (t, 1), a turning token's two halves side by side;
+    # APART 0 (a grid of one column): both in (t, 0)
+    if tl.program_id(1) == 0:
+        _q_part(row, cos, sin, q_ptr + t * stride_q, stride_split, q_norm_ptr, eps, k_scale_ptr,
+                NUM_Q, NUM_KV, HEAD_DIM, BLOCK_Q, HALF_BLOCK, SPLITS, NORM, TURN_Q)  # fmt: skip
+    if tl.program_id(1) == APART:
+        _kv_part(row, cos, sin, t, k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_split, stride_k,
+                 stride_v, stride_ks, stride_kh, stride_vs, stride_vh, k_norm_ptr, eps, inv_ptr, NUM_Q,
+                 NUM_KV, HEAD_DIM, BLOCK_KV, HALF_BLOCK, WRITE_KV, SPLITS, NORM, FP8, TURN)  # fmt: skip
+
+
+@triton.jit
+def _q_part(
+    row, cos, sin, q_row, stride_split, q_norm_ptr, eps, k_scale_ptr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr, TURN_Q: tl.constexpr,
+):  # fmt: skip
+    """A token's q heads: rotated (and normed), written; with TURN_Q turned and folded."""
     fold = 1.0
     if TURN_Q:  # q turned and folded with its KV head's K scale (GQA: NUM_Q / NUM_KV heads a KV head)
         hq = tl.arange(0, BLOCK_Q)[:, None]
         fold = tl.load(k_scale_ptr + hq // (NUM_Q // NUM_KV), mask=hq < NUM_Q, other=1.0)
+    _rotate_heads(row, cos, sin, q_row, q_row, 0, stride_split, NUM_Q, HEAD_DIM, BLOCK_Q, HALF_BLOCK, False,
+                  SPLITS, q_norm_ptr, eps, NORM, fold=fold, TURN_Q=TURN_Q)  # fmt: skip
+
+
+@triton.jit
+def _kv_part(
+    row, cos, sin, t, k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_split,
+    stride_k, stride_v, stride_ks, stride_kh, stride_vs, stride_vh, k_norm_ptr, eps, inv_ptr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, WRITE_KV: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
+    FP8: tl.constexpr, TURN: tl.constexpr,
+):  # fmt: skip
+    """A token's k heads rotated (and normed) and written, and with WRITE_KV stored with its v."""
+    slot = 0
+    k_inv = 1.0
+    v_inv = 1.0
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if FP8:
             hk = tl.arange(0, BLOCK_KV)[:, None]
             k_inv = tl.load(inv_ptr + hk, mask=hk < NUM_KV, other=1.0)
             v_inv = tl.load(inv_ptr + NUM_KV + hk, mask=hk < NUM_KV, other=1.0)
-    _rotate_heads(
-        row,
-        cos,
-        sin,
-        q_ptr + t * stride_q,
-        q_ptr,
-        0,
-        stride_split,
-        NUM_Q,
-        HEAD_DIM,
-        BLOCK_Q,
-        HALF_BLOCK,
-        False,
-        SPLITS,
-        q_norm_ptr,
-        eps,
-        NORM,
-        fold=fold,
-        TURN_Q=TURN_Q,
-    )
-    _rotate_heads(
-        row + NUM_Q * HEAD_DIM,
-        cos,
-        sin,
-        k_ptr + t * stride_k,
-        k_cache_ptr + slot * stride_ks,
-        stride_kh,
-        stride_split,
-        NUM_KV,
-        HEAD_DIM,
-        BLOCK_KV,
-        HALF_BLOCK,
-        WRITE_KV,
-        SPLITS,
-        k_norm_ptr,
-        eps,
-        NORM,
-        k_inv,
-        FP8,
-        TURN,
-    )
+    _rotate_heads(row + NUM_Q * HEAD_DIM, cos, sin, k_ptr + t * stride_k, k_cache_ptr + slot * stride_ks,
+                  stride_kh, stride_split, NUM_KV, HEAD_DIM, BLOCK_KV, HALF_BLOCK, WRITE_KV, SPLITS,
+                  k_norm_ptr, eps, NORM, k_inv, FP8, TURN)  # fmt: skip
     if WRITE_KV or SPLITS > 0:  # v goes to the cache as it is (partials: summed, and to v too)
         h = tl.arange(0, BLOCK_KV)[:, None]
         dd = tl.arange(0, 2 * HALF_BLOCK)[None, :]
@@ -231,6 +225,9 @@ def _rope_qkv_kernel(
 
 
 _bound = BoundKernel(_rope_qkv_kernel)  # launched by shape, so a step pays Triton's bind once
+# where both turn (an e4m3 cache with its scales), a token's q and its k / v in programs of their own:
+# the turns' products and conversions side by side instead of one after the other
+APART_TURNING = True
 
 
 def rope_qkv(
@@ -301,7 +298,7 @@ def rope_qkv(
         kc = vc = k
         slots = q  # never read
     _bound(
-        (tokens,),
+        (tokens, 2 if turn_q and APART_TURNING else 1),
         qkv,
         cos,
         sin,
@@ -340,6 +337,7 @@ def rope_qkv(
         FP8=fp8,
         TURN=turn,
         TURN_Q=turn_q,
+        APART=int(turn_q and APART_TURNING),
         num_warps=4,
     )
     if scales is not None and not turn_q:  # K stored as it is (no power of two): q's fold alone
