@@ -42,10 +42,11 @@ def require_triton() -> tuple[Any, Any]:
 
 
 def _interpreter_compat() -> None:
-    """Let Triton 3.x's CPU interpreter run loops with tensor bounds under NumPy >= 2.4.
+    """Let Triton 3.x's CPU interpreter run loops with tensor bounds under NumPy >= 2.4, and take bf16
+    operands in ``tl.dot`` (``_interpreter_bf16_dot``).
 
     The interpreter turns a scalar tensor (a 1-element array) into a Python int with ``int(array)``,
-    which NumPy 2.4 refuses for arrays with ndim > 0; we patch that one conversion, nothing else.
+    which NumPy 2.4 refuses for arrays with ndim > 0; we patch that one conversion.
     """
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
@@ -53,6 +54,7 @@ def _interpreter_compat() -> None:
         interp = importlib.import_module("triton.runtime.interpreter")
     except ImportError:  # pragma: no cover
         return
+    _interpreter_bf16_dot(interp)
     original = getattr(interp, "_patch_lang_tensor", None)
     if original is None or getattr(original, "_prefixserve_compat", False):
         return
@@ -63,7 +65,6 @@ def _interpreter_compat() -> None:
 
     patched._prefixserve_compat = True  # type: ignore[attr-defined]
     interp._patch_lang_tensor = patched
-    _interpreter_bf16_dot(interp)
 
 
 def _interpreter_bf16_dot(interp: Any) -> None:

@@ -12,10 +12,12 @@ a head held as its two halves (as the RoPE kernel holds it) takes one add, one s
 products with H_{D/2}, whose +-1 entries (-1)^popcount(i & j) are made from indices, never loaded.
 A head of 16-bit values (what both kernels turn: k and q rounded to the model's dtype) multiplies H
 on the tensor cores: each half's product with H in the 16-bit dtype is exact (H's entries are +-1),
-summed in fp32, and the two halves' products added after, so ``[x1 H + x2 H, x1 H - x2 H]``; fp32
-heads take ``ieee`` products of the sum and difference. Either way the sums differ from torch's fp32
-matmul only in their order. On the 8B shape's decode step the fp32 form on CUDA cores cost a
-one-token launch about 4 us a layer (docs/kernels.md §2.13).
+summed by the tensor cores' fp32 accumulation (whose additions round their own way, not IEEE's: a
+stored K code may sit one e4m3 step from the ieee form's where a value is on a rounding boundary), and
+the two halves' products added after, so ``[x1 H + x2 H, x1 H - x2 H]``; fp32 heads take ``ieee``
+products of the sum and difference, which differ from torch's fp32 matmul only in their order. On
+the 8B shape's decode step the fp32 form on CUDA cores cost a one-token launch about 4 us a layer
+(docs/kernels.md §2.13).
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def unfold_output(o: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
     fp32 and rounded) in one launch chained to the kernels around it (``pdl``): torch's product cannot
     let the next product's programs start early, and a one-token step paid it 3.6 us a layer."""
     tokens, heads, dim = o.shape
+    if heads % v_scale.numel():
+        raise ValueError(f"{heads} query heads do not group over {v_scale.numel()} V scales")
     if tokens:
         _unfold(
             (tokens,), o, v_scale.contiguous(), NUM_Q=heads, GROUP=heads // v_scale.numel(), HEAD_DIM=dim,
