@@ -392,8 +392,9 @@ def rope_qkv(
     v = v.view(tokens, num_kv_heads, head_dim)
     if cache is not None:  # quantized to e4m3 with the layer's scales for an FP8 cache
         store_kv(cache, k, v, num_kv_heads, head_dim)
-        if scales_of(cache) is not None:  # q as attention over that cache takes it (as the kernel's)
-            q = turn_query(q, scales_of(cache)[0])
+        scales = scales_of(cache)
+        if scales is not None:  # q as attention over that cache takes it (as the kernel's)
+            q = turn_query(q, scales[0])
     return q, k, v
 
 

@@ -81,12 +81,20 @@ def _turn_query_kernel(
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    y1, y2 = turn_halves(x1, x2, HALF, q_ptr.dtype.element_ty)
     scale = tl.load(scale_ptr + h // GROUP, mask=mask, other=1.0)
+    y1, y2 = turned_query(x1, x2, HALF, dtype, scale)
     dst = out_ptr + t * NUM_Q * 2 * HALF + h * 2 * HALF + d
-    # rounded to q's dtype as torch's turn, then the fold (exact: a power of two)
-    tl.store(dst, (y1.to(dtype).to(tl.float32) * scale).to(dtype), mask=mask)
-    tl.store(dst + HALF, (y2.to(dtype).to(tl.float32) * scale).to(dtype), mask=mask)
+    tl.store(dst, y1.to(dtype), mask=mask)
+    tl.store(dst + HALF, y2.to(dtype), mask=mask)
+
+
+@triton.jit
+def turned_query(x1, x2, HALF: tl.constexpr, DTYPE: tl.constexpr, scale):
+    """q's halves (``DTYPE`` values, fp32) as attention over an e4m3 cache takes them: turned, rounded
+    to ``DTYPE`` as torch's turn, then times the K scale (exact: a power of two); fp32. This kernel's
+    and the RoPE kernel's (``TURN_Q``) one rule."""
+    y1, y2 = turn_halves(x1, x2, HALF, DTYPE)
+    return y1.to(DTYPE).to(tl.float32) * scale, y2.to(DTYPE).to(tl.float32) * scale
 
 
 _turn = BoundKernel(_turn_query_kernel)  # a prefill's eager attention launches it every layer
@@ -167,4 +175,4 @@ def turn_query(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["turn_halves", "turn_query", "turns", "unfold_output"]
+__all__ = ["turn_halves", "turn_query", "turned_query", "turns", "unfold_output"]

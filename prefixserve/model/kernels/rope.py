@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.attention.kernels.turn import turn_halves, turns
+from prefixserve.attention.kernels.turn import turn_halves, turned_query, turns
 from prefixserve.attention.kv_quant import scales_of, store_kv, stores_turned, turn_query
 from prefixserve.triton_support import require_triton
 from prefixserve.triton_support.bound import BoundKernel
@@ -84,10 +84,10 @@ def _rotate_heads(
         x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
-    if TURN_Q:  # the rounded q turned, rounded again, times the K scale (exact): ``turn_query``'s steps
-        y1, y2 = turn_halves(o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32), HALF_BLOCK, dtype)
-        o1 = y1.to(dtype).to(tl.float32) * fold
-        o2 = y2.to(dtype).to(tl.float32) * fold
+    if TURN_Q:  # the rounded q as ``turn_query``'s kernel takes it (the one rule)
+        o1, o2 = turned_query(
+            o1.to(dtype).to(tl.float32), o2.to(dtype).to(tl.float32), HALF_BLOCK, dtype, fold
+        )
     tl.store(dst_ptr + off, o1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst_ptr + off + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
     if WRITE:
