@@ -202,7 +202,7 @@ class Attention(nn.Module):
         # attention then reads everything from the cache.
         cache = kv_write(kv_layer, meta.slot_mapping) if write_kv and self.writes_kv else None
         q, _, _ = self._qkv(x, positions, rotary, rope, cache)
-        return self.output(self.attend(q, kv_layer, meta, backend, cache is not None))
+        return self.output(self.attend(q, kv_layer, meta, backend, queried=cache is not None))
 
     def attend(
         self,

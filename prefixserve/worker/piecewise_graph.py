@@ -151,7 +151,11 @@ class PiecewiseGraphs:
         self, entry: _Bucket, layer: int, tokens: int, meta: AttentionMetadata, backend: AttentionBackend
     ) -> None:
         out = self.model.model.layers[layer].self_attn.attend(
-            self._view(entry.q, layer)[:tokens], self.kv.layers[layer], meta.for_layer(layer), backend, True
+            self._view(entry.q, layer)[:tokens],
+            self.kv.layers[layer],
+            meta.for_layer(layer),
+            backend,
+            queried=True,
         )
         self._view(entry.out, layer)[:tokens].copy_(out.reshape(tokens, self.heads, self.head_dims[layer]))
 
